@@ -1,0 +1,1 @@
+"""Weir engine: a paged, continuously batched, prefix-caching inference engine."""

@@ -1,0 +1,1 @@
+"""Weir gateway: HTTP API, provider adapters, auth, accounting, admin API."""

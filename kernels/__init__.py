@@ -1,0 +1,1 @@
+"""Triton kernels, each beside a PyTorch reference and a dispatcher."""

@@ -1,0 +1,1 @@
+"""Weir routing: policies, difficulty classifier, fallback and health."""

@@ -1,0 +1,19 @@
+"""Fixtures shared by every test package. Each package (tests/gateway, tests/engine, ...) keeps its own
+conftest.py for what only it needs."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def unused_port() -> int:
+    return free_port()
