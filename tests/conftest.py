@@ -17,3 +17,6 @@ def free_port() -> int:
 @pytest.fixture
 def unused_port() -> int:
     return free_port()
+
+
+pytest_plugins = ["tests.fakes.plugin"]

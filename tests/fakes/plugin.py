@@ -1,0 +1,1 @@
+"""Pytest fixtures for the fake vendor servers (registered in tests/conftest.py)."""
