@@ -1,0 +1,1 @@
+"""The admin DB: SQLAlchemy 2 async models, engine/session setup and Alembic migrations."""

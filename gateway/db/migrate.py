@@ -1,0 +1,43 @@
+"""Alembic, driven from code: `weir db ...` and the automatic upgrade at gateway start use this."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+
+from gateway.db.session import normalise_url, resolve_database_url
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def alembic_config(database_url: str | None = None, stdout: io.TextIOBase | None = None) -> Config:
+    config = Config(str(ROOT / "alembic.ini"), stdout=stdout) if stdout else Config(str(ROOT / "alembic.ini"))
+    config.set_main_option("script_location", str(ROOT / "migrations"))
+    # '%' is ConfigParser's interpolation marker; escape it for passwords that contain it.
+    config.set_main_option(
+        "sqlalchemy.url", normalise_url(database_url or resolve_database_url()).replace("%", "%%")
+    )
+    return config
+
+
+def upgrade(database_url: str | None = None, revision: str = "head") -> None:
+    command.upgrade(alembic_config(database_url), revision)
+
+
+def downgrade(database_url: str | None = None, revision: str = "-1") -> None:
+    command.downgrade(alembic_config(database_url), revision)
+
+
+def current(database_url: str | None = None) -> str:
+    out = io.StringIO()
+    command.current(alembic_config(database_url, stdout=out))
+    return out.getvalue().strip()
+
+
+async def upgrade_async(database_url: str | None = None, revision: str = "head") -> None:
+    """For callers already inside an event loop (the migrations' env.py runs its own loop)."""
+    await asyncio.to_thread(upgrade, database_url, revision)

@@ -1,0 +1,205 @@
+"""Tables of the admin DB.
+
+Money never touches a float: prices are integer micro-dollars per million tokens (so any price with at
+most six decimals per 1M tokens is exact) and costs are integer pico-dollars (micro-dollars per 1M
+tokens times tokens), which sum exactly on SQLite and PostgreSQL alike.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite drops the zone on its own)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: object) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(dt.UTC)
+
+    def process_result_value(self, value: dt.datetime | None, dialect: object) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
+# Stable constraint names, so Alembic migrations drop and recreate them identically on every backend.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    budget_micro_usd_monthly: Mapped[int | None] = mapped_column(BigInteger)
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    prefix: Mapped[str] = mapped_column(String(32))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the whole key
+    models: Mapped[list[str] | None] = mapped_column(JSON)  # None: every model the tenant may use
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(Integer)
+    budget_micro_usd_monthly: Mapped[int | None] = mapped_column(BigInteger)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Price(Base):
+    """One row per (backend, model, token class, effective_from); rows are never updated."""
+
+    __tablename__ = "prices"
+    __table_args__ = (UniqueConstraint("backend", "model", "token_class", "effective_from"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    backend: Mapped[str] = mapped_column(String(200))  # "*" applies to every backend serving `model`
+    model: Mapped[str] = mapped_column(String(200))
+    token_class: Mapped[str] = mapped_column(String(32))
+    micro_usd_per_mtok: Mapped[int] = mapped_column(BigInteger)
+    effective_from: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class UsageEventRow(Base):
+    """The append-only ledger: one row per upstream attempt, written by the batch writer."""
+
+    __tablename__ = "usage_events"
+    __table_args__ = (Index("ix_usage_events_ts_tenant", "ts", "tenant_id"),)
+
+    event_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(64), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    day: Mapped[dt.date] = mapped_column(Date)
+    tenant_id: Mapped[str | None] = mapped_column(String(32))
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    route: Mapped[str] = mapped_column(String(200))
+    backend: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(200))
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cache_write_5m_tokens: Mapped[int] = mapped_column(BigInteger)
+    cache_write_1h_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
+    prices: Mapped[dict[str, int]] = mapped_column(JSON)  # token class -> micro-USD per 1M tokens
+    cost_pico_usd: Mapped[int] = mapped_column(BigInteger)
+    savings_pico_usd: Mapped[int] = mapped_column(BigInteger)
+    latency_ms: Mapped[float] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[int] = mapped_column(Integer)  # HTTP status of the attempt; 0 when no response
+    fallback: Mapped[bool] = mapped_column(Boolean)
+
+
+class UsageRollup(Base):
+    """Daily totals the reports read; the writer adds to them in the transaction that inserts events."""
+
+    __tablename__ = "usage_rollups"
+    __table_args__ = (UniqueConstraint("day", "tenant_id", "key_id", "backend", "model"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    day: Mapped[dt.date] = mapped_column(Date)
+    # "" rather than NULL, so the unique constraint (and the upsert on it) holds for anonymous traffic.
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    key_id: Mapped[str] = mapped_column(String(32))
+    backend: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(200))
+    requests: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cache_write_5m_tokens: Mapped[int] = mapped_column(BigInteger)
+    cache_write_1h_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
+    cost_pico_usd: Mapped[int] = mapped_column(BigInteger)
+    savings_pico_usd: Mapped[int] = mapped_column(BigInteger)
+
+
+class UptimeSample(Base):
+    """One active health probe result (source "probe"); request outcomes come from usage_events."""
+
+    __tablename__ = "uptime_samples"
+    __table_args__ = (Index("ix_uptime_samples_backend_ts", "backend", "ts"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    backend: Mapped[str] = mapped_column(String(200))
+    ts: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+
+
+class AuditLog(Base):
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    ts: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(100))
+    entity: Mapped[str] = mapped_column(String(100))
+    entity_id: Mapped[str | None] = mapped_column(String(200))
+    before: Mapped[dict | None] = mapped_column(JSON)
+    after: Mapped[dict | None] = mapped_column(JSON)
+
+
+class Setting(Base):
+    """Small control-plane facts that must survive restarts (e.g. the admin token's hash)."""
+
+    __tablename__ = "settings"
+
+    key: Mapped[str] = mapped_column(String(100), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)

@@ -1,0 +1,53 @@
+"""Where the admin DB lives and how to open it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./var/weir.db"
+
+
+def resolve_database_url(configured: str | None = None) -> str:
+    """`WEIR_DATABASE_URL`, else the config's `database_url`, else a SQLite file under ./var/.
+
+    Plain driver-less URLs are accepted (`postgresql://`, `sqlite:///`).
+    """
+    return normalise_url(os.environ.get("WEIR_DATABASE_URL") or configured or DEFAULT_DATABASE_URL)
+
+
+def normalise_url(url: str) -> str:
+    """Give driver-less URLs their async driver: `postgresql://` -> asyncpg, `sqlite://` -> aiosqlite."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+        parsed = parsed.set(drivername="postgresql+asyncpg")
+    elif parsed.drivername == "sqlite":
+        parsed = parsed.set(drivername="sqlite+aiosqlite")
+    return parsed.render_as_string(hide_password=False)
+
+
+def create_engine(url: str) -> AsyncEngine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(url, connect_args={"timeout": 30})
+        # Foreign keys are off by default in SQLite; WAL lets the batch writer and readers overlap.
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
+
+
+def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
+    cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.close()
+
+
+def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return async_sessionmaker(engine, expire_on_commit=False)

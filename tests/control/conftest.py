@@ -1,0 +1,80 @@
+"""Fixtures for the control plane: throwaway PostgreSQL databases, SQLite files, Redis namespaces."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import asyncpg
+import pytest
+import redis.asyncio as aioredis
+from sqlalchemy import text
+
+PG_ADMIN_URL = os.environ.get("WEIR_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("WEIR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _pg_admin(statement: str) -> None:
+    # CREATE/DROP DATABASE cannot run inside a transaction, so this talks to asyncpg directly.
+    async def run() -> None:
+        conn = await asyncpg.connect(PG_ADMIN_URL)
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database, dropped afterwards."""
+    name = f"weir_test_{uuid.uuid4().hex[:12]}"
+    _pg_admin(f'CREATE DATABASE "{name}"')
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
+    finally:
+        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: object) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    return f"weirtest:{uuid.uuid4().hex[:10]}:"
+
+
+@pytest.fixture
+async def redis_client(redis_prefix: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(REDIS_URL)
+    yield client
+    keys = [k async for k in client.scan_iter(match=f"{redis_prefix}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+def sync_exec(url: str, sql: str) -> list[tuple]:
+    """Run one statement on a throwaway engine, from synchronous tests."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def run() -> list[tuple]:
+        engine = create_async_engine(url)
+        try:
+            async with engine.connect() as conn:
+                result = await conn.execute(text(sql))
+                return [tuple(r) for r in result] if result.returns_rows else []
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
