@@ -1,0 +1,53 @@
+"""The usage event: one per upstream attempt, priced when it happened, identified by `event_id` so the
+ledger can take it exactly once however often the queue delivers it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from decimal import Decimal
+
+import msgspec
+
+from gateway.accounting.money import pico_to_usd
+from gateway.usage import Usage
+
+
+class UsageEvent(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    attempt: int  # 1 for the first upstream attempt of a request, 2 for its first retry or fallback...
+    ts: dt.datetime  # when the attempt started (UTC); prices valid at this moment apply
+    tenant_id: str | None
+    key_id: str | None
+    route: str  # the public model name the client asked for
+    backend: str
+    model: str  # the upstream model id
+    usage: Usage
+    prices: dict[str, int]  # token class -> micro-USD per 1M tokens applied
+    cost_pico_usd: int
+    savings_pico_usd: int = 0
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
+    status: int = 200  # HTTP status of the attempt; 0 when the backend never answered
+    fallback: bool = False
+    event_id: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return pico_to_usd(self.cost_pico_usd)
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 400
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(UsageEvent)
+
+
+def encode(event: UsageEvent) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> UsageEvent:
+    return _decoder.decode(data)

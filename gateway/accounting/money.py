@@ -1,0 +1,45 @@
+"""Money units. Prices are integer micro-dollars per million tokens; costs are integer pico-dollars
+(10^-12 USD): tokens x micro-dollars-per-1M is then exactly a cost in pico-dollars, with no rounding."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+PICO_PER_USD = 10**12
+MICRO_PER_USD = 10**6
+
+
+def usd_per_mtok_to_micro(value: Decimal | str | int) -> int:
+    """`"2.50"` USD per 1M tokens -> 2_500_000. More than six decimals cannot be held exactly: refused."""
+    amount = Decimal(str(value))
+    if not amount.is_finite() or amount < 0:
+        raise ValueError(f"price must be a non-negative number, got {value!r}")
+    micro = amount * MICRO_PER_USD
+    if micro != micro.to_integral_value():
+        raise ValueError(f"price {value!r} has more than 6 decimals (USD per 1M tokens)")
+    return int(micro)
+
+
+def micro_to_usd(micro: int) -> Decimal:
+    return Decimal(micro) / MICRO_PER_USD
+
+
+def usd_to_micro(value: Decimal | str | int) -> int:
+    """Budgets: `"100.25"` USD -> 100_250_000 micro-dollars (more than six decimals refused)."""
+    return usd_per_mtok_to_micro(value)
+
+
+def pico_to_usd(pico: int) -> Decimal:
+    # Decimal division by a power of ten is exact within the default 28-digit context.
+    return Decimal(pico) / PICO_PER_USD
+
+
+def pico_to_micro_ceil(pico: int) -> int:
+    """Budget counters work in whole micro-dollars; round against the tenant's favour never."""
+    return -((-pico) // MICRO_PER_USD)
+
+
+def format_usd(amount: Decimal) -> str:
+    """Plain decimal string (no exponent) for JSON and CSV: `0.000000123`, not `1.23E-7`."""
+    text = format(amount.normalize(), "f")
+    return text if text != "-0" else "0"

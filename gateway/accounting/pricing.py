@@ -1,0 +1,110 @@
+"""Pricing: which price was valid for (backend, model, token class) at a moment, and what usage cost.
+
+The catalog holds every price row ever set; rows are only added, so pricing an old event again gives
+the same answer (a price change never rewrites history).
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime as dt
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gateway.usage import Usage
+
+ANY_BACKEND = "*"
+
+
+class TokenClass(StrEnum):
+    INPUT = "input"
+    CACHED_INPUT = "cached_input"
+    CACHE_WRITE_5M = "cache_write_5m"
+    CACHE_WRITE_1H = "cache_write_1h"
+    OUTPUT = "output"
+
+
+# Which Usage field each class bills. Reasoning tokens are part of output_tokens and billed there.
+USAGE_FIELD: dict[TokenClass, str] = {
+    TokenClass.INPUT: "input_tokens",
+    TokenClass.CACHED_INPUT: "cached_input_tokens",
+    TokenClass.CACHE_WRITE_5M: "cache_write_5m_tokens",
+    TokenClass.CACHE_WRITE_1H: "cache_write_1h_tokens",
+    TokenClass.OUTPUT: "output_tokens",
+}
+
+# A class without its own price is billed like this one (vendors that do not discount cache reads or
+# charge extra for writes simply leave those classes out).
+FALLBACK: dict[TokenClass, TokenClass] = {
+    TokenClass.CACHED_INPUT: TokenClass.INPUT,
+    TokenClass.CACHE_WRITE_5M: TokenClass.INPUT,
+    TokenClass.CACHE_WRITE_1H: TokenClass.CACHE_WRITE_5M,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PriceRow:
+    backend: str
+    model: str
+    token_class: TokenClass
+    micro_usd_per_mtok: int
+    effective_from: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    prices: dict[str, int]  # token class -> micro-USD per 1M tokens actually applied
+    cost_pico_usd: int
+    savings_pico_usd: int  # what the cache reads would have cost at the input price, minus what they cost
+
+
+def resolve(prices: dict[TokenClass, int]) -> dict[TokenClass, int]:
+    """Fill unpriced classes from their fallbacks; a sheet without an input price stays as it is."""
+    full = dict(prices)
+    for token_class in (TokenClass.CACHED_INPUT, TokenClass.CACHE_WRITE_5M, TokenClass.CACHE_WRITE_1H):
+        if token_class not in full and FALLBACK[token_class] in full:
+            full[token_class] = full[FALLBACK[token_class]]
+    return full
+
+
+def price_usage(usage: Usage, prices: dict[TokenClass, int]) -> Cost:
+    """Exact cost of one attempt's usage. Unpriced classes (a model missing from the catalog) cost 0."""
+    full = resolve(prices)
+    cost = sum(getattr(usage, USAGE_FIELD[c]) * full.get(c, 0) for c in TokenClass)
+    saved_per_token = full.get(TokenClass.INPUT, 0) - full.get(TokenClass.CACHED_INPUT, 0)
+    return Cost(
+        prices={str(c): p for c, p in full.items()},
+        cost_pico_usd=cost,
+        savings_pico_usd=usage.cached_input_tokens * saved_per_token,
+    )
+
+
+class PriceCatalog:
+    """All price rows, indexed for "valid at" lookups. Backend-specific rows win over `*` rows."""
+
+    def __init__(self, rows: list[PriceRow] | None = None) -> None:
+        self._series: dict[tuple[str, str, TokenClass], list[tuple[dt.datetime, int]]] = defaultdict(list)
+        for row in rows or ():
+            self.add(row)
+
+    def add(self, row: PriceRow) -> None:
+        series = self._series[(row.backend, row.model, TokenClass(row.token_class))]
+        bisect.insort(series, (row.effective_from, row.micro_usd_per_mtok))
+
+    def prices_at(self, backend: str, model: str, at: dt.datetime) -> dict[TokenClass, int]:
+        for scope in (backend, ANY_BACKEND):
+            found: dict[TokenClass, int] = {}
+            for token_class in TokenClass:
+                series = self._series.get((scope, model, token_class))
+                if not series:
+                    continue
+                i = bisect.bisect_right(series, (at, float("inf")))
+                if i:
+                    found[token_class] = series[i - 1][1]
+            if found:
+                return found
+        return {}
+
+    def price(self, usage: Usage, backend: str, model: str, at: dt.datetime) -> Cost:
+        return price_usage(usage, self.prices_at(backend, model, at))

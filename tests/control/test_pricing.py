@@ -1,0 +1,119 @@
+"""Pricing: every token class at its own price, in exact integers/Decimal, with the prices valid when
+the request ran."""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+import pytest
+
+from gateway.accounting.money import format_usd, pico_to_usd, usd_per_mtok_to_micro
+from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass, price_usage
+from gateway.usage import Usage
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+T1 = dt.datetime(2026, 6, 1, tzinfo=dt.UTC)
+
+# Claude-style sheet: USD per 1M tokens.
+SHEET = {
+    TokenClass.INPUT: usd_per_mtok_to_micro("3"),
+    TokenClass.CACHED_INPUT: usd_per_mtok_to_micro("0.30"),
+    TokenClass.CACHE_WRITE_5M: usd_per_mtok_to_micro("3.75"),
+    TokenClass.CACHE_WRITE_1H: usd_per_mtok_to_micro("6"),
+    TokenClass.OUTPUT: usd_per_mtok_to_micro("15"),
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "usd_per_mtok"),
+    [
+        ("input_tokens", "3"),
+        ("cached_input_tokens", "0.30"),
+        ("cache_write_5m_tokens", "3.75"),
+        ("cache_write_1h_tokens", "6"),
+        ("output_tokens", "15"),
+    ],
+)
+def test_each_token_class_at_its_price(field: str, usd_per_mtok: str) -> None:
+    usage = Usage(**{field: 1234})
+    cost = price_usage(usage, SHEET)
+    assert pico_to_usd(cost.cost_pico_usd) == Decimal(1234) * Decimal(usd_per_mtok) / 1_000_000
+
+
+def test_mixed_usage_is_the_exact_sum_and_reasoning_is_not_billed_twice() -> None:
+    usage = Usage(
+        input_tokens=1001,
+        cached_input_tokens=2002,
+        cache_write_5m_tokens=303,
+        cache_write_1h_tokens=44,
+        output_tokens=555,
+        reasoning_tokens=500,  # inside output_tokens
+    )
+    cost = price_usage(usage, SHEET)
+    expected = (
+        Decimal(1001) * Decimal("3")
+        + Decimal(2002) * Decimal("0.30")
+        + Decimal(303) * Decimal("3.75")
+        + Decimal(44) * Decimal("6")
+        + Decimal(555) * Decimal("15")
+    ) / 1_000_000
+    assert pico_to_usd(cost.cost_pico_usd) == expected
+    assert (
+        format_usd(pico_to_usd(cost.cost_pico_usd)) == "0.01332885"
+    )  # 3003 + 600.6 + 1136.25 + 264 + 8325 micro-USD
+    # Savings: the 2002 cache reads at the input price, minus what they cost.
+    assert pico_to_usd(cost.savings_pico_usd) == Decimal(2002) * (Decimal("3") - Decimal("0.30")) / 1_000_000
+
+
+def test_tiny_prices_stay_exact() -> None:
+    sheet = {
+        TokenClass.INPUT: usd_per_mtok_to_micro("0.075"),
+        TokenClass.OUTPUT: usd_per_mtok_to_micro("0.000001"),
+    }
+    cost = price_usage(Usage(input_tokens=1, output_tokens=3), sheet)
+    assert pico_to_usd(cost.cost_pico_usd) == Decimal("0.000000075000003")
+
+
+def test_unpriced_classes_fall_back_to_the_input_price() -> None:
+    sheet = {TokenClass.INPUT: usd_per_mtok_to_micro("2"), TokenClass.OUTPUT: usd_per_mtok_to_micro("8")}
+    cost = price_usage(Usage(cached_input_tokens=10, cache_write_1h_tokens=10), sheet)
+    assert cost.prices["cached_input"] == cost.prices["cache_write_1h"] == 2_000_000
+    assert cost.savings_pico_usd == 0
+
+
+def test_prices_with_more_than_six_decimals_are_refused() -> None:
+    with pytest.raises(ValueError, match="6 decimals"):
+        usd_per_mtok_to_micro("0.0000001")
+    with pytest.raises(ValueError):
+        usd_per_mtok_to_micro("-1")
+
+
+def test_price_valid_when_the_request_ran_and_history_never_changes() -> None:
+    catalog = PriceCatalog(
+        [
+            PriceRow("*", "gpt-x", TokenClass.INPUT, 2_500_000, T0),
+            PriceRow("*", "gpt-x", TokenClass.OUTPUT, 10_000_000, T0),
+        ]
+    )
+    usage = Usage(input_tokens=1000, output_tokens=100)
+    before = catalog.price(usage, "openai", "gpt-x", T1 - dt.timedelta(seconds=1))
+    catalog.add(PriceRow("*", "gpt-x", TokenClass.INPUT, 1_250_000, T1))
+    again = catalog.price(usage, "openai", "gpt-x", T1 - dt.timedelta(seconds=1))
+    after = catalog.price(usage, "openai", "gpt-x", T1)
+    assert before == again
+    assert before.cost_pico_usd == 1000 * 2_500_000 + 100 * 10_000_000
+    assert after.cost_pico_usd == 1000 * 1_250_000 + 100 * 10_000_000
+    # Nothing was valid before the first row.
+    assert catalog.price(usage, "openai", "gpt-x", T0 - dt.timedelta(days=1)).cost_pico_usd == 0
+
+
+def test_backend_specific_prices_win_over_any_backend() -> None:
+    catalog = PriceCatalog(
+        [
+            PriceRow("*", "llama", TokenClass.INPUT, 1_000_000, T0),
+            PriceRow("self-hosted", "llama", TokenClass.INPUT, 50_000, T0),
+        ]
+    )
+    assert catalog.prices_at("self-hosted", "llama", T1) == {TokenClass.INPUT: 50_000}
+    assert catalog.prices_at("together", "llama", T1) == {TokenClass.INPUT: 1_000_000}
