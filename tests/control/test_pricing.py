@@ -72,7 +72,7 @@ def test_tiny_prices_stay_exact() -> None:
         TokenClass.OUTPUT: usd_per_mtok_to_micro("0.000001"),
     }
     cost = price_usage(Usage(input_tokens=1, output_tokens=3), sheet)
-    assert pico_to_usd(cost.cost_pico_usd) == Decimal("0.000000075000003")
+    assert pico_to_usd(cost.cost_pico_usd) == Decimal("0.000000075003")
 
 
 def test_unpriced_classes_fall_back_to_the_input_price() -> None:
