@@ -1,0 +1,220 @@
+"""Turning engine token ids into what an OpenAI client sees: text streamed piece by piece, stop strings,
+and logprobs in the chat and legacy completion shapes.
+
+Incremental detokenisation follows vLLM/TGI: decoding a growing window of ids and emitting only the
+part that has become stable. A byte-level BPE token can hold half of a UTF-8 character, and a
+SentencePiece-style tokenizer drops a leading space when a sequence is decoded from its middle, so a
+token's text is only known from its neighbours; the window keeps a few earlier tokens as context and holds
+text back while it still ends in an incomplete character (U+FFFD)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# Earlier tokens decoded with each window; enough for any tokenizer's look-behind (vLLM uses 5).
+CONTEXT_TOKENS = 5
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Yields the text of a stream of token ids, delta by delta, so that the deltas always concatenate to
+    `decode(all ids)` (minus any trailing incomplete character, released once it completes)."""
+
+    def __init__(self, tokenizer: Decoder, context_ids: Sequence[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = list(context_ids[-CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # start of the window decoded for context
+        self._read_offset = len(self._ids)  # ids before this are already emitted as text
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        self._ids.extend(token_ids)
+        if len(self._ids) == self._read_offset:
+            return ""
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR):
+            return ""  # an incomplete character (or a token with no text yet): wait for the next token
+        delta = full[len(prefix) :]
+        self._prefix_offset = max(self._read_offset, len(self._ids) - CONTEXT_TOKENS)
+        self._read_offset = len(self._ids)
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end of the stream (an incomplete character stays U+FFFD)."""
+        if len(self._ids) == self._read_offset:
+            return ""
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        self._read_offset = len(self._ids)
+        return full[len(prefix) :]
+
+
+@dataclass
+class TextStream:
+    """One request's generated text: detokenised, cut at the first stop string, and released only when
+    no stop string can still begin in it, so a client never sees text that is later taken back."""
+
+    detokenizer: IncrementalDetokenizer
+    stop: Sequence[str] = ()
+    hidden_ids: frozenset[int] = frozenset()  # EOS / stop tokens: counted, never shown (as vLLM)
+    text: str = ""
+    sent: int = 0  # characters of `text` already released
+    stopped: bool = False  # a stop string matched; the caller aborts the request in the engine
+
+    def add(self, token_ids: Sequence[int], finished: bool = False) -> str:
+        """Feeds new ids; returns the text that may be released now. With `finished`, releases the rest."""
+        if self.stopped:
+            return ""
+        visible = [t for t in token_ids if t not in self.hidden_ids]
+        searched_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += self.detokenizer.add(visible)
+        if finished:
+            self.text += self.detokenizer.flush()
+        cut = self._first_stop(searched_from)
+        if cut is not None:
+            self.text = self.text[:cut]
+            self.stopped = True
+            finished = True
+        end = len(self.text) if finished else len(self.text) - self._partial_stop_len()
+        if end <= self.sent:
+            return ""
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta
+
+    def _first_stop(self, start: int) -> int | None:
+        hits = [i for s in self.stop if s and (i := self.text.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest
+
+
+# --- logprobs -----------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-ins for bytes (`Ġ` is a space), reversed: how byte-level BPE vocabularies
+    spell a token that holds part of a character."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The raw bytes of one token. Its decoded text when that is whole; for a token holding part of a
+    UTF-8 character, the bytes its vocabulary entry spells (byte-level BPE `Ġ`-style or `<0xE2>`)."""
+    text = tokenizer.decode([token_id])
+    if text and REPLACEMENT_CHAR not in text:
+        return text.encode()
+    piece = getattr(tokenizer, "id_to_token", lambda _: None)(token_id)
+    if not piece:
+        return text.encode()
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+        return bytes([int(piece[3:5], 16)])
+    if len(piece) == 1 and ord(piece) < 256 and piece not in _gpt2_byte_decoder():  # one-byte vocabularies
+        return bytes([ord(piece)])
+    decoder = _gpt2_byte_decoder()
+    if all(c in decoder for c in piece):
+        return bytes(decoder[c] for c in piece)
+    return text.encode()
+
+
+def token_str(tokenizer: Any, token_id: int) -> str:
+    """A token as OpenAI shows it: its text, or `bytes:\\xe2\\x80` when it is part of a character."""
+    data = token_bytes(tokenizer, token_id)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def safe_logprob(value: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number. -9999.0 is what OpenAI itself returns.
+    return max(value, -9999.0)
+
+
+def chat_logprobs(tokenizer: Any, logprobs: Sequence[Any], top_n: int) -> list[dict[str, Any]]:
+    """`choices[].logprobs.content` entries of a chat completion, from engine `TokenLogprob`s."""
+    content = []
+    for lp in logprobs:
+        content.append(
+            {
+                "token": token_str(tokenizer, lp.token_id),
+                "logprob": safe_logprob(lp.logprob),
+                "bytes": list(token_bytes(tokenizer, lp.token_id)),
+                "top_logprobs": [
+                    {
+                        "token": token_str(tokenizer, tid),
+                        "logprob": safe_logprob(value),
+                        "bytes": list(token_bytes(tokenizer, tid)),
+                    }
+                    for tid, value in lp.top[:top_n]
+                ],
+            }
+        )
+    return content
+
+
+@dataclass
+class CompletionLogprobs:
+    """The legacy `choices[].logprobs` object: parallel lists of tokens, their logprobs, top
+    alternatives and character offsets into the returned text."""
+
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def extend(
+        self, tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[Any | None], offset: int
+    ) -> int:
+        """Appends one entry per token (a None logprob, as for the first prompt token, is shown as null);
+        returns the text offset after them."""
+        for token_id, lp in zip(token_ids, logprobs, strict=True):
+            text = token_str(tokenizer, token_id)
+            self.tokens.append(text)
+            self.text_offset.append(offset)
+            offset += len(tokenizer.decode([token_id]))
+            if lp is None:
+                self.token_logprobs.append(None)
+                self.top_logprobs.append(None)
+                continue
+            self.token_logprobs.append(safe_logprob(lp.logprob))
+            top = {token_str(tokenizer, tid): safe_logprob(v) for tid, v in lp.top}
+            top.setdefault(text, safe_logprob(lp.logprob))
+            self.top_logprobs.append(top)
+        return offset
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }

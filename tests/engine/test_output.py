@@ -1,0 +1,193 @@
+"""Incremental detokenisation, stop strings and logprobs formatting, with a byte-level tokenizer (every
+byte a token, so multi-byte characters arrive in pieces) and a real byte-level BPE vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from engine.output import (
+    CompletionLogprobs,
+    IncrementalDetokenizer,
+    TextStream,
+    chat_logprobs,
+    token_bytes,
+    token_str,
+)
+
+EOS = 0
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids, id 0 is EOS and decodes to nothing (as the engine's tiny-model tokenizer)."""
+
+    eos_token_ids = frozenset({EOS})
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i).decode("utf-8", errors="replace")
+
+    def id_to_token(self, token_id: int) -> str:
+        return chr(token_id)
+
+
+class BPETokenizer:
+    """A small byte-level BPE (GPT-2 style, `Ġ` for spaces) built in memory."""
+
+    def __init__(self, corpus: list[str]) -> None:
+        from tokenizers import trainers
+
+        backend = HFTokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        backend.train_from_iterator(corpus, trainer)
+        self._backend = backend
+
+    def encode(self, text: str) -> list[int]:
+        return self._backend.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+
+TEXT = "héllo wörld, 日本語のテキスト 🎉🎉 naïve café!"
+
+
+def stream(
+    tokenizer, ids: list[int], stop: tuple[str, ...] = (), chunk: int = 1
+) -> tuple[list[str], TextStream]:
+    ts = TextStream(
+        IncrementalDetokenizer(tokenizer), stop, frozenset(getattr(tokenizer, "eos_token_ids", ()))
+    )
+    deltas = []
+    for i in range(0, len(ids), chunk):
+        part = ids[i : i + chunk]
+        deltas.append(ts.add(part, finished=i + chunk >= len(ids)))
+        if ts.stopped:
+            break
+    return deltas, ts
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_multibyte_characters_are_never_split_across_deltas(chunk: int) -> None:
+    tok = ByteTokenizer()
+    deltas, _ = stream(tok, tok.encode(TEXT), chunk=chunk)
+    assert "".join(deltas) == TEXT
+    assert not any("\ufffd" in d for d in deltas)
+    assert sum(1 for d in deltas if d) > 5  # it really streamed, not one blob at the end
+
+
+def test_bpe_merges_stream_to_the_same_text_as_a_full_decode() -> None:
+    tok = BPETokenizer([TEXT * 3, "hello world " * 20, "the quick brown fox jumps over the lazy dog"])
+    for text in (TEXT, "hello world, the quick brown fox", "  spaced   out\n\nlines\t🎉"):
+        ids = tok.encode(text)
+        deltas, _ = stream(tok, ids)
+        assert "".join(deltas) == tok.decode(ids) == text
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_prompt_context_does_not_leak_into_the_output() -> None:
+    tok = ByteTokenizer()
+    prompt = [*tok.encode("the prompt ends mid-character: "), 0xE6, 0x97]
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert detok.add([0xA5]) == ""  # the prompt's character completes, but it is not ours to show
+    assert detok.add(tok.encode("ok")) == "ok"
+
+
+def test_stop_string_cuts_the_text_and_finishes() -> None:
+    tok = ByteTokenizer()
+    deltas, ts = stream(tok, tok.encode("hello world, and more"), stop=("world",))
+    assert "".join(deltas) == "hello "
+    assert ts.stopped and ts.text == "hello "
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back_until_it_cannot() -> None:
+    tok = ByteTokenizer()
+    ts = TextStream(IncrementalDetokenizer(tok), ("</end>",))
+    assert ts.add(tok.encode("answer: 42 <")) == "answer: 42 "
+    assert ts.add(tok.encode("/e")) == ""
+    assert ts.add(tok.encode("x")) == "</ex"  # not the stop string after all: released at once
+    assert ts.add(tok.encode(" </en")) == " "
+    assert ts.add(tok.encode("d> tail")) == ""
+    assert ts.stopped and ts.text == "answer: 42 </ex "
+
+
+def test_earliest_of_several_stop_strings_wins_even_within_one_delta() -> None:
+    tok = ByteTokenizer()
+    deltas, ts = stream(tok, tok.encode("one two three four"), stop=("four", "two"), chunk=50)
+    assert "".join(deltas) == "one "
+    assert ts.stopped
+
+
+def test_held_text_is_released_when_the_stream_finishes() -> None:
+    tok = ByteTokenizer()
+    ts = TextStream(IncrementalDetokenizer(tok), ("STOP",))
+    assert ts.add(tok.encode("almost ST")) == "almost "
+    assert ts.add([], finished=True) == "ST"
+    assert not ts.stopped
+
+
+def test_eos_and_stop_tokens_are_counted_but_never_shown() -> None:
+    tok = ByteTokenizer()
+    ts = TextStream(IncrementalDetokenizer(tok), (), frozenset({EOS, ord("#")}))
+    out = ts.add(tok.encode("done#"), finished=False) + ts.add([EOS], finished=True)
+    assert out == "done"
+
+
+@dataclass
+class LP:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def test_chat_logprobs_shape_and_partial_characters() -> None:
+    tok = ByteTokenizer()
+    e_acute = tok.encode("é")  # two bytes, two tokens
+    content = chat_logprobs(
+        tok,
+        [LP(ord("a"), -0.5, [(ord("a"), -0.5), (ord("b"), -1.5)]), LP(e_acute[0], float("-inf"), [])],
+        top_n=1,
+    )
+    assert content[0] == {
+        "token": "a",
+        "logprob": -0.5,
+        "bytes": [ord("a")],
+        "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [ord("a")]}],
+    }
+    assert content[1]["token"] == "bytes:\\xc3"
+    assert content[1]["bytes"] == [0xC3]
+    assert content[1]["logprob"] == -9999.0  # JSON has no -inf
+    continuation = tok.encode("é")[1]
+    assert token_bytes(tok, continuation) == bytes([continuation])
+
+
+def test_bpe_token_bytes_of_a_partial_character_come_from_the_vocabulary() -> None:
+    tok = BPETokenizer(["plain ascii text only"])  # 🎉 stays four byte-level tokens
+    ids = tok.encode("🎉")
+    assert len(ids) > 1
+    assert b"".join(token_bytes(tok, i) for i in ids) == "🎉".encode()
+    assert token_str(tok, ids[0]).startswith("bytes:\\xf0")
+
+
+def test_completion_logprobs_offsets_follow_the_text() -> None:
+    tok = ByteTokenizer()
+    prompt = tok.encode("ab")
+    lp = CompletionLogprobs()
+    offset = lp.extend(tok, prompt, [None, LP(prompt[1], -2.0, [(ord("c"), -0.1)])], 0)
+    lp.extend(tok, [ord("c")], [LP(ord("c"), -0.1, [(ord("c"), -0.1)])], offset)
+    assert lp.to_dict() == {
+        "tokens": ["a", "b", "c"],
+        "token_logprobs": [None, -2.0, -0.1],
+        "top_logprobs": [None, {"c": -0.1, "b": -2.0}, {"c": -0.1}],
+        "text_offset": [0, 1, 2],
+    }
