@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import asyncpg
 import pytest
-import redis.asyncio as aioredis
+import redis
 from sqlalchemy import text
 
 PG_ADMIN_URL = os.environ.get("WEIR_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -50,18 +50,15 @@ def db_url(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def redis_prefix() -> str:
-    return f"weirtest:{uuid.uuid4().hex[:10]}:"
-
-
-@pytest.fixture
-async def redis_client(redis_prefix: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(REDIS_URL)
-    yield client
-    keys = [k async for k in client.scan_iter(match=f"{redis_prefix}*")]
+def redis_prefix() -> Iterator[str]:
+    """A key namespace of its own in the shared Redis, deleted afterwards."""
+    prefix = f"weirtest:{uuid.uuid4().hex[:10]}:"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}*"))
     if keys:
-        await client.delete(*keys)
-    await client.aclose()
+        client.delete(*keys)
+    client.close()
 
 
 def sync_exec(url: str, sql: str) -> list[tuple]:

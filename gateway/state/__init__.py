@@ -1,0 +1,21 @@
+"""Hot shared state behind one small interface: `SharedState`.
+
+`MemoryState` keeps it in this process; `RedisState` keeps it in Redis with atomic Lua scripts, so
+limits and budgets hold exactly across every gateway replica. `open_state(redis_url)` picks one.
+"""
+
+from __future__ import annotations
+
+from gateway.state.base import Admission, Budget, BudgetDecision, Limit, SharedState
+from gateway.state.memory import MemoryState
+
+
+def open_state(redis_url: str | None, prefix: str = "weir:") -> SharedState:
+    if not redis_url:
+        return MemoryState()
+    from gateway.state.redis import RedisState
+
+    return RedisState.from_url(redis_url, prefix=prefix)
+
+
+__all__ = ["Admission", "Budget", "BudgetDecision", "Limit", "MemoryState", "SharedState", "open_state"]

@@ -1,0 +1,171 @@
+"""Shared state: the in-process and the Redis implementation pass the same tests; with Redis, limits
+are exact across processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.state import Budget, Limit, MemoryState, SharedState
+from gateway.state.redis import RedisState
+from tests.control.conftest import REDIS_URL
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+async def state(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncIterator[SharedState]:
+    if request.param == "memory":
+        s: SharedState = MemoryState()
+    else:
+        s = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    yield s
+    await s.close()
+
+
+async def test_rpm_admits_exactly_the_limit_under_concurrency(state: SharedState) -> None:
+    results = await asyncio.gather(*(state.acquire([Limit("rpm:tenant:t", 60)]) for _ in range(100)))
+    admitted = [r for r in results if r.allowed]
+    refused = [r for r in results if not r.allowed]
+    assert len(admitted) == 60
+    assert all(r.blocked_by == "rpm:tenant:t" and 0 < r.retry_after_s <= 60 for r in refused)
+
+
+async def test_limits_count_all_or_none(state: SharedState) -> None:
+    tenant, key = Limit("rpm:tenant:t", 10), Limit("rpm:key:k", 4)
+    results = [await state.acquire([tenant, key]) for _ in range(6)]
+    assert [r.allowed for r in results] == [True] * 4 + [False] * 2
+    assert results[-1].blocked_by == "rpm:key:k"
+    # The refused attempts did not use up the tenant's allowance: another key still gets 6.
+    other = [await state.acquire([tenant, Limit("rpm:key:other", 100)]) for _ in range(7)]
+    assert sum(r.allowed for r in other) == 6
+
+
+async def test_window_slides_and_retry_after_is_honest(state: SharedState) -> None:
+    limit = Limit("rpm:tenant:slide", 3, window_s=1.2)  # 20 ms buckets
+    assert all([(await state.acquire([limit])).allowed for _ in range(3)])
+    refused = await state.acquire([limit])
+    assert not refused.allowed and 0 < refused.retry_after_s <= 1.2
+    await asyncio.sleep(refused.retry_after_s + 0.05)
+    assert (await state.acquire([limit])).allowed
+
+
+async def test_token_limit_settles_estimate_to_actual(state: SharedState) -> None:
+    tpm = Limit("tpm:tenant:t", 1000, cost=600)
+    assert (await state.acquire([tpm])).allowed
+    assert not (await state.acquire([tpm])).allowed  # 600 + 600 > 1000
+    await state.adjust("tpm:tenant:t", 100 - 600)  # the request really used 100 tokens
+    assert (await state.acquire([tpm])).allowed  # 100 + 600 <= 1000
+    # A request bigger than the whole limit can never fit: told to wait a full window.
+    huge = await state.acquire([Limit("tpm:tenant:t", 1000, cost=5000)])
+    assert not huge.allowed and huge.retry_after_s == 60
+
+
+async def test_budget_reservations_cap_concurrent_spend(state: SharedState) -> None:
+    budget = Budget("budget:tenant:t:2026-11", limit_micro_usd=100)
+    decisions = await asyncio.gather(*(state.budget_reserve([budget], 10) for _ in range(50)))
+    granted = [d for d in decisions if d.allowed]
+    assert len(granted) == 10  # in flight can never exceed the budget
+    assert await state.budget_usage(budget.key) == (0, 100)
+    for d in granted:  # each request really cost 5
+        await state.budget_settle([budget.key], d.reservation_id, 5)
+    assert await state.budget_usage(budget.key) == (50, 0)
+    again = await asyncio.gather(*(state.budget_reserve([budget], 10) for _ in range(20)))
+    assert sum(d.allowed for d in again) == 5
+    refused = next(d for d in again if not d.allowed)
+    assert refused.blocked_by == budget.key
+
+
+async def test_budget_all_or_none_seed_and_expiry(state: SharedState) -> None:
+    tenant = Budget("budget:tenant:t", 1_000)
+    key = Budget("budget:key:k", 300)
+    await state.budget_seed(tenant.key, 600)
+    await state.budget_seed(tenant.key, 0)  # a second replica's seed does not reset it
+    assert await state.budget_usage(tenant.key) == (600, 0)
+    assert (await state.budget_reserve([tenant, key], 300)).allowed
+    refused = await state.budget_reserve([tenant, key], 200)
+    assert not refused.allowed and refused.blocked_by == tenant.key
+    assert (await state.budget_usage(key.key))[1] == 300  # the refused one reserved nothing
+    # A reservation that is never settled (a crashed replica) expires.
+    await state.budget_reserve([Budget("budget:tenant:e", 100)], 100, ttl_s=0.2)
+    assert not (await state.budget_reserve([Budget("budget:tenant:e", 100)], 1)).allowed
+    await asyncio.sleep(0.3)
+    assert (await state.budget_reserve([Budget("budget:tenant:e", 100)], 100)).allowed
+
+
+async def test_compare_and_set(state: SharedState) -> None:
+    assert await state.kv_get("breaker:b1") is None
+    assert await state.kv_compare_and_set("breaker:b1", None, b"open")
+    assert not await state.kv_compare_and_set("breaker:b1", None, b"closed")
+    assert await state.kv_compare_and_set("breaker:b1", b"open", b"half-open", ttl_s=0.2)
+    assert await state.kv_get("breaker:b1") == b"half-open"
+    await asyncio.sleep(0.3)
+    assert await state.kv_get("breaker:b1") is None
+
+
+async def test_revocation_reaches_every_subscriber(state: SharedState) -> None:
+    seen: list[str] = []
+    got = asyncio.Event()
+
+    async def on_revoke(key_hash: str) -> None:
+        seen.append(key_hash)
+        got.set()
+
+    await state.subscribe_revocations(on_revoke)
+    await state.publish_revocation("abc123")
+    await asyncio.wait_for(got.wait(), 5)
+    assert seen == ["abc123"]
+
+
+@pytest.mark.redis
+async def test_revocation_crosses_replicas(redis_prefix: str) -> None:
+    a = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    b = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    got = asyncio.Event()
+    seen: list[str] = []
+
+    def on_revoke(key_hash: str) -> None:
+        seen.append(key_hash)
+        got.set()
+
+    await b.subscribe_revocations(on_revoke)
+    await a.publish_revocation("deadbeef")
+    await asyncio.wait_for(got.wait(), 5)
+    assert seen == ["deadbeef"]
+    await a.close()
+    await b.close()
+
+
+WORKER = textwrap.dedent(
+    """
+    import asyncio, sys
+    import redis.asyncio as aioredis
+    from gateway.state import Limit
+    from gateway.state.redis import RedisState
+
+    async def main() -> None:
+        state = RedisState(aioredis.from_url(sys.argv[1]), prefix=sys.argv[2])
+        results = await asyncio.gather(*(state.acquire([Limit("rpm:tenant:shared", 60)]) for _ in range(100)))
+        print(sum(r.allowed for r in results))
+        await state.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.redis
+def test_redis_limit_is_exact_across_processes(redis_prefix: str) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, REDIS_URL, redis_prefix], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    counts = [int(p.communicate(timeout=60)[0].strip()) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sum(counts) == 60, counts
