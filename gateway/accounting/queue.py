@@ -1,0 +1,244 @@
+"""The durable usage queue between the request path and the ledger.
+
+`put` is called on the request path and never waits on the network or the DB. The batch writer
+`read`s events, writes them, then `ack`s them; anything not acked is read again (after a crash too),
+and the ledger's event-id key makes the repeat harmless.
+
+- `SpoolQueue`: an append-only local file (segments of JSON lines) plus a cursor; no Redis needed.
+- `RedisStreamQueue`: a Redis stream read by a consumer group, shared by every replica's writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+
+from gateway.accounting.events import UsageEvent, decode, encode
+
+log = logging.getLogger(__name__)
+
+Token = Any  # where an event sits in its queue, handed back to `ack`
+
+
+class UsageQueue(Protocol):
+    def put(self, event: UsageEvent) -> None:
+        """Append one event; never blocks on the network or the DB."""
+        ...
+
+    async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]: ...
+
+    async def ack(self, tokens: list[Token]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class SpoolQueue:
+    """JSON lines in numbered segment files under `directory`, read back from a saved cursor.
+
+    One process owns a spool directory (an exclusive lock says so); run one spool per replica.
+    """
+
+    SEGMENT_BYTES = 16 * 1024 * 1024
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self._dir = Path(directory)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self._dir / ".lock", "w")  # noqa: SIM115 - held for the queue's lifetime
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(f"usage spool {self._dir} is in use by another process") from None
+        segments = self._segments()
+        self._cursor = self._load_cursor(segments)
+        self._write_segment = segments[-1] if segments else 1
+        self._out = open(self._path(self._write_segment), "ab")  # noqa: SIM115
+        self._data = asyncio.Event()
+
+    def _path(self, segment: int) -> Path:
+        return self._dir / f"{segment:010d}.jsonl"
+
+    def _segments(self) -> list[int]:
+        return sorted(int(p.stem) for p in self._dir.glob("*.jsonl"))
+
+    def _load_cursor(self, segments: list[int]) -> tuple[int, int]:
+        try:
+            segment, offset = (self._dir / "cursor").read_text().split()
+            return int(segment), int(offset)
+        except FileNotFoundError:
+            return (segments[0] if segments else 1), 0
+
+    def put(self, event: UsageEvent) -> None:
+        # One write of a whole line, flushed to the OS at once: a crashed gateway loses nothing it
+        # returned; a torn last line (power loss mid-write) is skipped when read back.
+        self._out.write(encode(event) + b"\n")
+        self._out.flush()
+        if self._out.tell() >= self.SEGMENT_BYTES:
+            self._out.close()
+            self._write_segment += 1
+            self._out = open(self._path(self._write_segment), "ab")  # noqa: SIM115
+        self._data.set()
+
+    async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
+        items = self._read_now(max_events)
+        if not items and block_s > 0:
+            self._data.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._data.wait(), block_s)
+            items = self._read_now(max_events)
+        return items
+
+    def _read_now(self, max_events: int) -> list[tuple[Token, UsageEvent]]:
+        items: list[tuple[Token, UsageEvent]] = []
+        segment, offset = self._cursor
+        while len(items) < max_events and segment <= self._write_segment:
+            path = self._path(segment)
+            if path.exists():
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    for line in f:
+                        if not line.endswith(b"\n"):
+                            break  # still being written
+                        offset += len(line)
+                        try:
+                            items.append(((segment, offset), decode(line)))
+                        except Exception:
+                            log.error("skipping unreadable usage spool line in %s", path)
+                        if len(items) >= max_events:
+                            return items
+            if segment == self._write_segment:
+                break
+            segment, offset = segment + 1, 0
+        return items
+
+    async def ack(self, tokens: list[Token]) -> None:
+        if not tokens:
+            return
+        segment, offset = max(tokens)
+        tmp = self._dir / "cursor.tmp"
+        tmp.write_text(f"{segment} {offset}")
+        os.replace(tmp, self._dir / "cursor")
+        self._cursor = (segment, offset)
+        for old in self._segments():
+            if old < segment:
+                self._path(old).unlink(missing_ok=True)
+
+    def pending(self) -> int:
+        return len(self._read_now(10**9))
+
+    async def close(self) -> None:
+        self._out.close()
+        self._lock.close()
+
+
+class RedisStreamQueue:
+    """Events in a Redis stream; every replica's writer reads it through one consumer group."""
+
+    GROUP = "writers"
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "weir:",
+        flush_interval_s: float = 0.02,
+        claim_idle_s: float = 30.0,
+    ) -> None:
+        self._redis = client
+        self._claim_idle_ms = int(claim_idle_s * 1000)
+        self._stream = f"{prefix}usage"
+        self._consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._buffer: list[bytes] = []
+        self._flush_interval = flush_interval_s
+        self._group_ready = False
+        self._pump: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._flush_lock = asyncio.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "weir:") -> RedisStreamQueue:
+        return cls(aioredis.from_url(url), prefix=prefix)
+
+    def put(self, event: UsageEvent) -> None:
+        # XADD happens in a background pump, batched, so the request path only appends to a list.
+        self._buffer.append(encode(event))
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+        if len(self._buffer) >= 256:
+            self._wake.set()
+
+    async def _run_pump(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._flush_interval)
+            self._wake.clear()
+            try:
+                await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("could not append usage events to Redis; will retry", exc_info=True)
+                await asyncio.sleep(0.5)
+
+    async def flush(self) -> None:
+        """Push buffered events to the stream (they stay buffered if Redis is unreachable)."""
+        async with self._flush_lock:  # the pump and an explicit flush must not send a batch twice
+            while self._buffer:
+                batch = self._buffer[:500]
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for data in batch:
+                        pipe.xadd(self._stream, {"e": data})
+                    await pipe.execute()
+                del self._buffer[: len(batch)]
+
+    async def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            await self._redis.xgroup_create(self._stream, self.GROUP, id="0", mkstream=True)
+        except aioredis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
+        await self._ensure_group()
+        # First take over what a dead writer (a crashed replica) read and never acknowledged.
+        _, claimed, *_ = await self._redis.xautoclaim(
+            self._stream, self.GROUP, self._consumer, min_idle_time=self._claim_idle_ms, count=max_events
+        )
+        entries = list(claimed)
+        if not entries:
+            response = await self._redis.xreadgroup(
+                self.GROUP,
+                self._consumer,
+                {self._stream: ">"},
+                count=max_events,
+                block=int(block_s * 1000) if block_s > 0 else None,
+            )
+            entries = response[0][1] if response else []
+        return [(entry_id, decode(fields[b"e"])) for entry_id, fields in entries if fields]
+
+    async def ack(self, tokens: list[Token]) -> None:
+        if tokens:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.xack(self._stream, self.GROUP, *tokens)
+                pipe.xdel(self._stream, *tokens)
+                await pipe.execute()
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        with contextlib.suppress(Exception):
+            await self.flush()
+        await self._redis.aclose()

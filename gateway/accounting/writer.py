@@ -1,0 +1,202 @@
+"""The batch writer: drains the usage queue into the ledger, many events per INSERT.
+
+Each batch is one transaction: insert the events (a repeated event id is skipped), add the newly
+inserted ones to the daily rollups, commit, and only then acknowledge them in the queue. If the DB is
+down the batch is kept and retried with backoff; the queue keeps growing meanwhile, the gateway keeps
+serving, and when the DB returns every event lands once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Table
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.accounting.events import UsageEvent
+from gateway.accounting.queue import Token, UsageQueue
+from gateway.db.models import UsageEventRow, UsageRollup
+
+log = logging.getLogger(__name__)
+
+EVENTS: Table = UsageEventRow.__table__  # type: ignore[assignment]
+ROLLUPS: Table = UsageRollup.__table__  # type: ignore[assignment]
+SUMMED = (
+    "requests",
+    "errors",
+    "input_tokens",
+    "cached_input_tokens",
+    "cache_write_5m_tokens",
+    "cache_write_1h_tokens",
+    "output_tokens",
+    "reasoning_tokens",
+    "cost_pico_usd",
+    "savings_pico_usd",
+)
+# SQLite allows 32766 bound parameters per statement; usage_events has 25 columns.
+MAX_ROWS_PER_INSERT = 1000
+
+
+def event_row(event: UsageEvent) -> dict[str, Any]:
+    u = event.usage
+    return {
+        "event_id": event.event_id,
+        "request_id": event.request_id,
+        "attempt": event.attempt,
+        "ts": event.ts,
+        "day": event.ts.date(),
+        "tenant_id": event.tenant_id,
+        "key_id": event.key_id,
+        "route": event.route,
+        "backend": event.backend,
+        "model": event.model,
+        "input_tokens": u.input_tokens,
+        "cached_input_tokens": u.cached_input_tokens,
+        "cache_write_5m_tokens": u.cache_write_5m_tokens,
+        "cache_write_1h_tokens": u.cache_write_1h_tokens,
+        "output_tokens": u.output_tokens,
+        "reasoning_tokens": u.reasoning_tokens,
+        "prices": event.prices,
+        "cost_pico_usd": event.cost_pico_usd,
+        "savings_pico_usd": event.savings_pico_usd,
+        "latency_ms": event.latency_ms,
+        "ttft_ms": event.ttft_ms,
+        "status": event.status,
+        "fallback": event.fallback,
+    }
+
+
+def _rollup_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    totals: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(SUMMED, 0))
+    for row in rows:
+        group = (row["day"], row["tenant_id"] or "", row["key_id"] or "", row["backend"], row["model"])
+        total = totals[group]
+        total["requests"] += 1
+        total["errors"] += 0 if 200 <= row["status"] < 400 else 1
+        for name in SUMMED[2:]:
+            total[name] += row[name]
+    return [
+        {"day": d, "tenant_id": t, "key_id": k, "backend": b, "model": m, **sums}
+        for (d, t, k, b, m), sums in totals.items()
+    ]
+
+
+@dataclass
+class WriterStats:
+    batches: int = 0  # committed transactions
+    statements: int = 0  # INSERT statements into usage_events
+    inserted: int = 0
+    duplicates: int = 0  # events already in the ledger (a redelivery), skipped
+    failures: int = 0  # batches that failed and were retried
+
+
+class BatchWriter:
+    def __init__(
+        self,
+        queue: UsageQueue,
+        engine: AsyncEngine,
+        batch_size: int = 500,
+        idle_wait_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.queue = queue
+        self.engine = engine
+        self.batch_size = batch_size
+        self.idle_wait_s = idle_wait_s
+        self.max_backoff_s = max_backoff_s
+        self.stats = WriterStats()
+        self._pending: list[tuple[Token, UsageEvent]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def _insert(self) -> Any:  # the dialect's Insert, which knows ON CONFLICT
+        return (postgresql if self.engine.dialect.name == "postgresql" else sqlite).insert
+
+    async def write(self, events: list[UsageEvent]) -> int:
+        """Insert a batch in one transaction; returns how many were new."""
+        rows = [event_row(e) for e in events]
+        insert = self._insert()
+        new_ids: set[str] = set()
+        async with self.engine.begin() as conn:
+            for start in range(0, len(rows), MAX_ROWS_PER_INSERT):
+                chunk = rows[start : start + MAX_ROWS_PER_INSERT]
+                statement = (
+                    insert(EVENTS)
+                    .values(chunk)
+                    .on_conflict_do_nothing(index_elements=["event_id"])
+                    .returning(EVENTS.c.event_id)
+                )
+                new_ids.update((await conn.execute(statement)).scalars())
+                self.stats.statements += 1
+            fresh = [r for r in rows if r["event_id"] in new_ids]
+            rollups = _rollup_rows(fresh)
+            if rollups:
+                statement = insert(ROLLUPS).values(rollups)
+                statement = statement.on_conflict_do_update(
+                    index_elements=["day", "tenant_id", "key_id", "backend", "model"],
+                    set_={name: ROLLUPS.c[name] + statement.excluded[name] for name in SUMMED},
+                )
+                await conn.execute(statement)
+        self.stats.batches += 1
+        self.stats.inserted += len(new_ids)
+        self.stats.duplicates += len(rows) - len(new_ids)
+        return len(new_ids)
+
+    async def step(self, block_s: float | None = None) -> int:
+        """Write at most one batch: the one that failed last time, else a fresh one from the queue.
+
+        Raises whatever the DB raised; the batch is kept for the next call.
+        """
+        if not self._pending:
+            wait = self.idle_wait_s if block_s is None else block_s
+            self._pending = await self.queue.read(self.batch_size, wait)
+        if not self._pending:
+            return 0
+        try:
+            await self.write([event for _, event in self._pending])
+        except Exception:
+            self.stats.failures += 1
+            raise
+        written = len(self._pending)
+        await self.queue.ack([token for token, _ in self._pending])
+        self._pending = []
+        return written
+
+    async def run(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self.step()
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "usage batch not written (%s); retrying in %.1fs", exc.__class__.__name__, backoff
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="usage-batch-writer")
+
+    async def drain(self, timeout_s: float = 10.0) -> None:
+        """Write everything queued now (shutdown, tests); gives up quietly after `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while await self.step(block_s=0) or self._pending:
+                    pass
+
+    async def stop(self, drain_timeout_s: float = 5.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(Exception):
+            await self.drain(drain_timeout_s)
