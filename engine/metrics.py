@@ -1,0 +1,127 @@
+"""Prometheus metrics of the engine server: latency histograms and token counters observed per request,
+plus the engine's own state (running/waiting requests, KV-cache use, prefix-cache hits) read at scrape
+time. Each server has its own registry, so several servers (tests) never collide."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 60)
+THROUGHPUT_WINDOW_S = 10.0
+
+
+class EngineMetrics:
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "weir_engine_time_to_first_token_seconds",
+            "Time from receiving a request to its first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "weir_engine_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "weir_engine_request_latency_seconds",
+            "Time from receiving a request to its last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("weir_engine_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.cached_tokens = Counter(
+            "weir_engine_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.generation_tokens = Counter("weir_engine_generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter(
+            "weir_engine_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
+        )
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) in the throughput window
+        r.register(_EngineStateCollector(stats, self._tokens_per_second))
+
+    def observe_tokens(self, n: int, now: float) -> None:
+        self.generation_tokens.inc(n)
+        self._recent.append((now, n))
+
+    def finish(self, reason: str, prompt: int, cached: int, started: float, now: float) -> None:
+        self.requests.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        self.e2e.observe(now - started)
+
+    def _tokens_per_second(self) -> float:
+        horizon = time.perf_counter() - THROUGHPUT_WINDOW_S
+        while self._recent and self._recent[0][0] < horizon:
+            self._recent.popleft()
+        return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineStateCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats | None], tokens_per_second: Callable[[], float]):
+        self._stats = stats
+        self._tps = tokens_per_second
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "weir_engine_generation_tokens_per_second",
+            f"Tokens generated per second over the last {THROUGHPUT_WINDOW_S:g} s.",
+            value=self._tps(),
+        )
+        s = self._stats()
+        if s is None:
+            return
+        yield GaugeMetricFamily(
+            "weir_engine_num_requests_running", "Requests in the batch.", value=s.num_running
+        )
+        yield GaugeMetricFamily(
+            "weir_engine_num_requests_waiting", "Requests queued for admission.", value=s.num_waiting
+        )
+        used = s.kv_blocks_total - s.kv_blocks_free
+        yield GaugeMetricFamily(
+            "weir_engine_kv_cache_usage_ratio",
+            "Fraction of KV-cache blocks in use (cached-but-free prefix blocks count as free).",
+            value=used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "weir_engine_kv_cache_blocks_total", "KV-cache blocks.", value=s.kv_blocks_total
+        )
+        yield GaugeMetricFamily(
+            "weir_engine_kv_cache_blocks_free", "Free KV-cache blocks.", value=s.kv_blocks_free
+        )
+        yield CounterMetricFamily(
+            "weir_engine_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            value=s.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "weir_engine_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            value=s.prefix_cache_hits,
+        )
+        yield GaugeMetricFamily(
+            "weir_engine_prefix_cache_hit_rate",
+            "Prefix-cache hits / queries, in tokens, since start.",
+            value=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+        )
+        yield CounterMetricFamily(
+            "weir_engine_preemptions",
+            "Requests preempted (recomputed) for lack of KV blocks.",
+            value=s.num_preemptions,
+        )

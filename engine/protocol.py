@@ -1,0 +1,105 @@
+"""The OpenAI request bodies the engine server accepts, as msgspec Structs: decoding validates types and
+ranges in one pass, and a failure names the offending parameter (`$.temperature` -> `temperature`).
+
+Unknown fields are ignored, as OpenAI-compatible servers do, so clients sending newer parameters still
+work; parameters that would change the result and that the engine cannot honour are rejected by the
+server instead (see `unsupported`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+Stop = str | list[str] | None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Parameters shared by both endpoints, including vLLM's extras."""
+
+    model: str
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM-style extras
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    min_p: Probability | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | list[Any]  # a string, token ids, or a batch of either (checked by the server)
+    max_tokens: Count | None = None  # None: the legacy default of 16, capped by the context
+    echo: bool = False
+    logprobs: TopLogprobs | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+def param_of(error: msgspec.ValidationError) -> str | None:
+    """`Expected int - at `$.messages[0].role`` -> `messages[0].role`."""
+    message = str(error)
+    marker = "at `$."
+    if marker not in message:
+        return None
+    return message.split(marker, 1)[1].split("`", 1)[0]
+
+
+def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
+    """A parameter the engine cannot honour, as (param, message), or None."""
+    if req.n != 1:
+        return "n", "only n=1 is supported"
+    if req.logit_bias:
+        return "logit_bias", "logit_bias is not supported"
+    if isinstance(req, CompletionRequest):
+        if req.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        if req.suffix:
+            return "suffix", "suffix is not supported"
+    else:
+        fmt = (req.response_format or {}).get("type", "text")
+        if fmt != "text":
+            return "response_format", f"response_format {fmt!r} is not supported"
+        if req.top_logprobs and not req.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs=true"
+    return None

@@ -1,0 +1,660 @@
+"""OpenAI-compatible HTTP server for the bundled engine (aiohttp: it served a small JSON endpoint ~25%
+faster than Litestar on uvicorn here, and the engine server needs no more than routing and SSE).
+
+Endpoints: `/v1/chat/completions`, `/v1/completions` (with `echo` + `logprobs` for prompt scoring),
+`/v1/models`, `/health` (200 only once the model is loaded), `/metrics` (Prometheus). Errors use the
+OpenAI shape `{"error": {"message", "type", "param", "code"}}`. A client that disconnects cancels its
+handler (aiohttp `handler_cancellation`), which aborts the request in the engine and frees its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.metrics import EngineMetrics
+from engine.output import CompletionLogprobs, IncrementalDetokenizer, TextStream, chat_logprobs
+from engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, param_of, unsupported
+
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineStats, RequestOutput, TokenLogprob
+    from engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+_Req = TypeVar("_Req", bound=SamplingFields)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy API's default
+MAX_BODY_BYTES = 32 * 1024 * 1024
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _ERROR_TYPES.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return _json(self.body(), status=self.status)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+
+
+@web.middleware
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:  # unknown route, wrong method
+        if exc.status < 400:
+            raise
+        return ApiError(exc.status, exc.reason or "error", code=str(exc.status)).response()
+    except EngineDeadError as exc:
+        return ApiError(503, str(exc), code="engine_dead").response()
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return ApiError(500, "internal server error", type="server_error").response()
+
+
+# --- one request's generation -------------------------------------------------------------------------
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # set on the last delta
+
+
+class Generation:
+    """Drives one request through the engine: detokenises, applies stop strings (aborting the request
+    when one matches), records metrics, and keeps the usage numbers."""
+
+    def __init__(
+        self,
+        server: EngineServer,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        started: float,
+        *,
+        score_only: bool = False,
+    ) -> None:
+        self.server = server
+        # max_tokens=0 (scoring a prompt with echo + logprobs): the engine must generate one token to
+        # run the prompt; it is dropped here and never shown or billed.
+        self.score_only = score_only
+        self.engine = server.ready()
+        tokenizer = self.engine.engine.tokenizer
+        hidden = frozenset(tokenizer.eos_token_ids) | frozenset(params.stop_token_ids)
+        self.text = TextStream(IncrementalDetokenizer(tokenizer, prompt_ids), stop, hidden)
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.started = started
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+
+    def usage(self) -> dict[str, Any]:
+        prompt, completion = len(self.prompt_ids), self.num_output_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The request's text and tokens as they come; the last delta carries the finish reason.
+        Closing this early (client gone, stop string) aborts the request in the engine."""
+        metrics = self.server.metrics
+        outputs = self.engine.generate(self.prompt_ids, self.params, self.engine.new_request_id())
+        accepted = False
+        try:
+            async with aclosing(outputs):
+                try:
+                    out: RequestOutput | None = await anext(outputs)
+                except ValueError as exc:  # the engine rejected the request's parameters
+                    raise ApiError(400, str(exc)) from exc
+                accepted = True
+                last_token_at: float | None = None
+                while out is not None:
+                    now = time.perf_counter()
+                    if out.prompt_logprobs is not None:
+                        self.prompt_logprobs = out.prompt_logprobs
+                    self.num_cached_tokens = out.num_cached_tokens
+                    if self.score_only:
+                        out = replace(out, new_token_ids=[], new_logprobs=None)
+                    self.num_output_tokens = 0 if self.score_only else out.num_output_tokens
+                    if n := len(out.new_token_ids):
+                        if last_token_at is None:
+                            metrics.ttft.observe(now - self.started)
+                        else:
+                            for _ in range(n):
+                                metrics.itl.observe((now - last_token_at) / n)
+                        last_token_at = now
+                        metrics.observe_tokens(n, now)
+                    text = self.text.add(out.new_token_ids, finished=out.finished)
+                    if self.text.stopped:
+                        self.finish_reason = "stop"
+                    elif out.finished:
+                        self.finish_reason = "length" if self.score_only else out.finish_reason
+                    yield Delta(text, list(out.new_token_ids), out.new_logprobs, self.finish_reason)
+                    if self.finish_reason is not None:
+                        return
+                    out = await anext(outputs, None)
+        finally:
+            if accepted:  # "abort": the client went away before the end
+                metrics.finish(
+                    self.finish_reason or "abort",
+                    len(self.prompt_ids),
+                    self.num_cached_tokens,
+                    self.started,
+                    time.perf_counter(),
+                )
+
+
+# --- the server ---------------------------------------------------------------------------------------
+
+
+class EngineServer:
+    """The HTTP app. It can start before the model is loaded (`/health` says 503 until `attach`)."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine | None = None,
+        *,
+        model_name: str | None = None,
+        aliases: tuple[str, ...] = (),
+    ) -> None:
+        self.engine: AsyncLLMEngine | None = None
+        self.model_name = model_name
+        self.aliases = aliases
+        self.created = int(time.time())
+        self.load_error: str | None = None
+        self.metrics = EngineMetrics(self._stats)
+        self.app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+        self.app.add_routes(
+            [
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/completions", self.completions),
+                web.get("/v1/models", self.list_models),
+                web.get("/v1/models/{model}", self.get_model),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics_endpoint),
+            ]
+        )
+        self.app.on_cleanup.append(self._shutdown)
+        if engine is not None:
+            self.attach(engine, model_name)
+
+    def attach(self, engine: AsyncLLMEngine, model_name: str | None = None) -> None:
+        self.engine = engine
+        self.model_name = model_name or self.model_name or engine.engine.model_name
+
+    def ready(self) -> AsyncLLMEngine:
+        if self.engine is None:
+            raise ApiError(503, self.load_error or "the model is still loading", code="model_not_ready")
+        if self.engine.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.engine.error!r}")
+        return self.engine
+
+    def _stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    async def _shutdown(self, app: web.Application) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    # --- plumbing --------------------------------------------------------------------------------------
+
+    async def _decode(self, request: web.Request, kind: type[_Req]) -> _Req:
+        body = await request.read()
+        try:
+            req = msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError as exc:
+            raise ApiError(400, str(exc), param=param_of(exc)) from exc
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        if req.model not in (self.model_name, *self.aliases):
+            raise ApiError(
+                404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
+            )
+        if (problem := unsupported(req)) is not None:
+            raise ApiError(400, problem[1], param=problem[0])
+        return req
+
+    def _max_tokens(
+        self, requested: int | None, prompt_len: int, prompt_param: str, default: int | None = None
+    ) -> int:
+        limit = self.ready().engine.max_model_len
+        if prompt_len >= limit:  # the engine needs room for at least one generated token
+            raise ApiError(
+                413,
+                f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        room = limit - prompt_len
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"{requested} for the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def _sampling(
+        self, req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        from engine.sampling import SamplingParams
+
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(req.top_k or 0, 0),  # vLLM uses -1 for "off"
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    @staticmethod
+    def _stops(stop: str | list[str] | None) -> list[str]:
+        if stop is None:
+            return []
+        return [stop] if isinstance(stop, str) else [s for s in stop if s]
+
+    async def _sse(self, request: web.Request, chunks: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+        """Streams chunks as server-sent events. The first chunk is computed before the headers go out,
+        so a request the engine rejects still gets a proper 4xx."""
+        async with aclosing(chunks):
+            first = await anext(chunks, None)
+            resp = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                }
+            )
+            await resp.prepare(request)
+            try:
+                if first is not None:
+                    await resp.write(b"data: " + msgspec.json.encode(first) + b"\n\n")
+                async for chunk in chunks:
+                    await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+            except ApiError as exc:
+                await resp.write(b"data: " + msgspec.json.encode(exc.body()) + b"\n\n")
+            except EngineDeadError as exc:
+                body = ApiError(503, str(exc), code="engine_dead").body()
+                await resp.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+
+    # --- chat ------------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        engine = self.ready()
+        req = await self._decode(request, ChatCompletionRequest)
+        tokenizer = engine.engine.tokenizer
+        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        try:
+            prompt = tokenizer.apply_chat_template(messages, tools=req.tools, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors, templates that raise on unsupported roles
+            raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+        prompt_ids = tokenizer.encode(prompt)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._max_tokens(requested, len(prompt_ids), "messages")
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling(req, max(max_tokens, 1), top_n)
+        gen = Generation(self, prompt_ids, params, self._stops(req.stop), started, score_only=max_tokens == 0)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await self._sse(request, self._chat_chunks(gen, head, top_n, include_usage))
+        text: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        async with aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                text.append(d.text)
+                if d.logprobs:
+                    logprobs.extend(d.logprobs)
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(text)},
+            "logprobs": {"content": chat_logprobs(tokenizer, logprobs, top_n)} if top_n is not None else None,
+            "finish_reason": gen.finish_reason,
+        }
+        return _json({**head, "object": "chat.completion", "choices": [choice], "usage": gen.usage()})
+
+    async def _chat_chunks(
+        self, gen: Generation, head: dict[str, Any], top_n: int | None, include_usage: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        tokenizer = gen.engine.engine.tokenizer
+        head = {**head, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if include_usage else {}
+        role_sent = False
+        async with aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                if not role_sent:
+                    role_sent = True
+                    yield {
+                        **head,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        **extra,
+                    }
+                lp = None
+                if top_n is not None and d.logprobs:
+                    lp = {"content": chat_logprobs(tokenizer, d.logprobs, top_n)}
+                if d.text or lp is not None or d.finish_reason is not None:
+                    delta = {"content": d.text} if d.text else {}
+                    yield {
+                        **head,
+                        "choices": [
+                            {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+                        ],
+                        **extra,
+                    }
+        if include_usage:
+            yield {**head, "choices": [], "usage": gen.usage()}
+
+    # --- legacy completions ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        engine = self.ready()
+        req = await self._decode(request, CompletionRequest)
+        tokenizer = engine.engine.tokenizer
+        prompts = _prompt_list(req.prompt)
+        if req.stream and len(prompts) > 1:
+            raise ApiError(400, "streaming supports one prompt per request", param="prompt")
+        gens: list[tuple[Generation, str]] = []
+        for prompt in prompts:
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            if not ids:
+                raise ApiError(400, "the prompt is empty", param="prompt")
+            if isinstance(prompt, list) and any(not 0 <= t < tokenizer.vocab_size for t in ids):
+                raise ApiError(400, "the prompt holds a token id outside the vocabulary", param="prompt")
+            max_tokens = self._max_tokens(req.max_tokens, len(ids), "prompt", DEFAULT_COMPLETION_MAX_TOKENS)
+            prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
+            params = self._sampling(req, max(max_tokens, 1), req.logprobs, prompt_lp)
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+            gen = Generation(self, ids, params, self._stops(req.stop), started, score_only=max_tokens == 0)
+            gens.append((gen, text))
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+        }
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            gen, prompt_text = gens[0]
+            return await self._sse(
+                request, self._completion_chunks(gen, prompt_text, req, head, include_usage)
+            )
+        choices = await asyncio.gather(
+            *(self._completion_choice(i, g, t, req) for i, (g, t) in enumerate(gens))
+        )
+        usage = _sum_usage([g.usage() for g, _ in gens])
+        return _json({**head, "choices": list(choices), "usage": usage})
+
+    async def _completion_choice(
+        self, index: int, gen: Generation, prompt_text: str, req: CompletionRequest
+    ) -> dict[str, Any]:
+        tokenizer = gen.engine.engine.tokenizer
+        text = [prompt_text] if req.echo else []
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        async with aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                text.append(d.text)
+                ids.extend(d.token_ids)
+                if d.logprobs:
+                    logprobs.extend(d.logprobs)
+        lp = None
+        if req.logprobs is not None:
+            lp = CompletionLogprobs()
+            offset = 0
+            if req.echo:
+                offset = lp.extend(tokenizer, gen.prompt_ids, _prompt_logprobs(gen), offset)
+            lp.extend(tokenizer, ids[: len(logprobs)], logprobs, offset)
+        return {
+            "index": index,
+            "text": "".join(text),
+            "logprobs": lp.to_dict() if lp else None,
+            "finish_reason": gen.finish_reason,
+        }
+
+    async def _completion_chunks(
+        self,
+        gen: Generation,
+        prompt_text: str,
+        req: CompletionRequest,
+        head: dict[str, Any],
+        include_usage: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        tokenizer = gen.engine.engine.tokenizer
+        extra = {"usage": None} if include_usage else {}
+        offset = 0
+        echoed = not req.echo
+        async with aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                text = d.text
+                lp = None
+                if req.logprobs is not None:
+                    lp = CompletionLogprobs()
+                if not echoed:
+                    echoed = True
+                    text = prompt_text + text
+                    if lp is not None:
+                        offset = lp.extend(tokenizer, gen.prompt_ids, _prompt_logprobs(gen), offset)
+                if lp is not None and d.logprobs:
+                    offset = lp.extend(tokenizer, d.token_ids[: len(d.logprobs)], d.logprobs, offset)
+                if text or (lp is not None and lp.tokens) or d.finish_reason is not None:
+                    yield {
+                        **head,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "text": text,
+                                "logprobs": lp.to_dict() if lp else None,
+                                "finish_reason": d.finish_reason,
+                            }
+                        ],
+                        **extra,
+                    }
+        if include_usage:
+            yield {**head, "choices": [], "usage": gen.usage()}
+
+    # --- models, health, metrics -----------------------------------------------------------------------
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": name, "object": "model", "created": self.created, "owned_by": "weir"}
+        if self.engine is not None:
+            card["max_model_len"] = self.engine.engine.max_model_len
+        return card
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        self.ready()
+        return _json({"object": "list", "data": [self._model_card(self.model_name or "")]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        self.ready()
+        name = request.match_info["model"]
+        if name not in (self.model_name, *self.aliases):
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return _json(self._model_card(name))
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine is None:
+            status = "error" if self.load_error else "loading"
+            return _json({"status": status, "detail": self.load_error}, status=503)
+        if not self.engine.is_running and self.engine.error is not None:
+            return _json({"status": "error", "detail": repr(self.engine.error)}, status=503)
+        return _json({"status": "ok", "model": self.model_name})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+
+def _message_dict(index: int, message: Any) -> dict[str, Any]:
+    """A message as chat templates expect it: `content` a string (text parts joined)."""
+    content = message.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(
+                    400,
+                    f"content part of type {part.get('type')!r} is not supported",
+                    param=f"messages[{index}].content",
+                )
+            parts.append(part["text"])
+        content = "".join(parts)
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": content or "",
+    }
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if (value := getattr(message, key)) is not None:
+            out[key] = value
+    return out
+
+
+def _prompt_list(prompt: str | list[Any]) -> list[str | list[int]]:
+    """`prompt` may be a string, a list of token ids, or a list of either (a batch)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if all(_is_token_id(t) for t in prompt):
+        return [list(prompt)]
+    for i, p in enumerate(prompt):
+        if not (isinstance(p, str) or (isinstance(p, list) and all(_is_token_id(t) for t in p))):
+            raise ApiError(400, "expected a string or a list of token ids", param=f"prompt[{i}]")
+    return list(prompt)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt_logprobs(gen: Generation) -> list[TokenLogprob | None]:
+    lps = gen.prompt_logprobs or []
+    return list(lps) + [None] * (len(gen.prompt_ids) - len(lps))
+
+
+def _sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    total: dict[str, Any] = {
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "total_tokens": 0,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    for u in usages:
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[key] += u[key]
+        total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
+    return total
+
+
+async def start_server(server: EngineServer, host: str, port: int) -> web.AppRunner:
+    """Serves `server` on host:port in the running loop; returns the runner (`await runner.cleanup()`)."""
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+def run(
+    model: str, *, host: str, port: int, served_model_name: str | None, engine_kwargs: dict[str, Any]
+) -> int:
+    """`weir engine serve`: binds at once (`/health` answers 503 while loading), loads the model in a
+    thread, then serves until SIGINT/SIGTERM. Returns the exit status: 1 when the model failed to load."""
+    server = EngineServer(model_name=served_model_name, aliases=(model,))
+
+    async def load() -> None:
+        from engine.llm_engine import LLMEngine
+
+        try:
+            llm = await asyncio.to_thread(LLMEngine, model, **engine_kwargs)
+        except Exception as exc:
+            server.load_error = f"could not load {model!r}: {exc}"
+            log.error("%s", server.load_error)
+            signal.raise_signal(signal.SIGTERM)  # run_app shuts down cleanly on SIGTERM
+            return
+        engine = AsyncLLMEngine(llm)
+        engine.start()
+        server.attach(engine, served_model_name)
+        log.info("model %s loaded (max_model_len %d); ready", server.model_name, llm.max_model_len)
+
+    async def start_loading(app: web.Application) -> None:
+        app[_LOADER] = asyncio.create_task(load())
+
+    server.app.on_startup.append(start_loading)
+    log.info("listening on http://%s:%d, loading %s", host, port, model)
+    web.run_app(server.app, host=host, port=port, handler_cancellation=True, access_log=None, print=None)
+    return 1 if server.load_error else 0
+
+
+_LOADER = web.AppKey("loader", asyncio.Task)
