@@ -6,6 +6,8 @@ the API layer renders it back in the shape the client's API expects.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -29,3 +31,144 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
+
+
+# --- how each vendor reports usage ----------------------------------------------------------------
+# One row per vendor wire format: where each token class lives (dotted paths into the vendor's usage
+# object) and whether cache reads are counted inside the prompt total. This table is the only place
+# that knows; tests pin every row, streaming and not.
+
+
+class UsageShape(msgspec.Struct, frozen=True, kw_only=True):
+    prompt: str  # the prompt-token count
+    prompt_includes_cache: bool  # True: cache reads/writes are part of `prompt`; False: beside it
+    output: str
+    cache_read: str | None = None
+    cache_write: str | None = None  # total cache writes
+    cache_write_5m: str | None = None  # the split of `cache_write` by TTL, when reported
+    cache_write_1h: str | None = None
+    reasoning: str | None = None
+    reasoning_in_output: bool = True  # False: reasoning is reported beside `output` (Gemini)
+
+
+USAGE_SHAPES: dict[str, UsageShape] = {
+    "openai": UsageShape(
+        prompt="prompt_tokens",
+        prompt_includes_cache=True,
+        cache_read="prompt_tokens_details.cached_tokens",
+        output="completion_tokens",
+        reasoning="completion_tokens_details.reasoning_tokens",
+    ),
+    "deepseek": UsageShape(
+        prompt="prompt_tokens",
+        prompt_includes_cache=True,
+        cache_read="prompt_cache_hit_tokens",
+        output="completion_tokens",
+        reasoning="completion_tokens_details.reasoning_tokens",
+    ),
+    "anthropic": UsageShape(
+        prompt="input_tokens",
+        prompt_includes_cache=False,
+        cache_read="cache_read_input_tokens",
+        cache_write="cache_creation_input_tokens",
+        cache_write_5m="cache_creation.ephemeral_5m_input_tokens",
+        cache_write_1h="cache_creation.ephemeral_1h_input_tokens",
+        output="output_tokens",
+    ),
+    "gemini": UsageShape(
+        prompt="promptTokenCount",
+        prompt_includes_cache=True,
+        cache_read="cachedContentTokenCount",
+        output="candidatesTokenCount",
+        reasoning="thoughtsTokenCount",
+        reasoning_in_output=False,
+    ),
+}
+
+
+def _get(raw: dict[str, Any], path: str | None) -> int:
+    if path is None:
+        return 0
+    value: Any = raw
+    for key in path.split("."):
+        if not isinstance(value, dict):
+            return 0
+        value = value.get(key)
+    return value if isinstance(value, int) else 0
+
+
+def _has(raw: dict[str, Any], path: str | None) -> bool:
+    if path is None:
+        return False
+    value: Any = raw
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return False
+        value = value[key]
+    return isinstance(value, int)
+
+
+def openai_flavour(raw: dict[str, Any]) -> str:
+    """OpenAI-compatible servers differ only in how they report cache reads."""
+    return "deepseek" if "prompt_cache_hit_tokens" in raw else "openai"
+
+
+def normalise_usage(vendor: str, raw: dict[str, Any] | None) -> Usage:
+    """Turn a vendor's usage object into `Usage`, following that vendor's row of USAGE_SHAPES."""
+    if not raw:
+        return Usage()
+    if vendor == "openai":
+        vendor = openai_flavour(raw)
+    shape = USAGE_SHAPES[vendor]
+    cache_read = _get(raw, shape.cache_read)
+    write_total = _get(raw, shape.cache_write)
+    write_1h = _get(raw, shape.cache_write_1h)
+    # Unsplit writes (or a split that does not add up) are priced at the default 5-minute TTL.
+    write_5m = max(write_total - write_1h, _get(raw, shape.cache_write_5m))
+    prompt = _get(raw, shape.prompt)
+    if shape.prompt_includes_cache:
+        prompt = max(prompt - cache_read - write_5m - write_1h, 0)
+    reasoning = _get(raw, shape.reasoning)
+    output = _get(raw, shape.output)
+    if not shape.reasoning_in_output:
+        output += reasoning
+    return Usage(
+        input_tokens=prompt,
+        cached_input_tokens=cache_read,
+        cache_write_5m_tokens=write_5m,
+        cache_write_1h_tokens=write_1h,
+        output_tokens=output,
+        reasoning_tokens=reasoning,
+    )
+
+
+def openai_usage(usage: Usage) -> dict[str, Any]:
+    """`Usage` in the OpenAI shape: cache reads inside `prompt_tokens`, as OpenAI reports them.
+
+    Cache writes have no OpenAI field; they are counted in `prompt_tokens` and also reported as
+    `prompt_tokens_details.cache_write_tokens` (an addition clients ignore unless they look for it).
+    """
+    prompt_details: dict[str, int] = {"cached_tokens": usage.cached_input_tokens}
+    if usage.cache_write_tokens:
+        prompt_details["cache_write_tokens"] = usage.cache_write_tokens
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.output_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": prompt_details,
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+    }
+
+
+def anthropic_usage(usage: Usage) -> dict[str, Any]:
+    """`Usage` in the Anthropic shape: cache reads and writes beside the uncached `input_tokens`."""
+    return {
+        "input_tokens": usage.input_tokens,
+        "cache_creation_input_tokens": usage.cache_write_tokens,
+        "cache_read_input_tokens": usage.cached_input_tokens,
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": usage.cache_write_5m_tokens,
+            "ephemeral_1h_input_tokens": usage.cache_write_1h_tokens,
+        },
+        "output_tokens": usage.output_tokens,
+    }

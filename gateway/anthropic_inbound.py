@@ -1,0 +1,391 @@
+"""The Anthropic Messages API inbound: requests into the canonical shape, and canonical responses and
+stream chunks back into Messages responses and the full event sequence (message_start, ping,
+content_block_start/delta/stop, message_delta with usage, message_stop)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import msgspec
+
+from gateway.errors import GatewayError, InvalidRequest, encode_anthropic_error
+from gateway.providers.base import new_id, parse_arguments
+from gateway.types import (
+    Base,
+    ChatChunk,
+    ChatRequest,
+    ChatResponse,
+    ContentPart,
+    FunctionCall,
+    FunctionDefinition,
+    ImagePart,
+    ImageURL,
+    Message,
+    NamedToolChoice,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolChoiceFunction,
+)
+from gateway.usage import Usage, anthropic_usage
+
+CacheControl = dict[str, Any] | None
+
+STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "content_filter": "refusal",
+}
+
+
+# --- the Messages request ------------------------------------------------------------------------
+
+
+class ImageSource(Base):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class TextBlock(Base, tag="text", tag_field="type"):
+    text: str
+    cache_control: CacheControl = None
+
+
+class ImageBlock(Base, tag="image", tag_field="type"):
+    source: ImageSource
+    cache_control: CacheControl = None
+
+
+class ToolUseBlock(Base, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+
+
+class ToolResultBlock(Base, tag="tool_result", tag_field="type"):
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl = None
+
+
+class ThinkingBlock(Base, tag="thinking", tag_field="type"):
+    thinking: str = ""
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(Base, tag="redacted_thinking", tag_field="type"):
+    data: str = ""
+
+
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+
+
+class InboundMessage(Base):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class InboundTool(Base):
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    cache_control: CacheControl = None
+
+
+class InboundToolChoice(Base):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(Base):
+    user_id: str | None = None
+
+
+class MessagesRequest(Base):
+    model: str
+    messages: list[InboundMessage]
+    max_tokens: int
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = None
+    tools: list[InboundTool] | None = None
+    tool_choice: InboundToolChoice | None = None
+    metadata: Metadata | None = None
+    thinking: dict[str, Any] | None = None  # accepted; reasoning is not carried across vendors yet
+
+
+def _image(block: ImageBlock) -> ImagePart:
+    source = block.source
+    if source.type == "base64":
+        url = f"data:{source.media_type or 'image/png'};base64,{source.data or ''}"
+    else:
+        url = source.url or ""
+    return ImagePart(image_url=ImageURL(url=url), cache_control=block.cache_control)
+
+
+def _parts(blocks: list[TextBlock | ImageBlock]) -> list[ContentPart]:
+    return [
+        TextPart(text=b.text, cache_control=b.cache_control) if isinstance(b, TextBlock) else _image(b)
+        for b in blocks
+    ]
+
+
+def _user_messages(content: list[Block], where: str) -> list[Message]:
+    # Tool results become OpenAI tool messages, which must follow the assistant turn directly: they
+    # come first, then whatever else the user said in the same turn.
+    results: list[Message] = []
+    parts: list[ContentPart] = []
+    for i, block in enumerate(content):
+        if isinstance(block, ToolResultBlock):
+            if block.content is None or isinstance(block.content, str):
+                result_content: str | list[ContentPart] = block.content or ""
+            else:
+                result_content = _parts(block.content)
+            if block.is_error and isinstance(result_content, str):
+                result_content = f"Error: {result_content}"
+            results.append(
+                Message(
+                    role="tool",
+                    tool_call_id=block.tool_use_id,
+                    content=result_content,
+                    cache_control=block.cache_control,
+                )
+            )
+        elif isinstance(block, TextBlock):
+            parts.append(TextPart(text=block.text, cache_control=block.cache_control))
+        elif isinstance(block, ImageBlock):
+            parts.append(_image(block))
+        else:
+            raise InvalidRequest(
+                f"a user message cannot hold a {type(block).__name__}", param=f"{where}.content[{i}]"
+            )
+    if parts:
+        results.append(Message(role="user", content=parts))
+    return results
+
+
+def _assistant_message(content: list[Block]) -> Message:
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    cache_control = None
+    for block in content:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+            cache_control = block.cache_control or cache_control
+        elif isinstance(block, ToolUseBlock):
+            arguments = msgspec.json.encode(block.input).decode()
+            calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name, arguments=arguments)))
+            cache_control = block.cache_control or cache_control
+        # thinking blocks from earlier turns are dropped: other vendors cannot verify their signatures
+    return Message(
+        role="assistant",
+        content="".join(texts) if texts else None,
+        tool_calls=calls or None,
+        cache_control=cache_control,
+    )
+
+
+def to_canonical(request: MessagesRequest) -> ChatRequest:
+    messages: list[Message] = []
+    if isinstance(request.system, str):
+        messages.append(Message(role="system", content=request.system))
+    elif request.system:
+        messages.append(Message(role="system", content=_parts(list(request.system))))
+    for i, message in enumerate(request.messages):
+        where = f"messages[{i}]"
+        if isinstance(message.content, str):
+            messages.append(Message(role=message.role, content=message.content))
+        elif message.role == "user":
+            messages.extend(_user_messages(message.content, where))
+        else:
+            messages.append(_assistant_message(message.content))
+    tools = None
+    if request.tools:
+        tools = [
+            Tool(
+                function=FunctionDefinition(
+                    name=t.name, description=t.description, parameters=t.input_schema
+                ),
+                cache_control=t.cache_control,
+            )
+            for t in request.tools
+        ]
+    tool_choice: Any = None
+    parallel = None
+    if request.tool_choice is not None:
+        kind = request.tool_choice.type
+        if kind == "tool":
+            if not request.tool_choice.name:
+                raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice.name")
+            tool_choice = NamedToolChoice(function=ToolChoiceFunction(name=request.tool_choice.name))
+        else:
+            tool_choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        if request.tool_choice.disable_parallel_tool_use:
+            parallel = False
+    extra = {"top_k": request.top_k} if request.top_k is not None else {}
+    return ChatRequest(
+        model=request.model,
+        messages=messages,
+        max_tokens=request.max_tokens,
+        stop=request.stop_sequences,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stream=request.stream,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
+        user=request.metadata.user_id if request.metadata else None,
+        extra=extra,
+    )
+
+
+# --- responses -----------------------------------------------------------------------------------
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        return parse_arguments(arguments, "tool_calls")
+    except InvalidRequest:
+        return {"_raw": arguments}  # the backend produced arguments that are not a JSON object
+
+
+def from_canonical(response: ChatResponse, model: str) -> dict[str, Any]:
+    choice = response.choices[0] if response.choices else None
+    content: list[dict[str, Any]] = []
+    stop_reason = "end_turn"
+    if choice is not None:
+        if choice.message.content:
+            content.append({"type": "text", "text": choice.message.content})
+        for call in choice.message.tool_calls or ():
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": call.id,
+                    "name": call.function.name,
+                    "input": _tool_input(call.function.arguments),
+                }
+            )
+        stop_reason = STOP_REASONS.get(choice.finish_reason or "stop", "end_turn")
+    message_id = response.id if response.id.startswith("msg_") else new_id("msg_")
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": anthropic_usage(response.usage),
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+async def stream_events(chunks: AsyncIterator[ChatChunk], model: str) -> AsyncIterator[bytes]:
+    """Canonical chunks as Anthropic's event sequence. Usage is only final at the end of an upstream
+    stream, so message_start reports zeros and message_delta carries the whole usage."""
+    message_id = new_id("msg_")
+    start = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": anthropic_usage(Usage()),
+    }
+    yield _event("message_start", {"type": "message_start", "message": start})
+    yield _event("ping", {"type": "ping"})
+    index = -1
+    open_kind: str | None = None  # "text" or "tool"
+    tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> content block index
+    finish: str | None = None
+    usage = Usage()
+
+    def close_block() -> bytes | None:
+        nonlocal open_kind
+        if open_kind is None:
+            return None
+        open_kind = None
+        return _event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+    try:
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices[:1]:
+                delta = choice.delta
+                if delta.content:
+                    if open_kind != "text":
+                        if (stop := close_block()) is not None:
+                            yield stop
+                        index += 1
+                        open_kind = "text"
+                        block = {"type": "text", "text": ""}
+                        yield _event(
+                            "content_block_start",
+                            {"type": "content_block_start", "index": index, "content_block": block},
+                        )
+                    text_delta = {"type": "text_delta", "text": delta.content}
+                    yield _event(
+                        "content_block_delta",
+                        {"type": "content_block_delta", "index": index, "delta": text_delta},
+                    )
+                for call in delta.tool_calls or ():
+                    if call.index not in tool_blocks:
+                        if (stop := close_block()) is not None:
+                            yield stop
+                        index += 1
+                        open_kind = "tool"
+                        tool_blocks[call.index] = index
+                        name = call.function.name if call.function else ""
+                        block = {
+                            "type": "tool_use",
+                            "id": call.id or new_id("toolu_"),
+                            "name": name or "",
+                            "input": {},
+                        }
+                        yield _event(
+                            "content_block_start",
+                            {"type": "content_block_start", "index": index, "content_block": block},
+                        )
+                    arguments = call.function.arguments if call.function else None
+                    if arguments:
+                        json_delta = {"type": "input_json_delta", "partial_json": arguments}
+                        event = {
+                            "type": "content_block_delta",
+                            "index": tool_blocks[call.index],
+                            "delta": json_delta,
+                        }
+                        yield _event("content_block_delta", event)
+                if choice.finish_reason:
+                    finish = choice.finish_reason
+    except GatewayError as exc:
+        yield b"event: error\ndata: " + encode_anthropic_error(exc) + b"\n\n"
+        return
+    if (stop := close_block()) is not None:
+        yield stop
+    final_usage = anthropic_usage(usage)
+    stop_reason = STOP_REASONS.get(finish or "stop", "end_turn")
+    yield _event(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+            "usage": final_usage,
+        },
+    )
+    yield _event("message_stop", {"type": "message_stop"})

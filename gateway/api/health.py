@@ -1,0 +1,33 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, Response, get
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.api.common import json_response, runtime
+
+
+@get("/healthz")
+async def healthz() -> Response[Any]:
+    return json_response({"status": "ok"})
+
+
+@get("/readyz")
+async def readyz(request: Request[Any, Any, Any]) -> Response[Any]:
+    gateway = runtime(request)
+    engines = {engine.backend.name: engine.healthy for engine in gateway.engines}
+    ready = gateway.ready
+    return json_response(
+        {"status": "ready" if ready else "starting", "engines": engines}, 200 if ready else 503
+    )
+
+
+@get("/metrics")
+async def metrics(request: Request[Any, Any, Any]) -> Response[Any]:
+    return Response(runtime(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+ROUTES = [healthz, readyz, metrics]

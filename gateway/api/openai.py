@@ -1,0 +1,252 @@
+"""The OpenAI-shaped API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+
+from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
+from gateway.errors import GatewayError, InvalidRequest, encode_openai_error
+from gateway.pipeline import Call
+from gateway.providers import openai as openai_provider
+from gateway.router_basic import Target
+from gateway.runtime import Gateway
+from gateway.types import ChatChunk, ChatRequest, ChatResponse, CompletionRequest, EmbeddingRequest, Message
+from gateway.usage import openai_usage
+
+_encode = msgspec.json.Encoder().encode
+_DONE = b"data: [DONE]\n\n"
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+
+def render_chat(response: ChatResponse) -> dict[str, Any]:
+    data = msgspec.to_builtins(response)
+    data["object"] = "chat.completion"
+    data["usage"] = openai_usage(response.usage)
+    for choice in data["choices"]:
+        choice["message"].setdefault("content", None)
+        choice.setdefault("finish_reason", None)
+    return data
+
+
+def render_chunk(chunk: ChatChunk) -> bytes:
+    data = msgspec.to_builtins(chunk)
+    data["object"] = "chat.completion.chunk"
+    if chunk.usage is not None:
+        data["usage"] = openai_usage(chunk.usage)
+    for choice in data["choices"]:
+        choice.setdefault("finish_reason", None)
+    return b"data: " + _encode(data) + b"\n\n"
+
+
+def _sse_error(error: GatewayError) -> bytes:
+    # The OpenAI SDKs raise APIError when a stream event carries an `error` object.
+    return b"data: " + encode_openai_error(error) + b"\n\n"
+
+
+async def chat_sse(chunks: AsyncIterator[ChatChunk], include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            if chunk.usage is not None and not include_usage:
+                continue  # Weir always asks for usage (accounting); the client did not
+            yield render_chunk(chunk)
+    except GatewayError as exc:
+        yield _sse_error(exc)
+        return
+    yield _DONE
+
+
+def _validate_chat(request: ChatRequest) -> None:
+    if not request.messages:
+        raise InvalidRequest("'messages' must contain at least one message.", param="messages")
+    if request.n is not None and request.n < 1:
+        raise InvalidRequest("'n' must be at least 1.", param="n")
+    limit = request.output_limit
+    if limit is not None and limit < 1:
+        name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        raise InvalidRequest(f"'{name}' must be at least 1.", param=name)
+    for i, message in enumerate(request.messages):
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidRequest(
+                "Messages with role 'tool' need a 'tool_call_id'.", param=f"messages[{i}].tool_call_id"
+            )
+
+
+def _target(gateway: Gateway, call: Call, model: str, stream: bool | None) -> Target:
+    call.info.model = model
+    call.info.stream = bool(stream)
+    return gateway.models.resolve(model, call.principal)[0]
+
+
+async def run_chat(
+    gateway: Gateway, call: Call, request: ChatRequest
+) -> ChatResponse | AsyncIterator[ChatChunk]:
+    """The chat pipeline for any inbound API: a canonical response, or a stream of canonical chunks."""
+    target = _target(gateway, call, request.model, request.stream)
+    upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
+    if request.stream:
+        decoder = target.provider.chat_stream(target.upstream_model)
+        return await gateway.pipeline.stream(call, target, upstream, decoder)
+    return await gateway.pipeline.exchange(call, target, upstream, target.provider.chat_response)
+
+
+# --- handlers ------------------------------------------------------------------------------------
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    gateway, call = await begin(request, "chat")
+    chat = await parse_body(request, ChatRequest)
+    _validate_chat(chat)
+    result = await run_chat(gateway, call, chat)
+    if isinstance(result, ChatResponse):
+        return json_response(render_chat(result))
+    include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+    return Stream(chat_sse(result, include_usage), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _completion_as_chat(request: CompletionRequest) -> ChatRequest:
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise InvalidRequest("this model takes a single text prompt", param="prompt")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidRequest("this model takes a text prompt, not token ids", param="prompt")
+    return ChatRequest(
+        model=request.model,
+        messages=[Message(role="user", content=prompt)],
+        stream=request.stream,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stop=request.stop,
+        seed=request.seed,
+        n=request.n,
+        user=request.user,
+    )
+
+
+def _text_choices(choices: list[Any], delta: bool) -> list[dict[str, Any]]:
+    result = []
+    for choice in choices:
+        text = (choice.delta.content if delta else choice.message.content) or ""
+        result.append(
+            {"index": choice.index, "text": text, "finish_reason": choice.finish_reason, "logprobs": None}
+        )
+    return result
+
+
+async def _completion_sse(
+    chunks: AsyncIterator[Any], include_usage: bool, native: bool
+) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            if native:
+                data = chunk.data
+            else:
+                data = {
+                    "id": chunk.id,
+                    "object": "text_completion",
+                    "created": chunk.created,
+                    "model": chunk.model,
+                    "choices": _text_choices(chunk.choices, delta=True),
+                }
+            if chunk.usage is not None:
+                if not include_usage:
+                    continue
+                data["usage"] = openai_usage(chunk.usage)
+            yield b"data: " + _encode(data) + b"\n\n"
+    except GatewayError as exc:
+        yield _sse_error(exc)
+        return
+    yield _DONE
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    gateway, call = await begin(request, "completions")
+    body = await parse_body(request, CompletionRequest)
+    target = _target(gateway, call, body.model, body.stream)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if target.provider.native_completions:
+        upstream = openai_provider.completions_request(target.backend, body, target.upstream_model)
+        if body.stream:
+            decoder = openai_provider.CompletionStream(target.upstream_model)
+            chunks = await gateway.pipeline.stream(call, target, upstream, decoder)
+            return Stream(
+                _completion_sse(chunks, include_usage, True),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        raw = await gateway.pipeline.exchange(call, target, upstream, openai_provider.completions_response)
+        data = raw.data
+        if raw.usage is not None:
+            data["usage"] = openai_usage(raw.usage)
+        return json_response(data)
+    chat = _completion_as_chat(body)
+    upstream = target.provider.chat_request(target.backend, chat, target.upstream_model)
+    if body.stream:
+        decoder = target.provider.chat_stream(target.upstream_model)
+        chunks = await gateway.pipeline.stream(call, target, upstream, decoder)
+        return Stream(
+            _completion_sse(chunks, include_usage, False), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    response = await gateway.pipeline.exchange(call, target, upstream, target.provider.chat_response)
+    return json_response(
+        {
+            "id": response.id,
+            "object": "text_completion",
+            "created": response.created,
+            "model": response.model,
+            "choices": _text_choices(response.choices, delta=False),
+            "usage": openai_usage(response.usage),
+        }
+    )
+
+
+@post("/v1/embeddings", status_code=200)
+async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
+    gateway, call = await begin(request, "embeddings")
+    body = await parse_body(request, EmbeddingRequest)
+    target = _target(gateway, call, body.model, False)
+    provider = target.provider
+    if provider.embeddings_request is None or provider.embeddings_response is None:
+        raise InvalidRequest(
+            f"The model `{body.model}` does not support embeddings ({provider.name} backend).", param="model"
+        )
+    upstream = provider.embeddings_request(target.backend, body, target.upstream_model)
+    response = await gateway.pipeline.exchange(call, target, upstream, provider.embeddings_response)
+    data = msgspec.to_builtins(response)
+    data["object"] = "list"
+    usage = response.usage
+    data["usage"] = {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}
+    return json_response(data)
+
+
+@get("/v1/models")
+async def list_models(request: Request[Any, Any, Any]) -> Response[Any]:
+    gateway, call = await begin(request, "models")
+    data = [
+        {"id": target.model.name, "object": "model", "created": 0, "owned_by": target.backend.name}
+        for target in gateway.models.visible_to(call.principal)
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+@get("/v1/models/{model_id:path}")
+async def get_model(request: Request[Any, Any, Any], model_id: str) -> Response[Any]:
+    gateway, call = await begin(request, "models")
+    target = gateway.models.resolve(model_id.lstrip("/"), call.principal)[0]
+    return json_response(
+        {"id": target.model.name, "object": "model", "created": 0, "owned_by": target.backend.name}
+    )
+
+
+ROUTES = [chat_completions, completions, embeddings, list_models, get_model]

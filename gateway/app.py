@@ -1,0 +1,89 @@
+"""The Litestar application: `create_app(config)`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import structlog
+from litestar import Litestar, Request, Response
+from litestar.exceptions import HTTPException
+
+from gateway.api import ROUTES
+from gateway.api.anthropic import PATH as MESSAGES_PATH
+from gateway.auth import Authenticator
+from gateway.config import Config
+from gateway.errors import GatewayError, PayloadTooLarge, encode_anthropic_error, encode_openai_error
+from gateway.middleware import request_middleware
+from gateway.runtime import Gateway
+from gateway.usage_sink import UsageSink
+
+log = structlog.get_logger("weir.gateway")
+
+
+def _error_response(request: Request[Any, Any, Any], error: GatewayError) -> Response[bytes]:
+    anthropic = request.url.path == MESSAGES_PATH
+    body = encode_anthropic_error(error) if anthropic else encode_openai_error(error)
+    state = request.scope.get("state", {})
+    info = state.get("weir") if isinstance(state, dict) else None
+    if info is not None and info.error is None:
+        info.error = error.type
+    return Response(body, status_code=error.status, media_type="application/json", headers=error.headers)
+
+
+def _on_gateway_error(request: Request[Any, Any, Any], exc: GatewayError) -> Response[bytes]:
+    return _error_response(request, exc)
+
+
+def _on_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
+    # Litestar's own errors (unknown route, wrong method, body too large) in the client's error shape.
+    if exc.status_code == 413:
+        error: GatewayError = PayloadTooLarge("Request body too large.")
+    else:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        error = GatewayError(str(exc.detail), status=exc.status_code, type="invalid_request_error", code=kind)
+    return _error_response(request, error)
+
+
+def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    # Never a stack trace to the client; the log has it.
+    info = request.scope.get("state", {}).get("weir")
+    log.error("unhandled_error", request_id=getattr(info, "request_id", None), exc_info=exc)
+    return _error_response(request, GatewayError("The server had an error while processing your request."))
+
+
+def create_app(
+    config: Config,
+    *,
+    authenticator: Authenticator | None = None,
+    usage_sink: UsageSink | None = None,
+) -> Litestar:
+    """The gateway app. `authenticator` (default: the config's tenants) and `usage_sink` (default:
+    metrics and logs only) are the seams the admin DB and accounting plug into."""
+    gateway = Gateway(config, authenticator=authenticator, usage_sink=usage_sink)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = Litestar(
+        route_handlers=ROUTES,
+        middleware=[request_middleware(gateway.metrics)],
+        exception_handlers={
+            GatewayError: _on_gateway_error,
+            HTTPException: _on_http_exception,
+            Exception: _on_unexpected,
+        },
+        lifespan=[lifespan],
+        request_max_body_size=config.server.max_body_bytes,
+        openapi_config=None,
+        logging_config=None,
+        debug=False,
+    )
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,188 @@
+"""The gateway's YAML configuration: `${VAR}` / `${VAR:-default}` interpolation, then msgspec validation.
+
+Interpolation runs on the parsed YAML values (never on the raw text), so a value taken from the
+environment can never change the file's structure, and every error names the key path it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+BackendType = Literal["openai", "anthropic", "gemini", "engine"]
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+class Price(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """USD per 1M tokens, by token class (see gateway.usage.Usage)."""
+
+    input: Decimal = Decimal(0)
+    cached_input: Decimal | None = None  # None: cache reads cost the full input price
+    cache_write_5m: Decimal | None = None
+    cache_write_1h: Decimal | None = None
+    output: Decimal = Decimal(0)
+
+
+class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    connect: float = 10.0  # seconds to open a connection to the backend
+    first_byte: float = 120.0  # seconds until the backend sends its response headers
+    read: float = 300.0  # seconds of silence allowed between two chunks of a stream
+
+
+class Backend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    type: BackendType
+    base_url: str | None = None  # engine: the running engine's URL (alias `url`)
+    url: str | None = None
+    api_key: str | None = None
+    headers: dict[str, str] = {}  # extra headers on every upstream request (e.g. Azure's `api-key`)
+    query: dict[str, str] = {}  # extra query parameters (e.g. Azure's `api-version`)
+    timeouts: Timeouts = Timeouts()
+    anthropic_version: str = "2023-06-01"
+    # type: engine without url: Weir starts and supervises `weir engine serve --model M --port P`.
+    model: str | None = None
+    port: int | None = None
+    command: list[str] | None = None  # overrides the engine command line (tests, custom builds)
+    startup_timeout: float = 600.0
+
+
+class Model(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str  # the public name clients send as `model`
+    backend: str
+    model: str | None = None  # upstream model id; defaults to `name`
+    price: Price = Price()
+
+    @property
+    def upstream_model(self) -> str:
+        return self.model or self.name
+
+
+class Tenant(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    api_keys: list[str] = []
+    models: list[str] | None = None  # public model names this tenant may use; None: all
+
+
+class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 20 * 1024 * 1024  # larger request bodies get 413
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    backends: list[Backend] = []
+    models: list[Model] = []
+    tenants: list[Tenant] | None = None  # None: no authentication (local development only)
+    server: Server = Server()
+
+    def backend(self, name: str) -> Backend:
+        for backend in self.backends:
+            if backend.name == name:
+                return backend
+        raise KeyError(name)
+
+
+def interpolate(value: Any, env: Mapping[str, str], path: str = "$") -> Any:
+    """Replace `${VAR}` and `${VAR:-default}` in every string of a parsed YAML tree."""
+    if isinstance(value, str):
+
+        def substitute(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in env and (env[name] != "" or default is None):
+                return env[name]
+            if default is not None:
+                return default
+            raise ConfigError(
+                f"{_show(path)}: environment variable {name} is not set "
+                f"(write ${{{name}:-}} to allow it to be empty)"
+            )
+
+        return _VAR.sub(substitute, value)
+    if isinstance(value, list):
+        return [interpolate(item, env, f"{path}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        return {key: interpolate(item, env, f"{path}.{key}") for key, item in value.items()}
+    return value
+
+
+def parse_config(text: str, env: Mapping[str, str] | None = None) -> Config:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError("the configuration must be a mapping at the top level")
+    raw = interpolate(raw, os.environ if env is None else env)
+    try:
+        config = msgspec.convert(raw, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    _check_references(config)
+    return config
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    return parse_config(text, env)
+
+
+def _check_references(config: Config) -> None:
+    backends: set[str] = set()
+    for i, backend in enumerate(config.backends):
+        where = f"backends[{i}]"
+        if backend.name in backends:
+            raise ConfigError(f"{where}.name: duplicate backend name {backend.name!r}")
+        backends.add(backend.name)
+        if backend.type == "engine":
+            if not (backend.url or backend.base_url or backend.model):
+                raise ConfigError(f"{where}: an engine backend needs `url` or `model`")
+        elif not backend.base_url:
+            raise ConfigError(f"{where}.base_url: required for a {backend.type} backend")
+    names: set[str] = set()
+    for i, model in enumerate(config.models):
+        if model.name in names:
+            raise ConfigError(f"models[{i}].name: duplicate model name {model.name!r}")
+        names.add(model.name)
+        if model.backend not in backends:
+            raise ConfigError(f"models[{i}].backend: no backend named {model.backend!r}")
+    keys: set[str] = set()
+    for i, tenant in enumerate(config.tenants or []):
+        for j, key in enumerate(tenant.api_keys):
+            if not key:
+                raise ConfigError(f"tenants[{i}].api_keys[{j}]: empty API key")
+            if key in keys:
+                raise ConfigError(f"tenants[{i}].api_keys[{j}]: the same key is given to two tenants")
+            keys.add(key)
+        for j, name in enumerate(tenant.models or []):
+            if name not in names:
+                raise ConfigError(f"tenants[{i}].models[{j}]: no model named {name!r}")
+
+
+def _show(path: str) -> str:
+    return path.removeprefix("$.").removeprefix("$")
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    # msgspec says "Expected `int`, got `str` - at `$.server.port`"; lead with the key path instead.
+    message = str(exc)
+    match = re.search(r" - at `(.*)`$", message)
+    if match:
+        return f"{_show(match.group(1))}: {message[: match.start()]}"
+    return message

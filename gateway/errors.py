@@ -1,0 +1,145 @@
+"""Errors as types, and how each renders for the client's API (OpenAI's or Anthropic's error shape)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class GatewayError(Exception):
+    """An error the client sees: its HTTP status and the fields of the OpenAI error object."""
+
+    status: int = 500
+    type: str = "api_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        self.headers = headers or {}
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationFailed(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UpstreamError(GatewayError):
+    """A backend answered with an error; 4xx keep the vendor's status and message."""
+
+    type = "upstream_error"
+
+
+class BadGateway(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "bad_gateway"
+
+
+class BackendUnavailable(GatewayError):
+    status = 503
+    type = "upstream_error"
+    code = "backend_unavailable"
+
+
+class GatewayTimeout(GatewayError):
+    status = 504
+    type = "upstream_error"
+    code = "timeout"
+
+
+# Anthropic names its error types by status; https://docs.anthropic.com/en/api/errors
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def openai_error_body(error: GatewayError) -> dict[str, Any]:
+    return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+
+
+def anthropic_error_body(error: GatewayError) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def encode_openai_error(error: GatewayError) -> bytes:
+    return msgspec.json.encode(openai_error_body(error))
+
+
+def encode_anthropic_error(error: GatewayError) -> bytes:
+    return msgspec.json.encode(anthropic_error_body(error))
+
+
+def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> InvalidRequest:
+    """A msgspec validation error as a 400 that names the parameter (`messages[0].role`)."""
+    text = str(exc)
+    param = None
+    marker = " - at `$"
+    at = text.rfind(marker)
+    if at != -1:
+        param = text[at + len(marker) :].rstrip("`").lstrip(".")
+        text = text[:at]
+    if param is not None and prefix:
+        param = f"{prefix}.{param}" if param else prefix
+    message = f"Invalid value for '{param}': {text}" if param else f"Invalid request: {text}"
+    # msgspec says "Object missing required field `messages`": the field is the parameter.
+    if text.startswith("Object missing required field `"):
+        field = text.split("`")[1]
+        param = f"{param}.{field}" if param else field
+        message = f"Missing required parameter: '{param}'."
+    return InvalidRequest(message, param=param)

@@ -1,0 +1,97 @@
+"""Per-request bookkeeping as plain ASGI: a request id (echoed in `x-request-id`), one structlog line
+per API request when its last byte is sent (streams included), and the request metrics."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+import structlog
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.metrics import Metrics
+from gateway.pipeline import RequestInfo
+
+log = structlog.get_logger("weir.request")
+
+_VALID_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def _incoming_id(scope: Scope) -> bytes | None:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            return value if _VALID_ID.match(value) else None
+    return None
+
+
+def request_middleware(metrics: Metrics) -> Any:
+    def factory(app: ASGIApp) -> ASGIApp:
+        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            raw_id = _incoming_id(scope) or uuid.uuid4().hex.encode()
+            info = RequestInfo(request_id=raw_id.decode())
+            scope.setdefault("state", {})["weir"] = info  # type: ignore[typeddict-unknown-key]
+            api = scope["path"].startswith("/v1/")
+            started = time.perf_counter()
+            status = 500
+            done = False
+
+            def finish() -> None:
+                nonlocal done
+                done = True
+                if not api:
+                    return
+                elapsed = time.perf_counter() - started
+                labels = (info.endpoint or "unknown", info.backend or "none", info.model or "none")
+                metrics.requests.labels(*labels, str(status)).inc()
+                metrics.latency.labels(*labels).observe(elapsed)
+                usage = info.usage
+                log.info(
+                    "request",
+                    request_id=info.request_id,
+                    method=scope["method"],
+                    path=scope["path"],
+                    status=status,
+                    duration_ms=round(elapsed * 1000, 3),
+                    ttft_ms=round(info.ttft * 1000, 3) if info.ttft is not None else None,
+                    endpoint=info.endpoint or None,
+                    tenant=info.tenant,
+                    model=info.model or None,
+                    backend=info.backend or None,
+                    stream=info.stream,
+                    input_tokens=usage.input_tokens if usage else None,
+                    cached_input_tokens=usage.cached_input_tokens if usage else None,
+                    cache_write_tokens=usage.cache_write_tokens if usage else None,
+                    output_tokens=usage.output_tokens if usage else None,
+                    error=info.error,
+                )
+
+            async def send_wrapper(message: Message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                    message["headers"] = [*message.get("headers", ()), (b"x-request-id", raw_id)]
+                    await send(message)
+                    return
+                await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    finish()
+
+            if api:
+                metrics.in_flight.inc()
+            try:
+                await app(scope, receive, send_wrapper)
+            finally:
+                if api:
+                    metrics.in_flight.dec()
+                if not done:
+                    status = 499 if status < 400 else status  # the client left before the last byte
+                    finish()
+
+        return middleware
+
+    return factory

@@ -1,0 +1,225 @@
+"""One upstream attempt, from translated request to canonical result, with its usage event.
+
+The API layer resolves targets and calls these; the routing executor (retries, fallback) will call
+them once per attempt. Every attempt ends in exactly one UsageEvent, whatever happens to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from gateway.accounting.events import UsageEvent
+from gateway.accounting.money import usd_per_mtok_to_micro
+from gateway.accounting.pricing import TokenClass, price_usage
+from gateway.auth import Principal
+from gateway.config import Model
+from gateway.errors import GatewayError
+from gateway.metrics import Metrics
+from gateway.providers.base import StreamDecoder, UpstreamRequest
+from gateway.router_basic import Target
+from gateway.transport import MAX_RESPONSE_BODY, Transport
+from gateway.usage import Usage
+from gateway.usage_sink import UsageSink
+
+
+class HasUsage(Protocol):
+    @property
+    def usage(self) -> Usage | None: ...
+
+
+R = TypeVar("R", bound=HasUsage)
+C = TypeVar("C", bound=HasUsage)
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """What the request log line and the metrics say about one request; filled in as it goes."""
+
+    request_id: str
+    endpoint: str = ""
+    model: str = ""
+    backend: str = ""
+    tenant: str | None = None
+    stream: bool = False
+    usage: Usage | None = None
+    ttft: float | None = None  # seconds
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request as the pipeline sees it."""
+
+    info: RequestInfo
+    principal: Principal
+    endpoint: str
+    started: float = field(default_factory=time.perf_counter)
+
+
+def price_sheet(model: Model) -> dict[TokenClass, int]:
+    price = model.price
+    sheet = {
+        TokenClass.INPUT: usd_per_mtok_to_micro(price.input),
+        TokenClass.OUTPUT: usd_per_mtok_to_micro(price.output),
+    }
+    for token_class, value in (
+        (TokenClass.CACHED_INPUT, price.cached_input),
+        (TokenClass.CACHE_WRITE_5M, price.cache_write_5m),
+        (TokenClass.CACHE_WRITE_1H, price.cache_write_1h),
+    ):
+        if value is not None:
+            sheet[token_class] = usd_per_mtok_to_micro(value)
+    return sheet
+
+
+class Pipeline:
+    def __init__(self, transport: Transport, sink: UsageSink, metrics: Metrics, models: list[Model]) -> None:
+        self.transport = transport
+        self.sink = sink
+        self.metrics = metrics
+        self.prices = {model.name: price_sheet(model) for model in models}
+
+    async def exchange(
+        self,
+        call: Call,
+        target: Target,
+        upstream: UpstreamRequest,
+        parse: Callable[[bytes, str], R],
+        attempt: int = 1,
+    ) -> R:
+        """A non-streaming attempt: send, read, translate."""
+        started_at, t0 = time.time(), time.perf_counter()
+        status, usage, failure = 0, Usage(), None
+        backend = target.backend
+        try:
+            response = await self.transport.send(upstream, backend.timeouts, backend.name)
+            status = response.status
+            body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
+            if status >= 400:
+                raise target.provider.error(status, body, response.headers)
+            result = parse(body, target.upstream_model)
+            usage = result.usage or usage
+            return result
+        except GatewayError as exc:
+            failure = exc.type
+            if 0 < status < 400:  # answered, then broke: the attempt failed as the client saw it
+                status = exc.status
+            raise
+        finally:
+            self._record(
+                call, target, attempt, started_at, t0, usage, status, failure, ttft=None, stream=False
+            )
+
+    async def stream(
+        self, call: Call, target: Target, upstream: UpstreamRequest, decoder: StreamDecoder, attempt: int = 1
+    ) -> AsyncIterator[Any]:
+        """A streaming attempt. Errors before the first chunk raise here, so the API can still answer
+        with an HTTP error status (and the router can fail over invisibly); later ones raise mid-stream."""
+        chunks = self._stream(call, target, upstream, decoder, attempt)
+        try:
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            return _empty()
+        return _prepend(first, chunks)
+
+    async def _stream(
+        self, call: Call, target: Target, upstream: UpstreamRequest, decoder: StreamDecoder, attempt: int
+    ) -> AsyncIterator[Any]:
+        started_at, t0 = time.time(), time.perf_counter()
+        status, usage, failure, ttft = 0, Usage(), None, None
+        backend = target.backend
+        try:
+            response = await self.transport.send(upstream, backend.timeouts, backend.name)
+            status = response.status
+            if status >= 400:
+                body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
+                raise target.provider.error(status, body, response.headers)
+            async for event, data in self.transport.events(response, backend.name):
+                for chunk in decoder.feed(event, data):
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    elif ttft is None:
+                        ttft = time.perf_counter() - t0
+                        call.info.ttft = ttft
+                    yield chunk
+            for chunk in decoder.close():
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                yield chunk
+        except GatewayError as exc:
+            failure = exc.type
+            if 0 < status < 400:  # answered, then broke: the attempt failed as the client saw it
+                status = exc.status
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            failure, status = "client_disconnected", 499  # the client went away mid-stream
+            raise
+        finally:
+            self._record(
+                call, target, attempt, started_at, t0, usage, status, failure, ttft=ttft, stream=True
+            )
+
+    def _record(
+        self,
+        call: Call,
+        target: Target,
+        attempt: int,
+        started_at: float,
+        t0: float,
+        usage: Usage,
+        status: int,
+        failure: str | None,
+        *,
+        ttft: float | None,
+        stream: bool,
+    ) -> None:
+        info = call.info
+        info.backend, info.usage = target.backend.name, usage
+        if failure is not None:
+            info.error = failure
+        labels = (call.endpoint, target.backend.name, target.model.name)
+        if ttft is not None:
+            self.metrics.ttft.labels(*labels).observe(ttft)
+        if failure is not None:
+            self.metrics.errors.labels(*labels, failure).inc()
+        cost = price_usage(usage, self.prices.get(target.model.name, {}))
+        self.sink.record(
+            UsageEvent(
+                request_id=info.request_id,
+                attempt=attempt,
+                ts=dt.datetime.fromtimestamp(started_at, dt.UTC),
+                tenant_id=call.principal.tenant_id,
+                key_id=call.principal.key_id,
+                route=target.model.name,
+                backend=target.backend.name,
+                model=target.upstream_model,
+                usage=usage,
+                prices=cost.prices,
+                cost_pico_usd=cost.cost_pico_usd,
+                savings_pico_usd=cost.savings_pico_usd,
+                latency_ms=(time.perf_counter() - t0) * 1000,
+                ttft_ms=ttft * 1000 if ttft is not None else None,
+                status=status,  # 0: the backend never answered
+                fallback=attempt > 1,
+            )
+        )
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+async def _empty() -> AsyncIterator[Any]:
+    return
+    yield

@@ -1,0 +1,377 @@
+"""Anthropic Messages API as a backend: canonical (OpenAI-shaped) chat <-> Messages requests, responses
+and the streaming event sequence. Structured output (`response_format`) is done the way Anthropic
+recommends without a beta: one forced tool whose input schema is the requested schema; its input comes
+back as the message content."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlencode
+
+import msgspec
+
+from gateway.config import Backend
+from gateway.errors import BadGateway, GatewayError, InvalidRequest
+from gateway.providers.base import (
+    Param,
+    ParamTable,
+    Provider,
+    UpstreamRequest,
+    as_list,
+    decode_json,
+    error_text,
+    json_encode,
+    now,
+    parse_arguments,
+    parse_data_url,
+    upstream_error,
+)
+from gateway.types import (
+    AssistantMessage,
+    ChatChunk,
+    ChatRequest,
+    ChatResponse,
+    Choice,
+    ChunkChoice,
+    ContentPart,
+    Delta,
+    FunctionCall,
+    FunctionCallDelta,
+    ImagePart,
+    Message,
+    TextPart,
+    ToolCall,
+    ToolCallDelta,
+)
+from gateway.usage import normalise_usage
+
+VENDOR = "anthropic"
+DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; OpenAI clients often leave it out
+JSON_TOOL = "json_response"  # the forced tool that carries structured output
+
+STOP_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+    "pause_turn": "stop",
+    "model_context_window_exceeded": "length",
+}
+
+PARAMS = ParamTable(
+    {
+        "temperature": Param("temperature"),
+        "top_p": Param("top_p"),
+        "stop": Param("stop_sequences", as_list),
+        "user": Param("metadata.user_id"),
+        "stream": Param("stream", lambda stream: True if stream else None),
+    }
+)
+
+
+def _url(backend: Backend) -> str:
+    query = f"?{urlencode(backend.query)}" if backend.query else ""
+    return f"{(backend.base_url or '').rstrip('/')}/v1/messages{query}"
+
+
+def _headers(backend: Backend) -> dict[str, str]:
+    result = {"content-type": "application/json", "anthropic-version": backend.anthropic_version}
+    if backend.api_key:
+        result["x-api-key"] = backend.api_key
+    result.update(backend.headers)
+    return result
+
+
+def _cache(block: dict[str, Any], cache_control: dict[str, Any] | None) -> dict[str, Any]:
+    if cache_control is not None:
+        block["cache_control"] = cache_control
+    return block
+
+
+def _image_block(part: ImagePart) -> dict[str, Any]:
+    data = parse_data_url(part.image_url.url)
+    if data is not None:
+        source = {"type": "base64", "media_type": data[0], "data": data[1]}
+    else:
+        source = {"type": "url", "url": part.image_url.url}
+    return _cache({"type": "image", "source": source}, part.cache_control)
+
+
+def _blocks(content: str | list[ContentPart] | None, where: str) -> list[dict[str, Any]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    blocks = []
+    for i, part in enumerate(content):
+        if isinstance(part, TextPart):
+            blocks.append(_cache({"type": "text", "text": part.text}, part.cache_control))
+        elif isinstance(part, ImagePart):
+            blocks.append(_image_block(part))
+        else:
+            raise InvalidRequest(
+                f"content parts of type '{type(part).__struct_config__.tag}' are not supported by Anthropic models",
+                param=f"{where}.content[{i}]",
+            )
+    return blocks
+
+
+def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    system: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
+
+    def append(role: str, blocks: list[dict[str, Any]], cache_control: dict[str, Any] | None) -> None:
+        if cache_control is not None and blocks:
+            blocks[-1]["cache_control"] = cache_control
+        # Anthropic wants user and assistant turns to alternate: merge neighbours of one role
+        # (consecutive tool results become one user turn, as Anthropic expects).
+        if out and out[-1]["role"] == role:
+            out[-1]["content"].extend(blocks)
+        else:
+            out.append({"role": role, "content": blocks})
+
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if message.role in ("system", "developer"):
+            blocks = _blocks(message.content, where)
+            if message.cache_control is not None and blocks:
+                blocks[-1]["cache_control"] = message.cache_control
+            system.extend(blocks)
+        elif message.role == "user":
+            append("user", _blocks(message.content, where), message.cache_control)
+        elif message.role == "assistant":
+            blocks = _blocks(message.content, where)
+            for j, call in enumerate(message.tool_calls or ()):
+                blocks.append(
+                    {
+                        "type": "tool_use",
+                        "id": call.id,
+                        "name": call.function.name,
+                        "input": parse_arguments(
+                            call.function.arguments, f"{where}.tool_calls[{j}].function.arguments"
+                        ),
+                    }
+                )
+            append("assistant", blocks, message.cache_control)
+        else:  # tool
+            if not message.tool_call_id:
+                raise InvalidRequest("tool messages need a tool_call_id", param=f"{where}.tool_call_id")
+            result: dict[str, Any] = {"type": "tool_result", "tool_use_id": message.tool_call_id}
+            if isinstance(message.content, str):
+                result["content"] = message.content
+            else:
+                result["content"] = _blocks(message.content, where)
+            append("user", [result], message.cache_control)
+    return system, out
+
+
+def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
+    choice = request.tool_choice
+    if choice is None:
+        result = None
+    elif choice == "auto":
+        result = {"type": "auto"}
+    elif choice == "required":
+        result = {"type": "any"}
+    elif choice == "none":
+        result = {"type": "none"}
+    else:
+        result = {"type": "tool", "name": choice.function.name}
+    if request.parallel_tool_calls is False and (result is None or result["type"] != "none"):
+        result = {**(result or {"type": "auto"}), "disable_parallel_tool_use": True}
+    return result
+
+
+def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    if request.n is not None and request.n > 1:
+        raise InvalidRequest("Anthropic models do not support n > 1", param="n")
+    system, messages = _messages(request.messages)
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": request.output_limit or DEFAULT_MAX_TOKENS,
+        "messages": messages,
+    }
+    if system:
+        body["system"] = system
+    PARAMS.apply(request, body)
+    if request.tools:
+        body["tools"] = [
+            _cache(
+                {
+                    "name": tool.function.name,
+                    "description": tool.function.description or "",
+                    "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
+                },
+                tool.cache_control,
+            )
+            for tool in request.tools
+        ]
+    tool_choice = _tool_choice(request)
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    form = request.response_format
+    if form is not None and form.type != "text":
+        schema = (form.json_schema.schema if form.json_schema else None) or {"type": "object"}
+        if request.tools:
+            # A forced tool would take the user's tools away: ask in words instead.
+            hint = f"Reply with only a JSON object matching this JSON schema: {json_encode(schema).decode()}"
+            body.setdefault("system", []).append({"type": "text", "text": hint})
+        else:
+            body["tools"] = [
+                {"name": JSON_TOOL, "description": "Reply with the answer.", "input_schema": schema}
+            ]
+            body["tool_choice"] = {"type": "tool", "name": JSON_TOOL}
+    return UpstreamRequest(_url(backend), _headers(backend), json_encode(body), stream=bool(request.stream))
+
+
+def chat_response(body: bytes, model: str) -> ChatResponse:
+    data = decode_json(body, "the Anthropic backend")
+    if not isinstance(data, dict) or not isinstance(data.get("content"), list):
+        raise BadGateway("the Anthropic backend returned an unexpected response")
+    text: list[str] = []
+    calls: list[ToolCall] = []
+    structured = False
+    for block in data["content"]:
+        kind = block.get("type")
+        if kind == "text":
+            text.append(block.get("text", ""))
+        elif kind == "tool_use":
+            arguments = msgspec.json.encode(block.get("input") or {}).decode()
+            if block.get("name") == JSON_TOOL:
+                text.append(arguments)
+                structured = True
+            else:
+                calls.append(
+                    ToolCall(id=block["id"], function=FunctionCall(name=block["name"], arguments=arguments))
+                )
+    finish = STOP_REASONS.get(data.get("stop_reason") or "end_turn", "stop")
+    if structured and not calls:
+        finish = "stop"
+    message = AssistantMessage(content="".join(text) if text or not calls else None, tool_calls=calls or None)
+    return ChatResponse(
+        id=data.get("id", ""),
+        created=now(),
+        model=data.get("model") or model,
+        choices=[Choice(index=0, message=message, finish_reason=finish)],
+        usage=normalise_usage(VENDOR, data.get("usage")),
+    )
+
+
+class ChatStream:
+    """Anthropic's event sequence (message_start, content_block_*, message_delta, message_stop) as chunks."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.id = ""
+        self.created = now()
+        self.usage: dict[str, Any] = {}
+        self.blocks: dict[int, tuple[str, int]] = {}  # content block index -> (kind, tool call index)
+        self.tool_calls = 0
+        self.done = False
+
+    def _chunk(self, delta: Delta, finish: str | None = None) -> ChatChunk:
+        return ChatChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)],
+        )
+
+    def feed(self, event: str | None, data: str) -> list[ChatChunk]:
+        try:
+            payload = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            raise BadGateway("the Anthropic backend sent an invalid stream event") from None
+        kind = payload.get("type", event)
+        if kind == "message_start":
+            message = payload.get("message", {})
+            self.id = message.get("id", "")
+            self.model = message.get("model") or self.model
+            self.usage = dict(message.get("usage") or {})
+            return [self._chunk(Delta(role="assistant", content=""))]
+        if kind == "content_block_start":
+            block = payload.get("content_block", {})
+            index = payload.get("index", 0)
+            if block.get("type") == "tool_use":
+                if block.get("name") == JSON_TOOL:
+                    self.blocks[index] = ("json", -1)
+                    return []
+                call = self.tool_calls
+                self.tool_calls += 1
+                self.blocks[index] = ("tool", call)
+                delta = ToolCallDelta(
+                    index=call,
+                    id=block.get("id"),
+                    type="function",
+                    function=FunctionCallDelta(name=block.get("name"), arguments=""),
+                )
+                return [self._chunk(Delta(tool_calls=[delta]))]
+            self.blocks[index] = (block.get("type", "text"), -1)
+            text = block.get("text")
+            return [self._chunk(Delta(content=text))] if text else []
+        if kind == "content_block_delta":
+            delta = payload.get("delta", {})
+            block_kind, call = self.blocks.get(payload.get("index", 0), ("text", -1))
+            if delta.get("type") == "text_delta":
+                return [self._chunk(Delta(content=delta.get("text", "")))]
+            if delta.get("type") == "input_json_delta":
+                partial = delta.get("partial_json", "")
+                if block_kind == "json":
+                    return [self._chunk(Delta(content=partial))] if partial else []
+                tool_delta = ToolCallDelta(index=call, function=FunctionCallDelta(arguments=partial))
+                return [self._chunk(Delta(tool_calls=[tool_delta]))]
+            return []  # thinking and signature deltas are not part of the OpenAI shape
+        if kind == "message_delta":
+            usage = payload.get("usage") or {}
+            self.usage.update({k: v for k, v in usage.items() if v is not None})
+            reason = (payload.get("delta") or {}).get("stop_reason")
+            if reason is None:
+                return []
+            finish = STOP_REASONS.get(reason, "stop")
+            if finish == "tool_calls" and self.tool_calls == 0:
+                finish = "stop"  # only the structured-output tool was called
+            return [self._chunk(Delta(), finish)]
+        if kind == "message_stop":
+            self.done = True
+            return [
+                ChatChunk(
+                    id=self.id,
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=normalise_usage(VENDOR, self.usage),
+                )
+            ]
+        if kind == "error":
+            detail = payload.get("error") or {}
+            status = 529 if detail.get("type") == "overloaded_error" else 500
+            raise upstream_error(status, str(detail.get("message", "stream error")), {}, vendor="Anthropic")
+        return []  # ping and event types added later
+
+    def close(self) -> list[ChatChunk]:
+        if not self.done:
+            raise BadGateway("the Anthropic backend ended the stream before message_stop")
+        return []
+
+
+def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
+    message, detail = error_text(body)
+    kind = detail.get("type")
+    return upstream_error(
+        status,
+        message,
+        response_headers,
+        vendor="Anthropic",
+        type=kind if isinstance(kind, str) else None,
+    )
+
+
+PROVIDER = Provider(
+    name=VENDOR,
+    chat_request=chat_request,
+    chat_response=chat_response,
+    chat_stream=ChatStream,
+    error=error,
+)

@@ -1,0 +1,216 @@
+"""What every provider adapter is made of, and the helpers they share.
+
+An adapter is data plus pure functions: a parameter table (canonical name -> vendor path and
+transform), a request builder, a response parser, a stream decoder and an error parser. None of them
+does I/O; `gateway.transport` sends what they build and feeds them what comes back.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from gateway.config import Backend
+from gateway.errors import (
+    BackendUnavailable,
+    BadGateway,
+    GatewayError,
+    GatewayTimeout,
+    InvalidRequest,
+    UpstreamError,
+)
+from gateway.types import ChatChunk, ChatRequest, ChatResponse, EmbeddingRequest, EmbeddingResponse
+
+_json_decode = msgspec.json.decode
+json_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(slots=True)
+class UpstreamRequest:
+    url: str
+    headers: dict[str, str]
+    body: bytes
+    method: str = "POST"
+    stream: bool = False
+
+
+class StreamDecoder(Protocol):
+    """Turns a vendor's SSE events into canonical chunks, keeping what state the vendor's format needs."""
+
+    def feed(self, event: str | None, data: str) -> list[ChatChunk]: ...
+
+    def close(self) -> list[ChatChunk]:
+        """The upstream stream ended: the final chunks (usage), or BadGateway if it ended too early."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Provider:
+    """One vendor wire format. `None` entries are capabilities the vendor does not have."""
+
+    name: str
+    chat_request: Callable[[Backend, ChatRequest, str], UpstreamRequest]
+    chat_response: Callable[[bytes, str], ChatResponse]
+    chat_stream: Callable[[str], StreamDecoder]
+    error: Callable[[int, bytes, Mapping[str, str]], GatewayError]
+    embeddings_request: Callable[[Backend, EmbeddingRequest, str], UpstreamRequest] | None = None
+    embeddings_response: Callable[[bytes, str], EmbeddingResponse] | None = None
+    # OpenAI-compatible servers serve /completions natively; others get it translated through chat.
+    native_completions: bool = False
+
+
+# --- declarative parameter tables ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """Where a canonical request field goes in a vendor's body: a dotted path and an optional transform."""
+
+    path: str
+    transform: Callable[[Any], Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParamTable:
+    params: dict[str, Param] = field(default_factory=dict)
+
+    def apply(self, request: Any, body: dict[str, Any]) -> dict[str, Any]:
+        for name, param in self.params.items():
+            value = getattr(request, name)
+            if value is None:
+                continue
+            if param.transform is not None:
+                value = param.transform(value)
+                if value is None:
+                    continue
+            set_path(body, param.path, value)
+        return body
+
+
+def set_path(body: dict[str, Any], path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    node = body
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def as_list(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+# --- shared translation helpers ------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def parse_data_url(url: str) -> tuple[str, str] | None:
+    """`data:image/png;base64,AAAA` -> ("image/png", "AAAA"); None for any other URL."""
+    if not url.startswith("data:"):
+        return None
+    header, sep, data = url[5:].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise InvalidRequest("image data URLs must be base64 encoded", param="messages")
+    try:
+        base64.b64decode(data[:64] + "=" * (-len(data[:64]) % 4), validate=True)
+    except binascii.Error:
+        raise InvalidRequest("image data URL holds invalid base64", param="messages") from None
+    return header.removesuffix(";base64") or "application/octet-stream", data
+
+
+def guess_media_type(url: str) -> str:
+    lowered = url.lower().split("?", 1)[0]
+    for ext, media_type in ((".png", "image/png"), (".gif", "image/gif"), (".webp", "image/webp")):
+        if lowered.endswith(ext):
+            return media_type
+    return "image/jpeg"
+
+
+def parse_arguments(arguments: str, where: str) -> dict[str, Any]:
+    """OpenAI tool-call arguments (JSON text) as the object Anthropic and Gemini want."""
+    if not arguments.strip():
+        return {}
+    try:
+        value = _json_decode(arguments)
+    except msgspec.DecodeError:
+        raise InvalidRequest(
+            f"tool call arguments are not valid JSON: {arguments[:80]!r}", param=where
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("tool call arguments must be a JSON object", param=where)
+    return value
+
+
+def decode_json(body: bytes | str, backend_hint: str) -> Any:
+    try:
+        return _json_decode(body)
+    except msgspec.DecodeError:
+        raise BadGateway(f"{backend_hint} returned a body that is not valid JSON") from None
+
+
+def decode_typed(body: bytes | str, type_: Any, backend_hint: str) -> Any:
+    try:
+        return _json_decode(body, type=type_)
+    except msgspec.DecodeError as exc:
+        raise BadGateway(f"{backend_hint} returned an unexpected response: {exc}") from None
+
+
+def upstream_error(
+    status: int,
+    message: str,
+    headers: Mapping[str, str],
+    *,
+    vendor: str,
+    param: str | None = None,
+    code: str | None = None,
+    type: str | None = None,
+) -> GatewayError:
+    """A vendor's error status and message as the error the client sees.
+
+    4xx keep their status and the vendor's own message (the request is at fault, so the client must
+    see why); 5xx become 502, 503 (overloaded, including Anthropic's 529) or 504.
+    """
+    passed = {k: v for k, v in headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
+    if 400 <= status < 500:
+        return UpstreamError(
+            message,
+            status=status,
+            param=param,
+            code=code,
+            type=type or ("rate_limit_error" if status == 429 else "invalid_request_error"),
+            headers=passed,
+        )
+    text = f"{vendor} backend error ({status}): {message}"
+    if status in (503, 529):
+        return BackendUnavailable(text, headers=passed)
+    if status == 504:
+        return GatewayTimeout(text)
+    return BadGateway(text)
+
+
+def error_text(body: bytes, path: tuple[str, ...] = ("error", "message")) -> tuple[str, dict[str, Any]]:
+    """The vendor's error message from its JSON body (or the body itself, shortened, if not JSON)."""
+    try:
+        value: Any = _json_decode(body)
+    except msgspec.DecodeError:
+        return body[:300].decode("utf-8", "replace").strip() or "no error message", {}
+    error = value.get("error") if isinstance(value, dict) else None
+    node: Any = value
+    for key in path:
+        node = node.get(key) if isinstance(node, dict) else None
+    if isinstance(node, str):
+        return node, error if isinstance(error, dict) else {}
+    return msgspec.json.encode(value)[:300].decode(), error if isinstance(error, dict) else {}

@@ -1,0 +1,389 @@
+"""Google Gemini (generativelanguage API, v1beta) as a backend: canonical chat <-> generateContent /
+streamGenerateContent?alt=sse, and embeddings through batchEmbedContents."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import msgspec
+
+from gateway.config import Backend
+from gateway.errors import BadGateway, GatewayError, InvalidRequest
+from gateway.providers.base import (
+    Param,
+    ParamTable,
+    Provider,
+    UpstreamRequest,
+    as_list,
+    decode_json,
+    error_text,
+    guess_media_type,
+    json_encode,
+    new_id,
+    now,
+    parse_arguments,
+    parse_data_url,
+    upstream_error,
+)
+from gateway.types import (
+    AssistantMessage,
+    ChatChunk,
+    ChatRequest,
+    ChatResponse,
+    Choice,
+    ChunkChoice,
+    ContentPart,
+    Delta,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    FunctionCall,
+    FunctionCallDelta,
+    ImagePart,
+    Message,
+    TextPart,
+    ToolCall,
+    ToolCallDelta,
+)
+from gateway.usage import normalise_usage
+
+VENDOR = "gemini"
+
+FINISH_REASONS = {
+    "STOP": "stop",
+    "MAX_TOKENS": "length",
+    "SAFETY": "content_filter",
+    "RECITATION": "content_filter",
+    "BLOCKLIST": "content_filter",
+    "PROHIBITED_CONTENT": "content_filter",
+    "SPII": "content_filter",
+    "IMAGE_SAFETY": "content_filter",
+}
+
+PARAMS = ParamTable(
+    {
+        "temperature": Param("generationConfig.temperature"),
+        "top_p": Param("generationConfig.topP"),
+        "stop": Param("generationConfig.stopSequences", as_list),
+        "n": Param("generationConfig.candidateCount"),
+        "seed": Param("generationConfig.seed"),
+        "presence_penalty": Param("generationConfig.presencePenalty"),
+        "frequency_penalty": Param("generationConfig.frequencyPenalty"),
+    }
+)
+
+# JSON-schema keywords Gemini's OpenAPI-subset `parameters` rejects.
+_UNSUPPORTED_SCHEMA_KEYS = frozenset(
+    {"$schema", "additionalProperties", "strict", "$id", "$defs", "definitions"}
+)
+
+
+def clean_schema(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        return {k: clean_schema(v) for k, v in schema.items() if k not in _UNSUPPORTED_SCHEMA_KEYS}
+    if isinstance(schema, list):
+        return [clean_schema(item) for item in schema]
+    return schema
+
+
+def _url(backend: Backend, model: str, method: str, extra: dict[str, str] | None = None) -> str:
+    query = {**backend.query, **(extra or {})}
+    suffix = f"?{urlencode(query)}" if query else ""
+    return f"{(backend.base_url or '').rstrip('/')}/v1beta/models/{quote(model, safe='')}:{method}{suffix}"
+
+
+def _headers(backend: Backend) -> dict[str, str]:
+    result = {"content-type": "application/json"}
+    if backend.api_key:
+        result["x-goog-api-key"] = backend.api_key
+    result.update(backend.headers)
+    return result
+
+
+def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str, Any]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"text": content}] if content else []
+    parts = []
+    for i, part in enumerate(content):
+        if isinstance(part, TextPart):
+            parts.append({"text": part.text})
+        elif isinstance(part, ImagePart):
+            data = parse_data_url(part.image_url.url)
+            if data is not None:
+                parts.append({"inlineData": {"mimeType": data[0], "data": data[1]}})
+            else:
+                url = part.image_url.url
+                parts.append({"fileData": {"mimeType": guess_media_type(url), "fileUri": url}})
+        else:
+            raise InvalidRequest(
+                f"content parts of type '{type(part).__struct_config__.tag}' are not supported by Gemini models",
+                param=f"{where}.content[{i}]",
+            )
+    return parts
+
+
+def _function_response(message: Message) -> dict[str, Any]:
+    text = message.text()
+    try:
+        value = msgspec.json.decode(text) if text else {}
+    except msgspec.DecodeError:
+        value = text
+    # Gemini wants an object; anything else is wrapped.
+    return value if isinstance(value, dict) else {"result": value}
+
+
+def _contents(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    system: list[dict[str, Any]] = []
+    contents: list[dict[str, Any]] = []
+    call_names: dict[str, str] = {}  # tool call id -> function name (Gemini answers by name)
+
+    def append(role: str, parts: list[dict[str, Any]]) -> None:
+        if contents and contents[-1]["role"] == role:
+            contents[-1]["parts"].extend(parts)
+        else:
+            contents.append({"role": role, "parts": parts})
+
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if message.role in ("system", "developer"):
+            system.extend(_parts(message.content, where))
+        elif message.role == "user":
+            append("user", _parts(message.content, where))
+        elif message.role == "assistant":
+            parts = _parts(message.content, where)
+            for j, call in enumerate(message.tool_calls or ()):
+                call_names[call.id] = call.function.name
+                args = parse_arguments(call.function.arguments, f"{where}.tool_calls[{j}].function.arguments")
+                parts.append({"functionCall": {"name": call.function.name, "args": args}})
+            append("model", parts)
+        else:
+            if not message.tool_call_id:
+                raise InvalidRequest("tool messages need a tool_call_id", param=f"{where}.tool_call_id")
+            name = call_names.get(message.tool_call_id) or message.name
+            if name is None:
+                raise InvalidRequest(
+                    f"no earlier assistant tool call has id {message.tool_call_id!r}",
+                    param=f"{where}.tool_call_id",
+                )
+            append("user", [{"functionResponse": {"name": name, "response": _function_response(message)}}])
+    return system, contents
+
+
+def _tool_config(request: ChatRequest) -> dict[str, Any] | None:
+    choice = request.tool_choice
+    if choice is None:
+        return None
+    if choice == "auto":
+        config: dict[str, Any] = {"mode": "AUTO"}
+    elif choice == "required":
+        config = {"mode": "ANY"}
+    elif choice == "none":
+        config = {"mode": "NONE"}
+    else:
+        config = {"mode": "ANY", "allowedFunctionNames": [choice.function.name]}
+    return {"functionCallingConfig": config}
+
+
+def chat_body(request: ChatRequest) -> dict[str, Any]:
+    system, contents = _contents(request.messages)
+    body: dict[str, Any] = {"contents": contents}
+    if system:
+        body["systemInstruction"] = {"parts": system}
+    PARAMS.apply(request, body)
+    if request.output_limit is not None:
+        body.setdefault("generationConfig", {})["maxOutputTokens"] = request.output_limit
+    if request.tools:
+        declarations = []
+        for tool in request.tools:
+            declaration: dict[str, Any] = {"name": tool.function.name}
+            if tool.function.description:
+                declaration["description"] = tool.function.description
+            if tool.function.parameters and tool.function.parameters.get("properties"):
+                declaration["parameters"] = clean_schema(tool.function.parameters)
+            declarations.append(declaration)
+        body["tools"] = [{"functionDeclarations": declarations}]
+    tool_config = _tool_config(request)
+    if tool_config is not None:
+        body["toolConfig"] = tool_config
+    form = request.response_format
+    if form is not None and form.type != "text":
+        config = body.setdefault("generationConfig", {})
+        config["responseMimeType"] = "application/json"
+        if form.json_schema is not None and form.json_schema.schema:
+            config["responseSchema"] = clean_schema(form.json_schema.schema)
+    return body
+
+
+def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    body = json_encode(chat_body(request))
+    if request.stream:
+        return UpstreamRequest(
+            _url(backend, model, "streamGenerateContent", {"alt": "sse"}),
+            _headers(backend),
+            body,
+            stream=True,
+        )
+    return UpstreamRequest(_url(backend, model, "generateContent"), _headers(backend), body)
+
+
+def _candidate(candidate: dict[str, Any], call_ids: list[str]) -> tuple[str | None, list[ToolCall]]:
+    """A candidate's text (thought parts left out) and its function calls."""
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for part in (candidate.get("content") or {}).get("parts") or ():
+        if "text" in part and not part.get("thought"):
+            texts.append(part["text"])
+        elif "functionCall" in part:
+            call = part["functionCall"]
+            call_id = call.get("id") or new_id("call_")
+            call_ids.append(call_id)
+            arguments = msgspec.json.encode(call.get("args") or {}).decode()
+            calls.append(
+                ToolCall(id=call_id, function=FunctionCall(name=call.get("name", ""), arguments=arguments))
+            )
+    return ("".join(texts) if texts else None), calls
+
+
+def _finish(reason: str | None, has_calls: bool) -> str | None:
+    if reason is None:
+        return None
+    finish = FINISH_REASONS.get(reason, "stop")
+    return "tool_calls" if finish == "stop" and has_calls else finish
+
+
+def _check_blocked(data: dict[str, Any]) -> None:
+    feedback = data.get("promptFeedback") or {}
+    if feedback.get("blockReason") and not data.get("candidates"):
+        raise InvalidRequest(f"Gemini blocked the prompt: {feedback['blockReason']}", code="content_filter")
+
+
+def chat_response(body: bytes, model: str) -> ChatResponse:
+    data = decode_json(body, "the Gemini backend")
+    if not isinstance(data, dict):
+        raise BadGateway("the Gemini backend returned an unexpected response")
+    _check_blocked(data)
+    choices = []
+    for i, candidate in enumerate(data.get("candidates") or ()):
+        text, calls = _candidate(candidate, [])
+        message = AssistantMessage(
+            content=text if text is not None or not calls else None, tool_calls=calls or None
+        )
+        finish = _finish(candidate.get("finishReason") or "STOP", bool(calls))
+        choices.append(Choice(index=candidate.get("index", i), message=message, finish_reason=finish))
+    return ChatResponse(
+        id=data.get("responseId") or new_id("chatcmpl-"),
+        created=now(),
+        model=data.get("modelVersion") or model,
+        choices=choices,
+        usage=normalise_usage(VENDOR, data.get("usageMetadata")),
+    )
+
+
+class ChatStream:
+    """Each SSE event is a whole GenerateContentResponse; usageMetadata is cumulative, the last one counts."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.id = new_id("chatcmpl-")
+        self.created = now()
+        self.usage: dict[str, Any] | None = None
+        self.started: set[int] = set()
+        self.tool_calls: dict[int, int] = {}  # candidate index -> tool calls sent so far
+        self.finished = False
+
+    def feed(self, event: str | None, data: str) -> list[ChatChunk]:
+        try:
+            payload = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            raise BadGateway("the Gemini backend sent an invalid stream event") from None
+        if "error" in payload:
+            detail = payload["error"] or {}
+            raise upstream_error(
+                int(detail.get("code") or 500),
+                str(detail.get("message", "stream error")),
+                {},
+                vendor="Gemini",
+            )
+        _check_blocked(payload)
+        if payload.get("usageMetadata"):
+            self.usage = payload["usageMetadata"]
+        self.model = payload.get("modelVersion") or self.model
+        choices = []
+        for i, candidate in enumerate(payload.get("candidates") or ()):
+            index = candidate.get("index", i)
+            text, calls = _candidate(candidate, [])
+            first = self.tool_calls.get(index, 0)
+            deltas = [
+                ToolCallDelta(
+                    index=first + k,
+                    id=call.id,
+                    type="function",
+                    function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments),
+                )
+                for k, call in enumerate(calls)
+            ]
+            self.tool_calls[index] = first + len(calls)
+            role = None if index in self.started else "assistant"
+            self.started.add(index)
+            finish = _finish(candidate.get("finishReason"), self.tool_calls[index] > 0)
+            if finish is not None:
+                self.finished = True
+            delta = Delta(role=role, content=text, tool_calls=deltas or None)
+            choices.append(ChunkChoice(index=index, delta=delta, finish_reason=finish))
+        if not choices:
+            return []
+        return [ChatChunk(id=self.id, created=self.created, model=self.model, choices=choices)]
+
+    def close(self) -> list[ChatChunk]:
+        if not self.finished:
+            raise BadGateway("the Gemini backend ended the stream before a finishReason")
+        usage = normalise_usage(VENDOR, self.usage)
+        return [ChatChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)]
+
+
+def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
+    message, detail = error_text(body)
+    kind = detail.get("status")
+    return upstream_error(
+        status, message, response_headers, vendor="Gemini", code=kind if isinstance(kind, str) else None
+    )
+
+
+def embeddings_request(backend: Backend, request: EmbeddingRequest, model: str) -> UpstreamRequest:
+    texts = request.input
+    if isinstance(texts, str):
+        texts = [texts]
+    if not all(isinstance(text, str) for text in texts):
+        raise InvalidRequest("Gemini embedding models take text input, not token ids", param="input")
+    entry: dict[str, Any] = {"model": f"models/{model}"}
+    if request.dimensions is not None:
+        entry["outputDimensionality"] = request.dimensions
+    body = {"requests": [{**entry, "content": {"parts": [{"text": text}]}} for text in texts]}
+    return UpstreamRequest(_url(backend, model, "batchEmbedContents"), _headers(backend), json_encode(body))
+
+
+def embeddings_response(body: bytes, model: str) -> EmbeddingResponse:
+    data = decode_json(body, "the Gemini backend")
+    embeddings = data.get("embeddings") if isinstance(data, dict) else None
+    if not isinstance(embeddings, list):
+        raise BadGateway("the Gemini backend returned an unexpected embeddings response")
+    return EmbeddingResponse(
+        data=[Embedding(index=i, embedding=item.get("values", [])) for i, item in enumerate(embeddings)],
+        model=model,
+        usage=normalise_usage(VENDOR, data.get("usageMetadata")),
+    )
+
+
+PROVIDER = Provider(
+    name=VENDOR,
+    chat_request=chat_request,
+    chat_response=chat_response,
+    chat_stream=ChatStream,
+    error=error,
+    embeddings_request=embeddings_request,
+    embeddings_response=embeddings_response,
+)

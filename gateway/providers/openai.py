@@ -1,0 +1,264 @@
+"""OpenAI and every OpenAI-compatible server (vLLM, SGLang, Ollama, Together, Groq, DeepSeek, Mistral,
+Azure OpenAI, Weir's own engine). The canonical shape is OpenAI's, so translation is mostly identity:
+set the upstream model id, always ask for stream usage, and normalise the usage that comes back."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlencode
+
+import msgspec
+
+from gateway.config import Backend
+from gateway.errors import BadGateway, GatewayError
+from gateway.providers.base import (
+    Provider,
+    UpstreamRequest,
+    decode_json,
+    decode_typed,
+    error_text,
+    json_encode,
+    upstream_error,
+)
+from gateway.types import (
+    Base,
+    ChatChunk,
+    ChatRequest,
+    ChatResponse,
+    Choice,
+    ChunkChoice,
+    CompletionRequest,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+)
+from gateway.usage import Usage, normalise_usage
+
+VENDOR = "openai"
+
+
+def url(backend: Backend, path: str) -> str:
+    base = (backend.base_url or backend.url or "").rstrip("/")
+    query = f"?{urlencode(backend.query)}" if backend.query else ""
+    return f"{base}{path}{query}"
+
+
+def headers(backend: Backend) -> dict[str, str]:
+    result = {"content-type": "application/json"}
+    if backend.api_key:
+        result["authorization"] = f"Bearer {backend.api_key}"
+    result.update(backend.headers)
+    return result
+
+
+def request_body(request: Base, model: str) -> dict[str, Any]:
+    """The request as OpenAI JSON: unset fields omitted, unmodelled parameters passed through."""
+    body: dict[str, Any] = msgspec.to_builtins(request)
+    extra = body.pop("extra", None)
+    if extra:
+        for key, value in extra.items():
+            body.setdefault(key, value)
+    body["model"] = model
+    return body
+
+
+def _strip_cache_control(body: dict[str, Any]) -> None:
+    # Anthropic-style breakpoints mean nothing to OpenAI (its caching is automatic) and it would
+    # reject the unknown field.
+    for item in (*body.get("messages", ()), *(body.get("tools") or ())):
+        item.pop("cache_control", None)
+        content = item.get("content")
+        if isinstance(content, list):
+            for part in content:
+                part.pop("cache_control", None)
+
+
+def _has_cache_control(request: ChatRequest) -> bool:
+    for message in request.messages:
+        if message.cache_control is not None:
+            return True
+        if isinstance(message.content, list) and any(
+            getattr(part, "cache_control", None) is not None for part in message.content
+        ):
+            return True
+    return any(tool.cache_control is not None for tool in request.tools or ())
+
+
+def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    body = request_body(request, model)
+    if request.stream:
+        # Always ask for the usage chunk: accounting needs it even when the client did not.
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    if _has_cache_control(request):
+        _strip_cache_control(body)
+    return UpstreamRequest(
+        url(backend, "/chat/completions"), headers(backend), json_encode(body), stream=bool(request.stream)
+    )
+
+
+class _Completion(Base):
+    id: str = ""
+    created: int = 0
+    model: str = ""
+    choices: list[Choice] = msgspec.field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    system_fingerprint: str | None = None
+
+
+def chat_response(body: bytes, model: str) -> ChatResponse:
+    wire = decode_typed(body, _Completion, "the OpenAI-compatible backend")
+    return ChatResponse(
+        id=wire.id,
+        created=wire.created,
+        model=wire.model or model,
+        choices=wire.choices,
+        usage=normalise_usage(VENDOR, wire.usage),
+        system_fingerprint=wire.system_fingerprint,
+    )
+
+
+class _Chunk(Base):
+    id: str = ""
+    created: int = 0
+    model: str = ""
+    choices: list[ChunkChoice] = msgspec.field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    system_fingerprint: str | None = None
+    error: dict[str, Any] | None = None
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+
+
+class ChatStream:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.done = False
+        self.finished = False
+
+    def feed(self, event: str | None, data: str) -> list[ChatChunk]:
+        if data == "[DONE]":
+            self.done = True
+            return []
+        try:
+            wire = _chunk_decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            raise BadGateway(f"the OpenAI-compatible backend sent an invalid stream chunk: {exc}") from None
+        if wire.error is not None:
+            message = wire.error.get("message") or "stream error"
+            raise upstream_error(502, str(message), {}, vendor="OpenAI-compatible")
+        if any(choice.finish_reason for choice in wire.choices):
+            self.finished = True
+        usage = normalise_usage(VENDOR, wire.usage) if wire.usage else None
+        return [
+            ChatChunk(
+                id=wire.id,
+                created=wire.created,
+                model=wire.model or self.model,
+                choices=wire.choices,
+                usage=usage,
+                system_fingerprint=wire.system_fingerprint,
+            )
+        ]
+
+    def close(self) -> list[ChatChunk]:
+        if not (self.done or self.finished):
+            raise BadGateway("the OpenAI-compatible backend ended the stream before it was complete")
+        return []
+
+
+def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
+    message, detail = error_text(body)
+    code = detail.get("code")
+    return upstream_error(
+        status,
+        message,
+        response_headers,
+        vendor="OpenAI-compatible",
+        param=detail.get("param") if isinstance(detail.get("param"), str) else None,
+        code=str(code) if code is not None else None,
+        type=detail.get("type") if isinstance(detail.get("type"), str) else None,
+    )
+
+
+def embeddings_request(backend: Backend, request: EmbeddingRequest, model: str) -> UpstreamRequest:
+    return UpstreamRequest(
+        url(backend, "/embeddings"), headers(backend), json_encode(request_body(request, model))
+    )
+
+
+class _Embeddings(Base):
+    data: list[Embedding]
+    model: str = ""
+    usage: dict[str, Any] | None = None
+
+
+def embeddings_response(body: bytes, model: str) -> EmbeddingResponse:
+    wire = decode_typed(body, _Embeddings, "the OpenAI-compatible backend")
+    return EmbeddingResponse(
+        data=wire.data, model=wire.model or model, usage=normalise_usage(VENDOR, wire.usage)
+    )
+
+
+class RawResult(Base):
+    """A response Weir passes through as it is, except for its usage (legacy /completions)."""
+
+    data: dict[str, Any]
+    usage: Usage | None = None
+
+
+def completions_request(backend: Backend, request: CompletionRequest, model: str) -> UpstreamRequest:
+    body = request_body(request, model)
+    if request.stream:
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return UpstreamRequest(
+        url(backend, "/completions"), headers(backend), json_encode(body), stream=bool(request.stream)
+    )
+
+
+def completions_response(body: bytes, model: str) -> RawResult:
+    data = decode_json(body, "the OpenAI-compatible backend")
+    if not isinstance(data, dict):
+        raise BadGateway("the OpenAI-compatible backend returned an unexpected response")
+    return RawResult(data=data, usage=normalise_usage(VENDOR, data.get("usage")))
+
+
+class CompletionStream:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.done = False
+        self.finished = False
+
+    def feed(self, event: str | None, data: str) -> list[RawResult]:
+        if data == "[DONE]":
+            self.done = True
+            return []
+        payload = decode_json(data, "the OpenAI-compatible backend")
+        if not isinstance(payload, dict):
+            raise BadGateway("the OpenAI-compatible backend sent an invalid stream chunk")
+        if isinstance(payload.get("error"), dict):
+            raise upstream_error(
+                502, str(payload["error"].get("message", "stream error")), {}, vendor="OpenAI-compatible"
+            )
+        if any(choice.get("finish_reason") for choice in payload.get("choices") or ()):
+            self.finished = True
+        usage = payload.get("usage")
+        return [RawResult(data=payload, usage=normalise_usage(VENDOR, usage) if usage else None)]
+
+    def close(self) -> list[RawResult]:
+        if not (self.done or self.finished):
+            raise BadGateway("the OpenAI-compatible backend ended the stream before it was complete")
+        return []
+
+
+PROVIDER = Provider(
+    name=VENDOR,
+    chat_request=chat_request,
+    chat_response=chat_response,
+    chat_stream=ChatStream,
+    error=error,
+    embeddings_request=embeddings_request,
+    embeddings_response=embeddings_response,
+    native_completions=True,
+)

@@ -1,0 +1,81 @@
+"""Everything a request needs, built once from the config: the model table, the shared transport,
+the authenticator, the usage sink, metrics and supervised engines."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import structlog
+
+from gateway.auth import Authenticator, OpenAuthenticator, Principal, StaticAuthenticator, api_key_from
+from gateway.config import Config
+from gateway.engine_supervisor import EngineProcess, resolve_engine_backend
+from gateway.errors import AuthenticationFailed
+from gateway.metrics import Metrics
+from gateway.pipeline import Pipeline
+from gateway.router_basic import ModelTable
+from gateway.transport import Transport
+from gateway.usage_sink import FanoutSink, MetricsSink, UsageSink
+
+log = structlog.get_logger("weir.gateway")
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        authenticator: Authenticator | None = None,
+        usage_sink: UsageSink | None = None,
+    ) -> None:
+        # Engines without a URL are started here; every engine is then reached at its OpenAI base URL.
+        self.engines = [
+            EngineProcess(b) for b in config.backends if b.type == "engine" and not (b.url or b.base_url)
+        ]
+        backends = [resolve_engine_backend(b) if b.type == "engine" else b for b in config.backends]
+        self.config = config = Config(
+            backends=backends, models=config.models, tenants=config.tenants, server=config.server
+        )
+        self.metrics = Metrics()
+        self.transport = Transport()
+        self.models = ModelTable(config)
+        if authenticator is None:
+            if config.tenants is None:
+                authenticator = OpenAuthenticator()
+            else:
+                authenticator = StaticAuthenticator(config.tenants)
+        self.authenticator = authenticator
+        sinks: list[UsageSink] = [MetricsSink(self.metrics)]
+        if usage_sink is not None:
+            sinks.append(usage_sink)
+        self.sink = sinks[0] if len(sinks) == 1 else FanoutSink(sinks)
+        self.pipeline = Pipeline(self.transport, self.sink, self.metrics, config.models)
+        self.started = False
+
+    async def start(self) -> None:
+        if self.config.tenants is None:
+            log.warning("no_tenants_configured", detail="every request is accepted without an API key")
+        for engine in self.engines:
+            await engine.start()
+        self.started = True
+
+    async def stop(self) -> None:
+        self.started = False
+        for engine in self.engines:
+            await engine.stop()
+        await self.transport.close()
+
+    @property
+    def ready(self) -> bool:
+        return self.started and all(engine.healthy for engine in self.engines)
+
+    async def authenticate(self, headers: Mapping[str, str]) -> Principal:
+        api_key = api_key_from(headers)
+        principal = await self.authenticator.authenticate(api_key or "")
+        if principal is None:
+            if api_key is None:
+                raise AuthenticationFailed(
+                    "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' or as 'x-api-key'."
+                )
+            raise AuthenticationFailed("Incorrect API key provided.")
+        return principal

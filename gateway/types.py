@@ -1,0 +1,271 @@
+"""Canonical request and response types: the OpenAI chat shape, Weir's lingua franca.
+
+Inbound Anthropic Messages requests are translated into these, every provider adapter translates
+from them, and every response comes back as them. Two deliberate extensions of the OpenAI shape:
+`cache_control` on content parts, tools and messages (so Anthropic prompt-cache breakpoints survive
+the trip), and `usage` held as the normalised `gateway.usage.Usage` (rendered per client API).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from gateway.usage import Usage
+
+FinishReason = str  # "stop", "length", "tool_calls", "content_filter"; servers may add their own
+
+
+class Base(msgspec.Struct, omit_defaults=True, kw_only=True):
+    pass
+
+
+# --- request -------------------------------------------------------------------------------------
+
+
+class TextPart(Base, tag="text", tag_field="type"):
+    text: str
+    cache_control: dict[str, Any] | None = None
+
+
+class ImageURL(Base):
+    url: str  # https URL or data: URL
+    detail: str | None = None
+
+
+class ImagePart(Base, tag="image_url", tag_field="type"):
+    image_url: ImageURL
+    cache_control: dict[str, Any] | None = None
+
+
+class InputAudioPart(Base, tag="input_audio", tag_field="type"):
+    input_audio: dict[str, Any]
+
+
+class FilePart(Base, tag="file", tag_field="type"):
+    file: dict[str, Any]
+
+
+class RefusalPart(Base, tag="refusal", tag_field="type"):
+    refusal: str
+
+
+ContentPart = TextPart | ImagePart | InputAudioPart | FilePart | RefusalPart
+
+
+class FunctionCall(Base):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Base):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class Message(Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    cache_control: dict[str, Any] | None = None  # applies to the last block this message becomes
+
+    def text(self) -> str:
+        """The message's text parts joined (images and other parts dropped)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+
+class FunctionDefinition(Base):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Base):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoiceFunction(Base):
+    name: str
+
+
+class NamedToolChoice(Base):
+    function: ToolChoiceFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JSONSchemaFormat(Base):
+    name: str
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StreamOptions(Base):
+    include_usage: bool | None = None
+
+
+class ChatRequest(Base):
+    model: str
+    messages: list[Message]
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    seed: int | None = None
+    n: int | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    # Top-level parameters Weir does not model; forwarded verbatim to OpenAI-compatible backends only.
+    extra: dict[str, Any] = {}
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+# --- response ------------------------------------------------------------------------------------
+
+
+class AssistantMessage(Base):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    refusal: str | None = None
+
+
+class Choice(Base):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatResponse(Base):
+    id: str
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage = Usage()
+    system_fingerprint: str | None = None
+
+
+class FunctionCallDelta(Base):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Base):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class Delta(Base):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    refusal: str | None = None
+
+
+class ChunkChoice(Base):
+    index: int
+    delta: Delta
+    finish_reason: FinishReason | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatChunk(Base):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # set on the one chunk that reports usage
+    system_fingerprint: str | None = None
+
+
+# --- completions and embeddings ------------------------------------------------------------------
+
+
+class CompletionRequest(Base):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    user: str | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    extra: dict[str, Any] = {}
+
+
+class EmbeddingRequest(Base):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+    extra: dict[str, Any] = {}
+
+
+class Embedding(Base):
+    index: int
+    embedding: list[float] | str  # str when encoding_format is base64
+    object: str = "embedding"
+
+
+class EmbeddingResponse(Base):
+    data: list[Embedding]
+    model: str
+    usage: Usage = Usage()
