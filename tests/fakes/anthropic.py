@@ -1,0 +1,442 @@
+"""Fake Anthropic Messages API on 127.0.0.1.
+
+Endpoints: ``POST /v1/messages``, ``POST /v1/messages/count_tokens``, ``GET /v1/models``,
+``GET /v1/models/{id}``. Auth: ``x-api-key`` (or ``Authorization: Bearer``) plus the required
+``anthropic-version`` header; a missing or wrong key gets a 401 ``authentication_error``.
+
+Wire format as Anthropic sends it: a ``message`` object with content blocks (``text``, ``thinking``
+when ``thinking`` is enabled, ``tool_use``; a tool call comes after a short text block, as Claude
+usually does), ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``), the
+streaming event sequence ``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``
+(``text_delta``, ``thinking_delta``, ``signature_delta``, ``input_json_delta``), ``content_block_stop``,
+``message_delta`` (stop reason and cumulative usage), ``message_stop``; errors as
+``{"type": "error", "error": {"type", "message"}, "request_id"}`` (529 is ``overloaded_error``), the
+same object as an ``event: error`` mid-stream; ``request-id`` and rate-limit headers.
+
+Usage: ``input_tokens`` is only the prompt tokens neither read from nor written to the cache;
+``cache_read_input_tokens`` and ``cache_creation_input_tokens`` (split in
+``cache_creation.ephemeral_5m_input_tokens``/``ephemeral_1h_input_tokens``) follow the
+``cache_control`` breakpoints (see `caches.BreakpointCache`; the prefix order is tools, system,
+messages; the minimum cacheable prefix is ``fake.min_cache_tokens``, 1024 by default). Thinking text
+counts in ``output_tokens`` (Anthropic reports no separate reasoning count).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+from tests.fakes.behaviour import GREETING, Reply, ReportedUsage, Tool, Turn, count_tokens, plan_reply, words
+from tests.fakes.caches import Block, BreakpointCache
+from tests.fakes.server import BODY, INVALID_JSON, FakeServer, sse
+from tests.fakes.util import deep_merge, huge_text
+
+IMAGE_TOKENS = 1600
+_ERROR_TYPES = {
+    400: ("invalid_request_error", "Invalid request."),
+    401: ("authentication_error", "invalid x-api-key"),
+    403: ("permission_error", "Your API key does not have permission to use the specified resource."),
+    404: ("not_found_error", "The requested resource could not be found."),
+    413: ("request_too_large", "Request exceeds the maximum allowed number of bytes."),
+    429: ("rate_limit_error", "Number of request tokens has exceeded your per-minute rate limit."),
+    500: ("api_error", "Internal server error"),
+    502: ("api_error", "Bad gateway"),
+    503: ("api_error", "Service unavailable"),
+    504: ("timeout_error", "Request timed out"),
+    529: ("overloaded_error", "Overloaded"),
+}
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "stop_sequence": "stop_sequence",
+    "tool_calls": "tool_use",
+}
+
+
+class Invalid(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class FakeAnthropic(FakeServer):
+    vendor: ClassVar[str] = "anthropic"
+    default_models: ClassVar[tuple[str, ...]] = (
+        "claude-sonnet-4-5",
+        "claude-sonnet-4-5-20250929",
+        "claude-opus-4-1",
+        "claude-opus-4-5",
+        "claude-haiku-4-5",
+        "claude-sonnet-4-0",
+        "claude-3-7-sonnet-latest",
+        "claude-3-5-haiku-latest",
+    )
+
+    def __init__(self, api_key: str | None = None, **kwargs: Any) -> None:
+        super().__init__(api_key, **kwargs)
+        self.min_cache_tokens = 1024
+        self.cache = BreakpointCache(min_tokens=self.min_cache_tokens)
+
+    def reset_state(self) -> None:
+        self.min_cache_tokens = 1024
+        self.cache = BreakpointCache(min_tokens=self.min_cache_tokens)
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/messages", self._messages),
+            web.post("/v1/messages/count_tokens", self._count_tokens),
+            web.get("/v1/models", self._list_models),
+            web.get("/v1/models/{model}", self._get_model),
+        ]
+
+    # ---- vendor shapes ---------------------------------------------------------------------------
+
+    def response_headers(self) -> dict[str, str]:
+        return {
+            "request-id": f"req_011C{secrets.token_urlsafe(18)}",
+            "anthropic-organization-id": "00000000-0000-4000-8000-000000000000",
+            "anthropic-ratelimit-requests-limit": "4000",
+            "anthropic-ratelimit-requests-remaining": "3999",
+            "anthropic-ratelimit-input-tokens-limit": "2000000",
+            "anthropic-ratelimit-input-tokens-remaining": "1999000",
+            "anthropic-ratelimit-output-tokens-limit": "400000",
+            "anthropic-ratelimit-output-tokens-remaining": "399000",
+        }
+
+    def _error_body(self, status: int, message: str | None) -> dict[str, Any]:
+        kind, default = _ERROR_TYPES.get(status, ("api_error", "Internal server error"))
+        return {
+            "type": "error",
+            "error": {"type": kind, "message": message or default},
+            "request_id": f"req_011C{secrets.token_urlsafe(18)}",
+        }
+
+    def error_response(self, status: int, message: str | None = None, **extra: Any) -> web.Response:
+        return web.json_response(
+            self._error_body(status, message), status=status, headers=self.response_headers()
+        )
+
+    def stream_error_frame(self, status: int, message: str | None) -> bytes:
+        body = self._error_body(status, message)
+        return sse({"type": "error", "error": body["error"]}, event="error")
+
+    def auth_error(self, request: web.Request) -> web.StreamResponse | None:
+        key = request.headers.get("x-api-key")
+        auth = request.headers.get("authorization", "")
+        if key is None and auth.lower().startswith("bearer "):
+            key = auth[7:]
+        if not key:
+            return self.error_response(401, "x-api-key header is required")
+        if key != self.api_key:
+            return self.error_response(401, "invalid x-api-key")
+        if "anthropic-version" not in request.headers:
+            return self.error_response(400, "anthropic-version: header is required")
+        return None
+
+    # ---- request parsing -------------------------------------------------------------------------
+
+    def _body(self, request: web.Request, *, need_max_tokens: bool = True) -> dict[str, Any]:
+        body = request[BODY]
+        if body is INVALID_JSON or not isinstance(body, dict):
+            raise Invalid(400, "There was an issue with your request body: invalid JSON")
+        for field in ("model", "messages", *(("max_tokens",) if need_max_tokens else ())):
+            if field not in body:
+                raise Invalid(400, f"{field}: Field required")
+        if body["model"] not in self.models:
+            raise Invalid(404, f"model: {body['model']}")
+        max_tokens = body.get("max_tokens", 1)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise Invalid(400, "max_tokens: Input should be greater than or equal to 1")
+        temperature = body.get("temperature")
+        if temperature is not None and not (isinstance(temperature, int | float) and 0 <= temperature <= 1):
+            raise Invalid(400, "temperature: Input should be less than or equal to 1")
+        if not isinstance(body["messages"], list) or not body["messages"]:
+            raise Invalid(400, "messages: at least one message is required")
+        return body
+
+    def _prompt_blocks(self, body: dict[str, Any]) -> tuple[list[Block], dict[str, str]]:
+        """The prompt as cacheable blocks (tools, system, messages) and a tool_use id -> name map."""
+        blocks: list[Block] = []
+        for tool in body.get("tools") or []:
+            plain = {k: v for k, v in tool.items() if k != "cache_control"}
+            blocks.append(Block(words(json.dumps(plain)), _ttl(tool)))
+        system = body.get("system")
+        if isinstance(system, str):
+            blocks.append(Block(words(system)))
+        elif isinstance(system, list):
+            blocks += [Block(words(b.get("text", "")), _ttl(b)) for b in system if isinstance(b, dict)]
+        tool_names: dict[str, str] = {}
+        previous_uses: set[str] = set()
+        for i, message in enumerate(body["messages"]):
+            if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+                raise Invalid(400, f"messages.{i}.role: Input should be 'user' or 'assistant'")
+            content = message.get("content")
+            if isinstance(content, str):
+                blocks.append(Block(words(content)))
+                previous_uses = set()
+                continue
+            uses: set[str] = set()
+            for j, block in enumerate(content if isinstance(content, list) else []):
+                kind = block.get("type")
+                if kind == "text":
+                    tokens = words(block.get("text", ""))
+                elif kind in ("image", "document"):
+                    tokens = [
+                        f"<{kind}:{json.dumps(block.get('source'), sort_keys=True)[:64]}>"
+                    ] * IMAGE_TOKENS
+                elif kind == "tool_use":
+                    tool_names[block.get("id", "")] = block.get("name", "")
+                    uses.add(block.get("id", ""))
+                    tokens = words(block.get("name", "")) + words(json.dumps(block.get("input", {})))
+                elif kind == "tool_result":
+                    if block.get("tool_use_id") not in previous_uses:
+                        raise Invalid(
+                            400,
+                            f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                            f"{block.get('tool_use_id')}. Each `tool_result` block must have a corresponding "
+                            "`tool_use` block in the previous message.",
+                        )
+                    tokens = words(_text_of(block.get("content")))
+                elif kind in ("thinking", "redacted_thinking"):
+                    tokens = words(block.get("thinking", ""))
+                else:
+                    raise Invalid(
+                        400, f"messages.{i}.content.{j}.type: Input tag '{kind}' is not a valid block type"
+                    )
+                blocks.append(Block(tokens, _ttl(block)))
+            previous_uses = uses
+        return blocks, tool_names
+
+    def _turn(self, body: dict[str, Any], tool_names: dict[str, str]) -> Turn:
+        tools = [Tool(t["name"], t.get("input_schema") or {}) for t in body.get("tools") or [] if "name" in t]
+        turn = Turn(tools=tools, stop=list(body.get("stop_sequences") or []), max_tokens=body["max_tokens"])
+        last = body["messages"][-1]
+        if last.get("role") == "user":
+            content = last.get("content")
+            if isinstance(content, str):
+                turn.last_user_text = content
+            else:
+                texts = [b.get("text", "") for b in content if b.get("type") == "text"]
+                turn.last_user_text = " ".join(texts)
+                turn.images = sum(1 for b in content if b.get("type") == "image")
+                results = [b for b in content if b.get("type") == "tool_result"]
+                if results:
+                    name = tool_names.get(results[-1].get("tool_use_id", ""), "")
+                    turn.tool_result = (name, _text_of(results[-1].get("content")))
+        choice = body.get("tool_choice") or {}
+        if choice.get("type") == "any":
+            turn.forced_tool = "any"
+        elif choice.get("type") == "tool":
+            turn.forced_tool = choice.get("name")
+        elif choice.get("type") == "none":
+            turn.tools_disabled = True
+        output_format = body.get("output_format") or {}
+        if output_format.get("type") == "json_schema":
+            turn.json_mode = True
+            turn.json_schema = output_format.get("schema") or {"type": "object"}
+        return turn
+
+    # ---- handlers --------------------------------------------------------------------------------
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = self._body(request)
+            blocks, tool_names = self._prompt_blocks(body)
+        except Invalid as exc:
+            return self.error_response(exc.status, exc.message)
+        reply = plan_reply(self._turn(body, tool_names))
+        big = huge_text(request)
+        if big is not None:
+            reply = Reply(text=big)
+        thinking = body.get("thinking") or {}
+        thought = (
+            f"Let me think about: {reply.text or reply.tool_name}"
+            if thinking.get("type") == "enabled"
+            else None
+        )
+        content = _content_blocks(reply, thought)
+        output = sum(_block_tokens(b) for b in content)
+        self.cache.min_tokens = self.min_cache_tokens
+        cached = self.cache.process(blocks)
+        usage, raw = self.take_usage(
+            ReportedUsage(
+                input_tokens=cached.uncached,
+                cached_input_tokens=cached.read,
+                cache_write_5m_tokens=cached.write_5m,
+                cache_write_1h_tokens=cached.write_1h,
+                output_tokens=output,
+            )
+        )
+        rendered = {
+            "input_tokens": usage.input_tokens,
+            "cache_creation_input_tokens": usage.cache_write_5m_tokens + usage.cache_write_1h_tokens,
+            "cache_read_input_tokens": usage.cached_input_tokens,
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": usage.cache_write_5m_tokens,
+                "ephemeral_1h_input_tokens": usage.cache_write_1h_tokens,
+            },
+            "output_tokens": usage.output_tokens,
+            "service_tier": "standard",
+        }
+        if raw:
+            deep_merge(rendered, raw)
+        message = {
+            "id": f"msg_01{secrets.token_urlsafe(18)}",
+            "type": "message",
+            "role": "assistant",
+            "model": body["model"],
+            "content": content,
+            "stop_reason": _STOP_REASONS[reply.finish],
+            "stop_sequence": reply.stop_sequence,
+            "usage": rendered,
+        }
+        if not body.get("stream"):
+            return self.json_response(request, message)
+
+        start_usage = {k: v for k, v in rendered.items() if k != "output_tokens"} | {"output_tokens": 1}
+        head = {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}
+        per_chunk = 4096 if big is not None else 1
+        async with self.open_stream(request, "text/event-stream; charset=utf-8") as stream:
+            await stream.send(sse({"type": "message_start", "message": head}, "message_start"))
+            for index, block in enumerate(content):
+                await stream.send(
+                    sse(
+                        {"type": "content_block_start", "index": index, "content_block": _empty(block)},
+                        "content_block_start",
+                    )
+                )
+                if index == 0:
+                    await stream.send(sse({"type": "ping"}, "ping"))
+                for delta in _deltas(block, per_chunk):
+                    await stream.send(
+                        sse(
+                            {"type": "content_block_delta", "index": index, "delta": delta},
+                            "content_block_delta",
+                        )
+                    )
+                await stream.send(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
+            final_usage = {k: v for k, v in rendered.items() if k not in ("cache_creation", "service_tier")}
+            await stream.send(
+                sse(
+                    {
+                        "type": "message_delta",
+                        "delta": {
+                            "stop_reason": message["stop_reason"],
+                            "stop_sequence": message["stop_sequence"],
+                        },
+                        "usage": final_usage,
+                    },
+                    "message_delta",
+                )
+            )
+            await stream.send(sse({"type": "message_stop"}, "message_stop"))
+        return stream.response
+
+    async def _count_tokens(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = self._body(request, need_max_tokens=False)
+            blocks, _ = self._prompt_blocks(body)
+        except Invalid as exc:
+            return self.error_response(exc.status, exc.message)
+        return self.json_response(request, {"input_tokens": sum(len(b.tokens) for b in blocks)})
+
+    async def _list_models(self, request: web.Request) -> web.StreamResponse:
+        data = [_model_object(m) for m in sorted(self.models)]
+        return self.json_response(
+            request,
+            {
+                "data": data,
+                "has_more": False,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+            },
+        )
+
+    async def _get_model(self, request: web.Request) -> web.StreamResponse:
+        model = request.match_info["model"]
+        if model not in self.models:
+            return self.error_response(404, f"model: {model}")
+        return self.json_response(request, _model_object(model))
+
+
+def _ttl(block: dict[str, Any]) -> str | None:
+    control = block.get("cache_control") if isinstance(block, dict) else None
+    if not isinstance(control, dict) or control.get("type") != "ephemeral":
+        return None
+    return "1h" if control.get("ttl") == "1h" else "5m"
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return ""
+
+
+def _content_blocks(reply: Reply, thought: str | None) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if thought is not None:
+        signature = base64.b64encode(secrets.token_bytes(48)).decode()
+        blocks.append({"type": "thinking", "thinking": thought, "signature": signature})
+    if reply.tool_name:
+        blocks.append({"type": "text", "text": f"I'll call {reply.tool_name}."})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": f"toolu_01{secrets.token_urlsafe(16)}",
+                "name": reply.tool_name,
+                "input": reply.tool_args or {},
+            }
+        )
+    else:
+        blocks.append({"type": "text", "text": reply.text or GREETING})
+    return blocks
+
+
+def _block_tokens(block: dict[str, Any]) -> int:
+    if block["type"] == "text":
+        return count_tokens(block["text"])
+    if block["type"] == "thinking":
+        return count_tokens(block["thinking"])
+    return count_tokens(json.dumps(block["input"]))
+
+
+def _empty(block: dict[str, Any]) -> dict[str, Any]:
+    if block["type"] == "text":
+        return {"type": "text", "text": ""}
+    if block["type"] == "thinking":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+
+
+def _split(text: str, per_chunk: int) -> list[str]:
+    parts = text.split(" ")
+    pieces = [" ".join(parts[i : i + per_chunk]) for i in range(0, len(parts), per_chunk)]
+    return [p if i == 0 else f" {p}" for i, p in enumerate(pieces)]
+
+
+def _deltas(block: dict[str, Any], per_chunk: int) -> list[dict[str, Any]]:
+    if block["type"] == "text":
+        return [{"type": "text_delta", "text": p} for p in _split(block["text"], per_chunk)]
+    if block["type"] == "thinking":
+        return [{"type": "thinking_delta", "thinking": p} for p in _split(block["thinking"], per_chunk)] + [
+            {"type": "signature_delta", "signature": block["signature"]}
+        ]
+    arguments = json.dumps(block["input"])
+    return [{"type": "input_json_delta", "partial_json": ""}] + [
+        {"type": "input_json_delta", "partial_json": p} for p in _split(arguments, 1)
+    ]
+
+
+def _model_object(model: str) -> dict[str, Any]:
+    return {
+        "type": "model",
+        "id": model,
+        "display_name": model.replace("-", " ").title(),
+        "created_at": "2025-09-29T00:00:00Z",
+    }

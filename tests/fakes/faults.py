@@ -1,0 +1,86 @@
+"""Faults a fake vendor can inject into its next responses.
+
+Build one with a constructor and queue it with ``fake.fail_next(fault, times=n)``::
+
+    fake.fail_next(Fault.status(429, retry_after=2))   # the vendor's own 429 body + retry-after header
+    fake.fail_next(Fault.delay(1.5))                    # first byte (headers) after 1.5 s, then normal
+    fake.fail_next(Fault.hang())                        # never answers (until reset() or stop())
+    fake.fail_next(Fault.reset())                       # TCP RST before any byte
+    fake.fail_next(Fault.cut_stream(after=3))           # 3 chunks, then the connection drops (no terminator)
+    fake.fail_next(Fault.stream_error(after=3))         # 3 chunks, then the vendor's in-stream error event
+    fake.fail_next(Fault.slow_stream(0.2))              # normal reply, 0.2 s between stream chunks
+    fake.fail_next(Fault.garbage())                     # 200 with a body that is not the vendor's format
+    fake.fail_next(Fault.wrong_content_type())          # 200 text/html, like a proxy's error page
+    fake.fail_next(Fault.huge(20_000_000))              # a valid reply whose text is ~20 MB
+
+A bare int is accepted as shorthand for ``Fault.status(code)``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FaultKind(enum.Enum):
+    STATUS = "status"
+    DELAY = "delay"
+    HANG = "hang"
+    RESET = "reset"
+    CUT_STREAM = "cut_stream"
+    STREAM_ERROR = "stream_error"
+    SLOW_STREAM = "slow_stream"
+    GARBAGE = "garbage"
+    WRONG_CONTENT_TYPE = "wrong_content_type"
+    HUGE = "huge"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    status_code: int = 0  # STATUS and STREAM_ERROR: the vendor status whose error body is sent
+    retry_after: float | None = None  # STATUS: value of the retry-after header
+    message: str | None = None  # STATUS and STREAM_ERROR: overrides the vendor's default message
+    seconds: float = 0.0  # DELAY: before the first byte; SLOW_STREAM: between chunks
+    after: int = 0  # CUT_STREAM and STREAM_ERROR: chunks sent before the failure
+    size: int = 0  # HUGE: approximate bytes of reply text
+
+    @classmethod
+    def status(cls, code: int, *, retry_after: float | None = None, message: str | None = None) -> Fault:
+        return cls(FaultKind.STATUS, status_code=code, retry_after=retry_after, message=message)
+
+    @classmethod
+    def delay(cls, seconds: float) -> Fault:
+        return cls(FaultKind.DELAY, seconds=seconds)
+
+    @classmethod
+    def hang(cls) -> Fault:
+        return cls(FaultKind.HANG)
+
+    @classmethod
+    def reset(cls) -> Fault:
+        return cls(FaultKind.RESET)
+
+    @classmethod
+    def cut_stream(cls, after: int = 1) -> Fault:
+        return cls(FaultKind.CUT_STREAM, after=after)
+
+    @classmethod
+    def stream_error(cls, after: int = 1, code: int = 500, message: str | None = None) -> Fault:
+        return cls(FaultKind.STREAM_ERROR, after=after, status_code=code, message=message)
+
+    @classmethod
+    def slow_stream(cls, seconds: float) -> Fault:
+        return cls(FaultKind.SLOW_STREAM, seconds=seconds)
+
+    @classmethod
+    def garbage(cls) -> Fault:
+        return cls(FaultKind.GARBAGE)
+
+    @classmethod
+    def wrong_content_type(cls) -> Fault:
+        return cls(FaultKind.WRONG_CONTENT_TYPE)
+
+    @classmethod
+    def huge(cls, size: int = 20_000_000) -> Fault:
+        return cls(FaultKind.HUGE, size=size)

@@ -1,0 +1,480 @@
+"""Fake Gemini API (Google AI Studio, ``generativelanguage.googleapis.com``) on 127.0.0.1.
+
+Endpoints under ``/v1beta`` (and ``/v1``): ``models/{model}:generateContent``,
+``:streamGenerateContent`` (``?alt=sse`` gives SSE frames ``data: {...}\\r\\n\\r\\n``; without it, a
+streamed JSON array), ``:countTokens``, ``:embedContent``, ``:batchEmbedContents``, ``GET models``,
+``GET models/{model}``, and ``cachedContents`` (create, get, list, delete). Auth: ``x-goog-api-key``
+header or ``?key=``. As the real API does, a wrong key gets 400 ``INVALID_ARGUMENT`` with reason
+``API_KEY_INVALID`` and a missing key 403 ``PERMISSION_DENIED``; errors are
+``{"error": {"code", "message", "status"}}``.
+
+Responses carry ``candidates[].content.parts[]`` (``text``; ``functionCall`` with ``args`` for tool
+calls, sent whole in one chunk as Gemini does; a ``thought: true`` part when
+``thinkingConfig.includeThoughts``), ``finishReason`` (``STOP``, ``MAX_TOKENS``), ``usageMetadata`` and
+``modelVersion``/``responseId``. Every stream chunk carries the usage so far, the last one the total.
+
+Usage: ``promptTokenCount`` counts every prompt token including ``cachedContentTokenCount``, which is
+reported when the request names a ``cachedContent`` created earlier (its whole size; creating one
+needs at least ``fake.min_cache_tokens`` tokens, 1024 by default). ``thoughtsTokenCount`` is reported
+when ``thinkingConfig.thinkingBudget`` > 0 (min(budget, 64) tokens) and is not part of
+``candidatesTokenCount``; ``totalTokenCount`` = prompt + candidates + thoughts.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+from tests.fakes.behaviour import Reply, ReportedUsage, Tool, Turn, count_tokens, embedding, plan_reply, words
+from tests.fakes.server import BODY, INVALID_JSON, FakeServer, sse
+from tests.fakes.util import deep_merge, huge_text
+
+IMAGE_TOKENS = 258
+THOUGHT_TOKENS = 64
+EMBEDDING_DIMS = {"gemini-embedding-001": 3072, "text-embedding-004": 768}
+_STATUS = {
+    400: ("INVALID_ARGUMENT", "Request contains an invalid argument."),
+    401: ("UNAUTHENTICATED", "Request had invalid authentication credentials."),
+    403: ("PERMISSION_DENIED", "The caller does not have permission."),
+    404: ("NOT_FOUND", "Requested entity was not found."),
+    409: ("ABORTED", "The operation was aborted."),
+    429: ("RESOURCE_EXHAUSTED", "Resource has been exhausted (e.g. check quota)."),
+    500: (
+        "INTERNAL",
+        "An internal error has occurred. Please retry or report in https://developers.generativeai.google/guide/troubleshooting",
+    ),
+    503: ("UNAVAILABLE", "The model is overloaded. Please try again later."),
+    504: ("DEADLINE_EXCEEDED", "Deadline expired before operation could complete."),
+}
+_FINISH = {"stop": "STOP", "stop_sequence": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP"}
+
+
+class Invalid(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class FakeGemini(FakeServer):
+    vendor: ClassVar[str] = "gemini"
+    default_models: ClassVar[tuple[str, ...]] = (
+        "gemini-2.5-flash",
+        "gemini-2.5-pro",
+        "gemini-2.5-flash-lite",
+        "gemini-2.0-flash",
+        "gemini-embedding-001",
+        "text-embedding-004",
+    )
+
+    def __init__(self, api_key: str | None = None, **kwargs: Any) -> None:
+        super().__init__(api_key, **kwargs)
+        self.min_cache_tokens = 1024
+        self.cached_contents: dict[str, dict[str, Any]] = {}
+
+    def reset_state(self) -> None:
+        self.min_cache_tokens = 1024
+        self.cached_contents = {}
+
+    def routes(self) -> list[web.RouteDef]:
+        routes: list[web.RouteDef] = []
+        for version in ("v1beta", "v1"):
+            routes += [
+                web.post(f"/{version}/models/{{call}}", self._model_call),
+                web.get(f"/{version}/models", self._list_models),
+                web.get(f"/{version}/models/{{model}}", self._get_model),
+                web.post(f"/{version}/cachedContents", self._create_cache),
+                web.get(f"/{version}/cachedContents", self._list_caches),
+                web.get(f"/{version}/cachedContents/{{id}}", self._get_cache),
+                web.delete(f"/{version}/cachedContents/{{id}}", self._delete_cache),
+            ]
+        return routes
+
+    # ---- vendor shapes ---------------------------------------------------------------------------
+
+    def error_response(self, status: int, message: str | None = None, **extra: Any) -> web.Response:
+        return web.json_response(self._error_body(status, message, **extra), status=status)
+
+    def _error_body(self, status: int, message: str | None, **extra: Any) -> dict[str, Any]:
+        name, default = _STATUS.get(status, ("INTERNAL", "Internal error."))
+        error: dict[str, Any] = {
+            "code": status,
+            "message": message or default,
+            "status": extra.get("status", name),
+        }
+        if "details" in extra:
+            error["details"] = extra["details"]
+        return {"error": error}
+
+    def stream_error_frame(self, status: int, message: str | None) -> bytes:
+        return sse(self._error_body(status, message), sep=b"\r\n\r\n")
+
+    def is_stream(self, request: web.Request, body: Any) -> bool:
+        return request.path.endswith(":streamGenerateContent")
+
+    def auth_error(self, request: web.Request) -> web.StreamResponse | None:
+        key = request.headers.get("x-goog-api-key") or request.query.get("key")
+        if not key:
+            return self.error_response(
+                403,
+                "Method doesn't allow unregistered callers (callers without established identity). "
+                "Please use API Key or other form of API consumer identity to call this API.",
+            )
+        if key != self.api_key:
+            return self.error_response(
+                400,
+                "API key not valid. Please pass a valid API key.",
+                details=[
+                    {
+                        "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                        "reason": "API_KEY_INVALID",
+                        "domain": "googleapis.com",
+                        "metadata": {"service": "generativelanguage.googleapis.com"},
+                    }
+                ],
+            )
+        return None
+
+    # ---- request parsing -------------------------------------------------------------------------
+
+    def _body(self, request: web.Request) -> dict[str, Any]:
+        body = request[BODY]
+        if body is INVALID_JSON or not isinstance(body, dict):
+            raise Invalid(400, "Invalid JSON payload received. Unexpected token.")
+        return body
+
+    def _check_model(self, model: str, method: str) -> None:
+        if model not in self.models:
+            raise Invalid(
+                404,
+                f"models/{model} is not found for API version v1beta, or is not supported for {method}. "
+                "Call ListModels to see the list of available models and their supported methods.",
+            )
+
+    @staticmethod
+    def _content_tokens(body: dict[str, Any]) -> list[str]:
+        tokens: list[str] = []
+        if body.get("tools"):
+            tokens += words(json.dumps(body["tools"]))
+        system = body.get("systemInstruction") or body.get("system_instruction")
+        contents = ([system] if system else []) + list(body.get("contents") or [])
+        for content in contents:
+            for part in content.get("parts") or []:
+                if "text" in part:
+                    tokens += words(part["text"])
+                elif "inlineData" in part or "inline_data" in part or "fileData" in part:
+                    data = part.get("inlineData") or part.get("inline_data") or part.get("fileData")
+                    tokens += [f"<media:{json.dumps(data, sort_keys=True)[-48:]}>"] * IMAGE_TOKENS
+                elif "functionCall" in part:
+                    tokens += words(json.dumps(part["functionCall"]))
+                elif "functionResponse" in part:
+                    tokens += words(json.dumps(part["functionResponse"]))
+        return tokens
+
+    @staticmethod
+    def _turn(body: dict[str, Any]) -> Turn:
+        config = body.get("generationConfig") or {}
+        tools = [
+            Tool(d["name"], d.get("parametersJsonSchema") or d.get("parameters") or {})
+            for t in body.get("tools") or []
+            for d in t.get("functionDeclarations") or t.get("function_declarations") or []
+        ]
+        turn = Turn(
+            tools=tools,
+            stop=list(config.get("stopSequences") or []),
+            max_tokens=config.get("maxOutputTokens"),
+        )
+        contents = body.get("contents") or []
+        last = contents[-1] if contents else {}
+        if last.get("role", "user") == "user":
+            parts = last.get("parts") or []
+            turn.last_user_text = " ".join(p["text"] for p in parts if "text" in p)
+            turn.images = sum(1 for p in parts if "inlineData" in p or "inline_data" in p or "fileData" in p)
+            responses = [p["functionResponse"] for p in parts if "functionResponse" in p]
+            if responses:
+                turn.tool_result = (
+                    responses[-1].get("name", ""),
+                    json.dumps(responses[-1].get("response", {})),
+                )
+        calling = (body.get("toolConfig") or {}).get("functionCallingConfig") or {}
+        mode = calling.get("mode", "AUTO")
+        if mode == "NONE":
+            turn.tools_disabled = True
+        elif mode == "ANY":
+            allowed = calling.get("allowedFunctionNames") or []
+            turn.forced_tool = allowed[0] if allowed else "any"
+        if config.get("responseMimeType") == "application/json":
+            turn.json_mode = True
+            schema = config.get("responseJsonSchema") or config.get("responseSchema")
+            turn.json_schema = _lower_types(schema) if schema else None
+        return turn
+
+    # ---- handlers --------------------------------------------------------------------------------
+
+    async def _model_call(self, request: web.Request) -> web.StreamResponse:
+        model, _, method = request.match_info["call"].partition(":")
+        handlers = {
+            "generateContent": self._generate,
+            "streamGenerateContent": self._generate,
+            "countTokens": self._count_tokens,
+            "embedContent": self._embed,
+            "batchEmbedContents": self._embed,
+        }
+        if method not in handlers:
+            return self.error_response(404, f"Method not found: {method}")
+        try:
+            self._check_model(model, method)
+            return await handlers[method](request, model, method, self._body(request))
+        except Invalid as exc:
+            return self.error_response(exc.status, exc.message)
+
+    async def _generate(
+        self, request: web.Request, model: str, method: str, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        if not body.get("contents"):
+            raise Invalid(400, "* GenerateContentRequest.contents: contents is not specified\n")
+        cached_tokens = 0
+        if body.get("cachedContent"):
+            cache = self.cached_contents.get(body["cachedContent"].removeprefix("cachedContents/"))
+            if cache is None or cache["expires"] < time.time():
+                raise Invalid(403, f"CachedContent not found (or permission denied): {body['cachedContent']}")
+            if cache["model"] != f"models/{model}":
+                raise Invalid(
+                    400, "Model used by GenerateContent request and CachedContent has to be the same."
+                )
+            cached_tokens = cache["tokens"]
+        config = body.get("generationConfig") or {}
+        reply = plan_reply(self._turn(body))
+        big = huge_text(request)
+        if big is not None:
+            reply = Reply(text=big)
+        thinking = config.get("thinkingConfig") or {}
+        budget = thinking.get("thinkingBudget") or 0
+        thoughts = min(budget, THOUGHT_TOKENS) if budget > 0 else 0
+        n = config.get("candidateCount") or 1
+        prompt = len(self._content_tokens(body)) + cached_tokens
+        usage, raw = self.take_usage(
+            ReportedUsage(
+                input_tokens=prompt - cached_tokens,
+                cached_input_tokens=cached_tokens,
+                output_tokens=n * reply.output_tokens + thoughts,
+                reasoning_tokens=thoughts,
+            )
+        )
+
+        def metadata(candidates_tokens: int, thoughts_tokens: int) -> dict[str, Any]:
+            prompt_count = usage.prompt_tokens
+            meta: dict[str, Any] = {
+                "promptTokenCount": prompt_count,
+                "candidatesTokenCount": candidates_tokens,
+                "totalTokenCount": prompt_count + candidates_tokens + thoughts_tokens,
+            }
+            if usage.cached_input_tokens:
+                meta["cachedContentTokenCount"] = usage.cached_input_tokens
+            meta["promptTokensDetails"] = [{"modality": "TEXT", "tokenCount": prompt_count}]
+            if usage.cached_input_tokens:
+                meta["cacheTokensDetails"] = [{"modality": "TEXT", "tokenCount": usage.cached_input_tokens}]
+            if thoughts_tokens:
+                meta["thoughtsTokenCount"] = thoughts_tokens
+            if raw:
+                deep_merge(meta, raw)
+            return meta
+
+        response_id = secrets.token_urlsafe(16)
+        thought_part = (
+            {"text": f"Thinking about: {reply.text or reply.tool_name}", "thought": True}
+            if thoughts and thinking.get("includeThoughts")
+            else None
+        )
+
+        def response(
+            parts: list[dict[str, Any]], finish: str | None, candidates_tokens: int, thoughts_tokens: int
+        ) -> dict[str, Any]:
+            candidates = []
+            for i in range(n):
+                candidate: dict[str, Any] = {"content": {"parts": parts, "role": "model"}}
+                if finish:
+                    candidate["finishReason"] = finish
+                candidate["index"] = i
+                candidates.append(candidate)
+            return {
+                "candidates": candidates,
+                "usageMetadata": metadata(candidates_tokens, thoughts_tokens),
+                "modelVersion": model,
+                "responseId": response_id,
+            }
+
+        final_parts: list[dict[str, Any]] = [thought_part] if thought_part else []
+        if reply.tool_name:
+            final_parts.append({"functionCall": {"name": reply.tool_name, "args": reply.tool_args or {}}})
+        else:
+            final_parts.append({"text": reply.text})
+        candidates_total = usage.output_tokens - usage.reasoning_tokens
+        finish = _FINISH[reply.finish]
+        if method == "generateContent":
+            return self.json_response(
+                request, response(final_parts, finish, candidates_total, usage.reasoning_tokens)
+            )
+
+        # streaming: thoughts first, then one word per chunk (or the whole function call)
+        chunks: list[tuple[list[dict[str, Any]], int]] = []
+        if thought_part:
+            chunks.append(([thought_part], 0))
+        if reply.tool_name:
+            chunks.append((final_parts[-1:], candidates_total))
+        else:
+            pieces = _pieces(reply.text, 4096 if big is not None else 1) or [""]
+            so_far = 0
+            for piece in pieces:
+                so_far += count_tokens(piece)
+                chunks.append(([{"text": piece}], min(so_far * n, candidates_total)))
+        sse_mode = request.query.get("alt") == "sse"
+        content_type = "text/event-stream" if sse_mode else "application/json; charset=UTF-8"
+        async with self.open_stream(request, content_type) as stream:
+            for i, (parts, candidates_tokens) in enumerate(chunks):
+                last = i == len(chunks) - 1
+                payload = response(
+                    parts,
+                    finish if last else None,
+                    candidates_tokens if not last else candidates_total,
+                    usage.reasoning_tokens,
+                )
+                if sse_mode:
+                    await stream.send(sse(payload, sep=b"\r\n\r\n"))
+                else:
+                    text = json.dumps(payload, indent=2)
+                    await stream.send(f"[{text}".encode() if i == 0 else f",\r\n{text}".encode())
+            if not sse_mode:
+                await stream.send(b"]")
+        return stream.response
+
+    async def _count_tokens(
+        self, request: web.Request, model: str, method: str, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        inner = body.get("generateContentRequest") or body
+        total = len(self._content_tokens(inner))
+        return self.json_response(
+            request,
+            {"totalTokens": total, "promptTokensDetails": [{"modality": "TEXT", "tokenCount": total}]},
+        )
+
+    async def _embed(
+        self, request: web.Request, model: str, method: str, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        items = body.get("requests") if method == "batchEmbedContents" else [body]
+        if not items:
+            raise Invalid(400, "* BatchEmbedContentsRequest.requests: requests is not specified\n")
+        vectors = []
+        tokens = 0
+        for item in items:
+            parts = (item.get("content") or {}).get("parts") or []
+            text = " ".join(p.get("text", "") for p in parts)
+            if not text:
+                raise Invalid(400, "* EmbedContentRequest.content: contents is not specified\n")
+            tokens += count_tokens(text)
+            dims = item.get("outputDimensionality") or EMBEDDING_DIMS.get(model, 768)
+            vectors.append({"values": embedding(text, dims)})
+        self.take_usage(ReportedUsage(input_tokens=tokens))
+        if method == "embedContent":
+            return self.json_response(request, {"embedding": vectors[0]})
+        return self.json_response(request, {"embeddings": vectors})
+
+    async def _list_models(self, request: web.Request) -> web.StreamResponse:
+        return self.json_response(request, {"models": [_model_object(m) for m in sorted(self.models)]})
+
+    async def _get_model(self, request: web.Request) -> web.StreamResponse:
+        model = request.match_info["model"]
+        if model not in self.models:
+            return self.error_response(404, f"models/{model} is not found for API version v1beta.")
+        return self.json_response(request, _model_object(model))
+
+    async def _create_cache(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = self._body(request)
+            model = str(body.get("model", "")).removeprefix("models/")
+            self._check_model(model, "createCachedContent")
+        except Invalid as exc:
+            return self.error_response(exc.status, exc.message)
+        tokens = len(self._content_tokens(body))
+        if tokens < self.min_cache_tokens:
+            return self.error_response(
+                400,
+                f"Cached content is too small. total_token_count={tokens}, min_total_token_count={self.min_cache_tokens}",
+            )
+        ttl = float(str(body.get("ttl", "3600s")).rstrip("s"))
+        ident = secrets.token_hex(8)
+        now = datetime.now(UTC)
+        self.cached_contents[ident] = {
+            "name": f"cachedContents/{ident}",
+            "model": f"models/{model}",
+            "displayName": body.get("displayName", ""),
+            "tokens": tokens,
+            "expires": time.time() + ttl,
+            "createTime": now.isoformat().replace("+00:00", "Z"),
+            "expireTime": (now + timedelta(seconds=ttl)).isoformat().replace("+00:00", "Z"),
+        }
+        return self.json_response(request, _cache_object(self.cached_contents[ident]))
+
+    async def _list_caches(self, request: web.Request) -> web.StreamResponse:
+        return self.json_response(
+            request, {"cachedContents": [_cache_object(c) for c in self.cached_contents.values()]}
+        )
+
+    async def _get_cache(self, request: web.Request) -> web.StreamResponse:
+        cache = self.cached_contents.get(request.match_info["id"])
+        if cache is None:
+            return self.error_response(403, "CachedContent not found (or permission denied)")
+        return self.json_response(request, _cache_object(cache))
+
+    async def _delete_cache(self, request: web.Request) -> web.StreamResponse:
+        if self.cached_contents.pop(request.match_info["id"], None) is None:
+            return self.error_response(403, "CachedContent not found (or permission denied)")
+        return self.json_response(request, {})
+
+
+def _pieces(text: str, per_chunk: int) -> list[str]:
+    parts = text.split(" ")
+    pieces = [" ".join(parts[i : i + per_chunk]) for i in range(0, len(parts), per_chunk)]
+    return [p if i == 0 else f" {p}" for i, p in enumerate(pieces) if p or i == 0]
+
+
+def _lower_types(schema: Any) -> Any:
+    """Gemini's OpenAPI-style schemas spell types in capitals ("OBJECT"); JSON Schema in lower case."""
+    if isinstance(schema, dict):
+        return {
+            k: (v.lower() if k == "type" and isinstance(v, str) else _lower_types(v))
+            for k, v in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_lower_types(v) for v in schema]
+    return schema
+
+
+def _model_object(model: str) -> dict[str, Any]:
+    embed = "embedding" in model
+    return {
+        "name": f"models/{model}",
+        "version": "001",
+        "displayName": model.replace("-", " ").title(),
+        "inputTokenLimit": 2048 if embed else 1048576,
+        "outputTokenLimit": 1 if embed else 65536,
+        "supportedGenerationMethods": ["embedContent", "batchEmbedContents"]
+        if embed
+        else ["generateContent", "countTokens", "createCachedContent", "batchGenerateContent"],
+    }
+
+
+def _cache_object(cache: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": cache["name"],
+        "model": cache["model"],
+        "displayName": cache["displayName"],
+        "createTime": cache["createTime"],
+        "updateTime": cache["createTime"],
+        "expireTime": cache["expireTime"],
+        "usageMetadata": {"totalTokenCount": cache["tokens"]},
+    }

@@ -1,0 +1,635 @@
+"""Fake OpenAI API (and OpenAI-compatible servers such as DeepSeek) on 127.0.0.1.
+
+Endpoints under ``/v1``: ``POST chat/completions``, ``POST completions``, ``POST embeddings``,
+``GET models``, ``GET models/{id}``. Auth: ``Authorization: Bearer <api_key>`` (Azure's ``api-key``
+header also works); a missing or wrong key gets OpenAI's 401 body. Unknown models get 404
+``model_not_found``; add models with ``fake.models.add(name)``. ``/v1/completions`` and
+``/v1/embeddings`` accept every known model, as an OpenAI-compatible server (vLLM, Ollama) does.
+
+Wire format as OpenAI sends it: ``chat.completion`` objects with ``choices[].message`` (content,
+refusal, annotations, tool_calls), ``chat.completion.chunk`` SSE frames (``data: {...}\\n\\n``, one word
+per chunk, tool-call arguments in pieces, ``data: [DONE]``), ``stream_options.include_usage`` (every
+chunk carries ``"usage": null`` and a last chunk with empty ``choices`` carries the usage),
+``x-request-id`` and rate-limit headers, errors as ``{"error": {"message", "type", "param", "code"}}``.
+
+Usage: ``prompt_tokens`` counts every prompt token (see `behaviour` for the tokenizer),
+``prompt_tokens_details.cached_tokens`` the part read from the automatic prompt cache (prompts of at
+least 1024 tokens; the longest prefix seen before, in 128-token steps), and
+``completion_tokens_details.reasoning_tokens`` hidden reasoning for o-series/gpt-5 models or when
+``reasoning_effort`` is set (minimal 0, low 64, medium 192, high 512), counted inside
+``completion_tokens``.
+
+``FakeOpenAI(flavour="deepseek")`` speaks DeepSeek's dialect instead: models ``deepseek-chat`` and
+``deepseek-reasoner``, usage ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens`` (64-token cache
+units, no ``prompt_tokens_details``), and ``reasoning_content`` from ``deepseek-reasoner``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import secrets
+import struct
+import time
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+from tests.fakes.behaviour import (
+    Reply,
+    ReportedUsage,
+    Tool,
+    Turn,
+    count_tokens,
+    embedding,
+    plan_reply,
+    words,
+)
+from tests.fakes.caches import AutomaticPrefixCache
+from tests.fakes.server import BODY, INVALID_JSON, FakeServer, sse
+from tests.fakes.util import deep_merge, huge_text
+
+IMAGE_TOKENS = 85
+REASONING_TOKENS = {"minimal": 0, "low": 64, "medium": 192, "high": 512}
+EMBEDDING_DIMS = {"text-embedding-3-large": 3072}
+_REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5")
+
+_STATUS_ERRORS: dict[int, tuple[str, str | None, str]] = {
+    400: ("invalid_request_error", None, "Bad request."),
+    401: ("invalid_request_error", "invalid_api_key", "Incorrect API key provided."),
+    403: (
+        "invalid_request_error",
+        "unsupported_country_region_territory",
+        "Country, region, or territory not supported",
+    ),
+    404: ("invalid_request_error", None, "Not found."),
+    409: ("invalid_request_error", None, "Conflict."),
+    413: ("invalid_request_error", None, "Request too large."),
+    422: ("invalid_request_error", None, "Unprocessable entity."),
+    429: (
+        "requests",
+        "rate_limit_exceeded",
+        "Rate limit reached for requests per min (RPM): Limit 3, Used 3, Requested 1. Please try again in 20s.",
+    ),
+    500: ("server_error", None, "The server had an error while processing your request. Sorry about that!"),
+    502: ("server_error", None, "Bad gateway."),
+    503: ("server_error", None, "The engine is currently overloaded, please try again later."),
+    504: ("server_error", None, "Request timed out."),
+}
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class FakeOpenAI(FakeServer):
+    vendor: ClassVar[str] = "openai"
+    default_models: ClassVar[tuple[str, ...]] = (
+        "gpt-4o",
+        "gpt-4o-mini",
+        "gpt-4.1",
+        "gpt-4.1-mini",
+        "gpt-4.1-nano",
+        "gpt-5",
+        "gpt-5-mini",
+        "o3-mini",
+        "o4-mini",
+        "gpt-3.5-turbo-instruct",
+        "text-embedding-3-small",
+        "text-embedding-3-large",
+        "text-embedding-ada-002",
+    )
+
+    def __init__(self, api_key: str | None = None, *, flavour: str = "openai", **kwargs: Any) -> None:
+        if flavour not in ("openai", "deepseek"):
+            raise ValueError(f"unknown flavour {flavour!r}")
+        self.flavour = flavour
+        if flavour == "deepseek":
+            self.default_models = ("deepseek-chat", "deepseek-reasoner")
+        super().__init__(api_key, **kwargs)
+        self.cache = (
+            AutomaticPrefixCache(minimum=64, increment=64)
+            if flavour == "deepseek"
+            else AutomaticPrefixCache()
+        )
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.origin}/v1"
+
+    def reset_state(self) -> None:
+        self.cache.clear()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/chat/completions", self._chat),
+            web.post("/v1/completions", self._completions),
+            web.post("/v1/embeddings", self._embeddings),
+            web.get("/v1/models", self._list_models),
+            web.get("/v1/models/{model}", self._get_model),
+        ]
+
+    # ---- vendor shapes ---------------------------------------------------------------------------
+
+    def response_headers(self) -> dict[str, str]:
+        return {
+            "x-request-id": f"req_{secrets.token_hex(16)}",
+            "openai-processing-ms": "7",
+            "openai-version": "2020-10-01",
+            "x-ratelimit-limit-requests": "10000",
+            "x-ratelimit-remaining-requests": "9999",
+            "x-ratelimit-reset-requests": "6ms",
+            "x-ratelimit-limit-tokens": "30000000",
+            "x-ratelimit-remaining-tokens": "29999000",
+            "x-ratelimit-reset-tokens": "2ms",
+        }
+
+    def error_response(self, status: int, message: str | None = None, **extra: Any) -> web.Response:
+        kind, code, default = _STATUS_ERRORS.get(
+            status, ("server_error" if status >= 500 else "invalid_request_error", None, "Error.")
+        )
+        error = {
+            "message": message or default,
+            "type": extra.get("type", kind),
+            "param": extra.get("param"),
+            "code": extra.get("code", code),
+        }
+        return web.json_response({"error": error}, status=status, headers=self.response_headers())
+
+    def stream_error_frame(self, status: int, message: str | None) -> bytes:
+        kind, code, default = _STATUS_ERRORS.get(status, ("server_error", None, "Error."))
+        return sse({"error": {"message": message or default, "type": kind, "param": None, "code": code}})
+
+    def auth_error(self, request: web.Request) -> web.StreamResponse | None:
+        header = request.headers.get("authorization", "")
+        key = header[7:] if header.lower().startswith("bearer ") else request.headers.get("api-key", "")
+        if not key:
+            return self.error_response(
+                401,
+                "You didn't provide an API key. You need to provide your API key in an Authorization header "
+                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY). You can obtain an API key from "
+                "https://platform.openai.com/account/api-keys.",
+                code=None,
+            )
+        if key != self.api_key:
+            masked = f"{key[:3]}{'*' * max(0, len(key) - 7)}{key[-4:]}" if len(key) > 7 else "****"
+            return self.error_response(
+                401,
+                f"Incorrect API key provided: {masked}. You can find your API key at "
+                "https://platform.openai.com/account/api-keys.",
+                code="invalid_api_key",
+            )
+        return None
+
+    # ---- request parsing -------------------------------------------------------------------------
+
+    def _body(self, request: web.Request) -> dict[str, Any]:
+        body = request[BODY]
+        if body is INVALID_JSON or not isinstance(body, dict):
+            raise BadRequest(
+                400,
+                "We could not parse the JSON body of your request. (HINT: This likely means you aren't using "
+                "your HTTP library correctly. The OpenAI API expects a JSON payload, but what was sent was not "
+                "valid JSON.)",
+            )
+        model = body.get("model")
+        if not model:
+            raise BadRequest(400, "you must provide a model parameter")
+        if model not in self.models:
+            raise BadRequest(
+                404,
+                f"The model `{model}` does not exist or you do not have access to it.",
+                code="model_not_found",
+            )
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = body.get(name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise BadRequest(
+                    400,
+                    f"Invalid '{name}': integer below minimum value. Expected a value >= 1, but got {value} instead.",
+                    param=name,
+                    code="integer_below_min_value",
+                )
+        temperature = body.get("temperature")
+        if temperature is not None and not (isinstance(temperature, int | float) and 0 <= temperature <= 2):
+            raise BadRequest(
+                400,
+                f"Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got {temperature} instead.",
+                param="temperature",
+                code="decimal_above_max_value",
+            )
+        n = body.get("n", 1)
+        if not isinstance(n, int) or not 1 <= n <= 128:
+            raise BadRequest(400, f"Invalid 'n': expected an integer between 1 and 128, got {n}.", param="n")
+        return body
+
+    @staticmethod
+    def _stop(body: dict[str, Any]) -> list[str]:
+        stop = body.get("stop")
+        return [stop] if isinstance(stop, str) else list(stop or [])
+
+    def _chat_turn(self, body: dict[str, Any]) -> tuple[Turn, list[str]]:
+        messages = body.get("messages")
+        if messages is None:
+            raise BadRequest(
+                400, "Missing required parameter: 'messages'.", "messages", "missing_required_parameter"
+            )
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest(
+                400,
+                "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+                "messages",
+                "empty_array",
+            )
+        tools = [
+            Tool(t["function"]["name"], t["function"].get("parameters") or {})
+            for t in body.get("tools") or []
+            if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]
+        ]
+        tokens: list[str] = words(json.dumps(body["tools"])) if body.get("tools") else []
+        call_names: dict[str, str] = {}
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in (
+                "system",
+                "developer",
+                "user",
+                "assistant",
+                "tool",
+                "function",
+            ):
+                raise BadRequest(
+                    400, f"Invalid value for 'messages[{i}].role'.", f"messages.[{i}].role", "invalid_value"
+                )
+            if message["role"] == "tool" and message.get("tool_call_id") not in call_names:
+                raise BadRequest(
+                    400,
+                    "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls'.",
+                    f"messages.[{i}].role",
+                )
+            for call in message.get("tool_calls") or []:
+                call_names[call.get("id", "")] = call.get("function", {}).get("name", "")
+                tokens += words(call.get("function", {}).get("name", ""))
+                tokens += words(call.get("function", {}).get("arguments", ""))
+            text, images = _content_text(message.get("content"))
+            tokens += words(text)
+            for digest in images:
+                tokens += [f"<image:{digest}>"] * IMAGE_TOKENS
+
+        last = messages[-1]
+        turn = Turn(
+            tools=tools,
+            stop=self._stop(body),
+            max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
+        )
+        if last.get("role") == "tool":
+            turn.tool_result = (
+                call_names.get(last.get("tool_call_id", ""), ""),
+                _content_text(last.get("content"))[0],
+            )
+        elif last.get("role") in ("user", "system", "developer"):
+            text, images = _content_text(last.get("content"))
+            turn.last_user_text, turn.images = text, len(images)
+        choice = body.get("tool_choice")
+        if choice == "none":
+            turn.tools_disabled = True
+        elif choice == "required":
+            turn.forced_tool = "required"
+        elif isinstance(choice, dict):
+            turn.forced_tool = (choice.get("function") or {}).get("name")
+        fmt = body.get("response_format") or {}
+        if fmt.get("type") == "json_object":
+            turn.json_mode = True
+        elif fmt.get("type") == "json_schema":
+            turn.json_mode = True
+            turn.json_schema = (fmt.get("json_schema") or {}).get("schema") or {"type": "object"}
+            tokens += words(json.dumps(turn.json_schema))
+        return turn, tokens
+
+    def _reasoning_tokens(self, body: dict[str, Any], reply: Reply) -> int:
+        model = body["model"]
+        if self.flavour == "deepseek":
+            return count_tokens(_deepseek_reasoning(reply)) if model == "deepseek-reasoner" else 0
+        effort = body.get("reasoning_effort")
+        if effort is None and not model.startswith(_REASONING_PREFIXES):
+            return 0
+        return REASONING_TOKENS.get(effort or "medium", REASONING_TOKENS["medium"])
+
+    def _usage(
+        self, computed: ReportedUsage, completion_details: bool = True
+    ) -> tuple[ReportedUsage, dict[str, Any]]:
+        usage, raw = self.take_usage(computed)
+        prompt = usage.prompt_tokens
+        rendered: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": usage.output_tokens,
+            "total_tokens": prompt + usage.output_tokens,
+        }
+        if self.flavour == "deepseek":
+            rendered["prompt_cache_hit_tokens"] = usage.cached_input_tokens
+            rendered["prompt_cache_miss_tokens"] = prompt - usage.cached_input_tokens
+            if usage.reasoning_tokens:
+                rendered["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+        elif completion_details:
+            rendered["prompt_tokens_details"] = {
+                "cached_tokens": usage.cached_input_tokens,
+                "audio_tokens": 0,
+            }
+            rendered["completion_tokens_details"] = {
+                "reasoning_tokens": usage.reasoning_tokens,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            }
+        if raw:
+            deep_merge(rendered, raw)
+        return usage, rendered
+
+    # ---- handlers --------------------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = self._body(request)
+            turn, prompt = self._chat_turn(body)
+        except BadRequest as exc:
+            return self.error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        reply = plan_reply(turn)
+        big = huge_text(request)
+        if big is not None:
+            reply = Reply(text=big)
+        n = body.get("n", 1)
+        reasoning = self._reasoning_tokens(body, reply)
+        cached = self.cache.lookup_and_store(prompt)
+        _, rendered = self._usage(
+            ReportedUsage(
+                input_tokens=len(prompt) - cached,
+                cached_input_tokens=cached,
+                output_tokens=n * (reply.output_tokens + reasoning),
+                reasoning_tokens=n * reasoning,
+            )
+        )
+        created = int(time.time())
+        ident = f"chatcmpl-{secrets.token_urlsafe(21)}"
+        common = {"id": ident, "created": created, "model": body["model"]}
+        if self.flavour == "openai":
+            common["service_tier"] = "default"
+        common["system_fingerprint"] = "fp_fake0001"
+        finish = _FINISH[reply.finish]
+        call_ids = [f"call_{secrets.token_urlsafe(18)}" for _ in range(n)]
+        if not body.get("stream"):
+            choices = []
+            for i in range(n):
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": None if reply.tool_name else reply.text,
+                }
+                if self.flavour == "openai":
+                    message |= {"refusal": None, "annotations": []}
+                elif body["model"] == "deepseek-reasoner":
+                    message["reasoning_content"] = _deepseek_reasoning(reply)
+                if reply.tool_name:
+                    message["tool_calls"] = [
+                        {
+                            "id": call_ids[i],
+                            "type": "function",
+                            "function": {"name": reply.tool_name, "arguments": reply.arguments_json},
+                        }
+                    ]
+                choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish})
+            payload = {**common, "object": "chat.completion", "choices": choices, "usage": rendered}
+            # keep OpenAI's key order: id, object, created, model, choices, usage, ...
+            return self.json_response(request, _ordered(payload))
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunk_words = 4096 if big is not None else 1
+
+        def chunk(choices: list[dict[str, Any]]) -> bytes:
+            payload = {**common, "object": "chat.completion.chunk", "choices": choices}
+            if include_usage:
+                payload["usage"] = None
+            return sse(_ordered(payload))
+
+        def delta(i: int, d: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+            return {"index": i, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+
+        first: dict[str, Any] = {"role": "assistant", "content": "" if not reply.tool_name else None}
+        if self.flavour == "openai":
+            first["refusal"] = None
+        pieces = _pieces(reply.arguments_json if reply.tool_name else reply.text, chunk_words)
+        async with self.open_stream(request) as stream:
+            await stream.send(chunk([delta(i, first) for i in range(n)]))
+            if body["model"] == "deepseek-reasoner" and self.flavour == "deepseek":
+                for piece in _pieces(_deepseek_reasoning(reply), 1):
+                    await stream.send(chunk([delta(i, {"reasoning_content": piece}) for i in range(n)]))
+            if reply.tool_name:
+                head = {
+                    "index": 0,
+                    "type": "function",
+                    "function": {"name": reply.tool_name, "arguments": ""},
+                }
+                await stream.send(
+                    chunk([delta(i, {"tool_calls": [{**head, "id": call_ids[i]}]}) for i in range(n)])
+                )
+            for piece in pieces:
+                d: dict[str, Any] = (
+                    {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+                    if reply.tool_name
+                    else {"content": piece}
+                )
+                await stream.send(chunk([delta(i, d) for i in range(n)]))
+            await stream.send(chunk([delta(i, {}, finish) for i in range(n)]))
+            if include_usage:
+                await stream.send(
+                    sse(
+                        _ordered(
+                            {**common, "object": "chat.completion.chunk", "choices": [], "usage": rendered}
+                        )
+                    )
+                )
+            await stream.send(b"data: [DONE]\n\n")
+        return stream.response
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = self._body(request)
+            prompt = body.get("prompt")
+            if prompt is None:
+                raise BadRequest(
+                    400, "Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter"
+                )
+        except BadRequest as exc:
+            return self.error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        prompts = (
+            [prompt]
+            if isinstance(prompt, str)
+            else [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt]
+        )
+        # the legacy endpoint's default max_tokens is 16
+        max_tokens = body.get("max_tokens") or 16
+        n = body.get("n", 1)
+        big = huge_text(request)
+        replies = [
+            Reply(text=big)
+            if big is not None
+            else plan_reply(Turn(last_user_text=p, stop=self._stop(body), max_tokens=max_tokens))
+            for p in prompts
+        ]
+        prompt_tokens = [t for p in prompts for t in words(p)]
+        cached = self.cache.lookup_and_store(prompt_tokens)
+        _, rendered = self._usage(
+            ReportedUsage(
+                input_tokens=len(prompt_tokens) - cached,
+                cached_input_tokens=cached,
+                output_tokens=n * sum(r.output_tokens for r in replies),
+            ),
+            completion_details=False,
+        )
+        common = {
+            "id": f"cmpl-{secrets.token_urlsafe(21)}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body["model"],
+        }
+        indexed = [(p * n + j, r) for p, r in enumerate(replies) for j in range(n)]
+        if not body.get("stream"):
+            choices = [
+                {"text": r.text, "index": i, "logprobs": None, "finish_reason": _FINISH[r.finish]}
+                for i, r in indexed
+            ]
+            return self.json_response(
+                request,
+                {**common, "system_fingerprint": "fp_fake0001", "choices": choices, "usage": rendered},
+            )
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        async with self.open_stream(request) as stream:
+            for i, r in indexed:
+                for piece in _pieces(r.text, 4096 if big is not None else 1):
+                    await stream.send(
+                        sse(
+                            {
+                                **common,
+                                "choices": [
+                                    {"text": piece, "index": i, "logprobs": None, "finish_reason": None}
+                                ],
+                            }
+                        )
+                    )
+                await stream.send(
+                    sse(
+                        {
+                            **common,
+                            "choices": [
+                                {"text": "", "index": i, "logprobs": None, "finish_reason": _FINISH[r.finish]}
+                            ],
+                        }
+                    )
+                )
+            if include_usage:
+                await stream.send(sse({**common, "choices": [], "usage": rendered}))
+            await stream.send(b"data: [DONE]\n\n")
+        return stream.response
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = self._body(request)
+            inputs = body.get("input")
+            if isinstance(inputs, str) or (
+                isinstance(inputs, list) and inputs and isinstance(inputs[0], int)
+            ):
+                inputs = [inputs]
+            if not isinstance(inputs, list) or not inputs or any(x in ("", []) for x in inputs):
+                raise BadRequest(
+                    400,
+                    "'$.input' is invalid. Please check the API reference: https://platform.openai.com/docs/api-reference.",
+                    "input",
+                )
+        except BadRequest as exc:
+            return self.error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        texts = [x if isinstance(x, str) else " ".join(map(str, x)) for x in inputs]
+        dims = body.get("dimensions") or EMBEDDING_DIMS.get(body["model"], 1536)
+        data = []
+        for i, text in enumerate(texts):
+            vector = embedding(text, dims)
+            encoded: Any = vector
+            if body.get("encoding_format") == "base64":
+                encoded = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": encoded})
+        tokens = sum(count_tokens(t) for t in texts)
+        usage, _ = self.take_usage(ReportedUsage(input_tokens=tokens))
+        payload = {
+            "object": "list",
+            "data": data,
+            "model": body["model"],
+            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens},
+        }
+        return self.json_response(request, payload)
+
+    async def _list_models(self, request: web.Request) -> web.StreamResponse:
+        data = [_model_object(m, self.flavour) for m in sorted(self.models)]
+        return self.json_response(request, {"object": "list", "data": data})
+
+    async def _get_model(self, request: web.Request) -> web.StreamResponse:
+        model = request.match_info["model"]
+        if model not in self.models:
+            return self.error_response(
+                404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+            )
+        return self.json_response(request, _model_object(model, self.flavour))
+
+
+_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
+_KEY_ORDER = ("id", "object", "created", "model", "choices", "usage", "service_tier", "system_fingerprint")
+
+
+def _ordered(payload: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: payload[k] for k in sorted(payload, key=lambda k: _KEY_ORDER.index(k) if k in _KEY_ORDER else 99)
+    }
+
+
+def _content_text(content: Any) -> tuple[str, list[str]]:
+    """Text of a message's content (string or parts) and a digest per image part."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content, []
+    texts: list[str] = []
+    images: list[str] = []
+    for part in content if isinstance(content, list) else []:
+        if not isinstance(part, dict):
+            continue
+        if part.get("type") == "text":
+            texts.append(str(part.get("text", "")))
+        elif part.get("type") == "image_url":
+            url = (part.get("image_url") or {}).get("url", "")
+            images.append(hashlib.sha256(url.encode()).hexdigest()[:12])
+    return " ".join(texts), images
+
+
+def _pieces(text: str, per_chunk: int) -> list[str]:
+    """Split text into chunks of `per_chunk` words, keeping the spaces so pieces join back exactly."""
+    out: list[str] = []
+    current: list[str] = []
+    for i, word in enumerate(text.split(" ")):
+        current.append(word if i == 0 else f" {word}")
+        if len(current) >= per_chunk:
+            out.append("".join(current))
+            current = []
+    if current:
+        out.append("".join(current))
+    return [p for p in out if p]
+
+
+def _deepseek_reasoning(reply: Reply) -> str:
+    return f"The user wants: {reply.text or reply.tool_name or ''}".strip()
+
+
+def _model_object(model: str, flavour: str) -> dict[str, Any]:
+    return {
+        "id": model,
+        "object": "model",
+        "created": 1715367049,
+        "owned_by": "deepseek" if flavour == "deepseek" else "system",
+    }

@@ -1,0 +1,422 @@
+"""The machinery every fake vendor shares: an aiohttp server in its own thread and event loop,
+request recording, fault injection and usage overrides.
+
+A fake works the same from sync tests, async tests, benchmarks and drills::
+
+    with FakeOpenAI() as fake:             # or the pytest fixture `fake_openai`
+        client = openai.OpenAI(base_url=fake.base_url, api_key=fake.api_key)
+        fake.fail_next(Fault.status(429, retry_after=1))
+        ...
+        fake.requests[-1].json["model"]
+
+Faults and usage overrides apply to POST requests only (generation, embeddings, token counting), so a
+gateway's health probes (GET /v1/models and the like) never consume a fault meant for a real call. To
+take a whole backend down and bring it back, use `stop()` and `start()`: the port stays the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+from aiohttp import web
+
+from tests.fakes.behaviour import ReportedUsage
+from tests.fakes.faults import Fault, FaultKind
+
+# A reset or cut connection is the point of some faults; aiohttp would log each as an error.
+logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+log = logging.getLogger("tests.fakes")
+
+INVALID_JSON: Any = object()  # RecordedRequest.json when the body was not JSON
+BODY = web.RequestKey("fake_body", object)  # the parsed JSON body (or INVALID_JSON)
+FAULT = web.RequestKey("fake_fault", Fault | None)  # the fault this request must suffer, if any
+
+
+@dataclass
+class RecordedRequest:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]  # names lower-cased
+    body: bytes
+    json: Any  # parsed body; None when empty, INVALID_JSON when not JSON
+
+
+class ConnectionDropped(Exception):
+    """Raised inside a handler after a fault closed the connection on purpose."""
+
+
+class StreamFinished(Exception):
+    """Raised inside a handler after a fault ended the stream early (e.g. an in-stream error event)."""
+
+
+@dataclass
+class UsageOverride:
+    fields: dict[str, int]
+    raw: dict[str, Any] | None
+
+
+class FakeServer:
+    """Base class: subclasses add routes and the vendor's error shapes."""
+
+    vendor: ClassVar[str] = "fake"
+    default_models: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, api_key: str | None = None, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.api_key = api_key or f"test-{self.vendor}-key"
+        self.host = host
+        self.port = port
+        self.requests: list[RecordedRequest] = []
+        self.usages: list[ReportedUsage] = []  # one per generation response, in order
+        self.models: set[str] = set(self.default_models)
+        self._faults: deque[Fault] = deque()
+        self._usage_overrides: deque[UsageOverride] = deque()
+        self._lock = threading.Lock()
+        self._generation = 0  # bumped by reset() and stop() to release hanging requests
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> Self:
+        if self._thread is not None:
+            return self
+        loop = asyncio.new_event_loop()
+        started: asyncio.Future[None] = loop.create_future()
+        self._loop = loop
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name=f"fake-{self.vendor}", daemon=True
+        )
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._await(started), loop).result(timeout=30)
+        return self
+
+    def stop(self) -> None:
+        """Close the server (open connections included); `start()` brings it back on the same port."""
+        if self._thread is None or self._loop is None:
+            return
+        self._generation += 1
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+        self._thread = self._loop = self._runner = None
+
+    close = stop
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def origin(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.origin
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def reset(self) -> None:
+        """Forget requests, queued faults, usage overrides and cached prompts; release hung requests."""
+        with self._lock:
+            self.requests.clear()
+            self.usages.clear()
+            self._faults.clear()
+            self._usage_overrides.clear()
+            self.models = set(self.default_models)
+            self._generation += 1
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        """Subclasses clear their prompt caches and other vendor state here."""
+
+    # ---- test controls ---------------------------------------------------------------------------
+
+    def fail_next(self, fault: Fault | int, times: int = 1) -> None:
+        """Queue `fault` for the next `times` POST requests (an int means `Fault.status(code)`)."""
+        if isinstance(fault, int):
+            fault = Fault.status(fault)
+        with self._lock:
+            self._faults.extend([fault] * times)
+
+    def set_next_usage(self, raw: dict[str, Any] | None = None, **fields: int) -> None:
+        """Override the usage the next generation response reports.
+
+        Keyword fields use Weir's normalised names (those of `ReportedUsage`: input_tokens,
+        cached_input_tokens, cache_write_5m_tokens, cache_write_1h_tokens, output_tokens,
+        reasoning_tokens) and are rendered in the vendor's own format; `raw` is a vendor-format dict
+        deep-merged over the rendered usage last, for reporting quirks the fields cannot express.
+        """
+        unknown = set(fields) - {f.name for f in dataclasses.fields(ReportedUsage)}
+        if unknown:
+            raise TypeError(f"unknown usage fields: {sorted(unknown)}")
+        self._usage_overrides.append(UsageOverride(fields, raw))
+
+    @property
+    def last_request(self) -> RecordedRequest:
+        return self.requests[-1]
+
+    @property
+    def last_usage(self) -> ReportedUsage:
+        return self.usages[-1]
+
+    # ---- for subclasses --------------------------------------------------------------------------
+
+    def routes(self) -> list[web.RouteDef]:
+        raise NotImplementedError
+
+    def auth_error(self, request: web.Request) -> web.StreamResponse | None:
+        """The vendor's response to a missing or wrong key, or None when the key is right."""
+        raise NotImplementedError
+
+    def error_response(self, status: int, message: str | None = None, **extra: Any) -> web.Response:
+        """The vendor's error body for `status`."""
+        raise NotImplementedError
+
+    def stream_error_frame(self, status: int, message: str | None) -> bytes:
+        """The vendor's in-stream error event."""
+        raise NotImplementedError
+
+    def is_stream(self, request: web.Request, body: Any) -> bool:
+        return isinstance(body, dict) and body.get("stream") is True
+
+    def response_headers(self) -> dict[str, str]:
+        return {}
+
+    def take_usage(self, computed: ReportedUsage) -> tuple[ReportedUsage, dict[str, Any] | None]:
+        """Apply the queued override, if any, and record what this response reports."""
+        raw = None
+        with contextlib.suppress(IndexError):
+            override = self._usage_overrides.popleft()
+            computed = dataclasses.replace(computed, **override.fields)
+            raw = override.raw
+        self.usages.append(computed)
+        return computed, raw
+
+    def json_response(
+        self, request: web.Request, payload: Any, status: int = 200, headers: dict[str, str] | None = None
+    ) -> web.Response:
+        body = json.dumps(payload).encode()
+        fault = request.get(FAULT)
+        if fault is not None and fault.kind is FaultKind.CUT_STREAM:
+            raise ConnectionDropped(body)  # the middleware sends part of it, then drops the connection
+        return web.Response(
+            body=body,
+            status=status,
+            content_type="application/json",
+            headers={**self.response_headers(), **(headers or {})},
+        )
+
+    def open_stream(self, request: web.Request, content_type: str = "text/event-stream") -> EventStream:
+        return EventStream(self, request, content_type)
+
+    def hang_released(self, generation: int) -> bool:
+        return generation != self._generation or self._thread is None
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    @staticmethod
+    async def _await(fut: asyncio.Future[None]) -> None:
+        await fut
+
+    def _run(self, started: asyncio.Future[None]) -> None:
+        assert self._loop is not None
+        asyncio.set_event_loop(self._loop)
+
+        async def boot() -> None:
+            try:
+                await self._serve()
+            except BaseException as exc:
+                started.set_exception(exc)
+            else:
+                started.set_result(None)
+
+        self._loop.create_task(boot())
+        self._loop.run_forever()
+
+    async def _serve(self) -> None:
+        app = web.Application(middlewares=[self._middleware], client_max_size=256 * 1024 * 1024)
+        app.add_routes(self.routes())
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True, shutdown_timeout=0.5)
+        await site.start()
+        server = site._server
+        assert isinstance(server, asyncio.base_events.Server)
+        self.port = server.sockets[0].getsockname()[1]
+
+    async def _shutdown(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @web.middleware
+    async def _middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = INVALID_JSON
+        self.requests.append(
+            RecordedRequest(
+                method=request.method,
+                path=request.path,
+                query=dict(request.query),
+                headers={k.lower(): v for k, v in request.headers.items()},
+                body=raw,
+                json=body,
+            )
+        )
+        request[BODY] = body
+        denied = self.auth_error(request)
+        if denied is not None:
+            return denied
+        fault = None
+        if request.method == "POST":
+            with self._lock, contextlib.suppress(IndexError):
+                fault = self._faults.popleft()
+        request[FAULT] = fault
+        try:
+            if fault is not None:
+                early = await self._early_fault(request, fault, body)
+                if early is not None:
+                    return early
+            return await handler(request)
+        except ConnectionDropped as dropped:
+            return await self._drop_midway(request, dropped.args[0] if dropped.args else b"")
+        except StreamFinished as finished:
+            return finished.args[0]
+        except Exception:
+            # a bug in the fake itself: make it loud in the test log, answer like the vendor's 500
+            log.exception("fake %s failed on %s %s", self.vendor, request.method, request.path)
+            return self.error_response(500, f"fake {self.vendor} crashed; see the test log")
+
+    async def _early_fault(self, request: web.Request, fault: Fault, body: Any) -> web.StreamResponse | None:
+        kind = fault.kind
+        if kind is FaultKind.STATUS:
+            headers = {} if fault.retry_after is None else {"retry-after": f"{fault.retry_after:g}"}
+            resp = self.error_response(fault.status_code, fault.message)
+            resp.headers.update(headers)
+            return resp
+        if kind is FaultKind.DELAY:
+            await asyncio.sleep(fault.seconds)
+            return None
+        if kind is FaultKind.HANG:
+            generation = self._generation
+            while not self.hang_released(generation):
+                await asyncio.sleep(0.05)
+            return self.error_response(503, "released")
+        if kind is FaultKind.RESET:
+            _reset_connection(request)
+            raise asyncio.CancelledError
+        if kind is FaultKind.GARBAGE:
+            if self.is_stream(request, body):
+                return web.Response(
+                    body=b'data: {"id": "garbage", "choices": [{"ind <<garbage>>\n\nnot-an-event\n\n',
+                    content_type="text/event-stream",
+                )
+            return web.Response(
+                body=b'{"id": "garbage", "choices": [{"ind <<garbage>>', content_type="application/json"
+            )
+        if kind is FaultKind.WRONG_CONTENT_TYPE:
+            return web.Response(
+                text="<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1></body></html>",
+                content_type="text/html",
+            )
+        return None  # CUT_STREAM, STREAM_ERROR, SLOW_STREAM and HUGE are applied while responding
+
+    async def _drop_midway(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=200, headers={**self.response_headers(), "content-type": "application/json"}
+        )
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        await resp.write(body[: len(body) // 2])
+        _drop_connection(request)
+        raise asyncio.CancelledError
+
+
+def _reset_connection(request: web.Request) -> None:
+    """Close with a TCP RST (SO_LINGER 0), as a crashed upstream or a middlebox would."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+def _drop_connection(request: web.Request) -> None:
+    """Close mid-body (a plain FIN): what was written arrives, the end of the body never does."""
+    if request.transport is not None:
+        request.transport.close()
+
+
+class EventStream:
+    """A streamed response that applies the request's stream faults as chunks go out."""
+
+    def __init__(self, server: FakeServer, request: web.Request, content_type: str) -> None:
+        self.server = server
+        self.request = request
+        self.fault = request.get(FAULT)
+        self.sent = 0
+        self.response = web.StreamResponse(
+            status=200,
+            headers={
+                **server.response_headers(),
+                "content-type": content_type,
+                "cache-control": "no-cache",
+            },
+        )
+
+    async def __aenter__(self) -> Self:
+        await self.response.prepare(self.request)
+        return self
+
+    async def __aexit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            await self.response.write_eof()
+
+    async def send(self, frame: bytes) -> None:
+        fault = self.fault
+        if fault is not None and self.sent >= fault.after:
+            if fault.kind is FaultKind.CUT_STREAM:
+                _drop_connection(self.request)
+                raise asyncio.CancelledError
+            if fault.kind is FaultKind.STREAM_ERROR:
+                await self.response.write(self.server.stream_error_frame(fault.status_code, fault.message))
+                await self.response.write_eof()
+                raise StreamFinished(self.response)
+        if fault is not None and fault.kind is FaultKind.SLOW_STREAM and self.sent:
+            await asyncio.sleep(fault.seconds)
+        await self.response.write(frame)
+        self.sent += 1
+
+
+def sse(data: Any, event: str | None = None, sep: bytes = b"\n\n") -> bytes:
+    """One server-sent event: optional `event:` line, then `data:` with compact-ish JSON."""
+    payload = data if isinstance(data, str) else json.dumps(data)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}".encode() + sep

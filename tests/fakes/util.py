@@ -1,0 +1,28 @@
+"""Small helpers shared by the vendor modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from tests.fakes.faults import FaultKind
+from tests.fakes.server import FAULT
+
+
+def deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> dict[str, Any]:
+    """Merge `src` into `dst` in place, recursing into nested dicts."""
+    for key, value in src.items():
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            deep_merge(dst[key], value)
+        else:
+            dst[key] = value
+    return dst
+
+
+def huge_text(request: web.Request) -> str | None:
+    """The reply text for a HUGE fault: about `size` bytes of words."""
+    fault = request.get(FAULT)
+    if fault is None or fault.kind is not FaultKind.HUGE:
+        return None
+    return " ".join(["lorem"] * max(1, fault.size // 6))
