@@ -1,18 +1,15 @@
 """Weight-only int4 matmul, group-wise asymmetric: ``w = (q - 8) * scale + zero`` for each group of K.
 
-Canonical layout (what checkpoints and the Triton kernels use; same maths as gpt-fast/tinygemm):
+Layout (checkpoints, ``engine.quant.Int4Linear``, the Triton kernels; same maths as gpt-fast/tinygemm):
 - ``qweight`` uint8 ``[N, Kp // 2]``: two 4-bit values per byte, even k in the low nibble, odd k in the
   high nibble; ``Kp`` is K rounded up to the group size (padding columns are never read against x).
-- ``scales``, ``zeros`` ``[N, Kp // group_size]`` in the activation dtype.
+- ``scales_and_zeros`` ``[Kp // group_size, N, 2]`` in the activation dtype: ``[..., 0]`` scale, ``[..., 1]`` zero.
 
-On CPU, PyTorch's tinygemm port (``torch._weight_int4pack_mm_for_cpu``) wants its own nibble order, made
-by ``torch._convert_weight_to_int4pack_for_cpu``; ``CpuInt4Weight`` holds that form and can recover the
-canonical one, so a model keeps a single copy of its int4 weights.
+On CPU, PyTorch's tinygemm port (``torch._weight_int4pack_mm_for_cpu``) wants the same tensor shapes with
+its own nibble order (``to_cpu_layout``); ``from_cpu_layout`` recovers ours, so a model keeps one copy.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +23,7 @@ GEMV_MAX_ROWS = 8
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 values in [0, 15], shape ``[N, Kp]`` (Kp even) -> canonical ``[N, Kp // 2]``."""
+    """uint8 values in [0, 15], shape ``[N, Kp]`` (Kp even) -> ``[N, Kp // 2]``."""
     q = q.to(torch.uint8)
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
@@ -36,80 +33,70 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int4(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, k: int | None = None
+    qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, k: int | None = None
 ) -> torch.Tensor:
-    q = unpack_int4(qweight).to(scales.dtype)
+    q = unpack_int4(qweight).to(scales_and_zeros.dtype)
     n, kp = q.shape
-    w = (q.view(n, kp // group_size, group_size) - 8) * scales[..., None] + zeros[..., None]
+    scales, zeros = (t.t()[..., None] for t in scales_and_zeros.unbind(-1))  # [N, G, 1]
+    w = (q.view(n, kp // group_size, group_size) - 8) * scales + zeros
     return w.reshape(n, kp)[:, : k or kp]
 
 
 def int4_matmul_ref(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    w = dequantize_int4(qweight, scales.float(), zeros.float(), group_size, x.shape[-1])
+    w = dequantize_int4(qweight, scales_and_zeros.float(), group_size, x.shape[-1])
     return F.linear(x, w.to(x.dtype))
-
-
-@dataclass
-class CpuInt4Weight:
-    """The tinygemm CPU form of one int4 weight: packed nibbles plus ``[G, N, 2]`` scales-and-zeros."""
-
-    packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
-    group_size: int
-    k: int  # x's width; the packed K may be larger (padded to the group size)
-
-    @classmethod
-    def from_canonical(
-        cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, k: int
-    ) -> CpuInt4Weight:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(qweight).to(torch.int32), 1)
-        sz = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
-        return cls(packed, sz, group_size, k)
-
-    def to_canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n, kp = self.packed.shape[0], self.packed.shape[1] * 2
-        # The nibble order is PyTorch's private business; learn the permutation by packing the bits of
-        # each element's own index, four at a time, instead of hard-coding today's order.
-        index = torch.arange(n * kp, dtype=torch.int64).view(n, kp)
-        source = torch.zeros(n * kp, dtype=torch.int64)
-        for shift in range(0, max(n * kp - 1, 1).bit_length(), 4):
-            probe = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((index >> shift) & 15).int(), 1)
-            source |= torch.stack([probe & 15, probe >> 4], -1).flatten().long() << shift
-        values = torch.empty(n * kp, dtype=torch.uint8)
-        values[source] = torch.stack([self.packed & 15, self.packed >> 4], -1).flatten()
-        scales, zeros = self.scales_and_zeros.unbind(-1)
-        return pack_int4(values.view(n, kp)), scales.t().contiguous(), zeros.t().contiguous()
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        kp = self.packed.shape[1] * 2
-        if kp != self.k:
-            x2 = F.pad(x2, (0, kp - self.k))
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.contiguous(), self.packed, self.group_size, self.scales_and_zeros.to(x.dtype)
-        )
-        return out.view(*x.shape[:-1], self.packed.shape[0])
 
 
 def cpu_int4_supported(n: int, dtype: torch.dtype) -> bool:
     return HAS_INT4PACK_CPU and dtype in (torch.float32, torch.bfloat16, torch.float16) and n % 16 == 0
 
 
+def to_cpu_layout(qweight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(qweight).to(torch.int32), 1)
+
+
+def from_cpu_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``to_cpu_layout``. The nibble order is PyTorch's private business, so rather than
+    hard-code today's, learn the permutation by packing the bits of each element's own index, 4 at a time."""
+    n, kp = packed.shape[0], packed.shape[1] * 2
+    index = torch.arange(n * kp, dtype=torch.int64).view(n, kp)
+    source = torch.zeros(n * kp, dtype=torch.int64)
+    for shift in range(0, max(n * kp - 1, 1).bit_length(), 4):
+        probe = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((index >> shift) & 15).int(), 1)
+        source |= torch.stack([probe & 15, probe >> 4], -1).flatten().long() << shift
+    values = torch.empty(n * kp, dtype=torch.uint8)
+    values[source] = torch.stack([packed & 15, packed >> 4], -1).flatten().cpu()
+    return pack_int4(values.view(n, kp)).to(packed.device)
+
+
+def int4_matmul_cpu(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """tinygemm on CPU; ``packed`` comes from ``to_cpu_layout``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    kp = packed.shape[1] * 2
+    if kp != x2.shape[1]:
+        x2 = F.pad(x2, (0, kp - x2.shape[1]))
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x2.contiguous(), packed, group_size, scales_and_zeros.to(x.dtype)
+    )
+    return out.view(*x.shape[:-1], packed.shape[0])
+
+
 @jit
 def _int4_gemv_kernel(
     x_ptr,
     qw_ptr,
-    s_ptr,
-    z_ptr,
+    sz_ptr,
     out_ptr,
     N,
     K,
     KP,
     stride_xm,
     stride_qn,
-    stride_sn,
+    stride_sg,
     stride_om,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -129,8 +116,8 @@ def _int4_gemv_kernel(
             tl.float32
         )
         g = k0 // GROUP
-        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        s = tl.load(sz_ptr + g * stride_sg + 2 * offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(sz_ptr + g * stride_sg + 2 * offs_n + 1, mask=n_mask, other=0.0).to(tl.float32)
         # sum_k ((q-8)*s + z) * x  ==  s * sum_k (q-8)*x  +  z * sum_k x
         acc += s * tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1) + z * (tl.sum(xe) + tl.sum(xo))
     tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -140,8 +127,7 @@ def _int4_gemv_kernel(
 def _int4_gemm_kernel(
     x_ptr,
     qw_ptr,
-    s_ptr,
-    z_ptr,
+    sz_ptr,
     out_ptr,
     M,
     N,
@@ -149,7 +135,7 @@ def _int4_gemm_kernel(
     KP,
     stride_xm,
     stride_qn,
-    stride_sn,
+    stride_sg,
     stride_om,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -165,8 +151,8 @@ def _int4_gemm_kernel(
         offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         b = tl.load(qw_ptr + offs_n[None, :] * stride_qn + offs_j[:, None], mask=n_mask[None, :], other=0)
         g = k0 // GROUP
-        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        s = tl.load(sz_ptr + g * stride_sg + 2 * offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(sz_ptr + g * stride_sg + 2 * offs_n + 1, mask=n_mask, other=0.0).to(tl.float32)
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         xe = tl.load(
             x_rows + 2 * offs_j[None, :], mask=m_mask[:, None] & (2 * offs_j[None, :] < K), other=0.0
@@ -188,32 +174,32 @@ def _int4_gemm_kernel(
 def int4_matmul_triton(
     x: torch.Tensor,
     qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
     group_size: int,
     *,
     gemv: bool | None = None,
 ) -> torch.Tensor:
+    """``gemv=None`` picks the GEMV kernel for at most ``GEMV_MAX_ROWS`` rows of ``x``, else the GEMM."""
     N, KP = qweight.shape[0], qweight.shape[1] * 2
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    sz = scales_and_zeros.contiguous()
     block_k = min(group_size, 128)
     assert group_size % block_k == 0 and KP % group_size == 0 and qweight.stride(1) == 1
-    common = (N, K, KP, x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
+    common = (N, K, KP, x2.stride(0), qweight.stride(0), sz.stride(0), out.stride(0))
     if gemv if gemv is not None else M <= GEMV_MAX_ROWS:
         BLOCK_N = 64
         _int4_gemv_kernel[(M, cdiv(N, BLOCK_N))](
-            x2, qweight, scales, zeros, out, *common, GROUP=group_size, BLOCK_N=BLOCK_N, BLOCK_K=block_k
+            x2, qweight, sz, out, *common, GROUP=group_size, BLOCK_N=BLOCK_N, BLOCK_K=block_k
         )
     else:
         BLOCK_M, BLOCK_N = 32, 64
         _int4_gemm_kernel[(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))](
             x2,
             qweight,
-            scales,
-            zeros,
+            sz,
             out,
             M,
             *common,
@@ -226,9 +212,10 @@ def int4_matmul_triton(
 
 
 def int4_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """``x [..., K] @ dequant(canonical int4 weight [N, K]).T``. For CPU speed hold a ``CpuInt4Weight``."""
+    """``x [..., K] @ dequant(int4 weight [N, K]).T`` for weights in our layout: Triton on CUDA, the
+    reference elsewhere. On CPU, hold the weight in ``to_cpu_layout`` form and call ``int4_matmul_cpu``."""
     if use_triton(x):
-        return int4_matmul_triton(x, qweight, scales, zeros, group_size)
-    return int4_matmul_ref(x, qweight, scales, zeros, group_size)
+        return int4_matmul_triton(x, qweight, scales_and_zeros, group_size)
+    return int4_matmul_ref(x, qweight, scales_and_zeros, group_size)

@@ -4,13 +4,15 @@ import pytest
 import torch
 
 from kernels.int4_matmul import (
-    CpuInt4Weight,
     cpu_int4_supported,
     dequantize_int4,
+    from_cpu_layout,
     int4_matmul,
+    int4_matmul_cpu,
     int4_matmul_ref,
     int4_matmul_triton,
     pack_int4,
+    to_cpu_layout,
     unpack_int4,
 )
 from tests.kernels.conftest import assert_close, skip_broken_bf16_dot
@@ -22,9 +24,9 @@ def _operands(m: int, n: int, k: int, group: int, dtype: torch.dtype):
     torch.manual_seed(m * 7 + n + k + group)
     kp = -(-k // group) * group
     qweight = pack_int4(torch.randint(0, 16, (n, kp), dtype=torch.uint8))
-    scales = (torch.rand(n, kp // group) * 0.05 + 0.001).to(dtype)
-    zeros = (torch.randn(n, kp // group) * 0.05).to(dtype)
-    return torch.randn(m, k, dtype=dtype), qweight, scales, zeros
+    scales = torch.rand(kp // group, n) * 0.05 + 0.001
+    zeros = torch.randn(kp // group, n) * 0.05
+    return torch.randn(m, k, dtype=dtype), qweight, torch.stack([scales, zeros], -1).to(dtype)
 
 
 def test_pack_puts_even_k_in_low_nibble() -> None:
@@ -36,7 +38,8 @@ def test_pack_puts_even_k_in_low_nibble() -> None:
 
 def test_dequantise_uses_offset_eight_and_zero_point() -> None:
     qweight = pack_int4(torch.tensor([[8, 0, 15, 9]], dtype=torch.uint8))
-    w = dequantize_int4(qweight, torch.tensor([[0.5, 2.0]]), torch.tensor([[1.0, -1.0]]), group_size=2)
+    scales_and_zeros = torch.tensor([[[0.5, 1.0]], [[2.0, -1.0]]])  # [groups=2, N=1, (scale, zero)]
+    w = dequantize_int4(qweight, scales_and_zeros, group_size=2)
     assert w.tolist() == [[1.0, -3.0, 13.0, 1.0]]
 
 
@@ -44,18 +47,18 @@ def test_dequantise_uses_offset_eight_and_zero_point() -> None:
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_matches_reference(dtype: torch.dtype, group: int, m: int) -> None:
-    x, qw, s, z = _operands(m, 96, 200, group, dtype)  # K=200 is not a multiple of any group: padded
-    expected = int4_matmul_ref(x.float(), qw, s.float(), z.float(), group)
-    assert_close(int4_matmul_triton(x, qw, s, z, group, gemv=True), expected.to(dtype), dtype)
+    x, qw, sz = _operands(m, 96, 200, group, dtype)  # K=200 is not a multiple of any group: padded
+    expected = int4_matmul_ref(x.float(), qw, sz.float(), group)
+    assert_close(int4_matmul_triton(x, qw, sz, group, gemv=True), expected.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [32, 128])
 def test_gemm_matches_reference(dtype: torch.dtype, group: int, bf16_dot_ok: bool) -> None:
     skip_broken_bf16_dot(dtype, bf16_dot_ok)
-    x, qw, s, z = _operands(40, 96, 200, group, dtype)
-    expected = int4_matmul_ref(x.float(), qw, s.float(), z.float(), group)
-    assert_close(int4_matmul_triton(x, qw, s, z, group, gemv=False), expected.to(dtype), dtype)
+    x, qw, sz = _operands(40, 96, 200, group, dtype)
+    expected = int4_matmul_ref(x.float(), qw, sz.float(), group)
+    assert_close(int4_matmul_triton(x, qw, sz, group, gemv=False), expected.to(dtype), dtype)
 
 
 @pytest.mark.skipif(
@@ -65,14 +68,14 @@ def test_gemm_matches_reference(dtype: torch.dtype, group: int, bf16_dot_ok: boo
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 9])
 def test_cpu_tinygemm_path_matches_reference_and_round_trips(dtype: torch.dtype, group: int, m: int) -> None:
-    x, qw, s, z = _operands(m, 192, 576, group, dtype)
-    expected = int4_matmul_ref(x.float(), qw, s.float(), z.float(), group)
-    packed = CpuInt4Weight.from_canonical(qw, s, z, group, k=576)
-    assert_close(packed.matmul(x), expected.to(dtype), dtype)
-    back_qw, back_s, back_z = packed.to_canonical()
-    assert torch.equal(back_qw, qw) and torch.equal(back_s, s) and torch.equal(back_z, z)
+    x, qw, sz = _operands(m, 192, 576, group, dtype)
+    expected = int4_matmul_ref(x.float(), qw, sz.float(), group)
+    packed = to_cpu_layout(qw)
+    assert packed.shape == qw.shape and not torch.equal(packed, qw)
+    assert_close(int4_matmul_cpu(x, packed, sz, group), expected.to(dtype), dtype)
+    assert torch.equal(from_cpu_layout(packed), qw)
 
 
 def test_dispatcher_on_cpu_is_the_reference() -> None:
-    x, qw, s, z = _operands(2, 64, 128, 64, torch.float32)
-    assert torch.equal(int4_matmul(x, qw, s, z, 64), int4_matmul_ref(x, qw, s, z, 64))
+    x, qw, sz = _operands(2, 64, 128, 64, torch.float32)
+    assert torch.equal(int4_matmul(x, qw, sz, 64), int4_matmul_ref(x, qw, sz, 64))
