@@ -94,17 +94,21 @@ class PriceCatalog:
 
     def prices_at(self, backend: str, model: str, at: dt.datetime) -> dict[TokenClass, int]:
         for scope in (backend, ANY_BACKEND):
-            found: dict[TokenClass, int] = {}
-            for token_class in TokenClass:
-                series = self._series.get((scope, model, token_class))
-                if not series:
-                    continue
-                i = bisect.bisect_right(series, (at, float("inf")))
-                if i:
-                    found[token_class] = series[i - 1][1]
+            found = self.scoped_prices(scope, model, at)
             if found:
                 return found
         return {}
+
+    def scoped_prices(self, backend: str, model: str, at: dt.datetime) -> dict[TokenClass, int]:
+        """Prices of exactly this (backend, model) valid at `at`, without falling back to `*`."""
+        found: dict[TokenClass, int] = {}
+        for token_class in TokenClass:
+            series = self._series.get((backend, model, token_class))
+            if series:
+                i = bisect.bisect_right(series, (at, float("inf")))
+                if i:
+                    found[token_class] = series[i - 1][1]
+        return found
 
     def price(self, usage: Usage, backend: str, model: str, at: dt.datetime) -> Cost:
         return price_usage(usage, self.prices_at(backend, model, at))

@@ -1,0 +1,223 @@
+"""Report queries: usage and cost per tenant/model/backend/day/key, and uptime.
+
+Usage reports read the daily rollups when the range is whole UTC days, and the raw ledger otherwise;
+both have the same columns, so it is one query either way.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+from decimal import ROUND_HALF_EVEN, Decimal
+from typing import Any
+
+from sqlalchemy import Integer, and_, case, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.accounting.money import format_usd, pico_to_usd
+from gateway.db.models import Tenant, UptimeSample, UsageEventRow, UsageRollup
+
+GROUPS = {"tenant": "tenant_id", "key": "key_id", "model": "model", "backend": "backend", "day": "day"}
+TOKEN_COLUMNS = (
+    "input_tokens",
+    "cached_input_tokens",
+    "cache_write_5m_tokens",
+    "cache_write_1h_tokens",
+    "output_tokens",
+    "reasoning_tokens",
+)
+CSV_COLUMNS = (
+    *GROUPS,
+    "tenant_name",
+    "requests",
+    "errors",
+    "input_tokens",
+    "cached_input_tokens",
+    "cache_write_tokens",
+    "cache_write_5m_tokens",
+    "cache_write_1h_tokens",
+    "output_tokens",
+    "reasoning_tokens",
+    "total_tokens",
+    "cost_usd",
+    "cost_per_1m_tokens",
+    "cache_hit_ratio",
+    "cache_savings_usd",
+)
+SIX_PLACES = Decimal("0.000001")
+
+
+def _whole_days(start: dt.datetime, end: dt.datetime) -> bool:
+    return all(t.time() == dt.time(0) for t in (start, end))
+
+
+def parse_group_by(text: str | None) -> list[str]:
+    names = [n.strip() for n in (text or "tenant").split(",") if n.strip()]
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        raise ValueError(f"cannot group by {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
+    return list(dict.fromkeys(names))
+
+
+async def usage_report(
+    session: AsyncSession, start: dt.datetime, end: dt.datetime, group_by: list[str]
+) -> dict[str, Any]:
+    if _whole_days(start, end):
+        table: Any = UsageRollup
+        where = and_(UsageRollup.day >= start.date(), UsageRollup.day < end.date())
+        requests, errors = func.sum(UsageRollup.requests), func.sum(UsageRollup.errors)
+    else:
+        table = UsageEventRow
+        where = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
+        requests = func.count()
+        errors = func.sum(case((and_(UsageEventRow.status >= 200, UsageEventRow.status < 400), 0), else_=1))
+    dims = [getattr(table, GROUPS[name]).label(name) for name in group_by]
+    sums = [
+        func.sum(getattr(table, c)).label(c) for c in (*TOKEN_COLUMNS, "cost_pico_usd", "savings_pico_usd")
+    ]
+    query = select(*dims, requests.label("requests"), errors.label("errors"), *sums).where(where)
+    if dims:
+        query = query.group_by(*dims).order_by(*dims)
+    raw = [dict(r._mapping) for r in await session.execute(query)]
+    raw = [r for r in raw if r["requests"]]  # an empty range sums to one row of NULLs
+    names: dict[str, str] = {}
+    if "tenant" in group_by:
+        names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
+    rows = [_finish(r, group_by, names) for r in raw]
+    totals = _finish(
+        {
+            k: sum(int(r[k] or 0) for r in raw)
+            for k in ("requests", "errors", *TOKEN_COLUMNS, "cost_pico_usd", "savings_pico_usd")
+        },
+        [],
+        {},
+    )
+    return {
+        "start": start.isoformat(),
+        "end": end.isoformat(),
+        "group_by": group_by,
+        "source": "rollups" if table is UsageRollup else "events",
+        "rows": rows,
+        "totals": totals,
+    }
+
+
+def _finish(raw: dict[str, Any], group_by: list[str], names: dict[str, str]) -> dict[str, Any]:
+    n = {
+        k: int(raw.get(k) or 0)
+        for k in ("requests", "errors", *TOKEN_COLUMNS, "cost_pico_usd", "savings_pico_usd")
+    }
+    row: dict[str, Any] = {}
+    for name in group_by:
+        value = raw[name]
+        row[name] = value.isoformat() if isinstance(value, dt.date) else (value or None)
+    if "tenant" in group_by:
+        row["tenant_name"] = names.get(row["tenant"] or "")
+    cache_writes = n["cache_write_5m_tokens"] + n["cache_write_1h_tokens"]
+    prompt = n["input_tokens"] + n["cached_input_tokens"] + cache_writes
+    total = prompt + n["output_tokens"]
+    cost = pico_to_usd(n["cost_pico_usd"])
+    row.update(
+        requests=n["requests"],
+        errors=n["errors"],
+        input_tokens=n["input_tokens"],
+        cached_input_tokens=n["cached_input_tokens"],
+        cache_write_tokens=cache_writes,
+        cache_write_5m_tokens=n["cache_write_5m_tokens"],
+        cache_write_1h_tokens=n["cache_write_1h_tokens"],
+        output_tokens=n["output_tokens"],
+        reasoning_tokens=n["reasoning_tokens"],
+        total_tokens=total,
+        # USD amounts are strings: exact decimals that no JSON parser turns into floats.
+        cost_usd=format_usd(cost),
+        cost_per_1m_tokens=format_usd((cost * 1_000_000 / total).quantize(SIX_PLACES, ROUND_HALF_EVEN))
+        if total
+        else None,
+        cache_hit_ratio=float((Decimal(n["cached_input_tokens"]) / prompt).quantize(SIX_PLACES))
+        if prompt
+        else None,
+        cache_savings_usd=format_usd(pico_to_usd(n["savings_pico_usd"])),
+    )
+    return row
+
+
+def usage_csv(report: dict[str, Any]) -> str:
+    columns = [c for c in CSV_COLUMNS if c not in GROUPS or c in report["group_by"]]
+    if "tenant" not in report["group_by"]:
+        columns.remove("tenant_name")
+    out = io.StringIO()
+    # Plain RFC 4180 with CRLF line ends: what spreadsheets expect. Empty cells for missing values.
+    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\r\n")
+    writer.writeheader()
+    for row in report["rows"]:
+        writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    return out.getvalue()
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return round(part / whole, 6) if whole else None
+
+
+async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datetime) -> dict[str, Any]:
+    ok_attempt = case((and_(UsageEventRow.status >= 200, UsageEventRow.status < 400), 1), else_=0)
+    in_range = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
+    probes = {
+        backend: (int(total), int(ok or 0))
+        for backend, total, ok in await session.execute(
+            select(UptimeSample.backend, func.count(), func.sum(UptimeSample.ok.cast(Integer)))
+            .where(UptimeSample.ts >= start, UptimeSample.ts < end)
+            .group_by(UptimeSample.backend)
+        )
+    }
+    attempts = {
+        backend: (int(total), int(ok or 0))
+        for backend, total, ok in await session.execute(
+            select(UsageEventRow.backend, func.count(), func.sum(ok_attempt))
+            .where(in_range)
+            .group_by(UsageEventRow.backend)
+        )
+    }
+    backends = []
+    for backend in sorted(set(probes) | set(attempts)):
+        p_total, p_ok = probes.get(backend, (0, 0))
+        a_total, a_ok = attempts.get(backend, (0, 0))
+        backends.append(
+            {
+                "backend": backend,
+                "probes": p_total,
+                "probes_ok": p_ok,
+                "probe_availability": _ratio(p_ok, p_total),
+                "attempts": a_total,
+                "attempts_ok": a_ok,
+                "request_availability": _ratio(a_ok, a_total),
+            }
+        )
+    # A request succeeded if any of its attempts did (after retries and fallbacks).
+    per_request = (
+        select(UsageEventRow.tenant_id, UsageEventRow.request_id, func.max(ok_attempt).label("ok"))
+        .where(in_range)
+        .group_by(UsageEventRow.tenant_id, UsageEventRow.request_id)
+        .subquery()
+    )
+    tenants = [
+        {
+            "tenant": tenant,
+            "requests": int(total),
+            "succeeded": int(ok or 0),
+            "success_ratio": _ratio(int(ok or 0), int(total)),
+        }
+        for tenant, total, ok in await session.execute(
+            select(per_request.c.tenant_id, func.count(), func.sum(per_request.c.ok))
+            .group_by(per_request.c.tenant_id)
+            .order_by(per_request.c.tenant_id)
+        )
+    ]
+    return {"start": start.isoformat(), "end": end.isoformat(), "backends": backends, "tenants": tenants}
+
+
+async def record_probe(
+    session: AsyncSession, backend: str, ok: bool, latency_ms: float | None, at: dt.datetime
+) -> None:
+    """Store one active health-probe result (probes run per backend every few seconds, not per request)."""
+    session.add(UptimeSample(backend=backend, ts=at, ok=ok, latency_ms=latency_ms))

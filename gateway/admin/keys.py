@@ -1,0 +1,129 @@
+"""API keys: generated here, shown once, stored only as a SHA-256 hash; and the DB-backed
+`Authenticator` that turns a presented key into a Principal, with a small cache that every replica
+empties the moment a key is revoked."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.auth import Principal
+from gateway.db.models import ApiKey, Tenant
+from gateway.state import SharedState
+
+KEY_PREFIX = "wk-"
+
+
+def new_key() -> tuple[str, str, str]:
+    """(key, prefix shown in listings, sha256 hex stored)."""
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    return key, key[:11], key_digest(key)
+
+
+def key_digest(key: str) -> str:
+    # Keys carry 256 random bits, so a fast unsalted hash is safe; lookups go by this digest, so
+    # no comparison of secrets ever happens in Python.
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """What admission needs about a caller, beyond who they are."""
+
+    principal: Principal
+    key_hash: str
+    tenant_rpm: int | None
+    tenant_tpm: int | None
+    tenant_budget_micro_usd: int | None
+    key_rpm: int | None
+    key_tpm: int | None
+    key_budget_micro_usd: int | None
+    expires_at: dt.datetime | None
+
+
+class DbAuthenticator:
+    """Keys from the admin DB. Lookups are cached for `ttl_s` (positive and negative); a revocation
+    published through the shared state evicts the key on every replica at once."""
+
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], state: SharedState, ttl_s: float = 30.0
+    ) -> None:
+        self._sessions = sessions
+        self._state = state
+        self._ttl = ttl_s
+        self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
+        self._records: dict[str, KeyRecord] = {}  # tenant/key id pair -> record, for admission
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        await self._state.subscribe_revocations(self.evict)
+
+    def evict(self, key_hash: str) -> None:
+        if key_hash == "*":  # a tenant's limits changed: reload everything on next use
+            self._cache.clear()
+        else:
+            self._cache.pop(key_hash, None)
+
+    async def authenticate(self, api_key: str) -> Principal | None:
+        record = await self.lookup(api_key)
+        return record.principal if record else None
+
+    async def lookup(self, api_key: str) -> KeyRecord | None:
+        digest = key_digest(api_key)
+        now = time.monotonic()
+        cached = self._cache.get(digest)
+        if cached is None or cached[0] <= now:
+            record = await self._load(digest)
+            self._cache[digest] = (now + self._ttl, record)
+            if record is not None:
+                self._records[record.principal.key_id or ""] = record
+        else:
+            record = cached[1]
+        if (
+            record is not None
+            and record.expires_at is not None
+            and record.expires_at <= dt.datetime.now(dt.UTC)
+        ):
+            return None
+        return record
+
+    def record_for(self, principal: Principal) -> KeyRecord | None:
+        return self._records.get(principal.key_id or "")
+
+    async def _load(self, digest: str) -> KeyRecord | None:
+        async with self._sessions() as session:
+            row = (
+                await session.execute(
+                    select(ApiKey, Tenant)
+                    .join(Tenant, ApiKey.tenant_id == Tenant.id)
+                    .where(ApiKey.key_hash == digest)
+                )
+            ).first()
+        if row is None:
+            return None
+        key, tenant = row
+        if key.revoked_at is not None:
+            return None
+        return KeyRecord(
+            principal=Principal(
+                tenant_id=tenant.id,
+                tenant_name=tenant.name,
+                key_id=key.id,
+                allowed_models=frozenset(key.models) if key.models is not None else None,
+            ),
+            key_hash=digest,
+            tenant_rpm=tenant.rpm,
+            tenant_tpm=tenant.tpm,
+            tenant_budget_micro_usd=tenant.budget_micro_usd_monthly,
+            key_rpm=key.rpm,
+            key_tpm=key.tpm,
+            key_budget_micro_usd=key.budget_micro_usd_monthly,
+            expires_at=key.expires_at,
+        )

@@ -1,0 +1,486 @@
+"""The admin API, a Litestar Router mounted at `/admin/api/v1`.
+
+Every write runs in one transaction with its audit row (who, what, when, before, after), so the
+audit log can never miss a change that happened.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, Response, Router, delete, get, patch, post, put
+from litestar.connection import ASGIConnection
+from litestar.di import Provide
+from litestar.exceptions import HTTPException
+from litestar.handlers import BaseRouteHandler
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.accounting import reports
+from gateway.accounting.money import format_usd, micro_to_usd, usd_per_mtok_to_micro, usd_to_micro
+from gateway.admin.keys import new_key
+from gateway.admin.schemas import KeyCreate, PricesPut, TenantCreate, TenantPatch
+from gateway.admin.token import token_matches
+from gateway.db.models import ApiKey, AuditLog, Price, Tenant, utcnow
+from gateway.state import SharedState
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+# Published on the revocation channel to make every replica drop all cached keys (limits changed).
+EVICT_ALL = "*"
+BACKDATE_TOLERANCE = dt.timedelta(minutes=1)
+
+
+class AdminError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
+
+
+@dataclass
+class AdminContext:
+    sessions: async_sessionmaker[AsyncSession]
+    state: SharedState
+    token_digest: str
+    on_prices_changed: Callable[[], Awaitable[None]] | None = None
+    actor: str = "admin"
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[tuple[AsyncSession, Callable[..., None]]]:
+        """A transaction plus `audit(action, entity, entity_id, before, after)` inside it."""
+        try:
+            async with self.sessions() as session, session.begin():
+
+                def audit(action: str, entity: str, entity_id: str | None, before: Any, after: Any) -> None:
+                    session.add(
+                        AuditLog(
+                            actor=self.actor,
+                            action=action,
+                            entity=entity,
+                            entity_id=entity_id,
+                            before=before,
+                            after=after,
+                        )
+                    )
+
+                yield session, audit
+        except IntegrityError as exc:
+            raise AdminError(
+                409, "conflicts with an existing record (a name or key already in use)", "conflict"
+            ) from exc
+
+
+def _error_response(
+    status: int,
+    message: str,
+    code: str | None,
+    param: str | None = None,
+    type: str = "invalid_request_error",
+    headers: dict[str, str] | None = None,
+) -> Response[dict[str, Any]]:
+    return Response(
+        {"error": {"message": message, "type": type, "param": param, "code": code}},
+        status_code=status,
+        headers=headers,
+    )
+
+
+def _on_admin_error(_: Request, exc: AdminError) -> Response[dict[str, Any]]:
+    return _error_response(exc.status, exc.message, exc.code, exc.param, exc.type)
+
+
+def _on_http_error(_: Request, exc: HTTPException) -> Response[dict[str, Any]]:
+    codes = {401: "invalid_admin_token", 404: "not_found", 405: "method_not_allowed"}
+    return _error_response(
+        exc.status_code, exc.detail, codes.get(exc.status_code, "invalid_request"), headers=exc.headers
+    )
+
+
+def _on_unexpected(_: Request, exc: Exception) -> Response[dict[str, Any]]:
+    log.error("admin API request failed", exc_info=exc)
+    return _error_response(
+        500, "internal error in the admin API; see the gateway log", "internal_error", type="api_error"
+    )
+
+
+def _admin_guard(ctx: AdminContext) -> Callable[[ASGIConnection, BaseRouteHandler], None]:
+    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token_matches(token.strip(), ctx.token_digest):
+            raise AdminError(
+                401, "a valid admin token is required (Authorization: Bearer <token>)", "invalid_admin_token"
+            )
+
+    return guard
+
+
+def decode(body: bytes, type_: type[T]) -> T:
+    try:
+        return msgspec.json.decode(body or b"{}", type=type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = text.split("at `$.", 1)[1].split("`", 1)[0] if "at `$." in text else None
+        raise AdminError(400, text, "invalid_value", param) from None
+    except msgspec.DecodeError as exc:
+        raise AdminError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+
+
+def _usd(micro: int | None) -> str | None:
+    return None if micro is None else format_usd(micro_to_usd(micro))
+
+
+def _micro(value: Any, param: str = "budget_usd_monthly") -> int | None:
+    try:
+        return None if value is None else usd_to_micro(value)
+    except ValueError as exc:
+        raise AdminError(400, f"{param}: {exc}", "invalid_value", param) from None
+
+
+def tenant_json(t: Tenant) -> dict[str, Any]:
+    return {
+        "id": t.id,
+        "name": t.name,
+        "budget_usd_monthly": _usd(t.budget_micro_usd_monthly),
+        "rpm": t.rpm,
+        "tpm": t.tpm,
+        "created_at": t.created_at.isoformat(),
+        "updated_at": t.updated_at.isoformat(),
+    }
+
+
+def key_json(k: ApiKey) -> dict[str, Any]:
+    return {
+        "id": k.id,
+        "tenant_id": k.tenant_id,
+        "name": k.name,
+        "prefix": k.prefix,
+        "models": k.models,
+        "budget_usd_monthly": _usd(k.budget_micro_usd_monthly),
+        "rpm": k.rpm,
+        "tpm": k.tpm,
+        "expires_at": k.expires_at.isoformat() if k.expires_at else None,
+        "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None,
+        "created_at": k.created_at.isoformat(),
+    }
+
+
+def price_json(p: Price) -> dict[str, Any]:
+    return {
+        "backend": p.backend,
+        "model": p.model,
+        "token_class": p.token_class,
+        "usd_per_1m_tokens": format_usd(micro_to_usd(p.micro_usd_per_mtok)),
+        "effective_from": p.effective_from.isoformat(),
+    }
+
+
+async def _tenant(session: AsyncSession, tenant_id: str) -> Tenant:
+    tenant = await session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise AdminError(404, f"no tenant with id {tenant_id!r}", "not_found", "tenant_id")
+    return tenant
+
+
+# --- tenants -----------------------------------------------------------------------------------
+
+
+@post("/tenants", status_code=201)
+async def create_tenant(request: Request, ctx: AdminContext) -> dict[str, Any]:
+    body = decode(await request.body(), TenantCreate)
+    async with ctx.write() as (session, audit):
+        tenant = Tenant(
+            name=body.name,
+            budget_micro_usd_monthly=_micro(body.budget_usd_monthly),
+            rpm=body.rpm,
+            tpm=body.tpm,
+        )
+        session.add(tenant)
+        await session.flush()
+        audit("create", "tenant", tenant.id, None, tenant_json(tenant))
+    return tenant_json(tenant)
+
+
+@get("/tenants")
+async def list_tenants(ctx: AdminContext) -> dict[str, Any]:
+    async with ctx.sessions() as session:
+        tenants = (await session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.name))).all()
+    return {"data": [tenant_json(t) for t in tenants]}
+
+
+@get("/tenants/{tenant_id:str}")
+async def get_tenant(tenant_id: str, ctx: AdminContext) -> dict[str, Any]:
+    async with ctx.sessions() as session:
+        return tenant_json(await _tenant(session, tenant_id))
+
+
+@patch("/tenants/{tenant_id:str}")
+async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> dict[str, Any]:
+    body = decode(await request.body(), TenantPatch)
+    async with ctx.write() as (session, audit):
+        tenant = await _tenant(session, tenant_id)
+        before = tenant_json(tenant)
+        if body.name is not msgspec.UNSET:
+            tenant.name = body.name
+        if body.budget_usd_monthly is not msgspec.UNSET:
+            tenant.budget_micro_usd_monthly = _micro(body.budget_usd_monthly)
+        if body.rpm is not msgspec.UNSET:
+            tenant.rpm = body.rpm
+        if body.tpm is not msgspec.UNSET:
+            tenant.tpm = body.tpm
+        await session.flush()
+        audit("update", "tenant", tenant.id, before, tenant_json(tenant))
+    await ctx.state.publish_revocation(EVICT_ALL)  # replicas reload limits with the next request
+    return tenant_json(tenant)
+
+
+@delete("/tenants/{tenant_id:str}", status_code=204)
+async def delete_tenant(tenant_id: str, ctx: AdminContext) -> None:
+    async with ctx.write() as (session, audit):
+        tenant = await _tenant(session, tenant_id)
+        hashes = (await session.scalars(select(ApiKey.key_hash).where(ApiKey.tenant_id == tenant_id))).all()
+        audit("delete", "tenant", tenant.id, tenant_json(tenant), None)
+        await session.delete(tenant)
+    for key_hash in hashes:
+        await ctx.state.publish_revocation(key_hash)
+
+
+# --- keys --------------------------------------------------------------------------------------
+
+
+@post("/tenants/{tenant_id:str}/keys", status_code=201)
+async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dict[str, Any]:
+    body = decode(await request.body(), KeyCreate)
+    if body.expires_at is not None and body.expires_at.tzinfo is None:
+        raise AdminError(
+            400, "expires_at needs a time zone (e.g. 2027-01-01T00:00:00Z)", "invalid_value", "expires_at"
+        )
+    key, prefix, digest = new_key()
+    async with ctx.write() as (session, audit):
+        await _tenant(session, tenant_id)
+        row = ApiKey(
+            tenant_id=tenant_id,
+            name=body.name,
+            prefix=prefix,
+            key_hash=digest,
+            models=body.models,
+            expires_at=body.expires_at,
+            rpm=body.rpm,
+            tpm=body.tpm,
+            budget_micro_usd_monthly=_micro(body.budget_usd_monthly),
+        )
+        session.add(row)
+        await session.flush()
+        audit("create", "key", row.id, None, key_json(row))
+    # The only time the key itself is ever shown.
+    return {**key_json(row), "key": key}
+
+
+@get("/tenants/{tenant_id:str}/keys")
+async def list_keys(tenant_id: str, ctx: AdminContext) -> dict[str, Any]:
+    async with ctx.sessions() as session:
+        await _tenant(session, tenant_id)
+        keys = (
+            await session.scalars(
+                select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at)
+            )
+        ).all()
+    return {"data": [key_json(k) for k in keys]}
+
+
+@delete("/keys/{key_id:str}", status_code=204)
+async def revoke_key(key_id: str, ctx: AdminContext) -> None:
+    async with ctx.write() as (session, audit):
+        row = await session.get(ApiKey, key_id)
+        if row is None:
+            raise AdminError(404, f"no key with id {key_id!r}", "not_found", "key_id")
+        if row.revoked_at is None:
+            before = key_json(row)
+            row.revoked_at = utcnow()
+            audit("revoke", "key", row.id, before, key_json(row))
+    await ctx.state.publish_revocation(row.key_hash)
+
+
+# --- prices ------------------------------------------------------------------------------------
+
+
+@get("/prices")
+async def list_prices(
+    ctx: AdminContext, model: str | None = None, at: str | None = None, history: bool = False
+) -> dict[str, Any]:
+    moment = _parse_time(at, "at") if at else utcnow()
+    async with ctx.sessions() as session:
+        query = select(Price).order_by(Price.model, Price.backend, Price.token_class, Price.effective_from)
+        if model:
+            query = query.where(Price.model == model)
+        rows = (await session.scalars(query)).all()
+    if not history:  # only the row valid at `moment` for each (backend, model, class)
+        valid: dict[tuple[str, str, str], Price] = {}
+        for row in rows:
+            if row.effective_from <= moment:
+                valid[(row.backend, row.model, row.token_class)] = row
+        rows = list(valid.values())
+    return {"at": None if history else moment.isoformat(), "data": [price_json(p) for p in rows]}
+
+
+@put("/prices")
+async def put_prices(request: Request, ctx: AdminContext) -> dict[str, Any]:
+    body = decode(await request.body(), PricesPut)
+    now = utcnow()
+    created = []
+    async with ctx.write() as (session, audit):
+        for i, item in enumerate(body.prices):
+            effective = item.effective_from or now
+            if effective.tzinfo is None:
+                raise AdminError(
+                    400, "effective_from needs a time zone", "invalid_value", f"prices[{i}].effective_from"
+                )
+            if effective < now - BACKDATE_TOLERANCE:
+                raise AdminError(
+                    400,
+                    "effective_from is in the past: prices apply from now on, history is never re-priced",
+                    "invalid_value",
+                    f"prices[{i}].effective_from",
+                )
+            try:
+                micro = usd_per_mtok_to_micro(item.usd_per_1m_tokens)
+            except ValueError as exc:
+                raise AdminError(400, str(exc), "invalid_value", f"prices[{i}].usd_per_1m_tokens") from None
+            row = Price(
+                backend=item.backend,
+                model=item.model,
+                token_class=str(item.token_class),
+                micro_usd_per_mtok=micro,
+                effective_from=effective,
+            )
+            session.add(row)
+            created.append(row)
+        await session.flush()
+        for row in created:
+            audit("create", "price", str(row.id), None, price_json(row))
+    if ctx.on_prices_changed is not None:
+        await ctx.on_prices_changed()
+    return {"data": [price_json(p) for p in created]}
+
+
+# --- reports and audit -------------------------------------------------------------------------
+
+
+def _parse_time(text: str, param: str) -> dt.datetime:
+    try:
+        value = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise AdminError(
+            400, f"{param} must be an ISO 8601 date or time, got {text!r}", "invalid_value", param
+        ) from None
+    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
+def _range(start: str | None, end: str | None) -> tuple[dt.datetime, dt.datetime]:
+    today = utcnow().replace(hour=0, minute=0, second=0, microsecond=0)
+    lo = _parse_time(start, "start") if start else today.replace(day=1)
+    hi = _parse_time(end, "end") if end else today + dt.timedelta(days=1)
+    if hi <= lo:
+        raise AdminError(400, "end must be after start", "invalid_value", "end")
+    return lo, hi
+
+
+@get("/reports/usage")
+async def usage_report(
+    ctx: AdminContext,
+    start: str | None = None,
+    end: str | None = None,
+    group_by: str | None = None,
+    format: str = "json",
+) -> Response[Any]:
+    lo, hi = _range(start, end)
+    try:
+        groups = reports.parse_group_by(group_by)
+    except ValueError as exc:
+        raise AdminError(400, str(exc), "invalid_value", "group_by") from None
+    if format not in ("json", "csv"):
+        raise AdminError(400, "format must be json or csv", "invalid_value", "format")
+    async with ctx.sessions() as session:
+        report = await reports.usage_report(session, lo, hi, groups)
+    if format == "csv":
+        name = f"weir-usage-{lo.date()}-{hi.date()}.csv"
+        return Response(
+            reports.usage_csv(report),
+            media_type="text/csv; charset=utf-8",
+            headers={"content-disposition": f'attachment; filename="{name}"'},
+        )
+    return Response(report)
+
+
+@get("/reports/uptime")
+async def uptime_report(
+    ctx: AdminContext, start: str | None = None, end: str | None = None
+) -> dict[str, Any]:
+    lo, hi = _range(start, end)
+    async with ctx.sessions() as session:
+        return await reports.uptime_report(session, lo, hi)
+
+
+@get("/audit")
+async def audit_log(ctx: AdminContext, entity: str | None = None, limit: int = 100) -> dict[str, Any]:
+    async with ctx.sessions() as session:
+        query = select(AuditLog).order_by(AuditLog.id.desc()).limit(max(1, min(limit, 1000)))
+        if entity:
+            query = query.where(AuditLog.entity == entity)
+        rows = (await session.scalars(query)).all()
+    return {
+        "data": [
+            {
+                "id": r.id,
+                "ts": r.ts.isoformat(),
+                "actor": r.actor,
+                "action": r.action,
+                "entity": r.entity,
+                "entity_id": r.entity_id,
+                "before": r.before,
+                "after": r.after,
+            }
+            for r in rows
+        ]
+    }
+
+
+def admin_router(ctx: AdminContext, path: str = "/admin/api/v1") -> Router:
+    return Router(
+        path=path,
+        route_handlers=[
+            create_tenant,
+            list_tenants,
+            get_tenant,
+            update_tenant,
+            delete_tenant,
+            create_key,
+            list_keys,
+            revoke_key,
+            list_prices,
+            put_prices,
+            usage_report,
+            uptime_report,
+            audit_log,
+        ],
+        guards=[_admin_guard(ctx)],
+        dependencies={"ctx": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
+        exception_handlers={
+            AdminError: _on_admin_error,
+            HTTPException: _on_http_error,
+            Exception: _on_unexpected,
+        },
+    )

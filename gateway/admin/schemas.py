@@ -1,0 +1,52 @@
+"""Request bodies of the admin API. Money comes in as USD (number or string) and is kept exact."""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+from typing import Annotated
+
+import msgspec
+
+from gateway.accounting.pricing import ANY_BACKEND, TokenClass
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Usd = Decimal  # checked for sign and precision when converted to micro-dollars
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+
+
+class TenantCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Name
+    budget_usd_monthly: Usd | None = None
+    rpm: Count | None = None
+    tpm: Count | None = None
+
+
+class TenantPatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Absent fields stay as they are; `null` clears a limit."""
+
+    name: Name | msgspec.UnsetType = msgspec.UNSET
+    budget_usd_monthly: Usd | msgspec.UnsetType | None = msgspec.UNSET
+    rpm: Count | msgspec.UnsetType | None = msgspec.UNSET
+    tpm: Count | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class KeyCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Name | None = None
+    models: list[str] | None = None  # public model names this key may use; None: all the tenant may
+    expires_at: dt.datetime | None = None
+    budget_usd_monthly: Usd | None = None
+    rpm: Count | None = None
+    tpm: Count | None = None
+
+
+class PriceIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: Name
+    token_class: TokenClass
+    usd_per_1m_tokens: Usd
+    backend: Name = ANY_BACKEND
+    effective_from: dt.datetime | None = None  # None: now
+
+
+class PricesPut(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    prices: Annotated[list[PriceIn], msgspec.Meta(min_length=1)]

@@ -1,0 +1,398 @@
+"""The admin API, as an operator uses it: a Litestar app with the admin router on the real DB."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import hashlib
+import io
+import random
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from typing import Any
+
+import httpx
+import pytest
+from litestar import Litestar
+from sqlalchemy import select, text
+
+from gateway.accounting.catalog import load_catalog
+from gateway.accounting.queue import SpoolQueue
+from gateway.accounting.writer import BatchWriter
+from gateway.admin.keys import DbAuthenticator
+from gateway.admin.router import AdminContext, admin_router
+from gateway.admin.token import ensure_admin_token
+from gateway.db import migrate
+from gateway.db.models import ApiKey, UptimeSample
+from gateway.db.session import create_engine, sessionmaker
+from gateway.state import MemoryState
+from tests.control.helpers import priced_event, random_usage
+
+TOKEN = "test-admin-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+class Env:
+    def __init__(self, client: httpx.AsyncClient, ctx: AdminContext, engine: Any, tmp_path: Any) -> None:
+        self.client, self.ctx, self.engine, self.tmp_path = client, ctx, engine, tmp_path
+
+
+@pytest.fixture
+async def env(db_url: str, tmp_path: Any) -> AsyncIterator[Env]:
+    await migrate.upgrade_async(db_url)
+    engine = create_engine(db_url)
+    sessions = sessionmaker(engine)
+    digest, generated = await ensure_admin_token(sessions, env_token=TOKEN)
+    assert generated is None
+    ctx = AdminContext(sessions=sessions, state=MemoryState(), token_digest=digest)
+    app = Litestar(route_handlers=[admin_router(ctx)])
+    # In this event loop (not a portal thread), so the test and the app share the DB connections.
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://weir") as client:
+        yield Env(client, ctx, engine, tmp_path)
+    await engine.dispose()
+
+
+def assert_openai_error(response: Any, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+async def test_admin_token_is_required(env: Env) -> None:
+    assert_openai_error(await env.client.get("/admin/api/v1/tenants"), 401)
+    assert_openai_error(
+        await env.client.get("/admin/api/v1/tenants", headers={"authorization": "Bearer nope"}), 401
+    )
+    assert (await env.client.get("/admin/api/v1/tenants", headers=AUTH)).status_code == 200
+
+
+async def test_generated_admin_token_is_printed_once(sqlite_url: str) -> None:
+    await migrate.upgrade_async(sqlite_url)
+    engine = create_engine(sqlite_url)
+    sessions = sessionmaker(engine)
+    digest, token = await ensure_admin_token(sessions, env_token="")
+    assert token and digest == hashlib.sha256(token.encode()).hexdigest()
+    again, shown = await ensure_admin_token(sessions, env_token="")
+    assert again == digest and shown is None  # the next start finds it and shows nothing
+    await engine.dispose()
+
+
+async def test_tenants_crud_with_audit(env: Env) -> None:
+    c = env.client
+    r = await c.post(
+        "/admin/api/v1/tenants",
+        json={"name": "acme", "budget_usd_monthly": "100.50", "rpm": 60},
+        headers=AUTH,
+    )
+    assert r.status_code == 201, r.text
+    tenant = r.json()
+    assert tenant["budget_usd_monthly"] == "100.5" and tenant["rpm"] == 60 and tenant["tpm"] is None
+    # Bad input: a clear 400 naming the field, and nothing changes.
+    assert_openai_error(
+        await c.post("/admin/api/v1/tenants", json={"name": "x", "rpm": -1}, headers=AUTH), 400, "rpm"
+    )
+    assert_openai_error(await c.post("/admin/api/v1/tenants", json={"nme": "x"}, headers=AUTH), 400)
+    assert_openai_error(await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH), 409)
+    assert [t["name"] for t in (await c.get("/admin/api/v1/tenants", headers=AUTH)).json()["data"]] == [
+        "acme"
+    ]
+
+    r = await c.patch(f"/admin/api/v1/tenants/{tenant['id']}", json={"rpm": None, "tpm": 10000}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["rpm"] is None and r.json()["tpm"] == 10000
+    assert (await c.get(f"/admin/api/v1/tenants/{tenant['id']}", headers=AUTH)).json()["tpm"] == 10000
+    assert_openai_error(await c.get("/admin/api/v1/tenants/nope", headers=AUTH), 404)
+    assert (await c.delete(f"/admin/api/v1/tenants/{tenant['id']}", headers=AUTH)).status_code == 204
+    assert_openai_error(await c.get(f"/admin/api/v1/tenants/{tenant['id']}", headers=AUTH), 404)
+
+    audit = (await c.get("/admin/api/v1/audit", params={"entity": "tenant"}, headers=AUTH)).json()["data"]
+    assert [(a["action"], a["entity_id"]) for a in audit] == [
+        ("delete", tenant["id"]),
+        ("update", tenant["id"]),
+        ("create", tenant["id"]),
+    ]
+    update = audit[1]
+    assert update["actor"] == "admin"
+    assert (
+        update["before"]["rpm"] == 60 and update["after"]["rpm"] is None and update["after"]["tpm"] == 10000
+    )
+    assert audit[0]["after"] is None and audit[2]["before"] is None
+
+
+async def test_keys_shown_once_hashed_and_revoked_at_once(env: Env) -> None:
+    c = env.client
+    tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
+    r = await c.post(
+        f"/admin/api/v1/tenants/{tenant['id']}/keys",
+        json={"name": "ci", "models": ["gpt-4o-mini"]},
+        headers=AUTH,
+    )
+    assert r.status_code == 201, r.text
+    created = r.json()
+    key = created["key"]
+    assert key.startswith(created["prefix"]) and len(key) > 40
+    listed = (await c.get(f"/admin/api/v1/tenants/{tenant['id']}/keys", headers=AUTH)).json()["data"]
+    assert len(listed) == 1 and "key" not in listed[0] and listed[0]["prefix"] == created["prefix"]
+    async with env.ctx.sessions() as session:
+        row = (await session.scalars(select(ApiKey))).one()
+        dump = " ".join(str(v) for v in (await session.execute(text("SELECT * FROM api_keys"))).one())
+    assert row.key_hash == hashlib.sha256(key.encode()).hexdigest()
+    assert key not in dump  # only the hash is stored
+
+    auth = DbAuthenticator(env.ctx.sessions, env.ctx.state, ttl_s=3600)
+    await auth.start()
+    principal = await auth.authenticate(key)
+    assert principal is not None and principal.tenant_id == tenant["id"] and principal.key_id == created["id"]
+    assert principal.may_use("gpt-4o-mini") and not principal.may_use("gpt-4o")
+    assert await auth.authenticate(key + "x") is None
+    assert (await c.delete(f"/admin/api/v1/keys/{created['id']}", headers=AUTH)).status_code == 204
+    # The cache held the key for an hour; the revocation broadcast emptied it.
+    assert await auth.authenticate(key) is None
+    assert_openai_error(await c.delete("/admin/api/v1/keys/nope", headers=AUTH), 404)
+    actions = [
+        a["action"]
+        for a in (await c.get("/admin/api/v1/audit", params={"entity": "key"}, headers=AUTH)).json()["data"]
+    ]
+    assert actions == ["revoke", "create"]
+
+
+async def test_prices_are_appended_never_rewritten(env: Env) -> None:
+    c = env.client
+    r = await c.put(
+        "/admin/api/v1/prices",
+        json={
+            "prices": [
+                {"model": "gpt-4o", "token_class": "input", "usd_per_1m_tokens": "2.50"},
+                {"model": "gpt-4o", "token_class": "cached_input", "usd_per_1m_tokens": 1.25},
+                {"model": "gpt-4o", "token_class": "output", "usd_per_1m_tokens": "10"},
+            ]
+        },
+        headers=AUTH,
+    )
+    assert r.status_code == 200, r.text
+    later = (dt.datetime.now(dt.UTC) + dt.timedelta(days=30)).isoformat()
+    r = await c.put(
+        "/admin/api/v1/prices",
+        json={
+            "prices": [
+                {"model": "gpt-4o", "token_class": "input", "usd_per_1m_tokens": "2", "effective_from": later}
+            ]
+        },
+        headers=AUTH,
+    )
+    assert r.status_code == 200, r.text
+    now = {
+        (p["token_class"], p["usd_per_1m_tokens"])
+        for p in (await c.get("/admin/api/v1/prices", headers=AUTH)).json()["data"]
+    }
+    assert now == {("input", "2.5"), ("cached_input", "1.25"), ("output", "10")}
+    future = (await c.get("/admin/api/v1/prices", params={"at": later}, headers=AUTH)).json()["data"]
+    assert ("input", "2") in {(p["token_class"], p["usd_per_1m_tokens"]) for p in future}
+    assert (
+        len((await c.get("/admin/api/v1/prices", params={"history": "true"}, headers=AUTH)).json()["data"])
+        == 4
+    )
+    # Back-dating would re-price the past: refused, as are inexact prices and unknown token classes.
+    past = {
+        "model": "gpt-4o",
+        "token_class": "input",
+        "usd_per_1m_tokens": "1",
+        "effective_from": "2020-01-01T00:00:00Z",
+    }
+    assert_openai_error(
+        await c.put("/admin/api/v1/prices", json={"prices": [past]}, headers=AUTH),
+        400,
+        "prices[0].effective_from",
+    )
+    bad = {"model": "gpt-4o", "token_class": "input", "usd_per_1m_tokens": "0.0000001"}
+    assert_openai_error(
+        await c.put("/admin/api/v1/prices", json={"prices": [bad]}, headers=AUTH),
+        400,
+        "prices[0].usd_per_1m_tokens",
+    )
+    bad = {"model": "gpt-4o", "token_class": "thinking", "usd_per_1m_tokens": "1"}
+    assert_openai_error(await c.put("/admin/api/v1/prices", json={"prices": [bad]}, headers=AUTH), 400)
+    assert (
+        len((await c.get("/admin/api/v1/prices", params={"history": "true"}, headers=AUTH)).json()["data"])
+        == 4
+    )
+    audit = (await c.get("/admin/api/v1/audit", params={"entity": "price"}, headers=AUTH)).json()["data"]
+    assert len(audit) == 4 and all(a["action"] == "create" and a["after"]["model"] == "gpt-4o" for a in audit)
+
+
+# Prices used by the reconciliation below, as an operator would type them (USD per 1M tokens).
+SHEETS = {
+    ("openai", "gpt-4o"): {"input": "2.50", "cached_input": "1.25", "output": "10"},
+    ("anthropic", "claude-sonnet"): {
+        "input": "3",
+        "cached_input": "0.30",
+        "cache_write_5m": "3.75",
+        "cache_write_1h": "6",
+        "output": "15",
+    },
+}
+FIELDS = {
+    "input": "input_tokens",
+    "cached_input": "cached_input_tokens",
+    "cache_write_5m": "cache_write_5m_tokens",
+    "cache_write_1h": "cache_write_1h_tokens",
+    "output": "output_tokens",
+}
+
+
+def independent_cost(backend: str, model: str, usage: Any) -> tuple[Decimal, Decimal]:
+    """Cost and cache savings straight from the price sheet, in Decimal USD (no project code)."""
+    sheet = {k: Decimal(v) for k, v in SHEETS[(backend, model)].items()}
+    sheet.setdefault("cached_input", sheet["input"])
+    sheet.setdefault("cache_write_5m", sheet["input"])
+    sheet.setdefault("cache_write_1h", sheet["cache_write_5m"])
+    cost = sum((getattr(usage, FIELDS[c]) * sheet[c] for c in FIELDS), Decimal(0)) / 1_000_000
+    savings = usage.cached_input_tokens * (sheet["input"] - sheet["cached_input"]) / 1_000_000
+    return cost, savings
+
+
+async def test_usage_report_reconciles_to_the_micro_dollar(env: Env) -> None:
+    c = env.client
+    tenants = [
+        (await c.post("/admin/api/v1/tenants", json={"name": n}, headers=AUTH)).json()
+        for n in ("acme", "globex")
+    ]
+    await c.put(
+        "/admin/api/v1/prices",
+        json={
+            "prices": [
+                {"backend": b, "model": m, "token_class": tc, "usd_per_1m_tokens": p}
+                for (b, m), sheet in SHEETS.items()
+                for tc, p in sheet.items()
+            ]
+        },
+        headers=AUTH,
+    )
+    async with env.ctx.sessions() as session:
+        catalog = await load_catalog(session)
+    rng = random.Random(42)
+    today = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    queue = SpoolQueue(env.tmp_path / "spool")
+    expected: dict[tuple[str, str, str], list[Decimal]] = defaultdict(
+        lambda: [Decimal(0), Decimal(0), Decimal(0)]
+    )
+    for _ in range(300):
+        tenant = rng.choice(tenants)
+        backend, model = rng.choice(list(SHEETS))
+        usage = random_usage(rng)
+        # Today only (prices became valid minutes ago), spread over the hours to come.
+        ts = min(
+            dt.datetime.now(dt.UTC) + dt.timedelta(seconds=rng.randint(0, 3600)),
+            today + dt.timedelta(hours=23),
+        )
+        queue.put(
+            priced_event(catalog, tenant_id=tenant["id"], backend=backend, model=model, usage=usage, ts=ts)
+        )
+        cost, savings = independent_cost(backend, model, usage)
+        row = expected[(tenant["id"], model, ts.date().isoformat())]
+        row[0] += cost
+        row[1] += savings
+        row[2] += 1
+    writer = BatchWriter(queue, env.engine)
+    await writer.drain()
+    await queue.close()
+
+    params = {
+        "start": today.date().isoformat(),
+        "end": (today + dt.timedelta(days=1)).date().isoformat(),
+        "group_by": "tenant,model,day",
+    }
+    report = (await c.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)).json()
+    assert report["source"] == "rollups"
+    got = {(r["tenant"], r["model"], r["day"]): r for r in report["rows"]}
+    assert set(got) == set(expected)
+    for group, (cost, savings, requests) in expected.items():
+        assert Decimal(got[group]["cost_usd"]) == cost, group
+        assert Decimal(got[group]["cache_savings_usd"]) == savings, group
+        assert got[group]["requests"] == requests
+    assert Decimal(report["totals"]["cost_usd"]) == sum(v[0] for v in expected.values())
+    assert {r["tenant_name"] for r in report["rows"]} == {"acme", "globex"}
+
+    # The same numbers from the raw ledger (a range that is not whole days) and as CSV.
+    raw = (
+        await c.get(
+            "/admin/api/v1/reports/usage",
+            params={**params, "end": (today + dt.timedelta(days=1, seconds=-1)).isoformat()},
+            headers=AUTH,
+        )
+    ).json()
+    assert raw["source"] == "events" and raw["totals"] == report["totals"]
+    r = await c.get("/admin/api/v1/reports/usage", params={**params, "format": "csv"}, headers=AUTH)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+    assert "attachment" in r.headers["content-disposition"]
+    rows = list(csv.DictReader(io.StringIO(r.text)))
+    assert len(rows) == len(expected)
+    assert sum(Decimal(row["cost_usd"]) for row in rows) == sum(v[0] for v in expected.values())
+    first = rows[0]
+    tokens = sum(
+        int(first[f]) for f in ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens")
+    )
+    assert int(first["total_tokens"]) == tokens
+    assert Decimal(first["cost_per_1m_tokens"]) == (Decimal(first["cost_usd"]) * 1_000_000 / tokens).quantize(
+        Decimal("0.000001")
+    )
+    prompt = tokens - int(first["output_tokens"])
+    assert float(first["cache_hit_ratio"]) == pytest.approx(
+        int(first["cached_input_tokens"]) / prompt, abs=1e-6
+    )
+
+    by_backend = (
+        await c.get("/admin/api/v1/reports/usage", params={**params, "group_by": "backend"}, headers=AUTH)
+    ).json()
+    assert {r["backend"] for r in by_backend["rows"]} == {"openai", "anthropic"}
+    assert by_backend["totals"] == report["totals"]
+    assert_openai_error(
+        await c.get("/admin/api/v1/reports/usage", params={"group_by": "colour"}, headers=AUTH),
+        400,
+        "group_by",
+    )
+    assert_openai_error(
+        await c.get("/admin/api/v1/reports/usage", params={"start": "yesterday"}, headers=AUTH), 400, "start"
+    )
+
+
+async def test_uptime_report(env: Env) -> None:
+    now = dt.datetime.now(dt.UTC)
+    async with env.ctx.sessions() as session, session.begin():
+        for i in range(10):
+            session.add(UptimeSample(backend="openai", ts=now, ok=i != 0, latency_ms=5.0))
+    async with env.ctx.sessions() as session:
+        catalog = await load_catalog(session)
+    queue = SpoolQueue(env.tmp_path / "spool")
+    rng = random.Random(7)
+    # Request r1 failed on openai then succeeded on anthropic; r2 failed everywhere; r3 succeeded.
+    for request_id, attempts in {
+        "r1": [("openai", 502), ("anthropic", 200)],
+        "r2": [("openai", 503), ("anthropic", 500)],
+        "r3": [("openai", 200)],
+    }.items():
+        for n, (backend, status) in enumerate(attempts, start=1):
+            queue.put(
+                priced_event(
+                    catalog,
+                    tenant_id="t1",
+                    backend=backend,
+                    model="m",
+                    usage=random_usage(rng),
+                    ts=now,
+                    status=status,
+                    attempt=n,
+                    request_id=request_id,
+                )
+            )
+    await BatchWriter(queue, env.engine).drain()
+    await queue.close()
+    report = (await env.client.get("/admin/api/v1/reports/uptime", headers=AUTH)).json()
+    backends = {b["backend"]: b for b in report["backends"]}
+    assert backends["openai"]["probe_availability"] == 0.9
+    assert (backends["openai"]["attempts"], backends["openai"]["attempts_ok"]) == (3, 1)
+    assert backends["anthropic"]["request_availability"] == 0.5 and backends["anthropic"]["probes"] == 0
+    assert report["tenants"] == [{"tenant": "t1", "requests": 3, "succeeded": 2, "success_ratio": 0.666667}]
