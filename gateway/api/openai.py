@@ -91,7 +91,7 @@ async def run_chat(
     target = _target(gateway, call, request.model, request.stream)
     upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
     if request.stream:
-        decoder = target.provider.chat_stream(target.upstream_model)
+        decoder = target.provider.chat_stream(request, target.upstream_model)
         return await gateway.pipeline.stream(call, target, upstream, decoder)
     return await gateway.pipeline.exchange(call, target, upstream, target.provider.chat_response)
 
@@ -193,7 +193,7 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     chat = _completion_as_chat(body)
     upstream = target.provider.chat_request(target.backend, chat, target.upstream_model)
     if body.stream:
-        decoder = target.provider.chat_stream(target.upstream_model)
+        decoder = target.provider.chat_stream(chat, target.upstream_model)
         chunks = await gateway.pipeline.stream(call, target, upstream, decoder)
         return Stream(
             _completion_sse(chunks, include_usage, False), media_type="text/event-stream", headers=SSE_HEADERS

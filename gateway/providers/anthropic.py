@@ -184,6 +184,11 @@ def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
     return result
 
 
+def _uses_json_tool(request: ChatRequest) -> bool:
+    form = request.response_format
+    return form is not None and form.type != "text" and not request.tools
+
+
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     if request.n is not None and request.n > 1:
         raise InvalidRequest("Anthropic models do not support n > 1", param="n")
@@ -214,7 +219,7 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     form = request.response_format
     if form is not None and form.type != "text":
         schema = (form.json_schema.schema if form.json_schema else None) or {"type": "object"}
-        if request.tools:
+        if not _uses_json_tool(request):
             # A forced tool would take the user's tools away: ask in words instead.
             hint = f"Reply with only a JSON object matching this JSON schema: {json_encode(schema).decode()}"
             body.setdefault("system", []).append({"type": "text", "text": hint})
@@ -232,7 +237,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         raise BadGateway("the Anthropic backend returned an unexpected response")
     text: list[str] = []
     calls: list[ToolCall] = []
-    structured = False
+    structured: str | None = None  # the structured-output tool's input, which is then the whole reply
     for block in data["content"]:
         kind = block.get("type")
         if kind == "text":
@@ -240,15 +245,16 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         elif kind == "tool_use":
             arguments = msgspec.json.encode(block.get("input") or {}).decode()
             if block.get("name") == JSON_TOOL:
-                text.append(arguments)
-                structured = True
+                structured = arguments
             else:
                 calls.append(
                     ToolCall(id=block["id"], function=FunctionCall(name=block["name"], arguments=arguments))
                 )
     finish = STOP_REASONS.get(data.get("stop_reason") or "end_turn", "stop")
-    if structured and not calls:
-        finish = "stop"
+    if structured is not None:
+        text = [structured]
+        if not calls:
+            finish = "stop"
     message = AssistantMessage(content="".join(text) if text or not calls else None, tool_calls=calls or None)
     return ChatResponse(
         id=data.get("id", ""),
@@ -262,8 +268,10 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
 class ChatStream:
     """Anthropic's event sequence (message_start, content_block_*, message_delta, message_stop) as chunks."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, request: ChatRequest, model: str) -> None:
         self.model = model
+        # With the structured-output tool forced, its input is the whole reply: any text is dropped.
+        self.structured = _uses_json_tool(request)
         self.id = ""
         self.created = now()
         self.usage: dict[str, Any] = {}
@@ -310,12 +318,12 @@ class ChatStream:
                 return [self._chunk(Delta(tool_calls=[delta]))]
             self.blocks[index] = (block.get("type", "text"), -1)
             text = block.get("text")
-            return [self._chunk(Delta(content=text))] if text else []
+            return [self._chunk(Delta(content=text))] if text and not self.structured else []
         if kind == "content_block_delta":
             delta = payload.get("delta", {})
             block_kind, call = self.blocks.get(payload.get("index", 0), ("text", -1))
             if delta.get("type") == "text_delta":
-                return [self._chunk(Delta(content=delta.get("text", "")))]
+                return [] if self.structured else [self._chunk(Delta(content=delta.get("text", "")))]
             if delta.get("type") == "input_json_delta":
                 partial = delta.get("partial_json", "")
                 if block_kind == "json":

@@ -58,7 +58,7 @@ class Provider:
     name: str
     chat_request: Callable[[Backend, ChatRequest, str], UpstreamRequest]
     chat_response: Callable[[bytes, str], ChatResponse]
-    chat_stream: Callable[[str], StreamDecoder]
+    chat_stream: Callable[[ChatRequest, str], StreamDecoder]  # (request, upstream model)
     error: Callable[[int, bytes, Mapping[str, str]], GatewayError]
     embeddings_request: Callable[[Backend, EmbeddingRequest, str], UpstreamRequest] | None = None
     embeddings_response: Callable[[bytes, str], EmbeddingResponse] | None = None

@@ -286,7 +286,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
 class ChatStream:
     """Each SSE event is a whole GenerateContentResponse; usageMetadata is cumulative, the last one counts."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, request: ChatRequest, model: str) -> None:
         self.model = model
         self.id = new_id("chatcmpl-")
         self.created = now()

@@ -132,7 +132,7 @@ _chunk_decoder = msgspec.json.Decoder(_Chunk)
 
 
 class ChatStream:
-    def __init__(self, model: str) -> None:
+    def __init__(self, request: ChatRequest, model: str) -> None:
         self.model = model
         self.done = False
         self.finished = False

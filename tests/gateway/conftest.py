@@ -1,0 +1,166 @@
+"""A real `weir` gateway (create_app served by uvicorn on 127.0.0.1) in front of the fake vendors.
+
+The config is the issue's example, verbatim, with the vendors' URLs and keys from the environment,
+plus a few models and tenants the tests need.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import anthropic
+import openai
+import pytest
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import Config, parse_config
+from gateway.usage_sink import ListSink
+from tests.conftest import free_port
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+
+EXAMPLE = """\
+backends:
+  - name: openai
+    type: openai                      # also serves any OpenAI-compatible server
+    base_url: ${OPENAI_BASE_URL:-https://api.openai.com/v1}
+    api_key: ${OPENAI_API_KEY}
+  - name: anthropic
+    type: anthropic
+    base_url: ${ANTHROPIC_BASE_URL:-https://api.anthropic.com}
+    api_key: ${ANTHROPIC_API_KEY}
+  - name: gemini
+    type: gemini
+    base_url: ${GEMINI_BASE_URL:-https://generativelanguage.googleapis.com}
+    api_key: ${GEMINI_API_KEY}
+models:                               # public name -> backend and upstream model id; prices in USD per 1M tokens
+  - {name: gpt-4o-mini, backend: openai, model: gpt-4o-mini, price: {input: 0.15, cached_input: 0.075, output: 0.60}}
+  - {name: claude-sonnet, backend: anthropic, model: claude-sonnet-4-5, price: {input: 3.0, cached_input: 0.30, cache_write_5m: 3.75, cache_write_1h: 6.0, output: 15.0}}
+  - {name: gemini-flash, backend: gemini, model: gemini-2.5-flash, price: {input: 0.30, cached_input: 0.03, output: 2.50}}
+tenants:                              # seeds; keys come from the environment, never from the file
+  - {name: demo, api_keys: ["${WEIR_DEMO_KEY}"]}
+"""
+
+# What the tests add to the example: more backends and models, and a tenant limited to one model.
+EXTRA_BACKENDS = """\
+  - name: deepseek
+    type: openai
+    base_url: ${DEEPSEEK_BASE_URL}
+    api_key: ${DEEPSEEK_API_KEY}
+  - name: openai-impatient
+    type: openai
+    base_url: ${OPENAI_BASE_URL}
+    api_key: ${OPENAI_API_KEY}
+    timeouts: {first_byte: 0.5, read: 0.5}
+  - name: dead
+    type: openai
+    base_url: http://127.0.0.1:${DEAD_PORT}/v1
+    api_key: unused
+"""
+EXTRA_MODELS = """\
+  - {name: gpt-5, backend: openai}
+  - {name: gpt-instruct, backend: openai, model: gpt-3.5-turbo-instruct}
+  - {name: text-embedding-3-small, backend: openai}
+  - {name: gemini-embedding, backend: gemini, model: gemini-embedding-001}
+  - {name: deepseek-chat, backend: deepseek}
+  - {name: dead-model, backend: dead, model: gpt-4o-mini}
+  - {name: impatient, backend: openai-impatient, model: gpt-4o-mini}
+"""
+EXTRA_TENANTS = """\
+  - {name: limited, api_keys: ["${WEIR_LIMITED_KEY}"], models: [gemini-flash]}
+server:
+  max_body_bytes: 200000
+"""
+
+DEMO_KEY = "sk-weir-demo-0123456789"
+LIMITED_KEY = "sk-weir-limited-0123456789"
+
+
+def full_config_text() -> str:
+    backends, rest = EXAMPLE.split("models:", 1)
+    models, tenants = rest.split("tenants:", 1)
+    return (
+        backends + EXTRA_BACKENDS + "models:" + models + EXTRA_MODELS + "tenants:" + tenants + EXTRA_TENANTS
+    )
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    sink: ListSink
+    config: Config
+    app: object
+
+    def openai(self, api_key: str = DEMO_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=20)
+
+    def anthropic(self, api_key: str = DEMO_KEY) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key=api_key, max_retries=0, timeout=20)
+
+
+@contextmanager
+def serve(app: object, port: int) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on 127.0.0.1 in a background thread."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def fakes_env(oa: FakeOpenAI, an: FakeAnthropic, ge: FakeGemini, ds: FakeOpenAI) -> dict[str, str]:
+    return {
+        "OPENAI_BASE_URL": oa.base_url,
+        "OPENAI_API_KEY": oa.api_key,
+        "ANTHROPIC_BASE_URL": an.base_url,
+        "ANTHROPIC_API_KEY": an.api_key,
+        "GEMINI_BASE_URL": ge.base_url,
+        "GEMINI_API_KEY": ge.api_key,
+        "DEEPSEEK_BASE_URL": ds.base_url,
+        "DEEPSEEK_API_KEY": ds.api_key,
+        "DEAD_PORT": str(free_port()),  # nothing listens there
+        "WEIR_DEMO_KEY": DEMO_KEY,
+        "WEIR_LIMITED_KEY": LIMITED_KEY,
+    }
+
+
+@pytest.fixture(scope="session")
+def _running_gateway(
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    config = parse_config(full_config_text(), env)
+    sink = ListSink()
+    app = create_app(config, usage_sink=sink)
+    with serve(app, free_port()) as url:
+        yield RunningGateway(url=url, sink=sink, config=config, app=app)
+
+
+@pytest.fixture
+def gateway(
+    _running_gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    fake_deepseek: FakeOpenAI,
+) -> RunningGateway:
+    """The gateway, with fresh fakes and an empty ledger."""
+    _running_gateway.sink.events.clear()
+    return _running_gateway

@@ -1,0 +1,294 @@
+"""/v1/chat/completions with the official openai SDK, through every backend type."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.gateway.conftest import RunningGateway
+
+MODELS = ["gpt-4o-mini", "claude-sonnet", "gemini-flash", "deepseek-chat"]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 32).decode()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_chat(gateway: RunningGateway, model: str) -> None:
+    response = gateway.openai().chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello from weir"}],
+    )
+    assert response.choices[0].message.content == "hello from weir"
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage is not None and response.usage.completion_tokens == 3
+    [event] = gateway.sink.events
+    assert (event.route, event.tenant_id, event.status) == (model, "demo", 200)
+    assert event.cost_pico_usd >= 0 and event.usage.output_tokens == 3
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_chat_stream(gateway: RunningGateway, model: str) -> None:
+    stream = gateway.openai().chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "one two three four"}], stream=True
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "one two three four"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "stop"
+    ]
+    assert all(c.usage is None for c in chunks)  # the client did not ask for usage...
+    [event] = gateway.sink.events
+    assert event.usage.output_tokens == 4  # ...but the ledger has it
+    assert event.ttft_ms is not None
+
+
+def test_vendor_receives_translated_parameters(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini
+) -> None:
+    client = gateway.openai()
+    params = dict(temperature=0.2, top_p=0.9, max_tokens=50, stop=["END"], seed=7, user="u-1")
+    for model in ("gpt-4o-mini", "claude-sonnet", "gemini-flash"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **params)  # type: ignore[arg-type]
+    sent = fake_openai.last_request.json
+    assert (
+        sent["model"] == "gpt-4o-mini"
+        and sent["seed"] == 7
+        and sent["stop"] == ["END"]
+        and sent["user"] == "u-1"
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["model"] == "claude-sonnet-4-5"
+    assert (sent["max_tokens"], sent["temperature"], sent["top_p"]) == (50, 0.2, 0.9)
+    assert sent["stop_sequences"] == ["END"] and sent["metadata"] == {"user_id": "u-1"}
+    assert fake_anthropic.last_request.headers["x-api-key"] == fake_anthropic.api_key
+    assert fake_anthropic.last_request.headers["anthropic-version"] == "2023-06-01"
+    sent = fake_gemini.last_request
+    assert sent.path.endswith("/models/gemini-2.5-flash:generateContent")
+    assert sent.headers["x-goog-api-key"] == fake_gemini.api_key
+    config = sent.json["generationConfig"]
+    assert config == {
+        "temperature": 0.2,
+        "topP": 0.9,
+        "maxOutputTokens": 50,
+        "stopSequences": ["END"],
+        "seed": 7,
+    }
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_max_tokens_and_stop(gateway: RunningGateway, model: str) -> None:
+    client = gateway.openai()
+    cut = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "a b c d e f g"}], max_completion_tokens=3
+    )
+    assert (cut.choices[0].message.content, cut.choices[0].finish_reason) == ("a b c", "length")
+    stopped = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "alpha beta STOP gamma"}], stop="STOP"
+    )
+    assert stopped.choices[0].message.content.strip() == "alpha beta"
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_tool_call_round_trip(gateway: RunningGateway, model: str, stream: bool) -> None:
+    client = gateway.openai()
+    messages: list[dict] = [{"role": "user", "content": 'call get_weather {"city": "Oslo", "unit": "c"}'}]
+    if stream:
+        chunks = list(
+            client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], stream=True)
+        )  # type: ignore[arg-type]
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        call_id = next(d.id for d in deltas if d.id)
+        name = next(d.function.name for d in deltas if d.function and d.function.name)
+        arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == ["tool_calls"]
+    else:
+        response = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL])  # type: ignore[arg-type]
+        assert response.choices[0].finish_reason == "tool_calls"
+        [call] = response.choices[0].message.tool_calls or []
+        call_id, name, arguments = call.id, call.function.name, call.function.arguments
+    assert name == "get_weather"
+    assert json.loads(arguments) == {"city": "Oslo", "unit": "c"}
+    messages += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 degrees"},
+    ]
+    answer = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL])  # type: ignore[arg-type]
+    content = answer.choices[0].message.content or ""
+    # Gemini takes tool results as objects: plain text arrives wrapped as {"result": ...}.
+    assert content.startswith("Tool get_weather returned: ") and "sunny, 21 degrees" in content
+
+
+def test_tool_results_reach_each_vendor_in_its_format(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini
+) -> None:
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
+    client = gateway.openai()
+    for model in ("claude-sonnet", "gemini-flash"):
+        client.chat.completions.create(
+            model=model, messages=messages, tools=[WEATHER_TOOL], tool_choice="auto"
+        )  # type: ignore[arg-type]
+    sent = fake_anthropic.last_request.json
+    assert sent["messages"][1] == {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Rome"}}],
+    }
+    assert sent["messages"][2] == {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": '{"sky": "clear"}'}],
+    }
+    assert sent["tools"][0]["input_schema"]["required"] == ["city"] and sent["tool_choice"] == {
+        "type": "auto"
+    }
+    sent = fake_gemini.last_request.json
+    assert sent["contents"][1] == {
+        "role": "model",
+        "parts": [{"functionCall": {"name": "get_weather", "args": {"city": "Rome"}}}],
+    }
+    assert sent["contents"][2] == {
+        "role": "user",
+        "parts": [{"functionResponse": {"name": "get_weather", "response": {"sky": "clear"}}}],
+    }
+    declaration = sent["tools"][0]["functionDeclarations"][0]
+    assert "additionalProperties" not in declaration["parameters"]
+    assert sent["toolConfig"] == {"functionCallingConfig": {"mode": "AUTO"}}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_forced_tool_choice(gateway: RunningGateway, model: str) -> None:
+    response = gateway.openai().chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "anything"}],
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    [call] = response.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert "city" in json.loads(call.function.arguments)
+
+
+@pytest.mark.parametrize("model", ["gpt-4o-mini", "claude-sonnet", "gemini-flash"])
+def test_images(gateway: RunningGateway, model: str) -> None:
+    response = gateway.openai().chat.completions.create(
+        model=model,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+                ],
+            }
+        ],
+    )
+    assert response.choices[0].message.content == "what is this [image]"
+
+
+def test_images_reach_each_vendor_in_its_format(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini
+) -> None:
+    content = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.webp"}},
+        {"type": "text", "text": "compare"},
+    ]
+    client = gateway.openai()
+    for model in ("claude-sonnet", "gemini-flash"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])  # type: ignore[list-item]
+    blocks = fake_anthropic.last_request.json["messages"][0]["content"]
+    assert blocks[0] == {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": PNG},
+    }
+    assert blocks[1] == {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.webp"}}
+    parts = fake_gemini.last_request.json["contents"][0]["parts"]
+    assert parts[0] == {"inlineData": {"mimeType": "image/png", "data": PNG}}
+    assert parts[1] == {"fileData": {"mimeType": "image/webp", "fileUri": "https://example.com/cat.webp"}}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_response_format_json_schema(gateway: RunningGateway, model: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}, "score": {"type": "integer"}},
+        "required": ["answer", "score"],
+    }
+    response = gateway.openai().chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "rate weir"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "rating", "schema": schema}},
+    )
+    value = json.loads(response.choices[0].message.content or "")
+    assert set(value) == {"answer", "score"} and isinstance(value["score"], int)
+    assert response.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_response_format_json_object_streamed(gateway: RunningGateway, model: str) -> None:
+    chunks = gateway.openai().chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "reply in JSON"}],
+        response_format={"type": "json_object"},
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(json.loads(text), dict)
+
+
+def test_n_choices_on_openai_and_gemini(gateway: RunningGateway) -> None:
+    client = gateway.openai()
+    for model in ("gpt-4o-mini", "gemini-flash"):
+        response = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], n=2
+        )
+        assert [c.index for c in response.choices] == [0, 1]
+
+
+def test_unmodelled_parameters_pass_through_to_openai_compatible_servers(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    gateway.openai().chat.completions.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": "hi"}],
+        metadata={"team": "search"},
+        extra_body={"top_k": 5},
+    )
+    sent = fake_openai.last_request.json
+    assert sent["top_k"] == 5 and sent["metadata"] == {"team": "search"}

@@ -1,0 +1,106 @@
+"""The YAML config: the issue's example verbatim, interpolation, and errors that name the key."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gateway.cli import serve
+from gateway.config import ConfigError, interpolate, load_config, parse_config
+from tests.gateway.conftest import EXAMPLE
+
+ENV = {"OPENAI_API_KEY": "sk-o", "ANTHROPIC_API_KEY": "sk-a", "GEMINI_API_KEY": "g", "WEIR_DEMO_KEY": "demo"}
+
+
+def test_issue_example_loads_verbatim_with_defaults() -> None:
+    config = parse_config(EXAMPLE, ENV)
+    assert [b.name for b in config.backends] == ["openai", "anthropic", "gemini"]
+    assert config.backend("openai").base_url == "https://api.openai.com/v1"
+    assert config.backend("anthropic").api_key == "sk-a"
+    claude = config.models[1]
+    assert (claude.name, claude.backend, claude.upstream_model) == (
+        "claude-sonnet",
+        "anthropic",
+        "claude-sonnet-4-5",
+    )
+    assert claude.price.cache_write_1h == Decimal("6.0")
+    assert config.models[0].price.cached_input == Decimal("0.075")
+    assert config.tenants is not None and config.tenants[0].api_keys == ["demo"]
+    assert (config.server.host, config.server.port) == ("127.0.0.1", 8080)
+
+
+def test_environment_overrides_defaults() -> None:
+    config = parse_config(EXAMPLE, {**ENV, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"})
+    assert config.backend("openai").base_url == "http://127.0.0.1:9/v1"
+
+
+def test_empty_variable_takes_the_default_and_text_around_it_stays() -> None:
+    value = interpolate({"a": ["x-${V:-d}-y", "${W:-}"]}, {"V": ""})
+    assert value == {"a": ["x-d-y", ""]}
+
+
+def test_unset_variable_names_the_key_and_the_variable() -> None:
+    env = {k: v for k, v in ENV.items() if k != "ANTHROPIC_API_KEY"}
+    with pytest.raises(
+        ConfigError, match=r"backends\[1\]\.api_key: environment variable ANTHROPIC_API_KEY is not set"
+    ):
+        parse_config(EXAMPLE, env)
+
+
+def test_values_from_the_environment_cannot_change_the_structure() -> None:
+    config = parse_config(EXAMPLE, {**ENV, "OPENAI_API_KEY": "x\nmodels: []"})
+    assert config.backend("openai").api_key == "x\nmodels: []"
+    assert len(config.models) == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("server: {port: eighty}", r"server\.port: Expected `int`, got `str`"),
+        (
+            "models: [{name: m, backend: b, price: {input: lots}}]",
+            r"models\[0\]\.price\.input: Invalid decimal",
+        ),
+        (
+            "backends: [{name: x, type: bedrock, base_url: u}]",
+            r"backends\[0\]\.type: Invalid enum value 'bedrock'",
+        ),
+        (
+            "backends: [{name: x, type: openai, base_url: u, colour: red}]",
+            r"backends\[0\]: Object contains unknown field `colour`",
+        ),
+        ("backends: [{type: openai, base_url: u}]", r"backends\[0\]: Object missing required field `name`"),
+        ("backends: [{name: x, type: openai}]", r"backends\[0\]\.base_url: required"),
+        ("backends: [{name: x, type: engine}]", r"backends\[0\]: an engine backend needs `url` or `model`"),
+        ("models: [{name: m, backend: nowhere}]", r"models\[0\]\.backend: no backend named 'nowhere'"),
+        ("tenants: [{name: t, api_keys: ['']}]", r"tenants\[0\]\.api_keys\[0\]: empty API key"),
+        ("tenants: [{name: t, models: [ghost]}]", r"tenants\[0\]\.models\[0\]: no model named 'ghost'"),
+        ("- just\n- a list", "mapping at the top level"),
+        ("backends: [", "invalid YAML"),
+    ],
+)
+def test_invalid_configs_name_the_offending_key(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text, {})
+
+
+def test_numbers_from_the_environment_are_converted() -> None:
+    config = parse_config("server: {port: '${PORT:-9000}'}", {})
+    assert config.server.port == 9000
+
+
+def test_weir_serve_reports_config_errors_without_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "weir.yaml"
+    path.write_text("server: {port: eighty}\n")
+    result = CliRunner().invoke(serve, ["--config", str(path)])
+    assert result.exit_code == 1
+    assert "server.port: Expected `int`, got `str`" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.yaml")
