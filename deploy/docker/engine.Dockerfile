@@ -1,0 +1,65 @@
+# syntax=docker/dockerfile:1
+# Weir engine image (`weir engine serve`), in two variants chosen with a build argument:
+#     docker build -f deploy/docker/engine.Dockerfile -t weir-engine:cpu .
+#     docker build -f deploy/docker/engine.Dockerfile --build-arg VARIANT=cuda -t weir-engine:cuda .
+# MODEL (default smollm2-135m) is pulled into the image at build time so a pod starts without
+# network access; pass --build-arg MODEL= to build without one and mount models under WEIR_MODELS_DIR.
+
+ARG PYTHON_VERSION=3.11
+ARG VARIANT=cpu
+
+FROM python:${PYTHON_VERSION}-slim-bookworm AS build-base
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PATH=/opt/weir/venv/bin:$PATH
+RUN python -m venv /opt/weir/venv
+WORKDIR /opt/weir/app
+COPY pyproject.toml ./
+COPY deploy/docker/requirements.py /tmp/requirements.py
+RUN python /tmp/requirements.py pyproject.toml --only torch > /tmp/torch.txt \
+ && python /tmp/requirements.py pyproject.toml --except torch > /tmp/requirements.txt
+
+FROM build-base AS torch-cpu
+RUN pip install --index-url https://download.pytorch.org/whl/cpu -r /tmp/torch.txt
+
+# PyPI's Linux torch wheels bundle the CUDA runtime libraries (and pull in Triton); the driver comes
+# from the host through the NVIDIA container toolkit.
+FROM build-base AS torch-cuda
+RUN pip install -r /tmp/torch.txt
+
+FROM torch-${VARIANT} AS build
+RUN pip install -r /tmp/requirements.txt
+COPY . .
+RUN pip install --no-deps -e . && python -m compileall -q engine kernels weir gateway routing
+ARG MODEL=smollm2-135m
+ENV WEIR_MODELS_DIR=/opt/weir/models
+RUN mkdir -p "$WEIR_MODELS_DIR" && if [ -n "$MODEL" ]; then weir models pull "$MODEL"; fi
+
+FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime-cpu
+
+# Triton compiles a small C launcher the first time it runs a kernel, so the CUDA variant needs a
+# C compiler at run time.
+FROM runtime-cpu AS runtime-cuda
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+ENV NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+FROM runtime-${VARIANT} AS runtime
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PATH=/opt/weir/venv/bin:$PATH \
+    WEIR_MODELS_DIR=/opt/weir/models \
+    HOME=/var/lib/weir
+RUN groupadd --system --gid 10001 weir \
+ && useradd --system --uid 10001 --gid weir --home-dir /var/lib/weir --create-home weir
+COPY --from=build /opt/weir /opt/weir
+WORKDIR /var/lib/weir
+USER 10001:10001
+EXPOSE 8000
+# /health answers 200 only once the model is loaded, so this also covers a slow start.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]
+CMD ["weir", "engine", "serve", "--model", "smollm2-135m", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,172 @@
+"""deploy/compose.yaml: valid against the Compose specification, and the one-host topology a user
+expects: migrations once before 2 gateway replicas, health-gated start-up, no secret in the file."""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.deploy.compose_env import MissingVariable, interpolate, variables
+from tests.deploy.conftest import DEPLOY, SECRET_NAME, load_yaml
+from tests.deploy.kustomize import parse_env_file
+
+COMPOSE_DIR = DEPLOY  # the project directory: relative paths and .env resolve from here
+LONG_RUNNING = {"postgres", "redis", "engine", "gateway", "lb", "prometheus", "grafana"}
+
+
+def example_env() -> dict[str, str]:
+    """deploy/.env.example with every empty value filled in, as a user would."""
+    env = parse_env_file((DEPLOY / ".env.example").read_text())
+    return {k: v or f"test-{k.lower()}" for k, v in env.items()}
+
+
+def test_compose_file_is_valid_against_the_compose_specification(compose: dict[str, Any]) -> None:
+    schema = json.loads(
+        files("check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json").read_text()
+    )
+    jsonschema.validate(compose, schema)
+    gpu = load_yaml(DEPLOY / "compose.gpu.yaml")
+    jsonschema.validate(gpu, schema)
+    assert gpu["services"]["engine"]["build"]["args"]["VARIANT"] == "cuda"
+    devices = gpu["services"]["engine"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+
+
+def test_the_one_host_topology(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert set(services) == LONG_RUNNING | {"migrate"}
+    assert services["gateway"]["deploy"]["replicas"] == 2
+    assert services["postgres"]["image"].startswith("postgres:")
+    assert services["redis"]["image"].startswith("redis:")
+    assert services["prometheus"]["image"].startswith("prom/prometheus:")
+    assert services["grafana"]["image"].startswith("grafana/")
+    # The gateways and the migration run the same image, so the schema matches the code.
+    assert services["migrate"]["image"] == services["gateway"]["image"]
+    assert services["migrate"]["build"] == services["gateway"]["build"]
+    # Only the load balancer, Prometheus and Grafana publish ports; the last two on loopback only.
+    published = {name for name, s in services.items() if s.get("ports")}
+    assert published == {"lb", "prometheus", "grafana"}
+    for name in ("prometheus", "grafana"):
+        assert all(str(p).startswith("127.0.0.1:") for p in services[name]["ports"])
+
+
+def test_migrations_run_once_before_any_gateway_starts(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    migrate = services["migrate"]
+    assert migrate["command"] == ["weir", "db", "upgrade"]
+    assert migrate["restart"] == "no"
+    assert "deploy" not in migrate  # exactly one container
+    assert migrate["depends_on"]["postgres"]["condition"] == "service_healthy"
+    gateway = services["gateway"]["depends_on"]
+    assert gateway["migrate"]["condition"] == "service_completed_successfully"
+    assert gateway["postgres"]["condition"] == "service_healthy"
+    assert gateway["redis"]["condition"] == "service_healthy"
+    assert services["lb"]["depends_on"]["gateway"]["condition"] == "service_healthy"
+    # Both talk to the same database.
+    assert (
+        migrate["environment"]["WEIR_DATABASE_URL"] == services["gateway"]["environment"]["WEIR_DATABASE_URL"]
+    )
+
+
+def test_every_long_running_service_has_a_healthcheck(compose: dict[str, Any]) -> None:
+    for name in LONG_RUNNING:
+        check = compose["services"][name].get("healthcheck")
+        assert check and not check.get("disable") and check["test"][0] in ("CMD", "CMD-SHELL"), name
+        assert compose["services"][name]["restart"] == "unless-stopped", name
+    assert "/readyz" in " ".join(compose["services"]["gateway"]["healthcheck"]["test"])
+    assert "/health" in " ".join(compose["services"]["engine"]["healthcheck"]["test"])
+
+
+def test_no_secret_is_written_in_the_compose_files(compose: dict[str, Any]) -> None:
+    for path in (DEPLOY / "compose.yaml", DEPLOY / "compose.gpu.yaml"):
+        doc = load_yaml(path)
+        for name, service in doc["services"].items():
+            env = service.get("environment", {})
+            assert isinstance(env, dict), f"{name}: use the mapping form of environment"
+            for key, value in env.items():
+                if SECRET_NAME.search(key):
+                    assert "${" in str(value), f"{path.name}: {name}.{key} must come from the environment"
+            for key in (service.get("build") or {}).get("args", {}):
+                assert not SECRET_NAME.search(key), f"{name}: a secret as a build arg ends up in the image"
+    # A required secret is `${VAR:?message}`: compose refuses to start without it instead of
+    # starting with an empty password.
+    required = {k for k, op in variables(compose).items() if op == ":?"}
+    assert {"POSTGRES_PASSWORD", "WEIR_ADMIN_TOKEN", "WEIR_DEMO_KEY", "GRAFANA_ADMIN_PASSWORD"} <= required
+    with pytest.raises(MissingVariable, match="POSTGRES_PASSWORD"):
+        interpolate(compose, {})
+    # The example names every variable the file requires and holds no value for any secret.
+    example = parse_env_file((DEPLOY / ".env.example").read_text())
+    assert required <= set(example)
+    assert all(example[k] == "" for k in example if SECRET_NAME.search(k))
+    assert ".env" in (DEPLOY / ".gitignore").read_text().split()
+
+
+def test_with_the_example_env_filled_in_everything_interpolates(compose: dict[str, Any]) -> None:
+    env = example_env()
+    resolved = interpolate(compose, env)
+    url = resolved["services"]["gateway"]["environment"]["WEIR_DATABASE_URL"]
+    assert url == f"postgresql+asyncpg://weir:{env['POSTGRES_PASSWORD']}@postgres:5432/weir"
+    assert resolved["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == env["POSTGRES_PASSWORD"]
+    assert resolved["services"]["lb"]["ports"] == [f"{env['WEIR_HTTP_PORT']}:8080"]
+
+
+def test_bind_mounts_and_build_files_exist(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (COMPOSE_DIR / source).exists(), f"{name}: {source} does not exist"
+        build = service.get("build")
+        if build:
+            context = (COMPOSE_DIR / build["context"]).resolve()
+            assert (context / build["dockerfile"]).is_file(), name
+    named = {v.split(":")[0] for s in compose["services"].values() for v in s.get("volumes", [])}
+    assert {n for n in named if not n.startswith(".")} <= set(compose["volumes"])
+
+
+def test_the_gateway_config_loads_with_the_real_config_loader(compose: dict[str, Any]) -> None:
+    from gateway.config import parse_config
+
+    env = interpolate(compose, example_env())["services"]["gateway"]["environment"]
+    (mount,) = compose["services"]["gateway"]["volumes"]
+    source, target, _ = mount.split(":")
+    assert target == "/etc/weir/weir.yaml"
+    config = parse_config((COMPOSE_DIR / source).read_text(), env)
+    assert (config.server.host, config.server.port) == ("0.0.0.0", 8080)
+    engine = config.backend("engine")
+    assert engine.type == "engine"
+    # The engine backend points at the engine service, on the port its command listens on.
+    command = compose["services"]["engine"]["command"]
+    port = command[command.index("--port") + 1]
+    assert engine.url == f"http://engine:{port}/v1"
+    assert [t.api_keys for t in config.tenants or []] == [[env["WEIR_DEMO_KEY"]]]
+
+
+def test_nginx_balances_over_every_gateway_replica(compose: dict[str, Any]) -> None:
+    conf = (DEPLOY / "compose" / "nginx.conf").read_text()
+    # Re-resolved through Docker's DNS so `--scale gateway=N` needs no reload.
+    assert re.search(r"server\s+gateway:8080\s+resolve", conf)
+    assert re.search(r"resolver\s+127\.0\.0\.11", conf)
+    assert re.search(r"zone\s+weir_gateway", conf)
+    assert "proxy_buffering off" in conf  # server-sent events must not be buffered
+    assert "non_idempotent" not in conf  # a chat completion is never replayed on another replica
+    listen = re.search(r"listen\s+(\d+)", conf)
+    assert listen and compose["services"]["lb"]["ports"][0].endswith(f":{listen.group(1)}")
+
+
+def test_prometheus_scrapes_each_gateway_replica_and_the_engine(compose: dict[str, Any]) -> None:
+    config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    (sd,) = jobs["weir-gateway"]["dns_sd_configs"]
+    assert sd["names"] == ["gateway"] and sd["port"] == 8080 and sd["type"] == "A"
+    assert jobs["weir-engine"]["static_configs"][0]["targets"] == ["engine:8000"]
+    mounted = {v.split(":")[1]: Path(v.split(":")[0]) for v in compose["services"]["prometheus"]["volumes"]}
+    rules_dir = COMPOSE_DIR / mounted["/etc/prometheus/rules"]
+    assert config["rule_files"] == ["/etc/prometheus/rules/*.yml"]
+    assert sorted(rules_dir.glob("*.yml")), "no rule file would be loaded"

@@ -1,0 +1,257 @@
+"""deploy/k8s: every object valid against the Kubernetes API schemas (kubernetes-validate bundles
+them; no cluster runs here), and the wiring a user relies on: probes, GPU, HPA, disruption budget,
+migration Job, config and secrets, and the vLLM example."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.compose_env import variables
+from tests.deploy.conftest import DEPLOY, SECRET_NAME
+from tests.deploy.dockerfiles import exec_form, parse
+from tests.deploy.kustomize import find, parse_env_file, pod_spec, render
+from tests.deploy.test_dockerfiles import assert_cli_accepts
+
+K8S = DEPLOY / "k8s"
+VLLM = K8S / "examples" / "vllm"
+KUBERNETES_VERSION = "1.33"
+
+
+@pytest.fixture(scope="module")
+def base() -> list[dict[str, Any]]:
+    return render(K8S)
+
+
+@pytest.fixture(scope="module")
+def vllm() -> list[dict[str, Any]]:
+    return render(VLLM)
+
+
+def secret_data(objects: list[dict[str, Any]]) -> dict[str, str]:
+    secret = find(objects, "Secret", "weir-secrets")
+    return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+
+def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = pod_spec(obj)
+    assert spec is not None
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+@pytest.mark.parametrize("directory", [K8S, VLLM], ids=["base", "vllm"])
+def test_every_object_is_valid_against_the_kubernetes_schema(directory: Any) -> None:
+    objects = render(directory)
+    assert objects
+    for obj in objects:
+        # strict: an unknown or misspelt field is an error, not silently dropped by the API server.
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names)), "duplicate objects"
+    assert all(o["metadata"].get("namespace") == "weir" for o in objects if o["kind"] != "Namespace")
+
+
+def test_the_validator_rejects_a_broken_object(base: list[dict[str, Any]]) -> None:
+    broken = find(base, "Deployment", "weir-gateway")
+    broken = {**broken, "spec": {**broken["spec"], "replicas": "two"}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_gateway_deployment_probes_and_rollout(base: list[dict[str, Any]]) -> None:
+    deployment = find(base, "Deployment", "weir-gateway")
+    (container,) = containers(deployment)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["port"] in ports
+    # Zero-downtime rollout: never fewer ready pods than wanted.
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert container["lifecycle"]["preStop"]
+    # The container runs what the image would run, and the CLI accepts it.
+    (cmd,) = parse(DEPLOY / "docker" / "gateway.Dockerfile").stages[-1].values("CMD")
+    assert container["args"] == exec_form(cmd)
+    assert_cli_accepts(container["args"])
+    assert ports["http"] == int(container["args"][container["args"].index("--port") + 1])
+
+
+def test_gateway_scales_and_survives_voluntary_disruption(base: list[dict[str, Any]]) -> None:
+    deployment = find(base, "Deployment", "weir-gateway")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    hpa = find(base, "HorizontalPodAutoscaler", "weir-gateway")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "Deployment", "weir-gateway")
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    # Utilisation is relative to the request: the HPA needs one.
+    (container,) = containers(deployment)
+    assert container["resources"]["requests"]["cpu"]
+    pdb = find(base, "PodDisruptionBudget", "weir-gateway")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    # A budget that allows no disruption would block node drains forever.
+    assert (
+        pdb["spec"].get("maxUnavailable", 0) >= 1 or pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"]
+    )
+
+
+def test_services_select_pods_and_ports_that_exist(vllm: list[dict[str, Any]]) -> None:
+    workloads = [o for o in vllm if o["kind"] == "Deployment"]
+    for service in (o for o in vllm if o["kind"] == "Service"):
+        selector = service["spec"]["selector"]
+        matched = [
+            w for w in workloads if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(matched) == 1, f"Service {service['metadata']['name']} selects {len(matched)} Deployments"
+        port_names = {p["name"] for c in containers(matched[0]) for p in c.get("ports", [])}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in port_names
+        # A Deployment's selector must match its own template.
+    for w in workloads:
+        assert (
+            w["spec"]["selector"]["matchLabels"].items()
+            <= w["spec"]["template"]["metadata"]["labels"].items()
+        )
+
+
+def test_engine_requests_a_gpu_and_is_probed_on_health(base: list[dict[str, Any]]) -> None:
+    deployment = find(base, "Deployment", "weir-engine")
+    (container,) = containers(deployment)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+    # Loading a model takes minutes: the startup probe must allow for it before liveness applies.
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    assert container["image"].startswith("weir-engine:") and container["image"].endswith("-cuda")
+    assert_cli_accepts(container["args"])
+
+
+def test_migration_job_runs_weir_db_upgrade_with_the_gateway_image(base: list[dict[str, Any]]) -> None:
+    job = find(base, "Job", "weir-db-upgrade")
+    (container,) = containers(job)
+    assert container["args"] == ["weir", "db", "upgrade"]
+    assert_cli_accepts(container["args"])
+    (gateway,) = containers(find(base, "Deployment", "weir-gateway"))
+    assert container["image"] == gateway["image"]
+    assert pod_spec(job)["restartPolicy"] == "Never"  # type: ignore[index]
+    assert job["spec"]["backoffLimit"] >= 1
+    # `kubectl apply -k deploy/k8s -l weir.dev/phase=pre-upgrade` applies exactly what the migration
+    # needs (namespace, config, secret, Job) and none of the workloads, so it can run first.
+    phase = {
+        (o["kind"], o["metadata"]["name"])
+        for o in base
+        if o["metadata"].get("labels", {}).get("weir.dev/phase") == "pre-upgrade"
+    }
+    assert phase == {
+        ("Namespace", "weir"),
+        ("ConfigMap", "weir-config"),
+        ("Secret", "weir-secrets"),
+        ("Job", "weir-db-upgrade"),
+    }
+
+
+def test_pods_are_locked_down(base: list[dict[str, Any]]) -> None:
+    for obj in base:
+        spec = pod_spec(obj)
+        if spec is None:
+            continue
+        name = obj["metadata"]["name"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["runAsUser"] == 10001, name
+        # No pod needs the Kubernetes API: no token is mounted, by the pod or by its service account.
+        account = spec.get("serviceAccountName")
+        automount = spec.get("automountServiceAccountToken")
+        if automount is None and account:
+            automount = find(base, "ServiceAccount", account)["automountServiceAccountToken"]
+        assert automount is False, name
+        for container in containers(obj):
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False, name
+            assert security["readOnlyRootFilesystem"] is True, name
+            assert security["capabilities"]["drop"] == ["ALL"], name
+            assert container["resources"]["requests"], name
+            image, _, tag = container["image"].rpartition(":")
+            assert image and tag and tag != "latest", f"{name}: pin the image tag ({container['image']})"
+            # readOnlyRootFilesystem: everything the process writes is a mounted volume.
+            mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+            assert "/tmp" in mounts, name
+
+
+def test_config_and_secrets_are_wired_and_no_secret_is_committed(vllm: list[dict[str, Any]]) -> None:
+    secrets = secret_data(vllm)
+    configmaps = {o["metadata"]["name"] for o in vllm if o["kind"] == "ConfigMap"}
+    for obj in vllm:
+        spec = pod_spec(obj)
+        if spec is None:
+            continue
+        for volume in spec.get("volumes", []):
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in configmaps
+        for container in containers(obj):
+            for source in container.get("envFrom", []):
+                assert source["secretRef"]["name"] == "weir-secrets"
+            for env in container.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["name"] == "weir-secrets"
+                    assert ref.get("optional") or ref["key"] in secrets, ref["key"]
+                elif SECRET_NAME.search(env["name"]):
+                    pytest.fail(f"{env['name']} is written in the manifest instead of read from a Secret")
+    # The committed example holds no secret: every token and key is empty.
+    example = parse_env_file((K8S / "secrets.env.example").read_text())
+    assert all(v == "" for k, v in example.items() if k.endswith(("_KEY", "_TOKEN")))
+    assert "k8s/secrets.env" in (DEPLOY / ".gitignore").read_text().split()
+    # No manifest embeds a Secret: it is generated from the git-ignored env file.
+    for path in K8S.rglob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert not (isinstance(doc, dict) and doc.get("kind") == "Secret"), path
+
+
+@pytest.mark.parametrize("directory", [K8S, VLLM], ids=["base", "vllm"])
+def test_the_config_map_loads_with_the_real_config_loader(directory: Any) -> None:
+    from gateway.config import parse_config
+
+    objects = render(directory)
+    text = find(objects, "ConfigMap", "weir-config")["data"]["weir.yaml"]
+    env = {k: v or f"test-{k.lower()}" for k, v in secret_data(objects).items()}
+    # Every variable the config requires (no default) is a key of the Secret the gateway reads.
+    required = {name for name, op in variables(yaml.safe_load(text)).items() if op is None}
+    assert required <= set(env), f"not in weir-secrets: {required - set(env)}"
+    config = parse_config(text, env)
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    for backend in config.backends:
+        url = backend.url or backend.base_url or ""
+        host = url.split("://")[1].split("/")[0] if "://" in url else ""
+        name, _, port = host.partition(":")
+        if name in services or "." not in name:
+            # An in-cluster backend: the Service exists and serves that port.
+            assert name in services, f"backend {backend.name}: no Service {name}"
+            assert int(port) in {p["port"] for p in services[name]["spec"]["ports"]}
+
+
+def test_vllm_is_fronted_as_an_openai_compatible_backend(vllm: list[dict[str, Any]]) -> None:
+    from gateway.config import parse_config
+
+    text = find(vllm, "ConfigMap", "weir-config")["data"]["weir.yaml"]
+    config = parse_config(text, {k: v or "x" for k, v in secret_data(vllm).items()})
+    backend = config.backend("vllm")
+    assert backend.type == "openai" and backend.base_url == "http://vllm:8000/v1"
+    served = next(
+        a
+        for a in containers(find(vllm, "Deployment", "vllm"))[0]["args"]
+        if a.startswith("--served-model-name=")
+    )
+    (model,) = [m for m in config.models if m.backend == "vllm"]
+    assert model.upstream_model == served.split("=", 1)[1]
+    (container,) = containers(find(vllm, "Deployment", "vllm"))
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    # The overlay replaces the config instead of adding a second one.
+    assert [o["metadata"]["name"] for o in vllm if o["kind"] == "ConfigMap"] == ["weir-config"]
