@@ -181,3 +181,44 @@ def test_embeddings_count_tokens_and_models(http: httpx.Client) -> None:
     assert http.post(f"/models/{MODEL}:countTokens", json=ask("a b c")).json()["totalTokens"] == 3
     names = [m["name"] for m in http.get("/models").json()["models"]]
     assert f"models/{MODEL}" in names
+
+
+def test_official_google_genai_sdk_round_trip(fake_gemini: FakeGemini) -> None:
+    from google import genai
+    from google.genai import errors, types
+
+    client = genai.Client(
+        api_key=fake_gemini.api_key, http_options=types.HttpOptions(base_url=fake_gemini.base_url)
+    )
+    reply = client.models.generate_content(model=MODEL, contents="hello there")
+    assert reply.text == "hello there" and reply.usage_metadata.total_token_count == 4
+    assert fake_gemini.last_request.headers["x-goog-api-key"] == fake_gemini.api_key
+    assert [c.text for c in client.models.generate_content_stream(model=MODEL, contents="a b c")] == [
+        "a",
+        " b",
+        " c",
+    ]
+
+    weather = types.FunctionDeclaration(
+        name="get_weather",
+        parameters=types.Schema(type="OBJECT", properties={"city": types.Schema(type="STRING")}),
+    )
+    config = types.GenerateContentConfig(tools=[types.Tool(function_declarations=[weather])])
+    call = client.models.generate_content(model=MODEL, contents="call get_weather", config=config)
+    assert [(f.name, f.args) for f in call.function_calls] == [("get_weather", {"city": "example"})]
+
+    cache = client.caches.create(
+        model=MODEL, config=types.CreateCachedContentConfig(contents=["w " * 1100], ttl="300s")
+    )
+    cached = client.models.generate_content(
+        model=MODEL, contents="q", config=types.GenerateContentConfig(cached_content=cache.name)
+    )
+    assert cached.usage_metadata.cached_content_token_count == 1100
+    assert cached.usage_metadata.prompt_token_count == 1101
+
+    vectors = client.models.embed_content(model="gemini-embedding-001", contents=["a", "b"])
+    assert [len(e.values) for e in vectors.embeddings] == [3072, 3072]
+    fake_gemini.fail_next(Fault.status(503))
+    with pytest.raises(errors.ServerError) as err:
+        client.models.generate_content(model=MODEL, contents="x")
+    assert err.value.code == 503 and err.value.status == "UNAVAILABLE"
