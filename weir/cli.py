@@ -47,3 +47,7 @@ class LazyGroup(click.Group):
 @click.version_option(__version__, prog_name="weir")
 def main() -> None:
     """Weir: an LLM gateway and control plane with a bundled inference engine."""
+
+
+if __name__ == "__main__":
+    main()

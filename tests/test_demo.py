@@ -1,0 +1,65 @@
+"""`make run` promise: `weir demo` serves the real SmolLM2 through the gateway, and the curl and SDK
+examples it prints work exactly as printed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_prints_examples_that_work(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "WEIR_DEMO_KEY": "sk-weir-test-demo-key"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "weir.cli", "demo", "--port", str(port), "--var-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        output = ""
+        deadline = time.monotonic() + 600
+        assert process.stdout is not None
+        while "Stop: Ctrl-C" not in output and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            output += line
+        assert "Stop: Ctrl-C" in output, output
+        assert "sk-weir-test-demo-key" in output  # the key from the environment is the one accepted
+
+        curl = re.search(r"^  (curl .*?)\n\n", output, re.S | re.M)
+        assert curl is not None, output
+        reply = subprocess.run(curl.group(1), shell=True, capture_output=True, text=True, timeout=120)
+        assert '"chat.completion"' in reply.stdout and '"content"' in reply.stdout, reply.stdout
+
+        snippet = re.search(r"^  (python -c '.*?\n')", output, re.S | re.M)
+        assert snippet is not None, output
+        python = snippet.group(1).replace("python -c", f"{sys.executable} -c", 1)
+        reply = subprocess.run(python, shell=True, capture_output=True, text=True, timeout=120)
+        assert reply.returncode == 0, reply.stderr
+        assert reply.stdout.strip(), "the SDK example printed no reply"
+
+        wrong = subprocess.run(
+            curl.group(1).replace("sk-weir-test-demo-key", "sk-wrong"), shell=True, capture_output=True, text=True
+        )
+        assert "invalid_api_key" in wrong.stdout or "401" in wrong.stdout or "error" in wrong.stdout
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
