@@ -88,6 +88,8 @@ def test_gateway_scales_and_survives_voluntary_disruption(base: list[dict[str, A
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "Deployment", "weir-gateway")
     assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    # Were the Deployment to set replicas, every `kubectl apply` would reset what the HPA scaled to.
+    assert "replicas" not in deployment["spec"]
     (metric,) = hpa["spec"]["metrics"]
     assert metric["resource"]["name"] == "cpu"
     # Utilisation is relative to the request: the HPA needs one.
