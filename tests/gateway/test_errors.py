@@ -1,0 +1,282 @@
+"""Every error a client can meet: the OpenAI error shape (Anthropic's on /v1/messages), the right status,
+the parameter named, the vendor's own message passed through, and never a stack trace."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.gateway.conftest import DEMO_KEY, LIMITED_KEY, RunningGateway
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def post(
+    gateway: RunningGateway, path: str, body: bytes | dict, key: str | None = DEMO_KEY
+) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, dict):
+        return httpx.post(f"{gateway.url}{path}", json=body, headers=headers, timeout=10)
+    return httpx.post(
+        f"{gateway.url}{path}",
+        content=body,
+        headers={**headers, "content-type": "application/json"},
+        timeout=10,
+    )
+
+
+def openai_error(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert "Traceback" not in response.text
+    return body["error"]
+
+
+def test_malformed_json_is_400(gateway: RunningGateway) -> None:
+    response = post(gateway, "/v1/chat/completions", b'{"model": "gpt-4o-mini", "messages": [')
+    assert response.status_code == 400
+    assert "parse the JSON body" in openai_error(response)["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "gpt-4o-mini"}, "messages"),
+        ({"messages": HI}, "model"),
+        ({"model": "gpt-4o-mini", "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"model": "gpt-4o-mini", "messages": HI, "temperature": "hot"}, "temperature"),
+        ({"model": "gpt-4o-mini", "messages": HI, "max_tokens": 0}, "max_tokens"),
+        ({"model": "gpt-4o-mini", "messages": []}, "messages"),
+        (
+            {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {"model": "gpt-4o-mini", "messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].tool_call_id",
+        ),
+        ({"model": "gpt-4o-mini", "messages": HI, "tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
+def test_bad_parameter_is_400_naming_it(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, body: dict, param: str
+) -> None:
+    response = post(gateway, "/v1/chat/completions", body)
+    assert response.status_code == 400
+    error = openai_error(response)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert fake_openai.requests == []  # bad input changes nothing upstream
+    assert gateway.sink.events == []
+
+
+def test_sdk_sees_bad_request(gateway: RunningGateway) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=HI, n=0)
+    assert caught.value.param == "n"
+
+
+def test_missing_and_unknown_keys_are_401(gateway: RunningGateway) -> None:
+    assert (
+        post(gateway, "/v1/chat/completions", {"model": "gpt-4o-mini", "messages": HI}, key=None).status_code
+        == 401
+    )
+    with pytest.raises(openai.AuthenticationError) as caught:
+        gateway.openai(api_key="sk-wrong").chat.completions.create(model="gpt-4o-mini", messages=HI)
+    assert caught.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        gateway.openai(api_key="sk-wrong").models.list()
+    with pytest.raises(anthropic.AuthenticationError) as anthropic_caught:
+        gateway.anthropic(api_key="sk-wrong").messages.create(
+            model="claude-sonnet", max_tokens=5, messages=HI
+        )  # type: ignore[arg-type]
+    assert anthropic_caught.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+def test_unknown_model_is_404_model_not_found(gateway: RunningGateway) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        gateway.openai().chat.completions.create(model="gpt-9", messages=HI)
+    assert caught.value.code == "model_not_found" and "gpt-9" in caught.value.message
+    with pytest.raises(anthropic.NotFoundError) as anthropic_caught:
+        gateway.anthropic().messages.create(model="gpt-9", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    assert anthropic_caught.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+
+
+def test_models_a_tenant_may_not_use_are_not_found(gateway: RunningGateway) -> None:
+    limited = gateway.openai(api_key=LIMITED_KEY)
+    assert [m.id for m in limited.models.list()] == ["gemini-flash"]
+    with pytest.raises(openai.NotFoundError):
+        limited.chat.completions.create(model="gpt-4o-mini", messages=HI)
+    assert (
+        limited.chat.completions.create(model="gemini-flash", messages=HI).choices[0].message.content == "hi"
+    )
+
+
+def test_body_over_the_limit_is_413(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    big = "x" * 250_000  # the test config allows 200,000 bytes
+    with pytest.raises(openai.APIStatusError) as caught:
+        gateway.openai().chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": big}]
+        )
+    assert caught.value.status_code == 413
+    assert caught.value.code == "request_too_large"
+    assert fake_openai.requests == []
+
+
+@pytest.mark.parametrize(
+    ("model", "fake_name"),
+    [("gpt-4o-mini", "fake_openai"), ("claude-sonnet", "fake_anthropic"), ("gemini-flash", "fake_gemini")],
+)
+def test_upstream_4xx_passes_through_with_the_vendors_message(
+    gateway: RunningGateway, request: pytest.FixtureRequest, model: str, fake_name: str
+) -> None:
+    fake = request.getfixturevalue(fake_name)
+    fake.fail_next(Fault.status(400, message="prompt is too long: 300000 tokens > 200000 maximum"))
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().chat.completions.create(model=model, messages=HI)
+    assert "prompt is too long: 300000 tokens > 200000 maximum" in caught.value.message
+    [event] = gateway.sink.events
+    assert event.status == 400 and not event.ok
+
+
+def test_upstream_429_keeps_retry_after(gateway: RunningGateway, fake_anthropic: FakeAnthropic) -> None:
+    fake_anthropic.fail_next(Fault.status(429, retry_after=7))
+    with pytest.raises(openai.RateLimitError) as caught:
+        gateway.openai().chat.completions.create(model="claude-sonnet", messages=HI)
+    assert caught.value.response.headers["retry-after"] == "7"
+
+
+@pytest.mark.parametrize(
+    ("model", "fake_name", "status", "expected"),
+    [
+        ("gpt-4o-mini", "fake_openai", 500, 502),
+        ("gemini-flash", "fake_gemini", 500, 502),
+        ("gpt-4o-mini", "fake_openai", 503, 503),
+        ("claude-sonnet", "fake_anthropic", 529, 503),
+        ("claude-sonnet", "fake_anthropic", 504, 504),
+    ],
+)
+def test_upstream_5xx_becomes_a_gateway_error(
+    gateway: RunningGateway,
+    request: pytest.FixtureRequest,
+    model: str,
+    fake_name: str,
+    status: int,
+    expected: int,
+) -> None:
+    request.getfixturevalue(fake_name).fail_next(Fault.status(status))
+    response = post(gateway, "/v1/chat/completions", {"model": model, "messages": HI})
+    assert response.status_code == expected
+    error = openai_error(response)
+    assert f"({status})" in error["message"] and error["type"] == "upstream_error"
+
+
+def test_anthropic_clients_get_anthropic_error_bodies(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.fail_next(Fault.status(503))
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        gateway.anthropic().messages.create(model="gpt-4o-mini", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    assert caught.value.status_code == 503
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    response = httpx.post(
+        f"{gateway.url}/v1/messages", json={"model": "claude-sonnet"}, headers={"x-api-key": DEMO_KEY}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "messages" in response.json()["error"]["message"]
+
+
+def test_dead_backend_is_503(gateway: RunningGateway) -> None:
+    response = post(gateway, "/v1/chat/completions", {"model": "dead-model", "messages": HI})
+    assert response.status_code == 503
+    assert "cannot connect to backend dead" in openai_error(response)["message"]
+    [event] = gateway.sink.events
+    assert event.status == 0  # the backend never answered
+
+
+@pytest.mark.parametrize("fault", [Fault.delay(3), Fault.hang()], ids=["slow", "hang"])
+def test_slow_backend_is_504(gateway: RunningGateway, fake_openai: FakeOpenAI, fault: Fault) -> None:
+    fake_openai.fail_next(fault)
+    response = post(gateway, "/v1/chat/completions", {"model": "impatient", "messages": HI})
+    assert response.status_code == 504
+    assert "did not answer within 0.5s" in openai_error(response)["message"]
+
+
+@pytest.mark.parametrize(
+    "fault", [Fault.reset(), Fault.garbage(), Fault.wrong_content_type()], ids=["reset", "garbage", "html"]
+)
+@pytest.mark.parametrize(
+    ("model", "fake_name"),
+    [("gpt-4o-mini", "fake_openai"), ("claude-sonnet", "fake_anthropic"), ("gemini-flash", "fake_gemini")],
+)
+def test_broken_backend_is_502(
+    gateway: RunningGateway, request: pytest.FixtureRequest, model: str, fake_name: str, fault: Fault
+) -> None:
+    request.getfixturevalue(fake_name).fail_next(fault)
+    response = post(gateway, "/v1/chat/completions", {"model": model, "messages": HI})
+    assert response.status_code == 502
+    assert openai_error(response)["code"] == "bad_gateway"
+
+
+@pytest.mark.parametrize(
+    ("model", "fake_name"),
+    [("gpt-4o-mini", "fake_openai"), ("claude-sonnet", "fake_anthropic"), ("gemini-flash", "fake_gemini")],
+)
+def test_stream_error_before_the_first_token_is_an_http_error(
+    gateway: RunningGateway, request: pytest.FixtureRequest, model: str, fake_name: str
+) -> None:
+    request.getfixturevalue(fake_name).fail_next(Fault.status(500))
+    with pytest.raises(openai.InternalServerError) as caught:
+        list(gateway.openai().chat.completions.create(model=model, messages=HI, stream=True))
+    assert caught.value.status_code == 502
+
+
+@pytest.mark.parametrize(
+    "fault", [Fault.cut_stream(after=2), Fault.stream_error(after=2)], ids=["cut", "error-event"]
+)
+@pytest.mark.parametrize(
+    ("model", "fake_name"),
+    [("gpt-4o-mini", "fake_openai"), ("claude-sonnet", "fake_anthropic"), ("gemini-flash", "fake_gemini")],
+)
+def test_stream_broken_midway_ends_with_an_error_event(
+    gateway: RunningGateway, request: pytest.FixtureRequest, model: str, fake_name: str, fault: Fault
+) -> None:
+    request.getfixturevalue(fake_name).fail_next(fault)
+    received = []
+    with pytest.raises(openai.APIError):
+        for chunk in gateway.openai().chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "one two three four five six"}], stream=True
+        ):
+            received.append(chunk)
+    assert received  # some text arrived before the failure was reported
+    [event] = gateway.sink.events
+    assert event.status >= 500 and not event.ok
+
+
+def test_anthropic_stream_broken_midway_ends_with_an_error_event(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    fake_gemini.fail_next(Fault.cut_stream(after=2))
+    with (
+        pytest.raises(anthropic.APIStatusError),
+        gateway.anthropic().messages.stream(
+            model="gemini-flash",
+            max_tokens=50,
+            messages=[{"role": "user", "content": "one two three four five"}],
+        ) as stream,
+    ):
+        list(stream)
+
+
+def test_unknown_route_and_method(gateway: RunningGateway) -> None:
+    response = httpx.get(f"{gateway.url}/v1/nothing-here")
+    assert response.status_code == 404
+    assert openai_error(response)["code"] == "not_found"
+    response = httpx.get(
+        f"{gateway.url}/v1/chat/completions", headers={"authorization": f"Bearer {DEMO_KEY}"}
+    )
+    assert response.status_code == 405
+    openai_error(response)

@@ -1,0 +1,257 @@
+"""/v1/messages: the Anthropic Messages API inbound, with the official anthropic SDK, to every backend."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.gateway.conftest import RunningGateway
+
+MODELS = ["claude-sonnet", "gpt-4o-mini", "gemini-flash"]
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 32).decode()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_message(gateway: RunningGateway, model: str) -> None:
+    message = gateway.anthropic().messages.create(
+        model=model,
+        max_tokens=100,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "hello over there"}],
+    )
+    assert message.type == "message" and message.role == "assistant" and message.model == model
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == "hello over there"  # type: ignore[union-attr]
+    assert message.stop_reason == "end_turn"
+    assert message.usage.output_tokens == 3
+    assert gateway.sink.events[0].route == model
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stream_event_sequence(gateway: RunningGateway, model: str) -> None:
+    with gateway.anthropic().messages.stream(
+        model=model, max_tokens=100, messages=[{"role": "user", "content": "stream these four words"}]
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[:2] == ["message_start", "content_block_start"] or kinds[:3] == [
+        "message_start",
+        "ping",
+        "content_block_start",
+    ]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert final.content[0].text == "stream these four words"  # type: ignore[union-attr]
+    assert final.stop_reason == "end_turn"
+    assert final.usage.output_tokens == 4
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_tool_use_round_trip(gateway: RunningGateway, model: str, stream: bool) -> None:
+    client = gateway.anthropic()
+    messages: list[dict] = [{"role": "user", "content": 'call get_weather {"city": "Lima"}'}]
+    if stream:
+        with client.messages.stream(
+            model=model, max_tokens=200, messages=messages, tools=[WEATHER]
+        ) as events:  # type: ignore[arg-type, list-item]
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(model=model, max_tokens=200, messages=messages, tools=[WEATHER])  # type: ignore[arg-type, list-item]
+    assert message.stop_reason == "tool_use"
+    [tool_use] = [block for block in message.content if block.type == "tool_use"]
+    assert tool_use.name == "get_weather" and tool_use.input == {"city": "Lima"}
+    messages += [
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in message.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": tool_use.id, "content": "foggy"}],
+        },
+    ]
+    answer = client.messages.create(model=model, max_tokens=200, messages=messages, tools=[WEATHER])  # type: ignore[arg-type, list-item]
+    text = answer.content[0].text  # type: ignore[union-attr]
+    assert text.startswith("Tool get_weather returned: ") and "foggy" in text
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_image_blocks(gateway: RunningGateway, model: str) -> None:
+    message = gateway.anthropic().messages.create(
+        model=model,
+        max_tokens=50,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+                    {"type": "text", "text": "describe"},
+                ],
+            }
+        ],
+    )
+    assert message.content[0].text == "describe [image]"  # type: ignore[union-attr]
+
+
+def test_images_reach_openai_as_data_urls(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    gateway.anthropic().messages.create(
+        model="gpt-4o-mini",
+        max_tokens=50,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+                ],
+            }
+        ],
+    )
+    part = fake_openai.last_request.json["messages"][0]["content"][0]
+    assert part == {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
+
+
+LONG_SYSTEM = "You are a careful assistant. " * 300  # > 1024 words: cacheable
+
+
+def test_cache_control_passes_through_to_anthropic_and_usage_reports_cache(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    client = gateway.anthropic()
+    system = [{"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    tools = [{**WEATHER, "cache_control": {"type": "ephemeral"}}]
+    first = client.messages.create(
+        model="claude-sonnet",
+        max_tokens=20,
+        system=system,
+        tools=tools,
+        messages=[{"role": "user", "content": "hi"}],  # type: ignore[arg-type]
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["system"] == system
+    assert sent["tools"][0]["cache_control"] == {"type": "ephemeral"}
+    assert first.usage.cache_creation_input_tokens > 1024
+    assert (
+        first.usage.cache_creation is not None and first.usage.cache_creation.ephemeral_1h_input_tokens > 1024
+    )
+    assert first.usage.cache_read_input_tokens == 0
+    second = client.messages.create(
+        model="claude-sonnet",
+        max_tokens=20,
+        system=system,
+        tools=tools,
+        messages=[{"role": "user", "content": "hey"}],  # type: ignore[arg-type]
+    )
+    assert second.usage.cache_read_input_tokens == first.usage.cache_creation_input_tokens
+    assert second.usage.cache_creation_input_tokens == 0
+    first_event, second_event = gateway.sink.events
+    assert (
+        first_event.usage.cache_write_1h_tokens + first_event.usage.cache_write_5m_tokens
+        == first.usage.cache_creation_input_tokens
+    )
+    assert second_event.usage.cached_input_tokens == second.usage.cache_read_input_tokens
+    assert second_event.cost_pico_usd < first_event.cost_pico_usd  # reads are cheaper than writes
+
+
+def test_cache_control_on_messages_and_tool_results(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    breakpoint_ = {"type": "ephemeral"}
+    gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=20,
+        tools=[WEATHER],  # type: ignore[list-item]
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "weather in Lima?", "cache_control": breakpoint_}],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Lima"}}
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": "foggy",
+                        "cache_control": breakpoint_,
+                    }
+                ],
+            },
+        ],
+    )
+    sent = fake_anthropic.last_request.json["messages"]
+    assert sent[0]["content"][0]["cache_control"] == breakpoint_
+    assert sent[2]["content"][0] == {
+        "type": "tool_result",
+        "tool_use_id": "toolu_1",
+        "content": "foggy",
+        "cache_control": breakpoint_,
+    }
+
+
+def test_openai_prompt_cache_is_reported_in_anthropic_shape(gateway: RunningGateway) -> None:
+    client = gateway.anthropic()
+    long_prompt = "word " * 1500
+    client.messages.create(
+        model="gpt-4o-mini", max_tokens=5, messages=[{"role": "user", "content": long_prompt}]
+    )
+    again = client.messages.create(
+        model="gpt-4o-mini", max_tokens=5, messages=[{"role": "user", "content": long_prompt}]
+    )
+    assert again.usage.cache_read_input_tokens >= 1024
+    assert (
+        again.usage.input_tokens + again.usage.cache_read_input_tokens
+        == gateway.sink.events[1].usage.prompt_tokens
+    )
+
+
+def test_cache_control_is_not_sent_to_openai_or_gemini(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_gemini: FakeGemini
+) -> None:
+    client = gateway.anthropic()
+    for model in ("gpt-4o-mini", "gemini-flash"):
+        client.messages.create(
+            model=model,
+            max_tokens=5,
+            system=[{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}],
+                }
+            ],
+        )
+    assert "cache_control" not in fake_openai.last_request.body.decode()
+    assert "cache_control" not in fake_gemini.last_request.body.decode()
+
+
+def test_tool_choice_and_stop_sequences_translate(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    message = gateway.anthropic().messages.create(
+        model="gpt-4o-mini",
+        max_tokens=30,
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        stop_sequences=["END"],
+        messages=[{"role": "user", "content": "anything"}],
+    )
+    sent = fake_openai.last_request.json
+    assert sent["tool_choice"] == "required" and sent["parallel_tool_calls"] is False
+    assert sent["stop"] == ["END"] and sent["max_tokens"] == 30
+    assert sent["tools"][0]["function"]["parameters"] == WEATHER["input_schema"]
+    assert message.stop_reason == "tool_use"
+
+
+def test_max_tokens_stop_reason(gateway: RunningGateway) -> None:
+    message = gateway.anthropic().messages.create(
+        model="gemini-flash", max_tokens=2, messages=[{"role": "user", "content": "one two three"}]
+    )
+    assert message.stop_reason == "max_tokens"
