@@ -381,3 +381,38 @@ def test_usable_as_context_manager_outside_pytest() -> None:
             == "hi"
         )
     assert not fake.running
+
+
+def test_fault_for_a_path_hits_health_probes(client: openai.OpenAI, fake_openai: FakeOpenAI) -> None:
+    fake_openai.fail_next(503, path="/v1/models")
+    assert (
+        client.chat.completions.create(model="gpt-4o-mini", messages=user("x")).choices[0].message.content
+        == "x"
+    )
+    with pytest.raises(openai.InternalServerError):
+        client.models.list()
+    assert client.models.list().data
+
+
+def test_azure_deployment_routes(fake_openai: FakeOpenAI) -> None:
+    azure = openai.AzureOpenAI(
+        azure_endpoint=fake_openai.origin,
+        api_key=fake_openai.api_key,
+        api_version="2024-10-21",
+        max_retries=0,
+    )
+    reply = azure.chat.completions.create(model="gpt-4o", messages=user("from azure"))
+    assert reply.choices[0].message.content == "from azure"
+    assert fake_openai.last_request.path == "/openai/deployments/gpt-4o/chat/completions"
+    assert fake_openai.last_request.headers["api-key"] == fake_openai.api_key
+    assert fake_openai.last_request.query["api-version"] == "2024-10-21"
+
+
+async def test_async_client_from_an_async_test(fake_openai: FakeOpenAI) -> None:
+    client = openai.AsyncOpenAI(base_url=fake_openai.base_url, api_key=fake_openai.api_key, max_retries=0)
+    stream = await client.chat.completions.create(
+        model="gpt-4o-mini", messages=user("async works"), stream=True
+    )
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+    assert text == "async works"
+    await client.close()

@@ -1,7 +1,8 @@
 """Fake OpenAI API (and OpenAI-compatible servers such as DeepSeek) on 127.0.0.1.
 
 Endpoints under ``/v1``: ``POST chat/completions``, ``POST completions``, ``POST embeddings``,
-``GET models``, ``GET models/{id}``. Auth: ``Authorization: Bearer <api_key>`` (Azure's ``api-key``
+``GET models``, ``GET models/{id}``; the same three POSTs in Azure OpenAI's form
+(``/openai/deployments/{deployment}/...?api-version=...``, the deployment being the model). Auth: ``Authorization: Bearer <api_key>`` (Azure's ``api-key``
 header also works); a missing or wrong key gets OpenAI's 401 body. Unknown models get 404
 ``model_not_found``; add models with ``fake.models.add(name)``. ``/v1/completions`` and
 ``/v1/embeddings`` accept every known model, as an OpenAI-compatible server (vLLM, Ollama) does.
@@ -120,6 +121,10 @@ class FakeOpenAI(FakeServer):
     def base_url(self) -> str:
         return f"{self.origin}/v1"
 
+    def azure_base_url(self, deployment: str) -> str:
+        """Base URL of an Azure OpenAI deployment (send ``api-version`` as a query parameter)."""
+        return f"{self.origin}/openai/deployments/{deployment}"
+
     def reset_state(self) -> None:
         self.cache.clear()
 
@@ -130,6 +135,10 @@ class FakeOpenAI(FakeServer):
             web.post("/v1/embeddings", self._embeddings),
             web.get("/v1/models", self._list_models),
             web.get("/v1/models/{model}", self._get_model),
+            # Azure OpenAI: the deployment names the model; `api-version` is required
+            web.post("/openai/deployments/{deployment}/chat/completions", self._chat),
+            web.post("/openai/deployments/{deployment}/completions", self._completions),
+            web.post("/openai/deployments/{deployment}/embeddings", self._embeddings),
         ]
 
     # ---- vendor shapes ---------------------------------------------------------------------------
@@ -195,6 +204,11 @@ class FakeOpenAI(FakeServer):
                 "your HTTP library correctly. The OpenAI API expects a JSON payload, but what was sent was not "
                 "valid JSON.)",
             )
+        deployment = request.match_info.get("deployment")
+        if deployment is not None:
+            if "api-version" not in request.query:
+                raise BadRequest(404, "Resource not found")
+            body["model"] = body.get("model") or deployment
         model = body.get("model")
         if not model:
             raise BadRequest(400, "you must provide a model parameter")

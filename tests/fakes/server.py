@@ -9,8 +9,9 @@ A fake works the same from sync tests, async tests, benchmarks and drills::
         ...
         fake.requests[-1].json["model"]
 
-Faults and usage overrides apply to POST requests only (generation, embeddings, token counting), so a
-gateway's health probes (GET /v1/models and the like) never consume a fault meant for a real call. To
+Faults apply to POST requests only (generation, embeddings, token counting), so a gateway's health
+probes (GET /v1/models and the like) never consume a fault meant for a real call; to fail a probe,
+queue the fault with a path (``fake.fail_next(503, path="/v1/models")``). To
 take a whole backend down and bring it back, use `stop()` and `start()`: the port stays the same.
 """
 
@@ -80,7 +81,7 @@ class FakeServer:
         self.requests: list[RecordedRequest] = []
         self.usages: list[ReportedUsage] = []  # one per generation response, in order
         self.models: set[str] = set(self.default_models)
-        self._faults: deque[Fault] = deque()
+        self._faults: deque[tuple[Fault, str | None]] = deque()  # (fault, path filter)
         self._usage_overrides: deque[UsageOverride] = deque()
         self._lock = threading.Lock()
         self._generation = 0  # bumped by reset() and stop() to release hanging requests
@@ -151,12 +152,16 @@ class FakeServer:
 
     # ---- test controls ---------------------------------------------------------------------------
 
-    def fail_next(self, fault: Fault | int, times: int = 1) -> None:
-        """Queue `fault` for the next `times` POST requests (an int means `Fault.status(code)`)."""
+    def fail_next(self, fault: Fault | int, times: int = 1, *, path: str | None = None) -> None:
+        """Queue `fault` for the next `times` POST requests (an int means `Fault.status(code)`).
+
+        With `path`, the fault waits instead for the next request of any method whose path contains
+        that string (e.g. ``path="/v1/models"`` to fail a gateway's health probe).
+        """
         if isinstance(fault, int):
             fault = Fault.status(fault)
         with self._lock:
-            self._faults.extend([fault] * times)
+            self._faults.extend([(fault, path)] * times)
 
     def set_next_usage(self, raw: dict[str, Any] | None = None, **fields: int) -> None:
         """Override the usage the next generation response reports.
@@ -268,6 +273,14 @@ class FakeServer:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    def _take_fault(self, request: web.Request) -> Fault | None:
+        with self._lock:
+            for i, (fault, path) in enumerate(self._faults):
+                if (path is None and request.method == "POST") or (path is not None and path in request.path):
+                    del self._faults[i]
+                    return fault
+        return None
+
     @web.middleware
     async def _middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -291,10 +304,7 @@ class FakeServer:
         denied = self.auth_error(request)
         if denied is not None:
             return denied
-        fault = None
-        if request.method == "POST":
-            with self._lock, contextlib.suppress(IndexError):
-                fault = self._faults.popleft()
+        fault = self._take_fault(request)
         request[FAULT] = fault
         try:
             if fault is not None:
