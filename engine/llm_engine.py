@@ -1,0 +1,277 @@
+"""LLMEngine: the synchronous core. `add_request`, then call `step()` until no request is unfinished.
+
+One thread drives it (the server runs it off the HTTP event loop). Each step schedules a batch under
+one token budget, runs the model once and returns what every request gained.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import registry
+from engine.config import ModelConfig
+from engine.kv_cache import BlockManager
+from engine.model import kv_bytes_per_token
+from engine.runner import ModelRunner, TokenLogprob
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import Tokenizer
+from engine.weights import build_model, gguf_metadata, is_gguf, load_config, open_gguf, tqdm_progress
+
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput", "SamplingParams", "TokenLogprob"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]  # tokens generated in THIS step (may be empty)
+    new_logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None  # only in the first output (first prompt token: None)
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS / stop token) | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_output_tokens: int  # total so far
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_queries: int  # tokens, cumulative
+    prefix_cache_hits: int  # tokens, cumulative
+    num_preemptions: int
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "float32",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float | None = None,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        device: str | None = None,
+        seed: int = 0,
+        _config: ModelConfig | None = None,
+        _tokenizer: Tokenizer | None = None,
+        progress: bool = True,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+        self.dtype = _DTYPES[dtype]
+        self.device = torch.device(device or _default_device())
+        source: Path | None = None
+        reader = None
+        if _config is not None:  # random weights (from_config)
+            config = _config
+            self.model_name = config.name
+            self.tokenizer = _tokenizer or Tokenizer.byte_level(
+                config.vocab_size, set(config.eos_token_ids) or {0}
+            )
+        else:
+            source = registry.resolve(model)
+            reader = open_gguf(source) if is_gguf(source) else None
+            config = load_config(source, reader)
+            self.model_name = registry.canonical_name(str(model)) if not Path(model).exists() else source.stem
+            if is_gguf(source):
+                self.tokenizer = Tokenizer.from_gguf_metadata(gguf_metadata(reader))
+            else:
+                self.tokenizer = Tokenizer.from_hf_dir(source, set(config.eos_token_ids))
+            if self.tokenizer.eos_token_ids:
+                config = config.with_(eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)))
+        self.config = config
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.model = build_model(
+            config,
+            source,
+            dtype=self.dtype,
+            device=self.device,
+            seed=seed,
+            reader=reader,
+            progress=tqdm_progress(f"loading {self.model_name}") if progress and source else None,
+        )
+
+        per_block = kv_bytes_per_token(config, self.dtype) * block_size
+        if num_kv_blocks is None:
+            gb = kv_cache_memory_gb if kv_cache_memory_gb is not None else self._default_kv_gb()
+            num_kv_blocks = max(1, int(gb * (1 << 30)) // per_block)
+        want_len = max_model_len or config.max_position_embeddings
+        if want_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len {want_len} exceeds the model's {config.max_position_embeddings}")
+        # one request must always fit alone, or preemption could not guarantee progress
+        self.max_model_len = min(want_len, num_kv_blocks * block_size)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=num_kv_blocks,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=self.device,
+            seed=seed,
+        )
+        self._requests: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+
+    def _default_kv_gb(self) -> float:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return 0.5 * free / (1 << 30)
+        return 1.0
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, tokenizer: Tokenizer | None = None, **kwargs: object
+    ) -> LLMEngine:
+        """An engine over random weights (tests, benchmarks). Tiny configs get a byte-level tokenizer."""
+        return cls(config.name, _config=config, _tokenizer=tokenizer, **kwargs)  # type: ignore[arg-type]
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} "
+                "tokens, including at least one for the completion"
+            )
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError("prompt token ids must lie in [0, vocab_size)")
+        params.validate(vocab)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if params.seed is not None:
+            seq.generator = self.runner.make_generator(params.seed)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = []
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Free the request's blocks now; the next step reports it finished with reason "abort"."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # --- stepping ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(seq, [], None) for seq in self._aborted]
+        for seq in self._aborted:
+            self._requests.pop(seq.request_id, None)
+        self._aborted.clear()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        results = self.runner.execute(batch)
+        for seq, n, res in zip(batch.seqs, batch.num_tokens, results, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+                seq.prompt_logprobs.extend(res.prompt_logprobs)
+            if res.token_id is None:
+                continue
+            seq.output_token_ids.append(res.token_id)
+            self._check_finished(seq, res.token_id)
+            outputs.append(self._output(seq, [res.token_id], [res.logprob] if res.logprob else None))
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                self._requests.pop(seq.request_id, None)
+        return outputs
+
+    def _check_finished(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        else:
+            return
+        seq.status = SequenceStatus.FINISHED
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        prompt_lps: list[TokenLogprob | None] | None = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent and seq.finish_reason != "abort":
+            prompt_lps = [None, *seq.prompt_logprobs]
+            seq.prompt_logprobs_sent = True
+        if seq.params.logprobs is not None and logprobs is None and tokens:
+            logprobs = []
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=prompt_lps,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+        )
+
+    # --- convenience ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion together; returns the generated token ids per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{id(self)}-{i}-{os.urandom(4).hex()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self._requests for rid in ids):
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.new_token_ids)
+        return [out[rid] for rid in ids]

@@ -1,0 +1,273 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE with scaling, GQA, SwiGLU.
+
+The model reads and writes a paged KV cache. Attention metadata for the current step (positions, slot
+mapping, block tables) lives in one module-level `AttentionMetadata` set by the runner before each
+forward, so `forward` signatures stay plain (as in nano-vllm).
+
+Token layout of a step: the D decode tokens come first (one per sequence), then each prefill chunk's
+tokens, contiguous. Decodes run as one padded batched attention; each prefill chunk runs alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # offset of the chunk's first token in the step's flat token batch
+    length: int  # number of new tokens
+    context_len: int  # tokens in the KV cache after this chunk (cached prefix + chunk)
+    block_table: torch.Tensor  # int32 [num_blocks] of this sequence
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block * block_size + offset
+    num_decodes: int  # the first num_decodes tokens are single-token decodes
+    block_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks_per_seq], padded with -1
+    context_lens: torch.Tensor | None  # int32 [num_decodes]
+    max_context_len: int
+    prefills: list[PrefillChunk]
+    block_size: int
+
+
+_metadata: AttentionMetadata | None = None
+
+
+@contextmanager
+def attention_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    global _metadata
+    _metadata = meta
+    try:
+        yield
+    finally:
+        _metadata = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _metadata is None:
+        raise RuntimeError("model forward called outside attention_metadata()")
+    return _metadata
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[num_blocks, bs, kvh, d] + block ids [..., nb] -> [..., length, kvh, d] laid out by position.
+    Padding ids (-1) read block 0; callers mask those positions."""
+    ids = block_table.clamp(min=0).long()
+    blocks = cache.index_select(0, ids.reshape(-1))  # index_select: far cheaper than fancy indexing on CPU
+    blocks = blocks.view(*ids.shape[:-1], ids.shape[-1] * cache.shape[1], *cache.shape[2:])
+    return blocks[..., :length, :, :]
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One query per sequence [D, H, d] against its paged context. Grouped-query attention as batched
+    matmuls over [D, KVH, group, ...]: no copies of K/V per query head."""
+    assert meta.block_tables is not None and meta.context_lens is not None
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    length = meta.max_context_len
+    # contiguous [D, KVH, L, d]: batched matmuls on strided views are much slower on CPU
+    keys = _gather_kv(k_cache, meta.block_tables, length).transpose(1, 2).contiguous()
+    values = _gather_kv(v_cache, meta.block_tables, length).transpose(1, 2).contiguous()
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim) * scale
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [D, KVH, G, L]
+    if num_seqs > 1 or length != int(meta.context_lens[0]):
+        pad = torch.arange(length, device=q.device).unsqueeze(0) >= meta.context_lens.unsqueeze(1)
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(values.dtype)
+    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, d], k/v [T, KVH, d] of this step's tokens; writes k/v into the cache, returns [T, H, d].
+
+    The CPU reference path: plain gathers, matmuls and SDPA. Accelerated kernels plug in behind the
+    same signature and cache layout.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    d = meta.num_decodes
+    if d and not meta.prefills:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    if d:
+        out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale)
+    gqa = q.shape[1] != num_kv_heads
+    for chunk in meta.prefills:
+        sl = slice(chunk.start, chunk.start + chunk.length)
+        qc = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        if chunk.context_len == chunk.length:  # no cached prefix: attend to this chunk, causally
+            kc, vc = k[sl].transpose(0, 1).unsqueeze(0), v[sl].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            kc = _gather_kv(k_cache, chunk.block_table, chunk.context_len).transpose(0, 1).unsqueeze(0)
+            vc = _gather_kv(v_cache, chunk.block_table, chunk.context_len).transpose(0, 1).unsqueeze(0)
+            offset = chunk.context_len - chunk.length
+            rows = torch.arange(chunk.length, device=q.device).unsqueeze(1) + offset
+            mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[sl] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim or 0
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config)
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        # [max_pos, d]: cos/sin duplicated over both halves (HF's rotate_half convention)
+        self.register_buffer("cos", torch.cat([freqs.cos()] * 2, -1).float(), persistent=False)
+        self.register_buffer("sin", torch.cat([freqs.sin()] * 2, -1).float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d]
+        sin = self.sin[positions].unsqueeze(1)
+        out = []
+        for x in xs:
+            x1, x2 = x.chunk(2, dim=-1)
+            rotated = torch.cat((-x2, x1), dim=-1)
+            out.append((x.float() * cos + rotated.float() * sin).to(x.dtype))
+        return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d = config.head_dim or 0
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
+        # q, k and v in one matmul: one weight read and one kernel launch instead of three
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = d**-0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        meta = get_attention_metadata()
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(meta.positions, q, k)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow Hugging Face (`model.layers.N...`) with q/k/v and gate/up fused."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Flat token ids [T] -> final hidden states [T, hidden] (call `logits` on the rows you sample)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, self.rotary)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        c = self.config
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim or 0)
+        for layer in self.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * (config.head_dim or 0) * itemsize

@@ -1,0 +1,156 @@
+"""Sampling parameters and the batched sampler: penalties, temperature, top-k/top-p/min-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 => off
+    min_p: float = 0.0
+    seed: int | None = None  # reproducible per request, independent of batch-mates
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; 0: chosen token only; k: chosen + top-k
+    prompt_logprobs: int | None = None  # same, for prompt tokens
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError with a message fit for an API client."""
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature must be non-negative"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be non-negative (0 disables it)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be positive"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be non-negative"),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "prompt_logprobs must be non-negative",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if vocab_size is not None:
+            for tid in self.stop_token_ids:
+                if not 0 <= tid < vocab_size:
+                    raise ValueError(f"stop token id {tid} is outside the vocabulary")
+            for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+                if k is not None and k > vocab_size:
+                    raise ValueError(f"{name} must be at most the vocabulary size")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits to sample from, with what the sampler needs to know about its request."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # set for seeded requests
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (HF/CTRL style, over prompt and output) then presence/frequency (OpenAI, output only)."""
+    idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not idx:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in idx:  # rows with penalties are few; per-row bincounts keep this simple
+        p = rows[i].params
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted(set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids)), dtype=torch.long
+            )
+            if len(seen):
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and rows[i].output_token_ids:
+            counts = torch.bincount(torch.tensor(rows[i].output_token_ids), minlength=vocab)[:vocab].to(
+                row.dtype
+            )
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (-inf outside). Rows are non-greedy."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    vocab = logits.shape[1]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k]).unsqueeze(1)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        drop = ranks >= k
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        # keep a token while the mass before it is below top_p (so the top token always survives)
+        before = probs.cumsum(-1) - probs
+        drop |= before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if any(m > 0 for m in min_p):
+        probs = logits.softmax(-1)
+        threshold = probs.max(-1, keepdim=True).values * torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None
+) -> list[int]:
+    """One token per row of `logits` [N, vocab] (float32). Seeded rows draw only from their own generator,
+    so their choices do not depend on which other requests share the batch."""
+    logits = apply_penalties(logits, rows)
+    out = logits.argmax(-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        sub = apply_filters(logits[random_rows], [rows[i] for i in random_rows])
+        probs = sub.softmax(-1)
+        # Gumbel-style trick (argmax of p / Exp(1)) samples exactly from p; it needs one noise draw per row
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(random_rows) if rows[i].generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=generator)
+        for j, i in enumerate(random_rows):
+            if (g := rows[i].generator) is not None:
+                noise[j].exponential_(generator=g)
+        out[random_rows] = (probs / noise).argmax(-1)
+    return out.tolist()
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Log-probabilities of `chosen` [N] in `logprobs` [N, vocab] and the top-k (id, logprob) per row."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    if k <= 0:
+        return chosen_lp, [[] for _ in chosen_lp]
+    vals, ids = logprobs.topk(k, dim=-1)
+    tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    return chosen_lp, tops

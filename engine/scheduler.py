@@ -1,0 +1,112 @@
+"""The scheduler: one token budget per step, shared by decodes and chunked prefills (as vLLM v1).
+
+Each step hands out `{sequence: number of tokens to compute}`. Running sequences go first (decodes
+take one token, unfinished prefills continue in chunks), then waiting ones are admitted while the
+budget, the sequence limit and free KV blocks allow. When a running sequence cannot grow, the most
+recently admitted one is preempted: its blocks are freed and it goes back to the front of the queue to
+be recomputed later (its finished blocks usually come back from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens to compute per sequence this step
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens
+        self.prefix_cache_hits = 0  # tokens
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free_sequence(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs = []
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.kv.allocate(seq, n)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        # admit waiting sequences (not in a step that had to preempt: memory is tight)
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.kv.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
+            remaining = seq.num_tokens - len(cached) * self.kv.block_size
+            n = min(remaining, budget)
+            if not self.kv.can_allocate(seq, n, cached):
+                break  # max_model_len never exceeds the cache, so it fits once others finish
+            self.waiting.popleft()
+            if seq.num_cached_tokens is None:  # first admission: report prefix-cache use
+                seq.num_cached_tokens = len(cached) * self.kv.block_size
+                self.prefix_cache_queries += seq.num_prompt_tokens
+                self.prefix_cache_hits += seq.num_cached_tokens
+            self.kv.allocate(seq, n, cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
