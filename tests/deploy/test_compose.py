@@ -4,17 +4,24 @@ expects: migrations once before 2 gateway replicas, health-gated start-up, no se
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import time
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+import redis
 
+from tests.conftest import free_port
 from tests.deploy.compose_env import MissingVariable, interpolate, variables
 from tests.deploy.conftest import DEPLOY, SECRET_NAME, load_yaml
+from tests.deploy.dockerfiles import exec_form, parse
 from tests.deploy.kustomize import parse_env_file
+from tests.deploy.weir_cli import assert_cli_accepts
 
 COMPOSE_DIR = DEPLOY  # the project directory: relative paths and .env resolve from here
 LONG_RUNNING = {"postgres", "redis", "engine", "gateway", "lb", "prometheus", "grafana"}
@@ -170,3 +177,57 @@ def test_prometheus_scrapes_each_gateway_replica_and_the_engine(compose: dict[st
     rules_dir = COMPOSE_DIR / mounted["/etc/prometheus/rules"]
     assert config["rule_files"] == ["/etc/prometheus/rules/*.yml"]
     assert sorted(rules_dir.glob("*.yml")), "no rule file would be loaded"
+
+
+@pytest.mark.redis
+def test_redis_runs_with_the_compose_command_and_the_gateway_url_authenticates(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    """The compose Redis command, run by the local redis-server (the image runs the same binary)."""
+    env = example_env()
+    resolved = interpolate(compose, env)
+    redis_service = resolved["services"]["redis"]
+    port = free_port()
+    argv = [*redis_service["command"], "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = resolved["services"]["gateway"]["environment"]["WEIR_REDIS_URL"]
+        assert url.startswith(f"redis://:{env['REDIS_PASSWORD']}@redis:6379/")
+        client = redis.Redis.from_url(url.replace("@redis:6379", f"@127.0.0.1:{port}"))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, password="wrong").ping()
+        # The health check, as compose runs it inside the container, with the container's environment.
+        kind, command = redis_service["healthcheck"]["test"]
+        assert kind == "CMD-SHELL"
+        command = command.replace("redis-cli", f"redis-cli -p {port}")
+        healthy = subprocess.run(["sh", "-c", command], env={**os.environ, **redis_service["environment"]})
+        assert healthy.returncode == 0
+        wrong = {**os.environ, "REDISCLI_AUTH": "wrong"}
+        assert subprocess.run(["sh", "-c", command], env=wrong, capture_output=True).returncode != 0
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_every_weir_command_is_one_the_real_cli_accepts(compose: dict[str, Any]) -> None:
+    gpu = load_yaml(DEPLOY / "compose.gpu.yaml")
+    commands = [
+        s["command"] for s in [*compose["services"].values(), *gpu["services"].values()] if "command" in s
+    ]
+    weir = [c for c in commands if c[0] == "weir"]
+    assert len(weir) == 3  # migrate, engine, the GPU engine
+    for argv in weir:
+        assert_cli_accepts(argv)
+    # The CPU engine runs exactly what its image would.
+    (cmd,) = parse(DEPLOY / "docker" / "engine.Dockerfile").stages[-1].values("CMD")
+    assert compose["services"]["engine"]["command"] == exec_form(cmd)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tomllib
 
-import click
 import pytest
 
 from tests.deploy.conftest import DEPLOY, ROOT, SECRET_NAME
@@ -20,6 +19,7 @@ from tests.deploy.dockerfiles import (
     parse,
     read_dockerignore,
 )
+from tests.deploy.weir_cli import assert_cli_accepts
 
 GATEWAY = DEPLOY / "docker" / "gateway.Dockerfile"
 ENGINE = DEPLOY / "docker" / "engine.Dockerfile"
@@ -94,22 +94,6 @@ def test_the_command_is_one_the_real_cli_accepts(image: tuple[str, Dockerfile]) 
     _, dockerfile = image
     (cmd,) = dockerfile.stages[-1].values("CMD")
     assert_cli_accepts(exec_form(cmd))
-
-
-def assert_cli_accepts(argv: list[str]) -> None:
-    """`argv` names a real `weir` subcommand and only options it declares."""
-    from weir.cli import main
-
-    assert argv[0] == "weir"
-    command: click.Command = main
-    rest = argv[1:]
-    while isinstance(command, click.Group):
-        sub = command.get_command(click.Context(command), rest[0])
-        assert sub is not None, f"`weir` has no subcommand path {argv[1 : len(argv) - len(rest) + 1]}"
-        command, rest = sub, rest[1:]
-    declared = {opt for param in command.params for opt in param.opts}
-    used = {arg for arg in rest if arg.startswith("--")}
-    assert used <= declared, f"{' '.join(argv)}: unknown options {sorted(used - declared)}"
 
 
 def test_engine_image_has_cpu_and_cuda_variants() -> None:

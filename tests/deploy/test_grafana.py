@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from tests.deploy.conftest import DEPLOY, load_yaml
-from tests.deploy.metrics import PROMETHEUS_BUILTIN, exported_series, selected_metrics
-from tests.deploy.test_prometheus import AWAITED, recorded
+from tests.deploy.metrics import AWAITED, PROMETHEUS_BUILTIN, exported_series, recorded, selected_metrics
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "weir.json"
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range"}

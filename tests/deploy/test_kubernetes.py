@@ -15,7 +15,7 @@ from tests.deploy.compose_env import variables
 from tests.deploy.conftest import DEPLOY, SECRET_NAME
 from tests.deploy.dockerfiles import exec_form, parse
 from tests.deploy.kustomize import find, parse_env_file, pod_spec, render
-from tests.deploy.test_dockerfiles import assert_cli_accepts
+from tests.deploy.weir_cli import assert_cli_accepts
 
 K8S = DEPLOY / "k8s"
 VLLM = K8S / "examples" / "vllm"

@@ -8,31 +8,23 @@ import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
-from tests.deploy.metrics import PROMETHEUS_BUILTIN, exported_series, selected_metrics
+from tests.deploy.metrics import (
+    AWAITED,
+    PROMETHEUS_BUILTIN,
+    RULES,
+    exported_series,
+    recorded,
+    rules,
+    selected_metrics,
+)
 
-RULES = DEPLOY / "prometheus" / "rules" / "weir.yml"
 RULE_TESTS = Path(__file__).parent / "prometheus" / "weir_rules_test.yml"
 SEVERITIES = {"info", "warning", "critical"}
-
-# Metrics the rules rely on that the code does not export yet, with what will export them. docs/deploy.md
-# lists each under "Metrics the alerts expect", so an operator knows the alert is silent until then.
-AWAITED = {
-    "weir_budget_usage_ratio": "a per-tenant gauge of (spent + reserved) / budget from the budget state (issue 4)",
-}
-
-
-def rules() -> list[dict[str, Any]]:
-    return [rule for group in load_yaml(RULES)["groups"] for rule in group["rules"]]
-
-
-def recorded() -> set[str]:
-    return {rule["record"] for rule in rules() if "record" in rule}
 
 
 def test_every_expression_parses() -> None:
