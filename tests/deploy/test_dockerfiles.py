@@ -183,3 +183,25 @@ def test_the_build_context_keeps_what_the_image_needs_and_nothing_secret() -> No
                         assert (ROOT / source).exists() and not dockerignore_excludes(patterns, source), (
                             source
                         )
+
+
+def test_the_engine_image_pulls_and_serves_a_model_the_registry_knows() -> None:
+    from engine.registry import REGISTRY, canonical_name
+
+    dockerfile = parse(ENGINE)
+    build = dockerfile.stage("build")
+    (model_arg,) = [v for v in build.values("ARG") if v.startswith("MODEL=")]
+    model = model_arg.split("=", 1)[1]
+    assert canonical_name(model) in REGISTRY
+    assert any('weir models pull "$MODEL"' in v for v in build.values("RUN"))
+    # Pulled where the runtime looks for it.
+    (models_dir,) = {
+        v.split("WEIR_MODELS_DIR=")[1].split()[0] for v in build.values("ENV") if "WEIR_MODELS_DIR" in v
+    }
+    runtime_env = " ".join(dockerfile.stages[-1].values("ENV"))
+    assert f"WEIR_MODELS_DIR={models_dir}" in runtime_env
+    assert any(v == "--from=build /opt/weir /opt/weir" for v in dockerfile.stages[-1].values("COPY"))
+    assert models_dir.startswith("/opt/weir/")
+    (cmd,) = dockerfile.stages[-1].values("CMD")
+    argv = exec_form(cmd)
+    assert canonical_name(argv[argv.index("--model") + 1]) == canonical_name(model)
