@@ -230,7 +230,7 @@ class ChatChunk(Base):
 
 class CompletionRequest(Base):
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[Any]  # text, texts, token ids or lists of token ids
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
@@ -252,7 +252,7 @@ class CompletionRequest(Base):
 
 class EmbeddingRequest(Base):
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[Any]  # text, texts, token ids or lists of token ids
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = None
     user: str | None = None

@@ -1,0 +1,169 @@
+"""/v1/completions, /v1/embeddings, /v1/models, health, readiness, metrics, request ids and the log line."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import structlog
+
+from tests.fakes import FakeGemini, FakeOpenAI
+from tests.gateway.conftest import DEMO_KEY, RunningGateway
+
+
+def test_completions_native_on_openai_compatible_backends(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    response = gateway.openai().completions.create(
+        model="gpt-instruct", prompt="once upon a time", max_tokens=3
+    )
+    assert response.object == "text_completion"
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage is not None and response.usage.completion_tokens == 3
+    assert fake_openai.last_request.path == "/v1/completions"
+    assert fake_openai.last_request.json["model"] == "gpt-3.5-turbo-instruct"
+    assert gateway.sink.events[0].usage.output_tokens == 3
+
+
+@pytest.mark.parametrize("model", ["gpt-instruct", "claude-sonnet", "gemini-flash"])
+def test_completions_stream(gateway: RunningGateway, model: str) -> None:
+    chunks = list(
+        gateway.openai().completions.create(
+            model=model, prompt="the quick brown fox", stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text.split() == ["the", "quick", "brown", "fox"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("model", ["claude-sonnet", "gemini-flash"])
+def test_completions_through_chat_backends(gateway: RunningGateway, model: str) -> None:
+    response = gateway.openai().completions.create(model=model, prompt="say exactly this")
+    assert response.choices[0].text == "say exactly this"
+    assert response.usage is not None and response.usage.prompt_tokens > 0
+
+
+def test_completions_with_token_ids_need_an_openai_compatible_backend(gateway: RunningGateway) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().completions.create(model="claude-sonnet", prompt=[1, 2, 3])
+    assert caught.value.param == "prompt"
+
+
+@pytest.mark.parametrize("model", ["text-embedding-3-small", "gemini-embedding"])
+def test_embeddings(gateway: RunningGateway, model: str) -> None:
+    response = gateway.openai().embeddings.create(
+        model=model, input=["first text", "second text"], dimensions=8
+    )
+    assert [item.index for item in response.data] == [0, 1]
+    assert all(len(item.embedding) == 8 for item in response.data)
+    assert response.data[0].embedding != response.data[1].embedding
+    assert gateway.sink.events[0].route == model
+
+
+def test_embeddings_usage_from_openai(gateway: RunningGateway) -> None:
+    response = gateway.openai().embeddings.create(
+        model="text-embedding-3-small", input="four words right here"
+    )
+    assert response.usage.prompt_tokens == 4
+    assert gateway.sink.events[0].usage.input_tokens == 4
+
+
+def test_gemini_embeddings_use_batch_embed_contents(gateway: RunningGateway, fake_gemini: FakeGemini) -> None:
+    gateway.openai().embeddings.create(model="gemini-embedding", input="hello")
+    sent = fake_gemini.last_request
+    assert sent.path.endswith("/models/gemini-embedding-001:batchEmbedContents")
+    assert sent.json["requests"][0]["content"] == {"parts": [{"text": "hello"}]}
+
+
+def test_embeddings_on_a_chat_only_backend_is_400(gateway: RunningGateway) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().embeddings.create(model="claude-sonnet", input="x")
+    assert caught.value.param == "model" and "does not support embeddings" in caught.value.message
+
+
+def test_models_lists_what_the_tenant_may_use(gateway: RunningGateway) -> None:
+    models = {m.id: m.owned_by for m in gateway.openai().models.list()}
+    assert models["gpt-4o-mini"] == "openai" and models["claude-sonnet"] == "anthropic"
+    assert set(models) == {m.name for m in gateway.config.models}
+    assert gateway.openai().models.retrieve("gemini-flash").id == "gemini-flash"
+    with pytest.raises(openai.NotFoundError):
+        gateway.openai().models.retrieve("nope")
+
+
+def test_health_and_readiness(gateway: RunningGateway) -> None:
+    assert httpx.get(f"{gateway.url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{gateway.url}/readyz")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+def test_metrics(gateway: RunningGateway) -> None:
+    client = gateway.openai()
+    client.chat.completions.create(model="claude-sonnet", messages=[{"role": "user", "content": "a b"}])
+    list(
+        client.chat.completions.create(
+            model="gemini-flash", messages=[{"role": "user", "content": "c"}], stream=True
+        )
+    )
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="ghost", messages=[{"role": "user", "content": "c"}])
+    text = httpx.get(f"{gateway.url}/metrics").text
+    assert (
+        'weir_requests_total{backend="anthropic",endpoint="chat",model="claude-sonnet",status="200"}' in text
+    )
+    assert 'weir_requests_total{backend="none",endpoint="chat",model="ghost",status="404"}' in text
+    assert (
+        'weir_request_duration_seconds_bucket{backend="anthropic",endpoint="chat",le="0.5",model="claude-sonnet"}'
+        in text
+    )
+    assert (
+        'weir_time_to_first_token_seconds_count{backend="gemini",endpoint="chat",model="gemini-flash"}'
+        in text
+    )
+    assert 'weir_tokens_total{backend="anthropic",class="output",model="claude-sonnet"}' in text
+    assert "weir_requests_in_flight" in text
+
+
+def test_errors_are_counted_by_type(gateway: RunningGateway) -> None:
+    httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json={"model": "dead-model", "messages": [{"role": "user", "content": "x"}]},
+        headers={"authorization": f"Bearer {DEMO_KEY}"},
+    )
+    text = httpx.get(f"{gateway.url}/metrics").text
+    assert (
+        'weir_errors_total{backend="dead",endpoint="chat",model="dead-model",type="upstream_error"}' in text
+    )
+
+
+def test_request_id_is_returned_and_honoured(gateway: RunningGateway) -> None:
+    response = gateway.openai().chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}]
+    )
+    generated = response.headers["x-request-id"]
+    assert len(generated) == 32
+    assert gateway.sink.events[0].request_id == generated
+    mine = httpx.get(
+        f"{gateway.url}/v1/models",
+        headers={"authorization": f"Bearer {DEMO_KEY}", "x-request-id": "trace-42"},
+    )
+    assert mine.headers["x-request-id"] == "trace-42"
+    failed = httpx.get(f"{gateway.url}/v1/models")
+    assert failed.status_code == 401 and len(failed.headers["x-request-id"]) == 32
+
+
+def test_one_log_line_per_request(gateway: RunningGateway) -> None:
+    with structlog.testing.capture_logs() as logs:
+        response = gateway.openai().chat.completions.with_raw_response.create(
+            model="claude-sonnet", messages=[{"role": "user", "content": "log me"}], stream=True
+        )
+        list(response.parse())
+    [line] = [entry for entry in logs if entry["event"] == "request"]
+    assert line["request_id"] == response.headers["x-request-id"]
+    assert (line["status"], line["model"], line["backend"], line["tenant"]) == (
+        200,
+        "claude-sonnet",
+        "anthropic",
+        "demo",
+    )
+    assert line["stream"] is True and line["output_tokens"] == 2 and line["ttft_ms"] > 0
