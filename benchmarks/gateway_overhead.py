@@ -1,12 +1,13 @@
 """Gateway overhead: Weir vs LiteLLM proxy vs a bare aiohttp pass-through, in one run on this machine.
 
-Starts a near-zero-cost OpenAI-shaped upstream (`mock_upstream.py`), then, one at a time in front of
-it: a bare aiohttp pass-through proxy (the ceiling), Weir (`weir serve`, one worker process) and
-LiteLLM proxy (its own venv, `benchmarks/.venv-litellm`, created from PyPI when missing). Each target
-gets the same chat-completion load from an aiohttp client at each concurrency, bounded by a request
-count and a time limit, and the script prints RPS, p50/p99 latency, p50 added over calling the
-upstream directly, peak resident memory of the server's process tree, and the ratios issue 2 sets as
-goals (Weir added p50 at concurrency 1 <= 1 ms; at concurrency 32 Weir >= 10x LiteLLM's RPS and
+Starts a near-zero-cost OpenAI-shaped upstream (`mock_upstream.py`) and, in front of it, a bare
+aiohttp pass-through proxy (the ceiling), Weir (`weir serve`, one worker process) and LiteLLM proxy
+(its own venv, `benchmarks/.venv-litellm`, created from PyPI when missing). Each target, and the
+upstream called directly, gets the same chat-completion load from an aiohttp client at each
+concurrency, bounded by a request count and a time limit, in interleaved rounds (so a noisy neighbour
+hurts every target alike); the script prints the medians over rounds of RPS and p50/p99 latency, the
+p50 added over calling the upstream directly, peak resident memory of each server's process tree, and
+the ratios issue 2 sets as goals (Weir added p50 at concurrency 1 <= 1 ms; at concurrency 32 Weir >= 10x LiteLLM's RPS and
 >= 0.5x the bare proxy's).
 
     .venv/bin/python benchmarks/gateway_overhead.py                  # everything, non-streaming
@@ -421,13 +422,33 @@ def running(server: Server, logdir: Path, timeout: float, stream: bool) -> Itera
         server.stop()
 
 
+def combine(rounds: list[Result]) -> Result:
+    """The median of repeated measurements of one (target, concurrency); memory is the peak."""
+    first = rounds[0]
+    rss = [r.rss_mb for r in rounds if r.rss_mb is not None]
+    errors = [r.first_error for r in rounds if r.first_error]
+    return Result(
+        target=first.target,
+        concurrency=first.concurrency,
+        requests=sum(r.requests for r in rounds),
+        errors=sum(r.errors for r in rounds),
+        seconds=round(sum(r.seconds for r in rounds), 3),
+        rps=round(statistics.median(r.rps for r in rounds), 1),
+        p50_ms=round(statistics.median(r.p50_ms for r in rounds), 3),
+        p99_ms=round(statistics.median(r.p99_ms for r in rounds), 3),
+        rss_mb=max(rss) if rss else None,
+        first_error=errors[0] if errors else None,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Weir vs LiteLLM vs bare proxy overhead, side by side.")
     parser.add_argument("--targets", default="bare,weir,litellm", help="comma-separated: bare, weir, litellm")
     parser.add_argument("--concurrency", default="1,32", help="comma-separated concurrency levels")
     parser.add_argument("--requests", type=int, default=3000, help="max requests per measurement")
-    parser.add_argument("--duration", type=float, default=15.0, help="max seconds per measurement")
+    parser.add_argument("--duration", type=float, default=10.0, help="max seconds per measurement")
     parser.add_argument("--warmup", type=int, default=200, help="unmeasured requests before each measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
     parser.add_argument("--stream", action="store_true", help="streamed replies (SSE) instead of JSON")
     parser.add_argument("--litellm-workers", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -443,8 +464,8 @@ def main() -> None:
         ensure_litellm()
     _use_uvloop()
 
-    results: list[Result] = []
-    with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
+    measured: dict[tuple[str, int], list[Result]] = {}
+    with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp, contextlib.ExitStack() as stack:
         workdir = Path(tmp)
         mock_port = free_port()
         upstream = f"http://127.0.0.1:{mock_port}"
@@ -454,41 +475,39 @@ def main() -> None:
             UPSTREAM_KEY,
             [sys.executable, str(HERE / "mock_upstream.py"), "--port", str(mock_port)],
         )
-        servers = {
+        factories = {
             "bare": lambda: bare_server(upstream),
             "weir": lambda: weir_server(upstream, workdir),
             "litellm": lambda: litellm_server(upstream, workdir, args.litellm_workers),
         }
-        with running(mock, workdir, 30, args.stream):
-            for concurrency in levels:
-                results.append(
-                    asyncio.run(
-                        run_load(mock, concurrency, args.requests, args.duration, args.stream, args.warmup)
-                    )
+        servers = [stack.enter_context(running(mock, workdir, 30, args.stream))]
+        for name in targets:
+            server = factories[name]()
+            print(f"starting {name} ...", file=sys.stderr, flush=True)
+            try:
+                servers.append(
+                    stack.enter_context(running(server, workdir, server.startup_timeout, args.stream))
                 )
-            for name in targets:
-                server = servers[name]()
-                print(f"measuring {name} ...", file=sys.stderr, flush=True)
-                try:
-                    with running(server, workdir, server.startup_timeout, args.stream):
-                        for concurrency in levels:
-                            results.append(
-                                asyncio.run(
-                                    run_load(
-                                        server,
-                                        concurrency,
-                                        args.requests,
-                                        args.duration,
-                                        args.stream,
-                                        args.warmup,
-                                    )
-                                )
-                            )
-                except RuntimeError as exc:
-                    print(f"  {name} failed: {exc}", file=sys.stderr)
-                    if server.log and server.log.exists():
-                        print(server.log.read_text()[-2000:], file=sys.stderr)
+            except RuntimeError as exc:
+                print(f"  {name} failed to start: {exc}", file=sys.stderr)
+                if server.log and server.log.exists():
+                    print(server.log.read_text()[-2000:], file=sys.stderr)
+        # every server stays up (idle) while the others are measured, and the rounds interleave the
+        # targets, so the load other processes put on a shared machine spreads over all of them
+        for round_no in range(args.rounds):
+            for server in servers:
+                for concurrency in levels:
+                    print(
+                        f"round {round_no + 1}/{args.rounds}: {server.name} at concurrency {concurrency}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    result = asyncio.run(
+                        run_load(server, concurrency, args.requests, args.duration, args.stream, args.warmup)
+                    )
+                    measured.setdefault((server.name, concurrency), []).append(result)
 
+    results = [combine(rounds) for rounds in measured.values()]
     direct = {r.concurrency: r for r in results if r.target == "direct"}
     for r in results:
         if r.target != "direct" and r.concurrency in direct:
@@ -498,7 +517,7 @@ def main() -> None:
     print(
         f"\nGateway overhead, {mode}; {platform.node()} {os.cpu_count()} CPUs, Python {platform.python_version()}"
     )
-    print(f"command: {' '.join(sys.argv)}\n")
+    print(f"command: {' '.join(sys.argv)}; medians of {args.rounds} interleaved rounds\n")
     print_table(results)
     high = max(levels)
     found = ratios(results, high)
@@ -506,9 +525,13 @@ def main() -> None:
     print("goals (issue 2):")
     print("\n".join(verdicts(found, high)))
     if args.json:
-        args.json.write_text(
-            json.dumps({"mode": mode, "results": [asdict(r) for r in results], "ratios": found}, indent=2)
-        )
+        payload = {
+            "mode": mode,
+            "results": [asdict(r) for r in results],
+            "rounds": {f"{k[0]}@{k[1]}": [asdict(r) for r in v] for k, v in measured.items()},
+            "ratios": found,
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":
