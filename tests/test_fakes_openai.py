@@ -416,3 +416,28 @@ async def test_async_client_from_an_async_test(fake_openai: FakeOpenAI) -> None:
     text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
     assert text == "async works"
     await client.close()
+
+
+def test_slow_stream_spaces_chunks_and_huge_stream_arrives_whole(
+    client: openai.OpenAI, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.fail_next(Fault.slow_stream(0.1))
+    started = time.monotonic()
+    chunks = list(client.chat.completions.create(model="gpt-4o-mini", messages=user("a b c"), stream=True))
+    assert time.monotonic() - started >= 0.4  # 5 chunks and [DONE], 0.1 s apart
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "a b c"
+    fake_openai.fail_next(Fault.huge(1_000_000))
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="gpt-4o-mini", messages=user("x"), stream=True)
+    )
+    assert len(text) >= 990_000
+
+
+def test_recorded_history_is_bounded() -> None:
+    with FakeOpenAI(max_recorded=3) as fake:
+        client = openai.OpenAI(base_url=fake.base_url, api_key=fake.api_key, max_retries=0)
+        for i in range(5):
+            client.chat.completions.create(model="gpt-4o-mini", messages=user(f"m{i}"))
+        assert [r.json["messages"][0]["content"] for r in fake.requests] == ["m2", "m3", "m4"]
+        assert len(fake.usages) == 3

@@ -74,8 +74,16 @@ class FakeServer:
     vendor: ClassVar[str] = "fake"
     default_models: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, api_key: str | None = None, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        api_key: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_recorded: int = 50_000,
+    ) -> None:
         self.api_key = api_key or f"test-{self.vendor}-key"
+        self.max_recorded = max_recorded  # older requests and usages are dropped (soaks, drills)
         self.host = host
         self.port = port
         self.requests: list[RecordedRequest] = []
@@ -215,6 +223,7 @@ class FakeServer:
             computed = dataclasses.replace(computed, **override.fields)
             raw = override.raw
         self.usages.append(computed)
+        _trim(self.usages, self.max_recorded)
         return computed, raw
 
     def json_response(
@@ -300,6 +309,7 @@ class FakeServer:
                 json=body,
             )
         )
+        _trim(self.requests, self.max_recorded)
         request[BODY] = body
         denied = self.auth_error(request)
         if denied is not None:
@@ -364,6 +374,11 @@ class FakeServer:
         await resp.write(body[: len(body) // 2])
         _drop_connection(request)
         raise asyncio.CancelledError
+
+
+def _trim(items: list[Any], limit: int) -> None:
+    if len(items) > limit:
+        del items[: len(items) - limit]
 
 
 def _reset_connection(request: web.Request) -> None:
