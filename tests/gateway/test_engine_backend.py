@@ -1,0 +1,100 @@
+"""Backends of `type: engine`: a running engine by URL, or one Weir starts, supervises and stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from tests.conftest import free_port
+from tests.gateway.conftest import serve
+
+FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def ready(url: str) -> bool:
+    return httpx.get(f"{url}/readyz").status_code == 200
+
+
+def test_supervised_engine_is_started_restarted_and_stopped() -> None:
+    engine_port = free_port()
+    config = parse_config(
+        f"""
+backends:
+  - name: local
+    type: engine
+    model: smollm2-135m
+    port: {engine_port}
+    command: ["{sys.executable}", "{FAKE_ENGINE}", "{engine_port}"]
+models:
+  - {{name: small, backend: local, model: smollm2-135m}}
+""",
+        {},
+    )
+    app = create_app(config)
+    with serve(app, free_port()) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        wait_for(lambda: ready(url))
+        reply = client.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}])
+        first_pid = int((reply.choices[0].message.content or "").split()[2])
+        engine = app.state.gateway.engines[0]
+        assert engine.process.pid == first_pid
+
+        os.kill(first_pid, signal.SIGKILL)  # the engine dies...
+        wait_for(lambda: not ready(url))
+        wait_for(lambda: ready(url))  # ...and is back
+        reply = client.chat.completions.create(model="small", messages=[{"role": "user", "content": "again"}])
+        second_pid = int((reply.choices[0].message.content or "").split()[2])
+        assert second_pid != first_pid and engine.restarts == 1
+    # Shutting the gateway down stops the engine.
+    wait_for(lambda: engine.process.returncode is not None, timeout=5)
+
+
+def test_engine_by_url_needs_no_process() -> None:
+    engine_port = free_port()
+    config = parse_config(
+        f"""
+backends:
+  - {{name: remote, type: engine, url: "http://127.0.0.1:{engine_port}"}}
+models:
+  - {{name: small, backend: remote}}
+""",
+        {},
+    )
+    engine = subprocess.Popen([sys.executable, FAKE_ENGINE, str(engine_port)])
+    try:
+        wait_for(lambda: _up(engine_port))
+        app = create_app(config)
+        assert app.state.gateway.engines == []
+        with serve(app, free_port()) as url:
+            assert ready(url)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            reply = client.chat.completions.create(
+                model="small", messages=[{"role": "user", "content": "hi"}]
+            )
+            assert (reply.choices[0].message.content or "").endswith("says: hi")
+    finally:
+        engine.terminate()
+        engine.wait(10)
+
+
+def _up(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
