@@ -1,0 +1,350 @@
+"""The pure translations, without any server: canonical <-> each vendor, and Anthropic inbound."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from gateway.anthropic_inbound import MessagesRequest, from_canonical, stream_events, to_canonical
+from gateway.config import Backend
+from gateway.errors import BadGateway, InvalidRequest
+from gateway.providers import anthropic, gemini, openai
+from gateway.types import ChatChunk, ChatRequest, ChunkChoice, Delta, FunctionCallDelta, ToolCallDelta
+from gateway.usage import Usage
+
+ANTHROPIC = Backend(name="a", type="anthropic", base_url="http://a", api_key="k")
+GEMINI = Backend(name="g", type="gemini", base_url="http://g", api_key="k")
+OPENAI = Backend(
+    name="o", type="openai", base_url="http://o/v1", api_key="k", query={"api-version": "2024-10-21"}
+)
+
+
+def chat(**fields: object) -> ChatRequest:
+    return msgspec.convert(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}, ChatRequest
+    )
+
+
+def body(request: object) -> dict:
+    return json.loads(request.body)  # type: ignore[attr-defined]
+
+
+def test_openai_request_keeps_the_shape_and_asks_for_stream_usage() -> None:
+    request = openai.chat_request(OPENAI, chat(stream=True, temperature=0.5), "gpt-x")
+    assert request.url == "http://o/v1/chat/completions?api-version=2024-10-21"
+    assert request.headers["authorization"] == "Bearer k"
+    assert body(request) == {
+        "model": "gpt-x",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.5,
+    }
+
+
+def test_anthropic_request_merges_system_messages_and_needs_max_tokens() -> None:
+    request = chat(
+        messages=[
+            {"role": "system", "content": "a"},
+            {"role": "developer", "content": "b"},
+            {"role": "user", "content": "c"},
+        ]
+    )
+    sent = body(anthropic.chat_request(ANTHROPIC, request, "claude"))
+    assert sent["system"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert sent["max_tokens"] == anthropic.DEFAULT_MAX_TOKENS
+    assert sent["messages"] == [{"role": "user", "content": [{"type": "text", "text": "c"}]}]
+
+
+def test_anthropic_rejects_n_above_one() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        anthropic.chat_request(ANTHROPIC, chat(n=2), "claude")
+    assert caught.value.param == "n"
+
+
+def test_invalid_tool_arguments_in_history_name_the_parameter() -> None:
+    request = chat(
+        messages=[
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+                ],
+            },
+        ]
+    )
+    for provider, backend in ((anthropic, ANTHROPIC), (gemini, GEMINI)):
+        with pytest.raises(InvalidRequest) as caught:
+            provider.chat_request(backend, request, "m")  # type: ignore[attr-defined]
+        assert caught.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_gemini_streams_with_alt_sse_and_maps_tool_choice() -> None:
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}},
+    }
+    request = chat(stream=True, tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+    sent = gemini.chat_request(GEMINI, request, "gemini-2.5-flash")
+    assert sent.url == "http://g/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse"
+    assert body(sent)["toolConfig"] == {
+        "functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["f"]}
+    }
+
+
+def test_gemini_tool_result_for_an_unknown_call_is_400() -> None:
+    request = chat(messages=[{"role": "tool", "tool_call_id": "nope", "content": "x"}])
+    with pytest.raises(InvalidRequest) as caught:
+        gemini.chat_request(GEMINI, request, "m")
+    assert caught.value.param == "messages[0].tool_call_id"
+
+
+def feed(decoder: object, events: list[tuple[str | None, dict | str]]) -> list[ChatChunk]:
+    chunks: list[ChatChunk] = []
+    for name, data in events:
+        chunks += decoder.feed(name, data if isinstance(data, str) else json.dumps(data))  # type: ignore[attr-defined]
+    return chunks + decoder.close()  # type: ignore[attr-defined]
+
+
+def test_anthropic_stream_decoder_turns_events_into_chunks() -> None:
+    events: list[tuple[str | None, dict | str]] = [
+        (
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {
+                    "id": "msg_1",
+                    "model": "claude",
+                    "usage": {"input_tokens": 9, "cache_read_input_tokens": 100, "output_tokens": 1},
+                },
+            },
+        ),
+        ("ping", {"type": "ping"}),
+        (
+            "content_block_start",
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        ),
+        (
+            "content_block_delta",
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}},
+        ),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 1,
+                "content_block": {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}},
+            },
+        ),
+        (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 1,
+                "delta": {"type": "input_json_delta", "partial_json": '{"x": '},
+            },
+        ),
+        (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 1,
+                "delta": {"type": "input_json_delta", "partial_json": "1}"},
+            },
+        ),
+        ("content_block_stop", {"type": "content_block_stop", "index": 1}),
+        (
+            "message_delta",
+            {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 12}},
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    chunks = feed(anthropic.ChatStream(chat(), "claude"), events)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and deltas[1].content == "Hi"
+    assert deltas[2].tool_calls[0].id == "toolu_1" and deltas[2].tool_calls[0].function.name == "f"  # type: ignore[index, union-attr]
+    assert "".join(d.tool_calls[0].function.arguments for d in deltas[3:5]) == '{"x": 1}'  # type: ignore[index, union-attr]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage == Usage(input_tokens=9, cached_input_tokens=100, output_tokens=12)
+
+
+def test_anthropic_stream_without_message_stop_is_a_bad_gateway() -> None:
+    decoder = anthropic.ChatStream(chat(), "claude")
+    decoder.feed("message_start", json.dumps({"type": "message_start", "message": {"id": "m", "usage": {}}}))
+    with pytest.raises(BadGateway):
+        decoder.close()
+
+
+def test_anthropic_overloaded_error_event_is_503() -> None:
+    decoder = anthropic.ChatStream(chat(), "claude")
+    with pytest.raises(Exception) as caught:
+        decoder.feed(
+            "error",
+            json.dumps({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+        )
+    assert getattr(caught.value, "status", None) == 503
+
+
+def test_gemini_stream_decoder_numbers_tool_calls_and_reports_usage_at_the_end() -> None:
+    part = {"functionCall": {"name": "f", "args": {"x": 1}}}
+    events: list[tuple[str | None, dict | str]] = [
+        (
+            None,
+            {
+                "candidates": [{"content": {"role": "model", "parts": [{"text": "ok "}]}}],
+                "usageMetadata": {"promptTokenCount": 4},
+            },
+        ),
+        (
+            None,
+            {
+                "candidates": [{"content": {"role": "model", "parts": [part, part]}, "finishReason": "STOP"}],
+                "usageMetadata": {"promptTokenCount": 4, "candidatesTokenCount": 6},
+            },
+        ),
+    ]
+    chunks = feed(gemini.ChatStream(chat(), "gemini"), events)
+    calls = chunks[1].choices[0].delta.tool_calls or []
+    assert [c.index for c in calls] == [0, 1] and calls[0].function.arguments == '{"x":1}'  # type: ignore[union-attr]
+    assert chunks[1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].usage == Usage(input_tokens=4, output_tokens=6)
+
+
+def test_openai_stream_ending_without_done_or_finish_is_a_bad_gateway() -> None:
+    decoder = openai.ChatStream(chat(), "gpt")
+    decoder.feed(None, json.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "partial"}}]}))
+    with pytest.raises(BadGateway):
+        decoder.close()
+
+
+def test_anthropic_inbound_request_to_canonical() -> None:
+    request = msgspec.convert(
+        {
+            "model": "m",
+            "max_tokens": 10,
+            "system": [{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "checking"},
+                        {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "x"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t1", "content": "rain", "is_error": True},
+                        {"type": "text", "text": "and?"},
+                    ],
+                },
+            ],
+            "tool_choice": {"type": "tool", "name": "w"},
+            "top_k": 5,
+        },
+        MessagesRequest,
+    )
+    canonical = to_canonical(request)
+    assert [m.role for m in canonical.messages] == ["system", "user", "assistant", "tool", "user"]
+    assert canonical.messages[0].content[0].cache_control == {"type": "ephemeral"}  # type: ignore[index, union-attr]
+    assert canonical.messages[2].tool_calls[0].function.arguments == '{"c":"x"}'  # type: ignore[index]
+    assert canonical.messages[3].content == "Error: rain" and canonical.messages[3].tool_call_id == "t1"
+    assert canonical.tool_choice.function.name == "w"  # type: ignore[union-attr]
+    assert canonical.extra == {"top_k": 5} and canonical.max_tokens == 10
+
+
+async def test_anthropic_inbound_stream_events_for_text_then_tool() -> None:
+    def chunk(delta: Delta, finish: str | None = None) -> ChatChunk:
+        return ChatChunk(
+            id="c", created=0, model="m", choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)]
+        )
+
+    async def chunks():  # type: ignore[no-untyped-def]
+        yield chunk(Delta(role="assistant", content=""))
+        yield chunk(Delta(content="Let me check"))
+        yield chunk(
+            Delta(
+                tool_calls=[
+                    ToolCallDelta(
+                        index=0,
+                        id="call_1",
+                        type="function",
+                        function=FunctionCallDelta(name="w", arguments=""),
+                    )
+                ]
+            )
+        )
+        yield chunk(
+            Delta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments='{"c": 1}'))])
+        )
+        yield chunk(Delta(), "tool_calls")
+        yield ChatChunk(
+            id="c",
+            created=0,
+            model="m",
+            choices=[],
+            usage=Usage(input_tokens=5, cached_input_tokens=2, output_tokens=7),
+        )
+
+    frames = [frame async for frame in stream_events(chunks(), "m")]
+    events = [json.loads(frame.split(b"\ndata: ", 1)[1]) for frame in frames]
+    assert [e["type"] for e in events] == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[5]["content_block"] == {"type": "tool_use", "id": "call_1", "name": "w", "input": {}}
+    assert events[6]["delta"] == {"type": "input_json_delta", "partial_json": '{"c": 1}'}
+    assert events[8]["delta"]["stop_reason"] == "tool_use"
+    assert events[8]["usage"]["cache_read_input_tokens"] == 2 and events[8]["usage"]["output_tokens"] == 7
+
+
+def test_anthropic_inbound_response_from_canonical() -> None:
+    response = openai.chat_response(
+        json.dumps(
+            {
+                "id": "chatcmpl-1",
+                "created": 1,
+                "model": "gpt",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": None,
+                            "tool_calls": [
+                                {
+                                    "id": "call_1",
+                                    "type": "function",
+                                    "function": {"name": "w", "arguments": '{"c": 1}'},
+                                }
+                            ],
+                        },
+                        "finish_reason": "tool_calls",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": 10,
+                    "completion_tokens": 3,
+                    "prompt_tokens_details": {"cached_tokens": 4},
+                },
+            }
+        ).encode(),
+        "gpt",
+    )
+    message = from_canonical(response, "public")
+    assert message["content"] == [{"type": "tool_use", "id": "call_1", "name": "w", "input": {"c": 1}}]
+    assert message["stop_reason"] == "tool_use" and message["model"] == "public"
+    assert message["usage"]["input_tokens"] == 6 and message["usage"]["cache_read_input_tokens"] == 4
