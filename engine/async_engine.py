@@ -163,6 +163,11 @@ class AsyncLLMEngine:
         except BaseException as exc:  # an engine bug must reach every waiting client, not hang them
             log.exception("engine loop stopped")
             self._error = exc
+            for request_id in self._queues:  # best effort: free their KV blocks
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:
+                    log.exception("could not abort %s", request_id)
             dead = EngineDeadError(f"the engine stopped: {exc!r}")
             dead.__cause__ = exc
             self._deliver([(q, dead) for q in self._queues.values()])

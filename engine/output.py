@@ -9,6 +9,8 @@ text back while it still ends in an incomplete character (U+FFFD)."""
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -218,3 +220,40 @@ class CompletionLogprobs:
             "top_logprobs": self.top_logprobs,
             "text_offset": self.text_offset,
         }
+
+
+# --- tool calls ---------------------------------------------------------------------------------------
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Splits a reply into its content and its tool calls, for models whose chat template asks for
+    Hermes-style calls (Qwen2.5, Hermes, SmolLM3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+    A block that is not valid JSON stays in the content, so nothing the model wrote is lost."""
+    calls: list[dict[str, Any]] = []
+    content: list[str] = []
+    rest = text
+    while (start := rest.find(TOOL_CALL_OPEN)) >= 0:
+        end = rest.find(TOOL_CALL_CLOSE, start)
+        body = rest[start + len(TOOL_CALL_OPEN) : end if end >= 0 else len(rest)]
+        try:
+            call = json.loads(body)
+            name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
+        except (ValueError, KeyError, TypeError):
+            break
+        content.append(rest[:start])
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+        )
+        rest = rest[end + len(TOOL_CALL_CLOSE) :] if end >= 0 else ""
+    content.append(rest)
+    joined = "".join(content).strip()
+    return (joined or None) if calls else text, calls

@@ -24,7 +24,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.metrics import EngineMetrics
-from engine.output import CompletionLogprobs, IncrementalDetokenizer, TextStream, chat_logprobs
+from engine.output import (
+    CompletionLogprobs,
+    IncrementalDetokenizer,
+    TextStream,
+    chat_logprobs,
+    parse_tool_calls,
+)
 from engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, param_of, unsupported
 
 if TYPE_CHECKING:
@@ -348,6 +354,13 @@ class EngineServer:
         req = await self._decode(request, ChatCompletionRequest)
         tokenizer = engine.engine.tokenizer
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        # Tool calls are parsed from the reply only when the template writes a tool prompt; otherwise
+        # the model never learns of the tools, and saying so beats silently ignoring them (as vLLM).
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        if parse_tools and "tools" not in tokenizer.chat_template:
+            raise ApiError(
+                400, f"the chat template of {self.model_name} does not support tools", param="tools"
+            )
         try:
             prompt = tokenizer.apply_chat_template(messages, tools=req.tools, add_generation_prompt=True)
         except Exception as exc:  # jinja errors, templates that raise on unsupported roles
@@ -361,7 +374,7 @@ class EngineServer:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._sse(request, self._chat_chunks(gen, head, top_n, include_usage))
+            return await self._sse(request, self._chat_chunks(gen, head, top_n, include_usage, parse_tools))
         text: list[str] = []
         logprobs: list[TokenLogprob] = []
         async with aclosing(gen.deltas()) as deltas:
@@ -369,49 +382,60 @@ class EngineServer:
                 text.append(d.text)
                 if d.logprobs:
                     logprobs.extend(d.logprobs)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+        finish_reason = gen.finish_reason
+        if parse_tools:
+            message["content"], calls = parse_tool_calls(message["content"])
+            if calls:
+                message["tool_calls"] = calls
+                finish_reason = "tool_calls"
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": "".join(text)},
+            "message": message,
             "logprobs": {"content": chat_logprobs(tokenizer, logprobs, top_n)} if top_n is not None else None,
-            "finish_reason": gen.finish_reason,
+            "finish_reason": finish_reason,
         }
         return _json({**head, "object": "chat.completion", "choices": [choice], "usage": gen.usage()})
 
     async def _chat_chunks(
-        self, gen: Generation, head: dict[str, Any], top_n: int | None, include_usage: bool
+        self, gen: Generation, head: dict[str, Any], top_n: int | None, include_usage: bool, parse_tools: bool
     ) -> AsyncIterator[dict[str, Any]]:
+        """Chat chunks. With tools, the reply is held to the end: only then is it known to be a call."""
         tokenizer = gen.engine.engine.tokenizer
         head = {**head, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
+            return {
+                **head,
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+                **extra,
+            }
+
+        held: list[str] = []
         role_sent = False
         async with aclosing(gen.deltas()) as deltas:
             async for d in deltas:
                 if not role_sent:
                     role_sent = True
-                    yield {
-                        **head,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                        **extra,
-                    }
+                    yield chunk({"role": "assistant", "content": ""})
                 lp = None
                 if top_n is not None and d.logprobs:
                     lp = {"content": chat_logprobs(tokenizer, d.logprobs, top_n)}
-                if d.text or lp is not None or d.finish_reason is not None:
-                    delta = {"content": d.text} if d.text else {}
-                    yield {
-                        **head,
-                        "choices": [
-                            {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-                        ],
-                        **extra,
-                    }
+                if parse_tools:
+                    held.append(d.text)
+                    if lp is not None:
+                        yield chunk({}, None, lp)
+                    if d.finish_reason is None:
+                        continue
+                    content, calls = parse_tool_calls("".join(held))
+                    if content:
+                        yield chunk({"content": content})
+                    if calls:
+                        yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+                    yield chunk({}, "tool_calls" if calls else d.finish_reason)
+                elif d.text or lp is not None or d.finish_reason is not None:
+                    yield chunk({"content": d.text} if d.text else {}, d.finish_reason, lp)
         if include_usage:
             yield {**head, "choices": [], "usage": gen.usage()}
 
