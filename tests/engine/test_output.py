@@ -3,6 +3,7 @@ byte a token, so multi-byte characters arrive in pieces) and a real byte-level B
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -14,6 +15,7 @@ from engine.output import (
     IncrementalDetokenizer,
     TextStream,
     chat_logprobs,
+    parse_tool_calls,
     token_bytes,
     token_str,
 )
@@ -191,3 +193,25 @@ def test_completion_logprobs_offsets_follow_the_text() -> None:
         "top_logprobs": [None, {"c": -0.1, "b": -2.0}, {"c": -0.1}],
         "text_offset": [0, 1, 2],
     }
+
+
+def test_hermes_tool_calls_are_parsed_out_of_the_reply() -> None:
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call>'
+    )
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert json.loads(calls[1]["function"]["arguments"]) == {"tz": "CET"}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_text_without_a_valid_tool_call_is_left_alone() -> None:
+    assert parse_tool_calls("just words") == ("just words", [])
+    broken = "<tool_call>{not json</tool_call>"
+    assert parse_tool_calls(broken) == (broken, [])
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert content is None and calls[0]["function"] == {"name": "f", "arguments": "{}"}
