@@ -25,7 +25,7 @@ RUN python /tmp/requirements.py pyproject.toml --only torch > /tmp/torch.txt \
 COPY . .
 # Installed in place (editable) so alembic.ini, migrations/ and shipped data files sit where the code
 # expects them, exactly as in a development checkout.
-RUN pip install --no-deps -e . && python -m compileall -q gateway routing weir engine kernels
+RUN pip install --no-deps -e . && python -m compileall -q gateway routing weir engine kernels migrations
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
 ENV PYTHONUNBUFFERED=1 \
