@@ -146,7 +146,9 @@ class AsyncLLMEngine:
                 with self._lock:
                     inbox, self._inbox = self._inbox, []
                     stopping = self._stopping
-                    idle = not inbox and not self._queues and not stopping
+                    # aborted requests still count as unfinished until a step reports them
+                    busy = self._queues or self.engine.has_unfinished_requests()
+                    idle = not inbox and not busy and not stopping
                     if idle:
                         self._wakeup.clear()
                 if idle:
