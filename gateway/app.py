@@ -10,14 +10,15 @@ import structlog
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 
+from gateway.admin import control_plane
 from gateway.api import ROUTES
 from gateway.api.anthropic import PATH as MESSAGES_PATH
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, StaticAuthenticator
 from gateway.config import Config
 from gateway.errors import GatewayError, PayloadTooLarge, encode_anthropic_error, encode_openai_error
 from gateway.middleware import request_middleware
 from gateway.runtime import Gateway
-from gateway.usage_sink import UsageSink
+from gateway.usage_sink import FanoutSink, UsageSink
 
 log = structlog.get_logger("weir.gateway")
 
@@ -61,18 +62,31 @@ def create_app(
 ) -> Litestar:
     """The gateway app. `authenticator` (default: the config's tenants) and `usage_sink` (default:
     metrics and logs only) are the seams the admin DB and accounting plug into."""
-    gateway = Gateway(config, authenticator=authenticator, usage_sink=usage_sink)
+    # The control plane (admin DB, keys, limits, budgets, ledger, admin API) when a database is set.
+    control = control_plane.from_config(config)
+    admission = None
+    if control is not None:
+        authenticator = control_plane.FirstMatch(
+            [authenticator or StaticAuthenticator(config.tenants or []), control.authenticator]
+        )
+        usage_sink = FanoutSink([control.sink, usage_sink]) if usage_sink is not None else control.sink
+        admission = control.admit
+    gateway = Gateway(config, authenticator=authenticator, usage_sink=usage_sink, admission=admission)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if control is not None:
+            await control.start()
         await gateway.start()
         try:
             yield
         finally:
             await gateway.stop()
+            if control is not None:
+                await control.stop()
 
     app = Litestar(
-        route_handlers=ROUTES,
+        route_handlers=[*ROUTES, control.router()] if control is not None else ROUTES,
         middleware=[request_middleware(gateway.metrics)],
         exception_handlers={
             GatewayError: _on_gateway_error,

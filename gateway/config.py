@@ -87,6 +87,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     models: list[Model] = []
     tenants: list[Tenant] | None = None  # None: no authentication (local development only)
     server: Server = Server()
+    # The control plane (admin DB, keys, limits, budgets, usage ledger) is on when a database is set;
+    # WEIR_DATABASE_URL and WEIR_REDIS_URL win over these. See docs/accounting.md.
+    database_url: str | None = None
+    redis_url: str | None = None
+    auto_migrate: bool = True  # upgrade the admin DB schema at start
 
     def backend(self, name: str) -> Backend:
         for backend in self.backends:

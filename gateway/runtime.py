@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import msgspec
 import structlog
 
 from gateway.auth import Authenticator, OpenAuthenticator, Principal, StaticAuthenticator, api_key_from
@@ -12,7 +13,7 @@ from gateway.config import Config
 from gateway.engine_supervisor import EngineProcess, resolve_engine_backend
 from gateway.errors import AuthenticationFailed
 from gateway.metrics import Metrics
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Admission, Pipeline
 from gateway.router_basic import ModelTable
 from gateway.transport import Transport
 from gateway.usage_sink import FanoutSink, MetricsSink, UsageSink
@@ -27,15 +28,14 @@ class Gateway:
         *,
         authenticator: Authenticator | None = None,
         usage_sink: UsageSink | None = None,
+        admission: Admission | None = None,
     ) -> None:
         # Engines without a URL are started here; every engine is then reached at its OpenAI base URL.
         self.engines = [
             EngineProcess(b) for b in config.backends if b.type == "engine" and not (b.url or b.base_url)
         ]
         backends = [resolve_engine_backend(b) if b.type == "engine" else b for b in config.backends]
-        self.config = config = Config(
-            backends=backends, models=config.models, tenants=config.tenants, server=config.server
-        )
+        self.config = config = msgspec.structs.replace(config, backends=backends)
         self.metrics = Metrics()
         self.transport = Transport()
         self.models = ModelTable(config)
@@ -49,7 +49,7 @@ class Gateway:
         if usage_sink is not None:
             sinks.append(usage_sink)
         self.sink = sinks[0] if len(sinks) == 1 else FanoutSink(sinks)
-        self.pipeline = Pipeline(self.transport, self.sink, self.metrics, config.models)
+        self.pipeline = Pipeline(self.transport, self.sink, self.metrics, config.models, admission)
         self.started = False
 
     async def start(self) -> None:

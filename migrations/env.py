@@ -7,7 +7,7 @@ import os
 from logging.config import fileConfig
 
 from alembic import context
-from sqlalchemy import pool
+from sqlalchemy import pool, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.types import TypeDecorator
@@ -20,6 +20,7 @@ if config.config_file_name and os.path.exists(config.config_file_name):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 target_metadata = Base.metadata
+MIGRATION_LOCK_KEY = 0x7765697200  # any constant unique to Weir
 
 
 def _render_item(type_: str, obj: object, autogen_context: object) -> str | bool:
@@ -39,6 +40,10 @@ def _configure(connection: Connection) -> None:
         render_item=_render_item,
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Replicas starting together all run `upgrade`; one at a time, and the later ones then
+            # find the schema already at head.
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
         context.run_migrations()
 
 

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
-from gateway.db.models import Price
+from gateway.db.models import Price, Setting
 
 
 async def load_catalog(session: AsyncSession) -> PriceCatalog:
@@ -23,24 +23,29 @@ async def load_catalog(session: AsyncSession) -> PriceCatalog:
 
 
 async def seed_prices(session: AsyncSession, rows: Iterable[PriceRow], now: dt.datetime) -> int:
-    """Add config prices that differ from what the catalog says now, effective from `now`.
+    """Add a catalog row, effective `now`, for each config price that changed since it was last seeded.
 
-    Restarting with an unchanged config adds nothing; editing a price in the config adds a row, so
-    history keeps the old one.
+    Restarting with an unchanged config adds nothing, so a price set through the admin API stays in
+    force; editing a price in the config adds a row (history keeps the old one).
     """
-    catalog = await load_catalog(session)
     added = 0
     for row in rows:
-        own = catalog.scoped_prices(row.backend, row.model, now).get(row.token_class)
-        if own != row.micro_usd_per_mtok:
-            session.add(
-                Price(
-                    backend=row.backend,
-                    model=row.model,
-                    token_class=str(row.token_class),
-                    micro_usd_per_mtok=row.micro_usd_per_mtok,
-                    effective_from=now,
-                )
+        marker = f"config_price:{row.backend}:{row.model}:{row.token_class}"
+        seeded = await session.get(Setting, marker)
+        if seeded is not None and seeded.value == str(row.micro_usd_per_mtok):
+            continue
+        session.add(
+            Price(
+                backend=row.backend,
+                model=row.model,
+                token_class=str(row.token_class),
+                micro_usd_per_mtok=row.micro_usd_per_mtok,
+                effective_from=now,
             )
-            added += 1
+        )
+        if seeded is None:
+            session.add(Setting(key=marker, value=str(row.micro_usd_per_mtok)))
+        else:
+            seeded.value = str(row.micro_usd_per_mtok)
+        added += 1
     return added

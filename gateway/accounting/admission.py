@@ -1,0 +1,202 @@
+"""Admission: rate limits and budgets, checked before a request goes upstream, settled after.
+
+RPM and TPM limits (per tenant and per key) are counted in the shared state; TPM counts an estimate
+at admission and is corrected to the real token count when the usage event arrives. Budgets reserve
+the estimated cost at admission and settle to the actual cost per attempt, so concurrent requests can
+overspend by at most what is in flight, never more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from gateway.accounting.events import UsageEvent
+from gateway.accounting.money import pico_to_micro_ceil
+from gateway.accounting.pricing import PriceCatalog
+from gateway.errors import GatewayError
+from gateway.state import Budget, Limit, SharedState
+from gateway.usage import Usage
+
+log = logging.getLogger(__name__)
+
+RESERVATION_TTL_S = 600.0  # a reservation never settled (crashed replica, lost event) frees itself
+PENDING_TTL_S = 900.0  # how long retries and fallbacks of one request still settle against it
+
+
+@dataclass(frozen=True, slots=True)
+class Quotas:
+    """The limits that apply to one caller; None means unlimited."""
+
+    tenant_id: str
+    key_id: str | None
+    tenant_rpm: int | None = None
+    tenant_tpm: int | None = None
+    tenant_budget_micro_usd: int | None = None
+    key_rpm: int | None = None
+    key_tpm: int | None = None
+    key_budget_micro_usd: int | None = None
+
+
+@dataclass(slots=True)
+class _Pending:
+    reservation_id: str | None
+    budget_keys: list[str]
+    tpm_keys: list[str]
+    estimated_tokens: int
+    created: float = field(default_factory=time.monotonic)
+    first_settled: bool = False
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+
+class QuotaExceeded(GatewayError):
+    status = 429
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+
+
+# Spend this month so far, from the ledger: (scope "tenant"|"key", id, month start) -> pico-USD.
+SpendLookup = Callable[[str, str, dt.date], Awaitable[int]]
+
+
+def month_of(now: dt.datetime) -> str:
+    return now.strftime("%Y-%m")
+
+
+class Admission:
+    def __init__(
+        self, state: SharedState, catalog: Callable[[], PriceCatalog], spend: SpendLookup | None = None
+    ) -> None:
+        self.state = state
+        self._catalog = catalog
+        self._spend = spend
+        self._seeded: set[str] = set()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def admit(
+        self,
+        request_id: str,
+        quotas: Quotas,
+        backend: str,
+        model: str,
+        prompt_tokens: int,
+        max_output_tokens: int,
+    ) -> None:
+        """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it."""
+        self._expire()
+        estimate = prompt_tokens + max_output_tokens
+        limits: list[Limit] = []
+        tpm_keys: list[str] = []
+        for scope, owner, rpm, tpm in (
+            ("tenant", quotas.tenant_id, quotas.tenant_rpm, quotas.tenant_tpm),
+            ("key", quotas.key_id, quotas.key_rpm, quotas.key_tpm),
+        ):
+            if owner is None:
+                continue
+            if rpm is not None:
+                limits.append(Limit(f"rpm:{scope}:{owner}", rpm))
+            if tpm is not None:
+                limits.append(Limit(f"tpm:{scope}:{owner}", tpm, cost=estimate))
+                tpm_keys.append(f"tpm:{scope}:{owner}")
+        if limits:
+            decision = await self.state.acquire(limits)
+            if not decision.allowed:
+                wait = max(1, math.ceil(decision.retry_after_s))
+                kind = "tokens" if (decision.blocked_by or "").startswith("tpm") else "requests"
+                scope = "key" if ":key:" in (decision.blocked_by or "") else "tenant"
+                raise RateLimited(
+                    f"Rate limit reached for this {scope} on {kind} per minute. Please try again in {wait}s.",
+                    type=kind,
+                    headers={"retry-after": str(wait)},
+                )
+
+        now = dt.datetime.now(dt.UTC)
+        budgets: list[Budget] = []
+        for scope, owner, limit in (
+            ("tenant", quotas.tenant_id, quotas.tenant_budget_micro_usd),
+            ("key", quotas.key_id, quotas.key_budget_micro_usd),
+        ):
+            if owner is not None and limit is not None:
+                key = f"budget:{scope}:{owner}:{month_of(now)}"
+                await self._seed(key, scope, owner, now)
+                budgets.append(Budget(key, limit))
+        reservation_id = None
+        if budgets:
+            cost = self._catalog().price(
+                Usage(input_tokens=prompt_tokens, output_tokens=max_output_tokens), backend, model, now
+            )
+            # At least one micro-dollar, so a budget that is fully spent refuses even unpriced models.
+            amount = max(1, pico_to_micro_ceil(cost.cost_pico_usd))
+            decision = await self.state.budget_reserve(budgets, amount, ttl_s=RESERVATION_TTL_S)
+            if not decision.allowed:
+                for tpm_key in tpm_keys:  # the request never runs: give its tokens back
+                    await self.state.adjust(tpm_key, -estimate)
+                scope = "key" if ":key:" in (decision.blocked_by or "") else "tenant"
+                raise QuotaExceeded(
+                    f"You exceeded this {scope}'s monthly budget. Ask your Weir administrator to raise it."
+                )
+            reservation_id = decision.reservation_id
+        if budgets or tpm_keys:
+            self._pending[request_id] = _Pending(reservation_id, [b.key for b in budgets], tpm_keys, estimate)
+
+    async def _seed(self, key: str, scope: str, owner: str, now: dt.datetime) -> None:
+        if key in self._seeded or self._spend is None:
+            return
+        try:
+            spent = await self._spend(scope, owner, now.date().replace(day=1))
+        except Exception:
+            # DB down: admit against what the shared state already knows; seed on a later request.
+            log.warning("could not read this month's spend for %s %s", scope, owner, exc_info=True)
+            return
+        await self.state.budget_seed(key, pico_to_micro_ceil(spent))
+        self._seeded.add(key)
+
+    def settle(self, event: UsageEvent) -> None:
+        """Called for every usage event; does the shared-state work in the background."""
+        pending = self._pending.get(event.request_id)
+        if pending is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._settle(pending, event))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _settle(self, pending: _Pending, event: UsageEvent) -> None:
+        actual_tokens = event.usage.total_tokens
+        first = not pending.first_settled
+        pending.first_settled = True
+        try:
+            for key in pending.tpm_keys:
+                await self.state.adjust(key, actual_tokens - (pending.estimated_tokens if first else 0))
+            if pending.budget_keys:
+                await self.state.budget_settle(
+                    pending.budget_keys,
+                    (pending.reservation_id or "") if first else "",
+                    pico_to_micro_ceil(event.cost_pico_usd),
+                )
+        except Exception:
+            log.warning("could not settle request %s in the shared state", event.request_id, exc_info=True)
+
+    def _expire(self) -> None:
+        horizon = time.monotonic() - PENDING_TTL_S
+        while self._pending:
+            request_id, pending = next(iter(self._pending.items()))
+            if pending.created > horizon:
+                break
+            del self._pending[request_id]
+
+    async def drain(self) -> None:
+        """Wait for background settlements (shutdown, tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -1,0 +1,41 @@
+"""The accounting `UsageSink`: price each attempt from the catalog, queue it, settle its budget.
+
+`record` runs on the request path, so it only prices in memory and appends to the queue; the batch
+writer does the DB work and `Admission.settle` the shared-state work, both off the request path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from gateway.accounting.admission import Admission
+from gateway.accounting.events import UsageEvent
+from gateway.accounting.pricing import PriceCatalog, price_usage
+from gateway.accounting.queue import UsageQueue
+
+
+class AccountingSink:
+    def __init__(
+        self, queue: UsageQueue, catalog: Callable[[], PriceCatalog], admission: Admission | None = None
+    ) -> None:
+        self.queue = queue
+        self._catalog = catalog
+        self.admission = admission
+
+    def record(self, event: UsageEvent) -> None:
+        # The catalog (prices valid when the attempt started) wins over the price the caller computed
+        # from its config; without a catalog row the caller's price stands.
+        prices = self._catalog().prices_at(event.backend, event.model, event.ts)
+        if prices:
+            cost = price_usage(event.usage, prices)
+            event = msgspec.structs.replace(
+                event,
+                prices=cost.prices,
+                cost_pico_usd=cost.cost_pico_usd,
+                savings_pico_usd=cost.savings_pico_usd,
+            )
+        self.queue.put(event)
+        if self.admission is not None:
+            self.admission.settle(event)

@@ -1,0 +1,234 @@
+"""The control plane, assembled: admin DB, shared state, usage queue and batch writer, price catalog,
+DB-backed keys, admission (limits and budgets) and the admin router. The gateway app builds one when
+a database is configured and plugs it into its seams (authenticator, usage sink, admission hook)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from litestar import Router
+from sqlalchemy import func, select
+
+from gateway.accounting.admission import Admission, Quotas
+from gateway.accounting.catalog import load_catalog, seed_prices
+from gateway.accounting.money import usd_per_mtok_to_micro
+from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
+from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
+from gateway.accounting.sink import AccountingSink
+from gateway.accounting.writer import BatchWriter
+from gateway.admin.keys import DbAuthenticator
+from gateway.admin.router import AdminContext, admin_router
+from gateway.admin.token import ensure_admin_token
+from gateway.auth import Authenticator, Principal
+from gateway.db import migrate
+from gateway.db.models import UsageRollup
+from gateway.db.session import create_engine, normalise_url, sessionmaker
+from gateway.state import open_state
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OUTPUT_ESTIMATE = 1024  # tokens reserved for a request that sets no output limit
+BYTES_PER_TOKEN = 4  # prompt estimate from the upstream body size: cheap, and settled to the truth
+
+
+@dataclass
+class ControlPlaneSettings:
+    database_url: str
+    redis_url: str | None = None
+    auto_migrate: bool = True
+    spool_dir: str = "./var/usage-spool"
+    redis_prefix: str = "weir:"
+    admin_token: str | None = None  # None: WEIR_ADMIN_TOKEN, else generated once and printed
+    key_cache_ttl_s: float = 30.0
+    catalog_refresh_s: float = 10.0
+    prices: Sequence[PriceRow] = field(default_factory=list)  # from the config; seed the catalog
+
+
+class FirstMatch:
+    """Try several authenticators in order (config-file keys, then admin-DB keys)."""
+
+    def __init__(self, authenticators: Sequence[Authenticator]) -> None:
+        self.authenticators = list(authenticators)
+
+    async def authenticate(self, api_key: str) -> Principal | None:
+        for authenticator in self.authenticators:
+            principal = await authenticator.authenticate(api_key)
+            if principal is not None:
+                return principal
+        return None
+
+
+class ControlPlane:
+    def __init__(self, settings: ControlPlaneSettings) -> None:
+        self.settings = settings
+        self.database_url = normalise_url(settings.database_url)
+        self.engine = create_engine(self.database_url)
+        self.sessions = sessionmaker(self.engine)
+        self.state = open_state(settings.redis_url, prefix=settings.redis_prefix)
+        self.catalog = PriceCatalog()
+        self.queue: UsageQueue = (
+            RedisStreamQueue.from_url(settings.redis_url, prefix=settings.redis_prefix)
+            if settings.redis_url
+            else SpoolQueue(Path(settings.spool_dir))
+        )
+        self.writer = BatchWriter(self.queue, self.engine)
+        self.authenticator = DbAuthenticator(self.sessions, self.state, ttl_s=settings.key_cache_ttl_s)
+        self.admission = Admission(self.state, lambda: self.catalog, spend=self._spend_this_month)
+        self.sink = AccountingSink(self.queue, lambda: self.catalog, self.admission)
+        self.admin = AdminContext(
+            self.sessions, self.state, token_digest="", on_prices_changed=self.reload_catalog
+        )
+        self._refresher: asyncio.Task[None] | None = None
+
+    def router(self) -> Router:
+        return admin_router(self.admin)
+
+    async def start(self) -> None:
+        if self.settings.auto_migrate:
+            await migrate.upgrade_async(self.database_url)
+        digest, generated = await ensure_admin_token(self.sessions, self.settings.admin_token)
+        self.admin.token_digest = digest
+        if generated:
+            # Shown this once; only its hash is stored. Set WEIR_ADMIN_TOKEN to choose your own.
+            print(f"weir: generated admin token (shown once): {generated}", file=sys.stderr, flush=True)
+        async with self.sessions() as session, session.begin():
+            added = await seed_prices(session, self.settings.prices, dt.datetime.now(dt.UTC))
+        if added:
+            log.info("price catalog: %d prices from the config", added)
+        await self.reload_catalog()
+        await self.authenticator.start()
+        self.writer.start()
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_catalog())
+
+    async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self.admission.drain()
+        await self.writer.stop()
+        await self.queue.close()
+        await self.state.close()
+        await self.engine.dispose()
+
+    async def reload_catalog(self) -> None:
+        async with self.sessions() as session:
+            self.catalog = await load_catalog(session)
+
+    async def _refresh_catalog(self) -> None:
+        # Other replicas' price changes arrive within one period; an effective_from in the future
+        # makes a change exact on every replica.
+        while True:
+            await asyncio.sleep(self.settings.catalog_refresh_s)
+            try:
+                await self.reload_catalog()
+            except Exception:
+                log.warning("price catalog refresh failed; keeping the last one", exc_info=True)
+
+    async def _spend_this_month(self, scope: str, owner: str, month_start: dt.date) -> int:
+        column = UsageRollup.tenant_id if scope == "tenant" else UsageRollup.key_id
+        async with self.sessions() as session:
+            total = await session.scalar(
+                select(func.sum(UsageRollup.cost_pico_usd)).where(
+                    column == owner, UsageRollup.day >= month_start
+                )
+            )
+        return int(total or 0)
+
+    def quotas(self, principal: Principal) -> Quotas | None:
+        record = self.authenticator.record_for(principal)
+        if record is None:
+            return None  # a config-file key: no limits or budgets kept for it
+        return Quotas(
+            tenant_id=principal.tenant_id,
+            key_id=principal.key_id,
+            tenant_rpm=record.tenant_rpm,
+            tenant_tpm=record.tenant_tpm,
+            tenant_budget_micro_usd=record.tenant_budget_micro_usd,
+            key_rpm=record.key_rpm,
+            key_tpm=record.key_tpm,
+            key_budget_micro_usd=record.key_budget_micro_usd,
+        )
+
+    async def admit(self, call: Any, target: Any, upstream: Any) -> None:
+        """The pipeline's admission hook, before a request's first attempt goes upstream: 429 when a
+        rate limit or budget says no. `call`, `target`, `upstream` are gateway.pipeline's Call,
+        gateway.router_basic's Target and the translated UpstreamRequest."""
+        quotas = self.quotas(call.principal)
+        if quotas is None:
+            return
+        await self.admission.admit(
+            call.info.request_id,
+            quotas,
+            target.backend.name,
+            target.upstream_model,
+            prompt_tokens=len(upstream.body) // BYTES_PER_TOKEN,
+            max_output_tokens=output_limit(upstream.body) or DEFAULT_OUTPUT_ESTIMATE,
+        )
+
+
+class _GenerationConfig(msgspec.Struct):
+    maxOutputTokens: int | None = None
+
+
+class _OutputLimit(msgspec.Struct):
+    """The output cap as each vendor's request body spells it; every other field is skipped."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    max_output_tokens: int | None = None
+    generationConfig: _GenerationConfig | None = None
+
+
+_output_limit = msgspec.json.Decoder(_OutputLimit)
+
+
+def output_limit(body: bytes) -> int | None:
+    try:
+        found = _output_limit.decode(body)
+    except msgspec.MsgspecError:
+        return None
+    nested = found.generationConfig.maxOutputTokens if found.generationConfig else None
+    return found.max_completion_tokens or found.max_tokens or found.max_output_tokens or nested
+
+
+def from_config(config: Any) -> ControlPlane | None:
+    """A control plane for a gateway `Config`, or None when no database is configured.
+
+    `WEIR_DATABASE_URL` / `WEIR_REDIS_URL` win over the config's `database_url` / `redis_url`.
+    """
+    database_url = os.environ.get("WEIR_DATABASE_URL") or getattr(config, "database_url", None)
+    if not database_url:
+        return None
+    now = dt.datetime.now(dt.UTC)
+    prices = []
+    for model in config.models:
+        for token_class in TokenClass:
+            value = getattr(model.price, str(token_class), None)
+            if value is not None:
+                prices.append(
+                    PriceRow(
+                        model.backend, model.upstream_model, token_class, usd_per_mtok_to_micro(value), now
+                    )
+                )
+    return ControlPlane(
+        ControlPlaneSettings(
+            database_url=database_url,
+            redis_url=os.environ.get("WEIR_REDIS_URL") or getattr(config, "redis_url", None),
+            auto_migrate=getattr(config, "auto_migrate", True),
+            prices=prices,
+            # One spool per process (without Redis); one key namespace per deployment (with Redis).
+            spool_dir=os.environ.get("WEIR_USAGE_SPOOL", "./var/usage-spool"),
+            redis_prefix=os.environ.get("WEIR_REDIS_PREFIX", "weir:"),
+        )
+    )
