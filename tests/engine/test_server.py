@@ -1,0 +1,475 @@
+"""The engine's OpenAI-compatible server, driven with the official `openai` SDK against a real server on
+127.0.0.1 running the real `LLMEngine` with a tiny random-weight model (byte-level tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from engine.async_engine import AsyncLLMEngine
+from engine.config import KNOWN_MODELS
+from engine.llm_engine import LLMEngine
+from engine.server import EngineServer, start_server
+from engine.tokenizer import Tokenizer
+from tests.conftest import free_port
+
+MODEL = "tiny"
+NUM_BLOCKS = 64  # 64 blocks of 16 tokens: a 1024-token context
+
+
+@dataclass
+class Served:
+    engine: LLMEngine
+    server: EngineServer
+    base_url: str
+    client: AsyncOpenAI
+
+    @property
+    def root(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+
+async def start(engine: LLMEngine | None, **server_kwargs: object) -> tuple[EngineServer, object, str]:
+    server = EngineServer(AsyncLLMEngine(engine) if engine else None, **server_kwargs)  # type: ignore[arg-type]
+    port = free_port()
+    runner = await start_server(server, "127.0.0.1", port)
+    return server, runner, f"http://127.0.0.1:{port}/v1"
+
+
+def all_blocks_free(engine: LLMEngine) -> bool:
+    s = engine.stats()
+    idle = s.num_running == 0 and s.num_waiting == 0 and not engine.has_unfinished_requests()
+    return idle and s.kv_blocks_free == s.kv_blocks_total
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=256)
+    server, runner, base_url = await start(engine, model_name=MODEL)
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    yield Served(engine, server, base_url, client)
+    await client.close()
+    await runner.cleanup()  # type: ignore[attr-defined]
+    assert all_blocks_free(engine), engine.stats()
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# --- chat ---------------------------------------------------------------------------------------------
+
+
+async def test_chat_completion(served: Served) -> None:
+    resp = await served.client.chat.completions.create(
+        model=MODEL, messages=chat("hello there"), max_tokens=8, temperature=0
+    )
+    prompt = served.engine.tokenizer.apply_chat_template(chat("hello there"), add_generation_prompt=True)
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and resp.model == MODEL
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == len(served.engine.tokenizer.encode(prompt))
+    assert resp.usage.completion_tokens == 8
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
+    assert resp.usage.prompt_tokens_details is not None
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+
+
+async def test_greedy_output_is_what_the_engine_generates(served: Served) -> None:
+    messages = chat("tell me something")
+    resp = await served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=12, temperature=0
+    )
+    tok = served.engine.tokenizer
+    prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    reference = LLMEngine.from_config(
+        KNOWN_MODELS["tiny"], num_kv_blocks=NUM_BLOCKS
+    )  # same seed, same weights
+    from engine.sampling import SamplingParams
+
+    [ids] = reference.generate([prompt_ids], SamplingParams(max_tokens=12, temperature=0))
+    assert resp.choices[0].message.content == tok.decode(ids)
+
+
+async def test_repeated_prompt_reports_cached_tokens(served: Served) -> None:
+    messages = chat("a long shared system prompt that spans several KV blocks " * 4)
+    first = await served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0
+    )
+    second = await served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0
+    )
+    assert first.usage and second.usage
+    assert first.usage.prompt_tokens_details and second.usage.prompt_tokens_details
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    prompt_tokens = second.usage.prompt_tokens
+    assert cached > 0 and cached % 16 == 0  # whole blocks
+    assert prompt_tokens - 16 < cached < prompt_tokens  # all full blocks but the last token's
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
+async def test_streaming_matches_non_streaming_and_ends_with_usage(served: Served) -> None:
+    messages = chat("stream this")
+    whole = await served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
+    )
+    stream = await served.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens  # type: ignore[union-attr]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len(chunks) > 3  # token by token, not one blob
+
+
+async def test_chat_logprobs(served: Served) -> None:
+    resp = await served.client.chat.completions.create(
+        model=MODEL,
+        messages=chat("logprobs please"),
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        # greedy: the chosen token is the most likely one
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == entry.top_logprobs[0].logprob
+        assert bytes(entry.bytes or []) == bytes(entry.top_logprobs[0].bytes or [])
+
+
+async def test_stop_string_trims_text_and_finishes_with_stop(served: Served) -> None:
+    messages = chat("say something long")
+    free = await served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0
+    )
+    text = free.choices[0].message.content or ""
+    assert len(text) >= 6
+    stop = text[4:6]
+    expected = text[: text.find(stop)]
+    stopped = await served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].message.content == expected
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage and stopped.usage.completion_tokens < 24
+    stream = await served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=stop, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_sampling_parameters_are_accepted_and_seeded_runs_repeat(served: Served) -> None:
+    kwargs = dict(
+        model=MODEL,
+        messages=chat("sample"),
+        max_tokens=10,
+        temperature=1.3,
+        top_p=0.9,
+        seed=1234,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    a = await served.client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    b = await served.client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage and a.usage.completion_tokens == 10
+
+
+async def test_tools_reach_a_template_that_renders_them() -> None:
+    template = (
+        "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    )
+    tokenizer = Tokenizer(None, chat_template=template, eos_token_ids={0}, vocab_size=256)
+    engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS)
+    _, runner, base_url = await start(engine, model_name=MODEL)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        plain = await client.chat.completions.create(model=MODEL, messages=chat("weather?"), max_tokens=1)
+        with_tools = await client.chat.completions.create(
+            model=MODEL,
+            messages=chat("weather?"),
+            max_tokens=1,
+            tools=tools,  # type: ignore[arg-type]
+        )
+    await runner.cleanup()  # type: ignore[attr-defined]
+    expected = tokenizer.apply_chat_template(chat("weather?"), tools=tools, add_generation_prompt=True)
+    assert with_tools.usage and plain.usage
+    assert with_tools.usage.prompt_tokens == len(tokenizer.encode(expected))
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + len("get_weather")
+
+
+# --- legacy completions -------------------------------------------------------------------------------
+
+
+async def test_completion_echo_with_prompt_logprobs(served: Served) -> None:
+    prompt = "score this text"
+    resp = await served.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2
+    )
+    choice = resp.choices[0]
+    assert choice.text == prompt
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs is not None
+    assert "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == list(range(len(prompt)))
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])  # type: ignore[arg-type]
+    assert resp.usage and resp.usage.completion_tokens == 0 and resp.usage.prompt_tokens == len(prompt)
+    assert choice.finish_reason == "length"
+
+
+async def test_completion_echo_and_generation_logprobs(served: Served) -> None:
+    prompt_ids = served.engine.tokenizer.encode("abc")
+    resp = await served.client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=4, echo=True, logprobs=1, temperature=0
+    )
+    choice = resp.choices[0]
+    assert choice.text.startswith("abc")
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert len(choice.logprobs.tokens) == 3 + 4
+    assert choice.logprobs.tokens[:3] == ["a", "b", "c"]
+    assert choice.logprobs.text_offset[:4] == [0, 1, 2, 3]  # type: ignore[index]
+    assert choice.logprobs.token_logprobs[0] is None  # type: ignore[index]
+    assert all(v is not None for v in choice.logprobs.token_logprobs[1:])  # type: ignore[index]
+
+
+async def test_completion_streaming_and_default_max_tokens(served: Served) -> None:
+    whole = await served.client.completions.create(model=MODEL, prompt="once upon", temperature=0)
+    assert whole.usage and whole.usage.completion_tokens == 16  # the legacy default
+    stream = await served.client.completions.create(
+        model=MODEL, prompt="once upon", temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+
+
+async def test_completion_batch_of_prompts(served: Served) -> None:
+    resp = await served.client.completions.create(model=MODEL, prompt=["first", "second"], max_tokens=3)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert resp.usage and resp.usage.completion_tokens == 6
+    assert resp.usage.prompt_tokens == len("first") + len("second")
+
+
+# --- concurrency and disconnects ----------------------------------------------------------------------
+
+
+async def test_concurrent_streams_match_their_solo_outputs(served: Served) -> None:
+    prompts = [f"request number {i} " * (i + 1) for i in range(8)]
+
+    async def run(prompt: str) -> str:
+        stream = await served.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    together = await asyncio.gather(*(run(p) for p in prompts))
+    alone = [await run(p) for p in prompts]
+    assert together == alone
+
+
+async def test_disconnected_stream_frees_its_blocks_at_once(served: Served) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "x" * 300,
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with (
+        httpx.AsyncClient(base_url=served.base_url, timeout=30) as http,
+        http.stream("POST", "/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = resp.aiter_lines()
+        while not (await anext(lines)).startswith("data: {"):
+            pass
+        assert served.engine.stats().kv_blocks_free < served.engine.stats().kv_blocks_total
+    # the client is gone: the request must be aborted and its blocks freed long before 600 tokens
+    assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"{served.root}/metrics")).text
+    assert 'weir_engine_requests_total{finish_reason="abort"} 1.0' in metrics
+
+
+async def test_cancelled_non_streaming_request_is_aborted(served: Served) -> None:
+    async with httpx.AsyncClient(base_url=served.base_url, timeout=30) as http:
+        task = asyncio.create_task(
+            http.post(
+                "/completions",
+                json={"model": MODEL, "prompt": "y" * 200, "max_tokens": 700, "ignore_eos": True},
+            )
+        )
+        assert await wait_until(lambda: served.engine.stats().num_running == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
+
+
+# --- errors -------------------------------------------------------------------------------------------
+
+
+async def test_unknown_model_is_404(served: Served) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await served.client.chat.completions.create(model="gpt-nope", messages=chat("hi"))
+    assert info.value.status_code == 404
+    assert info.value.body["param"] == "model"  # type: ignore[index]
+    assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"top_p": -0.5}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content",
+        ),
+        ({"max_tokens": 5000}, "max_tokens"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+        ),  # template has no tool prompt
+    ],
+)
+async def test_bad_parameters_are_400_naming_the_parameter(served: Served, extra: dict, param: str) -> None:
+    body = {"model": MODEL, "messages": chat("hi"), **extra}
+    async with httpx.AsyncClient(base_url=served.base_url) as http:
+        resp = await http.post("/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+    assert all_blocks_free(served.engine)
+
+
+async def test_prompt_longer_than_the_context_is_413(served: Served) -> None:
+    with pytest.raises(openai.APIStatusError) as info:
+        await served.client.completions.create(model=MODEL, prompt="z" * 2000, max_tokens=1)
+    assert info.value.status_code == 413
+    assert info.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert info.value.body["param"] == "prompt"  # type: ignore[index]
+
+
+async def test_malformed_json_and_unknown_routes(served: Served) -> None:
+    async with httpx.AsyncClient(base_url=served.root) as http:
+        bad = await http.post(
+            "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        missing = await http.get("/v1/nothing-here")
+        wrong_method = await http.get("/v1/chat/completions")
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+async def test_engine_rejection_is_a_400_not_a_crash(served: Served) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await served.client.completions.create(
+            model=MODEL, prompt=[1, 2, 3], max_tokens=2, extra_body={"stop_token_ids": [999]}
+        )
+    assert "vocabulary" in info.value.message
+    ok = await served.client.completions.create(model=MODEL, prompt="still serving", max_tokens=2)
+    assert ok.usage and ok.usage.completion_tokens == 2
+
+
+# --- models, health, metrics --------------------------------------------------------------------------
+
+
+async def test_models_health_and_metrics(served: Served) -> None:
+    models = await served.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert (await served.client.models.retrieve(MODEL)).id == MODEL
+    messages = chat("metrics " * 10)
+    for _ in range(2):
+        await served.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=0
+        )
+    async with httpx.AsyncClient(base_url=served.root) as http:
+        health = await http.get("/health")
+        metrics = (await http.get("/metrics")).text
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in metrics.splitlines()
+        if line and line[0] != "#"
+    }
+    assert values["weir_engine_time_to_first_token_seconds_count"] == 2
+    assert values["weir_engine_inter_token_latency_seconds_count"] == 2 * 5
+    assert values["weir_engine_generation_tokens_total"] == 12
+    assert values['weir_engine_requests_total{finish_reason="length"}'] == 2
+    assert values["weir_engine_num_requests_running"] == 0
+    assert values["weir_engine_num_requests_waiting"] == 0
+    assert values["weir_engine_kv_cache_blocks_total"] == NUM_BLOCKS
+    assert 0 <= values["weir_engine_kv_cache_usage_ratio"] <= 1
+    assert values["weir_engine_prefix_cache_hits_total"] > 0
+    assert 0 < values["weir_engine_prefix_cache_hit_rate"] < 1
+    assert values["weir_engine_cached_prompt_tokens_total"] == values["weir_engine_prefix_cache_hits_total"]
+    assert values["weir_engine_generation_tokens_per_second"] > 0
+
+
+async def test_health_is_503_until_the_model_is_attached() -> None:
+    server, runner, base_url = await start(None, model_name=MODEL)
+    async with httpx.AsyncClient(base_url=base_url.removesuffix("/v1")) as http:
+        loading = await http.get("/health")
+        early = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": chat("hi")})
+        engine = AsyncLLMEngine(LLMEngine.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=NUM_BLOCKS))
+        server.attach(engine, MODEL)
+        ready = await http.get("/health")
+        served = await http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": chat("hi"), "max_tokens": 2}
+        )
+    await runner.cleanup()  # type: ignore[attr-defined]
+    assert loading.status_code == 503 and loading.json()["status"] == "loading"
+    assert early.status_code == 503 and early.json()["error"]["code"] == "model_not_ready"
+    assert ready.status_code == 200
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
