@@ -1,5 +1,7 @@
-"""The OpenAI request bodies the engine server accepts, as msgspec Structs: decoding validates types and
-ranges in one pass, and a failure names the offending parameter (`$.temperature` -> `temperature`).
+"""The OpenAI protocol as the engine server speaks it: request bodies and the error shape.
+
+Request bodies are msgspec Structs: decoding validates types and ranges in one pass, and a failure
+names the offending parameter (`$.temperature` -> `temperature`).
 
 Unknown fields are ignored, as OpenAI-compatible servers do, so clients sending newer parameters still
 work; parameters that would change the result and that the engine cannot honour are rejected by the
@@ -74,6 +76,39 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: TopLogprobs | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+
+# --- errors -------------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """An error a client sees, in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _ERROR_TYPES.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def param_of(error: msgspec.ValidationError) -> str | None:

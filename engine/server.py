@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -23,59 +22,40 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.generation import Generation
 from engine.metrics import EngineMetrics
 from engine.output import (
     CompletionLogprobs,
-    IncrementalDetokenizer,
-    TextStream,
     chat_logprobs,
     parse_tool_calls,
 )
-from engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, param_of, unsupported
+from engine.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    param_of,
+    unsupported,
+)
 
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineStats, RequestOutput, TokenLogprob
+    from engine.llm_engine import EngineStats, TokenLogprob
     from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 _Req = TypeVar("_Req", bound=SamplingFields)
 
+_LOADER = web.AppKey("loader", asyncio.Task)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy API's default
 MAX_BODY_BYTES = 32 * 1024 * 1024
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    503: "service_unavailable_error",
-}
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or _ERROR_TYPES.get(
-            status, "server_error" if status >= 500 else "invalid_request_error"
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return _json(self.body(), status=self.status)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+
+
+def _error(exc: ApiError) -> web.Response:
+    return _json(exc.body(), status=exc.status)
 
 
 @web.middleware
@@ -85,116 +65,16 @@ async def _errors(
     try:
         return await handler(request)
     except ApiError as exc:
-        return exc.response()
+        return _error(exc)
     except web.HTTPException as exc:  # unknown route, wrong method
         if exc.status < 400:
             raise
-        return ApiError(exc.status, exc.reason or "error", code=str(exc.status)).response()
+        return _error(ApiError(exc.status, exc.reason or "error", code=str(exc.status)))
     except EngineDeadError as exc:
-        return ApiError(503, str(exc), code="engine_dead").response()
+        return _error(ApiError(503, str(exc), code="engine_dead"))
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return ApiError(500, "internal server error", type="server_error").response()
-
-
-# --- one request's generation -------------------------------------------------------------------------
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None  # set on the last delta
-
-
-class Generation:
-    """Drives one request through the engine: detokenises, applies stop strings (aborting the request
-    when one matches), records metrics, and keeps the usage numbers."""
-
-    def __init__(
-        self,
-        server: EngineServer,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        stop: list[str],
-        started: float,
-        *,
-        score_only: bool = False,
-    ) -> None:
-        self.server = server
-        # max_tokens=0 (scoring a prompt with echo + logprobs): the engine must generate one token to
-        # run the prompt; it is dropped here and never shown or billed.
-        self.score_only = score_only
-        self.engine = server.ready()
-        tokenizer = self.engine.engine.tokenizer
-        hidden = frozenset(tokenizer.eos_token_ids) | frozenset(params.stop_token_ids)
-        self.text = TextStream(IncrementalDetokenizer(tokenizer, prompt_ids), stop, hidden)
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.started = started
-        self.prompt_logprobs: list[TokenLogprob | None] | None = None
-        self.num_cached_tokens = 0
-        self.num_output_tokens = 0
-        self.finish_reason: str | None = None
-
-    def usage(self) -> dict[str, Any]:
-        prompt, completion = len(self.prompt_ids), self.num_output_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-        }
-
-    async def deltas(self) -> AsyncIterator[Delta]:
-        """The request's text and tokens as they come; the last delta carries the finish reason.
-        Closing this early (client gone, stop string) aborts the request in the engine."""
-        metrics = self.server.metrics
-        outputs = self.engine.generate(self.prompt_ids, self.params, self.engine.new_request_id())
-        accepted = False
-        try:
-            async with aclosing(outputs):
-                try:
-                    out: RequestOutput | None = await anext(outputs)
-                except ValueError as exc:  # the engine rejected the request's parameters
-                    raise ApiError(400, str(exc)) from exc
-                accepted = True
-                last_token_at: float | None = None
-                while out is not None:
-                    now = time.perf_counter()
-                    if out.prompt_logprobs is not None:
-                        self.prompt_logprobs = out.prompt_logprobs
-                    self.num_cached_tokens = out.num_cached_tokens
-                    if self.score_only:
-                        out = replace(out, new_token_ids=[], new_logprobs=None)
-                    self.num_output_tokens = 0 if self.score_only else out.num_output_tokens
-                    if n := len(out.new_token_ids):
-                        if last_token_at is None:
-                            metrics.ttft.observe(now - self.started)
-                        else:
-                            for _ in range(n):
-                                metrics.itl.observe((now - last_token_at) / n)
-                        last_token_at = now
-                        metrics.observe_tokens(n, now)
-                    text = self.text.add(out.new_token_ids, finished=out.finished)
-                    if self.text.stopped:
-                        self.finish_reason = "stop"
-                    elif out.finished:
-                        self.finish_reason = "length" if self.score_only else out.finish_reason
-                    yield Delta(text, list(out.new_token_ids), out.new_logprobs, self.finish_reason)
-                    if self.finish_reason is not None:
-                        return
-                    out = await anext(outputs, None)
-        finally:
-            if accepted:  # "abort": the client went away before the end
-                metrics.finish(
-                    self.finish_reason or "abort",
-                    len(self.prompt_ids),
-                    self.num_cached_tokens,
-                    self.started,
-                    time.perf_counter(),
-                )
+        return _error(ApiError(500, "internal server error", type="server_error"))
 
 
 # --- the server ---------------------------------------------------------------------------------------
@@ -370,7 +250,15 @@ class EngineServer:
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling(req, max(max_tokens, 1), top_n)
-        gen = Generation(self, prompt_ids, params, self._stops(req.stop), started, score_only=max_tokens == 0)
+        gen = Generation(
+            engine,
+            self.metrics,
+            prompt_ids,
+            params,
+            self._stops(req.stop),
+            started,
+            score_only=max_tokens == 0,
+        )
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -460,7 +348,9 @@ class EngineServer:
             prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
             params = self._sampling(req, max(max_tokens, 1), req.logprobs, prompt_lp)
             text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-            gen = Generation(self, ids, params, self._stops(req.stop), started, score_only=max_tokens == 0)
+            gen = Generation(
+                engine, self.metrics, ids, params, self._stops(req.stop), started, score_only=max_tokens == 0
+            )
             gens.append((gen, text))
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -679,6 +569,3 @@ def run(
     log.info("listening on http://%s:%d, loading %s", host, port, model)
     web.run_app(server.app, host=host, port=port, handler_cancellation=True, access_log=None, print=None)
     return 1 if server.load_error else 0
-
-
-_LOADER = web.AppKey("loader", asyncio.Task)
