@@ -441,3 +441,43 @@ def test_recorded_history_is_bounded() -> None:
             client.chat.completions.create(model="gpt-4o-mini", messages=user(f"m{i}"))
         assert [r.json["messages"][0]["content"] for r in fake.requests] == ["m2", "m3", "m4"]
         assert len(fake.usages) == 3
+
+
+def test_control_endpoint_queues_faults_without_auth(client: openai.OpenAI, fake_openai: FakeOpenAI) -> None:
+    queued = httpx.post(
+        f"{fake_openai.origin}/__fake__/fail_next", json={"kind": "status", "status_code": 429, "times": 2}
+    )
+    assert queued.json() == {"ok": True, "queued": 2}
+    for _ in range(2):
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="gpt-4o-mini", messages=user("x"))
+    assert httpx.post(f"{fake_openai.origin}/__fake__/fail_next", json={"kind": "nope"}).status_code == 400
+    assert all(not r.path.startswith("/__fake__") for r in fake_openai.requests)
+    assert (
+        client.chat.completions.create(model="gpt-4o-mini", messages=user("ok")).choices[0].message.content
+        == "ok"
+    )
+
+
+def test_standalone_command_serves_until_interrupted(unused_port: int) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fakes", "openai", "--port", str(unused_port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert f"base_url=http://127.0.0.1:{unused_port}/v1" in line
+        key = line.split("api_key=")[1].strip()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{unused_port}/v1", api_key=key, max_retries=0)
+        assert (
+            client.chat.completions.create(model="gpt-4o", messages=user("hi")).choices[0].message.content
+            == "hi"
+        )
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0

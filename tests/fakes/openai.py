@@ -109,7 +109,7 @@ class FakeOpenAI(FakeServer):
             raise ValueError(f"unknown flavour {flavour!r}")
         self.flavour = flavour
         if flavour == "deepseek":
-            self.default_models = ("deepseek-chat", "deepseek-reasoner")
+            kwargs.setdefault("models", ("deepseek-chat", "deepseek-reasoner"))
         super().__init__(api_key, **kwargs)
         self.cache = (
             AutomaticPrefixCache(minimum=64, increment=64)

@@ -40,6 +40,7 @@ logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 log = logging.getLogger("tests.fakes")
 
 INVALID_JSON: Any = object()  # RecordedRequest.json when the body was not JSON
+CONTROL_PREFIX = "/__fake__/"
 BODY = web.RequestKey("fake_body", object)  # the parsed JSON body (or INVALID_JSON)
 FAULT = web.RequestKey("fake_fault", Fault | None)  # the fault this request must suffer, if any
 
@@ -80,6 +81,7 @@ class FakeServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        models: tuple[str, ...] | None = None,
         max_recorded: int = 50_000,
     ) -> None:
         self.api_key = api_key or f"test-{self.vendor}-key"
@@ -88,7 +90,8 @@ class FakeServer:
         self.port = port
         self.requests: list[RecordedRequest] = []
         self.usages: list[ReportedUsage] = []  # one per generation response, in order
-        self.models: set[str] = set(self.default_models)
+        self._initial_models = models if models is not None else self.default_models
+        self.models: set[str] = set(self._initial_models)
         self._faults: deque[tuple[Fault, str | None]] = deque()  # (fault, path filter)
         self._usage_overrides: deque[UsageOverride] = deque()
         self._lock = threading.Lock()
@@ -151,7 +154,7 @@ class FakeServer:
             self.usages.clear()
             self._faults.clear()
             self._usage_overrides.clear()
-            self.models = set(self.default_models)
+            self.models = set(self._initial_models)
             self._generation += 1
         self.reset_state()
 
@@ -299,6 +302,8 @@ class FakeServer:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = INVALID_JSON
+        if request.path.startswith(CONTROL_PREFIX):
+            return self._control(request, body)
         self.requests.append(
             RecordedRequest(
                 method=request.method,
@@ -330,6 +335,23 @@ class FakeServer:
             # a bug in the fake itself: make it loud in the test log, answer like the vendor's 500
             log.exception("fake %s failed on %s %s", self.vendor, request.method, request.path)
             return self.error_response(500, f"fake {self.vendor} crashed; see the test log")
+
+    def _control(self, request: web.Request, body: Any) -> web.Response:
+        """Out-of-process controls (``python -m tests.fakes``): queue a fault, reset."""
+        action = request.path.removeprefix(CONTROL_PREFIX)
+        if request.method != "POST" or action not in ("fail_next", "reset"):
+            return web.json_response({"error": "POST /__fake__/fail_next or /__fake__/reset"}, status=404)
+        if action == "reset":
+            self.reset()
+            return web.json_response({"ok": True})
+        spec = dict(body) if isinstance(body, dict) else {}
+        times, path = int(spec.pop("times", 1)), spec.pop("path", None)
+        try:
+            fault = Fault(kind=FaultKind(spec.pop("kind")), **spec)
+        except (KeyError, TypeError, ValueError) as exc:
+            return web.json_response({"error": f"bad fault: {exc!r}"}, status=400)
+        self.fail_next(fault, times, path=path)
+        return web.json_response({"ok": True, "queued": times})
 
     async def _early_fault(self, request: web.Request, fault: Fault, body: Any) -> web.StreamResponse | None:
         kind = fault.kind
