@@ -150,6 +150,7 @@ def test_the_gateway_config_loads_with_the_real_config_loader(compose: dict[str,
     assert target == "/etc/weir/weir.yaml"
     config = parse_config((COMPOSE_DIR / source).read_text(), env)
     assert (config.server.host, config.server.port) == ("0.0.0.0", 8080)
+    assert config.auto_migrate is False  # the `migrate` service upgrades the schema, once
     engine = config.backend("engine")
     assert engine.type == "engine"
     # The engine backend points at the engine service, on the port its command listens on.

@@ -227,6 +227,7 @@ def test_the_config_map_loads_with_the_real_config_loader(directory: Any) -> Non
     required = {name for name, op in variables(yaml.safe_load(text)).items() if op is None}
     assert required <= set(env), f"not in weir-secrets: {required - set(env)}"
     config = parse_config(text, env)
+    assert config.auto_migrate is False  # the weir-db-upgrade Job upgrades the schema, once
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     for backend in config.backends:
         url = backend.url or backend.base_url or ""
