@@ -49,6 +49,11 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         heads = cfg["num_attention_heads"]
+        # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
+        rope.pop("rope_theta", None)
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -58,8 +63,8 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),

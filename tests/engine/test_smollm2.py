@@ -1,0 +1,80 @@
+"""The real SmolLM2-135M-Instruct (GGUF Q4_1/Q8_0, dequantised to fp32) against Hugging Face
+transformers loading the same file: identical greedy tokens, identical tokenization and chat prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import registry
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+    "Translate 'good morning' into Spanish.",
+]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return registry.pull("smollm2-135m", quiet=True)  # a no-op once downloaded
+
+
+@pytest.fixture(scope="module")
+def engine(gguf_path: Path) -> LLMEngine:
+    return LLMEngine("smollm2-135m", device="cpu", num_kv_blocks=256, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path: Path) -> tuple[object, object]:
+    tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    return tok, model
+
+
+def test_greedy_tokens_match_transformers(engine: LLMEngine, hf: tuple) -> None:  # type: ignore[type-arg]
+    tok, model = hf
+    tokenizer = engine.tokenizer
+    prompts = []
+    for q in QUESTIONS:
+        messages = [{"role": "user", "content": q}]
+        text = tokenizer.apply_chat_template(messages)
+        assert text == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(text)
+        assert ids == tok.encode(text, add_special_tokens=False)
+        prompts.append(ids)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ours = engine.generate(prompts, params)  # all four in one continuous batch
+    for prompt, got in zip(prompts, ours, strict=True):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            # an explicit mask: <|im_end|> doubles as the pad token, and generate() would mask it out
+            ref = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )[0, len(prompt) :].tolist()
+        assert got == ref, (tokenizer.decode(got), tok.decode(ref))
+    assert "Paris" in tokenizer.decode(ours[0])
+
+
+def test_chat_stops_at_im_end(engine: LLMEngine) -> None:
+    tokenizer = engine.tokenizer
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}]))
+    out = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0))[0]
+    assert out[-1] in tokenizer.eos_token_ids == {2}
+    assert tokenizer.decode(out).strip()
