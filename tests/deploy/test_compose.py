@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import time
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,11 @@ import jsonschema
 import pytest
 import redis
 
-from tests.conftest import free_port
 from tests.deploy.compose_env import MissingVariable, interpolate, variables
 from tests.deploy.conftest import DEPLOY, SECRET_NAME, load_yaml
 from tests.deploy.dockerfiles import exec_form, parse
 from tests.deploy.kustomize import parse_env_file
+from tests.deploy.processes import redis_server
 from tests.deploy.weir_cli import assert_cli_accepts
 
 COMPOSE_DIR = DEPLOY  # the project directory: relative paths and .env resolve from here
@@ -192,21 +191,11 @@ def test_redis_runs_with_the_compose_command_and_the_gateway_url_authenticates(
     env = example_env()
     resolved = interpolate(compose, env)
     redis_service = resolved["services"]["redis"]
-    port = free_port()
-    argv = [*redis_service["command"], "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with redis_server(redis_service["command"], tmp_path) as port:
         url = resolved["services"]["gateway"]["environment"]["WEIR_REDIS_URL"]
         assert url.startswith(f"redis://:{env['REDIS_PASSWORD']}@redis:6379/")
         client = redis.Redis.from_url(url.replace("@redis:6379", f"@127.0.0.1:{port}"))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                assert client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.1)
+        assert client.ping()
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         with pytest.raises(redis.AuthenticationError):
@@ -219,9 +208,6 @@ def test_redis_runs_with_the_compose_command_and_the_gateway_url_authenticates(
         assert healthy.returncode == 0
         wrong = {**os.environ, "REDISCLI_AUTH": "wrong"}
         assert subprocess.run(["sh", "-c", command], env=wrong, capture_output=True).returncode != 0
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 def test_every_weir_command_is_one_the_real_cli_accepts(compose: dict[str, Any]) -> None:

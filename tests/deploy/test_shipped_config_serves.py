@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,9 +20,9 @@ from tests.conftest import free_port
 from tests.deploy.conftest import DEPLOY
 from tests.deploy.dockerfiles import exec_form, parse
 from tests.deploy.metrics import exported_series
+from tests.deploy.processes import weir_serve
 from tests.fakes import FakeOpenAI
 
-WEIR = Path(sys.executable).with_name("weir")
 DEMO_KEY = "sk-weir-deploy-test"
 
 
@@ -39,38 +38,16 @@ def healthcheck_argv(dockerfile: Path, port: int) -> list[str]:
 def gateway(_fake_openai_server: FakeOpenAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """deploy/compose/weir.yaml served; deploy/k8s/weir.yaml differs only in the engine's address and
     is loaded by the real config loader in test_kubernetes.py."""
-    fake_openai = _fake_openai_server
-    port = free_port()
     env = {
         **os.environ,
         "WEIR_DEMO_KEY": DEMO_KEY,
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
+        "OPENAI_BASE_URL": _fake_openai_server.base_url,
+        "OPENAI_API_KEY": _fake_openai_server.api_key,
     }
     for name in ("WEIR_DATABASE_URL", "WEIR_REDIS_URL", "ANTHROPIC_API_KEY"):
         env.pop(name, None)
-    config = DEPLOY / "compose" / "weir.yaml"
-    # The container's command, on a free loopback port; cwd is a scratch dir as /var/lib/weir is.
-    argv = [str(WEIR), "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(
-        argv, env=env, cwd=tmp_path_factory.mktemp("state"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the gateway did not start within 60 s"
-            time.sleep(0.2)
+    with weir_serve(DEPLOY / "compose" / "weir.yaml", env, tmp_path_factory.mktemp("state")) as base:
         yield base
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_health_checks_pass_with_the_images_own_command(gateway: str) -> None:

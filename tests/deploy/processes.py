@@ -1,0 +1,66 @@
+"""Run what the containers run, as local processes: `weir serve` with a shipped config, and the compose
+Redis command. Each waits until it answers and is stopped (SIGTERM, as a container runtime does)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import redis
+
+from tests.conftest import free_port
+
+WEIR = Path(sys.executable).with_name("weir")
+
+
+@contextmanager
+def weir_serve(config: Path, env: Mapping[str, str], cwd: Path, timeout: float = 60) -> Iterator[str]:
+    """`weir serve --config CONFIG` on a free loopback port; yields its base URL once /healthz answers."""
+    port = free_port()
+    argv = [str(WEIR), "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(argv, env=dict(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert process.poll() is None, process.stdout.read().decode()  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the gateway did not start within {timeout:g} s"
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@contextmanager
+def redis_server(command: list[str], directory: Path) -> Iterator[int]:
+    """A local redis-server running `command` (compose's), on a free port; yields the port."""
+    port = free_port()
+    argv = [*command, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory)]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            assert server.poll() is None, "redis-server exited"
+            try:
+                redis.Redis(host="127.0.0.1", port=port).ping()
+                break
+            except redis.AuthenticationError:
+                break  # up, and asking for the password
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
