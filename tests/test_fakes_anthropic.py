@@ -290,3 +290,26 @@ def test_set_next_usage_renders_anthropic_fields(
 def test_count_tokens_and_models(client: anthropic.Anthropic) -> None:
     assert client.messages.count_tokens(model=MODEL, messages=user("a b c")).input_tokens == 3
     assert MODEL in [m.id for m in client.models.list().data]
+
+
+def test_rejects_what_anthropic_rejects(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="maximum allowed number of output tokens"):
+        client.messages.create(model=MODEL, max_tokens=100_000, messages=user("x"))
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(
+            model=MODEL,
+            max_tokens=500,
+            thinking={"type": "enabled", "budget_tokens": 512},
+            messages=user("x"),
+        )
+    with pytest.raises(anthropic.BadRequestError, match=r"greater than `thinking\.budget_tokens`"):
+        client.messages.create(
+            model=MODEL,
+            max_tokens=1500,
+            thinking={"type": "enabled", "budget_tokens": 2048},
+            messages=user("x"),
+        )
+    with pytest.raises(anthropic.BadRequestError, match="temperature"):
+        client.messages.create(
+            model=MODEL, max_tokens=10, messages=user("x"), extra_body={"temperature": 1.5}
+        )

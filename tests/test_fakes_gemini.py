@@ -222,3 +222,12 @@ def test_official_google_genai_sdk_round_trip(fake_gemini: FakeGemini) -> None:
     with pytest.raises(errors.ServerError) as err:
         client.models.generate_content(model=MODEL, contents="x")
     assert err.value.code == 503 and err.value.status == "UNAVAILABLE"
+
+
+def test_rejects_what_gemini_rejects(http: httpx.Client) -> None:
+    too_many = http.post(
+        f"/models/{MODEL}:generateContent", json=ask("x", generationConfig={"maxOutputTokens": 100000})
+    )
+    assert too_many.status_code == 400 and "maxOutputTokens" in too_many.json()["error"]["message"]
+    empty = http.post(f"/models/{MODEL}:generateContent", json={"contents": []})
+    assert empty.status_code == 400 and empty.json()["error"]["status"] == "INVALID_ARGUMENT"

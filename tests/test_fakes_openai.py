@@ -481,3 +481,17 @@ def test_standalone_command_serves_until_interrupted(unused_port: int) -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0
+
+
+def test_rejects_what_openai_rejects(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="gpt-4o-mini", messages=user("x"), max_tokens=100_000)
+    assert (err.value.body["param"], err.value.body["code"]) == ("max_tokens", "invalid_value")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="gpt-4o-mini", messages=user("x"), stream_options={"include_usage": True}
+        )
+    assert err.value.body["param"] == "stream_options"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="gpt-4o-mini", messages=user("x"), temperature=3)
+    assert err.value.body["param"] == "temperature"

@@ -13,6 +13,11 @@ streaming event sequence ``message_start``, ``content_block_start``, ``ping``, `
 ``{"type": "error", "error": {"type", "message"}, "request_id"}`` (529 is ``overloaded_error``), the
 same object as an ``event: error`` mid-stream; ``request-id`` and rate-limit headers.
 
+Rejects with Anthropic's 400 what Anthropic rejects: a missing ``max_tokens``/``model``/``messages``,
+``max_tokens`` above the model's limit (`MAX_OUTPUT_TOKENS`), ``temperature`` above 1, a thinking
+budget under 1024 or not below ``max_tokens``, a ``tool_result`` without its ``tool_use`` in the
+previous message, unknown block types.
+
 Usage: ``input_tokens`` is only the prompt tokens neither read from nor written to the cache;
 ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` (split in
 ``cache_creation.ephemeral_5m_input_tokens``/``ephemeral_1h_input_tokens``) follow the
@@ -151,6 +156,22 @@ class FakeAnthropic(FakeServer):
         max_tokens = body.get("max_tokens", 1)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise Invalid(400, "max_tokens: Input should be greater than or equal to 1")
+        limit = _max_output(body["model"])
+        if max_tokens > limit:
+            raise Invalid(
+                400,
+                f"max_tokens: {max_tokens} > {limit}, which is the maximum allowed number of output tokens "
+                f"for {body['model']}",
+            )
+        thinking = body.get("thinking") or {}
+        if thinking.get("type") == "enabled":
+            budget = thinking.get("budget_tokens")
+            if not isinstance(budget, int) or budget < 1024:
+                raise Invalid(
+                    400, "thinking.enabled.budget_tokens: Input should be greater than or equal to 1024"
+                )
+            if need_max_tokens and budget >= max_tokens:
+                raise Invalid(400, "`max_tokens` must be greater than `thinking.budget_tokens`.")
         temperature = body.get("temperature")
         if temperature is not None and not (isinstance(temperature, int | float) and 0 <= temperature <= 1):
             raise Invalid(400, "temperature: Input should be less than or equal to 1")
@@ -361,6 +382,22 @@ class FakeAnthropic(FakeServer):
         if model not in self.models:
             return self.error_response(404, f"model: {model}")
         return self.json_response(request, _model_object(model))
+
+
+# the largest max_tokens each model accepts (longest prefix wins)
+MAX_OUTPUT_TOKENS = {
+    "claude-sonnet-4": 64000,
+    "claude-opus-4-5": 64000,
+    "claude-opus-4": 32000,
+    "claude-haiku-4-5": 64000,
+    "claude-3-7-sonnet": 64000,
+    "claude-3-5-haiku": 8192,
+}
+
+
+def _max_output(model: str) -> int:
+    matches = [p for p in MAX_OUTPUT_TOKENS if model.startswith(p)]
+    return MAX_OUTPUT_TOKENS[max(matches, key=len)] if matches else 64000
 
 
 def _ttl(block: dict[str, Any]) -> str | None:

@@ -13,6 +13,8 @@ calls, sent whole in one chunk as Gemini does; a ``thought: true`` part when
 ``thinkingConfig.includeThoughts``), ``finishReason`` (``STOP``, ``MAX_TOKENS``), ``usageMetadata`` and
 ``modelVersion``/``responseId``. Every stream chunk carries the usage so far, the last one the total.
 
+Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents`` and ``maxOutputTokens`` outside 1..65536.
+
 Usage: ``promptTokenCount`` counts every prompt token including ``cachedContentTokenCount``, which is
 reported when the request names a ``cachedContent`` created earlier (its whole size; creating one
 needs at least ``fake.min_cache_tokens`` tokens, 1024 by default). ``thoughtsTokenCount`` is reported
@@ -36,6 +38,7 @@ from tests.fakes.util import deep_merge, huge_text
 
 IMAGE_TOKENS = 258
 THOUGHT_TOKENS = 64
+MAX_OUTPUT_TOKENS = 65536
 EMBEDDING_DIMS = {"gemini-embedding-001": 3072, "text-embedding-004": 768}
 _STATUS = {
     400: ("INVALID_ARGUMENT", "Request contains an invalid argument."),
@@ -237,6 +240,13 @@ class FakeGemini(FakeServer):
     ) -> web.StreamResponse:
         if not body.get("contents"):
             raise Invalid(400, "* GenerateContentRequest.contents: contents is not specified\n")
+        limit = body.get("generationConfig", {}).get("maxOutputTokens")
+        if limit is not None and not 1 <= limit <= MAX_OUTPUT_TOKENS:
+            raise Invalid(
+                400,
+                f"Unable to submit request because it has a maxOutputTokens value of {limit} but the supported "
+                f"range is from 1 (inclusive) to {MAX_OUTPUT_TOKENS + 1} (exclusive). Update the value and try again.",
+            )
         cached_tokens = 0
         if body.get("cachedContent"):
             cache = self.cached_contents.get(body["cachedContent"].removeprefix("cachedContents/"))

@@ -20,6 +20,11 @@ least 1024 tokens; the longest prefix seen before, in 128-token steps), and
 ``reasoning_effort`` is set (minimal 0, low 64, medium 192, high 512), counted inside
 ``completion_tokens``.
 
+Rejects with OpenAI's 400 what OpenAI rejects, so gateway translation bugs surface: ``max_tokens``
+above the model's limit (`MAX_OUTPUT_TOKENS`), ``stream_options`` without ``stream``, ``temperature``
+outside 0..2, ``n`` outside 1..128, empty ``messages``, unknown roles, a ``tool`` message with no
+matching ``tool_calls`` before it, a body that is not JSON.
+
 ``FakeOpenAI(flavour="deepseek")`` speaks DeepSeek's dialect instead: models ``deepseek-chat`` and
 ``deepseek-reasoner``, usage ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens`` (64-token cache
 units, no ``prompt_tokens_details``), and ``reasoning_content`` from ``deepseek-reasoner``.
@@ -227,6 +232,22 @@ class FakeOpenAI(FakeServer):
                     param=name,
                     code="integer_below_min_value",
                 )
+            limit = _max_output(model)
+            if value is not None and limit is not None and value > limit:
+                raise BadRequest(
+                    400,
+                    f"{name} is too large: {value}. This model supports at most {limit} completion tokens, "
+                    f"whereas you provided {value}.",
+                    param=name,
+                    code="invalid_value",
+                )
+        if body.get("stream_options") is not None and not body.get("stream"):
+            raise BadRequest(
+                400,
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                param="stream_options",
+                code="invalid_value",
+            )
         temperature = body.get("temperature")
         if temperature is not None and not (isinstance(temperature, int | float) and 0 <= temperature <= 2):
             raise BadRequest(
@@ -591,6 +612,24 @@ class FakeOpenAI(FakeServer):
                 404, f"The model '{model}' does not exist", param="model", code="model_not_found"
             )
         return self.json_response(request, _model_object(model, self.flavour))
+
+
+# the largest max_tokens each model family accepts (longest prefix wins); others: no limit
+MAX_OUTPUT_TOKENS = {
+    "gpt-4o": 16384,
+    "gpt-4.1": 32768,
+    "gpt-5": 128000,
+    "o3": 100000,
+    "o4": 100000,
+    "gpt-3.5-turbo-instruct": 4096,
+    "deepseek-chat": 8192,
+    "deepseek-reasoner": 65536,
+}
+
+
+def _max_output(model: str) -> int | None:
+    matches = [p for p in MAX_OUTPUT_TOKENS if model.startswith(p)]
+    return MAX_OUTPUT_TOKENS[max(matches, key=len)] if matches else None
 
 
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
