@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import click
+
+CONFIG_ENV = "WEIR_CONFIG"
+LOG_LEVEL_ENV = "WEIR_LOG_LEVEL"
+
+
+def app_from_env() -> Any:
+    """The app for a server worker process: the config path and log level come from the environment
+    (granian starts workers from an import string, not from an app object)."""
+    from gateway.app import create_app
+    from gateway.config import load_config
+    from gateway.logging import configure_logging
+
+    config = load_config(os.environ[CONFIG_ENV])
+    configure_logging(os.environ.get(LOG_LEVEL_ENV) or config.server.log_level)
+    return create_app(config)
 
 
 @click.command()
@@ -17,24 +35,50 @@ import click
 @click.option("--host", default=None, help="Interface to bind [default: server.host, else 127.0.0.1].")
 @click.option("--port", type=int, default=None, help="Port to listen on [default: server.port, else 8080].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
-def serve(config_path: str, host: str | None, port: int | None, log_level: str | None) -> None:
+@click.option(
+    "--server",
+    "server_kind",
+    type=click.Choice(["granian", "uvicorn"]),
+    default="granian",
+    show_default=True,
+    help="HTTP server: granian (Rust I/O, the faster) or uvicorn.",
+)
+def serve(
+    config_path: str, host: str | None, port: int | None, log_level: str | None, server_kind: str
+) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway."""
-    import uvicorn
-
-    from gateway.app import create_app
     from gateway.config import ConfigError, load_config
-    from gateway.logging import configure_logging
 
     try:
-        config = load_config(config_path)
+        config = load_config(config_path)  # here first, so a bad config is reported before any worker starts
     except ConfigError as exc:
         raise click.ClickException(f"{config_path}: {exc}") from None
-    configure_logging(log_level or config.server.log_level)
+    os.environ[CONFIG_ENV] = os.path.abspath(config_path)
+    if log_level:
+        os.environ[LOG_LEVEL_ENV] = log_level
+    bind_host, bind_port = host or config.server.host, port or config.server.port
+    if server_kind == "granian":
+        from granian import Granian
+
+        Granian(
+            "gateway.cli:app_from_env",
+            factory=True,
+            address=bind_host,
+            port=bind_port,
+            interface="asgi",  # type: ignore[arg-type]
+            workers=1,
+            websockets=False,
+            log_level="warning",  # type: ignore[arg-type]
+            log_access=False,  # the gateway logs one structured line per request itself
+        ).serve()
+        return
+    import uvicorn
+
     uvicorn.run(
-        create_app(config),
-        host=host or config.server.host,
-        port=port or config.server.port,
+        app_from_env(),
+        host=bind_host,
+        port=bind_port,
         log_level="warning",
-        access_log=False,  # the gateway logs one structured line per request itself
+        access_log=False,
         timeout_graceful_shutdown=30,
     )

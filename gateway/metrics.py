@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from gateway.usage import Usage
@@ -35,6 +37,21 @@ class Metrics:
         )
         self.errors = Counter("weir_errors", "Errors by type", (*labels, "type"), registry=self.registry)
         self.in_flight = Gauge("weir_requests_in_flight", "Requests being served", registry=self.registry)
+        # Labelled children, looked up once: `labels()` takes a lock and builds a key on every call.
+        # Label values are bounded (configured backends and models, status codes), so are these.
+        self._done: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
+        self._tokens: dict[tuple[str, str, str], Any] = {}
+
+    def request_done(self, endpoint: str, backend: str, model: str, status: int, seconds: float) -> None:
+        key = (endpoint, backend, model, status)
+        children = self._done.get(key)
+        if children is None:
+            children = self._done[key] = (
+                self.requests.labels(endpoint, backend, model, str(status)),
+                self.latency.labels(endpoint, backend, model),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def record_tokens(self, backend: str, model: str, usage: Usage) -> None:
         for token_class, count in (
@@ -46,7 +63,11 @@ class Metrics:
             ("reasoning", usage.reasoning_tokens),
         ):
             if count:
-                self.tokens.labels(backend, model, token_class).inc(count)
+                key = (backend, model, token_class)
+                child = self._tokens.get(key)
+                if child is None:
+                    child = self._tokens[key] = self.tokens.labels(backend, model, token_class)
+                child.inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

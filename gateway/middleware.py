@@ -3,9 +3,9 @@ per API request when its last byte is sent (streams included), and the request m
 
 from __future__ import annotations
 
+import os
 import re
 import time
-import uuid
 from typing import Any
 
 import structlog
@@ -32,7 +32,7 @@ def request_middleware(metrics: Metrics) -> Any:
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
-            raw_id = _incoming_id(scope) or uuid.uuid4().hex.encode()
+            raw_id = _incoming_id(scope) or os.urandom(16).hex().encode()
             info = RequestInfo(request_id=raw_id.decode())
             scope.setdefault("state", {})["weir"] = info  # type: ignore[typeddict-unknown-key]
             api = scope["path"].startswith("/v1/")
@@ -46,9 +46,10 @@ def request_middleware(metrics: Metrics) -> Any:
                 if not api:
                     return
                 elapsed = time.perf_counter() - started
-                labels = (info.endpoint or "unknown", info.backend or "none", info.model or "none")
-                metrics.requests.labels(*labels, str(status)).inc()
-                metrics.latency.labels(*labels).observe(elapsed)
+                # The model label only once a backend was chosen: clients cannot mint label values.
+                backend = info.backend or "none"
+                model = info.model if info.backend else "none"
+                metrics.request_done(info.endpoint or "unknown", backend, model, status, elapsed)
                 usage = info.usage
                 log.info(
                     "request",

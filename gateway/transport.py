@@ -8,7 +8,8 @@ anything else that breaks the exchange -> 502.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -24,8 +25,17 @@ MAX_RESPONSE_BODY = 64 * 1024 * 1024  # a non-streaming response larger than thi
 @dataclass(slots=True)
 class UpstreamResponse:
     status: int
-    headers: dict[str, str]
+    headers: Mapping[str, str]
     raw: aiohttp.ClientResponse
+
+
+@functools.lru_cache(maxsize=256)
+def _client_timeout(timeouts: Timeouts, stream: bool) -> aiohttp.ClientTimeout:
+    # Streams may go quiet between chunks for `read` seconds; a whole response is bounded by the
+    # first-byte timeout (headers) and then `read` (body) in Transport.read.
+    return aiohttp.ClientTimeout(
+        total=None, sock_connect=timeouts.connect, sock_read=timeouts.read if stream else None
+    )
 
 
 class Transport:
@@ -47,13 +57,14 @@ class Transport:
 
     async def send(self, request: UpstreamRequest, timeouts: Timeouts, backend: str) -> UpstreamResponse:
         """Send a request and wait for the response headers (not the body)."""
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=timeouts.connect, sock_read=timeouts.read if request.stream else None
-        )
         try:
             async with asyncio.timeout(timeouts.first_byte):
                 response = await self.session.request(
-                    request.method, request.url, data=request.body, headers=request.headers, timeout=timeout
+                    request.method,
+                    request.url,
+                    data=request.body,
+                    headers=request.headers,
+                    timeout=_client_timeout(timeouts, request.stream),
                 )
         except TimeoutError:
             raise GatewayTimeout(
@@ -63,16 +74,19 @@ class Transport:
             raise BackendUnavailable(f"cannot connect to backend {backend}: {exc.strerror or exc}") from None
         except aiohttp.ClientError as exc:
             raise BadGateway(f"backend {backend} failed: {_describe(exc)}") from None
-        return UpstreamResponse(response.status, dict(response.headers), response)
+        return UpstreamResponse(response.status, response.headers, response)
 
     async def read(self, response: UpstreamResponse, timeouts: Timeouts, backend: str, limit: int) -> bytes:
+        raw = response.raw
         try:
             async with asyncio.timeout(timeouts.read):
+                if raw.content_length is not None and raw.content_length <= limit:
+                    return await raw.read()
                 body = bytearray()
-                async for chunk in response.raw.content.iter_any():
+                async for chunk in raw.content.iter_any():
                     body += chunk
                     if len(body) > limit:
-                        response.raw.close()
+                        raw.close()
                         raise BadGateway(f"backend {backend} sent a response larger than {limit} bytes")
                 return bytes(body)
         except TimeoutError:
@@ -80,7 +94,7 @@ class Transport:
         except aiohttp.ClientError as exc:
             raise BadGateway(f"backend {backend} failed mid-response: {_describe(exc)}") from None
         finally:
-            response.raw.release()
+            raw.release()
 
     async def events(self, response: UpstreamResponse, backend: str) -> AsyncIterator[tuple[str | None, str]]:
         """Server-sent events as (event name, data) pairs. Comments and retry/id fields are skipped."""

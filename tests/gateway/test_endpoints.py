@@ -111,7 +111,8 @@ def test_metrics(gateway: RunningGateway) -> None:
     assert (
         'weir_requests_total{backend="anthropic",endpoint="chat",model="claude-sonnet",status="200"}' in text
     )
-    assert 'weir_requests_total{backend="none",endpoint="chat",model="ghost",status="404"}' in text
+    assert 'weir_requests_total{backend="none",endpoint="chat",model="none",status="404"}' in text
+    assert "ghost" not in text  # clients cannot mint label values
     assert (
         'weir_request_duration_seconds_bucket{backend="anthropic",endpoint="chat",le="0.5",model="claude-sonnet"}'
         in text

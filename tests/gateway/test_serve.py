@@ -11,14 +11,20 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import EXAMPLE
 
 
+@pytest.mark.parametrize("server_kind", ["granian", "uvicorn"])
 def test_weir_serve_with_the_example_config(
-    tmp_path: Path, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini
+    tmp_path: Path,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    server_kind: str,
 ) -> None:
     config = tmp_path / "weir.yaml"
     config.write_text(EXAMPLE)
@@ -35,7 +41,7 @@ def test_weir_serve_with_the_example_config(
     }
     weir = Path(sys.executable).with_name("weir")
     server = subprocess.Popen(
-        [str(weir), "serve", "--config", str(config), "--port", str(port)],
+        [str(weir), "serve", "--config", str(config), "--port", str(port), "--server", server_kind],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
