@@ -33,9 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -305,6 +306,13 @@ def bare_server(upstream: str) -> Server:
     return Server("bare", f"http://127.0.0.1:{port}/v1/chat/completions", "unused", cmd)
 
 
+def floor_server(kind: str, upstream: str) -> Server:
+    """A pass-through on Weir's own stack (uvicorn, optionally Litestar): the floor under Weir's cost."""
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", kind, str(port), upstream]
+    return Server(kind, f"http://127.0.0.1:{port}/v1/chat/completions", "unused", cmd)
+
+
 def ensure_litellm() -> None:
     if (LITELLM_VENV / "bin" / "litellm").exists():
         return
@@ -348,6 +356,73 @@ def serve_bare_proxy(port: int, upstream: str) -> None:
 
     _use_uvloop()
     web.run_app(make_app(), host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def serve_floor(kind: str, port: int, upstream: str) -> None:
+    """`asgi`: uvicorn + a raw ASGI pass-through; `litestar`: uvicorn + a one-route Litestar
+    pass-through. Both forward with one shared aiohttp session, as Weir does."""
+    import uvicorn
+
+    sessions: list[aiohttp.ClientSession] = []
+    headers = {"content-type": "application/json", "authorization": f"Bearer {UPSTREAM_KEY}"}
+
+    def session() -> aiohttp.ClientSession:
+        if not sessions:
+            sessions.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+        return sessions[0]
+
+    async def relay(upstream_response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        async with upstream_response:
+            async for chunk in upstream_response.content.iter_any():
+                yield chunk
+
+    app: Any
+    if kind == "asgi":
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] == "lifespan":
+                while (await receive())["type"] != "lifespan.shutdown":
+                    await send({"type": "lifespan.startup.complete"})
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+            body, more = b"", True
+            while more:
+                message = await receive()
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+            response = await session().post(f"{upstream}{scope['path']}", data=body, headers=headers)
+            content_type = response.headers.get("content-type", "application/json").encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status,
+                    "headers": [(b"content-type", content_type)],
+                }
+            )
+            async for chunk in relay(response):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+
+    else:
+        from litestar import Litestar, Request, Response, post
+        from litestar.response import Stream
+
+        @post("/v1/chat/completions", status_code=200)
+        async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
+            body = await request.body()
+            response = await session().post(f"{upstream}{request.url.path}", data=body, headers=headers)
+            content_type = response.headers.get("content-type", "application/json")
+            if content_type.startswith("text/event-stream"):
+                return Stream(relay(response), media_type=content_type)
+            async with response:
+                return Response(await response.read(), media_type=content_type)
+
+        # annotations are strings here (__future__), and these names are local: tell Litestar
+        app = Litestar(
+            route_handlers=[chat], signature_namespace={"Request": Request, "Response": Response, "Any": Any}
+        )
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 def _use_uvloop() -> None:
@@ -443,7 +518,12 @@ def combine(rounds: list[Result]) -> Result:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Weir vs LiteLLM vs bare proxy overhead, side by side.")
-    parser.add_argument("--targets", default="bare,weir,litellm", help="comma-separated: bare, weir, litellm")
+    parser.add_argument(
+        "--targets",
+        default="bare,weir,litellm",
+        help="comma-separated: bare, weir, litellm, and the floors under Weir's stack: asgi (uvicorn + raw "
+        "ASGI pass-through), litestar (uvicorn + one-route Litestar pass-through)",
+    )
     parser.add_argument("--concurrency", default="1,32", help="comma-separated concurrency levels")
     parser.add_argument("--requests", type=int, default=3000, help="max requests per measurement")
     parser.add_argument("--duration", type=float, default=10.0, help="max seconds per measurement")
@@ -453,9 +533,15 @@ def main() -> None:
     parser.add_argument("--litellm-workers", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--serve-bare-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--serve-floor", nargs=3, metavar=("KIND", "PORT", "UPSTREAM"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.serve_bare_proxy:
         serve_bare_proxy(int(args.serve_bare_proxy[0]), args.serve_bare_proxy[1])
+        return
+    if args.serve_floor:
+        serve_floor(args.serve_floor[0], int(args.serve_floor[1]), args.serve_floor[2])
         return
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -477,6 +563,8 @@ def main() -> None:
         )
         factories = {
             "bare": lambda: bare_server(upstream),
+            "asgi": lambda: floor_server("asgi", upstream),
+            "litestar": lambda: floor_server("litestar", upstream),
             "weir": lambda: weir_server(upstream, workdir),
             "litellm": lambda: litellm_server(upstream, workdir, args.litellm_workers),
         }
