@@ -310,7 +310,8 @@ def floor_server(kind: str, upstream: str) -> Server:
     """A pass-through on Weir's own stack (uvicorn, optionally Litestar): the floor under Weir's cost."""
     port = free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", kind, str(port), upstream]
-    return Server(kind, f"http://127.0.0.1:{port}/v1/chat/completions", "unused", cmd)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    return Server(kind, f"http://127.0.0.1:{port}/v1/chat/completions", "unused", cmd, env)
 
 
 def ensure_litellm() -> None:
@@ -358,11 +359,15 @@ def serve_bare_proxy(port: int, upstream: str) -> None:
     web.run_app(make_app(), host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def serve_floor(kind: str, port: int, upstream: str) -> None:
-    """`asgi`: uvicorn + a raw ASGI pass-through; `litestar`: uvicorn + a one-route Litestar
-    pass-through. Both forward with one shared aiohttp session, as Weir does."""
-    import uvicorn
+FLOOR_APP_ENV = "WEIR_BENCH_FLOOR_APP"  # "asgi" or "litestar"
+FLOOR_UPSTREAM_ENV = "WEIR_BENCH_FLOOR_UPSTREAM"
 
+
+def floor_app() -> Any:
+    """The pass-through app of a floor, from the environment (granian imports it by name):
+    `asgi` is a raw ASGI app, `litestar` a one-route Litestar app; both forward through one shared
+    aiohttp session, as Weir does."""
+    kind, upstream = os.environ[FLOOR_APP_ENV], os.environ[FLOOR_UPSTREAM_ENV]
     sessions: list[aiohttp.ClientSession] = []
     headers = {"content-type": "application/json", "authorization": f"Bearer {UPSTREAM_KEY}"}
 
@@ -376,7 +381,6 @@ def serve_floor(kind: str, port: int, upstream: str) -> None:
             async for chunk in upstream_response.content.iter_any():
                 yield chunk
 
-    app: Any
     if kind == "asgi":
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -403,26 +407,50 @@ def serve_floor(kind: str, port: int, upstream: str) -> None:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
 
-    else:
-        from litestar import Litestar, Request, Response, post
-        from litestar.response import Stream
+        return app
 
-        @post("/v1/chat/completions", status_code=200)
-        async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
-            body = await request.body()
-            response = await session().post(f"{upstream}{request.url.path}", data=body, headers=headers)
-            content_type = response.headers.get("content-type", "application/json")
-            if content_type.startswith("text/event-stream"):
-                return Stream(relay(response), media_type=content_type)
-            async with response:
-                return Response(await response.read(), media_type=content_type)
+    from litestar import Litestar, Request, Response, post
+    from litestar.response import Stream
 
-        # annotations are strings here (__future__), and these names are local: tell Litestar
-        app = Litestar(
-            route_handlers=[chat], signature_namespace={"Request": Request, "Response": Response, "Any": Any}
-        )
+    @post("/v1/chat/completions", status_code=200)
+    async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
+        body = await request.body()
+        response = await session().post(f"{upstream}{request.url.path}", data=body, headers=headers)
+        content_type = response.headers.get("content-type", "application/json")
+        if content_type.startswith("text/event-stream"):
+            return Stream(relay(response), media_type=content_type)
+        async with response:
+            return Response(await response.read(), media_type=content_type)
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    # annotations are strings here (__future__), and these names are local: tell Litestar
+    return Litestar(
+        route_handlers=[chat], signature_namespace={"Request": Request, "Response": Response, "Any": Any}
+    )
+
+
+def serve_floor(kind: str, port: int, upstream: str) -> None:
+    """Serve a floor (`<server>-<app>`: uvicorn or granian, asgi or litestar) as `weir serve` would."""
+    server, _, app = kind.partition("-")
+    os.environ[FLOOR_APP_ENV], os.environ[FLOOR_UPSTREAM_ENV] = app, upstream
+    if server == "granian":
+        from granian import Granian
+
+        sys.path.insert(0, str(HERE))
+        Granian(
+            f"{Path(__file__).stem}:floor_app",
+            factory=True,
+            address="127.0.0.1",
+            port=port,
+            interface="asgi",  # type: ignore[arg-type]
+            workers=1,
+            websockets=False,
+            log_level="warning",  # type: ignore[arg-type]
+            log_access=False,
+        ).serve()
+        return
+    import uvicorn
+
+    uvicorn.run(floor_app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 def _use_uvloop() -> None:
@@ -436,14 +464,14 @@ def _use_uvloop() -> None:
 
 
 def print_table(results: list[Result]) -> None:
-    header = f"{'target':<9}{'conc':>5}{'requests':>9}{'errors':>7}{'RPS':>9}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'RSS MB':>9}"
+    header = f"{'target':<17}{'conc':>5}{'requests':>9}{'errors':>7}{'RPS':>9}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'RSS MB':>9}"
     print(header)
     print("-" * len(header))
     for r in results:
         added = f"{r.added_p50_ms:.3f}" if r.added_p50_ms is not None else "-"
         rss = f"{r.rss_mb:.0f}" if r.rss_mb is not None else "-"
         print(
-            f"{r.target:<9}{r.concurrency:>5}{r.requests:>9}{r.errors:>7}{r.rps:>9.1f}{r.p50_ms:>9.3f}"
+            f"{r.target:<17}{r.concurrency:>5}{r.requests:>9}{r.errors:>7}{r.rps:>9.1f}{r.p50_ms:>9.3f}"
             f"{r.p99_ms:>9.3f}{added:>9}{rss:>9}"
         )
     for r in results:
@@ -521,8 +549,8 @@ def main() -> None:
     parser.add_argument(
         "--targets",
         default="bare,weir,litellm",
-        help="comma-separated: bare, weir, litellm, and the floors under Weir's stack: asgi (uvicorn + raw "
-        "ASGI pass-through), litestar (uvicorn + one-route Litestar pass-through)",
+        help="comma-separated: bare, weir, litellm, and the floors under Weir's stack: "
+        "{uvicorn,granian}-{asgi,litestar} (that server with a raw ASGI or a one-route Litestar pass-through)",
     )
     parser.add_argument("--concurrency", default="1,32", help="comma-separated concurrency levels")
     parser.add_argument("--requests", type=int, default=3000, help="max requests per measurement")
@@ -563,8 +591,10 @@ def main() -> None:
         )
         factories = {
             "bare": lambda: bare_server(upstream),
-            "asgi": lambda: floor_server("asgi", upstream),
-            "litestar": lambda: floor_server("litestar", upstream),
+            **{
+                floor: (lambda floor=floor: floor_server(floor, upstream))
+                for floor in ("uvicorn-asgi", "uvicorn-litestar", "granian-asgi", "granian-litestar")
+            },
             "weir": lambda: weir_server(upstream, workdir),
             "litellm": lambda: litellm_server(upstream, workdir, args.litellm_workers),
         }
