@@ -313,3 +313,9 @@ def test_rejects_what_anthropic_rejects(client: anthropic.Anthropic) -> None:
         client.messages.create(
             model=MODEL, max_tokens=10, messages=user("x"), extra_body={"temperature": 1.5}
         )
+
+
+def test_prefill_is_continued(client: anthropic.Anthropic) -> None:
+    messages = [*user("alpha beta gamma"), {"role": "assistant", "content": "alpha"}]
+    with client.messages.stream(model=MODEL, max_tokens=50, messages=messages) as stream:
+        assert "".join(stream.text_stream) == " beta gamma"

@@ -231,3 +231,14 @@ def test_rejects_what_gemini_rejects(http: httpx.Client) -> None:
     assert too_many.status_code == 400 and "maxOutputTokens" in too_many.json()["error"]["message"]
     empty = http.post(f"/models/{MODEL}:generateContent", json={"contents": []})
     assert empty.status_code == 400 and empty.json()["error"]["status"] == "INVALID_ARGUMENT"
+
+
+def test_trailing_model_turn_is_continued(http: httpx.Client) -> None:
+    body = {
+        "contents": [
+            {"role": "user", "parts": [{"text": "red green blue"}]},
+            {"role": "model", "parts": [{"text": "red green"}]},
+        ]
+    }
+    reply = http.post(f"/models/{MODEL}:generateContent", json=body).json()
+    assert reply["candidates"][0]["content"]["parts"][0]["text"] == " blue"

@@ -495,3 +495,11 @@ def test_rejects_what_openai_rejects(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="gpt-4o-mini", messages=user("x"), temperature=3)
     assert err.value.body["param"] == "temperature"
+
+
+def test_trailing_assistant_message_is_continued(client: openai.OpenAI) -> None:
+    # what a gateway sends to resume, on another backend, a stream that broke after "one two"
+    messages = [*user("one two three four"), {"role": "assistant", "content": "one two"}]
+    reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages)
+    assert reply.choices[0].message.content == " three four"
+    assert reply.usage.completion_tokens == 2

@@ -235,19 +235,24 @@ class FakeAnthropic(FakeServer):
     def _turn(self, body: dict[str, Any], tool_names: dict[str, str]) -> Turn:
         tools = [Tool(t["name"], t.get("input_schema") or {}) for t in body.get("tools") or [] if "name" in t]
         turn = Turn(tools=tools, stop=list(body.get("stop_sequences") or []), max_tokens=body["max_tokens"])
-        last = body["messages"][-1]
+        messages = body["messages"]
+        last = messages[-1]
+        content = last.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
         if last.get("role") == "user":
-            content = last.get("content")
-            if isinstance(content, str):
-                turn.last_user_text = content
-            else:
-                texts = [b.get("text", "") for b in content if b.get("type") == "text"]
-                turn.last_user_text = " ".join(texts)
-                turn.images = sum(1 for b in content if b.get("type") == "image")
-                results = [b for b in content if b.get("type") == "tool_result"]
-                if results:
-                    name = tool_names.get(results[-1].get("tool_use_id", ""), "")
-                    turn.tool_result = (name, _text_of(results[-1].get("content")))
+            turn.last_user_text = _text_of(blocks)
+            turn.images = sum(1 for b in blocks if b.get("type") == "image")
+            results = [b for b in blocks if b.get("type") == "tool_result"]
+            if results:
+                name = tool_names.get(results[-1].get("tool_use_id", ""), "")
+                turn.tool_result = (name, _text_of(results[-1].get("content")))
+        elif not any(b.get("type") == "tool_use" for b in blocks):
+            turn.prefill = _text_of(blocks)  # Anthropic continues a trailing assistant message
+            asked = next((m for m in reversed(messages) if m.get("role") == "user"), {})
+            asked_blocks = asked.get("content")
+            turn.last_user_text = _text_of(asked_blocks)
+            if isinstance(asked_blocks, list):
+                turn.images = sum(1 for b in asked_blocks if b.get("type") == "image")
         choice = body.get("tool_choice") or {}
         if choice.get("type") == "any":
             turn.forced_tool = "any"

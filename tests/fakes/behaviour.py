@@ -18,6 +18,9 @@ Replies, in order of precedence:
    string fields hold the last user text.
 4. Otherwise the last user message's text, verbatim, followed by ``[image]`` for each image in it
    (or "Hello! How can I help you today?" when there is no text).
+When the conversation ends with an assistant message (a prefill, or a gateway resuming a stream that
+broke on another backend), the reply continues it: if the text above starts with the prefill, only
+the rest is sent, so the prefill plus the reply is the whole echo.
 Then `stop` cuts the text before the first stop sequence (finish "stop"), and `max_tokens` keeps the
 first max_tokens words (finish "length").
 """
@@ -62,6 +65,7 @@ class Turn:
     json_schema: dict[str, Any] | None = None
     stop: list[str] = field(default_factory=list)
     max_tokens: int | None = None
+    prefill: str | None = None  # text of a trailing assistant message: the reply continues it
 
 
 @dataclass
@@ -97,6 +101,8 @@ def plan_reply(turn: Turn) -> Reply:
         text = json.dumps({"echo": turn.last_user_text})
     else:
         text = " ".join([turn.last_user_text, *["[image]"] * turn.images]).strip() or GREETING
+    if turn.prefill and text.startswith(turn.prefill):
+        text = text[len(turn.prefill) :]
     reply = Reply(text=text)
     for stop in turn.stop:
         cut = reply.text.find(stop) if stop else -1

@@ -193,8 +193,12 @@ class FakeGemini(FakeServer):
         )
         contents = body.get("contents") or []
         last = contents[-1] if contents else {}
-        if last.get("role", "user") == "user":
-            parts = last.get("parts") or []
+        asked = last
+        if last.get("role") == "model" and not any("functionCall" in p for p in last.get("parts") or []):
+            turn.prefill = " ".join(p["text"] for p in last.get("parts") or [] if "text" in p)
+            asked = next((c for c in reversed(contents) if c.get("role", "user") == "user"), {})
+        if asked.get("role", "user") == "user":
+            parts = asked.get("parts") or []
             turn.last_user_text = " ".join(p["text"] for p in parts if "text" in p)
             turn.images = sum(1 for p in parts if "inlineData" in p or "inline_data" in p or "fileData" in p)
             responses = [p["functionResponse"] for p in parts if "functionResponse" in p]

@@ -327,6 +327,11 @@ class FakeOpenAI(FakeServer):
         elif last.get("role") in ("user", "system", "developer"):
             text, images = _content_text(last.get("content"))
             turn.last_user_text, turn.images = text, len(images)
+        elif last.get("role") == "assistant" and not last.get("tool_calls"):
+            turn.prefill = _content_text(last.get("content"))[0]
+            asked = next((m for m in reversed(messages) if m.get("role") == "user"), {})
+            text, images = _content_text(asked.get("content"))
+            turn.last_user_text, turn.images = text, len(images)
         choice = body.get("tool_choice")
         if choice == "none":
             turn.tools_disabled = True
