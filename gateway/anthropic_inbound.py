@@ -293,12 +293,79 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
-async def stream_events(chunks: AsyncIterator[ChatChunk], model: str) -> AsyncIterator[bytes]:
-    """Canonical chunks as Anthropic's event sequence. Usage is only final at the end of an upstream
-    stream, so message_start reports zeros and message_delta carries the whole usage."""
-    message_id = new_id("msg_")
+class _EventWriter:
+    """Canonical chunks -> Anthropic events; keeps which content block is open."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open_kind: str | None = None  # "text" or "tool"
+        self.tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> content block index
+        self.finish: str | None = None
+        self.usage = Usage()
+
+    def close_block(self, out: list[bytes]) -> None:
+        if self.open_kind is not None:
+            self.open_kind = None
+            out.append(_event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+
+    def open_block(self, kind: str, block: dict[str, Any], out: list[bytes]) -> None:
+        self.close_block(out)
+        self.index += 1
+        self.open_kind = kind
+        out.append(
+            _event(
+                "content_block_start",
+                {"type": "content_block_start", "index": self.index, "content_block": block},
+            )
+        )
+
+    def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        for choice in chunk.choices[:1]:
+            delta = choice.delta
+            if delta.content:
+                if self.open_kind != "text":
+                    self.open_block("text", {"type": "text", "text": ""}, out)
+                text_delta = {"type": "text_delta", "text": delta.content}
+                out.append(
+                    _event(
+                        "content_block_delta",
+                        {"type": "content_block_delta", "index": self.index, "delta": text_delta},
+                    )
+                )
+            for call in delta.tool_calls or ():
+                if call.index not in self.tool_blocks:
+                    name = (call.function.name if call.function else None) or ""
+                    block = {"type": "tool_use", "id": call.id or new_id("toolu_"), "name": name, "input": {}}
+                    self.open_block("tool", block, out)
+                    self.tool_blocks[call.index] = self.index
+                arguments = call.function.arguments if call.function else None
+                if arguments:
+                    json_delta = {"type": "input_json_delta", "partial_json": arguments}
+                    event = {
+                        "type": "content_block_delta",
+                        "index": self.tool_blocks[call.index],
+                        "delta": json_delta,
+                    }
+                    out.append(_event("content_block_delta", event))
+            if choice.finish_reason:
+                self.finish = choice.finish_reason
+
+    def end(self, out: list[bytes]) -> None:
+        self.close_block(out)
+        stop_reason = STOP_REASONS.get(self.finish or "stop", "end_turn")
+        delta = {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": None}}
+        out.append(_event("message_delta", {**delta, "usage": anthropic_usage(self.usage)}))
+        out.append(_event("message_stop", {"type": "message_stop"}))
+
+
+async def stream_events(batches: AsyncIterator[list[ChatChunk]], model: str) -> AsyncIterator[bytes]:
+    """Batches of canonical chunks as Anthropic's event sequence, one write per batch. Usage is only
+    final at the end of an upstream stream, so message_start reports zeros and message_delta carries
+    the whole usage."""
     start = {
-        "id": message_id,
+        "id": new_id("msg_"),
         "type": "message",
         "role": "assistant",
         "model": model,
@@ -307,85 +374,20 @@ async def stream_events(chunks: AsyncIterator[ChatChunk], model: str) -> AsyncIt
         "stop_sequence": None,
         "usage": anthropic_usage(Usage()),
     }
-    yield _event("message_start", {"type": "message_start", "message": start})
-    yield _event("ping", {"type": "ping"})
-    index = -1
-    open_kind: str | None = None  # "text" or "tool"
-    tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> content block index
-    finish: str | None = None
-    usage = Usage()
-
-    def close_block() -> bytes | None:
-        nonlocal open_kind
-        if open_kind is None:
-            return None
-        open_kind = None
-        return _event("content_block_stop", {"type": "content_block_stop", "index": index})
-
+    writer = _EventWriter()
+    out = [
+        _event("message_start", {"type": "message_start", "message": start}),
+        _event("ping", {"type": "ping"}),
+    ]
     try:
-        async for chunk in chunks:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices[:1]:
-                delta = choice.delta
-                if delta.content:
-                    if open_kind != "text":
-                        if (stop := close_block()) is not None:
-                            yield stop
-                        index += 1
-                        open_kind = "text"
-                        block = {"type": "text", "text": ""}
-                        yield _event(
-                            "content_block_start",
-                            {"type": "content_block_start", "index": index, "content_block": block},
-                        )
-                    text_delta = {"type": "text_delta", "text": delta.content}
-                    yield _event(
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": index, "delta": text_delta},
-                    )
-                for call in delta.tool_calls or ():
-                    if call.index not in tool_blocks:
-                        if (stop := close_block()) is not None:
-                            yield stop
-                        index += 1
-                        open_kind = "tool"
-                        tool_blocks[call.index] = index
-                        name = call.function.name if call.function else ""
-                        block = {
-                            "type": "tool_use",
-                            "id": call.id or new_id("toolu_"),
-                            "name": name or "",
-                            "input": {},
-                        }
-                        yield _event(
-                            "content_block_start",
-                            {"type": "content_block_start", "index": index, "content_block": block},
-                        )
-                    arguments = call.function.arguments if call.function else None
-                    if arguments:
-                        json_delta = {"type": "input_json_delta", "partial_json": arguments}
-                        event = {
-                            "type": "content_block_delta",
-                            "index": tool_blocks[call.index],
-                            "delta": json_delta,
-                        }
-                        yield _event("content_block_delta", event)
-                if choice.finish_reason:
-                    finish = choice.finish_reason
+        async for batch in batches:
+            for chunk in batch:
+                writer.chunk(chunk, out)
+            if out:
+                yield b"".join(out)
+                out = []
     except GatewayError as exc:
-        yield b"event: error\ndata: " + encode_anthropic_error(exc) + b"\n\n"
+        yield b"".join([*out, b"event: error\ndata: ", encode_anthropic_error(exc), b"\n\n"])
         return
-    if (stop := close_block()) is not None:
-        yield stop
-    final_usage = anthropic_usage(usage)
-    stop_reason = STOP_REASONS.get(finish or "stop", "end_turn")
-    yield _event(
-        "message_delta",
-        {
-            "type": "message_delta",
-            "delta": {"stop_reason": stop_reason, "stop_sequence": None},
-            "usage": final_usage,
-        },
-    )
-    yield _event("message_stop", {"type": "message_stop"})
+    writer.end(out)
+    yield b"".join(out)

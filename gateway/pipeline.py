@@ -134,8 +134,10 @@ class Pipeline:
     async def stream(
         self, call: Call, target: Target, upstream: UpstreamRequest, decoder: StreamDecoder, attempt: int = 1
     ) -> AsyncIterator[Any]:
-        """A streaming attempt. Errors before the first chunk raise here, so the API can still answer
-        with an HTTP error status (and the router can fail over invisibly); later ones raise mid-stream."""
+        """A streaming attempt, as batches (lists) of canonical chunks: the chunks decoded from one
+        upstream read, for the API to write in one piece. Errors before the first batch raise here, so
+        the API can still answer with an HTTP error status (and the router can fail over invisibly);
+        later ones raise mid-stream."""
         chunks = self._stream(call, target, upstream, decoder, attempt)
         try:
             first = await anext(chunks)
@@ -157,18 +159,29 @@ class Pipeline:
             if status >= 400:
                 body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
                 raise target.provider.error(status, body, response.headers)
-            async for event, data in self.transport.events(response, backend.name):
-                for chunk in decoder.feed(event, data):
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                    elif ttft is None:
-                        ttft = time.perf_counter() - t0
-                        call.info.ttft = ttft
-                    yield chunk
-            for chunk in decoder.close():
+            async for events in self.transport.events(response, backend.name):
+                batch: list[Any] = []
+                try:
+                    for event, data in events:
+                        for chunk in decoder.feed(event, data):
+                            if chunk.usage is not None:
+                                usage = chunk.usage
+                            elif ttft is None:
+                                ttft = time.perf_counter() - t0
+                                call.info.ttft = ttft
+                            batch.append(chunk)
+                except GatewayError:
+                    if batch:
+                        yield batch  # what arrived before the failure still reaches the client
+                    raise
+                if batch:
+                    yield batch
+            tail = decoder.close()
+            for chunk in tail:
                 if chunk.usage is not None:
                     usage = chunk.usage
-                yield chunk
+            if tail:
+                yield tail
         except GatewayError as exc:
             failure = exc.type
             if 0 < status < 400:  # answered, then broke: the attempt failed as the client saw it

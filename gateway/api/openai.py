@@ -50,12 +50,13 @@ def _sse_error(error: GatewayError) -> bytes:
     return b"data: " + encode_openai_error(error) + b"\n\n"
 
 
-async def chat_sse(chunks: AsyncIterator[ChatChunk], include_usage: bool) -> AsyncIterator[bytes]:
+async def chat_sse(batches: AsyncIterator[list[ChatChunk]], include_usage: bool) -> AsyncIterator[bytes]:
     try:
-        async for chunk in chunks:
-            if chunk.usage is not None and not include_usage:
-                continue  # Weir always asks for usage (accounting); the client did not
-            yield render_chunk(chunk)
+        async for batch in batches:
+            # Weir always asks for usage (accounting); the usage chunk goes on only if the client asked.
+            frames = [render_chunk(c) for c in batch if c.usage is None or include_usage]
+            if frames:
+                yield b"".join(frames)
     except GatewayError as exc:
         yield _sse_error(exc)
         return
@@ -143,26 +144,30 @@ def _text_choices(choices: list[Any], delta: bool) -> list[dict[str, Any]]:
     return result
 
 
+def _completion_frame(chunk: Any, native: bool) -> bytes:
+    if native:
+        data = chunk.data
+    else:
+        data = {
+            "id": chunk.id,
+            "object": "text_completion",
+            "created": chunk.created,
+            "model": chunk.model,
+            "choices": _text_choices(chunk.choices, delta=True),
+        }
+    if chunk.usage is not None:
+        data["usage"] = openai_usage(chunk.usage)
+    return b"data: " + _encode(data) + b"\n\n"
+
+
 async def _completion_sse(
-    chunks: AsyncIterator[Any], include_usage: bool, native: bool
+    batches: AsyncIterator[list[Any]], include_usage: bool, native: bool
 ) -> AsyncIterator[bytes]:
     try:
-        async for chunk in chunks:
-            if native:
-                data = chunk.data
-            else:
-                data = {
-                    "id": chunk.id,
-                    "object": "text_completion",
-                    "created": chunk.created,
-                    "model": chunk.model,
-                    "choices": _text_choices(chunk.choices, delta=True),
-                }
-            if chunk.usage is not None:
-                if not include_usage:
-                    continue
-                data["usage"] = openai_usage(chunk.usage)
-            yield b"data: " + _encode(data) + b"\n\n"
+        async for batch in batches:
+            frames = [_completion_frame(c, native) for c in batch if c.usage is None or include_usage]
+            if frames:
+                yield b"".join(frames)
     except GatewayError as exc:
         yield _sse_error(exc)
         return

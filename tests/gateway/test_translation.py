@@ -291,8 +291,12 @@ async def test_anthropic_inbound_stream_events_for_text_then_tool() -> None:
             usage=Usage(input_tokens=5, cached_input_tokens=2, output_tokens=7),
         )
 
-    frames = [frame async for frame in stream_events(chunks(), "m")]
-    events = [json.loads(frame.split(b"\ndata: ", 1)[1]) for frame in frames]
+    async def batches():  # type: ignore[no-untyped-def]
+        async for item in chunks():
+            yield [item]
+
+    written = b"".join([piece async for piece in stream_events(batches(), "m")])
+    events = [json.loads(frame.split(b"\ndata: ", 1)[1]) for frame in written.strip().split(b"\n\n")]
     assert [e["type"] for e in events] == [
         "message_start",
         "ping",
