@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -18,9 +19,15 @@ from tests.conftest import free_port
 WEIR = Path(sys.executable).with_name("weir")
 
 
+@dataclass(frozen=True)
+class Gateway:
+    base: str  # http://127.0.0.1:PORT
+    process: subprocess.Popen[bytes]
+
+
 @contextmanager
-def weir_serve(config: Path, env: Mapping[str, str], cwd: Path, timeout: float = 60) -> Iterator[str]:
-    """`weir serve --config CONFIG` on a free loopback port; yields its base URL once /healthz answers."""
+def weir_serve(config: Path, env: Mapping[str, str], cwd: Path, timeout: float = 60) -> Iterator[Gateway]:
+    """`weir serve --config CONFIG` on a free loopback port, yielded once /healthz answers."""
     port = free_port()
     argv = [str(WEIR), "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen(argv, env=dict(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -36,10 +43,10 @@ def weir_serve(config: Path, env: Mapping[str, str], cwd: Path, timeout: float =
                 pass
             assert time.monotonic() < deadline, f"the gateway did not start within {timeout:g} s"
             time.sleep(0.2)
-        yield base
+        yield Gateway(base, process)
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        process.wait(timeout=60)
 
 
 @contextmanager

@@ -88,7 +88,7 @@ def replicas(
             weir_serve(config, env, tmp_path_factory.mktemp("gateway-1")) as first,
             weir_serve(config, env, tmp_path_factory.mktemp("gateway-2")) as second,
         ):
-            yield [first, second], env
+            yield [first.base, second.base], env
 
 
 def test_both_replicas_pass_the_images_health_check(replicas: tuple[list[str], dict[str, str]]) -> None:

@@ -46,8 +46,8 @@ def gateway(_fake_openai_server: FakeOpenAI, tmp_path_factory: pytest.TempPathFa
     }
     for name in ("WEIR_DATABASE_URL", "WEIR_REDIS_URL", "ANTHROPIC_API_KEY"):
         env.pop(name, None)
-    with weir_serve(DEPLOY / "compose" / "weir.yaml", env, tmp_path_factory.mktemp("state")) as base:
-        yield base
+    with weir_serve(DEPLOY / "compose" / "weir.yaml", env, tmp_path_factory.mktemp("state")) as served:
+        yield served.base
 
 
 def test_health_checks_pass_with_the_images_own_command(gateway: str) -> None:
