@@ -255,6 +255,8 @@ def test_vllm_is_fronted_as_an_openai_compatible_backend(vllm: list[dict[str, An
     assert model.upstream_model == served.split("=", 1)[1]
     (container,) = containers(find(vllm, "Deployment", "vllm"))
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # vLLM reports cache hits in usage only when asked; Weir prices them as cached input.
+    assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(container["args"])
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     # The overlay replaces the config instead of adding a second one.
     assert [o["metadata"]["name"] for o in vllm if o["kind"] == "ConfigMap"] == ["weir-config"]
