@@ -357,9 +357,7 @@ class FakeOpenAI(FakeServer):
             return 0
         return REASONING_TOKENS.get(effort or "medium", REASONING_TOKENS["medium"])
 
-    def _usage(
-        self, computed: ReportedUsage, completion_details: bool = True
-    ) -> tuple[ReportedUsage, dict[str, Any]]:
+    def _usage(self, computed: ReportedUsage, completion_details: bool = True) -> dict[str, Any]:
         usage, raw = self.take_usage(computed)
         prompt = usage.prompt_tokens
         rendered: dict[str, Any] = {
@@ -385,7 +383,7 @@ class FakeOpenAI(FakeServer):
             }
         if raw:
             deep_merge(rendered, raw)
-        return usage, rendered
+        return rendered
 
     # ---- handlers --------------------------------------------------------------------------------
 
@@ -402,7 +400,7 @@ class FakeOpenAI(FakeServer):
         n = body.get("n", 1)
         reasoning = self._reasoning_tokens(body, reply)
         cached = self.cache.lookup_and_store(prompt)
-        _, rendered = self._usage(
+        usage = self._usage(
             ReportedUsage(
                 input_tokens=len(prompt) - cached,
                 cached_input_tokens=cached,
@@ -410,86 +408,74 @@ class FakeOpenAI(FakeServer):
                 reasoning_tokens=n * reasoning,
             )
         )
-        created = int(time.time())
-        ident = f"chatcmpl-{secrets.token_urlsafe(21)}"
-        common = {"id": ident, "created": created, "model": body["model"]}
+        common: dict[str, Any] = {"id": f"chatcmpl-{secrets.token_urlsafe(21)}", "created": int(time.time())}
+        common |= {"model": body["model"], "system_fingerprint": "fp_fake0001"}
         if self.flavour == "openai":
             common["service_tier"] = "default"
-        common["system_fingerprint"] = "fp_fake0001"
-        finish = _FINISH[reply.finish]
         call_ids = [f"call_{secrets.token_urlsafe(18)}" for _ in range(n)]
         if not body.get("stream"):
-            choices = []
-            for i in range(n):
-                message: dict[str, Any] = {
-                    "role": "assistant",
-                    "content": None if reply.tool_name else reply.text,
+            choices = [
+                {
+                    "index": i,
+                    "message": self._message(body["model"], reply, call_ids[i]),
+                    "logprobs": None,
+                    "finish_reason": _FINISH[reply.finish],
                 }
-                if self.flavour == "openai":
-                    message |= {"refusal": None, "annotations": []}
-                elif body["model"] == "deepseek-reasoner":
-                    message["reasoning_content"] = _deepseek_reasoning(reply)
-                if reply.tool_name:
-                    message["tool_calls"] = [
-                        {
-                            "id": call_ids[i],
-                            "type": "function",
-                            "function": {"name": reply.tool_name, "arguments": reply.arguments_json},
-                        }
-                    ]
-                choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish})
-            payload = {**common, "object": "chat.completion", "choices": choices, "usage": rendered}
-            # keep OpenAI's key order: id, object, created, model, choices, usage, ...
+                for i in range(n)
+            ]
+            payload = {**common, "object": "chat.completion", "choices": choices, "usage": usage}
             return self.json_response(request, _ordered(payload))
-
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        chunk_words = 4096 if big is not None else 1
-
-        def chunk(choices: list[dict[str, Any]]) -> bytes:
-            payload = {**common, "object": "chat.completion.chunk", "choices": choices}
-            if include_usage:
-                payload["usage"] = None
-            return sse(_ordered(payload))
-
-        def delta(i: int, d: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-            return {"index": i, "delta": d, "logprobs": None, "finish_reason": finish_reason}
-
-        first: dict[str, Any] = {"role": "assistant", "content": "" if not reply.tool_name else None}
-        if self.flavour == "openai":
-            first["refusal"] = None
-        pieces = _pieces(reply.arguments_json if reply.tool_name else reply.text, chunk_words)
+        per_chunk = 4096 if big is not None else 1
         async with self.open_stream(request) as stream:
-            await stream.send(chunk([delta(i, first) for i in range(n)]))
-            if body["model"] == "deepseek-reasoner" and self.flavour == "deepseek":
-                for piece in _pieces(_deepseek_reasoning(reply), 1):
-                    await stream.send(chunk([delta(i, {"reasoning_content": piece}) for i in range(n)]))
-            if reply.tool_name:
-                head = {
-                    "index": 0,
-                    "type": "function",
-                    "function": {"name": reply.tool_name, "arguments": ""},
-                }
-                await stream.send(
-                    chunk([delta(i, {"tool_calls": [{**head, "id": call_ids[i]}]}) for i in range(n)])
-                )
-            for piece in pieces:
-                d: dict[str, Any] = (
-                    {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
-                    if reply.tool_name
-                    else {"content": piece}
-                )
-                await stream.send(chunk([delta(i, d) for i in range(n)]))
-            await stream.send(chunk([delta(i, {}, finish) for i in range(n)]))
-            if include_usage:
-                await stream.send(
-                    sse(
-                        _ordered(
-                            {**common, "object": "chat.completion.chunk", "choices": [], "usage": rendered}
-                        )
+            for delta, finish in self._deltas(body["model"], reply, per_chunk):
+                choices = []
+                for index in range(n):
+                    if "id" in delta.get("tool_calls", [{}])[0]:  # the tool call's head: each choice's own id
+                        delta = {"tool_calls": [{**delta["tool_calls"][0], "id": call_ids[index]}]}
+                    choices.append(
+                        {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
                     )
-                )
+                payload = {**common, "object": "chat.completion.chunk", "choices": choices}
+                if include_usage:
+                    payload["usage"] = None
+                await stream.send(sse(_ordered(payload)))
+            if include_usage:
+                payload = {**common, "object": "chat.completion.chunk", "choices": [], "usage": usage}
+                await stream.send(sse(_ordered(payload)))
             await stream.send(b"data: [DONE]\n\n")
         return stream.response
+
+    def _message(self, model: str, reply: Reply, call_id: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": None if reply.tool_name else reply.text}
+        if self.flavour == "openai":
+            message |= {"refusal": None, "annotations": []}
+        elif model == "deepseek-reasoner":
+            message["reasoning_content"] = _deepseek_reasoning(reply)
+        if reply.tool_name:
+            function = {"name": reply.tool_name, "arguments": reply.arguments_json}
+            message["tool_calls"] = [{"id": call_id, "type": "function", "function": function}]
+        return message
+
+    def _deltas(self, model: str, reply: Reply, per_chunk: int) -> list[tuple[dict[str, Any], str | None]]:
+        """(delta, finish_reason) per chunk: role, [reasoning], [tool call head], text or arguments, finish."""
+        first: dict[str, Any] = {"role": "assistant", "content": None if reply.tool_name else ""}
+        if self.flavour == "openai":
+            first["refusal"] = None
+        deltas: list[tuple[dict[str, Any], str | None]] = [(first, None)]
+        if reply.tool_name:
+            function = {"name": reply.tool_name, "arguments": ""}
+            deltas.append(
+                ({"tool_calls": [{"index": 0, "id": "", "type": "function", "function": function}]}, None)
+            )
+            for piece in _pieces(reply.arguments_json, per_chunk):
+                deltas.append(({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}, None))
+        else:
+            if self.flavour == "deepseek" and model == "deepseek-reasoner":
+                deltas += [({"reasoning_content": p}, None) for p in _pieces(_deepseek_reasoning(reply), 1)]
+            deltas += [({"content": p}, None) for p in _pieces(reply.text, per_chunk)]
+        deltas.append(({}, _FINISH[reply.finish]))
+        return deltas
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -518,7 +504,7 @@ class FakeOpenAI(FakeServer):
         ]
         prompt_tokens = [t for p in prompts for t in words(p)]
         cached = self.cache.lookup_and_store(prompt_tokens)
-        _, rendered = self._usage(
+        rendered = self._usage(
             ReportedUsage(
                 input_tokens=len(prompt_tokens) - cached,
                 cached_input_tokens=cached,

@@ -11,8 +11,8 @@ A fake works the same from sync tests, async tests, benchmarks and drills::
 
 Faults apply to POST requests only (generation, embeddings, token counting), so a gateway's health
 probes (GET /v1/models and the like) never consume a fault meant for a real call; to fail a probe,
-queue the fault with a path (``fake.fail_next(503, path="/v1/models")``). To
-take a whole backend down and bring it back, use `stop()` and `start()`: the port stays the same.
+queue the fault with a path (``fake.fail_next(503, path="/v1/models")``). To take a whole backend
+down and bring it back, use `stop()` and `start()`: the port stays the same.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ class FakeServer:
             self._faults.extend([(fault, path)] * times)
 
     def set_next_usage(self, raw: dict[str, Any] | None = None, **fields: int) -> None:
-        """Override the usage the next generation response reports.
+        """Override the usage the next response that reports usage (generation, embeddings) carries.
 
         Keyword fields use Weir's normalised names (those of `ReportedUsage`: input_tokens,
         cached_input_tokens, cache_write_5m_tokens, cache_write_1h_tokens, output_tokens,
@@ -246,7 +246,7 @@ class FakeServer:
     def open_stream(self, request: web.Request, content_type: str = "text/event-stream") -> EventStream:
         return EventStream(self, request, content_type)
 
-    def hang_released(self, generation: int) -> bool:
+    def _hang_released(self, generation: int) -> bool:
         return generation != self._generation or self._thread is None
 
     # ---- internals -------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ class FakeServer:
             return None
         if kind is FaultKind.HANG:
             generation = self._generation
-            while not self.hang_released(generation):
+            while not self._hang_released(generation):
                 await asyncio.sleep(0.05)
             return self.error_response(503, "released")
         if kind is FaultKind.RESET:
