@@ -67,7 +67,7 @@ def test_a_client_is_served_through_the_shipped_config(gateway: str, fake_openai
     )
     assert "hello from deploy" in (reply.choices[0].message.content or "")
     assert reply.usage is not None and reply.usage.prompt_tokens > 0
-    assert [r.path for r in fake_openai.requests] == ["/v1/chat/completions"]
+    assert [r.path for r in fake_openai.requests if r.method == "POST"] == ["/v1/chat/completions"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-wrong", max_retries=0).models.list()
 
