@@ -305,17 +305,19 @@ def test_in_stream_error_event(client: openai.OpenAI, fake_openai: FakeOpenAI) -
             pass
 
 
-def test_delay_and_hang(fake_openai: FakeOpenAI) -> None:
-    client = openai.OpenAI(
-        base_url=fake_openai.base_url, api_key=fake_openai.api_key, max_retries=0, timeout=0.5
-    )
+def test_delay_and_hang(client: openai.OpenAI, fake_openai: FakeOpenAI) -> None:
     fake_openai.fail_next(Fault.delay(0.2))
     started = time.monotonic()
     client.chat.completions.create(model="gpt-4o-mini", messages=user("x"))
     assert time.monotonic() - started >= 0.2
+    impatient = client.with_options(timeout=0.5)
     fake_openai.fail_next(Fault.hang())
     with pytest.raises(openai.APITimeoutError):
-        client.chat.completions.create(model="gpt-4o-mini", messages=user("x"))
+        impatient.chat.completions.create(model="gpt-4o-mini", messages=user("x"))
+    assert (
+        client.chat.completions.create(model="gpt-4o-mini", messages=user("next")).choices[0].message.content
+        == "next"
+    )
 
 
 def test_huge_response(client: openai.OpenAI, fake_openai: FakeOpenAI) -> None:
