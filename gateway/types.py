@@ -223,6 +223,9 @@ class ChatChunk(Base):
     choices: list[ChunkChoice]
     usage: Usage | None = None  # set on the one chunk that reports usage
     system_fingerprint: str | None = None
+    # The upstream's own JSON when it is already this chunk in the OpenAI shape (OpenAI-compatible
+    # backends): OpenAI clients get it as is, without re-encoding.
+    raw: str | None = None
 
 
 # --- completions and embeddings ------------------------------------------------------------------

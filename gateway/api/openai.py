@@ -36,7 +36,10 @@ def render_chat(response: ChatResponse) -> dict[str, Any]:
 
 
 def render_chunk(chunk: ChatChunk) -> bytes:
+    if chunk.raw is not None and chunk.usage is None:
+        return b"data: " + chunk.raw.encode() + b"\n\n"
     data = msgspec.to_builtins(chunk)
+    data.pop("raw", None)
     data["object"] = "chat.completion.chunk"
     if chunk.usage is not None:
         data["usage"] = openai_usage(chunk.usage)

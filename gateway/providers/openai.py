@@ -159,6 +159,7 @@ class ChatStream:
                 choices=wire.choices,
                 usage=usage,
                 system_fingerprint=wire.system_fingerprint,
+                raw=data if usage is None and wire.model else None,
             )
         ]
 
