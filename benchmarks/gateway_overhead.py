@@ -131,6 +131,7 @@ class Result:
     rps: float
     p50_ms: float
     p99_ms: float
+    ttfb_p50_ms: float = float("nan")  # time to the first byte of the body (the first SSE event)
     rss_mb: float | None = None
     added_p50_ms: float | None = None
     first_error: str | None = None
@@ -153,6 +154,7 @@ async def run_load(
     headers = {"authorization": f"Bearer {server.key}", "content-type": "application/json"}
     body = request_body(stream)
     latencies: list[float] = []
+    first_bytes: list[float] = []
     errors = 0
     first_error: str | None = None
     connector = aiohttp.TCPConnector(limit=concurrency, ttl_dns_cache=None)
@@ -166,12 +168,15 @@ async def run_load(
             started = time.perf_counter()
             try:
                 async with session.post(server.url, data=body, headers=headers) as response:
-                    payload = await response.read()
+                    first = await response.content.readany()
+                    first_byte = time.perf_counter() - started
+                    payload = first + await response.content.read()
                     ok = response.status == 200 and (not stream or payload.rstrip().endswith(b"[DONE]"))
             except (aiohttp.ClientError, TimeoutError) as exc:
                 ok, payload = False, repr(exc).encode()
             if ok:
                 latencies.append(time.perf_counter() - started)
+                first_bytes.append(first_byte)
             else:
                 errors += 1
                 first_error = first_error or payload[:300].decode(errors="replace")
@@ -180,6 +185,7 @@ async def run_load(
         for _ in range(max(1, warmup // concurrency)):
             await asyncio.gather(*(one() for _ in range(concurrency)))
         latencies.clear()
+        first_bytes.clear()
         errors, first_error = 0, None
 
         sent = 0
@@ -216,6 +222,7 @@ async def run_load(
         rps=round(done / elapsed, 1) if elapsed else 0.0,
         p50_ms=round(statistics.median(ordered) * 1000, 3) if ordered else float("nan"),
         p99_ms=round(ordered[min(done - 1, int(done * 0.99))] * 1000, 3) if ordered else float("nan"),
+        ttfb_p50_ms=round(statistics.median(first_bytes) * 1000, 3) if first_bytes else float("nan"),
         rss_mb=round(rss_peak / 2**20, 1) if rss_peak else None,
         first_error=first_error,
     )
@@ -244,7 +251,8 @@ async def wait_ready(server: Server, timeout: float, stream: bool) -> None:
 # ---- targets --------------------------------------------------------------------------------------
 
 
-def weir_server(upstream: str, workdir: Path) -> Server:
+def weir_server(upstream: str, workdir: Path, http_server: str | None = None) -> Server:
+    """`weir serve` on its default HTTP server, or on `http_server` (e.g. uvicorn) if given."""
     port = free_port()
     config = workdir / "weir.yaml"
     config.write_text(
@@ -261,8 +269,10 @@ tenants:
     )
     weir = ROOT / ".venv" / "bin" / "weir"
     cmd = [str(weir) if weir.exists() else "weir", "serve", "--config", str(config), "--port", str(port)]
+    if http_server:
+        cmd += ["--server", http_server]
     return Server(
-        "weir",
+        f"weir-{http_server}" if http_server else "weir",
         f"http://127.0.0.1:{port}/v1/chat/completions",
         WEIR_KEY,
         cmd,
@@ -463,16 +473,21 @@ def _use_uvloop() -> None:
 # ---- report ---------------------------------------------------------------------------------------
 
 
-def print_table(results: list[Result]) -> None:
-    header = f"{'target':<17}{'conc':>5}{'requests':>9}{'errors':>7}{'RPS':>9}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'RSS MB':>9}"
+def print_table(results: list[Result], stream: bool) -> None:
+    ttfb = f"{'TTFB p50':>10}" if stream else ""  # streams: when the first event arrived
+    header = (
+        f"{'target':<17}{'conc':>5}{'requests':>9}{'errors':>7}{'RPS':>9}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{ttfb}{'+p50 ms':>9}{'RSS MB':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         added = f"{r.added_p50_ms:.3f}" if r.added_p50_ms is not None else "-"
         rss = f"{r.rss_mb:.0f}" if r.rss_mb is not None else "-"
+        first = f"{r.ttfb_p50_ms:>10.3f}" if stream else ""
         print(
             f"{r.target:<17}{r.concurrency:>5}{r.requests:>9}{r.errors:>7}{r.rps:>9.1f}{r.p50_ms:>9.3f}"
-            f"{r.p99_ms:>9.3f}{added:>9}{rss:>9}"
+            f"{r.p99_ms:>9.3f}{first}{added:>9}{rss:>9}"
         )
     for r in results:
         if r.first_error:
@@ -539,6 +554,7 @@ def combine(rounds: list[Result]) -> Result:
         rps=round(statistics.median(r.rps for r in rounds), 1),
         p50_ms=round(statistics.median(r.p50_ms for r in rounds), 3),
         p99_ms=round(statistics.median(r.p99_ms for r in rounds), 3),
+        ttfb_p50_ms=round(statistics.median(r.ttfb_p50_ms for r in rounds), 3),
         rss_mb=max(rss) if rss else None,
         first_error=errors[0] if errors else None,
     )
@@ -549,7 +565,8 @@ def main() -> None:
     parser.add_argument(
         "--targets",
         default="bare,weir,litellm",
-        help="comma-separated: bare, weir, litellm, and the floors under Weir's stack: "
+        help="comma-separated: bare, weir, litellm, weir-uvicorn (weir serve --server uvicorn), and the "
+        "floors under Weir's stack: "
         "{uvicorn,granian}-{asgi,litestar} (that server with a raw ASGI or a one-route Litestar pass-through)",
     )
     parser.add_argument("--concurrency", default="1,32", help="comma-separated concurrency levels")
@@ -596,6 +613,7 @@ def main() -> None:
                 for floor in ("uvicorn-asgi", "uvicorn-litestar", "granian-asgi", "granian-litestar")
             },
             "weir": lambda: weir_server(upstream, workdir),
+            "weir-uvicorn": lambda: weir_server(upstream, workdir, "uvicorn"),
             "litellm": lambda: litellm_server(upstream, workdir, args.litellm_workers),
         }
         servers = [stack.enter_context(running(mock, workdir, 30, args.stream))]
@@ -636,7 +654,7 @@ def main() -> None:
         f"\nGateway overhead, {mode}; {platform.node()} {os.cpu_count()} CPUs, Python {platform.python_version()}"
     )
     print(f"command: {' '.join(sys.argv)}; medians of {args.rounds} interleaved rounds\n")
-    print_table(results)
+    print_table(results, args.stream)
     high = max(levels)
     found = ratios(results, high)
     print("\nratios:", json.dumps(found))
