@@ -1,0 +1,242 @@
+"""Prompt difficulty: the probability that a request needs the strong model.
+
+`DifficultyClassifier.default()` loads the head shipped in `routing/data/` over the static MiniLM
+embedder (`routing.embed.StaticEmbedder`) and scores a prompt in tens of microseconds:
+
+    clf = DifficultyClassifier.default()
+    clf.score("Prove that there are infinitely many primes.")   # -> p_strong in [0, 1]
+
+`p_strong` is the head's calibrated estimate that the weak model answers this prompt wrongly while the
+strong model answers it correctly (on MMLU, 17% of prompts). A route sends the request to the strong
+model when `p_strong` exceeds its threshold: set one directly, or let `StrongShareCalibrator` pick the
+threshold that sends a target share of recent traffic to the strong model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HEAD_VERSION = 1
+DEFAULT_HEAD_DIR = Path(__file__).parent / "data"
+HEAD_WEIGHTS = "difficulty_head.safetensors"
+HEAD_META = "difficulty_head.json"
+
+
+def length_feature(prompt: str) -> float:
+    """log(characters), scaled to about [0, 1] for prompts up to ~3,000 characters."""
+    return math.log1p(len(prompt)) / 8.0
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+@dataclass
+class DifficultyHead:
+    """The learned part: a one-hidden-layer network and its blend, as plain numpy arrays."""
+
+    w1: np.ndarray  # (hidden, dim + 1)
+    b1: np.ndarray  # (hidden,)
+    w2: np.ndarray  # (2 + groups, hidden): weak-correct logit, strong-correct logit, group logits
+    b2: np.ndarray
+    group_gain: np.ndarray  # (groups,): strong-minus-weak accuracy of each group in the training data
+    blend: np.ndarray  # (3,): weights of [expected group gain, strong-minus-weak probability], then bias
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_parts(
+        cls, net: dict[str, Any], group_gain: np.ndarray, blend: np.ndarray, meta: dict[str, Any]
+    ) -> DifficultyHead:
+        def arr(t: Any) -> np.ndarray:
+            return np.asarray(t.numpy() if hasattr(t, "numpy") else t, dtype=np.float32)
+
+        return cls(
+            arr(net["hidden.weight"]),
+            arr(net["hidden.bias"]),
+            arr(net["out.weight"]),
+            arr(net["out.bias"]),
+            arr(group_gain),
+            arr(blend),
+            meta,
+        )
+
+    @property
+    def input_dim(self) -> int:
+        return self.w1.shape[1]
+
+    def components(self, x: np.ndarray) -> np.ndarray:
+        """(n, 2) scores before blending: expected group gain, P(strong right) - P(weak right)."""
+        h = _gelu_tanh(x @ self.w1.T + self.b1)
+        logits = h @ self.w2.T + self.b2
+        p = _sigmoid(logits[:, :2])
+        if len(self.group_gain):
+            g = logits[:, 2:]
+            g = np.exp(g - g.max(axis=1, keepdims=True))
+            expected_gain = (g / g.sum(axis=1, keepdims=True)) @ self.group_gain
+        else:
+            expected_gain = np.zeros(len(x), dtype=np.float32)
+        return np.stack([expected_gain, p[:, 1] - p[:, 0]], axis=1)
+
+    def p_strong(self, x: np.ndarray) -> np.ndarray:
+        c = self.components(np.atleast_2d(x))
+        return _sigmoid(c @ self.blend[:2] + self.blend[2])
+
+    def save(self, directory: Path) -> None:
+        from safetensors.numpy import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {"w1": self.w1, "b1": self.b1, "w2": self.w2, "b2": self.b2}
+        tensors |= {"group_gain": self.group_gain, "blend": self.blend}
+        save_file(
+            {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+            directory / HEAD_WEIGHTS,
+        )
+        (directory / HEAD_META).write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> DifficultyHead:
+        from safetensors.numpy import load_file
+
+        t = load_file(str(directory / HEAD_WEIGHTS))
+        meta = json.loads((directory / HEAD_META).read_text())
+        if meta.get("version") != HEAD_VERSION:
+            raise ValueError(
+                f"difficulty head in {directory} has version {meta.get('version')}, need {HEAD_VERSION}"
+            )
+        return cls(t["w1"], t["b1"], t["w2"], t["b2"], t["group_gain"], t["blend"], meta)
+
+
+class DifficultyClassifier:
+    """Scores prompts: p_strong in [0, 1]. Thread-safe; the embedder and head are read-only."""
+
+    def __init__(self, head: DifficultyHead, embedder: Any) -> None:
+        from routing.embed import STATIC_RECIPE
+
+        if head.meta.get("embedder", STATIC_RECIPE) != STATIC_RECIPE:
+            raise ValueError(
+                f"head was trained on embedder {head.meta['embedder']!r}, this is {STATIC_RECIPE!r}"
+            )
+        if head.input_dim != embedder.dim + 1:
+            raise ValueError(
+                f"head expects {head.input_dim - 1}-dim embeddings, embedder gives {embedder.dim}"
+            )
+        self.head = head
+        self.embedder = embedder
+
+    @classmethod
+    def load(cls, head_dir: Path = DEFAULT_HEAD_DIR) -> DifficultyClassifier:
+        from routing.embed import StaticEmbedder
+
+        return cls(DifficultyHead.load(head_dir), StaticEmbedder.from_minilm())
+
+    @classmethod
+    def default(cls) -> DifficultyClassifier:
+        """The shipped classifier, loaded once per process."""
+        return _default()
+
+    def score(self, prompt: str) -> float:
+        x = np.append(self.embedder.embed(prompt), np.float32(length_feature(prompt)))
+        return float(self.head.p_strong(x)[0])
+
+    def score_many(self, prompts: list[str]) -> list[float]:
+        if not prompts:
+            return []
+        emb = self.embedder.embed_many(prompts)
+        lengths = np.array([[length_feature(p)] for p in prompts], dtype=np.float32)
+        return self.head.p_strong(np.concatenate([emb, lengths], axis=1)).astype(float).tolist()
+
+
+@cache
+def _default() -> DifficultyClassifier:
+    return DifficultyClassifier.load()
+
+
+def prompt_text(messages: list[dict[str, Any]]) -> str:
+    """The text a difficulty score should read from an OpenAI-shaped chat: the last user turn.
+
+    Earlier turns and the system prompt mostly say who the assistant is, not how hard this question
+    is; content parts other than text (images, audio) are ignored.
+    """
+    for message in reversed(messages):
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return "\n".join(
+                p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+            )
+    return ""
+
+
+class StrongShareCalibrator:
+    """Turns "send about X% of traffic to the strong model" into a score threshold.
+
+    Keeps the last `window` scores; the threshold is their (1 - target_share) quantile, so a request
+    goes strong when its score is in the top `target_share` of recent traffic. Until `min_samples`
+    scores have been seen it falls back to `initial_threshold` (e.g. the same quantile on the
+    training data). Observing and reading are O(log window) and thread-safe.
+    """
+
+    def __init__(
+        self,
+        target_share: float,
+        window: int = 2000,
+        min_samples: int = 50,
+        initial_threshold: float = 0.5,
+    ) -> None:
+        if not 0.0 <= target_share <= 1.0:
+            raise ValueError(f"target_share must be within [0, 1], got {target_share}")
+        if window < 1 or min_samples < 1:
+            raise ValueError("window and min_samples must be positive")
+        self.target_share = target_share
+        self.window = window
+        self.min_samples = min_samples
+        self.initial_threshold = initial_threshold
+        self._recent: deque[float] = deque()
+        self._sorted: list[float] = []
+        self._lock = threading.Lock()
+
+    def observe(self, score: float) -> None:
+        with self._lock:
+            self._recent.append(score)
+            bisect.insort(self._sorted, score)
+            if len(self._recent) > self.window:
+                old = self._recent.popleft()
+                del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def threshold(self) -> float:
+        """Scores strictly above this go to the strong model."""
+        with self._lock:
+            n = len(self._sorted)
+            if n < self.min_samples:
+                return self.initial_threshold
+            strong = round(self.target_share * n)
+            if strong <= 0:
+                return math.inf
+            if strong >= n:
+                return -math.inf
+            return self._sorted[n - strong - 1]
+
+    def route_strong(self, score: float) -> bool:
+        """Record `score` as traffic, then say whether this request goes to the strong model."""
+        self.observe(score)
+        return score > self.threshold()
+
+    def __len__(self) -> int:
+        return len(self._recent)

@@ -1,0 +1,88 @@
+"""StrongShareCalibrator: a target share of strong calls becomes a threshold on recent scores."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from routing.difficulty import StrongShareCalibrator
+
+
+def routed_share(cal: StrongShareCalibrator, scores: list[float]) -> float:
+    return sum(cal.route_strong(s) for s in scores) / len(scores)
+
+
+@pytest.mark.parametrize("target", [0.1, 0.3, 0.5, 0.8])
+def test_hits_target_share_on_steady_traffic(target: float) -> None:
+    rng = random.Random(7)
+    cal = StrongShareCalibrator(target, window=1000, min_samples=100)
+    routed_share(cal, [rng.betavariate(2, 5) for _ in range(1000)])  # warm up the window
+    share = routed_share(cal, [rng.betavariate(2, 5) for _ in range(4000)])
+    assert share == pytest.approx(target, abs=0.03)
+
+
+def test_follows_a_shift_in_traffic() -> None:
+    rng = random.Random(1)
+    cal = StrongShareCalibrator(0.2, window=500, min_samples=50)
+    routed_share(cal, [rng.uniform(0.0, 0.5) for _ in range(1000)])
+    low_threshold = cal.threshold()
+    # Traffic gets harder across the board: a fixed threshold would send most of it strong.
+    harder = [rng.uniform(0.5, 1.0) for _ in range(3000)]
+    assert sum(s > low_threshold for s in harder) / len(harder) > 0.9
+    routed_share(cal, harder[:500])  # one window of the new traffic
+    assert routed_share(cal, harder[500:]) == pytest.approx(0.2, abs=0.03)
+    assert cal.threshold() > 0.5 > low_threshold
+
+
+def test_uses_initial_threshold_until_enough_samples() -> None:
+    cal = StrongShareCalibrator(0.5, window=100, min_samples=10, initial_threshold=0.9)
+    assert cal.threshold() == 0.9
+    assert cal.route_strong(0.95) is True
+    assert cal.route_strong(0.8) is False
+    for s in [0.1] * 10:
+        cal.observe(s)
+    assert cal.threshold() != 0.9
+    assert len(cal) == 12
+
+
+def test_extreme_targets() -> None:
+    never = StrongShareCalibrator(0.0, min_samples=1)
+    always = StrongShareCalibrator(1.0, min_samples=1)
+    scores = [i / 100 for i in range(100)]
+    assert routed_share(never, scores) == 0.0
+    assert routed_share(always, scores) == 1.0
+
+
+def test_window_forgets_old_scores() -> None:
+    cal = StrongShareCalibrator(0.5, window=10, min_samples=1)
+    for s in [0.9] * 10 + [0.1] * 10:
+        cal.observe(s)
+    assert len(cal) == 10
+    assert cal.threshold() == 0.1  # the 0.9s left the window
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"target_share": 1.5}, {"target_share": -0.1}, {"target_share": 0.5, "window": 0}]
+)
+def test_rejects_bad_settings(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        StrongShareCalibrator(**kwargs)
+
+
+def test_thread_safe_under_concurrent_observers() -> None:
+    cal = StrongShareCalibrator(0.25, window=400, min_samples=10)
+
+    def feed(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(2000):
+            cal.route_strong(rng.random())
+
+    threads = [threading.Thread(target=feed, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(cal) == 400
+    assert 0.70 < cal.threshold() < 0.80
