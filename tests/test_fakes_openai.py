@@ -505,3 +505,20 @@ def test_trailing_assistant_message_is_continued(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages)
     assert reply.choices[0].message.content == " three four"
     assert reply.usage.completion_tokens == 2
+
+
+def test_set_latency_slows_every_generation_until_reset(
+    client: openai.OpenAI, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.set_latency(first_token=0.2, per_token=0.05)
+    started = time.monotonic()
+    client.chat.completions.create(model="gpt-4o-mini", messages=user("a b c"))
+    assert time.monotonic() - started >= 0.2 + 2 * 0.05
+    started = time.monotonic()
+    stream = client.chat.completions.create(model="gpt-4o-mini", messages=user("a b c"), stream=True)
+    next(iter(stream))
+    first = time.monotonic() - started
+    list(stream)
+    assert first >= 0.2 and time.monotonic() - started >= 0.2 + 4 * 0.05
+    fake_openai.reset()
+    assert fake_openai.first_token_delay == fake_openai.token_delay == 0.0

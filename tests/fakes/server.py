@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import json
 import logging
@@ -43,6 +44,8 @@ INVALID_JSON: Any = object()  # RecordedRequest.json when the body was not JSON
 CONTROL_PREFIX = "/__fake__/"
 BODY = web.RequestKey("fake_body", object)  # the parsed JSON body (or INVALID_JSON)
 FAULT = web.RequestKey("fake_fault", Fault | None)  # the fault this request must suffer, if any
+USAGE = web.RequestKey("fake_usage", ReportedUsage)  # what this request's response reports
+_current: contextvars.ContextVar[web.Request] = contextvars.ContextVar("fake_request")
 
 
 @dataclass
@@ -93,6 +96,8 @@ class FakeServer:
         self._initial_models = models if models is not None else self.default_models
         self.models: set[str] = set(self._initial_models)
         self._faults: deque[tuple[Fault, str | None]] = deque()  # (fault, path filter)
+        self.first_token_delay = 0.0  # seconds before the first token of every generation (set_latency)
+        self.token_delay = 0.0  # seconds per further token
         self._usage_overrides: deque[UsageOverride] = deque()
         self._lock = threading.Lock()
         self._generation = 0  # bumped by reset() and stop() to release hanging requests
@@ -155,6 +160,7 @@ class FakeServer:
             self._faults.clear()
             self._usage_overrides.clear()
             self.models = set(self._initial_models)
+            self.first_token_delay = self.token_delay = 0.0
             self._generation += 1
         self.reset_state()
 
@@ -173,6 +179,12 @@ class FakeServer:
             fault = Fault.status(fault)
         with self._lock:
             self._faults.extend([(fault, path)] * times)
+
+    def set_latency(self, first_token: float = 0.0, per_token: float = 0.0) -> None:
+        """Make every generation take time like a real model: `first_token` seconds to the first token,
+        then `per_token` per token (streams: between chunks; JSON replies: all of it before the answer).
+        Until `reset()`; for one-off slowness use `Fault.delay` / `Fault.slow_stream`."""
+        self.first_token_delay, self.token_delay = first_token, per_token
 
     def set_next_usage(self, raw: dict[str, Any] | None = None, **fields: int) -> None:
         """Override the usage the next response that reports usage (generation, embeddings) carries.
@@ -227,6 +239,8 @@ class FakeServer:
             raw = override.raw
         self.usages.append(computed)
         _trim(self.usages, self.max_recorded)
+        with contextlib.suppress(LookupError):
+            _current.get()[USAGE] = computed
         return computed, raw
 
     def json_response(
@@ -326,7 +340,14 @@ class FakeServer:
                 early = await self._early_fault(request, fault, body)
                 if early is not None:
                     return early
-            return await handler(request)
+            _current.set(request)
+            response = await handler(request)
+            usage = request.get(USAGE)
+            if usage is not None and not response.prepared and (self.first_token_delay or self.token_delay):
+                await asyncio.sleep(
+                    self.first_token_delay + self.token_delay * max(0, usage.output_tokens - 1)
+                )
+            return response
         except ConnectionDropped as dropped:
             return await self._drop_midway(request, dropped.args[0] if dropped.args else b"")
         except StreamFinished as finished:
@@ -458,6 +479,10 @@ class EventStream:
                 raise StreamFinished(self.response)
         if fault is not None and fault.kind is FaultKind.SLOW_STREAM and self.sent:
             await asyncio.sleep(fault.seconds)
+        elif self.sent == 0 and self.server.first_token_delay:
+            await asyncio.sleep(self.server.first_token_delay)
+        elif self.sent > 0 and self.server.token_delay:
+            await asyncio.sleep(self.server.token_delay)
         await self.response.write(frame)
         self.sent += 1
 
