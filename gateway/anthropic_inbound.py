@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway.errors import GatewayError, InvalidRequest, encode_anthropic_error
+from gateway.errors import InvalidRequest, encode_anthropic_error, stream_failure
 from gateway.providers.base import new_id, parse_arguments
 from gateway.types import (
     Base,
@@ -386,8 +386,8 @@ async def stream_events(batches: AsyncIterator[list[ChatChunk]], model: str) -> 
             if out:
                 yield b"".join(out)
                 out = []
-    except GatewayError as exc:
-        yield b"".join([*out, b"event: error\ndata: ", encode_anthropic_error(exc), b"\n\n"])
+    except Exception as exc:
+        yield b"".join([*out, b"event: error\ndata: ", encode_anthropic_error(stream_failure(exc)), b"\n\n"])
         return
     writer.end(out)
     yield b"".join(out)

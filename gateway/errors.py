@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import structlog
 
 
 class GatewayError(Exception):
@@ -106,6 +107,15 @@ _ANTHROPIC_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
+
+
+def stream_failure(exc: BaseException) -> GatewayError:
+    """What a client is told when a stream breaks after it started: the gateway error itself, or, for
+    a bug, a generic 500 (the log has the traceback, the client never does)."""
+    if isinstance(exc, GatewayError):
+        return exc
+    structlog.get_logger("weir.gateway").error("stream_failed", exc_info=exc)
+    return GatewayError("The server had an error while processing your request.")
 
 
 def openai_error_body(error: GatewayError) -> dict[str, Any]:

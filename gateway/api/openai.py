@@ -10,7 +10,7 @@ from litestar import Request, Response, get, post
 from litestar.response import Stream
 
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
-from gateway.errors import GatewayError, InvalidRequest, encode_openai_error
+from gateway.errors import GatewayError, InvalidRequest, encode_openai_error, stream_failure
 from gateway.pipeline import Call
 from gateway.providers import openai as openai_provider
 from gateway.router_basic import Target
@@ -60,8 +60,8 @@ async def chat_sse(batches: AsyncIterator[list[ChatChunk]], include_usage: bool)
             frames = [render_chunk(c) for c in batch if c.usage is None or include_usage]
             if frames:
                 yield b"".join(frames)
-    except GatewayError as exc:
-        yield _sse_error(exc)
+    except Exception as exc:
+        yield _sse_error(stream_failure(exc))
         return
     yield _DONE
 
@@ -171,8 +171,8 @@ async def _completion_sse(
             frames = [_completion_frame(c, native) for c in batch if c.usage is None or include_usage]
             if frames:
                 yield b"".join(frames)
-    except GatewayError as exc:
-        yield _sse_error(exc)
+    except Exception as exc:
+        yield _sse_error(stream_failure(exc))
         return
     yield _DONE
 

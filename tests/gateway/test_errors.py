@@ -3,6 +3,8 @@ the parameter named, the vendor's own message passed through, and never a stack 
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import httpx
 import openai
@@ -280,3 +282,25 @@ def test_unknown_route_and_method(gateway: RunningGateway) -> None:
     )
     assert response.status_code == 405
     openai_error(response)
+
+
+def test_client_leaving_mid_stream_is_recorded(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    fake_openai.fail_next(Fault.slow_stream(0.2))
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "one two three four five six seven"}],
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{gateway.url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {DEMO_KEY}"},
+    ) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # the first event, then the client goes away
+    deadline = time.monotonic() + 10
+    while not gateway.sink.events and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [event] = gateway.sink.events
+    assert event.status == 499 and not event.ok
