@@ -19,6 +19,7 @@ from kernels._triton import cdiv, jit, tl, use_triton
 HAS_INT4PACK_CPU = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
     torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
 )
+CPU_COMPUTE_DTYPE = torch.bfloat16
 GEMV_MAX_ROWS = 8
 
 
@@ -74,15 +75,17 @@ def from_cpu_layout(packed: torch.Tensor) -> torch.Tensor:
 def int4_matmul_cpu(
     x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """tinygemm on CPU; ``packed`` comes from ``to_cpu_layout``."""
-    x2 = x.reshape(-1, x.shape[-1])
+    """tinygemm on CPU; ``packed`` comes from ``to_cpu_layout``. As for int8, fp32 activations are
+    rounded to bf16 for the product: the fp32 kernel is a scalar path 10-100x slower."""
+    compute = x.dtype if x.dtype != torch.float32 else CPU_COMPUTE_DTYPE
+    x2 = x.reshape(-1, x.shape[-1]).to(compute)
     kp = packed.shape[1] * 2
     if kp != x2.shape[1]:
         x2 = F.pad(x2, (0, kp - x2.shape[1]))
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x2.contiguous(), packed, group_size, scales_and_zeros.to(x.dtype)
+        x2.contiguous(), packed, group_size, scales_and_zeros.to(compute)
     )
-    return out.view(*x.shape[:-1], packed.shape[0])
+    return out.view(*x.shape[:-1], packed.shape[0]).to(x.dtype)
 
 
 @jit

@@ -14,6 +14,7 @@ from kernels._triton import cdiv, jit, tl, use_triton
 
 HAS_INT8PACK_MM = hasattr(torch.ops.aten, "_weight_int8pack_mm")
 _INT8PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CPU_COMPUTE_DTYPE = torch.bfloat16
 GEMV_MAX_ROWS = 8  # up to this many rows of x, one weight pass per row beats tiling
 
 
@@ -22,13 +23,20 @@ def int8_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor)
 
 
 def int8_matmul_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``torch._weight_int8pack_mm`` (vectorised, no dequantised copy) where this PyTorch has it."""
+    """``torch._weight_int8pack_mm`` (vectorised, no dequantised copy) where this PyTorch has it.
+
+    Its fast kernels take bf16/fp16 activations; fp32 ones hit a scalar path 10-40x slower than fp32
+    ``F.linear``, so fp32 activations are rounded to bf16 for the product (cf. llama.cpp, which rounds
+    them to int8) and the result is returned in fp32.
+    """
     # PyTorch 2.13's CPU kernel returns garbage for bf16 when K % 16 != 0 (seen at K=200), so stay aligned
-    if not HAS_INT8PACK_MM or x.dtype not in _INT8PACK_DTYPES or x.shape[-1] % 16:
+    # and its vector loads crash on weights not 64-byte aligned (e.g. views into a safetensors file)
+    if not HAS_INT8PACK_MM or x.dtype not in _INT8PACK_DTYPES or x.shape[-1] % 16 or weight.data_ptr() % 64:
         return int8_matmul_ref(x, weight, scales)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch._weight_int8pack_mm(x2, weight, scales.to(x.dtype))
-    return out.view(*x.shape[:-1], weight.shape[0])
+    compute = x.dtype if x.dtype != torch.float32 else CPU_COMPUTE_DTYPE
+    x2 = x.reshape(-1, x.shape[-1]).to(compute).contiguous()
+    out = torch._weight_int8pack_mm(x2, weight, scales.to(compute))
+    return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
 
 @jit

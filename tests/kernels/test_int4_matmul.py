@@ -72,7 +72,10 @@ def test_cpu_tinygemm_path_matches_reference_and_round_trips(dtype: torch.dtype,
     expected = int4_matmul_ref(x.float(), qw, sz.float(), group)
     packed = to_cpu_layout(qw)
     assert packed.shape == qw.shape and not torch.equal(packed, qw)
-    assert_close(int4_matmul_cpu(x, packed, sz, group), expected.to(dtype), dtype)
+    out = int4_matmul_cpu(x, packed, sz, group)
+    assert out.dtype == dtype
+    # fp32 activations go through tinygemm in bf16 (its fp32 path is scalar): bf16 tolerance applies
+    assert_close(out.to(torch.bfloat16), expected.to(torch.bfloat16), torch.bfloat16)
     assert torch.equal(from_cpu_layout(packed), qw)
 
 

@@ -3,7 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.int8_matmul import int8_matmul, int8_matmul_cpu, int8_matmul_ref, int8_matmul_triton
+from kernels.int8_matmul import (
+    HAS_INT8PACK_MM,
+    int8_matmul,
+    int8_matmul_cpu,
+    int8_matmul_ref,
+    int8_matmul_triton,
+)
 from tests.kernels.conftest import assert_close, skip_broken_bf16_dot
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -40,7 +46,15 @@ def test_gemm_matches_reference(dtype: torch.dtype, m: int, bf16_dot_ok: bool) -
 def test_cpu_path_matches_reference(dtype: torch.dtype, m: int, k: int) -> None:
     x, w, s = _operands(m, 192, k, dtype)
     expected = int8_matmul_ref(x.float(), w, s.float())
-    assert_close(int8_matmul_cpu(x, w, s), expected.to(dtype), dtype)
+    out = int8_matmul_cpu(x, w, s)
+    assert out.dtype == dtype
+    # fp32 activations go through the kernel in bf16 (its fp32 path is scalar): bf16 tolerance applies
+    fast = HAS_INT8PACK_MM and k % 16 == 0
+    assert_close(
+        out.to(torch.bfloat16) if fast else out,
+        expected.to(out.dtype if not fast else torch.bfloat16),
+        torch.bfloat16 if fast else dtype,
+    )
 
 
 def test_reference_dequantises_per_output_row() -> None:
@@ -54,4 +68,4 @@ def test_dispatcher_keeps_leading_dims() -> None:
     x, w, s = _operands(6, 64, 128, torch.float32)
     out = int8_matmul(x.view(2, 3, 128), w, s)
     assert out.shape == (2, 3, 64)
-    assert_close(out.view(6, 64), int8_matmul_ref(x, w, s), torch.float32)
+    assert torch.equal(out.view(6, 64), int8_matmul_cpu(x, w, s))

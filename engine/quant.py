@@ -1,0 +1,355 @@
+"""Weight-only quantization as a module swap (gpt-fast style): the model code never learns about it.
+
+``quantize_model(model, "int8" | "int4" | "int4-g32" | "int4-g64" | "int4-g128")`` replaces every
+``nn.Linear`` with ``Int8Linear`` (per-output-channel symmetric) or ``Int4Linear`` (group-wise with scales
+and zero points, two values per byte). ``save_quantized``/``load_quantized`` write and read a
+``model.safetensors`` plus ``quantization.json`` that needs no original checkpoint. The matmuls live in
+``kernels/`` (Triton on CUDA, PyTorch's packed CPU kernels where this build has them, else a reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels.int4_matmul import (
+    cpu_int4_supported,
+    from_cpu_layout,
+    int4_matmul,
+    int4_matmul_cpu,
+    pack_int4,
+    to_cpu_layout,
+)
+from kernels.int8_matmul import int8_matmul
+
+DEFAULT_INT4_GROUP_SIZE = 32
+GROUP_SIZES = (32, 64, 128)
+CHECKPOINT_FILE = "model.safetensors"
+SCHEME_FILE = "quantization.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    method: str  # "none" | "int8" | "int4"
+    group_size: int | None = None  # int4 only
+
+    @classmethod
+    def parse(cls, spec: str | QuantScheme) -> QuantScheme:
+        """``none``, ``int8``, ``int4`` (group 32), ``int4-g32``, ``int4-g64``, ``int4-g128``."""
+        if isinstance(spec, QuantScheme):
+            return spec
+        m = re.fullmatch(r"(none|int8|int4)(?:-g(\d+))?", spec.strip().lower())
+        if not m or (m[2] and m[1] != "int4"):
+            raise ValueError(f"unknown quantization {spec!r}: use none, int8, int4 or int4-g{{32,64,128}}")
+        if m[1] != "int4":
+            return cls(m[1])
+        group = int(m[2] or DEFAULT_INT4_GROUP_SIZE)
+        if group not in GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group}")
+        return cls("int4", group)
+
+    def __str__(self) -> str:
+        return f"int4-g{self.group_size}" if self.method == "int4" else self.method
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per output row: ``w ~= q * scale``, q in [-127, 127]."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales.to(weight.dtype)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric per group of ``group_size`` inputs: each group's [min, max] maps onto 16 levels.
+
+    Returns ``qweight`` uint8 ``[N, Kp // 2]`` and ``scales_and_zeros`` ``[Kp // group, N, 2]`` with
+    ``w ~= (q - 8) * scale + zero`` (the tinygemm convention); K is zero-padded up to the group size.
+    """
+    n, k = weight.shape
+    kp = -(-k // group_size) * group_size
+    w = torch.nn.functional.pad(weight.float(), (0, kp - k)).view(n, kp // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    zeros = lo + 8 * scales
+    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous().to(weight.dtype)
+    return pack_int4(q.view(n, kp)), scales_and_zeros
+
+
+class Int8Linear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer(
+            "weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device)
+        )
+        self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        w = linear.weight.detach()
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
+        module.weight, module.scales = quantize_int8(w)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_matmul(x, self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+class Int4Linear(nn.Module):
+    """``qweight`` is kept in exactly one layout: ours, or tinygemm's on CPU when this PyTorch has the
+    kernel (``cpu_layout``). The state dict is always ours, so checkpoints do not depend on the build."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        group_size: int = DEFAULT_INT4_GROUP_SIZE,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        kp = -(-in_features // group_size) * group_size
+        self.register_buffer("qweight", torch.empty(out_features, kp // 2, dtype=torch.uint8, device=device))
+        self.register_buffer(
+            "scales_and_zeros", torch.empty(kp // group_size, out_features, 2, dtype=dtype, device=device)
+        )
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.cpu_layout = False
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        w = linear.weight.detach()
+        module = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, group_size, w.dtype, w.device
+        )
+        module.qweight, module.scales_and_zeros = quantize_int4(w, group_size)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return module
+
+    def use_cpu_layout(self, enable: bool = True) -> None:
+        if (
+            enable
+            and not self.cpu_layout
+            and self.qweight.is_cpu
+            and cpu_int4_supported(self.out_features, self.scales_and_zeros.dtype)
+        ):
+            self.qweight, self.cpu_layout = to_cpu_layout(self.qweight), True
+        elif not enable and self.cpu_layout:
+            self.qweight, self.cpu_layout = from_cpu_layout(self.qweight), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_layout and x.is_cpu:
+            y = int4_matmul_cpu(x, self.qweight, self.scales_and_zeros, self.group_size)
+        else:
+            self.use_cpu_layout(False)  # moved off the CPU since packing: back to the portable layout
+            y = int4_matmul(x, self.qweight, self.scales_and_zeros, self.group_size)
+        return y if self.bias is None else y + self.bias
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.cpu_layout:
+            destination[prefix + "qweight"] = from_cpu_layout(self.qweight)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        was_cpu_layout = self.cpu_layout
+        self.cpu_layout = False  # the incoming qweight is in our layout
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        self.use_cpu_layout(was_cpu_layout)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, bias={self.bias is not None}"
+        )
+
+
+def _swap_linears(
+    model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], include: Callable[[str], bool]
+) -> list[str]:
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and include(name):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, make(name, module))
+            swapped.append(name)
+    return swapped
+
+
+def quantize_model(model: nn.Module, scheme: str | QuantScheme, *, skip: Iterable[str] = ()) -> nn.Module:
+    """Swap ``model``'s ``nn.Linear`` layers for quantized ones in place and return it.
+
+    ``skip``: regexes of module names to leave in floating point (e.g. ``[r"^lm_head$"]``). A head tied
+    to the embedding is quantized as its own copy; the embedding table stays as it was.
+    """
+    scheme = QuantScheme.parse(scheme)
+    if scheme.method == "none":
+        return model
+    if getattr(model, "quant_scheme", None) is not None:
+        raise ValueError(f"model is already quantized ({model.quant_scheme})")
+
+    def make(_: str, linear: nn.Linear) -> nn.Module:
+        if scheme.method == "int8":
+            return Int8Linear.from_linear(linear)
+        module = Int4Linear.from_linear(linear, scheme.group_size or DEFAULT_INT4_GROUP_SIZE)
+        module.use_cpu_layout()
+        return module
+
+    patterns = [re.compile(p) for p in skip]
+    with torch.no_grad():
+        swapped = _swap_linears(model, make, lambda name: not any(p.search(name) for p in patterns))
+    model.quant_scheme = scheme
+    model.quantized_modules = swapped
+    return model
+
+
+def save_quantized(
+    model: nn.Module, directory: str | Path, *, metadata: dict[str, Any] | None = None
+) -> Path:
+    """Write ``model.safetensors`` (every tensor, quantized ones in the portable layout) and
+    ``quantization.json`` (scheme, swapped modules, and ``metadata``, e.g. the model config)."""
+    from safetensors.torch import save_file
+
+    scheme: QuantScheme | None = getattr(model, "quant_scheme", None)
+    if scheme is None:
+        raise ValueError("model is not quantized; call quantize_model first")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    # tied weights appear under two names; safetensors refuses shared storage, so store each tensor once
+    seen: dict[int, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in state.items():
+        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        if key in seen and state[seen[key]].shape == t.shape:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().contiguous().cpu()
+    save_file(tensors, str(directory / CHECKPOINT_FILE))
+    info = {
+        "format_version": FORMAT_VERSION,
+        "scheme": str(scheme),
+        "method": scheme.method,
+        "group_size": scheme.group_size,
+        "modules": list(getattr(model, "quantized_modules", [])),
+        "aliases": aliases,
+        "metadata": metadata or {},
+    }
+    (directory / SCHEME_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n")
+    return directory
+
+
+def read_scheme(directory: str | Path) -> dict[str, Any]:
+    return json.loads((Path(directory) / SCHEME_FILE).read_text())
+
+
+def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Load a ``save_quantized`` directory into ``model``, a float skeleton of the same architecture
+    (its weights are never read: build it on the ``meta`` device to skip allocating them)."""
+    from safetensors.torch import load_file
+
+    info = read_scheme(directory)
+    if info.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"unsupported quantized checkpoint format {info.get('format_version')!r}")
+    scheme = QuantScheme.parse(info["scheme"])
+    modules = set(info["modules"])
+    # safetensors hands out views at arbitrary file offsets; PyTorch's packed CPU kernels read with
+    # aligned vector loads and crash on those, so give every tensor its own (64-byte aligned) storage
+    state = {k: v.clone() for k, v in load_file(str(Path(directory) / CHECKPOINT_FILE)).items()}
+    for alias, name in info.get("aliases", {}).items():
+        state[alias] = state[name]
+
+    def make(name: str, linear: nn.Linear) -> nn.Module:
+        dtype = state[f"{name}.scales" if scheme.method == "int8" else f"{name}.scales_and_zeros"].dtype
+        args = (linear.in_features, linear.out_features, linear.bias is not None)
+        if scheme.method == "int8":
+            return Int8Linear(*args, dtype=dtype, device="cpu")
+        return Int4Linear(
+            *args, group_size=scheme.group_size or DEFAULT_INT4_GROUP_SIZE, dtype=dtype, device="cpu"
+        )
+
+    swapped = _swap_linears(model, make, modules.__contains__)
+    if set(swapped) != modules:
+        raise ValueError(
+            f"checkpoint quantizes modules this model lacks: {sorted(modules - set(swapped))[:5]}"
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.use_cpu_layout()
+    model.quant_scheme = scheme
+    model.quantized_modules = sorted(modules)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes held by parameters and buffers, each storage counted once (tied weights share one)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        ptr = t.untyped_storage().data_ptr()
+        if t.device.type == "meta" or ptr in seen:
+            continue
+        seen.add(ptr)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def config_metadata(model: nn.Module) -> dict[str, Any]:
+    """The engine model's config as JSON-able metadata for ``save_quantized``."""
+    config = getattr(model, "config", None)
+    return {"model_config": dataclasses.asdict(config)} if dataclasses.is_dataclass(config) else {}
+
+
+def build_quantized_model(
+    directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> nn.Module:
+    """An engine ``Transformer`` straight from a quantized checkpoint saved with ``config_metadata``:
+    the float weights are never materialised (the skeleton lives on the meta device)."""
+    from engine.config import ModelConfig
+    from engine.model import Transformer
+
+    raw = read_scheme(directory)["metadata"].get("model_config")
+    if raw is None:
+        raise ValueError(f"{directory} has no model_config; save with metadata=config_metadata(model)")
+    raw["eos_token_ids"] = tuple(raw.get("eos_token_ids") or ())
+    config = ModelConfig(**raw)
+    with torch.device("meta"):
+        model = Transformer(config)
+    load_quantized(model, directory)
+    model.rotary = type(model.rotary)(config)  # computed buffers, not stored
+    if dtype is not None:
+        model.to(dtype=dtype)
+        model.rotary.float()
+    return model.to(device).eval()
