@@ -214,7 +214,7 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
             for tool in request.tools
         ]
     tool_choice = _tool_choice(request)
-    if tool_choice is not None:
+    if tool_choice is not None and request.tools:  # Anthropic refuses a tool_choice without tools
         body["tool_choice"] = tool_choice
     form = request.response_format
     if form is not None and form.type != "text":

@@ -207,7 +207,7 @@ def chat_body(request: ChatRequest) -> dict[str, Any]:
             declarations.append(declaration)
         body["tools"] = [{"functionDeclarations": declarations}]
     tool_config = _tool_config(request)
-    if tool_config is not None:
+    if tool_config is not None and request.tools:
         body["toolConfig"] = tool_config
     form = request.response_format
     if form is not None and form.type != "text":

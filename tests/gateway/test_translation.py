@@ -352,3 +352,9 @@ def test_anthropic_inbound_response_from_canonical() -> None:
     assert message["content"] == [{"type": "tool_use", "id": "call_1", "name": "w", "input": {"c": 1}}]
     assert message["stop_reason"] == "tool_use" and message["model"] == "public"
     assert message["usage"]["input_tokens"] == 6 and message["usage"]["cache_read_input_tokens"] == 4
+
+
+def test_tool_choice_without_tools_is_not_sent_to_anthropic_or_gemini() -> None:
+    request = chat(tool_choice="none", parallel_tool_calls=False)
+    assert "tool_choice" not in body(anthropic.chat_request(ANTHROPIC, request, "claude"))
+    assert "toolConfig" not in body(gemini.chat_request(GEMINI, request, "gemini"))
