@@ -21,7 +21,7 @@ from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import pico_to_micro_ceil
 from gateway.accounting.pricing import PriceCatalog
 from gateway.errors import GatewayError
-from gateway.state import Budget, Limit, SharedState
+from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState
 from gateway.usage import Usage
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ SpendLookup = Callable[[str, str, dt.date], Awaitable[int]]
 
 
 def month_of(now: dt.datetime) -> str:
-    return now.strftime("%Y-%m")
+    return f"{now.year:04d}-{now.month:02d}"
 
 
 class Admission:
@@ -82,8 +82,10 @@ class Admission:
         self._catalog = catalog
         self._spend = spend
         self._seeded: set[str] = set()
+        self._seed_locks: dict[str, asyncio.Lock] = {}
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._settlements: list[Settlement] = []
+        self._flusher: asyncio.Task[None] | None = None
 
     async def admit(
         self,
@@ -110,18 +112,6 @@ class Admission:
             if tpm is not None:
                 limits.append(Limit(f"tpm:{scope}:{owner}", tpm, cost=estimate))
                 tpm_keys.append(f"tpm:{scope}:{owner}")
-        if limits:
-            decision = await self.state.acquire(limits)
-            if not decision.allowed:
-                wait = max(1, math.ceil(decision.retry_after_s))
-                kind = "tokens" if (decision.blocked_by or "").startswith("tpm") else "requests"
-                scope = "key" if ":key:" in (decision.blocked_by or "") else "tenant"
-                raise RateLimited(
-                    f"Rate limit reached for this {scope} on {kind} per minute. Please try again in {wait}s.",
-                    type=kind,
-                    headers={"retry-after": str(wait)},
-                )
-
         now = dt.datetime.now(dt.UTC)
         budgets: list[Budget] = []
         for scope, owner, limit in (
@@ -132,61 +122,80 @@ class Admission:
                 key = f"budget:{scope}:{owner}:{month_of(now)}"
                 await self._seed(key, scope, owner, now)
                 budgets.append(Budget(key, limit))
-        reservation_id = None
+        amount = 0
         if budgets:
-            cost = self._catalog().price(
-                Usage(input_tokens=prompt_tokens, output_tokens=max_output_tokens), backend, model, now
-            )
+            usage = Usage(input_tokens=prompt_tokens, output_tokens=max_output_tokens)
+            cost = self._catalog().price(usage, backend, model, now)
             # At least one micro-dollar, so a budget that is fully spent refuses even unpriced models.
             amount = max(1, pico_to_micro_ceil(cost.cost_pico_usd))
-            decision = await self.state.budget_reserve(budgets, amount, ttl_s=RESERVATION_TTL_S)
-            if not decision.allowed:
-                for tpm_key in tpm_keys:  # the request never runs: give its tokens back
-                    await self.state.adjust(tpm_key, -estimate)
-                scope = "key" if ":key:" in (decision.blocked_by or "") else "tenant"
+        if not limits and not budgets:
+            return
+        # One atomic step in the shared state (one Redis round trip): every limit and every budget,
+        # all or nothing, so a request refused by its budget uses up no rate limit either.
+        decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
+        if not decision.allowed:
+            blocked = decision.blocked_by or ""
+            scope = "key" if ":key:" in blocked else "tenant"
+            if blocked.startswith("budget:"):
                 raise QuotaExceeded(
                     f"You exceeded this {scope}'s monthly budget. Ask your Weir administrator to raise it."
                 )
-            reservation_id = decision.reservation_id
+            wait = max(1, math.ceil(decision.retry_after_s))
+            kind = "tokens" if blocked.startswith("tpm:") else "requests"
+            raise RateLimited(
+                f"Rate limit reached for this {scope} on {kind} per minute. Please try again in {wait}s.",
+                type=kind,
+                headers={"retry-after": str(wait)},
+            )
+        reservation_id = decision.reservation_id
         if budgets or tpm_keys:
             self._pending[request_id] = _Pending(reservation_id, [b.key for b in budgets], tpm_keys, estimate)
 
     async def _seed(self, key: str, scope: str, owner: str, now: dt.datetime) -> None:
         if key in self._seeded or self._spend is None:
             return
-        try:
-            spent = await self._spend(scope, owner, now.date().replace(day=1))
-        except Exception:
-            # DB down: admit against what the shared state already knows; seed on a later request.
-            log.warning("could not read this month's spend for %s %s", scope, owner, exc_info=True)
-            return
-        await self.state.budget_seed(key, pico_to_micro_ceil(spent))
-        self._seeded.add(key)
+        # One ledger query per budget and month, however many requests arrive while it runs.
+        async with self._seed_locks.setdefault(key, asyncio.Lock()):
+            if key in self._seeded:
+                return
+            try:
+                spent = await self._spend(scope, owner, now.date().replace(day=1))
+            except Exception:
+                # DB down: admit against what the shared state already knows; seed on a later request.
+                log.warning("could not read this month's spend for %s %s", scope, owner, exc_info=True)
+                return
+            await self.state.budget_seed(key, pico_to_micro_ceil(spent))
+            self._seeded.add(key)
+            del self._seed_locks[key]
 
     def settle(self, event: UsageEvent) -> None:
-        """Called for every usage event; does the shared-state work in the background."""
+        """Called for every usage event; the shared-state work happens off the request path, every
+        settlement of one event-loop turn in one round trip."""
         pending = self._pending.get(event.request_id)
         if pending is None:
             return
-        task = asyncio.get_running_loop().create_task(self._settle(pending, event))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _settle(self, pending: _Pending, event: UsageEvent) -> None:
-        actual_tokens = event.usage.total_tokens
         first = not pending.first_settled
         pending.first_settled = True
-        try:
-            for key in pending.tpm_keys:
-                await self.state.adjust(key, actual_tokens - (pending.estimated_tokens if first else 0))
-            if pending.budget_keys:
-                await self.state.budget_settle(
-                    pending.budget_keys,
-                    (pending.reservation_id or "") if first else "",
-                    pico_to_micro_ceil(event.cost_pico_usd),
-                )
-        except Exception:
-            log.warning("could not settle request %s in the shared state", event.request_id, exc_info=True)
+        delta = event.usage.total_tokens - (pending.estimated_tokens if first else 0)
+        self._settlements.append(
+            Settlement(
+                [Adjustment(key, delta) for key in pending.tpm_keys],
+                pending.budget_keys,
+                (pending.reservation_id or "") if first else "",
+                pico_to_micro_ceil(event.cost_pico_usd),
+            )
+        )
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._settlements:
+            await asyncio.sleep(0)  # let this turn's other settlements join the batch
+            batch, self._settlements = self._settlements, []
+            try:
+                await self.state.settle_many(batch)
+            except Exception:
+                log.warning("could not settle %d attempts in the shared state", len(batch), exc_info=True)
 
     def _expire(self) -> None:
         horizon = time.monotonic() - PENDING_TTL_S
@@ -198,5 +207,5 @@ class Admission:
 
     async def drain(self) -> None:
         """Wait for background settlements (shutdown, tests)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.gather(self._flusher, return_exceptions=True)

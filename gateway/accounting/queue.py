@@ -61,8 +61,20 @@ class SpoolQueue:
         segments = self._segments()
         self._cursor = self._load_cursor(segments)
         self._write_segment = segments[-1] if segments else 1
-        self._out = open(self._path(self._write_segment), "ab")  # noqa: SIM115
+        self._out = open(self._path(self._write_segment), "ab", buffering=1 << 20)  # noqa: SIM115
+        self._flush_scheduled = False
         self._data = asyncio.Event()
+
+    @classmethod
+    def claim(cls, directory: str | os.PathLike[str], slots: int = 64) -> SpoolQueue:
+        """The first free slot `directory/<n>`: one spool per worker process, and a restarted worker
+        takes over (and drains) the slot a previous one left."""
+        for slot in range(slots):
+            try:
+                return cls(Path(directory) / str(slot))
+            except RuntimeError:
+                continue
+        raise RuntimeError(f"all {slots} usage spool slots under {directory} are in use")
 
     def _path(self, segment: int) -> Path:
         return self._dir / f"{segment:010d}.jsonl"
@@ -78,9 +90,21 @@ class SpoolQueue:
             return (segments[0] if segments else 1), 0
 
     def put(self, event: UsageEvent) -> None:
-        # One write of a whole line, flushed to the OS at once: a crashed gateway loses nothing it
-        # returned; a torn last line (power loss mid-write) is skipped when read back.
+        # Whole lines, handed to the OS at the end of this event-loop turn (one write for every event
+        # produced in it): a crashed gateway loses nothing it had answered a turn earlier, and a torn
+        # last line (power loss mid-write) is skipped when read back.
         self._out.write(encode(event) + b"\n")
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            try:
+                asyncio.get_running_loop().call_soon(self._flush)
+            except RuntimeError:  # no event loop (tools, tests): flush now
+                self._flush()
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._out.closed:
+            return
         self._out.flush()
         if self._out.tell() >= self.SEGMENT_BYTES:
             self._out.close()
@@ -89,6 +113,7 @@ class SpoolQueue:
         self._data.set()
 
     async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
+        self._flush()
         items = self._read_now(max_events)
         if not items and block_s > 0:
             self._data.clear()
@@ -133,9 +158,11 @@ class SpoolQueue:
                 self._path(old).unlink(missing_ok=True)
 
     def pending(self) -> int:
+        self._flush()
         return len(self._read_now(10**9))
 
     async def close(self) -> None:
+        self._flush()
         self._out.close()
         self._lock.close()
 

@@ -104,44 +104,47 @@ class BatchWriter:
         batch_size: int = 500,
         idle_wait_s: float = 0.2,
         max_backoff_s: float = 5.0,
+        linger_s: float = 1.0,
     ) -> None:
         self.queue = queue
         self.engine = engine
         self.batch_size = batch_size
         self.idle_wait_s = idle_wait_s
         self.max_backoff_s = max_backoff_s
+        self.linger_s = linger_s
         self.stats = WriterStats()
         self._pending: list[tuple[Token, UsageEvent]] = []
+        self._insert_events, self._upsert_rollups = self._statements(engine.dialect.name)
         self._task: asyncio.Task[None] | None = None
 
-    def _insert(self) -> Any:  # the dialect's Insert, which knows ON CONFLICT
-        return (postgresql if self.engine.dialect.name == "postgresql" else sqlite).insert
+    @staticmethod
+    def _statements(dialect: str) -> tuple[Any, Any]:
+        insert = (postgresql if dialect == "postgresql" else sqlite).insert  # these know ON CONFLICT
+        events = (
+            insert(EVENTS).on_conflict_do_nothing(index_elements=["event_id"]).returning(EVENTS.c.event_id)
+        )
+        rollups = insert(ROLLUPS)
+        rollups = rollups.on_conflict_do_update(
+            index_elements=["day", "tenant_id", "key_id", "backend", "model"],
+            set_={name: ROLLUPS.c[name] + rollups.excluded[name] for name in SUMMED},
+        )
+        return events, rollups
 
     async def write(self, events: list[UsageEvent]) -> int:
         """Insert a batch in one transaction; returns how many were new."""
         rows = [event_row(e) for e in events]
-        insert = self._insert()
         new_ids: set[str] = set()
         async with self.engine.begin() as conn:
+            # executemany of one cached statement: SQLAlchemy's "insertmanyvalues" sends it as
+            # multi-row INSERTs with RETURNING, without compiling a new statement per batch size.
             for start in range(0, len(rows), MAX_ROWS_PER_INSERT):
                 chunk = rows[start : start + MAX_ROWS_PER_INSERT]
-                statement = (
-                    insert(EVENTS)
-                    .values(chunk)
-                    .on_conflict_do_nothing(index_elements=["event_id"])
-                    .returning(EVENTS.c.event_id)
-                )
-                new_ids.update((await conn.execute(statement)).scalars())
+                new_ids.update((await conn.execute(self._insert_events, chunk)).scalars())
                 self.stats.statements += 1
             fresh = [r for r in rows if r["event_id"] in new_ids]
             rollups = _rollup_rows(fresh)
             if rollups:
-                statement = insert(ROLLUPS).values(rollups)
-                statement = statement.on_conflict_do_update(
-                    index_elements=["day", "tenant_id", "key_id", "backend", "model"],
-                    set_={name: ROLLUPS.c[name] + statement.excluded[name] for name in SUMMED},
-                )
-                await conn.execute(statement)
+                await conn.execute(self._upsert_rollups, rollups)
         self.stats.batches += 1
         self.stats.inserted += len(new_ids)
         self.stats.duplicates += len(rows) - len(new_ids)
@@ -171,8 +174,12 @@ class BatchWriter:
         backoff = 0.1
         while True:
             try:
-                await self.step()
+                written = await self.step()
                 backoff = 0.1
+                if written < self.batch_size:
+                    # A part batch means the queue is drained: let events gather instead of waking
+                    # (and committing) for every request under light load.
+                    await asyncio.sleep(self.linger_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 from litestar import Router
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 
 from gateway.accounting.admission import Admission, Quotas
 from gateway.accounting.catalog import load_catalog, seed_prices
@@ -79,7 +80,7 @@ class ControlPlane:
         self.queue: UsageQueue = (
             RedisStreamQueue.from_url(settings.redis_url, prefix=settings.redis_prefix)
             if settings.redis_url
-            else SpoolQueue(Path(settings.spool_dir))
+            else SpoolQueue.claim(Path(settings.spool_dir))
         )
         self.writer = BatchWriter(self.queue, self.engine)
         self.authenticator = DbAuthenticator(self.sessions, self.state, ttl_s=settings.key_cache_ttl_s)
@@ -101,8 +102,14 @@ class ControlPlane:
         if generated:
             # Shown this once; only its hash is stored. Set WEIR_ADMIN_TOKEN to choose your own.
             print(f"weir: generated admin token (shown once): {generated}", file=sys.stderr, flush=True)
-        async with self.sessions() as session, session.begin():
-            added = await seed_prices(session, self.settings.prices, dt.datetime.now(dt.UTC))
+        for attempt in range(3):
+            try:
+                async with self.sessions() as session, session.begin():
+                    added = await seed_prices(session, self.settings.prices, dt.datetime.now(dt.UTC))
+                break
+            except IntegrityError:  # another replica seeded the same prices at the same moment
+                if attempt == 2:
+                    raise
         if added:
             log.info("price catalog: %d prices from the config", added)
         await self.reload_catalog()

@@ -60,7 +60,7 @@ class DbAuthenticator:
         self._ttl = ttl_s
         self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
         self._records: dict[str, KeyRecord] = {}  # tenant/key id pair -> record, for admission
-        self._lock = asyncio.Lock()
+        self._loading: dict[str, asyncio.Future[KeyRecord | None]] = {}
 
     async def start(self) -> None:
         await self._state.subscribe_revocations(self.evict)
@@ -80,7 +80,12 @@ class DbAuthenticator:
         now = time.monotonic()
         cached = self._cache.get(digest)
         if cached is None or cached[0] <= now:
-            record = await self._load(digest)
+            # Concurrent requests with the same uncached key share one DB query.
+            loading = self._loading.get(digest)
+            if loading is None:
+                loading = self._loading[digest] = asyncio.ensure_future(self._load(digest))
+                loading.add_done_callback(lambda _: self._loading.pop(digest, None))
+            record = await asyncio.shield(loading)
             self._cache[digest] = (now + self._ttl, record)
             if record is not None:
                 self._records[record.principal.key_id or ""] = record

@@ -10,7 +10,7 @@ import msgspec
 
 from gateway.accounting.pricing import ANY_BACKEND, TokenClass
 
-Count = Annotated[int, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # stored as 32-bit integers
 Usd = Decimal  # checked for sign and precision when converted to micro-dollars
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 

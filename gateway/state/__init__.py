@@ -6,7 +6,7 @@ limits and budgets hold exactly across every gateway replica. `open_state(redis_
 
 from __future__ import annotations
 
-from gateway.state.base import Admission, Budget, BudgetDecision, Limit, SharedState
+from gateway.state.base import Adjustment, Admission, Budget, BudgetDecision, Limit, Settlement, SharedState
 from gateway.state.memory import MemoryState
 
 
@@ -18,4 +18,14 @@ def open_state(redis_url: str | None, prefix: str = "weir:") -> SharedState:
     return RedisState.from_url(redis_url, prefix=prefix)
 
 
-__all__ = ["Admission", "Budget", "BudgetDecision", "Limit", "MemoryState", "SharedState", "open_state"]
+__all__ = [
+    "Adjustment",
+    "Admission",
+    "Budget",
+    "BudgetDecision",
+    "Limit",
+    "MemoryState",
+    "Settlement",
+    "SharedState",
+    "open_state",
+]

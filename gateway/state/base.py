@@ -26,8 +26,9 @@ class Limit:
 @dataclass(frozen=True, slots=True)
 class Admission:
     allowed: bool
-    retry_after_s: float = 0.0
-    blocked_by: str | None = None  # key of the first limit that refused
+    retry_after_s: float = 0.0  # when a rate limit refused
+    blocked_by: str | None = None  # key of the limit or budget that refused
+    reservation_id: str | None = None  # when budgets were reserved
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,37 +37,69 @@ class Budget:
     limit_micro_usd: int
 
 
+BudgetDecision = Admission
+
+
 @dataclass(frozen=True, slots=True)
-class BudgetDecision:
-    allowed: bool
-    reservation_id: str | None = None
-    blocked_by: str | None = None
+class Adjustment:
+    key: str  # a limit's key
+    delta: int
+    window_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """What one finished attempt changes: limit corrections, and its cost on its budgets."""
+
+    adjustments: Sequence[Adjustment] = ()
+    budget_keys: Sequence[str] = ()
+    reservation_id: str = ""  # released if still held; "" for an attempt after the first
+    actual_micro_usd: int = 0
 
 
 RevocationCallback = Callable[[str], Awaitable[None] | None]
 
 
 class SharedState(Protocol):
-    async def acquire(self, limits: Sequence[Limit]) -> Admission:
-        """Count one use against every limit, all or none: if any would go over, none is counted."""
+    async def admit(
+        self,
+        limits: Sequence[Limit],
+        budgets: Sequence[Budget] = (),
+        amount_micro_usd: int = 0,
+        ttl_s: float = 600.0,
+    ) -> Admission:
+        """One atomic step, all or nothing: count one use against every limit and reserve `amount` on
+        every budget (spent + reserved + amount <= limit on each). Refused: nothing is counted."""
         ...
 
-    async def adjust(self, key: str, delta: int, window_s: float = 60.0) -> None:
-        """Correct a limit's current bucket once the real cost is known (actual - estimated tokens)."""
+    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
+        """For each: correct limits once the real cost is known (actual - estimated tokens), release
+        the reservation (if still held) and add the actual cost to `spent` on every budget. Many at
+        once share one round trip."""
         ...
 
-    async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
-        """Start a budget's `spent` from the ledger, unless some replica already did."""
-        ...
+    async def settle(
+        self,
+        adjustments: Sequence[Adjustment] = (),
+        budget_keys: Sequence[str] = (),
+        reservation_id: str = "",
+        actual_micro_usd: int = 0,
+    ) -> None: ...
+
+    async def acquire(self, limits: Sequence[Limit]) -> Admission: ...
+
+    async def adjust(self, key: str, delta: int, window_s: float = 60.0) -> None: ...
 
     async def budget_reserve(
         self, budgets: Sequence[Budget], amount_micro_usd: int, ttl_s: float = 600.0
-    ) -> BudgetDecision:
-        """Reserve `amount` on every budget, all or none, if spent + reserved + amount <= limit on each."""
-        ...
+    ) -> Admission: ...
 
-    async def budget_settle(self, keys: Sequence[str], reservation_id: str, actual_micro_usd: int) -> None:
-        """Release the reservation and add the actual cost to `spent`."""
+    async def budget_settle(
+        self, keys: Sequence[str], reservation_id: str, actual_micro_usd: int
+    ) -> None: ...
+
+    async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
+        """Start a budget's `spent` from the ledger, unless some replica already did."""
         ...
 
     async def budget_usage(self, key: str) -> tuple[int, int]:
@@ -92,6 +125,45 @@ class SharedState(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class Shortcuts:
+    """The single-purpose calls, in terms of `admit` and `settle` (mixed into both implementations)."""
+
+    async def admit(
+        self,
+        limits: Sequence[Limit],
+        budgets: Sequence[Budget] = (),
+        amount_micro_usd: int = 0,
+        ttl_s: float = 600.0,
+    ) -> Admission:
+        raise NotImplementedError
+
+    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
+        raise NotImplementedError
+
+    async def settle(
+        self,
+        adjustments: Sequence[Adjustment] = (),
+        budget_keys: Sequence[str] = (),
+        reservation_id: str = "",
+        actual_micro_usd: int = 0,
+    ) -> None:
+        await self.settle_many([Settlement(adjustments, budget_keys, reservation_id, actual_micro_usd)])
+
+    async def acquire(self, limits: Sequence[Limit]) -> Admission:
+        return await self.admit(limits)
+
+    async def adjust(self, key: str, delta: int, window_s: float = 60.0) -> None:
+        await self.settle([Adjustment(key, delta, window_s)])
+
+    async def budget_reserve(
+        self, budgets: Sequence[Budget], amount_micro_usd: int, ttl_s: float = 600.0
+    ) -> Admission:
+        return await self.admit((), budgets, amount_micro_usd, ttl_s)
+
+    async def budget_settle(self, keys: Sequence[str], reservation_id: str, actual_micro_usd: int) -> None:
+        await self.settle((), keys, reservation_id, actual_micro_usd)
 
 
 def retry_after(

@@ -13,9 +13,10 @@ from gateway.state.base import (
     BUCKETS,
     Admission,
     Budget,
-    BudgetDecision,
     Limit,
     RevocationCallback,
+    Settlement,
+    Shortcuts,
     retry_after,
 )
 
@@ -23,6 +24,7 @@ from gateway.state.base import (
 @dataclass
 class _Budget:
     spent: int = 0
+    spent_known: bool = False  # seeded from the ledger or settled at least once
     reservations: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (amount, expires)
 
     def reserved(self, now: float) -> int:
@@ -31,7 +33,7 @@ class _Budget:
         return sum(amount for amount, _ in self.reservations.values())
 
 
-class MemoryState:
+class MemoryState(Shortcuts):
     def __init__(self) -> None:
         self._windows: dict[str, dict[int, int]] = {}
         self._budgets: dict[str, _Budget] = {}
@@ -53,55 +55,55 @@ class MemoryState:
             del buckets[index]
         return buckets, bucket_s, current
 
-    async def acquire(self, limits: Sequence[Limit]) -> Admission:
+    async def admit(
+        self,
+        limits: Sequence[Limit],
+        budgets: Sequence[Budget] = (),
+        amount_micro_usd: int = 0,
+        ttl_s: float = 600.0,
+    ) -> Admission:
         async with self._lock:
             now = self._now()
             for limit in limits:
                 buckets, bucket_s, _ = self._window(limit.key, limit.window_s, now)
                 total = sum(buckets.values())
                 if total + limit.cost > limit.limit:
-                    wait = retry_after(
-                        sorted(buckets.items()),
-                        total + limit.cost - limit.limit,
-                        bucket_s,
-                        now,
-                        limit.window_s,
-                    )
-                    return Admission(False, wait if limit.cost <= limit.limit else limit.window_s, limit.key)
-            for limit in limits:
-                buckets, _, current = self._window(limit.key, limit.window_s, now)
-                buckets[current] = buckets.get(current, 0) + limit.cost
-            return Admission(True)
-
-    async def adjust(self, key: str, delta: int, window_s: float = 60.0) -> None:
-        async with self._lock:
-            buckets, _, current = self._window(key, window_s, self._now())
-            buckets[current] = buckets.get(current, 0) + delta
-
-    async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
-        async with self._lock:
-            self._budgets.setdefault(key, _Budget(spent=spent_micro_usd))
-
-    async def budget_reserve(
-        self, budgets: Sequence[Budget], amount_micro_usd: int, ttl_s: float = 600.0
-    ) -> BudgetDecision:
-        async with self._lock:
-            now = self._now()
+                    if limit.cost > limit.limit:
+                        return Admission(False, limit.window_s, limit.key)
+                    need = total + limit.cost - limit.limit
+                    wait = retry_after(sorted(buckets.items()), need, bucket_s, now, limit.window_s)
+                    return Admission(False, wait, limit.key)
             for budget in budgets:
                 state = self._budgets.setdefault(budget.key, _Budget())
                 if state.spent + state.reserved(now) + amount_micro_usd > budget.limit_micro_usd:
-                    return BudgetDecision(False, blocked_by=budget.key)
-            reservation_id = uuid.uuid4().hex
+                    return Admission(False, blocked_by=budget.key)
+            for limit in limits:
+                buckets, _, current = self._window(limit.key, limit.window_s, now)
+                buckets[current] = buckets.get(current, 0) + limit.cost
+            reservation_id = uuid.uuid4().hex if budgets else None
             for budget in budgets:
                 self._budgets[budget.key].reservations[reservation_id] = (amount_micro_usd, now + ttl_s)
-            return BudgetDecision(True, reservation_id=reservation_id)
+            return Admission(True, reservation_id=reservation_id)
 
-    async def budget_settle(self, keys: Sequence[str], reservation_id: str, actual_micro_usd: int) -> None:
+    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
         async with self._lock:
-            for key in keys:
-                state = self._budgets.setdefault(key, _Budget())
-                state.reservations.pop(reservation_id, None)
-                state.spent += actual_micro_usd
+            now = self._now()
+            for settlement in settlements:
+                for adjustment in settlement.adjustments:
+                    if adjustment.delta:
+                        buckets, _, current = self._window(adjustment.key, adjustment.window_s, now)
+                        buckets[current] = buckets.get(current, 0) + adjustment.delta
+                for key in settlement.budget_keys:
+                    state = self._budgets.setdefault(key, _Budget())
+                    state.reservations.pop(settlement.reservation_id, None)
+                    state.spent += settlement.actual_micro_usd
+                    state.spent_known = True
+
+    async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
+        async with self._lock:
+            state = self._budgets.setdefault(key, _Budget())
+            if not state.spent_known:  # as Redis's HSETNX: a reservation alone does not count as known
+                state.spent, state.spent_known = spent_micro_usd, True
 
     async def budget_usage(self, key: str) -> tuple[int, int]:
         state = self._budgets.get(key)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from gateway.state.base import BUCKETS, Admission, Budget, BudgetDecision, Limit, RevocationCallback
+from gateway.state.base import BUCKETS, Admission, Budget, Limit, RevocationCallback, Settlement, Shortcuts
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +23,21 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: one per limit. ARGV: BUCKETS, then (limit, cost, window_ms) per key.
-# Returns {1} when admitted, else {0, index of the refusing limit, retry-after ms}.
-ACQUIRE = (
+# KEYS: the limit keys, then (budget, budget:res, budget:exp) per budget.
+# ARGV: BUCKETS, number of limits, (limit, cost, window_ms) per limit, then amount, reservation ttl ms,
+# reservation id, budget key ttl ms, then one limit per budget.
+# Returns {1} when admitted, {0, 1, limit index, retry-after ms} or {0, 2, budget index} when refused;
+# nothing is counted or reserved unless everything fits.
+ADMIT = (
     _NOW_MS
     + """
 local buckets = tonumber(ARGV[1])
+local n = tonumber(ARGV[2])
 local currents = {}
-for i = 1, #KEYS do
-  local limit = tonumber(ARGV[(i - 1) * 3 + 2])
-  local cost = tonumber(ARGV[(i - 1) * 3 + 3])
-  local window_ms = tonumber(ARGV[(i - 1) * 3 + 4])
+for i = 1, n do
+  local limit = tonumber(ARGV[(i - 1) * 3 + 3])
+  local cost = tonumber(ARGV[(i - 1) * 3 + 4])
+  local window_ms = tonumber(ARGV[(i - 1) * 3 + 5])
   local bucket_ms = window_ms / buckets
   local current = math.floor(now_ms / bucket_ms)
   currents[i] = current
@@ -64,39 +68,14 @@ for i = 1, #KEYS do
         end
       end
     end
-    return {0, i, string.format('%d', math.max(0, math.ceil(wait_ms)))}
+    return {0, 1, i, string.format('%d', math.max(0, math.ceil(wait_ms)))}
   end
 end
-for i = 1, #KEYS do
-  local window_ms = tonumber(ARGV[(i - 1) * 3 + 4])
-  redis.call('HINCRBY', KEYS[i], string.format('%d', currents[i]), ARGV[(i - 1) * 3 + 3])
-  redis.call('PEXPIRE', KEYS[i], math.ceil(window_ms + window_ms / buckets))
-end
-return {1}
-"""
-)
-
-# KEYS[1]: limit key. ARGV: BUCKETS, delta, window_ms.
-ADJUST = (
-    _NOW_MS
-    + """
-local window_ms = tonumber(ARGV[3])
-local current = math.floor(now_ms / (window_ms / tonumber(ARGV[1])))
-redis.call('HINCRBY', KEYS[1], string.format('%d', current), ARGV[2])
-redis.call('PEXPIRE', KEYS[1], math.ceil(window_ms + window_ms / tonumber(ARGV[1])))
-return 1
-"""
-)
-
-# KEYS: (budget, budget:res, budget:exp) per budget. ARGV: amount, ttl_ms, reservation id, key ttl,
-# then one limit per budget. Returns 0 when reserved, else the 1-based index of the refusing budget.
-RESERVE = (
-    _NOW_MS
-    + """
-local amount = tonumber(ARGV[1])
-local n = #KEYS / 3
-for i = 0, n - 1 do
-  local k, res, exp = KEYS[i * 3 + 1], KEYS[i * 3 + 2], KEYS[i * 3 + 3]
+local b0 = 3 + n * 3
+local amount = tonumber(ARGV[b0])
+local nb = (#KEYS - n) / 3
+for i = 0, nb - 1 do
+  local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', exp, '-inf', now_ms)) do
     local stale = redis.call('HGET', res, id)
     if stale then
@@ -107,38 +86,57 @@ for i = 0, n - 1 do
   end
   local spent = tonumber(redis.call('HGET', k, 'spent') or '0')
   local reserved = tonumber(redis.call('HGET', k, 'reserved') or '0')
-  if spent + reserved + amount > tonumber(ARGV[5 + i]) then
-    return i + 1
+  if spent + reserved + amount > tonumber(ARGV[b0 + 4 + i]) then
+    return {0, 2, i + 1}
   end
 end
-for i = 0, n - 1 do
-  local k, res, exp = KEYS[i * 3 + 1], KEYS[i * 3 + 2], KEYS[i * 3 + 3]
-  redis.call('HINCRBY', k, 'reserved', ARGV[1])
-  redis.call('HSET', res, ARGV[3], ARGV[1])
-  redis.call('ZADD', exp, now_ms + tonumber(ARGV[2]), ARGV[3])
-  redis.call('PEXPIRE', k, ARGV[4])
-  redis.call('PEXPIRE', res, ARGV[4])
-  redis.call('PEXPIRE', exp, ARGV[4])
+for i = 1, n do
+  local window_ms = tonumber(ARGV[(i - 1) * 3 + 5])
+  redis.call('HINCRBY', KEYS[i], string.format('%d', currents[i]), ARGV[(i - 1) * 3 + 4])
+  redis.call('PEXPIRE', KEYS[i], math.ceil(window_ms + window_ms / buckets))
 end
-return 0
+for i = 0, nb - 1 do
+  local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
+  redis.call('HINCRBY', k, 'reserved', ARGV[b0])
+  redis.call('HSET', res, ARGV[b0 + 2], ARGV[b0])
+  redis.call('ZADD', exp, now_ms + tonumber(ARGV[b0 + 1]), ARGV[b0 + 2])
+  redis.call('PEXPIRE', k, ARGV[b0 + 3])
+  redis.call('PEXPIRE', res, ARGV[b0 + 3])
+  redis.call('PEXPIRE', exp, ARGV[b0 + 3])
+end
+return {1}
 """
 )
 
-# KEYS: as RESERVE. ARGV: reservation id, actual amount, key ttl.
-SETTLE = """
-for i = 0, #KEYS / 3 - 1 do
-  local k, res, exp = KEYS[i * 3 + 1], KEYS[i * 3 + 2], KEYS[i * 3 + 3]
-  local held = redis.call('HGET', res, ARGV[1])
+# KEYS: the limit keys to adjust, then (budget, budget:res, budget:exp) per budget.
+# ARGV: BUCKETS, number of limit keys, (delta, window_ms) per limit key, then reservation id, actual
+# amount, budget key ttl ms.
+SETTLE = (
+    _NOW_MS
+    + """
+local buckets = tonumber(ARGV[1])
+local n = tonumber(ARGV[2])
+for i = 1, n do
+  local window_ms = tonumber(ARGV[(i - 1) * 2 + 4])
+  local current = math.floor(now_ms / (window_ms / buckets))
+  redis.call('HINCRBY', KEYS[i], string.format('%d', current), ARGV[(i - 1) * 2 + 3])
+  redis.call('PEXPIRE', KEYS[i], math.ceil(window_ms + window_ms / buckets))
+end
+local b0 = 3 + n * 2
+for i = 0, (#KEYS - n) / 3 - 1 do
+  local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
+  local held = redis.call('HGET', res, ARGV[b0])
   if held then
     redis.call('HINCRBY', k, 'reserved', string.format('%d', -tonumber(held)))
-    redis.call('HDEL', res, ARGV[1])
-    redis.call('ZREM', exp, ARGV[1])
+    redis.call('HDEL', res, ARGV[b0])
+    redis.call('ZREM', exp, ARGV[b0])
   end
-  redis.call('HINCRBY', k, 'spent', ARGV[2])
-  redis.call('PEXPIRE', k, ARGV[3])
+  redis.call('HINCRBY', k, 'spent', ARGV[b0 + 1])
+  redis.call('PEXPIRE', k, ARGV[b0 + 2])
 end
 return 1
 """
+)
 
 # KEYS[1]. ARGV: expect-absent flag, expected, new value, ttl ms ('' for none).
 COMPARE_AND_SET = """
@@ -155,13 +153,11 @@ return 0
 """
 
 
-class RedisState:
+class RedisState(Shortcuts):
     def __init__(self, client: aioredis.Redis, prefix: str = "weir:") -> None:
         self._redis = client
         self._prefix = prefix
-        self._acquire = client.register_script(ACQUIRE)
-        self._adjust = client.register_script(ADJUST)
-        self._reserve = client.register_script(RESERVE)
+        self._admit = client.register_script(ADMIT)
         self._settle = client.register_script(SETTLE)
         self._cas = client.register_script(COMPARE_AND_SET)
         self._listeners: list[asyncio.Task[None]] = []
@@ -176,45 +172,54 @@ class RedisState:
     def _budget_keys(self, keys: Sequence[str]) -> list[str]:
         return [self._k(k) + suffix for k in keys for suffix in ("", ":res", ":exp")]
 
-    async def acquire(self, limits: Sequence[Limit]) -> Admission:
-        if not limits:
+    async def admit(
+        self,
+        limits: Sequence[Limit],
+        budgets: Sequence[Budget] = (),
+        amount_micro_usd: int = 0,
+        ttl_s: float = 600.0,
+    ) -> Admission:
+        if not limits and not budgets:
             return Admission(True)
-        args: list[int | str] = [BUCKETS]
+        reservation_id = uuid.uuid4().hex if budgets else None
+        args: list[int | str] = [BUCKETS, len(limits)]
         for limit in limits:
             args += [limit.limit, limit.cost, int(limit.window_s * 1000)]
-        result = await self._acquire(keys=[self._k(limit.key) for limit in limits], args=args)
+        args += [amount_micro_usd, int(ttl_s * 1000), reservation_id or "", BUDGET_KEY_TTL_MS]
+        args += [b.limit_micro_usd for b in budgets]
+        keys = [self._k(limit.key) for limit in limits] + self._budget_keys([b.key for b in budgets])
+        result = await self._admit(keys=keys, args=args)
         if int(result[0]) == 1:
-            return Admission(True)
-        return Admission(False, int(result[2]) / 1000, limits[int(result[1]) - 1].key)
+            return Admission(True, reservation_id=reservation_id)
+        if int(result[1]) == 1:
+            return Admission(False, int(result[3]) / 1000, limits[int(result[2]) - 1].key)
+        return Admission(False, blocked_by=budgets[int(result[2]) - 1].key)
 
-    async def adjust(self, key: str, delta: int, window_s: float = 60.0) -> None:
-        if delta:
-            await self._adjust(keys=[self._k(key)], args=[BUCKETS, delta, int(window_s * 1000)])
+    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
+        calls = []
+        for settlement in settlements:
+            adjustments = [a for a in settlement.adjustments if a.delta]
+            if not adjustments and not settlement.budget_keys:
+                continue
+            args: list[int | str] = [BUCKETS, len(adjustments)]
+            for adjustment in adjustments:
+                args += [adjustment.delta, int(adjustment.window_s * 1000)]
+            args += [settlement.reservation_id, settlement.actual_micro_usd, BUDGET_KEY_TTL_MS]
+            keys = [self._k(a.key) for a in adjustments] + self._budget_keys(settlement.budget_keys)
+            calls.append((keys, args))
+        if not calls:
+            return
+        # One pipelined round trip for all of them; each script is still atomic on its own.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                await self._settle(keys=keys, args=args, client=pipe)
+            await pipe.execute()
 
     async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hsetnx(self._k(key), "spent", spent_micro_usd)
             pipe.pexpire(self._k(key), BUDGET_KEY_TTL_MS)
             await pipe.execute()
-
-    async def budget_reserve(
-        self, budgets: Sequence[Budget], amount_micro_usd: int, ttl_s: float = 600.0
-    ) -> BudgetDecision:
-        if not budgets:
-            return BudgetDecision(True, reservation_id=uuid.uuid4().hex)
-        reservation_id = uuid.uuid4().hex
-        args: list[int | str] = [amount_micro_usd, int(ttl_s * 1000), reservation_id, BUDGET_KEY_TTL_MS]
-        args += [b.limit_micro_usd for b in budgets]
-        refused = int(await self._reserve(keys=self._budget_keys([b.key for b in budgets]), args=args))
-        if refused:
-            return BudgetDecision(False, blocked_by=budgets[refused - 1].key)
-        return BudgetDecision(True, reservation_id=reservation_id)
-
-    async def budget_settle(self, keys: Sequence[str], reservation_id: str, actual_micro_usd: int) -> None:
-        if keys:
-            await self._settle(
-                keys=self._budget_keys(keys), args=[reservation_id, actual_micro_usd, BUDGET_KEY_TTL_MS]
-            )
 
     async def budget_usage(self, key: str) -> tuple[int, int]:
         spent, reserved = await self._redis.hmget(self._k(key), "spent", "reserved")

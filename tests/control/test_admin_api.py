@@ -95,6 +95,9 @@ async def test_tenants_crud_with_audit(env: Env) -> None:
     assert_openai_error(
         await c.post("/admin/api/v1/tenants", json={"name": "x", "rpm": -1}, headers=AUTH), 400, "rpm"
     )
+    assert_openai_error(
+        await c.post("/admin/api/v1/tenants", json={"name": "x", "tpm": 10**12}, headers=AUTH), 400, "tpm"
+    )
     assert_openai_error(await c.post("/admin/api/v1/tenants", json={"nme": "x"}, headers=AUTH), 400)
     assert_openai_error(await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH), 409)
     assert [t["name"] for t in (await c.get("/admin/api/v1/tenants", headers=AUTH)).json()["data"]] == [

@@ -3,6 +3,7 @@ in batches, a DB outage loses nothing, and redelivery never writes an event twic
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import random
 from collections.abc import AsyncIterator
@@ -158,8 +159,6 @@ async def test_stream_entries_of_a_dead_writer_are_taken_over(redis_prefix: str,
     dead = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
     assert len(await dead.read(100, 0)) == 50  # read, never acknowledged: this replica crashed
     survivor = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix, claim_idle_s=0.05)
-    import asyncio
-
     await asyncio.sleep(0.1)
     writer = BatchWriter(survivor, engine)
     await writer.drain()
@@ -173,6 +172,7 @@ async def test_spool_is_one_process_and_skips_torn_lines(tmp_path: Path) -> None
     with pytest.raises(RuntimeError, match="in use"):
         SpoolQueue(tmp_path / "spool")
     await put_all(queue, events(3, seed=6))
+    await asyncio.sleep(0)  # one event-loop turn: the spool hands its lines to the OS
     segment = next((tmp_path / "spool").glob("*.jsonl"))
     with open(segment, "ab") as f:
         f.write(b'{"request_id": "half-writ')  # a line still being written
