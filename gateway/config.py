@@ -37,7 +37,7 @@ class Price(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     connect: float = 10.0  # seconds to open a connection to the backend
-    first_byte: float = 120.0  # seconds until the backend sends its response headers
+    first_byte: float = 600.0  # seconds until the response headers (a whole reply, when not streaming)
     read: float = 300.0  # seconds of silence allowed between two chunks of a stream
 
 
