@@ -34,7 +34,6 @@ class HasUsage(Protocol):
 
 
 R = TypeVar("R", bound=HasUsage)
-C = TypeVar("C", bound=HasUsage)
 
 
 @dataclass(slots=True)
@@ -50,7 +49,6 @@ class RequestInfo:
     usage: Usage | None = None
     ttft: float | None = None  # seconds
     error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
