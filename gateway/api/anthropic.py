@@ -8,8 +8,8 @@ from litestar import Request, Response, post
 from litestar.response import Stream
 
 from gateway.anthropic_inbound import MessagesRequest, from_canonical, stream_events, to_canonical
+from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
-from gateway.api.openai import run_chat
 from gateway.errors import InvalidRequest
 from gateway.types import ChatResponse
 

@@ -9,12 +9,10 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
+from gateway.api.chat import run_chat, target_for
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
 from gateway.errors import GatewayError, InvalidRequest, encode_openai_error, stream_failure
-from gateway.pipeline import Call
 from gateway.providers import openai as openai_provider
-from gateway.router_basic import Target
-from gateway.runtime import Gateway
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, CompletionRequest, EmbeddingRequest, Message
 from gateway.usage import openai_usage
 
@@ -80,24 +78,6 @@ def _validate_chat(request: ChatRequest) -> None:
             raise InvalidRequest(
                 "Messages with role 'tool' need a 'tool_call_id'.", param=f"messages[{i}].tool_call_id"
             )
-
-
-def _target(gateway: Gateway, call: Call, model: str, stream: bool | None) -> Target:
-    call.info.model = model
-    call.info.stream = bool(stream)
-    return gateway.models.resolve(model, call.principal)[0]
-
-
-async def run_chat(
-    gateway: Gateway, call: Call, request: ChatRequest
-) -> ChatResponse | AsyncIterator[ChatChunk]:
-    """The chat pipeline for any inbound API: a canonical response, or a stream of canonical chunks."""
-    target = _target(gateway, call, request.model, request.stream)
-    upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
-    if request.stream:
-        decoder = target.provider.chat_stream(request, target.upstream_model)
-        return await gateway.pipeline.stream(call, target, upstream, decoder)
-    return await gateway.pipeline.exchange(call, target, upstream, target.provider.chat_response)
 
 
 # --- handlers ------------------------------------------------------------------------------------
@@ -181,7 +161,7 @@ async def _completion_sse(
 async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "completions")
     body = await parse_body(request, CompletionRequest)
-    target = _target(gateway, call, body.model, body.stream)
+    target = target_for(gateway, call, body.model, body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if target.provider.native_completions:
         upstream = openai_provider.completions_request(target.backend, body, target.upstream_model)
@@ -223,7 +203,7 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
 async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "embeddings")
     body = await parse_body(request, EmbeddingRequest)
-    target = _target(gateway, call, body.model, False)
+    target = target_for(gateway, call, body.model, False)
     provider = target.provider
     if provider.embeddings_request is None or provider.embeddings_response is None:
         raise InvalidRequest(
