@@ -9,8 +9,10 @@ import inspect
 import logging
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 
 from gateway.state.base import BUCKETS, Admission, Budget, Limit, RevocationCallback, Settlement, Shortcuts
 
@@ -161,6 +163,9 @@ class RedisState(Shortcuts):
         self._settle = client.register_script(SETTLE)
         self._cas = client.register_script(COMPARE_AND_SET)
         self._listeners: list[asyncio.Task[None]] = []
+        self._queued: list[tuple[AsyncScript, list[str], list[int | str], asyncio.Future[Any]]] = []
+        self._flush_scheduled = False
+        self._senders: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "weir:") -> RedisState:
@@ -188,7 +193,7 @@ class RedisState(Shortcuts):
         args += [amount_micro_usd, int(ttl_s * 1000), reservation_id or "", BUDGET_KEY_TTL_MS]
         args += [b.limit_micro_usd for b in budgets]
         keys = [self._k(limit.key) for limit in limits] + self._budget_keys([b.key for b in budgets])
-        result = await self._admit(keys=keys, args=args)
+        result = await self._call(self._admit, keys, args)
         if int(result[0]) == 1:
             return Admission(True, reservation_id=reservation_id)
         if int(result[1]) == 1:
@@ -207,13 +212,46 @@ class RedisState(Shortcuts):
             args += [settlement.reservation_id, settlement.actual_micro_usd, BUDGET_KEY_TTL_MS]
             keys = [self._k(a.key) for a in adjustments] + self._budget_keys(settlement.budget_keys)
             calls.append((keys, args))
-        if not calls:
+        if calls:
+            await asyncio.gather(*(self._call(self._settle, keys, args) for keys, args in calls))
+
+    def _call(self, script: AsyncScript, keys: list[str], args: list[int | str]) -> asyncio.Future[Any]:
+        """Run a script, pipelined with every other script call made in the same event-loop turn:
+        one round trip for all the requests being admitted or settled at once. Each script stays
+        atomic on its own, so this changes cost, not results."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queued.append((script, keys, args, future))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._start_send)
+        return future
+
+    def _start_send(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_queued())
+        self._senders.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._senders.discard)
+
+    async def _send_queued(self) -> None:
+        self._flush_scheduled = False
+        batch, self._queued = self._queued, []
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for script, keys, args, _ in batch:
+                    await script(keys=keys, args=args, client=pipe)
+                results = await pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
             return
-        # One pipelined round trip for all of them; each script is still atomic on its own.
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                await self._settle(keys=keys, args=args, client=pipe)
-            await pipe.execute()
+        for (*_, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
 
     async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
