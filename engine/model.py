@@ -40,6 +40,22 @@ class AttentionMetadata:
     max_context_len: int
     prefills: list[PrefillChunk]
     block_size: int
+    _decode_cache: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    _rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat block ids [D * max_blocks] and padding mask [D, 1, 1, L] (None if nothing is padded) of
+        the decodes; computed on first use and shared by every layer."""
+        if self._decode_cache is None:
+            assert self.block_tables is not None and self.context_lens is not None
+            ids = self.block_tables.clamp(min=0).long().reshape(-1)
+            length = self.max_context_len
+            mask = None
+            if bool((self.context_lens != length).any()):
+                mask = torch.arange(length, device=ids.device).unsqueeze(0) < self.context_lens.unsqueeze(1)
+                mask = mask[:, None, None, :]
+            self._decode_cache = (ids, mask)
+        return self._decode_cache
 
 
 _metadata: AttentionMetadata | None = None
@@ -73,22 +89,22 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """One query per sequence [D, H, d] against its paged context. Grouped-query attention as batched
-    matmuls over [D, KVH, group, ...]: no copies of K/V per query head."""
-    assert meta.block_tables is not None and meta.context_lens is not None
+    """One query per sequence [D, H, d] against its paged context.
+
+    The query heads that share a KV head become that head's "query rows" ([D, KVH, group, d]), so
+    SDPA needs no causal mask and no K/V copies per query head; K/V are strided views of the
+    gathered blocks (the CPU flash kernel takes strides, so nothing is made contiguous)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    ids, mask = meta.decode_gather()
     length = meta.max_context_len
-    # contiguous [D, KVH, L, d]: batched matmuls on strided views are much slower on CPU
-    keys = _gather_kv(k_cache, meta.block_tables, length).transpose(1, 2).contiguous()
-    values = _gather_kv(v_cache, meta.block_tables, length).transpose(1, 2).contiguous()
-    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim) * scale
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [D, KVH, G, L]
-    if num_seqs > 1 or length != int(meta.context_lens[0]):
-        pad = torch.arange(length, device=q.device).unsqueeze(0) >= meta.context_lens.unsqueeze(1)
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(values.dtype)
-    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+    keys = k_cache.index_select(0, ids).view(num_seqs, -1, num_kv_heads, head_dim)[:, :length].transpose(1, 2)
+    values = (
+        v_cache.index_select(0, ids).view(num_seqs, -1, num_kv_heads, head_dim)[:, :length].transpose(1, 2)
+    )
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def paged_attention(
@@ -164,8 +180,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.cat([freqs.sin()] * 2, -1).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d]
-        sin = self.sin[positions].unsqueeze(1)
+        meta = _metadata
+        if meta is not None and meta.positions is positions:  # once per step, shared by every layer
+            if meta._rope_cache is None:
+                meta._rope_cache = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+            cos, sin = meta._rope_cache
+        else:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, d]
         out = []
         for x in xs:
             x1, x2 = x.chunk(2, dim=-1)
