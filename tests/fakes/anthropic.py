@@ -35,7 +35,17 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
-from tests.fakes.behaviour import GREETING, Reply, ReportedUsage, Tool, Turn, count_tokens, plan_reply, words
+from tests.fakes.behaviour import (
+    GREETING,
+    Reply,
+    ReportedUsage,
+    Tool,
+    Turn,
+    chunk_words,
+    count_tokens,
+    plan_reply,
+    words,
+)
 from tests.fakes.caches import Block, BreakpointCache
 from tests.fakes.server import BODY, INVALID_JSON, FakeServer, sse
 from tests.fakes.util import deep_merge, huge_text
@@ -456,22 +466,16 @@ def _empty(block: dict[str, Any]) -> dict[str, Any]:
     return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
 
 
-def _split(text: str, per_chunk: int) -> list[str]:
-    parts = text.split(" ")
-    pieces = [" ".join(parts[i : i + per_chunk]) for i in range(0, len(parts), per_chunk)]
-    return [p if i == 0 else f" {p}" for i, p in enumerate(pieces)]
-
-
 def _deltas(block: dict[str, Any], per_chunk: int) -> list[dict[str, Any]]:
     if block["type"] == "text":
-        return [{"type": "text_delta", "text": p} for p in _split(block["text"], per_chunk)]
+        return [{"type": "text_delta", "text": p} for p in chunk_words(block["text"], per_chunk)]
     if block["type"] == "thinking":
-        return [{"type": "thinking_delta", "thinking": p} for p in _split(block["thinking"], per_chunk)] + [
-            {"type": "signature_delta", "signature": block["signature"]}
-        ]
+        return [
+            {"type": "thinking_delta", "thinking": p} for p in chunk_words(block["thinking"], per_chunk)
+        ] + [{"type": "signature_delta", "signature": block["signature"]}]
     arguments = json.dumps(block["input"])
     return [{"type": "input_json_delta", "partial_json": ""}] + [
-        {"type": "input_json_delta", "partial_json": p} for p in _split(arguments, 1)
+        {"type": "input_json_delta", "partial_json": p} for p in chunk_words(arguments, 1)
     ]
 
 

@@ -45,6 +45,14 @@ def words(text: str) -> list[str]:
     return text.split()
 
 
+def chunk_words(text: str, per_chunk: int = 1) -> list[str]:
+    """Stream pieces of `per_chunk` words; spaces stay on the following piece, so pieces join back to
+    `text` exactly (one word per chunk is how the fakes stream)."""
+    parts = text.split(" ")
+    pieces = [" ".join(parts[i : i + per_chunk]) for i in range(0, len(parts), per_chunk)]
+    return [p if i == 0 else f" {p}" for i, p in enumerate(pieces) if p or i > 0]
+
+
 @dataclass
 class Tool:
     name: str

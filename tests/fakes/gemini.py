@@ -32,7 +32,17 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
-from tests.fakes.behaviour import Reply, ReportedUsage, Tool, Turn, count_tokens, embedding, plan_reply, words
+from tests.fakes.behaviour import (
+    Reply,
+    ReportedUsage,
+    Tool,
+    Turn,
+    chunk_words,
+    count_tokens,
+    embedding,
+    plan_reply,
+    words,
+)
 from tests.fakes.server import BODY, INVALID_JSON, FakeServer, sse
 from tests.fakes.util import deep_merge, huge_text
 
@@ -341,7 +351,7 @@ class FakeGemini(FakeServer):
         if reply.tool_name:
             chunks.append((final_parts[-1:], candidates_total))
         else:
-            pieces = _pieces(reply.text, 4096 if big is not None else 1) or [""]
+            pieces = chunk_words(reply.text, 4096 if big is not None else 1) or [""]
             so_far = 0
             for piece in pieces:
                 so_far += count_tokens(piece)
@@ -448,12 +458,6 @@ class FakeGemini(FakeServer):
         if self.cached_contents.pop(request.match_info["id"], None) is None:
             return self.error_response(403, "CachedContent not found (or permission denied)")
         return self.json_response(request, {})
-
-
-def _pieces(text: str, per_chunk: int) -> list[str]:
-    parts = text.split(" ")
-    pieces = [" ".join(parts[i : i + per_chunk]) for i in range(0, len(parts), per_chunk)]
-    return [p if i == 0 else f" {p}" for i, p in enumerate(pieces) if p or i == 0]
 
 
 def _lower_types(schema: Any) -> Any:

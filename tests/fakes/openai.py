@@ -47,6 +47,7 @@ from tests.fakes.behaviour import (
     ReportedUsage,
     Tool,
     Turn,
+    chunk_words,
     count_tokens,
     embedding,
     plan_reply,
@@ -468,12 +469,14 @@ class FakeOpenAI(FakeServer):
             deltas.append(
                 ({"tool_calls": [{"index": 0, "id": "", "type": "function", "function": function}]}, None)
             )
-            for piece in _pieces(reply.arguments_json, per_chunk):
+            for piece in chunk_words(reply.arguments_json, per_chunk):
                 deltas.append(({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}, None))
         else:
             if self.flavour == "deepseek" and model == "deepseek-reasoner":
-                deltas += [({"reasoning_content": p}, None) for p in _pieces(_deepseek_reasoning(reply), 1)]
-            deltas += [({"content": p}, None) for p in _pieces(reply.text, per_chunk)]
+                deltas += [
+                    ({"reasoning_content": p}, None) for p in chunk_words(_deepseek_reasoning(reply), 1)
+                ]
+            deltas += [({"content": p}, None) for p in chunk_words(reply.text, per_chunk)]
         deltas.append(({}, _FINISH[reply.finish]))
         return deltas
 
@@ -531,7 +534,7 @@ class FakeOpenAI(FakeServer):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         async with self.open_stream(request) as stream:
             for i, r in indexed:
-                for piece in _pieces(r.text, 4096 if big is not None else 1):
+                for piece in chunk_words(r.text, 4096 if big is not None else 1):
                     await stream.send(
                         sse(
                             {
@@ -650,20 +653,6 @@ def _content_text(content: Any) -> tuple[str, list[str]]:
             url = (part.get("image_url") or {}).get("url", "")
             images.append(hashlib.sha256(url.encode()).hexdigest()[:12])
     return " ".join(texts), images
-
-
-def _pieces(text: str, per_chunk: int) -> list[str]:
-    """Split text into chunks of `per_chunk` words, keeping the spaces so pieces join back exactly."""
-    out: list[str] = []
-    current: list[str] = []
-    for i, word in enumerate(text.split(" ")):
-        current.append(word if i == 0 else f" {word}")
-        if len(current) >= per_chunk:
-            out.append("".join(current))
-            current = []
-    if current:
-        out.append("".join(current))
-    return [p for p in out if p]
 
 
 def _deepseek_reasoning(reply: Reply) -> str:
