@@ -46,10 +46,38 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class DifficultyHead:
-    """The learned part: a one-hidden-layer network and its blend, as plain numpy arrays."""
+class Encoded:
+    """What the head reads about a batch of prompts."""
 
-    w1: np.ndarray  # (hidden, dim + 1)
+    token_ids: list[list[int]]  # MiniLM WordPiece ids, without [CLS]/[SEP]
+    static: np.ndarray  # (n, 384) static MiniLM sentence embeddings
+    length: np.ndarray  # (n,) length_feature of each prompt
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def subset(self, idx: np.ndarray) -> Encoded:
+        return Encoded([self.token_ids[i] for i in idx], self.static[idx], self.length[idx])
+
+
+def encode(embedder: Any, prompts: list[str]) -> Encoded:
+    """Tokenise once and derive both inputs of the head (the embedder is a `StaticEmbedder`)."""
+    ids = embedder.token_ids_many(prompts)
+    static = np.stack([embedder.pool(i) for i in ids]) if ids else np.empty((0, embedder.dim), np.float32)
+    return Encoded(ids, static, np.array([length_feature(p) for p in prompts], dtype=np.float32))
+
+
+@dataclass
+class DifficultyHead:
+    """The learned part, as plain numpy arrays.
+
+    Inputs: a learned bag of the prompt's tokens (mean of `bag` rows: which words, fastText style, which
+    is what tells MMLU subjects apart), the length feature and the static MiniLM embedding (what the
+    prompt means). One hidden layer, then the weak-correct and strong-correct logits and the group logits.
+    """
+
+    bag: np.ndarray  # (vocab, bag_dim)
+    w1: np.ndarray  # (hidden, bag_dim + 1 + 384)
     b1: np.ndarray  # (hidden,)
     w2: np.ndarray  # (2 + groups, hidden): weak-correct logit, strong-correct logit, group logits
     b2: np.ndarray
@@ -57,30 +85,19 @@ class DifficultyHead:
     blend: np.ndarray  # (3,): weights of [expected group gain, strong-minus-weak probability], then bias
     meta: dict[str, Any] = field(default_factory=dict)
 
-    @classmethod
-    def from_parts(
-        cls, net: dict[str, Any], group_gain: np.ndarray, blend: np.ndarray, meta: dict[str, Any]
-    ) -> DifficultyHead:
-        def arr(t: Any) -> np.ndarray:
-            return np.asarray(t.numpy() if hasattr(t, "numpy") else t, dtype=np.float32)
-
-        return cls(
-            arr(net["hidden.weight"]),
-            arr(net["hidden.bias"]),
-            arr(net["out.weight"]),
-            arr(net["out.bias"]),
-            arr(group_gain),
-            arr(blend),
-            meta,
-        )
+    TENSORS = ("bag", "w1", "b1", "w2", "b2", "group_gain", "blend")
 
     @property
-    def input_dim(self) -> int:
-        return self.w1.shape[1]
+    def static_dim(self) -> int:
+        return self.w1.shape[1] - self.bag.shape[1] - 1
 
-    def components(self, x: np.ndarray) -> np.ndarray:
+    def inputs(self, enc: Encoded) -> np.ndarray:
+        bags = np.stack([self.bag[ids].mean(axis=0) for ids in enc.token_ids])
+        return np.concatenate([bags, enc.length[:, None], enc.static], axis=1, dtype=np.float32)
+
+    def components(self, enc: Encoded) -> np.ndarray:
         """(n, 2) scores before blending: expected group gain, P(strong right) - P(weak right)."""
-        h = _gelu_tanh(x @ self.w1.T + self.b1)
+        h = _gelu_tanh(self.inputs(enc) @ self.w1.T + self.b1)
         logits = h @ self.w2.T + self.b2
         p = _sigmoid(logits[:, :2])
         if len(self.group_gain):
@@ -88,36 +105,33 @@ class DifficultyHead:
             g = np.exp(g - g.max(axis=1, keepdims=True))
             expected_gain = (g / g.sum(axis=1, keepdims=True)) @ self.group_gain
         else:
-            expected_gain = np.zeros(len(x), dtype=np.float32)
+            expected_gain = np.zeros(len(enc), dtype=np.float32)
         return np.stack([expected_gain, p[:, 1] - p[:, 0]], axis=1)
 
-    def p_strong(self, x: np.ndarray) -> np.ndarray:
-        c = self.components(np.atleast_2d(x))
-        return _sigmoid(c @ self.blend[:2] + self.blend[2])
+    def p_strong(self, enc: Encoded) -> np.ndarray:
+        return _sigmoid(self.components(enc) @ self.blend[:2] + self.blend[2])
 
     def save(self, directory: Path) -> None:
         from safetensors.numpy import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {"w1": self.w1, "b1": self.b1, "w2": self.w2, "b2": self.b2}
-        tensors |= {"group_gain": self.group_gain, "blend": self.blend}
-        save_file(
-            {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
-            directory / HEAD_WEIGHTS,
-        )
+        tensors = {k: np.ascontiguousarray(getattr(self, k), dtype=np.float32) for k in self.TENSORS}
+        # The token bag is most of the bytes; half precision loses nothing that matters for a mean.
+        tensors["bag"] = tensors["bag"].astype(np.float16)
+        save_file(tensors, directory / HEAD_WEIGHTS)
         (directory / HEAD_META).write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, directory: Path) -> DifficultyHead:
         from safetensors.numpy import load_file
 
-        t = load_file(str(directory / HEAD_WEIGHTS))
         meta = json.loads((directory / HEAD_META).read_text())
         if meta.get("version") != HEAD_VERSION:
             raise ValueError(
                 f"difficulty head in {directory} has version {meta.get('version')}, need {HEAD_VERSION}"
             )
-        return cls(t["w1"], t["b1"], t["w2"], t["b2"], t["group_gain"], t["blend"], meta)
+        t = load_file(str(directory / HEAD_WEIGHTS))
+        return cls(**{k: t[k].astype(np.float32) for k in cls.TENSORS}, meta=meta)
 
 
 class DifficultyClassifier:
@@ -130,10 +144,8 @@ class DifficultyClassifier:
             raise ValueError(
                 f"head was trained on embedder {head.meta['embedder']!r}, this is {STATIC_RECIPE!r}"
             )
-        if head.input_dim != embedder.dim + 1:
-            raise ValueError(
-                f"head expects {head.input_dim - 1}-dim embeddings, embedder gives {embedder.dim}"
-            )
+        if head.static_dim != embedder.dim:
+            raise ValueError(f"head expects {head.static_dim}-dim embeddings, embedder gives {embedder.dim}")
         self.head = head
         self.embedder = embedder
 
@@ -149,15 +161,12 @@ class DifficultyClassifier:
         return _default()
 
     def score(self, prompt: str) -> float:
-        x = np.append(self.embedder.embed(prompt), np.float32(length_feature(prompt)))
-        return float(self.head.p_strong(x)[0])
+        return self.score_many([prompt])[0]
 
     def score_many(self, prompts: list[str]) -> list[float]:
         if not prompts:
             return []
-        emb = self.embedder.embed_many(prompts)
-        lengths = np.array([[length_feature(p)] for p in prompts], dtype=np.float32)
-        return self.head.p_strong(np.concatenate([emb, lengths], axis=1)).astype(float).tolist()
+        return self.head.p_strong(encode(self.embedder, prompts)).astype(float).tolist()
 
 
 @cache

@@ -22,6 +22,7 @@ def minilm_dir() -> Path:
 
 # Bump when the distillation recipe changes: cached tables and trained heads record it.
 STATIC_RECIPE = "minilm-l6-static-v1"
+VOCAB_SIZE = 30522  # bert-base-uncased WordPiece, which MiniLM uses
 
 
 def cache_dir() -> Path:
@@ -66,19 +67,18 @@ class StaticEmbedder:
             tmp.replace(path)
         return cls(table, Tokenizer.from_file(str(model_dir / "tokenizer.json")))
 
-    def token_ids(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text).ids
-        inner = ids[1:-1] if len(ids) > 2 else ids  # drop [CLS]/[SEP]; keep them only for empty text
-        return inner
+    def token_ids_many(self, texts: list[str]) -> list[list[int]]:
+        """WordPiece ids of each text without [CLS]/[SEP] (kept only for an empty text)."""
+        return [e.ids[1:-1] if len(e.ids) > 2 else e.ids for e in self.tokenizer.encode_batch(texts)]
 
-    def embed(self, text: str) -> np.ndarray:
-        v = self.table[self.token_ids(text)].mean(axis=0)
+    def pool(self, ids: list[int]) -> np.ndarray:
+        v = self.table[ids].mean(axis=0)
         return v / max(float(np.linalg.norm(v)), 1e-9)
 
+    def embed(self, text: str) -> np.ndarray:
+        return self.pool(self.token_ids_many([text])[0])
+
     def embed_many(self, texts: list[str]) -> np.ndarray:
-        out = np.empty((len(texts), self.dim), dtype=np.float32)
-        for row, enc in enumerate(self.tokenizer.encode_batch(texts)):
-            ids = enc.ids[1:-1] if len(enc.ids) > 2 else enc.ids
-            v = self.table[ids].mean(axis=0)
-            out[row] = v / max(float(np.linalg.norm(v)), 1e-9)
-        return out
+        if not texts:
+            return np.empty((0, self.dim), dtype=np.float32)
+        return np.stack([self.pool(ids) for ids in self.token_ids_many(texts)])

@@ -1,0 +1,226 @@
+"""Training the difficulty head: `weir router train`.
+
+Data: rows of (prompt, weak model correct, strong model correct, optional group). The shipped default
+learns from the RouteLLM MMLU outcomes (`load_mmlu`), where the group is the MMLU subject; a tenant can
+refit from its own outcome feedback as JSON lines (`load_jsonl`).
+
+The head is a small multi-task network over a learned bag of the prompt's tokens and its static MiniLM
+embedding (see `routing.embed`): one shared hidden layer, then (a) the group posterior and (b) the probabilities that the weak and the
+strong model answer correctly. Groups are cheap, clean supervision: "which MMLU subject is this"
+is far easier to learn than "will Mixtral miss this one", and each subject's strong-minus-weak gain is
+the single strongest signal in the data. The two scores are blended with equal weight (each scaled to unit
+spread) and calibrated into `p_strong`: the probability that this prompt is one the weak model gets
+wrong and the strong model gets right.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from routing.difficulty import HEAD_VERSION, DifficultyHead, Encoded
+from routing.embed import STATIC_RECIPE, VOCAB_SIZE
+
+
+@dataclass
+class Outcomes:
+    """Per-prompt outcomes of a weak and a strong model."""
+
+    prompts: list[str]
+    weak: np.ndarray  # bool: the weak model answered correctly
+    strong: np.ndarray  # bool: the strong model answered correctly
+    groups: list[str] | None = None  # e.g. the MMLU subject; None when the data has none
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, idx: np.ndarray) -> Outcomes:
+        groups = [self.groups[i] for i in idx] if self.groups is not None else None
+        return Outcomes([self.prompts[i] for i in idx], self.weak[idx], self.strong[idx], groups)
+
+
+def load_mmlu(data_dir: Path, drop_contaminated: bool = True) -> Outcomes:
+    """The RouteLLM MMLU outcome files: `mmlu_<subject>.csv` (prompt, weak, strong columns).
+
+    Prompts listed in `contaminated_prompts.jsonl` overlap RouteLLM's own training data and are dropped.
+    """
+    data_dir = Path(data_dir)
+    contaminated: set[str] = set()
+    path = data_dir / "contaminated_prompts.jsonl"
+    if drop_contaminated and path.exists():
+        contaminated = {json.loads(line)["eval_prompt"] for line in path.read_text().splitlines() if line}
+    prompts, weak, strong, groups = [], [], [], []
+    files = sorted(data_dir.glob("mmlu_*.csv"))
+    if not files:
+        raise FileNotFoundError(f"no mmlu_<subject>.csv files in {data_dir}")
+    for file in files:
+        subject = file.stem.removeprefix("mmlu_")
+        with file.open(newline="") as fh:
+            reader = csv.reader(fh)
+            next(reader)  # header: prompt, <weak model>, <strong model>
+            for prompt, w, s in reader:
+                if prompt in contaminated:
+                    continue
+                prompts.append(prompt)
+                weak.append(w == "True")
+                strong.append(s == "True")
+                groups.append(subject)
+    return Outcomes(prompts, np.array(weak), np.array(strong), groups)
+
+
+def load_jsonl(path: Path) -> Outcomes:
+    """Feedback rows `{"prompt", "weak_correct", "strong_correct", "group"?}`, one JSON object a line."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
+    has_groups = all("group" in r for r in rows)
+    return Outcomes(
+        [r["prompt"] for r in rows],
+        np.array([bool(r["weak_correct"]) for r in rows]),
+        np.array([bool(r["strong_correct"]) for r in rows]),
+        [str(r["group"]) for r in rows] if has_groups else None,
+    )
+
+
+def prompt_fold(prompt: str, folds: int) -> int:
+    """A stable fold for a prompt: the same text always lands in the same fold, on every machine."""
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") % folds
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    bag_dim: int = 32
+    hidden: int = 256
+    epochs: int = 10
+    batch_size: int = 256
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    dropout: float = 0.1
+    seed: int = 0
+
+
+def _fit_network(
+    enc: Encoded,
+    weak: np.ndarray,
+    strong: np.ndarray,
+    group_ids: np.ndarray | None,
+    n_groups: int,
+    cfg: TrainConfig,
+) -> dict[str, np.ndarray]:
+    # Small matmuls: one thread is as fast as several and does not spin against a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_loop(enc, weak, strong, group_ids, n_groups, cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_loop(
+    enc: Encoded,
+    weak: np.ndarray,
+    strong: np.ndarray,
+    group_ids: np.ndarray | None,
+    n_groups: int,
+    cfg: TrainConfig,
+) -> dict[str, np.ndarray]:
+    torch.manual_seed(cfg.seed)
+    dense = torch.from_numpy(np.concatenate([enc.length[:, None], enc.static], axis=1, dtype=np.float32))
+    ids = [torch.tensor(i, dtype=torch.long) for i in enc.token_ids]
+    targets = torch.from_numpy(np.stack([weak, strong], axis=1).astype(np.float32))
+    gt = torch.from_numpy(group_ids) if group_ids is not None else None
+    bag = torch.nn.EmbeddingBag(VOCAB_SIZE, cfg.bag_dim, mode="mean")
+    torch.nn.init.normal_(bag.weight, std=0.1)
+    hidden = torch.nn.Linear(cfg.bag_dim + dense.shape[1], cfg.hidden)
+    out = torch.nn.Linear(cfg.hidden, 2 + n_groups)
+    params = [*bag.parameters(), *hidden.parameters(), *out.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    steps = cfg.epochs * ((len(ids) + cfg.batch_size - 1) // cfg.batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps)
+    for _ in range(cfg.epochs):
+        for batch in torch.randperm(len(ids), generator=gen).split(cfg.batch_size):
+            rows = [ids[i] for i in batch.tolist()]
+            offsets = torch.tensor([0, *np.cumsum([len(r) for r in rows[:-1]])], dtype=torch.long)
+            x = torch.cat([bag(torch.cat(rows), offsets), dense[batch]], dim=1)
+            h = F.dropout(F.gelu(hidden(x), approximate="tanh"), cfg.dropout, training=True)
+            logits = out(h)
+            loss = F.binary_cross_entropy_with_logits(logits[:, :2], targets[batch])
+            if gt is not None:
+                loss = loss + F.cross_entropy(logits[:, 2:], gt[batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    tensors = {"bag": bag.weight, "w1": hidden.weight, "b1": hidden.bias, "w2": out.weight, "b2": out.bias}
+    return {k: v.detach().numpy().copy() for k, v in tensors.items()}
+
+
+def _group_gain(
+    group_ids: np.ndarray, gain: np.ndarray, n_groups: int, prior_rows: float = 20.0
+) -> np.ndarray:
+    """Mean strong-minus-weak gain per group, shrunk towards the overall mean (small groups are noisy)."""
+    overall = float(gain.mean())
+    sums = np.bincount(group_ids, weights=gain, minlength=n_groups)
+    counts = np.bincount(group_ids, minlength=n_groups)
+    return ((sums + prior_rows * overall) / (counts + prior_rows)).astype(np.float32)
+
+
+def _fit_calibration(score: np.ndarray, needs_strong: np.ndarray) -> tuple[float, float]:
+    """Platt scaling: slope and bias of a logistic regression of `needs_strong` on `score`."""
+    x = torch.from_numpy(score.astype(np.float64))
+    y = torch.from_numpy(needs_strong.astype(np.float64))
+    w = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=100, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(w[0] * x + w[1], y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    slope, bias = w.detach().tolist()
+    return slope, bias
+
+
+def fit_head(data: Outcomes, enc: Encoded, cfg: TrainConfig | None = None) -> DifficultyHead:
+    """Train a head on `data`, whose prompts `enc` encodes (see `routing.difficulty.encode`)."""
+    cfg = cfg or TrainConfig()
+    if len(data) < 20:
+        raise ValueError(f"need at least 20 labelled prompts to train, got {len(data)}")
+    groups = sorted(set(data.groups)) if data.groups is not None else []
+    group_ids = np.array([groups.index(g) for g in data.groups]) if data.groups is not None else None
+    needs_strong = ~data.weak & data.strong
+    gain = data.strong.astype(np.float32) - data.weak.astype(np.float32)
+
+    net = _fit_network(enc, data.weak, data.strong, group_ids, len(groups), cfg)
+    group_gain = (
+        _group_gain(group_ids, gain, len(groups)) if group_ids is not None else np.zeros(0, np.float32)
+    )
+    # Blend the two components with equal weight after scaling each to unit spread, then calibrate
+    # the sum to P(needs strong) with a 1-D logistic fit. Both use the training rows: that keeps one
+    # network fit per head, and only the calibration (never the ranking) can be mildly optimistic.
+    probe = DifficultyHead(**net, group_gain=group_gain, blend=np.array([1.0, 1.0, 0.0], np.float32))
+    components = probe.components(enc)
+    scale = 1.0 / np.maximum(components.std(axis=0), 1e-6)
+    slope, bias = _fit_calibration(components @ scale, needs_strong)
+    blend = np.array([*(slope * scale), bias], dtype=np.float32)
+    meta = {
+        "version": HEAD_VERSION,
+        "embedder": STATIC_RECIPE,
+        "rows": len(data),
+        "groups": groups,
+        "weak_accuracy": float(data.weak.mean()),
+        "strong_accuracy": float(data.strong.mean()),
+        "needs_strong_share": float(needs_strong.mean()),
+        "config": cfg.__dict__,
+    }
+    return DifficultyHead(**net, group_gain=group_gain, blend=blend, meta=meta)

@@ -1,0 +1,73 @@
+"""`weir router score` and `weir router train`, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from routing.difficulty import DifficultyClassifier
+
+WEIR = [str(Path(sys.executable).with_name("weir"))]
+
+
+def run(args: list[str], stdin: str = "", timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*WEIR, *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def test_score_round_trip(classifier: DifficultyClassifier) -> None:
+    prompts = ["What is 2 + 2?", "Explain the proof of the Cook-Levin theorem step by step."]
+    lines = [json.dumps({"prompt": p}) for p in prompts]
+    lines.append(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": prompts[1]},
+                ]
+            }
+        )
+    )
+    result = run(["router", "score"], "\n".join(lines) + "\n")
+    assert result.returncode == 0, result.stderr
+    out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [set(o) for o in out] == [{"p_strong"}] * 3
+    expected = [classifier.score(p) for p in prompts]
+    assert [o["p_strong"] for o in out] == pytest.approx([*expected, expected[1]], abs=1e-6)
+
+
+def test_score_reports_bad_lines_in_place() -> None:
+    stdin = '{"prompt": "ok"}\nnot json\n{"text": "wrong key"}\n\n{"prompt": "fine"}\n'
+    result = run(["router", "score"], stdin)
+    assert result.returncode == 1
+    out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(out) == 4  # the blank line is skipped, every other line answers in order
+    assert "p_strong" in out[0] and "p_strong" in out[3]
+    assert out[1]["error"].startswith("line 2:")
+    assert "prompt" in out[2]["error"]
+    assert "2 line(s) could not be scored" in result.stderr
+
+
+def test_train_then_score_with_the_new_head(tmp_path: Path, fixture_dir: Path) -> None:
+    head_dir = tmp_path / "head"
+    result = run(["router", "train", "--data", str(fixture_dir), "--out", str(head_dir), "--epochs", "10"])
+    assert result.returncode == 0, result.stderr
+    assert "299 prompts" in result.stderr  # 300 rows, one listed as contaminated
+    meta = json.loads((head_dir / "difficulty_head.json").read_text())
+    assert meta["groups"] == ["conceptual_physics", "world_religions"]
+    scored = run(["router", "score", "--head", str(head_dir)], '{"prompt": "A ball is dropped from rest."}\n')
+    assert scored.returncode == 0, scored.stderr
+    assert 0.0 <= json.loads(scored.stdout)["p_strong"] <= 1.0
+
+
+def test_train_rejects_bad_input(tmp_path: Path) -> None:
+    assert run(["router", "train"]).returncode == 2  # neither --data nor --feedback
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run(["router", "train", "--data", str(empty), "--out", str(tmp_path / "h")])
+    assert result.returncode == 1
+    assert "no mmlu_<subject>.csv files" in result.stderr
+    assert not (tmp_path / "h").exists()

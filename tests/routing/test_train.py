@@ -1,0 +1,88 @@
+"""Training on the tiny MMLU slice and on feedback JSON lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from routing.difficulty import encode
+from routing.embed import StaticEmbedder
+from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, prompt_fold
+
+FAST = TrainConfig(epochs=15)
+
+
+@pytest.fixture(scope="module")
+def embedder() -> StaticEmbedder:
+    return StaticEmbedder.from_minilm()
+
+
+def apgr(score: np.ndarray, weak: np.ndarray, strong: np.ndarray) -> float:
+    order = np.argsort(-score, kind="stable")
+    quality = weak.sum() + np.concatenate([[0.0], np.cumsum((strong.astype(float) - weak)[order])])
+    pgr = (quality / len(score) - weak.mean()) / (strong.mean() - weak.mean())
+    return float(np.mean((pgr[1:] + pgr[:-1]) / 2))
+
+
+def test_loads_the_slice_and_drops_contaminated_prompts(fixture_dir: Path) -> None:
+    data = load_mmlu(fixture_dir)
+    assert len(data) == 299
+    contaminated = json.loads((fixture_dir / "contaminated_prompts.jsonl").read_text())["eval_prompt"]
+    assert contaminated not in data.prompts
+    assert load_mmlu(fixture_dir, drop_contaminated=False).prompts.count(contaminated) == 1
+    assert sorted(set(data.groups)) == ["conceptual_physics", "world_religions"]
+
+
+def test_training_beats_chance_on_held_out_prompts(fixture_dir: Path, embedder: StaticEmbedder) -> None:
+    data = load_mmlu(fixture_dir)
+    enc = encode(embedder, data.prompts)
+    test = np.array([prompt_fold(p, 3) == 0 for p in data.prompts])
+    train_idx, test_idx = np.nonzero(~test)[0], np.nonzero(test)[0]
+    head = fit_head(data.subset(train_idx), enc.subset(train_idx), FAST)
+    score = head.p_strong(enc.subset(test_idx))
+    assert np.all((score >= 0) & (score <= 1))
+    ours = apgr(score, data.weak[test_idx], data.strong[test_idx])
+    rng = np.random.default_rng(0)
+    chance = np.mean(
+        [apgr(rng.random(len(test_idx)), data.weak[test_idx], data.strong[test_idx]) for _ in range(200)]
+    )
+    assert chance == pytest.approx(0.5, abs=0.03)
+    assert ours > chance + 0.15
+
+
+def test_training_is_deterministic(fixture_dir: Path, embedder: StaticEmbedder) -> None:
+    data = load_mmlu(fixture_dir)
+    enc = encode(embedder, data.prompts)
+    cfg = TrainConfig(epochs=3)
+    a = fit_head(data, enc, cfg)
+    b = fit_head(data, enc, cfg)
+    np.testing.assert_array_equal(a.w1, b.w1)
+    np.testing.assert_array_equal(a.blend, b.blend)
+
+
+def test_trains_from_feedback_without_groups(
+    tmp_path: Path, fixture_dir: Path, embedder: StaticEmbedder
+) -> None:
+    data = load_mmlu(fixture_dir)
+    path = tmp_path / "feedback.jsonl"
+    path.write_text(
+        "\n".join(
+            json.dumps({"prompt": p, "weak_correct": bool(w), "strong_correct": bool(s)})
+            for p, w, s in zip(data.prompts, data.weak, data.strong, strict=True)
+        )
+    )
+    feedback = load_jsonl(path)
+    assert feedback.groups is None and len(feedback) == len(data)
+    head = fit_head(feedback, encode(embedder, feedback.prompts), TrainConfig(epochs=5))
+    assert head.group_gain.shape == (0,)
+    scores = head.p_strong(encode(embedder, data.prompts[:5]))
+    assert np.all((scores >= 0) & (scores <= 1))
+
+
+def test_refuses_too_little_data(embedder: StaticEmbedder, fixture_dir: Path) -> None:
+    data = load_mmlu(fixture_dir).subset(np.arange(10))
+    with pytest.raises(ValueError, match="at least 20"):
+        fit_head(data, encode(embedder, data.prompts))
