@@ -522,3 +522,20 @@ def test_set_latency_slows_every_generation_until_reset(
     assert first >= 0.2 and time.monotonic() - started >= 0.2 + 4 * 0.05
     fake_openai.reset()
     assert fake_openai.first_token_delay == fake_openai.token_delay == 0.0
+
+
+async def test_serves_many_concurrent_streams(fake_openai: FakeOpenAI) -> None:
+    import asyncio
+
+    client = openai.AsyncOpenAI(base_url=fake_openai.base_url, api_key=fake_openai.api_key, max_retries=0)
+
+    async def one(i: int) -> str:
+        stream = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=user(f"req {i}"), stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    replies = await asyncio.gather(*(one(i) for i in range(64)))
+    assert replies == [f"req {i}" for i in range(64)]
+    assert len(fake_openai.requests) == len(fake_openai.usages) == 64
+    await client.close()
