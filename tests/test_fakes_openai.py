@@ -539,3 +539,21 @@ async def test_serves_many_concurrent_streams(fake_openai: FakeOpenAI) -> None:
     assert replies == [f"req {i}" for i in range(64)]
     assert len(fake_openai.requests) == len(fake_openai.usages) == 64
     await client.close()
+
+
+def test_logprobs_per_token(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="gpt-4o-mini", messages=user("sky is blue"), logprobs=True, top_logprobs=2
+    )
+    tokens = reply.choices[0].logprobs.content
+    assert [t.token for t in tokens] == ["sky", " is", " blue"]
+    assert [len(t.top_logprobs) for t in tokens] == [2, 2, 2] and tokens[0].top_logprobs[0].token == "sky"
+    streamed = [
+        c.choices[0].logprobs.content[0].token
+        for c in client.chat.completions.create(
+            model="gpt-4o-mini", messages=user("sky is blue"), logprobs=True, stream=True
+        )
+        if c.choices and c.choices[0].logprobs
+    ]
+    assert streamed == ["sky", " is", " blue"]
+    assert client.chat.completions.create(model="gpt-4o-mini", messages=user("x")).choices[0].logprobs is None

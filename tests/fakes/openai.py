@@ -13,6 +13,9 @@ per chunk, tool-call arguments in pieces, ``data: [DONE]``), ``stream_options.in
 chunk carries ``"usage": null`` and a last chunk with empty ``choices`` carries the usage),
 ``x-request-id`` and rate-limit headers, errors as ``{"error": {"message", "type", "param", "code"}}``.
 
+``logprobs``/``top_logprobs`` give every reply token a fixed log-probability (-0.01) and the asked
+number of alternatives, in whole replies and per chunk.
+
 Usage: ``prompt_tokens`` counts every prompt token (see `behaviour` for the tokenizer),
 ``prompt_tokens_details.cached_tokens`` the part read from the automatic prompt cache (prompts of at
 least 1024 tokens; the longest prefix seen before, in 128-token steps), and
@@ -414,12 +417,15 @@ class FakeOpenAI(FakeServer):
         if self.flavour == "openai":
             common["service_tier"] = "default"
         call_ids = [f"call_{secrets.token_urlsafe(18)}" for _ in range(n)]
+        top = body.get("top_logprobs") or 0
+        want_logprobs = bool(body.get("logprobs")) and not reply.tool_name
         if not body.get("stream"):
+            logprobs = _logprobs(chunk_words(reply.text), top) if want_logprobs else None
             choices = [
                 {
                     "index": i,
                     "message": self._message(body["model"], reply, call_ids[i]),
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": _FINISH[reply.finish],
                 }
                 for i in range(n)
@@ -434,8 +440,10 @@ class FakeOpenAI(FakeServer):
                 for index in range(n):
                     if "id" in delta.get("tool_calls", [{}])[0]:  # the tool call's head: each choice's own id
                         delta = {"tool_calls": [{**delta["tool_calls"][0], "id": call_ids[index]}]}
+                    content = delta.get("content")
+                    logprobs = _logprobs([content], top) if want_logprobs and content else None
                     choices.append(
-                        {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                        {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                     )
                 payload = {**common, "object": "chat.completion.chunk", "choices": choices}
                 if include_usage:
@@ -634,6 +642,23 @@ def _ordered(payload: dict[str, Any]) -> dict[str, Any]:
     return {
         k: payload[k] for k in sorted(payload, key=lambda k: _KEY_ORDER.index(k) if k in _KEY_ORDER else 99)
     }
+
+
+def _logprobs(tokens: list[str], top: int) -> dict[str, Any]:
+    """Chat `logprobs` for these tokens: a fixed, plausible log-probability per token and `top`
+    alternatives each (the chosen token first)."""
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = [
+        {
+            **entry(t, -0.01),
+            "top_logprobs": [entry(t, -0.01), *(entry(f"{t}{k}", -5.0 - k) for k in range(1, top))][:top],
+        }
+        for t in tokens
+    ]
+    return {"content": content, "refusal": None}
 
 
 def _content_text(content: Any) -> tuple[str, list[str]]:
