@@ -102,7 +102,7 @@ def _decode_attention(
     values = (
         v_cache.index_select(0, ids).view(num_seqs, -1, num_kv_heads, head_dim)[:, :length].transpose(1, 2)
     )
-    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    qg = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -222,11 +222,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         meta = get_attention_metadata()
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(meta.positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k heads sit side by side in the fused output: rotate them in one pass
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        (qk,) = rope(meta.positions, qk)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 

@@ -82,22 +82,25 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(
-                sorted(set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids)), dtype=torch.long
+                sorted(set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids)),
+                dtype=torch.long,
+                device=logits.device,
             )
             if len(seen):
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and rows[i].output_token_ids:
-            counts = torch.bincount(torch.tensor(rows[i].output_token_ids), minlength=vocab)[:vocab].to(
-                row.dtype
-            )
+            counts = torch.bincount(
+                torch.tensor(rows[i].output_token_ids, device=logits.device), minlength=vocab
+            )[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return logits
 
 
 def apply_filters(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf outside). Rows are non-greedy."""
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
+    dev = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev).unsqueeze(1)
     logits = logits / temps
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -105,18 +108,20 @@ def apply_filters(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     vocab = logits.shape[1]
     if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k]).unsqueeze(1)
-        ranks = torch.arange(vocab).unsqueeze(0)
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev).unsqueeze(1)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
         drop = ranks >= k
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         # keep a token while the mass before it is below top_p (so the top token always survives)
         before = probs.cumsum(-1) - probs
-        drop |= before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+        drop |= before >= torch.tensor(top_p, dtype=probs.dtype, device=dev).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(m > 0 for m in min_p):
         probs = logits.softmax(-1)
-        threshold = probs.max(-1, keepdim=True).values * torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)
+        threshold = probs.max(-1, keepdim=True).values * torch.tensor(
+            min_p, dtype=probs.dtype, device=dev
+        ).unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
@@ -136,7 +141,8 @@ def sample(
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(random_rows) if rows[i].generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=generator)
+            fresh = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            noise[unseeded] = fresh.exponential_(generator=generator)
         for j, i in enumerate(random_rows):
             if (g := rows[i].generator) is not None:
                 noise[j].exponential_(generator=g)

@@ -20,9 +20,9 @@ def reference_logits(model: Transformer, token_ids: list[int]) -> torch.Tensor:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = q.view(-1, c.num_heads, d)
-        k = k.view(-1, c.num_kv_heads, d)
-        v = v.view(-1, c.num_kv_heads, d)
+        q = q.reshape(-1, c.num_heads, d)
+        k = k.reshape(-1, c.num_kv_heads, d)
+        v = v.reshape(-1, c.num_kv_heads, d)
         q, k = model.rotary(positions, q, k)
         rep = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
