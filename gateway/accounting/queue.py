@@ -171,6 +171,7 @@ class RedisStreamQueue:
     """Events in a Redis stream; every replica's writer reads it through one consumer group."""
 
     GROUP = "writers"
+    EVENTS_PER_ENTRY = 200
 
     def __init__(
         self,
@@ -219,11 +220,10 @@ class RedisStreamQueue:
         """Push buffered events to the stream (they stay buffered if Redis is unreachable)."""
         async with self._flush_lock:  # the pump and an explicit flush must not send a batch twice
             while self._buffer:
-                batch = self._buffer[:500]
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for data in batch:
-                        pipe.xadd(self._stream, {"e": data})
-                    await pipe.execute()
+                batch = self._buffer[: self.EVENTS_PER_ENTRY]
+                # One stream entry carries many events (JSON lines): far less to pack and parse
+                # than an entry each, and the ledger's event ids keep redelivery harmless.
+                await self._redis.xadd(self._stream, {"e": b"\n".join(batch)})
                 del self._buffer[: len(batch)]
 
     async def _ensure_group(self) -> None:
@@ -239,8 +239,9 @@ class RedisStreamQueue:
     async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
         await self._ensure_group()
         # First take over what a dead writer (a crashed replica) read and never acknowledged.
+        count = max_events // self.EVENTS_PER_ENTRY + 1  # entries, each of up to EVENTS_PER_ENTRY events
         _, claimed, *_ = await self._redis.xautoclaim(
-            self._stream, self.GROUP, self._consumer, min_idle_time=self._claim_idle_ms, count=max_events
+            self._stream, self.GROUP, self._consumer, min_idle_time=self._claim_idle_ms, count=count
         )
         entries = list(claimed)
         if not entries:
@@ -248,13 +249,20 @@ class RedisStreamQueue:
                 self.GROUP,
                 self._consumer,
                 {self._stream: ">"},
-                count=max_events,
+                count=count,
                 block=int(block_s * 1000) if block_s > 0 else None,
             )
             entries = response[0][1] if response else []
-        return [(entry_id, decode(fields[b"e"])) for entry_id, fields in entries if fields]
+        # Tokens are entry ids; an entry's events are acknowledged together, after all are written.
+        return [
+            (entry_id, decode(line))
+            for entry_id, fields in entries
+            if fields
+            for line in fields[b"e"].split(b"\n")
+        ]
 
     async def ack(self, tokens: list[Token]) -> None:
+        tokens = list(dict.fromkeys(tokens))
         if tokens:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.xack(self._stream, self.GROUP, *tokens)
