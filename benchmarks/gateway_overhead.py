@@ -95,8 +95,8 @@ class Server:
         self.proc = None
 
 
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of `pid` and all its descendants, from /proc."""
+def _tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -107,15 +107,33 @@ def tree_rss_bytes(pid: int) -> int:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    found, todo = [], [pid]
     while todo:
         current = todo.pop()
+        found.append(current)
         todo.extend(children.get(current, []))
+    return found
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` and all its descendants."""
+    total = 0
+    for member in _tree(pid):
         with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) * 1024
     return total
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) used so far by `pid` and all its descendants."""
+    ticks = 0
+    for member in _tree(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 # ---- load -----------------------------------------------------------------------------------------
@@ -131,6 +149,7 @@ class Result:
     rps: float
     p50_ms: float
     p99_ms: float
+    cpu_ms_per_request: float | None = None  # server CPU time per request: robust to a noisy machine
     ttfb_p50_ms: float = float("nan")  # time to the first byte of the body (the first SSE event)
     rss_mb: float | None = None
     added_p50_ms: float | None = None
@@ -205,11 +224,15 @@ async def run_load(
                 rss_peak = max(rss_peak, tree_rss_bytes(server.proc.pid))
                 await asyncio.sleep(0.5)
 
+        cpu_before = tree_cpu_seconds(server.proc.pid) if server.proc else None
         sampler = asyncio.create_task(sample_rss())
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
         sampler.cancel()
+        cpu = (
+            tree_cpu_seconds(server.proc.pid) - cpu_before if server.proc and cpu_before is not None else None
+        )
 
     done = len(latencies)
     ordered = sorted(latencies)
@@ -223,6 +246,9 @@ async def run_load(
         p50_ms=round(statistics.median(ordered) * 1000, 3) if ordered else float("nan"),
         p99_ms=round(ordered[min(done - 1, int(done * 0.99))] * 1000, 3) if ordered else float("nan"),
         ttfb_p50_ms=round(statistics.median(first_bytes) * 1000, 3) if first_bytes else float("nan"),
+        cpu_ms_per_request=round(cpu * 1000 / (done + errors), 3)
+        if cpu is not None and done + errors
+        else None,
         rss_mb=round(rss_peak / 2**20, 1) if rss_peak else None,
         first_error=first_error,
     )
@@ -477,7 +503,7 @@ def print_table(results: list[Result], stream: bool) -> None:
     ttfb = f"{'TTFB p50':>10}" if stream else ""  # streams: when the first event arrived
     header = (
         f"{'target':<17}{'conc':>5}{'requests':>9}{'errors':>7}{'RPS':>9}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{ttfb}{'+p50 ms':>9}{'RSS MB':>9}"
+        f"{ttfb}{'+p50 ms':>9}{'CPU ms/req':>11}{'RSS MB':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -485,9 +511,10 @@ def print_table(results: list[Result], stream: bool) -> None:
         added = f"{r.added_p50_ms:.3f}" if r.added_p50_ms is not None else "-"
         rss = f"{r.rss_mb:.0f}" if r.rss_mb is not None else "-"
         first = f"{r.ttfb_p50_ms:>10.3f}" if stream else ""
+        cpu = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
         print(
             f"{r.target:<17}{r.concurrency:>5}{r.requests:>9}{r.errors:>7}{r.rps:>9.1f}{r.p50_ms:>9.3f}"
-            f"{r.p99_ms:>9.3f}{first}{added:>9}{rss:>9}"
+            f"{r.p99_ms:>9.3f}{first}{added:>9}{cpu:>11}{rss:>9}"
         )
     for r in results:
         if r.first_error:
@@ -540,6 +567,11 @@ def running(server: Server, logdir: Path, timeout: float, stream: bool) -> Itera
         server.stop()
 
 
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
 def combine(rounds: list[Result]) -> Result:
     """The median of repeated measurements of one (target, concurrency); memory is the peak."""
     first = rounds[0]
@@ -555,6 +587,7 @@ def combine(rounds: list[Result]) -> Result:
         p50_ms=round(statistics.median(r.p50_ms for r in rounds), 3),
         p99_ms=round(statistics.median(r.p99_ms for r in rounds), 3),
         ttfb_p50_ms=round(statistics.median(r.ttfb_p50_ms for r in rounds), 3),
+        cpu_ms_per_request=_median_or_none([r.cpu_ms_per_request for r in rounds]),
         rss_mb=max(rss) if rss else None,
         first_error=errors[0] if errors else None,
     )
