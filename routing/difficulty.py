@@ -161,7 +161,10 @@ class DifficultyClassifier:
         return _default()
 
     def score(self, prompt: str) -> float:
-        return self.score_many([prompt])[0]
+        # One prompt: the tokenizer's plain encode, not its thread-pooled batch path.
+        ids = self.embedder.token_ids(prompt)
+        enc = Encoded([ids], self.embedder.pool(ids)[None, :], np.array([length_feature(prompt)], np.float32))
+        return float(self.head.p_strong(enc)[0])
 
     def score_many(self, prompts: list[str]) -> list[float]:
         if not prompts:

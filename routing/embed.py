@@ -67,6 +67,10 @@ class StaticEmbedder:
             tmp.replace(path)
         return cls(table, Tokenizer.from_file(str(model_dir / "tokenizer.json")))
 
+    def token_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text).ids
+        return ids[1:-1] if len(ids) > 2 else ids
+
     def token_ids_many(self, texts: list[str]) -> list[list[int]]:
         """WordPiece ids of each text without [CLS]/[SEP] (kept only for an empty text)."""
         return [e.ids[1:-1] if len(e.ids) > 2 else e.ids for e in self.tokenizer.encode_batch(texts)]
@@ -76,7 +80,7 @@ class StaticEmbedder:
         return v / max(float(np.linalg.norm(v)), 1e-9)
 
     def embed(self, text: str) -> np.ndarray:
-        return self.pool(self.token_ids_many([text])[0])
+        return self.pool(self.token_ids(text))
 
     def embed_many(self, texts: list[str]) -> np.ndarray:
         if not texts:
