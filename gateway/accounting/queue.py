@@ -36,6 +36,11 @@ class UsageQueue(Protocol):
 
     async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]: ...
 
+    @property
+    def drained(self) -> bool:
+        """The last `read` took everything there was (so the writer may wait for more)."""
+        ...
+
     async def ack(self, tokens: list[Token]) -> None: ...
 
     async def close(self) -> None: ...
@@ -64,6 +69,7 @@ class SpoolQueue:
         self._out = open(self._path(self._write_segment), "ab", buffering=1 << 20)  # noqa: SIM115
         self._flush_scheduled = False
         self._data = asyncio.Event()
+        self.drained = True
 
     @classmethod
     def claim(cls, directory: str | os.PathLike[str], slots: int = 64) -> SpoolQueue:
@@ -120,6 +126,7 @@ class SpoolQueue:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._data.wait(), block_s)
             items = self._read_now(max_events)
+        self.drained = len(items) < max_events
         return items
 
     def _read_now(self, max_events: int) -> list[tuple[Token, UsageEvent]]:
@@ -187,6 +194,7 @@ class RedisStreamQueue:
         self._buffer: list[bytes] = []
         self._flush_interval = flush_interval_s
         self._group_ready = False
+        self.drained = True
         self._pump: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
@@ -239,7 +247,9 @@ class RedisStreamQueue:
     async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
         await self._ensure_group()
         # First take over what a dead writer (a crashed replica) read and never acknowledged.
-        count = max_events // self.EVENTS_PER_ENTRY + 1  # entries, each of up to EVENTS_PER_ENTRY events
+        # Entries hold 1 to EVENTS_PER_ENTRY events (a pump flush's worth), so this reads roughly
+        # `max_events` under load and at most 20x that.
+        count = max(1, max_events // 10)
         _, claimed, *_ = await self._redis.xautoclaim(
             self._stream, self.GROUP, self._consumer, min_idle_time=self._claim_idle_ms, count=count
         )
@@ -253,6 +263,7 @@ class RedisStreamQueue:
                 block=int(block_s * 1000) if block_s > 0 else None,
             )
             entries = response[0][1] if response else []
+        self.drained = len(entries) < count
         # Tokens are entry ids; an entry's events are acknowledged together, after all are written.
         return [
             (entry_id, decode(line))

@@ -174,11 +174,11 @@ class BatchWriter:
         backoff = 0.1
         while True:
             try:
-                written = await self.step()
+                await self.step()
                 backoff = 0.1
-                if written < self.batch_size:
-                    # A part batch means the queue is drained: let events gather instead of waking
-                    # (and committing) for every request under light load.
+                if self.queue.drained:
+                    # Nothing more waiting: let events gather instead of waking (and committing)
+                    # for every request under light load.
                     await asyncio.sleep(self.linger_s)
             except asyncio.CancelledError:
                 raise

