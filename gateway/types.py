@@ -168,7 +168,8 @@ class ChatRequest(Base):
 
 
 class AssistantMessage(Base):
-    role: Literal["assistant"] = "assistant"
+    # No default: omit_defaults would drop a defaulted role, and clients expect it in every message.
+    role: Literal["assistant"]
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
     refusal: str | None = None

@@ -255,7 +255,9 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         text = [structured]
         if not calls:
             finish = "stop"
-    message = AssistantMessage(content="".join(text) if text or not calls else None, tool_calls=calls or None)
+    message = AssistantMessage(
+        role="assistant", content="".join(text) if text or not calls else None, tool_calls=calls or None
+    )
     return ChatResponse(
         id=data.get("id", ""),
         created=now(),

@@ -270,7 +270,9 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     for i, candidate in enumerate(data.get("candidates") or ()):
         text, calls = _candidate(candidate, [])
         message = AssistantMessage(
-            content=text if text is not None or not calls else None, tool_calls=calls or None
+            role="assistant",
+            content=text if text is not None or not calls else None,
+            tool_calls=calls or None,
         )
         finish = _finish(candidate.get("finishReason") or "STOP", bool(calls))
         choices.append(Choice(index=candidate.get("index", i), message=message, finish_reason=finish))

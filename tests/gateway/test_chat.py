@@ -42,6 +42,14 @@ def test_chat(gateway: RunningGateway, model: str) -> None:
 
 
 @pytest.mark.parametrize("model", MODELS)
+def test_chat_reply_carries_the_assistant_role(gateway: RunningGateway, model: str) -> None:
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert json.loads(raw.text)["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_chat_stream(gateway: RunningGateway, model: str) -> None:
     stream = gateway.openai().chat.completions.create(
         model=model, messages=[{"role": "user", "content": "one two three four"}], stream=True
