@@ -240,8 +240,10 @@ def main() -> None:
             "always strong": np.zeros(len(data)),
             "random": rng.random(len(data)),
             "prompt length": lengths,
-            "subject prior (labels)": subject_prior(data, fold),
         }
+        if split == "folds by prompt hash":
+            # With whole subjects held out there is no prior to look up: the row would only rank folds.
+            routers["subject prior (labels)"] = subject_prior(data, fold)
         results = {name: bootstrap(sc, w, s, args.bootstrap) for name, sc in routers.items()}
         # Always-weak and always-strong are the two ends of the curve, not routers along it: only
         # their quality is meaningful (always-strong reaches any CPT target at 100% strong calls).
