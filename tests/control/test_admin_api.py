@@ -155,11 +155,23 @@ async def test_keys_shown_once_hashed_and_revoked_at_once(env: Env) -> None:
     # The cache held the key for an hour; the revocation broadcast emptied it.
     assert await auth.authenticate(key) is None
     assert_openai_error(await c.delete("/admin/api/v1/keys/nope", headers=AUTH), 404)
+    # A key past its expires_at is refused; one without a time zone is bad input.
+    past = (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1)).isoformat()
+    expired = (
+        await c.post(f"/admin/api/v1/tenants/{tenant['id']}/keys", json={"expires_at": past}, headers=AUTH)
+    ).json()
+    assert await auth.authenticate(expired["key"]) is None
+    naive = {"expires_at": "2030-01-01T00:00:00"}
+    assert_openai_error(
+        await c.post(f"/admin/api/v1/tenants/{tenant['id']}/keys", json=naive, headers=AUTH),
+        400,
+        "expires_at",
+    )
     actions = [
         a["action"]
         for a in (await c.get("/admin/api/v1/audit", params={"entity": "key"}, headers=AUTH)).json()["data"]
     ]
-    assert actions == ["revoke", "create"]
+    assert actions == ["create", "revoke", "create"]
 
 
 async def test_prices_are_appended_never_rewritten(env: Env) -> None:
