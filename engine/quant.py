@@ -205,30 +205,45 @@ def _swap_linears(
     return swapped
 
 
-def quantize_model(model: nn.Module, scheme: str | QuantScheme, *, skip: Iterable[str] = ()) -> nn.Module:
+def _make_quantized(linear: nn.Linear, scheme: QuantScheme) -> nn.Module:
+    if scheme.method == "int8":
+        return Int8Linear.from_linear(linear)
+    module = Int4Linear.from_linear(linear, scheme.group_size or DEFAULT_INT4_GROUP_SIZE)
+    module.use_cpu_layout()
+    return module
+
+
+def quantize_model(
+    model: nn.Module,
+    scheme: str | QuantScheme,
+    *,
+    skip: Iterable[str] = (),
+    head: str | QuantScheme | None = "int8",
+) -> nn.Module:
     """Swap ``model``'s ``nn.Linear`` layers for quantized ones in place and return it.
 
-    ``skip``: regexes of module names to leave in floating point (e.g. ``[r"^lm_head$"]``). A head tied
-    to the embedding is quantized as its own copy; the embedding table stays as it was.
+    ``skip``: regexes of module names to leave in floating point. ``head``: the scheme for the output
+    layer (``lm_head``) under an int4 scheme; int8 by default, as llama.cpp keeps its Q4 models' output
+    layer at 6-8 bits: the logits are the most sensitive product in the model. ``None``: same as the
+    rest. A head tied to the embedding is quantized as its own copy; the embedding stays as it was.
     """
     scheme = QuantScheme.parse(scheme)
     if scheme.method == "none":
         return model
     if getattr(model, "quant_scheme", None) is not None:
         raise ValueError(f"model is already quantized ({model.quant_scheme})")
+    head_scheme = QuantScheme.parse(head) if head is not None and scheme.method == "int4" else scheme
+    chosen: dict[str, QuantScheme] = {}
 
-    def make(_: str, linear: nn.Linear) -> nn.Module:
-        if scheme.method == "int8":
-            return Int8Linear.from_linear(linear)
-        module = Int4Linear.from_linear(linear, scheme.group_size or DEFAULT_INT4_GROUP_SIZE)
-        module.use_cpu_layout()
-        return module
+    def make(name: str, linear: nn.Linear) -> nn.Module:
+        chosen[name] = head_scheme if name == "lm_head" else scheme
+        return _make_quantized(linear, chosen[name]) if chosen[name].method != "none" else linear
 
     patterns = [re.compile(p) for p in skip]
     with torch.no_grad():
-        swapped = _swap_linears(model, make, lambda name: not any(p.search(name) for p in patterns))
+        _swap_linears(model, make, lambda name: not any(p.search(name) for p in patterns))
     model.quant_scheme = scheme
-    model.quantized_modules = swapped
+    model.quantized_modules = {n: str(s) for n, s in chosen.items() if s.method != "none"}
     return model
 
 
@@ -262,7 +277,7 @@ def save_quantized(
         "scheme": str(scheme),
         "method": scheme.method,
         "group_size": scheme.group_size,
-        "modules": list(getattr(model, "quantized_modules", [])),
+        "modules": dict(getattr(model, "quantized_modules", {})),  # name -> scheme
         "aliases": aliases,
         "metadata": metadata or {},
     }
@@ -283,7 +298,7 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
     if info.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"unsupported quantized checkpoint format {info.get('format_version')!r}")
     scheme = QuantScheme.parse(info["scheme"])
-    modules = set(info["modules"])
+    modules = {name: QuantScheme.parse(spec) for name, spec in info["modules"].items()}
     # safetensors hands out views at arbitrary file offsets; PyTorch's packed CPU kernels read with
     # aligned vector loads and crash on those, so give every tensor its own (64-byte aligned) storage
     state = {k: v.clone() for k, v in load_file(str(Path(directory) / CHECKPOINT_FILE)).items()}
@@ -291,25 +306,26 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
         state[alias] = state[name]
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
-        dtype = state[f"{name}.scales" if scheme.method == "int8" else f"{name}.scales_and_zeros"].dtype
+        method = modules[name]
+        dtype = state[f"{name}.scales" if method.method == "int8" else f"{name}.scales_and_zeros"].dtype
         args = (linear.in_features, linear.out_features, linear.bias is not None)
-        if scheme.method == "int8":
+        if method.method == "int8":
             return Int8Linear(*args, dtype=dtype, device="cpu")
         return Int4Linear(
-            *args, group_size=scheme.group_size or DEFAULT_INT4_GROUP_SIZE, dtype=dtype, device="cpu"
+            *args, group_size=method.group_size or DEFAULT_INT4_GROUP_SIZE, dtype=dtype, device="cpu"
         )
 
     swapped = _swap_linears(model, make, modules.__contains__)
-    if set(swapped) != modules:
+    if set(swapped) != set(modules):
         raise ValueError(
-            f"checkpoint quantizes modules this model lacks: {sorted(modules - set(swapped))[:5]}"
+            f"checkpoint quantizes modules this model lacks: {sorted(set(modules) - set(swapped))[:5]}"
         )
     model.load_state_dict(state, strict=True, assign=True)
     for module in model.modules():
         if isinstance(module, Int4Linear):
             module.use_cpu_layout()
     model.quant_scheme = scheme
-    model.quantized_modules = sorted(modules)
+    model.quantized_modules = {name: str(spec) for name, spec in modules.items()}
     return model
 
 

@@ -149,6 +149,16 @@ def test_quantized_model_scores_text_like_the_float_one(scheme: str, max_err: fl
     assert 0 < err < max_err, err
 
 
+def test_int4_keeps_the_output_head_at_int8_unless_asked() -> None:
+    model = quantize_model(_tiny_model(), "int4-g64")
+    assert isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.layers[0].self_attn.o_proj, Int4Linear)
+    assert model.quantized_modules["lm_head"] == "int8"
+    assert model.quantized_modules["layers.0.mlp.down_proj"] == "int4-g64"
+    assert isinstance(quantize_model(_tiny_model(), "int4", head=None).lm_head, Int4Linear)
+    assert isinstance(quantize_model(_tiny_model(), "int4", head="none").lm_head, nn.Linear)
+
+
 def test_skip_keeps_named_layers_in_float() -> None:
     model = quantize_model(_tiny_model(), "int8", skip=[r"^lm_head$"])
     assert isinstance(model.lm_head, nn.Linear)
@@ -221,3 +231,13 @@ def test_dequantised_int4_matches_float_weights_closely() -> None:
     qweight, sz = quantize_int4(linear.weight.detach(), 32)
     w = dequantize_int4(qweight, sz, 32)
     assert (w - linear.weight).abs().max() <= sz[..., 0].max() / 2 + 1e-6
+
+
+def test_mixed_int4_body_int8_head_round_trips(tmp_path: Path) -> None:
+    model = quantize_model(_tiny_model(), "int4-g32")
+    save_quantized(model, tmp_path, metadata=config_metadata(model))
+    assert read_scheme(tmp_path)["modules"]["lm_head"] == "int8"
+    built = build_quantized_model(tmp_path)
+    assert isinstance(built.lm_head, Int8Linear) and isinstance(built.layers[0].mlp.down_proj, Int4Linear)
+    state, built_state = model.state_dict(), built.state_dict()
+    assert all(torch.equal(built_state[k], state[k]) for k in state)
