@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -52,6 +53,16 @@ def test_demo_prints_examples_that_work(tmp_path: Path) -> None:
         reply = subprocess.run(python, shell=True, capture_output=True, text=True, timeout=120)
         assert reply.returncode == 0, reply.stderr
         assert reply.stdout.strip(), "the SDK example printed no reply"
+
+        # Embedded defaults keep a ledger: both replies land in the SQLite admin DB (written in batches).
+        rows = 0
+        for _ in range(60):
+            with sqlite3.connect(tmp_path / "weir.db") as db:
+                rows = db.execute("SELECT count(*) FROM usage_events WHERE status = 200").fetchone()[0]
+            if rows >= 2:
+                break
+            time.sleep(0.5)
+        assert rows == 2
 
         wrong = subprocess.run(
             curl.group(1).replace("sk-weir-test-demo-key", "sk-wrong"), shell=True, capture_output=True, text=True

@@ -35,6 +35,7 @@ tenants:
 server:
   host: {host}
   port: {port}
+database_url: sqlite:///{var}/weir.db   # the admin DB: tenants, keys, prices, the usage ledger
 """
 
 
@@ -98,7 +99,7 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
     var.mkdir(parents=True, exist_ok=True)
     config = var / "demo.yaml"
     config.write_text(
-        DEMO_CONFIG.format(model=model, engine_port=_free_port(), host=host, port=port)
+        DEMO_CONFIG.format(model=model, engine_port=_free_port(), host=host, port=port, var=var.resolve())
     )
     env = {**os.environ, "WEIR_DEMO_KEY": key}
     command = [sys.executable, "-c", "from weir.cli import main; main()", "serve", "--config", str(config)]
