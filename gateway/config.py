@@ -16,6 +16,8 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
+from routing.routes import Route
+
 BackendType = Literal["openai", "anthropic", "gemini", "engine"]
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
@@ -86,6 +88,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backends: list[Backend] = []
     models: list[Model] = []
     tenants: list[Tenant] | None = None  # None: no authentication (local development only)
+    routes: list[Route] = []  # public names -> policy and candidates; see docs/routing-policies.md
     server: Server = Server()
     # The control plane (admin DB, keys, limits, budgets, usage ledger) is on when a database is set;
     # WEIR_DATABASE_URL and WEIR_REDIS_URL win over these. See docs/accounting.md.
@@ -167,6 +170,10 @@ def _check_references(config: Config) -> None:
         names.add(model.name)
         if model.backend not in backends:
             raise ConfigError(f"models[{i}].backend: no backend named {model.backend!r}")
+    for i, route in enumerate(config.routes):
+        for name in route.models():
+            if name not in names:
+                raise ConfigError(f"routes[{i}] ({route.name}): no model named {name!r}")
     keys: set[str] = set()
     for i, tenant in enumerate(config.tenants or []):
         for j, key in enumerate(tenant.api_keys):
@@ -176,7 +183,7 @@ def _check_references(config: Config) -> None:
                 raise ConfigError(f"tenants[{i}].api_keys[{j}]: the same key is given to two tenants")
             keys.add(key)
         for j, name in enumerate(tenant.models or []):
-            if name not in names:
+            if name not in names and not any(route.name == name for route in config.routes):
                 raise ConfigError(f"tenants[{i}].models[{j}]: no model named {name!r}")
 
 

@@ -69,6 +69,7 @@ def request_middleware(metrics: Metrics) -> Any:
                     cache_write_tokens=usage.cache_write_tokens if usage else None,
                     output_tokens=usage.output_tokens if usage else None,
                     error=info.error,
+                    route=info.route,
                 )
 
             async def send_wrapper(message: Message) -> None:
@@ -76,6 +77,8 @@ def request_middleware(metrics: Metrics) -> Any:
                 if message["type"] == "http.response.start":
                     status = message["status"]
                     message["headers"] = [*message.get("headers", ()), (b"x-request-id", raw_id)]
+                    if info.route is not None:
+                        message["headers"].append((b"x-weir-route", info.route.encode()))
                     await send(message)
                     return
                 await send(message)

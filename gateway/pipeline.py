@@ -49,6 +49,7 @@ class RequestInfo:
     usage: Usage | None = None
     ttft: float | None = None  # seconds
     error: str | None = None
+    route: str | None = None  # the routing decision (x-weir-route header, usage events)
 
 
 @dataclass(slots=True)

@@ -17,6 +17,8 @@ from gateway.pipeline import Admission, Pipeline
 from gateway.router_basic import ModelTable
 from gateway.transport import Transport
 from gateway.usage_sink import FanoutSink, MetricsSink, UsageSink
+from routing.execute import Executor
+from routing.router import Router
 
 log = structlog.get_logger("weir.gateway")
 
@@ -39,17 +41,19 @@ class Gateway:
         self.metrics = Metrics()
         self.transport = Transport()
         self.models = ModelTable(config)
+        self.router = Router(self.models, config.routes)
         if authenticator is None:
             if config.tenants is None:
                 authenticator = OpenAuthenticator()
             else:
                 authenticator = StaticAuthenticator(config.tenants)
         self.authenticator = authenticator
-        sinks: list[UsageSink] = [MetricsSink(self.metrics)]
+        sinks: list[UsageSink] = [MetricsSink(self.metrics), self.router.stats]
         if usage_sink is not None:
             sinks.append(usage_sink)
         self.sink = sinks[0] if len(sinks) == 1 else FanoutSink(sinks)
         self.pipeline = Pipeline(self.transport, self.sink, self.metrics, config.models, admission)
+        self.executor = Executor(self.pipeline, self.router.breakers, self.router.context)
         self.started = False
 
     async def start(self) -> None:

@@ -1,4 +1,4 @@
-"""The chat pipeline shared by both inbound APIs: resolve the model, translate, run one attempt."""
+"""The chat pipeline shared by both inbound APIs: plan the route, translate, run the attempts."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ from gateway.pipeline import Call
 from gateway.router_basic import Target
 from gateway.runtime import Gateway
 from gateway.types import ChatChunk, ChatRequest, ChatResponse
+from routing.plan import features
 
 
 def target_for(gateway: Gateway, call: Call, model: str, stream: bool | None) -> Target:
-    """The first candidate for the public model name (404 model_not_found when there is none)."""
+    """The first candidate for the public model name (404 model_not_found when there is none); for
+    the endpoints routing policies do not apply to (completions, embeddings, model lookups)."""
     call.info.model = model
     call.info.stream = bool(stream)
+    routes = gateway.router.routes.get(model)
+    if routes and call.principal.may_use(model):
+        return gateway.models.targets[routes[0].candidates[0].model]
     return gateway.models.resolve(model, call.principal)[0]
 
 
@@ -21,10 +26,12 @@ async def run_chat(
     gateway: Gateway, call: Call, request: ChatRequest
 ) -> ChatResponse | AsyncIterator[list[ChatChunk]]:
     """The chat pipeline for any inbound API: a canonical response, or a stream of batches of
-    canonical chunks (see Pipeline.stream). `target_for` is where the routing engine will plug in."""
-    target = target_for(gateway, call, request.model, request.stream)
-    upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
-    if request.stream:
-        decoder = target.provider.chat_stream(request, target.upstream_model)
-        return await gateway.pipeline.stream(call, target, upstream, decoder)
-    return await gateway.pipeline.exchange(call, target, upstream, target.provider.chat_response)
+    canonical chunks (see Pipeline.stream), after routing and failover (routing.execute)."""
+    call.info.model = request.model
+    call.info.stream = bool(request.stream)
+    feats = features(request, call.principal.tenant_name, call.principal.key_id)
+    plan = await gateway.router.plan(request.model, call.principal, feats)
+    try:
+        return await gateway.executor.chat(call, plan, request, feats)
+    finally:
+        call.info.route = plan.header()

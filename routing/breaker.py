@@ -1,0 +1,117 @@
+"""Circuit breakers per backend and upstream model: closed, open, half-open.
+
+Fed by request outcomes (the executor) and by active health probes (routing.health). Consecutive
+failures open a breaker; after `cooldown` one trial request is let through (half-open): its success
+closes the breaker, its failure opens it again. When shared state is configured (Redis), an opening
+is published with the cooldown as TTL so every replica stops sending there, and a recovery clears it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from routing.routes import Breaker as BreakerSettings
+
+PREFIX = "weir:breaker:"
+
+
+class State(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(slots=True)
+class CircuitBreaker:
+    settings: BreakerSettings
+    state: State = State.CLOSED
+    failures: int = 0
+    opened_at: float = 0.0
+    trial_in_flight: bool = False
+
+    def current(self, now: float | None = None) -> State:
+        if self.state is State.OPEN:
+            now = time.monotonic() if now is None else now
+            if now - self.opened_at >= self.settings.cooldown:
+                self.state, self.trial_in_flight = State.HALF_OPEN, False
+        return self.state
+
+    def allow(self) -> bool:
+        """May a request go there now? Half-open lets exactly one trial through at a time."""
+        state = self.current()
+        if state is State.CLOSED:
+            return True
+        if state is State.HALF_OPEN and not self.trial_in_flight:
+            self.trial_in_flight = True
+            return True
+        return False
+
+    def success(self) -> bool:
+        """Record a success; True when this closed a breaker that was not closed."""
+        changed = self.state is not State.CLOSED
+        self.state, self.failures, self.trial_in_flight = State.CLOSED, 0, False
+        return changed
+
+    def failure(self) -> bool:
+        """Record a failure; True when this opened the breaker."""
+        self.failures += 1
+        state = self.current()
+        if state is State.HALF_OPEN or (state is State.CLOSED and self.failures >= self.settings.failures):
+            self.trip()
+            return True
+        return False
+
+    def trip(self, now: float | None = None) -> None:
+        self.state, self.trial_in_flight = State.OPEN, False
+        self.opened_at = time.monotonic() if now is None else now
+
+
+class Breakers:
+    """Every breaker of the process, keyed "backend/model"; optionally mirrored in shared state."""
+
+    def __init__(self, state: Any | None = None) -> None:
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self.shared = state  # gateway.state.SharedState (kv_get/kv_set) or None
+        self.transitions: list[tuple[str, State]] = []  # (key, new state), for logs and tests
+
+    @staticmethod
+    def key(backend: str, model: str) -> str:
+        return f"{backend}/{model}"
+
+    def get(self, key: str, settings: BreakerSettings | None = None) -> CircuitBreaker:
+        breaker = self.breakers.get(key)
+        if breaker is None:
+            breaker = self.breakers[key] = CircuitBreaker(settings or BreakerSettings())
+        elif settings is not None:
+            breaker.settings = settings
+        return breaker
+
+    def state(self, key: str) -> State:
+        breaker = self.breakers.get(key)
+        return State.CLOSED if breaker is None else breaker.current()
+
+    async def success(self, key: str) -> None:
+        if self.get(key).success():
+            self.transitions.append((key, State.CLOSED))
+            if self.shared is not None:
+                await self.shared.kv_set(PREFIX + key, b"closed", ttl_s=1.0)
+
+    async def failure(self, key: str) -> None:
+        breaker = self.get(key)
+        if breaker.failure():
+            self.transitions.append((key, State.OPEN))
+            if self.shared is not None:
+                await self.shared.kv_set(PREFIX + key, b"open", ttl_s=breaker.settings.cooldown)
+
+    async def sync(self) -> None:
+        """Adopt openings published by other replicas (called by the health loop)."""
+        if self.shared is None:
+            return
+        for key, breaker in self.breakers.items():
+            value = await self.shared.kv_get(PREFIX + key)
+            if value == b"open" and breaker.current() is State.CLOSED:
+                breaker.trip()
+                self.transitions.append((key, State.OPEN))

@@ -1,0 +1,314 @@
+"""The failover executor: attempts, retries with backoff, fallbacks, breakers, hedging, TTFT timeouts
+and mid-stream resumption, over `gateway.pipeline.Pipeline` (one attempt, one usage event each).
+
+Non-streaming requests return a ChatResponse; streams return an iterator of chunk batches whose
+first batch has already arrived, so a failure before the first token fails over invisibly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from gateway.errors import BackendUnavailable, BadGateway, GatewayError, GatewayTimeout, UpstreamError
+from gateway.pipeline import Call, Pipeline
+from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
+from routing.breaker import Breakers
+from routing.plan import Choice, Features, Plan
+from routing.policies import PolicyContext, expected_cost
+from routing.routes import Route
+
+Batches = AsyncIterator[list[ChatChunk]]
+_BACKEND_ERRORS = (UpstreamError, BadGateway, BackendUnavailable, GatewayTimeout)
+HOUR = 3600.0
+
+
+def fails_over(route: Route, exc: BaseException) -> bool:
+    """Whether this failure moves on (retry or next candidate). Only failures a backend caused: a
+    gateway-side refusal (rate limit, budget) or a 4xx the request caused never does."""
+    if not isinstance(exc, _BACKEND_ERRORS):
+        return False
+    return any((rule == "5xx" and exc.status >= 500) or rule == exc.status for rule in route.failover_on)
+
+
+def _unhealthy(exc: GatewayError) -> bool:
+    """A failure that says the backend is unwell (what breakers count), not the request's fault."""
+    return isinstance(exc, _BACKEND_ERRORS) and (exc.status >= 500 or exc.status == 429)
+
+
+def retry_after(exc: GatewayError) -> float | None:
+    headers = {k.lower(): v for k, v in exc.headers.items()}
+    try:
+        if "retry-after-ms" in headers:
+            return float(headers["retry-after-ms"]) / 1000
+        if "retry-after" in headers:
+            return float(headers["retry-after"])
+    except ValueError:
+        return None  # an HTTP date: rare from these vendors; fall back to our own backoff
+    return None
+
+
+def backoff(route: Route, retry: int, rng: random.Random) -> float:
+    settings = route.retry
+    wait = min(settings.max_backoff, settings.backoff * 2**retry)
+    return wait * (1 - settings.jitter * rng.random())
+
+
+class HedgeBudget:
+    """Estimated USD each tenant spent on hedged attempts over the last hour."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, deque[tuple[float, float]]] = {}
+
+    def allow(self, tenant: str, usd: float, cap: float) -> bool:
+        now = time.monotonic()
+        window = self.spent.setdefault(tenant, deque())
+        while window and now - window[0][0] > HOUR:
+            window.popleft()
+        if sum(cost for _, cost in window) + usd > cap:
+            return False
+        window.append((now, usd))
+        return True
+
+
+class Executor:
+    def __init__(self, pipeline: Pipeline, breakers: Breakers, context: PolicyContext) -> None:
+        self.pipeline = pipeline
+        self.breakers = breakers
+        self.context = context
+        self.hedges = HedgeBudget()
+        self.rng = random.Random()
+
+    # --- one attempt ---------------------------------------------------------------------------
+
+    def _key(self, choice: Choice) -> str:
+        return Breakers.key(choice.target.backend.name, choice.target.upstream_model)
+
+    async def _attempt(self, call: Call, plan: Plan, choice: Choice, request: ChatRequest) -> Any:
+        """One upstream attempt: a ChatResponse, or a stream iterator past its first batch."""
+        plan.attempts += 1
+        number = plan.attempts
+        target = choice.target
+        model = choice.candidate.model
+        upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
+        key = self._key(choice)
+        in_flight = self.context.in_flight
+        in_flight[model] = in_flight.get(model, 0) + 1
+        handed_over = False
+        try:
+            if request.stream:
+                decoder = target.provider.chat_stream(request, target.upstream_model)
+                opening = self.pipeline.stream(call, target, upstream, decoder, attempt=number)
+                timeout = plan.route.ttft_timeout
+                try:
+                    batches = await asyncio.wait_for(opening, timeout) if timeout else await opening
+                except TimeoutError:
+                    raise GatewayTimeout(
+                        f"{target.backend.name} sent no first token within {timeout:g} s"
+                    ) from None
+                handed_over = True
+                plan.tried.append(f"{model}:ok")
+                return self._track(batches, model)
+            result = await self.pipeline.exchange(
+                call, target, upstream, target.provider.chat_response, attempt=number
+            )
+            plan.tried.append(f"{model}:ok")
+            if plan.route.breaker is not None:
+                await self.breakers.success(key)
+            return result
+        except GatewayError as exc:
+            plan.tried.append(f"{model}:{exc.status}")
+            if plan.route.breaker is not None and _unhealthy(exc):
+                await self.breakers.failure(key)
+            raise
+        except asyncio.CancelledError:
+            plan.tried.append(f"{model}:cancelled")
+            raise
+        finally:
+            if not handed_over:
+                in_flight[model] -= 1
+
+    async def _track(self, batches: Batches, model: str) -> Batches:
+        try:
+            async for batch in batches:
+                yield batch
+        finally:
+            self.context.in_flight[model] -= 1
+            await batches.aclose()  # type: ignore[attr-defined]
+
+    # --- the first answer: retries, fallbacks, hedging -------------------------------------------
+
+    async def first(
+        self,
+        call: Call,
+        plan: Plan,
+        request: ChatRequest,
+        feats: Features,
+        skip: frozenset[str] = frozenset(),
+    ) -> Any:
+        """The first candidate to answer, trying them in plan order."""
+        route = plan.route
+        queue = [c for c in plan.choices if c.candidate.model not in skip]
+        last: GatewayError | None = None
+        for index, choice in enumerate(queue):
+            breaker = self.breakers.get(self._key(choice), route.breaker) if route.breaker else None
+            if breaker is not None and not breaker.allow():
+                plan.tried.append(f"{choice.candidate.model}:open")
+                continue
+            for retry in range(route.retry.attempts):
+                try:
+                    if retry == 0 and route.hedge is not None and not skip:
+                        partner = self._hedge_partner(queue[index + 1 :])
+                        if partner is not None:
+                            return await self._hedged(call, plan, choice, partner, request, feats)
+                    result = await self._attempt(call, plan, choice, request)
+                    plan.chosen = choice
+                    return result
+                except GatewayError as exc:
+                    if not fails_over(route, exc):
+                        raise
+                    last = exc
+                    if retry + 1 >= route.retry.attempts:
+                        break
+                    wait = retry_after(exc)
+                    if wait is not None and wait > route.retry.max_retry_after:
+                        break  # not worth waiting for: the next candidate may answer now
+                    await asyncio.sleep(wait if wait is not None else backoff(route, retry, self.rng))
+                    if breaker is not None and not breaker.allow():
+                        break
+        if last is None:
+            last = BackendUnavailable(
+                f"Every backend of `{route.name}` is unavailable (circuit breakers open); retry later.",
+                headers={"retry-after": str(int(route.breaker.cooldown if route.breaker else 1))},
+            )
+        raise last
+
+    def _hedge_partner(self, rest: list[Choice]) -> Choice | None:
+        for choice in rest:
+            if self.breakers.state(self._key(choice)).value == "closed":
+                return choice
+        return None
+
+    def _hedge_delay(self, route: Route, choice: Choice) -> float:
+        assert route.hedge is not None
+        if route.hedge.delay != "p95":
+            return float(route.hedge.delay)
+        stats = self.context.stats.get(choice.target.backend.name, choice.target.upstream_model)
+        p95 = stats.p95_ttft() if choice is not None else None
+        return max(route.hedge.min_delay, p95 if p95 is not None else 1.0)
+
+    async def _hedged(
+        self, call: Call, plan: Plan, primary: Choice, partner: Choice, request: ChatRequest, feats: Features
+    ) -> Any:
+        """Start `primary`; if it has not answered (first token) within the hedge delay, also start
+        `partner`; the first to answer wins, the other is cancelled."""
+        route = plan.route
+        assert route.hedge is not None
+        first = asyncio.ensure_future(self._attempt(call, plan, primary, request))
+        done, _ = await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
+        if done:
+            plan.chosen = primary
+            return first.result()
+        output = feats.max_output_tokens or route.expected_output_tokens
+        usd = expected_cost(partner, feats, output, self.context.stats)
+        tenant = call.principal.tenant_id or "anonymous"
+        if not self.hedges.allow(tenant, usd, route.hedge.max_spend_usd_per_hour):
+            plan.note = (plan.note + "; " if plan.note else "") + "hedge=capped"
+            result = await first
+            plan.chosen = primary
+            return result
+        second = asyncio.ensure_future(self._attempt(call, plan, partner, request))
+        owners = {first: primary, second: partner}
+        pending = {first, second}
+        error: BaseException | None = None
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        plan.chosen = owners[task]
+                        plan.note = (plan.note + "; " if plan.note else "") + (
+                            f"hedged={partner.candidate.model}"
+                        )
+                        return task.result()
+                    error = task.exception()
+            assert error is not None
+            raise error
+        finally:
+            for task in pending:
+                task.cancel()
+            # A loser that answered anyway holds an open upstream stream: close it (its usage event
+            # records what it cost); a failed or cancelled one already has its event.
+            for loser in await asyncio.gather(*pending, return_exceptions=True):
+                if hasattr(loser, "aclose"):
+                    await loser.aclose()
+
+    # --- the whole request --------------------------------------------------------------------
+
+    async def chat(
+        self, call: Call, plan: Plan, request: ChatRequest, feats: Features
+    ) -> ChatResponse | Batches:
+        result = await self.first(call, plan, request, feats)
+        if isinstance(result, ChatResponse):
+            return result
+        return self._resuming(call, plan, request, feats, result)
+
+    async def _resuming(
+        self, call: Call, plan: Plan, request: ChatRequest, feats: Features, batches: Batches
+    ) -> Batches:
+        """The client's one stream: when the upstream breaks after the first token, continue on the
+        next candidate from the text already sent, or (route.resume false, tool calls under way, no
+        candidate left) raise, which the API turns into an SSE error event."""
+        sent: list[str] = []
+        failed: set[str] = set()
+        stream_id: str | None = None
+        tool_calls = False
+        resumed = False
+        while True:
+            choice = plan.chosen
+            try:
+                async for batch in batches:
+                    if resumed:
+                        batch = [_continued(chunk, stream_id) for chunk in batch]
+                    for chunk in batch:
+                        stream_id = stream_id or chunk.id
+                        for c in chunk.choices:
+                            if c.delta.content:
+                                sent.append(c.delta.content)
+                            tool_calls = tool_calls or bool(c.delta.tool_calls)
+                    yield batch
+                if choice is not None and plan.route.breaker is not None:
+                    await self.breakers.success(self._key(choice))
+                return
+            except GatewayError as exc:
+                if choice is not None:
+                    failed.add(choice.candidate.model)
+                    plan.tried.append(f"{choice.candidate.model}:cut")
+                    if plan.route.breaker is not None and _unhealthy(exc):
+                        await self.breakers.failure(self._key(choice))
+                if not plan.route.resume or tool_calls or not fails_over(plan.route, exc):
+                    raise
+                messages = [*request.messages, Message(role="assistant", content="".join(sent))]
+                continued = msgspec.structs.replace(request, messages=messages)
+                try:
+                    batches = await self.first(call, plan, continued, feats, skip=frozenset(failed))
+                except GatewayError:
+                    raise exc from None  # nobody can continue: the client is told what broke
+                resumed = True
+
+
+def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:
+    """A chunk of the continuation, dressed as part of the stream the client already has."""
+    choices = [
+        msgspec.structs.replace(c, delta=msgspec.structs.replace(c.delta, role=None))
+        if c.delta.role is not None
+        else c
+        for c in chunk.choices
+    ]
+    return msgspec.structs.replace(chunk, id=stream_id or chunk.id, choices=choices, raw=None)

@@ -1,0 +1,182 @@
+"""Routing policies: each orders a route's candidates for one request and says why.
+
+Every policy returns the full candidate list (best first), so the ones it did not pick are the
+failover order. Scores are in the unit the policy optimises (USD, seconds, p_strong, hash weight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from routing.plan import Choice, Features
+from routing.routes import Route
+from routing.stats import RoutingStats
+
+Scorer = Callable[[str], float]  # prompt -> p_strong
+
+
+@dataclass
+class PolicyContext:
+    stats: RoutingStats
+    in_flight: dict[str, int] = field(default_factory=dict)  # model name -> attempts running now
+    scorer: Scorer | None = None  # None: the shipped difficulty classifier, loaded on first use
+    calibrators: dict[str, Any] = field(default_factory=dict)  # route name -> StrongShareCalibrator
+    affinity: dict[str, list[int]] = field(default_factory=dict)  # route name -> [hits, requests]
+    rng: random.Random = field(default_factory=random.Random)
+
+    def score_difficulty(self, prompt: str) -> float:
+        if self.scorer is None:
+            from routing.difficulty import DifficultyClassifier
+
+            self.scorer = DifficultyClassifier.default().score
+        return self.scorer(prompt)
+
+    def affinity_hit_rate(self, route: str) -> float | None:
+        hits, total = self.affinity.get(route, (0, 0))
+        return hits / total if total else None
+
+
+async def order(
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext
+) -> tuple[list[Choice], str]:
+    if route.policy == "fixed":
+        for choice in choices:
+            choice.reason = "fixed"
+        return choices, ""
+    if route.policy == "weighted":
+        return weighted(choices, ctx.rng), ""
+    if route.policy == "cheapest":
+        return cheapest(route, choices, feats, ctx), ""
+    if route.policy == "lowest_latency":
+        return lowest_latency(route, choices, feats, ctx), ""
+    if route.policy == "difficulty":
+        return await difficulty(route, choices, feats, ctx)
+    return prefix_affinity(route, choices, feats, ctx)
+
+
+def weighted(choices: list[Choice], rng: random.Random) -> list[Choice]:
+    # Weighted sampling without replacement (Efraimidis-Spirakis): the first is drawn by weight, the
+    # rest follow in a weighted-random order as fallbacks.
+    keyed = []
+    for choice in choices:
+        weight = max(choice.candidate.weight, 1e-9)
+        choice.score = weight
+        choice.reason = "weighted"
+        keyed.append((rng.random() ** (1.0 / weight), choice))
+    keyed.sort(key=lambda item: item[0], reverse=True)
+    return [choice for _, choice in keyed]
+
+
+def fits(choice: Choice, feats: Features, output_tokens: int) -> str | None:
+    """Why the candidate cannot take this request, or None when it can."""
+    candidate = choice.candidate
+    window = candidate.context_window
+    if window is not None and feats.prompt_tokens + output_tokens > window:
+        return "context_window"
+    if feats.tools and not candidate.tools:
+        return "no_tools"
+    if feats.images and not candidate.vision:
+        return "no_vision"
+    return None
+
+
+def expected_cost(choice: Choice, feats: Features, output_tokens: int, stats: RoutingStats) -> float:
+    """Expected USD for this request, counting the share of the prompt the cache is expected to serve."""
+    price = choice.target.model.price
+    observed = stats.get(choice.target.backend.name, choice.target.upstream_model).cache_hit_rate
+    hit = observed if observed is not None else choice.candidate.cache_hit_rate
+    cached_price = float(price.cached_input if price.cached_input is not None else price.input)
+    per_prompt_token = (1 - hit) * float(price.input) + hit * cached_price
+    return (feats.prompt_tokens * per_prompt_token + output_tokens * float(price.output)) / 1e6
+
+
+def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:
+    output_tokens = feats.max_output_tokens or route.expected_output_tokens
+    fitting, misfits = [], []
+    for choice in choices:
+        choice.score = expected_cost(choice, feats, output_tokens, ctx.stats)
+        why = fits(choice, feats, output_tokens)
+        if why is None:
+            choice.reason = "cheapest_fit"
+            fitting.append(choice)
+        else:
+            choice.reason = why
+            misfits.append(choice)
+    fitting.sort(key=lambda c: c.score or 0.0)
+    return fitting or misfits  # nothing fits: let the backend refuse it with its own message
+
+
+def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:
+    output_tokens = feats.max_output_tokens or route.expected_output_tokens
+    for choice in choices:
+        stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+        if stats.ttft_s is None:
+            # Never measured: try it first, so every candidate gets measured.
+            choice.score, choice.reason = 0.0, "unmeasured"
+            continue
+        decode = output_tokens / stats.tokens_per_s if stats.tokens_per_s else 0.0
+        choice.score, choice.reason = stats.ttft_s + decode, "expected_seconds"
+    return sorted(choices, key=lambda c: c.score or 0.0)
+
+
+async def difficulty(
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext
+) -> tuple[list[Choice], str]:
+    weak, strong = choices[0], choices[1]
+    # The classifier is CPU work of a few ms; off the event loop so other requests keep flowing.
+    p_strong = await asyncio.to_thread(ctx.score_difficulty, feats.last_user)
+    if route.strong_share is not None:
+        from routing.difficulty import StrongShareCalibrator
+
+        calibrator = ctx.calibrators.get(route.name)
+        if calibrator is None or calibrator.target_share != route.strong_share:
+            calibrator = ctx.calibrators[route.name] = StrongShareCalibrator(
+                route.strong_share, initial_threshold=route.threshold
+            )
+        go_strong = calibrator.route_strong(p_strong)
+        threshold = calibrator.threshold()
+    else:
+        threshold = route.threshold
+        go_strong = p_strong > threshold
+    for choice in (weak, strong):
+        choice.score = p_strong
+    weak.reason, strong.reason = ("fallback", "hard") if go_strong else ("easy", "fallback")
+    first = [strong, weak] if go_strong else [weak, strong]
+    return first + choices[2:], f"threshold={threshold:.4g}"
+
+
+def _rendezvous(key: bytes, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key + b"\0" + name.encode(), digest_size=8).digest(), "big")
+
+
+def prefix_affinity(
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext
+) -> tuple[list[Choice], str]:
+    """Rendezvous hashing of the prompt prefix: the same prefix ranks the replicas the same way, and
+    adding or removing a replica only moves the prefixes that hashed to it."""
+    key = feats.prompt[: route.prefix_chars].encode()
+    for choice in choices:
+        choice.score = float(_rendezvous(key, choice.candidate.model))
+        choice.reason = "affinity"
+    ranked = sorted(choices, key=lambda c: c.score or 0.0, reverse=True)
+    preferred = ranked[0]
+    available = []
+    overloaded = []
+    for choice in ranked:
+        limit = choice.candidate.max_in_flight
+        if limit is not None and ctx.in_flight.get(choice.candidate.model, 0) >= limit:
+            choice.reason = "overloaded"
+            overloaded.append(choice)
+        else:
+            available.append(choice)
+    ordered = available + overloaded
+    hit = ordered[0] is preferred
+    counts = ctx.affinity.setdefault(route.name, [0, 0])
+    counts[0] += hit
+    counts[1] += 1
+    return ordered, f"affinity={'hit' if hit else 'miss'}; affinity_hit_rate={counts[0] / counts[1]:.3f}"

@@ -1,0 +1,102 @@
+"""The routing engine the gateway asks for a plan: routes by name and conditions, policies, breakers.
+
+Routes come from the config's `routes:` section and, when a control plane is configured, from the
+admin DB (see routing.store), replaced whole on each change (`set_routes`). A public model name with
+no route is a plain model: one candidate, one attempt, as before routing existed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.auth import Principal
+from gateway.errors import ModelNotFound
+from gateway.router_basic import ModelTable
+from routing.breaker import Breakers
+from routing.plan import Choice, Features, Plan
+from routing.policies import PolicyContext, order
+from routing.routes import Candidate, Conditions, Retry, Route
+from routing.stats import RoutingStats
+
+
+class RouteError(ValueError):
+    """A route names something that does not exist; the message says which."""
+
+
+def matches(when: Conditions | None, feats: Features) -> bool:
+    if when is None:
+        return True
+    if when.tenants is not None and feats.tenant not in when.tenants:
+        return False
+    if when.keys is not None and feats.key_id not in when.keys:
+        return False
+    if when.metadata is not None and any(feats.metadata.get(k) != v for k, v in when.metadata.items()):
+        return False
+    if when.tags is not None and not set(when.tags) <= feats.tags:
+        return False
+    if when.min_prompt_tokens is not None and feats.prompt_tokens < when.min_prompt_tokens:
+        return False
+    if when.max_prompt_tokens is not None and feats.prompt_tokens > when.max_prompt_tokens:
+        return False
+    if when.tools is not None and feats.tools != when.tools:
+        return False
+    return when.images is None or feats.images == when.images
+
+
+def validate(routes: Sequence[Route], models: ModelTable) -> None:
+    for i, route in enumerate(routes):
+        where = f"routes[{i}] ({route.name})"
+        if not route.candidates:
+            raise RouteError(f"{where}.candidates: at least one candidate is required")
+        if route.policy == "difficulty" and len(route.candidates) < 2:
+            raise RouteError(f"{where}: the difficulty policy needs a weak and a strong candidate")
+        if route.strong_share is not None and not 0.0 <= route.strong_share <= 1.0:
+            raise RouteError(f"{where}.strong_share: must be within [0, 1]")
+        if route.retry.attempts < 1:
+            raise RouteError(f"{where}.retry.attempts: must be at least 1")
+        for name in route.models():
+            if name not in models.targets:
+                raise RouteError(f"{where}: no model named {name!r}")
+
+
+class Router:
+    def __init__(self, models: ModelTable, routes: Sequence[Route] = (), state: object | None = None) -> None:
+        self.models = models
+        self.stats = RoutingStats()
+        self.breakers = Breakers(state)
+        self.context = PolicyContext(self.stats)
+        self.routes: dict[str, list[Route]] = {}
+        self.version = 0
+        self.set_routes(routes)
+
+    def set_routes(self, routes: Sequence[Route], version: int | None = None) -> None:
+        validate(routes, self.models)
+        table: dict[str, list[Route]] = {}
+        for route in routes:
+            table.setdefault(route.name, []).append(route)
+        self.routes = table  # one assignment: requests see the old table or the new, never a mix
+        self.version = self.version + 1 if version is None else version
+
+    def names(self) -> list[str]:
+        return list(self.routes)
+
+    async def plan(self, name: str, principal: Principal, feats: Features) -> Plan:
+        """The ordered candidates for a request (404 model_not_found when the name means nothing)."""
+        routes = self.routes.get(name)
+        if routes is not None and principal.may_use(name):
+            for route in routes:
+                if matches(route.when, feats):
+                    return await self._plan(route, feats)
+        # No route (or none whose conditions hold): the plain model of that name, tried once.
+        target = self.models.resolve(name, principal)[0]
+        route = Route(name=name, candidates=[Candidate(model=name)], retry=Retry(attempts=1), failover_on=[], breaker=None)
+        return Plan(route, [Choice(target, route.candidates[0], reason="model")])
+
+    async def _plan(self, route: Route, feats: Features) -> Plan:
+        choices = [Choice(self.models.targets[c.model], c) for c in route.candidates]
+        ordered, note = await order(route, choices, feats, self.context)
+        for name in route.fallbacks:
+            ordered.append(Choice(self.models.targets[name], Candidate(model=name), reason="fallback"))
+        if not ordered:
+            raise ModelNotFound(f"The route `{route.name}` has no candidates.", param="model")
+        return Plan(route, ordered, note=note)

@@ -1,0 +1,111 @@
+"""Routes: a public model name mapped to a policy, its candidates, conditions and failover settings.
+
+Routes are plain msgspec Structs so the same definition is read from the config's `routes:` section,
+from the admin API and from the admin DB. Nothing here imports the gateway (the config imports this).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PolicyName = Literal["fixed", "weighted", "cheapest", "lowest_latency", "difficulty", "prefix_affinity"]
+
+
+class Candidate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """One configured model (by its public name in `models:`) a route may send a request to."""
+
+    model: str
+    weight: float = 1.0  # `weighted`
+    # What the model can take, for `cheapest` (None: unknown, assumed to fit).
+    context_window: int | None = None
+    tools: bool = True
+    vision: bool = True
+    # Share of prompt tokens expected to be read from the vendor's prompt cache (`cheapest`); the
+    # observed share replaces it once traffic has been seen.
+    cache_hit_rate: float = 0.0
+    max_in_flight: int | None = None  # `prefix_affinity`: above this the replica counts as overloaded
+
+
+class Conditions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """When a route applies; every field that is set must hold (None: any)."""
+
+    tenants: list[str] | None = None  # tenant names
+    keys: list[str] | None = None  # key ids
+    metadata: dict[str, str] | None = None  # request `metadata` entries that must be present and equal
+    tags: list[str] | None = None  # all of these in the request's `metadata.tags` (comma separated)
+    min_prompt_tokens: int | None = None
+    max_prompt_tokens: int | None = None
+    tools: bool | None = None  # True: only requests offering tools; False: only requests without
+    images: bool | None = None
+
+
+class Retry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    attempts: int = 2  # tries per candidate before moving on to the next
+    backoff: float = 0.2  # seconds before the first retry; doubles per retry
+    max_backoff: float = 5.0
+    jitter: float = 0.5  # each wait is scaled by a random factor in [1 - jitter, 1]
+    # A retry-after longer than this is not waited for: the next candidate is tried instead.
+    max_retry_after: float = 10.0
+
+
+class Hedge(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Send a second attempt to the next candidate when the first has not answered (first token when
+    streaming) within `delay` seconds, or within the observed p95 time to first token."""
+
+    delay: float | Literal["p95"] = "p95"
+    min_delay: float = 0.05  # floor for the observed p95
+    # Estimated USD a tenant may spend on hedged attempts per hour; beyond it, no more hedges.
+    max_spend_usd_per_hour: float = 1.0
+
+
+class Breaker(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    failures: int = 5  # consecutive failures that open the breaker
+    cooldown: float = 30.0  # seconds open before one trial request (half-open)
+
+
+class Route(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    name: str  # the public model name clients send
+    policy: PolicyName = "fixed"
+    candidates: list[Candidate]
+    when: Conditions | None = None  # several routes may share a name; the first that matches wins
+    fallbacks: list[str] = []  # models tried, in order, after every candidate failed
+    retry: Retry = Retry()
+    # Which failures move on to a retry or the next candidate: statuses, or "5xx" (which covers
+    # timeouts, 504, and unreachable or reset backends, 502/503). Never a 4xx the request caused.
+    failover_on: list[int | Literal["5xx"]] = msgspec.field(default_factory=lambda: [429, "5xx"])
+    ttft_timeout: float | None = None  # seconds to the first token of a stream before failing over
+    hedge: Hedge | None = None
+    # A stream that breaks after its first token: continue on the next candidate from the text
+    # already sent (True) or end it with an SSE error event (False).
+    resume: bool = True
+    breaker: Breaker | None = Breaker()  # None: no circuit breaker (a plain model, tried once)
+    # `difficulty`: candidates[0] is the weak model, candidates[1] the strong one. Strong when the
+    # classifier's p_strong is above `threshold`, or, when `strong_share` is set, in the top
+    # `strong_share` of recent traffic.
+    threshold: float = 0.5
+    strong_share: float | None = None
+    # `prefix_affinity`: characters of the prompt that name its prefix.
+    prefix_chars: int = 2048
+    # `cheapest`/`lowest_latency`: output tokens to expect when the request sets no limit.
+    expected_output_tokens: int = 256
+
+    def models(self) -> list[str]:
+        return [c.model for c in self.candidates] + [m for m in self.fallbacks]
+
+
+_decoder = msgspec.json.Decoder(Route)
+_list_decoder = msgspec.json.Decoder(list[Route])
+
+
+def decode_route(data: bytes) -> Route:
+    return _decoder.decode(data)
+
+
+def decode_routes(data: bytes) -> list[Route]:
+    return _list_decoder.decode(data)
+
+
+def encode(value: Route | list[Route]) -> bytes:
+    return msgspec.json.encode(value)

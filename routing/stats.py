@@ -1,0 +1,66 @@
+"""What routing learns from traffic: moving averages per backend and upstream model, fed by the
+usage events every attempt produces (so it sees exactly what the ledger sees)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from gateway.accounting.events import UsageEvent
+
+ALPHA = 0.2  # weight of the newest observation in each moving average
+WINDOW = 200  # recent TTFTs kept for the p95
+
+
+@dataclass(slots=True)
+class ModelStats:
+    ttft_s: float | None = None  # moving average time to first token (streams)
+    tokens_per_s: float | None = None  # moving average decode speed after the first token
+    latency_s: float | None = None  # moving average whole-attempt latency
+    cache_hit_rate: float | None = None  # moving average share of prompt tokens read from cache
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    samples: int = 0
+
+    def p95_ttft(self) -> float | None:
+        if not self.ttfts:
+            return None
+        ordered = sorted(self.ttfts)
+        return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)
+
+
+class RoutingStats:
+    """A UsageSink: record() is called once per attempt; must not block."""
+
+    def __init__(self) -> None:
+        self.models: dict[tuple[str, str], ModelStats] = {}
+
+    def get(self, backend: str, model: str) -> ModelStats:
+        stats = self.models.get((backend, model))
+        if stats is None:
+            stats = self.models[(backend, model)] = ModelStats()
+        return stats
+
+    def record(self, event: UsageEvent) -> None:
+        if not event.ok:
+            return  # failures feed the breakers, not the speed estimates
+        stats = self.get(event.backend, event.model)
+        stats.samples += 1
+        latency = event.latency_ms / 1000
+        stats.latency_s = _ewma(stats.latency_s, latency)
+        usage = event.usage
+        if event.ttft_ms is not None:
+            ttft = event.ttft_ms / 1000
+            stats.ttft_s = _ewma(stats.ttft_s, ttft)
+            stats.ttfts.append(ttft)
+            decode_s = latency - ttft
+            if usage.output_tokens > 1 and decode_s > 0:
+                stats.tokens_per_s = _ewma(stats.tokens_per_s, (usage.output_tokens - 1) / decode_s)
+        prompt = usage.input_tokens + usage.cached_input_tokens + usage.cache_write_5m_tokens
+        prompt += usage.cache_write_1h_tokens
+        if prompt > 0:
+            stats.cache_hit_rate = _ewma(stats.cache_hit_rate, usage.cached_input_tokens / prompt)
