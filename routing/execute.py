@@ -71,7 +71,7 @@ class HedgeBudget:
         window = self.spent.setdefault(tenant, deque())
         while window and now - window[0][0] > HOUR:
             window.popleft()
-        if sum(cost for _, cost in window) + usd > cap:
+        if cap <= 0 or sum(cost for _, cost in window) + usd > cap:
             return False
         window.append((now, usd))
         return True
@@ -166,9 +166,12 @@ class Executor:
                     if retry == 0 and route.hedge is not None and not skip:
                         partner = self._hedge_partner(queue[index + 1 :])
                         if partner is not None:
-                            return await self._hedged(call, plan, choice, partner, request, feats)
+                            result = await self._hedged(call, plan, choice, partner, request, feats)
+                            call.info.error = None
+                            return result
                     result = await self._attempt(call, plan, choice, request)
                     plan.chosen = choice
+                    call.info.error = None  # earlier attempts failed; the request did not
                     return result
                 except GatewayError as exc:
                     if not fails_over(route, exc):

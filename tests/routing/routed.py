@@ -1,0 +1,53 @@
+"""A real gateway with routes (the gateway tests' config plus a `routes:` section) in front of the fakes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from gateway.runtime import Gateway
+from gateway.usage_sink import ListSink
+from tests.conftest import free_port
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, serve
+
+# Small waits everywhere: the behaviour is the same as with production settings, only faster.
+FAST = "retry: {attempts: 2, backoff: 0.02, max_backoff: 0.1, max_retry_after: 1.0}, "
+FAST += "breaker: {failures: 3, cooldown: 0.5}"
+ROUTES = f"""\
+routes:
+  - {{name: resilient, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: no-resume, resume: false, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: anthropic-first, candidates: [{{model: claude-sonnet}}, {{model: gpt-4o-mini}}], {FAST}}}
+  - {{name: impatient-route, ttft_timeout: 0.3, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: hedged, hedge: {{delay: 0.15}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+  - {{name: hedged-capped, hedge: {{delay: 0.15, max_spend_usd_per_hour: 0.0}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+  - {{name: chain, candidates: [{{model: dead-model}}], fallbacks: [gemini-flash], {FAST}}}
+"""
+
+
+def routed_config_text(routes: str = ROUTES) -> str:
+    return full_config_text() + routes
+
+
+@contextmanager
+def routed_gateway(
+    oa: FakeOpenAI, an: FakeAnthropic, ge: FakeGemini, ds: FakeOpenAI, routes: str = ROUTES
+) -> Iterator[RunningGateway]:
+    config = parse_config(routed_config_text(routes), fakes_env(oa, an, ge, ds))
+    sink = ListSink()
+    app = create_app(config, usage_sink=sink)
+    with serve(app, free_port()) as url:
+        yield RunningGateway(url=url, sink=sink, config=config, app=app)
+
+
+def runtime(gateway: RunningGateway) -> Gateway:
+    return gateway.app.state.gateway  # type: ignore[attr-defined]
+
+
+def route_header(raw: object) -> dict[str, str]:
+    """The x-weir-route header as a dict."""
+    value = raw.headers["x-weir-route"]  # type: ignore[attr-defined]
+    return dict(part.split("=", 1) for part in value.split("; "))

@@ -1,0 +1,229 @@
+"""Failover through a real gateway, with the official SDKs as clients and faults injected in the fakes.
+
+For each fault: what the client sees, which backends were tried (x-weir-route and the fakes' request
+logs), and what the ledger holds (one usage event per attempt, exactly one successful one per request).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.gateway.conftest import RunningGateway
+from tests.routing.routed import route_header, routed_gateway, runtime
+
+HI = [{"role": "user", "content": "one two three four five six"}]
+ECHO = "one two three four five six"
+
+
+@pytest.fixture(scope="module")
+def _routed(
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    with routed_gateway(
+        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server
+    ) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def gateway(
+    _routed: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    fake_deepseek: FakeOpenAI,
+) -> RunningGateway:
+    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
+    runtime(_routed).router.breakers.breakers.clear()
+    _routed.sink.events.clear()
+    return _routed
+
+
+def ledger(gateway: RunningGateway) -> list[tuple[str, int]]:
+    return [(e.backend, e.status) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
+
+
+def settled(gateway: RunningGateway, count: int) -> None:
+    """Usage events of a cancelled or closed attempt are recorded as it unwinds: wait for them."""
+    deadline = time.monotonic() + 5
+    while len(gateway.sink.events) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def chat(gateway: RunningGateway, model: str, **kwargs: object) -> tuple[str, dict[str, str]]:
+    raw = gateway.openai().chat.completions.with_raw_response.create(model=model, messages=HI, **kwargs)  # type: ignore[arg-type]
+    return raw.parse().choices[0].message.content or "", route_header(raw)
+
+
+def test_429_with_retry_after_is_retried_on_the_same_backend(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_openai.fail_next(Fault.status(429, retry_after=0.3))
+    started = time.monotonic()
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO
+    assert time.monotonic() - started >= 0.3  # retry-after honoured
+    assert (route["candidate"], route["attempts"]) == ("gpt-4o-mini", "2")
+    assert ledger(gateway) == [("openai", 429), ("openai", 200)]
+    assert not fake_anthropic.requests
+
+
+def test_429_with_a_long_retry_after_fails_over_at_once(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_openai.fail_next(Fault.status(429, retry_after=30))
+    started = time.monotonic()
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and time.monotonic() - started < 5
+    assert route["candidate"] == "claude-sonnet" and route["tried"] == "gpt-4o-mini:429,claude-sonnet:ok"
+    assert ledger(gateway) == [("openai", 429), ("anthropic", 200)]
+
+
+def test_500_exhausts_retries_then_falls_over(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_openai.fail_next(500, times=2)
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["candidate"] == "claude-sonnet" and route["attempts"] == "3"
+    assert ledger(gateway) == [("openai", 500), ("openai", 500), ("anthropic", 200)]
+    assert [e.fallback for e in sorted(gateway.sink.events, key=lambda e: e.attempt)] == [False, True, True]
+    assert len(fake_openai.requests) == 2 and len(fake_anthropic.requests) == 1
+
+
+def test_529_overloaded_anthropic_falls_over_to_openai(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_anthropic.fail_next(529, times=2)
+    text, route = chat(gateway, "anthropic-first")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini"
+    assert ledger(gateway) == [("anthropic", 529), ("anthropic", 529), ("openai", 200)]
+
+
+def test_connection_reset_is_retried(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    fake_openai.fail_next(Fault.reset())
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini" and route["attempts"] == "2"
+    assert ledger(gateway) == [("openai", 0), ("openai", 200)]  # 0: the backend never answered
+
+
+def test_a_400_caused_by_the_request_does_not_fail_over(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_openai.fail_next(Fault.status(400, message="bad temperature"))
+    with pytest.raises(openai.BadRequestError, match="bad temperature"):
+        chat(gateway, "resilient")
+    assert ledger(gateway) == [("openai", 400)]
+    assert not fake_anthropic.requests
+
+
+def test_slow_first_byte_hits_the_route_ttft_timeout_and_fails_over_invisibly(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.fail_next(Fault.delay(3), times=2)
+    started = time.monotonic()
+    stream = gateway.openai().chat.completions.create(model="impatient-route", messages=HI, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == ECHO
+    assert time.monotonic() - started < 2.5  # two 0.3 s timeouts, not the 3 s delays
+    settled(gateway, 3)
+    assert [b for b, _ in ledger(gateway)] == ["openai", "openai", "anthropic"]
+    assert ledger(gateway)[-1] == ("anthropic", 200)
+
+
+def test_a_stream_cut_mid_way_continues_on_the_next_candidate(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_openai.fail_next(Fault.cut_stream(after=3))
+    stream = gateway.openai().chat.completions.create(model="resilient", messages=HI, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ECHO  # one uninterrupted stream
+    assert len({c.id for c in chunks}) == 1
+    # The second backend was asked to continue the text already sent.
+    resumed = fake_anthropic.last_request.json["messages"]
+    prefill = "".join(block["text"] for block in resumed[-1]["content"])
+    assert resumed[-1]["role"] == "assistant" and prefill and ECHO.startswith(prefill)
+    settled(gateway, 2)
+    assert [b for b, _ in ledger(gateway)] == ["openai", "anthropic"]
+    assert sum(e.ok for e in gateway.sink.events) == 1  # billed once, for the attempt that finished
+
+
+def test_a_stream_cut_where_resuming_is_forbidden_ends_with_an_error_event(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_openai.fail_next(Fault.cut_stream(after=3))
+    stream = gateway.openai().chat.completions.create(model="no-resume", messages=HI, stream=True)
+    received = []
+    with pytest.raises(openai.APIError):
+        for chunk in stream:  # never a clean end
+            received.extend(c.delta.content or "" for c in chunk.choices)
+    assert received and "".join(received) != ECHO
+    assert not fake_anthropic.requests
+
+
+def test_a_backend_that_is_down_and_comes_back(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    breakers = runtime(gateway).router.breakers
+    key = "openai/gpt-4o-mini"
+    fake_openai.stop()
+    for _ in range(3):
+        text, route = chat(gateway, "resilient")
+        assert text == ECHO and route["candidate"] == "claude-sonnet"
+    assert breakers.state(key) == "open"  # three refused connections (with retries) opened it
+    text, route = chat(gateway, "resilient")
+    assert route["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"  # not even tried while open
+    fake_openai.start()
+    time.sleep(0.55)  # the cooldown
+    assert breakers.state(key) == "half_open"
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini"  # the trial request succeeded
+    assert breakers.state(key) == "closed"
+    refused = [e for e in gateway.sink.events if e.backend == "openai" and e.status == 0]
+    assert len(refused) >= 3  # attempts that never got an answer are in the ledger too
+
+
+def test_fallback_chain_after_the_candidates(gateway: RunningGateway, fake_gemini: FakeGemini) -> None:
+    text, route = chat(gateway, "chain")
+    assert text == ECHO and route["candidate"] == "gemini-flash" and route["reason"] == "fallback"
+    assert [b for b, _ in ledger(gateway)] == ["dead", "dead", "gemini"]
+
+
+def test_hedging_takes_the_first_to_stream_and_cancels_the_other(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    fake_openai.set_latency(first_token=2.0)
+    started = time.monotonic()
+    raw = gateway.openai().chat.completions.with_raw_response.create(model="hedged", messages=HI, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    assert text == ECHO and time.monotonic() - started < 1.5
+    route = route_header(raw)
+    assert route["candidate"] == "deepseek-chat" and route["hedged"] == "deepseek-chat"
+    assert len(fake_openai.requests) == 1 and len(fake_deepseek.requests) == 1
+    settled(gateway, 2)
+    by_backend = {e.backend: e.status for e in gateway.sink.events}
+    assert by_backend == {"deepseek": 200, "openai": 499}  # the loser was cancelled
+
+
+def test_hedging_respects_the_tenant_spend_cap(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    fake_openai.set_latency(first_token=0.4)
+    text, route = chat(gateway, "hedged-capped")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini" and route["hedge"] == "capped"
+    assert not fake_deepseek.requests
+
+
+def test_plain_models_keep_single_attempt_semantics(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    fake_openai.fail_next(500)
+    with pytest.raises(openai.InternalServerError):
+        chat(gateway, "gpt-4o-mini")
+    assert ledger(gateway) == [("openai", 500)]
