@@ -225,7 +225,7 @@ class Pipeline:
                 ts=dt.datetime.fromtimestamp(started_at, dt.UTC),
                 tenant_id=call.principal.tenant_id,
                 key_id=call.principal.key_id,
-                route=target.model.name,
+                route=info.model or target.model.name,
                 backend=target.backend.name,
                 model=target.upstream_model,
                 usage=usage,
@@ -236,6 +236,7 @@ class Pipeline:
                 ttft_ms=ttft * 1000 if ttft is not None else None,
                 status=status,  # 0: the backend never answered
                 fallback=attempt > 1,
+                routing=info.route,
                 event_id=os.urandom(16).hex(),  # as unique as uuid4, at a fraction of its cost
             )
         )

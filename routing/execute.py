@@ -94,6 +94,8 @@ class Executor:
         """One upstream attempt: a ChatResponse, or a stream iterator past its first batch."""
         plan.attempts += 1
         number = plan.attempts
+        # The decision as it stands, for this attempt's usage event (and the header if it fails).
+        call.info.route = plan.header(choice)
         target = choice.target
         model = choice.candidate.model
         upstream = target.provider.chat_request(target.backend, request, target.upstream_model)

@@ -74,9 +74,9 @@ class Plan:
     chosen: Choice | None = None
     tried: list[str] = field(default_factory=list)  # "model:outcome" per attempt
 
-    def header(self) -> str:
+    def header(self, trying: Choice | None = None) -> str:
         """The `x-weir-route` header: policy, chosen candidate, score, attempts (and why)."""
-        chosen = self.chosen or (self.choices[0] if self.choices else None)
+        chosen = trying or self.chosen or (self.choices[0] if self.choices else None)
         parts = [f"route={self.route.name}", f"policy={self.route.policy}"]
         if chosen is not None:
             parts.append(f"candidate={chosen.candidate.model}")

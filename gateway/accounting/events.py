@@ -30,6 +30,7 @@ class UsageEvent(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float | None = None
     status: int = 200  # HTTP status of the attempt; 0 when the backend never answered
     fallback: bool = False
+    routing: str | None = None  # the routing decision so far (policy, candidate, score; x-weir-route)
     event_id: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
 
     @property

@@ -227,3 +227,12 @@ def test_plain_models_keep_single_attempt_semantics(gateway: RunningGateway, fak
     with pytest.raises(openai.InternalServerError):
         chat(gateway, "gpt-4o-mini")
     assert ledger(gateway) == [("openai", 500)]
+
+
+def test_usage_events_store_the_route_decision(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    fake_openai.fail_next(500)
+    _, route = chat(gateway, "resilient")
+    events = sorted(gateway.sink.events, key=lambda e: e.attempt)
+    assert [e.route for e in events] == ["resilient", "resilient"]  # the name the client asked for
+    assert all(e.routing is not None and "policy=fixed" in e.routing for e in events)
+    assert "candidate=gpt-4o-mini" in (events[-1].routing or "") and route["attempts"] == "2"
