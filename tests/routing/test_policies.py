@@ -1,0 +1,200 @@
+"""Routing policies and route conditions through a real gateway (official openai SDK as client)."""
+
+from __future__ import annotations
+
+import collections
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.gateway.conftest import LIMITED_KEY, RunningGateway
+from tests.routing.routed import route_header, routed_gateway, runtime
+
+ROUTES = """\
+routes:
+  - {name: weighted, policy: weighted, candidates: [{model: gpt-4o-mini, weight: 3}, {model: deepseek-chat, weight: 1}]}
+  - name: cheap
+    policy: cheapest
+    candidates:
+      - {model: claude-sonnet, context_window: 200000}
+      - {model: gpt-4o-mini, context_window: 300, vision: false}
+      - {model: gemini-flash, context_window: 1000000}
+  - {name: fast, policy: lowest_latency, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
+  - {name: smart, policy: difficulty, threshold: 0.5, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]}
+  - {name: smart-share, policy: difficulty, strong_share: 0.25, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]}
+  - name: replicas
+    policy: prefix_affinity
+    prefix_chars: 40
+    candidates: [{model: gpt-4o-mini, max_in_flight: 1000}, {model: deepseek-chat, max_in_flight: 1000}, {model: gpt-5, max_in_flight: 1000}]
+  - {name: tiered, when: {tools: true}, candidates: [{model: claude-sonnet}]}
+  - {name: tiered, when: {metadata: {tier: gold}}, candidates: [{model: gpt-5}]}
+  - {name: tiered, when: {tags: [batch]}, candidates: [{model: deepseek-chat}]}
+  - {name: tiered, when: {min_prompt_tokens: 50}, candidates: [{model: gemini-flash}]}
+  - {name: tiered, candidates: [{model: gpt-4o-mini}]}
+  - {name: demo-only, when: {tenants: [demo]}, candidates: [{model: gpt-4o-mini}]}
+"""
+HARD = (
+    "Prove that every finite integral domain is a field, then derive the order of its multiplicative group."
+)
+EASY = "hi"
+
+
+@pytest.fixture(scope="module")
+def _routed(
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    with routed_gateway(
+        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server, ROUTES
+    ) as gateway:
+        # A deterministic stand-in for the shipped classifier (tested on its own in test_difficulty):
+        # the policy is what is under test here.
+        runtime(gateway).router.context.scorer = lambda prompt: 0.9 if "Prove" in prompt else 0.1
+        yield gateway
+
+
+@pytest.fixture
+def gateway(
+    _routed: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    fake_deepseek: FakeOpenAI,
+) -> RunningGateway:
+    _routed.sink.events.clear()
+    return _routed
+
+
+def ask(gateway: RunningGateway, model: str, text: str = "hello there", **kwargs: object) -> dict[str, str]:
+    raw = gateway.openai(
+        kwargs.pop("api_key", None) or "sk-weir-demo-0123456789"
+    ).chat.completions.with_raw_response.create(  # type: ignore[arg-type]
+        model=model, messages=[{"role": "user", "content": text}], **kwargs
+    )
+    assert raw.parse().choices[0].message.content
+    return route_header(raw)
+
+
+def test_weighted_follows_the_weights(gateway: RunningGateway) -> None:
+    picks = collections.Counter(ask(gateway, "weighted")["candidate"] for _ in range(60))
+    assert set(picks) == {"gpt-4o-mini", "deepseek-chat"}
+    assert 30 <= picks["gpt-4o-mini"] <= 57  # expected 45 of 60 (3:1)
+
+
+def test_cheapest_counts_fit_and_price(gateway: RunningGateway) -> None:
+    route = ask(gateway, "cheap")
+    assert route["candidate"] == "gpt-4o-mini" and route["reason"] == "cheapest_fit"
+    # Too long for gpt-4o-mini's 300-token window: the next cheapest that fits.
+    route = ask(gateway, "cheap", text="word " * 400)
+    assert route["candidate"] == "gemini-flash"
+    # An image: gpt-4o-mini (vision: false here) is skipped.
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="cheap", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]
+    )
+    assert route_header(raw)["candidate"] == "gemini-flash"
+    assert float(route["score"]) > 0  # the expected cost in USD
+
+
+def test_cheapest_counts_the_expected_cache_discount(gateway: RunningGateway) -> None:
+    from gateway.types import ChatRequest, Message
+    from routing.plan import Choice, features
+    from routing.policies import expected_cost
+    from routing.routes import Candidate
+
+    gw = runtime(gateway)
+    target = gw.models.targets["claude-sonnet"]
+    feats = features(ChatRequest(model="x", messages=[Message(role="user", content="w " * 4000)]), None, None)
+    cold = expected_cost(Choice(target, Candidate(model="claude-sonnet")), feats, 100, gw.router.stats)
+    warm = expected_cost(
+        Choice(target, Candidate(model="claude-sonnet", cache_hit_rate=0.9)), feats, 100, gw.router.stats
+    )
+    assert warm < cold * 0.5  # cached reads at a tenth of the input price
+
+
+def test_lowest_latency_learns_from_observed_ttft(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    fake_openai.set_latency(first_token=0.25)
+    for _ in range(4):  # both measured (unmeasured candidates are tried first)
+        stream = gateway.openai().chat.completions.create(
+            model="fast", messages=[{"role": "user", "content": "a b c"}], stream=True
+        )
+        list(stream)
+    assert ask(gateway, "fast")["candidate"] == "deepseek-chat"
+    fake_openai.set_latency()
+    fake_deepseek.set_latency(first_token=0.6)
+    for _ in range(8):
+        list(
+            gateway.openai().chat.completions.create(
+                model="fast", messages=[{"role": "user", "content": "a b c"}], stream=True
+            )
+        )
+    route = ask(gateway, "fast")
+    assert route["candidate"] == "gpt-4o-mini" and route["reason"] == "expected_seconds"
+
+
+def test_difficulty_threshold(gateway: RunningGateway) -> None:
+    assert ask(gateway, "smart", EASY)["candidate"] == "gpt-4o-mini"
+    route = ask(gateway, "smart", HARD)
+    assert (route["candidate"], route["reason"], route["score"], route["threshold"]) == (
+        "claude-sonnet",
+        "hard",
+        "0.9",
+        "0.5",
+    )
+
+
+def test_difficulty_target_strong_share(gateway: RunningGateway) -> None:
+    router = runtime(gateway).router
+    rng = random.Random(7)
+    router.context.scorer = lambda prompt: rng.random()
+    try:
+        picks = [ask(gateway, "smart-share", f"q{i}")["candidate"] for i in range(120)]
+    finally:
+        router.context.scorer = lambda prompt: 0.9 if "Prove" in prompt else 0.1
+    late = picks[60:]  # calibrated on what it has seen
+    assert 0.1 <= late.count("claude-sonnet") / len(late) <= 0.45
+
+
+def test_prefix_affinity_sticks_and_reports_its_hit_rate(gateway: RunningGateway) -> None:
+    prefixes = [f"You are assistant number {i}. " * 3 for i in range(12)]
+    first = {p: ask(gateway, "replicas", p + "question one")["candidate"] for p in prefixes}
+    assert len(set(first.values())) >= 2  # prefixes spread over the replicas
+    for p in prefixes:
+        route = ask(gateway, "replicas", p + "another question")
+        assert route["candidate"] == first[p] and route["affinity"] == "hit"
+    assert runtime(gateway).router.context.affinity_hit_rate("replicas") == 1.0
+
+
+def test_prefix_affinity_skips_an_overloaded_replica(gateway: RunningGateway) -> None:
+    router = runtime(gateway).router
+    prompt = "Shared system prompt for the overload test. question"
+    preferred = ask(gateway, "replicas", prompt)["candidate"]
+    router.context.in_flight[preferred] = 1000  # as if it had 1000 requests running
+    try:
+        route = ask(gateway, "replicas", prompt)
+    finally:
+        router.context.in_flight[preferred] = 0
+    assert route["candidate"] != preferred and route["affinity"] == "miss"
+
+
+def test_conditions_select_the_route(gateway: RunningGateway) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    assert ask(gateway, "tiered", tools=[tool])["candidate"] == "claude-sonnet"
+    assert ask(gateway, "tiered", metadata={"tier": "gold"})["candidate"] == "gpt-5"
+    assert ask(gateway, "tiered", metadata={"tags": "x,batch"})["candidate"] == "deepseek-chat"
+    assert ask(gateway, "tiered", "long " * 300)["candidate"] == "gemini-flash"
+    assert ask(gateway, "tiered")["candidate"] == "gpt-4o-mini"
+
+
+def test_a_route_limited_to_a_tenant_is_invisible_to_others(gateway: RunningGateway) -> None:
+    import openai
+
+    assert ask(gateway, "demo-only")["candidate"] == "gpt-4o-mini"
+    with pytest.raises(openai.NotFoundError):
+        ask(gateway, "demo-only", api_key=LIMITED_KEY)
