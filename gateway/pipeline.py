@@ -20,6 +20,7 @@ from gateway.accounting.pricing import TokenClass, price_usage
 from gateway.auth import Principal
 from gateway.config import Model
 from gateway.errors import GatewayError
+from gateway.estimate import Produced
 from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
 from gateway.router_basic import Target
@@ -151,6 +152,7 @@ class Pipeline:
             await self.admission(call, target, upstream)
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure, ttft = 0, Usage(), None, None
+        produced, usage_reported, streaming = Produced(), False, False
         backend = target.backend
         try:
             response = await self.transport.send(upstream, backend.timeouts, backend.name)
@@ -158,13 +160,15 @@ class Pipeline:
             if status >= 400:
                 body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
                 raise target.provider.error(status, body, response.headers)
+            streaming = True
             async for events in self.transport.events(response, backend.name):
                 batch: list[Any] = []
                 try:
                     for event, data in events:
                         for chunk in decoder.feed(event, data):
+                            produced.add(chunk)
                             if chunk.usage is not None:
-                                usage = chunk.usage
+                                usage, usage_reported = chunk.usage, True
                             elif ttft is None:
                                 ttft = time.perf_counter() - t0
                                 call.info.ttft = ttft
@@ -178,7 +182,7 @@ class Pipeline:
             tail = decoder.close()
             for chunk in tail:
                 if chunk.usage is not None:
-                    usage = chunk.usage
+                    usage, usage_reported = chunk.usage, True
             if tail:
                 yield tail
         except GatewayError as exc:
@@ -190,8 +194,23 @@ class Pipeline:
             failure, status = "client_disconnected", 499  # the client went away mid-stream
             raise
         finally:
+            # Cut short before the vendor's usage report (the client left, the upstream broke, a
+            # hedge lost): bill what the backend produced, estimated, rather than nothing.
+            estimated = streaming and failure is not None and not usage_reported
+            if estimated:
+                usage = produced.estimate(upstream.body)
             self._record(
-                call, target, attempt, started_at, t0, usage, status, failure, ttft=ttft, stream=True
+                call,
+                target,
+                attempt,
+                started_at,
+                t0,
+                usage,
+                status,
+                failure,
+                ttft=ttft,
+                stream=True,
+                estimated=estimated,
             )
 
     def _record(
@@ -207,6 +226,7 @@ class Pipeline:
         *,
         ttft: float | None,
         stream: bool,
+        estimated: bool = False,
     ) -> None:
         info = call.info
         info.backend, info.usage = target.backend.name, usage
@@ -237,6 +257,7 @@ class Pipeline:
                 status=status,  # 0: the backend never answered
                 fallback=attempt > 1,
                 routing=info.route,
+                estimated=estimated,
                 event_id=os.urandom(16).hex(),  # as unique as uuid4, at a fraction of its cost
             )
         )

@@ -31,6 +31,7 @@ class UsageEvent(msgspec.Struct, frozen=True, kw_only=True):
     status: int = 200  # HTTP status of the attempt; 0 when the backend never answered
     fallback: bool = False
     routing: str | None = None  # the routing decision so far (policy, candidate, score; x-weir-route)
+    estimated: bool = False  # usage estimated by the gateway: the stream ended before the vendor's report
     event_id: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
 
     @property

@@ -69,6 +69,7 @@ def event_row(event: UsageEvent) -> dict[str, Any]:
         "ttft_ms": event.ttft_ms,
         "status": event.status,
         "fallback": event.fallback,
+        "estimated": event.estimated,
     }
 
 

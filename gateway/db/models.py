@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -143,6 +144,8 @@ class UsageEventRow(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     status: Mapped[int] = mapped_column(Integer)  # HTTP status of the attempt; 0 when no response
     fallback: Mapped[bool] = mapped_column(Boolean)
+    # True when the gateway estimated the usage (a stream cut before the vendor reported it)
+    estimated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class UsageRollup(Base):
