@@ -236,3 +236,14 @@ def test_usage_events_store_the_route_decision(gateway: RunningGateway, fake_ope
     assert [e.route for e in events] == ["resilient", "resilient"]  # the name the client asked for
     assert all(e.routing is not None and "policy=fixed" in e.routing for e in events)
     assert "candidate=gpt-4o-mini" in (events[-1].routing or "") and route["attempts"] == "2"
+
+
+def test_anthropic_clients_fail_over_too(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    fake_openai.fail_next(500, times=2)
+    raw = gateway.anthropic().messages.with_raw_response.create(
+        model="resilient", max_tokens=100, messages=HI
+    )
+    message = raw.parse()
+    assert message.content[0].text == ECHO  # type: ignore[union-attr]
+    assert route_header(raw)["candidate"] == "claude-sonnet"
+    assert ledger(gateway) == [("openai", 500), ("openai", 500), ("anthropic", 200)]
