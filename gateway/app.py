@@ -12,6 +12,7 @@ from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 
 from gateway.admin import control_plane
+from gateway.admin.ui import ui_routers
 from gateway.api import ROUTES
 from gateway.api.anthropic import PATH as MESSAGES_PATH
 from gateway.auth import Authenticator, StaticAuthenticator
@@ -90,7 +91,7 @@ def create_app(
                 await control.stop()
 
     app = Litestar(
-        route_handlers=[*ROUTES, control.router()] if control is not None else ROUTES,
+        route_handlers=[*ROUTES, control.router(), *ui_routers(control)] if control is not None else ROUTES,
         middleware=[request_middleware(gateway.metrics)],
         exception_handlers={
             GatewayError: _on_gateway_error,

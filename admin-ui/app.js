@@ -1,0 +1,559 @@
+// Weir admin UI: one ES module, no build step. Every number comes from the admin API (mounted for
+// signed-in browsers at /admin/session/api/v1), so the UI and the API can never disagree.
+import uPlot from "./vendor/uPlot.esm.js";
+
+const API = "/admin/session/api/v1";
+const main = document.getElementById("main");
+const TOKEN_CLASSES = ["input", "cached_input", "cache_write_5m", "cache_write_1h", "output"];
+const COLORS = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2"];
+let csrf = null;
+
+// --- small helpers ------------------------------------------------------------------------------
+
+// Builds DOM nodes; text always goes through textContent, never HTML, so data cannot inject markup.
+function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else if (k === "class") el.className = v;
+    else el.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+class ApiError extends Error {
+  constructor(status, body) {
+    const e = (body && body.error) || {};
+    super(e.message || `request failed with HTTP ${status}`);
+    this.status = status;
+    this.param = e.param;
+    this.code = e.code;
+  }
+}
+
+async function api(path, { method = "GET", body } = {}) {
+  const headers = { accept: "application/json" };
+  if (body !== undefined) headers["content-type"] = "application/json";
+  if (method !== "GET" && csrf) headers["x-weir-csrf"] = csrf;
+  const res = await fetch(path.startsWith("/") ? path : `${API}/${path}`, {
+    method, headers, body: body === undefined ? undefined : JSON.stringify(body),
+    credentials: "same-origin",
+  });
+  if (res.status === 204) return null;
+  const data = await res.json().catch(() => null);
+  if (res.status === 401 && data?.error?.code === "invalid_session" && csrf) {
+    showSignIn("Your session expired. Sign in again.");
+    throw new ApiError(res.status, data);
+  }
+  if (!res.ok) throw new ApiError(res.status, data);
+  return data;
+}
+
+const usdFmt = (v, digits = 4) => {
+  if (v === null || v === undefined || v === "") return "—";
+  const n = Number(v);
+  return "$" + n.toLocaleString("en-US", { minimumFractionDigits: 2, maximumFractionDigits: n !== 0 && Math.abs(n) < 1 ? digits + 2 : digits });
+};
+const intFmt = (v) => (v === null || v === undefined ? "—" : Number(v).toLocaleString("en-US"));
+const pctFmt = (v) => (v === null || v === undefined ? "—" : (Number(v) * 100).toFixed(1) + "%");
+const isoDay = (d) => d.toISOString().slice(0, 10);
+const today = () => new Date(new Date().toISOString().slice(0, 10) + "T00:00:00Z");
+const addDays = (d, n) => new Date(d.getTime() + n * 86400000);
+const monthStart = () => { const t = today(); return new Date(Date.UTC(t.getUTCFullYear(), t.getUTCMonth(), 1)); };
+
+// Every day from `start` (a Date) up to `end` (exclusive), with the report's row for it or `{day}` alone,
+// so a chart spans the whole range instead of only the days that had traffic.
+function fillDays(rows, start, end) {
+  const byDay = Object.fromEntries(rows.map((r) => [r.day, r]));
+  const out = [];
+  for (let d = start; d < end; d = addDays(d, 1)) out.push(byDay[isoDay(d)] || { day: isoDay(d) });
+  return out;
+}
+
+function notice(text, kind = "error") {
+  return h("p", { class: `notice ${kind}`, role: kind === "error" ? "alert" : "status" }, text);
+}
+
+function empty(text) {
+  return h("div", { class: "empty" }, text);
+}
+
+function field(label, input, hint) {
+  const id = input.id || `f-${Math.random().toString(36).slice(2, 9)}`;
+  input.id = id;
+  const hintEl = hint ? h("small", { id: `${id}-hint`, class: "hint" }, hint) : null;
+  if (hintEl) input.setAttribute("aria-describedby", hintEl.id);
+  return h("div", { class: "field" }, h("label", { for: id }, label), input, hintEl);
+}
+
+// Shows an API error beside the form; a field named in `param` is marked and focused.
+function formError(form, err) {
+  form.querySelectorAll("[aria-invalid]").forEach((el) => el.removeAttribute("aria-invalid"));
+  const box = form.querySelector(".form-error");
+  box.textContent = err.message;
+  box.hidden = false;
+  if (err.param) {
+    const input = form.querySelector(`[name="${CSS.escape(err.param)}"]`);
+    if (input) { input.setAttribute("aria-invalid", "true"); input.focus(); }
+  }
+}
+
+function formBox(...children) {
+  return [h("p", { class: "form-error notice error", role: "alert", hidden: true }), ...children];
+}
+
+function table(columns, rows, { caption, foot } = {}) {
+  const thead = h("thead", {}, h("tr", {}, columns.map((c) => h("th", { scope: "col", class: c.num ? "num" : null }, c.label))));
+  const tbody = h("tbody", {}, rows.map((r) => h("tr", {}, columns.map((c) => h("td", { class: c.num ? "num" : null }, c.render ? c.render(r) : r[c.key])))));
+  const tfoot = foot ? h("tfoot", {}, h("tr", {}, columns.map((c) => h("td", { class: c.num ? "num" : null }, c.render ? c.render(foot) : foot[c.key])))) : null;
+  return h("div", { class: "table-wrap" }, h("table", {}, caption ? h("caption", {}, caption) : null, thead, tbody, tfoot));
+}
+
+// A uPlot chart over days. `stacked` draws each series on top of the previous ones.
+function chart(title, days, series, { stacked = false, fmt = (v) => v, range } = {}) {
+  const box = h("figure", { class: "chart" }, h("figcaption", {}, title));
+  if (!days.length) { box.append(empty("No data in this range yet.")); return box; }
+  const xs = days.map((d) => Date.parse(d + "T00:00:00Z") / 1000);
+  let ys = series.map((s) => s.values.map((v) => (v === null || v === undefined ? null : Number(v))));
+  const raw = ys;
+  if (stacked) ys = ys.map((_, i) => xs.map((_, j) => ys.slice(0, i + 1).reduce((a, s) => a + (s[j] || 0), 0)));
+  // Draw the tallest stack first so each lower band paints over it.
+  const order = stacked ? [...series.keys()].reverse() : [...series.keys()];
+  const opts = {
+    width: 600, height: 220,
+    scales: { x: { time: true }, y: range ? { range } : { range: (u, lo, hi) => [Math.min(0, lo), hi > 0 ? hi * 1.1 : 1] } },
+    axes: [{}, { values: (u, vals) => vals.map((v) => fmt(v)), size: 96 }],
+    series: [{}, ...order.map((i) => ({
+      label: series[i].label,
+      stroke: COLORS[i % COLORS.length],
+      fill: stacked ? COLORS[i % COLORS.length] + "99" : undefined,
+      width: 2,
+      points: { show: xs.length < 40 },
+      value: (u, v, si, idx) => (idx === null ? "—" : fmt(raw[i][idx])),
+    }))],
+  };
+  const plot = new uPlot(opts, [xs, ...order.map((i) => ys[i])], box);
+  const fit = () => plot.setSize({ width: Math.max(260, box.clientWidth - 16), height: 220 });
+  requestAnimationFrame(fit);
+  new ResizeObserver(fit).observe(box);
+  return box;
+}
+
+function stat(label, value, sub) {
+  return h("div", { class: "stat" }, h("div", { class: "stat-label" }, label), h("div", { class: "stat-value" }, value), sub ? h("div", { class: "stat-sub" }, sub) : null);
+}
+
+async function copyButton(text) {
+  const b = h("button", { type: "button" }, "Copy");
+  b.addEventListener("click", async () => {
+    try { await navigator.clipboard.writeText(text); b.textContent = "Copied"; }
+    catch { b.textContent = "Select the key and copy it by hand"; }
+  });
+  return b;
+}
+
+function page(title, ...content) {
+  main.replaceChildren(h("h1", {}, title), ...content.filter((c) => c !== null && c !== undefined && c !== false));
+  document.title = `${title} · Weir admin`;
+  main.focus();
+}
+
+// --- sign-in ------------------------------------------------------------------------------------
+
+function showSignIn(message) {
+  document.querySelector("header.top").hidden = true;
+  csrf = null;
+  const err = h("p", { class: "notice error", role: "alert", hidden: !message }, message || "");
+  const user = h("input", { name: "username", autocomplete: "username", required: true });
+  const pass = h("input", { name: "password", type: "password", autocomplete: "current-password", required: true });
+  const token = h("input", { name: "token", type: "password", autocomplete: "off" });
+  const submit = async (ev, body) => {
+    ev.preventDefault();
+    err.hidden = true;
+    try {
+      const res = await api("/admin/session", { method: "POST", body });
+      csrf = res.csrf;
+      enterApp(res.user);
+    } catch (e) { err.textContent = e.message; err.hidden = false; }
+  };
+  main.replaceChildren(h("section", { class: "signin" },
+    h("h1", {}, "Sign in to Weir"),
+    err,
+    h("form", { onsubmit: (ev) => submit(ev, { username: user.value, password: pass.value }), "aria-label": "Sign in with an account" },
+      field("User name", user), field("Password", pass),
+      h("button", { type: "submit" }, "Sign in")),
+    h("p", { class: "or" }, "or"),
+    h("form", { onsubmit: (ev) => submit(ev, { token: token.value }), "aria-label": "Sign in with the admin token" },
+      field("Admin token", token, "WEIR_ADMIN_TOKEN, or the token the gateway printed at its first start."),
+      h("button", { type: "submit" }, "Sign in with token")),
+    h("p", { class: "muted" }, "Accounts: weir admin create-user NAME. Five wrong tries lock sign-in for 15 minutes."),
+  ));
+  document.title = "Sign in · Weir admin";
+  user.focus();
+}
+
+function enterApp(user) {
+  document.querySelector("header.top").hidden = false;
+  document.getElementById("who").textContent = user;
+  if (!location.hash || location.hash === "#/") location.hash = "#/overview";
+  else route();
+}
+
+document.getElementById("sign-out").addEventListener("click", async () => {
+  try { await api("/admin/session", { method: "DELETE" }); } finally { showSignIn("Signed out."); }
+});
+
+// --- overview -----------------------------------------------------------------------------------
+
+async function overview() {
+  const start = addDays(today(), -29), end = addDays(today(), 1);
+  const [days, month] = await Promise.all([
+    api(`reports/usage?group_by=day&start=${isoDay(start)}&end=${isoDay(end)}`),
+    api(`reports/usage?group_by=tenant&start=${isoDay(monthStart())}&end=${isoDay(end)}`),
+  ]);
+  const rows = fillDays(days.rows, start, end), t = month.totals, d = days.totals;
+  const todayRow = rows.find((r) => r.day === isoDay(today())) || { cost_usd: "0", requests: 0 };
+  const x = rows.map((r) => r.day);
+  const col = (k, zero = 0) => rows.map((r) => r[k] ?? zero);
+  const errRate = (r) => (r.requests ? r.errors / r.requests : null);
+  page("Overview",
+    d.requests ? null : notice("No traffic yet. Create a tenant and a key under Tenants & keys, then send a request with it.", "info"),
+    h("div", { class: "stats" },
+      stat("Requests (30 days)", intFmt(d.requests), `${intFmt(t.requests)} this month`),
+      stat("Spend today", usdFmt(todayRow.cost_usd)),
+      stat("Spend this month", usdFmt(t.cost_usd)),
+      stat("Tokens this month", intFmt(t.total_tokens), `in ${intFmt(t.input_tokens)} · cached ${intFmt(t.cached_input_tokens)} · out ${intFmt(t.output_tokens)}`),
+      stat("Cache hit ratio", pctFmt(t.cache_hit_ratio), `saved ${usdFmt(t.cache_savings_usd)} this month`),
+      stat("Error rate (30 days)", pctFmt(errRate(d))),
+      stat("Routing savings", "not recorded", "The ledger does not yet keep the strongest model's price per request."),
+    ),
+    h("div", { class: "charts" },
+      chart("Requests per day", x, [{ label: "requests", values: col("requests") }], { fmt: intFmt }),
+      chart("Spend per day (USD)", x, [{ label: "spend", values: col("cost_usd") }], { fmt: usdFmt }),
+      chart("Tokens per day by class", x, [
+        { label: "input", values: col("input_tokens") },
+        { label: "cached input", values: col("cached_input_tokens") },
+        { label: "cache write", values: col("cache_write_tokens") },
+        { label: "output", values: col("output_tokens") },
+      ], { stacked: true, fmt: intFmt }),
+      chart("Cache hit ratio and error rate", x, [
+        { label: "cache hit ratio", values: col("cache_hit_ratio", null) },
+        { label: "error rate", values: rows.map(errRate) },
+      ], { fmt: pctFmt, range: [0, 1] }),
+      chart("Cache savings per day (USD)", x, [{ label: "saved", values: col("cache_savings_usd") }], { fmt: usdFmt }),
+    ),
+  );
+}
+
+// --- routes -------------------------------------------------------------------------------------
+
+async function routes() {
+  let data;
+  try { data = await api("routes"); } catch (e) {
+    if (e.status === 404) {
+      page("Routes", empty("This gateway has no routes API yet: routes come from the routes: section of the config file (see docs/routing.md). Restart the gateway after changing them."));
+      return;
+    }
+    throw e;
+  }
+  const list = data.data || [];
+  page("Routes",
+    list.length ? table([
+      { label: "Name", key: "name" },
+      { label: "Policy", key: "policy" },
+      { label: "Candidates", render: (r) => (r.candidates || []).map((c) => c.model || c).join(", ") },
+    ], list) : empty("No routes yet: every request goes to the model it names."),
+  );
+}
+
+// --- tenants and keys ---------------------------------------------------------------------------
+
+const limitInputs = () => ({
+  budget: h("input", { name: "budget_usd_monthly", inputmode: "decimal", placeholder: "no budget" }),
+  rpm: h("input", { name: "rpm", type: "number", min: 1, placeholder: "no limit" }),
+  tpm: h("input", { name: "tpm", type: "number", min: 1, placeholder: "no limit" }),
+});
+const limitsBody = (i) => ({
+  budget_usd_monthly: i.budget.value.trim() || null,
+  rpm: i.rpm.value ? Number(i.rpm.value) : null,
+  tpm: i.tpm.value ? Number(i.tpm.value) : null,
+});
+
+async function tenants(params) {
+  const end = addDays(today(), 1);
+  const [list, spend] = await Promise.all([
+    api("tenants"),
+    api(`reports/usage?group_by=tenant&start=${isoDay(monthStart())}&end=${isoDay(end)}`),
+  ]);
+  const spent = Object.fromEntries(spend.rows.map((r) => [r.tenant, r.cost_usd]));
+  const name = h("input", { name: "name", required: true, autocomplete: "off" });
+  const lim = limitInputs();
+  const form = h("form", { class: "inline-form", "aria-label": "Create a tenant" }, ...formBox(
+    field("Name", name, "Unique, e.g. the team or customer."),
+    field("Monthly budget (USD)", lim.budget, "Requests are refused once this month's spend reaches it."),
+    field("Requests per minute", lim.rpm), field("Tokens per minute", lim.tpm),
+    h("button", { type: "submit" }, "Create tenant")));
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    try {
+      const t = await api("tenants", { method: "POST", body: { name: name.value.trim(), ...limitsBody(lim) } });
+      location.hash = `#/tenants/${t.id}`;
+    } catch (e) { formError(form, e); }
+  });
+  const rows = list.data;
+  const budgetCell = (t) => {
+    const s = Number(spent[t.id] || 0);
+    if (!t.budget_usd_monthly) return `${usdFmt(s)} (no budget)`;
+    const share = Math.min(1, s / Number(t.budget_usd_monthly));
+    return h("span", { class: "budget" }, h("meter", { min: 0, max: 1, value: share, "aria-label": `${t.name} budget used` }), ` ${usdFmt(s)} of ${usdFmt(t.budget_usd_monthly, 2)}`);
+  };
+  const selected = params[0] ? rows.find((t) => t.id === params[0]) : null;
+  page("Tenants & keys",
+    rows.length ? table([
+      { label: "Tenant", render: (t) => h("a", { href: `#/tenants/${t.id}` }, t.name) },
+      { label: "Spend this month vs budget", render: budgetCell },
+      { label: "RPM", num: true, render: (t) => intFmt(t.rpm) },
+      { label: "TPM", num: true, render: (t) => intFmt(t.tpm) },
+    ], rows) : empty("No tenants yet. Create one below, then issue it a key."),
+    h("h2", {}, "New tenant"), form,
+    selected ? await tenantKeys(selected) : (params[0] ? notice("That tenant no longer exists.") : null),
+  );
+  if (selected) document.getElementById("keys").scrollIntoView();
+}
+
+async function tenantKeys(tenant) {
+  const keys = (await api(`tenants/${tenant.id}/keys`)).data;
+  const shown = h("div", { "aria-live": "polite" });
+  const kname = h("input", { name: "name", autocomplete: "off" });
+  const models = h("input", { name: "models", autocomplete: "off", placeholder: "all models" });
+  const expires = h("input", { name: "expires_at", type: "date" });
+  const lim = limitInputs();
+  const form = h("form", { class: "inline-form", "aria-label": "Issue a key" }, ...formBox(
+    field("Key name", kname), field("Models", models, "Comma-separated public model names; empty allows every model."),
+    field("Expires", expires, "Optional; the key stops working at 00:00 UTC that day."),
+    field("Monthly budget (USD)", lim.budget), field("Requests per minute", lim.rpm), field("Tokens per minute", lim.tpm),
+    h("button", { type: "submit" }, "Issue key")));
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const body = { name: kname.value.trim() || null, ...limitsBody(lim) };
+    const m = models.value.split(",").map((s) => s.trim()).filter(Boolean);
+    if (m.length) body.models = m;
+    if (expires.value) body.expires_at = `${expires.value}T00:00:00Z`;
+    try {
+      const k = await api(`tenants/${tenant.id}/keys`, { method: "POST", body });
+      await route();
+      const box = document.getElementById("new-key");
+      box.replaceChildren(h("p", {}, h("strong", {}, "Copy this key now: it is shown only once.")),
+        h("code", { class: "secret", id: "new-key-value" }, k.key), " ", await copyButton(k.key));
+      box.hidden = false;
+      box.querySelector("button").focus();
+    } catch (e) { formError(form, e); }
+  });
+  const revoke = (k) => h("button", {
+    type: "button", class: "danger", "aria-label": `Revoke key ${k.name || k.prefix}`,
+    onclick: async () => {
+      if (!confirm(`Revoke key ${k.name || k.prefix}? Requests with it are refused at once.`)) return;
+      await api(`keys/${k.id}`, { method: "DELETE" });
+      await route();
+    },
+  }, "Revoke");
+  return h("section", { id: "keys", class: "panel" },
+    h("h2", {}, `Keys of ${tenant.name}`),
+    h("div", { id: "new-key", class: "notice success", hidden: true }), shown,
+    keys.length ? table([
+      { label: "Name", render: (k) => k.name || "—" },
+      { label: "Prefix", render: (k) => h("code", {}, k.prefix) },
+      { label: "Models", render: (k) => (k.models ? k.models.join(", ") : "all") },
+      { label: "Expires", render: (k) => (k.expires_at ? k.expires_at.slice(0, 10) : "never") },
+      { label: "Status", render: (k) => (k.revoked_at ? `revoked ${k.revoked_at.slice(0, 16).replace("T", " ")}` : "active") },
+      { label: "", render: (k) => (k.revoked_at ? "" : revoke(k)) },
+    ], keys) : empty("No keys yet. Issue one below; it is shown once, so copy it then."),
+    h("h3", {}, "Issue a key"), form);
+}
+
+// --- backends and models ------------------------------------------------------------------------
+
+async function backends() {
+  const days = [...Array(14).keys()].map((i) => addDays(today(), i - 13));
+  const [prices, history, uptime, perDay] = await Promise.all([
+    api("prices"), api("prices?history=true"),
+    api(`reports/uptime?start=${isoDay(days[0])}&end=${isoDay(addDays(today(), 1))}`),
+    Promise.all(days.map((d) => api(`reports/uptime?start=${isoDay(d)}&end=${isoDay(addDays(d, 1))}`))),
+  ]);
+  const names = [...new Set(perDay.flatMap((r) => r.backends.map((b) => b.backend)))];
+  const series = names.map((n) => ({
+    label: n,
+    values: perDay.map((r) => { const b = r.backends.find((x) => x.backend === n); return b ? (b.request_availability ?? b.probe_availability) : null; }),
+  }));
+  const model = h("input", { name: "model", required: true });
+  const backend = h("input", { name: "backend", value: "*" });
+  const cls = h("select", { name: "token_class" }, TOKEN_CLASSES.map((c) => h("option", { value: c }, c)));
+  const usd = h("input", { name: "usd_per_1m_tokens", inputmode: "decimal", required: true });
+  const from = h("input", { name: "effective_from", type: "datetime-local" });
+  const form = h("form", { class: "inline-form", "aria-label": "Add a price" }, ...formBox(
+    field("Model", model, "The upstream model name, as the backend bills it."),
+    field("Backend", backend, "* applies to every backend serving the model."),
+    field("Token class", cls), field("USD per 1M tokens", usd),
+    field("Effective from (UTC)", from, "Empty: now. Never in the past: history is not re-priced."),
+    h("button", { type: "submit" }, "Add price")));
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const p = { model: model.value.trim(), backend: backend.value.trim() || "*", token_class: cls.value, usd_per_1m_tokens: usd.value.trim() };
+    if (from.value) p.effective_from = `${from.value}:00Z`;
+    try { await api("prices", { method: "PUT", body: { prices: [p] } }); await route(); } catch (e) {
+      formError(form, { ...e, message: e.message, param: e.param ? e.param.replace(/^prices\[\d+\]\./, "") : null });
+    }
+  });
+  const priceCols = [
+    { label: "Model", key: "model" }, { label: "Backend", key: "backend" },
+    { label: "Token class", key: "token_class" },
+    { label: "USD / 1M tokens", num: true, key: "usd_per_1m_tokens" },
+    { label: "Effective from", render: (p) => p.effective_from.slice(0, 16).replace("T", " ") },
+  ];
+  page("Backends & models",
+    h("h2", {}, "Health"),
+    uptime.backends.length ? table([
+      { label: "Backend", key: "backend" },
+      { label: "Probe availability", num: true, render: (b) => pctFmt(b.probe_availability) },
+      { label: "Request availability", num: true, render: (b) => pctFmt(b.request_availability) },
+      { label: "Attempts", num: true, render: (b) => intFmt(b.attempts) },
+    ], uptime.backends, { caption: "Last 14 days" }) : empty("No attempts or health probes recorded in the last 14 days."),
+    chart("Uptime per day (successful attempts, else probes)", names.length ? days.map(isoDay) : [], series, { fmt: pctFmt, range: [0, 1] }),
+    h("h2", {}, "Prices in effect"),
+    prices.data.length ? table(priceCols, prices.data) : empty("No prices yet: add them below or under models[].price in the config. Unpriced models cost $0 in reports."),
+    h("h2", {}, "Add a price"), form,
+    h("details", {}, h("summary", {}, `Price history (${history.data.length} rows)`), table(priceCols, history.data)),
+  );
+}
+
+// --- finance ------------------------------------------------------------------------------------
+
+async function finance(params, query) {
+  const start = query.get("start") || isoDay(monthStart());
+  const end = query.get("end") || isoDay(addDays(today(), 1));
+  const groups = (query.get("group_by") || "tenant,model").split(",").filter(Boolean);
+  const qs = `start=${encodeURIComponent(start)}&end=${encodeURIComponent(end)}&group_by=${groups.join(",")}`;
+  const [report, daily] = await Promise.all([api(`reports/usage?${qs}`), api(`reports/spend-by-class?start=${start}&end=${end}`)]);
+  const spanDays = (Date.parse(end) - Date.parse(start)) / 86400000;
+  // A long range is charted as it is: filling years of empty days would not help anyone read it.
+  const spendDays = spanDays > 0 && spanDays <= 400 ? fillDays(daily.data, new Date(start + "T00:00:00Z"), new Date(end + "T00:00:00Z")) : daily.data;
+  const startIn = h("input", { name: "start", type: "date", value: start, required: true });
+  const endIn = h("input", { name: "end", type: "date", value: end, required: true });
+  const boxes = ["tenant", "model", "backend", "day", "key"].map((g) =>
+    h("label", { class: "check" }, h("input", { type: "checkbox", name: "group_by", value: g, checked: groups.includes(g) }), ` ${g}`));
+  const form = h("form", { class: "inline-form", "aria-label": "Report range" }, ...formBox(
+    field("From", startIn), field("To (exclusive)", endIn, "The report covers From up to, not including, To."),
+    h("fieldset", {}, h("legend", {}, "Group by"), boxes),
+    h("button", { type: "submit" }, "Show report")));
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const g = [...form.querySelectorAll("input[name=group_by]:checked")].map((i) => i.value);
+    if (!g.length) { formError(form, { message: "Pick at least one thing to group by." }); return; }
+    if (endIn.value <= startIn.value) { formError(form, { message: "To must be after From.", param: "end" }); return; }
+    location.hash = `#/finance?start=${startIn.value}&end=${endIn.value}&group_by=${g.join(",")}`;
+  });
+  const groupCols = groups.map((g) => (g === "tenant"
+    ? { label: "tenant", render: (r) => r.tenant_name ?? r.tenant ?? "" }
+    : { label: g, render: (r) => r[g] ?? "" }));
+  const total = { ...report.totals, tenant_name: "Total", [groups[0]]: "Total" };
+  const cols = [...groupCols,
+    { label: "Requests", num: true, render: (r) => intFmt(r.requests) },
+    { label: "Input", num: true, render: (r) => intFmt(r.input_tokens) },
+    { label: "Cached", num: true, render: (r) => intFmt(r.cached_input_tokens) },
+    { label: "Cache write", num: true, render: (r) => intFmt(r.cache_write_tokens) },
+    { label: "Output", num: true, render: (r) => intFmt(r.output_tokens) },
+    { label: "Cost (USD)", num: true, render: (r) => h("span", { class: "cost", "data-usd": r.cost_usd }, r.cost_usd) },
+    { label: "USD / 1M tokens", num: true, render: (r) => r.cost_per_1m_tokens ?? "—" },
+    { label: "Cache saved", num: true, render: (r) => r.cache_savings_usd ?? "—" },
+  ];
+  page("Finance", form,
+    h("p", {}, h("a", { class: "button", href: `${API}/reports/usage?${qs}&format=csv`, download: "" }, "Download CSV"),
+      " ", h("span", { class: "muted" }, `Source: ${report.source}. Costs are exact decimals from the ledger.`)),
+    report.rows.length ? table(cols, report.rows, { foot: total, caption: `Usage ${start} to ${end}` }) : empty("No usage in this range. Widen the dates, or send traffic with a tenant's key."),
+    chart("Spend by token class per day (USD)", spendDays.map((r) => r.day),
+      TOKEN_CLASSES.map((c) => ({ label: c, values: spendDays.map((r) => (r.cost_usd_by_class || {})[c] || 0) })),
+      { stacked: true, fmt: usdFmt }),
+  );
+}
+
+// --- requests -----------------------------------------------------------------------------------
+
+async function requests(params, query) {
+  const q = new URLSearchParams();
+  for (const k of ["tenant", "model", "status"]) if (query.get(k)) q.set(k, query.get(k));
+  q.set("limit", "100");
+  const [log, tenantList] = await Promise.all([api(`requests?${q}`), api("tenants")]);
+  const tenant = h("select", { name: "tenant" }, h("option", { value: "" }, "all tenants"),
+    tenantList.data.map((t) => h("option", { value: t.id, selected: query.get("tenant") === t.id }, t.name)));
+  const model = h("input", { name: "model", value: query.get("model") || "", placeholder: "any model" });
+  const status = h("select", { name: "status" }, [["", "any status"], ["ok", "succeeded"], ["error", "failed"]].map(([v, l]) =>
+    h("option", { value: v, selected: (query.get("status") || "") === v }, l)));
+  const form = h("form", { class: "inline-form", "aria-label": "Filter requests" }, ...formBox(
+    field("Tenant", tenant), field("Model", model), field("Status", status), h("button", { type: "submit" }, "Filter")));
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const f = new URLSearchParams();
+    if (tenant.value) f.set("tenant", tenant.value);
+    if (model.value.trim()) f.set("model", model.value.trim());
+    if (status.value) f.set("status", status.value);
+    location.hash = `#/requests?${f}`;
+  });
+  const detail = (r) => h("details", {}, h("summary", {}, `${r.attempts.length} attempt${r.attempts.length > 1 ? "s" : ""}`),
+    h("p", {}, `Route ${r.route}: ${r.attempts.length > 1 ? "the first attempt failed and the router moved on" : "served by its first choice"}.`),
+    table([
+      { label: "#", num: true, key: "attempt" }, { label: "Backend", key: "backend" }, { label: "Model", key: "model" },
+      { label: "Status", render: (a) => h("span", { class: a.status >= 200 && a.status < 300 ? "ok" : "bad" }, a.status || "no response") },
+      { label: "Fallback", render: (a) => (a.fallback ? "yes" : "no") },
+      { label: "Latency", num: true, render: (a) => `${Math.round(a.latency_ms)} ms` },
+      { label: "Tokens in/out", num: true, render: (a) => `${a.input_tokens}/${a.output_tokens}` },
+      { label: "Cost", num: true, key: "cost_usd" },
+    ], r.attempts));
+  page("Requests", form,
+    log.data.length ? table([
+      { label: "Time (UTC)", render: (r) => r.ts.slice(0, 19).replace("T", " ") },
+      { label: "Tenant", render: (r) => r.tenant_name || r.tenant_id || "—" },
+      { label: "Route", key: "route" }, { label: "Model", key: "model" },
+      { label: "Status", render: (r) => h("span", { class: r.status >= 200 && r.status < 300 ? "ok" : "bad" }, r.status || "no response") },
+      { label: "Cost", num: true, key: "cost_usd" },
+      { label: "Attempts", render: detail },
+    ], log.data) : empty("No requests match. Clear the filters, or send a request with a tenant's key; the log shows them within seconds."),
+  );
+}
+
+// --- router -------------------------------------------------------------------------------------
+
+const PAGES = { overview, routes, tenants, backends, finance, requests };
+
+async function route() {
+  if (!csrf) return;
+  const [path, qs] = location.hash.replace(/^#\/?/, "").split("?");
+  const [name, ...params] = path.split("/");
+  const render = PAGES[name] || overview;
+  for (const a of document.querySelectorAll("nav a")) {
+    if (a.getAttribute("href") === `#/${name}`) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  }
+  try {
+    await render(params, new URLSearchParams(qs || ""));
+  } catch (e) {
+    if (e.code === "invalid_session") return;
+    page("Something went wrong", notice(`${e.message} Reload the page to try again.`));
+  }
+}
+
+window.addEventListener("hashchange", route);
+
+(async () => {
+  try {
+    const me = await api("/admin/session");
+    csrf = me.csrf;
+    enterApp(me.user);
+  } catch {
+    showSignIn();
+  }
+})();

@@ -1,0 +1,133 @@
+"""`GET /admin/api/v1/requests`: the recent request log, one entry per request with every upstream
+attempt (backend, model, status, latency, tokens, cost), read from the usage ledger."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import get
+from sqlalchemy import select
+
+from gateway.accounting.money import format_usd, pico_to_usd
+from gateway.accounting.pricing import USAGE_FIELD, TokenClass
+from gateway.db.models import Tenant, UsageEventRow
+
+MAX_LIMIT = 500
+# Attempts per request scanned before grouping: retries and fallbacks rarely exceed this.
+ATTEMPTS_PER_REQUEST = 4
+
+
+def _attempt(row: UsageEventRow) -> dict[str, Any]:
+    return {
+        "attempt": row.attempt,
+        "ts": row.ts.isoformat(),
+        "backend": row.backend,
+        "model": row.model,
+        "status": row.status,
+        "fallback": row.fallback,
+        "latency_ms": row.latency_ms,
+        "ttft_ms": row.ttft_ms,
+        "input_tokens": row.input_tokens,
+        "cached_input_tokens": row.cached_input_tokens,
+        "output_tokens": row.output_tokens,
+        "cost_usd": format_usd(pico_to_usd(row.cost_pico_usd)),
+    }
+
+
+def _ok(status: int) -> bool:
+    return 200 <= status < 300
+
+
+def _status_matches(wanted: str, status: int) -> bool:
+    if wanted == "ok":
+        return _ok(status)
+    if wanted == "error":
+        return not _ok(status)
+    return str(status) == wanted
+
+
+@get("/requests")
+async def recent_requests(
+    ctx: Any,
+    tenant: str | None = None,
+    model: str | None = None,
+    status: str | None = None,
+    limit: int = 100,
+) -> dict[str, Any]:
+    """Newest first. `tenant` (id), `model` (upstream model), `status` (`ok`, `error` or an HTTP code,
+    matched against the request's last attempt)."""
+    from gateway.admin.router import AdminError  # the router imports this module
+
+    if status not in (None, "", "ok", "error") and not (status or "").isdigit():
+        raise AdminError(400, "status must be ok, error or an HTTP status code", "invalid_value", "status")
+    limit = max(1, min(limit, MAX_LIMIT))
+    query = select(UsageEventRow).order_by(UsageEventRow.ts.desc()).limit(limit * ATTEMPTS_PER_REQUEST)
+    if tenant:
+        query = query.where(UsageEventRow.tenant_id == tenant)
+    if model:
+        query = query.where(UsageEventRow.model == model)
+    async with ctx.sessions() as session:
+        rows = (await session.scalars(query)).all()
+        names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
+    grouped: dict[str, list[UsageEventRow]] = {}
+    for row in rows:
+        grouped.setdefault(row.request_id, []).append(row)
+    data = []
+    for request_id, attempts in grouped.items():
+        attempts.sort(key=lambda r: r.attempt)
+        last = attempts[-1]
+        if status and not _status_matches(status, last.status):
+            continue
+        data.append(
+            {
+                "request_id": request_id,
+                "ts": attempts[0].ts.isoformat(),
+                "tenant_id": last.tenant_id,
+                "tenant_name": names.get(last.tenant_id or ""),
+                "key_id": last.key_id,
+                "route": last.route,
+                "backend": last.backend,
+                "model": last.model,
+                "status": last.status,
+                "latency_ms": sum(r.latency_ms for r in attempts),
+                "cost_usd": format_usd(pico_to_usd(sum(r.cost_pico_usd for r in attempts))),
+                "attempts": [_attempt(r) for r in attempts],
+            }
+        )
+        if len(data) == limit:
+            break
+    return {"data": data}
+
+
+@get("/reports/spend-by-class")
+async def spend_by_class(ctx: Any, start: str | None = None, end: str | None = None) -> dict[str, Any]:
+    """Spend per day split by token class, from the event ledger: each attempt's tokens of a class
+    times the price it was billed at (kept on the event), so the classes add up to its exact cost."""
+    from gateway.admin.router import _range
+
+    lo, hi = _range(start, end)
+    columns = [getattr(UsageEventRow, USAGE_FIELD[c]) for c in TokenClass]
+    query = (
+        select(UsageEventRow.day, UsageEventRow.prices, *columns)
+        .where(UsageEventRow.ts >= lo, UsageEventRow.ts < hi)
+        .execution_options(yield_per=5000)
+    )
+    days: dict[str, dict[str, int]] = {}
+    async with ctx.sessions() as session:
+        async for day, prices, *tokens in await session.stream(query):
+            into = days.setdefault(day.isoformat(), dict.fromkeys(map(str, TokenClass), 0))
+            for token_class, count in zip(TokenClass, tokens, strict=True):
+                into[str(token_class)] += count * (prices or {}).get(str(token_class), 0)
+    totals = dict.fromkeys(map(str, TokenClass), 0)
+    data = []
+    for day in sorted(days):
+        for name, pico in days[day].items():
+            totals[name] += pico
+        by_class = {name: format_usd(pico_to_usd(pico)) for name, pico in days[day].items()}
+        data.append({"day": day, "cost_usd_by_class": by_class})
+    return {
+        "start": lo.isoformat(),
+        "end": hi.isoformat(),
+        "data": data,
+        "totals": {name: format_usd(pico_to_usd(pico)) for name, pico in totals.items()},
+    }

@@ -1,0 +1,82 @@
+"""A real gateway (SQLite admin DB, fake OpenAI upstream) and Debian's chromium driven by Playwright."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from tests.conftest import free_port
+from tests.fakes import FakeOpenAI
+from tests.gateway.conftest import serve
+
+ADMIN = "admin-token-for-ui-tests"
+CHROMIUM = os.environ.get("WEIR_TEST_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"
+CONFIG = """\
+backends:
+  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, cached_input: 0.075, output: 0.60}}
+database_url: "${DB_URL}"
+"""
+
+
+@dataclass
+class Weir:
+    url: str
+    db_url: str
+
+    @property
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=f"{self.url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+
+
+@pytest.fixture
+def weir(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
+    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    monkeypatch.delenv("WEIR_DATABASE_URL", raising=False)
+    monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
+    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
+    app = create_app(parse_config(CONFIG, env))
+    with serve(app, free_port()) as url:
+        yield Weir(url, db_url)
+
+
+# Module scope: Playwright's sync API runs an event loop of its own, which must be gone before
+# other modules' asyncio tests start.
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: `make services` installs Debian's chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def shots() -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return ARTIFACTS

@@ -1,0 +1,150 @@
+"""An admin's session in the browser: sign in, create a tenant and a key, use the key with the openai
+SDK, read the overview, finance (totals and CSV against the API) and request log, revoke the key and see
+it refused. Screenshots of every page land in test-artifacts/ui/."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.ui.conftest import ADMIN, Weir
+
+
+def wait_for_ledger(weir: Weir, requests: int, timeout: float = 15) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        report = weir.admin.get("/reports/usage", params={"group_by": "tenant"}).json()
+        if report["totals"]["requests"] >= requests or time.monotonic() > deadline:
+            return report
+        time.sleep(0.2)
+
+
+def test_admin_session_in_the_browser(weir: Weir, browser: Any, shots: Path) -> None:
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    page = context.new_page()
+    page_errors: list[str] = []
+    page.on("pageerror", lambda exc: page_errors.append(str(exc)))
+    # Refused calls (the first session check, the wrong token) log "Failed to load resource": expected.
+    page.on(
+        "console",
+        lambda msg: (
+            msg.type == "error"
+            and not msg.text.startswith("Failed to load resource")
+            and page_errors.append(msg.text)
+        ),
+    )
+
+    # Sign-in: a wrong token says so; the right one opens the overview's empty state.
+    page.goto(f"{weir.url}/admin")
+    page.get_by_label("Admin token", exact=True).fill("wrong-token")
+    page.get_by_role("button", name="Sign in with token").click()
+    assert "wrong admin token" in page.get_by_role("alert").first.inner_text()
+    page.screenshot(path=shots / "01-sign-in.png")
+    page.get_by_label("Admin token", exact=True).fill(ADMIN)
+    page.get_by_role("button", name="Sign in with token").click()
+    page.get_by_role("heading", name="Overview").wait_for()
+    assert "No traffic yet" in page.locator("main").inner_text()
+
+    # Tenants and keys: create, issue a key (shown once), use it through the SDK.
+    page.get_by_role("link", name="Tenants & keys").click()
+    page.get_by_label("Name", exact=True).fill("acme")
+    page.get_by_label("Monthly budget (USD)", exact=True).fill("abc")
+    page.get_by_role("button", name="Create tenant").click()
+    error = page.locator("form .form-error")
+    error.wait_for()
+    assert "budget_usd_monthly" in error.inner_text()
+    page.get_by_label("Monthly budget (USD)", exact=True).fill("5")
+    page.get_by_role("button", name="Create tenant").click()
+    page.get_by_role("heading", name="Keys of acme").wait_for()
+    keys = page.locator("#keys")
+    keys.get_by_label("Key name", exact=True).fill("backend")
+    keys.get_by_role("button", name="Issue key").click()
+    key = page.locator("#new-key-value").inner_text()
+    assert key.startswith("sk-") or len(key) > 20
+    page.screenshot(path=shots / "02-tenants-and-keys.png", full_page=True)
+
+    client = openai.OpenAI(base_url=f"{weir.url}/v1", api_key=key, max_retries=0, timeout=20)
+    for prompt in ("hello", "what is a weir?", "tell me a story about rivers"):
+        reply = client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": prompt}], max_tokens=40
+        )
+        assert reply.choices[0].message.content
+    report = wait_for_ledger(weir, 3)
+    assert report["totals"]["requests"] == 3
+
+    # Overview with traffic.
+    page.get_by_role("link", name="Overview").click()
+    page.get_by_text("Spend this month").wait_for()
+    page.wait_for_selector("figure.chart canvas")
+    assert page.locator(".stat", has_text="Requests (30 days)").locator(".stat-value").inner_text() == "3"
+    page.screenshot(path=shots / "03-overview.png", full_page=True)
+
+    # Finance: totals match the API exactly, and the CSV is the API's CSV.
+    page.get_by_role("link", name="Finance").click()
+    page.get_by_role("button", name="Show report").wait_for()
+    api = weir.admin.get("/reports/usage", params={"group_by": "tenant,model"}).json()
+    footer = page.locator("tfoot .cost")
+    assert footer.get_attribute("data-usd") == api["totals"]["cost_usd"]
+    assert footer.inner_text() == api["totals"]["cost_usd"]
+    assert float(api["totals"]["cost_usd"]) > 0
+    page.wait_for_selector("figure.chart canvas")
+    page.screenshot(path=shots / "04-finance.png", full_page=True)
+    with page.expect_download() as download:
+        page.get_by_role("link", name="Download CSV").click()
+    csv_path = shots / "finance.csv"
+    download.value.save_as(csv_path)
+    expected = weir.admin.get("/reports/usage", params={"group_by": "tenant,model", "format": "csv"})
+    assert csv_path.read_bytes() == expected.content
+    assert b"acme" in expected.content
+
+    # Requests: the log shows all three with their attempts.
+    page.get_by_role("link", name="Requests").click()
+    page.get_by_role("button", name="Filter").wait_for()
+    rows = page.locator("main > .table-wrap > table > tbody > tr")
+    assert rows.count() == 3
+    rows.first.locator("summary").click()
+    assert "openai" in rows.first.locator("details").inner_text()
+    page.get_by_label("Status", exact=True).select_option("error")
+    page.get_by_role("button", name="Filter").click()
+    page.get_by_text("No requests match").wait_for()
+    page.get_by_label("Status", exact=True).select_option("")
+    page.get_by_role("button", name="Filter").click()
+    page.locator("main > .table-wrap").wait_for()
+    page.locator("main > .table-wrap > table > tbody > tr").first.locator("summary").click()
+    page.screenshot(path=shots / "05-requests.png", full_page=True)
+
+    page.get_by_role("link", name="Backends & models").click()
+    page.get_by_role("heading", name="Prices in effect").wait_for()
+    assert "gpt-4o-mini" in page.locator("main").inner_text()
+    page.screenshot(path=shots / "06-backends.png", full_page=True)
+
+    page.get_by_role("link", name="Routes").click()
+    page.get_by_role("heading", name="Routes").wait_for()
+    page.screenshot(path=shots / "07-routes.png", full_page=True)
+
+    # Revoke: the key is refused at once; the audit log names the signed-in user.
+    page.get_by_role("link", name="Tenants & keys").click()
+    page.get_by_role("link", name="acme").click()
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Revoke key backend").click()
+    page.get_by_text("revoked", exact=False).first.wait_for()
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    audit = weir.admin.get("/audit", params={"entity": "key"}).json()["data"]
+    assert [(a["action"], a["actor"]) for a in audit][:2] == [
+        ("revoke", "ui:admin-token"),
+        ("create", "ui:admin-token"),
+    ]
+
+    # Phone width: the tenants page still reads.
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.screenshot(path=shots / "08-tenants-phone.png", full_page=True)
+
+    page.get_by_role("button", name="Sign out").click()
+    page.get_by_role("heading", name="Sign in to Weir").wait_for()
+    assert page_errors == []
+    context.close()
