@@ -86,6 +86,9 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
     return blocks[..., :length, :, :]
 
 
+_SMALL_ATTENTION = 8192  # decode attention below this many (sequence x context) positions runs on one thread
+
+
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -103,7 +106,17 @@ def _decode_attention(
         v_cache.index_select(0, ids).view(num_seqs, -1, num_kv_heads, head_dim)[:, :length].transpose(1, 2)
     )
     qg = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    threads = torch.get_num_threads()
+    if q.device.type == "cpu" and threads > 1 and num_seqs * length <= _SMALL_ATTENTION:
+        # CPU SDPA splits even a tiny problem across threads; waking the others costs more than the
+        # work (measured 4x on one decode query, far more on a busy machine), so run it on this one
+        torch.set_num_threads(1)
+        try:
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -164,6 +177,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind == "freq_factors":  # from GGUF `rope_freqs`: llama.cpp divides each frequency by its factor
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq

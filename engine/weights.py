@@ -62,7 +62,12 @@ def load_config(path: Path, reader=None) -> ModelConfig:  # type: ignore[no-unty
         meta = {k: f.contents() for k, f in reader.fields.items() if k != "tokenizer.ggml.merges"}
         config = ModelConfig.from_gguf_metadata(meta, name=path.stem)
         tied = not any(t.name == "output.weight" for t in reader.tensors)
-        return config.with_(tie_word_embeddings=tied)
+        config = config.with_(tie_word_embeddings=tied)
+        freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:  # Llama 3.1+ GGUFs carry their RoPE scaling as per-frequency divisors
+            factors = [float(f) for f in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]
+            config = config.with_(rope_scaling={"rope_type": "freq_factors", "factors": factors})
+        return config
     hf = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_hf(hf, name=path.name)
     gen = path / "generation_config.json"

@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from engine.config import tiny_config
 from engine.llm_engine import LLMEngine
@@ -40,11 +39,6 @@ def _kv_leak_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     yield
     for engine in engines:
         assert_no_kv_leak(engine)
-
-
-@pytest.fixture(autouse=True)
-def _threads() -> None:
-    torch.set_num_threads(2)
 
 
 @pytest.fixture

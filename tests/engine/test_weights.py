@@ -96,7 +96,13 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, model: torch.nn.Module, tok: HFTokenizer) -> None:
+def write_gguf(
+    path: Path,
+    model: torch.nn.Module,
+    tok: HFTokenizer,
+    theta: float = 10000.0,
+    freq_factors: list[float] | None = None,
+) -> None:
     import gguf
 
     cfg = model.config
@@ -107,7 +113,9 @@ def write_gguf(path: Path, model: torch.nn.Module, tok: HFTokenizer) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(theta)
+    if freq_factors is not None:  # how llama.cpp stores Llama 3 RoPE scaling
+        w.add_tensor("rope_freqs.weight", np.asarray(freq_factors, dtype=np.float32))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
@@ -168,17 +176,26 @@ def write_gguf(path: Path, model: torch.nn.Module, tok: HFTokenizer) -> None:
     w.close()
 
 
-def test_gguf_file_matches_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_gguf_file_matches_transformers(tmp_path: Path, rope: str) -> None:
     tok = train_tokenizer()
-    model = make_hf_model("plain", tok.get_vocab_size())
-    model.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    model = transformers.LlamaForCausalLM(model.config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
+    model = make_hf_model("llama", tok.get_vocab_size())  # llama3 RoPE scaling, theta 50000
+    factors = None
+    if rope == "default":
+        model.config.rope_parameters = {"rope_type": "default", "rope_theta": 50000.0}
+        model = transformers.LlamaForCausalLM(model.config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.15)
+    else:
+        from engine.config import ModelConfig
+        from engine.model import rope_inv_freq
+
+        ours = ModelConfig.from_hf(model.config.to_dict())
+        factors = (rope_inv_freq(ours.with_(rope_scaling=None)) / rope_inv_freq(ours)).tolist()
     path = tmp_path / "tiny.gguf"
-    write_gguf(path, model, tok)
+    write_gguf(path, model, tok, theta=50000.0, freq_factors=factors)
 
     engine = LLMEngine(path, device="cpu", num_kv_blocks=64, progress=False)
     assert engine.model_name == "tiny"
