@@ -10,6 +10,8 @@ run: $(STAMP)
 	$(BIN)/weir demo
 
 test: $(STAMP)
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	  || echo "note: chromium is not installed; tests/ui will be skipped" >&2
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

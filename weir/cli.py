@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "models": "engine.cli:models",
     "router": "routing.cli:router",
     "db": "gateway.db.cli:db",
+    "admin": "gateway.admin.ui:admin",
 }
 
 

@@ -26,7 +26,6 @@ from litestar import Request, Response, Router, delete, get, post
 from litestar.connection import ASGIConnection
 from litestar.di import Provide
 from litestar.handlers import BaseRouteHandler
-from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
 
 from gateway.admin.router import AdminContext, AdminError, admin_router
@@ -122,6 +121,8 @@ class AdminUI:
         if raw is None:
             return None
         record = json.loads(raw)
+        if not record:  # signed out or expired, waiting for the state to drop it
+            return None
         now = time.time()
         left = record["created"] + ABSOLUTE_S - now
         if left <= 0:
@@ -204,7 +205,7 @@ def _session_router(ui: AdminUI) -> Router:
             {"user": record["user"], "csrf": record["csrf"]}, headers={"cache-control": "no-store"}
         )
 
-    @post("/session")
+    @post("/session", status_code=200)
     async def sign_in(request: Request) -> Response[Any]:
         if not _same_origin(request):
             return _error(403, "sign-in must come from this site's own page", "csrf_failed")
@@ -272,13 +273,9 @@ def _session_router(ui: AdminUI) -> Router:
             headers={"cache-control": "no-store"},
         )
 
-    @get("", sync_to_thread=False, name="admin-ui-root")
-    def root() -> Redirect:
-        return Redirect("/admin/")
-
     return Router(
         path="/admin",
-        route_handlers=[current, sign_in, sign_out, index, root],
+        route_handlers=[current, sign_in, sign_out, index],
         after_request=_security_headers,
         exception_handlers={AdminError: _on_admin_error},
     )
