@@ -113,6 +113,7 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
     try:
         if _wait_ready(f"{base}/readyz", gateway, timeout=900):
             click.echo(_examples(base, key, model))
+            click.echo(f"Admin UI: {base}/admin (sign in with WEIR_ADMIN_TOKEN or the token printed)")
         elif gateway.poll() is None:
             click.echo("warning: the gateway did not become ready in time; still waiting", err=True)
         sys.exit(gateway.wait())
