@@ -6,6 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from gateway.state.degradable import degraded_states
 from gateway.usage import Usage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -37,6 +38,11 @@ class Metrics:
         )
         self.errors = Counter("weir_errors", "Errors by type", (*labels, "type"), registry=self.registry)
         self.in_flight = Gauge("weir_requests_in_flight", "Requests being served", registry=self.registry)
+        Gauge(
+            "weir_shared_state_degraded",
+            "1 while Redis is unreachable and limits and budgets hold per process only",
+            registry=self.registry,
+        ).set_function(lambda: min(degraded_states(), 1))
         # Labelled children, looked up once: `labels()` takes a lock and builds a key on every call.
         # Label values are bounded (configured backends and models, status codes), so are these.
         self._done: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}

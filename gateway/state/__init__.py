@@ -13,9 +13,11 @@ from gateway.state.memory import MemoryState
 def open_state(redis_url: str | None, prefix: str = "weir:") -> SharedState:
     if not redis_url:
         return MemoryState()
+    from gateway.state.degradable import DegradableState
     from gateway.state.redis import RedisState
 
-    return RedisState.from_url(redis_url, prefix=prefix)
+    # Redis down must not take the gateway down: limits fall back to this process meanwhile.
+    return DegradableState(RedisState.from_url(redis_url, prefix=prefix))
 
 
 __all__ = [

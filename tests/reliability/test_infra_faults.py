@@ -1,0 +1,95 @@
+"""Infrastructure faults under a real gateway: Redis or the database going away and coming back.
+
+Redis and PostgreSQL are reached through a TCP proxy that the test stops and starts (the shared
+servers keep running for everyone else).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from tests.conftest import free_port
+from tests.control.conftest import REDIS_URL
+from tests.control.test_gateway_control import ADMIN, CONFIG, Weir
+from tests.fakes import FakeOpenAI
+from tests.gateway.conftest import serve
+from tests.reliability.proxy import ThreadedProxy
+
+HI = [{"role": "user", "content": "hello there"}]
+
+
+def degraded(weir: Weir) -> float:
+    metrics = httpx.get(f"{weir.url}/metrics").text
+    match = re.search(r"^weir_shared_state_degraded (\S+)$", metrics, re.M)
+    assert match, "the metric is exported"
+    return float(match.group(1))
+
+
+def statuses(client: openai.OpenAI, n: int) -> list[int]:
+    codes = []
+    for _ in range(n):
+        try:
+            client.chat.completions.create(model="gpt-4o-mini", messages=HI)  # type: ignore[arg-type]
+            codes.append(200)
+        except openai.APIStatusError as exc:
+            codes.append(exc.status_code)
+    return codes
+
+
+@pytest.fixture
+def redis_proxy() -> Iterator[ThreadedProxy]:
+    proxy = ThreadedProxy(int(REDIS_URL.rsplit(":", 1)[1].split("/")[0]))
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def weir_on_redis(
+    fake_openai: FakeOpenAI,
+    tmp_path: Path,
+    redis_prefix: str,
+    redis_proxy: ThreadedProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Weir]:
+    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_REDIS_URL", f"redis://127.0.0.1:{redis_proxy.port}/0")
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
+    with serve(create_app(parse_config(CONFIG, env)), free_port()) as url:
+        yield Weir(url, db_url)
+
+
+@pytest.mark.redis
+def test_redis_down_degrades_to_in_process_limits_and_recovers(
+    weir_on_redis: Weir, redis_proxy: ThreadedProxy
+) -> None:
+    weir = weir_on_redis
+    tenant_id, _, key = weir.tenant_with_key("through-outage", rpm=4)
+    client = weir.client(key)
+    assert statuses(client, 1) == [200]
+    assert degraded(weir) == 0
+
+    redis_proxy.stop()
+    # Still serving, limits now counted in this process (which has seen none of this minute's use).
+    assert statuses(client, 5) == [200, 200, 200, 200, 429]
+    assert degraded(weir) == 1
+    assert httpx.get(f"{weir.url}/healthz").status_code == 200
+
+    redis_proxy.start()
+    time.sleep(1.2)  # the state retries Redis after a second
+    # Back on Redis, which counted 1 of 4 (the process alone would refuse at once: it counted 4).
+    assert statuses(client, 4) == [200, 200, 200, 429]
+    assert degraded(weir) == 0
+    # Every usage event of the outage waited in memory and reached the ledger once Redis was back.
+    rows = weir.ledger(tenant_id, expect=8)
+    assert sorted(row[4] for row in rows) == [200] * 8
