@@ -252,23 +252,114 @@ async function overview() {
 
 // --- routes -------------------------------------------------------------------------------------
 
-async function routes() {
+const POLICIES = ["fixed", "weighted", "cheapest", "lowest_latency", "difficulty", "prefix_affinity"];
+// Fields the structured form edits; everything else of a route is kept in the advanced JSON box.
+const FORM_FIELDS = ["id", "name", "position", "policy", "candidates", "fallbacks", "threshold", "strong_share", "ttft_timeout", "updated_at"];
+
+function routeSummary(r) {
+  const when = r.when ? Object.entries(r.when).filter(([, v]) => v !== null).map(([k, v]) => `${k}=${Array.isArray(v) ? v.join("|") : typeof v === "object" ? JSON.stringify(v) : v}`).join(", ") : "";
+  return when || "always";
+}
+
+function routeForm(existing, onSaved) {
+  const r = existing || { policy: "fixed", candidates: [], fallbacks: [] };
+  const name = h("input", { name: "name", required: true, value: r.name || "", autocomplete: "off" });
+  const policy = h("select", { name: "policy" }, POLICIES.map((p) => h("option", { value: p, selected: p === r.policy }, p)));
+  const cands = h("textarea", { name: "candidates", rows: 3, required: true },
+    (r.candidates || []).map((c) => (c.weight !== undefined && c.weight !== 1 ? `${c.model} ${c.weight}` : c.model)).join("\n"));
+  const fallbacks = h("input", { name: "fallbacks", value: (r.fallbacks || []).join(", "), autocomplete: "off" });
+  const threshold = h("input", { name: "threshold", inputmode: "decimal", value: r.threshold ?? "" , placeholder: "0.5" });
+  const share = h("input", { name: "strong_share", inputmode: "decimal", value: r.strong_share ?? "", placeholder: "not set" });
+  const ttft = h("input", { name: "ttft_timeout", inputmode: "decimal", value: r.ttft_timeout ?? "", placeholder: "none" });
+  const rest = Object.fromEntries(Object.entries(r).filter(([k]) => !FORM_FIELDS.includes(k)));
+  const advanced = h("textarea", { name: "advanced", rows: 6, class: "code" }, Object.keys(rest).length ? JSON.stringify(rest, null, 2) : "{}");
+  const form = h("form", { class: "inline-form", "aria-label": existing ? `Edit route ${r.name}` : "Create a route" }, ...formBox(
+    field("Public model name", name, "What clients send as model; several routes may share it (the first whose conditions match wins)."),
+    field("Policy", policy, "fixed: first candidate; weighted: by weight; difficulty: candidates are weak, strong."),
+    field("Candidates", cands, "One model per line, optionally followed by a weight: gpt-4o-mini 3"),
+    field("Fallbacks", fallbacks, "Comma-separated models tried in order after every candidate failed."),
+    field("Difficulty threshold", threshold, "difficulty: strong model when p_strong is above this (0-1)."),
+    field("Target strong share", share, "difficulty: send this share of traffic to the strong model instead (0-1)."),
+    field("First-token timeout (s)", ttft, "Streams fail over when no token arrived by then."),
+    field("Advanced (JSON)", advanced, "Other route fields: when (conditions), retry, hedge, breaker, failover_on, resume… See docs/routing-policies.md."),
+    h("button", { type: "submit" }, existing ? "Save route" : "Create route")));
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    let extra;
+    try { extra = JSON.parse(advanced.value || "{}"); } catch (e) {
+      formError(form, { message: `Advanced (JSON) is not valid JSON: ${e.message}`, param: "advanced" }); return;
+    }
+    const candidates = [];
+    for (const line of cands.value.split("\n").map((l) => l.trim()).filter(Boolean)) {
+      const [model, weight, more] = line.split(/\s+/);
+      if (more !== undefined || (weight !== undefined && !(Number(weight) > 0))) {
+        formError(form, { message: `Candidate line "${line}": write a model name, then optionally a positive weight.`, param: "candidates" }); return;
+      }
+      candidates.push(weight === undefined ? { model } : { model, weight: Number(weight) });
+    }
+    const num = (el) => (el.value.trim() === "" ? undefined : Number(el.value));
+    const body = { ...extra, name: name.value.trim(), policy: policy.value, candidates,
+      fallbacks: fallbacks.value.split(",").map((x) => x.trim()).filter(Boolean) };
+    for (const [k, el] of [["threshold", threshold], ["strong_share", share], ["ttft_timeout", ttft]]) {
+      const v = num(el);
+      if (v !== undefined && Number.isNaN(v)) { formError(form, { message: `${k} must be a number.`, param: k }); return; }
+      if (v !== undefined) body[k] = v;
+    }
+    if (existing) body.position = existing.position;
+    try {
+      await api(existing ? `routes/${existing.id}` : "routes", { method: existing ? "PUT" : "POST", body });
+      onSaved();
+    } catch (e) { formError(form, e); }
+  });
+  return form;
+}
+
+async function routes(params) {
   let data;
   try { data = await api("routes"); } catch (e) {
     if (e.status === 404) {
-      page("Routes", empty("This gateway has no routes API yet: routes come from the routes: section of the config file (see docs/routing.md). Restart the gateway after changing them."));
+      page("Routes", empty("This gateway has no routes API: routes come from the routes: section of the config file (docs/routing.md)."));
       return;
     }
     throw e;
   }
+  const [status, audit] = await Promise.all([api("routes/status").catch(() => null), api("audit?entity=route&limit=50")]);
   const list = data.data || [];
+  const editing = params[0] ? list.find((r) => String(r.id) === params[0]) : null;
+  const reload = () => { location.hash = "#/routes"; route(); };
+  const remove = (r) => h("button", { type: "button", class: "danger", "aria-label": `Delete route ${r.name} #${r.id}`,
+    onclick: async () => {
+      if (!confirm(`Delete route ${r.name} (#${r.id})? Requests for ${r.name} then use the next matching route or the model of that name.`)) return;
+      await api(`routes/${r.id}`, { method: "DELETE" });
+      reload();
+    } }, "Delete");
+  const breakers = status ? Object.entries(status.breakers || {}) : [];
   page("Routes",
     list.length ? table([
-      { label: "Name", key: "name" },
+      { label: "#", num: true, key: "position" },
+      { label: "Model name", key: "name" },
       { label: "Policy", key: "policy" },
-      { label: "Candidates", render: (r) => (r.candidates || []).map((c) => c.model || c).join(", ") },
-    ], list) : empty("No routes yet: every request goes to the model it names."),
+      { label: "Candidates", render: (r) => r.candidates.map((c) => (r.policy === "weighted" ? `${c.model} ×${c.weight ?? 1}` : c.model)).join(", ") },
+      { label: "Fallbacks", render: (r) => (r.fallbacks || []).join(", ") || "—" },
+      { label: "When", render: routeSummary },
+      { label: "", render: (r) => h("span", { class: "actions" }, h("a", { href: `#/routes/${r.id}`, "aria-label": `Edit route ${r.name} #${r.id}` }, "Edit"), " ", remove(r)) },
+    ], list, { caption: `Routes in the admin DB (version ${data.version ?? "—"}); config-file routes apply when none here matches.` })
+      : empty("No routes in the admin DB yet: requests follow the config file's routes, or go to the model they name. Create one below."),
+    editing ? h("section", { class: "panel", id: "edit" }, h("h2", {}, `Edit route ${editing.name} (#${editing.id})`), routeForm(editing, reload))
+      : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload)),
+    h("h2", {}, "Circuit breakers"),
+    breakers.length ? table([{ label: "Backend / model", render: ([k]) => k }, { label: "State", render: ([, v]) => h("span", { class: v === "closed" ? "ok" : "bad" }, v) }], breakers)
+      : empty("No breaker has seen traffic yet."),
+    h("p", { class: "muted" }, "Where a prompt goes and why: every response carries x-weir-route, and the Requests page shows each attempt."),
+    h("h2", {}, "History"),
+    audit.data.length ? table([
+      { label: "When (UTC)", render: (a) => a.ts.slice(0, 19).replace("T", " ") },
+      { label: "Who", key: "actor" }, { label: "Change", key: "action" },
+      { label: "Route", render: (a) => `${(a.after || a.before || {}).name || ""} #${a.entity_id}` },
+      { label: "Policy / candidates", render: (a) => { const x = a.after || a.before || {}; return `${x.policy || ""}: ${(x.candidates || []).map((c) => c.model).join(", ")}`; } },
+    ], audit.data) : empty("No route changes yet."),
   );
+  if (editing) document.getElementById("edit").scrollIntoView();
 }
 
 // --- tenants and keys ---------------------------------------------------------------------------
