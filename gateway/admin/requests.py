@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import get
+import msgspec
+from litestar import Request, get, post
 from sqlalchemy import select
 
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.accounting.pricing import USAGE_FIELD, TokenClass
+from gateway.auth import Principal
 from gateway.db.models import Tenant, UsageEventRow
+from gateway.errors import GatewayError
+from routing.plan import CHARS_PER_TOKEN, Features
 
 MAX_LIMIT = 500
 # Attempts per request scanned before grouping: retries and fallbacks rarely exceed this.
@@ -130,4 +134,67 @@ async def spend_by_class(ctx: Any, start: str | None = None, end: str | None = N
         "end": hi.isoformat(),
         "data": data,
         "totals": {name: format_usd(pico_to_usd(pico)) for name, pico in totals.items()},
+    }
+
+
+class PreviewBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A sample request: the model name a client would send and its last user message."""
+
+    model: str
+    prompt: str
+    tenant: str | None = None  # tenant name, for routes with `when.tenants`
+    key_id: str | None = None
+    tools: bool = False
+    images: bool = False
+    metadata: dict[str, str] = {}
+    max_tokens: int | None = None
+
+
+@post("/routes/preview", status_code=200)
+async def preview_route(request: Request, ctx: Any) -> dict[str, Any]:
+    """Where a sample prompt would go and why: the route that matches, the candidates in the order
+    they would be tried, each with its policy score and reason. Nothing is sent upstream. Policies
+    that draw at random (`weighted`) show one draw."""
+    from gateway.admin.router import AdminError, decode
+
+    body = decode(await request.body(), PreviewBody)
+    if not body.model.strip():
+        raise AdminError(400, "model: enter the model name a client would send", "invalid_value", "model")
+    feats = Features(
+        prompt=body.prompt,
+        last_user=body.prompt,
+        prompt_tokens=len(body.prompt) // CHARS_PER_TOKEN + 1,
+        max_output_tokens=body.max_tokens,
+        tools=body.tools,
+        images=body.images,
+        metadata=body.metadata,
+        tags=frozenset(t.strip() for t in body.metadata.get("tags", "").split(",") if t.strip()),
+        tenant=body.tenant,
+        key_id=body.key_id,
+    )
+    principal = Principal(tenant_id="preview", tenant_name=body.tenant or "preview", key_id=body.key_id)
+    router = request.app.state.gateway.router
+    try:
+        plan = await router.plan(body.model, principal, feats)
+    except GatewayError as exc:
+        raise AdminError(400, f"model: {exc}", "invalid_value", "model") from None
+    routed = any(plan.route is r for r in router.routes.get(body.model, []))
+    return {
+        "model": body.model,
+        "routed": routed,
+        "route": msgspec.to_builtins(plan.route) if routed else None,
+        "policy": plan.route.policy if routed else None,
+        "note": plan.note,
+        "header": plan.header(),
+        "prompt_tokens": feats.prompt_tokens,
+        "choices": [
+            {
+                "model": c.candidate.model,
+                "backend": c.target.backend.name,
+                "upstream_model": c.target.upstream_model,
+                "score": c.score,
+                "reason": c.reason,
+            }
+            for c in plan.choices
+        ],
     }
