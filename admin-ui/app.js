@@ -314,6 +314,33 @@ function routeForm(existing, onSaved) {
   return form;
 }
 
+function previewForm(list) {
+  const model = h("input", { name: "model", required: true, value: list[0]?.name || "", autocomplete: "off" });
+  const prompt = h("textarea", { name: "prompt", rows: 3, required: true }, "");
+  const tenant = h("input", { name: "tenant", autocomplete: "off", placeholder: "any" });
+  const tools = h("input", { name: "tools", type: "checkbox" });
+  const out = h("div", { "aria-live": "polite", id: "preview-result" });
+  const form = h("form", { class: "inline-form", "aria-label": "Preview a prompt" }, ...formBox(
+    field("Model name", model, "What the client sends as model."), field("Tenant name", tenant, "For routes with tenant conditions."),
+    h("label", { class: "check" }, tools, " request offers tools"),
+    field("Sample prompt", prompt, "The last user message; difficulty and prefix policies look at it."),
+    h("button", { type: "submit" }, "Preview")), out);
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    form.querySelector(".form-error").hidden = true;
+    try {
+      const p = await api("routes/preview", { method: "POST", body: { model: model.value.trim(), prompt: prompt.value, tenant: tenant.value.trim() || null, tools: tools.checked } });
+      out.replaceChildren(
+        h("p", {}, p.routed ? `Route ${p.model} (policy ${p.policy}) matches.` : `No route matches: the request goes to the model named ${p.model}, tried once.`,
+          p.note ? ` ${p.note}.` : ""),
+        h("ol", { class: "plan" }, p.choices.map((c, i) => h("li", {}, h("strong", {}, c.model), ` on ${c.backend} (${c.upstream_model})`,
+          i === 0 ? " — tried first" : "", c.reason ? `; reason: ${c.reason}` : "", c.score !== null ? `; score ${Number(c.score).toPrecision(4)}` : ""))),
+        h("p", { class: "muted" }, "x-weir-route: ", h("code", {}, p.header)));
+    } catch (e) { formError(form, e); }
+  });
+  return form;
+}
+
 async function routes(params) {
   let data;
   try { data = await api("routes"); } catch (e) {
@@ -347,10 +374,11 @@ async function routes(params) {
       : empty("No routes in the admin DB yet: requests follow the config file's routes, or go to the model they name. Create one below."),
     editing ? h("section", { class: "panel", id: "edit" }, h("h2", {}, `Edit route ${editing.name} (#${editing.id})`), routeForm(editing, reload))
       : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload)),
+    h("h2", {}, "Preview"), previewForm(list),
     h("h2", {}, "Circuit breakers"),
     breakers.length ? table([{ label: "Backend / model", render: ([k]) => k }, { label: "State", render: ([, v]) => h("span", { class: v === "closed" ? "ok" : "bad" }, v) }], breakers)
       : empty("No breaker has seen traffic yet."),
-    h("p", { class: "muted" }, "Where a prompt goes and why: every response carries x-weir-route, and the Requests page shows each attempt."),
+    h("p", { class: "muted" }, "Every response carries x-weir-route, and the Requests page shows each attempt."),
     h("h2", {}, "History"),
     audit.data.length ? table([
       { label: "When (UTC)", render: (a) => a.ts.slice(0, 19).replace("T", " ") },
