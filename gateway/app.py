@@ -74,6 +74,8 @@ def create_app(
         usage_sink = FanoutSink([control.sink, usage_sink]) if usage_sink is not None else control.sink
         admission = control.admit
     gateway = Gateway(config, authenticator=authenticator, usage_sink=usage_sink, admission=admission)
+    if control is not None:
+        gateway.router.use_control_plane(control.sessions, control.state)  # routes in the admin DB
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

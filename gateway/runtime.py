@@ -61,10 +61,12 @@ class Gateway:
             log.warning("no_tenants_configured", detail="every request is accepted without an API key")
         for engine in self.engines:
             await engine.start()
+        await self.router.start(self.transport)
         self.started = True
 
     async def stop(self) -> None:
         self.started = False
+        await self.router.stop()
         for engine in self.engines:
             await engine.stop()
         await self.transport.close()

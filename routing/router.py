@@ -10,13 +10,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.auth import Principal
+from gateway.config import Backend
 from gateway.errors import ModelNotFound
 from gateway.router_basic import ModelTable
 from routing.breaker import Breakers
+from routing.health import HealthProber
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, order
 from routing.routes import Candidate, Conditions, Retry, Route
 from routing.stats import RoutingStats
+from routing.store import RouteStore
 
 
 class RouteError(ValueError):
@@ -67,15 +70,61 @@ class Router:
         self.context = PolicyContext(self.stats)
         self.routes: dict[str, list[Route]] = {}
         self.version = 0
+        self.seed = list(routes)
+        self.store: RouteStore | None = None
+        self.prober: HealthProber | None = None
+        self.sessions: object | None = None  # the admin DB's async_sessionmaker, when configured
         self.set_routes(routes)
+
+    def use_control_plane(self, sessions: object, state: object) -> None:
+        """Routes from the admin DB (seeded from the config), breakers shared through `state`."""
+        self.sessions = sessions
+        self.breakers.shared = state
+        self.store = RouteStore(sessions, self.set_routes, self.seed)
+
+    async def start(self, transport: object) -> None:
+        if self.store is not None:
+            await self.store.start()
+        intervals = [r.probe_interval for rs in self.routes.values() for r in rs if r.probe_interval]
+        if intervals:
+            self.prober = HealthProber(transport, self.breakers, min(intervals))
+            self.prober.watch(self._probe_targets())
+            self.prober.start()
+
+    async def stop(self) -> None:
+        if self.prober is not None:
+            await self.prober.stop()
+        if self.store is not None:
+            await self.store.stop()
 
     def set_routes(self, routes: Sequence[Route], version: int | None = None) -> None:
         validate(routes, self.models)
         table: dict[str, list[Route]] = {}
         for route in routes:
             table.setdefault(route.name, []).append(route)
+        for route in routes:
+            if route.breaker is not None:
+                for name in route.models():
+                    target = self.models.targets[name]
+                    self.breakers.get(Breakers.key(target.backend.name, target.upstream_model), route.breaker)
         self.routes = table  # one assignment: requests see the old table or the new, never a mix
         self.version = self.version + 1 if version is None else version
+        if self.prober is not None:
+            self.prober.watch(self._probe_targets())
+
+    def _probe_targets(self) -> dict[str, tuple[Backend, list[str]]]:
+        targets: dict[str, tuple[Backend, list[str]]] = {}
+        for routes in self.routes.values():
+            for route in routes:
+                if route.breaker is None or route.probe_interval is None:
+                    continue
+                for name in route.models():
+                    target = self.models.targets[name]
+                    _, keys = targets.setdefault(target.backend.name, (target.backend, []))
+                    key = Breakers.key(target.backend.name, target.upstream_model)
+                    if key not in keys:
+                        keys.append(key)
+        return targets
 
     def names(self) -> list[str]:
         return list(self.routes)
@@ -89,7 +138,13 @@ class Router:
                     return await self._plan(route, feats)
         # No route (or none whose conditions hold): the plain model of that name, tried once.
         target = self.models.resolve(name, principal)[0]
-        route = Route(name=name, candidates=[Candidate(model=name)], retry=Retry(attempts=1), failover_on=[], breaker=None)
+        route = Route(
+            name=name,
+            candidates=[Candidate(model=name)],
+            retry=Retry(attempts=1),
+            failover_on=[],
+            breaker=None,
+        )
         return Plan(route, [Choice(target, route.candidates[0], reason="model")])
 
     async def _plan(self, route: Route, feats: Features) -> Plan:

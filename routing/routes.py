@@ -81,6 +81,8 @@ class Route(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     # already sent (True) or end it with an SSE error event (False).
     resume: bool = True
     breaker: Breaker | None = Breaker()  # None: no circuit breaker (a plain model, tried once)
+    # Seconds between active health probes of the candidates' backends (None: outcomes only).
+    probe_interval: float | None = 10.0
     # `difficulty`: candidates[0] is the weak model, candidates[1] the strong one. Strong when the
     # classifier's p_strong is above `threshold`, or, when `strong_share` is set, in the top
     # `strong_share` of recent traffic.

@@ -70,6 +70,7 @@ def event_row(event: UsageEvent) -> dict[str, Any]:
         "status": event.status,
         "fallback": event.fallback,
         "estimated": event.estimated,
+        "routing": event.routing[:1000] if event.routing else None,
     }
 
 

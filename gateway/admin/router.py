@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.accounting import reports
 from gateway.accounting.money import format_usd, micro_to_usd, usd_per_mtok_to_micro, usd_to_micro
 from gateway.admin.keys import new_key
-from gateway.admin.requests import recent_requests, spend_by_class
+from gateway.admin.requests import preview_route, recent_requests, spend_by_class
 from gateway.admin.schemas import KeyCreate, PricesPut, TenantCreate, TenantPatch
 from gateway.admin.token import token_matches
 from gateway.db.models import ApiKey, AuditLog, Price, Tenant, utcnow
@@ -478,6 +478,8 @@ def admin_router(ctx: AdminContext, path: str = "/admin/api/v1") -> Router:
             audit_log,
             recent_requests,
             spend_by_class,
+            preview_route,
+            *_route_handlers(),
         ],
         guards=[_admin_guard(ctx)],
         dependencies={"ctx": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
@@ -487,3 +489,9 @@ def admin_router(ctx: AdminContext, path: str = "/admin/api/v1") -> Router:
             Exception: _on_unexpected,
         },
     )
+
+
+def _route_handlers() -> list[Any]:
+    from gateway.admin.routes import ROUTE_HANDLERS  # routes.py imports this module
+
+    return ROUTE_HANDLERS

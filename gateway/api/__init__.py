@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from gateway.api import anthropic, health, openai
+from gateway.api import anthropic, feedback, health, openai
 
-ROUTES = [*openai.ROUTES, *anthropic.ROUTES, *health.ROUTES]
+ROUTES = [*openai.ROUTES, *anthropic.ROUTES, *health.ROUTES, *feedback.ROUTES]

@@ -146,6 +146,7 @@ class UsageEventRow(Base):
     fallback: Mapped[bool] = mapped_column(Boolean)
     # True when the gateway estimated the usage (a stream cut before the vendor reported it)
     estimated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    routing: Mapped[str | None] = mapped_column(String(1000), nullable=True)  # the x-weir-route decision
 
 
 class UsageRollup(Base):
@@ -206,3 +207,28 @@ class Setting(Base):
 
     key: Mapped[str] = mapped_column(String(100), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
+
+
+class RouteRow(Base):
+    """One route (a routing.routes.Route as JSON); routes sharing a name are tried by `position`."""
+
+    __tablename__ = "routes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200), index=True)
+    position: Mapped[int] = mapped_column(Integer, default=0)
+    spec: Mapped[dict] = mapped_column(JSON)  # type: ignore[type-arg]
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Feedback(Base):
+    """Outcome feedback on one request (`POST /v1/feedback`), visible only to the tenant that sent it."""
+
+    __tablename__ = "feedback"
+    __table_args__ = (UniqueConstraint("tenant_id", "request_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(200))
+    request_id: Mapped[str] = mapped_column(String(128))
+    score: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)

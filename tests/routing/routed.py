@@ -15,7 +15,7 @@ from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, 
 
 # Small waits everywhere: the behaviour is the same as with production settings, only faster.
 FAST = "retry: {attempts: 2, backoff: 0.02, max_backoff: 0.1, max_retry_after: 1.0}, "
-FAST += "breaker: {failures: 3, cooldown: 0.5}"
+FAST += "breaker: {failures: 3, cooldown: 0.5}, probe_interval: null"
 ROUTES = f"""\
 routes:
   - {{name: resilient, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}

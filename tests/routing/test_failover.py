@@ -247,3 +247,36 @@ def test_anthropic_clients_fail_over_too(gateway: RunningGateway, fake_openai: F
     assert message.content[0].text == ECHO  # type: ignore[union-attr]
     assert route_header(raw)["candidate"] == "claude-sonnet"
     assert ledger(gateway) == [("openai", 500), ("openai", 500), ("anthropic", 200)]
+
+
+PROBED = """\
+routes:
+  - name: probed
+    probe_interval: 0.1
+    retry: {attempts: 1}
+    breaker: {failures: 2, cooldown: 60}
+    candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]
+"""
+
+
+def test_health_probes_open_and_half_open_the_breaker(
+    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
+) -> None:
+    with routed_gateway(fake_openai, fake_anthropic, fake_gemini, fake_deepseek, PROBED) as gateway:
+        breakers = runtime(gateway).router.breakers
+        key = "openai/gpt-4o-mini"
+        fake_openai.stop()
+        deadline = time.monotonic() + 5
+        while breakers.state(key) != "open":  # the probes alone open it, before any request fails
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        text, route = chat(gateway, "probed")
+        assert text == ECHO and route["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
+        fake_openai.start()
+        deadline = time.monotonic() + 5
+        while breakers.state(key) != "half_open":  # a probe answered: no need to sit out the 60 s
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        text, route = chat(gateway, "probed")
+        assert text == ECHO and route["candidate"] == "gpt-4o-mini"
+        assert breakers.state(key) == "closed"

@@ -1,0 +1,134 @@
+"""Admin API for routes: `/admin/api/v1/routes` (list, create, read, replace, delete) and
+`/admin/api/v1/routes/status` (breakers, affinity hit rates, observed speeds).
+
+A route body is a `routing.routes.Route` as JSON, plus an optional `position` (routes sharing a
+name are tried in position order). Writes are validated against the gateway's models before they
+are stored, audited in the same transaction, applied on this replica at once and picked up by the
+others within their poll interval.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, delete, get, post, put
+from sqlalchemy import func, select
+
+from gateway.admin.router import AdminContext, AdminError, decode
+from gateway.db.models import RouteRow, utcnow
+from routing.router import RouteError, Router, validate
+from routing.routes import Route
+from routing.store import route_spec
+
+
+class RouteBody(Route, kw_only=True, frozen=True):
+    position: int | None = None
+
+
+def _router(request: Request) -> Router:
+    return request.app.state.gateway.router
+
+
+def route_json(row: RouteRow) -> dict[str, Any]:
+    return {"id": row.id, "position": row.position, **row.spec, "updated_at": row.updated_at.isoformat()}
+
+
+def _checked(request: Request, body: bytes) -> tuple[Route, int | None]:
+    parsed = decode(body, RouteBody)
+    fields = {f: getattr(parsed, f) for f in Route.__struct_fields__}
+    route = Route(**fields)
+    try:
+        validate([route], _router(request).models)
+    except RouteError as exc:
+        raise AdminError(400, str(exc).replace("routes[0] ", ""), "invalid_value", "candidates") from None
+    return route, parsed.position
+
+
+async def _applied(request: Request) -> None:
+    store = _router(request).store
+    if store is not None:
+        await store.refresh()
+
+
+async def _row(session: Any, route_id: int) -> RouteRow:
+    row = await session.get(RouteRow, route_id)
+    if row is None:
+        raise AdminError(404, f"no route with id {route_id}", "not_found", "route_id")
+    return row
+
+
+@get("/routes")
+async def list_routes(request: Request, ctx: AdminContext) -> dict[str, Any]:
+    async with ctx.sessions() as session:
+        rows = (await session.scalars(select(RouteRow).order_by(RouteRow.position, RouteRow.id))).all()
+    return {"version": _router(request).version, "data": [route_json(r) for r in rows]}
+
+
+@post("/routes", status_code=201)
+async def create_route(request: Request, ctx: AdminContext) -> dict[str, Any]:
+    route, position = _checked(request, await request.body())
+    async with ctx.write() as (session, audit):
+        if position is None:
+            position = ((await session.scalar(select(func.max(RouteRow.position)))) or 0) + 1
+        row = RouteRow(name=route.name, position=position, spec=route_spec(route), updated_at=utcnow())
+        session.add(row)
+        await session.flush()
+        audit("create", "route", str(row.id), None, route_json(row))
+    await _applied(request)
+    return route_json(row)
+
+
+@get("/routes/{route_id:int}")
+async def get_route(route_id: int, ctx: AdminContext) -> dict[str, Any]:
+    async with ctx.sessions() as session:
+        return route_json(await _row(session, route_id))
+
+
+@put("/routes/{route_id:int}")
+async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> dict[str, Any]:
+    route, position = _checked(request, await request.body())
+    async with ctx.write() as (session, audit):
+        row = await _row(session, route_id)
+        before = route_json(row)
+        row.name, row.spec, row.updated_at = route.name, route_spec(route), utcnow()
+        if position is not None:
+            row.position = position
+        await session.flush()
+        audit("update", "route", str(row.id), before, route_json(row))
+    await _applied(request)
+    return route_json(row)
+
+
+@delete("/routes/{route_id:int}", status_code=204)
+async def delete_route(route_id: int, request: Request, ctx: AdminContext) -> None:
+    async with ctx.write() as (session, audit):
+        row = await _row(session, route_id)
+        audit("delete", "route", str(row.id), route_json(row), None)
+        await session.delete(row)
+    await _applied(request)
+
+
+@get("/routes/status")
+async def routes_status(request: Request) -> dict[str, Any]:
+    router = _router(request)
+    context = router.context
+    return {
+        "version": router.version,
+        "routes": {name: [msgspec.to_builtins(r) for r in routes] for name, routes in router.routes.items()},
+        "breakers": {key: b.current().value for key, b in router.breakers.breakers.items()},
+        "prefix_affinity_hit_rate": {name: context.affinity_hit_rate(name) for name in context.affinity},
+        "models": {
+            f"{backend}/{model}": {
+                "ttft_s": s.ttft_s,
+                "p95_ttft_s": s.p95_ttft(),
+                "tokens_per_s": s.tokens_per_s,
+                "cache_hit_rate": s.cache_hit_rate,
+                "samples": s.samples,
+            }
+            for (backend, model), s in router.stats.models.items()
+        },
+    }
+
+
+ROUTE_HANDLERS = [list_routes, create_route, get_route, replace_route, delete_route, routes_status]

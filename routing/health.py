@@ -1,0 +1,86 @@
+"""Active health probes: every backend a route can send to is asked a cheap question (its model list)
+every `interval` seconds. An answer below 500 (even 401) means it is up; a refused connection,
+timeout or 5xx counts as a failure for every breaker of that backend. A breaker that is open when a
+probe succeeds goes half-open at once, so a backend that came back gets its trial request without
+waiting out the whole cooldown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+import structlog
+
+from gateway.config import Backend
+from routing.breaker import Breakers, State
+
+log = structlog.get_logger("weir.routing")
+
+PROBE_PATHS = {
+    "openai": "/models",
+    "engine": "/models",
+    "anthropic": "/v1/models",
+    "gemini": "/v1beta/models",
+}
+
+
+def probe_url(backend: Backend) -> str:
+    base = (backend.base_url or backend.url or "").rstrip("/")
+    return base + PROBE_PATHS[backend.type]
+
+
+class HealthProber:
+    def __init__(self, transport: Any, breakers: Breakers, interval: float, timeout: float = 2.0) -> None:
+        self.transport = transport  # gateway.transport.Transport (its shared aiohttp session)
+        self.breakers = breakers
+        self.interval = interval
+        self.timeout = timeout
+        self.targets: dict[str, tuple[Backend, list[str]]] = {}  # backend name -> (backend, breaker keys)
+        self._task: asyncio.Task[None] | None = None
+
+    def watch(self, targets: dict[str, tuple[Backend, list[str]]]) -> None:
+        self.targets = targets
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def probe(self, backend: Backend) -> bool:
+        try:
+            async with self.transport.session.get(
+                probe_url(backend), timeout=aiohttp.ClientTimeout(total=self.timeout)
+            ) as response:
+                return response.status < 500
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def run_once(self) -> None:
+        targets = list(self.targets.values())
+        results = await asyncio.gather(*(self.probe(backend) for backend, _ in targets))
+        for (backend, keys), healthy in zip(targets, results, strict=True):
+            for key in keys:
+                breaker = self.breakers.get(key)
+                if healthy:
+                    if breaker.current() is State.OPEN:
+                        breaker.state, breaker.trial_in_flight = State.HALF_OPEN, False
+                        self.breakers.transitions.append((key, State.HALF_OPEN))
+                else:
+                    await self.breakers.failure(key)
+            if not healthy:
+                log.warning("backend_probe_failed", backend=backend.name)
+        await self.breakers.sync()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.run_once()
+            except Exception as exc:  # a probe round must never take the gateway down
+                log.warning("health_probe_round_failed", error=str(exc))

@@ -1,0 +1,102 @@
+"""Routes in the admin DB: seeded once from the config's `routes:`, then edited through the admin API.
+
+Every replica polls a cheap signature of the table (row count, last update, id sum) and reloads the
+whole table when it changes, so an edit reaches every replica within `interval` seconds without a
+restart. A table that fails validation (e.g. a model removed from the config) is logged and the
+previous routes stay in force.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import structlog
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+
+from gateway.db.models import RouteRow, Setting
+from routing.routes import Route
+
+log = structlog.get_logger("weir.routing")
+SEEDED = "routes_seeded"
+
+
+def row_route(row: RouteRow) -> Route:
+    return msgspec.convert(row.spec, Route)
+
+
+def route_spec(route: Route) -> dict[str, Any]:
+    return msgspec.to_builtins(route)
+
+
+class RouteStore:
+    def __init__(self, sessions: Any, apply: Any, seed: Sequence[Route], interval: float = 1.0) -> None:
+        self.sessions = sessions  # async_sessionmaker
+        self.apply = apply  # Callable[[list[Route]], None]: raises on an invalid table
+        self.seed = list(seed)
+        self.interval = interval
+        self.signature: tuple[Any, ...] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._seed()
+        await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _seed(self) -> None:
+        # Once per database, not once per start: routes an admin deleted stay deleted. The settings
+        # row's primary key makes concurrent first starts of several replicas seed exactly once.
+        try:
+            async with self.sessions() as session, session.begin():
+                if await session.get(Setting, SEEDED) is not None:
+                    return
+                session.add(Setting(key=SEEDED, value="1"))
+                await session.flush()
+                for position, route in enumerate(self.seed):
+                    session.add(RouteRow(name=route.name, position=position, spec=route_spec(route)))
+        except IntegrityError:
+            return
+
+    async def refresh(self, force: bool = False) -> bool:
+        """Reload the table if it changed; True when new routes were applied."""
+        async with self.sessions() as session:
+            signature = tuple(
+                (
+                    await session.execute(
+                        select(func.count(RouteRow.id), func.max(RouteRow.updated_at), func.sum(RouteRow.id))
+                    )
+                ).one()
+            )
+            if signature == self.signature and not force:
+                return False
+            rows = (
+                await session.execute(select(RouteRow).order_by(RouteRow.position, RouteRow.id))
+            ).scalars()
+            routes = [row_route(row) for row in rows]
+        try:
+            self.apply(routes)
+        except ValueError as exc:
+            log.error("routes_rejected", error=str(exc))
+            return False
+        finally:
+            self.signature = signature
+        log.info("routes_loaded", routes=len(routes))
+        return True
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.refresh()
+            except Exception as exc:  # the DB may be briefly away; keep serving the routes we have
+                log.warning("routes_poll_failed", error=str(exc))

@@ -1,0 +1,208 @@
+"""Routes in the admin DB: seeded from the config once, edited through /admin/api/v1/routes, applied
+on every replica within seconds without a restart; outcome feedback stored per tenant; the ledger
+keeps each attempt's routing decision. Two replicas of the real gateway share PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from tests.conftest import free_port
+from tests.control.conftest import PG_ADMIN_URL, REDIS_URL, _pg_admin, sync_exec
+from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.gateway.conftest import serve
+from tests.routing.routed import route_header
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis]
+
+ADMIN = "admin-token-for-route-tests"
+CONFIG = """\
+backends:
+  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
+  - {name: anthropic, type: anthropic, base_url: "${ANTHROPIC_BASE_URL}", api_key: "${ANTHROPIC_API_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
+  - {name: claude-sonnet, backend: anthropic, model: claude-sonnet-4-5, price: {input: 3.0, output: 15.0}}
+database_url: "${DB_URL}"
+routes:
+  - {name: auto, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}], probe_interval: null}
+"""
+HI = [{"role": "user", "content": "hello routes"}]
+
+
+class Replicas:
+    def __init__(self, urls: list[str], db_url: str) -> None:
+        self.urls, self.db_url = urls, db_url
+        self.admin = [
+            httpx.Client(base_url=f"{u}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+            for u in urls
+        ]
+
+    def key(self, name: str) -> tuple[str, str]:
+        tenant = self.admin[0].post("/tenants", json={"name": name})
+        assert tenant.status_code == 201, tenant.text
+        key = self.admin[0].post(f"/tenants/{tenant.json()['id']}/keys", json={"name": "app"})
+        assert key.status_code == 201, key.text
+        return tenant.json()["id"], key.json()["key"]
+
+    def client(self, replica: int, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.urls[replica]}/v1", api_key=key, max_retries=0, timeout=20)
+
+    def route_of(self, replica: int, key: str, model: str = "auto") -> dict[str, str]:
+        raw = self.client(replica, key).chat.completions.with_raw_response.create(model=model, messages=HI)
+        assert raw.parse().choices[0].message.content == "hello routes"
+        return route_header(raw)
+
+
+@pytest.fixture
+def database() -> Iterator[str]:
+    """A fresh PostgreSQL database (as tests/control's pg_url), dropped afterwards."""
+    name = f"weir_routes_{uuid.uuid4().hex[:12]}"
+    _pg_admin(f'CREATE DATABASE "{name}"')
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
+    finally:
+        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def replicas(
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    database: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Replicas]:
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    prefix = f"weirtest:{uuid.uuid4().hex[:10]}:"
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", prefix)
+    monkeypatch.setenv("WEIR_REDIS_URL", REDIS_URL)
+    env = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
+        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
+        "DB_URL": database,
+    }
+    with ExitStack() as stack:
+        urls = []
+        for i in range(2):
+            monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool{i}"))
+            app = create_app(parse_config(CONFIG, env))
+            urls.append(stack.enter_context(serve(app, free_port())))
+        yield Replicas(urls, database)
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}*"))
+    if keys:
+        client.delete(*keys)
+
+
+def test_seeded_once_edited_everywhere_without_restart(replicas: Replicas) -> None:
+    _, key = replicas.key("acme")
+    listed = replicas.admin[0].get("/routes").json()["data"]
+    assert [(r["name"], [c["model"] for c in r["candidates"]]) for r in listed] == [
+        ("auto", ["gpt-4o-mini", "claude-sonnet"])
+    ]  # two replicas started on one DB: seeded once
+    assert replicas.route_of(1, key)["candidate"] == "gpt-4o-mini"
+
+    route_id = listed[0]["id"]
+    edited = {"name": "auto", "candidates": [{"model": "claude-sonnet"}, {"model": "gpt-4o-mini"}]}
+    response = replicas.admin[0].put(f"/routes/{route_id}", json=edited)
+    assert response.status_code == 200, response.text
+    assert replicas.route_of(0, key)["candidate"] == "claude-sonnet"  # at once where it was edited
+    deadline = time.monotonic() + 5
+    while replicas.route_of(1, key)["candidate"] != "claude-sonnet":  # within the poll interval elsewhere
+        assert time.monotonic() < deadline, "the edit did not reach the other replica"
+        time.sleep(0.2)
+
+    audit = replicas.admin[0].get("/audit").json()["data"]
+    assert any(entry["entity"] == "route" and entry["action"] == "update" for entry in audit)
+
+
+def test_invalid_routes_are_refused_and_change_nothing(replicas: Replicas) -> None:
+    before = replicas.admin[0].get("/routes").json()["data"]
+    response = replicas.admin[0].post("/routes", json={"name": "x", "candidates": [{"model": "nope"}]})
+    assert response.status_code == 400 and "nope" in response.json()["error"]["message"]
+    response = replicas.admin[0].post("/routes", json={"name": "x", "policy": "fastest", "candidates": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "policy"
+    assert replicas.admin[0].get("/routes").json()["data"] == before
+
+
+def test_created_then_deleted_route(replicas: Replicas) -> None:
+    _, key = replicas.key("acme")
+    created = replicas.admin[0].post(
+        "/routes",
+        json={
+            "name": "cheap",
+            "policy": "cheapest",
+            "candidates": [{"model": "claude-sonnet"}, {"model": "gpt-4o-mini"}],
+        },
+    )
+    assert created.status_code == 201, created.text
+    route = replicas.route_of(0, key, "cheap")
+    assert (route["policy"], route["candidate"]) == ("cheapest", "gpt-4o-mini")
+    assert replicas.admin[0].delete(f"/routes/{created.json()['id']}").status_code == 204
+    with pytest.raises(openai.NotFoundError):
+        replicas.client(0, key).chat.completions.create(model="cheap", messages=HI)
+    status = replicas.admin[0].get("/routes/status").json()
+    assert "cheap" not in status["routes"] and "auto" in status["routes"]
+
+
+def test_the_ledger_keeps_the_routing_decision(replicas: Replicas, fake_openai: FakeOpenAI) -> None:
+    tenant_id, key = replicas.key("acme")
+    fake_openai.fail_next(500, times=2)
+    route = replicas.route_of(0, key)
+    assert route["candidate"] == "claude-sonnet" and route["attempts"] == "3"
+    deadline = time.monotonic() + 15
+    while True:
+        rows = sync_exec(
+            replicas.db_url,
+            f"SELECT attempt, backend, status, route, routing FROM usage_events WHERE tenant_id = '{tenant_id}' "
+            "ORDER BY attempt",
+        )
+        if len(rows) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        (1, "openai", 500, "auto"),
+        (2, "openai", 500, "auto"),
+        (3, "anthropic", 200, "auto"),
+    ]
+    assert "candidate=claude-sonnet" in rows[2][4] and "policy=fixed" in rows[0][4]
+
+
+def test_feedback_is_stored_per_tenant(replicas: Replicas) -> None:
+    _, key_a = replicas.key("acme")
+    _, key_b = replicas.key("globex")
+    raw = replicas.client(0, key_a).chat.completions.with_raw_response.create(model="auto", messages=HI)
+    request_id = raw.headers["x-request-id"]
+    posted = httpx.post(
+        f"{replicas.urls[0]}/v1/feedback",
+        json={"request_id": request_id, "score": 0.25},
+        headers={"authorization": f"Bearer {key_a}"},
+    )
+    assert posted.status_code == 200 and posted.json()["score"] == 0.25
+    read = httpx.get(
+        f"{replicas.urls[1]}/v1/feedback/{request_id}", headers={"authorization": f"Bearer {key_a}"}
+    )
+    assert read.status_code == 200 and read.json()["score"] == 0.25
+    other = httpx.get(
+        f"{replicas.urls[0]}/v1/feedback/{request_id}", headers={"authorization": f"Bearer {key_b}"}
+    )
+    assert other.status_code == 404 and other.json()["error"]["code"] == "not_found"
+    bad = httpx.post(
+        f"{replicas.urls[0]}/v1/feedback",
+        json={"request_id": request_id, "score": 7},
+        headers={"authorization": f"Bearer {key_a}"},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "score"
