@@ -194,9 +194,15 @@ class Pipeline:
             failure, status = "client_disconnected", 499  # the client went away mid-stream
             raise
         finally:
-            # Cut short before the vendor's usage report (the client left, the upstream broke, a
-            # hedge lost): bill what the backend produced, estimated, rather than nothing.
-            estimated = streaming and failure is not None and not usage_reported
+            # Cut short before the vendor's usage report (the client left, the upstream broke after
+            # generating, a hedge lost): bill what the backend produced, estimated, not nothing. A
+            # backend that broke before generating anything (garbage, an error event) bills nothing.
+            estimated = (
+                streaming
+                and failure is not None
+                and not usage_reported
+                and (produced.chunks > 0 or failure == "client_disconnected")
+            )
             if estimated:
                 usage = produced.estimate(upstream.body)
             self._record(
