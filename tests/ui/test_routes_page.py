@@ -1,0 +1,93 @@
+"""Routes in the browser: create a route, send a request that follows it, edit the route and see the
+next request follow the change; validation errors say what to fix; history records both changes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from tests.conftest import free_port
+from tests.fakes import FakeOpenAI
+from tests.gateway.conftest import serve
+from tests.ui.conftest import ADMIN, Weir
+
+CONFIG = """\
+backends:
+  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
+  - {name: gpt-4o, backend: openai, price: {input: 2.50, output: 10.00}}
+tenants:
+  - {name: team, api_keys: ["sk-team-key"]}
+database_url: "${DB_URL}"
+"""
+
+
+@pytest.fixture
+def routed(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
+    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
+    with serve(create_app(parse_config(CONFIG, env)), free_port()) as url:
+        yield Weir(url, db_url)
+
+
+def upstream_model(client: openai.OpenAI) -> tuple[str, str | None]:
+    raw = client.chat.completions.with_raw_response.create(
+        model="assistant", messages=[{"role": "user", "content": "hello"}], max_tokens=10
+    )
+    return raw.parse().model, raw.headers.get("x-weir-route")
+
+
+def test_edit_a_route_and_the_next_request_follows(routed: Weir, browser: Any, shots: Path) -> None:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(f"{routed.url}/admin/#/routes")
+    page.get_by_label("Admin token", exact=True).fill(ADMIN)
+    page.get_by_role("button", name="Sign in with token").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    assert "No routes in the admin DB yet" in page.locator("main").inner_text()
+
+    form = page.get_by_role("form", name="Create a route")
+    form.get_by_label("Public model name", exact=True).fill("assistant")
+    form.get_by_label("Candidates", exact=True).fill("gpt-4o-mini\nno-such-model")
+    form.get_by_role("button", name="Create route").click()
+    error = form.locator(".form-error")
+    error.wait_for()
+    assert "no-such-model" in error.inner_text()  # the API's reason, shown beside the form
+    form.get_by_label("Candidates", exact=True).fill("gpt-4o-mini")
+    form.get_by_role("button", name="Create route").click()
+    page.get_by_role("link", name="Edit route assistant #1").wait_for()
+
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-team-key", max_retries=0, timeout=20)
+    model, header = upstream_model(client)
+    assert model.startswith("gpt-4o-mini"), (model, header)
+
+    page.get_by_role("link", name="Edit route assistant #1").click()
+    edit = page.get_by_role("form", name="Edit route assistant")
+    edit.get_by_label("Candidates", exact=True).fill("gpt-4o")
+    edit.get_by_role("button", name="Save route").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    model, header = upstream_model(client)
+    assert model.startswith("gpt-4o") and not model.startswith("gpt-4o-mini"), (model, header)
+
+    preview = page.get_by_role("form", name="Preview a prompt")
+    preview.get_by_label("Sample prompt", exact=True).fill("Prove that there are infinitely many primes.")
+    preview.get_by_role("button", name="Preview").click()
+    page.locator("#preview-result ol").wait_for()
+    result = page.locator("#preview-result").inner_text()
+    assert "Route assistant (policy fixed) matches" in result and "gpt-4o on openai" in result
+    preview.get_by_label("Model name", exact=True).fill("gpt-4o-mini")
+    preview.get_by_role("button", name="Preview").click()
+    page.get_by_text("No route matches").wait_for()
+
+    history = page.locator("main > .table-wrap").last.inner_text()
+    assert "update" in history and "create" in history and "ui:admin-token" in history
+    page.screenshot(path=shots / "09-routes.png", full_page=True)
+    page.close()
