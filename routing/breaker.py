@@ -64,6 +64,11 @@ class CircuitBreaker:
             return True
         return False
 
+    def release(self) -> None:
+        """A half-open trial ended without saying anything about the backend (cancelled, refused by
+        the gateway itself): let the next request be the trial."""
+        self.trial_in_flight = False
+
     def trip(self, now: float | None = None) -> None:
         self.state, self.trial_in_flight = State.OPEN, False
         self.opened_at = time.monotonic() if now is None else now

@@ -126,11 +126,18 @@ class Executor:
             return result
         except GatewayError as exc:
             plan.tried.append(f"{model}:{exc.status}")
-            if plan.route.breaker is not None and _unhealthy(exc):
-                await self.breakers.failure(key)
+            if plan.route.breaker is not None:
+                if _unhealthy(exc):
+                    await self.breakers.failure(key)
+                elif isinstance(exc, _BACKEND_ERRORS):
+                    await self.breakers.success(key)  # it answered: the request was at fault, not it
+                else:
+                    self.breakers.get(key).release()
             raise
         except asyncio.CancelledError:
             plan.tried.append(f"{model}:cancelled")
+            if plan.route.breaker is not None:
+                self.breakers.get(key).release()
             raise
         finally:
             if not handed_over:

@@ -280,3 +280,19 @@ def test_health_probes_open_and_half_open_the_breaker(
         text, route = chat(gateway, "probed")
         assert text == ECHO and route["candidate"] == "gpt-4o-mini"
         assert breakers.state(key) == "closed"
+
+
+def test_a_half_open_trial_answered_with_a_400_closes_the_breaker(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    breakers = runtime(gateway).router.breakers
+    key = "openai/gpt-4o-mini"
+    settings = runtime(gateway).router.routes["resilient"][0].breaker
+    breakers.get(key, settings).trip(now=time.monotonic() - 1)  # opened a second ago; cooldown 0.5 s
+    assert breakers.state(key) == "half_open"
+    fake_openai.fail_next(Fault.status(400, message="bad request"))
+    with pytest.raises(openai.BadRequestError):
+        chat(gateway, "resilient")
+    assert breakers.state(key) == "closed"  # the backend answered: it is up
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini"
