@@ -31,6 +31,9 @@ class CircuitBreaker:
     failures: int = 0
     opened_at: float = 0.0
     trial_in_flight: bool = False
+    # Opened because health probes could not reach the backend: a probe that reaches it again may
+    # half-open it early. Openings for bad answers wait out the cooldown (a probe cannot see those).
+    by_probe: bool = False
 
     def current(self, now: float | None = None) -> State:
         if self.state is State.OPEN:
@@ -55,12 +58,13 @@ class CircuitBreaker:
         self.state, self.failures, self.trial_in_flight = State.CLOSED, 0, False
         return changed
 
-    def failure(self) -> bool:
+    def failure(self, probe: bool = False) -> bool:
         """Record a failure; True when this opened the breaker."""
         self.failures += 1
         state = self.current()
         if state is State.HALF_OPEN or (state is State.CLOSED and self.failures >= self.settings.failures):
             self.trip()
+            self.by_probe = probe
             return True
         return False
 
@@ -70,7 +74,7 @@ class CircuitBreaker:
         self.trial_in_flight = False
 
     def trip(self, now: float | None = None) -> None:
-        self.state, self.trial_in_flight = State.OPEN, False
+        self.state, self.trial_in_flight, self.by_probe = State.OPEN, False, False
         self.opened_at = time.monotonic() if now is None else now
 
 
@@ -104,9 +108,9 @@ class Breakers:
             if self.shared is not None:
                 await self.shared.kv_set(PREFIX + key, b"closed", ttl_s=1.0)
 
-    async def failure(self, key: str) -> None:
+    async def failure(self, key: str, probe: bool = False) -> None:
         breaker = self.get(key)
-        if breaker.failure():
+        if breaker.failure(probe):
             self.transitions.append((key, State.OPEN))
             if self.shared is not None:
                 await self.shared.kv_set(PREFIX + key, b"open", ttl_s=breaker.settings.cooldown)

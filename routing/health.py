@@ -1,8 +1,9 @@
 """Active health probes: every backend a route can send to is asked a cheap question (its model list)
 every `interval` seconds. An answer below 500 (even 401) means it is up; a refused connection,
-timeout or 5xx counts as a failure for every breaker of that backend. A breaker that is open when a
-probe succeeds goes half-open at once, so a backend that came back gets its trial request without
-waiting out the whole cooldown."""
+timeout or 5xx counts as a failure for every breaker of that backend. A breaker the probes opened
+goes half-open as soon as a probe reaches the backend again, so a backend that came back gets its
+trial request without waiting out the whole cooldown. Each round also adopts breaker openings other
+replicas published in the shared state."""
 
 from __future__ import annotations
 
@@ -68,11 +69,11 @@ class HealthProber:
             for key in keys:
                 breaker = self.breakers.get(key)
                 if healthy:
-                    if breaker.current() is State.OPEN:
+                    if breaker.current() is State.OPEN and breaker.by_probe:
                         breaker.state, breaker.trial_in_flight = State.HALF_OPEN, False
                         self.breakers.transitions.append((key, State.HALF_OPEN))
                 else:
-                    await self.breakers.failure(key)
+                    await self.breakers.failure(key, probe=True)
             if not healthy:
                 log.warning("backend_probe_failed", backend=backend.name)
         await self.breakers.sync()

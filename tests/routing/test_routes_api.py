@@ -36,6 +36,11 @@ models:
 database_url: "${DB_URL}"
 routes:
   - {name: auto, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}], probe_interval: null}
+  - name: shared
+    probe_interval: 0.2
+    retry: {attempts: 1}
+    breaker: {failures: 2, cooldown: 30}
+    candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]
 """
 HI = [{"role": "user", "content": "hello routes"}]
 
@@ -111,7 +116,8 @@ def test_seeded_once_edited_everywhere_without_restart(replicas: Replicas) -> No
     _, key = replicas.key("acme")
     listed = replicas.admin[0].get("/routes").json()["data"]
     assert [(r["name"], [c["model"] for c in r["candidates"]]) for r in listed] == [
-        ("auto", ["gpt-4o-mini", "claude-sonnet"])
+        ("auto", ["gpt-4o-mini", "claude-sonnet"]),
+        ("shared", ["gpt-4o-mini", "claude-sonnet"]),
     ]  # two replicas started on one DB: seeded once
     assert replicas.route_of(1, key)["candidate"] == "gpt-4o-mini"
 
@@ -156,6 +162,23 @@ def test_created_then_deleted_route(replicas: Replicas) -> None:
         replicas.client(0, key).chat.completions.create(model="cheap", messages=HI)
     status = replicas.admin[0].get("/routes/status").json()
     assert "cheap" not in status["routes"] and "auto" in status["routes"]
+
+
+def test_a_breaker_opened_on_one_replica_opens_on_the_other(
+    replicas: Replicas, fake_openai: FakeOpenAI
+) -> None:
+    _, key = replicas.key("acme")
+    fake_openai.fail_next(500, times=2)
+    for _ in range(2):  # two 500s on replica 0, each failed over to claude-sonnet
+        assert replicas.route_of(0, key, "shared")["candidate"] == "claude-sonnet"
+    status = replicas.admin[0].get("/routes/status").json()
+    assert status["breakers"]["openai/gpt-4o-mini"] == "open"
+    deadline = time.monotonic() + 5
+    while replicas.admin[1].get("/routes/status").json()["breakers"]["openai/gpt-4o-mini"] != "open":
+        assert time.monotonic() < deadline, "replica 1 did not adopt the opening"
+        time.sleep(0.1)
+    # Replica 1 never saw a failure itself, yet skips the backend (through Redis).
+    assert replicas.route_of(1, key, "shared")["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
 
 
 def test_the_ledger_keeps_the_routing_decision(replicas: Replicas, fake_openai: FakeOpenAI) -> None:
