@@ -93,3 +93,59 @@ def test_redis_down_degrades_to_in_process_limits_and_recovers(
     # Every usage event of the outage waited in memory and reached the ledger once Redis was back.
     rows = weir.ledger(tenant_id, expect=8)
     assert sorted(row[4] for row in rows) == [200] * 8
+
+
+@pytest.fixture
+def pg_proxy(pg_url: str) -> Iterator[ThreadedProxy]:
+    from sqlalchemy.engine import make_url
+
+    proxy = ThreadedProxy(make_url(pg_url).port or 5432)
+    yield proxy
+    proxy.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("with_redis", [False, True], ids=["spool", "redis"])
+def test_database_down_keeps_serving_and_loses_no_usage_event(
+    fake_openai: FakeOpenAI,
+    tmp_path: Path,
+    pg_url: str,
+    pg_proxy: ThreadedProxy,
+    redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    with_redis: bool,
+) -> None:
+    from sqlalchemy.engine import make_url
+
+    through_proxy = make_url(pg_url).set(port=pg_proxy.port).render_as_string(hide_password=False)
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    if with_redis:
+        monkeypatch.setenv("WEIR_REDIS_URL", REDIS_URL)
+    env = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "DB_URL": through_proxy,
+    }
+    with serve(create_app(parse_config(CONFIG, env)), free_port()) as url:
+        weir = Weir(url, pg_url)  # the test reads the ledger directly, never through the proxy
+        tenant_id, _, key = weir.tenant_with_key("through-db-outage")
+        client = weir.client(key)
+        assert statuses(client, 2) == [200, 200]  # the key is now cached (it is checked in the DB once)
+        assert len(weir.ledger(tenant_id, expect=2)) == 2
+
+        pg_proxy.stop()  # the database goes away
+        assert statuses(client, 10) == [200] * 10  # served from the key cache; events wait in the queue
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        streamed = client.chat.completions.create(model="gpt-4o-mini", messages=HI, stream=True)  # type: ignore[arg-type]
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "hello there"
+        assert statuses(client, 1) == [200]
+        time.sleep(1.0)  # the batch writer fails and retries meanwhile
+        assert len(weir.ledger(tenant_id, expect=2)) == 2
+
+        pg_proxy.start()  # and comes back: every waiting event lands, once
+        rows = weir.ledger(tenant_id, expect=14, timeout=30)
+        time.sleep(0.5)
+        rows = weir.ledger(tenant_id, expect=14)
+        assert [row[4] for row in rows] == [200] * 14
