@@ -19,7 +19,7 @@ function h(tag, attrs = {}, ...children) {
     else if (k === "class") el.className = v;
     else el.setAttribute(k, v === true ? "" : v);
   }
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c === null || c === undefined || c === false) continue;
     el.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
@@ -107,9 +107,13 @@ function formBox(...children) {
   return [h("p", { class: "form-error notice error", role: "alert", hidden: true }), ...children];
 }
 
-function table(columns, rows, { caption, foot } = {}) {
+// `detail(row)`, when given, adds a full-width row under each row (e.g. a request's attempts).
+function table(columns, rows, { caption, foot, detail } = {}) {
   const thead = h("thead", {}, h("tr", {}, columns.map((c) => h("th", { scope: "col", class: c.num ? "num" : null }, c.label))));
-  const tbody = h("tbody", {}, rows.map((r) => h("tr", {}, columns.map((c) => h("td", { class: c.num ? "num" : null }, c.render ? c.render(r) : r[c.key])))));
+  const tbody = h("tbody", {}, rows.map((r) => [
+    h("tr", { class: detail ? "has-detail" : null }, columns.map((c) => h("td", { class: c.num ? "num" : null }, c.render ? c.render(r) : r[c.key]))),
+    detail ? h("tr", { class: "detail" }, h("td", { colspan: columns.length }, detail(r))) : null,
+  ]));
   const tfoot = foot ? h("tfoot", {}, h("tr", {}, columns.map((c) => h("td", { class: c.num ? "num" : null }, c.render ? c.render(foot) : foot[c.key])))) : null;
   return h("div", { class: "table-wrap" }, h("table", {}, caption ? h("caption", {}, caption) : null, thead, tbody, tfoot));
 }
@@ -622,8 +626,9 @@ async function requests(params, query) {
     if (status.value) f.set("status", status.value);
     location.hash = `#/requests?${f}`;
   });
-  const detail = (r) => h("details", {}, h("summary", {}, `${r.attempts.length} attempt${r.attempts.length > 1 ? "s" : ""}`),
-    h("p", {}, `Route ${r.route}: ${r.attempts.length > 1 ? "the first attempt failed and the router moved on" : "served by its first choice"}.`),
+  const detail = (r) => h("details", {}, h("summary", {}, `Why and how: ${r.attempts.length} attempt${r.attempts.length > 1 ? "s" : ""}`),
+    h("p", {}, `Route ${r.route}: ${r.attempts.length > 1 ? "an attempt failed and the router moved on" : "served by its first choice"}.`),
+    r.routing ? h("p", {}, "Decision: ", h("code", {}, r.routing)) : null,
     table([
       { label: "#", num: true, key: "attempt" }, { label: "Backend", key: "backend" }, { label: "Model", key: "model" },
       { label: "Status", render: (a) => h("span", { class: a.status >= 200 && a.status < 300 ? "ok" : "bad" }, a.status || "no response") },
@@ -639,8 +644,8 @@ async function requests(params, query) {
       { label: "Route", key: "route" }, { label: "Model", key: "model" },
       { label: "Status", render: (r) => h("span", { class: r.status >= 200 && r.status < 300 ? "ok" : "bad" }, r.status || "no response") },
       { label: "Cost", num: true, key: "cost_usd" },
-      { label: "Attempts", render: detail },
-    ], log.data) : empty("No requests match. Clear the filters, or send a request with a tenant's key; the log shows them within seconds."),
+      { label: "Attempts", num: true, render: (r) => r.attempts.length },
+    ], log.data, { detail }) : empty("No requests match. Clear the filters, or send a request with a tenant's key; the log shows them within seconds."),
   );
 }
 

@@ -29,6 +29,7 @@ def _attempt(row: UsageEventRow) -> dict[str, Any]:
         "model": row.model,
         "status": row.status,
         "fallback": row.fallback,
+        "routing": row.routing,  # the x-weir-route decision as of this attempt
         "latency_ms": row.latency_ms,
         "ttft_ms": row.ttft_ms,
         "input_tokens": row.input_tokens,
@@ -90,6 +91,7 @@ async def recent_requests(
                 "tenant_name": names.get(last.tenant_id or ""),
                 "key_id": last.key_id,
                 "route": last.route,
+                "routing": last.routing,
                 "backend": last.backend,
                 "model": last.model,
                 "status": last.status,

@@ -105,17 +105,20 @@ def test_admin_session_in_the_browser(weir: Weir, browser: Any, shots: Path) -> 
     # Requests: the log shows all three with their attempts.
     page.get_by_role("link", name="Requests").click()
     page.get_by_role("button", name="Filter").wait_for()
-    rows = page.locator("main > .table-wrap > table > tbody > tr")
+    rows = page.locator("main > .table-wrap > table > tbody > tr.has-detail")
+    rows.first.wait_for()
     assert rows.count() == 3
-    rows.first.locator("summary").click()
-    assert "openai" in rows.first.locator("details").inner_text()
+    details = page.locator("main > .table-wrap > table > tbody > tr.detail")
+    details.first.locator("summary").click()
+    explained = details.first.locator("details").inner_text()
+    assert "openai" in explained and "policy=" in explained  # the x-weir-route decision
     page.get_by_label("Status", exact=True).select_option("error")
     page.get_by_role("button", name="Filter").click()
     page.get_by_text("No requests match").wait_for()
     page.get_by_label("Status", exact=True).select_option("")
     page.get_by_role("button", name="Filter").click()
     page.locator("main > .table-wrap").wait_for()
-    page.locator("main > .table-wrap > table > tbody > tr").first.locator("summary").click()
+    page.locator("main > .table-wrap > table > tbody > tr.detail").first.locator("summary").click()
     page.screenshot(path=shots / "05-requests.png", full_page=True)
 
     page.get_by_role("link", name="Backends & models").click()
