@@ -18,8 +18,15 @@ def target_for(gateway: Gateway, call: Call, model: str, stream: bool | None) ->
     call.info.stream = bool(stream)
     routes = gateway.router.routes.get(model)
     if routes and call.principal.may_use(model):
-        return gateway.models.targets[routes[0].candidates[0].model]
-    return gateway.models.resolve(model, call.principal)[0]
+        target = gateway.models.targets[routes[0].candidates[0].model]
+        policy, reason = routes[0].policy, "first_candidate"
+    else:
+        target = gateway.models.resolve(model, call.principal)[0]
+        policy, reason = "fixed", "model"
+    call.info.route = (
+        f"route={model}; policy={policy}; candidate={target.model.name}; reason={reason}; attempts=1"
+    )
+    return target
 
 
 async def run_chat(

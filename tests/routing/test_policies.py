@@ -193,3 +193,15 @@ def test_a_route_limited_to_a_tenant_is_invisible_to_others(gateway: RunningGate
     assert ask(gateway, "demo-only")["candidate"] == "gpt-4o-mini"
     with pytest.raises(openai.NotFoundError):
         ask(gateway, "demo-only", api_key=LIMITED_KEY)
+
+
+def test_embeddings_and_completions_carry_the_route_header_too(gateway: RunningGateway) -> None:
+    raw = gateway.openai().embeddings.with_raw_response.create(model="text-embedding-3-small", input="hi")
+    assert route_header(raw)["candidate"] == "text-embedding-3-small"
+    raw = gateway.openai().completions.with_raw_response.create(model="tiered", prompt="hi")
+    header = route_header(raw)
+    assert (header["route"], header["candidate"], header["reason"]) == (
+        "tiered",
+        "claude-sonnet",
+        "first_candidate",
+    )
