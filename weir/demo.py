@@ -113,7 +113,10 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
     try:
         if _wait_ready(f"{base}/readyz", gateway, timeout=900):
             click.echo(_examples(base, key, model))
-            click.echo(f"Admin UI: {base}/admin (sign in with WEIR_ADMIN_TOKEN or the token printed)")
+            click.echo(
+                f"Admin UI: {base}/admin (sign in with WEIR_ADMIN_TOKEN or the admin token printed at first"
+                f" start, or create an account: weir admin create-user NAME --database-url sqlite:///{var.resolve()}/weir.db)"
+            )
         elif gateway.poll() is None:
             click.echo("warning: the gateway did not become ready in time; still waiting", err=True)
         sys.exit(gateway.wait())
