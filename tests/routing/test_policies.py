@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from routing.difficulty import DifficultyClassifier
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import LIMITED_KEY, RunningGateway
 from tests.routing.routed import route_header, routed_gateway, runtime
@@ -205,3 +206,18 @@ def test_embeddings_and_completions_carry_the_route_header_too(gateway: RunningG
         "claude-sonnet",
         "first_candidate",
     )
+
+
+def test_difficulty_with_the_shipped_classifier(
+    gateway: RunningGateway, classifier: DifficultyClassifier
+) -> None:
+    router = runtime(gateway).router
+    stand_in = router.context.scorer
+    router.context.scorer = None  # the shipped default, loaded on first use
+    try:
+        route = ask(gateway, "smart", HARD)
+    finally:
+        router.context.scorer = stand_in
+    p_strong = classifier.score(HARD)
+    assert float(route["score"]) == pytest.approx(p_strong, rel=1e-4)
+    assert route["candidate"] == ("claude-sonnet" if p_strong > 0.5 else "gpt-4o-mini")
