@@ -374,8 +374,8 @@ async function routes(params) {
       { label: "Fallbacks", render: (r) => (r.fallbacks || []).join(", ") || "—" },
       { label: "When", render: routeSummary },
       { label: "", render: (r) => h("span", { class: "actions" }, h("a", { href: `#/routes/${r.id}`, "aria-label": `Edit route ${r.name} #${r.id}` }, "Edit"), " ", remove(r)) },
-    ], list, { caption: `Routes in the admin DB (version ${data.version ?? "—"}); config-file routes apply when none here matches.` })
-      : empty("No routes in the admin DB yet: requests follow the config file's routes, or go to the model they name. Create one below."),
+    ], list, { caption: `Routes (version ${data.version ?? "—"}); routes sharing a model name are tried in # order, the first whose conditions match wins. Changes apply on every replica within seconds.` })
+      : empty("No routes yet: every request goes to the model it names. Create a route below (the config file's routes: are copied here at first start)."),
     editing ? h("section", { class: "panel", id: "edit" }, h("h2", {}, `Edit route ${editing.name} (#${editing.id})`), routeForm(editing, reload))
       : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload)),
     h("h2", {}, "Preview"), previewForm(list),
