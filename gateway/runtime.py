@@ -41,7 +41,7 @@ class Gateway:
         self.metrics = Metrics()
         self.transport = Transport()
         self.models = ModelTable(config)
-        self.router = Router(self.models, config.routes)
+        self.router = Router(self.models, config.routes, registry=self.metrics.registry)
         if authenticator is None:
             if config.tenants is None:
                 authenticator = OpenAuthenticator()
@@ -53,7 +53,9 @@ class Gateway:
             sinks.append(usage_sink)
         self.sink = sinks[0] if len(sinks) == 1 else FanoutSink(sinks)
         self.pipeline = Pipeline(self.transport, self.sink, self.metrics, config.models, admission)
-        self.executor = Executor(self.pipeline, self.router.breakers, self.router.context)
+        self.executor = Executor(
+            self.pipeline, self.router.breakers, self.router.context, self.router.metrics
+        )
         self.started = False
 
     async def start(self) -> None:

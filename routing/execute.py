@@ -20,6 +20,7 @@ from gateway.errors import BackendUnavailable, BadGateway, GatewayError, Gateway
 from gateway.pipeline import Call, Pipeline
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
 from routing.breaker import Breakers
+from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, expected_cost
 from routing.routes import Route
@@ -78,7 +79,14 @@ class HedgeBudget:
 
 
 class Executor:
-    def __init__(self, pipeline: Pipeline, breakers: Breakers, context: PolicyContext) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        breakers: Breakers,
+        context: PolicyContext,
+        metrics: RoutingMetrics | None = None,
+    ) -> None:
+        self.metrics = metrics
         self.pipeline = pipeline
         self.breakers = breakers
         self.context = context
@@ -86,6 +94,11 @@ class Executor:
         self.rng = random.Random()
 
     # --- one attempt ---------------------------------------------------------------------------
+
+    def _note(self, plan: Plan, model: str, outcome: str) -> None:
+        plan.tried.append(f"{model}:{outcome}")
+        if self.metrics is not None:
+            self.metrics.attempts.labels(plan.route.name, model, outcome).inc()
 
     def _key(self, choice: Choice) -> str:
         return Breakers.key(choice.target.backend.name, choice.target.upstream_model)
@@ -115,17 +128,17 @@ class Executor:
                         f"{target.backend.name} sent no first token within {timeout:g} s"
                     ) from None
                 handed_over = True
-                plan.tried.append(f"{model}:ok")
+                self._note(plan, model, "ok")
                 return self._track(batches, model)
             result = await self.pipeline.exchange(
                 call, target, upstream, target.provider.chat_response, attempt=number
             )
-            plan.tried.append(f"{model}:ok")
+            self._note(plan, model, "ok")
             if plan.route.breaker is not None:
                 await self.breakers.success(key)
             return result
         except GatewayError as exc:
-            plan.tried.append(f"{model}:{exc.status}")
+            self._note(plan, model, str(exc.status))
             if plan.route.breaker is not None:
                 if _unhealthy(exc):
                     await self.breakers.failure(key)
@@ -135,7 +148,7 @@ class Executor:
                     self.breakers.get(key).release()
             raise
         except asyncio.CancelledError:
-            plan.tried.append(f"{model}:cancelled")
+            self._note(plan, model, "cancelled")
             if plan.route.breaker is not None:
                 self.breakers.get(key).release()
             raise
@@ -168,7 +181,7 @@ class Executor:
         for index, choice in enumerate(queue):
             breaker = self.breakers.get(self._key(choice), route.breaker) if route.breaker else None
             if breaker is not None and not breaker.allow():
-                plan.tried.append(f"{choice.candidate.model}:open")
+                self._note(plan, choice.candidate.model, "open")
                 continue
             for retry in range(route.retry.attempts):
                 try:
@@ -301,7 +314,7 @@ class Executor:
             except GatewayError as exc:
                 if choice is not None:
                     failed.add(choice.candidate.model)
-                    plan.tried.append(f"{choice.candidate.model}:cut")
+                    self._note(plan, choice.candidate.model, "cut")
                     if plan.route.breaker is not None and _unhealthy(exc):
                         await self.breakers.failure(self._key(choice))
                 if not plan.route.resume or tool_calls or not fails_over(plan.route, exc):

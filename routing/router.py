@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from prometheus_client import CollectorRegistry
+
 from gateway.auth import Principal
 from gateway.config import Backend
 from gateway.errors import ModelNotFound
 from gateway.router_basic import ModelTable
 from routing.breaker import Breakers
 from routing.health import HealthProber
+from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, order
 from routing.routes import Candidate, Conditions, Retry, Route
@@ -63,7 +66,13 @@ def validate(routes: Sequence[Route], models: ModelTable) -> None:
 
 
 class Router:
-    def __init__(self, models: ModelTable, routes: Sequence[Route] = (), state: object | None = None) -> None:
+    def __init__(
+        self,
+        models: ModelTable,
+        routes: Sequence[Route] = (),
+        state: object | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.models = models
         self.stats = RoutingStats()
         self.breakers = Breakers(state)
@@ -75,6 +84,7 @@ class Router:
         self.prober: HealthProber | None = None
         self.sessions: object | None = None  # the admin DB's async_sessionmaker, when configured
         self.set_routes(routes)
+        self.metrics = RoutingMetrics(registry, self) if registry is not None else None
 
     def use_control_plane(self, sessions: object, state: object) -> None:
         """Routes from the admin DB (seeded from the config), breakers shared through `state`."""

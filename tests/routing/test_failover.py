@@ -296,3 +296,27 @@ def test_a_half_open_trial_answered_with_a_400_closes_the_breaker(
     assert breakers.state(key) == "closed"  # the backend answered: it is up
     text, route = chat(gateway, "resilient")
     assert text == ECHO and route["candidate"] == "gpt-4o-mini"
+
+
+def test_metrics_count_attempts_and_show_breakers(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(f"{gateway.url}/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    attempt_502 = (
+        "weir_route_attempts_total",
+        (("candidate", "gpt-4o-mini"), ("outcome", "502"), ("route", "resilient")),
+    )
+    before = samples().get(attempt_502, 0.0)
+    fake_openai.fail_next(500, times=2)
+    chat(gateway, "resilient")
+    after = samples()
+    assert after[attempt_502] == before + 2
+    assert after[("weir_route_breaker_state", (("breaker", "openai/gpt-4o-mini"),))] == 0  # 2 of 3: closed

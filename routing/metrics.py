@@ -1,0 +1,50 @@
+"""Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome (the
+executor counts them), and, read at scrape time, breaker states and prefix-affinity hits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+STATE_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class RoutingMetrics:
+    def __init__(self, registry: CollectorRegistry, router: Any) -> None:
+        self.attempts = Counter(
+            "weir_route_attempts",
+            "Upstream attempts by route, candidate and outcome (ok, a status, cut, cancelled, open)",
+            ("route", "candidate", "outcome"),
+            registry=registry,
+        )
+        registry.register(_Collector(router))
+
+
+class _Collector:
+    def __init__(self, router: Any) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Any]:
+        states = GaugeMetricFamily(
+            "weir_route_breaker_state",
+            "Circuit breaker per backend/model: 0 closed, 1 half-open, 2 open",
+            labels=("breaker",),
+        )
+        for key, breaker in list(self.router.breakers.breakers.items()):
+            states.add_metric((key,), STATE_VALUES[breaker.current().value])
+        yield states
+        affinity = CounterMetricFamily(
+            "weir_prefix_affinity_requests",
+            "prefix_affinity decisions: hit (the preferred replica) or miss",
+            labels=("route", "result"),
+        )
+        for route, (hits, total) in list(self.router.context.affinity.items()):
+            affinity.add_metric((route, "hit"), hits)
+            affinity.add_metric((route, "miss"), total - hits)
+        yield affinity
+
+    def describe(self) -> list[Any]:
+        return []  # collected lazily: nothing to check at registration
