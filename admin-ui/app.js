@@ -148,8 +148,10 @@ function chart(title, days, series, { stacked = false, fmt = (v) => v, range } =
   return box;
 }
 
-function stat(label, value, sub) {
-  return h("div", { class: "stat" }, h("div", { class: "stat-label" }, label), h("div", { class: "stat-value" }, value), sub ? h("div", { class: "stat-sub" }, sub) : null);
+// `exact`: the API's value behind a rounded display, in the tooltip and data-value.
+function stat(label, value, sub, exact) {
+  return h("div", { class: "stat" }, h("div", { class: "stat-label" }, label),
+    h("div", { class: "stat-value", title: exact, "data-value": exact }, value), sub ? h("div", { class: "stat-sub" }, sub) : null);
 }
 
 async function copyButton(text) {
@@ -216,10 +218,12 @@ document.getElementById("sign-out").addEventListener("click", async () => {
 
 async function overview() {
   const start = addDays(today(), -29), end = addDays(today(), 1);
-  const [days, month] = await Promise.all([
+  const [days, month, routing] = await Promise.all([
     api(`reports/usage?group_by=day&start=${isoDay(start)}&end=${isoDay(end)}`),
     api(`reports/usage?group_by=tenant&start=${isoDay(monthStart())}&end=${isoDay(end)}`),
+    api(`reports/routing-savings?start=${isoDay(start)}&end=${isoDay(end)}`),
   ]);
+  const savedDays = fillDays(routing.data, start, end);
   const rows = fillDays(days.rows, start, end), t = month.totals, d = days.totals;
   const todayRow = rows.find((r) => r.day === isoDay(today())) || { cost_usd: "0", requests: 0 };
   const x = rows.map((r) => r.day);
@@ -229,12 +233,12 @@ async function overview() {
     d.requests ? null : notice("No traffic yet. Create a tenant and a key under Tenants & keys, then send a request with it.", "info"),
     h("div", { class: "stats" },
       stat("Requests (30 days)", intFmt(d.requests), `${intFmt(t.requests)} this month`),
-      stat("Spend today", usdFmt(todayRow.cost_usd)),
-      stat("Spend this month", usdFmt(t.cost_usd)),
+      stat("Spend today", usdFmt(todayRow.cost_usd), null, todayRow.cost_usd),
+      stat("Spend this month", usdFmt(t.cost_usd), null, t.cost_usd),
       stat("Tokens this month", intFmt(t.total_tokens), `in ${intFmt(t.input_tokens)} · cached ${intFmt(t.cached_input_tokens)} · out ${intFmt(t.output_tokens)}`),
       stat("Cache hit ratio", pctFmt(t.cache_hit_ratio), `saved ${usdFmt(t.cache_savings_usd)} this month`),
       stat("Error rate (30 days)", pctFmt(errRate(d))),
-      stat("Routing savings", "not recorded", "The ledger does not yet keep the strongest model's price per request."),
+      stat("Routing savings (30 days)", usdFmt(routing.totals.saved_usd), `vs ${usdFmt(routing.totals.strongest_cost_usd)} on each route's priciest candidate`, routing.totals.saved_usd),
     ),
     h("div", { class: "charts" },
       chart("Requests per day", x, [{ label: "requests", values: col("requests") }], { fmt: intFmt }),
@@ -250,6 +254,10 @@ async function overview() {
         { label: "error rate", values: rows.map(errRate) },
       ], { fmt: pctFmt, range: [0, 1] }),
       chart("Cache savings per day (USD)", x, [{ label: "saved", values: col("cache_savings_usd") }], { fmt: usdFmt }),
+      chart("Routing: spend vs all-strongest per day (USD)", x, [
+        { label: "spent", values: savedDays.map((r) => r.cost_usd ?? 0) },
+        { label: "on the strongest", values: savedDays.map((r) => r.strongest_cost_usd ?? 0) },
+      ], { fmt: usdFmt }),
     ),
   );
 }

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.accounting import reports
 from gateway.accounting.money import format_usd, micro_to_usd, usd_per_mtok_to_micro, usd_to_micro
 from gateway.admin.keys import new_key
-from gateway.admin.requests import preview_route, recent_requests, spend_by_class
+from gateway.admin.requests import preview_route, recent_requests, routing_savings, spend_by_class
 from gateway.admin.schemas import KeyCreate, PricesPut, TenantCreate, TenantPatch
 from gateway.admin.token import token_matches
 from gateway.db.models import ApiKey, AuditLog, Price, Tenant, utcnow
@@ -479,6 +479,7 @@ def admin_router(ctx: AdminContext, path: str = "/admin/api/v1") -> Router:
             recent_requests,
             spend_by_class,
             preview_route,
+            routing_savings,
             *_route_handlers(),
         ],
         guards=[_admin_guard(ctx)],

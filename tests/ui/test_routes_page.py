@@ -3,7 +3,9 @@ next request follow the change; validation errors say what to fix; history recor
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -90,4 +92,34 @@ def test_edit_a_route_and_the_next_request_follows(routed: Weir, browser: Any, s
     history = page.locator("main > .table-wrap").last.inner_text()
     assert "update" in history and "create" in history and "ui:admin-token" in history
     page.screenshot(path=shots / "09-routes.png", full_page=True)
+
+    # Routing savings: with gpt-4o-mini first and gpt-4o second, a request served by gpt-4o-mini saved
+    # the price difference against sending it to gpt-4o; the overview shows the API's number.
+    page.get_by_role("link", name="Edit route assistant #1").click()
+    edit = page.get_by_role("form", name="Edit route assistant")
+    edit.get_by_label("Candidates", exact=True).fill("gpt-4o-mini\ngpt-4o")
+    edit.get_by_role("button", name="Save route").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    assert upstream_model(client)[0].startswith("gpt-4o-mini")
+    deadline = time.monotonic() + 15
+    while len(log := routed.admin.get("/requests").json()["data"]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    expected = (
+        sum(
+            Decimal(a["input_tokens"]) * (Decimal("2.50") - Decimal("0.15"))
+            + Decimal(a["output_tokens"]) * (Decimal("10.00") - Decimal("0.60"))
+            for r in log
+            for a in r["attempts"]
+            if a["model"] == "gpt-4o-mini"
+        )
+        / 10**6
+    )
+    savings = routed.admin.get("/reports/routing-savings").json()["totals"]
+    assert Decimal(savings["saved_usd"]) == expected > 0
+    page.get_by_role("link", name="Overview").click()
+    card = page.locator(".stat", has_text="Routing savings").locator(".stat-value")
+    card.wait_for()
+    assert card.get_attribute("data-value") == savings["saved_usd"]
+    assert card.inner_text().startswith("$0.0000")
+    page.screenshot(path=shots / "10-overview-routing.png", full_page=True)
     page.close()
