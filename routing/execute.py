@@ -321,6 +321,7 @@ class Executor:
                     raise
                 messages = [*request.messages, Message(role="assistant", content="".join(sent))]
                 continued = msgspec.structs.replace(request, messages=messages)
+                continued = _shorter(continued, len(sent))
                 try:
                     batches = await self.first(call, plan, continued, feats, skip=frozenset(failed))
                 except GatewayError:
@@ -337,3 +338,14 @@ def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:
         for c in chunk.choices
     ]
     return msgspec.structs.replace(chunk, id=stream_id or chunk.id, choices=choices, raw=None)
+
+
+def _shorter(request: ChatRequest, chunks_sent: int) -> ChatRequest:
+    """The continuation may only produce what the client's output limit has left (one content chunk
+    counted as one token: what the vendors stream; the vendor still enforces its own count)."""
+    if request.max_completion_tokens is not None:
+        left = max(1, request.max_completion_tokens - chunks_sent)
+        return msgspec.structs.replace(request, max_completion_tokens=left)
+    if request.max_tokens is not None:
+        return msgspec.structs.replace(request, max_tokens=max(1, request.max_tokens - chunks_sent))
+    return request

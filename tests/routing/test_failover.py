@@ -320,3 +320,19 @@ def test_metrics_count_attempts_and_show_breakers(gateway: RunningGateway, fake_
     after = samples()
     assert after[attempt_502] == before + 2
     assert after[("weir_route_breaker_state", (("breaker", "openai/gpt-4o-mini"),))] == 0  # 2 of 3: closed
+
+
+def test_a_resumed_stream_keeps_to_the_client_output_limit(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_openai.fail_next(Fault.cut_stream(after=3))
+    stream = gateway.openai().chat.completions.create(
+        model="resilient", messages=HI, stream=True, max_tokens=4
+    )
+    pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    # Four tokens in all, across both backends (the fake drops the continuation's leading space when
+    # it truncates at max_tokens, hence the comparison without spaces).
+    assert len(pieces) == 4 and "".join(pieces).replace(" ", "") == "onetwothreefour"
+    sent = fake_anthropic.last_request.json
+    prefill = "".join(block["text"] for block in sent["messages"][-1]["content"])
+    assert sent["max_tokens"] == 4 - len(prefill.split())
