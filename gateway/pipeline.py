@@ -19,7 +19,7 @@ from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import TokenClass, price_usage
 from gateway.auth import Principal
 from gateway.config import Model
-from gateway.errors import GatewayError
+from gateway.errors import BadGateway, GatewayError
 from gateway.estimate import Produced
 from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
@@ -35,6 +35,7 @@ class HasUsage(Protocol):
 
 
 R = TypeVar("R", bound=HasUsage)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -118,7 +119,7 @@ class Pipeline:
             body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
             if status >= 400:
                 raise target.provider.error(status, body, response.headers)
-            result = parse(body, target.upstream_model)
+            result = decode(parse, backend.name, body, target.upstream_model)
             usage = result.usage or usage
             return result
         except GatewayError as exc:
@@ -165,7 +166,7 @@ class Pipeline:
                 batch: list[Any] = []
                 try:
                     for event, data in events:
-                        for chunk in decoder.feed(event, data):
+                        for chunk in decode(decoder.feed, backend.name, event, data):
                             produced.add(chunk)
                             if chunk.usage is not None:
                                 usage, usage_reported = chunk.usage, True
@@ -179,7 +180,7 @@ class Pipeline:
                     raise
                 if batch:
                     yield batch
-            tail = decoder.close()
+            tail = decode(decoder.close, backend.name)
             for chunk in tail:
                 if chunk.usage is not None:
                     usage, usage_reported = chunk.usage, True
@@ -267,6 +268,17 @@ class Pipeline:
                 event_id=os.urandom(16).hex(),  # as unique as uuid4, at a fraction of its cost
             )
         )
+
+
+def decode(step: Callable[..., T], backend: str, *args: Any) -> T:
+    """Run a provider's decoding step; a body or event of a shape it did not expect (JSON `null`
+    where an object belongs, a list for a string...) is the backend's fault: a 502, never a crash."""
+    try:
+        return step(*args)
+    except GatewayError:
+        raise
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
+        raise BadGateway(f"backend {backend} sent a malformed response ({type(exc).__name__})") from None
 
 
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -45,6 +45,8 @@ async def parse_body(request: Request[Any, Any, Any], type_: type[T]) -> T:
         raise InvalidRequest(
             "We could not parse the JSON body of your request. The body must be a JSON object."
         ) from None
+    except RecursionError:  # JSON nested thousands deep: a hostile body, not a server fault
+        raise InvalidRequest("The JSON body of your request is nested too deeply.") from None
     if not isinstance(raw, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     fields = type_.__struct_fields__
