@@ -48,6 +48,11 @@ def median_time(fn: Callable[[int], None], reps: int) -> float:
     return statistics.median(times)
 
 
+def progress(side: str, out: dict[str, float]) -> None:
+    key = list(out)[-1]
+    print(f"  {side}: {key} = {out[key]:.3f} (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+
+
 def _sync() -> None:
     import torch
 
@@ -82,6 +87,7 @@ def run_weir(args: argparse.Namespace) -> dict[str, float]:
     for length in args.ttft_lengths:
         ps = prompts(args.reps, length, seed=length)
         out[f"ttft_{length}_s"] = median_time(lambda i, ps=ps: first_token(ps[i]), args.reps)
+        progress("weir", out)
 
     n = args.decode_tokens
     [prompt] = prompts(1, args.prompt_len, seed=1)
@@ -92,6 +98,7 @@ def run_weir(args: argparse.Namespace) -> dict[str, float]:
             first_at = time.perf_counter()
     assert first_at is not None
     out["decode_tok_s"] = (n - 1) / (time.perf_counter() - first_at)
+    progress("weir", out)
 
     for batch in args.batches:
         ps = prompts(batch, args.prompt_len, seed=100 + batch)
@@ -101,6 +108,7 @@ def run_weir(args: argparse.Namespace) -> dict[str, float]:
         elapsed = time.perf_counter() - start
         assert all(len(o) == args.output_len for o in outs)
         out[f"batch{batch}_tok_s"] = batch * args.output_len / elapsed
+        progress("weir", out)
     return out
 
 
@@ -143,6 +151,7 @@ def run_hf(args: argparse.Namespace) -> dict[str, float]:
     for length in args.ttft_lengths:
         ps = prompts(args.reps, length, seed=length)
         out[f"ttft_{length}_s"] = median_time(lambda i, ps=ps: generate([ps[i]], 1), args.reps)
+        progress("hf", out)
 
     n = args.decode_tokens
     [prompt] = prompts(1, args.prompt_len, seed=1)
@@ -151,6 +160,7 @@ def run_hf(args: argparse.Namespace) -> dict[str, float]:
     generate([prompt], n)
     _sync()
     out["decode_tok_s"] = (n - 1) / (time.perf_counter() - start - one)
+    progress("hf", out)
 
     for batch in args.batches:
         ps = prompts(batch, args.prompt_len, seed=100 + batch)
@@ -160,6 +170,7 @@ def run_hf(args: argparse.Namespace) -> dict[str, float]:
         elapsed = time.perf_counter() - start
         assert result.shape[1] == args.prompt_len + args.output_len
         out[f"batch{batch}_tok_s"] = batch * args.output_len / elapsed
+        progress("hf", out)
     return out
 
 
@@ -170,7 +181,9 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     result = run_weir(args) if args.side == "weir" else run_hf(args)
+    result["load_avg"] = (load_before + os.getloadavg()[0]) / 2
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.device.startswith("cuda"):
         result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / (1 << 20)
@@ -223,12 +236,15 @@ def main() -> None:
         )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
-            sys.exit(f"{side} failed:\n{proc.stdout}\n{proc.stderr}")
+            sys.exit(f"{side} failed:\n{proc.stdout}")
         results[side] = json.loads(lines[-1].removeprefix("RESULT "))
 
     weir, hf = results["weir"], results["hf"]
     print(f"{'metric':<22}{'weir':>12}{'transformers':>14}{'weir/hf':>10}")
     for key in weir:
+        if key == "load_avg":
+            print(f"{'load average':<22}{weir[key]:>12.1f}{hf[key]:>14.1f}")
+            continue
         lower_is_better = key.startswith("ttft") or key.endswith("_mib")
         ratio = hf[key] / weir[key] if lower_is_better else weir[key] / hf[key]
         print(f"{key:<22}{weir[key]:>12.3f}{hf[key]:>14.3f}{ratio:>9.2f}x")
