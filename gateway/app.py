@@ -76,6 +76,7 @@ def create_app(
     gateway = Gateway(config, authenticator=authenticator, usage_sink=usage_sink, admission=admission)
     if control is not None:
         gateway.router.use_control_plane(control.sessions, control.state)  # routes in the admin DB
+        gateway.metrics.watch_budgets(lambda: control.admission.budget_usage_ratio)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from gateway.state.degradable import degraded_states
 from gateway.usage import Usage
@@ -75,5 +78,24 @@ class Metrics:
                     child = self._tokens[key] = self.tokens.labels(backend, model, token_class)
                 child.inc(count)
 
+    def watch_budgets(self, ratios: Callable[[], Mapping[str, float]]) -> None:
+        """Export each tenant's monthly budget use (spent + reserved over the budget) on every scrape."""
+        self.registry.register(_BudgetCollector(ratios))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _BudgetCollector(Collector):
+    def __init__(self, ratios: Callable[[], Mapping[str, float]]) -> None:
+        self._ratios = ratios
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "weir_budget_usage_ratio",
+            "Share of the tenant's monthly budget spent or reserved, as of its last settled request",
+            labels=["tenant"],
+        )
+        for tenant, ratio in sorted(self._ratios().items()):
+            family.add_metric([tenant], ratio)
+        yield family

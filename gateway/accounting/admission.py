@@ -86,6 +86,10 @@ class Admission:
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._settlements: list[Settlement] = []
         self._flusher: asyncio.Task[None] | None = None
+        # Tenant budgets seen by this replica (budget key -> (tenant id, limit in micro-USD)) and the
+        # share of each used, spent plus reserved, as of the last settlement (for /metrics and alerts).
+        self._tenant_budgets: dict[str, tuple[str, int]] = {}
+        self.budget_usage_ratio: dict[str, float] = {}
 
     async def admit(
         self,
@@ -122,6 +126,8 @@ class Admission:
                 key = f"budget:{scope}:{owner}:{month_of(now)}"
                 await self._seed(key, scope, owner, now)
                 budgets.append(Budget(key, limit))
+                if scope == "tenant":
+                    self._tenant_budgets[key] = (owner, limit)
         amount = 0
         if budgets:
             usage = Usage(input_tokens=prompt_tokens, output_tokens=max_output_tokens)
@@ -194,8 +200,16 @@ class Admission:
             batch, self._settlements = self._settlements, []
             try:
                 await self.state.settle_many(batch)
+                await self._refresh_budget_usage({key for s in batch for key in s.budget_keys})
             except Exception:
                 log.warning("could not settle %d attempts in the shared state", len(batch), exc_info=True)
+
+    async def _refresh_budget_usage(self, keys: set[str]) -> None:
+        for key in keys:
+            tenant = self._tenant_budgets.get(key)
+            if tenant is not None:
+                spent, reserved = await self.state.budget_usage(key)
+                self.budget_usage_ratio[tenant[0]] = (spent + reserved) / max(tenant[1], 1)
 
     def _expire(self) -> None:
         horizon = time.monotonic() - PENDING_TTL_S

@@ -157,6 +157,15 @@ def test_budget_reserves_and_refuses(weir: Weir, fake_openai: FakeOpenAI) -> Non
     spent = sum(r[3] for r in rows)
     assert spent - one_call <= budget < spent + one_call
 
+    # /metrics exports the tenant's budget use for the budget alerts: spent (nothing reserved now)
+    # over the budget, as of the last settlement.
+    gauge = next(
+        line
+        for line in httpx.get(f"{weir.url}/metrics").text.splitlines()
+        if line.startswith(f'weir_budget_usage_ratio{{tenant="{tenant_id}"}}')
+    )
+    assert float(gauge.split()[-1]) == pytest.approx(spent / 10**6 / 1000, rel=1e-6)
+
 
 CONFIG_FILE = """\
 backends:
