@@ -1,0 +1,347 @@
+"""Speculative decoding: draft proposers, the lossless verification rule, adaptive k and metrics.
+
+A proposer guesses the next k tokens cheaply; the target model scores all of them in one forward pass
+(k + 1 rows of logits: one after each draft prefix, plus the bonus position). The verification rule then
+keeps a prefix of the draft and adds one token of the target's own, so every step yields 1..k+1 tokens
+and the output distribution is exactly the target's:
+
+- greedy: keep the longest prefix where the draft equals the target's argmax, then the target's argmax;
+- sampling: Leviathan et al. (2023) / Chen et al. (2023) rejection sampling. Draft token x drawn from q
+  is accepted with probability min(1, p(x) / q(x)); on the first rejection a token is drawn from the
+  residual max(0, p - q) normalised, and if every draft survives a bonus token is drawn from the last
+  row of p. A deterministic proposer (n-gram lookup) is the case q = one-hot(x).
+
+Proposers:
+- `NgramProposer`: prompt lookup (Saxena 2023): find the latest earlier occurrence of the sequence's
+  last n tokens and propose what followed it. Free, and strong on input-grounded work.
+- `ModelProposer`: a small draft model sharing the tokenizer (a separate model, or a self-draft built
+  by `self_draft_model`: the target int4-quantized, or its first N layers).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = [
+    "AdaptiveK",
+    "ModelProposer",
+    "NgramProposer",
+    "SpecMetrics",
+    "SpeculativeConfig",
+    "parse_speculative",
+    "rejection_sample",
+    "self_draft_model",
+    "verify_greedy",
+]
+
+
+# --- configuration --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram" | "draft" | "self"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None  # method "draft": a registry name or path
+    self_draft: str | None = None  # method "self": "int4" or "layers=N"
+
+
+def parse_speculative(spec: str, num_speculative_tokens: int = 4) -> SpeculativeConfig:
+    """`ngram`, `draft:<model>`, `self:int4` or `self:layers=N` (the `--speculative` flag's syntax)."""
+    if num_speculative_tokens < 1:
+        raise ValueError("num_speculative_tokens must be at least 1")
+    k = num_speculative_tokens
+    if spec == "ngram":
+        return SpeculativeConfig("ngram", k)
+    method, _, arg = spec.partition(":")
+    if method == "draft" and arg:
+        return SpeculativeConfig("draft", k, draft_model=arg)
+    if method == "self":
+        if arg == "int4":
+            return SpeculativeConfig("self", k, self_draft="int4")
+        name, _, value = arg.partition("=")
+        if name == "layers" and value.isdigit() and int(value) >= 1:
+            return SpeculativeConfig("self", k, self_draft=f"layers={int(value)}")
+    raise ValueError(
+        f"unknown speculative method {spec!r}; use ngram, draft:<model>, self:int4 or self:layers=N"
+    )
+
+
+# --- proposers ------------------------------------------------------------------------------------
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    # draft distribution per proposed token [k, vocab]; None for a deterministic proposer (q = one-hot)
+    probs: torch.Tensor | None = None
+
+
+class NgramProposer:
+    """Prompt lookup: match the last n tokens (longest n first) against earlier context."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError("need 1 <= min_n <= max_n")
+        self.max_n = max_n
+        self.min_n = min_n
+
+    def propose(self, token_ids: Sequence[int], k: int) -> Proposal:
+        tokens = list(token_ids)
+        total = len(tokens)
+        if k <= 0:
+            return Proposal([])
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = tokens[total - n :]
+            # latest earlier occurrence: recent context predicts best (and loops get continued)
+            for start in range(total - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    follow = tokens[start + n : start + n + k]
+                    if follow:
+                        return Proposal(follow)
+        return Proposal([])
+
+
+class ModelProposer:
+    """Drafts k tokens autoregressively with a small model. `next_probs(token_ids)` returns the draft's
+    next-token distribution [vocab] (already tempered/filtered as the request's sampling asks; a
+    one-hot for greedy requests). Draws use `generator` so seeded requests stay reproducible."""
+
+    def __init__(self, next_probs: Callable[[list[int]], torch.Tensor]) -> None:
+        self.next_probs = next_probs
+
+    def propose(
+        self,
+        token_ids: Sequence[int],
+        k: int,
+        *,
+        greedy: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        tokens = list(token_ids)
+        drafted: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(k):
+            q = self.next_probs(tokens + drafted)
+            tok = int(q.argmax()) if greedy else int(torch.multinomial(q, 1, generator=generator))
+            drafted.append(tok)
+            rows.append(q)
+        return Proposal(drafted, torch.stack(rows) if rows and not greedy else None)
+
+
+@torch.inference_mode()
+def sequence_logits(model: nn.Module, token_ids: Sequence[int], last: int = 1) -> torch.Tensor:
+    """Logits [last, vocab] of an engine `Transformer` at the last `last` positions of `token_ids`,
+    computed from scratch in a private KV cache (the model's own cache is put back afterwards, so this
+    is safe on a model that also serves). Quadratic per call: for drafting outside the engine, tests
+    and benchmarks, not for the serving loop."""
+    from engine.model import AttentionMetadata, PrefillChunk, attention_metadata
+
+    n = len(token_ids)
+    block_size = 16
+    param = next(model.parameters())
+    dev = param.device
+    dtype = param.dtype if param.dtype.is_floating_point else torch.float32
+    saved = [(layer.self_attn.k_cache, layer.self_attn.v_cache) for layer in model.layers]  # type: ignore[union-attr]
+    model.allocate_kv_cache(-(-n // block_size), block_size, dtype, dev)  # type: ignore[operator]
+    try:
+        meta = AttentionMetadata(
+            positions=torch.arange(n, device=dev),
+            slot_mapping=torch.arange(n, device=dev),
+            num_decodes=0,
+            block_tables=None,
+            context_lens=None,
+            max_context_len=0,
+            prefills=[
+                PrefillChunk(0, n, n, torch.arange(-(-n // block_size), dtype=torch.int32, device=dev))
+            ],
+            block_size=block_size,
+        )
+        with attention_metadata(meta):
+            hidden = model(torch.tensor(list(token_ids), dtype=torch.long, device=dev))
+        return model.logits(hidden[n - last :])  # type: ignore[operator]
+    finally:
+        for layer, (k, v) in zip(model.layers, saved, strict=True):  # type: ignore[union-attr]
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+
+
+def self_draft_model(model: nn.Module, spec: str) -> nn.Module:
+    """A draft built from the target itself: `int4` (a quantized copy) or `layers=N` (its first N
+    decoder layers, sharing the target's weights, with the target's final norm and head)."""
+    if spec == "int4":
+        from engine.quant import quantize_model
+
+        return quantize_model(copy.deepcopy(model), "int4")
+    name, _, value = spec.partition("=")
+    if name == "layers" and value.isdigit():
+        n = int(value)
+        layers = model.layers  # type: ignore[union-attr]
+        if not 1 <= n <= len(layers):
+            raise ValueError(f"self:layers=N needs 1 <= N <= {len(layers)}")
+        draft = copy.copy(model)  # shallow: shares parameters and the KV tensors of those layers
+        draft._modules = dict(model._modules)
+        draft._modules["layers"] = nn.ModuleList(list(layers)[:n])
+        return draft
+    raise ValueError(f"unknown self-draft {spec!r}; use int4 or layers=N")
+
+
+# --- verification ---------------------------------------------------------------------------------
+def verify_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> list[int]:
+    """`target_argmax[i]`: the target's choice after the first i draft tokens (len(draft) + 1 rows).
+    Returns the accepted draft prefix followed by the target's own next token."""
+    if len(target_argmax) != len(draft) + 1:
+        raise ValueError("target_argmax needs one row more than the draft")
+    out: list[int] = []
+    for d, t in zip(draft, target_argmax, strict=False):
+        if d != t:
+            out.append(t)
+            return out
+        out.append(d)
+    out.append(target_argmax[len(draft)])
+    return out
+
+
+def rejection_sample(
+    draft: Sequence[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Lossless speculative sampling. `target_probs` [k+1, vocab]: p after each draft prefix (row k is
+    the bonus position); `draft_probs` [k, vocab]: q that drew each draft token (None: q = one-hot).
+    Returns the accepted draft tokens plus one token from the residual or bonus distribution; the
+    result is distributed exactly as k+1 ancestral samples from p would be (up to where it stops)."""
+    k = len(draft)
+    if target_probs.shape[0] != k + 1:
+        raise ValueError("target_probs needs one row more than the draft")
+    p = target_probs.float()
+    dev = p.device
+    if k:
+        idx = torch.tensor(list(draft), device=dev)
+        p_x = p[:k].gather(1, idx[:, None]).squeeze(1)
+        if draft_probs is None:
+            q_x = torch.ones_like(p_x)
+        else:
+            q_x = draft_probs.float().gather(1, idx[:, None]).squeeze(1)
+        u = torch.rand(k, generator=generator, device=dev)
+        # u < p/q, written without dividing (q_x > 0 for any token the draft actually drew)
+        accepted = (u * q_x < p_x).tolist()
+        for i, ok in enumerate(accepted):
+            if ok:
+                continue
+            if draft_probs is None:
+                residual = p[i].clone()
+                residual[draft[i]] = 0.0
+            else:
+                residual = (p[i] - draft_probs[i].float()).clamp(min=0.0)
+            total = residual.sum()
+            if float(total) <= 0.0:  # p == q: rejection had probability 0; fall back to p
+                residual, total = p[i], p[i].sum()
+            tok = int(torch.multinomial(residual / total, 1, generator=generator))
+            return [*draft[:i], tok]
+    bonus = int(torch.multinomial(p[k], 1, generator=generator))
+    return [*draft, bonus]
+
+
+# --- adaptive k -----------------------------------------------------------------------------------
+@dataclass
+class AdaptiveK:
+    """Chooses how many tokens to draft from the recent acceptance rate (an EMA per request).
+
+    With per-token acceptance a, drafting k yields (1 - a^(k+1)) / (1 - a) tokens per step for a cost
+    of 1 + cost_per_token * k target-token equivalents (verifying extra tokens and drafting them);
+    pick the k that maximises tokens per unit cost. k = 0 (plain decoding) wins when acceptance is
+    poor; then every `probe_every` steps one token is drafted to notice when acceptance recovers."""
+
+    k_max: int
+    cost_per_token: float = 0.1
+    ema: float = 0.3  # weight of the newest observation
+    initial_rate: float = 0.7
+    probe_every: int = 8
+    rate: float = field(init=False)
+    _idle: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.k_max < 1:
+            raise ValueError("k_max must be at least 1")
+        self.rate = self.initial_rate
+
+    @staticmethod
+    def expected_tokens(rate: float, k: int) -> float:
+        if rate >= 1.0:
+            return float(k + 1)
+        return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+    def best_k(self) -> int:
+        scores = [
+            self.expected_tokens(self.rate, k) / (1.0 + self.cost_per_token * k)
+            for k in range(self.k_max + 1)
+        ]
+        return max(range(self.k_max + 1), key=lambda k: (scores[k], -k))
+
+    def next_k(self) -> int:
+        k = self.best_k()
+        if k == 0:
+            self._idle += 1
+            if self._idle >= self.probe_every:
+                self._idle = 0
+                return 1
+        else:
+            self._idle = 0
+        return k
+
+    def update(self, num_proposed: int, num_accepted: int) -> None:
+        if num_proposed <= 0:
+            return
+        observed = num_accepted / num_proposed
+        self.rate = (1.0 - self.ema) * self.rate + self.ema * observed
+        self.rate = min(max(self.rate, 0.0), 1.0)
+
+
+# --- metrics --------------------------------------------------------------------------------------
+@dataclass
+class SpecMetrics:
+    """Counters for one engine: acceptance per draft position, tokens per verification step."""
+
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    num_steps: int = 0  # verification steps that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # accepted + the target's own token per step
+
+    def record(self, num_proposed: int, num_accepted: int, num_emitted: int | None = None) -> None:
+        if num_proposed <= 0:
+            return
+        grow = num_proposed - len(self.proposed_by_position)
+        if grow > 0:
+            self.proposed_by_position.extend([0] * grow)
+            self.accepted_by_position.extend([0] * grow)
+        for i in range(num_proposed):
+            self.proposed_by_position[i] += 1
+            if i < num_accepted:
+                self.accepted_by_position[i] += 1
+        self.num_steps += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted if num_emitted is not None else num_accepted + 1
+
+    def acceptance_rate_by_position(self) -> list[float]:
+        return [
+            a / p if p else math.nan
+            for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=True)
+        ]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        return self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return self.num_emitted_tokens / self.num_steps if self.num_steps else 0.0
