@@ -170,10 +170,13 @@ def _check_references(config: Config) -> None:
         names.add(model.name)
         if model.backend not in backends:
             raise ConfigError(f"models[{i}].backend: no backend named {model.backend!r}")
-    for i, route in enumerate(config.routes):
-        for name in route.models():
-            if name not in names:
-                raise ConfigError(f"routes[{i}] ({route.name}): no model named {name!r}")
+    if config.routes:
+        from routing.router import RouteError, validate  # the routing engine imports this module
+
+        try:
+            validate(config.routes, names)
+        except RouteError as exc:
+            raise ConfigError(str(exc)) from None
     keys: set[str] = set()
     for i, tenant in enumerate(config.tenants or []):
         for j, key in enumerate(tenant.api_keys):

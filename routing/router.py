@@ -7,7 +7,7 @@ no route is a plain model: one candidate, one attempt, as before routing existed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -49,7 +49,9 @@ def matches(when: Conditions | None, feats: Features) -> bool:
     return when.images is None or feats.images == when.images
 
 
-def validate(routes: Sequence[Route], models: ModelTable) -> None:
+def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> None:
+    """Raise RouteError naming the first problem: unknown models, too few candidates, bad settings."""
+    names = models.targets if isinstance(models, ModelTable) else models
     for i, route in enumerate(routes):
         where = f"routes[{i}] ({route.name})"
         if not route.candidates:
@@ -61,7 +63,7 @@ def validate(routes: Sequence[Route], models: ModelTable) -> None:
         if route.retry.attempts < 1:
             raise RouteError(f"{where}.retry.attempts: must be at least 1")
         for name in route.models():
-            if name not in models.targets:
+            if name not in names:
                 raise RouteError(f"{where}: no model named {name!r}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import random
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -221,3 +222,23 @@ def test_difficulty_with_the_shipped_classifier(
     p_strong = classifier.score(HARD)
     assert float(route["score"]) == pytest.approx(p_strong, rel=1e-4)
     assert route["candidate"] == ("claude-sonnet" if p_strong > 0.5 else "gpt-4o-mini")
+
+
+@pytest.mark.parametrize(
+    ("routes", "message"),
+    [
+        ("routes:\n  - {name: r, candidates: [{model: nope}]}\n", "routes[0] (r): no model named 'nope'"),
+        ("routes:\n  - {name: r, policy: difficulty, candidates: [{model: gpt-5}]}\n", "weak and a strong"),
+        ("routes:\n  - {name: r, candidates: []}\n", "at least one candidate"),
+        ("routes:\n  - {name: r, policy: fastest, candidates: [{model: gpt-5}]}\n", "routes[0].policy"),
+    ],
+)
+def test_bad_routes_in_the_config_name_the_problem(routes: str, message: str) -> None:
+    from gateway.config import ConfigError, parse_config
+    from tests.gateway.conftest import full_config_text
+
+    names = ("OPENAI", "ANTHROPIC", "GEMINI", "DEEPSEEK")
+    env = {f"{n}_BASE_URL": "http://127.0.0.1:9" for n in names} | {f"{n}_API_KEY": "k" for n in names}
+    env |= {"DEAD_PORT": "9", "WEIR_DEMO_KEY": "a", "WEIR_LIMITED_KEY": "b"}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(full_config_text() + routes, env)
