@@ -11,7 +11,7 @@ import asyncio
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -156,13 +156,11 @@ class Executor:
             if not handed_over:
                 in_flight[model] -= 1
 
-    async def _track(self, batches: Batches, model: str) -> Batches:
-        try:
-            async for batch in batches:
-                yield batch
-        finally:
-            self.context.in_flight[model] -= 1
-            await batches.aclose()  # type: ignore[attr-defined]
+    def _track(self, batches: Batches, model: str) -> Tracked:
+        return Tracked(batches, lambda: self._release(model))
+
+    def _release(self, model: str) -> None:
+        self.context.in_flight[model] -= 1
 
     # --- the first answer: retries, fallbacks, hedging -------------------------------------------
 
@@ -295,38 +293,67 @@ class Executor:
         stream_id: str | None = None
         tool_calls = False
         resumed = False
-        while True:
-            choice = plan.chosen
-            try:
-                async for batch in batches:
-                    if resumed:
-                        batch = [_continued(chunk, stream_id) for chunk in batch]
-                    for chunk in batch:
-                        stream_id = stream_id or chunk.id
-                        for c in chunk.choices:
-                            if c.delta.content:
-                                sent.append(c.delta.content)
-                            tool_calls = tool_calls or bool(c.delta.tool_calls)
-                    yield batch
-                if choice is not None and plan.route.breaker is not None:
-                    await self.breakers.success(self._key(choice))
-                return
-            except GatewayError as exc:
-                if choice is not None:
-                    failed.add(choice.candidate.model)
-                    self._note(plan, choice.candidate.model, "cut")
-                    if plan.route.breaker is not None and _unhealthy(exc):
-                        await self.breakers.failure(self._key(choice))
-                if not plan.route.resume or tool_calls or not fails_over(plan.route, exc):
-                    raise
-                messages = [*request.messages, Message(role="assistant", content="".join(sent))]
-                continued = msgspec.structs.replace(request, messages=messages)
-                continued = _shorter(continued, len(sent))
+        try:
+            while True:
+                choice = plan.chosen
                 try:
-                    batches = await self.first(call, plan, continued, feats, skip=frozenset(failed))
-                except GatewayError:
-                    raise exc from None  # nobody can continue: the client is told what broke
-                resumed = True
+                    async for batch in batches:
+                        if resumed:
+                            batch = [_continued(chunk, stream_id) for chunk in batch]
+                        for chunk in batch:
+                            stream_id = stream_id or chunk.id
+                            for c in chunk.choices:
+                                if c.delta.content:
+                                    sent.append(c.delta.content)
+                                tool_calls = tool_calls or bool(c.delta.tool_calls)
+                        yield batch
+                    if choice is not None and plan.route.breaker is not None:
+                        await self.breakers.success(self._key(choice))
+                    return
+                except GatewayError as exc:
+                    if choice is not None:
+                        failed.add(choice.candidate.model)
+                        self._note(plan, choice.candidate.model, "cut")
+                        if plan.route.breaker is not None and _unhealthy(exc):
+                            await self.breakers.failure(self._key(choice))
+                    if not plan.route.resume or tool_calls or not fails_over(plan.route, exc):
+                        raise
+                    messages = [*request.messages, Message(role="assistant", content="".join(sent))]
+                    continued = msgspec.structs.replace(request, messages=messages)
+                    continued = _shorter(continued, len(sent))
+                    try:
+                        batches = await self.first(call, plan, continued, feats, skip=frozenset(failed))
+                    except GatewayError:
+                        raise exc from None  # nobody can continue: the client is told what broke
+                    resumed = True
+        finally:
+            # The stream ended, broke for good, or the client left: the current upstream is closed.
+            await batches.aclose()  # type: ignore[attr-defined]
+
+
+class Tracked:
+    """An attempt's stream of batches that frees its in-flight slot and closes the upstream exactly
+    once: when it ends, fails, or is closed (even if it was never iterated, e.g. a losing hedge)."""
+
+    def __init__(self, batches: Batches, release: Callable[[], None]) -> None:
+        self.batches = batches
+        self.release: Callable[[], None] | None = release
+
+    def __aiter__(self) -> Tracked:
+        return self
+
+    async def __anext__(self) -> list[ChatChunk]:
+        try:
+            return await anext(self.batches)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+            await self.batches.aclose()  # type: ignore[attr-defined]
 
 
 def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:

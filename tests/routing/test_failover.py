@@ -211,6 +211,8 @@ def test_hedging_takes_the_first_to_stream_and_cancels_the_other(
     settled(gateway, 2)
     by_backend = {e.backend: e.status for e in gateway.sink.events}
     assert by_backend == {"deepseek": 200, "openai": 499}  # the loser was cancelled
+    # Every attempt gave its in-flight slot back (the loser's stream was closed, never iterated).
+    assert all(n == 0 for n in runtime(gateway).router.context.in_flight.values())
 
 
 def test_hedging_respects_the_tenant_spend_cap(
