@@ -66,7 +66,14 @@ class SpoolQueue:
         segments = self._segments()
         self._cursor = self._load_cursor(segments)
         self._write_segment = segments[-1] if segments else 1
-        self._out = open(self._path(self._write_segment), "ab", buffering=1 << 20)  # noqa: SIM115
+        self._fd = os.open(self._path(self._write_segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = os.fstat(self._fd).st_size
+        # Lines not yet in the file. A write the disk cannot take (ENOSPC) stays here, whole or in
+        # part, and is retried: the file only ever grows by the exact bytes of the lines in order,
+        # so a full disk delays events but never tears or drops one.
+        self._pending = bytearray()
+        self._write = os.write  # the write seam (tests play a full disk here)
+        self._disk_full = False
         self._flush_scheduled = False
         self._data = asyncio.Event()
         self.drained = True
@@ -99,7 +106,7 @@ class SpoolQueue:
         # Whole lines, handed to the OS at the end of this event-loop turn (one write for every event
         # produced in it): a crashed gateway loses nothing it had answered a turn earlier, and a torn
         # last line (power loss mid-write) is skipped when read back.
-        self._out.write(encode(event) + b"\n")
+        self._pending += encode(event) + b"\n"
         if not self._flush_scheduled:
             self._flush_scheduled = True
             try:
@@ -109,14 +116,41 @@ class SpoolQueue:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if self._out.closed:
+        if self._fd < 0:
             return
-        self._out.flush()
-        if self._out.tell() >= self.SEGMENT_BYTES:
-            self._out.close()
-            self._write_segment += 1
-            self._out = open(self._path(self._write_segment), "ab")  # noqa: SIM115
+        while self._pending:
+            try:
+                written = self._write(self._fd, self._pending)
+            except OSError as exc:
+                if not self._disk_full:
+                    log.warning(
+                        "usage spool write failed (%s); %d bytes kept in memory, retrying",
+                        exc,
+                        len(self._pending),
+                    )
+                    self._disk_full = True
+                self._retry_later()
+                break
+            del self._pending[:written]
+            self._size += written
+        else:
+            if self._disk_full:
+                log.warning("usage spool writable again")
+                self._disk_full = False
+            if self._size >= self.SEGMENT_BYTES:
+                os.close(self._fd)
+                self._write_segment += 1
+                path = self._path(self._write_segment)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._size = 0
         self._data.set()
+
+    def _retry_later(self) -> None:
+        if self._flush_scheduled:
+            return
+        with contextlib.suppress(RuntimeError):  # no event loop: the next put or read retries
+            asyncio.get_running_loop().call_later(0.5, self._flush)
+            self._flush_scheduled = True
 
     async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
         self._flush()
@@ -170,7 +204,11 @@ class SpoolQueue:
 
     async def close(self) -> None:
         self._flush()
-        self._out.close()
+        if self._pending:
+            log.error("usage spool closed with %d bytes it could not write", len(self._pending))
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         self._lock.close()
 
 
