@@ -122,6 +122,16 @@ class BlockManager:
         self._num_hashed[seq.request_id] = max(done, full)
         self._last_hash[seq.request_id] = parent
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past `seq.num_computed_tokens` (allocated for rejected speculative tokens)."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)
+
     def free_sequence(self, seq: Sequence) -> None:
         """Drop the sequence's references. Blocks reaching zero go to the free (LRU) list, tail first,
         so a prefix's later blocks are evicted before its earlier, more shared ones."""

@@ -20,6 +20,7 @@ from engine.runner import ModelRunner, TokenLogprob
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative import Speculator, parse_speculative
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model, gguf_metadata, is_gguf, load_config, open_gguf, tqdm_progress
 
@@ -78,6 +79,8 @@ class LLMEngine:
         max_model_len: int | None = None,
         device: str | None = None,
         seed: int = 0,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
         _config: ModelConfig | None = None,
         _tokenizer: Tokenizer | None = None,
         progress: bool = True,
@@ -144,6 +147,11 @@ class LLMEngine:
         )
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        self.speculator = (
+            Speculator(parse_speculative(speculative, num_speculative_tokens), self.max_model_len)
+            if speculative
+            else None
+        )
 
     def _default_kv_gb(self) -> float:
         if self.device.type == "cuda":
@@ -199,12 +207,20 @@ class LLMEngine:
         outputs = [self._output(seq, [], None) for seq in self._aborted]
         for seq in self._aborted:
             self._requests.pop(seq.request_id, None)
+            if self.speculator:
+                self.speculator.forget(seq.request_id)
         self._aborted.clear()
+        if self.speculator:
+            for seq in self.scheduler.running:
+                self.speculator.propose(seq)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
         results = self.runner.execute(batch)
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results, strict=True):
+            if res.spec_logits is not None:
+                outputs.append(self._accept_speculative(seq, n, res.spec_logits))
+                continue
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
             if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
@@ -217,7 +233,32 @@ class LLMEngine:
             if seq.is_finished:
                 self.scheduler.remove(seq)
                 self._requests.pop(seq.request_id, None)
+                if self.speculator:
+                    self.speculator.forget(seq.request_id)
         return outputs
+
+    def _accept_speculative(self, seq: Sequence, n: int, logits: torch.Tensor) -> RequestOutput:
+        """Keep the verified tokens; the KV of rejected drafts is past num_computed_tokens (overwritten
+        later) and blocks holding only rejected drafts go back to the pool."""
+        assert self.speculator is not None
+        computed = seq.num_computed_tokens + n - len(seq.draft_token_ids)  # the real tokens
+        tokens = self.speculator.verify(seq, logits, self.runner.generator)
+        emitted: list[int] = []
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            emitted.append(token)
+            self._check_finished(seq, token)
+            if seq.is_finished:
+                break
+        # accepted drafts' KV is valid; the last emitted token is computed next step
+        seq.num_computed_tokens = min(computed + len(emitted) - 1, seq.num_tokens - 1)
+        self.block_manager.trim(seq)
+        self.block_manager.cache_full_blocks(seq)
+        if seq.is_finished:
+            self.scheduler.remove(seq)
+            self._requests.pop(seq.request_id, None)
+            self.speculator.forget(seq.request_id)
+        return self._output(seq, emitted, None)
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params

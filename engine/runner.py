@@ -23,6 +23,7 @@ class SeqResult:
     token_id: int | None  # None: a prefill chunk that did not reach the end of the sequence
     logprob: TokenLogprob | None
     prompt_logprobs: list[TokenLogprob]  # for prompt tokens predicted in this chunk
+    spec_logits: torch.Tensor | None = None  # [k+1, vocab] for a request verifying k draft tokens
 
 
 class ModelRunner:
@@ -110,6 +111,7 @@ class ModelRunner:
         sample_rows: list[int] = []  # index into `order`
         logit_rows: list[int] = []
         plp_rows: dict[int, tuple[int, int]] = {}  # order index -> (first row in logit_rows, count)
+        spec_rows: dict[int, tuple[int, int]] = {}  # same, for verifying speculative tokens
         for j, i in enumerate(order):
             seq, n = batch.seqs[i], batch.num_tokens[i]
             if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -120,12 +122,17 @@ class ModelRunner:
                     logit_rows.extend(range(starts[j], starts[j] + count))
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sample_rows.append(j)
+            elif (kd := len(seq.draft_token_ids)) and seq.num_computed_tokens + n == seq.num_tokens + kd:
+                spec_rows[j] = (len(logit_rows), kd + 1)
+                logit_rows.extend(range(starts[j] + n - kd - 1, starts[j] + n))
         sample_at = len(logit_rows)
         logit_rows.extend(starts[j] + batch.num_tokens[order[j]] - 1 for j in sample_rows)
         results = [SeqResult(None, None, []) for _ in batch.seqs]
         if not logit_rows:
             return results
         logits = self.model.logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
+        for j, (first, count) in spec_rows.items():
+            results[order[j]].spec_logits = logits[first : first + count]
 
         if sample_rows:
             rows = []

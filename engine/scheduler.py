@@ -63,6 +63,7 @@ class Scheduler:
         self.kv.free_sequence(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        seq.draft_token_ids.clear()
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
             seq.prompt_logprobs = []
         self.waiting.appendleft(seq)
@@ -77,7 +78,11 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens, budget)
+            if seq.draft_token_ids and not self.kv.can_allocate(seq, n):
+                seq.draft_token_ids.clear()  # speculation is optional: never preempt for it
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            del seq.draft_token_ids[max(0, n - (seq.num_tokens - seq.num_computed_tokens)) :]
             while not self.kv.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -32,6 +32,8 @@ class Sequence:
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
+    # speculative tokens proposed for this step, not yet verified (not part of num_tokens)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -46,9 +48,11 @@ class Sequence:
         return len(self.output_token_ids)
 
     def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
-        """Prompt and output tokens together, sliced [start, end)."""
+        """Prompt and output tokens together, sliced [start, end); past the end come the drafts."""
         n = len(self.prompt_token_ids)
         end = self.num_tokens if end is None else end
+        if end > self.num_tokens:
+            return self.token_ids(start, self.num_tokens) + self.draft_token_ids[: end - self.num_tokens]
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:

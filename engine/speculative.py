@@ -24,6 +24,7 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ __all__ = [
     "NgramProposer",
     "SpecMetrics",
     "SpeculativeConfig",
+    "Speculator",
     "parse_speculative",
     "rejection_sample",
     "self_draft_model",
@@ -345,3 +347,79 @@ class SpecMetrics:
     @property
     def mean_tokens_per_step(self) -> float:
         return self.num_emitted_tokens / self.num_steps if self.num_steps else 0.0
+
+
+# --- the engine's side ----------------------------------------------------------------------------
+class Speculator:
+    """What `LLMEngine` holds when speculation is on: drafts tokens for decoding requests before each
+    step and verifies the target's k+1 logit rows after it. Per-request adaptive k; engine-wide metrics.
+
+    Requests asking for log-probabilities do not speculate (their per-token log-probs would need the
+    verification rows' logprobs; they decode one token per step as usual)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        if config.method != "ngram":
+            raise ValueError(
+                f"speculative method {config.method!r} is not wired into the engine yet; use 'ngram'"
+            )
+        self.config = config
+        self.proposer = NgramProposer()
+        self.max_model_len = max_model_len
+        self.metrics = SpecMetrics()
+        self._k: dict[str, AdaptiveK] = {}
+
+    def propose(self, seq: SequenceLike) -> None:
+        """Set `seq.draft_token_ids` for a request in decode state (one uncomputed token)."""
+        p = seq.params
+        if seq.draft_token_ids or p.logprobs is not None or seq.num_computed_tokens != seq.num_tokens - 1:
+            return
+        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        if room <= 0:
+            return
+        adaptive = self._k.setdefault(seq.request_id, AdaptiveK(self.config.num_speculative_tokens))
+        k = min(adaptive.next_k(), room)
+        if k > 0:
+            seq.draft_token_ids = self.proposer.propose(seq.token_ids(), k).token_ids
+
+    def verify(self, seq: SequenceLike, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+        """`logits` [k+1, vocab]: the target after the last real token and after each draft token.
+        Returns the tokens to append (accepted drafts + one of the target's); clears the drafts."""
+        from engine.sampling import SamplingRow, apply_filters, apply_penalties
+
+        drafts = list(seq.draft_token_ids)
+        seq.draft_token_ids = []
+        p = seq.params
+        rows = [
+            SamplingRow(p, seq.generator, seq.prompt_token_ids, [*seq.output_token_ids, *drafts[:i]])
+            for i in range(len(drafts) + 1)
+        ]
+        logits = apply_penalties(logits, rows)
+        if p.greedy:
+            tokens = verify_greedy(drafts, logits.argmax(-1).tolist())
+        else:
+            probs = apply_filters(logits, rows).softmax(-1)
+            tokens = rejection_sample(drafts, probs, None, seq.generator or generator)
+        self.metrics.record(len(drafts), len(tokens) - 1)
+        if (adaptive := self._k.get(seq.request_id)) is not None:
+            adaptive.update(len(drafts), len(tokens) - 1)
+        return tokens
+
+    def forget(self, request_id: str) -> None:
+        self._k.pop(request_id, None)
+
+
+class SequenceLike(Protocol):
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    draft_token_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+    @property
+    def params(self) -> Any: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]: ...
