@@ -55,6 +55,18 @@ def engine() -> None:
 @click.option("--threads", default=None, type=int, help="CPU threads for torch (default: torch's choice).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
+    "--speculative",
+    default=None,
+    help="Speculative decoding: ngram (prompt lookup; draft:<model>, self:int4, self:layers=N to come).",
+)
+@click.option(
+    "--num-speculative-tokens",
+    default=4,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most drafted tokens.",
+)
+@click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
 def serve(
@@ -73,6 +85,8 @@ def serve(
     no_prefix_caching: bool,
     threads: int | None,
     seed: int,
+    speculative: str | None,
+    num_speculative_tokens: int,
     log_level: str,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
@@ -102,6 +116,8 @@ def serve(
             "max_model_len": max_model_len,
             "enable_prefix_caching": not no_prefix_caching,
             "seed": seed,
+            "speculative": speculative,
+            "num_speculative_tokens": num_speculative_tokens,
         },
     )
     sys.exit(status)
