@@ -24,6 +24,8 @@ from routing.routes import Candidate, Conditions, Retry, Route
 from routing.stats import RoutingStats
 from routing.store import RouteStore
 
+IDLE_PROBE_INTERVAL_S = 5.0  # how often an idle prober looks for routes to probe
+
 
 class RouteError(ValueError):
     """A route names something that does not exist; the message says which."""
@@ -97,11 +99,11 @@ class Router:
     async def start(self, transport: object) -> None:
         if self.store is not None:
             await self.store.start()
-        intervals = [r.probe_interval for rs in self.routes.values() for r in rs if r.probe_interval]
-        if intervals:
-            self.prober = HealthProber(transport, self.breakers, min(intervals))
-            self.prober.watch(self._probe_targets())
-            self.prober.start()
+        # Always running, even with no probed route yet: a route added later through the admin API
+        # is probed (and its breakers synced across replicas) as soon as it arrives.
+        self.prober = HealthProber(transport, self.breakers, self._probe_interval())
+        self.prober.watch(self._probe_targets())
+        self.prober.start()
 
     async def stop(self) -> None:
         if self.prober is not None:
@@ -122,7 +124,12 @@ class Router:
         self.routes = table  # one assignment: requests see the old table or the new, never a mix
         self.version = self.version + 1 if version is None else version
         if self.prober is not None:
+            self.prober.interval = self._probe_interval()
             self.prober.watch(self._probe_targets())
+
+    def _probe_interval(self) -> float:
+        intervals = [r.probe_interval for rs in self.routes.values() for r in rs if r.probe_interval]
+        return min(intervals, default=IDLE_PROBE_INTERVAL_S)
 
     def _probe_targets(self) -> dict[str, tuple[Backend, list[str]]]:
         targets: dict[str, tuple[Backend, list[str]]] = {}

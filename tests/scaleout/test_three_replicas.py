@@ -247,8 +247,8 @@ def breaker_open(c: Cluster, replica: int) -> bool:
 def test_a_circuit_opened_by_one_replica_is_seen_by_the_others(
     replicas: Cluster, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
 ) -> None:
-    # The route comes from the config: a route created later through the admin API gets no health
-    # prober on a replica that started without a probed route, so it would never adopt the opening.
+    # A route seeded from the config (routes added through the admin API are probed the same way:
+    # tests/routing/test_router_probes.py).
     name = "guarded"
     clients = direct_clients(replicas)
     assert not any(breaker_open(replicas, i) for i in range(3))
