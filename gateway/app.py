@@ -95,7 +95,9 @@ def create_app(
 
     app = Litestar(
         route_handlers=[*ROUTES, control.router(), *ui_routers(control)] if control is not None else ROUTES,
-        middleware=[request_middleware(gateway.metrics)],
+        middleware=[
+            request_middleware(gateway.metrics, control.admission.finish if control is not None else None)
+        ],
         exception_handlers={
             GatewayError: _on_gateway_error,
             HTTPException: _on_http_exception,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -26,7 +27,10 @@ def _incoming_id(scope: Scope) -> bytes | None:
     return None
 
 
-def request_middleware(metrics: Metrics) -> Any:
+def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None = None) -> Any:
+    """Request id, metrics and the one log line per request; `on_finish(request_id)` runs once the
+    exchange is over, every attempt included (the control plane forgets the request then)."""
+
     def factory(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http":
@@ -92,6 +96,8 @@ def request_middleware(metrics: Metrics) -> Any:
             finally:
                 if api:
                     metrics.in_flight.dec()
+                    if on_finish is not None:
+                        on_finish(info.request_id)
                 if not done:
                     status = 499 if status < 400 else status  # the client left before the last byte
                     finish()

@@ -13,7 +13,7 @@ import datetime as dt
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 RESERVATION_TTL_S = 600.0  # a reservation never settled (crashed replica, lost event) frees itself
 PENDING_TTL_S = 900.0  # how long retries and fallbacks of one request still settle against it
+# After its HTTP exchange ends, a request is forgotten this much later: attempts still in flight then
+# (a cancelled hedge) settle in time, and memory holds a minute of traffic, not PENDING_TTL_S of it.
+FINISHED_GRACE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,7 @@ class Admission:
         self._seeded: set[str] = set()
         self._seed_locks: dict[str, asyncio.Lock] = {}
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._finished: deque[tuple[float, str]] = deque()  # (when, request id), oldest first
         self._settlements: list[Settlement] = []
         self._flusher: asyncio.Task[None] | None = None
         # Tenant budgets seen by this replica (budget key -> (tenant id, limit in micro-USD)) and the
@@ -211,8 +215,16 @@ class Admission:
                 spent, reserved = await self.state.budget_usage(key)
                 self.budget_usage_ratio[tenant[0]] = (spent + reserved) / max(tenant[1], 1)
 
+    def finish(self, request_id: str) -> None:
+        """The request's HTTP exchange is over (every attempt made): forget it after a grace period."""
+        if request_id in self._pending:
+            self._finished.append((time.monotonic(), request_id))
+
     def _expire(self) -> None:
-        horizon = time.monotonic() - PENDING_TTL_S
+        now = time.monotonic()
+        while self._finished and self._finished[0][0] <= now - FINISHED_GRACE_S:
+            self._pending.pop(self._finished.popleft()[1], None)
+        horizon = now - PENDING_TTL_S
         while self._pending:
             request_id, pending = next(iter(self._pending.items()))
             if pending.created > horizon:
