@@ -7,6 +7,7 @@ one token budget, runs the model once and returns what every request gained.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,12 +212,14 @@ class LLMEngine:
                 self.speculator.forget(seq.request_id)
         self._aborted.clear()
         if self.speculator:
-            for seq in self.scheduler.running:
-                self.speculator.propose(seq)
+            self.speculator.begin_step(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
+        started = time.perf_counter()
         results = self.runner.execute(batch)
+        if self.speculator:
+            self.speculator.end_step(batch.seqs, batch.num_tokens, time.perf_counter() - started)
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results, strict=True):
             if res.spec_logits is not None:
                 outputs.append(self._accept_speculative(seq, n, res.spec_logits))

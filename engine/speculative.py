@@ -367,6 +367,44 @@ class Speculator:
         self.max_model_len = max_model_len
         self.metrics = SpecMetrics()
         self._k: dict[str, AdaptiveK] = {}
+        # measured step cost: seconds of a step without drafts, and extra seconds per drafted token;
+        # adaptive k weighs acceptance against this (verifying k rows is cheap on a GPU, not on a CPU)
+        self.plain_step_s: float | None = None
+        self.draft_token_s: float | None = None
+        self._since_plain = 0
+        self._drafts_this_step = 0
+
+    @property
+    def cost_per_token(self) -> float:
+        if self.plain_step_s is None or self.draft_token_s is None or self.plain_step_s <= 0:
+            return AdaptiveK.cost_per_token
+        return max(self.draft_token_s / self.plain_step_s, 0.0)
+
+    def begin_step(self, running: list[SequenceLike]) -> None:
+        """Propose drafts for this step. Every 16th step stays plain, to keep the baseline cost fresh."""
+        self._drafts_this_step = 0
+        self._since_plain += 1
+        if self._since_plain >= 16:
+            return
+        for seq in running:
+            self.propose(seq)
+            self._drafts_this_step += len(seq.draft_token_ids)
+
+    def end_step(self, seqs: list[SequenceLike], num_tokens: list[int], seconds: float) -> None:
+        """Fold in the model time of a step. Only pure decode steps count (a prefill would skew it)."""
+        if any(n != 1 + len(s.draft_token_ids) for s, n in zip(seqs, num_tokens, strict=True)):
+            return
+        num_drafts = sum(len(s.draft_token_ids) for s in seqs)
+        if num_drafts == 0:
+            self._since_plain = 0
+            self.plain_step_s = (
+                seconds if self.plain_step_s is None else 0.8 * self.plain_step_s + 0.2 * seconds
+            )
+        elif self.plain_step_s is not None:
+            extra = (seconds - self.plain_step_s) / num_drafts
+            self.draft_token_s = (
+                extra if self.draft_token_s is None else 0.8 * self.draft_token_s + 0.2 * extra
+            )
 
     def propose(self, seq: SequenceLike) -> None:
         """Set `seq.draft_token_ids` for a request in decode state (one uncomputed token)."""
@@ -377,6 +415,7 @@ class Speculator:
         if room <= 0:
             return
         adaptive = self._k.setdefault(seq.request_id, AdaptiveK(self.config.num_speculative_tokens))
+        adaptive.cost_per_token = self.cost_per_token
         k = min(adaptive.next_k(), room)
         if k > 0:
             seq.draft_token_ids = self.proposer.propose(seq.token_ids(), k).token_ids
