@@ -67,6 +67,13 @@ def engine() -> None:
     help="Most drafted tokens.",
 )
 @click.option(
+    "--quantization",
+    default="none",
+    show_default=True,
+    type=click.Choice(["none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128"]),
+    help="Weight-only quantization at load (int4 groups of 32 unless -gNN says otherwise).",
+)
+@click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
 def serve(
@@ -87,6 +94,7 @@ def serve(
     seed: int,
     speculative: str | None,
     num_speculative_tokens: int,
+    quantization: str,
     log_level: str,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
@@ -118,6 +126,7 @@ def serve(
             "seed": seed,
             "speculative": speculative,
             "num_speculative_tokens": num_speculative_tokens,
+            "quantization": quantization,
         },
     )
     sys.exit(status)

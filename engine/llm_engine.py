@@ -17,6 +17,7 @@ from engine import registry
 from engine.config import ModelConfig
 from engine.kv_cache import BlockManager
 from engine.model import kv_bytes_per_token
+from engine.quant import quantize_model
 from engine.runner import ModelRunner, TokenLogprob
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -82,6 +83,7 @@ class LLMEngine:
         seed: int = 0,
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
+        quantization: str = "none",
         _config: ModelConfig | None = None,
         _tokenizer: Tokenizer | None = None,
         progress: bool = True,
@@ -121,6 +123,9 @@ class LLMEngine:
             reader=reader,
             progress=tqdm_progress(f"loading {self.model_name}") if progress and source else None,
         )
+        # Weight-only quantization is a module swap after loading (engine/quant.py): "int8", "int4",
+        # "int4-g32|g64|g128"; the model code never learns about it.
+        quantize_model(self.model, quantization)
 
         per_block = kv_bytes_per_token(config, self.dtype) * block_size
         if num_kv_blocks is None:
