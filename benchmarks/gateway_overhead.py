@@ -278,7 +278,8 @@ async def wait_ready(server: Server, timeout: float, stream: bool) -> None:
 
 
 def weir_server(upstream: str, workdir: Path, http_server: str | None = None) -> Server:
-    """`weir serve` on its default HTTP server, or on `http_server` (e.g. uvicorn) if given."""
+    """`weir serve --server granian` (the faster server; its numbers are the `weir` rows), or on
+    `http_server` (e.g. uvicorn, the default of `weir serve`) if given."""
     port = free_port()
     config = workdir / "weir.yaml"
     config.write_text(
@@ -295,8 +296,7 @@ tenants:
     )
     weir = ROOT / ".venv" / "bin" / "weir"
     cmd = [str(weir) if weir.exists() else "weir", "serve", "--config", str(config), "--port", str(port)]
-    if http_server:
-        cmd += ["--server", http_server]
+    cmd += ["--server", http_server or "granian"]
     return Server(
         f"weir-{http_server}" if http_server else "weir",
         f"http://127.0.0.1:{port}/v1/chat/completions",

@@ -58,4 +58,5 @@ def test_a_stopping_replica_finishes_its_stream_and_takes_no_new_work(
         # The stream ran to its end: every word, and the SDK saw the terminator.
         assert "".join(text).split() == words
         assert stopped_at is not None and time.monotonic() - stopped_at > 1.0
-        assert gateway.process.wait(timeout=30) == 0
+        # uvicorn re-raises the SIGTERM it handled once it has drained: -SIGTERM is a clean stop too.
+        assert gateway.process.wait(timeout=30) in (0, -signal.SIGTERM)
