@@ -47,7 +47,7 @@ from tests.fakes.behaviour import (
     words,
 )
 from tests.fakes.caches import Block, BreakpointCache
-from tests.fakes.server import BODY, INVALID_JSON, FakeServer, sse
+from tests.fakes.server import BODY, INVALID_JSON, FakeServer, Invalid, sse
 from tests.fakes.util import deep_merge, huge_text
 
 IMAGE_TOKENS = 1600
@@ -70,12 +70,6 @@ _STOP_REASONS = {
     "stop_sequence": "stop_sequence",
     "tool_calls": "tool_use",
 }
-
-
-class Invalid(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 class FakeAnthropic(FakeServer):

@@ -43,7 +43,7 @@ from tests.fakes.behaviour import (
     plan_reply,
     words,
 )
-from tests.fakes.server import BODY, INVALID_JSON, FakeServer, sse
+from tests.fakes.server import BODY, INVALID_JSON, FakeServer, Invalid, sse
 from tests.fakes.util import deep_merge, huge_text
 
 IMAGE_TOKENS = 258
@@ -65,12 +65,6 @@ _STATUS = {
     504: ("DEADLINE_EXCEEDED", "Deadline expired before operation could complete."),
 }
 _FINISH = {"stop": "STOP", "stop_sequence": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP"}
-
-
-class Invalid(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 class FakeGemini(FakeServer):

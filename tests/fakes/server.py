@@ -72,6 +72,14 @@ class UsageOverride:
     raw: dict[str, Any] | None
 
 
+class Invalid(Exception):
+    """A request the vendor would refuse: its status and message, rendered in the vendor's error shape."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
 class FakeServer:
     """Base class: subclasses add routes and the vendor's error shapes."""
 
