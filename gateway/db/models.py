@@ -79,6 +79,12 @@ class Tenant(Base):
     budget_micro_usd_monthly: Mapped[int | None] = mapped_column(BigInteger)
     rpm: Mapped[int | None] = mapped_column(Integer)
     tpm: Mapped[int | None] = mapped_column(Integer)
+    # Request limits (None: the config's `limits:` apply); see gateway.limits.
+    max_messages: Mapped[int | None] = mapped_column(Integer)
+    max_concurrent_streams: Mapped[int | None] = mapped_column(Integer)
+    # Prompt and completion bodies are kept only when the tenant opts in, and only this long.
+    store_prompts: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    prompt_retention_days: Mapped[int | None] = mapped_column(Integer)  # None: the default (30)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -232,3 +238,36 @@ class Feedback(Base):
     request_id: Mapped[str] = mapped_column(String(128))
     score: Mapped[float] = mapped_column(Float)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class BackendCredential(Base):
+    """A vendor API key for one backend, encrypted with the master key (gateway.secrets); it wins
+    over the config's `api_key` for that backend. Only `last4` and `fingerprint` are ever shown."""
+
+    __tablename__ = "backend_credentials"
+
+    backend: Mapped[str] = mapped_column(String(200), primary_key=True)
+    ciphertext: Mapped[str] = mapped_column(Text)  # "v1:<key id>:<base64 nonce + AES-GCM output>"
+    key_id: Mapped[str] = mapped_column(String(16))  # which master key encrypted it (rotation)
+    fingerprint: Mapped[str] = mapped_column(String(16))  # first 16 hex of the secret's SHA-256
+    last4: Mapped[str] = mapped_column(String(4))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class StoredPrompt(Base):
+    """Request and response bodies of one request, for tenants with `store_prompts` on; deleted
+    after the tenant's retention period. Bodies are encrypted when a master key is set (key_id)."""
+
+    __tablename__ = "stored_prompts"
+    __table_args__ = (Index("ix_stored_prompts_tenant_request", "tenant_id", "request_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128))
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    ts: Mapped[dt.datetime] = mapped_column(UTCDateTime, index=True)
+    endpoint: Mapped[str] = mapped_column(String(100))
+    status: Mapped[int] = mapped_column(Integer)
+    key_id: Mapped[str | None] = mapped_column(String(16))  # None: stored as plain text (no master key)
+    request_body: Mapped[str] = mapped_column(Text)
+    response_body: Mapped[str] = mapped_column(Text)
