@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -71,10 +71,22 @@ class Model(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.model or self.name
 
 
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
 class Tenant(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     api_keys: list[str] = []
     models: list[str] | None = None  # public model names this tenant may use; None: all
+    max_messages: PositiveInt | None = None  # None: `limits.max_messages`
+    max_concurrent_streams: PositiveInt | None = None  # None: `limits.max_concurrent_streams`
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Request limits for every tenant that sets none of its own (None: no limit); see gateway.limits."""
+
+    max_messages: PositiveInt | None = None  # messages in one chat request (more: 400)
+    max_concurrent_streams: PositiveInt | None = None  # open streams per tenant and replica (more: 429)
 
 
 class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -90,6 +102,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tenants: list[Tenant] | None = None  # None: no authentication (local development only)
     routes: list[Route] = []  # public names -> policy and candidates; see docs/routing-policies.md
     server: Server = Server()
+    limits: Limits = Limits()
     # The control plane (admin DB, keys, limits, budgets, usage ledger) is on when a database is set;
     # WEIR_DATABASE_URL and WEIR_REDIS_URL win over these. See docs/accounting.md.
     database_url: str | None = None
