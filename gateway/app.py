@@ -20,6 +20,7 @@ from gateway.config import Config
 from gateway.errors import GatewayError, PayloadTooLarge, encode_anthropic_error, encode_openai_error
 from gateway.middleware import request_middleware
 from gateway.runtime import Gateway
+from gateway.security import SecurityControls
 from gateway.usage_sink import FanoutSink, UsageSink
 
 log = structlog.get_logger("weir.gateway")
@@ -75,8 +76,10 @@ def create_app(
         admission = control.admit
     gateway = Gateway(config, authenticator=authenticator, usage_sink=usage_sink, admission=admission)
     if control is not None:
-        gateway.router.use_control_plane(control.sessions, control.state)  # routes in the admin DB
+        # Routes in the admin DB; every backend's probe results feed the uptime report.
+        gateway.router.use_control_plane(control.sessions, control.state, on_probe=control.uptime.record)
         gateway.metrics.watch_budgets(lambda: control.admission.budget_usage_ratio)
+    security = SecurityControls.build(gateway, control)  # stored vendor keys, prompt storage
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -96,18 +99,21 @@ def create_app(
     app = Litestar(
         route_handlers=[*ROUTES, control.router(), *ui_routers(control)] if control is not None else ROUTES,
         middleware=[
-            request_middleware(gateway.metrics, control.admission.finish if control is not None else None)
+            request_middleware(gateway.metrics, control.admission.finish if control is not None else None),
+            gateway.limits.middleware,  # stream leases and prompt capture (gateway.limits)
         ],
         exception_handlers={
             GatewayError: _on_gateway_error,
             HTTPException: _on_http_exception,
             Exception: _on_unexpected,
         },
-        lifespan=[lifespan],
+        lifespan=[lifespan, security.lifespan],
         request_max_body_size=config.server.max_body_bytes,
         openapi_config=None,
         logging_config=None,
         debug=False,
     )
     app.state.gateway = gateway
+    app.state.security = security
+    app.state.control = control  # None without a database
     return app

@@ -3,12 +3,16 @@ every `interval` seconds. An answer below 500 (even 401) means it is up; a refus
 timeout or 5xx counts as a failure for every breaker of that backend. A breaker the probes opened
 goes half-open as soon as a probe reaches the backend again, so a backend that came back gets its
 trial request without waiting out the whole cooldown. Each round also adopts breaker openings other
-replicas published in the shared state."""
+replicas published in the shared state. Every result also goes to `on_result` (the control plane's
+uptime recorder) when one is given."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
+import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -27,17 +31,29 @@ PROBE_PATHS = {
 }
 
 
+# (backend name, reached it, latency in ms, when): e.g. gateway.accounting.uptime.ProbeRecorder.record
+ProbeListener = Callable[[str, bool, float | None, dt.datetime], None]
+
+
 def probe_url(backend: Backend) -> str:
     base = (backend.base_url or backend.url or "").rstrip("/")
     return base + PROBE_PATHS[backend.type]
 
 
 class HealthProber:
-    def __init__(self, transport: Any, breakers: Breakers, interval: float, timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        transport: Any,
+        breakers: Breakers,
+        interval: float,
+        timeout: float = 2.0,
+        on_result: ProbeListener | None = None,
+    ) -> None:
         self.transport = transport  # gateway.transport.Transport (its shared aiohttp session)
         self.breakers = breakers
         self.interval = interval
         self.timeout = timeout
+        self.on_result = on_result
         self.targets: dict[str, tuple[Backend, list[str]]] = {}  # backend name -> (backend, breaker keys)
         self._task: asyncio.Task[None] | None = None
 
@@ -54,18 +70,27 @@ class HealthProber:
                 await self._task
 
     async def probe(self, backend: Backend) -> bool:
+        healthy, _ = await self._timed_probe(backend)
+        return healthy
+
+    async def _timed_probe(self, backend: Backend) -> tuple[bool, float]:
+        started = time.perf_counter()
         try:
             async with self.transport.session.get(
                 probe_url(backend), timeout=aiohttp.ClientTimeout(total=self.timeout)
             ) as response:
-                return response.status < 500
+                healthy = response.status < 500
         except (aiohttp.ClientError, TimeoutError):
-            return False
+            healthy = False
+        return healthy, (time.perf_counter() - started) * 1000
 
     async def run_once(self) -> None:
         targets = list(self.targets.values())
-        results = await asyncio.gather(*(self.probe(backend) for backend, _ in targets))
-        for (backend, keys), healthy in zip(targets, results, strict=True):
+        at = dt.datetime.now(dt.UTC)
+        results = await asyncio.gather(*(self._timed_probe(backend) for backend, _ in targets))
+        for (backend, keys), (healthy, latency_ms) in zip(targets, results, strict=True):
+            if self.on_result is not None:
+                self.on_result(backend.name, healthy, latency_ms if healthy else None, at)
             for key in keys:
                 breaker = self.breakers.get(key)
                 if healthy:

@@ -16,7 +16,7 @@ from gateway.config import Backend
 from gateway.errors import ModelNotFound
 from gateway.router_basic import ModelTable
 from routing.breaker import Breakers
-from routing.health import HealthProber
+from routing.health import HealthProber, ProbeListener
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, order
@@ -87,12 +87,17 @@ class Router:
         self.store: RouteStore | None = None
         self.prober: HealthProber | None = None
         self.sessions: object | None = None  # the admin DB's async_sessionmaker, when configured
+        self.on_probe: ProbeListener | None = None
         self.set_routes(routes)
         self.metrics = RoutingMetrics(registry, self) if registry is not None else None
 
-    def use_control_plane(self, sessions: object, state: object) -> None:
-        """Routes from the admin DB (seeded from the config), breakers shared through `state`."""
+    def use_control_plane(
+        self, sessions: object, state: object, on_probe: ProbeListener | None = None
+    ) -> None:
+        """Routes from the admin DB (seeded from the config), breakers shared through `state`, and
+        with `on_probe` every backend probed for the uptime report (not only those routes probe)."""
         self.sessions = sessions
+        self.on_probe = on_probe
         self.breakers.shared = state
         self.store = RouteStore(sessions, self.set_routes, self.seed)
 
@@ -101,7 +106,7 @@ class Router:
             await self.store.start()
         # Always running, even with no probed route yet: a route added later through the admin API
         # is probed (and its breakers synced across replicas) as soon as it arrives.
-        self.prober = HealthProber(transport, self.breakers, self._probe_interval())
+        self.prober = HealthProber(transport, self.breakers, self._probe_interval(), on_result=self.on_probe)
         self.prober.watch(self._probe_targets())
         self.prober.start()
 
@@ -133,6 +138,11 @@ class Router:
 
     def _probe_targets(self) -> dict[str, tuple[Backend, list[str]]]:
         targets: dict[str, tuple[Backend, list[str]]] = {}
+        if self.on_probe is not None:
+            # Probed for availability only: no breaker keys unless a route below adds some.
+            for target in self.models.targets.values():
+                if target.backend.base_url or target.backend.url:
+                    targets.setdefault(target.backend.name, (target.backend, []))
         for routes in self.routes.values():
             for route in routes:
                 if route.breaker is None or route.probe_interval is None:

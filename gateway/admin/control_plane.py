@@ -26,6 +26,7 @@ from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
 from gateway.accounting.sink import AccountingSink
+from gateway.accounting.uptime import ProbeRecorder
 from gateway.accounting.writer import BatchWriter
 from gateway.admin.keys import DbAuthenticator
 from gateway.admin.router import AdminContext, admin_router
@@ -83,6 +84,7 @@ class ControlPlane:
             else SpoolQueue.claim(Path(settings.spool_dir))
         )
         self.writer = BatchWriter(self.queue, self.engine)
+        self.uptime = ProbeRecorder(self.engine)  # fed by the routing prober (see gateway.app)
         self.authenticator = DbAuthenticator(self.sessions, self.state, ttl_s=settings.key_cache_ttl_s)
         self.admission = Admission(self.state, lambda: self.catalog, spend=self._spend_this_month)
         self.sink = AccountingSink(self.queue, lambda: self.catalog, self.admission)
@@ -115,6 +117,7 @@ class ControlPlane:
         await self.reload_catalog()
         await self.authenticator.start()
         self.writer.start()
+        self.uptime.start()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_catalog())
 
     async def stop(self) -> None:
@@ -123,6 +126,7 @@ class ControlPlane:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
         await self.admission.drain()
+        await self.uptime.stop()
         await self.writer.stop()
         await self.queue.close()
         await self.state.close()
