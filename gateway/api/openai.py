@@ -95,6 +95,25 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     return Stream(chat_sse(result, include_usage), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+def _check_text_or_tokens(value: str | list[Any], param: str) -> None:
+    """OpenAI's `prompt` and `input`: a string, strings, token ids, or lists of token ids. Anything
+    else (`[null]`, `[]`, mixed lists) is refused here with a 400: passed on, it cost an upstream call
+    and came back as whatever that backend made of it (the fake OpenAI, like some compatible servers,
+    failed with a 500, which the client saw as a 502)."""
+    if isinstance(value, str):
+        return
+    if value and (
+        all(isinstance(x, str) for x in value)
+        or all(type(x) is int for x in value)
+        or all(isinstance(x, list) and x and all(type(t) is int for t in x) for x in value)
+    ):
+        return
+    raise InvalidRequest(
+        f"'{param}' must be a string, a list of strings, a list of token ids, or a list of lists of token ids.",
+        param=param,
+    )
+
+
 def _completion_as_chat(request: CompletionRequest) -> ChatRequest:
     prompt = request.prompt
     if isinstance(prompt, list):
@@ -161,6 +180,7 @@ async def _completion_sse(
 async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "completions")
     body = await parse_body(request, CompletionRequest)
+    _check_text_or_tokens(body.prompt, "prompt")
     target = target_for(gateway, call, body.model, body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if target.provider.native_completions:
@@ -203,6 +223,7 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
 async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "embeddings")
     body = await parse_body(request, EmbeddingRequest)
+    _check_text_or_tokens(body.input, "input")
     target = target_for(gateway, call, body.model, False)
     provider = target.provider
     if provider.embeddings_request is None or provider.embeddings_response is None:
