@@ -12,6 +12,7 @@ from gateway.auth import Authenticator, OpenAuthenticator, Principal, StaticAuth
 from gateway.config import Config
 from gateway.engine_supervisor import EngineProcess, resolve_engine_backend
 from gateway.errors import AuthenticationFailed
+from gateway.limits import RequestLimits
 from gateway.metrics import Metrics
 from gateway.pipeline import Admission, Pipeline
 from gateway.router_basic import ModelTable
@@ -52,7 +53,10 @@ class Gateway:
         if usage_sink is not None:
             sinks.append(usage_sink)
         self.sink = sinks[0] if len(sinks) == 1 else FanoutSink(sinks)
-        self.pipeline = Pipeline(self.transport, self.sink, self.metrics, config.models, admission)
+        self.limits = RequestLimits(config)  # messages per request, concurrent streams per tenant
+        self.pipeline = Pipeline(
+            self.transport, self.sink, self.metrics, config.models, self.limits.admission(admission)
+        )
         self.executor = Executor(
             self.pipeline, self.router.breakers, self.router.context, self.router.metrics
         )

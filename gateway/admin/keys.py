@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.auth import Principal
 from gateway.db.models import ApiKey, Tenant
+from gateway.limits import NO_POLICY, TenantPolicy
 from gateway.state import SharedState
 
 KEY_PREFIX = "wk-"
@@ -46,6 +47,7 @@ class KeyRecord:
     key_tpm: int | None
     key_budget_micro_usd: int | None
     expires_at: dt.datetime | None
+    policy: TenantPolicy = NO_POLICY  # the tenant's request limits and prompt storage
 
 
 class DbAuthenticator:
@@ -131,4 +133,5 @@ class DbAuthenticator:
             key_tpm=key.tpm,
             key_budget_micro_usd=key.budget_micro_usd_monthly,
             expires_at=key.expires_at,
+            policy=TenantPolicy(tenant.max_messages, tenant.max_concurrent_streams, tenant.store_prompts),
         )

@@ -158,6 +158,10 @@ def tenant_json(t: Tenant) -> dict[str, Any]:
         "budget_usd_monthly": _usd(t.budget_micro_usd_monthly),
         "rpm": t.rpm,
         "tpm": t.tpm,
+        "max_messages": t.max_messages,
+        "max_concurrent_streams": t.max_concurrent_streams,
+        "store_prompts": t.store_prompts,
+        "prompt_retention_days": t.prompt_retention_days,
         "created_at": t.created_at.isoformat(),
         "updated_at": t.updated_at.isoformat(),
     }
@@ -208,6 +212,10 @@ async def create_tenant(request: Request, ctx: AdminContext) -> dict[str, Any]:
             budget_micro_usd_monthly=_micro(body.budget_usd_monthly),
             rpm=body.rpm,
             tpm=body.tpm,
+            max_messages=body.max_messages,
+            max_concurrent_streams=body.max_concurrent_streams,
+            store_prompts=body.store_prompts,
+            prompt_retention_days=body.prompt_retention_days,
         )
         session.add(tenant)
         await session.flush()
@@ -242,6 +250,9 @@ async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> 
             tenant.rpm = body.rpm
         if body.tpm is not msgspec.UNSET:
             tenant.tpm = body.tpm
+        for name in ("max_messages", "max_concurrent_streams", "store_prompts", "prompt_retention_days"):
+            if getattr(body, name) is not msgspec.UNSET:
+                setattr(tenant, name, getattr(body, name))
         await session.flush()
         audit("update", "tenant", tenant.id, before, tenant_json(tenant))
     await ctx.state.publish_revocation(EVICT_ALL)  # replicas reload limits with the next request
@@ -481,6 +492,7 @@ def admin_router(ctx: AdminContext, path: str = "/admin/api/v1") -> Router:
             preview_route,
             routing_savings,
             *_route_handlers(),
+            *_security_handlers(),
         ],
         guards=[_admin_guard(ctx)],
         dependencies={"ctx": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
@@ -496,3 +508,9 @@ def _route_handlers() -> list[Any]:
     from gateway.admin.routes import ROUTE_HANDLERS  # routes.py imports this module
 
     return ROUTE_HANDLERS
+
+
+def _security_handlers() -> list[Any]:
+    from gateway.admin.security_api import SECURITY_HANDLERS  # it imports this module
+
+    return SECURITY_HANDLERS

@@ -15,11 +15,19 @@ Usd = Decimal  # checked for sign and precision when converted to micro-dollars
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 
 
+Positive = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+RetentionDays = Annotated[int, msgspec.Meta(ge=1, le=36500)]
+
+
 class TenantCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: Name
     budget_usd_monthly: Usd | None = None
     rpm: Count | None = None
     tpm: Count | None = None
+    max_messages: Positive | None = None  # None: the config's `limits.max_messages`
+    max_concurrent_streams: Positive | None = None
+    store_prompts: bool = False  # keep request and response bodies (opt-in)
+    prompt_retention_days: RetentionDays | None = None  # None: 30 days
 
 
 class TenantPatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -29,6 +37,10 @@ class TenantPatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     budget_usd_monthly: Usd | msgspec.UnsetType | None = msgspec.UNSET
     rpm: Count | msgspec.UnsetType | None = msgspec.UNSET
     tpm: Count | msgspec.UnsetType | None = msgspec.UNSET
+    max_messages: Positive | msgspec.UnsetType | None = msgspec.UNSET
+    max_concurrent_streams: Positive | msgspec.UnsetType | None = msgspec.UNSET
+    store_prompts: bool | msgspec.UnsetType = msgspec.UNSET
+    prompt_retention_days: RetentionDays | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class KeyCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -36,6 +36,7 @@ async def run_chat(
     canonical chunks (see Pipeline.stream), after routing and failover (routing.execute)."""
     call.info.model = request.model
     call.info.stream = bool(request.stream)
+    gateway.limits.check_messages(call.principal, len(request.messages))
     feats = features(request, call.principal.tenant_name, call.principal.key_id)
     plan = await gateway.router.plan(request.model, call.principal, feats)
     try:

@@ -42,3 +42,29 @@ def current(database_url: str | None) -> None:
     from gateway.db import migrate
 
     click.echo(migrate.current(database_url) or "(empty database)")
+
+
+@db.command("new-master-key")
+def new_master_key() -> None:
+    """Print a fresh random master key for WEIR_MASTER_KEY (secrets at rest; docs/security.md)."""
+    from gateway.vault import generate_key
+
+    click.echo(generate_key())
+
+
+@db.command("rotate-master-key")
+@_url_option
+def rotate_master_key(database_url: str | None) -> None:
+    """Re-encrypt every stored secret under the first key of WEIR_MASTER_KEY ("new,old")."""
+    from gateway.db.secrets_cli import rotate
+
+    rotate(database_url)
+
+
+@db.command("purge-prompts")
+@_url_option
+def purge_prompts(database_url: str | None) -> None:
+    """Delete stored prompts past their tenant's retention period (the gateway also does this hourly)."""
+    from gateway.db.secrets_cli import purge
+
+    purge(database_url)

@@ -1,0 +1,49 @@
+"""What `weir db rotate-master-key` and `weir db purge-prompts` run (kept out of cli.py so that
+`weir --help` does not import SQLAlchemy or cryptography)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import click
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.credentials import rotate_master_key
+from gateway.db.session import create_engine, resolve_database_url, sessionmaker
+from gateway.prompts import purge_expired
+from gateway.vault import ENV, Vault, VaultError
+
+T = TypeVar("T")
+
+
+def _run(database_url: str | None, work: Callable[[async_sessionmaker[AsyncSession]], Awaitable[T]]) -> T:
+    async def main() -> T:
+        engine = create_engine(resolve_database_url(database_url))
+        try:
+            return await work(sessionmaker(engine))
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
+
+
+def rotate(database_url: str | None) -> None:
+    try:
+        vault = Vault.from_env()
+        if vault is None:
+            raise VaultError(f"{ENV} is not set: put the new key first, then the old ones (new,old)")
+        counts = _run(database_url, lambda sessions: rotate_master_key(sessions, vault))
+    except VaultError as exc:
+        raise click.ClickException(f"{exc}; nothing was changed") from None
+    click.echo(
+        f"re-encrypted under master key {vault.primary_id}: {counts['credentials']} vendor keys, "
+        f"{counts['prompts']} stored prompts ({counts['unchanged']} keys already were). "
+        f"The other keys in {ENV} can now be removed."
+    )
+
+
+def purge(database_url: str | None) -> None:
+    deleted = _run(database_url, purge_expired)
+    click.echo(f"deleted {deleted} stored prompts past their retention")

@@ -1,0 +1,150 @@
+"""Prompt and completion bodies are stored only for tenants that opt in, encrypted when a master
+key is set, readable through the admin API under their own tenant only, and deleted after the
+tenant's retention period (by the gateway's periodic job and by `weir db purge-prompts`). On SQLite
+and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from gateway.vault import ENV, generate_key
+from tests.conftest import free_port
+from tests.control.conftest import pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
+from tests.fakes import FakeOpenAI
+from tests.gateway.conftest import serve
+from weir.cli import main
+
+ADMIN = "admin-token-for-tests"
+CONFIG = """\
+backends:
+  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai}
+database_url: "${DB_URL}"
+"""
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def write(url: str, sql: str) -> None:
+    """One committed statement (sync_exec only reads)."""
+
+    async def run() -> None:
+        engine = create_async_engine(url)
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text(sql))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run())
+
+
+def rows(db: str, tenant_id: str) -> list[tuple]:
+    return sync_exec(
+        db,
+        "SELECT request_id, key_id, request_body, response_body FROM stored_prompts "
+        f"WHERE tenant_id = '{tenant_id}' ORDER BY id",
+    )
+
+
+def test_opt_in_storage_isolation_and_retention(
+    db: str, fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    monkeypatch.setenv(ENV, generate_key())
+    monkeypatch.setenv("WEIR_PROMPT_PURGE_INTERVAL_S", "0.3")
+    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db}
+    app = create_app(parse_config(CONFIG, env))
+    with serve(app, free_port()) as url:
+        admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+        a = admin.post("/tenants", json={"name": "alpha"}).json()
+        b = admin.post("/tenants", json={"name": "beta"}).json()
+        assert a["store_prompts"] is False and a["prompt_retention_days"] is None
+        a_key = admin.post(f"/tenants/{a['id']}/keys", json={}).json()["key"]
+        b_key = admin.post(f"/tenants/{b['id']}/keys", json={}).json()["key"]
+
+        def chat(key: str, text: str, stream: bool = False) -> httpx.Response:
+            payload = {
+                "model": "gpt-4o-mini",
+                "messages": [{"role": "user", "content": text}],
+                "stream": stream,
+            }
+            response = httpx.post(
+                f"{url}/v1/chat/completions", json=payload, headers={"authorization": f"Bearer {key}"}
+            )
+            assert response.status_code == 200, response.text
+            return response
+
+        # Off by default: nothing is kept for either tenant.
+        chat(a_key, "alpha before opting in")
+        chat(b_key, "beta never opts in")
+        time.sleep(1.5)  # two flush periods of the writer
+        assert rows(db, a["id"]) == [] and rows(db, b["id"]) == []
+
+        patched = admin.patch(f"/tenants/{a['id']}", json={"store_prompts": True, "prompt_retention_days": 7})
+        assert patched.json()["store_prompts"] is True and patched.json()["prompt_retention_days"] == 7
+        plain = chat(a_key, "the secret plan is 42")
+        streamed = chat(a_key, "stream the secret plan", stream=True)
+        chat(b_key, "beta still never opts in")
+        wait_for(lambda: len(rows(db, a["id"])) == 2)
+        assert rows(db, b["id"]) == []
+
+        # At rest the bodies are ciphertext (a master key is set).
+        stored = rows(db, a["id"])
+        assert [r[0] for r in stored] == [plain.headers["x-request-id"], streamed.headers["x-request-id"]]
+        assert all(r[1] is not None and "secret plan" not in r[2] + r[3] for r in stored)
+
+        # The admin API reads them under their tenant, and only there.
+        rid = plain.headers["x-request-id"]
+        got = admin.get(f"/tenants/{a['id']}/prompts/{rid}")
+        assert got.status_code == 200, got.text
+        (entry,) = got.json()["data"]
+        assert "the secret plan is 42" in entry["request"] and entry["status"] == 200
+        assert plain.json()["choices"][0]["message"]["content"] in entry["response"]
+        streamed_entry = admin.get(f"/tenants/{a['id']}/prompts/{streamed.headers['x-request-id']}").json()
+        assert "data: [DONE]" in streamed_entry["data"][0]["response"]
+        other = admin.get(f"/tenants/{b['id']}/prompts/{rid}")
+        assert other.status_code == 404 and other.json()["error"]["code"] == "not_found"
+        assert [p["request_id"] for p in admin.get(f"/tenants/{a['id']}/prompts").json()["data"]] == [
+            streamed.headers["x-request-id"],
+            rid,
+        ]
+        assert admin.get(f"/tenants/{b['id']}/prompts").json()["data"] == []
+        assert admin.get("/audit", params={"entity": "stored_prompt"}).json()["data"][0]["action"] == "read"
+
+        # Retention, by the gateway's periodic job: a row older than the tenant's 7 days goes.
+        old = (dt.datetime.now(dt.UTC) - dt.timedelta(days=8)).strftime("%Y-%m-%d %H:%M:%S")
+        write(db, f"UPDATE stored_prompts SET ts = '{old}' WHERE request_id = '{rid}'")
+        wait_for(lambda: [r[0] for r in rows(db, a["id"])] == [streamed.headers["x-request-id"]])
+
+    # Retention, by the CLI (the gateway is stopped): a fresh row stays, an old one goes.
+    purged = CliRunner().invoke(main, ["db", "purge-prompts", "--database-url", db])
+    assert purged.exit_code == 0 and "deleted 0 " in purged.output, purged.output
+    write(db, f"UPDATE stored_prompts SET ts = '{old}'")
+    purged = CliRunner().invoke(main, ["db", "purge-prompts", "--database-url", db])
+    assert purged.exit_code == 0 and "deleted 1 " in purged.output, purged.output
+    assert rows(db, a["id"]) == []
