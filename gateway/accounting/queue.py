@@ -103,10 +103,14 @@ class SpoolQueue:
             return (segments[0] if segments else 1), 0
 
     def put(self, event: UsageEvent) -> None:
+        self.put_line(encode(event))
+
+    def put_line(self, line: bytes) -> None:
+        """Append one encoded event (`events.encode`)."""
         # Whole lines, handed to the OS at the end of this event-loop turn (one write for every event
         # produced in it): a crashed gateway loses nothing it had answered a turn earlier, and a torn
         # last line (power loss mid-write) is skipped when read back.
-        self._pending += encode(event) + b"\n"
+        self._pending += line + b"\n"
         if not self._flush_scheduled:
             self._flush_scheduled = True
             try:
@@ -165,6 +169,25 @@ class SpoolQueue:
 
     def _read_now(self, max_events: int) -> list[tuple[Token, UsageEvent]]:
         items: list[tuple[Token, UsageEvent]] = []
+        for token, line in self._lines(max_events):
+            try:
+                items.append((token, decode(line)))
+            except Exception:
+                log.error("skipping an unreadable usage spool line at %s", token)
+        return items
+
+    def read_lines(self, max_events: int) -> list[tuple[Token, bytes]]:
+        """Up to `max_events` unacknowledged lines, undecoded and unchecked (for forwarding them)."""
+        self._flush()
+        return self._lines(max_events)
+
+    @property
+    def unwritten(self) -> bool:
+        """Lines still in memory because the disk refused them."""
+        return bool(self._pending)
+
+    def _lines(self, max_events: int) -> list[tuple[Token, bytes]]:
+        items: list[tuple[Token, bytes]] = []
         segment, offset = self._cursor
         while len(items) < max_events and segment <= self._write_segment:
             path = self._path(segment)
@@ -175,10 +198,7 @@ class SpoolQueue:
                         if not line.endswith(b"\n"):
                             break  # still being written
                         offset += len(line)
-                        try:
-                            items.append(((segment, offset), decode(line)))
-                        except Exception:
-                            log.error("skipping unreadable usage spool line in %s", path)
+                        items.append(((segment, offset), line[:-1]))
                         if len(items) >= max_events:
                             return items
             if segment == self._write_segment:
@@ -213,7 +233,13 @@ class SpoolQueue:
 
 
 class RedisStreamQueue:
-    """Events in a Redis stream; every replica's writer reads it through one consumer group."""
+    """Events in a Redis stream; every replica's writer reads it through one consumer group.
+
+    With a `spool`, events that cannot reach Redis are not left in memory: they go to the local
+    append-only spool (durable) and are forwarded to the stream, oldest first, once Redis answers
+    again; new events follow them into the spool until it is empty. A line forwarded twice (a crash
+    between the XADD and the spool's ack) is harmless: the ledger takes each event id once.
+    """
 
     GROUP = "writers"
     EVENTS_PER_ENTRY = 200
@@ -224,6 +250,9 @@ class RedisStreamQueue:
         prefix: str = "weir:",
         flush_interval_s: float = 0.02,
         claim_idle_s: float = 30.0,
+        spool: SpoolQueue | None = None,
+        timeout_s: float = 2.0,
+        retry_s: float = 0.5,
     ) -> None:
         self._redis = client
         self._claim_idle_ms = int(claim_idle_s * 1000)
@@ -231,23 +260,33 @@ class RedisStreamQueue:
         self._consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._buffer: list[bytes] = []
         self._flush_interval = flush_interval_s
+        self._timeout = timeout_s
+        self._retry_s = retry_s
         self._group_ready = False
         self.drained = True
         self._pump: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
+        self.spool = spool
+        # Lines a previous process spooled and never forwarded are sent first.
+        self.spooling = spool is not None and bool(spool.read_lines(1))
+        self._failing = False
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "weir:") -> RedisStreamQueue:
-        return cls(aioredis.from_url(url), prefix=prefix)
+    def from_url(cls, url: str, prefix: str = "weir:", spool: SpoolQueue | None = None) -> RedisStreamQueue:
+        return cls(aioredis.from_url(url), prefix=prefix, spool=spool)
 
     def put(self, event: UsageEvent) -> None:
-        # XADD happens in a background pump, batched, so the request path only appends to a list.
-        self._buffer.append(encode(event))
+        # XADD happens in a background pump, batched, so the request path only appends to a list
+        # (or, while Redis is away, to the spool: one file write per event-loop turn).
+        if self.spooling and self.spool is not None:
+            self.spool.put_line(encode(event))
+        else:
+            self._buffer.append(encode(event))
+            if len(self._buffer) >= 256:
+                self._wake.set()
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
-        if len(self._buffer) >= 256:
-            self._wake.set()
 
     async def _run_pump(self) -> None:
         while True:
@@ -258,19 +297,51 @@ class RedisStreamQueue:
                 await self.flush()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.warning("could not append usage events to Redis; will retry", exc_info=True)
-                await asyncio.sleep(0.5)
+            except Exception as exc:
+                if not self._failing:
+                    where = "spooling them to disk" if self.spool is not None else "keeping them in memory"
+                    log.warning("usage events cannot reach Redis (%s); %s", exc.__class__.__name__, where)
+                    self._failing = True
+                await asyncio.sleep(self._retry_s)
+                continue
+            if self._failing:
+                log.warning("usage events reach Redis again")
+                self._failing = False
 
     async def flush(self) -> None:
-        """Push buffered events to the stream (they stay buffered if Redis is unreachable)."""
+        """Push spooled, then buffered events to the stream. If Redis is unreachable, what is
+        buffered goes to the spool (or stays buffered without one) and the error is raised."""
         async with self._flush_lock:  # the pump and an explicit flush must not send a batch twice
-            while self._buffer:
-                batch = self._buffer[: self.EVENTS_PER_ENTRY]
-                # One stream entry carries many events (JSON lines): far less to pack and parse
-                # than an entry each, and the ledger's event ids keep redelivery harmless.
-                await self._redis.xadd(self._stream, {"e": b"\n".join(batch)})
-                del self._buffer[: len(batch)]
+            try:
+                await self._forward_spool()
+                while self._buffer:
+                    batch = self._buffer[: self.EVENTS_PER_ENTRY]
+                    await self._xadd(batch)
+                    del self._buffer[: len(batch)]
+            except Exception:
+                if self.spool is not None:
+                    for line in self._buffer:
+                        self.spool.put_line(line)
+                    self._buffer.clear()
+                    self.spooling = True
+                raise
+
+    async def _xadd(self, lines: list[bytes]) -> None:
+        # One stream entry carries many events (JSON lines): far less to pack and parse than an
+        # entry each, and the ledger's event ids keep redelivery harmless.
+        async with asyncio.timeout(self._timeout):
+            await self._redis.xadd(self._stream, {"e": b"\n".join(lines)})
+
+    async def _forward_spool(self) -> None:
+        if not self.spooling or self.spool is None:
+            return
+        while items := self.spool.read_lines(self.EVENTS_PER_ENTRY):
+            await self._xadd([line for _, line in items])
+            await self.spool.ack([token for token, _ in items])
+        if not self.spool.unwritten:
+            # Nothing left on disk or waiting for it, and no await since the last read: every event
+            # from here on can go straight to the stream again.
+            self.spooling = False
 
     async def _ensure_group(self) -> None:
         if self._group_ready:
@@ -283,6 +354,16 @@ class RedisStreamQueue:
         self._group_ready = True
 
     async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
+        try:
+            return await self._read(max_events, block_s)
+        except aioredis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Redis restarted without its data (no persistence): make the group again.
+            self._group_ready = False
+            return await self._read(max_events, block_s)
+
+    async def _read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
         await self._ensure_group()
         # First take over what a dead writer (a crashed replica) read and never acknowledged.
         # Entries hold 1 to EVENTS_PER_ENTRY events (a pump flush's worth), so this reads roughly
@@ -324,5 +405,9 @@ class RedisStreamQueue:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pump
         with contextlib.suppress(Exception):
-            await self.flush()
+            await self.flush()  # what cannot reach Redis now waits in the spool for the next start
+        if self._buffer:
+            log.error("usage queue closed with %d events Redis did not take", len(self._buffer))
+        if self.spool is not None:
+            await self.spool.close()
         await self._redis.aclose()

@@ -78,10 +78,12 @@ class ControlPlane:
         self.sessions = sessionmaker(self.engine)
         self.state = open_state(settings.redis_url, prefix=settings.redis_prefix)
         self.catalog = PriceCatalog()
+        # The spool is the queue without Redis, and where events wait while Redis is unreachable.
+        spool = SpoolQueue.claim(Path(settings.spool_dir))
         self.queue: UsageQueue = (
-            RedisStreamQueue.from_url(settings.redis_url, prefix=settings.redis_prefix)
+            RedisStreamQueue.from_url(settings.redis_url, prefix=settings.redis_prefix, spool=spool)
             if settings.redis_url
-            else SpoolQueue.claim(Path(settings.spool_dir))
+            else spool
         )
         self.writer = BatchWriter(self.queue, self.engine)
         self.uptime = ProbeRecorder(self.engine)  # fed by the routing prober (see gateway.app)
