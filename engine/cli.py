@@ -57,14 +57,15 @@ def engine() -> None:
 @click.option(
     "--speculative",
     default=None,
-    help="Speculative decoding: ngram (prompt lookup; draft:<model>, self:int4, self:layers=N to come).",
+    help="Speculative decoding: ngram (prompt lookup), draft:<model> (a small model sharing the tokenizer), "
+    "self:int4 (an int4 copy of the model) or self:layers=N (the model's first N layers).",
 )
 @click.option(
     "--num-speculative-tokens",
     default=4,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Most drafted tokens.",
+    help="Most drafted tokens per step (adaptive k drafts fewer when acceptance or speed is poor).",
 )
 @click.option(
     "--quantization",

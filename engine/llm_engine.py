@@ -22,7 +22,8 @@ from engine.runner import ModelRunner, TokenLogprob
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculative import Speculator, parse_speculative
+from engine.spec_draft import DraftModelProposer
+from engine.speculative import SpecStats, SpeculativeConfig, Speculator, parse_speculative, self_draft_model
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model, gguf_metadata, is_gguf, load_config, open_gguf, tqdm_progress
 
@@ -60,6 +61,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens, cumulative
     prefix_cache_hits: int  # tokens, cumulative
     num_preemptions: int
+    speculative: SpecStats | None = None  # None when speculation is off
 
 
 def _default_device() -> str:
@@ -86,6 +88,7 @@ class LLMEngine:
         quantization: str = "none",
         _config: ModelConfig | None = None,
         _tokenizer: Tokenizer | None = None,
+        _draft_config: ModelConfig | None = None,
         progress: bool = True,
     ) -> None:
         if dtype not in _DTYPES:
@@ -123,6 +126,14 @@ class LLMEngine:
             reader=reader,
             progress=tqdm_progress(f"loading {self.model_name}") if progress and source else None,
         )
+        spec_config = parse_speculative(speculative, num_speculative_tokens) if speculative else None
+        # a self:int4 draft quantizes the floating-point weights, so it is copied before the target is
+        # quantized
+        draft_model = (
+            self_draft_model(self.model, "int4")
+            if spec_config is not None and spec_config.self_draft == "int4"
+            else None
+        )
         # Weight-only quantization is a module swap after loading (engine/quant.py): "int8", "int4",
         # "int4-g32|g64|g128"; the model code never learns about it.
         quantize_model(self.model, quantization)
@@ -153,11 +164,56 @@ class LLMEngine:
         )
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
-        self.speculator = (
-            Speculator(parse_speculative(speculative, num_speculative_tokens), self.max_model_len)
-            if speculative
-            else None
+        self.speculator: Speculator | None = None
+        if spec_config is not None:
+            proposer = None
+            if spec_config.method != "ngram":
+                if draft_model is None:
+                    draft_model = self._load_draft(spec_config, quantization, seed, _draft_config, progress)
+                proposer = DraftModelProposer(
+                    draft_model,
+                    num_blocks=num_kv_blocks,
+                    block_size=block_size,
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+            self.speculator = Speculator(spec_config, self.max_model_len, proposer)
+
+    def _load_draft(
+        self,
+        spec: SpeculativeConfig,
+        quantization: str,
+        seed: int,
+        config: ModelConfig | None,
+        progress: bool,
+    ) -> torch.nn.Module:
+        """The draft of `self:layers=N` (the target's first layers) or `draft:<model>` (a registry name
+        or path, loaded like the target and quantized the same way; `config`: random weights instead,
+        for tests). A separate draft must share the target's vocabulary."""
+        if spec.self_draft is not None:
+            return self_draft_model(self.model, spec.self_draft)
+        assert spec.draft_model is not None
+        source: Path | None = None
+        reader = None
+        if config is None:
+            source = registry.resolve(spec.draft_model)
+            reader = open_gguf(source) if is_gguf(source) else None
+            config = load_config(source, reader)
+        if config.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"draft model {spec.draft_model!r} has a vocabulary of {config.vocab_size} tokens; "
+                f"the target's has {self.config.vocab_size} (they must share the tokenizer)"
+            )
+        draft = build_model(
+            config,
+            source,
+            dtype=self.dtype,
+            device=self.device,
+            seed=seed,
+            reader=reader,
+            progress=tqdm_progress(f"loading draft {spec.draft_model}") if progress and source else None,
         )
+        return quantize_model(draft, quantization)
 
     def _default_kv_gb(self) -> float:
         if self.device.type == "cuda":
@@ -217,7 +273,7 @@ class LLMEngine:
                 self.speculator.forget(seq.request_id)
         self._aborted.clear()
         if self.speculator:
-            self.speculator.begin_step(self.scheduler.running)
+            self.speculator.begin_step(self.scheduler.running, self.runner.generator)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
@@ -307,6 +363,7 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            speculative=self.speculator.stats() if self.speculator else None,
         )
 
     # --- convenience ---------------------------------------------------------------------------

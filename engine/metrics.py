@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineStats
+    from engine.speculative import SpecStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 60)
 THROUGHPUT_WINDOW_S = 10.0
@@ -125,3 +126,66 @@ class _EngineStateCollector(Collector):
             "Requests preempted (recomputed) for lack of KV blocks.",
             value=s.num_preemptions,
         )
+        if s.speculative is not None:
+            yield from _speculative_metrics(s.speculative)
+
+
+def _speculative_metrics(spec: SpecStats) -> Iterator[Metric]:
+    """Speculative decoding (only when it is on): acceptance by draft position (1 = the first drafted
+    token), tokens per verification step and the tokens/s that verification steps emitted."""
+    method = ["method"]
+    proposed = CounterMetricFamily(
+        "weir_engine_spec_draft_tokens",
+        "Drafted tokens verified, by draft position.",
+        labels=[*method, "position"],
+    )
+    accepted = CounterMetricFamily(
+        "weir_engine_spec_accepted_tokens",
+        "Drafted tokens accepted, by draft position.",
+        labels=[*method, "position"],
+    )
+    rate = GaugeMetricFamily(
+        "weir_engine_spec_acceptance_rate",
+        "Accepted / drafted tokens since start, by draft position.",
+        labels=[*method, "position"],
+    )
+    for i, (p, a) in enumerate(
+        zip(spec.proposed_by_position, spec.accepted_by_position, strict=True), start=1
+    ):
+        labels = [spec.method, str(i)]
+        proposed.add_metric(labels, p)
+        accepted.add_metric(labels, a)
+        rate.add_metric(labels, a / p if p else 0.0)
+    yield proposed
+    yield accepted
+    yield rate
+    steps = CounterMetricFamily(
+        "weir_engine_spec_verification_steps",
+        "Request-steps that verified at least one drafted token.",
+        labels=method,
+    )
+    steps.add_metric([spec.method], spec.num_steps)
+    yield steps
+    emitted = CounterMetricFamily(
+        "weir_engine_spec_emitted_tokens",
+        "Tokens emitted by verification steps (accepted drafts plus the target's own token).",
+        labels=method,
+    )
+    emitted.add_metric([spec.method], spec.num_emitted_tokens)
+    yield emitted
+    mean_accepted = GaugeMetricFamily(
+        "weir_engine_spec_mean_accepted_tokens_per_step",
+        "Accepted drafted tokens per verification step, since start.",
+        labels=method,
+    )
+    mean_accepted.add_metric(
+        [spec.method], spec.num_accepted_tokens / spec.num_steps if spec.num_steps else 0.0
+    )
+    yield mean_accepted
+    tps = GaugeMetricFamily(
+        "weir_engine_spec_tokens_per_second",
+        f"Tokens emitted by verification steps per second over the last {THROUGHPUT_WINDOW_S:g} s.",
+        labels=method,
+    )
+    tps.add_metric([spec.method], spec.tokens_per_second)
+    yield tps

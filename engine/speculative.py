@@ -15,14 +15,19 @@ Proposers:
 - `NgramProposer`: prompt lookup (Saxena 2023): find the latest earlier occurrence of the sequence's
   last n tokens and propose what followed it. Free, and strong on input-grounded work.
 - `ModelProposer`: a small draft model sharing the tokenizer (a separate model, or a self-draft built
-  by `self_draft_model`: the target int4-quantized, or its first N layers).
+  by `self_draft_model`: the target int4-quantized, or its first N layers), run from scratch per call
+  (tests, outside the engine). Inside the engine a draft model runs batched over the step's requests
+  in its own paged KV cache: `engine.spec_draft.DraftModelProposer`.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +39,7 @@ __all__ = [
     "ModelProposer",
     "NgramProposer",
     "SpecMetrics",
+    "SpecStats",
     "SpeculativeConfig",
     "Speculator",
     "parse_speculative",
@@ -170,23 +176,56 @@ def sequence_logits(model: nn.Module, token_ids: Sequence[int], last: int = 1) -
 
 
 def self_draft_model(model: nn.Module, spec: str) -> nn.Module:
-    """A draft built from the target itself: `int4` (a quantized copy) or `layers=N` (its first N
-    decoder layers, sharing the target's weights, with the target's final norm and head)."""
+    """A draft built from the target itself, sharing nothing mutable with it (each has its own KV
+    cache): `int4` (a quantized copy; the target must still be in floating point) or `layers=N` (its
+    first N decoder layers, sharing the target's weights, with the target's final norm and head)."""
     if spec == "int4":
         from engine.quant import quantize_model
 
-        return quantize_model(copy.deepcopy(model), "int4")
+        with _kv_cache_detached(model):  # never copy the target's (large) cache
+            draft = copy.deepcopy(model)
+        return quantize_model(draft, "int4")
     name, _, value = spec.partition("=")
     if name == "layers" and value.isdigit():
         n = int(value)
         layers = model.layers  # type: ignore[union-attr]
         if not 1 <= n <= len(layers):
             raise ValueError(f"self:layers=N needs 1 <= N <= {len(layers)}")
-        draft = copy.copy(model)  # shallow: shares parameters and the KV tensors of those layers
-        draft._modules = dict(model._modules)
-        draft._modules["layers"] = nn.ModuleList(list(layers)[:n])
+        draft = _shallow(model)  # shares parameters
+        draft._modules["layers"] = nn.ModuleList(_own_kv_cache(layer) for layer in list(layers)[:n])
         return draft
     raise ValueError(f"unknown self-draft {spec!r}; use int4 or layers=N")
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of `module` sharing its parameters and children, whose child slots can be replaced."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    return clone
+
+
+def _own_kv_cache(layer: nn.Module) -> nn.Module:
+    """The decoder layer with the same weights but an attention module of its own: the KV cache
+    tensors are plain attributes of the attention module, so sharing it would share the cache."""
+    clone = _shallow(layer)
+    attn = _shallow(layer.self_attn)  # type: ignore[arg-type]
+    attn.k_cache = torch.empty(0)
+    attn.v_cache = torch.empty(0)
+    clone._modules["self_attn"] = attn
+    return clone
+
+
+@contextmanager
+def _kv_cache_detached(model: nn.Module) -> Iterator[None]:
+    attns = [layer.self_attn for layer in model.layers]  # type: ignore[union-attr]
+    saved = [(a.k_cache, a.v_cache) for a in attns]
+    for a in attns:
+        a.k_cache, a.v_cache = torch.empty(0), torch.empty(0)
+    try:
+        yield
+    finally:
+        for a, (k, v) in zip(attns, saved, strict=True):
+            a.k_cache, a.v_cache = k, v
 
 
 # --- verification ---------------------------------------------------------------------------------
@@ -303,9 +342,13 @@ class AdaptiveK:
 
 
 # --- metrics --------------------------------------------------------------------------------------
+RATE_WINDOW_S = 10.0
+
+
 @dataclass
 class SpecMetrics:
-    """Counters for one engine: acceptance per draft position, tokens per verification step."""
+    """Counters for one engine: acceptance per draft position, tokens per verification step, and the
+    tokens that verification steps emitted over the last `RATE_WINDOW_S` seconds (speculative tokens/s)."""
 
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
@@ -313,8 +356,11 @@ class SpecMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # accepted + the target's own token per step
+    _recent: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
 
-    def record(self, num_proposed: int, num_accepted: int, num_emitted: int | None = None) -> None:
+    def record(
+        self, num_proposed: int, num_accepted: int, num_emitted: int | None = None, now: float | None = None
+    ) -> None:
         if num_proposed <= 0:
             return
         grow = num_proposed - len(self.proposed_by_position)
@@ -325,10 +371,24 @@ class SpecMetrics:
             self.proposed_by_position[i] += 1
             if i < num_accepted:
                 self.accepted_by_position[i] += 1
+        emitted = num_emitted if num_emitted is not None else num_accepted + 1
         self.num_steps += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
-        self.num_emitted_tokens += num_emitted if num_emitted is not None else num_accepted + 1
+        self.num_emitted_tokens += emitted
+        now = time.perf_counter() if now is None else now
+        self._recent.append((now, emitted))
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def tokens_per_second(self, now: float | None = None) -> float:
+        """Tokens emitted by verification steps per second over the last `RATE_WINDOW_S` seconds."""
+        now = time.perf_counter() if now is None else now
+        # a copy: the engine thread appends while a scrape reads (list(deque) runs under the GIL)
+        return sum(n for t, n in list(self._recent) if t >= now - RATE_WINDOW_S) / RATE_WINDOW_S
 
     def acceptance_rate_by_position(self) -> list[float]:
         return [
@@ -348,47 +408,114 @@ class SpecMetrics:
     def mean_tokens_per_step(self) -> float:
         return self.num_emitted_tokens / self.num_steps if self.num_steps else 0.0
 
+    def snapshot(self) -> SpecStats:
+        return SpecStats(
+            method="",
+            proposed_by_position=list(self.proposed_by_position),
+            accepted_by_position=list(self.accepted_by_position),
+            num_steps=self.num_steps,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_emitted_tokens=self.num_emitted_tokens,
+            tokens_per_second=self.tokens_per_second(),
+        )
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """A copy of `SpecMetrics` for `EngineStats` (read by the metrics scrape on another thread)."""
+
+    method: str
+    proposed_by_position: list[int]
+    accepted_by_position: list[int]
+    num_steps: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_emitted_tokens: int
+    tokens_per_second: float
+
 
 # --- the engine's side ----------------------------------------------------------------------------
+class BatchProposer(Protocol):
+    """A proposer that drafts for all requests of a step at once (a draft model inside the engine)."""
+
+    def propose_batch(
+        self, requests: Sequence[tuple[SequenceLike, int]], generator: torch.Generator | None
+    ) -> dict[str, Proposal]: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
 class Speculator:
     """What `LLMEngine` holds when speculation is on: drafts tokens for decoding requests before each
     step and verifies the target's k+1 logit rows after it. Per-request adaptive k; engine-wide metrics.
 
+    `proposer`: None for n-gram lookup, else a `BatchProposer` (engine/spec_draft.py's draft model).
     Requests asking for log-probabilities do not speculate (their per-token log-probs would need the
     verification rows' logprobs; they decode one token per step as usual)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(
-                f"speculative method {config.method!r} is not wired into the engine yet; use 'ngram'"
-            )
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, proposer: BatchProposer | None = None
+    ) -> None:
+        if config.method != "ngram" and proposer is None:
+            raise ValueError(f"speculative method {config.method!r} needs a draft model proposer")
         self.config = config
-        self.proposer = NgramProposer()
+        self.ngram = NgramProposer()
+        self.proposer = proposer
         self.max_model_len = max_model_len
         self.metrics = SpecMetrics()
         self._k: dict[str, AdaptiveK] = {}
-        # measured step cost: seconds of a step without drafts, and extra seconds per drafted token;
-        # adaptive k weighs acceptance against this (verifying k rows is cheap on a GPU, not on a CPU)
+        self._draft_probs: dict[str, torch.Tensor] = {}  # the draft's q rows of a sampling request
+        # measured step cost: seconds of a step without drafts, and extra seconds per drafted token
+        # (verifying it, plus drafting it for a model proposer); adaptive k weighs acceptance against
+        # this (verifying k rows is cheap on a GPU, not on every CPU)
         self.plain_step_s: float | None = None
         self.draft_token_s: float | None = None
+        self.propose_token_s: float = 0.0
         self._since_plain = 0
-        self._drafts_this_step = 0
+
+    @property
+    def method(self) -> str:
+        c = self.config
+        return {"ngram": "ngram", "draft": f"draft:{c.draft_model}", "self": f"self:{c.self_draft}"}[c.method]
 
     @property
     def cost_per_token(self) -> float:
         if self.plain_step_s is None or self.draft_token_s is None or self.plain_step_s <= 0:
             return AdaptiveK.cost_per_token
-        return max(self.draft_token_s / self.plain_step_s, 0.0)
+        return max((self.draft_token_s + self.propose_token_s) / self.plain_step_s, 0.0)
 
-    def begin_step(self, running: list[SequenceLike]) -> None:
+    def stats(self) -> SpecStats:
+        snap = self.metrics.snapshot()
+        return SpecStats(**{**snap.__dict__, "method": self.method})
+
+    def begin_step(self, running: list[SequenceLike], generator: torch.Generator | None = None) -> None:
         """Propose drafts for this step. Every 16th step stays plain, to keep the baseline cost fresh."""
-        self._drafts_this_step = 0
         self._since_plain += 1
         if self._since_plain >= 16:
             return
-        for seq in running:
-            self.propose(seq)
-            self._drafts_this_step += len(seq.draft_token_ids)
+        wants = [(seq, k) for seq in running if (k := self._wanted(seq)) > 0]
+        if not wants:
+            return
+        if self.proposer is None:
+            for seq, k in wants:
+                seq.draft_token_ids = self.ngram.propose(seq.token_ids(), k).token_ids
+            return
+        started = time.perf_counter()
+        proposals = self.proposer.propose_batch(wants, generator)
+        drafted = 0
+        for seq, _ in wants:
+            if (proposal := proposals.get(seq.request_id)) is None:
+                continue
+            seq.draft_token_ids = proposal.token_ids
+            drafted += len(proposal.token_ids)
+            if proposal.probs is not None:
+                self._draft_probs[seq.request_id] = proposal.probs
+        if drafted:
+            per_token = (time.perf_counter() - started) / drafted
+            self.propose_token_s = (
+                0.8 * self.propose_token_s + 0.2 * per_token if self.propose_token_s else per_token
+            )
 
     def end_step(self, seqs: list[SequenceLike], num_tokens: list[int], seconds: float) -> None:
         """Fold in the model time of a step. Only pure decode steps count (a prefill would skew it)."""
@@ -406,19 +533,17 @@ class Speculator:
                 extra if self.draft_token_s is None else 0.8 * self.draft_token_s + 0.2 * extra
             )
 
-    def propose(self, seq: SequenceLike) -> None:
-        """Set `seq.draft_token_ids` for a request in decode state (one uncomputed token)."""
+    def _wanted(self, seq: SequenceLike) -> int:
+        """How many tokens to draft for a request in decode state (one uncomputed token), else 0."""
         p = seq.params
         if seq.draft_token_ids or p.logprobs is not None or seq.num_computed_tokens != seq.num_tokens - 1:
-            return
+            return 0
         room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         if room <= 0:
-            return
+            return 0
         adaptive = self._k.setdefault(seq.request_id, AdaptiveK(self.config.num_speculative_tokens))
         adaptive.cost_per_token = self.cost_per_token
-        k = min(adaptive.next_k(), room)
-        if k > 0:
-            seq.draft_token_ids = self.proposer.propose(seq.token_ids(), k).token_ids
+        return min(adaptive.next_k(), room)
 
     def verify(self, seq: SequenceLike, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
         """`logits` [k+1, vocab]: the target after the last real token and after each draft token.
@@ -427,6 +552,7 @@ class Speculator:
 
         drafts = list(seq.draft_token_ids)
         seq.draft_token_ids = []
+        q = self._draft_probs.pop(seq.request_id, None)
         p = seq.params
         rows = [
             SamplingRow(p, seq.generator, seq.prompt_token_ids, [*seq.output_token_ids, *drafts[:i]])
@@ -437,7 +563,9 @@ class Speculator:
             tokens = verify_greedy(drafts, logits.argmax(-1).tolist())
         else:
             probs = apply_filters(logits, rows).softmax(-1)
-            tokens = rejection_sample(drafts, probs, None, seq.generator or generator)
+            # the scheduler may have cut the draft to fit the token budget: its first rows still hold
+            draft_q = q[: len(drafts)] if q is not None else None
+            tokens = rejection_sample(drafts, probs, draft_q, seq.generator or generator)
         self.metrics.record(len(drafts), len(tokens) - 1)
         if (adaptive := self._k.get(seq.request_id)) is not None:
             adaptive.update(len(drafts), len(tokens) - 1)
@@ -445,6 +573,9 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._k.pop(request_id, None)
+        self._draft_probs.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
 
 class SequenceLike(Protocol):

@@ -11,6 +11,7 @@ import torch
 from engine.config import tiny_config
 from engine.model import Transformer
 from engine.speculative import (
+    RATE_WINDOW_S,
     AdaptiveK,
     ModelProposer,
     NgramProposer,
@@ -173,7 +174,11 @@ def test_self_draft_by_layers_shares_weights_and_matches_a_truncated_model() -> 
     target = Transformer(tiny_config()).eval()
     draft = self_draft_model(target, "layers=1")
     assert len(draft.layers) == 1 and len(target.layers) == 2
-    assert draft.layers[0] is target.layers[0] and draft.lm_head is target.lm_head
+    # the same weights (no copy) but an attention module of its own: the KV caches never alias
+    assert draft.layers[0].mlp is target.layers[0].mlp and draft.lm_head is target.lm_head
+    assert draft.layers[0].self_attn.qkv_proj is target.layers[0].self_attn.qkv_proj
+    draft.allocate_kv_cache(4, 16, torch.float32, torch.device("cpu"))
+    assert target.layers[0].self_attn.k_cache.numel() == 0 and draft.layers[0].self_attn.k_cache.numel() > 0
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
     # greedy drafting with the truncated model proposes what it predicts, and verification keeps
     # exactly the target's greedy continuation
@@ -193,8 +198,13 @@ def test_self_draft_by_layers_shares_weights_and_matches_a_truncated_model() -> 
 def test_self_draft_int4_is_a_quantized_copy() -> None:
     torch.manual_seed(0)
     target = Transformer(tiny_config()).eval()
+    target.allocate_kv_cache(64, 16, torch.float32, torch.device("cpu"))
     draft = self_draft_model(target, "int4")
     assert draft is not target and getattr(target, "quant_scheme", None) is None
+    # the target's cache is neither copied into the draft nor lost
+    assert (
+        draft.layers[0].self_attn.k_cache.numel() == 0 and target.layers[0].self_attn.k_cache.shape[0] == 64
+    )
     assert str(draft.quant_scheme).startswith("int4")
     tokens = list(range(1, 20))
     close = torch.nn.functional.cosine_similarity(
@@ -240,6 +250,17 @@ def test_metrics_count_acceptance_per_position() -> None:
     assert m.num_steps == 3 and m.mean_accepted_per_step == pytest.approx(4 / 3)
     assert m.mean_tokens_per_step == pytest.approx(7 / 3)
     assert m.acceptance_rate == pytest.approx(4 / 8)
+
+
+def test_speculative_tokens_per_second_counts_the_last_window_only() -> None:
+    m = SpecMetrics()
+    m.record(4, 4, now=100.0)  # 5 tokens
+    m.record(4, 1, now=105.0)  # 2 tokens
+    assert m.tokens_per_second(now=105.0) == pytest.approx(7 / RATE_WINDOW_S)
+    assert m.tokens_per_second(now=112.0) == pytest.approx(2 / RATE_WINDOW_S)  # the first fell out
+    assert m.tokens_per_second(now=200.0) == 0.0
+    snap = m.snapshot()
+    assert snap.num_emitted_tokens == 7 and snap.accepted_by_position == [2, 1, 1, 1]
 
 
 def test_parse_speculative() -> None:

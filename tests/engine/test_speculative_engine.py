@@ -8,7 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
+from engine.config import tiny_config
 from engine.llm_engine import LLMEngine, SamplingParams
+from engine.speculative import sequence_logits
 from tests.engine.test_speculative import chi_square_pvalue
 
 
@@ -116,3 +118,124 @@ def test_sampling_with_speculation_keeps_the_target_distribution(
     # two-sample chi-square: compare b with a's (smoothed) frequencies
     ref = [(a[c] + 0.5) / (n + 0.5 * len(cells)) for c in cells]
     assert chi_square_pvalue([b[c] for c in cells], ref) > 1e-4
+
+
+# --- model-based proposers: a draft model with its own KV cache inside the engine -------------------
+# (spec, extra engine kwargs): a separate draft identical to the target (accepts everything), a separate
+# smaller draft (mostly rejected), and the two self-drafts
+MODEL_PROPOSERS = {
+    "draft-same": ("draft:tiny-copy", {"_draft_config": tiny_config()}),
+    "draft-small": ("draft:tiny-1layer", {"_draft_config": tiny_config(num_layers=1, hidden_size=32)}),
+    "self-layers": ("self:layers=1", {}),
+    "self-int4": ("self:int4", {}),
+}
+
+
+def _draft_pool_is_empty(engine: LLMEngine) -> bool:
+    proposer = engine.speculator.proposer
+    return proposer.num_free_blocks == proposer.num_blocks and not proposer._states
+
+
+@pytest.mark.parametrize("name", list(MODEL_PROPOSERS))
+def test_greedy_output_is_token_identical_with_a_draft_model(
+    make_engine: Callable[..., LLMEngine], name: str
+) -> None:
+    spec_name, kwargs = MODEL_PROPOSERS[name]
+    plain = make_engine()
+    spec = make_engine(speculative=spec_name, num_speculative_tokens=4, **kwargs)
+    prompts = _prompts(16, seed=4)
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=bool(i % 3)) for i in range(16)]
+    assert spec.generate(prompts, params) == plain.generate(prompts, params)
+    m = spec.speculator.metrics
+    assert m.num_steps > 0 and m.num_draft_tokens > 0
+    if name == "draft-same":  # the draft is the target: every drafted token is accepted
+        assert m.acceptance_rate == 1.0 and m.mean_tokens_per_step > 3
+    if name in ("self-layers", "self-int4"):  # close to the target: speculation pays off
+        assert m.mean_tokens_per_step > 1.5
+    assert _draft_pool_is_empty(spec)
+
+
+def test_draft_model_under_a_tight_budget_kv_pressure_and_preemption(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """The target preempts and recomputes, drafts are cut to the token budget, and the draft's own pool
+    (as small as the target's) has to evict idle requests' caches: output stays identical."""
+    plain = make_engine(num_kv_blocks=12, block_size=4)
+    spec = make_engine(
+        num_kv_blocks=12,
+        block_size=4,
+        max_num_batched_tokens=7,
+        speculative="self:layers=1",
+        num_speculative_tokens=5,
+    )
+    prompts = [p[:12] for p in _prompts(6, seed=2)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    assert spec.generate(prompts, params) == plain.generate(prompts, params)
+    assert spec.stats().num_preemptions > 0 and spec.speculator.metrics.num_accepted_tokens > 0
+    assert _draft_pool_is_empty(spec)
+
+
+def test_draft_model_mixes_with_logprobs_penalties_and_stops(make_engine: Callable[..., LLMEngine]) -> None:
+    plain = make_engine()
+    spec = make_engine(speculative="self:layers=1")
+    prompts = _prompts(5, seed=3)
+    params = [
+        SamplingParams(max_tokens=25, temperature=0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=25, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=25, temperature=0, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, stop_token_ids=[prompts[3][0]]),
+        SamplingParams(max_tokens=25, temperature=0),
+    ]
+    assert spec.generate(prompts, params) == plain.generate(prompts, params)
+
+
+def test_abort_mid_draft_frees_the_draft_cache(make_engine: Callable[..., LLMEngine]) -> None:
+    spec = make_engine(speculative="self:layers=1")
+    spec.add_request("a", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=50, temperature=0.8))
+    for _ in range(4):
+        spec.step()
+    assert spec.speculator.proposer.num_free_blocks < spec.speculator.proposer.num_blocks
+    spec.abort_request("a")
+    assert [o.finish_reason for o in spec.step()] == ["abort"]
+    assert _draft_pool_is_empty(spec) and not spec.speculator._draft_probs
+
+
+def test_a_draft_model_must_share_the_vocabulary(make_engine: Callable[..., LLMEngine]) -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_engine(speculative="draft:other", _draft_config=tiny_config(vocab_size=300))
+
+
+def _exact_two_token_law(engine: LLMEngine, prompt: list[int]) -> dict[tuple[int, int], float]:
+    """p(x0) p(x1 | x0) of the engine's target model at temperature 1, computed outside the engine."""
+    vocab = engine.config.vocab_size
+    p0 = sequence_logits(engine.model, prompt)[0].softmax(-1).tolist()
+    law = {}
+    for a in range(vocab):
+        p1 = sequence_logits(engine.model, [*prompt, a])[0].softmax(-1).tolist()
+        for b in range(vocab):
+            law[(a, b)] = p0[a] * p1[b]
+    return law
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["draft-small", "self-layers"])
+def test_sampling_with_a_draft_model_keeps_the_target_distribution(
+    make_engine: Callable[..., LLMEngine], name: str
+) -> None:
+    """Rejection sampling with the draft's probabilities (q != p): the first two sampled tokens follow
+    the target's exact joint law, by a chi-square goodness-of-fit test."""
+    spec_name, kwargs = MODEL_PROPOSERS[name]
+    if "_draft_config" in kwargs:
+        kwargs = {"_draft_config": kwargs["_draft_config"].with_(vocab_size=8)}
+    spec = make_engine(
+        config_changes={"vocab_size": 8}, speculative=spec_name, num_speculative_tokens=3, **kwargs
+    )
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    n = 1500
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    counts = Counter(tuple(t[:2]) for t in spec.generate([prompt] * n, params))
+    m = spec.speculator.metrics
+    assert m.num_accepted_tokens > 0 and m.num_accepted_tokens < m.num_draft_tokens  # both branches ran
+    law = _exact_two_token_law(spec, prompt)
+    cells = sorted(law)
+    assert chi_square_pvalue([counts[c] for c in cells], [law[c] for c in cells]) > 1e-4

@@ -1,0 +1,229 @@
+"""A draft model inside the engine: its own paged KV cache and batched drafting across requests.
+
+Used by `--speculative draft:<model>`, `self:int4` and `self:layers=N`. The draft never touches the
+target's cache or blocks: it has its own block pool, and per request the token ids whose K/V it holds.
+Each step, for all requests that speculate:
+
+1. one forward catches every request up (its whole prompt the first time; afterwards the tokens
+   accepted since its last draft, usually 1..k+1) and drafts the first token from its last row;
+2. k - 1 batched single-token forwards draft the rest.
+
+The K/V of drafted tokens stays in the draft's cache; the next step keeps the part the target accepted
+(the longest prefix that matches the request's tokens) and overwrites the rest, so no rollback is needed.
+If the pool runs short, the caches of requests not drafting this step are dropped (least recently
+used first); a request that still does not fit simply does not speculate this step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.model import AttentionMetadata, PrefillChunk, attention_metadata
+from engine.sampling import SamplingRow, apply_filters, apply_penalties
+
+if TYPE_CHECKING:
+    from engine.speculative import Proposal, SequenceLike
+
+__all__ = ["DraftModelProposer"]
+
+
+@dataclass
+class _DraftState:
+    block_table: list[int] = field(default_factory=list)
+    num_real: int = 0  # the request's real tokens whose K/V the draft holds (a prefix of its tokens)
+    drafts: list[int] = field(default_factory=list)  # drafted tokens after those, K/V also held
+
+
+@dataclass
+class _Feed:
+    """One request's tokens in a draft forward: `token_ids` at positions start.. of `block_table`."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
+
+class DraftModelProposer:
+    """Drafts k tokens per request with `model` (an engine `Transformer`, or anything with its
+    `forward`/`logits`/`allocate_kv_cache`), batched over the requests of a step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.max_positions: int = model.config.max_position_embeddings  # type: ignore[union-attr]
+        model.allocate_kv_cache(num_blocks, block_size, dtype, device)  # type: ignore[operator]
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._states: OrderedDict[str, _DraftState] = OrderedDict()  # least recently drafted first
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def forget(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self._free.extend(reversed(state.block_table))
+
+    def _reserve(self, request_id: str, state: _DraftState, positions: int, keep: set[str]) -> bool:
+        """Grow the request's block table to hold `positions` tokens, evicting idle requests' caches."""
+        need = -(-positions // self.block_size) - len(state.block_table)
+        while need > len(self._free):
+            victim = next((r for r in self._states if r not in keep), None)
+            if victim is None:
+                return False
+            self.forget(victim)
+        for _ in range(max(need, 0)):
+            state.block_table.append(self._free.pop())
+        return True
+
+    @torch.inference_mode()
+    def propose_batch(
+        self, requests: Sequence[tuple[SequenceLike, int]], generator: torch.Generator | None
+    ) -> dict[str, Proposal]:
+        """Draft `k` tokens for each `(seq, k)`. Greedy requests get the draft's argmax (no probs);
+        sampling ones draw from the draft's distribution after the request's own penalties,
+        temperature and filters, and get those rows back as `Proposal.probs` for rejection sampling."""
+        from engine.speculative import Proposal
+
+        keep = {seq.request_id for seq, _ in requests}
+        active: list[tuple[SequenceLike, int, _DraftState]] = []
+        feeds: list[_Feed] = []
+        for seq, k in requests:
+            n = seq.num_tokens
+            if k <= 0 or n + k - 1 > self.max_positions:
+                continue
+            state = self._states.pop(seq.request_id, None) or _DraftState()
+            self._states[seq.request_id] = state  # most recently used last
+            valid = state.num_real
+            if valid > n:  # cannot happen with append-only sequences; start over to be safe
+                valid = 0
+            else:
+                for d, t in zip(state.drafts, seq.token_ids(valid, n), strict=False):
+                    if d != t:
+                        break
+                    valid += 1
+            valid = min(valid, n - 1)  # the last token is always fed: its row drafts the first token
+            if not self._reserve(seq.request_id, state, n + k - 1, keep):
+                continue
+            state.num_real, state.drafts = valid, []
+            active.append((seq, k, state))
+            feeds.append(_Feed(seq.token_ids(valid, n), valid, state.block_table))
+        if not active:
+            return {}
+
+        drafted: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        live = list(range(len(active)))  # requests still drafting
+        while live:
+            logits = self._forward([feeds[i] for i in live])
+            self._draw(logits, [active[i] for i in live], [drafted[i] for i in live], probs, live, generator)
+            for i in live:
+                seq, _, state = active[i]
+                if feeds[i].start + len(feeds[i].token_ids) == seq.num_tokens:
+                    state.num_real = seq.num_tokens  # the catch-up forward
+                else:
+                    state.drafts.append(feeds[i].token_ids[0])
+            live = [i for i in live if len(drafted[i]) < active[i][1]]
+            for i in live:
+                seq, _, state = active[i]
+                feeds[i] = _Feed([drafted[i][-1]], seq.num_tokens + len(drafted[i]) - 1, state.block_table)
+
+        out: dict[str, Proposal] = {}
+        for (seq, _, _), tokens, rows in zip(active, drafted, probs, strict=True):
+            out[seq.request_id] = Proposal(tokens, torch.stack(rows) if rows else None)
+        return out
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        active: list[tuple[SequenceLike, int, _DraftState]],
+        drafted: list[list[int]],
+        probs: list[list[torch.Tensor]],
+        live: list[int],
+        generator: torch.Generator | None,
+    ) -> None:
+        rows = [
+            SamplingRow(seq.params, seq.generator, seq.prompt_token_ids, [*seq.output_token_ids, *d])
+            for (seq, _, _), d in zip(active, drafted, strict=True)
+        ]
+        logits = apply_penalties(logits, rows)
+        greedy = logits.argmax(-1).tolist()
+        for j, ((seq, _, _), row) in enumerate(zip(active, rows, strict=True)):
+            if seq.params.greedy:
+                drafted[j].append(greedy[j])
+                continue
+            q = apply_filters(logits[j : j + 1], [row]).softmax(-1)[0]
+            drafted[j].append(int(torch.multinomial(q, 1, generator=seq.generator or generator)))
+            probs[live[j]].append(q)
+
+    def _forward(self, feeds: list[_Feed]) -> torch.Tensor:
+        """Logits [len(feeds), vocab] at the last token of each feed, in `feeds` order. Single-token
+        feeds run as batched decodes (the model wants them first), longer ones as prefill chunks."""
+        bs = self.block_size
+        dev = self.device
+        order = sorted(range(len(feeds)), key=lambda i: len(feeds[i].token_ids) > 1)
+        num_decodes = sum(1 for f in feeds if len(f.token_ids) == 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_row = [0] * len(feeds)
+        chunks: list[PrefillChunk] = []
+        for i in order:
+            f = feeds[i]
+            n = len(f.token_ids)
+            if n > 1:
+                chunks.append(
+                    PrefillChunk(
+                        start=len(ids),
+                        length=n,
+                        context_len=f.start + n,
+                        block_table=torch.tensor(f.block_table, dtype=torch.int32, device=dev),
+                    )
+                )
+            ids.extend(f.token_ids)
+            pos = range(f.start, f.start + n)
+            positions.extend(pos)
+            slots.extend(f.block_table[p // bs] * bs + p % bs for p in pos)
+            last_row[i] = len(ids) - 1
+        block_tables = context_lens = None
+        max_len = 0
+        if num_decodes:
+            decodes = [feeds[i] for i in order[:num_decodes]]
+            width = max(len(f.block_table) for f in decodes)
+            block_tables = torch.tensor(
+                [f.block_table + [-1] * (width - len(f.block_table)) for f in decodes],
+                dtype=torch.int32,
+                device=dev,
+            )
+            lens = [f.start + 1 for f in decodes]
+            context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+            max_len = max(lens)
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=num_decodes,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            max_context_len=max_len,
+            prefills=chunks,
+            block_size=bs,
+        )
+        with attention_metadata(meta):
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev))
+        return self.model.logits(hidden[torch.tensor(last_row, device=hidden.device)])  # type: ignore[operator]
