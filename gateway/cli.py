@@ -51,11 +51,16 @@ def serve(
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway."""
     from gateway.config import ConfigError, load_config
+    from gateway.vault import Vault, VaultError
 
     try:
         config = load_config(config_path)  # here first, so a bad config is reported before any worker starts
     except ConfigError as exc:
         raise click.ClickException(f"{config_path}: {exc}") from None
+    try:
+        Vault.from_env()  # a malformed WEIR_MASTER_KEY: say so, rather than a worker's traceback
+    except VaultError as exc:
+        raise click.ClickException(str(exc)) from None
     os.environ[CONFIG_ENV] = os.path.abspath(config_path)
     if log_level:
         os.environ[LOG_LEVEL_ENV] = log_level

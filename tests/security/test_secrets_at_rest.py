@@ -97,6 +97,14 @@ def test_vault_round_trip_binds_context_and_names_missing_keys() -> None:
         Vault.from_env({ENV_PREVIOUS: generate_key()})
 
 
+def test_serve_refuses_a_malformed_master_key(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = tmp_path / "weir.yaml"
+    config.write_text("backends: []\n")
+    env.setenv(ENV, "not-a-key")
+    result = CliRunner().invoke(main, ["serve", "--config", str(config)])
+    assert result.exit_code == 1 and "WEIR_MASTER_KEY key 1 is not a master key" in result.output
+
+
 # --- through the gateway --------------------------------------------------------------------------
 
 
