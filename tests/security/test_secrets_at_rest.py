@@ -109,7 +109,7 @@ def test_serve_refuses_a_malformed_master_key(env: pytest.MonkeyPatch, tmp_path:
 
 
 def test_stored_key_is_encrypted_used_everywhere_and_never_shown(
-    db: str, env: pytest.MonkeyPatch, fake_openai: FakeOpenAI
+    db: str, env: pytest.MonkeyPatch, fake_openai: FakeOpenAI, capfd: pytest.CaptureFixture[str]
 ) -> None:
     master = generate_key()
     env.setenv(ENV, master)
@@ -151,6 +151,9 @@ def test_stored_key_is_encrypted_used_everywhere_and_never_shown(
         assert chat(a).status_code != 200
         wait_for(lambda: chat(b).status_code != 200)
         assert admin(a).get("/backends/openai/credentials").status_code == 404
+    logged = capfd.readouterr()
+    assert "backend_credentials_loaded" in logged.out  # the log was captured...
+    assert secret not in logged.out + logged.err  # ...and never shows the key
 
 
 def test_without_a_master_key_nothing_is_stored(
