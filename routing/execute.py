@@ -1,8 +1,12 @@
 """The failover executor: attempts, retries with backoff, fallbacks, breakers, hedging, TTFT timeouts
 and mid-stream resumption, over `gateway.pipeline.Pipeline` (one attempt, one usage event each).
 
-Non-streaming requests return a ChatResponse; streams return an iterator of chunk batches whose
-first batch has already arrived, so a failure before the first token fails over invisibly.
+What an attempt sends is an `Operation`: a chat (`chat_op`), or any other call the API builds per
+candidate (completions, embeddings), so every endpoint gets the same retries, fallbacks, breakers and
+hedging. Non-streaming calls return the parsed response; streams return an iterator of chunk batches
+whose first batch has already arrived, so a failure before the first token fails over invisibly.
+Only chat streams resume mid-way on another candidate (`Executor.chat`); other streams (`Executor.run`)
+end with the error when they break after their first token.
 """
 
 from __future__ import annotations
@@ -12,12 +16,22 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from gateway.errors import BackendUnavailable, BadGateway, GatewayError, GatewayTimeout, UpstreamError
+from gateway.errors import (
+    BackendUnavailable,
+    BadGateway,
+    GatewayError,
+    GatewayTimeout,
+    InvalidRequest,
+    UpstreamError,
+)
 from gateway.pipeline import Call, Pipeline
+from gateway.providers.base import UpstreamRequest
+from gateway.router_basic import Target
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
 from routing.breaker import Breakers
 from routing.metrics import RoutingMetrics
@@ -59,6 +73,31 @@ def backoff(route: Route, retry: int, rng: random.Random) -> float:
     settings = route.retry
     wait = min(settings.max_backoff, settings.backoff * 2**retry)
     return wait * (1 - settings.jitter * rng.random())
+
+
+@dataclass(frozen=True)
+class Operation:
+    """What one attempt sends, built for whichever candidate is tried.
+
+    `prepare(target)` gives the upstream request and its reader: the response parser, or for a
+    stream a fresh decoder (decoders hold state, so one per attempt). `check(target)` raises
+    InvalidRequest when that candidate cannot serve this call at all (an Anthropic model asked for
+    embeddings): such candidates are skipped, and the request fails with that 400 only when no
+    candidate can serve it.
+    """
+
+    stream: bool
+    prepare: Callable[[Target], tuple[UpstreamRequest, Any]]
+    check: Callable[[Target], None] | None = None
+
+
+def chat_op(request: ChatRequest) -> Operation:
+    def prepare(target: Target) -> tuple[UpstreamRequest, Any]:
+        provider, model = target.provider, target.upstream_model
+        upstream = provider.chat_request(target.backend, request, model)
+        return upstream, provider.chat_stream(request, model) if request.stream else provider.chat_response
+
+    return Operation(bool(request.stream), prepare)
 
 
 class HedgeBudget:
@@ -103,23 +142,22 @@ class Executor:
     def _key(self, choice: Choice) -> str:
         return Breakers.key(choice.target.backend.name, choice.target.upstream_model)
 
-    async def _attempt(self, call: Call, plan: Plan, choice: Choice, request: ChatRequest) -> Any:
-        """One upstream attempt: a ChatResponse, or a stream iterator past its first batch."""
+    async def _attempt(self, call: Call, plan: Plan, choice: Choice, op: Operation) -> Any:
+        """One upstream attempt: the parsed response, or a stream iterator past its first batch."""
+        target = choice.target
+        model = choice.candidate.model
+        upstream, reader = op.prepare(target)
         plan.attempts += 1
         number = plan.attempts
         # The decision as it stands, for this attempt's usage event (and the header if it fails).
         call.info.route = plan.header(choice)
-        target = choice.target
-        model = choice.candidate.model
-        upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
         key = self._key(choice)
         in_flight = self.context.in_flight
         in_flight[model] = in_flight.get(model, 0) + 1
         handed_over = False
         try:
-            if request.stream:
-                decoder = target.provider.chat_stream(request, target.upstream_model)
-                opening = self.pipeline.stream(call, target, upstream, decoder, attempt=number)
+            if op.stream:
+                opening = self.pipeline.stream(call, target, upstream, reader, attempt=number)
                 timeout = plan.route.ttft_timeout
                 try:
                     batches = await asyncio.wait_for(opening, timeout) if timeout else await opening
@@ -130,9 +168,7 @@ class Executor:
                 handed_over = True
                 self._note(plan, model, "ok")
                 return self._track(batches, model)
-            result = await self.pipeline.exchange(
-                call, target, upstream, target.provider.chat_response, attempt=number
-            )
+            result = await self.pipeline.exchange(call, target, upstream, reader, attempt=number)
             self._note(plan, model, "ok")
             if plan.route.breaker is not None:
                 await self.breakers.success(key)
@@ -168,13 +204,13 @@ class Executor:
         self,
         call: Call,
         plan: Plan,
-        request: ChatRequest,
+        op: Operation,
         feats: Features,
         skip: frozenset[str] = frozenset(),
     ) -> Any:
         """The first candidate to answer, trying them in plan order."""
         route = plan.route
-        queue = [c for c in plan.choices if c.candidate.model not in skip]
+        queue = self._able(plan, op, [c for c in plan.choices if c.candidate.model not in skip])
         last: GatewayError | None = None
         for index, choice in enumerate(queue):
             breaker = self.breakers.get(self._key(choice), route.breaker) if route.breaker else None
@@ -186,10 +222,10 @@ class Executor:
                     if retry == 0 and route.hedge is not None and not skip:
                         partner = self._hedge_partner(queue[index + 1 :])
                         if partner is not None:
-                            result = await self._hedged(call, plan, choice, partner, request, feats)
+                            result = await self._hedged(call, plan, choice, partner, op, feats)
                             call.info.error = None
                             return result
-                    result = await self._attempt(call, plan, choice, request)
+                    result = await self._attempt(call, plan, choice, op)
                     plan.chosen = choice
                     call.info.error = None  # earlier attempts failed; the request did not
                     return result
@@ -212,6 +248,24 @@ class Executor:
             )
         raise last
 
+    def _able(self, plan: Plan, op: Operation, queue: list[Choice]) -> list[Choice]:
+        """The candidates that can serve `op`; a 400 when none can (the first one's reason)."""
+        if op.check is None:
+            return queue
+        able: list[Choice] = []
+        refusal: InvalidRequest | None = None
+        for choice in queue:
+            try:
+                op.check(choice.target)
+            except InvalidRequest as exc:
+                refusal = refusal or exc
+                plan.tried.append(f"{choice.candidate.model}:unsupported")
+                continue
+            able.append(choice)
+        if not able and refusal is not None:
+            raise refusal
+        return able
+
     def _hedge_partner(self, rest: list[Choice]) -> Choice | None:
         for choice in rest:
             if self.breakers.state(self._key(choice)).value == "closed":
@@ -227,13 +281,13 @@ class Executor:
         return max(route.hedge.min_delay, p95 if p95 is not None else 1.0)
 
     async def _hedged(
-        self, call: Call, plan: Plan, primary: Choice, partner: Choice, request: ChatRequest, feats: Features
+        self, call: Call, plan: Plan, primary: Choice, partner: Choice, op: Operation, feats: Features
     ) -> Any:
         """Start `primary`; if it has not answered (first token) within the hedge delay, also start
         `partner`; the first to answer wins, the other is cancelled."""
         route = plan.route
         assert route.hedge is not None
-        first = asyncio.ensure_future(self._attempt(call, plan, primary, request))
+        first = asyncio.ensure_future(self._attempt(call, plan, primary, op))
         done, _ = await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
         if done:
             plan.chosen = primary
@@ -246,7 +300,7 @@ class Executor:
             result = await first
             plan.chosen = primary
             return result
-        second = asyncio.ensure_future(self._attempt(call, plan, partner, request))
+        second = asyncio.ensure_future(self._attempt(call, plan, partner, op))
         owners = {first: primary, second: partner}
         pending = {first, second}
         error: BaseException | None = None
@@ -277,10 +331,34 @@ class Executor:
     async def chat(
         self, call: Call, plan: Plan, request: ChatRequest, feats: Features
     ) -> ChatResponse | Batches:
-        result = await self.first(call, plan, request, feats)
+        result = await self.first(call, plan, chat_op(request), feats)
         if isinstance(result, ChatResponse):
             return result
         return self._resuming(call, plan, request, feats, result)
+
+    async def run(self, call: Call, plan: Plan, op: Operation, feats: Features) -> Any:
+        """Any other call (completions, embeddings) with the same retries, fallbacks, breakers and
+        hedging as chat: the parsed response, or a stream whose break after the first batch ends
+        it with the error (the API turns that into an SSE error event; no resumption)."""
+        result = await self.first(call, plan, op, feats)
+        return self._to_end(plan, result) if op.stream else result
+
+    async def _to_end(self, plan: Plan, batches: Batches) -> Batches:
+        choice = plan.chosen
+        breaker = plan.route.breaker is not None and choice is not None
+        try:
+            async for batch in batches:
+                yield batch
+            if breaker:
+                await self.breakers.success(self._key(choice))  # type: ignore[arg-type]
+        except GatewayError as exc:
+            if choice is not None:
+                self._note(plan, choice.candidate.model, "cut")
+                if breaker and _unhealthy(exc):
+                    await self.breakers.failure(self._key(choice))
+            raise
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
 
     async def _resuming(
         self, call: Call, plan: Plan, request: ChatRequest, feats: Features, batches: Batches
@@ -322,7 +400,9 @@ class Executor:
                     continued = msgspec.structs.replace(request, messages=messages)
                     continued = _shorter(continued, len(sent))
                     try:
-                        batches = await self.first(call, plan, continued, feats, skip=frozenset(failed))
+                        batches = await self.first(
+                            call, plan, chat_op(continued), feats, skip=frozenset(failed)
+                        )
                     except GatewayError:
                         raise exc from None  # nobody can continue: the client is told what broke
                     resumed = True

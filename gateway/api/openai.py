@@ -9,11 +9,11 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from gateway.api.chat import run_chat, target_for
+from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
+from gateway.api.routed import completion_op, embeddings_op, run_routed
 from gateway.errors import GatewayError, InvalidRequest, encode_openai_error, stream_failure
-from gateway.providers import openai as openai_provider
-from gateway.types import ChatChunk, ChatRequest, ChatResponse, CompletionRequest, EmbeddingRequest, Message
+from gateway.types import ChatChunk, ChatRequest, ChatResponse, CompletionRequest, EmbeddingRequest
 from gateway.usage import openai_usage
 
 _encode = msgspec.json.Encoder().encode
@@ -114,28 +114,6 @@ def _check_text_or_tokens(value: str | list[Any], param: str) -> None:
     )
 
 
-def _completion_as_chat(request: CompletionRequest) -> ChatRequest:
-    prompt = request.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise InvalidRequest("this model takes a single text prompt", param="prompt")
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise InvalidRequest("this model takes a text prompt, not token ids", param="prompt")
-    return ChatRequest(
-        model=request.model,
-        messages=[Message(role="user", content=prompt)],
-        stream=request.stream,
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        stop=request.stop,
-        seed=request.seed,
-        n=request.n,
-        user=request.user,
-    )
-
-
 def _text_choices(choices: list[Any], delta: bool) -> list[dict[str, Any]]:
     result = []
     for choice in choices:
@@ -181,40 +159,29 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "completions")
     body = await parse_body(request, CompletionRequest)
     _check_text_or_tokens(body.prompt, "prompt")
-    target = target_for(gateway, call, body.model, body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if target.provider.native_completions:
-        upstream = openai_provider.completions_request(target.backend, body, target.upstream_model)
-        if body.stream:
-            decoder = openai_provider.CompletionStream(target.upstream_model)
-            chunks = await gateway.pipeline.stream(call, target, upstream, decoder)
-            return Stream(
-                _completion_sse(chunks, include_usage, True),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
-        raw = await gateway.pipeline.exchange(call, target, upstream, openai_provider.completions_response)
-        data = raw.data
-        if raw.usage is not None:
-            data["usage"] = openai_usage(raw.usage)
-        return json_response(data)
-    chat = _completion_as_chat(body)
-    upstream = target.provider.chat_request(target.backend, chat, target.upstream_model)
+    result, plan = await run_routed(gateway, call, body.model, body.prompt, completion_op(body))
+    # Candidates of one route may differ: the native completions shape, or a chat to translate back.
+    native = plan.chosen is not None and plan.chosen.target.provider.native_completions
     if body.stream:
-        decoder = target.provider.chat_stream(chat, target.upstream_model)
-        chunks = await gateway.pipeline.stream(call, target, upstream, decoder)
         return Stream(
-            _completion_sse(chunks, include_usage, False), media_type="text/event-stream", headers=SSE_HEADERS
+            _completion_sse(result, include_usage, native),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
-    response = await gateway.pipeline.exchange(call, target, upstream, target.provider.chat_response)
+    if native:
+        data = result.data
+        if result.usage is not None:
+            data["usage"] = openai_usage(result.usage)
+        return json_response(data)
     return json_response(
         {
-            "id": response.id,
+            "id": result.id,
             "object": "text_completion",
-            "created": response.created,
-            "model": response.model,
-            "choices": _text_choices(response.choices, delta=False),
-            "usage": openai_usage(response.usage),
+            "created": result.created,
+            "model": result.model,
+            "choices": _text_choices(result.choices, delta=False),
+            "usage": openai_usage(result.usage),
         }
     )
 
@@ -224,14 +191,7 @@ async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "embeddings")
     body = await parse_body(request, EmbeddingRequest)
     _check_text_or_tokens(body.input, "input")
-    target = target_for(gateway, call, body.model, False)
-    provider = target.provider
-    if provider.embeddings_request is None or provider.embeddings_response is None:
-        raise InvalidRequest(
-            f"The model `{body.model}` does not support embeddings ({provider.name} backend).", param="model"
-        )
-    upstream = provider.embeddings_request(target.backend, body, target.upstream_model)
-    response = await gateway.pipeline.exchange(call, target, upstream, provider.embeddings_response)
+    response, _ = await run_routed(gateway, call, body.model, body.input, embeddings_op(body))
     data = msgspec.to_builtins(response)
     data["object"] = "list"
     usage = response.usage

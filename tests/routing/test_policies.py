@@ -202,11 +202,16 @@ def test_embeddings_and_completions_carry_the_route_header_too(gateway: RunningG
     assert route_header(raw)["candidate"] == "text-embedding-3-small"
     raw = gateway.openai().completions.with_raw_response.create(model="tiered", prompt="hi")
     header = route_header(raw)
-    assert (header["route"], header["candidate"], header["reason"]) == (
-        "tiered",
-        "claude-sonnet",
-        "first_candidate",
-    )
+    assert (header["route"], header["candidate"], header["policy"]) == ("tiered", "gpt-4o-mini", "fixed")
+
+
+def test_completions_follow_route_conditions(gateway: RunningGateway) -> None:
+    # A long prompt selects the gemini-flash route: no completions endpoint there, so the prompt goes
+    # as a chat and comes back in the completions shape.
+    raw = gateway.openai().completions.with_raw_response.create(model="tiered", prompt="long " * 300)
+    assert route_header(raw)["candidate"] == "gemini-flash"
+    completion = raw.parse()
+    assert completion.object == "text_completion" and completion.choices[0].text
 
 
 def test_difficulty_with_the_shipped_classifier(
