@@ -2,10 +2,10 @@
 the guard middleware keeps: the stream leases a request holds, and its bodies when its tenant stores
 prompts.
 
-Streams are counted per replica, in process: a lease is taken when a streaming request is admitted
-(before it goes upstream) and given back by the middleware when the HTTP exchange ends, however it
-ends (last byte, client gone, error), so a lease can never leak. With N replicas a tenant can hold up
-to N x its limit; the limit protects each replica's stream slots.
+A stream slot is leased when a streaming request is admitted (before it goes upstream) and given
+back by the middleware when the HTTP exchange ends, however it ends (last byte, client gone, error),
+so a lease can never leak. With Redis the slots are shared by every replica (gateway.stream_slots),
+without it each replica counts its own.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.auth import Principal
 from gateway.config import Config
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.stream_slots import LocalSlots, RedisSlots
 
 MAX_CAPTURED_BYTES = 1024 * 1024  # a stored request or response body is cut here
 STREAM_RETRY_AFTER_S = 1  # when a stream slot frees is unknown; streams are usually short
@@ -47,7 +48,7 @@ NO_POLICY = TenantPolicy()
 class Exchange:
     """One HTTP exchange under the guard middleware."""
 
-    leases: list[str] = field(default_factory=list)  # tenant ids holding a stream slot
+    leases: list[tuple[str, str]] = field(default_factory=list)  # (tenant id, lease id) of stream slots
     capture: bool = False  # keep the bodies (the tenant stores prompts)
     tenant_id: str = ""
     request: list[bytes] = field(default_factory=list)
@@ -76,7 +77,13 @@ class RequestLimits:
         # Admin-DB tenants: set by the app to read the policy cached with the caller's key.
         self.lookup: Callable[[Principal], TenantPolicy | None] | None = None
         self.on_capture: CaptureSink | None = None
-        self.streams: dict[str, int] = {}  # tenant id -> open streams on this replica
+        self.local = LocalSlots()
+        self.shared: RedisSlots | None = None  # set when Redis is configured: slots across replicas
+
+    @property
+    def streams(self) -> dict[str, int]:
+        """Streams this replica counts itself (all of them without Redis), per tenant id."""
+        return self.local.streams if self.shared is None else self.shared.local.streams
 
     def policy(self, principal: Principal) -> TenantPolicy:
         found = self.lookup(principal) if self.lookup is not None else None
@@ -97,13 +104,13 @@ class RequestLimits:
         """The pipeline's admission hook: these limits first, then `then` (rate limits, budgets)."""
 
         async def admit(call: Any, target: Any, upstream: Any) -> None:
-            self.admit(call.principal, upstream.stream)
+            await self.admit(call.principal, upstream.stream)
             if then is not None:
                 await then(call, target, upstream)
 
         return admit
 
-    def admit(self, principal: Principal, stream: bool) -> None:
+    async def admit(self, principal: Principal, stream: bool) -> None:
         exchange = _current.get()
         if exchange is None:  # not under the middleware: nothing could give a lease back
             return
@@ -116,23 +123,24 @@ class RequestLimits:
         if limit is None:
             return
         tenant = principal.tenant_id
-        open_now = self.streams.get(tenant, 0)
-        if open_now >= limit:
+        if self.shared is not None:
+            lease = await self.shared.acquire(tenant, limit)
+        else:
+            lease = "local" if self.local.acquire(tenant, limit) else None
+        if lease is None:
             raise TooManyStreams(
                 f"Too many concurrent streams: at most {limit} at a time for this organization. "
                 "Retry when one of your streams has finished.",
                 headers={"retry-after": str(STREAM_RETRY_AFTER_S)},
             )
-        self.streams[tenant] = open_now + 1
-        exchange.leases.append(tenant)
+        exchange.leases.append((tenant, lease))
 
     def release(self, exchange: Exchange) -> None:
-        for tenant in exchange.leases:
-            left = self.streams.get(tenant, 0) - 1
-            if left > 0:
-                self.streams[tenant] = left
+        for tenant, lease in exchange.leases:
+            if self.shared is not None:
+                self.shared.release(tenant, lease)
             else:
-                self.streams.pop(tenant, None)
+                self.local.release(tenant)
         exchange.leases.clear()
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
@@ -157,10 +165,15 @@ class RequestLimits:
             async def send_body(message: Message) -> None:
                 if message["type"] == "http.response.start":
                     exchange.status = message["status"]
-                elif exchange.capture and exchange.response_bytes < MAX_CAPTURED_BYTES:
-                    body = message.get("body", b"")
-                    exchange.response.append(body)
-                    exchange.response_bytes += len(body)
+                else:
+                    if exchange.capture and exchange.response_bytes < MAX_CAPTURED_BYTES:
+                        body = message.get("body", b"")
+                        exchange.response.append(body)
+                        exchange.response_bytes += len(body)
+                    if exchange.leases and not message.get("more_body", False):
+                        # Free before the last byte leaves: a client that starts its next stream
+                        # the moment this one ends must find the slot free.
+                        self.release(exchange)
                 await send(message)
 
             try:

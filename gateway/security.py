@@ -15,6 +15,7 @@ from gateway.credentials import CredentialStore
 from gateway.limits import TenantPolicy
 from gateway.prompts import PromptStore
 from gateway.runtime import Gateway
+from gateway.stream_slots import RedisSlots
 from gateway.vault import Vault
 
 
@@ -23,6 +24,7 @@ class SecurityControls:
     vault: Vault | None
     credentials: CredentialStore | None = None
     prompts: PromptStore | None = None
+    stream_slots: RedisSlots | None = None
 
     @classmethod
     def build(cls, gateway: Gateway, control: Any) -> SecurityControls:
@@ -41,8 +43,12 @@ class SecurityControls:
         interval = float(os.environ.get("WEIR_PROMPT_PURGE_INTERVAL_S", "3600"))
         prompts = PromptStore(control.sessions, vault, retention_interval_s=interval)
         gateway.limits.lookup = policy
+        settings = control.settings
+        if settings.redis_url:  # stream slots shared by every replica
+            gateway.limits.shared = RedisSlots.from_url(settings.redis_url, prefix=settings.redis_prefix)
         gateway.limits.on_capture = prompts.capture
-        return cls(vault, CredentialStore(control.sessions, gateway.config.backends, vault), prompts)
+        credentials = CredentialStore(control.sessions, gateway.config.backends, vault)
+        return cls(vault, credentials, prompts, gateway.limits.shared)
 
     @asynccontextmanager
     async def lifespan(self, _: Any) -> AsyncIterator[None]:
@@ -51,9 +57,13 @@ class SecurityControls:
             await self.credentials.start()
         if self.prompts is not None:
             await self.prompts.start()
+        if self.stream_slots is not None:
+            self.stream_slots.start()
         try:
             yield
         finally:
+            if self.stream_slots is not None:
+                await self.stream_slots.close()
             if self.prompts is not None:
                 await self.prompts.stop()
             if self.credentials is not None:

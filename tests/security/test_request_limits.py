@@ -12,10 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
+from redis import Redis
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.stream_slots import RedisSlots
 from tests.conftest import free_port
+from tests.control.conftest import REDIS_URL, redis_prefix  # noqa: F401  (fixture)
 from tests.fakes import FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 
@@ -169,3 +172,65 @@ def test_admin_db_tenant_limits(
         wait_for(lambda: app.state.gateway.limits.streams == {})
         bad = admin.patch(f"/tenants/{tenant['id']}", json={"max_concurrent_streams": 0})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_concurrent_streams"
+
+
+@pytest.mark.redis
+def test_stream_slots_are_shared_by_replicas_through_redis(
+    fake_openai: FakeOpenAI,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_prefix: str,  # noqa: F811  (the fixture)
+) -> None:
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    env = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db",
+    }
+    redis = Redis.from_url(REDIS_URL)
+    key = f"{redis_prefix}streams:acme"
+    fake_openai.set_latency(per_token=0.5)
+    with ExitStack() as stack, httpx.Client(timeout=20) as client:
+        urls = []
+        for name in ("a", "b"):
+            monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool-{name}"))
+            config = parse_config(CONFIG + 'database_url: "${DB_URL}"\n', env)
+            urls.append(stack.enter_context(serve(create_app(config), free_port())))
+        a, b = urls
+        first = open_stream(stack, client, a, "sk-acme")
+        second = open_stream(stack, client, b, "sk-acme")
+        assert first.status_code == second.status_code == 200
+        assert redis.zcard(key) == 2
+        for url in (a, b):  # the limit (2) holds across both replicas
+            refused = client.post(f"{url}/v1/chat/completions", json=body(), headers=auth("sk-acme"))
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        first.close()
+        wait_for(lambda: redis.zcard(key) == 1)
+        assert open_stream(stack, client, b, "sk-acme").status_code == 200
+
+    # A lease nobody refreshes (its replica died) stops counting after its TTL.
+    fake_openai.set_latency()
+    with serve(create_app(parse_config(CONFIG + 'database_url: "${DB_URL}"\n', env)), free_port()) as url:
+        wait_for(lambda: redis.zcard(key) == 0)  # the streams above gave their leases back
+        expiry = int(redis.time()[0] * 1000) + 2000
+        redis.zadd(key, {"dead-replica-1": expiry, "dead-replica-2": expiry})
+        refused = httpx.post(f"{url}/v1/chat/completions", json=body(), headers=auth("sk-acme"))
+        assert refused.status_code == 429
+        wait_for(lambda: redis.time()[0] * 1000 > expiry + 50)
+        assert (
+            httpx.post(f"{url}/v1/chat/completions", json=body(), headers=auth("sk-acme")).status_code == 200
+        )
+    redis.close()
+
+
+async def test_stream_slots_count_locally_while_redis_is_away() -> None:
+    slots = RedisSlots.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    first = await slots.acquire("acme", 1)
+    assert first is not None and first.startswith("local:") and slots.degraded
+    assert await slots.acquire("acme", 1) is None  # the limit still holds, per replica
+    slots.release("acme", first)
+    assert slots.local.streams == {}
+    assert await slots.acquire("acme", 1) is not None
+    await slots.close()

@@ -1,0 +1,145 @@
+"""Concurrent-stream slots per tenant: counted in process, or across replicas in Redis.
+
+In Redis each tenant has a sorted set of leases scored by their expiry (Redis server time, so replica
+clocks do not matter). A replica refreshes the leases it holds every `ttl_s / 3`, so the leases of a
+replica that died vanish after `ttl_s` instead of holding the tenant's slots forever. A lease is given
+back (ZREM) when its stream's HTTP exchange ends. When Redis cannot be reached, the replica counts its
+own streams instead (the limit then holds per replica) and says so in the log once per outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+import redis.asyncio as aioredis
+import structlog
+
+log = structlog.get_logger("weir.limits")
+
+# KEYS[1]: the tenant's lease set; ARGV: limit, lease id, ttl in ms. 1: taken, 0: full.
+ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+return 1
+"""
+# KEYS: lease sets; ARGV[1]: ttl in ms, ARGV[2..]: the lease id held in each set.
+REFRESH = """
+local t = redis.call('TIME')
+local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, 'XX', expiry, ARGV[i + 1])
+  redis.call('PEXPIRE', key, tonumber(ARGV[1]))
+end
+return 1
+"""
+
+
+class LocalSlots:
+    """Streams open on this replica, per tenant."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, int] = {}
+
+    def acquire(self, tenant: str, limit: int) -> bool:
+        open_now = self.streams.get(tenant, 0)
+        if open_now >= limit:
+            return False
+        self.streams[tenant] = open_now + 1
+        return True
+
+    def release(self, tenant: str) -> None:
+        left = self.streams.get(tenant, 0) - 1
+        if left > 0:
+            self.streams[tenant] = left
+        else:
+            self.streams.pop(tenant, None)
+
+
+class RedisSlots:
+    """Streams open on every replica sharing the Redis namespace, per tenant."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "weir:", ttl_s: float = 30.0) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.ttl_ms = int(ttl_s * 1000)
+        self.local = LocalSlots()  # while Redis is away
+        self.held: dict[str, tuple[str, str]] = {}  # lease id -> (tenant, set key), for refreshes
+        self.degraded = False
+        self._acquire = client.register_script(ACQUIRE)
+        self._refresh = client.register_script(REFRESH)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "weir:", ttl_s: float = 30.0) -> RedisSlots:
+        return cls(aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0), prefix, ttl_s)
+
+    def key(self, tenant: str) -> str:
+        return f"{self.prefix}streams:{tenant}"
+
+    async def acquire(self, tenant: str, limit: int) -> str | None:
+        """A lease id, or None when the tenant has `limit` streams open already."""
+        lease = os.urandom(12).hex()
+        try:
+            taken = await self._acquire(keys=[self.key(tenant)], args=[limit, lease, self.ttl_ms])
+        except (aioredis.RedisError, OSError) as exc:
+            if not self.degraded:
+                self.degraded = True
+                log.warning(
+                    "stream_slots_degraded", detail="Redis unreachable; counting per replica", error=str(exc)
+                )
+            return "local:" + lease if self.local.acquire(tenant, limit) else None
+        if self.degraded:
+            self.degraded = False
+            log.info("stream_slots_recovered")
+        if not taken:
+            return None
+        self.held[lease] = (tenant, self.key(tenant))
+        return lease
+
+    def release(self, tenant: str, lease: str) -> None:
+        """Give a lease back without waiting (called as the exchange ends, maybe while cancelled)."""
+        if lease.startswith("local:"):
+            self.local.release(tenant)
+            return
+        if self.held.pop(lease, None) is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._remove(self.key(tenant), lease))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _remove(self, key: str, lease: str) -> None:
+        # On failure it expires after ttl_s: no refresh keeps it alive.
+        with contextlib.suppress(aioredis.RedisError, OSError):
+            await self.client.zrem(key, lease)
+
+    def start(self) -> None:
+        self._heartbeat = asyncio.get_running_loop().create_task(self._keep_alive())
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_ms / 3000)
+            held = list(self.held.items())
+            if not held:
+                continue
+            try:
+                await self._refresh(
+                    keys=[key for _, (_, key) in held], args=[self.ttl_ms, *[lease for lease, _ in held]]
+                )
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("stream_slots_refresh_failed", error=str(exc))
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.aclose()
