@@ -203,16 +203,15 @@ class Admission:
             await asyncio.sleep(0)  # let this turn's other settlements join the batch
             batch, self._settlements = self._settlements, []
             try:
-                await self.state.settle_many(batch)
-                await self._refresh_budget_usage({key for s in batch for key in s.budget_keys})
+                # The settlement reports each budget's use as it leaves it: no second round trip.
+                self._note_budget_usage(await self.state.settle_many(batch))
             except Exception:
                 log.warning("could not settle %d attempts in the shared state", len(batch), exc_info=True)
 
-    async def _refresh_budget_usage(self, keys: set[str]) -> None:
-        for key in keys:
+    def _note_budget_usage(self, usage: dict[str, tuple[int, int]]) -> None:
+        for key, (spent, reserved) in usage.items():
             tenant = self._tenant_budgets.get(key)
             if tenant is not None:
-                spent, reserved = await self.state.budget_usage(key)
                 self.budget_usage_ratio[tenant[0]] = (spent + reserved) / max(tenant[1], 1)
 
     def finish(self, request_id: str) -> None:

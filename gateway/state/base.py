@@ -72,10 +72,10 @@ class SharedState(Protocol):
         every budget (spent + reserved + amount <= limit on each). Refused: nothing is counted."""
         ...
 
-    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
+    async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         """For each: correct limits once the real cost is known (actual - estimated tokens), release
         the reservation (if still held) and add the actual cost to `spent` on every budget. Many at
-        once share one round trip."""
+        once share one round trip. Returns (spent, reserved) of every budget touched, afterwards."""
         ...
 
     async def settle(
@@ -139,7 +139,7 @@ class Shortcuts:
     ) -> Admission:
         raise NotImplementedError
 
-    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
+    async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         raise NotImplementedError
 
     async def settle(

@@ -77,8 +77,9 @@ class DegradableState(Shortcuts):
     ) -> Admission:
         return await self._call("admit", limits, budgets, amount_micro_usd, ttl_s)
 
-    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
-        await self._call("settle_many", settlements)
+    async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
+        result: dict[str, tuple[int, int]] = await self._call("settle_many", settlements)
+        return result
 
     async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
         await self._call("budget_seed", key, spent_micro_usd)

@@ -85,9 +85,10 @@ class MemoryState(Shortcuts):
                 self._budgets[budget.key].reservations[reservation_id] = (amount_micro_usd, now + ttl_s)
             return Admission(True, reservation_id=reservation_id)
 
-    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
+    async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         async with self._lock:
             now = self._now()
+            touched: set[str] = set()
             for settlement in settlements:
                 for adjustment in settlement.adjustments:
                     if adjustment.delta:
@@ -98,6 +99,8 @@ class MemoryState(Shortcuts):
                     state.reservations.pop(settlement.reservation_id, None)
                     state.spent += settlement.actual_micro_usd
                     state.spent_known = True
+                    touched.add(key)
+            return {key: (self._budgets[key].spent, self._budgets[key].reserved(now)) for key in touched}
 
     async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
         async with self._lock:

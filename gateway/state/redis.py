@@ -13,6 +13,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from gateway.state.base import BUCKETS, Admission, Budget, Limit, RevocationCallback, Settlement, Shortcuts
 
@@ -25,6 +26,58 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
+# A limit's hash holds one field per bucket (its index) plus 't', the sum of the live buckets, and
+# 'lo', the oldest bucket index not yet removed. Admission then reads two fields and removes the
+# buckets that left the window since the last call (about one a second), instead of reading and
+# summing all of them on every request; a hash without 't'/'lo' (new, or older than this layout) is
+# summed once from its buckets. Refusals read all buckets, to say when enough of them expire.
+_WINDOW = """
+local function window(key, current, buckets)
+  local first_live = current - buckets + 1
+  local state = redis.call('HMGET', key, 'lo', 't')
+  local lo, total = tonumber(state[1]), tonumber(state[2])
+  if lo == nil or total == nil or first_live - lo > buckets then
+    total = 0
+    local flat = redis.call('HGETALL', key)
+    for j = 1, #flat, 2 do
+      local index = tonumber(flat[j])
+      if index ~= nil then
+        if index < first_live then
+          redis.call('HDEL', key, flat[j])
+        else
+          total = total + tonumber(flat[j + 1])
+        end
+      end
+    end
+    redis.call('HSET', key, 'lo', string.format('%d', first_live), 't', string.format('%d', total))
+  elseif lo < first_live then
+    for index = lo, first_live - 1 do
+      local field = string.format('%d', index)
+      local count = redis.call('HGET', key, field)
+      if count then
+        total = total - tonumber(count)
+        redis.call('HDEL', key, field)
+      end
+    end
+    redis.call('HSET', key, 'lo', string.format('%d', first_live), 't', string.format('%d', total))
+  end
+  return total
+end
+
+local function live_buckets(key)
+  local live = {}
+  local flat = redis.call('HGETALL', key)
+  for j = 1, #flat, 2 do
+    local index = tonumber(flat[j])
+    if index ~= nil then
+      live[#live + 1] = {index, tonumber(flat[j + 1])}
+    end
+  end
+  table.sort(live, function(a, b) return a[1] < b[1] end)
+  return live
+end
+"""
+
 # KEYS: the limit keys, then (budget, budget:res, budget:exp) per budget.
 # ARGV: BUCKETS, number of limits, (limit, cost, window_ms) per limit, then amount, reservation ttl ms,
 # reservation id, budget key ttl ms, then one limit per budget.
@@ -32,6 +85,7 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # nothing is counted or reserved unless everything fits.
 ADMIT = (
     _NOW_MS
+    + _WINDOW
     + """
 local buckets = tonumber(ARGV[1])
 local n = tonumber(ARGV[2])
@@ -43,26 +97,13 @@ for i = 1, n do
   local bucket_ms = window_ms / buckets
   local current = math.floor(now_ms / bucket_ms)
   currents[i] = current
-  local flat = redis.call('HGETALL', KEYS[i])
-  local total = 0
-  local live = {}
-  for j = 1, #flat, 2 do
-    local index = tonumber(flat[j])
-    local count = tonumber(flat[j + 1])
-    if index <= current - buckets then
-      redis.call('HDEL', KEYS[i], flat[j])
-    else
-      total = total + count
-      live[#live + 1] = {index, count}
-    end
-  end
+  local total = window(KEYS[i], current, buckets)
   if total + cost > limit then
     local wait_ms = window_ms
     if cost <= limit then
-      table.sort(live, function(a, b) return a[1] < b[1] end)
       local need = total + cost - limit
       local freed = 0
-      for _, bucket in ipairs(live) do
+      for _, bucket in ipairs(live_buckets(KEYS[i])) do
         freed = freed + bucket[2]
         if freed >= need then
           wait_ms = (bucket[1] + buckets) * bucket_ms - now_ms
@@ -95,6 +136,7 @@ end
 for i = 1, n do
   local window_ms = tonumber(ARGV[(i - 1) * 3 + 5])
   redis.call('HINCRBY', KEYS[i], string.format('%d', currents[i]), ARGV[(i - 1) * 3 + 4])
+  redis.call('HINCRBY', KEYS[i], 't', ARGV[(i - 1) * 3 + 4])
   redis.call('PEXPIRE', KEYS[i], math.ceil(window_ms + window_ms / buckets))
 end
 for i = 0, nb - 1 do
@@ -110,9 +152,11 @@ return {1}
 """
 )
 
+# Many finished attempts at once, summed per key by the caller.
 # KEYS: the limit keys to adjust, then (budget, budget:res, budget:exp) per budget.
-# ARGV: BUCKETS, number of limit keys, (delta, window_ms) per limit key, then reservation id, actual
-# amount, budget key ttl ms.
+# ARGV: BUCKETS, number of limit keys, (delta, window_ms) per limit key, budget key ttl ms, then per
+# budget: the actual amount to add to `spent`, the number of reservations to release, their ids.
+# Returns (spent, reserved) per budget, afterwards.
 SETTLE = (
     _NOW_MS
     + """
@@ -122,21 +166,31 @@ for i = 1, n do
   local window_ms = tonumber(ARGV[(i - 1) * 2 + 4])
   local current = math.floor(now_ms / (window_ms / buckets))
   redis.call('HINCRBY', KEYS[i], string.format('%d', current), ARGV[(i - 1) * 2 + 3])
+  redis.call('HINCRBY', KEYS[i], 't', ARGV[(i - 1) * 2 + 3])
   redis.call('PEXPIRE', KEYS[i], math.ceil(window_ms + window_ms / buckets))
 end
-local b0 = 3 + n * 2
+local ttl = ARGV[3 + n * 2]
+local a = 4 + n * 2
+local usage = {}
 for i = 0, (#KEYS - n) / 3 - 1 do
   local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
-  local held = redis.call('HGET', res, ARGV[b0])
-  if held then
-    redis.call('HINCRBY', k, 'reserved', string.format('%d', -tonumber(held)))
-    redis.call('HDEL', res, ARGV[b0])
-    redis.call('ZREM', exp, ARGV[b0])
+  local actual = ARGV[a]
+  local count = tonumber(ARGV[a + 1])
+  for j = a + 2, a + 1 + count do
+    local held = redis.call('HGET', res, ARGV[j])
+    if held then
+      redis.call('HINCRBY', k, 'reserved', string.format('%d', -tonumber(held)))
+      redis.call('HDEL', res, ARGV[j])
+      redis.call('ZREM', exp, ARGV[j])
+    end
   end
-  redis.call('HINCRBY', k, 'spent', ARGV[b0 + 1])
-  redis.call('PEXPIRE', k, ARGV[b0 + 2])
+  local spent = redis.call('HINCRBY', k, 'spent', actual)
+  redis.call('PEXPIRE', k, ttl)
+  usage[#usage + 1] = spent
+  usage[#usage + 1] = tonumber(redis.call('HGET', k, 'reserved') or '0')
+  a = a + 2 + count
 end
-return 1
+return usage
 """
 )
 
@@ -200,20 +254,34 @@ class RedisState(Shortcuts):
             return Admission(False, int(result[3]) / 1000, limits[int(result[2]) - 1].key)
         return Admission(False, blocked_by=budgets[int(result[2]) - 1].key)
 
-    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
-        calls = []
+    async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
+        # One script call for the lot: limit corrections summed per key, and per budget the summed
+        # cost plus the reservations to release. Same result as settling one by one, far less work
+        # for Redis and for the client's command packing.
+        deltas: dict[tuple[str, float], int] = {}
+        budgets: dict[str, tuple[list[int], list[str]]] = {}
         for settlement in settlements:
-            adjustments = [a for a in settlement.adjustments if a.delta]
-            if not adjustments and not settlement.budget_keys:
-                continue
-            args: list[int | str] = [BUCKETS, len(adjustments)]
-            for adjustment in adjustments:
-                args += [adjustment.delta, int(adjustment.window_s * 1000)]
-            args += [settlement.reservation_id, settlement.actual_micro_usd, BUDGET_KEY_TTL_MS]
-            keys = [self._k(a.key) for a in adjustments] + self._budget_keys(settlement.budget_keys)
-            calls.append((keys, args))
-        if calls:
-            await asyncio.gather(*(self._call(self._settle, keys, args) for keys, args in calls))
+            for adjustment in settlement.adjustments:
+                if adjustment.delta:
+                    window = (adjustment.key, adjustment.window_s)
+                    deltas[window] = deltas.get(window, 0) + adjustment.delta
+            for key in settlement.budget_keys:
+                total, reservations = budgets.setdefault(key, ([0], []))
+                total[0] += settlement.actual_micro_usd
+                if settlement.reservation_id:
+                    reservations.append(settlement.reservation_id)
+        adjust = [(key, window_s, delta) for (key, window_s), delta in deltas.items() if delta]
+        if not adjust and not budgets:
+            return {}
+        args: list[int | str] = [BUCKETS, len(adjust)]
+        for _, window_s, delta in adjust:
+            args += [delta, int(window_s * 1000)]
+        args.append(BUDGET_KEY_TTL_MS)
+        for total, reservations in budgets.values():
+            args += [total[0], len(reservations), *reservations]
+        keys = [self._k(key) for key, _, _ in adjust] + self._budget_keys(list(budgets))
+        usage = await self._call(self._settle, keys, args)
+        return {key: (int(usage[2 * i]), int(usage[2 * i + 1])) for i, key in enumerate(budgets)}
 
     def _call(self, script: AsyncScript, keys: list[str], args: list[int | str]) -> asyncio.Future[Any]:
         """Run a script, pipelined with every other script call made in the same event-loop turn:
@@ -236,10 +304,16 @@ class RedisState(Shortcuts):
         self._flush_scheduled = False
         batch, self._queued = self._queued, []
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for script, keys, args, _ in batch:
-                    await script(keys=keys, args=args, client=pipe)
-                results = await pipe.execute(raise_on_error=False)
+            results = await self._evalsha_many(batch)
+            missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+            if missing:
+                # Redis restarted or dropped its script cache: load the scripts, run those calls
+                # again (a NOSCRIPT call did not run, so running it now counts it once).
+                for script in {id(batch[i][0]): batch[i][0] for i in missing}.values():
+                    await self._redis.script_load(script.script)
+                again = await self._evalsha_many([batch[i] for i in missing])
+                for i, result in zip(missing, again, strict=True):
+                    results[i] = result
         except Exception as exc:
             for *_, future in batch:
                 if not future.done():
@@ -252,6 +326,16 @@ class RedisState(Shortcuts):
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+    async def _evalsha_many(
+        self, calls: list[tuple[AsyncScript, list[str], list[int | str], asyncio.Future[Any]]]
+    ) -> list[Any]:
+        # EVALSHA by hand: redis-py's Script objects on a pipeline send SCRIPT EXISTS before every
+        # execute, a second round trip on every admission.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for script, keys, args, _ in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            return list(await pipe.execute(raise_on_error=False))
 
     async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

@@ -4,6 +4,7 @@ are exact across processes."""
 from __future__ import annotations
 
 import asyncio
+import random
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.state import Budget, Limit, MemoryState, SharedState
+from gateway.state import Adjustment, Budget, Limit, MemoryState, Settlement, SharedState
 from gateway.state.redis import RedisState
 from tests.control.conftest import REDIS_URL
 
@@ -78,6 +79,26 @@ async def test_budget_reservations_cap_concurrent_spend(state: SharedState) -> N
     assert sum(d.allowed for d in again) == 5
     refused = next(d for d in again if not d.allowed)
     assert refused.blocked_by == budget.key
+
+
+async def test_settling_many_at_once_sums_per_key_and_reports_budgets(state: SharedState) -> None:
+    tenant, key = Budget("budget:tenant:m:2026-11", 1_000), Budget("budget:key:m:2026-11", 1_000)
+    tpm = Limit("tpm:tenant:m", 1_000, cost=100)
+    held = [await state.admit([tpm], [tenant, key], 40) for _ in range(5)]
+    assert all(d.allowed for d in held)
+    settlements = [
+        Settlement([Adjustment(tpm.key, -60)], [tenant.key, key.key], d.reservation_id or "", 7)
+        for d in held[:4]
+    ]
+    settlements.append(Settlement([Adjustment(tpm.key, 25)], [tenant.key], "", 3))  # a later attempt
+    usage = await state.settle_many(settlements)
+    # Four of five reservations released, 4 x 7 + 3 spent; the key's budget did not get the 3.
+    assert usage == {tenant.key: (31, 40), key.key: (28, 40)}
+    assert await state.budget_usage(tenant.key) == (31, 40)
+    # 500 counted, corrected by 4 x -60 + 25: 285 used, so 715 more fit and 716 do not.
+    assert not (await state.admit([Limit(tpm.key, 1_000, cost=716)])).allowed
+    assert (await state.admit([Limit(tpm.key, 1_000, cost=715)])).allowed
+    assert await state.settle_many([]) == {}
 
 
 async def test_budget_all_or_none_seed_and_expiry(state: SharedState) -> None:
@@ -169,3 +190,60 @@ def test_redis_limit_is_exact_across_processes(redis_prefix: str) -> None:
     counts = [int(p.communicate(timeout=60)[0].strip()) for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sum(counts) == 60, counts
+
+
+@pytest.mark.redis
+async def test_redis_window_total_stays_the_sum_of_its_live_buckets(redis_prefix: str) -> None:
+    """Admission keeps a running total per limit instead of summing every bucket each time; under a
+    random mix of admissions and corrections over several windows it must equal the bucket sum, and
+    a hash written before totals were kept (buckets only) must still be counted in full."""
+    client = aioredis.from_url(REDIS_URL)
+    state = RedisState(client, prefix=redis_prefix)
+    rng = random.Random(7)
+    window_s, key = 0.3, f"{redis_prefix}tpm:tenant:mix"  # 5 ms buckets
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 1.0
+        admitted = 0
+        while loop.time() < deadline:
+            decision = await state.admit(
+                [Limit("tpm:tenant:mix", 400, cost=rng.randint(1, 40), window_s=window_s)]
+            )
+            admitted += decision.allowed
+            if rng.random() < 0.5:
+                await state.adjust("tpm:tenant:mix", rng.randint(-20, 20), window_s=window_s)
+            fields = {k.decode(): int(v) for k, v in (await client.hgetall(key)).items()}
+            lo, total = fields.pop("lo"), fields.pop("t")
+            assert all(int(index) >= lo for index in fields)  # nothing older than `lo` is left
+            assert total == sum(fields.values())
+            await asyncio.sleep(rng.choice([0, 0, 0.002, 0.02]))
+        assert admitted > 20
+
+        # The layout before running totals: bucket fields only. 390 counted; 11 more do not fit.
+        legacy = f"{redis_prefix}rpm:tenant:legacy"
+        now_s = (await client.time())[0]
+        await client.hset(legacy, mapping={str(now_s - 1): 200, str(now_s): 190, str(now_s - 90): 500})
+        refused = await state.admit([Limit("rpm:tenant:legacy", 400, cost=11)])
+        assert not refused.allowed and 0 < refused.retry_after_s <= 60
+        assert (await state.admit([Limit("rpm:tenant:legacy", 400, cost=10)])).allowed
+        assert int(await client.hget(legacy, "t")) == 400
+        assert await client.hget(legacy, str(now_s - 90)) is None  # expired long ago: removed
+    finally:
+        await state.close()
+
+
+@pytest.mark.redis
+async def test_redis_state_reloads_its_scripts_and_counts_once(redis_prefix: str) -> None:
+    """Scripts are called by hash alone (no SCRIPT EXISTS round trip per batch); after Redis lost
+    its script cache (a restart, SCRIPT FLUSH) the refused calls are loaded and run once."""
+    client = aioredis.from_url(REDIS_URL)
+    state = RedisState(client, prefix=redis_prefix)
+    try:
+        limit = Limit("rpm:tenant:reload", 5)
+        assert (await state.admit([limit])).allowed
+        await client.script_flush()
+        decisions = await asyncio.gather(*(state.admit([limit]) for _ in range(6)))
+        assert sum(d.allowed for d in decisions) == 4  # one counted before, four now, never twice
+        assert int(await client.hget(f"{redis_prefix}rpm:tenant:reload", "t")) == 5
+    finally:
+        await state.close()
