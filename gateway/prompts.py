@@ -22,13 +22,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.credentials import prompt_context
 from gateway.db.models import StoredPrompt, Tenant
-from gateway.limits import Exchange
+from gateway.limits import MAX_CAPTURED_BYTES, Exchange
 from gateway.vault import Vault, VaultError
 
 log = structlog.get_logger("weir.prompts")
 
 DEFAULT_RETENTION_DAYS = 30
-MAX_QUEUED = 10_000
+MAX_QUEUED_BYTES = 64 * 1024 * 1024  # bodies waiting for the DB; beyond this they are dropped
 BATCH = 200
 
 
@@ -41,6 +41,10 @@ class Captured:
     status: int
     request_body: bytes
     response_body: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.request_body) + len(self.response_body)
 
 
 def _text(data: bytes) -> str:
@@ -61,28 +65,29 @@ class PromptStore:
         self.flush_interval_s = flush_interval_s
         self.retention_interval_s = retention_interval_s
         self.queue: deque[Captured] = deque()
+        self.queued_bytes = 0
         self.dropped = 0
-        self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     def capture(self, exchange: Exchange, request_id: str, endpoint: str) -> None:
         """Called by the guard middleware as an exchange ends: queue it, never wait."""
-        if len(self.queue) >= MAX_QUEUED:
+        captured = Captured(
+            request_id=request_id,
+            tenant_id=exchange.tenant_id,
+            ts=dt.datetime.now(dt.UTC),
+            endpoint=endpoint,
+            status=exchange.status,
+            request_body=b"".join(exchange.request)[:MAX_CAPTURED_BYTES],
+            response_body=b"".join(exchange.response)[:MAX_CAPTURED_BYTES],
+        )
+        size = captured.size
+        if self.queued_bytes + size > MAX_QUEUED_BYTES:  # the DB is slow or away: memory stays bounded
             self.dropped += 1
             if self.dropped % 1000 == 1:
                 log.warning("prompt_store_full", dropped=self.dropped)
             return
-        self.queue.append(
-            Captured(
-                request_id=request_id,
-                tenant_id=exchange.tenant_id,
-                ts=dt.datetime.now(dt.UTC),
-                endpoint=endpoint,
-                status=exchange.status,
-                request_body=b"".join(exchange.request),
-                response_body=b"".join(exchange.response),
-            )
-        )
+        self.queue.append(captured)
+        self.queued_bytes += size
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -100,14 +105,13 @@ class PromptStore:
         """Write everything queued now; returns the number of rows written."""
         written = 0
         while self.queue:
-            batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
+            batch = [self.queue[i] for i in range(min(BATCH, len(self.queue)))]
             rows = [self._row(c) for c in batch]
-            try:
-                async with self.sessions() as session, session.begin():
-                    await session.execute(insert(StoredPrompt), rows)
-            except Exception:
-                self.queue.extendleft(reversed(batch))  # retried on the next round
-                raise
+            async with self.sessions() as session, session.begin():
+                await session.execute(insert(StoredPrompt), rows)
+            for captured in batch:  # only once written: a failed batch is retried on the next round
+                self.queue.popleft()
+                self.queued_bytes -= captured.size
             written += len(rows)
         return written
 

@@ -17,8 +17,13 @@ from click.testing import CliRunner
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+import gateway.prompts as prompts_module
 from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.db import migrate
+from gateway.db.session import create_engine, sessionmaker
+from gateway.limits import Exchange
+from gateway.prompts import PromptStore
 from gateway.vault import ENV, generate_key
 from tests.conftest import free_port
 from tests.control.conftest import pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
@@ -148,3 +153,33 @@ def test_opt_in_storage_isolation_and_retention(
     purged = CliRunner().invoke(main, ["db", "purge-prompts", "--database-url", db])
     assert purged.exit_code == 0 and "deleted 1 " in purged.output, purged.output
     assert rows(db, a["id"]) == []
+
+
+async def test_queue_is_bounded_and_survives_a_failed_write(
+    sqlite_url: str,  # noqa: F811  (the fixture)
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(prompts_module, "MAX_QUEUED_BYTES", 3000)
+    exchange = Exchange(
+        capture=True, tenant_id="t1", request=[b"q" * 1000], response=[b"r" * 400], status=200
+    )
+    # A database without the table: every write fails, nothing is lost, memory stays bounded.
+    broken = create_engine(f"sqlite+aiosqlite:///{tmp_path}/empty.db")
+    store = PromptStore(sessionmaker(broken), None)
+    for i in range(3):
+        store.capture(exchange, f"r{i}", "chat")
+    assert len(store.queue) == 2 and store.dropped == 1 and store.queued_bytes == 2800
+    with pytest.raises(Exception, match="stored_prompts"):
+        await store.flush()
+    assert len(store.queue) == 2 and store.queued_bytes == 2800
+    await broken.dispose()
+    # The database is back: the same rows land, once.
+    await asyncio.to_thread(migrate.upgrade, sqlite_url)
+    engine = create_engine(sqlite_url)
+    store.sessions = sessionmaker(engine)
+    assert await store.flush() == 2 and store.queued_bytes == 0 and not store.queue
+    async with engine.connect() as conn:
+        stored = (await conn.execute(text("SELECT request_id, request_body FROM stored_prompts"))).all()
+    await engine.dispose()
+    assert [r[0] for r in stored] == ["r0", "r1"] and stored[0][1] == "q" * 1000
