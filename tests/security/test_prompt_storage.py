@@ -139,6 +139,12 @@ def test_opt_in_storage_isolation_and_retention(
             rid,
         ]
         assert admin.get(f"/tenants/{b['id']}/prompts").json()["data"] == []
+        for key in (a_key, b_key):  # tenant keys do not reach stored prompts, not even their own
+            forged = httpx.get(
+                f"{url}/admin/api/v1/tenants/{a['id']}/prompts/{rid}",
+                headers={"authorization": f"Bearer {key}"},
+            )
+            assert forged.status_code == 401 and "secret plan" not in forged.text
         assert admin.get("/audit", params={"entity": "stored_prompt"}).json()["data"][0]["action"] == "read"
 
         # Retention, by the gateway's periodic job: a row older than the tenant's 7 days goes.

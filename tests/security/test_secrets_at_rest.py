@@ -140,6 +140,22 @@ def test_stored_key_is_encrypted_used_everywhere_and_never_shown(
         assert [c["backend"] for c in listed.json()["data"]] == ["openai"] and secret not in listed.text
         assert admin(a).put("/backends/nope/credentials", json={"api_key": secret}).status_code == 404
 
+        # A tenant key can neither read, replace nor delete a vendor key.
+        for method, path in [
+            ("PUT", "/backends/openai/credentials"),
+            ("GET", "/backends/openai/credentials"),
+            ("GET", "/credentials"),
+            ("DELETE", "/backends/openai/credentials"),
+        ]:
+            forged = httpx.request(
+                method,
+                f"{a}/admin/api/v1{path}",
+                json={"api_key": "sk-attacker-key"} if method == "PUT" else None,
+                headers={"authorization": f"Bearer {TENANT_KEY}"},
+            )
+            assert forged.status_code == 401 and secret not in forged.text, (method, path)
+        assert chat(a).status_code == 200
+
         # At rest: the column holds ciphertext only; the audit log has the change without the key.
         (ciphertext,) = sync_exec(db, "SELECT ciphertext FROM backend_credentials")[0]
         assert secret not in ciphertext and ciphertext.startswith("v1:")
