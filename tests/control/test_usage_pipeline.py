@@ -9,6 +9,7 @@ import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 from sqlalchemy import func, select
@@ -17,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
-from gateway.accounting.writer import BatchWriter
+from gateway.accounting.writer import BatchWriter, event_row
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine
@@ -179,3 +180,20 @@ async def test_spool_is_one_process_and_skips_torn_lines(tmp_path: Path) -> None
         f.write(b'{"request_id": "half-writ')  # a line still being written
     assert len(await queue.read(10, 0)) == 3
     await queue.close()
+
+
+async def test_every_column_lands_as_sent(engine: AsyncEngine, tmp_path: Path) -> None:
+    """PostgreSQL takes batches as arrays unnested by the server, SQLite as multi-row VALUES: both
+    must store each event exactly as `event_row` describes it (JSON prices, UTC times, NULLs)."""
+    batch = events(30, seed=21)
+    batch[0] = msgspec.structs.replace(
+        batch[0], ttft_ms=None, key_id=None, routing="policy=fixed", estimated=True
+    )
+    writer = BatchWriter(SpoolQueue(tmp_path / "unused"), engine)
+    assert await writer.write(batch) == 30
+    assert await writer.write(batch[:5]) == 0  # a redelivery is skipped
+    async with engine.connect() as conn:
+        stored = {r.event_id: dict(r._mapping) for r in await conn.execute(select(UsageEventRow.__table__))}
+    for event in batch:
+        assert stored[event.event_id] == event_row(event)
+    assert writer.stats.statements == 2 and writer.stats.duplicates == 5
