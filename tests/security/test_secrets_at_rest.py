@@ -79,7 +79,8 @@ def wait_for(check: object, timeout: float = 10.0) -> None:
 
 
 def test_vault_round_trip_binds_context_and_names_missing_keys() -> None:
-    vault = Vault.from_env({ENV: generate_key()})
+    key_text = generate_key()
+    vault = Vault.from_env({ENV: key_text})
     assert vault is not None
     token = vault.encrypt("sk-very-secret", "backend_credentials:openai")
     assert "sk-very-secret" not in token and token.startswith(f"v1:{vault.primary_id}:")
@@ -90,6 +91,12 @@ def test_vault_round_trip_binds_context_and_names_missing_keys() -> None:
     assert other is not None
     with pytest.raises(VaultError, match=f"master key {vault.primary_id}, which is not in"):
         other.decrypt(token, "backend_credentials:openai")
+    # During a rotation the old key may also come from WEIR_MASTER_KEY_PREVIOUS.
+    rotating = Vault.from_env({ENV: generate_key(), ENV_PREVIOUS: key_text})
+    assert rotating is not None and rotating.key_ids[1] == vault.primary_id
+    moved = rotating.rotate(token, "backend_credentials:openai")
+    assert moved.startswith(f"v1:{rotating.primary_id}:")
+    assert rotating.decrypt(moved, "backend_credentials:openai") == "sk-very-secret"
     assert Vault.from_env({}) is None
     with pytest.raises(VaultError, match="is not a master key"):
         Vault.from_env({ENV: "too-short"})
