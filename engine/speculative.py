@@ -356,7 +356,10 @@ class SpecMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # accepted + the target's own token per step
+    # (time, tokens) of the rate window and their sum; only the engine thread touches them (a scrape
+    # reads the `SpecStats` copy that `EngineStats` carries)
     _recent: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
+    _recent_sum: int = field(default=0, repr=False)
 
     def record(
         self, num_proposed: int, num_accepted: int, num_emitted: int | None = None, now: float | None = None
@@ -378,17 +381,17 @@ class SpecMetrics:
         self.num_emitted_tokens += emitted
         now = time.perf_counter() if now is None else now
         self._recent.append((now, emitted))
+        self._recent_sum += emitted
         self._expire(now)
 
     def _expire(self, now: float) -> None:
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
-            self._recent.popleft()
+            self._recent_sum -= self._recent.popleft()[1]
 
     def tokens_per_second(self, now: float | None = None) -> float:
         """Tokens emitted by verification steps per second over the last `RATE_WINDOW_S` seconds."""
-        now = time.perf_counter() if now is None else now
-        # a copy: the engine thread appends while a scrape reads (list(deque) runs under the GIL)
-        return sum(n for t, n in list(self._recent) if t >= now - RATE_WINDOW_S) / RATE_WINDOW_S
+        self._expire(time.perf_counter() if now is None else now)
+        return self._recent_sum / RATE_WINDOW_S
 
     def acceptance_rate_by_position(self) -> list[float]:
         return [
