@@ -214,10 +214,3 @@ async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datet
         )
     ]
     return {"start": start.isoformat(), "end": end.isoformat(), "backends": backends, "tenants": tenants}
-
-
-async def record_probe(
-    session: AsyncSession, backend: str, ok: bool, latency_ms: float | None, at: dt.datetime
-) -> None:
-    """Store one active health-probe result (probes run per backend every few seconds, not per request)."""
-    session.add(UptimeSample(backend=backend, ts=at, ok=ok, latency_ms=latency_ms))
