@@ -272,12 +272,13 @@ class Pipeline:
 
 def decode(step: Callable[..., T], backend: str, *args: Any) -> T:
     """Run a provider's decoding step; a body or event of a shape it did not expect (JSON `null`
-    where an object belongs, a list for a string...) is the backend's fault: a 502, never a crash."""
+    where an object belongs, a list for a string, JSON nested thousands deep...) is the backend's
+    fault: a 502, never a crash."""
     try:
         return step(*args)
     except GatewayError:
         raise
-    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError, RecursionError) as exc:
         raise BadGateway(f"backend {backend} sent a malformed response ({type(exc).__name__})") from None
 
 

@@ -145,7 +145,7 @@ def parse_arguments(arguments: str, where: str) -> dict[str, Any]:
         return {}
     try:
         value = _json_decode(arguments)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested thousands deep
         raise InvalidRequest(
             f"tool call arguments are not valid JSON: {arguments[:80]!r}", param=where
         ) from None
@@ -157,14 +157,14 @@ def parse_arguments(arguments: str, where: str) -> dict[str, Any]:
 def decode_json(body: bytes | str, backend_hint: str) -> Any:
     try:
         return _json_decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested thousands deep
         raise BadGateway(f"{backend_hint} returned a body that is not valid JSON") from None
 
 
 def decode_typed(body: bytes | str, type_: Any, backend_hint: str) -> Any:
     try:
         return _json_decode(body, type=type_)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested thousands deep
         raise BadGateway(f"{backend_hint} returned an unexpected response: {exc}") from None
 
 
@@ -205,7 +205,7 @@ def error_text(body: bytes, path: tuple[str, ...] = ("error", "message")) -> tup
     """The vendor's error message from its JSON body (or the body itself, shortened, if not JSON)."""
     try:
         value: Any = _json_decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return body[:300].decode("utf-8", "replace").strip() or "no error message", {}
     error = value.get("error") if isinstance(value, dict) else None
     node: Any = value

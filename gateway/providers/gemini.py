@@ -130,7 +130,7 @@ def _function_response(message: Message) -> dict[str, Any]:
     text = message.text()
     try:
         value = msgspec.json.decode(text) if text else {}
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         value = text
     # Gemini wants an object; anything else is wrapped.
     return value if isinstance(value, dict) else {"result": value}

@@ -56,3 +56,26 @@ def test_every_documented_input_form_still_passes(
     response = post(gateway, "/v1/embeddings", {"model": "text-embedding-3-small", "input": value})
     assert response.status_code == 200, response.text
     assert len(fake_openai.requests) == 1
+
+
+DEEP = "[" * 20_000 + "]" * 20_000
+
+
+@pytest.mark.parametrize("model", ["claude-sonnet", "gemini-flash"])
+def test_tool_json_nested_20k_deep_is_a_400_not_a_500(
+    gateway: RunningGateway,  # noqa: F811
+    model: str,
+) -> None:
+    """A tool call's arguments (and a tool result, for Gemini) are JSON inside a string: the gateway
+    parses them to translate for Anthropic and Gemini. Nested 20,000 deep they crashed the parser
+    (RecursionError, a 500)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": DEEP},
+    ]
+    response = post(gateway, "/v1/chat/completions", {"model": model, "messages": messages})
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert response.json()["error"]["type"] == "invalid_request_error"
