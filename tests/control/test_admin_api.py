@@ -298,10 +298,12 @@ async def test_usage_report_reconciles_to_the_micro_dollar(env: Env) -> None:
         tenant = rng.choice(tenants)
         backend, model = rng.choice(list(SHEETS))
         usage = random_usage(rng)
-        # Today only (prices became valid minutes ago), spread over the hours to come.
+        # Today only, after the prices became valid (just now), spread over the hour to come: late in
+        # the UTC day the end of the day caps it (a fixed 23:00 cap priced events before the prices
+        # existed when the test ran after 23:00).
         ts = min(
             dt.datetime.now(dt.UTC) + dt.timedelta(seconds=rng.randint(0, 3600)),
-            today + dt.timedelta(hours=23),
+            today + dt.timedelta(days=1, seconds=-2),  # inside the raw-ledger range below too
         )
         queue.put(
             priced_event(catalog, tenant_id=tenant["id"], backend=backend, model=model, usage=usage, ts=ts)
