@@ -105,6 +105,9 @@ def test_concurrent_streams_are_limited_and_always_released(
         assert over.headers["retry-after"] == "1"
         assert over.json()["error"]["code"] == "concurrent_streams_exceeded"
         assert over.json()["error"]["type"] == "requests"
+        completion = {"model": "gpt-4o-mini", "prompt": "say hi", "stream": True}
+        over = client.post(f"{url}/v1/completions", json=completion, headers=auth("sk-acme"))
+        assert over.status_code == 429  # every streaming endpoint shares the slots
         # Non-streaming calls and other tenants are not affected.
         fake_openai.set_latency()
         assert client.post(
