@@ -12,12 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 from click.testing import CliRunner
+from sqlalchemy import select
 
 from gateway.app import create_app
 from gateway.config import Backend, parse_config
 from gateway.credentials import CredentialStore
 from gateway.db import migrate
+from gateway.db.models import StoredPrompt
 from gateway.db.session import create_engine, sessionmaker
+from gateway.limits import Exchange
+from gateway.prompts import PromptStore, read_body
 from gateway.vault import ENV, ENV_PREVIOUS, Vault, VaultError, generate_key
 from tests.conftest import free_port
 from tests.control.conftest import pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
@@ -202,6 +206,7 @@ def test_rotation_then_old_key_removal_and_a_wrong_key(
             admin(url).put("/backends/openai/credentials", json={"api_key": fake_openai.api_key}).is_success
         )
     old_id, new_id = sync_exec(db, "SELECT key_id FROM backend_credentials")[0][0], None
+    asyncio.run(store_prompt(db, Vault.from_env({ENV: old})))  # a stored prompt under the old key too
 
     runner = CliRunner()
     # A wrong key: a clear error, and nothing changes.
@@ -218,9 +223,13 @@ def test_rotation_then_old_key_removal_and_a_wrong_key(
     env.setenv(ENV, f"{new},{old}")
     rotated = runner.invoke(main, ["db", "rotate-master-key", "--database-url", db])
     assert rotated.exit_code == 0, rotated.output
-    assert "1 vendor keys" in rotated.output
+    assert "1 vendor keys, 1 stored prompts" in rotated.output
     new_id = sync_exec(db, "SELECT key_id FROM backend_credentials")[0][0]
     assert new_id != old_id
+    assert sync_exec(db, "SELECT key_id FROM stored_prompts") == [(new_id,)]
+    assert asyncio.run(read_prompt(db, Vault.from_env({ENV: new}))) == ("the prompt", "the reply")
+    again = runner.invoke(main, ["db", "rotate-master-key", "--database-url", db])
+    assert again.exit_code == 0 and "0 vendor keys, 0 stored prompts (1 keys already were)" in again.output
 
     # The old key removed: the gateway still reads the stored key and uses it.
     env.setenv(ENV, new)
@@ -236,6 +245,23 @@ def test_rotation_then_old_key_removal_and_a_wrong_key(
         shown = admin(url).get("/backends/openai/credentials").json()
         assert shown["in_use"] is False and "not in WEIR_MASTER_KEY" in shown["error"]
         assert chat(url).status_code != 200  # the config's key, which the fake refuses
+
+
+async def store_prompt(db: str, vault: Vault | None) -> None:
+    engine = create_engine(db)
+    store = PromptStore(sessionmaker(engine), vault)
+    exchange = Exchange(capture=True, tenant_id="t1", request=[b"the prompt"], response=[b"the reply"])
+    store.capture(exchange, "req-1", "chat")
+    assert await store.flush() == 1
+    await engine.dispose()
+
+
+async def read_prompt(db: str, vault: Vault | None) -> tuple[str, str]:
+    engine = create_engine(db)
+    async with sessionmaker(engine)() as session:
+        row = (await session.scalars(select(StoredPrompt))).one()
+    await engine.dispose()
+    return read_body(row, vault)
 
 
 def test_store_applies_and_reverts_config_keys(sqlite_url: str) -> None:  # noqa: F811
