@@ -7,14 +7,20 @@ from decimal import Decimal
 
 PICO_PER_USD = 10**12
 MICRO_PER_USD = 10**6
+# Amounts live in 64-bit columns. A price is capped lower, so that tokens x price (a request's cost
+# in pico-dollars) fits too for requests up to ~9M tokens.
+MAX_PRICE_MICRO = 10**12  # USD 1,000,000 per 1M tokens
+MAX_MICRO = 2**63 - 1
 
 
-def usd_per_mtok_to_micro(value: Decimal | str | int) -> int:
+def usd_per_mtok_to_micro(value: Decimal | str | int, *, limit: int = MAX_PRICE_MICRO) -> int:
     """`"2.50"` USD per 1M tokens -> 2_500_000. More than six decimals cannot be held exactly: refused."""
     amount = Decimal(str(value))
     if not amount.is_finite() or amount < 0:
         raise ValueError(f"price must be a non-negative number, got {value!r}")
     micro = amount * MICRO_PER_USD
+    if micro > limit:
+        raise ValueError(f"{value!r} is too large (at most {Decimal(limit) / MICRO_PER_USD} USD)")
     if micro != micro.to_integral_value():
         raise ValueError(f"price {value!r} has more than 6 decimals (USD per 1M tokens)")
     return int(micro)
@@ -26,7 +32,7 @@ def micro_to_usd(micro: int) -> Decimal:
 
 def usd_to_micro(value: Decimal | str | int) -> int:
     """Budgets: `"100.25"` USD -> 100_250_000 micro-dollars (more than six decimals refused)."""
-    return usd_per_mtok_to_micro(value)
+    return usd_per_mtok_to_micro(value, limit=MAX_MICRO)
 
 
 def pico_to_usd(pico: int) -> Decimal:

@@ -52,7 +52,8 @@ async def _applied(request: Request) -> None:
 
 
 async def _row(session: Any, route_id: int) -> RouteRow:
-    row = await session.get(RouteRow, route_id)
+    # An id beyond 64 bits names no row, and the database driver cannot even bind it (a 500).
+    row = await session.get(RouteRow, route_id) if 0 < route_id < 2**63 else None
     if row is None:
         raise AdminError(404, f"no route with id {route_id}", "not_found", "route_id")
     return row

@@ -3,17 +3,24 @@ real gateway in front of the fake vendors."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from gateway.app import create_app
+from gateway.config import parse_config
+from tests.conftest import free_port
+from tests.control.test_gateway_control import ADMIN, CONFIG, Weir
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import (  # noqa: F401  (the session gateway and its per-test reset)
     DEMO_KEY,
     RunningGateway,
     _running_gateway,
     gateway,
+    serve,
 )
 
 
@@ -79,3 +86,43 @@ def test_tool_json_nested_20k_deep_is_a_400_not_a_500(
     assert response.status_code in (200, 400), response.text
     if response.status_code == 400:
         assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture
+def weir(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
+    """A gateway with the control plane (SQLite admin DB) and its admin API."""
+    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
+    with serve(create_app(parse_config(CONFIG, env)), free_port()) as url:
+        yield Weir(url, db_url)
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_a_route_id_beyond_64_bits_is_a_404(weir: Weir, method: str) -> None:
+    """schemathesis (deep pass): /routes/1334629427925470413492831911936 was a 500 (SQLite cannot
+    bind an integer that large)."""
+    body = {"name": "r", "candidates": [{"model": "gpt-4o-mini"}]} if method == "PUT" else None
+    response = weir.admin.request(method, f"/routes/{2**100}", json=body)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize("usd", ["1e30", 1e30, 10**40, "1000000.000001", "NaN", "-1", "1e-30"])
+def test_an_absurd_price_or_budget_is_a_400(weir: Weir, usd: object) -> None:
+    """schemathesis (deep pass): a price of 1e30 USD was a 500 (too large for the 64-bit column)."""
+    price = {"model": "gpt-4o-mini", "token_class": "input", "usd_per_1m_tokens": usd}
+    response = weir.admin.put("/prices", json={"prices": [price]})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "prices[0].usd_per_1m_tokens"
+    if usd not in ("NaN", "-1", "1e-30", "1000000.000001"):
+        tenant = weir.admin.post("/tenants", json={"name": "rich", "budget_usd_monthly": usd})
+        assert tenant.status_code == 400, tenant.text
+
+
+def test_the_largest_price_and_budget_are_kept(weir: Weir) -> None:
+    price = {"model": "gpt-4o-mini", "token_class": "input", "usd_per_1m_tokens": "1000000"}
+    assert weir.admin.put("/prices", json={"prices": [price]}).status_code == 200
+    tenant = weir.admin.post("/tenants", json={"name": "rich", "budget_usd_monthly": "9000000000000"})
+    assert tenant.status_code == 201, tenant.text
