@@ -67,6 +67,7 @@ class PromptStore:
         self.queue: deque[Captured] = deque()
         self.queued_bytes = 0
         self.dropped = 0
+        self._warned_clear = False
         self._tasks: list[asyncio.Task[None]] = []
 
     def capture(self, exchange: Exchange, request_id: str, endpoint: str) -> None:
@@ -117,6 +118,9 @@ class PromptStore:
 
     def _row(self, c: Captured) -> dict[str, object]:
         request, response, key_id = _text(c.request_body), _text(c.response_body), None
+        if self.vault is None and not self._warned_clear:
+            self._warned_clear = True
+            log.warning("prompts_stored_in_clear", detail="set WEIR_MASTER_KEY to encrypt stored prompts")
         if self.vault is not None:
             where = prompt_context(c.tenant_id, c.request_id)
             request = self.vault.encrypt(request, where + ":request")
