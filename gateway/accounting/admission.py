@@ -15,18 +15,31 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import pico_to_micro_ceil
 from gateway.accounting.pricing import PriceCatalog
 from gateway.errors import GatewayError
 from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState
+from gateway.state import Admission as Decision
 from gateway.usage import Usage
 
 log = logging.getLogger(__name__)
 
 RESERVATION_TTL_S = 600.0  # a reservation never settled (crashed replica, lost event) frees itself
+# Leases: with a large limit, a replica that has to ask the shared state anyway also asks for room for
+# about LEASE_REQUESTS more requests like this one (at most 1/LEASE_SHARE of the limit), counted there
+# at once; its next requests are then admitted here without a round trip until the lease runs out or
+# its bucket (one second) ends, when the unused rest is handed back to that bucket. Budgets likewise
+# reserve a pool of money for POOL_TTL_S. The state grants neither unless the window (the budget)
+# stays at most half used with it, so near a limit every request is still decided there, one by one:
+# never more than the limit is admitted, and a lease can only keep another replica from the last
+# units for the rest of its second. Limits below LEASE_SHARE units never lease.
+LEASE_REQUESTS = 32
+LEASE_SHARE = 100
+POOL_TTL_S = 1.0
+LEASE_MARGIN_S = 0.002  # stop using a lease this long before its bucket ends
 PENDING_TTL_S = 900.0  # how long retries and fallbacks of one request still settle against it
 # After its HTTP exchange ends, a request is forgotten this much later: attempts still in flight then
 # (a cancelled hedge) settle in time, and memory holds a minute of traffic, not PENDING_TTL_S of it.
@@ -55,6 +68,24 @@ class _Pending:
     estimated_tokens: int
     created: float = field(default_factory=time.monotonic)
     first_settled: bool = False
+    # Per budget key: (reservation, amount) to release at the first settlement; empty: all of
+    # `reservation_id`. Set when the money came from a pool or was reserved along with one.
+    releases: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Lease:
+    units: int
+    bucket: int
+    window_s: float
+    expires: float  # monotonic
+
+
+@dataclass(slots=True)
+class _Pool:
+    reservation_id: str
+    left: int
+    expires: float  # monotonic
 
 
 class RateLimited(GatewayError):
@@ -79,7 +110,11 @@ def month_of(now: dt.datetime) -> str:
 
 class Admission:
     def __init__(
-        self, state: SharedState, catalog: Callable[[], PriceCatalog], spend: SpendLookup | None = None
+        self,
+        state: SharedState,
+        catalog: Callable[[], PriceCatalog],
+        spend: SpendLookup | None = None,
+        leasing: bool = False,
     ) -> None:
         self.state = state
         self._catalog = catalog
@@ -94,6 +129,12 @@ class Admission:
         # share of each used, spent plus reserved, as of the last settlement (for /metrics and alerts).
         self._tenant_budgets: dict[str, tuple[str, int]] = {}
         self.budget_usage_ratio: dict[str, float] = {}
+        self.leasing = leasing
+        self._leases: dict[str, _Lease] = {}
+        self._pools: dict[str, _Pool] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._asking: set[str] = set()  # keys whose lease (pool) request is in flight
+        self.local_admissions = 0  # admitted from leases, without a round trip
 
     async def admit(
         self,
@@ -140,9 +181,42 @@ class Admission:
             amount = max(1, pico_to_micro_ceil(cost.cost_pico_usd))
         if not limits and not budgets:
             return
+        asked: list[str] = []
+        if self.leasing:
+            drawn = self._take_local(limits, budgets, amount)
+            if drawn is not None:
+                self.local_admissions += 1
+                if budgets or tpm_keys:
+                    self._pending[request_id] = _Pending(
+                        None, [b.key for b in budgets], tpm_keys, estimate, releases=drawn
+                    )
+                return
+            # At most one lease (pool) per key held or asked for at a time: concurrent requests that
+            # miss it go to the shared state without asking for more, which bounds what a replica
+            # can hold unused to one lease per key.
+            now_s = time.monotonic()
+            keys = [limit.key for limit in limits] + [b.key for b in budgets]
+            asked = [key for key in keys if self._wants(key, now_s)]
+            self._asking.update(asked)
+            limits = [
+                replace(limit, lease=self._lease_size(limit.limit, limit.cost))
+                if limit.key in asked
+                else limit
+                for limit in limits
+            ]
+            budgets = [
+                replace(b, pool_micro_usd=self._lease_size(b.limit_micro_usd, amount))
+                if b.key in asked
+                else b
+                for b in budgets
+            ]
+        sent = time.monotonic()
         # One atomic step in the shared state (one Redis round trip): every limit and every budget,
         # all or nothing, so a request refused by its budget uses up no rate limit either.
-        decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
+        try:
+            decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
+        finally:
+            self._asking.difference_update(asked)
         if not decision.allowed:
             blocked = decision.blocked_by or ""
             scope = "key" if ":key:" in blocked else "tenant"
@@ -158,8 +232,119 @@ class Admission:
                 headers={"retry-after": str(wait)},
             )
         reservation_id = decision.reservation_id
+        releases: list[tuple[str, int]] = []
+        if self.leasing and (decision.leases or decision.pools):
+            self._keep_leases(limits, budgets, decision, sent)
+            releases = [(reservation_id or "", amount) for _ in budgets]  # the pool stays reserved
         if budgets or tpm_keys:
-            self._pending[request_id] = _Pending(reservation_id, [b.key for b in budgets], tpm_keys, estimate)
+            self._pending[request_id] = _Pending(
+                reservation_id, [b.key for b in budgets], tpm_keys, estimate, releases=releases
+            )
+
+    def _wants(self, key: str, now: float) -> bool:
+        if key in self._asking:
+            return False
+        lease, pool = self._leases.get(key), self._pools.get(key)
+        if lease is not None:
+            return lease.expires <= now or lease.units <= 0
+        if pool is not None:
+            return pool.expires <= now or pool.left <= 0
+        return True
+
+    @staticmethod
+    def _lease_size(limit: int, cost: int) -> int:
+        size = min(LEASE_REQUESTS * cost, limit // LEASE_SHARE)
+        return size if size >= cost else 0
+
+    def _take_local(
+        self, limits: list[Limit], budgets: list[Budget], amount: int
+    ) -> list[tuple[str, int]] | None:
+        """Admit from this replica's leases and pools if they cover every limit and budget (all or
+        nothing, as in the shared state); the (reservation, amount) drawn per budget, or None."""
+        now = time.monotonic()
+        for limit in limits:
+            lease = self._leases.get(limit.key)
+            if lease is None or lease.expires <= now or lease.units < limit.cost:
+                return None
+        for budget in budgets:
+            pool = self._pools.get(budget.key)
+            if pool is None or pool.expires <= now or pool.left < amount:
+                return None
+        for limit in limits:
+            self._leases[limit.key].units -= limit.cost
+        drawn = []
+        for budget in budgets:
+            pool = self._pools[budget.key]
+            pool.left -= amount
+            drawn.append((pool.reservation_id, amount))
+        return drawn
+
+    def _keep_leases(
+        self, limits: list[Limit], budgets: list[Budget], decision: Decision, sent: float
+    ) -> None:
+        for limit, lease in zip(limits, decision.leases, strict=True):
+            if not lease.units:
+                continue
+            # The state counted them at or after `sent`, so by this clock the bucket ends no earlier
+            # than sent + ms_left.
+            expires = sent + lease.ms_left / 1000 - LEASE_MARGIN_S
+            held = self._leases.get(limit.key)
+            if held is not None and held.bucket == lease.bucket:
+                held.units += lease.units
+                continue
+            if held is not None:
+                self._hand_back_lease(limit.key, held)
+            self._leases[limit.key] = _Lease(lease.units, lease.bucket, limit.window_s, expires)
+        for budget, pool in zip(budgets, decision.pools, strict=True):
+            if not pool:
+                continue
+            old = self._pools.get(budget.key)
+            if old is not None:
+                self._release_pool(budget.key, old)
+            self._pools[budget.key] = _Pool(decision.reservation_id or "", pool, sent + POOL_TTL_S)
+        self._schedule_sweep()
+
+    def _hand_back_lease(self, key: str, lease: _Lease) -> None:
+        if lease.units > 0:
+            self._queue_settlement(Settlement([Adjustment(key, -lease.units, lease.window_s, lease.bucket)]))
+            lease.units = 0
+
+    def _release_pool(self, key: str, pool: _Pool) -> None:
+        # Only what no request drew; the drawn money is released by each request's settlement.
+        if pool.left > 0:
+            self._queue_settlement(Settlement((), [key], releases=[(pool.reservation_id, pool.left)]))
+            pool.left = 0
+
+    def _schedule_sweep(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(0.05, self._sweep)
+
+    def _sweep(self) -> None:
+        """Hand back what expired leases and pools left unused (every 50 ms while any is held)."""
+        self._sweeper = None
+        now = time.monotonic()
+        for key, lease in list(self._leases.items()):
+            if lease.expires <= now:
+                self._hand_back_lease(key, lease)
+                del self._leases[key]
+        for key, pool in list(self._pools.items()):
+            if pool.expires <= now:
+                self._release_pool(key, pool)
+                del self._pools[key]
+        if self._leases or self._pools:
+            self._schedule_sweep()
+
+    def release_leases(self) -> None:
+        """Hand back every lease and pool now (shutdown); `drain` then waits for it."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for key, lease in self._leases.items():
+            self._hand_back_lease(key, lease)
+        for key, pool in self._pools.items():
+            self._release_pool(key, pool)
+        self._leases.clear()
+        self._pools.clear()
 
     async def _seed(self, key: str, scope: str, owner: str, now: dt.datetime) -> None:
         if key in self._seeded or self._spend is None:
@@ -187,14 +372,18 @@ class Admission:
         first = not pending.first_settled
         pending.first_settled = True
         delta = event.usage.total_tokens - (pending.estimated_tokens if first else 0)
-        self._settlements.append(
+        self._queue_settlement(
             Settlement(
                 [Adjustment(key, delta) for key in pending.tpm_keys],
                 pending.budget_keys,
                 (pending.reservation_id or "") if first else "",
                 pico_to_micro_ceil(event.cost_pico_usd),
+                releases=pending.releases if first else [("", 0)] * len(pending.budget_keys),
             )
         )
+
+    def _queue_settlement(self, settlement: Settlement) -> None:
+        self._settlements.append(settlement)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
 

@@ -88,7 +88,10 @@ class ControlPlane:
         self.writer = BatchWriter(self.queue, self.engine)
         self.uptime = ProbeRecorder(self.engine)  # fed by the routing prober (see gateway.app)
         self.authenticator = DbAuthenticator(self.sessions, self.state, ttl_s=settings.key_cache_ttl_s)
-        self.admission = Admission(self.state, lambda: self.catalog, spend=self._spend_this_month)
+        # Leases only pay with a shared state: in process every admission is already local.
+        self.admission = Admission(
+            self.state, lambda: self.catalog, spend=self._spend_this_month, leasing=bool(settings.redis_url)
+        )
         self.sink = AccountingSink(self.queue, lambda: self.catalog, self.admission)
         self.admin = AdminContext(
             self.sessions, self.state, token_digest="", on_prices_changed=self.reload_catalog
@@ -127,6 +130,7 @@ class ControlPlane:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
+        self.admission.release_leases()
         await self.admission.drain()
         await self.uptime.stop()
         await self.writer.stop()

@@ -6,7 +6,16 @@ limits and budgets hold exactly across every gateway replica. `open_state(redis_
 
 from __future__ import annotations
 
-from gateway.state.base import Adjustment, Admission, Budget, BudgetDecision, Limit, Settlement, SharedState
+from gateway.state.base import (
+    Adjustment,
+    Admission,
+    Budget,
+    BudgetDecision,
+    Lease,
+    Limit,
+    Settlement,
+    SharedState,
+)
 from gateway.state.memory import MemoryState
 
 
@@ -25,6 +34,7 @@ __all__ = [
     "Admission",
     "Budget",
     "BudgetDecision",
+    "Lease",
     "Limit",
     "MemoryState",
     "Settlement",

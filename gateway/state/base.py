@@ -21,6 +21,18 @@ class Limit:
     limit: int
     cost: int = 1  # 1 for a request limit, the estimated tokens for a token limit
     window_s: float = 60.0
+    # Extra units to count for the caller's later requests in the current bucket (a lease), granted
+    # only while the window stays at most half full with them. 0: none. See Admission.leases.
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Units of a limit counted in the shared state for the caller, usable until its bucket ends."""
+
+    units: int
+    bucket: int  # the bucket they were counted in (unused ones are handed back to it)
+    ms_left: float  # of that bucket when the state counted them (its clock; caller's: from sending)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +41,17 @@ class Admission:
     retry_after_s: float = 0.0  # when a rate limit refused
     blocked_by: str | None = None  # key of the limit or budget that refused
     reservation_id: str | None = None  # when budgets were reserved
+    leases: tuple[Lease, ...] = ()  # per limit, in order, when any was asked for and granted
+    pools: tuple[int, ...] = ()  # per budget: extra money reserved under reservation_id (a pool)
 
 
 @dataclass(frozen=True, slots=True)
 class Budget:
     key: str  # e.g. "budget:tenant:<id>:2026-11"
     limit_micro_usd: int
+    # Extra money to reserve beyond the request's amount, for the caller's later requests (a pool),
+    # granted only while spent + reserved stays at most half the limit with it. 0: none.
+    pool_micro_usd: int = 0
 
 
 BudgetDecision = Admission
@@ -45,6 +62,7 @@ class Adjustment:
     key: str  # a limit's key
     delta: int
     window_s: float = 60.0
+    bucket: int | None = None  # None: the current bucket; else that one (a lease handed back)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +73,9 @@ class Settlement:
     budget_keys: Sequence[str] = ()
     reservation_id: str = ""  # released if still held; "" for an attempt after the first
     actual_micro_usd: int = 0
+    # Per budget key, in order: (reservation id, amount to release from it; 0 releases all of it).
+    # When given it replaces `reservation_id` (money drawn from pools is released piece by piece).
+    releases: Sequence[tuple[str, int]] = ()
 
 
 RevocationCallback = Callable[[str], Awaitable[None] | None]

@@ -93,10 +93,21 @@ class MemoryState(Shortcuts):
                 for adjustment in settlement.adjustments:
                     if adjustment.delta:
                         buckets, _, current = self._window(adjustment.key, adjustment.window_s, now)
-                        buckets[current] = buckets.get(current, 0) + adjustment.delta
-                for key in settlement.budget_keys:
+                        # This state never grants leases; one handed back here came from Redis
+                        # before it became unreachable and has nothing to return to.
+                        if adjustment.bucket is None:
+                            buckets[current] = buckets.get(current, 0) + adjustment.delta
+                for i, key in enumerate(settlement.budget_keys):
                     state = self._budgets.setdefault(key, _Budget())
-                    state.reservations.pop(settlement.reservation_id, None)
+                    rid, release = (
+                        settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
+                    )
+                    held = state.reservations.get(rid)
+                    if held is not None:
+                        if 0 < release < held[0]:
+                            state.reservations[rid] = (held[0] - release, held[1])
+                        else:
+                            del state.reservations[rid]
                     state.spent += settlement.actual_micro_usd
                     state.spent_known = True
                     touched.add(key)

@@ -15,7 +15,16 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from gateway.state.base import BUCKETS, Admission, Budget, Limit, RevocationCallback, Settlement, Shortcuts
+from gateway.state.base import (
+    BUCKETS,
+    Admission,
+    Budget,
+    Lease,
+    Limit,
+    RevocationCallback,
+    Settlement,
+    Shortcuts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,25 +88,28 @@ end
 """
 
 # KEYS: the limit keys, then (budget, budget:res, budget:exp) per budget.
-# ARGV: BUCKETS, number of limits, (limit, cost, window_ms) per limit, then amount, reservation ttl ms,
-# reservation id, budget key ttl ms, then one limit per budget.
-# Returns {1} when admitted, {0, 1, limit index, retry-after ms} or {0, 2, budget index} when refused;
-# nothing is counted or reserved unless everything fits.
+# ARGV: BUCKETS, number of limits, (limit, cost, window_ms, lease) per limit, then amount, reservation
+# ttl ms, reservation id, budget key ttl ms, then (limit, pool) per budget.
+# Returns {1, then (leased units, bucket, ms left in it) per limit, then the pool per budget} when
+# admitted, {0, 1, limit index, retry-after ms} or {0, 2, budget index} when refused; nothing is
+# counted or reserved unless everything fits. A lease or pool is granted only while the window (the
+# budget) stays at most half used with it, so near a limit every request is decided here, one by one.
 ADMIT = (
     _NOW_MS
     + _WINDOW
     + """
 local buckets = tonumber(ARGV[1])
 local n = tonumber(ARGV[2])
-local currents = {}
+local currents, totals = {}, {}
 for i = 1, n do
-  local limit = tonumber(ARGV[(i - 1) * 3 + 3])
-  local cost = tonumber(ARGV[(i - 1) * 3 + 4])
-  local window_ms = tonumber(ARGV[(i - 1) * 3 + 5])
+  local limit = tonumber(ARGV[(i - 1) * 4 + 3])
+  local cost = tonumber(ARGV[(i - 1) * 4 + 4])
+  local window_ms = tonumber(ARGV[(i - 1) * 4 + 5])
   local bucket_ms = window_ms / buckets
   local current = math.floor(now_ms / bucket_ms)
   currents[i] = current
   local total = window(KEYS[i], current, buckets)
+  totals[i] = total
   if total + cost > limit then
     local wait_ms = window_ms
     if cost <= limit then
@@ -114,9 +126,10 @@ for i = 1, n do
     return {0, 1, i, string.format('%d', math.max(0, math.ceil(wait_ms)))}
   end
 end
-local b0 = 3 + n * 3
+local b0 = 3 + n * 4
 local amount = tonumber(ARGV[b0])
 local nb = (#KEYS - n) / 3
+local pools = {}
 for i = 0, nb - 1 do
   local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', exp, '-inf', now_ms)) do
@@ -129,33 +142,55 @@ for i = 0, nb - 1 do
   end
   local spent = tonumber(redis.call('HGET', k, 'spent') or '0')
   local reserved = tonumber(redis.call('HGET', k, 'reserved') or '0')
-  if spent + reserved + amount > tonumber(ARGV[b0 + 4 + i]) then
+  local limit = tonumber(ARGV[b0 + 4 + i * 2])
+  if spent + reserved + amount > limit then
     return {0, 2, i + 1}
   end
+  local pool = tonumber(ARGV[b0 + 5 + i * 2])
+  if pool <= 0 or spent + reserved + amount + pool > math.floor(limit / 2) then
+    pool = 0
+  end
+  pools[i + 1] = pool
 end
+local out = {1}
 for i = 1, n do
-  local window_ms = tonumber(ARGV[(i - 1) * 3 + 5])
-  redis.call('HINCRBY', KEYS[i], string.format('%d', currents[i]), ARGV[(i - 1) * 3 + 4])
-  redis.call('HINCRBY', KEYS[i], 't', ARGV[(i - 1) * 3 + 4])
+  local limit = tonumber(ARGV[(i - 1) * 4 + 3])
+  local cost = tonumber(ARGV[(i - 1) * 4 + 4])
+  local window_ms = tonumber(ARGV[(i - 1) * 4 + 5])
+  local lease = tonumber(ARGV[(i - 1) * 4 + 6])
+  if lease <= 0 or totals[i] + cost + lease > math.floor(limit / 2) then
+    lease = 0
+  end
+  local counted = string.format('%d', cost + lease)
+  redis.call('HINCRBY', KEYS[i], string.format('%d', currents[i]), counted)
+  redis.call('HINCRBY', KEYS[i], 't', counted)
   redis.call('PEXPIRE', KEYS[i], math.ceil(window_ms + window_ms / buckets))
+  local bucket_ms = window_ms / buckets
+  out[#out + 1] = lease
+  out[#out + 1] = string.format('%d', currents[i])
+  out[#out + 1] = string.format('%d', math.floor((currents[i] + 1) * bucket_ms - now_ms))
 end
 for i = 0, nb - 1 do
   local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
-  redis.call('HINCRBY', k, 'reserved', ARGV[b0])
-  redis.call('HSET', res, ARGV[b0 + 2], ARGV[b0])
+  local held = string.format('%d', amount + pools[i + 1])
+  redis.call('HINCRBY', k, 'reserved', held)
+  redis.call('HSET', res, ARGV[b0 + 2], held)
   redis.call('ZADD', exp, now_ms + tonumber(ARGV[b0 + 1]), ARGV[b0 + 2])
   redis.call('PEXPIRE', k, ARGV[b0 + 3])
   redis.call('PEXPIRE', res, ARGV[b0 + 3])
   redis.call('PEXPIRE', exp, ARGV[b0 + 3])
+  out[#out + 1] = pools[i + 1]
 end
-return {1}
+return out
 """
 )
 
 # Many finished attempts at once, summed per key by the caller.
 # KEYS: the limit keys to adjust, then (budget, budget:res, budget:exp) per budget.
-# ARGV: BUCKETS, number of limit keys, (delta, window_ms) per limit key, budget key ttl ms, then per
-# budget: the actual amount to add to `spent`, the number of reservations to release, their ids.
+# ARGV: BUCKETS, number of limit keys, (delta, window_ms, bucket or -1 for the current one) per limit
+# key, budget key ttl ms, then per budget: the actual amount to add to `spent`, the number of
+# reservations to release, (id, amount; 0 for all of it) per reservation.
+# A delta for a bucket that already left the window is dropped (it no longer counts anyway).
 # Returns (spent, reserved) per budget, afterwards.
 SETTLE = (
     _NOW_MS
@@ -163,32 +198,50 @@ SETTLE = (
 local buckets = tonumber(ARGV[1])
 local n = tonumber(ARGV[2])
 for i = 1, n do
-  local window_ms = tonumber(ARGV[(i - 1) * 2 + 4])
+  local delta = ARGV[(i - 1) * 3 + 3]
+  local window_ms = tonumber(ARGV[(i - 1) * 3 + 4])
+  local bucket = tonumber(ARGV[(i - 1) * 3 + 5])
   local current = math.floor(now_ms / (window_ms / buckets))
-  redis.call('HINCRBY', KEYS[i], string.format('%d', current), ARGV[(i - 1) * 2 + 3])
-  redis.call('HINCRBY', KEYS[i], 't', ARGV[(i - 1) * 2 + 3])
-  redis.call('PEXPIRE', KEYS[i], math.ceil(window_ms + window_ms / buckets))
+  local live = true
+  if bucket < 0 then
+    bucket = current
+  else
+    local lo = tonumber(redis.call('HGET', KEYS[i], 'lo'))
+    live = bucket > current - buckets and (lo == nil or bucket >= lo)
+  end
+  if live then
+    redis.call('HINCRBY', KEYS[i], string.format('%d', bucket), delta)
+    redis.call('HINCRBY', KEYS[i], 't', delta)
+    redis.call('PEXPIRE', KEYS[i], math.ceil(window_ms + window_ms / buckets))
+  end
 end
-local ttl = ARGV[3 + n * 2]
-local a = 4 + n * 2
+local ttl = ARGV[3 + n * 3]
+local a = 4 + n * 3
 local usage = {}
 for i = 0, (#KEYS - n) / 3 - 1 do
   local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
   local actual = ARGV[a]
   local count = tonumber(ARGV[a + 1])
-  for j = a + 2, a + 1 + count do
-    local held = redis.call('HGET', res, ARGV[j])
+  for j = 0, count - 1 do
+    local id = ARGV[a + 2 + j * 2]
+    local release = tonumber(ARGV[a + 3 + j * 2])
+    local held = tonumber(redis.call('HGET', res, id))
     if held then
-      redis.call('HINCRBY', k, 'reserved', string.format('%d', -tonumber(held)))
-      redis.call('HDEL', res, ARGV[j])
-      redis.call('ZREM', exp, ARGV[j])
+      if release <= 0 or release >= held then
+        release = held
+        redis.call('HDEL', res, id)
+        redis.call('ZREM', exp, id)
+      else
+        redis.call('HINCRBY', res, id, string.format('%d', -release))
+      end
+      redis.call('HINCRBY', k, 'reserved', string.format('%d', -release))
     end
   end
   local spent = redis.call('HINCRBY', k, 'spent', actual)
   redis.call('PEXPIRE', k, ttl)
   usage[#usage + 1] = spent
   usage[#usage + 1] = tonumber(redis.call('HGET', k, 'reserved') or '0')
-  a = a + 2 + count
+  a = a + 2 + count * 2
 end
 return usage
 """
@@ -243,43 +296,56 @@ class RedisState(Shortcuts):
         reservation_id = uuid.uuid4().hex if budgets else None
         args: list[int | str] = [BUCKETS, len(limits)]
         for limit in limits:
-            args += [limit.limit, limit.cost, int(limit.window_s * 1000)]
+            args += [limit.limit, limit.cost, int(limit.window_s * 1000), limit.lease]
         args += [amount_micro_usd, int(ttl_s * 1000), reservation_id or "", BUDGET_KEY_TTL_MS]
-        args += [b.limit_micro_usd for b in budgets]
+        for budget in budgets:
+            args += [budget.limit_micro_usd, budget.pool_micro_usd]
         keys = [self._k(limit.key) for limit in limits] + self._budget_keys([b.key for b in budgets])
         result = await self._call(self._admit, keys, args)
         if int(result[0]) == 1:
-            return Admission(True, reservation_id=reservation_id)
+            n = len(limits)
+            leases = tuple(
+                Lease(int(result[1 + i * 3]), int(result[2 + i * 3]), float(result[3 + i * 3]))
+                for i in range(n)
+            )
+            pools = tuple(int(p) for p in result[1 + n * 3 :])
+            return Admission(True, reservation_id=reservation_id, leases=leases, pools=pools)
         if int(result[1]) == 1:
             return Admission(False, int(result[3]) / 1000, limits[int(result[2]) - 1].key)
         return Admission(False, blocked_by=budgets[int(result[2]) - 1].key)
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
-        # One script call for the lot: limit corrections summed per key, and per budget the summed
-        # cost plus the reservations to release. Same result as settling one by one, far less work
-        # for Redis and for the client's command packing.
-        deltas: dict[tuple[str, float], int] = {}
-        budgets: dict[str, tuple[list[int], list[str]]] = {}
+        # One script call for the lot: limit corrections summed per key (and bucket), and per budget
+        # the summed cost plus the reservations to release. Same result as settling one by one, far
+        # less work for Redis and for the client's command packing.
+        deltas: dict[tuple[str, float, int], int] = {}
+        budgets: dict[str, tuple[list[int], list[tuple[str, int]]]] = {}
         for settlement in settlements:
             for adjustment in settlement.adjustments:
                 if adjustment.delta:
-                    window = (adjustment.key, adjustment.window_s)
-                    deltas[window] = deltas.get(window, 0) + adjustment.delta
-            for key in settlement.budget_keys:
-                total, reservations = budgets.setdefault(key, ([0], []))
+                    bucket = -1 if adjustment.bucket is None else adjustment.bucket
+                    where = (adjustment.key, adjustment.window_s, bucket)
+                    deltas[where] = deltas.get(where, 0) + adjustment.delta
+            for i, key in enumerate(settlement.budget_keys):
+                total, releases = budgets.setdefault(key, ([0], []))
                 total[0] += settlement.actual_micro_usd
-                if settlement.reservation_id:
-                    reservations.append(settlement.reservation_id)
-        adjust = [(key, window_s, delta) for (key, window_s), delta in deltas.items() if delta]
+                if settlement.releases:
+                    if settlement.releases[i][0]:
+                        releases.append(settlement.releases[i])
+                elif settlement.reservation_id:
+                    releases.append((settlement.reservation_id, 0))
+        adjust = [(where, delta) for where, delta in deltas.items() if delta]
         if not adjust and not budgets:
             return {}
         args: list[int | str] = [BUCKETS, len(adjust)]
-        for _, window_s, delta in adjust:
-            args += [delta, int(window_s * 1000)]
+        for (_, window_s, bucket), delta in adjust:
+            args += [delta, int(window_s * 1000), bucket]
         args.append(BUDGET_KEY_TTL_MS)
-        for total, reservations in budgets.values():
-            args += [total[0], len(reservations), *reservations]
-        keys = [self._k(key) for key, _, _ in adjust] + self._budget_keys(list(budgets))
+        for total, releases in budgets.values():
+            args += [total[0], len(releases)]
+            for rid, amount in releases:
+                args += [rid, amount]
+        keys = [self._k(key) for (key, _, _), _ in adjust] + self._budget_keys(list(budgets))
         usage = await self._call(self._settle, keys, args)
         return {key: (int(usage[2 * i]), int(usage[2 * i + 1])) for i, key in enumerate(budgets)}
 
