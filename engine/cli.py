@@ -29,7 +29,11 @@ def engine() -> None:
     help="The model id clients send and /v1/models lists (default: the model's name).",
 )
 @click.option(
-    "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"])
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    help="auto: bfloat16 where the CPU (AVX512-BF16/AMX) or GPU multiplies it natively, else float32.",
 )
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Most requests in one batch.")
@@ -75,6 +79,14 @@ def engine() -> None:
     help="Weight-only quantization at load (int4 groups of 32 unless -gNN says otherwise).",
 )
 @click.option(
+    "--packing",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "on", "off"]),
+    help="CPU: prepack weights for oneDNN (auto: bf16/fp16 only; on: float32 too, faster batches, "
+    "slower single stream).",
+)
+@click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
 def serve(
@@ -96,6 +108,7 @@ def serve(
     speculative: str | None,
     num_speculative_tokens: int,
     quantization: str,
+    packing: str,
     log_level: str,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
@@ -128,6 +141,7 @@ def serve(
             "speculative": speculative,
             "num_speculative_tokens": num_speculative_tokens,
             "quantization": quantization,
+            "packing": packing,
         },
     )
     sys.exit(status)

@@ -17,6 +17,7 @@ from engine import registry
 from engine.config import ModelConfig
 from engine.kv_cache import BlockManager
 from engine.model import kv_bytes_per_token
+from engine.packed import pack_linears
 from engine.quant import quantize_model
 from engine.runner import ModelRunner, TokenLogprob
 from engine.sampling import SamplingParams
@@ -68,6 +69,24 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 where the hardware multiplies it natively (CUDA with bf16, CPUs with AVX512-BF16
+    or AMX: half the bytes to move per token and faster matmuls), else float32 (emulated bf16 is slower
+    than fp32)."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        cpu = torch.cpu
+        native = (
+            getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+            or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+        )
+        return torch.bfloat16 if native else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto or one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -86,15 +105,14 @@ class LLMEngine:
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
         quantization: str = "none",
+        packing: str = "auto",
         _config: ModelConfig | None = None,
         _tokenizer: Tokenizer | None = None,
         _draft_config: ModelConfig | None = None,
         progress: bool = True,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
-        self.dtype = _DTYPES[dtype]
         self.device = torch.device(device or _default_device())
+        self.dtype = resolve_dtype(dtype, self.device)
         source: Path | None = None
         reader = None
         if _config is not None:  # random weights (from_config)
@@ -137,6 +155,8 @@ class LLMEngine:
         # Weight-only quantization is a module swap after loading (engine/quant.py): "int8", "int4",
         # "int4-g32|g64|g128"; the model code never learns about it.
         quantize_model(self.model, quantization)
+        # CPU: the linears quantization left as they are get weights prepacked for oneDNN (engine/packed.py)
+        self.num_packed_linears = pack_linears(self.model, packing)
 
         per_block = kv_bytes_per_token(config, self.dtype) * block_size
         if num_kv_blocks is None:
@@ -169,7 +189,9 @@ class LLMEngine:
             proposer = None
             if spec_config.method != "ngram":
                 if draft_model is None:
-                    draft_model = self._load_draft(spec_config, quantization, seed, _draft_config, progress)
+                    draft_model = self._load_draft(
+                        spec_config, quantization, packing, seed, _draft_config, progress
+                    )
                 proposer = DraftModelProposer(
                     draft_model,
                     num_blocks=num_kv_blocks,
@@ -183,6 +205,7 @@ class LLMEngine:
         self,
         spec: SpeculativeConfig,
         quantization: str,
+        packing: str,
         seed: int,
         config: ModelConfig | None,
         progress: bool,
@@ -213,7 +236,9 @@ class LLMEngine:
             reader=reader,
             progress=tqdm_progress(f"loading draft {spec.draft_model}") if progress and source else None,
         )
-        return quantize_model(draft, quantization)
+        quantize_model(draft, quantization)
+        pack_linears(draft, packing)
+        return draft
 
     def _default_kv_gb(self) -> float:
         if self.device.type == "cuda":
