@@ -63,13 +63,50 @@ def _sync() -> None:
 # --- Weir ---------------------------------------------------------------------------------------------
 
 
+def read_bandwidth_gb_s() -> float:
+    """Memory read bandwidth this process gets with its threads (a sum over 1 GiB, best of 5): what a
+    single stream's decode is bound by, since every token reads every weight once."""
+    import torch
+
+    x = torch.ones(1 << 28)  # 1 GiB of fp32
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def decode_bytes_per_token(model: object) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer but the embedding table (one
+    row per token) and the rotary tables; a tied head counts once, as the head."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:  # type: ignore[attr-defined]
+        if "embed_tokens" in name or "rotary" in name or id(t) in seen or not isinstance(t, torch.Tensor):
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    head = getattr(model.lm_head, "weight", None)  # type: ignore[attr-defined]
+    if head is not None and head is model.embed_tokens.weight:  # type: ignore[attr-defined]
+        total += head.numel() * head.element_size()
+    return total
+
+
 def run_weir(args: argparse.Namespace) -> dict[str, float]:
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
 
+    bandwidth = read_bandwidth_gb_s()
     engine = LLMEngine(
         args.model,
         dtype=args.dtype,
+        packing=args.packing,
         max_num_seqs=max(args.batches),
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory,
@@ -77,6 +114,8 @@ def run_weir(args: argparse.Namespace) -> dict[str, float]:
         progress=False,
     )
     out: dict[str, float] = {}
+    # the ceiling for one stream: bandwidth / bytes read per token (ignores attention and activations)
+    out["roofline_decode_tok_s"] = bandwidth * 1e9 / decode_bytes_per_token(engine.model)
 
     def first_token(prompt: list[int]) -> None:
         engine.add_request("ttft", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
@@ -196,6 +235,9 @@ def main() -> None:
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--packing", default="auto", choices=["auto", "on", "off"], help="Weir: oneDNN weight packing"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB of KV cache for Weir")
@@ -242,6 +284,10 @@ def main() -> None:
     weir, hf = results["weir"], results["hf"]
     print(f"{'metric':<22}{'weir':>12}{'transformers':>14}{'weir/hf':>10}")
     for key in weir:
+        if key == "roofline_decode_tok_s":
+            print(f"{'roofline decode tok/s':<22}{weir[key]:>12.1f}   (bandwidth / weight bytes per token)")
+            print(f"{'weir decode/roofline':<22}{weir['decode_tok_s'] / weir[key]:>12.2f}")
+            continue
         if key == "load_avg":
             print(f"{'load average':<22}{weir[key]:>12.1f}{hf[key]:>14.1f}")
             continue
