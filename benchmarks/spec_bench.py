@@ -82,6 +82,37 @@ def run(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> 
     return sum(len(o) for o in outputs) / elapsed, outputs
 
 
+def row_costs(engines: dict[str, object], rows: tuple[int, ...], trials: int) -> dict[str, dict[int, float]]:
+    """Median ms of one target forward (+ head) over n new tokens of one request at a 200-token context,
+    per engine; all engines and row counts interleaved so load from other processes hits them alike.
+    This is what a verification step of k = n - 1 drafts costs next to a plain decode step (n = 1)."""
+    from engine.sampling import SamplingParams
+    from engine.scheduler import ScheduledBatch
+
+    seqs = {}
+    for name, engine in engines.items():
+        engine.add_request(
+            "rows", [1 + i % 200 for i in range(200)], SamplingParams(max_tokens=4, ignore_eos=True)
+        )  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]  # the prefill
+        seqs[name] = engine.scheduler.running[0]  # type: ignore[attr-defined]
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in rows} for name in engines}
+    for _ in range(trials):
+        for name, engine in engines.items():
+            seq = seqs[name]
+            for n in rows:
+                seq.draft_token_ids = [5] * (n - 1)  # the KV slots past the real tokens are scratch
+                engine.block_manager.allocate(seq, n)  # type: ignore[attr-defined]
+                start = time.perf_counter()
+                engine.runner.execute(ScheduledBatch([seq], [n]))  # type: ignore[attr-defined]
+                times[name][n].append(time.perf_counter() - start)
+                seq.draft_token_ids = []
+    for engine in engines.values():
+        engine.abort_request("rows")  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]
+    return {name: {n: 1000 * sorted(v)[len(v) // 2] for n, v in per.items()} for name, per in times.items()}
+
+
 def agreement(got: list[list[int]], expected: list[list[int]]) -> float:
     """Fraction of the plain run's tokens that the speculative run reproduced before first diverging
     (1.0: token-identical). In fp32 verification is exact; in bf16 a (k+1)-row matmul may round
@@ -115,6 +146,14 @@ def main() -> None:
     parser.add_argument("--tasks", default="grounded,chat")
     parser.add_argument("--streams", default="1,8", help="comma-separated concurrency levels")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--row-cost",
+        action="store_true",
+        help="only measure one forward's cost by new-token rows (1, 2, 4, 6, 8) per dtype x quantization",
+    )
+    parser.add_argument(
+        "--trials", type=int, default=15, help="--row-cost: forwards per engine and row count"
+    )
     args = parser.parse_args()
 
     import torch
@@ -124,6 +163,23 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     registry.pull(args.model, quiet=True)
+    if args.row_cost:
+        engines = {
+            f"{dtype} {quant}": LLMEngine(
+                args.model, dtype=dtype, quantization=quant, device="cpu", num_kv_blocks=64, progress=False
+            )
+            for dtype in args.dtype.split(",")
+            for quant in args.quantization.split(",")
+        }
+        rows = (1, 2, 4, 6, 8)
+        print(
+            f"# {args.model}, {args.threads} threads, median of {args.trials}, load avg {os.getloadavg()[0]:.1f}"
+        )
+        print(f"{'dtype quant':<16} " + " ".join(f"{f'{n} rows ms':>10}" for n in rows) + "   6 rows / 1 row")
+        for name, ms in row_costs(engines, rows, args.trials).items():
+            print(f"{name:<16} " + " ".join(f"{ms[n]:>10.1f}" for n in rows) + f"   {ms[6] / ms[1]:.2f}")
+        print(f"# load avg at end {os.getloadavg()[0]:.1f}")
+        return
     methods = args.speculative.split(",")
     n_single, n_multi = (2, 8) if args.quick else (4, 16)
     max_tokens = 48 if args.quick else args.max_tokens
@@ -140,7 +196,7 @@ def main() -> None:
             kw = {
                 "dtype": dtype,
                 "device": "cpu",
-                "num_kv_blocks": 1024,
+                "num_kv_blocks": 256,
                 "progress": False,
                 "quantization": quant,
             }
