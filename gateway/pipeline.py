@@ -19,7 +19,7 @@ from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import TokenClass, price_usage
 from gateway.auth import Principal
 from gateway.config import Model
-from gateway.errors import BadGateway, GatewayError
+from gateway.errors import BadGateway, GatewayError, GatewayTimeout
 from gateway.estimate import Produced
 from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
@@ -162,6 +162,7 @@ class Pipeline:
                 body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
                 raise target.provider.error(status, body, response.headers)
             streaming = True
+            progress = time.monotonic()
             async for events in self.transport.events(response, backend.name):
                 batch: list[Any] = []
                 try:
@@ -180,6 +181,13 @@ class Pipeline:
                     raise
                 if batch:
                     yield batch
+                    progress = time.monotonic()  # after the client took it: its pace is not the backend's
+                elif time.monotonic() - progress > backend.timeouts.read:
+                    # Bytes keep coming (keep-alive comments, pings) but no content: as silent as
+                    # a backend that sends nothing, which the socket's read timeout would end.
+                    raise GatewayTimeout(
+                        f"backend {backend.name} sent no content for {backend.timeouts.read:g}s"
+                    )
             tail = decode(decoder.close, backend.name)
             for chunk in tail:
                 if chunk.usage is not None:

@@ -80,7 +80,10 @@ class Transport:
         raw = response.raw
         try:
             async with asyncio.timeout(timeouts.read):
-                if raw.content_length is not None and raw.content_length <= limit:
+                # The length header bounds the body only when nothing inflates it: a compressed body's
+                # counts compressed bytes (a 100 KB gzip can hold 100 MB), so those are read in chunks.
+                encoded = raw.headers.get("content-encoding", "identity").lower() != "identity"
+                if raw.content_length is not None and raw.content_length <= limit and not encoded:
                     return await raw.read()
                 body = bytearray()
                 async for chunk in raw.content.iter_any():
@@ -101,26 +104,43 @@ class Transport:
     ) -> AsyncIterator[list[tuple[str | None, str]]]:
         """Server-sent events as (event name, data) pairs, in batches: the events completed by one
         network read. Writing a batch downstream in one piece keeps the syscalls per stream close to
-        the upstream's own. Comments and retry/id fields are skipped."""
+        the upstream's own. Comments and retry/id fields are skipped. A read that completes no event
+        (a keep-alive, part of a long line) yields an empty batch, so the caller can tell a backend
+        that only keeps the connection warm from one that makes progress. An event larger than
+        MAX_RESPONSE_BODY is a broken backend (502), not a reason to buffer without end."""
         event: str | None = None
         data: list[str] = []
-        pending = b""
+        size = 0  # bytes of the event being read: its data lines so far
+        pending = bytearray()
         try:
             async for piece in response.raw.content.iter_any():
-                *lines, pending = (pending + piece).split(b"\n")
+                pending += piece
+                if b"\n" not in piece:  # no line ends here: nothing to parse (and nothing to copy)
+                    if len(pending) + size > MAX_RESPONSE_BODY:
+                        raise BadGateway(
+                            f"backend {backend} sent a stream event larger than {MAX_RESPONSE_BODY} bytes"
+                        )
+                    yield []
+                    continue
+                *lines, rest = pending.split(b"\n")
+                pending = rest
                 batch: list[tuple[str | None, str]] = []
                 for raw_line in lines:
                     line = raw_line.decode("utf-8").rstrip("\r")
                     if not line:
                         if data:
                             batch.append((event, "\n".join(data)))
-                        event, data = None, []
+                        event, data, size = None, [], 0
                     elif line.startswith("data:"):
                         data.append(line[6:] if line.startswith("data: ") else line[5:])
+                        size += len(raw_line)
                     elif line.startswith("event:"):
                         event = line[6:].strip()
-                if batch:
-                    yield batch
+                if len(pending) + size > MAX_RESPONSE_BODY:
+                    raise BadGateway(
+                        f"backend {backend} sent a stream event larger than {MAX_RESPONSE_BODY} bytes"
+                    )
+                yield batch
             last = pending.decode("utf-8").rstrip("\r")
             if last.startswith("data:"):
                 data.append(last[6:] if last.startswith("data: ") else last[5:])

@@ -169,3 +169,25 @@ def test_a_body_nested_100k_deep_is_a_502_not_a_crash() -> None:
         decode_json(body, "fuzz")
     with pytest.raises(BadGateway):
         decode_typed(body, ChatResponse, "fuzz")
+
+
+def test_an_event_that_never_ends_is_a_502_after_64_mib_not_unbounded_memory() -> None:
+    block = b"a" * 1024 * 1024
+    got, error = read_events([b"data: "] + [block] * 65 + [b"\n\n"])
+    assert (got, error) == ([], BadGateway)
+    # Many data lines that never close the event: the same bound.
+    line = b"data: " + b"a" * (1024 * 1024) + b"\n"
+    got, error = read_events([line] * 65 + [b"\n"])
+    assert (got, error) == ([], BadGateway)
+
+
+def test_keepalives_yield_empty_batches_so_the_caller_sees_no_progress() -> None:
+    raw = _Raw([b": ping\n\n", b": ping\n\n", b"data: x\n\n"])
+    batches: list[list[Event]] = []
+
+    async def run() -> None:
+        async for batch in Transport().events(UpstreamResponse(200, {}, raw), "fuzz"):  # type: ignore[arg-type]
+            batches.append(batch)
+
+    asyncio.run(run())
+    assert batches == [[], [], [(None, "x")]]
