@@ -82,10 +82,13 @@ def serve(
         return
     import uvicorn
 
+    from gateway.slow_clients import uvicorn_protocol
+
     uvicorn.run(
         app_from_env(),
         host=bind_host,
         port=bind_port,
+        http=uvicorn_protocol(config.server.header_timeout, config.server.body_timeout),
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=30,

@@ -93,6 +93,10 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 20 * 1024 * 1024  # larger request bodies get 413
+    # Slow clients (`weir serve` with uvicorn): seconds to send the request headers, then the body;
+    # a client that takes longer gets 408 and its connection is closed (gateway/slow_clients.py).
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -6,8 +6,9 @@ from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response
+from litestar.exceptions import InternalServerException
 
-from gateway.errors import InvalidRequest, validation_error
+from gateway.errors import GatewayError, InvalidRequest, validation_error
 from gateway.pipeline import Call, RequestInfo
 from gateway.runtime import Gateway
 
@@ -38,7 +39,19 @@ async def begin(request: Request[Any, Any, Any], endpoint: str) -> tuple[Gateway
 async def parse_body(request: Request[Any, Any, Any], type_: type[T]) -> T:
     """The JSON body as `type_`: 400 naming the parameter when it does not fit. Top-level keys the
     type does not model are kept in its `extra` field (forwarded to OpenAI-compatible backends)."""
-    body = await request.body()
+    try:
+        body = await request.body()
+    except InternalServerException as exc:
+        if "disconnected" not in str(exc.detail):
+            raise
+        # The client left, or was dropped for sending too slowly (gateway/slow_clients.py), before
+        # its body arrived: its fault, logged as 499 (nginx's "client closed request"), not a 500.
+        raise GatewayError(
+            "The client disconnected before sending the whole request body.",
+            status=499,
+            type="invalid_request_error",
+            code="client_disconnected",
+        ) from None
     try:
         raw = _decode(body)
     except msgspec.DecodeError:
