@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from kernels._triton import use_triton
+from kernels.paged_attention import paged_decode_attention_triton
+from kernels.rms_norm import rms_norm_triton
 
 
 @dataclass
@@ -139,6 +142,11 @@ def paged_attention(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     d = meta.num_decodes
     if d and not meta.prefills:
+        if use_triton(q):  # CUDA: one Triton program per (sequence, kv head) over the block table
+            assert meta.block_tables is not None and meta.context_lens is not None
+            return paged_decode_attention_triton(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+            )
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if d:
@@ -217,6 +225,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):  # CUDA: kernels/rms_norm.py; CPU keeps PyTorch's fused op
+            return rms_norm_triton(x, self.weight, self.eps)  # type: ignore[return-value]
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 

@@ -8,7 +8,8 @@ imports ``kernels``, so ``jit`` defers it to the first launch and keeps one deco
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,9 +32,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_force_cpu = False
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """The dispatch rule every kernel shares: Triton for CUDA tensors, PyTorch everywhere else."""
-    return HAS_TRITON and t.is_cuda
+    """The dispatch rule every kernel shares: Triton for CUDA tensors, PyTorch everywhere else (and
+    also for CPU tensors inside ``triton_on_cpu()`` under the interpreter, so tests can drive the
+    engine's CUDA code path on a machine without a GPU)."""
+    return HAS_TRITON and (t.is_cuda or (_force_cpu and t.is_cpu and interpreting()))
+
+
+@contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """Route CPU tensors through the Triton kernels while ``TRITON_INTERPRET=1`` (tests only: slow)."""
+    global _force_cpu
+    if not interpreting():
+        raise RuntimeError("triton_on_cpu() needs TRITON_INTERPRET=1")
+    previous, _force_cpu = _force_cpu, True
+    try:
+        yield
+    finally:
+        _force_cpu = previous
 
 
 class LazyKernel:
