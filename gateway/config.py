@@ -80,6 +80,7 @@ class Tenant(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     models: list[str] | None = None  # public model names this tenant may use; None: all
     max_messages: PositiveInt | None = None  # None: `limits.max_messages`
     max_concurrent_streams: PositiveInt | None = None  # None: `limits.max_concurrent_streams`
+    max_output_tokens: PositiveInt | None = None  # None: `limits.max_output_tokens`
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -87,6 +88,8 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
 
     max_messages: PositiveInt | None = None  # messages in one chat request (more: 400)
     max_concurrent_streams: PositiveInt | None = None  # open streams per tenant and replica (more: 429)
+    # output tokens one request may ask for (more: 400; none asked: this many are asked for the client)
+    max_output_tokens: PositiveInt | None = None
 
 
 class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

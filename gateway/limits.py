@@ -39,6 +39,7 @@ class TenantPolicy:
     max_messages: int | None = None
     max_concurrent_streams: int | None = None
     store_prompts: bool = False
+    max_output_tokens: int | None = None  # config tenants only (admin-DB tenants use `limits:`)
 
 
 NO_POLICY = TenantPolicy()
@@ -72,7 +73,10 @@ class RequestLimits:
     def __init__(self, config: Config) -> None:
         self.defaults = config.limits
         self.static = {
-            t.name: TenantPolicy(t.max_messages, t.max_concurrent_streams) for t in config.tenants or []
+            t.name: TenantPolicy(
+                t.max_messages, t.max_concurrent_streams, max_output_tokens=t.max_output_tokens
+            )
+            for t in config.tenants or []
         }
         # Admin-DB tenants: set by the app to read the policy cached with the caller's key.
         self.lookup: Callable[[Principal], TenantPolicy | None] | None = None
@@ -99,6 +103,21 @@ class RequestLimits:
                 param="messages",
                 code="too_many_messages",
             )
+
+    def output_cap(self, principal: Principal, requested: int | None, param: str) -> int | None:
+        """The output-token cap for this request: None when no limit applies; a request asking for more
+        is refused (400, nothing sent upstream); one asking for nothing gets the cap, so a backend's own
+        default can never run past it."""
+        limit = self.policy(principal).max_output_tokens or self.defaults.max_output_tokens
+        if limit is None:
+            return None
+        if requested is not None and requested > limit:
+            raise InvalidRequest(
+                f"'{param}' is {requested}; at most {limit} output tokens are allowed per request.",
+                param=param,
+                code="max_tokens_exceeded",
+            )
+        return limit if requested is None else None
 
     def admission(self, then: Admission | None) -> Admission:
         """The pipeline's admission hook: these limits first, then `then` (rate limits, budgets)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from gateway.pipeline import Call
 from gateway.runtime import Gateway
 from gateway.types import ChatChunk, ChatRequest, ChatResponse
@@ -18,6 +20,9 @@ async def run_chat(
     call.info.model = request.model
     call.info.stream = bool(request.stream)
     gateway.limits.check_messages(call.principal, len(request.messages))
+    param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    if (cap := gateway.limits.output_cap(call.principal, request.output_limit, param)) is not None:
+        request = msgspec.structs.replace(request, max_completion_tokens=cap)
     feats = features(request, call.principal.tenant_name, call.principal.key_id)
     plan = await gateway.router.plan(request.model, call.principal, feats)
     try:
