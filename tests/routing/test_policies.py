@@ -121,8 +121,9 @@ def test_cheapest_counts_the_expected_cache_discount(gateway: RunningGateway) ->
 def test_lowest_latency_learns_from_observed_ttft(
     gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
 ) -> None:
-    # The same decode speed on both, so time to first token decides.
-    fake_openai.set_latency(first_token=0.25, per_token=0.01)
+    # The same decode speed on both, so time to first token decides. (Three-token replies teach no
+    # decode speed: see MIN_DECODE_TOKENS; 0.5 s leaves room for scheduling stalls on a busy host.)
+    fake_openai.set_latency(first_token=0.5, per_token=0.01)
     fake_deepseek.set_latency(first_token=0.0, per_token=0.01)
     for _ in range(4):  # both measured (unmeasured candidates are tried first)
         stream = gateway.openai().chat.completions.create(
