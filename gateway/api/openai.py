@@ -191,6 +191,8 @@ async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "embeddings")
     body = await parse_body(request, EmbeddingRequest)
     _check_text_or_tokens(body.input, "input")
+    if body.dimensions is not None and body.dimensions < 1:
+        raise InvalidRequest("'dimensions' must be at least 1.", param="dimensions")
     response, _ = await run_routed(gateway, call, body.model, body.input, embeddings_op(body))
     data = msgspec.to_builtins(response)
     data["object"] = "list"

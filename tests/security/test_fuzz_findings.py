@@ -54,6 +54,20 @@ def test_malformed_text_or_tokens_is_a_400_without_an_upstream_call(
     assert fake_openai.requests == []
 
 
+@pytest.mark.parametrize("dimensions", [0, -164453])
+def test_embedding_dimensions_below_1_are_a_400_without_an_upstream_call(
+    gateway: RunningGateway,  # noqa: F811
+    fake_openai: FakeOpenAI,
+    dimensions: int,
+) -> None:
+    """schemathesis (deep pass): `dimensions: -164453` reached the backend (the fake failed: a 502)."""
+    body = {"model": "text-embedding-3-small", "input": "hi", "dimensions": dimensions}
+    response = post(gateway, "/v1/embeddings", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "dimensions"
+    assert fake_openai.requests == []
+
+
 @pytest.mark.parametrize("value", ["hi", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_every_documented_input_form_still_passes(
     gateway: RunningGateway,  # noqa: F811
