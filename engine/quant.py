@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels._triton import use_triton
 from kernels.int4_matmul import (
     cpu_int4_supported,
     from_cpu_layout,
@@ -69,17 +70,84 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales.to(weight.dtype)
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric per group of ``group_size`` inputs: each group's [min, max] maps onto 16 levels.
+def _fit_int4_groups(
+    w: torch.Tensor, imp: torch.Tensor, nstep: int = 20, rmin: float = -1.0, rdelta: float = 0.1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and offset per row of ``w`` [R, G] minimising sum(imp * (q * scale + lo - w)^2), q in [0, 15].
 
+    llama.cpp's ``make_qkx2_quants``: min/max scaling is only the first candidate; each of ``nstep``
+    candidate steps around 15 / (max - min) rounds the group once, then a weighted least-squares fit
+    gives the best scale and offset for that rounding (which clips outliers when that pays), and the
+    best fit of all (and of one re-rounding with it) wins. ``imp`` weighs each value's error.
+    """
+    big = torch.finfo(w.dtype).max
+    lo = torch.where(imp > 0, w, big).amin(-1, keepdim=True)
+    hi = torch.where(imp > 0, w, -big).amax(-1, keepdim=True)
+    lo, hi = torch.minimum(lo, hi), torch.maximum(lo, hi)  # all-padding rows: lo = big, hi = -big
+    span = (hi - lo).clamp(min=1e-12)
+    best_s, best_lo = span / 15, lo.clone()
+    q = torch.round((w - lo) / best_s).clamp_(0, 15)
+    best_err = (imp * (q * best_s + lo - w).square_()).sum(-1, keepdim=True)
+    sum_w, sum_x = imp.sum(-1, keepdim=True), (imp * w).sum(-1, keepdim=True)
+
+    def consider(q: torch.Tensor) -> None:
+        nonlocal best_s, best_lo, best_err
+        iq = imp * q
+        sum_q, sum_q2, sum_xq = (
+            iq.sum(-1, keepdim=True),
+            (iq * q).sum(-1, keepdim=True),
+            (iq * w).sum(-1, keepdim=True),
+        )
+        det = sum_w * sum_q2 - sum_q * sum_q
+        ok = det > 1e-12 * sum_w * sum_q2
+        det = torch.where(ok, det, 1.0)
+        scale = (sum_w * sum_xq - sum_q * sum_x) / det
+        offset = (sum_q2 * sum_x - sum_q * sum_xq) / det
+        ok &= scale > 0
+        err = (imp * (q * scale + offset - w).square_()).sum(-1, keepdim=True)
+        better = ok & (err < best_err)
+        best_s = torch.where(better, scale, best_s)
+        best_lo = torch.where(better, offset, best_lo)
+        best_err = torch.where(better, err, best_err)
+
+    for step in range(nstep + 1):
+        consider(torch.round((w - lo) * ((15 + rmin + rdelta * step) / span)).clamp_(0, 15))
+    consider(torch.round((w - best_lo) / best_s).clamp_(0, 15))  # re-round against the best fit
+    return best_s, best_lo
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, *, search: bool = True, importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric per group of ``group_size`` inputs onto 16 levels.
+
+    ``search=False``: each group's [min, max] maps onto the 16 levels. ``search=True`` (default): a
+    per-group scale/offset search that minimises the reconstruction error (``_fit_int4_groups``), weighted
+    per input channel by ``importance`` [K] when given (e.g. mean squared activations, AWQ-style).
     Returns ``qweight`` uint8 ``[N, Kp // 2]`` and ``scales_and_zeros`` ``[Kp // group, N, 2]`` with
-    ``w ~= (q - 8) * scale + zero`` (the tinygemm convention); K is zero-padded up to the group size.
+    ``w ~= (q - 8) * scale + zero`` (the tinygemm convention); K is zero-padded up to the group size and
+    the padding (never multiplied by real inputs) does not count in the search.
     """
     n, k = weight.shape
     kp = -(-k // group_size) * group_size
-    w = torch.nn.functional.pad(weight.float(), (0, kp - k)).view(n, kp // group_size, group_size)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scales = ((hi - lo) / 15).clamp(min=1e-12)
+    groups = kp // group_size
+    w = torch.nn.functional.pad(weight.float(), (0, kp - k)).view(n, groups, group_size)
+    if search:
+        imp = torch.ones(k) if importance is None else importance.float().cpu().clamp(min=0)
+        imp = torch.nn.functional.pad(imp.to(w.device), (0, kp - k)).view(1, groups, group_size)
+        scales = torch.empty(n, groups, 1, device=w.device)
+        lo = torch.empty_like(scales)
+        rows = max(1, (1 << 16) // kp)  # chunks that stay in cache: the search makes ~25 passes
+        for r in range(0, n, rows):
+            chunk = w[r : r + rows]
+            s, m = _fit_int4_groups(
+                chunk.reshape(-1, group_size), imp.expand_as(chunk).reshape(-1, group_size)
+            )
+            scales[r : r + rows], lo[r : r + rows] = s.view(-1, groups, 1), m.view(-1, groups, 1)
+        scales, lo = scales.squeeze(-1), lo.squeeze(-1)
+    else:
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((hi - lo) / 15).clamp(min=1e-12)
     q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
     zeros = lo + 8 * scales
     scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous().to(weight.dtype)
@@ -146,12 +214,21 @@ class Int4Linear(nn.Module):
         self.cpu_layout = False
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group_size: int,
+        *,
+        search: bool = True,
+        importance: torch.Tensor | None = None,
+    ) -> Int4Linear:
         w = linear.weight.detach()
         module = cls(
             linear.in_features, linear.out_features, linear.bias is not None, group_size, w.dtype, w.device
         )
-        module.qweight, module.scales_and_zeros = quantize_int4(w, group_size)
+        module.qweight, module.scales_and_zeros = quantize_int4(
+            w, group_size, search=search, importance=importance
+        )
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return module
@@ -168,10 +245,10 @@ class Int4Linear(nn.Module):
             self.qweight, self.cpu_layout = from_cpu_layout(self.qweight), False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_layout and x.is_cpu:
+        if self.cpu_layout and x.is_cpu and not use_triton(x):
             y = int4_matmul_cpu(x, self.qweight, self.scales_and_zeros, self.group_size)
         else:
-            self.use_cpu_layout(False)  # moved off the CPU since packing: back to the portable layout
+            self.use_cpu_layout(False)  # moved off the CPU (or onto Triton): back to the portable layout
             y = int4_matmul(x, self.qweight, self.scales_and_zeros, self.group_size)
         return y if self.bias is None else y + self.bias
 
@@ -205,10 +282,14 @@ def _swap_linears(
     return swapped
 
 
-def _make_quantized(linear: nn.Linear, scheme: QuantScheme) -> nn.Module:
+def _make_quantized(
+    linear: nn.Linear, scheme: QuantScheme, search: bool = True, importance: torch.Tensor | None = None
+) -> nn.Module:
     if scheme.method == "int8":
         return Int8Linear.from_linear(linear)
-    module = Int4Linear.from_linear(linear, scheme.group_size or DEFAULT_INT4_GROUP_SIZE)
+    module = Int4Linear.from_linear(
+        linear, scheme.group_size or DEFAULT_INT4_GROUP_SIZE, search=search, importance=importance
+    )
     module.use_cpu_layout()
     return module
 
@@ -219,6 +300,8 @@ def quantize_model(
     *,
     skip: Iterable[str] = (),
     head: str | QuantScheme | None = "int8",
+    search: bool = True,
+    importance: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Swap ``model``'s ``nn.Linear`` layers for quantized ones in place and return it.
 
@@ -226,6 +309,9 @@ def quantize_model(
     layer (``lm_head``) under an int4 scheme; int8 by default, as llama.cpp keeps its Q4 models' output
     layer at 6-8 bits: the logits are the most sensitive product in the model. ``None``: same as the
     rest. A head tied to the embedding is quantized as its own copy; the embedding stays as it was.
+    ``search``: int4 scales from a per-group error-minimising search (default) rather than min/max.
+    ``importance``: module name -> per-input-channel weight of the int4 search's error, e.g. from
+    ``activation_importance`` (activation-aware, as AWQ); missing names weigh every channel alike.
     """
     scheme = QuantScheme.parse(scheme)
     if scheme.method == "none":
@@ -237,7 +323,9 @@ def quantize_model(
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         chosen[name] = head_scheme if name == "lm_head" else scheme
-        return _make_quantized(linear, chosen[name]) if chosen[name].method != "none" else linear
+        if chosen[name].method == "none":
+            return linear
+        return _make_quantized(linear, chosen[name], search, (importance or {}).get(name))
 
     patterns = [re.compile(p) for p in skip]
     with torch.no_grad():
@@ -245,6 +333,55 @@ def quantize_model(
     model.quant_scheme = scheme
     model.quantized_modules = {n: str(s) for n, s in chosen.items() if s.method != "none"}
     return model
+
+
+@torch.no_grad()
+def activation_importance(
+    model: nn.Module, token_ids: torch.Tensor, block_size: int = 16
+) -> dict[str, torch.Tensor]:
+    """Mean squared input of every ``nn.Linear`` per input channel over one prefill of ``token_ids`` [T]
+    through an engine ``Transformer``: how much each weight column's error costs (AWQ's observation that
+    a few input channels carry most of the activation energy). The KV cache is borrowed and put back."""
+    from engine.model import AttentionMetadata, PrefillChunk, attention_metadata
+
+    sums: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+
+            def record(_: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
+                x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+                sums[name] = sums.get(name, 0) + x.square().sum(0)
+
+            hooks.append(module.register_forward_pre_hook(record))
+    n = int(token_ids.numel())
+    blocks = -(-n // block_size)
+    attns = [layer.self_attn for layer in model.layers]
+    saved = [(a.k_cache, a.v_cache) for a in attns]
+    param = model.embed_tokens.weight
+    try:
+        model.allocate_kv_cache(blocks, block_size, param.dtype, param.device)
+        table = torch.arange(blocks, dtype=torch.int32, device=param.device)
+        positions = torch.arange(n, device=param.device)
+        meta = AttentionMetadata(
+            positions=positions,
+            slot_mapping=positions,
+            num_decodes=0,
+            block_tables=None,
+            context_lens=None,
+            max_context_len=n,
+            prefills=[PrefillChunk(start=0, length=n, context_len=n, block_table=table)],
+            block_size=block_size,
+        )
+        with attention_metadata(meta):
+            hidden = model(token_ids.to(param.device).reshape(-1))
+        model.lm_head(hidden)  # the head's input too (its forward is not part of ``model(...)``)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for a, (k, v) in zip(attns, saved, strict=True):
+            a.k_cache, a.v_cache = k, v
+    return {name: total / n for name, total in sums.items()}
 
 
 def save_quantized(

@@ -14,6 +14,7 @@ from engine.quant import (
     Int4Linear,
     Int8Linear,
     QuantScheme,
+    activation_importance,
     build_quantized_model,
     config_metadata,
     load_quantized,
@@ -66,10 +67,10 @@ def test_int8_linear_error_within_half_a_step_per_weight() -> None:
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_linear_error_within_half_a_step_per_weight(group: int) -> None:
     linear = _linear(192, 576, seed=group)
-    q = Int4Linear.from_linear(linear, group)
+    q = Int4Linear.from_linear(linear, group, search=False)  # min/max: nothing is clipped
     x = torch.randn(3, 576)
     err = (q(x) - linear(x)).abs()
-    scales = quantize_int4(linear.weight.detach(), group)[1][..., 0]  # [G, N]
+    scales = quantize_int4(linear.weight.detach(), group, search=False)[1][..., 0]  # [G, N]
     step = scales.t().repeat_interleave(group, dim=1)[:, :576]  # [N, K]: each weight's group step
     bound = x.abs() @ (step / 2).t() + BF16_ROUNDING * (x.abs() @ linear.weight.abs().T)
     assert (err <= bound).all()
@@ -228,7 +229,7 @@ def test_engine_generates_with_a_quantized_model(scheme: str) -> None:
 
 def test_dequantised_int4_matches_float_weights_closely() -> None:
     linear = _linear(64, 128, seed=5)
-    qweight, sz = quantize_int4(linear.weight.detach(), 32)
+    qweight, sz = quantize_int4(linear.weight.detach(), 32, search=False)
     w = dequantize_int4(qweight, sz, 32)
     assert (w - linear.weight).abs().max() <= sz[..., 0].max() / 2 + 1e-6
 
@@ -241,3 +242,59 @@ def test_mixed_int4_body_int8_head_round_trips(tmp_path: Path) -> None:
     assert isinstance(built.lm_head, Int8Linear) and isinstance(built.layers[0].mlp.down_proj, Int4Linear)
     state, built_state = model.state_dict(), built.state_dict()
     assert all(torch.equal(built_state[k], state[k]) for k in state)
+
+
+def _group_errors(w: torch.Tensor, group: int, **kwargs: object) -> torch.Tensor:
+    """Squared reconstruction error per (row, group) of the int4 round trip."""
+    qweight, sz = quantize_int4(w, group, **kwargs)  # type: ignore[arg-type]
+    err = (dequantize_int4(qweight, sz, group, w.shape[1]) - w).square()
+    return torch.nn.functional.pad(err, (0, -w.shape[1] % group)).view(w.shape[0], -1, group).sum(-1)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_search_beats_min_max_in_every_group(group: int) -> None:
+    w = _linear(96, 200, seed=group).weight.detach()  # 200: the last group is part padding
+    plain, searched = _group_errors(w, group, search=False), _group_errors(w, group)
+    assert (searched <= plain * (1 + 1e-5) + 1e-12).all()
+    assert searched.sum() < 0.9 * plain.sum()  # even for normal weights, clipping the tails pays
+
+
+def test_int4_search_ignores_the_padding() -> None:
+    # one group of 64 with 32 real inputs, all in [1, 2]: min/max stretches over the zero padding too
+    w = 1 + torch.rand(8, 32)
+    plain, searched = _group_errors(w, 64, search=False), _group_errors(w, 64)
+    assert searched.sum() < 0.2 * plain.sum()
+
+
+def test_int4_search_weighs_channels_by_importance() -> None:
+    w = _linear(64, 128, seed=9).weight.detach()
+    importance = torch.ones(128)
+    importance[:16] = 100.0  # a few input channels carry most of the activation energy
+    errs = {}
+    for name, imp in (("flat", None), ("weighted", importance)):
+        qweight, sz = quantize_int4(w, 64, importance=imp)
+        errs[name] = (dequantize_int4(qweight, sz, 64) - w).square()
+    assert errs["weighted"][:, :16].sum() < 0.8 * errs["flat"][:, :16].sum()
+    weighted_cost = lambda e: (e * importance).sum()  # noqa: E731
+    assert weighted_cost(errs["weighted"]) < weighted_cost(errs["flat"])
+
+
+def test_activation_importance_is_the_mean_squared_input() -> None:
+    model = _tiny_model()
+    ids = torch.tensor(PROMPT)
+    cache_before = model.layers[0].self_attn.k_cache
+    imp = activation_importance(model, ids)
+    assert model.layers[0].self_attn.k_cache is cache_before  # borrowed cache given back
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert set(imp) == linears
+    with torch.no_grad():
+        first = model.layers[0].input_layernorm(model.embed_tokens(ids))  # what qkv_proj of layer 0 sees
+    torch.testing.assert_close(imp["layers.0.self_attn.qkv_proj"], first.square().mean(0))
+    assert imp["lm_head"].shape == (model.config.hidden_size,)
+    # and quantize_model takes it: a different importance changes the int4 weights
+    plain = quantize_model(_tiny_model(), "int4-g32")
+    aware = quantize_model(_tiny_model(), "int4-g32", importance=imp)
+    assert not torch.equal(
+        plain.layers[0].self_attn.qkv_proj.scales_and_zeros,
+        aware.layers[0].self_attn.qkv_proj.scales_and_zeros,
+    )
