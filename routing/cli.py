@@ -8,8 +8,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from routing.train import Outcomes
 
 
 @click.group()
@@ -71,7 +75,32 @@ def score(head_dir: Path | None) -> None:
 @click.option(
     "--feedback",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help='JSON lines {"prompt", "weak_correct", "strong_correct", "group"?} of your own outcomes.',
+    help='JSON lines {"prompt", "weak_correct", "strong_correct", "group"?} of your own outcomes '
+    "(one of the two outcomes may be null).",
+)
+@click.option(
+    "--tenant",
+    help="Learn from this tenant's POST /v1/feedback scores in the admin DB, joined with its stored "
+    "prompts (store_prompts on) and the ledger's record of which model answered.",
+)
+@click.option(
+    "--route",
+    "route_name",
+    help="With --tenant: the difficulty route whose weak and strong candidates to learn.",
+)
+@click.option("--weak", help="With --tenant: the weak model's public name (instead of --route).")
+@click.option("--strong", help="With --tenant: the strong model's public name (instead of --route).")
+@click.option(
+    "--database-url",
+    default=None,
+    help="With --tenant: the admin DB (default: WEIR_DATABASE_URL, else ./var/weir.db).",
+)
+@click.option(
+    "--correct-at",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="With --tenant: a feedback score at or above this counts as a correct answer.",
 )
 @click.option(
     "--out",
@@ -83,10 +112,24 @@ def score(head_dir: Path | None) -> None:
 )
 @click.option("--epochs", type=int, default=None, help="Training epochs (default: the shipped recipe's).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def train(data_dir: Path | None, feedback: Path | None, out_dir: Path, epochs: int | None, seed: int) -> None:
+def train(
+    data_dir: Path | None,
+    feedback: Path | None,
+    tenant: str | None,
+    route_name: str | None,
+    weak: str | None,
+    strong: str | None,
+    database_url: str | None,
+    correct_at: float,
+    out_dir: Path,
+    epochs: int | None,
+    seed: int,
+) -> None:
     """Fit the difficulty head on labelled outcomes and write it to --out."""
-    if (data_dir is None) == (feedback is None):
-        raise click.UsageError("give exactly one of --data or --feedback")
+    if sum(x is not None for x in (data_dir, feedback, tenant)) != 1:
+        raise click.UsageError("give exactly one of --data, --feedback or --tenant")
+    if tenant is not None and (route_name is None) == (weak is None or strong is None):
+        raise click.UsageError("with --tenant, give either --route or both --weak and --strong")
     from dataclasses import replace
 
     from routing.difficulty import encode
@@ -94,12 +137,18 @@ def train(data_dir: Path | None, feedback: Path | None, out_dir: Path, epochs: i
     from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu
 
     try:
-        data = load_mmlu(data_dir) if data_dir else load_jsonl(feedback)
+        if tenant is not None:
+            data, source = _tenant_outcomes(tenant, route_name, weak, strong, database_url, correct_at)
+        else:
+            data = load_mmlu(data_dir) if data_dir else load_jsonl(feedback)  # type: ignore[arg-type]
+            source = str(data_dir or feedback)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise click.ClickException(f"cannot read training data: {exc}") from exc
     cfg = replace(TrainConfig(), seed=seed, **({"epochs": epochs} if epochs else {}))
+    known = data.known()
     click.echo(
-        f"{len(data)} prompts; weak accuracy {data.weak.mean():.3f}, strong {data.strong.mean():.3f}",
+        f"{len(data)} prompts; weak accuracy {data.weak[known[:, 0]].mean():.3f} "
+        f"({known[:, 0].sum()} scored), strong {data.strong[known[:, 1]].mean():.3f} ({known[:, 1].sum()} scored)",
         err=True,
     )
     embedder = StaticEmbedder.from_minilm()
@@ -107,6 +156,46 @@ def train(data_dir: Path | None, feedback: Path | None, out_dir: Path, epochs: i
         head = fit_head(data, encode(embedder, data.prompts), cfg)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
-    head.meta["source"] = str(data_dir or feedback)
+    head.meta["source"] = source
     head.save(out_dir)
     click.echo(f"wrote {out_dir}", err=True)
+
+
+def _tenant_outcomes(
+    tenant: str,
+    route_name: str | None,
+    weak: str | None,
+    strong: str | None,
+    database_url: str | None,
+    correct_at: float,
+) -> tuple[Outcomes, str]:
+    import asyncio
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from gateway.db.session import create_engine, normalise_url, resolve_database_url, sessionmaker
+    from gateway.vault import Vault, VaultError
+    from routing.feedback import load_feedback, route_models
+
+    async def load() -> tuple[Outcomes, str]:
+        # An explicit --database-url wins over WEIR_DATABASE_URL.
+        engine = create_engine(normalise_url(database_url) if database_url else resolve_database_url())
+        try:
+            sessions = sessionmaker(engine)
+            if route_name is None:
+                assert weak is not None and strong is not None
+                w, s = weak, strong
+            else:
+                w, s = await route_models(sessions, route_name)
+            data, report = await load_feedback(sessions, tenant, w, s, Vault.from_env(), correct_at)
+        finally:
+            await engine.dispose()
+        click.echo(report.summary(), err=True)
+        if not len(data):
+            raise ValueError(f"tenant {tenant!r} has no usable feedback ({report.summary()})")
+        return data, f"tenant {tenant} feedback (weak {w}, strong {s})"
+
+    try:
+        return asyncio.run(load())
+    except (VaultError, SQLAlchemyError) as exc:  # no such DB or table, a bad master key
+        raise ValueError(str(exc)) from exc

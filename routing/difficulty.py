@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-HEAD_VERSION = 1
+HEAD_VERSION = 2  # 2 added the sparse n-gram component; version 1 heads still load
+READABLE_VERSIONS = (1, 2)
 DEFAULT_HEAD_DIR = Path(__file__).parent / "data"
 HEAD_WEIGHTS = "difficulty_head.safetensors"
 HEAD_META = "difficulty_head.json"
@@ -35,6 +36,17 @@ HEAD_META = "difficulty_head.json"
 def length_feature(prompt: str) -> float:
     """log(characters), scaled to about [0, 1] for prompts up to ~3,000 characters."""
     return math.log1p(len(prompt)) / 8.0
+
+
+def ngram_features(ids: list[int], buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sparse features of one prompt: its WordPiece unigrams (the id itself) and bigrams (hashed into
+    the buckets above the vocabulary), as (indices, weights) with sublinear counts (1 + log tf)."""
+    from routing.embed import VOCAB_SIZE
+
+    a = np.asarray(ids, dtype=np.int64)
+    bigrams = (a[:-1] * 1000003 + a[1:]) % (buckets - VOCAB_SIZE) + VOCAB_SIZE
+    index, counts = np.unique(np.concatenate([a, bigrams]), return_counts=True)
+    return index, 1.0 + np.log(counts)
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -82,10 +94,18 @@ class DifficultyHead:
     w2: np.ndarray  # (2 + groups, hidden): weak-correct logit, strong-correct logit, group logits
     b2: np.ndarray
     group_gain: np.ndarray  # (groups,): strong-minus-weak accuracy of each group in the training data
-    blend: np.ndarray  # (3,): weights of [expected group gain, strong-minus-weak probability], then bias
+    # Weights of the components (expected group gain, network strong-minus-weak, and with the sparse
+    # part its strong-minus-weak), then the bias: (3,) or (4,).
+    blend: np.ndarray
+    # The sparse n-gram part (version 2): TF-IDF over WordPiece uni- and bigrams, two logistic
+    # regressions (weak right, strong right). Empty arrays in a version 1 head.
+    idf: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (buckets,)
+    sparse_w: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.float32))  # (buckets, 2)
+    sparse_b: np.ndarray = field(default_factory=lambda: np.zeros(2, np.float32))
     meta: dict[str, Any] = field(default_factory=dict)
 
     TENSORS = ("bag", "w1", "b1", "w2", "b2", "group_gain", "blend")
+    SPARSE = ("idf", "sparse_w", "sparse_b")
 
     @property
     def static_dim(self) -> int:
@@ -95,10 +115,28 @@ class DifficultyHead:
         bags = np.stack([self.bag[ids].mean(axis=0) for ids in enc.token_ids])
         return np.concatenate([bags, enc.length[:, None], enc.static], axis=1, dtype=np.float32)
 
-    def components(self, enc: Encoded) -> np.ndarray:
-        """(n, 2) scores before blending: expected group gain, P(strong right) - P(weak right)."""
+    def _logits(self, enc: Encoded) -> np.ndarray:
         h = _gelu_tanh(self.inputs(enc) @ self.w1.T + self.b1)
-        logits = h @ self.w2.T + self.b2
+        return h @ self.w2.T + self.b2
+
+    def correct(self, enc: Encoded) -> np.ndarray:
+        """(n, 2): the network's P(weak model right), P(strong model right)."""
+        return _sigmoid(self._logits(enc)[:, :2])
+
+    def sparse_correct(self, enc: Encoded) -> np.ndarray:
+        """(n, 2): the sparse part's P(weak model right), P(strong model right)."""
+        logits = np.empty((len(enc), 2), dtype=np.float32)
+        for row, ids in enumerate(enc.token_ids):
+            index, tf = ngram_features(ids, len(self.idf))
+            x = tf * self.idf[index]
+            x /= max(float(np.linalg.norm(x)), 1e-9)
+            logits[row] = x @ self.sparse_w[index] + self.sparse_b
+        return _sigmoid(logits)
+
+    def components(self, enc: Encoded) -> np.ndarray:
+        """(n, 2 or 3) scores before blending: expected group gain, P(strong right) - P(weak right)
+        from the network, and from the sparse part when the head has one."""
+        logits = self._logits(enc)
         p = _sigmoid(logits[:, :2])
         if len(self.group_gain):
             g = logits[:, 2:]
@@ -106,18 +144,26 @@ class DifficultyHead:
             expected_gain = (g / g.sum(axis=1, keepdims=True)) @ self.group_gain
         else:
             expected_gain = np.zeros(len(enc), dtype=np.float32)
-        return np.stack([expected_gain, p[:, 1] - p[:, 0]], axis=1)
+        parts = [expected_gain, p[:, 1] - p[:, 0]]
+        if len(self.idf):
+            q = self.sparse_correct(enc)
+            parts.append(q[:, 1] - q[:, 0])
+        return np.stack(parts, axis=1)
 
     def p_strong(self, enc: Encoded) -> np.ndarray:
-        return _sigmoid(self.components(enc) @ self.blend[:2] + self.blend[2])
+        return _sigmoid(self.components(enc) @ self.blend[:-1] + self.blend[-1])
 
     def save(self, directory: Path) -> None:
         from safetensors.numpy import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: np.ascontiguousarray(getattr(self, k), dtype=np.float32) for k in self.TENSORS}
-        # The token bag is most of the bytes; half precision loses nothing that matters for a mean.
-        tensors["bag"] = tensors["bag"].astype(np.float16)
+        names = self.TENSORS + (self.SPARSE if len(self.idf) else ())
+        tensors = {k: np.ascontiguousarray(getattr(self, k), dtype=np.float32) for k in names}
+        # The token bag and the sparse weights are most of the bytes; half precision loses nothing
+        # that matters for a mean or a sum of a few hundred terms.
+        for big in ("bag", "idf", "sparse_w"):
+            if big in tensors:
+                tensors[big] = tensors[big].astype(np.float16)
         save_file(tensors, directory / HEAD_WEIGHTS)
         (directory / HEAD_META).write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n")
 
@@ -126,12 +172,14 @@ class DifficultyHead:
         from safetensors.numpy import load_file
 
         meta = json.loads((directory / HEAD_META).read_text())
-        if meta.get("version") != HEAD_VERSION:
+        if meta.get("version") not in READABLE_VERSIONS:
             raise ValueError(
-                f"difficulty head in {directory} has version {meta.get('version')}, need {HEAD_VERSION}"
+                f"difficulty head in {directory} has version {meta.get('version')}, "
+                f"this Weir reads versions {', '.join(map(str, READABLE_VERSIONS))}"
             )
         t = load_file(str(directory / HEAD_WEIGHTS))
-        return cls(**{k: t[k].astype(np.float32) for k in cls.TENSORS}, meta=meta)
+        names = cls.TENSORS + (cls.SPARSE if "idf" in t else ())
+        return cls(**{k: t[k].astype(np.float32) for k in names}, meta=meta)
 
 
 class DifficultyClassifier:

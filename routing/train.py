@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from routing.difficulty import HEAD_VERSION, DifficultyHead, Encoded
+from routing.difficulty import HEAD_VERSION, DifficultyHead, Encoded, ngram_features
 from routing.embed import STATIC_RECIPE, VOCAB_SIZE
 
 
@@ -37,13 +37,40 @@ class Outcomes:
     weak: np.ndarray  # bool: the weak model answered correctly
     strong: np.ndarray  # bool: the strong model answered correctly
     groups: list[str] | None = None  # e.g. the MMLU subject; None when the data has none
+    # Which outcomes are known (None: all). Feedback on live traffic scores only the model that
+    # answered, so such rows know one of the two.
+    weak_known: np.ndarray | None = None
+    strong_known: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
 
+    @property
+    def partial(self) -> bool:
+        """Whether some row lacks one of the two outcomes."""
+        return any(k is not None and not k.all() for k in (self.weak_known, self.strong_known))
+
+    def known(self) -> np.ndarray:
+        """(n, 2) bool: whether the weak and the strong outcome of each row are known."""
+        n = len(self.prompts)
+        return np.stack(
+            [
+                self.weak_known if self.weak_known is not None else np.ones(n, bool),
+                self.strong_known if self.strong_known is not None else np.ones(n, bool),
+            ],
+            axis=1,
+        )
+
     def subset(self, idx: np.ndarray) -> Outcomes:
         groups = [self.groups[i] for i in idx] if self.groups is not None else None
-        return Outcomes([self.prompts[i] for i in idx], self.weak[idx], self.strong[idx], groups)
+        return Outcomes(
+            [self.prompts[i] for i in idx],
+            self.weak[idx],
+            self.strong[idx],
+            groups,
+            self.weak_known[idx] if self.weak_known is not None else None,
+            self.strong_known[idx] if self.strong_known is not None else None,
+        )
 
 
 def load_mmlu(data_dir: Path, drop_contaminated: bool = True) -> Outcomes:
@@ -76,16 +103,26 @@ def load_mmlu(data_dir: Path, drop_contaminated: bool = True) -> Outcomes:
 
 
 def load_jsonl(path: Path) -> Outcomes:
-    """Feedback rows `{"prompt", "weak_correct", "strong_correct", "group"?}`, one JSON object a line."""
+    """Feedback rows `{"prompt", "weak_correct", "strong_correct", "group"?}`, one JSON object a line.
+
+    An outcome may be null (or absent) when only the other model's answer was scored, but not both.
+    """
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{path} holds no rows")
+    weak_known = np.array([r.get("weak_correct") is not None for r in rows])
+    strong_known = np.array([r.get("strong_correct") is not None for r in rows])
+    if not (weak_known | strong_known).all():
+        line = int(np.argmin(weak_known | strong_known)) + 1
+        raise ValueError(f"row {line}: neither weak_correct nor strong_correct is given")
     has_groups = all("group" in r for r in rows)
     return Outcomes(
         [r["prompt"] for r in rows],
-        np.array([bool(r["weak_correct"]) for r in rows]),
-        np.array([bool(r["strong_correct"]) for r in rows]),
+        np.array([bool(r.get("weak_correct")) for r in rows]),
+        np.array([bool(r.get("strong_correct")) for r in rows]),
         [str(r["group"]) for r in rows] if has_groups else None,
+        None if weak_known.all() else weak_known,
+        None if strong_known.all() else strong_known,
     )
 
 
@@ -104,12 +141,18 @@ class TrainConfig:
     weight_decay: float = 1e-4
     dropout: float = 0.1
     seed: int = 0
+    # The sparse n-gram part: hash buckets (unigrams keep their WordPiece id, bigrams are hashed above
+    # the vocabulary) and the inverse L2 strength of its logistic regressions (scikit-learn's C);
+    # 0 buckets leaves it out.
+    sparse_buckets: int = 1 << 18
+    sparse_c: float = 2.0
 
 
 def _fit_network(
     enc: Encoded,
     weak: np.ndarray,
     strong: np.ndarray,
+    known: np.ndarray,
     group_ids: np.ndarray | None,
     n_groups: int,
     cfg: TrainConfig,
@@ -118,7 +161,7 @@ def _fit_network(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train_loop(enc, weak, strong, group_ids, n_groups, cfg)
+        return _train_loop(enc, weak, strong, known, group_ids, n_groups, cfg)
     finally:
         torch.set_num_threads(threads)
 
@@ -127,6 +170,7 @@ def _train_loop(
     enc: Encoded,
     weak: np.ndarray,
     strong: np.ndarray,
+    known: np.ndarray,
     group_ids: np.ndarray | None,
     n_groups: int,
     cfg: TrainConfig,
@@ -135,6 +179,8 @@ def _train_loop(
     dense = torch.from_numpy(np.concatenate([enc.length[:, None], enc.static], axis=1, dtype=np.float32))
     ids = [torch.tensor(i, dtype=torch.long) for i in enc.token_ids]
     targets = torch.from_numpy(np.stack([weak, strong], axis=1).astype(np.float32))
+    # Each output learns only from the rows that label it (feedback scores one model's answer).
+    mask = torch.from_numpy(known.astype(np.float32))
     gt = torch.from_numpy(group_ids) if group_ids is not None else None
     bag = torch.nn.EmbeddingBag(VOCAB_SIZE, cfg.bag_dim, mode="mean")
     torch.nn.init.normal_(bag.weight, std=0.1)
@@ -152,7 +198,8 @@ def _train_loop(
             x = torch.cat([bag(torch.cat(rows), offsets), dense[batch]], dim=1)
             h = F.dropout(F.gelu(hidden(x), approximate="tanh"), cfg.dropout, training=True)
             logits = out(h)
-            loss = F.binary_cross_entropy_with_logits(logits[:, :2], targets[batch])
+            bce = F.binary_cross_entropy_with_logits(logits[:, :2], targets[batch], reduction="none")
+            loss = (bce * mask[batch]).sum() / mask[batch].sum().clamp(min=1.0)
             if gt is not None:
                 loss = loss + F.cross_entropy(logits[:, 2:], gt[batch])
             opt.zero_grad()
@@ -161,6 +208,63 @@ def _train_loop(
             sched.step()
     tensors = {"bag": bag.weight, "w1": hidden.weight, "b1": hidden.bias, "w2": out.weight, "b2": out.bias}
     return {k: v.detach().numpy().copy() for k, v in tensors.items()}
+
+
+def _fit_sparse(
+    enc: Encoded, weak: np.ndarray, strong: np.ndarray, known: np.ndarray, cfg: TrainConfig
+) -> dict[str, np.ndarray]:
+    """TF-IDF (sublinear counts, smoothed idf, L2-normalised rows: scikit-learn's TfidfTransformer)
+    over WordPiece uni- and bigrams, then a logistic regression per model (weak right, strong right),
+    each on the rows that label it. Buckets no training prompt has get idf 0: at scoring time they
+    drop out, as words outside a fitted vocabulary do."""
+    buckets = cfg.sparse_buckets
+    rows, cols, vals = [], [], []
+    for row, ids in enumerate(enc.token_ids):
+        index, tf = ngram_features(ids, buckets)
+        rows.append(np.full(len(index), row))
+        cols.append(index)
+        vals.append(tf)
+    r, c, v = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
+    n = len(enc)
+    df = np.bincount(c, minlength=buckets)
+    idf = np.where(df > 0, np.log((1 + n) / (1 + df)) + 1, 0.0)
+    v = v * idf[c]
+    norms = np.sqrt(np.bincount(r, weights=v * v, minlength=n))
+    v = v / np.maximum(norms[r], 1e-9)
+    x = torch.sparse_coo_tensor(
+        torch.from_numpy(np.stack([r, c])),
+        torch.from_numpy(v.astype(np.float32)),
+        (n, buckets),
+        check_invariants=True,
+    ).coalesce()
+    y = torch.from_numpy(np.stack([weak, strong], axis=1).astype(np.float32))
+    mask = torch.from_numpy(known.astype(np.float32))
+    counts = mask.sum(dim=0).clamp(min=1.0)
+    w = torch.zeros(buckets, 2, requires_grad=True)
+    b = torch.zeros(2, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=300, tolerance_grad=1e-6, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        logits = torch.sparse.mm(x, w) + b
+        bce = F.binary_cross_entropy_with_logits(logits, y, reduction="none")
+        # Mean loss per model plus ||w||^2 / (2 C n): scikit-learn's C * sum(loss) + ||w||^2 / 2, scaled.
+        loss = ((bce * mask).sum(dim=0) / counts).sum()
+        loss = loss + ((w * w).sum(dim=0) / (2 * cfg.sparse_c * counts)).sum()
+        loss.backward()
+        return loss
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        opt.step(closure)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "idf": idf.astype(np.float32),
+        "sparse_w": w.detach().numpy().copy(),
+        "sparse_b": b.detach().numpy().copy(),
+    }
 
 
 def _group_gain(
@@ -173,10 +277,11 @@ def _group_gain(
     return ((sums + prior_rows * overall) / (counts + prior_rows)).astype(np.float32)
 
 
-def _fit_calibration(score: np.ndarray, needs_strong: np.ndarray) -> tuple[float, float]:
-    """Platt scaling: slope and bias of a logistic regression of `needs_strong` on `score`."""
+def _fit_calibration(score: np.ndarray, target: np.ndarray) -> tuple[float, float]:
+    """Platt scaling: slope and bias of a logistic regression of `target` (0/1, or a probability)
+    on `score`."""
     x = torch.from_numpy(score.astype(np.float64))
-    y = torch.from_numpy(needs_strong.astype(np.float64))
+    y = torch.from_numpy(target.astype(np.float64))
     w = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([w], max_iter=100, line_search_fn="strong_wolfe")
 
@@ -192,35 +297,60 @@ def _fit_calibration(score: np.ndarray, needs_strong: np.ndarray) -> tuple[float
 
 
 def fit_head(data: Outcomes, enc: Encoded, cfg: TrainConfig | None = None) -> DifficultyHead:
-    """Train a head on `data`, whose prompts `enc` encodes (see `routing.difficulty.encode`)."""
+    """Train a head on `data`, whose prompts `enc` encodes (see `routing.difficulty.encode`).
+
+    With partially labelled rows (`Outcomes.partial`: live feedback scores only the model that
+    answered) P(weak wrong and strong right) is never observed; it is estimated per prompt as
+    P(strong right)(1 - P(weak right)) from the two outputs, and p_strong is calibrated to that.
+    """
     cfg = cfg or TrainConfig()
     if len(data) < 20:
         raise ValueError(f"need at least 20 labelled prompts to train, got {len(data)}")
+    known = data.known()
+    for column, name in enumerate(("weak", "strong")):
+        if known[:, column].sum() < 10:
+            raise ValueError(
+                f"need at least 10 prompts with the {name} model's outcome, got {known[:, column].sum()}"
+            )
+    if data.partial and data.groups is not None:
+        raise ValueError("groups need both outcomes on every row (a group's gain is strong minus weak)")
     groups = sorted(set(data.groups)) if data.groups is not None else []
     group_ids = np.array([groups.index(g) for g in data.groups]) if data.groups is not None else None
     needs_strong = ~data.weak & data.strong
     gain = data.strong.astype(np.float32) - data.weak.astype(np.float32)
 
-    net = _fit_network(enc, data.weak, data.strong, group_ids, len(groups), cfg)
+    net = _fit_network(enc, data.weak, data.strong, known, group_ids, len(groups), cfg)
+    if cfg.sparse_buckets:
+        net |= _fit_sparse(enc, data.weak, data.strong, known, cfg)
     group_gain = (
         _group_gain(group_ids, gain, len(groups)) if group_ids is not None else np.zeros(0, np.float32)
     )
-    # Blend the two components with equal weight after scaling each to unit spread, then calibrate
-    # the sum to P(needs strong) with a 1-D logistic fit. Both use the training rows: that keeps one
-    # network fit per head, and only the calibration (never the ranking) can be mildly optimistic.
-    probe = DifficultyHead(**net, group_gain=group_gain, blend=np.array([1.0, 1.0, 0.0], np.float32))
+    # Blend the components with equal weight after scaling each to unit spread, then calibrate the
+    # sum to P(needs strong) with a 1-D logistic fit. Both use the training rows: that keeps one fit
+    # per head, and only the calibration (never the ranking) can be mildly optimistic. (Equal weights
+    # rather than fitted ones: on training rows the sparse part looks far better than it is.)
+    width = 3 if cfg.sparse_buckets else 2
+    probe = DifficultyHead(**net, group_gain=group_gain, blend=np.zeros(width + 1, np.float32))
     components = probe.components(enc)
     scale = 1.0 / np.maximum(components.std(axis=0), 1e-6)
-    slope, bias = _fit_calibration(components @ scale, needs_strong)
+    if data.partial:
+        p = probe.correct(enc)
+        target = p[:, 1] * (1 - p[:, 0])
+    else:
+        target = needs_strong.astype(np.float64)
+    slope, bias = _fit_calibration(components @ scale, target)
     blend = np.array([*(slope * scale), bias], dtype=np.float32)
+    weak_rows, strong_rows = known[:, 0], known[:, 1]
     meta = {
         "version": HEAD_VERSION,
         "embedder": STATIC_RECIPE,
         "rows": len(data),
         "groups": groups,
-        "weak_accuracy": float(data.weak.mean()),
-        "strong_accuracy": float(data.strong.mean()),
-        "needs_strong_share": float(needs_strong.mean()),
+        "weak_accuracy": float(data.weak[weak_rows].mean()),
+        "strong_accuracy": float(data.strong[strong_rows].mean()),
+        "needs_strong_share": float(target.mean()),
         "config": cfg.__dict__,
     }
+    if data.partial:
+        meta["weak_labelled"], meta["strong_labelled"] = int(weak_rows.sum()), int(strong_rows.sum())
     return DifficultyHead(**net, group_gain=group_gain, blend=blend, meta=meta)

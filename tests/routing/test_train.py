@@ -7,12 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
-from routing.difficulty import encode
+from routing.difficulty import DifficultyHead, encode
 from routing.embed import StaticEmbedder
 from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, prompt_fold
 
-FAST = TrainConfig(epochs=15)
+FAST = TrainConfig(epochs=15, sparse_buckets=1 << 16)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +57,11 @@ def test_training_beats_chance_on_held_out_prompts(fixture_dir: Path, embedder: 
 def test_training_is_deterministic(fixture_dir: Path, embedder: StaticEmbedder) -> None:
     data = load_mmlu(fixture_dir)
     enc = encode(embedder, data.prompts)
-    cfg = TrainConfig(epochs=3)
+    cfg = TrainConfig(epochs=3, sparse_buckets=1 << 16)
     a = fit_head(data, enc, cfg)
     b = fit_head(data, enc, cfg)
     np.testing.assert_array_equal(a.w1, b.w1)
+    np.testing.assert_array_equal(a.sparse_w, b.sparse_w)
     np.testing.assert_array_equal(a.blend, b.blend)
 
 
@@ -86,3 +88,55 @@ def test_refuses_too_little_data(embedder: StaticEmbedder, fixture_dir: Path) ->
     data = load_mmlu(fixture_dir).subset(np.arange(10))
     with pytest.raises(ValueError, match="at least 20"):
         fit_head(data, encode(embedder, data.prompts))
+
+
+def test_feedback_rows_may_score_only_one_model(
+    tmp_path: Path, fixture_dir: Path, embedder: StaticEmbedder
+) -> None:
+    # Live feedback scores the answer of the model that served: each row knows one outcome.
+    data = load_mmlu(fixture_dir)
+    rows = []
+    for i, (p, w, s) in enumerate(zip(data.prompts, data.weak, data.strong, strict=True)):
+        rows.append(
+            {"prompt": p, "weak_correct": bool(w)} if i % 2 else {"prompt": p, "strong_correct": bool(s)}
+        )
+    path = tmp_path / "partial.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    partial = load_jsonl(path)
+    assert partial.partial and (partial.known().sum(axis=1) == 1).all()
+    head = fit_head(partial, encode(embedder, partial.prompts), TrainConfig(epochs=5))
+    assert head.meta["weak_labelled"] + head.meta["strong_labelled"] == len(data)
+    scores = head.p_strong(encode(embedder, data.prompts[:5]))
+    assert np.all((scores > 0) & (scores < 1))
+    path.write_text(json.dumps({"prompt": "x", "weak_correct": None}))
+    with pytest.raises(ValueError, match="neither"):
+        load_jsonl(path)
+
+
+def test_sparse_part_learns_and_version_1_heads_still_load(
+    tmp_path: Path, fixture_dir: Path, embedder: StaticEmbedder
+) -> None:
+    data = load_mmlu(fixture_dir)
+    enc = encode(embedder, data.prompts)
+    head = fit_head(data, enc, TrainConfig(epochs=3, sparse_buckets=1 << 16))
+    assert head.blend.shape == (4,) and head.components(enc).shape == (len(data), 3)
+    # The sparse regressions fit their training rows better than a constant does.
+    p = head.sparse_correct(enc)
+    for column, y in enumerate((data.weak, data.strong)):
+        base = y.mean()
+        constant = -np.mean(y * np.log(base) + (1 - y) * np.log(1 - base))
+        fitted = -np.mean(y * np.log(p[:, column]) + (1 - y) * np.log(1 - p[:, column]))
+        assert fitted < constant
+    head.save(tmp_path / "v2")
+    np.testing.assert_allclose(
+        DifficultyHead.load(tmp_path / "v2").p_strong(enc), head.p_strong(enc), atol=2e-3
+    )
+    old = fit_head(data, enc, TrainConfig(epochs=3, sparse_buckets=0))
+    old.meta["version"] = 1
+    old.save(tmp_path / "v1")
+    assert not (
+        set(load_file(str(tmp_path / "v1" / "difficulty_head.safetensors"))) & set(DifficultyHead.SPARSE)
+    )
+    np.testing.assert_allclose(
+        DifficultyHead.load(tmp_path / "v1").p_strong(enc), old.p_strong(enc), atol=2e-3
+    )

@@ -1,0 +1,256 @@
+"""`weir router train --tenant`: refit the difficulty head from a tenant's feedback in the admin DB
+(SQLite here), joined with its stored prompts and the ledger's record of which model answered."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from gateway.credentials import prompt_context
+from gateway.db.models import Base, Feedback, RouteRow, StoredPrompt, Tenant, UsageEventRow
+from gateway.db.session import create_engine as create_async_engine
+from gateway.db.session import sessionmaker
+from gateway.vault import Vault, generate_key
+from routing.difficulty import DifficultyClassifier, encode
+from routing.feedback import answered_by, load_feedback, request_prompt
+from routing.train import TrainConfig, fit_head
+from tests.routing.test_cli import run
+
+WEAK, STRONG = "gpt-4o-mini", "claude-sonnet"
+NOW = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+TOPICS = ["apples", "rivers", "poems", "trains", "gardens", "music", "colours", "cities", "birds", "tea"]
+
+
+def easy(i: int) -> str:
+    return f"Say hello and name one thing about {TOPICS[i % 10]}, request {i}."
+
+
+def hard(i: int) -> str:
+    return f"Prove rigorously that the eigenvalues of this operator on {TOPICS[i % 10]} are real, case {i}."
+
+
+def _event(request_id: str, attempt: int, tenant: str, candidate: str, status: int) -> UsageEventRow:
+    upstream = {"gpt-4o-mini": "gpt-4o-mini", "claude-sonnet": "claude-sonnet-4-5"}.get(candidate, candidate)
+    return UsageEventRow(
+        event_id=f"{request_id}-{attempt}",
+        request_id=request_id,
+        attempt=attempt,
+        ts=NOW,
+        day=NOW.date(),
+        tenant_id=tenant,
+        key_id=None,
+        route="auto",
+        backend="b",
+        model=upstream,
+        input_tokens=10,
+        cached_input_tokens=0,
+        cache_write_5m_tokens=0,
+        cache_write_1h_tokens=0,
+        output_tokens=5,
+        reasoning_tokens=0,
+        prices={},
+        cost_pico_usd=0,
+        savings_pico_usd=0,
+        latency_ms=10.0,
+        ttft_ms=None,
+        status=status,
+        fallback=attempt > 1,
+        routing=f"route=auto; policy=difficulty; candidate={candidate}; score=0.2; attempts={attempt}",
+    )
+
+
+def _chat(prompt: str) -> str:
+    return json.dumps(
+        {
+            "model": "auto",
+            "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": prompt}],
+        }
+    )
+
+
+@pytest.fixture
+def admin_db(tmp_path: Path) -> tuple[str, Vault]:
+    """A tenant `acme` whose weak model answers easy prompts well and hard ones badly, and whose strong
+    model answers both well; plus rows the join must skip, and another tenant's feedback."""
+    path = tmp_path / "weir.db"
+    vault = Vault.from_env({"WEIR_MASTER_KEY": generate_key()})
+    assert vault is not None
+    engine = create_engine(f"sqlite:///{path}")
+    Base.metadata.create_all(engine)
+    rng = random.Random(0)
+    with Session(engine) as session:
+        session.add_all(
+            [
+                Tenant(id="t-acme", name="acme", store_prompts=True),
+                Tenant(id="t-other", name="other", store_prompts=True),
+                RouteRow(
+                    name="auto",
+                    position=0,
+                    spec={
+                        "name": "auto",
+                        "policy": "difficulty",
+                        "candidates": [{"model": WEAK}, {"model": STRONG}],
+                    },
+                ),
+            ]
+        )
+        for i in range(80):
+            prompt, is_hard = (hard(i), True) if i % 2 else (easy(i), False)
+            candidate = STRONG if i % 4 in (2, 3) else WEAK  # both models see easy and hard prompts
+            right = candidate == STRONG or not is_hard
+            rid = f"r{i}"
+            body = _chat(prompt) if i % 3 else json.dumps({"model": "auto", "prompt": prompt})
+            key_id = None
+            if i % 5 == 0:  # some bodies encrypted, as the gateway stores them with a master key
+                where = prompt_context("t-acme", rid)
+                body, key_id = vault.encrypt(body, where + ":request"), vault.primary_id
+                response = vault.encrypt("{}", where + ":response")
+            else:
+                response = "{}"
+            session.add(
+                StoredPrompt(
+                    request_id=rid,
+                    tenant_id="t-acme",
+                    ts=NOW,
+                    endpoint="chat",
+                    status=200,
+                    key_id=key_id,
+                    request_body=body,
+                    response_body=response,
+                )
+            )
+            if i % 7 == 0:  # a failed first attempt: the answer came from the second
+                session.add(_event(rid, 1, "t-acme", candidate, 500))
+                session.add(_event(rid, 2, "t-acme", candidate, 200))
+            else:
+                session.add(_event(rid, 1, "t-acme", candidate, 200))
+            score = rng.uniform(0.7, 1.0) if right else rng.uniform(0.0, 0.3)
+            session.add(Feedback(tenant_id="t-acme", request_id=rid, score=score))
+        # Skipped: no stored prompt, answered by a third model, another tenant's feedback.
+        session.add(_event("r-unstored", 1, "t-acme", WEAK, 200))
+        session.add(Feedback(tenant_id="t-acme", request_id="r-unstored", score=1.0))
+        session.add(_event("r-gemini", 1, "t-acme", "gemini-flash", 200))
+        session.add(
+            StoredPrompt(
+                request_id="r-gemini",
+                tenant_id="t-acme",
+                ts=NOW,
+                endpoint="chat",
+                status=200,
+                key_id=None,
+                request_body=_chat("hi"),
+                response_body="{}",
+            )
+        )
+        session.add(Feedback(tenant_id="t-acme", request_id="r-gemini", score=1.0))
+        session.add(_event("o1", 1, "t-other", WEAK, 200))
+        session.add(Feedback(tenant_id="t-other", request_id="o1", score=0.0))
+        session.commit()
+    engine.dispose()
+    return f"sqlite:///{path}", vault
+
+
+def _load(url: str, vault: Vault | None) -> tuple[object, object]:
+    async def go() -> tuple[object, object]:
+        engine = create_async_engine(url.replace("sqlite://", "sqlite+aiosqlite://"))
+        try:
+            return await load_feedback(sessionmaker(engine), "acme", WEAK, STRONG, vault)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def test_the_join_labels_only_the_model_that_answered(admin_db: tuple[str, Vault]) -> None:
+    url, vault = admin_db
+    data, report = _load(url, vault)
+    assert len(data) == 80  # type: ignore[arg-type]
+    assert report.used == {"weak": 40, "strong": 40}  # type: ignore[attr-defined]
+    assert report.skipped == {  # type: ignore[attr-defined]
+        "answered by another model": 1,
+        "without a stored prompt (store_prompts off, or past retention)": 1,
+    }
+    known = data.known()  # type: ignore[attr-defined]
+    assert (known.sum(axis=1) == 1).all()  # exactly one outcome per row
+    hard_rows = np.array(["Prove" in p for p in data.prompts])  # type: ignore[attr-defined]
+    weak_rows = known[:, 0]
+    assert not data.weak[weak_rows & hard_rows].any() and data.weak[weak_rows & ~hard_rows].all()  # type: ignore[attr-defined]
+    assert data.strong[known[:, 1]].all()  # type: ignore[attr-defined]
+    # Without the master key the encrypted bodies (every fifth) cannot be read: skipped, and said so.
+    _, report = _load(url, None)
+    assert report.skipped["encrypted under a key this machine lacks (set WEIR_MASTER_KEY)"] == 16  # type: ignore[attr-defined]
+
+
+def test_prompt_and_candidate_extraction() -> None:
+    assert request_prompt(_chat("what is up")) == "what is up"
+    anthropic = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hey"}]}], "system": "s"}
+    assert request_prompt(json.dumps(anthropic)) == "hey"
+    assert request_prompt(json.dumps({"prompt": ["one"]})) == "one"
+    assert request_prompt(json.dumps({"prompt": [1, 2]})) is None and request_prompt("not json") is None
+    assert answered_by(_event("x", 1, "t", STRONG, 200)) == STRONG  # the public name, not claude-sonnet-4-5
+
+
+def test_partial_labels_train_a_head_that_separates_the_prompts(admin_db: tuple[str, Vault]) -> None:
+    url, vault = admin_db
+    data, _ = _load(url, vault)
+    clf = DifficultyClassifier.default()
+    head = fit_head(data, encode(clf.embedder, data.prompts), TrainConfig(epochs=30))  # type: ignore[arg-type]
+    assert head.meta["weak_labelled"] == 40 and head.meta["strong_labelled"] == 40
+    new = [hard(i) for i in range(100, 110)], [easy(i) for i in range(100, 110)]
+    scored = DifficultyClassifier(head, clf.embedder)
+    hard_scores, easy_scores = scored.score_many(new[0]), scored.score_many(new[1])
+    assert min(hard_scores) > max(easy_scores)
+    assert all(0.0 < p < 1.0 for p in hard_scores + easy_scores)
+
+
+@pytest.mark.slow
+def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Path) -> None:
+    url, _ = admin_db
+    out = tmp_path / "head"
+    result = run(
+        [
+            "router",
+            "train",
+            "--tenant",
+            "acme",
+            "--route",
+            "auto",
+            "--database-url",
+            url,
+            "--out",
+            str(out),
+            "--epochs",
+            "30",
+        ],
+    )
+    assert result.returncode == 0, result.stderr
+    # No WEIR_MASTER_KEY here: the 16 encrypted bodies (8 from each model) are skipped.
+    assert "32 answered by the weak model, 32 by the strong one" in result.stderr
+    assert (out / "difficulty_head.json").exists()
+    meta = json.loads((out / "difficulty_head.json").read_text())
+    assert meta["source"] == "tenant acme feedback (weak gpt-4o-mini, strong claude-sonnet)"
+    lines = "\n".join(json.dumps({"prompt": p}) for p in (hard(200), easy(200))) + "\n"
+    scored = run(["router", "score", "--head", str(out)], lines)
+    hard_p, easy_p = (json.loads(line)["p_strong"] for line in scored.stdout.splitlines())
+    assert hard_p > easy_p
+
+
+def test_cli_says_what_is_missing(admin_db: tuple[str, Vault]) -> None:
+    url, _ = admin_db
+    result = run(
+        ["router", "train", "--tenant", "other", "--weak", WEAK, "--strong", STRONG, "--database-url", url]
+    )
+    assert result.returncode != 0
+    assert "no usable feedback" in result.stderr and "without a stored prompt" in result.stderr
+    result = run(["router", "train", "--tenant", "nobody", "--route", "auto", "--database-url", url])
+    assert result.returncode != 0 and "no tenant named 'nobody'" in result.stderr
+    result = run(["router", "train", "--tenant", "acme", "--database-url", url])
+    assert result.returncode != 0 and "--route or both --weak and --strong" in result.stderr
