@@ -69,6 +69,22 @@ def controlled_server(
     return server
 
 
+def services_cpu_seconds() -> float:
+    """CPU time so far of every Redis and PostgreSQL server process on this machine. Shared with
+    whatever else uses them while the benchmark runs, so it is an upper bound for the gateway's share."""
+    ticks = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            if name.startswith(("redis-server", "postgres")):
+                fields = stat.rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def weir_dir(workdir: Path, name: str) -> Path:
     (workdir / name).mkdir(parents=True, exist_ok=True)
     return workdir / name
@@ -130,6 +146,7 @@ def main() -> None:
     measured: dict[tuple[str, int], list[Result]] = {}
     tenants: dict[str, str] = {}
     served: dict[str, int] = {}
+    services_ms: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="weir-control-bench-") as tmp, contextlib.ExitStack() as stack:
         workdir = Path(tmp)
         port = free_port()
@@ -173,8 +190,13 @@ def main() -> None:
                         file=sys.stderr,
                         flush=True,
                     )
+                    services_before = services_cpu_seconds()
                     result = asyncio.run(
                         run_load(server, concurrency, args.requests, args.duration, False, args.warmup)
+                    )
+                    done = max(1, result.requests + result.errors)
+                    services_ms.setdefault((server.name, concurrency), []).append(
+                        (services_cpu_seconds() - services_before) * 1000 / done
                     )
                     measured.setdefault((server.name, concurrency), []).append(result)
                     warmup = max(1, args.warmup // concurrency) * concurrency
@@ -212,6 +234,30 @@ def main() -> None:
             f"{name:<8} {concurrency:>4} {rps:>9.1f} {statistics.median(r.p50_ms for r in rounds):>8.3f} "
             f"{statistics.median(r.p99_ms for r in rounds):>8.3f} {sum(r.errors for r in rounds):>6} "
             f"{'' if ratio is None else f'{ratio:.2f}':>8}"
+        )
+    # On a shared machine the load swings between rounds; the ratio within each round (targets run
+    # back to back) is steadier than the ratio of medians, so both are shown.
+    # CPU per request does not depend on what the neighbours do (much): the gateway's own process
+    # (measured alone) and Redis + PostgreSQL (shared with anything else using them meanwhile).
+    print("\nCPU per request, medians (ms): gateway process | Redis + PostgreSQL (upper bound)")
+    plain_cpu = {
+        c: statistics.median(r.cpu_ms_per_request or 0 for r in measured[("plain", c)]) for c in plain
+    }
+    for (name, concurrency), rounds in measured.items():
+        cpu = statistics.median(r.cpu_ms_per_request or 0 for r in rounds)
+        services = statistics.median(services_ms[(name, concurrency)])
+        share = f"  plain/this {plain_cpu[concurrency] / cpu:.2f}" if name != "plain" and cpu else ""
+        print(f"  {name:<8} c={concurrency:<3} {cpu:7.3f} | {services:7.3f}{share}")
+    print("\nper round (RPS; ratio to plain in the same round):")
+    for (name, concurrency), rounds in measured.items():
+        if name == "plain" or ("plain", concurrency) not in measured:
+            continue
+        paired = list(zip(rounds, measured[("plain", concurrency)], strict=False))
+        per_round = [r.rps / p.rps for r, p in paired if p.rps]
+        cells = " ".join(f"{r.rps:.0f}/{p.rps:.0f}" for r, p in paired)
+        print(
+            f"  {name:<8} c={concurrency:<3} {cells}  ratios "
+            f"{' '.join(f'{x:.2f}' for x in per_round)}  median {statistics.median(per_round):.2f}"
         )
     print()
     for name, concurrency, ratio in ratios:

@@ -389,7 +389,10 @@ class Admission:
 
     async def _flush(self) -> None:
         while self._settlements:
-            await asyncio.sleep(0)  # let this turn's other settlements join the batch
+            # Let this turn's other settlements join the batch. Not longer: until its settlement
+            # lands, a finished request counts with its estimate, and one that cost more than that
+            # would let the next admissions see less spent than there is.
+            await asyncio.sleep(0)
             batch, self._settlements = self._settlements, []
             try:
                 # The settlement reports each budget's use as it leaves it: no second round trip.
