@@ -85,19 +85,39 @@ class PriceCatalog:
 
     def __init__(self, rows: list[PriceRow] | None = None) -> None:
         self._series: dict[tuple[str, str, TokenClass], list[tuple[dt.datetime, int]]] = defaultdict(list)
+        # (backend, model) -> (from, until, prices): the answer of prices_at for any moment in
+        # [from, until), since no row of that pair takes effect in between. Every request asks.
+        self._cache: dict[tuple[str, str], tuple[dt.datetime, dt.datetime, dict[TokenClass, int]]] = {}
         for row in rows or ():
             self.add(row)
 
     def add(self, row: PriceRow) -> None:
         series = self._series[(row.backend, row.model, TokenClass(row.token_class))]
         bisect.insort(series, (row.effective_from, row.micro_usd_per_mtok))
+        self._cache.clear()
 
     def prices_at(self, backend: str, model: str, at: dt.datetime) -> dict[TokenClass, int]:
+        """The prices valid at `at` (do not modify the dict: it is shared)."""
+        cached = self._cache.get((backend, model))
+        if cached is not None and cached[0] <= at < cached[1]:
+            return cached[2]
+        found: dict[TokenClass, int] = {}
         for scope in (backend, ANY_BACKEND):
             found = self.scoped_prices(scope, model, at)
             if found:
-                return found
-        return {}
+                break
+        start, until = dt.datetime.min.replace(tzinfo=dt.UTC), dt.datetime.max.replace(tzinfo=dt.UTC)
+        for scope in (backend, ANY_BACKEND):
+            for token_class in TokenClass:
+                series = self._series.get((scope, model, token_class))
+                if series:
+                    i = bisect.bisect_right(series, (at, float("inf")))
+                    if i:
+                        start = max(start, series[i - 1][0])
+                    if i < len(series):
+                        until = min(until, series[i][0])
+        self._cache[(backend, model)] = (start, until, found)
+        return found
 
     def scoped_prices(self, backend: str, model: str, at: dt.datetime) -> dict[TokenClass, int]:
         """Prices of exactly this (backend, model) valid at `at`, without falling back to `*`."""

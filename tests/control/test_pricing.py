@@ -4,6 +4,7 @@ the request ran."""
 from __future__ import annotations
 
 import datetime as dt
+import random
 from decimal import Decimal
 
 import pytest
@@ -117,3 +118,25 @@ def test_backend_specific_prices_win_over_any_backend() -> None:
     )
     assert catalog.prices_at("self-hosted", "llama", T1) == {TokenClass.INPUT: 50_000}
     assert catalog.prices_at("together", "llama", T1) == {TokenClass.INPUT: 1_000_000}
+
+
+def test_cached_lookups_match_fresh_ones_across_price_changes() -> None:
+    """prices_at remembers an answer for the interval in which no row takes effect; asked in random
+    order around many changes (backend rows and `*` rows), it must answer as a fresh catalog does."""
+    rng = random.Random(5)
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    rows = [
+        PriceRow(
+            rng.choice(["b1", "*"]),
+            "m",
+            rng.choice(list(TokenClass)),
+            rng.randint(1, 10**7),
+            t0 + dt.timedelta(hours=rng.randint(1, 100)),
+        )
+        for _ in range(40)
+    ]
+    cached = PriceCatalog(rows)
+    for _ in range(500):
+        at = t0 + dt.timedelta(hours=rng.randint(0, 110), minutes=rng.choice([0, 0, 30]))
+        backend = rng.choice(["b1", "b2"])
+        assert cached.prices_at(backend, "m", at) == PriceCatalog(rows).prices_at(backend, "m", at)
