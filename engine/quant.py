@@ -137,7 +137,8 @@ def quantize_int4(
         imp = torch.nn.functional.pad(imp.to(w.device), (0, kp - k)).view(1, groups, group_size)
         scales = torch.empty(n, groups, 1, device=w.device)
         lo = torch.empty_like(scales)
-        rows = max(1, (1 << 16) // kp)  # chunks that stay in cache: the search makes ~25 passes
+        # chunks that stay in a CPU's cache (the search makes ~25 passes); a GPU wants fewer, larger launches
+        rows = max(1, (1 << (16 if w.device.type == "cpu" else 24)) // kp)
         for r in range(0, n, rows):
             chunk = w[r : r + rows]
             s, m = _fit_int4_groups(
