@@ -11,6 +11,7 @@ counted in four limits, reserves and settles two budgets, and is priced, queued 
 
     .venv/bin/python benchmarks/control_overhead.py
     .venv/bin/python benchmarks/control_overhead.py --targets plain,sqlite --requests 3000 --rounds 5
+    .venv/bin/python benchmarks/control_overhead.py --targets plain,pg,pg@base --baseline /tmp/weir-before
 
 Prints median RPS and p50 per target and concurrency, each controlled target's RPS as a share of
 plain (goal: >= 0.80 at every concurrency), and for the DB: usage rows written vs requests served
@@ -137,12 +138,17 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--baseline",
+        help="a source tree of an earlier Weir (e.g. `git archive <commit> gateway routing engine kernels "
+        "weir migrations alembic.ini | tar -x -C DIR`); targets named sqlite@base / pg@base run it",
+    )
     args = parser.parse_args()
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
     _use_uvloop()
 
-    pg_name = f"weir_bench_{uuid.uuid4().hex[:8]}"
+    pg_names: dict[str, str] = {}
     measured: dict[tuple[str, int], list[Result]] = {}
     tenants: dict[str, str] = {}
     served: dict[str, int] = {}
@@ -164,16 +170,24 @@ def main() -> None:
             if name == "plain":
                 server = weir_server(upstream, workdir / name)
                 server.name = "plain"
-            elif name == "sqlite":
+            elif name.startswith("sqlite"):
                 server = controlled_server(
                     name, upstream, workdir, f"sqlite:///{workdir / name / 'weir.db'}", None
                 )
             else:
+                pg_names[name] = pg_name = f"weir_bench_{uuid.uuid4().hex[:8]}"
                 asyncio.run(_pg(f'CREATE DATABASE "{pg_name}"'))
-                stack.callback(lambda: asyncio.run(_pg(f'DROP DATABASE IF EXISTS "{pg_name}" WITH (FORCE)')))
+                stack.callback(
+                    lambda n=pg_name: asyncio.run(_pg(f'DROP DATABASE IF EXISTS "{n}" WITH (FORCE)'))
+                )
                 server = controlled_server(
                     name, upstream, workdir, PG_ADMIN.rsplit("/", 1)[0] + f"/{pg_name}", REDIS
                 )
+            if name.endswith("@base"):
+                if not args.baseline:
+                    parser.error(f"{name} needs --baseline")
+                # The same gateway from another source tree (imports from it win over this checkout).
+                server.env["PYTHONPATH"] = str(Path(args.baseline).resolve())
             print(f"starting {name} ...", file=sys.stderr, flush=True)
             if name != "plain":
                 server.start(workdir)
@@ -206,10 +220,11 @@ def main() -> None:
         time.sleep(3)  # let the batch writers finish and PostgreSQL publish its statistics
         ledger: dict[str, str] = {}
         for name, tenant_id in tenants.items():
-            if name == "sqlite":
+            if name.startswith("sqlite"):
                 ledger[name] = f"{sqlite_rows(workdir / name / 'weir.db', tenant_id)} usage rows"
             else:
-                rows, upserts = asyncio.run(pg_counts(PG_ADMIN.rsplit("/", 1)[0] + f"/{pg_name}", tenant_id))
+                pg_url = PG_ADMIN.rsplit("/", 1)[0] + f"/{pg_names[name]}"
+                rows, upserts = asyncio.run(pg_counts(pg_url, tenant_id))
                 ledger[name] = (
                     f"{rows} usage rows in {upserts} batch transactions ({rows / max(upserts, 1):.0f} events per batch)"
                 )
