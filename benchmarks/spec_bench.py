@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument(
         "--row-cost",
         action="store_true",
-        help="only measure one forward's cost by new-token rows (1, 2, 4, 6, 8) per dtype x quantization",
+        help="only measure one forward's cost by new-token rows (--rows) per dtype x quantization",
     )
     parser.add_argument(
         "--trials", type=int, default=15, help="--row-cost: forwards per engine and row count"
@@ -171,13 +171,19 @@ def main() -> None:
             for dtype in args.dtype.split(",")
             for quant in args.quantization.split(",")
         }
-        rows = (1, 2, 4, 6, 8)
+        rows = tuple(int(n) for n in args.rows.split(","))
         print(
             f"# {args.model}, {args.threads} threads, median of {args.trials}, load avg {os.getloadavg()[0]:.1f}"
         )
-        print(f"{'dtype quant':<16} " + " ".join(f"{f'{n} rows ms':>10}" for n in rows) + "   6 rows / 1 row")
+        print(
+            f"{'dtype quant':<16} "
+            + " ".join(f"{f'{n} rows ms':>10}" for n in rows)
+            + f"   {rows[-1]} rows / 1 row"
+        )
         for name, ms in row_costs(engines, rows, args.trials).items():
-            print(f"{name:<16} " + " ".join(f"{ms[n]:>10.1f}" for n in rows) + f"   {ms[6] / ms[1]:.2f}")
+            print(
+                f"{name:<16} " + " ".join(f"{ms[n]:>10.1f}" for n in rows) + f"   {ms[rows[-1]] / ms[1]:.2f}"
+            )
         print(f"# load avg at end {os.getloadavg()[0]:.1f}")
         return
     methods = args.speculative.split(",")
