@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
+import logging
 import secrets
 import time
 from dataclasses import dataclass
 
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.auth import Principal
@@ -20,6 +22,9 @@ from gateway.limits import NO_POLICY, TenantPolicy
 from gateway.state import SharedState
 
 KEY_PREFIX = "wk-"
+STALE_RETRY_S = 5.0  # while the DB is unreachable, how often one key's expired entry is retried
+
+log = logging.getLogger(__name__)
 
 
 def new_key() -> tuple[str, str, str]:
@@ -52,7 +57,9 @@ class KeyRecord:
 
 class DbAuthenticator:
     """Keys from the admin DB. Lookups are cached for `ttl_s` (positive and negative); a revocation
-    published through the shared state evicts the key on every replica at once."""
+    published through the shared state evicts the key on every replica at once. While the DB is
+    unreachable an expired entry keeps being served (retried every STALE_RETRY_S): a DB outage must not
+    lock out every caller the gateway already knew, only keys it has never seen."""
 
     def __init__(
         self, sessions: async_sessionmaker[AsyncSession], state: SharedState, ttl_s: float = 30.0
@@ -87,8 +94,16 @@ class DbAuthenticator:
             if loading is None:
                 loading = self._loading[digest] = asyncio.ensure_future(self._load(digest))
                 loading.add_done_callback(lambda _: self._loading.pop(digest, None))
-            record = await asyncio.shield(loading)
-            self._cache[digest] = (now + self._ttl, record)
+            try:
+                record = await asyncio.shield(loading)
+            except (SQLAlchemyError, OSError, TimeoutError) as exc:
+                if cached is None:
+                    raise
+                log.warning("admin DB unreachable (%s); serving the cached key record", type(exc).__name__)
+                self._cache[digest] = (now + STALE_RETRY_S, cached[1])
+                record = cached[1]
+            else:
+                self._cache[digest] = (now + self._ttl, record)
             if record is not None:
                 self._records[record.principal.key_id or ""] = record
         else:
