@@ -1,7 +1,7 @@
 """Prompt difficulty: the probability that a request needs the strong model.
 
 `DifficultyClassifier.default()` loads the head shipped in `routing/data/` over the static MiniLM
-embedder (`routing.embed.StaticEmbedder`) and scores a prompt in tens of microseconds:
+embedder (`routing.embed.StaticEmbedder`) and scores a prompt in about a millisecond of CPU:
 
     clf = DifficultyClassifier.default()
     clf.score("Prove that there are infinitely many primes.")   # -> p_strong in [0, 1]

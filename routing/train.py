@@ -8,9 +8,10 @@ The head is a small multi-task network over a learned bag of the prompt's tokens
 embedding (see `routing.embed`): one shared hidden layer, then (a) the group posterior and (b) the probabilities that the weak and the
 strong model answer correctly. Groups are cheap, clean supervision: "which MMLU subject is this"
 is far easier to learn than "will Mixtral miss this one", and each subject's strong-minus-weak gain is
-the single strongest signal in the data. The two scores are blended with equal weight (each scaled to unit
-spread) and calibrated into `p_strong`: the probability that this prompt is one the weak model gets
-wrong and the strong model gets right.
+the single strongest signal in the data. Beside the network, a sparse part (TF-IDF over WordPiece uni-
+and bigrams, two logistic regressions) scores P(strong right) - P(weak right) from exact word pairs.
+The scores are blended with equal weight (each scaled to unit spread) and calibrated into `p_strong`:
+the probability that this prompt is one the weak model gets wrong and the strong model gets right.
 """
 
 from __future__ import annotations
