@@ -170,24 +170,28 @@ def test_a_stream_cut_where_resuming_is_forbidden_ends_with_an_error_event(
 
 
 def test_a_backend_that_is_down_and_comes_back(
-    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+    gateway: RunningGateway, fake_deepseek: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> None:
+    # Its own route and backend, with a 2 s cooldown: with the shared 0.5 s one, a busy machine could
+    # spend the whole cooldown between two requests and find the breaker half-open already.
     breakers = runtime(gateway).router.breakers
-    key = "openai/gpt-4o-mini"
-    fake_openai.stop()
-    for _ in range(3):
-        text, route = chat(gateway, "resilient")
+    key = "deepseek/deepseek-chat"
+    fake_deepseek.stop()
+    for _ in range(2):
+        text, route = chat(gateway, "recovering")
         assert text == ECHO and route["candidate"] == "claude-sonnet"
     assert breakers.state(key) == "open"  # three refused connections (with retries) opened it
-    text, route = chat(gateway, "resilient")
-    assert route["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"  # not even tried while open
-    fake_openai.start()
-    time.sleep(0.55)  # the cooldown
-    assert breakers.state(key) == "half_open"
-    text, route = chat(gateway, "resilient")
-    assert text == ECHO and route["candidate"] == "gpt-4o-mini"  # the trial request succeeded
+    text, route = chat(gateway, "recovering")
+    assert route["tried"] == "deepseek-chat:open,claude-sonnet:ok"  # not even tried while open
+    fake_deepseek.start()
+    deadline = time.monotonic() + 10
+    while breakers.state(key) != "half_open":  # the cooldown
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    text, route = chat(gateway, "recovering")
+    assert text == ECHO and route["candidate"] == "deepseek-chat"  # the trial request succeeded
     assert breakers.state(key) == "closed"
-    refused = [e for e in gateway.sink.events if e.backend == "openai" and e.status == 0]
+    refused = [e for e in gateway.sink.events if e.backend == "deepseek" and e.status == 0]
     assert len(refused) >= 3  # attempts that never got an answer are in the ledger too
 
 
