@@ -243,6 +243,7 @@ def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Pat
     assert hard_p > easy_p
 
 
+@pytest.mark.slow
 def test_cli_says_what_is_missing(admin_db: tuple[str, Vault]) -> None:
     url, _ = admin_db
     result = run(
