@@ -302,7 +302,7 @@ def quantize_model(
     skip: Iterable[str] = (),
     head: str | QuantScheme | None = "int8",
     search: bool = True,
-    importance: dict[str, torch.Tensor] | None = None,
+    importance: dict[str, torch.Tensor] | str | None = "auto",
 ) -> nn.Module:
     """Swap ``model``'s ``nn.Linear`` layers for quantized ones in place and return it.
 
@@ -313,6 +313,9 @@ def quantize_model(
     ``search``: int4 scales from a per-group error-minimising search (default) rather than min/max.
     ``importance``: module name -> per-input-channel weight of the int4 search's error, e.g. from
     ``activation_importance`` (activation-aware, as AWQ); missing names weigh every channel alike.
+    ``"auto"`` (default): for int4 on an engine ``Transformer``, from one prefill of seeded random token
+    ids (no calibration text needed: the channels that carry the activation energy are a property of
+    the model more than of the input); ``None``: every channel alike.
     """
     scheme = QuantScheme.parse(scheme)
     if scheme.method == "none":
@@ -326,14 +329,35 @@ def quantize_model(
         chosen[name] = head_scheme if name == "lm_head" else scheme
         if chosen[name].method == "none":
             return linear
-        return _make_quantized(linear, chosen[name], search, (importance or {}).get(name))
+        weights = importance.get(name) if isinstance(importance, dict) else None
+        return _make_quantized(linear, chosen[name], search, weights)
 
+    if importance == "auto":
+        importance = _random_token_importance(model) if scheme.method == "int4" else None
+    elif isinstance(importance, str):
+        raise ValueError(f"importance must be a dict, 'auto' or None, not {importance!r}")
     patterns = [re.compile(p) for p in skip]
     with torch.no_grad():
         _swap_linears(model, make, lambda name: not any(p.search(name) for p in patterns))
     model.quant_scheme = scheme
     model.quantized_modules = {n: str(s) for n, s in chosen.items() if s.method != "none"}
     return model
+
+
+CALIBRATION_TOKENS = 512
+
+
+def _random_token_importance(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """``activation_importance`` over seeded random token ids, for engine ``Transformer``s only."""
+    embed = getattr(model, "embed_tokens", None)
+    if not isinstance(embed, nn.Embedding) or not hasattr(model, "allocate_kv_cache"):
+        return None
+    if embed.weight.device.type == "meta":
+        return None
+    ids = torch.randint(
+        0, embed.num_embeddings, (CALIBRATION_TOKENS,), generator=torch.Generator().manual_seed(0)
+    )
+    return activation_importance(model, ids)
 
 
 @torch.no_grad()

@@ -291,10 +291,15 @@ def test_activation_importance_is_the_mean_squared_input() -> None:
         first = model.layers[0].input_layernorm(model.embed_tokens(ids))  # what qkv_proj of layer 0 sees
     torch.testing.assert_close(imp["layers.0.self_attn.qkv_proj"], first.square().mean(0))
     assert imp["lm_head"].shape == (model.config.hidden_size,)
-    # and quantize_model takes it: a different importance changes the int4 weights
-    plain = quantize_model(_tiny_model(), "int4-g32")
-    aware = quantize_model(_tiny_model(), "int4-g32", importance=imp)
-    assert not torch.equal(
-        plain.layers[0].self_attn.qkv_proj.scales_and_zeros,
-        aware.layers[0].self_attn.qkv_proj.scales_and_zeros,
-    )
+
+    # and quantize_model takes it: each importance (none, auto = random tokens, this prompt) gives other
+    # int4 weights, and auto is deterministic
+    def sz(importance: object) -> torch.Tensor:
+        model = quantize_model(_tiny_model(), "int4-g32", importance=importance)  # type: ignore[arg-type]
+        return model.layers[0].self_attn.qkv_proj.scales_and_zeros
+
+    flat, auto, aware = sz(None), sz("auto"), sz(imp)
+    assert not torch.equal(flat, auto) and not torch.equal(auto, aware) and not torch.equal(flat, aware)
+    assert torch.equal(auto, sz("auto"))
+    with pytest.raises(ValueError, match="importance"):
+        sz("awq")
