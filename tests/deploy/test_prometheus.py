@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -62,10 +61,14 @@ def test_rules_select_only_metrics_the_code_exports() -> None:
 
 def test_the_source_scan_sees_what_the_metrics_endpoints_really_expose() -> None:
     """The scan behind the previous test, checked against real registries of the gateway and engine."""
+    from engine.llm_engine import EngineStats
     from engine.metrics import EngineMetrics
+    from engine.speculative import SpecStats
     from gateway.metrics import Metrics
 
-    stats = SimpleNamespace(
+    # speculation on, so its series are exposed (and checked) too
+    spec = SpecStats("ngram", [4, 4], [3, 1], 4, 8, 4, 8, 10.0)
+    stats = EngineStats(
         num_running=1,
         num_waiting=0,
         kv_blocks_total=8,
@@ -73,8 +76,9 @@ def test_the_source_scan_sees_what_the_metrics_endpoints_really_expose() -> None
         prefix_cache_queries=10,
         prefix_cache_hits=5,
         num_preemptions=0,
+        speculative=spec,
     )
-    exposed = EngineMetrics(lambda: stats).render().decode() + Metrics().render().decode()  # type: ignore[arg-type]
+    exposed = EngineMetrics(lambda: stats).render().decode() + Metrics().render().decode()
     families = list(text_string_to_metric_families(exposed))
     assert len(families) > 10
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
