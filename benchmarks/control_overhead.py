@@ -261,7 +261,11 @@ def main() -> None:
     for (name, concurrency), rounds in measured.items():
         cpu = statistics.median(r.cpu_ms_per_request or 0 for r in rounds)
         services = statistics.median(services_ms[(name, concurrency)])
-        share = f"  plain/this {plain_cpu[concurrency] / cpu:.2f}" if name != "plain" and cpu else ""
+        share = (
+            f"  plain/this {plain_cpu[concurrency] / cpu:.2f}"
+            if name != "plain" and cpu and concurrency in plain_cpu
+            else ""
+        )
         print(f"  {name:<8} c={concurrency:<3} {cpu:7.3f} | {services:7.3f}{share}")
     print("\nper round (RPS; ratio to plain in the same round):")
     for (name, concurrency), rounds in measured.items():

@@ -37,6 +37,9 @@ RESERVATION_TTL_S = 600.0  # a reservation never settled (crashed replica, lost 
 # never more than the limit is admitted, and a lease can only keep another replica from the last
 # units for the rest of its second. Limits below LEASE_SHARE units never lease.
 LEASE_REQUESTS = 32
+# A lease used up before its bucket ends asks for twice as much next time, up to this many requests'
+# worth (and never beyond 1/LEASE_SHARE of the limit); one that ends more than half unused, half.
+MAX_LEASE_REQUESTS = 1024
 LEASE_SHARE = 100
 POOL_TTL_S = 1.0
 LEASE_MARGIN_S = 0.002  # stop using a lease this long before its bucket ends
@@ -44,6 +47,7 @@ PENDING_TTL_S = 900.0  # how long retries and fallbacks of one request still set
 # After its HTTP exchange ends, a request is forgotten this much later: attempts still in flight then
 # (a cancelled hedge) settle in time, and memory holds a minute of traffic, not PENDING_TTL_S of it.
 FINISHED_GRACE_S = 60.0
+MAX_PLANS = 10_000  # callers whose limit keys are remembered (forgotten all at once beyond this)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +78,22 @@ class _Pending:
 
 
 @dataclass(slots=True)
+class _Plan:
+    """One caller's limits and budgets for one month (see Admission._plan)."""
+
+    month: str
+    rates: list[tuple[Limit, bool]]  # (limit, counts tokens: its cost is each request's estimate)
+    tpm_keys: list[str]
+    budgets: list[tuple[Budget, str, str]]  # (budget, scope, owner)
+
+
+@dataclass(slots=True)
 class _Lease:
     units: int
     bucket: int
     window_s: float
     expires: float  # monotonic
+    granted: int = 0  # units leased in all (for sizing the next lease)
 
 
 @dataclass(slots=True)
@@ -86,6 +101,7 @@ class _Pool:
     reservation_id: str
     left: int
     expires: float  # monotonic
+    granted: int = 0
 
 
 class RateLimited(GatewayError):
@@ -121,6 +137,7 @@ class Admission:
         self._spend = spend
         self._seeded: set[str] = set()
         self._seed_locks: dict[str, asyncio.Lock] = {}
+        self._plans: dict[Quotas, _Plan] = {}
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._finished: deque[tuple[float, str]] = deque()  # (when, request id), oldest first
         self._settlements: list[Settlement] = []
@@ -133,8 +150,45 @@ class Admission:
         self._leases: dict[str, _Lease] = {}
         self._pools: dict[str, _Pool] = {}
         self._sweeper: asyncio.TimerHandle | None = None
-        self._asking: set[str] = set()  # keys whose lease (pool) request is in flight
+        # Keys whose lease (pool) request is in flight -> set when its answer is in.
+        self._asking: dict[str, asyncio.Event] = {}
+        # Per key: requests' worth to lease next time (LEASE_REQUESTS unless traffic needs more).
+        self._scale: dict[str, int] = {}
         self.local_admissions = 0  # admitted from leases, without a round trip
+
+    def _plan(self, quotas: Quotas, now: dt.datetime) -> _Plan:
+        """What `quotas` count, as keys: built once per caller and month, not per request."""
+        plan = self._plans.get(quotas)
+        month = month_of(now)
+        if plan is not None and plan.month == month:
+            return plan
+        rates: list[tuple[Limit, bool]] = []
+        tpm_keys: list[str] = []
+        for scope, owner, rpm, tpm in (
+            ("tenant", quotas.tenant_id, quotas.tenant_rpm, quotas.tenant_tpm),
+            ("key", quotas.key_id, quotas.key_rpm, quotas.key_tpm),
+        ):
+            if owner is None:
+                continue
+            if rpm is not None:
+                rates.append((Limit(f"rpm:{scope}:{owner}", rpm), False))
+            if tpm is not None:
+                rates.append((Limit(f"tpm:{scope}:{owner}", tpm), True))
+                tpm_keys.append(f"tpm:{scope}:{owner}")
+        budgets: list[tuple[Budget, str, str]] = []
+        for scope, owner, limit in (
+            ("tenant", quotas.tenant_id, quotas.tenant_budget_micro_usd),
+            ("key", quotas.key_id, quotas.key_budget_micro_usd),
+        ):
+            if owner is not None and limit is not None:
+                key = f"budget:{scope}:{owner}:{month}"
+                budgets.append((Budget(key, limit), scope, owner))
+                if scope == "tenant":
+                    self._tenant_budgets[key] = (owner, limit)
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        plan = self._plans[quotas] = _Plan(month, rates, tpm_keys, budgets)
+        return plan
 
     async def admit(
         self,
@@ -148,31 +202,15 @@ class Admission:
         """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it."""
         self._expire()
         estimate = prompt_tokens + max_output_tokens
-        limits: list[Limit] = []
-        tpm_keys: list[str] = []
-        for scope, owner, rpm, tpm in (
-            ("tenant", quotas.tenant_id, quotas.tenant_rpm, quotas.tenant_tpm),
-            ("key", quotas.key_id, quotas.key_rpm, quotas.key_tpm),
-        ):
-            if owner is None:
-                continue
-            if rpm is not None:
-                limits.append(Limit(f"rpm:{scope}:{owner}", rpm))
-            if tpm is not None:
-                limits.append(Limit(f"tpm:{scope}:{owner}", tpm, cost=estimate))
-                tpm_keys.append(f"tpm:{scope}:{owner}")
         now = dt.datetime.now(dt.UTC)
+        plan = self._plan(quotas, now)
+        limits = [replace(limit, cost=estimate) if tpm else limit for limit, tpm in plan.rates]
+        tpm_keys = plan.tpm_keys
         budgets: list[Budget] = []
-        for scope, owner, limit in (
-            ("tenant", quotas.tenant_id, quotas.tenant_budget_micro_usd),
-            ("key", quotas.key_id, quotas.key_budget_micro_usd),
-        ):
-            if owner is not None and limit is not None:
-                key = f"budget:{scope}:{owner}:{month_of(now)}"
-                await self._seed(key, scope, owner, now)
-                budgets.append(Budget(key, limit))
-                if scope == "tenant":
-                    self._tenant_budgets[key] = (owner, limit)
+        for budget, scope, owner in plan.budgets:
+            if budget.key not in self._seeded and self._spend is not None:
+                await self._seed(budget.key, scope, owner, now)
+            budgets.append(budget)
         amount = 0
         if budgets:
             usage = Usage(input_tokens=prompt_tokens, output_tokens=max_output_tokens)
@@ -184,6 +222,17 @@ class Admission:
         asked: list[str] = []
         if self.leasing:
             drawn = self._take_local(limits, budgets, amount)
+            if drawn is None and self._asking:
+                # A lease (pool) for one of these keys is being asked for: wait for its answer (one
+                # round trip, as long as asking ourselves) and admit from it, instead of every
+                # concurrent request going to the shared state on its own meanwhile. Once only.
+                answers = {self._asking.get(limit.key) for limit in limits}
+                answers.update(self._asking.get(b.key) for b in budgets)
+                answers.discard(None)
+                for answer in answers:
+                    await answer.wait()  # type: ignore[union-attr]
+                if answers:
+                    drawn = self._take_local(limits, budgets, amount)
             if drawn is not None:
                 self.local_admissions += 1
                 if budgets or tpm_keys:
@@ -195,17 +244,19 @@ class Admission:
             # miss it go to the shared state without asking for more, which bounds what a replica
             # can hold unused to one lease per key.
             now_s = time.monotonic()
-            keys = [limit.key for limit in limits] + [b.key for b in budgets]
-            asked = [key for key in keys if self._wants(key, now_s)]
-            self._asking.update(asked)
+            asked = [limit.key for limit in limits if self._wants(limit.key, limit.cost, now_s)]
+            asked += [b.key for b in budgets if self._wants(b.key, amount, now_s)]
+            answer = asyncio.Event()
+            for key in asked:
+                self._asking[key] = answer
             limits = [
-                replace(limit, lease=self._lease_size(limit.limit, limit.cost))
+                replace(limit, lease=self._lease_size(limit.key, limit.limit, limit.cost))
                 if limit.key in asked
                 else limit
                 for limit in limits
             ]
             budgets = [
-                replace(b, pool_micro_usd=self._lease_size(b.limit_micro_usd, amount))
+                replace(b, pool_micro_usd=self._lease_size(b.key, b.limit_micro_usd, amount))
                 if b.key in asked
                 else b
                 for b in budgets
@@ -216,7 +267,10 @@ class Admission:
         try:
             decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
         finally:
-            self._asking.difference_update(asked)
+            for key in asked:
+                del self._asking[key]
+            if asked:
+                answer.set()
         if not decision.allowed:
             blocked = decision.blocked_by or ""
             scope = "key" if ":key:" in blocked else "tenant"
@@ -241,20 +295,34 @@ class Admission:
                 reservation_id, [b.key for b in budgets], tpm_keys, estimate, releases=releases
             )
 
-    def _wants(self, key: str, now: float) -> bool:
+    def _wants(self, key: str, cost: int, now: float) -> bool:
         if key in self._asking:
             return False
         lease, pool = self._leases.get(key), self._pools.get(key)
-        if lease is not None:
-            return lease.expires <= now or lease.units <= 0
-        if pool is not None:
-            return pool.expires <= now or pool.left <= 0
-        return True
+        held = lease.units if lease is not None else pool.left if pool is not None else None
+        if held is None:
+            return True
+        expires = lease.expires if lease is not None else pool.expires  # type: ignore[union-attr]
+        if expires <= now:
+            return True
+        if held < cost:
+            # Used up before its time: this key's traffic needs bigger leases (up to the cap).
+            self._scale[key] = min(MAX_LEASE_REQUESTS, self._scale.get(key, LEASE_REQUESTS) * 2)
+            return True
+        return False
 
-    @staticmethod
-    def _lease_size(limit: int, cost: int) -> int:
-        size = min(LEASE_REQUESTS * cost, limit // LEASE_SHARE)
+    def _lease_size(self, key: str, limit: int, cost: int) -> int:
+        size = min(self._scale.get(key, LEASE_REQUESTS) * cost, limit // LEASE_SHARE)
         return size if size >= cost else 0
+
+    def _shrink(self, key: str, unused: int, granted: int) -> None:
+        """A lease (pool) ended with more than half of it unused: ask for half as much next time."""
+        if unused * 2 > granted:
+            scale = self._scale.get(key, LEASE_REQUESTS) // 2
+            if scale <= LEASE_REQUESTS:
+                self._scale.pop(key, None)
+            else:
+                self._scale[key] = scale
 
     def _take_local(
         self, limits: list[Limit], budgets: list[Budget], amount: int
@@ -291,17 +359,24 @@ class Admission:
             held = self._leases.get(limit.key)
             if held is not None and held.bucket == lease.bucket:
                 held.units += lease.units
+                held.granted += lease.units
                 continue
             if held is not None:
+                self._shrink(limit.key, held.units, held.granted)
                 self._hand_back_lease(limit.key, held)
-            self._leases[limit.key] = _Lease(lease.units, lease.bucket, limit.window_s, expires)
+            self._leases[limit.key] = _Lease(
+                lease.units, lease.bucket, limit.window_s, expires, granted=lease.units
+            )
         for budget, pool in zip(budgets, decision.pools, strict=True):
             if not pool:
                 continue
             old = self._pools.get(budget.key)
             if old is not None:
+                self._shrink(budget.key, old.left, old.granted)
                 self._release_pool(budget.key, old)
-            self._pools[budget.key] = _Pool(decision.reservation_id or "", pool, sent + POOL_TTL_S)
+            self._pools[budget.key] = _Pool(
+                decision.reservation_id or "", pool, sent + POOL_TTL_S, granted=pool
+            )
         self._schedule_sweep()
 
     def _hand_back_lease(self, key: str, lease: _Lease) -> None:
@@ -325,10 +400,12 @@ class Admission:
         now = time.monotonic()
         for key, lease in list(self._leases.items()):
             if lease.expires <= now:
+                self._shrink(key, lease.units, lease.granted)
                 self._hand_back_lease(key, lease)
                 del self._leases[key]
         for key, pool in list(self._pools.items()):
             if pool.expires <= now:
+                self._shrink(key, pool.left, pool.granted)
                 self._release_pool(key, pool)
                 del self._pools[key]
         if self._leases or self._pools:

@@ -68,16 +68,65 @@ def resolve(prices: dict[TokenClass, int]) -> dict[TokenClass, int]:
     return full
 
 
+@dataclass(frozen=True, slots=True)
+class _Sheet:
+    """A price sheet resolved once: the applied prices and one integer per token class."""
+
+    prices: dict[str, int]  # shared by every Cost priced from this sheet: do not modify
+    input: int
+    cached_input: int
+    cache_write_5m: int
+    cache_write_1h: int
+    output: int
+    saved_per_token: int
+
+    @classmethod
+    def of(cls, prices: dict[TokenClass, int]) -> _Sheet:
+        full = resolve(prices)
+        return cls(
+            prices={str(c): p for c, p in full.items()},
+            input=full.get(TokenClass.INPUT, 0),
+            cached_input=full.get(TokenClass.CACHED_INPUT, 0),
+            cache_write_5m=full.get(TokenClass.CACHE_WRITE_5M, 0),
+            cache_write_1h=full.get(TokenClass.CACHE_WRITE_1H, 0),
+            output=full.get(TokenClass.OUTPUT, 0),
+            saved_per_token=full.get(TokenClass.INPUT, 0) - full.get(TokenClass.CACHED_INPUT, 0),
+        )
+
+    def price(self, usage: Usage) -> Cost:
+        return Cost(
+            prices=self.prices,
+            cost_pico_usd=usage.input_tokens * self.input
+            + usage.cached_input_tokens * self.cached_input
+            + usage.cache_write_5m_tokens * self.cache_write_5m
+            + usage.cache_write_1h_tokens * self.cache_write_1h
+            + usage.output_tokens * self.output,
+            savings_pico_usd=usage.cached_input_tokens * self.saved_per_token,
+        )
+
+
+# Every attempt is priced (twice with a catalog: from the config, then from the catalog), almost
+# always from one of a few long-lived price dicts: resolve each once. The entry keeps the dict itself
+# and a copy, so a dict modified since, or a new one at a recycled id, is resolved afresh.
+_sheets: dict[int, tuple[dict[TokenClass, int], dict[TokenClass, int], _Sheet]] = {}
+_MAX_SHEETS = 256
+
+
+def sheet_of(prices: dict[TokenClass, int]) -> _Sheet:
+    entry = _sheets.get(id(prices))
+    if entry is not None and entry[0] is prices and entry[1] == prices:
+        return entry[2]
+    sheet = _Sheet.of(prices)
+    if len(_sheets) >= _MAX_SHEETS:
+        _sheets.clear()
+    _sheets[id(prices)] = (prices, dict(prices), sheet)
+    return sheet
+
+
 def price_usage(usage: Usage, prices: dict[TokenClass, int]) -> Cost:
-    """Exact cost of one attempt's usage. Unpriced classes (a model missing from the catalog) cost 0."""
-    full = resolve(prices)
-    cost = sum(getattr(usage, USAGE_FIELD[c]) * full.get(c, 0) for c in TokenClass)
-    saved_per_token = full.get(TokenClass.INPUT, 0) - full.get(TokenClass.CACHED_INPUT, 0)
-    return Cost(
-        prices={str(c): p for c, p in full.items()},
-        cost_pico_usd=cost,
-        savings_pico_usd=usage.cached_input_tokens * saved_per_token,
-    )
+    """Exact cost of one attempt's usage. Unpriced classes (a model missing from the catalog) cost 0.
+    `Cost.prices` is shared by every cost priced from the same sheet: do not modify it."""
+    return sheet_of(prices).price(usage)
 
 
 class PriceCatalog:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
+import os
 import time
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from gateway.state.base import (
     BUCKETS,
@@ -21,16 +21,78 @@ from gateway.state.base import (
 )
 
 
-@dataclass
+class _Window:
+    """One limit's buckets (index -> count) with their running total: admission is O(1) instead of
+    summing every live bucket, and buckets that left the window are removed as time passes."""
+
+    __slots__ = ("buckets", "lo", "total")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, int] = {}
+        self.total = 0
+        self.lo = 0  # no bucket older than this index is left
+
+    def advance(self, current: int) -> None:
+        first_live = current - BUCKETS + 1
+        if first_live <= self.lo:
+            return
+        buckets = self.buckets
+        if first_live - self.lo > len(buckets):  # a long pause: fewer buckets than indexes skipped
+            gone = [i for i in buckets if i < first_live]
+        else:
+            gone = [i for i in range(self.lo, first_live) if i in buckets]
+        for index in gone:
+            self.total -= buckets.pop(index)
+        self.lo = first_live
+
+    def add(self, index: int, units: int) -> None:
+        self.buckets[index] = self.buckets.get(index, 0) + units
+        self.total += units
+
+
 class _Budget:
-    spent: int = 0
-    spent_known: bool = False  # seeded from the ledger or settled at least once
-    reservations: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (amount, expires)
+    """Spent money plus reservations, with their running total; expired reservations leave in order
+    of expiry (a heap, pruned lazily of reservations settled meanwhile)."""
+
+    __slots__ = ("_expiries", "reservations", "spent", "spent_known", "total_reserved")
+
+    def __init__(self) -> None:
+        self.spent = 0
+        self.spent_known = False  # seeded from the ledger or settled at least once
+        self.reservations: dict[str, tuple[int, float]] = {}  # id -> (amount, expires)
+        self.total_reserved = 0
+        self._expiries: list[tuple[float, str]] = []
+
+    def reserve(self, rid: str, amount: int, expires: float) -> None:
+        self.reservations[rid] = (amount, expires)
+        self.total_reserved += amount
+        heapq.heappush(self._expiries, (expires, rid))
+        if len(self._expiries) > 2 * len(self.reservations) + 1024:
+            # Mostly settled ones: rebuild from what is still held.
+            self._expiries = [(exp, r) for r, (_, exp) in self.reservations.items()]
+            heapq.heapify(self._expiries)
+
+    def release(self, rid: str, amount: int) -> None:
+        """Release `amount` of a reservation (all of it when 0 or at least what it holds)."""
+        held = self.reservations.get(rid)
+        if held is None:
+            return
+        if 0 < amount < held[0]:
+            self.reservations[rid] = (held[0] - amount, held[1])
+            self.total_reserved -= amount
+        else:
+            del self.reservations[rid]
+            self.total_reserved -= held[0]
 
     def reserved(self, now: float) -> int:
-        for rid in [rid for rid, (_, exp) in self.reservations.items() if exp <= now]:
-            del self.reservations[rid]
-        return sum(amount for amount, _ in self.reservations.values())
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            expires, rid = heapq.heappop(expiries)
+            held = self.reservations.get(rid)
+            if held is not None and held[1] == expires:
+                del self.reservations[rid]
+                self.total_reserved -= held[0]
+        return self.total_reserved
 
 
 class MemoryState(Shortcuts):
@@ -47,13 +109,14 @@ class MemoryState(Shortcuts):
     def _now() -> float:
         return time.time()
 
-    def _window(self, limit_key: str, window_s: float, now: float) -> tuple[dict[int, int], float, int]:
+    def _window(self, limit_key: str, window_s: float, now: float) -> tuple[_Window, float, int]:
         bucket_s = window_s / BUCKETS
         current = int(now // bucket_s)
-        buckets = self._windows.setdefault(limit_key, {})
-        for index in [i for i in buckets if i <= current - BUCKETS]:
-            del buckets[index]
-        return buckets, bucket_s, current
+        window = self._windows.get(limit_key)
+        if window is None:
+            window = self._windows[limit_key] = _Window()
+        window.advance(current)
+        return window, bucket_s, current
 
     async def admit(
         self,
@@ -64,25 +127,28 @@ class MemoryState(Shortcuts):
     ) -> Admission:
         async with self._lock:
             now = self._now()
+            windows = []
             for limit in limits:
-                buckets, bucket_s, _ = self._window(limit.key, limit.window_s, now)
-                total = sum(buckets.values())
-                if total + limit.cost > limit.limit:
+                window, bucket_s, current = self._window(limit.key, limit.window_s, now)
+                if window.total + limit.cost > limit.limit:
                     if limit.cost > limit.limit:
                         return Admission(False, limit.window_s, limit.key)
-                    need = total + limit.cost - limit.limit
-                    wait = retry_after(sorted(buckets.items()), need, bucket_s, now, limit.window_s)
+                    need = window.total + limit.cost - limit.limit
+                    buckets = sorted(window.buckets.items())
+                    wait = retry_after(buckets, need, bucket_s, now, limit.window_s)
                     return Admission(False, wait, limit.key)
+                windows.append((window, current, limit.cost))
             for budget in budgets:
-                state = self._budgets.setdefault(budget.key, _Budget())
+                state = self._budgets.get(budget.key)
+                if state is None:
+                    state = self._budgets[budget.key] = _Budget()
                 if state.spent + state.reserved(now) + amount_micro_usd > budget.limit_micro_usd:
                     return Admission(False, blocked_by=budget.key)
-            for limit in limits:
-                buckets, _, current = self._window(limit.key, limit.window_s, now)
-                buckets[current] = buckets.get(current, 0) + limit.cost
-            reservation_id = uuid.uuid4().hex if budgets else None
+            for window, current, cost in windows:
+                window.add(current, cost)
+            reservation_id = os.urandom(16).hex() if budgets else None  # as unique as uuid4, cheaper
             for budget in budgets:
-                self._budgets[budget.key].reservations[reservation_id] = (amount_micro_usd, now + ttl_s)
+                self._budgets[budget.key].reserve(reservation_id, amount_micro_usd, now + ttl_s)  # type: ignore[arg-type]
             return Admission(True, reservation_id=reservation_id)
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
@@ -92,22 +158,19 @@ class MemoryState(Shortcuts):
             for settlement in settlements:
                 for adjustment in settlement.adjustments:
                     if adjustment.delta:
-                        buckets, _, current = self._window(adjustment.key, adjustment.window_s, now)
+                        window, _, current = self._window(adjustment.key, adjustment.window_s, now)
                         # This state never grants leases; one handed back here came from Redis
                         # before it became unreachable and has nothing to return to.
                         if adjustment.bucket is None:
-                            buckets[current] = buckets.get(current, 0) + adjustment.delta
+                            window.add(current, adjustment.delta)
                 for i, key in enumerate(settlement.budget_keys):
-                    state = self._budgets.setdefault(key, _Budget())
+                    state = self._budgets.get(key)
+                    if state is None:
+                        state = self._budgets[key] = _Budget()
                     rid, release = (
                         settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
                     )
-                    held = state.reservations.get(rid)
-                    if held is not None:
-                        if 0 < release < held[0]:
-                            state.reservations[rid] = (held[0] - release, held[1])
-                        else:
-                            del state.reservations[rid]
+                    state.release(rid, release)
                     state.spent += settlement.actual_micro_usd
                     state.spent_known = True
                     touched.add(key)
