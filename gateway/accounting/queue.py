@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 
 from gateway.accounting.events import UsageEvent, decode, encode
+from gateway.state.redis import client_from_url
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ class RedisStreamQueue:
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "weir:", spool: SpoolQueue | None = None) -> RedisStreamQueue:
-        return cls(aioredis.from_url(url), prefix=prefix, spool=spool)
+        return cls(client_from_url(url), prefix=prefix, spool=spool)
 
     def put(self, event: UsageEvent) -> None:
         # XADD happens in a background pump, batched, so the request path only appends to a list
