@@ -77,15 +77,30 @@ def subject_folds(groups: list[str], folds: int) -> np.ndarray:
     return np.array([fold_of[g] for g in groups])
 
 
-def cross_fit(data: Outcomes, enc: Encoded, fold: np.ndarray, cfg: TrainConfig) -> np.ndarray:
+def question_stem(prompt: str) -> str:
+    """An MMLU prompt without its answer options and the trailing "Answer:": the question as a chat
+    user would ask it. Scoring these with heads trained on the full prompts (same outcome labels) checks
+    how much of the score leans on MMLU's multiple-choice format rather than on the question."""
+    head, sep, _ = prompt.rpartition("\nA. ")
+    stem = head if sep else prompt
+    return stem.removesuffix("Answer:").rstrip()
+
+
+def cross_fit(
+    data: Outcomes, enc: Encoded, fold: np.ndarray, cfg: TrainConfig, stems: Encoded | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Cross-fitted p_strong of every prompt and, with `stems`, of its question stem (same heads)."""
     score = np.zeros(len(data))
+    stem_score = np.zeros(len(data)) if stems is not None else None
     for k in np.unique(fold):
         train = np.nonzero(fold != k)[0]
         test = np.nonzero(fold == k)[0]
         head = fit_head(data.subset(train), enc.subset(train), cfg)
         score[test] = head.p_strong(enc.subset(test))
+        if stems is not None and stem_score is not None:
+            stem_score[test] = head.p_strong(stems.subset(test))
         print(f"  fold {k}: trained on {len(train)}, scored {len(test)}", flush=True)
-    return score
+    return score, stem_score
 
 
 def subject_prior(data: Outcomes, fold: np.ndarray) -> np.ndarray:
@@ -113,43 +128,237 @@ def print_table(title: str, results: dict[str, dict]) -> None:
         print(f"{name:<28}" + "".join(f"{c:>22}" for c in cells))
 
 
-# Prompts unlike MMLU: no answer options, chat style. "easy" ones any small model answers; "hard" ones
-# need multi-step reasoning or specialist knowledge. Not labelled by real model outcomes: a smoke test
-# of whether the score moves in the right direction off-distribution, not a measurement.
-EASY = [
-    "hi!",
-    "Thanks, that's all for today.",
-    "What is the capital of France?",
-    "Translate 'good morning' into Spanish.",
-    "Write a haiku about autumn leaves.",
-    "Give me three synonyms for happy.",
-    "What day comes after Monday?",
-    "Convert 5 kilometres to metres.",
-    "Suggest a name for my new puppy.",
-    "Summarise in one sentence: The cat sat on the mat all afternoon.",
-]
-HARD = [
-    "Prove that there is no rational number whose square is 2, then generalise to any non-square integer.",
-    "A function f: R -> R satisfies f(x + y) = f(x) f(y) and is continuous. Find all such f and justify.",
-    "Derive the time complexity of Dijkstra's algorithm with a Fibonacci heap and explain the amortisation.",
-    "Under the Uniform Commercial Code, when does a merchant's firm offer remain irrevocable without consideration?",
-    "Explain why the Lagrangian of the electromagnetic field is gauge invariant and what Noether current follows.",
-    "Evaluate whether the doctrine of double effect permits a doctor to give pain relief that hastens death.",
-    "Compute the determinant of a 4x4 matrix whose (i, j) entry is 1/(i + j - 1), step by step.",
-    "In econometrics, why is OLS inconsistent with a lagged dependent variable and autocorrelated errors?",
-    "Which enzyme deficiency causes Lesch-Nyhan syndrome, and how does it lead to hyperuricemia?",
-    "Write a lock-free single-producer single-consumer ring buffer in C11 and argue its memory ordering.",
-]
+# Prompts unlike MMLU: no answer options, chat style, in four kinds of request. "easy" ones any small
+# model answers; "hard" ones need multi-step reasoning or specialist knowledge. Not labelled by real
+# model outcomes: a check of whether the score moves in the right direction off-distribution, and
+# whether it does so for more than prompt length (the length baseline's AUC is printed beside it).
+# The first ten of each list are the original probe (kept so figures stay comparable).
+PROBE: dict[str, list[tuple[str, str]]] = {
+    "easy": [
+        ("chat", "hi!"),
+        ("chat", "Thanks, that's all for today."),
+        ("facts", "What is the capital of France?"),
+        ("writing", "Translate 'good morning' into Spanish."),
+        ("writing", "Write a haiku about autumn leaves."),
+        ("writing", "Give me three synonyms for happy."),
+        ("facts", "What day comes after Monday?"),
+        ("math", "Convert 5 kilometres to metres."),
+        ("chat", "Suggest a name for my new puppy."),
+        ("writing", "Summarise in one sentence: The cat sat on the mat all afternoon."),
+        ("code", "Write a Python function that returns the sum of a list of numbers."),
+        ("code", "How do I print 'hello world' in JavaScript?"),
+        ("code", "What does the SQL keyword SELECT do?"),
+        ("code", "Reverse a string in Python."),
+        ("code", "What is the difference between a list and a tuple in Python, in one line?"),
+        ("math", "What is 12 times 11?"),
+        ("math", "If I buy 3 apples at 50 cents each, how much do I pay?"),
+        ("math", "Is 17 an odd number?"),
+        ("math", "Round 3.14159 to two decimal places."),
+        ("facts", "How many days are there in a week?"),
+        ("facts", "Who wrote Romeo and Juliet?"),
+        ("facts", "What colour is the sky on a clear day?"),
+        ("chat", "Tell me a short joke about cats."),
+        ("chat", "Can you recommend a good book for a long flight?"),
+        ("writing", "Write a two-line birthday message for my sister."),
+        ("writing", "Fix the spelling: 'I recieved the pakage yesturday.'"),
+        # Long but easy: the score should not simply follow length.
+        (
+            "writing",
+            "My neighbour watered my plants and fed my cat for the whole two weeks I was away on holiday, "
+            "and I would like to leave a short thank-you note on her door tomorrow morning. Could you "
+            "write three friendly sentences I can use?",
+        ),
+        (
+            "chat",
+            "I'm having a few friends over on Saturday evening, nothing fancy, maybe six people. Can you "
+            "suggest a simple menu with a main course, a side and a dessert that I can mostly prepare in "
+            "the afternoon?",
+        ),
+        (
+            "facts",
+            "My daughter asked me tonight why leaves change colour in the autumn and I did not know what "
+            "to tell her. Can you explain it in a couple of simple sentences that a seven-year-old would "
+            "understand?",
+        ),
+        (
+            "code",
+            "I have a Python list called names with about twenty strings in it, for example Alice, Bob "
+            "and Carol, and I just want to print each one on its own line in alphabetical order. What is "
+            "the simplest way to do that?",
+        ),
+        (
+            "math",
+            "We are splitting the bill for dinner: the total came to 84 dollars and there were four of us, "
+            "and we want to add a tip of about 10 percent on top. How much should each person pay?",
+        ),
+        (
+            "writing",
+            "Please rewrite this sentence so it sounds a little more formal for an email to my manager: "
+            "'Hey, I can't come in tomorrow because my kid is sick, I'll check emails from home though.'",
+        ),
+        (
+            "chat",
+            "I have been feeling a bit unmotivated to go running in the mornings now that it is dark and "
+            "cold outside. Can you give me a few simple tips to make it easier to get out of the door?",
+        ),
+        (
+            "facts",
+            "I always forget this when I travel: which side of the road do people drive on in the United "
+            "Kingdom, and is it the same in Ireland? Just a quick answer is fine, thank you very much.",
+        ),
+    ],
+    "hard": [
+        (
+            "math",
+            "Prove that there is no rational number whose square is 2, then generalise to any non-square integer.",
+        ),
+        (
+            "math",
+            "A function f: R -> R satisfies f(x + y) = f(x) f(y) and is continuous. Find all such f and justify.",
+        ),
+        (
+            "code",
+            "Derive the time complexity of Dijkstra's algorithm with a Fibonacci heap and explain the amortisation.",
+        ),
+        (
+            "facts",
+            "Under the Uniform Commercial Code, when does a merchant's firm offer remain irrevocable without consideration?",
+        ),
+        (
+            "facts",
+            "Explain why the Lagrangian of the electromagnetic field is gauge invariant and what Noether current follows.",
+        ),
+        (
+            "writing",
+            "Evaluate whether the doctrine of double effect permits a doctor to give pain relief that hastens death.",
+        ),
+        (
+            "math",
+            "Compute the determinant of a 4x4 matrix whose (i, j) entry is 1/(i + j - 1), step by step.",
+        ),
+        (
+            "facts",
+            "In econometrics, why is OLS inconsistent with a lagged dependent variable and autocorrelated errors?",
+        ),
+        (
+            "facts",
+            "Which enzyme deficiency causes Lesch-Nyhan syndrome, and how does it lead to hyperuricemia?",
+        ),
+        (
+            "code",
+            "Write a lock-free single-producer single-consumer ring buffer in C11 and argue its memory ordering.",
+        ),
+        (
+            "code",
+            "Implement a persistent red-black tree in Haskell with insertion and deletion, and prove the balance invariant is kept.",
+        ),
+        (
+            "code",
+            "My Rust async service deadlocks under load when a tokio Mutex guard is held across an await; explain the cause and restructure it.",
+        ),
+        (
+            "code",
+            "Write a CUDA kernel for a fused softmax over rows of 8,192 floats and explain how you avoid bank conflicts.",
+        ),
+        (
+            "code",
+            "Design a consistent-hashing scheme with bounded loads and show the expected maximum load per server.",
+        ),
+        (
+            "math",
+            "How many ways can 10 identical balls be placed into 4 distinct boxes so that no box holds more than 4?",
+        ),
+        (
+            "math",
+            "Find the probability that a random chord of a circle is longer than the side of the inscribed equilateral triangle, and explain Bertrand's paradox.",
+        ),
+        (
+            "math",
+            "Three people pick numbers from 1 to 100; the closest to two thirds of the mean wins. What should a rational player pick, and why?",
+        ),
+        (
+            "facts",
+            "Compare the mechanisms of resistance to carbapenems in Klebsiella pneumoniae and Pseudomonas aeruginosa.",
+        ),
+        (
+            "facts",
+            "What did the Treaty of Westphalia change about sovereignty, and how do historians dispute its importance?",
+        ),
+        (
+            "facts",
+            "Explain how the Basel III liquidity coverage ratio is computed and which assets count as Level 2B.",
+        ),
+        (
+            "writing",
+            "Write a sonnet in strict iambic pentameter whose first letters spell ENTROPY, about the heat death of the universe.",
+        ),
+        (
+            "writing",
+            "Draft a contract clause limiting liability for consequential damages that is enforceable under both English and New York law.",
+        ),
+        (
+            "writing",
+            "Summarise the argument of Kant's transcendental deduction and the main objection Strawson raised to it.",
+        ),
+        (
+            "chat",
+            "I have chest pain radiating to my left arm, I take warfarin and I just fell. What should I consider before going to hospital?",
+        ),
+        (
+            "chat",
+            "My startup has 14 months of runway and churn of 6% a month; walk me through whether to raise now or cut burn.",
+        ),
+        (
+            "chat",
+            "Plan a 3-week rail trip through Central Asia with visa rules, border crossings and the seasons to avoid.",
+        ),
+        # Short but hard: the score should not simply follow length.
+        ("math", "Factor x^4 + 4 over the integers."),
+        ("math", "Is the sum of 1/p over all primes p finite?"),
+        ("math", "Evaluate the integral of e^(-x^2) over R."),
+        ("code", "Why is std::vector<bool> not a container?"),
+        ("code", "Prove the halting problem undecidable."),
+        ("facts", "Who proved the Poincare conjecture, and how?"),
+        ("facts", "What causes the Lamb shift?"),
+        ("writing", "Translate 'Dasein' from Heidegger, with justification."),
+        ("chat", "Should I exercise my ISOs before an IPO?"),
+        ("math", "Solve x^x = 2 exactly."),
+    ],
+}
+
+
+def auc(hard: np.ndarray, easy: np.ndarray) -> float:
+    """The chance that a random hard prompt outscores a random easy one (ties count half)."""
+    return float(np.mean([[(h > e) + 0.5 * (h == e) for e in easy] for h in hard]))
 
 
 def off_distribution_probe(clf: DifficultyClassifier) -> None:
-    easy, hard = np.array(clf.score_many(EASY)), np.array(clf.score_many(HARD))
-    # AUC: the chance that a random hard prompt outscores a random easy one.
-    auc = float(np.mean([[h > e for e in easy] for h in hard]))
-    print(f"\nnon-MMLU probe ({len(EASY)} easy chat prompts, {len(HARD)} hard ones), shipped head")
-    print(f"  mean p_strong easy={easy.mean():.3f} hard={hard.mean():.3f}  AUC(hard > easy)={auc:.2f}")
-    print(f"  easy: {' '.join(f'{v:.2f}' for v in easy)}")
-    print(f"  hard: {' '.join(f'{v:.2f}' for v in hard)}")
+    scores = {kind: np.array(clf.score_many([p for _, p in rows])) for kind, rows in PROBE.items()}
+    kinds = {kind: np.array([k for k, _ in rows]) for kind, rows in PROBE.items()}
+    lengths = {kind: np.array([len(p) for _, p in rows], float) for kind, rows in PROBE.items()}
+    easy, hard = scores["easy"], scores["hard"]
+    print(f"\nnon-MMLU probe ({len(easy)} easy prompts, {len(hard)} hard ones), shipped head")
+    print(
+        f"  mean p_strong easy={easy.mean():.3f} hard={hard.mean():.3f}  AUC(hard > easy)={auc(hard, easy):.2f}"
+        f"  (prompt length alone: AUC {auc(lengths['hard'], lengths['easy']):.2f});"
+        f" the original 10 + 10: AUC {auc(hard[:10], easy[:10]):.2f}"
+    )
+    for kind in sorted(set(kinds["easy"]) | set(kinds["hard"])):
+        e, h = easy[kinds["easy"] == kind], hard[kinds["hard"] == kind]
+        le, lh = lengths["easy"][kinds["easy"] == kind], lengths["hard"][kinds["hard"] == kind]
+        print(
+            f"  {kind:<8} easy {e.mean():.3f} (n={len(e)})  hard {h.mean():.3f} (n={len(h)})"
+            f"  AUC {auc(h, e):.2f}  length AUC {auc(lh, le):.2f}"
+        )
+    # Within a length band: whether the score separates easy from hard prompts of similar length.
+    both = np.concatenate([lengths["easy"], lengths["hard"]])
+    lo, hi = np.percentile(both, [33, 67])
+    e = easy[(lengths["easy"] >= lo) & (lengths["easy"] <= hi)]
+    h = hard[(lengths["hard"] >= lo) & (lengths["hard"] <= hi)]
+    if len(e) and len(h):
+        print(
+            f"  prompts of {lo:.0f}-{hi:.0f} characters only: {len(e)} easy, {len(h)} hard, AUC {auc(h, e):.2f}"
+        )
 
 
 def calibration(score: np.ndarray, needs_strong: np.ndarray, bins: int = 5) -> None:
@@ -207,6 +416,7 @@ def main() -> None:
     ap.add_argument("--latency-samples", type=int, default=5000)
     ap.add_argument("--skip-subject-folds", action="store_true")
     ap.add_argument("--probe-only", action="store_true", help="only the non-MMLU probe and latency")
+    ap.add_argument("--save-scores", type=Path, help="write the cross-fitted scores here (.npz)")
     args = ap.parse_args()
 
     data = load_mmlu(args.data)
@@ -219,8 +429,10 @@ def main() -> None:
         f"{len(data)} prompts after dropping contaminated ones; weak accuracy {w.mean():.4f}, strong {s.mean():.4f}"
     )
     t0 = time.perf_counter()
-    enc = encode(StaticEmbedder.from_minilm(), data.prompts)
-    print(f"embedded in {time.perf_counter() - t0:.1f} s")
+    embedder = StaticEmbedder.from_minilm()
+    enc = encode(embedder, data.prompts)
+    stems = encode(embedder, [question_stem(p) for p in data.prompts])
+    print(f"embedded (prompts and their question stems) in {time.perf_counter() - t0:.1f} s")
     cfg = TrainConfig(epochs=args.epochs)
     rng = np.random.default_rng(0)
     lengths = np.array([len(p) for p in data.prompts], dtype=float)
@@ -229,13 +441,16 @@ def main() -> None:
     splits = {"folds by prompt hash": hash_fold}
     if not args.skip_subject_folds:
         splits["leave-subjects-out folds"] = subject_folds(data.groups, args.folds)
+    saved: dict[str, np.ndarray] = {}
     for split, fold in splits.items():
         t0 = time.perf_counter()
         print(f"\n{split}: training {args.folds} heads", flush=True)
-        ours = cross_fit(data, enc, fold, cfg)
+        ours, ours_stems = cross_fit(data, enc, fold, cfg, stems)
         fit_s = time.perf_counter() - t0
+        saved |= {f"{split}: ours": ours, f"{split}: ours, stems": ours_stems, f"{split}: fold": fold}
         routers = {
             "weir difficulty (ours)": ours,
+            "ours, options removed": ours_stems,
             "always weak": np.zeros(len(data)),
             "always strong": np.zeros(len(data)),
             "random": rng.random(len(data)),
@@ -257,6 +472,8 @@ def main() -> None:
         calibration(ours, ~data.weak & data.strong)
         base = results["random"]["APGR"][0]
         print(f"  APGR ratio ours / random = {results['weir difficulty (ours)']['APGR'][0] / base:.2f}")
+    if args.save_scores:
+        np.savez(args.save_scores, **saved)
 
     off_distribution_probe(DifficultyClassifier.default())
     latency(data.prompts, args.latency_samples)
