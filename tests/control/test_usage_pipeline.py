@@ -189,6 +189,16 @@ async def test_every_column_lands_as_sent(engine: AsyncEngine, tmp_path: Path) -
     batch[0] = msgspec.structs.replace(
         batch[0], ttft_ms=None, key_id=None, routing="policy=fixed", estimated=True
     )
+    # PostgreSQL gets a batch as JSON: integers past 2**53, floats that print long, text beyond ASCII
+    # and a time with another offset must still land exactly.
+    batch[1] = msgspec.structs.replace(
+        batch[1],
+        cost_pico_usd=2**62 + 1,
+        latency_ms=0.1 + 0.2,
+        ttft_ms=1e-7,
+        route='modèle "ü" \\ ✓',
+        ts=batch[1].ts.astimezone(dt.timezone(dt.timedelta(hours=-5, minutes=-30))),
+    )
     writer = BatchWriter(SpoolQueue(tmp_path / "unused"), engine)
     assert await writer.write(batch) == 30
     assert await writer.write(batch[:5]) == 0  # a redelivery is skipped
