@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument(
         "--trials", type=int, default=15, help="--row-cost: forwards per engine and row count"
     )
+    parser.add_argument("--rows", default="1,2,4,6,8", help="--row-cost: comma-separated new-token rows")
     args = parser.parse_args()
 
     import torch

@@ -42,6 +42,7 @@ __all__ = [
     "SpecStats",
     "SpeculativeConfig",
     "Speculator",
+    "StepCost",
     "parse_speculative",
     "rejection_sample",
     "self_draft_model",
@@ -97,19 +98,35 @@ class NgramProposer:
         self.min_n = min_n
 
     def propose(self, token_ids: Sequence[int], k: int) -> Proposal:
-        tokens = list(token_ids)
-        total = len(tokens)
-        if k <= 0:
+        if k <= 0 or len(token_ids) < 2:
             return Proposal([])
-        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            suffix = tokens[total - n :]
-            # latest earlier occurrence: recent context predicts best (and loops get continued)
-            for start in range(total - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    follow = tokens[start + n : start + n + k]
-                    if follow:
-                        return Proposal(follow)
-        return Proposal([])
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+        total = len(tokens)
+        last = tokens[-1]
+        longest = min(self.max_n, total - 1)
+        # One backward pass over the ends of candidate n-grams (each ends with the last token), found
+        # by C-level `index` on the reversed context, instead of one Python scan per n: this runs on
+        # every drafting step, so it must stay cheap on long contexts. Longest match wins; among equally
+        # long ones the latest (found first: recent context predicts best and loops get continued).
+        rev = tokens[::-1]  # rev[j] == tokens[total - 1 - j]
+        best_len, best_j = 0, -1
+        j = 0
+        while True:
+            try:
+                j = rev.index(last, j + 1)
+            except ValueError:
+                break
+            m = 1
+            while m < longest and j + m < total and rev[j + m] == rev[m]:
+                m += 1
+            if m > best_len:
+                best_len, best_j = m, j
+                if m == longest:
+                    break
+        if best_len < self.min_n:
+            return Proposal([])
+        end = total - 1 - best_j  # where the matched n-gram ends in `tokens`
+        return Proposal(list(tokens[end + 1 : end + 1 + k]))
 
 
 class ModelProposer:
@@ -286,28 +303,37 @@ def rejection_sample(
     return [*draft, bonus]
 
 
-# --- adaptive k -----------------------------------------------------------------------------------
+# --- adaptive k ---------------------------------------------------------------------------------
 @dataclass
 class AdaptiveK:
     """Chooses how many tokens to draft from the recent acceptance rate (an EMA per request).
 
     With per-token acceptance a, drafting k yields (1 - a^(k+1)) / (1 - a) tokens per step for a cost
-    of 1 + cost_per_token * k target-token equivalents (verifying extra tokens and drafting them);
-    pick the k that maximises tokens per unit cost. k = 0 (plain decoding) wins when acceptance is
-    poor; then every `probe_every` steps one token is drafted to notice when acceptance recovers."""
+    of 1 + fixed_cost + cost_per_token * k plain steps when k >= 1 (`fixed_cost`: what turning a decode
+    into a verification costs at all, e.g. a multi-row matmul and the chunked attention path;
+    `cost_per_token`: verifying and drafting one more token); pick the k that maximises tokens per
+    unit cost. k = 0 (plain decoding) wins when acceptance is poor; then one token is drafted every
+    `probe_every` steps to notice when acceptance recovers, and each probe that is rejected doubles
+    that interval (up to `max_probe_every`): probes cost a verification step each, and a request whose
+    drafts keep failing would otherwise pay for one every `probe_every` steps for nothing."""
 
     k_max: int
     cost_per_token: float = 0.1
+    fixed_cost: float = 0.0
     ema: float = 0.3  # weight of the newest observation
-    initial_rate: float = 0.7
+    initial_rate: float = 0.7  # the engine passes its recent acceptance instead (`Speculator`)
     probe_every: int = 8
+    max_probe_every: int = 64
     rate: float = field(init=False)
+    probe_interval: int = field(init=False)
     _idle: int = field(init=False, default=0)
+    _probing: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
             raise ValueError("k_max must be at least 1")
         self.rate = self.initial_rate
+        self.probe_interval = self.probe_every
 
     @staticmethod
     def expected_tokens(rate: float, k: int) -> float:
@@ -315,19 +341,22 @@ class AdaptiveK:
             return float(k + 1)
         return (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
+    def step_cost(self, k: int) -> float:
+        """A step drafting k tokens, in plain decode steps."""
+        return 1.0 + self.fixed_cost + self.cost_per_token * k if k else 1.0
+
     def best_k(self) -> int:
-        scores = [
-            self.expected_tokens(self.rate, k) / (1.0 + self.cost_per_token * k)
-            for k in range(self.k_max + 1)
-        ]
+        scores = [self.expected_tokens(self.rate, k) / self.step_cost(k) for k in range(self.k_max + 1)]
         return max(range(self.k_max + 1), key=lambda k: (scores[k], -k))
 
     def next_k(self) -> int:
         k = self.best_k()
+        self._probing = False
         if k == 0:
             self._idle += 1
-            if self._idle >= self.probe_every:
+            if self._idle >= self.probe_interval:
                 self._idle = 0
+                self._probing = True
                 return 1
         else:
             self._idle = 0
@@ -336,9 +365,83 @@ class AdaptiveK:
     def update(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed <= 0:
             return
+        if self._probing:
+            # a rejected probe backs the probing off; an accepted one restores the base interval
+            self.probe_interval = (
+                min(2 * self.probe_interval, self.max_probe_every) if num_accepted == 0 else self.probe_every
+            )
+            self._probing = False
         observed = num_accepted / num_proposed
         self.rate = (1.0 - self.ema) * self.rate + self.ema * observed
         self.rate = min(max(self.rate, 0.0), 1.0)
+
+
+@dataclass
+class StepCost:
+    """What verification costs on this engine, learned from timed pure decode steps.
+
+    A decode step's seconds, relative to a plain step of the same batch size, are modelled as
+    1 + fixed * (requests verifying drafts) + per_token * (drafted tokens), fitted by least squares
+    with exponential forgetting (`decay` per observation) and a weak pull (`prior_weight`) towards the
+    prior. A per-token cost alone misses the fixed part: on a CPU in fp32 the first extra row switches
+    the matmuls from GEMV to GEMM and the request from the decode attention kernel to the chunked one,
+    so one draft costs about as much as four (measured: k = 1..3 all ~1.3-1.4x a plain step while the
+    per-token fit said 1.1-1.25x), and k = 1 looked cheap when it was not."""
+
+    prior_fixed: float = 0.0
+    prior_per_token: float = 0.1
+    prior_weight: float = 0.1
+    decay: float = 0.95
+    plain_ema: float = 0.2
+    plain_s: dict[int, float] = field(default_factory=dict)  # batch size -> EMA seconds of a plain step
+    fixed: float = field(init=False)
+    per_token: float = field(init=False)
+    _sxx: list[float] = field(init=False, default_factory=lambda: [0.0, 0.0, 0.0])  # xx11, xx12, xx22
+    _sxy: list[float] = field(init=False, default_factory=lambda: [0.0, 0.0])
+
+    def __post_init__(self) -> None:
+        self.fixed, self.per_token = self.prior_fixed, self.prior_per_token
+
+    def plain_seconds(self, batch_size: int) -> float | None:
+        """The plain step of this batch size, else of the nearest one measured."""
+        if not self.plain_s:
+            return None
+        if batch_size in self.plain_s:
+            return self.plain_s[batch_size]
+        return self.plain_s[min(self.plain_s, key=lambda b: (abs(b - batch_size), b))]
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        old = self.plain_s.get(batch_size)
+        self.plain_s[batch_size] = (
+            seconds if old is None else (1 - self.plain_ema) * old + self.plain_ema * seconds
+        )
+
+    def observe(self, batch_size: int, num_verifying: int, num_drafts: int, seconds: float) -> None:
+        """A step where `num_verifying` of `batch_size` decoding requests verified `num_drafts` drafts."""
+        base = self.plain_seconds(batch_size)
+        if base is None or base <= 0 or num_verifying <= 0:
+            return
+        y = seconds / base - 1.0
+        x1, x2 = float(num_verifying), float(num_drafts)
+        d = self.decay
+        sxx, sxy = self._sxx, self._sxy
+        sxx[0], sxx[1], sxx[2] = d * sxx[0] + x1 * x1, d * sxx[1] + x1 * x2, d * sxx[2] + x2 * x2
+        sxy[0], sxy[1] = d * sxy[0] + x1 * y, d * sxy[1] + x2 * y
+        self._fit()
+
+    def _fit(self) -> None:
+        lam = self.prior_weight
+        a, b, c = self._sxx[0] + lam, self._sxx[1], self._sxx[2] + lam
+        r1 = self._sxy[0] + lam * self.prior_fixed
+        r2 = self._sxy[1] + lam * self.prior_per_token
+        det = a * c - b * b  # > 0: the prior makes the system positive definite
+        fixed, per_token = (c * r1 - b * r2) / det, (a * r2 - b * r1) / det
+        # costs are never negative; with one pinned at 0 the other is refitted alone
+        if per_token < 0:
+            fixed, per_token = max(r1 / a, 0.0), 0.0
+        elif fixed < 0:
+            fixed, per_token = 0.0, max(r2 / c, 0.0)
+        self.fixed, self.per_token = fixed, per_token
 
 
 # --- metrics --------------------------------------------------------------------------------------
@@ -469,13 +572,21 @@ class Speculator:
         self.metrics = SpecMetrics()
         self._k: dict[str, AdaptiveK] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}  # the draft's q rows of a sampling request
-        # measured step cost: seconds of a step without drafts, and extra seconds per drafted token
-        # (verifying it, plus drafting it for a model proposer); adaptive k weighs acceptance against
-        # this (verifying k rows is cheap on a GPU, not on every CPU)
-        self.plain_step_s: float | None = None
-        self.draft_token_s: float | None = None
+        # what a verification costs (learned from timed decode steps) and seconds per drafted token
+        # of a model proposer; adaptive k weighs acceptance against these (verifying k rows is cheap
+        # on a GPU, not on every CPU)
+        self.cost = StepCost(prior_per_token=AdaptiveK.cost_per_token)
         self.propose_token_s: float = 0.0
+        # acceptance of this engine's drafts lately, across requests: a new request starts from it
+        # rather than from a fixed optimistic prior, so on traffic whose drafts fail (open-ended chat
+        # for n-gram lookup) a short answer does not spend its first steps verifying doomed drafts
+        # (accepted, drafted) token counts, decayed by `recent_decay` per verification; the prior is two
+        # drafts at the optimistic default rate, so the first real observations outweigh it at once
+        self.recent_decay: float = 0.9
+        self._recent_accepted: float = 2 * AdaptiveK.initial_rate
+        self._recent_drafted: float = 2.0
         self._since_plain = 0
+        self._batch_size = 0
 
     @property
     def method(self) -> str:
@@ -484,19 +595,33 @@ class Speculator:
 
     @property
     def cost_per_token(self) -> float:
-        if self.plain_step_s is None or self.draft_token_s is None or self.plain_step_s <= 0:
-            return AdaptiveK.cost_per_token
-        return max((self.draft_token_s + self.propose_token_s) / self.plain_step_s, 0.0)
+        """Extra plain steps per drafted token: verifying it, plus drafting it for a model proposer."""
+        base = self.cost.plain_seconds(self._batch_size)
+        drafting = self.propose_token_s / base if base else 0.0
+        return self.cost.per_token + drafting
+
+    @property
+    def fixed_cost(self) -> float:
+        """Extra plain steps for verifying any drafts at all (see `StepCost`)."""
+        return self.cost.fixed
+
+    @property
+    def recent_rate(self) -> float:
+        """Share of drafted tokens accepted lately, across this engine's requests (a new request's
+        starting point for adaptive k)."""
+        return self._recent_accepted / self._recent_drafted
 
     def stats(self) -> SpecStats:
         snap = self.metrics.snapshot()
         return SpecStats(**{**snap.__dict__, "method": self.method})
 
     def begin_step(self, running: list[SequenceLike], generator: torch.Generator | None = None) -> None:
-        """Propose drafts for this step. Every 16th step stays plain, to keep the baseline cost fresh."""
+        """Propose drafts for this step. Every 16th step stays plain, to keep the baseline cost fresh,
+        and so do steps until a plain one has been timed (the cost of drafts is measured against it)."""
         self._since_plain += 1
-        if self._since_plain >= 16:
+        if self._since_plain >= 16 or not self.cost.plain_s:
             return
+        self._batch_size = len(running)
         wants = [(seq, k) for seq in running if (k := self._wanted(seq)) > 0]
         if not wants:
             return
@@ -527,14 +652,10 @@ class Speculator:
         num_drafts = sum(len(s.draft_token_ids) for s in seqs)
         if num_drafts == 0:
             self._since_plain = 0
-            self.plain_step_s = (
-                seconds if self.plain_step_s is None else 0.8 * self.plain_step_s + 0.2 * seconds
-            )
-        elif self.plain_step_s is not None:
-            extra = (seconds - self.plain_step_s) / num_drafts
-            self.draft_token_s = (
-                extra if self.draft_token_s is None else 0.8 * self.draft_token_s + 0.2 * extra
-            )
+            self.cost.observe_plain(len(seqs), seconds)
+        else:
+            verifying = sum(1 for s in seqs if s.draft_token_ids)
+            self.cost.observe(len(seqs), verifying, num_drafts, seconds)
 
     def _wanted(self, seq: SequenceLike) -> int:
         """How many tokens to draft for a request in decode state (one uncomputed token), else 0."""
@@ -544,8 +665,12 @@ class Speculator:
         room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         if room <= 0:
             return 0
-        adaptive = self._k.setdefault(seq.request_id, AdaptiveK(self.config.num_speculative_tokens))
+        adaptive = self._k.get(seq.request_id)
+        if adaptive is None:
+            adaptive = AdaptiveK(self.config.num_speculative_tokens, initial_rate=self.recent_rate)
+            self._k[seq.request_id] = adaptive
         adaptive.cost_per_token = self.cost_per_token
+        adaptive.fixed_cost = self.fixed_cost
         return min(adaptive.next_k(), room)
 
     def verify(self, seq: SequenceLike, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
@@ -570,6 +695,10 @@ class Speculator:
             draft_q = q[: len(drafts)] if q is not None else None
             tokens = rejection_sample(drafts, probs, draft_q, seq.generator or generator)
         self.metrics.record(len(drafts), len(tokens) - 1)
+        if drafts:
+            d = self.recent_decay
+            self._recent_accepted = d * self._recent_accepted + len(tokens) - 1
+            self._recent_drafted = d * self._recent_drafted + len(drafts)
         if (adaptive := self._k.get(seq.request_id)) is not None:
             adaptive.update(len(drafts), len(tokens) - 1)
         return tokens
