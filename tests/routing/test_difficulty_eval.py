@@ -1,0 +1,47 @@
+"""The offline evaluation's helpers (`benchmarks/routing_eval.py`): metrics, question stems, the probe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.routing_eval import PROBE, auc, metrics, question_stem
+from routing.train import load_mmlu
+
+
+def test_question_stem_drops_the_options_of_every_fixture_prompt(fixture_dir: Path) -> None:
+    data = load_mmlu(fixture_dir)
+    stems = [question_stem(p) for p in data.prompts]
+    for prompt, stem in zip(data.prompts, stems, strict=True):
+        assert stem and prompt.startswith(stem)
+        assert "\nA. " not in stem and not stem.endswith("Answer:")
+    # A prompt without options keeps its text (only a trailing "Answer:" goes).
+    assert question_stem("What is 2 + 2?\nAnswer:") == "What is 2 + 2?"
+    assert question_stem("hi") == "hi"
+
+
+def test_apgr_of_a_perfect_a_random_and_a_reversed_ranking() -> None:
+    rng = np.random.default_rng(0)
+    weak = rng.random(4000) < 0.6
+    strong = rng.random(4000) < 0.8
+    gain = strong.astype(float) - weak
+    perfect = metrics(gain, weak, strong)["APGR"]
+    chance = metrics(rng.random(4000), weak, strong)["APGR"]
+    reversed_ = metrics(-gain, weak, strong)["APGR"]
+    assert perfect > 0.9 and reversed_ < 0.1
+    assert abs(chance - 0.5) < 0.05
+
+
+def test_auc_counts_ties_as_half() -> None:
+    assert auc(np.array([2.0, 3.0]), np.array([1.0])) == 1.0
+    assert auc(np.array([1.0]), np.array([1.0])) == 0.5
+    assert auc(np.array([0.0]), np.array([1.0, 2.0])) == 0.0
+
+
+def test_the_probe_is_not_separable_by_length_alone() -> None:
+    # The probe must test more than "long prompts are hard": the easy and hard lists overlap in length.
+    lengths = {kind: np.array([len(p) for _, p in rows], float) for kind, rows in PROBE.items()}
+    assert auc(lengths["hard"], lengths["easy"]) < 0.75
+    assert lengths["easy"].max() > np.median(lengths["hard"]) > lengths["hard"].min()
+    assert len({p for rows in PROBE.values() for _, p in rows}) == sum(len(r) for r in PROBE.values())
