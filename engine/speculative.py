@@ -579,9 +579,9 @@ class Speculator:
         self.propose_token_s: float = 0.0
         # acceptance of this engine's drafts lately, across requests: a new request starts from it
         # rather than from a fixed optimistic prior, so on traffic whose drafts fail (open-ended chat
-        # for n-gram lookup) a short answer does not spend its first steps verifying doomed drafts
-        # (accepted, drafted) token counts, decayed by `recent_decay` per verification; the prior is two
-        # drafts at the optimistic default rate, so the first real observations outweigh it at once
+        # for n-gram lookup) a short answer does not spend its first steps verifying doomed drafts.
+        # Kept as (accepted, drafted) token counts decayed by `recent_decay` per verification; the
+        # prior is two drafts at the default rate, so the first real observations outweigh it at once
         self.recent_decay: float = 0.9
         self._recent_accepted: float = 2 * AdaptiveK.initial_rate
         self._recent_drafted: float = 2.0
