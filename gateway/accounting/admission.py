@@ -40,6 +40,7 @@ LEASE_REQUESTS = 32
 # A lease used up before its bucket ends asks for twice as much next time, up to this many requests'
 # worth (and never beyond 1/LEASE_SHARE of the limit); one that ends more than half unused, half.
 MAX_LEASE_REQUESTS = 1024
+LEASE_WAITS = 3  # how many in-flight asks a request waits for before asking the shared state itself
 LEASE_SHARE = 100
 POOL_TTL_S = 1.0
 LEASE_MARGIN_S = 0.002  # stop using a lease this long before its bucket ends
@@ -85,6 +86,7 @@ class _Plan:
     rates: list[tuple[Limit, bool]]  # (limit, counts tokens: its cost is each request's estimate)
     tpm_keys: list[str]
     budgets: list[tuple[Budget, str, str]]  # (budget, scope, owner)
+    budget_keys: list[str]
 
 
 @dataclass(slots=True)
@@ -187,7 +189,7 @@ class Admission:
                     self._tenant_budgets[key] = (owner, limit)
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
-        plan = self._plans[quotas] = _Plan(month, rates, tpm_keys, budgets)
+        plan = self._plans[quotas] = _Plan(month, rates, tpm_keys, budgets, [b.key for b, _, _ in budgets])
         return plan
 
     async def admit(
@@ -204,7 +206,8 @@ class Admission:
         estimate = prompt_tokens + max_output_tokens
         now = dt.datetime.now(dt.UTC)
         plan = self._plan(quotas, now)
-        limits = [replace(limit, cost=estimate) if tpm else limit for limit, tpm in plan.rates]
+        # (Limit(...) directly: dataclasses.replace costs several times as much, on every request.)
+        limits = [Limit(limit.key, limit.limit, estimate) if tpm else limit for limit, tpm in plan.rates]
         tpm_keys = plan.tpm_keys
         budgets: list[Budget] = []
         for budget, scope, owner in plan.budgets:
@@ -222,22 +225,37 @@ class Admission:
         asked: list[str] = []
         if self.leasing:
             drawn = self._take_local(limits, budgets, amount)
-            if drawn is None and self._asking:
+            waits = 0
+            while drawn is None and self._asking and waits < LEASE_WAITS:
                 # A lease (pool) for one of these keys is being asked for: wait for its answer (one
                 # round trip, as long as asking ourselves) and admit from it, instead of every
-                # concurrent request going to the shared state on its own meanwhile. Once only.
-                answers = {self._asking.get(limit.key) for limit in limits}
-                answers.update(self._asking.get(b.key) for b in budgets)
+                # concurrent request going to the shared state on its own meanwhile. Again if the
+                # answer was too small (or its bucket ended) and another ask went out meanwhile.
+                # Only for limits large enough for full-size leases: a lease capped at 1/LEASE_SHARE
+                # of a small limit would not cover the waiters, and near such a limit every unit
+                # should stay within reach of the requests asking the shared state.
+                answers = {
+                    self._asking.get(limit.key)
+                    for limit in limits
+                    if limit.limit // LEASE_SHARE >= LEASE_REQUESTS * limit.cost
+                }
+                answers.update(
+                    self._asking.get(b.key)
+                    for b in budgets
+                    if b.limit_micro_usd // LEASE_SHARE >= LEASE_REQUESTS * amount
+                )
                 answers.discard(None)
+                if not answers:
+                    break
                 for answer in answers:
                     await answer.wait()  # type: ignore[union-attr]
-                if answers:
-                    drawn = self._take_local(limits, budgets, amount)
+                waits += 1
+                drawn = self._take_local(limits, budgets, amount)
             if drawn is not None:
                 self.local_admissions += 1
                 if budgets or tpm_keys:
                     self._pending[request_id] = _Pending(
-                        None, [b.key for b in budgets], tpm_keys, estimate, releases=drawn
+                        None, plan.budget_keys, tpm_keys, estimate, releases=drawn
                     )
                 return
             # At most one lease (pool) per key held or asked for at a time: concurrent requests that
@@ -292,7 +310,7 @@ class Admission:
             releases = [(reservation_id or "", amount) for _ in budgets]  # the pool stays reserved
         if budgets or tpm_keys:
             self._pending[request_id] = _Pending(
-                reservation_id, [b.key for b in budgets], tpm_keys, estimate, releases=releases
+                reservation_id, plan.budget_keys, tpm_keys, estimate, releases=releases
             )
 
     def _wants(self, key: str, cost: int, now: float) -> bool:

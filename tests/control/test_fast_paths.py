@@ -1,0 +1,142 @@
+"""The shortcuts taken for the control plane's CPU cost give the answers of the slow ways: running
+window and reservation totals in the memory state, price sheets resolved once, hiredis command
+packing, and leases that grow with traffic while the books stay exact."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import random
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
+
+from gateway.accounting.admission import LEASE_REQUESTS, Admission, Quotas, month_of
+from gateway.accounting.pricing import USAGE_FIELD, PriceCatalog, PriceRow, TokenClass, price_usage, resolve
+from gateway.state.base import BUCKETS, Budget, Limit, Settlement
+from gateway.state.memory import MemoryState
+from gateway.state.redis import HiredisConnection, RedisState, client_from_url
+from gateway.usage import Usage
+from tests.control.conftest import REDIS_URL
+
+
+async def test_memory_state_running_totals_match_a_recount(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random admissions, settlements and clock jumps (within a bucket, across a few, past the whole
+    window): the running totals always equal a recount of what the state holds."""
+    rng = random.Random(7)
+    clock = [1_000_000.0]
+    monkeypatch.setattr(MemoryState, "_now", staticmethod(lambda: clock[0]))
+    state = MemoryState()
+    limit, budget = Limit("rpm:t", 10**9, window_s=60.0), Budget("budget:t", 10**12)
+    log: list[tuple[float, int]] = []  # (when, units) of everything counted in the window
+    held: dict[str, tuple[int, float]] = {}  # reservation id -> (amount, expires)
+    for _ in range(2000):
+        step = rng.choice([0.0, 0.0, 0.3, 1.0, 2.5, 45.0, 200.0])
+        clock[0] += step
+        now = clock[0]
+        if rng.random() < 0.7:
+            cost, amount, ttl = rng.randint(1, 5), rng.randint(1, 50), rng.choice([0.5, 30.0, 600.0])
+            decision = await state.admit([Limit(limit.key, limit.limit, cost)], [budget], amount, ttl_s=ttl)
+            assert decision.allowed and decision.reservation_id
+            log.append((now, cost))
+            held[decision.reservation_id] = (amount, now + ttl)
+        elif held:
+            rid = rng.choice(list(held))
+            release = rng.choice([0, 1, 10**6])
+            await state.settle_many(
+                [Settlement((), [budget.key], actual_micro_usd=3, releases=[(rid, release)])]
+            )
+            amount, expires = held[rid]
+            if 0 < release < amount:
+                held[rid] = (amount - release, expires)
+            else:
+                del held[rid]
+        if not log:
+            continue
+        window = state._windows[limit.key]
+        window.advance(int(now // (limit.window_s / BUCKETS)))
+        first_live = int(now // (limit.window_s / BUCKETS)) - BUCKETS + 1
+        expected = sum(units for when, units in log if int(when // (limit.window_s / BUCKETS)) >= first_live)
+        assert window.total == sum(window.buckets.values()) == expected
+        live = {rid: v for rid, v in held.items() if v[1] > now}
+        assert state._budgets[budget.key].reserved(now) == sum(amount for amount, _ in live.values())
+        held = live
+
+
+def test_price_sheets_price_as_the_formula_does() -> None:
+    rng = random.Random(3)
+    for _ in range(500):
+        sheet = {c: rng.randint(0, 10**7) for c in TokenClass if rng.random() < 0.6}
+        usage = Usage(**{field: rng.randint(0, 10**6) for field in USAGE_FIELD.values()})
+        full = resolve(sheet)
+        cost = price_usage(usage, sheet)
+        assert cost.cost_pico_usd == sum(getattr(usage, USAGE_FIELD[c]) * full.get(c, 0) for c in TokenClass)
+        assert cost.savings_pico_usd == usage.cached_input_tokens * (
+            full.get(TokenClass.INPUT, 0) - full.get(TokenClass.CACHED_INPUT, 0)
+        )
+        assert cost.prices == {str(c): p for c, p in full.items()}
+        sheet[TokenClass.OUTPUT] = sheet.get(TokenClass.OUTPUT, 0) + 1  # the same dict, changed
+        assert price_usage(usage, sheet).cost_pico_usd == cost.cost_pico_usd + usage.output_tokens
+
+
+def test_hiredis_packing_is_byte_for_byte_redis_py() -> None:
+    fast, plain = HiredisConnection(), Connection()
+    for args in [
+        ("EVALSHA", "ab12", 2, "weir:k1", "weir:k2", 60, -5, 10**18, "é"),
+        ("CONFIG GET", "maxmemory"),
+        (b"XADD", "s", "*", "e", b"\x00\xff\n" * 1000),
+        ("SET", "k", 1.5),
+    ]:
+        assert b"".join(fast.pack_command(*args)) == b"".join(plain.pack_command(*args))
+    with pytest.raises(Exception, match="Invalid input"):
+        fast.pack_command("SET", "k", True)
+
+
+@pytest.fixture
+async def admission(redis_prefix: str) -> AsyncIterator[tuple[Admission, aioredis.Redis]]:
+    state = RedisState(client_from_url(REDIS_URL), prefix=redis_prefix)
+    catalog = PriceCatalog(
+        [PriceRow("*", "m", TokenClass.INPUT, 1_000_000, dt.datetime(2026, 1, 1, tzinfo=dt.UTC))]
+    )
+    admission = Admission(state, lambda: catalog, leasing=True)
+    client = aioredis.from_url(REDIS_URL)
+    yield admission, client
+    admission.release_leases()
+    await admission.drain()
+    await state.close()
+    await client.aclose()
+
+
+@pytest.mark.redis
+async def test_concurrent_requests_wait_for_the_lease_and_leases_grow(
+    admission: tuple[Admission, aioredis.Redis], redis_prefix: str
+) -> None:
+    adm, client = admission
+    quotas = Quotas("t", "k", tenant_rpm=10**7, tenant_budget_micro_usd=10**12, key_rpm=10**7)
+
+    async def one() -> str:
+        rid = uuid.uuid4().hex
+        await adm.admit(rid, quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        return rid
+
+    admitted = []
+    for _ in range(3):  # warm up: each wave bigger than the lease doubles the next one
+        admitted += await asyncio.gather(*(one() for _ in range(4 * LEASE_REQUESTS)))
+    before = adm.local_admissions
+    for _ in range(4):
+        admitted += await asyncio.gather(*(one() for _ in range(4 * LEASE_REQUESTS)))
+    # Nearly all from leases now (a bucket ending mid-wave costs one ask and its waiters' misses).
+    assert adm.local_admissions - before >= 0.9 * 4 * 4 * LEASE_REQUESTS
+    for rid in admitted:
+        adm.finish(rid)
+    adm.release_leases()
+    await adm.drain()
+    for key in ("rpm:tenant:t", "rpm:key:k"):  # unused leased units all came back
+        fields = {k.decode(): int(v) for k, v in (await client.hgetall(f"{redis_prefix}{key}")).items()}
+        assert fields["t"] == len(admitted)
+    budget = f"{redis_prefix}budget:tenant:t:{month_of(dt.datetime.now(dt.UTC))}"
+    # Unsettled requests still hold their estimate (10 micro-USD each); the pools are released.
+    assert int(await client.hget(budget, "reserved")) == 10 * len(admitted)
