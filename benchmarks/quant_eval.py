@@ -9,6 +9,7 @@ with ``engine.quant.quantize_model`` and then:
 - reports weight memory and single-stream decode tok/s (same run, same machine: compare ratios only).
 
     .venv/bin/python benchmarks/quant_eval.py [--model smollm2-135m] [--window 1024] [--schemes ...]
+    .venv/bin/python benchmarks/quant_eval.py --report fp32_int8.json int4.json   # one table
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -108,6 +110,28 @@ def decode_tok_s(engine: LLMEngine, prompt: list[int], tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def report(paths: list[Path]) -> str:
+    """A markdown table of ``--json`` files' rows, the first row (fp32) the baseline: schemes measured
+    in separate processes (e.g. one for fp32 + int8, one for int4) get their greedy agreement with the
+    baseline's tokens recomputed here."""
+    rows = [row for path in paths for row in json.loads(path.read_text())]
+    base = rows[0]
+    lines = [
+        "| scheme | ppl all | vs fp32 | Shakespeare | MMLU | greedy exact | greedy prefix | weights MB "
+        "| linear layers MB | quantize s | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        exact, prefix = agreement(row["greedy_tokens"], base["greedy_tokens"])
+        vs = "-" if row is base else f"{row['ppl_all'] / base['ppl_all'] - 1:+.2%}"
+        lines.append(
+            f"| {row['scheme']} | {row['ppl_all']:.3f} | {vs} | {row['ppl_shakespeare']:.3f} "
+            f"| {row['ppl_mmlu']:.3f} | {exact:.0%} | {prefix:.0%} | {row['weight_mb']:.1f} "
+            f"| {row['linear_mb']:.1f} | {row['quantize_s']:.0f} | {row['load_average'][0]:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -121,10 +145,27 @@ def main() -> None:
     )
     parser.add_argument("--head", default="int8", help="output-layer scheme under int4 ('same': int4 too)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        help="a previous --json whose first row (fp32) is the baseline: its greedy tokens and ppl are reused",
+    )
+    parser.add_argument(
+        "--report", type=Path, nargs="+", help="print a markdown table of these --json files and exit"
+    )
     args = parser.parse_args()
+    if args.report:
+        print(report(args.report))
+        return
 
     results: list[dict[str, object]] = []
     reference: list[list[int]] | None = None
+    if args.reference:
+        # the baseline row from an earlier run (same text, window and prompts), so that schemes can be
+        # measured in separate processes without scoring fp32 again
+        base_row = json.loads(args.reference.read_text())[0]
+        results.append(base_row)
+        reference = base_row["greedy_tokens"]
     for spec in args.schemes:
         scheme = QuantScheme.parse(spec)
         engine = LLMEngine(args.model, num_kv_blocks=4 * args.window // 16 + 64, max_num_batched_tokens=512)
@@ -160,6 +201,8 @@ def main() -> None:
             "decode_tok_s": decode_tok_s(engine, prompts[0], args.gen_tokens),
             "quantize_s": quantize_s,
             "score_s": score_s,
+            "greedy_tokens": outs,
+            "load_average": list(os.getloadavg()),
         }
         results.append(row)
         base = results[0]
@@ -172,8 +215,8 @@ def main() -> None:
             flush=True,
         )
         del engine
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        if args.json:  # after every row: a long run that dies keeps what it measured
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""The int4 scale search: as good as llama.cpp's wider one, independent of thread count, never worse
+than min/max (that last check lives with the other int4 tests in tests/kernels/test_quant.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.quant import INT4_SEARCH_STEPS, _fit_int4_groups, quantize_int4
+from kernels.int4_matmul import dequantize_int4
+
+
+def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[torch.rand(n, k, generator=g) < 0.01] *= 8  # heavy tails: clipping them is what the search is for
+    importance = torch.rand(k, generator=g) ** 4 * 10  # a few channels carry most activation energy
+    return w, importance
+
+
+def _weighted_error(w: torch.Tensor, imp: torch.Tensor, group: int, **kwargs: object) -> float:
+    qweight, sz = quantize_int4(w, group, importance=imp, **kwargs)  # type: ignore[arg-type]
+    return float(((dequantize_int4(qweight, sz, group, w.shape[1]) - w).square() * imp).sum())
+
+
+def _fit_with_steps(w: torch.Tensor, imp: torch.Tensor, group: int, steps: tuple[float, ...]) -> float:
+    """Weighted error of ``_fit_int4_groups`` with other candidate steps, everything else alike."""
+    n = w.shape[0]
+    rows, imps = w.reshape(-1, group), imp.view(1, -1, group).expand(n, -1, -1).reshape(-1, group)
+    scale, lo = _fit_int4_groups(rows, imps, steps)
+    q = torch.round((rows - lo) / scale).clamp(0, 15)
+    return float(((q * scale + lo - rows).square() * imps).sum())
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_fewer_candidates_lose_little_to_llama_cpps_21(group: int) -> None:
+    w, imp = _weights(96, 256, seed=group)
+    ours = _fit_with_steps(w, imp, group, INT4_SEARCH_STEPS)
+    llama = _fit_with_steps(w, imp, group, tuple(14 + 0.1 * i for i in range(21)))
+    one = _fit_with_steps(w, imp, group, (15.0,))  # min/max rounding + one least-squares fit
+    assert llama <= ours <= 1.01 * llama
+    assert ours < 0.97 * one  # the candidates are doing something
+
+
+def test_search_is_the_same_on_any_number_of_threads() -> None:
+    w, imp = _weights(700, 320, seed=1)  # 700 rows: several chunks, the last one short
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = quantize_int4(w, 64, importance=imp)
+        torch.set_num_threads(3)
+        shared = quantize_int4(w, 64, importance=imp)
+        assert torch.get_num_threads() == 3  # put back after the chunks ran single-threaded
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(alone, shared, strict=True))
+
+
+def test_search_beats_min_max_by_far_when_a_few_channels_matter() -> None:
+    w, imp = _weights(64, 512, seed=7)
+    plain, searched = _weighted_error(w, imp, 64, search=False), _weighted_error(w, imp, 64)
+    assert searched < 0.8 * plain
