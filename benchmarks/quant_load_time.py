@@ -38,6 +38,7 @@ def quant_module_at(rev: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"quant_{rev}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
