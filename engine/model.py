@@ -201,9 +201,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(config)
         t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        # [max_pos, d]: cos/sin duplicated over both halves (HF's rotate_half convention)
+        # [max_pos, d]: cos/sin duplicated over both halves (HF's rotate_half convention). rotate_half(x)
+        # * sin == roll(x, d/2) * (sin with its first half negated): one op instead of chunk, neg, cat
         self.register_buffer("cos", torch.cat([freqs.cos()] * 2, -1).float(), persistent=False)
-        self.register_buffer("sin", torch.cat([freqs.sin()] * 2, -1).float(), persistent=False)
+        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], -1).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
         meta = _metadata
@@ -215,9 +216,9 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, d]
         out = []
         for x in xs:
-            x1, x2 = x.chunk(2, dim=-1)
-            rotated = torch.cat((-x2, x1), dim=-1)
-            out.append((x.float() * cos + rotated.float() * sin).to(x.dtype))
+            # cos/sin are float32, so half-precision x is rotated in float32 (promotion), then cast back
+            rotated = x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+            out.append(rotated if rotated.dtype == x.dtype else rotated.to(x.dtype))
         return out
 
 

@@ -1,5 +1,5 @@
-"""oneDNN-prepacked linears (engine/packed.py): same numbers as F.linear, and a swap that leaves
-quantized layers alone."""
+"""CPU weight layouts (engine/packed.py): oneDNN-prepacked and column-major linears compute what
+F.linear does, and the swap leaves quantized layers alone."""
 
 from __future__ import annotations
 
@@ -41,11 +41,29 @@ def test_swap_modes_and_quantized_layers_untouched() -> None:
     assert pack_linears(model, "auto") == 1
     assert isinstance(model[0], PackedLinear) and isinstance(model[1], Int8Linear)
 
-    fp32 = nn.Sequential(nn.Linear(64, 64))
-    assert pack_linears(fp32, "auto") == 0  # fp32 single-row decode is slower packed: opt-in only
+    fp32 = nn.Sequential(nn.Linear(64, 32))
+    x = torch.randn(3, 64)
+    want = fp32(x)
+    assert pack_linears(fp32, "auto") == 1  # fp32: column-major, not packed (slower for one row)
+    assert isinstance(fp32[0], nn.Linear) and fp32[0].weight.stride() == (1, 32)
+    torch.testing.assert_close(fp32(x), want)
+    assert pack_linears(fp32, "auto") == 0  # already laid out
     assert pack_linears(fp32, "on") == 1
     with pytest.raises(ValueError, match="packing"):
         pack_linears(fp32, "sometimes")
+
+
+def test_column_major_keeps_a_tied_embedding_shared() -> None:
+    embed = nn.Embedding(100, 16)
+    head = nn.Linear(16, 100, bias=False)
+    head.weight = embed.weight
+    model = nn.ModuleDict({"embed": embed, "head": head})
+    ids = torch.tensor([3, 99, 0])
+    rows, logits = embed(ids), head(torch.ones(2, 16))
+    assert pack_linears(model, "auto") == 1
+    assert embed.weight is head.weight and embed.weight.stride() == (1, 100)
+    torch.testing.assert_close(embed(ids), rows, rtol=0, atol=0)
+    torch.testing.assert_close(head(torch.ones(2, 16)), logits)
 
 
 def test_engine_greedy_output_is_the_same_packed_or_not(make_engine: Callable[..., LLMEngine]) -> None:
@@ -53,8 +71,12 @@ def test_engine_greedy_output_is_the_same_packed_or_not(make_engine: Callable[..
     prompts = [[1, 2, 3, 4, 5], [7, 7, 7], list(range(10, 40))]
     plain = make_engine(packing="off")
     packed = make_engine(packing="on")
+    column_major = make_engine(packing="auto")
     assert plain.num_packed_linears == 0 and packed.num_packed_linears > 0
-    assert packed.generate(prompts, params) == plain.generate(prompts, params)
+    assert column_major.num_packed_linears > 0
+    expected = plain.generate(prompts, params)
+    assert packed.generate(prompts, params) == expected
+    assert column_major.generate(prompts, params) == expected
 
 
 def test_auto_dtype_follows_the_hardware() -> None:
