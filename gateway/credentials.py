@@ -8,8 +8,6 @@ master key) is logged and reported by the admin API; that backend keeps its conf
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime as dt
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.config import Backend
 from gateway.db.models import BackendCredential, StoredPrompt
+from gateway.db.poller import TablePoller
 from gateway.vault import Vault, VaultError, token_key_id
 
 log = structlog.get_logger("weir.credentials")
@@ -45,17 +44,14 @@ class CredentialStore:
         self.errors: dict[str, str] = {}  # backend -> why its stored key is not in use
         self.in_use: set[str] = set()  # backends running on their stored key
         self.signature: tuple[Any, ...] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._poller = TablePoller(self.refresh, interval, "backend_credentials")
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.get_running_loop().create_task(self._poll())
+        self._poller.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._poller.stop()
 
     async def refresh(self) -> bool:
         """Reload and apply the stored keys if the table changed; True when it did."""
@@ -95,14 +91,6 @@ class CredentialStore:
             backend.api_key = key
         self.errors, self.in_use = errors, in_use
         log.info("backend_credentials_loaded", stored=len(stored), in_use=len(in_use), unreadable=len(errors))
-
-    async def _poll(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                await self.refresh()
-            except Exception as exc:  # the DB may be briefly away; keep the keys we have
-                log.warning("backend_credentials_poll_failed", error=str(exc))
 
 
 async def rotate_master_key(sessions: async_sessionmaker[AsyncSession], vault: Vault) -> dict[str, int]:

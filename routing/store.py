@@ -8,8 +8,6 @@ previous routes stay in force.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from gateway.db.models import RouteRow, Setting
+from gateway.db.poller import TablePoller
 from routing.routes import Route
 
 log = structlog.get_logger("weir.routing")
@@ -40,18 +39,15 @@ class RouteStore:
         self.seed = list(seed)
         self.interval = interval
         self.signature: tuple[Any, ...] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._poller = TablePoller(self.refresh, interval, "routes")
 
     async def start(self) -> None:
         await self._seed()
         await self.refresh()
-        self._task = asyncio.get_running_loop().create_task(self._poll())
+        self._poller.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._poller.stop()
 
     async def _seed(self) -> None:
         # Once per database, not once per start: routes an admin deleted stay deleted. The settings
@@ -92,11 +88,3 @@ class RouteStore:
             self.signature = signature
         log.info("routes_loaded", routes=len(routes))
         return True
-
-    async def _poll(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                await self.refresh()
-            except Exception as exc:  # the DB may be briefly away; keep serving the routes we have
-                log.warning("routes_poll_failed", error=str(exc))
