@@ -267,6 +267,25 @@ def main() -> None:
             else ""
         )
         print(f"  {name:<8} c={concurrency:<3} {cpu:7.3f} | {services:7.3f}{share}")
+    # The CPU ratio within each round: the neighbours' load moves every target's CPU per request
+    # (shared cores, caches), so targets measured back to back are compared with each other.
+    print("\nper round (gateway CPU ms/request; plain's / this one's in the same round):")
+    for (name, concurrency), rounds in measured.items():
+        if name == "plain" or ("plain", concurrency) not in measured:
+            continue
+        paired = [
+            (r.cpu_ms_per_request, p.cpu_ms_per_request)
+            for r, p in zip(rounds, measured[("plain", concurrency)], strict=False)
+            if r.cpu_ms_per_request and p.cpu_ms_per_request
+        ]
+        if not paired:
+            continue
+        cells = " ".join(f"{c:.3f}/{p:.3f}" for c, p in paired)
+        shares = [p / c for c, p in paired]
+        print(
+            f"  {name:<8} c={concurrency:<3} {cells}  ratios {' '.join(f'{x:.2f}' for x in shares)}  "
+            f"median {statistics.median(shares):.2f}"
+        )
     print("\nper round (RPS; ratio to plain in the same round):")
     for (name, concurrency), rounds in measured.items():
         if name == "plain" or ("plain", concurrency) not in measured:
