@@ -616,10 +616,11 @@ class Speculator:
         return SpecStats(**{**snap.__dict__, "method": self.method})
 
     def begin_step(self, running: list[SequenceLike], generator: torch.Generator | None = None) -> None:
-        """Propose drafts for this step. Every 16th step stays plain, to keep the baseline cost fresh,
-        and so do steps until a plain one has been timed (the cost of drafts is measured against it)."""
+        """Propose drafts for this step. Every 16th step stays plain, to keep the baseline cost fresh.
+        (Not every step before the first plain one is timed: with prefills arriving all the time a pure
+        decode step may not come soon, and the priors are a fair start.)"""
         self._since_plain += 1
-        if self._since_plain >= 16 or not self.cost.plain_s:
+        if self._since_plain >= 16:
             return
         self._batch_size = len(running)
         wants = [(seq, k) for seq in running if (k := self._wanted(seq)) > 0]

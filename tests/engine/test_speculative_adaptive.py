@@ -77,9 +77,9 @@ def test_poor_acceptance_costs_under_5_percent_after_the_first_request() -> None
     spec = Speculator(SpeculativeConfig("ngram", 5), max_model_len=4096)
     first, _ = run_request(spec, "a", rng)
     assert first <= 1.10 * 47 * PLAIN_S  # even the first request backs off within a few steps
-    # the learned costs have the true shape, not a per-token cost alone
-    assert spec.fixed_cost == pytest.approx(FIXED, abs=0.1)
-    assert spec.cost_per_token < 0.1
+    # what one draft costs has been learned (mostly from probes, so how it splits between the fixed
+    # and the per-token part is left to `test_step_cost_recovers_fixed_and_per_token_costs`)
+    assert spec.fixed_cost + spec.cost_per_token == pytest.approx(FIXED + PER_TOKEN, abs=0.05)
     # later requests start from the engine's recent acceptance (not from 0.7), a quarter of one draft
     # accepted does not pay for a verification's fixed cost, and rejected probes space out: with any
     # of the three missing this simulation verifies 50-240 times over these 8 requests, not 24-38
