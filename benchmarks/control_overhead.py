@@ -139,6 +139,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
+        "--together",
+        action="store_true",
+        help="load every target at once in each round (same neighbours' load for all; RPS then "
+        "shares one load generator, CPU per request is the measure)",
+    )
+    parser.add_argument(
         "--baseline",
         help="a source tree of an earlier Weir (e.g. `git archive <commit> gateway routing engine kernels "
         "weir migrations alembic.ini | tar -x -C DIR`); targets named sqlite@base / pg@base run it",
@@ -196,7 +202,45 @@ def main() -> None:
             else:
                 stack.enter_context(running(server, workdir, server.startup_timeout, False))
             servers.append(server)
+
+        def record(server: Server, concurrency: int, result: Result, services_ms_per_request: float) -> None:
+            services_ms.setdefault((server.name, concurrency), []).append(services_ms_per_request)
+            measured.setdefault((server.name, concurrency), []).append(result)
+            warmup = max(1, args.warmup // concurrency) * concurrency
+            served[server.name] = served.get(server.name, 0) + warmup + result.requests + result.errors
+
+        async def all_at_once(concurrency: int) -> list[Result]:
+            return list(
+                await asyncio.gather(
+                    *(
+                        run_load(s, concurrency, args.requests, args.duration, False, args.warmup)
+                        for s in servers
+                    )
+                )
+            )
+
         for round_no in range(args.rounds):
+            if args.together:
+                # Every target loaded at the same time, each with `concurrency` connections: the
+                # neighbours' load then weighs on all of them alike, and CPU per request compares
+                # within one window instead of across windows seconds apart.
+                for concurrency in levels:
+                    print(
+                        f"round {round_no + 1}/{args.rounds}: all c={concurrency}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    services_before = services_cpu_seconds()
+                    results = asyncio.run(all_at_once(concurrency))
+                    done = max(1, sum(r.requests + r.errors for r in results))
+                    for server, result in zip(servers, results, strict=True):
+                        record(
+                            server,
+                            concurrency,
+                            result,
+                            (services_cpu_seconds() - services_before) * 1000 / done,
+                        )
+                continue
             for server in servers:
                 for concurrency in levels:
                     print(
@@ -209,13 +253,8 @@ def main() -> None:
                         run_load(server, concurrency, args.requests, args.duration, False, args.warmup)
                     )
                     done = max(1, result.requests + result.errors)
-                    services_ms.setdefault((server.name, concurrency), []).append(
-                        (services_cpu_seconds() - services_before) * 1000 / done
-                    )
-                    measured.setdefault((server.name, concurrency), []).append(result)
-                    warmup = max(1, args.warmup // concurrency) * concurrency
-                    served[server.name] = (
-                        served.get(server.name, 0) + warmup + result.requests + result.errors
+                    record(
+                        server, concurrency, result, (services_cpu_seconds() - services_before) * 1000 / done
                     )
         time.sleep(3)  # let the batch writers finish and PostgreSQL publish its statistics
         ledger: dict[str, str] = {}
