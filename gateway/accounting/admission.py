@@ -82,7 +82,7 @@ class _Pending:
 class _Plan:
     """One caller's limits and budgets for one month (see Admission._plan)."""
 
-    month: str
+    month_index: int  # year * 12 + month
     rates: list[tuple[Limit, bool]]  # (limit, counts tokens: its cost is each request's estimate)
     tpm_keys: list[str]
     budgets: list[tuple[Budget, str, str]]  # (budget, scope, owner)
@@ -161,9 +161,11 @@ class Admission:
     def _plan(self, quotas: Quotas, now: dt.datetime) -> _Plan:
         """What `quotas` count, as keys: built once per caller and month, not per request."""
         plan = self._plans.get(quotas)
-        month = month_of(now)
-        if plan is not None and plan.month == month:
+        # Compared as one integer: formatting the month's name on every request showed in profiles.
+        month_index = now.year * 12 + now.month
+        if plan is not None and plan.month_index == month_index:
             return plan
+        month = month_of(now)
         rates: list[tuple[Limit, bool]] = []
         tpm_keys: list[str] = []
         for scope, owner, rpm, tpm in (
@@ -189,7 +191,9 @@ class Admission:
                     self._tenant_budgets[key] = (owner, limit)
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
-        plan = self._plans[quotas] = _Plan(month, rates, tpm_keys, budgets, [b.key for b, _, _ in budgets])
+        plan = self._plans[quotas] = _Plan(
+            month_index, rates, tpm_keys, budgets, [b.key for b, _, _ in budgets]
+        )
         return plan
 
     async def admit(
