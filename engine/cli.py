@@ -83,8 +83,8 @@ def engine() -> None:
     default="auto",
     show_default=True,
     type=click.Choice(["auto", "on", "off"]),
-    help="CPU: prepack weights for oneDNN (auto: bf16/fp16 only; on: float32 too, faster batches, "
-    "slower single stream).",
+    help="CPU weight layout (auto: oneDNN-packed bf16/fp16, column-major float32; on: oneDNN-packed "
+    "float32 too; off: as loaded).",
 )
 @click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
