@@ -12,6 +12,11 @@ counted in four limits, reserves and settles two budgets, and is priced, queued 
     .venv/bin/python benchmarks/control_overhead.py
     .venv/bin/python benchmarks/control_overhead.py --targets plain,sqlite --requests 3000 --rounds 5
     .venv/bin/python benchmarks/control_overhead.py --targets plain,pg,pg@base --baseline /tmp/weir-before
+    .venv/bin/python benchmarks/control_overhead.py --together --requests 100000 --duration 5 --rounds 9
+
+On a shared machine CPU per request moves with the neighbours as much as RPS does; `--together`
+loads every target at once in each round, so the per-round ratio of gateway CPU per request compares
+targets under the same load (docs/benchmarks.md, "Control plane overhead").
 
 Prints median RPS and p50 per target and concurrency, each controlled target's RPS as a share of
 plain (goal: >= 0.80 at every concurrency), and for the DB: usage rows written vs requests served
