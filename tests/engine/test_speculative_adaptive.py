@@ -95,8 +95,9 @@ def test_a_new_request_starts_from_the_engines_recent_acceptance() -> None:
     rng = random.Random(1)
     spec = Speculator(SpeculativeConfig("ngram", 5), max_model_len=4096)
     assert spec.recent_rate == AdaptiveK.initial_rate
-    run_request(spec, "a", rng, max_tokens=24)
+    run_request(spec, "a", rng)  # long enough for probes to have timed what a draft costs
     assert spec.recent_rate < 0.3
+    assert spec.fixed_cost + spec.cost_per_token > 0.3
     seq = Sequence("b", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=16, temperature=0))
     seq.output_token_ids.append(3)
     seq.num_computed_tokens = seq.num_tokens - 1
