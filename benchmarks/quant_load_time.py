@@ -50,10 +50,23 @@ def time_quantize(
     fresh = copy.deepcopy(model)
     # only the first ``layers`` decoder layers (and no head): a shorter run for interleaved comparisons
     skip = [] if layers is None else [rf"^layers\.(?!({'|'.join(map(str, range(layers)))})\.)", "^lm_head$"]
+    importance_s = 0.0
+    calibrate = impl._random_token_importance
+
+    def timed(*args: object, **kwargs: object) -> object:  # what quantize_model's "auto" calls
+        nonlocal importance_s
+        begin = time.perf_counter()
+        try:
+            return calibrate(*args, **kwargs)
+        finally:
+            importance_s += time.perf_counter() - begin
+
+    impl._random_token_importance = timed
     start = time.perf_counter()
-    importance = impl._random_token_importance(fresh)
-    importance_s = time.perf_counter() - start
-    impl.quantize_model(fresh, scheme, importance=importance, skip=skip)
+    try:
+        impl.quantize_model(fresh, scheme, skip=skip)
+    finally:
+        impl._random_token_importance = calibrate
     return importance_s, time.perf_counter() - start, fresh
 
 

@@ -384,7 +384,12 @@ def quantize_model(
         return _make_quantized(linear, chosen[name], search, weights)
 
     if importance == "auto":
-        importance = _random_token_importance(model) if scheme.method == "int4" else None
+        # the head's inputs only when the head is int4 too: its product is a fifth of the prefill
+        importance = (
+            _random_token_importance(model, head=head_scheme.method == "int4")
+            if scheme.method == "int4"
+            else None
+        )
     elif isinstance(importance, str):
         raise ValueError(f"importance must be a dict, 'auto' or None, not {importance!r}")
     patterns = [re.compile(p) for p in skip]
@@ -398,7 +403,7 @@ def quantize_model(
 CALIBRATION_TOKENS = 512
 
 
-def _random_token_importance(model: nn.Module) -> dict[str, torch.Tensor] | None:
+def _random_token_importance(model: nn.Module, head: bool = True) -> dict[str, torch.Tensor] | None:
     """``activation_importance`` over seeded random token ids, for engine ``Transformer``s only."""
     embed = getattr(model, "embed_tokens", None)
     if not isinstance(embed, nn.Embedding) or not hasattr(model, "allocate_kv_cache"):
@@ -408,16 +413,17 @@ def _random_token_importance(model: nn.Module) -> dict[str, torch.Tensor] | None
     ids = torch.randint(
         0, embed.num_embeddings, (CALIBRATION_TOKENS,), generator=torch.Generator().manual_seed(0)
     )
-    return activation_importance(model, ids)
+    return activation_importance(model, ids, head=head)
 
 
 @torch.no_grad()
 def activation_importance(
-    model: nn.Module, token_ids: torch.Tensor, block_size: int = 16
+    model: nn.Module, token_ids: torch.Tensor, block_size: int = 16, *, head: bool = True
 ) -> dict[str, torch.Tensor]:
     """Mean squared input of every ``nn.Linear`` per input channel over one prefill of ``token_ids`` [T]
     through an engine ``Transformer``: how much each weight column's error costs (AWQ's observation that
-    a few input channels carry most of the activation energy). The KV cache is borrowed and put back."""
+    a few input channels carry most of the activation energy). The KV cache is borrowed and put back.
+    ``head=False`` leaves out the output layer (``lm_head``), whose product is a fifth of the prefill."""
     from engine.model import AttentionMetadata, PrefillChunk, attention_metadata
 
     sums: dict[str, torch.Tensor] = {}
@@ -451,7 +457,8 @@ def activation_importance(
         )
         with attention_metadata(meta):
             hidden = model(token_ids.to(param.device).reshape(-1))
-        model.lm_head(hidden)  # the head's input too (its forward is not part of ``model(...)``)
+        if head:
+            model.lm_head(hidden)  # the head's input too (its forward is not part of ``model(...)``)
     finally:
         for hook in hooks:
             hook.remove()

@@ -60,3 +60,16 @@ def test_search_beats_min_max_by_far_when_a_few_channels_matter() -> None:
     w, imp = _weights(64, 512, seed=7)
     plain, searched = _weighted_error(w, imp, 64, search=False), _weighted_error(w, imp, 64)
     assert searched < 0.8 * plain
+
+
+def test_importance_leaves_out_the_head_unless_it_is_int4_too() -> None:
+    from engine.config import tiny_config
+    from engine.quant import activation_importance
+    from engine.weights import build_model
+
+    model = build_model(tiny_config(), None, dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    ids = torch.arange(40) % 256
+    full, body = activation_importance(model, ids), activation_importance(model, ids, head=False)
+    assert "lm_head" in full and "lm_head" not in body
+    assert body.keys() == full.keys() - {"lm_head"}
+    assert all(torch.equal(body[k], full[k]) for k in body)
