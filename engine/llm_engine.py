@@ -25,6 +25,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_draft import DraftModelProposer
 from engine.speculative import SpecStats, SpeculativeConfig, Speculator, parse_speculative, self_draft_model
+from engine.threads import ThreadTuner
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model, gguf_metadata, is_gguf, load_config, open_gguf, tqdm_progress
 
@@ -106,6 +107,7 @@ class LLMEngine:
         num_speculative_tokens: int = 4,
         quantization: str = "none",
         packing: str = "auto",
+        adaptive_threads: bool = True,
         _config: ModelConfig | None = None,
         _tokenizer: Tokenizer | None = None,
         _draft_config: ModelConfig | None = None,
@@ -135,6 +137,11 @@ class LLMEngine:
         self.config = config
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, torch.get_num_threads()))
+        # CPU: each step runs on 1 thread or all of them, whichever is faster under the current load
+        # (engine/threads.py)
+        self.thread_tuner = (
+            ThreadTuner(torch.get_num_threads()) if adaptive_threads and self.device.type == "cpu" else None
+        )
         self.model = build_model(
             config,
             source,
@@ -302,10 +309,21 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
+        tuner, num_tokens = self.thread_tuner, sum(batch.num_tokens)
+        threads = tuner.choose(num_tokens) if tuner else 0
+        if tuner:
+            torch.set_num_threads(threads)
         started = time.perf_counter()
-        results = self.runner.execute(batch)
+        try:
+            results = self.runner.execute(batch)
+        finally:
+            if tuner:
+                torch.set_num_threads(tuner.max_threads)
+        elapsed = time.perf_counter() - started
+        if tuner:
+            tuner.record(num_tokens, threads, elapsed)
         if self.speculator:
-            self.speculator.end_step(batch.seqs, batch.num_tokens, time.perf_counter() - started)
+            self.speculator.end_step(batch.seqs, batch.num_tokens, elapsed)
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results, strict=True):
             if res.spec_logits is not None:
                 outputs.append(self._accept_speculative(seq, n, res.spec_logits))
