@@ -57,6 +57,12 @@ def engine() -> None:
 @click.option("--max-model-len", default=None, type=int, help="Context length (default: the model's).")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
 @click.option("--threads", default=None, type=int, help="CPU threads for torch (default: torch's choice).")
+@click.option(
+    "--adaptive-threads/--fixed-threads",
+    default=True,
+    show_default=True,
+    help="CPU: run each step on 1 thread or all of them, whichever measures faster under the current load.",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
     "--speculative",
@@ -104,6 +110,7 @@ def serve(
     max_model_len: int | None,
     no_prefix_caching: bool,
     threads: int | None,
+    adaptive_threads: bool,
     seed: int,
     speculative: str | None,
     num_speculative_tokens: int,
@@ -142,6 +149,7 @@ def serve(
             "num_speculative_tokens": num_speculative_tokens,
             "quantization": quantization,
             "packing": packing,
+            "adaptive_threads": adaptive_threads,
         },
     )
     sys.exit(status)
