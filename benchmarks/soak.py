@@ -160,7 +160,9 @@ async def pg_rows(name: str, tenant_id: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--rate", type=float, default=40.0, help="requests per second (open loop)")
     parser.add_argument("--stream-share", type=float, default=0.5)
@@ -176,7 +178,9 @@ def main() -> None:
         if args.db == "postgres":
             asyncio.run(pg_create(pg_name))
             stack.callback(lambda: asyncio.run(pg_drop(pg_name)))
-            db_url = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{pg_name}"
+            db_url = (
+                PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{pg_name}"
+            )
             extra = f'database_url: "{db_url}"\nredis_url: "{REDIS}"\n'
         else:
             extra = f'database_url: "sqlite+aiosqlite:///{work}/weir.db"\n'

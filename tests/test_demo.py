@@ -65,7 +65,10 @@ def test_demo_prints_examples_that_work(tmp_path: Path) -> None:
         assert rows == 2
 
         wrong = subprocess.run(
-            curl.group(1).replace("sk-weir-test-demo-key", "sk-wrong"), shell=True, capture_output=True, text=True
+            curl.group(1).replace("sk-weir-test-demo-key", "sk-wrong"),
+            shell=True,
+            capture_output=True,
+            text=True,
         )
         assert "invalid_api_key" in wrong.stdout or "401" in wrong.stdout or "error" in wrong.stdout
     finally:

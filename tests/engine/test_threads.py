@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -31,7 +32,7 @@ def test_follows_the_faster_count_and_tries_the_other_less_and_less() -> None:
     assert chosen[:2] == [2, 1]  # each count measured once first
     tries = [i for i, t in enumerate(chosen[2:], start=2) if t == 1]
     assert len(tries) <= 5  # 16, 32, 64, 128 (then 256) steps apart
-    assert all(b - a >= 16 for a, b in zip(tries, tries[1:], strict=False))
+    assert all(b - a >= 16 for a, b in itertools.pairwise(tries))
     assert tuner.best(1) == 2
 
 
