@@ -244,6 +244,7 @@ class RedisStreamQueue:
 
     GROUP = "writers"
     EVENTS_PER_ENTRY = 200
+    FULL_BUFFER = 256  # events that end a flush window early
 
     def __init__(
         self,
@@ -266,7 +267,8 @@ class RedisStreamQueue:
         self._group_ready = False
         self.drained = True
         self._pump: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        self._data = asyncio.Event()  # something to send: buffered events, or a spool to forward
+        self._full = asyncio.Event()  # the flush window is over, or the buffer is full
         self._flush_lock = asyncio.Lock()
         self.spool = spool
         # Lines a previous process spooled and never forwarded are sent first.
@@ -284,16 +286,31 @@ class RedisStreamQueue:
             self.spool.put_line(encode(event))
         else:
             self._buffer.append(encode(event))
-            if len(self._buffer) >= 256:
-                self._wake.set()
+            if len(self._buffer) >= self.FULL_BUFFER:
+                self._full.set()
+        self._data.set()
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
 
     async def _run_pump(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._flush_interval)
-            self._wake.clear()
+            if not self._buffer and not self.spooling:
+                # Nothing to send: sleep until `put` has something. (It used to wake every flush
+                # interval regardless: 50 wake-ups a second, idle or not, each costing more CPU
+                # than the XADD it usually skipped.)
+                self._data.clear()
+                await self._data.wait()
+            if len(self._buffer) < self.FULL_BUFFER:
+                # Let one flush window's events gather: the first of them waits at most this long.
+                # A timer and an event, not asyncio.wait_for (a task per wait, a cancellation per
+                # timeout).
+                self._full.clear()
+                timer = loop.call_later(self._flush_interval, self._full.set)
+                try:
+                    await self._full.wait()
+                finally:
+                    timer.cancel()
             try:
                 await self.flush()
             except asyncio.CancelledError:

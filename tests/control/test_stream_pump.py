@@ -1,0 +1,125 @@
+"""The Redis stream queue's pump: batches a flush window's events into one XADD, sleeps while there
+is nothing to send, and keeps forwarding the spool after an outage without new events to wake it."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from pathlib import Path
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.accounting.events import UsageEvent, decode
+from gateway.accounting.queue import RedisStreamQueue, SpoolQueue
+from gateway.usage import Usage
+
+
+class FakeRedis:
+    """Just the XADD the pump sends; `failures` XADDs raise first, as an unreachable Redis does."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.entries: list[bytes] = []
+        self.times: list[float] = []
+        self.failures = failures
+
+    async def xadd(self, stream: str, fields: dict[str, bytes]) -> bytes:
+        if self.failures > 0:
+            self.failures -= 1
+            raise RedisConnectionError("Redis is away")
+        self.entries.append(fields["e"])
+        self.times.append(time.monotonic())
+        return b"1-0"
+
+    async def aclose(self) -> None:
+        pass
+
+    def events(self) -> list[UsageEvent]:
+        return [decode(line) for entry in self.entries for line in entry.split(b"\n")]
+
+
+def event(n: int) -> UsageEvent:
+    return UsageEvent(
+        request_id=f"r{n}",
+        attempt=1,
+        ts=dt.datetime.now(dt.UTC),
+        tenant_id="t",
+        key_id="k",
+        route="m",
+        backend="b",
+        model="m",
+        usage=Usage(input_tokens=n, output_tokens=1),
+        prices={},
+        cost_pico_usd=0,
+    )
+
+
+def counting_flushes(queue: RedisStreamQueue) -> list[int]:
+    calls = [0]
+    flush = queue.flush
+
+    async def counted() -> None:
+        calls[0] += 1
+        await flush()
+
+    queue.flush = counted  # type: ignore[method-assign]
+    return calls
+
+
+async def test_one_window_one_xadd_then_the_pump_sleeps(tmp_path: Path) -> None:
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=0.02, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
+    flushes = counting_flushes(queue)
+    put_at = time.monotonic()
+    for n in range(5):
+        queue.put(event(n))
+    await asyncio.sleep(0.1)
+    assert [e.request_id for e in redis.events()] == [f"r{n}" for n in range(5)]
+    assert len(redis.entries) == 1
+    # Sent after the window, not at once, and not much later (generous bound for a busy machine).
+    assert 0.015 <= redis.times[0] - put_at < 0.09
+    after_first = flushes[0]
+    # Idle: no more wake-ups (the pump used to flush every interval, with or without events).
+    await asyncio.sleep(0.2)
+    assert flushes[0] == after_first
+    queue.put(event(9))
+    await asyncio.sleep(0.1)
+    assert len(redis.entries) == 2 and flushes[0] == after_first + 1
+    await queue.close()
+
+
+async def test_a_full_buffer_goes_without_waiting_for_the_window(tmp_path: Path) -> None:
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
+    for n in range(RedisStreamQueue.FULL_BUFFER):
+        queue.put(event(n))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(redis.events()) == RedisStreamQueue.FULL_BUFFER
+    await queue.close()
+
+
+@pytest.mark.parametrize("failures", [1, 3])
+async def test_spooled_events_are_forwarded_without_new_events(tmp_path: Path, failures: int) -> None:
+    redis = FakeRedis(failures=failures)
+    spool = SpoolQueue(tmp_path)
+    queue = RedisStreamQueue(redis, flush_interval_s=0.01, spool=spool, retry_s=0.02)  # type: ignore[arg-type]
+    queue.put(event(1))
+    queue.put(event(2))
+    # Nothing else is put: the pump alone must retry until Redis takes the spooled events.
+    deadline = time.monotonic() + 5
+    while len(redis.events()) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert [e.request_id for e in redis.events()] == ["r1", "r2"]
+    assert not queue.spooling and spool.pending() == 0
+    await queue.close()
+
+
+async def test_close_sends_what_is_buffered(tmp_path: Path) -> None:
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
+    queue.put(event(1))
+    await asyncio.sleep(0)
+    await queue.close()
+    assert [e.request_id for e in redis.events()] == ["r1"]
