@@ -274,6 +274,7 @@ class RedisStreamQueue:
         # Lines a previous process spooled and never forwarded are sent first.
         self.spooling = spool is not None and bool(spool.read_lines(1))
         self._failing = False
+        self._riding = 0  # entries taken by a shared-state pipeline (take_entry) not yet settled
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "weir:", spool: SpoolQueue | None = None) -> RedisStreamQueue:
@@ -291,6 +292,31 @@ class RedisStreamQueue:
         self._data.set()
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+
+    def take_entry(self) -> tuple[str, bytes] | None:
+        """The buffered events as one stream entry, for a shared-state pipeline that is about to go
+        to Redis anyway (`gateway.state.redis.StreamRider`): under load most events then reach the
+        stream without an XADD round trip of their own, and sooner than the flush window."""
+        # Not while the pump is flushing (it removes what it sent from the front of the buffer after
+        # its XADD) or spooling (the spool goes first, oldest first).
+        if not self._buffer or self.spooling or self._flush_lock.locked():
+            return None
+        lines = self._buffer[: self.EVENTS_PER_ENTRY]
+        del self._buffer[: len(lines)]
+        self._riding += 1
+        return self._stream, b"\n".join(lines)
+
+    def entry_sent(self, entry: bytes) -> None:
+        self._riding -= 1
+
+    def entry_failed(self, entry: bytes) -> None:
+        """The pipeline failed or its answer is unknown: the pump sends the events again now, or
+        spools them if Redis is away (a repeat is harmless: the ledger takes each event id once)."""
+        self._riding -= 1
+        # Appended, never put in front: a flush in progress removes its batch from the front.
+        self._buffer.extend(entry.split(b"\n"))
+        self._data.set()
+        self._full.set()
 
     async def _run_pump(self) -> None:
         loop = asyncio.get_running_loop()
@@ -422,6 +448,10 @@ class RedisStreamQueue:
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pump
+        # Entries riding in a shared-state pipeline come back here if that fails: wait for them.
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        while self._riding > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         with contextlib.suppress(Exception):
             await self.flush()  # what cannot reach Redis now waits in the spool for the next start
         if self._buffer:

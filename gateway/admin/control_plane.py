@@ -36,6 +36,7 @@ from gateway.db import migrate
 from gateway.db.models import UsageRollup
 from gateway.db.session import create_engine, normalise_url, sessionmaker
 from gateway.state import open_state
+from gateway.state.redis import RedisState
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ class ControlPlane:
             if settings.redis_url
             else spool
         )
+        primary = getattr(self.state, "primary", None)
+        if isinstance(self.queue, RedisStreamQueue) and isinstance(primary, RedisState):
+            # Usage events ride in the limit and budget scripts' pipelines (no XADD of their own).
+            primary.rider = self.queue
         self.writer = BatchWriter(self.queue, self.engine)
         self.uptime = ProbeRecorder(self.engine)  # fed by the routing prober (see gateway.app)
         self.authenticator = DbAuthenticator(self.sessions, self.state, ttl_s=settings.key_cache_ttl_s)

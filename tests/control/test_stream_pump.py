@@ -1,10 +1,12 @@
 """The Redis stream queue's pump: batches a flush window's events into one XADD, sleeps while there
-is nothing to send, and keeps forwarding the spool after an outage without new events to wake it."""
+is nothing to send, and keeps forwarding the spool after an outage without new events to wake it;
+and buffered events riding in the shared state's script pipelines instead of an XADD of their own."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import socket
 import time
 from pathlib import Path
 
@@ -13,7 +15,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.accounting.events import UsageEvent, decode
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue
+from gateway.state import Adjustment, Settlement
+from gateway.state.redis import RedisState, client_from_url
 from gateway.usage import Usage
+from tests.control.conftest import REDIS_URL
 
 
 class FakeRedis:
@@ -123,3 +128,62 @@ async def test_close_sends_what_is_buffered(tmp_path: Path) -> None:
     await asyncio.sleep(0)
     await queue.close()
     assert [e.request_id for e in redis.events()] == ["r1"]
+
+
+# --- events riding in the shared state's script pipelines -----------------------------------------
+
+
+async def test_buffered_events_ride_in_the_settlement_pipeline(tmp_path: Path, redis_prefix: str) -> None:
+    state = RedisState(client_from_url(REDIS_URL), prefix=redis_prefix)
+    queue = RedisStreamQueue(
+        client_from_url(REDIS_URL), prefix=redis_prefix, flush_interval_s=30.0, spool=SpoolQueue(tmp_path)
+    )
+    state.rider = queue
+    flushes = counting_flushes(queue)
+    for n in range(3):
+        queue.put(event(n))
+    # The flush window is 30 s: only the settlement's round trip can have carried them.
+    await state.settle_many([Settlement([Adjustment("tpm:key:k", 5)])])
+    raw = await queue._redis.xrange(f"{redis_prefix}usage")
+    assert [decode(line).request_id for _, f in raw for line in f[b"e"].split(b"\n")] == ["r0", "r1", "r2"]
+    assert flushes[0] == 0 and not queue._buffer
+    # Nothing buffered: the next pipeline carries no XADD.
+    await state.settle_many([Settlement([Adjustment("tpm:key:k", 5)])])
+    assert len(await queue._redis.xrange(f"{redis_prefix}usage")) == 1
+    await queue.close()
+    await state.close()
+
+
+async def test_a_failed_pipeline_gives_its_events_back_once(tmp_path: Path, redis_prefix: str) -> None:
+    with socket.socket() as probe:  # a port nobody listens on: every pipeline fails
+        probe.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{probe.getsockname()[1]}/0"
+    state = RedisState(client_from_url(dead), prefix=redis_prefix)
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=0.02, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
+    state.rider = queue
+    for n in range(4):
+        queue.put(event(n))
+    with pytest.raises(RedisConnectionError):
+        await state.settle_many([Settlement([Adjustment("tpm:key:k", 5)])])
+    await asyncio.sleep(0.15)
+    assert sorted(e.request_id for e in redis.events()) == ["r0", "r1", "r2", "r3"]
+    await queue.close()
+    await state.close()
+
+
+async def test_no_ride_while_the_pump_flushes_or_spools(tmp_path: Path) -> None:
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
+    queue.put(event(1))
+    async with queue._flush_lock:
+        assert queue.take_entry() is None  # the pump removes its batch from the buffer's front
+    queue.spooling = True
+    assert queue.take_entry() is None
+    queue.spooling = False
+    taken = queue.take_entry()
+    assert taken is not None and [decode(line).request_id for line in taken[1].split(b"\n")] == ["r1"]
+    assert queue.take_entry() is None
+    queue.entry_sent(taken[1])
+    await queue.close()
+    assert redis.events() == []  # taken, so not sent again by the queue
