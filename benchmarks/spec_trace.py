@@ -85,7 +85,7 @@ def summarise(name: str, log: list[dict[str, Any]], wall: float, tokens: int) ->
             d["spec_s"] += row["seconds"]
             d["drafted"] += n
             d["accepted"] += acc
-            ks[rid].append(f"{n}/{acc}@{row['threads']}")
+            ks[rid].append(f"{n}/{acc}@{row['threads']}:{1000 * row['seconds']:.0f}ms")
         else:
             d["plain_steps"] += 1
             d["plain_s"] += row["seconds"]
@@ -103,7 +103,7 @@ def summarise(name: str, log: list[dict[str, Any]], wall: float, tokens: int) ->
             f" begin {1000 * d['begin_s']:.1f} ms verify {1000 * d['verify_s']:.1f} ms"
         )
         if ks[rid]:
-            print("     k/accepted@threads:", " ".join(ks[rid]))
+            print("     k/accepted@threads:ms", " ".join(ks[rid]))
 
 
 def main() -> None:
@@ -154,7 +154,7 @@ def main() -> None:
                     print(
                         f"  cost fit: fixed {sp.cost.fixed:.3f} per_token {sp.cost.per_token:.3f}"
                         f" plain_s {[(b, round(1000 * s, 1)) for b, s in sp.cost.plain_s.items()]}"
-                        f" recent_rate {sp.recent_rate:.2f}"
+                        f" rates {[(b, round(sp.rates.rate(b), 2)) for b in range(5)]}"
                     )
     print(f"# load avg {os.getloadavg()}")
 

@@ -458,13 +458,20 @@ class StepCost:
     prior. A per-token cost alone misses the fixed part: on a CPU in fp32 the first extra row switches
     the matmuls from GEMV to GEMM and the request from the decode attention kernel to the chunked one,
     so one draft costs about as much as four (measured: k = 1..3 all ~1.3-1.4x a plain step while the
-    per-token fit said 1.1-1.25x), and k = 1 looked cheap when it was not."""
+    per-token fit said 1.1-1.25x), and k = 1 looked cheap when it was not.
+
+    One step can only move the fit so far (`max_residual` plain steps per verifying request away from
+    the prediction, a plain step at most 2x from its average): the engine's thread tuner now and then
+    runs a step on the other thread count, which on a loaded 2-core machine took 4.8 s for a 6-row
+    verification whose neighbours took 0.2 s, and one such step made every draft look 4 plain steps
+    dear for the next 20-odd verifications."""
 
     prior_fixed: float = 0.0
     prior_per_token: float = 0.1
     prior_weight: float = 0.1
     decay: float = 0.95
     plain_ema: float = 0.2
+    max_residual: float = 0.5
     plain_s: dict[int, float] = field(default_factory=dict)  # batch size -> EMA seconds of a plain step
     fixed: float = field(init=False)
     per_token: float = field(init=False)
@@ -484,17 +491,21 @@ class StepCost:
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         old = self.plain_s.get(batch_size)
-        self.plain_s[batch_size] = (
-            seconds if old is None else (1 - self.plain_ema) * old + self.plain_ema * seconds
-        )
+        if old is None:
+            self.plain_s[batch_size] = seconds
+            return
+        seconds = min(max(seconds, 0.5 * old), 2.0 * old)
+        self.plain_s[batch_size] = (1 - self.plain_ema) * old + self.plain_ema * seconds
 
     def observe(self, batch_size: int, num_verifying: int, num_drafts: int, seconds: float) -> None:
         """A step where `num_verifying` of `batch_size` decoding requests verified `num_drafts` drafts."""
         base = self.plain_seconds(batch_size)
         if base is None or base <= 0 or num_verifying <= 0:
             return
-        y = seconds / base - 1.0
         x1, x2 = float(num_verifying), float(num_drafts)
+        predicted = self.fixed * x1 + self.per_token * x2
+        bound = self.max_residual * x1
+        y = predicted + min(max(seconds / base - 1.0 - predicted, -bound), bound)
         d = self.decay
         sxx, sxy = self._sxx, self._sxy
         sxx[0], sxx[1], sxx[2] = d * sxx[0] + x1 * x1, d * sxx[1] + x1 * x2, d * sxx[2] + x2 * x2
