@@ -28,7 +28,6 @@ from kernels.int4_matmul import (
     int4_matmul,
     int4_matmul_cpu,
     pack_int4,
-    to_cpu_layout,
 )
 from kernels.int8_matmul import int8_matmul
 
@@ -67,9 +66,20 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per output row: ``w ~= q * scale``, q in [-127, 127]."""
     # contiguous: elementwise ops keep their input's strides, and the packed int8 kernel rejects a
     # strided weight (a linear whose weight is a view of a prepacked copy, engine/packed.py)
-    w = weight.float().contiguous()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    scales = torch.empty(n, dtype=torch.float32, device=w.device)
+
+    def fit(r: int) -> None:
+        chunk = w[r : r + rows].float()
+        s = (chunk.abs().amax(dim=1) / 127).clamp_(min=1e-12)
+        scales[r : r + rows] = s
+        q[r : r + rows] = (chunk / s[:, None]).round_().clamp_(-127, 127)
+
+    # one pass per cache-sized chunk instead of five over a 113 MB head (same values either way)
+    rows = _chunk_rows(k) if w.device.type == "cpu" else n
+    _parallel_chunks(fit, range(0, n, rows))
     return q, scales.to(weight.dtype)
 
 
@@ -138,22 +148,58 @@ def _fit_int4_groups(
     return torch.where(keep, best_s, min_max), torch.where(keep, best_lo, lo)
 
 
+# torch runs an op on fewer than this many elements on the calling thread (at::internal::GRAIN_SIZE),
+# so chunks below it need no change to torch's (process-wide) thread count to stay single-threaded
+_SERIAL_ELEMENTS = 32768
+
+
+def _chunk_rows(k: int) -> int:
+    """Rows of width ``k`` per chunk: small enough that every op on it runs serially and stays in cache."""
+    return max(1, (_SERIAL_ELEMENTS - 1) // k)
+
+
 def _parallel_chunks(fn: Callable[[int], None], starts: Iterable[int]) -> None:
-    """``fn(start)`` for every start on as many Python threads as torch has intra-op threads, each
-    running torch single-threaded (its kernels release the GIL); torch's thread count is put back."""
-    threads = torch.get_num_threads()
+    """``fn(start)`` for every start, on as many Python threads as torch has intra-op threads (its
+    kernels release the GIL). Each chunk's ops are too small for torch to split across threads, which
+    on a busy machine made every op wait for its slowest thread (~4x slower than one thread). torch's
+    thread count is left alone: it is process-wide, and a thread that first runs torch while it is
+    lowered keeps the lowered count for good."""
     starts = list(starts)
-    if threads <= 1 or len(starts) <= 1:
+    workers = min(torch.get_num_threads(), len(starts))
+    if workers <= 1:
         for start in starts:
             fn(start)
         return
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(min(threads, len(starts))) as pool:
-            for _ in pool.map(fn, starts):  # re-raises the first error
-                pass
-    finally:
-        torch.set_num_threads(threads)
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in pool.map(fn, starts):  # re-raises the first error
+            pass
+
+
+def _off_grid(w: torch.Tensor) -> torch.Tensor:
+    """Rows of ``w`` [R, G] that min/max scaling does not reproduce: a row whose values already sit on
+    16 evenly spaced levels from its min to its max (weights that were int4 before, e.g. a dequantised
+    GGUF Q4 tensor at this group size) has no error under min/max, so no search can improve on it."""
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # aminmax(dim) parallelises badly
+    step = ((hi - lo) / 15).clamp_(min=1e-12)
+    t = (w - lo).div_(step)
+    return (t - t.round()).abs_().amax(-1) > 1e-3
+
+
+def _on_int4_grid(weight: torch.Tensor, group_size: int) -> bool:
+    """Whether every group of ``weight`` [N, K] (K a multiple of ``group_size``) is on its min/max grid."""
+    n, k = weight.shape
+    if k % group_size or not weight.is_cpu:
+        return False
+    rows = _chunk_rows(k)
+    off = False
+
+    def check(r: int) -> None:
+        nonlocal off
+        if not off:  # the first off-grid chunk settles it; the rest return at once
+            off = bool(_off_grid(weight[r : r + rows].float().reshape(-1, group_size)).any())
+
+    _parallel_chunks(check, range(0, n, rows))
+    return not off
 
 
 def quantize_int4(
@@ -163,47 +209,78 @@ def quantize_int4(
 
     ``search=False``: each group's [min, max] maps onto the 16 levels. ``search=True`` (default): a
     per-group scale/offset search that minimises the reconstruction error (``_fit_int4_groups``), weighted
-    per input channel by ``importance`` [K] when given (e.g. mean squared activations, AWQ-style).
-    Returns ``qweight`` uint8 ``[N, Kp // 2]`` and ``scales_and_zeros`` ``[Kp // group, N, 2]`` with
-    ``w ~= (q - 8) * scale + zero`` (the tinygemm convention); K is zero-padded up to the group size and
-    the padding (never multiplied by real inputs) does not count in the search.
+    per input channel by ``importance`` [K] when given (e.g. mean squared activations, AWQ-style); groups
+    that min/max already reproduces exactly skip it. Returns ``qweight`` uint8 ``[N, Kp // 2]`` and
+    ``scales_and_zeros`` ``[Kp // group, N, 2]`` with ``w ~= (q - 8) * scale + zero`` (the tinygemm
+    convention); K is zero-padded up to the group size and the padding (never multiplied by real inputs)
+    does not count in the search.
     """
+    q, scales_and_zeros = _quantize_int4_values(weight, group_size, search, importance, torch.uint8)
+    return pack_int4(q), scales_and_zeros
+
+
+def _quantize_int4_values(
+    weight: torch.Tensor,
+    group_size: int,
+    search: bool,
+    importance: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int4`` without the packing: q ``[N, Kp]`` in ``dtype`` (int32 is what PyTorch's CPU
+    int4 packing takes, so that path never packs and unpacks our layout) and ``scales_and_zeros``."""
     n, k = weight.shape
     kp = -(-k // group_size) * group_size
     groups = kp // group_size
-    w = torch.nn.functional.pad(weight.float(), (0, kp - k)).view(n, groups, group_size)
+    w = weight.detach()
+    if kp != k:
+        w = torch.nn.functional.pad(w, (0, kp - k))
+    imp = None
     if search:
         imp = torch.ones(k) if importance is None else importance.float().cpu().clamp(min=0)
         imp = torch.nn.functional.pad(imp.to(w.device), (0, kp - k)).view(1, groups, group_size)
-        scales = torch.empty(n, groups, 1, device=w.device)
-        lo = torch.empty_like(scales)
+    q = torch.empty(n, kp, dtype=dtype, device=w.device)
+    scales = torch.empty(n, groups, device=w.device)
+    lo = torch.empty_like(scales)
 
-        def fit(r: int) -> None:
-            chunk = w[r : r + rows]
-            s, m = _fit_int4_groups(
-                chunk.reshape(-1, group_size), imp.expand_as(chunk).reshape(-1, group_size)
-            )
-            scales[r : r + rows], lo[r : r + rows] = s.view(-1, groups, 1), m.view(-1, groups, 1)
-
-        if w.device.type == "cpu":
-            # chunks that stay in cache (the search makes ~100 passes over each), one single-threaded
-            # chunk per core at a time: each op on a 64k-value chunk is too small to split across
-            # threads, and on a busy machine every parallel op waits for its slowest (descheduled)
-            # thread, which made the search ~4x slower with 2 threads than with 1
-            rows = max(1, (1 << 16) // kp)
-            _parallel_chunks(fit, range(0, n, rows))
+    def fit(r: int) -> None:
+        chunk = w[r : r + rows].float().view(-1, groups, group_size)
+        flat = chunk.reshape(-1, group_size)
+        if imp is None:
+            lo_c, hi_c = flat.amin(-1), flat.amax(-1)
+            s_c = ((hi_c - lo_c) / 15).clamp_(min=1e-12)
         else:
-            rows = max(1, (1 << 24) // kp)  # a GPU wants few, large launches
-            for r in range(0, n, rows):
-                fit(r)
-        scales, lo = scales.squeeze(-1), lo.squeeze(-1)
+            imps = imp.expand_as(chunk).reshape(-1, group_size)
+            # padded groups (K not a multiple of the group) never sit on a grid that spans their zeros
+            todo = _off_grid(flat) if kp == k else torch.ones(len(flat), dtype=torch.bool, device=w.device)
+            if bool(todo.all()):
+                s_c, lo_c = (t.squeeze(-1) for t in _fit_int4_groups(flat, imps))
+            else:
+                lo_c, hi_c = flat.amin(-1), flat.amax(-1)
+                s_c = ((hi_c - lo_c) / 15).clamp_(min=1e-12)
+                if bool(todo.any()):
+                    idx = todo.nonzero().squeeze(-1)
+                    s_t, lo_t = _fit_int4_groups(flat[idx], imps[idx])
+                    s_c[idx], lo_c[idx] = s_t.squeeze(-1), lo_t.squeeze(-1)
+        scales[r : r + rows], lo[r : r + rows] = s_c.view(-1, groups), lo_c.view(-1, groups)
+        qc = (flat - lo_c[:, None]).div_(s_c[:, None]).round_().clamp_(0, 15)
+        q[r : r + rows] = qc.view(-1, kp)
+
+    # a GPU wants few, large launches; on CPU chunks that stay in cache (the search makes ~100 passes
+    # over each), one single-threaded chunk per torch thread at a time (``_parallel_chunks``)
+    rows = _chunk_rows(kp) if w.device.type == "cpu" else max(1, (1 << 24) // kp)
+    if w.device.type == "cpu":
+        _parallel_chunks(fit, range(0, n, rows))
     else:
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        scales = ((hi - lo) / 15).clamp(min=1e-12)
-    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+        for r in range(0, n, rows):
+            fit(r)
     zeros = lo + 8 * scales
     scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous().to(weight.dtype)
-    return pack_int4(q.view(n, kp)), scales_and_zeros
+    return q, scales_and_zeros
+
+
+def _int4pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
+    """int32 values in [0, 15] ``[N, Kp]`` -> PyTorch's CPU int4 layout (what ``to_cpu_layout`` gives)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
 
 
 class Int8Linear(nn.Module):
@@ -273,14 +350,22 @@ class Int4Linear(nn.Module):
         *,
         search: bool = True,
         importance: torch.Tensor | None = None,
+        cpu_layout: bool = False,
     ) -> Int4Linear:
+        """``cpu_layout``: hold the weight in PyTorch's CPU kernel layout where it can (``use_cpu_layout``),
+        converted straight from the quantized values rather than through our packed layout."""
         w = linear.weight.detach()
         module = cls(
             linear.in_features, linear.out_features, linear.bias is not None, group_size, w.dtype, w.device
         )
-        module.qweight, module.scales_and_zeros = quantize_int4(
-            w, group_size, search=search, importance=importance
+        cpu_layout = cpu_layout and w.is_cpu and cpu_int4_supported(module.out_features, w.dtype)
+        q, module.scales_and_zeros = _quantize_int4_values(
+            w, group_size, search, importance, torch.int32 if cpu_layout else torch.uint8
         )
+        if cpu_layout:
+            module.qweight, module.cpu_layout = _int4pack_for_cpu(q), True
+        else:
+            module.qweight = pack_int4(q)
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return module
@@ -292,7 +377,11 @@ class Int4Linear(nn.Module):
             and self.qweight.is_cpu
             and cpu_int4_supported(self.out_features, self.scales_and_zeros.dtype)
         ):
-            self.qweight, self.cpu_layout = to_cpu_layout(self.qweight), True
+            # ``to_cpu_layout`` unpacked through torch.stack; writing the two nibble planes into one
+            # int32 tensor is the same values at a fraction of the cost (a checkpoint load does all layers)
+            q = torch.empty(self.qweight.shape[0], self.qweight.shape[1] * 2, dtype=torch.int32)
+            q[:, 0::2], q[:, 1::2] = self.qweight & 15, self.qweight >> 4
+            self.qweight, self.cpu_layout = _int4pack_for_cpu(q), True
         elif not enable and self.cpu_layout:
             self.qweight, self.cpu_layout = from_cpu_layout(self.qweight), False
 
@@ -339,11 +428,13 @@ def _make_quantized(
 ) -> nn.Module:
     if scheme.method == "int8":
         return Int8Linear.from_linear(linear)
-    module = Int4Linear.from_linear(
-        linear, scheme.group_size or DEFAULT_INT4_GROUP_SIZE, search=search, importance=importance
+    return Int4Linear.from_linear(
+        linear,
+        scheme.group_size or DEFAULT_INT4_GROUP_SIZE,
+        search=search,
+        importance=importance,
+        cpu_layout=True,
     )
-    module.use_cpu_layout()
-    return module
 
 
 def quantize_model(
@@ -381,23 +472,53 @@ def quantize_model(
         if chosen[name].method == "none":
             return linear
         weights = importance.get(name) if isinstance(importance, dict) else None
-        return _make_quantized(linear, chosen[name], search, weights)
+        # min/max is exact on a grid layer: the search could only find the same fit again
+        return _make_quantized(linear, chosen[name], search and name not in on_grid, weights)
 
+    patterns = [re.compile(p) for p in skip]
+
+    def include(name: str) -> bool:
+        return not any(p.search(name) for p in patterns)
+
+    on_grid: set[str] = set()
+    off_grid = False
+    if scheme.method == "int4" and search:
+        on_grid, off_grid = _layers_on_grid(model, scheme, head_scheme, include)
     if importance == "auto":
         # the head's inputs only when the head is int4 too: its product is a fifth of the prefill
         importance = (
             _random_token_importance(model, head=head_scheme.method == "int4")
-            if scheme.method == "int4"
+            if scheme.method == "int4" and search and off_grid
             else None
         )
     elif isinstance(importance, str):
         raise ValueError(f"importance must be a dict, 'auto' or None, not {importance!r}")
-    patterns = [re.compile(p) for p in skip]
     with torch.no_grad():
-        _swap_linears(model, make, lambda name: not any(p.search(name) for p in patterns))
+        _swap_linears(model, make, include)
     model.quant_scheme = scheme
     model.quantized_modules = {n: str(s) for n, s in chosen.items() if s.method != "none"}
     return model
+
+
+def _layers_on_grid(
+    model: nn.Module, scheme: QuantScheme, head: QuantScheme, include: Callable[[str], bool]
+) -> tuple[set[str], bool]:
+    """(names of linears that become int4 and whose groups all sit on their min/max grid already, e.g. a
+    dequantised Q4 checkpoint at this group size; whether some int4 linear has an off-grid group). Grid
+    layers need no search (min/max reproduces them exactly), so when no layer is off the grid the
+    calibration prefill that weighs the search is skipped too; the first off-grid layer ends the scan."""
+    on_grid: set[str] = set()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, nn.Linear) or not include(name):
+                continue
+            chosen = head if name == "lm_head" else scheme
+            if chosen.method != "int4":
+                continue
+            if not _on_int4_grid(module.weight, chosen.group_size or DEFAULT_INT4_GROUP_SIZE):
+                return on_grid, True
+            on_grid.add(name)
+    return on_grid, False
 
 
 CALIBRATION_TOKENS = 512

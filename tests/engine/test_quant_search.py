@@ -73,3 +73,63 @@ def test_importance_leaves_out_the_head_unless_it_is_int4_too() -> None:
     assert "lm_head" in full and "lm_head" not in body
     assert body.keys() == full.keys() - {"lm_head"}
     assert all(torch.equal(body[k], full[k]) for k in body)
+
+
+def _on_grid_weights(n: int, k: int, group: int, seed: int) -> torch.Tensor:
+    """Weights that were int4 at ``group`` already (as a dequantised GGUF Q4_1 tensor): every group
+    holds 16 evenly spaced levels from its min to its max, both used."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // group, group), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    scale = torch.rand(n, k // group, 1, generator=g) * 0.01 + 1e-3
+    lo = torch.randn(n, k // group, 1, generator=g) * 0.02 - 7 * scale
+    return (q * scale + lo).view(n, k)
+
+
+def test_groups_on_their_grid_come_back_exactly_and_the_rest_are_searched() -> None:
+    w, imp = _weights(200, 256, seed=3)
+    grid = _on_grid_weights(200, 256, 32, seed=4)
+    mixed = torch.where(torch.arange(200)[:, None] % 3 == 0, grid, w)  # a third of the rows on the grid
+    qweight, sz = quantize_int4(mixed, 32, importance=imp)
+    back = dequantize_int4(qweight, sz, 32)
+    rows = torch.arange(200) % 3 == 0
+    assert torch.allclose(back[rows], grid[rows], atol=1e-6)
+    # off-grid rows: exactly what the search gives on its own
+    qweight_w, sz_w = quantize_int4(w[~rows], 32, importance=imp)
+    assert torch.equal(back[~rows], dequantize_int4(qweight_w, sz_w, 32))
+
+
+def test_a_model_already_on_the_grid_skips_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import quant
+    from engine.config import tiny_config
+    from engine.weights import build_model
+
+    model = build_model(tiny_config(), None, dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                n, k = module.weight.shape
+                module.weight.copy_(_on_grid_weights(n, k, 32, seed=n + k))
+    calls = []
+    real = quant._random_token_importance
+    monkeypatch.setattr(quant, "_random_token_importance", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    quant.quantize_model(model, "int4-g32", head=None)
+    assert calls == []  # every int4 layer is on its grid: nothing to weigh
+    model2 = build_model(tiny_config(), None, dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    quant.quantize_model(model2, "int4-g32", head=None)
+    assert calls == [1]  # random weights are off the grid: calibrated
+
+
+def test_quantizing_leaves_torchs_thread_count_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's thread count is process-wide: a thread that first runs torch while it is lowered keeps
+    # the lowered count for good, so the search must not lower it even briefly
+    w, imp = _weights(700, 320, seed=2)
+
+    def refuse(_: int) -> None:
+        raise AssertionError("quantization changed torch's thread count")
+
+    monkeypatch.setattr(torch, "set_num_threads", refuse)
+    quantize_int4(w, 64, importance=imp)
+    from engine.quant import quantize_int8
+
+    quantize_int8(w)
