@@ -267,8 +267,10 @@ class RedisStreamQueue:
         self._group_ready = False
         self.drained = True
         self._pump: asyncio.Task[None] | None = None
-        self._data = asyncio.Event()  # something to send: buffered events, or a spool to forward
-        self._full = asyncio.Event()  # the flush window is over, or the buffer is full
+        # The pump flushes when kicked: at the end of a flush window (a timer armed by the first event
+        # put into an empty window), when the buffer is full, or to retry after a failure.
+        self._kick = asyncio.Event()
+        self._window: asyncio.TimerHandle | None = None
         self._flush_lock = asyncio.Lock()
         self.spool = spool
         # Lines a previous process spooled and never forwarded are sent first.
@@ -288,10 +290,20 @@ class RedisStreamQueue:
         else:
             self._buffer.append(encode(event))
             if len(self._buffer) >= self.FULL_BUFFER:
-                self._full.set()
-        self._data.set()
+                self._kick.set()
+        if self._window is None:
+            # The first event of a window waits at most one flush interval for its XADD.
+            self._window = asyncio.get_running_loop().call_later(self._flush_interval, self._window_end)
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+
+    def _window_end(self) -> None:
+        self._window = None
+        # Under load a shared-state pipeline usually took the window's events already (take_entry):
+        # then the pump is not even woken. (It used to wake every interval, idle or not: 50 times
+        # a second, each costing more CPU than the XADD it usually skipped.)
+        if self._buffer or self.spooling:
+            self._kick.set()
 
     def take_entry(self) -> tuple[str, bytes] | None:
         """The buffered events as one stream entry, for a shared-state pipeline that is about to go
@@ -315,28 +327,12 @@ class RedisStreamQueue:
         self._riding -= 1
         # Appended, never put in front: a flush in progress removes its batch from the front.
         self._buffer.extend(entry.split(b"\n"))
-        self._data.set()
-        self._full.set()
+        self._kick.set()
 
     async def _run_pump(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            if not self._buffer and not self.spooling:
-                # Nothing to send: sleep until `put` has something. (It used to wake every flush
-                # interval regardless: 50 wake-ups a second, idle or not, each costing more CPU
-                # than the XADD it usually skipped.)
-                self._data.clear()
-                await self._data.wait()
-            if len(self._buffer) < self.FULL_BUFFER:
-                # Let one flush window's events gather: the first of them waits at most this long.
-                # A timer and an event, not asyncio.wait_for (a task per wait, a cancellation per
-                # timeout).
-                self._full.clear()
-                timer = loop.call_later(self._flush_interval, self._full.set)
-                try:
-                    await self._full.wait()
-                finally:
-                    timer.cancel()
+            await self._kick.wait()
+            self._kick.clear()
             try:
                 await self.flush()
             except asyncio.CancelledError:
@@ -347,10 +343,15 @@ class RedisStreamQueue:
                     log.warning("usage events cannot reach Redis (%s); %s", exc.__class__.__name__, where)
                     self._failing = True
                 await asyncio.sleep(self._retry_s)
+                self._kick.set()  # retry without waiting for new events
                 continue
             if self._failing:
                 log.warning("usage events reach Redis again")
                 self._failing = False
+            if (self._buffer or self.spooling) and self._window is None:
+                # Lines the disk has not taken yet keep the spool from being forwarded: another window.
+                loop = asyncio.get_running_loop()
+                self._window = loop.call_later(self._flush_interval, self._window_end)
 
     async def flush(self) -> None:
         """Push spooled, then buffered events to the stream. If Redis is unreachable, what is
@@ -444,6 +445,9 @@ class RedisStreamQueue:
                 await pipe.execute()
 
     async def close(self) -> None:
+        if self._window is not None:
+            self._window.cancel()
+            self._window = None
         if self._pump is not None:
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):

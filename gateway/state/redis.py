@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 try:
     import hiredis
@@ -462,12 +462,36 @@ class RedisState(Shortcuts):
     ) -> list[Any]:
         # EVALSHA by hand: redis-py's Script objects on a pipeline send SCRIPT EXISTS before every
         # execute, a second round trip on every admission. A rider's XADD goes last; its result too.
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for script, keys, args, _ in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            if ride is not None:
-                pipe.xadd(ride[0], {"e": ride[1]})
-            return list(await pipe.execute(raise_on_error=False))
+        commands: list[tuple[Any, ...]] = [
+            ("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args, _ in calls
+        ]
+        if ride is not None:
+            commands.append(("XADD", ride[0], "*", "e", ride[1]))
+        return await self._pipeline(commands)
+
+    async def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send `commands` in one write on one pooled connection and read their replies; an error
+        reply is returned in its place, as `pipeline.execute(raise_on_error=False)` does. redis-py's
+        Pipeline object cost about 80 us of CPU more per round trip here (its retry wrapper,
+        observability hooks and per-command bookkeeping), on every admission and settlement."""
+        pool = self._redis.connection_pool
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands))
+            results: list[Any] = []
+            for _ in commands:
+                try:
+                    results.append(await conn.read_response())
+                except ResponseError as exc:
+                    results.append(exc)
+            return results
+        except BaseException:
+            # Failed or cancelled part-way: replies may still be on their way, so this connection
+            # must not serve another caller.
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            await pool.release(conn)
 
     async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from gateway.accounting.events import UsageEvent, decode
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue
@@ -187,3 +188,32 @@ async def test_no_ride_while_the_pump_flushes_or_spools(tmp_path: Path) -> None:
     queue.entry_sent(taken[1])
     await queue.close()
     assert redis.events() == []  # taken, so not sent again by the queue
+
+
+async def test_the_pump_stays_asleep_when_riders_took_the_window(tmp_path: Path) -> None:
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=0.02, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
+    flushes = counting_flushes(queue)
+    for round_no in range(3):
+        queue.put(event(round_no))
+        taken = queue.take_entry()  # what a settlement pipeline does within the window
+        assert taken is not None
+        queue.entry_sent(taken[1])
+        await asyncio.sleep(0.05)
+    assert flushes[0] == 0 and redis.entries == []
+    await queue.close()
+
+
+async def test_state_pipeline_returns_error_replies_in_place(redis_prefix: str) -> None:
+    state = RedisState(client_from_url(REDIS_URL), prefix=redis_prefix)
+    key = f"{redis_prefix}p"
+    results = await state._pipeline([("SET", key, "a"), ("INCR", key), ("GET", key)])
+    assert results[0] in (b"OK", "OK") and isinstance(results[1], ResponseError) and results[2] == b"a"
+    # Cancelled while waiting for the replies: that connection is dropped, the next call is clean.
+    call = asyncio.ensure_future(state._pipeline([("BLPOP", f"{redis_prefix}none", "1")]))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert await state._pipeline([("GET", key)]) == [b"a"]
+    await state.close()
