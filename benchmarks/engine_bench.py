@@ -87,8 +87,11 @@ def decode_bytes_per_token(model: object) -> int:
 
     seen: set[int] = set()
     total = 0
+    params = dict(model.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
     for name, t in [*model.named_parameters(), *model.named_buffers()]:  # type: ignore[attr-defined]
         if "embed_tokens" in name or "rotary" in name or id(t) in seen or not isinstance(t, torch.Tensor):
+            continue
+        if name.endswith(".packed") and f"{name[: -len('packed')]}weight" in params:  # DualLinear's 2nd copy
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()
@@ -236,7 +239,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
-        "--packing", default="auto", choices=["auto", "on", "off"], help="Weir: oneDNN weight packing"
+        "--packing",
+        default="auto",
+        choices=["auto", "dual", "on", "off"],
+        help="Weir: CPU weight layout (engine/packed.py)",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)

@@ -16,15 +16,24 @@ decode step: 1 row 29.9 -> 26.0 ms, 5 rows (a speculative verification) 63 -> 45
 and a tied embedding keeps sharing the weight (a lookup from the column-major table is a strided
 gather: ~10 ms more for a 1024-token prompt, nothing for a decode step).
 
+On CPUs where MKL's few-row float32 kernels are weak (measured on a 2-core AMD EPYC/AVX2 VM: 5 rows
+cost 6x one row column-major, 2.2x one row oneDNN-packed), float32 linears keep both layouts
+(`DualLinear`): column-major for one row, oneDNN-packed for more (speculative verification, small
+batches). That doubles float32 weight memory, so `auto` does it only where a quick measurement at load
+shows oneDNN at least 1.3x faster for 4 rows; `dual` forces it.
+
 Like quantization, this is a module swap after loading: the model code does not change, and anything
 already swapped (a quantized linear) is left alone.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -38,6 +47,18 @@ def packing_available() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+@functools.cache
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack `dtype` weights on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""
+    if not packing_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), PACK_BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -64,6 +85,55 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 
 
+class DualLinear(PackedLinear):
+    """float32 `nn.Linear` with two layouts of one weight: column-major for a single row (MKL's GEMV
+    streams it fastest) and oneDNN-packed for several rows (far faster than MKL on some CPUs)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        column_major(linear)
+        self.weight = linear.weight  # the same Parameter: a tied embedding keeps sharing it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=column+onednn"
+
+
+@functools.cache
+def onednn_wins_for_few_rows(rows: int = 4, in_features: int = 512, out_features: int = 4096) -> bool:
+    """Whether oneDNN-packed float32 beats MKL over a column-major weight by 1.3x at `rows` rows on this
+    CPU (a wide layer, as a vocabulary head or an MLP up-projection, where the gap shows most). CPU time
+    of this thread, best of 5, so other processes' load hardly moves it (~40 ms)."""
+    weight = torch.randn(out_features, in_features)
+    x = torch.randn(rows, in_features)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    column = weight.t().contiguous().t()
+
+    def best(fn: object) -> float:
+        times = []
+        for _ in range(5):
+            start = time.thread_time()
+            for _ in range(4):
+                fn()  # type: ignore[operator]
+            times.append(time.thread_time() - start)
+        return min(times)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            mkl = best(lambda: F.linear(x, column))
+            onednn = best(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    finally:
+        torch.set_num_threads(threads)
+    log.debug("float32 at %d rows: MKL column-major %.2f ms, oneDNN %.2f ms", rows, mkl * 250, onednn * 250)
+    return onednn * 1.3 <= mkl
+
+
 def _matches(linear: nn.Linear, packed: PackedLinear) -> bool:
     """One check per model that the packed path computes what F.linear does (a wrong oneDNN build or
     an unsupported dtype must fall back, not serve garbage)."""
@@ -83,15 +153,19 @@ def column_major(linear: nn.Linear) -> bool:
     return True
 
 
+PACKING_MODES = ("auto", "dual", "on", "off")
+
+
 def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     """Lay out every plain CPU `nn.Linear` of `model` for fast CPU matmuls. Returns how many changed.
 
     mode: "auto" swaps bfloat16/float16 linears for `PackedLinear` (faster at every row count) and
-    stores float32 weights column-major (faster at every row count up to a prefill); "on" packs float32
-    for oneDNN too (faster for batches of 5-30 rows, slower for a lone stream); "off" changes nothing.
+    stores float32 weights column-major (faster at every row count up to a prefill), as `DualLinear`
+    where oneDNN is measured much faster for few rows; "dual" always makes float32 `DualLinear`; "on"
+    packs float32 for oneDNN only (faster for batches, slower for a lone stream); "off" changes nothing.
     """
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"unknown packing mode {mode!r}; choose auto, on or off")
+    if mode not in PACKING_MODES:
+        raise ValueError(f"unknown packing mode {mode!r}; choose one of {', '.join(PACKING_MODES)}")
     if mode == "off":
         return 0
     linears = [
@@ -100,28 +174,34 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
+    fp32 = [item for item in linears if item[2].weight.dtype == torch.float32]
+    half = [item for item in linears if item[2].weight.dtype in (torch.bfloat16, torch.float16)]
     changed = 0
-    if mode == "auto":
-        changed = sum(column_major(child) for _, _, child in linears if child.weight.dtype == torch.float32)
     if not packing_available():
-        return changed
-    targets: list[tuple[nn.Module, str, nn.Linear]] = [
-        (parent, name, child)
-        for parent, name, child in linears
-        if child.weight.dtype in (torch.bfloat16, torch.float16)
-        or (mode == "on" and child.weight.dtype == torch.float32)
-    ]
+        return sum(column_major(child) for _, _, child in fp32) if mode in ("auto", "dual") else 0
+    changed += _swap(half, PackedLinear)
+    if mode == "on":
+        return changed + _swap(fp32, PackedLinear)
+    if fp32 and (mode == "dual" or onednn_wins_for_few_rows()):
+        dual = _swap(fp32, DualLinear)
+        if dual:
+            return changed + dual
+    return changed + sum(column_major(child) for _, _, child in fp32)
+
+
+def _swap(targets: list[tuple[nn.Module, str, nn.Linear]], cls: type[PackedLinear]) -> int:
+    """Replace every target by `cls(target)` if the first one computes what F.linear does, else none."""
     if not targets:
-        return changed
-    parent, name, first = targets[0]
+        return 0
+    first = targets[0][2]
     try:
         ok = _matches(first, PackedLinear(first))
     except RuntimeError as exc:  # oneDNN without support for this dtype on this CPU
         log.info("weight packing unavailable here (%s); using F.linear", exc)
-        return changed
+        return 0
     if not ok:
         log.warning("packed linear disagrees with F.linear on this machine; using F.linear")
-        return changed
+        return 0
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return changed + len(targets)
+        setattr(parent, name, cls(child))
+    return len(targets)

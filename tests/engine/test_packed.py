@@ -9,15 +9,19 @@ import pytest
 import torch
 from torch import nn
 
+import engine.packed
 from engine.llm_engine import LLMEngine, resolve_dtype
-from engine.packed import PackedLinear, pack_linears, packing_available
+from engine.packed import DualLinear, PackedLinear, pack_linears, packing_available, packing_supported
 from engine.quant import Int8Linear
 from engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+# oneDNN packs bfloat16 only on CPUs with AVX-512 or AVX-NE-CONVERT (not on an AVX2-only AMD EPYC)
+BF16_PACKS = packing_supported(torch.bfloat16)
+needs_bf16_packing = pytest.mark.skipif(not BF16_PACKS, reason="oneDNN cannot pack bfloat16 on this CPU")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_packing)])
 @pytest.mark.parametrize("rows", [1, 3, 32, 200])
 def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     torch.manual_seed(rows)
@@ -34,12 +38,13 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     torch.testing.assert_close(packed(x3).float(), linear(x3).float(), rtol=tol, atol=tol * 10)
 
 
-def test_swap_modes_and_quantized_layers_untouched() -> None:
+def test_swap_modes_and_quantized_layers_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: False)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
     model[1] = Int8Linear.from_linear(nn.Linear(64, 64))
     assert pack_linears(model, "off") == 0
-    assert pack_linears(model, "auto") == 1
-    assert isinstance(model[0], PackedLinear) and isinstance(model[1], Int8Linear)
+    assert pack_linears(model, "auto") == int(BF16_PACKS)  # where it cannot pack, bf16 stays as it is
+    assert type(model[0]) is (PackedLinear if BF16_PACKS else nn.Linear) and isinstance(model[1], Int8Linear)
 
     fp32 = nn.Sequential(nn.Linear(64, 32))
     x = torch.randn(3, 64)
@@ -53,15 +58,47 @@ def test_swap_modes_and_quantized_layers_untouched() -> None:
         pack_linears(fp32, "sometimes")
 
 
-def test_column_major_keeps_a_tied_embedding_shared() -> None:
+@pytest.mark.parametrize("rows", [1, 2, 5, 32])
+def test_dual_linear_uses_both_layouts_and_matches_f_linear(rows: int) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=True)
+    want_weight = linear.weight.detach().clone()
+    x = torch.randn(rows, 96)
+    want = linear(x)
+    dual = DualLinear(linear)
+    assert dual.weight is linear.weight and dual.weight.stride() == (1, 160)  # column-major, in place
+    torch.testing.assert_close(dual.weight, want_weight, rtol=0, atol=0)
+    torch.testing.assert_close(dual(x), want, rtol=1e-5, atol=1e-5)
+    assert dual(x.unsqueeze(0)).shape == (1, rows, 160)
+
+
+@pytest.mark.parametrize(("wins", "expected"), [(True, DualLinear), (False, nn.Linear)])
+def test_auto_keeps_two_float32_layouts_only_where_onednn_wins(
+    monkeypatch: pytest.MonkeyPatch, wins: bool, expected: type
+) -> None:
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: wins)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+    assert pack_linears(model, "auto") == 2
+    assert type(model[0]) is type(model[1]) is expected
+    forced = nn.Sequential(nn.Linear(64, 32))
+    assert pack_linears(forced, "dual") == 1 and isinstance(forced[0], DualLinear)
+
+
+def test_onednn_few_row_probe_returns_a_decision() -> None:
+    assert isinstance(engine.packed.onednn_wins_for_few_rows(2, 64, 256), bool)
+
+
+@pytest.mark.parametrize("mode", ["auto", "dual"])
+def test_column_major_keeps_a_tied_embedding_shared(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: False)
     embed = nn.Embedding(100, 16)
     head = nn.Linear(16, 100, bias=False)
     head.weight = embed.weight
     model = nn.ModuleDict({"embed": embed, "head": head})
     ids = torch.tensor([3, 99, 0])
     rows, logits = embed(ids), head(torch.ones(2, 16))
-    assert pack_linears(model, "auto") == 1
-    assert embed.weight is head.weight and embed.weight.stride() == (1, 100)
+    assert pack_linears(model, mode) == 1
+    assert embed.weight is head.weight is model["head"].weight and embed.weight.stride() == (1, 100)
     torch.testing.assert_close(embed(ids), rows, rtol=0, atol=0)
     torch.testing.assert_close(head(torch.ones(2, 16)), logits)
 
@@ -72,11 +109,13 @@ def test_engine_greedy_output_is_the_same_packed_or_not(make_engine: Callable[..
     plain = make_engine(packing="off")
     packed = make_engine(packing="on")
     column_major = make_engine(packing="auto")
+    dual = make_engine(packing="dual")
     assert plain.num_packed_linears == 0 and packed.num_packed_linears > 0
-    assert column_major.num_packed_linears > 0
+    assert column_major.num_packed_linears > 0 and dual.num_packed_linears > 0
     expected = plain.generate(prompts, params)
     assert packed.generate(prompts, params) == expected
     assert column_major.generate(prompts, params) == expected
+    assert dual.generate(prompts, params) == expected
 
 
 def test_auto_dtype_follows_the_hardware() -> None:
