@@ -10,6 +10,7 @@ and zero points, two values per byte). ``save_quantized``/``load_quantized`` wri
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -24,7 +25,6 @@ from torch import nn
 from kernels._triton import use_triton
 from kernels.int4_matmul import (
     cpu_int4_supported,
-    from_cpu_layout,
     int4_matmul,
     int4_matmul_cpu,
     pack_int4,
@@ -278,6 +278,28 @@ def _quantize_int4_values(
     return q, scales_and_zeros
 
 
+@functools.lru_cache(maxsize=8)
+def _cpu_layout_source(n: int, kp: int) -> torch.Tensor:
+    """For every nibble of PyTorch's CPU int4 layout of an [n, kp] weight, the flat index of the value it
+    holds: learned by packing the bits of each element's own index, 4 at a time (the order is PyTorch's
+    private business), as ``kernels.int4_matmul.from_cpu_layout`` does, but once per shape (a model has a
+    handful of shapes and a hundred layers; probing each layer made saving SmolLM2 take minutes)."""
+    index = torch.arange(n * kp, dtype=torch.int32).view(n, kp)
+    source = torch.zeros(n * kp, dtype=torch.int32)
+    for shift in range(0, max(n * kp - 1, 1).bit_length(), 4):
+        probe = torch.ops.aten._convert_weight_to_int4pack_for_cpu((index >> shift) & 15, 1)
+        source |= torch.stack([probe & 15, probe >> 4], -1).flatten().int() << shift
+    return source
+
+
+def _from_cpu_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Our packed layout from PyTorch's CPU one (``kernels.int4_matmul.from_cpu_layout``, cached)."""
+    n, kp = packed.shape[0], packed.shape[1] * 2
+    values = torch.empty(n * kp, dtype=torch.uint8)
+    values[_cpu_layout_source(n, kp).long()] = torch.stack([packed & 15, packed >> 4], -1).flatten().cpu()
+    return pack_int4(values.view(n, kp)).to(packed.device)
+
+
 def _int4pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
     """int32 values in [0, 15] ``[N, Kp]`` -> PyTorch's CPU int4 layout (what ``to_cpu_layout`` gives)."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -383,7 +405,7 @@ class Int4Linear(nn.Module):
             q[:, 0::2], q[:, 1::2] = self.qweight & 15, self.qweight >> 4
             self.qweight, self.cpu_layout = _int4pack_for_cpu(q), True
         elif not enable and self.cpu_layout:
-            self.qweight, self.cpu_layout = from_cpu_layout(self.qweight), False
+            self.qweight, self.cpu_layout = _from_cpu_layout(self.qweight), False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_layout and x.is_cpu and not use_triton(x):
@@ -396,7 +418,7 @@ class Int4Linear(nn.Module):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.cpu_layout:
-            destination[prefix + "qweight"] = from_cpu_layout(self.qweight)
+            destination[prefix + "qweight"] = _from_cpu_layout(self.qweight)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         was_cpu_layout = self.cpu_layout

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.quant import INT4_SEARCH_STEPS, _fit_int4_groups, quantize_int4
-from kernels.int4_matmul import dequantize_int4
+from kernels.int4_matmul import HAS_INT4PACK_CPU, dequantize_int4, from_cpu_layout, pack_int4
 
 
 def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,3 +133,15 @@ def test_quantizing_leaves_torchs_thread_count_alone(monkeypatch: pytest.MonkeyP
     from engine.quant import quantize_int8
 
     quantize_int8(w)
+
+
+@pytest.mark.skipif(not HAS_INT4PACK_CPU, reason="this PyTorch has no CPU int4 kernel")
+def test_cached_unpacking_of_the_cpu_layout_matches_the_probing_one() -> None:
+    from engine.quant import _from_cpu_layout, _int4pack_for_cpu
+
+    for n, k in ((64, 96), (32, 256)):
+        q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n))
+        packed = _int4pack_for_cpu(q.int())
+        for _ in range(2):  # the second call uses the cached order
+            assert torch.equal(_from_cpu_layout(packed), from_cpu_layout(packed))
+        assert torch.equal(_from_cpu_layout(packed), pack_int4(q))
