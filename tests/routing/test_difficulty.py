@@ -23,6 +23,8 @@ def test_shipped_head_loads_with_its_metadata() -> None:
     assert len(head.meta["groups"]) == 57
     assert head.group_gain.shape == (57,)
     assert head.static_dim == 384
+    # Calibrated on cross-fitted scores (v3 recipe), not on the rows the head was trained on.
+    assert head.meta["config"]["calibration_folds"] >= 2
 
 
 def test_scores_are_probabilities_and_deterministic(classifier: DifficultyClassifier) -> None:

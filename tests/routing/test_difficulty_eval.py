@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.routing_eval import PROBE, auc, metrics, question_stem
+from benchmarks.routing_eval import PROBE, auc, blend_across_folds, metrics, question_stem, reliability
 from routing.train import load_mmlu
 
 
@@ -45,3 +45,27 @@ def test_the_probe_is_not_separable_by_length_alone() -> None:
     assert auc(lengths["hard"], lengths["easy"]) < 0.75
     assert lengths["easy"].max() > np.median(lengths["hard"]) > lengths["hard"].min()
     assert len({p for rows in PROBE.values() for _, p in rows}) == sum(len(r) for r in PROBE.values())
+
+
+def test_blend_across_folds_never_uses_a_folds_own_labels() -> None:
+    rng = np.random.default_rng(0)
+    components = rng.normal(size=(3000, 3))
+    target = (rng.random(3000) < 1 / (1 + np.exp(-components.sum(axis=1) + 1))).astype(float)
+    fold = rng.integers(0, 5, 3000)
+    (p,) = blend_across_folds(components, target, fold)
+    assert np.all((p > 0) & (p < 1))
+    # Flipping every label of fold 0 moves the other folds' scores, never fold 0's own.
+    flipped = np.where(fold == 0, 1 - target, target)
+    (q,) = blend_across_folds(components, flipped, fold)
+    np.testing.assert_array_equal(p[fold == 0], q[fold == 0])
+    assert not np.allclose(p[fold != 0], q[fold != 0])
+
+
+def test_reliability_of_a_calibrated_and_an_over_confident_score() -> None:
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0.0, 0.6, 20000)
+    outcome = rng.random(20000) < p
+    ece, cells = reliability(p, outcome)
+    assert ece < 0.02 and len(cells) == 10
+    over, _ = reliability(np.clip(2 * p - 0.1, 0, 1), outcome)
+    assert over > 0.08

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import routing.train as train_module
 from routing.difficulty import DifficultyHead, encode
 from routing.embed import StaticEmbedder
-from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, prompt_fold
+from routing.train import (
+    Outcomes,
+    TrainConfig,
+    cross_fitted_components,
+    fit_blend,
+    fit_head,
+    load_jsonl,
+    load_mmlu,
+    prompt_fold,
+)
 
 FAST = TrainConfig(epochs=15, sparse_buckets=1 << 16)
 
@@ -140,3 +151,49 @@ def test_sparse_part_learns_and_version_1_heads_still_load(
     np.testing.assert_allclose(
         DifficultyHead.load(tmp_path / "v1").p_strong(enc), old.p_strong(enc), atol=2e-3
     )
+
+
+def test_blend_is_calibrated_on_scores_from_heads_that_never_saw_the_row(
+    fixture_dir: Path, embedder: StaticEmbedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = load_mmlu(fixture_dir)
+    enc = encode(embedder, data.prompts)
+    cfg = TrainConfig(epochs=3, sparse_buckets=1 << 16, calibration_folds=3)
+    seen: list[set[str]] = []
+    fit_parts = train_module._fit_parts
+
+    def recording(d: Outcomes, e: object, c: TrainConfig) -> DifficultyHead:
+        seen.append(set(d.prompts))
+        return fit_parts(d, e, c)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train_module, "_fit_parts", recording)
+    components, _ = cross_fitted_components(data, enc, cfg, 3)
+    # One head per fold, and each fold's rows were left out of the head that scored them.
+    assert len(seen) == 3
+    fold = np.array([prompt_fold(p, 3) for p in data.prompts])
+    for k, trained_on in enumerate(seen):
+        assert not trained_on & {p for p, f in zip(data.prompts, fold, strict=True) if f == k}
+        assert len(trained_on) == (fold != k).sum()
+    monkeypatch.undo()
+    head = fit_head(data, enc, cfg)
+    target = (~data.weak & data.strong).astype(float)
+    np.testing.assert_allclose(head.blend, fit_blend(components, target), rtol=1e-5, atol=1e-6)
+    # The in-sample blend is a different fit (it sees the sparse part's near-memorised training rows).
+    in_sample = fit_head(data, enc, replace(cfg, calibration_folds=0))
+    assert not np.allclose(in_sample.blend, head.blend, rtol=1e-3)
+
+
+def test_fit_blend_weighs_components_equally_and_matches_the_base_rate() -> None:
+    rng = np.random.default_rng(0)
+    signal = rng.normal(size=5000)
+    components = np.stack([signal, 10 * (signal + rng.normal(size=5000))], axis=1)
+    target = (rng.random(5000) < 1 / (1 + np.exp(-(signal - 1.5)))).astype(float)
+    blend = fit_blend(components, target)
+    # Equal weight after scaling each component to unit spread.
+    np.testing.assert_allclose(
+        blend[0] * components[:, 0].std(), blend[1] * components[:, 1].std(), rtol=1e-5
+    )
+    assert blend[0] > 0
+    # Platt scaling with a bias: the mean predicted probability equals the observed rate.
+    p = 1 / (1 + np.exp(-(components @ blend[:-1] + blend[-1])))
+    assert p.mean() == pytest.approx(target.mean(), abs=2e-3)
