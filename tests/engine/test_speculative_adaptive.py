@@ -84,7 +84,7 @@ def test_poor_acceptance_costs_under_5_percent_after_the_first_request() -> None
     # pull its estimate down within a few steps (a weak, decaying Beta prior), a quarter of one draft
     # accepted does not pay for a verification's fixed cost, and rejected probes space out: here the
     # match length says nothing (every bucket accepts 25%), the case where those rates are noisiest.
-    # With probes every 8 steps instead of 16 this verifies 37-62 times over the 8 requests, not 22-35
+    # With probes every 8 steps instead of 16 this verifies 37-53 times over the 8 requests, not 22-35
     results = [run_request(spec, f"b{i}", rng) for i in range(8)]
     assert spec._k == {}  # each request forgotten at its end
     verifying = sum(v for _, v in results)
