@@ -311,6 +311,9 @@ class LLMEngine:
             return outputs
         tuner, num_tokens = self.thread_tuner, sum(batch.num_tokens)
         threads = tuner.choose(num_tokens) if tuner else 0
+        # a step on the thread count being tried is timed for the tuner only: under load such a step
+        # can take 10-30x a normal one, and the speculator would price every draft by it
+        exploring = tuner.exploring(num_tokens) if tuner else False
         if tuner:
             torch.set_num_threads(threads)
         started = time.perf_counter()
@@ -322,7 +325,7 @@ class LLMEngine:
         elapsed = time.perf_counter() - started
         if tuner:
             tuner.record(num_tokens, threads, elapsed)
-        if self.speculator:
+        if self.speculator and not exploring:
             self.speculator.end_step(batch.seqs, batch.num_tokens, elapsed)
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results, strict=True):
             if res.spec_logits is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,46 +62,58 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return True
 
 
+def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+
+
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: int
+) -> torch.Tensor:
+    shape = x.shape
+    y = torch.ops.mkldnn._linear_pointwise(
+        x.reshape(-1, shape[-1]).contiguous(), packed, bias, "none", [], ""
+    )
+    return y.view(*shape[:-1], out)
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` whose weight lives only in oneDNN's blocked layout (no second copy)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
         # non-persistent: the blocked layout is a property of this machine, never of a checkpoint
-        self.register_buffer(
-            "packed", torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT), persistent=False
-        )
+        self.register_buffer("packed", _packed_weight(linear.weight), persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias, "none", [], ""
-        )
-        return out.view(*shape[:-1], self.out_features)
+        return _onednn_linear(x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 
 
-class DualLinear(PackedLinear):
+class DualLinear(nn.Linear):
     """float32 `nn.Linear` with two layouts of one weight: column-major for a single row (MKL's GEMV
-    streams it fastest) and oneDNN-packed for several rows (far faster than MKL on some CPUs)."""
+    streams it fastest) and oneDNN-packed for several rows (far faster than MKL on some CPUs). Still an
+    `nn.Linear` with the same weight Parameter, so quantization and anything else that looks for
+    linears sees it as one (the packed copy goes with the module)."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__(linear)
+        nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate a fresh weight
+        self.in_features, self.out_features = linear.in_features, linear.out_features
         column_major(linear)
         self.weight = linear.weight  # the same Parameter: a tied embedding keeps sharing it
+        self.bias = linear.bias
+        self.register_buffer("packed", _packed_weight(linear.weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == self.in_features:
             return F.linear(x, self.weight, self.bias)
-        return super().forward(x)
+        return _onednn_linear(x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=column+onednn"
+        return f"{super().extra_repr()}, packed=column+onednn"
 
 
 @functools.cache
@@ -110,7 +123,7 @@ def onednn_wins_for_few_rows(rows: int = 4, in_features: int = 512, out_features
     of this thread, best of 5, so other processes' load hardly moves it (~40 ms)."""
     weight = torch.randn(out_features, in_features)
     x = torch.randn(rows, in_features)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    packed = _packed_weight(weight)
     column = weight.t().contiguous().t()
 
     def best(fn: object) -> float:
@@ -189,7 +202,7 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     return changed + sum(column_major(child) for _, _, child in fp32)
 
 
-def _swap(targets: list[tuple[nn.Module, str, nn.Linear]], cls: type[PackedLinear]) -> int:
+def _swap(targets: list[tuple[nn.Module, str, nn.Linear]], cls: Callable[[nn.Linear], nn.Module]) -> int:
     """Replace every target by `cls(target)` if the first one computes what F.linear does, else none."""
     if not targets:
         return 0

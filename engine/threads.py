@@ -59,6 +59,10 @@ class ThreadTuner:
         self._trying[b] = other
         return other
 
+    def exploring(self, num_tokens: int) -> bool:
+        """Whether the step `choose` just picked for this size runs on the other count as a try."""
+        return bucket(num_tokens) in self._trying
+
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         b = bucket(num_tokens)
         per_token = seconds / max(num_tokens, 1)

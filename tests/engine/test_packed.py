@@ -12,7 +12,7 @@ from torch import nn
 import engine.packed
 from engine.llm_engine import LLMEngine, resolve_dtype
 from engine.packed import DualLinear, PackedLinear, pack_linears, packing_available, packing_supported
-from engine.quant import Int8Linear
+from engine.quant import Int8Linear, quantize_model
 from engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
@@ -82,6 +82,16 @@ def test_auto_keeps_two_float32_layouts_only_where_onednn_wins(
     assert type(model[0]) is type(model[1]) is expected
     forced = nn.Sequential(nn.Linear(64, 32))
     assert pack_linears(forced, "dual") == 1 and isinstance(forced[0], DualLinear)
+
+
+def test_a_dual_linear_is_still_a_linear_to_quantization() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    x = torch.randn(4, 64)
+    want = model(x)
+    assert pack_linears(model, "dual") == 2 and isinstance(model[0], DualLinear)
+    quantize_model(model, "int8")
+    assert isinstance(model[0], Int8Linear) and isinstance(model[1], Int8Linear)
+    torch.testing.assert_close(model(x), want, rtol=0.05, atol=0.05)
 
 
 def test_onednn_few_row_probe_returns_a_decision() -> None:

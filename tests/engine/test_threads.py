@@ -36,6 +36,20 @@ def test_follows_the_faster_count_and_tries_the_other_less_and_less() -> None:
     assert tuner.best(1) == 2
 
 
+def test_exploring_marks_exactly_the_tries() -> None:
+    tuner = ThreadTuner(max_threads=2)
+    quiet = {2: 0.036, 1: 0.048}
+    flags = []
+    for _ in range(100):
+        threads = tuner.choose(1)
+        flags.append((threads, tuner.exploring(1)))
+        tuner.record(1, threads, quiet[threads])
+    tries = [i for i, (threads, exploring) in enumerate(flags) if exploring]
+    assert tries and all(flags[i][0] == 1 for i in tries)  # a try runs on the slower count
+    assert all(not exploring for threads, exploring in flags[2:] if threads == 2)
+    assert not tuner.exploring(1)  # a recorded try is over
+
+
 def test_moves_to_one_thread_when_load_arrives_and_back_when_it_leaves() -> None:
     tuner = ThreadTuner(max_threads=2)
     run(tuner, 100, {2: 0.036, 1: 0.048}.__getitem__)
