@@ -106,10 +106,16 @@ class DualLinear(nn.Linear):
         self.weight = linear.weight  # the same Parameter: a tied embedding keeps sharing it
         self.bias = linear.bias
         self.register_buffer("packed", _packed_weight(linear.weight), persistent=False)
+        self._packed_version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == self.in_features:
             return F.linear(x, self.weight, self.bias)
+        if self.weight._version != self._packed_version:
+            # the weight changed in place since it was packed (load_state_dict, a tied embedding's
+            # update): the copy follows, or the two layouts would disagree
+            self.packed = _packed_weight(self.weight)
+            self._packed_version = self.weight._version
         return _onednn_linear(x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:

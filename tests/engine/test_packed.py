@@ -84,6 +84,15 @@ def test_auto_keeps_two_float32_layouts_only_where_onednn_wins(
     assert pack_linears(forced, "dual") == 1 and isinstance(forced[0], DualLinear)
 
 
+def test_a_dual_linear_follows_its_weight_after_load_state_dict() -> None:
+    dual = DualLinear(nn.Linear(32, 48))
+    other = nn.Linear(32, 48)
+    dual.load_state_dict(other.state_dict())
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(dual(x), other(x), rtol=1e-5, atol=1e-5)  # the packed (multi-row) path
+    torch.testing.assert_close(dual(x[:1]), other(x[:1]), rtol=1e-5, atol=1e-5)
+
+
 def test_a_dual_linear_is_still_a_linear_to_quantization() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
     x = torch.randn(4, 64)
