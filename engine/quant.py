@@ -697,8 +697,14 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "meta":
+            continue
+        if t.is_mkldnn:  # oneDNN's opaque packed layout (engine/packed.py) has no storage to look at
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+            continue
         ptr = t.untyped_storage().data_ptr()
-        if t.device.type == "meta" or ptr in seen:
+        if ptr in seen:
             continue
         seen.add(ptr)
         total += t.untyped_storage().nbytes()

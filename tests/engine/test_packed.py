@@ -12,7 +12,7 @@ from torch import nn
 import engine.packed
 from engine.llm_engine import LLMEngine, resolve_dtype
 from engine.packed import DualLinear, PackedLinear, pack_linears, packing_available, packing_supported
-from engine.quant import Int8Linear, quantize_model
+from engine.quant import Int8Linear, quantize_model, weight_bytes
 from engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
@@ -101,6 +101,14 @@ def test_a_dual_linear_is_still_a_linear_to_quantization() -> None:
     quantize_model(model, "int8")
     assert isinstance(model[0], Int8Linear) and isinstance(model[1], Int8Linear)
     torch.testing.assert_close(model(x), want, rtol=0.05, atol=0.05)
+
+
+def test_weight_bytes_counts_opaque_packed_copies() -> None:
+    plain = nn.Sequential(nn.Linear(64, 32))
+    one = weight_bytes(plain)
+    assert one == (64 * 32 + 32) * 4
+    pack_linears(plain, "dual")
+    assert weight_bytes(plain) == one + 64 * 32 * 4  # the second, oneDNN-packed copy of the weight
 
 
 def test_onednn_few_row_probe_returns_a_decision() -> None:
