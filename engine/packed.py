@@ -146,7 +146,7 @@ def onednn_wins_for_few_rows(rows: int = 4, in_features: int = 512, out_features
     try:
         with torch.inference_mode():
             mkl = best(lambda: F.linear(x, column))
-            onednn = best(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+            onednn = best(lambda: _onednn_linear(x, packed, None, out_features))
     finally:
         torch.set_num_threads(threads)
     log.debug("float32 at %d rows: MKL column-major %.2f ms, oneDNN %.2f ms", rows, mkl * 250, onednn * 250)
