@@ -214,53 +214,35 @@ def main() -> None:
             warmup = max(1, args.warmup // concurrency) * concurrency
             served[server.name] = served.get(server.name, 0) + warmup + result.requests + result.errors
 
-        async def all_at_once(concurrency: int) -> list[Result]:
+        async def load(group: list[Server], concurrency: int) -> list[Result]:
             return list(
                 await asyncio.gather(
                     *(
                         run_load(s, concurrency, args.requests, args.duration, False, args.warmup)
-                        for s in servers
+                        for s in group
                     )
                 )
             )
 
+        # --together: every target loaded at the same time, each with `concurrency` connections: the
+        # neighbours' load then weighs on all of them alike, and CPU per request compares within one
+        # window instead of across windows seconds apart. Otherwise one target at a time.
+        groups = [servers] if args.together else [[server] for server in servers]
         for round_no in range(args.rounds):
-            if args.together:
-                # Every target loaded at the same time, each with `concurrency` connections: the
-                # neighbours' load then weighs on all of them alike, and CPU per request compares
-                # within one window instead of across windows seconds apart.
+            for group in groups:
+                names = "all" if args.together else group[0].name
                 for concurrency in levels:
                     print(
-                        f"round {round_no + 1}/{args.rounds}: all c={concurrency}",
+                        f"round {round_no + 1}/{args.rounds}: {names} c={concurrency}",
                         file=sys.stderr,
                         flush=True,
                     )
                     services_before = services_cpu_seconds()
-                    results = asyncio.run(all_at_once(concurrency))
+                    results = asyncio.run(load(group, concurrency))
                     done = max(1, sum(r.requests + r.errors for r in results))
-                    for server, result in zip(servers, results, strict=True):
-                        record(
-                            server,
-                            concurrency,
-                            result,
-                            (services_cpu_seconds() - services_before) * 1000 / done,
-                        )
-                continue
-            for server in servers:
-                for concurrency in levels:
-                    print(
-                        f"round {round_no + 1}/{args.rounds}: {server.name} c={concurrency}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    services_before = services_cpu_seconds()
-                    result = asyncio.run(
-                        run_load(server, concurrency, args.requests, args.duration, False, args.warmup)
-                    )
-                    done = max(1, result.requests + result.errors)
-                    record(
-                        server, concurrency, result, (services_cpu_seconds() - services_before) * 1000 / done
-                    )
+                    services_ms_per_request = (services_cpu_seconds() - services_before) * 1000 / done
+                    for server, result in zip(group, results, strict=True):
+                        record(server, concurrency, result, services_ms_per_request)
         time.sleep(3)  # let the batch writers finish and PostgreSQL publish its statistics
         ledger: dict[str, str] = {}
         for name, tenant_id in tenants.items():
