@@ -18,10 +18,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.config import Backend
 from gateway.db.models import BackendCredential, StoredPrompt
-from gateway.db.poller import TablePoller
+from gateway.db.poller import SignatureReader, TablePoller, engine_of
 from gateway.vault import Vault, VaultError, token_key_id
 
 log = structlog.get_logger("weir.credentials")
+SIGNATURE = select(func.count(BackendCredential.backend), func.max(BackendCredential.updated_at))
 
 
 def context(backend: str) -> str:
@@ -44,7 +45,14 @@ class CredentialStore:
         self.errors: dict[str, str] = {}  # backend -> why its stored key is not in use
         self.in_use: set[str] = set()  # backends running on their stored key
         self.signature: tuple[Any, ...] | None = None
-        self._poller = TablePoller(self.refresh, interval, "backend_credentials")
+        engine = engine_of(sessions)
+        self._poller = TablePoller(
+            self.refresh,
+            interval,
+            "backend_credentials",
+            signature=SignatureReader(engine, SIGNATURE) if engine is not None else None,
+            current=lambda: self.signature,
+        )
 
     async def start(self) -> None:
         await self.refresh()
@@ -56,13 +64,7 @@ class CredentialStore:
     async def refresh(self) -> bool:
         """Reload and apply the stored keys if the table changed; True when it did."""
         async with self.sessions() as session:
-            signature = tuple(
-                (
-                    await session.execute(
-                        select(func.count(BackendCredential.backend), func.max(BackendCredential.updated_at))
-                    )
-                ).one()
-            )
+            signature = tuple((await session.execute(SIGNATURE)).one())
             if signature == self.signature:
                 return False
             rows = (await session.scalars(select(BackendCredential))).all()

@@ -17,11 +17,13 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from gateway.db.models import RouteRow, Setting
-from gateway.db.poller import TablePoller
+from gateway.db.poller import SignatureReader, TablePoller, engine_of
 from routing.routes import Route
 
 log = structlog.get_logger("weir.routing")
 SEEDED = "routes_seeded"
+# Changes whenever a route is added, edited (updated_at) or deleted (count, id sum).
+SIGNATURE = select(func.count(RouteRow.id), func.max(RouteRow.updated_at), func.sum(RouteRow.id))
 
 
 def row_route(row: RouteRow) -> Route:
@@ -39,7 +41,14 @@ class RouteStore:
         self.seed = list(seed)
         self.interval = interval
         self.signature: tuple[Any, ...] | None = None
-        self._poller = TablePoller(self.refresh, interval, "routes")
+        engine = engine_of(sessions)
+        self._poller = TablePoller(
+            self.refresh,
+            interval,
+            "routes",
+            signature=SignatureReader(engine, SIGNATURE) if engine is not None else None,
+            current=lambda: self.signature,
+        )
 
     async def start(self) -> None:
         await self._seed()
@@ -66,13 +75,7 @@ class RouteStore:
     async def refresh(self, force: bool = False) -> bool:
         """Reload the table if it changed; True when new routes were applied."""
         async with self.sessions() as session:
-            signature = tuple(
-                (
-                    await session.execute(
-                        select(func.count(RouteRow.id), func.max(RouteRow.updated_at), func.sum(RouteRow.id))
-                    )
-                ).one()
-            )
+            signature = tuple((await session.execute(SIGNATURE)).one())
             if signature == self.signature and not force:
                 return False
             rows = (
