@@ -104,22 +104,40 @@ class RunningGateway:
 
 @contextmanager
 def serve(app: object, port: int) -> Iterator[str]:
-    """Run an ASGI app with uvicorn on 127.0.0.1 in a background thread."""
+    """Run an ASGI app with uvicorn on 127.0.0.1 in a background thread, and make sure it is gone after.
+
+    A request still hanging at exit (a fake told to hang, a stream nobody read to the end) would keep
+    uvicorn waiting for it for ever; the gateway would then live on behind the test, probing the
+    session's fake vendors and failing later tests that count their requests. So lingering requests
+    are cancelled after a grace period, and a server that still does not stop fails the test."""
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )  # type: ignore[arg-type]
+        uvicorn.Config(
+            app,  # type: ignore[arg-type]
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=2,
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True  # or a slow start would go on and serve behind the test
+            thread.join(20)
             raise RuntimeError("the gateway did not start")
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        thread.join(10)
+        thread.join(20)
+        if thread.is_alive():
+            server.force_exit = True  # skips the app's shutdown; ending the loop cancels its tasks
+            thread.join(10)
+            raise RuntimeError(f"the gateway on port {port} did not stop within 20 s")
 
 
 def fakes_env(oa: FakeOpenAI, an: FakeAnthropic, ge: FakeGemini, ds: FakeOpenAI) -> dict[str, str]:
