@@ -19,11 +19,10 @@ from dataclasses import dataclass, field, replace
 
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import pico_to_micro_ceil
-from gateway.accounting.pricing import PriceCatalog
+from gateway.accounting.pricing import PriceCatalog, sheet_of
 from gateway.errors import GatewayError
 from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState
 from gateway.state import Admission as Decision
-from gateway.usage import Usage
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +48,7 @@ PENDING_TTL_S = 900.0  # how long retries and fallbacks of one request still set
 # (a cancelled hedge) settle in time, and memory holds a minute of traffic, not PENDING_TTL_S of it.
 FINISHED_GRACE_S = 60.0
 MAX_PLANS = 10_000  # callers whose limit keys are remembered (forgotten all at once beyond this)
+EXPIRE_EVERY_S = 0.5  # how often admissions look for finished requests to forget
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +142,7 @@ class Admission:
         self._plans: dict[Quotas, _Plan] = {}
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._finished: deque[tuple[float, str]] = deque()  # (when, request id), oldest first
+        self._next_expiry = 0.0  # monotonic time of the next look for requests to forget
         self._settlements: list[Settlement] = []
         self._flusher: asyncio.Task[None] | None = None
         # Tenant budgets seen by this replica (budget key -> (tenant id, limit in micro-USD)) and the
@@ -220,10 +221,12 @@ class Admission:
             budgets.append(budget)
         amount = 0
         if budgets:
-            usage = Usage(input_tokens=prompt_tokens, output_tokens=max_output_tokens)
-            cost = self._catalog().price(usage, backend, model, now)
+            # The estimate's price: what pricing Usage(input_tokens=prompt, output_tokens=max output)
+            # gives, from the resolved sheet directly (no Usage and Cost objects per request).
+            sheet = sheet_of(self._catalog().prices_at(backend, model, now))
+            cost_pico_usd = prompt_tokens * sheet.input + max_output_tokens * sheet.output
             # At least one micro-dollar, so a budget that is fully spent refuses even unpriced models.
-            amount = max(1, pico_to_micro_ceil(cost.cost_pico_usd))
+            amount = max(1, pico_to_micro_ceil(cost_pico_usd))
         if not limits and not budgets:
             return
         asked: list[str] = []
@@ -511,7 +514,12 @@ class Admission:
             self._finished.append((time.monotonic(), request_id))
 
     def _expire(self) -> None:
+        # At most every EXPIRE_EVERY_S, not on every admission: forgetting a request up to that much
+        # later changes nothing it could still settle.
         now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + EXPIRE_EVERY_S
         while self._finished and self._finished[0][0] <= now - FINISHED_GRACE_S:
             self._pending.pop(self._finished.popleft()[1], None)
         horizon = now - PENDING_TTL_S

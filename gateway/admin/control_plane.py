@@ -28,7 +28,7 @@ from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
 from gateway.accounting.sink import AccountingSink
 from gateway.accounting.uptime import ProbeRecorder
 from gateway.accounting.writer import BatchWriter
-from gateway.admin.keys import DbAuthenticator
+from gateway.admin.keys import DbAuthenticator, KeyRecord
 from gateway.admin.router import AdminContext, admin_router
 from gateway.admin.token import ensure_admin_token
 from gateway.auth import Authenticator, Principal
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_ESTIMATE = 1024  # tokens reserved for a request that sets no output limit
 BYTES_PER_TOKEN = 4  # prompt estimate from the upstream body size: cheap, and settled to the truth
+MAX_CACHED_QUOTAS = 10_000
 
 
 @dataclass
@@ -98,6 +99,8 @@ class ControlPlane:
             self.state, lambda: self.catalog, spend=self._spend_this_month, leasing=bool(settings.redis_url)
         )
         self.sink = AccountingSink(self.queue, lambda: self.catalog, self.admission)
+        # Key record (by identity; the entry holds it, so its id is not reused) -> its Quotas.
+        self._quotas: dict[int, tuple[KeyRecord, Quotas]] = {}
         self.admin = AdminContext(
             self.sessions, self.state, token_digest="", on_prices_changed=self.reload_catalog
         )
@@ -171,7 +174,13 @@ class ControlPlane:
         record = self.authenticator.record_for(principal)
         if record is None:
             return None  # a config-file key: no limits or budgets kept for it
-        return Quotas(
+        # Built once per key record (a new record, after a reload, gets new Quotas), not per request.
+        cached = self._quotas.get(id(record))
+        if cached is not None and cached[0] is record:
+            return cached[1]
+        if len(self._quotas) >= MAX_CACHED_QUOTAS:
+            self._quotas.clear()
+        quotas = Quotas(
             tenant_id=principal.tenant_id,
             key_id=principal.key_id,
             tenant_rpm=record.tenant_rpm,
@@ -181,6 +190,8 @@ class ControlPlane:
             key_tpm=record.key_tpm,
             key_budget_micro_usd=record.key_budget_micro_usd,
         )
+        self._quotas[id(record)] = (record, quotas)
+        return quotas
 
     async def admit(self, call: Any, target: Any, upstream: Any) -> None:
         """The pipeline's admission hook, before a request's first attempt goes upstream: 429 when a

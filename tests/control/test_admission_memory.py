@@ -29,5 +29,7 @@ async def test_finished_requests_are_forgotten_after_the_grace_period(
     assert len(admission._pending) == 6  # still within the grace period: late attempts can settle
 
     monkeypatch.setattr(admission_module, "FINISHED_GRACE_S", 0.0)
+    monkeypatch.setattr(admission_module, "EXPIRE_EVERY_S", 0.0)
+    admission._next_expiry = 0.0  # the next admission looks (they look at most every EXPIRE_EVERY_S)
     await admission.admit("r6", QUOTAS, "openai", "gpt-4o-mini", prompt_tokens=10, max_output_tokens=10)
     assert sorted(admission._pending) == ["r4", "r5", "r6"]  # the unfinished ones stay
