@@ -399,6 +399,11 @@ class RedisStreamQueue:
         self._group_ready = True
 
     async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
+        return [(token, decode(line)) for token, line in await self.read_lines(max_events, block_s)]
+
+    async def read_lines(self, max_events: int, block_s: float) -> list[tuple[Token, bytes]]:
+        """As `read`, with each event as its encoded line (`events.encode`), not decoded: for a
+        writer that hands the lines to the database as they are."""
         try:
             return await self._read(max_events, block_s)
         except aioredis.ResponseError as exc:
@@ -408,7 +413,7 @@ class RedisStreamQueue:
             self._group_ready = False
             return await self._read(max_events, block_s)
 
-    async def _read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
+    async def _read(self, max_events: int, block_s: float) -> list[tuple[Token, bytes]]:
         await self._ensure_group()
         # First take over what a dead writer (a crashed replica) read and never acknowledged.
         # Entries hold 1 to EVENTS_PER_ENTRY events (a pump flush's worth), so this reads roughly
@@ -430,10 +435,7 @@ class RedisStreamQueue:
         self.drained = len(entries) < count
         # Tokens are entry ids; an entry's events are acknowledged together, after all are written.
         return [
-            (entry_id, decode(line))
-            for entry_id, fields in entries
-            if fields
-            for line in fields[b"e"].split(b"\n")
+            (entry_id, line) for entry_id, fields in entries if fields for line in fields[b"e"].split(b"\n")
         ]
 
     async def ack(self, tokens: list[Token]) -> None:

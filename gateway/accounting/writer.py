@@ -21,10 +21,11 @@ from typing import Any
 import msgspec
 from sqlalchemy import Table, TextClause, text
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from gateway.accounting.events import UsageEvent
-from gateway.accounting.queue import Token, UsageQueue
+from gateway.accounting.events import UsageEvent, decode, encode
+from gateway.accounting.queue import RedisStreamQueue, Token, UsageQueue
 from gateway.db.models import UsageEventRow, UsageRollup
 
 log = logging.getLogger(__name__)
@@ -92,25 +93,69 @@ def _unnest_insert(names: tuple[str, ...]) -> TextClause:
     )
 
 
+# Each JSON field of an encoded UsageEvent (`events.encode`) as its column; fields an older encoding
+# may lack take the UsageEvent's defaults, as decoding it would.
+_LINE_COLUMNS = {
+    "event_id": "e->>'event_id'",
+    "request_id": "e->>'request_id'",
+    "attempt": "(e->>'attempt')::int",
+    "ts": "(e->>'ts')::timestamptz",
+    # The date as written (in the time's own offset, as `ts.date()` gives it).
+    "day": "substr(e->>'ts', 1, 10)::date",
+    "tenant_id": "e->>'tenant_id'",
+    "key_id": "e->>'key_id'",
+    "route": "e->>'route'",
+    "backend": "e->>'backend'",
+    "model": "e->>'model'",
+    **{
+        name: f"coalesce((e->'usage'->>'{name}')::bigint, 0)"
+        for name in (
+            "input_tokens",
+            "cached_input_tokens",
+            "cache_write_5m_tokens",
+            "cache_write_1h_tokens",
+            "output_tokens",
+            "reasoning_tokens",
+        )
+    },
+    "prices": "e->'prices'",
+    "cost_pico_usd": "(e->>'cost_pico_usd')::bigint",
+    "savings_pico_usd": "coalesce((e->>'savings_pico_usd')::bigint, 0)",
+    "latency_ms": "coalesce((e->>'latency_ms')::float8, 0)",
+    "ttft_ms": "(e->>'ttft_ms')::float8",
+    "status": "coalesce((e->>'status')::int, 200)",
+    "fallback": "coalesce((e->>'fallback')::boolean, false)",
+    "estimated": "coalesce((e->>'estimated')::boolean, false)",
+    "routing": "left(e->>'routing', 1000)",
+}
+
+
 @functools.cache
-def _json_insert(names: tuple[str, ...]) -> TextClause:
-    """PostgreSQL: the whole batch as one JSON array of row objects, turned into rows by the server.
-    The client's work is one msgspec encode (C); asyncpg's array encoding of 25 columns per event
-    (an ABC isinstance check per value) was most of the writer's CPU. Values are exact: integers go
-    as JSON integers into BIGINT, timestamps as RFC 3339 with their offset."""
-    columns = ", ".join(names)
+def _lines_insert() -> TextClause:
+    """PostgreSQL: a batch of encoded events (the queue's JSON lines, as they came) inserted and added
+    to the rollups by the server, in one statement. The client neither decodes the events nor builds
+    rows or rollups: per event it only joins bytes. The count of new events comes back (no row when
+    none was new)."""
+    names = list(_LINE_COLUMNS)
+    sums = SUMMED[2:]
     return text(
-        f"INSERT INTO {EVENTS.name} ({columns}) SELECT {columns} "
-        f"FROM json_populate_recordset(NULL::{EVENTS.name}, CAST(:rows AS json)) "
-        "ON CONFLICT (event_id) DO NOTHING RETURNING event_id"
+        f"WITH inserted AS (INSERT INTO {EVENTS.name} ({', '.join(names)}) "
+        f"SELECT {', '.join(_LINE_COLUMNS.values())} FROM json_array_elements(CAST(:rows AS json)) AS e "
+        "ON CONFLICT (event_id) DO NOTHING "
+        f"RETURNING day, tenant_id, key_id, backend, model, status, {', '.join(sums)}) "
+        f"INSERT INTO {ROLLUPS.name} (day, tenant_id, key_id, backend, model, {', '.join(SUMMED)}) "
+        "SELECT day, coalesce(tenant_id, ''), coalesce(key_id, ''), backend, model, count(*), "
+        "count(*) FILTER (WHERE status < 200 OR status >= 400), "
+        f"{', '.join(f'sum({n})' for n in sums)} FROM inserted GROUP BY 1, 2, 3, 4, 5 "
+        "ON CONFLICT (day, tenant_id, key_id, backend, model) DO UPDATE SET "
+        f"{', '.join(f'{n} = {ROLLUPS.name}.{n} + excluded.{n}' for n in SUMMED)} "
+        "RETURNING (SELECT count(*) FROM inserted)"
     )
 
 
-def _json_safe(rows: list[dict[str, Any]]) -> bool:
-    # JSON has no NaN or infinity (msgspec writes null): such a batch takes the array path.
-    return all(
-        math.isfinite(r["latency_ms"]) and (r["ttft_ms"] is None or math.isfinite(r["ttft_ms"])) for r in rows
-    )
+def _finite(event: UsageEvent) -> bool:
+    # JSON has no NaN or infinity (msgspec writes null): such an event takes the array path.
+    return math.isfinite(event.latency_ms) and (event.ttft_ms is None or math.isfinite(event.ttft_ms))
 
 
 def _sqlite_value(name: str, value: Any) -> Any:
@@ -180,11 +225,13 @@ class BatchWriter:
         self.max_backoff_s = max_backoff_s
         self.linger_s = linger_s
         self.stats = WriterStats()
-        self._pending: list[tuple[Token, UsageEvent]] = []
+        self._pending: list[tuple[Token, Any]] = []  # (token, event), or (token, line) read as lines
         self._insert_events, self._upsert_rollups = self._statements(engine.dialect.name)
         self._unnest = engine.dialect.name == "postgresql" and engine.dialect.driver == "asyncpg"
         self._raw_sqlite = engine.dialect.name == "sqlite" and engine.dialect.driver == "aiosqlite"
         self._task: asyncio.Task[None] | None = None
+        # PostgreSQL and a queue that hands out encoded lines: the lines go to the server as they are.
+        self._read_lines = queue.read_lines if self._unnest and isinstance(queue, RedisStreamQueue) else None
 
     @staticmethod
     def _statements(dialect: str) -> tuple[Any, Any]:
@@ -199,20 +246,47 @@ class BatchWriter:
         )
         return events, rollups
 
+    async def write_lines(self, lines: list[bytes]) -> int:
+        """Insert a batch of encoded events (`events.encode`) in one transaction; returns how many
+        were new. On PostgreSQL the server unpacks them; elsewhere they are decoded and written."""
+        if not self._unnest:
+            return await self.write([decode(line) for line in lines])
+        async with self.engine.begin() as conn:
+            result = await conn.execute(_lines_insert(), {"rows": "[" + b",".join(lines).decode() + "]"})
+            new = result.scalar() or 0
+        self.stats.statements += 1
+        self.stats.batches += 1
+        self.stats.inserted += new
+        self.stats.duplicates += len(lines) - new
+        return new
+
+    async def _write_lines_or_skip(self, lines: list[bytes]) -> int:
+        try:
+            return await self.write_lines(lines)
+        except DBAPIError as exc:
+            # SQLSTATE class 22 (data exception): a line the server cannot read as an event (a torn
+            # spool line forwarded to the stream). Write the readable ones and log the rest, instead
+            # of retrying the batch forever. Anything else (the DB away) is retried as it is.
+            if not str(getattr(exc.orig, "sqlstate", "") or "").startswith("22"):
+                raise
+            events = []
+            for line in lines:
+                try:
+                    events.append(decode(line))
+                except msgspec.DecodeError:  # ValidationError too
+                    log.error("skipping an unreadable usage event: %r", line[:200])
+            return await self.write(events) if events else 0
+
     async def write(self, events: list[UsageEvent]) -> int:
         """Insert a batch in one transaction; returns how many were new."""
+        if self._unnest and all(_finite(e) for e in events):
+            return await self.write_lines([encode(e) for e in events])
         rows = [event_row(e) for e in events]
         new_ids: set[str] = set()
         async with self.engine.begin() as conn:
             # executemany of one cached statement: SQLAlchemy's "insertmanyvalues" sends it as
             # multi-row INSERTs with RETURNING, without compiling a new statement per batch size.
-            if self._unnest and _json_safe(rows):
-                result = await conn.execute(
-                    _json_insert(tuple(rows[0])), {"rows": _json.encode(rows).decode()}
-                )
-                new_ids.update(result.scalars())
-                self.stats.statements += 1
-            elif self._unnest:
+            if self._unnest:  # only batches with a NaN or infinite time (JSON has neither)
                 names = tuple(rows[0])
                 columns = {n: [r[n] for r in rows] for n in names}
                 columns["prices"] = [_json.encode(p).decode() for p in columns["prices"]]
@@ -260,11 +334,15 @@ class BatchWriter:
         """
         if not self._pending:
             wait = self.idle_wait_s if block_s is None else block_s
-            self._pending = await self.queue.read(self.batch_size, wait)
+            read = self._read_lines or self.queue.read
+            self._pending = await read(self.batch_size, wait)
         if not self._pending:
             return 0
         try:
-            await self.write([event for _, event in self._pending])
+            if self._read_lines is not None:
+                await self._write_lines_or_skip([line for _, line in self._pending])
+            else:
+                await self.write([event for _, event in self._pending])
         except Exception:
             self.stats.failures += 1
             raise
