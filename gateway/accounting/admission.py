@@ -144,6 +144,7 @@ class Admission:
         self._finished: deque[tuple[float, str]] = deque()  # (when, request id), oldest first
         self._next_expiry = 0.0  # monotonic time of the next look for requests to forget
         self._settlements: list[Settlement] = []
+        self._tpm_deltas: dict[str, int] = {}  # token-limit corrections not yet flushed, per key
         self._flusher: asyncio.Task[None] | None = None
         # Tenant budgets seen by this replica (budget key -> (tenant id, limit in micro-USD)) and the
         # share of each used, spent plus reserved, as of the last settlement (for /metrics and alerts).
@@ -474,28 +475,44 @@ class Admission:
         first = not pending.first_settled
         pending.first_settled = True
         delta = event.usage.total_tokens - (pending.estimated_tokens if first else 0)
-        self._queue_settlement(
-            Settlement(
-                [Adjustment(key, delta) for key in pending.tpm_keys],
-                pending.budget_keys,
-                (pending.reservation_id or "") if first else "",
-                pico_to_micro_ceil(event.cost_pico_usd),
-                releases=pending.releases if first else [("", 0)] * len(pending.budget_keys),
+        if delta:
+            # Token-limit corrections are summed per key until the flush (one Adjustment per key
+            # per flush, not one per key per attempt): the state adds them up anyway.
+            deltas = self._tpm_deltas
+            for key in pending.tpm_keys:
+                deltas[key] = deltas.get(key, 0) + delta
+        if pending.budget_keys:
+            self._settlements.append(
+                Settlement(
+                    (),
+                    pending.budget_keys,
+                    (pending.reservation_id or "") if first else "",
+                    pico_to_micro_ceil(event.cost_pico_usd),
+                    releases=pending.releases if first else [("", 0)] * len(pending.budget_keys),
+                )
             )
-        )
+        self._start_flush()
 
     def _queue_settlement(self, settlement: Settlement) -> None:
         self._settlements.append(settlement)
+        self._start_flush()
+
+    def _start_flush(self) -> None:
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
-        while self._settlements:
+        while self._settlements or self._tpm_deltas:
             # Let this turn's other settlements join the batch. Not longer: until its settlement
             # lands, a finished request counts with its estimate, and one that cost more than that
             # would let the next admissions see less spent than there is.
             await asyncio.sleep(0)
             batch, self._settlements = self._settlements, []
+            deltas, self._tpm_deltas = self._tpm_deltas, {}
+            if deltas:
+                batch.append(Settlement([Adjustment(key, delta) for key, delta in deltas.items()]))
+            if not batch:
+                continue
             try:
                 # The settlement reports each budget's use as it leaves it: no second round trip.
                 self._note_budget_usage(await self.state.settle_many(batch))

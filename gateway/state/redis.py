@@ -374,7 +374,10 @@ class RedisState(Shortcuts):
                     where = (adjustment.key, adjustment.window_s, bucket)
                     deltas[where] = deltas.get(where, 0) + adjustment.delta
             for i, key in enumerate(settlement.budget_keys):
-                total, releases = budgets.setdefault(key, ([0], []))
+                entry = budgets.get(key)
+                if entry is None:  # (not setdefault: its default would be built for every call)
+                    entry = budgets[key] = ([0], [])
+                total, releases = entry
                 total[0] += settlement.actual_micro_usd
                 if settlement.releases:
                     if settlement.releases[i][0]:
