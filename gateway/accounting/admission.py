@@ -497,6 +497,10 @@ class Admission:
         self._settlements.append(settlement)
         self._start_flush()
 
+    def settling(self) -> bool:
+        """Settlements are queued or on their way to the shared state."""
+        return self._flusher is not None and not self._flusher.done()
+
     def _start_flush(self) -> None:
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())

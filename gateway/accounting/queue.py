@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -277,6 +278,11 @@ class RedisStreamQueue:
         self.spooling = spool is not None and bool(spool.read_lines(1))
         self._failing = False
         self._riding = 0  # entries taken by a shared-state pipeline (take_entry) not yet settled
+        # True while a shared-state pipeline that will take the buffered events is under way (set by
+        # the control plane to the admission's "settling"); a window then ends once more before the
+        # pump sends them itself.
+        self.rider_busy: Callable[[], bool] | None = None
+        self._deferred = False
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "weir:", spool: SpoolQueue | None = None) -> RedisStreamQueue:
@@ -299,6 +305,15 @@ class RedisStreamQueue:
 
     def _window_end(self) -> None:
         self._window = None
+        busy = self.rider_busy
+        if self._buffer and not self.spooling and not self._deferred and busy is not None and busy():
+            # Settlements are on their way to Redis (their pipeline waits for its reply or is about
+            # to go): the events ride the next one instead of an XADD of their own, which costs as
+            # much CPU as the settlement itself. One more window at most.
+            self._deferred = True
+            self._window = asyncio.get_running_loop().call_later(self._flush_interval, self._window_end)
+            return
+        self._deferred = False
         # Under load a shared-state pipeline usually took the window's events already (take_entry):
         # then the pump is not even woken. (It used to wake every interval, idle or not: 50 times
         # a second, each costing more CPU than the XADD it usually skipped.)

@@ -99,6 +99,10 @@ class ControlPlane:
             self.state, lambda: self.catalog, spend=self._spend_this_month, leasing=bool(settings.redis_url)
         )
         self.sink = AccountingSink(self.queue, lambda: self.catalog, self.admission)
+        if isinstance(self.queue, RedisStreamQueue) and isinstance(primary, RedisState):
+            # Every event of a DB key comes with a settlement: while one is under way, the window's
+            # events wait for it (at most one more window) instead of an XADD of their own.
+            self.queue.rider_busy = self.admission.settling
         # Key record (by identity; the entry holds it, so its id is not reused) -> its Quotas.
         self._quotas: dict[int, tuple[KeyRecord, Quotas]] = {}
         self.admin = AdminContext(

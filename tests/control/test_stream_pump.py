@@ -217,3 +217,42 @@ async def test_state_pipeline_returns_error_replies_in_place(redis_prefix: str) 
         await call
     assert await state._pipeline([("GET", key)]) == [b"a"]
     await state.close()
+
+
+async def test_a_window_waits_once_for_settlements_under_way(tmp_path: Path) -> None:
+    """While settlements are on their way to Redis the window's events wait one more window for their
+    pipeline instead of an XADD of their own; if none took them by then, the pump sends them."""
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=0.02, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
+    settling = [True]
+    waits = [0]
+
+    def busy() -> bool:
+        waits[0] += settling[0]
+        return settling[0]
+
+    queue.rider_busy = busy
+    queue.put(event(1))
+    await asyncio.sleep(0.03)  # the first window ended while settlements were under way
+    assert redis.entries == []
+    taken = queue.take_entry()  # the settlement pipeline takes them
+    assert taken is not None
+    queue.entry_sent(taken[1])
+    await asyncio.sleep(0.03)
+    assert redis.entries == []  # nothing left for the pump
+
+    queue.put(event(2))  # settlements still under way, but nobody takes these
+    for _ in range(100):
+        if redis.entries:
+            break
+        await asyncio.sleep(0.01)
+    assert [e.request_id for e in redis.events()] == ["r2"]  # sent after the second window
+    assert waits[0] == 2  # one wait per window, never two in a row
+    settling[0] = False
+    queue.put(event(3))
+    for _ in range(100):
+        if len(redis.entries) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert [e.request_id for e in redis.events()] == ["r2", "r3"]  # nothing under way: no wait
+    await queue.close()
