@@ -8,6 +8,13 @@ engine measures instead of guessing: a moving average of the time per token of a
 (power-of-two buckets of the step's token count) and thread count. Each step runs on the faster count;
 now and then a step tries the other, so a change of load is noticed, and each try that confirms the
 choice doubles the wait before the next one.
+
+A try is cheap on a decode step and expensive on a prefill: one 1,024-token prompt on one thread costs
+1.8x its two-thread time on an idle machine, and a fresh engine used to pay that once per prefill size
+(the second prompt of each power of two). Steps of 64+ tokens are compute-bound matmuls, so which count
+wins is mostly a property of the machine's load, not of the size: a large bucket not yet measured on
+both counts follows the verdict of the nearest large bucket that has been, and tries the other count
+only after the usual wait.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ MAX_BUCKET = 12  # steps of 4,096+ tokens share one bucket
 
 def bucket(num_tokens: int) -> int:
     return min(max(num_tokens, 1).bit_length(), MAX_BUCKET)
+
+
+LARGE_BUCKET = bucket(64)  # from here up, buckets lend each other their verdict
 
 
 @dataclass
@@ -38,19 +48,33 @@ class ThreadTuner:
 
     def best(self, num_tokens: int) -> int | None:
         """The faster count for steps of this size, None until both have been measured."""
-        b = bucket(num_tokens)
+        return self._best(bucket(num_tokens))
+
+    def _best(self, b: int) -> int | None:
         costs = [(self._cost[b, t], t) for t in self.candidates if (b, t) in self._cost]
         return min(costs)[1] if len(costs) == len(self.candidates) else None
+
+    def _borrowed(self, b: int) -> int | None:
+        """The verdict of the nearest large bucket measured on both counts (the larger on a tie)."""
+        if b < LARGE_BUCKET:
+            return None
+        judged = [o for o in range(LARGE_BUCKET, MAX_BUCKET + 1) if self._best(o) is not None]
+        if not judged:
+            return None
+        return self._best(min(judged, key=lambda o: (abs(o - b), -o)))
 
     def choose(self, num_tokens: int) -> int:
         if len(self.candidates) == 1:
             return self.max_threads
         b = bucket(num_tokens)
-        for threads in self.candidates:
-            if (b, threads) not in self._cost:
-                return threads
-        best = self.best(num_tokens)
-        assert best is not None
+        best = self._best(b)
+        if best is None:
+            best = self._borrowed(b)
+            missing = [t for t in self.candidates if (b, t) not in self._cost]
+            if best is None:  # nothing to go on: measure each count once
+                return missing[0]
+            if best in missing:  # the borrowed verdict has not run at this size yet: not a try
+                return best
         self._countdown[b] = self._countdown.get(b, self.explore_every) - 1
         if self._countdown[b] > 0:
             return best
@@ -75,7 +99,7 @@ class ThreadTuner:
             self._cost[b, threads] = (1 - self.ema) * old + self.ema * per_token
         if tried is not None:
             interval = self._interval.get(b, self.explore_every)
-            if self.best(num_tokens) == tried:  # the other count is faster now: follow it, look again soon
+            if self._best(b) == tried:  # the other count is faster now: follow it, look again soon
                 self._interval[b] = self.explore_every
             else:
                 self._interval[b] = min(2 * interval, self.max_explore_every)

@@ -67,6 +67,35 @@ def test_step_sizes_are_tuned_separately() -> None:
     assert tuner.best(32) == 2 and tuner.best(1) == 1
 
 
+def test_a_new_prefill_size_follows_the_nearest_measured_one_without_a_try() -> None:
+    tuner = ThreadTuner(max_threads=2)
+    quiet = {2: 0.002, 1: 0.0036}  # compute-bound prefill on an idle machine: two threads win
+    assert run(tuner, 3, quiet.__getitem__, num_tokens=128) == [2, 1, 2]  # the first large size measures both
+    flags = []
+    for _ in range(20):
+        threads = tuner.choose(1024)
+        flags.append((threads, tuner.exploring(1024)))
+        tuner.record(1024, threads, quiet[threads] * 1024)
+    assert flags[:15] == [(2, False)] * 15  # no one-thread try on the second 1,024-token prompt
+    assert (1, True) in flags[15:]  # it is still measured here after the usual wait
+    assert tuner.best(1024) == 2
+
+
+def test_a_busy_verdict_carries_to_larger_steps_too() -> None:
+    tuner = ThreadTuner(max_threads=2)
+    run(
+        tuner, 3, {2: 0.02, 1: 0.004}.__getitem__, num_tokens=256
+    )  # the second thread keeps being descheduled
+    assert tuner.choose(2048) == 1 and not tuner.exploring(2048)
+
+
+def test_small_steps_do_not_borrow() -> None:
+    tuner = ThreadTuner(max_threads=2)
+    run(tuner, 3, {2: 0.002, 1: 0.0036}.__getitem__, num_tokens=128)
+    assert run(tuner, 2, {2: 0.05, 1: 0.04}.__getitem__, num_tokens=1) == [2, 1]  # decodes measure both
+    assert run(tuner, 2, {2: 0.05, 1: 0.04}.__getitem__, num_tokens=32) == [2, 1]
+
+
 def test_one_thread_machine_never_switches() -> None:
     tuner = ThreadTuner(max_threads=1)
     assert run(tuner, 20, lambda t: 0.01) == [1] * 20
