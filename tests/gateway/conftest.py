@@ -122,7 +122,7 @@ def serve(app: object, port: int) -> Iterator[str]:
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a migrating start on a loaded 2-core machine takes seconds
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             server.should_exit = True  # or a slow start would go on and serve behind the test
