@@ -261,6 +261,13 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
+# CPU: an MLP over more rows than this runs in row blocks of at most this many. The [rows, 2 x
+# intermediate] activations of a 1,024-row prefill (12.6 MB for SmolLM2) fall out of cache between the
+# gate/up matmul, the SiLU product and the down projection; in blocks of 512 the same work took 25% less
+# CPU (2-core AMD EPYC, one thread, SmolLM2's 30 MLPs: 2.81 -> 2.08 s; 256 rows: 2.16 s).
+MLP_BLOCK_ROWS = 512
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -268,6 +275,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.device.type == "cpu" and rows > MLP_BLOCK_ROWS:
+            blocks = -(-rows // MLP_BLOCK_ROWS)
+            return torch.cat([self._forward(part) for part in x.split(-(-rows // blocks))])
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

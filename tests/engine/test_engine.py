@@ -7,7 +7,9 @@ import random
 from collections.abc import Callable
 
 import pytest
+import torch
 
+from engine import model as model_module
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
 from tests.engine.reference import reference_greedy
@@ -48,6 +50,21 @@ def test_batch_invariance_alone_batched_chunked_and_cached(make_engine: Callable
     hits_before = engine.stats().prefix_cache_hits
     assert engine.generate(ps, GREEDY) == batched
     assert engine.stats().prefix_cache_hits - hits_before == sum((len(p) - 1) // 16 * 16 for p in ps)
+
+
+def test_row_blocked_mlp_changes_no_answer(
+    make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ps = prompts(4, seed=5, lo=40, hi=70)  # one step of ~220 rows
+    whole = make_engine().generate(ps, GREEDY)
+    monkeypatch.setattr(model_module, "MLP_BLOCK_ROWS", 16)  # the step's MLPs now run in 14+ blocks
+    engine = make_engine()
+    mlp = engine.model.layers[0].mlp
+    x = torch.randn(50, engine.config.hidden_size)
+    with torch.inference_mode():
+        blocked, rows = mlp(x), torch.cat([mlp._forward(x[i : i + 1]) for i in range(50)])
+    torch.testing.assert_close(blocked, rows)
+    assert engine.generate(ps, GREEDY) == whole
 
 
 def test_prefix_cache_hit_is_reported_per_request(tiny_engine: LLMEngine) -> None:

@@ -78,3 +78,27 @@ def test_chat_stops_at_im_end(engine: LLMEngine) -> None:
     out = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0))[0]
     assert out[-1] in tokenizer.eos_token_ids == {2}
     assert tokenizer.decode(out).strip()
+
+
+def test_long_prompt_in_one_step_matches_transformers(gguf_path: Path, hf: tuple) -> None:  # type: ignore[type-arg]
+    """A ~1,000-token prompt prefilled in one step: the CPU path that runs the MLP in row blocks."""
+    tok, model = hf
+    engine = LLMEngine(
+        "smollm2-135m", device="cpu", num_kv_blocks=128, max_num_batched_tokens=1024, progress=False
+    )
+    facts = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(1, 58))
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": f"{facts} What is 7 squared?"}])
+    prompt = engine.tokenizer.encode(text)
+    assert 900 < len(prompt) <= 1024
+    got = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        ref = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )[0, len(prompt) :].tolist()
+    assert got == ref, (tok.decode(got), tok.decode(ref))
