@@ -41,6 +41,14 @@ log = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 32  # the row count oneDNN tunes the layout for; others run on it too
 
+# DualLinear goes back to MKL over the column-major weight from this many rows (a prefill chunk, a large
+# batch): there MKL matches or beats oneDNN on every SmolLM2 layer but the head (2-core AMD EPYC, one
+# thread, 128 rows: qkv 3.15 vs 3.73 ms, o 1.20 vs 1.52, gate_up 6.33 vs 6.52, down 2.86 vs 3.28; a
+# 1,024-token prefill on two threads, interleaved: 2.23-2.47 vs 2.50-2.69 s). A vocabulary-wide head
+# (WIDE_OUT+ outputs) stays on oneDNN, 10-20% faster there at 64-512 rows.
+MKL_MIN_ROWS = 128
+WIDE_OUT = 16384
+
 
 def packing_available() -> bool:
     return (
@@ -95,7 +103,8 @@ class PackedLinear(nn.Module):
 
 class DualLinear(nn.Linear):
     """float32 `nn.Linear` with two layouts of one weight: column-major for a single row (MKL's GEMV
-    streams it fastest) and oneDNN-packed for several rows (far faster than MKL on some CPUs). Still an
+    streams it fastest) and for MKL_MIN_ROWS+ rows, oneDNN-packed for the few rows in between (far faster
+    than MKL there on some CPUs). Still an
     `nn.Linear` with the same weight Parameter, so quantization and anything else that looks for
     linears sees it as one (the packed copy goes with the module)."""
 
@@ -109,7 +118,8 @@ class DualLinear(nn.Linear):
         self._packed_version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:
+        rows = x.numel() // self.in_features
+        if rows == 1 or (rows >= MKL_MIN_ROWS and self.out_features < WIDE_OUT):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:
             # the weight changed in place since it was packed (load_state_dict, a tied embedding's

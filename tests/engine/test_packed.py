@@ -58,7 +58,7 @@ def test_swap_modes_and_quantized_layers_untouched(monkeypatch: pytest.MonkeyPat
         pack_linears(fp32, "sometimes")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 32])
+@pytest.mark.parametrize("rows", [1, 2, 5, 32, 128, 300])
 def test_dual_linear_uses_both_layouts_and_matches_f_linear(rows: int) -> None:
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=True)
@@ -70,6 +70,27 @@ def test_dual_linear_uses_both_layouts_and_matches_f_linear(rows: int) -> None:
     torch.testing.assert_close(dual.weight, want_weight, rtol=0, atol=0)
     torch.testing.assert_close(dual(x), want, rtol=1e-5, atol=1e-5)
     assert dual(x.unsqueeze(0)).shape == (1, rows, 160)
+
+
+def test_dual_linear_runs_few_rows_on_onednn_and_one_or_many_on_mkl(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    onednn = engine.packed._onednn_linear
+
+    def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return onednn(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.packed, "_onednn_linear", counting)
+    monkeypatch.setattr(engine.packed, "WIDE_OUT", 128)
+    narrow, wide = DualLinear(nn.Linear(64, 96)), DualLinear(nn.Linear(64, 128))
+    big = engine.packed.MKL_MIN_ROWS
+    for rows in (1, 4, big - 1, big, 3 * big):
+        narrow(torch.randn(rows, 64))
+    assert calls == [4, big - 1]
+    calls.clear()
+    for rows in (1, 4, big, 3 * big):
+        wide(torch.randn(rows, 64))
+    assert calls == [4, big, 3 * big]  # a vocabulary-wide head stays on oneDNN for many rows
 
 
 @pytest.mark.parametrize(("wins", "expected"), [(True, DualLinear), (False, nn.Linear)])
