@@ -44,7 +44,7 @@ PACK_BATCH_HINT = 32  # the row count oneDNN tunes the layout for; others run on
 # DualLinear goes back to MKL over the column-major weight from this many rows (a prefill chunk, a large
 # batch): there MKL matches or beats oneDNN on every SmolLM2 layer but the head (2-core AMD EPYC, one
 # thread, 128 rows: qkv 3.15 vs 3.73 ms, o 1.20 vs 1.52, gate_up 6.33 vs 6.52, down 2.86 vs 3.28; a
-# 1,024-token prefill on two threads, interleaved: 2.23-2.47 vs 2.50-2.69 s). A vocabulary-wide head
+# whole 1,024-token prefill on two threads tied, 2.45-2.65 vs 2.48-2.75 s). A vocabulary-wide head
 # (WIDE_OUT+ outputs) stays on oneDNN, 10-20% faster there at 64-512 rows.
 MKL_MIN_ROWS = 128
 WIDE_OUT = 16384
