@@ -140,7 +140,7 @@ def _lines_insert() -> TextClause:
     sums = SUMMED[2:]
     return text(
         f"WITH inserted AS (INSERT INTO {EVENTS.name} ({', '.join(names)}) "
-        f"SELECT {', '.join(_LINE_COLUMNS.values())} FROM json_array_elements(CAST(:rows AS json)) AS e "
+        f"SELECT {', '.join(_LINE_COLUMNS.values())} FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS e "
         "ON CONFLICT (event_id) DO NOTHING "
         f"RETURNING day, tenant_id, key_id, backend, model, status, {', '.join(sums)}) "
         f"INSERT INTO {ROLLUPS.name} (day, tenant_id, key_id, backend, model, {', '.join(SUMMED)}) "
