@@ -33,6 +33,10 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
         return self.prompt_tokens + self.output_tokens
 
 
+# Every token class, in order; the ledger's columns and the reports use the same names.
+TOKEN_FIELDS: tuple[str, ...] = Usage.__struct_fields__
+
+
 # --- how each vendor reports usage ----------------------------------------------------------------
 # One row per vendor wire format: where each token class lives (dotted paths into the vendor's usage
 # object) and whether cache reads are counted inside the prompt total. This table is the only place

@@ -17,16 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.db.models import Tenant, UptimeSample, UsageEventRow, UsageRollup
+from gateway.usage import TOKEN_FIELDS as TOKEN_COLUMNS
 
 GROUPS = {"tenant": "tenant_id", "key": "key_id", "model": "model", "backend": "backend", "day": "day"}
-TOKEN_COLUMNS = (
-    "input_tokens",
-    "cached_input_tokens",
-    "cache_write_5m_tokens",
-    "cache_write_1h_tokens",
-    "output_tokens",
-    "reasoning_tokens",
-)
 CSV_COLUMNS = (
     *GROUPS,
     "tenant_name",

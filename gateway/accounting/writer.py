@@ -27,23 +27,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from gateway.accounting.events import UsageEvent, decode, encode
 from gateway.accounting.queue import RedisStreamQueue, Token, UsageQueue
 from gateway.db.models import UsageEventRow, UsageRollup
+from gateway.usage import TOKEN_FIELDS
 
 log = logging.getLogger(__name__)
 
 EVENTS: Table = UsageEventRow.__table__  # type: ignore[assignment]
 ROLLUPS: Table = UsageRollup.__table__  # type: ignore[assignment]
-SUMMED = (
-    "requests",
-    "errors",
-    "input_tokens",
-    "cached_input_tokens",
-    "cache_write_5m_tokens",
-    "cache_write_1h_tokens",
-    "output_tokens",
-    "reasoning_tokens",
-    "cost_pico_usd",
-    "savings_pico_usd",
-)
+SUMMED = ("requests", "errors", *TOKEN_FIELDS, "cost_pico_usd", "savings_pico_usd")
 # SQLite allows 32766 bound parameters per statement; usage_events has 25 columns.
 MAX_ROWS_PER_INSERT = 1000
 _json = msgspec.json.Encoder()
@@ -107,17 +97,7 @@ _LINE_COLUMNS = {
     "route": "e->>'route'",
     "backend": "e->>'backend'",
     "model": "e->>'model'",
-    **{
-        name: f"coalesce((e->'usage'->>'{name}')::bigint, 0)"
-        for name in (
-            "input_tokens",
-            "cached_input_tokens",
-            "cache_write_5m_tokens",
-            "cache_write_1h_tokens",
-            "output_tokens",
-            "reasoning_tokens",
-        )
-    },
+    **{name: f"coalesce((e->'usage'->>'{name}')::bigint, 0)" for name in TOKEN_FIELDS},
     "prices": "e->'prices'",
     "cost_pico_usd": "(e->>'cost_pico_usd')::bigint",
     "savings_pico_usd": "coalesce((e->>'savings_pico_usd')::bigint, 0)",
