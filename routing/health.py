@@ -9,7 +9,6 @@ uptime recorder) when one is given."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 import aiohttp
 import structlog
 
+from gateway.aio import stop_if_cancelled
 from gateway.config import Backend
 from routing.breaker import Breakers, State
 
@@ -56,18 +56,27 @@ class HealthProber:
         self.on_result = on_result
         self.targets: dict[str, tuple[Backend, list[str]]] = {}  # backend name -> (backend, breaker keys)
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def watch(self, targets: dict[str, tuple[Backend, list[str]]]) -> None:
         self.targets = targets
 
     def start(self) -> None:
+        self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
+        """Stop probing. Bounded: a cancel that library code inside a round swallows must not hold up
+        the app's shutdown (CI saw a stopped gateway's prober go on every 0.2 s); the loop also ends
+        at its next turn on the flag."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            done, _ = await asyncio.wait({self._task}, timeout=self.timeout + self.interval + 1)
+            if not done:
+                log.warning("health_prober_did_not_stop")
+            elif not self._task.cancelled() and self._task.exception() is not None:
+                log.warning("health_prober_failed", error=str(self._task.exception()))
 
     async def probe(self, backend: Backend) -> bool:
         healthy, _ = await self._timed_probe(backend)
@@ -106,7 +115,10 @@ class HealthProber:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
+            if self._stopping:
+                return
             try:
                 await self.run_once()
             except Exception as exc:  # a probe round must never take the gateway down
                 log.warning("health_probe_round_failed", error=str(exc))
+            stop_if_cancelled()

@@ -21,6 +21,8 @@ import structlog
 from sqlalchemy import Executable
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
+from gateway.aio import stop_if_cancelled
+
 log = structlog.get_logger("weir.db")
 
 
@@ -123,3 +125,4 @@ class TablePoller:
                 await self.poll()
             except Exception as exc:  # keep what was loaded; the next poll tries again
                 log.warning(f"{self.name}_poll_failed", error=str(exc))
+            stop_if_cancelled()
