@@ -6,8 +6,13 @@ plus a few models and tenants the tests need.
 
 from __future__ import annotations
 
+import asyncio
+import io
+import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,6 +107,14 @@ class RunningGateway:
         return anthropic.Anthropic(base_url=self.url, api_key=api_key, max_retries=0, timeout=20)
 
 
+class _Server(uvicorn.Server):
+    loop: asyncio.AbstractEventLoop | None = None  # known once it runs: where its tasks are
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+
 @contextmanager
 def serve(app: object, port: int) -> Iterator[str]:
     """Run an ASGI app with uvicorn on 127.0.0.1 in a background thread, and make sure it is gone after.
@@ -110,7 +123,7 @@ def serve(app: object, port: int) -> Iterator[str]:
     uvicorn waiting for it for ever; the gateway would then live on behind the test, probing the
     session's fake vendors and failing later tests that count their requests. So lingering requests
     are cancelled after a grace period, and a server that still does not stop fails the test."""
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,  # type: ignore[arg-type]
             host="127.0.0.1",
@@ -135,9 +148,21 @@ def serve(app: object, port: int) -> Iterator[str]:
         server.should_exit = True
         thread.join(20)
         if thread.is_alive():
+            stuck = _stuck_at(server, thread)
             server.force_exit = True  # skips the app's shutdown; ending the loop cancels its tasks
             thread.join(10)
-            raise RuntimeError(f"the gateway on port {port} did not stop within 20 s")
+            raise RuntimeError(f"the gateway on port {port} did not stop within 20 s; waiting in:\n{stuck}")
+
+
+def _stuck_at(server: uvicorn.Server, thread: threading.Thread) -> str:
+    """Where a server that does not stop is waiting: its thread's stack and its event loop's tasks."""
+    lines = ["".join(traceback.format_stack(sys._current_frames()[thread.ident]))] if thread.ident else []
+    if isinstance(server, _Server) and server.loop is not None:
+        for task in asyncio.all_tasks(server.loop):
+            out = io.StringIO()
+            task.print_stack(file=out)
+            lines.append(out.getvalue())
+    return "\n".join(lines)
 
 
 def fakes_env(oa: FakeOpenAI, an: FakeAnthropic, ge: FakeGemini, ds: FakeOpenAI) -> dict[str, str]:
