@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.config import Backend
 from gateway.db.models import BackendCredential, StoredPrompt
-from gateway.db.poller import SignatureReader, TablePoller, engine_of
+from gateway.db.poller import TablePoller
 from gateway.vault import Vault, VaultError, token_key_id
 
 log = structlog.get_logger("weir.credentials")
@@ -45,12 +45,12 @@ class CredentialStore:
         self.errors: dict[str, str] = {}  # backend -> why its stored key is not in use
         self.in_use: set[str] = set()  # backends running on their stored key
         self.signature: tuple[Any, ...] | None = None
-        engine = engine_of(sessions)
         self._poller = TablePoller(
             self.refresh,
             interval,
             "backend_credentials",
-            signature=SignatureReader(engine, SIGNATURE) if engine is not None else None,
+            sessions=sessions,
+            signature_query=SIGNATURE,
             current=lambda: self.signature,
         )
 

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from gateway.db.models import RouteRow, Setting
-from gateway.db.poller import SignatureReader, TablePoller, engine_of
+from gateway.db.poller import TablePoller
 from routing.routes import Route
 
 log = structlog.get_logger("weir.routing")
@@ -41,12 +41,12 @@ class RouteStore:
         self.seed = list(seed)
         self.interval = interval
         self.signature: tuple[Any, ...] | None = None
-        engine = engine_of(sessions)
         self._poller = TablePoller(
             self.refresh,
             interval,
             "routes",
-            signature=SignatureReader(engine, SIGNATURE) if engine is not None else None,
+            sessions=sessions,
+            signature_query=SIGNATURE,
             current=lambda: self.signature,
         )
 

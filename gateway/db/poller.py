@@ -26,7 +26,7 @@ from gateway.aio import stop_if_cancelled
 log = structlog.get_logger("weir.db")
 
 
-def engine_of(sessions: async_sessionmaker[AsyncSession]) -> AsyncEngine | None:
+def _engine_of(sessions: async_sessionmaker[AsyncSession]) -> AsyncEngine | None:
     bind = sessions.kw.get("bind")
     return bind if isinstance(bind, AsyncEngine) else None
 
@@ -77,21 +77,25 @@ async def _discard(conn: AsyncConnection) -> None:
 
 
 class TablePoller:
-    """Calls `refresh` every `interval` seconds. With a `signature` reader and `current` (the signature
-    the store last loaded), a poll first compares the two and calls `refresh` only on a difference."""
+    """Calls `refresh` every `interval` seconds. Given the store's `sessions`, a `signature_query` and
+    `current` (the signature the store last loaded), a poll first reads the signature on a held
+    connection and calls `refresh` only on a difference."""
 
     def __init__(
         self,
         refresh: Callable[[], Awaitable[object]],
         interval: float,
         name: str,
-        signature: SignatureReader | None = None,
+        *,
+        sessions: async_sessionmaker[AsyncSession] | None = None,
+        signature_query: Executable | None = None,
         current: Callable[[], object] | None = None,
     ) -> None:
         self.refresh = refresh
         self.interval = interval
         self.name = name  # names the log event of a failed poll: f"{name}_poll_failed"
-        self.signature = signature
+        engine = _engine_of(sessions) if sessions is not None and signature_query is not None else None
+        self.signature = SignatureReader(engine, signature_query) if engine is not None else None
         self.current = current
         self._task: asyncio.Task[None] | None = None
 
