@@ -67,15 +67,25 @@ class Quotas:
 
 @dataclass(slots=True)
 class _Pending:
+    """A request admitted and not yet settled. At its first settlement it becomes a `_Settled`."""
+
     reservation_id: str | None
-    budget_keys: list[str]
-    tpm_keys: list[str]
+    budget_keys: tuple[str, ...]
+    tpm_keys: tuple[str, ...]
     estimated_tokens: int
     created: float = field(default_factory=time.monotonic)
-    first_settled: bool = False
     # Per budget key: (reservation, amount) to release at the first settlement; empty: all of
     # `reservation_id`. Set when the money came from a pool or was reserved along with one.
     releases: list[tuple[str, int]] = field(default_factory=list)
+
+
+# What a request keeps after its first settlement, for its later attempts (retries, fallbacks,
+# hedges): (created, budget keys, token-limit keys), a tuple of immutable values that the plan's
+# tuples are shared into. The collector stops tracking such tuples, so the minute of finished
+# requests kept (FINISHED_GRACE_S) adds nothing to full collections. Kept as `_Pending` objects
+# (each with a list) they were most of a busy gateway's heap: ~44,000 at ~700 requests/s, and
+# full collections took ~9% of the worker's CPU (docs/benchmarks.md).
+_Settled = tuple[float, tuple[str, ...], tuple[str, ...]]
 
 
 @dataclass(slots=True)
@@ -84,9 +94,9 @@ class _Plan:
 
     month_index: int  # year * 12 + month
     rates: list[tuple[Limit, bool]]  # (limit, counts tokens: its cost is each request's estimate)
-    tpm_keys: list[str]
+    tpm_keys: tuple[str, ...]
     budgets: list[tuple[Budget, str, str]]  # (budget, scope, owner)
-    budget_keys: list[str]
+    budget_keys: tuple[str, ...]
 
 
 @dataclass(slots=True)
@@ -140,7 +150,7 @@ class Admission:
         self._seeded: set[str] = set()
         self._seed_locks: dict[str, asyncio.Lock] = {}
         self._plans: dict[Quotas, _Plan] = {}
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._pending: OrderedDict[str, _Pending | _Settled] = OrderedDict()
         self._finished: deque[tuple[float, str]] = deque()  # (when, request id), oldest first
         self._next_expiry = 0.0  # monotonic time of the next look for requests to forget
         self._settlements: list[Settlement] = []
@@ -194,7 +204,7 @@ class Admission:
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         plan = self._plans[quotas] = _Plan(
-            month_index, rates, tpm_keys, budgets, [b.key for b, _, _ in budgets]
+            month_index, rates, tuple(tpm_keys), budgets, tuple(b.key for b, _, _ in budgets)
         )
         return plan
 
@@ -472,23 +482,32 @@ class Admission:
         pending = self._pending.get(event.request_id)
         if pending is None:
             return
-        first = not pending.first_settled
-        pending.first_settled = True
-        delta = event.usage.total_tokens - (pending.estimated_tokens if first else 0)
+        if isinstance(pending, tuple):  # settled before (_Settled): a later attempt
+            _, budget_keys, tpm_keys = pending
+            estimate, reservation, releases = 0, "", [("", 0)] * len(budget_keys)
+        else:
+            budget_keys, tpm_keys = pending.budget_keys, pending.tpm_keys
+            self._pending[event.request_id] = (pending.created, budget_keys, tpm_keys)
+            estimate, reservation, releases = (
+                pending.estimated_tokens,
+                pending.reservation_id or "",
+                pending.releases,
+            )
+        delta = event.usage.total_tokens - estimate
         if delta:
             # Token-limit corrections are summed per key until the flush (one Adjustment per key
             # per flush, not one per key per attempt): the state adds them up anyway.
             deltas = self._tpm_deltas
-            for key in pending.tpm_keys:
+            for key in tpm_keys:
                 deltas[key] = deltas.get(key, 0) + delta
-        if pending.budget_keys:
+        if budget_keys:
             self._settlements.append(
                 Settlement(
                     (),
-                    pending.budget_keys,
-                    (pending.reservation_id or "") if first else "",
+                    budget_keys,
+                    reservation,
                     pico_to_micro_ceil(event.cost_pico_usd),
-                    releases=pending.releases if first else [("", 0)] * len(pending.budget_keys),
+                    releases=releases,
                 )
             )
         self._start_flush()
@@ -546,7 +565,8 @@ class Admission:
         horizon = now - PENDING_TTL_S
         while self._pending:
             request_id, pending = next(iter(self._pending.items()))
-            if pending.created > horizon:
+            created = pending[0] if isinstance(pending, tuple) else pending.created
+            if created > horizon:
                 break
             del self._pending[request_id]
 

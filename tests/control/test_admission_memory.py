@@ -3,12 +3,17 @@ finished request is forgotten after a grace period, so memory holds a minute of 
 
 from __future__ import annotations
 
+import datetime as dt
+import gc
+
 import pytest
 
 from gateway.accounting import admission as admission_module
-from gateway.accounting.admission import Admission, Quotas
+from gateway.accounting.admission import Admission, Quotas, month_of
+from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import PriceCatalog
 from gateway.state.memory import MemoryState
+from gateway.usage import Usage
 
 QUOTAS = Quotas(tenant_id="t1", key_id="k1", tenant_tpm=10**9, tenant_budget_micro_usd=10**9)
 
@@ -33,3 +38,52 @@ async def test_finished_requests_are_forgotten_after_the_grace_period(
     admission._next_expiry = 0.0  # the next admission looks (they look at most every EXPIRE_EVERY_S)
     await admission.admit("r6", QUOTAS, "openai", "gpt-4o-mini", prompt_tokens=10, max_output_tokens=10)
     assert sorted(admission._pending) == ["r4", "r5", "r6"]  # the unfinished ones stay
+
+
+async def test_a_settled_request_keeps_an_untracked_record_and_later_attempts_still_settle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After its first settlement a request keeps only a tuple of immutable values (the collector
+    stops tracking it, so a minute of finished requests costs full collections nothing), and its
+    later attempts (retries, fallbacks) still count in its budgets and token limits."""
+    state = MemoryState()
+    admission = Admission(state, PriceCatalog)
+    await admission.admit("r1", QUOTAS, "openai", "gpt-4o-mini", prompt_tokens=10, max_output_tokens=10)
+    budget = f"budget:tenant:t1:{month_of(dt.datetime.now(dt.UTC))}"
+    assert (await state.budget_usage(budget))[1] == 1  # the estimate's minimum: one micro-dollar reserved
+
+    admission.settle(event("r1", total_tokens=15, cost_pico_usd=2_500_000))  # 2.5 micro-USD
+    await admission.drain()
+    assert await state.budget_usage(budget) == (3, 0)  # rounded up; the reservation released
+    assert state._windows["tpm:tenant:t1"].total == 15  # the estimate (20) corrected to the truth
+    admission.finish("r1")
+    gc.collect()
+    gc.collect()  # (the first may look at it before untracking the plan's tuples inside it)
+    assert not gc.is_tracked(admission._pending["r1"])
+
+    admission.settle(event("r1", total_tokens=7, cost_pico_usd=1_000_000, attempt=2))  # a fallback
+    await admission.drain()
+    assert await state.budget_usage(budget) == (4, 0)
+    assert state._windows["tpm:tenant:t1"].total == 22
+
+    monkeypatch.setattr(admission_module, "FINISHED_GRACE_S", 0.0)
+    monkeypatch.setattr(admission_module, "EXPIRE_EVERY_S", 0.0)
+    admission._next_expiry = 0.0
+    await admission.admit("r2", QUOTAS, "openai", "gpt-4o-mini", prompt_tokens=10, max_output_tokens=10)
+    assert sorted(admission._pending) == ["r2"]  # a settled record is forgotten like any other
+
+
+def event(request_id: str, total_tokens: int, cost_pico_usd: int, attempt: int = 1) -> UsageEvent:
+    return UsageEvent(
+        request_id=request_id,
+        attempt=attempt,
+        ts=dt.datetime.now(dt.UTC),
+        tenant_id="t1",
+        key_id="k1",
+        route="m",
+        backend="openai",
+        model="gpt-4o-mini",
+        usage=Usage(input_tokens=total_tokens // 2, output_tokens=total_tokens - total_tokens // 2),
+        prices={},
+        cost_pico_usd=cost_pico_usd,
+    )
