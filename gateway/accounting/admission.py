@@ -156,6 +156,10 @@ class Admission:
         self._settlements: list[Settlement] = []
         self._tpm_deltas: dict[str, int] = {}  # token-limit corrections not yet flushed, per key
         self._flusher: asyncio.Task[None] | None = None
+        # An in-process state (no Redis) settles synchronously: each attempt at once, no batching.
+        self._settle_now: Callable[[list[Settlement]], dict[str, tuple[int, int]]] | None = getattr(
+            state, "settle_now", None
+        )
         # Tenant budgets seen by this replica (budget key -> (tenant id, limit in micro-USD)) and the
         # share of each used, spent plus reserved, as of the last settlement (for /metrics and alerts).
         self._tenant_budgets: dict[str, tuple[str, int]] = {}
@@ -494,6 +498,16 @@ class Admission:
                 pending.releases,
             )
         delta = event.usage.total_tokens - estimate
+        if self._settle_now is not None:
+            # In process: settled at once, as a batch of one would be, without a task, a loop turn
+            # and the batching that a round trip to Redis is worth.
+            adjustments = [Adjustment(key, delta) for key in tpm_keys] if delta else []
+            if adjustments or budget_keys:
+                settlement = Settlement(
+                    adjustments, budget_keys, reservation, pico_to_micro_ceil(event.cost_pico_usd), releases
+                )
+                self._note_budget_usage(self._settle_now([settlement]))
+            return
         if delta:
             # Token-limit corrections are summed per key until the flush (one Adjustment per key
             # per flush, not one per key per attempt): the state adds them up anyway.

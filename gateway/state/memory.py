@@ -153,28 +153,34 @@ class MemoryState(Shortcuts):
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         async with self._lock:
-            now = self._now()
-            touched: set[str] = set()
-            for settlement in settlements:
-                for adjustment in settlement.adjustments:
-                    if adjustment.delta:
-                        window, _, current = self._window(adjustment.key, adjustment.window_s, now)
-                        # This state never grants leases; one handed back here came from Redis
-                        # before it became unreachable and has nothing to return to.
-                        if adjustment.bucket is None:
-                            window.add(current, adjustment.delta)
-                for i, key in enumerate(settlement.budget_keys):
-                    state = self._budgets.get(key)
-                    if state is None:
-                        state = self._budgets[key] = _Budget()
-                    rid, release = (
-                        settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
-                    )
-                    state.release(rid, release)
-                    state.spent += settlement.actual_micro_usd
-                    state.spent_known = True
-                    touched.add(key)
-            return {key: (self._budgets[key].spent, self._budgets[key].reserved(now)) for key in touched}
+            return self.settle_now(settlements)
+
+    def settle_now(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
+        """`settle_many`, synchronously: nothing in it awaits, so it is as atomic as under the lock
+        (which no method holds across a suspension). Admission settles each attempt through this at
+        once, instead of a task and an event-loop turn per batch."""
+        now = self._now()
+        touched: set[str] = set()
+        for settlement in settlements:
+            for adjustment in settlement.adjustments:
+                if adjustment.delta:
+                    window, _, current = self._window(adjustment.key, adjustment.window_s, now)
+                    # This state never grants leases; one handed back here came from Redis
+                    # before it became unreachable and has nothing to return to.
+                    if adjustment.bucket is None:
+                        window.add(current, adjustment.delta)
+            for i, key in enumerate(settlement.budget_keys):
+                state = self._budgets.get(key)
+                if state is None:
+                    state = self._budgets[key] = _Budget()
+                rid, release = (
+                    settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
+                )
+                state.release(rid, release)
+                state.spent += settlement.actual_micro_usd
+                state.spent_known = True
+                touched.add(key)
+        return {key: (self._budgets[key].spent, self._budgets[key].reserved(now)) for key in touched}
 
     async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
         async with self._lock:

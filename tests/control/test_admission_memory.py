@@ -87,3 +87,16 @@ def event(request_id: str, total_tokens: int, cost_pico_usd: int, attempt: int =
         prices={},
         cost_pico_usd=cost_pico_usd,
     )
+
+
+async def test_in_process_settlement_is_immediate() -> None:
+    """Without Redis an attempt settles at once (no task, no loop turn, no batch): the next
+    admission already sees its cost and its real token count."""
+    state = MemoryState()
+    admission = Admission(state, PriceCatalog)
+    await admission.admit("r1", QUOTAS, "openai", "gpt-4o-mini", prompt_tokens=10, max_output_tokens=10)
+    admission.settle(event("r1", total_tokens=30, cost_pico_usd=5_000_000))
+    budget = f"budget:tenant:t1:{month_of(dt.datetime.now(dt.UTC))}"
+    assert state._budgets[budget].spent == 5 and state._budgets[budget].total_reserved == 0
+    assert state._windows["tpm:tenant:t1"].total == 30
+    assert not admission.settling()  # nothing left for a flush task to do
