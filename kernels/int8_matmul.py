@@ -7,6 +7,10 @@ streams each weight byte once; prefill runs a tiled GEMM on tensor cores.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +41,81 @@ def int8_matmul_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor)
     x2 = x.reshape(-1, x.shape[-1]).to(compute).contiguous()
     out = torch._weight_int8pack_mm(x2, weight, scales.to(compute))
     return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+
+# fbgemm's u8 x s8 kernels sum pairs of products in int16 on CPUs without VNNI (AVX2): with weights in
+# [-127, 127], activations must stay within 7 bits (PyTorch's ``reduce_range``) or the sums saturate.
+# 7 bits alone cost SmolLM2-135M 12% perplexity (its normed activations carry a channel ~20x their RMS),
+# so each activation row goes in as two 7-bit rows of the same call, the rounded value and its
+# remainder 63x magnified: ~13 bits per row, for one pass over the weight. Rows are scaled by their own
+# absolute max first, so a row's result never depends on the other rows: the engine stays batch
+# invariant, and the call's fixed quantization (scale 1, zero point 63) takes the rows as they are.
+ACT_LEVELS = 63  # integer parts in [-63, 63]: with the zero point, fbgemm's reduced range [0, 126]
+_ZERO_POINT = ACT_LEVELS
+
+
+@functools.cache
+def fbgemm_supported() -> bool:
+    """fbgemm's int8 kernels: x86 builds of PyTorch on CPUs with at least AVX2."""
+    return (
+        "fbgemm" in torch.backends.quantized.supported_engines
+        and torch.backends.cpu.get_cpu_capability()
+        in (
+            "AVX2",
+            "AVX512",
+        )
+    )
+
+
+def fbgemm_pack(weight: torch.Tensor, scales: torch.Tensor) -> Any:
+    """``weight`` int8 ``[N, K]`` and per-row ``scales`` -> fbgemm's packed weight (its own copy)."""
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; the packing op is not
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch._make_per_channel_quantized_tensor(
+            weight.cpu(), scales.double().cpu(), zero_points, 0
+        )
+    return torch.ops.quantized.linear_prepack(qweight, None)
+
+
+def fbgemm_unpack(packed: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    qweight, _ = torch.ops.quantized.linear_unpack(packed)
+    return qweight.int_repr(), qweight.q_per_channel_scales().float()
+
+
+def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` float -> (``[2M, K]``: each row's integer part then remainder, in units of the
+    fbgemm input; ``[M, 1]`` the factor back to ``x``'s units)."""
+    m = x.shape[0]
+    # the floor keeps ACT_LEVELS / a finite (an all-zero row then stays exactly zero)
+    a = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30)
+    scaled = x * (ACT_LEVELS / a)
+    rows = torch.empty(2 * m, x.shape[1])
+    torch.round(scaled, out=rows[:m])
+    torch.sub(scaled, rows[:m], out=rows[m:]).mul_(ACT_LEVELS)
+    return rows, a / ACT_LEVELS
+
+
+def _join_rows(y: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    m = y.shape[0] // 2
+    return torch.add(y[:m], y[m:], alpha=1.0 / ACT_LEVELS).mul_(factor)
+
+
+def int8_dynamic_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What ``int8_matmul_fbgemm`` computes, in float64 (the kernel's int32 sums are exact): each row of
+    ``x`` as an integer part and a rounded remainder of its own absolute max, times the int8 weight."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    rows, factor = _split_rows(x2)
+    y = torch.round(rows.double()) @ weight.double().T * scales.double()
+    return _join_rows(y, factor.double()).view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+
+def int8_matmul_fbgemm(x: torch.Tensor, packed: Any) -> torch.Tensor:
+    """``x [..., K]`` (float, CPU) times an ``fbgemm_pack``ed weight, activations int8 per token."""
+    rows, factor = _split_rows(x.reshape(-1, x.shape[-1]).float())
+    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(rows, 1.0, _ZERO_POINT, packed)
+    y = _join_rows(y, factor)
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 @jit

@@ -19,7 +19,7 @@ import kernels.int4_matmul as int4_mod
 import kernels.int8_matmul as int8_mod
 from engine.config import tiny_config
 from engine.llm_engine import LLMEngine
-from engine.quant import Int4Linear, quantize_model
+from engine.quant import Int4Linear, Int8Linear, quantize_model
 from engine.sampling import SamplingParams
 from kernels._triton import interpreting, triton_on_cpu, use_triton
 
@@ -78,7 +78,8 @@ def test_engine_forward_runs_the_triton_kernels(monkeypatch: pytest.MonkeyPatch)
     assert calls["paged_decode_attention_triton"] == layers  # the decode step, not the prefill
     assert calls["int4_matmul_triton"] == 2 * 4 * layers  # qkv, o, gate_up, down
     assert calls["int8_matmul_triton"] >= 2  # the head
-    assert not any(m.cpu_layout for m in engine.model.modules() if isinstance(m, Int4Linear))
-    # the CPU path rounds activations to bf16 for its packed kernels; the Triton path stays fp32
+    assert not any(m.cpu_layout for m in engine.model.modules() if isinstance(m, Int4Linear | Int8Linear))
+    # the CPU path rounds activations to bf16 (int4) and to ~13 bits per row (int8 on fbgemm) for its
+    # packed kernels; the Triton path stays fp32
     assert (got_lps - expected_lps).abs().max().item() < 0.05
     assert got_tokens == expected_tokens

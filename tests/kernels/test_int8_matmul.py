@@ -5,8 +5,13 @@ import torch
 
 from kernels.int8_matmul import (
     HAS_INT8PACK_MM,
+    fbgemm_pack,
+    fbgemm_supported,
+    fbgemm_unpack,
+    int8_dynamic_matmul_ref,
     int8_matmul,
     int8_matmul_cpu,
+    int8_matmul_fbgemm,
     int8_matmul_ref,
     int8_matmul_triton,
 )
@@ -69,3 +74,47 @@ def test_dispatcher_keeps_leading_dims() -> None:
     out = int8_matmul(x.view(2, 3, 128), w, s)
     assert out.shape == (2, 3, 64)
     assert torch.equal(out.view(6, 64), int8_matmul_cpu(x, w, s))
+
+
+needs_fbgemm = pytest.mark.skipif(not fbgemm_supported(), reason="fbgemm needs an x86 CPU with AVX2")
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 96, 200), (40, 64, 128)])
+def test_fbgemm_path_matches_its_reference(m: int, n: int, k: int) -> None:
+    x, w, s = _operands(m, n, k, torch.float32)
+    x[0, 3] = 50.0  # an outlier channel, as after SmolLM2's RMSNorm
+    out = int8_matmul_fbgemm(x, fbgemm_pack(w, s))
+    # the same integer products in float64: only the fp32 rounding of the result differs
+    torch.testing.assert_close(out, int8_dynamic_matmul_ref(x, w, s), rtol=1e-5, atol=1e-4)
+
+
+@needs_fbgemm
+def test_fbgemm_activations_keep_about_13_bits() -> None:
+    x, w, s = _operands(16, 128, 576, torch.float32)
+    x[:, 7] *= 20  # one channel far above the others' RMS
+    exact = int8_matmul_ref(x.double(), w, s.double())
+    err = (int8_matmul_fbgemm(x, fbgemm_pack(w, s)).double() - exact).norm() / exact.norm()
+    assert err < 2e-3  # 7 bits alone leave ~5e-2 on such rows
+
+
+@needs_fbgemm
+def test_fbgemm_rows_do_not_depend_on_their_batch() -> None:
+    x, w, s = _operands(9, 96, 200, torch.float32)
+    x[4] *= 1000  # a loud row must not change how the quiet ones are rounded
+    packed = fbgemm_pack(w, s)
+    batched = int8_matmul_fbgemm(x, packed)
+    for i in range(x.shape[0]):
+        assert torch.equal(int8_matmul_fbgemm(x[i : i + 1], packed), batched[i : i + 1])
+
+
+@needs_fbgemm
+def test_fbgemm_pack_round_trips_and_keeps_dtype_and_shape() -> None:
+    x, w, s = _operands(6, 64, 128, torch.float32)
+    packed = fbgemm_pack(w, s)
+    w2, s2 = fbgemm_unpack(packed)
+    assert torch.equal(w2, w) and torch.allclose(s2, s)
+    out = int8_matmul_fbgemm(x.view(2, 3, 128).bfloat16(), packed)
+    assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
+    zero = int8_matmul_fbgemm(torch.zeros(2, 128), packed)
+    assert torch.equal(zero, torch.zeros(2, 64))

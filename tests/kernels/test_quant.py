@@ -27,6 +27,7 @@ from engine.quant import (
 from engine.sampling import SamplingParams
 from engine.weights import build_model
 from kernels.int4_matmul import cpu_int4_supported, dequantize_int4
+from kernels.int8_matmul import fbgemm_supported
 
 BF16_ROUNDING = 4 * 2**-9
 
@@ -106,6 +107,27 @@ def test_int4_cpu_layout_is_invisible_in_the_state_dict() -> None:
     fresh.use_cpu_layout()
     fresh.load_state_dict(q.state_dict())
     assert fresh.cpu_layout and torch.equal(fresh.qweight, q.qweight)
+
+
+@pytest.mark.skipif(not fbgemm_supported(), reason="fbgemm needs an x86 CPU with AVX2")
+def test_int8_cpu_layout_is_invisible_in_the_state_dict() -> None:
+    linear = _linear(192, 576, bias=True, seed=2)
+    portable = Int8Linear.from_linear(linear)
+    q = Int8Linear.from_linear(linear, cpu_layout=True)
+    assert q.cpu_layout and not portable.cpu_layout and q.weight.numel() == 0  # one copy, fbgemm's
+    x = torch.randn(4, 576)
+    x[:, 9] *= 20  # an outlier channel: the product keeps ~13 bits of each activation row
+    exact = torch.nn.functional.linear(x, portable.weight.float() * portable.scales[:, None], linear.bias)
+    assert (q(x) - exact).norm() <= 2e-3 * exact.norm()
+    assert q.state_dict().keys() == portable.state_dict().keys()
+    assert all(torch.equal(q.state_dict()[k], v) for k, v in portable.state_dict().items())
+    fresh = Int8Linear(576, 192, bias=True)
+    fresh.use_cpu_layout()  # an empty module asks for the CPU layout; loading a state dict honours it
+    fresh.load_state_dict(portable.state_dict())
+    assert fresh.cpu_layout and torch.equal(fresh(x), q(x))
+    assert weight_bytes(q) == weight_bytes(portable)  # the packed copy is counted in place of the weight
+    q.use_cpu_layout(False)
+    assert not q.cpu_layout and torch.equal(q.weight, portable.weight)
 
 
 def test_bias_and_leading_dims_survive() -> None:
