@@ -1,0 +1,275 @@
+"""Attempts to lift the difficulty head past APGR 0.70 (issue #5), cross-fitted on routing_eval's hash folds.
+
+    nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu
+
+Every score comes from models that never saw the prompt: the heads' components are cross-fitted on the
+5 prompt-hash folds of `routing_eval.py`, and anything fitted on top of them (blend spreads, a ridge map,
+a gradient-boosted stacker) is fitted on the other folds' cross-fitted scores, as `blend_across_folds`
+does. APGR with a 95% bootstrap interval, and a paired bootstrap interval of the difference to the v3
+recipe (equal unit-spread blend of the shipped components) on the same prompts. What it tries:
+
+1. a wider network (hidden 512 instead of 256; seeds 0-2), the sparse part unchanged;
+2. the group term as a ridge map from the cross-fitted subject posterior to the gain (strong minus weak
+   right), instead of the posterior times each subject's mean gain;
+3. a HistGradientBoosting regression of the gain over [components, log length, structure features,
+   posterior], mixed 1:1 with the blend; and the structure features' within-subject correlation;
+4. the off-MMLU probe: adding length or token-rarity scores to the shipped head, MMLU APGR against
+   probe AUC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.routing_eval import PROBE, auc, metrics
+from routing.difficulty import DifficultyClassifier, Encoded, encode
+from routing.embed import StaticEmbedder
+from routing.train import Outcomes, TrainConfig, _fit_parts, load_mmlu, prompt_fold
+
+_NUMBER = re.compile(r"^[\s$-]*[\d.,/%]+\s*[a-zA-Z%]{0,6}\s*$")
+STRUCTURE = (
+    "log stem chars",
+    "log option chars",
+    "option length CV",
+    "option max/min length (log)",
+    "numeric options share",
+    "log digits in stem",
+    "log digits in options",
+    "log formula symbols",
+    "NOT/EXCEPT/LEAST/FALSE",
+    "lowercase negations",
+    "'which of the following'",
+    "all/none/both of the above",
+    "roman-numeral options",
+    "'Statement 1'",
+    "'Scenario 1'",
+    "log sentences",
+    "stem ends with '?'",
+    "log stem newlines",
+    "mean words per option",
+    "options",
+    "blank '_'",
+    "true/false options",
+)
+
+
+def split_options(prompt: str) -> tuple[str, list[str]]:
+    """An MMLU prompt's question stem and its answer options (none for a prompt without `A. ` lines)."""
+    head, sep, tail = prompt.rpartition("\nA. ")
+    if not sep:
+        return prompt.removesuffix("Answer:").rstrip(), []
+    body = tail.removesuffix("Answer:").rstrip()
+    return head, re.split(r"\n[B-J]\. ", body)
+
+
+def structure_features(prompt: str) -> np.ndarray:
+    """The question's form, in the order of `STRUCTURE`: lengths, numbers, formulas, negations, options."""
+    stem, opts = split_options(prompt)
+    lens = np.array([len(o) for o in opts], float) if opts else np.zeros(1)
+    low = stem.lower()
+    return np.array(
+        [
+            math.log1p(len(stem)),
+            math.log1p(lens.sum()),
+            lens.std() / max(lens.mean(), 1.0),
+            math.log((lens.max() + 1) / (lens.min() + 1)),
+            np.mean([bool(_NUMBER.match(o)) for o in opts]) if opts else 0.0,
+            math.log1p(sum(c.isdigit() for c in stem)),
+            math.log1p(sum(c.isdigit() for o in opts for c in o)),
+            math.log1p(sum(stem.count(c) for c in "=^\\$+*/<>")),
+            float(bool(re.search(r"\b(NOT|EXCEPT|LEAST|FALSE)\b", stem))),
+            float(len(re.findall(r"\b(not|except|least|false|incorrect)\b", low))),
+            float("which of the following" in low),
+            float(any(re.search(r"(all|none|both) of the (above|these)", o.lower()) for o in opts)),
+            float(any(re.fullmatch(r"\s*(I|II|III|IV)\b[IV ,andonly]*", o) for o in opts)),
+            float("statement 1" in low),
+            float("scenario 1" in low),
+            math.log1p(len(re.findall(r"[.!?](\s|$)", stem))),
+            float(stem.rstrip().endswith("?")),
+            math.log1p(stem.count("\n")),
+            np.mean([len(o.split()) for o in opts]) if opts else 0.0,
+            float(len(opts)),
+            float("_" in stem),
+            float(any(o.strip().lower() in ("true", "false", "true, true") for o in opts)),
+        ],
+        dtype=np.float32,
+    )
+
+
+def cross_fitted(data: Outcomes, enc: Encoded, fold: np.ndarray, cfg: TrainConfig) -> dict[str, np.ndarray]:
+    """Components and the subject posterior of every prompt, from heads trained without its fold."""
+    n = len(data)
+    out = {"components": np.zeros((n, 3 if cfg.sparse_buckets else 2)), "posterior": np.zeros((n, 57))}
+    for k in np.unique(fold):
+        train, test = np.nonzero(fold != k)[0], np.nonzero(fold == k)[0]
+        head = _fit_parts(data.subset(train), enc.subset(train), cfg)
+        held_out = enc.subset(test)
+        out["components"][test] = head.components(held_out)
+        logits = head._logits(held_out)[:, 2:]
+        g = np.exp(logits - logits.max(axis=1, keepdims=True))
+        out["posterior"][test] = g / g.sum(axis=1, keepdims=True)
+    return out
+
+
+def across_folds(fit, x: np.ndarray, y: np.ndarray, fold: np.ndarray) -> np.ndarray:
+    """Each fold's prediction from `fit()` fitted on the other folds' rows (x: cross-fitted scores)."""
+    out = np.zeros(len(x))
+    for k in np.unique(fold):
+        test = fold == k
+        out[test] = fit().fit(x[~test], y[~test]).predict(x[test])
+    return out
+
+
+def equal_blend(components: np.ndarray, fold: np.ndarray) -> np.ndarray:
+    """The v3 ranking: components scaled to unit spread on the other folds, summed."""
+    out = np.zeros(len(components))
+    for k in np.unique(fold):
+        test = fold == k
+        out[test] = components[test] @ (1.0 / components[~test].std(axis=0))
+    return out
+
+
+def main() -> None:
+    from sklearn.ensemble import HistGradientBoostingRegressor
+    from sklearn.linear_model import Ridge
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/routing-mmlu"
+    )
+    ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--seeds", type=int, default=3, help="seeds of the wider network")
+    args = ap.parse_args()
+
+    data = load_mmlu(args.data)
+    w, s = data.weak.astype(float), data.strong.astype(float)
+    gain = s - w
+    embedder = StaticEmbedder.from_minilm()
+    enc = encode(embedder, data.prompts)
+    fold = np.array([prompt_fold(p, 5) for p in data.prompts])
+    rng = np.random.default_rng(0)
+    draws = [rng.integers(0, len(data), len(data)) for _ in range(args.bootstrap)]
+
+    def apgr(score: np.ndarray) -> float:
+        return metrics(score, w, s)["APGR"]
+
+    def report(name: str, score: np.ndarray, ref: np.ndarray | None) -> None:
+        boot = [metrics(score[i], w[i], s[i])["APGR"] for i in draws]
+        line = f"  {name:<62} APGR {apgr(score):.4f} [{np.percentile(boot, 2.5):.3f}, {np.percentile(boot, 97.5):.3f}]"
+        if ref is not None:
+            diff = [b - metrics(ref[i], w[i], s[i])["APGR"] for b, i in zip(boot, draws, strict=True)]
+            line += f"  vs v3 {apgr(score) - apgr(ref):+.4f} [{np.percentile(diff, 2.5):+.4f}, {np.percentile(diff, 97.5):+.4f}]"
+        print(line, flush=True)
+
+    t0 = time.perf_counter()
+    v3 = cross_fitted(data, enc, fold, TrainConfig(calibration_folds=0))
+    print(f"v3 components cross-fitted in {time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.1f}")
+    sparse = v3["components"][:, 2]
+    ref = equal_blend(v3["components"], fold)
+    report("v3 recipe (equal blend of group, network, sparse)", ref, None)
+
+    def ridge_group(posterior: np.ndarray) -> np.ndarray:
+        return across_folds(lambda: Ridge(alpha=1.0), posterior, gain, fold)
+
+    group = ridge_group(v3["posterior"])
+    report(
+        "v3, group term = ridge map of the posterior",
+        equal_blend(np.column_stack([group, v3["components"][:, 1:]]), fold),
+        ref,
+    )
+
+    wide = []
+    for seed in range(args.seeds):
+        t0 = time.perf_counter()
+        cfg = TrainConfig(calibration_folds=0, sparse_buckets=0, hidden=512, seed=seed)
+        r = cross_fitted(data, enc, fold, cfg)
+        wide.append(r)
+        print(
+            f"hidden 512, seed {seed}: cross-fitted in {time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.1f}"
+        )
+        report(f"hidden 512 seed {seed}", equal_blend(np.column_stack([r["components"], sparse]), fold), ref)
+        parts = np.column_stack([ridge_group(r["posterior"]), r["components"][:, 1], sparse])
+        report(f"hidden 512 seed {seed}, ridge-mapped group term", equal_blend(parts, fold), ref)
+    comps = np.mean([r["components"] for r in wide], axis=0)
+    posterior = np.mean([r["posterior"] for r in wide], axis=0)
+    parts = np.column_stack([ridge_group(posterior), comps[:, 1], sparse])
+    blend = equal_blend(parts, fold)
+    report(f"hidden 512, {args.seeds} seeds averaged, ridge-mapped group term", blend, ref)
+
+    structure = np.stack([structure_features(p) for p in data.prompts])
+    groups = np.array(data.groups)
+    print("\nstructure features: correlation with the gain within subjects (both centred per subject)")
+    y = gain.copy()
+    x = structure.astype(float).copy()
+    for g in np.unique(groups):
+        rows = groups == g
+        y[rows] -= y[rows].mean()
+        x[rows] -= x[rows].mean(axis=0)
+    for j, name in enumerate(STRUCTURE):
+        r = np.corrcoef(x[:, j], y)[0, 1] if x[:, j].std() > 0 else 0.0
+        print(f"  {name:<32} r = {r:+.4f}  (mean {structure[:, j].mean():.3f})")
+
+    def zscore(v: np.ndarray) -> np.ndarray:
+        return (v - v.mean()) / v.std()
+
+    log_len = np.log1p([len(p) for p in data.prompts])[:, None]
+    hgb = dict(
+        max_iter=300, learning_rate=0.03, max_leaf_nodes=15, min_samples_leaf=200, l2_regularization=1.0
+    )
+    for name, x in (
+        ("[components, length, posterior]", np.hstack([parts, log_len, posterior])),
+        ("[components, length, structure, posterior]", np.hstack([parts, log_len, structure, posterior])),
+    ):
+        stack = across_folds(lambda: HistGradientBoostingRegressor(random_state=0, **hgb), x, gain, fold)
+        report(f"HGB on gain {name}", stack, ref)
+        report("  1:1 with the blend above", zscore(blend) + zscore(stack), ref)
+
+    print(
+        "\nnon-MMLU probe: shipped head's logit plus lambda x a length or rarity score (both z-scored on MMLU)"
+    )
+    clf = DifficultyClassifier.default()
+    vocab = {v: k for k, v in embedder.tokenizer.get_vocab().items()}
+
+    def extra(prompt: str) -> dict[str, float]:
+        pieces = [vocab[t] for t in embedder.token_ids(prompt)]
+        words = sum(not p.startswith("##") for p in pieces)
+        split = prompt.split()
+        return {
+            "log length": math.log1p(len(prompt)),
+            "word pieces per word": (len(pieces) - words) / max(words, 1),
+            "share of words >= 9 letters": float(np.mean([len(t) >= 9 for t in split])) if split else 0.0,
+        }
+
+    def logit(p: np.ndarray) -> np.ndarray:
+        return np.log(p / (1 - p))
+
+    head_mmlu = logit(np.array(clf.score_many(data.prompts[::7])))
+    mu, sd = head_mmlu.mean(), head_mmlu.std()
+    probe = {k: [p for _, p in rows] for k, rows in PROBE.items()}
+    head_probe = {k: (logit(np.array(clf.score_many(v))) - mu) / sd for k, v in probe.items()}
+    mmlu_x = [extra(p) for p in data.prompts]
+    probe_x = {k: [extra(p) for p in v] for k, v in probe.items()}
+    for feature in mmlu_x[0]:
+        m = np.array([e[feature] for e in mmlu_x])
+        fm, fs = m.mean(), m.std()
+        fx = {k: (np.array([e[feature] for e in v]) - fm) / fs for k, v in probe_x.items()}
+        print(f"  {feature}: alone MMLU APGR {apgr(m):.4f}, probe AUC {auc(fx['hard'], fx['easy']):.2f}")
+        for lam in (0.0, 0.25, 0.5, 1.0, 2.0):
+            mixed = zscore(ref) + lam * (m - fm) / fs
+            probe_auc = auc(head_probe["hard"] + lam * fx["hard"], head_probe["easy"] + lam * fx["easy"])
+            print(f"    lambda {lam:<4} MMLU APGR {apgr(mixed):.4f}  probe AUC {probe_auc:.2f}")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Helpers of the stacking experiments (`benchmarks/routing_stacking.py`): option parsing, structure
+features, and fitting on other folds only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.routing_stacking import (
+    STRUCTURE,
+    across_folds,
+    equal_blend,
+    split_options,
+    structure_features,
+)
+from routing.train import load_mmlu
+
+MMLU_SHAPED = "Which of these is NOT a prime number?\nA. 2\nB. 3\nC. 9\nD. 11\nAnswer:"
+
+
+def test_split_options_of_an_mmlu_prompt_and_of_a_chat_prompt(fixture_dir: Path) -> None:
+    assert split_options(MMLU_SHAPED) == ("Which of these is NOT a prime number?", ["2", "3", "9", "11"])
+    assert split_options("Write a haiku about autumn.") == ("Write a haiku about autumn.", [])
+    for prompt in load_mmlu(fixture_dir).prompts:
+        stem, options = split_options(prompt)
+        assert len(options) == 4 and prompt.startswith(stem)
+        assert not any(o.endswith("Answer:") for o in options)
+
+
+def test_structure_features_see_negations_numbers_and_missing_options() -> None:
+    names = {name: i for i, name in enumerate(STRUCTURE)}
+    mmlu = structure_features(MMLU_SHAPED)
+    chat = structure_features("Which colour is the sky on a clear day?")
+    assert mmlu.shape == chat.shape == (len(STRUCTURE),)
+    assert mmlu[names["NOT/EXCEPT/LEAST/FALSE"]] == 1 and chat[names["NOT/EXCEPT/LEAST/FALSE"]] == 0
+    assert mmlu[names["numeric options share"]] == 1
+    assert mmlu[names["options"]] == 4 and chat[names["options"]] == 0
+    assert chat[names["stem ends with '?'"]] == 1
+
+
+class _Mean:
+    """A "model" that predicts the mean target of the rows it was fitted on."""
+
+    def fit(self, x: np.ndarray, y: np.ndarray) -> _Mean:
+        self.mean = float(y.mean())
+        return self
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return np.full(len(x), self.mean)
+
+
+def test_across_folds_never_fits_on_the_fold_it_scores() -> None:
+    fold = np.repeat(np.arange(3), 4)
+    y = np.repeat([0.0, 10.0, 20.0], 4)  # each fold's own target is distinct
+    out = across_folds(_Mean, np.zeros((12, 1)), y, fold)
+    # Fold 0 sees only folds 1 and 2 (mean 15), and so on.
+    assert np.allclose(out, np.repeat([15.0, 10.0, 5.0], 4))
+
+
+def test_equal_blend_scales_each_component_by_the_other_folds_spread() -> None:
+    rng = np.random.default_rng(0)
+    fold = np.arange(400) % 2
+    comps = np.column_stack([rng.normal(0, 1, 400), rng.normal(0, 100, 400)])
+    out = equal_blend(comps, fold)
+    for k in (0, 1):
+        scale = 1 / comps[fold != k].std(axis=0)
+        assert np.allclose(out[fold == k], comps[fold == k] @ scale)
+    # Neither component dominates: both correlate with the blend.
+    assert min(abs(np.corrcoef(out, comps[:, j])[0, 1]) for j in (0, 1)) > 0.5
