@@ -87,13 +87,14 @@ def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` float -> (``[2M, K]``: each row's integer part then remainder, in units of the
     fbgemm input; ``[M, 1]`` the factor back to ``x``'s units)."""
     m = x.shape[0]
-    # the floor keeps ACT_LEVELS / a finite (an all-zero row then stays exactly zero)
-    a = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30)
-    scaled = x * (ACT_LEVELS / a)
+    # abs + amax: vector_norm(inf) reduces rows 10-20x slower on CPU; the floor keeps x / factor
+    # finite (an all-zero row then stays exactly zero)
+    factor = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30).div_(ACT_LEVELS)
+    scaled = x / factor
     rows = torch.empty(2 * m, x.shape[1])
     torch.round(scaled, out=rows[:m])
     torch.sub(scaled, rows[:m], out=rows[m:]).mul_(ACT_LEVELS)
-    return rows, a / ACT_LEVELS
+    return rows, factor
 
 
 def _join_rows(y: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
