@@ -109,7 +109,11 @@ def structure_features(prompt: str) -> np.ndarray:
 def cross_fitted(data: Outcomes, enc: Encoded, fold: np.ndarray, cfg: TrainConfig) -> dict[str, np.ndarray]:
     """Components and the subject posterior of every prompt, from heads trained without its fold."""
     n = len(data)
-    out = {"components": np.zeros((n, 3 if cfg.sparse_buckets else 2)), "posterior": np.zeros((n, 57))}
+    groups = sorted(set(data.groups or []))
+    out = {
+        "components": np.zeros((n, 3 if cfg.sparse_buckets else 2)),
+        "posterior": np.zeros((n, len(groups))),
+    }
     for k in np.unique(fold):
         train, test = np.nonzero(fold != k)[0], np.nonzero(fold == k)[0]
         head = _fit_parts(data.subset(train), enc.subset(train), cfg)
@@ -117,7 +121,9 @@ def cross_fitted(data: Outcomes, enc: Encoded, fold: np.ndarray, cfg: TrainConfi
         out["components"][test] = head.components(held_out)
         logits = head._logits(held_out)[:, 2:]
         g = np.exp(logits - logits.max(axis=1, keepdims=True))
-        out["posterior"][test] = g / g.sum(axis=1, keepdims=True)
+        # A fold's head knows only its training rows' groups (fewer when whole subjects are held out).
+        columns = [groups.index(name) for name in sorted({data.groups[i] for i in train})]
+        out["posterior"][np.ix_(test, columns)] = g / g.sum(axis=1, keepdims=True)
     return out
 
 

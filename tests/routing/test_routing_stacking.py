@@ -10,11 +10,13 @@ import numpy as np
 from benchmarks.routing_stacking import (
     STRUCTURE,
     across_folds,
+    cross_fitted,
     equal_blend,
     split_options,
     structure_features,
 )
-from routing.train import load_mmlu
+from routing.difficulty import encode
+from routing.train import TrainConfig, load_mmlu
 
 MMLU_SHAPED = "Which of these is NOT a prime number?\nA. 2\nB. 3\nC. 9\nD. 11\nAnswer:"
 
@@ -68,3 +70,19 @@ def test_equal_blend_scales_each_component_by_the_other_folds_spread() -> None:
         assert np.allclose(out[fold == k], comps[fold == k] @ scale)
     # Neither component dominates: both correlate with the blend.
     assert min(abs(np.corrcoef(out, comps[:, j])[0, 1]) for j in (0, 1)) > 0.5
+
+
+def test_cross_fitted_posterior_puts_held_out_subjects_in_their_own_columns(
+    fixture_dir: Path, classifier
+) -> None:
+    data = load_mmlu(fixture_dir)
+    subjects = sorted(set(data.groups))
+    enc = encode(classifier.embedder, data.prompts)
+    # Two folds of whole subjects: each head knows one subject, and its posterior has one column.
+    fold = np.array([subjects.index(g) for g in data.groups])
+    out = cross_fitted(data, enc, fold, TrainConfig(epochs=1, sparse_buckets=0, calibration_folds=0))
+    assert out["posterior"].shape == (len(data), len(subjects))
+    assert np.allclose(out["posterior"].sum(axis=1), 1.0)
+    # A prompt's own subject was held out, so its head puts all mass on the other subject's column.
+    own = out["posterior"][np.arange(len(data)), fold]
+    assert np.allclose(own, 0.0)
