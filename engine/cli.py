@@ -82,7 +82,7 @@ def engine() -> None:
     default="none",
     show_default=True,
     type=click.Choice(["none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128"]),
-    help="Weight-only quantization at load (int4 groups of 32 unless -gNN says otherwise).",
+    help="Weight quantization at load (int4 groups of 32 unless -gNN says otherwise).",
 )
 @click.option(
     "--packing",

@@ -159,7 +159,7 @@ class LLMEngine:
             if spec_config is not None and spec_config.self_draft == "int4"
             else None
         )
-        # Weight-only quantization is a module swap after loading (engine/quant.py): "int8", "int4",
+        # Weight quantization is a module swap after loading (engine/quant.py): "int8", "int4",
         # "int4-g32|g64|g128"; the model code never learns about it.
         quantize_model(self.model, quantization)
         # CPU: the linears quantization left as they are get weights prepacked for oneDNN (engine/packed.py)

@@ -1,10 +1,12 @@
-"""Weight-only quantization as a module swap (gpt-fast style): the model code never learns about it.
+"""Weight quantization as a module swap (gpt-fast style): the model code never learns about it.
 
 ``quantize_model(model, "int8" | "int4" | "int4-g32" | "int4-g64" | "int4-g128")`` replaces every
 ``nn.Linear`` with ``Int8Linear`` (per-output-channel symmetric) or ``Int4Linear`` (group-wise with scales
 and zero points, two values per byte). ``save_quantized``/``load_quantized`` write and read a
 ``model.safetensors`` plus ``quantization.json`` that needs no original checkpoint. The matmuls live in
-``kernels/`` (Triton on CUDA, PyTorch's packed CPU kernels where this build has them, else a reference).
+``kernels/`` (Triton on CUDA, PyTorch's packed CPU kernels where this build has them, else a reference):
+weight-only everywhere except int8 on x86 CPUs, which runs fbgemm's int8 x int8 kernels on ~13-bit
+activation rows (``Int8Linear``).
 """
 
 from __future__ import annotations
