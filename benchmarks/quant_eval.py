@@ -1,4 +1,4 @@
-"""Quality of weight-only quantization on SmolLM2-135M: perplexity, greedy agreement, weight memory.
+"""Quality of quantization on SmolLM2-135M: perplexity, greedy agreement, weight memory.
 
 For each scheme (fp32, int8, int4 at group 32/64/128) the model is loaded through the engine, quantized
 with ``engine.quant.quantize_model`` and then:
