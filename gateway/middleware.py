@@ -3,7 +3,6 @@ per API request when its last byte is sent (streams included), and the request m
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from typing import Any
 import structlog
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.ids import ordered_id
 from gateway.metrics import Metrics
 from gateway.pipeline import RequestInfo
 
@@ -36,7 +36,7 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
-            raw_id = _incoming_id(scope) or os.urandom(16).hex().encode()
+            raw_id = _incoming_id(scope) or ordered_id().encode()
             info = RequestInfo(request_id=raw_id.decode())
             scope.setdefault("state", {})["weir"] = info  # type: ignore[typeddict-unknown-key]
             api = scope["path"].startswith("/v1/")

@@ -4,12 +4,12 @@ ledger can take it exactly once however often the queue delivers it."""
 from __future__ import annotations
 
 import datetime as dt
-import uuid
 from decimal import Decimal
 
 import msgspec
 
 from gateway.accounting.money import pico_to_usd
+from gateway.ids import ordered_id
 from gateway.usage import Usage
 
 
@@ -32,7 +32,7 @@ class UsageEvent(msgspec.Struct, frozen=True, kw_only=True):
     fallback: bool = False
     routing: str | None = None  # the routing decision so far (policy, candidate, score; x-weir-route)
     estimated: bool = False  # usage estimated by the gateway: the stream ended before the vendor's report
-    event_id: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
+    event_id: str = msgspec.field(default_factory=ordered_id)  # time-ordered (gateway/ids.py)
 
     @property
     def cost_usd(self) -> Decimal:
