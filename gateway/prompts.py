@@ -20,6 +20,7 @@ import structlog
 from sqlalchemy import delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.aio import stop_if_cancelled
 from gateway.credentials import prompt_context
 from gateway.db.models import StoredPrompt, Tenant
 from gateway.limits import MAX_CAPTURED_BYTES, Exchange
@@ -139,6 +140,7 @@ class PromptStore:
 
     async def _write_loop(self) -> None:
         while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
             await asyncio.sleep(self.flush_interval_s)
             try:
                 await self.flush()
@@ -147,6 +149,7 @@ class PromptStore:
 
     async def _retention_loop(self) -> None:
         while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
             try:
                 deleted = await purge_expired(self.sessions)
                 if deleted:

@@ -16,6 +16,8 @@ import os
 import redis.asyncio as aioredis
 import structlog
 
+from gateway.aio import stop_if_cancelled
+
 log = structlog.get_logger("weir.limits")
 
 # KEYS[1]: the tenant's lease set; ARGV: limit, lease id, ttl in ms. 1: taken, 0: full.
@@ -124,6 +126,7 @@ class RedisSlots:
 
     async def _keep_alive(self) -> None:
         while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
             await asyncio.sleep(self.ttl_ms / 3000)
             held = list(self.held.items())
             if not held:

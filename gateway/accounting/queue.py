@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 
 from gateway.accounting.events import UsageEvent, decode, encode
+from gateway.aio import stop_if_cancelled
 from gateway.state.redis import client_from_url
 
 log = logging.getLogger(__name__)
@@ -346,6 +347,7 @@ class RedisStreamQueue:
 
     async def _run_pump(self) -> None:
         while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
             await self._kick.wait()
             self._kick.clear()
             try:

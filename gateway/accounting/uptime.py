@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import Table, insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway.aio import stop_if_cancelled
 from gateway.db.models import UptimeSample
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class ProbeRecorder:
 
     async def _run(self) -> None:
         while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
             await asyncio.sleep(self.flush_s)
             try:
                 await self.flush()

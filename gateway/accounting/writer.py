@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.accounting.events import UsageEvent, decode, encode
 from gateway.accounting.queue import RedisStreamQueue, Token, UsageQueue
+from gateway.aio import stop_if_cancelled
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.usage import TOKEN_FIELDS
 
@@ -334,6 +335,7 @@ class BatchWriter:
     async def run(self) -> None:
         backoff = 0.1
         while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
             try:
                 await self.step()
                 backoff = 0.1

@@ -31,6 +31,7 @@ from gateway.accounting.writer import BatchWriter
 from gateway.admin.keys import DbAuthenticator, KeyRecord
 from gateway.admin.router import AdminContext, admin_router
 from gateway.admin.token import ensure_admin_token
+from gateway.aio import stop_if_cancelled
 from gateway.auth import Authenticator, Principal
 from gateway.db import migrate
 from gateway.db.models import UsageRollup
@@ -159,6 +160,7 @@ class ControlPlane:
         # makes a change exact on every replica.
         while True:
             await asyncio.sleep(self.settings.catalog_refresh_s)
+            stop_if_cancelled()  # a cancel that library code swallowed last round
             try:
                 await self.reload_catalog()
             except Exception:

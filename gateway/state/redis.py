@@ -24,6 +24,7 @@ try:
 except ImportError:  # optional: redis-py's own packing then
     hiredis = None  # type: ignore[assignment]
 
+from gateway.aio import stop_if_cancelled
 from gateway.state.base import (
     BUCKETS,
     Admission,
@@ -660,6 +661,7 @@ class RedisState(Shortcuts):
         # Runs for the life of the process; a dropped connection is retried, and the authenticator's
         # cache TTL bounds how stale a key can be while the link is down.
         while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
             try:
                 message = await pubsub.get_message(timeout=5.0)
                 if message and message["type"] == "message":
