@@ -13,6 +13,7 @@ counted in four limits, reserves and settles two budgets, and is priced, queued 
     .venv/bin/python benchmarks/control_overhead.py --targets plain,sqlite --requests 3000 --rounds 5
     .venv/bin/python benchmarks/control_overhead.py --targets plain,pg,pg@base --baseline /tmp/weir-before
     .venv/bin/python benchmarks/control_overhead.py --together --requests 100000 --duration 5 --rounds 9
+    .venv/bin/python benchmarks/control_overhead.py --targets plain,sqlite,sqlite@base --baseline DIR --prefill 300000
 
 On a shared machine CPU per request moves with the neighbours as much as RPS does; `--together`
 loads every target at once in each round, so the per-round ratio of gateway CPU per request compares
@@ -31,6 +32,7 @@ import contextlib
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -150,6 +152,14 @@ def main() -> None:
         "shares one load generator, CPU per request is the measure)",
     )
     parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="usage events written into each controlled target's ledger before its gateway starts "
+        "(benchmarks/ledger_prefill.py, ids made by the target's own tree): a ledger that has been "
+        "in use, not an empty one",
+    )
+    parser.add_argument(
         "--baseline",
         help="a source tree of an earlier Weir (e.g. `git archive <commit> gateway routing engine kernels "
         "weir migrations alembic.ini | tar -x -C DIR`); targets named sqlite@base / pg@base run it",
@@ -199,6 +209,16 @@ def main() -> None:
                     parser.error(f"{name} needs --baseline")
                 # The same gateway from another source tree (imports from it win over this checkout).
                 server.env["PYTHONPATH"] = str(Path(args.baseline).resolve())
+            if args.prefill and name != "plain":
+                print(f"prefilling {name}'s ledger ...", file=sys.stderr, flush=True)
+                url = f"sqlite:///{workdir / name / 'weir.db'}" if name.startswith("sqlite") else None
+                url = url or PG_ADMIN.rsplit("/", 1)[0] + f"/{pg_names[name]}"
+                tree = str(Path(args.baseline).resolve()) if name.endswith("@base") else str(HERE.parent)
+                subprocess.run(
+                    [sys.executable, str(HERE / "ledger_prefill.py"), url, str(args.prefill)],
+                    env=os.environ | {"PYTHONPATH": tree},
+                    check=True,
+                )
             print(f"starting {name} ...", file=sys.stderr, flush=True)
             if name != "plain":
                 server.start(workdir)
@@ -251,6 +271,7 @@ def main() -> None:
             else:
                 pg_url = PG_ADMIN.rsplit("/", 1)[0] + f"/{pg_names[name]}"
                 rows, upserts = asyncio.run(pg_counts(pg_url, tenant_id))
+                upserts -= -(-args.prefill // 500)  # the prefill's batches: one rollup upsert each
                 ledger[name] = (
                     f"{rows} usage rows in {upserts} batch transactions ({rows / max(upserts, 1):.0f} events per batch)"
                 )
