@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from collections.abc import Callable
 
@@ -42,10 +43,12 @@ log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 32  # the row count oneDNN tunes the layout for; others run on it too
 
 # DualLinear goes back to MKL over the column-major weight from this many rows (a prefill chunk, a large
-# batch): there MKL matches or beats oneDNN on every SmolLM2 layer but the head (2-core AMD EPYC, one
-# thread, 128 rows: qkv 3.15 vs 3.73 ms, o 1.20 vs 1.52, gate_up 6.33 vs 6.52, down 2.86 vs 3.28; a
-# whole 1,024-token prefill on two threads tied, 2.45-2.65 vs 2.48-2.75 s). A vocabulary-wide head
-# (WIDE_OUT+ outputs) stays on oneDNN, 10-20% faster there at 64-512 rows.
+# batch) on CPUs where MKL matches oneDNN there (`mkl_min_rows`): on the 2-core AVX2 AMD EPYC (Zen 3) MKL
+# matched or beat oneDNN on every SmolLM2 layer but the head (one thread, 128 rows: qkv 3.15 vs 3.73 ms,
+# o 1.20 vs 1.52, gate_up 6.33 vs 6.52, down 2.86 vs 3.28; a whole 1,024-token prefill on two threads
+# tied). On AMD CPUs with AVX-512 (Zen 5) MKL still runs its AVX2 kernels while oneDNN uses AVX-512, and
+# oneDNN is 2.2-2.4x faster at 128-1,024 rows, so there multi-row steps stay on oneDNN. A vocabulary-wide
+# head (WIDE_OUT+ outputs) stays on oneDNN everywhere, 10-20% faster there at 64-512 rows even on Zen 3.
 MKL_MIN_ROWS = 128
 WIDE_OUT = 16384
 
@@ -103,8 +106,8 @@ class PackedLinear(nn.Module):
 
 class DualLinear(nn.Linear):
     """float32 `nn.Linear` with two layouts of one weight: column-major for a single row (MKL's GEMV
-    streams it fastest) and for MKL_MIN_ROWS+ rows, oneDNN-packed for the few rows in between (far faster
-    than MKL there on some CPUs). Still an
+    streams it fastest) and, where MKL matches oneDNN there (`mkl_min_rows`), for MKL_MIN_ROWS+ rows;
+    oneDNN-packed for the rows in between (far faster than MKL there on some CPUs). Still an
     `nn.Linear` with the same weight Parameter, so quantization and anything else that looks for
     linears sees it as one (the packed copy goes with the module)."""
 
@@ -116,10 +119,11 @@ class DualLinear(nn.Linear):
         self.bias = linear.bias
         self.register_buffer("packed", _packed_weight(linear.weight), persistent=False)
         self._packed_version = self.weight._version
+        self.mkl_min_rows = mkl_min_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows == 1 or (rows >= MKL_MIN_ROWS and self.out_features < WIDE_OUT):
+        if rows == 1 or (rows >= self.mkl_min_rows and self.out_features < WIDE_OUT):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:
             # the weight changed in place since it was packed (load_state_dict, a tied embedding's
@@ -133,13 +137,9 @@ class DualLinear(nn.Linear):
 
 
 @functools.cache
-def onednn_wins_for_few_rows(rows: int = 4, in_features: int = 512, out_features: int = 4096) -> bool:
-    """Whether oneDNN-packed float32 beats MKL over a column-major weight by 1.15x at `rows` rows on this
-    CPU (a wide layer, as a vocabulary head or an MLP up-projection, where the gap shows most). CPU time
-    of this thread, best of 5, so other processes' load hardly moves it (~40 ms).
-
-    The bar sits between the CPUs measured: MKL/oneDNN 0.88 on the AMX Xeon (5 rows), 1.36-1.60 on the
-    AVX2 EPYC (4 rows, six probes on a quiet machine). At 1.3 the EPYC's verdict flipped under load."""
+def _onednn_speedup(rows: int, in_features: int, out_features: int, inner: int = 4) -> float:
+    """MKL over a column-major weight / oneDNN-packed, at `rows` rows: CPU time of this thread on one
+    thread, best of 5, so other processes' load hardly moves it."""
     weight = torch.randn(out_features, in_features)
     x = torch.randn(rows, in_features)
     packed = _packed_weight(weight)
@@ -149,7 +149,7 @@ def onednn_wins_for_few_rows(rows: int = 4, in_features: int = 512, out_features
         times = []
         for _ in range(5):
             start = time.thread_time()
-            for _ in range(4):
+            for _ in range(inner):
                 fn()  # type: ignore[operator]
             times.append(time.thread_time() - start)
         return min(times)
@@ -162,8 +162,32 @@ def onednn_wins_for_few_rows(rows: int = 4, in_features: int = 512, out_features
             onednn = best(lambda: _onednn_linear(x, packed, None, out_features))
     finally:
         torch.set_num_threads(threads)
-    log.debug("float32 at %d rows: MKL column-major %.2f ms, oneDNN %.2f ms", rows, mkl * 250, onednn * 250)
-    return onednn * 1.15 <= mkl
+    log.debug(
+        "float32 at %d rows: MKL column-major %.3f ms, oneDNN %.3f ms",
+        rows,
+        mkl * 1e3 / inner,
+        onednn * 1e3 / inner,
+    )
+    return mkl / onednn
+
+
+def onednn_wins_for_few_rows(rows: int = 4, in_features: int = 512, out_features: int = 4096) -> bool:
+    """Whether oneDNN-packed float32 beats MKL over a column-major weight by 1.15x at `rows` rows on this
+    CPU (a wide layer, as a vocabulary head or an MLP up-projection, where the gap shows most; ~40 ms).
+
+    The bar sits between the CPUs measured: MKL/oneDNN 0.88 on the AMX Xeon (5 rows), 1.36-1.60 on the
+    AVX2 EPYC (4 rows, six probes on a quiet machine). At 1.3 the EPYC's verdict flipped under load."""
+    return _onednn_speedup(rows, in_features, out_features) >= 1.15
+
+
+@functools.cache
+def mkl_min_rows() -> int:
+    """From how many rows `DualLinear` runs on MKL again: MKL_MIN_ROWS where MKL over the column-major
+    weight is within 1.1x of oneDNN at that many rows, else never. Measured MKL/oneDNN at 128 rows:
+    0.85-0.98 on the AVX2 EPYC (Zen 3), 2.2-2.4 on the AVX-512 EPYC (Zen 5), where MKL runs AVX2 code
+    (~20 ms)."""
+    speedup = _onednn_speedup(MKL_MIN_ROWS, 512, 1024, inner=2)
+    return MKL_MIN_ROWS if speedup < 1.1 else sys.maxsize
 
 
 def _matches(linear: nn.Linear, packed: PackedLinear) -> bool:

@@ -3,6 +3,7 @@ F.linear does, and the swap leaves quantized layers alone."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -82,8 +83,9 @@ def test_dual_linear_runs_few_rows_on_onednn_and_one_or_many_on_mkl(monkeypatch:
 
     monkeypatch.setattr(engine.packed, "_onednn_linear", counting)
     monkeypatch.setattr(engine.packed, "WIDE_OUT", 128)
-    narrow, wide = DualLinear(nn.Linear(64, 96)), DualLinear(nn.Linear(64, 128))
     big = engine.packed.MKL_MIN_ROWS
+    monkeypatch.setattr(engine.packed, "mkl_min_rows", lambda: big)  # a CPU where MKL matches oneDNN there
+    narrow, wide = DualLinear(nn.Linear(64, 96)), DualLinear(nn.Linear(64, 128))
     for rows in (1, 4, big - 1, big, 3 * big):
         narrow(torch.randn(rows, 64))
     assert calls == [4, big - 1]
@@ -91,6 +93,16 @@ def test_dual_linear_runs_few_rows_on_onednn_and_one_or_many_on_mkl(monkeypatch:
     for rows in (1, 4, big, 3 * big):
         wide(torch.randn(rows, 64))
     assert calls == [4, big, 3 * big]  # a vocabulary-wide head stays on oneDNN for many rows
+    calls.clear()
+    monkeypatch.setattr(engine.packed, "mkl_min_rows", lambda: sys.maxsize)  # oneDNN faster at any count
+    everywhere = DualLinear(nn.Linear(64, 96))
+    for rows in (1, 4, big, 3 * big):
+        everywhere(torch.randn(rows, 64))
+    assert calls == [4, big, 3 * big]
+
+
+def test_mkl_min_rows_probe_returns_a_row_count() -> None:
+    assert engine.packed.mkl_min_rows() in (engine.packed.MKL_MIN_ROWS, sys.maxsize)
 
 
 @pytest.mark.parametrize(("wins", "expected"), [(True, DualLinear), (False, nn.Linear)])
