@@ -105,16 +105,34 @@ def test_mkl_min_rows_probe_returns_a_row_count() -> None:
     assert engine.packed.mkl_min_rows() in (engine.packed.MKL_MIN_ROWS, sys.maxsize)
 
 
-@pytest.mark.parametrize(("wins", "expected"), [(True, DualLinear), (False, nn.Linear)])
-def test_auto_keeps_two_float32_layouts_only_where_onednn_wins(
-    monkeypatch: pytest.MonkeyPatch, wins: bool, expected: type
+@pytest.mark.parametrize(
+    ("few", "many", "one", "expected"),
+    [
+        (True, False, False, DualLinear),  # the AVX2 EPYC: oneDNN for few rows only
+        (True, True, False, DualLinear),
+        (True, True, True, PackedLinear),  # the AVX-512 EPYC: oneDNN at every row count, one copy
+        (False, True, True, nn.Linear),  # the AMX Xeon: column-major MKL
+    ],
+)
+def test_auto_picks_float32_layouts_by_where_onednn_wins(
+    monkeypatch: pytest.MonkeyPatch, few: bool, many: bool, one: bool, expected: type
 ) -> None:
-    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: wins)
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: few)
+    big = engine.packed.MKL_MIN_ROWS
+    monkeypatch.setattr(engine.packed, "mkl_min_rows", lambda: sys.maxsize if many else big)
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_one_row", lambda: one)
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+    x = torch.randn(3, 64)
+    want = model(x)
     assert pack_linears(model, "auto") == 2
     assert type(model[0]) is type(model[1]) is expected
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
     forced = nn.Sequential(nn.Linear(64, 32))
     assert pack_linears(forced, "dual") == 1 and isinstance(forced[0], DualLinear)
+
+
+def test_onednn_one_row_probe_returns_a_decision() -> None:
+    assert isinstance(engine.packed.onednn_wins_for_one_row(256, 128, 2), bool)
 
 
 def test_a_dual_linear_follows_its_weight_after_load_state_dict() -> None:
