@@ -46,16 +46,19 @@ class AttentionMetadata:
     _decode_cache: tuple[torch.Tensor, torch.Tensor | None] | None = None
     _rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Flat block ids [D * max_blocks] and padding mask [D, 1, 1, L] (None if nothing is padded) of
-        the decodes; computed on first use and shared by every layer."""
+    def decode_gather(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat block ids [D * max_blocks] and additive padding mask [D, 1, 1, L] in `dtype` (0 or -inf;
+        None if nothing is padded) of the decodes; computed on first use and shared by every layer. CPU
+        SDPA would turn a boolean mask into this in every layer (aten::where + to: ~4% of the op time of
+        a 32-sequence decode step in a profile); the output is the same."""
         if self._decode_cache is None:
             assert self.block_tables is not None and self.context_lens is not None
             ids = self.block_tables.clamp(min=0).long().reshape(-1)
             length = self.max_context_len
             mask = None
             if bool((self.context_lens != length).any()):
-                mask = torch.arange(length, device=ids.device).unsqueeze(0) < self.context_lens.unsqueeze(1)
+                pad = torch.arange(length, device=ids.device).unsqueeze(0) >= self.context_lens.unsqueeze(1)
+                mask = torch.zeros(pad.shape, dtype=dtype, device=ids.device).masked_fill_(pad, float("-inf"))
                 mask = mask[:, None, None, :]
             self._decode_cache = (ids, mask)
         return self._decode_cache
@@ -105,7 +108,7 @@ def _decode_attention(
     gathered blocks (the CPU flash kernel takes strides, so nothing is made contiguous)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    ids, mask = meta.decode_gather()
+    ids, mask = meta.decode_gather(q.dtype)
     length = meta.max_context_len
     keys = k_cache.index_select(0, ids).view(num_seqs, -1, num_kv_heads, head_dim)[:, :length].transpose(1, 2)
     values = (
