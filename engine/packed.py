@@ -106,8 +106,9 @@ class PackedLinear(nn.Module):
 
 class DualLinear(nn.Linear):
     """float32 `nn.Linear` with two layouts of one weight: column-major for a single row (MKL's GEMV
-    streams it fastest) and, where MKL matches oneDNN there (`mkl_min_rows`), for MKL_MIN_ROWS+ rows;
-    oneDNN-packed for the rows in between (far faster than MKL there on some CPUs). Still an
+    streams it fastest, except where `onednn_wins_for_one_row`) and, where MKL matches oneDNN there
+    (`mkl_min_rows`), for MKL_MIN_ROWS+ rows; oneDNN-packed for the rest (far faster than MKL there on
+    some CPUs; on an AVX-512 AMD EPYC, where MKL runs AVX2 code, at every row count). Still an
     `nn.Linear` with the same weight Parameter, so quantization and anything else that looks for
     linears sees it as one (the packed copy goes with the module)."""
 
@@ -120,10 +121,11 @@ class DualLinear(nn.Linear):
         self.register_buffer("packed", _packed_weight(linear.weight), persistent=False)
         self._packed_version = self.weight._version
         self.mkl_min_rows = mkl_min_rows()
+        self.mkl_one_row = not onednn_wins_for_one_row()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows == 1 or (rows >= self.mkl_min_rows and self.out_features < WIDE_OUT):
+        if (rows == 1 and self.mkl_one_row) or (rows >= self.mkl_min_rows and self.out_features < WIDE_OUT):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:
             # the weight changed in place since it was packed (load_state_dict, a tied embedding's
@@ -250,8 +252,8 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
 
     mode: "auto" swaps bfloat16/float16 linears for `PackedLinear` (faster at every row count) and
     stores float32 weights column-major (faster at every row count up to a prefill), as `DualLinear`
-    where oneDNN is measured much faster for few rows, or swaps them for `PackedLinear` too where oneDNN
-    is measured faster for one row and for many (AVX-512 CPUs that are not Intel's, where MKL runs AVX2); "dual" always makes float32 `DualLinear`; "on"
+    where oneDNN is measured much faster for few rows (which of the two serves one row and many rows is
+    measured too: `onednn_wins_for_one_row`, `mkl_min_rows`); "dual" always makes float32 `DualLinear`; "on"
     packs float32 for oneDNN only (faster for batches, slower for a lone stream); "off" changes nothing.
     """
     if mode not in PACKING_MODES:
@@ -273,11 +275,6 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     if mode == "on":
         return changed + _swap(fp32, PackedLinear)
     if fp32 and (mode == "dual" or onednn_wins_for_few_rows()):
-        if mode == "auto" and mkl_min_rows() > MKL_MIN_ROWS and onednn_wins_for_one_row():
-            # oneDNN is the faster at every row count on this CPU: one packed copy, no column-major one
-            packed = _swap(fp32, PackedLinear)
-            if packed:
-                return changed + packed
         dual = _swap(fp32, DualLinear)
         if dual:
             return changed + dual

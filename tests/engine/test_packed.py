@@ -85,6 +85,7 @@ def test_dual_linear_runs_few_rows_on_onednn_and_one_or_many_on_mkl(monkeypatch:
     monkeypatch.setattr(engine.packed, "WIDE_OUT", 128)
     big = engine.packed.MKL_MIN_ROWS
     monkeypatch.setattr(engine.packed, "mkl_min_rows", lambda: big)  # a CPU where MKL matches oneDNN there
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_one_row", lambda: False)
     narrow, wide = DualLinear(nn.Linear(64, 96)), DualLinear(nn.Linear(64, 128))
     for rows in (1, 4, big - 1, big, 3 * big):
         narrow(torch.randn(rows, 64))
@@ -105,30 +106,37 @@ def test_mkl_min_rows_probe_returns_a_row_count() -> None:
     assert engine.packed.mkl_min_rows() in (engine.packed.MKL_MIN_ROWS, sys.maxsize)
 
 
-@pytest.mark.parametrize(
-    ("few", "many", "one", "expected"),
-    [
-        (True, False, False, DualLinear),  # the AVX2 EPYC: oneDNN for few rows only
-        (True, True, False, DualLinear),
-        (True, True, True, PackedLinear),  # the AVX-512 EPYC: oneDNN at every row count, one copy
-        (False, True, True, nn.Linear),  # the AMX Xeon: column-major MKL
-    ],
-)
-def test_auto_picks_float32_layouts_by_where_onednn_wins(
-    monkeypatch: pytest.MonkeyPatch, few: bool, many: bool, one: bool, expected: type
+@pytest.mark.parametrize(("wins", "expected"), [(True, DualLinear), (False, nn.Linear)])
+def test_auto_keeps_two_float32_layouts_only_where_onednn_wins(
+    monkeypatch: pytest.MonkeyPatch, wins: bool, expected: type
 ) -> None:
-    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: few)
-    big = engine.packed.MKL_MIN_ROWS
-    monkeypatch.setattr(engine.packed, "mkl_min_rows", lambda: sys.maxsize if many else big)
-    monkeypatch.setattr(engine.packed, "onednn_wins_for_one_row", lambda: one)
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: wins)
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
-    x = torch.randn(3, 64)
-    want = model(x)
     assert pack_linears(model, "auto") == 2
     assert type(model[0]) is type(model[1]) is expected
-    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
     forced = nn.Sequential(nn.Linear(64, 32))
     assert pack_linears(forced, "dual") == 1 and isinstance(forced[0], DualLinear)
+
+
+@pytest.mark.parametrize("onednn_one_row", [True, False])
+def test_dual_linear_runs_one_row_where_the_probe_says(
+    monkeypatch: pytest.MonkeyPatch, onednn_one_row: bool
+) -> None:
+    calls: list[int] = []
+    onednn = engine.packed._onednn_linear
+
+    def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return onednn(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.packed, "_onednn_linear", counting)
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_one_row", lambda: onednn_one_row)
+    linear = nn.Linear(64, 96)
+    x = torch.randn(1, 64)
+    want = linear(x)
+    dual = DualLinear(linear)
+    torch.testing.assert_close(dual(x), want, rtol=1e-5, atol=1e-5)
+    assert calls == ([1] if onednn_one_row else [])
 
 
 def test_onednn_one_row_probe_returns_a_decision() -> None:
