@@ -138,32 +138,33 @@ class DualLinear(nn.Linear):
         return f"{super().extra_repr()}, packed=column+onednn"
 
 
+def _best_thread_time(fn: Callable[[], object], rounds: int, inner: int = 1) -> float:
+    """Best of `rounds` of `inner` calls of `fn`, in CPU seconds of this thread on one torch thread, so
+    other processes' load hardly moves it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        with torch.inference_mode():
+            for _ in range(rounds):
+                start = time.thread_time()
+                for _ in range(inner):
+                    fn()
+                times.append(time.thread_time() - start)
+        return min(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @functools.cache
 def _onednn_speedup(rows: int, in_features: int, out_features: int, inner: int = 4) -> float:
-    """MKL over a column-major weight / oneDNN-packed, at `rows` rows: CPU time of this thread on one
-    thread, best of 5, so other processes' load hardly moves it."""
+    """MKL over a column-major weight / oneDNN-packed, at `rows` rows (`_best_thread_time`, best of 5)."""
     weight = torch.randn(out_features, in_features)
     x = torch.randn(rows, in_features)
     packed = _packed_weight(weight)
     column = weight.t().contiguous().t()
-
-    def best(fn: object) -> float:
-        times = []
-        for _ in range(5):
-            start = time.thread_time()
-            for _ in range(inner):
-                fn()  # type: ignore[operator]
-            times.append(time.thread_time() - start)
-        return min(times)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            mkl = best(lambda: F.linear(x, column))
-            onednn = best(lambda: _onednn_linear(x, packed, None, out_features))
-    finally:
-        torch.set_num_threads(threads)
+    mkl = _best_thread_time(lambda: F.linear(x, column), 5, inner)
+    onednn = _best_thread_time(lambda: _onednn_linear(x, packed, None, out_features), 5, inner)
     log.debug(
         "float32 at %d rows: MKL column-major %.3f ms, oneDNN %.3f ms",
         rows,
@@ -204,23 +205,8 @@ def onednn_wins_for_one_row(in_features: int = 2048, out_features: int = 1024, l
     columns = [w.t().contiguous().t() for w in weights]
     del weights
     x = torch.rand(1, in_features)
-
-    def best(fn: Callable[[], object]) -> float:
-        times = []
-        for _ in range(3):
-            start = time.thread_time()
-            fn()
-            times.append(time.thread_time() - start)
-        return min(times)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            mkl = best(lambda: [F.linear(x, w) for w in columns])
-            onednn = best(lambda: [_onednn_linear(x, w, None, out_features) for w in packed])
-    finally:
-        torch.set_num_threads(threads)
+    mkl = _best_thread_time(lambda: [F.linear(x, w) for w in columns], 3)
+    onednn = _best_thread_time(lambda: [_onednn_linear(x, w, None, out_features) for w in packed], 3)
     log.debug("float32 at 1 row, streamed: MKL column-major %.2f ms, oneDNN %.2f ms", mkl * 1e3, onednn * 1e3)
     return onednn * 1.1 <= mkl
 
