@@ -73,7 +73,8 @@ def test_dual_linear_uses_both_layouts_and_matches_f_linear(rows: int) -> None:
     assert dual(x.unsqueeze(0)).shape == (1, rows, 160)
 
 
-def test_dual_linear_runs_few_rows_on_onednn_and_one_or_many_on_mkl(monkeypatch: pytest.MonkeyPatch) -> None:
+def _count_onednn_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of every oneDNN call from now on, in order."""
     calls: list[int] = []
     onednn = engine.packed._onednn_linear
 
@@ -82,6 +83,11 @@ def test_dual_linear_runs_few_rows_on_onednn_and_one_or_many_on_mkl(monkeypatch:
         return onednn(x, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine.packed, "_onednn_linear", counting)
+    return calls
+
+
+def test_dual_linear_runs_few_rows_on_onednn_and_one_or_many_on_mkl(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_onednn_rows(monkeypatch)
     monkeypatch.setattr(engine.packed, "WIDE_OUT", 128)
     big = engine.packed.MKL_MIN_ROWS
     monkeypatch.setattr(engine.packed, "mkl_min_rows", lambda: big)  # a CPU where MKL matches oneDNN there
@@ -122,14 +128,7 @@ def test_auto_keeps_two_float32_layouts_only_where_onednn_wins(
 def test_dual_linear_runs_one_row_where_the_probe_says(
     monkeypatch: pytest.MonkeyPatch, onednn_one_row: bool
 ) -> None:
-    calls: list[int] = []
-    onednn = engine.packed._onednn_linear
-
-    def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return onednn(x, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(engine.packed, "_onednn_linear", counting)
+    calls = _count_onednn_rows(monkeypatch)
     monkeypatch.setattr(engine.packed, "onednn_wins_for_one_row", lambda: onednn_one_row)
     linear = nn.Linear(64, 96)
     x = torch.randn(1, 64)
