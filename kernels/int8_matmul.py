@@ -54,17 +54,14 @@ ACT_LEVELS = 63  # integer parts in [-63, 63]: with the zero point, fbgemm's red
 _ZERO_POINT = ACT_LEVELS
 
 
+_FBGEMM_CPUS = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() values fbgemm runs on
+
+
 @functools.cache
 def fbgemm_supported() -> bool:
     """fbgemm's int8 kernels: x86 builds of PyTorch on CPUs with at least AVX2."""
-    return (
-        "fbgemm" in torch.backends.quantized.supported_engines
-        and torch.backends.cpu.get_cpu_capability()
-        in (
-            "AVX2",
-            "AVX512",
-        )
-    )
+    engines = torch.backends.quantized.supported_engines
+    return "fbgemm" in engines and torch.backends.cpu.get_cpu_capability() in _FBGEMM_CPUS
 
 
 def fbgemm_pack(weight: torch.Tensor, scales: torch.Tensor) -> Any:
@@ -112,7 +109,8 @@ def int8_dynamic_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch
 
 
 def int8_matmul_fbgemm(x: torch.Tensor, packed: Any) -> torch.Tensor:
-    """``x [..., K]`` (float, CPU) times an ``fbgemm_pack``ed weight, activations int8 per token."""
+    """``x [..., K]`` (float, CPU) times an ``fbgemm_pack``ed weight; each row of ``x`` goes in as two
+    7-bit rows (``_split_rows``), about 13 bits of its own absolute max."""
     rows, factor = _split_rows(x.reshape(-1, x.shape[-1]).float())
     y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(rows, 1.0, _ZERO_POINT, packed)
     y = _join_rows(y, factor)
