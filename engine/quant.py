@@ -311,7 +311,8 @@ class Int8Linear(nn.Module):
     """``weight`` (int8) and ``scales`` are the portable layout and always what the state dict holds. On
     x86 CPUs the weight moves into fbgemm's packed layout instead (``cpu_layout``, ``use_cpu_layout``):
     its int8 x int8 kernels are 6-10x faster there than any weight-only int8 path PyTorch has, at the
-    price of rounding each activation row to int8 by its own absolute max (``kernels.int8_matmul``)."""
+    price of rounding each activation row to ~13 bits of its own absolute max, as two 7-bit rows
+    (``kernels.int8_matmul``)."""
 
     def __init__(
         self,
