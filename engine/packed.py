@@ -20,7 +20,8 @@ On CPUs where MKL's few-row float32 kernels are weak (measured on a 2-core AMD E
 cost 6x one row column-major, 2.2x one row oneDNN-packed), float32 linears keep both layouts
 (`DualLinear`): column-major for one row, oneDNN-packed for more (speculative verification, small
 batches). That doubles float32 weight memory, so `auto` does it only where a quick measurement at load
-shows oneDNN at least 1.15x faster for 4 rows; `dual` forces it.
+shows oneDNN at least 1.15x faster for 4 rows; `dual` forces it. Where oneDNN also wins for one row and
+for prefills (AVX-512 AMD EPYC), `auto` keeps the packed copy alone (`PackedLinear`).
 
 Like quantization, this is a module swap after loading: the model code does not change, and anything
 already swapped (a quantized linear) is left alone.
@@ -211,6 +212,12 @@ def onednn_wins_for_one_row(in_features: int = 2048, out_features: int = 1024, l
     return onednn * 1.1 <= mkl
 
 
+def onednn_serves_every_row_count() -> bool:
+    """Whether oneDNN-packed float32 is the faster path at one row and at MKL_MIN_ROWS+ rows too, so a
+    `DualLinear` here would only ever use its packed copy (the AVX-512 AMD EPYC, Zen 5)."""
+    return onednn_wins_for_one_row() and mkl_min_rows() == sys.maxsize
+
+
 def _matches(linear: nn.Linear, packed: PackedLinear) -> bool:
     """One check per model that the packed path computes what F.linear does (a wrong oneDNN build or
     an unsupported dtype must fall back, not serve garbage)."""
@@ -239,7 +246,8 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     mode: "auto" swaps bfloat16/float16 linears for `PackedLinear` (faster at every row count) and
     stores float32 weights column-major (faster at every row count up to a prefill), as `DualLinear`
     where oneDNN is measured much faster for few rows (which of the two serves one row and many rows is
-    measured too: `onednn_wins_for_one_row`, `mkl_min_rows`); "dual" always makes float32 `DualLinear`; "on"
+    measured too: `onednn_wins_for_one_row`, `mkl_min_rows`), and as `PackedLinear` alone where oneDNN
+    wins at every row count (`onednn_serves_every_row_count`); "dual" always makes float32 `DualLinear`; "on"
     packs float32 for oneDNN only (faster for batches, slower for a lone stream); "off" changes nothing.
     """
     if mode not in PACKING_MODES:
@@ -261,6 +269,10 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     if mode == "on":
         return changed + _swap(fp32, PackedLinear)
     if fp32 and (mode == "dual" or onednn_wins_for_few_rows()):
+        if mode == "auto" and onednn_serves_every_row_count():
+            # DualLinear would never read its plain weight here: dropping it saves a copy of every
+            # weight (430 MB for SmolLM2-135M; a tied embedding keeps its own, row-major as loaded)
+            return changed + _swap(fp32, PackedLinear)
         dual = _swap(fp32, DualLinear)
         if dual:
             return changed + dual

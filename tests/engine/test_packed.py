@@ -117,6 +117,7 @@ def test_auto_keeps_two_float32_layouts_only_where_onednn_wins(
     monkeypatch: pytest.MonkeyPatch, wins: bool, expected: type
 ) -> None:
     monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: wins)
+    monkeypatch.setattr(engine.packed, "onednn_serves_every_row_count", lambda: False)
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
     assert pack_linears(model, "auto") == 2
     assert type(model[0]) is type(model[1]) is expected
@@ -209,3 +210,38 @@ def test_auto_dtype_follows_the_hardware() -> None:
     assert resolve_dtype("fp32", torch.device("cpu")) == torch.float32
     with pytest.raises(ValueError, match="auto"):
         resolve_dtype("int3", torch.device("cpu"))
+
+
+def test_auto_keeps_only_the_packed_copy_where_onednn_serves_every_row_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: True)
+    monkeypatch.setattr(engine.packed, "onednn_serves_every_row_count", lambda: True)
+    embed = nn.Embedding(100, 16)
+    head = nn.Linear(16, 100, bias=False)
+    head.weight = embed.weight
+    body = nn.Linear(16, 16)
+    model = nn.ModuleDict({"embed": embed, "body": body, "head": head})
+    x = torch.randn(3, 16)
+    ids = torch.tensor([3, 99, 0])
+    want_body, want_head, rows = body(x), head(x), embed(ids)
+    assert pack_linears(model, "auto") == 2
+    assert type(model["body"]) is type(model["head"]) is PackedLinear
+    assert not hasattr(model["body"], "weight")  # no plain copy left beside the packed one
+    assert embed.weight.stride() == (16, 1)  # the embedding keeps its row-major table
+    torch.testing.assert_close(model["body"](x), want_body, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model["head"](x), want_head, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model["body"](x[:1]), want_body[:1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(embed(ids), rows, rtol=0, atol=0)
+    assert pack_linears(model, "dual") == 0  # already packed: nothing left to lay out
+
+
+def test_onednn_serves_every_row_count_combines_both_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    for one_row, min_rows, expected in (
+        (True, sys.maxsize, True),
+        (True, 128, False),
+        (False, sys.maxsize, False),
+    ):
+        monkeypatch.setattr(engine.packed, "onednn_wins_for_one_row", lambda v=one_row: v)
+        monkeypatch.setattr(engine.packed, "mkl_min_rows", lambda v=min_rows: v)
+        assert engine.packed.onednn_serves_every_row_count() is expected
