@@ -1,0 +1,96 @@
+"""A seeded random workload over everything that moves at once: staggered arrivals, aborts, shared
+prefixes, a KV cache small enough to force preemption, chunked prefill under a small token budget, greedy
+and seeded sampling with penalties and stop tokens. Each surviving request must get exactly what it gets
+alone on a roomy engine, and no KV block may be left behind (the autouse leak check)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+
+@dataclass
+class Arrival:
+    request_id: str
+    step: int  # engine step before which it is added
+    prompt: list[int]
+    params: SamplingParams
+    abort_at: int | None  # engine step before which it is aborted, if any
+
+
+def workload(rng: random.Random, n: int) -> list[Arrival]:
+    bases = [[rng.randrange(1, 256) for _ in range(rng.randrange(16, 60))] for _ in range(3)]
+    arrivals = []
+    for i in range(n):
+        # most prompts share a base up to a random point, so they part ways anywhere in a block,
+        # including its last token (what the prefix cache's hash chain must tell apart)
+        shared = rng.choice(bases)[: rng.randrange(1, 61)] if rng.random() < 0.7 else []
+        prompt = shared + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 20))]
+        sampled = rng.random() < 0.5
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, 48),
+            temperature=rng.choice([0.7, 1.0, 1.3]) if sampled else 0,
+            top_p=rng.choice([1.0, 0.9]) if sampled else 1.0,
+            top_k=rng.choice([0, 20]) if sampled else 0,
+            seed=rng.randrange(1 << 30) if sampled else None,
+            presence_penalty=rng.choice([0.0, 0.5]),
+            repetition_penalty=rng.choice([1.0, 1.2]),
+            stop_token_ids=[rng.randrange(1, 256)] if rng.random() < 0.3 else [],
+            ignore_eos=True,
+        )
+        step = rng.randrange(0, 16)
+        abort_at = step + rng.randrange(0, 12) if rng.random() < 0.2 else None
+        arrivals.append(Arrival(f"r{i}", step, prompt, params, abort_at))
+    return arrivals
+
+
+def run_workload(engine: LLMEngine, arrivals: list[Arrival]) -> tuple[dict[str, list[int]], set[str]]:
+    """Tokens per request and the requests that ended by abort."""
+    out: dict[str, list[int]] = {a.request_id: [] for a in arrivals}
+    aborted: set[str] = set()
+    step = 0
+    while step <= max(a.step for a in arrivals) or engine.has_unfinished_requests():
+        for a in arrivals:
+            if a.step == step:
+                engine.add_request(a.request_id, a.prompt, a.params)
+            if a.abort_at == step:
+                engine.abort_request(a.request_id)
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished and o.finish_reason == "abort":
+                aborted.add(o.request_id)
+        step += 1
+        assert step < 5000, "the workload did not drain"
+    return out, aborted
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_random_workload_gets_each_request_its_solo_answer(
+    make_engine: Callable[..., LLMEngine], seed: int
+) -> None:
+    rng = random.Random(seed)
+    arrivals = workload(rng, 24)
+    tight = make_engine(
+        num_kv_blocks=10,  # 160 token slots for up to 8 running requests of up to ~115 tokens
+        max_num_seqs=rng.choice([4, 8]),
+        max_num_batched_tokens=rng.choice([13, 32, 64]),
+    )
+    got, aborted = run_workload(tight, arrivals)
+    assert tight.stats().num_preemptions > 0, "the cache was meant to be too small for the workload"
+    assert tight.stats().prefix_cache_hits > 0, "requests were meant to share prefixes"
+    solo_engine = make_engine()
+    for a in arrivals:
+        tokens = got[a.request_id]
+        if a.request_id in aborted:
+            continue
+        want = solo_engine.generate([a.prompt], a.params)[0]
+        assert tokens == want, f"{a.request_id} ({a.params}) differs from its solo run"
+        stopped = bool(set(a.params.stop_token_ids) & set(tokens))
+        assert len(tokens) == a.params.max_tokens or stopped
+    assert aborted <= {a.request_id for a in arrivals if a.abort_at is not None}
