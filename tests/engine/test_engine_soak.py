@@ -94,3 +94,22 @@ def test_a_random_workload_gets_each_request_its_solo_answer(
         stopped = bool(set(a.params.stop_token_ids) & set(tokens))
         assert len(tokens) == a.params.max_tokens or stopped
     assert aborted <= {a.request_id for a in arrivals if a.abort_at is not None}
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "self:int4"])
+def test_a_random_greedy_workload_with_speculation_gets_each_request_its_solo_answer(
+    make_engine: Callable[..., LLMEngine], speculative: str
+) -> None:
+    rng = random.Random(7)
+    arrivals = workload(rng, 16)
+    for a in arrivals:  # speculation keeps greedy answers exactly; sampled ones only in distribution
+        a.params.temperature, a.params.seed = 0, None
+    spec = make_engine(num_kv_blocks=10, max_num_seqs=6, max_num_batched_tokens=24, speculative=speculative)
+    got, aborted = run_workload(spec, arrivals)
+    stats = spec.stats()
+    assert stats.num_preemptions > 0
+    assert stats.speculative is not None and stats.speculative.num_accepted_tokens > 0
+    plain = make_engine()
+    for a in arrivals:
+        if a.request_id not in aborted:
+            assert got[a.request_id] == plain.generate([a.prompt], a.params)[0], a.request_id
