@@ -18,6 +18,11 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
+# choices per request: each is a sequence in the engine's batch, so the cap keeps one request from
+# filling it (OpenAI allows 128)
+MAX_CHOICES = 16
+Choices = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)]
+Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 Stop = str | list[str] | None
 
@@ -32,14 +37,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     model: str
     temperature: Temperature | None = None
     top_p: Probability | None = None
-    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    n: Choices = 1
     seed: int | None = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Bias] | None = None  # token id (as a string, as JSON keys are) -> bias
     user: str | None = None
     # vLLM-style extras
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
@@ -122,13 +127,9 @@ def param_of(error: msgspec.ValidationError) -> str | None:
 
 def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
     """A parameter the engine cannot honour, as (param, message), or None."""
-    if req.n != 1:
-        return "n", "only n=1 is supported"
-    if req.logit_bias:
-        return "logit_bias", "logit_bias is not supported"
     if isinstance(req, CompletionRequest):
-        if req.best_of not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
+        if req.best_of not in (None, 1, req.n):
+            return "best_of", "best_of must equal n (choices are not ranked)"
         if req.suffix:
             return "suffix", "suffix is not supported"
     else:

@@ -22,6 +22,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; 0: chosen token only; k: chosen + top-k
     prompt_logprobs: int | None = None  # same, for prompt tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a message fit for an API client."""
@@ -39,6 +40,10 @@ class SamplingParams:
                 self.prompt_logprobs is None or self.prompt_logprobs >= 0,
                 "prompt_logprobs must be non-negative",
             ),
+            (
+                all(-100 <= b <= 100 for b in self.logit_bias.values()),
+                "logit_bias values must be in [-100, 100]",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -47,6 +52,9 @@ class SamplingParams:
             for tid in self.stop_token_ids:
                 if not 0 <= tid < vocab_size:
                     raise ValueError(f"stop token id {tid} is outside the vocabulary")
+            for tid in self.logit_bias:
+                if not 0 <= tid < vocab_size:
+                    raise ValueError(f"logit_bias names token id {tid}, outside the vocabulary")
             for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
                 if k is not None and k > vocab_size:
                     raise ValueError(f"{name} must be at most the vocabulary size")
@@ -57,7 +65,13 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        """Whether `apply_penalties` changes this request's logits (penalties or a logit bias)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
 
 @dataclass
@@ -71,7 +85,9 @@ class SamplingRow:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Repetition (HF/CTRL style, over prompt and output) then presence/frequency (OpenAI, output only)."""
+    """Repetition (HF/CTRL style, over prompt and output), presence/frequency (OpenAI, output only), then
+    the logit bias. Every path that picks tokens (sampling, speculative verification, drafting) calls
+    this first, so all of them see the same adjusted logits."""
     idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not idx:
         return logits
@@ -94,6 +110,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
                 torch.tensor(rows[i].output_token_ids, device=logits.device), minlength=vocab
             )[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=logits.device)
     return logits
 
 

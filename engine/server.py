@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _Req = TypeVar("_Req", bound=SamplingFields)
+_T = TypeVar("_T")
 
 _LOADER = web.AppKey("loader", asyncio.Task)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy API's default
@@ -191,7 +193,33 @@ class EngineServer:
             repetition_penalty=req.repetition_penalty or 1.0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(req.logit_bias),
         )
+
+    def _choices(
+        self,
+        n: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        started: float,
+        score_only: bool,
+    ) -> list[Generation]:
+        """`n` generations of one prompt. A seeded request's choice i draws with seed + i: each choice is
+        reproducible, and none is a copy of another."""
+        engine = self.ready()
+        return [
+            Generation(
+                engine,
+                self.metrics,
+                prompt_ids,
+                params if params.seed is None or i == 0 else replace(params, seed=params.seed + i),
+                stop,
+                started,
+                score_only=score_only,
+            )
+            for i in range(n)
+        ]
 
     @staticmethod
     def _stops(stop: str | list[str] | None) -> list[str]:
@@ -250,19 +278,22 @@ class EngineServer:
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling(req, max(max_tokens, 1), top_n)
-        gen = Generation(
-            engine,
-            self.metrics,
-            prompt_ids,
-            params,
-            self._stops(req.stop),
-            started,
-            score_only=max_tokens == 0,
-        )
+        gens = self._choices(req.n, prompt_ids, params, self._stops(req.stop), started, max_tokens == 0)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._sse(request, self._chat_chunks(gen, head, top_n, include_usage, parse_tools))
+            head = {**head, "object": "chat.completion.chunk"}
+            streams = [
+                self._chat_chunks(g, head, top_n, include_usage, parse_tools, i) for i, g in enumerate(gens)
+            ]
+            return await self._sse(request, _with_usage(_merge(streams), head, [gens], include_usage))
+        choices = await _all([self._chat_choice(i, g, top_n, parse_tools) for i, g in enumerate(gens)])
+        return _json({**head, "object": "chat.completion", "choices": choices, "usage": _usage([gens])})
+
+    async def _chat_choice(
+        self, index: int, gen: Generation, top_n: int | None, parse_tools: bool
+    ) -> dict[str, Any]:
+        tokenizer = gen.engine.engine.tokenizer
         text: list[str] = []
         logprobs: list[TokenLogprob] = []
         async with aclosing(gen.deltas()) as deltas:
@@ -277,26 +308,31 @@ class EngineServer:
             if calls:
                 message["tool_calls"] = calls
                 finish_reason = "tool_calls"
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": message,
             "logprobs": {"content": chat_logprobs(tokenizer, logprobs, top_n)} if top_n is not None else None,
             "finish_reason": finish_reason,
         }
-        return _json({**head, "object": "chat.completion", "choices": [choice], "usage": gen.usage()})
 
     async def _chat_chunks(
-        self, gen: Generation, head: dict[str, Any], top_n: int | None, include_usage: bool, parse_tools: bool
+        self,
+        gen: Generation,
+        head: dict[str, Any],
+        top_n: int | None,
+        include_usage: bool,
+        parse_tools: bool,
+        index: int,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Chat chunks. With tools, the reply is held to the end: only then is it known to be a call."""
+        """One choice's chat chunks. With tools, the reply is held to the end: only then is it known
+        to be a call."""
         tokenizer = gen.engine.engine.tokenizer
-        head = {**head, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
 
         def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
             return {
                 **head,
-                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
                 **extra,
             }
 
@@ -324,8 +360,6 @@ class EngineServer:
                     yield chunk({}, "tool_calls" if calls else d.finish_reason)
                 elif d.text or lp is not None or d.finish_reason is not None:
                     yield chunk({"content": d.text} if d.text else {}, d.finish_reason, lp)
-        if include_usage:
-            yield {**head, "choices": [], "usage": gen.usage()}
 
     # --- legacy completions ----------------------------------------------------------------------------
 
@@ -335,9 +369,8 @@ class EngineServer:
         req = await self._decode(request, CompletionRequest)
         tokenizer = engine.engine.tokenizer
         prompts = _prompt_list(req.prompt)
-        if req.stream and len(prompts) > 1:
-            raise ApiError(400, "streaming supports one prompt per request", param="prompt")
-        gens: list[tuple[Generation, str]] = []
+        groups: list[list[Generation]] = []  # per prompt, its n choices
+        texts: list[str] = []
         for prompt in prompts:
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
             if not ids:
@@ -347,11 +380,10 @@ class EngineServer:
             max_tokens = self._max_tokens(req.max_tokens, len(ids), "prompt", DEFAULT_COMPLETION_MAX_TOKENS)
             prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
             params = self._sampling(req, max(max_tokens, 1), req.logprobs, prompt_lp)
-            text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-            gen = Generation(
-                engine, self.metrics, ids, params, self._stops(req.stop), started, score_only=max_tokens == 0
-            )
-            gens.append((gen, text))
+            texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(ids))
+            groups.append(self._choices(req.n, ids, params, self._stops(req.stop), started, max_tokens == 0))
+        # choice index = prompt index * n + choice, as OpenAI numbers a batch's choices
+        choices = [(g, texts[p]) for p, group in enumerate(groups) for g in group]
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -360,15 +392,12 @@ class EngineServer:
         }
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen, prompt_text = gens[0]
-            return await self._sse(
-                request, self._completion_chunks(gen, prompt_text, req, head, include_usage)
-            )
-        choices = await asyncio.gather(
-            *(self._completion_choice(i, g, t, req) for i, (g, t) in enumerate(gens))
-        )
-        usage = _sum_usage([g.usage() for g, _ in gens])
-        return _json({**head, "choices": list(choices), "usage": usage})
+            streams = [
+                self._completion_chunks(g, t, req, head, include_usage, i) for i, (g, t) in enumerate(choices)
+            ]
+            return await self._sse(request, _with_usage(_merge(streams), head, groups, include_usage))
+        done = await _all([self._completion_choice(i, g, t, req) for i, (g, t) in enumerate(choices)])
+        return _json({**head, "choices": done, "usage": _usage(groups)})
 
     async def _completion_choice(
         self, index: int, gen: Generation, prompt_text: str, req: CompletionRequest
@@ -404,6 +433,7 @@ class EngineServer:
         req: CompletionRequest,
         head: dict[str, Any],
         include_usage: bool,
+        index: int,
     ) -> AsyncIterator[dict[str, Any]]:
         tokenizer = gen.engine.engine.tokenizer
         extra = {"usage": None} if include_usage else {}
@@ -427,7 +457,7 @@ class EngineServer:
                         **head,
                         "choices": [
                             {
-                                "index": 0,
+                                "index": index,
                                 "text": text,
                                 "logprobs": lp.to_dict() if lp else None,
                                 "finish_reason": d.finish_reason,
@@ -435,8 +465,6 @@ class EngineServer:
                         ],
                         **extra,
                     }
-        if include_usage:
-            yield {**head, "choices": [], "usage": gen.usage()}
 
     # --- models, health, metrics -----------------------------------------------------------------------
 
@@ -518,18 +546,92 @@ def _prompt_logprobs(gen: Generation) -> list[TokenLogprob | None]:
     return list(lps) + [None] * (len(gen.prompt_ids) - len(lps))
 
 
-def _sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
-    total: dict[str, Any] = {
-        "prompt_tokens": 0,
-        "completion_tokens": 0,
-        "total_tokens": 0,
-        "prompt_tokens_details": {"cached_tokens": 0},
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as JSON string keys) as token id -> bias; the engine checks the
+    ids against the vocabulary."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ApiError(
+                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+    return out
+
+
+def _usage(groups: list[list[Generation]]) -> dict[str, Any]:
+    """Usage of a request: each prompt counted once however many choices it has (as OpenAI bills n > 1),
+    its cached tokens those every choice read from the cache, and every choice's completion tokens."""
+    prompt = sum(len(group[0].prompt_ids) for group in groups)
+    cached = sum(min(g.num_cached_tokens for g in group) for group in groups)
+    completion = sum(g.num_output_tokens for group in groups for g in group)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
-    for u in usages:
-        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            total[key] += u[key]
-        total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
-    return total
+
+
+async def _all(aws: list[Awaitable[_T]]) -> list[_T]:
+    """`asyncio.gather`, except that the first failure cancels the rest (each holds an engine request,
+    which cancelling aborts) and waits for them."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merge(streams: list[AsyncIterator[_T]]) -> AsyncIterator[_T]:
+    """The items of several streams as they come. An error in one ends them all; closing the merged
+    stream (a client gone) closes every stream, which aborts their engine requests."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()  # (finished, item or error)
+
+    async def pump(stream: AsyncIterator[_T]) -> None:
+        try:
+            async with aclosing(stream):  # type: ignore[type-var]
+                async for item in stream:
+                    await queue.put((False, item))
+        except Exception as exc:
+            await queue.put((True, exc))
+        else:
+            await queue.put((True, None))
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            finished, item = await queue.get()
+            if not finished:
+                yield item
+            elif item is not None:
+                raise item
+            else:
+                running -= 1
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _with_usage(
+    chunks: AsyncIterator[dict[str, Any]], head: dict[str, Any], groups: list[list[Generation]], include: bool
+) -> AsyncIterator[dict[str, Any]]:
+    """The stream, then (if the client asked) one chunk with the whole request's usage."""
+    async with aclosing(chunks):  # type: ignore[type-var]
+        async for chunk in chunks:
+            yield chunk
+    if include:
+        yield {**head, "choices": [], "usage": _usage(groups)}
 
 
 async def start_server(server: EngineServer, host: str, port: int) -> web.AppRunner:

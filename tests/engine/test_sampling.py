@@ -7,6 +7,7 @@ import math
 import random
 from collections import Counter
 
+import pytest
 import torch
 
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -114,6 +115,30 @@ def test_penalties_on_known_logits() -> None:
     assert penalised([2], [3, 3], presence_penalty=0.5) == [2.0, -2.0, 1.0, 0.0]  # prompt not counted
     assert penalised([], [3, 3, 0], frequency_penalty=0.25) == [1.75, -2.0, 1.0, 0.0]
     assert penalised([0], [0], repetition_penalty=1.0) == logits[0].tolist()
+    biased = apply_penalties(
+        logits, [SamplingRow(SamplingParams(logit_bias={1: 5.0, 3: -0.5}), None, [], [])]
+    )
+    assert biased[0].tolist() == [2.0, 3.0, 1.0, 0.0]
+    assert logits[0].tolist() == [2.0, -2.0, 1.0, 0.5]  # the caller's logits are not changed
+
+
+def test_logit_bias_bans_and_forces_tokens_through_the_engine(tiny_engine: LLMEngine) -> None:
+    plain = tiny_engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    banned = SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, logit_bias={t: -100 for t in set(plain)}
+    )
+    assert not set(tiny_engine.generate([PROMPT], banned)[0]) & set(plain)
+    forced = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logit_bias={42: 100}, ignore_eos=True)
+    assert tiny_engine.generate([PROMPT], forced)[0] == [42] * 6
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [({5: 101.0}, r"\[-100, 100\]"), ({300: 1.0}, "vocabulary"), ({-1: 1.0}, "vocabulary")],
+)
+def test_logit_bias_is_validated(bias: dict[int, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias).validate(vocab_size=256)
 
 
 def test_repetition_penalty_changes_greedy_output(tiny_engine: LLMEngine) -> None:

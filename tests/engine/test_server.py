@@ -292,6 +292,137 @@ async def test_completion_batch_of_prompts(served: Served) -> None:
     assert resp.usage.prompt_tokens == len("first") + len("second")
 
 
+# --- several choices (n) and logit_bias ---------------------------------------------------------------
+
+
+async def test_n_choices_are_seeded_apart_reproducible_and_billed_once_for_the_prompt(served: Served) -> None:
+    kwargs = dict(model=MODEL, messages=chat("choices"), max_tokens=8, temperature=1.0, seed=7, n=3)
+    a = await served.client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    b = await served.client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    texts = [c.message.content for c in a.choices]
+    assert texts == [c.message.content for c in b.choices]  # each choice reproducible
+    assert len(set(texts)) > 1  # choice i draws with seed + i, not copies of one draw
+    one = await served.client.chat.completions.create(**{**kwargs, "n": 1})  # type: ignore[call-overload]
+    assert one.choices[0].message.content == texts[0]  # choice 0 is the n=1 answer
+    assert a.usage and one.usage
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt is billed once
+    assert 3 <= a.usage.completion_tokens <= 24
+
+
+async def test_n_greedy_choices_are_equal(served: Served) -> None:
+    resp = await served.client.chat.completions.create(
+        model=MODEL, messages=chat("same"), max_tokens=6, temperature=0, n=2, extra_body={"ignore_eos": True}
+    )
+    assert resp.choices[0].message.content == resp.choices[1].message.content
+    assert resp.usage and resp.usage.completion_tokens == 12
+
+
+async def test_n_streamed_choices_match_the_non_streamed_ones(served: Served) -> None:
+    kwargs = dict(
+        model=MODEL,
+        messages=chat("stream n"),
+        max_tokens=10,
+        temperature=1.0,
+        seed=3,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
+    whole = await served.client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    stream = await served.client.chat.completions.create(
+        **kwargs,
+        stream=True,
+        stream_options={"include_usage": True},  # type: ignore[call-overload]
+    )
+    texts = ["", "", ""]
+    finished: dict[int, str] = {}
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert texts == [c.message.content for c in whole.choices]
+    assert sorted(finished) == [0, 1, 2]
+    assert usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 30)
+    # the three choices of the first request computed the prompt together; this one's read its full
+    # block from the prefix cache, every choice of it
+    assert usage.prompt_tokens_details and usage.prompt_tokens_details.cached_tokens == 16
+
+
+async def test_completions_number_choices_prompt_major(served: Served) -> None:
+    resp = await served.client.completions.create(
+        model=MODEL,
+        prompt=["first", "second"],
+        max_tokens=3,
+        n=2,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    alone = [
+        (await served.client.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0))
+        .choices[0]
+        .text
+        for p in ("first", "second")
+    ]
+    assert [c.text for c in resp.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert resp.usage and resp.usage.prompt_tokens == len("first") + len("second")
+    assert resp.usage.completion_tokens == 12
+    stream = await served.client.completions.create(
+        model=MODEL, prompt=["first", "second"], max_tokens=3, n=2, temperature=0, stream=True
+    )
+    streamed = ["", "", "", ""]
+    async for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in resp.choices]
+
+
+async def test_a_disconnected_n_stream_frees_every_choice(served: Served) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "z" * 100,
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": True,
+        "n": 3,
+    }
+    async with (
+        httpx.AsyncClient(base_url=served.base_url, timeout=30) as http,
+        http.stream("POST", "/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = resp.aiter_lines()
+        while not (await anext(lines)).startswith("data: {"):
+            pass
+        assert served.engine.stats().num_running + served.engine.stats().num_waiting == 3
+    assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
+
+
+async def test_an_engine_rejection_of_n_choices_is_a_400_and_leaves_nothing_running(served: Served) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            await served.client.chat.completions.create(
+                model=MODEL, messages=chat("bad"), max_tokens=4, n=3, stream=stream, logit_bias={"99999": 5}
+            )
+        assert "vocabulary" in info.value.message
+        assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
+
+
+async def test_logit_bias_steers_the_choice(served: Served) -> None:
+    kwargs = dict(model=MODEL, prompt="bias", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = await served.client.completions.create(**kwargs)  # type: ignore[call-overload]
+    forced = await served.client.completions.create(**kwargs, logit_bias={"65": 100})  # type: ignore[call-overload]
+    assert forced.choices[0].text == "AAAA"  # byte-level tokenizer: id 65 is "A"
+    first = plain.choices[0].text.encode()[0]
+    banned = await served.client.completions.create(**kwargs, logit_bias={str(first): -100})  # type: ignore[call-overload]
+    assert banned.choices[0].text.encode()[0] != first
+
+
 # --- concurrency and disconnects ----------------------------------------------------------------------
 
 
@@ -364,10 +495,12 @@ async def test_unknown_model_is_404(served: Served) -> None:
     [
         ({"temperature": 5}, "temperature"),
         ({"top_p": -0.5}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),  # MAX_CHOICES
+        ({"n": 0}, "n"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"logit_bias": {"five": 10}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -386,7 +519,8 @@ async def test_bad_parameters_are_400_naming_the_parameter(served: Served, extra
         resp = await http.post("/chat/completions", json=body)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
-    assert error["param"] == param
+    assert error["param"] is not None and error["param"].split("[")[0] == param.split("[")[0]
+    assert error["param"] == param or param == "logit_bias"  # a bad value is named by its key
     assert error["type"] == "invalid_request_error"
     assert error["message"]
     assert all_blocks_free(served.engine)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -42,6 +43,14 @@ def test_greedy_output_is_token_identical_with_ngram_speculation(
     # random tiny models loop, so lookup is accepted often: speculation really ran and paid off
     assert m.num_steps > 0 and m.num_accepted_tokens > 0 and m.mean_tokens_per_step > 1.0
     assert 0 < m.acceptance_rate_by_position()[0] <= 1
+
+
+def test_logit_bias_applies_to_speculative_verification(make_engine: Callable[..., LLMEngine]) -> None:
+    prompts = _prompts(6)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logit_bias={7: 4.0, 9: -3.0})
+    expected = make_engine().generate(prompts, params)
+    assert expected != make_engine().generate(prompts, replace(params, logit_bias={}))  # the bias matters
+    assert make_engine(speculative="ngram", num_speculative_tokens=4).generate(prompts, params) == expected
 
 
 def test_greedy_identity_one_request_at_a_time_and_with_a_tight_token_budget(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -98,3 +102,55 @@ def _up(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@contextmanager
+def tiny_engine_server() -> Iterator[int]:
+    """The real engine server (tiny random model) on its own event loop in a thread; yields its port."""
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import KNOWN_MODELS
+    from engine.llm_engine import LLMEngine
+    from engine.server import EngineServer, start_server
+
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=64)
+    server = EngineServer(AsyncLLMEngine(engine), model_name="tiny")
+    runner = asyncio.run_coroutine_threadsafe(start_server(server, "127.0.0.1", port), loop).result(30)
+    try:
+        yield port
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_n_choices_and_logit_bias_reach_the_engine_through_the_gateway() -> None:
+    with tiny_engine_server() as engine_port:
+        config = parse_config(
+            f"""
+backends:
+  - {{name: local, type: engine, url: "http://127.0.0.1:{engine_port}"}}
+models:
+  - {{name: small, backend: local, model: tiny}}
+""",
+            {},
+        )
+        with serve(create_app(config), free_port()) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            messages = [{"role": "user", "content": "hi"}]
+            reply = client.chat.completions.create(
+                model="small", messages=messages, n=3, seed=5, temperature=1.0, max_tokens=6
+            )
+            assert [c.index for c in reply.choices] == [0, 1, 2]
+            one = client.chat.completions.create(
+                model="small", messages=messages, seed=5, temperature=1.0, max_tokens=6
+            )
+            assert reply.usage and one.usage and reply.usage.prompt_tokens == one.usage.prompt_tokens
+            assert reply.choices[0].message.content == one.choices[0].message.content
+            forced = client.chat.completions.create(
+                model="small", messages=messages, max_tokens=3, temperature=0, logit_bias={"66": 100}
+            )
+            assert forced.choices[0].message.content == "BBB"  # byte-level tokenizer: 66 is "B"
