@@ -93,7 +93,9 @@ class DifficultyHead:
     b1: np.ndarray  # (hidden,)
     w2: np.ndarray  # (2 + groups, hidden): weak-correct logit, strong-correct logit, group logits
     b2: np.ndarray
-    group_gain: np.ndarray  # (groups,): strong-minus-weak accuracy of each group in the training data
+    # (groups,): each group's strong-minus-weak accuracy in the training data (shrunk towards the
+    # overall mean), or with `TrainConfig.group_ridge` a ridge map from the posterior to the gain.
+    group_gain: np.ndarray
     # Weights of the components (expected group gain, network strong-minus-weak, and with the sparse
     # part its strong-minus-weak), then the bias: (3,) or (4,).
     blend: np.ndarray
@@ -133,15 +135,23 @@ class DifficultyHead:
             logits[row] = x @ self.sparse_w[index] + self.sparse_b
         return _sigmoid(logits)
 
+    @staticmethod
+    def _softmax_groups(logits: np.ndarray) -> np.ndarray:
+        g = logits[:, 2:]
+        g = np.exp(g - g.max(axis=1, keepdims=True))
+        return g / g.sum(axis=1, keepdims=True)
+
+    def group_posterior(self, enc: Encoded) -> np.ndarray:
+        """(n, groups): the network's posterior over the training groups (e.g. MMLU subjects)."""
+        return self._softmax_groups(self._logits(enc))
+
     def components(self, enc: Encoded) -> np.ndarray:
-        """(n, 2 or 3) scores before blending: expected group gain, P(strong right) - P(weak right)
-        from the network, and from the sparse part when the head has one."""
+        """(n, 2 or 3) scores before blending: expected group gain (group posterior · `group_gain`),
+        P(strong right) - P(weak right) from the network, and from the sparse part when the head has one."""
         logits = self._logits(enc)
         p = _sigmoid(logits[:, :2])
         if len(self.group_gain):
-            g = logits[:, 2:]
-            g = np.exp(g - g.max(axis=1, keepdims=True))
-            expected_gain = (g / g.sum(axis=1, keepdims=True)) @ self.group_gain
+            expected_gain = self._softmax_groups(logits) @ self.group_gain
         else:
             expected_gain = np.zeros(len(enc), dtype=np.float32)
         parts = [expected_gain, p[:, 1] - p[:, 0]]

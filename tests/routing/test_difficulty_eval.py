@@ -5,9 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from benchmarks.routing_eval import PROBE, auc, blend_across_folds, metrics, question_stem, reliability
-from routing.train import load_mmlu
+from benchmarks.routing_eval import (
+    ARTEFACT_SUBJECT,
+    PROBE,
+    artefact_free,
+    auc,
+    blend_across_folds,
+    metrics,
+    question_stem,
+    reliability,
+)
+from routing.train import Outcomes, load_mmlu
 
 
 def test_question_stem_drops_the_options_of_every_fixture_prompt(fixture_dir: Path) -> None:
@@ -69,3 +79,22 @@ def test_reliability_of_a_calibrated_and_an_over_confident_score() -> None:
     assert ece < 0.02 and len(cells) == 10
     over, _ = reliability(np.clip(2 * p - 0.1, 0, 1), outcome)
     assert over > 0.08
+
+
+def test_artefact_free_scores_only_the_prompts_outside_the_artefact_subject(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rng = np.random.default_rng(0)
+    n = 2000
+    weak, strong = rng.random(n) < 0.6, rng.random(n) < 0.8
+    groups = np.where(np.arange(n) < 500, ARTEFACT_SUBJECT, "other")
+    data = Outcomes([str(i) for i in range(n)], weak, strong, list(groups))
+    score = rng.random(n)
+    artefact_free({"ours": score, "always weak": np.zeros(n)}, data)
+    out = capsys.readouterr().out
+    keep = groups == "other"
+    expected = metrics(score[keep], weak[keep].astype(float), strong[keep].astype(float))["APGR"]
+    assert f"(1500 prompts): ours {expected:.4f}" in out and "always" not in out
+    # Without the subject in the data there is nothing to print.
+    artefact_free({"ours": score}, Outcomes(data.prompts, weak, strong, ["other"] * n))
+    assert capsys.readouterr().out == ""

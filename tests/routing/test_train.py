@@ -22,6 +22,7 @@ from routing.train import (
     load_jsonl,
     load_mmlu,
     prompt_fold,
+    ridge_group_gain,
 )
 
 FAST = TrainConfig(epochs=15, sparse_buckets=1 << 16)
@@ -167,7 +168,7 @@ def test_blend_is_calibrated_on_scores_from_heads_that_never_saw_the_row(
         return fit_parts(d, e, c)  # type: ignore[arg-type]
 
     monkeypatch.setattr(train_module, "_fit_parts", recording)
-    components, _ = cross_fitted_components(data, enc, cfg, 3)
+    components, _, _ = cross_fitted_components(data, enc, cfg, 3)
     # One head per fold, and each fold's rows were left out of the head that scored them.
     assert len(seen) == 3
     fold = np.array([prompt_fold(p, 3) for p in data.prompts])
@@ -197,3 +198,38 @@ def test_fit_blend_weighs_components_equally_and_matches_the_base_rate() -> None
     # Platt scaling with a bias: the mean predicted probability equals the observed rate.
     p = 1 / (1 + np.exp(-(components @ blend[:-1] + blend[-1])))
     assert p.mean() == pytest.approx(target.mean(), abs=2e-3)
+
+
+def test_ridge_group_gain_learns_what_a_confused_posterior_means() -> None:
+    # Two groups with gains 0.4 and 0.0; the posterior puts 0.6 on the right group, 0.4 on the other.
+    rng = np.random.default_rng(0)
+    group = rng.integers(0, 2, 4000)
+    gain = np.where(group == 0, 0.4, 0.0) + rng.normal(0, 0.1, 4000)
+    posterior = np.where(group[:, None] == np.arange(2), 0.6, 0.4)
+    g = ridge_group_gain(posterior, gain, alpha=1e-3)
+    # A posterior's expected gain reproduces its group's mean gain: the map undoes the confusion,
+    # which the groups' own means would not (they give 0.6 * 0.4 = 0.24 and 0.4 * 0.4 = 0.16).
+    np.testing.assert_allclose([0.6, 0.4] @ g, 0.4, atol=0.01)
+    np.testing.assert_allclose([0.4, 0.6] @ g, 0.0, atol=0.01)
+    # Strong regularisation pulls every group to the overall mean.
+    np.testing.assert_allclose(ridge_group_gain(posterior, gain, alpha=1e9), gain.mean(), atol=1e-4)
+
+
+def test_group_ridge_fits_the_group_gains_on_cross_fitted_posteriors(
+    fixture_dir: Path, embedder: StaticEmbedder
+) -> None:
+    data = load_mmlu(fixture_dir)
+    enc = encode(embedder, data.prompts)
+    cfg = TrainConfig(epochs=3, sparse_buckets=1 << 16, calibration_folds=3, group_ridge=1.0)
+    head = fit_head(data, enc, cfg)
+    components, _, posterior = cross_fitted_components(data, enc, cfg, 3)
+    assert posterior.shape == (len(data), 2)
+    np.testing.assert_allclose(posterior.sum(axis=1), 1.0, rtol=1e-5)
+    gain = data.strong.astype(float) - data.weak
+    np.testing.assert_allclose(head.group_gain, ridge_group_gain(posterior, gain, 1.0), rtol=1e-5)
+    components[:, 0] = posterior @ head.group_gain
+    target = (~data.weak & data.strong).astype(float)
+    np.testing.assert_allclose(head.blend, fit_blend(components, target), rtol=1e-5, atol=1e-6)
+    # Off (the default), the group gains are the groups' shrunk mean gains.
+    plain = fit_head(data, enc, replace(cfg, group_ridge=0.0))
+    assert not np.allclose(plain.group_gain, head.group_gain, atol=1e-3)
