@@ -212,33 +212,41 @@ class ControlPlane:
             target.backend.name,
             target.upstream_model,
             prompt_tokens=len(upstream.body) // BYTES_PER_TOKEN,
-            max_output_tokens=output_limit(upstream.body) or DEFAULT_OUTPUT_ESTIMATE,
+            max_output_tokens=output_estimate(upstream.body),
         )
 
 
 class _GenerationConfig(msgspec.Struct):
     maxOutputTokens: int | None = None
+    candidateCount: int | None = None
 
 
 class _OutputLimit(msgspec.Struct):
-    """The output cap as each vendor's request body spells it; every other field is skipped."""
+    """The output cap and the number of choices as each vendor's request body spells them; every other
+    field is skipped."""
 
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     max_output_tokens: int | None = None
+    n: int | None = None
     generationConfig: _GenerationConfig | None = None
 
 
 _output_limit = msgspec.json.Decoder(_OutputLimit)
 
 
-def output_limit(body: bytes) -> int | None:
+def output_estimate(body: bytes) -> int:
+    """The output tokens to reserve for an upstream request: its cap (DEFAULT_OUTPUT_ESTIMATE without
+    one) for each choice it asks for (`n`, Gemini's `candidateCount`), since every choice is billed."""
     try:
         found = _output_limit.decode(body)
     except msgspec.MsgspecError:
-        return None
-    nested = found.generationConfig.maxOutputTokens if found.generationConfig else None
-    return found.max_completion_tokens or found.max_tokens or found.max_output_tokens or nested
+        return DEFAULT_OUTPUT_ESTIMATE
+    config = found.generationConfig
+    nested = config.maxOutputTokens if config else None
+    cap = found.max_completion_tokens or found.max_tokens or found.max_output_tokens or nested
+    choices = found.n or (config.candidateCount if config else None) or 1
+    return (cap or DEFAULT_OUTPUT_ESTIMATE) * max(choices, 1)
 
 
 def from_config(config: Any) -> ControlPlane | None:
