@@ -12,7 +12,7 @@ import msgspec
 
 from gateway.accounting.admission import Admission
 from gateway.accounting.events import UsageEvent
-from gateway.accounting.pricing import PriceCatalog, price_usage
+from gateway.accounting.pricing import PriceCatalog, sheet_of
 from gateway.accounting.queue import UsageQueue
 
 
@@ -29,13 +29,22 @@ class AccountingSink:
         # from its config; without a catalog row the caller's price stands.
         prices = self._catalog().prices_at(event.backend, event.model, event.ts)
         if prices:
-            cost = price_usage(event.usage, prices)
+            sheet = sheet_of(prices)
+            if sheet.prices is event.prices or sheet.prices == event.prices:
+                # The caller priced it with the same prices (its config seeds the catalog): the cost
+                # is the same, so the event stands as it is (no second pricing, no copy).
+                self._queue_and_settle(event)
+                return
+            cost = sheet.price(event.usage)
             event = msgspec.structs.replace(
                 event,
                 prices=cost.prices,
                 cost_pico_usd=cost.cost_pico_usd,
                 savings_pico_usd=cost.savings_pico_usd,
             )
+        self._queue_and_settle(event)
+
+    def _queue_and_settle(self, event: UsageEvent) -> None:
         self.queue.put(event)
         if self.admission is not None:
             self.admission.settle(event)

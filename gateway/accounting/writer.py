@@ -14,6 +14,7 @@ import datetime as dt
 import functools
 import logging
 import math
+import operator
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ import msgspec
 from sqlalchemy import Table, TextClause, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.accounting.events import UsageEvent, decode, encode
 from gateway.accounting.queue import RedisStreamQueue, Token, UsageQueue
@@ -139,21 +140,94 @@ def _finite(event: UsageEvent) -> bool:
     return math.isfinite(event.latency_ms) and (event.ttft_ms is None or math.isfinite(event.ttft_ms))
 
 
-def _sqlite_value(name: str, value: Any) -> Any:
-    """A column value as SQLAlchemy's SQLite types store it (UTCDateTime, Date, JSON, Boolean)."""
-    if name == "ts":
-        if value.tzinfo is None:
+# The columns of `event_row`, in its order.
+EVENT_COLUMNS = (
+    "event_id",
+    "request_id",
+    "attempt",
+    "ts",
+    "day",
+    "tenant_id",
+    "key_id",
+    "route",
+    "backend",
+    "model",
+    *TOKEN_FIELDS,
+    "prices",
+    "cost_pico_usd",
+    "savings_pico_usd",
+    "latency_ms",
+    "ttft_ms",
+    "status",
+    "fallback",
+    "estimated",
+    "routing",
+)
+_token_counts = operator.attrgetter(*TOKEN_FIELDS)
+
+
+def _sqlite_params(events: list[UsageEvent]) -> list[Any]:
+    """Every event's `event_row` values in EVENT_COLUMNS order, one flat list, as SQLAlchemy's SQLite
+    types store them (UTCDateTime: UTC text with microseconds; Date: ISO text; JSON: text), without
+    a dict or a call per value."""
+    params: list[Any] = []
+    prices_of: dict[str, int] | None = None
+    prices_text = ""
+    for e in events:
+        ts = e.ts
+        if ts.tzinfo is None:
             raise ValueError("naive datetime given to a UTC column")
-        t = value.astimezone(dt.UTC)
-        return (
-            f"{t.year:04d}-{t.month:02d}-{t.day:02d} "
-            f"{t.hour:02d}:{t.minute:02d}:{t.second:02d}.{t.microsecond:06d}"
+        if e.prices is not prices_of:  # most events of a batch share one price dict
+            prices_of, prices_text = e.prices, _json.encode(e.prices).decode()
+        params += (
+            e.event_id,
+            e.request_id,
+            e.attempt,
+            ts.astimezone(dt.UTC).replace(tzinfo=None).isoformat(" ", "microseconds"),
+            ts.date().isoformat(),
+            e.tenant_id,
+            e.key_id,
+            e.route,
+            e.backend,
+            e.model,
+            *_token_counts(e.usage),
+            prices_text,
+            e.cost_pico_usd,
+            e.savings_pico_usd,
+            e.latency_ms,
+            e.ttft_ms,
+            e.status,
+            e.fallback,
+            e.estimated,
+            e.routing[:1000] if e.routing else None,
         )
-    if name == "day":
-        return f"{value.year:04d}-{value.month:02d}-{value.day:02d}"
-    if name == "prices":
-        return _json.encode(value).decode()
-    return value
+    return params
+
+
+def _event_rollups(events: list[UsageEvent]) -> list[dict[str, Any]]:
+    """`_rollup_rows` of these events' rows, summed from the events themselves."""
+    totals: dict[tuple[Any, ...], list[int]] = {}
+    for e in events:
+        group = (e.ts.date(), e.tenant_id or "", e.key_id or "", e.backend, e.model)
+        sums = totals.get(group)
+        if sums is None:
+            sums = totals[group] = [0] * len(SUMMED)
+        sums[0] += 1
+        if not 200 <= e.status < 400:
+            sums[1] += 1
+        for i, value in enumerate((*_token_counts(e.usage), e.cost_pico_usd, e.savings_pico_usd), 2):
+            sums[i] += value
+    return [
+        {
+            "day": d,
+            "tenant_id": t,
+            "key_id": k,
+            "backend": b,
+            "model": m,
+            **dict(zip(SUMMED, sums, strict=True)),
+        }
+        for (d, t, k, b, m), sums in totals.items()
+    ]
 
 
 @functools.lru_cache(maxsize=8)  # batch sizes vary; a few statements of up to ~100 kB each
@@ -194,7 +268,10 @@ class BatchWriter:
         self,
         queue: UsageQueue,
         engine: AsyncEngine,
-        batch_size: int = 500,
+        # Events per transaction, at most. Each transaction has a fixed cost (commit, WAL sync,
+        # rollup upsert, the queue's acknowledgement) of a few ms of CPU on SQLite: 500 events
+        # cost ~17 us of CPU each to write, 2,000 ~12.5 us (docs/benchmarks.md).
+        batch_size: int = 2000,
         idle_wait_s: float = 0.2,
         max_backoff_s: float = 5.0,
         linger_s: float = 1.0,
@@ -262,6 +339,8 @@ class BatchWriter:
         """Insert a batch in one transaction; returns how many were new."""
         if self._unnest and all(_finite(e) for e in events):
             return await self.write_lines([encode(e) for e in events])
+        if self._raw_sqlite:
+            return await self._write_sqlite(events)
         rows = [event_row(e) for e in events]
         new_ids: set[str] = set()
         async with self.engine.begin() as conn:
@@ -273,9 +352,7 @@ class BatchWriter:
                 columns["prices"] = [_json.encode(p).decode() for p in columns["prices"]]
                 new_ids.update((await conn.execute(_unnest_insert(names), columns)).scalars())
                 self.stats.statements += 1
-            elif self._raw_sqlite:
-                new_ids.update(await self._insert_sqlite(conn, rows))
-            for start in range(0, 0 if self._unnest or self._raw_sqlite else len(rows), MAX_ROWS_PER_INSERT):
+            for start in range(0, 0 if self._unnest else len(rows), MAX_ROWS_PER_INSERT):
                 chunk = rows[start : start + MAX_ROWS_PER_INSERT]
                 new_ids.update((await conn.execute(self._insert_events, chunk)).scalars())
                 self.stats.statements += 1
@@ -288,25 +365,30 @@ class BatchWriter:
         self.stats.duplicates += len(rows) - len(new_ids)
         return len(new_ids)
 
-    async def _insert_sqlite(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> list[str]:
+    async def _write_sqlite(self, events: list[UsageEvent]) -> int:
         """SQLite: the same multi-row INSERT ... RETURNING that SQLAlchemy would send, run on the
-        driver's connection (inside this transaction) with the values converted here, as its
-        column types would: SQLAlchemy's processing of every value was most of the writer's CPU."""
-        driver = (await conn.get_raw_connection()).driver_connection
-        names = tuple(rows[0])
-        converted = ("ts", "day", "prices")
-        new_ids: list[str] = []
-        for start in range(0, len(rows), MAX_ROWS_PER_INSERT):
-            chunk = rows[start : start + MAX_ROWS_PER_INSERT]
-            params = [
-                _sqlite_value(name, row[name]) if name in converted else row[name]
-                for row in chunk
-                for name in names
-            ]
-            async with driver.execute(_sqlite_insert(names, len(chunk)), params) as cursor:  # type: ignore[union-attr]
-                new_ids += [r[0] for r in await cursor.fetchall()]
-            self.stats.statements += 1
-        return new_ids
+        driver's connection (inside the transaction) with each event's values as its column types
+        store them (`_sqlite_params`), and the rollups summed from the new events: SQLAlchemy's
+        processing of every value, then row dicts, were most of the writer's CPU."""
+        if not events:
+            return 0
+        new_ids: set[str] = set()
+        async with self.engine.begin() as conn:
+            driver = (await conn.get_raw_connection()).driver_connection
+            for start in range(0, len(events), MAX_ROWS_PER_INSERT):
+                chunk = events[start : start + MAX_ROWS_PER_INSERT]
+                statement = _sqlite_insert(EVENT_COLUMNS, len(chunk))
+                async with driver.execute(statement, _sqlite_params(chunk)) as cursor:  # type: ignore[union-attr]
+                    new_ids.update([r[0] for r in await cursor.fetchall()])
+                self.stats.statements += 1
+            fresh = events if len(new_ids) == len(events) else [e for e in events if e.event_id in new_ids]
+            rollups = _event_rollups(fresh)
+            if rollups:
+                await conn.execute(self._upsert_rollups, rollups)
+        self.stats.batches += 1
+        self.stats.inserted += len(new_ids)
+        self.stats.duplicates += len(events) - len(new_ids)
+        return len(new_ids)
 
     async def step(self, block_s: float | None = None) -> int:
         """Write at most one batch: the one that failed last time, else a fresh one from the queue.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 BUCKETS = 60
+LIMIT_WINDOW_S = 60.0  # the window of RPM and TPM limits (Limit and Adjustment default to it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +21,7 @@ class Limit:
     key: str  # e.g. "rpm:tenant:<id>"; the caller names it, the state only counts
     limit: int
     cost: int = 1  # 1 for a request limit, the estimated tokens for a token limit
-    window_s: float = 60.0
+    window_s: float = LIMIT_WINDOW_S
     # Extra units to count for the caller's later requests in the current bucket (a lease), granted
     # only while the window stays at most half full with them. 0: none. See Admission.leases.
     lease: int = 0
@@ -61,7 +62,7 @@ BudgetDecision = Admission
 class Adjustment:
     key: str  # a limit's key
     delta: int
-    window_s: float = 60.0
+    window_s: float = LIMIT_WINDOW_S
     bucket: int | None = None  # None: the current bucket; else that one (a lease handed back)
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import heapq
 import inspect
+import itertools
 import os
 import time
 from collections.abc import Sequence
 
 from gateway.state.base import (
     BUCKETS,
+    LIMIT_WINDOW_S,
     Admission,
     Budget,
     Limit,
@@ -104,6 +106,8 @@ class MemoryState(Shortcuts):
         # All methods run on one event loop without awaiting inside, so each is atomic; the lock
         # keeps that true if a future change adds an await.
         self._lock = asyncio.Lock()
+        self._id_prefix = f"m{os.urandom(8).hex()}-"
+        self._ids = itertools.count(1)
 
     @staticmethod
     def _now() -> float:
@@ -126,30 +130,43 @@ class MemoryState(Shortcuts):
         ttl_s: float = 600.0,
     ) -> Admission:
         async with self._lock:
-            now = self._now()
-            windows = []
-            for limit in limits:
-                window, bucket_s, current = self._window(limit.key, limit.window_s, now)
-                if window.total + limit.cost > limit.limit:
-                    if limit.cost > limit.limit:
-                        return Admission(False, limit.window_s, limit.key)
-                    need = window.total + limit.cost - limit.limit
-                    buckets = sorted(window.buckets.items())
-                    wait = retry_after(buckets, need, bucket_s, now, limit.window_s)
-                    return Admission(False, wait, limit.key)
-                windows.append((window, current, limit.cost))
-            for budget in budgets:
-                state = self._budgets.get(budget.key)
-                if state is None:
-                    state = self._budgets[budget.key] = _Budget()
-                if state.spent + state.reserved(now) + amount_micro_usd > budget.limit_micro_usd:
-                    return Admission(False, blocked_by=budget.key)
-            for window, current, cost in windows:
-                window.add(current, cost)
-            reservation_id = os.urandom(16).hex() if budgets else None  # as unique as uuid4, cheaper
-            for budget in budgets:
-                self._budgets[budget.key].reserve(reservation_id, amount_micro_usd, now + ttl_s)  # type: ignore[arg-type]
-            return Admission(True, reservation_id=reservation_id)
+            return self.admit_now(limits, budgets, amount_micro_usd, ttl_s)
+
+    def admit_now(
+        self,
+        limits: Sequence[Limit],
+        budgets: Sequence[Budget] = (),
+        amount_micro_usd: int = 0,
+        ttl_s: float = 600.0,
+    ) -> Admission:
+        """`admit`, synchronously: nothing in it awaits, so it is as atomic as under the lock (which
+        no method holds across a suspension). Admission calls this at once, without a coroutine."""
+        now = self._now()
+        windows = []
+        for limit in limits:
+            window, bucket_s, current = self._window(limit.key, limit.window_s, now)
+            if window.total + limit.cost > limit.limit:
+                if limit.cost > limit.limit:
+                    return Admission(False, limit.window_s, limit.key)
+                need = window.total + limit.cost - limit.limit
+                buckets = sorted(window.buckets.items())
+                wait = retry_after(buckets, need, bucket_s, now, limit.window_s)
+                return Admission(False, wait, limit.key)
+            windows.append((window, current, limit.cost))
+        for budget in budgets:
+            state = self._budgets.get(budget.key)
+            if state is None:
+                state = self._budgets[budget.key] = _Budget()
+            if state.spent + state.reserved(now) + amount_micro_usd > budget.limit_micro_usd:
+                return Admission(False, blocked_by=budget.key)
+        for window, current, cost in windows:
+            window.add(current, cost)
+        # Unique within this state, which is the only one that ever sees it: a counter after a
+        # random prefix (another state's ids, e.g. Redis's before an outage, never collide).
+        reservation_id = f"{self._id_prefix}{next(self._ids)}" if budgets else None
+        for budget in budgets:
+            self._budgets[budget.key].reserve(reservation_id, amount_micro_usd, now + ttl_s)  # type: ignore[arg-type]
+        return Admission(True, reservation_id=reservation_id)
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         async with self._lock:
@@ -157,8 +174,7 @@ class MemoryState(Shortcuts):
 
     def settle_now(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         """`settle_many`, synchronously: nothing in it awaits, so it is as atomic as under the lock
-        (which no method holds across a suspension). Admission settles each attempt through this at
-        once, instead of a task and an event-loop turn per batch."""
+        (which no method holds across a suspension)."""
         now = self._now()
         touched: set[str] = set()
         for settlement in settlements:
@@ -169,18 +185,53 @@ class MemoryState(Shortcuts):
                     # before it became unreachable and has nothing to return to.
                     if adjustment.bucket is None:
                         window.add(current, adjustment.delta)
-            for i, key in enumerate(settlement.budget_keys):
-                state = self._budgets.get(key)
-                if state is None:
-                    state = self._budgets[key] = _Budget()
-                rid, release = (
-                    settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
-                )
-                state.release(rid, release)
-                state.spent += settlement.actual_micro_usd
-                state.spent_known = True
-                touched.add(key)
+            self._spend(
+                settlement.budget_keys,
+                settlement.reservation_id,
+                settlement.actual_micro_usd,
+                settlement.releases,
+                touched,
+            )
         return {key: (self._budgets[key].spent, self._budgets[key].reserved(now)) for key in touched}
+
+    def settle_attempt(
+        self,
+        limit_keys: Sequence[str],
+        delta: int,
+        budget_keys: Sequence[str],
+        reservation_id: str,
+        actual_micro_usd: int,
+        releases: Sequence[tuple[str, int]] = (),
+    ) -> dict[str, tuple[int, int]]:
+        """`settle_now` of one Settlement whose adjustments are `delta` on each of `limit_keys` (in
+        their current bucket, LIMIT_WINDOW_S windows), without building it: Admission settles every
+        attempt through this at once, instead of a task and an event-loop turn per batch."""
+        now = self._now()
+        if delta:
+            for key in limit_keys:
+                window, _, current = self._window(key, LIMIT_WINDOW_S, now)
+                window.add(current, delta)
+        touched: set[str] = set()
+        self._spend(budget_keys, reservation_id, actual_micro_usd, releases, touched)
+        return {key: (self._budgets[key].spent, self._budgets[key].reserved(now)) for key in touched}
+
+    def _spend(
+        self,
+        budget_keys: Sequence[str],
+        reservation_id: str,
+        actual_micro_usd: int,
+        releases: Sequence[tuple[str, int]],
+        touched: set[str],
+    ) -> None:
+        for i, key in enumerate(budget_keys):
+            state = self._budgets.get(key)
+            if state is None:
+                state = self._budgets[key] = _Budget()
+            rid, release = releases[i] if releases else (reservation_id, 0)
+            state.release(rid, release)
+            state.spent += actual_micro_usd
+            state.spent_known = True
+            touched.add(key)
 
     async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
         async with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import gc
 import random
 import uuid
 from collections.abc import AsyncIterator
@@ -14,9 +15,12 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
 
+from gateway.accounting import events
 from gateway.accounting.admission import LEASE_REQUESTS, Admission, Quotas, month_of
+from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import USAGE_FIELD, PriceCatalog, PriceRow, TokenClass, price_usage, resolve
-from gateway.state.base import BUCKETS, Budget, Limit, Settlement
+from gateway.accounting.sink import AccountingSink
+from gateway.state.base import BUCKETS, Adjustment, Budget, Limit, Settlement
 from gateway.state.memory import MemoryState
 from gateway.state.redis import HiredisConnection, RedisState, client_from_url
 from gateway.usage import Usage
@@ -140,3 +144,128 @@ async def test_concurrent_requests_wait_for_the_lease_and_leases_grow(
     budget = f"{redis_prefix}budget:tenant:t:{month_of(dt.datetime.now(dt.UTC))}"
     # Unsettled requests still hold their estimate (10 micro-USD each); the pools are released.
     assert int(await client.hget(budget, "reserved")) == 10 * len(admitted)
+
+
+async def test_in_process_admit_and_settle_match_the_state_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`admit_now` / `settle_attempt` (Admission's in-process path: no coroutine, lock or
+    Settlement) leave the memory state exactly as `admit` / `settle_many` do, refusals included."""
+    rng = random.Random(11)
+    clock = [2_000_000.0]
+    monkeypatch.setattr(MemoryState, "_now", staticmethod(lambda: clock[0]))
+    slow, fast = MemoryState(), MemoryState()
+    limits = [Limit("rpm:t", 40), Limit("tpm:t", 5_000, 1)]
+    budgets = [Budget("budget:t", 3_000), Budget("budget:k", 2_500)]
+    held: list[tuple[str, str]] = []  # (slow's reservation, fast's) of admitted requests
+    for _ in range(3000):
+        clock[0] += rng.choice([0.0, 0.0, 0.4, 1.0, 7.0, 61.0])
+        if rng.random() < 0.6:
+            cost, amount = rng.randint(1, 200), rng.randint(1, 60)
+            asked = [limits[0], Limit("tpm:t", 5_000, cost)]
+            ttl = rng.choice([0.5, 600.0])
+            a = await slow.admit(asked, budgets, amount, ttl_s=ttl)
+            b = fast.admit_now(asked, budgets, amount, ttl)
+            assert a.allowed == b.allowed
+            assert (a.blocked_by, a.retry_after_s) == (b.blocked_by, b.retry_after_s)
+            if a.allowed:
+                held.append((a.reservation_id or "", b.reservation_id or ""))
+        elif held:
+            rid_slow, rid_fast = held.pop(rng.randrange(len(held)))
+            delta, actual = rng.randint(-150, 150), rng.randint(0, 80)
+            keys = [b.key for b in budgets]
+            expected = await slow.settle_many(
+                [Settlement([Adjustment("tpm:t", delta)], keys, rid_slow, actual)]
+            )
+            got = fast.settle_attempt(["tpm:t"], delta, keys, rid_fast, actual)
+            assert got == expected
+        now_bucket = int(clock[0] // (60.0 / BUCKETS))
+        for key in ("rpm:t", "tpm:t"):
+            if key in slow._windows:
+                slow._windows[key].advance(now_bucket)
+                fast._windows[key].advance(now_bucket)
+                assert slow._windows[key].total == fast._windows[key].total
+        for budget in budgets:
+            if budget.key in slow._budgets:
+                assert slow._budgets[budget.key].spent == fast._budgets[budget.key].spent
+
+
+async def test_token_limits_count_each_requests_own_estimate() -> None:
+    """Admission reuses a caller's limits while the token estimate repeats; a request with another
+    estimate still counts its own, and the next one with the first estimate the first."""
+    state = MemoryState()
+    admission = Admission(state, PriceCatalog)
+    quotas = Quotas("t1", "k1", tenant_rpm=10**6, tenant_tpm=10**9, key_tpm=10**9)
+    estimates = [(10, 20), (10, 20), (500, 20), (10, 20), (10, 7), (10, 20)]
+    for i, (prompt, output) in enumerate(estimates):
+        await admission.admit(f"r{i}", quotas, "b", "m", prompt_tokens=prompt, max_output_tokens=output)
+    total = sum(p + o for p, o in estimates)
+    assert state._windows["tpm:tenant:t1"].total == state._windows["tpm:key:k1"].total == total
+    assert state._windows["rpm:tenant:t1"].total == len(estimates)
+
+
+def test_the_sink_keeps_an_event_priced_as_the_catalog_prices_it() -> None:
+    """An event priced with the catalog's prices goes on as it is (no second pricing); one priced
+    with other prices gets the catalog's prices and cost, as before."""
+    at = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    catalog = PriceCatalog(
+        [
+            PriceRow("b", "m", TokenClass.INPUT, 2_000_000, at),
+            PriceRow("b", "m", TokenClass.OUTPUT, 8_000_000, at),
+        ]
+    )
+    queued: list[UsageEvent] = []
+
+    class Queue:
+        def put(self, event: UsageEvent) -> None:
+            queued.append(event)
+
+    sink = AccountingSink(Queue(), lambda: catalog)  # type: ignore[arg-type]
+    usage = Usage(input_tokens=100, cached_input_tokens=40, output_tokens=30)
+    same = price_usage(usage, {TokenClass.INPUT: 2_000_000, TokenClass.OUTPUT: 8_000_000})
+    other = price_usage(usage, {TokenClass.INPUT: 1_000_000, TokenClass.OUTPUT: 1_000_000})
+    sent = [
+        UsageEvent(
+            request_id="r",
+            attempt=1,
+            ts=at + dt.timedelta(days=1),
+            tenant_id="t",
+            key_id=None,
+            route="m",
+            backend="b",
+            model="m",
+            usage=usage,
+            prices=dict(cost.prices),  # an equal dict, not the sheet's own
+            cost_pico_usd=cost.cost_pico_usd,
+            savings_pico_usd=cost.savings_pico_usd,
+        )
+        for cost in (same, other)
+    ]
+    for event in sent:
+        sink.record(event)
+    assert queued[0] is sent[0] and queued[1] is not sent[1]
+    expected = catalog.price(usage, "b", "m", at + dt.timedelta(days=1))
+    for event in queued:
+        assert (event.prices, event.cost_pico_usd, event.savings_pico_usd) == (
+            expected.prices,
+            expected.cost_pico_usd,
+            expected.savings_pico_usd,
+        )
+    assert queued[0].cost_pico_usd == 100 * 2_000_000 + 40 * 2_000_000 + 30 * 8_000_000
+
+
+def test_usage_events_are_not_tracked_by_the_collector() -> None:
+    usage = Usage(input_tokens=1)
+    event = UsageEvent(
+        request_id="r",
+        attempt=1,
+        ts=dt.datetime.now(dt.UTC),
+        tenant_id=None,
+        key_id=None,
+        route="m",
+        backend="b",
+        model="m",
+        usage=usage,
+        prices={"input": 1},
+        cost_pico_usd=1,
+    )
+    assert not gc.is_tracked(event)
+    assert not gc.is_tracked(events.decode(events.encode(event)))
