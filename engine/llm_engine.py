@@ -10,6 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from engine.speculative import SpecStats, SpeculativeConfig, Speculator, parse_s
 from engine.threads import ThreadTuner
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model, gguf_metadata, is_gguf, load_config, open_gguf, tqdm_progress
+
+if TYPE_CHECKING:
+    from engine.grammar import Grammars
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "SamplingParams", "TokenLogprob"]
 
@@ -191,6 +195,7 @@ class LLMEngine:
         )
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        self.grammars: Grammars | None = None  # structured output, built on first use
         self.speculator: Speculator | None = None
         if spec_config is not None:
             proposer = None
@@ -276,12 +281,22 @@ class LLMEngine:
             raise ValueError("prompt token ids must lie in [0, vocab_size)")
         params.validate(vocab)
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        if params.json_format is not None:
+            seq.grammar = self._grammars().start(params.json_format)
         if params.seed is not None:
             seq.generator = self.runner.make_generator(params.seed)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = []
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _grammars(self) -> Grammars:
+        """Built on the first structured-output request (compiling the vocabulary takes ~0.1 s)."""
+        if self.grammars is None:
+            from engine.grammar import Grammars
+
+            self.grammars = Grammars(self.tokenizer, self.config.vocab_size)
+        return self.grammars
 
     def abort_request(self, request_id: str) -> None:
         """Free the request's blocks now; the next step reports it finished with reason "abort"."""
@@ -338,6 +353,8 @@ class LLMEngine:
             if res.token_id is None:
                 continue
             seq.output_token_ids.append(res.token_id)
+            if seq.grammar is not None:
+                seq.grammar.accept(res.token_id)
             self._check_finished(seq, res.token_id)
             outputs.append(self._output(seq, [res.token_id], [res.logprob] if res.logprob else None))
             if seq.is_finished:
@@ -372,7 +389,11 @@ class LLMEngine:
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
+        if (
+            token in p.stop_token_ids
+            or (not p.ignore_eos and token in self.config.eos_token_ids)
+            or (seq.grammar is not None and seq.grammar.complete)
+        ):
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"

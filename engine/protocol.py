@@ -134,7 +134,7 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, st
             return "suffix", "suffix is not supported"
     else:
         fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
+        if fmt not in ("text", "json_object", "json_schema"):
             return "response_format", f"response_format {fmt!r} is not supported"
         if req.top_logprobs and not req.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs=true"

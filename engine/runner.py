@@ -138,8 +138,11 @@ class ModelRunner:
             rows = []
             for j in sample_rows:
                 seq = batch.seqs[order[j]]
+                allowed = seq.grammar.allowed() if seq.grammar is not None else None
                 rows.append(
-                    SamplingRow(seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
+                    SamplingRow(
+                        seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids, allowed
+                    )
                 )
             sample_logits = logits[sample_at:]
             tokens = sample(sample_logits, rows, self.generator)

@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class JsonFormat:
+    """Structured output (engine/grammar.py): `schema` a JSON Schema as JSON text, or None for any JSON
+    object (OpenAI's `json_object`)."""
+
+    schema: str | None = None
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -23,6 +31,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: chosen token only; k: chosen + top-k
     prompt_logprobs: int | None = None  # same, for prompt tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
+    json_format: JsonFormat | None = None  # only text the JSON grammar accepts
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a message fit for an API client."""
@@ -82,6 +91,7 @@ class SamplingRow:
     generator: torch.Generator | None  # set for seeded requests
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    allowed: torch.Tensor | None = None  # bool [vocab]: the only tokens a grammar accepts next
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -151,6 +161,11 @@ def sample(
     """One token per row of `logits` [N, vocab] (float32). Seeded rows draw only from their own generator,
     so their choices do not depend on which other requests share the batch."""
     logits = apply_penalties(logits, rows)
+    constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if constrained:
+        logits = logits.clone()  # the caller reads log-probs from its own, unmasked logits
+        for i in constrained:
+            logits[i].masked_fill_(~rows[i].allowed, float("-inf"))  # type: ignore[operator]
     out = logits.argmax(-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -34,6 +38,7 @@ class Sequence:
     num_preemptions: int = 0
     # speculative tokens proposed for this step, not yet verified (not part of num_tokens)
     draft_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured output: what the grammar accepts next
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,7 @@ handler (aiohttp `handler_cancellation`), which aborts the request in the engine
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
@@ -38,6 +39,7 @@ from engine.protocol import (
     param_of,
     unsupported,
 )
+from engine.sampling import JsonFormat
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineStats, TokenLogprob
@@ -277,7 +279,7 @@ class EngineServer:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling(req, max(max_tokens, 1), top_n)
+        params = replace(self._sampling(req, max(max_tokens, 1), top_n), json_format=_json_format(req))
         gens = self._choices(req.n, prompt_ids, params, self._stops(req.stop), started, max_tokens == 0)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:
@@ -558,6 +560,22 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
                 400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
             ) from None
     return out
+
+
+def _json_format(req: ChatCompletionRequest) -> JsonFormat | None:
+    """OpenAI's `response_format`: `json_object` (any JSON object) or `json_schema` (`json_schema.schema`)."""
+    fmt = req.response_format or {}
+    if fmt.get("type") == "json_object":
+        return JsonFormat()
+    if fmt.get("type") != "json_schema":
+        return None
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ApiError(
+            400, "response_format json_schema needs json_schema.schema, an object", param="response_format"
+        )
+    return JsonFormat(json.dumps(schema))
 
 
 def _usage(groups: list[list[Generation]]) -> dict[str, Any]:

@@ -741,7 +741,12 @@ class Speculator:
     def _room(self, seq: SequenceLike) -> int:
         """How many tokens a request in decode state (one uncomputed token) may draft, else 0."""
         p = seq.params
-        if seq.draft_token_ids or p.logprobs is not None or seq.num_computed_tokens != seq.num_tokens - 1:
+        if (
+            seq.draft_token_ids
+            or p.logprobs is not None
+            or p.json_format is not None  # a grammar would have to check every draft position
+            or seq.num_computed_tokens != seq.num_tokens - 1
+        ):
             return 0
         room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         return min(room, self.config.num_speculative_tokens) if room > 0 else 0

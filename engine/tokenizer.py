@@ -152,6 +152,26 @@ class Tokenizer:
             return chr(token_id) if token_id < 256 else None
         return self._backend.id_to_token(token_id)
 
+    def vocabulary(self, size: int) -> list[str] | list[bytes]:
+        """Every token id's string in the vocabulary's own spelling (see `vocab_kind`), "" for special
+        tokens and for ids past the vocabulary up to `size`, the model's row count."""
+        if self._backend is None:
+            return [bytes([i]) if i < 256 else b"" for i in range(size)]
+        # special tokens (<|im_start|>, ...) are not their spelling in text: "" keeps them out of grammars
+        special = {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        return ["" if i in special else self._backend.id_to_token(i) or "" for i in range(size)]
+
+    @cached_property
+    def vocab_kind(self) -> str:
+        """How token strings spell bytes: "byte_level" (GPT-2's printable bytes, "Ġ" for a space),
+        "byte_fallback" (SentencePiece's "<0x0A>" tokens), or "raw" (the text itself)."""
+        if self._backend is None:
+            return "raw"
+        vocab = self._backend.get_vocab()
+        if "<0x0A>" in vocab:
+            return "byte_fallback"
+        return "byte_level" if "Ġ" in vocab or "Ċ" in vocab else "raw"
+
     def token_to_id(self, token: str) -> int | None:
         if self._backend is None:
             return ord(token) if len(token) == 1 and ord(token) < 256 else None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -421,6 +422,67 @@ async def test_logit_bias_steers_the_choice(served: Served) -> None:
     first = plain.choices[0].text.encode()[0]
     banned = await served.client.completions.create(**kwargs, logit_bias={str(first): -100})  # type: ignore[call-overload]
     assert banned.choices[0].text.encode()[0] != first
+
+
+# --- structured output ----------------------------------------------------------------------------------
+
+
+async def test_response_format_json_schema_gives_parseable_json(served: Served) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["cat", "dog"]}},
+        "required": ["ok", "kind"],
+        "additionalProperties": False,
+    }
+    resp = await served.client.chat.completions.create(
+        model=MODEL,
+        messages=chat("json please"),
+        max_tokens=64,
+        seed=1,
+        n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
+    )
+    for choice in resp.choices:
+        value = json.loads(choice.message.content or "")
+        assert value["kind"] in ("cat", "dog") and isinstance(value["ok"], bool)
+        assert choice.finish_reason == "stop"
+    stream = await served.client.chat.completions.create(
+        model=MODEL,
+        messages=chat("json please"),
+        max_tokens=64,
+        seed=1,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
+    )
+    streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert streamed == resp.choices[0].message.content
+
+
+async def test_response_format_json_object_starts_an_object(served: Served) -> None:
+    resp = await served.client.chat.completions.create(
+        model=MODEL, messages=chat("json"), max_tokens=12, seed=2, response_format={"type": "json_object"}
+    )
+    assert (resp.choices[0].message.content or "").startswith("{")
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_schema", "json_schema": {"name": "x"}},  # no schema
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+        {"type": "regex"},
+    ],
+)
+async def test_a_bad_response_format_is_a_400(served: Served, response_format: dict) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await served.client.chat.completions.create(
+            model=MODEL,
+            messages=chat("x"),
+            max_tokens=4,
+            response_format=response_format,  # type: ignore[arg-type]
+        )
+    assert "response_format" in info.value.message or info.value.body["param"] == "response_format"  # type: ignore[index]
+    assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
 
 
 # --- concurrency and disconnects ----------------------------------------------------------------------

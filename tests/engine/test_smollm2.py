@@ -102,3 +102,25 @@ def test_long_prompt_in_one_step_matches_transformers(gguf_path: Path, hf: tuple
             pad_token_id=2,
         )[0, len(prompt) :].tolist()
     assert got == ref, (tok.decode(got), tok.decode(ref))
+
+
+def test_a_json_schema_answer_from_the_real_model(engine: LLMEngine) -> None:
+    """The byte-level BPE vocabulary (49,152 tokens, "Ġ" for spaces) through the grammar, end to end."""
+    import json
+
+    from engine.sampling import JsonFormat
+
+    tok = engine.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "Describe a cat as JSON with a name and an age."}]
+    prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    params = SamplingParams(max_tokens=48, temperature=0, json_format=JsonFormat(json.dumps(schema)))
+    [out] = engine.generate([prompt], params)
+    value = json.loads(tok.decode(out))
+    assert isinstance(value["name"], str) and isinstance(value["age"], int) and set(value) == {"name", "age"}
+    assert out[-1] in tok.eos_token_ids and len(out) < 48  # it stopped when the object was complete

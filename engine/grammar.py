@@ -1,0 +1,84 @@
+"""Structured output: JSON (any object, or one matching a JSON Schema) enforced token by token.
+
+xgrammar compiles the grammar against the model's vocabulary once (cached per schema); each request keeps
+a matcher that says which tokens may come next. The sampler masks every other token out of the row, so
+the model can only write text the grammar accepts; once the JSON is complete only an end-of-sequence
+token is allowed, and the request finishes with "stop". JSON is written compactly (no free whitespace
+between tokens of the JSON syntax).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import xgrammar as xgr
+
+from engine.sampling import JsonFormat
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
+
+ANY_OBJECT = '{"type": "object"}'  # OpenAI's json_object: a JSON object, not any JSON value
+_VOCAB_TYPES = {
+    "raw": xgr.VocabType.RAW,
+    "byte_level": xgr.VocabType.BYTE_LEVEL,
+    "byte_fallback": xgr.VocabType.BYTE_FALLBACK,
+}
+
+
+class Grammars:
+    """Compiled grammars for one model's vocabulary, and matchers built from them."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo(
+            tokenizer.vocabulary(vocab_size),
+            vocab_type=_VOCAB_TYPES[tokenizer.vocab_kind],
+            vocab_size=vocab_size,
+            stop_token_ids=sorted(tokenizer.eos_token_ids),
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # shifts that unpack xgrammar's int32 bitmask (bit j of word i: token 32 * i + j)
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (one Grammars per engine, kept for its life)
+    def _compiled(self, fmt: JsonFormat) -> xgr.CompiledGrammar:
+        # compact JSON: with whitespace allowed anywhere, small models drift into endless runs of it
+        return self._compiler.compile_json_schema(fmt.schema or ANY_OBJECT, any_whitespace=False)
+
+    def start(self, fmt: JsonFormat) -> GrammarState:
+        """One request's state; ValueError (a 400 for the client) if the schema is not valid."""
+        try:
+            compiled = self._compiled(fmt)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"response_format: the JSON schema cannot be used: {exc}") from exc
+        return GrammarState(self, xgr.GrammarMatcher(compiled))
+
+    def unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """xgrammar's int32 bitmask [1, ceil(V / 32)] -> bool [vocab_size]."""
+        bits = (bitmask[0].unsqueeze(1) >> self._bits) & 1
+        return bits.reshape(-1)[: self.vocab_size].bool()
+
+
+class GrammarState:
+    """Where one request is in its grammar: which tokens may come next, and whether it is complete."""
+
+    def __init__(self, grammars: Grammars, matcher: xgr.GrammarMatcher) -> None:
+        self._grammars, self._matcher = grammars, matcher
+
+    def allowed(self) -> torch.Tensor:
+        """Bool [vocab_size]: the tokens the grammar accepts next."""
+        bitmask = xgr.allocate_token_bitmask(1, self._grammars.vocab_size)
+        self._matcher.fill_next_token_bitmask(bitmask)
+        return self._grammars.unpack(bitmask)
+
+    def accept(self, token: int) -> None:
+        if not self._matcher.accept_token(token):
+            raise RuntimeError(f"token {token} is outside the grammar (the sampler masks such tokens)")
+
+    @property
+    def complete(self) -> bool:
+        return self._matcher.is_terminated()
