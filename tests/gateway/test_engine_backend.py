@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -127,7 +128,7 @@ def tiny_engine_server() -> Iterator[int]:
         thread.join(10)
 
 
-def test_n_choices_and_logit_bias_reach_the_engine_through_the_gateway() -> None:
+def test_n_choices_logit_bias_and_json_schema_reach_the_engine_through_the_gateway() -> None:
     with tiny_engine_server() as engine_port:
         config = parse_config(
             f"""
@@ -154,3 +155,11 @@ models:
                 model="small", messages=messages, max_tokens=3, temperature=0, logit_bias={"66": 100}
             )
             assert forced.choices[0].message.content == "BBB"  # byte-level tokenizer: 66 is "B"
+            schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"]}
+            shaped = client.chat.completions.create(
+                model="small",
+                messages=messages,
+                max_tokens=32,
+                response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
+            )
+            assert json.loads(shaped.choices[0].message.content or "")["pet"] in ("cat", "dog")
