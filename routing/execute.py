@@ -394,7 +394,12 @@ class Executor:
                         self._note(plan, choice.candidate.model, "cut")
                         if plan.route.breaker is not None and _unhealthy(exc):
                             await self.breakers.failure(self._key(choice))
-                    if not plan.route.resume or tool_calls or not fails_over(plan.route, exc):
+                    if (
+                        not plan.route.resume
+                        or tool_calls
+                        or not _resumable(request)
+                        or not fails_over(plan.route, exc)
+                    ):
                         raise
                     messages = [*request.messages, Message(role="assistant", content="".join(sent))]
                     continued = msgspec.structs.replace(request, messages=messages)
@@ -434,6 +439,14 @@ class Tracked:
         if release is not None:
             release()
             await self.batches.aclose()  # type: ignore[attr-defined]
+
+
+def _resumable(request: ChatRequest) -> bool:
+    """Whether a cut stream can go on from its text on another candidate: one choice of free text. With
+    `n` > 1 the text sent is several choices interleaved, and structured output cannot be continued as
+    an assistant turn (the next model starts a new JSON value)."""
+    fmt = request.response_format
+    return (request.n or 1) == 1 and (fmt is None or fmt.type == "text")
 
 
 def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:

@@ -169,6 +169,26 @@ def test_a_stream_cut_where_resuming_is_forbidden_ends_with_an_error_event(
     assert not fake_anthropic.requests
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"n": 2}, {"response_format": {"type": "json_object"}}],
+)
+def test_a_cut_stream_of_several_choices_or_of_json_is_not_resumed(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, extra: dict
+) -> None:
+    fake_openai.fail_next(Fault.cut_stream(after=3))
+    stream = gateway.openai().chat.completions.create(
+        model="resilient",
+        messages=HI,
+        stream=True,
+        **extra,  # type: ignore[arg-type]
+    )
+    with pytest.raises(openai.APIError):
+        for _ in stream:  # the text sent so far cannot be continued as one assistant turn
+            pass
+    assert not fake_anthropic.requests
+
+
 def test_a_backend_that_is_down_and_comes_back(
     gateway: RunningGateway, fake_deepseek: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> None:
