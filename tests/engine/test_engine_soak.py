@@ -1,10 +1,11 @@
 """A seeded random workload over everything that moves at once: staggered arrivals, aborts, shared
 prefixes, a KV cache small enough to force preemption, chunked prefill under a small token budget, greedy
-and seeded sampling with penalties and stop tokens. Each surviving request must get exactly what it gets
+and seeded sampling with penalties, stop tokens, logit biases and JSON-schema constraints. Each surviving request must get exactly what it gets
 alone on a roomy engine, and no KV block may be left behind (the autouse leak check)."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 import pytest
 
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.sampling import JsonFormat, SamplingParams
+
+SCHEMA = json.dumps({"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"]})
 
 
 @dataclass
@@ -43,6 +46,8 @@ def workload(rng: random.Random, n: int) -> list[Arrival]:
             repetition_penalty=rng.choice([1.0, 1.2]),
             stop_token_ids=[rng.randrange(1, 256)] if rng.random() < 0.3 else [],
             ignore_eos=True,
+            logit_bias={rng.randrange(1, 256): rng.choice([-100.0, 5.0])} if rng.random() < 0.2 else {},
+            json_format=JsonFormat(SCHEMA) if rng.random() < 0.2 else None,
         )
         step = rng.randrange(0, 16)
         abort_at = step + rng.randrange(0, 12) if rng.random() < 0.2 else None
@@ -92,7 +97,10 @@ def test_a_random_workload_gets_each_request_its_solo_answer(
         want = solo_engine.generate([a.prompt], a.params)[0]
         assert tokens == want, f"{a.request_id} ({a.params}) differs from its solo run"
         stopped = bool(set(a.params.stop_token_ids) & set(tokens))
-        assert len(tokens) == a.params.max_tokens or stopped
+        if a.params.json_format is not None and len(tokens) < a.params.max_tokens and not stopped:
+            assert json.loads(bytes(tokens[:-1]).decode())["pet"] in ("cat", "dog")  # complete, then EOS
+        else:
+            assert len(tokens) == a.params.max_tokens or stopped
     assert aborted <= {a.request_id for a in arrivals if a.abort_at is not None}
 
 
