@@ -165,7 +165,8 @@ def sample(
     if constrained:
         logits = logits.clone()  # the caller reads log-probs from its own, unmasked logits
         for i in constrained:
-            logits[i].masked_fill_(~rows[i].allowed, float("-inf"))  # type: ignore[operator]
+            allowed = rows[i].allowed.to(logits.device, non_blocking=True)  # type: ignore[union-attr]
+            logits[i].masked_fill_(~allowed, float("-inf"))
     out = logits.argmax(-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
