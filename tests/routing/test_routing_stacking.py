@@ -12,6 +12,7 @@ from benchmarks.routing_stacking import (
     across_folds,
     cross_fitted,
     equal_blend,
+    ridge_blend,
     split_options,
     structure_features,
 )
@@ -86,3 +87,24 @@ def test_cross_fitted_posterior_puts_held_out_subjects_in_their_own_columns(
     # A prompt's own subject was held out, so its head puts all mass on the other subject's column.
     own = out["posterior"][np.arange(len(data)), fold]
     assert np.allclose(own, 0.0)
+
+
+def test_ridge_blend_fits_each_fold_on_the_other_folds_chosen_rows() -> None:
+    rng = np.random.default_rng(0)
+    n = 3000
+    fold = rng.integers(0, 3, n)
+    group = rng.integers(0, 4, n)
+    parts = {
+        "posterior": np.eye(4)[group] * 0.7 + 0.075,
+        "components": rng.normal(size=(n, 3)),
+    }
+    gain = group * 0.1 + rng.normal(0, 0.3, n)
+    fit_rows = group != 3
+    score, used = ridge_blend(parts, gain, fold, fit_rows)
+    assert len(used) == 3
+    # Changing a fold's own gains, or the gains of rows left out of the fit, leaves its scores alone.
+    other = gain.copy()
+    other[(fold == 0) | ~fit_rows] = rng.normal(size=((fold == 0) | ~fit_rows).sum())
+    again, _ = ridge_blend(parts, other, fold, fit_rows)
+    np.testing.assert_allclose(again[fold == 0], score[fold == 0])
+    assert not np.allclose(again[fold == 1], score[fold == 1])
