@@ -5,6 +5,11 @@ take one token, unfinished prefills continue in chunks), then waiting ones are a
 budget, the sequence limit and free KV blocks allow. When a running sequence cannot grow, the most
 recently admitted one is preempted: its blocks are freed and it goes back to the front of the queue to
 be recomputed later (its finished blocks usually come back from the prefix cache).
+
+A waiting sequence whose next uncached prompt block is being computed right now by a running prefill (a
+burst of requests with one system prompt, the n choices of one request) waits until that prefill has
+put it in the prefix cache, and then reads it from there instead of computing it again. Sequences
+behind it in the queue are not held up.
 """
 
 from __future__ import annotations
@@ -96,9 +101,13 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
         # admit waiting sequences (not in a step that had to preempt: memory is tight)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.kv.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
+            if self._prefix_in_flight(seq, len(cached)):
+                deferred.append(self.waiting.popleft())
+                continue
             remaining = seq.num_tokens - len(cached) * self.kv.block_size
             n = min(remaining, budget)
             if not self.kv.can_allocate(seq, n, cached):
@@ -114,4 +123,21 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
         return batch
+
+    def _prefix_in_flight(self, seq: Sequence, cached_blocks: int) -> bool:
+        """Whether a running prefill is computing the next block of `seq`'s prompt past what the prefix
+        cache holds now (so `seq` should wait for it rather than compute it again)."""
+        if not self.kv.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return False
+        bs = self.kv.block_size
+        if (seq.num_prompt_tokens - 1) // bs <= cached_blocks:  # nothing more it could read from cache
+            return False
+        end = (cached_blocks + 1) * bs
+        prefix = seq.prompt_token_ids[:end]
+        return any(
+            other.num_computed_tokens < end <= other.num_prompt_tokens
+            and other.prompt_token_ids[:end] == prefix
+            for other in self.running
+        )

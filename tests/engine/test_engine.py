@@ -216,3 +216,28 @@ def test_long_prompt_is_chunked_under_the_token_budget(make_engine: Callable[...
         outs = {o.request_id: o for o in engine.step()}
         assert outs["short"].new_token_ids
     run_all(engine)
+
+
+def test_requests_sharing_a_prompt_wait_for_its_blocks_instead_of_computing_them_again(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    system = prompts(1, seed=11, lo=70, hi=71)[0]  # four full blocks of 16 and a bit
+    questions = [system + q for q in prompts(4, seed=12, lo=3, hi=9)]
+    alone = [make_engine().generate([p], GREEDY)[0] for p in questions]
+    engine = make_engine(max_num_batched_tokens=32)  # the shared prefix takes three steps to compute
+    assert engine.generate(questions, GREEDY) == alone
+    stats = engine.stats()
+    assert stats.prefix_cache_hits == 3 * (len(system) // 16) * 16  # every later request read it
+    n = [list(questions[0])] * 3  # the n choices of one request, added together
+    fresh = make_engine()
+    assert fresh.generate(n, GREEDY) == [alone[0]] * 3
+    assert fresh.stats().prefix_cache_hits == 2 * ((len(n[0]) - 1) // 16) * 16
+
+
+def test_unrelated_prompts_are_all_admitted_at_once(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine()
+    for i, p in enumerate(prompts(4, seed=13)):
+        engine.add_request(str(i), p, GREEDY)
+    engine.step()
+    assert engine.stats().num_running == 4 and engine.stats().num_waiting == 0
+    run_all(engine)
