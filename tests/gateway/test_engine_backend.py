@@ -151,6 +151,14 @@ models:
             )
             assert reply.usage and one.usage and reply.usage.prompt_tokens == one.usage.prompt_tokens
             assert reply.choices[0].message.content == one.choices[0].message.content
+            stream = client.chat.completions.create(
+                model="small", messages=messages, n=3, seed=5, temperature=1.0, max_tokens=6, stream=True
+            )
+            texts = ["", "", ""]
+            for chunk in stream:
+                for c in chunk.choices:
+                    texts[c.index] += c.delta.content or ""
+            assert texts == [c.message.content for c in reply.choices]  # streamed through the gateway
             forced = client.chat.completions.create(
                 model="small", messages=messages, max_tokens=3, temperature=0, logit_bias={"66": 100}
             )
