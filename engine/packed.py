@@ -89,17 +89,35 @@ def _onednn_linear(
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` whose weight lives only in oneDNN's blocked layout (no second copy)."""
+    """`nn.Linear` whose weight lives only in oneDNN's blocked layout (no second copy), unless another
+    module holds the same weight (`keep_weight`: a head tied to the embedding), where keeping a
+    reference costs nothing and keeps the tie visible to checkpoints and quantization."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # non-persistent: the blocked layout is a property of this machine, never of a checkpoint
         self.register_buffer("packed", _packed_weight(linear.weight), persistent=False)
         self.bias = linear.bias
+        self.weight: nn.Parameter | None = None
+        if keep_weight:
+            self.weight = linear.weight
+            self._packed_version = linear.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None and self.weight._version != self._packed_version:
+            # the shared weight changed in place (a load into the embedding): the copy follows
+            self.packed = _packed_weight(self.weight)
+            self._packed_version = self.weight._version
         return _onednn_linear(x, self.packed, self.bias, self.out_features)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain `nn.Linear` of this weight again (the shared Parameter where one is kept; else
+        oneDNN's layout converted back, which is exact)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        linear.weight = self.weight if self.weight is not None else nn.Parameter(self.packed.to_dense())
+        linear.bias = self.bias
+        return linear
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
@@ -265,18 +283,38 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     changed = 0
     if not packing_available():
         return sum(column_major(child) for _, _, child in fp32) if mode in ("auto", "dual") else 0
-    changed += _swap(half, PackedLinear)
+    # weights another module holds too (a head tied to the embedding)
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(False)}
+
+    def packed(linear: nn.Linear) -> PackedLinear:
+        return PackedLinear(linear, keep_weight=id(linear.weight) in shared)
+
+    changed += _swap(half, packed)
     if mode == "on":
-        return changed + _swap(fp32, PackedLinear)
+        return changed + _swap(fp32, packed)
     if fp32 and (mode == "dual" or onednn_wins_for_few_rows()):
         if mode == "auto" and onednn_serves_every_row_count():
             # DualLinear would never read its plain weight here: dropping it saves a copy of every
             # weight (430 MB for SmolLM2-135M; a tied embedding keeps its own, row-major as loaded)
-            return changed + _swap(fp32, PackedLinear)
+            return changed + _swap(fp32, packed)
         dual = _swap(fp32, DualLinear)
         if dual:
             return changed + dual
     return changed + sum(column_major(child) for _, _, child in fp32)
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Turn every `PackedLinear` of `model` back into an `nn.Linear` (for a pass that looks for linears,
+    as quantization does). Returns how many changed."""
+    packed = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, PackedLinear)
+    ]
+    for parent, name, child in packed:
+        setattr(parent, name, child.to_linear())
+    return len(packed)
 
 
 def _swap(targets: list[tuple[nn.Module, str, nn.Linear]], cls: Callable[[nn.Linear], nn.Module]) -> int:

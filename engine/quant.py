@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.packed import unpack_linears
 from kernels._triton import use_triton
 from kernels.int4_matmul import (
     cpu_int4_supported,
@@ -529,6 +530,7 @@ def quantize_model(
         raise ValueError(f"model is already quantized ({model.quant_scheme})")
     head_scheme = QuantScheme.parse(head) if head is not None and scheme.method == "int4" else scheme
     chosen: dict[str, QuantScheme] = {}
+    unpack_linears(model)  # weights packed for oneDNN (engine/packed.py) are linears to quantize too
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         chosen[name] = head_scheme if name == "lm_head" else scheme
@@ -719,6 +721,7 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
             *args, group_size=method.group_size or DEFAULT_INT4_GROUP_SIZE, dtype=dtype, device="cpu"
         )
 
+    unpack_linears(model)
     swapped = _swap_linears(model, make, modules.__contains__)
     if set(swapped) != set(modules):
         raise ValueError(

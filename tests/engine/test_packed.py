@@ -227,7 +227,8 @@ def test_auto_keeps_only_the_packed_copy_where_onednn_serves_every_row_count(
     want_body, want_head, rows = body(x), head(x), embed(ids)
     assert pack_linears(model, "auto") == 2
     assert type(model["body"]) is type(model["head"]) is PackedLinear
-    assert not hasattr(model["body"], "weight")  # no plain copy left beside the packed one
+    assert model["body"].weight is None  # no plain copy left beside the packed one
+    assert model["head"].weight is embed.weight  # the tied head keeps the embedding's: no extra bytes
     assert embed.weight.stride() == (16, 1)  # the embedding keeps its row-major table
     torch.testing.assert_close(model["body"](x), want_body, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model["head"](x), want_head, rtol=1e-5, atol=1e-5)
@@ -245,3 +246,21 @@ def test_onednn_serves_every_row_count_combines_both_probes(monkeypatch: pytest.
         monkeypatch.setattr(engine.packed, "onednn_wins_for_one_row", lambda v=one_row: v)
         monkeypatch.setattr(engine.packed, "mkl_min_rows", lambda v=min_rows: v)
         assert engine.packed.onednn_serves_every_row_count() is expected
+
+
+def test_quantization_sees_packed_linears_as_linears(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: True)
+    monkeypatch.setattr(engine.packed, "onednn_serves_every_row_count", lambda: True)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    x = torch.randn(4, 64)
+    want = model(x)
+    assert pack_linears(model, "auto") == 2 and isinstance(model[0], PackedLinear)
+    quantize_model(model, "int8")
+    assert isinstance(model[0], Int8Linear) and isinstance(model[1], Int8Linear)
+    torch.testing.assert_close(model(x), want, rtol=0.05, atol=0.05)
+
+
+def test_a_packed_linear_converts_back_exactly() -> None:
+    linear = nn.Linear(48, 80)
+    back = PackedLinear(linear).to_linear()
+    assert torch.equal(back.weight, linear.weight) and back.bias is linear.bias
