@@ -1,5 +1,6 @@
-"""Batched paged decode attention alone (engine/model.py `_decode_attention`) at SmolLM2-135M's shapes:
-CPU ms per decode step (30 layers, each with its own KV cache), min over interleaved rounds.
+"""Batched paged decode attention alone (engine/model.py `_decode_attention`, which uses the fused CPU
+kernel where it builds, and the gather + SDPA path it replaces) at SmolLM2-135M's shapes: CPU ms per
+decode step (30 layers, each with its own KV cache), min over interleaved rounds.
 
     nice -n 10 .venv/bin/python benchmarks/decode_attention_bench.py --threads 2 --dtype float32
 
@@ -25,6 +26,7 @@ if str(ROOT) not in sys.path:
 
 from engine import model as M  # noqa: E402
 from engine.config import KNOWN_MODELS  # noqa: E402
+from kernels import paged_attention as pa  # noqa: E402
 
 CFG = KNOWN_MODELS["smollm2-135m"]
 H, KVH, D = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim or 0
@@ -68,6 +70,15 @@ def step_fn(fn: Callable, q: torch.Tensor, caches, meta) -> Callable[[], None]:
     return run
 
 
+def gather_sdpa(*args: object) -> torch.Tensor:
+    """The engine's path without the fused CPU kernel: index_select gather + SDPA."""
+    fused, pa.FUSED_CPU = pa.FUSED_CPU, False
+    try:
+        return M._decode_attention(*args)  # type: ignore[arg-type]
+    finally:
+        pa.FUSED_CPU = fused
+
+
 def cpu_ms(fns: dict[str, Callable[[], None]], rounds: int, reps: int) -> dict[str, float]:
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
@@ -90,7 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    variants = {"current": M._decode_attention}
+    variants = {"engine": M._decode_attention, "gather+sdpa": gather_sdpa}
     variants.update(EXTRA)
     print(f"threads {args.threads} {args.dtype} load {os.getloadavg()}")
     with torch.inference_mode():
