@@ -21,11 +21,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from kernels._triton import use_triton
-from kernels.paged_attention import (
-    fused_cpu_supported,
-    paged_decode_attention_fused_cpu,
-    paged_decode_attention_triton,
-)
+from kernels.paged_attention import paged_decode_attention_triton
 from kernels.rms_norm import rms_norm_triton
 
 
@@ -109,18 +105,8 @@ def _decode_attention(
 
     The query heads that share a KV head become that head's "query rows" ([D, KVH, group, d]), so
     SDPA needs no causal mask and no K/V copies per query head; K/V are strided views of the
-    gathered blocks (the CPU flash kernel takes strides, so nothing is made contiguous).
-
-    On CPU the fused kernel (kernels/paged_attention_cpu.cpp) replaces both when it builds: it reads
-    each sequence's blocks in place, so nothing is gathered (2x less attention CPU time at 32 x 150
-    tokens, one thread; docs/engine.md)."""
+    gathered blocks (the CPU flash kernel takes strides, so nothing is made contiguous)."""
     num_seqs, num_heads, head_dim = q.shape
-    if fused_cpu_supported(q, k_cache):
-        assert meta.block_tables is not None and meta.context_lens is not None
-        small = num_seqs * meta.max_context_len <= _SMALL_ATTENTION  # see _SMALL_ATTENTION
-        return paged_decode_attention_fused_cpu(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, one_thread=small
-        )
     num_kv_heads = k_cache.shape[2]
     ids, mask = meta.decode_gather(q.dtype)
     length = meta.max_context_len

@@ -8,11 +8,7 @@ Queries ``[batch, num_heads, head_dim]``; grouped-query attention when ``num_hea
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -64,70 +60,6 @@ def paged_decode_attention_cpu(
     scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), v.float())
     return out.reshape(B, H, D).to(q.dtype)
-
-
-# The fused CPU kernel (paged_attention_cpu.cpp): built with the machine's compiler at first use (~45 s,
-# then cached by torch under ~/.cache/torch_extensions); without a compiler the engine keeps its
-# gather + SDPA path. WEIR_FUSED_CPU_ATTENTION=0 turns it off.
-FUSED_CPU = os.environ.get("WEIR_FUSED_CPU_ATTENTION", "1") != "0"
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_cpu_ext: Any = None
-_cpu_ext_failed = False
-
-
-def _cpu_extension() -> Any:
-    """The built extension, or None when it cannot be built here (logged once)."""
-    global _cpu_ext, _cpu_ext_failed
-    if _cpu_ext is None and not _cpu_ext_failed:
-        try:
-            from torch.utils.cpp_extension import load
-
-            # -march=native: the build is for this CPU; its name says which vector ISA it was built for,
-            # so a cache shared with another kind of machine never loads the wrong build
-            isa = torch.backends.cpu.get_cpu_capability().lower()
-            _cpu_ext = load(
-                name=f"weir_paged_attention_cpu_{isa}",
-                sources=[str(Path(__file__).with_name("paged_attention_cpu.cpp"))],
-                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math"],
-            )
-        except Exception as exc:  # no compiler, no headers: the callers fall back
-            _cpu_ext_failed = True
-            logging.getLogger(__name__).warning("fused CPU paged attention unavailable (%s); using SDPA", exc)
-    return _cpu_ext
-
-
-def fused_cpu_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode_attention_fused_cpu takes these tensors (and the kernel builds here)."""
-    return (
-        FUSED_CPU
-        and q.device.type == "cpu"
-        and q.dtype in _FUSED_DTYPES
-        and k_cache.dtype == q.dtype
-        and q.shape[-1] % 16 == 0
-        and k_cache.is_contiguous()
-        and _cpu_extension() is not None
-    )
-
-
-def paged_decode_attention_fused_cpu(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float | None = None,
-    one_thread: bool = False,
-) -> torch.Tensor:
-    """One pass per sequence over its blocks in the pool (no gathered K/V copy), fp32 math; sequences
-    are split over threads unless `one_thread`. A sequence's output depends on nothing else in the
-    batch, bit for bit. Needs head_dim % 16 == 0 (see fused_cpu_supported)."""
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    grain = max(1, q.shape[0]) if one_thread else 1
-    return _cpu_extension().paged_decode(
-        q.contiguous(), k_cache, v_cache.contiguous(), tables, lens, scale, grain
-    )
 
 
 @jit
@@ -247,6 +179,4 @@ def paged_decode_attention(
     """``softmax(q . K^T * scale) V`` over each sequence's first ``context_lens[b]`` cached tokens."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if fused_cpu_supported(q, k_cache):
-        return paged_decode_attention_fused_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
