@@ -152,11 +152,17 @@ def test_a_dual_linear_follows_its_weight_after_load_state_dict() -> None:
     torch.testing.assert_close(dual(x[:1]), other(x[:1]), rtol=1e-5, atol=1e-5)
 
 
-def test_a_dual_linear_is_still_a_linear_to_quantization() -> None:
+@pytest.mark.parametrize(("mode", "layout"), [("dual", DualLinear), ("auto", PackedLinear)])
+def test_quantization_sees_packed_linears_as_linears(
+    monkeypatch: pytest.MonkeyPatch, mode: str, layout: type
+) -> None:
+    # auto: where oneDNN serves every row count, only the packed copy is kept (PackedLinear)
+    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: True)
+    monkeypatch.setattr(engine.packed, "onednn_serves_every_row_count", lambda: True)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
     x = torch.randn(4, 64)
     want = model(x)
-    assert pack_linears(model, "dual") == 2 and isinstance(model[0], DualLinear)
+    assert pack_linears(model, mode) == 2 and type(model[0]) is layout
     quantize_model(model, "int8")
     assert isinstance(model[0], Int8Linear) and isinstance(model[1], Int8Linear)
     torch.testing.assert_close(model(x), want, rtol=0.05, atol=0.05)
@@ -246,18 +252,6 @@ def test_onednn_serves_every_row_count_combines_both_probes(monkeypatch: pytest.
         monkeypatch.setattr(engine.packed, "onednn_wins_for_one_row", lambda v=one_row: v)
         monkeypatch.setattr(engine.packed, "mkl_min_rows", lambda v=min_rows: v)
         assert engine.packed.onednn_serves_every_row_count() is expected
-
-
-def test_quantization_sees_packed_linears_as_linears(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine.packed, "onednn_wins_for_few_rows", lambda: True)
-    monkeypatch.setattr(engine.packed, "onednn_serves_every_row_count", lambda: True)
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
-    x = torch.randn(4, 64)
-    want = model(x)
-    assert pack_linears(model, "auto") == 2 and isinstance(model[0], PackedLinear)
-    quantize_model(model, "int8")
-    assert isinstance(model[0], Int8Linear) and isinstance(model[1], Int8Linear)
-    torch.testing.assert_close(model(x), want, rtol=0.05, atol=0.05)
 
 
 def test_a_packed_linear_converts_back_exactly() -> None:
