@@ -1,5 +1,6 @@
 """One request's generation as the API sees it: engine outputs turned into text deltas (detokenised,
-cut at stop strings, EOS hidden), usage numbers and latency metrics. Leaving early aborts the request."""
+cut at stop strings, EOS hidden), the token counts usage is made of (engine/server.py `_usage`) and
+latency metrics. Leaving early aborts the request."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.output import IncrementalDetokenizer, TextStream
 from engine.protocol import ApiError
@@ -57,15 +58,6 @@ class Generation:
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
-
-    def usage(self) -> dict[str, Any]:
-        prompt, completion = len(self.prompt_ids), self.num_output_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-        }
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The request's text and tokens as they come; the last delta carries the finish reason.
