@@ -10,6 +10,7 @@ between tokens of the JSON syntax).
 from __future__ import annotations
 
 import functools
+import json
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +48,11 @@ class Grammars:
     @functools.lru_cache(maxsize=64)  # noqa: B019 (one Grammars per engine, kept for its life)
     def _compiled(self, fmt: JsonFormat) -> xgr.CompiledGrammar:
         # compact JSON: with whitespace allowed anywhere, small models drift into endless runs of it
-        return self._compiler.compile_json_schema(fmt.schema or ANY_OBJECT, any_whitespace=False)
+        if not (fmt.prefix or fmt.suffix):
+            return self._compiler.compile_json_schema(fmt.schema or ANY_OBJECT, any_whitespace=False)
+        json_part = xgr.Grammar.from_json_schema(fmt.schema or ANY_OBJECT, any_whitespace=False)
+        parts = [_literal(fmt.prefix), json_part, _literal(fmt.suffix)]
+        return self._compiler.compile_grammar(xgr.Grammar.concat(*(p for p in parts if p is not None)))
 
     def start(self, fmt: JsonFormat) -> GrammarState:
         """One request's state; ValueError (a 400 for the client) if the schema is not valid."""
@@ -61,6 +66,11 @@ class Grammars:
         """xgrammar's int32 bitmask [1, ceil(V / 32)] -> bool [vocab_size]."""
         bits = (bitmask[0].unsqueeze(1) >> self._bits) & 1
         return bits.reshape(-1)[: self.vocab_size].bool()
+
+
+def _literal(text: str) -> xgr.Grammar | None:
+    """A grammar of exactly `text` (JSON string escapes are EBNF's), or None for no text."""
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") if text else None
 
 
 class GrammarState:

@@ -10,9 +10,12 @@ import torch
 @dataclass(frozen=True)
 class JsonFormat:
     """Structured output (engine/grammar.py): `schema` a JSON Schema as JSON text, or None for any JSON
-    object (OpenAI's `json_object`)."""
+    object (OpenAI's `json_object`); `prefix` and `suffix` the exact text around it (a forced tool
+    call's `<tool_call>` tags)."""
 
     schema: str | None = None
+    prefix: str = ""
+    suffix: str = ""
 
 
 @dataclass

@@ -27,6 +27,8 @@ from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.generation import Generation
 from engine.metrics import EngineMetrics
 from engine.output import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
     CompletionLogprobs,
     chat_logprobs,
     parse_tool_calls,
@@ -279,7 +281,13 @@ class EngineServer:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = replace(self._sampling(req, max(max_tokens, 1), top_n), json_format=_json_format(req))
+        fmt = _json_format(req)
+        forced = _forced_tool_call(req) if parse_tools else None
+        if forced is not None and fmt is not None:
+            raise ApiError(
+                400, "response_format cannot be combined with a forced tool_choice", param="response_format"
+            )
+        params = replace(self._sampling(req, max(max_tokens, 1), top_n), json_format=forced or fmt)
         gens = self._choices(req.n, prompt_ids, params, self._stops(req.stop), started, max_tokens == 0)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:
@@ -576,6 +584,42 @@ def _json_format(req: ChatCompletionRequest) -> JsonFormat | None:
             400, "response_format json_schema needs json_schema.schema, an object", param="response_format"
         )
     return JsonFormat(json.dumps(schema))
+
+
+def _forced_tool_call(req: ChatCompletionRequest) -> JsonFormat | None:
+    """`tool_choice` "required" or a named function as a grammar: the reply is one Hermes-style call
+    block of one of those functions, with arguments that match its parameters' JSON Schema."""
+    choice = req.tool_choice
+    if choice in (None, "auto", "none"):
+        return None
+    functions = [t.get("function") or {} for t in req.tools or () if t.get("type") == "function"]
+    if any(not isinstance(f.get("name"), str) for f in functions):
+        raise ApiError(400, "every function in tools needs a name", param="tools")
+    if choice == "required":
+        wanted = functions
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        wanted = [f for f in functions if f["name"] == name]
+        if not wanted:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
+    else:
+        raise ApiError(400, f"tool_choice {choice!r} is not supported", param="tool_choice")
+    if not wanted:
+        raise ApiError(400, 'tool_choice "required" needs at least one function in tools', param="tools")
+    schemas = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in wanted
+    ]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return JsonFormat(json.dumps(schema), TOOL_CALL_OPEN + "\n", "\n" + TOOL_CALL_CLOSE)
 
 
 def _usage(groups: list[list[Generation]]) -> dict[str, Any]:

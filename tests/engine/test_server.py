@@ -239,6 +239,99 @@ async def test_tools_reach_a_template_that_renders_them() -> None:
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + len("get_weather")
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+
+@pytest.fixture
+async def tool_client() -> AsyncIterator[AsyncOpenAI]:
+    """A tiny engine whose chat template renders tools, so tool calls are parsed from its replies."""
+    template = (
+        "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    )
+    tokenizer = Tokenizer(None, chat_template=template, eos_token_ids={0}, vocab_size=256)
+    engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS)
+    _, runner, base_url = await start(engine, model_name=MODEL)
+    async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        yield client
+    await runner.cleanup()  # type: ignore[attr-defined]
+    assert all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_named_tool_choice_always_gets_a_valid_call(tool_client: AsyncOpenAI, stream: bool) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):  # a random model: only the grammar makes these calls
+        kwargs = dict(model=MODEL, messages=chat("weather?"), max_tokens=80, seed=seed, tools=TOOLS)
+        if not stream:
+            resp = await tool_client.chat.completions.create(**kwargs, tool_choice=choice)  # type: ignore[call-overload]
+            assert resp.choices[0].finish_reason == "tool_calls"
+            calls = resp.choices[0].message.tool_calls or []
+        else:
+            chunks = await tool_client.chat.completions.create(**kwargs, tool_choice=choice, stream=True)  # type: ignore[call-overload]
+            calls = [
+                t for c in [c async for c in chunks] if c.choices for t in c.choices[0].delta.tool_calls or []
+            ]
+        assert len(calls) == 1 and calls[0].function and calls[0].function.name == "get_weather"
+        assert json.loads(calls[0].function.arguments or "")["city"] in ("Paris", "Oslo")
+
+
+async def test_tool_choice_required_picks_one_of_the_tools(tool_client: AsyncOpenAI) -> None:
+    names = set()
+    for seed in range(4):
+        resp = await tool_client.chat.completions.create(
+            model=MODEL,
+            messages=chat("?"),
+            max_tokens=80,
+            seed=seed,
+            tools=TOOLS,
+            tool_choice="required",  # type: ignore[arg-type]
+        )
+        [call] = resp.choices[0].message.tool_calls or []
+        names.add(call.function.name)
+        assert isinstance(json.loads(call.function.arguments), dict)
+    assert names <= {"get_weather", "get_time"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ],
+)
+async def test_bad_tool_choices_are_400(tool_client: AsyncOpenAI, extra: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await tool_client.chat.completions.create(
+            model=MODEL,
+            messages=chat("?"),
+            max_tokens=8,
+            tools=TOOLS,
+            **extra,  # type: ignore[arg-type]
+        )
+    assert info.value.body["param"] == param  # type: ignore[index]
+
+
 # --- legacy completions -------------------------------------------------------------------------------
 
 
