@@ -215,12 +215,17 @@ async def test_sampling_parameters_are_accepted_and_seeded_runs_repeat(served: S
     assert a.usage and a.usage.completion_tokens == 10
 
 
-async def test_tools_reach_a_template_that_renders_them() -> None:
+def tool_tokenizer() -> Tokenizer:
+    """Byte-level, with a chat template that renders tools (so the server parses tool calls)."""
     template = (
         "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
     )
-    tokenizer = Tokenizer(None, chat_template=template, eos_token_ids={0}, vocab_size=256)
+    return Tokenizer(None, chat_template=template, eos_token_ids={0}, vocab_size=256)
+
+
+async def test_tools_reach_a_template_that_renders_them() -> None:
+    tokenizer = tool_tokenizer()
     engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS)
     _, runner, base_url = await start(engine, model_name=MODEL)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -262,11 +267,7 @@ TOOLS = [
 @pytest.fixture
 async def tool_client() -> AsyncIterator[AsyncOpenAI]:
     """A tiny engine whose chat template renders tools, so tool calls are parsed from its replies."""
-    template = (
-        "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
-    )
-    tokenizer = Tokenizer(None, chat_template=template, eos_token_ids={0}, vocab_size=256)
+    tokenizer = tool_tokenizer()
     engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS)
     _, runner, base_url = await start(engine, model_name=MODEL)
     async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
