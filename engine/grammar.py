@@ -44,6 +44,8 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         # shifts that unpack xgrammar's int32 bitmask (bit j of word i: token 32 * i + j)
         self._bits = torch.arange(32, dtype=torch.int32)
+        # one bitmask for every matcher: the engine loop fills and unpacks one at a time
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 (one Grammars per engine, kept for its life)
     def _compiled(self, fmt: JsonFormat) -> xgr.CompiledGrammar:
@@ -62,9 +64,10 @@ class Grammars:
             raise ValueError(f"response_format: the JSON schema cannot be used: {exc}") from exc
         return GrammarState(self, xgr.GrammarMatcher(compiled))
 
-    def unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """xgrammar's int32 bitmask [1, ceil(V / 32)] -> bool [vocab_size]."""
-        bits = (bitmask[0].unsqueeze(1) >> self._bits) & 1
+    def allowed(self, matcher: xgr.GrammarMatcher) -> torch.Tensor:
+        """Bool [vocab_size]: the tokens `matcher` accepts next."""
+        matcher.fill_next_token_bitmask(self._bitmask)
+        bits = (self._bitmask[0].unsqueeze(1) >> self._bits) & 1
         return bits.reshape(-1)[: self.vocab_size].bool()
 
 
@@ -81,9 +84,7 @@ class GrammarState:
 
     def allowed(self) -> torch.Tensor:
         """Bool [vocab_size]: the tokens the grammar accepts next."""
-        bitmask = xgr.allocate_token_bitmask(1, self._grammars.vocab_size)
-        self._matcher.fill_next_token_bitmask(bitmask)
-        return self._grammars.unpack(bitmask)
+        return self._grammars.allowed(self._matcher)
 
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):
