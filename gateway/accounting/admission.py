@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from gateway.accounting.events import UsageEvent
@@ -79,8 +79,9 @@ class _Pending:
     estimated_tokens: int
     created: float = field(default_factory=time.monotonic)
     # Per budget key: (reservation, amount) to release at the first settlement; empty: all of
-    # `reservation_id`. Set when the money came from a pool or was reserved along with one.
-    releases: list[tuple[str, int]] = field(default_factory=list)
+    # `reservation_id`. Set when the money came from a pool or was reserved along with one. (A
+    # tuple by default: no list made per request on the in-process path, which never sets it.)
+    releases: Sequence[tuple[str, int]] = ()
 
 
 # What a request keeps after its first settlement, for its later attempts (retries, fallbacks,
@@ -101,6 +102,10 @@ class _Plan:
     tpm_keys: tuple[str, ...]
     budgets: list[tuple[Budget, str, str]]  # (budget, scope, owner)
     budget_keys: tuple[str, ...]
+    # The Budgets alone, and whether each has been seeded from the ledger: no per-request list and
+    # seeding check once all are.
+    budget_list: list[Budget] = field(default_factory=list)
+    seeded: bool = False
     # The limits of the last request, for the next one with the same token estimate (most of a
     # caller's requests): no Limit objects built per request then. Never modified once built.
     estimate: int = -1
@@ -173,7 +178,10 @@ class Admission:
         # Tenant budgets seen by this replica (budget key -> (tenant id, limit in micro-USD)) and the
         # share of each used, spent plus reserved, as of the last settlement (for /metrics and alerts).
         self._tenant_budgets: dict[str, tuple[str, int]] = {}
-        self.budget_usage_ratio: dict[str, float] = {}
+        self._budget_usage_ratio: dict[str, float] = {}
+        self._budget_usage_now: Callable[[str], tuple[int, int] | None] | None = getattr(
+            state, "budget_usage_now", None
+        )
         self.leasing = leasing
         self._leases: dict[str, _Lease] = {}
         self._pools: dict[str, _Pool] = {}
@@ -218,7 +226,13 @@ class Admission:
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         plan = self._plans[quotas] = _Plan(
-            month_index, rates, tuple(tpm_keys), budgets, tuple(b.key for b, _, _ in budgets)
+            month_index,
+            rates,
+            tuple(tpm_keys),
+            budgets,
+            tuple(b.key for b, _, _ in budgets),
+            budget_list=[b for b, _, _ in budgets],
+            seeded=self._spend is None,
         )
         return plan
 
@@ -243,11 +257,13 @@ class Admission:
             limits = [Limit(limit.key, limit.limit, estimate) if tpm else limit for limit, tpm in plan.rates]
             plan.estimate, plan.limits = estimate, limits
         tpm_keys = plan.tpm_keys
-        budgets: list[Budget] = []
-        for budget, scope, owner in plan.budgets:
-            if budget.key not in self._seeded and self._spend is not None:
-                await self._seed(budget.key, scope, owner, now)
-            budgets.append(budget)
+        if not plan.seeded:
+            for budget, scope, owner in plan.budgets:
+                if budget.key not in self._seeded:
+                    await self._seed(budget.key, scope, owner, now)
+            # A seed that failed (DB down) is tried again on a later request.
+            plan.seeded = all(budget.key in self._seeded for budget in plan.budget_list)
+        budgets = plan.budget_list  # never modified: the leasing path below builds new lists
         amount = 0
         if budgets:
             # The estimate's price: what pricing Usage(input_tokens=prompt, output_tokens=max output)
@@ -518,16 +534,17 @@ class Admission:
         if self._settle_attempt is not None:
             # In process: settled at once, as a batch of one would be, without a task, a loop turn
             # and the batching that a round trip to Redis is worth (nor a Settlement built).
+            # Budgets' use is read from the state when /metrics asks (budget_usage_ratio), not
+            # reported back after every attempt.
             if (delta and tpm_keys) or budget_keys:
-                self._note_budget_usage(
-                    self._settle_attempt(
-                        tpm_keys,
-                        delta,
-                        budget_keys,
-                        reservation,
-                        pico_to_micro_ceil(event.cost_pico_usd),
-                        releases,
-                    )
+                self._settle_attempt(
+                    tpm_keys,
+                    delta,
+                    budget_keys,
+                    reservation,
+                    pico_to_micro_ceil(event.cost_pico_usd),
+                    releases,
+                    report=False,
                 )
             return
         if delta:
@@ -578,11 +595,26 @@ class Admission:
             except Exception:
                 log.warning("could not settle %d attempts in the shared state", len(batch), exc_info=True)
 
+    @property
+    def budget_usage_ratio(self) -> dict[str, float]:
+        """Per tenant id, the share of its monthly budget used (spent plus reserved): in process read
+        from the state now, with Redis as of the last settlement (which reports it for free)."""
+        usage_now = self._budget_usage_now
+        if usage_now is None or self._settle_attempt is None:
+            return self._budget_usage_ratio
+        ratios: dict[str, float] = {}
+        # Oldest month first, so a tenant's current month wins over the one before.
+        for key, (tenant, limit) in self._tenant_budgets.items():
+            usage = usage_now(key)
+            if usage is not None:
+                ratios[tenant] = (usage[0] + usage[1]) / max(limit, 1)
+        return ratios
+
     def _note_budget_usage(self, usage: dict[str, tuple[int, int]]) -> None:
         for key, (spent, reserved) in usage.items():
             tenant = self._tenant_budgets.get(key)
             if tenant is not None:
-                self.budget_usage_ratio[tenant[0]] = (spent + reserved) / max(tenant[1], 1)
+                self._budget_usage_ratio[tenant[0]] = (spent + reserved) / max(tenant[1], 1)
 
     def finish(self, request_id: str) -> None:
         """The request's HTTP exchange is over (every attempt made): forget it after a grace period."""

@@ -142,9 +142,17 @@ class MemoryState(Shortcuts):
         """`admit`, synchronously: nothing in it awaits, so it is as atomic as under the lock (which
         no method holds across a suspension). Admission calls this at once, without a coroutine."""
         now = self._now()
-        windows = []
+        counted = []
+        windows = self._windows
         for limit in limits:
-            window, bucket_s, current = self._window(limit.key, limit.window_s, now)
+            # _window inlined (as in settle_attempt): every request counts four limits here, and the
+            # call and its tuple were a measurable part of the in-process admission.
+            bucket_s = limit.window_s / BUCKETS
+            current = int(now // bucket_s)
+            window = windows.get(limit.key)
+            if window is None:
+                window = windows[limit.key] = _Window()
+            window.advance(current)
             if window.total + limit.cost > limit.limit:
                 if limit.cost > limit.limit:
                     return Admission(False, limit.window_s, limit.key)
@@ -152,20 +160,23 @@ class MemoryState(Shortcuts):
                 buckets = sorted(window.buckets.items())
                 wait = retry_after(buckets, need, bucket_s, now, limit.window_s)
                 return Admission(False, wait, limit.key)
-            windows.append((window, current, limit.cost))
+            counted.append((window, current, limit.cost))
+        states = []
         for budget in budgets:
             state = self._budgets.get(budget.key)
             if state is None:
                 state = self._budgets[budget.key] = _Budget()
             if state.spent + state.reserved(now) + amount_micro_usd > budget.limit_micro_usd:
                 return Admission(False, blocked_by=budget.key)
-        for window, current, cost in windows:
+            states.append(state)
+        for window, current, cost in counted:
             window.add(current, cost)
         # Unique within this state, which is the only one that ever sees it: a counter after a
         # random prefix (another state's ids, e.g. Redis's before an outage, never collide).
         reservation_id = f"{self._id_prefix}{next(self._ids)}" if budgets else None
-        for budget in budgets:
-            self._budgets[budget.key].reserve(reservation_id, amount_micro_usd, now + ttl_s)  # type: ignore[arg-type]
+        expires = now + ttl_s
+        for state in states:
+            state.reserve(reservation_id, amount_micro_usd, expires)  # type: ignore[arg-type]
         return Admission(True, reservation_id=reservation_id)
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
@@ -202,18 +213,33 @@ class MemoryState(Shortcuts):
         reservation_id: str,
         actual_micro_usd: int,
         releases: Sequence[tuple[str, int]] = (),
+        report: bool = True,
     ) -> dict[str, tuple[int, int]]:
         """`settle_now` of one Settlement whose adjustments are `delta` on each of `limit_keys` (in
         their current bucket, LIMIT_WINDOW_S windows), without building it: Admission settles every
-        attempt through this at once, instead of a task and an event-loop turn per batch."""
+        attempt through this at once, instead of a task and an event-loop turn per batch. With
+        `report=False` it returns {} instead of each budget's (spent, reserved): Admission reads those
+        when /metrics asks (`budget_usage_now`), not after every attempt."""
         now = self._now()
         if delta:
+            current = int(now // (LIMIT_WINDOW_S / BUCKETS))
+            windows = self._windows
             for key in limit_keys:
-                window, _, current = self._window(key, LIMIT_WINDOW_S, now)
+                window = windows.get(key)
+                if window is None:
+                    window = windows[key] = _Window()
+                window.advance(current)
                 window.add(current, delta)
         touched: set[str] = set()
         self._spend(budget_keys, reservation_id, actual_micro_usd, releases, touched)
+        if not report:
+            return {}
         return {key: (self._budgets[key].spent, self._budgets[key].reserved(now)) for key in touched}
+
+    def budget_usage_now(self, key: str) -> tuple[int, int] | None:
+        """(spent, reserved) of a budget this state holds, else None; synchronous (see settle_attempt)."""
+        state = self._budgets.get(key)
+        return (state.spent, state.reserved(self._now())) if state is not None else None
 
     def _spend(
         self,
