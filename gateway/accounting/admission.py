@@ -164,7 +164,10 @@ class Admission:
         self._seed_locks: dict[str, asyncio.Lock] = {}
         self._plans: dict[Quotas, _Plan] = {}
         self._pending: OrderedDict[str, _Pending | _Settled] = OrderedDict()
-        self._finished: deque[tuple[float, str]] = deque()  # (when, request id), oldest first
+        # Finished requests, oldest first: when, and which (two deques of floats and strings, not one
+        # of tuples: no object the collector tracks is kept per request for FINISHED_GRACE_S).
+        self._finished_at: deque[float] = deque()
+        self._finished: deque[str] = deque()
         self._next_expiry = 0.0  # monotonic time of the next look for requests to forget
         self._settlements: list[Settlement] = []
         self._tpm_deltas: dict[str, int] = {}  # token-limit corrections not yet flushed, per key
@@ -619,7 +622,8 @@ class Admission:
     def finish(self, request_id: str) -> None:
         """The request's HTTP exchange is over (every attempt made): forget it after a grace period."""
         if request_id in self._pending:
-            self._finished.append((time.monotonic(), request_id))
+            self._finished_at.append(time.monotonic())
+            self._finished.append(request_id)
 
     def _expire(self) -> None:
         # At most every EXPIRE_EVERY_S, not on every admission: forgetting a request up to that much
@@ -628,8 +632,10 @@ class Admission:
         if now < self._next_expiry:
             return
         self._next_expiry = now + EXPIRE_EVERY_S
-        while self._finished and self._finished[0][0] <= now - FINISHED_GRACE_S:
-            self._pending.pop(self._finished.popleft()[1], None)
+        finished_at, finished = self._finished_at, self._finished
+        while finished_at and finished_at[0] <= now - FINISHED_GRACE_S:
+            finished_at.popleft()
+            self._pending.pop(finished.popleft(), None)
         horizon = now - PENDING_TTL_S
         while self._pending:
             request_id, pending = next(iter(self._pending.items()))

@@ -6,6 +6,7 @@ import asyncio
 import heapq
 import inspect
 import itertools
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -54,9 +55,24 @@ class _Window:
 
 class _Budget:
     """Spent money plus reservations, with their running total; expired reservations leave in order
-    of expiry (a heap, pruned lazily of reservations settled meanwhile)."""
+    of expiry (a heap, pruned lazily of reservations settled meanwhile).
 
-    __slots__ = ("_expiries", "reservations", "spent", "spent_known", "total_reserved")
+    A new reservation joins the heap only later (`_file_recent`), if it is still held then: most are
+    released milliseconds after they were made, and a heap entry each (a tuple the collector tracks,
+    kept until the heap is rebuilt) was most of what a request left behind in this state. Expiry stays
+    exact: `reserved` files them first once the earliest of them could have expired."""
+
+    __slots__ = (
+        "_expiries",
+        "_recent",
+        "_recent_expiry",
+        "reservations",
+        "spent",
+        "spent_known",
+        "total_reserved",
+    )
+
+    RECENT_MAX = 256  # reservations kept out of the heap at most
 
     def __init__(self) -> None:
         self.spent = 0
@@ -64,14 +80,30 @@ class _Budget:
         self.reservations: dict[str, tuple[int, float]] = {}  # id -> (amount, expires)
         self.total_reserved = 0
         self._expiries: list[tuple[float, str]] = []
+        self._recent: list[str] = []  # reservation ids not yet in the heap, in the order made
+        self._recent_expiry = math.inf  # the earliest expiry among them
 
     def reserve(self, rid: str, amount: int, expires: float) -> None:
         self.reservations[rid] = (amount, expires)
         self.total_reserved += amount
-        heapq.heappush(self._expiries, (expires, rid))
-        if len(self._expiries) > 2 * len(self.reservations) + 1024:
+        self._recent.append(rid)
+        if expires < self._recent_expiry:
+            self._recent_expiry = expires
+        if len(self._recent) >= self.RECENT_MAX:
+            self._file_recent()
+
+    def _file_recent(self) -> None:
+        """Move the recent reservations still held into the heap."""
+        held = self.reservations
+        for rid in self._recent:
+            entry = held.get(rid)
+            if entry is not None:
+                heapq.heappush(self._expiries, (entry[1], rid))
+        self._recent = []
+        self._recent_expiry = math.inf
+        if len(self._expiries) > 2 * len(held) + 1024:
             # Mostly settled ones: rebuild from what is still held.
-            self._expiries = [(exp, r) for r, (_, exp) in self.reservations.items()]
+            self._expiries = [(exp, r) for r, (_, exp) in held.items()]
             heapq.heapify(self._expiries)
 
     def release(self, rid: str, amount: int) -> None:
@@ -87,6 +119,8 @@ class _Budget:
             self.total_reserved -= held[0]
 
     def reserved(self, now: float) -> int:
+        if now >= self._recent_expiry:
+            self._file_recent()
         expiries = self._expiries
         while expiries and expiries[0][0] <= now:
             expires, rid = heapq.heappop(expiries)

@@ -269,3 +269,32 @@ def test_usage_events_are_not_tracked_by_the_collector() -> None:
     )
     assert not gc.is_tracked(event)
     assert not gc.is_tracked(events.decode(events.encode(event)))
+
+
+def test_budget_reservations_expire_on_time_though_filed_late() -> None:
+    """New reservations join the expiry heap only later (or never, when released first): the
+    reserved total still drops exactly when each expires, mixed TTLs included, as a recount says."""
+    from gateway.state.memory import _Budget
+
+    rng = random.Random(5)
+    budget = _Budget()
+    model: dict[str, tuple[int, float]] = {}  # id -> (amount, expires): the recount's own books
+    now = 1_000.0
+    for i in range(20_000):
+        now += rng.choice([0.0, 0.001, 0.01, 0.3, 2.0])
+        if rng.random() < 0.55 or not model:
+            rid, amount = f"r{i}", rng.randint(1, 50)
+            expires = now + rng.choice([0.5, 1.0, 5.0, 600.0])
+            budget.reserve(rid, amount, expires)
+            model[rid] = (amount, expires)
+        else:
+            rid = rng.choice(list(model))
+            part = rng.choice([0, 0, rng.randint(1, 60)])
+            budget.release(rid, part)
+            amount, expires = model[rid]
+            if 0 < part < amount:
+                model[rid] = (amount - part, expires)
+            else:
+                del model[rid]
+        model = {r: v for r, v in model.items() if v[1] > now}
+        assert budget.reserved(now) == sum(a for a, _ in model.values())
