@@ -1,6 +1,8 @@
 """Active health probes: every backend a route can send to is asked a cheap question (its model list)
 every `interval` seconds. An answer below 500 (even 401) means it is up; a refused connection,
-timeout or 5xx counts as a failure for every breaker of that backend. A breaker the probes opened
+timeout or 5xx counts as a failure for every breaker of that backend. The log says when a backend
+changes state (down, back up, or not up yet at start, as a bundled engine loading its model), not
+every failed probe: an outage is one warning, not one every `interval` seconds. A breaker the probes opened
 goes half-open as soon as a probe reaches the backend again, so a backend that came back gets its
 trial request without waiting out the whole cooldown. Each round also adopts breaker openings other
 replicas published in the shared state. Every result also goes to `on_result` (the control plane's
@@ -57,6 +59,8 @@ class HealthProber:
         self.targets: dict[str, tuple[Backend, list[str]]] = {}  # backend name -> (backend, breaker keys)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._down_since: dict[str, float] = {}  # backend name -> monotonic time its probes began failing
+        self._seen_up: set[str] = set()
 
     def watch(self, targets: dict[str, tuple[Backend, list[str]]]) -> None:
         self.targets = targets
@@ -108,9 +112,24 @@ class HealthProber:
                         self.breakers.transitions.append((key, State.HALF_OPEN))
                 else:
                     await self.breakers.failure(key, probe=True)
-            if not healthy:
-                log.warning("backend_probe_failed", backend=backend.name)
+            self._log_change(backend.name, healthy)
         await self.breakers.sync()
+
+    def _log_change(self, name: str, healthy: bool) -> None:
+        down_since = self._down_since.get(name)
+        if healthy:
+            if down_since is not None:
+                del self._down_since[name]
+                waited = round(time.monotonic() - down_since, 1)
+                event = "backend_probe_recovered" if name in self._seen_up else "backend_probe_up"
+                log.info(event, backend=name, after_s=waited)
+            self._seen_up.add(name)
+        elif down_since is None:
+            self._down_since[name] = time.monotonic()
+            if name in self._seen_up:
+                log.warning("backend_probe_failed", backend=name)
+            else:  # never reached yet: still starting, or misconfigured; the breakers count it either way
+                log.info("backend_probe_not_up_yet", backend=name)
 
     async def _loop(self) -> None:
         while True:
