@@ -23,16 +23,24 @@ class AccountingSink:
         self.queue = queue
         self._catalog = catalog
         self.admission = admission
+        # (catalog prices, event prices) last found to price alike: the catalog's dicts and a
+        # config sheet's are shared and never modified, so the same two objects price alike again.
+        self._same: tuple[object, object] = (None, None)
 
     def record(self, event: UsageEvent) -> None:
         # The catalog (prices valid when the attempt started) wins over the price the caller computed
         # from its config; without a catalog row the caller's price stands.
         prices = self._catalog().prices_at(event.backend, event.model, event.ts)
         if prices:
+            if prices is self._same[0] and event.prices is self._same[1]:
+                # The pair found equal last time (both dicts are shared and never modified).
+                self._queue_and_settle(event)
+                return
             sheet = sheet_of(prices)
             if sheet.prices is event.prices or sheet.prices == event.prices:
                 # The caller priced it with the same prices (its config seeds the catalog): the cost
                 # is the same, so the event stands as it is (no second pricing, no copy).
+                self._same = (prices, event.prices)
                 self._queue_and_settle(event)
                 return
             cost = sheet.price(event.usage)

@@ -177,7 +177,9 @@ def _sqlite_params(events: list[UsageEvent]) -> list[Any]:
         ts = e.ts
         if ts.tzinfo is None:
             raise ValueError("naive datetime given to a UTC column")
-        if e.prices is not prices_of:  # most events of a batch share one price dict
+        # Most events of a batch have the same prices: encoded once. Compared by value, not
+        # identity: events decoded from the spool each come with a dict of their own.
+        if e.prices is not prices_of and e.prices != prices_of:
             prices_of, prices_text = e.prices, _json.encode(e.prices).decode()
         params += (
             e.event_id,
