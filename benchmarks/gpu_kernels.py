@@ -1,5 +1,6 @@
 """One prepared GPU check: every Triton kernel against its PyTorch reference, decode GEMV bandwidth as a
-fraction of the card's peak, and engine decode tok/s for none/int8/int4. Needs CUDA and Triton.
+fraction of the card's peak, and engine decode tok/s for none/int8/int4 (and fp8 on compute capability 8.9+).
+Needs CUDA and Triton.
 
     .venv/bin/python benchmarks/gpu_kernels.py [--peak-gbs 4800] [--skip-engine] [--json out.json]
 
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.quant import quantize_int4, quantize_int8
+from kernels.fp8_matmul import fp8_matmul_ref, fp8_matmul_triton, fp8_triton_supported, quantize_fp8
 from kernels.int4_matmul import int4_matmul_ref, int4_matmul_triton
 from kernels.int8_matmul import int8_matmul_ref, int8_matmul_triton
 from kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
@@ -77,6 +79,10 @@ def check_kernels(dev: torch.device) -> None:
                 x = torch.randn(m, k, device=dev, dtype=dtype, generator=g)
                 ref = int8_matmul_ref(x.float(), q8, s8.float())
                 check(f"int8 matmul m={m} n={n} k={k}", int8_matmul_triton(x, q8, s8), ref, dtype)
+                if fp8_triton_supported(dev):
+                    qf, sf = quantize_fp8(w)
+                    ref = fp8_matmul_ref(x.float(), qf, sf)
+                    check(f"fp8 matmul m={m} n={n} k={k}", fp8_matmul_triton(x, qf, sf), ref, dtype)
                 for group in (32, 64, 128):
                     qw, sz = quantize_int4(w.to(dtype), group)
                     ref = int4_matmul_ref(x.float(), qw, sz.float(), group)
@@ -162,6 +168,10 @@ def gemv_rows(n: int, k: int, dev: torch.device) -> list[tuple[str, float, int, 
     dequant_ms = bench_ms(lambda: x @ (q8.to(dtype) * s8[:, None]).t())
     int8_ms = bench_ms(lambda: int8_matmul_triton(x, q8, s8))
     rows.append(("int8 triton gemv", int8_ms, q8.numel() + s8.numel() * 2, dequant_ms))
+    if fp8_triton_supported(dev):
+        qf, sf = quantize_fp8(w)
+        fp8_ms = bench_ms(lambda: fp8_matmul_triton(x, qf, sf))
+        rows.append(("fp8 triton gemv", fp8_ms, qf.numel() + sf.numel() * 4, dequant_ms))
     for group in (32, 64, 128):
         qw, sz = quantize_int4(w, group)
         ms = bench_ms(lambda qw=qw, sz=sz, group=group: int4_matmul_triton(x, qw, sz, group))
@@ -202,7 +212,8 @@ def bench_engine(dev: torch.device) -> None:
 
     for model in ("smollm2-135m", "llama-3.2-1b"):
         base: float | None = None
-        for scheme in ("none", "int8", "int4-g64", "int4-g32"):
+        schemes = ["none", "int8", "int4-g64", "int4-g32"] + (["fp8"] if fp8_triton_supported(dev) else [])
+        for scheme in schemes:
             config = KNOWN_MODELS[model].with_(max_position_embeddings=2048)
             engine = LLMEngine.from_config(config, dtype="bfloat16", device=str(dev), num_kv_blocks=2048)
             quantize_model(engine.model, scheme)

@@ -30,7 +30,7 @@ from engine.sampling import SamplingParams
 
 DATA = Path(__file__).parent / "data"
 TEXTS = {"shakespeare": DATA / "shakespeare.txt", "mmlu": DATA / "mmlu_questions.txt"}
-SCHEMES = ["none", "int8", "int4-g32", "int4-g64", "int4-g128"]
+SCHEMES = ["none", "int8", "int4-g32", "int4-g64", "int4-g128", "fp8"]
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -81,8 +81,9 @@ def engine() -> None:
     "--quantization",
     default="none",
     show_default=True,
-    type=click.Choice(["none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128"]),
-    help="Weight quantization at load (int4 groups of 32 unless -gNN says otherwise).",
+    type=click.Choice(["none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "fp8"]),
+    help="Weight quantization at load (int4 groups of 32 unless -gNN says otherwise; fp8 needs a GPU "
+    "with compute capability 8.9+).",
 )
 @click.option(
     "--packing",

@@ -19,7 +19,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import BlockManager
 from engine.model import kv_bytes_per_token
 from engine.packed import pack_linears
-from engine.quant import quantize_model
+from engine.quant import QuantScheme, fp8_supported, quantize_model
 from engine.runner import ModelRunner, TokenLogprob
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -119,6 +119,12 @@ class LLMEngine:
     ) -> None:
         self.device = torch.device(device or _default_device())
         self.dtype = resolve_dtype(dtype, self.device)
+        if QuantScheme.parse(quantization).method == "fp8" and not fp8_supported(self.device):
+            # the CPU fallback dequantizes every weight on every call: slower than no quantization
+            raise ValueError(
+                f"fp8 weights need a CUDA GPU with compute capability 8.9+ (Ada, Hopper); "
+                f"on {self.device.type} use int8 or int4"
+            )
         source: Path | None = None
         reader = None
         if _config is not None:  # random weights (from_config)
@@ -164,7 +170,7 @@ class LLMEngine:
             else None
         )
         # Weight quantization is a module swap after loading (engine/quant.py): "int8", "int4",
-        # "int4-g32|g64|g128"; the model code never learns about it.
+        # "int4-g32|g64|g128", "fp8"; the model code never learns about it.
         quantize_model(self.model, quantization)
         # CPU: the linears quantization left as they are get weights prepacked for oneDNN (engine/packed.py)
         self.num_packed_linears = pack_linears(self.model, packing)

@@ -1,8 +1,9 @@
 """Weight quantization as a module swap (gpt-fast style): the model code never learns about it.
 
-``quantize_model(model, "int8" | "int4" | "int4-g32" | "int4-g64" | "int4-g128")`` replaces every
-``nn.Linear`` with ``Int8Linear`` (per-output-channel symmetric) or ``Int4Linear`` (group-wise with scales
-and zero points, two values per byte). ``save_quantized``/``load_quantized`` write and read a
+``quantize_model(model, "int8" | "int4" | "int4-g32" | "int4-g64" | "int4-g128" | "fp8")`` replaces every
+``nn.Linear`` with ``Int8Linear`` (per-output-channel symmetric), ``Int4Linear`` (group-wise with scales
+and zero points, two values per byte) or ``Fp8Linear`` (e4m3, per output channel; fast on GPUs with
+fp8, compute capability 8.9+). ``save_quantized``/``load_quantized`` write and read a
 ``model.safetensors`` plus ``quantization.json`` that needs no original checkpoint. The matmuls live in
 ``kernels/`` (Triton on CUDA, PyTorch's packed CPU kernels where this build has them, else a reference):
 weight-only everywhere except int8 on x86 CPUs, which runs fbgemm's int8 x int8 kernels on ~13-bit
@@ -26,6 +27,7 @@ from torch import nn
 
 from engine.packed import unpack_linears
 from kernels._triton import use_triton
+from kernels.fp8_matmul import fp8_matmul, fp8_triton_supported, quantize_fp8
 from kernels.int4_matmul import (
     cpu_int4_supported,
     int4_matmul,
@@ -43,17 +45,19 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str  # "none" | "int8" | "int4"
+    method: str  # "none" | "int8" | "int4" | "fp8"
     group_size: int | None = None  # int4 only
 
     @classmethod
     def parse(cls, spec: str | QuantScheme) -> QuantScheme:
-        """``none``, ``int8``, ``int4`` (group 32), ``int4-g32``, ``int4-g64``, ``int4-g128``."""
+        """``none``, ``int8``, ``int4`` (group 32), ``int4-g32``, ``int4-g64``, ``int4-g128``, ``fp8``."""
         if isinstance(spec, QuantScheme):
             return spec
-        m = re.fullmatch(r"(none|int8|int4)(?:-g(\d+))?", spec.strip().lower())
+        m = re.fullmatch(r"(none|int8|int4|fp8)(?:-g(\d+))?", spec.strip().lower())
         if not m or (m[2] and m[1] != "int4"):
-            raise ValueError(f"unknown quantization {spec!r}: use none, int8, int4 or int4-g{{32,64,128}}")
+            raise ValueError(
+                f"unknown quantization {spec!r}: use none, int8, int4, int4-g{{32,64,128}} or fp8"
+            )
         if m[1] != "int4":
             return cls(m[1])
         group = int(m[2] or DEFAULT_INT4_GROUP_SIZE)
@@ -383,6 +387,51 @@ class Int8Linear(nn.Module):
         )
 
 
+class Fp8Linear(nn.Module):
+    """e4m3 weights, one fp32 scale per output row (``kernels/fp8_matmul.py``). ``weight`` holds the
+    e4m3 bytes as uint8, so ``Module.to(dtype)`` leaves it alone (torch would cast a float8 tensor)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer(
+            "weight", torch.empty(out_features, in_features, dtype=torch.uint8, device=device)
+        )
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        w = linear.weight.detach()
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
+        module.weight, module.scales = quantize_fp8(w)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fp8_matmul(x, self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """Whether fp8 weights run fast on ``device`` (a CUDA GPU with compute capability 8.9+)."""
+    device = torch.device(device)
+    return device.type == "cuda" and fp8_triton_supported(device)
+
+
 class Int4Linear(nn.Module):
     """``qweight`` is kept in exactly one layout: ours, or tinygemm's on CPU when this PyTorch has the
     kernel (``cpu_layout``). The state dict is always ours, so checkpoints do not depend on the build."""
@@ -492,6 +541,8 @@ def _make_quantized(
 ) -> nn.Module:
     if scheme.method == "int8":
         return Int8Linear.from_linear(linear, cpu_layout=True)
+    if scheme.method == "fp8":
+        return Fp8Linear.from_linear(linear)
     return Int4Linear.from_linear(
         linear,
         scheme.group_size or DEFAULT_INT4_GROUP_SIZE,
@@ -713,8 +764,11 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         method = modules[name]
-        dtype = state[f"{name}.scales" if method.method == "int8" else f"{name}.scales_and_zeros"].dtype
         args = (linear.in_features, linear.out_features, linear.bias is not None)
+        if method.method == "fp8":
+            bias = state.get(f"{name}.bias")
+            return Fp8Linear(*args, dtype=bias.dtype if bias is not None else torch.float32, device="cpu")
+        dtype = state[f"{name}.scales" if method.method == "int8" else f"{name}.scales_and_zeros"].dtype
         if method.method == "int8":
             return Int8Linear(*args, dtype=dtype, device="cpu")
         return Int4Linear(

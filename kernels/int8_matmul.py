@@ -2,7 +2,9 @@
 
 Layout (shared with ``engine.quant.Int8Linear`` and ``torch._weight_int8pack_mm``): ``weight`` int8
 ``[N, K]``, ``scales`` ``[N]`` in the activation dtype. Decode (few rows of ``x``) runs a GEMV kernel that
-streams each weight byte once; prefill runs a tiled GEMM on tensor cores.
+streams each weight byte once; prefill runs a tiled GEMM on tensor cores. The same two Triton kernels
+serve fp8 (e4m3) weights, passed as their bytes (``kernels/fp8_matmul.py``): only the byte -> float
+conversion differs.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def _int8_gemv_kernel(
     stride_om,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    W_FP8: tl.constexpr = False,
 ):
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,8 +146,10 @@ def _int8_gemv_kernel(
             w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
             mask=n_mask[:, None] & k_mask[None, :],
             other=0,
-        ).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+        )
+        if W_FP8:  # bytes of e4m3 values (byte 0 is +0.0, so masked lanes stay zero)
+            w = w.to(tl.float8e4nv, bitcast=True)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + offs_n, (acc * s).to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -164,6 +169,7 @@ def _int8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    W_FP8: tl.constexpr = False,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,7 +189,9 @@ def _int8_gemm_kernel(
             mask=n_mask[None, :] & k_mask[:, None],
             other=0,
         )
-        acc += tl.dot(x, w.to(x.dtype))  # int8 values are exact in fp16/bf16/fp32
+        if W_FP8:
+            w = w.to(tl.float8e4nv, bitcast=True)
+        acc += tl.dot(x, w.to(x.dtype))  # int8 and e4m3 values are exact in fp16/bf16/fp32
     s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(
         out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
@@ -196,6 +204,13 @@ def int8_matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, gemv: bool | None = None
 ) -> torch.Tensor:
     """``gemv=None`` picks the GEMV kernel for at most ``GEMV_MAX_ROWS`` rows of ``x``, else the GEMM."""
+    return matmul_8bit_triton(x, weight, scales, gemv=gemv, fp8=False)
+
+
+def matmul_8bit_triton(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, gemv: bool | None, fp8: bool
+) -> torch.Tensor:
+    """``weight`` ``[N, K]``: int8 values, or with ``fp8`` the bytes of e4m3 values (uint8)."""
     N, K = weight.shape
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
@@ -215,6 +230,7 @@ def int8_matmul_triton(
             out.stride(0),
             BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K,
+            W_FP8=fp8,
         )
     else:
         BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 64
@@ -232,6 +248,7 @@ def int8_matmul_triton(
             BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K,
+            W_FP8=fp8,
         )
     return out.view(*x.shape[:-1], N)
 
