@@ -284,6 +284,9 @@ class RedisStreamQueue:
         # pump sends them itself.
         self.rider_busy: Callable[[], bool] | None = None
         self._deferred = False
+        # Events per stream entry in the last read: entries hold 1 (a quiet gateway) to
+        # EVENTS_PER_ENTRY (a full flush, or a spool forwarded after an outage); see `_read`.
+        self._per_entry = 10.0
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "weir:", spool: SpoolQueue | None = None) -> RedisStreamQueue:
@@ -433,9 +436,10 @@ class RedisStreamQueue:
     async def _read(self, max_events: int, block_s: float) -> list[tuple[Token, bytes]]:
         await self._ensure_group()
         # First take over what a dead writer (a crashed replica) read and never acknowledged.
-        # Entries hold 1 to EVENTS_PER_ENTRY events (a pump flush's worth), so this reads roughly
-        # `max_events` under load and at most 20x that.
-        count = max(1, max_events // 10)
+        # Entries hold 1 to EVENTS_PER_ENTRY events. Sized by the last read's events per entry, the
+        # reads after an outage (full entries) stay near `max_events` instead of 20x it (40k events
+        # in one batch, seen after a Redis outage); never more entries than max_events / 10.
+        count = max(1, min(max_events // 10, round(max_events / self._per_entry)))
         _, claimed, *_ = await self._redis.xautoclaim(
             self._stream, self.GROUP, self._consumer, min_idle_time=self._claim_idle_ms, count=count
         )
@@ -451,9 +455,12 @@ class RedisStreamQueue:
             entries = response[0][1] if response else []
         self.drained = len(entries) < count
         # Tokens are entry ids; an entry's events are acknowledged together, after all are written.
-        return [
+        lines = [
             (entry_id, line) for entry_id, fields in entries if fields for line in fields[b"e"].split(b"\n")
         ]
+        if entries:
+            self._per_entry = min(max(len(lines) / len(entries), 1.0), float(self.EVENTS_PER_ENTRY))
+        return lines
 
     async def ack(self, tokens: list[Token]) -> None:
         tokens = list(dict.fromkeys(tokens))

@@ -256,3 +256,28 @@ async def test_a_window_waits_once_for_settlements_under_way(tmp_path: Path) -> 
         await asyncio.sleep(0.01)
     assert [e.request_id for e in redis.events()] == ["r2", "r3"]  # nothing under way: no wait
     await queue.close()
+
+
+async def test_reads_after_a_backlog_of_full_entries_stay_near_max_events(redis_prefix: str) -> None:
+    """A backlog of full entries (a spool forwarded after an outage) is read in batches of about
+    `max_events`, not 20x that; every event comes out once."""
+    client = client_from_url(REDIS_URL)
+    queue = RedisStreamQueue(client, prefix=redis_prefix)
+    try:
+        await queue.read_lines(200, 0)  # makes the consumer group
+        per_entry = RedisStreamQueue.EVENTS_PER_ENTRY
+        for entry in range(30):
+            lines = [f"{entry}-{i}".encode() for i in range(per_entry)]
+            await client.xadd(f"{redis_prefix}usage", {"e": b"\n".join(lines)})
+        sizes, seen = [], []
+        while batch := await queue.read_lines(200, 0):
+            sizes.append(len(batch))
+            seen += [line for _, line in batch]
+            await queue.ack([token for token, _ in batch])
+        assert sizes[0] <= 20 * per_entry  # the first read knows nothing yet: at most max_events / 10 entries
+        assert all(size == per_entry for size in sizes[1:])  # then one full entry (<= max_events) a read
+        assert len(sizes) > 10
+        assert sorted(seen) == sorted(f"{e}-{i}".encode() for e in range(30) for i in range(per_entry))
+    finally:
+        await client.delete(f"{redis_prefix}usage")
+        await client.aclose()
