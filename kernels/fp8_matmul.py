@@ -14,6 +14,8 @@ right, and fine for measuring quality on a CPU, but slower than not quantizing a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -47,7 +49,12 @@ def fp8_triton_supported(device: torch.device) -> bool:
     """Triton's fp8 kernels: a CUDA device with fp8 conversion in hardware (or the CPU interpreter)."""
     if device.type == "cpu":
         return interpreting()
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+    return device.type == "cuda" and _capable(device.index)
+
+
+@functools.cache
+def _capable(index: int | None) -> bool:  # asked on every forward: the capability is looked up once
+    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
 
 
 def fp8_matmul_triton(
