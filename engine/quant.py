@@ -312,7 +312,38 @@ def _int4pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
 
 
-class Int8Linear(nn.Module):
+class _RowScaledLinear(nn.Module):
+    """A linear layer held as one byte per weight, ``weight [N, K]``, and one scale per output row."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        weight_dtype: torch.dtype,
+        scale_dtype: torch.dtype,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer(
+            "weight", torch.empty(out_features, in_features, dtype=weight_dtype, device=device)
+        )
+        self.register_buffer("scales", torch.empty(out_features, dtype=scale_dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+    def _take_bias(self, linear: nn.Linear) -> None:
+        if linear.bias is not None:
+            self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+class Int8Linear(_RowScaledLinear):
     """``weight`` (int8) and ``scales`` are the portable layout and always what the state dict holds. On
     x86 CPUs the weight moves into fbgemm's packed layout instead (``cpu_layout``, ``use_cpu_layout``):
     its int8 x int8 kernels are 6-10x faster there than any weight-only int8 path PyTorch has, at the
@@ -327,13 +358,7 @@ class Int8Linear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer(
-            "weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device)
-        )
-        self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        super().__init__(in_features, out_features, bias, torch.int8, dtype, dtype, device)
         self.cpu_layout = False
         self._packed: Any = None
 
@@ -342,8 +367,7 @@ class Int8Linear(nn.Module):
         w = linear.weight.detach()
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
         module.weight, module.scales = quantize_int8(w)
-        if linear.bias is not None:
-            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        module._take_bias(linear)
         module.use_cpu_layout(cpu_layout)
         return module
 
@@ -381,13 +405,8 @@ class Int8Linear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
         self.use_cpu_layout(was_cpu_layout)
 
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-        )
 
-
-class Fp8Linear(nn.Module):
+class Fp8Linear(_RowScaledLinear):
     """e4m3 weights, one fp32 scale per output row (``kernels/fp8_matmul.py``). ``weight`` holds the
     e4m3 bytes as uint8, so ``Module.to(dtype)`` leaves it alone (torch would cast a float8 tensor)."""
 
@@ -399,31 +418,19 @@ class Fp8Linear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer(
-            "weight", torch.empty(out_features, in_features, dtype=torch.uint8, device=device)
-        )
-        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        super().__init__(in_features, out_features, bias, torch.uint8, torch.float32, dtype, device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
         w = linear.weight.detach()
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
         module.weight, module.scales = quantize_fp8(w)
-        if linear.bias is not None:
-            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        module._take_bias(linear)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = fp8_matmul(x, self.weight, self.scales)
         return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-        )
 
 
 def fp8_supported(device: torch.device | str) -> bool:

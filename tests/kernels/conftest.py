@@ -11,6 +11,9 @@ import os
 import pytest
 import torch
 
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tolerances per dtype, relative to the largest reference magnitude. fp32: summation order only. fp16:
@@ -62,3 +65,18 @@ def skip_broken_bf16_dot(dtype: torch.dtype, ok: bool) -> None:
     (benchmarks/gpu_kernels.py does). Re-enables itself once the interpreter is fixed."""
     if dtype == torch.bfloat16 and not ok:
         pytest.skip("Triton interpreter's bf16 tl.dot is broken; checked on GPU by benchmarks/gpu_kernels.py")
+
+
+def prompt_logprobs_and_tokens(
+    engine: LLMEngine, prompt: list[int], max_tokens: int
+) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's log-probs (the prefill) and `max_tokens` greedy tokens (the later ones decodes)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    engine.add_request("r", prompt, params)
+    lps, tokens = None, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            lps = out.prompt_logprobs or lps
+            tokens += out.new_token_ids
+    assert lps is not None
+    return torch.tensor([lp.logprob for lp in lps[1:]]), tokens

@@ -20,8 +20,8 @@ import kernels.int8_matmul as int8_mod
 from engine.config import tiny_config
 from engine.llm_engine import LLMEngine
 from engine.quant import Int4Linear, Int8Linear, quantize_model
-from engine.sampling import SamplingParams
 from kernels._triton import interpreting, triton_on_cpu, use_triton
+from tests.kernels.conftest import prompt_logprobs_and_tokens
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
 
@@ -40,15 +40,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, calls: Counter
 
 def _logprobs(engine: LLMEngine) -> tuple[torch.Tensor, list[int]]:
     """Prompt log-probs (prefill) and two greedy tokens (the second from a decode step)."""
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    engine.add_request("r", PROMPT, params)
-    lps, tokens = None, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            lps = out.prompt_logprobs or lps
-            tokens += out.new_token_ids
-    assert lps is not None
-    return torch.tensor([lp.logprob for lp in lps[1:]]), tokens
+    return prompt_logprobs_and_tokens(engine, PROMPT, 2)
 
 
 def test_use_triton_only_for_cuda_unless_forced() -> None:

@@ -13,7 +13,6 @@ from engine.config import tiny_config
 from engine.llm_engine import LLMEngine
 from engine.model import Transformer
 from engine.quant import Fp8Linear, build_quantized_model, config_metadata, quantize_model, save_quantized
-from engine.sampling import SamplingParams
 from kernels.fp8_matmul import (
     FP8_MAX,
     dequantize_fp8,
@@ -22,7 +21,7 @@ from kernels.fp8_matmul import (
     fp8_matmul_triton,
     quantize_fp8,
 )
-from tests.kernels.conftest import assert_close, skip_broken_bf16_dot
+from tests.kernels.conftest import assert_close, prompt_logprobs_and_tokens, skip_broken_bf16_dot
 
 
 def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,19 +95,11 @@ def test_quantized_model_stays_close_and_survives_dtype_and_checkpoint(tmp_path:
 
 def test_fp8_engine_greedy_follows_fp32() -> None:
     prompt = [(7 * i + 3) % 256 for i in range(12)]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
 
     def run(quantization: str) -> tuple[torch.Tensor, list[int]]:
         engine = LLMEngine.from_config(tiny_config(), seed=0, num_kv_blocks=16)
         quantize_model(engine.model, quantization)  # the engine refuses fp8 on CPU; the module swap does not
-        engine.add_request("r", prompt, params)
-        lps, tokens = None, []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                lps = out.prompt_logprobs or lps
-                tokens += out.new_token_ids
-        assert lps is not None
-        return torch.tensor([lp.logprob for lp in lps[1:]]), tokens
+        return prompt_logprobs_and_tokens(engine, prompt, 8)
 
     fp_lps, fp_tokens = run("none")
     q_lps, q_tokens = run("fp8")
