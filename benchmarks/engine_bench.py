@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/engine_bench.py                # SmolLM2-135M, fp32, 2 threads
     .venv/bin/python benchmarks/engine_bench.py --quick        # smaller sizes, for a smoke run
+    .venv/bin/python benchmarks/engine_bench.py --repeat 3     # 3 interleaved pairs: medians, ratio range
 
 Measures, for each side: time to first token for 128- and 1024-token prompts, single-stream decode
 tokens/s, total output tokens/s with 8 and 32 concurrent requests of 128 prompt + 128 output tokens
@@ -251,6 +252,12 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="smaller sizes: a smoke run, not numbers to record"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="pairs of runs (Weir then transformers); prints medians and the pairs' ratios (3+ on a busy VM)",
+    )
     parser.add_argument("--side", choices=["weir", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.ttft_lengths = [128, 1024]
@@ -272,8 +279,8 @@ def main() -> None:
         f"# {args.model} {args.dtype}, {args.threads} threads, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
-    results = {}
-    for side in ("weir", "hf"):
+
+    def run_side(side: str) -> dict[str, float]:
         cmd = [sys.executable, __file__, "--side", side, *sys.argv[1:]]
         proc = subprocess.run(
             cmd,
@@ -285,21 +292,40 @@ def main() -> None:
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             sys.exit(f"{side} failed:\n{proc.stdout}")
-        results[side] = json.loads(lines[-1].removeprefix("RESULT "))
+        return json.loads(lines[-1].removeprefix("RESULT "))
 
-    weir, hf = results["weir"], results["hf"]
+    # Pairs run back to back (Weir, then transformers), so each pair's ratio compares two runs that
+    # met about the same machine; on a shared VM single runs swing by tens of percent.
+    runs: dict[str, list[dict[str, float]]] = {"weir": [], "hf": []}
+    for _ in range(args.repeat):
+        for side in runs:
+            runs[side].append(run_side(side))
+
+    def speedup(key: str, weir: dict[str, float], hf: dict[str, float]) -> float:
+        lower_is_better = key.startswith("ttft") or key.endswith("_mib")
+        return hf[key] / weir[key] if lower_is_better else weir[key] / hf[key]
+
+    def median_of(side: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[side])
+
+    if args.repeat > 1:
+        print(f"# {args.repeat} pairs; values are medians, weir/hf the median of the pairs' ratios [min-max]")
     print(f"{'metric':<22}{'weir':>12}{'transformers':>14}{'weir/hf':>10}")
-    for key in weir:
+    for key in runs["weir"][0]:
         if key == "roofline_decode_tok_s":
-            print(f"{'roofline decode tok/s':<22}{weir[key]:>12.1f}   (bandwidth / weight bytes per token)")
-            print(f"{'weir decode/roofline':<22}{weir['decode_tok_s'] / weir[key]:>12.2f}")
+            roofline = median_of("weir", key)
+            print(f"{'roofline decode tok/s':<22}{roofline:>12.1f}   (bandwidth / weight bytes per token)")
+            print(f"{'weir decode/roofline':<22}{median_of('weir', 'decode_tok_s') / roofline:>12.2f}")
             continue
         if key == "load_avg":
-            print(f"{'load average':<22}{weir[key]:>12.1f}{hf[key]:>14.1f}")
+            print(f"{'load average':<22}{median_of('weir', key):>12.1f}{median_of('hf', key):>14.1f}")
             continue
-        lower_is_better = key.startswith("ttft") or key.endswith("_mib")
-        ratio = hf[key] / weir[key] if lower_is_better else weir[key] / hf[key]
-        print(f"{key:<22}{weir[key]:>12.3f}{hf[key]:>14.3f}{ratio:>9.2f}x")
+        ratios = [speedup(key, w, h) for w, h in zip(runs["weir"], runs["hf"], strict=True)]
+        line = f"{key:<22}{median_of('weir', key):>12.3f}{median_of('hf', key):>14.3f}"
+        line += f"{statistics.median(ratios):>9.2f}x"
+        if len(ratios) > 1:
+            line += f"  [{min(ratios):.2f}-{max(ratios):.2f}]"
+        print(line)
     print("# ratios are speed-ups (>1: Weir better) for every row, including times and memory")
 
 
