@@ -19,7 +19,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import BlockManager
 from engine.model import kv_bytes_per_token
 from engine.packed import pack_linears
-from engine.quant import QuantScheme, fp8_supported, quantize_model
+from engine.quant import QuantScheme, quantize_model
 from engine.runner import ModelRunner, TokenLogprob
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -29,6 +29,7 @@ from engine.speculative import SpecStats, SpeculativeConfig, Speculator, parse_s
 from engine.threads import ThreadTuner
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model, gguf_metadata, is_gguf, load_config, open_gguf, tqdm_progress
+from kernels.fp8_matmul import fp8_gpu
 
 if TYPE_CHECKING:
     from engine.grammar import Grammars
@@ -119,7 +120,7 @@ class LLMEngine:
     ) -> None:
         self.device = torch.device(device or _default_device())
         self.dtype = resolve_dtype(dtype, self.device)
-        if QuantScheme.parse(quantization).method == "fp8" and not fp8_supported(self.device):
+        if QuantScheme.parse(quantization).method == "fp8" and not fp8_gpu(self.device):
             # the CPU fallback dequantizes every weight on every call: slower than no quantization
             raise ValueError(
                 f"fp8 weights need a CUDA GPU with compute capability 8.9+ (Ada, Hopper); "

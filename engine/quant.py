@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.packed import unpack_linears
 from kernels._triton import use_triton
-from kernels.fp8_matmul import fp8_matmul, fp8_triton_supported, quantize_fp8
+from kernels.fp8_matmul import fp8_matmul, quantize_fp8
 from kernels.int4_matmul import (
     cpu_int4_supported,
     int4_matmul,
@@ -431,12 +431,6 @@ class Fp8Linear(_RowScaledLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = fp8_matmul(x, self.weight, self.scales)
         return y if self.bias is None else y + self.bias
-
-
-def fp8_supported(device: torch.device | str) -> bool:
-    """Whether fp8 weights run fast on ``device`` (a CUDA GPU with compute capability 8.9+)."""
-    device = torch.device(device)
-    return device.type == "cuda" and fp8_triton_supported(device)
 
 
 class Int4Linear(nn.Module):

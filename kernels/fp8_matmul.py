@@ -45,11 +45,15 @@ def fp8_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) 
     return y.to(x.dtype)
 
 
-def fp8_triton_supported(device: torch.device) -> bool:
-    """Triton's fp8 kernels: a CUDA device with fp8 conversion in hardware (or the CPU interpreter)."""
-    if device.type == "cpu":
-        return interpreting()
+def fp8_gpu(device: torch.device | str) -> bool:
+    """A CUDA device with fp8 conversion in hardware (compute capability 8.9+): where fp8 runs fast."""
+    device = torch.device(device)
     return device.type == "cuda" and _capable(device.index)
+
+
+def fp8_triton_supported(device: torch.device) -> bool:
+    """Triton's fp8 kernels: an `fp8_gpu`, or the CPU under the interpreter (tests)."""
+    return interpreting() if device.type == "cpu" else fp8_gpu(device)
 
 
 @functools.cache
