@@ -111,6 +111,7 @@ def run_weir(args: argparse.Namespace) -> dict[str, float]:
         args.model,
         dtype=args.dtype,
         packing=args.packing,
+        fused_decode=args.fused_decode,
         max_num_seqs=max(args.batches),
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory,
@@ -244,6 +245,12 @@ def main() -> None:
         default="auto",
         choices=["auto", "dual", "on", "off"],
         help="Weir: CPU weight layout (engine/packed.py)",
+    )
+    parser.add_argument(
+        "--fused-decode",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="Weir: a lone sequence's decode step as one native call (engine/fused_step.py)",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)

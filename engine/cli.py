@@ -95,6 +95,15 @@ def engine() -> None:
     "only; off: as loaded).",
 )
 @click.option(
+    "--fused-decode",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "on", "off"]),
+    help="CPU: run a lone sequence's decode step as one native call (kernels/cpu_decode.c, built with the "
+    "system C compiler at first use; keeps row-major copies of the weights). auto: on for float32/bfloat16 "
+    "models, plain or int8, where it builds.",
+)
+@click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
 def serve(
@@ -118,6 +127,7 @@ def serve(
     num_speculative_tokens: int,
     quantization: str,
     packing: str,
+    fused_decode: str,
     log_level: str,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
@@ -151,6 +161,7 @@ def serve(
             "num_speculative_tokens": num_speculative_tokens,
             "quantization": quantization,
             "packing": packing,
+            "fused_decode": fused_decode,
             "adaptive_threads": adaptive_threads,
         },
     )

@@ -16,6 +16,7 @@ import torch
 
 from engine import registry
 from engine.config import ModelConfig
+from engine.fused_step import check_mode as check_fused_mode
 from engine.kv_cache import BlockManager
 from engine.model import kv_bytes_per_token
 from engine.packed import pack_linears
@@ -112,6 +113,7 @@ class LLMEngine:
         num_speculative_tokens: int = 4,
         quantization: str = "none",
         packing: str = "auto",
+        fused_decode: str = "auto",
         adaptive_threads: bool = True,
         _config: ModelConfig | None = None,
         _tokenizer: Tokenizer | None = None,
@@ -119,6 +121,7 @@ class LLMEngine:
         progress: bool = True,
     ) -> None:
         self.device = torch.device(device or _default_device())
+        check_fused_mode(fused_decode)
         self.dtype = resolve_dtype(dtype, self.device)
         if QuantScheme.parse(quantization).method == "fp8" and not fp8_gpu(self.device):
             # the CPU fallback dequantizes every weight on every call: slower than no quantization
@@ -200,6 +203,11 @@ class LLMEngine:
             device=self.device,
             seed=seed,
         )
+        # CPU: a lone sequence's decode step as one native call (engine/fused_step.py)
+        if self.device.type == "cpu":
+            self.runner.use_fused_decode(fused_decode, self.max_model_len)
+        elif fused_decode == "on":
+            raise ValueError("fused_decode='on' is a CPU path; the GPU runs the Triton kernels")
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.grammars: Grammars | None = None  # structured output, built on first use

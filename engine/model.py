@@ -336,6 +336,12 @@ class Transformer(nn.Module):
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
 
+def weights_changed(model: nn.Module) -> None:
+    """Note that `model`'s layers were swapped (quantized, packed) or reloaded: copies derived from them,
+    the fused CPU decode step's (engine/fused_step.py), are rebuilt before their next use."""
+    model.weights_version = getattr(model, "weights_version", 0) + 1
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return 2 * config.num_layers * config.num_kv_heads * (config.head_dim or 0) * itemsize

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import weights_changed
+
 log = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 32  # the row count oneDNN tunes the layout for; others run on it too
@@ -268,6 +270,13 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     wins at every row count (`onednn_serves_every_row_count`); "dual" always makes float32 `DualLinear`; "on"
     packs float32 for oneDNN only (faster for batches, slower for a lone stream); "off" changes nothing.
     """
+    changed = _pack_linears(model, mode)
+    if changed:
+        weights_changed(model)
+    return changed
+
+
+def _pack_linears(model: nn.Module, mode: str) -> int:
     if mode not in PACKING_MODES:
         raise ValueError(f"unknown packing mode {mode!r}; choose one of {', '.join(PACKING_MODES)}")
     if mode == "off":
@@ -314,6 +323,8 @@ def unpack_linears(model: nn.Module) -> int:
     ]
     for parent, name, child in packed:
         setattr(parent, name, child.to_linear())
+    if packed:
+        weights_changed(model)
     return len(packed)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.model import weights_changed
 from engine.packed import unpack_linears
 from kernels._triton import use_triton
 from kernels.fp8_matmul import fp8_matmul, quantize_fp8
@@ -614,6 +615,7 @@ def quantize_model(
         _swap_linears(model, make, include)
     model.quant_scheme = scheme
     model.quantized_modules = {n: str(s) for n, s in chosen.items() if s.method != "none"}
+    weights_changed(model)
     return model
 
 
@@ -788,6 +790,7 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
             module.use_cpu_layout()
     model.quant_scheme = scheme
     model.quantized_modules = {name: str(spec) for name, spec in modules.items()}
+    weights_changed(model)
     return model
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.fused_step import FusedDecoder, build_fused_decoder
 from engine.model import AttentionMetadata, PrefillChunk, Transformer, attention_metadata
 from engine.sampling import SamplingRow, sample, top_logprobs
 from engine.scheduler import ScheduledBatch
@@ -42,6 +43,12 @@ class ModelRunner:
         self.device = device
         self.model.allocate_kv_cache(num_blocks, block_size, dtype, device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # the CPU's lone-sequence decode step (engine/fused_step.py): "auto", "on" or "off", built by
+        # `use_fused_decode` and rebuilt when the model's weights change (`engine.model.weights_changed`)
+        self.fused_mode = "off"
+        self.fused: FusedDecoder | None = None
+        self._fused_version = -1
+        self._max_len = 0
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -99,12 +106,43 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, order, starts
 
+    def use_fused_decode(self, mode: str, max_len: int) -> None:
+        """Serve lone-sequence decode steps of up to `max_len` positions with the fused CPU step."""
+        self.fused_mode, self._max_len, self._fused_version = mode, max_len, -1
+        self._fused_decoder()
+
+    def _fused_decoder(self) -> FusedDecoder | None:
+        version = getattr(self.model, "weights_version", 0)
+        if self._fused_version != version:
+            self.fused = None  # the old copies go before the new ones are made
+            self.fused = build_fused_decoder(self.model, self.fused_mode, self._max_len)
+            self._fused_version = version
+        return self.fused
+
+    def _fused_step(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Logits [1, vocab] from the fused step when `batch` is one sequence decoding one token and
+        sampling it (no prompt log-probs left to read, no draft tokens to verify); else None."""
+        if self.fused_mode == "off" or len(batch.seqs) != 1 or batch.num_tokens[0] != 1:
+            return None
+        seq = batch.seqs[0]
+        c = seq.num_computed_tokens
+        if c + 1 != seq.num_tokens or (seq.params.prompt_logprobs is not None and c < seq.num_prompt_tokens):
+            return None
+        fused = self._fused_decoder()
+        if fused is None:
+            return None
+        return fused(seq.token_ids(c, c + 1)[0], c, torch.tensor(seq.block_table, dtype=torch.int32))
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqResult]:
         """Run one step. Results are in `batch.seqs` order. Does not mutate the sequences."""
-        input_ids, meta, order, starts = self._prepare(batch)
-        with attention_metadata(meta):
-            hidden = self.model(input_ids)
+        fused_logits = self._fused_step(batch)
+        if fused_logits is None:
+            input_ids, meta, order, starts = self._prepare(batch)
+            with attention_metadata(meta):
+                hidden = self.model(input_ids)
+        else:
+            order, starts = [0], [0]
 
         # rows of `hidden` that need logits: the last token of every sequence that samples, and every
         # token of chunks whose request asked for prompt log-probs
@@ -130,7 +168,10 @@ class ModelRunner:
         results = [SeqResult(None, None, []) for _ in batch.seqs]
         if not logit_rows:
             return results
-        logits = self.model.logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
+        if fused_logits is not None:  # _fused_step took only steps whose one logits row is this
+            logits = fused_logits
+        else:
+            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
         for j, (first, count) in spec_rows.items():
             results[order[j]].spec_logits = logits[first : first + count]
 

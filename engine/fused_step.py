@@ -1,0 +1,208 @@
+"""A lone sequence's decode step as one native call (`kernels/cpu_decode.c`), on the CPU.
+
+With one sequence running, a decode step is ~15 small ops per layer. Eager PyTorch spends 5-30 us on
+each (dispatch, allocation, waking threads), which for a small model is as long as reading the weights:
+SmolLM2-135M in bf16 decoded at 0.26 of its memory-bandwidth roofline. The fused step runs the whole
+forward in one OpenMP region over row-major copies of the weights, so the step costs the weight reads
+and a few barriers per layer.
+
+It serves exactly one case: one sequence, one new token, logits for it (no prompt log-probs, no
+speculative verification). Everything else, batches included, stays on the eager forward, whose
+oneDNN/fbgemm layouts win once there are rows to share a weight read. The copies cost memory (the
+weights again, in their own dtype; a head tied to the embedding reads the embedding and costs nothing),
+which is why `fused_decode="auto"` is on only for models up to `AUTO_MAX_PARAMS`.
+
+Supported: float32 and bfloat16 models, unquantized or int8 (per-row scales); a model with other
+linears (int4, fp8), another dtype, or layers this file does not know is left to the eager path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+from torch import nn
+
+from engine.model import Transformer
+from engine.packed import DualLinear, PackedLinear
+from engine.quant import Int8Linear
+from kernels import cpu_decode
+from kernels.int8_matmul import fbgemm_unpack
+
+log = logging.getLogger(__name__)
+
+AUTO_MAX_PARAMS = 2_000_000_000  # "auto" doubles weight memory only for models up to this size
+_TYPES = {torch.float32: cpu_decode.F32, torch.bfloat16: cpu_decode.BF16, torch.int8: cpu_decode.I8}
+
+
+class Unsupported(Exception):
+    """The model has something the fused step does not implement (the message says what)."""
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+def _row_major(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(weight [out, in] row-major, fp32 row scales or None, fp32 bias or None) of a linear layer in
+    any of the engine's layouts. Shares the module's tensor where it is already row-major."""
+    if isinstance(module, Int8Linear):
+        weight, scales = (
+            fbgemm_unpack(module._packed) if module.cpu_layout else (module.weight, module.scales)
+        )
+        return weight.contiguous(), _f32(scales), _f32(module.bias)
+    if isinstance(module, PackedLinear):
+        weight = module.weight if module.weight is not None else module.packed.to_dense()
+        return weight.detach().contiguous(), None, _f32(module.bias)
+    if isinstance(module, (nn.Linear, DualLinear)):
+        return module.weight.detach().contiguous(), None, _f32(module.bias)
+    raise Unsupported(f"{type(module).__name__} layers are not supported")
+
+
+class FusedDecoder:
+    """Holds the tables the C step reads; call it with one sequence's token and position."""
+
+    def __init__(self, model: Transformer, lib: ctypes.CDLL, max_len: int) -> None:
+        config = model.config
+        dtype = model.embed_tokens.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise Unsupported(f"{dtype} models are not supported")
+        if model.embed_tokens.weight.device.type != "cpu":
+            raise Unsupported("it runs on the CPU only")
+        first = model.layers[0].self_attn
+        if first.k_cache.dtype != dtype or first.k_cache.dim() != 4:
+            raise Unsupported("the KV cache is not allocated in the model's dtype")
+        self._lib = lib
+        self._keep: list[torch.Tensor] = []  # every tensor a table points into
+        self.max_len = max_len
+        self.eps = float(config.rms_norm_eps)
+        layers = (cpu_decode.Layer * config.num_layers)()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers[i] = cpu_decode.Layer(
+                self._ptr(_f32(layer.input_layernorm.weight)),
+                self._linear(attn.qkv_proj),
+                self._linear(attn.o_proj),
+                self._ptr(_f32(layer.post_attention_layernorm.weight)),
+                self._linear(mlp.gate_up_proj),
+                self._linear(mlp.down_proj),
+                self._ptr(attn.k_cache),
+                self._ptr(attn.v_cache),
+            )
+        embed = model.embed_tokens.weight.detach().contiguous()
+        self.globals = cpu_decode.Globals(
+            self._ptr(embed),
+            self._ptr(_f32(model.norm.weight)),
+            self._linear(
+                model.lm_head, tied=embed if model.lm_head.weight is model.embed_tokens.weight else None
+            ),
+            self._ptr(model.rotary.cos),
+            self._ptr(model.rotary.sin),
+        )
+        self.layers = layers
+        shape = {
+            "hidden": config.hidden_size,
+            "heads": config.num_heads,
+            "kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim or 0,
+            "intermediate": config.intermediate_size,
+            "vocab": config.vocab_size,
+            "layers": config.num_layers,
+            "block_size": first.k_cache.shape[1],
+            "kv_type": _TYPES[dtype],
+            "embed_type": _TYPES[dtype],
+            "max_len": max_len,
+        }
+        self.shape = torch.tensor([shape[f] for f in cpu_decode.SHAPE_FIELDS], dtype=torch.int64)
+        self.vocab = config.vocab_size
+        self._shape_args = (
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim or 0,
+            config.intermediate_size,
+        )
+        self._scratch = torch.empty(0)
+
+    def _ptr(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _linear(self, module: nn.Module, tied: torch.Tensor | None = None) -> cpu_decode.Linear:
+        weight, scale, bias = _row_major(module) if tied is None else (tied, None, None)
+        if weight.dtype not in _TYPES:
+            raise Unsupported(f"{weight.dtype} weights are not supported")
+        return cpu_decode.Linear(self._ptr(weight), _TYPES[weight.dtype], self._ptr(scale), self._ptr(bias))
+
+    def copied_bytes(self, model: nn.Module) -> int:
+        """Bytes this decoder holds beyond `model`'s own tensors (its row-major copies)."""
+        tensors = [t for t in [*model.parameters(), *model.buffers()] if t.layout == torch.strided]
+        own = {t.untyped_storage().data_ptr() for t in tensors}  # (oneDNN's packed weights have none)
+        own.update(
+            t.untyped_storage().data_ptr()
+            for layer in model.layers
+            for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)
+        )
+        copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._keep}
+        return sum(n for ptr, n in copies.items() if ptr not in own)
+
+    def __call__(self, token: int, position: int, block_table: torch.Tensor) -> torch.Tensor:
+        """Logits [1, vocab] (fp32) for `token` at `position`; writes its K/V into the cache slot the
+        block table (int32, CPU) gives for `position`."""
+        if position >= self.max_len:
+            raise ValueError(f"position {position} beyond the fused step's {self.max_len}")
+        threads = torch.get_num_threads()
+        need = cpu_decode.scratch_floats(*self._shape_args, threads, self.max_len)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        logits = torch.empty(1, self.vocab, dtype=torch.float32)
+        table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+        status = self._lib.weir_decode_step(
+            self.shape.data_ptr(),
+            ctypes.byref(self.globals),
+            self.layers,
+            token,
+            position,
+            table.data_ptr(),
+            self.eps,
+            threads,
+            self._scratch.data_ptr(),
+            logits.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"fused decode step failed ({status})")
+        return logits
+
+
+FUSED_MODES = ("auto", "on", "off")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in FUSED_MODES:
+        raise ValueError(f"fused_decode must be one of {', '.join(FUSED_MODES)}, not {mode!r}")
+    return mode
+
+
+def build_fused_decoder(model: Transformer, mode: str, max_len: int) -> FusedDecoder | None:
+    """The fused step for `model` under `mode` ("auto", "on", "off"), or None (the eager forward).
+    "on" raises where it cannot be built; "auto" logs why and falls back."""
+    if check_mode(mode) == "off":
+        return None
+    params = sum(p.numel() for p in model.parameters())
+    if mode == "auto" and params > AUTO_MAX_PARAMS:
+        return None
+    try:
+        lib = cpu_decode.library()
+        if lib is None:
+            raise Unsupported("it could not be compiled (no C compiler?)")
+        decoder = FusedDecoder(model, lib, max_len)
+    except Unsupported as exc:
+        if mode == "on":
+            raise ValueError(f"fused decode step unavailable: {exc}") from exc
+        log.info("fused decode step off: %s", exc)
+        return None
+    log.info("fused decode step on (%.0f MiB of weight copies)", decoder.copied_bytes(model) / 2**20)
+    return decoder

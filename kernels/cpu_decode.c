@@ -1,0 +1,297 @@
+/* One decode step of one sequence through a Llama-family model, in one call, on the CPU.
+
+   A lone stream's decode step is 30-ish layers of small ops: in eager PyTorch each costs 5-30 us of
+   dispatch and threading overhead, which for a 135M model is as much time as streaming the weights.
+   Here the whole step (embedding, every layer's norm, fused QKV, RoPE, paged-cache write, attention,
+   output projection, SwiGLU MLP, final norm, head) runs in one OpenMP parallel region, so the only
+   costs left are the weight reads and a few barriers per layer.
+
+   Layouts match the engine's (engine/model.py): row-major [out, in] weights, fp32 / bf16 / int8 with
+   one fp32 scale per output row; a paged KV cache [blocks, block_size, kv_heads, head_dim] in fp32 or
+   bf16; RoPE tables [max_pos, head_dim] in HF's rotate-half form with the first half of `sin` negated.
+   Activations are fp32 throughout; bf16 values are widened on load and K/V rounded to nearest-even on
+   store. The PyTorch reference is the engine's own forward (tests/kernels/test_cpu_decode.py).
+
+   Built at first use by kernels/cpu_decode.py with -O3 -march=native -fopenmp; it links the same
+   libgomp.so.1 that PyTorch loaded, so it shares PyTorch's thread pool. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+enum { F32 = 0, BF16 = 1, I8 = 2 };
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch's cast */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Vectors of W floats; the loads widen bf16 and int8 to fp32. */
+#if defined(__AVX512F__)
+#define W 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(a) _mm512_set1_ps(a)
+#define VLOAD_F32(p) _mm512_loadu_ps(p)
+#define VLOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VSUM(v) _mm512_reduce_add_ps(v)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define W 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(a) _mm256_set1_ps(a)
+#define VLOAD_F32(p) _mm256_loadu_ps(p)
+#define VLOAD_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VLOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+static inline float VSUM(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+#define W 1
+typedef float vf;
+#define VZERO() 0.0f
+#define VSET1(a) (a)
+#define VLOAD_F32(p) (*(p))
+#define VLOAD_BF16(p) bf16_to_f32(*(p))
+#define VLOAD_I8(p) ((float)*(p))
+#define VFMA(a, b, c) ((a) * (b) + (c))
+#define VSTORE(p, v) (*(p) = (v))
+#define VSUM(v) (v)
+#endif
+
+#define SCALAR_F32(v) (v)
+#define SCALAR_BF16(v) bf16_to_f32(v)
+#define SCALAR_I8(v) ((float)(v))
+
+/* dot(row, x) with four accumulators over consecutive vectors. One row at a time, front to back: the
+   same GEMV over four rows interleaved (four streams K elements apart) read bf16 weights at 10-11
+   GB/s on one Zen 4 core, row by row at 23-29 (a plain sum: 22-27). */
+#define DEFINE_DOT(NAME, T, VLOAD, SCALAR)                                                   \
+    static float NAME(const T *r, const float *x, int64_t k) {                              \
+        vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();                           \
+        int64_t i = 0;                                                                       \
+        for (; i + 4 * W <= k; i += 4 * W) {                                                 \
+            a0 = VFMA(VLOAD(r + i), VLOAD_F32(x + i), a0);                                   \
+            a1 = VFMA(VLOAD(r + i + W), VLOAD_F32(x + i + W), a1);                           \
+            a2 = VFMA(VLOAD(r + i + 2 * W), VLOAD_F32(x + i + 2 * W), a2);                   \
+            a3 = VFMA(VLOAD(r + i + 3 * W), VLOAD_F32(x + i + 3 * W), a3);                   \
+        }                                                                                    \
+        for (; i + W <= k; i += W) a0 = VFMA(VLOAD(r + i), VLOAD_F32(x + i), a0);            \
+        float s = VSUM(a0) + VSUM(a1) + VSUM(a2) + VSUM(a3);                                 \
+        for (; i < k; i++) s += SCALAR(r[i]) * x[i];                                         \
+        return s;                                                                            \
+    }
+
+DEFINE_DOT(dot_f32, float, VLOAD_F32, SCALAR_F32)
+DEFINE_DOT(dot_bf16, uint16_t, VLOAD_BF16, SCALAR_BF16)
+DEFINE_DOT(dot_i8, int8_t, VLOAD_I8, SCALAR_I8)
+
+typedef struct {
+    const void *weight;  /* [out, in] row-major */
+    int64_t type;        /* F32, BF16 or I8 */
+    const float *scale;  /* [out] or NULL */
+    const float *bias;   /* [out] or NULL */
+} Linear;
+
+static const void *row_ptr(const Linear *l, int64_t row, int64_t k) {
+    size_t size = l->type == F32 ? 4 : l->type == BF16 ? 2 : 1;
+    return (const char *)l->weight + (size_t)row * (size_t)k * size;
+}
+
+/* Row `row` of `l` dotted with x, scaled and biased. */
+static float dot(const Linear *l, int64_t row, const float *x, int64_t k) {
+    const void *p = row_ptr(l, row, k);
+    float s = l->type == F32    ? dot_f32((const float *)p, x, k)
+              : l->type == BF16 ? dot_bf16((const uint16_t *)p, x, k)
+                                : dot_i8((const int8_t *)p, x, k);
+    if (l->scale) s *= l->scale[row];
+    if (l->bias) s += l->bias[row];
+    return s;
+}
+
+/* y = l(x) (y += l(x) when `accumulate`: the residual add rides along). Work-shares the rows across
+   the team; call from inside the parallel region. */
+static void gemv(const Linear *l, const float *x, float *y, int64_t n, int64_t k, int accumulate) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; r++) y[r] = (accumulate ? y[r] : 0.0f) + dot(l, r, x, k);
+}
+
+/* act = silu(gate(x)) * up(x) from the fused [gate; up] weight: row i of both halves in one
+   iteration, so the product needs no second pass and no barrier. */
+static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t inter, int64_t k) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < inter; i++) {
+        float gate = dot(l, i, x, k), up = dot(l, inter + i, x, k);
+        act[i] = gate / (1.0f + expf(-gate)) * up;
+    }
+}
+
+static void rms_norm(const float *x, const float *weight, float *y, int64_t n, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * inv * weight[i];
+}
+
+static void rotate(float *x, const float *cos, const float *sin, int64_t d, float *tmp) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) tmp[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
+    memcpy(x, tmp, (size_t)d * sizeof(float));
+}
+
+static void store_kv(void *cache, int64_t type, int64_t offset, const float *v, int64_t d) {
+    if (type == F32) {
+        memcpy((float *)cache + offset, v, (size_t)d * sizeof(float));
+    } else {
+        uint16_t *dst = (uint16_t *)cache + offset;
+        for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(v[i]);
+    }
+}
+
+static float dot_kv(const float *q, const void *cache, int64_t type, int64_t offset, int64_t d) {
+    vf acc = VZERO();
+    float s = 0.0f;
+    int64_t i = 0;
+    if (type == F32) {
+        const float *k = (const float *)cache + offset;
+        for (; i + W <= d; i += W) acc = VFMA(VLOAD_F32(k + i), VLOAD_F32(q + i), acc);
+        for (; i < d; i++) s += k[i] * q[i];
+    } else {
+        const uint16_t *k = (const uint16_t *)cache + offset;
+        for (; i + W <= d; i += W) acc = VFMA(VLOAD_BF16(k + i), VLOAD_F32(q + i), acc);
+        for (; i < d; i++) s += bf16_to_f32(k[i]) * q[i];
+    }
+    return VSUM(acc) + s;
+}
+
+static void axpy_kv(float *out, float a, const void *cache, int64_t type, int64_t offset, int64_t d) {
+    int64_t i = 0;
+    vf av = VSET1(a);
+    if (type == F32) {
+        const float *v = (const float *)cache + offset;
+        for (; i + W <= d; i += W) VSTORE(out + i, VFMA(av, VLOAD_F32(v + i), VLOAD_F32(out + i)));
+        for (; i < d; i++) out[i] += a * v[i];
+    } else {
+        const uint16_t *v = (const uint16_t *)cache + offset;
+        for (; i + W <= d; i += W) VSTORE(out + i, VFMA(av, VLOAD_BF16(v + i), VLOAD_F32(out + i)));
+        for (; i < d; i++) out[i] += a * bf16_to_f32(v[i]);
+    }
+}
+
+/* Causal attention of one query token over its `len` cached positions, one query head per iteration.
+   `scores`: `len` floats of this thread's scratch. */
+static void attention_head(const float *q, const void *kc, const void *vc, int64_t kv_type, const int32_t *table,
+                           int64_t len, int64_t block_size, int64_t kv_heads, int64_t kv_head, int64_t d,
+                           float scale, float *scores, float *out) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        scores[t] = dot_kv(q, kc, kv_type, (slot * kv_heads + kv_head) * d, d) * scale;
+        if (scores[t] > top) top = scores[t];
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t < len; t++) total += scores[t] = expf(scores[t] - top);
+    memset(out, 0, (size_t)d * sizeof(float));
+    for (int64_t t = 0; t < len; t++) {
+        int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        axpy_kv(out, scores[t] / total, vc, kv_type, (slot * kv_heads + kv_head) * d, d);
+    }
+}
+
+/* Shapes: hidden, heads, kv_heads, head_dim, intermediate, vocab, layers, block_size, kv_type,
+   embed_type, max_len (scratch per thread). */
+enum { C_HIDDEN, C_HEADS, C_KV_HEADS, C_HEAD_DIM, C_INTER, C_VOCAB, C_LAYERS, C_BLOCK, C_KV_TYPE, C_EMBED_TYPE,
+       C_MAX_LEN, C_COUNT };
+
+/* One layer's table entry; the Python side fills these from the model's modules. */
+typedef struct {
+    const float *input_norm;
+    Linear qkv, o;
+    const float *post_norm;
+    Linear gate_up, down;
+    void *k_cache, *v_cache;
+} Layer;
+
+typedef struct {
+    const void *embed;  /* [vocab, hidden] of type C_EMBED_TYPE */
+    const float *norm;
+    Linear head;
+    const float *cos, *sin;  /* [max_pos, head_dim] */
+} Globals;
+
+/* Scratch: 2 * hidden + q + 2 kv + heads * head_dim + intermediate + head_dim floats, then
+   threads * max_len for the attention scores. */
+int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers, int64_t token, int64_t pos,
+                     const int32_t *table, float eps, int threads, float *scratch, float *logits) {
+    const int64_t hidden = shape[C_HIDDEN], heads = shape[C_HEADS], kv_heads = shape[C_KV_HEADS];
+    const int64_t d = shape[C_HEAD_DIM], inter = shape[C_INTER], kv_type = shape[C_KV_TYPE];
+    const int64_t block = shape[C_BLOCK], max_len = shape[C_MAX_LEN];
+    const int64_t q_size = heads * d, kv_size = kv_heads * d, len = pos + 1, group = heads / kv_heads;
+    if (len > max_len || heads % kv_heads) return 1;
+    const float scale = 1.0f / sqrtf((float)d);
+    float *x = scratch, *h = x + hidden, *qkv = h + hidden, *attn = qkv + q_size + 2 * kv_size;
+    float *act = attn + q_size, *tmp = act + inter, *scores = tmp + d;
+    const float *cos = g->cos + pos * d, *sin = g->sin + pos * d;
+    const int64_t slot = (int64_t)table[pos / block] * block + pos % block;
+
+    for (int64_t i = 0; i < hidden; i++) {
+        int64_t at = token * hidden + i;
+        x[i] = shape[C_EMBED_TYPE] == F32 ? ((const float *)g->embed)[at] : bf16_to_f32(((const uint16_t *)g->embed)[at]);
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        float *my_scores = scores + (int64_t)omp_get_thread_num() * max_len;
+        for (int64_t l = 0; l < shape[C_LAYERS]; l++) {
+            const Layer *ly = &layers[l];
+#pragma omp single
+            rms_norm(x, ly->input_norm, h, hidden, eps);
+            gemv(&ly->qkv, h, qkv, q_size + 2 * kv_size, hidden, 0);
+#pragma omp single
+            {
+                for (int64_t j = 0; j < heads + kv_heads; j++) rotate(qkv + j * d, cos, sin, d, tmp);
+                for (int64_t j = 0; j < kv_heads; j++) {
+                    store_kv(ly->k_cache, kv_type, (slot * kv_heads + j) * d, qkv + q_size + j * d, d);
+                    store_kv(ly->v_cache, kv_type, (slot * kv_heads + j) * d, qkv + q_size + kv_size + j * d, d);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < heads; j++)
+                attention_head(qkv + j * d, ly->k_cache, ly->v_cache, kv_type, table, len, block, kv_heads,
+                               j / group, d, scale, my_scores, attn + j * d);
+            gemv(&ly->o, attn, x, hidden, q_size, 1);
+#pragma omp single
+            rms_norm(x, ly->post_norm, h, hidden, eps);
+            gemv_swiglu(&ly->gate_up, h, act, inter, hidden);
+            gemv(&ly->down, act, x, hidden, inter, 1);
+        }
+#pragma omp single
+        rms_norm(x, g->norm, h, hidden, eps);
+        gemv(&g->head, h, logits, shape[C_VOCAB], hidden, 0);
+    }
+    return 0;
+}

@@ -1,0 +1,147 @@
+"""Build and load `cpu_decode.c`: one fused decode step of one sequence on the CPU.
+
+The C file is compiled at first use for this machine (``-march=native``: AVX-512 or AVX2 where the
+CPU has them, plain C elsewhere) and cached under ``$WEIR_CACHE_DIR/kernels`` (default
+``~/.cache/weir/kernels``), keyed by the source, the flags and the CPU, so a changed file or a moved
+disk image rebuilds rather than loading code for another machine. No compiler, no fused step: the
+caller keeps the eager path (``library()`` returns None and logs why, once).
+
+The structures mirror the C ones field for field; ``engine/fused_step.py`` fills them from a model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+F32, BF16, I8 = 0, 1, 2  # weight and cache element types, as the C enum
+SHAPE_FIELDS = [
+    "hidden",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "intermediate",
+    "vocab",
+    "layers",
+    "block_size",
+    "kv_type",
+    "embed_type",
+    "max_len",
+]
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [
+        ("weight", ctypes.c_void_p),
+        ("type", ctypes.c_int64),
+        ("scale", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("qkv", Linear),
+        ("o", Linear),
+        ("post_norm", ctypes.c_void_p),
+        ("gate_up", Linear),
+        ("down", Linear),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class Globals(ctypes.Structure):
+    _fields_ = [
+        ("embed", ctypes.c_void_p),
+        ("norm", ctypes.c_void_p),
+        ("head", Linear),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+    ]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("WEIR_CACHE_DIR") or Path.home() / ".cache" / "weir"
+    return Path(root) / "kernels"
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(keep))  # one line of each: the cores repeat them
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    return shutil.which(cc) if cc else shutil.which("gcc") or shutil.which("cc")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled step, or None where it cannot be built (no C compiler, no OpenMP)."""
+    cc = _compiler()
+    if cc is None:
+        log.info("fused CPU decode step unavailable: no C compiler (set CC or install gcc)")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join([cc, *FLAGS]).encode(), _cpu_identity().encode()]))
+    target = cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # build beside the target and rename: concurrent engines never load a half-written file
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        result = subprocess.run(
+            [cc, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            os.unlink(partial)
+            log.warning("fused CPU decode step unavailable: %s failed:\n%s", cc, result.stderr.strip())
+            return None
+        os.replace(partial, target)
+    # PyTorch has loaded its libgomp.so.1 by now; the library's dependency resolves to that one, so
+    # both share one OpenMP thread pool
+    import torch  # noqa: F401
+
+    lib = ctypes.CDLL(str(target))
+    lib.weir_decode_step.restype = ctypes.c_int
+    lib.weir_decode_step.argtypes = [
+        ctypes.c_void_p,  # shape (int64[11])
+        ctypes.POINTER(Globals),
+        ctypes.POINTER(Layer),
+        ctypes.c_int64,  # token
+        ctypes.c_int64,  # position
+        ctypes.c_void_p,  # block table (int32)
+        ctypes.c_float,  # eps
+        ctypes.c_int,  # threads
+        ctypes.c_void_p,  # scratch (fp32)
+        ctypes.c_void_p,  # logits (fp32 [vocab])
+    ]
+    return lib
+
+
+def scratch_floats(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, threads: int, max_len: int
+) -> int:
+    """Floats of scratch the step needs (the C function's layout)."""
+    floats = 2 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + intermediate + head_dim
+    return floats + threads * max_len

@@ -1,0 +1,131 @@
+"""The fused CPU decode step (kernels/cpu_decode.c) against its reference, the engine's eager forward.
+
+Each case prefills a prompt through the eager model into a KV cache whose block table is out of order
+and crosses block boundaries, then runs the next token once through the eager decode path and once
+through the fused step from the same cache, and compares the logits and the K/V rows written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import tiny_config
+from engine.fused_step import FusedDecoder, build_fused_decoder
+from engine.llm_engine import LLMEngine
+from engine.model import AttentionMetadata, PrefillChunk, Transformer, attention_metadata
+from kernels import cpu_decode
+
+pytestmark = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler to build the step")
+
+BLOCK = 16
+TABLE = torch.tensor([5, 2, 9, 0], dtype=torch.int32)  # out of order: the step must follow the table
+
+
+def _slots(positions: torch.Tensor) -> torch.Tensor:
+    return TABLE.long()[positions // BLOCK] * BLOCK + positions % BLOCK
+
+
+def _prefill(model: Transformer, ids: torch.Tensor) -> None:
+    n = ids.numel()
+    positions = torch.arange(n)
+    meta = AttentionMetadata(
+        positions=positions,
+        slot_mapping=_slots(positions),
+        num_decodes=0,
+        block_tables=None,
+        context_lens=None,
+        max_context_len=0,
+        prefills=[PrefillChunk(0, n, n, TABLE)],
+        block_size=BLOCK,
+    )
+    with torch.inference_mode(), attention_metadata(meta):
+        model(ids)
+
+
+def _eager_decode(model: Transformer, token: int, position: int) -> torch.Tensor:
+    meta = AttentionMetadata(
+        positions=torch.tensor([position]),
+        slot_mapping=_slots(torch.tensor([position])),
+        num_decodes=1,
+        block_tables=TABLE[None],
+        context_lens=torch.tensor([position + 1], dtype=torch.int32),
+        max_context_len=position + 1,
+        prefills=[],
+        block_size=BLOCK,
+    )
+    with torch.inference_mode(), attention_metadata(meta):
+        return model.logits(model(torch.tensor([token])))
+
+
+def _caches(model: Transformer) -> list[torch.Tensor]:
+    return [t.clone() for layer in model.layers for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+
+
+def _restore(model: Transformer, saved: list[torch.Tensor]) -> None:
+    tensors = [t for layer in model.layers for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+    for t, s in zip(tensors, saved, strict=True):
+        t.copy_(s)
+
+
+# (dtype, quantization, config changes, logits tolerance relative to the largest logit). float32: the
+# summation order only. bfloat16: the eager forward rounds every activation to bf16, the fused step
+# keeps them in fp32. int8: the eager path rounds activations to ~13 bits per row for fbgemm
+# (kernels/int8_matmul.py), the fused step multiplies the int8 weights by fp32 activations.
+CASES = [
+    ("float32", "none", {}, 1e-5),
+    ("float32", "none", {"attention_bias": True}, 1e-5),
+    ("float32", "none", {"tie_word_embeddings": True}, 1e-5),
+    ("float32", "none", {"num_kv_heads": 4}, 1e-5),  # no grouping
+    ("float32", "none", {"num_kv_heads": 1, "hidden_size": 72, "head_dim": 18}, 1e-5),  # odd tails
+    ("bfloat16", "none", {}, 2e-2),
+    ("float32", "int8", {}, 2e-3),
+    ("bfloat16", "int8", {"tie_word_embeddings": True}, 2e-2),
+]
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "changes", "tol"), CASES)
+def test_fused_step_matches_the_eager_forward(
+    dtype: str, quantization: str, changes: dict[str, Any], tol: float
+) -> None:
+    engine = LLMEngine.from_config(
+        tiny_config(**changes),
+        dtype=dtype,
+        device="cpu",
+        num_kv_blocks=16,
+        quantization=quantization,
+        fused_decode="off",
+    )
+    model = engine.model
+    decoder = build_fused_decoder(model, "on", 256)
+    assert isinstance(decoder, FusedDecoder)
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 16, 37):  # one token; exactly one full block; three blocks, the last partial
+        ids = torch.randint(1, model.config.vocab_size, (length + 1,), generator=generator)
+        _prefill(model, ids[:-1])
+        before = _caches(model)
+        expected = _eager_decode(model, int(ids[-1]), length)
+        expected_caches = _caches(model)
+        _restore(model, before)
+        with torch.inference_mode():
+            got = decoder(int(ids[-1]), length, TABLE)
+        assert got.shape == (1, model.config.vocab_size) and got.dtype == torch.float32
+        scale = expected.abs().max().item()
+        err = (got - expected).abs().max().item()
+        assert err <= tol * scale, f"length {length}: logits differ by {err:.3g} (scale {scale:.3g})"
+        for got_cache, want, old in zip(_caches(model), expected_caches, before, strict=True):
+            # the new K/V row, from the same projections, and nothing else was written
+            assert (got_cache.float() - want.float()).abs().max().item() <= 4 * tol * max(1.0, scale)
+            untouched = torch.ones(want.shape[:2], dtype=torch.bool)
+            untouched.view(-1)[_slots(torch.tensor([length]))] = False
+            assert torch.equal(got_cache[untouched], old[untouched])
+
+
+def test_position_beyond_the_scratch_is_refused() -> None:
+    engine = LLMEngine.from_config(tiny_config(), device="cpu", num_kv_blocks=16, fused_decode="off")
+    decoder = build_fused_decoder(engine.model, "on", 32)
+    assert decoder is not None
+    with pytest.raises(ValueError, match="beyond"):
+        decoder(1, 32, TABLE)
