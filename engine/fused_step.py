@@ -12,8 +12,9 @@ oneDNN/fbgemm layouts win once there are rows to share a weight read. The copies
 weights again, in their own dtype; a head tied to the embedding reads the embedding and costs nothing),
 which is why `fused_decode="auto"` is on only for models up to `AUTO_MAX_PARAMS`.
 
-Supported: float32 and bfloat16 models, unquantized or int8 (per-row scales); a model with other
-linears (int4, fp8), another dtype, or layers this file does not know is left to the eager path.
+Supported: float32 and bfloat16 models, unquantized, int8 (per-row scales) or int4 (groups of a
+multiple of 32, scales and zero points); a model with other linears (fp8), another dtype, or layers
+this file does not know is left to the eager path.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from torch import nn
 
 from engine.model import Transformer
 from engine.packed import DualLinear, PackedLinear
-from engine.quant import Int8Linear
+from engine.quant import Int4Linear, Int8Linear
 from kernels import cpu_decode
-from kernels.int8_matmul import fbgemm_unpack
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,7 @@ def _row_major(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, to
     """(weight [out, in] row-major, fp32 row scales or None, fp32 bias or None) of a linear layer in
     any of the engine's layouts. Shares the module's tensor where it is already row-major."""
     if isinstance(module, Int8Linear):
-        weight, scales = (
-            fbgemm_unpack(module._packed) if module.cpu_layout else (module.weight, module.scales)
-        )
+        weight, scales = module.portable_weight()
         return weight.contiguous(), _f32(scales), _f32(module.bias)
     if isinstance(module, PackedLinear):
         weight = module.weight if module.weight is not None else module.packed.to_dense()
@@ -58,6 +56,15 @@ def _row_major(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, to
     if isinstance(module, (nn.Linear, DualLinear)):
         return module.weight.detach().contiguous(), None, _f32(module.bias)
     raise Unsupported(f"{type(module).__name__} layers are not supported")
+
+
+def _int4(module: Int4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed nibbles uint8 [out, Kp // 2], scales fp32 [out, groups], zero - 8 * scale fp32 [out,
+    groups]) from either of the module's layouts: w = q * scale + (zero - 8 * scale)."""
+    qweight = module.portable_qweight()
+    sz = module.scales_and_zeros.float()  # [groups, out, 2]
+    scale, zero = sz[..., 0], sz[..., 1]
+    return qweight.contiguous(), scale.t().contiguous(), (zero - 8 * scale).t().contiguous()
 
 
 class FusedDecoder:
@@ -75,6 +82,7 @@ class FusedDecoder:
             raise Unsupported("the KV cache is not allocated in the model's dtype")
         self._lib = lib
         self._keep: list[torch.Tensor] = []  # every tensor a table points into
+        self.max_group = 0  # the largest int4 group, for the scratch the C step needs
         self.max_len = max_len
         self.eps = float(config.rms_norm_eps)
         layers = (cpu_decode.Layer * config.num_layers)()
@@ -113,6 +121,7 @@ class FusedDecoder:
             "kv_type": _TYPES[dtype],
             "embed_type": _TYPES[dtype],
             "max_len": max_len,
+            "max_group": self.max_group,
         }
         self.shape = torch.tensor([shape[f] for f in cpu_decode.SHAPE_FIELDS], dtype=torch.int64)
         self.vocab = config.vocab_size
@@ -132,10 +141,25 @@ class FusedDecoder:
         return t.data_ptr()
 
     def _linear(self, module: nn.Module, tied: torch.Tensor | None = None) -> cpu_decode.Linear:
+        if isinstance(module, Int4Linear):
+            if module.group_size % 32:  # the C loop takes 32 weights (16 bytes) at a time
+                raise Unsupported(f"int4 groups of {module.group_size} are not supported")
+            qweight, scale, zero = _int4(module)
+            self.max_group = max(self.max_group, module.group_size)
+            return cpu_decode.Linear(
+                self._ptr(qweight),
+                cpu_decode.I4,
+                self._ptr(scale),
+                self._ptr(_f32(module.bias)),
+                self._ptr(zero),
+                module.group_size,
+            )
         weight, scale, bias = _row_major(module) if tied is None else (tied, None, None)
         if weight.dtype not in _TYPES:
             raise Unsupported(f"{weight.dtype} weights are not supported")
-        return cpu_decode.Linear(self._ptr(weight), _TYPES[weight.dtype], self._ptr(scale), self._ptr(bias))
+        return cpu_decode.Linear(
+            self._ptr(weight), _TYPES[weight.dtype], self._ptr(scale), self._ptr(bias), None, 0
+        )
 
     def copied_bytes(self, model: nn.Module) -> int:
         """Bytes this decoder holds beyond `model`'s own tensors (its row-major copies)."""
@@ -155,7 +179,7 @@ class FusedDecoder:
         if position >= self.max_len:
             raise ValueError(f"position {position} beyond the fused step's {self.max_len}")
         threads = torch.get_num_threads()
-        need = cpu_decode.scratch_floats(*self._shape_args, threads, self.max_len)
+        need = cpu_decode.scratch_floats(*self._shape_args, threads, self.max_len, self.max_group)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         logits = torch.empty(1, self.vocab, dtype=torch.float32)

@@ -389,6 +389,12 @@ class Int8Linear(_RowScaledLinear):
             y = int8_matmul(x, self.weight, self.scales)
         return y if self.bias is None else y + self.bias
 
+    def portable_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 weight [out, in], fp32 scales [out]) in the portable layout, whichever layout is held."""
+        if self.cpu_layout:
+            return fbgemm_unpack(self._packed)
+        return self.weight, self.scales.float()
+
     def packed_bytes(self) -> int:
         """Bytes of the fbgemm copy (not a tensor, so ``weight_bytes`` cannot see it): one per weight."""
         return self.in_features * self.out_features if self.cpu_layout else 0
@@ -499,6 +505,10 @@ class Int4Linear(nn.Module):
             self.qweight, self.cpu_layout = _int4pack_for_cpu(q), True
         elif not enable and self.cpu_layout:
             self.qweight, self.cpu_layout = _from_cpu_layout(self.qweight), False
+
+    def portable_qweight(self) -> torch.Tensor:
+        """``qweight`` in the portable packed layout (``pack_int4``), whichever layout is held."""
+        return _from_cpu_layout(self.qweight) if self.cpu_layout else self.qweight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_layout and x.is_cpu and not use_triton(x):

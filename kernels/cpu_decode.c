@@ -6,8 +6,9 @@
    output projection, SwiGLU MLP, final norm, head) runs in one OpenMP parallel region, so the only
    costs left are the weight reads and a few barriers per layer.
 
-   Layouts match the engine's (engine/model.py): row-major [out, in] weights, fp32 / bf16 / int8 with
-   one fp32 scale per output row; a paged KV cache [blocks, block_size, kv_heads, head_dim] in fp32 or
+   Layouts match the engine's (engine/model.py, engine/quant.py): row-major [out, in] weights, fp32 /
+   bf16 / int8 with one fp32 scale per output row / int4 packed two per byte with a scale and zero point
+   per group; a paged KV cache [blocks, block_size, kv_heads, head_dim] in fp32 or
    bf16; RoPE tables [max_pos, head_dim] in HF's rotate-half form with the first half of `sin` negated.
    Activations are fp32 throughout; bf16 values are widened on load and K/V rounded to nearest-even on
    store. The PyTorch reference is the engine's own forward (tests/kernels/test_cpu_decode.py).
@@ -24,7 +25,7 @@
 #include <immintrin.h>
 #endif
 
-enum { F32 = 0, BF16 = 1, I8 = 2 };
+enum { F32 = 0, BF16 = 1, I8 = 2, I4 = 3 };
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -54,6 +55,10 @@ typedef __m512 vf;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VSUM(v) _mm512_reduce_add_ps(v)
+typedef __m512i vi;
+#define VLOAD_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VLOW4(v) _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)))
+#define VHIGH4(v) _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define W 8
 typedef __m256 vf;
@@ -71,6 +76,10 @@ static inline float VSUM(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+typedef __m256i vi;
+#define VLOAD_U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VLOW4(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)))
+#define VHIGH4(v) _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))
 #else
 #define W 1
 typedef float vf;
@@ -82,6 +91,10 @@ typedef float vf;
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define VSTORE(p, v) (*(p) = (v))
 #define VSUM(v) (v)
+typedef int vi;
+#define VLOAD_U8(p) ((int)*(p))
+#define VLOW4(v) ((float)((v) & 15))
+#define VHIGH4(v) ((float)((v) >> 4))
 #endif
 
 #define SCALAR_F32(v) (v)
@@ -111,42 +124,100 @@ DEFINE_DOT(dot_f32, float, VLOAD_F32, SCALAR_F32)
 DEFINE_DOT(dot_bf16, uint16_t, VLOAD_BF16, SCALAR_BF16)
 DEFINE_DOT(dot_i8, int8_t, VLOAD_I8, SCALAR_I8)
 
-typedef struct {
-    const void *weight;  /* [out, in] row-major */
-    int64_t type;        /* F32, BF16 or I8 */
-    const float *scale;  /* [out] or NULL */
-    const float *bias;   /* [out] or NULL */
-} Linear;
-
-static const void *row_ptr(const Linear *l, int64_t row, int64_t k) {
-    size_t size = l->type == F32 ? 4 : l->type == BF16 ? 2 : 1;
-    return (const char *)l->weight + (size_t)row * (size_t)k * size;
+/* int4, group-wise: byte b of a group holds its weights 2b (low nibble) and 2b+1 (high), and
+   w = q * scale + zero' (zero' = zero - 8 * scale, folded at load). `xp` is x permuted to match (per
+   2W weights: the W even ones, then the W odd ones; `permute_for_int4`), zero-padded to the groups;
+   `xsum` holds each group's sum of x, so the zero points cost one multiply-add per group. */
+static float dot_i4(const uint8_t *r, const float *xp, const float *xsum, const float *scale, const float *zero,
+                    int64_t groups, int64_t group) {
+    vf acc = VZERO();
+    float zacc = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *rg = r + g * group / 2;
+        const float *xg = xp + g * group;
+        vf t0 = VZERO(), t1 = VZERO();
+        for (int64_t j = 0; j < group; j += 2 * W) {
+            vi q = VLOAD_U8(rg + j / 2);
+            t0 = VFMA(VLOW4(q), VLOAD_F32(xg + j), t0);
+            t1 = VFMA(VHIGH4(q), VLOAD_F32(xg + j + W), t1);
+        }
+        acc = VFMA(t0 + t1, VSET1(scale[g]), acc);
+        zacc += zero[g] * xsum[g];
+    }
+    return VSUM(acc) + zacc;
 }
 
-/* Row `row` of `l` dotted with x, scaled and biased. */
-static float dot(const Linear *l, int64_t row, const float *x, int64_t k) {
-    const void *p = row_ptr(l, row, k);
-    float s = l->type == F32    ? dot_f32((const float *)p, x, k)
-              : l->type == BF16 ? dot_bf16((const uint16_t *)p, x, k)
-                                : dot_i8((const int8_t *)p, x, k);
-    if (l->scale) s *= l->scale[row];
+static void permute_for_int4(const float *x, int64_t k, int64_t groups, int64_t group, float *xp, float *xsum) {
+    for (int64_t g = 0; g < groups; g++) {
+        float sum = 0.0f;
+        for (int64_t j = g * group; j < (g + 1) * group; j += 2 * W)
+            for (int64_t m = 0; m < W; m++) {
+                float even = j + 2 * m < k ? x[j + 2 * m] : 0.0f, odd = j + 2 * m + 1 < k ? x[j + 2 * m + 1] : 0.0f;
+                xp[j + m] = even, xp[j + W + m] = odd;
+                sum += even + odd;
+            }
+        xsum[g] = sum;
+    }
+}
+
+typedef struct {
+    const void *weight;  /* [out, in] row-major; I4: uint8 [out, groups * group / 2] */
+    int64_t type;        /* F32, BF16, I8 or I4 */
+    const float *scale;  /* [out] or NULL; I4: [out, groups] */
+    const float *bias;   /* [out] or NULL */
+    const float *zero;   /* I4: [out, groups] (zero - 8 * scale); else NULL */
+    int64_t group;       /* I4: weights per group; else 0 */
+} Linear;
+
+/* What a GEMV's input looks like to `l`: x itself, or for I4 its permuted copy and group sums (in this
+   thread's `work`). */
+typedef struct {
+    const float *x, *xsum;
+} Input;
+
+static Input prepare(const Linear *l, const float *x, int64_t k, float *work) {
+    Input in = {x, NULL};
+    if (l->type == I4) {
+        int64_t groups = (k + l->group - 1) / l->group;
+        permute_for_int4(x, k, groups, l->group, work, work + groups * l->group);
+        in.x = work, in.xsum = work + groups * l->group;
+    }
+    return in;
+}
+
+/* Row `row` of `l` dotted with the input, scaled and biased. */
+static float dot(const Linear *l, int64_t row, Input in, int64_t k) {
+    float s;
+    if (l->type == I4) {
+        int64_t groups = (k + l->group - 1) / l->group;
+        const uint8_t *r = (const uint8_t *)l->weight + row * groups * l->group / 2;
+        s = dot_i4(r, in.x, in.xsum, l->scale + row * groups, l->zero + row * groups, groups, l->group);
+    } else {
+        size_t at = (size_t)row * (size_t)k;
+        s = l->type == F32    ? dot_f32((const float *)l->weight + at, in.x, k)
+            : l->type == BF16 ? dot_bf16((const uint16_t *)l->weight + at, in.x, k)
+                              : dot_i8((const int8_t *)l->weight + at, in.x, k);
+        if (l->scale) s *= l->scale[row];
+    }
     if (l->bias) s += l->bias[row];
     return s;
 }
 
 /* y = l(x) (y += l(x) when `accumulate`: the residual add rides along). Work-shares the rows across
    the team; call from inside the parallel region. */
-static void gemv(const Linear *l, const float *x, float *y, int64_t n, int64_t k, int accumulate) {
+static void gemv(const Linear *l, const float *x, float *y, int64_t n, int64_t k, int accumulate, float *work) {
+    Input in = prepare(l, x, k, work);  /* each thread its own copy: no barrier */
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n; r++) y[r] = (accumulate ? y[r] : 0.0f) + dot(l, r, x, k);
+    for (int64_t r = 0; r < n; r++) y[r] = (accumulate ? y[r] : 0.0f) + dot(l, r, in, k);
 }
 
 /* act = silu(gate(x)) * up(x) from the fused [gate; up] weight: row i of both halves in one
    iteration, so the product needs no second pass and no barrier. */
-static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t inter, int64_t k) {
+static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t inter, int64_t k, float *work) {
+    Input in = prepare(l, x, k, work);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < inter; i++) {
-        float gate = dot(l, i, x, k), up = dot(l, inter + i, x, k);
+        float gate = dot(l, i, in, k), up = dot(l, inter + i, in, k);
         act[i] = gate / (1.0f + expf(-gate)) * up;
     }
 }
@@ -224,9 +295,9 @@ static void attention_head(const float *q, const void *kc, const void *vc, int64
 }
 
 /* Shapes: hidden, heads, kv_heads, head_dim, intermediate, vocab, layers, block_size, kv_type,
-   embed_type, max_len (scratch per thread). */
+   embed_type, max_len (scratch per thread), max_group (the largest int4 group, or 0). */
 enum { C_HIDDEN, C_HEADS, C_KV_HEADS, C_HEAD_DIM, C_INTER, C_VOCAB, C_LAYERS, C_BLOCK, C_KV_TYPE, C_EMBED_TYPE,
-       C_MAX_LEN, C_COUNT };
+       C_MAX_LEN, C_MAX_GROUP, C_COUNT };
 
 /* One layer's table entry; the Python side fills these from the model's modules. */
 typedef struct {
@@ -245,7 +316,8 @@ typedef struct {
 } Globals;
 
 /* Scratch: 2 * hidden + q + 2 kv + heads * head_dim + intermediate + head_dim floats, then
-   threads * max_len for the attention scores. */
+   threads * max_len for the attention scores, then threads * 2 * (max(hidden, intermediate, q) +
+   max_group) for int4 inputs. */
 int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers, int64_t token, int64_t pos,
                      const int32_t *table, float eps, int threads, float *scratch, float *logits) {
     const int64_t hidden = shape[C_HIDDEN], heads = shape[C_HEADS], kv_heads = shape[C_KV_HEADS];
@@ -263,14 +335,18 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
         int64_t at = token * hidden + i;
         x[i] = shape[C_EMBED_TYPE] == F32 ? ((const float *)g->embed)[at] : bf16_to_f32(((const uint16_t *)g->embed)[at]);
     }
+    /* per thread, for int4 inputs: the widest input padded to a whole group, and its group sums */
+    const int64_t widest = (hidden > inter ? hidden : inter) > q_size ? (hidden > inter ? hidden : inter) : q_size;
+    const int64_t work_floats = 2 * (widest + shape[C_MAX_GROUP]);
 #pragma omp parallel num_threads(threads)
     {
         float *my_scores = scores + (int64_t)omp_get_thread_num() * max_len;
+        float *work = scores + threads * max_len + (int64_t)omp_get_thread_num() * work_floats;
         for (int64_t l = 0; l < shape[C_LAYERS]; l++) {
             const Layer *ly = &layers[l];
 #pragma omp single
             rms_norm(x, ly->input_norm, h, hidden, eps);
-            gemv(&ly->qkv, h, qkv, q_size + 2 * kv_size, hidden, 0);
+            gemv(&ly->qkv, h, qkv, q_size + 2 * kv_size, hidden, 0, work);
 #pragma omp single
             {
                 for (int64_t j = 0; j < heads + kv_heads; j++) rotate(qkv + j * d, cos, sin, d, tmp);
@@ -283,15 +359,15 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
             for (int64_t j = 0; j < heads; j++)
                 attention_head(qkv + j * d, ly->k_cache, ly->v_cache, kv_type, table, len, block, kv_heads,
                                j / group, d, scale, my_scores, attn + j * d);
-            gemv(&ly->o, attn, x, hidden, q_size, 1);
+            gemv(&ly->o, attn, x, hidden, q_size, 1, work);
 #pragma omp single
             rms_norm(x, ly->post_norm, h, hidden, eps);
-            gemv_swiglu(&ly->gate_up, h, act, inter, hidden);
-            gemv(&ly->down, act, x, hidden, inter, 1);
+            gemv_swiglu(&ly->gate_up, h, act, inter, hidden, work);
+            gemv(&ly->down, act, x, hidden, inter, 1, work);
         }
 #pragma omp single
         rms_norm(x, g->norm, h, hidden, eps);
-        gemv(&g->head, h, logits, shape[C_VOCAB], hidden, 0);
+        gemv(&g->head, h, logits, shape[C_VOCAB], hidden, 0, work);
     }
     return 0;
 }

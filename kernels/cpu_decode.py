@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
-F32, BF16, I8 = 0, 1, 2  # weight and cache element types, as the C enum
+F32, BF16, I8, I4 = 0, 1, 2, 3  # weight and cache element types, as the C enum
 SHAPE_FIELDS = [
     "hidden",
     "heads",
@@ -40,6 +40,7 @@ SHAPE_FIELDS = [
     "kv_type",
     "embed_type",
     "max_len",
+    "max_group",
 ]
 
 
@@ -49,6 +50,8 @@ class Linear(ctypes.Structure):
         ("type", ctypes.c_int64),
         ("scale", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
+        ("zero", ctypes.c_void_p),
+        ("group", ctypes.c_int64),
     ]
 
 
@@ -105,24 +108,17 @@ def library() -> ctypes.CDLL | None:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join([cc, *FLAGS]).encode(), _cpu_identity().encode()]))
     target = cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # build beside the target and rename: concurrent engines never load a half-written file
-        fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        result = subprocess.run(
-            [cc, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
-        )
-        if result.returncode != 0:
-            os.unlink(partial)
-            log.warning("fused CPU decode step unavailable: %s failed:\n%s", cc, result.stderr.strip())
+    try:
+        if not target.exists() and not _build(cc, target):
             return None
-        os.replace(partial, target)
-    # PyTorch has loaded its libgomp.so.1 by now; the library's dependency resolves to that one, so
-    # both share one OpenMP thread pool
-    import torch  # noqa: F401
+        # PyTorch has loaded its libgomp.so.1 by now; the library's dependency resolves to that one, so
+        # both share one OpenMP thread pool
+        import torch  # noqa: F401
 
-    lib = ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:  # a read-only cache directory, a library that will not load
+        log.warning("fused CPU decode step unavailable: %s", exc)
+        return None
     lib.weir_decode_step.restype = ctypes.c_int
     lib.weir_decode_step.argtypes = [
         ctypes.c_void_p,  # shape (int64[11])
@@ -139,9 +135,33 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def _build(cc: str, target: Path) -> bool:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent engines never load a half-written file
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    result = subprocess.run(
+        [cc, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        os.unlink(partial)
+        log.warning("fused CPU decode step unavailable: %s failed:\n%s", cc, result.stderr.strip())
+        return False
+    os.replace(partial, target)
+    return True
+
+
 def scratch_floats(
-    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, threads: int, max_len: int
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    threads: int,
+    max_len: int,
+    max_group: int,
 ) -> int:
     """Floats of scratch the step needs (the C function's layout)."""
     floats = 2 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + intermediate + head_dim
-    return floats + threads * max_len
+    widest = max(hidden, intermediate, heads * head_dim)
+    return floats + threads * max_len + threads * 2 * (widest + max_group)

@@ -36,14 +36,15 @@ ARG MODEL=smollm2-135m
 ENV WEIR_MODELS_DIR=/opt/weir/models
 RUN mkdir -p "$WEIR_MODELS_DIR" && if [ -n "$MODEL" ]; then weir models pull "$MODEL"; fi
 
+# A C compiler at run time: on the CPU the engine builds its fused decode step for the machine it runs
+# on at load (kernels/cpu_decode.c, -march=native; without gcc it serves on the slower eager path), and
+# on CUDA Triton compiles a small C launcher the first time it runs a kernel.
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime-cpu
-
-# Triton compiles a small C launcher the first time it runs a kernel, so the CUDA variant needs a
-# C compiler at run time.
-FROM runtime-cpu AS runtime-cuda
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
+
+FROM runtime-cpu AS runtime-cuda
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 

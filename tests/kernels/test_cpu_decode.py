@@ -7,6 +7,7 @@ through the fused step from the same cache, and compares the logits and the K/V 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,7 +74,8 @@ def _restore(model: Transformer, saved: list[torch.Tensor]) -> None:
 # (dtype, quantization, config changes, logits tolerance relative to the largest logit). float32: the
 # summation order only. bfloat16: the eager forward rounds every activation to bf16, the fused step
 # keeps them in fp32. int8: the eager path rounds activations to ~13 bits per row for fbgemm
-# (kernels/int8_matmul.py), the fused step multiplies the int8 weights by fp32 activations.
+# (kernels/int8_matmul.py), int4 to bf16 for PyTorch's CPU int4 kernel; the fused step multiplies the
+# quantized weights by fp32 activations.
 CASES = [
     ("float32", "none", {}, 1e-5),
     ("float32", "none", {"attention_bias": True}, 1e-5),
@@ -83,6 +85,9 @@ CASES = [
     ("bfloat16", "none", {}, 2e-2),
     ("float32", "int8", {}, 2e-3),
     ("bfloat16", "int8", {"tie_word_embeddings": True}, 2e-2),
+    ("float32", "int4", {}, 2e-3),  # groups of 32, int8 head; eager rounds activations to bf16
+    ("bfloat16", "int4-g64", {"attention_bias": True}, 2e-2),
+    ("float32", "int4-g128", {"num_kv_heads": 1, "hidden_size": 72, "head_dim": 18}, 2e-3),  # padded K
 ]
 
 
@@ -129,3 +134,14 @@ def test_position_beyond_the_scratch_is_refused() -> None:
     assert decoder is not None
     with pytest.raises(ValueError, match="beyond"):
         decoder(1, 32, TABLE)
+
+
+def test_an_unwritable_cache_means_no_step(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("WEIR_CACHE_DIR", str(blocker))
+    cpu_decode.library.cache_clear()
+    try:
+        assert cpu_decode.library() is None  # logged, not raised: the engine serves eagerly
+    finally:
+        cpu_decode.library.cache_clear()
