@@ -1,4 +1,4 @@
-"""A lone sequence's decode step as one native call (`kernels/cpu_decode.c`), on the CPU.
+"""Small decode steps as one native call (`kernels/cpu_decode.c`), on the CPU.
 
 With one sequence running, a decode step is ~15 small ops per layer. Eager PyTorch spends 5-30 us on
 each (dispatch, allocation, waking threads), which for a small model is as long as reading the weights:
@@ -6,9 +6,9 @@ SmolLM2-135M in bf16 decoded at 0.26 of its memory-bandwidth roofline. The fused
 forward in one OpenMP region over row-major copies of the weights, so the step costs the weight reads
 and a few barriers per layer.
 
-It serves exactly one case: one sequence, one new token, logits for it (no prompt log-probs, no
-speculative verification). Everything else, batches included, stays on the eager forward, whose
-oneDNN/fbgemm layouts win once there are rows to share a weight read. The copies cost memory (the
+It serves decode steps of 1 to `FUSED_MAX_BATCH` sequences, each computing one new token and sampling
+it (no prompt log-probs, no speculative verification). Larger batches and prefill chunks stay on the
+eager forward, whose oneDNN/fbgemm kernels block rows and sequences in registers and win there. The copies cost memory (the
 weights again, in their own dtype; a head tied to the embedding reads the embedding and costs nothing),
 which is why `fused_decode="auto"` is on only for models up to `AUTO_MAX_PARAMS`.
 
@@ -33,6 +33,7 @@ from kernels import cpu_decode
 log = logging.getLogger(__name__)
 
 AUTO_MAX_PARAMS = 2_000_000_000  # "auto" doubles weight memory only for models up to this size
+FUSED_MAX_BATCH = 8  # decode steps of up to this many sequences take the fused step (measured crossover)
 _TYPES = {torch.float32: cpu_decode.F32, torch.bfloat16: cpu_decode.BF16, torch.int8: cpu_decode.I8}
 
 
@@ -173,24 +174,32 @@ class FusedDecoder:
         copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._keep}
         return sum(n for ptr, n in copies.items() if ptr not in own)
 
-    def __call__(self, token: int, position: int, block_table: torch.Tensor) -> torch.Tensor:
-        """Logits [1, vocab] (fp32) for `token` at `position`; writes its K/V into the cache slot the
-        block table (int32, CPU) gives for `position`."""
-        if position >= self.max_len:
-            raise ValueError(f"position {position} beyond the fused step's {self.max_len}")
+    def __call__(self, tokens: list[int], positions: list[int], block_tables: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, vocab] (fp32) for one new token per sequence (`tokens[b]` at `positions[b]`);
+        writes their K/V into the cache slots the block tables (int32 [batch, >= blocks], CPU) give."""
+        batch = len(tokens)
+        if not 1 <= batch <= cpu_decode.MAX_BATCH:
+            raise ValueError(f"the fused step takes 1 to {cpu_decode.MAX_BATCH} sequences, not {batch}")
+        if max(positions) >= self.max_len:
+            raise ValueError(f"position {max(positions)} beyond the fused step's {self.max_len}")
         threads = torch.get_num_threads()
-        need = cpu_decode.scratch_floats(*self._shape_args, threads, self.max_len, self.max_group)
+        need = cpu_decode.scratch_floats(
+            *self._shape_args, batch=batch, threads=threads, max_len=self.max_len, max_group=self.max_group
+        )
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
-        logits = torch.empty(1, self.vocab, dtype=torch.float32)
-        table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+        logits = torch.empty(batch, self.vocab, dtype=torch.float32)
+        ids = torch.tensor([tokens, positions], dtype=torch.int64)
+        tables = block_tables.to(torch.int32).contiguous()
         status = self._lib.weir_decode_step(
             self.shape.data_ptr(),
             ctypes.byref(self.globals),
             self.layers,
-            token,
-            position,
-            table.data_ptr(),
+            batch,
+            ids[0].data_ptr(),
+            ids[1].data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
             self.eps,
             threads,
             self._scratch.data_ptr(),

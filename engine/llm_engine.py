@@ -203,7 +203,7 @@ class LLMEngine:
             device=self.device,
             seed=seed,
         )
-        # CPU: a lone sequence's decode step as one native call (engine/fused_step.py)
+        # CPU: decode steps of a few sequences as one native call (engine/fused_step.py)
         if self.device.type == "cpu":
             self.runner.use_fused_decode(fused_decode, self.max_model_len)
         elif fused_decode == "on":

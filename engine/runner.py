@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.fused_step import FusedDecoder, build_fused_decoder
+from engine.fused_step import FUSED_MAX_BATCH, FusedDecoder, build_fused_decoder
 from engine.model import AttentionMetadata, PrefillChunk, Transformer, attention_metadata
 from engine.sampling import SamplingRow, sample, top_logprobs
 from engine.scheduler import ScheduledBatch
@@ -43,9 +43,10 @@ class ModelRunner:
         self.device = device
         self.model.allocate_kv_cache(num_blocks, block_size, dtype, device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        # the CPU's lone-sequence decode step (engine/fused_step.py): "auto", "on" or "off", built by
-        # `use_fused_decode` and rebuilt when the model's weights change (`engine.model.weights_changed`)
+        # decode steps of a few sequences as one native call (engine/fused_step.py): "auto", "on" or
+        # "off", built by `use_fused_decode`, rebuilt when the weights change (`model.weights_changed`)
         self.fused_mode = "off"
+        self.fused_max_batch = FUSED_MAX_BATCH
         self.fused: FusedDecoder | None = None
         self._fused_version = -1
         self._max_len = 0
@@ -107,7 +108,7 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, order, starts
 
     def use_fused_decode(self, mode: str, max_len: int) -> None:
-        """Serve lone-sequence decode steps of up to `max_len` positions with the fused CPU step."""
+        """Serve decode steps of a few sequences, up to `max_len` positions, with the fused CPU step."""
         self.fused_mode, self._max_len, self._fused_version = mode, max_len, -1
         self._fused_decoder()
 
@@ -120,18 +121,25 @@ class ModelRunner:
         return self.fused
 
     def _fused_step(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Logits [1, vocab] from the fused step when `batch` is one sequence decoding one token and
-        sampling it (no prompt log-probs left to read, no draft tokens to verify); else None."""
-        if self.fused_mode == "off" or len(batch.seqs) != 1 or batch.num_tokens[0] != 1:
+        """Logits [batch, vocab] from the fused step when every sequence of `batch` decodes one token and
+        samples it (no prompt log-probs left to read, no draft tokens to verify); else None."""
+        if self.fused_mode == "off" or not 1 <= len(batch.seqs) <= self.fused_max_batch:
             return None
-        seq = batch.seqs[0]
-        c = seq.num_computed_tokens
-        if c + 1 != seq.num_tokens or (seq.params.prompt_logprobs is not None and c < seq.num_prompt_tokens):
-            return None
+        tokens, positions = [], []
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            c = seq.num_computed_tokens
+            if n != 1 or c + 1 != seq.num_tokens:
+                return None
+            if seq.params.prompt_logprobs is not None and c < seq.num_prompt_tokens:
+                return None
+            tokens.append(seq.token_ids(c, c + 1)[0])
+            positions.append(c)
         fused = self._fused_decoder()
         if fused is None:
             return None
-        return fused(seq.token_ids(c, c + 1)[0], c, torch.tensor(seq.block_table, dtype=torch.int32))
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs])
+        return fused(tokens, positions, tables)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqResult]:
@@ -142,7 +150,7 @@ class ModelRunner:
             with attention_metadata(meta):
                 hidden = self.model(input_ids)
         else:
-            order, starts = [0], [0]
+            order = starts = list(range(len(batch.seqs)))
 
         # rows of `hidden` that need logits: the last token of every sequence that samples, and every
         # token of chunks whose request asked for prompt log-probs
@@ -168,7 +176,7 @@ class ModelRunner:
         results = [SeqResult(None, None, []) for _ in batch.seqs]
         if not logit_rows:
             return results
-        if fused_logits is not None:  # _fused_step took only steps whose one logits row is this
+        if fused_logits is not None:  # _fused_step takes only steps whose logits rows are 0..B-1
             logits = fused_logits
         else:
             logits = self.model.logits(hidden[torch.tensor(logit_rows, device=hidden.device)])

@@ -1,4 +1,4 @@
-/* One decode step of one sequence through a Llama-family model, in one call, on the CPU.
+/* One decode step of a few sequences through a Llama-family model, in one call, on the CPU.
 
    A lone stream's decode step is 30-ish layers of small ops: in eager PyTorch each costs 5-30 us of
    dispatch and threading overhead, which for a 135M model is as much time as streaming the weights.
@@ -26,6 +26,7 @@
 #endif
 
 enum { F32 = 0, BF16 = 1, I8 = 2, I4 = 3 };
+#define MAX_BATCH 64 /* sequences per call */
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -120,6 +121,30 @@ typedef int vi;
         return s;                                                                            \
     }
 
+/* dot(row, x[j]) for four sequences' inputs at once: each weight vector is loaded (and widened) once
+   for the four; two accumulators per sequence. */
+#define DEFINE_DOT_SEQ4(NAME, T, VLOAD, SCALAR)                                              \
+    static void NAME(const T *r, const float *const x[4], int64_t k, float out[4]) {         \
+        vf a[8] = {VZERO(), VZERO(), VZERO(), VZERO(), VZERO(), VZERO(), VZERO(), VZERO()};  \
+        int64_t i = 0;                                                                       \
+        for (; i + 2 * W <= k; i += 2 * W) {                                                 \
+            vf w0 = VLOAD(r + i), w1 = VLOAD(r + i + W);                                     \
+            for (int j = 0; j < 4; j++) {                                                    \
+                a[2 * j] = VFMA(w0, VLOAD_F32(x[j] + i), a[2 * j]);                          \
+                a[2 * j + 1] = VFMA(w1, VLOAD_F32(x[j] + i + W), a[2 * j + 1]);              \
+            }                                                                                \
+        }                                                                                    \
+        for (int j = 0; j < 4; j++) {                                                        \
+            float s = VSUM(a[2 * j]) + VSUM(a[2 * j + 1]);                                   \
+            for (int64_t t = i; t < k; t++) s += SCALAR(r[t]) * x[j][t];                     \
+            out[j] = s;                                                                      \
+        }                                                                                    \
+    }
+
+DEFINE_DOT_SEQ4(dots_f32, float, VLOAD_F32, SCALAR_F32)
+DEFINE_DOT_SEQ4(dots_bf16, uint16_t, VLOAD_BF16, SCALAR_BF16)
+DEFINE_DOT_SEQ4(dots_i8, int8_t, VLOAD_I8, SCALAR_I8)
+
 DEFINE_DOT(dot_f32, float, VLOAD_F32, SCALAR_F32)
 DEFINE_DOT(dot_bf16, uint16_t, VLOAD_BF16, SCALAR_BF16)
 DEFINE_DOT(dot_i8, int8_t, VLOAD_I8, SCALAR_I8)
@@ -205,20 +230,62 @@ static float dot(const Linear *l, int64_t row, Input in, int64_t k) {
 
 /* y = l(x) (y += l(x) when `accumulate`: the residual add rides along). Work-shares the rows across
    the team; call from inside the parallel region. */
-static void gemv(const Linear *l, const float *x, float *y, int64_t n, int64_t k, int accumulate, float *work) {
-    Input in = prepare(l, x, k, work);  /* each thread its own copy: no barrier */
+/* Row `row` of `l` dotted with four sequences' inputs (not int4), scaled and biased. */
+static void dots(const Linear *l, int64_t row, const Input in[4], int64_t k, float out[4]) {
+    const float *x[4] = {in[0].x, in[1].x, in[2].x, in[3].x};
+    size_t at = (size_t)row * (size_t)k;
+    if (l->type == F32)
+        dots_f32((const float *)l->weight + at, x, k, out);
+    else if (l->type == BF16)
+        dots_bf16((const uint16_t *)l->weight + at, x, k, out);
+    else
+        dots_i8((const int8_t *)l->weight + at, x, k, out);
+    for (int j = 0; j < 4; j++) {
+        if (l->scale) out[j] *= l->scale[row];
+        if (l->bias) out[j] += l->bias[row];
+    }
+}
+
+/* Row `row` of `l` for every sequence: out[b] for b < batch. */
+static void row_all(const Linear *l, int64_t row, const Input *in, int64_t batch, int64_t k, float *out) {
+    int64_t b = 0;
+    if (l->type != I4)
+        for (; b + 4 <= batch; b += 4) dots(l, row, in + b, k, out + b);
+    for (; b < batch; b++) out[b] = dot(l, row, in[b], k);
+}
+
+/* The inputs of `batch` sequences (rows of x, `k` apart) as `l` reads them. */
+static void prepare_all(const Linear *l, const float *x, int64_t batch, int64_t k, float *work, int64_t per_seq,
+                        Input *in) {
+    for (int64_t b = 0; b < batch; b++) in[b] = prepare(l, x + b * k, k, work + b * per_seq);
+}
+
+/* y[b] = l(x[b]) for every sequence (y[b] += l(x[b]) when `accumulate`: the residual add rides along).
+   Work-shares the rows across the team; call from inside the parallel region. */
+static void gemv(const Linear *l, const float *x, float *y, int64_t batch, int64_t n, int64_t k, int accumulate,
+                 float *work, int64_t per_seq) {
+    Input in[MAX_BATCH];
+    float out[MAX_BATCH];
+    prepare_all(l, x, batch, k, work, per_seq, in);  /* each thread its own copy: no barrier */
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n; r++) y[r] = (accumulate ? y[r] : 0.0f) + dot(l, r, in, k);
+    for (int64_t r = 0; r < n; r++) {
+        row_all(l, r, in, batch, k, out);
+        for (int64_t b = 0; b < batch; b++) y[b * n + r] = (accumulate ? y[b * n + r] : 0.0f) + out[b];
+    }
 }
 
 /* act = silu(gate(x)) * up(x) from the fused [gate; up] weight: row i of both halves in one
    iteration, so the product needs no second pass and no barrier. */
-static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t inter, int64_t k, float *work) {
-    Input in = prepare(l, x, k, work);
+static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t batch, int64_t inter, int64_t k,
+                        float *work, int64_t per_seq) {
+    Input in[MAX_BATCH];
+    float gate[MAX_BATCH], up[MAX_BATCH];
+    prepare_all(l, x, batch, k, work, per_seq, in);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < inter; i++) {
-        float gate = dot(l, i, in, k), up = dot(l, inter + i, in, k);
-        act[i] = gate / (1.0f + expf(-gate)) * up;
+        row_all(l, i, in, batch, k, gate);
+        row_all(l, inter + i, in, batch, k, up);
+        for (int64_t b = 0; b < batch; b++) act[b * inter + i] = gate[b] / (1.0f + expf(-gate[b])) * up[b];
     }
 }
 
@@ -315,59 +382,71 @@ typedef struct {
     const float *cos, *sin;  /* [max_pos, head_dim] */
 } Globals;
 
-/* Scratch: 2 * hidden + q + 2 kv + heads * head_dim + intermediate + head_dim floats, then
-   threads * max_len for the attention scores, then threads * 2 * (max(hidden, intermediate, q) +
-   max_group) for int4 inputs. */
-int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers, int64_t token, int64_t pos,
-                     const int32_t *table, float eps, int threads, float *scratch, float *logits) {
+/* Scratch, per sequence: 2 * hidden + q + 2 kv + heads * head_dim + intermediate + head_dim floats;
+   then threads * max_len for the attention scores; then, per thread and sequence, 2 * (max(hidden,
+   intermediate, q) + max_group) for int4 inputs. `tables`: int32 [batch, table_stride]. */
+int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers, int64_t batch,
+                     const int64_t *tokens, const int64_t *positions, const int32_t *tables, int64_t table_stride,
+                     float eps, int threads, float *scratch, float *logits) {
     const int64_t hidden = shape[C_HIDDEN], heads = shape[C_HEADS], kv_heads = shape[C_KV_HEADS];
     const int64_t d = shape[C_HEAD_DIM], inter = shape[C_INTER], kv_type = shape[C_KV_TYPE];
-    const int64_t block = shape[C_BLOCK], max_len = shape[C_MAX_LEN];
-    const int64_t q_size = heads * d, kv_size = kv_heads * d, len = pos + 1, group = heads / kv_heads;
-    if (len > max_len || heads % kv_heads) return 1;
+    const int64_t block = shape[C_BLOCK], max_len = shape[C_MAX_LEN], vocab = shape[C_VOCAB];
+    const int64_t q_size = heads * d, kv_size = kv_heads * d, group = heads / kv_heads;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    if (batch < 1 || batch > MAX_BATCH || heads % kv_heads) return 1;
+    for (int64_t b = 0; b < batch; b++)
+        if (positions[b] + 1 > max_len) return 2;
     const float scale = 1.0f / sqrtf((float)d);
-    float *x = scratch, *h = x + hidden, *qkv = h + hidden, *attn = qkv + q_size + 2 * kv_size;
-    float *act = attn + q_size, *tmp = act + inter, *scores = tmp + d;
-    const float *cos = g->cos + pos * d, *sin = g->sin + pos * d;
-    const int64_t slot = (int64_t)table[pos / block] * block + pos % block;
+    float *x = scratch, *h = x + batch * hidden, *qkv = h + batch * hidden, *attn = qkv + batch * qkv_size;
+    float *act = attn + batch * q_size, *tmp = act + batch * inter, *scores = tmp + d;
 
-    for (int64_t i = 0; i < hidden; i++) {
-        int64_t at = token * hidden + i;
-        x[i] = shape[C_EMBED_TYPE] == F32 ? ((const float *)g->embed)[at] : bf16_to_f32(((const uint16_t *)g->embed)[at]);
-    }
-    /* per thread, for int4 inputs: the widest input padded to a whole group, and its group sums */
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t i = 0; i < hidden; i++) {
+            int64_t at = tokens[b] * hidden + i;
+            x[b * hidden + i] = shape[C_EMBED_TYPE] == F32 ? ((const float *)g->embed)[at]
+                                                           : bf16_to_f32(((const uint16_t *)g->embed)[at]);
+        }
+    /* per thread and sequence, for int4 inputs: the widest input padded to a whole group, and its group
+       sums */
     const int64_t widest = (hidden > inter ? hidden : inter) > q_size ? (hidden > inter ? hidden : inter) : q_size;
-    const int64_t work_floats = 2 * (widest + shape[C_MAX_GROUP]);
+    const int64_t per_seq = 2 * (widest + shape[C_MAX_GROUP]);
 #pragma omp parallel num_threads(threads)
     {
         float *my_scores = scores + (int64_t)omp_get_thread_num() * max_len;
-        float *work = scores + threads * max_len + (int64_t)omp_get_thread_num() * work_floats;
+        float *work = scores + threads * max_len + (int64_t)omp_get_thread_num() * batch * per_seq;
         for (int64_t l = 0; l < shape[C_LAYERS]; l++) {
             const Layer *ly = &layers[l];
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, ly->input_norm, h + b * hidden, hidden, eps);
+            gemv(&ly->qkv, h, qkv, batch, qkv_size, hidden, 0, work, per_seq);
 #pragma omp single
-            rms_norm(x, ly->input_norm, h, hidden, eps);
-            gemv(&ly->qkv, h, qkv, q_size + 2 * kv_size, hidden, 0, work);
-#pragma omp single
-            {
-                for (int64_t j = 0; j < heads + kv_heads; j++) rotate(qkv + j * d, cos, sin, d, tmp);
+            for (int64_t b = 0; b < batch; b++) {
+                const int64_t pos = positions[b];
+                const int32_t *table = tables + b * table_stride;
+                const int64_t slot = (int64_t)table[pos / block] * block + pos % block;
+                float *row = qkv + b * qkv_size;
+                for (int64_t j = 0; j < heads + kv_heads; j++) rotate(row + j * d, g->cos + pos * d, g->sin + pos * d, d, tmp);
                 for (int64_t j = 0; j < kv_heads; j++) {
-                    store_kv(ly->k_cache, kv_type, (slot * kv_heads + j) * d, qkv + q_size + j * d, d);
-                    store_kv(ly->v_cache, kv_type, (slot * kv_heads + j) * d, qkv + q_size + kv_size + j * d, d);
+                    store_kv(ly->k_cache, kv_type, (slot * kv_heads + j) * d, row + q_size + j * d, d);
+                    store_kv(ly->v_cache, kv_type, (slot * kv_heads + j) * d, row + q_size + kv_size + j * d, d);
                 }
             }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t bj = 0; bj < batch * heads; bj++) {
+                const int64_t b = bj / heads, j = bj % heads;
+                attention_head(qkv + b * qkv_size + j * d, ly->k_cache, ly->v_cache, kv_type, tables + b * table_stride,
+                               positions[b] + 1, block, kv_heads, j / group, d, scale, my_scores,
+                               attn + b * q_size + j * d);
+            }
+            gemv(&ly->o, attn, x, batch, hidden, q_size, 1, work, per_seq);
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < heads; j++)
-                attention_head(qkv + j * d, ly->k_cache, ly->v_cache, kv_type, table, len, block, kv_heads,
-                               j / group, d, scale, my_scores, attn + j * d);
-            gemv(&ly->o, attn, x, hidden, q_size, 1, work);
-#pragma omp single
-            rms_norm(x, ly->post_norm, h, hidden, eps);
-            gemv_swiglu(&ly->gate_up, h, act, inter, hidden, work);
-            gemv(&ly->down, act, x, hidden, inter, 1, work);
+            for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, ly->post_norm, h + b * hidden, hidden, eps);
+            gemv_swiglu(&ly->gate_up, h, act, batch, inter, hidden, work, per_seq);
+            gemv(&ly->down, act, x, batch, hidden, inter, 1, work, per_seq);
         }
-#pragma omp single
-        rms_norm(x, g->norm, h, hidden, eps);
-        gemv(&g->head, h, logits, shape[C_VOCAB], hidden, 0, work);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, g->norm, h + b * hidden, hidden, eps);
+        gemv(&g->head, h, logits, batch, vocab, hidden, 0, work, per_seq);
     }
     return 0;
 }

@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 F32, BF16, I8, I4 = 0, 1, 2, 3  # weight and cache element types, as the C enum
+MAX_BATCH = 64  # sequences per call, as the C file's MAX_BATCH
 SHAPE_FIELDS = [
     "hidden",
     "heads",
@@ -121,16 +122,18 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.weir_decode_step.restype = ctypes.c_int
     lib.weir_decode_step.argtypes = [
-        ctypes.c_void_p,  # shape (int64[11])
+        ctypes.c_void_p,  # shape (int64[len(SHAPE_FIELDS)])
         ctypes.POINTER(Globals),
         ctypes.POINTER(Layer),
-        ctypes.c_int64,  # token
-        ctypes.c_int64,  # position
-        ctypes.c_void_p,  # block table (int32)
+        ctypes.c_int64,  # batch
+        ctypes.c_void_p,  # tokens (int64 [batch])
+        ctypes.c_void_p,  # positions (int64 [batch])
+        ctypes.c_void_p,  # block tables (int32 [batch, stride])
+        ctypes.c_int64,  # stride
         ctypes.c_float,  # eps
         ctypes.c_int,  # threads
         ctypes.c_void_p,  # scratch (fp32)
-        ctypes.c_void_p,  # logits (fp32 [vocab])
+        ctypes.c_void_p,  # logits (fp32 [batch, vocab])
     ]
     return lib
 
@@ -157,11 +160,13 @@ def scratch_floats(
     kv_heads: int,
     head_dim: int,
     intermediate: int,
+    *,
+    batch: int,
     threads: int,
     max_len: int,
     max_group: int,
 ) -> int:
     """Floats of scratch the step needs (the C function's layout)."""
-    floats = 2 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + intermediate + head_dim
+    per_seq = 2 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + intermediate
     widest = max(hidden, intermediate, heads * head_dim)
-    return floats + threads * max_len + threads * 2 * (widest + max_group)
+    return batch * per_seq + head_dim + threads * max_len + threads * batch * 2 * (widest + max_group)

@@ -45,19 +45,24 @@ def test_lone_streams_take_the_fused_step_and_get_the_same_tokens(
     assert calls[0] == len(PROMPTS) * (GREEDY.max_tokens - 1)
 
 
-def test_batches_stay_on_the_eager_forward(
+def test_small_batches_take_it_and_large_ones_stay_eager(
     make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # no prefix cache: a hit that leaves one prompt token to compute is a one-token step the fused
-    # step serves too, which would blur the count
+    # step serves too, which would blur the counts
     engine = make_engine(fused_decode="on", enable_prefix_caching=False)
+    eager = make_engine(fused_decode="off", enable_prefix_caching=False)
     calls = _count_fused_calls(engine, monkeypatch)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     together = engine.generate(PROMPTS, params)
-    assert calls[0] == 0  # three sequences decode together until they finish together
+    assert calls[0] == 7  # the three decode together: one fused call per step
+    assert together == eager.generate(PROMPTS, params)
+    engine.runner.fused_max_batch = 2
+    assert engine.generate(PROMPTS, params) == together
+    assert calls[0] == 7  # three sequences, more than the cap: the eager forward
     alone = [engine.generate([p], params)[0] for p in PROMPTS]
-    assert calls[0] == len(PROMPTS) * 7
-    assert together == alone  # batch invariance holds across the two paths (float32)
+    assert calls[0] == 7 + len(PROMPTS) * 7
+    assert alone == together  # batch invariance across the paths (float32)
 
 
 def test_sampling_and_logprobs_read_the_fused_logits(make_engine: Callable[..., LLMEngine]) -> None:

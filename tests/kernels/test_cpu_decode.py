@@ -115,7 +115,7 @@ def test_fused_step_matches_the_eager_forward(
         expected_caches = _caches(model)
         _restore(model, before)
         with torch.inference_mode():
-            got = decoder(int(ids[-1]), length, TABLE)
+            got = decoder([int(ids[-1])], [length], TABLE[None])
         assert got.shape == (1, model.config.vocab_size) and got.dtype == torch.float32
         scale = expected.abs().max().item()
         err = (got - expected).abs().max().item()
@@ -133,7 +133,7 @@ def test_position_beyond_the_scratch_is_refused() -> None:
     decoder = build_fused_decoder(engine.model, "on", 32)
     assert decoder is not None
     with pytest.raises(ValueError, match="beyond"):
-        decoder(1, 32, TABLE)
+        decoder([1], [32], TABLE[None])
 
 
 def test_an_unwritable_cache_means_no_step(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -145,3 +145,75 @@ def test_an_unwritable_cache_means_no_step(monkeypatch: pytest.MonkeyPatch, tmp_
         assert cpu_decode.library() is None  # logged, not raised: the engine serves eagerly
     finally:
         cpu_decode.library.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization", "changes", "tol"),
+    [CASES[0], CASES[4], CASES[5], CASES[6], CASES[8]],  # fp32, odd tails, bf16, int8, int4
+)
+@pytest.mark.parametrize("batch", [2, 5, 8])  # below, at and above the 4-sequence kernel's width
+def test_a_batch_matches_the_eager_batched_decode(
+    dtype: str, quantization: str, changes: dict[str, Any], tol: float, batch: int
+) -> None:
+    engine = LLMEngine.from_config(
+        tiny_config(**changes),
+        dtype=dtype,
+        device="cpu",
+        num_kv_blocks=64,
+        quantization=quantization,
+        fused_decode="off",
+    )
+    model = engine.model
+    decoder = build_fused_decoder(model, "on", 256)
+    assert decoder is not None
+    generator = torch.Generator().manual_seed(batch)
+    lengths = [int(n) for n in torch.randint(1, 60, (batch,), generator=generator)]
+    # each sequence its own scattered blocks; rows padded as the runner pads them
+    tables = torch.randperm(64, generator=generator)[: batch * 4].view(batch, 4).to(torch.int32)
+    ids = [torch.randint(1, model.config.vocab_size, (n + 1,), generator=generator) for n in lengths]
+    for b, n in enumerate(lengths):
+        positions = torch.arange(n)
+        meta = AttentionMetadata(
+            positions=positions,
+            slot_mapping=tables[b].long()[positions // BLOCK] * BLOCK + positions % BLOCK,
+            num_decodes=0,
+            block_tables=None,
+            context_lens=None,
+            max_context_len=0,
+            prefills=[PrefillChunk(0, n, n, tables[b])],
+            block_size=BLOCK,
+        )
+        with torch.inference_mode(), attention_metadata(meta):
+            model(ids[b][:-1])
+    before = _caches(model)
+    positions = torch.tensor(lengths)
+    meta = AttentionMetadata(
+        positions=positions,
+        slot_mapping=tables.long()[torch.arange(batch), positions // BLOCK] * BLOCK + positions % BLOCK,
+        num_decodes=batch,
+        block_tables=tables,
+        context_lens=(positions + 1).to(torch.int32),
+        max_context_len=int(positions.max()) + 1,
+        prefills=[],
+        block_size=BLOCK,
+    )
+    last = torch.stack([i[-1] for i in ids])
+    with torch.inference_mode(), attention_metadata(meta):
+        expected = model.logits(model(last))
+    expected_caches = _caches(model)
+    _restore(model, before)
+    with torch.inference_mode():
+        got = decoder(last.tolist(), lengths, tables)
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() <= tol * scale
+    for got_cache, want in zip(_caches(model), expected_caches, strict=True):
+        assert (got_cache.float() - want.float()).abs().max().item() <= 4 * tol * max(1.0, scale)
+
+
+def test_batch_size_is_bounded() -> None:
+    engine = LLMEngine.from_config(tiny_config(), device="cpu", num_kv_blocks=16, fused_decode="off")
+    decoder = build_fused_decoder(engine.model, "on", 64)
+    assert decoder is not None
+    too_many = cpu_decode.MAX_BATCH + 1
+    with pytest.raises(ValueError, match="sequences"):
+        decoder([1] * too_many, [0] * too_many, TABLE[None].expand(too_many, -1))
