@@ -27,6 +27,7 @@
 
 enum { F32 = 0, BF16 = 1, I8 = 2, I4 = 3 };
 #define MAX_BATCH 64 /* sequences per call */
+#define TILE_MIN_BATCH 4 /* from this many sequences the GEMVs run on 4x4 tiles */
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -121,29 +122,60 @@ typedef int vi;
         return s;                                                                            \
     }
 
-/* dot(row, x[j]) for four sequences' inputs at once: each weight vector is loaded (and widened) once
-   for the four; two accumulators per sequence. */
-#define DEFINE_DOT_SEQ4(NAME, T, VLOAD, SCALAR)                                              \
-    static void NAME(const T *r, const float *const x[4], int64_t k, float out[4]) {         \
-        vf a[8] = {VZERO(), VZERO(), VZERO(), VZERO(), VZERO(), VZERO(), VZERO(), VZERO()};  \
+/* out[j][b] = dot(row j, x[b]) for four consecutive rows (`k` apart from `r`) and four sequences: 16
+   accumulators, so each weight vector serves four sequences and each input vector four rows. The
+   batched kernel: compute-bound, where the single-row `dot` is bound by memory. */
+#define DEFINE_TILE(NAME, T, VLOAD, SCALAR)                                                  \
+    static void NAME(const T *r, int64_t k, const float *const x[4], float out[4][4]) {      \
+        vf a[4][4];                                                                          \
+        for (int j = 0; j < 4; j++)                                                          \
+            for (int b = 0; b < 4; b++) a[j][b] = VZERO();                                   \
         int64_t i = 0;                                                                       \
-        for (; i + 2 * W <= k; i += 2 * W) {                                                 \
-            vf w0 = VLOAD(r + i), w1 = VLOAD(r + i + W);                                     \
+        for (; i + W <= k; i += W) {                                                         \
+            vf xv[4] = {VLOAD_F32(x[0] + i), VLOAD_F32(x[1] + i), VLOAD_F32(x[2] + i),       \
+                        VLOAD_F32(x[3] + i)};                                                \
             for (int j = 0; j < 4; j++) {                                                    \
-                a[2 * j] = VFMA(w0, VLOAD_F32(x[j] + i), a[2 * j]);                          \
-                a[2 * j + 1] = VFMA(w1, VLOAD_F32(x[j] + i + W), a[2 * j + 1]);              \
+                vf w = VLOAD(r + j * k + i);                                                 \
+                for (int b = 0; b < 4; b++) a[j][b] = VFMA(w, xv[b], a[j][b]);               \
             }                                                                                \
         }                                                                                    \
-        for (int j = 0; j < 4; j++) {                                                        \
-            float s = VSUM(a[2 * j]) + VSUM(a[2 * j + 1]);                                   \
-            for (int64_t t = i; t < k; t++) s += SCALAR(r[t]) * x[j][t];                     \
-            out[j] = s;                                                                      \
-        }                                                                                    \
+        for (int j = 0; j < 4; j++)                                                          \
+            for (int b = 0; b < 4; b++) {                                                    \
+                float s = VSUM(a[j][b]);                                                     \
+                for (int64_t t = i; t < k; t++) s += SCALAR(r[j * k + t]) * x[b][t];         \
+                out[j][b] = s;                                                               \
+            }                                                                                \
     }
 
-DEFINE_DOT_SEQ4(dots_f32, float, VLOAD_F32, SCALAR_F32)
-DEFINE_DOT_SEQ4(dots_bf16, uint16_t, VLOAD_BF16, SCALAR_BF16)
-DEFINE_DOT_SEQ4(dots_i8, int8_t, VLOAD_I8, SCALAR_I8)
+DEFINE_TILE(tile_f32, float, VLOAD_F32, SCALAR_F32)
+DEFINE_TILE(tile_bf16, uint16_t, VLOAD_BF16, SCALAR_BF16)
+DEFINE_TILE(tile_i8, int8_t, VLOAD_I8, SCALAR_I8)
+
+#if defined(__AVX512BF16__)
+/* The bf16 tile on vdpbf16ps: bf16 pairs multiplied and summed into fp32, twice the work per
+   instruction of widening the weights, for inputs rounded to bf16 (as the eager bf16 forward has
+   them). Batches only: a lone stream is bound by memory, not by these instructions. */
+static void tile_bf16_dp(const uint16_t *r, int64_t k, const uint16_t *const x[4], float out[4][4]) {
+    __m512 a[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int b = 0; b < 4; b++) a[j][b] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        __m512bh xv[4];
+        for (int b = 0; b < 4; b++) xv[b] = (__m512bh)_mm512_loadu_si512(x[b] + i);
+        for (int j = 0; j < 4; j++) {
+            __m512bh w = (__m512bh)_mm512_loadu_si512(r + j * k + i);
+            for (int b = 0; b < 4; b++) a[j][b] = _mm512_dpbf16_ps(a[j][b], w, xv[b]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int b = 0; b < 4; b++) {
+            float s = _mm512_reduce_add_ps(a[j][b]);
+            for (int64_t t = i; t < k; t++) s += bf16_to_f32(r[j * k + t]) * bf16_to_f32(x[b][t]);
+            out[j][b] = s;
+        }
+}
+#endif
 
 DEFINE_DOT(dot_f32, float, VLOAD_F32, SCALAR_F32)
 DEFINE_DOT(dot_bf16, uint16_t, VLOAD_BF16, SCALAR_BF16)
@@ -198,10 +230,11 @@ typedef struct {
    thread's `work`). */
 typedef struct {
     const float *x, *xsum;
+    const uint16_t *xb; /* x in bf16, for bf16 tiles (batches, where vdpbf16ps exists); else NULL */
 } Input;
 
 static Input prepare(const Linear *l, const float *x, int64_t k, float *work) {
-    Input in = {x, NULL};
+    Input in = {x, NULL, NULL};
     if (l->type == I4) {
         int64_t groups = (k + l->group - 1) / l->group;
         permute_for_int4(x, k, groups, l->group, work, work + groups * l->group);
@@ -230,34 +263,59 @@ static float dot(const Linear *l, int64_t row, Input in, int64_t k) {
 
 /* y = l(x) (y += l(x) when `accumulate`: the residual add rides along). Work-shares the rows across
    the team; call from inside the parallel region. */
-/* Row `row` of `l` dotted with four sequences' inputs (not int4), scaled and biased. */
-static void dots(const Linear *l, int64_t row, const Input in[4], int64_t k, float out[4]) {
-    const float *x[4] = {in[0].x, in[1].x, in[2].x, in[3].x};
-    size_t at = (size_t)row * (size_t)k;
-    if (l->type == F32)
-        dots_f32((const float *)l->weight + at, x, k, out);
-    else if (l->type == BF16)
-        dots_bf16((const uint16_t *)l->weight + at, x, k, out);
-    else
-        dots_i8((const int8_t *)l->weight + at, x, k, out);
-    for (int j = 0; j < 4; j++) {
-        if (l->scale) out[j] *= l->scale[row];
-        if (l->bias) out[j] += l->bias[row];
-    }
-}
-
 /* Row `row` of `l` for every sequence: out[b] for b < batch. */
 static void row_all(const Linear *l, int64_t row, const Input *in, int64_t batch, int64_t k, float *out) {
+    for (int64_t b = 0; b < batch; b++) out[b] = dot(l, row, in[b], k);
+}
+
+/* Rows r..r+3 of `l` for every sequence: out[j][b]. Four sequences at a time through the 4x4 tile
+   (not int4), the rest row by row. */
+static void rows4_all(const Linear *l, int64_t r, const Input *in, int64_t batch, int64_t k,
+                      float out[4][MAX_BATCH]) {
     int64_t b = 0;
-    if (l->type != I4)
-        for (; b + 4 <= batch; b += 4) dots(l, row, in + b, k, out + b);
-    for (; b < batch; b++) out[b] = dot(l, row, in[b], k);
+    if (l->type != I4) {
+        size_t at = (size_t)r * (size_t)k;
+        for (; b + 4 <= batch; b += 4) {
+            const float *x[4] = {in[b].x, in[b + 1].x, in[b + 2].x, in[b + 3].x};
+            float t[4][4];
+            if (l->type == F32)
+                tile_f32((const float *)l->weight + at, k, x, t);
+#if defined(__AVX512BF16__)
+            else if (l->type == BF16 && in[b].xb) {
+                const uint16_t *xb[4] = {in[b].xb, in[b + 1].xb, in[b + 2].xb, in[b + 3].xb};
+                tile_bf16_dp((const uint16_t *)l->weight + at, k, xb, t);
+            }
+#endif
+            else if (l->type == BF16)
+                tile_bf16((const uint16_t *)l->weight + at, k, x, t);
+            else
+                tile_i8((const int8_t *)l->weight + at, k, x, t);
+            for (int j = 0; j < 4; j++)
+                for (int c = 0; c < 4; c++) {
+                    float v = t[j][c];
+                    if (l->scale) v *= l->scale[r + j];
+                    if (l->bias) v += l->bias[r + j];
+                    out[j][b + c] = v;
+                }
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int64_t c = b; c < batch; c++) out[j][c] = dot(l, r + j, in[c], k);
 }
 
 /* The inputs of `batch` sequences (rows of x, `k` apart) as `l` reads them. */
 static void prepare_all(const Linear *l, const float *x, int64_t batch, int64_t k, float *work, int64_t per_seq,
                         Input *in) {
-    for (int64_t b = 0; b < batch; b++) in[b] = prepare(l, x + b * k, k, work + b * per_seq);
+    for (int64_t b = 0; b < batch; b++) {
+        in[b] = prepare(l, x + b * k, k, work + b * per_seq);
+#if defined(__AVX512BF16__)
+        if (l->type == BF16 && batch >= TILE_MIN_BATCH) {
+            uint16_t *xb = (uint16_t *)(work + b * per_seq);
+            for (int64_t i = 0; i < k; i++) xb[i] = f32_to_bf16(x[b * k + i]);
+            in[b].xb = xb;
+        }
+#endif
+    }
 }
 
 /* y[b] = l(x[b]) for every sequence (y[b] += l(x[b]) when `accumulate`: the residual add rides along).
@@ -265,12 +323,27 @@ static void prepare_all(const Linear *l, const float *x, int64_t batch, int64_t 
 static void gemv(const Linear *l, const float *x, float *y, int64_t batch, int64_t n, int64_t k, int accumulate,
                  float *work, int64_t per_seq) {
     Input in[MAX_BATCH];
-    float out[MAX_BATCH];
     prepare_all(l, x, batch, k, work, per_seq, in);  /* each thread its own copy: no barrier */
+    if (batch < TILE_MIN_BATCH) {
+        float out[MAX_BATCH];
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        row_all(l, r, in, batch, k, out);
-        for (int64_t b = 0; b < batch; b++) y[b * n + r] = (accumulate ? y[b * n + r] : 0.0f) + out[b];
+        for (int64_t r = 0; r < n; r++) {
+            row_all(l, r, in, batch, k, out);
+            for (int64_t b = 0; b < batch; b++) y[b * n + r] = (accumulate ? y[b * n + r] : 0.0f) + out[b];
+        }
+        return;
+    }
+    float out[4][MAX_BATCH];
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; r += 4) {
+        if (r + 4 <= n) {
+            rows4_all(l, r, in, batch, k, out);
+        } else {
+            for (int64_t j = 0; r + j < n; j++) row_all(l, r + j, in, batch, k, out[j]);
+        }
+        for (int64_t j = 0; j < 4 && r + j < n; j++)
+            for (int64_t b = 0; b < batch; b++)
+                y[b * n + r + j] = (accumulate ? y[b * n + r + j] : 0.0f) + out[j][b];
     }
 }
 
@@ -279,13 +352,25 @@ static void gemv(const Linear *l, const float *x, float *y, int64_t batch, int64
 static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t batch, int64_t inter, int64_t k,
                         float *work, int64_t per_seq) {
     Input in[MAX_BATCH];
-    float gate[MAX_BATCH], up[MAX_BATCH];
     prepare_all(l, x, batch, k, work, per_seq, in);
+    if (batch < TILE_MIN_BATCH || inter % 4) {
+        float gate[MAX_BATCH], up[MAX_BATCH];
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < inter; i++) {
-        row_all(l, i, in, batch, k, gate);
-        row_all(l, inter + i, in, batch, k, up);
-        for (int64_t b = 0; b < batch; b++) act[b * inter + i] = gate[b] / (1.0f + expf(-gate[b])) * up[b];
+        for (int64_t i = 0; i < inter; i++) {
+            row_all(l, i, in, batch, k, gate);
+            row_all(l, inter + i, in, batch, k, up);
+            for (int64_t b = 0; b < batch; b++) act[b * inter + i] = gate[b] / (1.0f + expf(-gate[b])) * up[b];
+        }
+        return;
+    }
+    float gate[4][MAX_BATCH], up[4][MAX_BATCH];
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < inter; i += 4) {
+        rows4_all(l, i, in, batch, k, gate);
+        rows4_all(l, inter + i, in, batch, k, up);
+        for (int64_t j = 0; j < 4; j++)
+            for (int64_t b = 0; b < batch; b++)
+                act[b * inter + i + j] = gate[j][b] / (1.0f + expf(-gate[j][b])) * up[j][b];
     }
 }
 

@@ -25,7 +25,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 F32, BF16, I8, I4 = 0, 1, 2, 3  # weight and cache element types, as the C enum
 MAX_BATCH = 64  # sequences per call, as the C file's MAX_BATCH
@@ -99,6 +99,11 @@ def _compiler() -> str | None:
     return shutil.which(cc) if cc else shutil.which("gcc") or shutil.which("cc")
 
 
+def _flags() -> list[str]:
+    # WEIR_CPU_DECODE_MARCH: another target than this CPU (tests build the AVX2 and plain-C variants)
+    return [*FLAGS, f"-march={os.environ.get('WEIR_CPU_DECODE_MARCH') or 'native'}"]
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled step, or None where it cannot be built (no C compiler, no OpenMP)."""
@@ -106,11 +111,11 @@ def library() -> ctypes.CDLL | None:
     if cc is None:
         log.info("fused CPU decode step unavailable: no C compiler (set CC or install gcc)")
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join([cc, *FLAGS]).encode(), _cpu_identity().encode()]))
+    source, flags = SOURCE.read_bytes(), _flags()
+    key = hashlib.sha256(b"\0".join([source, " ".join([cc, *flags]).encode(), _cpu_identity().encode()]))
     target = cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
     try:
-        if not target.exists() and not _build(cc, target):
+        if not target.exists() and not _build(cc, flags, target):
             return None
         # PyTorch has loaded its libgomp.so.1 by now; the library's dependency resolves to that one, so
         # both share one OpenMP thread pool
@@ -138,13 +143,13 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(cc: str, target: Path) -> bool:
+def _build(cc: str, flags: list[str], target: Path) -> bool:
     target.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: concurrent engines never load a half-written file
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     result = subprocess.run(
-        [cc, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
+        [cc, *flags, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
     )
     if result.returncode != 0:
         os.unlink(partial)

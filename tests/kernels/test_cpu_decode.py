@@ -7,6 +7,7 @@ through the fused step from the same cache, and compares the logits and the K/V 
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,19 @@ def test_batch_size_is_bounded() -> None:
     too_many = cpu_decode.MAX_BATCH + 1
     with pytest.raises(ValueError, match="sequences"):
         decoder([1] * too_many, [0] * too_many, TABLE[None].expand(too_many, -1))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set variants")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 + FMA path; plain C
+def test_the_other_instruction_set_paths(march: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX-512 build is what the tests above run here; this machine also runs the AVX2 and the
+    plain-C builds, which other CPUs get."""
+    monkeypatch.setenv("WEIR_CPU_DECODE_MARCH", march)
+    cpu_decode.library.cache_clear()
+    try:
+        assert cpu_decode.library() is not None
+        for case in (CASES[0], CASES[4], CASES[5], CASES[6], CASES[8]):
+            test_fused_step_matches_the_eager_forward(*case)
+            test_a_batch_matches_the_eager_batched_decode(*case, batch=5)
+    finally:
+        cpu_decode.library.cache_clear()
