@@ -72,6 +72,23 @@ def _restore(model: Transformer, saved: list[torch.Tensor]) -> None:
         t.copy_(s)
 
 
+def _model_and_step(
+    dtype: str, quantization: str, changes: dict[str, Any], blocks: int
+) -> tuple[Transformer, FusedDecoder]:
+    """An eager engine's model (the reference) and a fused step built over the same weights."""
+    engine = LLMEngine.from_config(
+        tiny_config(**changes),
+        dtype=dtype,
+        device="cpu",
+        num_kv_blocks=blocks,
+        quantization=quantization,
+        fused_decode="off",
+    )
+    decoder = build_fused_decoder(engine.model, "on", 256)
+    assert isinstance(decoder, FusedDecoder)
+    return engine.model, decoder
+
+
 # (dtype, quantization, config changes, logits tolerance relative to the largest logit). float32: the
 # summation order only. bfloat16: the eager forward rounds every activation to bf16, the fused step
 # keeps them in fp32. int8: the eager path rounds activations to ~13 bits per row for fbgemm
@@ -96,17 +113,7 @@ CASES = [
 def test_fused_step_matches_the_eager_forward(
     dtype: str, quantization: str, changes: dict[str, Any], tol: float
 ) -> None:
-    engine = LLMEngine.from_config(
-        tiny_config(**changes),
-        dtype=dtype,
-        device="cpu",
-        num_kv_blocks=16,
-        quantization=quantization,
-        fused_decode="off",
-    )
-    model = engine.model
-    decoder = build_fused_decoder(model, "on", 256)
-    assert isinstance(decoder, FusedDecoder)
+    model, decoder = _model_and_step(dtype, quantization, changes, blocks=16)
     generator = torch.Generator().manual_seed(0)
     for length in (1, 16, 37):  # one token; exactly one full block; three blocks, the last partial
         ids = torch.randint(1, model.config.vocab_size, (length + 1,), generator=generator)
@@ -156,17 +163,7 @@ def test_an_unwritable_cache_means_no_step(monkeypatch: pytest.MonkeyPatch, tmp_
 def test_a_batch_matches_the_eager_batched_decode(
     dtype: str, quantization: str, changes: dict[str, Any], tol: float, batch: int
 ) -> None:
-    engine = LLMEngine.from_config(
-        tiny_config(**changes),
-        dtype=dtype,
-        device="cpu",
-        num_kv_blocks=64,
-        quantization=quantization,
-        fused_decode="off",
-    )
-    model = engine.model
-    decoder = build_fused_decoder(model, "on", 256)
-    assert decoder is not None
+    model, decoder = _model_and_step(dtype, quantization, changes, blocks=64)
     generator = torch.Generator().manual_seed(batch)
     lengths = [int(n) for n in torch.randint(1, 60, (batch,), generator=generator)]
     # each sequence its own scattered blocks; rows padded as the runner pads them
