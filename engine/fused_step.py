@@ -68,8 +68,13 @@ def _int4(module: Int4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return qweight.contiguous(), scale.t().contiguous(), (zero - 8 * scale).t().contiguous()
 
 
+def _tied(model: Transformer) -> bool:
+    """Whether the head reads the embedding's own weight (a quantized head is its own copy)."""
+    return getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
+
+
 class FusedDecoder:
-    """Holds the tables the C step reads; call it with one sequence's token and position."""
+    """Holds the tables the C step reads; call it with each sequence's new token and position."""
 
     def __init__(self, model: Transformer, lib: ctypes.CDLL, max_len: int) -> None:
         config = model.config
@@ -103,9 +108,7 @@ class FusedDecoder:
         self.globals = cpu_decode.Globals(
             self._ptr(embed),
             self._ptr(_f32(model.norm.weight)),
-            self._linear(
-                model.lm_head, tied=embed if model.lm_head.weight is model.embed_tokens.weight else None
-            ),
+            self._linear(model.lm_head, tied=embed if _tied(model) else None),
             self._ptr(model.rotary.cos),
             self._ptr(model.rotary.sin),
         )
@@ -236,6 +239,12 @@ def build_fused_decoder(model: Transformer, mode: str, max_len: int) -> FusedDec
         if mode == "on":
             raise ValueError(f"fused decode step unavailable: {exc}") from exc
         log.info("fused decode step off: %s", exc)
+        return None
+    except Exception:
+        if mode == "on":
+            raise
+        # a model this file misreads must not stop the engine from serving on the eager path
+        log.warning("fused decode step off: building it failed", exc_info=True)
         return None
     log.info("fused decode step on (%.0f MiB of weight copies)", decoder.copied_bytes(model) / 2**20)
     return decoder

@@ -18,6 +18,7 @@ from engine.config import tiny_config
 from engine.fused_step import FusedDecoder, build_fused_decoder
 from engine.llm_engine import LLMEngine
 from engine.model import AttentionMetadata, PrefillChunk, Transformer, attention_metadata
+from engine.quant import Int4Linear, quantize_model
 from kernels import cpu_decode
 
 pytestmark = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler to build the step")
@@ -134,6 +135,25 @@ def test_fused_step_matches_the_eager_forward(
             untouched = torch.ones(want.shape[:2], dtype=torch.bool)
             untouched.view(-1)[_slots(torch.tensor([length]))] = False
             assert torch.equal(got_cache[untouched], old[untouched])
+
+
+def test_an_int4_head_and_a_tied_embedding() -> None:
+    """quantize_model(head=None) makes the head int4 too; tied, it is the embedding's quantized copy."""
+    engine = LLMEngine.from_config(
+        tiny_config(tie_word_embeddings=True), device="cpu", num_kv_blocks=16, fused_decode="off"
+    )
+    quantize_model(engine.model, "int4-g32", head=None)
+    assert isinstance(engine.model.lm_head, Int4Linear)
+    decoder = build_fused_decoder(engine.model, "on", 256)
+    assert decoder is not None and decoder.globals.head.type == cpu_decode.I4
+    ids = torch.arange(1, 22)
+    _prefill(engine.model, ids[:-1])
+    before = _caches(engine.model)
+    expected = _eager_decode(engine.model, int(ids[-1]), 20)
+    _restore(engine.model, before)
+    with torch.inference_mode():
+        got = decoder([int(ids[-1])], [20], TABLE[None])
+    assert (got - expected).abs().max().item() <= 2e-3 * expected.abs().max().item()
 
 
 def test_position_beyond_the_scratch_is_refused() -> None:
