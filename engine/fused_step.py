@@ -127,15 +127,8 @@ class FusedDecoder:
             "max_len": max_len,
             "max_group": self.max_group,
         }
+        self._shape = shape
         self.shape = torch.tensor([shape[f] for f in cpu_decode.SHAPE_FIELDS], dtype=torch.int64)
-        self.vocab = config.vocab_size
-        self._shape_args = (
-            config.hidden_size,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim or 0,
-            config.intermediate_size,
-        )
         self._scratch = torch.empty(0)
 
     def _ptr(self, t: torch.Tensor | None) -> int | None:
@@ -186,12 +179,10 @@ class FusedDecoder:
         if max(positions) >= self.max_len:
             raise ValueError(f"position {max(positions)} beyond the fused step's {self.max_len}")
         threads = torch.get_num_threads()
-        need = cpu_decode.scratch_floats(
-            *self._shape_args, batch=batch, threads=threads, max_len=self.max_len, max_group=self.max_group
-        )
+        need = cpu_decode.scratch_floats(self._shape, batch, threads)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
-        logits = torch.empty(batch, self.vocab, dtype=torch.float32)
+        logits = torch.empty(batch, self._shape["vocab"], dtype=torch.float32)
         ids = torch.tensor([tokens, positions], dtype=torch.int64)
         tables = block_tables.to(torch.int32).contiguous()
         status = self._lib.weir_decode_step(

@@ -402,7 +402,7 @@ class Int8Linear(_RowScaledLinear):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.cpu_layout:
-            destination[prefix + "weight"] = fbgemm_unpack(self._packed)[0]
+            destination[prefix + "weight"] = self.portable_weight()[0]
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         was_cpu_layout = self.cpu_layout
@@ -521,7 +521,7 @@ class Int4Linear(nn.Module):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.cpu_layout:
-            destination[prefix + "qweight"] = _from_cpu_layout(self.qweight)
+            destination[prefix + "qweight"] = self.portable_qweight()
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         was_cpu_layout = self.cpu_layout

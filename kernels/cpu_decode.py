@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -159,19 +160,11 @@ def _build(cc: str, flags: list[str], target: Path) -> bool:
     return True
 
 
-def scratch_floats(
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    intermediate: int,
-    *,
-    batch: int,
-    threads: int,
-    max_len: int,
-    max_group: int,
-) -> int:
-    """Floats of scratch the step needs (the C function's layout)."""
-    per_seq = 2 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + intermediate
-    widest = max(hidden, intermediate, heads * head_dim)
-    return batch * per_seq + head_dim + threads * max_len + threads * batch * 2 * (widest + max_group)
+def scratch_floats(shape: Mapping[str, int], batch: int, threads: int) -> int:
+    """Floats of scratch the step needs (the C function's layout), from the `SHAPE_FIELDS` values."""
+    hidden, inter, head_dim = shape["hidden"], shape["intermediate"], shape["head_dim"]
+    q_size, kv_size = shape["heads"] * head_dim, shape["kv_heads"] * head_dim
+    per_seq = 2 * hidden + q_size + 2 * kv_size + q_size + inter
+    widest = max(hidden, inter, q_size)
+    scores = threads * shape["max_len"]
+    return batch * per_seq + head_dim + scores + threads * batch * 2 * (widest + shape["max_group"])
