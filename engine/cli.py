@@ -99,9 +99,9 @@ def engine() -> None:
     default="auto",
     show_default=True,
     type=click.Choice(["auto", "on", "off"]),
-    help="CPU: run decode steps of up to 8 sequences as one native call (kernels/cpu_decode.c, built with "
-    "the system C compiler at load; keeps row-major copies of the weights). auto: on for float32/bfloat16 "
-    "models, plain, int8 or int4, where it builds.",
+    help="CPU: run decode steps (up to 64 sequences) as one native call (kernels/cpu_decode.c, built with "
+    "the system C compiler at load; keeps a copy of the weights in its own layout). auto: on for "
+    "float32/bfloat16 models up to 2B parameters, plain, int8 or int4, where it builds.",
 )
 @click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])

@@ -1,20 +1,21 @@
-"""Small decode steps as one native call (`kernels/cpu_decode.c`), on the CPU.
+"""Decode steps as one native call (`kernels/cpu_decode.c`), on the CPU.
 
 With one sequence running, a decode step is ~15 small ops per layer. Eager PyTorch spends 5-30 us on
 each (dispatch, allocation, waking threads), which for a small model is as long as reading the weights:
 SmolLM2-135M in bf16 decoded at 0.26 of its memory-bandwidth roofline. The fused step runs the whole
-forward in one OpenMP region over row-major copies of the weights, so the step costs the weight reads
-and a few barriers per layer.
+forward in one OpenMP region over copies of the weights in panels (a GEMM micro-kernel's layout), so a
+lone stream costs the weight reads and a few barriers per layer, and a batch reuses each weight vector
+for up to 12 sequences (twice oneDNN's fp32 throughput at 32 sequences, 1.6x in bf16).
 
 It serves decode steps of 1 to `FUSED_MAX_BATCH` sequences, each computing one new token and sampling
-it (no prompt log-probs, no speculative verification). Larger batches and prefill chunks stay on the
-eager forward, whose oneDNN/fbgemm kernels block rows and sequences in registers and win there. The copies cost memory (the
-weights again, in their own dtype; a head tied to the embedding reads the embedding and costs nothing),
-which is why `fused_decode="auto"` is on only for models up to `AUTO_MAX_PARAMS`.
+it (no prompt log-probs, no speculative verification). Prefill chunks stay on the eager forward, whose
+oneDNN kernels are at the CPU's peak there. The copies cost memory (the weights again, in their own
+dtype, a tied head included), which is why `fused_decode="auto"` is on only for models up to
+`AUTO_MAX_PARAMS`.
 
-Supported: float32 and bfloat16 models, unquantized, int8 (per-row scales) or int4 (groups of a
-multiple of 32, scales and zero points); a model with other linears (fp8), another dtype, or layers
-this file does not know is left to the eager path.
+Supported: float32 and bfloat16 models, unquantized, int8 (per-row scales) or int4 (groups, scales and
+zero points); a model with other linears (fp8), another dtype, or layers this file does not know is
+left to the eager path.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kernels import cpu_decode
 log = logging.getLogger(__name__)
 
 AUTO_MAX_PARAMS = 2_000_000_000  # "auto" doubles weight memory only for models up to this size
-FUSED_MAX_BATCH = 8  # decode steps of up to this many sequences take the fused step (measured crossover)
+FUSED_MAX_BATCH = cpu_decode.MAX_BATCH  # decode steps of up to this many sequences take the fused step
 _TYPES = {torch.float32: cpu_decode.F32, torch.bfloat16: cpu_decode.BF16, torch.int8: cpu_decode.I8}
 
 
@@ -45,27 +46,59 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().float().contiguous()
 
 
-def _row_major(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(weight [out, in] row-major, fp32 row scales or None, fp32 bias or None) of a linear layer in
-    any of the engine's layouts. Shares the module's tensor where it is already row-major."""
+def _dense(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(weight [out, in], fp32 per-output scales or None, fp32 bias or None) of a linear layer in any
+    of the engine's layouts but int4."""
     if isinstance(module, Int8Linear):
         weight, scales = module.portable_weight()
-        return weight.contiguous(), _f32(scales), _f32(module.bias)
+        return weight, _f32(scales), _f32(module.bias)
     if isinstance(module, PackedLinear):
         weight = module.weight if module.weight is not None else module.packed.to_dense()
-        return weight.detach().contiguous(), None, _f32(module.bias)
+        return weight.detach(), None, _f32(module.bias)
     if isinstance(module, (nn.Linear, DualLinear)):
-        return module.weight.detach().contiguous(), None, _f32(module.bias)
+        return module.weight.detach(), None, _f32(module.bias)
     raise Unsupported(f"{type(module).__name__} layers are not supported")
 
 
-def _int4(module: Int4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed nibbles uint8 [out, Kp // 2], scales fp32 [out, groups], zero - 8 * scale fp32 [out,
-    groups]) from either of the module's layouts: w = q * scale + (zero - 8 * scale)."""
-    qweight = module.portable_qweight()
+def _panels(t: torch.Tensor, width: int, halves: int) -> torch.Tensor:
+    """[out, ...] -> [panels, ..., width]: each half of the outputs (gate and up are two) zero-padded to
+    whole panels of `width` outputs, the output index moved last. The C kernels' layout
+    (kernels/cpu_decode.c), for weights [out, in] and int4 scales [out, groups] alike."""
+    parts = []
+    for part in t.chunk(halves):
+        part = nn.functional.pad(part, (0, 0, 0, -part.shape[0] % width))
+        parts.append(part.view(-1, width, part.shape[1]).transpose(1, 2))
+    return torch.cat(parts).contiguous()
+
+
+def _weight_panels(weight: torch.Tensor, width: int, halves: int) -> torch.Tensor:
+    """A dense weight's panels; bf16 ones hold pairs of inputs side by side ([panels, in / 2, width, 2],
+    `in` padded to even), as vdpbf16ps reads them."""
+    if weight.dtype != torch.bfloat16:
+        return _panels(weight, width, halves)
+    flat = _panels(nn.functional.pad(weight, (0, weight.shape[1] % 2)), width, halves)  # [panels, in, width]
+    return flat.view(flat.shape[0], -1, 2, width).transpose(2, 3).contiguous()
+
+
+def _vector(v: torch.Tensor | None, width: int, halves: int) -> torch.Tensor | None:
+    """A per-output vector (bias, scales) padded like the weight's panels."""
+    return None if v is None else _panels(v.view(-1, 1), width, halves).flatten()
+
+
+def _int4_panels(
+    module: Int4Linear, width: int, halves: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(nibbles uint8 [panels, k padded to groups, width / 2], scales and zero - 8 * scale fp32 [panels,
+    groups, width]) from either of the module's layouts: w = q * scale + (zero - 8 * scale). Byte m of
+    a row holds output m in its low nibble and output width / 2 + m in its high one."""
+    packed = module.portable_qweight()  # [out, k // 2]: weights 2b (low nibble) and 2b + 1 (high)
+    q = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(1)
+    q = _panels(q, width, halves)
+    half = width // 2
+    nibbles = (q[..., :half] | (q[..., half:] << 4)).contiguous()
     sz = module.scales_and_zeros.float()  # [groups, out, 2]
-    scale, zero = sz[..., 0], sz[..., 1]
-    return qweight.contiguous(), scale.t().contiguous(), (zero - 8 * scale).t().contiguous()
+    scale, zero = sz[..., 0].t(), sz[..., 1].t()
+    return nibbles, _panels(scale, width, halves), _panels(zero - 8 * scale, width, halves)
 
 
 def _tied(model: Transformer) -> bool:
@@ -88,7 +121,7 @@ class FusedDecoder:
             raise Unsupported("the KV cache is not allocated in the model's dtype")
         self._lib = lib
         self._keep: list[torch.Tensor] = []  # every tensor a table points into
-        self.max_group = 0  # the largest int4 group, for the scratch the C step needs
+        self._width = int(lib.weir_panel_width())  # outputs per weight panel
         self.max_len = max_len
         self.eps = float(config.rms_norm_eps)
         layers = (cpu_decode.Layer * config.num_layers)()
@@ -99,12 +132,12 @@ class FusedDecoder:
                 self._linear(attn.qkv_proj),
                 self._linear(attn.o_proj),
                 self._ptr(_f32(layer.post_attention_layernorm.weight)),
-                self._linear(mlp.gate_up_proj),
+                self._linear(mlp.gate_up_proj, halves=2),
                 self._linear(mlp.down_proj),
                 self._ptr(attn.k_cache),
                 self._ptr(attn.v_cache),
             )
-        embed = model.embed_tokens.weight.detach().contiguous()
+        embed = model.embed_tokens.weight.detach().contiguous()  # rows looked up: the layout as it is
         self.globals = cpu_decode.Globals(
             self._ptr(embed),
             self._ptr(_f32(model.norm.weight)),
@@ -125,7 +158,6 @@ class FusedDecoder:
             "kv_type": _TYPES[dtype],
             "embed_type": _TYPES[dtype],
             "max_len": max_len,
-            "max_group": self.max_group,
         }
         self._shape = shape
         self.shape = torch.tensor([shape[f] for f in cpu_decode.SHAPE_FIELDS], dtype=torch.int64)
@@ -137,29 +169,39 @@ class FusedDecoder:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _linear(self, module: nn.Module, tied: torch.Tensor | None = None) -> cpu_decode.Linear:
+    def _linear(
+        self, module: nn.Module, tied: torch.Tensor | None = None, halves: int = 1
+    ) -> cpu_decode.Linear:
+        """The C table entry of a linear layer, over a copy of its weights in panels (`halves`: 2 for the
+        fused [gate; up] projection, whose halves the kernel reads side by side)."""
+        width = self._width
         if isinstance(module, Int4Linear):
-            if module.group_size % 32:  # the C loop takes 32 weights (16 bytes) at a time
+            if module.group_size % 2:
                 raise Unsupported(f"int4 groups of {module.group_size} are not supported")
-            qweight, scale, zero = _int4(module)
-            self.max_group = max(self.max_group, module.group_size)
+            nibbles, scale, zero = _int4_panels(module, width, halves)
+            bias = _vector(_f32(module.bias), width, halves)
             return cpu_decode.Linear(
-                self._ptr(qweight),
+                self._ptr(nibbles),
                 cpu_decode.I4,
                 self._ptr(scale),
-                self._ptr(_f32(module.bias)),
+                self._ptr(bias),
                 self._ptr(zero),
                 module.group_size,
             )
-        weight, scale, bias = _row_major(module) if tied is None else (tied, None, None)
+        weight, scale, bias = _dense(module) if tied is None else (tied, None, None)
         if weight.dtype not in _TYPES:
             raise Unsupported(f"{weight.dtype} weights are not supported")
         return cpu_decode.Linear(
-            self._ptr(weight), _TYPES[weight.dtype], self._ptr(scale), self._ptr(bias), None, 0
+            self._ptr(_weight_panels(weight, width, halves)),
+            _TYPES[weight.dtype],
+            self._ptr(_vector(scale, width, halves)),
+            self._ptr(_vector(bias, width, halves)),
+            None,
+            0,
         )
 
     def copied_bytes(self, model: nn.Module) -> int:
-        """Bytes this decoder holds beyond `model`'s own tensors (its row-major copies)."""
+        """Bytes this decoder holds beyond `model`'s own tensors (its weight panels)."""
         tensors = [t for t in [*model.parameters(), *model.buffers()] if t.layout == torch.strided]
         own = {t.untyped_storage().data_ptr() for t in tensors}  # (oneDNN's packed weights have none)
         own.update(

@@ -1,4 +1,4 @@
-"""Build and load `cpu_decode.c`: one fused decode step of one sequence on the CPU.
+"""Build and load `cpu_decode.c`: one fused decode step of a few sequences on the CPU.
 
 The C file is compiled at first use for this machine (``-march=native``: AVX-512 or AVX2 where the
 CPU has them, plain C elsewhere) and cached under ``$WEIR_CACHE_DIR/kernels`` (default
@@ -42,7 +42,6 @@ SHAPE_FIELDS = [
     "kv_type",
     "embed_type",
     "max_len",
-    "max_group",
 ]
 
 
@@ -126,6 +125,8 @@ def library() -> ctypes.CDLL | None:
     except OSError as exc:  # a read-only cache directory, a library that will not load
         log.warning("fused CPU decode step unavailable: %s", exc)
         return None
+    lib.weir_panel_width.restype = ctypes.c_int64
+    lib.weir_panel_width.argtypes = []
     lib.weir_decode_step.restype = ctypes.c_int
     lib.weir_decode_step.argtypes = [
         ctypes.c_void_p,  # shape (int64[len(SHAPE_FIELDS)])
@@ -165,6 +166,5 @@ def scratch_floats(shape: Mapping[str, int], batch: int, threads: int) -> int:
     hidden, inter, head_dim = shape["hidden"], shape["intermediate"], shape["head_dim"]
     q_size, kv_size = shape["heads"] * head_dim, shape["kv_heads"] * head_dim
     per_seq = 2 * hidden + q_size + 2 * kv_size + q_size + inter
-    widest = max(hidden, inter, q_size)
-    scores = threads * shape["max_len"]
-    return batch * per_seq + head_dim + scores + threads * batch * 2 * (widest + shape["max_group"])
+    scores = threads * shape["heads"] * shape["max_len"]
+    return batch * per_seq + head_dim + scores + threads * batch * (max(hidden, inter, q_size) // 2 + 1)
