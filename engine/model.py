@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import hugepages
 from engine.config import ModelConfig
 from kernels._triton import use_triton
 from kernels.paged_attention import paged_decode_attention_triton
@@ -332,8 +333,8 @@ class Transformer(nn.Module):
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim or 0)
         for layer in self.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.self_attn.k_cache = hugepages.zeros(shape, dtype, device)
+            layer.self_attn.v_cache = hugepages.zeros(shape, dtype, device)
 
 
 def weights_changed(model: nn.Module) -> None:

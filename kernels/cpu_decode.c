@@ -334,10 +334,13 @@ static void rms_norm(const float *x, const float *weight, float *y, int64_t n, f
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * inv * weight[i];
 }
 
-static void rotate(float *x, const float *cos, const float *sin, int64_t d, float *tmp) {
-    int64_t half = d / 2;
-    for (int64_t i = 0; i < d; i++) tmp[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
-    memcpy(x, tmp, (size_t)d * sizeof(float));
+static void rotate(float *x, const float *cos, const float *sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
 }
 
 static void store_kv(void *cache, int64_t type, int64_t offset, const float *v, int64_t d) {
@@ -392,12 +395,6 @@ static void softmax(float *s, int64_t len) {
 /* Causal attention of query heads first .. first + nq - 1 (each one token, `d` apart in q and out; head
    j reads KV head j / group) over their sequence's `len` cached positions, a cache block at a time.
    With all of a sequence's heads in one call each cache row (every KV head of a position) is read
-   from memory once, whole: with many sequences K/V come from beyond the caches, and a task per head
-   (a third of every row, three times over) took twice as long at 32 sequences. Within a block, one
-   head at a time: its K rows and its output stay in registers and L1. `scores`: nq * len floats. */
-/* Causal attention of query heads first .. first + nq - 1 (each one token, `d` apart in q and out; head
-   j reads KV head j / group) over their sequence's `len` cached positions, a cache block at a time.
-   With all of a sequence's heads in one call each cache row (every KV head of a position) is read
    once, whole and in order: with many sequences K/V come from beyond the caches, and a task per head
    (a third of every row, three times over) took twice as long at 32 sequences; so did visiting a
    block's rows a head at a time (a stride the prefetcher does not follow). `scores`: nq * len floats. */
@@ -406,35 +403,39 @@ static void softmax(float *s, int64_t len) {
                      int64_t block_size, int64_t kv_heads, int64_t group, int64_t first, int64_t nq, int64_t d, \
                      float scale, float *scores, float *out) {                                                \
         const int64_t stride = kv_heads * d; /* between positions */                                         \
-        for (int64_t t = 0; t < len; t++) {                                                                  \
-            const T *row = kc + ((int64_t)table[t / block_size] * block_size + t % block_size) * stride;     \
-            for (int64_t h = 0; h < nq; h++) {                                                               \
-                const T *k = row + (first + h) / group * d;                                                  \
-                const float *qh = q + h * d;                                                                 \
-                vf a0 = VZERO(), a1 = VZERO();                                                               \
-                int64_t c = 0;                                                                               \
-                for (; c + 2 * W <= d; c += 2 * W) {                                                         \
-                    a0 = VFMA(VLOAD(k + c), VLOAD_F32(qh + c), a0);                                          \
-                    a1 = VFMA(VLOAD(k + c + W), VLOAD_F32(qh + c + W), a1);                                  \
+        for (int64_t start = 0; start < len; start += block_size) {                                          \
+            const int64_t n = len - start < block_size ? len - start : block_size;                           \
+            const T *row = kc + (int64_t)table[start / block_size] * block_size * stride;                    \
+            for (int64_t t = start; t < start + n; t++, row += stride)                                       \
+                for (int64_t h = 0; h < nq; h++) {                                                           \
+                    const T *k = row + (first + h) / group * d;                                              \
+                    const float *qh = q + h * d;                                                             \
+                    vf a0 = VZERO(), a1 = VZERO();                                                           \
+                    int64_t c = 0;                                                                           \
+                    for (; c + 2 * W <= d; c += 2 * W) {                                                     \
+                        a0 = VFMA(VLOAD(k + c), VLOAD_F32(qh + c), a0);                                      \
+                        a1 = VFMA(VLOAD(k + c + W), VLOAD_F32(qh + c + W), a1);                              \
+                    }                                                                                        \
+                    for (; c + W <= d; c += W) a0 = VFMA(VLOAD(k + c), VLOAD_F32(qh + c), a0);               \
+                    float dot = VSUM(a0 + a1);                                                               \
+                    for (; c < d; c++) dot += SCALAR(k[c]) * qh[c];                                          \
+                    scores[h * len + t] = dot * scale;                                                       \
                 }                                                                                            \
-                for (; c + W <= d; c += W) a0 = VFMA(VLOAD(k + c), VLOAD_F32(qh + c), a0);                   \
-                float dot = VSUM(a0 + a1);                                                                   \
-                for (; c < d; c++) dot += SCALAR(k[c]) * qh[c];                                              \
-                scores[h * len + t] = dot * scale;                                                           \
-            }                                                                                                \
         }                                                                                                    \
         for (int64_t h = 0; h < nq; h++) softmax(scores + h * len, len);                                     \
         memset(out, 0, (size_t)(nq * d) * sizeof(float));                                                    \
-        for (int64_t t = 0; t < len; t++) {                                                                  \
-            const T *row = vc + ((int64_t)table[t / block_size] * block_size + t % block_size) * stride;     \
-            for (int64_t h = 0; h < nq; h++) {                                                               \
-                const T *v = row + (first + h) / group * d;                                                  \
-                const vf p = VSET1(scores[h * len + t]);                                                     \
-                float *o = out + h * d;                                                                      \
-                int64_t c = 0;                                                                               \
-                for (; c + W <= d; c += W) VSTORE(o + c, VFMA(p, VLOAD(v + c), VLOAD_F32(o + c)));           \
-                for (; c < d; c++) o[c] += scores[h * len + t] * SCALAR(v[c]);                               \
-            }                                                                                                \
+        for (int64_t start = 0; start < len; start += block_size) {                                          \
+            const int64_t n = len - start < block_size ? len - start : block_size;                           \
+            const T *row = vc + (int64_t)table[start / block_size] * block_size * stride;                    \
+            for (int64_t t = start; t < start + n; t++, row += stride)                                       \
+                for (int64_t h = 0; h < nq; h++) {                                                           \
+                    const T *v = row + (first + h) / group * d;                                              \
+                    const vf p = VSET1(scores[h * len + t]);                                                 \
+                    float *o = out + h * d;                                                                  \
+                    int64_t c = 0;                                                                           \
+                    for (; c + W <= d; c += W) VSTORE(o + c, VFMA(p, VLOAD(v + c), VLOAD_F32(o + c)));       \
+                    for (; c < d; c++) o[c] += scores[h * len + t] * SCALAR(v[c]);                           \
+                }                                                                                            \
         }                                                                                                    \
     }
 
@@ -462,8 +463,7 @@ typedef struct {
     const float *cos, *sin;  /* [max_pos, head_dim] */
 } Globals;
 
-/* Scratch, per sequence: 2 * hidden + q + 2 kv + heads * head_dim + intermediate floats; then head_dim;
-   then threads * heads * max_len for the attention scores; then, per thread and sequence, max(hidden,
+/* Scratch, per sequence: 2 * hidden + q + 2 kv + heads * head_dim + intermediate floats; then threads * heads * max_len for the attention scores; then, per thread and sequence, max(hidden,
    intermediate, q) / 2 + 1 for bf16 inputs. `tables`: int32 [batch, table_stride]. */
 int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers, int64_t batch,
                      const int64_t *tokens, const int64_t *positions, const int32_t *tables, int64_t table_stride,
@@ -478,7 +478,7 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
         if (positions[b] + 1 > max_len) return 2;
     const float scale = 1.0f / sqrtf((float)d);
     float *x = scratch, *h = x + batch * hidden, *qkv = h + batch * hidden, *attn = qkv + batch * qkv_size;
-    float *act = attn + batch * q_size, *tmp = act + batch * inter, *scores = tmp + d;
+    float *act = attn + batch * q_size, *scores = act + batch * inter;
 
     for (int64_t b = 0; b < batch; b++)
         for (int64_t i = 0; i < hidden; i++) {
@@ -498,13 +498,13 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, ly->input_norm, h + b * hidden, hidden, eps);
             gemv(&ly->qkv, h, qkv, batch, qkv_size, hidden, 0, work);
-#pragma omp single
+#pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) {
                 const int64_t pos = positions[b];
                 const int32_t *table = tables + b * table_stride;
                 const int64_t slot = (int64_t)table[pos / block] * block + pos % block;
                 float *row = qkv + b * qkv_size;
-                for (int64_t j = 0; j < heads + kv_heads; j++) rotate(row + j * d, g->cos + pos * d, g->sin + pos * d, d, tmp);
+                for (int64_t j = 0; j < heads + kv_heads; j++) rotate(row + j * d, g->cos + pos * d, g->sin + pos * d, d);
                 for (int64_t j = 0; j < kv_heads; j++) {
                     store_kv(ly->k_cache, kv_type, (slot * kv_heads + j) * d, row + q_size + j * d, d);
                     store_kv(ly->v_cache, kv_type, (slot * kv_heads + j) * d, row + q_size + kv_size + j * d, d);
