@@ -373,8 +373,9 @@ static inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
-/* s = softmax(s) over `len` scores. */
-static void softmax(float *s, int64_t len) {
+/* s = softmax(s) over `len` scores; `stats`, where not NULL, gets the maximum and the sum of the
+   exponentials, which is what merging softmaxes over parts of a sequence needs. */
+static void softmax(float *s, int64_t len, float *stats) {
     float top = -INFINITY, total = 0.0f;
     for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
     int64_t t = 0;
@@ -390,25 +391,28 @@ static void softmax(float *s, int64_t len) {
     for (; t < len; t++) total += s[t] = expf(s[t] - top);
     const float inv = 1.0f / total;
     for (t = 0; t < len; t++) s[t] *= inv;
+    if (stats) stats[0] = top, stats[1] = total;
 }
 
-/* Causal attention of query heads first .. first + nq - 1 (each one token, `d` apart in q and out; head
-   j reads KV head j / group) over their sequence's `len` cached positions, a cache block at a time.
-   With all of a sequence's heads in one call each cache row (every KV head of a position) is read
-   once, whole and in order: with many sequences K/V come from beyond the caches, and a task per head
-   (a third of every row, three times over) took twice as long at 32 sequences; so did visiting a
-   block's rows a head at a time (a stride the prefetcher does not follow). `scores`: nq * len floats. */
+/* Causal attention of a sequence's `nq` query heads (one token each, `d` apart in q and out; head j
+   reads KV head j / group) over its cached positions t0 .. t1 - 1 (t0 at a block's start), a cache block
+   at a time. Every head in one call, so each cache row (every KV head of a position) is read once,
+   whole and in order: with many sequences K/V come from beyond the caches, and a task per head (a
+   third of every row, three times over) took twice as long at 32 sequences; so did visiting a block's
+   rows a head at a time (a stride the prefetcher does not follow). `out` is normalised over this span;
+   `stats` (or NULL): per head the maximum score and the sum of exponentials, to merge spans.
+   `scores`: nq * (t1 - t0) floats. */
 #define DEFINE_ATTENTION(NAME, T, VLOAD, SCALAR)                                                              \
-    static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table, int64_t len,           \
-                     int64_t block_size, int64_t kv_heads, int64_t group, int64_t first, int64_t nq, int64_t d, \
-                     float scale, float *scores, float *out) {                                                \
-        const int64_t stride = kv_heads * d; /* between positions */                                         \
-        for (int64_t start = 0; start < len; start += block_size) {                                          \
-            const int64_t n = len - start < block_size ? len - start : block_size;                           \
+    static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table, int64_t t0, int64_t t1, \
+                     int64_t block_size, int64_t kv_heads, int64_t group, int64_t nq, int64_t d, float scale,    \
+                     float *scores, float *out, float *stats) {                                               \
+        const int64_t stride = kv_heads * d, span = t1 - t0;                                                 \
+        for (int64_t start = t0; start < t1; start += block_size) {                                          \
+            const int64_t n = t1 - start < block_size ? t1 - start : block_size;                             \
             const T *row = kc + (int64_t)table[start / block_size] * block_size * stride;                    \
             for (int64_t t = start; t < start + n; t++, row += stride)                                       \
                 for (int64_t h = 0; h < nq; h++) {                                                           \
-                    const T *k = row + (first + h) / group * d;                                              \
+                    const T *k = row + h / group * d;                                                        \
                     const float *qh = q + h * d;                                                             \
                     vf a0 = VZERO(), a1 = VZERO();                                                           \
                     int64_t c = 0;                                                                           \
@@ -419,28 +423,35 @@ static void softmax(float *s, int64_t len) {
                     for (; c + W <= d; c += W) a0 = VFMA(VLOAD(k + c), VLOAD_F32(qh + c), a0);               \
                     float dot = VSUM(a0 + a1);                                                               \
                     for (; c < d; c++) dot += SCALAR(k[c]) * qh[c];                                          \
-                    scores[h * len + t] = dot * scale;                                                       \
+                    scores[h * span + t - t0] = dot * scale;                                                 \
                 }                                                                                            \
         }                                                                                                    \
-        for (int64_t h = 0; h < nq; h++) softmax(scores + h * len, len);                                     \
+        for (int64_t h = 0; h < nq; h++) softmax(scores + h * span, span, stats ? stats + 2 * h : NULL);     \
         memset(out, 0, (size_t)(nq * d) * sizeof(float));                                                    \
-        for (int64_t start = 0; start < len; start += block_size) {                                          \
-            const int64_t n = len - start < block_size ? len - start : block_size;                           \
+        for (int64_t start = t0; start < t1; start += block_size) {                                          \
+            const int64_t n = t1 - start < block_size ? t1 - start : block_size;                             \
             const T *row = vc + (int64_t)table[start / block_size] * block_size * stride;                    \
             for (int64_t t = start; t < start + n; t++, row += stride)                                       \
                 for (int64_t h = 0; h < nq; h++) {                                                           \
-                    const T *v = row + (first + h) / group * d;                                              \
-                    const vf p = VSET1(scores[h * len + t]);                                                 \
+                    const T *v = row + h / group * d;                                                        \
+                    const float w = scores[h * span + t - t0];                                               \
+                    const vf p = VSET1(w);                                                                   \
                     float *o = out + h * d;                                                                  \
                     int64_t c = 0;                                                                           \
                     for (; c + W <= d; c += W) VSTORE(o + c, VFMA(p, VLOAD(v + c), VLOAD_F32(o + c)));       \
-                    for (; c < d; c++) o[c] += scores[h * len + t] * SCALAR(v[c]);                           \
+                    for (; c < d; c++) o[c] += w * SCALAR(v[c]);                                             \
                 }                                                                                            \
         }                                                                                                    \
     }
 
 DEFINE_ATTENTION(attention_f32, float, VLOAD_F32, SCALAR_F32)
 DEFINE_ATTENTION(attention_bf16, uint16_t, VLOAD_BF16, SCALAR_BF16)
+
+/* Per thread and sequence, the widest input in bf16 pairs. */
+static int64_t per_seq_x2(int64_t hidden, int64_t inter, int64_t q_size) {
+    const int64_t wide = hidden > inter ? hidden : inter;
+    return (wide > q_size ? wide : q_size) / 2 + 1;
+}
 
 /* Shapes: hidden, heads, kv_heads, head_dim, intermediate, vocab, layers, block_size, kv_type,
    embed_type, max_len (scratch per thread). */
@@ -464,7 +475,8 @@ typedef struct {
 } Globals;
 
 /* Scratch, per sequence: 2 * hidden + q + 2 kv + heads * head_dim + intermediate floats; then threads * heads * max_len for the attention scores; then, per thread and sequence, max(hidden,
-   intermediate, q) / 2 + 1 for bf16 inputs. `tables`: int32 [batch, table_stride]. */
+   intermediate, q) / 2 + 1 for bf16 inputs; then, for fewer than 2 * threads sequences, (q + 2 * heads)
+   per part of a sequence, 4 * threads parts at most. `tables`: int32 [batch, table_stride]. */
 int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers, int64_t batch,
                      const int64_t *tokens, const int64_t *positions, const int32_t *tables, int64_t table_stride,
                      float eps, int threads, float *scratch, float *logits) {
@@ -479,6 +491,10 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
     const float scale = 1.0f / sqrtf((float)d);
     float *x = scratch, *h = x + batch * hidden, *qkv = h + batch * hidden, *attn = qkv + batch * qkv_size;
     float *act = attn + batch * q_size, *scores = act + batch * inter;
+    /* parts of sequences for attention when there are few sequences: outputs and softmax statistics */
+    const int64_t splits = batch >= 2 * threads ? 1 : (2 * threads + batch - 1) / batch;
+    float *parts = scores + threads * heads * max_len + threads * batch * per_seq_x2(hidden, inter, q_size);
+    float *part_stats = parts + batch * splits * q_size;
 
     for (int64_t b = 0; b < batch; b++)
         for (int64_t i = 0; i < hidden; i++) {
@@ -486,9 +502,7 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
             x[b * hidden + i] = shape[C_EMBED_TYPE] == F32 ? ((const float *)g->embed)[at]
                                                            : bf16_to_f32(((const uint16_t *)g->embed)[at]);
         }
-    /* per thread and sequence, the widest input in bf16 pairs */
-    const int64_t widest = (hidden > inter ? hidden : inter) > q_size ? (hidden > inter ? hidden : inter) : q_size;
-    const int64_t per_seq = widest / 2 + 1;
+    const int64_t per_seq = per_seq_x2(hidden, inter, q_size);
 #pragma omp parallel num_threads(threads)
     {
         float *my_scores = scores + (int64_t)omp_get_thread_num() * heads * max_len;
@@ -510,20 +524,50 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
                     store_kv(ly->v_cache, kv_type, (slot * kv_heads + j) * d, row + q_size + kv_size + j * d, d);
                 }
             }
-            /* one task per query head for a few sequences (nine heads split evenly over the team), per
-               sequence once there are enough sequences to keep the team busy */
-            const int64_t per_task = batch >= 2 * threads ? heads : 1;
+            /* a task per sequence; with fewer sequences than twice the team, per part of a sequence (whole
+               blocks), the parts' softmaxes merged after (flash-decoding): every thread busy, every cache
+               row still read whole and in order */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < batch * heads / per_task; task++) {
-                const int64_t b = task * per_task / heads, j = task * per_task % heads;
-                const float *qb = qkv + b * qkv_size + j * d;
-                float *out = attn + b * q_size + j * d;
+            for (int64_t task = 0; task < batch * splits; task++) {
+                const int64_t b = task / splits, part = task % splits, len = positions[b] + 1;
+                const int64_t blocks = (len + block - 1) / block;
+                const int64_t t0 = part * blocks / splits * block, t1_ = (part + 1) * blocks / splits * block;
+                const int64_t t1 = t1_ < len ? t1_ : len;
+                float *out = splits == 1 ? attn + b * q_size : parts + task * q_size;
+                float *stats = splits == 1 ? NULL : part_stats + task * heads * 2;
+                if (t0 >= t1) { /* a sequence shorter than its parts: an empty one */
+                    for (int64_t h = 0; h < heads; h++) stats[2 * h] = -INFINITY, stats[2 * h + 1] = 0.0f;
+                    continue;
+                }
+                const float *qb = qkv + b * qkv_size;
+                const int32_t *table = tables + b * table_stride;
                 if (kv_type == F32)
-                    attention_f32(qb, ly->k_cache, ly->v_cache, tables + b * table_stride, positions[b] + 1, block,
-                                  kv_heads, group, j, per_task, d, scale, my_scores, out);
+                    attention_f32(qb, ly->k_cache, ly->v_cache, table, t0, t1, block, kv_heads, group, heads, d, scale,
+                                  my_scores, out, stats);
                 else
-                    attention_bf16(qb, ly->k_cache, ly->v_cache, tables + b * table_stride, positions[b] + 1, block,
-                                   kv_heads, group, j, per_task, d, scale, my_scores, out);
+                    attention_bf16(qb, ly->k_cache, ly->v_cache, table, t0, t1, block, kv_heads, group, heads, d,
+                                   scale, my_scores, out, stats);
+            }
+            if (splits > 1) {
+#pragma omp for schedule(static)
+                for (int64_t bh = 0; bh < batch * heads; bh++) {
+                    const int64_t b = bh / heads, h = bh % heads;
+                    float top = -INFINITY, total = 0.0f, *o = attn + b * q_size + h * d;
+                    for (int64_t part = 0; part < splits; part++) {
+                        const float m = part_stats[((b * splits + part) * heads + h) * 2];
+                        top = m > top ? m : top;
+                    }
+                    memset(o, 0, (size_t)d * sizeof(float));
+                    for (int64_t part = 0; part < splits; part++) {
+                        const float *st = part_stats + ((b * splits + part) * heads + h) * 2;
+                        if (st[1] == 0.0f) continue;
+                        const float w = st[1] * expf(st[0] - top);
+                        const float *src = parts + (b * splits + part) * q_size + h * d;
+                        for (int64_t c = 0; c < d; c++) o[c] += w * src[c];
+                        total += w;
+                    }
+                    for (int64_t c = 0; c < d; c++) o[c] /= total;
+                }
             }
             gemv(&ly->o, attn, x, batch, hidden, q_size, 1, work);
 #pragma omp for schedule(static)

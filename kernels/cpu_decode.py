@@ -167,4 +167,5 @@ def scratch_floats(shape: Mapping[str, int], batch: int, threads: int) -> int:
     q_size, kv_size = shape["heads"] * head_dim, shape["kv_heads"] * head_dim
     per_seq = 2 * hidden + q_size + 2 * kv_size + q_size + inter
     scores = threads * shape["heads"] * shape["max_len"]
-    return batch * per_seq + scores + threads * batch * (max(hidden, inter, q_size) // 2 + 1)
+    parts = 4 * threads * (q_size + 2 * shape["heads"])  # attention of few sequences, in parts
+    return batch * per_seq + scores + threads * batch * (max(hidden, inter, q_size) // 2 + 1) + parts
