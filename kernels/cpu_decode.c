@@ -1,17 +1,18 @@
-/* One decode step of a few sequences through a Llama-family model, in one call, on the CPU.
+/* One decode step of up to MAX_BATCH sequences through a Llama-family model, in one call, on the CPU.
 
    A lone stream's decode step is 30-ish layers of small ops: in eager PyTorch each costs 5-30 us of
    dispatch and threading overhead, which for a 135M model is as much time as streaming the weights.
    Here the whole step (embedding, every layer's norm, fused QKV, RoPE, paged-cache write, attention,
    output projection, SwiGLU MLP, final norm, head) runs in one OpenMP parallel region, so the only
-   costs left are the weight reads and a few barriers per layer.
+   costs left are the weight reads (or, for many sequences, the multiply-adds) and a few barriers per
+   layer.
 
    Weights are the engine's (engine/model.py, engine/quant.py) repacked into panels (below): fp32 /
    bf16 / int8 with one fp32 scale per output / int4 with a scale and zero point per group of inputs.
    The rest is in the engine's layouts: a paged KV cache [blocks, block_size, kv_heads, head_dim] in fp32 or
    bf16; RoPE tables [max_pos, head_dim] in HF's rotate-half form with the first half of `sin` negated.
-   Activations are fp32 throughout; bf16 values are widened on load and K/V rounded to nearest-even on
-   store. The PyTorch reference is the engine's own forward (tests/kernels/test_cpu_decode.py).
+   Activations are fp32 (bf16 layers of steps of DP_MIN_BATCH or more sequences take them rounded to
+   bf16, on vdpbf16ps); bf16 weights and K/V are widened on load, K/V rounded to nearest-even on store. The PyTorch reference is the engine's own forward (tests/kernels/test_cpu_decode.py).
 
    Built at first use by kernels/cpu_decode.py with -O3 -march=native -fopenmp; it links the same
    libgomp.so.1 that PyTorch loaded, so it shares PyTorch's thread pool. */
@@ -474,9 +475,10 @@ typedef struct {
     const float *cos, *sin;  /* [max_pos, head_dim] */
 } Globals;
 
-/* Scratch, per sequence: 2 * hidden + q + 2 kv + heads * head_dim + intermediate floats; then threads * heads * max_len for the attention scores; then, per thread and sequence, max(hidden,
-   intermediate, q) / 2 + 1 for bf16 inputs; then, for fewer than 2 * threads sequences, (q + 2 * heads)
-   per part of a sequence, 4 * threads parts at most. `tables`: int32 [batch, table_stride]. */
+/* Scratch, per sequence: 2 * hidden + q + 2 kv + heads * head_dim + intermediate floats; then threads *
+   heads * max_len for the attention scores; then, per thread and sequence, max(hidden, intermediate, q)
+   / 2 + 1 for bf16 inputs; then, for fewer than 2 * threads sequences, q + 2 * heads per part of a
+   sequence, 4 * threads parts at most. `tables`: int32 [batch, table_stride]. */
 int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers, int64_t batch,
                      const int64_t *tokens, const int64_t *positions, const int32_t *tables, int64_t table_stride,
                      float eps, int threads, float *scratch, float *logits) {
@@ -531,12 +533,12 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
             for (int64_t task = 0; task < batch * splits; task++) {
                 const int64_t b = task / splits, part = task % splits, len = positions[b] + 1;
                 const int64_t blocks = (len + block - 1) / block;
-                const int64_t t0 = part * blocks / splits * block, t1_ = (part + 1) * blocks / splits * block;
-                const int64_t t1 = t1_ < len ? t1_ : len;
+                const int64_t t0 = part * blocks / splits * block, end = (part + 1) * blocks / splits * block;
+                const int64_t t1 = end < len ? end : len;
                 float *out = splits == 1 ? attn + b * q_size : parts + task * q_size;
                 float *stats = splits == 1 ? NULL : part_stats + task * heads * 2;
                 if (t0 >= t1) { /* a sequence shorter than its parts: an empty one */
-                    for (int64_t h = 0; h < heads; h++) stats[2 * h] = -INFINITY, stats[2 * h + 1] = 0.0f;
+                    for (int64_t j = 0; j < heads; j++) stats[2 * j] = -INFINITY, stats[2 * j + 1] = 0.0f;
                     continue;
                 }
                 const float *qb = qkv + b * qkv_size;
@@ -551,18 +553,18 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
             if (splits > 1) {
 #pragma omp for schedule(static)
                 for (int64_t bh = 0; bh < batch * heads; bh++) {
-                    const int64_t b = bh / heads, h = bh % heads;
-                    float top = -INFINITY, total = 0.0f, *o = attn + b * q_size + h * d;
+                    const int64_t b = bh / heads, j = bh % heads;
+                    float top = -INFINITY, total = 0.0f, *o = attn + b * q_size + j * d;
                     for (int64_t part = 0; part < splits; part++) {
-                        const float m = part_stats[((b * splits + part) * heads + h) * 2];
+                        const float m = part_stats[((b * splits + part) * heads + j) * 2];
                         top = m > top ? m : top;
                     }
                     memset(o, 0, (size_t)d * sizeof(float));
                     for (int64_t part = 0; part < splits; part++) {
-                        const float *st = part_stats + ((b * splits + part) * heads + h) * 2;
+                        const float *st = part_stats + ((b * splits + part) * heads + j) * 2;
                         if (st[1] == 0.0f) continue;
                         const float w = st[1] * expf(st[0] - top);
-                        const float *src = parts + (b * splits + part) * q_size + h * d;
+                        const float *src = parts + (b * splits + part) * q_size + j * d;
                         for (int64_t c = 0; c < d; c++) o[c] += w * src[c];
                         total += w;
                     }
