@@ -67,7 +67,7 @@ def _panels(t: torch.Tensor, width: int, halves: int) -> torch.Tensor:
     parts = []
     for part in t.chunk(halves):
         part = nn.functional.pad(part, (0, 0, 0, -part.shape[0] % width))
-        parts.append(part.view(-1, width, part.shape[1]).transpose(1, 2))
+        parts.append(part.reshape(-1, width, part.shape[1]).transpose(1, 2))
     return torch.cat(parts).contiguous()
 
 
@@ -137,9 +137,10 @@ class FusedDecoder:
                 self._ptr(attn.k_cache),
                 self._ptr(attn.v_cache),
             )
-        embed = model.embed_tokens.weight.detach().contiguous()  # rows looked up: the layout as it is
+        embed = model.embed_tokens.weight.detach()  # rows looked up in place, in whatever layout it has
         self.globals = cpu_decode.Globals(
             self._ptr(embed),
+            (ctypes.c_int64 * 2)(*embed.stride()),
             self._ptr(_f32(model.norm.weight)),
             self._linear(model.lm_head, tied=embed if _tied(model) else None),
             self._ptr(model.rotary.cos),

@@ -470,6 +470,7 @@ typedef struct {
 
 typedef struct {
     const void *embed;  /* [vocab, hidden] of type C_EMBED_TYPE */
+    int64_t embed_stride[2]; /* elements between its rows, between its columns (packing may transpose it) */
     const float *norm;
     Linear head;
     const float *cos, *sin;  /* [max_pos, head_dim] */
@@ -500,7 +501,7 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
 
     for (int64_t b = 0; b < batch; b++)
         for (int64_t i = 0; i < hidden; i++) {
-            int64_t at = tokens[b] * hidden + i;
+            const int64_t at = tokens[b] * g->embed_stride[0] + i * g->embed_stride[1];
             x[b * hidden + i] = shape[C_EMBED_TYPE] == F32 ? ((const float *)g->embed)[at]
                                                            : bf16_to_f32(((const uint16_t *)g->embed)[at]);
         }

@@ -72,6 +72,7 @@ class Layer(ctypes.Structure):
 class Globals(ctypes.Structure):
     _fields_ = [
         ("embed", ctypes.c_void_p),
+        ("embed_stride", ctypes.c_int64 * 2),
         ("norm", ctypes.c_void_p),
         ("head", Linear),
         ("cos", ctypes.c_void_p),
