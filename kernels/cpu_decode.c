@@ -127,6 +127,7 @@ typedef uint32_t vi;
    I8 `scale` and every `bias`: [panels * P]. */
 #define NV 2
 #define P (NV * W)
+_Static_assert(NV == 2, "an int4 byte holds an output of each of the two vectors");
 #if W == 16
 #define MB 12
 #elif W == 8
