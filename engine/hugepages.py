@@ -38,9 +38,8 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """`torch.empty`, asking for huge pages where the tensor is on the CPU, spans some and the OS allows
-    it (they come when the memory is first touched)."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`torch.zeros`, on huge pages where the tensor is on the CPU, spans some and the OS allows it."""
     t = torch.empty(shape, dtype=dtype, device=device)
     madvise = _madvise()
     if t.device.type == "cpu" and madvise is not None:
@@ -48,14 +47,4 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
         end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
         if end > start and madvise(start, end - start, MADV_HUGEPAGE) != 0:
             log.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-    return t
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """`torch.zeros` on huge pages (where it can be)."""
-    return _empty(shape, dtype, device).zero_()
-
-
-def copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of `t` on huge pages (where it can be)."""
-    return _empty(tuple(t.shape), t.dtype, t.device).copy_(t)
+    return t.zero_()  # the first touch: faults the pages in, huge where the kernel has them
