@@ -12,11 +12,14 @@
    The rest is in the engine's layouts: a paged KV cache [blocks, block_size, kv_heads, head_dim] in fp32 or
    bf16; RoPE tables [max_pos, head_dim] in HF's rotate-half form with the first half of `sin` negated.
    Activations are fp32 (bf16 layers of steps of DP_MIN_BATCH or more sequences take them rounded to
-   bf16, on vdpbf16ps); bf16 weights and K/V are widened on load, K/V rounded to nearest-even on store. The PyTorch reference is the engine's own forward (tests/kernels/test_cpu_decode.py).
+   bf16, on AMX tiles where the CPU and the kernel lend them, else on vdpbf16ps); bf16 weights and K/V are widened on load, K/V rounded to nearest-even on store. The PyTorch reference is the engine's own forward (tests/kernels/test_cpu_decode.py).
 
    Built at first use by kernels/cpu_decode.py with -O3 -march=native -fopenmp; it links the same
    libgomp.so.1 that PyTorch loaded, so it shares PyTorch's thread pool. */
 
+#ifndef _DEFAULT_SOURCE
+#define _DEFAULT_SOURCE /* syscall() under -std=c11 */
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -25,10 +28,17 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 enum { F32 = 0, BF16 = 1, I8 = 2, I4 = 3 };
 #define MAX_BATCH 64 /* sequences per call */
 #define DP_MIN_BATCH 4 /* from this many sequences bf16 layers multiply bf16 inputs on vdpbf16ps */
+#define AMX_MIN_BATCH 4 /* ... and, where the CPU has AMX, on its tiles */
+#define RB 32           /* rows (sequences) per AMX block: two A tiles of 16 */
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -147,7 +157,7 @@ typedef struct {
 
 /* out[b] = panel . x[b] for the first `mb` rows of x (`ldx` apart), over `k` inputs. */
 #define DEFINE_PANEL(NAME, T, VLOAD)                                                          \
-    static void NAME(const T *w, const float *x, int64_t ldx, int64_t k, int mb, float out[MB][P]) { \
+    static void NAME(const T *w, const float *x, int64_t ldx, int64_t k, int mb, float (*out)[P]) {  \
         vf acc[MB][NV];                                                                       \
         for (int b = 0; b < MB; b++)                                                          \
             for (int j = 0; j < NV; j++) acc[b][j] = VZERO();                                 \
@@ -167,7 +177,7 @@ DEFINE_PANEL(panel_f32, float, VLOAD_F32)
 DEFINE_PANEL(panel_i8, int8_t, VLOAD_I8)
 
 /* bf16 pairs widened to fp32: exact fp32 products of the bf16 weights and fp32 inputs. */
-static void panel_bf16(const uint16_t *w, const float *x, int64_t ldx, int64_t k, int mb, float out[MB][P]) {
+static void panel_bf16(const uint16_t *w, const float *x, int64_t ldx, int64_t k, int mb, float (*out)[P]) {
     vf acc[MB][NV];
     for (int b = 0; b < MB; b++)
         for (int j = 0; j < NV; j++) acc[b][j] = VZERO();
@@ -192,7 +202,7 @@ static void panel_bf16(const uint16_t *w, const float *x, int64_t ldx, int64_t k
    products per lane and instruction. Batches only; `x2` holds each row's inputs in bf16, `ldx2` pairs
    apart, zero-padded to even. */
 static void panel_bf16_dp(const uint16_t *w, const uint32_t *x2, int64_t ldx2, int64_t k, int mb,
-                          float out[MB][P]) {
+                          float (*out)[P]) {
     __m512 acc[MB][NV];
     for (int b = 0; b < MB; b++)
         for (int j = 0; j < NV; j++) acc[b][j] = _mm512_setzero_ps();
@@ -209,9 +219,92 @@ static void panel_bf16_dp(const uint16_t *w, const uint32_t *x2, int64_t ldx2, i
 }
 #endif
 
+/* AMX: the same bf16 pairs on the tile unit, for blocks of up to RB sequences. A panel's weights are
+   already in the layout tdpbf16ps wants for B (input pairs in rows, 2 x 16 outputs side by side, 2 * P
+   bf16 apart), and the bf16 input rows are its A; so a panel is 2 x 2 tiles of 16 x 16 outputs, each
+   input chunk of 32 two loads of A, two of B and four multiplies. Linux hands out the tile state on
+   request (arch_prctl), once per process; `amx_on` says whether it did (or was switched off). */
+static int amx_on = -1; /* -1: not asked yet */
+
+#if defined(HAVE_AMX)
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0-3: the outputs (rows 0-15 x cols 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31); 4-5: the
+   inputs of rows 0-15 and 16-31; 6-7: the weights of cols 0-15 and 16-31. Loaded when the block's row
+   count changes; `*tile_rows` is the count the thread's tiles hold (0: not configured this step). */
+static void configure_tiles(int mb, int *tile_rows) {
+    if (*tile_rows == mb) return;
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int lo = mb < 16 ? mb : 16, hi = mb - lo;
+    const uint8_t rows[8] = {lo, lo, hi, hi, lo, hi, 16, 16};
+    for (int t = 0; t < 8; t++)
+        if (rows[t]) c.rows[t] = rows[t], c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+    *tile_rows = mb;
+}
+
+static void panel_bf16_amx(const uint16_t *w, const uint32_t *x2, int64_t ldx2, int64_t k, int mb,
+                           float (*out)[P], int *tile_rows) {
+    configure_tiles(mb, tile_rows);
+    const int two = mb > 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t r = 0; r < k / 2; r += 16) {
+        _tile_loadd(4, x2 + r, ldx2 * 4);
+        _tile_loadd(6, w + r * 2 * P, 2 * P * 2);
+        _tile_loadd(7, w + r * 2 * P + 2 * 16, 2 * P * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x2 + 16 * ldx2 + r, ldx2 * 4);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out[0], P * 4);
+    _tile_stored(1, out[0] + 16, P * 4);
+    if (two) {
+        _tile_stored(2, out[16], P * 4);
+        _tile_stored(3, out[16] + 16, P * 4);
+    }
+}
+
+static int amx_request(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+#else
+static int amx_request(void) { return 0; }
+#endif
+
+/* -1: whether the step uses AMX (asking the kernel for it the first time); 0 / 1: switch it off / on
+   (on only where the build and the CPU have it). */
+int weir_amx(int want) {
+    if (want == 0)
+        amx_on = 0;
+    else if (want == 1 || amx_on < 0)
+        amx_on = amx_request();
+    return amx_on;
+}
+
+/* Whether this linear, in a step of `batch` sequences, runs on the tiles (whole input chunks of 32). */
+static int use_amx(const Linear *l, int64_t batch, int64_t k) {
+    return amx_on > 0 && l->type == BF16 && batch >= AMX_MIN_BATCH && k % 32 == 0;
+}
+
 /* int4 dequantized in registers, w = q * scale + zero' (zero' = zero - 8 * scale, folded at load). */
 static void panel_i4(const uint8_t *w, const float *scale, const float *zero, int64_t group, const float *x,
-                     int64_t ldx, int64_t k, int mb, float out[MB][P]) {
+                     int64_t ldx, int64_t k, int mb, float (*out)[P]) {
     vf acc[MB][NV];
     for (int b = 0; b < MB; b++)
         for (int j = 0; j < NV; j++) acc[b][j] = VZERO();
@@ -233,9 +326,10 @@ static void panel_i4(const uint8_t *w, const float *scale, const float *zero, in
 }
 
 /* out[b][c] = l(x[b])[p * P + c], scaled and biased, for the first `mb` rows of x (`k` apart; `x2`: the
-   same in bf16 pairs, or NULL). */
+   same in bf16 pairs, or NULL; `tile_rows`: the thread's tile state where the layer runs on AMX, else
+   NULL). */
 static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t *x2, int64_t k, int mb,
-                      float out[MB][P]) {
+                      float (*out)[P], int *tile_rows) {
     if (l->type == F32) {
         panel_f32((const float *)l->weight + p * k * P, x, k, k, mb, out);
     } else if (l->type == I8) {
@@ -246,6 +340,13 @@ static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t
                  l->zero + p * groups * P, l->group, x, k, k, mb, out);
     } else {
         const uint16_t *w = (const uint16_t *)l->weight + p * ((k + 1) / 2) * 2 * P;
+#if defined(HAVE_AMX)
+        if (tile_rows)
+            panel_bf16_amx(w, x2, (k + 1) / 2, k, mb, out, tile_rows);
+        else
+#else
+        (void)tile_rows;
+#endif
 #if defined(__AVX512BF16__)
         if (x2)
             panel_bf16_dp(w, x2, (k + 1) / 2, k, mb, out);
@@ -288,15 +389,16 @@ static const uint32_t *bf16_pairs(const Linear *l, const float *x, int64_t batch
    Work-shares the panels across the team, each panel serving every sequence while it is in cache; call
    from inside the parallel region. */
 static void gemv(const Linear *l, const float *x, float *y, int64_t batch, int64_t n, int64_t k, int accumulate,
-                 uint32_t *work) {
+                 uint32_t *work, int *tile_rows) {
     const uint32_t *x2 = bf16_pairs(l, x, batch, k, work);  /* each thread its own copy: no barrier */
-    float out[MB][P];
+    const int amx = use_amx(l, batch, k), rows = amx ? RB : MB;
+    float out[RB][P];
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < (n + P - 1) / P; p++) {
         const int64_t cols = n - p * P < P ? n - p * P : P;
-        for (int64_t b = 0; b < batch; b += MB) {
-            const int mb = batch - b < MB ? (int)(batch - b) : MB;
-            run_panel(l, p, x + b * k, x2 ? x2 + b * ((k + 1) / 2) : NULL, k, mb, out);
+        for (int64_t b = 0; b < batch; b += rows) {
+            const int mb = batch - b < rows ? (int)(batch - b) : rows;
+            run_panel(l, p, x + b * k, x2 ? x2 + b * ((k + 1) / 2) : NULL, k, mb, out, amx ? tile_rows : NULL);
             for (int c = 0; c < mb; c++) {
                 float *row = y + (b + c) * n + p * P;
                 for (int64_t j = 0; j < cols; j++) row[j] = (accumulate ? row[j] : 0.0f) + out[c][j];
@@ -308,18 +410,19 @@ static void gemv(const Linear *l, const float *x, float *y, int64_t batch, int64
 /* act = silu(gate(x)) * up(x) from the [gate panels; up panels] weight: a panel of both halves in one
    iteration, so the product needs no second pass and no barrier. */
 static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t batch, int64_t inter, int64_t k,
-                        uint32_t *work) {
+                        uint32_t *work, int *tile_rows) {
     const uint32_t *x2 = bf16_pairs(l, x, batch, k, work);
+    const int amx = use_amx(l, batch, k), rows = amx ? RB : MB;
     const int64_t panels = (inter + P - 1) / P;
-    float gate[MB][P], up[MB][P];
+    float gate[RB][P], up[RB][P];
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t cols = inter - p * P < P ? inter - p * P : P;
-        for (int64_t b = 0; b < batch; b += MB) {
-            const int mb = batch - b < MB ? (int)(batch - b) : MB;
+        for (int64_t b = 0; b < batch; b += rows) {
+            const int mb = batch - b < rows ? (int)(batch - b) : rows;
             const uint32_t *pairs = x2 ? x2 + b * ((k + 1) / 2) : NULL;
-            run_panel(l, p, x + b * k, pairs, k, mb, gate);
-            run_panel(l, panels + p, x + b * k, pairs, k, mb, up);
+            run_panel(l, p, x + b * k, pairs, k, mb, gate, amx ? tile_rows : NULL);
+            run_panel(l, panels + p, x + b * k, pairs, k, mb, up, amx ? tile_rows : NULL);
             for (int c = 0; c < mb; c++)
                 for (int64_t j = 0; j < cols; j++)
                     act[(b + c) * inter + p * P + j] = gate[c][j] / (1.0f + expf(-gate[c][j])) * up[c][j];
@@ -396,53 +499,115 @@ static void softmax(float *s, int64_t len, float *stats) {
     if (stats) stats[0] = top, stats[1] = total;
 }
 
+/* Lane i of the result: the sum of v[i]'s lanes (W vectors in, one out). A transposing tree of
+   shuffles and adds: ~3 instructions per sum where a reduction per vector takes ~8. */
+static inline vf sum_lanes(vf *v) {
+#if W == 16
+    __m512 x[8], y[4], s[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] */
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sum of each of 4 vectors */
+        const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* then across the four 128-bit lanes */
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x88), _mm512_shuffle_f32x4(s[0], s[1], 0xdd));
+#elif W == 8
+    __m256 x[4], y[2];
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) {
+        const __m256d a = _mm256_castps_pd(x[2 * i]), b = _mm256_castps_pd(x[2 * i + 1]);
+        y[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20), _mm256_permute2f128_ps(y[0], y[1], 0x31));
+#else
+    return v[0];
+#endif
+}
+
+/* Asks for part `i` of `parts` of the `bytes` from `p` on: the next cache block, which the hardware
+   cannot guess (the table can put it anywhere), a slice per step of work on this one (a burst of
+   prefetches stalls on the line-fill buffers). */
+static inline void prefetch_part(const char *p, int64_t bytes, int64_t i, int64_t parts) {
+    const int64_t lines = (bytes + 63) / 64;
+    for (int64_t l = i * lines / parts; l < (i + 1) * lines / parts; l++) __builtin_prefetch(p + l * 64);
+}
+
+#define CHUNK 8 /* vectors of a head's output kept in registers while the weighted sum walks the rows */
+
 /* Causal attention of a sequence's `nq` query heads (one token each, `d` apart in q and out; head j
    reads KV head j / group) over its cached positions t0 .. t1 - 1 (t0 at a block's start), a cache block
-   at a time. Every head in one call, so each cache row (every KV head of a position) is read once,
-   whole and in order: with many sequences K/V come from beyond the caches, and a task per head (a
-   third of every row, three times over) took twice as long at 32 sequences; so did visiting a block's
-   rows a head at a time (a stride the prefetcher does not follow). `out` is normalised over this span;
-   `stats` (or NULL): per head the maximum score and the sum of exponentials, to merge spans.
-   `scores`: nq * (t1 - t0) floats. */
+   at a time. Scores come W positions at a time (one partial-sum vector each, summed across lanes
+   together), and each head's output stays in registers while it walks a block's value rows, so neither
+   pass pays a horizontal sum or a load and store per row. A block's rows are contiguous (every KV head
+   of a position, then the next position) and small enough to stay in L1 while its heads take turns.
+   `out` is normalised over this span; `stats` (or NULL): per head the maximum score and the sum of
+   exponentials, to merge spans. `scores`: nq * (t1 - t0) floats. */
 #define DEFINE_ATTENTION(NAME, T, VLOAD, SCALAR)                                                              \
     static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table, int64_t t0, int64_t t1, \
                      int64_t block_size, int64_t kv_heads, int64_t group, int64_t nq, int64_t d, float scale,    \
                      float *scores, float *out, float *stats) {                                               \
-        const int64_t stride = kv_heads * d, span = t1 - t0;                                                 \
+        const int64_t stride = kv_heads * d, span = t1 - t0, dv = d - d % W;                                 \
+        const int64_t bytes = block_size * stride * (int64_t)sizeof(T); /* a cache block of K or V */        \
         for (int64_t start = t0; start < t1; start += block_size) {                                          \
             const int64_t n = t1 - start < block_size ? t1 - start : block_size;                             \
-            const T *row = kc + (int64_t)table[start / block_size] * block_size * stride;                    \
-            for (int64_t t = start; t < start + n; t++, row += stride)                                       \
+            const T *block = kc + (int64_t)table[start / block_size] * block_size * stride;                  \
+            const char *next = start + block_size < t1                                                       \
+                ? (const char *)(kc + (int64_t)table[start / block_size + 1] * block_size * stride) : NULL;  \
+            for (int64_t t = 0; t < n; t += W) {                                                             \
+                const int m = n - t < W ? (int)(n - t) : W;                                                  \
                 for (int64_t h = 0; h < nq; h++) {                                                           \
-                    const T *k = row + h / group * d;                                                        \
+                    if (next) prefetch_part(next, bytes, t * nq + h, (n + W - 1) / W * nq);                  \
+                    const T *k = block + t * stride + h / group * d;                                         \
                     const float *qh = q + h * d;                                                             \
-                    vf a0 = VZERO(), a1 = VZERO();                                                           \
-                    int64_t c = 0;                                                                           \
-                    for (; c + 2 * W <= d; c += 2 * W) {                                                     \
-                        a0 = VFMA(VLOAD(k + c), VLOAD_F32(qh + c), a0);                                      \
-                        a1 = VFMA(VLOAD(k + c + W), VLOAD_F32(qh + c + W), a1);                              \
+                    vf acc[W];                                                                               \
+                    for (int i = 0; i < W; i++) acc[i] = VZERO();                                            \
+                    for (int64_t c = 0; c < dv; c += W) {                                                    \
+                        const vf qv = VLOAD_F32(qh + c);                                                     \
+                        _Pragma("GCC unroll 16") for (int i = 0; i < W; i++) if (i < m)                      \
+                            acc[i] = VFMA(VLOAD(k + i * stride + c), qv, acc[i]);                            \
                     }                                                                                        \
-                    for (; c + W <= d; c += W) a0 = VFMA(VLOAD(k + c), VLOAD_F32(qh + c), a0);               \
-                    float dot = VSUM(a0 + a1);                                                               \
-                    for (; c < d; c++) dot += SCALAR(k[c]) * qh[c];                                          \
-                    scores[h * span + t - t0] = dot * scale;                                                 \
+                    float dots[W];                                                                           \
+                    VSTORE(dots, sum_lanes(acc));                                                            \
+                    float *row = scores + h * span + start - t0 + t;                                         \
+                    for (int i = 0; i < m; i++) {                                                            \
+                        for (int64_t c = dv; c < d; c++) dots[i] += SCALAR(k[i * stride + c]) * qh[c];       \
+                        row[i] = dots[i] * scale;                                                            \
+                    }                                                                                        \
                 }                                                                                            \
+            }                                                                                                \
         }                                                                                                    \
         for (int64_t h = 0; h < nq; h++) softmax(scores + h * span, span, stats ? stats + 2 * h : NULL);     \
         memset(out, 0, (size_t)(nq * d) * sizeof(float));                                                    \
         for (int64_t start = t0; start < t1; start += block_size) {                                          \
             const int64_t n = t1 - start < block_size ? t1 - start : block_size;                             \
-            const T *row = vc + (int64_t)table[start / block_size] * block_size * stride;                    \
-            for (int64_t t = start; t < start + n; t++, row += stride)                                       \
-                for (int64_t h = 0; h < nq; h++) {                                                           \
-                    const T *v = row + h / group * d;                                                        \
-                    const float w = scores[h * span + t - t0];                                               \
-                    const vf p = VSET1(w);                                                                   \
-                    float *o = out + h * d;                                                                  \
-                    int64_t c = 0;                                                                           \
-                    for (; c + W <= d; c += W) VSTORE(o + c, VFMA(p, VLOAD(v + c), VLOAD_F32(o + c)));       \
-                    for (; c < d; c++) o[c] += w * SCALAR(v[c]);                                             \
+            const T *block = vc + (int64_t)table[start / block_size] * block_size * stride;                  \
+            const char *next = start + block_size < t1                                                       \
+                ? (const char *)(vc + (int64_t)table[start / block_size + 1] * block_size * stride) : NULL;  \
+            for (int64_t h = 0; h < nq; h++) {                                                               \
+                if (next) prefetch_part(next, bytes, h, nq);                                                 \
+                const float *p = scores + h * span + start - t0;                                             \
+                float *o = out + h * d;                                                                      \
+                for (int64_t c0 = 0; c0 < dv; c0 += CHUNK * W) {                                             \
+                    const int nv = (int)((dv - c0) / W < CHUNK ? (dv - c0) / W : CHUNK);                     \
+                    vf acc[CHUNK];                                                                           \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < CHUNK; j++)                                  \
+                        acc[j] = j < nv ? VLOAD_F32(o + c0 + j * W) : VZERO();                               \
+                    for (int64_t t = 0; t < n; t++) {                                                        \
+                        const T *v = block + t * stride + h / group * d + c0;                                \
+                        const vf w = VSET1(p[t]);                                                            \
+                        _Pragma("GCC unroll 8") for (int j = 0; j < CHUNK; j++) if (j < nv)                  \
+                            acc[j] = VFMA(w, VLOAD(v + j * W), acc[j]);                                      \
+                    }                                                                                        \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < CHUNK; j++) if (j < nv)                      \
+                        VSTORE(o + c0 + j * W, acc[j]);                                                      \
                 }                                                                                            \
+                for (int64_t c = dv; c < d; c++)                                                             \
+                    for (int64_t t = 0; t < n; t++) o[c] += p[t] * SCALAR(block[t * stride + h / group * d + c]); \
+            }                                                                                                \
         }                                                                                                    \
     }
 
@@ -507,15 +672,17 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
                                                            : bf16_to_f32(((const uint16_t *)g->embed)[at]);
         }
     const int64_t per_seq = per_seq_x2(hidden, inter, q_size);
+    if (amx_on < 0) weir_amx(-1);
 #pragma omp parallel num_threads(threads)
     {
         float *my_scores = scores + (int64_t)omp_get_thread_num() * heads * max_len;
         uint32_t *work = (uint32_t *)(scores + threads * heads * max_len) + (int64_t)omp_get_thread_num() * batch * per_seq;
+        int tile_rows = 0; /* this thread's AMX tiles: unconfigured (other code in the pool may have used them) */
         for (int64_t l = 0; l < shape[C_LAYERS]; l++) {
             const Layer *ly = &layers[l];
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, ly->input_norm, h + b * hidden, hidden, eps);
-            gemv(&ly->qkv, h, qkv, batch, qkv_size, hidden, 0, work);
+            gemv(&ly->qkv, h, qkv, batch, qkv_size, hidden, 0, work, &tile_rows);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) {
                 const int64_t pos = positions[b];
@@ -573,15 +740,18 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
                     for (int64_t c = 0; c < d; c++) o[c] /= total;
                 }
             }
-            gemv(&ly->o, attn, x, batch, hidden, q_size, 1, work);
+            gemv(&ly->o, attn, x, batch, hidden, q_size, 1, work, &tile_rows);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, ly->post_norm, h + b * hidden, hidden, eps);
-            gemv_swiglu(&ly->gate_up, h, act, batch, inter, hidden, work);
-            gemv(&ly->down, act, x, batch, hidden, inter, 1, work);
+            gemv_swiglu(&ly->gate_up, h, act, batch, inter, hidden, work, &tile_rows);
+            gemv(&ly->down, act, x, batch, hidden, inter, 1, work, &tile_rows);
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, g->norm, h + b * hidden, hidden, eps);
-        gemv(&g->head, h, logits, batch, vocab, hidden, 0, work);
+        gemv(&g->head, h, logits, batch, vocab, hidden, 0, work, &tile_rows);
+#if defined(HAVE_AMX)
+        if (tile_rows) _tile_release(); /* a thread holding tile state costs every context switch 8 KB */
+#endif
     }
     return 0;
 }

@@ -128,6 +128,8 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.weir_panel_width.restype = ctypes.c_int64
     lib.weir_panel_width.argtypes = []
+    lib.weir_amx.restype = ctypes.c_int
+    lib.weir_amx.argtypes = [ctypes.c_int]
     lib.weir_decode_step.restype = ctypes.c_int
     lib.weir_decode_step.argtypes = [
         ctypes.c_void_p,  # shape (int64[len(SHAPE_FIELDS)])

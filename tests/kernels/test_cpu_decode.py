@@ -179,18 +179,19 @@ def test_an_unwritable_cache_means_no_step(monkeypatch: pytest.MonkeyPatch, tmp_
     ("dtype", "quantization", "changes", "tol"),
     [CASES[0], CASES[4], CASES[5], CASES[6], CASES[8]],  # fp32, odd tails, bf16, int8, int4
 )
-# 2: a task per head in attention, fp32 inputs to bf16 weights; 5: a task per sequence, bf16 inputs on
-# vdpbf16ps where the CPU has it; 13 and 27: more sequences than one micro-kernel tile holds (12, 6 or 4
-# by instruction set)
-@pytest.mark.parametrize("batch", [2, 5, 13, 27])
+# 2: attention in parts of sequences, fp32 inputs to bf16 weights; 5: a task per sequence, bf16 inputs on
+# vdpbf16ps or AMX where the CPU has them; 13 and 27: more sequences than one micro-kernel tile holds (12,
+# 6 or 4 by instruction set), one and two AMX input tiles; 40: two blocks of AMX rows (32 + 8)
+@pytest.mark.parametrize("batch", [2, 5, 13, 27, 40])
 def test_a_batch_matches_the_eager_batched_decode(
     dtype: str, quantization: str, changes: dict[str, Any], tol: float, batch: int
 ) -> None:
-    model, decoder = _model_and_step(dtype, quantization, changes, blocks=128)
+    blocks = 4 * max(batch, 32)
+    model, decoder = _model_and_step(dtype, quantization, changes, blocks=blocks)
     generator = torch.Generator().manual_seed(batch)
     lengths = [int(n) for n in torch.randint(1, 60, (batch,), generator=generator)]
     # each sequence its own scattered blocks; rows padded as the runner pads them
-    tables = torch.randperm(128, generator=generator)[: batch * 4].view(batch, 4).to(torch.int32)
+    tables = torch.randperm(blocks, generator=generator)[: batch * 4].view(batch, 4).to(torch.int32)
     ids = [torch.randint(1, model.config.vocab_size, (n + 1,), generator=generator) for n in lengths]
     for b, n in enumerate(lengths):
         positions = torch.arange(n)
@@ -231,6 +232,11 @@ def test_a_batch_matches_the_eager_batched_decode(
         assert (got_cache.float() - want.float()).abs().max().item() <= 4 * tol * max(1.0, scale)
 
 
+def _amx() -> bool:
+    lib = cpu_decode.library()
+    return lib is not None and lib.weir_amx(-1) == 1
+
+
 def test_batch_size_is_bounded() -> None:
     engine = LLMEngine.from_config(tiny_config(), device="cpu", num_kv_blocks=16, fused_decode="off")
     decoder = build_fused_decoder(engine.model, "on", 64)
@@ -238,6 +244,19 @@ def test_batch_size_is_bounded() -> None:
     too_many = cpu_decode.MAX_BATCH + 1
     with pytest.raises(ValueError, match="sequences"):
         decoder([1] * too_many, [0] * too_many, TABLE[None].expand(too_many, -1))
+
+
+@pytest.mark.skipif(not _amx(), reason="this CPU has no AMX (or the kernel does not lend it)")
+@pytest.mark.parametrize("batch", [5, 27])
+def test_bf16_batches_without_amx(batch: int) -> None:
+    """On an AMX machine the tests above run bf16 batches on the tiles; this runs them on vdpbf16ps (or
+    fp32 FMAs), the path CPUs without AMX take."""
+    lib = cpu_decode.library()
+    assert lib is not None and lib.weir_amx(0) == 0
+    try:
+        test_a_batch_matches_the_eager_batched_decode(*CASES[5], batch=batch)
+    finally:
+        assert lib.weir_amx(1) == 1
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set variants")
