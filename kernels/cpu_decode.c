@@ -38,6 +38,7 @@ enum { F32 = 0, BF16 = 1, I8 = 2, I4 = 3 };
 #define MAX_BATCH 64 /* sequences per call */
 #define DP_MIN_BATCH 4 /* from this many sequences bf16 layers multiply bf16 inputs on vdpbf16ps */
 #define AMX_MIN_BATCH 4 /* ... and, where the CPU has AMX, on its tiles */
+#define PREFETCH_MIN_BATCH 4 /* from this many sequences a panel prefetches the next one */
 #define RB 32           /* rows (sequences) per AMX block: two A tiles of 16 */
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -155,13 +156,28 @@ typedef struct {
     int64_t group;       /* I4: weights per group; else 0 */
 } Linear;
 
+/* Lines to prefetch while a panel runs, spread over its inputs: the next panel, which the hardware
+   would fetch only when it is read, so a batch of several row blocks (all but the first computing from
+   cache) would leave memory idle, then wait on it. */
+typedef struct {
+    const char *at;
+    int64_t lines;
+} Prefetch;
+
+/* One step of `steps` through a panel: its share of the prefetches. */
+#define PREFETCH_STEP(pf, due, steps) \
+    for ((due) += (pf).lines; (due) >= (steps); (due) -= (steps), (pf).at += 64) __builtin_prefetch((pf).at)
+
 /* out[b] = panel . x[b] for the first `mb` rows of x (`ldx` apart), over `k` inputs. */
 #define DEFINE_PANEL(NAME, T, VLOAD)                                                          \
-    static void NAME(const T *w, const float *x, int64_t ldx, int64_t k, int mb, float (*out)[P]) {  \
+    static void NAME(const T *w, const float *x, int64_t ldx, int64_t k, int mb, float (*out)[P],   \
+                     Prefetch pf) {                                                           \
         vf acc[MB][NV];                                                                       \
         for (int b = 0; b < MB; b++)                                                          \
             for (int j = 0; j < NV; j++) acc[b][j] = VZERO();                                 \
+        int64_t due = 0;                                                                      \
         for (int64_t i = 0; i < k; i++) {                                                     \
+            PREFETCH_STEP(pf, due, k);                                                        \
             vf wv[NV];                                                                        \
             for (int j = 0; j < NV; j++) wv[j] = VLOAD(w + i * P + j * W);                    \
             _Pragma("GCC unroll 16") for (int b = 0; b < MB; b++) if (b < mb) {               \
@@ -177,11 +193,14 @@ DEFINE_PANEL(panel_f32, float, VLOAD_F32)
 DEFINE_PANEL(panel_i8, int8_t, VLOAD_I8)
 
 /* bf16 pairs widened to fp32: exact fp32 products of the bf16 weights and fp32 inputs. */
-static void panel_bf16(const uint16_t *w, const float *x, int64_t ldx, int64_t k, int mb, float (*out)[P]) {
+static void panel_bf16(const uint16_t *w, const float *x, int64_t ldx, int64_t k, int mb, float (*out)[P],
+                       Prefetch pf) {
     vf acc[MB][NV];
     for (int b = 0; b < MB; b++)
         for (int j = 0; j < NV; j++) acc[b][j] = VZERO();
+    int64_t due = 0;
     for (int64_t i = 0; i < k; i += 2) {
+        PREFETCH_STEP(pf, due, (k + 1) / 2);
         vf lo[NV], hi[NV];
         for (int j = 0; j < NV; j++) {
             vi v = VLOAD_PAIR(w + i * P + j * 2 * W);
@@ -202,11 +221,13 @@ static void panel_bf16(const uint16_t *w, const float *x, int64_t ldx, int64_t k
    products per lane and instruction. Batches only; `x2` holds each row's inputs in bf16, `ldx2` pairs
    apart, zero-padded to even. */
 static void panel_bf16_dp(const uint16_t *w, const uint32_t *x2, int64_t ldx2, int64_t k, int mb,
-                          float (*out)[P]) {
+                          float (*out)[P], Prefetch pf) {
     __m512 acc[MB][NV];
     for (int b = 0; b < MB; b++)
         for (int j = 0; j < NV; j++) acc[b][j] = _mm512_setzero_ps();
+    int64_t due = 0;
     for (int64_t r = 0; r < (k + 1) / 2; r++) {
+        PREFETCH_STEP(pf, due, (k + 1) / 2);
         __m512bh wv[NV];
         for (int j = 0; j < NV; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + r * 2 * P + j * 2 * W);
         _Pragma("GCC unroll 16") for (int b = 0; b < MB; b++) if (b < mb) {
@@ -304,15 +325,17 @@ static int use_amx(const Linear *l, int64_t batch, int64_t k) {
 
 /* int4 dequantized in registers, w = q * scale + zero' (zero' = zero - 8 * scale, folded at load). */
 static void panel_i4(const uint8_t *w, const float *scale, const float *zero, int64_t group, const float *x,
-                     int64_t ldx, int64_t k, int mb, float (*out)[P]) {
+                     int64_t ldx, int64_t k, int mb, float (*out)[P], Prefetch pf) {
     vf acc[MB][NV];
     for (int b = 0; b < MB; b++)
         for (int j = 0; j < NV; j++) acc[b][j] = VZERO();
+    int64_t due = 0;
     for (int64_t g = 0; g * group < k; g++) {
         const vf s0 = VLOAD_F32(scale + g * P), s1 = VLOAD_F32(scale + g * P + W);
         const vf z0 = VLOAD_F32(zero + g * P), z1 = VLOAD_F32(zero + g * P + W);
         const int64_t end = (g + 1) * group < k ? (g + 1) * group : k;
         for (int64_t i = g * group; i < end; i++) {
+            PREFETCH_STEP(pf, due, k);
             vi q = VLOAD_U8(w + i * W);
             vf wv[NV] = {VFMA(VLOW4(q), s0, z0), VFMA(VHIGH4(q), s1, z1)};
             _Pragma("GCC unroll 16") for (int b = 0; b < MB; b++) if (b < mb) {
@@ -329,38 +352,55 @@ static void panel_i4(const uint8_t *w, const float *scale, const float *zero, in
    same in bf16 pairs, or NULL; `tile_rows`: the thread's tile state where the layer runs on AMX, else
    NULL). */
 static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t *x2, int64_t k, int mb,
-                      float (*out)[P], int *tile_rows) {
+                      float (*out)[P], int *tile_rows, Prefetch pf) {
     if (l->type == F32) {
-        panel_f32((const float *)l->weight + p * k * P, x, k, k, mb, out);
+        panel_f32((const float *)l->weight + p * k * P, x, k, k, mb, out, pf);
     } else if (l->type == I8) {
-        panel_i8((const int8_t *)l->weight + p * k * P, x, k, k, mb, out);
+        panel_i8((const int8_t *)l->weight + p * k * P, x, k, k, mb, out, pf);
     } else if (l->type == I4) {
         const int64_t groups = (k + l->group - 1) / l->group;
         panel_i4((const uint8_t *)l->weight + p * groups * l->group * W, l->scale + p * groups * P,
-                 l->zero + p * groups * P, l->group, x, k, k, mb, out);
+                 l->zero + p * groups * P, l->group, x, k, k, mb, out, pf);
     } else {
         const uint16_t *w = (const uint16_t *)l->weight + p * ((k + 1) / 2) * 2 * P;
 #if defined(HAVE_AMX)
         if (tile_rows)
-            panel_bf16_amx(w, x2, (k + 1) / 2, k, mb, out, tile_rows);
+            panel_bf16_amx(w, x2, (k + 1) / 2, k, mb, out, tile_rows); /* bound by memory: no prefetch */
         else
 #else
         (void)tile_rows;
 #endif
 #if defined(__AVX512BF16__)
         if (x2)
-            panel_bf16_dp(w, x2, (k + 1) / 2, k, mb, out);
+            panel_bf16_dp(w, x2, (k + 1) / 2, k, mb, out, pf);
         else
 #else
         (void)x2;
 #endif
-            panel_bf16(w, x, k, k, mb, out);
+            panel_bf16(w, x, k, k, mb, out, pf);
     }
     for (int b = 0; b < mb; b++)
         for (int c = 0; c < P; c++) {
             if (l->scale && l->type == I8) out[b][c] *= l->scale[p * P + c];
             if (l->bias) out[b][c] += l->bias[p * P + c];
         }
+}
+
+/* What row block `block` of `blocks` of panel `p` prefetches: its share of panel p + 1 (the next one
+   this thread takes, under a static schedule), in steps of several sequences (a lone stream is bound by
+   memory and streams well enough on its own). `n`: the outputs of the panels p belongs to. */
+static Prefetch next_panel(const Linear *l, int64_t p, int64_t n, int64_t k, int64_t batch, int64_t block,
+                           int64_t blocks) {
+    const Prefetch none = {NULL, 0};
+    if (batch < PREFETCH_MIN_BATCH || (p + 1) * P >= n) return none;
+    const int64_t bytes = l->type == F32 ? k * P * 4
+                          : l->type == I8 ? k * P
+                          : l->type == BF16 ? (k + 1) / 2 * 2 * P * 2
+                                            : (k + l->group - 1) / l->group * l->group * W, /* int4 nibbles */
+        lines = bytes / 64;
+    const Prefetch pf = {(const char *)l->weight + (p + 1) * bytes + block * lines / blocks * 64,
+                         (block + 1) * lines / blocks - block * lines / blocks};
+    return pf;
 }
 
 /* The inputs in bf16 pairs for vdpbf16ps, in this thread's `work` (`batch` rows of (k + 1) / 2), or NULL
@@ -398,7 +438,8 @@ static void gemv(const Linear *l, const float *x, float *y, int64_t batch, int64
         const int64_t cols = n - p * P < P ? n - p * P : P;
         for (int64_t b = 0; b < batch; b += rows) {
             const int mb = batch - b < rows ? (int)(batch - b) : rows;
-            run_panel(l, p, x + b * k, x2 ? x2 + b * ((k + 1) / 2) : NULL, k, mb, out, amx ? tile_rows : NULL);
+            const Prefetch pf = next_panel(l, p, n, k, batch, b / rows, (batch + rows - 1) / rows);
+            run_panel(l, p, x + b * k, x2 ? x2 + b * ((k + 1) / 2) : NULL, k, mb, out, amx ? tile_rows : NULL, pf);
             for (int c = 0; c < mb; c++) {
                 float *row = y + (b + c) * n + p * P;
                 for (int64_t j = 0; j < cols; j++) row[j] = (accumulate ? row[j] : 0.0f) + out[c][j];
@@ -421,8 +462,11 @@ static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t bat
         for (int64_t b = 0; b < batch; b += rows) {
             const int mb = batch - b < rows ? (int)(batch - b) : rows;
             const uint32_t *pairs = x2 ? x2 + b * ((k + 1) / 2) : NULL;
-            run_panel(l, p, x + b * k, pairs, k, mb, gate, amx ? tile_rows : NULL);
-            run_panel(l, panels + p, x + b * k, pairs, k, mb, up, amx ? tile_rows : NULL);
+            const int64_t blocks = (batch + rows - 1) / rows;
+            run_panel(l, p, x + b * k, pairs, k, mb, gate, amx ? tile_rows : NULL,
+                      next_panel(l, p, inter, k, batch, b / rows, blocks));
+            run_panel(l, panels + p, x + b * k, pairs, k, mb, up, amx ? tile_rows : NULL,
+                      next_panel(l, panels + p, 2 * inter, k, batch, b / rows, blocks));
             for (int c = 0; c < mb; c++)
                 for (int64_t j = 0; j < cols; j++)
                     act[(b + c) * inter + p * P + j] = gate[c][j] / (1.0f + expf(-gate[c][j])) * up[c][j];
