@@ -28,7 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from routing.difficulty import DifficultyClassifier, Encoded, encode
 from routing.embed import StaticEmbedder
-from routing.train import Outcomes, TrainConfig, fit_blend, fit_head, load_mmlu, prompt_fold
+from routing.train import (
+    Outcomes,
+    TrainConfig,
+    fit_blend,
+    fit_head,
+    group_folds,
+    load_mmlu,
+    prompt_fold,
+    question_stem,
+)
 
 SHARES = (0.2, 0.3, 0.5)
 
@@ -71,19 +80,7 @@ def bootstrap(score: np.ndarray, weak: np.ndarray, strong: np.ndarray, rounds: i
 
 
 def subject_folds(groups: list[str], folds: int) -> np.ndarray:
-    subjects = sorted(set(groups))
-    rng = np.random.default_rng(0)
-    fold_of = {s: i % folds for i, s in enumerate(rng.permutation(subjects))}
-    return np.array([fold_of[g] for g in groups])
-
-
-def question_stem(prompt: str) -> str:
-    """An MMLU prompt without its answer options and the trailing "Answer:": the question as a chat
-    user would ask it. Scoring these with heads trained on the full prompts (same outcome labels) checks
-    how much of the score leans on MMLU's multiple-choice format rather than on the question."""
-    head, sep, _ = prompt.rpartition("\nA. ")
-    stem = head if sep else prompt
-    return stem.removesuffix("Answer:").rstrip()
+    return group_folds(groups, folds)
 
 
 def cross_fit(
@@ -377,7 +374,72 @@ def auc(hard: np.ndarray, easy: np.ndarray) -> float:
     return float(np.mean([[(h > e) + 0.5 * (h == e) for e in easy] for h in hard]))
 
 
+PROBE_FILE = Path(__file__).resolve().parent / "data" / "routing_probe.jsonl"
+
+
+def auc_interval(
+    scores: dict[str, np.ndarray], hard: np.ndarray, rounds: int = 2000, seed: int = 0
+) -> dict[str, tuple[float, float, float]]:
+    """AUC (hard > easy) of each score with a 95% bootstrap interval (hard and easy prompts resampled
+    separately, the same draws for every score), and of each score minus the first one (paired)."""
+    rng = np.random.default_rng(seed)
+    hi, ei = np.nonzero(hard)[0], np.nonzero(~hard)[0]
+    draws: dict[str, list[float]] = {name: [] for name in scores}
+    for _ in range(rounds):
+        h, e = rng.choice(hi, len(hi)), rng.choice(ei, len(ei))
+        for name, sc in scores.items():
+            draws[name].append(auc(sc[h], sc[e]))
+    first = next(iter(scores))
+    out = {}
+    for name, sc in scores.items():
+        point = auc(sc[hard], sc[~hard])
+        out[name] = (point, *np.percentile(draws[name], [2.5, 97.5]))
+        if name != first:
+            diff = np.array(draws[name]) - np.array(draws[first])
+            out[f"{name} - {first}"] = (point - out[first][0], *np.percentile(diff, [2.5, 97.5]))
+    return out
+
+
+def probe_aucs(
+    clf: DifficultyClassifier, title: str, prompts: list[str], hard: np.ndarray, kinds: np.ndarray
+) -> None:
+    """AUC (hard > easy) on a probe, each with a bootstrap interval: the shipped head with and without
+    its fallback for prompts without answer options, and prompt length; then by kind."""
+    import dataclasses
+
+    enc = encode(clf.embedder, prompts)
+    blend_only = dataclasses.replace(clf.head, fallback=np.zeros(0, np.float32))
+    scores = {
+        "blend only (v3)": blend_only.p_strong(enc),
+        "shipped head": clf.head.p_strong(enc),
+        "prompt length": np.array([len(p) for p in prompts], float),
+    }
+    print(
+        f"\n{title}: {(~hard).sum()} easy, {hard.sum()} hard prompts; 95% bootstrap intervals, 2,000 rounds"
+    )
+    for name, (v, lo, hi) in auc_interval(scores, hard).items():
+        print(f"  AUC {name:<34} {v:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    for kind in sorted(set(kinds)):
+        k = kinds == kind
+        cells = "  ".join(f"{name} {auc(sc[k & hard], sc[k & ~hard]):.2f}" for name, sc in scores.items())
+        print(f"  {kind:<10} {cells}")
+
+
+def held_out_probe(clf: DifficultyClassifier) -> None:
+    """The held-out non-MMLU probe (`PROBE_FILE`, written and committed before any head scored it)."""
+    import json
+
+    rows = [json.loads(line) for line in PROBE_FILE.read_text().splitlines() if line.strip()]
+    hard = np.array([r["label"] == "hard" for r in rows])
+    kinds = np.array([r["kind"] for r in rows])
+    probe_aucs(clf, f"held-out non-MMLU probe ({PROBE_FILE.name})", [r["prompt"] for r in rows], hard, kinds)
+
+
 def off_distribution_probe(clf: DifficultyClassifier) -> None:
+    held_out_probe(clf)
+    rows = PROBE["easy"] + PROBE["hard"]
+    hard = np.arange(len(rows)) >= len(PROBE["easy"])
+    probe_aucs(clf, "non-MMLU probe (PROBE)", [p for _, p in rows], hard, np.array([k for k, _ in rows]))
     scores = {kind: np.array(clf.score_many([p for _, p in rows])) for kind, rows in PROBE.items()}
     kinds = {kind: np.array([k for k, _ in rows]) for kind, rows in PROBE.items()}
     lengths = {kind: np.array([len(p) for _, p in rows], float) for kind, rows in PROBE.items()}
@@ -427,7 +489,7 @@ def calibration(name: str, score: np.ndarray, needs_strong: np.ndarray) -> None:
     print(f"  calibration, {name}: ECE {ece:.3f}; by decile (predicted->observed): {' '.join(cells)}")
 
 
-def latency(prompts: list[str], n: int) -> None:
+def latency(prompts: list[str], n: int, what: str = "MMLU prompts") -> None:
     t0 = time.perf_counter()
     clf = DifficultyClassifier.default()
     load_s = time.perf_counter() - t0
@@ -444,7 +506,7 @@ def latency(prompts: list[str], n: int) -> None:
     ms, cpu_ms = np.array(wall) * 1e3, np.array(cpu) * 1e3
     chars = np.array([len(p) for p in sample])
     load = os.getloadavg()
-    print(f"\nlatency of DifficultyClassifier.score, one prompt per call, {n} MMLU prompts")
+    print(f"\nlatency of DifficultyClassifier.score, one prompt per call, {n} {what}")
     print(
         f"  prompt chars p50={np.percentile(chars, 50):.0f} p99={np.percentile(chars, 99):.0f} max={chars.max()}"
     )
@@ -493,6 +555,9 @@ def main() -> None:
     if args.probe_only:
         off_distribution_probe(DifficultyClassifier.default())
         latency(data.prompts, args.latency_samples)
+        latency(
+            [question_stem(p) for p in data.prompts], args.latency_samples, "question stems (the fallback)"
+        )
         return
     w, s = data.weak.astype(float), data.strong.astype(float)
     print(

@@ -134,7 +134,7 @@ def train(
 
     from routing.difficulty import encode
     from routing.embed import StaticEmbedder
-    from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu
+    from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, question_stem
 
     try:
         if tenant is not None:
@@ -152,8 +152,13 @@ def train(
         err=True,
     )
     embedder = StaticEmbedder.from_minilm()
+    enc = encode(embedder, data.prompts)
+    stems = None
+    if data.groups is not None and enc.options is not None and enc.options.mean() >= 0.9:
+        # Multiple-choice training data: fit the fallback for prompts asked without options.
+        stems = encode(embedder, [question_stem(p) for p in data.prompts])
     try:
-        head = fit_head(data, encode(embedder, data.prompts), cfg)
+        head = fit_head(data, enc, cfg, stems)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     head.meta["source"] = source

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
-HEAD_VERSION = 2  # 2 added the sparse n-gram component; version 1 heads still load
-READABLE_VERSIONS = (1, 2)
+# 2 added the sparse n-gram component, 3 the fallback for prompts without answer options; older heads
+# still load (and score every prompt with the blend).
+HEAD_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 DEFAULT_HEAD_DIR = Path(__file__).parent / "data"
 HEAD_WEIGHTS = "difficulty_head.safetensors"
 HEAD_META = "difficulty_head.json"
@@ -36,6 +39,19 @@ HEAD_META = "difficulty_head.json"
 def length_feature(prompt: str) -> float:
     """log(characters), scaled to about [0, 1] for prompts up to ~3,000 characters."""
     return math.log1p(len(prompt)) / 8.0
+
+
+# An answer option line: "A. ...", "B) ...", "(C) ...".
+_OPTION = re.compile(r"^\(?([A-J])[.)]\s", re.MULTILINE)
+
+
+def has_answer_options(prompt: str) -> bool:
+    """Whether the prompt is a multiple-choice question: at least three lettered option lines (A-J).
+
+    The shipped head learned from MMLU, where every prompt is one; on anything else (chat, code,
+    maths asked plainly) its blend is out of its training distribution and the head scores the prompt
+    with its fallback instead (`DifficultyHead.fallback`)."""
+    return len({m.group(1) for m in _OPTION.finditer(prompt)}) >= 3
 
 
 def ngram_features(ids: list[int], buckets: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,19 +80,23 @@ class Encoded:
     token_ids: list[list[int]]  # MiniLM WordPiece ids, without [CLS]/[SEP]
     static: np.ndarray  # (n, 384) static MiniLM sentence embeddings
     length: np.ndarray  # (n,) length_feature of each prompt
+    # (n,) has_answer_options of each prompt; None: all of them are (what the blend was fitted on)
+    options: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def subset(self, idx: np.ndarray) -> Encoded:
-        return Encoded([self.token_ids[i] for i in idx], self.static[idx], self.length[idx])
+        options = None if self.options is None else self.options[idx]
+        return Encoded([self.token_ids[i] for i in idx], self.static[idx], self.length[idx], options)
 
 
 def encode(embedder: Any, prompts: list[str]) -> Encoded:
     """Tokenise once and derive both inputs of the head (the embedder is a `StaticEmbedder`)."""
     ids = embedder.token_ids_many(prompts)
     static = np.stack([embedder.pool(i) for i in ids]) if ids else np.empty((0, embedder.dim), np.float32)
-    return Encoded(ids, static, np.array([length_feature(p) for p in prompts], dtype=np.float32))
+    length = np.array([length_feature(p) for p in prompts], dtype=np.float32)
+    return Encoded(ids, static, length, np.array([has_answer_options(p) for p in prompts], dtype=bool))
 
 
 @dataclass
@@ -104,10 +124,16 @@ class DifficultyHead:
     idf: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (buckets,)
     sparse_w: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.float32))  # (buckets, 2)
     sparse_b: np.ndarray = field(default_factory=lambda: np.zeros(2, np.float32))
+    # Version 3: p_strong of prompts without answer options, a logistic regression over the components
+    # and the length feature, then the bias: (5,). Fitted on MMLU question stems (options removed),
+    # each scored by a head that never saw its subject (`routing.train.fit_fallback`), so it keeps only
+    # what carries to unseen subjects asked plainly. Empty: the blend scores every prompt.
+    fallback: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     meta: dict[str, Any] = field(default_factory=dict)
 
     TENSORS = ("bag", "w1", "b1", "w2", "b2", "group_gain", "blend")
     SPARSE = ("idf", "sparse_w", "sparse_b")
+    FALLBACK = ("fallback",)
 
     @property
     def static_dim(self) -> int:
@@ -161,13 +187,23 @@ class DifficultyHead:
         return np.stack(parts, axis=1)
 
     def p_strong(self, enc: Encoded) -> np.ndarray:
-        return _sigmoid(self.components(enc) @ self.blend[:-1] + self.blend[-1])
+        components = self.components(enc)
+        logit = components @ self.blend[:-1] + self.blend[-1]
+        if len(self.fallback) and enc.options is not None and not enc.options.all():
+            plain = ~enc.options
+            x = np.concatenate([components[plain], enc.length[plain, None]], axis=1)
+            logit[plain] = x @ self.fallback[:-1] + self.fallback[-1]
+        return _sigmoid(logit)
 
     def save(self, directory: Path) -> None:
         from safetensors.numpy import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
-        names = self.TENSORS + (self.SPARSE if len(self.idf) else ())
+        names = (
+            self.TENSORS
+            + (self.SPARSE if len(self.idf) else ())
+            + (self.FALLBACK if len(self.fallback) else ())
+        )
         tensors = {k: np.ascontiguousarray(getattr(self, k), dtype=np.float32) for k in names}
         # The token bag and the sparse weights are most of the bytes; half precision loses nothing
         # that matters for a mean or a sum of a few hundred terms.
@@ -188,7 +224,7 @@ class DifficultyHead:
                 f"this Weir reads versions {', '.join(map(str, READABLE_VERSIONS))}"
             )
         t = load_file(str(directory / HEAD_WEIGHTS))
-        names = cls.TENSORS + (cls.SPARSE if "idf" in t else ())
+        names = cls.TENSORS + (cls.SPARSE if "idf" in t else ()) + (cls.FALLBACK if "fallback" in t else ())
         return cls(**{k: t[k].astype(np.float32) for k in names}, meta=meta)
 
 
@@ -221,7 +257,12 @@ class DifficultyClassifier:
     def score(self, prompt: str) -> float:
         # One prompt: the tokenizer's plain encode, not its thread-pooled batch path.
         ids = self.embedder.token_ids(prompt)
-        enc = Encoded([ids], self.embedder.pool(ids)[None, :], np.array([length_feature(prompt)], np.float32))
+        enc = Encoded(
+            [ids],
+            self.embedder.pool(ids)[None, :],
+            np.array([length_feature(prompt)], np.float32),
+            np.array([has_answer_options(prompt)]),
+        )
         return float(self.head.p_strong(enc)[0])
 
     def score_many(self, prompts: list[str]) -> list[float]:

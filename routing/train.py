@@ -162,6 +162,10 @@ class TrainConfig:
     # confusions included. Off by default: +0.003 APGR when stacked across outer folds, but only
     # +0.0005 (0.693 vs 0.692) evaluated nested as shipped (`routing_eval.py --group-ridge 1`).
     group_ridge: float = 0.0
+    # The fallback for prompts without answer options (`DifficultyHead.fallback`): fitted on the
+    # training prompts' question stems, cross-fitted over this many folds of whole groups, when
+    # `fit_head` is given the stems (`weir router train` does so for multiple-choice data); 0: none.
+    fallback_folds: int = 5
 
 
 def _fit_network(
@@ -382,7 +386,67 @@ def cross_fitted_components(
     return components, correct, posterior
 
 
-def fit_head(data: Outcomes, enc: Encoded, cfg: TrainConfig | None = None) -> DifficultyHead:
+def question_stem(prompt: str) -> str:
+    """A multiple-choice prompt without its answer options and the trailing "Answer:": the question as
+    a chat user would ask it."""
+    head, sep, _ = prompt.rpartition("\nA. ")
+    stem = head if sep else prompt
+    return stem.removesuffix("Answer:").rstrip()
+
+
+def group_folds(groups: list[str], folds: int) -> np.ndarray:
+    """Folds of whole groups (e.g. MMLU subjects), shuffled with a fixed seed."""
+    names = sorted(set(groups))
+    rng = np.random.default_rng(0)
+    fold_of = {g: i % folds for i, g in enumerate(rng.permutation(names))}
+    return np.array([fold_of[g] for g in groups])
+
+
+def _logistic(x: np.ndarray, y: np.ndarray, c: float = 1.0) -> np.ndarray:
+    """L2-regularised logistic regression with an unpenalised intercept (scikit-learn's objective,
+    C = c): the weights, then the bias."""
+    xt = torch.from_numpy(x.astype(np.float64))
+    yt = torch.from_numpy(y.astype(np.float64))
+    w = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=200, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(xt @ w[:-1] + w[-1], yt, reduction="sum")
+        loss = loss + (w[:-1] ** 2).sum() / (2 * c)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach().numpy().astype(np.float32)
+
+
+def fit_fallback(data: Outcomes, enc: Encoded, stems: Encoded, cfg: TrainConfig) -> np.ndarray:
+    """The fallback for prompts without answer options: a logistic regression of "weak wrong and
+    strong right" on the components and length of each row's question stem (`stems`), scored by a
+    head trained on the full prompts (`enc`) of the other groups (`cfg.fallback_folds` folds of whole
+    groups).
+
+    What it learns is what of the head carries to questions of unseen subjects asked without options.
+    On MMLU the subject and network terms get negative weights there and the sparse part and length
+    positive ones: those two are what holds up away from the training subjects."""
+    assert data.groups is not None
+    folds = min(cfg.fallback_folds, len(set(data.groups)))
+    fold = group_folds(data.groups, folds)
+    x = np.zeros((len(data), 0))
+    for k in range(folds):
+        train, test = np.nonzero(fold != k)[0], np.nonzero(fold == k)[0]
+        head = _fit_parts(data.subset(train), enc.subset(train), cfg)
+        c = head.components(stems.subset(test))
+        if not x.shape[1]:
+            x = np.zeros((len(data), c.shape[1] + 1))
+        x[test] = np.concatenate([c, stems.length[test, None]], axis=1)
+    return _logistic(x, ~data.weak & data.strong)
+
+
+def fit_head(
+    data: Outcomes, enc: Encoded, cfg: TrainConfig | None = None, stems: Encoded | None = None
+) -> DifficultyHead:
     """Train a head on `data`, whose prompts `enc` encodes (see `routing.difficulty.encode`).
 
     With partially labelled rows (`Outcomes.partial`: live feedback scores only the model that
@@ -413,6 +477,14 @@ def fit_head(data: Outcomes, enc: Encoded, cfg: TrainConfig | None = None) -> Di
         components, correct = head.components(enc), head.correct(enc)
     target = calibration_target(data, correct)
     head.blend = fit_blend(components, target)
+    if (
+        stems is not None
+        and cfg.fallback_folds >= 2
+        and data.groups is not None
+        and len(set(data.groups)) >= 2
+        and not data.partial
+    ):
+        head.fallback = fit_fallback(data, enc, stems, cfg)
     weak_rows, strong_rows = known[:, 0], known[:, 1]
     head.meta = {
         "version": HEAD_VERSION,

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from routing.difficulty import DEFAULT_HEAD_DIR, DifficultyClassifier, DifficultyHead, encode, prompt_text
+from routing.difficulty import (
+    DEFAULT_HEAD_DIR,
+    DifficultyClassifier,
+    DifficultyHead,
+    encode,
+    has_answer_options,
+    prompt_text,
+)
 from routing.embed import StaticEmbedder
 
 
@@ -80,3 +88,35 @@ def test_prompt_text_reads_the_last_user_turn() -> None:
     ]
     assert prompt_text(messages) == "What is\n2+2?"
     assert prompt_text([{"role": "system", "content": "only system"}]) == ""
+
+
+def test_answer_options_are_detected_in_every_mmlu_prompt_and_in_no_chat_prompt(fixture_dir: Path) -> None:
+    mmlu = fixture_prompts(fixture_dir, "conceptual_physics") + fixture_prompts(
+        fixture_dir, "world_religions"
+    )
+    assert all(has_answer_options(p) for p in mmlu)
+    assert has_answer_options("Which is a prime?\n(A) 4\n(B) 6\n(C) 7\n(D) 9")
+    assert has_answer_options("Pick one:\nA) red\nB) green\nC) blue")
+    for plain in (
+        "hi",
+        "Prove that sqrt(2) + sqrt(3) is irrational.",
+        "Plan A. We leave at noon.\nPlan B. We stay.",  # two lettered lines are not a question's options
+        "Write a for loop in C.\nA. simple one, please.",
+    ):
+        assert not has_answer_options(plain)
+
+
+def test_prompts_without_options_are_scored_by_the_fallback(classifier: DifficultyClassifier) -> None:
+    head = classifier.head
+    assert head.meta["version"] == 3 and head.fallback.shape == (5,)
+    blend_only = dataclasses.replace(head, fallback=np.zeros(0, np.float32))
+    mc = "Which gas do plants absorb?\nA. oxygen\nB. carbon dioxide\nC. nitrogen\nD. helium\nAnswer:"
+    plain = "Which gas do plants absorb from the air?"
+    enc = encode(classifier.embedder, [mc, plain])
+    both, old = head.p_strong(enc), blend_only.p_strong(enc)
+    assert both[0] == pytest.approx(old[0])  # a multiple-choice prompt: the blend, as before
+    x = np.append(head.components(enc)[1], enc.length[1])
+    assert both[1] == pytest.approx(1 / (1 + np.exp(-(x @ head.fallback[:-1] + head.fallback[-1]))), rel=1e-5)
+    assert both[1] != pytest.approx(old[1], abs=1e-3)
+    assert classifier.score(plain) == pytest.approx(both[1], rel=1e-5)
+    assert classifier.score(mc) == pytest.approx(both[0], rel=1e-5)

@@ -22,6 +22,7 @@ from routing.train import (
     load_jsonl,
     load_mmlu,
     prompt_fold,
+    question_stem,
     ridge_group_gain,
 )
 
@@ -233,3 +234,55 @@ def test_group_ridge_fits_the_group_gains_on_cross_fitted_posteriors(
     # Off (the default), the group gains are the groups' shrunk mean gains.
     plain = fit_head(data, enc, replace(cfg, group_ridge=0.0))
     assert not np.allclose(plain.group_gain, head.group_gain, atol=1e-3)
+
+
+def test_fallback_is_fitted_on_stems_of_groups_the_scoring_head_never_saw(
+    tmp_path: Path, fixture_dir: Path, embedder: StaticEmbedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = load_mmlu(fixture_dir)
+    enc = encode(embedder, data.prompts)
+    stems = encode(embedder, [question_stem(p) for p in data.prompts])
+    assert enc.options is not None and enc.options.all()
+    assert stems.options is not None and not stems.options.any()
+    assert not any("\nA. " in s or s.endswith("Answer:") for s in map(question_stem, data.prompts))
+    cfg = replace(FAST, epochs=3, calibration_folds=0, fallback_folds=2)
+    seen: list[set[str]] = []
+    fit_parts = train_module._fit_parts
+
+    def spy(d: Outcomes, e: object, c: TrainConfig) -> DifficultyHead:
+        seen.append(set(d.groups or []))
+        return fit_parts(d, e, c)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train_module, "_fit_parts", spy)
+    head = fit_head(data, enc, cfg, stems)
+    # The head itself, then one head per fold of whole subjects, each trained on the other subject.
+    assert seen == [
+        {"conceptual_physics", "world_religions"},
+        {"world_religions"},
+        {"conceptual_physics"},
+    ] or (seen == [{"conceptual_physics", "world_religions"}, {"conceptual_physics"}, {"world_religions"}])
+    assert head.fallback.shape == (5,) and np.isfinite(head.fallback).all()
+    # Plain prompts go through the fallback, multiple-choice ones through the blend; both survive saving.
+    plain = encode(embedder, ["What is the speed of light?", data.prompts[0]])
+    assert plain.options is not None and plain.options.tolist() == [False, True]
+    p = head.p_strong(plain)
+    x = np.append(head.components(plain)[0], plain.length[0])
+    assert p[0] == pytest.approx(1 / (1 + np.exp(-(x @ head.fallback[:-1] + head.fallback[-1]))), rel=1e-5)
+    blend = head.components(plain)[1] @ head.blend[:-1] + head.blend[-1]
+    assert p[1] == pytest.approx(1 / (1 + np.exp(-blend)), rel=1e-5)
+    head.save(tmp_path / "v3")
+    np.testing.assert_allclose(DifficultyHead.load(tmp_path / "v3").p_strong(plain), p, atol=2e-3)
+    # Without stems (e.g. a tenant's chat feedback) there is no fallback: every prompt gets the blend.
+    monkeypatch.setattr(train_module, "_fit_parts", fit_parts)
+    assert fit_head(data, enc, cfg).fallback.shape == (0,)
+
+
+def test_logistic_matches_a_known_solution() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4000, 2))
+    y = rng.random(4000) < 1 / (1 + np.exp(-(1.5 * x[:, 0] - 0.5 * x[:, 1] + 0.3)))
+    w = train_module._logistic(x, y, c=1e6)
+    np.testing.assert_allclose(w, [1.5, -0.5, 0.3], atol=0.15)
+    # A strong penalty shrinks the weights but not the intercept.
+    shrunk = train_module._logistic(x, y, c=1e-5)
+    assert np.abs(shrunk[:2]).max() < 0.05 and abs(shrunk[2]) > 0.1
