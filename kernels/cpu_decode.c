@@ -12,7 +12,9 @@
    The rest is in the engine's layouts: a paged KV cache [blocks, block_size, kv_heads, head_dim] in fp32 or
    bf16; RoPE tables [max_pos, head_dim] in HF's rotate-half form with the first half of `sin` negated.
    Activations are fp32 (bf16 layers of steps of DP_MIN_BATCH or more sequences take them rounded to
-   bf16, on AMX tiles where the CPU and the kernel lend them, else on vdpbf16ps); bf16 weights and K/V are widened on load, K/V rounded to nearest-even on store. The PyTorch reference is the engine's own forward (tests/kernels/test_cpu_decode.py).
+   bf16, on AMX tiles where the CPU and the kernel lend them, else on vdpbf16ps); bf16 weights and K/V
+   are widened on load, K/V rounded to nearest-even on store. The PyTorch reference is the engine's own
+   forward (tests/kernels/test_cpu_decode.py).
 
    Built at first use by kernels/cpu_decode.py with -O3 -march=native -fopenmp; it links the same
    libgomp.so.1 that PyTorch loaded, so it shares PyTorch's thread pool. */
@@ -606,7 +608,7 @@ static inline void prefetch_part(const char *p, int64_t bytes, int64_t i, int64_
             for (int64_t t = 0; t < n; t += W) {                                                             \
                 const int m = n - t < W ? (int)(n - t) : W;                                                  \
                 for (int64_t h = 0; h < nq; h++) {                                                           \
-                    if (next) prefetch_part(next, bytes, t * nq + h, (n + W - 1) / W * nq);                  \
+                    if (next) prefetch_part(next, bytes, t / W * nq + h, (n + W - 1) / W * nq);                  \
                     const T *k = block + t * stride + h / group * d;                                         \
                     const float *qh = q + h * d;                                                             \
                     vf acc[W];                                                                               \
