@@ -167,6 +167,14 @@ typedef struct {
     int64_t lines;
 } Prefetch;
 
+/* A thread's state in the step: its bf16 inputs, its AMX tiles, a panel of int8 weights widened for them. */
+typedef struct {
+    uint32_t *work;   /* each sequence's inputs in bf16 pairs (bf16_pairs) */
+    int tile_rows;    /* the row count its AMX tiles are configured for; 0: not this step */
+    int bf16_model;   /* activations may be rounded to bf16 (the model is bf16): int8 layers may take the tiles */
+    uint16_t widened[16 * 2 * P]; /* 32 inputs x P outputs of int8 weights as bf16 pairs */
+} Thread;
+
 /* One step of `steps` through a panel: its share of the prefetches, into L2 (prefetcht1: into L1 they
    would evict the panel being read; fp32 at 8 sequences 28 -> 24.5 ms on the Xeon). */
 #define PREFETCH_STEP(pf, due, steps) \
@@ -277,9 +285,25 @@ static void configure_tiles(int mb, int *tile_rows) {
     *tile_rows = mb;
 }
 
-static void panel_bf16_amx(const uint16_t *w, const uint32_t *x2, int64_t ldx2, int64_t k, int mb,
-                           float (*out)[P], int *tile_rows, Prefetch pf) {
-    configure_tiles(mb, tile_rows);
+/* 32 input rows of an int8 panel ([in][P]) as 16 rows of bf16 pairs ([in / 2][P][2]), the B layout. */
+static const uint16_t *widen_i8(const int8_t *w, uint16_t *dst) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int r = 0; r < 16; r++)
+        for (int h = 0; h < P / 16; h++) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * r * P + 16 * h))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (2 * r + 1) * P + 16 * h))));
+            const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
+                                                 _mm512_and_si512(_mm512_castps_si512(hi), high));
+            _mm512_storeu_si512(dst + r * 2 * P + 32 * h, pair);
+        }
+    return dst;
+}
+
+/* `w`: a panel of bf16 pairs, or NULL with `w8` an int8 panel ([in][P]), widened to bf16 pairs 32 inputs
+   at a time (exact: every int8 is a bf16) into the thread's buffer; its scales apply after. */
+static void panel_amx(const uint16_t *w, const int8_t *w8, const uint32_t *x2, int64_t ldx2, int64_t k, int mb,
+                      float (*out)[P], Thread *t, Prefetch pf) {
+    configure_tiles(mb, &t->tile_rows);
     const int two = mb > 16;
     _tile_zero(0);
     _tile_zero(1);
@@ -290,9 +314,10 @@ static void panel_bf16_amx(const uint16_t *w, const uint32_t *x2, int64_t ldx2, 
     int64_t due = 0;
     for (int64_t r = 0; r < k / 2; r += 16) {
         PREFETCH_STEP(pf, due, k / 32);
+        const uint16_t *b = w ? w + r * 2 * P : widen_i8(w8 + r * 2 * P, t->widened);
         _tile_loadd(4, x2 + r, ldx2 * 4);
-        _tile_loadd(6, w + r * 2 * P, 2 * P * 2);
-        _tile_loadd(7, w + r * 2 * P + 2 * 16, 2 * P * 2);
+        _tile_loadd(6, b, 2 * P * 2);
+        _tile_loadd(7, b + 2 * 16, 2 * P * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
@@ -324,9 +349,11 @@ int weir_amx(int want) {
     return amx_on;
 }
 
-/* Whether this linear, in a step of `batch` sequences, runs on the tiles (whole input chunks of 32). */
-static int use_amx(const Linear *l, int64_t batch, int64_t k) {
-    return amx_on > 0 && l->type == BF16 && batch >= AMX_MIN_BATCH && k % 32 == 0;
+/* Whether this linear, in a step of `batch` sequences, runs on the tiles (whole input chunks of 32): bf16
+   layers, and int8 ones where the activations may be bf16. */
+static int use_amx(const Linear *l, int64_t batch, int64_t k, const Thread *t) {
+    return amx_on > 0 && (l->type == BF16 || (l->type == I8 && t->bf16_model)) && batch >= AMX_MIN_BATCH &&
+           k % 32 == 0;
 }
 
 /* int4 dequantized in registers, w = q * scale + zero' (zero' = zero - 8 * scale, folded at load). */
@@ -355,10 +382,14 @@ static void panel_i4(const uint8_t *w, const float *scale, const float *zero, in
 }
 
 /* out[b][c] = l(x[b])[p * P + c], scaled and biased, for the first `mb` rows of x (`k` apart; `x2`: the
-   same in bf16 pairs, or NULL; `tile_rows`: the thread's tile state where the layer runs on AMX, else
-   NULL). */
+   same in bf16 pairs, or NULL; `tiles`: the thread's state where the layer runs on AMX, else NULL). */
 static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t *x2, int64_t k, int mb,
-                      float (*out)[P], int *tile_rows, Prefetch pf) {
+                      float (*out)[P], Thread *tiles, Prefetch pf) {
+#if defined(HAVE_AMX)
+    if (tiles && l->type == I8) {
+        panel_amx(NULL, (const int8_t *)l->weight + p * k * P, x2, (k + 1) / 2, k, mb, out, tiles, pf);
+    } else
+#endif
     if (l->type == F32) {
         panel_f32((const float *)l->weight + p * k * P, x, k, k, mb, out, pf);
     } else if (l->type == I8) {
@@ -370,11 +401,11 @@ static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t
     } else {
         const uint16_t *w = (const uint16_t *)l->weight + p * ((k + 1) / 2) * 2 * P;
 #if defined(HAVE_AMX)
-        if (tile_rows)
-            panel_bf16_amx(w, x2, (k + 1) / 2, k, mb, out, tile_rows, pf);
+        if (tiles)
+            panel_amx(w, NULL, x2, (k + 1) / 2, k, mb, out, tiles, pf);
         else
 #else
-        (void)tile_rows;
+        (void)tiles;
 #endif
 #if defined(__AVX512BF16__)
         if (x2)
@@ -407,12 +438,13 @@ static Prefetch next_panel(const Linear *l, int64_t p, int64_t n, int64_t k, int
     return pf;
 }
 
-/* The inputs in bf16 pairs for vdpbf16ps, in this thread's `work` (`batch` rows of (k + 1) / 2), or NULL
-   where the layer takes fp32 inputs: every type but bf16, and lone streams (bound by memory, where
-   exact fp32 products cost nothing). */
-static const uint32_t *bf16_pairs(const Linear *l, const float *x, int64_t batch, int64_t k, uint32_t *work) {
+/* The inputs in bf16 pairs for vdpbf16ps or the tiles (`amx`), in this thread's `work` (`batch` rows of
+   (k + 1) / 2), or NULL where the layer takes fp32 inputs: other types off the tiles, and lone streams
+   (bound by memory, where exact fp32 products cost nothing). */
+static const uint32_t *bf16_pairs(const Linear *l, const float *x, int64_t batch, int64_t k, uint32_t *work,
+                                  int amx) {
 #if defined(__AVX512BF16__)
-    if (l->type != BF16 || batch < DP_MIN_BATCH) return NULL;
+    if (!amx && (l->type != BF16 || batch < DP_MIN_BATCH)) return NULL;
     const int64_t half = (k + 1) / 2;
     for (int64_t b = 0; b < batch; b++) {
         uint16_t *row = (uint16_t *)(work + b * half);
@@ -424,7 +456,7 @@ static const uint32_t *bf16_pairs(const Linear *l, const float *x, int64_t batch
     }
     return work;
 #else
-    (void)l, (void)x, (void)batch, (void)k, (void)work;
+    (void)l, (void)x, (void)batch, (void)k, (void)work, (void)amx;
     return NULL;
 #endif
 }
@@ -433,9 +465,9 @@ static const uint32_t *bf16_pairs(const Linear *l, const float *x, int64_t batch
    Work-shares the panels across the team, each panel serving every sequence while it is in cache; call
    from inside the parallel region. */
 static void gemv(const Linear *l, const float *x, float *y, int64_t batch, int64_t n, int64_t k, int accumulate,
-                 uint32_t *work, int *tile_rows) {
-    const uint32_t *x2 = bf16_pairs(l, x, batch, k, work);  /* each thread its own copy: no barrier */
-    const int amx = use_amx(l, batch, k), rows = amx ? RB : MB;
+                 Thread *t) {
+    const int amx = use_amx(l, batch, k, t), rows = amx ? RB : MB;
+    const uint32_t *x2 = bf16_pairs(l, x, batch, k, t->work, amx);  /* each thread its own copy: no barrier */
     float out[RB][P];
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < (n + P - 1) / P; p++) {
@@ -443,7 +475,7 @@ static void gemv(const Linear *l, const float *x, float *y, int64_t batch, int64
         for (int64_t b = 0; b < batch; b += rows) {
             const int mb = batch - b < rows ? (int)(batch - b) : rows;
             const Prefetch pf = next_panel(l, p, n, k, b / rows, (batch + rows - 1) / rows);
-            run_panel(l, p, x + b * k, x2 ? x2 + b * ((k + 1) / 2) : NULL, k, mb, out, amx ? tile_rows : NULL, pf);
+            run_panel(l, p, x + b * k, x2 ? x2 + b * ((k + 1) / 2) : NULL, k, mb, out, amx ? t : NULL, pf);
             for (int c = 0; c < mb; c++) {
                 float *row = y + (b + c) * n + p * P;
                 for (int64_t j = 0; j < cols; j++) row[j] = (accumulate ? row[j] : 0.0f) + out[c][j];
@@ -455,9 +487,9 @@ static void gemv(const Linear *l, const float *x, float *y, int64_t batch, int64
 /* act = silu(gate(x)) * up(x) from the [gate panels; up panels] weight: a panel of both halves in one
    iteration, so the product needs no second pass and no barrier. */
 static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t batch, int64_t inter, int64_t k,
-                        uint32_t *work, int *tile_rows) {
-    const uint32_t *x2 = bf16_pairs(l, x, batch, k, work);
-    const int amx = use_amx(l, batch, k), rows = amx ? RB : MB;
+                        Thread *t) {
+    const int amx = use_amx(l, batch, k, t), rows = amx ? RB : MB;
+    const uint32_t *x2 = bf16_pairs(l, x, batch, k, t->work, amx);
     const int64_t panels = (inter + P - 1) / P;
     float gate[RB][P], up[RB][P];
 #pragma omp for schedule(static)
@@ -467,9 +499,9 @@ static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t bat
             const int mb = batch - b < rows ? (int)(batch - b) : rows;
             const uint32_t *pairs = x2 ? x2 + b * ((k + 1) / 2) : NULL;
             const int64_t blocks = (batch + rows - 1) / rows;
-            run_panel(l, p, x + b * k, pairs, k, mb, gate, amx ? tile_rows : NULL,
+            run_panel(l, p, x + b * k, pairs, k, mb, gate, amx ? t : NULL,
                       next_panel(l, p, inter, k, b / rows, blocks));
-            run_panel(l, panels + p, x + b * k, pairs, k, mb, up, amx ? tile_rows : NULL,
+            run_panel(l, panels + p, x + b * k, pairs, k, mb, up, amx ? t : NULL,
                       next_panel(l, panels + p, 2 * inter, k, b / rows, blocks));
             for (int c = 0; c < mb; c++)
                 for (int64_t j = 0; j < cols; j++)
@@ -724,13 +756,13 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
 #pragma omp parallel num_threads(threads)
     {
         float *my_scores = scores + (int64_t)omp_get_thread_num() * heads * max_len;
-        uint32_t *work = (uint32_t *)(scores + threads * heads * max_len) + (int64_t)omp_get_thread_num() * batch * per_seq;
-        int tile_rows = 0; /* this thread's AMX tiles: unconfigured (other code in the pool may have used them) */
+        Thread t = {(uint32_t *)(scores + threads * heads * max_len) + (int64_t)omp_get_thread_num() * batch * per_seq,
+                    0 /* AMX tiles unconfigured: other code in the pool may have used them */, kv_type == BF16, {0}};
         for (int64_t l = 0; l < shape[C_LAYERS]; l++) {
             const Layer *ly = &layers[l];
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, ly->input_norm, h + b * hidden, hidden, eps);
-            gemv(&ly->qkv, h, qkv, batch, qkv_size, hidden, 0, work, &tile_rows);
+            gemv(&ly->qkv, h, qkv, batch, qkv_size, hidden, 0, &t);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) {
                 const int64_t pos = positions[b];
@@ -788,17 +820,17 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
                     for (int64_t c = 0; c < d; c++) o[c] /= total;
                 }
             }
-            gemv(&ly->o, attn, x, batch, hidden, q_size, 1, work, &tile_rows);
+            gemv(&ly->o, attn, x, batch, hidden, q_size, 1, &t);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, ly->post_norm, h + b * hidden, hidden, eps);
-            gemv_swiglu(&ly->gate_up, h, act, batch, inter, hidden, work, &tile_rows);
-            gemv(&ly->down, act, x, batch, hidden, inter, 1, work, &tile_rows);
+            gemv_swiglu(&ly->gate_up, h, act, batch, inter, hidden, &t);
+            gemv(&ly->down, act, x, batch, hidden, inter, 1, &t);
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, g->norm, h + b * hidden, hidden, eps);
-        gemv(&g->head, h, logits, batch, vocab, hidden, 0, work, &tile_rows);
+        gemv(&g->head, h, logits, batch, vocab, hidden, 0, &t);
 #if defined(HAVE_AMX)
-        if (tile_rows) _tile_release(); /* a thread holding tile state costs every context switch 8 KB */
+        if (t.tile_rows) _tile_release(); /* a thread holding tile state costs every context switch 8 KB */
 #endif
     }
     return 0;
