@@ -65,6 +65,14 @@ def ngram_features(ids: list[int], buckets: int) -> tuple[np.ndarray, np.ndarray
     return index, 1.0 + np.log(counts)
 
 
+def fallback_features(components: np.ndarray, length: np.ndarray, confidence: np.ndarray) -> np.ndarray:
+    """What the fallback reads: the components, the length feature, the components times the group
+    posterior's largest entry, and that entry: (n, 2 * components + 2)."""
+    return np.concatenate(
+        [components, length[:, None], components * confidence[:, None], confidence[:, None]], axis=1
+    )
+
+
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
 
@@ -124,10 +132,12 @@ class DifficultyHead:
     idf: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (buckets,)
     sparse_w: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.float32))  # (buckets, 2)
     sparse_b: np.ndarray = field(default_factory=lambda: np.zeros(2, np.float32))
-    # Version 3: p_strong of prompts without answer options, a logistic regression over the components
-    # and the length feature, then the bias: (5,). Fitted on MMLU question stems (options removed),
-    # each scored by a head that never saw its subject (`routing.train.fit_fallback`), so it keeps only
-    # what carries to unseen subjects asked plainly. Empty: the blend scores every prompt.
+    # Version 3: p_strong of prompts without answer options, a logistic regression over
+    # `fallback_features` (components, length, components x group confidence, confidence), then the
+    # bias: (9,). Fitted on MMLU question stems (options removed) scored by heads that never saw them,
+    # half by heads that never saw their subject either (`routing.train.fit_fallback`): what carries to
+    # questions asked plainly, and how far to trust the subject terms by how sure the subject guess is.
+    # Empty: the blend scores every prompt.
     fallback: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -174,24 +184,30 @@ class DifficultyHead:
     def components(self, enc: Encoded) -> np.ndarray:
         """(n, 2 or 3) scores before blending: expected group gain (group posterior · `group_gain`),
         P(strong right) - P(weak right) from the network, and from the sparse part when the head has one."""
+        return self.components_and_confidence(enc)[0]
+
+    def components_and_confidence(self, enc: Encoded) -> tuple[np.ndarray, np.ndarray]:
+        """`components`, and the group posterior's largest entry (how sure the head is which training
+        group the prompt belongs to; 0 without groups)."""
         logits = self._logits(enc)
         p = _sigmoid(logits[:, :2])
         if len(self.group_gain):
-            expected_gain = self._softmax_groups(logits) @ self.group_gain
+            posterior = self._softmax_groups(logits)
+            expected_gain, confidence = posterior @ self.group_gain, posterior.max(axis=1)
         else:
-            expected_gain = np.zeros(len(enc), dtype=np.float32)
+            expected_gain = confidence = np.zeros(len(enc), dtype=np.float32)
         parts = [expected_gain, p[:, 1] - p[:, 0]]
         if len(self.idf):
             q = self.sparse_correct(enc)
             parts.append(q[:, 1] - q[:, 0])
-        return np.stack(parts, axis=1)
+        return np.stack(parts, axis=1), confidence
 
     def p_strong(self, enc: Encoded) -> np.ndarray:
-        components = self.components(enc)
+        components, confidence = self.components_and_confidence(enc)
         logit = components @ self.blend[:-1] + self.blend[-1]
         if len(self.fallback) and enc.options is not None and not enc.options.all():
             plain = ~enc.options
-            x = np.concatenate([components[plain], enc.length[plain, None]], axis=1)
+            x = fallback_features(components[plain], enc.length[plain], confidence[plain])
             logit[plain] = x @ self.fallback[:-1] + self.fallback[-1]
         return _sigmoid(logit)
 

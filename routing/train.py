@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from routing.difficulty import HEAD_VERSION, DifficultyHead, Encoded, ngram_features
+from routing.difficulty import HEAD_VERSION, DifficultyHead, Encoded, fallback_features, ngram_features
 from routing.embed import STATIC_RECIPE, VOCAB_SIZE
 
 
@@ -423,25 +423,33 @@ def _logistic(x: np.ndarray, y: np.ndarray, c: float = 1.0) -> np.ndarray:
 
 def fit_fallback(data: Outcomes, enc: Encoded, stems: Encoded, cfg: TrainConfig) -> np.ndarray:
     """The fallback for prompts without answer options: a logistic regression of "weak wrong and
-    strong right" on the components and length of each row's question stem (`stems`), scored by a
-    head trained on the full prompts (`enc`) of the other groups (`cfg.fallback_folds` folds of whole
-    groups).
+    strong right" on `fallback_features` of each row's question stem (`stems`), scored twice: by a
+    head trained on the full prompts (`enc`) of other rows (folds by prompt hash: a subject it knows)
+    and by one trained on the other groups only (folds of whole groups: a subject it never saw);
+    `cfg.fallback_folds` folds each.
 
-    What it learns is what of the head carries to questions of unseen subjects asked without options.
-    On MMLU the subject and network terms get negative weights there and the sparse part and length
-    positive ones: those two are what holds up away from the training subjects."""
+    What it learns is what of the head carries to questions asked without options, and that the
+    subject terms deserve trust only as far as the head is sure of the subject: on MMLU stems of unseen
+    subjects they point the wrong way, on stems of known ones the right way."""
     assert data.groups is not None
-    folds = min(cfg.fallback_folds, len(set(data.groups)))
-    fold = group_folds(data.groups, folds)
-    x = np.zeros((len(data), 0))
-    for k in range(folds):
-        train, test = np.nonzero(fold != k)[0], np.nonzero(fold == k)[0]
-        head = _fit_parts(data.subset(train), enc.subset(train), cfg)
-        c = head.components(stems.subset(test))
-        if not x.shape[1]:
-            x = np.zeros((len(data), c.shape[1] + 1))
-        x[test] = np.concatenate([c, stems.length[test, None]], axis=1)
-    return _logistic(x, ~data.weak & data.strong)
+    x, y = [], []
+    for fold in (
+        np.array([prompt_fold(p, cfg.fallback_folds) for p in data.prompts]),
+        group_folds(data.groups, min(cfg.fallback_folds, len(set(data.groups)))),
+    ):
+        rows = np.zeros((len(data), 0))
+        for k in np.unique(fold):
+            train, test = np.nonzero(fold != k)[0], np.nonzero(fold == k)[0]
+            head = _fit_parts(data.subset(train), enc.subset(train), cfg)
+            held_out = stems.subset(test)
+            c, confidence = head.components_and_confidence(held_out)
+            f = fallback_features(c, held_out.length, confidence)
+            if not rows.shape[1]:
+                rows = np.zeros((len(data), f.shape[1]))
+            rows[test] = f
+        x.append(rows)
+        y.append(~data.weak & data.strong)
+    return _logistic(np.concatenate(x), np.concatenate(y))
 
 
 def fit_head(

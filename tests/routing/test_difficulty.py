@@ -14,6 +14,7 @@ from routing.difficulty import (
     DifficultyClassifier,
     DifficultyHead,
     encode,
+    fallback_features,
     has_answer_options,
     prompt_text,
 )
@@ -108,14 +109,16 @@ def test_answer_options_are_detected_in_every_mmlu_prompt_and_in_no_chat_prompt(
 
 def test_prompts_without_options_are_scored_by_the_fallback(classifier: DifficultyClassifier) -> None:
     head = classifier.head
-    assert head.meta["version"] == 3 and head.fallback.shape == (5,)
+    assert head.meta["version"] == 3 and head.fallback.shape == (9,)
     blend_only = dataclasses.replace(head, fallback=np.zeros(0, np.float32))
     mc = "Which gas do plants absorb?\nA. oxygen\nB. carbon dioxide\nC. nitrogen\nD. helium\nAnswer:"
     plain = "Which gas do plants absorb from the air?"
     enc = encode(classifier.embedder, [mc, plain])
     both, old = head.p_strong(enc), blend_only.p_strong(enc)
     assert both[0] == pytest.approx(old[0])  # a multiple-choice prompt: the blend, as before
-    x = np.append(head.components(enc)[1], enc.length[1])
+    components, confidence = head.components_and_confidence(enc)
+    assert 0 < confidence[1] <= 1
+    x = fallback_features(components[1:], enc.length[1:], confidence[1:])[0]
     assert both[1] == pytest.approx(1 / (1 + np.exp(-(x @ head.fallback[:-1] + head.fallback[-1]))), rel=1e-5)
     assert both[1] != pytest.approx(old[1], abs=1e-3)
     assert classifier.score(plain) == pytest.approx(both[1], rel=1e-5)

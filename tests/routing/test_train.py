@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import routing.train as train_module
-from routing.difficulty import DifficultyHead, encode
+from routing.difficulty import DifficultyHead, encode, fallback_features
 from routing.embed import StaticEmbedder
 from routing.train import (
     Outcomes,
@@ -255,18 +255,19 @@ def test_fallback_is_fitted_on_stems_of_groups_the_scoring_head_never_saw(
 
     monkeypatch.setattr(train_module, "_fit_parts", spy)
     head = fit_head(data, enc, cfg, stems)
-    # The head itself, then one head per fold of whole subjects, each trained on the other subject.
-    assert seen == [
-        {"conceptual_physics", "world_religions"},
-        {"world_religions"},
-        {"conceptual_physics"},
-    ] or (seen == [{"conceptual_physics", "world_religions"}, {"conceptual_physics"}, {"world_religions"}])
-    assert head.fallback.shape == (5,) and np.isfinite(head.fallback).all()
+    # The head itself, then two heads on folds by prompt hash (both subjects seen), then one head per
+    # fold of whole subjects, each trained on the other subject only.
+    both = {"conceptual_physics", "world_religions"}
+    assert seen[:3] == [both, both, both]
+    assert sorted(map(sorted, seen[3:])) == [["conceptual_physics"], ["world_religions"]]
+    assert head.fallback.shape == (9,) and np.isfinite(head.fallback).all()
     # Plain prompts go through the fallback, multiple-choice ones through the blend; both survive saving.
     plain = encode(embedder, ["What is the speed of light?", data.prompts[0]])
     assert plain.options is not None and plain.options.tolist() == [False, True]
     p = head.p_strong(plain)
-    x = np.append(head.components(plain)[0], plain.length[0])
+    components, confidence = head.components_and_confidence(plain)
+    x = fallback_features(components, plain.length, confidence)[0]
+    assert x[4:7] == pytest.approx(components[0] * confidence[0]) and x[-1] == pytest.approx(confidence[0])
     assert p[0] == pytest.approx(1 / (1 + np.exp(-(x @ head.fallback[:-1] + head.fallback[-1]))), rel=1e-5)
     blend = head.components(plain)[1] @ head.blend[:-1] + head.blend[-1]
     assert p[1] == pytest.approx(1 / (1 + np.exp(-blend)), rel=1e-5)
