@@ -299,10 +299,32 @@ static const uint16_t *widen_i8(const int8_t *w, uint16_t *dst) {
     return dst;
 }
 
-/* `w`: a panel of bf16 pairs, or NULL with `w8` an int8 panel ([in][P]), widened to bf16 pairs 32 inputs
-   at a time (exact: every int8 is a bf16) into the thread's buffer; its scales apply after. */
-static void panel_amx(const uint16_t *w, const int8_t *w8, const uint32_t *x2, int64_t ldx2, int64_t k, int mb,
+/* 32 input rows of an int4 panel from input `i0` (one group: groups are multiples of 32) dequantized and
+   rounded to bf16 pairs: q * scale + zero' per output, as panel_i4 computes it, to nearest-even. */
+static const uint16_t *widen_i4(const uint8_t *q, const float *scale, const float *zero, int64_t i0,
+                                int64_t group, uint16_t *dst) {
+    const int64_t g = i0 / group;
+    const __m512 s[2] = {_mm512_loadu_ps(scale + g * P), _mm512_loadu_ps(scale + g * P + 16)};
+    const __m512 z[2] = {_mm512_loadu_ps(zero + g * P), _mm512_loadu_ps(zero + g * P + 16)};
+    for (int r = 0; r < 16; r++) {
+        const __m512i a = VLOAD_U8(q + (i0 + 2 * r) * W), b = VLOAD_U8(q + (i0 + 2 * r + 1) * W);
+        const __m512 lo[2] = {VLOW4(a), VHIGH4(a)}, hi[2] = {VLOW4(b), VHIGH4(b)}; /* outputs 0-15, 16-31 */
+        for (int h = 0; h < 2; h++) {
+            const __m512i l16 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo[h], s[h], z[h])));
+            const __m512i h16 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi[h], s[h], z[h])));
+            _mm512_storeu_si512(dst + r * 2 * P + 32 * h, _mm512_or_si512(l16, _mm512_slli_epi32(h16, 16)));
+        }
+    }
+    return dst;
+}
+
+/* Panel `p` of `l` on the tiles: bf16 pairs as they are; int8 widened to bf16 pairs 32 inputs at a time
+   into the thread's buffer (exact: every int8 is a bf16; the scales apply after); int4 dequantized to
+   bf16 the same way. */
+static void panel_amx(const Linear *l, int64_t p, const uint32_t *x2, int64_t ldx2, int64_t k, int mb,
                       float (*out)[P], Thread *t, Prefetch pf) {
+    const uint16_t *w = l->type == BF16 ? (const uint16_t *)l->weight + p * ((k + 1) / 2) * 2 * P : NULL;
+    const int64_t groups = l->type == I4 ? (k + l->group - 1) / l->group : 0;
     configure_tiles(mb, &t->tile_rows);
     const int two = mb > 16;
     _tile_zero(0);
@@ -314,7 +336,11 @@ static void panel_amx(const uint16_t *w, const int8_t *w8, const uint32_t *x2, i
     int64_t due = 0;
     for (int64_t r = 0; r < k / 2; r += 16) {
         PREFETCH_STEP(pf, due, k / 32);
-        const uint16_t *b = w ? w + r * 2 * P : widen_i8(w8 + r * 2 * P, t->widened);
+        const uint16_t *b = w ? w + r * 2 * P
+                            : l->type == I8 ? widen_i8((const int8_t *)l->weight + (p * k + 2 * r) * P, t->widened)
+                                            : widen_i4((const uint8_t *)l->weight + p * groups * l->group * W,
+                                                       l->scale + p * groups * P, l->zero + p * groups * P, 2 * r,
+                                                       l->group, t->widened);
         _tile_loadd(4, x2 + r, ldx2 * 4);
         _tile_loadd(6, b, 2 * P * 2);
         _tile_loadd(7, b + 2 * 16, 2 * P * 2);
@@ -350,10 +376,10 @@ int weir_amx(int want) {
 }
 
 /* Whether this linear, in a step of `batch` sequences, runs on the tiles (whole input chunks of 32): bf16
-   layers, and int8 ones where the activations may be bf16. */
+   layers, and int8 and int4 (groups of 32s) ones where the activations may be bf16. */
 static int use_amx(const Linear *l, int64_t batch, int64_t k, const Thread *t) {
-    return amx_on > 0 && (l->type == BF16 || (l->type == I8 && t->bf16_model)) && batch >= AMX_MIN_BATCH &&
-           k % 32 == 0;
+    const int type_ok = l->type == BF16 || (t->bf16_model && (l->type == I8 || (l->type == I4 && l->group % 32 == 0)));
+    return amx_on > 0 && type_ok && batch >= AMX_MIN_BATCH && k % 32 == 0;
 }
 
 /* int4 dequantized in registers, w = q * scale + zero' (zero' = zero - 8 * scale, folded at load). */
@@ -385,9 +411,11 @@ static void panel_i4(const uint8_t *w, const float *scale, const float *zero, in
    same in bf16 pairs, or NULL; `tiles`: the thread's state where the layer runs on AMX, else NULL). */
 static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t *x2, int64_t k, int mb,
                       float (*out)[P], Thread *tiles, Prefetch pf) {
-#if defined(HAVE_AMX)
-    if (tiles && l->type == I8) {
-        panel_amx(NULL, (const int8_t *)l->weight + p * k * P, x2, (k + 1) / 2, k, mb, out, tiles, pf);
+#if !defined(HAVE_AMX)
+    (void)tiles;
+#else
+    if (tiles) {
+        panel_amx(l, p, x2, (k + 1) / 2, k, mb, out, tiles, pf);
     } else
 #endif
     if (l->type == F32) {
@@ -400,13 +428,6 @@ static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t
                  l->zero + p * groups * P, l->group, x, k, k, mb, out, pf);
     } else {
         const uint16_t *w = (const uint16_t *)l->weight + p * ((k + 1) / 2) * 2 * P;
-#if defined(HAVE_AMX)
-        if (tiles)
-            panel_amx(w, NULL, x2, (k + 1) / 2, k, mb, out, tiles, pf);
-        else
-#else
-        (void)tiles;
-#endif
 #if defined(__AVX512BF16__)
         if (x2)
             panel_bf16_dp(w, x2, (k + 1) / 2, k, mb, out, pf);

@@ -177,8 +177,8 @@ def test_an_unwritable_cache_means_no_step(monkeypatch: pytest.MonkeyPatch, tmp_
 
 @pytest.mark.parametrize(
     ("dtype", "quantization", "changes", "tol"),
-    # fp32, odd tails, bf16, int8, int8 in a bf16 model (on AMX tiles where there are some), int4
-    [CASES[0], CASES[4], CASES[5], CASES[6], CASES[7], CASES[8]],
+    # fp32, odd tails, bf16, int8, int8 and int4 in a bf16 model (on AMX tiles where there are some), int4
+    [CASES[0], CASES[4], CASES[5], CASES[6], CASES[7], CASES[9], CASES[8]],
 )
 # 2: attention in parts of sequences, fp32 inputs to bf16 weights; 5: a task per sequence, bf16 inputs on
 # vdpbf16ps or AMX where the CPU has them; 13 and 27: more sequences than one micro-kernel tile holds (12,
@@ -250,13 +250,14 @@ def test_batch_size_is_bounded() -> None:
 @pytest.mark.skipif(not _amx(), reason="this CPU has no AMX (or the kernel does not lend it)")
 @pytest.mark.parametrize("batch", [5, 27])
 def test_bf16_batches_without_amx(batch: int) -> None:
-    """On an AMX machine the tests above run bf16 batches (and int8 layers of bf16 models) on the tiles;
+    """On an AMX machine the tests above run bf16 batches (and int8 / int4 layers of bf16 models) on the tiles;
     this runs them on vdpbf16ps (or fp32 FMAs), the path CPUs without AMX take."""
     lib = cpu_decode.library()
     assert lib is not None and lib.weir_amx(0) == 0
     try:
         test_a_batch_matches_the_eager_batched_decode(*CASES[5], batch=batch)
         test_a_batch_matches_the_eager_batched_decode(*CASES[7], batch=batch)
+        test_a_batch_matches_the_eager_batched_decode(*CASES[9], batch=batch)
     finally:
         assert lib.weir_amx(1) == 1
 
