@@ -84,26 +84,37 @@ def subject_folds(groups: list[str], folds: int) -> np.ndarray:
 
 
 def cross_fit(
-    data: Outcomes, enc: Encoded, fold: np.ndarray, cfg: TrainConfig, stems: Encoded | None = None
+    data: Outcomes,
+    enc: Encoded,
+    fold: np.ndarray,
+    cfg: TrainConfig,
+    stems: Encoded | None = None,
+    fallback: bool = False,
 ) -> dict[str, np.ndarray]:
     """Cross-fitted scores of every prompt: each fold is scored by a head trained on the other folds.
 
     Returns the heads' components ("components", and "stem components" for the question stems when
     `stems` is given) and "in-sample platt": p_strong with the blend fitted on each head's own training
     rows (the v2 recipe, kept to show its calibration). `blend_across_folds` turns the components into
-    the shipped recipe's p_strong.
+    the shipped recipe's p_strong. With `fallback`, each fold head also fits its own fallback on its
+    training rows' stems (as `weir router train` does) and "stem fallback" is its p_strong of the
+    held-out stems (which have no answer options, so the fallback scores them).
     """
     out: dict[str, np.ndarray] = {}
     for k in np.unique(fold):
         train = np.nonzero(fold != k)[0]
         test = np.nonzero(fold == k)[0]
-        head = fit_head(data.subset(train), enc.subset(train), cfg)
+        head = fit_head(
+            data.subset(train), enc.subset(train), cfg, stems.subset(train) if fallback and stems else None
+        )
         parts = {
             "components": head.components(enc.subset(test)),
             "in-sample platt": head.p_strong(enc.subset(test)),
         }
         if stems is not None:
             parts["stem components"] = head.components(stems.subset(test))
+            if fallback:
+                parts["stem fallback"] = head.p_strong(stems.subset(test))
         for name, value in parts.items():
             out.setdefault(name, np.zeros((len(data), *value.shape[1:])))[test] = value
         print(f"  fold {k}: trained on {len(train)}, scored {len(test)}", flush=True)
@@ -544,6 +555,11 @@ def main() -> None:
         help="train each fold head as shipped, with this many inner calibration folds (6x the time)",
     )
     ap.add_argument(
+        "--fallback",
+        action="store_true",
+        help="each fold head fits its own fallback for prompts without options, as shipped (11x the time)",
+    )
+    ap.add_argument(
         "--group-ridge",
         type=float,
         default=0.0,
@@ -585,7 +601,7 @@ def main() -> None:
     for split, fold in splits.items():
         t0 = time.perf_counter()
         print(f"\n{split}: training {args.folds} heads", flush=True)
-        res = cross_fit(data, enc, fold, cfg, stems)
+        res = cross_fit(data, enc, fold, cfg, stems, args.fallback)
         fit_s = time.perf_counter() - t0
         ours, ours_stems = blend_across_folds(res["components"], needs_strong, fold, res["stem components"])
         # With inner folds (--group-ridge) each head's own blend is the shipped recipe exactly: fitted on
@@ -596,6 +612,11 @@ def main() -> None:
         routers = {
             "weir difficulty (ours)": ours,
             "ours, options removed": ours_stems,
+            **(
+                {"ours, options removed, head's fallback": res["stem fallback"]}
+                if "stem fallback" in res
+                else {}
+            ),
             own: res["in-sample platt"],
             "always weak": np.zeros(len(data)),
             "always strong": np.zeros(len(data)),
