@@ -157,6 +157,19 @@ typedef struct {
     int64_t group;       /* I4: weights per group; else 0 */
 } Linear;
 
+/* Bytes of one panel of `l` over `k` inputs, in the layouts above (int4: its nibbles; the scales and
+   zero points lie apart), and where panel `p` starts. */
+static int64_t panel_bytes(const Linear *l, int64_t k) {
+    return l->type == F32    ? k * P * 4
+           : l->type == I8   ? k * P
+           : l->type == BF16 ? (k + 1) / 2 * 2 * P * 2
+                             : (k + l->group - 1) / l->group * l->group * W;
+}
+
+static const void *panel_at(const Linear *l, int64_t p, int64_t k) {
+    return (const char *)l->weight + p * panel_bytes(l, k);
+}
+
 /* Lines to prefetch while a panel runs, spread over its inputs: the next panel, which the hardware
    would fetch only when it is read, so a batch of several row blocks (all but the first computing from
    cache) left memory idle, then waited on it. Even a lone stream gains (Xeon, SmolLM2 step: bf16 12.4
@@ -167,12 +180,13 @@ typedef struct {
     int64_t lines;
 } Prefetch;
 
-/* A thread's state in the step: its bf16 inputs, its AMX tiles, a panel of int8 weights widened for them. */
+/* A thread's state in the step: its bf16 inputs, its AMX tiles, a chunk of int8 / int4 weights widened
+   for them. */
 typedef struct {
     uint32_t *work;   /* each sequence's inputs in bf16 pairs (bf16_pairs) */
     int tile_rows;    /* the row count its AMX tiles are configured for; 0: not this step */
     int bf16_model;   /* activations may be rounded to bf16 (the model is bf16): int8 layers may take the tiles */
-    uint16_t widened[16 * 2 * P]; /* 32 inputs x P outputs of int8 weights as bf16 pairs */
+    uint16_t widened[16 * 2 * P]; /* 32 inputs x P outputs of int8 / int4 weights as bf16 pairs */
 } Thread;
 
 /* One step of `steps` through a panel: its share of the prefetches, into L2 (prefetcht1: into L1 they
@@ -323,7 +337,7 @@ static const uint16_t *widen_i4(const uint8_t *q, const float *scale, const floa
    bf16 the same way. */
 static void panel_amx(const Linear *l, int64_t p, const uint32_t *x2, int64_t ldx2, int64_t k, int mb,
                       float (*out)[P], Thread *t, Prefetch pf) {
-    const uint16_t *w = l->type == BF16 ? (const uint16_t *)l->weight + p * ((k + 1) / 2) * 2 * P : NULL;
+    const void *panel = panel_at(l, p, k);
     const int64_t groups = l->type == I4 ? (k + l->group - 1) / l->group : 0;
     configure_tiles(mb, &t->tile_rows);
     const int two = mb > 16;
@@ -336,11 +350,10 @@ static void panel_amx(const Linear *l, int64_t p, const uint32_t *x2, int64_t ld
     int64_t due = 0;
     for (int64_t r = 0; r < k / 2; r += 16) {
         PREFETCH_STEP(pf, due, k / 32);
-        const uint16_t *b = w ? w + r * 2 * P
-                            : l->type == I8 ? widen_i8((const int8_t *)l->weight + (p * k + 2 * r) * P, t->widened)
-                                            : widen_i4((const uint8_t *)l->weight + p * groups * l->group * W,
-                                                       l->scale + p * groups * P, l->zero + p * groups * P, 2 * r,
-                                                       l->group, t->widened);
+        const uint16_t *b = l->type == BF16 ? (const uint16_t *)panel + r * 2 * P
+                            : l->type == I8 ? widen_i8((const int8_t *)panel + 2 * r * P, t->widened)
+                                            : widen_i4(panel, l->scale + p * groups * P, l->zero + p * groups * P,
+                                                       2 * r, l->group, t->widened);
         _tile_loadd(4, x2 + r, ldx2 * 4);
         _tile_loadd(6, b, 2 * P * 2);
         _tile_loadd(7, b + 2 * 16, 2 * P * 2);
@@ -411,6 +424,7 @@ static void panel_i4(const uint8_t *w, const float *scale, const float *zero, in
    same in bf16 pairs, or NULL; `tiles`: the thread's state where the layer runs on AMX, else NULL). */
 static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t *x2, int64_t k, int mb,
                       float (*out)[P], Thread *tiles, Prefetch pf) {
+    const void *w = panel_at(l, p, k);
 #if !defined(HAVE_AMX)
     (void)tiles;
 #else
@@ -419,15 +433,13 @@ static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t
     } else
 #endif
     if (l->type == F32) {
-        panel_f32((const float *)l->weight + p * k * P, x, k, k, mb, out, pf);
+        panel_f32(w, x, k, k, mb, out, pf);
     } else if (l->type == I8) {
-        panel_i8((const int8_t *)l->weight + p * k * P, x, k, k, mb, out, pf);
+        panel_i8(w, x, k, k, mb, out, pf);
     } else if (l->type == I4) {
         const int64_t groups = (k + l->group - 1) / l->group;
-        panel_i4((const uint8_t *)l->weight + p * groups * l->group * W, l->scale + p * groups * P,
-                 l->zero + p * groups * P, l->group, x, k, k, mb, out, pf);
+        panel_i4(w, l->scale + p * groups * P, l->zero + p * groups * P, l->group, x, k, k, mb, out, pf);
     } else {
-        const uint16_t *w = (const uint16_t *)l->weight + p * ((k + 1) / 2) * 2 * P;
 #if defined(__AVX512BF16__)
         if (x2)
             panel_bf16_dp(w, x2, (k + 1) / 2, k, mb, out, pf);
@@ -449,12 +461,8 @@ static void run_panel(const Linear *l, int64_t p, const float *x, const uint32_t
 static Prefetch next_panel(const Linear *l, int64_t p, int64_t n, int64_t k, int64_t block, int64_t blocks) {
     const Prefetch none = {NULL, 0};
     if ((p + 1) * P >= n) return none;
-    const int64_t bytes = l->type == F32 ? k * P * 4
-                          : l->type == I8 ? k * P
-                          : l->type == BF16 ? (k + 1) / 2 * 2 * P * 2
-                                            : (k + l->group - 1) / l->group * l->group * W, /* int4 nibbles */
-        lines = bytes / 64;
-    const Prefetch pf = {(const char *)l->weight + (p + 1) * bytes + block * lines / blocks * 64,
+    const int64_t lines = panel_bytes(l, k) / 64;
+    const Prefetch pf = {(const char *)panel_at(l, p + 1, k) + block * lines / blocks * 64,
                          (block + 1) * lines / blocks - block * lines / blocks};
     return pf;
 }
