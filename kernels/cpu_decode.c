@@ -22,107 +22,18 @@
 #ifndef _DEFAULT_SOURCE
 #define _DEFAULT_SOURCE /* syscall() under -std=c11 */
 #endif
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include <omp.h>
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
-enum { F32 = 0, BF16 = 1, I8 = 2, I4 = 3 };
 #define MAX_BATCH 64 /* sequences per call */
 #define DP_MIN_BATCH 4 /* from this many sequences bf16 layers multiply bf16 inputs on vdpbf16ps */
 #define AMX_MIN_BATCH 4 /* ... and, where the CPU has AMX, on its tiles */
 #define RB 32           /* rows (sequences) per AMX block: two A tiles of 16 */
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch's cast */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* Vectors of W floats; the loads widen bf16, int8 and int4 to fp32. */
-#if defined(__AVX512F__)
-#define W 16
-typedef __m512 vf;
-#define VZERO() _mm512_setzero_ps()
-#define VSET1(a) _mm512_set1_ps(a)
-#define VLOAD_F32(p) _mm512_loadu_ps(p)
-#define VLOAD_BF16(p) \
-    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-#define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define VSUM(v) _mm512_reduce_add_ps(v)
-typedef __m512i vi;
-#define VLOAD_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
-#define VLOW4(v) _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)))
-#define VHIGH4(v) _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))
-#define VLOAD_PAIR(p) _mm512_loadu_si512(p) /* W pairs of bf16 */
-#define VPAIR_LO(v) _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))
-#define VPAIR_HI(v) _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)))
-#elif defined(__AVX2__) && defined(__FMA__)
-#define W 8
-typedef __m256 vf;
-#define VZERO() _mm256_setzero_ps()
-#define VSET1(a) _mm256_set1_ps(a)
-#define VLOAD_F32(p) _mm256_loadu_ps(p)
-#define VLOAD_BF16(p) \
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define VLOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VSTORE(p, v) _mm256_storeu_ps(p, v)
-static inline float VSUM(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-typedef __m256i vi;
-#define VLOAD_U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
-#define VLOW4(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)))
-#define VHIGH4(v) _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))
-#define VLOAD_PAIR(p) _mm256_loadu_si256((const __m256i *)(p))
-#define VPAIR_LO(v) _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
-#define VPAIR_HI(v) _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)))
-#else
-#define W 1
-typedef float vf;
-#define VZERO() 0.0f
-#define VSET1(a) (a)
-#define VLOAD_F32(p) (*(p))
-#define VLOAD_BF16(p) bf16_to_f32(*(p))
-#define VLOAD_I8(p) ((float)*(p))
-#define VFMA(a, b, c) ((a) * (b) + (c))
-#define VSTORE(p, v) (*(p) = (v))
-#define VSUM(v) (v)
-typedef uint32_t vi;
-#define VLOAD_U8(p) ((uint32_t)*(p))
-#define VLOW4(v) ((float)((v) & 15))
-#define VHIGH4(v) ((float)((v) >> 4))
-#define VLOAD_PAIR(p) ((uint32_t)(p)[0] | (uint32_t)(p)[1] << 16)
-#define VPAIR_LO(v) bf16_to_f32((uint16_t)(v))
-#define VPAIR_HI(v) bf16_to_f32((uint16_t)((v) >> 16))
-#endif
-
-#define SCALAR_F32(v) (v)
-#define SCALAR_BF16(v) bf16_to_f32(v)
 
 /* Linear layers read their weights in panels of P = NV * W output columns: panel p holds columns
    [p * P, p * P + P) for every input index, input-major, so a kernel streams one panel front to back,
@@ -566,47 +477,6 @@ static void store_kv(void *cache, int64_t type, int64_t offset, const float *v, 
     }
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the maximum): 2^n * e^r with n = round(x / ln 2) and
-   |r| <= ln 2 / 2 (ln 2 in two parts), e^r by its Taylor series to r^6 (relative error ~1e-7, as
-   libm's expf); AVX-512's scalef applies 2^n. Elsewhere libm's expf, one value at a time. */
-#if defined(__AVX512F__)
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 e = _mm512_set1_ps(1.0f / 720);
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(e, n);
-}
-#endif
-
-/* s = softmax(s) over `len` scores; `stats`, where not NULL, gets the maximum and the sum of the
-   exponentials, which is what merging softmaxes over parts of a sequence needs. */
-static void softmax(float *s, int64_t len, float *stats) {
-    float top = -INFINITY, total = 0.0f;
-    for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
-    int64_t t = 0;
-#if defined(__AVX512F__)
-    __m512 sum = _mm512_setzero_ps();
-    for (; t + 16 <= len; t += 16) {
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(top)));
-        _mm512_storeu_ps(s + t, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    total = _mm512_reduce_add_ps(sum);
-#endif
-    for (; t < len; t++) total += s[t] = expf(s[t] - top);
-    const float inv = 1.0f / total;
-    for (t = 0; t < len; t++) s[t] *= inv;
-    if (stats) stats[0] = top, stats[1] = total;
-}
 
 /* Lane i of the result: the sum of v[i]'s lanes (W vectors in, one out). A transposing tree of
    shuffles and adds: ~3 instructions per sum where a reduction per vector takes ~8. */
