@@ -21,6 +21,7 @@ from torch import nn
 
 from engine import hugepages
 from engine.config import ModelConfig
+from kernels import cpu_ops
 from kernels._triton import use_triton
 from kernels.paged_attention import paged_decode_attention_triton
 from kernels.rms_norm import rms_norm_triton
@@ -161,6 +162,13 @@ def paged_attention(
     gqa = q.shape[1] != num_kv_heads
     for chunk in meta.prefills:
         sl = slice(chunk.start, chunk.start + chunk.length)
+        if q.dtype == torch.float32:  # CPU: from the paged cache, no gather (bf16 SDPA is faster)
+            native = cpu_ops.prefill_attention(
+                q[sl], k_cache, v_cache, chunk.block_table, chunk.context_len, scale
+            )
+            if native is not None:
+                out[sl] = native
+                continue
         qc = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         if chunk.context_len == chunk.length:  # no cached prefix: attend to this chunk, causally
             kc, vc = k[sl].transpose(0, 1).unsqueeze(0), v[sl].transpose(0, 1).unsqueeze(0)
@@ -233,9 +241,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x):  # CUDA: kernels/rms_norm.py; CPU keeps PyTorch's fused op
+        if use_triton(x):  # CUDA: kernels/rms_norm.py
             return rms_norm_triton(x, self.weight, self.eps)  # type: ignore[return-value]
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        out = cpu_ops.rms_norm(x, self.weight, self.eps)  # CPU: one native pass (kernels/cpu_ops.c)
+        return out if out is not None else F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -258,7 +267,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads sit side by side in the fused output: rotate them in one pass
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        (qk,) = rope(meta.positions, qk)
+        if cpu_ops.rope_(qk, meta.positions, rope.cos, rope.sin) is None:  # CPU: in place, natively
+            (qk,) = rope(meta.positions, qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
@@ -286,8 +296,12 @@ class MLP(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = cpu_ops.silu_mul(gate_up)  # CPU: one native pass
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
