@@ -33,6 +33,20 @@ class PrefillChunk:
     length: int  # number of new tokens
     context_len: int  # tokens in the KV cache after this chunk (cached prefix + chunk)
     block_table: torch.Tensor  # int32 [num_blocks] of this sequence
+    _mask: torch.Tensor | None = None
+
+    def causal_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Additive mask [length, context_len] (0 or -inf, in `dtype`) of a chunk after a cached prefix:
+        row i sees positions up to its own. Computed on first use and shared by every layer: built per
+        layer as a boolean mask, which SDPA turns into this one each time, it was 4% of a 1,024-token
+        bf16 prefill (aten::le + aten::where); the output is the same."""
+        if self._mask is None:
+            rows = torch.arange(self.length, device=device).unsqueeze(1) + (self.context_len - self.length)
+            hidden = torch.arange(self.context_len, device=device).unsqueeze(0) > rows
+            self._mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(
+                hidden, float("-inf")
+            )
+        return self._mask
 
 
 @dataclass
@@ -176,9 +190,7 @@ def paged_attention(
         else:
             kc = _gather_kv(k_cache, chunk.block_table, chunk.context_len).transpose(0, 1).unsqueeze(0)
             vc = _gather_kv(v_cache, chunk.block_table, chunk.context_len).transpose(0, 1).unsqueeze(0)
-            offset = chunk.context_len - chunk.length
-            rows = torch.arange(chunk.length, device=q.device).unsqueeze(1) + offset
-            mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows
+            mask = chunk.causal_mask(q.dtype, q.device)
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[sl] = o.squeeze(0).transpose(0, 1)
     return out
