@@ -1,6 +1,6 @@
-/* The row-wise ops of the eager forward on the CPU (prefills, and steps the fused decode step does not
+/* The eager forward's CPU work beside its matmuls (prefills, and steps the fused decode step does not
    take): RMSNorm, rotary embedding and the SwiGLU product, each one pass over its rows in fp32 or bf16,
-   spread over the threads.
+   spread over the threads; and a prefill chunk's causal attention over the paged cache (at the end).
 
    In PyTorch each of these is several passes: a bf16 rotary embedding promotes to fp32 against the fp32
    tables, rolls, multiplies twice, adds and casts back, and bf16 SiLU and RMSNorm upcast on their own;
