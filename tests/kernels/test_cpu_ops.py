@@ -176,6 +176,24 @@ def test_prefill_attention_does_not_depend_on_the_chunking() -> None:
     assert torch.equal(torch.cat([first, second]), whole)
 
 
+def test_prefill_attention_does_not_depend_on_the_thread_count() -> None:
+    """Tiles go to threads dynamically; a row's arithmetic is its own, so any split gives the same bits."""
+    torch.manual_seed(4)
+    k_cache, v_cache = _cache(16, 16, 3, 64, torch.float32)
+    table = torch.tensor([9, 2, 14, 0, 5, 11, 7], dtype=torch.int32)
+    q = torch.randn(60, 9, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.prefill_attention(q, k_cache, v_cache, table, 100, 0.125)
+        torch.set_num_threads(3)  # more threads than this machine's cores: uneven, interleaved splits
+        three = cpu_ops.prefill_attention(q, k_cache, v_cache, table, 100, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert one is not None and three is not None
+    assert torch.equal(one, three)
+
+
 def test_prefill_attention_refuses_a_table_that_does_not_cover_the_context() -> None:
     k_cache, v_cache = _cache(4, 16, 1, 64, torch.float32)
     q = torch.randn(5, 2, 64)
