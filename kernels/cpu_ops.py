@@ -49,6 +49,18 @@ def _rows(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and x.dtype in _TYPES
 
 
+def _heads(x: torch.Tensor) -> bool:
+    """A CPU tensor [rows, heads, d] of a supported type whose rows (any stride apart) hold their heads
+    side by side: the q / k heads of a fused QKV output."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 3
+        and x.dtype in _TYPES
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+    )
+
+
 def _check(code: int, name: str) -> None:
     if code == 2:
         raise IndexError(
@@ -81,11 +93,7 @@ def rope_(
     lib = library()
     if (
         lib is None
-        or x.device.type != "cpu"
-        or x.dim() != 3
-        or x.dtype not in _TYPES
-        or x.stride(2) != 1
-        or x.stride(1) != x.shape[2]
+        or not _heads(x)
         or positions.dtype != torch.int64
         or not positions.is_contiguous()
         or cos.dtype != torch.float32
@@ -132,11 +140,7 @@ def prefill_attention(
     lib = library()
     if (
         lib is None
-        or q.device.type != "cpu"
-        or q.dim() != 3
-        or q.dtype not in _TYPES
-        or q.stride(2) != 1
-        or q.stride(1) != q.shape[2]
+        or not _heads(q)
         or k_cache.dtype != q.dtype
         or v_cache.dtype != q.dtype
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
