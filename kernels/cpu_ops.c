@@ -155,20 +155,22 @@ int weir_silu_mul(const void *gate_up, int64_t ld, void *out, int64_t rows, int6
 
 /* Causal attention of a prefill chunk: `n` queries (q [n, heads, d], rows `ldq` elements apart) at
    positions context_len - n .. context_len - 1 against the sequence's paged cache ([blocks, block_size,
-   kv_heads, d], which already holds the chunk's keys and values), block `table` (ids below `blocks`, else 2); out [n, heads, d].
+   kv_heads, d], which already holds the chunk's keys and values), block `table` (ids below `blocks`,
+   else 2); out [n, heads, d].
 
    PyTorch's CPU path gathers the blocks into a copy and runs SDPA, in fp32 at 40-85 GFLOP/s on
    SmolLM2's shapes (a 512-token chunk: 5 ms a layer alone, 11 ms after a 512-token prefix; 2-vCPU
    Xeon). Here each KV head's keys are laid out once per call transposed ([d][positions], fp32) and its
    values widened, then every tile of QT query vectors of that head's group (consecutive positions,
    so similar lengths) computes its scores as a GEMM micro-kernel (a vector of W keys, QT broadcast
-   query elements), an exact softmax per row, and its output a row at a time with the output in
-   registers. A query row's arithmetic does not depend on the chunking, so chunked prefill and
+   query elements), an exact softmax per row, and its outputs OUT_ROWS rows at a time in registers
+   (each value vector loaded once for all of them). A query row's arithmetic does not depend on the chunking, so chunked prefill and
    prefix-cache hits compute the same numbers as one whole prefill. fp32 math; bf16 widened on load
    and the output rounded once. */
 #define QT 12      /* query vectors per tile: the score micro-kernel's accumulators */
 #define OUT_ROWS 3 /* output rows computed together (p0, p1, p2 below) ... */
 #define OUT_VECS 4 /* ... OUT_VECS vectors of each at a time, in registers */
+_Static_assert(QT % OUT_ROWS == 0, "a tile's last row group must stay inside its QT score rows");
 
 int weir_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
                            const int32_t *table, int64_t blocks, int64_t context_len, int64_t n,
