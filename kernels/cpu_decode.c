@@ -459,15 +459,6 @@ static void rms_norm(const float *x, const float *weight, float *y, int64_t n, f
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * inv * weight[i];
 }
 
-static void rotate(float *x, const float *cos, const float *sin, int64_t d) {
-    const int64_t half = d / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const float a = x[i], b = x[i + half];
-        x[i] = a * cos[i] + b * sin[i];
-        x[i + half] = b * cos[i + half] + a * sin[i + half];
-    }
-}
-
 static void store_kv(void *cache, int64_t type, int64_t offset, const float *v, int64_t d) {
     if (type == F32) {
         memcpy((float *)cache + offset, v, (size_t)d * sizeof(float));

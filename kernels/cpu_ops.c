@@ -47,6 +47,16 @@ static void store_row(void *dst, int type, const float *src, int64_t n) {
 
 static size_t element(int type) { return type == F32 ? 4 : 2; }
 
+/* A thread's scratch of `floats`, or NULL with `*failed` set (the call then reports 3, out of memory). */
+static float *thread_scratch(size_t floats, int *failed) {
+    float *p = malloc(floats * sizeof(float));
+    if (!p) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return p;
+}
+
 /* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, in fp32, rounded once (as PyTorch's rms_norm).
    `x` and `y` rows `ldx` / `ldy` elements apart; `weight` of the same type. */
 int weir_rms_norm(const void *x, int64_t ldx, const void *weight, void *y, int64_t ldy, int64_t rows, int64_t n,
@@ -58,11 +68,7 @@ int weir_rms_norm(const void *x, int64_t ldx, const void *weight, void *y, int64
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *row = malloc((size_t)n * sizeof(float));
-        if (!row) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *row = thread_scratch((size_t)n, &failed);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (!row) continue;
@@ -84,31 +90,22 @@ int weir_rms_norm(const void *x, int64_t ldx, const void *weight, void *y, int64
 }
 
 /* In place, the rotary embedding of `heads` heads of `d` at the start of each row (rows `ldx` elements
-   apart), row r at positions[r]: x * cos + roll(x, d / 2) * sin with `cos`, `sin` fp32 [max_pos, d]
-   (sin's first half negated, as engine/model.py builds them; 2 for a position past them); two products and a sum in fp32, rounded
-   once, as PyTorch computes the same expression. */
+   apart), row r at positions[r], with `cos`, `sin` fp32 [max_pos, d] as engine/model.py builds them (2
+   for a position past them): `rotate`, the fused step's own, in fp32 and rounded once. */
 int weir_rope(void *x, int64_t ldx, int64_t rows, int64_t heads, int64_t d, const int64_t *positions,
               const float *cos, const float *sin, int64_t max_pos, int type, int threads) {
     if ((type != F32 && type != BF16) || d % 2 || d > 1024) return 1;
     for (int64_t r = 0; r < rows; r++)
         if (positions[r] < 0 || positions[r] >= max_pos) return 2;
-    const int64_t half = d / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos + positions[r] * d, *s = sin + positions[r] * d;
         for (int64_t h = 0; h < heads; h++) {
             void *head = (char *)x + (r * ldx + h * d) * (int64_t)element(type);
-            float v[1024], out[1024];
+            float v[1024];
             load_row(v, head, type, d);
-            for (int64_t i = 0; i < half; i++) {
-                const float a = v[i] * c[i], b = v[i + half] * s[i];
-                out[i] = a + b;
-            }
-            for (int64_t i = half; i < d; i++) {
-                const float a = v[i] * c[i], b = v[i - half] * s[i];
-                out[i] = a + b;
-            }
-            store_row(head, type, out, d);
+            rotate(v, c, s, d);
+            store_row(head, type, v, d);
         }
     }
     return 0;
@@ -122,11 +119,7 @@ int weir_silu_mul(const void *gate_up, int64_t ld, void *out, int64_t rows, int6
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *g = malloc((size_t)inter * 2 * sizeof(float));
-        if (!g) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *g = thread_scratch((size_t)inter * 2, &failed);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (!g) continue;
@@ -192,12 +185,8 @@ int weir_prefill_attention(const void *q, int64_t ldq, const void *k_cache, cons
     }
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc((size_t)(QT * ld + 2 * QT * d) * sizeof(float));
+        float *scores = thread_scratch((size_t)(QT * ld + 2 * QT * d), &failed);
         float *qt = scores ? scores + QT * ld : NULL, *outs = qt ? qt + QT * d : NULL;
-        if (!scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
         for (int64_t g = 0; g < kv_heads; g++) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < padded; t++) {

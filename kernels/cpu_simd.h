@@ -1,6 +1,6 @@
 /* What the CPU kernels share (cpu_decode.c, cpu_ops.c): the element types, bf16 conversions as
    PyTorch rounds them, vectors of W floats over AVX-512, AVX2 + FMA or plain C (the loads widen bf16,
-   int8 and int4 to fp32), a vector exp and a softmax. */
+   int8 and int4 to fp32), a vector exp, the rotary embedding of a head and a softmax. */
 #ifndef WEIR_CPU_SIMD_H
 #define WEIR_CPU_SIMD_H
 
@@ -117,6 +117,18 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(e, n);
 }
 #endif
+
+/* In place, a head of `d` rotated by the rotary tables' row (`sin`'s first half negated): x * cos +
+   roll(x, d / 2) * sin, two products and a sum in fp32 (no FMA contraction under -std=c11), as PyTorch
+   computes the same expression. */
+static inline void rotate(float *x, const float *cos, const float *sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
 
 /* s = softmax(s) over `len` scores; `stats`, where not NULL, gets the maximum and the sum of the
    exponentials, which is what merging softmaxes over parts of a sequence needs. */
