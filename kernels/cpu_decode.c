@@ -443,21 +443,15 @@ static void gemv_swiglu(const Linear *l, const float *x, float *act, int64_t bat
                       next_panel(l, p, inter, k, b / rows, blocks));
             run_panel(l, panels + p, x + b * k, pairs, k, mb, up, amx ? t : NULL,
                       next_panel(l, panels + p, 2 * inter, k, b / rows, blocks));
-            for (int c = 0; c < mb; c++)
-                for (int64_t j = 0; j < cols; j++)
-                    act[(b + c) * inter + p * P + j] = gate[c][j] / (1.0f + expf(-gate[c][j])) * up[c][j];
+            for (int c = 0; c < mb; c++) {
+                silu_(gate[c], cols);
+                for (int64_t j = 0; j < cols; j++) act[(b + c) * inter + p * P + j] = gate[c][j] * up[c][j];
+            }
         }
     }
 }
 
 int64_t weir_panel_width(void) { return P; }
-
-static void rms_norm(const float *x, const float *weight, float *y, int64_t n, float eps) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] * inv * weight[i];
-}
 
 static void store_kv(void *cache, int64_t type, int64_t offset, const float *v, int64_t d) {
     if (type == F32) {
@@ -651,7 +645,7 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
         for (int64_t l = 0; l < shape[C_LAYERS]; l++) {
             const Layer *ly = &layers[l];
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, ly->input_norm, h + b * hidden, hidden, eps);
+            for (int64_t b = 0; b < batch; b++) rms_norm_row(x + b * hidden, ly->input_norm, h + b * hidden, hidden, eps);
             gemv(&ly->qkv, h, qkv, batch, qkv_size, hidden, 0, &t);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) {
@@ -712,12 +706,12 @@ int weir_decode_step(const int64_t *shape, const Globals *g, const Layer *layers
             }
             gemv(&ly->o, attn, x, batch, hidden, q_size, 1, &t);
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, ly->post_norm, h + b * hidden, hidden, eps);
+            for (int64_t b = 0; b < batch; b++) rms_norm_row(x + b * hidden, ly->post_norm, h + b * hidden, hidden, eps);
             gemv_swiglu(&ly->gate_up, h, act, batch, inter, hidden, &t);
             gemv(&ly->down, act, x, batch, hidden, inter, 1, &t);
         }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, g->norm, h + b * hidden, hidden, eps);
+        for (int64_t b = 0; b < batch; b++) rms_norm_row(x + b * hidden, g->norm, h + b * hidden, hidden, eps);
         gemv(&g->head, h, logits, batch, vocab, hidden, 0, &t);
 #if defined(HAVE_AMX)
         if (t.tile_rows) _tile_release(); /* a thread holding tile state costs every context switch 8 KB */

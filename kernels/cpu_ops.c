@@ -73,14 +73,7 @@ int weir_rms_norm(const void *x, int64_t ldx, const void *weight, void *y, int64
         for (int64_t r = 0; r < rows; r++) {
             if (!row) continue;
             load_row(row, (const char *)x + r * ldx * (int64_t)element(type), type, n);
-            vf acc[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
-            int64_t i = 0;
-            for (; i + 4 * W <= n; i += 4 * W)
-                for (int j = 0; j < 4; j++) acc[j] = VFMA(VLOAD_F32(row + i + j * W), VLOAD_F32(row + i + j * W), acc[j]);
-            float ss = VSUM(acc[0]) + VSUM(acc[1]) + VSUM(acc[2]) + VSUM(acc[3]);
-            for (; i < n; i++) ss += row[i] * row[i];
-            const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-            for (i = 0; i < n; i++) row[i] = row[i] * inv * w[i];
+            rms_norm_row(row, w, row, n, eps);
             store_row((char *)y + r * ldy * (int64_t)element(type), type, row, n);
         }
         free(row);
@@ -127,15 +120,8 @@ int weir_silu_mul(const void *gate_up, int64_t ld, void *out, int64_t rows, int6
             const char *src = (const char *)gate_up + r * ld * (int64_t)element(type);
             load_row(g, src, type, inter);
             load_row(u, src + inter * (int64_t)element(type), type, inter);
-            int64_t i = 0;
-#if defined(__AVX512F__)
-            for (; i + 16 <= inter; i += 16) {
-                const __m512 v = _mm512_loadu_ps(g + i);
-                const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
-                _mm512_storeu_ps(g + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-            }
-#endif
-            for (; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i]));
+            silu_(g, inter);
+            int64_t i;
             if (type == BF16)
                 for (i = 0; i < inter; i++) g[i] = bf16_to_f32(f32_to_bf16(g[i]));
             for (i = 0; i < inter; i++) g[i] *= u[i];

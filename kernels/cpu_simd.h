@@ -130,6 +130,32 @@ static inline void rotate(float *x, const float *cos, const float *sin, int64_t 
     }
 }
 
+/* In place, x = silu(x) = x / (1 + e^-x) over `n` floats, in fp32 (the vector exp where there is one). */
+static inline void silu_(float *x, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        _mm512_storeu_ps(x + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    }
+#endif
+    for (; i < n; i++) x[i] = x[i] / (1.0f + expf(-x[i]));
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * weight over `n` floats, in fp32 (y may be x). Both the fused decode
+   step and the eager forward's native op call this, so a row is normalised to the same bits either way. */
+static inline void rms_norm_row(const float *x, const float *weight, float *y, int64_t n, float eps) {
+    int64_t i = 0;
+    vf acc[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
+    for (; i + 4 * W <= n; i += 4 * W)
+        for (int j = 0; j < 4; j++) acc[j] = VFMA(VLOAD_F32(x + i + j * W), VLOAD_F32(x + i + j * W), acc[j]);
+    float ss = VSUM(acc[0]) + VSUM(acc[1]) + VSUM(acc[2]) + VSUM(acc[3]);
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) y[i] = x[i] * inv * weight[i];
+}
+
 /* s = softmax(s) over `len` scores; `stats`, where not NULL, gets the maximum and the sum of the
    exponentials, which is what merging softmaxes over parts of a sequence needs. */
 static inline void softmax(float *s, int64_t len, float *stats) {
