@@ -121,10 +121,9 @@ int weir_silu_mul(const void *gate_up, int64_t ld, void *out, int64_t rows, int6
             load_row(g, src, type, inter);
             load_row(u, src + inter * (int64_t)element(type), type, inter);
             silu_(g, inter);
-            int64_t i;
             if (type == BF16)
-                for (i = 0; i < inter; i++) g[i] = bf16_to_f32(f32_to_bf16(g[i]));
-            for (i = 0; i < inter; i++) g[i] *= u[i];
+                for (int64_t i = 0; i < inter; i++) g[i] = bf16_to_f32(f32_to_bf16(g[i]));
+            for (int64_t i = 0; i < inter; i++) g[i] *= u[i];
             store_row((char *)out + r * inter * (int64_t)element(type), type, g, inter);
         }
         free(g);

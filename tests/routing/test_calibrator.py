@@ -73,13 +73,13 @@ def test_rejects_bad_settings(kwargs: dict) -> None:
 
 def test_thread_safe_under_concurrent_observers() -> None:
     cal = StrongShareCalibrator(0.25, window=400, min_samples=10)
+    streams = [[rng.random() for _ in range(2000)] for rng in map(random.Random, range(4))]
 
-    def feed(seed: int) -> None:
-        rng = random.Random(seed)
-        for _ in range(2000):
-            cal.route_strong(rng.random())
+    def feed(scores: list[float]) -> None:
+        for score in scores:
+            cal.route_strong(score)
 
-    threads = [threading.Thread(target=feed, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=feed, args=(scores,)) for scores in streams]
     for t in threads:
         t.start()
     for t in threads:
@@ -87,12 +87,8 @@ def test_thread_safe_under_concurrent_observers() -> None:
     # Which 400 scores end up in the window depends on the interleaving, so check the invariants a
     # race would break (the sorted index and the window hold the same scores, and the threshold is
     # their exact quantile) rather than a statistical band, which fails now and then by chance.
-    fed = set()
-    for seed in range(4):
-        rng = random.Random(seed)
-        fed.update(rng.random() for _ in range(2000))
     window = sorted(cal._recent)
     assert len(cal) == 400 and window == cal._sorted
-    assert set(window) <= fed
-    assert cal.threshold() == window[400 - 100 - 1]
+    assert set(window) <= {score for scores in streams for score in scores}
+    assert cal.threshold() == window[400 - round(0.25 * 400) - 1]
     assert 0.6 < cal.threshold() < 0.9  # 0.75 +- 7 standard deviations of a 400-sample quantile
