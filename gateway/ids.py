@@ -6,16 +6,46 @@ leaves than a batch has rows, a batch of 500 events dirties ~500 pages per index
 WAL and checkpointed again: the SQLite writer's CPU per event grew with the table (19 -> 48 us over
 the first 100,000 rows here) and PostgreSQL's B-trees suffer the same. Ids that start with the time
 land at the right edge of their index, a few pages per batch whatever the table's size.
+
+The random part comes from the OS's CSPRNG (ids stay unguessable), but in slices of one `os.urandom`
+call per 400 ids (`random_hex`, also for the other random ids made per request): a `getrandom` syscall per id showed as 3% of a busy SQLite gateway's py-spy samples,
+and pooling it cut the gateway's CPU per request by 3-5% (docs/benchmarks.md, "Zen 5").
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+
+_POOL_BYTES = 4000  # 400 ids per refill
+_pool = b""
+_taken = 0
+_lock = threading.Lock()  # two threads must never take the same slice
+
+
+def _forget_pool() -> None:
+    # a forked worker must not hand out the ids its parent would
+    global _pool, _taken, _lock
+    _pool, _taken, _lock = b"", 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def random_hex(nbytes: int) -> str:
+    """`os.urandom(nbytes).hex()` (nbytes up to 64), without a syscall per call."""
+    global _pool, _taken
+    with _lock:
+        if _taken + nbytes > len(_pool):
+            _pool, _taken = os.urandom(_POOL_BYTES), 0
+        start = _taken
+        _taken += nbytes
+    return _pool[start : start + nbytes].hex()
 
 
 def ordered_id() -> str:
     """Milliseconds since the epoch (12 hex digits, as in UUIDv7) then 80 random bits (20 hex digits):
     as unique as uuid4 for any practical purpose (80 random bits within one millisecond), sorted by
     creation time across milliseconds. A clock stepping back costs index locality, never uniqueness."""
-    return f"{time.time_ns() // 1_000_000:012x}{os.urandom(10).hex()}"
+    return f"{time.time_ns() // 1_000_000:012x}{random_hex(10)}"

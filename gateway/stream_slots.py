@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 
 import redis.asyncio as aioredis
 import structlog
 
 from gateway.aio import stop_if_cancelled
+from gateway.ids import random_hex
 
 log = structlog.get_logger("weir.limits")
 
@@ -87,7 +87,7 @@ class RedisSlots:
 
     async def acquire(self, tenant: str, limit: int) -> str | None:
         """A lease id, or None when the tenant has `limit` streams open already."""
-        lease = os.urandom(12).hex()
+        lease = random_hex(12)
         try:
             taken = await self._acquire(keys=[self.key(tenant)], args=[limit, lease, self.ttl_ms])
         except (aioredis.RedisError, OSError) as exc:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,6 +25,7 @@ from gateway.errors import (
     InvalidRequest,
     UpstreamError,
 )
+from gateway.ids import random_hex
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, EmbeddingRequest, EmbeddingResponse
 
 _json_decode = msgspec.json.decode
@@ -110,7 +110,7 @@ def as_list(value: str | list[str]) -> list[str]:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
+    return f"{prefix}{random_hex(12)}"
 
 
 def now() -> int:

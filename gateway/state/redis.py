@@ -8,7 +8,6 @@ import contextlib
 import inspect
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -25,6 +24,7 @@ except ImportError:  # optional: redis-py's own packing then
     hiredis = None  # type: ignore[assignment]
 
 from gateway.aio import stop_if_cancelled
+from gateway.ids import random_hex
 from gateway.state.base import (
     BUCKETS,
     Admission,
@@ -470,7 +470,7 @@ class RedisState(Shortcuts):
     ) -> Admission:
         if not limits and not budgets:
             return Admission(True)
-        reservation_id = uuid.uuid4().hex if budgets else None
+        reservation_id = random_hex(16) if budgets else None
         args: list[int | str] = [BUCKETS, len(limits)]
         for limit in limits:
             args += [limit.limit, limit.cost, int(limit.window_s * 1000), limit.lease]

@@ -8,6 +8,7 @@ import datetime as dt
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,36 @@ def test_usage_events_get_ordered_ids_by_default() -> None:
         cost_pico_usd=0,
     )
     assert abs(int(event.event_id[:12], 16) - int(before)) < 60_000
+
+
+def test_ids_are_unique_across_threads_and_a_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    # All in one millisecond, so only the random part keeps ids apart. The random bytes come from a
+    # pool (gateway/ids.py): two threads must never take the same slice of it, and a forked worker must
+    # not hand out the slices its parent will.
+    monkeypatch.setattr(ids.time, "time_ns", lambda: 1_700_000_000_000_000_000)
+    per_thread = 2_000
+    with ThreadPoolExecutor(8) as pool:
+        made = [
+            i
+            for part in pool.map(lambda _: [ids.ordered_id() for _ in range(per_thread)], range(8))
+            for i in part
+        ]
+    assert len(set(made)) == len(made) == 8 * per_thread
+
+    ids.ordered_id()  # the parent now holds a partly used pool that the child inherits
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's report arrives through the pipe
+        try:
+            os.write(write, " ".join(ids.ordered_id() for _ in range(50)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        child = set(f.read().split())
+    os.waitpid(pid, 0)
+    parent = {ids.ordered_id() for _ in range(50)}
+    assert len(child) == 50 and not child & parent
 
 
 async def _frames_of_one_batch(db: Path, make_id: Callable[[], str], rows_before: int) -> int:
