@@ -13,6 +13,7 @@ test: $(STAMP)
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
 	  || echo "note: chromium is not installed; tests/ui will be skipped" >&2
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 install: $(STAMP)
@@ -28,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +103,7 @@ class AsyncLLMEngine:
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs as the engine produces them, the last one with `finished`.
         Raises `ValueError` when the engine rejects the request. Leaving the iteration early (break,
         cancellation, `aclose()`) aborts the request."""

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
 
-from engine.model import Transformer
+from engine.model import DecoderLayer, Transformer
 from engine.packed import DualLinear, PackedLinear
 from engine.quant import Int4Linear, Int8Linear
 from kernels import cpu_decode
@@ -101,6 +103,11 @@ def _int4_panels(
     return nibbles, _panels(scale, width, halves), _panels(zero - 8 * scale, width, halves)
 
 
+def _decoder_layers(model: Transformer) -> Sequence[DecoderLayer]:
+    """``model.layers``, which holds DecoderLayers only (the stubs see a ModuleList of Modules)."""
+    return cast("Sequence[DecoderLayer]", model.layers)
+
+
 def _tied(model: Transformer) -> bool:
     """Whether the head reads the embedding's own weight (a quantized head is its own copy)."""
     return getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
@@ -116,7 +123,7 @@ class FusedDecoder:
             raise Unsupported(f"{dtype} models are not supported")
         if model.embed_tokens.weight.device.type != "cpu":
             raise Unsupported("it runs on the CPU only")
-        first = model.layers[0].self_attn
+        first = _decoder_layers(model)[0].self_attn
         if first.k_cache.dtype != dtype or first.k_cache.dim() != 4:
             raise Unsupported("the KV cache is not allocated in the model's dtype")
         self._lib = lib
@@ -125,7 +132,7 @@ class FusedDecoder:
         self.max_len = max_len
         self.eps = float(config.rms_norm_eps)
         layers = (cpu_decode.Layer * config.num_layers)()
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(_decoder_layers(model)):
             attn, mlp = layer.self_attn, layer.mlp
             layers[i] = cpu_decode.Layer(
                 self._ptr(_f32(layer.input_layernorm.weight)),
@@ -143,8 +150,9 @@ class FusedDecoder:
             (ctypes.c_int64 * 2)(*embed.stride()),
             self._ptr(_f32(model.norm.weight)),
             self._linear(model.lm_head, tied=embed if _tied(model) else None),
-            self._ptr(model.rotary.cos),
-            self._ptr(model.rotary.sin),
+            # buffers, which nn.Module's stubs type as Tensor | Module
+            self._ptr(cast(torch.Tensor, model.rotary.cos)),
+            self._ptr(cast(torch.Tensor, model.rotary.sin)),
         )
         self.layers = layers
         shape = {
@@ -189,25 +197,25 @@ class FusedDecoder:
                 self._ptr(zero),
                 module.group_size,
             )
-        weight, scale, bias = _dense(module) if tied is None else (tied, None, None)
+        weight, row_scales, bias = _dense(module) if tied is None else (tied, None, None)
         if weight.dtype not in _TYPES:
             raise Unsupported(f"{weight.dtype} weights are not supported")
         return cpu_decode.Linear(
             self._ptr(_weight_panels(weight, width, halves)),
             _TYPES[weight.dtype],
-            self._ptr(_vector(scale, width, halves)),
+            self._ptr(_vector(row_scales, width, halves)),
             self._ptr(_vector(bias, width, halves)),
             None,
             0,
         )
 
-    def copied_bytes(self, model: nn.Module) -> int:
+    def copied_bytes(self, model: Transformer) -> int:
         """Bytes this decoder holds beyond `model`'s own tensors (its weight panels)."""
         tensors = [t for t in [*model.parameters(), *model.buffers()] if t.layout == torch.strided]
         own = {t.untyped_storage().data_ptr() for t in tensors}  # (oneDNN's packed weights have none)
         own.update(
             t.untyped_storage().data_ptr()
-            for layer in model.layers
+            for layer in _decoder_layers(model)
             for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)
         )
         copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._keep}

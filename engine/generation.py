@@ -5,7 +5,7 @@ latency metrics. Leaving early aborts the request."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -59,7 +59,7 @@ class Generation:
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The request's text and tokens as they come; the last delta carries the finish reason.
         Closing this early (client gone, stop string) aborts the request in the engine."""
         metrics = self.metrics

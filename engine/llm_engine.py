@@ -142,7 +142,7 @@ class LLMEngine:
             reader = open_gguf(source) if is_gguf(source) else None
             config = load_config(source, reader)
             self.model_name = registry.canonical_name(str(model)) if not Path(model).exists() else source.stem
-            if is_gguf(source):
+            if reader is not None:  # a GGUF file
                 self.tokenizer = Tokenizer.from_gguf_metadata(gguf_metadata(reader))
             else:
                 self.tokenizer = Tokenizer.from_hf_dir(source, set(config.eos_token_ids))

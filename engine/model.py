@@ -11,9 +11,10 @@ tokens, contiguous. Decodes run as one padded batched attention; each prefill ch
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -220,6 +221,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    # buffers (registered in __init__), declared so they type as tensors, not Module.__getattr__'s union
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config)
@@ -358,7 +363,7 @@ class Transformer(nn.Module):
     ) -> None:
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim or 0)
-        for layer in self.layers:
+        for layer in cast("Iterable[DecoderLayer]", self.layers):  # ModuleList yields plain Modules
             layer.self_attn.k_cache = hugepages.zeros(shape, dtype, device)
             layer.self_attn.v_cache = hugepages.zeros(shape, dtype, device)
 
@@ -366,7 +371,8 @@ class Transformer(nn.Module):
 def weights_changed(model: nn.Module) -> None:
     """Note that `model`'s layers were swapped (quantized, packed) or reloaded: copies derived from them,
     the fused CPU decode step's (engine/fused_step.py), are rebuilt before their next use."""
-    model.weights_version = getattr(model, "weights_version", 0) + 1
+    # torch types Module.__setattr__'s value as Tensor | Module; any value is a plain attribute at runtime
+    model.weights_version = getattr(model, "weights_version", 0) + 1  # type: ignore[assignment]
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -34,6 +34,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +104,8 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.weight: nn.Parameter | None = None
         if keep_weight:
-            self.weight = linear.weight
+            # nn.Linear's stubs say Tensor, but its registered weight can only be a Parameter
+            self.weight = cast(nn.Parameter, linear.weight)
             self._packed_version = linear.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from kernels.int4_matmul import (
     pack_int4,
 )
 from kernels.int8_matmul import fbgemm_pack, fbgemm_supported, fbgemm_unpack, int8_matmul, int8_matmul_fbgemm
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DEFAULT_INT4_GROUP_SIZE = 32
 GROUP_SIZES = (32, 64, 128)
@@ -316,6 +319,10 @@ def _int4pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
 class _RowScaledLinear(nn.Module):
     """A linear layer held as one byte per weight, ``weight [N, K]``, and one scale per output row."""
 
+    # registered as buffers, which nn.Module's stubs cannot see
+    weight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(
         self,
         in_features: int,
@@ -443,6 +450,10 @@ class Fp8Linear(_RowScaledLinear):
 class Int4Linear(nn.Module):
     """``qweight`` is kept in exactly one layout: ours, or tinygemm's on CPU when this PyTorch has the
     kernel (``cpu_layout``). The state dict is always ours, so checkpoints do not depend on the build."""
+
+    # registered as buffers, which nn.Module's stubs cannot see
+    qweight: torch.Tensor
+    scales_and_zeros: torch.Tensor
 
     def __init__(
         self,
@@ -623,8 +634,9 @@ def quantize_model(
         raise ValueError(f"importance must be a dict, 'auto' or None, not {importance!r}")
     with torch.no_grad():
         _swap_linears(model, make, include)
-    model.quant_scheme = scheme
-    model.quantized_modules = {n: str(s) for n, s in chosen.items() if s.method != "none"}
+    # nn.Module's stubs type every attribute assignment as Tensor | Module
+    model.quant_scheme = scheme  # type: ignore[assignment]
+    model.quantized_modules = {n: str(s) for n, s in chosen.items() if s.method != "none"}  # type: ignore[assignment]
     weights_changed(model)
     return model
 
@@ -674,7 +686,11 @@ def activation_importance(
     through an engine ``Transformer``: how much each weight column's error costs (AWQ's observation that
     a few input channels carry most of the activation energy). The KV cache is borrowed and put back.
     ``head=False`` leaves out the output layer (``lm_head``), whose product is a fifth of the prefill."""
-    from engine.model import AttentionMetadata, PrefillChunk, attention_metadata
+    from engine.model import AttentionMetadata, DecoderLayer, PrefillChunk, Transformer, attention_metadata
+
+    # an engine Transformer, as documented; its ModuleList holds DecoderLayers only
+    net = cast(Transformer, model)
+    layers = cast("Iterable[DecoderLayer]", net.layers)
 
     sums: dict[str, torch.Tensor] = {}
     hooks = []
@@ -688,11 +704,11 @@ def activation_importance(
             hooks.append(module.register_forward_pre_hook(record))
     n = int(token_ids.numel())
     blocks = -(-n // block_size)
-    attns = [layer.self_attn for layer in model.layers]
+    attns = [layer.self_attn for layer in layers]
     saved = [(a.k_cache, a.v_cache) for a in attns]
-    param = model.embed_tokens.weight
+    param = net.embed_tokens.weight
     try:
-        model.allocate_kv_cache(blocks, block_size, param.dtype, param.device)
+        net.allocate_kv_cache(blocks, block_size, param.dtype, param.device)
         table = torch.arange(blocks, dtype=torch.int32, device=param.device)
         positions = torch.arange(n, device=param.device)
         meta = AttentionMetadata(
@@ -706,9 +722,9 @@ def activation_importance(
             block_size=block_size,
         )
         with attention_metadata(meta):
-            hidden = model(token_ids.to(param.device).reshape(-1))
+            hidden = net(token_ids.to(param.device).reshape(-1))
         if head:
-            model.lm_head(hidden)  # the head's input too (its forward is not part of ``model(...)``)
+            net.lm_head(hidden)  # the head's input too (its forward is not part of ``model(...)``)
     finally:
         for hook in hooks:
             hook.remove()
@@ -798,8 +814,9 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
     for module in model.modules():
         if isinstance(module, Int4Linear | Int8Linear):
             module.use_cpu_layout()
-    model.quant_scheme = scheme
-    model.quantized_modules = {name: str(spec) for name, spec in modules.items()}
+    # nn.Module's stubs type every attribute assignment as Tensor | Module
+    model.quant_scheme = scheme  # type: ignore[assignment]
+    model.quantized_modules = {name: str(spec) for name, spec in modules.items()}  # type: ignore[assignment]
     weights_changed(model)
     return model
 
@@ -826,7 +843,10 @@ def weight_bytes(model: nn.Module) -> int:
 def config_metadata(model: nn.Module) -> dict[str, Any]:
     """The engine model's config as JSON-able metadata for ``save_quantized``."""
     config = getattr(model, "config", None)
-    return {"model_config": dataclasses.asdict(config)} if dataclasses.is_dataclass(config) else {}
+    if not dataclasses.is_dataclass(config):
+        return {}
+    # is_dataclass accepts dataclass types too; a model's config is always an instance
+    return {"model_config": dataclasses.asdict(cast("DataclassInstance", config))}
 
 
 def build_quantized_model(

@@ -15,6 +15,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from engine.config import KNOWN_MODELS
 
@@ -130,7 +131,7 @@ def pull(name: str, *, quiet: bool = False) -> Path:
     return target
 
 
-def _copy_with_progress(src, dst, total: int, desc: str, quiet: bool) -> None:  # type: ignore[no-untyped-def]
+def _copy_with_progress(src: IO[bytes], dst: IO[bytes], total: int, desc: str, quiet: bool) -> None:
     from tqdm import tqdm
 
     with tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=quiet) as bar:

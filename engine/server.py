@@ -14,7 +14,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-_Req = TypeVar("_Req", bound=SamplingFields)
+_Req = TypeVar("_Req", ChatCompletionRequest, CompletionRequest)  # the bodies `unsupported` knows
 _T = TypeVar("_T")
 
 _LOADER = web.AppKey("loader", asyncio.Task)
@@ -231,7 +231,9 @@ class EngineServer:
             return []
         return [stop] if isinstance(stop, str) else [s for s in stop if s]
 
-    async def _sse(self, request: web.Request, chunks: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+    async def _sse(
+        self, request: web.Request, chunks: AsyncGenerator[dict[str, Any], None]
+    ) -> web.StreamResponse:
         """Streams chunks as server-sent events. The first chunk is computed before the headers go out,
         so a request the engine rejects still gets a proper 4xx."""
         async with aclosing(chunks):
@@ -333,7 +335,7 @@ class EngineServer:
         include_usage: bool,
         parse_tools: bool,
         index: int,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """One choice's chat chunks. With tools, the reply is held to the end: only then is it known
         to be a call."""
         tokenizer = gen.engine.engine.tokenizer
@@ -444,7 +446,7 @@ class EngineServer:
         head: dict[str, Any],
         include_usage: bool,
         index: int,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         tokenizer = gen.engine.engine.tokenizer
         extra = {"usage": None} if include_usage else {}
         offset = 0
@@ -648,19 +650,19 @@ async def _all(aws: list[Awaitable[_T]]) -> list[_T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _merge(streams: list[AsyncIterator[_T]]) -> AsyncIterator[_T]:
+async def _merge(streams: list[AsyncGenerator[_T, None]]) -> AsyncGenerator[_T, None]:
     """The items of several streams as they come. An error in one ends them all; closing the merged
     stream (a client gone) closes every stream, which aborts their engine requests."""
     if len(streams) == 1:
-        async with aclosing(streams[0]) as only:  # type: ignore[type-var]
+        async with aclosing(streams[0]) as only:
             async for item in only:
                 yield item
         return
     queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()  # (finished, item or error)
 
-    async def pump(stream: AsyncIterator[_T]) -> None:
+    async def pump(stream: AsyncGenerator[_T, None]) -> None:
         try:
-            async with aclosing(stream):  # type: ignore[type-var]
+            async with aclosing(stream):
                 async for item in stream:
                     await queue.put((False, item))
         except Exception as exc:
@@ -686,10 +688,13 @@ async def _merge(streams: list[AsyncIterator[_T]]) -> AsyncIterator[_T]:
 
 
 async def _with_usage(
-    chunks: AsyncIterator[dict[str, Any]], head: dict[str, Any], groups: list[list[Generation]], include: bool
-) -> AsyncIterator[dict[str, Any]]:
+    chunks: AsyncGenerator[dict[str, Any], None],
+    head: dict[str, Any],
+    groups: list[list[Generation]],
+    include: bool,
+) -> AsyncGenerator[dict[str, Any], None]:
     """The stream, then (if the client asked) one chunk with the whole request's usage."""
-    async with aclosing(chunks):  # type: ignore[type-var]
+    async with aclosing(chunks):
         async for chunk in chunks:
             yield chunk
     if include:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from engine.model import AttentionMetadata, PrefillChunk, attention_metadata
 from engine.sampling import SamplingRow, apply_filters, apply_penalties
 
 if TYPE_CHECKING:
+    from engine.config import ModelConfig
     from engine.speculative import Proposal, SequenceLike
 
 __all__ = ["DraftModelProposer"]
@@ -65,7 +66,7 @@ class DraftModelProposer:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.max_positions: int = model.config.max_position_embeddings  # type: ignore[union-attr]
+        self.max_positions = cast("ModelConfig", model.config).max_position_embeddings
         model.allocate_kv_cache(num_blocks, block_size, dtype, device)  # type: ignore[operator]
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))

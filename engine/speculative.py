@@ -29,10 +29,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine.model import Attention, DecoderLayer, Transformer
 
 __all__ = [
     "AdaptiveK",
@@ -172,7 +175,8 @@ def sequence_logits(model: nn.Module, token_ids: Sequence[int], last: int = 1) -
     param = next(model.parameters())
     dev = param.device
     dtype = param.dtype if param.dtype.is_floating_point else torch.float32
-    saved = [(layer.self_attn.k_cache, layer.self_attn.v_cache) for layer in model.layers]  # type: ignore[union-attr]
+    attns = _attentions(model)
+    saved = [(a.k_cache, a.v_cache) for a in attns]
     model.allocate_kv_cache(-(-n // block_size), block_size, dtype, dev)  # type: ignore[operator]
     try:
         meta = AttentionMetadata(
@@ -191,8 +195,8 @@ def sequence_logits(model: nn.Module, token_ids: Sequence[int], last: int = 1) -
             hidden = model(torch.tensor(list(token_ids), dtype=torch.long, device=dev))
         return model.logits(hidden[n - last :])  # type: ignore[operator]
     finally:
-        for layer, (k, v) in zip(model.layers, saved, strict=True):  # type: ignore[union-attr]
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        for a, (k, v) in zip(attns, saved, strict=True):
+            a.k_cache, a.v_cache = k, v
 
 
 def self_draft_model(model: nn.Module, spec: str) -> nn.Module:
@@ -208,7 +212,7 @@ def self_draft_model(model: nn.Module, spec: str) -> nn.Module:
     name, _, value = spec.partition("=")
     if name == "layers" and value.isdigit():
         n = int(value)
-        layers = model.layers  # type: ignore[union-attr]
+        layers = cast("Transformer", model).layers
         if not 1 <= n <= len(layers):
             raise ValueError(f"self:layers=N needs 1 <= N <= {len(layers)}")
         draft = _shallow(model)  # shares parameters
@@ -235,9 +239,15 @@ def _own_kv_cache(layer: nn.Module) -> nn.Module:
     return clone
 
 
+def _attentions(model: nn.Module) -> list[Attention]:
+    """The attention modules of an engine `Transformer`'s decoder layers: they hold its KV cache."""
+    # nn.Module's attributes and ModuleList's items type as plain Modules: name what they are here
+    return [cast("DecoderLayer", layer).self_attn for layer in cast("Transformer", model).layers]
+
+
 @contextmanager
 def _kv_cache_detached(model: nn.Module) -> Iterator[None]:
-    attns = [layer.self_attn for layer in model.layers]  # type: ignore[union-attr]
+    attns = _attentions(model)
     saved = [(a.k_cache, a.v_cache) for a in attns]
     for a in attns:
         a.k_cache, a.v_cache = torch.empty(0), torch.empty(0)
@@ -694,7 +704,7 @@ class Speculator:
         snap = self.metrics.snapshot()
         return SpecStats(**{**snap.__dict__, "method": self.method})
 
-    def begin_step(self, running: list[SequenceLike], generator: torch.Generator | None = None) -> None:
+    def begin_step(self, running: Sequence[SequenceLike], generator: torch.Generator | None = None) -> None:
         """Propose drafts for this step. Every 16th step stays plain, to keep the baseline cost fresh.
         (Not every step before the first plain one is timed: with prefills arriving all the time a pure
         decode step may not come soon, and the priors are a fair start.)"""
@@ -726,7 +736,7 @@ class Speculator:
                 0.8 * self.propose_token_s + 0.2 * per_token if self.propose_token_s else per_token
             )
 
-    def end_step(self, seqs: list[SequenceLike], num_tokens: list[int], seconds: float) -> None:
+    def end_step(self, seqs: Sequence[SequenceLike], num_tokens: list[int], seconds: float) -> None:
         """Fold in the model time of a step. Only pure decode steps count (a prefill would skew it)."""
         if any(n != 1 + len(s.draft_token_ids) for s, n in zip(seqs, num_tokens, strict=True)):
             return

@@ -12,13 +12,16 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.config import ModelConfig
 from engine.model import Transformer
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader  # at runtime gguf is imported only when a GGUF file is read
 
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
 
@@ -42,19 +45,19 @@ def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
 
-def open_gguf(path: Path):  # type: ignore[no-untyped-def]
+def open_gguf(path: Path) -> GGUFReader:
     """A memory-mapped GGUF reader. Parsing the header takes seconds: open once, pass it around."""
     import gguf
 
     return gguf.GGUFReader(path)
 
 
-def gguf_metadata(reader) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
     """All GGUF key/values as Python values (token lists included)."""
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def load_config(path: Path, reader=None) -> ModelConfig:  # type: ignore[no-untyped-def]
+def load_config(path: Path, reader: GGUFReader | None = None) -> ModelConfig:
     """The model config of a .gguf file (pass its open reader if you have one) or an HF directory."""
     path = Path(path)
     if is_gguf(path):
@@ -84,7 +87,7 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, int]]:  # type: ignore[no-untyped-def]
+def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, int]]:
     """(HF name, fp32 tensor, total tensor count) for every tensor of an open GGUF file, dequantised."""
     import gguf
 
@@ -181,7 +184,7 @@ def build_model(
     device: torch.device,
     seed: int = 0,
     progress: ProgressFn | None = None,
-    reader=None,  # type: ignore[no-untyped-def]
+    reader: GGUFReader | None = None,
 ) -> Transformer:
     """A model with weights from `source` (a .gguf file, whose open reader may be passed, or an HF
     directory) or random ones if None."""

@@ -364,7 +364,7 @@ async def stream_events(batches: AsyncIterator[list[ChatChunk]], model: str) -> 
     """Batches of canonical chunks as Anthropic's event sequence, one write per batch. Usage is only
     final at the end of an upstream stream, so message_start reports zeros and message_delta carries
     the whole usage."""
-    start = {
+    start: dict[str, Any] = {
         "id": new_id("msg_"),
         "type": "message",
         "role": "assistant",

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
 
 from gateway.auth import Principal
 from gateway.config import Config
@@ -173,7 +173,7 @@ class RequestLimits:
             exchange = Exchange()
             token = _current.set(exchange)
 
-            async def receive_body() -> Message:
+            async def receive_body() -> ReceiveMessage:
                 message = await receive()
                 if message["type"] == "http.request" and exchange.request_bytes < MAX_CAPTURED_BYTES:
                     body = message.get("body", b"")
@@ -186,7 +186,8 @@ class RequestLimits:
                     exchange.status = message["status"]
                 else:
                     if exchange.capture and exchange.response_bytes < MAX_CAPTURED_BYTES:
-                        body = message.get("body", b"")
+                        # An http scope: of what follows the start, only http.response.body has a body.
+                        body = cast("bytes", message.get("body", b""))
                         exchange.response.append(body)
                         exchange.response_bytes += len(body)
                     if exchange.leases and not message.get("more_body", False):

@@ -38,7 +38,7 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                 return
             raw_id = _incoming_id(scope) or ordered_id().encode()
             info = RequestInfo(request_id=raw_id.decode())
-            scope.setdefault("state", {})["weir"] = info  # type: ignore[typeddict-unknown-key]
+            scope.setdefault("state", {})["weir"] = info
             api = scope["path"].startswith("/v1/")
             started = time.perf_counter()
             status = 500
@@ -58,7 +58,9 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                 log.info(
                     "request",
                     request_id=info.request_id,
-                    method=scope["method"],
+                    # litestar types scope["type"] as its ScopeType enum, so == "http" above cannot
+                    # narrow the scope to HTTPScope for mypy; it is one.
+                    method=scope["method"],  # type: ignore[typeddict-item]
                     path=scope["path"],
                     status=status,
                     duration_ms=round(elapsed * 1000, 3),
@@ -80,9 +82,10 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                 nonlocal status
                 if message["type"] == "http.response.start":
                     status = message["status"]
-                    message["headers"] = [*message.get("headers", ()), (b"x-request-id", raw_id)]
+                    headers = [*message.get("headers", ()), (b"x-request-id", raw_id)]
                     if info.route is not None:
-                        message["headers"].append((b"x-weir-route", info.route.encode()))
+                        headers.append((b"x-weir-route", info.route.encode()))
+                    message["headers"] = headers
                     await send(message)
                     return
                 await send(message)

@@ -170,11 +170,11 @@ async def purge_expired(sessions: async_sessionmaker[AsyncSession], now: dt.date
             result = await session.execute(
                 delete(StoredPrompt).where(StoredPrompt.tenant_id == tenant_id, StoredPrompt.ts < cutoff)
             )
-            deleted += result.rowcount or 0
+            deleted += result.rowcount or 0  # type: ignore[attr-defined]  # a DELETE gives a CursorResult
         orphans = await session.execute(
             delete(StoredPrompt).where(StoredPrompt.tenant_id.not_in(select(Tenant.id)))
         )
-        deleted += orphans.rowcount or 0
+        deleted += orphans.rowcount or 0  # type: ignore[attr-defined]  # a DELETE gives a CursorResult
     return deleted
 
 

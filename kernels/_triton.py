@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - Triton is optional (e.g. macOS); refer
     class _NoTritonLanguage:
         constexpr = int  # lets kernel signatures evaluate; the kernels themselves are never launched
 
-    tl = _NoTritonLanguage()  # type: ignore[assignment]
+    tl = _NoTritonLanguage()
 
 HAS_TRITON = triton is not None
 

@@ -54,7 +54,7 @@ def score(head_dir: Path | None) -> None:
                 text = prompt_text(row["messages"])
             else:
                 raise ValueError('expected a string "prompt" or a "messages" list')
-            out = {"p_strong": round(clf.score(text), 6)}
+            out: dict[str, float | str] = {"p_strong": round(clf.score(text), 6)}
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             failed += 1
             out = {"error": f"line {lineno}: {exc}"}

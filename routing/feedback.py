@@ -123,15 +123,15 @@ async def load_feedback(
         answered: dict[str, UsageEventRow] = {}
         for start in range(0, len(ids), 500):  # bounded IN lists
             chunk = ids[start : start + 500]
-            for row in (
+            for prompt_row in (
                 await session.execute(
                     select(StoredPrompt).where(
                         StoredPrompt.tenant_id == tid, StoredPrompt.request_id.in_(chunk)
                     )
                 )
             ).scalars():
-                stored[row.request_id] = row
-            for row in (
+                stored[prompt_row.request_id] = prompt_row
+            for event_row in (
                 await session.execute(
                     select(UsageEventRow).where(
                         UsageEventRow.tenant_id == tid,
@@ -140,7 +140,7 @@ async def load_feedback(
                     )
                 )
             ).scalars():
-                answered[row.request_id] = row
+                answered[event_row.request_id] = event_row
     for f in feedback:
         event = answered.get(f.request_id)
         if event is None:

@@ -153,6 +153,7 @@ def distil_static_table(encoder: MiniLMEncoder, batch_size: int = 1024) -> np.nd
     vocab = encoder.w["embeddings.word_embeddings.weight"].shape[0]
     cls_id = encoder.tokenizer.token_to_id("[CLS]")
     sep_id = encoder.tokenizer.token_to_id("[SEP]")
+    assert cls_id is not None and sep_id is not None  # every BERT WordPiece vocabulary has both
     ids = torch.stack(
         [torch.full((vocab,), cls_id), torch.arange(vocab), torch.full((vocab,), sep_id)], dim=1
     )

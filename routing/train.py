@@ -24,6 +24,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -339,7 +340,8 @@ def _fit_parts(data: Outcomes, enc: Encoded, cfg: TrainConfig) -> DifficultyHead
     groups = sorted(set(data.groups)) if data.groups is not None else []
     group_ids = np.array([groups.index(g) for g in data.groups]) if data.groups is not None else None
     gain = data.strong.astype(np.float32) - data.weak.astype(np.float32)
-    net = _fit_network(enc, data.weak, data.strong, known, group_ids, len(groups), cfg)
+    # DifficultyHead's array fields by name; typed Any so they can be passed as its keywords.
+    net: dict[str, Any] = _fit_network(enc, data.weak, data.strong, known, group_ids, len(groups), cfg)
     if cfg.sparse_buckets:
         net |= _fit_sparse(enc, data.weak, data.strong, known, cfg)
     group_gain = (
@@ -380,6 +382,7 @@ def cross_fitted_components(
         components[test] = c
         correct[test] = parts.correct(held_out)
         if groups:
+            assert data.groups is not None  # groups is empty without them
             seen = sorted({data.groups[i] for i in train})
             posterior[np.ix_(test, np.searchsorted(groups, seen))] = parts.group_posterior(held_out)
     assert components is not None

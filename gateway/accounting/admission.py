@@ -302,8 +302,8 @@ class Admission:
                 answers.discard(None)
                 if not answers:
                     break
-                for answer in answers:
-                    await answer.wait()  # type: ignore[union-attr]
+                for asked_by_other in answers:
+                    await asked_by_other.wait()  # type: ignore[union-attr]
                 waits += 1
                 drawn = self._take_local(limits, budgets, amount)
             if drawn is not None:
@@ -522,6 +522,7 @@ class Admission:
         pending = self._pending.get(event.request_id)
         if pending is None:
             return
+        releases: Sequence[tuple[str, int]]
         if isinstance(pending, tuple):  # settled before (_Settled): a later attempt
             _, budget_keys, tpm_keys = pending
             estimate, reservation, releases = 0, "", [("", 0)] * len(budget_keys)

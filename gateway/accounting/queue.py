@@ -19,7 +19,7 @@ import socket
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
 
@@ -445,12 +445,17 @@ class RedisStreamQueue:
         )
         entries = list(claimed)
         if not entries:
-            response = await self._redis.xreadgroup(
-                self.GROUP,
-                self._consumer,
-                {self._stream: ">"},
-                count=count,
-                block=int(block_s * 1000) if block_s > 0 else None,
+            # RESP2 (the client's protocol) replies [[stream, entries], ...]; the stubs also allow
+            # RESP3's dict, which this client never gets.
+            response = cast(
+                "list[list[Any]]",
+                await self._redis.xreadgroup(
+                    self.GROUP,
+                    self._consumer,
+                    {self._stream: ">"},
+                    count=count,
+                    block=int(block_s * 1000) if block_s > 0 else None,
+                ),
             )
             entries = response[0][1] if response else []
         self.drained = len(entries) < count

@@ -12,7 +12,7 @@ import io
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
-from sqlalchemy import Integer, and_, case, func, select
+from sqlalchemy import ColumnElement, Integer, and_, case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.accounting.money import format_usd, pico_to_usd
@@ -56,6 +56,7 @@ def parse_group_by(text: str | None) -> list[str]:
 async def usage_report(
     session: AsyncSession, start: dt.datetime, end: dt.datetime, group_by: list[str]
 ) -> dict[str, Any]:
+    requests: ColumnElement[int]  # a sum of the rollups' counts, or a count of ledger rows
     if _whole_days(start, end):
         table: Any = UsageRollup
         where = and_(UsageRollup.day >= start.date(), UsageRollup.day < end.date())

@@ -17,7 +17,7 @@ import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from sqlalchemy import Table, TextClause, text
@@ -77,7 +77,7 @@ def _unnest_insert(names: tuple[str, ...]) -> TextClause:
     """PostgreSQL: the whole batch as one array per column, unnested into rows by the server. One
     small prepared statement whatever the batch size, and asyncpg encodes the arrays natively,
     instead of SQLAlchemy processing every value of a multi-row VALUES list in Python."""
-    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    dialect = postgresql.dialect()
     arrays = ", ".join(f"CAST(:{n} AS {EVENTS.c[n].type.compile(dialect=dialect)}[])" for n in names)
     return text(
         f"INSERT INTO {EVENTS.name} ({', '.join(names)}) SELECT * FROM unnest({arrays}) "
@@ -400,7 +400,8 @@ class BatchWriter:
         if not self._pending:
             wait = self.idle_wait_s if block_s is None else block_s
             read = self._read_lines or self.queue.read
-            self._pending = await read(self.batch_size, wait)
+            # Lines or events, whichever `read` gives: below, `_read_lines` tells which.
+            self._pending = cast("list[tuple[Token, Any]]", await read(self.batch_size, wait))
         if not self._pending:
             return 0
         try:

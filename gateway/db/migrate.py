@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 from pathlib import Path
+from typing import TextIO
 
 from alembic import command
 from alembic.config import Config
@@ -14,7 +15,7 @@ from gateway.db.session import normalise_url, resolve_database_url
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def alembic_config(database_url: str | None = None, stdout: io.TextIOBase | None = None) -> Config:
+def alembic_config(database_url: str | None = None, stdout: TextIO | None = None) -> Config:
     config = Config(str(ROOT / "alembic.ini"), stdout=stdout) if stdout else Config(str(ROOT / "alembic.ini"))
     config.set_main_option("script_location", str(ROOT / "migrations"))
     # '%' is ConfigParser's interpolation marker; escape it for passwords that contain it.

@@ -223,7 +223,7 @@ class RouteRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(200), index=True)
     position: Mapped[int] = mapped_column(Integer, default=0)
-    spec: Mapped[dict] = mapped_column(JSON)  # type: ignore[type-arg]
+    spec: Mapped[dict] = mapped_column(JSON)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

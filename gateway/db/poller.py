@@ -95,7 +95,11 @@ class TablePoller:
         self.interval = interval
         self.name = name  # names the log event of a failed poll: f"{name}_poll_failed"
         engine = _engine_of(sessions) if sessions is not None and signature_query is not None else None
-        self.signature = SignatureReader(engine, signature_query) if engine is not None else None
+        self.signature = (
+            SignatureReader(engine, signature_query)
+            if engine is not None and signature_query is not None
+            else None
+        )
         self.current = current
         self._task: asyncio.Task[None] | None = None
 

@@ -169,6 +169,7 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
 
 def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
     choice = request.tool_choice
+    result: dict[str, Any] | None
     if choice is None:
         result = None
     elif choice == "auto":

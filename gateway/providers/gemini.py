@@ -4,7 +4,7 @@ streamGenerateContent?alt=sse, and embeddings through batchEmbedContents."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote, urlencode
 
 import msgspec
@@ -107,7 +107,7 @@ def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str
         return []
     if isinstance(content, str):
         return [{"text": content}] if content else []
-    parts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         if isinstance(part, TextPart):
             parts.append({"text": part.text})
@@ -329,7 +329,7 @@ class ChatStream:
                 for k, call in enumerate(calls)
             ]
             self.tool_calls[index] = first + len(calls)
-            role = None if index in self.started else "assistant"
+            role: Literal["assistant"] | None = None if index in self.started else "assistant"
             self.started.add(index)
             finish = _finish(candidate.get("finishReason"), self.tool_calls[index] > 0)
             if finish is not None:

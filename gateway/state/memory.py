@@ -133,7 +133,7 @@ class _Budget:
 
 class MemoryState(Shortcuts):
     def __init__(self) -> None:
-        self._windows: dict[str, dict[int, int]] = {}
+        self._windows: dict[str, _Window] = {}
         self._budgets: dict[str, _Budget] = {}
         self._kv: dict[str, tuple[bytes, float | None]] = {}
         self._callbacks: list[RevocationCallback] = []

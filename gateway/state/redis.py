@@ -10,7 +10,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -679,7 +679,8 @@ class RedisState(Shortcuts):
                     await pubsub.subscribe(self._k("revocations"))
 
     async def kv_get(self, key: str) -> bytes | None:
-        return await self._redis.get(self._k(key))
+        # The client never sets decode_responses, so replies are bytes; the stubs cannot know that.
+        return cast("bytes | None", await self._redis.get(self._k(key)))
 
     async def kv_set(self, key: str, value: bytes, ttl_s: float | None = None) -> None:
         await self._redis.set(self._k(key), value, px=int(ttl_s * 1000) if ttl_s else None)
