@@ -17,6 +17,7 @@ import hmac
 import json
 import re
 import secrets
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -341,8 +342,8 @@ def create_user(username: str, database_url: str | None, password_stdin: bool, u
     if not USERNAME.match(username):
         raise click.BadParameter("1-64 letters, digits or ._@-", param_hint="USERNAME")
     if password_stdin:
-        # Click 8.5 deprecated get_text_stream and serves it from a module __getattr__ typed object.
-        password = click.get_text_stream("stdin").readline().rstrip("\r\n")  # type: ignore[operator]
+        # (not click.get_text_stream: deprecated in Click 8.5, gone in 9)
+        password = sys.stdin.readline().rstrip("\r\n")
     else:
         password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
     if len(password) < 12:
