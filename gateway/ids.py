@@ -8,8 +8,9 @@ the first 100,000 rows here) and PostgreSQL's B-trees suffer the same. Ids that 
 land at the right edge of their index, a few pages per batch whatever the table's size.
 
 The random part comes from the OS's CSPRNG (ids stay unguessable), but in slices of one `os.urandom`
-call per 400 ids (`random_hex`, also for the other random ids made per request): a `getrandom` syscall per id showed as 3% of a busy SQLite gateway's py-spy samples,
-and pooling it cut the gateway's CPU per request by 3-5% (docs/benchmarks.md, "Zen 5").
+call per 400 ids (`random_hex`, also for the other random ids made per request): a `getrandom`
+syscall per id showed as 3% of a busy SQLite gateway's py-spy samples, and pooling it cut the
+gateway's CPU per request by 3-5% (docs/benchmarks.md, "Zen 5").
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def random_hex(nbytes: int) -> str:
-    """`os.urandom(nbytes).hex()` (nbytes up to 64), without a syscall per call."""
+    """`os.urandom(nbytes).hex()` for nbytes up to `_POOL_BYTES`, without a syscall per call."""
     global _pool, _taken
     with _lock:
         if _taken + nbytes > len(_pool):
