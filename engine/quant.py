@@ -575,6 +575,15 @@ def _make_quantized(
     )
 
 
+def _mark_quantized(model: nn.Module, scheme: QuantScheme, modules: dict[str, str]) -> None:
+    """Record on `model` what it was quantized with (`save_quantized` writes it; `quantize_model` refuses
+    a model that has it), and note that its layers changed."""
+    # nn.Module's stubs type every attribute assignment as Tensor | Module
+    model.quant_scheme = scheme  # type: ignore[assignment]
+    model.quantized_modules = modules  # type: ignore[assignment]
+    weights_changed(model)
+
+
 def quantize_model(
     model: nn.Module,
     scheme: str | QuantScheme,
@@ -634,10 +643,7 @@ def quantize_model(
         raise ValueError(f"importance must be a dict, 'auto' or None, not {importance!r}")
     with torch.no_grad():
         _swap_linears(model, make, include)
-    # nn.Module's stubs type every attribute assignment as Tensor | Module
-    model.quant_scheme = scheme  # type: ignore[assignment]
-    model.quantized_modules = {n: str(s) for n, s in chosen.items() if s.method != "none"}  # type: ignore[assignment]
-    weights_changed(model)
+    _mark_quantized(model, scheme, {n: str(s) for n, s in chosen.items() if s.method != "none"})
     return model
 
 
@@ -814,10 +820,7 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
     for module in model.modules():
         if isinstance(module, Int4Linear | Int8Linear):
             module.use_cpu_layout()
-    # nn.Module's stubs type every attribute assignment as Tensor | Module
-    model.quant_scheme = scheme  # type: ignore[assignment]
-    model.quantized_modules = {name: str(spec) for name, spec in modules.items()}  # type: ignore[assignment]
-    weights_changed(model)
+    _mark_quantized(model, scheme, {name: str(spec) for name, spec in modules.items()})
     return model
 
 
