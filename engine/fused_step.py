@@ -150,9 +150,8 @@ class FusedDecoder:
             (ctypes.c_int64 * 2)(*embed.stride()),
             self._ptr(_f32(model.norm.weight)),
             self._linear(model.lm_head, tied=embed if _tied(model) else None),
-            # buffers, which nn.Module's stubs type as Tensor | Module
-            self._ptr(cast(torch.Tensor, model.rotary.cos)),
-            self._ptr(cast(torch.Tensor, model.rotary.sin)),
+            self._ptr(model.rotary.cos),
+            self._ptr(model.rotary.sin),
         )
         self.layers = layers
         shape = {
