@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
-from typing import cast
 
 import torch
 from torch import nn
 
-from engine.model import DecoderLayer, Transformer
+from engine.model import Transformer
 from engine.packed import DualLinear, PackedLinear
 from engine.quant import Int4Linear, Int8Linear
 from kernels import cpu_decode
@@ -103,11 +101,6 @@ def _int4_panels(
     return nibbles, _panels(scale, width, halves), _panels(zero - 8 * scale, width, halves)
 
 
-def _decoder_layers(model: Transformer) -> Sequence[DecoderLayer]:
-    """``model.layers``, which holds DecoderLayers only (the stubs see a ModuleList of Modules)."""
-    return cast("Sequence[DecoderLayer]", model.layers)
-
-
 def _tied(model: Transformer) -> bool:
     """Whether the head reads the embedding's own weight (a quantized head is its own copy)."""
     return getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
@@ -123,7 +116,7 @@ class FusedDecoder:
             raise Unsupported(f"{dtype} models are not supported")
         if model.embed_tokens.weight.device.type != "cpu":
             raise Unsupported("it runs on the CPU only")
-        first = _decoder_layers(model)[0].self_attn
+        first = model.decoder_layers[0].self_attn
         if first.k_cache.dtype != dtype or first.k_cache.dim() != 4:
             raise Unsupported("the KV cache is not allocated in the model's dtype")
         self._lib = lib
@@ -132,7 +125,7 @@ class FusedDecoder:
         self.max_len = max_len
         self.eps = float(config.rms_norm_eps)
         layers = (cpu_decode.Layer * config.num_layers)()
-        for i, layer in enumerate(_decoder_layers(model)):
+        for i, layer in enumerate(model.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
             layers[i] = cpu_decode.Layer(
                 self._ptr(_f32(layer.input_layernorm.weight)),
@@ -214,7 +207,7 @@ class FusedDecoder:
         own = {t.untyped_storage().data_ptr() for t in tensors}  # (oneDNN's packed weights have none)
         own.update(
             t.untyped_storage().data_ptr()
-            for layer in _decoder_layers(model)
+            for layer in model.decoder_layers
             for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)
         )
         copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._keep}

@@ -11,7 +11,7 @@ tokens, contiguous. Decodes run as one padded batched attention; each prefill ch
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import cast
@@ -358,12 +358,17 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers`, typed as what it holds (a ModuleList's items type as plain Modules)."""
+        return cast("Sequence[DecoderLayer]", self.layers)
+
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim or 0)
-        for layer in cast("Iterable[DecoderLayer]", self.layers):  # ModuleList yields plain Modules
+        for layer in self.decoder_layers:
             layer.self_attn.k_cache = hugepages.zeros(shape, dtype, device)
             layer.self_attn.v_cache = hugepages.zeros(shape, dtype, device)
 

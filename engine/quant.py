@@ -692,11 +692,10 @@ def activation_importance(
     through an engine ``Transformer``: how much each weight column's error costs (AWQ's observation that
     a few input channels carry most of the activation energy). The KV cache is borrowed and put back.
     ``head=False`` leaves out the output layer (``lm_head``), whose product is a fifth of the prefill."""
-    from engine.model import AttentionMetadata, DecoderLayer, PrefillChunk, Transformer, attention_metadata
+    from engine.model import AttentionMetadata, PrefillChunk, Transformer, attention_metadata
 
-    # an engine Transformer, as documented; its ModuleList holds DecoderLayers only
-    net = cast(Transformer, model)
-    layers = cast("Iterable[DecoderLayer]", net.layers)
+    net = cast(Transformer, model)  # an engine Transformer, as documented
+    layers = net.decoder_layers
 
     sums: dict[str, torch.Tensor] = {}
     hooks = []

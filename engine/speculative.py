@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from engine.model import Attention, DecoderLayer, Transformer
+    from engine.model import Attention, Transformer
 
 __all__ = [
     "AdaptiveK",
@@ -241,8 +241,7 @@ def _own_kv_cache(layer: nn.Module) -> nn.Module:
 
 def _attentions(model: nn.Module) -> list[Attention]:
     """The attention modules of an engine `Transformer`'s decoder layers: they hold its KV cache."""
-    # nn.Module's attributes and ModuleList's items type as plain Modules: name what they are here
-    return [cast("DecoderLayer", layer).self_attn for layer in cast("Transformer", model).layers]
+    return [layer.self_attn for layer in cast("Transformer", model).decoder_layers]
 
 
 @contextmanager
