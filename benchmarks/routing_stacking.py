@@ -20,8 +20,15 @@ recipe (equal unit-spread blend of the shipped components) on the same prompts. 
    with that subject's strong outcomes marked unknown (the partial-label path of live feedback),
    the ridge-mapped group term fitted without its rows: APGR on all prompts and without the subject,
    and the non-MMLU probe's AUC.
+6. (`--ceiling-only`) how much room there is: what a router that knew each prompt's subject would
+   score (subject means from the training folds, and from all rows, the scored ones included: an
+   optimistic bound), how strongly each component and two new candidate signals (the answer options'
+   static-embedding similarity to the question and to each other; a ridge regression of each prompt's
+   gain minus its subject's mean on TF-IDF n-grams) track the gain *within* a subject, and the residual
+   regression added to the v3 ranking.
 
     nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu --artefact-only
+    nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu --ceiling-only
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.routing_eval import ARTEFACT_SUBJECT, PROBE, auc, metrics
-from routing.difficulty import DifficultyClassifier, Encoded, encode
+from routing.difficulty import DifficultyClassifier, Encoded, encode, ngram_features
 from routing.embed import StaticEmbedder
 from routing.train import Outcomes, TrainConfig, _fit_parts, load_mmlu, prompt_fold, ridge_group_gain
 
@@ -203,6 +210,102 @@ def artefact(data: Outcomes, enc: Encoded, fold: np.ndarray, report, embedder: S
         )
 
 
+def option_similarity(embedder: StaticEmbedder, prompt: str) -> np.ndarray:
+    """Static-embedding cosines of an MMLU prompt's options: the closest option to the question, the
+    closest minus the runner-up, and the mean and largest similarity between two options."""
+    stem, opts = split_options(prompt)
+    if len(opts) < 2:
+        return np.zeros(4)
+    e = embedder.embed_many([stem, *opts])
+    to_question = np.sort(e[1:] @ e[0])[::-1]
+    between = (e[1:] @ e[1:].T)[np.triu_indices(len(opts), 1)]
+    return np.array([to_question[0], to_question[0] - to_question[1], between.mean(), between.max()])
+
+
+def ceiling(data: Outcomes, enc: Encoded, fold: np.ndarray, report, embedder: StaticEmbedder) -> None:
+    """Experiment 6: the room left above v3, and whether any signal inside a subject is being missed."""
+    import scipy.sparse as sp
+    from sklearn.feature_extraction.text import TfidfTransformer
+    from sklearn.linear_model import Ridge
+
+    gain = data.strong.astype(float) - data.weak.astype(float)
+    groups = np.array(data.groups)
+    subjects = np.unique(groups)
+
+    def within(v: np.ndarray) -> np.ndarray:
+        v = v.astype(float).copy()
+        for g in subjects:
+            v[groups == g] -= v[groups == g].mean()
+        return v
+
+    def zscore(v: np.ndarray) -> np.ndarray:
+        return (v - v.mean()) / v.std()
+
+    v3 = cross_fitted(data, enc, fold, TrainConfig(calibration_folds=0))
+    ref = equal_blend(v3["components"], fold)
+    report("v3 recipe (equal blend of group, network, sparse)", ref, None)
+    prior = np.zeros(len(gain))
+    for k in np.unique(fold):
+        train, test = fold != k, fold == k
+        means = {g: gain[train & (groups == g)].mean() for g in subjects}
+        prior[test] = [means[g] for g in groups[test]]
+    report("subject known: its mean gain on the training folds", prior, ref)
+    report(
+        "v3 with that in place of the group term (labels at scoring)",
+        equal_blend(np.column_stack([prior, v3["components"][:, 1:]]), fold),
+        ref,
+    )
+    # Looked up, not computed as gain - within(gain): rounding would differ between a subject's right and
+    # wrong rows and break the score's ties by the label.
+    means = {g: gain[groups == g].mean() for g in subjects}
+    report(
+        "subject known: its mean gain on all rows (scored ones included)",
+        np.array([means[g] for g in groups]),
+        ref,
+    )
+
+    y = within(gain)
+    print("\ncorrelation with the gain within subjects (both centred per subject)")
+    for j, name in enumerate(("group term", "network gain", "sparse gain")):
+        print(f"  {name:<44} r = {np.corrcoef(within(v3['components'][:, j]), y)[0, 1]:+.4f}")
+    print(f"  {'v3 blend':<44} r = {np.corrcoef(within(ref), y)[0, 1]:+.4f}")
+    sims = np.stack([option_similarity(embedder, p) for p in data.prompts])
+    for j, name in enumerate(
+        (
+            "closest option to the question",
+            "closest minus runner-up",
+            "mean option-option",
+            "max option-option",
+        )
+    ):
+        print(f"  {name:<44} r = {np.corrcoef(within(sims[:, j]), y)[0, 1]:+.4f}")
+
+    rows, cols, vals = [], [], []
+    for row, ids in enumerate(enc.token_ids):
+        index, tf = ngram_features(ids, 1 << 18)
+        rows.append(np.full(len(index), row))
+        cols.append(index)
+        vals.append(tf)
+    x = sp.csr_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), (len(gain), 1 << 18)
+    )
+    for alpha in (3.0, 10.0, 30.0):
+        residual = np.zeros(len(gain))
+        for k in np.unique(fold):
+            train, test = fold != k, fold == k
+            tfidf = TfidfTransformer().fit(x[train])
+            means = {g: gain[train & (groups == g)].mean() for g in subjects}
+            target = gain[train] - np.array([means[g] for g in groups[train]])
+            model = Ridge(alpha=alpha).fit(tfidf.transform(x[train]), target)
+            residual[test] = model.predict(tfidf.transform(x[test]))
+        r = np.corrcoef(within(residual), y)[0, 1]
+        print(f"\nridge (alpha {alpha:g}) of gain minus subject mean on TF-IDF n-grams: within r = {r:+.4f}")
+        for lam in (0.1, 0.25, 0.5):
+            report(
+                f"v3 + {lam} x the residual regression (z-scores)", zscore(ref) + lam * zscore(residual), ref
+            )
+
+
 def main() -> None:
     from sklearn.ensemble import HistGradientBoostingRegressor
     from sklearn.linear_model import Ridge
@@ -214,6 +317,7 @@ def main() -> None:
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the wider network")
     ap.add_argument("--artefact-only", action="store_true", help="only experiment 5 (the label artefact)")
+    ap.add_argument("--ceiling-only", action="store_true", help="only experiment 6 (the room left)")
     args = ap.parse_args()
 
     data = load_mmlu(args.data)
@@ -238,6 +342,9 @@ def main() -> None:
 
     if args.artefact_only:
         artefact(data, enc, fold, report, embedder)
+        return
+    if args.ceiling_only:
+        ceiling(data, enc, fold, report, embedder)
         return
     t0 = time.perf_counter()
     v3 = cross_fitted(data, enc, fold, TrainConfig(calibration_folds=0))

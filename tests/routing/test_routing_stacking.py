@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from benchmarks.routing_stacking import (
     STRUCTURE,
     across_folds,
     cross_fitted,
     equal_blend,
+    option_similarity,
     ridge_blend,
     split_options,
     structure_features,
@@ -108,3 +110,15 @@ def test_ridge_blend_fits_each_fold_on_the_other_folds_chosen_rows() -> None:
     again, _ = ridge_blend(parts, other, fold, fit_rows)
     np.testing.assert_allclose(again[fold == 0], score[fold == 0])
     assert not np.allclose(again[fold == 1], score[fold == 1])
+
+
+def test_option_similarity_sees_an_option_that_repeats_the_question(classifier) -> None:
+    embedder = classifier.embedder
+    echo = "Which gas do plants absorb from the air?\nA. Which gas do plants absorb from the air?\nB. oxygen\nC. helium\nD. neon\nAnswer:"
+    spread = "Which gas do plants absorb from the air?\nA. carbon dioxide\nB. a violin sonata\nC. tax law\nD. 42\nAnswer:"
+    closest, margin, mean_between, max_between = option_similarity(embedder, echo)
+    assert closest == pytest.approx(1.0, abs=1e-5) and margin > 0.2
+    assert max_between <= 1.0 + 1e-6 and mean_between <= max_between
+    assert option_similarity(embedder, spread)[0] < closest
+    # A prompt without answer options has nothing to compare.
+    assert not option_similarity(embedder, "Write a haiku about autumn.").any()
