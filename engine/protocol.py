@@ -1,4 +1,5 @@
-"""The OpenAI protocol as the engine server speaks it: request bodies and the error shape.
+"""The OpenAI protocol as the engine server speaks it, with vLLM's `/tokenize` and `/detokenize`:
+request bodies and the error shape.
 
 Request bodies are msgspec Structs: decoding validates types and ranges in one pass, and a failure
 names the offending parameter (`$.temperature` -> `temperature`).
@@ -81,6 +82,23 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: TopLogprobs | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's `/tokenize`: exactly one of a completion `prompt` or chat `messages` (checked by the
+    server), tokenized as the completions or chat completions endpoint would."""
+
+    model: str
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str
+    tokens: list[int]
 
 
 # --- errors -------------------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 faster than Litestar on uvicorn here, and the engine server needs no more than routing and SSE).
 
 Endpoints: `/v1/chat/completions`, `/v1/completions` (with `echo` + `logprobs` for prompt scoring),
-`/v1/models`, `/health` (200 only once the model is loaded), `/metrics` (Prometheus). Errors use the
-OpenAI shape `{"error": {"message", "type", "param", "code"}}`. A client that disconnects cancels its
-handler (aiohttp `handler_cancellation`), which aborts the request in the engine and frees its blocks."""
+`/v1/models`, vLLM's `/tokenize` and `/detokenize`, `/health` (200 only once the model is loaded),
+`/metrics` (Prometheus). Errors use the OpenAI shape `{"error": {"message", "type", "param", "code"}}`.
+A client that disconnects cancels its handler (aiohttp `handler_cancellation`), which aborts the
+request in the engine and frees its blocks."""
 
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ from engine.output import (
 from engine.protocol import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
     param_of,
     unsupported,
 )
@@ -46,9 +50,10 @@ from engine.sampling import JsonFormat
 if TYPE_CHECKING:
     from engine.llm_engine import EngineStats, TokenLogprob
     from engine.sampling import SamplingParams
+    from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-_Req = TypeVar("_Req", ChatCompletionRequest, CompletionRequest)  # the bodies `unsupported` knows
+_Req = TypeVar("_Req", ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
 _T = TypeVar("_T")
 
 _LOADER = web.AppKey("loader", asyncio.Task)
@@ -109,6 +114,8 @@ class EngineServer:
                 web.post("/v1/completions", self.completions),
                 web.get("/v1/models", self.list_models),
                 web.get("/v1/models/{model}", self.get_model),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics_endpoint),
             ]
@@ -149,9 +156,33 @@ class EngineServer:
             raise ApiError(
                 404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
             )
-        if (problem := unsupported(req)) is not None:
+        if isinstance(req, ChatCompletionRequest | CompletionRequest) and (problem := unsupported(req)):
             raise ApiError(400, problem[1], param=problem[0])
         return req
+
+    def _chat_prompt_ids(
+        self,
+        tokenizer: Tokenizer,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]] | None,
+        tools_used: bool,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The conversation as the model's chat template writes it, in token ids. Tools are used when
+        the template writes a tool prompt; otherwise the model never learns of them, and saying so
+        beats silently ignoring them (as vLLM)."""
+        dicts = [_message_dict(i, m) for i, m in enumerate(messages)]
+        if tools_used and "tools" not in tokenizer.chat_template:
+            raise ApiError(
+                400, f"the chat template of {self.model_name} does not support tools", param="tools"
+            )
+        try:
+            prompt = tokenizer.apply_chat_template(
+                dicts, tools=tools, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja errors, templates that raise on unsupported roles
+            raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+        return tokenizer.encode(prompt)
 
     def _max_tokens(
         self, requested: int | None, prompt_len: int, prompt_param: str, default: int | None = None
@@ -266,20 +297,9 @@ class EngineServer:
         started = time.perf_counter()
         engine = self.ready()
         req = await self._decode(request, ChatCompletionRequest)
-        tokenizer = engine.engine.tokenizer
-        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        # Tool calls are parsed from the reply only when the template writes a tool prompt; otherwise
-        # the model never learns of the tools, and saying so beats silently ignoring them (as vLLM).
+        # tool calls are parsed from the reply only when the template writes a tool prompt
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        if parse_tools and "tools" not in tokenizer.chat_template:
-            raise ApiError(
-                400, f"the chat template of {self.model_name} does not support tools", param="tools"
-            )
-        try:
-            prompt = tokenizer.apply_chat_template(messages, tools=req.tools, add_generation_prompt=True)
-        except Exception as exc:  # jinja errors, templates that raise on unsupported roles
-            raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-        prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = self._chat_prompt_ids(engine.engine.tokenizer, req.messages, req.tools, parse_tools)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -477,6 +497,37 @@ class EngineServer:
                         ],
                         **extra,
                     }
+
+    # --- tokenize, detokenize (vLLM's) -----------------------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """The token ids the model would be given: a chat completion's for `messages` (its
+        `prompt_tokens`), a completion's for `prompt`."""
+        engine = self.ready()
+        req = await self._decode(request, TokenizeRequest)
+        tokenizer = engine.engine.tokenizer
+        if req.messages is not None:
+            if req.prompt is not None:
+                raise ApiError(400, "give either prompt or messages, not both", param="messages")
+            tokens = self._chat_prompt_ids(
+                tokenizer, req.messages, req.tools, bool(req.tools), req.add_generation_prompt
+            )
+        elif req.prompt is not None:
+            # The engine adds no special tokens (BOS) to a completion prompt, so `add_special_tokens`
+            # has none to leave out: either way these are the ids a completion of the prompt gets.
+            tokens = tokenizer.encode(req.prompt)
+        else:
+            raise ApiError(400, "either prompt or messages is required", param="prompt")
+        return _json({"count": len(tokens), "max_model_len": engine.engine.max_model_len, "tokens": tokens})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        engine = self.ready()
+        req = await self._decode(request, DetokenizeRequest)
+        tokenizer = engine.engine.tokenizer
+        if any(not 0 <= t < tokenizer.vocab_size for t in req.tokens):
+            raise ApiError(400, "tokens holds a token id outside the vocabulary", param="tokens")
+        # special tokens kept, as vLLM does: the text of a chat prompt's ids is the templated prompt
+        return _json({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
     # --- models, health, metrics -----------------------------------------------------------------------
 

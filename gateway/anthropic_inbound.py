@@ -124,6 +124,28 @@ class MessagesRequest(Base):
     thinking: dict[str, Any] | None = None  # accepted; reasoning is not carried across vendors yet
 
 
+class CountTokensRequest(Base):
+    """The body of /v1/messages/count_tokens: what a Messages request would send, without sampling."""
+
+    model: str
+    messages: list[InboundMessage]
+    system: str | list[TextBlock] | None = None
+    tools: list[InboundTool] | None = None
+    tool_choice: InboundToolChoice | None = None
+    thinking: dict[str, Any] | None = None  # accepted, as on /v1/messages
+
+    def to_canonical(self) -> ChatRequest:
+        as_messages = MessagesRequest(
+            model=self.model,
+            messages=self.messages,
+            max_tokens=1,
+            system=self.system,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+        )
+        return msgspec.structs.replace(to_canonical(as_messages), max_tokens=None)
+
+
 def _image(block: ImageBlock) -> ImagePart:
     source = block.source
     if source.type == "base64":

@@ -14,7 +14,7 @@ from litestar.exceptions import HTTPException
 from gateway.admin import control_plane
 from gateway.admin.ui import ui_routers
 from gateway.api import ROUTES
-from gateway.api.anthropic import PATH as MESSAGES_PATH
+from gateway.api.anthropic import PATHS as ANTHROPIC_PATHS
 from gateway.auth import Authenticator, StaticAuthenticator
 from gateway.config import Config
 from gateway.errors import GatewayError, PayloadTooLarge, encode_anthropic_error, encode_openai_error
@@ -27,7 +27,7 @@ log = structlog.get_logger("weir.gateway")
 
 
 def _error_response(request: Request[Any, Any, Any], error: GatewayError) -> Response[bytes]:
-    anthropic = request.url.path == MESSAGES_PATH
+    anthropic = request.url.path in ANTHROPIC_PATHS
     body = encode_anthropic_error(error) if anthropic else encode_openai_error(error)
     state = request.scope.get("state", {})
     info = state.get("weir") if isinstance(state, dict) else None

@@ -273,3 +273,11 @@ class EmbeddingResponse(Base):
     data: list[Embedding]
     model: str
     usage: Usage = Usage()
+
+
+class TokenCount(Base):
+    """How many input tokens a chat request would cost on a backend (Anthropic's count_tokens).
+    Counting is free: `usage` stays empty, so the attempt's ledger row is priced at zero."""
+
+    input_tokens: int
+    usage: Usage = Usage()

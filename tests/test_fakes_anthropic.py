@@ -290,6 +290,8 @@ def test_set_next_usage_renders_anthropic_fields(
 def test_count_tokens_and_models(client: anthropic.Anthropic) -> None:
     assert client.messages.count_tokens(model=MODEL, messages=user("a b c")).input_tokens == 3
     assert MODEL in [m.id for m in client.models.list().data]
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens: Extra inputs are not permitted"):
+        client.messages.count_tokens(model=MODEL, messages=user("a"), extra_body={"max_tokens": 5})
 
 
 def test_rejects_what_anthropic_rejects(client: anthropic.Anthropic) -> None:

@@ -1,4 +1,5 @@
-"""The Anthropic Messages API inbound (/v1/messages), routed to any backend through the canonical shape."""
+"""The Anthropic Messages API inbound (/v1/messages and /v1/messages/count_tokens), routed to any
+backend through the canonical shape."""
 
 from __future__ import annotations
 
@@ -7,13 +8,23 @@ from typing import Any
 from litestar import Request, Response, post
 from litestar.response import Stream
 
-from gateway.anthropic_inbound import MessagesRequest, from_canonical, stream_events, to_canonical
+from gateway.anthropic_inbound import (
+    CountTokensRequest,
+    MessagesRequest,
+    from_canonical,
+    stream_events,
+    to_canonical,
+)
 from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
+from gateway.api.routed import NoTokenCounter, count_tokens_op, estimate_input_tokens
 from gateway.errors import InvalidRequest
 from gateway.types import ChatResponse
+from routing.plan import features
 
 PATH = "/v1/messages"
+COUNT_PATH = PATH + "/count_tokens"
+PATHS = (PATH, COUNT_PATH)  # errors on these paths come in Anthropic's shape
 
 
 @post(PATH, status_code=200)
@@ -30,4 +41,28 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
     return Stream(stream_events(result, body.model), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-ROUTES = [messages]
+@post(COUNT_PATH, status_code=200)
+async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
+    """The input tokens a Messages request would cost, counted by the route's first candidate that can
+    count (an Anthropic or Gemini model, Weir's engine) with the same retries and fallbacks as a chat;
+    estimated from the request's size when none can (OpenAI has no counting endpoint)."""
+    gateway, call = await begin(request, "count_tokens")
+    body = await parse_body(request, CountTokensRequest)
+    if not body.messages:
+        raise InvalidRequest("messages: at least one message is required", param="messages")
+    chat = body.to_canonical()
+    call.info.model = chat.model
+    feats = features(chat, call.principal.tenant_name, call.principal.key_id)
+    plan = await gateway.router.plan(chat.model, call.principal, feats)
+    try:
+        count = await gateway.executor.run(call, plan, count_tokens_op(chat), feats)
+    except NoTokenCounter:
+        return json_response(
+            {"input_tokens": estimate_input_tokens(chat)}, headers={"x-weir-token-count": "estimate"}
+        )
+    finally:
+        call.info.route = plan.header()
+    return json_response({"input_tokens": count.input_tokens}, headers={"x-weir-token-count": "backend"})
+
+
+ROUTES = [messages, count_tokens]

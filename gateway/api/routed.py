@@ -1,9 +1,10 @@
-"""Completions and embeddings through routes: the same plan, retries, fallbacks, breakers and hedging
+"""Completions, embeddings and token counts through routes: the same plan, retries, fallbacks, breakers and hedging
 as chat (routing.execute), with the upstream call built per candidate.
 
 A completions route may mix backends: an OpenAI-compatible candidate gets the native
 `/v1/completions` call, any other gets the prompt as a one-message chat; the API renders whichever
-answered. An embeddings candidate that cannot embed (an Anthropic model) is skipped.
+answered. An embeddings candidate that cannot embed (an Anthropic model), or a counting one that cannot count (an
+OpenAI model), is skipped.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.errors import InvalidRequest
+from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call
 from gateway.providers import openai as openai_provider
-from gateway.providers.base import UpstreamRequest
+from gateway.providers.base import UpstreamRequest, json_encode
 from gateway.router_basic import Target
 from gateway.runtime import Gateway
 from gateway.types import ChatRequest, CompletionRequest, EmbeddingRequest, Message
@@ -89,6 +91,31 @@ def embeddings_op(body: EmbeddingRequest) -> Operation:
         return upstream, provider.embeddings_response
 
     return Operation(False, prepare, check)
+
+
+class NoTokenCounter(InvalidRequest):
+    """No candidate of the route can count tokens: the API estimates instead."""
+
+
+def count_tokens_op(request: ChatRequest) -> Operation:
+    def check(target: Target) -> None:
+        if target.provider.count_tokens_request is None:
+            raise NoTokenCounter(f"The model `{target.model.name}` cannot count tokens.", param="model")
+
+    def prepare(target: Target) -> tuple[UpstreamRequest, Any]:
+        provider = target.provider
+        assert provider.count_tokens_request is not None  # check() ran first
+        upstream = provider.count_tokens_request(target.backend, request, target.upstream_model)
+        return upstream, provider.count_tokens_response
+
+    return Operation(False, prepare, check)
+
+
+def estimate_input_tokens(request: ChatRequest) -> int:
+    """Input tokens from the size of what would be sent (messages and tools as JSON), at the bytes per
+    token admission reserves by: coarse, and high for prose, but never zero for a real request."""
+    size = len(json_encode([request.messages, request.tools or []]))
+    return -(-size // BYTES_PER_TOKEN)
 
 
 async def run_routed(

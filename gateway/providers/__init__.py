@@ -7,7 +7,7 @@ from gateway.providers.base import Provider, StreamDecoder, UpstreamRequest
 
 PROVIDERS: dict[str, Provider] = {
     "openai": openai.PROVIDER,
-    "engine": openai.PROVIDER,
+    "engine": openai.ENGINE_PROVIDER,
     "anthropic": anthropic.PROVIDER,
     "gemini": gemini.PROVIDER,
 }

@@ -25,6 +25,7 @@ from gateway.providers.base import (
     now,
     parse_arguments,
     parse_data_url,
+    token_count,
     upstream_error,
 )
 from gateway.types import (
@@ -41,6 +42,7 @@ from gateway.types import (
     ImagePart,
     Message,
     TextPart,
+    TokenCount,
     ToolCall,
     ToolCallDelta,
 )
@@ -71,9 +73,9 @@ PARAMS = ParamTable(
 )
 
 
-def _url(backend: Backend) -> str:
+def _url(backend: Backend, path: str = "/v1/messages") -> str:
     query = f"?{urlencode(backend.query)}" if backend.query else ""
-    return f"{(backend.base_url or '').rstrip('/')}/v1/messages{query}"
+    return f"{(backend.base_url or '').rstrip('/')}{path}{query}"
 
 
 def _headers(backend: Backend) -> dict[str, str]:
@@ -191,6 +193,24 @@ def _uses_json_tool(request: ChatRequest) -> bool:
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    body = json_encode(_chat_body(request, model))
+    return UpstreamRequest(_url(backend), _headers(backend), body, stream=bool(request.stream))
+
+
+# What /v1/messages/count_tokens takes of a Messages body; it refuses the rest (max_tokens, stream...).
+_COUNTED = ("model", "messages", "system", "tools", "tool_choice")
+
+
+def count_tokens_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    body = {k: v for k, v in _chat_body(request, model).items() if k in _COUNTED}
+    return UpstreamRequest(_url(backend, "/v1/messages/count_tokens"), _headers(backend), json_encode(body))
+
+
+def count_tokens_response(body: bytes, model: str) -> TokenCount:
+    return token_count(body, "input_tokens", "the Anthropic backend")
+
+
+def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if request.n is not None and request.n > 1:
         raise InvalidRequest("Anthropic models do not support n > 1", param="n")
     system, messages = _messages(request.messages)
@@ -229,7 +249,7 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
                 {"name": JSON_TOOL, "description": "Reply with the answer.", "input_schema": schema}
             ]
             body["tool_choice"] = {"type": "tool", "name": JSON_TOOL}
-    return UpstreamRequest(_url(backend), _headers(backend), json_encode(body), stream=bool(request.stream))
+    return body
 
 
 def chat_response(body: bytes, model: str) -> ChatResponse:
@@ -385,4 +405,6 @@ PROVIDER = Provider(
     chat_response=chat_response,
     chat_stream=ChatStream,
     error=error,
+    count_tokens_request=count_tokens_request,
+    count_tokens_response=count_tokens_response,
 )

@@ -26,7 +26,14 @@ from gateway.errors import (
     UpstreamError,
 )
 from gateway.ids import random_hex
-from gateway.types import ChatChunk, ChatRequest, ChatResponse, EmbeddingRequest, EmbeddingResponse
+from gateway.types import (
+    ChatChunk,
+    ChatRequest,
+    ChatResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    TokenCount,
+)
 
 _json_decode = msgspec.json.decode
 json_encode = msgspec.json.Encoder().encode
@@ -64,6 +71,10 @@ class Provider:
     embeddings_response: Callable[[bytes, str], EmbeddingResponse] | None = None
     # OpenAI-compatible servers serve /completions natively; others get it translated through chat.
     native_completions: bool = False
+    # The input tokens a chat request would cost, counted by the backend (Anthropic's count_tokens,
+    # Gemini's countTokens, the engine's /tokenize); None: the backend has no way to count.
+    count_tokens_request: Callable[[Backend, ChatRequest, str], UpstreamRequest] | None = None
+    count_tokens_response: Callable[[bytes, str], TokenCount] | None = None
 
 
 # --- declarative parameter tables ----------------------------------------------------------------
@@ -166,6 +177,15 @@ def decode_typed(body: bytes | str, type_: Any, backend_hint: str) -> Any:
         return _json_decode(body, type=type_)
     except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested thousands deep
         raise BadGateway(f"{backend_hint} returned an unexpected response: {exc}") from None
+
+
+def token_count(body: bytes, field: str, backend_hint: str) -> TokenCount:
+    """A count endpoint's answer (`{field: N}`) as a TokenCount."""
+    data = decode_json(body, backend_hint)
+    count = data.get(field) if isinstance(data, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise BadGateway(f"{backend_hint} answered a token count without `{field}`")
+    return TokenCount(input_tokens=count)
 
 
 def upstream_error(

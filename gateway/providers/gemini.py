@@ -25,6 +25,7 @@ from gateway.providers.base import (
     now,
     parse_arguments,
     parse_data_url,
+    token_count,
     upstream_error,
 )
 from gateway.types import (
@@ -44,6 +45,7 @@ from gateway.types import (
     ImagePart,
     Message,
     TextPart,
+    TokenCount,
     ToolCall,
     ToolCallDelta,
 )
@@ -380,6 +382,16 @@ def embeddings_response(body: bytes, model: str) -> EmbeddingResponse:
     )
 
 
+def count_tokens_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    # The whole generateContent request, so the system instruction and tools are counted too.
+    body = {"generateContentRequest": {"model": f"models/{model}", **chat_body(request)}}
+    return UpstreamRequest(_url(backend, model, "countTokens"), _headers(backend), json_encode(body))
+
+
+def count_tokens_response(body: bytes, model: str) -> TokenCount:
+    return token_count(body, "totalTokens", "the Gemini backend")
+
+
 PROVIDER = Provider(
     name=VENDOR,
     chat_request=chat_request,
@@ -388,4 +400,6 @@ PROVIDER = Provider(
     error=error,
     embeddings_request=embeddings_request,
     embeddings_response=embeddings_response,
+    count_tokens_request=count_tokens_request,
+    count_tokens_response=count_tokens_response,
 )

@@ -4,6 +4,7 @@ set the upstream model id, always ask for stream usage, and normalise the usage 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlencode
@@ -19,6 +20,7 @@ from gateway.providers.base import (
     decode_typed,
     error_text,
     json_encode,
+    token_count,
     upstream_error,
 )
 from gateway.types import (
@@ -32,6 +34,7 @@ from gateway.types import (
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
+    TokenCount,
 )
 from gateway.usage import Usage, normalise_usage
 
@@ -262,4 +265,33 @@ PROVIDER = Provider(
     embeddings_request=embeddings_request,
     embeddings_response=embeddings_response,
     native_completions=True,
+)
+
+
+def tokenize_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    """Weir's engine counts a chat with `POST /tokenize` (vLLM's endpoint), at its server root."""
+    chat = request_body(request, model)
+    body = {"model": model, "messages": chat["messages"]}
+    if chat.get("tools"):
+        body["tools"] = chat["tools"]
+    if _has_cache_control(request):
+        _strip_cache_control(body)
+    root = (backend.base_url or backend.url or "").rstrip("/").removesuffix("/v1")
+    return UpstreamRequest(f"{root}/tokenize", headers(backend), json_encode(body))
+
+
+def tokenize_response(body: bytes, model: str) -> TokenCount:
+    return token_count(body, "count", "the engine")
+
+
+# The bundled engine: the OpenAI API with a token counter (other OpenAI-compatible servers may have
+# none: OpenAI itself does not, so only the engine's is relied on) and without embeddings (it serves
+# generative models only: an embeddings request gets a clear 400 instead of the engine's 404).
+ENGINE_PROVIDER = dataclasses.replace(
+    PROVIDER,
+    name="engine",
+    embeddings_request=None,
+    embeddings_response=None,
+    count_tokens_request=tokenize_request,
+    count_tokens_response=tokenize_response,
 )

@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers, processors
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import KNOWN_MODELS
@@ -710,6 +712,130 @@ async def test_engine_rejection_is_a_400_not_a_crash(served: Served) -> None:
     assert "vocabulary" in info.value.message
     ok = await served.client.completions.create(model=MODEL, prompt="still serving", max_tokens=2)
     assert ok.usage and ok.usage.completion_tokens == 2
+
+
+# --- tokenize, detokenize -----------------------------------------------------------------------------
+
+
+async def post(base: str, path: str, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=base.rstrip("/").removesuffix("/v1")) as http:
+        return await http.post(path, json=body)
+
+
+async def test_tokenize_messages_counts_a_chat_completions_prompt_tokens(served: Served) -> None:
+    messages = [{"role": "system", "content": "be brief"}, *chat("how many tokens is this?")]
+    resp = await served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    tokenized = await post(served.root, "/tokenize", {"model": MODEL, "messages": messages})
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    assert resp.usage and body["count"] == resp.usage.prompt_tokens == len(body["tokens"])
+    tok = served.engine.tokenizer
+    assert body["tokens"] == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    assert body["max_model_len"] == served.engine.max_model_len
+    bare = await post(
+        served.root, "/tokenize", {"model": MODEL, "messages": messages, "add_generation_prompt": False}
+    )
+    assert bare.json()["tokens"] == body["tokens"][: -len("assistant: ")]  # byte-level: one per byte
+
+
+async def test_tokenize_messages_with_tools_counts_as_the_chat_completion(tool_client: AsyncOpenAI) -> None:
+    resp = await tool_client.chat.completions.create(
+        model=MODEL,
+        messages=chat("weather?"),
+        max_tokens=1,
+        tools=TOOLS,  # type: ignore[arg-type]
+    )
+    body = {"model": MODEL, "messages": chat("weather?"), "tools": TOOLS}
+    tokenized = await post(str(tool_client.base_url), "/tokenize", body)
+    assert resp.usage and tokenized.json()["count"] == resp.usage.prompt_tokens
+    plain = await post(str(tool_client.base_url), "/tokenize", {**body, "tools": None})
+    assert plain.json()["count"] < resp.usage.prompt_tokens
+
+
+async def test_tokenize_prompt_counts_a_completions_prompt_tokens(served: Served) -> None:
+    prompt = "héllo wörld"  # byte-level: one token a byte, no special tokens to add
+    resp = await served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    default = (await post(served.root, "/tokenize", {"model": MODEL, "prompt": prompt})).json()
+    assert resp.usage and default["count"] == resp.usage.prompt_tokens == len(prompt.encode())
+    assert default["tokens"] == list(prompt.encode())
+    bare = await post(
+        served.root, "/tokenize", {"model": MODEL, "prompt": prompt, "add_special_tokens": False}
+    )
+    assert bare.json()["tokens"] == default["tokens"]
+
+
+async def test_tokenize_prompt_adds_no_bos_where_completions_adds_none() -> None:
+    """A tokenizer whose post-processor would add BOS: the engine encodes a completion prompt without
+    it, and /tokenize counts what the engine uses, with add_special_tokens true or false."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = Tokenizer(backend, chat_template=None, eos_token_ids={2}, bos_token_id=1)
+    assert tokenizer.encode("hello world", add_special_tokens=True) == [1, 3, 4]
+    engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS)
+    _, runner, base_url = await start(engine, model_name=MODEL)
+    async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        resp = await client.completions.create(model=MODEL, prompt="hello world", max_tokens=1)
+    counts = [
+        (await post(base_url, "/tokenize", {"model": MODEL, "prompt": "hello world", **extra})).json()
+        for extra in ({}, {"add_special_tokens": True}, {"add_special_tokens": False})
+    ]
+    await runner.cleanup()  # type: ignore[attr-defined]
+    assert resp.usage and resp.usage.prompt_tokens == 2
+    assert all(c["tokens"] == [3, 4] and c["count"] == 2 for c in counts)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": MODEL, "prompt": "x", "messages": chat("x")}, 400, "messages"),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+        ({"model": MODEL, "messages": chat("x"), "tools": TOOLS}, 400, "tools"),  # no tool prompt
+        ({"model": "gpt-nope", "prompt": "x"}, 404, "model"),
+    ],
+)
+async def test_bad_tokenize_requests(served: Served, body: dict, status: int, param: str) -> None:
+    resp = await post(served.root, "/tokenize", body)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["param"] == param
+    if status == 404:
+        assert resp.json()["error"]["code"] == "model_not_found"
+
+
+async def test_detokenize_round_trips_tokenize(served: Served) -> None:
+    for source in ({"prompt": "héllo wörld 🎉"}, {"messages": chat("round trip")}):
+        tokens = (await post(served.root, "/tokenize", {"model": MODEL, **source})).json()["tokens"]
+        resp = await post(served.root, "/detokenize", {"model": MODEL, "tokens": tokens})
+        assert resp.status_code == 200, resp.text
+        expected = source.get("prompt") or served.engine.tokenizer.apply_chat_template(chat("round trip"))
+        assert resp.json() == {"prompt": expected}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": MODEL, "tokens": [104, 256]}, 400, "tokens"),  # the byte-level vocabulary is 256
+        ({"model": MODEL, "tokens": [-1]}, 400, "tokens"),
+        ({"model": MODEL, "tokens": "hi"}, 400, "tokens"),
+        ({"model": "gpt-nope", "tokens": [104]}, 404, "model"),
+    ],
+)
+async def test_bad_detokenize_requests(served: Served, body: dict, status: int, param: str) -> None:
+    resp = await post(served.root, "/detokenize", body)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+async def test_tokenize_is_503_until_the_model_is_attached() -> None:
+    _, runner, base_url = await start(None, model_name=MODEL)
+    tokenize = await post(base_url, "/tokenize", {"model": MODEL, "prompt": "hi"})
+    detokenize = await post(base_url, "/detokenize", {"model": MODEL, "tokens": [104]})
+    await runner.cleanup()  # type: ignore[attr-defined]
+    for resp in (tokenize, detokenize):
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "model_not_ready"
 
 
 # --- models, health, metrics --------------------------------------------------------------------------

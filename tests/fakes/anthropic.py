@@ -16,7 +16,7 @@ same object as an ``event: error`` mid-stream; ``request-id`` and rate-limit hea
 Rejects with Anthropic's 400 what Anthropic rejects: a missing ``max_tokens``/``model``/``messages``,
 ``max_tokens`` above the model's limit (`MAX_OUTPUT_TOKENS`), ``temperature`` above 1, a thinking
 budget under 1024 or not below ``max_tokens``, a ``tool_result`` without its ``tool_use`` in the
-previous message, unknown block types.
+previous message, unknown block types; on ``count_tokens``, fields it does not take (``max_tokens``).
 
 Usage: ``input_tokens`` is only the prompt tokens neither read from nor written to the cache;
 ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` (split in
@@ -64,6 +64,7 @@ _ERROR_TYPES = {
     504: ("timeout_error", "Request timed out"),
     529: ("overloaded_error", "Overloaded"),
 }
+_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "mcp_servers"}
 _STOP_REASONS = {
     "stop": "end_turn",
     "length": "max_tokens",
@@ -369,6 +370,10 @@ class FakeAnthropic(FakeServer):
     async def _count_tokens(self, request: web.Request) -> web.StreamResponse:
         try:
             body = self._body(request, need_max_tokens=False)
+            # As Anthropic: the count endpoint takes no sampling fields.
+            for field in body:
+                if field not in _COUNT_FIELDS:
+                    raise Invalid(400, f"{field}: Extra inputs are not permitted")
             blocks, _ = self._prompt_blocks(body)
         except Invalid as exc:
             return self.error_response(exc.status, exc.message)

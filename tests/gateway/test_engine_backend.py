@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
+import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_config
@@ -128,7 +130,9 @@ def tiny_engine_server() -> Iterator[int]:
         thread.join(10)
 
 
-def test_n_choices_logit_bias_and_json_schema_reach_the_engine_through_the_gateway() -> None:
+@contextmanager
+def tiny_engine_gateway() -> Iterator[str]:
+    """A gateway with one engine backend (the tiny model as `small`); yields the gateway's URL."""
     with tiny_engine_server() as engine_port:
         config = parse_config(
             f"""
@@ -140,34 +144,55 @@ models:
             {},
         )
         with serve(create_app(config), free_port()) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            messages = [{"role": "user", "content": "hi"}]
-            reply = client.chat.completions.create(
-                model="small", messages=messages, n=3, seed=5, temperature=1.0, max_tokens=6
+            yield url
+
+
+def test_n_choices_logit_bias_and_json_schema_reach_the_engine_through_the_gateway() -> None:
+    with tiny_engine_gateway() as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(
+            model="small", messages=messages, n=3, seed=5, temperature=1.0, max_tokens=6
+        )
+        assert [c.index for c in reply.choices] == [0, 1, 2]
+        one = client.chat.completions.create(
+            model="small", messages=messages, seed=5, temperature=1.0, max_tokens=6
+        )
+        assert reply.usage and one.usage and reply.usage.prompt_tokens == one.usage.prompt_tokens
+        assert reply.choices[0].message.content == one.choices[0].message.content
+        stream = client.chat.completions.create(
+            model="small", messages=messages, n=3, seed=5, temperature=1.0, max_tokens=6, stream=True
+        )
+        texts = ["", "", ""]
+        for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+        assert texts == [c.message.content for c in reply.choices]  # streamed through the gateway
+        forced = client.chat.completions.create(
+            model="small", messages=messages, max_tokens=3, temperature=0, logit_bias={"66": 100}
+        )
+        assert forced.choices[0].message.content == "BBB"  # byte-level tokenizer: 66 is "B"
+        schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"]}
+        shaped = client.chat.completions.create(
+            model="small",
+            messages=messages,
+            max_tokens=32,
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
+        )
+        assert json.loads(shaped.choices[0].message.content or "")["pet"] in ("cat", "dog")
+
+
+def test_engine_backend_counts_tokens_as_it_bills_and_refuses_embeddings_clearly() -> None:
+    with tiny_engine_gateway() as url:
+        messages = [{"role": "user", "content": "count these words for me"}]
+        counted = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages
+        raw = counted.with_raw_response.count_tokens(model="small", system="Be brief.", messages=messages)  # type: ignore[arg-type]
+        assert raw.headers["x-weir-token-count"] == "backend"
+        chat = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="small", messages=[{"role": "system", "content": "Be brief."}, *messages], max_tokens=1
+        )
+        assert chat.usage is not None and raw.parse().input_tokens == chat.usage.prompt_tokens > 5
+        with pytest.raises(openai.BadRequestError, match=r"does not support embeddings \(engine backend\)"):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).embeddings.create(
+                model="small", input="hi"
             )
-            assert [c.index for c in reply.choices] == [0, 1, 2]
-            one = client.chat.completions.create(
-                model="small", messages=messages, seed=5, temperature=1.0, max_tokens=6
-            )
-            assert reply.usage and one.usage and reply.usage.prompt_tokens == one.usage.prompt_tokens
-            assert reply.choices[0].message.content == one.choices[0].message.content
-            stream = client.chat.completions.create(
-                model="small", messages=messages, n=3, seed=5, temperature=1.0, max_tokens=6, stream=True
-            )
-            texts = ["", "", ""]
-            for chunk in stream:
-                for c in chunk.choices:
-                    texts[c.index] += c.delta.content or ""
-            assert texts == [c.message.content for c in reply.choices]  # streamed through the gateway
-            forced = client.chat.completions.create(
-                model="small", messages=messages, max_tokens=3, temperature=0, logit_bias={"66": 100}
-            )
-            assert forced.choices[0].message.content == "BBB"  # byte-level tokenizer: 66 is "B"
-            schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"]}
-            shaped = client.chat.completions.create(
-                model="small",
-                messages=messages,
-                max_tokens=32,
-                response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
-            )
-            assert json.loads(shaped.choices[0].message.content or "")["pet"] in ("cat", "dog")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 
+import anthropic
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
@@ -255,3 +256,62 @@ def test_max_tokens_stop_reason(gateway: RunningGateway) -> None:
         model="gemini-flash", max_tokens=2, messages=[{"role": "user", "content": "one two three"}]
     )
     assert message.stop_reason == "max_tokens"
+
+
+# --- /v1/messages/count_tokens --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["claude-sonnet", "gemini-flash"])
+def test_count_tokens_is_what_the_message_would_bill(gateway: RunningGateway, model: str) -> None:
+    client = gateway.anthropic()
+    request = {
+        "model": model,
+        "system": "Be brief and exact.",
+        "tools": [WEATHER],
+        "messages": [{"role": "user", "content": "how many tokens are these seven words"}],
+    }
+    counted = client.messages.with_raw_response.count_tokens(**request)  # type: ignore[arg-type]
+    assert counted.headers["x-weir-token-count"] == "backend"
+    assert f"candidate={model}" in counted.headers["x-weir-route"]
+    billed = client.messages.create(max_tokens=20, **request)  # type: ignore[arg-type]
+    assert counted.parse().input_tokens == billed.usage.input_tokens > 7
+    # The count is one zero-cost attempt in the ledger, beside the message's.
+    count_event, message_event = gateway.sink.events
+    assert count_event.status == 200 and count_event.cost_pico_usd == 0
+    assert (
+        count_event.usage.input_tokens == 0 and message_event.usage.input_tokens == billed.usage.input_tokens
+    )
+
+
+def test_count_tokens_estimates_where_the_backend_cannot_count(gateway: RunningGateway) -> None:
+    client = gateway.anthropic()
+    short = client.messages.with_raw_response.count_tokens(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]
+    )
+    long = client.messages.count_tokens(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi " * 400}]
+    )
+    assert short.headers["x-weir-token-count"] == "estimate"
+    assert 0 < short.parse().input_tokens < 40 and long.input_tokens >= 300
+    assert gateway.sink.events == []  # nothing was sent upstream
+
+
+def test_count_tokens_errors_come_in_anthropics_shape(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    client = gateway.anthropic()
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.count_tokens(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.body["type"] == "error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError, match="messages"):
+        client.messages.count_tokens(model="claude-sonnet", messages=[])
+    with pytest.raises(anthropic.AuthenticationError):
+        gateway.anthropic(api_key="sk-wrong").messages.count_tokens(
+            model="claude-sonnet", messages=[{"role": "user", "content": "x"}]
+        )
+    # An overloaded upstream reads as it does on /v1/messages: 503, Anthropic's overloaded_error.
+    fake_anthropic.fail_next(529)
+    with pytest.raises(anthropic.InternalServerError) as overloaded:
+        client.messages.count_tokens(model="claude-sonnet", messages=[{"role": "user", "content": "x"}])
+    assert overloaded.value.status_code == 503
+    assert overloaded.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]

@@ -25,6 +25,7 @@ routes:
   - {{name: hedged, hedge: {{delay: 0.15}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: hedged-capped, hedge: {{delay: 0.15, max_spend_usd_per_hour: 0.0}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: chain, candidates: [{{model: dead-model}}], fallbacks: [gemini-flash], {FAST}}}
+  - {{name: counted, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], fallbacks: [gemini-flash], {FAST}}}
   - {{name: recovering, candidates: [{{model: deepseek-chat}}, {{model: claude-sonnet}}], retry: {{attempts: 2, backoff: 0.02, max_backoff: 0.1}}, breaker: {{failures: 3, cooldown: 2.0}}, probe_interval: null}}
 """
 

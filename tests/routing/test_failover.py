@@ -362,3 +362,18 @@ def test_a_resumed_stream_keeps_to_the_client_output_limit(
     sent = fake_anthropic.last_request.json
     prefill = "".join(block["text"] for block in sent["messages"][-1]["content"])
     assert sent["max_tokens"] == 4 - len(prefill.split())
+
+
+def test_count_tokens_skips_candidates_that_cannot_count_and_fails_over(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini
+) -> None:
+    # `counted`: gpt-4o-mini (OpenAI has no count endpoint), claude-sonnet, then gemini-flash.
+    client = gateway.anthropic()
+    raw = client.messages.with_raw_response.count_tokens(model="counted", messages=HI)  # type: ignore[arg-type]
+    assert raw.parse().input_tokens == 6 and route_header(raw)["candidate"] == "claude-sonnet"
+    assert ledger(gateway) == [("anthropic", 200)] and not fake_openai.requests
+    gateway.sink.events.clear()
+    fake_anthropic.fail_next(500, times=2)
+    raw = client.messages.with_raw_response.count_tokens(model="counted", messages=HI)  # type: ignore[arg-type]
+    assert raw.parse().input_tokens == 6 and route_header(raw)["candidate"] == "gemini-flash"
+    assert ledger(gateway) == [("anthropic", 500), ("anthropic", 500), ("gemini", 200)]
