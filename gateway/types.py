@@ -59,10 +59,12 @@ class FunctionCall(Base):
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(Base):
+# `"type": "function"` as a tag, not a defaulted field: omit_defaults would drop a default from every
+# body and reply, and OpenAI refuses tools, tool calls and a tool_choice without it (the engine ignored
+# such tools). A tag is always written, optional on input, and any other value is refused.
+class ToolCall(Base, tag="function", tag_field="type"):
     id: str
     function: FunctionCall
-    type: Literal["function"] = "function"
 
 
 class Message(Base):
@@ -90,9 +92,8 @@ class FunctionDefinition(Base):
     strict: bool | None = None
 
 
-class Tool(Base):
+class Tool(Base, tag="function", tag_field="type"):
     function: FunctionDefinition
-    type: Literal["function"] = "function"
     cache_control: dict[str, Any] | None = None
 
 
@@ -100,9 +101,8 @@ class ToolChoiceFunction(Base):
     name: str
 
 
-class NamedToolChoice(Base):
+class NamedToolChoice(Base, tag="function", tag_field="type"):
     function: ToolChoiceFunction
-    type: Literal["function"] = "function"
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice

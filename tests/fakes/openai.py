@@ -26,7 +26,8 @@ least 1024 tokens; the longest prefix seen before, in 128-token steps), and
 Rejects with OpenAI's 400 what OpenAI rejects, so gateway translation bugs surface: ``max_tokens``
 above the model's limit (`MAX_OUTPUT_TOKENS`), ``stream_options`` without ``stream``, ``temperature``
 outside 0..2, ``n`` outside 1..128, empty ``messages``, unknown roles, a ``tool`` message with no
-matching ``tool_calls`` before it, a body that is not JSON.
+matching ``tool_calls`` before it, a tool, tool call or named ``tool_choice`` without ``type``, a body
+that is not JSON.
 
 ``FakeOpenAI(flavour="deepseek")`` speaks DeepSeek's dialect instead: models ``deepseek-chat`` and
 ``deepseek-reasoner``, usage ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens`` (64-token cache
@@ -283,6 +284,23 @@ class FakeOpenAI(FakeServer):
                 "messages",
                 "empty_array",
             )
+        # OpenAI requires `type` on every tool, assistant tool call and named tool_choice.
+        for i, tool in enumerate(body.get("tools") or []):
+            if not isinstance(tool, dict) or "type" not in tool:
+                raise BadRequest(
+                    400,
+                    f"Missing required parameter: 'tools[{i}].type'.",
+                    f"tools[{i}].type",
+                    "missing_required_parameter",
+                )
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and "type" not in choice:
+            raise BadRequest(
+                400,
+                "Missing required parameter: 'tool_choice.type'.",
+                "tool_choice.type",
+                "missing_required_parameter",
+            )
         tools = [
             Tool(t["function"]["name"], t["function"].get("parameters") or {})
             for t in body.get("tools") or []
@@ -308,7 +326,12 @@ class FakeOpenAI(FakeServer):
                     "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls'.",
                     f"messages.[{i}].role",
                 )
-            for call in message.get("tool_calls") or []:
+            for j, call in enumerate(message.get("tool_calls") or []):
+                if "type" not in call:
+                    where = f"messages[{i}].tool_calls[{j}].type"
+                    raise BadRequest(
+                        400, f"Missing required parameter: '{where}'.", where, "missing_required_parameter"
+                    )
                 call_names[call.get("id", "")] = call.get("function", {}).get("name", "")
                 tokens += words(call.get("function", {}).get("name", ""))
                 tokens += words(call.get("function", {}).get("arguments", ""))
@@ -336,7 +359,6 @@ class FakeOpenAI(FakeServer):
             asked = next((m for m in reversed(messages) if m.get("role") == "user"), {})
             text, images = _content_text(asked.get("content"))
             turn.last_user_text, turn.images = text, len(images)
-        choice = body.get("tool_choice")
         if choice == "none":
             turn.tools_disabled = True
         elif choice == "required":

@@ -124,12 +124,20 @@ def test_tool_call_round_trip(gateway: RunningGateway, model: str, stream: bool)
         )  # type: ignore[arg-type]
         deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
         call_id = next(d.id for d in deltas if d.id)
+        assert next(d for d in deltas if d.id).type == "function"  # as OpenAI: on the call's first delta
         name = next(d.function.name for d in deltas if d.function and d.function.name)
         arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         assert finish == ["tool_calls"]
     else:
-        response = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL])  # type: ignore[arg-type]
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, tools=[WEATHER_TOOL]
+        )  # type: ignore[arg-type]
+        # The SDK would fill in a missing "type"; stricter clients (and OpenAI, when it comes back) do not.
+        assert [c["type"] for c in json.loads(raw.text)["choices"][0]["message"]["tool_calls"]] == [
+            "function"
+        ]
+        response = raw.parse()
         assert response.choices[0].finish_reason == "tool_calls"
         [call] = response.choices[0].message.tool_calls or []
         call_id, name, arguments = call.id, call.function.name, call.function.arguments
