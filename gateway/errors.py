@@ -144,7 +144,7 @@ def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> InvalidR
     if at != -1:
         param = text[at + len(marker) :].rstrip("`").lstrip(".")
         text = text[:at]
-    if param is not None and prefix:
+    if prefix:  # an error at the root of what was converted has no location: it is the prefix itself
         param = f"{prefix}.{param}" if param else prefix
     message = f"Invalid value for '{param}': {text}" if param else f"Invalid request: {text}"
     # msgspec says "Object missing required field `messages`": the field is the parameter.

@@ -7,7 +7,8 @@ paths of a real app and fills in what only the code knows:
 
 - each request body from the msgspec type its handler decodes (`msgspec.json.schema_components`),
   with `model` limited to the configured models so generated requests reach the fake vendors;
-- every 4xx as the error shape the client actually gets (OpenAI's, Anthropic's on /v1/messages),
+- every 4xx as the error shape the client actually gets (OpenAI's, Anthropic's on /v1/messages and
+  /v1/messages/count_tokens),
   in place of Litestar's default `{status_code, detail}` validation error it would document;
 - `text/event-stream` beside JSON for the endpoints that stream.
 """
@@ -25,8 +26,10 @@ import gateway.app
 from gateway.admin.requests import PreviewBody
 from gateway.admin.routes import RouteBody
 from gateway.admin.schemas import KeyCreate, PricesPut, TenantCreate, TenantPatch
-from gateway.anthropic_inbound import MessagesRequest
+from gateway.anthropic_inbound import CountTokensRequest, MessagesRequest
+from gateway.api.anthropic import PATHS as ANTHROPIC_PATHS
 from gateway.api.feedback import FeedbackBody
+from gateway.responses_inbound import ResponsesRequest
 from gateway.types import ChatRequest, CompletionRequest, EmbeddingRequest
 
 ADMIN_PREFIX = "/admin/api/v1"
@@ -35,6 +38,8 @@ BODIES: dict[tuple[str, str], type] = {
     ("post", "/v1/completions"): CompletionRequest,
     ("post", "/v1/embeddings"): EmbeddingRequest,
     ("post", "/v1/messages"): MessagesRequest,
+    ("post", "/v1/messages/count_tokens"): CountTokensRequest,
+    ("post", "/v1/responses"): ResponsesRequest,
     ("post", "/v1/feedback"): FeedbackBody,
     ("post", f"{ADMIN_PREFIX}/tenants"): TenantCreate,
     ("patch", f"{ADMIN_PREFIX}/tenants/{{tenant_id}}"): TenantPatch,
@@ -44,7 +49,7 @@ BODIES: dict[tuple[str, str], type] = {
     ("put", f"{ADMIN_PREFIX}/routes/{{route_id}}"): RouteBody,
     ("post", f"{ADMIN_PREFIX}/routes/preview"): PreviewBody,
 }
-STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}
+STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"}
 # Fields the gateway fills itself (unknown top-level keys land in `extra`); no client sends them.
 INTERNAL_FIELDS = {"extra"}
 
@@ -142,7 +147,7 @@ def gateway_schema(build_app: Callable[[], Any], models: list[str]) -> dict[str,
                         "application/json": {"schema": {"$ref": f"#/components/schemas/{body_type.__name__}"}}
                     },
                 }
-            error = ANTHROPIC_ERROR if path == "/v1/messages" else OPENAI_ERROR
+            error = ANTHROPIC_ERROR if path in ANTHROPIC_PATHS else OPENAI_ERROR
             responses = {code: r for code, r in op.get("responses", {}).items() if not code.startswith("4")}
             for code, response in responses.items():
                 if code.startswith("2") and path in STREAMING:

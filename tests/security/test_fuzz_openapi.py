@@ -31,6 +31,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from gateway.api.anthropic import PATHS as ANTHROPIC_PATHS
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
@@ -119,7 +120,7 @@ def error_shape(ctx: Any, response: schemathesis.Response, case: schemathesis.Ca
     body = response.json()
     error = body["error"]
     assert isinstance(error["message"], str) and error["message"], body
-    if case.path == "/v1/messages":
+    if case.path in ANTHROPIC_PATHS:
         assert body["type"] == "error" and isinstance(error["type"], str), body
     else:
         assert {"message", "type", "param", "code"} <= set(error), body

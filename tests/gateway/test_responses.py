@@ -1,0 +1,500 @@
+"""/v1/responses: OpenAI's Responses API, stateless, with the official openai SDK, to every backend."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pydantic
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+
+from gateway.responses_inbound import ResponsesRequest, stream_events
+from gateway.types import ChatChunk, ChunkChoice, Delta, FunctionCallDelta, ToolCallDelta
+from gateway.usage import Usage
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.gateway.conftest import DEMO_KEY, RunningGateway
+
+MODELS = ["gpt-4o-mini", "claude-sonnet", "gemini-flash"]
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+CALL_WEATHER = 'call get_weather {"city": "Lima"}'
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 32).decode()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_text_response(gateway: RunningGateway, model: str) -> None:
+    response = gateway.openai().responses.create(model=model, input="hello over there")
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.status == "completed" and response.model == model
+    assert response.output_text == "hello over there"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert response.store is False and response.previous_response_id is None
+    usage = response.usage
+    assert usage is not None
+    [event] = gateway.sink.events
+    # input_tokens counts cache reads and writes, as OpenAI's does; cached_tokens is part of it.
+    assert usage.input_tokens == event.usage.prompt_tokens > 0
+    assert usage.input_tokens_details.cached_tokens == event.usage.cached_input_tokens
+    assert usage.output_tokens == event.usage.output_tokens == 3
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert event.route == model
+
+
+def test_cached_tokens_are_inside_input_tokens(gateway: RunningGateway) -> None:
+    client = gateway.openai()
+    long_prompt = "word " * 1500
+    client.responses.create(model="gpt-4o-mini", input=long_prompt, max_output_tokens=5)
+    again = client.responses.create(model="gpt-4o-mini", input=long_prompt, max_output_tokens=5)
+    assert again.usage is not None
+    assert again.usage.input_tokens_details.cached_tokens >= 1024
+    assert again.usage.input_tokens == gateway.sink.events[1].usage.prompt_tokens
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_wire_shapes_validate_against_the_sdk_models(gateway: RunningGateway, model: str) -> None:
+    # The SDK builds its objects without validation; validating strictly catches a missing field.
+    body = {"model": model, "input": CALL_WEATHER, "tools": [WEATHER], "max_output_tokens": 50}
+    headers = {"authorization": f"Bearer {DEMO_KEY}"}
+    plain = httpx.post(f"{gateway.url}/v1/responses", json=body, headers=headers, timeout=10)
+    response = Response.model_validate(plain.json())
+    assert response.output[-1].type == "function_call"
+    streamed = httpx.post(
+        f"{gateway.url}/v1/responses", json={**body, "stream": True}, headers=headers, timeout=10
+    )
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    frames = [frame for frame in streamed.text.split("\n\n") if frame]
+    for frame in frames:
+        event_line, data_line = frame.split("\n")
+        event = adapter.validate_python(json.loads(data_line.removeprefix("data: ")))
+        assert event_line == f"event: {event.type}"
+    assert event.type == "response.completed"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_instructions_and_list_input(gateway: RunningGateway, model: str) -> None:
+    response = gateway.openai().responses.create(
+        model=model,
+        instructions="Be brief.",
+        input=[
+            {"role": "developer", "content": "Answer in English."},
+            {"role": "user", "content": "earlier question"},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "earlier answer"}]},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "describe"},
+                    {"type": "input_image", "image_url": f"data:image/png;base64,{PNG}", "detail": "auto"},
+                ],
+            },
+        ],
+    )
+    assert response.output_text == "describe [image]"
+    assert response.instructions == "Be brief."
+
+
+def test_request_reaches_openai_as_chat(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    gateway.openai().responses.create(
+        model="gpt-4o-mini",
+        instructions="Be brief.",
+        input=[{"role": "developer", "content": "Use metric units."}, {"role": "user", "content": "hi"}],
+        max_output_tokens=30,
+        temperature=0.5,
+        top_p=0.9,
+        store=True,
+        include=["message.output_text.logprobs"],
+        truncation="auto",
+        metadata={"team": "a"},
+        extra_body={"prompt_cache_key": "k"},
+    )
+    sent = fake_openai.last_request.json
+    assert sent["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Use metric units."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert sent["max_completion_tokens"] == 30 and sent["temperature"] == 0.5 and sent["top_p"] == 0.9
+    assert sent["metadata"] == {"team": "a"}
+    # Responses-only parameters are not chat parameters: never forwarded to a chat endpoint.
+    assert not {"store", "include", "truncation", "prompt_cache_key", "input"} & set(sent)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stream_event_sequence(gateway: RunningGateway, model: str) -> None:
+    stream = gateway.openai().responses.create(model=model, input="stream these four words", stream=True)
+    events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert kinds[-5:] == [
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    numbers = [event.sequence_number for event in events]
+    assert numbers == list(range(len(events)))
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert "".join(deltas) == "stream these four words" and len(deltas) == 4
+    created, completed = events[0], events[-1]
+    assert created.type == "response.created" and created.response.status == "in_progress"
+    assert created.response.output == []
+    assert completed.type == "response.completed" and completed.response.id == created.response.id
+    assert completed.response.output_text == "stream these four words"
+    usage = completed.response.usage
+    assert usage is not None and usage.output_tokens == 4
+    [event] = gateway.sink.events
+    assert usage.input_tokens == event.usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stream_helper(gateway: RunningGateway, model: str) -> None:
+    with gateway.openai().responses.stream(model=model, input="the stream helper works") as stream:
+        texts = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text == "the stream helper works"
+    assert final.status == "completed"
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_tool_round_trip(gateway: RunningGateway, model: str, stream: bool) -> None:
+    client = gateway.openai()
+    conversation: list[Any] = [{"role": "user", "content": CALL_WEATHER}]
+    if stream:
+        with client.responses.stream(model=model, input=conversation, tools=[WEATHER]) as events:  # type: ignore[list-item]
+            response = events.get_final_response()
+    else:
+        response = client.responses.create(model=model, input=conversation, tools=[WEATHER])  # type: ignore[list-item]
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Lima"}
+    assert call.id is not None and call.id.startswith("fc_") and call.call_id and call.status == "completed"
+    assert response.output[-1] == call  # any text (Anthropic says what it will do) comes first
+    # The usual loop: the response's output items go back in as they are, then the result.
+    conversation += response.output
+    conversation.append({"type": "function_call_output", "call_id": call.call_id, "output": "foggy"})
+    answer = client.responses.create(model=model, input=conversation, tools=[WEATHER])  # type: ignore[list-item]
+    assert answer.output_text.startswith("Tool get_weather returned: ") and "foggy" in answer.output_text
+
+
+def test_tool_calls_join_one_assistant_turn(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    gateway.openai().responses.create(
+        model="gpt-4o-mini",
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        input=[
+            {"role": "user", "content": "weather in Lima and Quito?"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"role": "assistant", "content": "Checking."},
+            {
+                "type": "function_call",
+                "call_id": "call_1",
+                "name": "get_weather",
+                "arguments": '{"city":"Lima"}',
+            },
+            {
+                "type": "function_call",
+                "call_id": "call_2",
+                "name": "get_weather",
+                "arguments": '{"city":"Quito"}',
+            },
+            {"type": "function_call_output", "call_id": "call_1", "output": "foggy"},
+            {
+                "type": "function_call_output",
+                "call_id": "call_2",
+                "output": [{"type": "input_text", "text": "sunny"}],
+            },
+        ],
+    )
+    sent = fake_openai.last_request.json
+    assert sent["tool_choice"]["function"] == {"name": "get_weather"}
+    assert sent["parallel_tool_calls"] is False
+    assert [tool["function"] for tool in sent["tools"]] == [
+        {"name": "get_weather", "description": "Weather for a city", "parameters": WEATHER["parameters"]}
+    ]
+    assert sent["messages"][0] == {"role": "user", "content": "weather in Lima and Quito?"}
+    _, assistant, first, second = sent["messages"]
+    assert assistant["content"] == "Checking."
+    assert [call["id"] for call in assistant["tool_calls"]] == ["call_1", "call_2"]
+    assert first == {"role": "tool", "tool_call_id": "call_1", "content": "foggy"}
+    assert second["tool_call_id"] == "call_2" and second["content"] == [{"type": "text", "text": "sunny"}]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stream_tool_call_events(gateway: RunningGateway, model: str) -> None:
+    events = list(
+        gateway.openai().responses.create(
+            model=model,
+            input=CALL_WEATHER,
+            tools=[WEATHER],  # type: ignore[list-item]
+            stream=True,
+        )
+    )
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    [added] = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    [done] = [e for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert added.item.status == "in_progress" and added.item.arguments == ""
+    assert added.item.name == "get_weather" and done.item.id == added.item.id
+    assert done.item.status == "completed" and done.output_index == added.output_index
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert {e.output_index for e in deltas} == {added.output_index}
+    arguments = "".join(e.delta for e in deltas)
+    assert json.loads(arguments) == {"city": "Lima"} and done.item.arguments == arguments
+    # Text first (Anthropic says what it will do), then the call: the item order of the final response.
+    completed = events[-1]
+    assert completed.type == "response.completed"
+    assert [item.type for item in completed.response.output][added.output_index :] == ["function_call"]
+    assert completed.response.output[added.output_index].id == added.item.id
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_json_schema_text_format(gateway: RunningGateway, model: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    response = gateway.openai().responses.create(
+        model=model,
+        input="Lima",
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}},
+    )
+    # The fakes fill the schema's strings with the user's text, or "example" (Anthropic's forced tool).
+    assert json.loads(response.output_text)["city"] in ("Lima", "example")
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_max_output_tokens_makes_it_incomplete(gateway: RunningGateway, model: str, stream: bool) -> None:
+    client = gateway.openai()
+    words = "one two three four five"
+    if stream:
+        events = list(client.responses.create(model=model, input=words, max_output_tokens=2, stream=True))
+        assert events[-1].type == "response.incomplete"
+        response = events[-1].response
+    else:
+        response = client.responses.create(model=model, input=words, max_output_tokens=2)
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == "one two" and response.output[0].status == "incomplete"
+    assert response.max_output_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"conversation": "conv_123"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"tools": [WEATHER, {"type": "web_search"}]}, "tools[1].type"),
+        ({"tool_choice": {"type": "file_search"}}, "tool_choice.type"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, None),
+        ({"input": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "input[0].content[0].type"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ],
+)
+def test_invalid_requests_are_400_naming_the_parameter(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, extra: dict[str, Any], param: str | None
+) -> None:
+    body: dict[str, Any] = {"model": "gpt-4o-mini", "input": "hi", **extra}
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().responses.create(**body)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["type"] == "invalid_request_error"
+    assert error["param"] == (param or "input[0].content[0].image_url")
+    assert fake_openai.requests == []  # refused before any upstream call
+
+
+def test_stateful_parameters_say_what_to_do(gateway: RunningGateway) -> None:
+    with pytest.raises(openai.BadRequestError, match="send the whole conversation in `input`"):
+        gateway.openai().responses.create(model="claude-sonnet", input="hi", previous_response_id="resp_1")
+    with pytest.raises(openai.BadRequestError, match="only function tools"):
+        gateway.openai().responses.create(model="claude-sonnet", input="hi", tools=[{"type": "web_search"}])
+
+
+def test_unknown_model_is_404(gateway: RunningGateway) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        gateway.openai().responses.create(model="no-such-model", input="hi")
+    assert caught.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("model", "fake_name", "status", "expected", "error"),
+    [
+        ("gpt-4o-mini", "fake_openai", 500, 502, openai.InternalServerError),
+        ("gemini-flash", "fake_gemini", 500, 502, openai.InternalServerError),
+        ("claude-sonnet", "fake_anthropic", 529, 503, openai.InternalServerError),
+        ("claude-sonnet", "fake_anthropic", 429, 429, openai.RateLimitError),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_upstream_failure_is_an_openai_error(
+    gateway: RunningGateway,
+    request: pytest.FixtureRequest,
+    model: str,
+    fake_name: str,
+    status: int,
+    expected: int,
+    error: type[openai.APIStatusError],
+    stream: bool,
+) -> None:
+    request.getfixturevalue(fake_name).fail_next(status, times=3)  # whatever retries the route makes
+    # A stream that fails before its first event is an HTTP error too: nothing was sent yet.
+    with pytest.raises(error) as caught:
+        gateway.openai().responses.create(model=model, input="hi", stream=stream)
+    assert caught.value.status_code == expected
+    assert isinstance(caught.value.body, dict) and set(caught.value.body) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
+
+
+@pytest.mark.parametrize(
+    "fault", [Fault.cut_stream(after=2), Fault.stream_error(after=2)], ids=["cut", "error-event"]
+)
+def test_stream_broken_midway_ends_with_error_and_failed(
+    gateway: RunningGateway, fake_gemini: FakeGemini, fault: Fault
+) -> None:
+    fake_gemini.fail_next(fault)
+    events = list(
+        gateway.openai().responses.create(
+            model="gemini-flash", input="one two three four five six", stream=True
+        )
+    )
+    kinds = [event.type for event in events]
+    assert "response.output_text.delta" in kinds  # some text arrived before the failure
+    assert kinds[-2:] == ["error", "response.failed"]
+    failed = events[-1]
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error is not None and failed.response.error.code == "server_error"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    # The stream helper has no final response to give, rather than a truncated one.
+    fake_gemini.fail_next(fault)
+    with (
+        pytest.raises(RuntimeError, match=r"response\.completed"),
+        gateway.openai().responses.stream(model="gemini-flash", input="one two three four") as stream,
+    ):
+        stream.get_final_response()
+
+
+def test_headers_match_chat(gateway: RunningGateway) -> None:
+    raw = gateway.openai().responses.with_raw_response.create(model="claude-sonnet", input="hi")
+    assert raw.headers["x-request-id"]
+    assert "candidate=claude-sonnet" in raw.headers["x-weir-route"]
+
+
+def test_cache_reads_and_writes_are_inside_input_tokens(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_anthropic.set_next_usage(
+        input_tokens=10,
+        cached_input_tokens=20,
+        cache_write_5m_tokens=30,
+        cache_write_1h_tokens=5,
+        output_tokens=3,
+    )
+    response = gateway.openai().responses.create(model="claude-sonnet", input="hi")
+    usage = response.usage
+    assert usage is not None and usage.input_tokens == 65 == gateway.sink.events[0].usage.prompt_tokens
+    assert usage.input_tokens_details.cached_tokens == 20
+    assert usage.input_tokens_details.cache_write_tokens == 35
+    assert usage.total_tokens == 68
+
+
+# --- the event writer, on chunks no fake produces ---------------------------------------------------
+
+
+def _chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None) -> ChatChunk:
+    choices = [ChunkChoice(index=0, delta=delta, finish_reason=finish)]
+    return ChatChunk(id="c", created=0, model="m", choices=choices, usage=usage)
+
+
+def _call(index: int, arguments: str, name: str | None = None) -> Delta:
+    function = FunctionCallDelta(name=name, arguments=arguments)
+    call_id = f"call_{index}" if name else None
+    return Delta(tool_calls=[ToolCallDelta(index=index, id=call_id, function=function)])
+
+
+async def _events(chunks: list[ChatChunk]) -> list[Any]:
+    async def batches() -> AsyncIterator[list[ChatChunk]]:
+        for chunk in chunks:
+            yield [chunk]
+
+    request = ResponsesRequest(model="m", input="hi")
+    written = b"".join([piece async for piece in stream_events(batches(), request)])
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    frames = written.strip().split(b"\n\n")
+    return [adapter.validate_json(frame.split(b"\ndata: ", 1)[1]) for frame in frames]
+
+
+async def test_interleaved_parallel_calls_keep_their_output_index() -> None:
+    events = await _events(
+        [
+            _chunk(Delta(role="assistant", content="Checking")),
+            _chunk(_call(0, '{"city":', name="get_weather")),
+            _chunk(_call(1, '{"city": "Quito"}', name="get_weather")),
+            _chunk(_call(0, ' "Lima"}')),  # a backend interleaving parallel calls
+            _chunk(Delta(refusal="Not that one.")),
+            _chunk(Delta(), "tool_calls", Usage(input_tokens=4, output_tokens=9)),
+        ]
+    )
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    added = [event.item.type for event in events if event.type == "response.output_item.added"]
+    assert added == ["message", "function_call", "function_call", "message"]
+    late = [event for event in events if event.type == "response.function_call_arguments.delta"][-1]
+    assert late.delta == ' "Lima"}' and late.output_index == 1
+    final = events[-1]
+    assert final.type == "response.completed"
+    output = final.response.output
+    assert output[0].content[0].text == "Checking" and output[3].content[0].refusal == "Not that one."
+    assert [json.loads(item.arguments)["city"] for item in output[1:3]] == ["Lima", "Quito"]
+    assert [item.call_id for item in output[1:3]] == ["call_0", "call_1"]
+    assert final.response.usage.input_tokens == 4 and final.response.usage.output_tokens == 9
+
+
+async def test_an_empty_answer_is_still_a_message() -> None:
+    events = await _events([_chunk(Delta(role="assistant"), "stop", Usage(input_tokens=1))])
+    assert [event.type for event in events][2:] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert events[-1].response.output_text == ""
