@@ -12,7 +12,9 @@ from litestar.response import Stream
 from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
 from gateway.api.routed import completion_op, embeddings_op, run_routed
-from gateway.errors import GatewayError, InvalidRequest, encode_openai_error, stream_failure
+from gateway.auth import Principal
+from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, encode_openai_error, stream_failure
+from gateway.runtime import Gateway
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, CompletionRequest, EmbeddingRequest
 from gateway.usage import openai_usage
 
@@ -201,23 +203,50 @@ async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
     return json_response(data)
 
 
+ROUTE_OWNER = "weir"  # `owned_by` of a route's public name: Weir picks the backend per request
+
+
+def _listing(gateway: Gateway, principal: Principal) -> list[tuple[str, str]]:
+    """(name, owner) of every model name the caller may send: plain models, then routes (`auto`...),
+    which an app's model picker must offer too."""
+    models = [(t.model.name, t.backend.name) for t in gateway.models.visible_to(principal)]
+    plain = {name for name, _ in models}
+    routes = [(name, ROUTE_OWNER) for name in gateway.router.names() if name not in plain]
+    return models + [(name, owner) for name, owner in routes if principal.may_use(name)]
+
+
+def _card(name: str, owner: str, anthropic: bool) -> dict[str, Any]:
+    if anthropic:  # the Anthropic SDKs' ModelInfo
+        return {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+    return {"id": name, "object": "model", "created": 0, "owned_by": owner}
+
+
+def _anthropic_client(request: Request[Any, Any, Any]) -> bool:
+    # The Anthropic SDKs send anthropic-version on every call; OpenAI's never do.
+    return "anthropic-version" in request.headers
+
+
 @get("/v1/models")
 async def list_models(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "models")
-    data = [
-        {"id": target.model.name, "object": "model", "created": 0, "owned_by": target.backend.name}
-        for target in gateway.models.visible_to(call.principal)
-    ]
+    anthropic = _anthropic_client(request)
+    data = [_card(name, owner, anthropic) for name, owner in _listing(gateway, call.principal)]
+    if anthropic:
+        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+        return json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
     return json_response({"object": "list", "data": data})
 
 
 @get("/v1/models/{model_id:path}")
 async def get_model(request: Request[Any, Any, Any], model_id: str) -> Response[Any]:
     gateway, call = await begin(request, "models")
-    target = gateway.models.resolve(model_id.lstrip("/"), call.principal)[0]
-    return json_response(
-        {"id": target.model.name, "object": "model", "created": 0, "owned_by": target.backend.name}
-    )
+    name = model_id.lstrip("/")
+    owner = dict(_listing(gateway, call.principal)).get(name)
+    if owner is None:  # as for a plain model, one the tenant may not use reads as one that does not exist
+        raise ModelNotFound(
+            f"The model `{name}` does not exist or you do not have access to it.", param="model"
+        )
+    return json_response(_card(name, owner, _anthropic_client(request)))
 
 
 ROUTES = [chat_completions, completions, embeddings, list_models, get_model]

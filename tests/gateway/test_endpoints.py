@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import anthropic
 import httpx
 import openai
 import pytest
 import structlog
 
 from tests.fakes import FakeGemini, FakeOpenAI
-from tests.gateway.conftest import DEMO_KEY, RunningGateway
+from tests.gateway.conftest import DEMO_KEY, LIMITED_KEY, RunningGateway
 
 
 def test_completions_native_on_openai_compatible_backends(
@@ -89,6 +90,23 @@ def test_models_lists_what_the_tenant_may_use(gateway: RunningGateway) -> None:
     assert gateway.openai().models.retrieve("gemini-flash").id == "gemini-flash"
     with pytest.raises(openai.NotFoundError):
         gateway.openai().models.retrieve("nope")
+
+
+def test_models_in_the_anthropic_shape_for_anthropic_clients(gateway: RunningGateway) -> None:
+    client = gateway.anthropic()
+    page = client.models.list()
+    assert {m.id for m in page.data} == {m.name for m in gateway.config.models}
+    assert all(m.type == "model" and m.display_name == m.id for m in page.data)
+    assert page.has_more is False and page.first_id == page.data[0].id and page.last_id == page.data[-1].id
+    claude = client.models.retrieve("claude-sonnet")
+    assert (claude.type, claude.id) == ("model", "claude-sonnet")
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("nope")
+    # Limited to gemini-flash: it sees that alone, and the others do not exist for it.
+    limited = gateway.anthropic(api_key=LIMITED_KEY)
+    assert [m.id for m in limited.models.list().data] == ["gemini-flash"]
+    with pytest.raises(anthropic.NotFoundError):
+        limited.models.retrieve("claude-sonnet")
 
 
 def test_health_and_readiness(gateway: RunningGateway) -> None:

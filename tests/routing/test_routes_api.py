@@ -157,9 +157,14 @@ def test_created_then_deleted_route(replicas: Replicas) -> None:
     assert created.status_code == 201, created.text
     route = replicas.route_of(0, key, "cheap")
     assert (route["policy"], route["candidate"]) == ("cheapest", "gpt-4o-mini")
+    # An app's model picker offers the route beside the plain models.
+    listed = {m.id: m.owned_by for m in replicas.client(0, key).models.list()}
+    assert listed["cheap"] == "weir" and listed["gpt-4o-mini"] == "openai"
+    assert replicas.client(0, key).models.retrieve("cheap").owned_by == "weir"
     assert replicas.admin[0].delete(f"/routes/{created.json()['id']}").status_code == 204
     with pytest.raises(openai.NotFoundError):
         replicas.client(0, key).chat.completions.create(model="cheap", messages=HI)
+    assert "cheap" not in {m.id for m in replicas.client(0, key).models.list()}
     status = replicas.admin[0].get("/routes/status").json()
     assert "cheap" not in status["routes"] and "auto" in status["routes"]
 
