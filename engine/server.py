@@ -404,7 +404,7 @@ class EngineServer:
         groups: list[list[Generation]] = []  # per prompt, its n choices
         texts: list[str] = []
         for prompt in prompts:
-            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
             if not ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
             if isinstance(prompt, list) and any(not 0 <= t < tokenizer.vocab_size for t in ids):
@@ -513,9 +513,13 @@ class EngineServer:
                 tokenizer, req.messages, req.tools, bool(req.tools), req.add_generation_prompt
             )
         elif req.prompt is not None:
-            # The engine adds no special tokens (BOS) to a completion prompt, so `add_special_tokens`
-            # has none to leave out: either way these are the ids a completion of the prompt gets.
-            tokens = tokenizer.encode(req.prompt)
+            # As a completion of the prompt gets it (BOS where the model wants one), or without special
+            # tokens when asked.
+            tokens = (
+                tokenizer.encode_prompt(req.prompt)
+                if req.add_special_tokens
+                else tokenizer.encode(req.prompt)
+            )
         else:
             raise ApiError(400, "either prompt or messages is required", param="prompt")
         return _json({"count": len(tokens), "max_model_len": engine.engine.max_model_len, "tokens": tokens})

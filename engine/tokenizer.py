@@ -45,11 +45,15 @@ class Tokenizer:
         eos_token_ids: set[int],
         bos_token_id: int | None = None,
         vocab_size: int | None = None,
+        add_bos: bool = False,
     ) -> None:
         self._backend = backend
         self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
         self.eos_token_ids = set(eos_token_ids)
         self.bos_token_id = bos_token_id
+        # Whether the model expects BOS at the start of its input (Llama 3 does, SmolLM2 and Qwen do
+        # not). Chat templates write it themselves; a raw completions prompt gets it from `encode_prompt`.
+        self.add_bos = add_bos and bos_token_id is not None
         self.vocab_size = vocab_size or (backend.get_vocab_size() if backend else 256)
 
     # --- construction -------------------------------------------------------------------------
@@ -83,8 +87,12 @@ class Tokenizer:
         eos = set(eos_token_ids or ())
         if (tid := token_id(cfg.get("eos_token"))) is not None:
             eos.add(tid)
+        bos = token_id(cfg.get("bos_token"))
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # fast tokenizers say it through their post-processor instead
+            add_bos = bos is not None and backend.encode("a", add_special_tokens=True).ids[:1] == [bos]
         return cls(
-            backend, chat_template=template, eos_token_ids=eos, bos_token_id=token_id(cfg.get("bos_token"))
+            backend, chat_template=template, eos_token_ids=eos, bos_token_id=bos, add_bos=bool(add_bos)
         )
 
     @classmethod
@@ -127,12 +135,15 @@ class Tokenizer:
         eot = meta.get("tokenizer.ggml.eot_token_id")
         if eot is not None:
             eos_ids.add(eot)
+        # llama.cpp's rule: the file's flag, else BOS for Llama 3's pre-tokenizer only.
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", pre in ("llama-bpe", "llama3"))
         return cls(
             backend,
             chat_template=meta.get("tokenizer.chat_template"),
             eos_token_ids=eos_ids,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             vocab_size=len(tokens),
+            add_bos=bool(add_bos),
         )
 
     # --- text <-> ids ---------------------------------------------------------------------------
@@ -141,6 +152,14 @@ class Tokenizer:
         if self._backend is None:
             return list(text.encode("utf-8"))
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt's ids as the model expects its input to start: with BOS where it wants one
+        (once: a prompt that already starts with it keeps just that one), as llama.cpp and vLLM do."""
+        ids = self.encode(text)
+        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]  # add_bos implies an id
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend is None:

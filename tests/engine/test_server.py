@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI
+from tokenizers import AddedToken, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers, processors
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import KNOWN_MODELS
@@ -764,26 +764,35 @@ async def test_tokenize_prompt_counts_a_completions_prompt_tokens(served: Served
     assert bare.json()["tokens"] == default["tokens"]
 
 
-async def test_tokenize_prompt_adds_no_bos_where_completions_adds_none() -> None:
-    """A tokenizer whose post-processor would add BOS: the engine encodes a completion prompt without
-    it, and /tokenize counts what the engine uses, with add_special_tokens true or false."""
+@pytest.mark.parametrize("add_bos", [False, True], ids=["no-bos", "bos"])
+async def test_completion_prompts_start_with_bos_where_the_model_wants_it(add_bos: bool) -> None:
+    """A Llama-3-like tokenizer (its post-processor adds BOS): a completion prompt gets BOS once, as
+    llama.cpp and vLLM give it, where the tokenizer says the model expects it; /tokenize counts the same,
+    and without special tokens when asked. Echoed prompts read back as sent."""
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
     backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tokenizer = Tokenizer(backend, chat_template=None, eos_token_ids={2}, bos_token_id=1)
-    assert tokenizer.encode("hello world", add_special_tokens=True) == [1, 3, 4]
+    backend.add_special_tokens([AddedToken("<s>", special=True)])
+    tokenizer = Tokenizer(backend, chat_template=None, eos_token_ids={2}, bos_token_id=1, add_bos=add_bos)
+    bos = [1] if add_bos else []
+    assert tokenizer.encode_prompt("hello world") == [*bos, 3, 4]
+    assert tokenizer.encode_prompt("<s> hello") == [1, 3]  # already there: once
     engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS)
     _, runner, base_url = await start(engine, model_name=MODEL)
     async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
         resp = await client.completions.create(model=MODEL, prompt="hello world", max_tokens=1)
+        echoed = await client.completions.create(
+            model=MODEL, prompt="hello world", max_tokens=0, echo=True, logprobs=0
+        )
     counts = [
         (await post(base_url, "/tokenize", {"model": MODEL, "prompt": "hello world", **extra})).json()
         for extra in ({}, {"add_special_tokens": True}, {"add_special_tokens": False})
     ]
     await runner.cleanup()  # type: ignore[attr-defined]
-    assert resp.usage and resp.usage.prompt_tokens == 2
-    assert all(c["tokens"] == [3, 4] and c["count"] == 2 for c in counts)
+    assert resp.usage and resp.usage.prompt_tokens == 2 + len(bos)
+    assert echoed.choices[0].text == "hello world"
+    assert [c["tokens"] for c in counts] == [[*bos, 3, 4], [*bos, 3, 4], [3, 4]]
 
 
 @pytest.mark.parametrize(
