@@ -13,14 +13,17 @@ from routing.plan import features
 
 
 async def run_chat(
-    gateway: Gateway, call: Call, request: ChatRequest
+    gateway: Gateway, call: Call, request: ChatRequest, output_param: str | None = None
 ) -> ChatResponse | AsyncIterator[list[ChatChunk]]:
     """The chat pipeline for any inbound API: a canonical response, or a stream of batches of
-    canonical chunks (see Pipeline.stream), after routing and failover (routing.execute)."""
+    canonical chunks (see Pipeline.stream), after routing and failover (routing.execute).
+    `output_param`: what the client's API calls the output limit, for the 400 when it is too large."""
     call.info.model = request.model
     call.info.stream = bool(request.stream)
     gateway.limits.check_messages(call.principal, len(request.messages))
-    param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    param = output_param or (
+        "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    )
     if (cap := gateway.limits.output_cap(call.principal, request.output_limit, param)) is not None:
         request = msgspec.structs.replace(request, max_completion_tokens=cap)
     feats = features(request, call.principal.tenant_name, call.principal.key_id)

@@ -20,7 +20,7 @@ PATH = "/v1/responses"
 async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "responses")
     body = await parse_body(request, ResponsesRequest)
-    result = await run_chat(gateway, call, to_canonical(body))
+    result = await run_chat(gateway, call, to_canonical(body), output_param="max_output_tokens")
     if isinstance(result, ChatResponse):
         return json_response(from_canonical(result, body))
     return Stream(stream_events(result, body), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -80,3 +80,14 @@ def test_anthropic_inbound_is_capped_too(url: str) -> None:
     assert "max_tokens" in str(caught.value)
     reply = api.messages.create(model="gpt-4o-mini", max_tokens=50, messages=MESSAGES)  # type: ignore[arg-type]
     assert reply.content
+
+
+def test_responses_inbound_is_capped_and_names_its_own_parameter(url: str, fake_openai: FakeOpenAI) -> None:
+    responses = client(url, "sk-acme").responses
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses.create(model="gpt-4o-mini", input="hi", max_output_tokens=101)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "max_output_tokens"
+    assert error["code"] == "max_tokens_exceeded"
+    responses.create(model="gpt-4o-mini", input="hi")  # none asked: the cap is sent
+    assert fake_openai.last_request.json["max_completion_tokens"] == 100
