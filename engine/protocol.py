@@ -93,6 +93,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = True
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none": tools are not used, as in a chat completion
     add_generation_prompt: bool = True
 
 

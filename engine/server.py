@@ -510,7 +510,11 @@ class EngineServer:
             if req.prompt is not None:
                 raise ApiError(400, "give either prompt or messages, not both", param="messages")
             tokens = self._chat_prompt_ids(
-                tokenizer, req.messages, req.tools, bool(req.tools), req.add_generation_prompt
+                tokenizer,
+                req.messages,
+                req.tools,
+                bool(req.tools) and req.tool_choice != "none",
+                req.add_generation_prompt,
             )
         elif req.prompt is not None:
             # As a completion of the prompt gets it (BOS where the model wants one), or without special

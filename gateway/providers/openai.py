@@ -272,8 +272,9 @@ def tokenize_request(backend: Backend, request: ChatRequest, model: str) -> Upst
     """Weir's engine counts a chat with `POST /tokenize` (vLLM's endpoint), at its server root."""
     chat = request_body(request, model)
     body = {"model": model, "messages": chat["messages"]}
-    if chat.get("tools"):
-        body["tools"] = chat["tools"]
+    for key in ("tools", "tool_choice"):
+        if chat.get(key):
+            body[key] = chat[key]
     if _has_cache_control(request):
         _strip_cache_control(body)
     root = (backend.base_url or backend.url or "").rstrip("/").removesuffix("/v1")

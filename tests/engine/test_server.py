@@ -736,6 +736,15 @@ async def test_tokenize_messages_counts_a_chat_completions_prompt_tokens(served:
         served.root, "/tokenize", {"model": MODEL, "messages": messages, "add_generation_prompt": False}
     )
     assert bare.json()["tokens"] == body["tokens"][: -len("assistant: ")]  # byte-level: one per byte
+    # Tools with tool_choice "none" on a template without a tool prompt: served (the tools unused), and
+    # counted the same.
+    unused = {"tools": TOOLS, "tool_choice": "none"}
+    reply = await served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, **unused
+    )  # type: ignore[arg-type]
+    counted = await post(served.root, "/tokenize", {"model": MODEL, "messages": messages, **unused})
+    assert counted.status_code == 200 and reply.usage
+    assert counted.json()["count"] == reply.usage.prompt_tokens
 
 
 async def test_tokenize_messages_with_tools_counts_as_the_chat_completion(tool_client: AsyncOpenAI) -> None:
