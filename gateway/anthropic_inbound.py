@@ -1,6 +1,12 @@
 """The Anthropic Messages API inbound: requests into the canonical shape, and canonical responses and
 stream chunks back into Messages responses and the full event sequence (message_start, ping,
-content_block_start/delta/stop, message_delta with usage, message_stop)."""
+content_block_start/delta/stop, message_delta with usage, message_stop).
+
+Reasoning: `thinking` becomes the canonical `reasoning_budget`; thinking blocks in earlier turns are
+kept (only an Anthropic backend can use them: it checks their signatures). The model's reasoning is
+shown as thinking blocks, first in the content, to a client that enabled thinking, as Anthropic does;
+reasoning from another vendor has no signature and is shown with an empty one, which Weir's Anthropic
+adapter never sends upstream."""
 
 from __future__ import annotations
 
@@ -12,17 +18,22 @@ import msgspec
 from gateway.errors import InvalidRequest, encode_anthropic_error, stream_failure
 from gateway.providers.base import new_id, parse_arguments
 from gateway.types import (
+    AssistantMessage,
     Base,
     ChatChunk,
     ChatRequest,
     ChatResponse,
     ContentPart,
+    Delta,
     FunctionCall,
     FunctionDefinition,
     ImagePart,
     ImageURL,
     Message,
     NamedToolChoice,
+    Reasoning,
+    ReasoningBlock,
+    RedactedReasoning,
     TextPart,
     Tool,
     ToolCall,
@@ -104,6 +115,18 @@ class InboundToolChoice(Base):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThinkingConfig(Base):
+    type: str  # "enabled" or "disabled"
+    budget_tokens: int | None = None
+
+    def budget(self) -> int | None:
+        if self.type != "enabled":
+            return None
+        if self.budget_tokens is None:
+            raise InvalidRequest("thinking.enabled.budget_tokens: Field required", param="thinking")
+        return self.budget_tokens
+
+
 class Metadata(Base):
     user_id: str | None = None
 
@@ -121,7 +144,12 @@ class MessagesRequest(Base):
     tools: list[InboundTool] | None = None
     tool_choice: InboundToolChoice | None = None
     metadata: Metadata | None = None
-    thinking: dict[str, Any] | None = None  # accepted; reasoning is not carried across vendors yet
+    thinking: ThinkingConfig | None = None
+
+    @property
+    def shows_thinking(self) -> bool:
+        """Whether the reply shows the model's reasoning: Anthropic's only when thinking is enabled."""
+        return self.thinking is not None and self.thinking.type == "enabled"
 
 
 class CountTokensRequest(Base):
@@ -132,7 +160,7 @@ class CountTokensRequest(Base):
     system: str | list[TextBlock] | None = None
     tools: list[InboundTool] | None = None
     tool_choice: InboundToolChoice | None = None
-    thinking: dict[str, Any] | None = None  # accepted, as on /v1/messages
+    thinking: ThinkingConfig | None = None
 
     def to_canonical(self) -> ChatRequest:
         as_messages = MessagesRequest(
@@ -142,6 +170,7 @@ class CountTokensRequest(Base):
             system=self.system,
             tools=self.tools,
             tool_choice=self.tool_choice,
+            thinking=self.thinking,
         )
         return msgspec.structs.replace(to_canonical(as_messages), max_tokens=None)
 
@@ -199,6 +228,7 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
 def _assistant_message(content: list[Block]) -> Message:
     texts: list[str] = []
     calls: list[ToolCall] = []
+    reasoning: list[Reasoning] = []
     cache_control = None
     for block in content:
         if isinstance(block, TextBlock):
@@ -208,12 +238,16 @@ def _assistant_message(content: list[Block]) -> Message:
             arguments = msgspec.json.encode(block.input).decode()
             calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name, arguments=arguments)))
             cache_control = block.cache_control or cache_control
-        # thinking blocks from earlier turns are dropped: other vendors cannot verify their signatures
+        elif isinstance(block, ThinkingBlock):
+            reasoning.append(ReasoningBlock(text=block.thinking, signature=block.signature))
+        elif isinstance(block, RedactedThinkingBlock):
+            reasoning.append(RedactedReasoning(data=block.data))
     return Message(
         role="assistant",
         content="".join(texts) if texts else None,
         tool_calls=calls or None,
         cache_control=cache_control,
+        reasoning_blocks=reasoning or None,
     )
 
 
@@ -267,6 +301,7 @@ def to_canonical(request: MessagesRequest) -> ChatRequest:
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         user=request.metadata.user_id if request.metadata else None,
+        reasoning_budget=request.thinking.budget() if request.thinking else None,
         extra=extra,
     )
 
@@ -281,11 +316,27 @@ def _tool_input(arguments: str) -> dict[str, Any]:
         return {"_raw": arguments}  # the backend produced arguments that are not a JSON object
 
 
-def from_canonical(response: ChatResponse, model: str) -> dict[str, Any]:
+def _thinking_blocks(message: AssistantMessage) -> list[dict[str, Any]]:
+    if not message.reasoning_blocks:
+        # Another vendor's reasoning: unsigned, so shown with an empty signature (see the module doc).
+        text = message.reasoning_content
+        return [{"type": "thinking", "thinking": text, "signature": ""}] if text else []
+    return [
+        {"type": "thinking", "thinking": block.text, "signature": block.signature or ""}
+        if isinstance(block, ReasoningBlock)
+        else {"type": "redacted_thinking", "data": block.data}
+        for block in message.reasoning_blocks
+    ]
+
+
+def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -> dict[str, Any]:
+    """The Messages response; `thinking`: whether the client enabled thinking, and so sees reasoning."""
     choice = response.choices[0] if response.choices else None
     content: list[dict[str, Any]] = []
     stop_reason = "end_turn"
     if choice is not None:
+        if thinking:
+            content.extend(_thinking_blocks(choice.message))
         if choice.message.content:
             content.append({"type": "text", "text": choice.message.content})
         for call in choice.message.tool_calls or ():
@@ -318,9 +369,10 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 class _EventWriter:
     """Canonical chunks -> Anthropic events; keeps which content block is open."""
 
-    def __init__(self) -> None:
+    def __init__(self, thinking: bool) -> None:
+        self.thinking = thinking  # whether reasoning is shown (the client enabled thinking)
         self.index = -1
-        self.open_kind: str | None = None  # "text" or "tool"
+        self.open_kind: str | None = None  # "thinking", "text" or "tool"
         self.tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> content block index
         self.finish: str | None = None
         self.usage = Usage()
@@ -341,21 +393,34 @@ class _EventWriter:
             )
         )
 
+    def delta(self, delta: dict[str, Any], out: list[bytes]) -> None:
+        event = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        out.append(_event("content_block_delta", event))
+
+    def reasoning(self, delta: Delta, out: list[bytes]) -> None:
+        """Reasoning as thinking blocks: the text streams into the open one, which its signature ends."""
+        if delta.redacted_reasoning is not None:
+            self.open_block("redacted", {"type": "redacted_thinking", "data": delta.redacted_reasoning}, out)
+            self.close_block(out)
+        if (delta.reasoning_content or delta.reasoning_signature) and self.open_kind != "thinking":
+            self.open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}, out)
+        if delta.reasoning_content:
+            self.delta({"type": "thinking_delta", "thinking": delta.reasoning_content}, out)
+        if delta.reasoning_signature:
+            self.delta({"type": "signature_delta", "signature": delta.reasoning_signature}, out)
+            self.close_block(out)
+
     def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
         if chunk.usage is not None:
             self.usage = chunk.usage
         for choice in chunk.choices[:1]:
             delta = choice.delta
+            if self.thinking:
+                self.reasoning(delta, out)
             if delta.content:
                 if self.open_kind != "text":
                     self.open_block("text", {"type": "text", "text": ""}, out)
-                text_delta = {"type": "text_delta", "text": delta.content}
-                out.append(
-                    _event(
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": self.index, "delta": text_delta},
-                    )
-                )
+                self.delta({"type": "text_delta", "text": delta.content}, out)
             for call in delta.tool_calls or ():
                 if call.index not in self.tool_blocks:
                     name = (call.function.name if call.function else None) or ""
@@ -382,10 +447,12 @@ class _EventWriter:
         out.append(_event("message_stop", {"type": "message_stop"}))
 
 
-async def stream_events(batches: AsyncIterator[list[ChatChunk]], model: str) -> AsyncIterator[bytes]:
+async def stream_events(
+    batches: AsyncIterator[list[ChatChunk]], model: str, thinking: bool = False
+) -> AsyncIterator[bytes]:
     """Batches of canonical chunks as Anthropic's event sequence, one write per batch. Usage is only
     final at the end of an upstream stream, so message_start reports zeros and message_delta carries
-    the whole usage."""
+    the whole usage. `thinking`: whether the client enabled thinking, and so sees reasoning."""
     start: dict[str, Any] = {
         "id": new_id("msg_"),
         "type": "message",
@@ -396,7 +463,7 @@ async def stream_events(batches: AsyncIterator[list[ChatChunk]], model: str) -> 
         "stop_sequence": None,
         "usage": anthropic_usage(Usage()),
     }
-    writer = _EventWriter()
+    writer = _EventWriter(thinking)
     out = [
         _event("message_start", {"type": "message_start", "message": start}),
         _event("ping", {"type": "ping"}),

@@ -26,12 +26,14 @@ def _ceil_tokens(size: int) -> int:
 
 
 def chunk_text_bytes(chunk: Any) -> int:
-    """UTF-8 bytes of generated text (content, refusal, tool-call names and arguments) in a chunk."""
+    """UTF-8 bytes of generated text (content, refusal, reasoning, tool-call names and arguments) in
+    a chunk: reasoning is output the vendor bills too."""
     if isinstance(chunk, ChatChunk):
         size = 0
         for choice in chunk.choices:
             delta = choice.delta
             size += len((delta.content or "").encode()) + len((delta.refusal or "").encode())
+            size += len((delta.reasoning_content or "").encode())
             for call in delta.tool_calls or ():
                 if call.function is not None:
                     size += len((call.function.name or "").encode())

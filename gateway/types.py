@@ -3,7 +3,10 @@
 Inbound Anthropic Messages requests are translated into these, every provider adapter translates
 from them, and every response comes back as them. Two deliberate extensions of the OpenAI shape:
 `cache_control` on content parts, tools and messages (so Anthropic prompt-cache breakpoints survive
-the trip), and `usage` held as the normalised `gateway.usage.Usage` (rendered per client API).
+the trip), `usage` held as the normalised `gateway.usage.Usage` (rendered per client API), and
+reasoning: `reasoning_content` (the field DeepSeek and vLLM add to the OpenAI shape) plus the signed
+blocks Anthropic needs back (`reasoning_blocks`, `reasoning_signature`, `redacted_reasoning`), which
+are internal: OpenAI clients never see them.
 """
 
 from __future__ import annotations
@@ -67,6 +70,23 @@ class ToolCall(Base, tag="function", tag_field="type"):
     function: FunctionCall
 
 
+class ReasoningBlock(Base, tag="thinking", tag_field="type"):
+    """A model's reasoning as a vendor that signs it returned it (Anthropic's thinking block): the
+    signature proves the text is the model's own, and the vendor wants both back unchanged."""
+
+    text: str
+    signature: str | None = None  # None (or ""): unsigned reasoning, which no vendor will take back
+
+
+class RedactedReasoning(Base, tag="redacted_thinking", tag_field="type"):
+    """Reasoning the vendor returned only encrypted (Anthropic's redacted_thinking), to be sent back as is."""
+
+    data: str
+
+
+Reasoning = ReasoningBlock | RedactedReasoning
+
+
 class Message(Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -75,6 +95,8 @@ class Message(Base):
     tool_call_id: str | None = None
     refusal: str | None = None
     cache_control: dict[str, Any] | None = None  # applies to the last block this message becomes
+    # An assistant turn's reasoning, in order (Anthropic inbound); only vendors that sign reasoning use it.
+    reasoning_blocks: list[Reasoning] | None = None
 
     def text(self) -> str:
         """The message's text parts joined (images and other parts dropped)."""
@@ -148,6 +170,9 @@ class ChatRequest(Base):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     reasoning_effort: str | None = None
+    # Tokens the model may spend reasoning (Anthropic's `thinking.budget_tokens`); each provider maps
+    # it, or `reasoning_effort` when this is unset, to what its vendor takes.
+    reasoning_budget: int | None = None
     service_tier: str | None = None
     store: bool | None = None
     # Top-level parameters Weir does not model; forwarded verbatim to OpenAI-compatible backends only.
@@ -173,6 +198,8 @@ class AssistantMessage(Base):
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None  # the reasoning text, all blocks joined
+    reasoning_blocks: list[Reasoning] | None = None  # internal: the blocks with their signatures
 
 
 class Choice(Base):
@@ -208,6 +235,11 @@ class Delta(Base):
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None
+    # Internal, never rendered to OpenAI clients: the signature that ends the reasoning block streamed
+    # so far (the next reasoning text starts a new block), and a whole redacted block's data.
+    reasoning_signature: str | None = None
+    redacted_reasoning: str | None = None
 
 
 class ChunkChoice(Base):

@@ -221,6 +221,37 @@ def test_thinking_block_and_signature(client: anthropic.Anthropic) -> None:
     assert final.content[0].thinking == "Let me think about: a b"
 
 
+def test_thinking_sent_back_is_checked(client: anthropic.Anthropic, fake_anthropic: FakeAnthropic) -> None:
+    ask = {"model": MODEL, "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    first = client.messages.create(
+        **ask, tools=[WEATHER_TOOL], tool_choice={"type": "auto"}, messages=user("weather? call get_weather")
+    )
+    thinking, *rest = [b.model_dump(exclude_none=True) for b in first.content]
+    assert thinking["signature"] == fake_anthropic.sign(thinking["thinking"])
+    use = first.content[-1]
+    assert use.type == "tool_use"
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "rain"}]}
+
+    def follow_up(assistant: list[dict]) -> anthropic.types.Message:
+        return client.messages.create(
+            **ask,
+            tools=[WEATHER_TOOL],
+            messages=[*user("weather?"), {"role": "assistant", "content": assistant}, result],
+        )
+
+    assert follow_up([thinking, *rest]).content[-1].text == "Tool get_weather returned: rain"
+    assert follow_up([{"type": "redacted_thinking", "data": "opaque"}, *rest]).stop_reason == "end_turn"
+    for bad in (
+        {**thinking, "signature": "forged"},
+        {**thinking, "thinking": "edited"},
+        {"type": "thinking", "thinking": "x"},
+    ):
+        with pytest.raises(anthropic.BadRequestError, match="Invalid `signature`"):
+            follow_up([bad, *rest])
+    with pytest.raises(anthropic.BadRequestError, match="must start with a thinking block"):
+        follow_up(rest)
+
+
 def test_errors_use_anthropic_shape(client: anthropic.Anthropic, fake_anthropic: FakeAnthropic) -> None:
     bad = anthropic.Anthropic(base_url=fake_anthropic.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as err:

@@ -36,9 +36,11 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
     if body.max_tokens < 1:
         raise InvalidRequest("max_tokens: must be at least 1", param="max_tokens")
     result = await run_chat(gateway, call, to_canonical(body))
+    thinking = body.shows_thinking
     if isinstance(result, ChatResponse):
-        return json_response(from_canonical(result, body.model))
-    return Stream(stream_events(result, body.model), media_type="text/event-stream", headers=SSE_HEADERS)
+        return json_response(from_canonical(result, body.model, thinking))
+    events = stream_events(result, body.model, thinking)
+    return Stream(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 @post(COUNT_PATH, status_code=200)

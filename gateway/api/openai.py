@@ -25,12 +25,20 @@ _DONE = b"data: [DONE]\n\n"
 # --- rendering -----------------------------------------------------------------------------------
 
 
+# Canonical fields OpenAI's shape has no place for: signed reasoning is for the vendor that signed it
+# (OpenAI clients get the text as `reasoning_content`, as from DeepSeek).
+_INTERNAL_MESSAGE_FIELDS = ("reasoning_blocks",)
+_INTERNAL_DELTA_FIELDS = ("reasoning_signature", "redacted_reasoning")
+
+
 def render_chat(response: ChatResponse) -> dict[str, Any]:
     data = msgspec.to_builtins(response)
     data["object"] = "chat.completion"
     data["usage"] = openai_usage(response.usage)
     for choice in data["choices"]:
         choice["message"].setdefault("content", None)
+        for name in _INTERNAL_MESSAGE_FIELDS:
+            choice["message"].pop(name, None)
         choice.setdefault("finish_reason", None)
     return data
 
@@ -44,6 +52,8 @@ def render_chunk(chunk: ChatChunk) -> bytes:
     if chunk.usage is not None:
         data["usage"] = openai_usage(chunk.usage)
     for choice in data["choices"]:
+        for name in _INTERNAL_DELTA_FIELDS:
+            choice["delta"].pop(name, None)
         choice.setdefault("finish_reason", None)
     return b"data: " + _encode(data) + b"\n\n"
 

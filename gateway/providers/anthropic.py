@@ -1,7 +1,11 @@
 """Anthropic Messages API as a backend: canonical (OpenAI-shaped) chat <-> Messages requests, responses
 and the streaming event sequence. Structured output (`response_format`) is done the way Anthropic
 recommends without a beta: one forced tool whose input schema is the requested schema; its input comes
-back as the message content."""
+back as the message content.
+
+Reasoning: a `reasoning_budget` (an Anthropic client's own `thinking`) is sent as it is, while
+`reasoning_effort` (an OpenAI client's) becomes a budget fitted to Anthropic's rules. Thinking blocks
+come back as `reasoning_content` plus the signed blocks, which go back upstream first in their turn."""
 
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ from gateway.types import (
     FunctionCallDelta,
     ImagePart,
     Message,
+    Reasoning,
+    ReasoningBlock,
+    RedactedReasoning,
     TextPart,
     TokenCount,
     ToolCall,
@@ -51,6 +58,9 @@ from gateway.usage import normalise_usage
 VENDOR = "anthropic"
 DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; OpenAI clients often leave it out
 JSON_TOOL = "json_response"  # the forced tool that carries structured output
+MIN_THINKING_BUDGET = 1024  # Anthropic refuses smaller thinking budgets
+# reasoning_effort -> thinking budget; other efforts ("minimal", "none") ask for no thinking.
+EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384}
 
 STOP_REASONS = {
     "end_turn": "stop",
@@ -120,6 +130,23 @@ def _blocks(content: str | list[ContentPart] | None, where: str) -> list[dict[st
     return blocks
 
 
+def _signed(block: Reasoning) -> bool:
+    # Unsigned reasoning (another vendor's, shown to an Anthropic client) can never pass Anthropic's
+    # signature check: it is left out rather than have the whole request refused.
+    return isinstance(block, RedactedReasoning) or bool(block.signature)
+
+
+def _reasoning_blocks(message: Message) -> list[dict[str, Any]]:
+    """The turn's signed thinking, which Anthropic wants back unchanged and before the turn's text."""
+    return [
+        {"type": "thinking", "thinking": block.text, "signature": block.signature}
+        if isinstance(block, ReasoningBlock)
+        else {"type": "redacted_thinking", "data": block.data}
+        for block in message.reasoning_blocks or ()
+        if _signed(block)
+    ]
+
+
 def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     system: list[dict[str, Any]] = []
     out: list[dict[str, Any]] = []
@@ -144,7 +171,7 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
         elif message.role == "user":
             append("user", _blocks(message.content, where), message.cache_control)
         elif message.role == "assistant":
-            blocks = _blocks(message.content, where)
+            blocks = _reasoning_blocks(message) + _blocks(message.content, where)
             for j, call in enumerate(message.tool_calls or ()):
                 blocks.append(
                     {
@@ -192,13 +219,47 @@ def _uses_json_tool(request: ChatRequest) -> bool:
     return form is not None and form.type != "text" and not request.tools
 
 
+def _continues_unsigned_tool_turn(messages: list[Message]) -> bool:
+    """Whether the last assistant turn called tools without signed thinking to send back. Anthropic
+    refuses thinking then: a tool loop's assistant turn must start with its own signed thinking."""
+    for message in reversed(messages):
+        if message.role == "assistant":
+            return bool(message.tool_calls) and not any(map(_signed, message.reasoning_blocks or ()))
+    return False
+
+
+def _thinking(request: ChatRequest) -> tuple[int | None, int]:
+    """(thinking budget or None, max_tokens) for the request.
+
+    An explicit budget (an Anthropic client's `thinking`) is passed as it is: the client chose it, and
+    Anthropic's own 400 is the answer to an invalid one. A budget from `reasoning_effort` (an OpenAI
+    client, which has no way to meet Anthropic's rules itself) is fitted to them instead: left out
+    where Anthropic would refuse any thinking (a forced tool, a tool loop without the signed thinking
+    OpenAI clients cannot send back) and kept below max_tokens, which thinking counts toward."""
+    limit = request.output_limit
+    budget = request.reasoning_budget
+    if budget is None and request.reasoning_effort is not None:
+        budget = EFFORT_BUDGETS.get(request.reasoning_effort)
+        if budget is not None and (
+            _uses_json_tool(request) or _continues_unsigned_tool_turn(request.messages)
+        ):
+            budget = None
+        if budget is not None and limit is not None and budget >= limit:
+            # Clamped under the client's limit, or no thinking when not even the minimum fits.
+            budget = limit - 1 if limit - 1 >= MIN_THINKING_BUDGET else None
+    if limit is None:
+        # The default limit is for the answer: thinking comes on top of it.
+        limit = DEFAULT_MAX_TOKENS + (budget or 0)
+    return budget, limit
+
+
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     body = json_encode(_chat_body(request, model))
     return UpstreamRequest(_url(backend), _headers(backend), body, stream=bool(request.stream))
 
 
 # What /v1/messages/count_tokens takes of a Messages body; it refuses the rest (max_tokens, stream...).
-_COUNTED = ("model", "messages", "system", "tools", "tool_choice")
+_COUNTED = ("model", "messages", "system", "tools", "tool_choice", "thinking")
 
 
 def count_tokens_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
@@ -214,11 +275,10 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if request.n is not None and request.n > 1:
         raise InvalidRequest("Anthropic models do not support n > 1", param="n")
     system, messages = _messages(request.messages)
-    body: dict[str, Any] = {
-        "model": model,
-        "max_tokens": request.output_limit or DEFAULT_MAX_TOKENS,
-        "messages": messages,
-    }
+    budget, max_tokens = _thinking(request)
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": messages}
+    if budget is not None:
+        body["thinking"] = {"type": "enabled", "budget_tokens": budget}
     if system:
         body["system"] = system
     PARAMS.apply(request, body)
@@ -258,11 +318,16 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         raise BadGateway("the Anthropic backend returned an unexpected response")
     text: list[str] = []
     calls: list[ToolCall] = []
+    reasoning: list[Reasoning] = []
     structured: str | None = None  # the structured-output tool's input, which is then the whole reply
     for block in data["content"]:
         kind = block.get("type")
         if kind == "text":
             text.append(block.get("text", ""))
+        elif kind == "thinking":
+            reasoning.append(ReasoningBlock(text=block.get("thinking", ""), signature=block.get("signature")))
+        elif kind == "redacted_thinking":
+            reasoning.append(RedactedReasoning(data=block.get("data", "")))
         elif kind == "tool_use":
             arguments = msgspec.json.encode(block.get("input") or {}).decode()
             if block.get("name") == JSON_TOOL:
@@ -276,8 +341,13 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         text = [structured]
         if not calls:
             finish = "stop"
+    thoughts = [block.text for block in reasoning if isinstance(block, ReasoningBlock)]
     message = AssistantMessage(
-        role="assistant", content="".join(text) if text or not calls else None, tool_calls=calls or None
+        role="assistant",
+        content="".join(text) if text or not calls else None,
+        tool_calls=calls or None,
+        reasoning_content="".join(thoughts) if thoughts else None,
+        reasoning_blocks=reasoning or None,
     )
     return ChatResponse(
         id=data.get("id", ""),
@@ -339,7 +409,13 @@ class ChatStream:
                     function=FunctionCallDelta(name=block.get("name"), arguments=""),
                 )
                 return [self._chunk(Delta(tool_calls=[delta]))]
-            self.blocks[index] = (block.get("type", "text"), -1)
+            block_type = block.get("type", "text")
+            self.blocks[index] = (block_type, -1)
+            if block_type == "redacted_thinking":
+                return [self._chunk(Delta(redacted_reasoning=block.get("data", "")))]
+            if block_type == "thinking":
+                thought = block.get("thinking")
+                return [self._chunk(Delta(reasoning_content=thought))] if thought else []
             text = block.get("text")
             return [self._chunk(Delta(content=text))] if text and not self.structured else []
         if kind == "content_block_delta":
@@ -353,7 +429,11 @@ class ChatStream:
                     return [self._chunk(Delta(content=partial))] if partial else []
                 tool_delta = ToolCallDelta(index=call, function=FunctionCallDelta(arguments=partial))
                 return [self._chunk(Delta(tool_calls=[tool_delta]))]
-            return []  # thinking and signature deltas are not part of the OpenAI shape
+            if delta.get("type") == "thinking_delta":
+                return [self._chunk(Delta(reasoning_content=delta.get("thinking", "")))]
+            if delta.get("type") == "signature_delta":
+                return [self._chunk(Delta(reasoning_signature=delta.get("signature", "")))]
+            return []  # delta types added later
         if kind == "message_delta":
             usage = payload.get("usage") or {}
             self.usage.update({k: v for k, v in usage.items() if v is not None})

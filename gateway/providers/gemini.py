@@ -1,5 +1,7 @@
 """Google Gemini (generativelanguage API, v1beta) as a backend: canonical chat <-> generateContent /
-streamGenerateContent?alt=sse, and embeddings through batchEmbedContents."""
+streamGenerateContent?alt=sse, and embeddings through batchEmbedContents. Reasoning asked for (a
+budget or an effort) sets `thinkingConfig` with `includeThoughts`; thought parts come back as
+`reasoning_content`."""
 
 from __future__ import annotations
 
@@ -75,6 +77,10 @@ PARAMS = ParamTable(
         "frequency_penalty": Param("generationConfig.frequencyPenalty"),
     }
 )
+
+# reasoning_effort -> thinkingBudget, as Google maps it on its own OpenAI-compatible endpoint
+# ("none" turns thinking off where the model allows it; "minimal" gets the smallest budget).
+EFFORT_BUDGETS = {"none": 0, "minimal": 1024, "low": 1024, "medium": 8192, "high": 24576}
 
 # JSON-schema keywords Gemini's OpenAPI-subset `parameters` rejects.
 _UNSUPPORTED_SCHEMA_KEYS = frozenset(
@@ -190,6 +196,18 @@ def _tool_config(request: ChatRequest) -> dict[str, Any] | None:
     return {"functionCallingConfig": config}
 
 
+def _thinking_config(request: ChatRequest) -> dict[str, Any] | None:
+    budget = request.reasoning_budget
+    if budget is None and request.reasoning_effort is not None:
+        budget = EFFORT_BUDGETS.get(request.reasoning_effort)
+    if budget is None:
+        return None  # the model's default: it may think, and its thoughts are not returned
+    config: dict[str, Any] = {"thinkingBudget": budget}
+    if budget != 0:
+        config["includeThoughts"] = True  # reasoning asked for is shown, as reasoning_content
+    return config
+
+
 def chat_body(request: ChatRequest) -> dict[str, Any]:
     system, contents = _contents(request.messages)
     body: dict[str, Any] = {"contents": contents}
@@ -198,6 +216,9 @@ def chat_body(request: ChatRequest) -> dict[str, Any]:
     PARAMS.apply(request, body)
     if request.output_limit is not None:
         body.setdefault("generationConfig", {})["maxOutputTokens"] = request.output_limit
+    thinking = _thinking_config(request)
+    if thinking is not None:
+        body.setdefault("generationConfig", {})["thinkingConfig"] = thinking
     if request.tools:
         declarations = []
         for tool in request.tools:
@@ -232,13 +253,16 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     return UpstreamRequest(_url(backend, model, "generateContent"), _headers(backend), body)
 
 
-def _candidate(candidate: dict[str, Any], call_ids: list[str]) -> tuple[str | None, list[ToolCall]]:
-    """A candidate's text (thought parts left out) and its function calls."""
+def _candidate(
+    candidate: dict[str, Any], call_ids: list[str]
+) -> tuple[str | None, str | None, list[ToolCall]]:
+    """A candidate's text, its thoughts (the reasoning) and its function calls."""
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[ToolCall] = []
     for part in (candidate.get("content") or {}).get("parts") or ():
-        if "text" in part and not part.get("thought"):
-            texts.append(part["text"])
+        if "text" in part:
+            (thoughts if part.get("thought") else texts).append(part["text"])
         elif "functionCall" in part:
             call = part["functionCall"]
             call_id = call.get("id") or new_id("call_")
@@ -247,7 +271,7 @@ def _candidate(candidate: dict[str, Any], call_ids: list[str]) -> tuple[str | No
             calls.append(
                 ToolCall(id=call_id, function=FunctionCall(name=call.get("name", ""), arguments=arguments))
             )
-    return ("".join(texts) if texts else None), calls
+    return ("".join(texts) if texts else None), ("".join(thoughts) if thoughts else None), calls
 
 
 def _finish(reason: str | None, has_calls: bool) -> str | None:
@@ -270,11 +294,12 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     _check_blocked(data)
     choices = []
     for i, candidate in enumerate(data.get("candidates") or ()):
-        text, calls = _candidate(candidate, [])
+        text, thoughts, calls = _candidate(candidate, [])
         message = AssistantMessage(
             role="assistant",
             content=text if text is not None or not calls else None,
             tool_calls=calls or None,
+            reasoning_content=thoughts,
         )
         finish = _finish(candidate.get("finishReason") or "STOP", bool(calls))
         choices.append(Choice(index=candidate.get("index", i), message=message, finish_reason=finish))
@@ -319,7 +344,7 @@ class ChatStream:
         choices = []
         for i, candidate in enumerate(payload.get("candidates") or ()):
             index = candidate.get("index", i)
-            text, calls = _candidate(candidate, [])
+            text, thoughts, calls = _candidate(candidate, [])
             first = self.tool_calls.get(index, 0)
             deltas = [
                 ToolCallDelta(
@@ -336,7 +361,7 @@ class ChatStream:
             finish = _finish(candidate.get("finishReason"), self.tool_calls[index] > 0)
             if finish is not None:
                 self.finished = True
-            delta = Delta(role=role, content=text, tool_calls=deltas or None)
+            delta = Delta(role=role, content=text, tool_calls=deltas or None, reasoning_content=thoughts)
             choices.append(ChunkChoice(index=index, delta=delta, finish_reason=finish))
         if not choices:
             return []

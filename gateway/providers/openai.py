@@ -1,6 +1,7 @@
 """OpenAI and every OpenAI-compatible server (vLLM, SGLang, Ollama, Together, Groq, DeepSeek, Mistral,
 Azure OpenAI, Weir's own engine). The canonical shape is OpenAI's, so translation is mostly identity:
-set the upstream model id, always ask for stream usage, and normalise the usage that comes back."""
+set the upstream model id, always ask for stream usage, and normalise the usage that comes back.
+Reasoning comes back as `reasoning_content` (DeepSeek, vLLM's reasoning parsers), already canonical."""
 
 from __future__ import annotations
 
@@ -88,13 +89,31 @@ def _has_cache_control(request: ChatRequest) -> bool:
     return any(tool.cache_control is not None for tool in request.tools or ())
 
 
-def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+def effort_for_budget(budget: int) -> str:
+    """A reasoning budget in tokens (from an Anthropic client's `thinking`) as an OpenAI effort."""
+    if budget <= 1024:
+        return "low"
+    return "medium" if budget <= 8192 else "high"
+
+
+def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     body = request_body(request, model)
+    budget = body.pop("reasoning_budget", None)
+    if budget is not None and request.reasoning_effort is None:
+        body["reasoning_effort"] = effort_for_budget(budget)
+    # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take none back.
+    for message in body["messages"]:
+        message.pop("reasoning_blocks", None)
+    if _has_cache_control(request):
+        _strip_cache_control(body)
+    return body
+
+
+def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    body = _chat_body(request, model)
     if request.stream:
         # Always ask for the usage chunk: accounting needs it even when the client did not.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    if _has_cache_control(request):
-        _strip_cache_control(body)
     return UpstreamRequest(
         url(backend, "/chat/completions"), headers(backend), json_encode(body), stream=bool(request.stream)
     )
@@ -270,13 +289,11 @@ PROVIDER = Provider(
 
 def tokenize_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     """Weir's engine counts a chat with `POST /tokenize` (vLLM's endpoint), at its server root."""
-    chat = request_body(request, model)
+    chat = _chat_body(request, model)
     body = {"model": model, "messages": chat["messages"]}
     for key in ("tools", "tool_choice"):
         if chat.get(key):
             body[key] = chat[key]
-    if _has_cache_control(request):
-        _strip_cache_control(body)
     root = (backend.base_url or backend.url or "").rstrip("/").removesuffix("/v1")
     return UpstreamRequest(f"{root}/tokenize", headers(backend), json_encode(body))
 

@@ -17,6 +17,10 @@ Rejects with Anthropic's 400 what Anthropic rejects: a missing ``max_tokens``/``
 ``max_tokens`` above the model's limit (`MAX_OUTPUT_TOKENS`), ``temperature`` above 1, a thinking
 budget under 1024 or not below ``max_tokens``, a ``tool_result`` without its ``tool_use`` in the
 previous message, unknown block types; on ``count_tokens``, fields it does not take (``max_tokens``).
+Thinking signatures are checked as Anthropic checks them: the fake signs each thinking block it
+returns (an HMAC of its text), and a thinking block sent back with a missing, made-up or
+mismatched signature is a 400; with thinking enabled, a tool loop's final assistant message must
+start with a thinking (or redacted_thinking) block, or it is a 400 too.
 
 Usage: ``input_tokens`` is only the prompt tokens neither read from nor written to the cache;
 ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` (split in
@@ -29,8 +33,11 @@ counts in ``output_tokens`` (Anthropic reports no separate reasoning count).
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import secrets
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -88,6 +95,7 @@ class FakeAnthropic(FakeServer):
 
     def __init__(self, api_key: str | None = None, **kwargs: Any) -> None:
         super().__init__(api_key, **kwargs)
+        self._signing_key = secrets.token_bytes(32)  # signatures it issued verify for its whole life
         self.min_cache_tokens = 1024
         self.cache = BreakpointCache(min_tokens=self.min_cache_tokens)
 
@@ -146,6 +154,11 @@ class FakeAnthropic(FakeServer):
         if "anthropic-version" not in request.headers:
             return self.error_response(400, "anthropic-version: header is required")
         return None
+
+    def sign(self, thinking: str) -> str:
+        """The signature of a thinking block's text: only this fake can make one that verifies."""
+        digest = hmac.new(self._signing_key, thinking.encode(), hashlib.sha256).digest()
+        return base64.b64encode(digest).decode()
 
     # ---- request parsing -------------------------------------------------------------------------
 
@@ -227,14 +240,26 @@ class FakeAnthropic(FakeServer):
                             "`tool_use` block in the previous message.",
                         )
                     tokens = words(_text_of(block.get("content")))
-                elif kind in ("thinking", "redacted_thinking"):
+                elif kind == "thinking":
+                    signature = block.get("signature")
+                    if not isinstance(signature, str) or not hmac.compare_digest(
+                        signature, self.sign(str(block.get("thinking", "")))
+                    ):
+                        raise Invalid(
+                            400, f"messages.{i}.content.{j}: Invalid `signature` in `thinking` block"
+                        )
                     tokens = words(block.get("thinking", ""))
+                elif kind == "redacted_thinking":
+                    if not block.get("data"):
+                        raise Invalid(400, f"messages.{i}.content.{j}.data: Field required")
+                    tokens = []
                 else:
                     raise Invalid(
                         400, f"messages.{i}.content.{j}.type: Input tag '{kind}' is not a valid block type"
                     )
                 blocks.append(Block(tokens, _ttl(block)))
             previous_uses = uses
+        _check_thinking_turn(body)
         return blocks, tool_names
 
     def _turn(self, body: dict[str, Any], tool_names: dict[str, str]) -> Turn:
@@ -289,7 +314,7 @@ class FakeAnthropic(FakeServer):
             if thinking.get("type") == "enabled"
             else None
         )
-        content = _content_blocks(reply, thought)
+        content = _content_blocks(reply, thought, self.sign)
         output = sum(_block_tokens(b) for b in content)
         self.cache.min_tokens = self.min_cache_tokens
         cached = self.cache.process(blocks)
@@ -429,11 +454,36 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def _content_blocks(reply: Reply, thought: str | None) -> list[dict[str, Any]]:
+def _check_thinking_turn(body: dict[str, Any]) -> None:
+    """With thinking on, a tool loop (the last user turn answers tools) needs the final assistant
+    message to start with its thinking, as Anthropic refuses otherwise."""
+    if (body.get("thinking") or {}).get("type") != "enabled":
+        return
+    messages = body["messages"]
+    last = messages[-1].get("content")
+    if not isinstance(last, list) or not any(b.get("type") == "tool_result" for b in last):
+        return
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") != "assistant":
+            continue
+        content = messages[i].get("content")
+        first = content[0].get("type") if isinstance(content, list) and content else "text"
+        if first not in ("thinking", "redacted_thinking"):
+            raise Invalid(
+                400,
+                f"messages.{i}.content.0.type: Expected `thinking` or `redacted_thinking`, but found "
+                f"`{first}`. When `thinking` is enabled, a final `assistant` message must start with a "
+                "thinking block (preceeding the lastmost set of `tool_use` and `tool_result` blocks). "
+                "We recommend you include thinking blocks from previous turns. To avoid this requirement, "
+                "disable `thinking`.",
+            )
+        return
+
+
+def _content_blocks(reply: Reply, thought: str | None, sign: Callable[[str], str]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if thought is not None:
-        signature = base64.b64encode(secrets.token_bytes(48)).decode()
-        blocks.append({"type": "thinking", "thinking": thought, "signature": signature})
+        blocks.append({"type": "thinking", "thinking": thought, "signature": sign(thought)})
     if reply.tool_name:
         blocks.append({"type": "text", "text": f"I'll call {reply.tool_name}."})
         blocks.append(

@@ -72,6 +72,7 @@ EXTRA_MODELS = """\
   - {name: text-embedding-3-small, backend: openai}
   - {name: gemini-embedding, backend: gemini, model: gemini-embedding-001}
   - {name: deepseek-chat, backend: deepseek}
+  - {name: deepseek-reasoner, backend: deepseek}
   - {name: dead-model, backend: dead, model: gpt-4o-mini}
   - {name: impatient, backend: openai-impatient, model: gpt-4o-mini}
 """

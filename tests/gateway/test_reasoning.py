@@ -1,0 +1,650 @@
+"""Reasoning across vendors: Anthropic thinking (budgets, signed blocks, the tool loop), OpenAI's
+reasoning_effort, DeepSeek's reasoning_content and Gemini's thoughts, with the official SDKs as
+clients, and the pure translations underneath."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anthropic
+import httpx
+import msgspec
+import pytest
+
+from gateway.anthropic_inbound import MessagesRequest, from_canonical, stream_events, to_canonical
+from gateway.api.openai import render_chat, render_chunk
+from gateway.config import Backend
+from gateway.errors import InvalidRequest
+from gateway.estimate import chunk_text_bytes
+from gateway.providers import anthropic as anthropic_provider
+from gateway.providers import gemini, openai
+from gateway.types import (
+    AssistantMessage,
+    ChatChunk,
+    ChatRequest,
+    ChatResponse,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ReasoningBlock,
+    RedactedReasoning,
+)
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.gateway.conftest import DEMO_KEY, RunningGateway
+
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+OPENAI_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+INTERNAL = ("signature", "reasoning_blocks", "redacted_reasoning", "reasoning_signature")
+
+
+def _post_raw(gateway: RunningGateway, body: dict[str, Any]) -> str:
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {DEMO_KEY}"},
+        timeout=20,
+    )
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+def _stream_reasoning(raw: str) -> tuple[str, str]:
+    """(reasoning_content, content) joined from an OpenAI SSE stream's deltas."""
+    reasoning, content = [], []
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        for choice in json.loads(line[6:]).get("choices") or ():
+            reasoning.append(choice["delta"].get("reasoning_content") or "")
+            content.append(choice["delta"].get("content") or "")
+    return "".join(reasoning), "".join(content)
+
+
+# --- Anthropic clients to Claude -----------------------------------------------------------------
+
+
+def test_thinking_reaches_claude_and_comes_back_signed(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    message = gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=2000,
+        thinking=THINKING,
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == THINKING and sent["max_tokens"] == 2000
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    thinking = message.content[0]
+    assert thinking.type == "thinking" and thinking.thinking == "Let me think about: a b"
+    assert thinking.signature == fake_anthropic.sign(thinking.thinking)
+    assert message.content[1].text == "a b"
+    # Anthropic counts thinking in output_tokens and reports no split: nothing is counted twice.
+    assert message.usage.output_tokens == 6 + 2
+    [event] = gateway.sink.events
+    assert (event.usage.output_tokens, event.usage.reasoning_tokens) == (8, 0)
+
+
+def test_thinking_disabled_sends_no_thinking(gateway: RunningGateway, fake_anthropic: FakeAnthropic) -> None:
+    message = gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=100,
+        thinking={"type": "disabled"},
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    assert "thinking" not in fake_anthropic.last_request.json
+    assert [block.type for block in message.content] == ["text"]
+
+
+def test_thinking_stream_event_sequence(gateway: RunningGateway, fake_anthropic: FakeAnthropic) -> None:
+    events = list(
+        gateway.anthropic().messages.create(
+            model="claude-sonnet",
+            max_tokens=2000,
+            thinking=THINKING,
+            messages=[{"role": "user", "content": "a b"}],
+            stream=True,
+        )
+    )
+    shape = []
+    for event in events:
+        if event.type == "content_block_start":
+            shape.append(("start", event.index, event.content_block.type))
+        elif event.type == "content_block_delta":
+            shape.append(("delta", event.index, event.delta.type))
+        elif event.type == "content_block_stop":
+            shape.append(("stop", event.index, ""))
+        else:
+            shape.append((event.type, -1, ""))
+    # (The SDK does not yield pings.) Thinking deltas one word each ("Let me think about: a b"), then its signature, then the text.
+    assert shape == [
+        ("message_start", -1, ""),
+        ("start", 0, "thinking"),
+        *[("delta", 0, "thinking_delta")] * 6,
+        ("delta", 0, "signature_delta"),
+        ("stop", 0, ""),
+        ("start", 1, "text"),
+        *[("delta", 1, "text_delta")] * 2,
+        ("stop", 1, ""),
+        ("message_delta", -1, ""),
+        ("message_stop", -1, ""),
+    ]
+    thought = "".join(
+        e.delta.thinking
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+    )
+    [signature] = [
+        e.delta.signature
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "signature_delta"
+    ]
+    assert thought == "Let me think about: a b" and signature == fake_anthropic.sign(thought)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_tool_loop_with_thinking_sends_the_signed_block_back(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    client = gateway.anthropic()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": 'call get_weather {"city": "Lima"}'}]
+    ask = dict(model="claude-sonnet", max_tokens=2000, thinking=THINKING, tools=[WEATHER])
+    if stream:
+        with client.messages.stream(messages=messages, **ask) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(messages=messages, **ask)
+    assert [block.type for block in message.content] == ["thinking", "text", "tool_use"]
+    assert fake_anthropic.last_request.json["thinking"] == THINKING
+    [tool_use] = [block for block in message.content if block.type == "tool_use"]
+    returned = [block.model_dump(exclude_none=True) for block in message.content]
+    messages += [
+        {"role": "assistant", "content": returned},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": tool_use.id, "content": "foggy"}],
+        },
+    ]
+    answer = client.messages.create(messages=messages, **ask)
+    sent = fake_anthropic.last_request.json["messages"][1]
+    assert sent["content"][0] == returned[0]  # the thinking block, with its signature, intact and first
+    assert [block["type"] for block in sent["content"]] == ["thinking", "text", "tool_use"]
+    text = answer.content[-1].text
+    assert text.startswith("Tool get_weather returned: ") and "foggy" in text
+
+    # Anthropic's own 400s reach the client: a tampered signature, and a tool loop without the thinking.
+    tampered = [{**returned[0], "thinking": "something else"}, *returned[1:]]
+    with pytest.raises(anthropic.BadRequestError, match="signature"):
+        client.messages.create(
+            messages=[messages[0], {"role": "assistant", "content": tampered}, messages[2]], **ask
+        )
+    with pytest.raises(anthropic.BadRequestError, match="must start with a thinking block"):
+        client.messages.create(
+            messages=[messages[0], {"role": "assistant", "content": returned[1:]}, messages[2]], **ask
+        )
+
+
+# --- OpenAI clients to Claude --------------------------------------------------------------------
+
+
+def test_reasoning_effort_becomes_a_thinking_budget(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    raw = _post_raw(
+        gateway,
+        {
+            "model": "claude-sonnet",
+            "reasoning_effort": "low",
+            "messages": [{"role": "user", "content": "a b"}],
+        },
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 1024}
+    assert sent["max_tokens"] == anthropic_provider.DEFAULT_MAX_TOKENS + 1024  # the answer's room stays
+    message = json.loads(raw)["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "a b", "reasoning_content": "Let me think about: a b"}
+    assert not any(word in raw for word in INTERNAL)  # no signatures for OpenAI clients
+
+    response = gateway.openai().chat.completions.create(
+        model="claude-sonnet", reasoning_effort="low", messages=[{"role": "user", "content": "a b"}]
+    )
+    assert response.choices[0].message.model_extra == {"reasoning_content": "Let me think about: a b"}
+
+
+def test_reasoning_effort_stream_to_claude(gateway: RunningGateway) -> None:
+    body = {
+        "model": "claude-sonnet",
+        "reasoning_effort": "high",
+        "stream": True,
+        "messages": [{"role": "user", "content": "a b"}],
+    }
+    raw = _post_raw(gateway, body)
+    assert _stream_reasoning(raw) == ("Let me think about: a b", "a b")
+    assert not any(word in raw for word in INTERNAL)
+
+
+@pytest.mark.parametrize(
+    ("effort", "max_tokens", "budget"),
+    [
+        ("medium", 2000, 1999),  # clamped below max_tokens, which thinking counts toward
+        ("low", 1024, None),  # not even the minimum budget fits: no thinking
+        ("high", 30000, 16384),
+        ("minimal", 100, None),
+    ],
+)
+def test_effort_budget_fits_max_tokens(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, effort: str, max_tokens: int, budget: int | None
+) -> None:
+    response = gateway.openai().chat.completions.create(
+        model="claude-sonnet",
+        reasoning_effort=effort,
+        max_tokens=max_tokens,
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["max_tokens"] == max_tokens
+    assert sent.get("thinking") == ({"type": "enabled", "budget_tokens": budget} if budget else None)
+    reasoning = (response.choices[0].message.model_extra or {}).get("reasoning_content")
+    assert (reasoning is not None) == (budget is not None)
+
+
+def test_openai_tool_loop_with_effort_leaves_thinking_out_where_claude_would_refuse(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    client = gateway.openai()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": 'call get_weather {"city": "Oslo"}'}]
+    first = client.chat.completions.create(
+        model="claude-sonnet", reasoning_effort="low", messages=messages, tools=[OPENAI_WEATHER]
+    )
+    assert fake_anthropic.last_request.json["thinking"]["budget_tokens"] == 1024
+    [call] = first.choices[0].message.tool_calls or []
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),  # reasoning_content comes back: ignored
+        {"role": "tool", "tool_call_id": call.id, "content": "snow"},
+    ]
+    answer = client.chat.completions.create(
+        model="claude-sonnet", reasoning_effort="low", messages=messages, tools=[OPENAI_WEATHER]
+    )
+    # An OpenAI client cannot send the signed thinking back, so this turn goes without thinking.
+    assert "thinking" not in fake_anthropic.last_request.json
+    assert "snow" in (answer.choices[0].message.content or "")
+
+
+# --- DeepSeek and Gemini -------------------------------------------------------------------------
+
+
+def test_deepseek_reasoning_content_passes_through(
+    gateway: RunningGateway, fake_deepseek: FakeOpenAI
+) -> None:
+    client = gateway.openai()
+    response = client.chat.completions.create(
+        model="deepseek-reasoner", messages=[{"role": "user", "content": "a b"}]
+    )
+    assert response.choices[0].message.content == "a b"
+    assert response.choices[0].message.model_extra == {"reasoning_content": "The user wants: a b"}
+    reported = fake_deepseek.last_usage
+    assert response.usage is not None and response.usage.completion_tokens == reported.output_tokens
+    assert response.usage.completion_tokens_details.reasoning_tokens == reported.reasoning_tokens > 0
+    event = gateway.sink.events[-1]
+    assert (event.usage.output_tokens, event.usage.reasoning_tokens) == (
+        reported.output_tokens,
+        reported.reasoning_tokens,
+    )
+    raw = _post_raw(
+        gateway,
+        {"model": "deepseek-reasoner", "stream": True, "messages": [{"role": "user", "content": "a b"}]},
+    )
+    assert _stream_reasoning(raw) == ("The user wants: a b", "a b")
+
+
+def test_anthropic_client_sees_other_vendors_reasoning_unsigned_and_it_is_never_sent_to_claude(
+    gateway: RunningGateway, fake_deepseek: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    client = gateway.anthropic()
+    asked = [{"role": "user", "content": "a b"}]
+    plain = client.messages.create(model="deepseek-reasoner", max_tokens=2000, messages=asked)
+    assert [block.type for block in plain.content] == ["text"]  # no thinking asked, none shown
+    message = client.messages.create(
+        model="deepseek-reasoner", max_tokens=2000, thinking=THINKING, messages=asked
+    )
+    assert fake_deepseek.last_request.json["reasoning_effort"] == "low"  # the budget, as an effort
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "The user wants: a b"
+    assert message.content[0].signature == ""
+    with client.messages.stream(
+        model="deepseek-reasoner", max_tokens=2000, thinking=THINKING, messages=asked
+    ) as stream:
+        final = stream.get_final_message()
+    assert [block.type for block in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == "The user wants: a b"
+
+    # Sent back, the unsigned block never reaches Claude (which would refuse its signature), nor DeepSeek.
+    history = [*asked, {"role": "assistant", "content": [b.model_dump() for b in message.content]}]
+    history.append({"role": "user", "content": "c d"})
+    client.messages.create(model="claude-sonnet", max_tokens=2000, thinking=THINKING, messages=history)
+    assert fake_anthropic.last_request.json["messages"][1]["content"] == [{"type": "text", "text": "a b"}]
+    client.messages.create(model="deepseek-reasoner", max_tokens=2000, messages=history)
+    assert fake_deepseek.last_request.json["messages"][1] == {"role": "assistant", "content": "a b"}
+
+
+def test_gemini_thoughts_become_reasoning_content(gateway: RunningGateway, fake_gemini: FakeGemini) -> None:
+    client = gateway.openai()
+    response = client.chat.completions.create(
+        model="gemini-flash", reasoning_effort="low", messages=[{"role": "user", "content": "a b"}]
+    )
+    config = fake_gemini.last_request.json["generationConfig"]
+    assert config["thinkingConfig"] == {"thinkingBudget": 1024, "includeThoughts": True}
+    assert response.choices[0].message.content == "a b"
+    assert response.choices[0].message.model_extra == {"reasoning_content": "Thinking about: a b"}
+    reported = fake_gemini.last_usage
+    assert response.usage is not None and response.usage.completion_tokens == reported.output_tokens
+    assert response.usage.completion_tokens_details.reasoning_tokens == reported.reasoning_tokens > 0
+    raw = _post_raw(
+        gateway,
+        {
+            "model": "gemini-flash",
+            "reasoning_effort": "low",
+            "stream": True,
+            "messages": [{"role": "user", "content": "a b"}],
+        },
+    )
+    assert _stream_reasoning(raw) == ("Thinking about: a b", "a b")
+    message = gateway.anthropic().messages.create(
+        model="gemini-flash",
+        max_tokens=4000,
+        thinking={"type": "enabled", "budget_tokens": 2048},
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    config = fake_gemini.last_request.json["generationConfig"]
+    assert config["thinkingConfig"] == {"thinkingBudget": 2048, "includeThoughts": True}
+    assert [(b.type, getattr(b, "signature", None)) for b in message.content] == [
+        ("thinking", ""),
+        ("text", None),
+    ]
+
+
+# --- the translations underneath -----------------------------------------------------------------
+
+ANTHROPIC = Backend(name="a", type="anthropic", base_url="http://a", api_key="k")
+GEMINI = Backend(name="g", type="gemini", base_url="http://g", api_key="k")
+OPENAI = Backend(name="o", type="openai", base_url="http://o/v1", api_key="k")
+SIGNED = {"type": "thinking", "text": "hmm", "signature": "sig"}
+TOOL_TURN = {
+    "role": "assistant",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
+
+
+def chat(**fields: object) -> ChatRequest:
+    return msgspec.convert(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}, ChatRequest
+    )
+
+
+def body(request: object) -> dict[str, Any]:
+    return json.loads(request.body)
+
+
+def test_anthropic_request_sends_signed_reasoning_first_and_drops_unsigned() -> None:
+    request = chat(
+        messages=[
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": "a",
+                "reasoning_blocks": [
+                    SIGNED,
+                    {"type": "thinking", "text": "another vendor's", "signature": ""},
+                    {"type": "redacted_thinking", "data": "opaque"},
+                ],
+            },
+            {"role": "user", "content": "q2"},
+        ],
+        reasoning_budget=2048,
+        max_tokens=3000,
+    )
+    sent = body(anthropic_provider.chat_request(ANTHROPIC, request, "claude"))
+    assert sent["messages"][1]["content"] == [
+        {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+        {"type": "redacted_thinking", "data": "opaque"},
+        {"type": "text", "text": "a"},
+    ]
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 2048} and sent["max_tokens"] == 3000
+    count = body(anthropic_provider.count_tokens_request(ANTHROPIC, request, "claude"))
+    assert count["thinking"] == sent["thinking"] and "max_tokens" not in count
+
+
+def test_anthropic_explicit_budget_is_passed_as_it_is() -> None:
+    # The Anthropic client chose it: Anthropic's own 400 answers an invalid one.
+    sent = body(anthropic_provider.chat_request(ANTHROPIC, chat(reasoning_budget=500, max_tokens=400), "c"))
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 500} and sent["max_tokens"] == 400
+
+
+@pytest.mark.parametrize(
+    ("fields", "budget"),
+    [
+        ({"reasoning_effort": "low"}, 1024),
+        ({"reasoning_effort": "medium"}, 4096),
+        ({"reasoning_effort": "high", "max_tokens": 10000}, 9999),
+        ({"reasoning_effort": "none"}, None),
+        ({"reasoning_effort": "high", "response_format": {"type": "json_object"}}, None),  # a forced tool
+        ({"reasoning_effort": "low", "messages": [{"role": "user", "content": "q"}, TOOL_TURN]}, None),
+        (
+            {
+                "reasoning_effort": "low",
+                "messages": [{"role": "user", "content": "q"}, {**TOOL_TURN, "reasoning_blocks": [SIGNED]}],
+            },
+            1024,
+        ),
+    ],
+)
+def test_anthropic_effort_budgets(fields: dict[str, Any], budget: int | None) -> None:
+    sent = body(anthropic_provider.chat_request(ANTHROPIC, chat(**fields), "claude"))
+    assert (sent.get("thinking") or {}).get("budget_tokens") == budget
+
+
+def test_anthropic_response_and_stream_carry_reasoning() -> None:
+    reply = {
+        "id": "msg_1",
+        "content": [
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+            {"type": "text", "text": "hi"},
+        ],
+        "stop_reason": "end_turn",
+        "usage": {"input_tokens": 1, "output_tokens": 2},
+    }
+    message = anthropic_provider.chat_response(json.dumps(reply).encode(), "c").choices[0].message
+    assert message.reasoning_content == "hmm" and message.content == "hi"
+    assert message.reasoning_blocks == [
+        RedactedReasoning(data="opaque"),
+        ReasoningBlock(text="hmm", signature="sig"),
+    ]
+
+    decoder = anthropic_provider.ChatStream(chat(), "c")
+    events: list[dict[str, Any]] = [
+        {"type": "message_start", "message": {"id": "msg_1", "usage": {}}},
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "redacted_thinking", "data": "opaque"},
+        },
+        {"type": "content_block_stop", "index": 0},
+        {
+            "type": "content_block_start",
+            "index": 1,
+            "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+        },
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "thinking_delta", "thinking": "hm"}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "signature_delta", "signature": "sig"}},
+    ]
+    deltas = [c.choices[0].delta for e in events for c in decoder.feed(None, json.dumps(e)) if c.choices]
+    assert deltas[1:] == [
+        Delta(redacted_reasoning="opaque"),
+        Delta(reasoning_content="hm"),
+        Delta(reasoning_signature="sig"),
+    ]
+
+
+def test_openai_request_maps_a_budget_to_effort_and_sends_no_blocks() -> None:
+    history = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning_blocks": [SIGNED]},
+    ]
+    sent = body(openai.chat_request(OPENAI, chat(messages=history, reasoning_budget=1024), "x"))
+    assert sent["reasoning_effort"] == "low" and "reasoning_budget" not in sent
+    assert sent["messages"][1] == {"role": "assistant", "content": "a"}
+    assert [openai.effort_for_budget(b) for b in (1024, 1025, 8192, 8193)] == [
+        "low",
+        "medium",
+        "medium",
+        "high",
+    ]
+    sent = body(openai.chat_request(OPENAI, chat(reasoning_budget=20000, reasoning_effort="low"), "x"))
+    assert sent["reasoning_effort"] == "low"  # the client's own effort wins
+
+
+def test_gemini_thinking_config() -> None:
+    config = body(gemini.chat_request(GEMINI, chat(reasoning_effort="none"), "g"))["generationConfig"]
+    assert config == {"thinkingConfig": {"thinkingBudget": 0}}  # off, and no thoughts to include
+    config = body(gemini.chat_request(GEMINI, chat(reasoning_budget=3000), "g"))["generationConfig"]
+    assert config == {"thinkingConfig": {"thinkingBudget": 3000, "includeThoughts": True}}
+    assert "generationConfig" not in body(gemini.chat_request(GEMINI, chat(), "g"))
+
+
+def test_inbound_keeps_thinking_blocks_and_the_budget() -> None:
+    request = msgspec.convert(
+        {
+            "model": "m",
+            "max_tokens": 2000,
+            "thinking": {"type": "enabled", "budget_tokens": 1500},
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                        {"type": "redacted_thinking", "data": "opaque"},
+                        {"type": "text", "text": "a"},
+                    ],
+                },
+            ],
+        },
+        MessagesRequest,
+    )
+    canonical = to_canonical(request)
+    assert canonical.reasoning_budget == 1500
+    assert canonical.messages[1].reasoning_blocks == [
+        ReasoningBlock(text="hmm", signature="sig"),
+        RedactedReasoning(data="opaque"),
+    ]
+    disabled = msgspec.structs.replace(
+        request, thinking=msgspec.convert({"type": "disabled"}, type(request.thinking))
+    )
+    assert to_canonical(disabled).reasoning_budget is None
+    no_budget = msgspec.structs.replace(
+        request, thinking=msgspec.convert({"type": "enabled"}, type(request.thinking))
+    )
+    with pytest.raises(InvalidRequest, match="budget_tokens"):
+        to_canonical(no_budget)
+
+
+def _response(message: AssistantMessage) -> ChatResponse:
+    return ChatResponse(
+        id="r", created=0, model="m", choices=[Choice(index=0, message=message, finish_reason="stop")]
+    )
+
+
+def test_renderings_show_reasoning_where_it_belongs() -> None:
+    message = AssistantMessage(
+        role="assistant",
+        content="hi",
+        reasoning_content="hmm",
+        reasoning_blocks=[RedactedReasoning(data="opaque"), ReasoningBlock(text="hmm", signature="sig")],
+    )
+    assert from_canonical(_response(message), "m", thinking=True)["content"] == [
+        {"type": "redacted_thinking", "data": "opaque"},
+        {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+        {"type": "text", "text": "hi"},
+    ]
+    assert from_canonical(_response(message), "m")["content"] == [{"type": "text", "text": "hi"}]
+    assert render_chat(_response(message))["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "hi",
+        "reasoning_content": "hmm",
+    }
+    chunk = ChatChunk(
+        id="c",
+        created=0,
+        model="m",
+        choices=[
+            ChunkChoice(
+                index=0, delta=Delta(reasoning_content="x", reasoning_signature="sig", redacted_reasoning="o")
+            )
+        ],
+    )
+    rendered = json.loads(render_chunk(chunk)[6:])
+    assert rendered["choices"][0]["delta"] == {"reasoning_content": "x"}
+
+
+def test_inbound_stream_renders_thinking_blocks_with_consistent_indices() -> None:
+    def chunk(**delta: Any) -> ChatChunk:
+        return ChatChunk(id="c", created=0, model="m", choices=[ChunkChoice(index=0, delta=Delta(**delta))])
+
+    async def batches() -> AsyncIterator[list[ChatChunk]]:
+        yield [chunk(role="assistant", content=""), chunk(redacted_reasoning="opaque")]
+        yield [chunk(reasoning_content="a "), chunk(reasoning_content="b"), chunk(reasoning_signature="sig")]
+        yield [chunk(reasoning_content="unsigned")]
+        yield [chunk(content="hi")]
+
+    async def collect(thinking: bool) -> list[tuple[str, dict[str, Any]]]:
+        raw = b"".join([part async for part in stream_events(batches(), "m", thinking)]).decode()
+        frames = [frame.split("\n") for frame in raw.strip().split("\n\n")]
+        return [(lines[0][7:], json.loads(lines[1][6:])) for lines in frames]
+
+    events = asyncio.run(collect(True))
+    blocks = [
+        (data["index"], data.get("content_block") or data.get("delta") or {})
+        for name, data in events
+        if name.startswith("content_block")
+    ]
+    assert blocks == [
+        (0, {"type": "redacted_thinking", "data": "opaque"}),
+        (0, {}),
+        (1, {"type": "thinking", "thinking": "", "signature": ""}),
+        (1, {"type": "thinking_delta", "thinking": "a "}),
+        (1, {"type": "thinking_delta", "thinking": "b"}),
+        (1, {"type": "signature_delta", "signature": "sig"}),
+        (1, {}),
+        (2, {"type": "thinking", "thinking": "", "signature": ""}),
+        (2, {"type": "thinking_delta", "thinking": "unsigned"}),
+        (2, {}),
+        (3, {"type": "text", "text": ""}),
+        (3, {"type": "text_delta", "text": "hi"}),
+        (3, {}),
+    ]
+    plain = asyncio.run(collect(False))
+    assert [d.get("content_block", {}).get("type") for n, d in plain if n == "content_block_start"] == [
+        "text"
+    ]
+
+
+def test_a_cut_stream_bills_its_reasoning() -> None:
+    chunk = ChatChunk(
+        id="c", created=0, model="m", choices=[ChunkChoice(index=0, delta=Delta(reasoning_content="abcd"))]
+    )
+    assert chunk_text_bytes(chunk) == 4
