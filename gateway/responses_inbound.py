@@ -388,6 +388,12 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _reasoning_item(content: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    # The reasoning as text (what DeepSeek, vLLM, Gemini thoughts and Anthropic thinking give); no
+    # summary and no encrypted_content: Weir has neither, and sent back it is dropped anyway.
+    return {"type": "reasoning", "id": new_id("rs_"), "summary": [], "content": content, "status": status}
+
+
 def _message_item(content: list[dict[str, Any]], status: str) -> dict[str, Any]:
     item_id = new_id("msg_")
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
@@ -427,6 +433,9 @@ def from_canonical(response: ChatResponse, request: ResponsesRequest) -> dict[st
     if message.refusal:
         parts.append({"type": "refusal", "refusal": message.refusal})
     output: list[dict[str, Any]] = []
+    if message.reasoning_content:  # first, as the model produced it
+        reasoning = [{"type": "reasoning_text", "text": message.reasoning_content}]
+        output.append(_reasoning_item(reasoning, "completed"))
     if parts or not message.tool_calls:
         # An empty answer is still a message, so `output[0].content[0]` is there to read.
         output.append(_message_item(parts or [_text_part("")], "completed"))
@@ -434,6 +443,15 @@ def from_canonical(response: ChatResponse, request: ResponsesRequest) -> dict[st
         output.append(_call_item(call.id, call.function.name, call.function.arguments, "completed"))
     finish = choice.finish_reason if choice is not None else None
     return _finished(new_response(request, response.created), output, finish, response.usage)
+
+
+# Content parts as they stream: the output item that holds them, the field their text grows in, and
+# the prefix of their delta and done events.
+_PARTS = {
+    "output_text": ("message", "text", "response.output_text"),
+    "refusal": ("message", "refusal", "response.refusal"),
+    "reasoning_text": ("reasoning", "text", "response.reasoning_text"),
+}
 
 
 class _StreamWriter:
@@ -468,7 +486,7 @@ class _StreamWriter:
         return self.open
 
     def _where(self) -> dict[str, Any]:
-        """Where the open message's last content part is, as every content event says."""
+        """Where the open item's last content part is, as every content event says."""
         assert self.open is not None
         item = self.output[self.open]
         return {"item_id": item["id"], "output_index": self.open, "content_index": len(item["content"]) - 1}
@@ -478,50 +496,49 @@ class _StreamWriter:
         if part is None:
             return
         where = self._where()
-        if part["type"] == "output_text":
-            self.emit("response.output_text.done", **where, text=part["text"], logprobs=[])
-        else:
-            self.emit("response.refusal.done", **where, refusal=part["refusal"])
+        _, field, event = _PARTS[part["type"]]
+        logprobs: dict[str, list[Any]] = {"logprobs": []} if part["type"] == "output_text" else {}
+        self.emit(f"{event}.done", **where, **{field: part[field]}, **logprobs)
         self.emit("response.content_part.done", **where, part=part)
 
     def _close(self, status: str) -> None:
         if self.open is None:
             return
         index, item = self.open, self.output[self.open]
-        if item["type"] == "message":
-            self._close_part()
-        else:
+        if item["type"] == "function_call":
             self.emit(
                 "response.function_call_arguments.done",
                 item_id=item["id"],
                 output_index=index,
                 arguments=item["arguments"],
             )
+        else:
+            self._close_part()
         item["status"] = status
         self.emit("response.output_item.done", output_index=index, item=item)
         self.open = None
 
     def _open_part(self, kind: str) -> dict[str, Any]:
-        """The open message's content part of `kind`, starting the message or the part as needed."""
-        if self.open is None or self.output[self.open]["type"] != "message":
-            self._add(_message_item([], "in_progress"))
+        """The open item's content part of `kind`, starting the item (a message, or reasoning) or the
+        part as needed."""
+        holder, field, _ = _PARTS[kind]
+        if self.open is None or self.output[self.open]["type"] != holder:
+            item = _reasoning_item if holder == "reasoning" else _message_item
+            self._add(item([], "in_progress"))
         assert self.open is not None
         if self.part is None or self.part["type"] != kind:
             self._close_part()
-            self.part = _text_part("") if kind == "output_text" else {"type": "refusal", "refusal": ""}
+            self.part = _text_part("") if kind == "output_text" else {"type": kind, field: ""}
             self.output[self.open]["content"].append(self.part)
             self.emit("response.content_part.added", **self._where(), part=self.part)
         return self.part
 
     def _text(self, kind: str, delta: str) -> None:
         part = self._open_part(kind)
-        where = self._where()
-        if kind == "output_text":
-            part["text"] += delta
-            self.emit("response.output_text.delta", **where, delta=delta, logprobs=[])
-        else:
-            part["refusal"] += delta
-            self.emit("response.refusal.delta", **where, delta=delta)
+        _, field, event = _PARTS[kind]
+        part[field] += delta
+        logprobs: dict[str, list[Any]] = {"logprobs": []} if kind == "output_text" else {}
+        self.emit(f"{event}.delta", **self._where(), delta=delta, **logprobs)
 
     def _tool_call(self, delta: ToolCallDelta) -> None:
         function = delta.function
@@ -546,6 +563,8 @@ class _StreamWriter:
             self.usage = chunk.usage
         for choice in chunk.choices[:1]:
             delta = choice.delta
+            if delta.reasoning_content:
+                self._text("reasoning_text", delta.reasoning_content)
             if delta.content:
                 self._text("output_text", delta.content)
             if delta.refusal:
@@ -556,7 +575,7 @@ class _StreamWriter:
                 self.finish = choice.finish_reason
 
     def end(self) -> None:
-        if not self.output:
+        if not any(item["type"] != "reasoning" for item in self.output):
             self._open_part("output_text")  # an empty answer is still a message, as unstreamed
         cut_off = self.finish in _INCOMPLETE
         self._close("incomplete" if cut_off else "completed")

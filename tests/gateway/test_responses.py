@@ -498,3 +498,40 @@ async def test_an_empty_answer_is_still_a_message() -> None:
         "response.completed",
     ]
     assert events[-1].response.output_text == ""
+
+
+def test_reasoning_comes_as_a_reasoning_item_first(gateway: RunningGateway) -> None:
+    client = gateway.openai()
+    plain = client.responses.create(model="deepseek-reasoner", input="a b")
+    assert [item.type for item in plain.output] == ["reasoning", "message"]
+    reasoning = plain.output[0]
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
+    assert [(c.type, c.text) for c in reasoning.content or []] == [("reasoning_text", "The user wants: a b")]
+    assert plain.output_text == "a b"
+    assert plain.usage is not None and plain.usage.output_tokens_details.reasoning_tokens > 0
+    # Streamed: the reasoning item's events first, each valid against the SDK's models.
+    headers = {"authorization": f"Bearer {DEMO_KEY}"}
+    body = {"model": "deepseek-reasoner", "input": "a b", "stream": True}
+    raw = httpx.post(f"{gateway.url}/v1/responses", json=body, headers=headers, timeout=10)
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    events = [
+        adapter.validate_python(json.loads(frame.split("\n")[1].removeprefix("data: ")))
+        for frame in raw.text.split("\n\n")
+        if frame
+    ]
+    kinds = [e.type for e in events]
+    assert kinds[2:5] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+    ]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == "The user wants: a b"
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [item.type for item in final.response.output] == ["reasoning", "message"]
+    assert final.response.output_text == "a b"
+    with client.responses.stream(model="deepseek-reasoner", input="a b") as stream:
+        helper = stream.get_final_response()  # the SDK's own accumulation of the same events
+    assert [item.type for item in helper.output] == ["reasoning", "message"] and helper.output_text == "a b"
