@@ -1,13 +1,14 @@
 """OpenAI and every OpenAI-compatible server (vLLM, SGLang, Ollama, Together, Groq, DeepSeek, Mistral,
 Azure OpenAI, Weir's own engine). The canonical shape is OpenAI's, so translation is mostly identity:
 set the upstream model id, always ask for stream usage, and normalise the usage that comes back.
-Reasoning comes back as `reasoning_content` (DeepSeek, vLLM's reasoning parsers), already canonical."""
+Reasoning comes back as `reasoning_content` (DeepSeek, older vLLM) or `reasoning` (vLLM 0.17 on,
+OpenRouter), carried on as `reasoning_content`."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlencode
 
 import msgspec
@@ -25,6 +26,7 @@ from gateway.providers.base import (
     upstream_error,
 )
 from gateway.types import (
+    AssistantMessage,
     Base,
     ChatChunk,
     ChatRequest,
@@ -32,6 +34,7 @@ from gateway.types import (
     Choice,
     ChunkChoice,
     CompletionRequest,
+    Delta,
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -119,22 +122,48 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     )
 
 
+# vLLM (0.17 on) and OpenRouter name the reasoning `reasoning`, DeepSeek and older vLLM
+# `reasoning_content`: both are read, and carried on as `reasoning_content`.
+class _Message(AssistantMessage):
+    reasoning: str | None = None
+
+
+class _Choice(Choice):
+    message: _Message
+
+
+class _Delta(Delta):
+    reasoning: str | None = None
+
+
+class _ChunkChoice(ChunkChoice):
+    delta: _Delta
+
+
+def _reasoning_as_content(part: _Message | _Delta) -> None:
+    if part.reasoning is not None:
+        part.reasoning_content = part.reasoning_content or part.reasoning
+        part.reasoning = None  # omitted when rendered: one name for clients
+
+
 class _Completion(Base):
     id: str = ""
     created: int = 0
     model: str = ""
-    choices: list[Choice] = msgspec.field(default_factory=list)
+    choices: list[_Choice] = msgspec.field(default_factory=list)
     usage: dict[str, Any] | None = None
     system_fingerprint: str | None = None
 
 
 def chat_response(body: bytes, model: str) -> ChatResponse:
     wire = decode_typed(body, _Completion, "the OpenAI-compatible backend")
+    for choice in wire.choices:
+        _reasoning_as_content(choice.message)
     return ChatResponse(
         id=wire.id,
         created=wire.created,
         model=wire.model or model,
-        choices=wire.choices,
+        choices=cast(list[Choice], wire.choices),  # subclasses, read-only here
         usage=normalise_usage(VENDOR, wire.usage),
         system_fingerprint=wire.system_fingerprint,
     )
@@ -144,7 +173,7 @@ class _Chunk(Base):
     id: str = ""
     created: int = 0
     model: str = ""
-    choices: list[ChunkChoice] = msgspec.field(default_factory=list)
+    choices: list[_ChunkChoice] = msgspec.field(default_factory=list)
     usage: dict[str, Any] | None = None
     system_fingerprint: str | None = None
     error: dict[str, Any] | None = None
@@ -170,15 +199,17 @@ class ChatStream:
         if wire.error is not None:
             message = wire.error.get("message") or "stream error"
             raise upstream_error(502, str(message), {}, vendor="OpenAI-compatible")
-        if any(choice.finish_reason for choice in wire.choices):
-            self.finished = True
+        for choice in wire.choices:
+            _reasoning_as_content(choice.delta)
+            if choice.finish_reason:
+                self.finished = True
         usage = normalise_usage(VENDOR, wire.usage) if wire.usage else None
         return [
             ChatChunk(
                 id=wire.id,
                 created=wire.created,
                 model=wire.model or self.model,
-                choices=wire.choices,
+                choices=cast(list[ChunkChoice], wire.choices),  # subclasses, read-only here
                 usage=usage,
                 system_fingerprint=wire.system_fingerprint,
                 raw=data if usage is None and wire.model else None,

@@ -648,3 +648,30 @@ def test_a_cut_stream_bills_its_reasoning() -> None:
         id="c", created=0, model="m", choices=[ChunkChoice(index=0, delta=Delta(reasoning_content="abcd"))]
     )
     assert chunk_text_bytes(chunk) == 4
+
+
+def test_openai_compatible_reasoning_under_either_name() -> None:
+    """vLLM 0.17+ and OpenRouter say `reasoning`, DeepSeek and older vLLM `reasoning_content`: both
+    become `reasoning_content`, and OpenAI clients get that one name."""
+    for name in ("reasoning", "reasoning_content"):
+        body = {
+            "id": "c",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "4", name: "2+2"},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+        response = openai.chat_response(json.dumps(body).encode(), "m")
+        assert response.choices[0].message.reasoning_content == "2+2"
+        message = render_chat(response)["choices"][0]["message"]
+        assert message["reasoning_content"] == "2+2" and "reasoning" not in message
+        stream = openai.ChatStream(ChatRequest(model="m", messages=[]), "m")
+        chunk = {"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {name: "2+"}}]}
+        [canonical] = stream.feed(None, json.dumps(chunk))
+        assert canonical.choices[0].delta.reasoning_content == "2+"
+        assert "reasoning" not in msgspec.to_builtins(canonical.choices[0].delta)
