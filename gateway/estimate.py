@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.types import ChatChunk
+import msgspec
+
+from gateway.types import ChatChunk, ChatRequest
 from gateway.usage import Usage
 
 BYTES_PER_TOKEN = 4
@@ -23,6 +25,13 @@ BYTES_PER_TOKEN = 4
 
 def _ceil_tokens(size: int) -> int:
     return -(-size // BYTES_PER_TOKEN)
+
+
+def input_tokens(request: ChatRequest) -> int:
+    """A chat's input tokens from the size of what would be sent (messages and tools as JSON), by the
+    same rule: coarse, and high for prose, but never zero for a real request. For count_tokens where
+    no backend can count."""
+    return _ceil_tokens(len(msgspec.json.encode([request.messages, request.tools or []])))
 
 
 def chunk_text_bytes(chunk: Any) -> int:

@@ -17,8 +17,9 @@ from gateway.anthropic_inbound import (
 )
 from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
-from gateway.api.routed import NoTokenCounter, count_tokens_op, estimate_input_tokens
+from gateway.api.routed import NoTokenCounter, count_tokens_op
 from gateway.errors import InvalidRequest
+from gateway.estimate import input_tokens
 from gateway.types import ChatResponse
 from routing.plan import features
 
@@ -59,9 +60,7 @@ async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
     try:
         count = await gateway.executor.run(call, plan, count_tokens_op(chat), feats)
     except NoTokenCounter:
-        return json_response(
-            {"input_tokens": estimate_input_tokens(chat)}, headers={"x-weir-token-count": "estimate"}
-        )
+        return json_response({"input_tokens": input_tokens(chat)}, headers={"x-weir-token-count": "estimate"})
     finally:
         call.info.route = plan.header()
     return json_response({"input_tokens": count.input_tokens}, headers={"x-weir-token-count": "backend"})

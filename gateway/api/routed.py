@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.errors import InvalidRequest
-from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call
 from gateway.providers import openai as openai_provider
-from gateway.providers.base import UpstreamRequest, json_encode
+from gateway.providers.base import UpstreamRequest
 from gateway.router_basic import Target
 from gateway.runtime import Gateway
 from gateway.types import ChatRequest, CompletionRequest, EmbeddingRequest, Message
@@ -109,13 +108,6 @@ def count_tokens_op(request: ChatRequest) -> Operation:
         return upstream, provider.count_tokens_response
 
     return Operation(False, prepare, check)
-
-
-def estimate_input_tokens(request: ChatRequest) -> int:
-    """Input tokens from the size of what would be sent (messages and tools as JSON), at the bytes per
-    token admission reserves by: coarse, and high for prose, but never zero for a real request."""
-    size = len(json_encode([request.messages, request.tools or []]))
-    return -(-size // BYTES_PER_TOKEN)
 
 
 async def run_routed(
