@@ -30,6 +30,7 @@ from gateway.providers.base import (
     parse_arguments,
     parse_data_url,
     token_count,
+    upstream_call_id,
     upstream_error,
 )
 from gateway.types import (
@@ -176,7 +177,7 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
                 blocks.append(
                     {
                         "type": "tool_use",
-                        "id": call.id,
+                        "id": upstream_call_id(call.id, anthropic=True),
                         "name": call.function.name,
                         "input": parse_arguments(
                             call.function.arguments, f"{where}.tool_calls[{j}].function.arguments"
@@ -187,7 +188,10 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
         else:  # tool
             if not message.tool_call_id:
                 raise InvalidRequest("tool messages need a tool_call_id", param=f"{where}.tool_call_id")
-            result: dict[str, Any] = {"type": "tool_result", "tool_use_id": message.tool_call_id}
+            result: dict[str, Any] = {
+                "type": "tool_result",
+                "tool_use_id": upstream_call_id(message.tool_call_id, anthropic=True),
+            }
             if isinstance(message.content, str):
                 result["content"] = message.content
             else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -148,6 +150,44 @@ def guess_media_type(url: str) -> str:
         if lowered.endswith(ext):
             return media_type
     return "image/jpeg"
+
+
+# --- tool call ids ---------------------------------------------------------------------------------
+# Gemini 3 signs the first function call of each step (`thoughtSignature`) and refuses a history
+# that comes back without it. Clients keep nothing but the id of a tool call, so the signature rides
+# in the id Weir hands out (URL-safe base64 after this mark) and is taken out again on the way back.
+_SIGNATURE_MARK = "__ts_"
+_ANTHROPIC_ID = re.compile(r"[a-zA-Z0-9_-]+")
+
+
+def call_id_with_signature(call_id: str, signature: str | None) -> str:
+    if not signature:
+        return call_id
+    return call_id + _SIGNATURE_MARK + signature.replace("+", "-").replace("/", "_").rstrip("=")
+
+
+def split_call_id(call_id: str) -> tuple[str, str | None]:
+    """(the tool call's own id, the Gemini signature it carries in standard base64, or None)."""
+    base, mark, signature = call_id.partition(_SIGNATURE_MARK)
+    if not mark or not signature:
+        return call_id, None
+    signature = signature.replace("-", "+").replace("_", "/")
+    return base, signature + "=" * (-len(signature) % 4)
+
+
+def upstream_call_id(call_id: str, max_length: int | None = None, anthropic: bool = False) -> str:
+    """A client's tool call id as a vendor that constrains ids accepts it.
+
+    OpenAI refuses ids over 40 characters and Anthropic ids outside [a-zA-Z0-9_-]; a conversation that
+    moves between vendors (a fallback, a client switching models) carries the previous vendor's ids.
+    An id that does not fit is replaced by a digest of itself: the same for the assistant's call and
+    the tool result that answers it, so the pair still matches, and no state is kept.
+    """
+    call_id = split_call_id(call_id)[0]
+    too_long = max_length is not None and len(call_id) > max_length
+    if too_long or (anthropic and not _ANTHROPIC_ID.fullmatch(call_id)):
+        return "call_" + hashlib.blake2b(call_id.encode(), digest_size=16).hexdigest()
+    return call_id
 
 
 def parse_arguments(arguments: str, where: str) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """Google Gemini (generativelanguage API, v1beta) as a backend: canonical chat <-> generateContent /
 streamGenerateContent?alt=sse, and embeddings through batchEmbedContents. Reasoning asked for (a
 budget or an effort) sets `thinkingConfig` with `includeThoughts`; thought parts come back as
-`reasoning_content`."""
+`reasoning_content`. Function calls' thought signatures travel in the tool call ids (see
+`gateway.providers.base.call_id_with_signature`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 from urllib.parse import quote, urlencode
@@ -19,6 +21,7 @@ from gateway.providers.base import (
     Provider,
     UpstreamRequest,
     as_list,
+    call_id_with_signature,
     decode_json,
     error_text,
     guess_media_type,
@@ -27,6 +30,7 @@ from gateway.providers.base import (
     now,
     parse_arguments,
     parse_data_url,
+    split_call_id,
     token_count,
     upstream_error,
 )
@@ -166,7 +170,11 @@ def _contents(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
             for j, call in enumerate(message.tool_calls or ()):
                 call_names[call.id] = call.function.name
                 args = parse_arguments(call.function.arguments, f"{where}.tool_calls[{j}].function.arguments")
-                parts.append({"functionCall": {"name": call.function.name, "args": args}})
+                part: dict[str, Any] = {"functionCall": {"name": call.function.name, "args": args}}
+                signature = split_call_id(call.id)[1]
+                if signature is not None:
+                    part["thoughtSignature"] = signature
+                parts.append(part)
             append("model", parts)
         else:
             if not message.tool_call_id:
@@ -179,6 +187,26 @@ def _contents(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
                 )
             append("user", [{"functionResponse": {"name": name, "response": _function_response(message)}}])
     return system, contents
+
+
+# Google's documented stand-in for a signature Weir does not have (calls made by another vendor, or by
+# a client that dropped the id): Gemini 3 then skips the check instead of refusing the request.
+UNSIGNED = "skip_thought_signature_validator"
+_BEFORE_SIGNATURES = re.compile(r"gemini-[12]\b")
+
+
+def _sign_current_turn(contents: list[dict[str, Any]], model: str) -> None:
+    """Gemini 3 checks the first function call of each model step since the last user text."""
+    if "gemini" not in model or _BEFORE_SIGNATURES.search(model):
+        return  # Gemini 1 and 2 (and Gemma) check nothing, and are not sent a stand-in they may not know
+    for content in reversed(contents):
+        if content["role"] == "user" and any("text" in part for part in content["parts"]):
+            return
+        if content["role"] != "model":
+            continue
+        calls = [part for part in content["parts"] if "functionCall" in part]
+        if calls and not any("thoughtSignature" in part for part in calls):
+            calls[0]["thoughtSignature"] = UNSIGNED
 
 
 def _tool_config(request: ChatRequest) -> dict[str, Any] | None:
@@ -208,8 +236,9 @@ def _thinking_config(request: ChatRequest) -> dict[str, Any] | None:
     return config
 
 
-def chat_body(request: ChatRequest) -> dict[str, Any]:
+def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     system, contents = _contents(request.messages)
+    _sign_current_turn(contents, model)
     body: dict[str, Any] = {"contents": contents}
     if system:
         body["systemInstruction"] = {"parts": system}
@@ -242,7 +271,7 @@ def chat_body(request: ChatRequest) -> dict[str, Any]:
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
-    body = json_encode(chat_body(request))
+    body = json_encode(chat_body(request, model))
     if request.stream:
         return UpstreamRequest(
             _url(backend, model, "streamGenerateContent", {"alt": "sse"}),
@@ -265,7 +294,7 @@ def _candidate(
             (thoughts if part.get("thought") else texts).append(part["text"])
         elif "functionCall" in part:
             call = part["functionCall"]
-            call_id = call.get("id") or new_id("call_")
+            call_id = call_id_with_signature(call.get("id") or new_id("call_"), part.get("thoughtSignature"))
             call_ids.append(call_id)
             arguments = msgspec.json.encode(call.get("args") or {}).decode()
             calls.append(
@@ -409,7 +438,7 @@ def embeddings_response(body: bytes, model: str) -> EmbeddingResponse:
 
 def count_tokens_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     # The whole generateContent request, so the system instruction and tools are counted too.
-    body = {"generateContentRequest": {"model": f"models/{model}", **chat_body(request)}}
+    body = {"generateContentRequest": {"model": f"models/{model}", **chat_body(request, model)}}
     return UpstreamRequest(_url(backend, model, "countTokens"), _headers(backend), json_encode(body))
 
 

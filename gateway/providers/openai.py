@@ -23,6 +23,7 @@ from gateway.providers.base import (
     error_text,
     json_encode,
     token_count,
+    upstream_call_id,
     upstream_error,
 )
 from gateway.types import (
@@ -43,6 +44,7 @@ from gateway.types import (
 from gateway.usage import Usage, normalise_usage
 
 VENDOR = "openai"
+MAX_CALL_ID = 40  # OpenAI: "string too long. Expected a string with maximum length 40"
 
 
 def url(backend: Backend, path: str) -> str:
@@ -104,9 +106,13 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     budget = body.pop("reasoning_budget", None)
     if budget is not None and request.reasoning_effort is None:
         body["reasoning_effort"] = effort_for_budget(budget)
-    # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take none back.
     for message in body["messages"]:
+        # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take none back.
         message.pop("reasoning_blocks", None)
+        for call in message.get("tool_calls") or ():
+            call["id"] = upstream_call_id(call["id"], MAX_CALL_ID)
+        if "tool_call_id" in message:
+            message["tool_call_id"] = upstream_call_id(message["tool_call_id"], MAX_CALL_ID)
     if _has_cache_control(request):
         _strip_cache_control(body)
     return body

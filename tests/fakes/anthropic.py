@@ -16,7 +16,7 @@ same object as an ``event: error`` mid-stream; ``request-id`` and rate-limit hea
 Rejects with Anthropic's 400 what Anthropic rejects: a missing ``max_tokens``/``model``/``messages``,
 ``max_tokens`` above the model's limit (`MAX_OUTPUT_TOKENS`), ``temperature`` above 1, a thinking
 budget under 1024 or not below ``max_tokens``, a ``tool_result`` without its ``tool_use`` in the
-previous message, unknown block types; on ``count_tokens``, fields it does not take (``max_tokens``).
+previous message, a ``tool_use`` id outside ``[a-zA-Z0-9_-]``, unknown block types; on ``count_tokens``, fields it does not take (``max_tokens``).
 Thinking signatures are checked as Anthropic checks them: the fake signs each thinking block it
 returns (an HMAC of its text), and a thinking block sent back with a missing, made-up or
 mismatched signature is a 400; with thinking enabled, a tool loop's final assistant message must
@@ -36,6 +36,7 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 import secrets
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -228,6 +229,11 @@ class FakeAnthropic(FakeServer):
                         f"<{kind}:{json.dumps(block.get('source'), sort_keys=True)[:64]}>"
                     ] * IMAGE_TOKENS
                 elif kind == "tool_use":
+                    if not re.fullmatch(r"[a-zA-Z0-9_-]+", str(block.get("id", ""))):
+                        raise Invalid(
+                            400,
+                            f"messages.{i}.content.{j}.tool_use.id: String should match pattern '^[a-zA-Z0-9_-]+$'",
+                        )
                     tool_names[block.get("id", "")] = block.get("name", "")
                     uses.add(block.get("id", ""))
                     tokens = words(block.get("name", "")) + words(json.dumps(block.get("input", {})))

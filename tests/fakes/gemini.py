@@ -15,6 +15,12 @@ calls, sent whole in one chunk as Gemini does; a ``thought: true`` part when
 
 Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents`` and ``maxOutputTokens`` outside 1..65536.
 
+Gemini 3 models (``gemini-3-*``) sign their function calls as the real ones do: the first
+``functionCall`` part of a response carries a ``thoughtSignature``, and a request is refused (400)
+when the first ``functionCall`` of a model step since the last user text lacks one ("missing a
+thought_signature") or carries one this server never issued ("Corrupted thought signature"), the
+documented stand-in ``skip_thought_signature_validator`` excepted. Gemini 2 models check nothing.
+
 Usage: ``promptTokenCount`` counts every prompt token including ``cachedContentTokenCount``, which is
 reported when the request names a ``cachedContent`` created earlier (its whole size; creating one
 needs at least ``fake.min_cache_tokens`` tokens, 1024 by default). ``thoughtsTokenCount`` is reported
@@ -24,6 +30,7 @@ when ``thinkingConfig.thinkingBudget`` > 0 (min(budget, 64) tokens) and is not p
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 import time
@@ -64,6 +71,7 @@ _STATUS = {
     503: ("UNAVAILABLE", "The model is overloaded. Please try again later."),
     504: ("DEADLINE_EXCEEDED", "Deadline expired before operation could complete."),
 }
+SKIP_SIGNATURE = "skip_thought_signature_validator"
 _FINISH = {"stop": "STOP", "stop_sequence": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP"}
 
 
@@ -74,6 +82,8 @@ class FakeGemini(FakeServer):
         "gemini-2.5-pro",
         "gemini-2.5-flash-lite",
         "gemini-2.0-flash",
+        "gemini-3-pro-preview",
+        "gemini-3-flash-preview",
         "gemini-embedding-001",
         "text-embedding-004",
     )
@@ -82,10 +92,12 @@ class FakeGemini(FakeServer):
         super().__init__(api_key, **kwargs)
         self.min_cache_tokens = 1024
         self.cached_contents: dict[str, dict[str, Any]] = {}
+        self.signatures: set[str] = set()  # thought signatures issued, as base64
 
     def reset_state(self) -> None:
         self.min_cache_tokens = 1024
         self.cached_contents = {}
+        self.signatures = set()
 
     def routes(self) -> list[web.RouteDef]:
         routes: list[web.RouteDef] = []
@@ -224,6 +236,34 @@ class FakeGemini(FakeServer):
             turn.json_schema = _lower_types(schema) if schema else None
         return turn
 
+    def _check_signatures(self, body: dict[str, Any]) -> None:
+        contents = body.get("contents") or []
+        for position, content in reversed(list(enumerate(contents))):
+            parts = content.get("parts") or []
+            if content.get("role", "user") == "user" and any("text" in p for p in parts):
+                return
+            calls = [p for p in parts if "functionCall" in p]
+            if content.get("role") != "model" or not calls:
+                continue
+            signature = calls[0].get("thoughtSignature")
+            if signature is None:
+                raise Invalid(
+                    400,
+                    "Function call is missing a thought_signature in functionCall parts. This is required "
+                    "for tools to work correctly, and missing thought_signature may lead to degraded model "
+                    f"performance. Additional data, function call `default_api:{calls[0]['functionCall']['name']}` "
+                    f", position {position + 1}. Please refer to "
+                    "https://ai.google.dev/gemini-api/docs/thought-signatures for more details.",
+                )
+            if signature != SKIP_SIGNATURE and signature not in self.signatures:
+                raise Invalid(400, "Corrupted thought signature.")
+
+    def _sign(self) -> str:
+        # 50 random bytes: standard base64 with padding, + and / likely, as Gemini's are
+        signature = base64.b64encode(secrets.token_bytes(50)).decode()
+        self.signatures.add(signature)
+        return signature
+
     # ---- handlers --------------------------------------------------------------------------------
 
     async def _model_call(self, request: web.Request) -> web.StreamResponse:
@@ -265,6 +305,9 @@ class FakeGemini(FakeServer):
                     400, "Model used by GenerateContent request and CachedContent has to be the same."
                 )
             cached_tokens = cache["tokens"]
+        signs = model.startswith("gemini-3")
+        if signs:
+            self._check_signatures(body)
         config = body.get("generationConfig") or {}
         reply = plan_reply(self._turn(body))
         big = huge_text(request)
@@ -328,7 +371,10 @@ class FakeGemini(FakeServer):
 
         final_parts: list[dict[str, Any]] = [thought_part] if thought_part else []
         if reply.tool_name:
-            final_parts.append({"functionCall": {"name": reply.tool_name, "args": reply.tool_args or {}}})
+            call: dict[str, Any] = {"functionCall": {"name": reply.tool_name, "args": reply.tool_args or {}}}
+            if signs:
+                call["thoughtSignature"] = self._sign()
+            final_parts.append(call)
         else:
             final_parts.append({"text": reply.text})
         candidates_total = usage.output_tokens - usage.reasoning_tokens

@@ -26,8 +26,8 @@ least 1024 tokens; the longest prefix seen before, in 128-token steps), and
 Rejects with OpenAI's 400 what OpenAI rejects, so gateway translation bugs surface: ``max_tokens``
 above the model's limit (`MAX_OUTPUT_TOKENS`), ``stream_options`` without ``stream``, ``temperature``
 outside 0..2, ``n`` outside 1..128, empty ``messages``, unknown roles, a ``tool`` message with no
-matching ``tool_calls`` before it, a tool, tool call or named ``tool_choice`` without ``type``, a body
-that is not JSON.
+matching ``tool_calls`` before it, a tool, tool call or named ``tool_choice`` without ``type``, a tool
+call id over 40 characters, a body that is not JSON.
 
 ``FakeOpenAI(flavour="deepseek")`` speaks DeepSeek's dialect instead: models ``deepseek-chat`` and
 ``deepseek-reasoner``, usage ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens`` (64-token cache
@@ -331,6 +331,15 @@ class FakeOpenAI(FakeServer):
                     where = f"messages[{i}].tool_calls[{j}].type"
                     raise BadRequest(
                         400, f"Missing required parameter: '{where}'.", where, "missing_required_parameter"
+                    )
+                if len(call.get("id", "")) > MAX_CALL_ID:
+                    where = f"messages[{i}].tool_calls[{j}].id"
+                    raise BadRequest(
+                        400,
+                        f"Invalid '{where}': string too long. Expected a string with maximum length "
+                        f"{MAX_CALL_ID}, but got a string with length {len(call['id'])} instead.",
+                        where,
+                        "string_above_max_length",
                     )
                 call_names[call.get("id", "")] = call.get("function", {}).get("name", "")
                 tokens += words(call.get("function", {}).get("name", ""))
@@ -656,6 +665,7 @@ def _max_output(model: str) -> int | None:
     return MAX_OUTPUT_TOKENS[max(matches, key=len)] if matches else None
 
 
+MAX_CALL_ID = 40
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
 _KEY_ORDER = ("id", "object", "created", "model", "choices", "usage", "service_tier", "system_fingerprint")
 

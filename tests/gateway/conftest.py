@@ -71,6 +71,7 @@ EXTRA_MODELS = """\
   - {name: gpt-instruct, backend: openai, model: gpt-3.5-turbo-instruct}
   - {name: text-embedding-3-small, backend: openai}
   - {name: gemini-embedding, backend: gemini, model: gemini-embedding-001}
+  - {name: gemini-pro, backend: gemini, model: gemini-3-pro-preview}
   - {name: deepseek-chat, backend: deepseek}
   - {name: deepseek-reasoner, backend: deepseek}
   - {name: dead-model, backend: dead, model: gpt-4o-mini}
