@@ -2,7 +2,8 @@
 stream chunks back into Messages responses and the full event sequence (message_start, ping,
 content_block_start/delta/stop, message_delta with usage, message_stop).
 
-Reasoning: `thinking` becomes the canonical `reasoning_budget`; thinking blocks in earlier turns are
+Reasoning: `thinking` becomes the canonical `reasoning_budget` (`enabled`) or `reasoning_adaptive`
+(`adaptive`), and `output_config.effort` the canonical `reasoning_effort`; thinking blocks in earlier turns are
 kept (only an Anthropic backend can use them: it checks their signatures). The model's reasoning is
 shown as thinking blocks, first in the content, to a client that enabled thinking, as Anthropic does;
 reasoning from another vendor has no signature and is shown with an empty one, which Weir's Anthropic
@@ -29,11 +30,13 @@ from gateway.types import (
     FunctionDefinition,
     ImagePart,
     ImageURL,
+    JSONSchemaFormat,
     Message,
     NamedToolChoice,
     Reasoning,
     ReasoningBlock,
     RedactedReasoning,
+    ResponseFormat,
     TextPart,
     Tool,
     ToolCall,
@@ -116,7 +119,7 @@ class InboundToolChoice(Base):
 
 
 class ThinkingConfig(Base):
-    type: str  # "enabled" or "disabled"
+    type: str  # "enabled", "adaptive" or "disabled"; others (newer than Weir) ask for no thinking
     budget_tokens: int | None = None
 
     def budget(self) -> int | None:
@@ -125,6 +128,16 @@ class ThinkingConfig(Base):
         if self.budget_tokens is None:
             raise InvalidRequest("thinking.enabled.budget_tokens: Field required", param="thinking")
         return self.budget_tokens
+
+
+class OutputFormat(Base):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(Base):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
 
 
 class Metadata(Base):
@@ -145,11 +158,12 @@ class MessagesRequest(Base):
     tool_choice: InboundToolChoice | None = None
     metadata: Metadata | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
     @property
     def shows_thinking(self) -> bool:
-        """Whether the reply shows the model's reasoning: Anthropic's only when thinking is enabled."""
-        return self.thinking is not None and self.thinking.type == "enabled"
+        """Whether the reply shows the model's reasoning: Anthropic's only when thinking is on."""
+        return self.thinking is not None and self.thinking.type in ("enabled", "adaptive")
 
 
 class CountTokensRequest(Base):
@@ -161,6 +175,7 @@ class CountTokensRequest(Base):
     tools: list[InboundTool] | None = None
     tool_choice: InboundToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
     def to_canonical(self) -> ChatRequest:
         as_messages = MessagesRequest(
@@ -171,6 +186,7 @@ class CountTokensRequest(Base):
             tools=self.tools,
             tool_choice=self.tool_choice,
             thinking=self.thinking,
+            output_config=self.output_config,
         )
         return msgspec.structs.replace(to_canonical(as_messages), max_tokens=None)
 
@@ -289,6 +305,11 @@ def to_canonical(request: MessagesRequest) -> ChatRequest:
         if request.tool_choice.disable_parallel_tool_use:
             parallel = False
     extra = {"top_k": request.top_k} if request.top_k is not None else {}
+    output = request.output_config or OutputConfig()
+    response_format = None
+    if output.format is not None:
+        schema = JSONSchemaFormat(name="output", schema=output.format.schema, strict=True)
+        response_format = ResponseFormat(type="json_schema", json_schema=schema)
     return ChatRequest(
         model=request.model,
         messages=messages,
@@ -302,6 +323,9 @@ def to_canonical(request: MessagesRequest) -> ChatRequest:
         parallel_tool_calls=parallel,
         user=request.metadata.user_id if request.metadata else None,
         reasoning_budget=request.thinking.budget() if request.thinking else None,
+        reasoning_adaptive=True if request.thinking and request.thinking.type == "adaptive" else None,
+        reasoning_effort=output.effort,
+        response_format=response_format,
         extra=extra,
     )
 

@@ -173,6 +173,9 @@ class ChatRequest(Base):
     # Tokens the model may spend reasoning (Anthropic's `thinking.budget_tokens`); each provider maps
     # it, or `reasoning_effort` when this is unset, to what its vendor takes.
     reasoning_budget: int | None = None
+    # The model decides how much to reason (Anthropic's adaptive thinking), within `reasoning_effort`
+    # when one is set; each provider maps it (Gemini: a dynamic thinking budget).
+    reasoning_adaptive: bool | None = None
     service_tier: str | None = None
     store: bool | None = None
     # Top-level parameters Weir does not model; forwarded verbatim to OpenAI-compatible backends only.

@@ -3,14 +3,18 @@ and the streaming event sequence. Structured output (`response_format`) is done 
 recommends without a beta: one forced tool whose input schema is the requested schema; its input comes
 back as the message content.
 
-Reasoning: a `reasoning_budget` (an Anthropic client's own `thinking`) is sent as it is, while
-`reasoning_effort` (an OpenAI client's) becomes a budget fitted to Anthropic's rules. Thinking blocks
+Reasoning depends on the model (`thinking_mode`): up to the 4.5 family Claude takes a thinking budget,
+the 4.6 family a budget or adaptive thinking with an effort, and from Opus 4.7 on only adaptive
+thinking. An Anthropic client's own `thinking` is sent as it is where the model takes it; otherwise
+(an OpenAI client's `reasoning_effort`, adaptive thinking for a budget-only model, a budget for an
+adaptive-only one) it is turned into what the model takes, fitted to Anthropic's rules. Thinking blocks
 come back as `reasoning_content` plus the signed blocks, which go back upstream first in their turn."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlencode
 
 import msgspec
@@ -24,6 +28,7 @@ from gateway.providers.base import (
     UpstreamRequest,
     as_list,
     decode_json,
+    effort_for_budget,
     error_text,
     json_encode,
     now,
@@ -60,8 +65,13 @@ VENDOR = "anthropic"
 DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; OpenAI clients often leave it out
 JSON_TOOL = "json_response"  # the forced tool that carries structured output
 MIN_THINKING_BUDGET = 1024  # Anthropic refuses smaller thinking budgets
-# reasoning_effort -> thinking budget; other efforts ("minimal", "none") ask for no thinking.
-EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384}
+# reasoning_effort -> thinking budget; other efforts ("minimal", "none") ask for no thinking. Above
+# high, no more than high: a larger budget needs a max_tokens the client did not choose.
+EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384, "xhigh": 16384, "max": 16384}
+NO_THINKING = ("none", "minimal")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")  # output_config.effort
+_BUDGET_ONLY = re.compile(r"claude-(3|(opus|sonnet|haiku)-4(-[015])?(-\d{8}|-latest)?$)")
+_BUDGET_OR_ADAPTIVE = re.compile(r"claude-(opus|sonnet)-4-6")
 
 STOP_REASONS = {
     "end_turn": "stop",
@@ -232,29 +242,71 @@ def _continues_unsigned_tool_turn(messages: list[Message]) -> bool:
     return False
 
 
-def _thinking(request: ChatRequest) -> tuple[int | None, int]:
-    """(thinking budget or None, max_tokens) for the request.
+def thinking_mode(model: str) -> Literal["budget", "both", "adaptive"]:
+    """How a Claude model takes thinking: a budget (`enabled`) up to the 4.5 family; a budget or
+    adaptive thinking on the 4.6 family; only adaptive thinking from Opus 4.7 on (a budget or
+    `disabled` is a 400 there), which is assumed for models this table does not know."""
+    if _BUDGET_ONLY.search(model):
+        return "budget"
+    return "both" if _BUDGET_OR_ADAPTIVE.search(model) else "adaptive"
 
-    An explicit budget (an Anthropic client's `thinking`) is passed as it is: the client chose it, and
-    Anthropic's own 400 is the answer to an invalid one. A budget from `reasoning_effort` (an OpenAI
-    client, which has no way to meet Anthropic's rules itself) is fitted to them instead: left out
+
+def _vendor_effort(effort: str | None, mode: str) -> str | None:
+    """A reasoning effort as `output_config.effort`, for the models that take one."""
+    if effort is None or mode == "budget":
+        return None
+    if effort in NO_THINKING:
+        return "low"
+    if effort == "xhigh" and mode == "both":
+        return "max"  # the 4.6 family has no xhigh
+    return effort if effort in EFFORTS else None
+
+
+def _thinking(request: ChatRequest, model: str) -> tuple[dict[str, Any] | None, str | None, int]:
+    """(`thinking`, `output_config.effort`, `max_tokens`) for the request to `model`.
+
+    Thinking the client set in Anthropic's own terms (a budget, adaptive) is passed as it is where the
+    model takes it: the client chose it, and Anthropic's own 400 is the answer to an invalid one. What
+    needs translating (an OpenAI client's effort, which has no way to meet Anthropic's rules itself;
+    adaptive thinking for a model that takes only budgets) is fitted to the rules instead: left out
     where Anthropic would refuse any thinking (a forced tool, a tool loop without the signed thinking
-    OpenAI clients cannot send back) and kept below max_tokens, which thinking counts toward."""
+    OpenAI clients cannot send back) and a budget kept below max_tokens, which thinking counts toward.
+    A budget for a model that takes only adaptive thinking becomes adaptive thinking at the nearest
+    effort."""
+    mode = thinking_mode(model)
     limit = request.output_limit
-    budget = request.reasoning_budget
-    if budget is None and request.reasoning_effort is not None:
-        budget = EFFORT_BUDGETS.get(request.reasoning_effort)
-        if budget is not None and (
-            _uses_json_tool(request) or _continues_unsigned_tool_turn(request.messages)
-        ):
-            budget = None
-        if budget is not None and limit is not None and budget >= limit:
-            # Clamped under the client's limit, or no thinking when not even the minimum fits.
-            budget = limit - 1 if limit - 1 >= MIN_THINKING_BUDGET else None
+    budget, effort = request.reasoning_budget, request.reasoning_effort
+    adaptive = bool(request.reasoning_adaptive)
+    wants = budget is not None or adaptive or (effort is not None and effort not in NO_THINKING)
+    as_asked = (budget is not None and mode != "adaptive") or (
+        adaptive and budget is None and mode != "budget"
+    )
+    if mode == "adaptive" and budget is not None:
+        adaptive, effort, budget = True, effort or effort_for_budget(budget), None
+    if (
+        wants
+        and not as_asked
+        and (_uses_json_tool(request) or _continues_unsigned_tool_turn(request.messages))
+    ):
+        wants = False
+    thinking: dict[str, Any] | None = None
+    room = 0  # what thinking may take on top of the answer when the client set no limit
+    if wants and mode != "budget" and budget is None:
+        thinking = {"type": "adaptive"}
+        room = EFFORT_BUDGETS.get(effort or "high", EFFORT_BUDGETS["high"])
+    elif wants:
+        if budget is None:  # an effort, or adaptive thinking, for a model that takes only budgets
+            budget = EFFORT_BUDGETS.get(effort or "high")
+            if budget is not None and limit is not None and budget >= limit:
+                # Clamped under the client's limit, or no thinking when not even the minimum fits.
+                budget = limit - 1 if limit - 1 >= MIN_THINKING_BUDGET else None
+        if budget is not None:
+            thinking = {"type": "enabled", "budget_tokens": budget}
+            room = budget
     if limit is None:
         # The default limit is for the answer: thinking comes on top of it.
-        limit = DEFAULT_MAX_TOKENS + (budget or 0)
-    return budget, limit
+        limit = DEFAULT_MAX_TOKENS + room
+    return thinking, _vendor_effort(effort, mode), limit
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
@@ -279,10 +331,12 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if request.n is not None and request.n > 1:
         raise InvalidRequest("Anthropic models do not support n > 1", param="n")
     system, messages = _messages(request.messages)
-    budget, max_tokens = _thinking(request)
+    thinking, effort, max_tokens = _thinking(request, model)
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": messages}
-    if budget is not None:
-        body["thinking"] = {"type": "enabled", "budget_tokens": budget}
+    if thinking is not None:
+        body["thinking"] = thinking
+    if effort is not None:
+        body["output_config"] = {"effort": effort}
     if system:
         body["system"] = system
     PARAMS.apply(request, body)

@@ -152,6 +152,13 @@ def guess_media_type(url: str) -> str:
     return "image/jpeg"
 
 
+def effort_for_budget(budget: int) -> str:
+    """A reasoning budget in tokens (an Anthropic client's `thinking`) as a reasoning effort."""
+    if budget <= 1024:
+        return "low"
+    return "medium" if budget <= 8192 else "high"
+
+
 # --- tool call ids ---------------------------------------------------------------------------------
 # Gemini 3 signs the first function call of each step (`thoughtSignature`) and refuses a history
 # that comes back without it. Clients keep nothing but the id of a tool call, so the signature rides

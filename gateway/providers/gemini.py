@@ -85,6 +85,8 @@ PARAMS = ParamTable(
 # reasoning_effort -> thinkingBudget, as Google maps it on its own OpenAI-compatible endpoint
 # ("none" turns thinking off where the model allows it; "minimal" gets the smallest budget).
 EFFORT_BUDGETS = {"none": 0, "minimal": 1024, "low": 1024, "medium": 8192, "high": 24576}
+EFFORT_BUDGETS |= {"xhigh": 24576, "max": 24576}  # Anthropic's efforts above high: Flash's top budget
+DYNAMIC = -1  # thinkingBudget -1: the model decides how much to think
 
 # JSON-schema keywords Gemini's OpenAPI-subset `parameters` rejects.
 _UNSUPPORTED_SCHEMA_KEYS = frozenset(
@@ -228,6 +230,8 @@ def _thinking_config(request: ChatRequest) -> dict[str, Any] | None:
     budget = request.reasoning_budget
     if budget is None and request.reasoning_effort is not None:
         budget = EFFORT_BUDGETS.get(request.reasoning_effort)
+    if budget is None and request.reasoning_adaptive:
+        budget = DYNAMIC  # the model decides, as Anthropic's adaptive thinking
     if budget is None:
         return None  # the model's default: it may think, and its thoughts are not returned
     config: dict[str, Any] = {"thinkingBudget": budget}

@@ -20,6 +20,7 @@ from gateway.providers.base import (
     UpstreamRequest,
     decode_json,
     decode_typed,
+    effort_for_budget,
     error_text,
     json_encode,
     token_count,
@@ -94,18 +95,14 @@ def _has_cache_control(request: ChatRequest) -> bool:
     return any(tool.cache_control is not None for tool in request.tools or ())
 
 
-def effort_for_budget(budget: int) -> str:
-    """A reasoning budget in tokens (from an Anthropic client's `thinking`) as an OpenAI effort."""
-    if budget <= 1024:
-        return "low"
-    return "medium" if budget <= 8192 else "high"
-
-
 def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     body = request_body(request, model)
     budget = body.pop("reasoning_budget", None)
+    body.pop("reasoning_adaptive", None)  # the model's own default: nothing to send
     if budget is not None and request.reasoning_effort is None:
         body["reasoning_effort"] = effort_for_budget(budget)
+    elif body.get("reasoning_effort") == "max":  # Anthropic's top effort; OpenAI's top is not on every model
+        body["reasoning_effort"] = "high"
     for message in body["messages"]:
         # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take none back.
         message.pop("reasoning_blocks", None)

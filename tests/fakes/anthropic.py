@@ -5,7 +5,7 @@ Endpoints: ``POST /v1/messages``, ``POST /v1/messages/count_tokens``, ``GET /v1/
 ``anthropic-version`` header; a missing or wrong key gets a 401 ``authentication_error``.
 
 Wire format as Anthropic sends it: a ``message`` object with content blocks (``text``, ``thinking``
-when ``thinking`` is enabled, ``tool_use``; a tool call comes after a short text block, as Claude
+when ``thinking`` is enabled or adaptive, ``tool_use``; a tool call comes after a short text block, as Claude
 usually does), ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``), the
 streaming event sequence ``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``
 (``text_delta``, ``thinking_delta``, ``signature_delta``, ``input_json_delta``), ``content_block_stop``,
@@ -20,7 +20,10 @@ previous message, a ``tool_use`` id outside ``[a-zA-Z0-9_-]``, unknown block typ
 Thinking signatures are checked as Anthropic checks them: the fake signs each thinking block it
 returns (an HMAC of its text), and a thinking block sent back with a missing, made-up or
 mismatched signature is a 400; with thinking enabled, a tool loop's final assistant message must
-start with a thinking (or redacted_thinking) block, or it is a 400 too.
+start with a thinking (or redacted_thinking) block, or it is a 400 too. Thinking modes are checked
+per model as Anthropic documents them: ``thinking: {"type": "adaptive"}`` only on the 4.6 family and
+Opus 4.7 (`ADAPTIVE_MODELS`), ``enabled`` and ``disabled`` refused on Opus 4.7, and
+``output_config.effort`` only on the models and levels in `EFFORT_LEVELS`.
 
 Usage: ``input_tokens`` is only the prompt tokens neither read from nor written to the cache;
 ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` (split in
@@ -92,6 +95,9 @@ class FakeAnthropic(FakeServer):
         "claude-sonnet-4-0",
         "claude-3-7-sonnet-latest",
         "claude-3-5-haiku-latest",
+        "claude-opus-4-6",
+        "claude-sonnet-4-6",
+        "claude-opus-4-7",
     )
 
     def __init__(self, api_key: str | None = None, **kwargs: Any) -> None:
@@ -183,6 +189,24 @@ class FakeAnthropic(FakeServer):
                 f"for {body['model']}",
             )
         thinking = body.get("thinking") or {}
+        model = body["model"]
+        if thinking.get("type") == "adaptive" and not model.startswith(ADAPTIVE_MODELS):
+            raise Invalid(400, f"adaptive thinking is not supported on this model ({model})")
+        if thinking.get("type") in ("enabled", "disabled") and model.startswith(ADAPTIVE_ONLY_MODELS):
+            raise Invalid(
+                400,
+                f'thinking.type: "{thinking["type"]}" is not supported for this model. Use '
+                '"thinking.type": "adaptive" and "output_config.effort" to control thinking behavior.',
+            )
+        effort = (body.get("output_config") or {}).get("effort")
+        if effort is not None:
+            levels = EFFORT_LEVELS.get(next((m for m in EFFORT_LEVELS if model.startswith(m)), ""), ())
+            if not levels:
+                raise Invalid(400, f"output_config.effort: the effort parameter is not supported on {model}")
+            if effort not in levels:
+                raise Invalid(
+                    400, f"output_config.effort: Input should be {', '.join(repr(e) for e in levels)}"
+                )
         if thinking.get("type") == "enabled":
             budget = thinking.get("budget_tokens")
             if not isinstance(budget, int) or budget < 1024:
@@ -317,7 +341,7 @@ class FakeAnthropic(FakeServer):
         thinking = body.get("thinking") or {}
         thought = (
             f"Let me think about: {reply.text or reply.tool_name}"
-            if thinking.get("type") == "enabled"
+            if thinking.get("type") in ("enabled", "adaptive")
             else None
         )
         content = _content_blocks(reply, thought, self.sign)
@@ -428,6 +452,17 @@ class FakeAnthropic(FakeServer):
             return self.error_response(404, f"model: {model}")
         return self.json_response(request, _model_object(model))
 
+
+# Thinking by model, as Anthropic documents it: adaptive thinking from the 4.6 family on, only
+# adaptive from Opus 4.7 on; output_config.effort from Opus 4.5 on, its levels by model.
+ADAPTIVE_MODELS = ("claude-opus-4-6", "claude-sonnet-4-6", "claude-opus-4-7")
+ADAPTIVE_ONLY_MODELS = ("claude-opus-4-7",)
+EFFORT_LEVELS = {
+    "claude-opus-4-5": ("low", "medium", "high"),
+    "claude-opus-4-6": ("low", "medium", "high", "max"),
+    "claude-sonnet-4-6": ("low", "medium", "high", "max"),
+    "claude-opus-4-7": ("low", "medium", "high", "xhigh", "max"),
+}
 
 # the largest max_tokens each model accepts (longest prefix wins)
 MAX_OUTPUT_TOKENS = {

@@ -72,6 +72,8 @@ EXTRA_MODELS = """\
   - {name: text-embedding-3-small, backend: openai}
   - {name: gemini-embedding, backend: gemini, model: gemini-embedding-001}
   - {name: gemini-pro, backend: gemini, model: gemini-3-pro-preview}
+  - {name: claude-opus-46, backend: anthropic, model: claude-opus-4-6}
+  - {name: claude-opus-47, backend: anthropic, model: claude-opus-4-7}
   - {name: deepseek-chat, backend: deepseek}
   - {name: deepseek-reasoner, backend: deepseek}
   - {name: dead-model, backend: dead, model: gpt-4o-mini}

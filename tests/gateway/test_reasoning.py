@@ -21,6 +21,7 @@ from gateway.errors import InvalidRequest
 from gateway.estimate import chunk_text_bytes
 from gateway.providers import anthropic as anthropic_provider
 from gateway.providers import gemini, openai
+from gateway.providers.base import effort_for_budget
 from gateway.types import (
     AssistantMessage,
     ChatChunk,
@@ -417,20 +418,24 @@ def test_anthropic_request_sends_signed_reasoning_first_and_drops_unsigned() -> 
         reasoning_budget=2048,
         max_tokens=3000,
     )
-    sent = body(anthropic_provider.chat_request(ANTHROPIC, request, "claude"))
+    sent = body(anthropic_provider.chat_request(ANTHROPIC, request, "claude-sonnet-4-5"))
     assert sent["messages"][1]["content"] == [
         {"type": "thinking", "thinking": "hmm", "signature": "sig"},
         {"type": "redacted_thinking", "data": "opaque"},
         {"type": "text", "text": "a"},
     ]
     assert sent["thinking"] == {"type": "enabled", "budget_tokens": 2048} and sent["max_tokens"] == 3000
-    count = body(anthropic_provider.count_tokens_request(ANTHROPIC, request, "claude"))
+    count = body(anthropic_provider.count_tokens_request(ANTHROPIC, request, "claude-sonnet-4-5"))
     assert count["thinking"] == sent["thinking"] and "max_tokens" not in count
 
 
 def test_anthropic_explicit_budget_is_passed_as_it_is() -> None:
     # The Anthropic client chose it: Anthropic's own 400 answers an invalid one.
-    sent = body(anthropic_provider.chat_request(ANTHROPIC, chat(reasoning_budget=500, max_tokens=400), "c"))
+    sent = body(
+        anthropic_provider.chat_request(
+            ANTHROPIC, chat(reasoning_budget=500, max_tokens=400), "claude-sonnet-4-5"
+        )
+    )
     assert sent["thinking"] == {"type": "enabled", "budget_tokens": 500} and sent["max_tokens"] == 400
 
 
@@ -453,7 +458,7 @@ def test_anthropic_explicit_budget_is_passed_as_it_is() -> None:
     ],
 )
 def test_anthropic_effort_budgets(fields: dict[str, Any], budget: int | None) -> None:
-    sent = body(anthropic_provider.chat_request(ANTHROPIC, chat(**fields), "claude"))
+    sent = body(anthropic_provider.chat_request(ANTHROPIC, chat(**fields), "claude-sonnet-4-5"))
     assert (sent.get("thinking") or {}).get("budget_tokens") == budget
 
 
@@ -508,7 +513,7 @@ def test_openai_request_maps_a_budget_to_effort_and_sends_no_blocks() -> None:
     sent = body(openai.chat_request(OPENAI, chat(messages=history, reasoning_budget=1024), "x"))
     assert sent["reasoning_effort"] == "low" and "reasoning_budget" not in sent
     assert sent["messages"][1] == {"role": "assistant", "content": "a"}
-    assert [openai.effort_for_budget(b) for b in (1024, 1025, 8192, 8193)] == [
+    assert [effort_for_budget(b) for b in (1024, 1025, 8192, 8193)] == [
         "low",
         "medium",
         "medium",
@@ -675,3 +680,190 @@ def test_openai_compatible_reasoning_under_either_name() -> None:
         [canonical] = stream.feed(None, json.dumps(chunk))
         assert canonical.choices[0].delta.reasoning_content == "2+"
         assert "reasoning" not in msgspec.to_builtins(canonical.choices[0].delta)
+
+
+# --- adaptive thinking and effort (Claude 4.6 on) ------------------------------------------------
+
+
+def test_adaptive_thinking_reaches_claude_as_asked(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    message = gateway.anthropic().messages.create(
+        model="claude-opus-47",
+        max_tokens=2000,
+        thinking={"type": "adaptive"},
+        output_config={"effort": "xhigh"},
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == {"type": "adaptive"} and sent["output_config"] == {"effort": "xhigh"}
+    assert sent["max_tokens"] == 2000
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].signature  # signed by the fake: it can go back in a tool loop
+
+
+def test_adaptive_thinking_for_a_budget_model_becomes_a_budget(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    message = gateway.anthropic().messages.create(
+        model="claude-sonnet",  # claude-sonnet-4-5: budgets only; adaptive would be a 400
+        max_tokens=8000,
+        thinking={"type": "adaptive"},
+        output_config={"effort": "medium"},
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 4096} and "output_config" not in sent
+    assert message.content[0].type == "thinking"
+
+
+def test_a_budget_for_an_adaptive_only_model_becomes_an_effort(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """Opus 4.7 refuses budgets: a client (or a fallback) written for older Claude still thinks."""
+    gateway.anthropic().messages.create(
+        model="claude-opus-47",
+        max_tokens=20000,
+        thinking={"type": "enabled", "budget_tokens": 16000},
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == {"type": "adaptive"} and sent["output_config"] == {"effort": "high"}
+    gateway.anthropic().messages.create(
+        model="claude-opus-47",
+        max_tokens=200,
+        thinking={"type": "disabled"},
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    assert "thinking" not in fake_anthropic.last_request.json  # "disabled" is a 400 there
+
+
+@pytest.mark.parametrize(("model", "effort"), [("claude-opus-46", "max"), ("claude-opus-47", "xhigh")])
+def test_openai_effort_to_adaptive_claude(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, model: str, effort: str
+) -> None:
+    response = gateway.openai().chat.completions.create(
+        model=model, reasoning_effort="xhigh", messages=[{"role": "user", "content": "a b"}]
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == {"type": "adaptive"} and sent["output_config"] == {"effort": effort}
+    assert sent["max_tokens"] == anthropic_provider.DEFAULT_MAX_TOKENS + 16384  # room to think
+    assert response.choices[0].message.model_extra == {"reasoning_content": "Let me think about: a b"}
+    gateway.openai().chat.completions.create(
+        model=model, reasoning_effort="minimal", messages=[{"role": "user", "content": "a b"}]
+    )
+    sent = fake_anthropic.last_request.json
+    assert "thinking" not in sent and sent["output_config"] == {"effort": "low"}
+
+
+def test_adaptive_thinking_to_gemini_is_a_dynamic_budget(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    gateway.anthropic().messages.create(
+        model="gemini-flash",
+        max_tokens=2000,
+        thinking={"type": "adaptive"},
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    config = fake_gemini.last_request.json["generationConfig"]
+    assert config["thinkingConfig"] == {"thinkingBudget": -1, "includeThoughts": True}
+
+
+def test_output_config_format_is_structured_output_on_any_backend(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    message = gateway.anthropic().messages.create(
+        model="gpt-4o-mini",
+        max_tokens=200,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        messages=[{"role": "user", "content": "Paris"}],
+    )
+    sent = fake_openai.last_request.json["response_format"]
+    assert sent["type"] == "json_schema" and sent["json_schema"]["schema"] == schema
+    assert set(json.loads(message.content[0].text)) == {"city"}
+
+
+@pytest.mark.parametrize(
+    ("model", "mode"),
+    [
+        ("claude-3-7-sonnet-latest", "budget"),
+        ("claude-sonnet-4-5", "budget"),
+        ("claude-sonnet-4-5-20250929", "budget"),
+        ("claude-opus-4-1", "budget"),
+        ("claude-opus-4-20250514", "budget"),
+        ("claude-sonnet-4-0", "budget"),
+        ("claude-haiku-4-5", "budget"),
+        ("claude-opus-4-5-20251101", "budget"),
+        ("claude-sonnet-4-6", "both"),
+        ("claude-opus-4-6", "both"),
+        ("claude-opus-4-7", "adaptive"),
+        ("claude-opus-5", "adaptive"),
+        ("claude-mythos-5", "adaptive"),
+    ],
+)
+def test_thinking_mode_by_model(model: str, mode: str) -> None:
+    assert anthropic_provider.thinking_mode(model) == mode
+
+
+@pytest.mark.parametrize(
+    ("fields", "model", "thinking", "effort"),
+    [
+        # an OpenAI client's effort: adaptive where the model takes it, a fitted budget where not
+        ({"reasoning_effort": "medium"}, "claude-sonnet-4-6", {"type": "adaptive"}, "medium"),
+        (
+            {"reasoning_effort": "medium"},
+            "claude-sonnet-4-5",
+            {"type": "enabled", "budget_tokens": 4096},
+            None,
+        ),
+        ({"reasoning_effort": "none"}, "claude-opus-4-7", None, "low"),
+        # Anthropic would refuse thinking with a forced tool: an effort gets none there
+        (
+            {"reasoning_effort": "high", "response_format": {"type": "json_object"}},
+            "claude-opus-4-7",
+            None,
+            "high",
+        ),
+        # an Anthropic client's own budget: as it is where the model takes budgets
+        (
+            {"reasoning_budget": 2048, "max_tokens": 3000},
+            "claude-opus-4-6",
+            {"type": "enabled", "budget_tokens": 2048},
+            None,
+        ),
+        ({"reasoning_budget": 2048, "max_tokens": 3000}, "claude-opus-4-7", {"type": "adaptive"}, "medium"),
+        # adaptive as asked where the model takes it; a budget (high by default) where not
+        ({"reasoning_adaptive": True}, "claude-opus-4-6", {"type": "adaptive"}, None),
+        (
+            {"reasoning_adaptive": True, "max_tokens": 5000},
+            "claude-haiku-4-5",
+            {"type": "enabled", "budget_tokens": 4999},
+            None,
+        ),
+        (
+            {"reasoning_adaptive": True, "reasoning_effort": "low"},
+            "claude-haiku-4-5",
+            {"type": "enabled", "budget_tokens": 1024},
+            None,
+        ),
+    ],
+)
+def test_anthropic_thinking_by_model(
+    fields: dict[str, Any], model: str, thinking: dict[str, Any] | None, effort: str | None
+) -> None:
+    sent = body(anthropic_provider.chat_request(ANTHROPIC, chat(**fields), model))
+    assert sent.get("thinking") == thinking
+    assert (sent.get("output_config") or {}).get("effort") == effort
+
+
+def test_openai_compatible_gets_a_known_effort() -> None:
+    sent = body(openai.chat_request(OPENAI, chat(reasoning_effort="max", reasoning_adaptive=True), "m"))
+    assert sent["reasoning_effort"] == "high" and "reasoning_adaptive" not in sent
+    sent = body(openai.chat_request(OPENAI, chat(reasoning_adaptive=True), "m"))
+    assert "reasoning_effort" not in sent and "reasoning_adaptive" not in sent
