@@ -53,6 +53,10 @@ class Backend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     query: dict[str, str] = {}  # extra query parameters (e.g. Azure's `api-version`)
     timeouts: Timeouts = Timeouts()
     anthropic_version: str = "2023-06-01"
+    # OpenAI-compatible: send earlier assistant turns' reasoning_content back (DeepSeek refuses a
+    # thinking-mode tool loop without it; Kimi's and vLLM's chat templates read it). None: only to
+    # DeepSeek's and Moonshot's APIs, since OpenAI, Azure, Cerebras and Mistral refuse unknown fields.
+    send_reasoning: bool | None = None
     # type: engine without url: Weir starts and supervises `weir engine serve --model M --port P`.
     model: str | None = None
     port: int | None = None

@@ -228,33 +228,47 @@ def _messages(request: ResponsesRequest) -> list[Message]:
         return messages
     if not request.input:
         raise InvalidRequest("'input' must not be empty.", param="input")
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn that follows it
     for i, raw in enumerate(request.input):
         where = f"input[{i}]"
         kind = raw.get("type", "message")
         if kind == "message":
-            messages.append(_message(_convert(raw, InputMessage, where), where))
+            message = _message(_convert(raw, InputMessage, where), where)
+            if message.role == "assistant" and reasoning:
+                message = msgspec.structs.replace(message, reasoning_content=reasoning)
+            reasoning = None
+            messages.append(message)
         elif kind == "function_call":
             item = _convert(raw, FunctionCallItem, where)
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant":
+            if last is not None and last.role == "assistant" and not reasoning:
                 # One assistant turn: its text and every call it made (the Responses API lists them as
                 # separate items; chat, Anthropic and Gemini all want them in one turn).
                 messages[-1] = msgspec.structs.replace(last, tool_calls=[*(last.tool_calls or ()), call])
             else:
-                messages.append(Message(role="assistant", tool_calls=[call]))
+                messages.append(Message(role="assistant", tool_calls=[call], reasoning_content=reasoning))
+            reasoning = None
         elif kind == "function_call_output":
             output = _convert(raw, FunctionCallOutputItem, where)
             content = _content(output.output, f"{where}.output")
             messages.append(Message(role="tool", tool_call_id=output.call_id, content=content))
         elif kind == "reasoning":
-            continue  # another vendor cannot verify (or read) an earlier turn's reasoning
+            # Its text (what Weir hands out: reasoning_text parts) goes back as the next assistant
+            # turn's reasoning_content, which DeepSeek and Kimi need in a tool loop; encrypted or
+            # summarised reasoning (OpenAI's) cannot be read by another vendor and is dropped.
+            raw_parts = raw.get("content")
+            parts: list[Any] = raw_parts if isinstance(raw_parts, list) else []
+            text = "".join(
+                p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"
+            )
+            reasoning = text or None
         elif kind == "item_reference":
             raise InvalidRequest(STATELESS, param=f"{where}.type")
         else:
             raise InvalidRequest(
                 f"Input items of type {kind!r} are not supported: only messages, function_call, "
-                "function_call_output and reasoning items (dropped) are.",
+                "function_call_output and reasoning items are.",
                 param=f"{where}.type",
             )
     return messages

@@ -97,6 +97,9 @@ class Message(Base):
     cache_control: dict[str, Any] | None = None  # applies to the last block this message becomes
     # An assistant turn's reasoning, in order (Anthropic inbound); only vendors that sign reasoning use it.
     reasoning_blocks: list[Reasoning] | None = None
+    # An assistant turn's reasoning as text, as OpenAI-compatible clients send it back (DeepSeek and
+    # Kimi refuse a thinking-mode tool loop without it).
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """The message's text parts joined (images and other parts dropped)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, cast
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlparse
 
 import msgspec
 
@@ -40,11 +40,16 @@ from gateway.types import (
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
+    ReasoningBlock,
     TokenCount,
 )
 from gateway.usage import Usage, normalise_usage
 
 VENDOR = "openai"
+# Hosts whose thinking models want earlier turns' reasoning_content back (DeepSeek refuses a tool loop
+# without it). Others are not sent it unless configured: OpenAI, Azure, Cerebras and Mistral refuse
+# message fields they do not know.
+REASONING_HOSTS = ("api.deepseek.com", "api.moonshot.ai", "api.moonshot.cn")
 MAX_CALL_ID = 40  # OpenAI: "string too long. Expected a string with maximum length 40"
 
 
@@ -95,7 +100,13 @@ def _has_cache_control(request: ChatRequest) -> bool:
     return any(tool.cache_control is not None for tool in request.tools or ())
 
 
-def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
+def sends_reasoning(backend: Backend) -> bool:
+    if backend.send_reasoning is not None:
+        return backend.send_reasoning
+    return (urlparse(backend.base_url or "").hostname or "") in REASONING_HOSTS
+
+
+def _chat_body(request: ChatRequest, model: str, send_reasoning: bool = False) -> dict[str, Any]:
     body = request_body(request, model)
     budget = body.pop("reasoning_budget", None)
     body.pop("reasoning_adaptive", None)  # the model's own default: nothing to send
@@ -103,9 +114,18 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
         body["reasoning_effort"] = effort_for_budget(budget)
     elif body.get("reasoning_effort") == "max":  # Anthropic's top effort; OpenAI's top is not on every model
         body["reasoning_effort"] = "high"
-    for message in body["messages"]:
-        # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take none back.
+    for message, source in zip(body["messages"], request.messages, strict=True):
+        # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take its text.
         message.pop("reasoning_blocks", None)
+        if not send_reasoning:
+            message.pop("reasoning_content", None)
+        elif source.reasoning_content is None and source.role == "assistant":
+            blocks = source.reasoning_blocks or ()
+            text = "".join(b.text for b in blocks if isinstance(b, ReasoningBlock))
+            if text or source.tool_calls:
+                # A tool call's turn always carries the field, empty when the reasoning is unknown (a
+                # client that hid it, another vendor's turn): DeepSeek refuses the turn without it.
+                message["reasoning_content"] = text
         for call in message.get("tool_calls") or ():
             call["id"] = upstream_call_id(call["id"], MAX_CALL_ID)
         if "tool_call_id" in message:
@@ -116,7 +136,7 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
-    body = _chat_body(request, model)
+    body = _chat_body(request, model, sends_reasoning(backend))
     if request.stream:
         # Always ask for the usage chunk: accounting needs it even when the client did not.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}

@@ -31,7 +31,9 @@ call id over 40 characters, a body that is not JSON.
 
 ``FakeOpenAI(flavour="deepseek")`` speaks DeepSeek's dialect instead: models ``deepseek-chat`` and
 ``deepseek-reasoner``, usage ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens`` (64-token cache
-units, no ``prompt_tokens_details``), and ``reasoning_content`` from ``deepseek-reasoner``.
+units, no ``prompt_tokens_details``), and ``reasoning_content`` from ``deepseek-reasoner``, which, as
+DeepSeek's thinking mode does, refuses a history whose assistant tool calls come without their
+``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -342,6 +344,15 @@ class FakeOpenAI(FakeServer):
                         "string_above_max_length",
                     )
                 call_names[call.get("id", "")] = call.get("function", {}).get("name", "")
+            if (
+                self.flavour == "deepseek"
+                and body.get("model") == "deepseek-reasoner"
+                and message.get("tool_calls")
+                and "reasoning_content" not in message
+            ):
+                raise BadRequest(
+                    400, "The reasoning_content in the thinking mode must be passed back to the API.", None
+                )
                 tokens += words(call.get("function", {}).get("name", ""))
                 tokens += words(call.get("function", {}).get("arguments", ""))
             text, images = _content_text(message.get("content"))

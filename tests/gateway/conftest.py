@@ -56,6 +56,7 @@ EXTRA_BACKENDS = """\
     type: openai
     base_url: ${DEEPSEEK_BASE_URL}
     api_key: ${DEEPSEEK_API_KEY}
+    send_reasoning: true              # what api.deepseek.com gets by default
   - name: openai-impatient
     type: openai
     base_url: ${OPENAI_BASE_URL}

@@ -333,13 +333,18 @@ def test_anthropic_client_sees_other_vendors_reasoning_unsigned_and_it_is_never_
     assert [block.type for block in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == "The user wants: a b"
 
-    # Sent back, the unsigned block never reaches Claude (which would refuse its signature), nor DeepSeek.
+    # Sent back, the unsigned block never reaches Claude (which would refuse its signature); DeepSeek
+    # gets its text as reasoning_content, the field its thinking mode reads back.
     history = [*asked, {"role": "assistant", "content": [b.model_dump() for b in message.content]}]
     history.append({"role": "user", "content": "c d"})
     client.messages.create(model="claude-sonnet", max_tokens=2000, thinking=THINKING, messages=history)
     assert fake_anthropic.last_request.json["messages"][1]["content"] == [{"type": "text", "text": "a b"}]
     client.messages.create(model="deepseek-reasoner", max_tokens=2000, messages=history)
-    assert fake_deepseek.last_request.json["messages"][1] == {"role": "assistant", "content": "a b"}
+    assert fake_deepseek.last_request.json["messages"][1] == {
+        "role": "assistant",
+        "content": "a b",
+        "reasoning_content": "The user wants: a b",
+    }
 
 
 def test_gemini_thoughts_become_reasoning_content(gateway: RunningGateway, fake_gemini: FakeGemini) -> None:
@@ -512,7 +517,12 @@ def test_openai_request_maps_a_budget_to_effort_and_sends_no_blocks() -> None:
     ]
     sent = body(openai.chat_request(OPENAI, chat(messages=history, reasoning_budget=1024), "x"))
     assert sent["reasoning_effort"] == "low" and "reasoning_budget" not in sent
+    # the signed block stays behind; its text goes as reasoning_content only where the backend takes
+    # it (test_reasoning_goes_back_to_deepseek_and_kimi_or_where_configured)
     assert sent["messages"][1] == {"role": "assistant", "content": "a"}
+    deepseek = Backend(name="d", type="openai", base_url="https://api.deepseek.com", api_key="k")
+    sent = body(openai.chat_request(deepseek, chat(messages=history), "x"))
+    assert sent["messages"][1] == {"role": "assistant", "content": "a", "reasoning_content": "hmm"}
     assert [effort_for_budget(b) for b in (1024, 1025, 8192, 8193)] == [
         "low",
         "medium",
@@ -867,3 +877,93 @@ def test_openai_compatible_gets_a_known_effort() -> None:
     assert sent["reasoning_effort"] == "high" and "reasoning_adaptive" not in sent
     sent = body(openai.chat_request(OPENAI, chat(reasoning_adaptive=True), "m"))
     assert "reasoning_effort" not in sent and "reasoning_adaptive" not in sent
+
+
+# --- DeepSeek's thinking mode wants its reasoning back in a tool loop ----------------------------
+
+DEEPSEEK_ASK = {"role": "user", "content": 'call get_weather {"city": "Paris"}'}
+
+
+def test_deepseek_tool_loop_gets_its_reasoning_back(
+    gateway: RunningGateway, fake_deepseek: FakeOpenAI
+) -> None:
+    client = gateway.openai()
+    first = client.chat.completions.create(
+        model="deepseek-reasoner", messages=[DEEPSEEK_ASK], tools=[OPENAI_WEATHER]
+    )
+    call = first.choices[0].message.model_dump(exclude_none=True)  # what an OpenAI SDK app appends
+    assert call["reasoning_content"] and call["tool_calls"]
+    result = {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"], "content": "sunny"}
+    second = client.chat.completions.create(
+        model="deepseek-reasoner", messages=[DEEPSEEK_ASK, call, result], tools=[OPENAI_WEATHER]
+    )
+    assert second.choices[0].message.content == "Tool get_weather returned: sunny"
+    assert fake_deepseek.last_request.json["messages"][1]["reasoning_content"] == call["reasoning_content"]
+
+    # A client that dropped the reasoning (or a turn written by another vendor): the field is sent
+    # empty, which DeepSeek accepts, rather than left out, which it refuses.
+    bare = {k: v for k, v in call.items() if k != "reasoning_content"}
+    client.chat.completions.create(
+        model="deepseek-reasoner", messages=[DEEPSEEK_ASK, bare, result], tools=[OPENAI_WEATHER]
+    )
+    assert fake_deepseek.last_request.json["messages"][1]["reasoning_content"] == ""
+
+
+def test_deepseek_tool_loop_from_anthropic_and_responses_clients(
+    gateway: RunningGateway, fake_deepseek: FakeOpenAI
+) -> None:
+    tool = {"name": "get_weather", "input_schema": OPENAI_WEATHER["function"]["parameters"]}
+    client = gateway.anthropic()
+    first = client.messages.create(
+        model="deepseek-reasoner", max_tokens=2000, thinking=THINKING, tools=[tool], messages=[DEEPSEEK_ASK]
+    )
+    use = next(b for b in first.content if b.type == "tool_use")
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}
+    client.messages.create(
+        model="deepseek-reasoner",
+        max_tokens=2000,
+        thinking=THINKING,
+        tools=[tool],
+        messages=[DEEPSEEK_ASK, {"role": "assistant", "content": first.content}, result],
+    )
+    thinking = next(b for b in first.content if b.type == "thinking").thinking
+    assert fake_deepseek.last_request.json["messages"][1]["reasoning_content"] == thinking
+
+    responses = gateway.openai().responses
+    ask = [{"role": "user", "content": DEEPSEEK_ASK["content"]}]
+    tools = [
+        {"type": "function", "name": "get_weather", "parameters": OPENAI_WEATHER["function"]["parameters"]}
+    ]
+    response = responses.create(model="deepseek-reasoner", input=ask, tools=tools)
+    kinds = [item.type for item in response.output]
+    assert kinds[0] == "reasoning" and "function_call" in kinds
+    call = next(item for item in response.output if item.type == "function_call")
+    later = [*ask, *[item.model_dump(exclude_none=True) for item in response.output]]
+    later.append({"type": "function_call_output", "call_id": call.call_id, "output": "sunny"})
+    again = responses.create(model="deepseek-reasoner", input=later, tools=tools)
+    assert again.output_text == "Tool get_weather returned: sunny"
+    sent = fake_deepseek.last_request.json["messages"][1]
+    assert sent["reasoning_content"] == response.output[0].content[0].text and sent["tool_calls"]
+
+
+def test_reasoning_goes_back_to_deepseek_and_kimi_or_where_configured() -> None:
+    history = chat(
+        messages=[
+            {"role": "user", "content": "q"},
+            {**TOOL_TURN, "reasoning_content": "why"},
+            {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        ]
+    )
+    for url, sent in (
+        ("https://api.deepseek.com/v1", True),
+        ("https://api.moonshot.ai/v1", True),
+        ("https://api.openai.com/v1", False),
+        ("https://acme.openai.azure.com/openai/deployments/gpt-4o", False),
+        ("https://api.cerebras.ai/v1", False),
+        ("http://vllm:8000/v1", False),
+    ):
+        backend = Backend(name="o", type="openai", base_url=url, api_key="k")
+        messages = body(openai.chat_request(backend, history, "m"))["messages"]
+        assert ("reasoning_content" in messages[1]) is sent
+    vllm = Backend(name="v", type="openai", base_url="http://vllm:8000/v1", send_reasoning=True)
+    assert body(openai.chat_request(vllm, history, "m"))["messages"][1]["reasoning_content"] == "why"
