@@ -27,8 +27,15 @@ recipe (equal unit-spread blend of the shipped components) on the same prompts. 
    gain minus its subject's mean on TF-IDF n-grams) track the gain *within* a subject, and the residual
    regression added to the v3 ranking.
 
+7. (`--encoder-only`) the full MiniLM encoder instead of its static distillation: every prompt encoded
+   once by the transformer (mean pooling, 256 tokens), the v3 head trained and scored on those
+   embeddings in place of the static ones; a static table *learned* to reproduce them (per token
+   vectors W0 A + D, fitted per outer fold on its training prompts only, cosine loss, L2 on D), the
+   cheap stand-in; and what the encoder costs per prompt on one core at the data's token lengths.
+
     nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu --artefact-only
     nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu --ceiling-only
+    nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu --encoder-only
 """
 
 from __future__ import annotations
@@ -306,6 +313,109 @@ def ceiling(data: Outcomes, enc: Encoded, fold: np.ndarray, report, embedder: St
             )
 
 
+def learned_table(x, targets, base, l2: float, steps: int = 300):  # x: torch sparse CSR (rows, vocab)
+    """A static table whose pooled rows reproduce `targets` (cosine): base @ A + D, L2 on D only, so
+    tokens the rows never show still move with the learned linear map A."""
+    import torch
+
+    d = torch.zeros_like(base, requires_grad=True)
+    a = torch.eye(base.shape[1], requires_grad=True)
+    opt = torch.optim.Adam([d, a], lr=3e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        pooled = x @ (base @ a + d)
+        loss = (1 - torch.nn.functional.cosine_similarity(pooled, targets)).mean() + l2 * (d * d).sum()
+        loss.backward()
+        opt.step()
+    return (base @ a + d).detach()
+
+
+def encoder(data: Outcomes, enc: Encoded, fold: np.ndarray, report, embedder: StaticEmbedder) -> None:
+    """Experiment 7: the full MiniLM encoder in place of the static table, and a learned static table."""
+    import torch
+
+    from routing.minilm import MiniLMEncoder
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = MiniLMEncoder(max_tokens=256)
+    t0 = time.perf_counter()
+    contextual = model.encode(data.prompts, batch_size=32).numpy()
+    print(f"{len(data)} prompts encoded by MiniLM in {time.perf_counter() - t0:.0f} s", flush=True)
+    v3 = cross_fitted(data, enc, fold, TrainConfig(calibration_folds=0))
+    ref = equal_blend(v3["components"], fold)
+    report("v3 recipe (static MiniLM table)", ref, None)
+    groups = sorted(set(data.groups or []))
+    truth = np.array([groups.index(g) for g in data.groups or []])
+    full = cross_fitted(
+        data,
+        Encoded(enc.token_ids, contextual, enc.length, enc.options),
+        fold,
+        TrainConfig(calibration_folds=0),
+    )
+    report("v3 recipe on full-encoder embeddings", equal_blend(full["components"], fold), ref)
+    for j, name in enumerate(("group term", "network gain")):
+        swapped = v3["components"].copy()
+        swapped[:, j] = full["components"][:, j]
+        report(f"v3 with only the {name} from the full encoder", equal_blend(swapped, fold), ref)
+    print(
+        f"  subject named right by the head's posterior: static {(v3['posterior'].argmax(1) == truth).mean():.3f}, "
+        f"full encoder {(full['posterior'].argmax(1) == truth).mean():.3f}"
+    )
+
+    rows, cols, vals = [], [], []
+    for row, ids in enumerate(enc.token_ids):
+        index, counts = np.unique(ids, return_counts=True)
+        rows.append(np.full(len(index), row))
+        cols.append(index)
+        vals.append(counts / counts.sum())
+    base = torch.tensor(embedder.table, dtype=torch.float32)
+    target = torch.tensor(contextual)
+    components, cosines = np.zeros_like(v3["components"]), []
+    for k in np.unique(fold):
+        train, test = np.nonzero(fold != k)[0], np.nonzero(fold == k)[0]
+
+        def mean_rows(idx: np.ndarray):
+            keep = np.isin(np.concatenate(rows), idx)
+            renumber = np.full(len(data), -1)
+            renumber[idx] = np.arange(len(idx))
+            coo = torch.sparse_coo_tensor(
+                torch.tensor(np.stack([renumber[np.concatenate(rows)[keep]], np.concatenate(cols)[keep]])),
+                torch.tensor(np.concatenate(vals)[keep], dtype=torch.float32),
+                (len(idx), base.shape[0]),
+            )
+            return coo.coalesce().to_sparse_csr()
+
+        table = learned_table(mean_rows(train), target[train], base, l2=3e-5)
+        pooled = (mean_rows(np.arange(len(data))) @ table).numpy()
+        pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-9)
+        cosines.append(float((pooled[test] * contextual[test]).sum(1).mean()))
+        enc_k = Encoded(enc.token_ids, pooled.astype(np.float32), enc.length, enc.options)
+        head = _fit_parts(data.subset(train), enc_k.subset(train), TrainConfig(calibration_folds=0))
+        components[test] = head.components(enc_k.subset(test))
+    print(
+        f"  learned table: held-out cosine to the full encoder {np.mean(cosines):.3f} "
+        f"(the [CLS] token [SEP] table: {float((enc.static * contextual).sum(1).mean()):.3f})"
+    )
+    report("v3 recipe on a learned static table (per fold)", equal_blend(components, fold), ref)
+
+    torch.set_num_threads(1)
+    print("\nfull encoder, one prompt, one core (ms per forward pass)")
+    lengths = np.array([len(ids) + 2 for ids in enc.token_ids])
+    for tokens in (16, 72, 128, 256):
+        ids = torch.randint(1000, 20000, (1, tokens))
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        with torch.inference_mode():
+            for _ in range(3):
+                model.forward(ids, mask)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                model.forward(ids, mask)
+        share = (np.minimum(lengths, 256) <= tokens).mean()
+        print(
+            f"  {tokens:>4} tokens: {(time.perf_counter() - t0) / 20 * 1000:6.1f} ms  ({share:.0%} of prompts this long or shorter)"
+        )
+
+
 def main() -> None:
     from sklearn.ensemble import HistGradientBoostingRegressor
     from sklearn.linear_model import Ridge
@@ -318,6 +428,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the wider network")
     ap.add_argument("--artefact-only", action="store_true", help="only experiment 5 (the label artefact)")
     ap.add_argument("--ceiling-only", action="store_true", help="only experiment 6 (the room left)")
+    ap.add_argument("--encoder-only", action="store_true", help="only experiment 7 (the full encoder)")
     args = ap.parse_args()
 
     data = load_mmlu(args.data)
@@ -345,6 +456,9 @@ def main() -> None:
         return
     if args.ceiling_only:
         ceiling(data, enc, fold, report, embedder)
+        return
+    if args.encoder_only:
+        encoder(data, enc, fold, report, embedder)
         return
     t0 = time.perf_counter()
     v3 = cross_fitted(data, enc, fold, TrainConfig(calibration_folds=0))

@@ -13,6 +13,7 @@ from benchmarks.routing_stacking import (
     across_folds,
     cross_fitted,
     equal_blend,
+    learned_table,
     option_similarity,
     ridge_blend,
     split_options,
@@ -122,3 +123,22 @@ def test_option_similarity_sees_an_option_that_repeats_the_question(classifier) 
     assert option_similarity(embedder, spread)[0] < closest
     # A prompt without answer options has nothing to compare.
     assert not option_similarity(embedder, "Write a haiku about autumn.").any()
+
+
+def test_learned_table_reproduces_targets_and_moves_unseen_tokens() -> None:
+    """The learned table fits what its rows show (pooled rows close to the targets), and a token no
+    row uses still changes, through the shared linear map, instead of staying in the old space."""
+    import torch
+
+    torch.manual_seed(0)
+    base = torch.nn.functional.normalize(torch.randn(50, 8), dim=1)
+    secret = torch.randn(8, 8)
+    x = torch.zeros(30, 50)
+    for row in range(30):
+        x[row, torch.randperm(40)[:4]] = 0.25  # tokens 40-49 appear in no row
+    target = torch.nn.functional.normalize(x @ base @ secret, dim=1)
+    table = learned_table(x.to_sparse_csr(), target, base, l2=1e-4, steps=400)
+    before = torch.nn.functional.cosine_similarity(x @ base, target).mean()
+    after = torch.nn.functional.cosine_similarity(x @ table, target).mean()
+    assert before < 0.8 and after > 0.95
+    assert not torch.allclose(table[45], base[45], atol=1e-2)
