@@ -194,12 +194,18 @@ def _contents(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
 # Google's documented stand-in for a signature Weir does not have (calls made by another vendor, or by
 # a client that dropped the id): Gemini 3 then skips the check instead of refusing the request.
 UNSIGNED = "skip_thought_signature_validator"
-_BEFORE_SIGNATURES = re.compile(r"gemini-[12]\b")
+_BEFORE_3 = re.compile(r"gemini-[12]\b")
+
+
+def is_gemini_3(model: str) -> bool:
+    """Gemini 3 and later (and the `-latest` aliases, which point there): signed function calls and
+    thinking levels. Gemini 1 and 2, and Gemma, have neither."""
+    return "gemini" in model and not _BEFORE_3.search(model)
 
 
 def _sign_current_turn(contents: list[dict[str, Any]], model: str) -> None:
     """Gemini 3 checks the first function call of each model step since the last user text."""
-    if "gemini" not in model or _BEFORE_SIGNATURES.search(model):
+    if not is_gemini_3(model):
         return  # Gemini 1 and 2 (and Gemma) check nothing, and are not sent a stand-in they may not know
     for content in reversed(contents):
         if content["role"] == "user" and any("text" in part for part in content["parts"]):
@@ -226,10 +232,18 @@ def _tool_config(request: ChatRequest) -> dict[str, Any] | None:
     return {"functionCallingConfig": config}
 
 
-def _thinking_config(request: ChatRequest) -> dict[str, Any] | None:
-    budget = request.reasoning_budget
-    if budget is None and request.reasoning_effort is not None:
-        budget = EFFORT_BUDGETS.get(request.reasoning_effort)
+def _thinking_config(request: ChatRequest, model: str) -> dict[str, Any] | None:
+    effort, budget = request.reasoning_effort, request.reasoning_budget
+    if is_gemini_3(model) and (budget is None or budget == 0):
+        # Gemini 3 thinks in levels, and cannot stop thinking (a budget of 0 is a 400 on 3 Pro). Only
+        # low and high exist on every Gemini 3 model, so efforts map onto those two.
+        if budget == 0 or effort in ("none", "minimal"):
+            return {"thinkingLevel": "low"}  # the least there is; its thoughts are not asked for
+        if effort in EFFORT_BUDGETS:
+            return {"thinkingLevel": "low" if effort == "low" else "high", "includeThoughts": True}
+        return {"includeThoughts": True} if request.reasoning_adaptive else None
+    if budget is None and effort is not None:
+        budget = EFFORT_BUDGETS.get(effort)
     if budget is None and request.reasoning_adaptive:
         budget = DYNAMIC  # the model decides, as Anthropic's adaptive thinking
     if budget is None:
@@ -249,7 +263,7 @@ def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     PARAMS.apply(request, body)
     if request.output_limit is not None:
         body.setdefault("generationConfig", {})["maxOutputTokens"] = request.output_limit
-    thinking = _thinking_config(request)
+    thinking = _thinking_config(request, model)
     if thinking is not None:
         body.setdefault("generationConfig", {})["thinkingConfig"] = thinking
     if request.tools:

@@ -20,11 +20,15 @@ Gemini 3 models (``gemini-3-*``) sign their function calls as the real ones do: 
 when the first ``functionCall`` of a model step since the last user text lacks one ("missing a
 thought_signature") or carries one this server never issued ("Corrupted thought signature"), the
 documented stand-in ``skip_thought_signature_validator`` excepted. Gemini 2 models check nothing.
+``thinkingConfig`` is checked per model: ``thinkingLevel`` only on Gemini 3 and only the levels each
+takes (`THINKING_LEVELS`), never beside ``thinkingBudget``, and a budget of 0 refused by 3 Pro, which
+cannot stop thinking.
 
 Usage: ``promptTokenCount`` counts every prompt token including ``cachedContentTokenCount``, which is
 reported when the request names a ``cachedContent`` created earlier (its whole size; creating one
 needs at least ``fake.min_cache_tokens`` tokens, 1024 by default). ``thoughtsTokenCount`` is reported
-when ``thinkingConfig.thinkingBudget`` > 0 (min(budget, 64) tokens) and is not part of
+when ``thinkingConfig.thinkingBudget`` > 0 (min(budget, 64) tokens; 64 for the dynamic -1 and
+``thinkingLevel`` high, Gemini 3's default, 16 for lower levels) and is not part of
 ``candidatesTokenCount``; ``totalTokenCount`` = prompt + candidates + thoughts.
 """
 
@@ -72,6 +76,23 @@ _STATUS = {
     504: ("DEADLINE_EXCEEDED", "Deadline expired before operation could complete."),
 }
 SKIP_SIGNATURE = "skip_thought_signature_validator"
+# thinkingLevel by model, as Google documents them; Gemini 2 takes only thinkingBudget.
+THINKING_LEVELS = {
+    "gemini-3-pro-preview": ("low", "high"),
+    "gemini-3-flash-preview": ("minimal", "low", "medium", "high"),
+}
+
+
+def _check_thinking(model: str, thinking: dict[str, Any]) -> None:
+    level, budget = thinking.get("thinkingLevel"), thinking.get("thinkingBudget")
+    if level is not None and budget is not None:
+        raise Invalid(400, "You cannot use both thinking_level and the legacy thinking_budget parameter.")
+    if level is not None and level not in THINKING_LEVELS.get(model, ()):
+        raise Invalid(400, f"Thinking level {level} is not supported for this model.")
+    if budget == 0 and model == "gemini-3-pro-preview":
+        raise Invalid(400, "Budget 0 is invalid. This model only works in thinking mode.")
+
+
 _FINISH = {"stop": "STOP", "stop_sequence": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP"}
 
 
@@ -314,8 +335,14 @@ class FakeGemini(FakeServer):
         if big is not None:
             reply = Reply(text=big)
         thinking = config.get("thinkingConfig") or {}
+        _check_thinking(model, thinking)
         budget = thinking.get("thinkingBudget") or 0
         thoughts = min(budget, THOUGHT_TOKENS) if budget > 0 else 0
+        level = thinking.get("thinkingLevel") or ("high" if model.startswith("gemini-3") else None)
+        if budget == -1 or level == "high":  # dynamic, or the most a level gives (Gemini 3's default)
+            thoughts = THOUGHT_TOKENS
+        elif level in ("minimal", "low", "medium"):
+            thoughts = THOUGHT_TOKENS // 4
         n = config.get("candidateCount") or 1
         prompt = len(self._content_tokens(body)) + cached_tokens
         usage, raw = self.take_usage(

@@ -967,3 +967,50 @@ def test_reasoning_goes_back_to_deepseek_and_kimi_or_where_configured() -> None:
         assert ("reasoning_content" in messages[1]) is sent
     vllm = Backend(name="v", type="openai", base_url="http://vllm:8000/v1", send_reasoning=True)
     assert body(openai.chat_request(vllm, history, "m"))["messages"][1]["reasoning_content"] == "why"
+
+
+# --- Gemini 3 thinks in levels ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("effort", "config"),
+    [
+        ("none", {"thinkingLevel": "low"}),  # 3 Pro cannot stop thinking: a budget of 0 is its 400
+        ("low", {"thinkingLevel": "low", "includeThoughts": True}),
+        ("medium", {"thinkingLevel": "high", "includeThoughts": True}),  # 3 Pro has only low and high
+        ("high", {"thinkingLevel": "high", "includeThoughts": True}),
+    ],
+)
+def test_openai_effort_to_gemini_3_is_a_level(
+    gateway: RunningGateway, fake_gemini: FakeGemini, effort: str, config: dict[str, Any]
+) -> None:
+    response = gateway.openai().chat.completions.create(
+        model="gemini-pro", reasoning_effort=effort, messages=[{"role": "user", "content": "a b"}]
+    )
+    assert fake_gemini.last_request.json["generationConfig"]["thinkingConfig"] == config
+    assert response.choices[0].message.content == "a b"
+    shown = (response.choices[0].message.model_extra or {}).get("reasoning_content")
+    assert (shown is not None) is ("includeThoughts" in config)
+
+
+def test_anthropic_thinking_to_gemini_3(gateway: RunningGateway, fake_gemini: FakeGemini) -> None:
+    client = gateway.anthropic()
+    asked = [{"role": "user", "content": "a b"}]
+    client.messages.create(model="gemini-pro", max_tokens=4000, thinking=THINKING, messages=asked)
+    # an explicit budget still works on Gemini 3 (Google keeps it for compatibility)
+    assert fake_gemini.last_request.json["generationConfig"]["thinkingConfig"] == {
+        "thinkingBudget": 1024,
+        "includeThoughts": True,
+    }
+    message = client.messages.create(
+        model="gemini-pro", max_tokens=4000, thinking={"type": "adaptive"}, messages=asked
+    )
+    assert fake_gemini.last_request.json["generationConfig"]["thinkingConfig"] == {"includeThoughts": True}
+    assert [block.type for block in message.content] == ["thinking", "text"]
+
+
+def test_gemini_2_keeps_budgets() -> None:
+    for effort, budget in (("none", 0), ("medium", 8192)):
+        config = gemini.chat_body(chat(reasoning_effort=effort), "gemini-2.5-flash")["generationConfig"]
+        assert config["thinkingConfig"]["thinkingBudget"] == budget
+    assert gemini.is_gemini_3("gemini-flash-latest") and not gemini.is_gemini_3("gemma-3-27b-it")
