@@ -1,7 +1,8 @@
 """Anthropic Messages API as a backend: canonical (OpenAI-shaped) chat <-> Messages requests, responses
-and the streaming event sequence. Structured output (`response_format`) is done the way Anthropic
-recommends without a beta: one forced tool whose input schema is the requested schema; its input comes
-back as the message content.
+and the streaming event sequence. Structured output (`response_format`) is one forced tool whose input
+schema is the requested schema, its input coming back as the message content (it works on every Claude
+model); beside the client's tools or thinking, which a forced tool would rule out, it is Claude's own
+`output_config.format` where the model has it (`strict_schema` fits the schema to its rules).
 
 Reasoning depends on the model (`thinking_mode`): up to the 4.5 family Claude takes a thinking budget,
 the 4.6 family a budget or adaptive thinking with an effort, and from Opus 4.7 on only adaptive
@@ -228,9 +229,75 @@ def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
     return result
 
 
-def _uses_json_tool(request: ChatRequest) -> bool:
+# Claude's structured outputs (`output_config.format`): Sonnet 4.5, Opus 4.1 and 4.5, Haiku 4.5, and
+# every model from the 4.6 family on.
+_STRUCTURED_OUTPUTS = re.compile(r"claude-(sonnet-4-5|opus-4-1|opus-4-5|haiku-4-5)")
+# What its JSON schemas may hold; other keywords (numeric and length bounds...) go into the
+# description, where the model can still read them.
+_SCHEMA_KEYS = frozenset(
+    {"type", "description", "title", "enum", "const", "required", "$ref", "default", "properties", "items"}
+)
+_SCHEMA_FORMATS = frozenset(
+    {"date-time", "time", "date", "duration", "email", "hostname", "uri", "ipv4", "ipv6", "uuid"}
+)
+
+
+def _kept_bound(key: str, value: Any) -> bool:
+    return (key == "format" and value in _SCHEMA_FORMATS) or (key == "minItems" and value in (0, 1))
+
+
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema as Claude's structured outputs take it: every object closed (additionalProperties
+    false, which they require), oneOf as anyOf, and unsupported keywords described instead."""
+    out: dict[str, Any] = {}
+    described: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            out[key] = {
+                name: strict_schema(sub) if isinstance(sub, dict) else sub for name, sub in value.items()
+            }
+        elif key == "items" and isinstance(value, dict):
+            out[key] = strict_schema(value)
+        elif key in ("anyOf", "oneOf", "allOf") and isinstance(value, list):
+            variants = [strict_schema(v) if isinstance(v, dict) else v for v in value]
+            out["allOf" if key == "allOf" else "anyOf"] = variants
+        elif key in _SCHEMA_KEYS or _kept_bound(key, value):
+            out[key] = value
+        elif key not in ("additionalProperties", "$schema", "strict"):
+            described[key] = value
+    if out.get("type") == "object" or "properties" in out:
+        out["additionalProperties"] = False
+    if described:
+        note = "{" + ", ".join(f"{k}: {json_encode(v).decode()}" for k, v in described.items()) + "}"
+        out["description"] = f"{out['description']}\n\n{note}" if out.get("description") else note
+    return out
+
+
+def _native_schema(request: ChatRequest, model: str) -> dict[str, Any] | None:
+    """The schema for `output_config.format`, where it serves better than the forced JSON tool: the
+    client's tools (a forced tool would take them away) or thinking (Anthropic refuses it beside a
+    forced tool) are in play, and the model has structured outputs."""
     form = request.response_format
-    return form is not None and form.type != "text" and not request.tools
+    if form is None or form.type != "json_schema" or form.json_schema is None or not form.json_schema.schema:
+        return None
+    effort = request.reasoning_effort
+    thinks = bool(request.reasoning_budget or request.reasoning_adaptive) or (
+        effort is not None and effort not in NO_THINKING
+    )
+    supported = thinking_mode(model) != "budget" or _STRUCTURED_OUTPUTS.search(model)
+    if not supported or not (request.tools or thinks):
+        return None
+    return strict_schema(form.json_schema.schema)
+
+
+def _uses_json_tool(request: ChatRequest, model: str) -> bool:
+    form = request.response_format
+    return (
+        form is not None
+        and form.type != "text"
+        and not request.tools
+        and _native_schema(request, model) is None
+    )
 
 
 def _continues_unsigned_tool_turn(messages: list[Message]) -> bool:
@@ -286,7 +353,7 @@ def _thinking(request: ChatRequest, model: str) -> tuple[dict[str, Any] | None, 
     if (
         wants
         and not as_asked
-        and (_uses_json_tool(request) or _continues_unsigned_tool_turn(request.messages))
+        and (_uses_json_tool(request, model) or _continues_unsigned_tool_turn(request.messages))
     ):
         wants = False
     thinking: dict[str, Any] | None = None
@@ -356,9 +423,12 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if tool_choice is not None and request.tools:  # Anthropic refuses a tool_choice without tools
         body["tool_choice"] = tool_choice
     form = request.response_format
-    if form is not None and form.type != "text":
+    native = _native_schema(request, model)
+    if native is not None:
+        body.setdefault("output_config", {})["format"] = {"type": "json_schema", "schema": native}
+    elif form is not None and form.type != "text":
         schema = (form.json_schema.schema if form.json_schema else None) or {"type": "object"}
-        if not _uses_json_tool(request):
+        if not _uses_json_tool(request, model):
             # A forced tool would take the user's tools away: ask in words instead.
             hint = f"Reply with only a JSON object matching this JSON schema: {json_encode(schema).decode()}"
             body.setdefault("system", []).append({"type": "text", "text": hint})
@@ -422,7 +492,7 @@ class ChatStream:
     def __init__(self, request: ChatRequest, model: str) -> None:
         self.model = model
         # With the structured-output tool forced, its input is the whole reply: any text is dropped.
-        self.structured = _uses_json_tool(request)
+        self.structured = _uses_json_tool(request, model)
         self.id = ""
         self.created = now()
         self.usage: dict[str, Any] = {}

@@ -23,7 +23,10 @@ mismatched signature is a 400; with thinking enabled, a tool loop's final assist
 start with a thinking (or redacted_thinking) block, or it is a 400 too. Thinking modes are checked
 per model as Anthropic documents them: ``thinking: {"type": "adaptive"}`` only on the 4.6 family and
 Opus 4.7 (`ADAPTIVE_MODELS`), ``enabled`` and ``disabled`` refused on Opus 4.7, and
-``output_config.effort`` only on the models and levels in `EFFORT_LEVELS`.
+``output_config.effort`` only on the models and levels in `EFFORT_LEVELS`. Structured outputs
+(``output_config.format``) answer with the schema's JSON as text, only on the models that have them
+(`STRUCTURED_OUTPUT_MODELS`), and refuse an object schema without ``additionalProperties: false`` or
+numeric and length bounds, as Anthropic does.
 
 Usage: ``input_tokens`` is only the prompt tokens neither read from nor written to the cache;
 ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` (split in
@@ -198,6 +201,11 @@ class FakeAnthropic(FakeServer):
                 f'thinking.type: "{thinking["type"]}" is not supported for this model. Use '
                 '"thinking.type": "adaptive" and "output_config.effort" to control thinking behavior.',
             )
+        output_format = (body.get("output_config") or {}).get("format")
+        if output_format is not None:
+            if not model.startswith(STRUCTURED_OUTPUT_MODELS):
+                raise Invalid(400, f"'{model}' does not support output_config.format.")
+            _check_output_schema(output_format.get("schema") or {}, "output_config.format.schema")
         effort = (body.get("output_config") or {}).get("effort")
         if effort is not None:
             levels = EFFORT_LEVELS.get(next((m for m in EFFORT_LEVELS if model.startswith(m)), ""), ())
@@ -320,7 +328,7 @@ class FakeAnthropic(FakeServer):
             turn.forced_tool = choice.get("name")
         elif choice.get("type") == "none":
             turn.tools_disabled = True
-        output_format = body.get("output_format") or {}
+        output_format = body.get("output_format") or (body.get("output_config") or {}).get("format") or {}
         if output_format.get("type") == "json_schema":
             turn.json_mode = True
             turn.json_schema = output_format.get("schema") or {"type": "object"}
@@ -463,6 +471,49 @@ EFFORT_LEVELS = {
     "claude-sonnet-4-6": ("low", "medium", "high", "max"),
     "claude-opus-4-7": ("low", "medium", "high", "xhigh", "max"),
 }
+
+# Structured outputs (output_config.format) by model, and what their schemas may not hold.
+STRUCTURED_OUTPUT_MODELS = (
+    "claude-sonnet-4-5",
+    "claude-opus-4-1",
+    "claude-opus-4-5",
+    "claude-haiku-4-5",
+    *ADAPTIVE_MODELS,
+)
+_UNSUPPORTED_SCHEMA = (
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minLength",
+    "maxLength",
+)
+
+
+def _check_output_schema(schema: Any, where: str) -> None:
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            _check_output_schema(item, f"{where}.{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    if (schema.get("type") == "object" or "properties" in schema) and schema.get(
+        "additionalProperties"
+    ) is not False:
+        raise Invalid(
+            400, f"{where}: For 'object' type, 'additionalProperties' must be explicitly set to false"
+        )
+    for key in _UNSUPPORTED_SCHEMA:
+        if key in schema:
+            raise Invalid(400, f"{where}: property '{key}' is not supported")
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            for name, sub in value.items():
+                _check_output_schema(sub, f"{where}.{key}.{name}")
+        elif key in ("items", "anyOf", "allOf"):
+            _check_output_schema(value, f"{where}.{key}")
+
 
 # the largest max_tokens each model accepts (longest prefix wins)
 MAX_OUTPUT_TOKENS = {

@@ -1014,3 +1014,103 @@ def test_gemini_2_keeps_budgets() -> None:
         config = gemini.chat_body(chat(reasoning_effort=effort), "gemini-2.5-flash")["generationConfig"]
         assert config["thinkingConfig"]["thinkingBudget"] == budget
     assert gemini.is_gemini_3("gemini-flash-latest") and not gemini.is_gemini_3("gemma-3-27b-it")
+
+
+# --- structured output beside tools or thinking: Claude's own output_config.format -----------------
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "rank": {"type": "integer", "minimum": 1}},
+    "required": ["city", "rank"],
+}
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}
+
+
+def test_structured_output_beside_tools_is_claudes_own(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    reply = gateway.openai().chat.completions.create(
+        model="claude-opus-46",
+        messages=[{"role": "user", "content": "Paris"}],
+        tools=[OPENAI_WEATHER],
+        response_format=CITY_FORMAT,
+    )
+    sent = fake_anthropic.last_request.json
+    assert [t["name"] for t in sent["tools"]] == ["get_weather"] and "tool_choice" not in sent
+    assert sent["output_config"]["format"]["schema"] == anthropic_provider.strict_schema(CITY_SCHEMA)
+    assert set(json.loads(reply.choices[0].message.content)) == {"city", "rank"}
+
+
+def test_structured_output_keeps_thinking_on_claude(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    reply = gateway.openai().chat.completions.create(
+        model="claude-opus-47",
+        reasoning_effort="high",
+        messages=[{"role": "user", "content": "Paris"}],
+        response_format=CITY_FORMAT,
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == {"type": "adaptive"} and "tools" not in sent
+    assert sent["output_config"] == {
+        "effort": "high",
+        "format": {"type": "json_schema", "schema": anthropic_provider.strict_schema(CITY_SCHEMA)},
+    }
+    assert set(json.loads(reply.choices[0].message.content)) == {"city", "rank"}
+    assert reply.choices[0].message.model_extra["reasoning_content"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "model", "native"),
+    [
+        ({"tools": [OPENAI_WEATHER]}, "claude-sonnet-4-5", True),
+        ({"tools": [OPENAI_WEATHER]}, "claude-sonnet-4-0", False),  # no structured outputs: a hint
+        ({}, "claude-opus-4-7", False),  # neither tools nor thinking: the forced tool serves
+        ({"reasoning_effort": "none"}, "claude-opus-4-7", False),
+        ({"reasoning_effort": "low"}, "claude-haiku-4-5", True),
+    ],
+)
+def test_when_claudes_structured_output_is_used(fields: dict[str, Any], model: str, native: bool) -> None:
+    sent = body(
+        anthropic_provider.chat_request(ANTHROPIC, chat(response_format=CITY_FORMAT, **fields), model)
+    )
+    assert ("format" in (sent.get("output_config") or {})) is native
+    assert (sent.get("tool_choice") == {"type": "tool", "name": anthropic_provider.JSON_TOOL}) is (
+        not native and not fields.get("tools")
+    )
+
+
+def test_strict_schema() -> None:
+    schema = {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "type": "object",
+        "properties": {
+            "when": {"type": "string", "format": "date"},
+            "code": {"type": "string", "format": "iata", "maxLength": 3},
+            "tags": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"k": {"type": "string"}}},
+                "minItems": 2,
+            },
+            "pick": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
+        },
+        "additionalProperties": True,
+    }
+    assert anthropic_provider.strict_schema(schema) == {
+        "type": "object",
+        "properties": {
+            "when": {"type": "string", "format": "date"},
+            "code": {"type": "string", "description": '{format: "iata", maxLength: 3}'},
+            "tags": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"k": {"type": "string"}},
+                    "additionalProperties": False,
+                },
+                "description": "{minItems: 2}",
+            },
+            "pick": {"anyOf": [{"type": "integer", "description": "{minimum: 0}"}, {"type": "null"}]},
+        },
+        "additionalProperties": False,
+    }
