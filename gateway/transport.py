@@ -126,7 +126,14 @@ class Transport:
                 pending = rest
                 batch: list[tuple[str | None, str]] = []
                 for raw_line in lines:
-                    line = raw_line.decode("utf-8").rstrip("\r")
+                    try:
+                        line = raw_line.decode("utf-8").rstrip("\r")
+                    except UnicodeDecodeError:
+                        # The events before the broken line are whole: hand them on (as they would
+                        # be had the network split the read there), then fail.
+                        if batch:
+                            yield batch
+                        raise
                     if not line:
                         if data:
                             batch.append((event, "\n".join(data)))

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import BadGateway, GatewayError
@@ -137,6 +137,7 @@ def test_a_stream_cut_before_its_last_blank_line_still_yields_its_last_data(
     ).map(b"".join),
     cuts=st.lists(st.integers(min_value=0), max_size=20),
 )
+@example(body=b"data:\n\n\x80\n", cuts=[7])  # found by this test: an event before broken UTF-8 in one read
 def test_garbage_yields_the_same_however_split_and_fails_only_as_a_502(body: bytes, cuts: list[int]) -> None:
     whole = read_events([body])
     pieces = read_events(split(body, cuts))
