@@ -190,7 +190,7 @@ class EngineServer:
         limit = self.ready().engine.max_model_len
         if prompt_len >= limit:  # the engine needs room for at least one generated token
             raise ApiError(
-                413,
+                400,  # as OpenAI and vLLM answer it: clients detect context_length_exceeded on a 400
                 f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens.",
                 param=prompt_param,
                 code="context_length_exceeded",

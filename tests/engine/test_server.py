@@ -684,10 +684,10 @@ async def test_bad_parameters_are_400_naming_the_parameter(served: Served, extra
     assert all_blocks_free(served.engine)
 
 
-async def test_prompt_longer_than_the_context_is_413(served: Served) -> None:
+async def test_prompt_longer_than_the_context_is_400_context_length_exceeded(served: Served) -> None:
     with pytest.raises(openai.APIStatusError) as info:
         await served.client.completions.create(model=MODEL, prompt="z" * 2000, max_tokens=1)
-    assert info.value.status_code == 413
+    assert info.value.status_code == 400
     assert info.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
     assert info.value.body["param"] == "prompt"  # type: ignore[index]
 
