@@ -18,6 +18,8 @@ import msgspec
 from gateway.errors import GatewayError, InvalidRequest, stream_failure, validation_error
 from gateway.providers.base import new_id, now
 from gateway.types import (
+    AllowedTools,
+    AllowedToolsChoice,
     AssistantMessage,
     Base,
     ChatChunk,
@@ -116,6 +118,8 @@ class FunctionTool(Base):
 class ToolChoiceObject(Base):
     type: str
     name: str | None = None
+    mode: str | None = None  # allowed_tools
+    tools: list[dict[str, Any]] | None = None  # allowed_tools
 
 
 class TextFormat(Base):
@@ -295,6 +299,11 @@ def _tools(raw_tools: list[dict[str, Any]]) -> list[Tool] | None:
 def _tool_choice(choice: ToolChoice | ToolChoiceObject | None) -> ToolChoice | None:
     if not isinstance(choice, ToolChoiceObject):
         return choice
+    if choice.type == "allowed_tools":
+        # Responses names each tool flat ({"type": "function", "name"}); chat nests it under `function`.
+        tools = [{"type": t.get("type"), "function": {"name": t.get("name")}} for t in choice.tools or ()]
+        allowed = _convert({"mode": choice.mode, "tools": tools}, AllowedTools, "tool_choice")
+        return AllowedToolsChoice(allowed_tools=allowed)
     if choice.type != "function":
         raise InvalidRequest(
             f"tool_choice of type {choice.type!r} is not supported: use 'auto', 'none', 'required' or "
@@ -328,12 +337,17 @@ def to_canonical(request: ResponsesRequest) -> ChatRequest:
             raise InvalidRequest(f"'{param}' is not supported: {reason}", param=param)
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise InvalidRequest("'max_output_tokens' must be at least 1.", param="max_output_tokens")
+    tools, tool_choice = _tools(request.tools or []), _tool_choice(request.tool_choice)
+    if isinstance(tool_choice, AllowedToolsChoice):
+        known = {tool.function.name for tool in tools or ()}
+        if not any(allowed.function.name in known for allowed in tool_choice.allowed_tools.tools):
+            raise InvalidRequest("tool_choice.tools names no function of `tools`.", param="tool_choice.tools")
     return ChatRequest(
         model=request.model,
         messages=_messages(request),
         stream=request.stream,
-        tools=_tools(request.tools or []),
-        tool_choice=_tool_choice(request.tool_choice),
+        tools=tools,
+        tool_choice=tool_choice,
         parallel_tool_calls=request.parallel_tool_calls,
         response_format=_response_format(request.text),
         temperature=request.temperature,

@@ -130,7 +130,24 @@ class NamedToolChoice(Base, tag="function", tag_field="type"):
     function: ToolChoiceFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class AllowedTool(Base, tag="function", tag_field="type"):
+    function: ToolChoiceFunction
+
+
+class AllowedTools(Base):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool]
+
+
+class AllowedToolsChoice(Base, tag="allowed_tools", tag_field="type"):
+    """OpenAI's `{"type": "allowed_tools", ...}`: the model may call only these of `tools`. Resolved
+    when the request is built (`ChatRequest.__post_init__`) into the subset of `tools` and the mode,
+    which every backend understands, so adapters never see it."""
+
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 class JSONSchemaFormat(Base):
@@ -183,6 +200,16 @@ class ChatRequest(Base):
     store: bool | None = None
     # Top-level parameters Weir does not model; forwarded verbatim to OpenAI-compatible backends only.
     extra: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        choice = self.tool_choice
+        if isinstance(choice, AllowedToolsChoice):
+            # ValueError: msgspec reports it as a validation error of the request (a 400).
+            allowed = {tool.function.name for tool in choice.allowed_tools.tools}
+            tools = [tool for tool in self.tools or () if tool.function.name in allowed]
+            if not tools:
+                raise ValueError("tool_choice.allowed_tools names no function of `tools`")
+            self.tools, self.tool_choice = tools, choice.allowed_tools.mode
 
     @property
     def output_limit(self) -> int | None:

@@ -52,6 +52,7 @@ from gateway.types import (
     FunctionCallDelta,
     ImagePart,
     Message,
+    NamedToolChoice,
     Reasoning,
     ReasoningBlock,
     RedactedReasoning,
@@ -222,8 +223,10 @@ def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
         result = {"type": "any"}
     elif choice == "none":
         result = {"type": "none"}
-    else:
+    elif isinstance(choice, NamedToolChoice):
         result = {"type": "tool", "name": choice.function.name}
+    else:  # allowed_tools never gets here: ChatRequest resolves it into tools and a mode
+        result = None
     if request.parallel_tool_calls is False and (result is None or result["type"] != "none"):
         result = {**(result or {"type": "auto"}), "disable_parallel_tool_use": True}
     return result

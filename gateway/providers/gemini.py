@@ -50,6 +50,7 @@ from gateway.types import (
     FunctionCallDelta,
     ImagePart,
     Message,
+    NamedToolChoice,
     TextPart,
     TokenCount,
     ToolCall,
@@ -227,8 +228,10 @@ def _tool_config(request: ChatRequest) -> dict[str, Any] | None:
         config = {"mode": "ANY"}
     elif choice == "none":
         config = {"mode": "NONE"}
-    else:
+    elif isinstance(choice, NamedToolChoice):
         config = {"mode": "ANY", "allowedFunctionNames": [choice.function.name]}
+    else:  # allowed_tools never gets here: ChatRequest resolves it into tools and a mode
+        return None
     return {"functionCallingConfig": config}
 
 
