@@ -23,6 +23,7 @@ import msgspec
 from gateway.config import Backend
 from gateway.errors import BadGateway, GatewayError, InvalidRequest
 from gateway.providers.base import (
+    NO_THINKING,
     Param,
     ParamTable,
     Provider,
@@ -70,7 +71,6 @@ MIN_THINKING_BUDGET = 1024  # Anthropic refuses smaller thinking budgets
 # reasoning_effort -> thinking budget; other efforts ("minimal", "none") ask for no thinking. Above
 # high, no more than high: a larger budget needs a max_tokens the client did not choose.
 EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384, "xhigh": 16384, "max": 16384}
-NO_THINKING = ("none", "minimal")
 EFFORTS = ("low", "medium", "high", "xhigh", "max")  # output_config.effort
 _BUDGET_ONLY = re.compile(r"claude-(3|(opus|sonnet|haiku)-4(-[015])?(-\d{8}|-latest)?$)")
 _BUDGET_OR_ADAPTIVE = re.compile(r"claude-(opus|sonnet)-4-6")
@@ -276,30 +276,25 @@ def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _native_schema(request: ChatRequest, model: str) -> dict[str, Any] | None:
-    """The schema for `output_config.format`, where it serves better than the forced JSON tool: the
+def _native_format(request: ChatRequest, model: str) -> bool:
+    """Whether a JSON schema goes as `output_config.format` rather than the forced JSON tool: where the
     client's tools (a forced tool would take them away) or thinking (Anthropic refuses it beside a
     forced tool) are in play, and the model has structured outputs."""
     form = request.response_format
     if form is None or form.type != "json_schema" or form.json_schema is None or not form.json_schema.schema:
-        return None
+        return False
     effort = request.reasoning_effort
     thinks = bool(request.reasoning_budget or request.reasoning_adaptive) or (
         effort is not None and effort not in NO_THINKING
     )
     supported = thinking_mode(model) != "budget" or _STRUCTURED_OUTPUTS.search(model)
-    if not supported or not (request.tools or thinks):
-        return None
-    return strict_schema(form.json_schema.schema)
+    return bool(supported and (request.tools or thinks))
 
 
 def _uses_json_tool(request: ChatRequest, model: str) -> bool:
     form = request.response_format
     return (
-        form is not None
-        and form.type != "text"
-        and not request.tools
-        and _native_schema(request, model) is None
+        form is not None and form.type != "text" and not request.tools and not _native_format(request, model)
     )
 
 
@@ -426,9 +421,9 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if tool_choice is not None and request.tools:  # Anthropic refuses a tool_choice without tools
         body["tool_choice"] = tool_choice
     form = request.response_format
-    native = _native_schema(request, model)
-    if native is not None:
-        body.setdefault("output_config", {})["format"] = {"type": "json_schema", "schema": native}
+    if form is not None and form.json_schema is not None and _native_format(request, model):
+        schema = strict_schema(form.json_schema.schema or {})
+        body.setdefault("output_config", {})["format"] = {"type": "json_schema", "schema": schema}
     elif form is not None and form.type != "text":
         schema = (form.json_schema.schema if form.json_schema else None) or {"type": "object"}
         if not _uses_json_tool(request, model):

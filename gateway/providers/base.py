@@ -152,6 +152,9 @@ def guess_media_type(url: str) -> str:
     return "image/jpeg"
 
 
+NO_THINKING = ("none", "minimal")  # reasoning efforts that ask for no thinking
+
+
 def effort_for_budget(budget: int) -> str:
     """A reasoning budget in tokens (an Anthropic client's `thinking`) as a reasoning effort."""
     if budget <= 1024:

@@ -16,6 +16,7 @@ import msgspec
 from gateway.config import Backend
 from gateway.errors import BadGateway, GatewayError, InvalidRequest
 from gateway.providers.base import (
+    NO_THINKING,
     Param,
     ParamTable,
     Provider,
@@ -240,7 +241,7 @@ def _thinking_config(request: ChatRequest, model: str) -> dict[str, Any] | None:
     if is_gemini_3(model) and (budget is None or budget == 0):
         # Gemini 3 thinks in levels, and cannot stop thinking (a budget of 0 is a 400 on 3 Pro). Only
         # low and high exist on every Gemini 3 model, so efforts map onto those two.
-        if budget == 0 or effort in ("none", "minimal"):
+        if budget == 0 or effort in NO_THINKING:
             return {"thinkingLevel": "low"}  # the least there is; its thoughts are not asked for
         if effort in EFFORT_BUDGETS:
             return {"thinkingLevel": "low" if effort == "low" else "high", "includeThoughts": True}
