@@ -1,8 +1,9 @@
 """Anthropic Messages API as a backend: canonical (OpenAI-shaped) chat <-> Messages requests, responses
 and the streaming event sequence. Structured output (`response_format`) is one forced tool whose input
 schema is the requested schema, its input coming back as the message content (it works on every Claude
-model); beside the client's tools or thinking, which a forced tool would rule out, it is Claude's own
-`output_config.format` where the model has it (`strict_schema` fits the schema to its rules).
+model); for a strict schema, beside the client's tools or with thinking, which a forced tool would not
+hold or would rule out, it is Claude's own `output_config.format` where the model has it
+(`strict_schema` fits the schema to its rules).
 
 Reasoning depends on the model (`thinking_mode`): up to the 4.5 family Claude takes a thinking budget,
 the 4.6 family a budget or adaptive thinking with an effort, and from Opus 4.7 on only adaptive
@@ -277,9 +278,11 @@ def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _native_format(request: ChatRequest, model: str) -> bool:
-    """Whether a JSON schema goes as `output_config.format` rather than the forced JSON tool: where the
-    client's tools (a forced tool would take them away) or thinking (Anthropic refuses it beside a
-    forced tool) are in play, and the model has structured outputs."""
+    """Whether a JSON schema goes as `output_config.format` rather than the forced JSON tool, on a
+    model that has structured outputs: where the client asked for the schema to be kept strictly
+    (`strict: true`, which also marks an Anthropic client's own `output_config.format`: the forced
+    tool's input is not checked against it), or its tools (a forced tool would take them away) or
+    thinking (Anthropic refuses it beside a forced tool) are in play."""
     form = request.response_format
     if form is None or form.type != "json_schema" or form.json_schema is None or not form.json_schema.schema:
         return False
@@ -288,7 +291,16 @@ def _native_format(request: ChatRequest, model: str) -> bool:
         effort is not None and effort not in NO_THINKING
     )
     supported = thinking_mode(model) != "budget" or _STRUCTURED_OUTPUTS.search(model)
-    return bool(supported and (request.tools or thinks))
+    # Claude's structured outputs take no recursive schemas, which the forced tool does: a strict one
+    # with references keeps the tool unless tools or thinking rule it out.
+    strict = bool(form.json_schema.strict) and not _refers(form.json_schema.schema)
+    return bool(supported and (strict or request.tools or thinks))
+
+
+def _refers(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return "$ref" in schema or any(_refers(value) for value in schema.values())
+    return isinstance(schema, list) and any(_refers(item) for item in schema)
 
 
 def _uses_json_tool(request: ChatRequest, model: str) -> bool:

@@ -1024,6 +1024,18 @@ CITY_SCHEMA = {
     "required": ["city", "rank"],
 }
 CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}
+TREE_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+}
+STRICT_TREE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "tree", "schema": TREE_SCHEMA, "strict": True},
+}
+STRICT_CITY_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True},
+}
 
 
 def test_structured_output_beside_tools_is_claudes_own(
@@ -1068,12 +1080,16 @@ def test_structured_output_keeps_thinking_on_claude(
         ({}, "claude-opus-4-7", False),  # neither tools nor thinking: the forced tool serves
         ({"reasoning_effort": "none"}, "claude-opus-4-7", False),
         ({"reasoning_effort": "low"}, "claude-haiku-4-5", True),
+        # strict: the schema must hold, which only Claude's own structured output makes sure of
+        ({"response_format": STRICT_CITY_FORMAT}, "claude-sonnet-4-5", True),
+        ({"response_format": STRICT_CITY_FORMAT}, "claude-sonnet-4-0", False),
+        ({"response_format": STRICT_TREE_FORMAT}, "claude-sonnet-4-5", False),  # recursive: the tool takes it
+        ({"response_format": STRICT_TREE_FORMAT, "tools": [OPENAI_WEATHER]}, "claude-sonnet-4-5", True),
     ],
 )
 def test_when_claudes_structured_output_is_used(fields: dict[str, Any], model: str, native: bool) -> None:
-    sent = body(
-        anthropic_provider.chat_request(ANTHROPIC, chat(response_format=CITY_FORMAT, **fields), model)
-    )
+    request = chat(**{"response_format": CITY_FORMAT, **fields})
+    sent = body(anthropic_provider.chat_request(ANTHROPIC, request, model))
     assert ("format" in (sent.get("output_config") or {})) is native
     assert (sent.get("tool_choice") == {"type": "tool", "name": anthropic_provider.JSON_TOOL}) is (
         not native and not fields.get("tools")
@@ -1114,3 +1130,20 @@ def test_strict_schema() -> None:
         },
         "additionalProperties": False,
     }
+
+
+def test_anthropic_clients_own_output_format_stays_claudes_own(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    schema = anthropic_provider.strict_schema(CITY_SCHEMA)  # what the SDK's messages.parse sends
+    message = gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=300,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        messages=[{"role": "user", "content": "Paris"}],
+    )
+    sent = fake_anthropic.last_request.json
+    assert (
+        sent["output_config"] == {"format": {"type": "json_schema", "schema": schema}} and "tools" not in sent
+    )
+    assert set(json.loads(message.content[0].text)) == {"city", "rank"}
