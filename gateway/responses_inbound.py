@@ -337,27 +337,27 @@ def to_canonical(request: ResponsesRequest) -> ChatRequest:
             raise InvalidRequest(f"'{param}' is not supported: {reason}", param=param)
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise InvalidRequest("'max_output_tokens' must be at least 1.", param="max_output_tokens")
-    tools, tool_choice = _tools(request.tools or []), _tool_choice(request.tool_choice)
-    if isinstance(tool_choice, AllowedToolsChoice):
-        known = {tool.function.name for tool in tools or ()}
-        if not any(allowed.function.name in known for allowed in tool_choice.allowed_tools.tools):
-            raise InvalidRequest("tool_choice.tools names no function of `tools`.", param="tool_choice.tools")
-    return ChatRequest(
-        model=request.model,
-        messages=_messages(request),
-        stream=request.stream,
-        tools=tools,
-        tool_choice=tool_choice,
-        parallel_tool_calls=request.parallel_tool_calls,
-        response_format=_response_format(request.text),
-        temperature=request.temperature,
-        top_p=request.top_p,
-        max_completion_tokens=request.max_output_tokens,
-        user=request.user,
-        metadata=request.metadata,
-        reasoning_effort=request.reasoning.effort if request.reasoning else None,
-        service_tier=request.service_tier,
-    )
+    messages, tools = _messages(request), _tools(request.tools or [])
+    tool_choice, response_format = _tool_choice(request.tool_choice), _response_format(request.text)
+    try:
+        return ChatRequest(
+            model=request.model,
+            messages=messages,
+            stream=request.stream,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls,
+            response_format=response_format,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_completion_tokens=request.max_output_tokens,
+            user=request.user,
+            metadata=request.metadata,
+            reasoning_effort=request.reasoning.effort if request.reasoning else None,
+            service_tier=request.service_tier,
+        )
+    except ValueError as exc:  # ChatRequest's own check of allowed_tools against the tools
+        raise InvalidRequest(f"{exc}.", param="tool_choice.tools") from None
 
 
 # --- responses -----------------------------------------------------------------------------------
