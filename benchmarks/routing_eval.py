@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from routing.difficulty import DifficultyClassifier, Encoded, encode
-from routing.embed import StaticEmbedder
+from routing.embed import DEFAULT_RECIPE, load_embedder
 from routing.train import (
     Outcomes,
     TrainConfig,
@@ -517,7 +517,12 @@ def latency(prompts: list[str], n: int, what: str = "MMLU prompts") -> None:
     ms, cpu_ms = np.array(wall) * 1e3, np.array(cpu) * 1e3
     chars = np.array([len(p) for p in sample])
     load = os.getloadavg()
-    print(f"\nlatency of DifficultyClassifier.score, one prompt per call, {n} {what}")
+    import torch
+
+    print(
+        f"\nlatency of DifficultyClassifier.score, one prompt per call, {n} {what}; "
+        f"embedder {clf.embedder.recipe}, {torch.get_num_threads()} torch thread(s)"
+    )
     print(
         f"  prompt chars p50={np.percentile(chars, 50):.0f} p99={np.percentile(chars, 99):.0f} max={chars.max()}"
     )
@@ -526,7 +531,8 @@ def latency(prompts: list[str], n: int, what: str = "MMLU prompts") -> None:
         f"p99={np.percentile(ms, 99):.3f} ms  max={ms.max():.3f} ms  wall clock (load time {load_s:.1f} s)"
     )
     # CPU time of the scoring thread: what a request costs, without the wait for a free core that
-    # wall clock includes on an oversubscribed machine.
+    # wall clock includes on an oversubscribed machine. With more than one torch thread the encoder's
+    # helper threads are not counted: read wall clock then.
     print(
         f"  p50={np.percentile(cpu_ms, 50):.3f} ms  p90={np.percentile(cpu_ms, 90):.3f} ms  "
         f"p99={np.percentile(cpu_ms, 99):.3f} ms  max={cpu_ms.max():.3f} ms  CPU time of the scoring thread"
@@ -545,8 +551,16 @@ def main() -> None:
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     ap.add_argument("--latency-samples", type=int, default=5000)
+    ap.add_argument(
+        "--threads", type=int, help="torch threads for the encoder (default: torch's, one per core)"
+    )
     ap.add_argument("--skip-subject-folds", action="store_true")
     ap.add_argument("--probe-only", action="store_true", help="only the non-MMLU probe and latency")
+    ap.add_argument(
+        "--embedder",
+        default=DEFAULT_RECIPE,
+        help=f"the fold heads' embedder recipe (routing.embed), {DEFAULT_RECIPE} by default",
+    )
     ap.add_argument("--save-scores", type=Path, help="write the cross-fitted scores here (.npz)")
     ap.add_argument(
         "--inner-folds",
@@ -568,6 +582,10 @@ def main() -> None:
     args = ap.parse_args()
 
     data = load_mmlu(args.data)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.probe_only:
         off_distribution_probe(DifficultyClassifier.default())
         latency(data.prompts, args.latency_samples)
@@ -580,7 +598,7 @@ def main() -> None:
         f"{len(data)} prompts after dropping contaminated ones; weak accuracy {w.mean():.4f}, strong {s.mean():.4f}"
     )
     t0 = time.perf_counter()
-    embedder = StaticEmbedder.from_minilm()
+    embedder = load_embedder(args.embedder)
     enc = encode(embedder, data.prompts)
     stems = encode(embedder, [question_stem(p) for p in data.prompts])
     print(f"embedded (prompts and their question stems) in {time.perf_counter() - t0:.1f} s")

@@ -33,9 +33,16 @@ recipe (equal unit-spread blend of the shipped components) on the same prompts. 
    vectors W0 A + D, fitted per outer fold on its training prompts only, cosine loss, L2 on D), the
    cheap stand-in; and what the encoder costs per prompt on one core at the data's token lengths.
 
+8. (`--depth-only`) a shallower, shorter encoder: the embedding mean-pooled after each of MiniLM's
+   first layers (`--depths`), with inputs cut short (`--max-tokens`), the matmuls in float32, bf16 or
+   int8 (`--compute`), the v3 head trained and scored on each. The encoder's cost grows with layers
+   times tokens, so this is what fits a latency budget; it chose head v4's embedder (3 layers, 96
+   tokens, int8).
+
     nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu --artefact-only
     nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu --ceiling-only
     nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu --encoder-only
+    nice -n 10 .venv/bin/python benchmarks/routing_stacking.py --data ../shared/data/routing-mmlu --depth-only
 """
 
 from __future__ import annotations
@@ -416,6 +423,70 @@ def encoder(data: Outcomes, enc: Encoded, fold: np.ndarray, report, embedder: St
         )
 
 
+def encode_by_depth(model, prompts: list[str], batch_size: int = 32) -> np.ndarray:
+    """(layers, prompts, dim): each prompt's pooled embedding after every layer, in input order."""
+    import torch
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out = np.zeros((len(model.layers), len(prompts), model.dim), dtype=np.float32)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        ids, mask = model.tokenize([prompts[i] for i in idx])
+        out[:, idx] = torch.stack(model.pooled_by_depth(ids, mask)).numpy()
+    return out
+
+
+def depth(
+    data: Outcomes,
+    enc: Encoded,
+    fold: np.ndarray,
+    report,
+    tokens: list[int],
+    depths: list[int],
+    cache: Path | None,
+    compute: str = "float32",
+) -> None:
+    """Experiment 8: the v3 head on embeddings pooled after MiniLM's first layers, inputs cut short."""
+    import torch
+
+    from routing.minilm import MiniLMEncoder
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    v3 = cross_fitted(data, enc, fold, TrainConfig(calibration_folds=0))
+    ref = equal_blend(v3["components"], fold)
+    report("v3 recipe (static MiniLM table)", ref, None)
+    groups = sorted(set(data.groups or []))
+    truth = np.array([groups.index(g) for g in data.groups or []])
+    for t in tokens:
+        path = cache / f"minilm-depth-{t}-{compute}.npy" if cache else None
+        if path and path.exists():
+            by_depth = np.load(path)
+        else:
+            t0 = time.perf_counter()
+            model = MiniLMEncoder(max_tokens=t, num_layers=max(depths), compute=compute)
+            # int8 quantizes activations per tensor: one prompt a pass, as the router runs it.
+            by_depth = encode_by_depth(model, data.prompts, batch_size=1 if compute == "int8" else 32)
+            print(
+                f"{len(data)} prompts encoded at {t} tokens in {time.perf_counter() - t0:.0f} s", flush=True
+            )
+            if path:
+                np.save(path, by_depth)
+        for layers in depths:
+            emb = by_depth[layers - 1]
+            out = cross_fitted(
+                data,
+                Encoded(enc.token_ids, emb, enc.length, enc.options),
+                fold,
+                TrainConfig(calibration_folds=0),
+            )
+            right = (out["posterior"].argmax(1) == truth).mean()
+            report(
+                f"{layers} layers, {t} tokens, {compute} (subject right {right:.3f})",
+                equal_blend(out["components"], fold),
+                ref,
+            )
+
+
 def main() -> None:
     from sklearn.ensemble import HistGradientBoostingRegressor
     from sklearn.linear_model import Ridge
@@ -429,6 +500,11 @@ def main() -> None:
     ap.add_argument("--artefact-only", action="store_true", help="only experiment 5 (the label artefact)")
     ap.add_argument("--ceiling-only", action="store_true", help="only experiment 6 (the room left)")
     ap.add_argument("--encoder-only", action="store_true", help="only experiment 7 (the full encoder)")
+    ap.add_argument("--depth-only", action="store_true", help="only experiment 8 (shallow, short encoders)")
+    ap.add_argument("--depths", default="1,2,3,4,6", help="experiment 8: encoder layers to try")
+    ap.add_argument("--max-tokens", default="64,128,256", help="experiment 8: input caps to try")
+    ap.add_argument("--compute", default="float32", help="experiment 8: float32, bfloat16 or int8 matmuls")
+    ap.add_argument("--cache", type=Path, help="experiment 8: keep the encoded prompts here between runs")
     args = ap.parse_args()
 
     data = load_mmlu(args.data)
@@ -459,6 +535,11 @@ def main() -> None:
         return
     if args.encoder_only:
         encoder(data, enc, fold, report, embedder)
+        return
+    if args.depth_only:
+        depths = [int(v) for v in args.depths.split(",")]
+        tokens = [int(v) for v in args.max_tokens.split(",")]
+        depth(data, enc, fold, report, tokens, depths, args.cache, args.compute)
         return
     t0 = time.perf_counter()
     v3 = cross_fitted(data, enc, fold, TrainConfig(calibration_folds=0))

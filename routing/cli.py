@@ -15,6 +15,9 @@ import click
 if TYPE_CHECKING:
     from routing.train import Outcomes
 
+# Recipes in routing.embed (not imported here: this module loads before any command runs).
+EMBEDDERS = ("minilm-l6-first3-96tok-v1", "minilm-l6-static-v1")
+
 
 @click.group()
 def router() -> None:
@@ -110,6 +113,14 @@ def score(head_dir: Path | None) -> None:
     show_default=True,
     help="Where to write the head (use it with `weir router score --head`).",
 )
+@click.option(
+    "--embedder",
+    type=click.Choice(EMBEDDERS),
+    default=EMBEDDERS[0],
+    show_default=True,
+    help="What the head reads the prompt's meaning from: MiniLM's first layers (what the shipped head "
+    "uses) or the static table (~0.1 ms a prompt instead of ~3 ms, APGR 0.01 lower on MMLU).",
+)
 @click.option("--epochs", type=int, default=None, help="Training epochs (default: the shipped recipe's).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def train(
@@ -122,6 +133,7 @@ def train(
     database_url: str | None,
     correct_at: float,
     out_dir: Path,
+    embedder: str,
     epochs: int | None,
     seed: int,
 ) -> None:
@@ -133,7 +145,7 @@ def train(
     from dataclasses import replace
 
     from routing.difficulty import encode
-    from routing.embed import StaticEmbedder
+    from routing.embed import load_embedder
     from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, question_stem
 
     try:
@@ -151,12 +163,12 @@ def train(
         f"({known[:, 0].sum()} scored), strong {data.strong[known[:, 1]].mean():.3f} ({known[:, 1].sum()} scored)",
         err=True,
     )
-    embedder = StaticEmbedder.from_minilm()
-    enc = encode(embedder, data.prompts)
+    embed = load_embedder(embedder)
+    enc = encode(embed, data.prompts)
     stems = None
     if data.groups is not None and enc.options is not None and enc.options.mean() >= 0.9:
         # Multiple-choice training data: fit the fallback for prompts asked without options.
-        stems = encode(embedder, [question_stem(p) for p in data.prompts])
+        stems = encode(embed, [question_stem(p) for p in data.prompts])
     try:
         head = fit_head(data, enc, cfg, stems)
     except ValueError as exc:

@@ -23,14 +23,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-# 2 added the sparse n-gram component, 3 the fallback for prompts without answer options; older heads
-# still load (and score every prompt with the blend).
-HEAD_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+if TYPE_CHECKING:
+    from routing.embed import WordPieceEmbedder
+
+# 2 added the sparse n-gram component, 3 the fallback for prompts without answer options, 4 reads the
+# embedder its metadata names (MiniLM's first layers by default; 1-3 read the static table). Older
+# heads still load (1 and 2 score every prompt with the blend).
+HEAD_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 DEFAULT_HEAD_DIR = Path(__file__).parent / "data"
 HEAD_WEIGHTS = "difficulty_head.safetensors"
 HEAD_META = "difficulty_head.json"
@@ -86,25 +90,27 @@ class Encoded:
     """What the head reads about a batch of prompts."""
 
     token_ids: list[list[int]]  # MiniLM WordPiece ids, without [CLS]/[SEP]
-    static: np.ndarray  # (n, 384) static MiniLM sentence embeddings
+    static: np.ndarray  # (n, 384) the embedder's sentence embeddings (static ones before head v4)
     length: np.ndarray  # (n,) length_feature of each prompt
     # (n,) has_answer_options of each prompt; None: all of them are (what the blend was fitted on)
     options: np.ndarray | None = None
+    recipe: str | None = None  # the embedder's (routing.embed), which a head trained on this records
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def subset(self, idx: np.ndarray) -> Encoded:
         options = None if self.options is None else self.options[idx]
-        return Encoded([self.token_ids[i] for i in idx], self.static[idx], self.length[idx], options)
+        ids = [self.token_ids[i] for i in idx]
+        return Encoded(ids, self.static[idx], self.length[idx], options, self.recipe)
 
 
-def encode(embedder: Any, prompts: list[str]) -> Encoded:
-    """Tokenise once and derive both inputs of the head (the embedder is a `StaticEmbedder`)."""
+def encode(embedder: WordPieceEmbedder, prompts: list[str]) -> Encoded:
+    """Tokenise once and derive every input of the head."""
     ids = embedder.token_ids_many(prompts)
-    static = np.stack([embedder.pool(i) for i in ids]) if ids else np.empty((0, embedder.dim), np.float32)
     length = np.array([length_feature(p) for p in prompts], dtype=np.float32)
-    return Encoded(ids, static, length, np.array([has_answer_options(p) for p in prompts], dtype=bool))
+    options = np.array([has_answer_options(p) for p in prompts], dtype=bool)
+    return Encoded(ids, embedder.pool_many(ids), length, options, embedder.recipe)
 
 
 @dataclass
@@ -148,6 +154,14 @@ class DifficultyHead:
     @property
     def static_dim(self) -> int:
         return self.w1.shape[1] - self.bag.shape[1] - 1
+
+    @property
+    def embedder(self) -> str:
+        """The recipe of the embedder this head was trained on (early heads, which name none, read the
+        static table)."""
+        from routing.embed import STATIC_RECIPE
+
+        return str(self.meta.get("embedder", STATIC_RECIPE))
 
     def inputs(self, enc: Encoded) -> np.ndarray:
         bags = np.stack([self.bag[ids].mean(axis=0) for ids in enc.token_ids])
@@ -247,13 +261,9 @@ class DifficultyHead:
 class DifficultyClassifier:
     """Scores prompts: p_strong in [0, 1]. Thread-safe; the embedder and head are read-only."""
 
-    def __init__(self, head: DifficultyHead, embedder: Any) -> None:
-        from routing.embed import STATIC_RECIPE
-
-        if head.meta.get("embedder", STATIC_RECIPE) != STATIC_RECIPE:
-            raise ValueError(
-                f"head was trained on embedder {head.meta['embedder']!r}, this is {STATIC_RECIPE!r}"
-            )
+    def __init__(self, head: DifficultyHead, embedder: WordPieceEmbedder) -> None:
+        if head.embedder != embedder.recipe:
+            raise ValueError(f"head was trained on embedder {head.embedder!r}, this is {embedder.recipe!r}")
         if head.static_dim != embedder.dim:
             raise ValueError(f"head expects {head.static_dim}-dim embeddings, embedder gives {embedder.dim}")
         self.head = head
@@ -261,9 +271,11 @@ class DifficultyClassifier:
 
     @classmethod
     def load(cls, head_dir: Path = DEFAULT_HEAD_DIR) -> DifficultyClassifier:
-        from routing.embed import StaticEmbedder
+        """A head and the embedder it was trained on."""
+        from routing.embed import load_embedder
 
-        return cls(DifficultyHead.load(head_dir), StaticEmbedder.from_minilm())
+        head = DifficultyHead.load(head_dir)
+        return cls(head, load_embedder(head.embedder))
 
     @classmethod
     def default(cls) -> DifficultyClassifier:
@@ -278,6 +290,7 @@ class DifficultyClassifier:
             self.embedder.pool(ids)[None, :],
             np.array([length_feature(prompt)], np.float32),
             np.array([has_answer_options(prompt)]),
+            self.embedder.recipe,
         )
         return float(self.head.p_strong(enc)[0])
 
@@ -287,9 +300,18 @@ class DifficultyClassifier:
         return self.head.p_strong(encode(self.embedder, prompts)).astype(float).tolist()
 
 
+_default_lock = threading.Lock()
+
+
 @cache
-def _default() -> DifficultyClassifier:
+def _cached_default() -> DifficultyClassifier:
     return DifficultyClassifier.load()
+
+
+def _default() -> DifficultyClassifier:
+    # Locked: the router's warm-up and a first request may ask at once, and loading twice costs memory.
+    with _default_lock:
+        return _cached_default()
 
 
 def prompt_text(messages: list[dict[str, Any]]) -> str:

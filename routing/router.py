@@ -7,8 +7,10 @@ no route is a plain model: one candidate, one attempt, as before routing existed
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Collection, Sequence
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from gateway.auth import Principal
@@ -25,6 +27,14 @@ from routing.stats import RoutingStats
 from routing.store import RouteStore
 
 IDLE_PROBE_INTERVAL_S = 5.0  # how often an idle prober looks for routes to probe
+log = structlog.get_logger("weir.routing")
+
+
+def _log_warm_failure(task: asyncio.Task[object]) -> None:
+    # A failed warm-up is not fatal: the first request that needs the classifier tries again and
+    # fails over by the route's rules.
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("difficulty_classifier_load_failed", error=repr(task.exception()))
 
 
 class RouteError(ValueError):
@@ -88,6 +98,7 @@ class Router:
         self.prober: HealthProber | None = None
         self.sessions: object | None = None  # the admin DB's async_sessionmaker, when configured
         self.on_probe: ProbeListener | None = None
+        self._warming: asyncio.Task[object] | None = None
         self.set_routes(routes)
         self.metrics = RoutingMetrics(registry, self) if registry is not None else None
 
@@ -109,8 +120,11 @@ class Router:
         self.prober = HealthProber(transport, self.breakers, self._probe_interval(), on_result=self.on_probe)
         self.prober.watch(self._probe_targets())
         self.prober.start()
+        self._warm_scorer()
 
     async def stop(self) -> None:
+        if self._warming is not None:  # a thread cannot be cancelled: let the load finish
+            await asyncio.gather(self._warming, return_exceptions=True)
         if self.prober is not None:
             await self.prober.stop()
         if self.store is not None:
@@ -128,9 +142,24 @@ class Router:
                     self.breakers.get(Breakers.key(target.backend.name, target.upstream_model), route.breaker)
         self.routes = table  # one assignment: requests see the old table or the new, never a mix
         self.version = self.version + 1 if version is None else version
+        self._warm_scorer()
         if self.prober is not None:
             self.prober.interval = self._probe_interval()
             self.prober.watch(self._probe_targets())
+
+    def _warm_scorer(self) -> None:
+        """Load the difficulty classifier off the event loop as soon as a route needs it, so the first
+        request it scores does not wait for the load."""
+        if self.context.scorer is not None or self._warming is not None:
+            return
+        if not any(r.policy == "difficulty" for rs in self.routes.values() for r in rs):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not started yet: start() warms it
+            return
+        self._warming = loop.create_task(asyncio.to_thread(self.context.warm))
+        self._warming.add_done_callback(_log_warm_failure)
 
     def _probe_interval(self) -> float:
         intervals = [r.probe_interval for rs in self.routes.values() for r in rs if r.probe_interval]

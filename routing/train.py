@@ -4,8 +4,8 @@ Data: rows of (prompt, weak model correct, strong model correct, optional group)
 learns from the RouteLLM MMLU outcomes (`load_mmlu`), where the group is the MMLU subject; a tenant can
 refit from its own outcome feedback as JSON lines (`load_jsonl`).
 
-The head is a small multi-task network over a learned bag of the prompt's tokens and its static MiniLM
-embedding (see `routing.embed`): one shared hidden layer, then (a) the group posterior and (b) the probabilities that the weak and the
+The head is a small multi-task network over a learned bag of the prompt's tokens and its MiniLM
+embedding (see `routing.embed`; the embedder's recipe is recorded in the head): one shared hidden layer, then (a) the group posterior and (b) the probabilities that the weak and the
 strong model answer correctly. Groups are cheap, clean supervision: "which MMLU subject is this"
 is far easier to learn than "will Mixtral miss this one", and each subject's strong-minus-weak gain is
 the single strongest signal in the data. Beside the network, a sparse part (TF-IDF over WordPiece uni-
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from routing.difficulty import HEAD_VERSION, DifficultyHead, Encoded, fallback_features, ngram_features
-from routing.embed import STATIC_RECIPE, VOCAB_SIZE
+from routing.embed import VOCAB_SIZE
 
 
 @dataclass
@@ -467,6 +467,8 @@ def fit_head(
     many extra trainings.
     """
     cfg = cfg or TrainConfig()
+    if enc.recipe is None:  # the head must record what it reads, or it cannot be loaded with it
+        raise ValueError("the prompts were not encoded by an embedder (routing.difficulty.encode)")
     if len(data) < 20:
         raise ValueError(f"need at least 20 labelled prompts to train, got {len(data)}")
     known = data.known()
@@ -499,7 +501,7 @@ def fit_head(
     weak_rows, strong_rows = known[:, 0], known[:, 1]
     head.meta = {
         "version": HEAD_VERSION,
-        "embedder": STATIC_RECIPE,
+        "embedder": enc.recipe,
         "rows": len(data),
         "groups": sorted(set(data.groups)) if data.groups is not None else [],
         "weak_accuracy": float(data.weak[weak_rows].mean()),

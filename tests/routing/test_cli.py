@@ -58,9 +58,21 @@ def test_train_then_score_with_the_new_head(tmp_path: Path, fixture_dir: Path) -
     assert "299 prompts" in result.stderr  # 300 rows, one listed as contaminated
     meta = json.loads((head_dir / "difficulty_head.json").read_text())
     assert meta["groups"] == ["conceptual_physics", "world_religions"]
+    assert meta["embedder"] == "minilm-l6-first3-96tok-v1"  # MiniLM's first layers, by default
     scored = run(["router", "score", "--head", str(head_dir)], '{"prompt": "A ball is dropped from rest."}\n')
     assert scored.returncode == 0, scored.stderr
     assert 0.0 <= json.loads(scored.stdout)["p_strong"] <= 1.0
+
+
+def test_train_on_the_static_table(tmp_path: Path, fixture_dir: Path) -> None:
+    head_dir = tmp_path / "head"
+    args = ["router", "train", "--data", str(fixture_dir), "--out", str(head_dir), "--epochs", "3"]
+    result = run([*args, "--embedder", "minilm-l6-static-v1"])
+    assert result.returncode == 0, result.stderr
+    assert json.loads((head_dir / "difficulty_head.json").read_text())["embedder"] == "minilm-l6-static-v1"
+    scored = run(["router", "score", "--head", str(head_dir)], '{"prompt": "A ball is dropped from rest."}\n')
+    assert scored.returncode == 0, scored.stderr
+    assert run([*args, "--embedder", "word2vec"]).returncode == 2
 
 
 def test_train_rejects_bad_input(tmp_path: Path) -> None:

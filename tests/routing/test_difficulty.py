@@ -19,7 +19,7 @@ from routing.difficulty import (
     has_answer_options,
     prompt_text,
 )
-from routing.embed import StaticEmbedder
+from routing.embed import DEFAULT_RECIPE, StaticEmbedder
 
 PROBE_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "routing_probe.jsonl"
 
@@ -64,16 +64,35 @@ def test_ranks_subjects_by_how_much_the_strong_model_helps(
     assert np.mean(physics) > np.mean(religions) + 0.05
 
 
-def test_head_round_trips_and_refuses_other_versions(tmp_path: Path) -> None:
+def test_head_round_trips_and_refuses_other_versions(
+    tmp_path: Path, classifier: DifficultyClassifier
+) -> None:
     head = DifficultyHead.load(DEFAULT_HEAD_DIR)
     head.save(tmp_path / "copy")
     again = DifficultyHead.load(tmp_path / "copy")
-    enc = encode(StaticEmbedder.from_minilm(), ["one prompt", "and another, longer prompt"])
+    enc = encode(classifier.embedder, ["one prompt", "and another, longer prompt"])
     np.testing.assert_array_equal(head.p_strong(enc), again.p_strong(enc))
     again.meta["version"] = 999
     again.save(tmp_path / "future")
     with pytest.raises(ValueError, match="version"):
         DifficultyHead.load(tmp_path / "future")
+
+
+def test_a_head_loads_with_the_embedder_it_was_trained_on(tmp_path: Path) -> None:
+    head = DifficultyHead.load(DEFAULT_HEAD_DIR)
+    assert head.embedder == DEFAULT_RECIPE  # the shipped head reads MiniLM's first layers
+    static = StaticEmbedder.from_minilm()
+    with pytest.raises(ValueError, match="trained on embedder"):
+        DifficultyClassifier(head, static)
+    # A head trained on the static table (every head before v4, which recorded no recipe or this one)
+    # loads with the static embedder.
+    del head.meta["embedder"]
+    head.save(tmp_path / "old")
+    assert isinstance(DifficultyClassifier.load(tmp_path / "old").embedder, StaticEmbedder)
+    head.meta["embedder"] = "minilm-l6-first9-v0"
+    head.save(tmp_path / "unknown")
+    with pytest.raises(ValueError, match="unknown embedder recipe"):
+        DifficultyClassifier.load(tmp_path / "unknown")
 
 
 def test_prompt_text_reads_the_last_user_turn() -> None:
@@ -112,7 +131,7 @@ def test_answer_options_are_detected_in_every_mmlu_prompt_and_in_no_chat_prompt(
 
 def test_prompts_without_options_are_scored_by_the_fallback(classifier: DifficultyClassifier) -> None:
     head = classifier.head
-    assert head.meta["version"] == 3 and head.fallback.shape == (9,)
+    assert head.meta["version"] == 4 and head.fallback.shape == (9,)
     blend_only = dataclasses.replace(head, fallback=np.zeros(0, np.float32))
     mc = "Which gas do plants absorb?\nA. oxygen\nB. carbon dioxide\nC. nitrogen\nD. helium\nAnswer:"
     plain = "Which gas do plants absorb from the air?"

@@ -1,5 +1,6 @@
-"""The embedding stack: our plain-PyTorch MiniLM matches sentence-transformers, and the static table
-the router uses is exactly that encoder's output for each vocabulary entry."""
+"""The embedding stack: our plain-PyTorch MiniLM matches sentence-transformers (all six layers) and
+transformers (the first three, which the shipped head reads), its int8 and bf16 modes stay close to
+float32, and the static table is exactly the encoder's output for each vocabulary entry."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from routing.embed import StaticEmbedder, minilm_dir
-from routing.minilm import MiniLMEncoder
+from routing.embed import (
+    DEFAULT_RECIPE,
+    ENCODER_RECIPES,
+    STATIC_RECIPE,
+    StaticEmbedder,
+    load_embedder,
+    minilm_dir,
+)
+from routing.minilm import MiniLMEmbedder, MiniLMEncoder
 
 TEXTS = [
     "hi",
@@ -60,3 +68,63 @@ def test_static_embeddings_are_unit_vectors_and_batch_consistent() -> None:
         ["How do vaccines train the immune system?", "What do antibodies do?", "Price of a used car"]
     )
     assert a @ b > a @ c
+
+
+@pytest.mark.slow
+def test_first_layers_match_transformers() -> None:
+    """The head's encoder (3 layers, 96 tokens) is BERT's hidden state after layer 3, mean-pooled."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm_dir()))
+    model = AutoModel.from_pretrained(str(minilm_dir())).eval()
+    batch = tokenizer(TEXTS, padding=True, truncation=True, max_length=96, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**batch, output_hidden_states=True).hidden_states[3]
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    expected = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1)
+    ours = MiniLMEncoder(max_tokens=96, num_layers=3).encode(TEXTS, batch_size=2)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_int8_and_bf16_encoders_stay_close_to_float32() -> None:
+    exact = MiniLMEncoder(max_tokens=96, num_layers=3).encode(TEXTS)
+    for compute, floor in (("bfloat16", 0.999), ("int8", 0.97)):
+        approx = MiniLMEncoder(max_tokens=96, num_layers=3, compute=compute).encode(TEXTS, batch_size=1)
+        cosine = (approx * exact).sum(1)
+        assert cosine.min() > floor, (compute, cosine)
+    with pytest.raises(ValueError, match="compute"):
+        MiniLMEncoder(compute="int4")
+    with pytest.raises(ValueError, match="num_layers"):
+        MiniLMEncoder(num_layers=7)
+
+
+def test_embedder_pools_what_the_encoder_encodes() -> None:
+    """The router tokenises once (up to 512 pieces, for the token bag and the sparse part) and the
+    embedder cuts that to its own window, which must equal the encoder tokenising the text itself."""
+    embedder = MiniLMEmbedder(DEFAULT_RECIPE, num_layers=3, max_tokens=96, compute="float32")
+    encoder = MiniLMEncoder(max_tokens=96, num_layers=3)
+    for text in TEXTS:
+        np.testing.assert_allclose(embedder.embed(text), encoder.encode_one(text).numpy(), atol=1e-6)
+    many = embedder.embed_many(TEXTS)
+    assert many.shape == (len(TEXTS), 384) and many.dtype == np.float32
+    np.testing.assert_allclose(many[2], embedder.embed(TEXTS[2]), atol=1e-6)
+
+
+def test_int8_embeddings_do_not_depend_on_the_batch() -> None:
+    # Activations are quantized per tensor, so the embedder runs one prompt per pass: training
+    # (embed_many) and the request path (embed) see identical vectors.
+    embedder = MiniLMEmbedder(DEFAULT_RECIPE, num_layers=3, max_tokens=96, compute="int8")
+    many = embedder.embed_many(TEXTS)
+    for row, text in enumerate(TEXTS):
+        np.testing.assert_array_equal(many[row], embedder.embed(text))
+
+
+def test_recipes_name_their_embedders() -> None:
+    from routing.cli import EMBEDDERS
+
+    assert EMBEDDERS == (DEFAULT_RECIPE, STATIC_RECIPE)  # the CLI's choices, kept in step by hand
+    assert set(EMBEDDERS) == {STATIC_RECIPE, *ENCODER_RECIPES}
+    assert load_embedder(STATIC_RECIPE).recipe == STATIC_RECIPE
+    assert load_embedder(DEFAULT_RECIPE).recipe == DEFAULT_RECIPE
+    with pytest.raises(ValueError, match="unknown embedder recipe"):
+        load_embedder("minilm-l6-first9-v0")

@@ -12,6 +12,7 @@ from benchmarks.routing_stacking import (
     STRUCTURE,
     across_folds,
     cross_fitted,
+    encode_by_depth,
     equal_blend,
     learned_table,
     option_similarity,
@@ -142,3 +143,16 @@ def test_learned_table_reproduces_targets_and_moves_unseen_tokens() -> None:
     after = torch.nn.functional.cosine_similarity(x @ table, target).mean()
     assert before < 0.8 and after > 0.95
     assert not torch.allclose(table[45], base[45], atol=1e-2)
+
+
+def test_encode_by_depth_pools_after_every_layer_in_input_order() -> None:
+    from routing.minilm import MiniLMEncoder
+
+    prompts = ["a much longer prompt about the history of the Roman empire", "hi", MMLU_SHAPED]
+    model = MiniLMEncoder(max_tokens=32, num_layers=3)
+    by_depth = encode_by_depth(model, prompts, batch_size=2)  # sorted by length, batched with padding
+    assert by_depth.shape == (3, len(prompts), 384)
+    for layers in (1, 3):
+        alone = MiniLMEncoder(max_tokens=32, num_layers=layers).encode(prompts, batch_size=1).numpy()
+        np.testing.assert_allclose(by_depth[layers - 1], alone, atol=1e-5)
+    assert not np.allclose(by_depth[0], by_depth[2], atol=1e-2)

@@ -101,6 +101,11 @@ def test_refuses_too_little_data(embedder: StaticEmbedder, fixture_dir: Path) ->
     data = load_mmlu(fixture_dir).subset(np.arange(10))
     with pytest.raises(ValueError, match="at least 20"):
         fit_head(data, encode(embedder, data.prompts))
+    # Prompts encoded without an embedder's recipe: the head could not say what it reads.
+    full = load_mmlu(fixture_dir)
+    unnamed = replace(encode(embedder, full.prompts), recipe=None)
+    with pytest.raises(ValueError, match="not encoded by an embedder"):
+        fit_head(full, unnamed)
 
 
 def test_feedback_rows_may_score_only_one_model(

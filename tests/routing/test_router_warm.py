@@ -1,0 +1,76 @@
+"""The router loads the difficulty classifier in the background as soon as a difficulty route exists,
+so the first request it scores does not wait for torch and the encoder to load."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from gateway.config import parse_config
+from gateway.router_basic import ModelTable
+from gateway.transport import Transport
+from routing.difficulty import DifficultyClassifier
+from routing.router import Router
+from routing.routes import Candidate, Route
+
+CONFIG = """\
+backends:
+  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
+models:
+  - {name: gpt-4o-mini, backend: openai}
+  - {name: gpt-4o, backend: openai}
+"""
+DIFFICULTY = Route(
+    name="auto", policy="difficulty", candidates=[Candidate(model="gpt-4o-mini"), Candidate(model="gpt-4o")]
+)
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Thread names that asked for the shipped classifier (a stand-in: loading is not under test)."""
+    seen: list[str] = []
+
+    def default() -> object:
+        seen.append(threading.current_thread().name)
+        return object()
+
+    monkeypatch.setattr(DifficultyClassifier, "default", staticmethod(default))
+    return seen
+
+
+async def test_a_difficulty_route_warms_the_classifier_off_the_event_loop(loads: list[str]) -> None:
+    router = Router(ModelTable(parse_config(CONFIG, {})), [DIFFICULTY])
+    assert loads == []  # constructed outside a running loop: nothing to schedule on yet
+    transport = Transport()
+    await router.start(transport)
+    try:
+        assert router._warming is not None
+        await router._warming
+        assert len(loads) == 1 and loads[0] != threading.main_thread().name
+        router.set_routes([DIFFICULTY])  # already warm: not loaded again
+        assert len(loads) == 1
+    finally:
+        await router.stop()
+        await transport.close()
+
+
+async def test_no_difficulty_route_or_a_set_scorer_loads_nothing(loads: list[str]) -> None:
+    router = Router(
+        ModelTable(parse_config(CONFIG, {})), [Route(name="plain", candidates=DIFFICULTY.candidates)]
+    )
+    transport = Transport()
+    await router.start(transport)
+    try:
+        assert router._warming is None
+        router.context.scorer = lambda prompt: 0.5
+        router.set_routes([DIFFICULTY])
+        assert router._warming is None and loads == []
+        router.context.scorer = None
+        router.set_routes([DIFFICULTY])  # a difficulty route added through the admin API
+        assert router._warming is not None
+        await router._warming
+        assert len(loads) == 1
+    finally:
+        await router.stop()
+        await transport.close()
