@@ -236,15 +236,23 @@ def _tool_config(request: ChatRequest) -> dict[str, Any] | None:
     return {"functionCallingConfig": config}
 
 
+def thinking_levels(model: str) -> tuple[str, ...]:
+    """The `thinkingLevel`s a Gemini 3 model takes, least first: every one takes low and high, the
+    Flash models minimal and medium too (3 Pro refuses those with a 400)."""
+    return ("minimal", "low", "medium", "high") if "flash" in model else ("low", "high")
+
+
 def _thinking_config(request: ChatRequest, model: str) -> dict[str, Any] | None:
     effort, budget = request.reasoning_effort, request.reasoning_budget
     if is_gemini_3(model) and (budget is None or budget == 0):
-        # Gemini 3 thinks in levels, and cannot stop thinking (a budget of 0 is a 400 on 3 Pro). Only
-        # low and high exist on every Gemini 3 model, so efforts map onto those two.
+        # Gemini 3 thinks in levels and cannot stop thinking (a budget of 0 is a 400 on 3 Pro): an
+        # effort becomes the level of that name, or the next one up that the model takes.
+        levels = thinking_levels(model)
         if budget == 0 or effort in NO_THINKING:
-            return {"thinkingLevel": "low"}  # the least there is; its thoughts are not asked for
+            return {"thinkingLevel": levels[0]}  # the least there is; its thoughts are not asked for
         if effort in EFFORT_BUDGETS:
-            return {"thinkingLevel": "low" if effort == "low" else "high", "includeThoughts": True}
+            level = effort if effort in levels else "high"  # 3 Pro's medium is high
+            return {"thinkingLevel": level, "includeThoughts": True}
         return {"includeThoughts": True} if request.reasoning_adaptive else None
     if budget is None and effort is not None:
         budget = EFFORT_BUDGETS.get(effort)

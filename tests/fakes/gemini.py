@@ -83,7 +83,7 @@ THINKING_LEVELS = {
 }
 
 
-def _check_thinking(model: str, thinking: dict[str, Any]) -> None:
+def check_thinking(model: str, thinking: dict[str, Any]) -> None:
     level, budget = thinking.get("thinkingLevel"), thinking.get("thinkingBudget")
     if level is not None and budget is not None:
         raise Invalid(400, "You cannot use both thinking_level and the legacy thinking_budget parameter.")
@@ -335,7 +335,7 @@ class FakeGemini(FakeServer):
         if big is not None:
             reply = Reply(text=big)
         thinking = config.get("thinkingConfig") or {}
-        _check_thinking(model, thinking)
+        check_thinking(model, thinking)
         budget = thinking.get("thinkingBudget") or 0
         thoughts = min(budget, THOUGHT_TOKENS) if budget > 0 else 0
         level = thinking.get("thinkingLevel") or ("high" if model.startswith("gemini-3") else None)

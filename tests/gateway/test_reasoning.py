@@ -34,6 +34,8 @@ from gateway.types import (
     RedactedReasoning,
 )
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes.gemini import check_thinking
+from tests.fakes.server import Invalid
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
 
 THINKING = {"type": "enabled", "budget_tokens": 1024}
@@ -1007,6 +1009,30 @@ def test_anthropic_thinking_to_gemini_3(gateway: RunningGateway, fake_gemini: Fa
     )
     assert fake_gemini.last_request.json["generationConfig"]["thinkingConfig"] == {"includeThoughts": True}
     assert [block.type for block in message.content] == ["thinking", "text"]
+
+
+@pytest.mark.parametrize(
+    ("effort", "level", "thoughts"),
+    [
+        ("none", "minimal", False),
+        ("minimal", "minimal", False),
+        ("low", "low", True),
+        ("medium", "medium", True),
+        ("high", "high", True),
+        ("xhigh", "high", True),
+    ],
+)
+def test_gemini_3_flash_takes_its_own_levels(effort: str, level: str, thoughts: bool) -> None:
+    """3 Flash has minimal and medium as well, which 3 Pro refuses: each effort gets its own level
+    there, checked against the fake's per-model rules."""
+    config = gemini.chat_body(chat(reasoning_effort=effort), "gemini-3-flash-preview")["generationConfig"]
+    thinking = config["thinkingConfig"]
+    assert thinking["thinkingLevel"] == level and ("includeThoughts" in thinking) is thoughts
+    check_thinking("gemini-3-flash-preview", thinking)
+    pro = gemini.chat_body(chat(reasoning_effort=effort), "gemini-3-pro-preview")["generationConfig"]
+    check_thinking("gemini-3-pro-preview", pro["thinkingConfig"])
+    with pytest.raises(Invalid, match="not supported"):
+        check_thinking("gemini-3-pro-preview", {"thinkingLevel": "medium"})
 
 
 def test_gemini_2_keeps_budgets() -> None:
