@@ -117,7 +117,7 @@ class MiniLMEncoder:
         self.tokenizer.no_padding()
         self.compute = compute
         self.dtype = torch.bfloat16 if compute == "bfloat16" else torch.float32
-        # Only the layers this encoder runs (and the embeddings) stay in memory.
+        # The embeddings and the layers this encoder runs, in the compute dtype.
         kept = tuple(f"encoder.layer.{i}." for i in range(self.num_layers))
         self.w = {
             k: v.to(self.dtype)
@@ -238,18 +238,13 @@ def distil_static_table(encoder: MiniLMEncoder, batch_size: int = 1024) -> np.nd
 
 
 def fastest_compute() -> str:
-    """int8 where fbgemm runs (x86 with AVX2 or better: 4-5x fp32's matmul speed), else bfloat16 where
-    the CPU multiplies it natively (ARM with BF16), else float32 (emulated bf16 is slower than fp32)."""
+    """int8 where fbgemm runs (x86 with AVX2 or better: 4-5x fp32's matmul speed), else float32.
+
+    Every x86 CPU with native bf16 has AVX2, so bf16 would never be picked there; on ARM PyTorch
+    offers no check for it."""
     from kernels.int8_matmul import fbgemm_supported
 
-    if fbgemm_supported():
-        return "int8"
-    cpu = torch.cpu
-    native = (
-        getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-        or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-    )
-    return "bfloat16" if native else "float32"
+    return "int8" if fbgemm_supported() else "float32"
 
 
 class MiniLMEmbedder(WordPieceEmbedder):
