@@ -26,8 +26,8 @@ def minilm_dir() -> Path:
 # Bump a recipe's name when what it computes changes: cached tables and trained heads record it.
 STATIC_RECIPE = "minilm-l6-static-v1"
 # (layers, tokens) of MiniLM that each encoder recipe runs. Cost grows with their product; the first
-# three layers over 96 tokens fit the 5 ms budget on one core and beat the static table by 0.009
-# cross-fitted APGR on MMLU (docs/benchmarks.md, issue #5 seventh round).
+# three layers over 96 tokens fit the 5 ms budget on a 2-core CPU (p99 3.4-4.2 ms) and beat the static
+# table by 0.009 cross-fitted APGR on MMLU (docs/benchmarks.md, issue #5 seventh round).
 ENCODER_RECIPES = {"minilm-l6-first3-96tok-v1": (3, 96)}
 DEFAULT_RECIPE = "minilm-l6-first3-96tok-v1"
 VOCAB_SIZE = 30522  # bert-base-uncased WordPiece, which MiniLM uses
