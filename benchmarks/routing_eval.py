@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from routing.difficulty import DifficultyClassifier, Encoded, encode
+from routing.difficulty import HEADS, DifficultyClassifier, Encoded, HeadChoice, encode
 from routing.embed import DEFAULT_RECIPE, load_embedder
 from routing.train import (
     Outcomes,
@@ -500,9 +500,9 @@ def calibration(name: str, score: np.ndarray, needs_strong: np.ndarray) -> None:
     print(f"  calibration, {name}: ECE {ece:.3f}; by decile (predicted->observed): {' '.join(cells)}")
 
 
-def latency(prompts: list[str], n: int, what: str = "MMLU prompts") -> None:
+def latency(prompts: list[str], n: int, what: str = "MMLU prompts", head: HeadChoice = "auto") -> None:
     t0 = time.perf_counter()
-    clf = DifficultyClassifier.default()
+    clf = DifficultyClassifier.default(head)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(1)
     sample = [prompts[i] for i in rng.integers(0, len(prompts), n)]
@@ -521,7 +521,8 @@ def latency(prompts: list[str], n: int, what: str = "MMLU prompts") -> None:
 
     print(
         f"\nlatency of DifficultyClassifier.score, one prompt per call, {n} {what}; "
-        f"embedder {clf.embedder.recipe}, {torch.get_num_threads()} torch thread(s)"
+        f"{clf.kind} head (asked: {head}), embedder {clf.embedder.recipe}, "
+        f"{torch.get_num_threads()} torch thread(s)"
     )
     print(
         f"  prompt chars p50={np.percentile(chars, 50):.0f} p99={np.percentile(chars, 99):.0f} max={chars.max()}"
@@ -540,6 +541,18 @@ def latency(prompts: list[str], n: int, what: str = "MMLU prompts") -> None:
     print(
         f"  load average during the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs"
     )
+    # Real traffic has prompts far longer than MMLU's (pasted documents): the cost must not grow with them.
+    joined = "\n\n".join(sample)
+    cells = []
+    for chars in (2_000, 10_000, 100_000):
+        text = (joined * (1 + chars // max(len(joined), 1)))[:chars]
+        times = []
+        for _ in range(21):
+            t = time.perf_counter()
+            clf.score(text)
+            times.append(time.perf_counter() - t)
+        cells.append(f"{chars:,} chars {np.median(times) * 1e3:.2f} ms")
+    print(f"  long prompts (MMLU prompts joined), median of 21: {', '.join(cells)}")
 
 
 def main() -> None:
@@ -556,6 +569,13 @@ def main() -> None:
     )
     ap.add_argument("--skip-subject-folds", action="store_true")
     ap.add_argument("--probe-only", action="store_true", help="only the non-MMLU probe and latency")
+    ap.add_argument(
+        "--head",
+        choices=HEADS,
+        default="auto",
+        help="the shipped head the probe and latency read: encoder (v4), static (v3), or auto as the "
+        "gateway picks it on this machine (default)",
+    )
     ap.add_argument(
         "--embedder",
         default=DEFAULT_RECIPE,
@@ -587,10 +607,13 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     if args.probe_only:
-        off_distribution_probe(DifficultyClassifier.default())
-        latency(data.prompts, args.latency_samples)
+        off_distribution_probe(DifficultyClassifier.default(args.head))
+        latency(data.prompts, args.latency_samples, head=args.head)
         latency(
-            [question_stem(p) for p in data.prompts], args.latency_samples, "question stems (the fallback)"
+            [question_stem(p) for p in data.prompts],
+            args.latency_samples,
+            "question stems (the fallback)",
+            head=args.head,
         )
         return
     w, s = data.weak.astype(float), data.strong.astype(float)
@@ -666,8 +689,8 @@ def main() -> None:
     if args.save_scores:
         np.savez(args.save_scores, **saved)
 
-    off_distribution_probe(DifficultyClassifier.default())
-    latency(data.prompts, args.latency_samples)
+    off_distribution_probe(DifficultyClassifier.default(args.head))
+    latency(data.prompts, args.latency_samples, head=args.head)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ class Gateway:
         self.metrics = Metrics()
         self.transport = Transport()
         self.models = ModelTable(config)
-        self.router = Router(self.models, config.routes, registry=self.metrics.registry)
+        self.router = Router(
+            self.models, config.routes, registry=self.metrics.registry, difficulty_head=config.difficulty_head
+        )
         if authenticator is None:
             if config.tenants is None:
                 authenticator = OpenAuthenticator()

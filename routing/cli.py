@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import click
 
@@ -30,9 +30,17 @@ def router() -> None:
     "head_dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Directory of a trained head (default: the one shipped with Weir).",
+    help="Directory of a trained head (default: one shipped with Weir, see --shipped).",
 )
-def score(head_dir: Path | None) -> None:
+@click.option(
+    "--shipped",
+    type=click.Choice(["auto", "encoder", "static"]),
+    default="auto",
+    show_default=True,
+    help="Without --head: the encoder head (v4), the static-table head (v3), or auto: the encoder if "
+    "it fits the 5 ms budget on this machine (timed at start, reported on stderr), as the gateway does.",
+)
+def score(head_dir: Path | None, shipped: str) -> None:
     """Read JSON lines {"prompt": ...} (or {"messages": [...]}, OpenAI chat shape) on stdin; write
     {"p_strong": <0..1>} per line on stdout.
 
@@ -40,9 +48,16 @@ def score(head_dir: Path | None) -> None:
     model gets it right. A line that cannot be scored yields {"error": ...} in its place (so output
     lines stay aligned with input lines) and the command exits with status 1.
     """
-    from routing.difficulty import DifficultyClassifier, prompt_text
+    import structlog
 
-    clf = DifficultyClassifier.load(head_dir) if head_dir else DifficultyClassifier.default()
+    from routing.difficulty import DifficultyClassifier, HeadChoice, prompt_text
+
+    # stdout carries one result per input line; the head choice and anything else logged go to stderr.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    if head_dir:
+        clf = DifficultyClassifier.load(head_dir)
+    else:
+        clf = DifficultyClassifier.default(cast("HeadChoice", shipped))
     failed = 0
     for lineno, line in enumerate(sys.stdin, start=1):
         if not line.strip():

@@ -1,10 +1,17 @@
 """Prompt difficulty: the probability that a request needs the strong model.
 
-`DifficultyClassifier.default()` loads the head shipped in `routing/data/` over the static MiniLM
-embedder (`routing.embed.StaticEmbedder`) and scores a prompt in about a millisecond of CPU:
+`DifficultyClassifier.default()` loads a head shipped in `routing/data/` with the embedder it was
+trained on and scores a prompt in a few milliseconds of CPU:
 
     clf = DifficultyClassifier.default()
     clf.score("Prove that there are infinitely many primes.")   # -> p_strong in [0, 1]
+
+Two heads ship. The encoder head (v4, `routing/data/`) reads MiniLM's first three layers and is the
+better router on MMLU (cross-fitted APGR 0.702); the static head (v3, `routing/data/static/`) reads a
+per-token table distilled from MiniLM (0.692) at a tenth of the cost. The encoder's cost depends on the
+CPU far more than the table's: 2-4 ms a prompt where int8 matmuls have AVX-512 VNNI, 10-20 ms on an
+AVX2-only core. `default("auto")` times the encoder on this machine and keeps it only if it fits the
+request-path budget (`LATENCY_BUDGET_S`), else it serves the static head.
 
 `p_strong` is the head's calibrated estimate that the weak model answers this prompt wrongly while the
 strong model answers it correctly (on MMLU, 17% of prompts). A route sends the request to the strong
@@ -18,14 +25,17 @@ import bisect
 import json
 import math
 import re
+import statistics
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import structlog
 
 if TYPE_CHECKING:
     from routing.embed import WordPieceEmbedder
@@ -35,7 +45,9 @@ if TYPE_CHECKING:
 # heads still load (1 and 2 score every prompt with the blend).
 HEAD_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
-DEFAULT_HEAD_DIR = Path(__file__).parent / "data"
+DEFAULT_HEAD_DIR = Path(__file__).parent / "data"  # the encoder head (v4)
+# The static-table head (v3), byte for byte as shipped before v4.
+STATIC_HEAD_DIR = DEFAULT_HEAD_DIR / "static"
 HEAD_WEIGHTS = "difficulty_head.safetensors"
 HEAD_META = "difficulty_head.json"
 
@@ -278,9 +290,21 @@ class DifficultyClassifier:
         return cls(head, load_embedder(head.embedder))
 
     @classmethod
-    def default(cls) -> DifficultyClassifier:
-        """The shipped classifier, loaded once per process."""
-        return _default()
+    def default(cls, head: HeadChoice = "auto") -> DifficultyClassifier:
+        """A shipped classifier, loaded once per process: "encoder" (v4), "static" (v3), or "auto"
+        (the encoder where it fits the latency budget on this machine, else the static head)."""
+        if head not in HEADS:
+            raise ValueError(f"difficulty head must be one of {', '.join(HEADS)}, got {head!r}")
+        # Locked: the router's warm-up and a first request may ask at once, and loading twice costs memory.
+        with _default_lock:
+            return _cached_default(head)
+
+    @property
+    def kind(self) -> str:
+        """ "encoder" or "static": which embedder family the head reads."""
+        from routing.embed import STATIC_RECIPE
+
+        return "static" if self.embedder.recipe == STATIC_RECIPE else "encoder"
 
     def score(self, prompt: str) -> float:
         # One prompt: the tokenizer's plain encode, not its thread-pooled batch path.
@@ -300,18 +324,72 @@ class DifficultyClassifier:
         return self.head.p_strong(encode(self.embedder, prompts)).astype(float).tolist()
 
 
+HeadChoice = Literal["auto", "encoder", "static"]
+HEADS: tuple[HeadChoice, ...] = ("auto", "encoder", "static")
+# The request-path budget for scoring one prompt (p99), from issue #5.
+LATENCY_BUDGET_S = 0.005
+# p99 over median of one prompt's scoring time on an otherwise idle 2-core VM (1.46-1.6 measured on
+# Zen 3 and Zen 5 cores): "auto" keeps the encoder when its median for `TIMING_PROMPT` x this fits.
+TAIL_FACTOR = 1.5
+# What "auto" times: a multiple-choice prompt about as long as MMLU's 99th percentile (2,190 characters),
+# so the median is the cost of a prompt at the tail (the encoder reads its first 96 tokens, the token
+# bag and sparse part its first 510, the tokenizer at most a few thousand characters).
+TIMING_PROMPT = (
+    " ".join(
+        f"In trial {i}, a 2.0 kg block slides {i + 2}.0 m down a frictionless incline of {20 + i} degrees "
+        "and then compresses a spring of constant 400 N/m on a rough floor."
+        for i in range(14)
+    )
+    + " Across the trials, what is the largest compression of the spring, and where is it reached?\n"
+    "A. 0.62 m, in trial 3\nB. 0.66 m, in trial 7\nC. 0.70 m, in trial 13\nD. 0.74 m, in trial 0\nAnswer:"
+)
+
 _default_lock = threading.Lock()
+log = structlog.get_logger("weir.routing")
+
+
+def scoring_time(clf: DifficultyClassifier, runs: int = 21, prompt: str = TIMING_PROMPT) -> float:
+    """Median seconds `clf.score` takes for `prompt` on this machine, with the process's torch threads."""
+    for _ in range(3):
+        clf.score(prompt)  # warm-up: first calls allocate and page in the weights
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        clf.score(prompt)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def pick_head(
+    encoder: DifficultyClassifier, budget_s: float = LATENCY_BUDGET_S, timer: Any = scoring_time
+) -> HeadChoice:
+    """ "encoder" if its median time for a full-length prompt, times `TAIL_FACTOR`, fits `budget_s`,
+    else "static". Startup contention can only inflate the timing, so a busy start errs toward the
+    cheaper head, never toward a slow one."""
+    seconds = float(timer(encoder))
+    choice: HeadChoice = "encoder" if seconds * TAIL_FACTOR <= budget_s else "static"
+    log.info(
+        "difficulty_head_chosen",
+        head=choice,
+        encoder_median_ms=round(seconds * 1e3, 2),
+        estimated_p99_ms=round(seconds * TAIL_FACTOR * 1e3, 2),
+        budget_ms=budget_s * 1e3,
+    )
+    return choice
 
 
 @cache
-def _cached_default() -> DifficultyClassifier:
-    return DifficultyClassifier.load()
-
-
-def _default() -> DifficultyClassifier:
-    # Locked: the router's warm-up and a first request may ask at once, and loading twice costs memory.
-    with _default_lock:
-        return _cached_default()
+def _cached_default(head: HeadChoice) -> DifficultyClassifier:
+    if head == "static":
+        return DifficultyClassifier.load(STATIC_HEAD_DIR)
+    if head == "encoder":
+        return DifficultyClassifier.load(DEFAULT_HEAD_DIR)
+    # auto: the encoder is timed here and kept in the cache only if chosen.
+    encoder = DifficultyClassifier.load(DEFAULT_HEAD_DIR)
+    if pick_head(encoder) == "encoder":
+        return encoder
+    del encoder
+    return _cached_default("static")
 
 
 def prompt_text(messages: list[dict[str, Any]]) -> str:

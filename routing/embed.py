@@ -1,9 +1,10 @@
 """Sentence embeddings for the difficulty head, and which one a head was trained on (its recipe).
 
-Two embedders read the same MiniLM WordPiece ids: `routing.minilm.MiniLMEmbedder` (the shipped head's
-since 2026-12-01: MiniLM's first three layers over the first 96 tokens, int8 matmuls, ~3 ms per prompt
-on one core) and `StaticEmbedder` (the heads before it: one vector per vocabulary entry, distilled
-from MiniLM, ~0.1 ms). This module imports only numpy and `tokenizers`; torch comes in with the encoder.
+Two embedders read the same MiniLM WordPiece ids: `routing.minilm.MiniLMEmbedder` (the encoder head's,
+v4: MiniLM's first three layers over the first 96 tokens, int8 matmuls, 2-4 ms per prompt on an
+AVX-512 VNNI core, 10-20 ms on an AVX2-only one) and `StaticEmbedder` (the static head's, v3: one
+vector per vocabulary entry, distilled from MiniLM, ~0.1 ms). Both heads ship; `routing.difficulty`
+picks one per machine. This module imports only numpy and `tokenizers`; torch comes in with the encoder.
 """
 
 from __future__ import annotations
@@ -26,11 +27,27 @@ def minilm_dir() -> Path:
 # Bump a recipe's name when what it computes changes: cached tables and trained heads record it.
 STATIC_RECIPE = "minilm-l6-static-v1"
 # (layers, tokens) of MiniLM that each encoder recipe runs. Cost grows with their product; the first
-# three layers over 96 tokens fit the 5 ms budget on a 2-core CPU (p99 3.4-4.2 ms) and beat the static
-# table by 0.009 cross-fitted APGR on MMLU (docs/benchmarks.md, issue #5 seventh round).
+# three layers over 96 tokens fit the 5 ms budget where int8 matmuls have VNNI (p99 3.4-4.2 ms on a
+# 2-core Zen 5, not on an AVX2-only Zen 3) and beat the static table by 0.009 cross-fitted APGR on
+# MMLU (docs/benchmarks.md, issue #5 seventh and eighth rounds).
 ENCODER_RECIPES = {"minilm-l6-first3-96tok-v1": (3, 96)}
 DEFAULT_RECIPE = "minilm-l6-first3-96tok-v1"
 VOCAB_SIZE = 30522  # bert-base-uncased WordPiece, which MiniLM uses
+
+
+# A prompt longer than this many characters per window token is tokenized by its prefix first
+# (`WordPieceEmbedder.token_ids`). English runs 4-5 characters a WordPiece token, MMLU prompts 2.4.
+PREFIX_CHARS_PER_TOKEN = 6
+
+
+def _last_space(text: str, end: int) -> int:
+    """Index of the last space, tab or line break in the 200 characters before `end`, or -1. Only
+    these: every tokenizer splits words at them (Python's isspace also takes control characters that
+    BERT's normalizer deletes, joining the words around them)."""
+    for i in range(end - 1, max(end - 200, 0) - 1, -1):
+        if text[i] in " \t\n\r":
+            return i
+    return -1
 
 
 def cache_dir() -> Path:
@@ -47,10 +64,22 @@ class WordPieceEmbedder(ABC):
     def __init__(self, tokenizer: Tokenizer, max_tokens: int = 512) -> None:
         self.tokenizer = tokenizer
         self.tokenizer.no_padding()
-        # Long prompts cost only tokenizer time, but bound it: the head reads the gist, not page 40.
+        # The head reads the gist, not page 40: the first max_tokens (with [CLS] and [SEP]).
         self.tokenizer.enable_truncation(max_tokens)
+        self.max_tokens = max_tokens
+        self.prefix_chars = PREFIX_CHARS_PER_TOKEN * max_tokens
 
     def token_ids(self, text: str) -> list[int]:
+        """The text's first `max_tokens - 2` WordPiece ids. The tokenizer reads the whole string
+        before truncating (about a microsecond a character), so a long prompt is tokenized by its
+        prefix up to a whitespace: BERT's pre-tokenizer splits words there, so the prefix's ids are
+        the text's first ids, and once they fill the window the rest cannot change it."""
+        if len(text) > self.prefix_chars:
+            cut = _last_space(text, self.prefix_chars)
+            if cut > 0:
+                ids = self.tokenizer.encode(text[:cut]).ids
+                if len(ids) >= self.max_tokens:
+                    return ids[1:-1]
         ids = self.tokenizer.encode(text).ids
         return ids[1:-1] if len(ids) > 2 else ids
 

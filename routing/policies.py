@@ -11,11 +11,14 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from routing.plan import Choice, Features
 from routing.routes import Route
 from routing.stats import RoutingStats
+
+if TYPE_CHECKING:
+    from routing.difficulty import HeadChoice
 
 Scorer = Callable[[str], float]  # prompt -> p_strong
 
@@ -25,6 +28,7 @@ class PolicyContext:
     stats: RoutingStats
     in_flight: dict[str, int] = field(default_factory=dict)  # model name -> attempts running now
     scorer: Scorer | None = None  # None: the shipped difficulty classifier, loaded on first use
+    head: HeadChoice = "auto"  # which shipped classifier: "auto", "encoder" or "static" (routing.difficulty)
     calibrators: dict[str, Any] = field(default_factory=dict)  # route name -> StrongShareCalibrator
     affinity: dict[str, list[int]] = field(default_factory=dict)  # route name -> [hits, requests]
     rng: random.Random = field(default_factory=random.Random)
@@ -33,16 +37,17 @@ class PolicyContext:
         if self.scorer is None:
             from routing.difficulty import DifficultyClassifier
 
-            self.scorer = DifficultyClassifier.default().score
+            self.scorer = DifficultyClassifier.default(self.head).score
         return self.scorer(prompt)
 
     def warm(self) -> None:
-        """Load the shipped classifier (about a second: torch and MiniLM's first layers) unless a
-        scorer is set; `Router` calls this off the event loop as soon as a difficulty route exists."""
+        """Load the shipped classifier (a second or two: torch, MiniLM's first layers and, for "auto",
+        timing them) unless a scorer is set; `Router` calls this off the event loop as soon as a
+        difficulty route exists."""
         if self.scorer is None:
             from routing.difficulty import DifficultyClassifier
 
-            DifficultyClassifier.default()
+            DifficultyClassifier.default(self.head)
 
     def affinity_hit_rate(self, route: str) -> float | None:
         hits, total = self.affinity.get(route, (0, 0))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -25,6 +26,9 @@ from routing.policies import PolicyContext, order
 from routing.routes import Candidate, Conditions, Retry, Route
 from routing.stats import RoutingStats
 from routing.store import RouteStore
+
+if TYPE_CHECKING:
+    from routing.difficulty import HeadChoice
 
 IDLE_PROBE_INTERVAL_S = 5.0  # how often an idle prober looks for routes to probe
 log = structlog.get_logger("weir.routing")
@@ -86,11 +90,12 @@ class Router:
         routes: Sequence[Route] = (),
         state: object | None = None,
         registry: CollectorRegistry | None = None,
+        difficulty_head: HeadChoice = "auto",
     ) -> None:
         self.models = models
         self.stats = RoutingStats()
         self.breakers = Breakers(state)
-        self.context = PolicyContext(self.stats)
+        self.context = PolicyContext(self.stats, head=difficulty_head)
         self.routes: dict[str, list[Route]] = {}
         self.version = 0
         self.seed = list(routes)

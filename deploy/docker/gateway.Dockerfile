@@ -26,10 +26,15 @@ COPY . .
 # Installed in place (editable) so alembic.ini, migrations/ and shipped data files sit where the code
 # expects them, exactly as in a development checkout.
 RUN pip install --no-deps -e . && python -m compileall -q gateway routing weir engine kernels migrations
+# The static-table difficulty head (what `difficulty_head: auto` serves on CPUs too slow for the
+# encoder) needs a table distilled from MiniLM: built here once (~30 s), not at every replica's start.
+ENV WEIR_CACHE_DIR=/opt/weir/cache
+RUN python -c "from routing.embed import StaticEmbedder; StaticEmbedder.from_minilm()"
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    WEIR_CACHE_DIR=/opt/weir/cache \
     PATH=/opt/weir/venv/bin:$PATH
 RUN groupadd --system --gid 10001 weir \
  && useradd --system --uid 10001 --gid weir --home-dir /var/lib/weir --create-home weir \

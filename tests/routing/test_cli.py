@@ -31,12 +31,23 @@ def test_score_round_trip(classifier: DifficultyClassifier) -> None:
             }
         )
     )
-    result = run(["router", "score"], "\n".join(lines) + "\n")
+    result = run(["router", "score", "--shipped", "encoder"], "\n".join(lines) + "\n")
     assert result.returncode == 0, result.stderr
     out = [json.loads(line) for line in result.stdout.splitlines()]
     assert [set(o) for o in out] == [{"p_strong"}] * 3
     expected = [classifier.score(p) for p in prompts]
     assert [o["p_strong"] for o in out] == pytest.approx([*expected, expected[1]], abs=1e-6)
+
+
+def test_auto_reports_its_head_on_stderr_and_scores_with_it(classifier: DifficultyClassifier) -> None:
+    prompt = "Explain the proof of the Cook-Levin theorem step by step."
+    result = run(["router", "score"], json.dumps({"prompt": prompt}) + "\n")
+    assert result.returncode == 0, result.stderr
+    assert "difficulty_head_chosen" in result.stderr and "difficulty_head_chosen" not in result.stdout
+    chosen = "encoder" if "head=encoder" in result.stderr else "static"
+    assert f"head={chosen}" in result.stderr
+    expected = DifficultyClassifier.default(chosen).score(prompt)
+    assert json.loads(result.stdout)["p_strong"] == pytest.approx(expected, abs=1e-6)
 
 
 def test_score_reports_bad_lines_in_place() -> None:

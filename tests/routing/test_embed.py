@@ -128,3 +128,37 @@ def test_recipes_name_their_embedders() -> None:
     assert load_embedder(DEFAULT_RECIPE).recipe == DEFAULT_RECIPE
     with pytest.raises(ValueError, match="unknown embedder recipe"):
         load_embedder("minilm-l6-first9-v0")
+
+
+def test_long_prompts_are_tokenized_by_their_prefix_with_the_same_ids() -> None:
+    embedder = load_embedder(DEFAULT_RECIPE)
+    prose = ((minilm_dir() / "README.md").read_text() + " The quick brown fox jumps over the lazy dog.") * 4
+    texts = [
+        prose,  # fills the window well within the prefix
+        "word " * 4000,  # 1 character a token after the first: the prefix is enough
+        "x" * 20_000,  # no space to cut at: tokenized whole
+        "\x1c".join(["word"] * 3000),  # control separators the normalizer deletes: not cut there
+        "雨" * 5000,  # CJK characters are split one by one
+        "a" * 250 + " " + "é " * 3000,
+        "long" + "\n" * 3 + "tab\tseparated " * 500,
+        "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 1000,
+    ]
+    for text in texts:
+        assert len(text) > embedder.prefix_chars
+        whole = embedder.tokenizer.encode(text).ids
+        assert embedder.token_ids(text) == whole[1:-1], text[:40]
+    # The prefix path is taken for the prose (cost bounded by the prefix, not the prompt).
+    calls: list[int] = []
+    real = embedder.tokenizer
+
+    class Counting:
+        def encode(self, text: str) -> object:
+            calls.append(len(text))
+            return real.encode(text)
+
+    embedder.tokenizer = Counting()  # type: ignore[assignment]
+    try:
+        embedder.token_ids(prose)
+    finally:
+        embedder.tokenizer = real
+    assert calls and max(calls) <= embedder.prefix_chars

@@ -220,11 +220,12 @@ def test_difficulty_with_the_shipped_classifier(
 ) -> None:
     router = runtime(gateway).router
     stand_in = router.context.scorer
-    router.context.scorer = None  # the shipped default, loaded on first use
+    router.context.scorer = None  # a shipped head, loaded on first use
+    router.context.head = "encoder"  # named: "auto" would pick by this machine's speed
     try:
         route = ask(gateway, "smart", HARD)
     finally:
-        router.context.scorer = stand_in
+        router.context.scorer, router.context.head = stand_in, "auto"
     p_strong = classifier.score(HARD)
     assert float(route["score"]) == pytest.approx(p_strong, rel=1e-4)
     assert route["candidate"] == ("claude-sonnet" if p_strong > 0.5 else "gpt-4o-mini")

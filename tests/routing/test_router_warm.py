@@ -4,10 +4,11 @@ so the first request it scores does not wait for torch and the encoder to load."
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-from gateway.config import parse_config
+from gateway.config import ConfigError, parse_config
 from gateway.router_basic import ModelTable
 from gateway.transport import Transport
 from routing.difficulty import DifficultyClassifier
@@ -27,19 +28,22 @@ DIFFICULTY = Route(
 
 
 @pytest.fixture
-def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Thread names that asked for the shipped classifier (a stand-in: loading is not under test)."""
-    seen: list[str] = []
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """(thread name, head) of each request for a shipped classifier (a stand-in: loading is not
+    under test)."""
+    seen: list[tuple[str, str]] = []
 
-    def default() -> object:
-        seen.append(threading.current_thread().name)
-        return object()
+    def default(head: str = "auto") -> object:
+        seen.append((threading.current_thread().name, head))
+        return SimpleNamespace(score=lambda prompt: 0.25)
 
     monkeypatch.setattr(DifficultyClassifier, "default", staticmethod(default))
     return seen
 
 
-async def test_a_difficulty_route_warms_the_classifier_off_the_event_loop(loads: list[str]) -> None:
+async def test_a_difficulty_route_warms_the_classifier_off_the_event_loop(
+    loads: list[tuple[str, str]],
+) -> None:
     router = Router(ModelTable(parse_config(CONFIG, {})), [DIFFICULTY])
     assert loads == []  # constructed outside a running loop: nothing to schedule on yet
     transport = Transport()
@@ -47,7 +51,8 @@ async def test_a_difficulty_route_warms_the_classifier_off_the_event_loop(loads:
     try:
         assert router._warming is not None
         await router._warming
-        assert len(loads) == 1 and loads[0] != threading.main_thread().name
+        assert len(loads) == 1 and loads[0][0] != threading.main_thread().name
+        assert loads[0][1] == "auto"  # the default: the encoder if it fits the budget here
         router.set_routes([DIFFICULTY])  # already warm: not loaded again
         assert len(loads) == 1
     finally:
@@ -55,7 +60,7 @@ async def test_a_difficulty_route_warms_the_classifier_off_the_event_loop(loads:
         await transport.close()
 
 
-async def test_no_difficulty_route_or_a_set_scorer_loads_nothing(loads: list[str]) -> None:
+async def test_no_difficulty_route_or_a_set_scorer_loads_nothing(loads: list[tuple[str, str]]) -> None:
     router = Router(
         ModelTable(parse_config(CONFIG, {})), [Route(name="plain", candidates=DIFFICULTY.candidates)]
     )
@@ -74,3 +79,24 @@ async def test_no_difficulty_route_or_a_set_scorer_loads_nothing(loads: list[str
     finally:
         await router.stop()
         await transport.close()
+
+
+async def test_the_configured_head_is_the_one_loaded(loads: list[tuple[str, str]]) -> None:
+    config = parse_config(CONFIG + "difficulty_head: static\n", {})
+    router = Router(ModelTable(config), [DIFFICULTY], difficulty_head=config.difficulty_head)
+    transport = Transport()
+    await router.start(transport)
+    try:
+        assert router._warming is not None
+        await router._warming
+        assert [head for _, head in loads] == ["static"]
+        assert router.context.score_difficulty("hello") == 0.25  # scoring asks for the same head
+        assert [head for _, head in loads] == ["static", "static"]
+    finally:
+        await router.stop()
+        await transport.close()
+
+
+def test_an_unknown_head_in_the_config_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="difficulty_head"):
+        parse_config(CONFIG + "difficulty_head: fastest\n", {})

@@ -201,7 +201,7 @@ def test_prompt_and_candidate_extraction() -> None:
 def test_partial_labels_train_a_head_that_separates_the_prompts(admin_db: tuple[str, Vault]) -> None:
     url, vault = admin_db
     data, _ = _load(url, vault)
-    clf = DifficultyClassifier.default()
+    clf = DifficultyClassifier.default("encoder")
     head = fit_head(data, encode(clf.embedder, data.prompts), TrainConfig(epochs=30))  # type: ignore[arg-type]
     assert head.meta["weak_labelled"] == 40 and head.meta["strong_labelled"] == 40
     new = [hard(i) for i in range(100, 110)], [easy(i) for i in range(100, 110)]
