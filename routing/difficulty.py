@@ -9,8 +9,8 @@ trained on and scores a prompt in a few milliseconds of CPU:
 Two heads ship. The encoder head (v4, `routing/data/`) reads MiniLM's first three layers and is the
 better router on MMLU (cross-fitted APGR 0.702); the static head (v3, `routing/data/static/`) reads a
 per-token table distilled from MiniLM (0.692) at a tenth of the cost. The encoder's cost depends on the
-CPU far more than the table's: 2-4 ms a prompt where int8 matmuls have AVX-512 VNNI, 10-20 ms on an
-AVX2-only core. `default("auto")` times the encoder on this machine and keeps it only if it fits the
+CPU far more than the table's: p99 3.4-5.4 ms a prompt on a Zen 5 core (AVX-512 VNNI for its int8
+matmuls), 19-26 ms on an AVX2-only Zen 3. `default("auto")` times the encoder on this machine and keeps it only if it fits the
 request-path budget (`LATENCY_BUDGET_S`), else it serves the static head.
 
 `p_strong` is the head's calibrated estimate that the weak model answers this prompt wrongly while the
@@ -29,6 +29,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -328,8 +329,9 @@ HeadChoice = Literal["auto", "encoder", "static"]
 HEADS: tuple[HeadChoice, ...] = ("auto", "encoder", "static")
 # The request-path budget for scoring one prompt (p99), from issue #5.
 LATENCY_BUDGET_S = 0.005
-# p99 over median of one prompt's scoring time on an otherwise idle 2-core VM (1.46-1.6 measured on
-# Zen 3 and Zen 5 cores): "auto" keeps the encoder when its median for `TIMING_PROMPT` x this fits.
+# p99 over median of one prompt's scoring time, scored again and again on an otherwise idle 2-core VM
+# (1.46-1.49 on the Zen 3 of docs/benchmarks.md's eighth round): "auto" keeps the encoder when its
+# median for `TIMING_PROMPT` times this fits the budget.
 TAIL_FACTOR = 1.5
 # What "auto" times: a multiple-choice prompt about as long as MMLU's 99th percentile (2,190 characters),
 # so the median is the cost of a prompt at the tail (the encoder reads its first 96 tokens, the token
@@ -361,7 +363,9 @@ def scoring_time(clf: DifficultyClassifier, runs: int = 21, prompt: str = TIMING
 
 
 def pick_head(
-    encoder: DifficultyClassifier, budget_s: float = LATENCY_BUDGET_S, timer: Any = scoring_time
+    encoder: DifficultyClassifier,
+    budget_s: float = LATENCY_BUDGET_S,
+    timer: Callable[[DifficultyClassifier], float] = scoring_time,
 ) -> HeadChoice:
     """ "encoder" if its median time for a full-length prompt, times `TAIL_FACTOR`, fits `budget_s`,
     else "static". Startup contention can only inflate the timing, so a busy start errs toward the

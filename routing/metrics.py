@@ -1,5 +1,6 @@
 """Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome (the
-executor counts them), and, read at scrape time, breaker states and prefix-affinity hits."""
+executor counts them), and, read at scrape time, breaker states, prefix-affinity hits and the
+difficulty head in use."""
 
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ class _Collector:
             affinity.add_metric((route, "hit"), hits)
             affinity.add_metric((route, "miss"), total - hits)
         yield affinity
+        # Which difficulty head this replica serves: with `difficulty_head: auto` replicas on different
+        # CPUs can differ, and their scores with them.
+        serving = self.router.context.serving
+        if serving is not None:
+            head = GaugeMetricFamily(
+                "weir_difficulty_head", "The difficulty classifier this replica serves (1)", labels=("head",)
+            )
+            head.add_metric((serving,), 1)
+            yield head
 
     def describe(self) -> list[Any]:
         return []  # collected lazily: nothing to check at registration

@@ -29,6 +29,7 @@ class PolicyContext:
     in_flight: dict[str, int] = field(default_factory=dict)  # model name -> attempts running now
     scorer: Scorer | None = None  # None: the shipped difficulty classifier, loaded on first use
     head: HeadChoice = "auto"  # which shipped classifier: "auto", "encoder" or "static" (routing.difficulty)
+    serving: str | None = None  # the shipped head in use once loaded ("encoder" or "static"), for metrics
     calibrators: dict[str, Any] = field(default_factory=dict)  # route name -> StrongShareCalibrator
     affinity: dict[str, list[int]] = field(default_factory=dict)  # route name -> [hits, requests]
     rng: random.Random = field(default_factory=random.Random)
@@ -37,7 +38,8 @@ class PolicyContext:
         if self.scorer is None:
             from routing.difficulty import DifficultyClassifier
 
-            self.scorer = DifficultyClassifier.default(self.head).score
+            clf = DifficultyClassifier.default(self.head)
+            self.scorer, self.serving = clf.score, clf.kind
         return self.scorer(prompt)
 
     def warm(self) -> None:
@@ -47,7 +49,7 @@ class PolicyContext:
         if self.scorer is None:
             from routing.difficulty import DifficultyClassifier
 
-            DifficultyClassifier.default(self.head)
+            self.serving = DifficultyClassifier.default(self.head).kind
 
     def affinity_hit_rate(self, route: str) -> float | None:
         hits, total = self.affinity.get(route, (0, 0))

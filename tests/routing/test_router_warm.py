@@ -7,6 +7,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gateway.config import ConfigError, parse_config
 from gateway.router_basic import ModelTable
@@ -35,7 +36,7 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
 
     def default(head: str = "auto") -> object:
         seen.append((threading.current_thread().name, head))
-        return SimpleNamespace(score=lambda prompt: 0.25)
+        return SimpleNamespace(score=lambda prompt: 0.25, kind="encoder" if head == "auto" else head)
 
     monkeypatch.setattr(DifficultyClassifier, "default", staticmethod(default))
     return seen
@@ -83,13 +84,19 @@ async def test_no_difficulty_route_or_a_set_scorer_loads_nothing(loads: list[tup
 
 async def test_the_configured_head_is_the_one_loaded(loads: list[tuple[str, str]]) -> None:
     config = parse_config(CONFIG + "difficulty_head: static\n", {})
-    router = Router(ModelTable(config), [DIFFICULTY], difficulty_head=config.difficulty_head)
+    registry = CollectorRegistry()
+    router = Router(
+        ModelTable(config), [DIFFICULTY], registry=registry, difficulty_head=config.difficulty_head
+    )
+    assert registry.get_sample_value("weir_difficulty_head", {"head": "static"}) is None  # not loaded yet
     transport = Transport()
     await router.start(transport)
     try:
         assert router._warming is not None
         await router._warming
         assert [head for _, head in loads] == ["static"]
+        # Each replica says which head it serves (with "auto" replicas on different CPUs can differ).
+        assert registry.get_sample_value("weir_difficulty_head", {"head": "static"}) == 1
         assert router.context.score_difficulty("hello") == 0.25  # scoring asks for the same head
         assert [head for _, head in loads] == ["static", "static"]
     finally:
