@@ -162,7 +162,9 @@ async def difficulty(
         choice.score = p_strong
     weak.reason, strong.reason = ("fallback", "hard") if go_strong else ("easy", "fallback")
     first = [strong, weak] if go_strong else [weak, strong]
-    return first + choices[2:], f"threshold={threshold:.4g}"
+    # Which shipped head scored, where one did: with `difficulty_head: auto` replicas can differ.
+    head = f"; head={ctx.serving}" if ctx.serving is not None else ""
+    return first + choices[2:], f"threshold={threshold:.4g}{head}"
 
 
 def _rendezvous(key: bytes, name: str) -> int:

@@ -225,9 +225,10 @@ def test_difficulty_with_the_shipped_classifier(
     try:
         route = ask(gateway, "smart", HARD)
     finally:
-        router.context.scorer, router.context.head = stand_in, "auto"
+        router.context.scorer, router.context.head, router.context.serving = stand_in, "auto", None
     p_strong = classifier.score(HARD)
     assert float(route["score"]) == pytest.approx(p_strong, rel=1e-4)
+    assert route["head"] == "encoder"  # the header (and the ledger) name the head that scored
     assert route["candidate"] == ("claude-sonnet" if p_strong > 0.5 else "gpt-4o-mini")
 
 
