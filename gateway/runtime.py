@@ -81,7 +81,9 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
-        return self.started and all(engine.healthy for engine in self.engines)
+        return (
+            self.started and all(engine.healthy for engine in self.engines) and not self.router.scorer_loading
+        )
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         api_key = api_key_from(headers)

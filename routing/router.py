@@ -104,6 +104,7 @@ class Router:
         self.sessions: object | None = None  # the admin DB's async_sessionmaker, when configured
         self.on_probe: ProbeListener | None = None
         self._warming: asyncio.Task[object] | None = None
+        self._startup_warming: asyncio.Task[object] | None = None
         self.set_routes(routes)
         self.metrics = RoutingMetrics(registry, self) if registry is not None else None
 
@@ -126,6 +127,16 @@ class Router:
         self.prober.watch(self._probe_targets())
         self.prober.start()
         self._warm_scorer()
+        self._startup_warming = self._warming
+
+    @property
+    def scorer_loading(self) -> bool:
+        """The difficulty classifier that routes in force at start need is still loading (a second
+        or two; for the first static head on a machine, its table is distilled too, 20-40 s). The
+        gateway reports not-ready meanwhile, so a load balancer holds traffic back instead of letting
+        requests wait. A route added later loads in the background without touching readiness: every
+        replica gets it at once, and none should leave the pool for it."""
+        return self._startup_warming is not None and not self._startup_warming.done()
 
     async def stop(self) -> None:
         if self._warming is not None:  # a thread cannot be cancelled: let the load finish

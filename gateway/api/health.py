@@ -20,9 +20,10 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway = runtime(request)
     engines = {engine.backend.name: engine.healthy for engine in gateway.engines}
     ready = gateway.ready
-    return json_response(
-        {"status": "ready" if ready else "starting", "engines": engines}, 200 if ready else 503
-    )
+    body: dict[str, Any] = {"status": "ready" if ready else "starting", "engines": engines}
+    if gateway.router.scorer_loading:
+        body["difficulty_classifier"] = "loading"
+    return json_response(body, 200 if ready else 503)
 
 
 @get("/metrics")

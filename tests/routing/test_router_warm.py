@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.config import ConfigError, parse_config
 from gateway.router_basic import ModelTable
+from gateway.runtime import Gateway
 from gateway.transport import Transport
 from routing.difficulty import DifficultyClassifier
 from routing.router import Router
@@ -107,3 +108,51 @@ async def test_the_configured_head_is_the_one_loaded(loads: list[tuple[str, str]
 def test_an_unknown_head_in_the_config_is_rejected() -> None:
     with pytest.raises(ConfigError, match="difficulty_head"):
         parse_config(CONFIG + "difficulty_head: fastest\n", {})
+
+
+async def test_the_gateway_is_not_ready_until_the_startup_classifier_has_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release = threading.Event()
+
+    def default(head: str = "auto") -> object:
+        release.wait(10)
+        return SimpleNamespace(score=lambda prompt: 0.25, kind="static")
+
+    monkeypatch.setattr(DifficultyClassifier, "default", staticmethod(default))
+    routes = (
+        "routes:\n  - {name: auto, policy: difficulty, candidates: [{model: gpt-4o-mini}, {model: gpt-4o}]}\n"
+    )
+    gateway = Gateway(parse_config(CONFIG + routes, {}))
+    await gateway.start()
+    try:
+        assert gateway.router.scorer_loading and not gateway.ready  # a load balancer holds traffic back
+        release.set()
+        assert gateway.router._warming is not None
+        await gateway.router._warming
+        assert not gateway.router.scorer_loading and gateway.ready
+    finally:
+        release.set()
+        await gateway.stop()
+
+
+async def test_a_route_added_later_loads_without_leaving_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+
+    def default(head: str = "auto") -> object:
+        release.wait(10)
+        return SimpleNamespace(score=lambda prompt: 0.25, kind="encoder")
+
+    monkeypatch.setattr(DifficultyClassifier, "default", staticmethod(default))
+    gateway = Gateway(parse_config(CONFIG, {}))
+    await gateway.start()
+    try:
+        assert gateway.ready
+        gateway.router.set_routes([DIFFICULTY])  # through the admin API, on every replica at once
+        assert gateway.router._warming is not None and not gateway.router._warming.done()
+        assert gateway.ready and not gateway.router.scorer_loading
+        release.set()
+        await gateway.router._warming
+    finally:
+        release.set()
+        await gateway.stop()
