@@ -112,9 +112,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     models: list[Model] = []
     tenants: list[Tenant] | None = None  # None: no authentication (local development only)
     routes: list[Route] = []  # public names -> policy and candidates; see docs/routing-policies.md
-    # The classifier difficulty routes use: "encoder" (head v4, better on MMLU, 2-4 ms a prompt on
-    # AVX-512 VNNI cores, 10-20 ms on AVX2-only ones), "static" (head v3, under 1 ms anywhere) or
-    # "auto" (the encoder if it fits 5 ms p99 on this machine, timed at start). See docs/routing.md.
+    # The classifier difficulty routes use: "encoder" (head v4, better on MMLU; p99 3.4-5.4 ms a prompt
+    # on a Zen 5 with AVX-512 VNNI, 19-26 ms on an AVX2-only Zen 3), "static" (head v3; p99 about 3 ms on
+    # that Zen 3) or "auto" (the encoder if it fits 5 ms p99 here, timed at start). See docs/routing.md.
     difficulty_head: Literal["auto", "encoder", "static"] = "auto"
     server: Server = Server()
     limits: Limits = Limits()
