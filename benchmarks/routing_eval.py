@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from routing.difficulty import HEADS, DifficultyClassifier, Encoded, HeadChoice, encode
+from routing.difficulty import HEADS, DifficultyClassifier, Encoded, HeadChoice, encode, scoring_time
 from routing.embed import DEFAULT_RECIPE, load_embedder
 from routing.train import (
     Outcomes,
@@ -546,12 +546,7 @@ def latency(prompts: list[str], n: int, what: str = "MMLU prompts", head: HeadCh
     cells = []
     for chars in (2_000, 10_000, 100_000):
         text = (joined * (1 + chars // max(len(joined), 1)))[:chars]
-        times = []
-        for _ in range(21):
-            t = time.perf_counter()
-            clf.score(text)
-            times.append(time.perf_counter() - t)
-        cells.append(f"{chars:,} chars {np.median(times) * 1e3:.2f} ms")
+        cells.append(f"{chars:,} chars {scoring_time(clf, runs=21, prompt=text) * 1e3:.2f} ms")
     print(f"  long prompts (MMLU prompts joined), median of 21: {', '.join(cells)}")
 
 

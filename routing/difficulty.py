@@ -68,7 +68,12 @@ def has_answer_options(prompt: str) -> bool:
     The shipped head learned from MMLU, where every prompt is one; on anything else (chat, code,
     maths asked plainly) its blend is out of its training distribution and the head scores the prompt
     with its fallback instead (`DifficultyHead.fallback`)."""
-    return len({m.group(1) for m in _OPTION.finditer(prompt)}) >= 3
+    letters: set[str] = set()
+    for match in _OPTION.finditer(prompt):  # stops at the third letter: a long prompt can hold thousands
+        letters.add(match.group(1))
+        if len(letters) == 3:
+            return True
+    return False
 
 
 def ngram_features(ids: list[int], buckets: int) -> tuple[np.ndarray, np.ndarray]:
