@@ -10,6 +10,7 @@ picks one per machine. This module imports only numpy and `tokenizers`; torch co
 from __future__ import annotations
 
 import os
+import string
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -40,12 +41,16 @@ VOCAB_SIZE = 30522  # bert-base-uncased WordPiece, which MiniLM uses
 PREFIX_CHARS_PER_TOKEN = 6
 
 
-def _last_space(text: str, end: int) -> int:
-    """Index of the last space, tab or line break in the 200 characters before `end`, or -1. Only
-    these: BERT's pre-tokenizer splits words at them (Python's isspace also takes control characters that
-    BERT's normalizer deletes, joining the words around them)."""
+# Where BERT's pre-tokenizer always ends a word: spaces, tabs, line breaks and ASCII punctuation (each
+# punctuation character is a token of its own). Not every Python `isspace` character: the normalizer
+# deletes control characters such as \x1c, joining the words around them.
+_BOUNDARIES = frozenset(" \t\n\r" + string.punctuation)
+
+
+def _last_boundary(text: str, end: int) -> int:
+    """Index of the last word boundary in the 200 characters before `end`, or -1."""
     for i in range(end - 1, max(end - 200, 0) - 1, -1):
-        if text[i] in " \t\n\r":
+        if text[i] in _BOUNDARIES:
             return i
     return -1
 
@@ -72,10 +77,11 @@ class WordPieceEmbedder(ABC):
     def token_ids(self, text: str) -> list[int]:
         """The text's first `max_tokens - 2` WordPiece ids. The tokenizer reads the whole string
         before truncating (about a microsecond a character), so a long prompt is tokenized by its
-        prefix up to a space, tab or line break: BERT's pre-tokenizer splits words there, so the prefix's ids are
-        the text's first ids, and once they fill the window the rest cannot change it."""
+        prefix up to a word boundary (`_BOUNDARIES`): BERT's pre-tokenizer splits words there, so
+        the prefix's ids are the text's first ids, and once they fill the window the rest cannot
+        change it."""
         if len(text) > self.prefix_chars:
-            cut = _last_space(text, self.prefix_chars)
+            cut = _last_boundary(text, self.prefix_chars)
             if cut > 0:
                 ids = self.tokenizer.encode(text[:cut]).ids
                 if len(ids) >= self.max_tokens:

@@ -142,6 +142,9 @@ def test_long_prompts_are_tokenized_by_their_prefix_with_the_same_ids() -> None:
         "a" * 250 + " " + "é " * 3000,
         "long" + "\n" * 3 + "tab\tseparated " * 500,
         "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 1000,
+        '[{"id":1,"name":"item1","tags":["a","b"]},' * 300,  # minified JSON: no spaces, cut at punctuation
+        "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo+/=" * 300,  # base64: its + / = are punctuation
+        "foo_bar-baz.qux@example:8080/path?x=1&y=2#frag" * 200,
     ]
     for text in texts:
         assert len(text) > embedder.prefix_chars
@@ -158,7 +161,9 @@ def test_long_prompts_are_tokenized_by_their_prefix_with_the_same_ids() -> None:
 
     embedder.tokenizer = Counting()  # type: ignore[assignment]
     try:
-        embedder.token_ids(prose)
+        for text in (prose, texts[8]):  # prose, and minified JSON with no space at all
+            calls.clear()
+            embedder.token_ids(text)
+            assert calls and max(calls) <= embedder.prefix_chars
     finally:
         embedder.tokenizer = real
-    assert calls and max(calls) <= embedder.prefix_chars
