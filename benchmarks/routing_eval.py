@@ -38,6 +38,7 @@ from routing.train import (
     prompt_fold,
     question_stem,
 )
+from routing.train import auc as train_auc
 
 SHARES = (0.2, 0.3, 0.5)
 
@@ -382,7 +383,7 @@ def artefact_free(routers: dict[str, np.ndarray], data: Outcomes) -> None:
 
 def auc(hard: np.ndarray, easy: np.ndarray) -> float:
     """The chance that a random hard prompt outscores a random easy one (ties count half)."""
-    return float(np.mean([[(h > e) + 0.5 * (h == e) for e in easy] for h in hard]))
+    return train_auc(np.concatenate([hard, easy]), np.arange(len(hard) + len(easy)) < len(hard))
 
 
 PROBE_FILE = Path(__file__).resolve().parent / "data" / "routing_probe.jsonl"

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
 if TYPE_CHECKING:
     from routing.train import Outcomes
 
+T = TypeVar("T")
 # Recipes in routing.embed (not imported here: this module loads before any command runs).
 EMBEDDERS = ("minilm-l6-first3-96tok-v1", "minilm-l6-static-v1")
 
@@ -28,9 +30,10 @@ def router() -> None:
 @click.option(
     "--head",
     "head_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(exists=True, path_type=Path),
     default=None,
-    help="Directory of a trained head (default: one shipped with Weir, see --shipped).",
+    help="A trained head: the directory `weir router train` wrote, or a bundle file from `weir router "
+    "heads export` (default: one shipped with Weir, see --shipped).",
 )
 @click.option(
     "--shipped",
@@ -54,8 +57,15 @@ def score(head_dir: Path | None, shipped: str) -> None:
 
     # stdout carries one result per input line; the head choice and anything else logged go to stderr.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    if head_dir:
+    if head_dir and head_dir.is_dir():
         clf = DifficultyClassifier.load(head_dir)
+    elif head_dir:
+        from routing.heads import classifier_from_bundle
+
+        try:
+            clf = classifier_from_bundle(head_dir.read_bytes())
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
     else:
         clf = DifficultyClassifier.default(cast("HeadChoice", shipped))
     failed = 0
@@ -126,7 +136,8 @@ def score(head_dir: Path | None, shipped: str) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("var/difficulty-head"),
     show_default=True,
-    help="Where to write the head (use it with `weir router score --head`).",
+    help="Where to write the head (try it with `weir router score --head`, serve it with `weir router "
+    "heads install`).",
 )
 @click.option(
     "--embedder",
@@ -138,6 +149,14 @@ def score(head_dir: Path | None, shipped: str) -> None:
 )
 @click.option("--epochs", type=int, default=None, help="Training epochs (default: the shipped recipe's).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--holdout",
+    type=click.FloatRange(0.0, 0.5),
+    default=None,
+    help="First fit a head without this share of the prompts (by prompt hash) and compare how it and "
+    "the shipped head rank them (AUC, bootstrap interval); 0 skips it. Default: 0.2 with --tenant or "
+    "--feedback, 0 with --data.",
+)
 def train(
     data_dir: Path | None,
     feedback: Path | None,
@@ -151,6 +170,7 @@ def train(
     embedder: str,
     epochs: int | None,
     seed: int,
+    holdout: float | None,
 ) -> None:
     """Fit the difficulty head on labelled outcomes and write it to --out."""
     if sum(x is not None for x in (data_dir, feedback, tenant)) != 1:
@@ -184,13 +204,48 @@ def train(
     if data.groups is not None and enc.options is not None and enc.options.mean() >= 0.9:
         # Multiple-choice training data: fit the fallback for prompts asked without options.
         stems = encode(embed, [question_stem(p) for p in data.prompts])
+    share = holdout if holdout is not None else (0.0 if data_dir else 0.2)
+    checked = _holdout(data, enc, cfg, share) if share > 0 else None
     try:
         head = fit_head(data, enc, cfg, stems)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     head.meta["source"] = source
+    if checked is not None:
+        head.meta["holdout"] = checked
     head.save(out_dir)
     click.echo(f"wrote {out_dir}", err=True)
+
+
+def _holdout(data: Outcomes, enc: Any, cfg: Any, share: float) -> dict[str, Any] | None:
+    """Print how a head fitted without a held-out share ranks it against the shipped head of the same
+    embedder; what it found, for the head's metadata (None when there were too few rows)."""
+    from dataclasses import asdict
+
+    from routing.difficulty import DEFAULT_HEAD_DIR, STATIC_HEAD_DIR, DifficultyHead
+    from routing.embed import STATIC_RECIPE
+    from routing.train import holdout_check
+
+    static = enc.recipe == STATIC_RECIPE
+    baseline, name = (
+        (STATIC_HEAD_DIR, "the shipped static head")
+        if static
+        else (DEFAULT_HEAD_DIR, "the shipped encoder head")
+    )
+    try:
+        held, results = holdout_check(data, enc, DifficultyHead.load(baseline), cfg, share)
+    except ValueError as exc:  # too few rows left to fit on
+        click.echo(f"holdout check skipped: {exc}", err=True)
+        return None
+    click.echo(
+        f"held out {held} of {len(data)} prompts (by prompt hash); a head fitted on the rest vs {name}:",
+        err=True,
+    )
+    for result in results:
+        click.echo("  " + result.summary(name), err=True)
+    if not results:
+        click.echo("  no held-out outcome has both right and wrong answers to rank", err=True)
+    return {"share": share, "rows": held, "baseline": name, "results": [asdict(r) for r in results]}
 
 
 def _tenant_outcomes(
@@ -201,33 +256,171 @@ def _tenant_outcomes(
     database_url: str | None,
     correct_at: float,
 ) -> tuple[Outcomes, str]:
-    import asyncio
-
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from gateway.db.session import create_engine, normalise_url, resolve_database_url, sessionmaker
     from gateway.vault import Vault, VaultError
     from routing.feedback import load_feedback, route_models
 
-    async def load() -> tuple[Outcomes, str]:
-        # An explicit --database-url wins over WEIR_DATABASE_URL.
-        engine = create_engine(normalise_url(database_url) if database_url else resolve_database_url())
-        try:
-            sessions = sessionmaker(engine)
-            if route_name is None:
-                assert weak is not None and strong is not None
-                w, s = weak, strong
-            else:
-                w, s = await route_models(sessions, route_name)
-            data, report = await load_feedback(sessions, tenant, w, s, Vault.from_env(), correct_at)
-        finally:
-            await engine.dispose()
+    async def load(sessions: Any) -> tuple[Outcomes, str]:
+        if route_name is None:
+            assert weak is not None and strong is not None
+            w, s = weak, strong
+        else:
+            w, s = await route_models(sessions, route_name)
+        data, report = await load_feedback(sessions, tenant, w, s, Vault.from_env(), correct_at)
         click.echo(report.summary(), err=True)
         if not len(data):
             raise ValueError(f"tenant {tenant!r} has no usable feedback ({report.summary()})")
         return data, f"tenant {tenant} feedback (weak {w}, strong {s})"
 
     try:
-        return asyncio.run(load())
-    except (VaultError, SQLAlchemyError) as exc:  # no such DB or table, a bad master key
+        return _with_db(database_url, load)
+    except VaultError as exc:  # a bad master key
         raise ValueError(str(exc)) from exc
+
+
+@router.group()
+def heads() -> None:
+    """Trained difficulty heads in the admin DB, which difficulty routes name in `head`."""
+
+
+_DATABASE_URL = click.option(
+    "--database-url",
+    default=None,
+    help="The admin DB (default: WEIR_DATABASE_URL, else ./var/weir.db).",
+)
+
+
+def _with_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `work(sessions)` against the admin DB; a DB error becomes a clean CLI error."""
+    import asyncio
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from gateway.db.session import create_engine, normalise_url, resolve_database_url, sessionmaker
+
+    async def main() -> T:
+        # An explicit --database-url wins over WEIR_DATABASE_URL.
+        engine = create_engine(normalise_url(database_url) if database_url else resolve_database_url())
+        try:
+            return await work(sessionmaker(engine))
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(main())
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        hint = (
+            " (an older schema? `weir db upgrade` brings it up to date)" if "no such table" in reason else ""
+        )
+        raise click.ClickException(f"admin DB: {reason}{hint}") from None
+
+
+@heads.command("install")
+@click.argument("name")
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@_DATABASE_URL
+def install_head(name: str, path: Path, database_url: str | None) -> None:
+    """Store the head at PATH (a directory `weir router train` wrote, or a bundle file) as NAME,
+    replacing any head of that name. Gateways using the admin DB pick it up within a second."""
+    from gateway.db.models import AuditLog
+    from routing.heads import check_name, describe, put_head, read_bundle, unbundle
+
+    try:
+        check_name(name)
+        data = read_bundle(path)
+    except ValueError as exc:
+        raise click.ClickException(f"{exc}; nothing was stored") from None
+    head = unbundle(data)
+
+    async def work(sessions: Any) -> dict[str, Any]:
+        async with sessions() as session, session.begin():
+            row, before = await put_head(session, name, data, head)
+            after = describe(row)
+            session.add(
+                AuditLog(
+                    actor="cli",
+                    action="update" if before else "create",
+                    entity="difficulty_head",
+                    entity_id=name,
+                    before=before,
+                    after=after,
+                )
+            )
+            return after
+
+    shown = _with_db(database_url, work)
+    click.echo(json.dumps(shown))
+
+
+@heads.command("list")
+@_DATABASE_URL
+def list_heads(database_url: str | None) -> None:
+    """One JSON line per stored head (name, digest, embedder, size, training source)."""
+    from routing.heads import describe, listed
+
+    async def work(sessions: Any) -> list[dict[str, Any]]:
+        async with sessions() as session:
+            return [describe(row) for row in await listed(session)]
+
+    for shown in _with_db(database_url, work):
+        click.echo(json.dumps(shown))
+
+
+@heads.command("export")
+@click.argument("name")
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Bundle file to write.",
+)
+@_DATABASE_URL
+def export_head(name: str, out_path: Path, database_url: str | None) -> None:
+    """Write the stored head NAME to a bundle file (for another deployment, or `weir router score --head`)."""
+    from gateway.db.models import DifficultyHeadRow
+
+    async def work(sessions: Any) -> bytes | None:
+        async with sessions() as session:
+            row = await session.get(DifficultyHeadRow, name)
+            return None if row is None else row.bundle
+
+    data = _with_db(database_url, work)
+    if data is None:
+        raise click.ClickException(f"no difficulty head named {name!r}")
+    out_path.write_bytes(data)
+    click.echo(f"wrote {out_path} ({len(data)} bytes)", err=True)
+
+
+@heads.command("delete")
+@click.argument("name")
+@_DATABASE_URL
+def delete_head(name: str, database_url: str | None) -> None:
+    """Delete the stored head NAME; refused while a route names it."""
+    from gateway.db.models import AuditLog, DifficultyHeadRow
+    from routing.heads import describe, routes_naming
+
+    async def work(sessions: Any) -> str | None:
+        async with sessions() as session, session.begin():
+            row = await session.get(DifficultyHeadRow, name)
+            if row is None:
+                return f"no difficulty head named {name!r}"
+            used_by = await routes_naming(session, name)
+            if used_by:
+                return f"difficulty head {name!r} is in use by routes {', '.join(str(r.id) for r in used_by)}"
+            session.add(
+                AuditLog(
+                    actor="cli",
+                    action="delete",
+                    entity="difficulty_head",
+                    entity_id=name,
+                    before=describe(row),
+                )
+            )
+            await session.delete(row)
+            return None
+
+    problem = _with_db(database_url, work)
+    if problem is not None:
+        raise click.ClickException(f"{problem}; nothing was deleted")
+    click.echo(f"deleted {name}", err=True)

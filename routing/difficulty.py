@@ -243,10 +243,8 @@ class DifficultyHead:
             logit[plain] = x @ self.fallback[:-1] + self.fallback[-1]
         return _sigmoid(logit)
 
-    def save(self, directory: Path) -> None:
-        from safetensors.numpy import save_file
-
-        directory.mkdir(parents=True, exist_ok=True)
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The arrays as stored: float32, the big ones in half precision."""
         names = (
             self.TENSORS
             + (self.SPARSE if len(self.idf) else ())
@@ -258,7 +256,67 @@ class DifficultyHead:
         for big in ("bag", "idf", "sparse_w"):
             if big in tensors:
                 tensors[big] = tensors[big].astype(np.float16)
-        save_file(tensors, directory / HEAD_WEIGHTS)
+        return tensors
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, np.ndarray], meta: dict[str, Any], where: str) -> DifficultyHead:
+        """A head from stored arrays; ValueError naming `where` when they cannot be one."""
+        if meta.get("version") not in READABLE_VERSIONS:
+            raise ValueError(
+                f"difficulty head in {where} has version {meta.get('version')}, "
+                f"this Weir reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+            )
+        names = (
+            cls.TENSORS
+            + (cls.SPARSE if "idf" in tensors else ())
+            + (cls.FALLBACK if "fallback" in tensors else ())
+        )
+        missing = [k for k in names if k not in tensors]
+        if missing:
+            raise ValueError(f"difficulty head in {where} lacks tensors {', '.join(missing)}")
+        head = cls(**{k: np.asarray(tensors[k], dtype=np.float32) for k in names}, meta=meta)
+        head.check(where)
+        return head
+
+    def check(self, where: str) -> None:
+        """Raise ValueError unless the arrays fit together and the embedder is one this Weir has (a
+        head that loaded and then failed on its first prompt would fail in the request path)."""
+        from routing.embed import EMBEDDING_DIM, VOCAB_SIZE, check_recipe
+
+        check_recipe(self.embedder)
+        hidden = self.w1.shape[0] if self.w1.ndim == 2 else -1
+        outputs = 2 + len(self.group_gain)
+        components = 2 + bool(len(self.idf))
+        fallback = 2 * components + 3  # fallback_features, then the bias
+        expected = {
+            "bag": (self.bag.ndim == 2 and self.bag.shape[0] >= VOCAB_SIZE, f"({VOCAB_SIZE}, bag_dim)"),
+            "w1": (
+                self.w1.ndim == 2 and self.w1.shape[1] == self.bag.shape[-1] + 1 + EMBEDDING_DIM,
+                f"(hidden, bag_dim + 1 + {EMBEDDING_DIM})",
+            ),
+            "b1": (self.b1.shape == (hidden,), f"({hidden},)"),
+            "w2": (self.w2.shape == (outputs, hidden), f"({outputs}, {hidden})"),
+            "b2": (self.b2.shape == (outputs,), f"({outputs},)"),
+            "group_gain": (self.group_gain.ndim == 1, "(groups,)"),
+            "blend": (self.blend.shape == (components + 1,), f"({components + 1},)"),
+            "sparse_w": (self.sparse_w.shape == (len(self.idf), 2), f"({len(self.idf)}, 2)"),
+            "sparse_b": (self.sparse_b.shape == (2,), "(2,)"),
+            "fallback": (self.fallback.shape in ((0,), (fallback,)), f"(0,) or ({fallback},)"),
+        }
+        for name, (ok, shape) in expected.items():
+            if not ok:
+                raise ValueError(
+                    f"difficulty head in {where}: {name} has shape {getattr(self, name).shape}, expected {shape}"
+                )
+        for name in self.TENSORS + self.SPARSE + self.FALLBACK:
+            if not np.isfinite(getattr(self, name)).all():
+                raise ValueError(f"difficulty head in {where}: {name} holds NaN or infinite values")
+
+    def save(self, directory: Path) -> None:
+        from safetensors.numpy import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(self.tensors(), directory / HEAD_WEIGHTS)
         (directory / HEAD_META).write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n")
 
     @classmethod
@@ -266,14 +324,7 @@ class DifficultyHead:
         from safetensors.numpy import load_file
 
         meta = json.loads((directory / HEAD_META).read_text())
-        if meta.get("version") not in READABLE_VERSIONS:
-            raise ValueError(
-                f"difficulty head in {directory} has version {meta.get('version')}, "
-                f"this Weir reads versions {', '.join(map(str, READABLE_VERSIONS))}"
-            )
-        t = load_file(str(directory / HEAD_WEIGHTS))
-        names = cls.TENSORS + (cls.SPARSE if "idf" in t else ()) + (cls.FALLBACK if "fallback" in t else ())
-        return cls(**{k: t[k].astype(np.float32) for k in names}, meta=meta)
+        return cls.from_tensors(load_file(str(directory / HEAD_WEIGHTS)), meta, str(directory))
 
 
 class DifficultyClassifier:
@@ -290,10 +341,10 @@ class DifficultyClassifier:
     @classmethod
     def load(cls, head_dir: Path = DEFAULT_HEAD_DIR) -> DifficultyClassifier:
         """A head and the embedder it was trained on."""
-        from routing.embed import load_embedder
+        from routing.embed import shared_embedder
 
         head = DifficultyHead.load(head_dir)
-        return cls(head, load_embedder(head.embedder))
+        return cls(head, shared_embedder(head.embedder))
 
     @classmethod
     def default(cls, head: HeadChoice = "auto") -> DifficultyClassifier:

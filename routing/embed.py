@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import string
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -34,6 +36,7 @@ STATIC_RECIPE = "minilm-l6-static-v1"
 ENCODER_RECIPES = {"minilm-l6-first3-96tok-v1": (3, 96)}
 DEFAULT_RECIPE = "minilm-l6-first3-96tok-v1"
 VOCAB_SIZE = 30522  # bert-base-uncased WordPiece, which MiniLM uses
+EMBEDDING_DIM = 384  # MiniLM's width: what every recipe's embedding has
 
 
 # A prompt longer than this many characters per window token is tokenized by its prefix first
@@ -110,17 +113,37 @@ class WordPieceEmbedder(ABC):
         return self.pool_many(self.token_ids_many(texts))
 
 
+def check_recipe(recipe: str) -> None:
+    """ValueError unless this Weir can build the embedder `recipe` names."""
+    if recipe != STATIC_RECIPE and recipe not in ENCODER_RECIPES:
+        known = ", ".join([STATIC_RECIPE, *ENCODER_RECIPES])
+        raise ValueError(f"unknown embedder recipe {recipe!r}; this Weir knows {known}")
+
+
 def load_embedder(recipe: str = DEFAULT_RECIPE) -> WordPieceEmbedder:
-    """The embedder a head trained on `recipe` needs."""
+    """The embedder a head trained on `recipe` needs (a new instance; see `shared_embedder`)."""
+    check_recipe(recipe)
     if recipe == STATIC_RECIPE:
         return StaticEmbedder.from_minilm()
-    if recipe in ENCODER_RECIPES:
-        from routing.minilm import MiniLMEmbedder
+    from routing.minilm import MiniLMEmbedder
 
-        layers, tokens = ENCODER_RECIPES[recipe]
-        return MiniLMEmbedder(recipe, num_layers=layers, max_tokens=tokens)
-    known = ", ".join([STATIC_RECIPE, *ENCODER_RECIPES])
-    raise ValueError(f"unknown embedder recipe {recipe!r}; this Weir knows {known}")
+    layers, tokens = ENCODER_RECIPES[recipe]
+    return MiniLMEmbedder(recipe, num_layers=layers, max_tokens=tokens)
+
+
+_shared: weakref.WeakValueDictionary[str, WordPieceEmbedder] = weakref.WeakValueDictionary()
+_shared_lock = threading.Lock()
+
+
+def shared_embedder(recipe: str) -> WordPieceEmbedder:
+    """The process's one embedder for `recipe` while anything holds it: the shipped head and heads
+    trained on a tenant's outcomes read the same MiniLM, which need not sit in memory twice. Embedders
+    are read-only after construction, so sharing across threads is safe."""
+    with _shared_lock:
+        embedder = _shared.get(recipe)
+        if embedder is None:
+            embedder = _shared[recipe] = load_embedder(recipe)
+        return embedder
 
 
 class StaticEmbedder(WordPieceEmbedder):

@@ -19,6 +19,7 @@ from routing.stats import RoutingStats
 
 if TYPE_CHECKING:
     from routing.difficulty import HeadChoice
+    from routing.heads import HeadStore
 
 Scorer = Callable[[str], float]  # prompt -> p_strong
 
@@ -30,7 +31,9 @@ class PolicyContext:
     scorer: Scorer | None = None  # None: the shipped difficulty classifier, loaded on first use
     head: HeadChoice = "auto"  # which shipped classifier: "auto", "encoder" or "static" (routing.difficulty)
     serving: str | None = None  # the shipped head in use once loaded ("encoder" or "static"), for metrics
-    calibrators: dict[str, Any] = field(default_factory=dict)  # route name -> StrongShareCalibrator
+    heads: HeadStore | None = None  # trained heads routes name (`Route.head`), with the admin DB
+    # (route name, which head scores) -> StrongShareCalibrator: a new head starts a new window.
+    calibrators: dict[tuple[str, str], Any] = field(default_factory=dict)
     affinity: dict[str, list[int]] = field(default_factory=dict)  # route name -> [hits, requests]
     rng: random.Random = field(default_factory=random.Random)
 
@@ -143,14 +146,21 @@ async def difficulty(
     route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext
 ) -> tuple[list[Choice], str]:
     weak, strong = choices[0], choices[1]
+    trained = ctx.heads.get(route.head) if route.head is not None and ctx.heads is not None else None
     # The classifier is CPU work of a few ms; off the event loop so other requests keep flowing.
-    p_strong = await asyncio.to_thread(ctx.score_difficulty, feats.last_user)
+    if trained is not None:
+        p_strong = await asyncio.to_thread(trained.classifier.score, feats.last_user)
+        head: str | None = trained.label
+    else:
+        p_strong = await asyncio.to_thread(ctx.score_difficulty, feats.last_user)
+        head = ctx.serving  # None: a scorer set in code
     if route.strong_share is not None:
         from routing.difficulty import StrongShareCalibrator
 
-        calibrator = ctx.calibrators.get(route.name)
+        key = (route.name, head or "")
+        calibrator = ctx.calibrators.get(key)
         if calibrator is None or calibrator.target_share != route.strong_share:
-            calibrator = ctx.calibrators[route.name] = StrongShareCalibrator(
+            calibrator = ctx.calibrators[key] = StrongShareCalibrator(
                 route.strong_share, initial_threshold=route.threshold
             )
         go_strong = calibrator.route_strong(p_strong)
@@ -162,9 +172,14 @@ async def difficulty(
         choice.score = p_strong
     weak.reason, strong.reason = ("fallback", "hard") if go_strong else ("easy", "fallback")
     first = [strong, weak] if go_strong else [weak, strong]
-    # Which shipped head scored, where one did: with `difficulty_head: auto` replicas can differ.
-    head = f"; head={ctx.serving}" if ctx.serving is not None else ""
-    return first + choices[2:], f"threshold={threshold:.4g}{head}"
+    # Which head scored: with `difficulty_head: auto` replicas can differ, and a trained head is named
+    # with its digest, so the ledger tells its versions apart. A route whose trained head is not
+    # (yet) loaded here is scored by the shipped head, and says why.
+    note = f"threshold={threshold:.4g}" + (f"; head={head}" if head is not None else "")
+    if route.head is not None and trained is None:
+        status = ctx.heads.status(route.head) if ctx.heads is not None else "missing"
+        note += f"; head_wanted={route.head}; head_status={status}"
+    return first + choices[2:], note
 
 
 def _rendezvous(key: bytes, name: str) -> int:

@@ -23,12 +23,13 @@ from routing.health import HealthProber, ProbeListener
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, order
-from routing.routes import Candidate, Conditions, Retry, Route
+from routing.routes import HEAD_NAME, Candidate, Conditions, Retry, Route
 from routing.stats import RoutingStats
 from routing.store import RouteStore
 
 if TYPE_CHECKING:
     from routing.difficulty import HeadChoice
+    from routing.heads import HeadStore
 
 IDLE_PROBE_INTERVAL_S = 5.0  # how often an idle prober looks for routes to probe
 log = structlog.get_logger("weir.routing")
@@ -74,6 +75,11 @@ def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> N
             raise RouteError(f"{where}.candidates: at least one candidate is required")
         if route.policy == "difficulty" and len(route.candidates) < 2:
             raise RouteError(f"{where}: the difficulty policy needs a weak and a strong candidate")
+        if route.head is not None:
+            if route.policy != "difficulty":
+                raise RouteError(f"{where}.head: only the difficulty policy reads a difficulty head")
+            if not HEAD_NAME.fullmatch(route.head):
+                raise RouteError(f"{where}.head: {route.head!r} is not a head name")
         if route.strong_share is not None and not 0.0 <= route.strong_share <= 1.0:
             raise RouteError(f"{where}.strong_share: must be within [0, 1]")
         if route.retry.attempts < 1:
@@ -100,11 +106,14 @@ class Router:
         self.version = 0
         self.seed = list(routes)
         self.store: RouteStore | None = None
+        self.heads: HeadStore | None = None  # trained difficulty heads, with the admin DB
         self.prober: HealthProber | None = None
         self.sessions: object | None = None  # the admin DB's async_sessionmaker, when configured
         self.on_probe: ProbeListener | None = None
         self._warming: asyncio.Task[object] | None = None
         self._startup_warming: asyncio.Task[object] | None = None
+        self._startup_heads: asyncio.Future[list[BaseException | None]] | None = None
+        self._started = False
         self.set_routes(routes)
         self.metrics = RoutingMetrics(registry, self) if registry is not None else None
 
@@ -117,15 +126,29 @@ class Router:
         self.on_probe = on_probe
         self.breakers.shared = state
         self.store = RouteStore(sessions, self.set_routes, self.seed)
+        from routing.heads import HeadStore  # numpy and the classifier's modules: only with a DB
+
+        # A route whose head is missing or unreadable is scored by the shipped head: load it then.
+        self.heads = self.context.heads = HeadStore(
+            sessions,  # type: ignore[arg-type]
+            on_unavailable=lambda: self._warm_scorer(fallback=True),
+        )
 
     async def start(self, transport: object) -> None:
+        self._started = True
+        if self.heads is not None:
+            await self.heads.start()
         if self.store is not None:
             await self.store.start()
+        if self.heads is not None and self.heads.pending():
+            self._startup_heads = asyncio.gather(*self.heads.pending(), return_exceptions=True)
         # Always running, even with no probed route yet: a route added later through the admin API
         # is probed (and its breakers synced across replicas) as soon as it arrives.
         self.prober = HealthProber(transport, self.breakers, self._probe_interval(), on_result=self.on_probe)
         self.prober.watch(self._probe_targets())
         self.prober.start()
+        if self.heads is None and any(r.head for rs in self.routes.values() for r in rs):
+            log.error("difficulty_head_without_database", detail="trained heads live in the admin DB")
         self._warm_scorer()
         self._startup_warming = self._warming
 
@@ -136,11 +159,15 @@ class Router:
         gateway reports not-ready meanwhile, so a load balancer holds traffic back instead of letting
         requests wait. A route added later loads in the background without touching readiness: every
         replica gets it at once, and none should leave the pool for it."""
+        if self._startup_heads is not None and not self._startup_heads.done():
+            return True
         return self._startup_warming is not None and not self._startup_warming.done()
 
     async def stop(self) -> None:
         if self._warming is not None:  # a thread cannot be cancelled: let the load finish
             await asyncio.gather(self._warming, return_exceptions=True)
+        if self.heads is not None:
+            await self.heads.stop()
         if self.prober is not None:
             await self.prober.stop()
         if self.store is not None:
@@ -158,23 +185,26 @@ class Router:
                     self.breakers.get(Breakers.key(target.backend.name, target.upstream_model), route.breaker)
         self.routes = table  # one assignment: requests see the old table or the new, never a mix
         self.version = self.version + 1 if version is None else version
+        if self.heads is not None:
+            self.heads.want({r.head for rs in table.values() for r in rs if r.head is not None})
         self._warm_scorer()
         if self.prober is not None:
             self.prober.interval = self._probe_interval()
             self.prober.watch(self._probe_targets())
 
-    def _warm_scorer(self) -> None:
-        """Load the difficulty classifier off the event loop as soon as a route needs it, so the first
-        request it scores does not wait for the load."""
-        if self.context.scorer is not None or self._warming is not None:
+    def _warm_scorer(self, fallback: bool = False) -> None:
+        """Load the shipped difficulty classifier off the event loop as soon as a route needs it, so
+        the first request it scores does not wait for the load. Routes with a trained head need it
+        only when theirs cannot be loaded (`fallback`)."""
+        if not self._started or self.context.scorer is not None or self._warming is not None:
+            return  # before start(): whether a control plane (trained heads) comes is not known yet
+        if not fallback and not any(
+            r.policy == "difficulty" and (r.head is None or self.heads is None)
+            for rs in self.routes.values()
+            for r in rs
+        ):
             return
-        if not any(r.policy == "difficulty" for rs in self.routes.values() for r in rs):
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # not started yet: start() warms it
-            return
-        self._warming = loop.create_task(asyncio.to_thread(self.context.warm))
+        self._warming = asyncio.get_running_loop().create_task(asyncio.to_thread(self.context.warm))
         self._warming.add_done_callback(_log_warm_failure)
 
     def _probe_interval(self) -> float:

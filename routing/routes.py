@@ -6,9 +6,13 @@ from the admin API and from the admin DB. Nothing here imports the gateway (the 
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
+
+# A trained difficulty head's name (routing.heads), as routes and the admin API take it.
+HEAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 PolicyName = Literal["fixed", "weighted", "cheapest", "lowest_latency", "difficulty", "prefix_affinity"]
 
@@ -88,6 +92,9 @@ class Route(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     # `strong_share` of recent traffic.
     threshold: float = 0.5
     strong_share: float | None = None
+    # `difficulty`: the name of a head trained on your own outcomes, stored in the admin DB
+    # (routing.heads); None: the shipped head (the config's `difficulty_head`).
+    head: str | None = None
     # `prefix_affinity`: characters of the prompt that name its prefix.
     prefix_chars: int = 2048
     # `cheapest`/`lowest_latency`: output tokens to expect when the request sets no limit.

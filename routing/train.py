@@ -515,3 +515,80 @@ def fit_head(
             int(strong_rows.sum()),
         )
     return head
+
+
+def auc(scores: np.ndarray, positive: np.ndarray) -> float:
+    """The share of (positive, negative) pairs the scores rank the right way round, ties half (the
+    Mann-Whitney U over the pair count); NaN without both kinds of row."""
+    n_pos = int(positive.sum())
+    n_neg = len(positive) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    # Average 1-based rank of each distinct score, so tied rows share one rank.
+    ranks = (np.cumsum(counts) - (counts - 1) / 2.0)[inverse]
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+@dataclass(frozen=True)
+class HoldoutResult:
+    """How a freshly fitted head and a baseline head rank held-out prompts for one outcome."""
+
+    outcome: str  # what a high p_strong should mean: "weak model wrong", or "needs the strong model"
+    positives: int
+    negatives: int
+    trained: float  # AUC of the head fitted without these rows
+    baseline: float  # AUC of the baseline head (the shipped one)
+    difference: tuple[float, float]  # 95% bootstrap interval of trained - baseline, paired by row
+
+    def summary(self, baseline: str) -> str:
+        lo, hi = self.difference
+        return (
+            f"{self.outcome} ({self.positives} yes, {self.negatives} no): AUC {self.trained:.3f} this head, "
+            f"{self.baseline:.3f} {baseline}; difference {self.trained - self.baseline:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+        )
+
+
+def holdout_check(
+    data: Outcomes,
+    enc: Encoded,
+    baseline: DifficultyHead,
+    cfg: TrainConfig | None = None,
+    share: float = 0.2,
+    resamples: int = 1000,
+) -> tuple[int, list[HoldoutResult]]:
+    """Before a head fitted on your outcomes replaces the shipped one: fit one on all but a held-out
+    `share` of the prompts (by prompt hash, so a repeated prompt never sits on both sides) and compare
+    how it and `baseline` rank the held-out rows. Returns the held-out row count and one result per
+    outcome the rows label: the weak model's failures (every row with the weak model's outcome) and,
+    where both outcomes are known, the rows that need the strong model. Outcomes with no positive or
+    no negative row are left out."""
+    folds = max(2, round(1 / share))
+    test = np.array([prompt_fold(p, folds) == 0 for p in data.prompts])
+    train_rows, test_rows = np.flatnonzero(~test), np.flatnonzero(test)
+    head = fit_head(data.subset(train_rows), enc.subset(train_rows), cfg)
+    held, held_enc = data.subset(test_rows), enc.subset(test_rows)
+    ours, theirs = head.p_strong(held_enc), baseline.p_strong(held_enc)
+    known = held.known()
+    outcomes: list[tuple[str, np.ndarray, np.ndarray]] = [("weak model wrong", known[:, 0], ~held.weak)]
+    both = known[:, 0] & known[:, 1]
+    if both.any():
+        outcomes.append(("needs the strong model", both, np.logical_and(~held.weak, held.strong)))
+    rng = np.random.default_rng(0)
+    results = []
+    for name, rows, label in outcomes:
+        y, a, b = label[rows], ours[rows], theirs[rows]
+        if y.all() or not y.any():
+            continue
+        # Positive and negative rows resampled separately (each draw keeps both kinds), the same
+        # draws for both heads.
+        pos, neg = np.flatnonzero(y), np.flatnonzero(~y)
+        diffs = []
+        for _ in range(resamples):
+            pick = np.concatenate([rng.choice(pos, len(pos)), rng.choice(neg, len(neg))])
+            diffs.append(auc(a[pick], y[pick]) - auc(b[pick], y[pick]))
+        lo, hi = np.percentile(diffs, [2.5, 97.5])
+        results.append(
+            HoldoutResult(name, int(y.sum()), int((~y).sum()), auc(a, y), auc(b, y), (float(lo), float(hi)))
+        )
+    return len(test_rows), results

@@ -492,6 +492,7 @@ def admin_router(ctx: AdminContext, path: str = "/admin/api/v1") -> Router:
             preview_route,
             routing_savings,
             *_route_handlers(),
+            *_head_handlers(),
             *_security_handlers(),
         ],
         guards=[_admin_guard(ctx)],
@@ -508,6 +509,12 @@ def _route_handlers() -> list[Any]:
     from gateway.admin.routes import ROUTE_HANDLERS  # routes.py imports this module
 
     return ROUTE_HANDLERS
+
+
+def _head_handlers() -> list[Any]:
+    from gateway.admin.heads import HEAD_HANDLERS  # heads.py imports this module
+
+    return HEAD_HANDLERS
 
 
 def _security_handlers() -> list[Any]:

@@ -1,5 +1,5 @@
 """Admin API for routes: `/admin/api/v1/routes` (list, create, read, replace, delete) and
-`/admin/api/v1/routes/status` (breakers, affinity hit rates, observed speeds).
+`/admin/api/v1/routes/status` (breakers, affinity hit rates, observed speeds, trained heads loaded).
 
 A route body is a `routing.routes.Route` as JSON, plus an optional `position` (routes sharing a
 name are tried in position order). Writes are validated against the gateway's models before they
@@ -14,9 +14,10 @@ from typing import Any
 import msgspec
 from litestar import Request, delete, get, post, put
 from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.router import AdminContext, AdminError, decode
-from gateway.db.models import RouteRow, utcnow
+from gateway.db.models import DifficultyHeadRow, RouteRow, utcnow
 from routing.router import RouteError, Router, validate
 from routing.routes import Route
 from routing.store import route_spec
@@ -34,14 +35,23 @@ def route_json(row: RouteRow) -> dict[str, Any]:
     return {"id": row.id, "position": row.position, **row.spec, "updated_at": row.updated_at.isoformat()}
 
 
-def _checked(request: Request, body: bytes) -> tuple[Route, int | None]:
+async def _checked(request: Request, body: bytes, session: AsyncSession) -> tuple[Route, int | None]:
     parsed = decode(body, RouteBody)
     fields = {f: getattr(parsed, f) for f in Route.__struct_fields__}
     route = Route(**fields)
     try:
         validate([route], _router(request).models)
     except RouteError as exc:
-        raise AdminError(400, str(exc).replace("routes[0] ", ""), "invalid_value", "candidates") from None
+        param = "head" if ".head:" in str(exc) else "candidates"
+        raise AdminError(400, str(exc).replace("routes[0] ", ""), "invalid_value", param) from None
+    if route.head is not None and await session.get(DifficultyHeadRow, route.head) is None:
+        raise AdminError(
+            400,
+            f"no difficulty head named {route.head!r}: upload it first (PUT /admin/api/v1/difficulty-heads/"
+            f"{route.head}, or `weir router heads install`)",
+            "invalid_value",
+            "head",
+        )
     return route, parsed.position
 
 
@@ -68,8 +78,9 @@ async def list_routes(request: Request, ctx: AdminContext) -> dict[str, Any]:
 
 @post("/routes", status_code=201)
 async def create_route(request: Request, ctx: AdminContext) -> dict[str, Any]:
-    route, position = _checked(request, await request.body())
+    body = await request.body()
     async with ctx.write() as (session, audit):
+        route, position = await _checked(request, body, session)
         if position is None:
             position = ((await session.scalar(select(func.max(RouteRow.position)))) or 0) + 1
         row = RouteRow(name=route.name, position=position, spec=route_spec(route), updated_at=utcnow())
@@ -88,8 +99,9 @@ async def get_route(route_id: int, ctx: AdminContext) -> dict[str, Any]:
 
 @put("/routes/{route_id:int}")
 async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> dict[str, Any]:
-    route, position = _checked(request, await request.body())
+    body = await request.body()
     async with ctx.write() as (session, audit):
+        route, position = await _checked(request, body, session)
         row = await _row(session, route_id)
         before = route_json(row)
         row.name, row.spec, row.updated_at = route.name, route_spec(route), utcnow()
@@ -119,6 +131,13 @@ async def routes_status(request: Request) -> dict[str, Any]:
         "routes": {name: [msgspec.to_builtins(r) for r in routes] for name, routes in router.routes.items()},
         "breakers": {key: b.current().value for key, b in router.breakers.breakers.items()},
         "prefix_affinity_hit_rate": {name: context.affinity_hit_rate(name) for name in context.affinity},
+        # Trained heads the routes name, as this replica serves them: loaded (name@digest), or why not.
+        "difficulty_heads": {
+            name: (loaded.label if (loaded := heads.get(name)) else heads.status(name))
+            for name in sorted(heads.wanted)
+        }
+        if (heads := router.heads) is not None
+        else {},
         "models": {
             f"{backend}/{model}": {
                 "ttft_s": s.ttft_s,

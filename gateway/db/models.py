@@ -20,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -224,6 +225,22 @@ class RouteRow(Base):
     name: Mapped[str] = mapped_column(String(200), index=True)
     position: Mapped[int] = mapped_column(Integer, default=0)
     spec: Mapped[dict] = mapped_column(JSON)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class DifficultyHeadRow(Base):
+    """A difficulty head trained on a tenant's own outcomes (`weir router train`), stored whole so that
+    every replica loads the same bytes; difficulty routes name it in `head` (routing.heads)."""
+
+    __tablename__ = "difficulty_heads"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))  # sha256 of `bundle`, hex
+    embedder: Mapped[str] = mapped_column(String(100))  # the recipe it reads (routing.embed)
+    size: Mapped[int] = mapped_column(Integer)
+    meta: Mapped[dict] = mapped_column(JSON)  # training metadata: source, rows, config
+    bundle: Mapped[bytes] = mapped_column(LargeBinary)  # safetensors with the metadata in its header
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

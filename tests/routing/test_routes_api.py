@@ -1,12 +1,13 @@
 """Routes in the admin DB: seeded from the config once, edited through /admin/api/v1/routes, applied
 on every replica within seconds without a restart; outcome feedback stored per tenant; the ledger
-keeps each attempt's routing decision. Two replicas of the real gateway share PostgreSQL and Redis."""
+keeps each attempt's routing decision; trained difficulty heads uploaded, routed by and swapped on every
+replica. Two replicas of the real gateway share PostgreSQL and Redis."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -17,11 +18,13 @@ import redis
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from routing.heads import bundle, digest
 from tests.conftest import free_port
 from tests.control.conftest import PG_ADMIN_URL, REDIS_URL, _pg_admin, sync_exec
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.gateway.conftest import serve
 from tests.routing.routed import route_header
+from tests.routing.test_trained_heads import forced
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
@@ -234,3 +237,107 @@ def test_feedback_is_stored_per_tenant(replicas: Replicas) -> None:
         headers={"authorization": f"Bearer {key_a}"},
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "score"
+
+
+# Trained difficulty heads: the shipped head with its bias moved, so every prompt's route is known.
+STRONG_ALWAYS, WEAK_ALWAYS = bundle(forced(8.0)), bundle(forced(-8.0))
+ROUTE = {
+    "name": "smart",
+    "policy": "difficulty",
+    "head": "acme",
+    "candidates": [{"model": "gpt-4o-mini"}, {"model": "claude-sonnet"}],
+    "probe_interval": None,
+}
+
+
+def _eventually(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _put(replicas: Replicas, data: bytes, name: str = "acme", replica: int = 0) -> object:
+    return replicas.admin[replica].put(
+        f"/difficulty-heads/{name}", content=data, headers={"content-type": "application/octet-stream"}
+    )
+
+
+def test_a_trained_head_routes_on_every_replica_and_is_swapped_without_a_restart(replicas: Replicas) -> None:
+    tenant_id, key = replicas.key("acme")
+    admin = replicas.admin[0]
+
+    # Bad input is refused and changes nothing.
+    refused = _put(replicas, b"GIF89a not a head at all")
+    assert refused.status_code == 400, refused.text  # type: ignore[attr-defined]
+    assert refused.json()["error"]["param"] == "body"  # type: ignore[attr-defined]
+    bad_name = _put(replicas, STRONG_ALWAYS, name="-acme")
+    assert bad_name.status_code == 400 and bad_name.json()["error"]["param"] == "name"  # type: ignore[attr-defined]
+    assert admin.get("/difficulty-heads").json()["data"] == []
+    missing = admin.post("/routes", json=ROUTE)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "head", missing.text
+    fixed = admin.post("/routes", json={**ROUTE, "policy": "fixed"})
+    assert fixed.status_code == 400 and "only the difficulty policy" in fixed.json()["error"]["message"]
+
+    created = _put(replicas, STRONG_ALWAYS)
+    assert created.status_code == 201, created.text  # type: ignore[attr-defined]
+    first = digest(STRONG_ALWAYS)
+    assert created.json()["digest"] == first  # type: ignore[attr-defined]
+    route = admin.post("/routes", json=ROUTE)
+    assert route.status_code == 201, route.text
+
+    def routed(replica: int, prompt: str = "hello routes") -> dict[str, str]:
+        raw = replicas.client(replica, key).chat.completions.with_raw_response.create(
+            model="smart", messages=[{"role": "user", "content": prompt}]
+        )
+        return route_header(raw)
+
+    def serves(replica: int, label: str) -> bool:
+        try:
+            return routed(replica).get("head") == label
+        except openai.NotFoundError:  # the route has not reached this replica yet
+            return False
+
+    # Both replicas: the route arrives within a poll, the head loads, and routes every prompt strong.
+    for replica in (0, 1):
+        _eventually(lambda r=replica: serves(r, f"acme@{first[:12]}"))
+        header = routed(replica, "What is 2 + 2?")
+        assert header["candidate"] == "claude-sonnet" and header["reason"] == "hard", header
+    shown = admin.get("/difficulty-heads/acme").json()
+    assert shown["routes"] == [route.json()["id"]] and shown["loaded_here"] is True
+    assert shown["meta"]["source"] == "test head, bias 8.0"
+    assert admin.get("/difficulty-heads/acme/bundle").content == STRONG_ALWAYS
+    status = admin.get("/routes/status").json()
+    assert status["difficulty_heads"] == {"acme": f"acme@{first[:12]}"}
+
+    # A head in use cannot be deleted.
+    in_use = admin.delete("/difficulty-heads/acme")
+    assert in_use.status_code == 409 and "in use by routes" in in_use.json()["error"]["message"]
+
+    # Replaced under the same name through the other replica: both swap to it, no restart.
+    replaced = _put(replicas, WEAK_ALWAYS, replica=1)
+    assert replaced.status_code == 200, replaced.text  # type: ignore[attr-defined]
+    second = digest(WEAK_ALWAYS)
+    for replica in (0, 1):
+        _eventually(lambda r=replica: serves(r, f"acme@{second[:12]}"))
+        assert routed(replica, "Prove the Riemann hypothesis.")["candidate"] == "gpt-4o-mini"
+
+    # The ledger keeps which head (and which version of it) routed each request.
+    def ledger() -> list[str]:
+        rows = sync_exec(
+            replicas.db_url, f"SELECT routing FROM usage_events WHERE tenant_id = '{tenant_id}' ORDER BY ts"
+        )
+        return [r[0] for r in rows]
+
+    _eventually(lambda: any(f"head=acme@{second[:12]}" in r for r in ledger()))
+    assert any(f"head=acme@{first[:12]}" in r for r in ledger())
+
+    # Audit: who uploaded, replaced; the bytes themselves are not copied into the log.
+    audit = [e for e in admin.get("/audit").json()["data"] if e["entity"] == "difficulty_head"]
+    assert sorted(e["action"] for e in audit) == ["create", "update"]
+    assert all("bundle" not in (e["after"] or {}) for e in audit)
+
+    # Once no route names it, it can go.
+    assert admin.delete(f"/routes/{route.json()['id']}").status_code == 204
+    assert admin.delete("/difficulty-heads/acme").status_code == 204
+    assert admin.get("/difficulty-heads/acme").status_code == 404
