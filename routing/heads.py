@@ -59,7 +59,10 @@ def unbundle(data: bytes) -> DifficultyHead:
 
     header_len = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
     if not 0 < header_len <= len(data) - 8:
-        raise ValueError("not a difficulty head bundle (a safetensors file): it is too short")
+        raise ValueError(
+            "not a difficulty head bundle: expected a safetensors file (an 8-byte header length, then a "
+            "JSON header of that length)"
+        )
     try:
         header = json.loads(data[8 : 8 + header_len])
         meta = json.loads(header["__metadata__"][BUNDLE_KEY])
@@ -210,6 +213,13 @@ class HeadStore:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     def get(self, name: str) -> TrainedHead | None:
+        return self.heads.get(name)
+
+    async def loaded(self, name: str) -> TrainedHead | None:
+        """`name` once its load in flight (if any) has finished."""
+        task = self._tasks.get(name)
+        if task is not None and not task.done():
+            await asyncio.shield(task)  # a cancelled request must not cancel the load
         return self.heads.get(name)
 
     def status(self, name: str) -> str:

@@ -146,7 +146,13 @@ async def difficulty(
     route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext
 ) -> tuple[list[Choice], str]:
     weak, strong = choices[0], choices[1]
-    trained = ctx.heads.get(route.head) if route.head is not None and ctx.heads is not None else None
+    trained = None
+    if route.head is not None and ctx.heads is not None:
+        trained = ctx.heads.get(route.head)
+        if trained is None and ctx.serving is None and ctx.scorer is None:
+            # The route's head is loading and the shipped one is not loaded either (a route added
+            # just now): waiting for the load in flight beats starting a second one here.
+            trained = await ctx.heads.loaded(route.head)
     # The classifier is CPU work of a few ms; off the event loop so other requests keep flowing.
     if trained is not None:
         p_strong = await asyncio.to_thread(trained.classifier.score, feats.last_user)

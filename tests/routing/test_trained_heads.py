@@ -110,8 +110,8 @@ def _tampered(change: str) -> bytes:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        (b"", "too short"),
-        (b"GIF89a and then some bytes that are not a head", "too short"),
+        (b"", "expected a safetensors file"),
+        (b"GIF89a and then some bytes that are not a head", "expected a safetensors file"),
         (struct.pack("<Q", 2) + b"{}", "header metadata"),
         (save({"x": np.zeros(2, np.float32)}), "header metadata"),
         (_tampered("version"), "version 999"),
@@ -188,8 +188,8 @@ async def test_the_store_loads_what_routes_name_swaps_replacements_and_says_why_
     try:
         assert store.pending() == [] and store.get("acme") is None  # stored, but no route names it
         store.want({"acme", "ghost"})
-        await _until(lambda: store.get("acme") is not None)
-        assert store.get("acme") == TrainedHead("acme", first, stand_in)  # type: ignore[arg-type]
+        assert store.status("acme") == "loading"
+        assert await store.loaded("acme") == TrainedHead("acme", first, stand_in)  # type: ignore[arg-type]
         assert store.get("acme").label == f"acme@{first[:12]}"  # type: ignore[union-attr]
         assert store.status("ghost") == "missing" and unavailable  # no such head: the shipped one serves
 
@@ -241,6 +241,19 @@ async def test_the_policy_scores_with_the_named_head_and_names_it() -> None:
         "gpt-4o-mini",
         "threshold=0.5; head=static; head_wanted=next; head_status=loading",
     )
+    # Neither head loaded yet (a route added just now): wait for the trained head's load in flight
+    # rather than start loading the shipped one as well.
+    waited: list[str] = []
+
+    async def loaded(name: str) -> TrainedHead:
+        waited.append(name)
+        return trained
+
+    cold = PolicyContext(RoutingStats(), heads=SimpleNamespace(get=lambda name: None, loaded=loaded))  # type: ignore[arg-type]
+    choices = [Choice(table.targets[c.model], c) for c in named.candidates]
+    ordered, note = await difficulty(named, choices, HI, cold)
+    assert waited == ["acme"] and ordered[0].candidate.model == "gpt-4o" and "head=acme@" in note
+    assert cold.scorer is None and cold.serving is None  # the shipped head was never loaded
     # A target share keeps one window per head: a new head's scores are not ranked among the old's.
     shared = Route(name="smart", policy="difficulty", candidates=CANDIDATES, head="acme", strong_share=0.3)
     await ask(shared)
