@@ -14,7 +14,8 @@ first prompt.
 Each replica keeps the table's (name, digest) pairs fresh by polling a signature, as routes do, and
 loads off the event loop every head a route in force names; a head replaced under the same name is
 loaded, then swapped in. Until a route's head is loaded (or when it cannot be: deleted, unreadable) the
-route is scored by the shipped head, and its `x-weir-route` says so.
+route is scored by the shipped head, and its `x-weir-route` says so; where the shipped head is not
+loaded either, a request waits for the head's load in flight instead of starting a second load.
 """
 
 from __future__ import annotations
