@@ -36,12 +36,14 @@ class ApiError extends Error {
   }
 }
 
-async function api(path, { method = "GET", body } = {}) {
+// `body` is sent as JSON; `bytes` (an ArrayBuffer, e.g. an uploaded file) is sent as it is.
+async function api(path, { method = "GET", body, bytes } = {}) {
   const headers = { accept: "application/json" };
-  if (body !== undefined) headers["content-type"] = "application/json";
+  if (bytes !== undefined) headers["content-type"] = "application/octet-stream";
+  else if (body !== undefined) headers["content-type"] = "application/json";
   if (method !== "GET" && csrf) headers["x-weir-csrf"] = csrf;
   const res = await fetch(path.startsWith("/") ? path : `${API}/${path}`, {
-    method, headers, body: body === undefined ? undefined : JSON.stringify(body),
+    method, headers, body: bytes !== undefined ? bytes : body === undefined ? undefined : JSON.stringify(body),
     credentials: "same-origin",
   });
   if (res.status === 204) return null;
@@ -266,14 +268,16 @@ async function overview() {
 
 const POLICIES = ["fixed", "weighted", "cheapest", "lowest_latency", "difficulty", "prefix_affinity"];
 // Fields the structured form edits; everything else of a route is kept in the advanced JSON box.
-const FORM_FIELDS = ["id", "name", "position", "policy", "candidates", "fallbacks", "threshold", "strong_share", "ttft_timeout", "updated_at"];
+const FORM_FIELDS = ["id", "name", "position", "policy", "candidates", "fallbacks", "threshold", "strong_share", "head", "ttft_timeout", "updated_at"];
 
 function routeSummary(r) {
   const when = r.when ? Object.entries(r.when).filter(([, v]) => v !== null).map(([k, v]) => `${k}=${Array.isArray(v) ? v.join("|") : typeof v === "object" ? JSON.stringify(v) : v}`).join(", ") : "";
   return when || "always";
 }
 
-function routeForm(existing, onSaved) {
+// `heads`: the stored difficulty heads' names, or null when the gateway has no difficulty-heads API
+// (then a route's `head`, if any, stays in the advanced JSON box).
+function routeForm(existing, onSaved, heads = null) {
   const r = existing || { policy: "fixed", candidates: [], fallbacks: [] };
   const name = h("input", { name: "name", required: true, value: r.name || "", autocomplete: "off" });
   const policy = h("select", { name: "policy" }, POLICIES.map((p) => h("option", { value: p, selected: p === r.policy }, p)));
@@ -283,7 +287,12 @@ function routeForm(existing, onSaved) {
   const threshold = h("input", { name: "threshold", inputmode: "decimal", value: r.threshold ?? "" , placeholder: "0.5" });
   const share = h("input", { name: "strong_share", inputmode: "decimal", value: r.strong_share ?? "", placeholder: "not set" });
   const ttft = h("input", { name: "ttft_timeout", inputmode: "decimal", value: r.ttft_timeout ?? "", placeholder: "none" });
-  const rest = Object.fromEntries(Object.entries(r).filter(([k]) => !FORM_FIELDS.includes(k)));
+  // A route may name a head that is no longer stored: keep it selectable, so saving says so.
+  const headNames = heads && r.head && !heads.includes(r.head) ? [...heads, r.head] : heads;
+  const head = heads ? h("select", { name: "head" }, h("option", { value: "" }, "shipped (default)"),
+    headNames.map((n) => h("option", { value: n, selected: n === r.head }, heads.includes(n) ? n : `${n} (not stored)`))) : null;
+  const formFields = heads ? FORM_FIELDS : FORM_FIELDS.filter((k) => k !== "head");
+  const rest = Object.fromEntries(Object.entries(r).filter(([k]) => !formFields.includes(k)));
   const advanced = h("textarea", { name: "advanced", rows: 6, class: "code" }, Object.keys(rest).length ? JSON.stringify(rest, null, 2) : "{}");
   const form = h("form", { class: "inline-form", "aria-label": existing ? `Edit route ${r.name}` : "Create a route" }, ...formBox(
     field("Public model name", name, "What clients send as model; several routes may share it (the first whose conditions match wins)."),
@@ -292,6 +301,7 @@ function routeForm(existing, onSaved) {
     field("Fallbacks", fallbacks, "Comma-separated models tried in order after every candidate failed."),
     field("Difficulty threshold", threshold, "difficulty: strong model when p_strong is above this (0-1)."),
     field("Target strong share", share, "difficulty: send this share of traffic to the strong model instead (0-1)."),
+    head ? field("Difficulty head", head, "difficulty only: score prompts with a head trained on your own outcomes (Difficulty heads below) instead of the shipped one.") : null,
     field("First-token timeout (s)", ttft, "Streams fail over when no token arrived by then."),
     field("Advanced (JSON)", advanced, "Other route fields: when (conditions), retry, hedge, breaker, failover_on, resume… See docs/routing-policies.md."),
     h("button", { type: "submit" }, existing ? "Save route" : "Create route")));
@@ -317,6 +327,7 @@ function routeForm(existing, onSaved) {
       if (v !== undefined && Number.isNaN(v)) { formError(form, { message: `${k} must be a number.`, param: k }); return; }
       if (v !== undefined) body[k] = v;
     }
+    if (head) { if (head.value) body.head = head.value; else delete body.head; }
     if (existing) body.position = existing.position;
     try {
       await api(existing ? `routes/${existing.id}` : "routes", { method: existing ? "PUT" : "POST", body });
@@ -353,6 +364,85 @@ function previewForm(list) {
   return form;
 }
 
+const aucFmt = (v) => Number(v).toFixed(3);
+const timeFmt = (iso) => iso.slice(0, 19).replace("T", " ");
+
+// What this replica serves for a stored head (routes/status `difficulty_heads`): name@digest12 once
+// loaded, else why not; heads no route names are not loaded at all.
+function headServed(d, status) {
+  if (!status) return "—";
+  const served = (status.difficulty_heads || {})[d.name];
+  if (served === undefined) return "not used by a route";
+  if (!served.includes("@")) return h("span", { class: served === "loading" ? null : "bad" }, served);
+  const current = served.endsWith(`@${d.digest.slice(0, 12)}`);
+  return h("span", { class: "ok" }, served, current ? "" : " (the version before; the new one is loading)");
+}
+
+// The stored difficulty heads: list, delete, upload a bundle (what `weir router heads export` writes).
+// `reload` renders the page again in place (an open route editor stays open).
+function headsSection(heads, status, reload) {
+  const message = h("div", { id: "heads-message", "aria-live": "polite" });
+  const remove = (d) => h("button", { type: "button", class: "danger", "aria-label": `Delete difficulty head ${d.name}`,
+    onclick: async () => {
+      if (!confirm(`Delete difficulty head ${d.name}? It cannot be undone; export it first to keep it.`)) return;
+      message.replaceChildren();
+      try { await api(`difficulty-heads/${encodeURIComponent(d.name)}`, { method: "DELETE" }); } catch (e) {
+        message.replaceChildren(notice(e.message)); return;
+      }
+      reload();
+    } }, "Delete");
+  const name = h("input", { name: "name", required: true, autocomplete: "off" });
+  const file = h("input", { name: "file", type: "file", required: true, accept: ".safetensors,application/octet-stream" });
+  file.addEventListener("change", () => {
+    const base = file.files[0]?.name.replace(/\.safetensors$/, "");
+    if (!name.value && base && /^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$/.test(base)) name.value = base;
+  });
+  const form = h("form", { class: "inline-form", "aria-label": "Upload a difficulty head" }, ...formBox(
+    field("Head name", name, "Letters, digits, '.', '_' or '-'; a route names it. Uploading under a stored name replaces that head."),
+    field("Head file", file, "A bundle (.safetensors): what weir router heads export writes, or GET difficulty-heads/NAME/bundle."),
+    h("button", { type: "submit" }, "Upload head")));
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    form.querySelector(".form-error").hidden = true;
+    const n = name.value.trim(), f = file.files[0];
+    if (!f) { formError(form, { message: "Choose a head file.", param: "file" }); return; }
+    const replacing = heads.some((d) => d.name === n);
+    if (replacing && !confirm(`Replace difficulty head ${n}? Routes naming it switch to the new one on every replica once it has loaded.`)) return;
+    let saved;
+    try {
+      saved = await api(`difficulty-heads/${encodeURIComponent(n)}`, { method: "PUT", bytes: await f.arrayBuffer() });
+    } catch (e) {
+      formError(form, { message: e.message, param: e.param === "body" ? "file" : e.param }); return;
+    }
+    await reload();
+    document.getElementById("heads-message")?.replaceChildren(
+      notice(`${replacing ? "Replaced" : "Stored"} difficulty head ${saved.name} (${saved.digest.slice(0, 12)}).`, "success"));
+  });
+  const holdout = (d) => {
+    const res = d.holdout?.results?.[0];
+    if (!res) return "—";
+    return h("span", { title: `${res.outcome}: ${res.positives} positive, ${res.negatives} negative held-out rows; difference ${aucFmt(res.difference[0])} to ${aucFmt(res.difference[1])} (95%)` },
+      `this head ${aucFmt(res.trained)} vs shipped ${aucFmt(res.baseline)}`);
+  };
+  return h("section", { class: "panel", id: "heads" },
+    h("h2", {}, "Difficulty heads"),
+    h("p", { class: "muted" }, "Heads trained on your own outcomes (weir router train); a difficulty route names one in Difficulty head. Every replica loads it within seconds."),
+    message,
+    heads.length ? table([
+      { label: "Name", key: "name" },
+      { label: "Digest", render: (d) => h("code", {}, d.digest.slice(0, 12)) },
+      { label: "Embedder", key: "embedder" },
+      { label: "Rows", num: true, render: (d) => intFmt(d.rows) },
+      { label: "Source", render: (d) => d.source ?? "—" },
+      { label: "Held-out AUC", render: holdout },
+      { label: "Updated (UTC)", render: (d) => timeFmt(d.updated_at) },
+      { label: "Served here", render: (d) => headServed(d, status) },
+      { label: "", render: remove },
+    ], heads, { caption: "Held-out AUC: how a head fitted without a held-out share ranked it against the shipped head (weir router train --holdout)." })
+      : empty("No difficulty heads stored: difficulty routes use the shipped head. Upload one below."),
+    h("h3", {}, "Upload a head"), form);
+}
+
 async function routes(params) {
   let data;
   try { data = await api("routes"); } catch (e) {
@@ -362,7 +452,12 @@ async function routes(params) {
     }
     throw e;
   }
-  const [status, audit] = await Promise.all([api("routes/status").catch(() => null), api("audit?entity=route&limit=50")]);
+  const [status, audit, heads] = await Promise.all([
+    api("routes/status").catch(() => null), api("audit?entity=route&limit=50"),
+    // null: a gateway without difficulty heads (older than them).
+    api("difficulty-heads").then((d) => d.data, (e) => { if (e.status === 404) return null; throw e; }),
+  ]);
+  const headNames = heads ? heads.map((d) => d.name) : null;
   const list = data.data || [];
   const editing = params[0] ? list.find((r) => String(r.id) === params[0]) : null;
   const reload = () => { location.hash = "#/routes"; route(); };
@@ -377,16 +472,17 @@ async function routes(params) {
     list.length ? table([
       { label: "#", num: true, key: "position" },
       { label: "Model name", key: "name" },
-      { label: "Policy", key: "policy" },
+      { label: "Policy", render: (r) => (r.head ? `${r.policy} (head ${r.head})` : r.policy) },
       { label: "Candidates", render: (r) => r.candidates.map((c) => (r.policy === "weighted" ? `${c.model} ×${c.weight ?? 1}` : c.model)).join(", ") },
       { label: "Fallbacks", render: (r) => (r.fallbacks || []).join(", ") || "—" },
       { label: "When", render: routeSummary },
       { label: "", render: (r) => h("span", { class: "actions" }, h("a", { href: `#/routes/${r.id}`, "aria-label": `Edit route ${r.name} #${r.id}` }, "Edit"), " ", remove(r)) },
     ], list, { caption: `Routes (version ${data.version ?? "—"}); routes sharing a model name are tried in # order, the first whose conditions match wins. Changes apply on every replica within seconds.` })
       : empty("No routes yet: every request goes to the model it names. Create a route below (the config file's routes: are copied here at first start)."),
-    editing ? h("section", { class: "panel", id: "edit" }, h("h2", {}, `Edit route ${editing.name} (#${editing.id})`), routeForm(editing, reload))
-      : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload)),
+    editing ? h("section", { class: "panel", id: "edit" }, h("h2", {}, `Edit route ${editing.name} (#${editing.id})`), routeForm(editing, reload, headNames))
+      : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload, headNames)),
     h("h2", {}, "Preview"), previewForm(list),
+    heads ? headsSection(heads, status, route) : null,
     h("h2", {}, "Circuit breakers"),
     breakers.length ? table([{ label: "Backend / model", render: ([k]) => k }, { label: "State", render: ([, v]) => h("span", { class: v === "closed" ? "ok" : "bad" }, v) }], breakers)
       : empty("No breaker has seen traffic yet."),
