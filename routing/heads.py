@@ -227,10 +227,11 @@ class HeadStore:
         """Why `name` is not served, or "loaded": loading, missing (no such head), failed."""
         if name in self.heads:
             return "loaded"
-        if name in self.failed:
-            return "failed"
-        if self.digests is not None and name not in self.digests:
+        stored = self.digests.get(name) if self.digests is not None else None
+        if self.digests is not None and stored is None:
             return "missing"
+        if stored is not None and self.failed.get(name, ("", ""))[0] == stored:
+            return "failed"
         return "loading"
 
     def pending(self) -> list[asyncio.Task[None]]:

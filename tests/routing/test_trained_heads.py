@@ -208,6 +208,15 @@ async def test_the_store_loads_what_routes_name_swaps_replacements_and_says_why_
         assert store.get("acme").digest == second  # type: ignore[union-attr]
         await asyncio.sleep(0.2)
         assert loaded == [first, second]
+        # A head whose only version fails says so; a new version under its name is tried.
+        await _put(sessions, "beta", head)
+        store.want({"acme", "beta"})
+        before = len(unavailable)
+        await _until(lambda: store.status("beta") == "failed")
+        assert store.get("beta") is None and len(unavailable) == before + 1  # the shipped head warms
+        fixed = await _put(sessions, "beta", forced(3.0))
+        await _until(lambda: store.get("beta") is not None)
+        assert store.get("beta").digest == fixed and store.status("beta") == "loaded"  # type: ignore[union-attr]
 
         # No route names it any more: let go of it.
         third = await _put(sessions, "acme", forced(2.0))
