@@ -213,6 +213,12 @@ def train(
     head.meta["source"] = source
     if checked is not None:
         head.meta["holdout"] = checked
+    if head.meta.get("no_held_out_skill"):
+        click.echo(
+            "warning: on rows held out of its own fitting this head ranked prompts no better than chance "
+            "(its p_strong stays near the base rate); collect more outcomes before routing by it",
+            err=True,
+        )
     head.save(out_dir)
     click.echo(f"wrote {out_dir}", err=True)
 

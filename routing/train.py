@@ -307,6 +307,10 @@ def ridge_group_gain(posterior: np.ndarray, gain: np.ndarray, alpha: float) -> n
     return (coef + (y_mean - x_mean @ coef)).astype(np.float32)
 
 
+# The smallest Platt slope `fit_blend` keeps (per unit of the summed, unit-spread components).
+MIN_BLEND_SLOPE = 1e-3
+
+
 def fit_blend(components: np.ndarray, target: np.ndarray) -> np.ndarray:
     """Blend weights of the components and a bias, from cross-fitted component scores (see
     `cross_fitted_components`): each component is scaled to unit spread and they are summed with
@@ -331,6 +335,22 @@ def fit_blend(components: np.ndarray, target: np.ndarray) -> np.ndarray:
 
     opt.step(closure)
     slope, bias = w.detach().tolist()
+    if slope < MIN_BLEND_SLOPE:
+        # Cross-fitted scores that rank the rows backwards (a few hundred rows can, by chance) must
+        # not turn the head upside down: every component is built so that higher means "needs the
+        # strong model". Keep the head's own order with a slope near zero, so p_strong stays near the
+        # base rate: "no skill shown on held-out rows", not "easy is hard".
+        w = torch.tensor([MIN_BLEND_SLOPE, bias], dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.LBFGS([w], max_iter=100, line_search_fn="strong_wolfe")
+
+        def bias_only() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.binary_cross_entropy_with_logits(MIN_BLEND_SLOPE * x + w[1], y)
+            loss.backward()
+            return loss
+
+        opt.step(bias_only)
+        slope, bias = MIN_BLEND_SLOPE, float(w[1].detach())
     return np.array([*(slope * scale), bias], dtype=np.float32)
 
 
@@ -490,6 +510,9 @@ def fit_head(
         components, correct = head.components(enc), head.correct(enc)
     target = calibration_target(data, correct)
     head.blend = fit_blend(components, target)
+    # The blend's slope at its floor: the cross-fitted scores showed no skill (see fit_blend).
+    slope = float(np.median(head.blend[:-1] * np.maximum(components.std(axis=0), 1e-6)))
+    no_skill = slope <= MIN_BLEND_SLOPE * (1 + 1e-4)
     if (
         stems is not None
         and cfg.fallback_folds >= 2
@@ -509,6 +532,8 @@ def fit_head(
         "needs_strong_share": float(target.mean()),
         "config": cfg.__dict__,
     }
+    if no_skill:
+        head.meta["no_held_out_skill"] = True
     if data.partial:
         head.meta["weak_labelled"], head.meta["strong_labelled"] = (
             int(weak_rows.sum()),

@@ -14,6 +14,7 @@ import routing.train as train_module
 from routing.difficulty import DifficultyHead, encode, fallback_features
 from routing.embed import StaticEmbedder
 from routing.train import (
+    MIN_BLEND_SLOPE,
     Outcomes,
     TrainConfig,
     cross_fitted_components,
@@ -204,6 +205,20 @@ def test_fit_blend_weighs_components_equally_and_matches_the_base_rate() -> None
     # Platt scaling with a bias: the mean predicted probability equals the observed rate.
     p = 1 / (1 + np.exp(-(components @ blend[:-1] + blend[-1])))
     assert p.mean() == pytest.approx(target.mean(), abs=2e-3)
+
+
+def test_fit_blend_never_turns_the_head_upside_down() -> None:
+    # Cross-fitted scores that happen to rank the rows backwards (small data): the fitted slope would
+    # be negative. The blend keeps the components' order with the smallest slope and the base rate.
+    rng = np.random.default_rng(1)
+    signal = rng.normal(size=400)
+    target = (rng.random(400) < 1 / (1 + np.exp(signal))).astype(float)  # higher signal, fewer positives
+    components = np.stack([signal, 3 * signal + rng.normal(size=400)], axis=1)
+    blend = fit_blend(components, target)
+    assert (blend[:-1] > 0).all()
+    np.testing.assert_allclose(blend[:-1] * components.std(axis=0), MIN_BLEND_SLOPE, rtol=1e-5)
+    p = 1 / (1 + np.exp(-(components @ blend[:-1] + blend[-1])))
+    assert p.mean() == pytest.approx(target.mean(), abs=2e-3) and p.max() - p.min() < 0.01
 
 
 def test_ridge_group_gain_learns_what_a_confused_posterior_means() -> None:
