@@ -154,13 +154,13 @@ def print_table(title: str, results: dict[str, dict]) -> None:
     print(f"\n{title}")
     keys = list(next(iter(results.values())))
     width = max(28, *(len(name) + 1 for name in results))
-    print(f"{'router':<{width}}" + "".join(f"{k:>22}" for k in keys))
+    print(f"{'router':<{width}}" + "".join(f"{k:>24}" for k in keys))
     for name, res in results.items():
         cells = []
         for k in keys:
             v, lo, hi = res[k]
             cells.append(f"{v:.3f} [{lo:.3f},{hi:.3f}]" if not np.isnan(v) else "n/a")
-        print(f"{name:<{width}}" + "".join(f"{c:>22}" for c in cells))
+        print(f"{name:<{width}}" + "".join(f"{c:>24}" for c in cells))
 
 
 # Prompts unlike MMLU: no answer options, chat style, in four kinds of request. "easy" ones any small
