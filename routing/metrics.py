@@ -1,6 +1,6 @@
 """Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome (the
-executor counts them), and, read at scrape time, breaker states, prefix-affinity hits and the
-difficulty head in use."""
+executor counts them), and, read at scrape time, breaker states, prefix-affinity hits, the shipped
+difficulty head in use and the trained heads routes name."""
 
 from __future__ import annotations
 
@@ -55,6 +55,19 @@ class _Collector:
             )
             head.add_metric((serving,), 1)
             yield head
+        # Trained heads the routes name, and whether this replica serves them: alert on missing/failed.
+        heads = self.router.heads
+        if heads is not None and heads.wanted:
+            trained = GaugeMetricFamily(
+                "weir_difficulty_trained_head",
+                "Trained difficulty heads routes name, by state on this replica: loaded (digest set), "
+                "loading, missing (not stored), failed (1)",
+                labels=("head", "state", "digest"),
+            )
+            for name in sorted(heads.wanted):
+                loaded = heads.get(name)
+                trained.add_metric((name, heads.status(name), loaded.digest[:12] if loaded else ""), 1)
+            yield trained
 
     def describe(self) -> list[Any]:
         return []  # collected lazily: nothing to check at registration

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 from safetensors.numpy import save
 from sqlalchemy import create_engine
 
@@ -289,18 +290,27 @@ async def test_readiness_waits_for_the_heads_routes_name_at_start(
             lambda head="auto": shipped.append(head) or SimpleNamespace(score=lambda p: 0.1, kind="static")
         ),
     )
-    await _put(sessions, "acme", forced(5.0))
+    stored = await _put(sessions, "acme", forced(5.0))
     route = Route(name="smart", policy="difficulty", candidates=CANDIDATES, head="acme", probe_interval=None)
-    router = Router(ModelTable(parse_config(CONFIG, {})), [route])
+    registry = CollectorRegistry()
+    router = Router(ModelTable(parse_config(CONFIG, {})), [route], registry=registry)
     router.use_control_plane(sessions, None)
     transport = Transport()
     await router.start(transport)
+
+    def state(name: str, digest12: str = "") -> float | None:
+        return registry.get_sample_value(
+            "weir_difficulty_trained_head", {"head": "acme", "state": name, "digest": digest12}
+        )
+
     try:
         assert router.scorer_loading  # a load balancer holds traffic back until the head is in
         assert shipped == []  # the route's own head is coming: the shipped one is not loaded
+        assert state("loading") == 1
         release.set()
         await _until(lambda: not router.scorer_loading)
         assert router.heads is not None and router.heads.get("acme") is not None
+        assert state("loaded", stored[:12]) == 1 and state("loading") is None
     finally:
         release.set()
         await router.stop()
