@@ -67,10 +67,16 @@ def paired_difference(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--data", type=Path, default=Path("../shared/data/routing-mmlu"))
-    parser.add_argument("--embedder", default=STATIC_RECIPE, help="embedder recipe of every head (routing.embed)")
-    parser.add_argument("--sizes", default="250,500,1000,2000,0", help="feedback rows per tenant head (0: all)")
+    parser.add_argument(
+        "--embedder", default=STATIC_RECIPE, help="embedder recipe of every head (routing.embed)"
+    )
+    parser.add_argument(
+        "--sizes", default="250,500,1000,2000,0", help="feedback rows per tenant head (0: all)"
+    )
     parser.add_argument("--share", type=float, default=0.3, help="the route's strong_share")
     parser.add_argument("--explore", type=float, default=0.1, help="share of the stream routed the other way")
     parser.add_argument("--test-folds", type=int, default=3, help="held-out B prompts: this many tenths")
@@ -128,7 +134,10 @@ def main() -> None:
         )
         full = Outcomes(partial.prompts, partial.weak, partial.strong)
         sub_enc = enc.subset(stream_rows[idx])
-        for name, outcomes in ((f"tenant head, {n} feedback rows", partial), (f"  both outcomes, {n} rows", full)):
+        for name, outcomes in (
+            (f"tenant head, {n} feedback rows", partial),
+            (f"  both outcomes, {n} rows", full),
+        ):
             head = fit_head(outcomes, sub_enc, cfg)
             scores[name] = head.p_strong(test_enc)
         print(f"tenant heads on {n} rows fitted ({time.perf_counter() - started:.0f} s)", flush=True)
