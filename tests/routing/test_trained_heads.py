@@ -37,22 +37,16 @@ from routing.heads import (
 from routing.plan import Choice, Features
 from routing.policies import PolicyContext, difficulty
 from routing.router import RouteError, Router, validate
-from routing.routes import Candidate, Route
+from routing.routes import Route
 from routing.stats import RoutingStats
+from tests.routing.test_router_warm import CONFIG, DIFFICULTY
 
 PROMPTS = [
     "hello",
     "Prove that there are infinitely many primes.",
     "Which is a noble gas?\nA. Oxygen\nB. Argon\nC. Iron\nD. Sodium\nAnswer:",
 ]
-CONFIG = """\
-backends:
-  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
-models:
-  - {name: gpt-4o-mini, backend: openai}
-  - {name: gpt-4o, backend: openai}
-"""
-CANDIDATES = [Candidate(model="gpt-4o-mini"), Candidate(model="gpt-4o")]
+CANDIDATES = DIFFICULTY.candidates
 HI = Features(
     prompt="hi",
     last_user="hi",
@@ -271,8 +265,23 @@ async def test_the_policy_scores_with_the_named_head_and_names_it() -> None:
     assert set(ctx.calibrators) == {("smart", f"acme@{'ab' * 6}"), ("smart", "static")}
 
 
+@pytest.fixture
+def shipped(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The heads asked of `DifficultyClassifier.default` (a stand-in scoring 0.1: loading the shipped
+    head is not under test)."""
+    asked: list[str] = []
+    monkeypatch.setattr(
+        DifficultyClassifier,
+        "default",
+        staticmethod(
+            lambda head="auto": asked.append(head) or SimpleNamespace(score=lambda p: 0.1, kind="static")
+        ),
+    )
+    return asked
+
+
 async def test_readiness_waits_for_the_heads_routes_name_at_start(
-    sessions: object, monkeypatch: pytest.MonkeyPatch
+    sessions: object, shipped: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     release = threading.Event()
     stand_in = SimpleNamespace(score=lambda prompt: 0.9, embedder=SimpleNamespace(recipe="r"))
@@ -282,14 +291,6 @@ async def test_readiness_waits_for_the_heads_routes_name_at_start(
         return stand_in
 
     monkeypatch.setattr(heads_module, "classifier_from_bundle", load)
-    shipped: list[str] = []
-    monkeypatch.setattr(
-        DifficultyClassifier,
-        "default",
-        staticmethod(
-            lambda head="auto": shipped.append(head) or SimpleNamespace(score=lambda p: 0.1, kind="static")
-        ),
-    )
     stored = await _put(sessions, "acme", forced(5.0))
     route = Route(name="smart", policy="difficulty", candidates=CANDIDATES, head="acme", probe_interval=None)
     registry = CollectorRegistry()
@@ -318,16 +319,8 @@ async def test_readiness_waits_for_the_heads_routes_name_at_start(
 
 
 async def test_a_route_whose_head_is_missing_falls_back_to_the_shipped_head(
-    sessions: object, monkeypatch: pytest.MonkeyPatch
+    sessions: object, shipped: list[str]
 ) -> None:
-    shipped: list[str] = []
-    monkeypatch.setattr(
-        DifficultyClassifier,
-        "default",
-        staticmethod(
-            lambda head="auto": shipped.append(head) or SimpleNamespace(score=lambda p: 0.1, kind="static")
-        ),
-    )
     route = Route(name="smart", policy="difficulty", candidates=CANDIDATES, head="gone", probe_interval=None)
     router = Router(ModelTable(parse_config(CONFIG, {})), [route])
     router.use_control_plane(sessions, None)

@@ -38,17 +38,40 @@ class Weir:
         return httpx.Client(base_url=f"{self.url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
 
 
-@pytest.fixture
-def weir(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
+# Two models and a tenant key, for the pages that route requests (routes, difficulty heads).
+ROUTED_CONFIG = """\
+backends:
+  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
+  - {name: gpt-4o, backend: openai, price: {input: 2.50, output: 10.00}}
+tenants:
+  - {name: team, api_keys: ["sk-team-key"]}
+database_url: "${DB_URL}"
+"""
+
+
+def _serve(
+    config: str, fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Weir]:
     db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     monkeypatch.delenv("WEIR_DATABASE_URL", raising=False)
     monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
     env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
-    app = create_app(parse_config(CONFIG, env))
-    with serve(app, free_port()) as url:
+    with serve(create_app(parse_config(config, env)), free_port()) as url:
         yield Weir(url, db_url)
+
+
+@pytest.fixture
+def weir(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
+    yield from _serve(CONFIG, fake_openai, tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def routed(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
+    yield from _serve(ROUTED_CONFIG, fake_openai, tmp_path, monkeypatch)
 
 
 # Module scope: Playwright's sync API runs an event loop of its own, which must be gone before

@@ -4,41 +4,13 @@ next request follow the change; validation errors say what to fix; history recor
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import openai
-import pytest
 
-from gateway.app import create_app
-from gateway.config import parse_config
-from tests.conftest import free_port
-from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import serve
 from tests.ui.conftest import ADMIN, Weir
-
-CONFIG = """\
-backends:
-  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
-models:
-  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
-  - {name: gpt-4o, backend: openai, price: {input: 2.50, output: 10.00}}
-tenants:
-  - {name: team, api_keys: ["sk-team-key"]}
-database_url: "${DB_URL}"
-"""
-
-
-@pytest.fixture
-def routed(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
-    with serve(create_app(parse_config(CONFIG, env)), free_port()) as url:
-        yield Weir(url, db_url)
 
 
 def upstream_model(client: openai.OpenAI) -> tuple[str, str | None]:
