@@ -297,22 +297,14 @@ _DATABASE_URL = click.option(
 
 def _with_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T:
     """Run `work(sessions)` against the admin DB; a DB error becomes a clean CLI error."""
-    import asyncio
-
     from sqlalchemy.exc import SQLAlchemyError
 
-    from gateway.db.session import create_engine, normalise_url, resolve_database_url, sessionmaker
+    from gateway.db.session import normalise_url, resolve_database_url, run_with_sessions
 
-    async def main() -> T:
-        # An explicit --database-url wins over WEIR_DATABASE_URL.
-        engine = create_engine(normalise_url(database_url) if database_url else resolve_database_url())
-        try:
-            return await work(sessionmaker(engine))
-        finally:
-            await engine.dispose()
-
+    # An explicit --database-url wins over WEIR_DATABASE_URL.
+    url = normalise_url(database_url) if database_url else resolve_database_url()
     try:
-        return asyncio.run(main())
+        return run_with_sessions(url, work)
     except SQLAlchemyError as exc:
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         hint = (

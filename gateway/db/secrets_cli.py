@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -11,7 +10,7 @@ import click
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.credentials import rotate_master_key
-from gateway.db.session import create_engine, resolve_database_url, sessionmaker
+from gateway.db.session import resolve_database_url, run_with_sessions
 from gateway.prompts import purge_expired
 from gateway.vault import ENV, Vault, VaultError
 
@@ -19,14 +18,7 @@ T = TypeVar("T")
 
 
 def _run(database_url: str | None, work: Callable[[async_sessionmaker[AsyncSession]], Awaitable[T]]) -> T:
-    async def main() -> T:
-        engine = create_engine(resolve_database_url(database_url))
-        try:
-            return await work(sessionmaker(engine))
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(main())
+    return run_with_sessions(resolve_database_url(database_url), work)
 
 
 def rotate(database_url: str | None) -> None:

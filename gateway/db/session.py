@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./var/weir.db"
+T = TypeVar("T")
 
 
 def resolve_database_url(configured: str | None = None) -> str:
@@ -51,3 +55,17 @@ def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def run_with_sessions(url: str, work: Callable[[async_sessionmaker[AsyncSession]], Awaitable[T]]) -> T:
+    """Run `work(sessions)` against the database at `url` in an event loop of its own, as a CLI
+    command does, and close the engine afterwards."""
+
+    async def main() -> T:
+        engine = create_engine(url)
+        try:
+            return await work(sessionmaker(engine))
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
