@@ -31,6 +31,7 @@ from routing.embed import DEFAULT_RECIPE, load_embedder
 from routing.train import (
     Outcomes,
     TrainConfig,
+    auc_interval,
     fit_blend,
     fit_head,
     group_folds,
@@ -387,29 +388,6 @@ def auc(hard: np.ndarray, easy: np.ndarray) -> float:
 
 
 PROBE_FILE = Path(__file__).resolve().parent / "data" / "routing_probe.jsonl"
-
-
-def auc_interval(
-    scores: dict[str, np.ndarray], hard: np.ndarray, rounds: int = 2000, seed: int = 0
-) -> dict[str, tuple[float, float, float]]:
-    """AUC (hard > easy) of each score with a 95% bootstrap interval (hard and easy prompts resampled
-    separately, the same draws for every score), and of each score minus the first one (paired)."""
-    rng = np.random.default_rng(seed)
-    hi, ei = np.nonzero(hard)[0], np.nonzero(~hard)[0]
-    draws: dict[str, list[float]] = {name: [] for name in scores}
-    for _ in range(rounds):
-        h, e = rng.choice(hi, len(hi)), rng.choice(ei, len(ei))
-        for name, sc in scores.items():
-            draws[name].append(auc(sc[h], sc[e]))
-    first = next(iter(scores))
-    out = {}
-    for name, sc in scores.items():
-        point = auc(sc[hard], sc[~hard])
-        out[name] = (point, *np.percentile(draws[name], [2.5, 97.5]))
-        if name != first:
-            diff = np.array(draws[name]) - np.array(draws[first])
-            out[f"{name} - {first}"] = (point - out[first][0], *np.percentile(diff, [2.5, 97.5]))
-    return out
 
 
 def probe_aucs(

@@ -555,6 +555,30 @@ def auc(scores: np.ndarray, positive: np.ndarray) -> float:
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
+def auc_interval(
+    scores: dict[str, np.ndarray], positive: np.ndarray, rounds: int = 2000, seed: int = 0
+) -> dict[str, tuple[float, float, float]]:
+    """AUC (positive > negative) of each score with a 95% bootstrap interval (positive and negative
+    rows resampled separately, the same draws for every score), and of each score minus the first one
+    (paired), keyed "name - first"."""
+    rng = np.random.default_rng(seed)
+    pos, neg = np.flatnonzero(positive), np.flatnonzero(~positive)
+    draws: dict[str, list[float]] = {name: [] for name in scores}
+    for _ in range(rounds):
+        pick = np.concatenate([rng.choice(pos, len(pos)), rng.choice(neg, len(neg))])
+        for name, sc in scores.items():
+            draws[name].append(auc(sc[pick], positive[pick]))
+    first = next(iter(scores))
+    out: dict[str, tuple[float, float, float]] = {}
+    for name, sc in scores.items():
+        lo, hi = np.percentile(draws[name], [2.5, 97.5])
+        out[name] = (auc(sc, positive), float(lo), float(hi))
+        if name != first:
+            lo, hi = np.percentile(np.array(draws[name]) - np.array(draws[first]), [2.5, 97.5])
+            out[f"{name} - {first}"] = (out[name][0] - out[first][0], float(lo), float(hi))
+    return out
+
+
 @dataclass(frozen=True)
 class HoldoutResult:
     """How a freshly fitted head and a baseline head rank held-out prompts for one outcome."""
@@ -599,21 +623,20 @@ def holdout_check(
     both = known[:, 0] & known[:, 1]
     if both.any():
         outcomes.append(("needs the strong model", both, np.logical_and(~held.weak, held.strong)))
-    rng = np.random.default_rng(0)
     results = []
     for name, rows, label in outcomes:
-        y, a, b = label[rows], ours[rows], theirs[rows]
+        y = label[rows]
         if y.all() or not y.any():
             continue
-        # Positive and negative rows resampled separately (each draw keeps both kinds), the same
-        # draws for both heads.
-        pos, neg = np.flatnonzero(y), np.flatnonzero(~y)
-        diffs = []
-        for _ in range(resamples):
-            pick = np.concatenate([rng.choice(pos, len(pos)), rng.choice(neg, len(neg))])
-            diffs.append(auc(a[pick], y[pick]) - auc(b[pick], y[pick]))
-        lo, hi = np.percentile(diffs, [2.5, 97.5])
+        found = auc_interval({"shipped": theirs[rows], "trained": ours[rows]}, y, rounds=resamples)
         results.append(
-            HoldoutResult(name, int(y.sum()), int((~y).sum()), auc(a, y), auc(b, y), (float(lo), float(hi)))
+            HoldoutResult(
+                name,
+                int(y.sum()),
+                int((~y).sum()),
+                found["trained"][0],
+                found["shipped"][0],
+                found["trained - shipped"][1:],
+            )
         )
     return len(test_rows), results
