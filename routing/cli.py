@@ -376,16 +376,16 @@ def list_heads(database_url: str | None) -> None:
 @_DATABASE_URL
 def export_head(name: str, out_path: Path, database_url: str | None) -> None:
     """Write the stored head NAME to a bundle file (for another deployment, or `weir router score --head`)."""
-    from gateway.db.models import DifficultyHeadRow
+    from routing.heads import stored_bundle
 
-    async def work(sessions: Any) -> bytes | None:
+    async def work(sessions: Any) -> tuple[str, bytes] | None:
         async with sessions() as session:
-            row = await session.get(DifficultyHeadRow, name)
-            return None if row is None else row.bundle
+            return await stored_bundle(session, name)
 
-    data = _with_db(database_url, work)
-    if data is None:
+    found = _with_db(database_url, work)
+    if found is None:
         raise click.ClickException(f"no difficulty head named {name!r}")
+    data = found[1]
     out_path.write_bytes(data)
     click.echo(f"wrote {out_path} ({len(data)} bytes)", err=True)
 

@@ -32,7 +32,6 @@ from typing import Any
 import structlog
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from sqlalchemy.orm import defer
 
 from gateway.db.models import DifficultyHeadRow, RouteRow, utcnow
 from gateway.db.poller import TablePoller
@@ -134,10 +133,18 @@ def describe(row: DifficultyHeadRow) -> dict[str, Any]:
 
 async def listed(session: AsyncSession) -> list[DifficultyHeadRow]:
     """Every stored head by name, without its bytes."""
-    query = (
-        select(DifficultyHeadRow).options(defer(DifficultyHeadRow.bundle)).order_by(DifficultyHeadRow.name)
-    )
+    query = select(DifficultyHeadRow).order_by(DifficultyHeadRow.name)  # `bundle` is a deferred column
     return list((await session.scalars(query)).all())
+
+
+async def stored_bundle(session: AsyncSession, name: str) -> tuple[str, bytes] | None:
+    """The digest and bytes of the head stored as `name`: the one read of the deferred column."""
+    row = (
+        await session.execute(
+            select(DifficultyHeadRow.digest, DifficultyHeadRow.bundle).where(DifficultyHeadRow.name == name)
+        )
+    ).one_or_none()
+    return None if row is None else (row[0], row[1])
 
 
 async def routes_naming(session: AsyncSession, name: str) -> list[RouteRow]:
@@ -279,8 +286,7 @@ class HeadStore:
         started = time.perf_counter()
         try:
             async with self.sessions() as session:
-                row = await session.get(DifficultyHeadRow, name)
-                found = None if row is None else (row.digest, row.bundle)
+                found = await stored_bundle(session, name)
         except Exception as exc:  # the DB briefly away: the next poll tries again
             self._retry = True
             log.warning("difficulty_head_read_failed", head=name, error=str(exc))

@@ -18,7 +18,16 @@ from litestar import Request, Response, delete, get, put
 from gateway.admin.router import AdminContext, AdminError
 from gateway.db.models import DifficultyHeadRow
 from routing.difficulty import DifficultyHead
-from routing.heads import HeadStore, check_name, describe, listed, put_head, routes_naming, unbundle
+from routing.heads import (
+    HeadStore,
+    check_name,
+    describe,
+    listed,
+    put_head,
+    routes_naming,
+    stored_bundle,
+    unbundle,
+)
 
 
 def _store(request: Request) -> HeadStore | None:
@@ -65,12 +74,14 @@ async def get_head(name: str, request: Request, ctx: AdminContext) -> dict[str, 
 @get("/difficulty-heads/{name:str}/bundle", media_type="application/octet-stream")
 async def download_head(name: str, ctx: AdminContext) -> Response[bytes]:
     async with ctx.sessions() as session:
-        row = await _row(session, name)
-        return Response(
-            row.bundle,
-            media_type="application/octet-stream",
-            headers={"content-disposition": f'attachment; filename="{row.name}.safetensors"'},
-        )
+        found = await stored_bundle(session, _named(name))
+    if found is None:
+        raise AdminError(404, f"no difficulty head named {name!r}", "not_found", "name")
+    return Response(
+        found[1],
+        media_type="application/octet-stream",
+        headers={"content-disposition": f'attachment; filename="{name}.safetensors"'},
+    )
 
 
 @put("/difficulty-heads/{name:str}", status_code=200)

@@ -239,7 +239,8 @@ class DifficultyHeadRow(Base):
     embedder: Mapped[str] = mapped_column(String(100))  # the recipe it reads (routing.embed)
     size: Mapped[int] = mapped_column(Integer)
     meta: Mapped[dict] = mapped_column(JSON)  # training metadata: source, rows, config
-    bundle: Mapped[bytes] = mapped_column(LargeBinary)  # safetensors with the metadata in its header
+    # safetensors with the metadata in its header; deferred: only loading a head reads its megabytes
+    bundle: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
