@@ -18,6 +18,7 @@ from gateway.pipeline import Admission, Pipeline
 from gateway.router_basic import ModelTable
 from gateway.transport import Transport
 from gateway.usage_sink import FanoutSink, MetricsSink, UsageSink
+from routing.compare import Comparer
 from routing.execute import Executor
 from routing.router import Router
 
@@ -62,6 +63,13 @@ class Gateway:
         self.executor = Executor(
             self.pipeline, self.router.breakers, self.router.context, self.router.metrics
         )
+        self.comparer = Comparer(
+            self.pipeline,
+            self.models,
+            self.router.stats,
+            lambda principal: self.limits.policy(principal).store_prompts,
+            self.metrics.registry,
+        )
         self.started = False
 
     async def start(self) -> None:
@@ -74,6 +82,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.started = False
+        await self.comparer.stop()
         await self.router.stop()
         for engine in self.engines:
             await engine.stop()

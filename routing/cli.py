@@ -108,8 +108,9 @@ def score(head_dir: Path | None, shipped: str) -> None:
 )
 @click.option(
     "--tenant",
-    help="Learn from this tenant's POST /v1/feedback scores in the admin DB, joined with its stored "
-    "prompts (store_prompts on) and the ledger's record of which model answered.",
+    help="Learn from this tenant's POST /v1/feedback scores and its route's comparisons (a judge's "
+    "grades of both answers) in the admin DB, joined with its stored prompts (store_prompts on) and "
+    "the ledger's record of which model answered.",
 )
 @click.option(
     "--route",
@@ -128,7 +129,8 @@ def score(head_dir: Path | None, shipped: str) -> None:
     type=float,
     default=0.5,
     show_default=True,
-    help="With --tenant: a feedback score at or above this counts as a correct answer.",
+    help="With --tenant: a feedback score (or a judge's grade scaled to 0..1) at or above this counts "
+    "as a correct answer.",
 )
 @click.option(
     "--out",
@@ -275,7 +277,7 @@ def _tenant_outcomes(
         click.echo(report.summary(), err=True)
         if not len(data):
             raise ValueError(f"tenant {tenant!r} has no usable feedback ({report.summary()})")
-        return data, f"tenant {tenant} feedback (weak {w}, strong {s})"
+        return data, f"tenant {tenant} feedback and comparisons (weak {w}, strong {s})"
 
     try:
         return _with_db(database_url, load)

@@ -100,8 +100,9 @@ def chat_op(request: ChatRequest) -> Operation:
     return Operation(bool(request.stream), prepare)
 
 
-class HedgeBudget:
-    """Estimated USD each tenant spent on hedged attempts over the last hour."""
+class SpendWindow:
+    """Estimated USD each tenant spent on optional calls (hedged attempts, comparisons) over the last
+    hour."""
 
     def __init__(self) -> None:
         self.spent: dict[str, deque[tuple[float, float]]] = {}
@@ -116,6 +117,10 @@ class HedgeBudget:
         window.append((now, usd))
         return True
 
+    def add(self, tenant: str, usd: float) -> None:
+        """Count `usd` more (or less: a correction once the actual cost is known)."""
+        self.spent.setdefault(tenant, deque()).append((time.monotonic(), usd))
+
 
 class Executor:
     def __init__(
@@ -129,7 +134,7 @@ class Executor:
         self.pipeline = pipeline
         self.breakers = breakers
         self.context = context
-        self.hedges = HedgeBudget()
+        self.hedges = SpendWindow()
         self.rng = random.Random()
 
     # --- one attempt ---------------------------------------------------------------------------

@@ -1,13 +1,15 @@
-"""Training rows from a tenant's own traffic: `POST /v1/feedback` scores joined with what was asked
-(the opted-in stored prompt) and who answered (the usage ledger), for `weir router train --tenant`.
+"""Training rows from a tenant's own traffic: `POST /v1/feedback` scores and a judge's comparisons
+(routing.compare) joined with what was asked (the opted-in stored prompt) and, for feedback, who
+answered (the usage ledger), for `weir router train --tenant`.
 
 Feedback scores one answer, so each row labels only the model that served the request: a request the
 weak candidate answered says whether the weak model was right, and nothing about the strong one (and
 the other way round). `routing.train` fits the head on such partially labelled rows (each output of
-the network learns from the rows that label it).
+the network learns from the rows that label it). A comparison grades both answers: a full row.
 
 What is needed from the admin DB, all for the one tenant:
 - `feedback`: request_id, score (>= `correct_at` counts as a correct answer);
+- `comparisons` of the route's two candidates: both grades, on the same 0..1 scale;
 - `stored_prompts`: the request body, kept only for tenants with `store_prompts` on (decrypted with
   WEIR_MASTER_KEY when the gateway encrypted it);
 - `usage_events`: the attempt that answered (status 200), whose `routing` names the candidate.
@@ -24,7 +26,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db.models import Feedback, RouteRow, StoredPrompt, Tenant, UsageEventRow
+from gateway.db.models import Comparison, Feedback, RouteRow, StoredPrompt, Tenant, UsageEventRow
 from gateway.prompts import read_body
 from gateway.vault import Vault, VaultError
 from routing.difficulty import prompt_text
@@ -38,7 +40,9 @@ class FeedbackReport:
     """What the join found: rows used, and why the others were skipped."""
 
     feedback: int = 0
-    used: dict[str, int] = field(default_factory=lambda: {"weak": 0, "strong": 0})
+    compared: int = 0  # comparisons of this route's two candidates
+    # rows used: judged both answers; feedback on an answer of the weak, of the strong model
+    used: dict[str, int] = field(default_factory=lambda: {"both": 0, "weak": 0, "strong": 0})
     skipped: dict[str, int] = field(default_factory=dict)
 
     def skip(self, reason: str) -> None:
@@ -47,6 +51,7 @@ class FeedbackReport:
     def summary(self) -> str:
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
         return (
+            f"{self.compared} comparisons: {self.used['both']} used; "
             f"{self.feedback} feedback rows: {self.used['weak']} answered by the weak model, "
             f"{self.used['strong']} by the strong one; skipped: {skipped}"
         )
@@ -109,16 +114,30 @@ async def load_feedback(
     vault: Vault | None = None,
     correct_at: float = 0.5,
 ) -> tuple[Outcomes, FeedbackReport]:
-    """Partially labelled outcomes from one tenant's feedback. `weak` and `strong` are the public
-    model names of the route's candidates."""
+    """Outcomes from one tenant's feedback and comparisons. `weak` and `strong` are the public model
+    names of the route's candidates. A request the judge compared gives both outcomes; feedback on
+    it adds nothing then (the judge graded the same answer the feedback scores, and the other one)."""
     tid = await tenant_id(sessions, tenant)
     report = FeedbackReport()
-    prompts: list[str] = []
-    labels: list[tuple[str, bool]] = []  # (which model answered, was it right)
     async with sessions() as session:
         feedback = (await session.execute(select(Feedback).where(Feedback.tenant_id == tid))).scalars().all()
-        report.feedback = len(feedback)
-        ids = [f.request_id for f in feedback]
+        compared = (
+            (
+                await session.execute(
+                    select(Comparison).where(
+                        Comparison.tenant_id == tid,
+                        Comparison.weak_model == weak,
+                        Comparison.strong_model == strong,
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
+        report.feedback, report.compared = len(feedback), len(compared)
+        by_judge = {c.request_id for c in compared}
+        feedback = [f for f in feedback if f.request_id not in by_judge]
+        ids = [c.request_id for c in compared] + [f.request_id for f in feedback]
         stored: dict[str, StoredPrompt] = {}
         answered: dict[str, UsageEventRow] = {}
         for start in range(0, len(ids), 500):  # bounded IN lists
@@ -141,6 +160,12 @@ async def load_feedback(
                 )
             ).scalars():
                 answered[event_row.request_id] = event_row
+    rows: list[tuple[str, Label]] = []
+    for c in compared:
+        prompt = _prompt(stored.get(c.request_id), vault, report)
+        if prompt is not None:
+            rows.append((prompt, (c.weak_score >= correct_at, c.strong_score >= correct_at)))
+            report.used["both"] += 1
     for f in feedback:
         event = answered.get(f.request_id)
         if event is None:
@@ -151,32 +176,42 @@ async def load_feedback(
         if role is None:
             report.skip("answered by another model")
             continue
-        row = stored.get(f.request_id)
-        if row is None:
-            report.skip("without a stored prompt (store_prompts off, or past retention)")
-            continue
-        try:
-            body, _ = read_body(row, vault)
-        except VaultError:
-            report.skip("encrypted under a key this machine lacks (set WEIR_MASTER_KEY)")
-            continue
-        prompt = request_prompt(body)
+        prompt = _prompt(stored.get(f.request_id), vault, report)
         if prompt is None:
-            report.skip("with no text prompt in the stored request")
             continue
-        prompts.append(prompt)
-        labels.append((role, f.score >= correct_at))
+        right = f.score >= correct_at
+        rows.append((prompt, (right, None) if role == "weak" else (None, right)))
         report.used[role] += 1
-    return _partial(prompts, labels), report
+    return _outcomes(rows), report
 
 
-def _partial(prompts: list[str], labels: list[tuple[str, bool]]) -> Outcomes:
-    is_weak = np.array([role == "weak" for role, _ in labels], dtype=bool)
-    right = np.array([ok for _, ok in labels], dtype=bool)
+# (weak right, strong right); None where that outcome is unknown
+Label = tuple[bool | None, bool | None]
+
+
+def _prompt(row: StoredPrompt | None, vault: Vault | None, report: FeedbackReport) -> str | None:
+    """The prompt text of a stored request; None (counted in the report) when there is none to read."""
+    if row is None:
+        report.skip("without a stored prompt (store_prompts off, or past retention)")
+        return None
+    try:
+        body, _ = read_body(row, vault)
+    except VaultError:
+        report.skip("encrypted under a key this machine lacks (set WEIR_MASTER_KEY)")
+        return None
+    prompt = request_prompt(body)
+    if prompt is None:
+        report.skip("with no text prompt in the stored request")
+    return prompt
+
+
+def _outcomes(rows: list[tuple[str, Label]]) -> Outcomes:
+    weak = np.array([w is True for _, (w, _) in rows], dtype=bool)
+    strong = np.array([s is True for _, (_, s) in rows], dtype=bool)
     return Outcomes(
-        prompts,
-        weak=is_weak & right,
-        strong=~is_weak & right,
-        weak_known=is_weak,
-        strong_known=~is_weak,
+        [prompt for prompt, _ in rows],
+        weak=weak,
+        strong=strong,
+        weak_known=np.array([w is not None for _, (w, _) in rows], dtype=bool),
+        strong_known=np.array([s is not None for _, (_, s) in rows], dtype=bool),
     )

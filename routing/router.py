@@ -80,6 +80,18 @@ def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> N
                 raise RouteError(f"{where}.head: only the difficulty policy reads a difficulty head")
             if not HEAD_NAME.fullmatch(route.head):
                 raise RouteError(f"{where}.head: {route.head!r} is not a head name")
+        if route.compare is not None:
+            compare = route.compare
+            if route.policy != "difficulty":
+                raise RouteError(f"{where}.compare: only the difficulty policy compares its candidates")
+            if not 0.0 <= compare.share <= 1.0:
+                raise RouteError(f"{where}.compare.share: must be within [0, 1]")
+            if compare.max_spend_usd_per_hour < 0:
+                raise RouteError(f"{where}.compare.max_spend_usd_per_hour: must not be negative")
+            if compare.max_in_flight < 1:
+                raise RouteError(f"{where}.compare.max_in_flight: must be at least 1")
+            if compare.judge not in names:
+                raise RouteError(f"{where}.compare.judge: no model named {compare.judge!r}")
         if route.strong_share is not None and not 0.0 <= route.strong_share <= 1.0:
             raise RouteError(f"{where}.strong_share: must be within [0, 1]")
         if route.retry.attempts < 1:

@@ -69,6 +69,17 @@ class Breaker(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     cooldown: float = 30.0  # seconds open before one trial request (half-open)
 
 
+class Compare(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """`difficulty`: answer a share of requests with both candidates and have a judge grade the two
+    answers (routing.compare), so a head can be trained on both outcomes of the route's own traffic."""
+
+    judge: str  # the model (its public name in `models:`) that grades the answers
+    share: float = 0.02  # of the route's requests that can be compared (see routing.compare)
+    # Estimated USD a tenant may spend on comparisons (the other candidate and the judge) per hour.
+    max_spend_usd_per_hour: float = 1.0
+    max_in_flight: int = 4  # comparisons running at once on one replica; beyond it, none is started
+
+
 class Route(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     name: str  # the public model name clients send
     policy: PolicyName = "fixed"
@@ -95,6 +106,7 @@ class Route(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     # `difficulty`: the name of a head trained on your own outcomes, stored in the admin DB
     # (routing.heads); None: the shipped head (the config's `difficulty_head`).
     head: str | None = None
+    compare: Compare | None = None  # `difficulty`: grade both candidates' answers on a share of requests
     # `prefix_affinity`: characters of the prompt that name its prefix.
     prefix_chars: int = 2048
     # `cheapest`/`lowest_latency`: output tokens to expect when the request sets no limit.

@@ -493,6 +493,7 @@ def admin_router(ctx: AdminContext, path: str = "/admin/api/v1") -> Router:
             routing_savings,
             *_route_handlers(),
             *_head_handlers(),
+            *_comparison_handlers(),
             *_security_handlers(),
         ],
         guards=[_admin_guard(ctx)],
@@ -515,6 +516,12 @@ def _head_handlers() -> list[Any]:
     from gateway.admin.heads import HEAD_HANDLERS  # heads.py imports this module
 
     return HEAD_HANDLERS
+
+
+def _comparison_handlers() -> list[Any]:
+    from gateway.admin.comparisons import COMPARISON_HANDLERS  # it imports this module
+
+    return COMPARISON_HANDLERS
 
 
 def _security_handlers() -> list[Any]:

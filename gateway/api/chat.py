@@ -28,7 +28,9 @@ async def run_chat(
         request = msgspec.structs.replace(request, max_completion_tokens=cap)
     feats = features(request, call.principal.tenant_name, call.principal.key_id)
     plan = await gateway.router.plan(request.model, call.principal, feats)
+    compared = gateway.comparer.wants(plan, request, feats, call.principal)
     try:
-        return await gateway.executor.chat(call, plan, request, feats)
+        result = await gateway.executor.chat(call, plan, request, feats)
     finally:
         call.info.route = plan.header()
+    return gateway.comparer.follow(call, plan, request, feats, result) if compared else result

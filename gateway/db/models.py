@@ -258,6 +258,26 @@ class Feedback(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class Comparison(Base):
+    """A judge's grades of both candidates' answers to one request of a `difficulty` route with
+    `compare` (routing.compare): training labels for both outcomes, read with the stored prompt."""
+
+    __tablename__ = "comparisons"
+    __table_args__ = (UniqueConstraint("tenant_id", "request_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(200))
+    request_id: Mapped[str] = mapped_column(String(128))  # the client's request (its stored prompt)
+    route: Mapped[str] = mapped_column(String(200))
+    weak_model: Mapped[str] = mapped_column(String(200))  # public model names of the candidates
+    strong_model: Mapped[str] = mapped_column(String(200))
+    served: Mapped[str] = mapped_column(String(8))  # "weak" or "strong": which answered the client
+    weak_score: Mapped[float] = mapped_column(Float)  # the judge's grade, 1..10 scaled to 0..1
+    strong_score: Mapped[float] = mapped_column(Float)
+    judge: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class BackendCredential(Base):
     """A vendor API key for one backend, encrypted with the master key (gateway.secrets); it wins
     over the config's `api_key` for that backend. Only `last4` and `fingerprint` are ever shown."""

@@ -57,7 +57,6 @@ from tests.fakes.behaviour import (
     Turn,
     chunk_words,
     count_tokens,
-    plan_reply,
     words,
 )
 from tests.fakes.caches import Block, BreakpointCache
@@ -342,7 +341,7 @@ class FakeAnthropic(FakeServer):
             blocks, tool_names = self._prompt_blocks(body)
         except Invalid as exc:
             return self.error_response(exc.status, exc.message)
-        reply = plan_reply(self._turn(body, tool_names))
+        reply = self.reply_to(body.get("model"), self._turn(body, tool_names))
         big = huge_text(request)
         if big is not None:
             reply = Reply(text=big)

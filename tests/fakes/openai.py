@@ -439,7 +439,7 @@ class FakeOpenAI(FakeServer):
             turn, prompt = self._chat_turn(body)
         except BadRequest as exc:
             return self.error_response(exc.status, exc.message, param=exc.param, code=exc.code)
-        reply = plan_reply(turn)
+        reply = self.reply_to(body.get("model"), turn)
         big = huge_text(request)
         if big is not None:
             reply = Reply(text=big)

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Self
 
 from aiohttp import web
 
-from tests.fakes.behaviour import ReportedUsage
+from tests.fakes.behaviour import Reply, ReportedUsage, Turn, plan_reply
 from tests.fakes.faults import Fault, FaultKind
 
 # A reset or cut connection is the point of some faults; aiohttp would log each as an error.
@@ -107,6 +107,7 @@ class FakeServer:
         self.first_token_delay = 0.0  # seconds before the first token of every generation (set_latency)
         self.token_delay = 0.0  # seconds per further token
         self._usage_overrides: deque[UsageOverride] = deque()
+        self._answers: dict[str, Callable[[str], str]] = {}  # model -> reply to the last user text
         self._lock = threading.Lock()
         self._generation = 0  # bumped by reset() and stop() to release hanging requests
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -167,6 +168,7 @@ class FakeServer:
             self.usages.clear()
             self._faults.clear()
             self._usage_overrides.clear()
+            self._answers.clear()
             self.models = set(self._initial_models)
             self.first_token_delay = self.token_delay = 0.0
             self._generation += 1
@@ -187,6 +189,19 @@ class FakeServer:
             fault = Fault.status(fault)
         with self._lock:
             self._faults.extend([(fault, path)] * times)
+
+    def answer_as(self, model: str, reply: Callable[[str], str]) -> None:
+        """The model `model` answers chats with `reply(last user text)` instead of the echo (a grader,
+        a model that gets some questions wrong), until `reset()`. OpenAI and Anthropic fakes."""
+        with self._lock:
+            self._answers[model] = reply
+
+    def reply_to(self, model: object, turn: Turn) -> Reply:
+        """What `model` says to `turn`: its `answer_as` reply, else the deterministic behaviour."""
+        answer = self._answers.get(model) if isinstance(model, str) else None
+        if answer is None or turn.tools:
+            return plan_reply(turn)
+        return Reply(text=answer(turn.last_user_text))
 
     def set_latency(self, first_token: float = 0.0, per_token: float = 0.0) -> None:
         """Make every generation take time like a real model: `first_token` seconds to the first token,

@@ -174,7 +174,7 @@ def test_the_join_labels_only_the_model_that_answered(admin_db: tuple[str, Vault
     url, vault = admin_db
     data, report = _load(url, vault)
     assert len(data) == 80  # type: ignore[arg-type]
-    assert report.used == {"weak": 40, "strong": 40}  # type: ignore[attr-defined]
+    assert report.used == {"both": 0, "weak": 40, "strong": 40}  # type: ignore[attr-defined]
     assert report.skipped == {  # type: ignore[attr-defined]
         "answered by another model": 1,
         "without a stored prompt (store_prompts off, or past retention)": 1,
@@ -265,7 +265,7 @@ def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Pat
     assert "32 answered by the weak model, 32 by the strong one" in result.stderr
     assert (out / "difficulty_head.json").exists()
     meta = json.loads((out / "difficulty_head.json").read_text())
-    assert meta["source"] == "tenant acme feedback (weak gpt-4o-mini, strong claude-sonnet)"
+    assert meta["source"] == "tenant acme feedback and comparisons (weak gpt-4o-mini, strong claude-sonnet)"
     # Checked on a held-out fifth first, against the shipped head; the finding is kept in the head.
     assert "held out" in result.stderr and "weak model wrong" in result.stderr
     assert meta["holdout"]["share"] == 0.2 and meta["holdout"]["results"][0]["trained"] >= 0.9

@@ -1,0 +1,336 @@
+"""Paired outcomes for the difficulty router: a share of a `difficulty` route's requests is also
+answered by the candidate that did not serve it, and a judge model grades both answers.
+
+Feedback (`POST /v1/feedback`) scores the one answer a client got, so it labels only the model that
+served it. benchmarks/routing_adapt.py found that a few hundred prompts answered by both models teach
+a tenant's head more than thousands of one-sided scores (docs/benchmarks.md). A route's `compare`
+option (routing.routes.Compare) buys those labels on live traffic:
+
+- once the client has its answer (a stream: once it ended cleanly), the same request goes in the
+  background, not streamed, to the other candidate; the judge then grades both answers from 1 to 10,
+  seeing them in a random order, since judges favour one position;
+- each of these calls is a usage event of the tenant's own (`purpose=compare` or `purpose=judge` and
+  `for=<request id>` in its routing column), admitted like any request (rate limits, budgets), and
+  capped per tenant by `max_spend_usd_per_hour` (estimated before the calls, as hedging is) and per
+  replica by `max_in_flight`;
+- the grades go to the `comparisons` table. `weir router train --tenant` joins them with the stored
+  prompt as it does feedback, so only tenants with `store_prompts` on are compared: the prompt is what
+  a head learns from, and only those tenants agreed to have it kept.
+
+Only one text answer is compared: not a request that offers tools, carries images or asks for n > 1,
+nor one whose answer came from a fallback or was resumed on another candidate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import random
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+import structlog
+from prometheus_client import CollectorRegistry, Counter
+
+from gateway.accounting.pricing import price_usage
+from gateway.errors import GatewayError
+from gateway.ids import ordered_id
+from gateway.pipeline import Call, Pipeline, RequestInfo
+from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
+from routing.execute import SpendWindow
+from routing.plan import CHARS_PER_TOKEN, Choice, Features, Plan
+from routing.policies import expected_cost
+from routing.routes import Candidate
+from routing.stats import RoutingStats
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+    from gateway.auth import Principal
+    from gateway.router_basic import ModelTable, Target
+    from routing.routes import Route
+
+log = structlog.get_logger("weir.routing.compare")
+
+Role = Literal["weak", "strong"]
+Batches = AsyncIterator[list[ChatChunk]]
+
+JUDGE_SYSTEM = """You grade two answers, A and B, to the same request.
+Grade each answer from 1 to 10 for how well it does what the request asks: correctness first, then
+completeness and clarity. 6 or more means the answer is acceptable as it is; 5 or less means it is
+wrong, misleading or misses what was asked. Judge each answer on its own merits: its position and its
+length say nothing about its quality.
+Reply with only a JSON object, for example {"A": 7, "B": 3}."""
+# Room for a reasoning judge's thinking (counted in these tokens) and the short preamble some judges
+# write before the JSON; a plain judge stops after about 20 tokens, and only what it writes is billed.
+JUDGE_MAX_TOKENS = 1024
+JUDGE_EXPECTED_OUTPUT = 64  # tokens, for the estimate the spend cap checks before the calls
+MAX_SECTION_CHARS = 24_000  # of the conversation and of each answer shown to the judge
+_SCORE = re.compile(r"""["']?\b([AB])\b["']?\s*[:=]\s*(\d+(?:\.\d+)?)""")
+
+
+def parse_verdict(text: str) -> tuple[float, float] | None:
+    """The judge's grades of A and B (1..10), the last given for each; None unless both are there."""
+    found = {label: float(value) for label, value in _SCORE.findall(text)}
+    if set(found) != {"A", "B"} or not all(1.0 <= v <= 10.0 for v in found.values()):
+        return None
+    return found["A"], found["B"]
+
+
+def scaled(grade: float) -> float:
+    """A 1..10 grade on feedback's 0..1 scale, where 0.5 (a grade of 5.5) separates right from wrong."""
+    return (grade - 1.0) / 9.0
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_SECTION_CHARS:
+        return text
+    half = MAX_SECTION_CHARS // 2  # the start says what was asked, the end what came last
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters left out ...]\n{text[-half:]}"
+
+
+def conversation(request: ChatRequest) -> str:
+    """The request as the judge reads it: each message's text under its role."""
+    return _clip("\n\n".join(f"{m.role}: {m.text()}" for m in request.messages if m.text()))
+
+
+def judge_request(judge: str, request: ChatRequest, first: str, second: str) -> ChatRequest:
+    user = (
+        f"<request>\n{conversation(request)}\n</request>\n\n"
+        f"<answer_A>\n{_clip(first)}\n</answer_A>\n\n<answer_B>\n{_clip(second)}\n</answer_B>"
+    )
+    return ChatRequest(
+        model=judge,
+        messages=[Message(role="system", content=JUDGE_SYSTEM), Message(role="user", content=user)],
+        # No temperature: reasoning models refuse any but their default.
+        max_completion_tokens=JUDGE_MAX_TOKENS,
+    )
+
+
+def answer_text(response: ChatResponse) -> str:
+    if len(response.choices) != 1 or response.choices[0].message.tool_calls:
+        return ""
+    return response.choices[0].message.content or ""
+
+
+def comparable(request: ChatRequest, feats: Features) -> bool:
+    """One text answer that a judge can grade from the request's text alone."""
+    return not request.tools and not feats.images and (request.n or 1) == 1
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    principal: Principal
+    request_id: str
+    route: Route
+    request: ChatRequest
+    feats: Features
+    served: Role
+    answer: str
+    shown_first: Role  # which answer the judge reads as A
+
+
+class Comparer:
+    """Schedules and runs comparisons; one per gateway. Needs the admin DB (`use_control_plane`):
+    without it no request is compared."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        models: ModelTable,
+        stats: RoutingStats,
+        stores_prompts: Callable[[Principal], bool],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.models = models
+        self.stats = stats
+        self.stores_prompts = stores_prompts
+        self.sessions: async_sessionmaker[AsyncSession] | None = None
+        self.on_finish: Callable[[str], None] | None = None
+        self.spend = SpendWindow()
+        self.rng = random.Random()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.outcomes = Counter(
+            "weir_route_comparisons",
+            "Comparisons of a difficulty route's candidates by outcome: judged; not started (busy, "
+            "capped, skipped); failed (an upstream call failed), unparsed (no grades in the verdict)",
+            ("route", "outcome"),
+            registry=registry,
+        )
+
+    def use_control_plane(
+        self, sessions: async_sessionmaker[AsyncSession], on_finish: Callable[[str], None] | None
+    ) -> None:
+        """Where grades are stored; `on_finish(request_id)` runs after each background call, as the
+        HTTP middleware does after a client's request (admission forgets the request then)."""
+        self.sessions, self.on_finish = sessions, on_finish
+
+    def wants(self, plan: Plan, request: ChatRequest, feats: Features, principal: Principal) -> bool:
+        """Whether this request is compared once answered (sampled at the route's `share`)."""
+        compare = plan.route.compare
+        if compare is None or self.sessions is None or not comparable(request, feats):
+            return False
+        if not self.stores_prompts(principal) or (compare.share < 1.0 and self.rng.random() >= compare.share):
+            return False
+        plan.note = (plan.note + "; " if plan.note else "") + "compare=sampled"
+        return True
+
+    def follow(
+        self, call: Call, plan: Plan, request: ChatRequest, feats: Features, result: ChatResponse | Batches
+    ) -> ChatResponse | Batches:
+        """The client's result, unchanged; the comparison starts once the answer is complete."""
+        if isinstance(result, ChatResponse):
+            self._submit(call, plan, request, feats, answer_text(result))
+            return result
+        return self._collect(call, plan, request, feats, result)
+
+    async def _collect(
+        self, call: Call, plan: Plan, request: ChatRequest, feats: Features, batches: Batches
+    ) -> Batches:
+        parts: list[str] = []
+        tool_calls = False
+        try:
+            async for batch in batches:
+                for chunk in batch:
+                    for choice in chunk.choices:
+                        if choice.delta.content:
+                            parts.append(choice.delta.content)
+                        tool_calls = tool_calls or bool(choice.delta.tool_calls)
+                yield batch
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+        # Only a stream that ended cleanly gets here: a broken one raised, a client that left closed us.
+        self._submit(call, plan, request, feats, "" if tool_calls else "".join(parts))
+
+    def _submit(self, call: Call, plan: Plan, request: ChatRequest, feats: Features, answer: str) -> None:
+        route = plan.route
+        chosen = plan.chosen.candidate.model if plan.chosen is not None else None
+        roles = {route.candidates[0].model: "weak", route.candidates[1].model: "strong"}
+        served = roles.get(chosen) if chosen is not None else None
+        resumed = any(t.endswith(":cut") for t in plan.tried)
+        if served is None or resumed or not answer.strip():
+            self.outcomes.labels(route.name, "skipped").inc()
+            return
+        assert route.compare is not None  # wants() sampled it
+        if len(self.tasks) >= route.compare.max_in_flight:
+            self.outcomes.labels(route.name, "busy").inc()
+            return
+        first: Role = "weak" if self.rng.random() < 0.5 else "strong"
+        job = Job(call.principal, call.info.request_id, route, request, feats, served, answer, first)  # type: ignore[arg-type]
+        # A fresh context: the client's exchange (stream leases, prompt capture) is not this work's.
+        task = asyncio.get_running_loop().create_task(self._compare(job), context=contextvars.Context())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _compare(self, job: Job) -> None:
+        route = job.route
+        compare = route.compare
+        assert compare is not None
+        weak, strong = route.candidates[0], route.candidates[1]
+        other = strong if job.served == "weak" else weak
+        other_target = self.models.targets[other.model]
+        judge_target = self.models.targets[compare.judge]
+        tenant = job.principal.tenant_id or "anonymous"
+        estimate = self._estimate(job, other, other_target, judge_target)
+        if not self.spend.allow(tenant, estimate, compare.max_spend_usd_per_hour):
+            self.outcomes.labels(route.name, "capped").inc()
+            return
+        spent: list[float] = []  # USD of each call made, priced as the gateway prices its models
+        try:
+            alone = msgspec.structs.replace(job.request, stream=None, stream_options=None)
+            response = await self._ask(job, other_target, other.model, alone, "compare", spent)
+            other_answer = answer_text(response)
+            if not other_answer.strip():
+                self.outcomes.labels(route.name, "failed").inc()
+                return
+            answers = {job.served: job.answer, ("strong" if job.served == "weak" else "weak"): other_answer}
+            order: tuple[Role, Role] = ("weak", "strong") if job.shown_first == "weak" else ("strong", "weak")
+            asked = judge_request(compare.judge, job.request, answers[order[0]], answers[order[1]])
+            verdict = answer_text(await self._ask(job, judge_target, compare.judge, asked, "judge", spent))
+            grades = parse_verdict(verdict)
+            if grades is None:
+                log.warning(
+                    "comparison_unparsed", route=route.name, judge=compare.judge, verdict=verdict[:200]
+                )
+                self.outcomes.labels(route.name, "unparsed").inc()
+                return
+            graded = dict(zip(order, grades, strict=True))
+            await self._store(job, weak.model, strong.model, scaled(graded["weak"]), scaled(graded["strong"]))
+            self.outcomes.labels(route.name, "judged").inc()
+        except GatewayError as exc:  # refused (rate limit, budget) or failed upstream: no label
+            log.info("comparison_failed", route=route.name, request_id=job.request_id, error=exc.type)
+            self.outcomes.labels(route.name, "failed").inc()
+        except Exception:
+            log.exception("comparison_failed", route=route.name, request_id=job.request_id)
+            self.outcomes.labels(route.name, "failed").inc()
+        finally:
+            # The cap counts what the calls cost, not what was guessed (a reasoning judge costs more).
+            self.spend.add(tenant, sum(spent) - estimate)
+
+    def _estimate(self, job: Job, other: Candidate, other_target: Target, judge_target: Target) -> float:
+        output = job.feats.max_output_tokens or job.route.expected_output_tokens
+        answer = expected_cost(Choice(other_target, other), job.feats, output, self.stats)
+        judge_in = job.feats.prompt_tokens + 2 * max(len(job.answer) // CHARS_PER_TOKEN, output)
+        judge_feats = dataclasses.replace(job.feats, prompt_tokens=judge_in)
+        judge = expected_cost(
+            Choice(judge_target, Candidate(model=judge_target.model.name)),
+            judge_feats,
+            JUDGE_EXPECTED_OUTPUT,
+            self.stats,
+        )
+        return answer + judge
+
+    async def _ask(
+        self, job: Job, target: Target, model: str, request: ChatRequest, purpose: str, spent: list[float]
+    ) -> ChatResponse:
+        """One background call, its own request in the ledger, tied to the client's by `for=`."""
+        route = job.route
+        info = RequestInfo(
+            request_id=ordered_id(),
+            endpoint="compare",
+            model=route.name,
+            tenant=job.principal.tenant_name,
+            route=f"route={route.name}; policy={route.policy}; candidate={model}; "
+            f"purpose={purpose}; for={job.request_id}",
+        )
+        call = Call(info, job.principal, "compare")
+        upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
+        try:
+            return await self.pipeline.exchange(call, target, upstream, target.provider.chat_response)
+        finally:
+            if info.usage is not None:
+                cost = price_usage(info.usage, self.pipeline.prices.get(target.model.name, {}))
+                spent.append(cost.cost_pico_usd / 1e12)
+            if self.on_finish is not None:
+                self.on_finish(info.request_id)
+
+    async def _store(self, job: Job, weak: str, strong: str, weak_score: float, strong_score: float) -> None:
+        from sqlalchemy import select
+
+        from gateway.db.models import Comparison
+
+        assert self.sessions is not None
+        tenant = job.principal.tenant_id or "anonymous"
+        async with self.sessions() as session, session.begin():
+            row = await session.scalar(
+                select(Comparison).where(
+                    Comparison.tenant_id == tenant, Comparison.request_id == job.request_id
+                )
+            )
+            if row is None:  # a client that sent one request id twice: the later grades win
+                row = Comparison(tenant_id=tenant, request_id=job.request_id)
+                session.add(row)
+            row.route, row.weak_model, row.strong_model, row.served = job.route.name, weak, strong, job.served
+            row.weak_score, row.strong_score = weak_score, strong_score
+            row.judge = job.route.compare.judge if job.route.compare else ""
+
+    async def stop(self) -> None:
+        """Cancel comparisons still running (shutdown): grades are not worth holding a replica for."""
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

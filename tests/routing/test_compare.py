@@ -1,0 +1,335 @@
+"""Comparisons (routing.compare): a share of a difficulty route's requests is answered by both
+candidates in the background and graded by a judge; the grades are training rows with both outcomes.
+
+End to end through the gateway with the admin DB (SQLite and PostgreSQL), OpenAI candidates and an
+Anthropic judge on the fake vendors, the official OpenAI SDK as the client."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from gateway.db.session import create_engine, sessionmaker
+from gateway.types import ChatRequest, Message
+from routing.compare import JUDGE_SYSTEM, MAX_SECTION_CHARS, judge_request, parse_verdict, scaled
+from routing.execute import SpendWindow
+from routing.feedback import load_feedback
+from routing.router import RouteError, validate
+from routing.routes import Candidate, Compare, Route
+from tests.conftest import free_port
+from tests.control.conftest import pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
+from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.gateway.conftest import serve
+
+ADMIN = "admin-token-for-tests"
+CONFIG = """\
+backends:
+  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
+  - {name: anthropic, type: anthropic, base_url: "${ANTHROPIC_BASE_URL}", api_key: "${ANTHROPIC_API_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.6}}
+  - {name: gpt-4o, backend: openai, price: {input: 2.5, output: 10}}
+  - {name: grader, backend: anthropic, model: claude-sonnet-4-5, price: {input: 3, output: 15}}
+database_url: "${DB_URL}"
+routes:
+  - name: auto
+    policy: difficulty
+    candidates: [{model: gpt-4o-mini}, {model: gpt-4o}]
+    probe_interval: null
+    compare: {judge: grader, share: 1.0, max_in_flight: 8}
+  - name: capped
+    policy: difficulty
+    candidates: [{model: gpt-4o-mini}, {model: gpt-4o}]
+    probe_interval: null
+    compare: {judge: grader, share: 1.0, max_spend_usd_per_hour: 0}
+"""
+
+
+def weak_model(text: str) -> str:
+    return f"WRONG about {text}" if "tricky" in text or "impossible" in text else f"right about {text}"
+
+
+def strong_model(text: str) -> str:
+    return f"WRONG about {text}" if "impossible" in text else f"right about {text}"
+
+
+def judge(text: str) -> str:
+    """Grades what the fake candidates said: 2 for a wrong answer, 9 for a right one."""
+    a = re.search(r"<answer_A>\n(.*?)\n</answer_A>", text, re.S)
+    b = re.search(r"<answer_B>\n(.*?)\n</answer_B>", text, re.S)
+    assert a and b and "<request>" in text
+    grade = {True: 2, False: 9}
+    return f'Both read. {{"A": {grade["WRONG" in a.group(1)]}, "B": {grade["WRONG" in b.group(1)]}}}'
+
+
+class Alternating(random.Random):
+    def random(self) -> float:
+        self.flip = not getattr(self, "flip", False)
+        return 0.25 if self.flip else 0.75
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+def test_both_answers_are_graded_and_become_full_training_rows(
+    db: str,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    fake_openai.answer_as("gpt-4o-mini", weak_model)
+    fake_openai.answer_as("gpt-4o", strong_model)
+    fake_anthropic.answer_as("claude-sonnet-4-5", judge)
+    env = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
+        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
+        "DB_URL": db,
+    }
+    app = create_app(parse_config(CONFIG, env))
+    gateway = app.state.gateway
+    # A stand-in for the shipped classifier: prompts saying "hard" go to the strong model.
+    gateway.router.context.scorer = lambda prompt: 0.9 if "hard" in prompt else 0.1
+    gateway.comparer.rng = Alternating()  # the judge sees the weak model's answer first, then second...
+    with serve(app, free_port()) as url:
+        admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+        keeps = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
+        other = admin.post("/tenants", json={"name": "other"}).json()
+        client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key=admin.post(f"/tenants/{keeps['id']}/keys", json={}).json()["key"]
+        )
+        prompts = {
+            "easy question one": ("weak", 9, 9),
+            "tricky question two": ("weak", 2, 9),
+            "hard question three": ("strong", 9, 9),
+            "hard impossible question four": ("strong", 2, 2),
+            "tricky question five": ("weak", 2, 9),
+            "hard tricky question six": ("strong", 2, 9),
+        }
+        request_ids: dict[str, str] = {}
+        for i, prompt in enumerate(prompts):
+            messages = [{"role": "user", "content": prompt}]
+            if i % 2:  # streams are compared once they end
+                with client.chat.completions.with_streaming_response.create(
+                    model="auto", messages=messages, stream=True
+                ) as response:
+                    text = "".join(c.choices[0].delta.content or "" for c in response.parse() if c.choices)
+                    header, request_ids[prompt] = (
+                        response.headers["x-weir-route"],
+                        response.headers["x-request-id"],
+                    )
+            else:
+                raw = client.chat.completions.with_raw_response.create(model="auto", messages=messages)
+                text = raw.parse().choices[0].message.content or ""
+                header, request_ids[prompt] = raw.headers["x-weir-route"], raw.headers["x-request-id"]
+            served = "gpt-4o-mini" if prompts[prompt][0] == "weak" else "gpt-4o"
+            assert f"candidate={served}" in header and "compare=sampled" in header
+            assert text == (weak_model if served == "gpt-4o-mini" else strong_model)(prompt)
+
+        def compared() -> dict[str, tuple]:
+            found = sync_exec(
+                db,
+                "SELECT request_id, route, weak_model, strong_model, served, weak_score, strong_score, judge "
+                f"FROM comparisons WHERE tenant_id = '{keeps['id']}'",
+            )
+            return {row[0]: row[1:] for row in found}
+
+        wait_for(lambda: len(compared()) == len(prompts))
+        rows = compared()
+        for prompt, (served, weak_grade, strong_grade) in prompts.items():
+            assert rows[request_ids[prompt]] == (
+                "auto",
+                "gpt-4o-mini",
+                "gpt-4o",
+                served,
+                pytest.approx(scaled(weak_grade)),
+                pytest.approx(scaled(strong_grade)),
+                "grader",
+            )
+        # The other candidate was asked the same question without streaming; the judge saw both
+        # answers, in both orders over these requests.
+        judged = [r for r in fake_anthropic.requests if r.path.endswith("/messages")]
+        assert len(judged) == len(prompts)
+        shown = [r.json["messages"][-1]["content"] for r in judged]
+        shown = [s if isinstance(s, str) else s[0]["text"] for s in shown]
+        one_wrong = {("<answer_A>\nWRONG" in s, "<answer_B>\nWRONG" in s) for s in shown}
+        assert {(True, False), (False, True)} <= one_wrong
+        assert all(
+            r.json["system"] in (JUDGE_SYSTEM, [{"type": "text", "text": JUDGE_SYSTEM}]) for r in judged
+        )
+        chats = [r for r in fake_openai.requests if r.path.endswith("/chat/completions")]
+        assert len(chats) == 2 * len(prompts)
+        assert sum(1 for r in chats if not r.json.get("stream")) == len(prompts) + len(prompts) // 2
+
+        # Each background call is the tenant's own usage event, tied to the client's request.
+        def ledger() -> list[tuple]:
+            return sync_exec(
+                db,
+                f"SELECT request_id, route, routing, status FROM usage_events WHERE tenant_id = '{keeps['id']}'",
+            )
+
+        wait_for(lambda: len(ledger()) == 3 * len(prompts))
+        for request_id in request_ids.values():
+            extra = [row for row in ledger() if f"for={request_id}" in (row[2] or "")]
+            assert sorted(re.search(r"purpose=(\w+)", row[2]).group(1) for row in extra) == [
+                "compare",
+                "judge",
+            ]
+            assert all(row[0] != request_id and row[1] == "auto" and row[3] == 200 for row in extra)
+
+        # The hourly cap counts what the background calls cost, as the ledger prices them.
+        costs = sync_exec(
+            db,
+            f"SELECT cost_pico_usd FROM usage_events WHERE tenant_id = '{keeps['id']}' AND routing LIKE '%purpose=%'",
+        )
+        counted = sum(usd for _, usd in gateway.comparer.spend.spent[keeps["id"]])
+        assert counted == pytest.approx(sum(c for (c,) in costs) / 1e12) and counted > 0
+
+        # The admin API shows the grades, newest first, and how often each model was acceptable.
+        listed = admin.get(f"/tenants/{keeps['id']}/comparisons", params={"route": "auto", "limit": 2}).json()
+        assert len(listed["data"]) == 2 and listed["data"][0]["request_id"] in request_ids.values()
+        assert listed["data"][0]["judge"] == "grader" and listed["data"][0]["served"] in ("weak", "strong")
+        assert listed["summary"] == [
+            {
+                "route": "auto",
+                "weak_model": "gpt-4o-mini",
+                "strong_model": "gpt-4o",
+                "comparisons": 6,
+                "weak_acceptable": pytest.approx(2 / 6),
+                "strong_acceptable": pytest.approx(5 / 6),
+                "only_strong_acceptable": pytest.approx(3 / 6),
+            }
+        ]
+        assert admin.get(f"/tenants/{other['id']}/comparisons").json() == {"data": [], "summary": []}
+        assert admin.get("/tenants/nobody/comparisons").status_code == 404
+        assert admin.get(f"/tenants/{keeps['id']}/comparisons", params={"limit": 0}).status_code == 400
+
+        # Not compared: a tenant that keeps no prompts, a request offering tools, a route over its cap.
+        other_client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key=admin.post(f"/tenants/{other['id']}/keys", json={}).json()["key"]
+        )
+        raw = other_client.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": "easy from a tenant keeping nothing"}]
+        )
+        assert "compare" not in raw.headers["x-weir-route"]
+        tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+        raw = client.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": "easy with tools"}], tools=[tool]
+        )
+        assert "compare" not in raw.headers["x-weir-route"]
+        raw = client.chat.completions.with_raw_response.create(
+            model="capped", messages=[{"role": "user", "content": "easy but capped"}]
+        )
+        assert "compare=sampled" in raw.headers["x-weir-route"]
+        metrics = httpx.get(f"{url}/metrics").text
+        wait_for(
+            lambda: (
+                'weir_route_comparisons_total{outcome="capped",route="capped"} 1.0'
+                in httpx.get(f"{url}/metrics").text
+            )
+        )
+        assert 'weir_route_comparisons_total{outcome="judged",route="auto"} 6.0' in metrics
+        time.sleep(0.5)
+        assert len(compared()) == len(prompts)
+        assert len([r for r in fake_anthropic.requests if r.path.endswith("/messages")]) == len(prompts)
+
+    # Training reads them with the stored prompts: both outcomes known on every row.
+    async def load() -> tuple[object, object]:
+        engine = create_engine(db)
+        try:
+            return await load_feedback(sessionmaker(engine), "keeps", "gpt-4o-mini", "gpt-4o")
+        finally:
+            await engine.dispose()
+
+    data, report = asyncio.run(load())
+    assert report.used == {"both": len(prompts), "weak": 0, "strong": 0}  # type: ignore[attr-defined]
+    assert not data.partial  # type: ignore[attr-defined]
+    labels = dict(zip(data.prompts, zip(data.weak.tolist(), data.strong.tolist(), strict=True), strict=True))  # type: ignore[attr-defined]
+    assert labels == {p: (w > 5, s > 5) for p, (_, w, s) in prompts.items()}
+
+
+def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() -> None:
+    models = {"gpt-4o-mini", "gpt-4o", "grader"}
+    candidates = [Candidate(model="gpt-4o-mini"), Candidate(model="gpt-4o")]
+
+    def route(policy: str = "difficulty", **compare: object) -> Route:
+        return Route(
+            name="auto",
+            policy=policy,
+            candidates=candidates,
+            compare=Compare(**{"judge": "grader", **compare}),
+        )  # type: ignore[arg-type]
+
+    validate([route()], models)
+    for bad, message in [
+        (route("cheapest"), "only the difficulty policy compares"),
+        (route(judge="nobody"), "compare.judge: no model named 'nobody'"),
+        (route(share=1.5), "compare.share: must be within"),
+        (route(max_spend_usd_per_hour=-1), "must not be negative"),
+        (route(max_in_flight=0), "max_in_flight: must be at least 1"),
+    ]:
+        with pytest.raises(RouteError, match=message):
+            validate([bad], models)
+
+
+def test_the_spend_window_takes_corrections() -> None:
+    window = SpendWindow()
+    assert window.allow("t", 0.6, cap=1.0) and not window.allow("t", 0.6, cap=1.0)
+    window.add("t", -0.5)  # the first call cost 0.1, not 0.6
+    assert window.allow("t", 0.6, cap=1.0)
+    window.add("t", 0.4)
+    assert not window.allow("t", 0.1, cap=1.0) and not window.allow("u", 0.1, cap=0)
+
+
+def test_the_verdict_parser_reads_both_grades_or_none() -> None:
+    assert parse_verdict('{"A": 7, "B": 3}') == (7.0, 3.0)
+    assert parse_verdict('Answer A is better.\n{"A": 8.5, "B": 2}') == (8.5, 2.0)
+    assert parse_verdict("A: 4, B = 10") == (4.0, 10.0)
+    assert parse_verdict('first {"A": 1, "B": 1} then, on reflection, {"A": 6, "B": 9}') == (6.0, 9.0)
+    assert parse_verdict('{"A": 7}') is None
+    assert parse_verdict('{"A": 11, "B": 3}') is None  # off the scale
+    assert parse_verdict('{"A": 0, "B": 3}') is None
+    assert parse_verdict("I cannot grade these.") is None
+    assert scaled(1) == 0.0 and scaled(10) == 1.0 and scaled(6) > 0.5 > scaled(5)
+
+
+def test_the_judge_sees_the_conversation_and_long_texts_clipped_in_the_middle() -> None:
+    request = ChatRequest(
+        model="auto",
+        messages=[
+            Message(role="system", content="You are terse."),
+            Message(role="user", content="x" * (MAX_SECTION_CHARS * 2) + " END"),
+        ],
+    )
+    asked = judge_request("grader", request, "first answer", "second answer")
+    assert asked.model == "grader" and asked.temperature is None and asked.messages[0].content == JUDGE_SYSTEM
+    user = asked.messages[1].text()
+    assert user.startswith("<request>\nsystem: You are terse.\n\nuser: xxx")
+    assert "characters left out" in user and " END\n</request>" in user
+    assert len(user) < MAX_SECTION_CHARS + 200
+    assert (
+        "<answer_A>\nfirst answer\n</answer_A>" in user and "<answer_B>\nsecond answer\n</answer_B>" in user
+    )
