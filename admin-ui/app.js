@@ -549,6 +549,7 @@ async function tenants(params) {
     ], rows) : empty("No tenants yet. Create one below, then issue it a key."),
     h("h2", {}, "New tenant"), form,
     selected ? await tenantKeys(selected) : (params[0] ? notice("That tenant no longer exists.") : null),
+    selected ? await tenantComparisons(selected) : null,
   );
   if (selected) document.getElementById("keys").scrollIntoView();
 }
@@ -601,6 +602,42 @@ async function tenantKeys(tenant) {
       { label: "", render: (k) => (k.revoked_at ? "" : revoke(k)) },
     ], keys) : empty("No keys yet. Issue one below; it is shown once, so copy it then."),
     h("h3", {}, "Issue a key"), form);
+}
+
+const shareFmt = (v) => `${Math.round(Number(v) * 100)}%`;
+// A comparison's score back on the judge's 1..10 scale (routing.compare.scaled); 6 or more is acceptable.
+const gradeFmt = (s) => h("span", { class: s >= 0.5 ? "ok" : "bad", title: `score ${Number(s).toFixed(3)}` },
+  `${Math.round((Number(s) * 9 + 1) * 10) / 10}/10`);
+
+// What the judge said of both candidates' answers (a difficulty route's `compare`), for one tenant.
+async function tenantComparisons(tenant) {
+  let data;
+  try { data = await api(`tenants/${tenant.id}/comparisons?limit=100`); } catch (e) {
+    if (e.status === 404) return null; // a gateway older than comparisons
+    return h("section", { id: "comparisons", class: "panel" }, h("h2", {}, `Comparisons of ${tenant.name}`), notice(e.message));
+  }
+  const pair = (c) => `${c.weak_model} vs ${c.strong_model}`;
+  return h("section", { id: "comparisons", class: "panel" },
+    h("h2", {}, `Comparisons of ${tenant.name}`),
+    data.data.length ? [
+      table([
+        { label: "Route", key: "route" },
+        { label: "Weak vs strong", render: pair },
+        { label: "Comparisons", num: true, render: (s) => intFmt(s.comparisons) },
+        { label: "Weak acceptable", num: true, render: (s) => shareFmt(s.weak_acceptable) },
+        { label: "Strong acceptable", num: true, render: (s) => shareFmt(s.strong_acceptable) },
+        { label: "Only strong acceptable", num: true, render: (s) => shareFmt(s.only_strong_acceptable) },
+      ], data.summary, { caption: "Acceptable: a judge's grade of 6 or more out of 10. Only strong acceptable is the share a difficulty route should send to the strong model." }),
+      table([
+        { label: "Request", render: (c) => h("code", {}, c.request_id) },
+        { label: "Route", render: (c) => `${c.route} (${pair(c)})` },
+        { label: "Served", key: "served" },
+        { label: "Weak grade", num: true, render: (c) => gradeFmt(c.weak_score) },
+        { label: "Strong grade", num: true, render: (c) => gradeFmt(c.strong_score) },
+        { label: "Judge", key: "judge" },
+        { label: "When (UTC)", render: (c) => timeFmt(c.created_at) },
+      ], data.data, { caption: "The most recent comparisons (up to 100), newest first; grades are the judge's, out of 10." }),
+    ] : empty(`No comparisons yet. A difficulty route's compare option has a judge grade both candidates' answers to a share of its requests, only for tenants with store_prompts on (docs/routing.md)${tenant.store_prompts ? "" : "; this tenant's store_prompts is off"}.`));
 }
 
 // --- backends and models ------------------------------------------------------------------------
