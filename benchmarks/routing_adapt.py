@@ -12,7 +12,10 @@ traffic the generic head never saw: the 57 subjects are split in two by a hash o
   /v1/feedback` gives, and biased by the routing that chose the model.
 - After the first n feedback rows, a *tenant* head is fitted on them as `weir router train --tenant`
   does (partial labels, no groups). For scale, a head fitted on the same n prompts with both outcomes
-  known (an offline two-model evaluation of the tenant's prompts) is shown too.
+  known (an offline two-model evaluation of the tenant's prompts) is shown too, and heads fitted on
+  both outcomes as a judge would grade them (a route's `compare` option, routing.compare): each
+  outcome flipped with probability `--judge-errors`, independently, for a judge that is sometimes
+  wrong.
 
 Every head is scored on the held-out B prompts, which no head saw, with APGR, CPT(50%) and quality at
 30% strong calls (bootstrap 95% intervals), and the paired APGR difference against the generic head.
@@ -80,6 +83,11 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=0.3, help="the route's strong_share")
     parser.add_argument("--explore", type=float, default=0.1, help="share of the stream routed the other way")
     parser.add_argument("--test-folds", type=int, default=3, help="held-out B prompts: this many tenths")
+    parser.add_argument(
+        "--judge-errors",
+        default="0.1,0.2",
+        help="share of wrong grades of each simulated judge ('' for none)",
+    )
     parser.add_argument("--rounds", type=int, default=1000, help="bootstrap rounds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--calibration-folds", type=int, default=TrainConfig.calibration_folds)
@@ -122,6 +130,7 @@ def main() -> None:
         "random": np.random.default_rng(7).random(len(test_rows)),
     }
     sizes = [int(s) or len(stream_rows) for s in args.sizes.split(",")]
+    judge_errors = [float(e) for e in args.judge_errors.split(",") if e]
     for n in sizes:
         idx = np.arange(n)
         partial = Outcomes(
@@ -134,10 +143,12 @@ def main() -> None:
         )
         full = Outcomes(partial.prompts, partial.weak, partial.strong)
         sub_enc = enc.subset(stream_rows[idx])
-        for name, outcomes in (
-            (f"tenant head, {n} feedback rows", partial),
-            (f"  both outcomes, {n} rows", full),
-        ):
+        arms = [(f"tenant head, {n} feedback rows", partial), (f"  both outcomes, {n} rows", full)]
+        for error in judge_errors:
+            flip = np.random.default_rng(args.seed + 11).random((n, 2)) < error
+            judged = Outcomes(full.prompts, full.weak ^ flip[:, 0], full.strong ^ flip[:, 1])
+            arms.append((f"  judged, {error:.0%} wrong, {n} rows", judged))
+        for name, outcomes in arms:
             head = fit_head(outcomes, sub_enc, cfg)
             scores[name] = head.p_strong(test_enc)
         print(f"tenant heads on {n} rows fitted ({time.perf_counter() - started:.0f} s)", flush=True)
