@@ -81,6 +81,9 @@ def parse_verdict(text: str) -> tuple[float, float] | None:
     return found["A"], found["B"]
 
 
+ACCEPTABLE = 0.5  # on the 0..1 scale: a grade of 6 or more out of 10, as `--correct-at` defaults
+
+
 def scaled(grade: float) -> float:
     """A 1..10 grade on feedback's 0..1 scale, where 0.5 (a grade of 5.5) separates right from wrong."""
     return (grade - 1.0) / 9.0
@@ -158,7 +161,8 @@ class Comparer:
         self.outcomes = Counter(
             "weir_route_comparisons",
             "Comparisons of a difficulty route's candidates by outcome: judged; not started (busy, "
-            "capped, skipped); failed (an upstream call failed), unparsed (no grades in the verdict)",
+            "capped, skipped); failed (an upstream call failed), unparsed (no grades in the verdict), "
+            "inconsistent (both_orders: the two verdicts disagreed)",
             ("route", "outcome"),
             registry=registry,
         )
@@ -248,19 +252,30 @@ class Comparer:
             if not other_answer.strip():
                 self.outcomes.labels(route.name, "failed").inc()
                 return
-            answers = {job.served: job.answer, ("strong" if job.served == "weak" else "weak"): other_answer}
-            order: tuple[Role, Role] = ("weak", "strong") if job.shown_first == "weak" else ("strong", "weak")
-            asked = judge_request(compare.judge, job.request, answers[order[0]], answers[order[1]])
-            verdict = answer_text(await self._ask(job, judge_target, compare.judge, asked, "judge", spent))
-            grades = parse_verdict(verdict)
-            if grades is None:
-                log.warning(
-                    "comparison_unparsed", route=route.name, judge=compare.judge, verdict=verdict[:200]
-                )
-                self.outcomes.labels(route.name, "unparsed").inc()
+            other_role: Role = "strong" if job.served == "weak" else "weak"
+            answers: dict[Role, str] = {job.served: job.answer, other_role: other_answer}
+            first: tuple[Role, Role] = ("weak", "strong") if job.shown_first == "weak" else ("strong", "weak")
+            orders = [first, (first[1], first[0])] if compare.both_orders else [first]
+            graded: list[dict[Role, float]] = []
+            for order in orders:  # one after the other: a failed first call stops the second
+                asked = judge_request(compare.judge, job.request, answers[order[0]], answers[order[1]])
+                text = answer_text(await self._ask(job, judge_target, compare.judge, asked, "judge", spent))
+                grades = parse_verdict(text)
+                if grades is None:
+                    log.warning(
+                        "comparison_unparsed", route=route.name, judge=compare.judge, verdict=text[:200]
+                    )
+                    self.outcomes.labels(route.name, "unparsed").inc()
+                    return
+                graded.append({role: scaled(grade) for role, grade in zip(order, grades, strict=True)})
+            if any(
+                (g[role] >= ACCEPTABLE) != (graded[0][role] >= ACCEPTABLE) for g in graded for role in answers
+            ):
+                self.outcomes.labels(route.name, "inconsistent").inc()
                 return
-            graded = dict(zip(order, grades, strict=True))
-            await self._store(job, weak.model, strong.model, scaled(graded["weak"]), scaled(graded["strong"]))
+            weak_score = sum(g["weak"] for g in graded) / len(graded)
+            strong_score = sum(g["strong"] for g in graded) / len(graded)
+            await self._store(job, weak.model, strong.model, weak_score, strong_score)
             self.outcomes.labels(route.name, "judged").inc()
         except GatewayError as exc:  # refused (rate limit, budget) or failed upstream: no label
             log.info("comparison_failed", route=route.name, request_id=job.request_id, error=exc.type)
@@ -283,7 +298,7 @@ class Comparer:
             JUDGE_EXPECTED_OUTPUT,
             self.stats,
         )
-        return answer + judge
+        return answer + judge * (2 if job.route.compare and job.route.compare.both_orders else 1)
 
     async def _ask(
         self, job: Job, target: Target, model: str, request: ChatRequest, purpose: str, spent: list[float]

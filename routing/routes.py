@@ -78,6 +78,9 @@ class Compare(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # Estimated USD a tenant may spend on comparisons (the other candidate and the judge) per hour.
     max_spend_usd_per_hour: float = 1.0
     max_in_flight: int = 4  # comparisons running at once on one replica; beyond it, none is started
+    # Grade twice, the answers swapped the second time, and keep the comparison only when both
+    # verdicts agree on which answers are acceptable: fewer labels, fewer wrong ones (two judge calls).
+    both_orders: bool = False
 
 
 class Route(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -14,8 +14,7 @@ from sqlalchemy import Integer, and_, case, func, select
 
 from gateway.admin.router import AdminContext, AdminError, _tenant
 from gateway.db.models import Comparison
-
-ACCEPTABLE = 0.5  # a grade of 6 or more out of 10 (routing.compare.scaled), as training counts it
+from routing.compare import ACCEPTABLE
 
 
 def _passes(condition: Any) -> Any:

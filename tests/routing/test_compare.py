@@ -52,6 +52,11 @@ routes:
     candidates: [{model: gpt-4o-mini}, {model: gpt-4o}]
     probe_interval: null
     compare: {judge: grader, share: 1.0, max_spend_usd_per_hour: 0}
+  - name: twice
+    policy: difficulty
+    candidates: [{model: gpt-4o-mini}, {model: gpt-4o}]
+    probe_interval: null
+    compare: {judge: grader, share: 1.0, both_orders: true}
 """
 
 
@@ -68,6 +73,8 @@ def judge(text: str) -> str:
     a = re.search(r"<answer_A>\n(.*?)\n</answer_A>", text, re.S)
     b = re.search(r"<answer_B>\n(.*?)\n</answer_B>", text, re.S)
     assert a and b and "<request>" in text
+    if "biased" in text:  # a judge that prefers whatever it reads first
+        return '{"A": 9, "B": 2}'
     grade = {True: 2, False: 9}
     return f'Both read. {{"A": {grade["WRONG" in a.group(1)]}, "B": {grade["WRONG" in b.group(1)]}}}'
 
@@ -255,6 +262,39 @@ def test_both_answers_are_graded_and_become_full_training_rows(
         time.sleep(0.5)
         assert len(compared()) == len(prompts)
         assert len([r for r in fake_anthropic.requests if r.path.endswith("/messages")]) == len(prompts)
+
+        # both_orders: graded twice, the answers swapped; kept only where the two verdicts agree.
+        def twice(prompt: str) -> str:
+            raw = client.chat.completions.with_raw_response.create(
+                model="twice", messages=[{"role": "user", "content": prompt}]
+            )
+            return raw.headers["x-request-id"]
+
+        agreed, biased = twice("tricky question seven"), twice("biased question eight")
+        wait_for(
+            lambda: (
+                len([r for r in fake_anthropic.requests if r.path.endswith("/messages")]) == len(prompts) + 4
+            )
+        )
+        wait_for(
+            lambda: (
+                'weir_route_comparisons_total{outcome="inconsistent",route="twice"} 1.0'
+                in httpx.get(f"{url}/metrics").text
+            )
+        )
+        wait_for(lambda: agreed in compared())
+        weak_grade, strong_grade = 2, 9
+        assert compared()[agreed] == (
+            "twice",
+            "gpt-4o-mini",
+            "gpt-4o",
+            "weak",
+            pytest.approx(scaled(weak_grade)),
+            pytest.approx(scaled(strong_grade)),
+            "grader",
+        )
+        assert biased not in compared()
+        prompts["tricky question seven"] = ("weak", weak_grade, strong_grade)
 
     # Training reads them with the stored prompts: both outcomes known on every row.
     async def load() -> tuple[object, object]:
