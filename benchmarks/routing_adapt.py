@@ -143,13 +143,26 @@ def main() -> None:
         )
         full = Outcomes(partial.prompts, partial.weak, partial.strong)
         sub_enc = enc.subset(stream_rows[idx])
-        arms = [(f"tenant head, {n} feedback rows", partial), (f"  both outcomes, {n} rows", full)]
+        arms = [
+            (f"tenant head, {n} feedback rows", partial, sub_enc),
+            (f"  both outcomes, {n} rows", full, sub_enc),
+        ]
         for error in judge_errors:
             flip = np.random.default_rng(args.seed + 11).random((n, 2)) < error
             judged = Outcomes(full.prompts, full.weak ^ flip[:, 0], full.strong ^ flip[:, 1])
-            arms.append((f"  judged, {error:.0%} wrong, {n} rows", judged))
-        for name, outcomes in arms:
-            head = fit_head(outcomes, sub_enc, cfg)
+            arms.append((f"  judged, {error:.0%} wrong, {n} rows", judged, sub_enc))
+            # `both_orders`: graded again with the answers swapped, kept where both verdicts agree.
+            again = np.random.default_rng(args.seed + 12).random((n, 2)) < error
+            kept = np.flatnonzero((flip == again).all(axis=1))
+            arms.append(
+                (
+                    f"  judged twice, {error:.0%} wrong, {len(kept)} of {n} kept",
+                    judged.subset(kept),
+                    sub_enc.subset(kept),
+                )
+            )
+        for name, outcomes, rows_enc in arms:
+            head = fit_head(outcomes, rows_enc, cfg)
             scores[name] = head.p_strong(test_enc)
         print(f"tenant heads on {n} rows fitted ({time.perf_counter() - started:.0f} s)", flush=True)
 

@@ -46,17 +46,17 @@ routes:
     policy: difficulty
     candidates: [{model: gpt-4o-mini}, {model: gpt-4o}]
     probe_interval: null
-    compare: {judge: grader, share: 1.0, max_in_flight: 8}
+    compare: {judge: grader, share: 1.0, max_in_flight: 8, both_orders: false}
   - name: capped
     policy: difficulty
     candidates: [{model: gpt-4o-mini}, {model: gpt-4o}]
     probe_interval: null
-    compare: {judge: grader, share: 1.0, max_spend_usd_per_hour: 0}
+    compare: {judge: grader, share: 1.0, max_spend_usd_per_hour: 0, both_orders: false}
   - name: twice
     policy: difficulty
     candidates: [{model: gpt-4o-mini}, {model: gpt-4o}]
     probe_interval: null
-    compare: {judge: grader, share: 1.0, both_orders: true}
+    compare: {judge: grader, share: 1.0}  # both_orders by default
 """
 
 
