@@ -214,7 +214,7 @@ class Comparer:
     def _submit(self, call: Call, plan: Plan, request: ChatRequest, feats: Features, answer: str) -> None:
         route = plan.route
         chosen = plan.chosen.candidate.model if plan.chosen is not None else None
-        roles = {route.candidates[0].model: "weak", route.candidates[1].model: "strong"}
+        roles: dict[str, Role] = {route.candidates[0].model: "weak", route.candidates[1].model: "strong"}
         served = roles.get(chosen) if chosen is not None else None
         resumed = any(t.endswith(":cut") for t in plan.tried)
         if served is None or resumed or not answer.strip():
@@ -225,7 +225,7 @@ class Comparer:
             self.outcomes.labels(route.name, "busy").inc()
             return
         first: Role = "weak" if self.rng.random() < 0.5 else "strong"
-        job = Job(call.principal, call.info.request_id, route, request, feats, served, answer, first)  # type: ignore[arg-type]
+        job = Job(call.principal, call.info.request_id, route, request, feats, served, answer, first)
         # A fresh context: the client's exchange (stream leases, prompt capture) is not this work's.
         task = asyncio.get_running_loop().create_task(self._compare(job), context=contextvars.Context())
         self.tasks.add(task)
@@ -275,7 +275,7 @@ class Comparer:
                 return
             weak_score = sum(g["weak"] for g in graded) / len(graded)
             strong_score = sum(g["strong"] for g in graded) / len(graded)
-            await self._store(job, weak.model, strong.model, weak_score, strong_score)
+            await self._store(job, tenant, weak_score, strong_score)
             self.outcomes.labels(route.name, "judged").inc()
         except GatewayError as exc:  # refused (rate limit, budget) or failed upstream: no label
             log.info("comparison_failed", route=route.name, request_id=job.request_id, error=exc.type)
@@ -298,7 +298,8 @@ class Comparer:
             JUDGE_EXPECTED_OUTPUT,
             self.stats,
         )
-        return answer + judge * (2 if job.route.compare and job.route.compare.both_orders else 1)
+        assert job.route.compare is not None
+        return answer + judge * (2 if job.route.compare.both_orders else 1)
 
     async def _ask(
         self, job: Job, target: Target, model: str, request: ChatRequest, purpose: str, spent: list[float]
@@ -324,13 +325,13 @@ class Comparer:
             if self.on_finish is not None:
                 self.on_finish(info.request_id)
 
-    async def _store(self, job: Job, weak: str, strong: str, weak_score: float, strong_score: float) -> None:
+    async def _store(self, job: Job, tenant: str, weak_score: float, strong_score: float) -> None:
         from sqlalchemy import select
 
         from gateway.db.models import Comparison
 
-        assert self.sessions is not None
-        tenant = job.principal.tenant_id or "anonymous"
+        route, compare = job.route, job.route.compare
+        assert self.sessions is not None and compare is not None
         async with self.sessions() as session, session.begin():
             row = await session.scalar(
                 select(Comparison).where(
@@ -340,9 +341,9 @@ class Comparer:
             if row is None:  # a client that sent one request id twice: the later grades win
                 row = Comparison(tenant_id=tenant, request_id=job.request_id)
                 session.add(row)
-            row.route, row.weak_model, row.strong_model, row.served = job.route.name, weak, strong, job.served
+            row.route, row.served, row.judge = route.name, job.served, compare.judge
+            row.weak_model, row.strong_model = route.candidates[0].model, route.candidates[1].model
             row.weak_score, row.strong_score = weak_score, strong_score
-            row.judge = job.route.compare.judge if job.route.compare else ""
 
     async def stop(self) -> None:
         """Cancel comparisons still running (shutdown): grades are not worth holding a replica for."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from sqlalchemy import select
@@ -137,29 +138,12 @@ async def load_feedback(
         report.feedback, report.compared = len(feedback), len(compared)
         by_judge = {c.request_id for c in compared}
         feedback = [f for f in feedback if f.request_id not in by_judge]
-        ids = [c.request_id for c in compared] + [f.request_id for f in feedback]
-        stored: dict[str, StoredPrompt] = {}
-        answered: dict[str, UsageEventRow] = {}
-        for start in range(0, len(ids), 500):  # bounded IN lists
-            chunk = ids[start : start + 500]
-            for prompt_row in (
-                await session.execute(
-                    select(StoredPrompt).where(
-                        StoredPrompt.tenant_id == tid, StoredPrompt.request_id.in_(chunk)
-                    )
-                )
-            ).scalars():
-                stored[prompt_row.request_id] = prompt_row
-            for event_row in (
-                await session.execute(
-                    select(UsageEventRow).where(
-                        UsageEventRow.tenant_id == tid,
-                        UsageEventRow.request_id.in_(chunk),
-                        UsageEventRow.status == 200,
-                    )
-                )
-            ).scalars():
-                answered[event_row.request_id] = event_row
+        feedback_ids = [f.request_id for f in feedback]
+        stored = await _by_request(
+            session, StoredPrompt, tid, [c.request_id for c in compared] + feedback_ids
+        )
+        # Who answered matters only for feedback: a comparison already says which grade is whose.
+        answered = await _by_request(session, UsageEventRow, tid, feedback_ids, UsageEventRow.status == 200)
     rows: list[tuple[str, Label]] = []
     for c in compared:
         prompt = _prompt(stored.get(c.request_id), vault, report)
@@ -183,6 +167,19 @@ async def load_feedback(
         rows.append((prompt, (right, None) if role == "weak" else (None, right)))
         report.used[role] += 1
     return _outcomes(rows), report
+
+
+async def _by_request(
+    session: AsyncSession, entity: Any, tid: str, ids: list[str], *where: Any
+) -> dict[str, Any]:
+    """The tenant's rows of `entity` (a table with tenant_id and request_id) for these request ids."""
+    found: dict[str, Any] = {}
+    for start in range(0, len(ids), 500):  # bounded IN lists
+        chunk = ids[start : start + 500]
+        query = select(entity).where(entity.tenant_id == tid, entity.request_id.in_(chunk), *where)
+        for row in (await session.execute(query)).scalars():
+            found[row.request_id] = row
+    return found
 
 
 # (weak right, strong right); None where that outcome is unknown
