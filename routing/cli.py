@@ -193,7 +193,7 @@ def train(
             source = str(data_dir or feedback)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise click.ClickException(f"cannot read training data: {exc}") from exc
-    cfg = replace(TrainConfig(), seed=seed, **({"epochs": epochs} if epochs else {}))
+    cfg = replace(TrainConfig(), seed=seed, epochs=epochs or TrainConfig.epochs)
     known = data.known()
     click.echo(
         f"{len(data)} prompts; weak accuracy {data.weak[known[:, 0]].mean():.3f} "
@@ -215,6 +215,12 @@ def train(
     head.meta["source"] = source
     if checked is not None:
         head.meta["holdout"] = checked
+    if aucs := head.meta.get("blend_aucs"):
+        click.echo(
+            f"blend: {head.meta['blend_inputs']} (cross-fitted AUC {aucs['components']:.3f} on the components, "
+            f"{aucs['components+length']:.3f} with the length feature)",
+            err=True,
+        )
     if head.meta.get("no_held_out_skill"):
         click.echo(
             "warning: on rows held out of its own fitting this head ranked prompts no better than chance "

@@ -42,10 +42,11 @@ if TYPE_CHECKING:
     from routing.embed import WordPieceEmbedder
 
 # 2 added the sparse n-gram component, 3 the fallback for prompts without answer options, 4 reads the
-# embedder its metadata names (MiniLM's first layers by default; 1-3 read the static table). Older
-# heads still load (1 and 2 score every prompt with the blend).
-HEAD_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# embedder its metadata names (MiniLM's first layers by default; 1-3 read the static table), 5 may blend
+# the length feature in beside the components (a blend one weight longer; heads that do not are still
+# written as 4). Older heads still load (1 and 2 score every prompt with the blend).
+HEAD_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 DEFAULT_HEAD_DIR = Path(__file__).parent / "data"  # the encoder head (v4)
 # The static-table head (v3), byte for byte as shipped before v4.
 STATIC_HEAD_DIR = DEFAULT_HEAD_DIR / "static"
@@ -149,7 +150,8 @@ class DifficultyHead:
     # overall mean), or with `TrainConfig.group_ridge` a ridge map from the posterior to the gain.
     group_gain: np.ndarray
     # Weights of the components (expected group gain, network strong-minus-weak, and with the sparse
-    # part its strong-minus-weak), then the bias: (3,) or (4,).
+    # part its strong-minus-weak), then, from version 5 where training chose it, of the length feature
+    # (`reads_length`), then the bias: (3,) or (4,), (4,) or (5,) with length.
     blend: np.ndarray
     # The sparse n-gram part (version 2): TF-IDF over WordPiece uni- and bigrams, two logistic
     # regressions (weak right, strong right). Empty arrays in a version 1 head.
@@ -168,6 +170,21 @@ class DifficultyHead:
     TENSORS = ("bag", "w1", "b1", "w2", "b2", "group_gain", "blend")
     SPARSE = ("idf", "sparse_w", "sparse_b")
     FALLBACK = ("fallback",)
+
+    @property
+    def component_count(self) -> int:
+        return 2 + bool(len(self.idf))
+
+    @property
+    def reads_length(self) -> bool:
+        """Whether the blend weighs the length feature beside the components (`TrainConfig.blend_length`)."""
+        return len(self.blend) == self.component_count + 2
+
+    def blend_inputs(self, components: np.ndarray, enc: Encoded) -> np.ndarray:
+        """What the blend weighs: the components, and the length feature where the head reads it."""
+        if not self.reads_length:
+            return components
+        return np.concatenate([components, enc.length[:, None].astype(components.dtype)], axis=1)
 
     @property
     def static_dim(self) -> int:
@@ -236,7 +253,7 @@ class DifficultyHead:
 
     def p_strong(self, enc: Encoded) -> np.ndarray:
         components, confidence = self.components_and_confidence(enc)
-        logit = components @ self.blend[:-1] + self.blend[-1]
+        logit = self.blend_inputs(components, enc) @ self.blend[:-1] + self.blend[-1]
         if len(self.fallback) and enc.options is not None and not enc.options.all():
             plain = ~enc.options
             x = fallback_features(components[plain], enc.length[plain], confidence[plain])
@@ -286,8 +303,9 @@ class DifficultyHead:
         check_recipe(self.embedder)
         hidden = self.w1.shape[0] if self.w1.ndim == 2 else -1
         outputs = 2 + len(self.group_gain)
-        components = 2 + bool(len(self.idf))
+        components = self.component_count
         fallback = 2 * components + 3  # fallback_features, then the bias
+        blend = ((components + 1,), (components + 2,))  # without and with the length feature
         expected = {
             "bag": (self.bag.ndim == 2 and self.bag.shape[0] >= VOCAB_SIZE, f"({VOCAB_SIZE}, bag_dim)"),
             "w1": (
@@ -298,11 +316,13 @@ class DifficultyHead:
             "w2": (self.w2.shape == (outputs, hidden), f"({outputs}, {hidden})"),
             "b2": (self.b2.shape == (outputs,), f"({outputs},)"),
             "group_gain": (self.group_gain.ndim == 1, "(groups,)"),
-            "blend": (self.blend.shape == (components + 1,), f"({components + 1},)"),
+            "blend": (self.blend.shape in blend, f"({components + 1},) or ({components + 2},)"),
             "sparse_w": (self.sparse_w.shape == (len(self.idf), 2), f"({len(self.idf)}, 2)"),
             "sparse_b": (self.sparse_b.shape == (2,), "(2,)"),
             "fallback": (self.fallback.shape in ((0,), (fallback,)), f"(0,) or ({fallback},)"),
         }
+        if self.reads_length and int(self.meta.get("version", HEAD_VERSION)) < 5:
+            expected["blend"] = (False, f"({components + 1},) before version 5")
         for name, (ok, shape) in expected.items():
             if not ok:
                 raise ValueError(

@@ -17,6 +17,7 @@ from routing.train import (
     MIN_BLEND_SLOPE,
     Outcomes,
     TrainConfig,
+    blend_aucs,
     cross_fitted_components,
     fit_blend,
     fit_head,
@@ -137,7 +138,7 @@ def test_sparse_part_learns_and_version_1_heads_still_load(
 ) -> None:
     data = load_mmlu(fixture_dir)
     enc = encode(embedder, data.prompts)
-    head = fit_head(data, enc, TrainConfig(epochs=3, sparse_buckets=1 << 16))
+    head = fit_head(data, enc, TrainConfig(epochs=3, sparse_buckets=1 << 16, blend_inputs="components"))
     assert head.blend.shape == (4,) and head.components(enc).shape == (len(data), 3)
     # The sparse regressions fit their training rows better than a constant does.
     p = head.sparse_correct(enc)
@@ -150,7 +151,7 @@ def test_sparse_part_learns_and_version_1_heads_still_load(
     np.testing.assert_allclose(
         DifficultyHead.load(tmp_path / "v2").p_strong(enc), head.p_strong(enc), atol=2e-3
     )
-    old = fit_head(data, enc, TrainConfig(epochs=3, sparse_buckets=0))
+    old = fit_head(data, enc, TrainConfig(epochs=3, sparse_buckets=0, blend_inputs="components"))
     old.meta["version"] = 1
     old.save(tmp_path / "v1")
     assert not (
@@ -166,7 +167,7 @@ def test_blend_is_calibrated_on_scores_from_heads_that_never_saw_the_row(
 ) -> None:
     data = load_mmlu(fixture_dir)
     enc = encode(embedder, data.prompts)
-    cfg = TrainConfig(epochs=3, sparse_buckets=1 << 16, calibration_folds=3)
+    cfg = TrainConfig(epochs=3, sparse_buckets=1 << 16, calibration_folds=3, blend_inputs="components")
     seen: list[set[str]] = []
     fit_parts = train_module._fit_parts
 
@@ -189,6 +190,57 @@ def test_blend_is_calibrated_on_scores_from_heads_that_never_saw_the_row(
     # The in-sample blend is a different fit (it sees the sparse part's near-memorised training rows).
     in_sample = fit_head(data, enc, replace(cfg, calibration_folds=0))
     assert not np.allclose(in_sample.blend, head.blend, rtol=1e-3)
+
+
+def test_the_blend_takes_in_length_only_where_it_ranks_the_rows_better(
+    tmp_path: Path, fixture_dir: Path, embedder: StaticEmbedder
+) -> None:
+    data = load_mmlu(fixture_dir)
+    enc = encode(embedder, data.prompts)
+    cfg = TrainConfig(epochs=3, sparse_buckets=1 << 16, calibration_folds=3)
+    long = enc.length > np.median(enc.length)
+    everyone_right = np.ones(len(data), bool)
+    # The weak model fails exactly the long prompts: length ranks them perfectly.
+    head = fit_head(Outcomes(data.prompts, ~long, everyone_right), enc, cfg)
+    aucs, chosen = head.meta["blend_aucs"], head.meta["blend_inputs"]
+    assert chosen == "components+length" and aucs[chosen] > aucs["components"]
+    assert head.reads_length and head.blend.shape == (5,) and head.meta["version"] == 5
+    p = head.p_strong(enc)
+    assert train_module.auc(p, long) > 0.95
+    head.save(tmp_path / "v5")
+    loaded = DifficultyHead.load(tmp_path / "v5")
+    assert loaded.reads_length
+    np.testing.assert_allclose(loaded.p_strong(enc), p, atol=2e-3)
+    # The weak model fails exactly the short prompts: length would rank them backwards, so it stays out.
+    against = fit_head(Outcomes(data.prompts, long, everyone_right), enc, cfg)
+    against_aucs = against.meta["blend_aucs"]
+    assert against.meta["blend_inputs"] == "components"
+    assert against_aucs["components+length"] < against_aucs["components"]
+    assert not against.reads_length and against.blend.shape == (4,) and against.meta["version"] == 4
+    # Asked for by name; and no choice without cross-fitted scores to choose on.
+    named = fit_head(data, enc, replace(cfg, blend_inputs="components+length"))
+    assert named.reads_length and "blend_aucs" not in named.meta
+    assert named.blend.shape == (5,) and named.blend[3] > 0
+    assert fit_head(data, enc, replace(cfg, calibration_folds=0)).meta["blend_inputs"] == "components"
+    with pytest.raises(ValueError, match="blend_inputs"):
+        fit_head(data, enc, replace(cfg, blend_inputs="everything"))
+    # A head older than version 5 cannot read length: a blend one weight too long is refused.
+    head.meta["version"] = 4
+    with pytest.raises(ValueError, match="before version 5"):
+        head.check("test")
+
+
+def test_blend_aucs_read_feedback_rows_by_the_weak_outcome_they_know() -> None:
+    rng = np.random.default_rng(3)
+    n = 400
+    length = rng.random(n)
+    weak_known = rng.random(n) < 0.5
+    # Where the weak model answered it failed the long prompts; the strong model's rows say nothing.
+    data = Outcomes(
+        [str(i) for i in range(n)], length < 0.5, rng.random(n) < 0.5, None, weak_known, ~weak_known
+    )
+    aucs = blend_aucs(rng.normal(size=(n, 3)), length, data)
+    assert abs(aucs["components"] - 0.5) < 0.1 and aucs["components+length"] > aucs["components"] + 0.15
 
 
 def test_fit_blend_weighs_components_equally_and_matches_the_base_rate() -> None:
@@ -241,7 +293,9 @@ def test_group_ridge_fits_the_group_gains_on_cross_fitted_posteriors(
 ) -> None:
     data = load_mmlu(fixture_dir)
     enc = encode(embedder, data.prompts)
-    cfg = TrainConfig(epochs=3, sparse_buckets=1 << 16, calibration_folds=3, group_ridge=1.0)
+    cfg = TrainConfig(
+        epochs=3, sparse_buckets=1 << 16, calibration_folds=3, group_ridge=1.0, blend_inputs="components"
+    )
     head = fit_head(data, enc, cfg)
     components, _, posterior = cross_fitted_components(data, enc, cfg, 3)
     assert posterior.shape == (len(data), 2)

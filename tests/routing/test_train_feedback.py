@@ -269,6 +269,10 @@ def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Pat
     # Checked on a held-out fifth first, against the shipped head; the finding is kept in the head.
     assert "held out" in result.stderr and "weak model wrong" in result.stderr
     assert meta["holdout"]["share"] == 0.2 and meta["holdout"]["results"][0]["trained"] >= 0.9
+    # What the blend weighs was chosen on the rows' cross-fitted scores, and the command says so.
+    assert meta["blend_inputs"] in ("components", "components+length")
+    assert f"blend: {meta['blend_inputs']} (cross-fitted AUC" in result.stderr
+    assert meta["version"] == (5 if meta["blend_inputs"] == "components+length" else 4)
     lines = "\n".join(json.dumps({"prompt": p}) for p in (hard(200), easy(200))) + "\n"
     scored = run(["router", "score", "--head", str(out)], lines)
     hard_p, easy_p = (json.loads(line)["p_strong"] for line in scored.stdout.splitlines())
