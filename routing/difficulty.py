@@ -177,14 +177,8 @@ class DifficultyHead:
 
     @property
     def reads_length(self) -> bool:
-        """Whether the blend weighs the length feature beside the components (`TrainConfig.blend_length`)."""
+        """Whether the blend weighs the length feature beside the components (`TrainConfig.blend_inputs`)."""
         return len(self.blend) == self.component_count + 2
-
-    def blend_inputs(self, components: np.ndarray, enc: Encoded) -> np.ndarray:
-        """What the blend weighs: the components, and the length feature where the head reads it."""
-        if not self.reads_length:
-            return components
-        return np.concatenate([components, enc.length[:, None].astype(components.dtype)], axis=1)
 
     @property
     def static_dim(self) -> int:
@@ -253,7 +247,10 @@ class DifficultyHead:
 
     def p_strong(self, enc: Encoded) -> np.ndarray:
         components, confidence = self.components_and_confidence(enc)
-        logit = self.blend_inputs(components, enc) @ self.blend[:-1] + self.blend[-1]
+        blended = components
+        if self.reads_length:
+            blended = np.concatenate([components, enc.length[:, None].astype(components.dtype)], axis=1)
+        logit = blended @ self.blend[:-1] + self.blend[-1]
         if len(self.fallback) and enc.options is not None and not enc.options.all():
             plain = ~enc.options
             x = fallback_features(components[plain], enc.length[plain], confidence[plain])
