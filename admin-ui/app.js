@@ -435,10 +435,11 @@ function headsSection(heads, status, reload) {
       { label: "Rows", num: true, render: (d) => intFmt(d.rows) },
       { label: "Source", render: (d) => d.source ?? "—" },
       { label: "Held-out AUC", render: holdout },
+      { label: "Blend", render: (d) => d.blend_inputs ?? "components" },
       { label: "Updated (UTC)", render: (d) => timeFmt(d.updated_at) },
       { label: "Served here", render: (d) => headServed(d, status) },
       { label: "", render: remove },
-    ], heads, { caption: "Held-out AUC: how a head fitted without a held-out share ranked it against the shipped head (weir router train --holdout)." })
+    ], heads, { caption: "Held-out AUC: how a head fitted without a held-out share ranked it against the shipped head (weir router train --holdout). Blend: what the head's blend weighs; components+length where training found the prompt's length ranked its rows better." })
       : empty("No difficulty heads stored: difficulty routes use the shipped head. Upload one below."),
     h("h3", {}, "Upload a head"), form);
 }

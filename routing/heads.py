@@ -126,6 +126,8 @@ def describe(row: DifficultyHeadRow) -> dict[str, Any]:
         "weak_labelled": meta.get("weak_labelled"),
         "strong_labelled": meta.get("strong_labelled"),
         "holdout": meta.get("holdout"),  # `weir router train --holdout`: against the shipped head
+        # What the blend weighs (`TrainConfig.blend_inputs`); heads trained before version 5, components.
+        "blend_inputs": meta.get("blend_inputs", "components"),
         "created_at": row.created_at.isoformat(),
         "updated_at": row.updated_at.isoformat(),
     }

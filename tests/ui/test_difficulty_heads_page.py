@@ -60,6 +60,8 @@ def test_upload_a_head_route_by_it_and_it_cannot_be_deleted_in_use(
     assert "acme-v1" in row and digest(data)[:12] in row and head.embedder in row, row
     assert "test head, bias 8.0" in row and "14,037" in row, row
     assert "this head 0.731 vs shipped 0.605" in row and "not used by a route" in row, row
+    # A head trained before version 5 blends its components only.
+    assert rows.first.locator("td").nth(6).inner_text() == "components", row
     stored = routed.admin.get("/difficulty-heads").json()["data"]
     assert [(h["name"], h["digest"]) for h in stored] == [("acme-v1", digest(data))]
 
