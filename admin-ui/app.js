@@ -435,7 +435,7 @@ function headsSection(heads, status, reload) {
       { label: "Rows", num: true, render: (d) => intFmt(d.rows) },
       { label: "Source", render: (d) => d.source ?? "—" },
       { label: "Held-out AUC", render: holdout },
-      { label: "Blend", render: (d) => d.blend_inputs ?? "components" },
+      { label: "Blend", key: "blend_inputs" },
       { label: "Updated (UTC)", render: (d) => timeFmt(d.updated_at) },
       { label: "Served here", render: (d) => headServed(d, status) },
       { label: "", render: remove },

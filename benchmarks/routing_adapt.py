@@ -69,6 +69,23 @@ def paired_difference(
     return point, float(lo), float(hi)
 
 
+def table(
+    title: str, scores: dict[str, np.ndarray], data: Outcomes, rounds: int, against: str, diff: str
+) -> None:
+    """APGR, CPT(50%) and Q@30% of each router with bootstrap intervals, and column `diff`: its
+    paired APGR difference against the router `against`."""
+    results = {}
+    for name, score in scores.items():
+        full = bootstrap(score, data.weak, data.strong, rounds)
+        results[name] = {k: full[k] for k in ("APGR", "CPT(50%)", "Q@30%")}
+        results[name][diff] = (
+            paired_difference(score, scores[against], data.weak, data.strong, rounds)
+            if name != against
+            else (float("nan"),) * 3
+        )
+    print_table(title, results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -166,20 +183,14 @@ def main() -> None:
             scores[name] = head.p_strong(test_enc)
         print(f"tenant heads on {n} rows fitted ({time.perf_counter() - started:.0f} s)", flush=True)
 
-    results = {}
-    for name, score in scores.items():
-        full_metrics = bootstrap(score, test.weak, test.strong, args.rounds)
-        results[name] = {k: full_metrics[k] for k in ("APGR", "CPT(50%)", "Q@30%")}
-        if name != "generic head (half A)":
-            results[name]["APGR - generic"] = paired_difference(
-                score, scores["generic head (half A)"], test.weak, test.strong, args.rounds
-            )
-        else:
-            results[name]["APGR - generic"] = (float("nan"),) * 3
-    print_table(
+    table(
         f"Held-out tenant prompts (half B, {len(test_rows)} prompts; weak {test.weak.mean():.3f}, "
         f"strong {test.strong.mean():.3f})",
-        results,
+        scores,
+        test,
+        args.rounds,
+        "generic head (half A)",
+        "APGR - generic",
     )
     print(f"\n{time.perf_counter() - started:.0f} s in all")
 

@@ -34,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.routing_adapt import paired_difference, route_stream
-from benchmarks.routing_eval import bootstrap, metrics, print_table
+from benchmarks.routing_adapt import route_stream, table
+from benchmarks.routing_eval import metrics, print_table
 from routing.difficulty import DifficultyClassifier, encode, has_answer_options
 from routing.embed import STATIC_RECIPE, load_embedder
 from routing.train import Outcomes, TrainConfig, auc_interval, fit_head, load_jsonl, prompt_fold
@@ -53,19 +53,6 @@ def load_outcomes(path: Path) -> Outcomes:
     return Outcomes([r[0] for r in rows], np.array([r[1] for r in rows]), np.array([r[2] for r in rows]))
 
 
-def table(title: str, scores: dict[str, np.ndarray], data: Outcomes, rounds: int, against: str) -> None:
-    results = {}
-    for name, score in scores.items():
-        full = bootstrap(score, data.weak, data.strong, rounds)
-        results[name] = {k: full[k] for k in ("APGR", "CPT(50%)", "Q@30%")}
-        results[name]["APGR diff"] = (
-            paired_difference(score, scores[against], data.weak, data.strong, rounds)
-            if name != against
-            else (float("nan"),) * 3
-        )
-    print_table(f"{title}; APGR diff: paired, against {against}", results)
-
-
 def fold_apgr(score: np.ndarray, data: Outcomes, rows: list[np.ndarray]) -> float:
     """The mean over folds of each fold's APGR, `rows[k]` being fold k's rows (a resample of them)."""
     return float(np.mean([metrics(score[r], data.weak[r], data.strong[r])["APGR"] for r in rows]))
@@ -81,12 +68,13 @@ def fold_table(
     rng = np.random.default_rng(0)
     folds = [np.flatnonzero(fold == k) for k in np.unique(fold)]
     draws = [[rng.choice(r, len(r)) for r in folds] for _ in range(rounds)]
+    base = np.array([fold_apgr(scores[against], data, d) for d in draws])
+    base_point = fold_apgr(scores[against], data, folds)
     results = {}
     for name, score in scores.items():
         values = np.array([fold_apgr(score, data, d) for d in draws])
-        base = np.array([fold_apgr(scores[against], data, d) for d in draws])
         point = fold_apgr(score, data, folds)
-        diff = point - fold_apgr(scores[against], data, folds)
+        diff = point - base_point
         results[name] = {
             "APGR, fold mean": (point, *np.percentile(values, [2.5, 97.5])),
             "APGR diff": (diff, *np.percentile(values - base, [2.5, 97.5]))
@@ -133,11 +121,13 @@ def main() -> None:
     lengths = np.array([len(p) for p in data.prompts], float)
     baselines = {"prompt length": lengths, "random": np.random.default_rng(7).random(len(data))}
     table(
-        f"1. Every prompt ({len(data)}), no head trained on any of them; 95% bootstrap CIs, {args.rounds} rounds",
+        f"1. Every prompt ({len(data)}), no head trained on any of them; 95% bootstrap CIs, {args.rounds} "
+        "rounds; APGR diff: paired, against prompt length",
         {**shipped, **baselines},
         data,
         args.rounds,
         "prompt length",
+        "APGR diff",
     )
     print("\n   AUC, needs the strong model (weak wrong, strong right) vs the rest:")
     for name, (v, lo, hi) in auc_interval({**shipped, "prompt length": lengths}, needs_strong).items():

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 # written as 4). Older heads still load (1 and 2 score every prompt with the blend).
 HEAD_VERSION = 5
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
+LENGTH_VERSION = 5  # the first version whose blend may weigh the length feature
 DEFAULT_HEAD_DIR = Path(__file__).parent / "data"  # the encoder head (v4)
 # The static-table head (v3), byte for byte as shipped before v4.
 STATIC_HEAD_DIR = DEFAULT_HEAD_DIR / "static"
@@ -94,6 +95,11 @@ def fallback_features(components: np.ndarray, length: np.ndarray, confidence: np
     return np.concatenate(
         [components, length[:, None], components * confidence[:, None], confidence[:, None]], axis=1
     )
+
+
+def with_length(components: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The blend's inputs when it weighs the length feature: the components, then the length."""
+    return np.concatenate([components, length[:, None].astype(components.dtype)], axis=1)
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -247,9 +253,7 @@ class DifficultyHead:
 
     def p_strong(self, enc: Encoded) -> np.ndarray:
         components, confidence = self.components_and_confidence(enc)
-        blended = components
-        if self.reads_length:
-            blended = np.concatenate([components, enc.length[:, None].astype(components.dtype)], axis=1)
+        blended = with_length(components, enc.length) if self.reads_length else components
         logit = blended @ self.blend[:-1] + self.blend[-1]
         if len(self.fallback) and enc.options is not None and not enc.options.all():
             plain = ~enc.options
@@ -318,8 +322,8 @@ class DifficultyHead:
             "sparse_b": (self.sparse_b.shape == (2,), "(2,)"),
             "fallback": (self.fallback.shape in ((0,), (fallback,)), f"(0,) or ({fallback},)"),
         }
-        if self.reads_length and int(self.meta.get("version", HEAD_VERSION)) < 5:
-            expected["blend"] = (False, f"({components + 1},) before version 5")
+        if self.reads_length and int(self.meta.get("version", HEAD_VERSION)) < LENGTH_VERSION:
+            expected["blend"] = (False, f"({components + 1},) before version {LENGTH_VERSION}")
         for name, (ok, shape) in expected.items():
             if not ok:
                 raise ValueError(

@@ -30,7 +30,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from routing.difficulty import HEAD_VERSION, DifficultyHead, Encoded, fallback_features, ngram_features
+from routing.difficulty import (
+    HEAD_VERSION,
+    LENGTH_VERSION,
+    DifficultyHead,
+    Encoded,
+    fallback_features,
+    ngram_features,
+    with_length,
+)
 from routing.embed import VOCAB_SIZE
 
 
@@ -319,6 +327,11 @@ def ridge_group_gain(posterior: np.ndarray, gain: np.ndarray, alpha: float) -> n
 MIN_BLEND_SLOPE = 1e-3
 
 
+def unit_scale(components: np.ndarray) -> np.ndarray:
+    """Per column, what scales it to unit spread (the blend sums its inputs with equal weight so)."""
+    return 1.0 / np.maximum(components.std(axis=0), 1e-6)
+
+
 def fit_blend(components: np.ndarray, target: np.ndarray) -> np.ndarray:
     """Blend weights of the components and a bias, from cross-fitted component scores (see
     `cross_fitted_components`): each component is scaled to unit spread and they are summed with
@@ -329,7 +342,7 @@ def fit_blend(components: np.ndarray, target: np.ndarray) -> np.ndarray:
     squares to the gain, ranked held-out folds worse (cross-fitted APGR 0.687 and 0.690 against 0.693
     for equal weights), as the components are strongly correlated and their fitted weights unstable.
     """
-    scale = 1.0 / np.maximum(components.std(axis=0), 1e-6)
+    scale = unit_scale(components)
     x = torch.from_numpy((components @ scale).astype(np.float64))
     y = torch.from_numpy(target.astype(np.float64))
     w = torch.zeros(2, dtype=torch.float64, requires_grad=True)
@@ -367,9 +380,7 @@ BLEND_INPUTS = ("components", "components+length")
 
 def blend_columns(components: np.ndarray, length: np.ndarray, inputs: str) -> np.ndarray:
     """The columns the blend is fitted on for `inputs` (one of `BLEND_INPUTS`)."""
-    if inputs == "components":
-        return components
-    return np.concatenate([components, length[:, None]], axis=1)
+    return components if inputs == "components" else with_length(components, length)
 
 
 def blend_aucs(components: np.ndarray, length: np.ndarray, data: Outcomes) -> dict[str, float]:
@@ -383,7 +394,7 @@ def blend_aucs(components: np.ndarray, length: np.ndarray, data: Outcomes) -> di
     out = {}
     for inputs in BLEND_INPUTS:
         x = blend_columns(components, length, inputs)
-        out[inputs] = auc((x @ (1.0 / np.maximum(x.std(axis=0), 1e-6)))[rows], target)
+        out[inputs] = auc((x @ unit_scale(x))[rows], target)
     return out
 
 
@@ -566,8 +577,8 @@ def fit_head(
         head.fallback = fit_fallback(data, enc, stems, cfg)
     weak_rows, strong_rows = known[:, 0], known[:, 1]
     head.meta = {
-        # A head that does not read length is one Weir versions before 5 read as well.
-        "version": HEAD_VERSION if head.reads_length else 4,
+        # A head that does not read length is one Weir versions before it read as well.
+        "version": HEAD_VERSION if head.reads_length else LENGTH_VERSION - 1,
         "embedder": enc.recipe,
         "rows": len(data),
         "groups": sorted(set(data.groups)) if data.groups is not None else [],
