@@ -12,7 +12,7 @@ from typing import Any
 from litestar import get
 from sqlalchemy import Integer, and_, case, func, select
 
-from gateway.admin.router import AdminContext, AdminError, _tenant
+from gateway.admin.router import AdminContext, AdminError, tenant_or_404
 from gateway.db.models import Comparison
 from routing.compare import ACCEPTABLE
 
@@ -32,7 +32,7 @@ async def list_comparisons(
         where.append(Comparison.route == route)
     weak_ok, strong_ok = Comparison.weak_score >= ACCEPTABLE, Comparison.strong_score >= ACCEPTABLE
     async with ctx.sessions() as session:
-        await _tenant(session, tenant_id)
+        await tenant_or_404(session, tenant_id)
         rows = (
             await session.scalars(
                 select(Comparison)

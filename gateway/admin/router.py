@@ -193,7 +193,8 @@ def price_json(p: Price) -> dict[str, Any]:
     }
 
 
-async def _tenant(session: AsyncSession, tenant_id: str) -> Tenant:
+async def tenant_or_404(session: AsyncSession, tenant_id: str) -> Tenant:
+    """The tenant, or the admin API's 404 (every tenant-scoped admin route starts with this)."""
     tenant = await session.get(Tenant, tenant_id)
     if tenant is None:
         raise AdminError(404, f"no tenant with id {tenant_id!r}", "not_found", "tenant_id")
@@ -233,14 +234,14 @@ async def list_tenants(ctx: AdminContext) -> dict[str, Any]:
 @get("/tenants/{tenant_id:str}")
 async def get_tenant(tenant_id: str, ctx: AdminContext) -> dict[str, Any]:
     async with ctx.sessions() as session:
-        return tenant_json(await _tenant(session, tenant_id))
+        return tenant_json(await tenant_or_404(session, tenant_id))
 
 
 @patch("/tenants/{tenant_id:str}")
 async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = decode(await request.body(), TenantPatch)
     async with ctx.write() as (session, audit):
-        tenant = await _tenant(session, tenant_id)
+        tenant = await tenant_or_404(session, tenant_id)
         before = tenant_json(tenant)
         if body.name is not msgspec.UNSET:
             tenant.name = body.name
@@ -262,7 +263,7 @@ async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> 
 @delete("/tenants/{tenant_id:str}", status_code=204)
 async def delete_tenant(tenant_id: str, ctx: AdminContext) -> None:
     async with ctx.write() as (session, audit):
-        tenant = await _tenant(session, tenant_id)
+        tenant = await tenant_or_404(session, tenant_id)
         hashes = (await session.scalars(select(ApiKey.key_hash).where(ApiKey.tenant_id == tenant_id))).all()
         audit("delete", "tenant", tenant.id, tenant_json(tenant), None)
         await session.delete(tenant)
@@ -282,7 +283,7 @@ async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dic
         )
     key, prefix, digest = new_key()
     async with ctx.write() as (session, audit):
-        await _tenant(session, tenant_id)
+        await tenant_or_404(session, tenant_id)
         row = ApiKey(
             tenant_id=tenant_id,
             name=body.name,
@@ -304,7 +305,7 @@ async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dic
 @get("/tenants/{tenant_id:str}/keys")
 async def list_keys(tenant_id: str, ctx: AdminContext) -> dict[str, Any]:
     async with ctx.sessions() as session:
-        await _tenant(session, tenant_id)
+        await tenant_or_404(session, tenant_id)
         keys = (
             await session.scalars(
                 select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at)

@@ -16,9 +16,9 @@ import msgspec
 from litestar import Request, delete, get, put
 from sqlalchemy import select
 
-from gateway.admin.router import AdminContext, AdminError, decode
+from gateway.admin.router import AdminContext, AdminError, decode, tenant_or_404
 from gateway.credentials import context
-from gateway.db.models import BackendCredential, StoredPrompt, Tenant, utcnow
+from gateway.db.models import BackendCredential, StoredPrompt, utcnow
 from gateway.prompts import read_body
 from gateway.security import SecurityControls
 from gateway.vault import VaultError, fingerprint
@@ -124,17 +124,10 @@ async def delete_credential(name: str, request: Request[Any, Any, Any], ctx: Adm
 # --- stored prompts ------------------------------------------------------------------------------
 
 
-async def _tenant(session: Any, tenant_id: str) -> Tenant:
-    tenant = await session.get(Tenant, tenant_id)
-    if tenant is None:
-        raise AdminError(404, f"no tenant with id {tenant_id!r}", "not_found", "tenant_id")
-    return tenant
-
-
 @get("/tenants/{tenant_id:str}/prompts")
 async def list_prompts(tenant_id: str, ctx: AdminContext, limit: int = 100) -> dict[str, Any]:
     async with ctx.sessions() as session:
-        await _tenant(session, tenant_id)
+        await tenant_or_404(session, tenant_id)
         rows = (
             await session.execute(
                 select(StoredPrompt.request_id, StoredPrompt.ts, StoredPrompt.endpoint, StoredPrompt.status)
@@ -156,7 +149,7 @@ async def get_prompt(
     tenant_id: str, request_id: str, request: Request[Any, Any, Any], ctx: AdminContext
 ) -> dict[str, Any]:
     async with ctx.write() as (session, audit):
-        await _tenant(session, tenant_id)
+        await tenant_or_404(session, tenant_id)
         rows = (
             await session.scalars(
                 select(StoredPrompt)
