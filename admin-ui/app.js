@@ -610,6 +610,14 @@ const shareFmt = (v) => `${Math.round(Number(v) * 100)}%`;
 const gradeFmt = (s) => h("span", { class: s >= 0.5 ? "ok" : "bad", title: `score ${Number(s).toFixed(3)}` },
   `${Math.round((Number(s) * 9 + 1) * 10) / 10}/10`);
 
+// A head's AUC on compared traffic, and what its interval says about it against a coin toss.
+const rankingCell = (r) => {
+  if (r.auc === null) return h("span", { title: "needs requests of both kinds: some that only the strong model answered acceptably, some not" }, "not yet");
+  const tone = { "better than chance": "ok", "worse than chance": "bad" }[r.verdict] || null;
+  return h("span", { class: tone, title: `95% interval ${aucFmt(r.auc_low)} to ${aucFmt(r.auc_high)}` },
+    `${aucFmt(r.auc)} (${r.verdict})`);
+};
+
 // What the judge said of both candidates' answers (a difficulty route's `compare`), for one tenant.
 async function tenantComparisons(tenant) {
   let data;
@@ -629,6 +637,13 @@ async function tenantComparisons(tenant) {
         { label: "Strong acceptable", num: true, render: (s) => shareFmt(s.strong_acceptable) },
         { label: "Only strong acceptable", num: true, render: (s) => shareFmt(s.only_strong_acceptable) },
       ], data.summary, { caption: "Acceptable: a judge's grade of 6 or more out of 10. Only strong acceptable is the share a difficulty route should send to the strong model." }),
+      (data.ranking || []).length ? table([
+        { label: "Route", key: "route" },
+        { label: "Head", render: (r) => r.head || "(set in code)" },
+        { label: "Comparisons", num: true, render: (r) => intFmt(r.comparisons) },
+        { label: "Needed strong", num: true, render: (r) => intFmt(r.needs_strong) },
+        { label: "Ranking (AUC)", num: true, render: rankingCell },
+      ], data.ranking, { caption: "How well each head's score ranked the compared requests: the chance that one which only the strong model answered acceptably scored above one that did not (0.5 is a coin toss), over the latest 5,000 (hover for the 95% interval); a verdict needs 10 of each kind. A head worse than chance sends the wrong requests strong: train one on these comparisons (weir router train --tenant) or route a fixed share." }) : null,
       table([
         { label: "Request", render: (c) => h("code", {}, c.request_id) },
         { label: "Route", render: (c) => `${c.route} (${pair(c)})` },

@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from routing.difficulty import HEADS, DifficultyClassifier, Encoded, HeadChoice, encode, scoring_time
 from routing.embed import DEFAULT_RECIPE, load_embedder
+from routing.ranking import auc as train_auc
+from routing.ranking import auc_interval
 from routing.train import (
     Outcomes,
     TrainConfig,
-    auc_interval,
     fit_blend,
     fit_head,
     group_folds,
@@ -39,7 +40,6 @@ from routing.train import (
     prompt_fold,
     question_stem,
 )
-from routing.train import auc as train_auc
 
 SHARES = (0.2, 0.3, 0.5)
 
@@ -68,6 +68,13 @@ def metrics(score: np.ndarray, weak: np.ndarray, strong: np.ndarray) -> dict[str
     for share in SHARES:
         out[f"Q@{share:.0%}"] = float(q[round(share * n)])
     return out
+
+
+def fold_apgr(score: np.ndarray, weak: np.ndarray, strong: np.ndarray, rows: list[np.ndarray]) -> float:
+    """The mean over folds of each fold's APGR, `rows[k]` being fold k's rows (or a resample of them):
+    each fold ranked by its own head alone, as a strong-share route ranks one head's scores. Pooled
+    scores would also rank the fold heads' calibrations against each other."""
+    return float(np.mean([metrics(score[r], weak[r], strong[r])["APGR"] for r in rows]))
 
 
 def bootstrap(score: np.ndarray, weak: np.ndarray, strong: np.ndarray, rounds: int, seed: int = 0) -> dict:
@@ -659,6 +666,14 @@ def main() -> None:
         calibration("blend and Platt fitted on cross-fitted scores (v3, shipped)", ours, needs_strong)
         base = results["random"]["APGR"][0]
         print(f"  APGR ratio ours / random = {results['weir difficulty (ours)']['APGR'][0] / base:.2f}")
+        rows = [np.flatnonzero(fold == k) for k in np.unique(fold)]
+        print(
+            "  APGR fold by fold, mean (each fold ranked by its own head alone): "
+            + ", ".join(
+                f"{name} {fold_apgr(routers[name], w, s, rows):.4f}"
+                for name in ("weir difficulty (ours)", own, "prompt length", "random")
+            )
+        )
         artefact_free(routers, data)
     if args.save_scores:
         np.savez(args.save_scores, **saved)

@@ -5,8 +5,10 @@
 `--outcomes` is any file of per-prompt outcomes of a weak and a strong model: RouteLLM's CSV format
 (`prompt, <weak model>, <strong model>, ...`, True/False, as in ../shared/data/routing-mmlu; RouteLLM's
 `routellm/evals/gsm8k/gsm8k_responses.csv` holds Mixtral-8x7B and GPT-4 on the 1,319 GSM8K test
-questions, the same two models as the MMLU data) or the JSON lines `weir router train --feedback`
-reads. Nothing here is trained on it before it is scored:
+questions, the same two models as the MMLU data), AlpacaEval's judged pairs (`results/<model>/
+alpaca_eval_gpt4_turbo_fn/annotations.json` in tatsu-lab/alpaca_eval: the model against GPT-4-1106's
+reference answers on 805 chat instructions, graded by GPT-4-1106) or the JSON lines `weir router train
+--feedback` reads. Nothing here is trained on it before it is scored:
 
 1. **The shipped heads as they are** (static v3 and encoder v4, both, whatever this CPU would serve),
    scored on every prompt against prompt length and random: APGR, CPT(50%), quality at 30% strong
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import sys
 import time
 from dataclasses import replace
@@ -35,14 +38,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.routing_adapt import route_stream, table
-from benchmarks.routing_eval import metrics, print_table
+from benchmarks.routing_eval import fold_apgr, print_table
 from routing.difficulty import DifficultyClassifier, encode, has_answer_options
 from routing.embed import STATIC_RECIPE, load_embedder
-from routing.train import Outcomes, TrainConfig, auc_interval, fit_head, load_jsonl, prompt_fold
+from routing.ranking import auc_interval
+from routing.train import Outcomes, TrainConfig, fit_head, load_jsonl, prompt_fold
 
 
 def load_outcomes(path: Path) -> Outcomes:
-    """RouteLLM's CSV (the first three columns: prompt, weak, strong) or feedback JSON lines."""
+    """RouteLLM's CSV (the first three columns: prompt, weak, strong), AlpacaEval's annotations (a
+    `.json` list) or feedback JSON lines."""
+    if path.suffix == ".json":
+        return load_alpaca_eval(path)
     if path.suffix != ".csv":
         return load_jsonl(path)
     with path.open(newline="") as fh:
@@ -53,9 +60,20 @@ def load_outcomes(path: Path) -> Outcomes:
     return Outcomes([r[0] for r in rows], np.array([r[1] for r in rows]), np.array([r[2] for r in rows]))
 
 
-def fold_apgr(score: np.ndarray, data: Outcomes, rows: list[np.ndarray]) -> float:
-    """The mean over folds of each fold's APGR, `rows[k]` being fold k's rows (a resample of them)."""
-    return float(np.mean([metrics(score[r], data.weak[r], data.strong[r])["APGR"] for r in rows]))
+def load_alpaca_eval(path: Path) -> Outcomes:
+    """AlpacaEval's `results/<model>/<annotator>/annotations.json`: a judge's verdict between the
+    reference answer (`output_1`, the strong model) and the evaluated model's (`output_2`, the weak
+    one) on each instruction. `preference` is 1 where the reference wins, 2 where the model does, 1.5
+    (or 0) for a draw. A verdict is what a route's `compare` records: the preferred answer counts as
+    right, and a draw as right for both, so "needs the strong model" is exactly "the reference won"."""
+    records = json.loads(path.read_text())
+    preference = np.array([float(r["preference"]) for r in records])
+    if not np.isin(preference, (0.0, 1.0, 1.5, 2.0)).all():
+        raise ValueError(f"{path}: preferences must be 0, 1, 1.5 or 2 (AlpacaEval's discrete verdicts)")
+    draw = np.isin(preference, (0.0, 1.5))
+    weak, strong = records[0].get("generator_2", "output_2"), records[0].get("generator_1", "output_1")
+    print(f"{path.name}: weak = {weak}, strong = {strong} (judged pairwise; {draw.sum()} draws)")
+    return Outcomes([r["instruction"] for r in records], (preference == 2) | draw, (preference == 1) | draw)
 
 
 def fold_table(
@@ -68,12 +86,12 @@ def fold_table(
     rng = np.random.default_rng(0)
     folds = [np.flatnonzero(fold == k) for k in np.unique(fold)]
     draws = [[rng.choice(r, len(r)) for r in folds] for _ in range(rounds)]
-    base = np.array([fold_apgr(scores[against], data, d) for d in draws])
-    base_point = fold_apgr(scores[against], data, folds)
+    base = np.array([fold_apgr(scores[against], data.weak, data.strong, d) for d in draws])
+    base_point = fold_apgr(scores[against], data.weak, data.strong, folds)
     results = {}
     for name, score in scores.items():
-        values = np.array([fold_apgr(score, data, d) for d in draws])
-        point = fold_apgr(score, data, folds)
+        values = np.array([fold_apgr(score, data.weak, data.strong, d) for d in draws])
+        point = fold_apgr(score, data.weak, data.strong, folds)
         diff = point - base_point
         results[name] = {
             "APGR, fold mean": (point, *np.percentile(values, [2.5, 97.5])),

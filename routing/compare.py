@@ -135,6 +135,8 @@ class Job:
     served: Role
     answer: str
     shown_first: Role  # which answer the judge reads as A
+    p_strong: float | None  # the route's head's score of the request, and which head gave it
+    head: str | None
 
 
 class Comparer:
@@ -225,7 +227,19 @@ class Comparer:
             self.outcomes.labels(route.name, "busy").inc()
             return
         first: Role = "weak" if self.rng.random() < 0.5 else "strong"
-        job = Job(call.principal, call.info.request_id, route, request, feats, served, answer, first)
+        scored = plan.chosen
+        job = Job(
+            call.principal,
+            call.info.request_id,
+            route,
+            request,
+            feats,
+            served,
+            answer,
+            first,
+            scored.score if scored is not None else None,
+            scored.scored_by if scored is not None else None,
+        )
         # A fresh context: the client's exchange (stream leases, prompt capture) is not this work's.
         task = asyncio.get_running_loop().create_task(self._compare(job), context=contextvars.Context())
         self.tasks.add(task)
@@ -344,6 +358,7 @@ class Comparer:
             row.route, row.served, row.judge = route.name, job.served, compare.judge
             row.weak_model, row.strong_model = route.candidates[0].model, route.candidates[1].model
             row.weak_score, row.strong_score = weak_score, strong_score
+            row.p_strong, row.head = job.p_strong, job.head
 
     async def stop(self) -> None:
         """Cancel comparisons still running (shutdown): grades are not worth holding a replica for."""

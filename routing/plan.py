@@ -63,6 +63,7 @@ class Choice:
     candidate: Candidate
     score: float | None = None
     reason: str = ""
+    scored_by: str | None = None  # what computed `score` where that varies: a difficulty head's label
 
 
 @dataclass(slots=True)

@@ -175,7 +175,7 @@ async def difficulty(
         threshold = route.threshold
         go_strong = p_strong > threshold
     for choice in (weak, strong):
-        choice.score = p_strong
+        choice.score, choice.scored_by = p_strong, head
     weak.reason, strong.reason = ("fallback", "hard") if go_strong else ("easy", "fallback")
     first = [strong, weak] if go_strong else [weak, strong]
     # Which head scored: with `difficulty_head: auto` replicas can differ, and a trained head is named

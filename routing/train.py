@@ -40,6 +40,7 @@ from routing.difficulty import (
     with_length,
 )
 from routing.embed import VOCAB_SIZE
+from routing.ranking import auc, auc_interval
 
 
 @dataclass
@@ -598,43 +599,6 @@ def fit_head(
             int(strong_rows.sum()),
         )
     return head
-
-
-def auc(scores: np.ndarray, positive: np.ndarray) -> float:
-    """The share of (positive, negative) pairs the scores rank the right way round, ties half (the
-    Mann-Whitney U over the pair count); NaN without both kinds of row."""
-    n_pos = int(positive.sum())
-    n_neg = len(positive) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    # Average 1-based rank of each distinct score, so tied rows share one rank.
-    ranks = (np.cumsum(counts) - (counts - 1) / 2.0)[inverse]
-    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
-def auc_interval(
-    scores: dict[str, np.ndarray], positive: np.ndarray, rounds: int = 2000, seed: int = 0
-) -> dict[str, tuple[float, float, float]]:
-    """AUC (positive > negative) of each score with a 95% bootstrap interval (positive and negative
-    rows resampled separately, the same draws for every score), and of each score minus the first one
-    (paired), keyed "name - first"."""
-    rng = np.random.default_rng(seed)
-    pos, neg = np.flatnonzero(positive), np.flatnonzero(~positive)
-    draws: dict[str, list[float]] = {name: [] for name in scores}
-    for _ in range(rounds):
-        pick = np.concatenate([rng.choice(pos, len(pos)), rng.choice(neg, len(neg))])
-        for name, sc in scores.items():
-            draws[name].append(auc(sc[pick], positive[pick]))
-    first = next(iter(scores))
-    out: dict[str, tuple[float, float, float]] = {}
-    for name, sc in scores.items():
-        lo, hi = np.percentile(draws[name], [2.5, 97.5])
-        out[name] = (auc(sc, positive), float(lo), float(hi))
-        if name != first:
-            lo, hi = np.percentile(np.array(draws[name]) - np.array(draws[first]), [2.5, 97.5])
-            out[f"{name} - {first}"] = (out[name][0] - out[first][0], float(lo), float(hi))
-    return out
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,33 @@
 What the judge said about both candidates' answers, newest first, and per route and candidate pair
 how often each model was acceptable: the share where the weak model fails and the strong one
 succeeds is what a difficulty head is trained to find, and the traffic a route should send strong.
+
+Per route and head, how well the head's scores ranked those requests (AUC): the shipped heads are
+fitted on MMLU, and on other traffic they can rank worse than chance (on AlpacaEval's chat
+instructions they do, docs/benchmarks.md), so a tenant's own comparisons are where to check.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from litestar import get
 from sqlalchemy import Integer, and_, case, func, select
 
 from gateway.admin.router import AdminContext, AdminError, tenant_or_404
 from gateway.db.models import Comparison
 from routing.compare import ACCEPTABLE
+from routing.ranking import auc, auc_normal_interval
+
+# The most recent comparisons a head's ranking is measured on: recent traffic is what the head
+# routes now, and a few thousand rows pin an AUC to about +-0.02.
+RANKING_ROWS = 5000
+# Rows of each kind (needed the strong model, did not) before a ranking is called better or worse
+# than chance: with fewer, one lucky split separates perfectly and every interval collapses to a point.
+VERDICT_MIN_EACH = 10
 
 
 def _passes(condition: Any) -> Any:
@@ -57,6 +72,20 @@ async def list_comparisons(
                 .order_by(Comparison.route, Comparison.weak_model, Comparison.strong_model)
             )
         ).all()
+        scored = (
+            await session.execute(
+                select(
+                    Comparison.route,
+                    Comparison.head,
+                    Comparison.p_strong,
+                    Comparison.weak_score,
+                    Comparison.strong_score,
+                )
+                .where(*where, Comparison.p_strong.is_not(None))
+                .order_by(Comparison.created_at.desc(), Comparison.id.desc())
+                .limit(RANKING_ROWS)
+            )
+        ).all()
     return {
         "data": [
             {
@@ -68,6 +97,8 @@ async def list_comparisons(
                 "weak_score": r.weak_score,
                 "strong_score": r.strong_score,
                 "judge": r.judge,
+                "p_strong": r.p_strong,
+                "head": r.head,
                 "created_at": r.created_at.isoformat(),
             }
             for r in rows
@@ -84,7 +115,49 @@ async def list_comparisons(
             }
             for name, weak, strong, count, weak_n, strong_n, gain_n in totals
         ],
+        "ranking": _ranking(scored),
     }
+
+
+def _ranking(rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """Per route and head: how often its score put a request that only the strong model answered
+    acceptably above one that did not need it (AUC; 0.5 is chance), with a 95% interval (null until
+    both kinds of request have been compared) and what that says against chance."""
+    groups: dict[tuple[str, str | None], list[tuple[float, bool]]] = {}
+    for route, head, p_strong, weak_score, strong_score in rows:
+        needs_strong = weak_score < ACCEPTABLE <= strong_score
+        groups.setdefault((route, head), []).append((p_strong, needs_strong))
+    out = []
+    for (route, head), pairs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+        scores = np.array([p for p, _ in pairs])
+        positive = np.array([y for _, y in pairs])
+        positives = int(positive.sum())
+        value = auc(scores, positive)
+        low, high = (
+            auc_normal_interval(value, positives, len(pairs) - positives)
+            if not math.isnan(value)
+            else (None, None)
+        )
+        verdict = "not yet clear"
+        if (
+            min(positives, len(pairs) - positives) >= VERDICT_MIN_EACH
+            and low is not None
+            and high is not None
+        ):
+            verdict = "better than chance" if low > 0.5 else "worse than chance" if high < 0.5 else verdict
+        out.append(
+            {
+                "route": route,
+                "head": head,
+                "comparisons": len(pairs),
+                "needs_strong": positives,
+                "auc": None if math.isnan(value) else value,
+                "auc_low": low,
+                "auc_high": high,
+                "verdict": verdict,
+            }
+        )
+    return out
 
 
 COMPARISON_HANDLERS = [list_comparisons]

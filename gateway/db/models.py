@@ -276,6 +276,11 @@ class Comparison(Base):
     strong_score: Mapped[float] = mapped_column(Float)
     judge: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # What the route's head said about the request when it was routed, and which head said it (the
+    # x-weir-route `head=`): with the grades, how well that head ranks this tenant's traffic. Null in
+    # rows from before migration 0007.
+    p_strong: Mapped[float | None] = mapped_column(Float, nullable=True)
+    head: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
 
 class BackendCredential(Base):

@@ -24,6 +24,7 @@ from gateway.types import ChatRequest, Message
 from routing.compare import JUDGE_SYSTEM, MAX_SECTION_CHARS, judge_request, parse_verdict, scaled
 from routing.execute import SpendWindow
 from routing.feedback import load_feedback
+from routing.ranking import auc_normal_interval
 from routing.router import RouteError, validate
 from routing.routes import Candidate, Compare, Route
 from tests.conftest import free_port
@@ -230,7 +231,28 @@ def test_both_answers_are_graded_and_become_full_training_rows(
                 "only_strong_acceptable": pytest.approx(3 / 6),
             }
         ]
-        assert admin.get(f"/tenants/{other['id']}/comparisons").json() == {"data": [], "summary": []}
+        # And how well the route's scores ranked them: three of the six needed the strong model, and
+        # the stand-in scorer put one of them above two of the others (pairs 3 of 9, ties half).
+        stored = sync_exec(db, f"SELECT p_strong, head FROM comparisons WHERE tenant_id = '{keeps['id']}'")
+        assert sorted(stored) == [(0.1, None)] * 3 + [(0.9, None)] * 3  # a scorer set in code has no name
+        ranking = admin.get(f"/tenants/{keeps['id']}/comparisons").json()["ranking"]
+        assert ranking == [
+            {
+                "route": "auto",
+                "head": None,
+                "comparisons": 6,
+                "needs_strong": 3,
+                "auc": pytest.approx(1 / 3),
+                "auc_low": pytest.approx(0.0),
+                "auc_high": pytest.approx(auc_normal_interval(1 / 3, 3, 3)[1]),
+                "verdict": "not yet clear",  # three of each kind is too few to say
+            }
+        ]
+        assert admin.get(f"/tenants/{other['id']}/comparisons").json() == {
+            "data": [],
+            "summary": [],
+            "ranking": [],
+        }
         assert admin.get("/tenants/nobody/comparisons").status_code == 404
         assert admin.get(f"/tenants/{keeps['id']}/comparisons", params={"limit": 0}).status_code == 400
 
@@ -373,3 +395,46 @@ def test_the_judge_sees_the_conversation_and_long_texts_clipped_in_the_middle() 
     assert (
         "<answer_A>\nfirst answer\n</answer_A>" in user and "<answer_B>\nsecond answer\n</answer_B>" in user
     )
+
+
+def test_ranking_is_per_route_and_head_and_null_until_both_kinds_are_compared() -> None:
+    from gateway.admin.comparisons import _ranking
+
+    good, bad = scaled(9), scaled(2)
+    rows = [
+        # route "auto", the shipped static head: the requests that needed the strong model scored
+        # above all but one of those that did not (20 of 25 pairs the right way round).
+        *[("auto", "static", 0.8 + i / 100, bad, good) for i in range(5)],
+        *[("auto", "static", 0.2 + i / 100, good, good) for i in range(4)],
+        ("auto", "static", 0.9, good, good),
+        # a trained head on the same route ranks them the wrong way round
+        *[("auto", "mine@0123456789ab", 0.1, bad, good) for _ in range(4)],
+        *[("auto", "mine@0123456789ab", 0.7, good, bad) for _ in range(4)],
+        # nothing here needed the strong model yet
+        ("chat", "static", 0.5, good, good),
+    ]
+    ranked = {(r["route"], r["head"]): r for r in _ranking(rows)}
+    static = ranked[("auto", "static")]
+    assert (static["comparisons"], static["needs_strong"], static["auc"]) == (10, 5, pytest.approx(0.8))
+    assert 0.0 < static["auc_low"] < 0.8 < static["auc_high"] <= 1.0
+    assert static["verdict"] == "not yet clear"  # five of each kind is too few to say
+    trained = ranked[("auto", "mine@0123456789ab")]
+    assert trained["auc"] == 0.0 and trained["auc_high"] < 0.5 and trained["verdict"] == "not yet clear"
+    # With enough of each kind the interval decides: a head that ranks 70% of pairs right is better
+    # than chance at 40 of each, and one that ranks 30% right is worse.
+    for wanted, verdict in ((0.7, "better than chance"), (0.3, "worse than chance")):
+        many = [("r", "h", 0.5, bad, good) for _ in range(40)]  # needed the strong model
+        above = round(40 * (1 - wanted))  # of those that did not, how many scored above them
+        many += [("r", "h", 1.0 if i < above else 0.0, good, good) for i in range(40)]
+        found = _ranking(many)[0]
+        assert found["auc"] == pytest.approx(wanted) and found["verdict"] == verdict, found
+    assert ranked[("chat", "static")] | {"route": "-"} == {
+        "route": "-",
+        "head": "static",
+        "comparisons": 1,
+        "needs_strong": 0,
+        "auc": None,
+        "auc_low": None,
+        "auc_high": None,
+        "verdict": "not yet clear",
+    }

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from benchmarks.routing_transfer import load_outcomes
 
@@ -37,3 +38,24 @@ def test_feedback_json_lines_are_read_as_weir_router_train_reads_them(tmp_path: 
     data = load_outcomes(path)
     assert data.prompts == ["a", "b"] and data.partial
     assert np.array_equal(data.known(), [[True, False], [True, True]])
+
+
+def test_alpaca_eval_verdicts_become_pairwise_outcomes(tmp_path: Path) -> None:
+    # AlpacaEval: preference 1 = the reference (output_1, the strong model) won, 2 = the evaluated
+    # model (the weak one) won, 1.5 = a draw, which counts as right for both.
+    path = tmp_path / "annotations.json"
+    base = {"generator_1": "gpt4_1106_preview", "generator_2": "Mixtral-8x7B-Instruct-v0.1"}
+    records = [
+        {**base, "instruction": "Write a haiku.", "output_1": "...", "output_2": "...", "preference": 2.0},
+        {**base, "instruction": "Prove it.", "preference": 1.0},
+        {**base, "instruction": "Hi", "preference": 1.5},
+    ]
+    path.write_text(json.dumps(records))
+    data = load_outcomes(path)
+    assert data.prompts == ["Write a haiku.", "Prove it.", "Hi"]
+    assert data.weak.tolist() == [True, False, True] and data.strong.tolist() == [False, True, True]
+    assert not data.partial
+
+    path.write_text(json.dumps([{**base, "instruction": "x", "preference": 1.7}]))
+    with pytest.raises(ValueError, match="discrete"):
+        load_outcomes(path)

@@ -21,7 +21,8 @@ from gateway.db.session import sessionmaker
 from gateway.vault import Vault, generate_key
 from routing.difficulty import DifficultyClassifier, encode
 from routing.feedback import answered_by, load_feedback, request_prompt
-from routing.train import TrainConfig, auc, fit_head, holdout_check
+from routing.ranking import auc
+from routing.train import TrainConfig, fit_head, holdout_check
 from tests.routing.test_cli import run
 from tests.routing.test_trained_heads import forced
 

@@ -235,6 +235,10 @@ async def test_the_policy_scores_with_the_named_head_and_names_it() -> None:
     async def ask(route: Route) -> tuple[str, str]:
         choices = [Choice(table.targets[c.model], c) for c in route.candidates]
         ordered, note = await difficulty(route, choices, HI, ctx)
+        # Each candidate carries the score and the head that gave it (compare stores both).
+        assert {(c.score, c.scored_by) for c in ordered} == {
+            (ordered[0].score, note.split("head=")[1].split(";")[0])
+        }
         return ordered[0].candidate.model, note
 
     named = Route(name="smart", policy="difficulty", candidates=CANDIDATES, head="acme")

@@ -1,5 +1,6 @@
 """Comparisons in the browser: a tenant's judge grades (a difficulty route's `compare`), seeded into
-the admin DB, appear in its tenant view as a summary per route and candidate pair and as recent rows;
+the admin DB, appear in its tenant view as a summary per route and candidate pair, how well the
+route's head ranked them, and as recent rows;
 a tenant without any shows the empty state that says what produces them."""
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ T0 = dt.datetime(2025, 3, 4, 12, 0, tzinfo=dt.UTC)
 
 
 def _seed(db_url: str, tenant_id: str) -> None:
-    # (request id, served, weak score, strong score): grades 8/10 and 9/10, 3/10 and 7/10, 2/10 and 10/10.
-    rows = [("req-a", "weak", 7 / 9, 8 / 9), ("req-b", "strong", 2 / 9, 6 / 9), ("req-c", "weak", 1 / 9, 1.0)]
+    # (request id, served, weak score, strong score, the head's p_strong): grades 8/10 and 9/10, 3/10
+    # and 7/10, 2/10 and 10/10. The head scored the two that needed the strong model highest.
+    rows = [
+        ("req-a", "weak", 7 / 9, 8 / 9, 0.2),
+        ("req-b", "strong", 2 / 9, 6 / 9, 0.7),
+        ("req-c", "weak", 1 / 9, 1.0, 0.6),
+    ]
     engine = create_engine(db_url.replace("+aiosqlite", ""))
     try:
         with Session(engine) as session, session.begin():
-            for i, (request_id, served, weak, strong) in enumerate(rows):
+            for i, (request_id, served, weak, strong, p_strong) in enumerate(rows):
                 session.add(
                     Comparison(
                         tenant_id=tenant_id,
@@ -36,6 +42,8 @@ def _seed(db_url: str, tenant_id: str) -> None:
                         strong_score=strong,
                         judge="judge-model",
                         created_at=T0 + dt.timedelta(minutes=i),
+                        p_strong=p_strong,
+                        head="static",
                     )
                 )
     finally:
@@ -73,7 +81,25 @@ def test_tenant_view_shows_comparisons_summary_and_rows(weir: Weir, browser: Any
         "67%",
     ]
 
-    recent = section.locator("table").nth(1).locator("tbody tr")
+    # How the head ranked them: both that needed the strong model above the one that did not, but
+    # two and one are too few for a verdict.
+    ranking = section.locator("table").nth(1)
+    assert ranking.locator("th").all_inner_texts() == [
+        "Route",
+        "Head",
+        "Comparisons",
+        "Needed strong",
+        "Ranking (AUC)",
+    ]
+    assert ranking.locator("tbody tr td").all_inner_texts() == [
+        "auto",
+        "static",
+        "3",
+        "2",
+        "1.000 (not yet clear)",
+    ]
+
+    recent = section.locator("table").nth(2).locator("tbody tr")
     assert recent.count() == 3
     # Newest first: request id, route, served, weak grade, strong grade, judge, time.
     assert recent.nth(0).locator("td").all_inner_texts() == [
