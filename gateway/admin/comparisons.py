@@ -129,34 +129,26 @@ def _ranking(rows: Sequence[Any]) -> list[dict[str, Any]]:
         groups.setdefault((route, head), []).append((p_strong, needs_strong))
     out = []
     for (route, head), pairs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
-        scores = np.array([p for p, _ in pairs])
         positive = np.array([y for _, y in pairs])
         positives = int(positive.sum())
-        value = auc(scores, positive)
-        low, high = (
-            auc_normal_interval(value, positives, len(pairs) - positives)
-            if not math.isnan(value)
-            else (None, None)
-        )
-        verdict = "not yet clear"
-        if (
-            min(positives, len(pairs) - positives) >= VERDICT_MIN_EACH
-            and low is not None
-            and high is not None
-        ):
-            verdict = "better than chance" if low > 0.5 else "worse than chance" if high < 0.5 else verdict
-        out.append(
-            {
-                "route": route,
-                "head": head,
-                "comparisons": len(pairs),
-                "needs_strong": positives,
-                "auc": None if math.isnan(value) else value,
-                "auc_low": low,
-                "auc_high": high,
-                "verdict": verdict,
-            }
-        )
+        negatives = len(pairs) - positives
+        value = auc(np.array([p for p, _ in pairs]), positive)
+        entry: dict[str, Any] = {
+            "route": route,
+            "head": head,
+            "comparisons": len(pairs),
+            "needs_strong": positives,
+            "auc": None,
+            "auc_low": None,
+            "auc_high": None,
+            "verdict": "not yet clear",
+        }
+        if not math.isnan(value):
+            low, high = auc_normal_interval(value, positives, negatives)
+            entry |= {"auc": value, "auc_low": low, "auc_high": high}
+            if min(positives, negatives) >= VERDICT_MIN_EACH and (low > 0.5 or high < 0.5):
+                entry["verdict"] = "better than chance" if low > 0.5 else "worse than chance"
+        out.append(entry)
     return out
 
 
