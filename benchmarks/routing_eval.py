@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from routing.difficulty import HEADS, DifficultyClassifier, Encoded, HeadChoice, encode, scoring_time
 from routing.embed import DEFAULT_RECIPE, load_embedder
-from routing.ranking import auc as train_auc
+from routing.ranking import auc as ranking_auc
 from routing.ranking import auc_interval
 from routing.train import (
     Outcomes,
@@ -391,7 +391,7 @@ def artefact_free(routers: dict[str, np.ndarray], data: Outcomes) -> None:
 
 def auc(hard: np.ndarray, easy: np.ndarray) -> float:
     """The chance that a random hard prompt outscores a random easy one (ties count half)."""
-    return train_auc(np.concatenate([hard, easy]), np.arange(len(hard) + len(easy)) < len(hard))
+    return ranking_auc(np.concatenate([hard, easy]), np.arange(len(hard) + len(easy)) < len(hard))
 
 
 PROBE_FILE = Path(__file__).resolve().parent / "data" / "routing_probe.jsonl"
