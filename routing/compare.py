@@ -28,13 +28,15 @@ import contextvars
 import dataclasses
 import random
 import re
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import structlog
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Metric
+from prometheus_client.core import GaugeMetricFamily
 
 from gateway.accounting.pricing import price_usage
 from gateway.errors import GatewayError
@@ -44,6 +46,7 @@ from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
 from routing.execute import SpendWindow
 from routing.plan import CHARS_PER_TOKEN, Choice, Features, Plan
 from routing.policies import expected_cost
+from routing.ranking import head_ranking
 from routing.routes import Candidate
 from routing.stats import RoutingStats
 
@@ -82,6 +85,7 @@ def parse_verdict(text: str) -> tuple[float, float] | None:
 
 
 ACCEPTABLE = 0.5  # on the 0..1 scale: a grade of 6 or more out of 10, as `--correct-at` defaults
+RECENT_RANKED = 1000  # comparisons per route and head that /metrics ranks, on each replica
 
 
 def scaled(grade: float) -> float:
@@ -123,6 +127,50 @@ def answer_text(response: ChatResponse) -> str:
 def comparable(request: ChatRequest, feats: Features) -> bool:
     """One text answer that a judge can grade from the request's text alone."""
     return not request.tools and not feats.images and (request.n or 1) == 1
+
+
+class RecentRanking:
+    """How well each head ranked the comparisons this replica graded lately, for /metrics (the admin
+    API ranks every replica's from the DB): `weir_route_head_ranking_comparisons{route, head, kind}`
+    and, once ten of each kind are in, `weir_route_head_ranking_auc{route, head, bound}` with bound
+    point, low or high (95%). The alert WeirDifficultyHeadWorseThanChance reads the high bound."""
+
+    def __init__(self, size: int = RECENT_RANKED) -> None:
+        self.size = size
+        self.rows: dict[tuple[str, str], deque[tuple[float, bool]]] = {}
+
+    def add(self, route: str, head: str | None, p_strong: float, needs_strong: bool) -> None:
+        key = (route, head or "")
+        self.rows.setdefault(key, deque(maxlen=self.size)).append((p_strong, needs_strong))
+
+    def collect(self) -> Iterator[Metric]:
+        counts = GaugeMetricFamily(
+            "weir_route_head_ranking_comparisons",
+            "Recent comparisons per route and difficulty head on this replica: kind needs_strong (only "
+            "the strong model's answer acceptable) or other",
+            labels=("route", "head", "kind"),
+        )
+        aucs = GaugeMetricFamily(
+            "weir_route_head_ranking_auc",
+            "AUC of the head's scores for requests that needed the strong model, over its recent "
+            "comparisons on this replica (0.5: chance); bound point, low or high (95%); only with ten "
+            "of each kind",
+            labels=("route", "head", "bound"),
+        )
+        for (route, head), window in list(self.rows.items()):
+            pairs = list(window)
+            found = head_ranking([p for p, _ in pairs], [y for _, y in pairs])
+            counts.add_metric((route, head, "needs_strong"), found.needs_strong)
+            counts.add_metric((route, head, "other"), found.comparisons - found.needs_strong)
+            if found.enough:
+                assert found.auc is not None and found.low is not None and found.high is not None
+                for bound, value in (("point", found.auc), ("low", found.low), ("high", found.high)):
+                    aucs.add_metric((route, head, bound), value)
+        yield counts
+        yield aucs
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +216,9 @@ class Comparer:
             ("route", "outcome"),
             registry=registry,
         )
+        self.recent = RecentRanking()
+        if registry is not None:
+            registry.register(self.recent)
 
     def use_control_plane(
         self, sessions: async_sessionmaker[AsyncSession], on_finish: Callable[[str], None] | None
@@ -291,6 +342,8 @@ class Comparer:
             strong_score = sum(g["strong"] for g in graded) / len(graded)
             await self._store(job, tenant, weak_score, strong_score)
             self.outcomes.labels(route.name, "judged").inc()
+            if job.p_strong is not None:
+                self.recent.add(route.name, job.head, job.p_strong, weak_score < ACCEPTABLE <= strong_score)
         except GatewayError as exc:  # refused (rate limit, budget) or failed upstream: no label
             log.info("comparison_failed", route=route.name, request_id=job.request_id, error=exc.type)
             self.outcomes.labels(route.name, "failed").inc()

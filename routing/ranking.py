@@ -5,8 +5,14 @@ numpy only, so the gateway can use it without loading torch."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
+
+# Rows of each kind (needed the strong model, did not) before a ranking is called better or worse
+# than chance: with fewer, one lucky split separates perfectly and every interval collapses to a point.
+VERDICT_MIN_EACH = 10
 
 
 def auc(scores: np.ndarray, positive: np.ndarray) -> float:
@@ -55,3 +61,35 @@ def auc_normal_interval(value: float, positives: int, negatives: int) -> tuple[f
     ) / (positives * negatives)
     half = 1.96 * math.sqrt(max(variance, 0.0))
     return max(0.0, value - half), min(1.0, value + half)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadRanking:
+    """How a difficulty head's scores ranked requests a judge compared: `auc` is the chance that one
+    only the strong model answered acceptably scored above one that did not (0.5: a coin toss)."""
+
+    comparisons: int
+    needs_strong: int
+    auc: float | None  # None (and the interval too) until both kinds have been compared
+    low: float | None
+    high: float | None
+    verdict: str  # "better than chance", "worse than chance" or "not yet clear"
+
+    @property
+    def enough(self) -> bool:
+        """Whether there are enough of each kind for a verdict (and so an AUC and its interval)."""
+        return min(self.needs_strong, self.comparisons - self.needs_strong) >= VERDICT_MIN_EACH
+
+
+def head_ranking(scores: Sequence[float], needs_strong: Sequence[bool]) -> HeadRanking:
+    positive = np.asarray(needs_strong, dtype=bool)
+    positives = int(positive.sum())
+    negatives = len(positive) - positives
+    value = auc(np.asarray(scores, dtype=float), positive)
+    if math.isnan(value):
+        return HeadRanking(len(positive), positives, None, None, None, "not yet clear")
+    low, high = auc_normal_interval(value, positives, negatives)
+    found = HeadRanking(len(positive), positives, value, low, high, "not yet clear")
+    if found.enough and (low > 0.5 or high < 0.5):
+        found = replace(found, verdict="better than chance" if low > 0.5 else "worse than chance")
+    return found

@@ -11,25 +11,20 @@ instructions they do, docs/benchmarks.md), so a tenant's own comparisons are whe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from litestar import get
 from sqlalchemy import Integer, and_, case, func, select
 
 from gateway.admin.router import AdminContext, AdminError, tenant_or_404
 from gateway.db.models import Comparison
 from routing.compare import ACCEPTABLE
-from routing.ranking import auc, auc_normal_interval
+from routing.ranking import head_ranking
 
 # The most recent comparisons a head's ranking is measured on: recent traffic is what the head
 # routes now, and a few thousand rows pin an AUC to about +-0.02.
 RANKING_ROWS = 5000
-# Rows of each kind (needed the strong model, did not) before a ranking is called better or worse
-# than chance: with fewer, one lucky split separates perfectly and every interval collapses to a point.
-VERDICT_MIN_EACH = 10
 
 
 def _passes(condition: Any) -> Any:
@@ -120,35 +115,25 @@ async def list_comparisons(
 
 
 def _ranking(rows: Sequence[Any]) -> list[dict[str, Any]]:
-    """Per route and head: how often its score put a request that only the strong model answered
-    acceptably above one that did not need it (AUC; 0.5 is chance), with a 95% interval (null until
-    both kinds of request have been compared) and what that says against chance."""
+    """Per route and head: how well its scores ranked the compared requests (routing.ranking)."""
     groups: dict[tuple[str, str | None], list[tuple[float, bool]]] = {}
     for route, head, p_strong, weak_score, strong_score in rows:
-        needs_strong = weak_score < ACCEPTABLE <= strong_score
-        groups.setdefault((route, head), []).append((p_strong, needs_strong))
+        groups.setdefault((route, head), []).append((p_strong, weak_score < ACCEPTABLE <= strong_score))
     out = []
     for (route, head), pairs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
-        positive = np.array([y for _, y in pairs])
-        positives = int(positive.sum())
-        negatives = len(pairs) - positives
-        value = auc(np.array([p for p, _ in pairs]), positive)
-        entry: dict[str, Any] = {
-            "route": route,
-            "head": head,
-            "comparisons": len(pairs),
-            "needs_strong": positives,
-            "auc": None,
-            "auc_low": None,
-            "auc_high": None,
-            "verdict": "not yet clear",
-        }
-        if not math.isnan(value):
-            low, high = auc_normal_interval(value, positives, negatives)
-            entry |= {"auc": value, "auc_low": low, "auc_high": high}
-            if min(positives, negatives) >= VERDICT_MIN_EACH and (low > 0.5 or high < 0.5):
-                entry["verdict"] = "better than chance" if low > 0.5 else "worse than chance"
-        out.append(entry)
+        found = head_ranking([p for p, _ in pairs], [y for _, y in pairs])
+        out.append(
+            {
+                "route": route,
+                "head": head,
+                "comparisons": found.comparisons,
+                "needs_strong": found.needs_strong,
+                "auc": found.auc,
+                "auc_low": found.low,
+                "auc_high": found.high,
+                "verdict": found.verdict,
+            }
+        )
     return out
 
 

@@ -7,6 +7,7 @@ Anthropic judge on the fake vendors, the official OpenAI SDK as the client."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import time
@@ -248,6 +249,11 @@ def test_both_answers_are_graded_and_become_full_training_rows(
                 "verdict": "not yet clear",  # three of each kind is too few to say
             }
         ]
+        # /metrics has this replica's recent ranking too: the counts, but no AUC with three of each.
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'weir_route_head_ranking_comparisons{head="",kind="needs_strong",route="auto"} 3.0' in metrics
+        assert 'weir_route_head_ranking_comparisons{head="",kind="other",route="auto"} 3.0' in metrics
+        assert "weir_route_head_ranking_auc{" not in metrics
         assert admin.get(f"/tenants/{other['id']}/comparisons").json() == {
             "data": [],
             "summary": [],
@@ -438,3 +444,41 @@ def test_ranking_is_per_route_and_head_and_null_until_both_kinds_are_compared() 
         "auc_high": None,
         "verdict": "not yet clear",
     }
+
+
+def test_recent_ranking_on_metrics_needs_ten_of_each_kind_and_keeps_the_latest() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from routing.compare import RecentRanking
+
+    registry = CollectorRegistry()
+    recent = RecentRanking(size=40)
+    registry.register(recent)
+
+    def sample(name: str, **labels: str) -> float:
+        value = registry.get_sample_value(name, {"route": "auto", "head": "static", **labels})
+        return float("nan") if value is None else value
+
+    # A head that scores every request that needed the strong model below every one that did not.
+    for _ in range(9):
+        recent.add("auto", "static", 0.1, True)
+        recent.add("auto", "static", 0.9, False)
+    assert sample("weir_route_head_ranking_comparisons", kind="needs_strong") == 9
+    assert math.isnan(sample("weir_route_head_ranking_auc", bound="high"))  # nine of each: not yet
+    recent.add("auto", "static", 0.1, True)
+    recent.add("auto", "static", 0.9, False)
+    assert sample("weir_route_head_ranking_auc", bound="point") == 0.0
+    assert sample("weir_route_head_ranking_auc", bound="high") < 0.5  # what the alert reads
+    # The window keeps the latest 40: twenty more the right way round push half the old ones out.
+    for _ in range(10):
+        recent.add("auto", "static", 0.95, True)
+        recent.add("auto", "static", 0.05, False)
+    assert sample("weir_route_head_ranking_comparisons", kind="other") == 20
+    assert 0.5 < sample("weir_route_head_ranking_auc", bound="point") < 1.0
+    recent.add("chat", None, 0.5, False)  # a scorer set in code has no name
+    assert (
+        registry.get_sample_value(
+            "weir_route_head_ranking_comparisons", {"route": "chat", "head": "", "kind": "other"}
+        )
+        == 1
+    )
