@@ -92,7 +92,8 @@ def test_gateway_and_engine_sections(dashboard: dict[str, Any]) -> None:
             assert current is not None
             for target in panel["targets"]:
                 sections[current] |= selected_metrics(as_promql(target["expr"]))
-    assert set(sections) == {"Gateway", "Engine"}
+    assert set(sections) == {"Gateway", "Engine", "Routing"}
+    assert {"weir_route_attempts_total", "weir_route_head_ranking_auc"} <= sections["Routing"]
     engine = {m for m in sections["Engine"] if m != "up"}
     assert engine and all(m.startswith("weir_engine_") for m in engine)
     assert {
