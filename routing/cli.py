@@ -185,9 +185,12 @@ def train(
     from routing.embed import load_embedder
     from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, question_stem
 
+    routed = None  # with --tenant: each row's score at routing time, where stored
     try:
         if tenant is not None:
-            data, source = _tenant_outcomes(tenant, route_name, weak, strong, database_url, correct_at)
+            data, source, routed = _tenant_outcomes(
+                tenant, route_name, weak, strong, database_url, correct_at
+            )
         else:
             data = load_mmlu(data_dir) if data_dir else load_jsonl(feedback)  # type: ignore[arg-type]
             source = str(data_dir or feedback)
@@ -207,7 +210,7 @@ def train(
         # Multiple-choice training data: fit the fallback for prompts asked without options.
         stems = encode(embed, [question_stem(p) for p in data.prompts])
     share = holdout if holdout is not None else (0.0 if data_dir else 0.2)
-    checked = _holdout(data, enc, cfg, share) if share > 0 else None
+    checked = _holdout(data, enc, cfg, share, routed) if share > 0 else None
     try:
         head = fit_head(data, enc, cfg, stems)
     except ValueError as exc:
@@ -231,9 +234,10 @@ def train(
     click.echo(f"wrote {out_dir}", err=True)
 
 
-def _holdout(data: Outcomes, enc: Any, cfg: Any, share: float) -> dict[str, Any] | None:
+def _holdout(data: Outcomes, enc: Any, cfg: Any, share: float, routed: Any = None) -> dict[str, Any] | None:
     """Print how a head fitted without a held-out share ranks it against the shipped head of the same
-    embedder; what it found, for the head's metadata (None when there were too few rows)."""
+    embedder, and against the scores the rows were routed by where stored; what it found, for the
+    head's metadata (None when there were too few rows)."""
     from dataclasses import asdict
 
     from routing.difficulty import DEFAULT_HEAD_DIR, STATIC_HEAD_DIR, DifficultyHead
@@ -247,7 +251,7 @@ def _holdout(data: Outcomes, enc: Any, cfg: Any, share: float) -> dict[str, Any]
         else (DEFAULT_HEAD_DIR, "the shipped encoder head")
     )
     try:
-        held, results = holdout_check(data, enc, DifficultyHead.load(baseline), cfg, share)
+        held, results = holdout_check(data, enc, DifficultyHead.load(baseline), cfg, share, routed=routed)
     except ValueError as exc:  # too few rows left to fit on
         click.echo(f"holdout check skipped: {exc}", err=True)
         return None
@@ -269,11 +273,11 @@ def _tenant_outcomes(
     strong: str | None,
     database_url: str | None,
     correct_at: float,
-) -> tuple[Outcomes, str]:
+) -> tuple[Outcomes, str, Any]:
     from gateway.vault import Vault, VaultError
     from routing.feedback import load_feedback, route_models
 
-    async def load(sessions: Any) -> tuple[Outcomes, str]:
+    async def load(sessions: Any) -> tuple[Outcomes, str, Any]:
         if route_name is None:
             assert weak is not None and strong is not None
             w, s = weak, strong
@@ -283,7 +287,10 @@ def _tenant_outcomes(
         click.echo(report.summary(), err=True)
         if not len(data):
             raise ValueError(f"tenant {tenant!r} has no usable feedback ({report.summary()})")
-        return data, f"tenant {tenant} feedback and comparisons (weak {w}, strong {s})"
+        routed_by = sorted({h for h in report.routed_by if h is not None})
+        if routed_by:
+            click.echo(f"routed by: {', '.join(routed_by)} (the scores comparisons stored)", err=True)
+        return data, f"tenant {tenant} feedback and comparisons (weak {w}, strong {s})", report.routed
 
     try:
         return _with_db(database_url, load)

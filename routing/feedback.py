@@ -45,6 +45,10 @@ class FeedbackReport:
     # rows used: judged both answers; feedback on an answer of the weak, of the strong model
     used: dict[str, int] = field(default_factory=lambda: {"both": 0, "weak": 0, "strong": 0})
     skipped: dict[str, int] = field(default_factory=dict)
+    # Per row of the outcomes: the score the route's head gave the request when it was routed (NaN
+    # where not stored: feedback rows, comparisons from before migration 0007), and which head.
+    routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    routed_by: list[str | None] = field(default_factory=list)
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -145,10 +149,13 @@ async def load_feedback(
         # Who answered matters only for feedback: a comparison already says which grade is whose.
         answered = await _by_request(session, UsageEventRow, tid, feedback_ids, UsageEventRow.status == 200)
     rows: list[tuple[str, Label]] = []
+    routed: list[float] = []
     for c in compared:
         prompt = _prompt(stored.get(c.request_id), vault, report)
         if prompt is not None:
             rows.append((prompt, (c.weak_score >= correct_at, c.strong_score >= correct_at)))
+            routed.append(c.p_strong if c.p_strong is not None else np.nan)
+            report.routed_by.append(c.head)
             report.used["both"] += 1
     for f in feedback:
         event = answered.get(f.request_id)
@@ -165,7 +172,10 @@ async def load_feedback(
             continue
         right = f.score >= correct_at
         rows.append((prompt, (right, None) if role == "weak" else (None, right)))
+        routed.append(np.nan)
+        report.routed_by.append(None)
         report.used[role] += 1
+    report.routed = np.array(routed, dtype=float)
     return _outcomes(rows), report
 
 

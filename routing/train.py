@@ -611,13 +611,22 @@ class HoldoutResult:
     trained: float  # AUC of the head fitted without these rows
     baseline: float  # AUC of the baseline head (the shipped one)
     difference: tuple[float, float]  # 95% bootstrap interval of trained - baseline, paired by row
+    # Where the rows carry the score the route's head gave them when they were routed: how many do,
+    # that head's AUC on them and this head's on the same rows (None: no such rows of both kinds).
+    routed: tuple[int, float, float] | None = None
 
     def summary(self, baseline: str) -> str:
         lo, hi = self.difference
-        return (
+        text = (
             f"{self.outcome} ({self.positives} yes, {self.negatives} no): AUC {self.trained:.3f} this head, "
             f"{self.baseline:.3f} {baseline}; difference {self.trained - self.baseline:+.3f} [{lo:+.3f}, {hi:+.3f}]"
         )
+        if self.routed is not None:
+            rows, theirs, ours = self.routed
+            text += (
+                f"; on the {rows} routed with a stored score: {ours:.3f} this head, {theirs:.3f} as routed"
+            )
+        return text
 
 
 def holdout_check(
@@ -627,13 +636,16 @@ def holdout_check(
     cfg: TrainConfig | None = None,
     share: float = 0.2,
     resamples: int = 1000,
+    routed: np.ndarray | None = None,
 ) -> tuple[int, list[HoldoutResult]]:
     """Before a head fitted on your outcomes replaces the shipped one: fit one on all but a held-out
     `share` of the prompts (by prompt hash, so a repeated prompt never sits on both sides) and compare
     how it and `baseline` rank the held-out rows. Returns the held-out row count and one result per
     outcome the rows label: the weak model's failures (every row with the weak model's outcome) and,
     where both outcomes are known, the rows that need the strong model. Outcomes with no positive or
-    no negative row are left out."""
+    no negative row are left out. `routed` (per row, NaN where unknown) is the score the route's head
+    gave each request when it was routed: on the held-out rows that have one, the results also say
+    how that head ranked them (`HoldoutResult.routed`), i.e. the head this one would replace."""
     folds = max(2, round(1 / share))
     test = np.array([prompt_fold(p, folds) == 0 for p in data.prompts])
     train_rows, test_rows = np.flatnonzero(~test), np.flatnonzero(test)
@@ -651,6 +663,15 @@ def holdout_check(
         if y.all() or not y.any():
             continue
         found = auc_interval({"shipped": theirs[rows], "trained": ours[rows]}, y, rounds=resamples)
+        as_routed = None
+        if routed is not None:
+            scored = np.isfinite(routed[test_rows][rows])
+            if y[scored].any() and not y[scored].all():
+                as_routed = (
+                    int(scored.sum()),
+                    auc(routed[test_rows][rows][scored], y[scored]),
+                    auc(ours[rows][scored], y[scored]),
+                )
         results.append(
             HoldoutResult(
                 name,
@@ -659,6 +680,7 @@ def holdout_check(
                 found["trained"][0],
                 found["shipped"][0],
                 found["trained - shipped"][1:],
+                as_routed,
             )
         )
     return len(test_rows), results

@@ -337,6 +337,10 @@ def test_both_answers_are_graded_and_become_full_training_rows(
     assert not data.partial  # type: ignore[attr-defined]
     labels = dict(zip(data.prompts, zip(data.weak.tolist(), data.strong.tolist(), strict=True), strict=True))  # type: ignore[attr-defined]
     assert labels == {p: (w > 5, s > 5) for p, (_, w, s) in prompts.items()}
+    # Each row also carries the score it was routed by, for the holdout check against that head.
+    routed = dict(zip(data.prompts, report.routed.tolist(), strict=True))  # type: ignore[attr-defined]
+    assert routed == {p: 0.9 if "hard" in p else 0.1 for p in prompts}
+    assert report.routed_by == [None] * len(prompts)  # type: ignore[attr-defined]
 
 
 def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() -> None:

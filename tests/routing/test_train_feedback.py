@@ -239,6 +239,17 @@ def test_the_holdout_check_ranks_unseen_prompts_against_a_baseline(admin_db: tup
     assert result.outcome == "weak model wrong" and result.positives + result.negatives <= held
     assert result.baseline == 0.5 and result.trained >= 0.9
     assert result.difference[0] > 0  # the interval of the paired difference excludes zero
+    assert result.routed is None  # no row carries the score it was routed by
+
+    # Rows that do (comparisons store it) are also ranked by that score: here a head that ranked
+    # every one of them backwards, on all but the first row.
+    routed = np.where(data.weak, 0.9, 0.1).astype(float)
+    routed[0] = np.nan
+    _, [again] = holdout_check(data, enc, constant, TrainConfig(epochs=30), share=0.25, routed=routed)
+    assert again.routed is not None
+    rows, theirs, ours = again.routed
+    assert rows >= again.positives + again.negatives - 1 and theirs == 0.0 and ours >= 0.9
+    assert f"on the {rows} routed with a stored score" in again.summary("shipped")
 
 
 @pytest.mark.slow
