@@ -88,6 +88,11 @@ ACCEPTABLE = 0.5  # on the 0..1 scale: a grade of 6 or more out of 10, as `--cor
 RECENT_RANKED = 1000  # comparisons per route and head that /metrics ranks, on each replica
 
 
+def needs_strong(weak_score: float, strong_score: float) -> bool:
+    """Whether only the strong model's answer was acceptable: what a difficulty head should rank high."""
+    return weak_score < ACCEPTABLE <= strong_score
+
+
 def scaled(grade: float) -> float:
     """A 1..10 grade on feedback's 0..1 scale, where 0.5 (a grade of 5.5) separates right from wrong."""
     return (grade - 1.0) / 9.0
@@ -343,7 +348,7 @@ class Comparer:
             await self._store(job, tenant, weak_score, strong_score)
             self.outcomes.labels(route.name, "judged").inc()
             if job.p_strong is not None:
-                self.recent.add(route.name, job.head, job.p_strong, weak_score < ACCEPTABLE <= strong_score)
+                self.recent.add(route.name, job.head, job.p_strong, needs_strong(weak_score, strong_score))
         except GatewayError as exc:  # refused (rate limit, budget) or failed upstream: no label
             log.info("comparison_failed", route=route.name, request_id=job.request_id, error=exc.type)
             self.outcomes.labels(route.name, "failed").inc()

@@ -665,11 +665,12 @@ def holdout_check(
         found = auc_interval({"shipped": theirs[rows], "trained": ours[rows]}, y, rounds=resamples)
         as_routed = None
         if routed is not None:
-            scored = np.isfinite(routed[test_rows][rows])
+            as_scored = routed[test_rows][rows]
+            scored = np.isfinite(as_scored)
             if y[scored].any() and not y[scored].all():
                 as_routed = (
                     int(scored.sum()),
-                    auc(routed[test_rows][rows][scored], y[scored]),
+                    auc(as_scored[scored], y[scored]),
                     auc(ours[rows][scored], y[scored]),
                 )
         results.append(

@@ -19,7 +19,7 @@ from sqlalchemy import Integer, and_, case, func, select
 
 from gateway.admin.router import AdminContext, AdminError, tenant_or_404
 from gateway.db.models import Comparison
-from routing.compare import ACCEPTABLE
+from routing.compare import ACCEPTABLE, needs_strong
 from routing.ranking import head_ranking
 
 # The most recent comparisons a head's ranking is measured on: recent traffic is what the head
@@ -118,7 +118,7 @@ def _ranking(rows: Sequence[Any]) -> list[dict[str, Any]]:
     """Per route and head: how well its scores ranked the compared requests (routing.ranking)."""
     groups: dict[tuple[str, str | None], list[tuple[float, bool]]] = {}
     for route, head, p_strong, weak_score, strong_score in rows:
-        groups.setdefault((route, head), []).append((p_strong, weak_score < ACCEPTABLE <= strong_score))
+        groups.setdefault((route, head), []).append((p_strong, needs_strong(weak_score, strong_score)))
     out = []
     for (route, head), pairs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
         found = head_ranking([p for p, _ in pairs], [y for _, y in pairs])
