@@ -419,10 +419,17 @@ function headsSection(heads, status, reload) {
       notice(`${replacing ? "Replaced" : "Stored"} difficulty head ${saved.name} (${saved.digest.slice(0, 12)}).`, "success"));
   });
   const holdout = (d) => {
-    const res = d.holdout?.results?.[0];
+    // Rows that know both outcomes say what a difficulty route should send strong: show those first.
+    const results = d.holdout?.results ?? [];
+    const res = results.find((r) => r.outcome === "needs the strong model") ?? results[0];
     if (!res) return "—";
-    return h("span", { title: `${res.outcome}: ${res.positives} positive, ${res.negatives} negative held-out rows; difference ${aucFmt(res.difference[0])} to ${aucFmt(res.difference[1])} (95%)` },
-      `this head ${aucFmt(res.trained)} vs shipped ${aucFmt(res.baseline)}`);
+    const baseline = d.holdout.baseline ?? "the shipped head";
+    const against = baseline.startsWith("the shipped") ? "shipped" : "in use";
+    const routed = res.routed
+      ? `; on the ${res.routed[0]} routed with a stored score: ${aucFmt(res.routed[2])} this head, ${aucFmt(res.routed[1])} as routed`
+      : "";
+    return h("span", { title: `${res.outcome}: ${res.positives} positive, ${res.negatives} negative held-out rows, against ${baseline}; difference ${aucFmt(res.difference[0])} to ${aucFmt(res.difference[1])} (95%)${routed}` },
+      `this head ${aucFmt(res.trained)} vs ${against} ${aucFmt(res.baseline)}`);
   };
   return h("section", { class: "panel", id: "heads" },
     h("h2", {}, "Difficulty heads"),
@@ -439,7 +446,7 @@ function headsSection(heads, status, reload) {
       { label: "Updated (UTC)", render: (d) => timeFmt(d.updated_at) },
       { label: "Served here", render: (d) => headServed(d, status) },
       { label: "", render: remove },
-    ], heads, { caption: "Held-out AUC: how a head fitted without a held-out share ranked it against the shipped head (weir router train --holdout). Blend: what the head's blend weighs; components+length where training found the prompt's length ranked its rows better." })
+    ], heads, { caption: "Held-out AUC: how a head fitted without a held-out share ranked it against the shipped head, or with --install against the head its route served (weir router train --holdout); hover for the interval and how the rows ranked as routed. Blend: what the head's blend weighs; components+length where training found the prompt's length ranked its rows better." })
       : empty("No difficulty heads stored: difficulty routes use the shipped head. Upload one below."),
     h("h3", {}, "Upload a head"), form);
 }

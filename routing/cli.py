@@ -5,6 +5,7 @@ Kept light at import time: numpy, tokenizers and torch load only inside the comm
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import sys
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # Recipes in routing.embed (not imported here: this module loads before any command runs).
 EMBEDDERS = ("minilm-l6-first3-96tok-v1", "minilm-l6-static-v1")
+PROMOTE_RULES = ("significant", "better")  # routing.train.should_promote
 
 
 @click.group()
@@ -159,6 +161,22 @@ def score(head_dir: Path | None, shipped: str) -> None:
     "the shipped head rank them (AUC, bootstrap interval); 0 skips it. Default: 0.2 with --tenant or "
     "--feedback, 0 with --data.",
 )
+@click.option(
+    "--install",
+    "install_as",
+    metavar="NAME",
+    help="With --tenant and --route: store the head as NAME in the admin DB and point the route at it, "
+    "only if on the held-out prompts it ranks better than the head the route serves now (--promote-if); "
+    "else keep that one. Prints one JSON line saying which: for a scheduled job.",
+)
+@click.option(
+    "--promote-if",
+    type=click.Choice(PROMOTE_RULES),
+    default=PROMOTE_RULES[0],
+    show_default=True,
+    help="With --install: 'significant' needs the 95% interval of the paired AUC difference above zero, "
+    "'better' only its point estimate.",
+)
 def train(
     data_dir: Path | None,
     feedback: Path | None,
@@ -173,22 +191,36 @@ def train(
     epochs: int | None,
     seed: int,
     holdout: float | None,
+    install_as: str | None,
+    promote_if: str,
 ) -> None:
     """Fit the difficulty head on labelled outcomes and write it to --out."""
     if sum(x is not None for x in (data_dir, feedback, tenant)) != 1:
         raise click.UsageError("give exactly one of --data, --feedback or --tenant")
     if tenant is not None and (route_name is None) == (weak is None or strong is None):
         raise click.UsageError("with --tenant, give either --route or both --weak and --strong")
+    if install_as is not None:
+        from routing.heads import check_name
+
+        if tenant is None or route_name is None:
+            raise click.UsageError("--install needs --tenant and --route: the route it would serve")
+        if holdout == 0:
+            raise click.UsageError("--install decides on the held-out check, which --holdout 0 skips")
+        try:
+            check_name(install_as)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     from dataclasses import replace
 
     from routing.difficulty import encode
     from routing.embed import load_embedder
     from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, question_stem
 
-    routed = None  # with --tenant: each row's score at routing time, where stored
+    report = None  # with --tenant: what the join found, per row its routed score and when recorded
+    serving = None  # with --tenant and --route: the route and the head it serves now
     try:
         if tenant is not None:
-            data, source, routed = _tenant_outcomes(
+            data, source, report, serving = _tenant_outcomes(
                 tenant, route_name, weak, strong, database_url, correct_at
             )
         else:
@@ -196,6 +228,14 @@ def train(
             source = str(data_dir or feedback)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise click.ClickException(f"cannot read training data: {exc}") from exc
+    if install_as is not None and serving is not None:  # before minutes of training, not after
+
+        async def check(sessions: Any) -> str | None:
+            async with sessions() as session:
+                return await _serves_others(session, install_as, serving[0])
+
+        if problem := _with_db(database_url, check):
+            raise click.ClickException(f"{problem}; nothing was trained or stored")
     cfg = replace(TrainConfig(), seed=seed, epochs=epochs or TrainConfig.epochs)
     known = data.known()
     click.echo(
@@ -210,12 +250,17 @@ def train(
         # Multiple-choice training data: fit the fallback for prompts asked without options.
         stems = encode(embed, [question_stem(p) for p in data.prompts])
     share = holdout if holdout is not None else (0.0 if data_dir else 0.2)
-    checked = _holdout(data, enc, cfg, share, routed) if share > 0 else None
+    incumbent = serving[1] if install_as is not None and serving is not None else None
+    checked = _holdout(data, enc, cfg, share, report, incumbent) if share > 0 else None
     try:
         head = fit_head(data, enc, cfg, stems)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     head.meta["source"] = source
+    if report is not None and len(report.recorded):
+        # What a later --install run needs to rank this head only on rows it never saw.
+        head.meta["tenant_id"] = report.tenant_id
+        head.meta["trained_through"] = float(report.recorded.max())
     if checked is not None:
         head.meta["holdout"] = checked
     if aucs := head.meta.get("blend_aucs"):
@@ -232,26 +277,63 @@ def train(
         )
     head.save(out_dir)
     click.echo(f"wrote {out_dir}", err=True)
+    if install_as is not None:
+        assert serving is not None and tenant is not None
+        _promote(head, install_as, serving[0], tenant, checked, promote_if, database_url)
 
 
-def _holdout(data: Outcomes, enc: Any, cfg: Any, share: float, routed: Any = None) -> dict[str, Any] | None:
+def _holdout(
+    data: Outcomes,
+    enc: Any,
+    cfg: Any,
+    share: float,
+    report: Any = None,
+    incumbent: tuple[str, Any] | None = None,
+) -> dict[str, Any] | None:
     """Print how a head fitted without a held-out share ranks it against the shipped head of the same
-    embedder, and against the scores the rows were routed by where stored; what it found, for the
-    head's metadata (None when there were too few rows)."""
+    embedder (or `incumbent`: a label and the head a route serves now), and against the scores the
+    rows were routed by where stored; what it found, for the head's metadata (None when there were too
+    few rows)."""
     from dataclasses import asdict
 
-    from routing.difficulty import DEFAULT_HEAD_DIR, STATIC_HEAD_DIR, DifficultyHead
-    from routing.embed import STATIC_RECIPE
+    from routing.difficulty import DEFAULT_HEAD_DIR, STATIC_HEAD_DIR, DifficultyHead, encode
+    from routing.embed import STATIC_RECIPE, load_embedder
     from routing.train import holdout_check
 
-    static = enc.recipe == STATIC_RECIPE
-    baseline, name = (
-        (STATIC_HEAD_DIR, "the shipped static head")
-        if static
-        else (DEFAULT_HEAD_DIR, "the shipped encoder head")
-    )
+    baseline_enc, unseen = None, None
+    if incumbent is not None:
+        name, baseline = incumbent
+        if baseline.embedder != enc.recipe:  # it reads the prompts through another embedder
+            baseline_enc = encode(load_embedder(baseline.embedder), data.prompts)
+        through = baseline.meta.get("trained_through")
+        if report is not None and through is not None and baseline.meta.get("tenant_id") == report.tenant_id:
+            # It was fitted on this tenant's rows up to then: rank only the ones recorded since.
+            unseen = report.recorded > through
+            click.echo(
+                f"{name} was trained on this tenant's rows recorded up to "
+                f"{dt.datetime.fromtimestamp(through, dt.UTC):%Y-%m-%d %H:%M:%S} UTC: ranking only the "
+                f"{int(unseen.sum())} recorded since",
+                err=True,
+            )
+    else:
+        static = enc.recipe == STATIC_RECIPE
+        path, name = (
+            (STATIC_HEAD_DIR, "the shipped static head")
+            if static
+            else (DEFAULT_HEAD_DIR, "the shipped encoder head")
+        )
+        baseline = DifficultyHead.load(path)
     try:
-        held, results = holdout_check(data, enc, DifficultyHead.load(baseline), cfg, share, routed=routed)
+        held, results = holdout_check(
+            data,
+            enc,
+            baseline,
+            cfg,
+            share,
+            routed=None if report is None else report.routed,
+            baseline_enc=baseline_enc,
+            unseen=unseen,
+        )
     except ValueError as exc:  # too few rows left to fit on
         click.echo(f"holdout check skipped: {exc}", err=True)
         return None
@@ -266,6 +348,120 @@ def _holdout(data: Outcomes, enc: Any, cfg: Any, share: float, routed: Any = Non
     return {"share": share, "rows": held, "baseline": name, "results": [asdict(r) for r in results]}
 
 
+async def _serves_others(session: Any, name: str, route: Any) -> str | None:
+    """Why `name` may not be replaced for this tenant's `route`: replacing a head that serves anyone
+    else would decide for them too."""
+    from routing.heads import routes_naming
+
+    others = [r.id for r in await routes_naming(session, name) if not (route.exclusive and r.id == route.id)]
+    if others:
+        return f"head {name!r} is served by routes {others}, not only this tenant's: choose another name"
+    return None
+
+
+def _promote(
+    head: Any,
+    name: str,
+    route: Any,
+    tenant: str,
+    checked: dict[str, Any] | None,
+    rule: str,
+    database_url: str | None,
+) -> None:
+    """`--install`: store `head` as `name` and point the tenant's route at it, if the held-out check
+    says it ranks better than the head the route serves now; one JSON line on stdout either way."""
+    import msgspec
+
+    from gateway.admin.routes import route_json
+    from gateway.db.models import AuditLog, RouteRow, utcnow
+    from routing.heads import bundle, describe, digest, put_head
+    from routing.store import route_spec, row_route
+    from routing.train import HoldoutResult, decisive, should_promote
+
+    result = decisive([HoldoutResult(**r) for r in checked["results"]]) if checked else None
+    data = bundle(head)
+    report: dict[str, Any] = {
+        "installed": False,
+        "route_updated": False,
+        "head": name,
+        "digest": digest(data)[:12],
+        "route": route.id,
+        "tenant": tenant,
+        "rule": rule,
+        "incumbent": checked["baseline"] if checked else None,
+    }
+    if result is not None:
+        report |= {
+            "outcome": result.outcome,
+            "held_out": result.positives + result.negatives,
+            "auc": round(result.trained, 4),
+            "incumbent_auc": round(result.baseline, 4),
+            "difference": [round(x, 4) for x in result.difference],
+        }
+    if result is None:
+        report["reason"] = (
+            "the held-out prompts rank nothing yet (too few, or all of one kind): kept the route as it is"
+        )
+    elif not should_promote(result, rule):
+        report["reason"] = (
+            f"{'not significantly better' if rule == 'significant' else 'no better'} than "
+            f"{report['incumbent']} on the held-out prompts: kept the route as it is"
+        )
+    if "reason" in report:
+        click.echo(json.dumps(report))
+        return
+
+    async def work(sessions: Any) -> str | None:
+        async with sessions() as session, session.begin():
+            if problem := await _serves_others(session, name, route):
+                return problem
+            row = await session.get(RouteRow, route.id)
+            if row is None or (row.spec or {}).get("head") != route.head:
+                return f"route {route.id} changed while the head was being trained: run again"
+            stored, before = await put_head(session, name, data, head)
+            session.add(
+                AuditLog(
+                    actor="cli",
+                    action="update" if before else "create",
+                    entity="difficulty_head",
+                    entity_id=name,
+                    before=before,
+                    after=describe(stored),
+                )
+            )
+            report["installed"] = True
+            if not route.exclusive:
+                report["reason"] = (
+                    f"better than {report['incumbent']}; stored, but route {route.id} does not serve "
+                    f"{tenant!r} alone (its when.tenants), so it was left as it is: point a route "
+                    f"limited to {tenant!r} at head {name!r}"
+                )
+                return None
+            if route.head != name:
+                shown = route_json(row)
+                row.spec = route_spec(msgspec.structs.replace(row_route(row), head=name))
+                row.updated_at = utcnow()
+                await session.flush()
+                session.add(
+                    AuditLog(
+                        actor="cli",
+                        action="update",
+                        entity="route",
+                        entity_id=str(row.id),
+                        before=shown,
+                        after=route_json(row),
+                    )
+                )
+                report["route_updated"] = True
+            report["reason"] = f"better than {report['incumbent']} on the held-out prompts: serving it"
+            return None
+
+    problem = _with_db(database_url, work)
+    if problem is not None:
+        raise click.ClickException(f"{problem}; nothing was stored")
+    click.echo(json.dumps(report))
+
+
 def _tenant_outcomes(
     tenant: str,
     route_name: str | None,
@@ -273,16 +469,28 @@ def _tenant_outcomes(
     strong: str | None,
     database_url: str | None,
     correct_at: float,
-) -> tuple[Outcomes, str, Any]:
+) -> tuple[Outcomes, str, Any, tuple[Any, tuple[str, Any] | None] | None]:
+    """The tenant's rows, where they came from, what the join found (routing.feedback.FeedbackReport),
+    and with --route the route the tenant reaches with the head it serves now (None: the shipped one)."""
     from gateway.vault import Vault, VaultError
-    from routing.feedback import load_feedback, route_models
+    from routing.feedback import load_feedback, tenant_route
+    from routing.heads import stored_bundle, unbundle
 
-    async def load(sessions: Any) -> tuple[Outcomes, str, Any]:
+    async def load(sessions: Any) -> tuple[Outcomes, str, Any, tuple[Any, tuple[str, Any] | None] | None]:
+        serving = None
         if route_name is None:
             assert weak is not None and strong is not None
             w, s = weak, strong
         else:
-            w, s = await route_models(sessions, route_name)
+            route = await tenant_route(sessions, route_name, tenant)
+            w, s = route.weak, route.strong
+            incumbent = None
+            if route.head is not None:
+                async with sessions() as session:
+                    found = await stored_bundle(session, route.head)
+                if found is not None:  # else the route serves the shipped head (docs/routing.md)
+                    incumbent = (f"the route's head {route.head}@{found[0][:12]}", unbundle(found[1]))
+            serving = (route, incumbent)
         data, report = await load_feedback(sessions, tenant, w, s, Vault.from_env(), correct_at)
         click.echo(report.summary(), err=True)
         if not len(data):
@@ -290,7 +498,12 @@ def _tenant_outcomes(
         routed_by = sorted({h for h in report.routed_by if h is not None})
         if routed_by:
             click.echo(f"routed by: {', '.join(routed_by)} (the scores comparisons stored)", err=True)
-        return data, f"tenant {tenant} feedback and comparisons (weak {w}, strong {s})", report.routed
+        return (
+            data,
+            f"tenant {tenant} feedback and comparisons (weak {w}, strong {s})",
+            report,
+            serving,
+        )
 
     try:
         return _with_db(database_url, load)

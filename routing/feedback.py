@@ -49,6 +49,10 @@ class FeedbackReport:
     # where not stored: feedback rows, comparisons from before migration 0007), and which head.
     routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
     routed_by: list[str | None] = field(default_factory=list)
+    # Per row: when it was recorded (the comparison or the feedback, Unix seconds), so a later run can
+    # tell which rows a head trained now could not have seen; and the tenant's id.
+    recorded: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    tenant_id: str = ""
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -95,20 +99,53 @@ async def tenant_id(sessions: async_sessionmaker[AsyncSession], tenant: str) -> 
     return found
 
 
-async def route_models(sessions: async_sessionmaker[AsyncSession], route: str) -> tuple[str, str]:
-    """The weak and strong candidates (the first two) of the first `difficulty` route of that name."""
+@dataclass(frozen=True)
+class TenantRoute:
+    """The difficulty route a tenant's requests of one public name reach."""
+
+    id: int
+    weak: str  # candidates[0]
+    strong: str  # candidates[1]
+    head: str | None  # the trained head it names; None: the shipped head
+    # Its conditions name this tenant alone, so a head trained on the tenant's traffic may serve it
+    # without deciding for anyone else.
+    exclusive: bool
+
+
+async def tenant_route(
+    sessions: async_sessionmaker[AsyncSession], route: str, tenant: str | None = None
+) -> TenantRoute:
+    """The first `difficulty` route of that name (by position) whose `when.tenants` admits `tenant`
+    (a name or id; None: the first of any). Other conditions (keys, metadata, lengths) are per request,
+    so a route that passes this is the one the tenant's traffic reaches unless those say otherwise."""
+    names: set[str] = set()
+    if tenant is not None:
+        tid = await tenant_id(sessions, tenant)
+        async with sessions() as session:
+            names = {tid, *(await session.scalars(select(Tenant.name).where(Tenant.id == tid)))}
     async with sessions() as session:
         rows = (
-            await session.execute(
+            await session.scalars(
                 select(RouteRow).where(RouteRow.name == route).order_by(RouteRow.position, RouteRow.id)
             )
-        ).scalars()
-        for row in rows:
-            spec = row.spec
-            candidates = spec.get("candidates") or []
-            if spec.get("policy") == "difficulty" and len(candidates) >= 2:
-                return candidates[0]["model"], candidates[1]["model"]
-    raise ValueError(f"no difficulty route named {route!r} in the admin DB")
+        ).all()
+    for row in rows:
+        spec = row.spec or {}
+        candidates = spec.get("candidates") or []
+        tenants = (spec.get("when") or {}).get("tenants")
+        if spec.get("policy") != "difficulty" or len(candidates) < 2:
+            continue
+        if tenant is not None and tenants is not None and not names & set(tenants):
+            continue
+        return TenantRoute(
+            id=row.id,
+            weak=candidates[0]["model"],
+            strong=candidates[1]["model"],
+            head=spec.get("head"),
+            exclusive=tenants is not None and len(tenants) == 1 and tenants[0] in names,
+        )
+    whose = f" that tenant {tenant!r} reaches" if tenant is not None else ""
+    raise ValueError(f"no difficulty route named {route!r}{whose} in the admin DB")
 
 
 async def load_feedback(
@@ -123,7 +160,7 @@ async def load_feedback(
     names of the route's candidates. A request the judge compared gives both outcomes; feedback on
     it adds nothing then (the judge graded the same answer the feedback scores, and the other one)."""
     tid = await tenant_id(sessions, tenant)
-    report = FeedbackReport()
+    report = FeedbackReport(tenant_id=tid)
     async with sessions() as session:
         feedback = (await session.execute(select(Feedback).where(Feedback.tenant_id == tid))).scalars().all()
         compared = (
@@ -150,11 +187,13 @@ async def load_feedback(
         answered = await _by_request(session, UsageEventRow, tid, feedback_ids, UsageEventRow.status == 200)
     rows: list[tuple[str, Label]] = []
     routed: list[float] = []
+    recorded: list[float] = []
     for c in compared:
         prompt = _prompt(stored.get(c.request_id), vault, report)
         if prompt is not None:
             rows.append((prompt, (c.weak_score >= correct_at, c.strong_score >= correct_at)))
             routed.append(c.p_strong if c.p_strong is not None else np.nan)
+            recorded.append(c.created_at.timestamp())
             report.routed_by.append(c.head)
             report.used["both"] += 1
     for f in feedback:
@@ -173,9 +212,11 @@ async def load_feedback(
         right = f.score >= correct_at
         rows.append((prompt, (right, None) if role == "weak" else (None, right)))
         routed.append(np.nan)
+        recorded.append(f.created_at.timestamp())
         report.routed_by.append(None)
         report.used[role] += 1
     report.routed = np.array(routed, dtype=float)
+    report.recorded = np.array(recorded, dtype=float)
     return _outcomes(rows), report
 
 

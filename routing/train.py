@@ -629,6 +629,25 @@ class HoldoutResult:
         return text
 
 
+def decisive(results: list[HoldoutResult]) -> HoldoutResult | None:
+    """The held-out result a head is promoted on: the prompts that need the strong model, where rows
+    know both outcomes (exactly what a difficulty route should send strong), else the weak model's
+    failures; None when the held-out rows rank neither."""
+    by_outcome = {r.outcome: r for r in results}
+    return by_outcome.get("needs the strong model") or by_outcome.get("weak model wrong")
+
+
+def should_promote(result: HoldoutResult, rule: str) -> bool:
+    """Whether a head that ranked held-out prompts as `result` says should replace the baseline:
+    "significant" when the 95% interval of its paired AUC gain lies above zero, "better" when the
+    gain itself does."""
+    if rule == "significant":
+        return result.difference[0] > 0
+    if rule == "better":
+        return result.trained > result.baseline
+    raise ValueError(f"unknown promotion rule {rule!r}")
+
+
 def holdout_check(
     data: Outcomes,
     enc: Encoded,
@@ -637,6 +656,8 @@ def holdout_check(
     share: float = 0.2,
     resamples: int = 1000,
     routed: np.ndarray | None = None,
+    baseline_enc: Encoded | None = None,
+    unseen: np.ndarray | None = None,
 ) -> tuple[int, list[HoldoutResult]]:
     """Before a head fitted on your outcomes replaces the shipped one: fit one on all but a held-out
     `share` of the prompts (by prompt hash, so a repeated prompt never sits on both sides) and compare
@@ -645,13 +666,17 @@ def holdout_check(
     where both outcomes are known, the rows that need the strong model. Outcomes with no positive or
     no negative row are left out. `routed` (per row, NaN where unknown) is the score the route's head
     gave each request when it was routed: on the held-out rows that have one, the results also say
-    how that head ranked them (`HoldoutResult.routed`), i.e. the head this one would replace."""
+    how that head ranked them (`HoldoutResult.routed`), i.e. the head this one would replace.
+    `baseline_enc`: the rows encoded for `baseline`, where it reads another embedder than `enc`'s.
+    `unseen` (per row): the rows `baseline` was not trained on; only those held-out rows are ranked,
+    since a head ranks the rows it was fitted on better than it will rank new traffic."""
     folds = max(2, round(1 / share))
     test = np.array([prompt_fold(p, folds) == 0 for p in data.prompts])
     train_rows, test_rows = np.flatnonzero(~test), np.flatnonzero(test)
     head = fit_head(data.subset(train_rows), enc.subset(train_rows), cfg)
     held, held_enc = data.subset(test_rows), enc.subset(test_rows)
-    ours, theirs = head.p_strong(held_enc), baseline.p_strong(held_enc)
+    ours = head.p_strong(held_enc)
+    theirs = baseline.p_strong(held_enc if baseline_enc is None else baseline_enc.subset(test_rows))
     known = held.known()
     outcomes: list[tuple[str, np.ndarray, np.ndarray]] = [("weak model wrong", known[:, 0], ~held.weak)]
     both = known[:, 0] & known[:, 1]
@@ -659,6 +684,8 @@ def holdout_check(
         outcomes.append(("needs the strong model", both, np.logical_and(~held.weak, held.strong)))
     results = []
     for name, rows, label in outcomes:
+        if unseen is not None:
+            rows = rows & unseen[test_rows]
         y = label[rows]
         if y.all() or not y.any():
             continue

@@ -19,6 +19,7 @@ from tests.deploy.weir_cli import assert_cli_accepts
 
 K8S = DEPLOY / "k8s"
 VLLM = K8S / "examples" / "vllm"
+ROUTER_TRAIN = K8S / "examples" / "router-train"
 KUBERNETES_VERSION = "1.33"
 
 
@@ -43,7 +44,7 @@ def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return spec.get("initContainers", []) + spec["containers"]
 
 
-@pytest.mark.parametrize("directory", [K8S, VLLM], ids=["base", "vllm"])
+@pytest.mark.parametrize("directory", [K8S, VLLM, ROUTER_TRAIN], ids=["base", "vllm", "router-train"])
 def test_every_object_is_valid_against_the_kubernetes_schema(directory: Any) -> None:
     objects = render(directory)
     assert objects
@@ -157,6 +158,22 @@ def test_migration_job_runs_weir_db_upgrade_with_the_gateway_image(base: list[di
         ("Secret", "weir-secrets"),
         ("Job", "weir-db-upgrade"),
     }
+
+
+def test_the_nightly_router_train_job_installs_only_a_better_head() -> None:
+    objects = render(ROUTER_TRAIN)
+    job = find(objects, "CronJob", "weir-router-train-acme")
+    (container,) = containers(job)
+    args = container["args"]
+    assert args[:3] == ["weir", "router", "train"] and "--install" in args and "--route" in args
+    assert_cli_accepts(args)
+    # --out is written on the read-only root filesystem's one writable mount.
+    assert args[args.index("--out") + 1].startswith("/tmp/")
+    (gateway,) = containers(find(objects, "Deployment", "weir-gateway"))
+    assert container["image"] == gateway["image"]  # the same Weir, the same embedder recipes
+    assert container["envFrom"] == gateway["envFrom"]  # the admin DB, and the master key where set
+    assert job["spec"]["concurrencyPolicy"] == "Forbid"
+    test_pods_are_locked_down([job])
 
 
 def test_pods_are_locked_down(base: list[dict[str, Any]]) -> None:

@@ -15,14 +15,24 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 from gateway.credentials import prompt_context
-from gateway.db.models import Base, Feedback, RouteRow, StoredPrompt, Tenant, UsageEventRow
+from gateway.db.models import (
+    AuditLog,
+    Base,
+    DifficultyHeadRow,
+    Feedback,
+    RouteRow,
+    StoredPrompt,
+    Tenant,
+    UsageEventRow,
+)
 from gateway.db.session import create_engine as create_async_engine
 from gateway.db.session import sessionmaker
 from gateway.vault import Vault, generate_key
-from routing.difficulty import DifficultyClassifier, encode
-from routing.feedback import answered_by, load_feedback, request_prompt
+from routing.difficulty import DifficultyClassifier, DifficultyHead, encode
+from routing.feedback import TenantRoute, answered_by, load_feedback, request_prompt, tenant_route
+from routing.heads import bundle, digest
 from routing.ranking import auc
-from routing.train import TrainConfig, fit_head, holdout_check
+from routing.train import HoldoutResult, TrainConfig, decisive, fit_head, holdout_check, should_promote
 from tests.routing.test_cli import run
 from tests.routing.test_trained_heads import forced
 
@@ -78,6 +88,43 @@ def _chat(prompt: str) -> str:
     )
 
 
+def _traffic(session: Session, vault: Vault, rng: random.Random, requests: range) -> None:
+    """acme's requests: a stored prompt, the ledger's answering attempt and feedback on it, each. The
+    weak model answers easy prompts well and hard ones badly, the strong one both well."""
+    for i in requests:
+        prompt, is_hard = (hard(i), True) if i % 2 else (easy(i), False)
+        candidate = STRONG if i % 4 in (2, 3) else WEAK  # both models see easy and hard prompts
+        right = candidate == STRONG or not is_hard
+        rid = f"r{i}"
+        body = _chat(prompt) if i % 3 else json.dumps({"model": "auto", "prompt": prompt})
+        key_id = None
+        if i % 5 == 0:  # some bodies encrypted, as the gateway stores them with a master key
+            where = prompt_context("t-acme", rid)
+            body, key_id = vault.encrypt(body, where + ":request"), vault.primary_id
+            response = vault.encrypt("{}", where + ":response")
+        else:
+            response = "{}"
+        session.add(
+            StoredPrompt(
+                request_id=rid,
+                tenant_id="t-acme",
+                ts=NOW,
+                endpoint="chat",
+                status=200,
+                key_id=key_id,
+                request_body=body,
+                response_body=response,
+            )
+        )
+        if i % 7 == 0:  # a failed first attempt: the answer came from the second
+            session.add(_event(rid, 1, "t-acme", candidate, 500))
+            session.add(_event(rid, 2, "t-acme", candidate, 200))
+        else:
+            session.add(_event(rid, 1, "t-acme", candidate, 200))
+        score = rng.uniform(0.7, 1.0) if right else rng.uniform(0.0, 0.3)
+        session.add(Feedback(tenant_id="t-acme", request_id=rid, score=score))
+
+
 @pytest.fixture
 def admin_db(tmp_path: Path) -> tuple[str, Vault]:
     """A tenant `acme` whose weak model answers easy prompts well and hard ones badly, and whose strong
@@ -104,38 +151,7 @@ def admin_db(tmp_path: Path) -> tuple[str, Vault]:
                 ),
             ]
         )
-        for i in range(80):
-            prompt, is_hard = (hard(i), True) if i % 2 else (easy(i), False)
-            candidate = STRONG if i % 4 in (2, 3) else WEAK  # both models see easy and hard prompts
-            right = candidate == STRONG or not is_hard
-            rid = f"r{i}"
-            body = _chat(prompt) if i % 3 else json.dumps({"model": "auto", "prompt": prompt})
-            key_id = None
-            if i % 5 == 0:  # some bodies encrypted, as the gateway stores them with a master key
-                where = prompt_context("t-acme", rid)
-                body, key_id = vault.encrypt(body, where + ":request"), vault.primary_id
-                response = vault.encrypt("{}", where + ":response")
-            else:
-                response = "{}"
-            session.add(
-                StoredPrompt(
-                    request_id=rid,
-                    tenant_id="t-acme",
-                    ts=NOW,
-                    endpoint="chat",
-                    status=200,
-                    key_id=key_id,
-                    request_body=body,
-                    response_body=response,
-                )
-            )
-            if i % 7 == 0:  # a failed first attempt: the answer came from the second
-                session.add(_event(rid, 1, "t-acme", candidate, 500))
-                session.add(_event(rid, 2, "t-acme", candidate, 200))
-            else:
-                session.add(_event(rid, 1, "t-acme", candidate, 200))
-            score = rng.uniform(0.7, 1.0) if right else rng.uniform(0.0, 0.3)
-            session.add(Feedback(tenant_id="t-acme", request_id=rid, score=score))
+        _traffic(session, vault, rng, range(80))
         # Skipped: no stored prompt, answered by a third model, another tenant's feedback.
         session.add(_event("r-unstored", 1, "t-acme", WEAK, 200))
         session.add(Feedback(tenant_id="t-acme", request_id="r-unstored", score=1.0))
@@ -158,6 +174,11 @@ def admin_db(tmp_path: Path) -> tuple[str, Vault]:
         session.commit()
     engine.dispose()
     return f"sqlite:///{path}", vault
+
+
+def train_acme(url: str) -> list[str]:
+    """`weir router train` on acme's route `auto` in this admin DB, with few epochs (fast)."""
+    return ["router", "train", "--tenant", "acme", "--route", "auto", "--database-url", url, "--epochs", "30"]
 
 
 def _load(url: str, vault: Vault | None) -> tuple[object, object]:
@@ -256,22 +277,7 @@ def test_the_holdout_check_ranks_unseen_prompts_against_a_baseline(admin_db: tup
 def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Path) -> None:
     url, _ = admin_db
     out = tmp_path / "head"
-    result = run(
-        [
-            "router",
-            "train",
-            "--tenant",
-            "acme",
-            "--route",
-            "auto",
-            "--database-url",
-            url,
-            "--out",
-            str(out),
-            "--epochs",
-            "30",
-        ],
-    )
+    result = run([*train_acme(url), "--out", str(out)])
     assert result.returncode == 0, result.stderr
     # No WEIR_MASTER_KEY here: the 16 encrypted bodies (8 from each model) are skipped.
     assert "32 answered by the weak model, 32 by the strong one" in result.stderr
@@ -335,3 +341,189 @@ def test_cli_says_what_is_missing(admin_db: tuple[str, Vault]) -> None:
     assert result.returncode != 0 and "no tenant named 'nobody'" in result.stderr
     result = run(["router", "train", "--tenant", "acme", "--database-url", url])
     assert result.returncode != 0 and "--route or both --weak and --strong" in result.stderr
+
+
+def _store_head(url: str, name: str, head: DifficultyHead) -> None:
+    data = bundle(head)
+    engine = create_engine(url)
+    with Session(engine) as session:
+        session.add(
+            DifficultyHeadRow(
+                name=name,
+                digest=digest(data),
+                embedder=head.embedder,
+                size=len(data),
+                meta=head.meta,
+                bundle=data,
+            )
+        )
+        session.commit()
+    engine.dispose()
+
+
+def _set_routes(url: str, *specs: dict[str, object]) -> list[int]:
+    """Replace the route table with these `auto` routes, in this order; their ids."""
+    engine = create_engine(url)
+    with Session(engine) as session:
+        for row in session.scalars(select(RouteRow)):
+            session.delete(row)
+        rows = [
+            RouteRow(name="auto", position=i, spec={"name": "auto", **spec}) for i, spec in enumerate(specs)
+        ]
+        session.add_all(rows)
+        session.commit()
+        ids = [row.id for row in rows]
+    engine.dispose()
+    return ids
+
+
+def _tenant_route(url: str, tenant: str | None) -> TenantRoute:
+    async def go() -> TenantRoute:
+        engine = create_async_engine(url.replace("sqlite://", "sqlite+aiosqlite://"))
+        try:
+            return await tenant_route(sessionmaker(engine), "auto", tenant)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+DIFFICULTY = {"policy": "difficulty", "candidates": [{"model": WEAK}, {"model": STRONG}]}
+
+
+def test_the_route_a_tenant_reaches(admin_db: tuple[str, Vault]) -> None:
+    url, _ = admin_db
+    other, mine, _ = _set_routes(
+        url,
+        {"policy": "fixed", "candidates": [{"model": WEAK}]},  # not a difficulty route: passed over
+        {**DIFFICULTY, "when": {"tenants": ["other"]}, "head": "other-v1"},
+        {**DIFFICULTY, "when": {"tenants": ["acme"]}, "head": "acme-v1"},
+        {**DIFFICULTY, "candidates": [{"model": STRONG}, {"model": WEAK}]},
+    )[1:]
+    found = _tenant_route(url, "acme")
+    assert (found.id, found.weak, found.strong, found.head, found.exclusive) == (
+        mine,
+        WEAK,
+        STRONG,
+        "acme-v1",
+        True,
+    )
+    assert _tenant_route(url, "t-acme").id == mine  # by id as well as by name
+    assert _tenant_route(url, "other").id == other
+    assert _tenant_route(url, None).id == other  # no tenant: the first difficulty route of the name
+    _set_routes(
+        url,
+        {**DIFFICULTY, "when": {"tenants": ["other"]}},
+        {**DIFFICULTY, "when": {"tenants": ["acme", "other"]}},
+    )
+    found = _tenant_route(url, "acme")
+    assert found.head is None and not found.exclusive  # serves two tenants
+    _set_routes(url, {**DIFFICULTY, "when": {"tenants": ["other"]}})
+    with pytest.raises(ValueError, match="no difficulty route named 'auto' that tenant 'acme' reaches"):
+        _tenant_route(url, "acme")
+    with pytest.raises(ValueError, match="no tenant named 'nobody'"):
+        _tenant_route(url, "nobody")
+
+
+def _result(
+    trained: float, baseline: float, low: float, high: float, outcome: str = "weak model wrong"
+) -> HoldoutResult:
+    return HoldoutResult(outcome, 10, 10, trained, baseline, (low, high))
+
+
+def test_the_promotion_rule() -> None:
+    weak_only = _result(0.8, 0.6, 0.05, 0.35)
+    both = _result(0.55, 0.6, -0.2, 0.1, "needs the strong model")
+    # Rows that know both outcomes decide, since those are what the route should send strong.
+    assert decisive([weak_only, both]) is both and decisive([weak_only]) is weak_only and decisive([]) is None
+    assert should_promote(weak_only, "significant") and should_promote(weak_only, "better")
+    assert not should_promote(both, "significant") and not should_promote(both, "better")
+    ahead_not_clear = _result(0.7, 0.6, -0.05, 0.25)
+    assert should_promote(ahead_not_clear, "better") and not should_promote(ahead_not_clear, "significant")
+    with pytest.raises(ValueError, match="unknown promotion rule"):
+        should_promote(weak_only, "sometimes")
+
+
+def _audit(url: str) -> list[tuple[str, str, str | None]]:
+    engine = create_engine(url)
+    with Session(engine) as session:
+        rows = [
+            (a.action, a.entity, a.entity_id) for a in session.scalars(select(AuditLog).order_by(AuditLog.id))
+        ]
+    engine.dispose()
+    return rows
+
+
+def _route_head(url: str, route_id: int) -> object:
+    engine = create_engine(url)
+    with Session(engine) as session:
+        spec = session.get(RouteRow, route_id).spec  # type: ignore[union-attr]
+    engine.dispose()
+    return spec.get("head")
+
+
+@pytest.mark.slow
+def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
+    admin_db: tuple[str, Vault], tmp_path: Path
+) -> None:
+    url, vault = admin_db
+    # The route acme alone reaches serves a head that ranks nothing (every prompt scores ~1).
+    _store_head(url, "acme-old", forced(100.0))
+    [route_id] = _set_routes(url, {**DIFFICULTY, "when": {"tenants": ["acme"]}, "head": "acme-old"})
+    train = train_acme(url)
+
+    first = run([*train, "--out", str(tmp_path / "h1"), "--install", "acme-auto"])
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)
+    assert report["installed"] and report["route_updated"], report
+    assert report["incumbent"].startswith("the route's head acme-old@") and report["incumbent_auc"] == 0.5
+    assert report["outcome"] == "weak model wrong" and report["auc"] >= 0.9 and report["difference"][0] > 0
+    assert f"a head fitted on the rest vs {report['incumbent']}" in first.stderr
+    assert _route_head(url, route_id) == "acme-auto"
+    assert _audit(url) == [("create", "difficulty_head", "acme-auto"), ("update", "route", str(route_id))]
+
+    # The next night, nothing new: the head in use was fitted on every row there is, and ranks rows it
+    # saw better than it will rank new ones, so there is nothing fair to compare on.
+    again = run([*train, "--out", str(tmp_path / "h2"), "--install", "acme-auto"])
+    assert again.returncode == 0, again.stderr
+    kept = json.loads(again.stdout)
+    assert not kept["installed"] and not kept["route_updated"], kept
+    assert kept["incumbent"] == f"the route's head acme-auto@{report['digest']}"
+    assert "ranking only the 0 recorded since" in again.stderr and "rank nothing yet" in kept["reason"]
+
+    # New traffic since: ranked on it alone, a head fitted on the same kind of rows is no clearer a
+    # router than the one in use, so that one stays.
+    engine = create_engine(url)
+    with Session(engine) as session:
+        _traffic(session, vault, random.Random(1), range(80, 200))
+        session.commit()
+    engine.dispose()
+    later = run([*train, "--out", str(tmp_path / "h3"), "--install", "acme-auto"])
+    assert later.returncode == 0, later.stderr
+    kept = json.loads(later.stdout)
+    assert not kept["installed"] and "not significantly better" in kept["reason"], kept
+    assert "ranking only the 96 recorded since" in later.stderr  # 120 new, 24 of them encrypted
+    assert 0 < kept["held_out"] < 96 and kept["difference"][0] <= 0
+    listed = run(["router", "heads", "list", "--database-url", url])
+    digests = {json.loads(line)["name"]: json.loads(line)["digest"] for line in listed.stdout.splitlines()}
+    assert digests["acme-auto"].startswith(report["digest"])
+    assert len(_audit(url)) == 2
+
+    # A route other tenants share is not re-pointed by one tenant's head, and a head it serves is
+    # not replaced.
+    [shared] = _set_routes(url, {**DIFFICULTY, "head": "acme-old"})
+    stored = run([*train, "--out", str(tmp_path / "h4"), "--install", "acme-v2"])
+    assert stored.returncode == 0, stored.stderr
+    shown = json.loads(stored.stdout)
+    assert (
+        shown["installed"] and not shown["route_updated"] and "does not serve 'acme' alone" in shown["reason"]
+    )
+    assert _route_head(url, shared) == "acme-old"
+    refused = run([*train, "--out", str(tmp_path / "h5"), "--install", "acme-old"])
+    assert refused.returncode != 0 and "not only this tenant's" in refused.stderr
+    assert "nothing was trained or stored" in refused.stderr and len(_audit(url)) == 3
+
+    bad = run([*train, "--install", "acme-auto", "--holdout", "0"])
+    assert bad.returncode != 0 and "--holdout 0" in bad.stderr
+    bad = run(["router", "train", "--tenant", "acme", "--weak", WEAK, "--strong", STRONG, "--install", "x"])
+    assert bad.returncode != 0 and "--install needs --tenant and --route" in bad.stderr

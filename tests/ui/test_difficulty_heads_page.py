@@ -18,7 +18,7 @@ from tests.ui.conftest import ADMIN, Weir
 HOLDOUT = {
     "share": 0.2,
     "rows": 120,
-    "baseline": "the shipped encoder head",
+    "baseline": "the route's head acme-v0@3f2a9c41d0e7",  # what `--install` compared it with
     "results": [
         {
             "outcome": "weak model wrong",
@@ -27,7 +27,17 @@ HOLDOUT = {
             "trained": 0.7312,
             "baseline": 0.6045,
             "difference": [0.05, 0.2],
-        }
+            "routed": None,
+        },
+        {
+            "outcome": "needs the strong model",
+            "positives": 20,
+            "negatives": 60,
+            "trained": 0.7021,
+            "baseline": 0.4553,
+            "difference": [0.1, 0.39],
+            "routed": [41, 0.455, 0.702],
+        },
     ],
 }
 
@@ -59,7 +69,11 @@ def test_upload_a_head_route_by_it_and_it_cannot_be_deleted_in_use(
     row = rows.first.inner_text()
     assert "acme-v1" in row and digest(data)[:12] in row and head.embedder in row, row
     assert "test head, bias 8.0" in row and "14,037" in row, row
-    assert "this head 0.731 vs shipped 0.605" in row and "not used by a route" in row, row
+    # The outcome a difficulty route acts on, against the head the route served when it was trained.
+    assert "this head 0.702 vs in use 0.455" in row and "not used by a route" in row, row
+    title = rows.first.locator("td").nth(5).locator("span").get_attribute("title") or ""
+    assert "against the route's head acme-v0@3f2a9c41d0e7" in title, title
+    assert "on the 41 routed with a stored score: 0.702 this head, 0.455 as routed" in title, title
     # A head trained before version 5 blends its components only.
     assert rows.first.locator("td").nth(6).inner_text() == "components", row
     stored = routed.admin.get("/difficulty-heads").json()["data"]
