@@ -7,10 +7,12 @@ import asyncio
 import datetime as dt
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
@@ -35,6 +37,7 @@ from routing.ranking import auc
 from routing.train import HoldoutResult, TrainConfig, decisive, fit_head, holdout_check, should_promote
 from tests.routing.test_cli import run
 from tests.routing.test_trained_heads import forced
+from weir.cli import main
 
 WEAK, STRONG = "gpt-4o-mini", "claude-sonnet"
 NOW = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
@@ -174,6 +177,12 @@ def admin_db(tmp_path: Path) -> tuple[str, Vault]:
         session.commit()
     engine.dispose()
     return f"sqlite:///{path}", vault
+
+
+def cli(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """`weir ARGS` in this process, so that torch and the embedder load once for a test's many runs."""
+    result = CliRunner().invoke(main, args)
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
 def train_acme(url: str) -> list[str]:
@@ -472,7 +481,7 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
     [route_id] = _set_routes(url, {**DIFFICULTY, "when": {"tenants": ["acme"]}, "head": "acme-old"})
     train = train_acme(url)
 
-    first = run([*train, "--out", str(tmp_path / "h1"), "--install", "acme-auto"])
+    first = cli([*train, "--out", str(tmp_path / "h1"), "--install", "acme-auto"])
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
     assert report["installed"] and report["route_updated"], report
@@ -484,7 +493,7 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
 
     # The next night, nothing new: the head in use was fitted on every row there is, and ranks rows it
     # saw better than it will rank new ones, so there is nothing fair to compare on.
-    again = run([*train, "--out", str(tmp_path / "h2"), "--install", "acme-auto"])
+    again = cli([*train, "--out", str(tmp_path / "h2"), "--install", "acme-auto"])
     assert again.returncode == 0, again.stderr
     kept = json.loads(again.stdout)
     assert not kept["installed"] and not kept["route_updated"], kept
@@ -498,13 +507,13 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
         _traffic(session, vault, random.Random(1), range(80, 200))
         session.commit()
     engine.dispose()
-    later = run([*train, "--out", str(tmp_path / "h3"), "--install", "acme-auto"])
+    later = cli([*train, "--out", str(tmp_path / "h3"), "--install", "acme-auto"])
     assert later.returncode == 0, later.stderr
     kept = json.loads(later.stdout)
     assert not kept["installed"] and "not significantly better" in kept["reason"], kept
     assert "ranking only the 96 recorded since" in later.stderr  # 120 new, 24 of them encrypted
     assert 0 < kept["held_out"] < 96 and kept["difference"][0] <= 0
-    listed = run(["router", "heads", "list", "--database-url", url])
+    listed = cli(["router", "heads", "list", "--database-url", url])
     digests = {json.loads(line)["name"]: json.loads(line)["digest"] for line in listed.stdout.splitlines()}
     assert digests["acme-auto"].startswith(report["digest"])
     assert len(_audit(url)) == 2
@@ -512,18 +521,18 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
     # A route other tenants share is not re-pointed by one tenant's head, and a head it serves is
     # not replaced.
     [shared] = _set_routes(url, {**DIFFICULTY, "head": "acme-old"})
-    stored = run([*train, "--out", str(tmp_path / "h4"), "--install", "acme-v2"])
+    stored = cli([*train, "--out", str(tmp_path / "h4"), "--install", "acme-v2"])
     assert stored.returncode == 0, stored.stderr
     shown = json.loads(stored.stdout)
     assert (
         shown["installed"] and not shown["route_updated"] and "does not serve 'acme' alone" in shown["reason"]
     )
     assert _route_head(url, shared) == "acme-old"
-    refused = run([*train, "--out", str(tmp_path / "h5"), "--install", "acme-old"])
+    refused = cli([*train, "--out", str(tmp_path / "h5"), "--install", "acme-old"])
     assert refused.returncode != 0 and "not only this tenant's" in refused.stderr
     assert "nothing was trained or stored" in refused.stderr and len(_audit(url)) == 3
 
-    bad = run([*train, "--install", "acme-auto", "--holdout", "0"])
+    bad = cli([*train, "--install", "acme-auto", "--holdout", "0"])
     assert bad.returncode != 0 and "--holdout 0" in bad.stderr
-    bad = run(["router", "train", "--tenant", "acme", "--weak", WEAK, "--strong", STRONG, "--install", "x"])
+    bad = cli(["router", "train", "--tenant", "acme", "--weak", WEAK, "--strong", STRONG, "--install", "x"])
     assert bad.returncode != 0 and "--install needs --tenant and --route" in bad.stderr
