@@ -251,7 +251,10 @@ def train(
         stems = encode(embed, [question_stem(p) for p in data.prompts])
     share = holdout if holdout is not None else (0.0 if data_dir else 0.2)
     incumbent = serving[1] if install_as is not None and serving is not None else None
-    checked = _holdout(data, enc, cfg, share, report, incumbent) if share > 0 else None
+    # --install decides on the check, so it holds out every fifth in turn (five fits, every row ranked).
+    checked = (
+        _holdout(data, enc, cfg, share, report, incumbent, install_as is not None) if share > 0 else None
+    )
     try:
         head = fit_head(data, enc, cfg, stems)
     except ValueError as exc:
@@ -289,6 +292,7 @@ def _holdout(
     share: float,
     report: Any = None,
     incumbent: tuple[str, Any] | None = None,
+    cross_fit: bool = False,
 ) -> dict[str, Any] | None:
     """Print how a head fitted without a held-out share ranks it against the shipped head of the same
     embedder (or `incumbent`: a label and the head a route serves now), and against the scores the
@@ -333,19 +337,28 @@ def _holdout(
             routed=None if report is None else report.routed,
             baseline_enc=baseline_enc,
             unseen=unseen,
+            cross_fit=cross_fit,
         )
     except ValueError as exc:  # too few rows left to fit on
         click.echo(f"holdout check skipped: {exc}", err=True)
         return None
-    click.echo(
-        f"held out {held} of {len(data)} prompts (by prompt hash); a head fitted on the rest vs {name}:",
-        err=True,
+    how = (
+        f"every prompt held out in turn (by prompt hash, {round(1 / share)} fits); heads fitted without it"
+        if cross_fit
+        else f"held out {held} of {len(data)} prompts (by prompt hash); a head fitted on the rest"
     )
+    click.echo(f"{how} vs {name}:", err=True)
     for result in results:
         click.echo("  " + result.summary(name), err=True)
     if not results:
         click.echo("  no held-out outcome has both right and wrong answers to rank", err=True)
-    return {"share": share, "rows": held, "baseline": name, "results": [asdict(r) for r in results]}
+    return {
+        "share": share,
+        "rows": held,
+        "cross_fitted": cross_fit,
+        "baseline": name,
+        "results": [asdict(r) for r in results],
+    }
 
 
 async def _serves_others(session: Any, name: str, route: Any) -> str | None:

@@ -648,6 +648,17 @@ def should_promote(result: HoldoutResult, rule: str) -> bool:
     raise ValueError(f"unknown promotion rule {rule!r}")
 
 
+def _fold_rank(scores: np.ndarray) -> np.ndarray:
+    """Each score's mid-rank among `scores`, scaled to 0..1 (ties share their mean rank)."""
+    order = np.argsort(scores, kind="stable")
+    ranks = np.empty(len(scores))
+    ranks[order] = np.arange(len(scores))
+    # Mean rank per distinct value, so tied scores stay tied.
+    _, inverse = np.unique(scores, return_inverse=True)
+    ranks = np.bincount(inverse, ranks)[inverse] / np.bincount(inverse)[inverse]
+    return ranks / max(len(scores) - 1, 1)
+
+
 def holdout_check(
     data: Outcomes,
     enc: Encoded,
@@ -658,6 +669,7 @@ def holdout_check(
     routed: np.ndarray | None = None,
     baseline_enc: Encoded | None = None,
     unseen: np.ndarray | None = None,
+    cross_fit: bool = False,
 ) -> tuple[int, list[HoldoutResult]]:
     """Before a head fitted on your outcomes replaces the shipped one: fit one on all but a held-out
     `share` of the prompts (by prompt hash, so a repeated prompt never sits on both sides) and compare
@@ -669,14 +681,28 @@ def holdout_check(
     how that head ranked them (`HoldoutResult.routed`), i.e. the head this one would replace.
     `baseline_enc`: the rows encoded for `baseline`, where it reads another embedder than `enc`'s.
     `unseen` (per row): the rows `baseline` was not trained on; only those held-out rows are ranked,
-    since a head ranks the rows it was fitted on better than it will rank new traffic."""
+    since a head ranks the rows it was fitted on better than it will rank new traffic.
+    `cross_fit`: hold out every fold in turn, each scored by a head fitted on the others, so every row
+    is ranked (1/share fits instead of one): about sqrt(1/share) times narrower intervals. Fold heads
+    fitted on a few hundred rows are calibrated differently, and ranking their raw scores together
+    understated them badly (benchmarks/routing_loop.py), so both heads' scores are replaced by their
+    rank within the fold first: what is compared is how each orders the rows of each fold."""
     folds = max(2, round(1 / share))
-    test = np.array([prompt_fold(p, folds) == 0 for p in data.prompts])
-    train_rows, test_rows = np.flatnonzero(~test), np.flatnonzero(test)
-    head = fit_head(data.subset(train_rows), enc.subset(train_rows), cfg)
-    held, held_enc = data.subset(test_rows), enc.subset(test_rows)
-    ours = head.p_strong(held_enc)
-    theirs = baseline.p_strong(held_enc if baseline_enc is None else baseline_enc.subset(test_rows))
+    fold_of = np.array([prompt_fold(p, folds) for p in data.prompts])
+    held_folds = [k for k in (range(folds) if cross_fit else [0]) if (fold_of == k).any()]
+    test_rows = np.flatnonzero(np.isin(fold_of, held_folds))
+    scored = np.full(len(data), np.nan)
+    for k in held_folds:
+        train_rows, rows_k = np.flatnonzero(fold_of != k), np.flatnonzero(fold_of == k)
+        head = fit_head(data.subset(train_rows), enc.subset(train_rows), cfg)
+        scored[rows_k] = head.p_strong(enc.subset(rows_k))
+    held = data.subset(test_rows)
+    ours = scored[test_rows]
+    theirs = baseline.p_strong((enc if baseline_enc is None else baseline_enc).subset(test_rows))
+    if cross_fit:
+        for k in held_folds:
+            in_fold = fold_of[test_rows] == k
+            ours[in_fold], theirs[in_fold] = _fold_rank(ours[in_fold]), _fold_rank(theirs[in_fold])
     known = held.known()
     outcomes: list[tuple[str, np.ndarray, np.ndarray]] = [("weak model wrong", known[:, 0], ~held.weak)]
     both = known[:, 0] & known[:, 1]

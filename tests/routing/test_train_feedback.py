@@ -34,7 +34,15 @@ from routing.difficulty import DifficultyClassifier, DifficultyHead, encode
 from routing.feedback import TenantRoute, answered_by, load_feedback, request_prompt, tenant_route
 from routing.heads import bundle, digest
 from routing.ranking import auc
-from routing.train import HoldoutResult, TrainConfig, decisive, fit_head, holdout_check, should_promote
+from routing.train import (
+    HoldoutResult,
+    TrainConfig,
+    _fold_rank,
+    decisive,
+    fit_head,
+    holdout_check,
+    should_promote,
+)
 from tests.routing.test_cli import run
 from tests.routing.test_trained_heads import forced
 from weir.cli import main
@@ -281,6 +289,22 @@ def test_the_holdout_check_ranks_unseen_prompts_against_a_baseline(admin_db: tup
     assert rows >= again.positives + again.negatives - 1 and theirs == 0.0 and ours >= 0.9
     assert f"on the {rows} routed with a stored score" in again.summary("shipped")
 
+    # Every fifth held out in turn: every row ranked, by a head that did not see it.
+    held_all, [crossed] = holdout_check(
+        data, enc, constant, TrainConfig(epochs=30), share=0.25, cross_fit=True
+    )
+    known = int(data.known()[:, 0].sum())  # type: ignore[attr-defined]
+    assert held_all == len(data) and crossed.positives + crossed.negatives == known  # type: ignore[arg-type]
+    assert crossed.baseline == 0.5 and crossed.trained >= 0.9 and crossed.difference[0] > 0
+    # Rows the baseline was trained on are not ranked: with none unseen there is nothing to decide on.
+    nothing = np.zeros(len(data), dtype=bool)  # type: ignore[arg-type]
+    assert holdout_check(data, enc, constant, TrainConfig(epochs=30), share=0.25, unseen=nothing)[1] == []
+
+
+def test_fold_ranks_keep_ties_tied() -> None:
+    np.testing.assert_allclose(_fold_rank(np.array([0.3, 0.1, 0.3, 0.9, 0.5])), [0.375, 0, 0.375, 1, 0.75])
+    np.testing.assert_allclose(_fold_rank(np.array([2.0])), [0.0])
+
 
 @pytest.mark.slow
 def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Path) -> None:
@@ -479,7 +503,7 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
     # The route acme alone reaches serves a head that ranks nothing (every prompt scores ~1).
     _store_head(url, "acme-old", forced(100.0))
     [route_id] = _set_routes(url, {**DIFFICULTY, "when": {"tenants": ["acme"]}, "head": "acme-old"})
-    train = train_acme(url)
+    train = [*train_acme(url), "--holdout", "0.5"]  # two folds, each held out in turn: two fits a run
 
     first = cli([*train, "--out", str(tmp_path / "h1"), "--install", "acme-auto"])
     assert first.returncode == 0, first.stderr
@@ -487,7 +511,11 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
     assert report["installed"] and report["route_updated"], report
     assert report["incumbent"].startswith("the route's head acme-old@") and report["incumbent_auc"] == 0.5
     assert report["outcome"] == "weak model wrong" and report["auc"] >= 0.9 and report["difference"][0] > 0
-    assert f"a head fitted on the rest vs {report['incumbent']}" in first.stderr
+    # The decision rests on every row, each ranked by a head fitted without its fifth.
+    assert (
+        f"every prompt held out in turn (by prompt hash, 2 fits); heads fitted without it vs {report['incumbent']}"
+        in (first.stderr)
+    )
     assert _route_head(url, route_id) == "acme-auto"
     assert _audit(url) == [("create", "difficulty_head", "acme-auto"), ("update", "route", str(route_id))]
 
