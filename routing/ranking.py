@@ -15,6 +15,12 @@ import numpy as np
 VERDICT_MIN_EACH = 10
 
 
+def mid_ranks(scores: np.ndarray) -> np.ndarray:
+    """Each score's 1-based rank among `scores`, tied scores sharing their average rank."""
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    return (np.cumsum(counts) - (counts - 1) / 2.0)[inverse]
+
+
 def auc(scores: np.ndarray, positive: np.ndarray) -> float:
     """The share of (positive, negative) pairs the scores rank the right way round, ties half (the
     Mann-Whitney U over the pair count); NaN without both kinds of row."""
@@ -22,9 +28,7 @@ def auc(scores: np.ndarray, positive: np.ndarray) -> float:
     n_neg = len(positive) - n_pos
     if n_pos == 0 or n_neg == 0:
         return float("nan")
-    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    # Average 1-based rank of each distinct score, so tied rows share one rank.
-    ranks = (np.cumsum(counts) - (counts - 1) / 2.0)[inverse]
+    ranks = mid_ranks(scores)
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 

@@ -40,7 +40,7 @@ from routing.difficulty import (
     with_length,
 )
 from routing.embed import VOCAB_SIZE
-from routing.ranking import auc, auc_interval
+from routing.ranking import auc, auc_interval, mid_ranks
 
 
 @dataclass
@@ -650,13 +650,7 @@ def should_promote(result: HoldoutResult, rule: str) -> bool:
 
 def _fold_rank(scores: np.ndarray) -> np.ndarray:
     """Each score's mid-rank among `scores`, scaled to 0..1 (ties share their mean rank)."""
-    order = np.argsort(scores, kind="stable")
-    ranks = np.empty(len(scores))
-    ranks[order] = np.arange(len(scores))
-    # Mean rank per distinct value, so tied scores stay tied.
-    _, inverse = np.unique(scores, return_inverse=True)
-    ranks = np.bincount(inverse, ranks)[inverse] / np.bincount(inverse)[inverse]
-    return ranks / max(len(scores) - 1, 1)
+    return (mid_ranks(scores) - 1) / max(len(scores) - 1, 1)
 
 
 def holdout_check(
@@ -691,13 +685,13 @@ def holdout_check(
     fold_of = np.array([prompt_fold(p, folds) for p in data.prompts])
     held_folds = [k for k in (range(folds) if cross_fit else [0]) if (fold_of == k).any()]
     test_rows = np.flatnonzero(np.isin(fold_of, held_folds))
-    scored = np.full(len(data), np.nan)
+    out_of_fold = np.full(len(data), np.nan)
     for k in held_folds:
         train_rows, rows_k = np.flatnonzero(fold_of != k), np.flatnonzero(fold_of == k)
         head = fit_head(data.subset(train_rows), enc.subset(train_rows), cfg)
-        scored[rows_k] = head.p_strong(enc.subset(rows_k))
+        out_of_fold[rows_k] = head.p_strong(enc.subset(rows_k))
     held = data.subset(test_rows)
-    ours = scored[test_rows]
+    ours = out_of_fold[test_rows]
     theirs = baseline.p_strong((enc if baseline_enc is None else baseline_enc).subset(test_rows))
     if cross_fit:
         for k in held_folds:
