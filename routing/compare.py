@@ -400,7 +400,7 @@ class Comparer:
     async def _store(self, job: Job, tenant: str, weak_score: float, strong_score: float) -> None:
         from sqlalchemy import select
 
-        from gateway.db.models import Comparison
+        from gateway.db.models import Comparison, utcnow
 
         route, compare = job.route, job.route.compare
         assert self.sessions is not None and compare is not None
@@ -415,7 +415,8 @@ class Comparer:
                 session.add(row)
             row.route, row.served, row.judge = route.name, job.served, compare.judge
             row.weak_model, row.strong_model = route.candidates[0].model, route.candidates[1].model
-            row.weak_score, row.strong_score = weak_score, strong_score
+            if (row.weak_score, row.strong_score) != (weak_score, strong_score):
+                row.weak_score, row.strong_score, row.updated_at = weak_score, strong_score, utcnow()
             row.p_strong, row.head = job.p_strong, job.head
 
     async def stop(self) -> None:

@@ -49,7 +49,7 @@ class FeedbackReport:
     # where not stored: feedback rows, comparisons from before migration 0007), and which head.
     routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
     routed_by: list[str | None] = field(default_factory=list)
-    # Per row: when it was recorded (the comparison or the feedback, Unix seconds), so a later run can
+    # Per row: when its label was last set (the grades or the score, Unix seconds), so a later run can
     # tell which rows a head trained now could not have seen; and the tenant's id.
     recorded: np.ndarray = field(default_factory=lambda: np.zeros(0))
     tenant_id: str = ""
@@ -193,7 +193,7 @@ async def load_feedback(
         if prompt is not None:
             rows.append((prompt, (c.weak_score >= correct_at, c.strong_score >= correct_at)))
             routed.append(c.p_strong if c.p_strong is not None else np.nan)
-            recorded.append(c.created_at.timestamp())
+            recorded.append(c.updated_at.timestamp())
             report.routed_by.append(c.head)
             report.used["both"] += 1
     for f in feedback:
@@ -212,7 +212,7 @@ async def load_feedback(
         right = f.score >= correct_at
         rows.append((prompt, (right, None) if role == "weak" else (None, right)))
         routed.append(np.nan)
-        recorded.append(f.created_at.timestamp())
+        recorded.append(f.updated_at.timestamp())
         report.routed_by.append(None)
         report.used[role] += 1
     report.routed = np.array(routed, dtype=float)

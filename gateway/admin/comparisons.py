@@ -95,6 +95,7 @@ async def list_comparisons(
                 "p_strong": r.p_strong,
                 "head": r.head,
                 "created_at": r.created_at.isoformat(),
+                "updated_at": r.updated_at.isoformat(),  # when the grades last changed
             }
             for r in rows
         ],

@@ -11,7 +11,7 @@ from litestar import Request, Response, get, post
 from sqlalchemy import select
 
 from gateway.api.common import begin, json_response, parse_body
-from gateway.db.models import Feedback
+from gateway.db.models import Feedback, utcnow
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 
 
@@ -30,7 +30,12 @@ def _sessions(request: Request[Any, Any, Any]) -> Any:
 
 
 def _json(row: Feedback) -> dict[str, Any]:
-    return {"request_id": row.request_id, "score": row.score, "created_at": row.created_at.isoformat()}
+    return {
+        "request_id": row.request_id,
+        "score": row.score,
+        "created_at": row.created_at.isoformat(),
+        "updated_at": row.updated_at.isoformat(),
+    }
 
 
 @post("/v1/feedback", status_code=200)
@@ -47,10 +52,13 @@ async def post_feedback(request: Request[Any, Any, Any]) -> Response[Any]:
             select(Feedback).where(Feedback.tenant_id == tenant, Feedback.request_id == body.request_id)
         )
         if row is None:
-            row = Feedback(tenant_id=tenant, request_id=body.request_id, score=body.score)
+            now = utcnow()
+            row = Feedback(
+                tenant_id=tenant, request_id=body.request_id, score=body.score, created_at=now, updated_at=now
+            )
             session.add(row)
-        else:
-            row.score = body.score
+        elif row.score != body.score:
+            row.score, row.updated_at = body.score, utcnow()
         await session.flush()
         data = _json(row)
     return json_response({"object": "feedback", **data})

@@ -256,6 +256,9 @@ class Feedback(Base):
     request_id: Mapped[str] = mapped_column(String(128))
     score: Mapped[float] = mapped_column(Float)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # When the score last changed (a re-sent equal score leaves it): `weir router train --install`
+    # ranks only rows whose label is newer than the head in use, which was trained on the older label.
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class Comparison(Base):
@@ -276,6 +279,9 @@ class Comparison(Base):
     strong_score: Mapped[float] = mapped_column(Float)
     judge: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(
+        UTCDateTime, default=utcnow
+    )  # when the grades last changed
     # What the route's head said about the request when it was routed, and which head said it (the
     # x-weir-route `head=`): with the grades, how well that head ranks this tenant's traffic. Null in
     # rows from before migration 0007.

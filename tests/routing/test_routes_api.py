@@ -5,6 +5,7 @@ replica. Two replicas of the real gateway share PostgreSQL and Redis."""
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -231,6 +232,24 @@ def test_feedback_is_stored_per_tenant(replicas: Replicas) -> None:
         f"{replicas.urls[0]}/v1/feedback/{request_id}", headers={"authorization": f"Bearer {key_b}"}
     )
     assert other.status_code == 404 and other.json()["error"]["code"] == "not_found"
+
+    # The label's time moves only when the score changes: retraining ranks a re-scored request as one
+    # the head in use has not seen, and a re-sent equal score as one it has.
+    def send(score: float) -> dict[str, str]:
+        response = httpx.post(
+            f"{replicas.urls[1]}/v1/feedback",
+            json={"request_id": request_id, "score": score},
+            headers={"authorization": f"Bearer {key_a}"},
+        )
+        assert response.status_code == 200
+        return response.json()
+
+    first = posted.json()
+    assert first["updated_at"] == first["created_at"]
+    assert send(0.25)["updated_at"] == first["updated_at"]
+    changed = send(0.75)
+    assert changed["created_at"] == first["created_at"]
+    assert dt.datetime.fromisoformat(changed["updated_at"]) > dt.datetime.fromisoformat(first["updated_at"])
     bad = httpx.post(
         f"{replicas.urls[0]}/v1/feedback",
         json={"request_id": request_id, "score": 7},

@@ -187,9 +187,9 @@ def admin_db(tmp_path: Path) -> tuple[str, Vault]:
     return f"sqlite:///{path}", vault
 
 
-def cli(args: list[str]) -> subprocess.CompletedProcess[str]:
+def cli(args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str]:
     """`weir ARGS` in this process, so that torch and the embedder load once for a test's many runs."""
-    result = CliRunner().invoke(main, args)
+    result = CliRunner().invoke(main, args, input=stdin)
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
@@ -227,6 +227,23 @@ def test_the_join_labels_only_the_model_that_answered(admin_db: tuple[str, Vault
     # Without the master key the encrypted bodies (every fifth) cannot be read: skipped, and said so.
     _, report = _load(url, None)
     assert report.skipped["encrypted under a key this machine lacks (set WEIR_MASTER_KEY)"] == 16  # type: ignore[attr-defined]
+
+
+def test_a_row_is_recorded_when_its_label_last_changed(admin_db: tuple[str, Vault]) -> None:
+    url, vault = admin_db
+    rescored = dt.datetime.now(dt.UTC) + dt.timedelta(days=3)
+    engine = create_engine(url)
+    with Session(engine) as session, session.begin():
+        row = session.scalar(select(Feedback).where(Feedback.request_id == "r1"))
+        assert row is not None
+        created = row.created_at
+        row.score, row.updated_at = 1.0 - row.score, rescored
+    engine.dispose()
+    data, report = _load(url, vault)
+    recorded = dict(zip(data.prompts, report.recorded, strict=True))  # type: ignore[attr-defined]
+    # A head trained before the new score learnt the old label: the row counts as recorded now.
+    assert recorded[hard(1)] == rescored.timestamp() and created.timestamp() < rescored.timestamp()
+    assert max(t for p, t in recorded.items() if p != hard(1)) < rescored.timestamp()
 
 
 def test_prompt_and_candidate_extraction() -> None:
@@ -310,7 +327,7 @@ def test_fold_ranks_keep_ties_tied() -> None:
 def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Path) -> None:
     url, _ = admin_db
     out = tmp_path / "head"
-    result = run([*train_acme(url), "--out", str(out)])
+    result = run([*train_acme(url), "--out", str(out)])  # once as its own process; then in this one
     assert result.returncode == 0, result.stderr
     # No WEIR_MASTER_KEY here: the 16 encrypted bodies (8 from each model) are skipped.
     assert "32 answered by the weak model, 32 by the strong one" in result.stderr
@@ -325,26 +342,26 @@ def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Pat
     assert f"blend: {meta['blend_inputs']} (cross-fitted AUC" in result.stderr
     assert meta["version"] == (5 if meta["blend_inputs"] == "components+length" else 4)
     lines = "\n".join(json.dumps({"prompt": p}) for p in (hard(200), easy(200))) + "\n"
-    scored = run(["router", "score", "--head", str(out)], lines)
+    scored = cli(["router", "score", "--head", str(out)], lines)
     hard_p, easy_p = (json.loads(line)["p_strong"] for line in scored.stdout.splitlines())
     assert hard_p > easy_p
 
     # Served: stored in the admin DB for routes to name, exported, scored the same from the bundle.
     db = ["--database-url", url]
-    installed = run(["router", "heads", "install", "acme-v1", str(out), *db])
+    installed = cli(["router", "heads", "install", "acme-v1", str(out), *db])
     assert installed.returncode == 0, installed.stderr
     shown = json.loads(installed.stdout)
     assert shown["name"] == "acme-v1" and shown["source"] == meta["source"]
-    listed = run(["router", "heads", "list", *db])
+    listed = cli(["router", "heads", "list", *db])
     assert [json.loads(line)["digest"] for line in listed.stdout.splitlines()] == [shown["digest"]]
-    exported = run(["router", "heads", "export", "acme-v1", "--out", str(tmp_path / "acme.safetensors"), *db])
+    exported = cli(["router", "heads", "export", "acme-v1", "--out", str(tmp_path / "acme.safetensors"), *db])
     assert exported.returncode == 0, exported.stderr
-    again = run(["router", "score", "--head", str(tmp_path / "acme.safetensors")], lines)
+    again = cli(["router", "score", "--head", str(tmp_path / "acme.safetensors")], lines)
     assert again.stdout == scored.stdout
-    bad = run(["router", "heads", "install", "acme-v2", str(tmp_path / "acme.safetensors.missing"), *db])
+    bad = cli(["router", "heads", "install", "acme-v2", str(tmp_path / "acme.safetensors.missing"), *db])
     assert bad.returncode != 0
     (tmp_path / "junk.bin").write_bytes(b"junk")
-    bad = run(["router", "heads", "install", "acme-v2", str(tmp_path / "junk.bin"), *db])
+    bad = cli(["router", "heads", "install", "acme-v2", str(tmp_path / "junk.bin"), *db])
     assert bad.returncode != 0 and "nothing was stored" in bad.stderr
     # A head a route names stays; once none does, it can go.
     engine = create_engine(url)
@@ -352,14 +369,14 @@ def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Pat
         row = session.scalars(select(RouteRow)).one()
         row.spec = {**row.spec, "head": "acme-v1"}
         session.commit()
-    refused = run(["router", "heads", "delete", "acme-v1", *db])
+    refused = cli(["router", "heads", "delete", "acme-v1", *db])
     assert refused.returncode != 0 and "in use by routes" in refused.stderr
     with Session(engine) as session:
         row = session.scalars(select(RouteRow)).one()
         row.spec = {k: v for k, v in row.spec.items() if k != "head"}
         session.commit()
-    assert run(["router", "heads", "delete", "acme-v1", *db]).returncode == 0
-    assert run(["router", "heads", "list", *db]).stdout == ""
+    assert cli(["router", "heads", "delete", "acme-v1", *db]).returncode == 0
+    assert cli(["router", "heads", "list", *db]).stdout == ""
 
 
 @pytest.mark.slow
