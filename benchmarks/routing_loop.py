@@ -17,6 +17,10 @@ decision, the held-out comparison it rested on, and the APGR on the tenant's tes
 served after it, next to never retraining (the generic head) and swapping every night unchecked.
 
     .venv/bin/python benchmarks/routing_loop.py --data ../shared/data/routing-mmlu
+
+`--tenant-outcomes FILE` makes the tenant another dataset's prompts with both outcomes (RouteLLM's
+GSM8K CSV, as `routing_transfer.py` reads it) and starts it on the shipped head of the embedder, as a
+new tenant's route is: the loop on traffic unlike anything the generic head was fitted on.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.routing_adapt import subject_half
 from benchmarks.routing_eval import metrics
-from routing.difficulty import DifficultyHead, encode
+from benchmarks.routing_transfer import load_outcomes
+from routing.difficulty import DEFAULT_HEAD_DIR, STATIC_HEAD_DIR, DifficultyHead, encode
 from routing.embed import STATIC_RECIPE, load_embedder
 from routing.train import (
     Outcomes,
@@ -52,6 +57,11 @@ def main() -> None:
     )
     parser.add_argument("--data", type=Path, default=Path("../shared/data/routing-mmlu"))
     parser.add_argument(
+        "--tenant-outcomes",
+        type=Path,
+        help="the tenant's prompts and both outcomes from another dataset, served first by the shipped head",
+    )
+    parser.add_argument(
         "--embedder", default=STATIC_RECIPE, help="embedder recipe of every head (routing.embed)"
     )
     parser.add_argument("--per-night", type=int, default=250, help="compared requests a night")
@@ -67,16 +77,34 @@ def main() -> None:
         help="decide on one held-out fifth (the check `weir router train` prints) instead of every fifth in "
         "turn (what --install does)",
     )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="once the loop serves a head of its own, compare against that head refitted in each fold on "
+        "the rows it had (every row ranked) instead of against it on the rows since",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     cfg = replace(TrainConfig(), seed=args.seed, fallback_folds=0)
 
     started = time.perf_counter()
-    data = load_mmlu(args.data)
-    assert data.groups is not None
-    half = np.array([subject_half(g) for g in data.groups])
-    enc = encode(load_embedder(args.embedder), data.prompts)
-    a_rows, b_rows = np.flatnonzero(half == 0), np.flatnonzero(half == 1)
+    embedder = load_embedder(args.embedder)
+    if args.tenant_outcomes:
+        data = load_outcomes(args.tenant_outcomes)
+        enc = encode(embedder, data.prompts)
+        b_rows = np.arange(len(data))
+        generic = DifficultyHead.load(STATIC_HEAD_DIR if args.embedder == STATIC_RECIPE else DEFAULT_HEAD_DIR)
+        if generic.embedder != args.embedder:
+            raise SystemExit(f"no shipped head reads {args.embedder}")
+        generic_name = f"shipped head; tenant: {args.tenant_outcomes.name}"
+    else:
+        data = load_mmlu(args.data)
+        assert data.groups is not None
+        half = np.array([subject_half(g) for g in data.groups])
+        enc = encode(embedder, data.prompts)
+        a_rows, b_rows = np.flatnonzero(half == 0), np.flatnonzero(half == 1)
+        generic = fit_head(data.subset(a_rows), enc.subset(a_rows), cfg)
+        generic_name = f"generic head on half A ({len(a_rows)} prompts); tenant: MMLU half B"
     # Test rows at random, not by prompt_fold: the held-out check's fifth is prompt_fold(p, 5) == 0,
     # which a prompt_fold(p, 10) split would skew (hash % 10 in {0, 5}).
     test_mask = np.random.default_rng(args.seed + 5).random(len(b_rows)) < args.test_share
@@ -96,13 +124,12 @@ def main() -> None:
     def apgr(head: DifficultyHead) -> float:
         return metrics(head.p_strong(test_enc), test.weak, test.strong)["APGR"]
 
-    generic = fit_head(data.subset(a_rows), enc.subset(a_rows), cfg)
     generic_apgr = apgr(generic)
     print(
-        f"generic head on half A ({len(a_rows)} prompts); tenant: {len(test_rows)} test prompts, "
+        f"{generic_name}, {len(test_rows)} test prompts, "
         f"{args.per_night} compared a night (grades {args.judge_error:.0%} wrong), rule {args.rule}, "
         f"{'one held-out fifth' if args.single_fifth else 'every fifth held out in turn'}, "
-        f"embedder {args.embedder}; generic head's APGR on the test prompts {generic_apgr:.3f} "
+        f"embedder {args.embedder}; that head's APGR on the test prompts {generic_apgr:.3f} "
         f"({time.perf_counter() - started:.0f} s)",
         flush=True,
     )
@@ -116,8 +143,9 @@ def main() -> None:
         n = night * args.per_night
         rows, rows_enc = graded.subset(np.arange(n)), stream_enc.subset(np.arange(n))
         unseen = np.arange(n) >= trained_on
+        replay = ~unseen if args.replay and trained_on else None
         _, results = holdout_check(
-            rows, rows_enc, serving, cfg, 0.2, unseen=unseen, cross_fit=not args.single_fifth
+            rows, rows_enc, serving, cfg, 0.2, unseen=unseen, cross_fit=not args.single_fifth, replay=replay
         )
         result = decisive(results)
         fitted = fit_head(rows, rows_enc, cfg)  # what --install would serve; also the unchecked swap
@@ -137,9 +165,7 @@ def main() -> None:
             f"| {night} | {n} | {ranked} | {aucs} | {diff} | {decision} | {serving_apgr:.3f} | {fitted_apgr:.3f} |",
             flush=True,
         )
-    print(
-        f"\nnever retrained (generic head): APGR {generic_apgr:.3f}; {time.perf_counter() - started:.0f} s in all"
-    )
+    print(f"\nnever retrained: APGR {generic_apgr:.3f}; {time.perf_counter() - started:.0f} s in all")
 
 
 if __name__ == "__main__":

@@ -672,6 +672,7 @@ def holdout_check(
     baseline_enc: Encoded | None = None,
     unseen: np.ndarray | None = None,
     cross_fit: bool = False,
+    replay: np.ndarray | None = None,
 ) -> tuple[int, list[HoldoutResult]]:
     """Before a head fitted on your outcomes replaces the shipped one: fit one on all but a held-out
     `share` of the prompts (by prompt hash, so a repeated prompt never sits on both sides) and compare
@@ -688,19 +689,30 @@ def holdout_check(
     is ranked (1/share fits instead of one): about sqrt(1/share) times narrower intervals. Fold heads
     fitted on a few hundred rows are calibrated differently, and ranking their raw scores together
     understated them badly (benchmarks/routing_loop.py), so both heads' scores are replaced by their
-    rank within the fold first: what is compared is how each orders the rows of each fold."""
+    rank within the fold first: what is compared is how each orders the rows of each fold.
+    `replay` (per row): the rows `baseline` was fitted on, by this recipe (`cfg`). Each fold's rows are
+    then scored by `baseline` refitted on the other folds' share of them, so every held-out row is
+    ranked by two heads that did not see it, the one fitted on every other row and the one fitted on
+    what `baseline` had: whether the rows since make a better head, with all rows as evidence instead
+    of only the new ones (`unseen` is then not needed)."""
     folds = max(2, round(1 / share))
     fold_of = np.array([prompt_fold(p, folds) for p in data.prompts])
     held_folds = [k for k in (range(folds) if cross_fit else [0]) if (fold_of == k).any()]
     test_rows = np.flatnonzero(np.isin(fold_of, held_folds))
-    out_of_fold = np.full(len(data), np.nan)
+    out_of_fold, replayed = np.full(len(data), np.nan), np.full(len(data), np.nan)
     for k in held_folds:
         train_rows, rows_k = np.flatnonzero(fold_of != k), np.flatnonzero(fold_of == k)
         head = fit_head(data.subset(train_rows), enc.subset(train_rows), cfg)
         out_of_fold[rows_k] = head.p_strong(enc.subset(rows_k))
+        if replay is not None:
+            had = train_rows[replay[train_rows]]
+            replayed[rows_k] = fit_head(data.subset(had), enc.subset(had), cfg).p_strong(enc.subset(rows_k))
     held = data.subset(test_rows)
     ours = out_of_fold[test_rows]
-    theirs = baseline.p_strong((enc if baseline_enc is None else baseline_enc).subset(test_rows))
+    if replay is not None:
+        theirs, unseen = replayed[test_rows], None
+    else:
+        theirs = baseline.p_strong((enc if baseline_enc is None else baseline_enc).subset(test_rows))
     if cross_fit:
         for k in held_folds:
             in_fold = fold_of[test_rows] == k

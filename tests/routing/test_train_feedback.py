@@ -318,6 +318,28 @@ def test_the_holdout_check_ranks_unseen_prompts_against_a_baseline(admin_db: tup
     assert holdout_check(data, enc, constant, TrainConfig(epochs=30), share=0.25, unseen=nothing)[1] == []
 
 
+def test_replaying_the_head_in_use_ranks_every_row(admin_db: tuple[str, Vault]) -> None:
+    url, vault = admin_db
+    data, _ = _load(url, vault)
+    clf = DifficultyClassifier.default("static")
+    enc = encode(clf.embedder, data.prompts)  # type: ignore[arg-type]
+    cfg = TrainConfig(epochs=30, calibration_folds=0)  # one fit a head: 30 heads below
+    known = int(data.known()[:, 0].sum())  # type: ignore[attr-defined]
+    # The head in use had every row: in each fold it is refitted exactly as the new head is, so the two
+    # rank alike, and no row is left out for having been seen.
+    everything = np.ones(len(data), dtype=bool)  # type: ignore[arg-type]
+    _, [same] = holdout_check(data, enc, forced(100.0), cfg, 0.25, cross_fit=True, replay=everything)
+    assert same.positives + same.negatives == known
+    assert same.trained == same.baseline and tuple(same.difference) == (0.0, 0.0)
+    # It had the first half: compared as it is, only the other half can be ranked; replayed, every row,
+    # and its refits rank them as a head fitted on these rows should (the constant head ranks nothing).
+    early = np.arange(len(data)) < 40  # type: ignore[arg-type]
+    _, [as_is] = holdout_check(data, enc, forced(100.0), cfg, 0.25, cross_fit=True, unseen=~early)
+    _, [replayed] = holdout_check(data, enc, forced(100.0), cfg, 0.25, cross_fit=True, replay=early)
+    assert as_is.positives + as_is.negatives < known == replayed.positives + replayed.negatives
+    assert as_is.baseline == 0.5 and replayed.baseline >= 0.9 and replayed.trained >= 0.9
+
+
 def test_fold_ranks_keep_ties_tied() -> None:
     np.testing.assert_allclose(_fold_rank(np.array([0.3, 0.1, 0.3, 0.9, 0.5])), [0.375, 0, 0.375, 1, 0.75])
     np.testing.assert_allclose(_fold_rank(np.array([2.0])), [0.0])
