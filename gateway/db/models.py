@@ -279,9 +279,8 @@ class Comparison(Base):
     strong_score: Mapped[float] = mapped_column(Float)
     judge: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
-    updated_at: Mapped[dt.datetime] = mapped_column(
-        UTCDateTime, default=utcnow
-    )  # when the grades last changed
+    # When the grades last changed (a request graded again): as `Feedback.updated_at`.
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     # What the route's head said about the request when it was routed, and which head said it (the
     # x-weir-route `head=`): with the grades, how well that head ranks this tenant's traffic. Null in
     # rows from before migration 0007.
