@@ -90,13 +90,17 @@ def answered_by(row: UsageEventRow) -> str:
     return found.group(1).strip() if found else row.model
 
 
-async def tenant_id(sessions: async_sessionmaker[AsyncSession], tenant: str) -> str:
-    """A tenant's id from its name (or its id); ValueError when there is no such tenant."""
+async def tenant_names(sessions: async_sessionmaker[AsyncSession], tenant: str) -> tuple[str, str]:
+    """A tenant's id and name from either; ValueError when there is no such tenant."""
     async with sessions() as session:
-        found = await session.scalar(select(Tenant.id).where((Tenant.name == tenant) | (Tenant.id == tenant)))
+        found = (
+            await session.execute(
+                select(Tenant.id, Tenant.name).where((Tenant.name == tenant) | (Tenant.id == tenant))
+            )
+        ).first()
     if found is None:
         raise ValueError(f"no tenant named {tenant!r}")
-    return found
+    return found.id, found.name
 
 
 @dataclass(frozen=True)
@@ -118,11 +122,7 @@ async def tenant_route(
     """The first `difficulty` route of that name (by position) whose `when.tenants` admits `tenant`
     (a name or id; None: the first of any). Other conditions (keys, metadata, lengths) are per request,
     so a route that passes this is the one the tenant's traffic reaches unless those say otherwise."""
-    names: set[str] = set()
-    if tenant is not None:
-        tid = await tenant_id(sessions, tenant)
-        async with sessions() as session:
-            names = {tid, *(await session.scalars(select(Tenant.name).where(Tenant.id == tid)))}
+    names = set(await tenant_names(sessions, tenant)) if tenant is not None else set()
     async with sessions() as session:
         rows = (
             await session.scalars(
@@ -159,7 +159,7 @@ async def load_feedback(
     """Outcomes from one tenant's feedback and comparisons. `weak` and `strong` are the public model
     names of the route's candidates. A request the judge compared gives both outcomes; feedback on
     it adds nothing then (the judge graded the same answer the feedback scores, and the other one)."""
-    tid = await tenant_id(sessions, tenant)
+    tid, _ = await tenant_names(sessions, tenant)
     report = FeedbackReport(tenant_id=tid)
     async with sessions() as session:
         feedback = (await session.execute(select(Feedback).where(Feedback.tenant_id == tid))).scalars().all()

@@ -187,9 +187,10 @@ def admin_db(tmp_path: Path) -> tuple[str, Vault]:
     return f"sqlite:///{path}", vault
 
 
-def cli(args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str]:
-    """`weir ARGS` in this process, so that torch and the embedder load once for a test's many runs."""
-    result = CliRunner().invoke(main, args, input=stdin)
+def cli(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """`weir ARGS` in this process, so that torch and the embedder load once for a test's many runs
+    (not `router score`, which points the process's logging at its own stderr)."""
+    result = CliRunner().invoke(main, args)
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
@@ -364,7 +365,8 @@ def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Pat
     assert f"blend: {meta['blend_inputs']} (cross-fitted AUC" in result.stderr
     assert meta["version"] == (5 if meta["blend_inputs"] == "components+length" else 4)
     lines = "\n".join(json.dumps({"prompt": p}) for p in (hard(200), easy(200))) + "\n"
-    scored = cli(["router", "score", "--head", str(out)], lines)
+    # `router score` sends structlog to its stderr for the whole process: run it as its own process.
+    scored = run(["router", "score", "--head", str(out)], lines)
     hard_p, easy_p = (json.loads(line)["p_strong"] for line in scored.stdout.splitlines())
     assert hard_p > easy_p
 
@@ -378,7 +380,7 @@ def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Pat
     assert [json.loads(line)["digest"] for line in listed.stdout.splitlines()] == [shown["digest"]]
     exported = cli(["router", "heads", "export", "acme-v1", "--out", str(tmp_path / "acme.safetensors"), *db])
     assert exported.returncode == 0, exported.stderr
-    again = cli(["router", "score", "--head", str(tmp_path / "acme.safetensors")], lines)
+    again = run(["router", "score", "--head", str(tmp_path / "acme.safetensors")], lines)
     assert again.stdout == scored.stdout
     bad = cli(["router", "heads", "install", "acme-v2", str(tmp_path / "acme.safetensors.missing"), *db])
     assert bad.returncode != 0
