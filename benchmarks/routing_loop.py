@@ -10,11 +10,12 @@ training and scores every head.
 Each night `--per-night` more of the tenant's prompts arrive with both outcomes (what a route's
 `compare` records; `--judge-error` flips each grade with that probability). The loop does what
 `--install` does: hold out each fifth of the rows so far in turn (`--single-fifth`: one), rank it with
-a head fitted on the rest and with the head in use (only rows the head in use was not trained on),
-and if the rule says the new head is better (`routing.train.should_promote`), fit on every row and
-serve it. Printed per night: the
-decision, the held-out comparison it rested on, and the APGR on the tenant's test prompts of the head
-served after it, next to never retraining (the generic head) and swapping every night unchecked.
+a head fitted on the rest and with the head in use (once that is one of the loop's own, refitted in
+each fold on the rows it had; `--rows-since`: as it is, on the rows it was not trained on), and if
+the rule says the new head is better (`routing.train.should_promote`), fit on every row and serve it.
+Printed per night: the decision, the held-out comparison it rested on, and the APGR on the tenant's
+test prompts of the head served after it, next to never retraining (the generic head) and swapping
+every night unchecked.
 
     .venv/bin/python benchmarks/routing_loop.py --data ../shared/data/routing-mmlu
 
@@ -78,10 +79,10 @@ def main() -> None:
         "turn (what --install does)",
     )
     parser.add_argument(
-        "--replay",
+        "--rows-since",
         action="store_true",
-        help="once the loop serves a head of its own, compare against that head refitted in each fold on "
-        "the rows it had (every row ranked) instead of against it on the rows since",
+        help="once the loop serves a head of its own, rank it as it is on the rows since instead of "
+        "refitting it per fold on the rows it had (what --install does for a head of another recipe)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -143,7 +144,7 @@ def main() -> None:
         n = night * args.per_night
         rows, rows_enc = graded.subset(np.arange(n)), stream_enc.subset(np.arange(n))
         unseen = np.arange(n) >= trained_on
-        replay = ~unseen if args.replay and trained_on else None
+        replay = ~unseen if trained_on and not args.rows_since else None
         _, results = holdout_check(
             rows, rows_enc, serving, cfg, 0.2, unseen=unseen, cross_fit=not args.single_fifth, replay=replay
         )

@@ -21,6 +21,9 @@ T = TypeVar("T")
 # Recipes in routing.embed (not imported here: this module loads before any command runs).
 EMBEDDERS = ("minilm-l6-first3-96tok-v1", "minilm-l6-static-v1")
 PROMOTE_RULES = ("significant", "better")  # routing.train.should_promote
+# The head in use is refitted per fold only when each fold would keep about this many of its rows
+# (fit_head needs 20; hash folds are not exactly even).
+REPLAY_MIN_ROWS = 30
 
 
 @click.group()
@@ -304,21 +307,39 @@ def _holdout(
     from routing.embed import STATIC_RECIPE, load_embedder
     from routing.train import holdout_check
 
-    baseline_enc, unseen = None, None
+    baseline_enc, unseen, replay = None, None, None
     if incumbent is not None:
         name, baseline = incumbent
         if baseline.embedder != enc.recipe:  # it reads the prompts through another embedder
             baseline_enc = encode(load_embedder(baseline.embedder), data.prompts)
         through = baseline.meta.get("trained_through")
         if report is not None and through is not None and baseline.meta.get("tenant_id") == report.tenant_id:
-            # It was fitted on this tenant's rows up to then: rank only the ones recorded since.
-            unseen = report.recorded > through
-            click.echo(
-                f"{name} was trained on this tenant's rows recorded up to "
-                f"{dt.datetime.fromtimestamp(through, dt.UTC):%Y-%m-%d %H:%M:%S} UTC: ranking only the "
-                f"{int(unseen.sum())} recorded since",
-                err=True,
-            )
+            had = report.recorded <= through
+            since = f"{dt.datetime.fromtimestamp(through, dt.UTC):%Y-%m-%d %H:%M:%S} UTC"
+            if (
+                cross_fit
+                and baseline_enc is None
+                and baseline.meta.get("config") == asdict(cfg)
+                and had.sum() * (1 - share) >= REPLAY_MIN_ROWS
+            ):
+                # Fitted by this recipe on this tenant's rows up to then: refit it on them within each
+                # fold, so every row is ranked by both recipes unseen (benchmarks/routing_loop.py
+                # after a promotion: 2-5x narrower intervals than ranking only the rows since).
+                replay = had
+                name = f"{name} refitted per fold on its {int(had.sum())} rows"
+                click.echo(
+                    f"{incumbent[0]} was fitted by this recipe on this tenant's rows recorded up to {since}: "
+                    "refitting it on them in each fold, every row ranked",
+                    err=True,
+                )
+            else:
+                # Fitted on this tenant's rows up to then: rank only the ones recorded since.
+                unseen = ~had
+                click.echo(
+                    f"{name} was trained on this tenant's rows recorded up to {since}: ranking only the "
+                    f"{int(unseen.sum())} recorded since",
+                    err=True,
+                )
     else:
         static = enc.recipe == STATIC_RECIPE
         path, name = (
@@ -338,6 +359,7 @@ def _holdout(
             baseline_enc=baseline_enc,
             unseen=unseen,
             cross_fit=cross_fit,
+            replay=replay,
         )
     except ValueError as exc:  # too few rows left to fit on
         click.echo(f"holdout check skipped: {exc}", err=True)
