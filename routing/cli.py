@@ -326,12 +326,12 @@ def _holdout(
                 # fold, so every row is ranked by both recipes unseen (benchmarks/routing_loop.py
                 # after a promotion: 2-5x narrower intervals than ranking only the rows since).
                 replay = had
-                name = f"{name} refitted per fold on its {int(had.sum())} rows"
                 click.echo(
-                    f"{incumbent[0]} was fitted by this recipe on this tenant's rows recorded up to {since}: "
+                    f"{name} was fitted by this recipe on this tenant's rows recorded up to {since}: "
                     "refitting it on them in each fold, every row ranked",
                     err=True,
                 )
+                name = f"{name} refitted per fold on its {int(had.sum())} rows"
             else:
                 # Fitted on this tenant's rows up to then: rank only the ones recorded since.
                 unseen = ~had
