@@ -78,7 +78,8 @@ def create_app(
     if control is not None:
         # Routes in the admin DB; every backend's probe results feed the uptime report.
         gateway.router.use_control_plane(control.sessions, control.state, on_probe=control.uptime.record)
-        gateway.comparer.use_control_plane(control.sessions, control.admission.finish)
+        gateway.comparer.use_control_plane(control.sessions, control.admission.finish, control.state)
+        gateway.executor.hedges.state = control.state  # hedged spend capped across replicas
         gateway.metrics.watch_budgets(lambda: control.admission.budget_usage_ratio)
     security = SecurityControls.build(gateway, control)  # stored vendor keys, prompt storage
 

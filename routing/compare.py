@@ -43,7 +43,7 @@ from gateway.errors import GatewayError
 from gateway.ids import ordered_id
 from gateway.pipeline import Call, Pipeline, RequestInfo
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
-from routing.execute import SpendWindow
+from routing.execute import SpendCap
 from routing.plan import CHARS_PER_TOKEN, Choice, Features, Plan
 from routing.policies import expected_cost
 from routing.ranking import head_ranking
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
     from gateway.auth import Principal
     from gateway.router_basic import ModelTable, Target
+    from gateway.state import SharedState
     from routing.routes import Route
 
 log = structlog.get_logger("weir.routing.compare")
@@ -210,7 +211,7 @@ class Comparer:
         self.stores_prompts = stores_prompts
         self.sessions: async_sessionmaker[AsyncSession] | None = None
         self.on_finish: Callable[[str], None] | None = None
-        self.spend = SpendWindow()
+        self.spend = SpendCap("compare")
         self.rng = random.Random()
         self.tasks: set[asyncio.Task[None]] = set()
         self.outcomes = Counter(
@@ -226,11 +227,17 @@ class Comparer:
             registry.register(self.recent)
 
     def use_control_plane(
-        self, sessions: async_sessionmaker[AsyncSession], on_finish: Callable[[str], None] | None
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        on_finish: Callable[[str], None] | None,
+        state: SharedState | None = None,
     ) -> None:
         """Where grades are stored; `on_finish(request_id)` runs after each background call, as the
-        HTTP middleware does after a client's request (admission forgets the request then)."""
+        HTTP middleware does after a client's request (admission forgets the request then); `state`
+        counts the spend cap across replicas."""
         self.sessions, self.on_finish = sessions, on_finish
+        if state is not None:
+            self.spend.state = state
 
     def wants(self, plan: Plan, request: ChatRequest, feats: Features, principal: Principal) -> bool:
         """Whether this request is compared once answered (sampled at the route's `share`)."""
@@ -311,7 +318,7 @@ class Comparer:
         judge_target = self.models.targets[compare.judge]
         tenant = job.principal.tenant_id or "anonymous"
         estimate = self._estimate(job, other, other_target, judge_target)
-        if not self.spend.allow(tenant, estimate, compare.max_spend_usd_per_hour):
+        if not await self.spend.allow(tenant, estimate, compare.max_spend_usd_per_hour):
             self.outcomes.labels(route.name, "capped").inc()
             return
         spent: list[float] = []  # USD of each call made, priced as the gateway prices its models
@@ -357,7 +364,7 @@ class Comparer:
             self.outcomes.labels(route.name, "failed").inc()
         finally:
             # The cap counts what the calls cost, not what was guessed (a reasoning judge costs more).
-            self.spend.add(tenant, sum(spent) - estimate)
+            await self.spend.add(tenant, sum(spent) - estimate)
 
     def _estimate(self, job: Job, other: Candidate, other_target: Target, judge_target: Target) -> float:
         output = job.feats.max_output_tokens or job.route.expected_output_tokens

@@ -12,9 +12,8 @@ end with the error when they break after their first token.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from gateway.errors import (
 from gateway.pipeline import Call, Pipeline
 from gateway.providers.base import UpstreamRequest
 from gateway.router_basic import Target
+from gateway.state import Limit, MemoryState, SharedState
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
 from routing.breaker import Breakers
 from routing.metrics import RoutingMetrics
@@ -100,26 +100,30 @@ def chat_op(request: ChatRequest) -> Operation:
     return Operation(bool(request.stream), prepare)
 
 
-class SpendWindow:
+class SpendCap:
     """Estimated USD each tenant spent on optional calls (hedged attempts, comparisons) over the last
-    hour."""
+    hour, as a sliding window in the shared state: with Redis every replica draws on one allowance
+    (without it, or while it is unreachable, each replica counts its own)."""
 
-    def __init__(self) -> None:
-        self.spent: dict[str, deque[tuple[float, float]]] = {}
+    def __init__(self, purpose: str, state: SharedState | None = None) -> None:
+        self.purpose = purpose
+        self.state: SharedState = state if state is not None else MemoryState()
 
-    def allow(self, tenant: str, usd: float, cap: float) -> bool:
-        now = time.monotonic()
-        window = self.spent.setdefault(tenant, deque())
-        while window and now - window[0][0] > HOUR:
-            window.popleft()
-        if cap <= 0 or sum(cost for _, cost in window) + usd > cap:
+    def key(self, tenant: str) -> str:
+        return f"spend:{self.purpose}:tenant:{tenant}"
+
+    async def allow(self, tenant: str, usd: float, cap: float) -> bool:
+        """Count `usd` if the last hour's spend stays within `cap` with it; False counts nothing."""
+        if cap <= 0:
             return False
-        window.append((now, usd))
-        return True
+        # Rounded up: a call too cheap to count in micro-dollars still counts one.
+        limit = Limit(self.key(tenant), int(cap * 1e6), math.ceil(usd * 1e6), window_s=HOUR)
+        return (await self.state.admit([limit])).allowed
 
-    def add(self, tenant: str, usd: float) -> None:
+    async def add(self, tenant: str, usd: float) -> None:
         """Count `usd` more (or less: a correction once the actual cost is known)."""
-        self.spent.setdefault(tenant, deque()).append((time.monotonic(), usd))
+        if delta := round(usd * 1e6):
+            await self.state.adjust(self.key(tenant), delta, window_s=HOUR)
 
 
 class Executor:
@@ -134,7 +138,7 @@ class Executor:
         self.pipeline = pipeline
         self.breakers = breakers
         self.context = context
-        self.hedges = SpendWindow()
+        self.hedges = SpendCap("hedge")  # the control plane's shared state replaces its own
         self.rng = random.Random()
 
     # --- one attempt ---------------------------------------------------------------------------
@@ -300,7 +304,7 @@ class Executor:
         output = feats.max_output_tokens or route.expected_output_tokens
         usd = expected_cost(partner, feats, output, self.context.stats)
         tenant = call.principal.tenant_id or "anonymous"
-        if not self.hedges.allow(tenant, usd, route.hedge.max_spend_usd_per_hour):
+        if not await self.hedges.allow(tenant, usd, route.hedge.max_spend_usd_per_hour):
             plan.note = (plan.note + "; " if plan.note else "") + "hedge=capped"
             result = await first
             plan.chosen = primary

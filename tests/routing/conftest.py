@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from routing.difficulty import DifficultyClassifier
+from tests.control.conftest import redis_prefix  # noqa: F401  (a fixture shared with tests/control)
 
 DATA = Path(__file__).parent / "data"
 

@@ -17,19 +17,22 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.db.session import create_engine, sessionmaker
+from gateway.state import Limit, MemoryState
+from gateway.state.redis import RedisState
 from gateway.types import ChatRequest, Message
 from routing.compare import JUDGE_SYSTEM, MAX_SECTION_CHARS, judge_request, parse_verdict, scaled
-from routing.execute import SpendWindow
+from routing.execute import SpendCap
 from routing.feedback import load_feedback
 from routing.ranking import auc_normal_interval
 from routing.router import RouteError, validate
 from routing.routes import Candidate, Compare, Route
 from tests.conftest import free_port
-from tests.control.conftest import pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
+from tests.control.conftest import REDIS_URL, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.gateway.conftest import serve
 
@@ -92,6 +95,17 @@ def wait_for(check: Callable[[], bool], timeout: float = 15.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+def counted_micro_usd(cap: SpendCap, tenant: str, expected: int, tolerance: int) -> bool:
+    """Whether the cap's window holds `expected` micro-dollars for `tenant`, give or take `tolerance`
+    (each call's cost is rounded once): a zero-cost probe fits under a limit just above it and not under
+    one just below it."""
+    state = cap.state
+    assert isinstance(state, MemoryState)
+    key = cap.key(tenant)
+    fits = state.admit_now([Limit(key, expected + tolerance, 0, window_s=3600)]).allowed
+    return fits and not state.admit_now([Limit(key, expected - tolerance - 1, 0, window_s=3600)]).allowed
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -214,8 +228,11 @@ def test_both_answers_are_graded_and_become_full_training_rows(
             db,
             f"SELECT cost_pico_usd FROM usage_events WHERE tenant_id = '{keeps['id']}' AND routing LIKE '%purpose=%'",
         )
-        counted = sum(usd for _, usd in gateway.comparer.spend.spent[keeps["id"]])
-        assert counted == pytest.approx(sum(c for (c,) in costs) / 1e12) and counted > 0
+        micro_usd = round(sum(c for (c,) in costs) / 1e6)
+        # Each comparison's estimate is rounded up and its correction rounded: within 2 of exact.
+        tolerance = 2 * len(prompts)
+        assert micro_usd > 5 * tolerance
+        assert counted_micro_usd(gateway.comparer.spend, keeps["id"], micro_usd, tolerance)
 
         # The admin API shows the grades, newest first, and how often each model was acceptable.
         listed = admin.get(f"/tenants/{keeps['id']}/comparisons", params={"route": "auto", "limit": 2}).json()
@@ -367,13 +384,31 @@ def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() 
             validate([bad], models)
 
 
-def test_the_spend_window_takes_corrections() -> None:
-    window = SpendWindow()
-    assert window.allow("t", 0.6, cap=1.0) and not window.allow("t", 0.6, cap=1.0)
-    window.add("t", -0.5)  # the first call cost 0.1, not 0.6
-    assert window.allow("t", 0.6, cap=1.0)
-    window.add("t", 0.4)
-    assert not window.allow("t", 0.1, cap=1.0) and not window.allow("u", 0.1, cap=0)
+async def test_the_spend_cap_takes_corrections() -> None:
+    cap = SpendCap("compare")
+    assert await cap.allow("t", 0.6, cap=1.0) and not await cap.allow("t", 0.6, cap=1.0)
+    await cap.add("t", -0.5)  # the first call cost 0.1, not 0.6
+    assert await cap.allow("t", 0.6, cap=1.0)
+    await cap.add("t", 0.4)
+    assert not await cap.allow("t", 0.1, cap=1.0) and not await cap.allow("u", 0.1, cap=0)
+    assert await cap.allow("u", 0.0, cap=1e-6) and await cap.allow("u", 1e-9, cap=1e-6)
+    assert not await cap.allow("u", 1e-9, cap=1e-6)  # under a micro-dollar still counts one
+
+
+@pytest.mark.redis
+async def test_replicas_draw_on_one_spend_cap_through_redis(redis_prefix: str) -> None:
+    replicas = [
+        SpendCap("hedge", RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)) for _ in "ab"
+    ]
+    try:
+        allowed = [await replicas[i % 2].allow("t", 0.25, cap=1.0) for i in range(6)]
+        assert allowed == [True, True, True, True, False, False]  # four in all, not four on each
+        await replicas[1].add("t", -0.2)  # a call cost 0.05 of its 0.25
+        assert await replicas[0].allow("t", 0.2, cap=1.0)
+        assert await SpendCap("compare", replicas[0].state).allow("t", 1.0, cap=1.0)  # its own window
+    finally:
+        for cap in replicas:
+            await cap.state.close()
 
 
 def test_the_verdict_parser_reads_both_grades_or_none() -> None:

@@ -45,6 +45,11 @@ routes:
     retry: {attempts: 1}
     breaker: {failures: 2, cooldown: 30}
     candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]
+  - name: hedged
+    probe_interval: null
+    retry: {attempts: 1}
+    hedge: {delay: 0.1, max_spend_usd_per_hour: 0.035}
+    candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]
 """
 HI = [{"role": "user", "content": "hello routes"}]
 
@@ -122,6 +127,7 @@ def test_seeded_once_edited_everywhere_without_restart(replicas: Replicas) -> No
     assert [(r["name"], [c["model"] for c in r["candidates"]]) for r in listed] == [
         ("auto", ["gpt-4o-mini", "claude-sonnet"]),
         ("shared", ["gpt-4o-mini", "claude-sonnet"]),
+        ("hedged", ["gpt-4o-mini", "claude-sonnet"]),
     ]  # two replicas started on one DB: seeded once
     assert replicas.route_of(1, key)["candidate"] == "gpt-4o-mini"
 
@@ -188,6 +194,32 @@ def test_a_breaker_opened_on_one_replica_opens_on_the_other(
         time.sleep(0.1)
     # Replica 1 never saw a failure itself, yet skips the backend (through Redis).
     assert replicas.route_of(1, key, "shared")["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
+
+
+def test_hedged_spend_is_capped_across_replicas(replicas: Replicas, fake_openai: FakeOpenAI) -> None:
+    """A hedged claude-sonnet attempt asked for 1,000 tokens is estimated at about $0.015, so the
+    route's $0.035 an hour allows two for the tenant: two in all, not two on each replica."""
+    _, key = replicas.key("acme")
+    fake_openai.set_latency(first_token=0.5)  # slower than the hedge delay: every request would hedge
+    routes = []
+    for i in range(4):
+        raw = replicas.client(i % 2, key).chat.completions.with_raw_response.create(
+            model="hedged", messages=HI, stream=True, max_tokens=1000
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == "hello routes"
+        routes.append(route_header(raw))
+    assert [r["candidate"] for r in routes] == [
+        "claude-sonnet",
+        "claude-sonnet",
+        "gpt-4o-mini",
+        "gpt-4o-mini",
+    ]
+    assert [r.get("hedge") for r in routes] == [None, None, "capped", "capped"]
+    _, other = replicas.key("globex")  # another tenant has its own allowance
+    raw = replicas.client(1, other).chat.completions.with_raw_response.create(
+        model="hedged", messages=HI, stream=True, max_tokens=1000
+    )
+    assert route_header(raw)["hedged"] == "claude-sonnet"
 
 
 def test_the_ledger_keeps_the_routing_decision(replicas: Replicas, fake_openai: FakeOpenAI) -> None:
