@@ -19,6 +19,9 @@ class Features:
     """What conditions and policies look at in a request."""
 
     prompt: str  # the whole conversation's text, in order (prefix affinity)
+    # Characters of `prompt` before its last assistant turn (None without one): the text of the
+    # conversation's previous request, which prefix affinity looks up.
+    history_chars: int | None
     last_user: str  # the last user turn (difficulty)
     prompt_tokens: int
     max_output_tokens: int | None
@@ -34,9 +37,14 @@ def features(request: ChatRequest, tenant: str | None, key_id: str | None) -> Fe
     texts: list[str] = []
     last_user = ""
     images = False
+    history_chars: int | None = None
+    chars = -1  # of "\n".join(texts) so far
     for message in request.messages:
         text = message.text()
+        if message.role == "assistant":
+            history_chars = max(chars, 0)
         texts.append(text)
+        chars += len(text) + 1
         if message.role == "user":
             last_user = text
         if isinstance(message.content, list):
@@ -45,6 +53,7 @@ def features(request: ChatRequest, tenant: str | None, key_id: str | None) -> Fe
     metadata = request.metadata or {}
     return Features(
         prompt=prompt,
+        history_chars=history_chars,
         last_user=last_user,
         prompt_tokens=len(prompt) // CHARS_PER_TOKEN + 1,
         max_output_tokens=request.output_limit,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from routing.conversations import Conversations, prompt_key
 from routing.plan import Choice, Features
 from routing.routes import Route
 from routing.stats import RoutingStats
@@ -35,6 +36,7 @@ class PolicyContext:
     # (route name, which head scores) -> StrongShareCalibrator: a new head starts a new window.
     calibrators: dict[tuple[str, str], Any] = field(default_factory=dict)
     affinity: dict[str, list[int]] = field(default_factory=dict)  # route name -> [hits, requests]
+    conversations: Conversations = field(default_factory=Conversations)  # prefix affinity's memory
     rng: random.Random = field(default_factory=random.Random)
 
     def score_difficulty(self, prompt: str) -> float:
@@ -60,8 +62,10 @@ class PolicyContext:
 
 
 async def order(
-    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
 ) -> tuple[list[Choice], str]:
+    """The candidates in order and the policy's note. `record=False` (a preview) leaves what the
+    policies learn from traffic as it was: strong-share windows, affinity counts, conversations."""
     if route.policy == "fixed":
         for choice in choices:
             choice.reason = "fixed"
@@ -73,8 +77,8 @@ async def order(
     if route.policy == "lowest_latency":
         return lowest_latency(route, choices, feats, ctx), ""
     if route.policy == "difficulty":
-        return await difficulty(route, choices, feats, ctx)
-    return prefix_affinity(route, choices, feats, ctx)
+        return await difficulty(route, choices, feats, ctx, record)
+    return await prefix_affinity(route, choices, feats, ctx, record)
 
 
 def weighted(choices: list[Choice], rng: random.Random) -> list[Choice]:
@@ -143,7 +147,7 @@ def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: Po
 
 
 async def difficulty(
-    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
 ) -> tuple[list[Choice], str]:
     weak, strong = choices[0], choices[1]
     trained = None
@@ -166,10 +170,10 @@ async def difficulty(
         key = (route.name, head or "")
         calibrator = ctx.calibrators.get(key)
         if calibrator is None or calibrator.target_share != route.strong_share:
-            calibrator = ctx.calibrators[key] = StrongShareCalibrator(
-                route.strong_share, initial_threshold=route.threshold
-            )
-        go_strong = calibrator.route_strong(p_strong)
+            calibrator = StrongShareCalibrator(route.strong_share, initial_threshold=route.threshold)
+            if record:
+                ctx.calibrators[key] = calibrator
+        go_strong = calibrator.route_strong(p_strong) if record else p_strong > calibrator.threshold()
         threshold = calibrator.threshold()
     else:
         threshold = route.threshold
@@ -192,16 +196,27 @@ def _rendezvous(key: bytes, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + b"\0" + name.encode(), digest_size=8).digest(), "big")
 
 
-def prefix_affinity(
-    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext
+async def prefix_affinity(
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
 ) -> tuple[list[Choice], str]:
-    """Rendezvous hashing of the prompt prefix: the same prefix ranks the replicas the same way, and
-    adding or removing a replica only moves the prefixes that hashed to it."""
+    """The replica this conversation's previous request went to, when this process or the shared
+    state remembers it (`routing.conversations`); else rendezvous hashing of the prompt prefix: the
+    same prefix ranks the replicas the same way, and adding or removing a replica only moves the
+    prefixes that hashed to it. The rest follow in rendezvous order."""
     key = feats.prompt[: route.prefix_chars].encode()
     for choice in choices:
         choice.score = float(_rendezvous(key, choice.candidate.model))
         choice.reason = "affinity"
     ranked = sorted(choices, key=lambda c: c.score or 0.0, reverse=True)
+    by = "prefix"
+    if feats.history_chars is not None:
+        history = prompt_key(route.name, feats.prompt[: feats.history_chars])
+        went = await ctx.conversations.find(history)
+        for i, choice in enumerate(ranked):
+            if choice.candidate.model == went:
+                ranked.insert(0, ranked.pop(i))
+                by = "conversation"
+                break
     preferred = ranked[0]
     available = []
     overloaded = []
@@ -215,6 +230,10 @@ def prefix_affinity(
     ordered = available + overloaded
     hit = ordered[0] is preferred
     counts = ctx.affinity.setdefault(route.name, [0, 0])
-    counts[0] += hit
-    counts[1] += 1
-    return ordered, f"affinity={'hit' if hit else 'miss'}; affinity_hit_rate={counts[0] / counts[1]:.3f}"
+    if record:
+        counts[0] += hit
+        counts[1] += 1
+        # Where it goes is where its KV cache will be: the next turn starts with this prompt.
+        ctx.conversations.remember(prompt_key(route.name, feats.prompt), ordered[0].candidate.model)
+    rate = counts[0] / counts[1] if counts[1] else 0.0
+    return ordered, f"affinity={'hit' if hit else 'miss'}; affinity_by={by}; affinity_hit_rate={rate:.3f}"

@@ -18,6 +18,7 @@ from gateway.auth import Principal
 from gateway.config import Backend
 from gateway.errors import ModelNotFound
 from gateway.router_basic import ModelTable
+from gateway.state import MemoryState
 from routing.breaker import Breakers
 from routing.health import HealthProber, ProbeListener
 from routing.metrics import RoutingMetrics
@@ -137,6 +138,9 @@ class Router:
         self.sessions = sessions
         self.on_probe = on_probe
         self.breakers.shared = state
+        # Conversations are remembered across replicas only where the state is shared (Redis).
+        if not isinstance(state, MemoryState):
+            self.context.conversations.shared = state  # type: ignore[assignment]
         self.store = RouteStore(sessions, self.set_routes, self.seed)
         from routing.heads import HeadStore  # numpy and the classifier's modules: only with a DB
 
@@ -245,13 +249,14 @@ class Router:
     def names(self) -> list[str]:
         return list(self.routes)
 
-    async def plan(self, name: str, principal: Principal, feats: Features) -> Plan:
-        """The ordered candidates for a request (404 model_not_found when the name means nothing)."""
+    async def plan(self, name: str, principal: Principal, feats: Features, record: bool = True) -> Plan:
+        """The ordered candidates for a request (404 model_not_found when the name means nothing).
+        `record=False`: a preview, which the policies do not learn from (see `policies.order`)."""
         routes = self.routes.get(name)
         if routes is not None and principal.may_use(name):
             for route in routes:
                 if matches(route.when, feats):
-                    return await self._plan(route, feats)
+                    return await self._plan(route, feats, record)
         # No route (or none whose conditions hold): the plain model of that name, tried once.
         target = self.models.resolve(name, principal)[0]
         route = Route(
@@ -263,9 +268,9 @@ class Router:
         )
         return Plan(route, [Choice(target, route.candidates[0], reason="model")])
 
-    async def _plan(self, route: Route, feats: Features) -> Plan:
+    async def _plan(self, route: Route, feats: Features, record: bool = True) -> Plan:
         choices = [Choice(self.models.targets[c.model], c) for c in route.candidates]
-        ordered, note = await order(route, choices, feats, self.context)
+        ordered, note = await order(route, choices, feats, self.context, record)
         for name in route.fallbacks:
             ordered.append(Choice(self.models.targets[name], Candidate(model=name), reason="fallback"))
         if not ordered:

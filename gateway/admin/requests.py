@@ -164,6 +164,7 @@ async def preview_route(request: Request, ctx: Any) -> dict[str, Any]:
         raise AdminError(400, "model: enter the model name a client would send", "invalid_value", "model")
     feats = Features(
         prompt=body.prompt,
+        history_chars=None,
         last_user=body.prompt,
         prompt_tokens=len(body.prompt) // CHARS_PER_TOKEN + 1,
         max_output_tokens=body.max_tokens,
@@ -177,7 +178,7 @@ async def preview_route(request: Request, ctx: Any) -> dict[str, Any]:
     principal = Principal(tenant_id="preview", tenant_name=body.tenant or "preview", key_id=body.key_id)
     router = request.app.state.gateway.router
     try:
-        plan = await router.plan(body.model, principal, feats)
+        plan = await router.plan(body.model, principal, feats, record=False)
     except GatewayError as exc:
         raise AdminError(400, f"model: {exc}", "invalid_value", "model") from None
     routed = any(plan.route is r for r in router.routes.get(body.model, []))

@@ -9,7 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from gateway.types import ChatRequest, Message
 from routing.difficulty import DifficultyClassifier
+from routing.plan import Choice, features
+from routing.policies import PolicyContext, order
+from routing.routes import Candidate, Route
+from routing.stats import RoutingStats
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import LIMITED_KEY, RunningGateway
 from tests.routing.routed import route_header, routed_gateway, runtime
@@ -167,6 +172,54 @@ def test_prefix_affinity_sticks_and_reports_its_hit_rate(gateway: RunningGateway
         route = ask(gateway, "replicas", p + "another question")
         assert route["candidate"] == first[p] and route["affinity"] == "hit"
     assert runtime(gateway).router.context.affinity_hit_rate("replicas") == 1.0
+
+
+def test_prefix_affinity_keeps_a_conversation_on_its_replica(gateway: RunningGateway) -> None:
+    """Every turn starts with the previous turn's prompt; once the reply is in the route's 40-character
+    prefix the hash alone would move most conversations, the conversation memory keeps them."""
+    client = gateway.openai("sk-weir-demo-0123456789")
+    conversations = [[{"role": "user", "content": f"Chat {i}: hi"}] for i in range(12)]
+    replica = {}
+    for turn in range(3):
+        for i, messages in enumerate(conversations):
+            raw = client.chat.completions.with_raw_response.create(model="replicas", messages=messages)  # type: ignore[arg-type]
+            route = route_header(raw)
+            if turn == 0:
+                replica[i] = route["candidate"]
+                assert route["affinity_by"] == "prefix"
+            else:
+                assert route["candidate"] == replica[i] and route["affinity_by"] == "conversation"
+            reply = raw.parse().choices[0].message.content
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"more {turn}"}]
+    assert len(set(replica.values())) >= 2  # the conversations themselves spread over the replicas
+    hashed = [
+        ask(gateway, "replicas", "\n".join(str(m["content"]) for m in messages))["candidate"]
+        for messages in conversations
+    ]
+    assert sum(h != replica[i] for i, h in enumerate(hashed)) >= 4  # where the prefix alone sends them
+
+
+async def test_a_preview_leaves_what_policies_learn_as_it_was() -> None:
+    route = Route(
+        name="r",
+        policy="prefix_affinity",
+        candidates=[Candidate(model="a"), Candidate(model="b")],
+    )
+    ctx = PolicyContext(RoutingStats())
+    feats = features(
+        ChatRequest(model="r", messages=[Message(role="user", content="hi")]), tenant=None, key_id=None
+    )
+    for record, counted in ((False, 0), (True, 1)):
+        choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
+        _, note = await order(route, choices, feats, ctx, record=record)
+        assert ctx.affinity.get("r", [0, 0])[1] == counted and len(ctx.conversations.recent) == counted
+        assert "affinity=hit" in note
+    ctx.scorer = lambda prompt: 0.7
+    route = Route(name="d", policy="difficulty", strong_share=0.5, candidates=route.candidates)
+    for record, counted in ((False, 0), (True, 1)):
+        choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
+        await order(route, choices, feats, ctx, record=record)
+        assert sum(len(c) for c in ctx.calibrators.values()) == counted  # the strong-share window
 
 
 def test_prefix_affinity_skips_an_overloaded_replica(gateway: RunningGateway) -> None:

@@ -50,13 +50,18 @@ routes:
     retry: {attempts: 1}
     hedge: {delay: 0.1, max_spend_usd_per_hour: 0.035}
     candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]
+  - name: sticky
+    policy: prefix_affinity
+    prefix_chars: 40
+    probe_interval: null
+    candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]
 """
 HI = [{"role": "user", "content": "hello routes"}]
 
 
 class Replicas:
-    def __init__(self, urls: list[str], db_url: str) -> None:
-        self.urls, self.db_url = urls, db_url
+    def __init__(self, urls: list[str], db_url: str, redis_prefix: str = "") -> None:
+        self.urls, self.db_url, self.redis_prefix = urls, db_url, redis_prefix
         self.admin = [
             httpx.Client(base_url=f"{u}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
             for u in urls
@@ -72,9 +77,14 @@ class Replicas:
     def client(self, replica: int, key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.urls[replica]}/v1", api_key=key, max_retries=0, timeout=20)
 
-    def route_of(self, replica: int, key: str, model: str = "auto") -> dict[str, str]:
-        raw = self.client(replica, key).chat.completions.with_raw_response.create(model=model, messages=HI)
-        assert raw.parse().choices[0].message.content == "hello routes"
+    def route_of(
+        self, replica: int, key: str, model: str = "auto", text: str = HI[0]["content"]
+    ) -> dict[str, str]:
+        messages = [{"role": "user", "content": text}]
+        raw = self.client(replica, key).chat.completions.with_raw_response.create(
+            model=model, messages=messages
+        )  # type: ignore[arg-type]
+        assert raw.parse().choices[0].message.content == text
         return route_header(raw)
 
 
@@ -114,7 +124,7 @@ def replicas(
             monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool{i}"))
             app = create_app(parse_config(CONFIG, env))
             urls.append(stack.enter_context(serve(app, free_port())))
-        yield Replicas(urls, database)
+        yield Replicas(urls, database, prefix)
     client = redis.Redis.from_url(REDIS_URL)
     keys = list(client.scan_iter(match=f"{prefix}*"))
     if keys:
@@ -128,6 +138,7 @@ def test_seeded_once_edited_everywhere_without_restart(replicas: Replicas) -> No
         ("auto", ["gpt-4o-mini", "claude-sonnet"]),
         ("shared", ["gpt-4o-mini", "claude-sonnet"]),
         ("hedged", ["gpt-4o-mini", "claude-sonnet"]),
+        ("sticky", ["gpt-4o-mini", "claude-sonnet"]),
     ]  # two replicas started on one DB: seeded once
     assert replicas.route_of(1, key)["candidate"] == "gpt-4o-mini"
 
@@ -220,6 +231,39 @@ def test_hedged_spend_is_capped_across_replicas(replicas: Replicas, fake_openai:
         model="hedged", messages=HI, stream=True, max_tokens=1000
     )
     assert route_header(raw)["hedged"] == "claude-sonnet"
+
+
+def test_a_conversation_stays_on_its_replica_across_gateway_replicas(replicas: Replicas) -> None:
+    """prefix_affinity remembers where each prompt went in Redis: a conversation's next turn, sent to
+    the other gateway replica, goes where the previous one did, though its 40-character prefix (the
+    reply is in it) hashes elsewhere for some conversations."""
+    _, key = replicas.key("acme")
+    store = redis.Redis.from_url(REDIS_URL)
+    went = {}
+    moved = 0
+    for i in range(8):
+        messages = [{"role": "user", "content": f"Chat {i}: hi"}]
+        first = replicas.client(0, key).chat.completions.with_raw_response.create(
+            model="sticky", messages=messages
+        )  # type: ignore[arg-type]
+        went[i] = route_header(first)["candidate"]
+        deadline = time.monotonic() + 5  # the shared write is off the request's path
+        while len(list(store.scan_iter(match=f"{replicas.redis_prefix}affinity:*"))) < i + 1:
+            assert time.monotonic() < deadline, "the conversation was not written to Redis"
+            time.sleep(0.02)
+        messages += [
+            {"role": "assistant", "content": first.parse().choices[0].message.content or ""},
+            {"role": "user", "content": "and then?"},
+        ]
+        second = replicas.client(1, key).chat.completions.with_raw_response.create(
+            model="sticky", messages=messages
+        )  # type: ignore[arg-type]
+        route = route_header(second)
+        assert route["candidate"] == went[i] and route["affinity_by"] == "conversation"
+        hashed = replicas.route_of(1, key, "sticky", "\n".join(m["content"] for m in messages))
+        moved += hashed["candidate"] != went[i]
+    store.close()
+    assert len(set(went.values())) == 2 and moved >= 1
 
 
 def test_the_ledger_keeps_the_routing_decision(replicas: Replicas, fake_openai: FakeOpenAI) -> None:

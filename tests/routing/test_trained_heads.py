@@ -50,6 +50,7 @@ PROMPTS = [
 CANDIDATES = DIFFICULTY.candidates
 HI = Features(
     prompt="hi",
+    history_chars=None,
     last_user="hi",
     prompt_tokens=1,
     max_output_tokens=None,
