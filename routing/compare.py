@@ -417,13 +417,14 @@ class Comparer:
                     Comparison.tenant_id == tenant, Comparison.request_id == job.request_id
                 )
             )
+            now = utcnow()
             if row is None:  # a client that sent one request id twice: the later grades win
-                row = Comparison(tenant_id=tenant, request_id=job.request_id)
+                row = Comparison(tenant_id=tenant, request_id=job.request_id, created_at=now)
                 session.add(row)
             row.route, row.served, row.judge = route.name, job.served, compare.judge
             row.weak_model, row.strong_model = route.candidates[0].model, route.candidates[1].model
             if (row.weak_score, row.strong_score) != (weak_score, strong_score):
-                row.weak_score, row.strong_score, row.updated_at = weak_score, strong_score, utcnow()
+                row.weak_score, row.strong_score, row.updated_at = weak_score, strong_score, now
             row.p_strong, row.head = job.p_strong, job.head
 
     async def stop(self) -> None:

@@ -238,6 +238,7 @@ def test_both_answers_are_graded_and_become_full_training_rows(
         listed = admin.get(f"/tenants/{keeps['id']}/comparisons", params={"route": "auto", "limit": 2}).json()
         assert len(listed["data"]) == 2 and listed["data"][0]["request_id"] in request_ids.values()
         assert listed["data"][0]["judge"] == "grader" and listed["data"][0]["served"] in ("weak", "strong")
+        assert all(r["updated_at"] == r["created_at"] for r in listed["data"])  # graded once: one moment
         assert listed["summary"] == [
             {
                 "route": "auto",
