@@ -1,5 +1,5 @@
 """Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome (the
-executor counts them), and, read at scrape time, breaker states, prefix-affinity hits, the shipped
+executor counts them), and, read at scrape time, breaker states, prefix-affinity hits and prompt tokens cached, the shipped
 difficulty head in use and the trained heads routes name."""
 
 from __future__ import annotations
@@ -46,6 +46,16 @@ class _Collector:
             affinity.add_metric((route, "hit"), hits)
             affinity.add_metric((route, "miss"), total - hits)
         yield affinity
+        cache = CounterMetricFamily(
+            "weir_prefix_affinity_prompt_tokens",
+            "Prompt tokens of prefix_affinity routes: cached (read from the replica's prefix cache, as it "
+            "reported) or computed",
+            labels=("route", "source"),
+        )
+        for route, (prompt, cached) in list(self.router.context.stats.affinity_tokens.items()):
+            cache.add_metric((route, "cached"), cached)
+            cache.add_metric((route, "computed"), prompt - cached)
+        yield cache
         # Which difficulty head this replica serves: with `difficulty_head: auto` replicas on different
         # CPUs can differ, and their scores with them.
         serving = self.router.context.serving

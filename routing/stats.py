@@ -42,6 +42,9 @@ class RoutingStats:
 
     def __init__(self) -> None:
         self.models: dict[tuple[str, str], ModelStats] = {}
+        # prefix_affinity route -> [prompt tokens, of them read from the replicas' prefix caches]: the
+        # hit rate the policy achieves, as the engines report it (where it sent requests is not that).
+        self.affinity_tokens: dict[str, list[int]] = {}
 
     def get(self, backend: str, model: str) -> ModelStats:
         stats = self.models.get((backend, model))
@@ -68,3 +71,16 @@ class RoutingStats:
         prompt += usage.cache_write_1h_tokens
         if prompt > 0:
             stats.cache_hit_rate = _ewma(stats.cache_hit_rate, usage.cached_input_tokens / prompt)
+            if event.routing is not None and "policy=prefix_affinity" in event.routing:
+                tokens = self.affinity_tokens.setdefault(event.route, [0, 0])
+                tokens[0] += prompt
+                tokens[1] += usage.cached_input_tokens
+
+    def affinity_cache(self, route: str) -> dict[str, float | int | None]:
+        """A prefix_affinity route's prompt tokens, how many the replicas read from cache, and the share."""
+        prompt, cached = self.affinity_tokens.get(route, (0, 0))
+        return {
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else None,
+        }

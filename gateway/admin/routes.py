@@ -131,6 +131,10 @@ async def routes_status(request: Request) -> dict[str, Any]:
         "routes": {name: [msgspec.to_builtins(r) for r in routes] for name, routes in router.routes.items()},
         "breakers": {key: b.current().value for key, b in router.breakers.breakers.items()},
         "prefix_affinity_hit_rate": {name: context.affinity_hit_rate(name) for name in context.affinity},
+        # What the replicas' prefix caches served of those routes' prompts (their usage reports).
+        "prefix_affinity_cache": {
+            name: context.stats.affinity_cache(name) for name in context.stats.affinity_tokens
+        },
         # Trained heads the routes name, as this replica serves them: loaded (name@digest), or why not.
         "difficulty_heads": {
             name: (loaded.label if (loaded := heads.get(name)) else heads.status(name))

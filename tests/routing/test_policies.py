@@ -7,6 +7,7 @@ import random
 import re
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from gateway.types import ChatRequest, Message
@@ -220,6 +221,31 @@ async def test_a_preview_leaves_what_policies_learn_as_it_was() -> None:
         choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
         await order(route, choices, feats, ctx, record=record)
         assert sum(len(c) for c in ctx.calibrators.values()) == counted  # the strong-share window
+
+
+def test_prefix_affinity_reports_what_the_replicas_caches_served(gateway: RunningGateway) -> None:
+    """The hit rate the policy achieves is the replicas' own cached-token counts (the fake caches
+    prompts of 1,024 tokens or more, in 128-token steps), summed per route, in /metrics too."""
+    stats = runtime(gateway).router.stats
+    before = stats.affinity_cache("replicas")
+    client = gateway.openai("sk-weir-demo-0123456789")
+    document = " ".join(f"fact{i}" for i in range(1300))
+    usages = []
+    for question in ("first question", "second question"):
+        reply = client.chat.completions.create(
+            model="replicas",
+            messages=[{"role": "system", "content": document}, {"role": "user", "content": question}],
+        )
+        assert reply.usage is not None
+        usages.append(reply.usage)
+    cached = [u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0 for u in usages]
+    assert cached[0] == 0 and cached[1] >= 1024  # the same replica: its cache held the document
+    after = stats.affinity_cache("replicas")
+    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(u.prompt_tokens for u in usages)  # type: ignore[operator]
+    assert after["cached_tokens"] - before["cached_tokens"] == sum(cached)  # type: ignore[operator]
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    line = f'weir_prefix_affinity_prompt_tokens_total{{route="replicas",source="cached"}} {float(after["cached_tokens"])}'
+    assert line in metrics, metrics
 
 
 def test_prefix_affinity_skips_an_overloaded_replica(gateway: RunningGateway) -> None:

@@ -264,6 +264,9 @@ def test_a_conversation_stays_on_its_replica_across_gateway_replicas(replicas: R
         moved += hashed["candidate"] != went[i]
     store.close()
     assert len(set(went.values())) == 2 and moved >= 1
+    # What the replicas' caches served of the route's prompts (short prompts here: none).
+    cache = replicas.admin[1].get("/routes/status").json()["prefix_affinity_cache"]["sticky"]
+    assert cache["prompt_tokens"] > 0 and cache["cached_tokens"] == 0 and cache["hit_rate"] == 0.0
 
 
 def test_the_ledger_keeps_the_routing_decision(replicas: Replicas, fake_openai: FakeOpenAI) -> None:
