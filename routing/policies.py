@@ -229,7 +229,7 @@ async def prefix_affinity(
             available.append(choice)
     ordered = available + overloaded
     hit = ordered[0] is preferred
-    counts = ctx.affinity.setdefault(route.name, [0, 0])
+    counts = ctx.affinity.setdefault(route.name, [0, 0]) if record else ctx.affinity.get(route.name, [0, 0])
     if record:
         counts[0] += hit
         counts[1] += 1

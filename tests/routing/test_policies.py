@@ -214,6 +214,7 @@ async def test_a_preview_leaves_what_policies_learn_as_it_was() -> None:
         choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
         _, note = await order(route, choices, feats, ctx, record=record)
         assert ctx.affinity.get("r", [0, 0])[1] == counted and len(ctx.conversations.recent) == counted
+        assert ("r" in ctx.affinity) == bool(counted)  # a preview does not even list the route
         assert "affinity=hit" in note
     ctx.scorer = lambda prompt: 0.7
     route = Route(name="d", policy="difficulty", strong_share=0.5, candidates=route.candidates)
