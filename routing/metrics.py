@@ -1,6 +1,6 @@
 """Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome (the
-executor counts them), and, read at scrape time, breaker states, prefix-affinity hits and prompt tokens cached, the shipped
-difficulty head in use and the trained heads routes name."""
+executor counts them), and, read at scrape time, breaker states, prefix-affinity hits and prompt tokens
+cached, the shipped difficulty head in use and the trained heads routes name."""
 
 from __future__ import annotations
 
