@@ -40,7 +40,7 @@ def main() -> None:
 
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
-    from kernels import cpu_ops
+    from weir.kernels import cpu_ops
 
     torch.set_num_threads(args.threads)
     engine = LLMEngine(args.model, dtype=args.dtype, max_num_seqs=max(args.prompts, 8), progress=False)

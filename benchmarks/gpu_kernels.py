@@ -25,12 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.quant import quantize_int4, quantize_int8
-from kernels.fp8_matmul import fp8_matmul_ref, fp8_matmul_triton, fp8_triton_supported, quantize_fp8
-from kernels.int4_matmul import int4_matmul_ref, int4_matmul_triton
-from kernels.int8_matmul import int8_matmul_ref, int8_matmul_triton
-from kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.rotary import build_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton
+from weir.kernels.fp8_matmul import fp8_matmul_ref, fp8_matmul_triton, fp8_triton_supported, quantize_fp8
+from weir.kernels.int4_matmul import int4_matmul_ref, int4_matmul_triton
+from weir.kernels.int8_matmul import int8_matmul_ref, int8_matmul_triton
+from weir.kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from weir.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from weir.kernels.rotary import build_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton
 
 # relative to the largest reference magnitude; tl.dot on fp32 inputs uses TF32 on tensor cores
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 2e-2}

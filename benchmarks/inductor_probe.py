@@ -119,7 +119,7 @@ def int8_linear_words(
 
 def probe_int8(rows: int) -> None:
     from engine.quant import quantize_int8
-    from kernels.int8_matmul import int8_matmul
+    from weir.kernels.int8_matmul import int8_matmul
 
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1)
     compiled = torch.compile(int8_linear_words, dynamic=False)

@@ -29,7 +29,7 @@ from torch import nn
 from engine.model import Transformer
 from engine.packed import DualLinear, PackedLinear
 from engine.quant import Int4Linear, Int8Linear
-from kernels import cpu_decode
+from weir.kernels import cpu_decode
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from engine.speculative import SpecStats, SpeculativeConfig, Speculator, parse_s
 from engine.threads import ThreadTuner
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model, gguf_metadata, is_gguf, load_config, open_gguf, tqdm_progress
-from kernels.fp8_matmul import fp8_gpu
+from weir.kernels.fp8_matmul import fp8_gpu
 
 if TYPE_CHECKING:
     from engine.grammar import Grammars

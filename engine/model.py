@@ -22,10 +22,10 @@ from torch import nn
 
 from engine import hugepages
 from engine.config import ModelConfig
-from kernels import cpu_ops
-from kernels._triton import use_triton
-from kernels.paged_attention import paged_decode_attention_triton
-from kernels.rms_norm import rms_norm_triton
+from weir.kernels import cpu_ops
+from weir.kernels._triton import use_triton
+from weir.kernels.paged_attention import paged_decode_attention_triton
+from weir.kernels.rms_norm import rms_norm_triton
 
 
 @dataclass

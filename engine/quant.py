@@ -27,15 +27,21 @@ from torch import nn
 
 from engine.model import weights_changed
 from engine.packed import unpack_linears
-from kernels._triton import use_triton
-from kernels.fp8_matmul import fp8_matmul, quantize_fp8
-from kernels.int4_matmul import (
+from weir.kernels._triton import use_triton
+from weir.kernels.fp8_matmul import fp8_matmul, quantize_fp8
+from weir.kernels.int4_matmul import (
     cpu_int4_supported,
     int4_matmul,
     int4_matmul_cpu,
     pack_int4,
 )
-from kernels.int8_matmul import fbgemm_pack, fbgemm_supported, fbgemm_unpack, int8_matmul, int8_matmul_fbgemm
+from weir.kernels.int8_matmul import (
+    fbgemm_pack,
+    fbgemm_supported,
+    fbgemm_unpack,
+    int8_matmul,
+    int8_matmul_fbgemm,
+)
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

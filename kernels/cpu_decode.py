@@ -13,7 +13,7 @@ import functools
 from collections.abc import Mapping
 from pathlib import Path
 
-from kernels import native
+from weir.kernels import native
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import native
+from weir.kernels import native
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 _TYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C enum

@@ -19,8 +19,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import interpreting, use_triton
-from kernels.int8_matmul import matmul_8bit_triton
+from weir.kernels._triton import interpreting, use_triton
+from weir.kernels.int8_matmul import matmul_8bit_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import cdiv, jit, tl, use_triton
+from weir.kernels._triton import cdiv, jit, tl, use_triton
 
 HAS_INT4PACK_CPU = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
     torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"

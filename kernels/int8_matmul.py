@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import cdiv, jit, tl, use_triton
+from weir.kernels._triton import cdiv, jit, tl, use_triton
 
 HAS_INT8PACK_MM = hasattr(torch.ops.aten, "_weight_int8pack_mm")
 _INT8PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from kernels._triton import jit, next_power_of_2, tl, use_triton
+from weir.kernels._triton import jit, next_power_of_2, tl, use_triton
 
 
 def paged_decode_attention_ref(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, next_power_of_2, tl, use_triton
+from weir.kernels._triton import jit, next_power_of_2, tl, use_triton
 
 
 def rms_norm_ref(

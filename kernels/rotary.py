@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, next_power_of_2, tl, use_triton
+from weir.kernels._triton import jit, next_power_of_2, tl, use_triton
 
 
 def build_cos_sin_cache(

@@ -243,7 +243,7 @@ def fastest_compute() -> str:
 
     Every x86 CPU with native bf16 has AVX2, so bf16 would never be picked there; on ARM PyTorch
     offers no check for it."""
-    from kernels.int8_matmul import fbgemm_supported
+    from weir.kernels.int8_matmul import fbgemm_supported
 
     return "int8" if fbgemm_supported() else "float32"
 

@@ -13,7 +13,7 @@ from engine.fused_step import FusedDecoder
 from engine.llm_engine import LLMEngine
 from engine.quant import quantize_model
 from engine.sampling import SamplingParams
-from kernels import cpu_decode
+from weir.kernels import cpu_decode
 
 pytestmark = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler to build the step")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.quant import INT4_SEARCH_STEPS, _fit_int4_groups, quantize_int4
-from kernels.int4_matmul import HAS_INT4PACK_CPU, dequantize_int4, from_cpu_layout, pack_int4
+from weir.kernels.int4_matmul import HAS_INT4PACK_CPU, dequantize_int4, from_cpu_layout, pack_int4
 
 
 def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

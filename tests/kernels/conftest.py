@@ -36,7 +36,7 @@ def _interpreter_bf16_dot_works() -> bool:
     import triton
     import triton.language as tl
 
-    from kernels._triton import interpreting
+    from weir.kernels._triton import interpreting
 
     if not interpreting():
         return True

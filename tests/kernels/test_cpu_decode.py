@@ -19,7 +19,7 @@ from engine.fused_step import FusedDecoder, build_fused_decoder
 from engine.llm_engine import LLMEngine
 from engine.model import AttentionMetadata, PrefillChunk, Transformer, attention_metadata
 from engine.quant import Int4Linear, quantize_model
-from kernels import cpu_decode
+from weir.kernels import cpu_decode
 
 pytestmark = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler to build the step")
 

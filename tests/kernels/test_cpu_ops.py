@@ -13,7 +13,7 @@ from engine.config import tiny_config
 from engine.llm_engine import LLMEngine
 from engine.model import _gather_kv
 from engine.sampling import SamplingParams
-from kernels import cpu_ops
+from weir.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler to build the ops")
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import engine.model as model_mod
-import kernels.int4_matmul as int4_mod
-import kernels.int8_matmul as int8_mod
+import weir.kernels.int4_matmul as int4_mod
+import weir.kernels.int8_matmul as int8_mod
 from engine.config import tiny_config
 from engine.llm_engine import LLMEngine
 from engine.quant import Int4Linear, Int8Linear, quantize_model
-from kernels._triton import interpreting, triton_on_cpu, use_triton
 from tests.kernels.conftest import prompt_logprobs_and_tokens
+from weir.kernels._triton import interpreting, triton_on_cpu, use_triton
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
 

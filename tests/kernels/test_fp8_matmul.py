@@ -13,7 +13,8 @@ from engine.config import tiny_config
 from engine.llm_engine import LLMEngine
 from engine.model import Transformer
 from engine.quant import Fp8Linear, build_quantized_model, config_metadata, quantize_model, save_quantized
-from kernels.fp8_matmul import (
+from tests.kernels.conftest import assert_close, prompt_logprobs_and_tokens, skip_broken_bf16_dot
+from weir.kernels.fp8_matmul import (
     FP8_MAX,
     dequantize_fp8,
     fp8_matmul,
@@ -21,7 +22,6 @@ from kernels.fp8_matmul import (
     fp8_matmul_triton,
     quantize_fp8,
 )
-from tests.kernels.conftest import assert_close, prompt_logprobs_and_tokens, skip_broken_bf16_dot
 
 
 def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.int4_matmul import (
+from tests.kernels.conftest import assert_close, skip_broken_bf16_dot
+from weir.kernels.int4_matmul import (
     cpu_int4_supported,
     dequantize_int4,
     from_cpu_layout,
@@ -15,7 +16,6 @@ from kernels.int4_matmul import (
     to_cpu_layout,
     unpack_int4,
 )
-from tests.kernels.conftest import assert_close, skip_broken_bf16_dot
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

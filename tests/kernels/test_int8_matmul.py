@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.int8_matmul import (
+from tests.kernels.conftest import assert_close, skip_broken_bf16_dot
+from weir.kernels.int8_matmul import (
     HAS_INT8PACK_MM,
     fbgemm_pack,
     fbgemm_supported,
@@ -15,7 +16,6 @@ from kernels.int8_matmul import (
     int8_matmul_ref,
     int8_matmul_triton,
 )
-from tests.kernels.conftest import assert_close, skip_broken_bf16_dot
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

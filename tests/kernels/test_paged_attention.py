@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from kernels.paged_attention import (
+from tests.kernels.conftest import assert_close
+from weir.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_cpu,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
-from tests.kernels.conftest import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -26,8 +26,8 @@ from engine.quant import (
 )
 from engine.sampling import SamplingParams
 from engine.weights import build_model
-from kernels.int4_matmul import cpu_int4_supported, dequantize_int4
-from kernels.int8_matmul import fbgemm_supported
+from weir.kernels.int4_matmul import cpu_int4_supported, dequantize_int4
+from weir.kernels.int8_matmul import fbgemm_supported
 
 BF16_ROUNDING = 4 * 2**-9
 

@@ -3,13 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rotary import (
+from tests.kernels.conftest import assert_close
+from weir.kernels.rotary import (
     build_cos_sin_cache,
     rotary_embedding,
     rotary_embedding_ref,
     rotary_embedding_triton,
 )
-from tests.kernels.conftest import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -1,1 +1,0 @@
-"""Triton kernels, each beside a PyTorch reference and a dispatcher."""
