@@ -62,6 +62,9 @@ class Call:
     principal: Principal
     endpoint: str
     started: float = field(default_factory=time.perf_counter)
+    # Awaited with an attempt's cost (pico-USD) once its usage event is priced, by attempt number: the
+    # router corrects a spend cap it charged an estimate to (hedged attempts).
+    on_cost: dict[int, Callable[[int], Awaitable[None]]] = field(default_factory=dict)
 
 
 def price_sheet(model: Model) -> dict[TokenClass, int]:
@@ -128,7 +131,7 @@ class Pipeline:
                 status = exc.status
             raise
         finally:
-            self._record(
+            await self._record(
                 call, target, attempt, started_at, t0, usage, status, failure, ttft=None, stream=False
             )
 
@@ -214,7 +217,7 @@ class Pipeline:
             )
             if estimated:
                 usage = produced.estimate(upstream.body)
-            self._record(
+            await self._record(
                 call,
                 target,
                 attempt,
@@ -228,7 +231,7 @@ class Pipeline:
                 estimated=estimated,
             )
 
-    def _record(
+    async def _record(
         self,
         call: Call,
         target: Target,
@@ -276,6 +279,8 @@ class Pipeline:
                 event_id=ordered_id(),  # time-ordered: appended at the ledger index's edge (gateway/ids.py)
             )
         )
+        if (on_cost := call.on_cost.pop(attempt, None)) is not None:
+            await on_cost(cost.cost_pico_usd)
 
 
 def decode(step: Callable[..., T], backend: str, *args: Any) -> T:

@@ -126,6 +126,21 @@ class SpendCap:
             await self.state.adjust(self.key(tenant), delta, window_s=HOUR)
 
 
+@dataclass(slots=True)
+class Charge:
+    """An estimate `allow` counted, replaced by what the call cost once, when that is known."""
+
+    cap: SpendCap
+    tenant: str
+    estimate: float  # USD
+    settled: bool = False
+
+    async def settle(self, cost_pico_usd: int) -> None:
+        if not self.settled:
+            self.settled = True
+            await self.cap.add(self.tenant, cost_pico_usd / 1e12 - self.estimate)
+
+
 class Executor:
     def __init__(
         self,
@@ -151,13 +166,18 @@ class Executor:
     def _key(self, choice: Choice) -> str:
         return Breakers.key(choice.target.backend.name, choice.target.upstream_model)
 
-    async def _attempt(self, call: Call, plan: Plan, choice: Choice, op: Operation) -> Any:
-        """One upstream attempt: the parsed response, or a stream iterator past its first batch."""
+    async def _attempt(
+        self, call: Call, plan: Plan, choice: Choice, op: Operation, charge: Charge | None = None
+    ) -> Any:
+        """One upstream attempt: the parsed response, or a stream iterator past its first batch.
+        `charge` is settled with the attempt's cost once its usage event prices it."""
         target = choice.target
         model = choice.candidate.model
         upstream, reader = op.prepare(target)
         plan.attempts += 1
         number = plan.attempts
+        if charge is not None:
+            call.on_cost[number] = charge.settle
         # The decision as it stands, for this attempt's usage event (and the header if it fails).
         call.info.route = plan.header(choice)
         key = self._key(choice)
@@ -309,7 +329,10 @@ class Executor:
             result = await first
             plan.chosen = primary
             return result
-        second = asyncio.ensure_future(self._attempt(call, plan, partner, op))
+        # The cap then counts what the hedge cost, not the estimate: a hedge that lost and was
+        # cancelled costs what it had streamed, one that won what its answer cost.
+        charge = Charge(self.hedges, tenant, usd)
+        second = asyncio.ensure_future(self._attempt(call, plan, partner, op, charge))
         owners = {first: primary, second: partner}
         pending = {first, second}
         error: BaseException | None = None
@@ -334,6 +357,8 @@ class Executor:
             for loser in await asyncio.gather(*pending, return_exceptions=True):
                 if hasattr(loser, "aclose"):
                     await loser.aclose()
+            if second.cancelled():  # perhaps before it started: then it sent nothing and cost nothing
+                await charge.settle(0)
 
     # --- the whole request --------------------------------------------------------------------
 

@@ -60,7 +60,8 @@ class Hedge(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
 
     delay: float | Literal["p95"] = "p95"
     min_delay: float = 0.05  # floor for the observed p95
-    # Estimated USD a tenant may spend on hedged attempts per hour; beyond it, no more hedges.
+    # USD a tenant may spend on hedged attempts per hour (each admitted on its estimate, then counted at
+    # what it cost); beyond it, no more hedges.
     max_spend_usd_per_hour: float = 1.0
 
 

@@ -8,7 +8,9 @@ from contextlib import contextmanager
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.runtime import Gateway
+from gateway.state import Limit, MemoryState
 from gateway.usage_sink import ListSink
+from routing.execute import SpendCap
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, serve
@@ -23,6 +25,7 @@ routes:
   - {{name: anthropic-first, candidates: [{{model: claude-sonnet}}, {{model: gpt-4o-mini}}], {FAST}}}
   - {{name: impatient-route, ttft_timeout: 0.3, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedged, hedge: {{delay: 0.15}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+  - {{name: hedged-sonnet, hedge: {{delay: 0.15}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedged-capped, hedge: {{delay: 0.15, max_spend_usd_per_hour: 0.0}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: chain, candidates: [{{model: dead-model}}], fallbacks: [gemini-flash], {FAST}}}
   - {{name: counted, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], fallbacks: [gemini-flash], {FAST}}}
@@ -53,3 +56,14 @@ def route_header(raw: object) -> dict[str, str]:
     """The x-weir-route header as a dict."""
     value = raw.headers["x-weir-route"]  # type: ignore[attr-defined]
     return dict(part.split("=", 1) for part in value.split("; "))
+
+
+def counted_micro_usd(cap: SpendCap, tenant: str, expected: int, tolerance: int) -> bool:
+    """Whether the cap's window holds `expected` micro-dollars for `tenant`, give or take `tolerance`
+    (each call's cost is rounded once): a zero-cost probe fits under a limit just above it and not under
+    one just below it."""
+    state = cap.state
+    assert isinstance(state, MemoryState)
+    key = cap.key(tenant)
+    fits = state.admit_now([Limit(key, expected + tolerance, 0, window_s=3600)]).allowed
+    return fits and not state.admit_now([Limit(key, expected - tolerance - 1, 0, window_s=3600)]).allowed

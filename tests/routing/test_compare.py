@@ -22,7 +22,6 @@ import redis.asyncio as aioredis
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.db.session import create_engine, sessionmaker
-from gateway.state import Limit, MemoryState
 from gateway.state.redis import RedisState
 from gateway.types import ChatRequest, Message
 from routing.compare import JUDGE_SYSTEM, MAX_SECTION_CHARS, judge_request, parse_verdict, scaled
@@ -35,6 +34,7 @@ from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.gateway.conftest import serve
+from tests.routing.routed import counted_micro_usd
 
 ADMIN = "admin-token-for-tests"
 CONFIG = """\
@@ -95,17 +95,6 @@ def wait_for(check: Callable[[], bool], timeout: float = 15.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
-
-
-def counted_micro_usd(cap: SpendCap, tenant: str, expected: int, tolerance: int) -> bool:
-    """Whether the cap's window holds `expected` micro-dollars for `tenant`, give or take `tolerance`
-    (each call's cost is rounded once): a zero-cost probe fits under a limit just above it and not under
-    one just below it."""
-    state = cap.state
-    assert isinstance(state, MemoryState)
-    key = cap.key(tenant)
-    fits = state.admit_now([Limit(key, expected + tolerance, 0, window_s=3600)]).allowed
-    return fits and not state.admit_now([Limit(key, expected - tolerance - 1, 0, window_s=3600)]).allowed
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

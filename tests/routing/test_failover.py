@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from gateway.state import MemoryState
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import route_header, routed_gateway, runtime
+from tests.routing.routed import counted_micro_usd, route_header, routed_gateway, runtime
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -246,6 +247,36 @@ def test_hedging_respects_the_tenant_spend_cap(
     text, route = chat(gateway, "hedged-capped")
     assert text == ECHO and route["candidate"] == "gpt-4o-mini" and route["hedge"] == "capped"
     assert not fake_deepseek.requests
+
+
+def test_the_hedge_cap_counts_what_hedges_cost_not_their_estimate(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """A hedge asked for 1,000 tokens is charged about $0.015 of the tenant's hourly cap when it
+    starts; once its usage event is priced the cap holds what it cost instead: the winner's short
+    answer, the cancelled loser's prompt."""
+    hedges = runtime(gateway).executor.hedges
+    hedges.state = MemoryState()  # this test's window only
+    fake_openai.set_latency(first_token=1.0)  # the primary is slow: the hedge wins
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="hedged-sonnet", messages=HI, stream=True, max_tokens=1000
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    assert route_header(raw)["hedged"] == "claude-sonnet"
+    fake_openai.set_latency(first_token=0.4)  # the primary answers first: the hedge loses
+    fake_anthropic.set_latency(first_token=2.0)
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="hedged-sonnet", messages=HI, stream=True, max_tokens=1000
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    assert route_header(raw)["candidate"] == "gpt-4o-mini"
+    settled(gateway, 4)
+    hedged = [e for e in gateway.sink.events if e.backend == "anthropic"]
+    assert [e.status for e in hedged] == [200, 499]
+    assert all(e.cost_pico_usd > 0 for e in hedged)  # both cost something: the loser its prompt
+    spent = sum(e.cost_pico_usd for e in hedged) // 10**6
+    assert spent < 15_000 // 10  # micro-USD: far below one estimate
+    assert counted_micro_usd(hedges, hedged[0].tenant_id or "anonymous", spent, tolerance=3)
 
 
 def test_plain_models_keep_single_attempt_semantics(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:

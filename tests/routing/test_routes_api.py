@@ -207,30 +207,31 @@ def test_a_breaker_opened_on_one_replica_opens_on_the_other(
     assert replicas.route_of(1, key, "shared")["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
 
 
-def test_hedged_spend_is_capped_across_replicas(replicas: Replicas, fake_openai: FakeOpenAI) -> None:
-    """A hedged claude-sonnet attempt asked for 1,000 tokens is estimated at about $0.015, so the
-    route's $0.035 an hour allows two for the tenant: two in all, not two on each replica."""
+def test_hedged_spend_is_capped_across_replicas(
+    replicas: Replicas, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """A hedged claude-sonnet attempt asked for 1,000 tokens is estimated at about $0.015 against the
+    route's $0.035 an hour, then counted at what it cost: short answers leave the allowance almost
+    whole, so four in a row hedge (the estimates alone would stop the third); one that costs $0.0225
+    leaves too little for the next estimate, on the other replica too."""
     _, key = replicas.key("acme")
     fake_openai.set_latency(first_token=0.5)  # slower than the hedge delay: every request would hedge
-    routes = []
-    for i in range(4):
-        raw = replicas.client(i % 2, key).chat.completions.with_raw_response.create(
+
+    def ask(replica: int, api_key: str = key) -> dict[str, str]:
+        raw = replicas.client(replica, api_key).chat.completions.with_raw_response.create(
             model="hedged", messages=HI, stream=True, max_tokens=1000
         )
         assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == "hello routes"
-        routes.append(route_header(raw))
-    assert [r["candidate"] for r in routes] == [
-        "claude-sonnet",
-        "claude-sonnet",
-        "gpt-4o-mini",
-        "gpt-4o-mini",
-    ]
-    assert [r.get("hedge") for r in routes] == [None, None, "capped", "capped"]
+        return route_header(raw)
+
+    routes = [ask(i % 2) for i in range(4)]
+    assert [r["candidate"] for r in routes] == ["claude-sonnet"] * 4
+    fake_anthropic.set_next_usage(output_tokens=1500)  # $0.0225 at $15 per million
+    assert ask(0)["hedged"] == "claude-sonnet"
+    route = ask(1)
+    assert route["candidate"] == "gpt-4o-mini" and route["hedge"] == "capped"
     _, other = replicas.key("globex")  # another tenant has its own allowance
-    raw = replicas.client(1, other).chat.completions.with_raw_response.create(
-        model="hedged", messages=HI, stream=True, max_tokens=1000
-    )
-    assert route_header(raw)["hedged"] == "claude-sonnet"
+    assert ask(1, other)["hedged"] == "claude-sonnet"
 
 
 def test_a_conversation_stays_on_its_replica_across_gateway_replicas(replicas: Replicas) -> None:
