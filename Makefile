@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format install services clean
+.PHONY: run test lint format install lock services clean
 
 run: $(STAMP)
 	$(BIN)/weir demo
@@ -19,12 +19,25 @@ test: $(STAMP)
 install: $(STAMP)
 
 # Reinstall whenever the project's requirements change. torch==2.13.0 comes from the local CPU wheel
-# when pip finds one; otherwise from PyPI.
-$(STAMP): pyproject.toml Makefile
+# when pip finds one; otherwise from PyPI. constraints.txt holds the versions the suite last passed
+# with, so a dependency's new release cannot turn a clean checkout red on its own; `make lock` moves
+# them to the newest pyproject.toml allows (then run `make test`).
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+
+LOCK_VENV := $(or $(TMPDIR),/tmp)/weir-lock-venv
+
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install -q -e '.[dev]'
+	{ echo "# What make install/test install (pip -c): versions the suite passed with. make lock refreshes it."; \
+	  echo "# torch is left out: pyproject.toml pins it, and the CPU wheel's version carries a +cpu tag."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt
+	rm -rf $(LOCK_VENV)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
