@@ -15,7 +15,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/weir/venv/bin:$PATH
 RUN python -m venv /opt/weir/venv
 WORKDIR /opt/weir/app
-COPY pyproject.toml ./
+COPY pyproject.toml constraints.txt ./
 COPY deploy/docker/requirements.py /tmp/requirements.py
 RUN python /tmp/requirements.py pyproject.toml --only torch > /tmp/torch.txt \
  && python /tmp/requirements.py pyproject.toml --except torch > /tmp/requirements.txt
@@ -29,7 +29,7 @@ FROM build-base AS torch-cuda
 RUN pip install -r /tmp/torch.txt
 
 FROM torch-${VARIANT} AS build
-RUN pip install -r /tmp/requirements.txt
+RUN pip install -c constraints.txt -r /tmp/requirements.txt
 COPY . .
 RUN pip install --no-deps -e . && python -m compileall -q engine kernels weir gateway routing
 ARG MODEL=smollm2-135m

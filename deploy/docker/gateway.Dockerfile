@@ -15,13 +15,13 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN python -m venv /opt/weir/venv
 WORKDIR /opt/weir/app
 # Dependencies in their own layer, read from pyproject.toml, so a code change reuses it.
-COPY pyproject.toml ./
+COPY pyproject.toml constraints.txt ./
 COPY deploy/docker/requirements.py /tmp/requirements.py
 # The gateway runs its difficulty classifier on CPU: the CPU build of torch is a fraction of the size.
 RUN python /tmp/requirements.py pyproject.toml --only torch > /tmp/torch.txt \
  && python /tmp/requirements.py pyproject.toml --except torch > /tmp/requirements.txt \
  && pip install --index-url https://download.pytorch.org/whl/cpu -r /tmp/torch.txt \
- && pip install -r /tmp/requirements.txt
+ && pip install -c constraints.txt -r /tmp/requirements.txt
 COPY . .
 # Installed in place (editable) so alembic.ini, migrations/ and shipped data files sit where the code
 # expects them, exactly as in a development checkout.

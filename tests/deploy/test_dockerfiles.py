@@ -141,12 +141,15 @@ def test_dependencies_come_from_pyproject_and_nowhere_else() -> None:
     # No version of any dependency is written in a Dockerfile.
     for path in (GATEWAY, ENGINE):
         assert not re.search(r"pip install[^\n]*==", path.read_text()), path.name
+        # ... and they install at the versions the test suite passed with.
+        assert re.search(r"pip install -c constraints\.txt -r /tmp/requirements\.txt", path.read_text())
 
 
 def test_the_build_context_keeps_what_the_image_needs_and_nothing_secret() -> None:
     patterns = read_dockerignore(ROOT / ".dockerignore")
     needed = [
         "pyproject.toml",
+        "constraints.txt",
         "README.md",
         "alembic.ini",
         "migrations/env.py",
