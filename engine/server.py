@@ -121,6 +121,7 @@ class EngineServer:
             ]
         )
         self.app.on_cleanup.append(self._shutdown)
+        self.app.on_response_prepare.append(self._load_report)
         if engine is not None:
             self.attach(engine, model_name)
 
@@ -137,6 +138,26 @@ class EngineServer:
 
     def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
+
+    async def _load_report(self, request: web.Request, response: web.StreamResponse) -> None:
+        """ORCA's per-response load report, as vLLM writes it, when the request asks for one: a
+        gateway with several replicas in front of several engines sees each engine's whole queue."""
+        asked = request.headers.get("endpoint-load-metrics-format")
+        stats = self._stats()
+        if asked is None or stats is None:
+            return
+        named = {
+            "num_requests_running": stats.num_running,
+            "num_requests_waiting": stats.num_waiting,
+            "kv_cache_usage_perc": round(1 - stats.kv_blocks_free / max(stats.kv_blocks_total, 1), 4),
+        }
+        if asked.strip().upper() == "TEXT":
+            value = "TEXT " + ", ".join(f"named_metrics.{k}={v:g}" for k, v in named.items())
+        elif asked.strip().upper() == "JSON":
+            value = "JSON " + msgspec.json.encode({"named_metrics": named}).decode()
+        else:
+            return
+        response.headers["endpoint-load-metrics"] = value
 
     async def _shutdown(self, app: web.Application) -> None:
         if self.engine is not None:

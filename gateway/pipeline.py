@@ -27,6 +27,7 @@ from gateway.router_basic import Target
 from gateway.transport import MAX_RESPONSE_BODY, Transport
 from gateway.usage import Usage
 from gateway.usage_sink import UsageSink
+from routing.load import LoadReports
 
 
 class HasUsage(Protocol):
@@ -100,6 +101,7 @@ class Pipeline:
         self.sink = sink
         self.metrics = metrics
         self.admission = admission
+        self.loads = LoadReports()  # what engine replicas report of their queues (routing reads it)
         self.prices = {model.name: price_sheet(model) for model in models}
 
     async def exchange(
@@ -119,6 +121,7 @@ class Pipeline:
         try:
             response = await self.transport.send(upstream, backend.timeouts, backend.name)
             status = response.status
+            self.loads.observe(backend.name, response.headers)
             body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
             if status >= 400:
                 raise target.provider.error(status, body, response.headers)
@@ -161,6 +164,7 @@ class Pipeline:
         try:
             response = await self.transport.send(upstream, backend.timeouts, backend.name)
             status = response.status
+            self.loads.observe(backend.name, response.headers)
             if status >= 400:
                 body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
                 raise target.provider.error(status, body, response.headers)

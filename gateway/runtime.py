@@ -60,6 +60,7 @@ class Gateway:
         self.pipeline = Pipeline(
             self.transport, self.sink, self.metrics, config.models, self.limits.admission(admission)
         )
+        self.pipeline.loads = self.router.context.loads
         self.executor = Executor(
             self.pipeline, self.router.breakers, self.router.context, self.router.metrics
         )

@@ -22,6 +22,7 @@ import structlog
 from gateway.aio import stop_if_cancelled
 from gateway.config import Backend
 from routing.breaker import Breakers, State
+from routing.load import REQUEST_HEADER, LoadReports
 
 log = structlog.get_logger("weir.routing")
 
@@ -50,8 +51,12 @@ class HealthProber:
         interval: float,
         timeout: float = 2.0,
         on_result: ProbeListener | None = None,
+        loads: LoadReports | None = None,
     ) -> None:
         self.transport = transport  # gateway.transport.Transport (its shared aiohttp session)
+        # Engines answer probes with their load too: a replica prefix affinity skipped as
+        # overloaded gets no requests, so without probes its last report would only age.
+        self.loads = loads
         self.breakers = breakers
         self.interval = interval
         self.timeout = timeout
@@ -90,9 +95,13 @@ class HealthProber:
         started = time.perf_counter()
         try:
             async with self.transport.session.get(
-                probe_url(backend), timeout=aiohttp.ClientTimeout(total=self.timeout)
+                probe_url(backend),
+                headers={REQUEST_HEADER: "TEXT"} if backend.type == "engine" else None,
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
             ) as response:
                 healthy = response.status < 500
+                if self.loads is not None:
+                    self.loads.observe(backend.name, response.headers)
         except (aiohttp.ClientError, TimeoutError):
             healthy = False
         return healthy, (time.perf_counter() - started) * 1000

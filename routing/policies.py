@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from routing.conversations import Conversations, prompt_key
+from routing.load import LoadReports
 from routing.plan import Choice, Features
 from routing.routes import Route
 from routing.stats import RoutingStats
@@ -37,6 +38,7 @@ class PolicyContext:
     calibrators: dict[tuple[str, str], Any] = field(default_factory=dict)
     affinity: dict[str, list[int]] = field(default_factory=dict)  # route name -> [hits, requests]
     conversations: Conversations = field(default_factory=Conversations)  # prefix affinity's memory
+    loads: LoadReports = field(default_factory=LoadReports)  # engine replicas' own queue reports
     rng: random.Random = field(default_factory=random.Random)
 
     def score_difficulty(self, prompt: str) -> float:
@@ -196,6 +198,21 @@ def _rendezvous(key: bytes, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + b"\0" + name.encode(), digest_size=8).digest(), "big")
 
 
+def _overloaded(choice: Choice, ctx: PolicyContext) -> bool:
+    """This gateway replica's own requests to it reach `max_in_flight`, or the replica's last load
+    report (every gateway replica's requests) shows `max_waiting` or more queued."""
+    candidate = choice.candidate
+    if (
+        candidate.max_in_flight is not None
+        and ctx.in_flight.get(candidate.model, 0) >= candidate.max_in_flight
+    ):
+        return True
+    if candidate.max_waiting is None:
+        return False
+    waiting = ctx.loads.waiting(choice.target.backend.name)
+    return waiting is not None and waiting >= candidate.max_waiting
+
+
 async def prefix_affinity(
     route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
 ) -> tuple[list[Choice], str]:
@@ -221,8 +238,7 @@ async def prefix_affinity(
     available = []
     overloaded = []
     for choice in ranked:
-        limit = choice.candidate.max_in_flight
-        if limit is not None and ctx.in_flight.get(choice.candidate.model, 0) >= limit:
+        if _overloaded(choice, ctx):
             choice.reason = "overloaded"
             overloaded.append(choice)
         else:

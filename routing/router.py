@@ -97,6 +97,11 @@ def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> N
             raise RouteError(f"{where}.strong_share: must be within [0, 1]")
         if route.retry.attempts < 1:
             raise RouteError(f"{where}.retry.attempts: must be at least 1")
+        for j, candidate in enumerate(route.candidates):
+            for limit in ("max_in_flight", "max_waiting"):
+                value = getattr(candidate, limit)
+                if value is not None and value < 1:
+                    raise RouteError(f"{where}.candidates[{j}].{limit}: must be at least 1")
         for name in route.models():
             if name not in names:
                 raise RouteError(f"{where}: no model named {name!r}")
@@ -160,7 +165,13 @@ class Router:
             self._startup_heads = asyncio.gather(*self.heads.pending(), return_exceptions=True)
         # Always running, even with no probed route yet: a route added later through the admin API
         # is probed (and its breakers synced across replicas) as soon as it arrives.
-        self.prober = HealthProber(transport, self.breakers, self._probe_interval(), on_result=self.on_probe)
+        self.prober = HealthProber(
+            transport,
+            self.breakers,
+            self._probe_interval(),
+            on_result=self.on_probe,
+            loads=self.context.loads,
+        )
         self.prober.watch(self._probe_targets())
         self.prober.start()
         if self.heads is None and any(r.head for rs in self.routes.values() for r in rs):

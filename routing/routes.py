@@ -30,6 +30,9 @@ class Candidate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
     # observed share replaces it once traffic has been seen.
     cache_hit_rate: float = 0.0
     max_in_flight: int | None = None  # `prefix_affinity`: above this the replica counts as overloaded
+    # `prefix_affinity`: a replica whose last load report (within 10 s) shows this many requests queued
+    # counts as overloaded too; engines report to every gateway replica (routing/load.py)
+    max_waiting: int | None = None
 
 
 class Conditions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

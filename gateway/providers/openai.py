@@ -63,6 +63,8 @@ def headers(backend: Backend) -> dict[str, str]:
     result = {"content-type": "application/json"}
     if backend.api_key:
         result["authorization"] = f"Bearer {backend.api_key}"
+    if backend.type == "engine":  # its queue, in each response (routing/load.py)
+        result["endpoint-load-metrics-format"] = "TEXT"
     result.update(backend.headers)
     return result
 

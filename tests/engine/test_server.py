@@ -21,6 +21,7 @@ from engine.config import KNOWN_MODELS
 from engine.llm_engine import LLMEngine
 from engine.server import EngineServer, start_server
 from engine.tokenizer import Tokenizer
+from routing.load import parse_orca
 from tests.conftest import free_port
 
 MODEL = "tiny"
@@ -907,3 +908,28 @@ async def test_health_is_503_until_the_model_is_attached() -> None:
     assert early.status_code == 503 and early.json()["error"]["code"] == "model_not_ready"
     assert ready.status_code == 200
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+
+
+# --- load reports ----------------------------------------------------------------------------------
+
+
+async def test_a_request_that_asks_gets_the_engines_load_in_orca_format(served: Served) -> None:
+    body = {"model": MODEL, "messages": chat("hello there"), "max_tokens": 4, "stream": True}
+    async with httpx.AsyncClient(base_url=served.base_url) as http:
+        streamed = await http.post(
+            "/chat/completions", json=body, headers={"endpoint-load-metrics-format": "TEXT"}
+        )
+        report = streamed.headers["endpoint-load-metrics"]
+        assert report.startswith("TEXT named_metrics.")
+        # Read as the gateway reads it: sent once the stream's first token is out, so it is running.
+        named = parse_orca(report)
+        assert named["num_requests_running"] >= 1 and named["num_requests_waiting"] >= 0
+        assert 0 < named["kv_cache_usage_perc"] <= 1
+        json_body = {**body, "stream": False}
+        answered = await http.post(
+            "/chat/completions", json=json_body, headers={"endpoint-load-metrics-format": "json"}
+        )
+        assert answered.headers["endpoint-load-metrics"].startswith("JSON {")
+        assert set(parse_orca(answered.headers["endpoint-load-metrics"])) == set(named)
+        plain = await http.post("/chat/completions", json=json_body)
+        assert plain.status_code == 200 and "endpoint-load-metrics" not in plain.headers

@@ -108,6 +108,7 @@ class FakeServer:
         self.token_delay = 0.0  # seconds per further token
         self._usage_overrides: deque[UsageOverride] = deque()
         self._answers: dict[str, Callable[[str], str]] = {}  # model -> reply to the last user text
+        self.queue_waiting: int | None = None  # reported as ORCA load when a request asks (report_load)
         self._lock = threading.Lock()
         self._generation = 0  # bumped by reset() and stop() to release hanging requests
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,6 +170,7 @@ class FakeServer:
             self._faults.clear()
             self._usage_overrides.clear()
             self._answers.clear()
+            self.queue_waiting = None
             self.models = set(self._initial_models)
             self.first_token_delay = self.token_delay = 0.0
             self._generation += 1
@@ -202,6 +204,17 @@ class FakeServer:
         if answer is None or turn.tools:
             return plan_reply(turn)
         return Reply(text=answer(turn.last_user_text))
+
+    def report_load(self, waiting: int | None) -> None:
+        """Answer requests that carry ``endpoint-load-metrics-format`` with an ORCA load report of
+        `waiting` queued requests, as vLLM and Weir's engine do (None: no report), until `reset()`."""
+        self.queue_waiting = waiting
+
+    async def _load_report(self, request: web.Request, response: web.StreamResponse) -> None:
+        if self.queue_waiting is not None and "endpoint-load-metrics-format" in request.headers:
+            response.headers["endpoint-load-metrics"] = (
+                f"TEXT named_metrics.num_requests_running=1, named_metrics.num_requests_waiting={self.queue_waiting}"
+            )
 
     def set_latency(self, first_token: float = 0.0, per_token: float = 0.0) -> None:
         """Make every generation take time like a real model: `first_token` seconds to the first token,
@@ -310,6 +323,7 @@ class FakeServer:
     async def _serve(self) -> None:
         app = web.Application(middlewares=[self._middleware], client_max_size=256 * 1024 * 1024)
         app.add_routes(self.routes())
+        app.on_response_prepare.append(self._load_report)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True, shutdown_timeout=0.5)
