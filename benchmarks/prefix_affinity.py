@@ -157,7 +157,30 @@ async def documents(
     return outcome
 
 
-def start_engines(model: str, ports: list[int], log_dir: str) -> list[subprocess.Popen[bytes]]:
+async def hot_document(
+    client: openai.AsyncOpenAI, model: str, seed: int, questions: int, chars: int, concurrency: int
+) -> Outcome:
+    """One document everybody asks about at once: its prefix hashes to one replica, whose queue grows
+    while the others idle, unless the route moves requests off it when it is overloaded."""
+    rng = random.Random(seed)
+    outcome = Outcome()
+    doc = text(rng, chars)
+    jobs = [
+        ask(
+            client,
+            model,
+            [{"role": "system", "content": doc}, {"role": "user", "content": text(rng, 120)}],
+            outcome,
+        )
+        for _ in range(questions)
+    ]
+    await gather_limited(jobs, concurrency)
+    return outcome
+
+
+def start_engines(
+    model: str, ports: list[int], log_dir: str, max_num_seqs: int | None = None
+) -> list[subprocess.Popen[bytes]]:
     weir = str(Path(sys.executable).parent / "weir")
     procs = []
     for port in ports:
@@ -176,6 +199,7 @@ def start_engines(model: str, ports: list[int], log_dir: str) -> list[subprocess
                     "1",
                     "--served-model-name",
                     "replica",
+                    *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -199,12 +223,15 @@ def start_engines(model: str, ports: list[int], log_dir: str) -> list[subprocess
 
 
 def gateway_config(ports: list[int], prefix_chars: int) -> str:
+    # type engine: the gateway asks each replica for its load report (routing/load.py)
     backends = "\n".join(
-        f"  - {{name: e{i}, type: openai, base_url: 'http://127.0.0.1:{p}/v1', api_key: unused}}"
+        f"  - {{name: e{i}, type: engine, base_url: 'http://127.0.0.1:{p}/v1', api_key: unused}}"
         for i, p in enumerate(ports)
     )
     models = "\n".join(f"  - {{name: r{i}, backend: e{i}, model: replica}}" for i in range(len(ports)))
     names = ", ".join(f"{{model: r{i}, max_in_flight: 4}}" for i in range(len(ports)))
+    blind = ", ".join(f"{{model: r{i}}}" for i in range(len(ports)))
+    reported = ", ".join(f"{{model: r{i}, max_waiting: 1}}" for i in range(len(ports)))
     return f"""\
 backends:
 {backends}
@@ -214,6 +241,10 @@ routes:
   - {{name: affinity, policy: prefix_affinity, prefix_chars: {prefix_chars}, probe_interval: null, candidates: [{names}]}}
   - {{name: spread, policy: weighted, probe_interval: null, candidates: [{names}]}}
   - {{name: one, probe_interval: null, candidates: [{{model: r0}}]}}
+  # hot: what this gateway counts cannot see the load (as with many gateway replicas) ...
+  - {{name: affinity-blind, policy: prefix_affinity, prefix_chars: {prefix_chars}, probe_interval: null, candidates: [{blind}]}}
+  # ... and what the engines' own load reports add
+  - {{name: affinity-reported, policy: prefix_affinity, prefix_chars: {prefix_chars}, probe_interval: null, candidates: [{reported}]}}
 """
 
 
@@ -228,10 +259,18 @@ async def run_all(url: str, args: argparse.Namespace) -> dict[str, dict[str, Out
             client, route, seed, args.documents, args.questions, args.document_chars, args.concurrency
         ),
     }
+    routes = {name: ("spread", "affinity", "one") for name in workloads}
+    if args.hot:
+        workloads = {
+            "hot document": lambda route, seed: hot_document(
+                client, route, seed, args.hot_questions, args.document_chars, args.hot_concurrency
+            )
+        }
+        routes = {"hot document": ("affinity-blind", "affinity-reported", "spread")}
     seed = args.seed
     for name, workload in workloads.items():
         results[name] = {}
-        for route in ("spread", "affinity", "one"):
+        for route in routes[name]:
             seed += 1  # text of its own: no route finds another's prefixes cached
             started = time.monotonic()
             results[name][route] = await workload(route, seed)
@@ -252,12 +291,21 @@ def main() -> None:
     parser.add_argument("--document-chars", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--hot",
+        action="store_true",
+        help="instead: one document asked by many at once, prefix_affinity blind to load vs with "
+        "max_waiting from the engines' load reports (engines batch --max-num-seqs requests)",
+    )
+    parser.add_argument("--hot-questions", type=int, default=24)
+    parser.add_argument("--hot-concurrency", type=int, default=6)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="per engine (default: the engine's)")
     args = parser.parse_args()
 
     configure_logging("warning")  # one line per request would bury the table
     ports = [free_port() for _ in range(args.replicas)]
     with tempfile.TemporaryDirectory(prefix="weir-affinity-") as logs:
-        procs = start_engines(args.model, ports, logs)
+        procs = start_engines(args.model, ports, logs, args.max_num_seqs)
         try:
             app = create_app(parse_config(gateway_config(ports, args.prefix_chars), {}))
             with serve(app, free_port()) as url:
@@ -271,22 +319,26 @@ def main() -> None:
     print(f"{args.replicas} replicas of {args.model}, prefix_chars {args.prefix_chars}")
     print(
         "| workload | placement | requests | prompt tokens | cached | hit rate | of one replica's "
-        "| gateway affinity hits | latency p50 / mean (s) |"
+        "| gateway affinity hits | latency p50 / mean / max (s) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    labels = {
+        "one": "one replica (the most)",
+        "spread": "spread at random",
+        "affinity": "prefix_affinity",
+        "affinity-blind": "prefix_affinity, no load signal",
+        "affinity-reported": "prefix_affinity, max_waiting 1 (engine reports)",
+    }
     for name, by_route in results.items():
-        best = by_route["one"].hit_rate
-        for route, label in (
-            ("one", "one replica (the most)"),
-            ("spread", "spread at random"),
-            ("affinity", "prefix_affinity"),
-        ):
-            o = by_route[route]
+        best = by_route["one"].hit_rate if "one" in by_route else max(o.hit_rate for o in by_route.values())
+        for route, o in by_route.items():
+            label = labels[route]
             gateway = f"{o.affinity_hits / o.affinity_requests:.2f}" if o.affinity_requests else "-"
             print(
                 f"| {name} | {label} | {len(o.latencies)} | {o.prompt_tokens} | {o.cached_tokens} | "
                 f"{o.hit_rate:.3f} | {o.hit_rate / best if best else float('nan'):.2f} | {gateway} | "
-                f"{statistics.median(o.latencies):.2f} / {statistics.fmean(o.latencies):.2f} |"
+                f"{statistics.median(o.latencies):.2f} / {statistics.fmean(o.latencies):.2f} / "
+                f"{max(o.latencies):.2f} |"
             )
 
 
