@@ -186,6 +186,15 @@ def fakes_env(oa: FakeOpenAI, an: FakeAnthropic, ge: FakeGemini, ds: FakeOpenAI)
     }
 
 
+@contextmanager
+def running_gateway(config: Config) -> Iterator[RunningGateway]:
+    """A gateway on `config` on 127.0.0.1, its usage events in a list."""
+    sink = ListSink()
+    app = create_app(config, usage_sink=sink)
+    with serve(app, free_port()) as url:
+        yield RunningGateway(url=url, sink=sink, config=config, app=app)
+
+
 @pytest.fixture(scope="session")
 def _running_gateway(
     _fake_openai_server: FakeOpenAI,
@@ -194,11 +203,8 @@ def _running_gateway(
     _fake_deepseek_server: FakeOpenAI,
 ) -> Iterator[RunningGateway]:
     env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    config = parse_config(full_config_text(), env)
-    sink = ListSink()
-    app = create_app(config, usage_sink=sink)
-    with serve(app, free_port()) as url:
-        yield RunningGateway(url=url, sink=sink, config=config, app=app)
+    with running_gateway(parse_config(full_config_text(), env)) as gateway:
+        yield gateway
 
 
 @pytest.fixture

@@ -5,15 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.runtime import Gateway
 from gateway.state import Limit, MemoryState
-from gateway.usage_sink import ListSink
 from routing.execute import SpendCap
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, serve
+from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, running_gateway
 
 # Small waits everywhere: the behaviour is the same as with production settings, only faster.
 FAST = "retry: {attempts: 2, backoff: 0.02, max_backoff: 0.1, max_retry_after: 1.0}, "
@@ -41,11 +38,8 @@ def routed_config_text(routes: str = ROUTES) -> str:
 def routed_gateway(
     oa: FakeOpenAI, an: FakeAnthropic, ge: FakeGemini, ds: FakeOpenAI, routes: str = ROUTES
 ) -> Iterator[RunningGateway]:
-    config = parse_config(routed_config_text(routes), fakes_env(oa, an, ge, ds))
-    sink = ListSink()
-    app = create_app(config, usage_sink=sink)
-    with serve(app, free_port()) as url:
-        yield RunningGateway(url=url, sink=sink, config=config, app=app)
+    with running_gateway(parse_config(routed_config_text(routes), fakes_env(oa, an, ge, ds))) as gateway:
+        yield gateway
 
 
 def runtime(gateway: RunningGateway) -> Gateway:

@@ -9,17 +9,14 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from gateway.app import create_app
 from gateway.config import Backend, parse_config
 from gateway.transport import Transport
-from gateway.usage_sink import ListSink
 from routing import load
 from routing.breaker import Breakers
 from routing.health import HealthProber
 from routing.load import LoadReports, parse_orca
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import RunningGateway, serve
+from tests.gateway.conftest import RunningGateway, running_gateway
 from tests.routing.routed import route_header
 
 CONFIG = """\
@@ -47,11 +44,8 @@ def gateway(fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI) -> Iterator[Runn
         "B_URL": fake_deepseek.base_url,
         "B_KEY": fake_deepseek.api_key,
     }
-    config = parse_config(CONFIG, env)
-    sink = ListSink()
-    app = create_app(config, usage_sink=sink)
-    with serve(app, free_port()) as url:
-        yield RunningGateway(url=url, sink=sink, config=config, app=app)
+    with running_gateway(parse_config(CONFIG, env)) as gateway:
+        yield gateway
 
 
 def ask(gateway: RunningGateway) -> dict[str, str]:
