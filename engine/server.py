@@ -142,21 +142,19 @@ class EngineServer:
     async def _load_report(self, request: web.Request, response: web.StreamResponse) -> None:
         """ORCA's per-response load report, as vLLM writes it, when the request asks for one: a
         gateway with several replicas in front of several engines sees each engine's whole queue."""
-        asked = request.headers.get("endpoint-load-metrics-format")
-        stats = self._stats()
-        if asked is None or stats is None:
+        fmt = request.headers.get("endpoint-load-metrics-format", "").strip().upper()
+        stats = self._stats() if fmt in ("TEXT", "JSON") else None
+        if stats is None:
             return
         named = {
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
             "kv_cache_usage_perc": round(1 - stats.kv_blocks_free / max(stats.kv_blocks_total, 1), 4),
         }
-        if asked.strip().upper() == "TEXT":
+        if fmt == "TEXT":
             value = "TEXT " + ", ".join(f"named_metrics.{k}={v:g}" for k, v in named.items())
-        elif asked.strip().upper() == "JSON":
-            value = "JSON " + msgspec.json.encode({"named_metrics": named}).decode()
         else:
-            return
+            value = "JSON " + msgspec.json.encode({"named_metrics": named}).decode()
         response.headers["endpoint-load-metrics"] = value
 
     async def _shutdown(self, app: web.Application) -> None:

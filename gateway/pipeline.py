@@ -96,12 +96,14 @@ class Pipeline:
         metrics: Metrics,
         models: list[Model],
         admission: Admission | None = None,
+        loads: LoadReports | None = None,
     ) -> None:
         self.transport = transport
         self.sink = sink
         self.metrics = metrics
         self.admission = admission
-        self.loads = LoadReports()  # what engine replicas report of their queues (routing reads it)
+        # What engine replicas report of their queues, for the router (its PolicyContext's).
+        self.loads = loads if loads is not None else LoadReports()
         self.prices = {model.name: price_sheet(model) for model in models}
 
     async def exchange(

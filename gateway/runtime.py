@@ -58,9 +58,13 @@ class Gateway:
         self.sink = sinks[0] if len(sinks) == 1 else FanoutSink(sinks)
         self.limits = RequestLimits(config)  # messages per request, concurrent streams per tenant
         self.pipeline = Pipeline(
-            self.transport, self.sink, self.metrics, config.models, self.limits.admission(admission)
+            self.transport,
+            self.sink,
+            self.metrics,
+            config.models,
+            self.limits.admission(admission),
+            self.router.context.loads,
         )
-        self.pipeline.loads = self.router.context.loads
         self.executor = Executor(
             self.pipeline, self.router.breakers, self.router.context, self.router.metrics
         )

@@ -22,7 +22,7 @@ import structlog
 from gateway.aio import stop_if_cancelled
 from gateway.config import Backend
 from routing.breaker import Breakers, State
-from routing.load import REQUEST_HEADER, LoadReports
+from routing.load import LoadReports, report_request
 
 log = structlog.get_logger("weir.routing")
 
@@ -96,7 +96,7 @@ class HealthProber:
         try:
             async with self.transport.session.get(
                 probe_url(backend),
-                headers={REQUEST_HEADER: "TEXT"} if backend.type == "engine" else None,
+                headers=report_request(backend),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
             ) as response:
                 healthy = response.status < 500

@@ -15,9 +15,17 @@ from dataclasses import dataclass
 
 import msgspec
 
+from gateway.config import Backend
+
 REQUEST_HEADER = "endpoint-load-metrics-format"
 RESPONSE_HEADER = "endpoint-load-metrics"
 FRESH_S = 10.0  # an older report says nothing about the queue now
+
+
+def report_request(backend: Backend) -> dict[str, str]:
+    """The header that asks `backend` for its load report, on requests and health probes: the
+    bundled engine is always asked (another server opts in through the backend's own `headers`)."""
+    return {REQUEST_HEADER: "TEXT"} if backend.type == "engine" else {}
 
 
 def parse_orca(value: str) -> dict[str, float]:

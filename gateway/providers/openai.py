@@ -44,6 +44,7 @@ from gateway.types import (
     TokenCount,
 )
 from gateway.usage import Usage, normalise_usage
+from routing.load import report_request
 
 VENDOR = "openai"
 # Hosts whose thinking models want earlier turns' reasoning_content back (DeepSeek refuses a tool loop
@@ -63,8 +64,7 @@ def headers(backend: Backend) -> dict[str, str]:
     result = {"content-type": "application/json"}
     if backend.api_key:
         result["authorization"] = f"Bearer {backend.api_key}"
-    if backend.type == "engine":  # its queue, in each response (routing/load.py)
-        result["endpoint-load-metrics-format"] = "TEXT"
+    result.update(report_request(backend))  # the engine's queue, in each response
     result.update(backend.headers)
     return result
 
