@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from routing.conversations import Conversations, prompt_key
 from routing.load import LoadReports
 from routing.plan import Choice, Features
+from routing.prefixes import PrefixIndex, cuts, prefix_keys
 from routing.routes import Route
 from routing.stats import RoutingStats
 
@@ -37,7 +37,7 @@ class PolicyContext:
     # (route name, which head scores) -> StrongShareCalibrator: a new head starts a new window.
     calibrators: dict[tuple[str, str], Any] = field(default_factory=dict)
     affinity: dict[str, list[int]] = field(default_factory=dict)  # route name -> [hits, requests]
-    conversations: Conversations = field(default_factory=Conversations)  # prefix affinity's memory
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prefix affinity's memory
     loads: LoadReports = field(default_factory=LoadReports)  # engine replicas' own queue reports
     rng: random.Random = field(default_factory=random.Random)
 
@@ -67,7 +67,7 @@ async def order(
     route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
 ) -> tuple[list[Choice], str]:
     """The candidates in order and the policy's note. `record=False` (a preview) leaves what the
-    policies learn from traffic as it was: strong-share windows, affinity counts, conversations."""
+    policies learn from traffic as it was: strong-share windows, affinity counts, prefixes."""
     if route.policy == "fixed":
         for choice in choices:
             choice.reason = "fixed"
@@ -216,24 +216,30 @@ def _overloaded(choice: Choice, ctx: PolicyContext) -> bool:
 async def prefix_affinity(
     route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
 ) -> tuple[list[Choice], str]:
-    """The replica this conversation's previous request went to, when this process or the shared
-    state remembers it (`routing.conversations`); else rendezvous hashing of the prompt prefix: the
-    same prefix ranks the replicas the same way, and adding or removing a replica only moves the
-    prefixes that hashed to it. The rest follow in rendezvous order."""
-    key = feats.prompt[: route.prefix_chars].encode()
+    """The replica that served the longest prefix of this prompt recently (`routing.prefixes`), when
+    that prefix is the conversation's history or at least `prefix_share` of the prompt; else
+    rendezvous hashing of the first `prefix_chars`: the same prefix ranks the replicas the same way,
+    and adding or removing a replica only moves the prefixes that hashed to it. The rest follow in
+    rendezvous order."""
+    prompt, history = feats.prompt, feats.history_chars
+    key = prompt[: route.prefix_chars].encode()
     for choice in choices:
         choice.score = float(_rendezvous(key, choice.candidate.model))
         choice.reason = "affinity"
     ranked = sorted(choices, key=lambda c: c.score or 0.0, reverse=True)
-    by = "prefix"
-    if feats.history_chars is not None:
-        history = prompt_key(route.name, feats.prompt[: feats.history_chars])
-        went = await ctx.conversations.find(history)
-        for i, choice in enumerate(ranked):
-            if choice.candidate.model == went:
-                ranked.insert(0, ranked.pop(i))
-                by = "conversation"
-                break
+    ends = sorted({*cuts(len(prompt)), len(prompt), *([history] if history else [])} - {0})
+    keys = prefix_keys(route.name, prompt, ends)
+    by, share = "prefix", 0.0
+    found = await ctx.prefixes.longest(keys)
+    if found is not None:
+        end, went = ends[found[0]], found[1]
+        conversation = history is not None and end >= history
+        if conversation or end >= route.prefix_share * len(prompt):
+            for i, choice in enumerate(ranked):
+                if choice.candidate.model == went:
+                    ranked.insert(0, ranked.pop(i))
+                    by, share = ("conversation" if conversation else "shared"), end / len(prompt)
+                    break
     preferred = ranked[0]
     available = []
     overloaded = []
@@ -249,7 +255,13 @@ async def prefix_affinity(
     if record:
         counts[0] += hit
         counts[1] += 1
-        # Where it goes is where its KV cache will be: the next turn starts with this prompt.
-        ctx.conversations.remember(prompt_key(route.name, feats.prompt), ordered[0].candidate.model)
+        # Where it goes is where its KV cache will be: later requests that start with it look it up.
+        # Sent past an overloaded replica, only what was new goes with it: the prefixes it shares
+        # stay with their replica, so traffic returns there once the load passes.
+        known = found[0] + 1 if found is not None and not hit else 0
+        ctx.prefixes.remember(keys[known:], ordered[0].candidate.model)
     rate = counts[0] / counts[1] if counts[1] else 0.0
-    return ordered, f"affinity={'hit' if hit else 'miss'}; affinity_by={by}; affinity_hit_rate={rate:.3f}"
+    note = f"affinity={'hit' if hit else 'miss'}; affinity_by={by}"
+    if by != "prefix":
+        note += f"; affinity_shared={share:.2f}"
+    return ordered, f"{note}; affinity_hit_rate={rate:.3f}"

@@ -93,6 +93,8 @@ def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> N
                 raise RouteError(f"{where}.compare.max_in_flight: must be at least 1")
             if compare.judge not in names:
                 raise RouteError(f"{where}.compare.judge: no model named {compare.judge!r}")
+        if not 0.0 <= route.prefix_share <= 1.0:
+            raise RouteError(f"{where}.prefix_share: must be within [0, 1]")
         if route.strong_share is not None and not 0.0 <= route.strong_share <= 1.0:
             raise RouteError(f"{where}.strong_share: must be within [0, 1]")
         if route.retry.attempts < 1:
@@ -143,9 +145,9 @@ class Router:
         self.sessions = sessions
         self.on_probe = on_probe
         self.breakers.shared = state
-        # Conversations are remembered across replicas only where the state is shared (Redis).
+        # Prefixes are remembered across replicas only where the state is shared (Redis).
         if not isinstance(state, MemoryState):
-            self.context.conversations.shared = state  # type: ignore[assignment]
+            self.context.prefixes.shared = state  # type: ignore[assignment]
         self.store = RouteStore(sessions, self.set_routes, self.seed)
         from routing.heads import HeadStore  # numpy and the classifier's modules: only with a DB
 

@@ -115,8 +115,12 @@ class Route(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     # (routing.heads); None: the shipped head (the config's `difficulty_head`).
     head: str | None = None
     compare: Compare | None = None  # `difficulty`: grade both candidates' answers on a share of requests
-    # `prefix_affinity`: characters of the prompt that name its prefix.
+    # `prefix_affinity`: characters of the prompt that name its prefix for rendezvous hashing.
     prefix_chars: int = 2048
+    # `prefix_affinity`: follow the replica that served the longest prefix of this prompt recently
+    # when that prefix is at least this share of it (a conversation's history always is). 0.3 is
+    # the cache threshold vLLM's and SGLang's routers default to.
+    prefix_share: float = 0.3
     # `cheapest`/`lowest_latency`: output tokens to expect when the request sets no limit.
     expected_output_tokens: int = 256
 

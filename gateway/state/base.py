@@ -8,7 +8,7 @@ settled (a crashed replica) expires after its TTL.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -139,6 +139,14 @@ class SharedState(Protocol):
         ...
 
     async def kv_set(self, key: str, value: bytes, ttl_s: float | None = None) -> None: ...
+
+    async def kv_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """`kv_get` of each key, in one round trip."""
+        ...
+
+    async def kv_set_many(self, items: Mapping[str, bytes], ttl_s: float | None = None) -> None:
+        """`kv_set` of each item, in one round trip."""
+        ...
 
     async def kv_compare_and_set(
         self, key: str, expected: bytes | None, value: bytes, ttl_s: float | None = None

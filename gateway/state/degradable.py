@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -106,6 +106,13 @@ class DegradableState(Shortcuts):
 
     async def kv_set(self, key: str, value: bytes, ttl_s: float | None = None) -> None:
         await self._call("kv_set", key, value, ttl_s)
+
+    async def kv_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        result: list[bytes | None] = await self._call("kv_get_many", keys)
+        return result
+
+    async def kv_set_many(self, items: Mapping[str, bytes], ttl_s: float | None = None) -> None:
+        await self._call("kv_set_many", items, ttl_s)
 
     async def kv_compare_and_set(
         self, key: str, expected: bytes | None, value: bytes, ttl_s: float | None = None

@@ -9,7 +9,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gateway.state.base import (
     BUCKETS,
@@ -324,6 +324,13 @@ class MemoryState(Shortcuts):
 
     async def kv_set(self, key: str, value: bytes, ttl_s: float | None = None) -> None:
         self._kv[key] = (value, self._now() + ttl_s if ttl_s else None)
+
+    async def kv_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [await self.kv_get(key) for key in keys]
+
+    async def kv_set_many(self, items: Mapping[str, bytes], ttl_s: float | None = None) -> None:
+        for key, value in items.items():
+            await self.kv_set(key, value, ttl_s)
 
     async def kv_compare_and_set(
         self, key: str, expected: bytes | None, value: bytes, ttl_s: float | None = None

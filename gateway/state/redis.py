@@ -9,7 +9,7 @@ import inspect
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
@@ -684,6 +684,15 @@ class RedisState(Shortcuts):
 
     async def kv_set(self, key: str, value: bytes, ttl_s: float | None = None) -> None:
         await self._redis.set(self._k(key), value, px=int(ttl_s * 1000) if ttl_s else None)
+
+    async def kv_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return cast("list[bytes | None]", await self._redis.mget([self._k(key) for key in keys]))
+
+    async def kv_set_many(self, items: Mapping[str, bytes], ttl_s: float | None = None) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key, value in items.items():
+                pipe.set(self._k(key), value, px=int(ttl_s * 1000) if ttl_s else None)
+            await pipe.execute()
 
     async def kv_compare_and_set(
         self, key: str, expected: bytes | None, value: bytes, ttl_s: float | None = None

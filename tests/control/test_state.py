@@ -128,6 +128,14 @@ async def test_compare_and_set(state: SharedState) -> None:
     assert await state.kv_get("breaker:b1") is None
 
 
+async def test_many_keys_in_one_call(state: SharedState) -> None:
+    await state.kv_set_many({"affinity:a": b"r1", "affinity:b": b"r2"}, ttl_s=0.2)
+    await state.kv_set_many({"affinity:c": b"r3"})
+    assert await state.kv_get_many(["affinity:b", "affinity:x", "affinity:a"]) == [b"r2", None, b"r1"]
+    await asyncio.sleep(0.3)
+    assert await state.kv_get_many(["affinity:a", "affinity:b", "affinity:c"]) == [None, None, b"r3"]
+
+
 async def test_revocation_reaches_every_subscriber(state: SharedState) -> None:
     seen: list[str] = []
     got = asyncio.Event()

@@ -213,7 +213,7 @@ async def test_a_preview_leaves_what_policies_learn_as_it_was() -> None:
     for record, counted in ((False, 0), (True, 1)):
         choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
         _, note = await order(route, choices, feats, ctx, record=record)
-        assert ctx.affinity.get("r", [0, 0])[1] == counted and len(ctx.conversations.recent) == counted
+        assert ctx.affinity.get("r", [0, 0])[1] == counted and len(ctx.prefixes.recent) == counted
         assert ("r" in ctx.affinity) == bool(counted)  # a preview does not even list the route
         assert "affinity=hit" in note
     ctx.scorer = lambda prompt: 0.7
@@ -222,6 +222,66 @@ async def test_a_preview_leaves_what_policies_learn_as_it_was() -> None:
         choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
         await order(route, choices, feats, ctx, record=record)
         assert sum(len(c) for c in ctx.calibrators.values()) == counted  # the strong-share window
+
+
+async def place(route: Route, ctx: PolicyContext, *messages: tuple[str, str]) -> tuple[str, str]:
+    """Where `prefix_affinity` sends a request (as the gateway would, recording it), and its note."""
+    request = ChatRequest(model=route.name, messages=[Message(role=r, content=c) for r, c in messages])
+    choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
+    ordered, note = await order(route, choices, features(request, tenant=None, key_id=None), ctx)
+    return ordered[0].candidate.model, note
+
+
+def affinity_route(**fields: object) -> Route:
+    return Route(
+        name="docs",
+        policy="prefix_affinity",
+        candidates=[Candidate(model=m) for m in ("r1", "r2", "r3")],
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+async def test_questions_about_a_short_document_share_its_replica() -> None:
+    """Documents shorter than `prefix_chars`: the question is inside the hashed prefix, so hashing
+    alone spreads a document's questions (each replica then computes the document); the prefix index
+    finds the document's prefixes and sends them where its first question went."""
+    rng = random.Random(3)
+    documents = [
+        f"Document {d}. " + " ".join(rng.choice("abcdefgh") * 5 for _ in range(200)) for d in range(8)
+    ]
+    questions = [f"Question {q}: what does paragraph {rng.randrange(99)} say about {q}?" for q in range(5)]
+
+    async def replicas(route: Route) -> list[set[str]]:
+        ctx = PolicyContext(RoutingStats())
+        went: list[set[str]] = [set() for _ in documents]
+        for q, question in enumerate(questions):
+            for d, document in enumerate(documents):
+                model, note = await place(route, ctx, ("system", document), ("user", question))
+                went[d].add(model)
+                assert ("affinity_by=shared" in note) == (q > 0 and route.prefix_share < 1), note
+        return went
+
+    assert all(len(d) < 1300 for d in documents)  # shorter than prefix_chars: 2048
+    together = await replicas(affinity_route())
+    assert all(len(w) == 1 for w in together)
+    assert len(set.union(*together)) >= 2  # the documents themselves spread over the replicas
+    hashed = await replicas(affinity_route(prefix_share=1.0))  # only a whole prompt seen before
+    assert sum(len(w) > 1 for w in hashed) >= 6
+
+
+async def test_a_short_common_preamble_does_not_pull_every_request_to_one_replica() -> None:
+    """Prompts that share a 600-character system prompt and then differ for 3,000 characters: what a
+    replica has cached of them is a sixth, under `prefix_share`, so they spread by their own prefix."""
+    rng = random.Random(5)
+    preamble = "You are a careful assistant. " * 21
+    bodies = ["".join(rng.choice("abcdefghij ") for _ in range(3000)) for _ in range(12)]
+    for share, spread in ((0.3, True), (0.1, False)):
+        ctx = PolicyContext(RoutingStats())
+        went = {
+            (await place(affinity_route(prefix_share=share), ctx, ("system", preamble), ("user", b)))[0]
+            for b in bodies
+        }
+        assert (len(went) >= 2) == spread, (share, went)
 
 
 def test_prefix_affinity_reports_what_the_replicas_caches_served(gateway: RunningGateway) -> None:

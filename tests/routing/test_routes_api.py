@@ -20,6 +20,7 @@ import redis
 from gateway.app import create_app
 from gateway.config import parse_config
 from routing.heads import bundle, digest
+from routing.prefixes import PREFIX, prefix_keys
 from tests.conftest import free_port
 from tests.control.conftest import PG_ADMIN_URL, REDIS_URL, _pg_admin, sync_exec
 from tests.fakes import FakeAnthropic, FakeOpenAI
@@ -162,6 +163,19 @@ def test_invalid_routes_are_refused_and_change_nothing(replicas: Replicas) -> No
     assert response.status_code == 400 and "nope" in response.json()["error"]["message"]
     response = replicas.admin[0].post("/routes", json={"name": "x", "policy": "fastest", "candidates": []})
     assert response.status_code == 400 and response.json()["error"]["param"] == "policy"
+    response = replicas.admin[0].post(
+        "/routes",
+        json={
+            "name": "x",
+            "policy": "prefix_affinity",
+            "prefix_share": 1.5,
+            "candidates": [{"model": "gpt-4o-mini"}],
+        },
+    )
+    assert (
+        response.status_code == 400
+        and "prefix_share: must be within [0, 1]" in response.json()["error"]["message"]
+    )
     assert replicas.admin[0].get("/routes").json()["data"] == before
 
 
@@ -235,7 +249,7 @@ def test_hedged_spend_is_capped_across_replicas(
 
 
 def test_a_conversation_stays_on_its_replica_across_gateway_replicas(replicas: Replicas) -> None:
-    """prefix_affinity remembers where each prompt went in Redis: a conversation's next turn, sent to
+    """prefix_affinity remembers where each prompt's prefixes went in Redis: a conversation's next turn, sent to
     the other gateway replica, goes where the previous one did, though its 40-character prefix (the
     reply is in it) hashes elsewhere for some conversations."""
     _, key = replicas.key("acme")
@@ -248,8 +262,10 @@ def test_a_conversation_stays_on_its_replica_across_gateway_replicas(replicas: R
             model="sticky", messages=messages
         )  # type: ignore[arg-type]
         went[i] = route_header(first)["candidate"]
+        prompt = messages[0]["content"]
+        written = replicas.redis_prefix + PREFIX + prefix_keys("sticky", prompt, [len(prompt)])[0].hex()
         deadline = time.monotonic() + 5  # the shared write is off the request's path
-        while len(list(store.scan_iter(match=f"{replicas.redis_prefix}affinity:*"))) < i + 1:
+        while not store.exists(written):
             assert time.monotonic() < deadline, "the conversation was not written to Redis"
             time.sleep(0.02)
         messages += [
@@ -261,7 +277,9 @@ def test_a_conversation_stays_on_its_replica_across_gateway_replicas(replicas: R
         )  # type: ignore[arg-type]
         route = route_header(second)
         assert route["candidate"] == went[i] and route["affinity_by"] == "conversation"
-        hashed = replicas.route_of(1, key, "sticky", "\n".join(m["content"] for m in messages))
+        # Where the hash alone sends it: the same 40-character prefix, in a prompt no one sent before.
+        prefix = "\n".join(m["content"] for m in messages)[:40]
+        hashed = replicas.route_of(1, key, "sticky", prefix + " (a prompt of its own)")
         moved += hashed["candidate"] != went[i]
     store.close()
     assert len(set(went.values())) == 2 and moved >= 1
