@@ -451,6 +451,38 @@ function headsSection(heads, status, reload) {
     h("h3", {}, "Upload a head"), form);
 }
 
+// What this replica observed of its routes (routes/status): the prefix-cache hit rate each
+// prefix_affinity route achieves, and the per-model speed and cache share the policies read.
+function routedStatus(status) {
+  if (!status) return [];
+  const sent = status.prefix_affinity_hit_rate || {};
+  const cache = status.prefix_affinity_cache || {};
+  const affinity = [...new Set([...Object.keys(sent), ...Object.keys(cache)])].sort();
+  const models = Object.entries(status.models || {}).sort(([a], [b]) => a.localeCompare(b));
+  const seconds = (v) => (v === null || v === undefined ? "—" : `${(Number(v) * 1000).toFixed(0)} ms`);
+  return [
+    h("h2", {}, "Prefix affinity"),
+    affinity.length ? table([
+      { label: "Route", render: (n) => n },
+      { label: "Sent to the preferred replica", num: true, render: (n) => pctFmt(sent[n]) },
+      { label: "Prompt tokens", num: true, render: (n) => intFmt(cache[n]?.prompt_tokens) },
+      { label: "Read from the replicas' caches", num: true, render: (n) => intFmt(cache[n]?.cached_tokens) },
+      { label: "Cache hit rate", num: true, render: (n) => pctFmt(cache[n]?.hit_rate) },
+    ], affinity, { caption: "Since this replica started. Cache hit rate: the prompt tokens the replicas report they read from their prefix caches; what the policy achieves (sent to the preferred replica only says the policy was followed)." })
+      : empty("No prefix_affinity route has had traffic on this replica yet."),
+    h("h2", {}, "Models as routed"),
+    models.length ? table([
+      { label: "Backend / model", render: ([k]) => k },
+      { label: "Requests", num: true, render: ([, m]) => intFmt(m.samples) },
+      { label: "TTFT (mean)", num: true, render: ([, m]) => seconds(m.ttft_s) },
+      { label: "TTFT (p95)", num: true, render: ([, m]) => seconds(m.p95_ttft_s) },
+      { label: "Tokens/s", num: true, render: ([, m]) => (m.tokens_per_s == null ? "—" : Number(m.tokens_per_s).toFixed(1)) },
+      { label: "Prompt cache share", num: true, render: ([, m]) => pctFmt(m.cache_hit_rate) },
+    ], models, { caption: "Moving averages of successful requests on this replica: what lowest_latency and cheapest read." })
+      : empty("No model has answered a request on this replica yet."),
+  ];
+}
+
 async function routes(params) {
   let data;
   try { data = await api("routes"); } catch (e) {
@@ -494,6 +526,7 @@ async function routes(params) {
     h("h2", {}, "Circuit breakers"),
     breakers.length ? table([{ label: "Backend / model", render: ([k]) => k }, { label: "State", render: ([, v]) => h("span", { class: v === "closed" ? "ok" : "bad" }, v) }], breakers)
       : empty("No breaker has seen traffic yet."),
+    ...routedStatus(status),
     h("p", { class: "muted" }, "Every response carries x-weir-route, and the Requests page shows each attempt."),
     h("h2", {}, "History"),
     audit.data.length ? table([

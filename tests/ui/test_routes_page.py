@@ -95,3 +95,58 @@ def test_edit_a_route_and_the_next_request_follows(routed: Weir, browser: Any, s
     assert card.inner_text().startswith("$0.0000")
     page.screenshot(path=shots / "10-overview-routing.png", full_page=True)
     page.close()
+
+
+def test_the_routes_page_shows_what_prefix_affinity_achieves(routed: Weir, browser: Any, shots: Path) -> None:
+    """Two questions about one long document on a prefix_affinity route: the second goes where the
+    first did and the upstream reads the document from its prompt cache; the page shows the hit rate
+    the route achieved and each model's observed speed, as routes/status reports them."""
+    created = routed.admin.post(
+        "/routes",
+        json={
+            "name": "docs",
+            "policy": "prefix_affinity",
+            "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
+        },
+    )
+    assert created.status_code == 201, created.text
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-team-key", max_retries=0, timeout=20)
+    document = " ".join(f"fact{i}" for i in range(1300))
+    for question in ("What is fact 7?", "What is fact 1200?"):
+        client.chat.completions.create(
+            model="docs",
+            messages=[{"role": "system", "content": document}, {"role": "user", "content": question}],
+            max_tokens=10,
+        )
+    deadline = time.monotonic() + 10  # the usage events reach the routing stats off the request's path
+    while (status := routed.admin.get("/routes/status").json())["prefix_affinity_cache"].get("docs", {}).get(
+        "cached_tokens", 0
+    ) == 0:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.1)
+    cache = status["prefix_affinity_cache"]["docs"]
+    assert cache["cached_tokens"] >= 1024 and status["prefix_affinity_hit_rate"]["docs"] == 1.0
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(f"{routed.url}/admin/#/routes")
+    page.get_by_label("Admin token", exact=True).fill(ADMIN)
+    page.get_by_role("button", name="Sign in with token").click()
+    affinity = page.locator("table", has=page.locator("caption", has_text="prefix caches"))
+    affinity.wait_for()
+    cells = affinity.locator("tbody tr", has_text="docs").locator("td").all_inner_texts()
+    assert cells == [
+        "docs",
+        "100.0%",
+        f"{cache['prompt_tokens']:,}",
+        f"{cache['cached_tokens']:,}",
+        f"{cache['hit_rate'] * 100:.1f}%",
+    ]
+    models = page.locator(
+        "table", has=page.locator("caption", has_text="what lowest_latency and cheapest read")
+    )
+    served = [m for m in status["models"] if status["models"][m]["samples"] == 2]
+    assert len(served) == 1  # both questions went to one model
+    row = models.locator("tbody tr", has_text=served[0]).locator("td").all_inner_texts()
+    assert row[0] == served[0] and row[1] == "2"
+    page.screenshot(path=shots / "11-routes-affinity.png", full_page=True)
+    page.close()
