@@ -230,7 +230,7 @@ async def prefix_affinity(
     ends = sorted({*cuts(len(prompt)), len(prompt), *([history] if history else [])} - {0})
     keys = prefix_keys(route.name, prompt, ends)
     by, share = "prefix", 0.0
-    found = await ctx.prefixes.longest(keys)
+    found = await ctx.prefixes.longest(keys, touch=record)
     if found is not None:
         end, went = ends[found[0]], found[1]
         conversation = history is not None and end >= history

@@ -53,6 +53,7 @@ async def test_the_longest_remembered_prefix_wins_and_the_process_keeps_the_most
     memory.remember([a, b], "r1")
     memory.remember([c], "r2")
     assert await memory.longest([a, b, d]) == (1, "r1")
+    assert await memory.longest([c], touch=False) == (0, "r2")  # a preview: c stays the oldest
     assert await memory.longest([a, d]) == (0, "r1")  # found: a and b are now the most recent
     memory.remember([d], "r3")  # evicts c, the least recently used
     assert await memory.longest([c]) is None and await memory.longest([c, d]) == (1, "r3")
