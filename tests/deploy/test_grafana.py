@@ -93,7 +93,12 @@ def test_gateway_and_engine_sections(dashboard: dict[str, Any]) -> None:
             for target in panel["targets"]:
                 sections[current] |= selected_metrics(as_promql(target["expr"]))
     assert set(sections) == {"Gateway", "Engine", "Routing"}
-    assert {"weir_route_attempts_total", "weir_route_head_ranking_auc"} <= sections["Routing"]
+    assert {
+        "weir_route_attempts_total",
+        "weir_route_head_ranking_auc",
+        "weir_prefix_affinity_prompt_tokens_total",
+        "weir_prefix_affinity_requests_total",
+    } <= sections["Routing"]
     engine = {m for m in sections["Engine"] if m != "up"}
     assert engine and all(m.startswith("weir_engine_") for m in engine)
     assert {
