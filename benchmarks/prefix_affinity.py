@@ -2,12 +2,15 @@
 with the same traffic spread at random and with all of it on one replica, in one run.
 
     .venv/bin/python benchmarks/prefix_affinity.py [--replicas 3] [--model smollm2-135m]
+        [--gateways 2 [--redis-url redis://127.0.0.1:6379/0]]
 
 Starts `--replicas` bundled engines (`weir engine serve`, one thread each, prefix caching on) and a
 gateway in front of them with two routes over the same replicas: `affinity` (policy
 `prefix_affinity`) and `spread` (`weighted`, equal weights: what a load balancer without affinity
 does). Each workload runs once per route on text of its own (so no route finds another's prefixes in
 the caches), and once on a single replica, whose hit rate is the most any placement could reach.
+With `--gateways N` the requests go to N gateway replicas in turn, as behind a load balancer; with
+`--redis-url` they share what they remember of where prefixes went (routing/prefixes.py).
 
 Workloads (deterministic pseudo-text; chars, not tokens):
 - conversations: multi-turn chats, each with its own system prompt; every turn sends the whole
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import os
 import random
 import signal
@@ -54,6 +59,7 @@ VOCABULARY = (
     "measure sample pressure surface region history evidence theory feature package service request"
 )
 WORDS = VOCABULARY.split()
+API_KEY = "sk-weir-bench-prefix-affinity"
 
 
 def text(rng: random.Random, chars: int) -> str:
@@ -91,11 +97,27 @@ class Outcome:
         return self.cached_tokens / max(1, self.prompt_tokens)
 
 
-async def ask(
-    client: openai.AsyncOpenAI, model: str, messages: list[dict[str, str]], outcome: Outcome
-) -> str:
+class Gateways:
+    """The gateway replicas' clients, taken in turn: a load balancer in front of them."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.clients = [
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+            for url in urls
+        ]
+        self.turn = itertools.count()
+
+    def next(self) -> openai.AsyncOpenAI:
+        return self.clients[next(self.turn) % len(self.clients)]
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+
+async def ask(client: Gateways, model: str, messages: list[dict[str, str]], outcome: Outcome) -> str:
     started = time.monotonic()
-    raw = await client.chat.completions.with_raw_response.create(
+    raw = await client.next().chat.completions.with_raw_response.create(
         model=model,
         messages=messages,
         max_tokens=16,
@@ -117,7 +139,7 @@ async def gather_limited(jobs: list, concurrency: int) -> list:
 
 
 async def conversations(
-    client: openai.AsyncOpenAI, model: str, seed: int, count: int, turns: int, concurrency: int
+    client: Gateways, model: str, seed: int, count: int, turns: int, concurrency: int
 ) -> Outcome:
     rng = random.Random(seed)
     outcome = Outcome()
@@ -136,7 +158,7 @@ async def conversations(
 
 
 async def documents(
-    client: openai.AsyncOpenAI,
+    client: Gateways,
     model: str,
     seed: int,
     count: int,
@@ -158,7 +180,7 @@ async def documents(
 
 
 async def hot_document(
-    client: openai.AsyncOpenAI, model: str, seed: int, questions: int, chars: int, concurrency: int
+    client: Gateways, model: str, seed: int, questions: int, chars: int, concurrency: int
 ) -> Outcome:
     """One document everybody asks about at once: its prefix hashes to one replica, whose queue grows
     while the others idle, unless the route moves requests off it when it is overloaded."""
@@ -222,7 +244,7 @@ def start_engines(
     return procs
 
 
-def gateway_config(ports: list[int], prefix_chars: int) -> str:
+def gateway_config(ports: list[int], prefix_chars: int, state: str = "") -> str:
     # type engine: the gateway asks each replica for its load report (routing/load.py)
     backends = "\n".join(
         f"  - {{name: e{i}, type: engine, base_url: 'http://127.0.0.1:{p}/v1', api_key: unused}}"
@@ -233,6 +255,9 @@ def gateway_config(ports: list[int], prefix_chars: int) -> str:
     blind = ", ".join(f"{{model: r{i}}}" for i in range(len(ports)))
     reported = ", ".join(f"{{model: r{i}, max_waiting: 1}}" for i in range(len(ports)))
     return f"""\
+{state}
+tenants:
+  - {{name: bench, api_keys: ["{API_KEY}"]}}
 backends:
 {backends}
 models:
@@ -248,8 +273,8 @@ routes:
 """
 
 
-async def run_all(url: str, args: argparse.Namespace) -> dict[str, dict[str, Outcome]]:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+async def run_all(urls: list[str], args: argparse.Namespace) -> dict[str, dict[str, Outcome]]:
+    client = Gateways(urls)
     results: dict[str, dict[str, Outcome]] = {}
     workloads = {
         "conversations": lambda route, seed: conversations(
@@ -300,6 +325,15 @@ def main() -> None:
     parser.add_argument("--hot-questions", type=int, default=24)
     parser.add_argument("--hot-concurrency", type=int, default=6)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="per engine (default: the engine's)")
+    parser.add_argument(
+        "--gateways", type=int, default=1, help="gateway replicas, each request to the next in turn"
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="shared state for the gateway replicas (each with an admin DB of its own), so each finds "
+        "where the others sent a prefix; without it each remembers only its own requests",
+    )
     args = parser.parse_args()
 
     configure_logging("warning")  # one line per request would bury the table
@@ -307,16 +341,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="weir-affinity-") as logs:
         procs = start_engines(args.model, ports, logs, args.max_num_seqs)
         try:
-            app = create_app(parse_config(gateway_config(ports, args.prefix_chars), {}))
-            with serve(app, free_port()) as url:
-                results = asyncio.run(run_all(url, args))
+            with contextlib.ExitStack() as stack:
+                urls = []
+                for i in range(args.gateways):
+                    state = ""
+                    if args.redis_url:  # the shared state comes with the control plane (an admin DB)
+                        os.environ["WEIR_REDIS_PREFIX"] = f"bench-affinity-{os.getpid()}:"
+                        state = f"database_url: sqlite+aiosqlite:///{logs}/gateway-{i}.db\nredis_url: {args.redis_url}"
+                    app = create_app(parse_config(gateway_config(ports, args.prefix_chars, state), {}))
+                    urls.append(stack.enter_context(serve(app, free_port())))
+                results = asyncio.run(run_all(urls, args))
         finally:
             for proc in procs:
                 os.killpg(proc.pid, signal.SIGTERM)
             for proc in procs:
                 proc.wait(30)
 
-    print(f"{args.replicas} replicas of {args.model}, prefix_chars {args.prefix_chars}")
+    shared = f", shared state {args.redis_url}" if args.redis_url else ""
+    print(
+        f"{args.replicas} replicas of {args.model}, prefix_chars {args.prefix_chars}, "
+        f"{args.gateways} gateway replica(s){shared}"
+    )
     print(
         "| workload | placement | requests | prompt tokens | cached | hit rate | of one replica's "
         "| gateway affinity hits | latency p50 / mean / max (s) |"
