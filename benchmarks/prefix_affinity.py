@@ -341,12 +341,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="weir-affinity-") as logs:
         procs = start_engines(args.model, ports, logs, args.max_num_seqs)
         try:
+            if args.redis_url:  # keys of their own: nothing left from an earlier run is found
+                os.environ["WEIR_REDIS_PREFIX"] = f"bench-affinity-{os.getpid()}:"
             with contextlib.ExitStack() as stack:
                 urls = []
                 for i in range(args.gateways):
                     state = ""
                     if args.redis_url:  # the shared state comes with the control plane (an admin DB)
-                        os.environ["WEIR_REDIS_PREFIX"] = f"bench-affinity-{os.getpid()}:"
                         state = f"database_url: sqlite+aiosqlite:///{logs}/gateway-{i}.db\nredis_url: {args.redis_url}"
                     app = create_app(parse_config(gateway_config(ports, args.prefix_chars, state), {}))
                     urls.append(stack.enter_context(serve(app, free_port())))

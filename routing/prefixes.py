@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -105,7 +106,7 @@ class PrefixIndex:
                 stale[PREFIX + key.hex()] = replica.encode()
                 entry = (replica, now)
             elif entry is None or entry[0] != replica:
-                entry = (replica, -self.ttl_s)  # not written: due as soon as the state is reachable
+                entry = (replica, -math.inf)  # never written: due once the state is reachable
             self.recent[key] = entry
             self.recent.move_to_end(key)
         while len(self.recent) > self.capacity:
