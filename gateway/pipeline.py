@@ -135,6 +135,9 @@ class Pipeline:
             if 0 < status < 400:  # answered, then broke: the attempt failed as the client saw it
                 status = exc.status
             raise
+        except asyncio.CancelledError:
+            failure, status = "cancelled", 499  # a hedge that lost, or a client that left
+            raise
         finally:
             await self._record(
                 call, target, attempt, started_at, t0, usage, status, failure, ttft=None, stream=False

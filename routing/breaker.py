@@ -31,6 +31,7 @@ class CircuitBreaker:
     failures: int = 0
     opened_at: float = 0.0
     trial_in_flight: bool = False
+    trial_started: float = 0.0  # monotonic time the half-open trial in flight was let through
     # Opened because health probes could not reach the backend: a probe that reaches it again may
     # half-open it early. Openings for bad answers wait out the cooldown (a probe cannot see those).
     by_probe: bool = False
@@ -42,13 +43,18 @@ class CircuitBreaker:
                 self.state, self.trial_in_flight = State.HALF_OPEN, False
         return self.state
 
-    def allow(self) -> bool:
-        """May a request go there now? Half-open lets exactly one trial through at a time."""
-        state = self.current()
+    def allow(self, now: float | None = None) -> bool:
+        """May a request go there now? Half-open lets exactly one trial through at a time. A trial
+        that has not reported back within a cooldown (a stream its client left: neither success nor
+        failure) no longer holds the breaker: the next request becomes the trial."""
+        now = time.monotonic() if now is None else now
+        state = self.current(now)
         if state is State.CLOSED:
             return True
-        if state is State.HALF_OPEN and not self.trial_in_flight:
-            self.trial_in_flight = True
+        if state is State.HALF_OPEN and (
+            not self.trial_in_flight or now - self.trial_started >= self.settings.cooldown
+        ):
+            self.trial_in_flight, self.trial_started = True, now
             return True
         return False
 

@@ -4,7 +4,8 @@ and mid-stream resumption, over `gateway.pipeline.Pipeline` (one attempt, one us
 What an attempt sends is an `Operation`: a chat (`chat_op`), or any other call the API builds per
 candidate (completions, embeddings), so every endpoint gets the same retries, fallbacks, breakers and
 hedging. Non-streaming calls return the parsed response; streams return an iterator of chunk batches
-whose first batch has already arrived, so a failure before the first token fails over invisibly.
+whose first output (not just a role announcement) has already arrived, so a failure before the first
+token fails over invisibly.
 Only chat streams resume mid-way on another candidate (`Executor.chat`); other streams (`Executor.run`)
 end with the error when they break after their first token.
 """
@@ -12,9 +13,11 @@ end with the error when they break after their first token.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import email.utils
 import math
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,14 +61,28 @@ def _unhealthy(exc: GatewayError) -> bool:
 
 
 def retry_after(exc: GatewayError) -> float | None:
-    headers = {k.lower(): v for k, v in exc.headers.items()}
-    try:
-        if "retry-after-ms" in headers:
-            return float(headers["retry-after-ms"]) / 1000
-        if "retry-after" in headers:
-            return float(headers["retry-after"])
-    except ValueError:
-        return None  # an HTTP date: rare from these vendors; fall back to our own backoff
+    """Seconds the backend asked us to wait: `retry-after-ms` (OpenAI), else `retry-after` in seconds
+    or as an HTTP date. None when it sent neither or nothing usable (not a number, negative, NaN):
+    then our own backoff applies."""
+    headers = {k.lower(): v.strip() for k, v in exc.headers.items()}
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        if name not in headers:
+            continue
+        try:
+            wait = float(headers[name]) / scale
+        except ValueError:
+            if name == "retry-after-ms":
+                continue
+            try:
+                when = email.utils.parsedate_to_datetime(headers[name])
+            except (TypeError, ValueError, IndexError):
+                continue
+            if when.tzinfo is None:  # an HTTP date is always GMT
+                when = when.replace(tzinfo=dt.UTC)
+            wait = max(0.0, (when - dt.datetime.now(dt.UTC)).total_seconds())
+        if math.isnan(wait) or wait < 0:
+            continue
+        return wait
     return None
 
 
@@ -169,7 +186,7 @@ class Executor:
     async def _attempt(
         self, call: Call, plan: Plan, choice: Choice, op: Operation, charge: Charge | None = None
     ) -> Any:
-        """One upstream attempt: the parsed response, or a stream iterator past its first batch.
+        """One upstream attempt: the parsed response, or a stream iterator past its first output.
         `charge` is settled with the attempt's cost once its usage event prices it."""
         target = choice.target
         model = choice.candidate.model
@@ -186,17 +203,17 @@ class Executor:
         handed_over = False
         try:
             if op.stream:
-                opening = self.pipeline.stream(call, target, upstream, reader, attempt=number)
+                opening = _first_output(self.pipeline.stream(call, target, upstream, reader, attempt=number))
                 timeout = plan.route.ttft_timeout
                 try:
-                    batches = await asyncio.wait_for(opening, timeout) if timeout else await opening
+                    held, batches = await asyncio.wait_for(opening, timeout) if timeout else await opening
                 except TimeoutError:
                     raise GatewayTimeout(
                         f"{target.backend.name} sent no first token within {timeout:g} s"
                     ) from None
                 handed_over = True
                 self._note(plan, model, "ok")
-                return self._track(batches, model)
+                return self._track(batches, model, held)
             result = await self.pipeline.exchange(call, target, upstream, reader, attempt=number)
             self._note(plan, model, "ok")
             if plan.route.breaker is not None:
@@ -221,8 +238,8 @@ class Executor:
             if not handed_over:
                 in_flight[model] -= 1
 
-    def _track(self, batches: Batches, model: str) -> Tracked:
-        return Tracked(batches, lambda: self._release(model))
+    def _track(self, batches: Batches, model: str, held: list[list[Any]]) -> Tracked:
+        return Tracked(batches, lambda: self._release(model), held)
 
     def _release(self, model: str) -> None:
         self.context.in_flight[model] -= 1
@@ -271,9 +288,11 @@ class Executor:
                     if breaker is not None and not breaker.allow():
                         break
         if last is None:
+            # Whole seconds, rounded up: a sub-second cooldown must not read "retry at once".
+            cooldown = math.ceil(route.breaker.cooldown) if route.breaker else 1
             last = BackendUnavailable(
                 f"Every backend of `{route.name}` is unavailable (circuit breakers open); retry later.",
-                headers={"retry-after": str(int(route.breaker.cooldown if route.breaker else 1))},
+                headers={"retry-after": str(max(1, cooldown))},
             )
         raise last
 
@@ -336,11 +355,13 @@ class Executor:
         owners = {first: primary, second: partner}
         pending = {first, second}
         error: BaseException | None = None
+        winner: asyncio.Future[Any] | None = None
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if task.exception() is None:
+                        winner = task
                         plan.chosen = owners[task]
                         plan.note = (plan.note + "; " if plan.note else "") + (
                             f"hedged={partner.candidate.model}"
@@ -353,8 +374,10 @@ class Executor:
             for task in pending:
                 task.cancel()
             # A loser that answered anyway holds an open upstream stream: close it (its usage event
-            # records what it cost); a failed or cancelled one already has its event.
-            for loser in await asyncio.gather(*pending, return_exceptions=True):
+            # records what it cost); a failed or cancelled one already has its event. Both may have
+            # answered by the time the race is looked at: the one not taken is a loser too.
+            losers = [task for task in owners if task is not winner]
+            for loser in await asyncio.gather(*losers, return_exceptions=True):
                 if hasattr(loser, "aclose"):
                     await loser.aclose()
             if second.cancelled():  # perhaps before it started: then it sent nothing and cost nothing
@@ -380,19 +403,29 @@ class Executor:
     async def _to_end(self, plan: Plan, batches: Batches) -> Batches:
         choice = plan.chosen
         breaker = plan.route.breaker is not None and choice is not None
+        judged = False  # the stream said something about its backend: it ended, or broke
         try:
             async for batch in batches:
                 yield batch
+            judged = True
             if breaker:
                 await self.breakers.success(self._key(choice))  # type: ignore[arg-type]
         except GatewayError as exc:
+            judged = True
             if choice is not None:
                 self._note(plan, choice.candidate.model, "cut")
                 if breaker and _unhealthy(exc):
                     await self.breakers.failure(self._key(choice))
             raise
         finally:
+            if breaker and not judged:
+                self._unjudged(choice)  # type: ignore[arg-type]
             await batches.aclose()  # type: ignore[attr-defined]
+
+    def _unjudged(self, choice: Choice) -> None:
+        """The client left mid-stream: a half-open trial that said nothing about its backend lets the
+        next request be the trial now, not one cooldown later."""
+        self.breakers.get(self._key(choice)).release()
 
     async def _resuming(
         self, call: Call, plan: Plan, request: ChatRequest, feats: Features, batches: Batches
@@ -404,25 +437,33 @@ class Executor:
         failed: set[str] = set()
         stream_id: str | None = None
         tool_calls = False
+        finished = False  # the answer ended (a finish reason was sent): nothing is left to continue
         resumed = False
+        owed = ""  # whitespace the client has that the continuation's prefill left out
+        judged = False  # the current attempt's stream said something about its backend
         try:
             while True:
-                choice = plan.chosen
+                choice, judged = plan.chosen, False
                 try:
                     async for batch in batches:
                         if resumed:
                             batch = [_continued(chunk, stream_id) for chunk in batch]
+                            if owed:
+                                batch, owed = _without_repeat(batch, owed)
                         for chunk in batch:
                             stream_id = stream_id or chunk.id
                             for c in chunk.choices:
                                 if c.delta.content:
                                     sent.append(c.delta.content)
                                 tool_calls = tool_calls or bool(c.delta.tool_calls)
+                                finished = finished or c.finish_reason is not None
                         yield batch
+                    judged = True
                     if choice is not None and plan.route.breaker is not None:
                         await self.breakers.success(self._key(choice))
                     return
                 except GatewayError as exc:
+                    judged = True
                     if choice is not None:
                         failed.add(choice.candidate.model)
                         self._note(plan, choice.candidate.model, "cut")
@@ -431,11 +472,19 @@ class Executor:
                     if (
                         not plan.route.resume
                         or tool_calls
+                        or finished
                         or not _resumable(request)
                         or not fails_over(plan.route, exc)
                     ):
                         raise
-                    messages = [*request.messages, Message(role="assistant", content="".join(sent))]
+                    # The prefill without trailing whitespace: Anthropic refuses one that ends in
+                    # whitespace, and other models tokenize it badly. Nothing sent yet (the break
+                    # came during reasoning): ask again, without an empty assistant turn.
+                    text = "".join(sent)
+                    prefill = text.rstrip()
+                    owed = text[len(prefill) :]
+                    prefilled = [Message(role="assistant", content=prefill)] if prefill else []
+                    messages = [*request.messages, *prefilled]
                     continued = msgspec.structs.replace(request, messages=messages)
                     continued = _shorter(continued, len(sent))
                     try:
@@ -447,21 +496,63 @@ class Executor:
                     resumed = True
         finally:
             # The stream ended, broke for good, or the client left: the current upstream is closed.
+            if not judged and plan.chosen is not None and plan.route.breaker is not None:
+                self._unjudged(plan.chosen)
+            call.info.route = plan.header()  # the request's log line: every attempt, the cut ones too
             await batches.aclose()  # type: ignore[attr-defined]
+
+
+async def _first_output(opening: Awaitable[Batches]) -> tuple[list[list[Any]], Batches]:
+    """Open a stream and read it up to its first output (text, a tool call, reasoning, a finish, the
+    usage report), not only the role some vendors announce first: Anthropic's message_start, say,
+    comes before the model generated anything. Until then a failure is one before the first token:
+    the attempt fails, and the next one is tried as if this one had never started (the client has
+    seen nothing yet, and gets an HTTP error if every candidate fails). The batches read, and the rest."""
+    batches = await opening
+    held: list[list[Any]] = []
+    try:
+        while not (held and any(_output(chunk) for chunk in held[-1])):
+            try:
+                held.append(await anext(batches))
+            except StopAsyncIteration:
+                break
+    except BaseException:
+        await batches.aclose()  # type: ignore[attr-defined]
+        raise
+    return held, batches
+
+
+def _output(chunk: Any) -> bool:
+    """Whether a chunk is more than the role announcement (any other reader's chunk counts)."""
+    if not isinstance(chunk, ChatChunk) or chunk.usage is not None:
+        return True
+    for choice in chunk.choices:
+        delta = choice.delta
+        if choice.finish_reason or delta.content or delta.tool_calls or delta.refusal:
+            return True
+        if delta.reasoning_content or delta.reasoning_signature or delta.redacted_reasoning is not None:
+            return True
+    return False
 
 
 class Tracked:
     """An attempt's stream of batches that frees its in-flight slot and closes the upstream exactly
-    once: when it ends, fails, or is closed (even if it was never iterated, e.g. a losing hedge)."""
+    once: when it ends, fails, or is closed (even if it was never iterated, e.g. a losing hedge).
+    `held`: the batches already read from it (up to its first output), given out first."""
 
-    def __init__(self, batches: Batches, release: Callable[[], None]) -> None:
+    def __init__(
+        self, batches: Batches, release: Callable[[], None], held: list[list[Any]] | None = None
+    ) -> None:
         self.batches = batches
         self.release: Callable[[], None] | None = release
+        self.held = list(held or ())
 
     def __aiter__(self) -> Tracked:
         return self
 
     async def __anext__(self) -> list[ChatChunk]:
+        if self.held:
+            return self.held.pop(0)
         try:
             return await anext(self.batches)
         except BaseException:
@@ -469,6 +560,7 @@ class Tracked:
             raise
 
     async def aclose(self) -> None:
+        self.held = []
         release, self.release = self.release, None
         if release is not None:
             release()
@@ -492,6 +584,26 @@ def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:
         for c in chunk.choices
     ]
     return msgspec.structs.replace(chunk, id=stream_id or chunk.id, choices=choices, raw=None)
+
+
+def _without_repeat(batch: list[ChatChunk], owed: str) -> tuple[list[ChatChunk], str]:
+    """The continuation's first text without the whitespace the client already has (left out of the
+    prefill, so the model writes it again); what is still owed after this batch."""
+    out = []
+    for chunk in batch:
+        choice = chunk.choices[0] if chunk.choices else None
+        text = choice.delta.content if choice is not None else None
+        if owed and choice is not None and text:
+            n = 0  # the length of what the two start with alike
+            while n < min(len(owed), len(text)) and owed[n] == text[n]:
+                n += 1
+            owed = owed[n:] if n == len(text) else ""
+            delta = msgspec.structs.replace(choice.delta, content=text[n:] or None)
+            chunk = msgspec.structs.replace(
+                chunk, choices=[msgspec.structs.replace(choice, delta=delta), *chunk.choices[1:]]
+            )
+        out.append(chunk)
+    return out, owed
 
 
 def _shorter(request: ChatRequest, chunks_sent: int) -> ChatRequest:

@@ -315,6 +315,8 @@ class FakeAnthropic(FakeServer):
                 turn.tool_result = (name, _text_of(results[-1].get("content")))
         elif not any(b.get("type") == "tool_use" for b in blocks):
             turn.prefill = _text_of(blocks)  # Anthropic continues a trailing assistant message
+            if turn.prefill != turn.prefill.rstrip():
+                raise Invalid(400, "messages: final assistant content cannot end with trailing whitespace")
             asked = next((m for m in reversed(messages) if m.get("role") == "user"), {})
             asked_blocks = asked.get("content")
             turn.last_user_text = _text_of(asked_blocks)
@@ -339,9 +341,10 @@ class FakeAnthropic(FakeServer):
         try:
             body = self._body(request)
             blocks, tool_names = self._prompt_blocks(body)
+            turn = self._turn(body, tool_names)
         except Invalid as exc:
             return self.error_response(exc.status, exc.message)
-        reply = self.reply_to(body.get("model"), self._turn(body, tool_names))
+        reply = self.reply_to(body.get("model"), turn)
         big = huge_text(request)
         if big is not None:
             reply = Reply(text=big)

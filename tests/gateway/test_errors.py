@@ -237,7 +237,7 @@ def test_stream_error_before_the_first_token_is_an_http_error(
 
 
 @pytest.mark.parametrize(
-    "fault", [Fault.cut_stream(after=2), Fault.stream_error(after=2)], ids=["cut", "error-event"]
+    "fault", [Fault.cut_stream(after=4), Fault.stream_error(after=4)], ids=["cut", "error-event"]
 )
 @pytest.mark.parametrize(
     ("model", "fake_name"),

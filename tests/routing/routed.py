@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -61,3 +62,15 @@ def counted_micro_usd(cap: SpendCap, tenant: str, expected: int, tolerance: int)
     key = cap.key(tenant)
     fits = state.admit_now([Limit(key, expected + tolerance, 0, window_s=3600)]).allowed
     return fits and not state.admit_now([Limit(key, expected - tolerance - 1, 0, window_s=3600)]).allowed
+
+
+def ledger(gateway: RunningGateway) -> list[tuple[str, int]]:
+    """(backend, status) of every attempt's usage event, in attempt order."""
+    return [(e.backend, e.status) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
+
+
+def settled(gateway: RunningGateway, count: int) -> None:
+    """Usage events of a cancelled, cut or closed attempt are recorded as it unwinds: wait for them."""
+    deadline = time.monotonic() + 5
+    while len(gateway.sink.events) < count and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -15,7 +15,7 @@ import pytest
 from gateway.state import MemoryState
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import counted_micro_usd, route_header, routed_gateway, runtime
+from tests.routing.routed import counted_micro_usd, ledger, route_header, routed_gateway, runtime, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -46,17 +46,6 @@ def gateway(
     runtime(_routed).router.breakers.breakers.clear()
     _routed.sink.events.clear()
     return _routed
-
-
-def ledger(gateway: RunningGateway) -> list[tuple[str, int]]:
-    return [(e.backend, e.status) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
-
-
-def settled(gateway: RunningGateway, count: int) -> None:
-    """Usage events of a cancelled or closed attempt are recorded as it unwinds: wait for them."""
-    deadline = time.monotonic() + 5
-    while len(gateway.sink.events) < count and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def chat(gateway: RunningGateway, model: str, **kwargs: object) -> tuple[str, dict[str, str]]:

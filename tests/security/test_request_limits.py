@@ -131,7 +131,7 @@ def test_concurrent_streams_are_limited_and_always_released(
     failed = httpx.post(f"{url}/v1/chat/completions", json=body(), headers=auth("sk-acme"))
     assert failed.status_code >= 500
     fake_openai.reset()
-    fake_openai.fail_next(Fault.stream_error(after=1))
+    fake_openai.fail_next(Fault.stream_error(after=2))
     broken = httpx.post(f"{url}/v1/chat/completions", json=body(), headers=auth("sk-acme"))
     assert broken.status_code == 200 and '"error"' in broken.text
     # One finished normally as well.

@@ -1,0 +1,469 @@
+"""Retries, breakers and hedging at their edges, through a real gateway with the official SDK as client.
+
+The fake vendors send `retry-after` only as whole seconds; a scripted backend (tests/reliability
+raw_backend.py) sends what they cannot: an HTTP date, `retry-after-ms`, a value that is not a number.
+For each case: what the client sees, which backends were tried (x-weir-route, the backends' request
+counts) and what the ledger holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.config import parse_config
+from gateway.errors import UpstreamError
+from gateway.state import MemoryState
+from gateway.state.degradable import DegradableState
+from gateway.state.redis import RedisState
+from routing.breaker import Breakers, State
+from routing.execute import retry_after
+from routing.routes import Breaker as BreakerSettings
+from tests.control.helpers import TcpProxy
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
+from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
+from tests.routing.routed import FAST, ROUTES, ledger, route_header, routed_config_text, runtime, settled
+
+HI = [{"role": "user", "content": "one two three four five six"}]
+ECHO = "one two three four five six"
+
+RAW_BACKEND = """\
+  - {name: raw, type: openai, base_url: "${RAW_URL}", api_key: unused}
+"""
+RAW_MODEL = """\
+  - {name: raw-model, backend: raw, model: gpt-4o-mini, price: {input: 0.15, output: 0.60}}
+"""
+EXTRA_ROUTES = f"""\
+  - {{name: raw-first, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: raw-hedged, hedge: {{delay: 0.15}}, candidates: [{{model: raw-model}}, {{model: deepseek-chat}}], {FAST}}}
+  - {{name: hedged-tight, hedge: {{delay: 0.1, max_spend_usd_per_hour: 0.035}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: gpt5-first, candidates: [{{model: gpt-5}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: hedge-slow-ttft, ttft_timeout: 0.4, hedge: {{delay: 1.2}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+"""
+OK_BODY = (
+    b'{"id": "chatcmpl-raw", "object": "chat.completion", "created": 0, "model": "gpt-4o-mini",'
+    b' "choices": [{"index": 0, "message": {"role": "assistant", "content": "raw answer"},'
+    b' "finish_reason": "stop"}], "usage": {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}}'
+)
+RATE_LIMITED = b'{"error": {"message": "slow down", "type": "rate_limit_error", "code": null}}'
+
+
+class Script:
+    """What the raw backend answers: `answers[i]` for its i-th request (the last one from then on)."""
+
+    def __init__(self) -> None:
+        self.answers: list[bytes] = [http_head() + OK_BODY]
+        self.calls = 0
+        self.delay = 0.0  # before each answer
+        self.lock = threading.Lock()
+
+    def __call__(self, send: Send, sleep: Sleep) -> None:
+        with self.lock:
+            answer = self.answers[min(self.calls, len(self.answers) - 1)]
+            self.calls += 1
+        sleep(self.delay)
+        send(answer)
+
+
+def limited(headers: str) -> bytes:
+    return http_head(429, extra=headers) + RATE_LIMITED
+
+
+@pytest.fixture(scope="module")
+def _raw() -> Iterator[tuple[RawBackend, Script]]:
+    script = Script()
+    with RawBackend(script) as backend:
+        yield backend, script
+
+
+@pytest.fixture(scope="module")
+def _routed(
+    _raw: tuple[RawBackend, Script],
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    text = routed_config_text(ROUTES + EXTRA_ROUTES)
+    text = text.replace("backends:\n", "backends:\n" + RAW_BACKEND, 1).replace(
+        "models:", "models:\n" + RAW_MODEL.rstrip("\n"), 1
+    )
+    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    env["RAW_URL"] = _raw[0].url
+    with running_gateway(parse_config(text, env)) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def raw(_raw: tuple[RawBackend, Script]) -> Script:
+    script = _raw[1]
+    script.answers, script.calls, script.delay = [http_head() + OK_BODY], 0, 0.0
+    return script
+
+
+@pytest.fixture
+def gateway(
+    _routed: RunningGateway,
+    raw: Script,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    fake_deepseek: FakeOpenAI,
+) -> RunningGateway:
+    """The gateway with fresh fakes, closed breakers and an empty ledger."""
+    runtime(_routed).router.breakers.breakers.clear()
+    _routed.sink.events.clear()
+    return _routed
+
+
+def chat(
+    gateway: RunningGateway, model: str, timeout: float = 20, **kwargs: Any
+) -> tuple[str, dict[str, str]]:
+    client = openai.OpenAI(
+        base_url=f"{gateway.url}/v1", api_key=gateway.openai().api_key, max_retries=0, timeout=timeout
+    )
+    raw = client.chat.completions.with_raw_response.create(model=model, messages=HI, **kwargs)  # type: ignore[arg-type]
+    return raw.parse().choices[0].message.content or "", route_header(raw)
+
+
+# --- retry-after ------------------------------------------------------------------------------------
+
+
+def test_an_http_date_retry_after_beyond_max_retry_after_fails_over_at_once(
+    gateway: RunningGateway, raw: Script
+) -> None:
+    later = email.utils.formatdate(time.time() + 60, usegmt=True)
+    raw.answers = [limited(f"retry-after: {later}\r\n")]
+    text, route = chat(gateway, "raw-first")
+    assert text == ECHO and route["tried"] == "raw-model:429,claude-sonnet:ok"
+    assert raw.calls == 1  # told to wait a minute: not asked again a moment later
+    assert ledger(gateway) == [("raw", 429), ("anthropic", 200)]
+
+
+def test_a_retry_after_that_is_not_a_number_never_hangs_the_request(
+    gateway: RunningGateway, raw: Script
+) -> None:
+    raw.answers = [limited("retry-after: NaN\r\n"), http_head() + OK_BODY]
+    started = time.monotonic()
+    text, route = chat(gateway, "raw-first", timeout=5)
+    assert text == "raw answer" and route["tried"] == "raw-model:429,raw-model:ok"
+    assert time.monotonic() - started < 3
+    assert ledger(gateway) == [("raw", 429), ("raw", 200)]
+
+
+def test_retry_after_ms_is_honoured_before_retry_after(gateway: RunningGateway, raw: Script) -> None:
+    """OpenAI sends both; the milliseconds are the precise one."""
+    raw.answers = [limited("retry-after-ms: 300\r\nretry-after: 30\r\n"), http_head() + OK_BODY]
+    started = time.monotonic()
+    text, route = chat(gateway, "raw-first")
+    waited = time.monotonic() - started
+    assert text == "raw answer" and route["tried"] == "raw-model:429,raw-model:ok"
+    assert 0.3 <= waited < 5  # the 300 ms were waited, not the 30 s (which would have failed over)
+    assert ledger(gateway) == [("raw", 429), ("raw", 200)]
+
+
+def _waits(headers: dict[str, str]) -> float | None:
+    return retry_after(UpstreamError("slow down", status=429, headers=headers))
+
+
+def test_retry_after_values_the_executor_reads() -> None:
+    assert _waits({"retry-after": "2"}) == 2.0
+    assert _waits({"Retry-After": "0.25"}) == 0.25  # a fraction, and any case
+    assert _waits({"retry-after-ms": "1500", "retry-after": "30"}) == 1.5
+    # A garbled retry-after-ms does not hide a usable retry-after.
+    assert _waits({"retry-after-ms": "soon", "retry-after": "3"}) == 3.0
+    in_a_minute = _waits({"retry-after": email.utils.formatdate(time.time() + 60, usegmt=True)})
+    assert in_a_minute is not None and 55 <= in_a_minute <= 61
+    assert _waits({"retry-after": email.utils.formatdate(time.time() - 60, usegmt=True)}) == 0.0
+    for unusable in ("NaN", "-5", "soon", ""):  # our own backoff instead
+        assert _waits({"retry-after": unusable}) is None
+    assert _waits({}) is None
+
+
+# --- breakers ---------------------------------------------------------------------------------------
+
+
+def test_a_half_open_trial_whose_client_left_lets_the_next_request_be_the_trial(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """The half-open trial is a stream the client walks away from: it neither succeeded nor failed.
+    The next request must be the next trial, not be sent elsewhere while the breaker waits on a trial
+    "in flight" that will never report (for ever before; `allow` also bounds it to a cooldown)."""
+    breakers = runtime(gateway).router.breakers
+    key = "openai/gpt-4o-mini"
+    settings = runtime(gateway).router.routes["resilient"][0].breaker  # cooldown 0.5 s
+    breakers.get(key, settings).trip(now=time.monotonic() - 1)
+    assert breakers.state(key) == "half_open"
+    fake_openai.fail_next(Fault.slow_stream(0.2))
+    stream = gateway.openai().chat.completions.create(model="resilient", messages=HI, stream=True)
+    assert next(iter(stream)).choices  # the trial answered its first token...
+    stream.close()  # ...and its client left
+    settled(gateway, 1)
+    assert ledger(gateway) == [("openai", 499)]
+    assert breakers.state(key) == "half_open"
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
+    assert breakers.state(key) == "closed"
+
+
+def test_a_half_open_trial_that_never_reports_is_replaced_after_a_cooldown() -> None:
+    breaker = Breakers().get("b/m", BreakerSettings(failures=1, cooldown=0.5))
+    breaker.trip(now=0.0)
+    assert breaker.allow(now=1.0)  # half-open: the trial goes through...
+    assert not breaker.allow(now=1.2)  # ...and holds the breaker while it runs
+    assert breaker.allow(now=1.6)  # a trial silent for a cooldown no longer does
+
+
+def test_half_open_lets_one_trial_through_under_concurrency_and_its_failure_reopens(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    breakers = runtime(gateway).router.breakers
+    key = "openai/gpt-4o-mini"
+    settings = runtime(gateway).router.routes["resilient"][0].breaker
+    breakers.get(key, settings).trip(now=time.monotonic() - 1)
+    fake_openai.set_latency(first_token=0.6)  # the trial is still in flight while the others arrive
+    routes: list[dict[str, str]] = []
+
+    def ask() -> None:
+        text, route = chat(gateway, "resilient")
+        assert text == ECHO
+        routes.append(route)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(r["candidate"] for r in routes) == ["claude-sonnet"] * 3 + ["gpt-4o-mini"]
+    assert len(fake_openai.requests) == 1
+    assert all(
+        r["tried"] == "gpt-4o-mini:open,claude-sonnet:ok" for r in routes if r["candidate"] != "gpt-4o-mini"
+    )
+    assert breakers.state(key) == "closed"  # the trial answered
+    # Opened again, and this time the trial fails: open at once, the request falls over, no retry.
+    fake_openai.reset()
+    breakers.get(key).trip(now=time.monotonic() - 1)
+    fake_openai.fail_next(500)
+    gateway.sink.events.clear()
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:502,claude-sonnet:ok"
+    assert breakers.state(key) == "open"
+    assert ledger(gateway) == [("openai", 500), ("anthropic", 200)]
+    text, route = chat(gateway, "resilient")
+    assert route["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
+
+
+def test_a_400_caused_by_the_request_never_opens_the_breaker_nor_fails_over(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """Not even a context-length 400, which another candidate with a larger window might take: the docs
+    promise a 4xx the request caused never fails over."""
+    breakers = runtime(gateway).router.breakers
+    message = "This model's maximum context length is 128000 tokens (context_length_exceeded)"
+    fake_openai.fail_next(Fault.status(400, message=message), times=4)  # more than `failures` (3)
+    for _ in range(4):
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            chat(gateway, "resilient")
+    assert ledger(gateway) == [("openai", 400)] * 4 and not fake_anthropic.requests
+    assert breakers.state("openai/gpt-4o-mini") == "closed"
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini"
+
+
+def test_a_failing_model_does_not_open_the_breaker_of_another_model_on_its_backend(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    breakers = runtime(gateway).router.breakers
+    fake_openai.fail_next(500, times=3)  # 2 tries, then 1: the third failure opens it
+    for _ in range(2):
+        text, route = chat(gateway, "resilient")
+        assert text == ECHO and route["candidate"] == "claude-sonnet"
+    assert breakers.state("openai/gpt-4o-mini") == "open"
+    assert breakers.state("openai/gpt-5") == "closed"
+    _, route = chat(gateway, "gpt5-first")
+    assert route["candidate"] == "gpt-5" and "tried" not in route
+    assert fake_openai.last_request.json["model"] == "gpt-5"
+
+
+# --- hedging ----------------------------------------------------------------------------------------
+
+
+def test_when_both_hedged_attempts_answer_at_once_the_loser_is_closed_and_billed(
+    gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_deepseek: FakeOpenAI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The primary's first token and the hedge's arrive in the same turn of the event loop (both
+    are done when the race is looked at): one wins, the other must still be cancelled and closed,
+    its usage event recorded and its in-flight slot given back."""
+    pipeline = runtime(gateway).executor.pipeline
+    real_stream = pipeline.stream
+    opened: list[asyncio.Event] = []
+
+    async def stream(*args: Any, **kwargs: Any) -> Any:
+        batches = await real_stream(*args, **kwargs)
+        # Hold each opened stream until both are open, then release them together.
+        gate = asyncio.Event()
+        opened.append(gate)
+        if len(opened) == 2:
+            for each in opened:
+                each.set()
+        await gate.wait()
+        return batches
+
+    monkeypatch.setattr(pipeline, "stream", stream)
+    fake_openai.set_latency(first_token=0.3)  # after the hedge delay (0.15 s): both are started
+    raw = gateway.openai().chat.completions.with_raw_response.create(model="hedged", messages=HI, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    assert len(opened) == 2 and route_header(raw)["hedged"] == "deepseek-chat"
+    settled(gateway, 2)
+    statuses = sorted(e.status for e in gateway.sink.events)
+    assert statuses == [200, 499]  # the winner's answer and the loser, cancelled
+    deadline = time.monotonic() + 2
+    while any(runtime(gateway).router.context.in_flight.values()):
+        assert time.monotonic() < deadline, runtime(gateway).router.context.in_flight
+        time.sleep(0.01)
+
+
+def test_a_ttft_timeout_shorter_than_the_hedge_delay_fails_over_before_any_hedge(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    fake_openai.set_latency(first_token=3.0)
+    started = time.monotonic()
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="hedge-slow-ttft", messages=HI, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    assert time.monotonic() - started < 2.5  # two 0.4 s timeouts, not the 3 s first token
+    # The primary never got to the hedge delay (1.2 s): each try was cut at 0.4 s, then the next
+    # candidate was asked once, as a plain attempt rather than a hedge.
+    assert route_header(raw)["tried"] == "gpt-4o-mini:504,gpt-4o-mini:504,deepseek-chat:ok"
+    assert len(fake_deepseek.requests) == 1
+    settled(gateway, 3)
+    assert ledger(gateway) == [("openai", 499), ("openai", 499), ("deepseek", 200)]
+
+
+def test_when_both_hedged_attempts_fail(
+    gateway: RunningGateway, raw: Script, fake_deepseek: FakeOpenAI
+) -> None:
+    raw.delay = 0.3  # fails after the hedge (0.15 s) has started, and after the hedge failed
+    raw.answers = [http_head(500) + b'{"error": {"message": "boom", "type": "server_error"}}']
+    fake_deepseek.fail_next(500, times=5)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as caught:
+        gateway.openai().chat.completions.create(model="raw-hedged", messages=HI, stream=True)
+    assert caught.value.status_code == 502 and time.monotonic() - started < 5
+    # The race lost on both sides, then each candidate's remaining tries, then the error.
+    tried = route_header(caught.value.response)["tried"].split(",")
+    assert sorted(tried) == ["deepseek-chat:502"] * 3 + ["raw-model:502"] * 2
+    assert raw.calls == 2 and len(fake_deepseek.requests) == 3
+    settled(gateway, 5)
+    assert sorted(ledger(gateway)) == [("deepseek", 500)] * 3 + [("raw", 500)] * 2  # one row per attempt
+
+
+def test_when_every_candidate_is_open_the_client_is_told_when_to_retry(gateway: RunningGateway) -> None:
+    breakers = runtime(gateway).router.breakers
+    settings = runtime(gateway).router.routes["resilient"][0].breaker  # cooldown 0.5 s
+    for key in ("openai/gpt-4o-mini", "anthropic/claude-sonnet-4-5"):
+        breakers.get(key, settings).trip()
+    with pytest.raises(openai.APIStatusError) as caught:
+        chat(gateway, "resilient")
+    assert caught.value.status_code == 503
+    assert caught.value.response.headers["retry-after"] == "1"  # the 0.5 s cooldown, rounded up, not "0"
+    assert route_header(caught.value.response)["tried"] == "gpt-4o-mini:open,claude-sonnet:open"
+    assert not gateway.sink.events  # nothing was sent anywhere
+
+
+def test_the_hedge_cap_holds_for_concurrent_requests_of_one_tenant(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """Each hedge to claude-sonnet asked for 1,000 tokens is estimated at about $0.015; the route allows
+    $0.035 an hour. Four requests at once, all slow enough to hedge and none finished (so no estimate
+    is yet replaced by a cost) before every one has decided: exactly two hedge."""
+    runtime(gateway).executor.hedges.state = MemoryState()  # this test's window only
+    # The first hedge's cost is known ~1.6 s after its request started: the four must all decide
+    # within that (they start together; the margin is for a loaded machine).
+    fake_openai.set_latency(first_token=2.5)
+    fake_anthropic.set_latency(first_token=1.5)
+    routes: list[dict[str, str]] = []
+
+    def ask() -> None:
+        raw = gateway.openai().chat.completions.with_raw_response.create(
+            model="hedged-tight", messages=HI, stream=True, max_tokens=1000
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+        routes.append(route_header(raw))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(routes) == 4
+    assert sorted(r.get("hedge", r.get("hedged")) for r in routes) == ["capped"] * 2 + ["claude-sonnet"] * 2
+    assert len(fake_anthropic.requests) == 2
+
+
+@pytest.mark.redis
+async def test_breakers_shared_through_redis_keep_working_while_redis_is_away(redis_prefix: str) -> None:
+    """Two replicas' breakers over one Redis (through a proxy the test stops): an opening on one is
+    adopted by the other, per backend and model; with Redis gone both go on counting, opening and
+    syncing on their own without an error; once it is back, openings are shared again."""
+    proxy = TcpProxy(6379)
+    await proxy.start()
+    url = f"redis://127.0.0.1:{proxy.port}/0"
+    states = [DegradableState(RedisState.from_url(url, prefix=redis_prefix), retry_s=0.1) for _ in "ab"]
+    a, b = Breakers(states[0]), Breakers(states[1])
+    settings = BreakerSettings(failures=2, cooldown=30)
+    first, second, third = "openai/gpt-4o-mini", "openai/gpt-5", "anthropic/claude-sonnet-4-5"
+    try:
+        for breakers in (a, b):
+            for key in (first, second, third):
+                breakers.get(key, settings)
+        for _ in range(2):
+            await a.failure(first)
+        await b.sync()
+        assert (b.state(first), b.state(second)) == (State.OPEN, State.CLOSED)
+        await proxy.stop()
+        started = time.monotonic()
+        for _ in range(2):
+            await a.failure(second)
+        await b.sync()
+        assert a.state(second) == State.OPEN  # counted here: this replica still skips it
+        assert b.state(first) == State.OPEN and b.state(second) == State.CLOSED  # not shared meanwhile
+        assert time.monotonic() - started < 3
+        await proxy.start()
+        await asyncio.sleep(0.2)  # past retry_s: the next call tries Redis again
+        for _ in range(2):
+            await a.failure(third)
+        await b.sync()
+        assert b.state(third) == State.OPEN
+    finally:
+        for state in states:
+            await state.close()
+        await proxy.stop()
+
+
+def test_a_non_streaming_hedge_loser_is_logged_as_cancelled(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """As for streams: the attempt the hedge beat was cancelled, and its usage event says 499 (it
+    said 0, "never answered", which reads as a backend failure in the uptime and error reports)."""
+    fake_openai.set_latency(first_token=2.0)
+    raw = gateway.openai().chat.completions.with_raw_response.create(model="hedged", messages=HI)
+    assert raw.parse().choices[0].message.content == ECHO
+    assert route_header(raw)["hedged"] == "deepseek-chat"
+    settled(gateway, 2)
+    assert {e.backend: (e.status, e.ok) for e in gateway.sink.events} == {
+        "deepseek": (200, True),
+        "openai": (499, False),
+    }
