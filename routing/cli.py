@@ -74,19 +74,13 @@ def score(head_dir: Path | None, shipped: str) -> None:
     else:
         clf = DifficultyClassifier.default(cast("HeadChoice", shipped))
     failed = 0
-    for lineno, line in enumerate(sys.stdin, start=1):
-        if not line.strip():
+    # Bytes, decoded line by line: one line that is not UTF-8 is that line's error, not a traceback
+    # that ends the run (how sys.stdin decodes depends on the locale).
+    for lineno, raw in enumerate(sys.stdin.buffer, start=1):
+        if not raw.strip():
             continue
         try:
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError("expected a JSON object")
-            if isinstance(row.get("prompt"), str):
-                text = row["prompt"]
-            elif isinstance(row.get("messages"), list):
-                text = prompt_text(row["messages"])
-            else:
-                raise ValueError('expected a string "prompt" or a "messages" list')
+            text = _score_input(raw, prompt_text)
             out: dict[str, float | str] = {"p_strong": round(clf.score(text), 6)}
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             failed += 1
@@ -96,6 +90,40 @@ def score(head_dir: Path | None, shipped: str) -> None:
     if failed:
         click.echo(f"{failed} line(s) could not be scored", err=True)
         sys.exit(1)
+
+
+def _score_input(line: bytes, prompt_text: Callable[[list[dict[str, Any]]], str]) -> str:
+    """The text to score from one input line; ValueError saying what is wrong with it."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:  # arrays nested thousands deep
+        raise ValueError("JSON nested too deeply") from None
+    if not isinstance(row, dict):
+        raise ValueError("expected a JSON object")
+    if isinstance(row.get("prompt"), str):
+        text = row["prompt"]
+    elif isinstance(row.get("messages"), list):
+        for i, message in enumerate(row["messages"]):
+            if not isinstance(message, dict):
+                raise ValueError(f"messages[{i}]: expected an object with a role and content")
+            content = message.get("content")
+            if isinstance(content, list) and any(
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and not isinstance(part.get("text", ""), str)
+                for part in content
+            ):
+                raise ValueError(f'messages[{i}].content: a text part needs a string "text"')
+        text = prompt_text(row["messages"])
+    else:
+        raise ValueError('expected a string "prompt" or a "messages" list')
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape (\ud800) the tokenizer cannot take
+        raise ValueError("the prompt is not valid Unicode (a lone surrogate)") from None
+    return text
 
 
 @router.command()

@@ -8,6 +8,8 @@ no route is a plain model: one candidate, one attempt, as before routing existed
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
@@ -67,11 +69,89 @@ def matches(when: Conditions | None, feats: Features) -> bool:
     return when.images is None or feats.images == when.images
 
 
+MAX_ROUTE_NAME = 200  # the admin DB's `routes.name` column
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _at_least(value: float | None, low: float, where: str, strict: bool = False) -> None:
+    """RouteError unless `value` (when set) is a finite number >= low (> low with `strict`)."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < low or (strict and value == low):
+        bound = f"greater than {low:g}" if strict else f"at least {low:g}"
+        raise RouteError(f"{where}: must be a number {bound}")
+
+
+def _within(value: float | None, where: str) -> None:
+    if value is not None and not 0.0 <= value <= 1.0:  # NaN fails too
+        raise RouteError(f"{where}: must be within [0, 1]")
+
+
+def _check_settings(route: Route, where: str) -> None:
+    """Numbers that only make sense in a range: a weight or interval of 0 or less, a share above 1, a
+    window or token count below 1. Out of range they would be stored and then misroute (a negative
+    cache hit share, a threshold no score reaches) or spin (a negative probe interval)."""
+    if not route.name or len(route.name) > MAX_ROUTE_NAME or _CONTROL.search(route.name):
+        raise RouteError(
+            f"{where}.name: 1 to {MAX_ROUTE_NAME} characters, no control characters (it is the model "
+            "name clients send)"
+        )
+    for j, candidate in enumerate(route.candidates):
+        at = f"{where}.candidates[{j}]"
+        _at_least(candidate.weight, 0.0, f"{at}.weight", strict=True)
+        _within(candidate.cache_hit_rate, f"{at}.cache_hit_rate")
+        _at_least(candidate.context_window, 1, f"{at}.context_window")
+    _within(route.threshold, f"{where}.threshold")
+    _at_least(route.probe_interval, 0.0, f"{where}.probe_interval", strict=True)
+    _at_least(route.ttft_timeout, 0.0, f"{where}.ttft_timeout", strict=True)
+    _at_least(route.prefix_chars, 1, f"{where}.prefix_chars")
+    _at_least(route.expected_output_tokens, 1, f"{where}.expected_output_tokens")
+    retry = route.retry
+    for name in ("backoff", "max_backoff", "max_retry_after"):
+        _at_least(getattr(retry, name), 0.0, f"{where}.retry.{name}")
+    _within(retry.jitter, f"{where}.retry.jitter")
+    if route.breaker is not None:
+        _at_least(route.breaker.failures, 1, f"{where}.breaker.failures")
+        _at_least(route.breaker.cooldown, 0.0, f"{where}.breaker.cooldown", strict=True)
+    if route.hedge is not None:
+        hedge = route.hedge
+        if hedge.delay != "p95":
+            _at_least(hedge.delay, 0.0, f"{where}.hedge.delay")
+        _at_least(hedge.min_delay, 0.0, f"{where}.hedge.min_delay")
+        _at_least(hedge.max_spend_usd_per_hour, 0.0, f"{where}.hedge.max_spend_usd_per_hour")
+    for j, status in enumerate(route.failover_on):
+        if status != "5xx" and not 400 <= status <= 599:
+            raise RouteError(f"{where}.failover_on[{j}]: a status from 400 to 599, or '5xx'")
+    when = route.when
+    if when is not None:
+        for field in ("tenants", "keys"):
+            if getattr(when, field) == []:
+                raise RouteError(f"{where}.when.{field}: an empty list matches no request (omit it for any)")
+        for j, tag in enumerate(when.tags or []):
+            if not tag.strip() or tag != tag.strip() or "," in tag:
+                raise RouteError(
+                    f"{where}.when.tags[{j}]: {tag!r} can never match (tags are the request's "
+                    "metadata.tags split at commas, spaces trimmed)"
+                )
+        _at_least(when.min_prompt_tokens, 0, f"{where}.when.min_prompt_tokens")
+        _at_least(when.max_prompt_tokens, 0, f"{where}.when.max_prompt_tokens")
+        if (
+            when.min_prompt_tokens is not None
+            and when.max_prompt_tokens is not None
+            and when.min_prompt_tokens > when.max_prompt_tokens
+        ):
+            raise RouteError(
+                f"{where}.when: min_prompt_tokens ({when.min_prompt_tokens}) is above max_prompt_tokens "
+                f"({when.max_prompt_tokens}): no request can match"
+            )
+
+
 def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> None:
     """Raise RouteError naming the first problem: unknown models, too few candidates, bad settings."""
     names = models.targets if isinstance(models, ModelTable) else models
     for i, route in enumerate(routes):
         where = f"routes[{i}] ({route.name})"
+        _check_settings(route, where)
         if not route.candidates:
             raise RouteError(f"{where}.candidates: at least one candidate is required")
         if route.policy == "difficulty" and len(route.candidates) < 2:

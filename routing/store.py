@@ -78,11 +78,16 @@ class RouteStore:
             signature = tuple((await session.execute(SIGNATURE)).one())
             if signature == self.signature and not force:
                 return False
-            rows = (
-                await session.execute(select(RouteRow).order_by(RouteRow.position, RouteRow.id))
-            ).scalars()
-            routes = [row_route(row) for row in rows]
+            rows = (await session.scalars(select(RouteRow).order_by(RouteRow.position, RouteRow.id))).all()
+        routes: list[Route] = []
         try:
+            for row in rows:
+                try:
+                    routes.append(row_route(row))
+                except msgspec.ValidationError as exc:
+                    # A spec that no longer decodes (written by another version, edited by hand) is
+                    # a table that no longer validates, like one naming a removed model.
+                    raise ValueError(f"route id {row.id} ({row.name}): {exc}") from None
             self.apply(routes)
         except ValueError as exc:
             log.error("routes_rejected", error=str(exc))

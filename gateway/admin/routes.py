@@ -9,7 +9,7 @@ others within their poll interval.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, delete, get, post, put
@@ -22,9 +22,16 @@ from routing.router import RouteError, Router, validate
 from routing.routes import Route
 from routing.store import route_spec
 
+# The admin DB's `routes.position` column is a 32-bit integer: beyond it the insert itself fails.
+Position = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+
 
 class RouteBody(Route, kw_only=True, frozen=True):
-    position: int | None = None
+    position: Position | None = None
+    # What GET returns beside the route, so a route read, edited and sent back is accepted: the row's
+    # id (a PUT to another route's id is refused) and its last change (ignored: the server sets it).
+    id: int | None = None
+    updated_at: str | None = None
 
 
 def _router(request: Request) -> Router:
@@ -35,15 +42,23 @@ def route_json(row: RouteRow) -> dict[str, Any]:
     return {"id": row.id, "position": row.position, **row.spec, "updated_at": row.updated_at.isoformat()}
 
 
-async def _checked(request: Request, body: bytes, session: AsyncSession) -> tuple[Route, int | None]:
+async def _checked(
+    request: Request, body: bytes, session: AsyncSession, route_id: int | None = None
+) -> tuple[Route, int | None]:
     parsed = decode(body, RouteBody)
+    if route_id is not None and parsed.id not in (None, route_id):
+        raise AdminError(400, f"the body is route {parsed.id}, not route {route_id}", "invalid_value", "id")
     fields = {f: getattr(parsed, f) for f in Route.__struct_fields__}
     route = Route(**fields)
     try:
         validate([route], _router(request).models)
     except RouteError as exc:
-        param = "head" if ".head:" in str(exc) else "candidates"
-        raise AdminError(400, str(exc).replace("routes[0] ", ""), "invalid_value", param) from None
+        # "routes[0] (NAME).retry.jitter: ..." names the field; "routes[0] (NAME): no model named ..."
+        # is about the models the route lists.
+        message, prefix = str(exc), f"routes[0] ({route.name})"
+        rest = message[len(prefix) :] if message.startswith(prefix) else ""
+        param = rest[1:].split(":", 1)[0] if rest.startswith(".") else "candidates"
+        raise AdminError(400, message.replace("routes[0] ", "", 1), "invalid_value", param) from None
     if route.head is not None and await session.get(DifficultyHeadRow, route.head) is None:
         raise AdminError(
             400,
@@ -101,7 +116,7 @@ async def get_route(route_id: int, ctx: AdminContext) -> dict[str, Any]:
 async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = await request.body()
     async with ctx.write() as (session, audit):
-        route, position = await _checked(request, body, session)
+        route, position = await _checked(request, body, session, route_id)
         row = await _row(session, route_id)
         before = route_json(row)
         row.name, row.spec, row.updated_at = route.name, route_spec(route), utcnow()

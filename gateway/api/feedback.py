@@ -29,6 +29,11 @@ def _sessions(request: Request[Any, Any, Any]) -> Any:
     return sessions
 
 
+def _storable(request_id: str) -> bool:
+    # The column holds 128 characters, and PostgreSQL text cannot hold NUL at all (a 500 otherwise).
+    return 0 < len(request_id) <= 128 and "\x00" not in request_id
+
+
 def _json(row: Feedback) -> dict[str, Any]:
     return {
         "request_id": row.request_id,
@@ -44,8 +49,11 @@ async def post_feedback(request: Request[Any, Any, Any]) -> Response[Any]:
     body = await parse_body(request, FeedbackBody)
     if not 0.0 <= body.score <= 1.0:
         raise InvalidRequest("'score' must be between 0 and 1.", param="score")
-    if not 0 < len(body.request_id) <= 128:
-        raise InvalidRequest("'request_id' must be 1 to 128 characters.", param="request_id")
+    if not _storable(body.request_id):
+        raise InvalidRequest(
+            "'request_id' must be 1 to 128 characters, without NUL (the x-request-id of a reply).",
+            param="request_id",
+        )
     tenant = call.principal.tenant_id or "anonymous"
     async with _sessions(request)() as session, session.begin():
         row = await session.scalar(
@@ -68,10 +76,12 @@ async def post_feedback(request: Request[Any, Any, Any]) -> Response[Any]:
 async def get_feedback(request: Request[Any, Any, Any], request_id: str) -> Response[Any]:
     _, call = await begin(request, "feedback")
     tenant = call.principal.tenant_id or "anonymous"
-    async with _sessions(request)() as session:
-        row = await session.scalar(
-            select(Feedback).where(Feedback.tenant_id == tenant, Feedback.request_id == request_id)
-        )
+    sessions, row = _sessions(request), None
+    if _storable(request_id):  # no feedback can be stored under any other id
+        async with sessions() as session:
+            row = await session.scalar(
+                select(Feedback).where(Feedback.tenant_id == tenant, Feedback.request_id == request_id)
+            )
     if row is None:  # another tenant's feedback is reported exactly like none
         raise NotFound(f"No feedback for request `{request_id}`.", param="request_id")
     return json_response({"object": "feedback", **_json(row)})

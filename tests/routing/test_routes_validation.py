@@ -1,0 +1,332 @@
+"""Routes, route conditions, the routes admin API, feedback and `weir router score`, pushed with input the
+other tests do not send: out-of-range route settings, names the admin DB cannot hold, request ids with
+NUL, score input that is not UTF-8 or not the documented shape, a stored route that no longer decodes.
+Bad input gets a 4xx in the OpenAI error shape (or an error line) and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import msgspec
+import openai
+import pytest
+import structlog
+from click.testing import CliRunner
+from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+from structlog.testing import capture_logs
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from gateway.db.models import Base, RouteRow
+from routing.cli import router as router_cli
+from routing.difficulty import DifficultyClassifier
+from routing.routes import Route
+from routing.store import RouteStore
+from tests.conftest import free_port
+from tests.control.conftest import PG_ADMIN_URL, _pg_admin
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.gateway.conftest import fakes_env, full_config_text, serve
+from tests.routing.routed import route_header
+
+ADMIN = "admin-token-for-the-routes-audit"
+ROUTES = """\
+routes:
+  - {name: auto, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}], probe_interval: null}
+  - {name: vis, when: {images: true}, candidates: [{model: claude-sonnet}], probe_interval: null}
+  - {name: vis, candidates: [{model: gpt-4o-mini}], probe_interval: null}
+  - {name: down, candidates: [{model: dead-model}], retry: {attempts: 1}, probe_interval: null}
+"""
+GOOD = {"name": "audit", "candidates": [{"model": "gpt-4o-mini"}], "probe_interval": None}
+HI = [{"role": "user", "content": "hello audit"}]
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+class Weir:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.admin = httpx.Client(
+            base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"}, timeout=20
+        )
+
+    def key(self, name: str) -> str:
+        tenant = self.admin.post("/tenants", json={"name": f"{name}-{uuid.uuid4().hex[:6]}"})
+        assert tenant.status_code == 201, tenant.text
+        key = self.admin.post(f"/tenants/{tenant.json()['id']}/keys", json={"name": "app"})
+        assert key.status_code == 201, key.text
+        return str(key.json()["key"])
+
+    def openai(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def _weir(
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Weir]:
+    """One gateway with the control plane on a fresh PostgreSQL database (no Redis: memory state)."""
+    name = f"weir_routes_audit_{uuid.uuid4().hex[:12]}"
+    _pg_admin(f'CREATE DATABASE "{name}"')
+    url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
+    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+            patch.setenv("WEIR_USAGE_SPOOL", str(tmp_path_factory.mktemp("spool")))
+            for var in ("WEIR_REDIS_URL", "WEIR_DATABASE_URL"):
+                patch.delenv(var, raising=False)
+            config = parse_config(full_config_text() + f'database_url: "{url}"\n' + ROUTES, env)
+            with serve(create_app(config), free_port()) as base:
+                yield Weir(base)
+    finally:
+        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def weir(_weir: Weir, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic) -> Weir:
+    return _weir
+
+
+def _listed(weir: Weir) -> Any:
+    response = weir.admin.get("/routes")
+    assert response.status_code == 200
+    return response.json()
+
+
+def _openai_error(response: httpx.Response, status: int = 400) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return dict(error)
+
+
+def _candidate(**fields: object) -> dict[str, Any]:
+    return {**GOOD, "candidates": [{"model": "gpt-4o-mini", **fields}]}
+
+
+# Each stored as it was before: a negative weight, a hit share above 1, a window of 0, a threshold no
+# score reaches, a negative probe interval (probes in a busy loop), a condition no request can meet,
+# names and positions the admin DB cannot hold (a 500 before).
+REFUSED: list[tuple[dict[str, Any], str]] = [
+    (
+        {**GOOD, "policy": "weighted", "candidates": [{"model": "gpt-4o-mini", "weight": -1}]},
+        "candidates[0].weight",
+    ),
+    (_candidate(weight=0), "candidates[0].weight"),  # the admin UI asks for a positive weight too
+    (_candidate(cache_hit_rate=1.5), "candidates[0].cache_hit_rate"),
+    (_candidate(context_window=0), "candidates[0].context_window"),
+    ({**GOOD, "threshold": 2}, "threshold"),
+    ({**GOOD, "probe_interval": -1}, "probe_interval"),
+    ({**GOOD, "ttft_timeout": 0}, "ttft_timeout"),
+    ({**GOOD, "retry": {"jitter": 2}}, "retry.jitter"),
+    ({**GOOD, "breaker": {"failures": 0}}, "breaker.failures"),
+    ({**GOOD, "hedge": {"delay": -0.5}}, "hedge.delay"),
+    ({**GOOD, "failover_on": [200]}, "failover_on[0]"),
+    ({**GOOD, "when": {"min_prompt_tokens": 100, "max_prompt_tokens": 10}}, "when"),
+    ({**GOOD, "when": {"tags": ["a,b"]}}, "when.tags[0]"),
+    ({**GOOD, "when": {"tenants": []}}, "when.tenants"),
+    ({**GOOD, "name": ""}, "name"),
+    ({**GOOD, "name": "x" * 201}, "name"),
+    ({**GOOD, "name": "a\u0000b"}, "name"),
+    ({**GOOD, "name": "auto\r\nx-injected: 1"}, "name"),
+    ({**GOOD, "position": 2**40}, "position"),
+]
+
+
+@pytest.mark.postgres
+def test_out_of_range_route_settings_are_refused_and_change_nothing(weir: Weir) -> None:
+    before = _listed(weir)
+    for body, param in REFUSED:
+        error = _openai_error(weir.admin.post("/routes", json=body))
+        assert (error["param"], error["code"]) == (param, "invalid_value"), (body, error)
+    # A replacement with a bad body leaves the route as it was.
+    first = before["data"][0]
+    error = _openai_error(weir.admin.put(f"/routes/{first['id']}", json={**GOOD, "threshold": -0.1}))
+    assert error["param"] == "threshold"
+    assert _listed(weir) == before  # nothing stored, the version in force unchanged
+    # The edges of the ranges are accepted (and removed again).
+    edge = {
+        **GOOD,
+        "threshold": 1.0,
+        "candidates": [{"model": "gpt-4o-mini", "weight": 0.001, "cache_hit_rate": 1}],
+    }
+    created = weir.admin.post("/routes", json={**edge, "position": 2**31 - 1})
+    assert created.status_code == 201, created.text
+    assert weir.admin.delete(f"/routes/{created.json()['id']}").status_code == 204
+
+
+@pytest.mark.postgres
+def test_a_route_read_edited_and_sent_back_is_accepted(weir: Weir) -> None:
+    created = weir.admin.post("/routes", json={**GOOD, "name": "round-trip"})
+    assert created.status_code == 201, created.text
+    read = weir.admin.get(f"/routes/{created.json()['id']}").json()
+    try:
+        replaced = weir.admin.put(f"/routes/{read['id']}", json={**read, "threshold": 0.7})
+        assert replaced.status_code == 200, replaced.text
+        assert replaced.json()["threshold"] == 0.7 and replaced.json()["updated_at"] >= read["updated_at"]
+        # A body that is another route's is refused, and changes nothing.
+        other = _listed(weir)["data"][0]
+        error = _openai_error(weir.admin.put(f"/routes/{other['id']}", json={**read, "threshold": 0.9}))
+        assert error["param"] == "id"
+        assert weir.admin.get(f"/routes/{other['id']}").json() == other
+    finally:
+        assert weir.admin.delete(f"/routes/{read['id']}").status_code == 204
+
+
+def test_bad_route_settings_in_the_config_name_the_key() -> None:
+    from gateway.config import ConfigError
+
+    names = ("OPENAI", "ANTHROPIC", "GEMINI", "DEEPSEEK")
+    env = {f"{n}_BASE_URL": "http://127.0.0.1:9" for n in names} | {f"{n}_API_KEY": "k" for n in names}
+    env |= {"DEAD_PORT": "9", "WEIR_DEMO_KEY": "a", "WEIR_LIMITED_KEY": "b"}
+    routes = "routes:\n  - {name: r, probe_interval: -5, candidates: [{model: gpt-5}]}\n"
+    with pytest.raises(
+        ConfigError, match=r"routes\[0\] \(r\)\.probe_interval: must be a number greater than 0"
+    ):
+        parse_config(full_config_text() + routes, env)
+    routes = "routes:\n  - {name: r, candidates: [{model: gpt-5, weight: .nan}]}\n"
+    with pytest.raises(ConfigError, match=r"candidates\[0\]\.weight"):
+        parse_config(full_config_text() + routes, env)
+
+
+@pytest.mark.postgres
+def test_feedback_with_a_request_id_the_db_cannot_hold_is_a_400_not_a_500(weir: Weir) -> None:
+    key = weir.key("acme")
+    auth = {"authorization": f"Bearer {key}"}
+    posted = httpx.post(
+        f"{weir.url}/v1/feedback", json={"request_id": "a\u0000b", "score": 0.5}, headers=auth
+    )
+    assert _openai_error(posted)["param"] == "request_id"
+    read = httpx.get(f"{weir.url}/v1/feedback/a%00b", headers=auth)
+    assert _openai_error(read, 404)["code"] == "not_found"
+    # Feedback on an id the caller never got, or on another tenant's request, is the caller's own row:
+    # the other tenant reads none of it.
+    raw = weir.openai(key).chat.completions.with_raw_response.create(model="auto", messages=HI)  # type: ignore[arg-type]
+    request_id = raw.headers["x-request-id"]
+    other = {"authorization": f"Bearer {weir.key('globex')}"}
+    assert httpx.post(
+        f"{weir.url}/v1/feedback", json={"request_id": request_id, "score": 0.0}, headers=other
+    ).is_success
+    assert _openai_error(httpx.get(f"{weir.url}/v1/feedback/{request_id}", headers=auth), 404)
+
+
+@pytest.mark.postgres
+def test_the_route_header_on_errors_and_on_anthropic_requests_with_images(weir: Weir) -> None:
+    key = weir.key("acme")
+    with pytest.raises(openai.APIStatusError) as caught:
+        weir.openai(key).chat.completions.create(model="down", messages=HI)  # type: ignore[arg-type]
+    header = route_header(caught.value.response)
+    assert (header["route"], header["candidate"], header["attempts"]) == ("down", "dead-model", "1")
+
+    client = anthropic.Anthropic(base_url=weir.url, api_key=key, max_retries=0, timeout=20)
+    image: Any = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    text: Any = {"type": "text", "text": "what is this?"}
+    raw = client.messages.with_raw_response.create(
+        model="vis", max_tokens=16, messages=[{"role": "user", "content": [text, image]}]
+    )
+    assert route_header(raw)["candidate"] == "claude-sonnet"  # `images: true` matched
+    raw = client.messages.with_raw_response.create(
+        model="vis", max_tokens=16, messages=[{"role": "user", "content": [text]}]
+    )
+    assert route_header(raw)["candidate"] == "gpt-4o-mini"
+    with pytest.raises(anthropic.APIStatusError) as failed:
+        client.messages.create(model="down", max_tokens=16, messages=[{"role": "user", "content": "hi"}])
+    assert route_header(failed.value.response)["candidate"] == "dead-model"
+
+
+@pytest.mark.postgres
+def test_a_tenant_scoped_route_ahead_of_a_global_one_of_the_same_name(weir: Weir) -> None:
+    """Conditions name tenants by name (DB tenants too); the first matching route by position wins."""
+    tenant = f"scoped-{uuid.uuid4().hex[:6]}"
+    created = weir.admin.post("/tenants", json={"name": tenant})
+    scoped_key = weir.admin.post(f"/tenants/{created.json()['id']}/keys", json={"name": "app"}).json()["key"]
+    other_key = weir.key("other")
+    general = weir.admin.post("/routes", json={**GOOD, "name": "mixed"})
+    scoped = weir.admin.post(
+        "/routes",
+        json={
+            **GOOD,
+            "name": "mixed",
+            "when": {"tenants": [tenant]},
+            "candidates": [{"model": "claude-sonnet"}],
+        },
+    )
+    assert general.status_code == scoped.status_code == 201
+
+    def candidate(key: str) -> str:
+        raw = weir.openai(key).chat.completions.with_raw_response.create(model="mixed", messages=HI)  # type: ignore[arg-type]
+        return route_header(raw)["candidate"]
+
+    try:
+        assert candidate(scoped_key) == candidate(other_key) == "gpt-4o-mini"  # the global one is first
+        spec = {k: v for k, v in scoped.json().items() if k not in ("id", "updated_at")}
+        moved = weir.admin.put(f"/routes/{scoped.json()['id']}", json={**spec, "position": -1})
+        assert moved.status_code == 200, moved.text
+        assert (candidate(scoped_key), candidate(other_key)) == ("claude-sonnet", "gpt-4o-mini")
+    finally:
+        for route in (general, scoped):
+            weir.admin.delete(f"/routes/{route.json()['id']}")
+
+
+async def test_a_stored_route_that_no_longer_decodes_leaves_the_routes_in_force(tmp_path: Path) -> None:
+    """A row written by another version (an unknown field) is logged like any invalid table, not raised
+    out of the poll (at start that was a gateway that would not start)."""
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path}/routes.db")
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    sessions = async_sessionmaker(engine, expire_on_commit=False)
+    applied: list[list[Route]] = []
+    good = Route(name="auto", candidates=[])
+    store = RouteStore(sessions, applied.append, seed=[good])
+    try:
+        await store.start()
+        await store.stop()
+        assert [[r.name for r in routes] for routes in applied] == [["auto"]]
+        async with sessions() as session, session.begin():
+            session.add(RouteRow(name="newer", position=5, spec={**msgspec.to_builtins(good), "later": 1}))
+        with capture_logs() as logs:
+            assert await store.refresh() is False
+        assert len(applied) == 1
+        assert any(e["event"] == "routes_rejected" and "later" in e["error"] for e in logs)
+    finally:
+        await engine.dispose()
+
+
+def test_score_answers_every_bad_line_in_place_without_a_traceback(classifier: DifficultyClassifier) -> None:
+    lines = [
+        b'{"prompt": "What is 2 + 2?"}',
+        b'{"prompt": "caf\xe9"}',  # Latin-1, not UTF-8
+        b'{"prompt": "\\ud800 lone surrogate"}',
+        b'{"messages": ["hello"]}',
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+        b"[" * 50_000,
+        b"",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "Prove it."}]}]}',
+    ]
+    saved = structlog.get_config()  # the command points structlog at its stderr
+    try:
+        result = CliRunner().invoke(
+            router_cli, ["score", "--shipped", "encoder"], input=b"\n".join(lines) + b"\n"
+        )
+    finally:
+        structlog.configure(**saved)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1
+    out = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(out) == 7  # the blank line is skipped; every other line answers, in order
+    assert out[0]["p_strong"] == pytest.approx(classifier.score("What is 2 + 2?"), abs=1e-6)
+    assert out[6]["p_strong"] == pytest.approx(classifier.score("Prove it."), abs=1e-6)
+    errors = [o["error"] for o in out[1:6]]
+    assert [e.split(":", 1)[0] for e in errors] == [f"line {n}" for n in range(2, 7)]
+    assert "UTF-8" in errors[0] and "surrogate" in errors[1] and "messages[0]" in errors[2]
+    assert "text" in errors[3] and "nested" in errors[4]
+    assert "5 line(s) could not be scored" in result.stderr
