@@ -74,3 +74,10 @@ def settled(gateway: RunningGateway, count: int) -> None:
     deadline = time.monotonic() + 5
     while len(gateway.sink.events) < count and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def fresh(gateway: RunningGateway) -> RunningGateway:
+    """The routed gateway with closed breakers and an empty ledger."""
+    runtime(gateway).router.breakers.breakers.clear()
+    gateway.sink.events.clear()
+    return gateway

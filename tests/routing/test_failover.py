@@ -15,7 +15,15 @@ import pytest
 from gateway.state import MemoryState
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import counted_micro_usd, ledger, route_header, routed_gateway, runtime, settled
+from tests.routing.routed import (
+    counted_micro_usd,
+    fresh,
+    ledger,
+    route_header,
+    routed_gateway,
+    runtime,
+    settled,
+)
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -35,17 +43,9 @@ def _routed(
 
 
 @pytest.fixture
-def gateway(
-    _routed: RunningGateway,
-    fake_openai: FakeOpenAI,
-    fake_anthropic: FakeAnthropic,
-    fake_gemini: FakeGemini,
-    fake_deepseek: FakeOpenAI,
-) -> RunningGateway:
+def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
     """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
-    runtime(_routed).router.breakers.breakers.clear()
-    _routed.sink.events.clear()
-    return _routed
+    return fresh(_routed)
 
 
 def chat(gateway: RunningGateway, model: str, **kwargs: object) -> tuple[str, dict[str, str]]:

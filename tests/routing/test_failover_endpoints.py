@@ -11,7 +11,7 @@ import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import FAST, route_header, routed_gateway, runtime
+from tests.routing.routed import FAST, fresh, ledger, route_header, routed_gateway, runtime
 
 ROUTES = f"""\
 routes:
@@ -38,21 +38,10 @@ def _routed(
 
 
 @pytest.fixture
-def gateway(
-    _routed: RunningGateway,
-    fake_openai: FakeOpenAI,
-    fake_anthropic: FakeAnthropic,
-    fake_gemini: FakeGemini,
-    fake_deepseek: FakeOpenAI,
-) -> RunningGateway:
+def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
     """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
-    runtime(_routed).router.breakers.breakers.clear()
-    _routed.sink.events.clear()
-    return _routed
+    return fresh(_routed)
 
-
-def ledger(gateway: RunningGateway) -> list[tuple[str, int]]:
-    return [(e.backend, e.status) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
 
 
 # --- completions -----------------------------------------------------------------------------------

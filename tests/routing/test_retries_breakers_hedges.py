@@ -30,7 +30,16 @@ from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
-from tests.routing.routed import FAST, ROUTES, ledger, route_header, routed_config_text, runtime, settled
+from tests.routing.routed import (
+    FAST,
+    ROUTES,
+    fresh,
+    ledger,
+    route_header,
+    routed_config_text,
+    runtime,
+    settled,
+)
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -110,18 +119,9 @@ def raw(_raw: tuple[RawBackend, Script]) -> Script:
 
 
 @pytest.fixture
-def gateway(
-    _routed: RunningGateway,
-    raw: Script,
-    fake_openai: FakeOpenAI,
-    fake_anthropic: FakeAnthropic,
-    fake_gemini: FakeGemini,
-    fake_deepseek: FakeOpenAI,
-) -> RunningGateway:
-    """The gateway with fresh fakes, closed breakers and an empty ledger."""
-    runtime(_routed).router.breakers.breakers.clear()
-    _routed.sink.events.clear()
-    return _routed
+def gateway(_routed: RunningGateway, raw: Script, fresh_fakes: None) -> RunningGateway:
+    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
+    return fresh(_routed)
 
 
 def chat(

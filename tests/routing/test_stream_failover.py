@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import FAST, ROUTES, route_header, routed_gateway, runtime, settled
+from tests.routing.routed import FAST, ROUTES, fresh, route_header, routed_gateway, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -42,17 +42,9 @@ def _routed(
 
 
 @pytest.fixture
-def gateway(
-    _routed: RunningGateway,
-    fake_openai: FakeOpenAI,
-    fake_anthropic: FakeAnthropic,
-    fake_gemini: FakeGemini,
-    fake_deepseek: FakeOpenAI,
-) -> RunningGateway:
+def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
     """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
-    runtime(_routed).router.breakers.breakers.clear()
-    _routed.sink.events.clear()
-    return _routed
+    return fresh(_routed)
 
 
 def attempts(gateway: RunningGateway) -> list[tuple[str, bool]]:
