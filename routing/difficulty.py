@@ -498,7 +498,10 @@ class StrongShareCalibrator:
     Keeps the last `window` scores; the threshold is their (1 - target_share) quantile, so a request
     goes strong when its score is in the top `target_share` of recent traffic. Until `min_samples`
     scores have been seen it falls back to `initial_threshold` (e.g. the same quantile on the
-    training data). Observing and reading are O(log window) and thread-safe.
+    training data), except for a target of 0 or 1: never or always strong from the first request.
+    Scores equal to the threshold (a window of repeated prompts, a head that scores many alike) go
+    strong in the proportion that keeps the target share, spread evenly over them. Observing and
+    reading are O(log window) and thread-safe.
     """
 
     def __init__(
@@ -518,33 +521,58 @@ class StrongShareCalibrator:
         self.initial_threshold = initial_threshold
         self._recent: deque[float] = deque()
         self._sorted: list[float] = []
+        self._tie_credit = 0.0  # strong calls owed to scores tied at the threshold (see route_strong)
         self._lock = threading.Lock()
 
     def observe(self, score: float) -> None:
         with self._lock:
-            self._recent.append(score)
-            bisect.insort(self._sorted, score)
-            if len(self._recent) > self.window:
-                old = self._recent.popleft()
-                del self._sorted[bisect.bisect_left(self._sorted, old)]
+            self._observe(score)
+
+    def _observe(self, score: float) -> None:
+        self._recent.append(score)
+        bisect.insort(self._sorted, score)
+        if len(self._recent) > self.window:
+            old = self._recent.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
 
     def threshold(self) -> float:
         """Scores strictly above this go to the strong model."""
         with self._lock:
-            n = len(self._sorted)
-            if n < self.min_samples:
-                return self.initial_threshold
-            strong = round(self.target_share * n)
-            if strong <= 0:
-                return math.inf
-            if strong >= n:
-                return -math.inf
-            return self._sorted[n - strong - 1]
+            return self._threshold()[0]
+
+    def _threshold(self) -> tuple[float, int]:
+        """The threshold, and how many of the window's scores should go strong (-1: not calibrated)."""
+        if self.target_share <= 0.0:
+            return math.inf, 0
+        if self.target_share >= 1.0:
+            return -math.inf, len(self._sorted)
+        n = len(self._sorted)
+        if n < self.min_samples:
+            return self.initial_threshold, -1
+        strong = round(self.target_share * n)
+        if strong <= 0:
+            return math.inf, 0
+        if strong >= n:
+            return -math.inf, n
+        return self._sorted[n - strong - 1], strong
 
     def route_strong(self, score: float) -> bool:
         """Record `score` as traffic, then say whether this request goes to the strong model."""
-        self.observe(score)
-        return score > self.threshold()
+        with self._lock:
+            self._observe(score)
+            threshold, strong = self._threshold()
+            if score != threshold or strong < 0:
+                return score > threshold
+            # Tied at the threshold: of the window's scores equal to it, `strong - above` belong to the
+            # top share. Send that proportion of the tied requests strong (deterministically, by
+            # accumulating it), so a window of equal scores still gets its target share.
+            equal = bisect.bisect_right(self._sorted, score) - bisect.bisect_left(self._sorted, score)
+            above = len(self._sorted) - bisect.bisect_right(self._sorted, score)
+            self._tie_credit += (strong - above) / equal
+            if self._tie_credit >= 1.0:
+                self._tie_credit -= 1.0
+                return True
+            return False
 
     def __len__(self) -> int:
         return len(self._recent)

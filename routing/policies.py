@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from routing.load import LoadReports
 from routing.plan import Choice, Features
 from routing.prefixes import PrefixIndex, cuts, prefix_keys
 from routing.routes import Route
-from routing.stats import RoutingStats
+from routing.stats import RETRY_UNMEASURED_S, RoutingStats
 
 if TYPE_CHECKING:
     from routing.difficulty import HeadChoice
@@ -34,8 +38,9 @@ class PolicyContext:
     head: HeadChoice = "auto"  # which shipped classifier: "auto", "encoder" or "static" (routing.difficulty)
     serving: str | None = None  # the shipped head in use once loaded ("encoder" or "static"), for metrics
     heads: HeadStore | None = None  # trained heads routes name (`Route.head`), with the admin DB
-    # (route name, which head scores) -> StrongShareCalibrator: a new head starts a new window.
-    calibrators: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # (route name, which head scores[, the route's conditions]) -> StrongShareCalibrator: a new head
+    # starts a new window, and so does each route of a shared name that has conditions of its own.
+    calibrators: dict[tuple[str, ...], Any] = field(default_factory=dict)
     affinity: dict[str, list[int]] = field(default_factory=dict)  # route name -> [hits, requests]
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prefix affinity's memory
     loads: LoadReports = field(default_factory=LoadReports)  # engine replicas' own queue reports
@@ -85,13 +90,15 @@ async def order(
 
 def weighted(choices: list[Choice], rng: random.Random) -> list[Choice]:
     # Weighted sampling without replacement (Efraimidis-Spirakis): the first is drawn by weight, the
-    # rest follow in a weighted-random order as fallbacks.
+    # rest follow in a weighted-random order as fallbacks. The key u^(1/w) is compared as its log,
+    # ln(u)/w: the power underflows to 0 for small weights (0.001 and 0.003 tied at 0 in 5% of draws,
+    # which then went to the first listed) and rounds to 1 for huge ones.
     keyed = []
     for choice in choices:
         weight = max(choice.candidate.weight, 1e-9)
         choice.score = weight
         choice.reason = "weighted"
-        keyed.append((rng.random() ** (1.0 / weight), choice))
+        keyed.append((math.log(1.0 - rng.random()) / weight, choice))  # 1 - [0, 1): never log(0)
     keyed.sort(key=lambda item: item[0], reverse=True)
     return [choice for _, choice in keyed]
 
@@ -132,20 +139,42 @@ def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyCo
             choice.reason = why
             misfits.append(choice)
     fitting.sort(key=lambda c: c.score or 0.0)
-    return fitting or misfits  # nothing fits: let the backend refuse it with its own message
+    if fitting:
+        return fitting
+
+    # Nothing fits: let the backends refuse it with their own message, but ask first those likeliest
+    # to take it (a 400 ends the request: it never fails over). The prompt's size is an estimate, so
+    # a window too small may still do, the largest first; a missing capability is certain, so last.
+    def likeliest(choice: Choice) -> tuple[int, float, float]:
+        candidate = choice.candidate
+        lacks = (feats.tools and not candidate.tools) + (feats.images and not candidate.vision)
+        window = candidate.context_window
+        return lacks, -(window if window is not None else math.inf), choice.score or 0.0
+
+    return sorted(misfits, key=likeliest)
 
 
 def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:
     output_tokens = feats.max_output_tokens or route.expected_output_tokens
+    now = time.monotonic()
+    ranks: dict[int, int] = {}  # id(choice) -> 0 unmeasured, 1 measured, 2 unmeasured and failing
     for choice in choices:
         stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
         if stats.ttft_s is None:
+            if stats.failed_at is not None and now - stats.failed_at < RETRY_UNMEASURED_S:
+                # Tried and failed: it had its turn. First again, it would be every request's first
+                # attempt, for having no slow numbers (with no breaker, until it answers).
+                choice.score, choice.reason = None, "unmeasured_failed"
+                ranks[id(choice)] = 2
+                continue
             # Never measured: try it first, so every candidate gets measured.
             choice.score, choice.reason = 0.0, "unmeasured"
+            ranks[id(choice)] = 0
             continue
         decode = output_tokens / stats.tokens_per_s if stats.tokens_per_s else 0.0
         choice.score, choice.reason = stats.ttft_s + decode, "expected_seconds"
-    return sorted(choices, key=lambda c: c.score or 0.0)
+        ranks[id(choice)] = 1
+    return sorted(choices, key=lambda c: (ranks[id(c)], c.score or 0.0))
 
 
 async def difficulty(
@@ -169,7 +198,11 @@ async def difficulty(
     if route.strong_share is not None:
         from routing.difficulty import StrongShareCalibrator
 
-        key = (route.name, head or "")
+        # Routes that share a name (`when:` tells them apart) each rank their own traffic against their
+        # own target: with one window they took turns replacing it, so none ever left the warm-up.
+        key: tuple[str, ...] = (route.name, head or "")
+        if route.when is not None:
+            key += (msgspec.json.encode(route.when).decode(),)
         calibrator = ctx.calibrators.get(key)
         if calibrator is None or calibrator.target_share != route.strong_share:
             calibrator = StrongShareCalibrator(route.strong_share, initial_threshold=route.threshold)

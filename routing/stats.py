@@ -4,6 +4,7 @@ usage events every attempt produces (so it sees exactly what the ledger sees).""
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -15,6 +16,9 @@ WINDOW = 200  # recent TTFTs kept for the p95
 # mostly scheduling jitter: on a loaded host one 0.3 s stall turned a 3-token stream's 100 tokens/s
 # into 6, which then outweighed any difference in time to first token (a flaky lowest_latency test).
 MIN_DECODE_TOKENS = 16
+# `lowest_latency` tries a candidate it has not measured first, so that it gets measured; one whose
+# last attempt failed (no answer, 429, 5xx) has had that try and waits this long for another.
+RETRY_UNMEASURED_S = 30.0
 
 
 @dataclass(slots=True)
@@ -25,6 +29,7 @@ class ModelStats:
     cache_hit_rate: float | None = None  # moving average share of prompt tokens read from cache
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     samples: int = 0
+    failed_at: float | None = None  # monotonic time of the backend's last failed attempt, until one succeeds
 
     def p95_ttft(self) -> float | None:
         if not self.ttfts:
@@ -54,8 +59,13 @@ class RoutingStats:
 
     def record(self, event: UsageEvent) -> None:
         if not event.ok:
-            return  # failures feed the breakers, not the speed estimates
+            # Failures feed the breakers, not the speed estimates; the backend's own (not a 4xx the
+            # request caused, nor a 499: cancelled by a hedge, a client or the TTFT timeout) are noted.
+            if event.status == 0 or event.status == 429 or event.status >= 500:
+                self.get(event.backend, event.model).failed_at = time.monotonic()
+            return
         stats = self.get(event.backend, event.model)
+        stats.failed_at = None
         stats.samples += 1
         latency = event.latency_ms / 1000
         stats.latency_s = _ewma(stats.latency_s, latency)

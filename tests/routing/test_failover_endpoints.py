@@ -43,7 +43,6 @@ def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
     return fresh(_routed)
 
 
-
 # --- completions -----------------------------------------------------------------------------------
 
 

@@ -1,0 +1,334 @@
+"""Routing policies at their edges, planned in-process (no HTTP): weights far apart, nothing that
+fits, cold and failing candidates, scores at and around a threshold, strong shares on little, equal or
+split traffic. Each checks the plan's order and what `x-weir-route` says about it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import random
+
+import msgspec
+import pytest
+
+from gateway.accounting.events import UsageEvent
+from gateway.auth import Principal
+from gateway.config import parse_config
+from gateway.router_basic import ModelTable
+from gateway.types import ChatRequest
+from gateway.usage import Usage
+from routing.plan import Features, Plan, features
+from routing.router import Router
+from routing.routes import Candidate, Conditions, Route
+from routing.stats import RETRY_UNMEASURED_S
+
+CONFIG = """\
+backends:
+  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
+  - {name: other, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
+models:
+  - {name: small, backend: openai, price: {input: 0.15, cached_input: 0.015, output: 0.6}}
+  - {name: mid, backend: openai, price: {input: 1, cached_input: 0.1, output: 4}}
+  - {name: big, backend: other, price: {input: 3, cached_input: 0.3, output: 15}}
+"""
+ACME = Principal(tenant_id="t1", tenant_name="acme", key_id="k1")
+OTHER = Principal(tenant_id="t2", tenant_name="other", key_id="k2")
+
+
+def router(*routes: Route, seed: int = 0) -> Router:
+    r = Router(ModelTable(parse_config(CONFIG, {})), routes)
+    r.context.rng = random.Random(seed)
+    return r
+
+
+def route(name: str, policy: str, *models: str, **fields: object) -> Route:
+    return Route(
+        name=name,
+        policy=policy,  # type: ignore[arg-type]
+        candidates=[Candidate(model=m) for m in models],
+        probe_interval=None,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def feats(
+    text: str = "hello", principal: Principal = ACME, tools: bool = False, image: bool = False
+) -> Features:
+    content: object = text
+    if image:
+        url = "data:image/png;base64,iVBORw0KGgo="
+        content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+    body: dict[str, object] = {"model": "r", "messages": [{"role": "user", "content": content}]}
+    if tools:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    return features(msgspec.convert(body, ChatRequest), principal.tenant_name, principal.key_id)
+
+
+def header(plan: Plan) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in plan.header().split("; "))
+
+
+def event(model: str, *, status: int = 200, ttft_s: float | None = 0.1, cached: int = 0) -> UsageEvent:
+    backend = "other" if model == "big" else "openai"
+    return UsageEvent(
+        request_id="r",
+        attempt=1,
+        ts=dt.datetime.now(dt.UTC),
+        tenant_id=None,
+        key_id=None,
+        route="r",
+        backend=backend,
+        model=model,
+        usage=Usage(input_tokens=1000 - cached, cached_input_tokens=cached, output_tokens=40),
+        prices={},
+        cost_pico_usd=0,
+        latency_ms=((ttft_s or 0.1) + 0.4) * 1000,
+        ttft_ms=None if ttft_s is None else ttft_s * 1000,
+        status=status,
+    )
+
+
+def within_binomial(count: int, n: int, p: float) -> bool:
+    """`count` of `n` draws is within 5 standard deviations of n·p (a false alarm in ~1 of 2 million)."""
+    return abs(count - n * p) <= 5 * math.sqrt(n * p * (1 - p)) + 1
+
+
+# --- weighted ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        (100.0, 1.0, 1.0),  # one weight far above the rest
+        (0.0001, 0.0003, 0.0003),  # small weights: u^(1/w) underflowed to 0, ties went to the first
+        (1e17, 3e17, 3e17),  # huge ones: it rounded to 1
+    ],
+)
+async def test_weighted_first_choice_follows_the_weights(weights: tuple[float, ...]) -> None:
+    r = Route(
+        name="w",
+        policy="weighted",
+        candidates=[
+            Candidate(model=m, weight=w) for m, w in zip(("small", "mid", "big"), weights, strict=True)
+        ],
+        probe_interval=None,
+    )
+    planner = router(r, seed=11)
+    n, first = 2000, {"small": 0, "mid": 0, "big": 0}
+    for _ in range(n):
+        plan = await planner.plan("w", ACME, feats())
+        first[plan.choices[0].candidate.model] += 1
+        assert sorted(c.candidate.model for c in plan.choices) == ["big", "mid", "small"]
+    total = sum(weights)
+    for model, weight in zip(("small", "mid", "big"), weights, strict=True):
+        assert within_binomial(first[model], n, weight / total), (first, weights)
+    # The header's score is the chosen candidate's weight.
+    chosen = plan.choices[0]
+    assert header(plan)["score"] == f"{chosen.candidate.weight:.6g}" and header(plan)["reason"] == "weighted"
+
+
+async def test_weighted_shares_an_open_candidates_traffic_by_the_others_weights() -> None:
+    """The executor skips a candidate whose breaker is open and takes the next in plan order: the
+    order after the first is weighted too, so the rest split its traffic by their own weights."""
+    r = Route(
+        name="w",
+        policy="weighted",
+        candidates=[
+            Candidate(model="small", weight=8),
+            Candidate(model="mid"),
+            Candidate(model="big", weight=3),
+        ],
+        probe_interval=None,
+    )
+    planner = router(r, seed=5)
+    n, served = 2000, {"mid": 0, "big": 0}
+    for _ in range(n):
+        plan = await planner.plan("w", ACME, feats())
+        served[next(c.candidate.model for c in plan.choices if c.candidate.model != "small")] += 1
+    assert within_binomial(served["mid"], n, 0.25), served
+
+
+# --- cheapest ---------------------------------------------------------------------------------------
+
+
+async def test_cheapest_with_nothing_that_fits_asks_the_likeliest_candidate_first() -> None:
+    """A 400 is never failed over, so the first candidate is the only one asked: where nothing fits by
+    the estimate, the largest window (the prompt's size is estimated) goes first, and a candidate that
+    lacks a capability the request needs goes last. Before, the first listed went first."""
+    r = Route(
+        name="c",
+        policy="cheapest",
+        candidates=[
+            Candidate(model="small", context_window=1000),
+            Candidate(model="big", context_window=4000, tools=False),
+            Candidate(model="mid", context_window=3000),
+        ],
+        probe_interval=None,
+    )
+    planner = router(r)
+    long = "word " * 4000  # ~5,000 tokens by the estimate: above every window
+    plan = await planner.plan("c", ACME, feats(long))
+    assert [c.candidate.model for c in plan.choices] == ["big", "mid", "small"]
+    route_header = header(plan)
+    assert (route_header["candidate"], route_header["reason"]) == ("big", "context_window")
+    assert float(route_header["score"]) > 0  # still the expected USD
+    # With tools: big cannot take them whatever the prompt's real size, so the widest that can.
+    plan = await planner.plan("c", ACME, feats(long, tools=True))
+    assert [c.candidate.model for c in plan.choices] == ["mid", "small", "big"]
+    assert [c.reason for c in plan.choices] == ["context_window", "context_window", "context_window"]
+    # A short prompt with tools: only big misfits, and a misfit is not in the failover order.
+    plan = await planner.plan("c", ACME, feats("hi", tools=True))
+    assert [c.candidate.model for c in plan.choices] == ["small", "mid"]
+    assert header(plan)["reason"] == "cheapest_fit"
+    # An image, and no candidate says it lacks vision: they fit.
+    plan = await planner.plan("c", ACME, feats("hi", image=True))
+    assert plan.choices[0].candidate.model == "small"
+
+
+async def test_cheapest_learns_the_cache_hit_share_of_each_model_from_traffic() -> None:
+    """The configured `cache_hit_rate` holds until the model's usage events are seen; then the observed
+    share (of that model, whoever sent the traffic) replaces it, in both directions."""
+    r = Route(
+        name="c",
+        policy="cheapest",
+        candidates=[Candidate(model="mid", cache_hit_rate=0.95), Candidate(model="small")],
+        probe_interval=None,
+        expected_output_tokens=1,
+    )
+    planner = router(r)
+    prompt = "w " * 20000  # prompt-heavy: the input price decides
+    plan = await planner.plan("c", ACME, feats(prompt))
+    assert plan.choices[0].candidate.model == "mid"  # 95% of its prompt at a tenth of 1.00 < 0.15
+    planner.stats.record(event("mid", cached=0))  # another tenant's traffic: no cache hits seen
+    plan = await planner.plan("c", OTHER, feats(prompt))
+    assert [c.candidate.model for c in plan.choices] == ["small", "mid"]
+    assert float(header(plan)["score"]) == pytest.approx(10001 * 0.15 / 1e6 + 0.6 / 1e6)
+
+
+# --- lowest_latency -----------------------------------------------------------------------------------
+
+
+async def test_lowest_latency_measures_each_candidate_then_keeps_the_fastest() -> None:
+    planner = router(route("f", "lowest_latency", "small", "mid", "big"))
+    explored = []
+    for ttft in (0.5, 0.05, 0.3):  # each answer measures the candidate it went to
+        plan = await planner.plan("f", ACME, feats())
+        first = plan.choices[0]
+        assert (first.reason, first.score) == ("unmeasured", 0.0)
+        explored.append(first.candidate.model)
+        planner.stats.record(event(first.candidate.model, ttft_s=ttft))
+    assert explored == ["small", "mid", "big"]
+    plan = await planner.plan("f", ACME, feats())
+    assert [c.candidate.model for c in plan.choices] == ["mid", "big", "small"]
+    route_header = header(plan)
+    assert (route_header["candidate"], route_header["reason"]) == ("mid", "expected_seconds")
+
+
+async def test_lowest_latency_does_not_keep_a_failing_unmeasured_candidate_first() -> None:
+    """A candidate that never answered has no slow numbers: it stayed "unmeasured", so it was every
+    request's first attempt (with no breaker, for as long as it failed). It had its turn: after its
+    failure it goes behind the measured ones, and is tried first again once RETRY_UNMEASURED_S passed."""
+    planner = router(route("f", "lowest_latency", "small", "mid", breaker=None))
+    planner.stats.record(event("mid", ttft_s=0.2))
+    plan = await planner.plan("f", ACME, feats())
+    assert plan.choices[0].candidate.model == "small"  # unmeasured: explored first
+    planner.stats.record(event("small", status=503, ttft_s=None))
+    for _ in range(3):
+        plan = await planner.plan("f", ACME, feats())
+        assert [c.candidate.model for c in plan.choices] == ["mid", "small"]
+    assert plan.choices[1].reason == "unmeasured_failed"
+    assert header(plan)["candidate"] == "mid"
+    # A 4xx the request caused, or a cancelled attempt (499), says nothing about the candidate.
+    for status in (400, 499):
+        planner.stats.get("openai", "small").failed_at = None
+        planner.stats.record(event("small", status=status, ttft_s=None))
+        assert (await planner.plan("f", ACME, feats())).choices[0].candidate.model == "small"
+    planner.stats.record(event("small", status=0, ttft_s=None))  # never answered
+    assert (await planner.plan("f", ACME, feats())).choices[0].candidate.model == "mid"
+    stats = planner.stats.get("openai", "small")
+    assert stats.failed_at is not None
+    stats.failed_at -= RETRY_UNMEASURED_S + 1
+    assert (await planner.plan("f", ACME, feats())).choices[0].candidate.model == "small"
+
+
+async def test_lowest_latency_follows_a_candidate_that_gets_slower() -> None:
+    planner = router(route("f", "lowest_latency", "small", "mid"))
+    for _ in range(5):
+        planner.stats.record(event("small", ttft_s=0.1))
+        planner.stats.record(event("mid", ttft_s=0.3))
+    planner.stats.record(event("small", ttft_s=1.0))  # one slow answer: a moving average, not the last
+    assert (await planner.plan("f", ACME, feats())).choices[0].candidate.model == "small"
+    planner.stats.record(event("small", ttft_s=1.0))
+    planner.stats.record(event("small", ttft_s=1.0))
+    plan = await planner.plan("f", ACME, feats())
+    assert [c.candidate.model for c in plan.choices] == ["mid", "small"]
+
+
+# --- difficulty ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("threshold", "p_strong", "strong"),
+    [(0.5, 0.5, False), (0.5, 0.5000001, True), (0.0, 0.0, False), (0.0, 0.001, True), (1.0, 1.0, False)],
+)
+async def test_difficulty_goes_strong_only_above_the_threshold(
+    threshold: float, p_strong: float, strong: bool
+) -> None:
+    planner = router(route("d", "difficulty", "small", "big", threshold=threshold))
+    planner.context.scorer = lambda prompt: p_strong
+    plan = await planner.plan("d", ACME, feats())
+    route_header = header(plan)
+    assert route_header["candidate"] == ("big" if strong else "small")
+    assert route_header["reason"] == ("hard" if strong else "easy")
+    assert float(route_header["score"]) == pytest.approx(p_strong)
+    assert float(route_header["threshold"]) == threshold
+
+
+@pytest.mark.parametrize(("share", "p_strong", "model"), [(0.0, 0.99, "small"), (1.0, 0.01, "big")])
+async def test_a_strong_share_of_0_or_1_holds_from_the_first_request(
+    share: float, p_strong: float, model: str
+) -> None:
+    """Until the window holds enough scores the route's `threshold` applies, but a share of 0 means
+    never strong and 1 always: the first requests went by the 0.5 threshold instead."""
+    planner = router(route("d", "difficulty", "small", "big", strong_share=share))
+    planner.context.scorer = lambda prompt: p_strong
+    for _ in range(5):
+        plan = await planner.plan("d", ACME, feats())
+        assert plan.choices[0].candidate.model == model
+    assert header(plan)["threshold"] == ("inf" if share == 0 else "-inf")
+
+
+async def test_a_strong_share_holds_when_scores_are_equal() -> None:
+    """Scores tied at the threshold (one repeated prompt, a head that scores many alike): the share of
+    them that keeps the target goes strong. Before, none did: 0% strong for any share below 1."""
+    planner = router(route("d", "difficulty", "small", "big", strong_share=0.3))
+    scores = iter([0.4] * 600 + [0.2 if i % 2 else 0.4 for i in range(3000)])
+    planner.context.scorer = lambda prompt: next(scores)
+    picks = [(await planner.plan("d", ACME, feats())).choices[0].candidate.model for _ in range(3600)]
+    assert picks[:50] == ["small"] * 50  # the warm-up: 0.4 is not above the route's 0.5
+    assert picks[100:600].count("big") == pytest.approx(150, abs=2)  # all equal: 30% of them
+    # Half at 0.2, half at 0.4 once the window (2,000) holds only the mix: the 0.4s are the top half,
+    # and 60% of them keep the route at 30%.
+    assert picks[-1000:].count("big") == pytest.approx(300, abs=3)
+
+
+async def test_routes_sharing_a_name_keep_their_own_strong_share() -> None:
+    """Two routes of one name (`when:` tells them apart) with their own targets: they shared one
+    window, each replacing the other's whenever its target differed, so neither left the warm-up and
+    both went by the 0.5 threshold (half strong, whatever the target)."""
+    routes = [
+        route("d", "difficulty", "small", "big", strong_share=0.1, when=Conditions(tenants=["acme"])),
+        route("d", "difficulty", "small", "big", strong_share=0.7),
+    ]
+    planner = router(*routes)
+    rng = random.Random(3)
+    planner.context.scorer = lambda prompt: rng.random()
+    strong = {"acme": 0, "other": 0}
+    for i in range(1200):
+        principal = ACME if i % 2 else OTHER
+        plan = await planner.plan("d", principal, feats(principal=principal))
+        if i >= 400:  # both windows past their warm-up
+            strong[principal.tenant_name] += plan.choices[0].candidate.model == "big"
+    assert strong["acme"] / 400 == pytest.approx(0.1, abs=0.06)
+    assert strong["other"] / 400 == pytest.approx(0.7, abs=0.08)
+    assert len(planner.context.calibrators) == 2
