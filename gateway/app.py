@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -80,6 +81,10 @@ def create_app(
         gateway.router.use_control_plane(control.sessions, control.state, on_probe=control.uptime.record)
         gateway.comparer.use_control_plane(control.sessions, control.admission.finish, control.state)
         gateway.executor.hedges.state = control.state  # hedged spend capped across replicas
+        # `cheapest` and the spend caps' estimates price at the catalog's prices, which bill.
+        gateway.router.context.prices = lambda backend, model: control.catalog.prices_at(
+            backend, model, dt.datetime.now(dt.UTC)
+        )
         gateway.metrics.watch_budgets(lambda: control.admission.budget_usage_ratio)
     security = SecurityControls.build(gateway, control)  # stored vendor keys, prompt storage
 

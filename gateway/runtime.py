@@ -71,7 +71,7 @@ class Gateway:
         self.comparer = Comparer(
             self.pipeline,
             self.models,
-            self.router.stats,
+            self.router.context,
             lambda principal: self.limits.policy(principal).store_prompts,
             self.metrics.registry,
         )

@@ -45,10 +45,9 @@ from gateway.pipeline import Call, Pipeline, RequestInfo
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
 from routing.execute import SpendCap
 from routing.plan import CHARS_PER_TOKEN, Choice, Features, Plan
-from routing.policies import expected_cost
+from routing.policies import PolicyContext, expected_cost
 from routing.ranking import head_ranking
 from routing.routes import Candidate
-from routing.stats import RoutingStats
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -201,13 +200,13 @@ class Comparer:
         self,
         pipeline: Pipeline,
         models: ModelTable,
-        stats: RoutingStats,
+        context: PolicyContext,
         stores_prompts: Callable[[Principal], bool],
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.models = models
-        self.stats = stats
+        self.context = context  # observed cache hits and the price catalog, for cost estimates
         self.stores_prompts = stores_prompts
         self.sessions: async_sessionmaker[AsyncSession] | None = None
         self.on_finish: Callable[[str], None] | None = None
@@ -368,14 +367,14 @@ class Comparer:
 
     def _estimate(self, job: Job, other: Candidate, other_target: Target, judge_target: Target) -> float:
         output = job.feats.max_output_tokens or job.route.expected_output_tokens
-        answer = expected_cost(Choice(other_target, other), job.feats, output, self.stats)
+        answer = expected_cost(Choice(other_target, other), job.feats, output, self.context)
         judge_in = job.feats.prompt_tokens + 2 * max(len(job.answer) // CHARS_PER_TOKEN, output)
         judge_feats = dataclasses.replace(job.feats, prompt_tokens=judge_in)
         judge = expected_cost(
             Choice(judge_target, Candidate(model=judge_target.model.name)),
             judge_feats,
             JUDGE_EXPECTED_OUTPUT,
-            self.stats,
+            self.context,
         )
         assert job.route.compare is not None
         return answer + judge * (2 if job.route.compare.both_orders else 1)

@@ -341,7 +341,7 @@ class Executor:
             plan.chosen = primary
             return first.result()
         output = feats.max_output_tokens or route.expected_output_tokens
-        usd = expected_cost(partner, feats, output, self.context.stats)
+        usd = expected_cost(partner, feats, output, self.context)
         tenant = call.principal.tenant_id or "anonymous"
         if not await self.hedges.allow(tenant, usd, route.hedge.max_spend_usd_per_hour):
             plan.note = (plan.note + "; " if plan.note else "") + "hedge=capped"

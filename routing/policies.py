@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gateway.accounting.pricing import TokenClass, sheet_of
 from routing.load import LoadReports
 from routing.plan import Choice, Features
 from routing.prefixes import PrefixIndex, cuts, prefix_keys
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from routing.heads import HeadStore
 
 Scorer = Callable[[str], float]  # prompt -> p_strong
+# (backend, upstream model) -> the price catalog's micro-USD per 1M tokens by token class, valid now;
+# empty where the catalog has none.
+PriceLookup = Callable[[str, str], dict[TokenClass, int]]
 
 
 @dataclass
@@ -45,6 +49,9 @@ class PolicyContext:
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prefix affinity's memory
     loads: LoadReports = field(default_factory=LoadReports)  # engine replicas' own queue reports
     rng: random.Random = field(default_factory=random.Random)
+    # The admin DB's price catalog, which bills every attempt (an admin may change it at any time);
+    # None, or a model it has no row for: the config's `price`.
+    prices: PriceLookup | None = None
 
     def score_difficulty(self, prompt: str) -> float:
         if self.scorer is None:
@@ -116,21 +123,33 @@ def fits(choice: Choice, feats: Features, output_tokens: int) -> str | None:
     return None
 
 
-def expected_cost(choice: Choice, feats: Features, output_tokens: int, stats: RoutingStats) -> float:
-    """Expected USD for this request, counting the share of the prompt the cache is expected to serve."""
-    price = choice.target.model.price
-    observed = stats.get(choice.target.backend.name, choice.target.upstream_model).cache_hit_rate
+def expected_cost(choice: Choice, feats: Features, output_tokens: int, ctx: PolicyContext) -> float:
+    """Expected USD for this request at the prices that will bill it, counting the share of the prompt
+    the cache is expected to serve."""
+    backend, model = choice.target.backend.name, choice.target.upstream_model
+    catalog = ctx.prices(backend, model) if ctx.prices is not None else {}
+    if catalog:  # resolved as billing resolves it, in micro-USD per 1M tokens
+        sheet = sheet_of(catalog)
+        input_price, cached_price, output_price = (
+            sheet.input / 1e6,
+            sheet.cached_input / 1e6,
+            sheet.output / 1e6,
+        )
+    else:
+        price = choice.target.model.price
+        input_price, output_price = float(price.input), float(price.output)
+        cached_price = float(price.cached_input) if price.cached_input is not None else input_price
+    observed = ctx.stats.get(backend, model).cache_hit_rate
     hit = observed if observed is not None else choice.candidate.cache_hit_rate
-    cached_price = float(price.cached_input if price.cached_input is not None else price.input)
-    per_prompt_token = (1 - hit) * float(price.input) + hit * cached_price
-    return (feats.prompt_tokens * per_prompt_token + output_tokens * float(price.output)) / 1e6
+    per_prompt_token = (1 - hit) * input_price + hit * cached_price
+    return (feats.prompt_tokens * per_prompt_token + output_tokens * output_price) / 1e6
 
 
 def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:
     output_tokens = feats.max_output_tokens or route.expected_output_tokens
     fitting, misfits = [], []
     for choice in choices:
-        choice.score = expected_cost(choice, feats, output_tokens, ctx.stats)
+        choice.score = expected_cost(choice, feats, output_tokens, ctx)
         why = fits(choice, feats, output_tokens)
         if why is None:
             choice.reason = "cheapest_fit"

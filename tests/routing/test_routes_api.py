@@ -204,6 +204,37 @@ def test_created_then_deleted_route(replicas: Replicas) -> None:
     assert "cheap" not in status["routes"] and "auto" in status["routes"]
 
 
+def test_cheapest_prices_at_the_catalog_an_admin_edits(replicas: Replicas) -> None:
+    """Every attempt is billed at the price catalog's prices, which an admin can change at any time:
+    `cheapest` ranks at those, not at the config's (which only seed the catalog)."""
+    _, key = replicas.key("acme")
+    created = replicas.admin[0].post(
+        "/routes",
+        json={
+            "name": "cheap",
+            "policy": "cheapest",
+            "candidates": [{"model": "claude-sonnet"}, {"model": "gpt-4o-mini"}],
+        },
+    )
+    assert created.status_code == 201, created.text
+    assert replicas.route_of(0, key, "cheap")["candidate"] == "gpt-4o-mini"  # $0.15 against $3 per 1M
+    # The seeded rows are the config's, per backend; the admin raises gpt-4o-mini's above Sonnet's.
+    dearer = {
+        "prices": [
+            {
+                "backend": "openai",
+                "model": "gpt-4o-mini",
+                "token_class": token_class,
+                "usd_per_1m_tokens": usd,
+            }
+            for token_class, usd in (("input", "50"), ("output", "100"))
+        ]
+    }
+    assert replicas.admin[0].put("/prices", json=dearer).status_code == 200
+    route = replicas.route_of(0, key, "cheap")
+    assert route["candidate"] == "claude-sonnet" and route["reason"] == "cheapest_fit"
+
+
 def test_a_breaker_opened_on_one_replica_opens_on_the_other(
     replicas: Replicas, fake_openai: FakeOpenAI
 ) -> None:
