@@ -479,7 +479,10 @@ def _promote(
             if problem := await _serves_others(session, name, route):
                 return problem
             row = await session.get(RouteRow, route.id)
-            if row is None or (row.spec or {}).get("head") != route.head:
+            # Any edit, not only to its head: one that shares the route with other tenants, or changes
+            # its candidates, would make this head's promotion decide what it was not trained for.
+            spec = (row.spec or {}) if row is not None else None
+            if spec is None or spec.get("head") != route.head or spec != (route.spec or spec):
                 return f"route {route.id} changed while the head was being trained: run again"
             stored, before = await put_head(session, name, data, head)
             session.add(

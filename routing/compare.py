@@ -12,7 +12,7 @@ option (routing.routes.Compare) buys those labels on live traffic:
 - each of these calls is a usage event of the tenant's own (`purpose=compare` or `purpose=judge` and
   `for=<request id>` in its routing column), admitted like any request (rate limits, budgets), and
   capped per tenant by `max_spend_usd_per_hour` (estimated before the calls, as hedging is) and per
-  replica by `max_in_flight`;
+  route and replica by `max_in_flight`;
 - the grades go to the `comparisons` table. `weir router train --tenant` joins them with the stored
   prompt as it does feedback, so only tenants with `store_prompts` on are compared: the prompt is what
   a head learns from, and only those tenants agreed to have it kept.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import json
 import random
 import re
 from collections import deque
@@ -74,10 +75,30 @@ JUDGE_MAX_TOKENS = 1024
 JUDGE_EXPECTED_OUTPUT = 64  # tokens, for the estimate the spend cap checks before the calls
 MAX_SECTION_CHARS = 24_000  # of the conversation and of each answer shown to the judge
 _SCORE = re.compile(r"""["']?\b([AB])\b["']?\s*[:=]\s*(\d+(?:\.\d+)?)""")
+_JSON = json.JSONDecoder()
+
+
+def _grade(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1.0 <= value <= 10.0:
+        return None
+    return float(value)
 
 
 def parse_verdict(text: str) -> tuple[float, float] | None:
-    """The judge's grades of A and B (1..10), the last given for each; None unless both are there."""
+    """The judge's grades of A and B (1..10); None unless both are there. The verdict is the last JSON
+    object with both, as asked for: what a judge writes after it ("B: 7 steps are missing") is no
+    grade. Without such an object, the last `A: n` and `B: n` written."""
+    verdict = None
+    for brace in re.finditer(r"\{", text):
+        try:
+            value, _ = _JSON.raw_decode(text, brace.start())
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(value, dict) and "A" in value and "B" in value:
+            verdict = value
+    if verdict is not None:
+        a, b = _grade(verdict["A"]), _grade(verdict["B"])
+        return None if a is None or b is None else (a, b)
     found = {label: float(value) for label, value in _SCORE.findall(text)}
     if set(found) != {"A", "B"} or not all(1.0 <= v <= 10.0 for v in found.values()):
         return None
@@ -213,6 +234,7 @@ class Comparer:
         self.spend = SpendCap("compare")
         self.rng = random.Random()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.in_flight: dict[str, int] = {}  # comparisons running, per route name (`max_in_flight`)
         self.outcomes = Counter(
             "weir_route_comparisons",
             "Comparisons of a difficulty route's candidates by outcome: judged; not started (busy, "
@@ -285,7 +307,9 @@ class Comparer:
             self.outcomes.labels(route.name, "skipped").inc()
             return
         assert route.compare is not None  # wants() sampled it
-        if len(self.tasks) >= route.compare.max_in_flight:
+        # Per route: another route's comparisons must not starve this one's.
+        running = self.in_flight.get(route.name, 0)
+        if running >= route.compare.max_in_flight:
             self.outcomes.labels(route.name, "busy").inc()
             return
         first: Role = "weak" if self.rng.random() < 0.5 else "strong"
@@ -305,7 +329,13 @@ class Comparer:
         # A fresh context: the client's exchange (stream leases, prompt capture) is not this work's.
         task = asyncio.get_running_loop().create_task(self._compare(job), context=contextvars.Context())
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.in_flight[route.name] = running + 1
+        task.add_done_callback(lambda done: self._finished(done, route.name))
+
+    def _finished(self, task: asyncio.Task[None], route: str) -> None:
+        self.tasks.discard(task)
+        if (left := self.in_flight.pop(route, 1) - 1) > 0:
+            self.in_flight[route] = left
 
     async def _compare(self, job: Job) -> None:
         route = job.route

@@ -91,16 +91,19 @@ def answered_by(row: UsageEventRow) -> str:
 
 
 async def tenant_names(sessions: async_sessionmaker[AsyncSession], tenant: str) -> tuple[str, str]:
-    """A tenant's id and name from either; ValueError when there is no such tenant."""
+    """A tenant's id and name from either; ValueError when there is no such tenant. An id wins over a
+    name: a tenant may be named like another's id, and every tenant can still be named by its id."""
     async with sessions() as session:
         found = (
             await session.execute(
                 select(Tenant.id, Tenant.name).where((Tenant.name == tenant) | (Tenant.id == tenant))
             )
-        ).first()
-    if found is None:
+        ).all()
+    if not found:
         raise ValueError(f"no tenant named {tenant!r}")
-    return found.id, found.name
+    by_id = [row for row in found if row.id == tenant]
+    row = (by_id or found)[0]
+    return row.id, row.name
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ class TenantRoute:
     # Its conditions name this tenant alone, so a head trained on the tenant's traffic may serve it
     # without deciding for anyone else.
     exclusive: bool
+    # The route as read: `--install` re-points it only if it is still this when it writes.
+    spec: dict[str, Any] | None = None
 
 
 async def tenant_route(
@@ -143,6 +148,7 @@ async def tenant_route(
             strong=candidates[1]["model"],
             head=spec.get("head"),
             exclusive=tenants is not None and len(tenants) == 1 and tenants[0] in names,
+            spec=spec,
         )
     whose = f" that tenant {tenant!r} reaches" if tenant is not None else ""
     raise ValueError(f"no difficulty route named {route!r}{whose} in the admin DB")
@@ -197,11 +203,15 @@ async def load_feedback(
             report.routed_by.append(c.head)
             report.used["both"] += 1
     for f in feedback:
-        event = answered.get(f.request_id)
-        if event is None:
+        events = answered.get(f.request_id)
+        if not events:
             report.skip("with no answered attempt in the ledger")
             continue
-        model = answered_by(event)
+        models = {answered_by(event) for event in events}
+        if len(models) > 1:  # a client that sent one request id twice: whose answer was scored?
+            report.skip("answered by different models under one request id")
+            continue
+        model = models.pop()
         role = "weak" if model == weak else "strong" if model == strong else None
         if role is None:
             report.skip("answered by another model")
@@ -223,13 +233,14 @@ async def load_feedback(
 async def _by_request(
     session: AsyncSession, entity: Any, tid: str, ids: list[str], *where: Any
 ) -> dict[str, Any]:
-    """The tenant's rows of `entity` (a table with tenant_id and request_id) for these request ids."""
-    found: dict[str, Any] = {}
+    """The tenant's rows of `entity` (a table with tenant_id and request_id) for these request ids:
+    a list per id, as a client may send one request id (`x-request-id`) with several requests."""
+    found: dict[str, list[Any]] = {}
     for start in range(0, len(ids), 500):  # bounded IN lists
         chunk = ids[start : start + 500]
         query = select(entity).where(entity.tenant_id == tid, entity.request_id.in_(chunk), *where)
         for row in (await session.execute(query)).scalars():
-            found[row.request_id] = row
+            found.setdefault(row.request_id, []).append(row)
     return found
 
 
@@ -237,17 +248,24 @@ async def _by_request(
 Label = tuple[bool | None, bool | None]
 
 
-def _prompt(row: StoredPrompt | None, vault: Vault | None, report: FeedbackReport) -> str | None:
-    """The prompt text of a stored request; None (counted in the report) when there is none to read."""
-    if row is None:
+def _prompt(rows: list[StoredPrompt] | None, vault: Vault | None, report: FeedbackReport) -> str | None:
+    """The prompt text of a stored request; None (counted in the report) when there is none to read,
+    or when several requests sent under its id asked different things (which one was graded?)."""
+    if not rows:
         report.skip("without a stored prompt (store_prompts off, or past retention)")
         return None
-    try:
-        body, _ = read_body(row, vault)
-    except VaultError:
-        report.skip("encrypted under a key this machine lacks (set WEIR_MASTER_KEY)")
+    prompts = set()
+    for row in rows:
+        try:
+            body, _ = read_body(row, vault)
+        except VaultError:
+            report.skip("encrypted under a key this machine lacks (set WEIR_MASTER_KEY)")
+            return None
+        prompts.add(request_prompt(body))
+    if len(prompts) > 1:
+        report.skip("sent under a request id that requests with other prompts used too")
         return None
-    prompt = request_prompt(body)
+    prompt = prompts.pop()
     if prompt is None:
         report.skip("with no text prompt in the stored request")
     return prompt

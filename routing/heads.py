@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ def unbundle(data: bytes) -> DifficultyHead:
     try:
         header = json.loads(data[8 : 8 + header_len])
         meta = json.loads(header["__metadata__"][BUNDLE_KEY])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deep
         raise ValueError(
             f"not a difficulty head bundle: a safetensors file whose header metadata has {BUNDLE_KEY!r}"
         ) from None
@@ -93,6 +94,18 @@ def read_bundle(path: Path) -> bytes:
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with NaN and infinities as null: a head's metadata may hold them (an AUC of rows all of
+    one kind is NaN), and strict JSON, PostgreSQL's json type included, has no such values."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def check_name(name: str) -> None:
@@ -167,7 +180,7 @@ async def put_head(
         row = DifficultyHeadRow(name=name, created_at=now)
         session.add(row)
     row.digest, row.embedder, row.size = digest(data), head.embedder, len(data)
-    row.meta, row.bundle, row.updated_at = head.meta, data, now
+    row.meta, row.bundle, row.updated_at = json_safe(head.meta), data, now
     await session.flush()
     return row, before
 

@@ -81,7 +81,7 @@ class Compare(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     share: float = 0.02  # of the route's requests that can be compared (see routing.compare)
     # Estimated USD a tenant may spend on comparisons (the other candidate and the judge) per hour.
     max_spend_usd_per_hour: float = 1.0
-    max_in_flight: int = 4  # comparisons running at once on one replica; beyond it, none is started
+    max_in_flight: int = 4  # this route's comparisons running at once on one replica; beyond, none starts
     # Grade twice, the answers swapped the second time, and keep the comparison only when both
     # verdicts agree on which answers are acceptable: fewer labels, far fewer wrong ones, for a second
     # judge call (benchmarks/routing_adapt.py: it recovers what a 10%-wrong judge loses). False: once.

@@ -352,6 +352,12 @@ def fit_blend(components: np.ndarray, target: np.ndarray) -> np.ndarray:
     for equal weights), as the components are strongly correlated and their fitted weights unstable.
     """
     scale = unit_scale(components)
+    if np.ptp(target) == 0:
+        # Rows all of one kind (every one needed the strong model, or none did): there is nothing to
+        # rank, and Platt's optimum lies at infinity (the fit below returned NaN, or weights of 1e6).
+        # No skill: every prompt scores the base rate, with a pseudo-row of each kind.
+        rate = (float(target.sum()) + 1.0) / (len(target) + 2.0)
+        return np.array([*np.zeros_like(scale), np.log(rate / (1.0 - rate))], dtype=np.float32)
     x = torch.from_numpy((components @ scale).astype(np.float64))
     y = torch.from_numpy(target.astype(np.float64))
     w = torch.zeros(2, dtype=torch.float64, requires_grad=True)
