@@ -43,20 +43,24 @@ class CircuitBreaker:
                 self.state, self.trial_in_flight = State.HALF_OPEN, False
         return self.state
 
-    def allow(self, now: float | None = None) -> bool:
-        """May a request go there now? Half-open lets exactly one trial through at a time. A trial
-        that has not reported back within a cooldown (a stream its client left: neither success nor
-        failure) no longer holds the breaker: the next request becomes the trial."""
+    def admits(self, now: float | None = None) -> bool:
+        """Would a request go there now? Closed, or half-open with no trial under way. A trial that
+        has not reported back within a cooldown (a stream its client left: neither success nor
+        failure) no longer holds the breaker."""
         now = time.monotonic() if now is None else now
         state = self.current(now)
-        if state is State.CLOSED:
-            return True
-        if state is State.HALF_OPEN and (
-            not self.trial_in_flight or now - self.trial_started >= self.settings.cooldown
-        ):
+        if state is State.HALF_OPEN:
+            return not self.trial_in_flight or now - self.trial_started >= self.settings.cooldown
+        return state is State.CLOSED
+
+    def allow(self, now: float | None = None) -> bool:
+        """May a request go there now? Half-open lets exactly one trial through at a time: this one."""
+        now = time.monotonic() if now is None else now
+        if not self.admits(now):
+            return False
+        if self.state is State.HALF_OPEN:
             self.trial_in_flight, self.trial_started = True, now
-            return True
-        return False
+        return True
 
     def success(self) -> bool:
         """Record a success; True when this closed a breaker that was not closed."""

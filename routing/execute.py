@@ -336,14 +336,21 @@ class Executor:
         route = plan.route
         assert route.hedge is not None
         first = asyncio.ensure_future(self._attempt(call, plan, primary, op))
-        done, _ = await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
-        if done:
-            plan.chosen = primary
-            return first.result()
-        output = feats.max_output_tokens or route.expected_output_tokens
-        usd = expected_cost(partner, feats, output, self.context)
-        tenant = call.principal.tenant_id or "anonymous"
-        if not await self.hedges.allow(tenant, usd, route.hedge.max_spend_usd_per_hour):
+        try:
+            done, _ = await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
+            if done:
+                plan.chosen = primary
+                return first.result()
+            output = feats.max_output_tokens or route.expected_output_tokens
+            usd = expected_cost(partner, feats, output, self.context)
+            tenant = call.principal.tenant_id or "anonymous"
+            allowed = await self.hedges.allow(tenant, usd, route.hedge.max_spend_usd_per_hour)
+        except BaseException:
+            # Cancelled while waiting (the server shutting down, say): the attempt must not run on
+            # with no owner, holding its in-flight slot and, once it answered, a stream nobody closes.
+            await _abandon(first)
+            raise
+        if not allowed:
             plan.note = (plan.note + "; " if plan.note else "") + "hedge=capped"
             result = await first
             plan.chosen = primary
@@ -520,6 +527,14 @@ async def _first_output(opening: Awaitable[Batches]) -> tuple[list[list[Any]], B
         await batches.aclose()  # type: ignore[attr-defined]
         raise
     return held, batches
+
+
+async def _abandon(task: asyncio.Future[Any]) -> None:
+    """Cancel an attempt nobody will take the answer of, and close its stream if it has one."""
+    task.cancel()
+    result = (await asyncio.gather(task, return_exceptions=True))[0]
+    if hasattr(result, "aclose"):
+        await result.aclose()
 
 
 def _output(chunk: Any) -> bool:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gateway.accounting.pricing import TokenClass, sheet_of
+from routing.breaker import Breakers
 from routing.load import LoadReports
 from routing.plan import Choice, Features
 from routing.prefixes import PrefixIndex, cuts, prefix_keys
@@ -49,6 +50,9 @@ class PolicyContext:
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prefix affinity's memory
     loads: LoadReports = field(default_factory=LoadReports)  # engine replicas' own queue reports
     rng: random.Random = field(default_factory=random.Random)
+    # The executor's circuit breakers (the router's), which prefix affinity reads: a replica they would
+    # skip is not where a request goes, nor where its prefixes are remembered.
+    breakers: Breakers | None = None
     # The admin DB's price catalog, which bills every attempt (an admin may change it at any time);
     # None, or a model it has no row for: the config's `price`.
     prices: PriceLookup | None = None
@@ -265,6 +269,15 @@ def _overloaded(choice: Choice, ctx: PolicyContext) -> bool:
     return waiting is not None and waiting >= candidate.max_waiting
 
 
+def _open(choice: Choice, route: Route, ctx: PolicyContext) -> bool:
+    """The executor would skip it: its breaker is open, or half-open with its one trial under way."""
+    if route.breaker is None or ctx.breakers is None:
+        return False
+    target = choice.target
+    breaker = ctx.breakers.breakers.get(Breakers.key(target.backend.name, target.upstream_model))
+    return breaker is not None and not breaker.admits()
+
+
 async def prefix_affinity(
     route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
 ) -> tuple[list[Choice], str]:
@@ -274,12 +287,15 @@ async def prefix_affinity(
     and adding or removing a replica only moves the prefixes that hashed to it. The rest follow in
     rendezvous order."""
     prompt, history = feats.prompt, feats.history_chars
-    key = prompt[: route.prefix_chars].encode()
+    # A prompt with no text (token ids, images alone) has no prefix to follow or share: hashed, every
+    # one of them went to the same replica. They are spread at random instead.
+    key = prompt[: route.prefix_chars].encode() if prompt else ctx.rng.randbytes(8)
     for choice in choices:
         choice.score = float(_rendezvous(key, choice.candidate.model))
         choice.reason = "affinity"
     ranked = sorted(choices, key=lambda c: c.score or 0.0, reverse=True)
-    ends = sorted({*cuts(len(prompt)), len(prompt), *([history] if history else [])} - {0})
+    points = cuts(len(prompt))
+    ends = sorted({*points, len(prompt), *([history] if history else [])} - {0})
     keys = prefix_keys(route.name, prompt, ends)
     by, share = "prefix", 0.0
     found = await ctx.prefixes.longest(keys, touch=record)
@@ -293,25 +309,35 @@ async def prefix_affinity(
                     by, share = ("conversation" if conversation else "shared"), end / len(prompt)
                     break
     preferred = ranked[0]
-    available = []
-    overloaded = []
+    available, overloaded, closed = [], [], []
     for choice in ranked:
-        if _overloaded(choice, ctx):
+        if _open(choice, route, ctx):
+            choice.reason = "open"
+            closed.append(choice)
+        elif _overloaded(choice, ctx):
             choice.reason = "overloaded"
             overloaded.append(choice)
         else:
             available.append(choice)
-    ordered = available + overloaded
-    hit = ordered[0] is preferred
+    # Every replica overloaded: the preferred one still takes it (its cache has the prefix). One
+    # behind an open breaker takes nothing: the executor skips it.
+    ordered = available + overloaded + closed
+    hit = ordered[0] is preferred and preferred.reason != "open"
     counts = ctx.affinity.setdefault(route.name, [0, 0]) if record else ctx.affinity.get(route.name, [0, 0])
     if record:
         counts[0] += hit
         counts[1] += 1
         # Where it goes is where its KV cache will be: later requests that start with it look it up.
-        # Sent past an overloaded replica, only what was new goes with it: the prefixes it shares
-        # stay with their replica, so traffic returns there once the load passes.
+        # Sent past an overloaded (or unreachable) replica, only what was new goes with it: the
+        # prefixes it shares stay with their replica, so traffic returns there once the load passes.
+        # The history's end is looked up, not remembered: the conversation's previous request
+        # remembered it as its whole prompt. Remembered here, earlier turns that every request repeats
+        # (a few-shot template, a canned greeting) passed for each request's conversation and pulled
+        # them all to one replica, whatever their share of the prompt.
         known = found[0] + 1 if found is not None and not hit else 0
-        ctx.prefixes.remember(keys[known:], ordered[0].candidate.model)
+        looked_up = history if history not in (len(prompt), *points) else None
+        learned = [k for k, end in zip(keys[known:], ends[known:], strict=True) if end != looked_up]
+        ctx.prefixes.remember(learned, ordered[0].candidate.model)
     rate = counts[0] / counts[1] if counts[1] else 0.0
     note = f"affinity={'hit' if hit else 'miss'}; affinity_by={by}"
     if by != "prefix":

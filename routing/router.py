@@ -201,7 +201,7 @@ class Router:
         self.models = models
         self.stats = RoutingStats()
         self.breakers = Breakers(state)
-        self.context = PolicyContext(self.stats, head=difficulty_head)
+        self.context = PolicyContext(self.stats, head=difficulty_head, breakers=self.breakers)
         self.routes: dict[str, list[Route]] = {}
         self.version = 0
         self.seed = list(routes)
