@@ -378,15 +378,13 @@ class Executor:
             assert error is not None
             raise error
         finally:
-            for task in pending:
-                task.cancel()
-            # A loser that answered anyway holds an open upstream stream: close it (its usage event
-            # records what it cost); a failed or cancelled one already has its event. Both may have
-            # answered by the time the race is looked at: the one not taken is a loser too.
-            losers = [task for task in owners if task is not winner]
-            for loser in await asyncio.gather(*losers, return_exceptions=True):
-                if hasattr(loser, "aclose"):
-                    await loser.aclose()
+            # Every attempt not taken is abandoned: one still running is cancelled, one that answered
+            # anyway holds an open upstream stream and is closed (its usage event records what it
+            # cost); a failed one already has its event. Both may have answered by the time the race
+            # is looked at: the one not taken is a loser too.
+            for loser in owners:
+                if loser is not winner:
+                    await _abandon(loser)
             if second.cancelled():  # perhaps before it started: then it sent nothing and cost nothing
                 await charge.settle(0)
 
@@ -530,7 +528,8 @@ async def _first_output(opening: Awaitable[Batches]) -> tuple[list[list[Any]], B
 
 
 async def _abandon(task: asyncio.Future[Any]) -> None:
-    """Cancel an attempt nobody will take the answer of, and close its stream if it has one."""
+    """Cancel an attempt nobody will take the answer of (a no-op once it is done), and close its
+    stream if it has one."""
     task.cancel()
     result = (await asyncio.gather(task, return_exceptions=True))[0]
     if hasattr(result, "aclose"):

@@ -177,10 +177,14 @@ def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyCo
     return sorted(misfits, key=likeliest)
 
 
+# `lowest_latency`'s order by reason: unmeasured first (so each gets measured), then by expected
+# seconds, and one unmeasured that failed last.
+_LATENCY_RANK = {"unmeasured": 0, "expected_seconds": 1, "unmeasured_failed": 2}
+
+
 def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:
     output_tokens = feats.max_output_tokens or route.expected_output_tokens
     now = time.monotonic()
-    ranks: dict[int, int] = {}  # id(choice) -> 0 unmeasured, 1 measured, 2 unmeasured and failing
     for choice in choices:
         stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
         if stats.ttft_s is None:
@@ -188,16 +192,13 @@ def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: Po
                 # Tried and failed: it had its turn. First again, it would be every request's first
                 # attempt, for having no slow numbers (with no breaker, until it answers).
                 choice.score, choice.reason = None, "unmeasured_failed"
-                ranks[id(choice)] = 2
-                continue
-            # Never measured: try it first, so every candidate gets measured.
-            choice.score, choice.reason = 0.0, "unmeasured"
-            ranks[id(choice)] = 0
+            else:
+                # Never measured: try it first, so every candidate gets measured.
+                choice.score, choice.reason = 0.0, "unmeasured"
             continue
         decode = output_tokens / stats.tokens_per_s if stats.tokens_per_s else 0.0
         choice.score, choice.reason = stats.ttft_s + decode, "expected_seconds"
-        ranks[id(choice)] = 1
-    return sorted(choices, key=lambda c: (ranks[id(c)], c.score or 0.0))
+    return sorted(choices, key=lambda c: (_LATENCY_RANK[c.reason or ""], c.score or 0.0))
 
 
 async def difficulty(

@@ -179,16 +179,16 @@ def test_invalid_routes_are_refused_and_change_nothing(replicas: Replicas) -> No
     assert replicas.admin[0].get("/routes").json()["data"] == before
 
 
+CHEAP = {
+    "name": "cheap",
+    "policy": "cheapest",
+    "candidates": [{"model": "claude-sonnet"}, {"model": "gpt-4o-mini"}],
+}
+
+
 def test_created_then_deleted_route(replicas: Replicas) -> None:
     _, key = replicas.key("acme")
-    created = replicas.admin[0].post(
-        "/routes",
-        json={
-            "name": "cheap",
-            "policy": "cheapest",
-            "candidates": [{"model": "claude-sonnet"}, {"model": "gpt-4o-mini"}],
-        },
-    )
+    created = replicas.admin[0].post("/routes", json=CHEAP)
     assert created.status_code == 201, created.text
     route = replicas.route_of(0, key, "cheap")
     assert (route["policy"], route["candidate"]) == ("cheapest", "gpt-4o-mini")
@@ -208,14 +208,7 @@ def test_cheapest_prices_at_the_catalog_an_admin_edits(replicas: Replicas) -> No
     """Every attempt is billed at the price catalog's prices, which an admin can change at any time:
     `cheapest` ranks at those, not at the config's (which only seed the catalog)."""
     _, key = replicas.key("acme")
-    created = replicas.admin[0].post(
-        "/routes",
-        json={
-            "name": "cheap",
-            "policy": "cheapest",
-            "candidates": [{"model": "claude-sonnet"}, {"model": "gpt-4o-mini"}],
-        },
-    )
+    created = replicas.admin[0].post("/routes", json=CHEAP)
     assert created.status_code == 201, created.text
     assert replicas.route_of(0, key, "cheap")["candidate"] == "gpt-4o-mini"  # $0.15 against $3 per 1M
     # The seeded rows are the config's, per backend; the admin raises gpt-4o-mini's above Sonnet's.
