@@ -16,6 +16,12 @@ from typing import Any
 from routing.routes import Breaker as BreakerSettings
 
 PREFIX = "weir:breaker:"
+# What an opening publishes: why it opened. Probes that could not reach the backend say "probe", so
+# a replica adopting it lets its own probes half-open it as soon as they reach the backend, as the
+# replica that opened it does (an adopted opening that forgot this refused a backend its probes
+# reached for a whole cooldown). Bad answers say "open": they wait out the cooldown everywhere.
+OPENED = b"open"
+OPENED_BY_PROBE = b"open:probe"
 
 
 class State(StrEnum):
@@ -123,14 +129,25 @@ class Breakers:
         if breaker.failure(probe):
             self.transitions.append((key, State.OPEN))
             if self.shared is not None:
-                await self.shared.kv_set(PREFIX + key, b"open", ttl_s=breaker.settings.cooldown)
+                value = OPENED_BY_PROBE if probe else OPENED
+                await self.shared.kv_set(PREFIX + key, value, ttl_s=breaker.settings.cooldown)
 
     async def sync(self) -> None:
         """Adopt openings published by other replicas (called by the health loop)."""
         if self.shared is None:
             return
-        for key, breaker in self.breakers.items():
-            value = await self.shared.kv_get(PREFIX + key)
-            if value == b"open" and breaker.current() is State.CLOSED:
+        # The keys as they are now, read in one round trip: a route added while it is under way
+        # (set_routes, from the route store's task) creates breakers, and changing the dict under a
+        # loop that awaits per key aborted the round, adopting none of the openings after it.
+        keys = list(self.breakers)
+        if not keys:  # MGET of nothing is an error in Redis
+            return
+        values = await self.shared.kv_get_many([PREFIX + key for key in keys])
+        for key, value in zip(keys, values, strict=True):
+            breaker = self.breakers.get(key)
+            if breaker is None:
+                continue
+            if value in (OPENED, OPENED_BY_PROBE) and breaker.current() is State.CLOSED:
                 breaker.trip()
+                breaker.by_probe = value == OPENED_BY_PROBE
                 self.transitions.append((key, State.OPEN))

@@ -1,0 +1,335 @@
+"""State shared across gateway replicas for failover: circuit breakers published through Redis and
+adopted by the other replicas' health loops, and what each replica's own probes then make of them.
+
+Two replicas here are either two breaker sets with their own health probers over one Redis (driven
+round by round, so the order of events is exact), or two real gateways (their own SQLite admin DB
+each, one Redis) in front of a fake OpenAI backend, with the official SDK as client. Also: openings
+adopted while the route table changes, and routed traffic while Redis is away and after it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from gateway.router_basic import ModelTable
+from gateway.runtime import Gateway
+from gateway.state import MemoryState
+from gateway.state.degradable import DegradableState
+from gateway.state.redis import RedisState
+from gateway.transport import Transport
+from routing.breaker import OPENED, PREFIX, Breakers, State
+from routing.health import HealthProber
+from routing.router import Router
+from routing.routes import Breaker as BreakerSettings
+from routing.routes import Candidate, Route
+from tests.conftest import free_port
+from tests.control.conftest import REDIS_URL
+from tests.fakes import FakeOpenAI
+from tests.gateway.conftest import serve
+from tests.reliability.proxy import ThreadedProxy
+
+pytestmark = pytest.mark.redis
+
+KEY = Breakers.key("openai", "gpt-4o-mini")
+DEMO_KEY = "sk-weir-shared-failover-demo"
+HI = [{"role": "user", "content": "hello replicas"}]
+
+# --- two replicas' breakers and probers, round by round ----------------------------------------------
+
+
+@pytest.fixture
+def backend() -> Iterator[FakeOpenAI]:
+    """A fake OpenAI of this test's own: it is taken down and brought back on the same port."""
+    with FakeOpenAI() as fake:
+        yield fake
+
+
+async def test_an_adopted_probe_opening_half_opens_when_this_replicas_probes_reach_the_backend(
+    backend: FakeOpenAI, redis_prefix: str
+) -> None:
+    """The backend goes down. Replica A's probes open its breaker (two failed rounds) and publish it;
+    replica B, one failed round behind, adopts the opening on that round. The backend comes back:
+    A's next probe half-opens its breaker at once (documented: a breaker the probes opened goes
+    half-open as soon as a probe reaches the backend again). B's probe reaches it too, so B must
+    half-open as well, not refuse a backend it can reach for the rest of a 30 s cooldown (it did:
+    the adopted opening lost the fact that probes caused it)."""
+    config = parse_config(
+        f'backends:\n  - {{name: openai, type: openai, base_url: "{backend.base_url}", api_key: k}}\n'
+        "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
+        {},
+    )
+    target = config.backends[0]
+    settings = BreakerSettings(failures=2, cooldown=30)
+    states = [DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix)) for _ in "ab"]
+    transport = Transport()
+    a, b = Breakers(states[0]), Breakers(states[1])
+    probers = [HealthProber(transport, breakers, interval=60, timeout=1.0) for breakers in (a, b)]
+    try:
+        for breakers, prober in zip((a, b), probers, strict=True):
+            breakers.get(KEY, settings)
+            prober.watch({"openai": (target, [KEY])})
+        backend.stop()
+        await probers[0].run_once()
+        await probers[0].run_once()  # A: two failures, open, published
+        assert a.state(KEY) is State.OPEN
+        await probers[1].run_once()  # B: one failure of its own, then it adopts A's opening
+        assert b.state(KEY) is State.OPEN and (KEY, State.OPEN) in b.transitions
+
+        backend.start()
+        await probers[0].run_once()
+        assert a.state(KEY) is State.HALF_OPEN  # A's own probe opening: half-open at once
+        await probers[1].run_once()
+        assert b.state(KEY) is State.HALF_OPEN, "B's probe reached the backend, yet B still refuses it"
+        assert b.get(KEY).allow() and not b.get(KEY).allow()  # one trial on B, as on A
+    finally:
+        for state in states:
+            await state.close()
+        await transport.close()
+
+
+async def test_an_adopted_opening_for_bad_answers_still_waits_out_its_cooldown(
+    backend: FakeOpenAI, redis_prefix: str
+) -> None:
+    """The other side of the same rule: an opening caused by failed requests (5xx answers, which a
+    model list cannot show are over) is adopted as such, so B's healthy probes do not half-open it."""
+    config = parse_config(
+        f'backends:\n  - {{name: openai, type: openai, base_url: "{backend.base_url}", api_key: k}}\n'
+        "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
+        {},
+    )
+    settings = BreakerSettings(failures=2, cooldown=30)
+    states = [DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix)) for _ in "ab"]
+    transport = Transport()
+    a, b = Breakers(states[0]), Breakers(states[1])
+    prober = HealthProber(transport, b, interval=60, timeout=1.0)
+    try:
+        for breakers in (a, b):
+            breakers.get(KEY, settings)
+        prober.watch({"openai": (config.backends[0], [KEY])})
+        for _ in range(2):
+            await a.failure(KEY)  # two 500s answered on A
+        await prober.run_once()  # B's probe is fine; it adopts A's opening
+        assert b.state(KEY) is State.OPEN
+        await prober.run_once()
+        assert b.state(KEY) is State.OPEN  # the probes cannot tell the answers are good again
+    finally:
+        for state in states:
+            await state.close()
+        await transport.close()
+
+
+# --- two real gateways over one Redis -----------------------------------------------------------------
+
+REPLICA = """\
+backends:
+  - {name: openai, type: openai, base_url: "${BACKEND_URL}", api_key: "${BACKEND_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
+database_url: "${DB_URL}"
+redis_url: "${REDIS_URL}"
+tenants:
+  - {name: demo, api_keys: ["${DEMO_KEY}"]}
+routes:
+  - name: solo
+    probe_interval: 0.2
+    retry: {attempts: 1}
+    breaker: {failures: 2, cooldown: 30}
+    candidates: [{model: gpt-4o-mini}]
+"""
+
+
+def _runtime(app: object) -> Gateway:
+    return app.state.gateway  # type: ignore[attr-defined]
+
+
+def _status(url: str, model: str = "solo") -> int:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=DEMO_KEY, max_retries=0, timeout=10)
+    try:
+        client.chat.completions.create(model=model, messages=HI)  # type: ignore[arg-type]
+    except openai.APIStatusError as exc:
+        return exc.status_code
+    return 200
+
+
+def test_a_replica_that_reaches_the_backend_serves_it_while_another_replica_cannot(
+    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition: replica 0 cannot reach the backend (its probes open the breaker and publish it),
+    replica 1 can. Replica 1 adopts the opening, but its own probes keep reaching the backend, so it
+    must go back to serving at once. It answered every request to the one-candidate route with 503
+    for the whole 30 s cooldown instead."""
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    with ExitStack() as stack:
+        urls, apps = [], []
+        for i, base_url in enumerate((dead, backend.base_url)):
+            monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool{i}"))
+            env = {
+                "BACKEND_URL": base_url,
+                "BACKEND_KEY": backend.api_key,
+                "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir{i}.db",
+                "REDIS_URL": REDIS_URL,
+                "DEMO_KEY": DEMO_KEY,
+            }
+            apps.append(create_app(parse_config(REPLICA, env)))
+            urls.append(stack.enter_context(serve(apps[-1], free_port())))
+        cut_off, reaching = (_runtime(app).router.breakers for app in apps)
+
+        deadline = time.monotonic() + 10
+        while (KEY, State.OPEN) not in reaching.transitions:  # replica 1 adopted replica 0's opening
+            assert time.monotonic() < deadline, "replica 1 never adopted the opening"
+            time.sleep(0.05)
+        assert cut_off.state(KEY) is State.OPEN
+
+        deadline = time.monotonic() + 5
+        while (status := _status(urls[1])) != 200:
+            assert status == 503
+            assert time.monotonic() < deadline, "replica 1 refuses a backend its probes reach"
+            time.sleep(0.25)
+        assert reaching.state(KEY) is State.CLOSED  # its trial answered
+        assert _status(urls[0]) == 503  # replica 0 still cannot reach it, and says so
+
+
+# --- adopting openings while the route table changes ------------------------------------------------
+
+TWO_MODELS = """\
+backends:
+  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
+models:
+  - {name: gpt-4o-mini, backend: openai}
+  - {name: gpt-5, backend: openai}
+"""
+
+
+class _RoutesEditedMeanwhile(MemoryState):
+    """Shared state whose reads take a round trip, during which the admin API adds a route (the
+    route store's poller calls `set_routes` from its own task)."""
+
+    def __init__(self, edit: Callable[[], None]) -> None:
+        super().__init__()
+        self.edit: Callable[[], None] | None = edit
+
+    async def _round_trip(self) -> None:
+        if self.edit is not None:
+            edit, self.edit = self.edit, None
+            edit()
+        await asyncio.sleep(0)
+
+    async def kv_get(self, key: str) -> bytes | None:
+        await self._round_trip()
+        return await super().kv_get(key)
+
+    async def kv_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        await self._round_trip()
+        return await super().kv_get_many(keys)
+
+
+async def test_openings_are_adopted_while_a_route_is_added() -> None:
+    """A breaker created while the health loop reads the shared state (a route added meanwhile)
+    must not abort the round: it did ("dictionary changed size during iteration"), and that round
+    adopted none of the openings the other replicas had published."""
+    models = ModelTable(parse_config(TWO_MODELS, {}))
+    mini = Route(name="mini", candidates=[Candidate(model="gpt-4o-mini")])
+    router = Router(models, [mini])
+    five = Route(name="five", candidates=[Candidate(model="gpt-5")])
+    state = _RoutesEditedMeanwhile(lambda: router.set_routes([mini, five]))
+    router.breakers.shared = state
+    await state.kv_set(PREFIX + KEY, OPENED, ttl_s=30)  # another replica opened it
+    await router.breakers.sync()
+    assert router.breakers.state(KEY) is State.OPEN
+    assert router.breakers.state(Breakers.key("openai", "gpt-5")) is State.CLOSED
+
+
+# --- Redis going away under routed traffic ----------------------------------------------------------
+
+OUTAGE = """\
+backends:
+  - {name: openai, type: openai, base_url: "${BACKEND_URL}", api_key: "${BACKEND_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
+  - {name: gpt-5, backend: openai, price: {input: 1.25, output: 10.0}}
+database_url: "${DB_URL}"
+redis_url: "${REDIS_URL}"
+tenants:
+  - {name: demo, api_keys: ["${DEMO_KEY}"]}
+routes:
+  - name: solo
+    probe_interval: null
+    retry: {attempts: 1}
+    breaker: {failures: 2, cooldown: 30}
+    candidates: [{model: gpt-4o-mini}]
+  - name: five
+    probe_interval: null
+    retry: {attempts: 1}
+    breaker: {failures: 2, cooldown: 30}
+    candidates: [{model: gpt-5}]
+  - name: hedged
+    probe_interval: null
+    retry: {attempts: 1}
+    hedge: {delay: 0.1}
+    candidates: [{model: gpt-4o-mini}, {model: gpt-5}]
+"""
+
+
+def _degraded(url: str) -> float:
+    match = re.search(r"^weir_shared_state_degraded (\S+)$", httpx.get(f"{url}/metrics").text, re.M)
+    assert match, "the metric is exported"
+    return float(match.group(1))
+
+
+def test_routed_traffic_keeps_flowing_while_redis_is_away_and_shares_again_after(
+    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Breakers and the hedge cap live in Redis; with Redis gone mid-run every routed request is still
+    answered (breakers open and refuse in this process, hedges are counted here), and once Redis is
+    back the breakers publish there again."""
+    proxy = ThreadedProxy(int(REDIS_URL.rsplit(":", 1)[1].split("/")[0]))
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    env = {
+        "BACKEND_URL": backend.base_url,
+        "BACKEND_KEY": backend.api_key,
+        "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db",
+        "REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0",
+        "DEMO_KEY": DEMO_KEY,
+    }
+    try:
+        with serve(create_app(parse_config(OUTAGE, env)), free_port()) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=DEMO_KEY, max_retries=0, timeout=10)
+            assert _status(url) == 200 and _degraded(url) == 0
+
+            proxy.stop()
+            assert [_status(url) for _ in range(3)] == [200] * 3
+            backend.set_latency(first_token=0.4)  # slower than the hedge delay
+            raw = client.chat.completions.with_raw_response.create(model="hedged", messages=HI)  # type: ignore[arg-type]
+            assert raw.parse().choices[0].message.content == HI[0]["content"]
+            assert "hedged=gpt-5" in raw.headers["x-weir-route"]  # the cap was counted in-process
+            backend.set_latency()
+            backend.fail_next(500, times=2)
+            assert [_status(url) for _ in range(3)] == [502, 502, 503]  # opened here, refused here
+            assert _degraded(url) == 1
+
+            proxy.start()
+            time.sleep(1.2)  # the state retries Redis after a second
+            backend.fail_next(500, times=2)
+            assert [_status(url, "five") for _ in range(2)] == [502, 502]
+            with redis.Redis.from_url(REDIS_URL) as shared:
+                stored = shared.get(f"{redis_prefix}{PREFIX}openai/gpt-5")
+            assert stored == OPENED  # published in Redis again: the other replicas adopt it
+            assert _degraded(url) == 0
+    finally:
+        proxy.close()
