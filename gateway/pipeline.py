@@ -63,9 +63,15 @@ class Call:
     principal: Principal
     endpoint: str
     started: float = field(default_factory=time.perf_counter)
-    # Awaited with an attempt's cost (pico-USD) once its usage event is priced, by attempt number: the
-    # router corrects a spend cap it charged an estimate to (hedged attempts).
-    on_cost: dict[int, Callable[[int], Awaitable[None]]] = field(default_factory=dict)
+    # Awaited with an attempt's usage event once it is recorded, by attempt number: the router corrects
+    # a spend cap it charged an estimate to (hedged attempts) with what the attempt is billed.
+    on_cost: dict[int, Callable[[UsageEvent], Awaitable[None]]] = field(default_factory=dict)
+    # The routing decision as of each attempt, by attempt number, for that attempt's usage event: a
+    # hedge runs beside the primary, so `info.route` names whichever of them started last.
+    routes: dict[int, str] = field(default_factory=dict)
+    # Set by the router when it may hedge the first attempt: resolved once that attempt is admitted
+    # (rate limits, budgets), before which no hedge may start.
+    admitted: asyncio.Future[None] | None = None
 
 
 def price_sheet(model: Model) -> dict[TokenClass, int]:
@@ -117,6 +123,8 @@ class Pipeline:
         """A non-streaming attempt: send, read, translate."""
         if attempt == 1 and self.admission is not None:
             await self.admission(call, target, upstream)
+            if call.admitted is not None and not call.admitted.done():
+                call.admitted.set_result(None)
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure = 0, Usage(), None
         backend = target.backend
@@ -162,6 +170,8 @@ class Pipeline:
     ) -> AsyncIterator[Any]:
         if attempt == 1 and self.admission is not None:
             await self.admission(call, target, upstream)
+            if call.admitted is not None and not call.admitted.done():
+                call.admitted.set_result(None)
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure, ttft = 0, Usage(), None, None
         produced, usage_reported, streaming = Produced(), False, False
@@ -265,31 +275,30 @@ class Pipeline:
         if failure is not None:
             self.metrics.errors.labels(*labels, failure).inc()
         cost = price_usage(usage, self.prices.get(target.model.name, {}))
-        self.sink.record(
-            UsageEvent(
-                request_id=info.request_id,
-                attempt=attempt,
-                ts=dt.datetime.fromtimestamp(started_at, dt.UTC),
-                tenant_id=call.principal.tenant_id,
-                key_id=call.principal.key_id,
-                route=info.model or target.model.name,
-                backend=target.backend.name,
-                model=target.upstream_model,
-                usage=usage,
-                prices=cost.prices,
-                cost_pico_usd=cost.cost_pico_usd,
-                savings_pico_usd=cost.savings_pico_usd,
-                latency_ms=(time.perf_counter() - t0) * 1000,
-                ttft_ms=ttft * 1000 if ttft is not None else None,
-                status=status,  # 0: the backend never answered
-                fallback=attempt > 1,
-                routing=info.route,
-                estimated=estimated,
-                event_id=ordered_id(),  # time-ordered: appended at the ledger index's edge (gateway/ids.py)
-            )
+        event = UsageEvent(
+            request_id=info.request_id,
+            attempt=attempt,
+            ts=dt.datetime.fromtimestamp(started_at, dt.UTC),
+            tenant_id=call.principal.tenant_id,
+            key_id=call.principal.key_id,
+            route=info.model or target.model.name,
+            backend=target.backend.name,
+            model=target.upstream_model,
+            usage=usage,
+            prices=cost.prices,
+            cost_pico_usd=cost.cost_pico_usd,
+            savings_pico_usd=cost.savings_pico_usd,
+            latency_ms=(time.perf_counter() - t0) * 1000,
+            ttft_ms=ttft * 1000 if ttft is not None else None,
+            status=status,  # 0: the backend never answered
+            fallback=attempt > 1,
+            routing=call.routes.pop(attempt, None) or info.route,
+            estimated=estimated,
+            event_id=ordered_id(),  # time-ordered: appended at the ledger index's edge (gateway/ids.py)
         )
+        self.sink.record(event)
         if (on_cost := call.on_cost.pop(attempt, None)) is not None:
-            await on_cost(cost.cost_pico_usd)
+            await on_cost(event)
 
 
 def decode(step: Callable[..., T], backend: str, *args: Any) -> T:

@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 
+from gateway.accounting.events import UsageEvent
+from gateway.accounting.pricing import price_usage
 from gateway.errors import (
     BackendUnavailable,
     BadGateway,
@@ -194,9 +196,11 @@ class Executor:
         plan.attempts += 1
         number = plan.attempts
         if charge is not None:
-            call.on_cost[number] = charge.settle
-        # The decision as it stands, for this attempt's usage event (and the header if it fails).
-        call.info.route = plan.header(choice)
+            settle = charge.settle
+            call.on_cost[number] = lambda event: settle(self._billed(event))
+        # The decision as it stands: this attempt's usage event (kept per attempt: a hedge runs beside
+        # the primary) and the header if it fails.
+        call.info.route = call.routes[number] = plan.header(choice)
         key = self._key(choice)
         in_flight = self.context.in_flight
         in_flight[model] = in_flight.get(model, 0) + 1
@@ -237,6 +241,13 @@ class Executor:
         finally:
             if not handed_over:
                 in_flight[model] -= 1
+
+    def _billed(self, event: UsageEvent) -> int:
+        """What an attempt is billed (pico-USD): at the price catalog's prices where the control plane
+        has them (the ledger prices the event so: prices set through the admin API, models priced
+        only there), else as the pipeline priced it from the config."""
+        prices = self.context.prices(event.backend, event.model) if self.context.prices else None
+        return price_usage(event.usage, prices).cost_pico_usd if prices else event.cost_pico_usd
 
     def _track(self, batches: Batches, model: str, held: list[list[Any]]) -> Tracked:
         return Tracked(batches, lambda: self._release(model), held)
@@ -335,9 +346,20 @@ class Executor:
         `partner`; the first to answer wins, the other is cancelled."""
         route = plan.route
         assert route.hedge is not None
+        admitted: asyncio.Future[None] | None = None
+        if plan.attempts == 0 and self.pipeline.admission is not None:
+            # The request's first attempt: the pipeline admits it (rate limits, budgets) first, and
+            # says so here (Call.admitted).
+            admitted = call.admitted = asyncio.get_running_loop().create_future()
         first = asyncio.ensure_future(self._attempt(call, plan, primary, op))
         try:
             done, _ = await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
+            if not done and admitted is not None and not admitted.done():
+                # No hedge before the admission said yes (with Redis a round trip, and the month's
+                # spend read from the ledger the first time): one sent meanwhile could answer a
+                # request the tenant's own limits or budget refuse, past them.
+                ended, _ = await asyncio.wait({first, admitted}, return_when=asyncio.FIRST_COMPLETED)
+                done = {first} if first in ended else set()
             if done:
                 plan.chosen = primary
                 return first.result()
@@ -366,6 +388,12 @@ class Executor:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                failure = first.exception() if first in done else None
+                if failure is not None and not fails_over(route, failure):
+                    # A 4xx the request caused (or a gateway refusal) on the primary: without a hedge
+                    # it ends the request, never failing over, so the hedge must not answer in its
+                    # place. (The hedge's own 4xx does not: unhedged, it would never have been asked.)
+                    raise failure
                 for task in done:
                     if task.exception() is None:
                         winner = task

@@ -82,6 +82,11 @@ class _Pending:
     # `reservation_id`. Set when the money came from a pool or was reserved along with one. (A
     # tuple by default: no list made per request on the in-process path, which never sets it.)
     releases: Sequence[tuple[str, int]] = ()
+    # A failed attempt settled and left the reservation held for what follows it (see settle): the
+    # end of the exchange gives it back if no attempt answered.
+    held_after_failure: bool = False
+    # The exchange is over (`finish`): nothing follows a failed attempt settling now, so it releases.
+    finished: bool = False
 
 
 # What a request keeps after its first settlement, for its later attempts (retries, fallbacks,
@@ -526,6 +531,15 @@ class Admission:
         if isinstance(pending, tuple):  # settled before (_Settled): a later attempt
             _, budget_keys, tpm_keys = pending
             estimate, reservation, releases = 0, "", [("", 0)] * len(budget_keys)
+        elif not event.ok and not pending.finished:
+            # A failed attempt: a retry, fallback or hedge of the same request may still be on its
+            # way, reserved by nothing if this released the request's reservation, and concurrent
+            # requests would be admitted into the money it is about to spend. So its tokens and
+            # cost count now, and the reservation (and token estimate) stays until an attempt
+            # answers or the exchange ends without one (`finish`).
+            budget_keys, tpm_keys = pending.budget_keys, pending.tpm_keys
+            estimate, reservation, releases = 0, "", [("", 0)] * len(budget_keys)
+            pending.held_after_failure = True
         else:
             budget_keys, tpm_keys = pending.budget_keys, pending.tpm_keys
             self._pending[event.request_id] = (pending.created, budget_keys, tpm_keys)
@@ -534,7 +548,26 @@ class Admission:
                 pending.reservation_id or "",
                 pending.releases,
             )
-        delta = event.usage.total_tokens - estimate
+        self._apply(
+            budget_keys,
+            tpm_keys,
+            event.usage.total_tokens - estimate,
+            reservation,
+            pico_to_micro_ceil(event.cost_pico_usd),
+            releases,
+        )
+
+    def _apply(
+        self,
+        budget_keys: tuple[str, ...],
+        tpm_keys: tuple[str, ...],
+        delta: int,
+        reservation: str,
+        cost_micro_usd: int,
+        releases: Sequence[tuple[str, int]],
+    ) -> None:
+        """Settle in the shared state: `delta` tokens on each token limit, `cost_micro_usd` spent on
+        each budget, `reservation` (or `releases`) released."""
         if self._settle_attempt is not None:
             # In process: settled at once, as a batch of one would be, without a task, a loop turn
             # and the batching that a round trip to Redis is worth (nor a Settlement built).
@@ -546,7 +579,7 @@ class Admission:
                     delta,
                     budget_keys,
                     reservation,
-                    pico_to_micro_ceil(event.cost_pico_usd),
+                    cost_micro_usd,
                     releases,
                     report=False,
                 )
@@ -563,7 +596,7 @@ class Admission:
                     (),
                     budget_keys,
                     reservation,
-                    pico_to_micro_ceil(event.cost_pico_usd),
+                    cost_micro_usd,
                     releases=releases,
                 )
             )
@@ -622,7 +655,25 @@ class Admission:
 
     def finish(self, request_id: str) -> None:
         """The request's HTTP exchange is over (every attempt made): forget it after a grace period."""
-        if request_id in self._pending:
+        pending = self._pending.get(request_id)
+        if isinstance(pending, _Pending) and not pending.held_after_failure:
+            pending.finished = True
+        elif isinstance(pending, _Pending):
+            # Its attempts failed (or the client left) and none answered: nothing can follow now, so
+            # what the request reserved and its token estimate are given back (the attempts' tokens
+            # and costs were counted as they settled). One none of whose attempts settled yet is
+            # marked finished above: its first settlement, failed or not, releases as before.
+            budget_keys, tpm_keys = pending.budget_keys, pending.tpm_keys
+            self._pending[request_id] = (pending.created, budget_keys, tpm_keys)
+            self._apply(
+                budget_keys,
+                tpm_keys,
+                -pending.estimated_tokens,
+                pending.reservation_id or "",
+                0,
+                pending.releases,
+            )
+        if pending is not None:
             self._finished_at.append(time.monotonic())
             self._finished.append(request_id)
 

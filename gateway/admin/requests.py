@@ -60,7 +60,7 @@ async def recent_requests(
     limit: int = 100,
 ) -> dict[str, Any]:
     """Newest first. `tenant` (id), `model` (upstream model), `status` (`ok`, `error` or an HTTP code,
-    matched against the request's last attempt)."""
+    matched against the attempt that answered, else the request's last attempt)."""
     from gateway.admin.router import AdminError  # the router imports this module
 
     if status not in (None, "", "ok", "error") and not (status or "").isdigit():
@@ -80,7 +80,9 @@ async def recent_requests(
     data = []
     for request_id, attempts in grouped.items():
         attempts.sort(key=lambda r: r.attempt)
-        last = attempts[-1]
+        # The attempt that answered stands for the request, else the last one: a hedge that lost
+        # is a later attempt (cancelled, 499) than the primary that won.
+        last = next((r for r in reversed(attempts) if _ok(r.status)), attempts[-1])
         if status and not _status_matches(status, last.status):
             continue
         data.append(

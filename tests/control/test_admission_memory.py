@@ -73,8 +73,11 @@ async def test_a_settled_request_keeps_an_untracked_record_and_later_attempts_st
     assert sorted(admission._pending) == ["r2"]  # a settled record is forgotten like any other
 
 
-def event(request_id: str, total_tokens: int, cost_pico_usd: int, attempt: int = 1) -> UsageEvent:
+def event(
+    request_id: str, total_tokens: int, cost_pico_usd: int, attempt: int = 1, status: int = 200
+) -> UsageEvent:
     return UsageEvent(
+        status=status,
         request_id=request_id,
         attempt=attempt,
         ts=dt.datetime.now(dt.UTC),
@@ -100,3 +103,35 @@ async def test_in_process_settlement_is_immediate() -> None:
     assert state._budgets[budget].spent == 5 and state._budgets[budget].total_reserved == 0
     assert state._windows["tpm:tenant:t1"].total == 30
     assert not admission.settling()  # nothing left for a flush task to do
+
+
+async def test_a_failed_attempt_holds_the_reservation_until_an_answer_or_the_end_of_the_exchange() -> None:
+    """A failed attempt counts what it cost but keeps the request's reservation for the retry or
+    fallback after it; the answer releases it, or the end of the exchange does when none came. A
+    failed attempt that settles only after the exchange ended releases at once (nothing follows it),
+    rather than holding the money until the reservation expires."""
+    state = MemoryState()
+    admission = Admission(state, PriceCatalog)
+    budget = f"budget:tenant:t1:{month_of(dt.datetime.now(dt.UTC))}"
+    quota = {"prompt_tokens": 10, "max_output_tokens": 10}
+
+    await admission.admit("answered", QUOTAS, "openai", "gpt-4o-mini", **quota)
+    admission.settle(event("answered", total_tokens=4, cost_pico_usd=2_000_000, status=500))
+    assert state._budgets[budget].spent == 2 and state._budgets[budget].total_reserved == 1
+    admission.settle(event("answered", total_tokens=15, cost_pico_usd=3_000_000, attempt=2))
+    assert state._budgets[budget].spent == 5 and state._budgets[budget].total_reserved == 0
+    assert state._windows["tpm:tenant:t1"].total == 19  # both attempts' tokens, no estimate left
+
+    await admission.admit("failed", QUOTAS, "openai", "gpt-4o-mini", **quota)
+    admission.settle(event("failed", total_tokens=4, cost_pico_usd=0, status=502))
+    assert state._budgets[budget].total_reserved == 1
+    admission.finish("failed")
+    assert state._budgets[budget].total_reserved == 0
+    assert state._windows["tpm:tenant:t1"].total == 23
+
+    await admission.admit("late", QUOTAS, "openai", "gpt-4o-mini", **quota)
+    admission.finish("late")  # the exchange ended before its attempt's event was recorded
+    assert state._budgets[budget].total_reserved == 1
+    admission.settle(event("late", total_tokens=0, cost_pico_usd=0, status=499))
+    assert state._budgets[budget].total_reserved == 0
+    assert state._windows["tpm:tenant:t1"].total == 23

@@ -249,6 +249,8 @@ async def test_a_long_non_ascii_document_is_followed_and_planned_quickly() -> No
 class HeldPipeline:
     """A pipeline whose streams open only once `opened` is set; counts the streams it closed."""
 
+    admission = None  # no rate limits or budgets to wait for before a hedge
+
     def __init__(self) -> None:
         self.opened = asyncio.Event()
         self.closed = 0

@@ -1,0 +1,319 @@
+"""Accounting and visibility of routed requests, as a tenant of a production gateway sees them: the
+control plane (admin DB, and Redis where a test needs it) in front of the fake vendors, routes with
+hedges and fallbacks, tenants with rate limits and budgets, the official OpenAI SDK as the client.
+
+- A hedge must not answer a request the tenant's own rate limit or budget refused (the primary's
+  admission may still be waiting for Redis when the hedge starts).
+- A failed first attempt must not give back the request's budget reservation while its fallback is
+  still on its way: concurrent requests would be admitted into money already being spent.
+- Each attempt's usage event names its own candidate (hedged attempts run at once), and the admin
+  API's request log shows a hedged request by the attempt that answered, not by the hedge that lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from gateway.usage_sink import ListSink
+from tests.conftest import free_port
+from tests.control.conftest import REDIS_URL
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.gateway.conftest import fakes_env, full_config_text, serve
+from tests.routing.routed import route_header
+
+ADMIN = "admin-token-for-tests"
+HI = [{"role": "user", "content": "one two three four five six"}]
+ECHO = "one two three four five six"
+ROUTES = """\
+database_url: "${DB_URL}"
+routes:
+  - {name: hedge-now, hedge: {delay: 0}, retry: {attempts: 1}, probe_interval: null, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
+  - {name: hedge-race, hedge: {delay: 0.15}, retry: {attempts: 1}, probe_interval: null, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
+  - {name: hedge-capped, hedge: {delay: 0.15, max_spend_usd_per_hour: 0.008}, retry: {attempts: 1}, probe_interval: null, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
+  - {name: to-anthropic, retry: {attempts: 1}, probe_interval: null, candidates: [{model: gpt-4o-mini}], fallbacks: [claude-sonnet]}
+"""
+
+
+class Weir:
+    def __init__(self, url: str, sink: ListSink) -> None:
+        self.url, self.sink = url, sink
+        self.admin = httpx.Client(
+            base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"}, timeout=20
+        )
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=20)
+
+    def tenant_key(self, name: str, **limits: Any) -> str:
+        tenant = self.admin.post("/tenants", json={"name": name, **limits})
+        assert tenant.status_code == 201, tenant.text
+        key = self.admin.post(f"/tenants/{tenant.json()['id']}/keys", json={"name": "app"})
+        assert key.status_code == 201, key.text
+        return str(key.json()["key"])
+
+    def attempts(self, request_id: str, count: int) -> dict[int, dict[str, Any]]:
+        """The request's attempts as the admin request log shows them, once the ledger has `count`."""
+        deadline = time.monotonic() + 15
+        while True:
+            listed = self.admin.get("/requests", params={"limit": 20}).json()["data"]
+            entry = next((r for r in listed if r["request_id"] == request_id), None)
+            if entry is not None and len(entry["attempts"]) >= count:
+                return {a["attempt"]: a for a in entry["attempts"]}
+            assert time.monotonic() < deadline, listed
+            time.sleep(0.1)
+
+    def settled(self, count: int) -> None:
+        deadline = time.monotonic() + 5
+        while len(self.sink.events) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+@contextmanager
+def weir_gateway(
+    fakes: tuple[FakeOpenAI, FakeAnthropic, FakeGemini, FakeOpenAI],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_prefix: str | None = None,
+) -> Iterator[Weir]:
+    """The gateway with an SQLite admin DB, and Redis as its shared state when `redis_prefix` is given."""
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    if redis_prefix is not None:
+        monkeypatch.setenv("WEIR_REDIS_URL", REDIS_URL)
+        monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    else:
+        monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
+    env = {**fakes_env(*fakes), "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db"}
+    sink = ListSink()
+    app = create_app(parse_config(full_config_text() + ROUTES, env), usage_sink=sink)
+    with serve(app, free_port()) as url:
+        yield Weir(url, sink)
+
+
+@pytest.fixture
+def fakes(
+    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
+) -> tuple[FakeOpenAI, FakeAnthropic, FakeGemini, FakeOpenAI]:
+    return fake_openai, fake_anthropic, fake_gemini, fake_deepseek
+
+
+@pytest.fixture
+def weir(
+    fakes: tuple[FakeOpenAI, FakeAnthropic, FakeGemini, FakeOpenAI],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Weir]:
+    with weir_gateway(fakes, tmp_path, monkeypatch) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def weir_redis(
+    fakes: tuple[FakeOpenAI, FakeAnthropic, FakeGemini, FakeOpenAI],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_prefix: str,
+) -> Iterator[Weir]:
+    with weir_gateway(fakes, tmp_path, monkeypatch, redis_prefix) as gateway:
+        yield gateway
+
+
+# --- limits and budgets with hedges and fallbacks ---------------------------------------------------
+
+
+@pytest.mark.redis
+def test_a_hedge_never_answers_a_request_the_tenants_own_limits_refused(
+    weir_redis: Weir, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """With Redis, the primary's admission is a round trip; a hedge with no delay starts meanwhile.
+    When the admission says no (RPM spent, budget spent), the client must get that 429, not the
+    hedge's answer: no limit or budget may be passed by asking a hedged route."""
+    client = weir_redis.client(weir_redis.tenant_key("one-a-minute", rpm=1))
+    first = client.chat.completions.with_raw_response.create(model="hedge-now", messages=HI)
+    assert first.parse().choices[0].message.content == ECHO
+    for _ in range(3):
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.chat.completions.create(model="hedge-now", messages=HI)
+        assert caught.value.body["code"] == "rate_limit_exceeded"
+        assert caught.value.response.headers["retry-after"]
+        assert route_header(caught.value.response)["route"] == "hedge-now"  # our own 429 says it too
+
+    # A budget of 100 micro-dollars; each request reserves ~600 (1,000 output tokens of gpt-4o-mini).
+    client = weir_redis.client(weir_redis.tenant_key("broke", budget_usd_monthly="0.0001"))
+    for _ in range(3):
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.chat.completions.create(model="hedge-now", messages=HI, max_tokens=1000)
+        assert caught.value.body["code"] == "insufficient_quota"
+    # Nothing was answered past the limits: the only answers in the ledger are the first request's.
+    time.sleep(0.3)  # a cancelled hedge records its event as it unwinds
+    answered = {e.request_id for e in weir_redis.sink.events if e.ok}
+    assert answered == {first.headers["x-request-id"]}
+
+
+def test_a_failed_attempt_keeps_the_budget_reserved_for_its_fallback(
+    weir: Weir, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """Budget 1,000 micro-dollars; a request for 1,000 output tokens of gpt-4o-mini reserves ~606.
+    The first request's gpt-4o-mini attempt fails at once and its fallback (Claude) takes 1.5 s:
+    while it runs, the request is still in flight, so a second one must not fit (606 + 606 > 1,000)."""
+    client = weir.client(weir.tenant_key("frugal", budget_usd_monthly="0.001"))
+    fake_openai.fail_next(500)
+    fake_anthropic.set_latency(first_token=1.5)
+    outcome: list[object] = []
+
+    def first() -> None:
+        reply = client.chat.completions.with_raw_response.create(
+            model="to-anthropic", messages=HI, max_tokens=1000
+        )
+        outcome.append(route_header(reply))
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not fake_anthropic.requests:  # the fallback is on its way
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model="to-anthropic", messages=HI, max_tokens=1000)
+    assert caught.value.body["code"] == "insufficient_quota"
+    thread.join(10)
+    assert outcome and outcome[0]["candidate"] == "claude-sonnet"  # type: ignore[index]
+    assert len(fake_openai.requests) == 1  # the second request never went upstream
+
+    # Once the first request ended, its reservation is back: the next one fits again.
+    reply = client.chat.completions.create(model="to-anthropic", messages=HI, max_tokens=1000)
+    assert reply.choices[0].message.content == ECHO
+
+
+def test_when_every_attempt_fails_the_reservation_is_given_back(
+    weir: Weir, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """A request whose every attempt failed spent nothing: its reservation must not linger (for the
+    10 minutes a lost one takes to expire) and refuse the tenant's next requests."""
+    client = weir.client(weir.tenant_key("unlucky", budget_usd_monthly="0.001"))
+    fake_openai.fail_next(500)
+    fake_anthropic.fail_next(500)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="to-anthropic", messages=HI, max_tokens=1000)
+    assert caught.value.status_code == 502
+    assert route_header(caught.value.response)["tried"] == "gpt-4o-mini:502,claude-sonnet:502"
+    reply = client.chat.completions.create(model="to-anthropic", messages=HI, max_tokens=1000)
+    assert reply.choices[0].message.content == ECHO
+
+
+def test_the_hedge_cap_counts_what_a_hedge_is_billed_at_the_catalogs_prices(
+    weir: Weir, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """deepseek-chat has no price in the config; the admin prices it at $100 per 1M tokens, which is
+    what its attempts are billed (the ledger). The route caps hedges at $0.008 an hour. The first
+    hedge (estimated ~$0.0057, 7 prompt tokens and 50 output) fits, wins and is billed $0.0045 (45
+    tokens): the cap must count that, so the second request's hedge ($0.0045 + $0.0057) is refused.
+    Counted at the config's price (nothing), the cap would let every hedge through."""
+    prices = [
+        {
+            "backend": "deepseek",
+            "model": "deepseek-chat",
+            "token_class": token_class,
+            "usd_per_1m_tokens": "100",
+        }
+        for token_class in ("input", "output")
+    ]
+    assert weir.admin.put("/prices", json={"prices": prices}).status_code == 200
+    client = weir.client(weir.tenant_key("hedger"))
+    fake_openai.set_latency(first_token=1.0)  # the primary is slow: the hedge answers first
+    fake_deepseek.set_next_usage(input_tokens=5, output_tokens=40)
+    first = client.chat.completions.with_raw_response.create(model="hedge-capped", messages=HI, max_tokens=50)
+    assert (
+        route_header(first)["hedged"] == "deepseek-chat"
+        and route_header(first)["candidate"] == "deepseek-chat"
+    )
+    assert Decimal(weir.attempts(first.headers["x-request-id"], 2)[2]["cost_usd"]) == Decimal("0.0045")
+
+    second = client.chat.completions.with_raw_response.create(
+        model="hedge-capped", messages=HI, max_tokens=50
+    )
+    header = route_header(second)
+    assert header.get("hedge") == "capped" and header["candidate"] == "gpt-4o-mini", header
+    assert len(fake_deepseek.requests) == 1
+
+
+def test_a_400_the_request_caused_ends_a_hedged_request_as_it_ends_a_plain_one(
+    weir: Weir, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """A 400 caused by the request never fails over; with a hedge already on its way, the hedge must
+    not answer in its place either (the tenant would be billed for the hedge and see an answer from
+    another model to a request the primary refused)."""
+    client = weir.client(weir.tenant_key("asks-badly"))
+    fake_openai.fail_next(400)
+    fake_deepseek.set_latency(first_token=0.5)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="hedge-now", messages=HI)
+    assert route_header(caught.value.response)["tried"].startswith("gpt-4o-mini:400")
+
+
+def test_the_hedges_own_400_does_not_end_a_request_the_primary_answers(
+    weir: Weir, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """Unhedged, the partner is asked only after the primary failed over: its 400 (a parameter that
+    model refuses, say) must not take the place of the primary's answer still on its way."""
+    client = weir.client(weir.tenant_key("asks-well"))
+    fake_openai.set_latency(first_token=0.5)
+    fake_deepseek.fail_next(400)
+    raw = client.chat.completions.with_raw_response.create(model="hedge-now", messages=HI)
+    assert raw.parse().choices[0].message.content == ECHO
+    assert route_header(raw)["candidate"] == "gpt-4o-mini"
+    assert len(fake_deepseek.requests) == 1  # the hedge was sent, and refused
+
+
+# --- what the ledger and the admin API say ------------------------------------------------------------
+
+
+def test_a_hedged_requests_attempts_each_name_their_own_candidate(
+    weir: Weir, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """The primary (gpt-4o-mini, 0.5 s) answers after the hedge (deepseek-chat, 3 s) started at
+    0.15 s, and wins. Its usage event must say gpt-4o-mini answered (feedback training reads the
+    candidate from the answering attempt's `routing`), the loser's that it was the hedge; the admin
+    request log shows the request as answered (200 by gpt-4o-mini), not as the loser's 499."""
+    client = weir.client(weir.tenant_key("watched"))
+    fake_openai.set_latency(first_token=0.5)
+    fake_deepseek.set_latency(first_token=3.0)
+    raw = client.chat.completions.with_raw_response.create(model="hedge-race", messages=HI)
+    assert raw.parse().choices[0].message.content == ECHO
+    header = route_header(raw)
+    assert header["candidate"] == "gpt-4o-mini" and header["hedged"] == "deepseek-chat"
+    request_id = raw.headers["x-request-id"]
+
+    weir.settled(2)
+    events = {e.backend: e for e in weir.sink.events if e.request_id == request_id}
+    assert events["openai"].status == 200 and events["deepseek"].status == 499
+    assert "candidate=gpt-4o-mini" in (events["openai"].routing or "")
+    assert "candidate=deepseek-chat" in (events["deepseek"].routing or "")
+
+    deadline = time.monotonic() + 15
+    while True:
+        listed = weir.admin.get("/requests", params={"limit": 10}).json()["data"]
+        entry = next((r for r in listed if r["request_id"] == request_id), None)
+        if entry is not None and len(entry["attempts"]) == 2:
+            break
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.1)
+    assert entry["status"] == 200 and entry["backend"] == "openai" and entry["model"] == "gpt-4o-mini"
+    assert "candidate=gpt-4o-mini" in entry["routing"]
+    by_attempt = {a["attempt"]: a for a in entry["attempts"]}
+    assert "candidate=gpt-4o-mini" in by_attempt[1]["routing"]
+    assert "candidate=deepseek-chat" in by_attempt[2]["routing"]
+    errors = weir.admin.get("/requests", params={"status": "error"}).json()["data"]
+    assert request_id not in {r["request_id"] for r in errors}  # it was answered
