@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -153,3 +153,29 @@ def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> InvalidR
         param = f"{param}.{field}" if param else field
         message = f"Missing required parameter: '{param}'."
     return InvalidRequest(message, param=param)
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+_decode = msgspec.json.Decoder().decode
+
+
+def decode_body(body: bytes | str, type_: type[S]) -> S:
+    """A request's JSON body as `type_`: 400 naming the parameter when it does not fit. Top-level keys
+    the type does not model are kept in its `extra` field (forwarded to OpenAI-compatible backends)."""
+    try:
+        raw = _decode(body)
+    except msgspec.DecodeError:
+        raise InvalidRequest(
+            "We could not parse the JSON body of your request. The body must be a JSON object."
+        ) from None
+    except RecursionError:  # JSON nested thousands deep: a hostile body, not a server fault
+        raise InvalidRequest("The JSON body of your request is nested too deeply.") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    fields = type_.__struct_fields__
+    if "extra" in fields:
+        raw["extra"] = {key: value for key, value in raw.items() if key not in fields}
+    try:
+        return msgspec.convert(raw, type_)
+    except msgspec.ValidationError as exc:
+        raise validation_error(exc) from None

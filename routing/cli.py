@@ -438,7 +438,7 @@ def _promote(
     from gateway.admin.routes import route_json
     from gateway.db.models import AuditLog, RouteRow, utcnow
     from routing.heads import bundle, describe, digest, put_head
-    from routing.store import route_spec, row_route
+    from routing.store import route_spec, row_route, stamp
     from routing.train import HoldoutResult, decisive, should_promote
 
     result = decisive([HoldoutResult(**r) for r in checked["results"]]) if checked else None
@@ -506,7 +506,7 @@ def _promote(
             if route.head != name:
                 shown = route_json(row)
                 row.spec = route_spec(msgspec.structs.replace(row_route(row), head=name))
-                row.updated_at = utcnow()
+                row.updated_at = await stamp(session, utcnow())
                 await session.flush()
                 session.add(
                     AuditLog(

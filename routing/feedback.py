@@ -18,8 +18,8 @@ Requests answered by neither model, or without a stored prompt, are counted and 
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,15 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway import anthropic_inbound, responses_inbound
+from gateway.anthropic_inbound import MessagesRequest
 from gateway.db.models import Comparison, Feedback, RouteRow, StoredPrompt, Tenant, UsageEventRow
+from gateway.errors import GatewayError, decode_body
 from gateway.prompts import read_body
+from gateway.responses_inbound import ResponsesRequest
+from gateway.types import ChatRequest, CompletionRequest
 from gateway.vault import Vault, VaultError
-from routing.difficulty import prompt_text
+from routing.plan import features, prompt_request
 from routing.train import Outcomes
 
 _CANDIDATE = re.compile(r"(?:^|; )candidate=([^;]+)")
@@ -66,22 +71,34 @@ class FeedbackReport:
         )
 
 
-def request_prompt(body: str) -> str | None:
-    """The text a difficulty score reads from a stored request body (chat, Anthropic messages or
-    completions); None when it holds none."""
+def _completions(body: str) -> ChatRequest:
+    request = decode_body(body, CompletionRequest)
+    return prompt_request(request.model, request.prompt)
+
+
+# How each endpoint's stored body becomes the canonical chat the route read: the gateway's own parsers.
+_CANONICAL: dict[str, Callable[[str], ChatRequest]] = {
+    "chat": lambda body: decode_body(body, ChatRequest),
+    "messages": lambda body: anthropic_inbound.to_canonical(decode_body(body, MessagesRequest)),
+    "responses": lambda body: responses_inbound.to_canonical(decode_body(body, ResponsesRequest)),
+    "completions": _completions,
+}
+
+
+def request_prompt(body: str, endpoint: str) -> str | None:
+    """The text the difficulty policy scored for a stored request: its body read by the endpoint's
+    own parser, then the last user turn as `routing.plan.features` takes it, so a head trains on
+    exactly what it will be served (a parallel reading of each API's shapes had drifted from it:
+    Responses API requests and Anthropic tool loops were skipped, text parts joined differently).
+    None when there is no text, or the body no longer parses."""
+    read = _CANONICAL.get(endpoint)
+    if read is None:
+        return None
     try:
-        data = json.loads(body)
-    except ValueError:
+        chat = read(body)
+    except GatewayError:
         return None
-    if not isinstance(data, dict):
-        return None
-    if isinstance(data.get("messages"), list):
-        text = prompt_text([m for m in data["messages"] if isinstance(m, dict)])
-        return text or None
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) and prompt else None
+    return features(chat, None, None).last_user or None
 
 
 def answered_by(row: UsageEventRow) -> str:
@@ -261,7 +278,7 @@ def _prompt(rows: list[StoredPrompt] | None, vault: Vault | None, report: Feedba
         except VaultError:
             report.skip("encrypted under a key this machine lacks (set WEIR_MASTER_KEY)")
             return None
-        prompts.add(request_prompt(body))
+        prompts.add(request_prompt(body, row.endpoint))
     if len(prompts) > 1:
         report.skip("sent under a request id that requests with other prompts used too")
         return None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from gateway.types import ChatRequest, ImagePart
+import msgspec
+
+from gateway.types import ChatRequest, ImagePart, Message, TextPart
 
 if TYPE_CHECKING:
     from gateway.router_basic import Target
@@ -33,6 +35,23 @@ class Features:
     key_id: str | None
 
 
+def _turn_text(message: Message) -> str:
+    """The text of one user turn as the difficulty classifier reads it: text parts joined by line
+    breaks, as `routing.difficulty.prompt_text` joins them for `weir router score` and for training
+    on stored requests. (`Message.text` joins them with nothing, which glued "What is" and "2+2?" into
+    "What is2+2?": other word pieces than a trained head learnt from for the same request.)"""
+    if isinstance(message.content, list):
+        return "\n".join(part.text for part in message.content if isinstance(part, TextPart))
+    return message.text()
+
+
+def prompt_request(model: str, prompt: str | list[Any]) -> ChatRequest:
+    """What a routing policy reads (conditions, difficulty, prefix affinity) of a completions or
+    embeddings prompt: one user turn of its text; token ids read as none."""
+    text = prompt if isinstance(prompt, str) else "\n".join(v for v in prompt if isinstance(v, str))
+    return ChatRequest(model=model, messages=[Message(role="user", content=text)])
+
+
 def features(request: ChatRequest, tenant: str | None, key_id: str | None) -> Features:
     texts: list[str] = []
     last_user = ""
@@ -46,16 +65,26 @@ def features(request: ChatRequest, tenant: str | None, key_id: str | None) -> Fe
         texts.append(text)
         chars += len(text) + 1
         if message.role == "user":
-            last_user = text
+            last_user = _turn_text(message)
         if isinstance(message.content, list):
             images = images or any(isinstance(part, ImagePart) for part in message.content)
     prompt = "\n".join(texts)
+    # The prompt's length counts everything the vendor bills as input, not only the turns' text:
+    # earlier tool calls' arguments (an agent's history is mostly those) and the tool definitions.
+    # Without them a long tool loop matched a `max_prompt_tokens` route for a small context window.
+    size = len(prompt) + sum(
+        len(call.function.name) + len(call.function.arguments)
+        for message in request.messages
+        for call in message.tool_calls or ()
+    )
+    if request.tools:
+        size += len(msgspec.json.encode(request.tools))
     metadata = request.metadata or {}
     return Features(
         prompt=prompt,
         history_chars=history_chars,
         last_user=last_user,
-        prompt_tokens=len(prompt) // CHARS_PER_TOKEN + 1,
+        prompt_tokens=size // CHARS_PER_TOKEN + 1,
         max_output_tokens=request.output_limit,
         tools=bool(request.tools),
         images=images,

@@ -49,12 +49,17 @@ class RouteError(ValueError):
     """A route names something that does not exist; the message says which."""
 
 
+def admits(when: Conditions | None, tenant: str | None, key_id: str | None) -> bool:
+    """Whether the route's caller conditions (tenants, keys) let this tenant and key use it."""
+    return when is None or (
+        (when.tenants is None or tenant in when.tenants) and (when.keys is None or key_id in when.keys)
+    )
+
+
 def matches(when: Conditions | None, feats: Features) -> bool:
     if when is None:
         return True
-    if when.tenants is not None and feats.tenant not in when.tenants:
-        return False
-    if when.keys is not None and feats.key_id not in when.keys:
+    if not admits(when, feats.tenant, feats.key_id):
         return False
     if when.metadata is not None and any(feats.metadata.get(k) != v for k, v in when.metadata.items()):
         return False
@@ -228,7 +233,7 @@ class Router:
         # Prefixes are remembered across replicas only where the state is shared (Redis).
         if not isinstance(state, MemoryState):
             self.context.prefixes.shared = state  # type: ignore[assignment]
-        self.store = RouteStore(sessions, self.set_routes, self.seed)
+        self.store = RouteStore(sessions, self.set_routes, self.seed, check=self._check_route)
         from routing.heads import HeadStore  # numpy and the classifier's modules: only with a DB
 
         # A route whose head is missing or unreadable is scored by the shipped head: load it then.
@@ -236,6 +241,9 @@ class Router:
             sessions,  # type: ignore[arg-type]
             on_unavailable=lambda: self._warm_scorer(fallback=True),
         )
+
+    def _check_route(self, route: Route) -> None:
+        validate([route], self.models)
 
     async def start(self, transport: object) -> None:
         self._started = True
@@ -341,6 +349,15 @@ class Router:
 
     def names(self) -> list[str]:
         return list(self.routes)
+
+    def offers(self, name: str, principal: Principal) -> bool:
+        """Whether some request of `principal` can use the route `name`: one of its routes has no
+        tenant or key condition that rules the caller out (what the request itself carries, its tools
+        or length, is not known here). A route limited to other tenants or keys answers them 404, so
+        /v1/models must not list it for them (nor tell them its name)."""
+        return principal.may_use(name) and any(
+            admits(route.when, principal.tenant_name, principal.key_id) for route in self.routes.get(name, ())
+        )
 
     async def plan(self, name: str, principal: Principal, feats: Features, record: bool = True) -> Plan:
         """The ordered candidates for a request (404 model_not_found when the name means nothing).

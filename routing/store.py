@@ -8,7 +8,8 @@ previous routes stay in force.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import datetime as dt
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -26,6 +27,17 @@ SEEDED = "routes_seeded"
 SIGNATURE = select(func.count(RouteRow.id), func.max(RouteRow.updated_at), func.sum(RouteRow.id))
 
 
+async def stamp(session: Any, now: dt.datetime) -> dt.datetime:
+    """The `updated_at` for a route written `now` (the writer's clock): later than every stamp in the
+    table. Replicas reload on a change of SIGNATURE, which an edit moves only through the latest
+    stamp; one stamped earlier (a replica or the training job with a clock behind, a wall clock
+    stepped back) left it as it was, and the other replicas never saw that edit."""
+    latest = await session.scalar(select(func.max(RouteRow.updated_at)))
+    if latest is not None and latest >= now:
+        return latest + dt.timedelta(microseconds=1)  # as precise as PostgreSQL's timestamps
+    return now
+
+
 def row_route(row: RouteRow) -> Route:
     return msgspec.convert(row.spec, Route)
 
@@ -35,10 +47,20 @@ def route_spec(route: Route) -> dict[str, Any]:
 
 
 class RouteStore:
-    def __init__(self, sessions: Any, apply: Any, seed: Sequence[Route], interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        sessions: Any,
+        apply: Any,
+        seed: Sequence[Route],
+        interval: float = 1.0,
+        check: Callable[[Route], None] | None = None,
+    ) -> None:
         self.sessions = sessions  # async_sessionmaker
         self.apply = apply  # Callable[[list[Route]], None]: raises on an invalid table
+        # Raises ValueError for a route that cannot be served here (see _first_load).
+        self.check = check
         self.seed = list(seed)
+        self.loaded = False  # whether routes from the table are in force (not the config's seed)
         self.interval = interval
         self.signature: tuple[Any, ...] | None = None
         self._poller = TablePoller(
@@ -91,8 +113,35 @@ class RouteStore:
             self.apply(routes)
         except ValueError as exc:
             log.error("routes_rejected", error=str(exc))
+            if not self.loaded:
+                return self._first_load(rows, signature)
             return False
         finally:
             self.signature = signature
+        self.loaded = True
         log.info("routes_loaded", routes=len(routes))
+        return True
+
+    def _first_load(self, rows: Sequence[RouteRow], signature: tuple[Any, ...]) -> bool:
+        """The table does not validate as a whole on this replica's first load (a model removed from
+        the config, a row a newer version wrote). Keeping "the routes in force" would mean the
+        config's seed here: routes an admin deleted would come back and every edit be reverted. So
+        the rows that validate are served and each one that does not is logged and left out."""
+        routes: list[Route] = []
+        for row in rows:
+            try:
+                route = row_route(row)
+                if self.check is not None:
+                    self.check(route)
+            except (msgspec.ValidationError, ValueError) as exc:
+                log.error("route_left_out", route_id=row.id, name=row.name, error=str(exc))
+                continue
+            routes.append(route)
+        try:
+            self.apply(routes)
+        except ValueError as exc:  # not expected: each route was checked on its own
+            log.error("routes_rejected", error=str(exc))
+            return False
+        self.loaded = True
+        log.info("routes_loaded", routes=len(routes), left_out=len(rows) - len(routes))
         return True

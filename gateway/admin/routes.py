@@ -20,7 +20,7 @@ from gateway.admin.router import AdminContext, AdminError, decode
 from gateway.db.models import DifficultyHeadRow, RouteRow, utcnow
 from routing.router import RouteError, Router, validate
 from routing.routes import Route
-from routing.store import route_spec
+from routing.store import route_spec, stamp
 
 # The admin DB's `routes.position` column is a 32-bit integer: beyond it the insert itself fails.
 Position = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
@@ -98,7 +98,8 @@ async def create_route(request: Request, ctx: AdminContext) -> dict[str, Any]:
         route, position = await _checked(request, body, session)
         if position is None:
             position = ((await session.scalar(select(func.max(RouteRow.position)))) or 0) + 1
-        row = RouteRow(name=route.name, position=position, spec=route_spec(route), updated_at=utcnow())
+        updated_at = await stamp(session, utcnow())
+        row = RouteRow(name=route.name, position=position, spec=route_spec(route), updated_at=updated_at)
         session.add(row)
         await session.flush()
         audit("create", "route", str(row.id), None, route_json(row))
@@ -119,7 +120,8 @@ async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> d
         route, position = await _checked(request, body, session, route_id)
         row = await _row(session, route_id)
         before = route_json(row)
-        row.name, row.spec, row.updated_at = route.name, route_spec(route), utcnow()
+        updated_at = await stamp(session, utcnow())
+        row.name, row.spec, row.updated_at = route.name, route_spec(route), updated_at
         if position is not None:
             row.position = position
         await session.flush()

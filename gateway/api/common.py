@@ -8,14 +8,13 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import InternalServerException
 
-from gateway.errors import GatewayError, InvalidRequest, validation_error
+from gateway.errors import GatewayError, decode_body
 from gateway.pipeline import Call, RequestInfo
 from gateway.runtime import Gateway
 
 T = TypeVar("T", bound=msgspec.Struct)
 
 _encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.Decoder().decode
 
 
 def runtime(request: Request[Any, Any, Any]) -> Gateway:
@@ -37,8 +36,7 @@ async def begin(request: Request[Any, Any, Any], endpoint: str) -> tuple[Gateway
 
 
 async def parse_body(request: Request[Any, Any, Any], type_: type[T]) -> T:
-    """The JSON body as `type_`: 400 naming the parameter when it does not fit. Top-level keys the
-    type does not model are kept in its `extra` field (forwarded to OpenAI-compatible backends)."""
+    """The JSON body as `type_` (`gateway.errors.decode_body`); a client gone before sending it all is a 499."""
     try:
         body = await request.body()
     except InternalServerException as exc:
@@ -52,23 +50,7 @@ async def parse_body(request: Request[Any, Any, Any], type_: type[T]) -> T:
             type="invalid_request_error",
             code="client_disconnected",
         ) from None
-    try:
-        raw = _decode(body)
-    except msgspec.DecodeError:
-        raise InvalidRequest(
-            "We could not parse the JSON body of your request. The body must be a JSON object."
-        ) from None
-    except RecursionError:  # JSON nested thousands deep: a hostile body, not a server fault
-        raise InvalidRequest("The JSON body of your request is nested too deeply.") from None
-    if not isinstance(raw, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    fields = type_.__struct_fields__
-    if "extra" in fields:
-        raw["extra"] = {key: value for key, value in raw.items() if key not in fields}
-    try:
-        return msgspec.convert(raw, type_)
-    except msgspec.ValidationError as exc:
-        raise validation_error(exc) from None
+    return decode_body(body, type_)
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response[bytes]:

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, get, post
 from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.api.common import begin, json_response, parse_body
 from gateway.db.models import Feedback, utcnow
@@ -56,16 +57,26 @@ async def post_feedback(request: Request[Any, Any, Any]) -> Response[Any]:
         )
     tenant = call.principal.tenant_id or "anonymous"
     async with _sessions(request)() as session, session.begin():
-        row = await session.scalar(
-            select(Feedback).where(Feedback.tenant_id == tenant, Feedback.request_id == body.request_id)
-        )
-        if row is None:
-            now = utcnow()
-            row = Feedback(
+        # Insert unless the row exists, in one statement, then read it locked: with a read first, two
+        # requests scoring one request id at once (a client's retry while its first try is in flight)
+        # both found no row, both inserted, and the second broke the unique constraint: a 500.
+        now = utcnow()
+        dialect = session.get_bind().dialect.name
+        insert = (postgresql if dialect == "postgresql" else sqlite).insert  # these know ON CONFLICT
+        await session.execute(
+            insert(Feedback)
+            .values(
                 tenant_id=tenant, request_id=body.request_id, score=body.score, created_at=now, updated_at=now
             )
-            session.add(row)
-        elif row.score != body.score:
+            .on_conflict_do_nothing(index_elements=["tenant_id", "request_id"])
+        )
+        row = await session.scalar(
+            select(Feedback)
+            .where(Feedback.tenant_id == tenant, Feedback.request_id == body.request_id)
+            .with_for_update()
+        )
+        assert row is not None  # inserted above, or there already
+        if row.score != body.score:
             row.score, row.updated_at = body.score, utcnow()
         await session.flush()
         data = _json(row)

@@ -222,7 +222,8 @@ def _listing(gateway: Gateway, principal: Principal) -> list[tuple[str, str]]:
     models = [(t.model.name, t.backend.name) for t in gateway.models.visible_to(principal)]
     plain = {name for name, _ in models}
     routes = [(name, ROUTE_OWNER) for name in gateway.router.names() if name not in plain]
-    return models + [(name, owner) for name, owner in routes if principal.may_use(name)]
+    # Only routes this caller can use: one limited to other tenants or keys answers it 404.
+    return models + [(name, owner) for name, owner in routes if gateway.router.offers(name, principal)]
 
 
 def _card(name: str, owner: str, anthropic: bool) -> dict[str, Any]:

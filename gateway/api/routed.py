@@ -19,7 +19,7 @@ from gateway.router_basic import Target
 from gateway.runtime import Gateway
 from gateway.types import ChatRequest, CompletionRequest, EmbeddingRequest, Message
 from routing.execute import Operation
-from routing.plan import Plan, features
+from routing.plan import Plan, features, prompt_request
 
 
 def completion_as_chat(request: CompletionRequest) -> ChatRequest:
@@ -43,13 +43,6 @@ def completion_as_chat(request: CompletionRequest) -> ChatRequest:
         n=request.n,
         user=request.user,
     )
-
-
-def _text(value: str | list[Any]) -> str:
-    """The text a routing policy reads (conditions, difficulty, prefix affinity); token ids read as none."""
-    if isinstance(value, str):
-        return value
-    return "\n".join(v for v in value if isinstance(v, str))
 
 
 def completion_op(body: CompletionRequest) -> Operation:
@@ -117,8 +110,7 @@ async def run_routed(
     the executor; the result and the plan (whose `chosen` candidate says how to render it)."""
     call.info.model = model
     call.info.stream = op.stream
-    as_chat = ChatRequest(model=model, messages=[Message(role="user", content=_text(prompt))])
-    feats = features(as_chat, call.principal.tenant_name, call.principal.key_id)
+    feats = features(prompt_request(model, prompt), call.principal.tenant_name, call.principal.key_id)
     plan = await gateway.router.plan(model, call.principal, feats)
     try:
         return await gateway.executor.run(call, plan, op, feats), plan

@@ -107,6 +107,7 @@ def _traffic(session: Session, vault: Vault, rng: random.Random, requests: range
         candidate = STRONG if i % 4 in (2, 3) else WEAK  # both models see easy and hard prompts
         right = candidate == STRONG or not is_hard
         rid = f"r{i}"
+        endpoint = "chat" if i % 3 else "completions"
         body = _chat(prompt) if i % 3 else json.dumps({"model": "auto", "prompt": prompt})
         key_id = None
         if i % 5 == 0:  # some bodies encrypted, as the gateway stores them with a master key
@@ -120,7 +121,7 @@ def _traffic(session: Session, vault: Vault, rng: random.Random, requests: range
                 request_id=rid,
                 tenant_id="t-acme",
                 ts=NOW,
-                endpoint="chat",
+                endpoint=endpoint,
                 status=200,
                 key_id=key_id,
                 request_body=body,
@@ -248,11 +249,18 @@ def test_a_row_is_recorded_when_its_label_last_changed(admin_db: tuple[str, Vaul
 
 
 def test_prompt_and_candidate_extraction() -> None:
-    assert request_prompt(_chat("what is up")) == "what is up"
-    anthropic = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hey"}]}], "system": "s"}
-    assert request_prompt(json.dumps(anthropic)) == "hey"
-    assert request_prompt(json.dumps({"prompt": ["one"]})) == "one"
-    assert request_prompt(json.dumps({"prompt": [1, 2]})) is None and request_prompt("not json") is None
+    assert request_prompt(_chat("what is up"), "chat") == "what is up"
+    anthropic = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hey"}]}],
+        "system": "s",
+    }
+    assert request_prompt(json.dumps(anthropic), "messages") == "hey"
+    assert request_prompt(json.dumps({"model": "m", "prompt": ["one"]}), "completions") == "one"
+    assert request_prompt(json.dumps({"model": "m", "prompt": [1, 2]}), "completions") is None
+    assert request_prompt("not json", "chat") is None
+    assert request_prompt(_chat("what is up"), "embeddings") is None  # no difficulty policy scores these
     assert answered_by(_event("x", 1, "t", STRONG, 200)) == STRONG  # the public name, not claude-sonnet-4-5
 
 
