@@ -28,11 +28,9 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway import anthropic_inbound, responses_inbound
-from gateway.anthropic_inbound import MessagesRequest
 from gateway.db.models import Comparison, Feedback, RouteRow, StoredPrompt, Tenant, UsageEventRow
 from gateway.errors import GatewayError, decode_body
 from gateway.prompts import read_body
-from gateway.responses_inbound import ResponsesRequest
 from gateway.types import ChatRequest, CompletionRequest
 from gateway.vault import Vault, VaultError
 from routing.plan import features, prompt_request
@@ -79,8 +77,12 @@ def _completions(body: str) -> ChatRequest:
 # How each endpoint's stored body becomes the canonical chat the route read: the gateway's own parsers.
 _CANONICAL: dict[str, Callable[[str], ChatRequest]] = {
     "chat": lambda body: decode_body(body, ChatRequest),
-    "messages": lambda body: anthropic_inbound.to_canonical(decode_body(body, MessagesRequest)),
-    "responses": lambda body: responses_inbound.to_canonical(decode_body(body, ResponsesRequest)),
+    "messages": lambda body: anthropic_inbound.to_canonical(
+        decode_body(body, anthropic_inbound.MessagesRequest)
+    ),
+    "responses": lambda body: responses_inbound.to_canonical(
+        decode_body(body, responses_inbound.ResponsesRequest)
+    ),
     "completions": _completions,
 }
 
