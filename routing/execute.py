@@ -62,6 +62,13 @@ def _unhealthy(exc: GatewayError) -> bool:
     return isinstance(exc, _BACKEND_ERRORS) and (exc.status >= 500 or exc.status == 429)
 
 
+def retries_in_place(exc: GatewayError) -> bool:
+    """Whether asking the same backend again may help. Not after OpenAI's 429 `insufficient_quota`:
+    the account is out of credit, which no wait lifts (unlike a rate limit's 429), so the next
+    candidate is asked at once."""
+    return exc.code != "insufficient_quota"
+
+
 def retry_after(exc: GatewayError) -> float | None:
     """Seconds the backend asked us to wait: `retry-after-ms` (OpenAI), else `retry-after` in seconds
     or as an HTTP date. None when it sent neither or nothing usable (not a number, negative, NaN):
@@ -290,7 +297,7 @@ class Executor:
                     if not fails_over(route, exc):
                         raise
                     last = exc
-                    if retry + 1 >= route.retry.attempts:
+                    if retry + 1 >= route.retry.attempts or not retries_in_place(exc):
                         break
                     wait = retry_after(exc)
                     if wait is not None and wait > route.retry.max_retry_after:

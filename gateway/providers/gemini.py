@@ -6,6 +6,7 @@ budget or an effort) sets `thinkingConfig` with `includeThoughts`; thought parts
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -433,11 +434,35 @@ class ChatStream:
         return [ChatChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)]
 
 
+# Google says when to retry in the error body, never in a header: a google.rpc.RetryInfo among
+# `error.details`, whose `retryDelay` is a protobuf Duration in its JSON form ("30s", "0.5s").
+_RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
+_DURATION = re.compile(r"\d{1,10}(?:\.\d{1,9})?s")
+
+
+def retry_hint(detail: Mapping[str, Any]) -> dict[str, str]:
+    """An error's RetryInfo as the headers the executor and the clients' SDKs read: `retry-after-ms`
+    exactly, `retry-after` in whole seconds rounded up. Empty when it has none (or not a Duration)."""
+    details = detail.get("details")
+    for item in details if isinstance(details, list) else ():
+        if isinstance(item, dict) and item.get("@type") == _RETRY_INFO:
+            delay = item.get("retryDelay")
+            if not isinstance(delay, str) or not _DURATION.fullmatch(delay):
+                return {}
+            seconds = float(delay[:-1])
+            return {"retry-after-ms": str(round(seconds * 1000)), "retry-after": str(math.ceil(seconds))}
+    return {}
+
+
 def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
     message, detail = error_text(body)
     kind = detail.get("status")
+    headers: Mapping[str, str] = response_headers
+    hint = retry_hint(detail)
+    if hint and not any(name.lower() in ("retry-after", "retry-after-ms") for name in response_headers):
+        headers = {**response_headers, **hint}  # a header of its own, were there one, would win
     return upstream_error(
-        status, message, response_headers, vendor="Gemini", code=kind if isinstance(kind, str) else None
+        status, message, headers, vendor="Gemini", code=kind if isinstance(kind, str) else None
     )
 
 

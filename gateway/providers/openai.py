@@ -178,10 +178,28 @@ class _Completion(Base):
     choices: list[_Choice] = msgspec.field(default_factory=list)
     usage: dict[str, Any] | None = None
     system_fingerprint: str | None = None
+    error: dict[str, Any] | None = None
+
+
+def _error_in_200(error: dict[str, Any]) -> GatewayError:
+    """A failure reported in the body of a 200. OpenRouter commits its 200 before the provider behind
+    it answers, and then reports that provider's failure as `{"error": {"code": 429, ...}}`: that
+    status when it is an HTTP error status (a 429 or 5xx fails over), else 502."""
+    code = error.get("code")
+    numeric = isinstance(code, int) and not isinstance(code, bool)
+    status = code if isinstance(code, int) and numeric and 400 <= code <= 599 else 502
+    message = str(error.get("message") or "error in a 200 response")
+    named = None if numeric or code is None else str(code)  # OpenAI's own codes are names
+    return upstream_error(status, message, {}, vendor="OpenAI-compatible", code=named)
 
 
 def chat_response(body: bytes, model: str) -> ChatResponse:
     wire = decode_typed(body, _Completion, "the OpenAI-compatible backend")
+    if wire.error is not None:
+        raise _error_in_200(wire.error)
+    if not wire.choices:
+        # Not an answer (a completion always has a choice): the backend's failure, not an empty reply.
+        raise BadGateway("the OpenAI-compatible backend returned a response without choices")
     for choice in wire.choices:
         _reasoning_as_content(choice.message)
     return ChatResponse(

@@ -3,6 +3,8 @@
 Build one with a constructor and queue it with ``fake.fail_next(fault, times=n)``::
 
     fake.fail_next(Fault.status(429, retry_after=2))   # the vendor's own 429 body + retry-after header
+    fake.fail_next(Fault.status(429, retry_delay=30))  # Gemini: the hint in the body (RetryInfo), no header
+    fake.fail_next(Fault.status(429, error_code="insufficient_quota"))  # OpenAI: out of credit, not a rate limit
     fake.fail_next(Fault.delay(1.5))                    # first byte (headers) after 1.5 s, then normal
     fake.fail_next(Fault.hang())                        # never answers (until reset() or stop())
     fake.fail_next(Fault.reset())                       # TCP RST before any byte
@@ -40,14 +42,33 @@ class Fault:
     kind: FaultKind
     status_code: int = 0  # STATUS and STREAM_ERROR: the vendor status whose error body is sent
     retry_after: float | None = None  # STATUS: value of the retry-after header
+    # STATUS: Gemini's retry hint, in seconds, where Google puts it: a RetryInfo entry of the error
+    # body's `details` (`"retryDelay": "30s"`), with no header. Vendors without such a body ignore it.
+    retry_delay: float | None = None
+    code: str | None = None  # STATUS: the vendor's error code (OpenAI: `insufficient_quota`)
     message: str | None = None  # STATUS and STREAM_ERROR: overrides the vendor's default message
     seconds: float = 0.0  # DELAY: before the first byte; SLOW_STREAM: between chunks
     after: int = 0  # CUT_STREAM and STREAM_ERROR: chunks sent before the failure
     size: int = 0  # HUGE: approximate bytes of reply text
 
     @classmethod
-    def status(cls, code: int, *, retry_after: float | None = None, message: str | None = None) -> Fault:
-        return cls(FaultKind.STATUS, status_code=code, retry_after=retry_after, message=message)
+    def status(
+        cls,
+        code: int,
+        *,
+        retry_after: float | None = None,
+        message: str | None = None,
+        retry_delay: float | None = None,
+        error_code: str | None = None,
+    ) -> Fault:
+        return cls(
+            FaultKind.STATUS,
+            status_code=code,
+            retry_after=retry_after,
+            message=message,
+            retry_delay=retry_delay,
+            code=error_code,
+        )
 
     @classmethod
     def delay(cls, seconds: float) -> Fault:

@@ -148,6 +148,35 @@ class FakeGemini(FakeServer):
         }
         if "details" in extra:
             error["details"] = extra["details"]
+        elif extra.get("retry_delay") is not None:
+            # How Google says when to retry: no header, a RetryInfo (google.protobuf.Duration in its
+            # JSON form, seconds with an "s") beside the quota that was hit and a help link.
+            error["details"] = [
+                {
+                    "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                    "violations": [
+                        {
+                            "quotaMetric": "generativelanguage.googleapis.com/generate_content_free_tier_requests",
+                            "quotaId": "GenerateRequestsPerMinutePerProjectPerModel-FreeTier",
+                            "quotaDimensions": {"location": "global", "model": "gemini-2.5-flash"},
+                            "quotaValue": "10",
+                        }
+                    ],
+                },
+                {
+                    "@type": "type.googleapis.com/google.rpc.Help",
+                    "links": [
+                        {
+                            "description": "Learn more about Gemini API quotas",
+                            "url": "https://ai.google.dev/gemini-api/docs/rate-limits",
+                        }
+                    ],
+                },
+                {
+                    "@type": "type.googleapis.com/google.rpc.RetryInfo",
+                    "retryDelay": f"{extra['retry_delay']:g}s",
+                },
+            ]
         return {"error": error}
 
     def stream_error_frame(self, status: int, message: str | None) -> bytes:

@@ -91,6 +91,16 @@ _STATUS_ERRORS: dict[int, tuple[str, str | None, str]] = {
     504: ("server_error", None, "Request timed out."),
 }
 
+# Errors OpenAI tells apart by `code` rather than status: (type, message).
+_CODE_ERRORS: dict[str, tuple[str, str]] = {
+    # A 429 that is not a rate limit: the account is out of credit, and waiting will not help.
+    "insufficient_quota": (
+        "insufficient_quota",
+        "You exceeded your current quota, please check your plan and billing details. For more "
+        "information on this error, read the docs: https://platform.openai.com/docs/guides/error-codes/api-errors.",
+    ),
+}
+
 
 class BadRequest(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
@@ -172,6 +182,8 @@ class FakeOpenAI(FakeServer):
         kind, code, default = _STATUS_ERRORS.get(
             status, ("server_error" if status >= 500 else "invalid_request_error", None, "Error.")
         )
+        if extra.get("code") in _CODE_ERRORS:  # an error named by its code: its own type and message
+            kind, default = _CODE_ERRORS[extra["code"]]
         error = {
             "message": message or default,
             "type": extra.get("type", kind),

@@ -415,7 +415,12 @@ class FakeServer:
         kind = fault.kind
         if kind is FaultKind.STATUS:
             headers = {} if fault.retry_after is None else {"retry-after": f"{fault.retry_after:g}"}
-            resp = self.error_response(fault.status_code, fault.message)
+            extra: dict[str, Any] = {}
+            if fault.retry_delay is not None:
+                extra["retry_delay"] = fault.retry_delay
+            if fault.code is not None:
+                extra["code"] = fault.code
+            resp = self.error_response(fault.status_code, fault.message, **extra)
             resp.headers.update(headers)
             return resp
         if kind is FaultKind.DELAY:

@@ -1,0 +1,341 @@
+"""How each vendor signals a failure, as the failover executor sees it, through a real routed gateway
+with the official SDKs as clients.
+
+- Gemini says when to retry in its error body (a `google.rpc.RetryInfo` in `error.details`,
+  `"retryDelay": "30s"`), never in a header: it must be honoured like `retry-after` (and capped by
+  `max_retry_after`), and reach the client as `retry-after`.
+- OpenAI's 429 `insufficient_quota` is an account out of credit, not a rate limit: waiting does not
+  lift it, so the next candidate is tried at once instead of the same backend again.
+- An OpenAI-compatible server (OpenRouter, say) that has already sent its 200 reports a failure in the
+  body (`{"error": {...}}`, no `choices`): a failure to fail over from, never an empty answer.
+- Errors inside a 200 stream and streams that just stop, for each vendor: before the first token they
+  fail over invisibly, after it the stream continues on the next candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.config import parse_config
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
+from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
+from tests.routing.routed import FAST, ROUTES, fresh, ledger, route_header, routed_config_text, settled
+
+HI = [{"role": "user", "content": "one two three four five six"}]
+ECHO = "one two three four five six"
+
+RAW_BACKEND = """\
+  - {name: raw, type: openai, base_url: "${RAW_URL}", api_key: unused}
+"""
+RAW_MODEL = """\
+  - {name: raw-model, backend: raw, model: gpt-4o-mini, price: {input: 0.15, output: 0.60}}
+"""
+EXTRA_ROUTES = f"""\
+  - {{name: gemini-first, candidates: [{{model: gemini-flash}}, {{model: gpt-4o-mini}}], {FAST}}}
+  - {{name: raw-first, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: vendors, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}, {{model: gemini-flash}}], {FAST}}}
+  - {{name: vendors-from-claude, candidates: [{{model: claude-sonnet}}, {{model: gemini-flash}}, {{model: gpt-4o-mini}}], {FAST}}}
+  - {{name: vendors-from-gemini, candidates: [{{model: gemini-flash}}, {{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
+"""
+
+# OpenRouter commits its 200 before the provider behind it answers; a provider's failure then comes
+# in the body, with the provider's status as a number in `error.code`.
+IN_BAND_429 = (
+    b'{"error": {"message": "Provider returned error", "code": 429,'
+    b' "metadata": {"raw": "rate limited upstream", "provider_name": "Example"}},'
+    b' "user_id": "user_123"}'
+)
+NO_CHOICES = b'{"id": "gen-1", "object": "chat.completion", "created": 0, "model": "gpt-4o-mini"}'
+
+
+class Script:
+    """What the raw backend answers to every request."""
+
+    def __init__(self) -> None:
+        self.answer = http_head() + IN_BAND_429
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, send: Send, sleep: Sleep) -> None:
+        with self.lock:
+            self.calls += 1
+        send(self.answer)
+
+
+@pytest.fixture(scope="module")
+def _raw() -> Iterator[tuple[RawBackend, Script]]:
+    script = Script()
+    with RawBackend(script) as backend:
+        yield backend, script
+
+
+@pytest.fixture(scope="module")
+def _routed(
+    _raw: tuple[RawBackend, Script],
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    text = routed_config_text(ROUTES + EXTRA_ROUTES)
+    text = text.replace("backends:\n", "backends:\n" + RAW_BACKEND, 1).replace(
+        "models:", "models:\n" + RAW_MODEL.rstrip("\n"), 1
+    )
+    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    env["RAW_URL"] = _raw[0].url
+    with running_gateway(parse_config(text, env)) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def raw(_raw: tuple[RawBackend, Script]) -> Script:
+    script = _raw[1]
+    script.answer, script.calls = http_head() + IN_BAND_429, 0
+    return script
+
+
+@pytest.fixture
+def gateway(_routed: RunningGateway, raw: Script, fresh_fakes: None) -> RunningGateway:
+    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
+    return fresh(_routed)
+
+
+def client(gateway: RunningGateway) -> openai.OpenAI:
+    """The OpenAI SDK without its own retries: what the client sees is what the gateway answered."""
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.openai().api_key, max_retries=0)
+
+
+def chat(gateway: RunningGateway, model: str, **kwargs: Any) -> tuple[str, dict[str, str]]:
+    raw = client(gateway).chat.completions.with_raw_response.create(model=model, messages=HI, **kwargs)
+    return raw.parse().choices[0].message.content or "", route_header(raw)
+
+
+def generations(fake: FakeGemini) -> int:
+    return sum(1 for r in fake.requests if r.method == "POST" and "Content" in r.path)
+
+
+# --- Gemini's retry hint is in the body ----------------------------------------------------------
+
+
+def test_gemini_retry_delay_beyond_max_retry_after_fails_over_at_once(
+    gateway: RunningGateway, fake_gemini: FakeGemini, fake_openai: FakeOpenAI
+) -> None:
+    """Gemini asks for 30 s, past the route's `max_retry_after` (1 s): the next candidate is asked at
+    once, as for a `retry-after: 30`, not Gemini again after the route's own 20 ms backoff."""
+    fake_gemini.fail_next(Fault.status(429, retry_delay=30), times=2)
+    text, route = chat(gateway, "gemini-first")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini"
+    assert route["tried"] == "gemini-flash:429,gpt-4o-mini:ok"
+    assert generations(fake_gemini) == 1
+    settled(gateway, 2)
+    assert ledger(gateway) == [("gemini", 429), ("openai", 200)]
+
+
+def test_gemini_short_retry_delay_is_waited_for_on_the_same_backend(
+    gateway: RunningGateway, fake_gemini: FakeGemini, fake_openai: FakeOpenAI
+) -> None:
+    """Gemini asks for 0.4 s, within `max_retry_after`: the same backend is asked again after that
+    wait (not after the 20 ms backoff, which would only meet the same 429)."""
+    fake_gemini.fail_next(Fault.status(429, retry_delay=0.4))
+    started = time.monotonic()
+    text, route = chat(gateway, "gemini-first")
+    assert text == ECHO and route["candidate"] == "gemini-flash"
+    assert route["tried"] == "gemini-flash:429,gemini-flash:ok"
+    assert time.monotonic() - started >= 0.4
+    assert not fake_openai.requests
+
+
+def test_a_gemini_retry_delay_reaches_the_client_as_retry_after(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """A plain model (one attempt): the client is told when to retry, as Gemini said, in the header
+    its SDK reads (whole seconds, rounded up, and exactly in `retry-after-ms`)."""
+    fake_gemini.fail_next(Fault.status(429, retry_delay=6.5))
+    with pytest.raises(openai.RateLimitError) as caught:
+        client(gateway).chat.completions.create(model="gemini-flash", messages=HI)  # type: ignore[arg-type]
+    headers = caught.value.response.headers
+    assert headers["retry-after"] == "7" and headers["retry-after-ms"] == "6500"
+    assert caught.value.status_code == 429
+
+
+def test_a_gemini_503_with_a_retry_delay_in_a_stream_error_is_honoured(
+    gateway: RunningGateway, fake_gemini: FakeGemini, fake_openai: FakeOpenAI
+) -> None:
+    """The same hint on an overloaded 503 before the stream's first token: past `max_retry_after`,
+    so the stream fails over at once and the client sees one normal stream."""
+    fake_gemini.fail_next(Fault.status(503, retry_delay=30), times=2)
+    stream = client(gateway).chat.completions.create(model="gemini-first", messages=HI, stream=True)  # type: ignore[arg-type]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ECHO
+    assert generations(fake_gemini) == 1
+
+
+# --- OpenAI's insufficient_quota is not a rate limit --------------------------------------------
+
+
+def test_insufficient_quota_fails_over_without_retrying_in_place(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_openai.fail_next(Fault.status(429, error_code="insufficient_quota"), times=2)
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["candidate"] == "claude-sonnet"
+    assert route["tried"] == "gpt-4o-mini:429,claude-sonnet:ok"
+    assert len(fake_openai.requests) == 1  # the account is out of credit: asking again cannot help
+    settled(gateway, 2)
+    assert ledger(gateway) == [("openai", 429), ("anthropic", 200)]
+
+
+def test_a_rate_limit_429_is_still_retried_in_place(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_openai.fail_next(Fault.status(429))  # rate_limit_exceeded: it lifts
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:429,gpt-4o-mini:ok"
+    assert not fake_anthropic.requests
+
+
+# --- a 200 that is not an answer ---------------------------------------------------------------
+
+
+def test_an_error_inside_a_200_fails_over(gateway: RunningGateway, raw: Script) -> None:
+    text, route = chat(gateway, "raw-first")
+    assert text == ECHO and route["candidate"] == "claude-sonnet"
+    assert route["tried"].startswith("raw-model:429,")
+    settled(gateway, 3)
+    assert [backend for backend, _ in ledger(gateway)][-1] == "anthropic"
+    assert all(status != 200 for backend, status in ledger(gateway) if backend == "raw")
+
+
+def test_an_error_inside_a_200_reaches_a_plain_model_client_as_that_error(
+    gateway: RunningGateway, raw: Script
+) -> None:
+    with pytest.raises(openai.RateLimitError) as caught:
+        client(gateway).chat.completions.create(model="raw-model", messages=HI)  # type: ignore[arg-type]
+    assert "Provider returned error" in caught.value.message
+
+
+def test_a_200_without_choices_is_a_bad_gateway_not_an_empty_answer(
+    gateway: RunningGateway, raw: Script
+) -> None:
+    raw.answer = http_head() + NO_CHOICES
+    text, route = chat(gateway, "raw-first")
+    assert text == ECHO and route["tried"].startswith("raw-model:502,")
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(gateway).chat.completions.create(model="raw-model", messages=HI)  # type: ignore[arg-type]
+    assert caught.value.status_code == 502
+
+
+# --- errors inside a 200 stream, and streams that just stop -----------------------------------------
+
+# (route, the fake that breaks, the fault, which backend continues): each vendor's own in-stream error
+# event, and its connection dropped with no terminator (OpenAI's [DONE], Anthropic's message_stop,
+# Gemini's finishReason).
+FIRST = {"vendors": "openai", "vendors-from-claude": "anthropic", "vendors-from-gemini": "gemini"}
+
+
+@pytest.mark.parametrize("route", list(FIRST))
+@pytest.mark.parametrize(
+    "fault",
+    [Fault.stream_error(after=3, code=500), Fault.stream_error(after=3, code=529), Fault.cut_stream(after=3)],
+    ids=["error-event", "overloaded-event", "cut"],
+)
+def test_a_stream_broken_after_its_first_token_continues_on_the_next_vendor(
+    gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    route: str,
+    fault: Fault,
+) -> None:
+    fakes = {"openai": fake_openai, "anthropic": fake_anthropic, "gemini": fake_gemini}
+    fakes[FIRST[route]].fail_next(fault)
+    stream = client(gateway).chat.completions.create(
+        model=route, messages=HI, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ECHO
+    assert len({c.id for c in chunks}) == 1 and chunks[-1].usage is not None
+    settled(gateway, 2)
+    events = sorted(gateway.sink.events, key=lambda e: e.attempt)
+    assert events[0].backend == FIRST[route] and not events[0].ok
+    assert events[-1].ok and len(events) == 2
+
+
+@pytest.mark.parametrize("route", list(FIRST))
+def test_a_stream_that_stops_before_its_first_token_fails_over_invisibly(
+    gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    route: str,
+) -> None:
+    """No text yet (OpenAI: the role chunk; Anthropic: message_start; Gemini: nothing): each attempt
+    on the first vendor stops, the client sees one normal stream from the next."""
+    fakes = {"openai": fake_openai, "anthropic": fake_anthropic, "gemini": fake_gemini}
+    after = {"openai": 1, "anthropic": 1, "gemini": 0}[FIRST[route]]
+    fakes[FIRST[route]].fail_next(Fault.cut_stream(after=after), times=2)
+    raw = client(gateway).chat.completions.with_raw_response.create(model=route, messages=HI, stream=True)
+    chunks = list(raw.parse())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ECHO
+    assert [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role] == ["assistant"]
+    assert route_header(raw)["attempts"] == "3"
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_a_stream_with_tools_that_broke_mid_text_continues_as_one_stream(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """Tools offered but only text sent when the stream broke: the next vendor continues the text
+    with the same tools; the client sees one stream."""
+    fake_openai.fail_next(Fault.cut_stream(after=3))
+    stream = client(gateway).chat.completions.create(model="vendors", messages=HI, stream=True, tools=TOOLS)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ECHO
+    sent = fake_anthropic.last_request.json
+    assert [t["name"] for t in sent["tools"]] == ["lookup"] and sent["messages"][-1]["role"] == "assistant"
+
+
+def test_a_stream_whose_tool_call_broke_ends_with_an_sse_error(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """A tool call under way cannot be continued by another vendor: an explicit error event, never a
+    silent end."""
+    fake_openai.fail_next(Fault.cut_stream(after=3))  # the role, the call's head, its first arguments
+    ask = [{"role": "user", "content": 'call lookup {"q": "one two three"}'}]
+    with httpx_stream(gateway, "vendors", messages=ask, tools=TOOLS) as lines:
+        data = [line for line in lines if line.startswith("data: ")]
+    assert data[-1] != "data: [DONE]" and "error" in json.loads(data[-1][6:])
+    assert not fake_anthropic.requests
+
+
+@contextmanager
+def httpx_stream(gateway: RunningGateway, model: str, **body: Any) -> Iterator[list[str]]:
+    """A chat stream read raw: its SSE lines, to see how it ended."""
+    with httpx.stream(
+        "POST",
+        f"{gateway.url}/v1/chat/completions",
+        json={"model": model, "stream": True, **body},
+        headers={"authorization": f"Bearer {gateway.openai().api_key}"},
+        timeout=20,
+    ) as response:
+        assert response.status_code == 200
+        yield list(response.iter_lines())
