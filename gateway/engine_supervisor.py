@@ -19,6 +19,11 @@ from gateway.config import Backend
 log = structlog.get_logger("weir.engine")
 
 RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)  # seconds between restarts after quick deaths
+# A running engine's /health is checked this often: an exception inside the engine's step stops its
+# loop but not its process, which then answers 503 {"status": "error"} to /health and `engine_dead`
+# to every request for ever. DEAD_AFTER such answers in a row and it is restarted.
+WATCH_INTERVAL_S = 1.0
+DEAD_AFTER = 3
 
 
 def engine_base_url(backend: Backend) -> str:
@@ -74,11 +79,28 @@ class EngineProcess:
         failures = 0
         async with aiohttp.ClientSession() as session:
             while not self._stopping:
-                await self._spawn()
+                try:
+                    await self._spawn()
+                except OSError as exc:
+                    # A `command` that cannot be run (not found, not executable): said in the log, and
+                    # tried again after the backoff. Raised, it ended supervision without a word, left
+                    # /readyz at 503 for ever and failed the gateway's shutdown.
+                    failures += 1
+                    delay = RESTART_BACKOFF[min(failures, len(RESTART_BACKOFF) - 1)]
+                    log.error(
+                        "engine_start_failed",
+                        backend=self.backend.name,
+                        command=self.command,
+                        error=str(exc),
+                        retry_in=delay,
+                    )
+                    await asyncio.sleep(delay)
+                    continue
                 started = time.monotonic()
                 if await self._wait_healthy(session):
                     self.healthy = True
                     log.info("engine_ready", backend=self.backend.name, port=self.port)
+                    await self._watch(session)
                 else:
                     log.error("engine_not_ready", backend=self.backend.name, port=self.port)
                     await self._terminate()
@@ -92,6 +114,42 @@ class EngineProcess:
                 self.restarts += 1
                 log.warning("engine_exited", backend=self.backend.name, code=code, restart_in=delay)
                 await asyncio.sleep(delay)
+
+    async def _watch(self, session: aiohttp.ClientSession) -> None:
+        """Until the process exits: check /health, and terminate an engine that says it is dead (its
+        process alive, its loop not), so that it is restarted like one that exited. A slow or
+        unreachable /health proves nothing (a busy engine on a small CPU): only the engine's own
+        "error" counts."""
+        assert self.process is not None
+        exited = asyncio.ensure_future(self.process.wait())
+        dead = 0
+        try:
+            while not exited.done():
+                await asyncio.wait({exited}, timeout=WATCH_INTERVAL_S)
+                if exited.done() or self._stopping:
+                    return
+                said = await self._health(session)
+                if said == "ok":
+                    dead, self.healthy = 0, True
+                elif said == "error":
+                    dead, self.healthy = dead + 1, False  # /readyz says so at once
+                    if dead >= DEAD_AFTER:
+                        log.error("engine_dead", backend=self.backend.name, port=self.port)
+                        await self._terminate()
+                        return
+        finally:
+            exited.cancel()
+
+    async def _health(self, session: aiohttp.ClientSession) -> str | None:
+        """What the engine's /health says: "ok", "error" (its loop died), or None (no clear answer)."""
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            async with session.get(self.health_url, timeout=aiohttp.ClientTimeout(total=2)) as response:
+                if response.status == 200:
+                    return "ok"
+                body = await response.json(content_type=None)
+                if response.status == 503 and isinstance(body, dict) and body.get("status") == "error":
+                    return "error"
+        return None
 
     async def _terminate(self) -> None:
         process = self.process

@@ -43,7 +43,9 @@ def parse_orca(value: str) -> dict[str, float]:
             decoded = msgspec.json.decode(data)
             metrics = decoded.get("named_metrics", {}) if isinstance(decoded, dict) else {}
             named = {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
-    except (ValueError, TypeError, msgspec.DecodeError):
+    except (ValueError, TypeError, msgspec.DecodeError, OverflowError, RecursionError):
+        # OverflowError: a JSON integer too large for a float; RecursionError: JSON nested deeper
+        # than the decoder goes. Either raised out of the request (a 500) and the probe round.
         return {}
     return {k: v for k, v in named.items() if math.isfinite(v)}
 
