@@ -37,8 +37,9 @@ class ApiError extends Error {
 }
 
 // `body` is sent as JSON; `bytes` (an ArrayBuffer, e.g. an uploaded file) is sent as it is.
-async function api(path, { method = "GET", body, bytes } = {}) {
+async function api(path, { method = "GET", body, bytes, ifMatch } = {}) {
   const headers = { accept: "application/json" };
+  if (ifMatch) headers["if-match"] = `"${ifMatch}"`;
   if (bytes !== undefined) headers["content-type"] = "application/octet-stream";
   else if (body !== undefined) headers["content-type"] = "application/json";
   if (method !== "GET" && csrf) headers["x-weir-csrf"] = csrf;
@@ -270,6 +271,42 @@ const POLICIES = ["fixed", "weighted", "cheapest", "lowest_latency", "difficulty
 // Fields the structured form edits; everything else of a route is kept in the advanced JSON box.
 const FORM_FIELDS = ["id", "name", "position", "policy", "candidates", "fallbacks", "threshold", "strong_share", "head", "ttft_timeout", "updated_at"];
 
+// A candidate's settings besides its model and weight, with the schema's defaults (routing/routes.py
+// Candidate): the ones that differ are written on its line as key=value, so an edit keeps them.
+const CANDIDATE_DEFAULTS = { context_window: null, tools: true, vision: true, cache_hit_rate: 0, max_in_flight: null, max_waiting: null };
+function candidateLine(c) {
+  const parts = [c.model];
+  if (c.weight !== undefined && c.weight !== 1) parts.push(String(c.weight));
+  for (const [k, v] of Object.entries(c)) {
+    if (k === "model" || k === "weight" || (k in CANDIDATE_DEFAULTS && v === CANDIDATE_DEFAULTS[k])) continue;
+    parts.push(`${k}=${JSON.stringify(v)}`);
+  }
+  return parts.join(" ");
+}
+
+// "gpt-4o-mini 3 context_window=128000 vision=false" -> a candidate, or null when the line is malformed.
+function parseCandidate(line) {
+  const [model, ...rest] = line.split(/\s+/);
+  const c = { model };
+  for (const [i, part] of rest.entries()) {
+    const eq = part.indexOf("=");
+    if (eq > 0) {
+      const v = part.slice(eq + 1);
+      try { c[part.slice(0, eq)] = JSON.parse(v); } catch { c[part.slice(0, eq)] = v; }
+    } else if (i === 0 && Number(part) > 0) c.weight = Number(part);
+    else return null;
+  }
+  return c;
+}
+
+// The form field an API error's `param` belongs to: "retry.jitter" and "when.tenants" are in the
+// advanced JSON box, "candidates[1].weight" is the candidates box.
+function routeParam(form, param) {
+  if (!param || param === "updated_at" || param === "id") return null; // about the form as a whole
+  const top = param.split(/[.[]/)[0];
+  return form.querySelector(`[name="${CSS.escape(top)}"]`) ? top : "advanced";
+}
+
 function routeSummary(r) {
   const when = r.when ? Object.entries(r.when).filter(([, v]) => v !== null).map(([k, v]) => `${k}=${Array.isArray(v) ? v.join("|") : typeof v === "object" ? JSON.stringify(v) : v}`).join(", ") : "";
   return when || "always";
@@ -282,11 +319,12 @@ function routeForm(existing, onSaved, heads = null) {
   const name = h("input", { name: "name", required: true, value: r.name || "", autocomplete: "off" });
   const policy = h("select", { name: "policy" }, POLICIES.map((p) => h("option", { value: p, selected: p === r.policy }, p)));
   const cands = h("textarea", { name: "candidates", rows: 3, required: true },
-    (r.candidates || []).map((c) => (c.weight !== undefined && c.weight !== 1 ? `${c.model} ${c.weight}` : c.model)).join("\n"));
+    (r.candidates || []).map(candidateLine).join("\n"));
   const fallbacks = h("input", { name: "fallbacks", value: (r.fallbacks || []).join(", "), autocomplete: "off" });
   const threshold = h("input", { name: "threshold", inputmode: "decimal", value: r.threshold ?? "" , placeholder: "0.5" });
   const share = h("input", { name: "strong_share", inputmode: "decimal", value: r.strong_share ?? "", placeholder: "not set" });
   const ttft = h("input", { name: "ttft_timeout", inputmode: "decimal", value: r.ttft_timeout ?? "", placeholder: "none" });
+  const position = h("input", { name: "position", inputmode: "numeric", value: r.position ?? "", placeholder: "after the others", autocomplete: "off" });
   // A route may name a head that is no longer stored: keep it selectable, so saving says so.
   const headNames = heads && r.head && !heads.includes(r.head) ? [...heads, r.head] : heads;
   const head = heads ? h("select", { name: "head" }, h("option", { value: "" }, "shipped (default)"),
@@ -297,12 +335,13 @@ function routeForm(existing, onSaved, heads = null) {
   const form = h("form", { class: "inline-form", "aria-label": existing ? `Edit route ${r.name}` : "Create a route" }, ...formBox(
     field("Public model name", name, "What clients send as model; several routes may share it (the first whose conditions match wins)."),
     field("Policy", policy, "fixed: first candidate; weighted: by weight; difficulty: candidates are weak, strong."),
-    field("Candidates", cands, "One model per line, optionally followed by a weight: gpt-4o-mini 3"),
+    field("Candidates", cands, "One model per line, optionally followed by a weight and settings: gpt-4o-mini 3 context_window=128000 vision=false"),
     field("Fallbacks", fallbacks, "Comma-separated models tried in order after every candidate failed."),
     field("Difficulty threshold", threshold, "difficulty: strong model when p_strong is above this (0-1)."),
     field("Target strong share", share, "difficulty: send this share of traffic to the strong model instead (0-1)."),
     head ? field("Difficulty head", head, "difficulty only: score prompts with a head trained on your own outcomes (Difficulty heads below) instead of the shipped one.") : null,
     field("First-token timeout (s)", ttft, "Streams fail over when no token arrived by then."),
+    field("Position (#)", position, "Routes sharing a model name are tried lowest # first; the first whose conditions match wins."),
     field("Advanced (JSON)", advanced, "Other route fields: when (conditions), retry, hedge, breaker, failover_on, resume… See docs/routing-policies.md."),
     h("button", { type: "submit" }, existing ? "Save route" : "Create route")));
   form.addEventListener("submit", async (ev) => {
@@ -313,26 +352,28 @@ function routeForm(existing, onSaved, heads = null) {
     }
     const candidates = [];
     for (const line of cands.value.split("\n").map((l) => l.trim()).filter(Boolean)) {
-      const [model, weight, more] = line.split(/\s+/);
-      if (more !== undefined || (weight !== undefined && !(Number(weight) > 0))) {
-        formError(form, { message: `Candidate line "${line}": write a model name, then optionally a positive weight.`, param: "candidates" }); return;
+      const c = parseCandidate(line);
+      if (!c) {
+        formError(form, { message: `Candidate line "${line}": write a model name, then optionally a positive weight and settings as key=value.`, param: "candidates" }); return;
       }
-      candidates.push(weight === undefined ? { model } : { model, weight: Number(weight) });
+      candidates.push(c);
     }
     const num = (el) => (el.value.trim() === "" ? undefined : Number(el.value));
     const body = { ...extra, name: name.value.trim(), policy: policy.value, candidates,
       fallbacks: fallbacks.value.split(",").map((x) => x.trim()).filter(Boolean) };
-    for (const [k, el] of [["threshold", threshold], ["strong_share", share], ["ttft_timeout", ttft]]) {
+    for (const [k, el] of [["threshold", threshold], ["strong_share", share], ["ttft_timeout", ttft], ["position", position]]) {
       const v = num(el);
-      if (v !== undefined && Number.isNaN(v)) { formError(form, { message: `${k} must be a number.`, param: k }); return; }
+      if (v !== undefined && (Number.isNaN(v) || (k === "position" && !Number.isInteger(v)))) {
+        formError(form, { message: `${k} must be a ${k === "position" ? "whole " : ""}number.`, param: k }); return;
+      }
       if (v !== undefined) body[k] = v;
     }
     if (head) { if (head.value) body.head = head.value; else delete body.head; }
-    if (existing) body.position = existing.position;
     try {
-      await api(existing ? `routes/${existing.id}` : "routes", { method: existing ? "PUT" : "POST", body });
+      // If-Match: refused (412) when another admin changed the route since this form was filled.
+      await api(existing ? `routes/${existing.id}` : "routes", { method: existing ? "PUT" : "POST", body, ifMatch: existing?.updated_at });
       onSaved();
-    } catch (e) { formError(form, e); }
+    } catch (e) { formError(form, { message: e.message, param: routeParam(form, e.param) }); }
   });
   return form;
 }
@@ -504,11 +545,14 @@ async function routes(params) {
   const remove = (r) => h("button", { type: "button", class: "danger", "aria-label": `Delete route ${r.name} #${r.id}`,
     onclick: async () => {
       if (!confirm(`Delete route ${r.name} (#${r.id})? Requests for ${r.name} then use the next matching route or the model of that name.`)) return;
-      await api(`routes/${r.id}`, { method: "DELETE" });
+      try { await api(`routes/${r.id}`, { method: "DELETE", ifMatch: r.updated_at }); } catch (e) {
+        document.getElementById("routes-message")?.replaceChildren(notice(e.message)); return;
+      }
       reload();
     } }, "Delete");
   const breakers = status ? Object.entries(status.breakers || {}) : [];
   page("Routes",
+    h("div", { id: "routes-message", "aria-live": "polite" }),
     list.length ? table([
       { label: "#", num: true, key: "position" },
       { label: "Model name", key: "name" },
@@ -810,7 +854,7 @@ async function requests(params, query) {
   const [log, tenantList] = await Promise.all([api(`requests?${q}`), api("tenants")]);
   const tenant = h("select", { name: "tenant" }, h("option", { value: "" }, "all tenants"),
     tenantList.data.map((t) => h("option", { value: t.id, selected: query.get("tenant") === t.id }, t.name)));
-  const model = h("input", { name: "model", value: query.get("model") || "", placeholder: "any model" });
+  const model = h("input", { name: "model", value: query.get("model") || "", placeholder: "any model or route" });
   const status = h("select", { name: "status" }, [["", "any status"], ["ok", "succeeded"], ["error", "failed"]].map(([v, l]) =>
     h("option", { value: v, selected: (query.get("status") || "") === v }, l)));
   const form = h("form", { class: "inline-form", "aria-label": "Filter requests" }, ...formBox(
@@ -823,17 +867,28 @@ async function requests(params, query) {
     if (status.value) f.set("status", status.value);
     location.hash = `#/requests?${f}`;
   });
-  const detail = (r) => h("details", {}, h("summary", {}, `Why and how: ${r.attempts.length} attempt${r.attempts.length > 1 ? "s" : ""}`),
-    h("p", {}, `Route ${r.route}: ${r.attempts.length > 1 ? "an attempt failed and the router moved on" : "served by its first choice"}.`),
+  const ok = (a) => a.status >= 200 && a.status < 300;
+  // The attempt that answered, as the API picks it: the last that succeeded (a hedge that lost is a
+  // later attempt, cancelled).
+  const answering = (r) => [...r.attempts].reverse().find(ok) ?? null;
+  const story = (r, won) => {
+    if (!won) return `no attempt answered (${r.attempts.length} tried)`;
+    const at = `attempt ${won.attempt} on ${won.backend} (${won.model}) answered`;
+    if (won === r.attempts[0]) return r.attempts.length > 1 ? `${at}; the later attempts were hedges that lost` : `${at}, its first choice`;
+    return `${at} after ${r.attempts.indexOf(won)} earlier attempt${r.attempts.indexOf(won) > 1 ? "s" : ""} failed`;
+  };
+  const detail = (r) => { const won = answering(r); return h("details", {}, h("summary", {}, `Why and how: ${r.attempts.length} attempt${r.attempts.length > 1 ? "s" : ""}`),
+    h("p", {}, `Route ${r.route}: ${story(r, won)}.`),
     r.routing ? h("p", {}, "Decision: ", h("code", {}, r.routing)) : null,
     table([
       { label: "#", num: true, key: "attempt" }, { label: "Backend", key: "backend" }, { label: "Model", key: "model" },
-      { label: "Status", render: (a) => h("span", { class: a.status >= 200 && a.status < 300 ? "ok" : "bad" }, a.status || "no response") },
+      { label: "Status", render: (a) => h("span", { class: ok(a) ? "ok" : "bad" }, a.status || "no response", a === won ? " (answered)" : "") },
+      { label: "Decision (x-weir-route)", render: (a) => (a.routing ? h("code", {}, a.routing) : "—") },
       { label: "Fallback", render: (a) => (a.fallback ? "yes" : "no") },
       { label: "Latency", num: true, render: (a) => `${Math.round(a.latency_ms)} ms` },
       { label: "Tokens in/out", num: true, render: (a) => `${a.input_tokens}/${a.output_tokens}` },
       { label: "Cost", num: true, key: "cost_usd" },
-    ], r.attempts));
+    ], r.attempts)); };
   page("Requests", form,
     log.data.length ? table([
       { label: "Time (UTC)", render: (r) => r.ts.slice(0, 19).replace("T", " ") },

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, get, post
-from sqlalchemy import select
+from sqlalchemy import or_, select
 
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.accounting.pricing import USAGE_FIELD, TokenClass
@@ -59,8 +59,9 @@ async def recent_requests(
     status: str | None = None,
     limit: int = 100,
 ) -> dict[str, Any]:
-    """Newest first. `tenant` (id), `model` (upstream model), `status` (`ok`, `error` or an HTTP code,
-    matched against the attempt that answered, else the request's last attempt)."""
+    """Newest first. `tenant` (id), `model` (requests with an attempt on that upstream model, or for
+    that public name: a route), `status` (`ok`, `error` or an HTTP code, matched against the attempt
+    that answered, else the request's last attempt)."""
     from gateway.admin.router import AdminError  # the router imports this module
 
     if status not in (None, "", "ok", "error") and not (status or "").isdigit():
@@ -69,9 +70,20 @@ async def recent_requests(
     query = select(UsageEventRow).order_by(UsageEventRow.ts.desc()).limit(limit * ATTEMPTS_PER_REQUEST)
     if tenant:
         query = query.where(UsageEventRow.tenant_id == tenant)
-    if model:
-        query = query.where(UsageEventRow.model == model)
     async with ctx.sessions() as session:
+        if model:
+            # The requests that match, each with all its attempts: filtering the attempts themselves
+            # left a request that failed over without the attempt that answered it (shown as failed).
+            ids = (
+                query.with_only_columns(UsageEventRow.request_id)
+                .where(or_(UsageEventRow.model == model, UsageEventRow.route == model))
+                .subquery()
+            )
+            query = (
+                select(UsageEventRow)
+                .where(UsageEventRow.request_id.in_(select(ids.c.request_id)))
+                .order_by(UsageEventRow.ts.desc())
+            )
         rows = (await session.scalars(query)).all()
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
     grouped: dict[str, list[UsageEventRow]] = {}

@@ -29,7 +29,8 @@ Position = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 class RouteBody(Route, kw_only=True, frozen=True):
     position: Position | None = None
     # What GET returns beside the route, so a route read, edited and sent back is accepted: the row's
-    # id (a PUT to another route's id is refused) and its last change (ignored: the server sets it).
+    # id (a PUT to another route's id is refused) and its last change (ignored: the server sets it;
+    # send it as `If-Match` to refuse the write when the route changed since it was read).
     id: int | None = None
     updated_at: str | None = None
 
@@ -58,6 +59,9 @@ async def _checked(
         message, prefix = str(exc), f"routes[0] ({route.name})"
         rest = message[len(prefix) :] if message.startswith(prefix) else ""
         param = rest[1:].split(":", 1)[0] if rest.startswith(".") else "candidates"
+        known = _router(request).models.targets
+        if rest.startswith(": no model named") and all(c.model in known for c in route.candidates):
+            param = "fallbacks"  # candidates are checked first: every one is known, so a fallback is not
         raise AdminError(400, message.replace("routes[0] ", "", 1), "invalid_value", param) from None
     if route.head is not None and await session.get(DifficultyHeadRow, route.head) is None:
         raise AdminError(
@@ -76,12 +80,32 @@ async def _applied(request: Request) -> None:
         await store.refresh()
 
 
-async def _row(session: Any, route_id: int) -> RouteRow:
+async def _row(session: Any, route_id: int, *, lock: bool = False) -> RouteRow:
     # An id beyond 64 bits names no row, and the database driver cannot even bind it (a 500).
-    row = await session.get(RouteRow, route_id) if 0 < route_id < 2**63 else None
+    row = await session.get(RouteRow, route_id, with_for_update=lock) if 0 < route_id < 2**63 else None
     if row is None:
         raise AdminError(404, f"no route with id {route_id}", "not_found", "route_id")
     return row
+
+
+def _unchanged_since_read(request: Request, row: RouteRow) -> None:
+    """`If-Match: <updated_at as read>`: refuse a write made from an older read of the route (a 412,
+    nothing changed), so a form left open does not silently undo another admin's newer edit. The
+    row is locked (PostgreSQL) until the write commits, so two writers from one read cannot both pass."""
+    wanted = request.headers.get("if-match")
+    if wanted is None:
+        return
+    tags = [t.strip().removeprefix("W/").strip('"') for t in wanted.split(",")]
+    current = row.updated_at.isoformat()
+    if "*" in tags or current in tags:
+        return
+    raise AdminError(
+        412,
+        f"route {row.id} ({row.name}) was changed at {current}, after you read it: reload it and make "
+        "your change again",
+        "route_changed",
+        "updated_at",
+    )
 
 
 @get("/routes")
@@ -118,7 +142,8 @@ async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> d
     body = await request.body()
     async with ctx.write() as (session, audit):
         route, position = await _checked(request, body, session, route_id)
-        row = await _row(session, route_id)
+        row = await _row(session, route_id, lock=True)
+        _unchanged_since_read(request, row)
         before = route_json(row)
         updated_at = await stamp(session, utcnow())
         row.name, row.spec, row.updated_at = route.name, route_spec(route), updated_at
@@ -133,7 +158,8 @@ async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> d
 @delete("/routes/{route_id:int}", status_code=204)
 async def delete_route(route_id: int, request: Request, ctx: AdminContext) -> None:
     async with ctx.write() as (session, audit):
-        row = await _row(session, route_id)
+        row = await _row(session, route_id, lock=True)
+        _unchanged_since_read(request, row)
         audit("delete", "route", str(row.id), route_json(row), None)
         await session.delete(row)
     await _applied(request)

@@ -1,0 +1,260 @@
+"""The Routes and Requests pages as an admin uses them, at their edges: an edit saved unchanged keeps
+every field the API took (per-candidate settings included), routes are reordered from the form, a
+refusal names and marks the field and changes nothing, a form left open cannot undo another admin's
+newer edit, and the request log explains each attempt (its x-weir-route decision, which one answered)
+with filters that return whole requests and markup in names shown as text."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import openai
+
+from tests.fakes import FakeOpenAI
+from tests.ui.conftest import ADMIN, Weir
+
+# A failing assertion should fail in seconds, not after Playwright's default 30 s wait.
+WAIT_MS = 5000
+
+CHEAP: dict[str, Any] = {
+    "name": "auto",
+    "policy": "cheapest",
+    "when": {
+        "tenants": ["team"],
+        "metadata": {"tier": "gold"},
+        "tags": ["batch"],
+        "min_prompt_tokens": 2,
+        "max_prompt_tokens": 9000,
+        "tools": False,
+        "images": False,
+    },
+    "candidates": [
+        {"model": "gpt-4o-mini", "context_window": 128000, "cache_hit_rate": 0.5, "vision": False},
+        {"model": "gpt-4o", "tools": False, "weight": 2.5},
+    ],
+    "fallbacks": ["gpt-4o"],
+    "retry": {"attempts": 3, "backoff": 0.1, "max_backoff": 2.0, "jitter": 0.25, "max_retry_after": 4.0},
+    "failover_on": [429, 503, "5xx"],
+    "ttft_timeout": 3.5,
+    "hedge": {"delay": 0.4, "min_delay": 0.01, "max_spend_usd_per_hour": 0.5},
+    "resume": False,
+    "breaker": None,
+    "probe_interval": None,
+    "expected_output_tokens": 100,
+}
+HARD: dict[str, Any] = {
+    "name": "auto",
+    "policy": "difficulty",
+    "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
+    "threshold": 0.7,
+    "strong_share": 0.3,
+    "compare": {"judge": "gpt-4o", "share": 0.1, "max_spend_usd_per_hour": 2.0, "max_in_flight": 2},
+    "hedge": {"delay": "p95"},
+    "breaker": {"failures": 3, "cooldown": 12.0},
+    "probe_interval": 7.0,
+}
+AFFINITY: dict[str, Any] = {
+    "name": "docs",
+    "policy": "prefix_affinity",
+    "candidates": [{"model": "gpt-4o-mini", "max_in_flight": 4, "max_waiting": 2}, {"model": "gpt-4o"}],
+    "prefix_chars": 512,
+    "prefix_share": 0.4,
+}
+
+
+def _signed_in(weir: Weir, browser: Any, where: str) -> Any:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(WAIT_MS)
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.goto(f"{weir.url}/admin/{where}")
+    page.get_by_label("Admin token", exact=True).fill(ADMIN)
+    page.get_by_role("button", name="Sign in with token").click()
+    return page
+
+
+def _stored(admin: httpx.Client, route_id: int) -> dict[str, Any]:
+    body = admin.get(f"/routes/{route_id}").json()
+    body.pop("updated_at")
+    return body
+
+
+def _edit(page: Any, weir: Weir, route_id: int) -> Any:
+    """The edit form of that route, once the page shows it (not the one it showed before)."""
+    page.goto(f"{weir.url}/admin/#/routes/{route_id}")
+    page.locator("#edit h2", has_text=f"(#{route_id})").wait_for()
+    return page.locator("#edit form")
+
+
+def _create(admin: httpx.Client, route: dict[str, Any]) -> dict[str, Any]:
+    created = admin.post("/routes", json=route)
+    assert created.status_code == 201, created.text
+    return created.json()
+
+
+def test_saving_a_route_unchanged_keeps_every_field_and_the_form_reorders(routed: Weir, browser: Any) -> None:
+    ids = [_create(routed.admin, r)["id"] for r in (CHEAP, HARD, AFFINITY)]
+    before = {i: _stored(routed.admin, i) for i in ids}
+    page = _signed_in(routed, browser, "#/routes")
+    page.get_by_role("heading", name="New route").wait_for()
+    text = page.locator("main").inner_text()
+    # No traffic yet: the observed-status sections say so instead of failing the page.
+    assert "Something went wrong" not in text
+    assert "No prefix_affinity route has had traffic" in text and "No model has answered" in text
+
+    for route_id in ids:
+        form = _edit(page, routed, route_id)
+        form.get_by_role("button", name="Save route").click()
+        page.get_by_role("heading", name="New route").wait_for()
+        assert _stored(routed.admin, route_id) == before[route_id], route_id
+
+    # Candidate settings are on the candidates' lines, where the admin can see and change them.
+    lines = _edit(page, routed, ids[0]).get_by_label("Candidates", exact=True).input_value().splitlines()
+    assert lines == [
+        "gpt-4o-mini context_window=128000 vision=false cache_hit_rate=0.5",
+        "gpt-4o 2.5 tools=false",
+    ]
+
+    # The difficulty route goes before the cheapest one of the same name: it is tried first.
+    form = _edit(page, routed, ids[1])
+    form.get_by_label("Position (#)", exact=True).fill("0")
+    form.get_by_role("button", name="Save route").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    order = [r["id"] for r in routed.admin.get("/routes").json()["data"]]
+    assert order == [ids[1], ids[0], ids[2]]
+    page.close()
+
+
+def test_a_refused_edit_says_why_marks_the_field_and_changes_nothing(routed: Weir, browser: Any) -> None:
+    route_id = _create(routed.admin, CHEAP)["id"]
+    before = _stored(routed.admin, route_id)
+    page = _signed_in(routed, browser, f"#/routes/{route_id}")
+    form = page.locator("#edit form")
+    advanced = form.get_by_label("Advanced (JSON)", exact=True)
+    advanced.wait_for()
+    error = form.locator(".form-error")
+
+    settings = advanced.input_value().replace('"jitter": 0.25', '"jitter": 2')
+    assert '"jitter": 2' in settings
+    advanced.fill(settings)
+    form.get_by_role("button", name="Save route").click()
+    error.wait_for()
+    assert "retry.jitter" in error.inner_text()
+    assert advanced.get_attribute("aria-invalid") == "true"  # the box that holds retry
+    assert _stored(routed.admin, route_id) == before
+
+    advanced.fill(settings.replace('"jitter": 2', '"jitter": 0.25'))
+    fallbacks = form.get_by_label("Fallbacks", exact=True)
+    fallbacks.fill("gpt-4o, no-such-model")
+    form.get_by_role("button", name="Save route").click()
+    form.locator("[name=fallbacks][aria-invalid=true]").wait_for()  # the field the unknown model is in
+    assert "no-such-model" in error.inner_text()
+    assert form.get_by_label("Candidates", exact=True).get_attribute("aria-invalid") is None
+    assert _stored(routed.admin, route_id) == before
+    page.close()
+
+
+def test_a_form_left_open_cannot_undo_a_newer_edit(routed: Weir, browser: Any) -> None:
+    route_id = _create(routed.admin, {"name": "assistant", "candidates": [{"model": "gpt-4o-mini"}]})["id"]
+    page = _signed_in(routed, browser, f"#/routes/{route_id}")
+    form = page.locator("#edit form")
+    form.get_by_label("Fallbacks", exact=True).wait_for()
+
+    # Another admin moves the route to gpt-4o meanwhile.
+    read = routed.admin.get(f"/routes/{route_id}").json()
+    newer = routed.admin.put(f"/routes/{route_id}", json={**read, "candidates": [{"model": "gpt-4o"}]})
+    assert newer.status_code == 200, newer.text
+
+    form.get_by_label("Fallbacks", exact=True).fill("gpt-4o")
+    form.get_by_role("button", name="Save route").click()
+    error = form.locator(".form-error")
+    error.wait_for()
+    assert "changed" in error.inner_text() and "reload" in error.inner_text()
+    assert routed.admin.get(f"/routes/{route_id}").json()["candidates"][0]["model"] == "gpt-4o"
+
+    # Deleting from the list read before the change is refused too, and says why.
+    page.get_by_role("button", name=f"Delete route assistant #{route_id}").click()
+    page.locator("#routes-message .notice").wait_for()
+    assert "changed" in page.locator("#routes-message").inner_text()
+    assert routed.admin.get(f"/routes/{route_id}").status_code == 200
+
+    # Over the API: If-Match with what was read guards a write; without it the last write wins.
+    stale = routed.admin.put(
+        f"/routes/{route_id}", json=read, headers={"if-match": f'"{read["updated_at"]}"'}
+    )
+    assert stale.status_code == 412 and stale.json()["error"]["code"] == "route_changed", stale.text
+    current = newer.json()["updated_at"]
+    fresh = routed.admin.put(f"/routes/{route_id}", json=newer.json(), headers={"if-match": f'"{current}"'})
+    assert fresh.status_code == 200, fresh.text
+
+    # Read again, the page has the current route and both work.
+    page.goto(f"{routed.url}/admin/#/routes")
+    page.get_by_role("heading", name="New route").wait_for()
+    page.get_by_role("button", name=f"Delete route assistant #{route_id}").click()
+    page.get_by_text("No routes yet").wait_for()
+    assert routed.admin.get(f"/routes/{route_id}").status_code == 404
+    page.close()
+
+
+def test_the_request_log_explains_each_attempt_and_filters_whole_requests(
+    routed: Weir, browser: Any, fake_openai: FakeOpenAI
+) -> None:
+    evil = "<img src=x onerror=window.__xss=1>"
+    route_name = "<i>helper</i>"
+    _create(
+        routed.admin,
+        {
+            "name": route_name,
+            "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
+            "retry": {"attempts": 1},
+        },
+    )
+    tenant = routed.admin.post("/tenants", json={"name": evil}).json()
+    key = routed.admin.post(f"/tenants/{tenant['id']}/keys", json={}).json()["key"]
+    fake_openai.fail_next(500)  # the first candidate fails; the second answers
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key=key, max_retries=0, timeout=20)
+    client.chat.completions.create(
+        model=route_name, messages=[{"role": "user", "content": "hi"}], max_tokens=5
+    )
+    deadline = time.monotonic() + 15
+    while not (log := routed.admin.get("/requests").json()["data"]) or len(log[0]["attempts"]) < 2:
+        assert time.monotonic() < deadline, log
+        time.sleep(0.1)
+    attempts = log[0]["attempts"]
+    assert [a["status"] for a in attempts] == [500, 200] and attempts[0]["routing"] != attempts[1]["routing"]
+
+    page = _signed_in(routed, browser, "#/requests")
+    rows = page.locator("main > .table-wrap > table > tbody > tr.has-detail")
+    rows.first.wait_for()
+    assert rows.count() == 1
+    cells = rows.first.locator("td").all_inner_texts()
+    assert cells[1] == evil and cells[2] == route_name  # names shown as text, never as markup
+    assert page.evaluate("window.__xss") is None and page.locator("main img, main i").count() == 0
+
+    detail = page.locator("main > .table-wrap > table > tbody > tr.detail").first
+    detail.locator("summary").click()
+    explained = detail.locator("details > p").first.inner_text()
+    assert "attempt 2 on openai (gpt-4o) answered after 1 earlier attempt failed" in explained
+    headers = detail.locator("thead th").all_inner_texts()
+    decision = headers.index("Decision (x-weir-route)")
+    status = headers.index("Status")
+    tried = detail.locator("tbody tr")
+    for i, attempt in enumerate(attempts):
+        row = tried.nth(i).locator("td").all_inner_texts()
+        assert row[decision] == attempt["routing"], (i, row)
+    assert tried.nth(0).locator("td").all_inner_texts()[status] == "500"
+    assert tried.nth(1).locator("td").all_inner_texts()[status] == "200 (answered)"
+
+    # Filtering by the model of the failed attempt still shows the whole request: it succeeded.
+    for model in ("gpt-4o-mini", route_name):
+        shown = page.locator("main > .table-wrap").element_handle()
+        page.get_by_label("Model", exact=True).fill(model)
+        page.get_by_role("button", name="Filter").click()
+        page.wait_for_function("el => !el.isConnected", arg=shown)  # rendered again, filtered
+        rows = page.locator("main > .table-wrap > table > tbody > tr.has-detail")
+        rows.first.wait_for()
+        assert rows.count() == 1, model
+        cells = rows.first.locator("td").all_inner_texts()
+        assert cells[4] == "200" and cells[6] == "2", (model, cells)
+    page.close()
