@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
+import structlog
 
 from gateway.config import Backend
 from gateway.errors import (
@@ -39,6 +40,8 @@ from gateway.types import (
 
 _json_decode = msgspec.json.decode
 json_encode = msgspec.json.Encoder().encode
+
+log = structlog.get_logger("weir.providers")
 
 
 @dataclass(slots=True)
@@ -251,9 +254,22 @@ def upstream_error(
     """A vendor's error status and message as the error the client sees.
 
     4xx keep their status and the vendor's own message (the request is at fault, so the client must
-    see why); 5xx become 502, 503 (overloaded, including Anthropic's 529) or 504.
+    see why), except 401/403 (the gateway's credentials: a 502); 5xx become 502, 503 (overloaded,
+    including Anthropic's 529) or 504.
     """
     passed = {k: v for k, v in headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
+    if status in (401, 403):
+        # The backend refused the gateway's own credentials (a revoked or mistyped key, a project
+        # without access to the model): neither the request nor the client's key is at fault. As a
+        # 401/403 it read as the client's key refused, and the vendor's text names the gateway's key
+        # (masked); a 502 instead, which fails over and counts against the backend's breaker. The
+        # vendor's words go to the operator's log.
+        log.warning("upstream_credentials_refused", vendor=vendor, status=status, message=message)
+        return BadGateway(
+            f"The {vendor} backend refused the gateway's credentials ({status}); an operator must check "
+            "the backend's API key.",
+            code="upstream_auth_failed",
+        )
     if 400 <= status < 500:
         return UpstreamError(
             message,

@@ -203,6 +203,35 @@ def test_a_rate_limit_429_is_still_retried_in_place(
     assert not fake_anthropic.requests
 
 
+# --- a vendor refusing the gateway's own key --------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_vendor_refusing_the_gateways_key_fails_over_at_once(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, status: int
+) -> None:
+    """A revoked or mistyped vendor key (or a project without access) is the gateway's fault, not the
+    request's: the next candidate answers, and the refusing backend is not asked again."""
+    fake_openai.fail_next(Fault.status(status), times=3)
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:502,claude-sonnet:ok"
+    assert len(fake_openai.requests) == 1
+
+
+def test_a_vendor_refusing_the_gateways_key_is_a_502_not_the_clients_401(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """Passed on as a 401, it read as the client's own Weir key refused, with the vendor's words
+    about the gateway's key: a 502 saying the backend refused the gateway's credentials."""
+    fake_anthropic.fail_next(Fault.status(401))
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(gateway).chat.completions.create(model="claude-sonnet", messages=HI)  # type: ignore[arg-type]
+    assert caught.value.status_code == 502
+    body: Any = caught.value.body
+    assert body["code"] == "upstream_auth_failed" and "credentials" in body["message"]
+    assert "x-api-key" not in body["message"]
+
+
 # --- a 200 that is not an answer ---------------------------------------------------------------
 
 
