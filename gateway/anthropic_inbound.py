@@ -433,6 +433,10 @@ class _EventWriter:
         if delta.reasoning_signature:
             self.delta({"type": "signature_delta", "signature": delta.reasoning_signature}, out)
             self.close_block(out)
+        elif delta.reasoning_signature is not None and self.open_kind == "thinking":
+            # An empty signature ends the block unsigned (a stream cut mid-reasoning and resumed on
+            # another candidate): the continuation's thinking is a block of its own.
+            self.close_block(out)
 
     def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
         if chunk.usage is not None:

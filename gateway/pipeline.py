@@ -72,6 +72,11 @@ class Call:
     # Set by the router when it may hedge the first attempt: resolved once that attempt is admitted
     # (rate limits, budgets), before which no hedge may start.
     admitted: asyncio.Future[None] | None = None
+    # Attempts the router itself ends, by attempt number, with the error type and status to record for
+    # them, set before it cancels them: a stream too slow for the route's TTFT timeout is its backend's
+    # 504 (`upstream_error`), a hedge that lost is `cancelled` (499). An attempt cancelled without an
+    # entry here was ended by its client leaving.
+    stopped: dict[int, tuple[str, int]] = field(default_factory=dict)
 
 
 def price_sheet(model: Model) -> dict[TokenClass, int]:
@@ -144,7 +149,8 @@ class Pipeline:
                 status = exc.status
             raise
         except asyncio.CancelledError:
-            failure, status = "cancelled", 499  # a hedge that lost, or a client that left
+            # A hedge that lost or a client that left (499), unless the router says otherwise.
+            failure, status = call.stopped.get(attempt, ("cancelled", 499))
             raise
         finally:
             await self._record(
@@ -174,7 +180,7 @@ class Pipeline:
                 call.admitted.set_result(None)
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure, ttft = 0, Usage(), None, None
-        produced, usage_reported, streaming = Produced(), False, False
+        produced, usage_reported, streaming, cancelled = Produced(), False, False, False
         backend = target.backend
         try:
             response = await self.transport.send(upstream, backend.timeouts, backend.name)
@@ -222,7 +228,9 @@ class Pipeline:
                 status = exc.status
             raise
         except (GeneratorExit, asyncio.CancelledError):
-            failure, status = "client_disconnected", 499  # the client went away mid-stream
+            # The client went away mid-stream (499), unless the router ended it (Call.stopped).
+            cancelled = True
+            failure, status = call.stopped.get(attempt, ("client_disconnected", 499))
             raise
         finally:
             # Cut short before the vendor's usage report (the client left, the upstream broke after
@@ -232,7 +240,7 @@ class Pipeline:
                 streaming
                 and failure is not None
                 and not usage_reported
-                and (produced.chunks > 0 or failure == "client_disconnected")
+                and (produced.chunks > 0 or cancelled)
             )
             if estimated:
                 usage = produced.estimate(upstream.body)

@@ -593,6 +593,14 @@ class _StreamWriter:
             delta = choice.delta
             if delta.reasoning_content:
                 self._text("reasoning_text", delta.reasoning_content)
+            if (
+                delta.reasoning_signature is not None
+                and self.open is not None
+                and self.output[self.open]["type"] == "reasoning"
+            ):
+                # The end of one reasoning block: the next reasoning is an item of its own. Unsigned,
+                # it is a stream's reasoning cut short and resumed on another candidate.
+                self._close("completed" if delta.reasoning_signature else "incomplete")
             if delta.content:
                 self._text("output_text", delta.content)
             if delta.refusal:

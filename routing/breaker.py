@@ -9,11 +9,17 @@ is published with the cooldown as TTL so every replica stops sending there, and 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import structlog
+
 from routing.routes import Breaker as BreakerSettings
+
+log = structlog.get_logger("weir.routing")
+HISTORY = 1000  # latest transitions kept in memory (tests read them); all of them are in the log
 
 PREFIX = "weir:breaker:"
 # What an opening publishes: why it opened. Probes that could not reach the backend say "probe", so
@@ -100,7 +106,8 @@ class Breakers:
     def __init__(self, state: Any | None = None) -> None:
         self.breakers: dict[str, CircuitBreaker] = {}
         self.shared = state  # gateway.state.SharedState (kv_get/kv_set) or None
-        self.transitions: list[tuple[str, State]] = []  # (key, new state), for logs and tests
+        # (key, new state), the latest only: a list grew for ever on a gateway whose breakers flap.
+        self.transitions: deque[tuple[str, State]] = deque(maxlen=HISTORY)
 
     @staticmethod
     def key(backend: str, model: str) -> str:
@@ -118,16 +125,28 @@ class Breakers:
         breaker = self.breakers.get(key)
         return State.CLOSED if breaker is None else breaker.current()
 
+    def moved(self, key: str, state: State, cause: str | None = None) -> None:
+        """Note a transition, and log it: an opening between two scrapes of the state gauge would
+        otherwise leave no trace. `cause` of an opening: `requests` (failed answers), `probe` (the
+        health probes could not reach it) or `replica` (adopted from another replica)."""
+        self.transitions.append((key, state))
+        if state is State.OPEN:
+            log.warning("breaker_opened", breaker=key, cause=cause)
+        elif state is State.HALF_OPEN:
+            log.info("breaker_half_open", breaker=key)
+        else:
+            log.info("breaker_closed", breaker=key)
+
     async def success(self, key: str) -> None:
         if self.get(key).success():
-            self.transitions.append((key, State.CLOSED))
+            self.moved(key, State.CLOSED)
             if self.shared is not None:
                 await self.shared.kv_set(PREFIX + key, b"closed", ttl_s=1.0)
 
     async def failure(self, key: str, probe: bool = False) -> None:
         breaker = self.get(key)
         if breaker.failure(probe):
-            self.transitions.append((key, State.OPEN))
+            self.moved(key, State.OPEN, "probe" if probe else "requests")
             if self.shared is not None:
                 value = OPENED_BY_PROBE if probe else OPENED
                 await self.shared.kv_set(PREFIX + key, value, ttl_s=breaker.settings.cooldown)
@@ -150,4 +169,4 @@ class Breakers:
             if value in (OPENED, OPENED_BY_PROBE) and breaker.current() is State.CLOSED:
                 breaker.trip()
                 breaker.by_probe = value == OPENED_BY_PROBE
-                self.transitions.append((key, State.OPEN))
+                self.moved(key, State.OPEN, "replica")

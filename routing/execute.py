@@ -37,7 +37,7 @@ from gateway.pipeline import Call, Pipeline
 from gateway.providers.base import UpstreamRequest
 from gateway.router_basic import Target
 from gateway.state import Limit, MemoryState, SharedState
-from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
+from gateway.types import ChatChunk, ChatRequest, ChatResponse, ChunkChoice, Delta, Message
 from routing.breaker import Breakers
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
@@ -99,6 +99,17 @@ def backoff(route: Route, retry: int, rng: random.Random) -> float:
     settings = route.retry
     wait = min(settings.max_backoff, settings.backoff * 2**retry)
     return wait * (1 - settings.jitter * rng.random())
+
+
+class Unsupported(InvalidRequest):
+    """A candidate's adapter cannot express the request for its vendor (`n` > 1 for an Anthropic
+    model, a content part its API lacks): raised before anything is sent, so the executor skips that
+    candidate (`tried=model:unsupported`) as it skips one `Operation.check` refuses, and answers
+    with `refusal` only when no candidate could take the request."""
+
+    def __init__(self, refusal: InvalidRequest) -> None:
+        super().__init__(refusal.message, param=refusal.param, code=refusal.code)
+        self.refusal = refusal
 
 
 @dataclass(frozen=True)
@@ -189,19 +200,35 @@ class Executor:
         if self.metrics is not None:
             self.metrics.attempts.labels(plan.route.name, model, outcome).inc()
 
+    def _hedge(self, plan: Plan, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.hedges.labels(plan.route.name, result).inc()
+
     def _key(self, choice: Choice) -> str:
         return Breakers.key(choice.target.backend.name, choice.target.upstream_model)
 
     async def _attempt(
-        self, call: Call, plan: Plan, choice: Choice, op: Operation, charge: Charge | None = None
+        self,
+        call: Call,
+        plan: Plan,
+        choice: Choice,
+        op: Operation,
+        charge: Charge | None = None,
+        numbers: dict[asyncio.Future[Any], int] | None = None,
     ) -> Any:
         """One upstream attempt: the parsed response, or a stream iterator past its first output.
-        `charge` is settled with the attempt's cost once its usage event prices it."""
+        `charge` is settled with the attempt's cost once its usage event prices it. Run as a task of
+        its own (a hedge race), it enters its attempt number in `numbers` under that task."""
         target = choice.target
         model = choice.candidate.model
-        upstream, reader = op.prepare(target)
+        try:
+            upstream, reader = op.prepare(target)
+        except InvalidRequest as exc:
+            raise Unsupported(exc) from exc
         plan.attempts += 1
         number = plan.attempts
+        if numbers is not None and (task := asyncio.current_task()) is not None:
+            numbers[task] = number
         if charge is not None:
             settle = charge.settle
             call.on_cost[number] = lambda event: settle(self._billed(event))
@@ -216,12 +243,10 @@ class Executor:
             if op.stream:
                 opening = _first_output(self.pipeline.stream(call, target, upstream, reader, attempt=number))
                 timeout = plan.route.ttft_timeout
-                try:
-                    held, batches = await asyncio.wait_for(opening, timeout) if timeout else await opening
-                except TimeoutError:
-                    raise GatewayTimeout(
-                        f"{target.backend.name} sent no first token within {timeout:g} s"
-                    ) from None
+                if timeout:
+                    held, batches = await _first_in_time(call, number, opening, timeout, target.backend.name)
+                else:
+                    held, batches = await opening
                 handed_over = True
                 self._note(plan, model, "ok")
                 return self._track(batches, model, held)
@@ -231,6 +256,16 @@ class Executor:
                 await self.breakers.success(key)
             return result
         except GatewayError as exc:
+            if call.routes.pop(number, None) is not None:
+                # The pipeline takes the attempt's entry when it records its usage event, which it
+                # does for every attempt it sent: one still there was refused by the gateway itself
+                # before anything went upstream (rate limit, budget, stream slots). It is no attempt,
+                # in `x-weir-route` (attempts=0) or the metrics (a `429` there reads as the vendor's).
+                plan.attempts -= 1  # the next try is the first again, and is admitted first
+                call.stopped.pop(number, None)
+                if plan.route.breaker is not None:
+                    self.breakers.get(key).release()
+                raise
             self._note(plan, model, str(exc.status))
             if plan.route.breaker is not None:
                 if _unhealthy(exc):
@@ -276,10 +311,13 @@ class Executor:
         route = plan.route
         queue = self._able(plan, op, [c for c in plan.choices if c.candidate.model not in skip])
         last: GatewayError | None = None
+        refusal: InvalidRequest | None = None  # the first candidate's that cannot take the request
+        opened = False
         for index, choice in enumerate(queue):
             breaker = self.breakers.get(self._key(choice), route.breaker) if route.breaker else None
             if breaker is not None and not breaker.allow():
                 self._note(plan, choice.candidate.model, "open")
+                opened = True
                 continue
             for retry in range(route.retry.attempts):
                 try:
@@ -293,6 +331,13 @@ class Executor:
                     plan.chosen = choice
                     call.info.error = None  # earlier attempts failed; the request did not
                     return result
+                except Unsupported as exc:
+                    # Nothing was sent: the next candidate may take what this one's API cannot.
+                    plan.tried.append(f"{choice.candidate.model}:unsupported")
+                    refusal = refusal or exc.refusal
+                    if breaker is not None:
+                        breaker.release()  # no verdict on the backend: a half-open trial is free
+                    break
                 except GatewayError as exc:
                     if not fails_over(route, exc):
                         raise
@@ -305,6 +350,8 @@ class Executor:
                     await asyncio.sleep(wait if wait is not None else backoff(route, retry, self.rng))
                     if breaker is not None and not breaker.allow():
                         break
+        if last is None and refusal is not None and not opened:
+            raise refusal  # no candidate could take the request: why the first could not
         if last is None:
             # Whole seconds, rounded up: a sub-second cooldown must not read "retry at once".
             cooldown = math.ceil(route.breaker.cooldown) if route.breaker else 1
@@ -358,7 +405,8 @@ class Executor:
             # The request's first attempt: the pipeline admits it (rate limits, budgets) first, and
             # says so here (Call.admitted).
             admitted = call.admitted = asyncio.get_running_loop().create_future()
-        first = asyncio.ensure_future(self._attempt(call, plan, primary, op))
+        numbers: dict[asyncio.Future[Any], int] = {}  # each attempt's number, by its task
+        first = asyncio.ensure_future(self._attempt(call, plan, primary, op, numbers=numbers))
         try:
             done, _ = await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
             if not done and admitted is not None and not admitted.done():
@@ -381,13 +429,15 @@ class Executor:
             raise
         if not allowed:
             plan.note = (plan.note + "; " if plan.note else "") + "hedge=capped"
+            self._hedge(plan, "capped")
             result = await first
             plan.chosen = primary
             return result
         # The cap then counts what the hedge cost, not the estimate: a hedge that lost and was
         # cancelled costs what it had streamed, one that won what its answer cost.
         charge = Charge(self.hedges, tenant, usd)
-        second = asyncio.ensure_future(self._attempt(call, plan, partner, op, charge))
+        second = asyncio.ensure_future(self._attempt(call, plan, partner, op, charge, numbers))
+        self._hedge(plan, "started")
         owners = {first: primary, second: partner}
         pending = {first, second}
         error: BaseException | None = None
@@ -405,6 +455,8 @@ class Executor:
                     if task.exception() is None:
                         winner = task
                         plan.chosen = owners[task]
+                        if task is second:
+                            self._hedge(plan, "won")
                         plan.note = (plan.note + "; " if plan.note else "") + (
                             f"hedged={partner.candidate.model}"
                         )
@@ -419,6 +471,9 @@ class Executor:
             # is looked at: the one not taken is a loser too.
             for loser in owners:
                 if loser is not winner:
+                    if (number := numbers.get(loser)) is not None:
+                        # Ended by the gateway, not by a client leaving: `cancelled` (499).
+                        call.stopped.setdefault(number, ("cancelled", 499))
                     await _abandon(loser)
             if second.cancelled():  # perhaps before it started: then it sent nothing and cost nothing
                 await charge.settle(0)
@@ -479,6 +534,11 @@ class Executor:
         tool_calls = False
         finished = False  # the answer ended (a finish reason was sent): nothing is left to continue
         resumed = False
+        # Reasoning text sent whose block nothing ended yet (no signature, no answer after it): a
+        # continuation reasons afresh, and its reasoning must not run on into this block.
+        thinking = False
+        last: ChatChunk | None = None  # the last chunk the client got, whose id, model and time a
+        # chunk the gateway adds takes
         owed = ""  # whitespace the client has that the continuation's prefill left out
         judged = False  # the current attempt's stream said something about its backend
         try:
@@ -491,12 +551,13 @@ class Executor:
                             if owed:
                                 batch, owed = _without_repeat(batch, owed)
                         for chunk in batch:
-                            stream_id = stream_id or chunk.id
+                            stream_id, last = stream_id or chunk.id, chunk
                             for c in chunk.choices:
                                 if c.delta.content:
                                     sent.append(c.delta.content)
                                 tool_calls = tool_calls or bool(c.delta.tool_calls)
                                 finished = finished or c.finish_reason is not None
+                                thinking = _thinking_after(thinking, c.delta)
                         yield batch
                     judged = True
                     if choice is not None and plan.route.breaker is not None:
@@ -534,6 +595,13 @@ class Executor:
                     except GatewayError:
                         raise exc from None  # nobody can continue: the client is told what broke
                     resumed = True
+                    if thinking and last is not None:
+                        # The cut block ends here, unsigned: otherwise the continuation's reasoning
+                        # runs on into it and an Anthropic client gets one thinking block holding
+                        # both attempts' text under the second one's signature, which Anthropic
+                        # refuses when the conversation is sent back.
+                        thinking = False
+                        yield [_reasoning_end(last)]
         finally:
             # The stream ended, broke for good, or the client left: the current upstream is closed.
             if not judged and plan.chosen is not None and plan.route.breaker is not None:
@@ -560,6 +628,38 @@ async def _first_output(opening: Awaitable[Batches]) -> tuple[list[list[Any]], B
         await batches.aclose()  # type: ignore[attr-defined]
         raise
     return held, batches
+
+
+async def _first_in_time(
+    call: Call, number: int, opening: Awaitable[tuple[list[list[Any]], Batches]], timeout: float, backend: str
+) -> tuple[list[list[Any]], Batches]:
+    """`opening` (attempt `number`'s stream up to its first output) within the route's TTFT timeout,
+    else a 504. The attempt is cancelled as the backend's failure, not as a client that left: the
+    pipeline records what `call.stopped` says for it, so that is set before the cancellation (which
+    `asyncio.wait_for` gives no hook for). Someone else's cancellation passes through, as in
+    `asyncio.timeout`."""
+    task = asyncio.current_task()
+    assert task is not None
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        call.stopped[number] = (GatewayTimeout.type, GatewayTimeout.status)
+        task.cancel()
+
+    cancelling = task.cancelling()
+    timer = asyncio.get_running_loop().call_later(timeout, expire)
+    try:
+        return await opening
+    except asyncio.CancelledError:
+        if expired and task.uncancel() <= cancelling:
+            raise GatewayTimeout(
+                f"{backend} sent no first token within {timeout:g} s", code="ttft_timeout"
+            ) from None
+        raise
+    finally:
+        timer.cancel()
 
 
 async def _abandon(task: asyncio.Future[Any]) -> None:
@@ -622,6 +722,23 @@ def _resumable(request: ChatRequest) -> bool:
     an assistant turn (the next model starts a new JSON value)."""
     fmt = request.response_format
     return (request.n or 1) == 1 and (fmt is None or fmt.type == "text")
+
+
+def _thinking_after(thinking: bool, delta: Delta) -> bool:
+    """Whether a reasoning block is still open after `delta`: reasoning text opens one; a signature,
+    a redacted block, the answer's text, a refusal or a tool call ends it."""
+    if delta.reasoning_signature is not None or delta.redacted_reasoning is not None:
+        return False
+    if delta.content or delta.refusal or delta.tool_calls:
+        return False
+    return thinking or bool(delta.reasoning_content)
+
+
+def _reasoning_end(last: ChatChunk) -> ChatChunk:
+    """A chunk that ends the reasoning block streamed so far without signing it (an empty signature):
+    what the cut attempt reasoned stays the client's, as a block of its own."""
+    choice = ChunkChoice(index=0, delta=Delta(reasoning_signature=""))
+    return msgspec.structs.replace(last, choices=[choice], usage=None, raw=None)
 
 
 def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:

@@ -118,7 +118,7 @@ class HealthProber:
                 if healthy:
                     if breaker.current() is State.OPEN and breaker.by_probe:
                         breaker.state, breaker.trial_in_flight = State.HALF_OPEN, False
-                        self.breakers.transitions.append((key, State.HALF_OPEN))
+                        self.breakers.moved(key, State.HALF_OPEN)
                 else:
                     await self.breakers.failure(key, probe=True)
             self._log_change(backend.name, healthy)

@@ -1,6 +1,7 @@
-"""Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome (the
-executor counts them), and, read at scrape time, breaker states, prefix-affinity hits and prompt tokens
-cached, the shipped difficulty head in use and the trained heads routes name."""
+"""Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome, and
+hedges by route and result (the executor counts them), and, read at scrape time, breaker states,
+prefix-affinity hits and prompt tokens cached, the shipped difficulty head in use and the trained
+heads routes name."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ class RoutingMetrics:
             "weir_route_attempts",
             "Upstream attempts by route, candidate and outcome (ok, a status, cut, cancelled, open)",
             ("route", "candidate", "outcome"),
+            registry=registry,
+        )
+        self.hedges = Counter(
+            "weir_route_hedges",
+            "Hedges by route and result: started (sent beside a slow first candidate), won (answered "
+            "first; the other attempt is cancelled), capped (not sent: the tenant's hedge spend cap "
+            "for the hour was reached)",
+            ("route", "result"),
             registry=registry,
         )
         registry.register(_Collector(router))

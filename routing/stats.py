@@ -60,7 +60,8 @@ class RoutingStats:
     def record(self, event: UsageEvent) -> None:
         if not event.ok:
             # Failures feed the breakers, not the speed estimates; the backend's own (not a 4xx the
-            # request caused, nor a 499: cancelled by a hedge, a client or the TTFT timeout) are noted.
+            # request caused, nor a 499: cancelled by a hedge or a client; a TTFT timeout is a 504)
+            # are noted.
             if event.status == 0 or event.status == 429 or event.status >= 500:
                 self.get(event.backend, event.model).failed_at = time.monotonic()
             return

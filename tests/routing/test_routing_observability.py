@@ -1,0 +1,240 @@
+"""What an operator sees of routing and failover: the ledger's per-attempt status, `/metrics`, the
+`x-weir-route` header and the log, driven through a real gateway with the fakes failing on cue.
+
+Each signal must say who was at fault, once: a backend too slow for the route's TTFT timeout is the
+backend's 504 (not a client that left), a hedge the gateway cancelled is not a client that left
+either, and the gateway's own 429 (limits, before anything is sent) is no upstream attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
+
+from gateway.config import parse_config
+from routing.breaker import Breakers
+from routing.routes import Breaker as BreakerSettings
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
+from tests.routing.routed import fresh, ledger, route_header, routed_config_text, runtime, settled
+
+HI = [{"role": "user", "content": "one two three four five six"}]
+ECHO = "one two three four five six"
+ONE_STREAM_KEY = "sk-weir-one-stream-0123456789"
+# A tenant allowed one stream at a time: its second is refused by the gateway itself (429), before
+# anything goes upstream.
+ONE_STREAM = '  - {name: one-stream, api_keys: ["${ONE_STREAM_KEY}"], max_concurrent_streams: 1}'
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture(scope="module")
+def _observed(
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    env["ONE_STREAM_KEY"] = ONE_STREAM_KEY  # tenant keys come from the environment, never the file
+    text = routed_config_text().replace("\nserver:\n", f"\n{ONE_STREAM}\nserver:\n", 1)
+    with running_gateway(parse_config(text, env)) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def gateway(_observed: RunningGateway, fresh_fakes: None) -> RunningGateway:
+    return fresh(_observed)
+
+
+def samples(gateway: RunningGateway) -> Samples:
+    text = httpx.get(f"{gateway.url}/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(scraped: Samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(
+        value
+        for (sample, have), value in scraped.items()
+        if sample == name and labels.items() <= dict(have).items()
+    )
+
+
+def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return total(after, name, **labels) - total(before, name, **labels)
+
+
+def stream_text(raw: object) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)  # type: ignore[attr-defined]
+
+
+def test_a_ttft_timeout_is_the_backends_504_in_ledger_metrics_and_breaker(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """The route's TTFT timeout cancels an attempt because its backend is too slow: the breaker
+    counts it against the backend, and so must the ledger (504, not 499 "client closed") and the
+    error metrics (`upstream_error`, which the shipped WeirBackendDown alert reads, not
+    `client_disconnected`). Before, an operator saw a backend that never answered in time as clients
+    hanging up."""
+    before = samples(gateway)
+    fake_openai.fail_next(Fault.delay(3), times=2)
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="impatient-route", messages=HI, stream=True
+    )
+    assert stream_text(raw) == ECHO
+    assert route_header(raw)["tried"] == "gpt-4o-mini:504,gpt-4o-mini:504,claude-sonnet:ok"
+    settled(gateway, 3)
+    assert ledger(gateway) == [("openai", 504), ("openai", 504), ("anthropic", 200)]
+    after = samples(gateway)
+    errors = "weir_errors_total"
+    assert delta(before, after, errors, backend="openai", type="client_disconnected") == 0
+    assert delta(before, after, errors, backend="openai", type="upstream_error") == 2
+    assert delta(before, after, errors, backend="anthropic") == 0
+    attempts = "weir_route_attempts_total"
+    assert (
+        delta(before, after, attempts, route="impatient-route", candidate="gpt-4o-mini", outcome="504") == 2
+    )
+    breaker = runtime(gateway).router.breakers.get(Breakers.key("openai", "gpt-4o-mini"))
+    assert breaker.failures == 2  # what the breaker counted, the ledger says too
+
+    # Every candidate too slow: the client's 504 says so, and no attempt blames a client.
+    fresh(gateway)  # closed breakers: each candidate is tried twice
+    before = samples(gateway)
+    fake_openai.fail_next(Fault.delay(3), times=2)
+    fake_anthropic.fail_next(Fault.delay(3), times=2)
+    with pytest.raises(openai.APIStatusError) as caught:
+        gateway.openai().chat.completions.create(model="impatient-route", messages=HI, stream=True)
+    assert caught.value.status_code == 504 and "first token" in caught.value.message
+    settled(gateway, 4)
+    assert sorted(status for _, status in ledger(gateway)) == [504] * 4
+    after = samples(gateway)
+    assert delta(before, after, errors, type="client_disconnected") == 0
+
+
+def test_a_streamed_hedge_the_gateway_cancelled_is_not_a_client_that_left(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """The hedge loser keeps its 499 in the ledger (the attempt was cancelled, not answered), but it
+    was the gateway that cancelled it: the error metrics say `cancelled`, as they do for a
+    non-streamed loser, not `client_disconnected` (which an operator reads as clients hanging up)."""
+    before = samples(gateway)
+    fake_openai.set_latency(first_token=2.0)
+    raw = gateway.openai().chat.completions.with_raw_response.create(model="hedged", messages=HI, stream=True)
+    assert stream_text(raw) == ECHO and route_header(raw)["hedged"] == "deepseek-chat"
+    settled(gateway, 2)
+    assert sorted(ledger(gateway)) == [("deepseek", 200), ("openai", 499)]
+    after = samples(gateway)
+    errors = "weir_errors_total"
+    assert delta(before, after, errors, backend="openai", type="client_disconnected") == 0
+    assert delta(before, after, errors, backend="openai", type="cancelled") == 1
+    attempts = "weir_route_attempts_total"
+    assert delta(before, after, attempts, route="hedged", candidate="gpt-4o-mini", outcome="cancelled") == 1
+    assert delta(before, after, attempts, route="hedged", candidate="deepseek-chat", outcome="ok") == 1
+
+
+def test_hedges_are_counted_started_won_and_capped(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """Whether hedging works, and whether a tenant's cap has switched it off, is an alert: the header
+    says it per request, `weir_route_hedges_total{route,result}` in sum."""
+    hedges = "weir_route_hedges_total"
+    before = samples(gateway)
+    fake_openai.set_latency(first_token=1.0)  # the primary is slow: the hedge starts and wins
+    raw = gateway.openai().chat.completions.with_raw_response.create(model="hedged", messages=HI)
+    assert route_header(raw)["candidate"] == "deepseek-chat"
+    fake_openai.set_latency(first_token=0.4)  # a cap of 0: no hedge is sent
+    raw = gateway.openai().chat.completions.with_raw_response.create(model="hedged-capped", messages=HI)
+    assert route_header(raw)["hedge"] == "capped"
+    fake_openai.set_latency()
+    chat_ok = gateway.openai().chat.completions.create(model="hedged", messages=HI)  # fast: no hedge
+    assert chat_ok.choices[0].message.content == ECHO
+    after = samples(gateway)
+    assert delta(before, after, hedges, route="hedged", result="started") == 1
+    assert delta(before, after, hedges, route="hedged", result="won") == 1
+    assert delta(before, after, hedges, route="hedged-capped", result="capped") == 1
+    assert delta(before, after, hedges, route="hedged-capped", result="started") == 0
+
+
+def test_a_client_leaving_mid_stream_is_still_client_disconnected(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """What the two fixes above must not take away: a client that really hangs up is counted so."""
+    before = samples(gateway)
+    fake_openai.fail_next(Fault.slow_stream(0.2))
+    stream = gateway.openai().chat.completions.create(model="resilient", messages=HI, stream=True)
+    assert next(iter(stream)).choices
+    stream.close()
+    settled(gateway, 1)
+    assert ledger(gateway) == [("openai", 499)]
+    after = samples(gateway)
+    assert delta(before, after, "weir_errors_total", backend="openai", type="client_disconnected") == 1
+
+
+def test_the_gateways_own_429_is_no_upstream_attempt(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """A tenant over its own limit is refused before anything goes upstream: `x-weir-route` must say
+    `attempts=0`, and `weir_route_attempts_total` must not count a `429` for the candidate (an
+    operator reads that as the vendor rate-limiting Weir)."""
+    client = gateway.openai(ONE_STREAM_KEY)
+    fake_openai.fail_next(Fault.slow_stream(0.3))
+    held = client.chat.completions.create(model="resilient", messages=HI, stream=True)
+    try:
+        assert next(iter(held)).choices  # one stream open: the tenant's only slot
+        before = samples(gateway)
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.chat.completions.create(model="resilient", messages=HI, stream=True)
+        assert caught.value.body["code"] == "concurrent_streams_exceeded"  # type: ignore[index]
+        header = route_header(caught.value.response)
+        assert header["route"] == "resilient" and header["attempts"] == "0", header
+        assert "tried" not in header
+        after = samples(gateway)
+        assert delta(before, after, "weir_route_attempts_total", route="resilient") == 0
+        assert len(fake_openai.requests) == 1  # only the stream that holds the slot went upstream
+    finally:
+        held.close()
+
+
+def test_breaker_transitions_are_logged_and_their_history_is_bounded() -> None:
+    """An operator learns when a breaker opened and closed from the log, not only from a gauge sampled
+    every scrape (a short opening falls between two). The history kept for that must not grow for
+    ever on a gateway whose breakers flap for months."""
+    breakers = Breakers()
+    key = Breakers.key("openai", "gpt-4o-mini")
+    breakers.get(key, BreakerSettings(failures=1, cooldown=60))
+
+    async def flap(times: int) -> None:
+        for _ in range(times):
+            await breakers.failure(key)
+            await breakers.success(key)
+
+    with capture_logs() as logs:
+        asyncio.run(flap(1))
+    events = [
+        (e["event"], e["log_level"], e.get("breaker")) for e in logs if e["event"].startswith("breaker_")
+    ]
+    assert events == [("breaker_opened", "warning", key), ("breaker_closed", "info", key)]
+    with capture_logs():
+        asyncio.run(flap(5000))
+    assert len(breakers.transitions) <= 1000
+
+
+def test_model_names_clients_invent_mint_no_series(gateway: RunningGateway) -> None:
+    """Label values come from the config (models, routes, backends), never from what a client sends."""
+    invented = "invented-model-7f3a9c"
+    with pytest.raises(openai.NotFoundError):
+        gateway.openai().chat.completions.create(model=invented, messages=HI)
+    with pytest.raises(openai.NotFoundError):
+        gateway.openai().chat.completions.create(model=invented, messages=HI, stream=True)
+    assert invented not in httpx.get(f"{gateway.url}/metrics").text
