@@ -587,6 +587,12 @@ class Executor:
                     prefilled = [Message(role="assistant", content=prefill)] if prefill else []
                     messages = [*request.messages, *prefilled]
                     continued = msgspec.structs.replace(request, messages=messages)
+                    if prefilled:
+                        # The answer is continued, not thought out again: asked without reasoning
+                        # (Anthropic refuses a text prefill while thinking is on).
+                        continued = msgspec.structs.replace(
+                            continued, reasoning_effort=None, reasoning_budget=None, reasoning_adaptive=None
+                        )
                     continued = _shorter(continued, len(sent))
                     try:
                         batches = await self.first(

@@ -20,7 +20,8 @@ previous message, a ``tool_use`` id outside ``[a-zA-Z0-9_-]``, unknown block typ
 Thinking signatures are checked as Anthropic checks them: the fake signs each thinking block it
 returns (an HMAC of its text), and a thinking block sent back with a missing, made-up or
 mismatched signature is a 400; with thinking enabled, a tool loop's final assistant message must
-start with a thinking (or redacted_thinking) block, or it is a 400 too. Thinking modes are checked
+start with a thinking (or redacted_thinking) block, or it is a 400 too, and so must a prefill (a
+conversation ending with an assistant message) with thinking enabled or adaptive. Thinking modes are checked
 per model as Anthropic documents them: ``thinking: {"type": "adaptive"}`` only on the 4.6 family and
 Opus 4.7 (`ADAPTIVE_MODELS`), ``enabled`` and ``disabled`` refused on Opus 4.7, and
 ``output_config.effort`` only on the models and levels in `EFFORT_LEVELS`. Structured outputs
@@ -550,12 +551,15 @@ def _text_of(content: Any) -> str:
 
 def _check_thinking_turn(body: dict[str, Any]) -> None:
     """With thinking on, a tool loop (the last user turn answers tools) needs the final assistant
-    message to start with its thinking, as Anthropic refuses otherwise."""
-    if (body.get("thinking") or {}).get("type") != "enabled":
-        return
+    message to start with its thinking, as Anthropic refuses otherwise; so does a prefill (the
+    conversation ending with an assistant message), which text alone cannot be."""
+    kind = (body.get("thinking") or {}).get("type")
     messages = body["messages"]
+    prefill = messages[-1].get("role") == "assistant"
+    if kind != "enabled" and not (prefill and kind == "adaptive"):
+        return
     last = messages[-1].get("content")
-    if not isinstance(last, list) or not any(b.get("type") == "tool_result" for b in last):
+    if not prefill and (not isinstance(last, list) or not any(b.get("type") == "tool_result" for b in last)):
         return
     for i in range(len(messages) - 1, -1, -1):
         if messages[i].get("role") != "assistant":

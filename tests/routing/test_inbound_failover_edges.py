@@ -276,6 +276,26 @@ def test_messages_thinking_cut_mid_reasoning_is_two_thinking_blocks_the_next_tur
     assert [b["type"] for b in sent] == ["thinking", "text"] and sent[0]["signature"] == thought.signature  # type: ignore[union-attr]
 
 
+def test_messages_thinking_cut_after_text_resumes_on_claude_without_thinking(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """The stream breaks after its reasoning and two words of text; the next candidate is Claude.
+    Anthropic refuses a text prefill while thinking is on (the final assistant message must start
+    with a thinking block), so the continuation asks without thinking: the answer continues, its
+    reasoning is the first attempt's."""
+    fake_anthropic.fail_next(Fault.cut_stream(after=18))
+    with gateway.anthropic().messages.stream(
+        model="thinkers", max_tokens=2000, messages=HI, thinking=THINKING
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    check_anthropic_events(events)
+    assert [block.type for block in final.content] == ["thinking", "text"]
+    assert "".join(b.text for b in final.content if b.type == "text") == ECHO  # type: ignore[union-attr]
+    continuation = fake_anthropic.last_request.json
+    assert "thinking" not in continuation and continuation["messages"][-1]["role"] == "assistant"
+
+
 def test_responses_reasoning_cut_mid_way_is_two_reasoning_items(
     gateway: RunningGateway, fake_deepseek: FakeOpenAI
 ) -> None:
