@@ -18,6 +18,7 @@ from gateway.api import ROUTES
 from gateway.api.anthropic import PATHS as ANTHROPIC_PATHS
 from gateway.auth import Authenticator, StaticAuthenticator
 from gateway.config import Config
+from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import GatewayError, PayloadTooLarge, encode_anthropic_error, encode_openai_error
 from gateway.middleware import request_middleware
 from gateway.runtime import Gateway
@@ -108,6 +109,7 @@ def create_app(
         middleware=[
             request_middleware(gateway.metrics, control.admission.finish if control is not None else None),
             gateway.limits.middleware,  # stream leases and prompt capture (gateway.limits)
+            cancel_on_disconnect,  # a client gone before its response: its request ends there
         ],
         exception_handlers={
             GatewayError: _on_gateway_error,

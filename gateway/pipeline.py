@@ -53,6 +53,9 @@ class RequestInfo:
     ttft: float | None = None  # seconds
     error: str | None = None
     route: str | None = None  # the routing decision (x-weir-route header, usage events)
+    # The client left before its response started, and its request was cancelled for it
+    # (gateway.disconnect): the attempts that cancels are the client's 499s, not the gateway's own.
+    client_gone: bool = False
 
 
 @dataclass(slots=True)
@@ -126,14 +129,13 @@ class Pipeline:
         attempt: int = 1,
     ) -> R:
         """A non-streaming attempt: send, read, translate."""
-        if attempt == 1 and self.admission is not None:
-            await self.admission(call, target, upstream)
-            if call.admitted is not None and not call.admitted.done():
-                call.admitted.set_result(None)
+        left = await self._admit(call, target, upstream, attempt)
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure = 0, Usage(), None
         backend = target.backend
         try:
+            if left:
+                raise asyncio.CancelledError  # admitted as its client left: recorded as its 499
             response = await self.transport.send(upstream, backend.timeouts, backend.name)
             status = response.status
             self.loads.observe(backend.name, response.headers)
@@ -150,7 +152,8 @@ class Pipeline:
             raise
         except asyncio.CancelledError:
             # A hedge that lost or a client that left (499), unless the router says otherwise.
-            failure, status = call.stopped.get(attempt, ("cancelled", 499))
+            gone = ("client_disconnected", 499) if call.info.client_gone else ("cancelled", 499)
+            failure, status = call.stopped.get(attempt, gone)
             raise
         finally:
             await self._record(
@@ -174,15 +177,14 @@ class Pipeline:
     async def _stream(
         self, call: Call, target: Target, upstream: UpstreamRequest, decoder: StreamDecoder, attempt: int
     ) -> AsyncIterator[Any]:
-        if attempt == 1 and self.admission is not None:
-            await self.admission(call, target, upstream)
-            if call.admitted is not None and not call.admitted.done():
-                call.admitted.set_result(None)
+        left = await self._admit(call, target, upstream, attempt)
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure, ttft = 0, Usage(), None, None
         produced, usage_reported, streaming, cancelled = Produced(), False, False, False
         backend = target.backend
         try:
+            if left:
+                raise asyncio.CancelledError  # admitted as its client left: recorded as its 499
             response = await self.transport.send(upstream, backend.timeouts, backend.name)
             status = response.status
             self.loads.observe(backend.name, response.headers)
@@ -257,6 +259,30 @@ class Pipeline:
                 stream=True,
                 estimated=estimated,
             )
+
+    async def _admit(self, call: Call, target: Target, upstream: UpstreamRequest, attempt: int) -> bool:
+        """Admit the request's first attempt (rate limits, budgets, stream slots); a refusal raises.
+        Cancelled meanwhile (its client left), the admission still runs to its end: with Redis, the
+        shared state may have counted the request in (a budget reservation, a stream slot) when the
+        cancellation arrives, and what was counted is given back only when it is known: the stream
+        slot when the exchange ends, the reservation when the attempt's usage event (a 499, which the
+        caller records when this returns True) settles. Cut short, both were held for their TTLs (a
+        stream slot 30 s, a budget reservation 10 minutes)."""
+        if attempt != 1 or self.admission is None:
+            return False
+        admitting = asyncio.ensure_future(self.admission(call, target, upstream))
+        cancelled = False
+        while not admitting.done():
+            try:
+                await asyncio.wait({admitting})
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled and admitting.exception() is not None:
+            raise asyncio.CancelledError  # refused anyway: nothing was counted, and nobody is waiting
+        admitting.result()  # a refusal (429) raises
+        if call.admitted is not None and not call.admitted.done():
+            call.admitted.set_result(None)
+        return cancelled
 
     async def _record(
         self,

@@ -471,7 +471,8 @@ class Executor:
             # is looked at: the one not taken is a loser too.
             for loser in owners:
                 if loser is not winner:
-                    if (number := numbers.get(loser)) is not None:
+                    # A client that left ends both attempts: each is its 499 (`client_disconnected`).
+                    if (number := numbers.get(loser)) is not None and not call.info.client_gone:
                         # Ended by the gateway, not by a client leaving: `cancelled` (499).
                         call.stopped.setdefault(number, ("cancelled", 499))
                     await _abandon(loser)
