@@ -167,7 +167,17 @@ class RecentRanking:
 
     def add(self, route: str, head: str | None, p_strong: float, needs_strong: bool) -> None:
         key = (route, head or "")
-        self.rows.setdefault(key, deque(maxlen=self.size)).append((p_strong, needs_strong))
+        rows = self.rows.get(key)
+        if rows is None:
+            if head is not None and "@" in head:
+                # A new version of a trained head (`name@digest`) replaces the route's last one. Its
+                # rows stayed on /metrics for ever, and an AUC below chance kept the alert
+                # WeirDifficultyHeadWorseThanChance firing after the head was retrained as it advises.
+                stale = head.split("@")[0] + "@"
+                for old in [k for k in self.rows if k[0] == route and k[1].startswith(stale)]:
+                    del self.rows[old]
+            rows = self.rows[key] = deque(maxlen=self.size)
+        rows.append((p_strong, needs_strong))
 
     def collect(self) -> Iterator[Metric]:
         counts = GaugeMetricFamily(

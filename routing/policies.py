@@ -11,7 +11,7 @@ import hashlib
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +77,35 @@ class PolicyContext:
     def affinity_hit_rate(self, route: str) -> float | None:
         hits, total = self.affinity.get(route, (0, 0))
         return hits / total if total else None
+
+    def forget(self, routes: Iterable[Route]) -> None:
+        """Let go of what was learned for routes no longer in force (`Router.set_routes`): routes
+        are created, renamed and deleted through the admin API while a replica runs for weeks, and
+        each strong-share window holds up to 2,000 scores. Kept: the windows of difficulty routes
+        with a target share (their shipped heads', and their named head's), and prefix_affinity
+        routes' counts."""
+        heads: dict[tuple[str, ...], set[str | None]] = {}
+        affinity: set[str] = set()
+        for route in routes:
+            if route.policy == "difficulty" and route.strong_share is not None:
+                heads.setdefault(_route_key(route), set()).add(route.head)
+            elif route.policy == "prefix_affinity":
+                affinity.add(route.name)
+        for key in list(self.calibrators):
+            named = heads.get((key[0], *key[2:]))
+            # A trained head is labelled `name@digest`: one the route no longer names is not read again.
+            if named is None or ("@" in key[1] and key[1].split("@")[0] not in named):
+                del self.calibrators[key]
+        for table in (self.affinity, self.stats.affinity_tokens):
+            for name in [name for name in table if name not in affinity]:
+                del table[name]
+
+
+def _route_key(route: Route) -> tuple[str, ...]:
+    """The route's name and, for one with conditions, those: routes sharing a name keep their own."""
+    if route.when is None:
+        return (route.name,)
+    return (route.name, msgspec.json.encode(route.when).decode())
 
 
 async def order(
@@ -224,13 +253,21 @@ async def difficulty(
 
         # Routes that share a name (`when:` tells them apart) each rank their own traffic against their
         # own target: with one window they took turns replacing it, so none ever left the warm-up.
-        key: tuple[str, ...] = (route.name, head or "")
-        if route.when is not None:
-            key += (msgspec.json.encode(route.when).decode(),)
+        route_key = _route_key(route)
+        key = (route_key[0], head or "", *route_key[1:])
         calibrator = ctx.calibrators.get(key)
         if calibrator is None or calibrator.target_share != route.strong_share:
             calibrator = StrongShareCalibrator(route.strong_share, initial_threshold=route.threshold)
             if record:
+                if trained is not None:
+                    # A new version of the route's head (retrained, stored again under its name):
+                    # the window of the one it replaces is never read again (kept, one window
+                    # leaked with every swap).
+                    stale = f"{route.head}@"
+                    for old in [
+                        k for k in ctx.calibrators if k[1].startswith(stale) and (k[0], *k[2:]) == route_key
+                    ]:
+                        del ctx.calibrators[old]
                 ctx.calibrators[key] = calibrator
         go_strong = calibrator.route_strong(p_strong) if record else p_strong > calibrator.threshold()
         threshold = calibrator.threshold()

@@ -301,6 +301,7 @@ class Router:
                     target = self.models.targets[name]
                     self.breakers.get(Breakers.key(target.backend.name, target.upstream_model), route.breaker)
         self.routes = table  # one assignment: requests see the old table or the new, never a mix
+        self.context.forget(routes)  # windows and counts of routes deleted, renamed or re-conditioned
         self.version = self.version + 1 if version is None else version
         if self.heads is not None:
             self.heads.want({r.head for rs in table.values() for r in rs if r.head is not None})

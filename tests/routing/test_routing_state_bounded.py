@@ -1,0 +1,329 @@
+"""State the routing and failover path keeps per route, head and model stays bounded by what is in
+force, however long a replica runs: routes are created, renamed and deleted through the admin API and
+trained heads are retrained and swapped while a gateway replica runs for weeks. Each test drives that
+churn (in-process, or through a real gateway with the fakes) and checks the sizes afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import datetime as dt
+import random
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+import pytest
+import yaml
+
+from gateway.accounting.events import UsageEvent
+from gateway.auth import Principal
+from gateway.config import parse_config
+from gateway.router_basic import ModelTable
+from gateway.types import ChatRequest
+from gateway.usage import Usage
+from routing.compare import RecentRanking
+from routing.heads import TrainedHead
+from routing.plan import Features, features
+from routing.router import Router
+from routing.routes import Candidate, Conditions, Route
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.gateway.conftest import DEMO_KEY, RunningGateway
+from tests.routing.routed import FAST, routed_gateway, runtime
+
+CONFIG = """\
+backends:
+  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
+  - {name: other, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
+models:
+  - {name: small, backend: openai, price: {input: 0.15, output: 0.6}}
+  - {name: big, backend: other, price: {input: 3, output: 15}}
+"""
+ACME = Principal(tenant_id="t1", tenant_name="acme", key_id="k1")
+T = TypeVar("T")
+
+
+def router(*routes: Route) -> Router:
+    r = Router(ModelTable(parse_config(CONFIG, {})), routes)
+    r.context.rng = random.Random(0)
+    rng = random.Random(1)
+    r.context.scorer = lambda prompt: rng.random()  # the shipped head's load is not under test
+    r.context.serving = "static"
+    return r
+
+
+def difficulty(name: str, **fields: Any) -> Route:
+    return Route(
+        name=name,
+        policy="difficulty",
+        candidates=[Candidate(model="small"), Candidate(model="big")],
+        strong_share=0.3,
+        probe_interval=None,
+        **fields,
+    )
+
+
+def affinity(name: str) -> Route:
+    return Route(
+        name=name,
+        policy="prefix_affinity",
+        candidates=[Candidate(model="small"), Candidate(model="big")],
+        probe_interval=None,
+    )
+
+
+def ask(text: str, principal: Principal = ACME) -> Features:
+    request = msgspec.convert({"model": "r", "messages": [{"role": "user", "content": text}]}, ChatRequest)
+    return features(request, principal.tenant_name, principal.key_id)
+
+
+def usage_event(route: str, note: str) -> UsageEvent:
+    return UsageEvent(
+        request_id="r",
+        attempt=1,
+        ts=dt.datetime.now(dt.UTC),
+        tenant_id=None,
+        key_id=None,
+        route=route,
+        backend="openai",
+        model="small",
+        usage=Usage(input_tokens=80, cached_input_tokens=20, output_tokens=5),
+        prices={},
+        cost_pico_usd=0,
+        savings_pico_usd=0,
+        latency_ms=10.0,
+        ttft_ms=None,
+        status=200,
+        fallback=False,
+        routing=note,
+        estimated=False,
+        event_id="e",
+    )
+
+
+# --- strong-share windows -----------------------------------------------------------------------------
+
+
+async def test_strong_share_windows_of_deleted_renamed_and_reconditioned_routes_are_let_go() -> None:
+    """Each strong-share window holds up to 2,000 scores. They were kept for every route name (and
+    every `when:`) ever in force: a replica whose routes are edited through the admin API grew by one
+    window with each, for as long as it ran."""
+    r = router()
+    for i in range(120):
+        # A route renamed, and a route of a shared name whose conditions are edited.
+        routes = [difficulty(f"d-{i}"), difficulty("shared", when=Conditions(tenants=["acme", f"t{i}"]))]
+        r.set_routes(routes)
+        for name in ("d-", "shared"):
+            for j in range(3):
+                await r.plan(f"d-{i}" if name == "d-" else "shared", ACME, ask(f"q{j}"))
+    assert len(r.context.calibrators) == 2
+    assert {key[0] for key in r.context.calibrators} == {"d-119", "shared"}
+    r.set_routes([])  # every route deleted
+    assert r.context.calibrators == {}
+
+
+async def test_a_retrained_head_replaces_its_routes_window_and_the_shipped_heads_stays() -> None:
+    """A trained head is labelled with its digest, so its window is keyed by the version: every
+    retraining (a new bundle stored under the head's name) started a window and kept the old one."""
+    r = router(difficulty("smart", head="acme"))
+    current: list[TrainedHead | None] = [None]
+    rng = random.Random(2)
+    classifier = SimpleNamespace(score=lambda prompt: rng.random())
+    r.context.heads = SimpleNamespace(  # type: ignore[assignment]
+        get=lambda name: current[0], status=lambda name: "loading"
+    )
+    await r.plan("smart", ACME, ask("while the head loads: the shipped head scores"))
+    for version in range(60):
+        current[0] = TrainedHead("acme", f"{version:012x}" + "0" * 52, classifier)  # type: ignore[arg-type]
+        for j in range(3):
+            await r.plan("smart", ACME, ask(f"q{j}"))
+    assert set(r.context.calibrators) == {("smart", "static"), ("smart", f"acme@{59:012x}")}
+    # The route names another head: the old one's window goes with the edit; the shipped head's stays.
+    r.set_routes([difficulty("smart", head="other")])
+    assert set(r.context.calibrators) == {("smart", "static")}
+
+
+async def test_a_preview_and_routes_sharing_a_name_keep_their_windows() -> None:
+    """What pruning must not take: the windows of two routes of one name told apart by `when:`, and
+    a route re-applied unchanged (another route edited)."""
+    acme = difficulty("d", when=Conditions(tenants=["acme"]))
+    r = router(acme, difficulty("d"))
+    other = Principal(tenant_id="t2", tenant_name="other", key_id="k2")
+    for j in range(60):
+        await r.plan("d", ACME, ask(f"q{j}"))
+        await r.plan("d", other, ask(f"q{j}", other), record=j % 2 == 0)
+    before = {key: len(c._recent) for key, c in r.context.calibrators.items()}
+    assert len(before) == 2
+    r.set_routes([acme, difficulty("d"), affinity("new")])
+    assert {key: len(c._recent) for key, c in r.context.calibrators.items()} == before
+
+
+# --- prefix affinity counts ---------------------------------------------------------------------------
+
+
+async def test_prefix_affinity_counts_of_deleted_routes_are_let_go() -> None:
+    """Hit counts and cached prompt tokens per prefix_affinity route (in /metrics and the routes status)
+    stayed for every route name ever in force, deleted routes included."""
+    r = router()
+    for i in range(50):
+        r.set_routes([affinity(f"p-{i}"), difficulty("d")])
+        plan = await r.plan(f"p-{i}", ACME, ask("a prompt " * 40))
+        r.stats.record(usage_event(f"p-{i}", plan.header()))
+    assert set(r.context.affinity) == {"p-49"} and set(r.stats.affinity_tokens) == {"p-49"}
+    assert r.context.affinity["p-49"] == [1, 1]  # the route in force keeps its counts
+    r.set_routes([difficulty("d")])
+    assert r.context.affinity == {} and r.stats.affinity_tokens == {}
+
+
+# --- recent head rankings (compare) -------------------------------------------------------------------
+
+
+def test_recent_rankings_keep_the_latest_version_of_each_head() -> None:
+    """Each version of a trained head got its own 1,000-row window on /metrics, kept for ever: the AUC
+    of a head retrained away still fired WeirDifficultyHeadWorseThanChance (which advises retraining)
+    until the replica restarted."""
+    ranking = RecentRanking()
+    rng = random.Random(3)
+    for version in range(40):
+        for _ in range(30):
+            # Worse than chance: the requests that needed the strong model score low.
+            needs = rng.random() < 0.5
+            ranking.add("smart", f"acme@{version:012x}", rng.random() * (0.5 if needs else 1), needs)
+            ranking.add("smart", "static", rng.random(), rng.random() < 0.5)  # the fallback's rows
+            ranking.add("other", f"acme@{0:012x}", rng.random(), rng.random() < 0.5)  # another route's
+    assert set(ranking.rows) == {
+        ("smart", f"acme@{39:012x}"),
+        ("smart", "static"),
+        ("other", f"acme@{0:012x}"),
+    }
+    heads = {sample.labels["head"] for family in ranking.collect() for sample in family.samples}
+    assert heads == {f"acme@{39:012x}", "static", f"acme@{0:012x}"}
+
+
+# --- through a real gateway ---------------------------------------------------------------------------
+
+HI = [{"role": "user", "content": "one two three four five six"}]
+
+
+def on_loop(gateway: RunningGateway, fn: Callable[[], T]) -> T:
+    """Run `fn` on the gateway's event loop (as the route store's task calls set_routes) and wait."""
+    router = runtime(gateway).router
+    assert router.prober is not None and router.prober._task is not None
+    loop = router.prober._task.get_loop()
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def call() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as exc:  # handed to the waiting thread
+            done.set_exception(exc)
+
+    loop.call_soon_threadsafe(call)
+    return done.result(timeout=10)
+
+
+def churned_routes(i: int) -> list[Route]:
+    """A table as an admin might leave it after edit number `i`: names rotate, one route's conditions
+    change, and one route is in every table."""
+    text = f"""
+- {{name: kept, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
+- {{name: d-{i}, policy: difficulty, strong_share: 0.3, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+- {{name: p-{i}, policy: prefix_affinity, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+- {{name: h-{i}, hedge: {{delay: 0.05}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+- {{name: f-{i}, when: {{tenants: [demo, t{i}]}}, candidates: [{{model: gpt-4o-mini}}], fallbacks: [claude-sonnet], {FAST}}}
+"""
+    return msgspec.convert(yaml.safe_load(text), list[Route])
+
+
+@pytest.fixture(scope="module")
+def _churned(
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    first = (
+        "routes:\n  - {name: kept, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}], "
+        + FAST
+        + "}\n"
+    )
+    with routed_gateway(
+        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server, first
+    ) as gateway:
+        yield gateway
+
+
+async def _request(
+    client: httpx.AsyncClient, model: str, stream: bool, leave: bool, timeout: float = 10
+) -> None:
+    body = {"model": model, "messages": HI, "stream": stream}
+    try:
+        if not stream:
+            await client.post("/v1/chat/completions", json=body, timeout=timeout)
+            return
+        async with client.stream("POST", "/v1/chat/completions", json=body, timeout=timeout) as response:
+            async for _ in response.aiter_bytes():
+                if leave:
+                    return  # the client leaves mid-stream
+    except httpx.TimeoutException:
+        pass  # a client that gave up waiting for the first token
+
+
+def test_traffic_over_churned_routes_leaves_state_bounded_by_what_is_in_force(
+    _churned: RunningGateway, fresh_fakes: None, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """Thousands of requests over 30 route tables in turn (renamed routes, edited conditions): plain
+    answers, retries and fallbacks after 5xx, hedges past a slow first candidate, mid-stream failover,
+    clients that leave mid-stream or before the first token. Afterwards what routing keeps is sized by the routes and models in
+    force, not by the traffic or the tables it went through, and nothing counts as in flight."""
+    gateway = _churned
+    router = runtime(gateway).router
+    rng = random.Random(7)
+    on_loop(gateway, lambda: setattr(router.context, "scorer", lambda prompt: rng.random()))
+    headers = {"authorization": f"Bearer {DEMO_KEY}"}
+
+    async def drive(i: int) -> None:
+        async with httpx.AsyncClient(base_url=gateway.url, headers=headers, timeout=10) as client:
+            jobs = []
+            for j in range(70):
+                model = ("kept", f"d-{i}", f"p-{i}", f"h-{i}", f"f-{i}")[j % 5]
+                # Some clients leave mid-stream, some give up before the first token.
+                timeout = 0.05 if j % 11 == 0 else 10
+                jobs.append(_request(client, model, stream=j % 3 != 0, leave=j % 7 == 0, timeout=timeout))
+            await asyncio.gather(*jobs)
+
+    for i in range(30):
+        on_loop(gateway, lambda i=i: router.set_routes(churned_routes(i)))  # type: ignore[misc]
+        fake_openai.fail_next(Fault.status(503), times=4)  # retries, fallbacks
+        fake_openai.fail_next(Fault.delay(0.15), times=3)  # hedges
+        fake_openai.fail_next(Fault.cut_stream(after=2), times=2)  # mid-stream failover
+        fake_deepseek.fail_next(Fault.status(500), times=2)
+        asyncio.run(drive(i))
+
+    def sizes() -> dict[str, Any]:
+        context = router.context
+        return {
+            "calibrators": {key[0] for key in context.calibrators},
+            "affinity": set(context.affinity),
+            "affinity_tokens": set(context.stats.affinity_tokens),
+            "in_flight": {model: n for model, n in context.in_flight.items() if n},
+        }
+
+    found = on_loop(gateway, sizes)
+    for _ in range(200):  # cut and abandoned attempts unwind after their clients are gone
+        if not found["in_flight"]:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+        found = on_loop(gateway, sizes)
+    # The usage event of a stream its client left may land just after the next table (it re-enters
+    # the route it counts for, until the table after): one round's worth at most.
+    assert found["affinity_tokens"] <= {"p-28", "p-29"}
+    del found["affinity_tokens"]
+    assert found == {"calibrators": {"d-29"}, "affinity": {"p-29"}, "in_flight": {}}
+    # The traffic was what it says: first attempts and later ones answered, failed and abandoned.
+    outcomes = {(event.status, event.attempt > 1) for event in gateway.sink.events}
+    assert {(200, False), (200, True), (503, False), (499, True)} <= outcomes, outcomes
+    assert len(router.breakers.breakers) <= len(router.models.targets)
+    assert len(router.stats.models) <= len(router.models.targets)
