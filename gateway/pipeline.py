@@ -82,6 +82,39 @@ class Call:
     stopped: dict[int, tuple[str, int]] = field(default_factory=dict)
 
 
+# `weir_errors_total`'s `type` values: the gateway's own, and the error types of the vendors' APIs.
+# A vendor's 4xx passes its own `type` on to the client; an OpenAI-compatible server may send any
+# string there, which must not mint a series.
+_ERROR_LABELS = frozenset(
+    {
+        "upstream_error",
+        "client_disconnected",
+        "cancelled",
+        "invalid_request_error",
+        "rate_limit_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+        "insufficient_quota",
+        "api_error",
+        "overloaded_error",
+    }
+)
+
+
+def _error_label(failure: str, status: int) -> str:
+    if failure in _ERROR_LABELS:
+        return failure
+    return (
+        "rate_limit_error"
+        if status == 429
+        else "invalid_request_error"
+        if 400 <= status < 500
+        else "upstream_error"
+    )
+
+
 def price_sheet(model: Model) -> dict[TokenClass, int]:
     price = model.price
     sheet = {
@@ -307,7 +340,7 @@ class Pipeline:
         if ttft is not None:
             self.metrics.ttft.labels(*labels).observe(ttft)
         if failure is not None:
-            self.metrics.errors.labels(*labels, failure).inc()
+            self.metrics.errors.labels(*labels, _error_label(failure, status)).inc()
         cost = price_usage(usage, self.prices.get(target.model.name, {}))
         event = UsageEvent(
             request_id=info.request_id,

@@ -65,8 +65,8 @@ def _unhealthy(exc: GatewayError) -> bool:
 def retries_in_place(exc: GatewayError) -> bool:
     """Whether asking the same backend again may help. Not after OpenAI's 429 `insufficient_quota`
     (the account is out of credit, which no wait lifts, unlike a rate limit's 429) nor after the
-    backend refused the gateway's credentials: the next candidate is asked at once."""
-    return exc.code not in ("insufficient_quota", "upstream_auth_failed")
+    backend refused the gateway's credentials or account: the next candidate is asked at once."""
+    return exc.code not in ("insufficient_quota", "upstream_auth_failed", "upstream_billing_failed")
 
 
 def retry_after(exc: GatewayError) -> float | None:

@@ -605,9 +605,15 @@ class ChatStream:
         return []
 
 
+# Anthropic says an account is out of credit with a 400, as if the request were at fault.
+_NO_CREDIT = "credit balance is too low"
+
+
 def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
     message, detail = error_text(body)
     kind = detail.get("type")
+    if status == 400 and _NO_CREDIT in message:
+        status = 402  # the gateway's account, not the request: fails over like a billing refusal
     return upstream_error(
         status,
         message,

@@ -254,17 +254,23 @@ def upstream_error(
     """A vendor's error status and message as the error the client sees.
 
     4xx keep their status and the vendor's own message (the request is at fault, so the client must
-    see why), except 401/403 (the gateway's credentials: a 502); 5xx become 502, 503 (overloaded,
+    see why), except 401/402/403 (the gateway's credentials or account: a 502); 5xx become 502, 503 (overloaded,
     including Anthropic's 529) or 504.
     """
     passed = {k: v for k, v in headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
-    if status in (401, 403):
+    if status in (401, 402, 403):
         # The backend refused the gateway's own credentials (a revoked or mistyped key, a project
-        # without access to the model): neither the request nor the client's key is at fault. As a
-        # 401/403 it read as the client's key refused, and the vendor's text names the gateway's key
-        # (masked); a 502 instead, which fails over and counts against the backend's breaker. The
-        # vendor's words go to the operator's log.
+        # without access to the model) or its account cannot pay (402): neither the request nor the
+        # client's key is at fault. Passed on, it read as the client's key refused, and the vendor's
+        # text is about the gateway's key or account; a 502 instead, which fails over and counts
+        # against the backend's breaker. The vendor's words go to the operator's log.
         log.warning("upstream_credentials_refused", vendor=vendor, status=status, message=message)
+        if status == 402:
+            return BadGateway(
+                f"The {vendor} backend refused the gateway's account for billing (402); an operator must "
+                "check its credit.",
+                code="upstream_billing_failed",
+            )
         return BadGateway(
             f"The {vendor} backend refused the gateway's credentials ({status}); an operator must check "
             "the backend's API key.",

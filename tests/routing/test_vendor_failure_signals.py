@@ -232,6 +232,38 @@ def test_a_vendor_refusing_the_gateways_key_is_a_502_not_the_clients_401(
     assert "x-api-key" not in body["message"]
 
 
+def test_an_anthropic_account_out_of_credit_fails_over_and_is_no_400_to_the_client(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """Anthropic says an account is out of credit with a 400 invalid_request_error, as if the
+    request were at fault: it is the gateway's account, so the route moves on, and a client of the
+    plain model gets a 502, not a 400 telling it to buy credits."""
+    no_credit = (
+        "Your credit balance is too low to access the Anthropic API. Please go to Plans & Billing to "
+        "upgrade or purchase credits."
+    )
+    fake_anthropic.fail_next(Fault.status(400, message=no_credit), times=2)
+    text, route = chat(gateway, "vendors-from-claude")
+    assert text == ECHO and route["tried"] == "claude-sonnet:502,gemini-flash:ok"
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(gateway).chat.completions.create(model="claude-sonnet", messages=HI)  # type: ignore[arg-type]
+    body: Any = caught.value.body
+    assert caught.value.status_code == 502 and body["code"] == "upstream_billing_failed"
+    assert "credit balance" not in body["message"]
+
+
+def test_a_vendors_own_error_type_mints_no_metric_series(gateway: RunningGateway, raw: Script) -> None:
+    """An OpenAI-compatible server's 4xx passes its `type` on to the client, but any string there
+    must not become a `weir_errors_total` label value (a series per string, for ever)."""
+    raw.answer = http_head(400) + b'{"error": {"message": "no", "type": "made_up_type_4821", "code": null}}'
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(gateway).chat.completions.create(model="raw-model", messages=HI)  # type: ignore[arg-type]
+    assert caught.value.body["type"] == "made_up_type_4821"  # type: ignore[index]
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert "made_up_type_4821" not in metrics
+    assert 'backend="raw",endpoint="chat",model="raw-model",type="invalid_request_error"' in metrics
+
+
 # --- a 200 that is not an answer ---------------------------------------------------------------
 
 
