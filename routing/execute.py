@@ -460,6 +460,10 @@ class Executor:
                         plan.note = (plan.note + "; " if plan.note else "") + (
                             f"hedged={partner.candidate.model}"
                         )
+                        if (number := numbers.get(task)) in call.routes:
+                            # A stream records its event when it ends: with the decision as it is
+                            # now (won, and hedged), not as it was when the attempt started.
+                            call.routes[number] = plan.header(plan.chosen)
                         return task.result()
                     error = task.exception()
             assert error is not None

@@ -317,3 +317,20 @@ def test_a_hedged_requests_attempts_each_name_their_own_candidate(
     assert "candidate=deepseek-chat" in by_attempt[2]["routing"]
     errors = weir.admin.get("/requests", params={"status": "error"}).json()["data"]
     assert request_id not in {r["request_id"] for r in errors}  # it was answered
+
+
+def test_a_streamed_hedge_winner_records_the_final_decision(
+    weir: Weir, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """A stream records its usage event when it ends, after the race was decided: the winner's
+    event says it won as a hedge, as the header does."""
+    client = weir.client(weir.tenant_key("streamed-hedge"))
+    fake_openai.set_latency(first_token=3.0)
+    raw = client.chat.completions.with_raw_response.create(model="hedge-race", messages=HI, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    header = route_header(raw)
+    assert header["candidate"] == "deepseek-chat" and header["hedged"] == "deepseek-chat"
+    weir.settled(2)
+    events = {e.backend: e for e in weir.sink.events if e.request_id == raw.headers["x-request-id"]}
+    assert events["deepseek"].status == 200 and "hedged=deepseek-chat" in (events["deepseek"].routing or "")
+    assert "candidate=gpt-4o-mini" in (events["openai"].routing or "")
