@@ -94,7 +94,7 @@ class GatewayTimeout(GatewayError):
 
 
 # Anthropic names its error types by status; https://docs.anthropic.com/en/api/errors
-_ANTHROPIC_TYPES = {
+ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -123,7 +123,9 @@ def openai_error_body(error: GatewayError) -> dict[str, Any]:
 
 
 def anthropic_error_body(error: GatewayError) -> dict[str, Any]:
-    kind = _ANTHROPIC_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    kind = ANTHROPIC_ERROR_TYPES.get(
+        error.status, "api_error" if error.status >= 500 else "invalid_request_error"
+    )
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 

@@ -18,7 +18,7 @@ from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import TokenClass, price_usage
 from gateway.auth import Principal
 from gateway.config import Model
-from gateway.errors import BadGateway, GatewayError, GatewayTimeout
+from gateway.errors import ANTHROPIC_ERROR_TYPES, BadGateway, GatewayError, GatewayTimeout
 from gateway.estimate import Produced
 from gateway.ids import ordered_id
 from gateway.metrics import Metrics
@@ -87,18 +87,11 @@ class Call:
 # string there, which must not mint a series.
 _ERROR_LABELS = frozenset(
     {
+        *ANTHROPIC_ERROR_TYPES.values(),
         "upstream_error",
         "client_disconnected",
         "cancelled",
-        "invalid_request_error",
-        "rate_limit_error",
-        "authentication_error",
-        "permission_error",
-        "not_found_error",
-        "request_too_large",
         "insufficient_quota",
-        "api_error",
-        "overloaded_error",
     }
 )
 

@@ -46,7 +46,7 @@ from gateway.pipeline import Call, Pipeline, RequestInfo
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
 from routing.execute import SpendCap
 from routing.plan import CHARS_PER_TOKEN, Choice, Features, Plan
-from routing.policies import PolicyContext, expected_cost
+from routing.policies import PolicyContext, expected_cost, head_name
 from routing.ranking import head_ranking
 from routing.routes import Candidate
 
@@ -169,12 +169,11 @@ class RecentRanking:
         key = (route, head or "")
         rows = self.rows.get(key)
         if rows is None:
-            if head is not None and "@" in head:
-                # A new version of a trained head (`name@digest`) replaces the route's last one. Its
-                # rows stayed on /metrics for ever, and an AUC below chance kept the alert
+            if (name := head_name(head)) is not None:
+                # A new version of a trained head replaces the route's last one. Its rows stayed on
+                # /metrics for ever, and an AUC below chance kept the alert
                 # WeirDifficultyHeadWorseThanChance firing after the head was retrained as it advises.
-                stale = head.split("@")[0] + "@"
-                for old in [k for k in self.rows if k[0] == route and k[1].startswith(stale)]:
+                for old in [k for k in self.rows if k[0] == route and head_name(k[1]) == name]:
                     del self.rows[old]
             rows = self.rows[key] = deque(maxlen=self.size)
         rows.append((p_strong, needs_strong))

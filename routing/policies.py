@@ -92,13 +92,19 @@ class PolicyContext:
             elif route.policy == "prefix_affinity":
                 affinity.add(route.name)
         for key in list(self.calibrators):
-            named = heads.get((key[0], *key[2:]))
-            # A trained head is labelled `name@digest`: one the route no longer names is not read again.
-            if named is None or ("@" in key[1] and key[1].split("@")[0] not in named):
+            named, trained = heads.get((key[0], *key[2:])), head_name(key[1])
+            # A trained head the route no longer names is not read again.
+            if named is None or (trained is not None and trained not in named):
                 del self.calibrators[key]
         for table in (self.affinity, self.stats.affinity_tokens):
             for name in [name for name in table if name not in affinity]:
                 del table[name]
+
+
+def head_name(label: str | None) -> str | None:
+    """The trained head a scoring label names (`name@digest`, routing.heads.TrainedHead.label); None
+    for a shipped head's label, or none."""
+    return label.rsplit("@", 1)[0] if label and "@" in label else None
 
 
 def _route_key(route: Route) -> tuple[str, ...]:
@@ -263,9 +269,10 @@ async def difficulty(
                     # A new version of the route's head (retrained, stored again under its name):
                     # the window of the one it replaces is never read again (kept, one window
                     # leaked with every swap).
-                    stale = f"{route.head}@"
                     for old in [
-                        k for k in ctx.calibrators if k[1].startswith(stale) and (k[0], *k[2:]) == route_key
+                        k
+                        for k in ctx.calibrators
+                        if head_name(k[1]) == route.head and (k[0], *k[2:]) == route_key
                     ]:
                         del ctx.calibrators[old]
                 ctx.calibrators[key] = calibrator
