@@ -6,6 +6,7 @@ import asyncio
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import asyncpg
 import pytest
@@ -28,15 +29,22 @@ def _pg_admin(statement: str) -> None:
     asyncio.run(run())
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A fresh, empty PostgreSQL database, dropped afterwards."""
-    name = f"weir_test_{uuid.uuid4().hex[:12]}"
+@contextmanager
+def fresh_pg_database(prefix: str = "weir_test") -> Iterator[str]:
+    """A fresh, empty PostgreSQL database's URL (asyncpg driver), dropped afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     _pg_admin(f'CREATE DATABASE "{name}"')
     try:
         yield PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
     finally:
         _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database, dropped afterwards."""
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from gateway.db.session import create_engine, sessionmaker
 from routing.feedback import FeedbackReport, load_feedback
 from routing.train import Outcomes
 from tests.conftest import free_port
-from tests.control.conftest import PG_ADMIN_URL, _pg_admin, sync_exec
+from tests.control.conftest import fresh_pg_database, sync_exec
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 from tests.routing.routed import route_header
@@ -125,15 +125,12 @@ def _weir(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Weir]:
     """The gateway on a fresh PostgreSQL database."""
-    name = f"weir_difficulty_path_{uuid.uuid4().hex[:12]}"
-    _pg_admin(f'CREATE DATABASE "{name}"')
-    url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
     env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    try:
-        with _running(url, env, tmp_path_factory.mktemp("spool")) as weir:
-            yield weir
-    finally:
-        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with (
+        fresh_pg_database("weir_difficulty_path") as url,
+        _running(url, env, tmp_path_factory.mktemp("spool")) as weir,
+    ):
+        yield weir
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import PG_ADMIN_URL, REDIS_URL, _pg_admin
+from tests.control.conftest import REDIS_URL, fresh_pg_database
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import DEMO_KEY, RunningGateway, serve
 from tests.routing.routed import route_header, routed_gateway
@@ -180,12 +179,8 @@ WITH_GPT5 = "  - {name: gpt-5, backend: openai}"
 
 @pytest.fixture
 def database() -> Iterator[str]:
-    name = f"weir_route_edges_{uuid.uuid4().hex[:12]}"
-    _pg_admin(f'CREATE DATABASE "{name}"')
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
-    finally:
-        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_pg_database("weir_route_edges") as url:
+        yield url
 
 
 class Gateways:

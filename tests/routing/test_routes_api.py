@@ -22,7 +22,7 @@ from gateway.config import parse_config
 from routing.heads import bundle, digest
 from routing.prefixes import PREFIX, prefix_keys
 from tests.conftest import free_port
-from tests.control.conftest import PG_ADMIN_URL, REDIS_URL, _pg_admin, sync_exec
+from tests.control.conftest import REDIS_URL, fresh_pg_database, sync_exec
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.gateway.conftest import serve
 from tests.routing.routed import route_header
@@ -92,12 +92,8 @@ class Replicas:
 @pytest.fixture
 def database() -> Iterator[str]:
     """A fresh PostgreSQL database (as tests/control's pg_url), dropped afterwards."""
-    name = f"weir_routes_{uuid.uuid4().hex[:12]}"
-    _pg_admin(f'CREATE DATABASE "{name}"')
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
-    finally:
-        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_pg_database("weir_routes") as url:
+        yield url
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from routing.difficulty import DifficultyClassifier
 from routing.routes import Route
 from routing.store import RouteStore
 from tests.conftest import free_port
-from tests.control.conftest import PG_ADMIN_URL, _pg_admin
+from tests.control.conftest import fresh_pg_database
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 from tests.routing.routed import route_header
@@ -74,21 +74,15 @@ def _weir(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Weir]:
     """One gateway with the control plane on a fresh PostgreSQL database (no Redis: memory state)."""
-    name = f"weir_routes_audit_{uuid.uuid4().hex[:12]}"
-    _pg_admin(f'CREATE DATABASE "{name}"')
-    url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
     env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-            patch.setenv("WEIR_USAGE_SPOOL", str(tmp_path_factory.mktemp("spool")))
-            for var in ("WEIR_REDIS_URL", "WEIR_DATABASE_URL"):
-                patch.delenv(var, raising=False)
-            config = parse_config(full_config_text() + f'database_url: "{url}"\n' + ROUTES, env)
-            with serve(create_app(config), free_port()) as base:
-                yield Weir(base)
-    finally:
-        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_pg_database("weir_routes_audit") as url, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+        patch.setenv("WEIR_USAGE_SPOOL", str(tmp_path_factory.mktemp("spool")))
+        for var in ("WEIR_REDIS_URL", "WEIR_DATABASE_URL"):
+            patch.delenv(var, raising=False)
+        config = parse_config(full_config_text() + f'database_url: "{url}"\n' + ROUTES, env)
+        with serve(create_app(config), free_port()) as base:
+            yield Weir(base)
 
 
 @pytest.fixture
