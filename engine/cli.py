@@ -38,6 +38,13 @@ def engine() -> None:
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Most requests in one batch.")
 @click.option(
+    "--max-queued",
+    default=None,
+    type=click.IntRange(min=0),
+    help="Most requests waiting for a batch slot; more are refused at once with a 429 (code "
+    "engine_overloaded, retry-after 1) that a Weir route fails over on. Default: no limit.",
+)
+@click.option(
     "--max-num-batched-tokens",
     default=512,
     show_default=True,
@@ -114,6 +121,7 @@ def serve(
     dtype: str,
     device: str | None,
     max_num_seqs: int,
+    max_queued: int | None,
     max_num_batched_tokens: int,
     kv_cache_memory: float | None,
     num_kv_blocks: int | None,
@@ -146,6 +154,7 @@ def serve(
         host=host,
         port=port,
         served_model_name=served_model_name,
+        max_queued=max_queued,
         engine_kwargs={
             "dtype": dtype,
             "device": device,

@@ -51,6 +51,11 @@ class EngineMetrics:
         self.requests = Counter(
             "weir_engine_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
         )
+        self.refused = Counter(
+            "weir_engine_requests_refused",
+            "Requests refused with a 429 because more than --max-queued sequences would have waited.",
+            registry=r,
+        )
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) in the throughput window
         r.register(_EngineStateCollector(stats, self._tokens_per_second))
 

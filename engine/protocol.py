@@ -109,6 +109,7 @@ _ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable_error",
 }
 
@@ -124,9 +125,11 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
         self.type = type or _ERROR_TYPES.get(
             status, "server_error" if status >= 500 else "invalid_request_error"
         )

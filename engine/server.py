@@ -15,8 +15,8 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -66,7 +66,9 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 def _error(exc: ApiError) -> web.Response:
-    return _json(exc.body(), status=exc.status)
+    response = _json(exc.body(), status=exc.status)
+    response.headers.update(exc.headers)
+    return response
 
 
 @web.middleware
@@ -100,10 +102,13 @@ class EngineServer:
         *,
         model_name: str | None = None,
         aliases: tuple[str, ...] = (),
+        max_queued: int | None = None,
     ) -> None:
         self.engine: AsyncLLMEngine | None = None
         self.model_name = model_name
         self.aliases = aliases
+        self.max_queued = max_queued
+        self.held = 0  # sequences of requests being served: running, or queued for a batch slot
         self.created = int(time.time())
         self.load_error: str | None = None
         self.metrics = EngineMetrics(self._stats)
@@ -135,6 +140,28 @@ class EngineServer:
         if self.engine.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.engine.error!r}")
         return self.engine
+
+    @contextmanager
+    def _seats(self, engine: AsyncLLMEngine, sequences: int) -> Iterator[None]:
+        """Holds `sequences` for the request's lifetime, or refuses it with a 429 when more than
+        `max_queued` would wait behind a full batch: a gateway in front fails over at once rather than
+        leave the request queued for seconds (unbounded, a burst's last request waits for all others)."""
+        if self.max_queued is not None:
+            capacity = engine.engine.scheduler.max_num_seqs + self.max_queued
+            if self.held + sequences > capacity:
+                self.metrics.refused.inc()
+                raise ApiError(
+                    429,
+                    f"The engine is overloaded: {self.held} sequences running or queued, at most "
+                    f"{capacity}; retry later or send the request to another backend.",
+                    code="engine_overloaded",
+                    headers={"retry-after": "1"},
+                )
+        self.held += sequences
+        try:
+            yield
+        finally:
+            self.held -= sequences
 
     def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
@@ -331,14 +358,16 @@ class EngineServer:
         params = replace(self._sampling(req, max(max_tokens, 1), top_n), json_format=forced or fmt)
         gens = self._choices(req.n, prompt_ids, params, self._stops(req.stop), started, max_tokens == 0)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            head = {**head, "object": "chat.completion.chunk"}
-            streams = [
-                self._chat_chunks(g, head, top_n, include_usage, parse_tools, i) for i, g in enumerate(gens)
-            ]
-            return await self._sse(request, _with_usage(_merge(streams), head, [gens], include_usage))
-        choices = await _all([self._chat_choice(i, g, top_n, parse_tools) for i, g in enumerate(gens)])
+        with self._seats(engine, len(gens)):
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                head = {**head, "object": "chat.completion.chunk"}
+                streams = [
+                    self._chat_chunks(g, head, top_n, include_usage, parse_tools, i)
+                    for i, g in enumerate(gens)
+                ]
+                return await self._sse(request, _with_usage(_merge(streams), head, [gens], include_usage))
+            choices = await _all([self._chat_choice(i, g, top_n, parse_tools) for i, g in enumerate(gens)])
         return _json({**head, "object": "chat.completion", "choices": choices, "usage": _usage([gens])})
 
     async def _chat_choice(
@@ -441,13 +470,15 @@ class EngineServer:
             "created": int(time.time()),
             "model": req.model,
         }
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            streams = [
-                self._completion_chunks(g, t, req, head, include_usage, i) for i, (g, t) in enumerate(choices)
-            ]
-            return await self._sse(request, _with_usage(_merge(streams), head, groups, include_usage))
-        done = await _all([self._completion_choice(i, g, t, req) for i, (g, t) in enumerate(choices)])
+        with self._seats(engine, len(choices)):
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                streams = [
+                    self._completion_chunks(g, t, req, head, include_usage, i)
+                    for i, (g, t) in enumerate(choices)
+                ]
+                return await self._sse(request, _with_usage(_merge(streams), head, groups, include_usage))
+            done = await _all([self._completion_choice(i, g, t, req) for i, (g, t) in enumerate(choices)])
         return _json({**head, "choices": done, "usage": _usage(groups)})
 
     async def _completion_choice(
@@ -788,11 +819,17 @@ async def start_server(server: EngineServer, host: str, port: int) -> web.AppRun
 
 
 def run(
-    model: str, *, host: str, port: int, served_model_name: str | None, engine_kwargs: dict[str, Any]
+    model: str,
+    *,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    engine_kwargs: dict[str, Any],
+    max_queued: int | None = None,
 ) -> int:
     """`weir engine serve`: binds at once (`/health` answers 503 while loading), loads the model in a
     thread, then serves until SIGINT/SIGTERM. Returns the exit status: 1 when the model failed to load."""
-    server = EngineServer(model_name=served_model_name, aliases=(model,))
+    server = EngineServer(model_name=served_model_name, aliases=(model,), max_queued=max_queued)
 
     async def load() -> None:
         from engine.llm_engine import LLMEngine

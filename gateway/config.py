@@ -60,6 +60,7 @@ class Backend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # type: engine without url: Weir starts and supervises `weir engine serve --model M --port P`.
     model: str | None = None
     port: int | None = None
+    args: list[str] = []  # more `weir engine serve` flags, e.g. ["--max-queued", "16", "--threads", "8"]
     command: list[str] | None = None  # overrides the engine command line (tests, custom builds)
     startup_timeout: float = 600.0
 

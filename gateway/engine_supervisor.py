@@ -46,7 +46,7 @@ class EngineProcess:
         self.port = backend.port or 8000
         self.command = backend.command or [
             sys.executable, "-c", "from weir.cli import main; main()",
-            "engine", "serve", "--model", backend.model or "", "--port", str(self.port),
+            "engine", "serve", "--model", backend.model or "", "--port", str(self.port), *backend.args,
         ]  # fmt: skip
         self.health_url = f"http://127.0.0.1:{self.port}/health"
         self.process: asyncio.subprocess.Process | None = None

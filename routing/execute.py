@@ -58,15 +58,26 @@ def fails_over(route: Route, exc: BaseException) -> bool:
 
 
 def _unhealthy(exc: GatewayError) -> bool:
-    """A failure that says the backend is unwell (what breakers count), not the request's fault."""
+    """A failure that says the backend is unwell (what breakers count), not the request's fault. The
+    bundled engine's `engine_overloaded` 429 is not one: it is busy with other requests, and an open
+    breaker would keep the next ones off it for a whole cooldown once its batch has room again."""
+    if exc.code == "engine_overloaded":
+        return False
     return isinstance(exc, _BACKEND_ERRORS) and (exc.status >= 500 or exc.status == 429)
 
 
 def retries_in_place(exc: GatewayError) -> bool:
     """Whether asking the same backend again may help. Not after OpenAI's 429 `insufficient_quota`
-    (the account is out of credit, which no wait lifts, unlike a rate limit's 429) nor after the
-    backend refused the gateway's credentials or account: the next candidate is asked at once."""
-    return exc.code not in ("insufficient_quota", "upstream_auth_failed", "upstream_billing_failed")
+    (the account is out of credit, which no wait lifts, unlike a rate limit's 429), nor after the
+    backend refused the gateway's credentials or account, nor when the bundled engine's queue is full
+    (`engine_overloaded`, from `--max-queued`: the point of the limit is to answer elsewhere now):
+    the next candidate is asked at once."""
+    return exc.code not in (
+        "insufficient_quota",
+        "upstream_auth_failed",
+        "upstream_billing_failed",
+        "engine_overloaded",
+    )
 
 
 def retry_after(exc: GatewayError) -> float | None:

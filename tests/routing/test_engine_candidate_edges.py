@@ -149,7 +149,9 @@ def stand_in(tmp_path: Path, report: str | None = None) -> Iterator[int]:
 
 
 @contextmanager
-def tiny_engine(loading: bool = False) -> Iterator[tuple[int, Any]]:
+def tiny_engine(
+    loading: bool = False, max_num_seqs: int = 64, max_queued: int | None = None
+) -> Iterator[tuple[int, Any]]:
     """The real engine server on the tiny random model, on its own event loop in a thread; yields its
     port and the LLMEngine (None while `loading`: the server answers as one still loading its model)."""
     from engine.async_engine import AsyncLLMEngine
@@ -161,8 +163,14 @@ def tiny_engine(loading: bool = False) -> Iterator[tuple[int, Any]]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    llm = None if loading else LLMEngine.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=64)
-    server = EngineServer(AsyncLLMEngine(llm) if llm is not None else None, model_name="tiny")
+    llm = (
+        None
+        if loading
+        else LLMEngine.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=64, max_num_seqs=max_num_seqs)
+    )
+    server = EngineServer(
+        AsyncLLMEngine(llm) if llm is not None else None, model_name="tiny", max_queued=max_queued
+    )
     runner = asyncio.run_coroutine_threadsafe(start_server(server, "127.0.0.1", port), loop).result(30)
     try:
         yield port, llm
