@@ -222,6 +222,12 @@ def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: Po
     now = time.monotonic()
     for choice in choices:
         stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+        if stats.ttft_s is None and stats.latency_s is not None:
+            # Answered, but never streamed (no first token to time): the whole answers' moving
+            # average. Left "unmeasured", a route whose clients never stream measured no one and sent
+            # every request to the first listed candidate, however slow.
+            choice.score, choice.reason = stats.latency_s, "expected_seconds"
+            continue
         if stats.ttft_s is None:
             if stats.failed_at is not None and now - stats.failed_at < RETRY_UNMEASURED_S:
                 # Tried and failed: it had its turn. First again, it would be every request's first

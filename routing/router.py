@@ -368,6 +368,15 @@ class Router:
             for route in routes:
                 if matches(route.when, feats):
                     return await self._plan(route, feats, record)
+            if name not in self.models.targets and self.offers(name, principal):
+                # The caller sees this route in /v1/models (a route for other tenants or keys only
+                # stays hidden below): "does not exist" would send them looking for a typo, when it
+                # is this request (its tools, images, length, metadata) that no route of it takes.
+                raise ModelNotFound(
+                    f"No route of `{name}` takes this request: its conditions (tools, images, prompt "
+                    "length, metadata, tags) rule it out.",
+                    param="model",
+                )
         # No route (or none whose conditions hold): the plain model of that name, tried once.
         target = self.models.resolve(name, principal)[0]
         route = Route(
