@@ -358,6 +358,7 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
     choice = response.choices[0] if response.choices else None
     content: list[dict[str, Any]] = []
     stop_reason = "end_turn"
+    stop_sequence = choice.stop_sequence if choice is not None else None
     if choice is not None:
         if thinking:
             content.extend(_thinking_blocks(choice.message))
@@ -373,6 +374,8 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
                 }
             )
         stop_reason = STOP_REASONS.get(choice.finish_reason or "stop", "end_turn")
+        if stop_sequence is not None:
+            stop_reason = "stop_sequence"  # a backend that says which sequence matched (Anthropic)
     message_id = response.id if response.id.startswith("msg_") else new_id("msg_")
     return {
         "id": message_id,
@@ -381,7 +384,7 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
         "model": model,
         "content": content,
         "stop_reason": stop_reason,
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence,
         "usage": anthropic_usage(response.usage),
     }
 
@@ -399,6 +402,7 @@ class _EventWriter:
         self.open_kind: str | None = None  # "thinking", "text" or "tool"
         self.tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> content block index
         self.finish: str | None = None
+        self.stop_sequence: str | None = None
         self.usage = Usage()
 
     def close_block(self, out: list[bytes]) -> None:
@@ -466,11 +470,15 @@ class _EventWriter:
                     out.append(_event("content_block_delta", event))
             if choice.finish_reason:
                 self.finish = choice.finish_reason
+                self.stop_sequence = choice.stop_sequence
 
     def end(self, out: list[bytes]) -> None:
         self.close_block(out)
         stop_reason = STOP_REASONS.get(self.finish or "stop", "end_turn")
-        delta = {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": None}}
+        if self.stop_sequence is not None:
+            stop_reason = "stop_sequence"
+        stop = {"stop_reason": stop_reason, "stop_sequence": self.stop_sequence}
+        delta = {"type": "message_delta", "delta": stop}
         out.append(_event("message_delta", {**delta, "usage": anthropic_usage(self.usage)}))
         out.append(_event("message_stop", {"type": "message_stop"}))
 

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import msgspec
+
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import TokenClass, price_usage
@@ -271,7 +273,7 @@ class Pipeline:
                 and (produced.chunks > 0 or cancelled)
             )
             if estimated:
-                usage = produced.estimate(upstream.body)
+                usage = _cut_usage(decoder, produced.estimate(upstream.body))
             await self._record(
                 call,
                 target,
@@ -359,6 +361,20 @@ class Pipeline:
         self.sink.record(event)
         if (on_cost := call.on_cost.pop(attempt, None)) is not None:
             await on_cost(event)
+
+
+def _cut_usage(decoder: StreamDecoder, estimate: Usage) -> Usage:
+    """What a stream cut before its usage report is billed: the output estimated from what arrived,
+    and the prompt as the vendor had already counted it where it had (Anthropic's message_start,
+    Gemini's running usageMetadata), cache reads and writes included. Estimated from the body's size
+    instead, a prompt read from the cache was billed at the full input price, and a cache write (which
+    costs more) at it too: a failover's cut attempt on a long cached prompt cost ten times too much."""
+    partial = getattr(decoder, "partial_usage", None)  # optional: OpenAI reports usage only at the end
+    reported = partial() if partial is not None else None
+    if reported is None or reported.prompt_tokens == 0:
+        return estimate
+    output = max(reported.output_tokens, estimate.output_tokens)
+    return msgspec.structs.replace(reported, output_tokens=output)
 
 
 def decode(step: Callable[..., T], backend: str, *args: Any) -> T:

@@ -240,6 +240,9 @@ class Choice(Base):
     message: AssistantMessage
     finish_reason: FinishReason | None = None
     logprobs: dict[str, Any] | None = None
+    # Internal, never rendered to OpenAI clients: which of the request's stop sequences ended the
+    # answer, where the backend says (Anthropic), for an Anthropic client's `stop_sequence`.
+    stop_sequence: str | None = None
 
 
 class ChatResponse(Base):
@@ -280,6 +283,7 @@ class ChunkChoice(Base):
     delta: Delta
     finish_reason: FinishReason | None = None
     logprobs: dict[str, Any] | None = None
+    stop_sequence: str | None = None  # internal, as Choice.stop_sequence
 
 
 class ChatChunk(Base):

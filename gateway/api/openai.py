@@ -39,6 +39,7 @@ def render_chat(response: ChatResponse) -> dict[str, Any]:
         choice["message"].setdefault("content", None)
         for name in _INTERNAL_MESSAGE_FIELDS:
             choice["message"].pop(name, None)
+        choice.pop("stop_sequence", None)  # internal: OpenAI's shape has no place for it
         choice.setdefault("finish_reason", None)
     return data
 
@@ -54,6 +55,7 @@ def render_chunk(chunk: ChatChunk) -> bytes:
     for choice in data["choices"]:
         for name in _INTERNAL_DELTA_FIELDS:
             choice["delta"].pop(name, None)
+        choice.pop("stop_sequence", None)
         choice.setdefault("finish_reason", None)
     return b"data: " + _encode(data) + b"\n\n"
 

@@ -63,7 +63,7 @@ from gateway.types import (
     ToolCall,
     ToolCallDelta,
 )
-from gateway.usage import normalise_usage
+from gateway.usage import Usage, normalise_usage
 
 VENDOR = "anthropic"
 DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; OpenAI clients often leave it out
@@ -491,9 +491,15 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         id=data.get("id", ""),
         created=now(),
         model=data.get("model") or model,
-        choices=[Choice(index=0, message=message, finish_reason=finish)],
+        choices=[Choice(index=0, message=message, finish_reason=finish, stop_sequence=_matched(data))],
         usage=normalise_usage(VENDOR, data.get("usage")),
     )
+
+
+def _matched(message: dict[str, Any]) -> str | None:
+    """The stop sequence that ended a message (or a message_delta's delta), when one did."""
+    sequence = message.get("stop_sequence")
+    return sequence if message.get("stop_reason") == "stop_sequence" and isinstance(sequence, str) else None
 
 
 class ChatStream:
@@ -510,13 +516,9 @@ class ChatStream:
         self.tool_calls = 0
         self.done = False
 
-    def _chunk(self, delta: Delta, finish: str | None = None) -> ChatChunk:
-        return ChatChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)],
-        )
+    def _chunk(self, delta: Delta, finish: str | None = None, stop_sequence: str | None = None) -> ChatChunk:
+        choice = ChunkChoice(index=0, delta=delta, finish_reason=finish, stop_sequence=stop_sequence)
+        return ChatChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def feed(self, event: str | None, data: str) -> list[ChatChunk]:
         try:
@@ -581,7 +583,7 @@ class ChatStream:
             finish = STOP_REASONS.get(reason, "stop")
             if finish == "tool_calls" and self.tool_calls == 0:
                 finish = "stop"  # only the structured-output tool was called
-            return [self._chunk(Delta(), finish)]
+            return [self._chunk(Delta(), finish, _matched(payload.get("delta") or {}))]
         if kind == "message_stop":
             self.done = True
             return [
@@ -603,6 +605,11 @@ class ChatStream:
         if not self.done:
             raise BadGateway("the Anthropic backend ended the stream before message_stop")
         return []
+
+    def partial_usage(self) -> Usage | None:
+        """What message_start (and any message_delta) reported before a break: the prompt's tokens,
+        cache reads and writes counted exactly (see `gateway.pipeline._cut_usage`)."""
+        return normalise_usage(VENDOR, self.usage) if self.usage else None
 
 
 # Anthropic says an account is out of credit with a 400, as if the request were at fault.

@@ -58,7 +58,7 @@ from gateway.types import (
     ToolCall,
     ToolCallDelta,
 )
-from gateway.usage import normalise_usage
+from gateway.usage import Usage, normalise_usage
 
 VENDOR = "gemini"
 
@@ -97,12 +97,54 @@ _UNSUPPORTED_SCHEMA_KEYS = frozenset(
 )
 
 
+# Keywords whose value is a schema, or a list of schemas; `properties` maps names to schemas. Only these
+# are cleaned: elsewhere (a property's name, an enum value, a default) the unsupported words are data.
+_SUBSCHEMA_KEYS = frozenset({"items", "anyOf", "oneOf", "allOf", "prefixItems", "not"})
+_LOCAL_REFS = ("#/$defs/", "#/definitions/")
+# Inlining copies a definition per reference: a few nested definitions each referring twice to the
+# next would multiply without end. Past this many copied nodes a reference is an object of any shape.
+_MAX_INLINED_NODES = 10_000
+
+
 def clean_schema(schema: Any) -> Any:
-    if isinstance(schema, dict):
-        return {k: clean_schema(v) for k, v in schema.items() if k not in _UNSUPPORTED_SCHEMA_KEYS}
-    if isinstance(schema, list):
-        return [clean_schema(item) for item in schema]
-    return schema
+    """A JSON schema as Gemini's OpenAPI subset takes it: the keywords it rejects left out, and local
+    `$ref`s inlined, since it has no `$defs` (Pydantic puts every nested model there: dropped, their
+    references dangled and the model answered a string where an object belonged). A reference back
+    into its own definition cannot be inlined: it becomes an object of any shape."""
+    return _Cleaner().clean(schema, {}, ())
+
+
+class _Cleaner:
+    def __init__(self) -> None:
+        self.left = _MAX_INLINED_NODES
+
+    def clean(self, schema: Any, defs: dict[str, Any], seen: tuple[str, ...]) -> Any:
+        if not isinstance(schema, dict):
+            return schema
+        self.left -= 1
+        for key in ("definitions", "$defs"):
+            if isinstance(found := schema.get(key), dict):
+                defs = {**defs, **found}
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith(_LOCAL_REFS):
+            name = ref.split("/", 2)[2]
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            if name in seen or not isinstance(defs.get(name), dict) or self.left <= 0:
+                return {"type": "object", **self.clean(rest, defs, seen)}
+            return self.clean({**defs[name], **rest}, defs, (*seen, name))
+        out: dict[str, Any] = {}
+        for key, value in schema.items():
+            if key in _UNSUPPORTED_SCHEMA_KEYS:
+                continue
+            if key == "properties" and isinstance(value, dict):
+                out[key] = {name: self.clean(sub, defs, seen) for name, sub in value.items()}
+            elif key in _SUBSCHEMA_KEYS and isinstance(value, list):
+                out[key] = [self.clean(item, defs, seen) for item in value]
+            elif key in _SUBSCHEMA_KEYS:
+                out[key] = self.clean(value, defs, seen)
+            else:
+                out[key] = value
+        return out
 
 
 def _url(backend: Backend, model: str, method: str, extra: dict[str, str] | None = None) -> str:
@@ -341,10 +383,21 @@ def _finish(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if finish == "stop" and has_calls else finish
 
 
+# Finish reasons that say the model failed to produce its answer, not that the answer ended: the
+# function call it wrote could not be parsed, or it called a tool none was offered for. Taken as a
+# finish (OpenAI's `stop`) they reached the client as an empty answer; as the backend's failure
+# (502) the next candidate, or a retry, answers instead.
+_FAILED_FINISH = frozenset({"MALFORMED_FUNCTION_CALL", "UNEXPECTED_TOOL_CALL"})
+
+
 def _check_blocked(data: dict[str, Any]) -> None:
     feedback = data.get("promptFeedback") or {}
     if feedback.get("blockReason") and not data.get("candidates"):
         raise InvalidRequest(f"Gemini blocked the prompt: {feedback['blockReason']}", code="content_filter")
+    for candidate in data.get("candidates") or ():
+        reason = candidate.get("finishReason")
+        if reason in _FAILED_FINISH:
+            raise BadGateway(f"the Gemini backend failed to answer (finishReason {reason})")
 
 
 def chat_response(body: bytes, model: str) -> ChatResponse:
@@ -352,6 +405,9 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     if not isinstance(data, dict):
         raise BadGateway("the Gemini backend returned an unexpected response")
     _check_blocked(data)
+    if not data.get("candidates"):
+        # Neither an answer nor a blocked prompt: a failure to fail over from, never an empty answer.
+        raise BadGateway("the Gemini backend returned a response without candidates")
     choices = []
     for i, candidate in enumerate(data.get("candidates") or ()):
         text, thoughts, calls = _candidate(candidate, [])
@@ -432,6 +488,11 @@ class ChatStream:
             raise BadGateway("the Gemini backend ended the stream before a finishReason")
         usage = normalise_usage(VENDOR, self.usage)
         return [ChatChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)]
+
+    def partial_usage(self) -> Usage | None:
+        """The last usageMetadata before a break (every event carries the usage so far): the prompt
+        and its cached part counted exactly (see `gateway.pipeline._cut_usage`)."""
+        return normalise_usage(VENDOR, self.usage) if self.usage else None
 
 
 # Google says when to retry in the error body, never in a header: a google.rpc.RetryInfo among
