@@ -218,8 +218,11 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
                 result_content: str | list[ContentPart] = block.content or ""
             else:
                 result_content = _parts(block.content)
+            # OpenAI's tool message has no error flag: the words say it, whatever the content's shape.
             if block.is_error and isinstance(result_content, str):
                 result_content = f"Error: {result_content}"
+            elif block.is_error:
+                result_content = [TextPart(text="Error:"), *result_content]
             results.append(
                 Message(
                     role="tool",

@@ -258,6 +258,39 @@ def test_anthropic_inbound_request_to_canonical() -> None:
     assert canonical.extra == {"top_k": 5} and canonical.max_tokens == 10
 
 
+def test_anthropic_tool_error_with_content_blocks_still_says_error() -> None:
+    """`is_error` with a list of blocks was dropped: the next model read a failed tool's output as
+    its answer."""
+    request = msgspec.convert(
+        {
+            "model": "m",
+            "max_tokens": 10,
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "w", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [{"type": "text", "text": "station offline"}],
+                            "is_error": True,
+                        }
+                    ],
+                },
+            ],
+        },
+        MessagesRequest,
+    )
+    tool = to_canonical(request).messages[-1]
+    assert tool.role == "tool" and tool.tool_call_id == "t1"
+    assert [p.text for p in tool.content] == ["Error:", "station offline"]  # type: ignore[union-attr]
+
+
 async def test_anthropic_inbound_stream_events_for_text_then_tool() -> None:
     def chunk(delta: Delta, finish: str | None = None) -> ChatChunk:
         return ChatChunk(
