@@ -66,6 +66,25 @@ def _unhealthy(exc: GatewayError) -> bool:
     return isinstance(exc, _BACKEND_ERRORS) and (exc.status >= 500 or exc.status == 429)
 
 
+def _declared_fit(choice: Choice, feats: Features) -> None:
+    """A 400 when the route declares that this candidate cannot take the request's tools or images."""
+    candidate = choice.candidate
+    lacks = [
+        what
+        for what, needs, has in (
+            ("tools", feats.tools, candidate.tools),
+            ("images", feats.images, candidate.vision),
+        )
+        if needs and not has
+    ]
+    if lacks:
+        raise InvalidRequest(
+            f"`{candidate.model}` cannot take {' or '.join(lacks)} (its route says so), and no other "
+            "candidate of the route could take this request.",
+            param="tools" if lacks[0] == "tools" else "messages",
+        )
+
+
 def retries_in_place(exc: GatewayError) -> bool:
     """Whether asking the same backend again may help. Not after OpenAI's 429 `insufficient_quota`
     (the account is out of credit, which no wait lifts, unlike a rate limit's 429), nor after the
@@ -320,7 +339,7 @@ class Executor:
     ) -> Any:
         """The first candidate to answer, trying them in plan order."""
         route = plan.route
-        queue = self._able(plan, op, [c for c in plan.choices if c.candidate.model not in skip])
+        queue = self._able(plan, op, feats, [c for c in plan.choices if c.candidate.model not in skip])
         last: GatewayError | None = None
         refusal: InvalidRequest | None = None  # the first candidate's that cannot take the request
         opened = False
@@ -372,15 +391,17 @@ class Executor:
             )
         raise last
 
-    def _able(self, plan: Plan, op: Operation, queue: list[Choice]) -> list[Choice]:
-        """The candidates that can serve `op`; a 400 when none can (the first one's reason)."""
-        if op.check is None:
-            return queue
+    def _able(self, plan: Plan, op: Operation, feats: Features, queue: list[Choice]) -> list[Choice]:
+        """The candidates that can serve `op`: what their vendor's API can express, and what the
+        route says they take (`tools: false`, `vision: false`: sent anyway, the vendor's 400 would end
+        the request, since a 400 never fails over). A 400 when none can (the first one's reason)."""
         able: list[Choice] = []
         refusal: InvalidRequest | None = None
         for choice in queue:
             try:
-                op.check(choice.target)
+                _declared_fit(choice, feats)
+                if op.check is not None:
+                    op.check(choice.target)
             except InvalidRequest as exc:
                 refusal = refusal or exc
                 plan.tried.append(f"{choice.candidate.model}:unsupported")

@@ -22,7 +22,8 @@ class Candidate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
 
     model: str
     weight: float = 1.0  # `weighted`
-    # What the model can take, for `cheapest` (None: unknown, assumed to fit).
+    # What the model can take (context_window None: unknown, assumed to fit). `cheapest` weighs all
+    # three; every policy skips a candidate declared without the tools or images a request has.
     context_window: int | None = None
     tools: bool = True
     vision: bool = True
