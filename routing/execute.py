@@ -34,7 +34,7 @@ from gateway.errors import (
     UpstreamError,
 )
 from gateway.pipeline import Call, Pipeline
-from gateway.providers.base import UpstreamRequest
+from gateway.providers.base import CONTEXT_LENGTH_EXCEEDED, UpstreamRequest
 from gateway.router_basic import Target
 from gateway.state import Limit, MemoryState, SharedState
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, ChunkChoice, Delta, Message
@@ -54,7 +54,10 @@ def fails_over(route: Route, exc: BaseException) -> bool:
     gateway-side refusal (rate limit, budget) or a 4xx the request caused never does."""
     if not isinstance(exc, _BACKEND_ERRORS):
         return False
-    return any((rule == "5xx" and exc.status >= 500) or rule == exc.status for rule in route.failover_on)
+    return any(
+        (rule == "5xx" and exc.status >= 500) or rule == exc.status or rule == exc.code
+        for rule in route.failover_on
+    )
 
 
 def _unhealthy(exc: GatewayError) -> bool:
@@ -89,13 +92,14 @@ def retries_in_place(exc: GatewayError) -> bool:
     """Whether asking the same backend again may help. Not after OpenAI's 429 `insufficient_quota`
     (the account is out of credit, which no wait lifts, unlike a rate limit's 429), nor after the
     backend refused the gateway's credentials or account, nor when the bundled engine's queue is full
-    (`engine_overloaded`, from `--max-queued`: the point of the limit is to answer elsewhere now):
-    the next candidate is asked at once."""
+    (`engine_overloaded`, from `--max-queued`: the point of the limit is to answer elsewhere now),
+    nor when the prompt does not fit its context window: the next candidate is asked at once."""
     return exc.code not in (
         "insufficient_quota",
         "upstream_auth_failed",
         "upstream_billing_failed",
         "engine_overloaded",
+        CONTEXT_LENGTH_EXCEEDED,
     )
 
 

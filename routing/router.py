@@ -125,8 +125,10 @@ def _check_settings(route: Route, where: str) -> None:
         _at_least(hedge.min_delay, 0.0, f"{where}.hedge.min_delay")
         _at_least(hedge.max_spend_usd_per_hour, 0.0, f"{where}.hedge.max_spend_usd_per_hour")
     for j, status in enumerate(route.failover_on):
-        if status != "5xx" and not 400 <= status <= 599:
-            raise RouteError(f"{where}.failover_on[{j}]: a status from 400 to 599, or '5xx'")
+        if isinstance(status, int) and not 400 <= status <= 599:
+            raise RouteError(
+                f"{where}.failover_on[{j}]: a status from 400 to 599, '5xx' or 'context_length_exceeded'"
+            )
     when = route.when
     if when is not None:
         for field in ("tenants", "keys"):

@@ -96,9 +96,12 @@ class Route(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     when: Conditions | None = None  # several routes may share a name; the first that matches wins
     fallbacks: list[str] = []  # models tried, in order, after every candidate failed
     retry: Retry = Retry()
-    # Which failures move on to a retry or the next candidate: statuses, or "5xx" (which covers
-    # timeouts, 504, and unreachable or reset backends, 502/503). Never a 4xx the request caused.
-    failover_on: list[int | Literal["5xx"]] = msgspec.field(default_factory=lambda: [429, "5xx"])
+    # Which failures move on to a retry or the next candidate: statuses, "5xx" (which covers
+    # timeouts, 504, and unreachable or reset backends, 502/503), or "context_length_exceeded" (a
+    # prompt too long for one model: the next may have a larger window; never retried in place).
+    failover_on: list[int | Literal["5xx", "context_length_exceeded"]] = msgspec.field(
+        default_factory=lambda: [429, "5xx"]
+    )
     ttft_timeout: float | None = None  # seconds to the first token of a stream before failing over
     hedge: Hedge | None = None
     # A stream that breaks after its first token: continue on the next candidate from the text

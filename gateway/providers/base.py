@@ -241,6 +241,19 @@ def token_count(body: bytes, field: str, backend_hint: str) -> TokenCount:
     return TokenCount(input_tokens=count)
 
 
+# How each vendor says a prompt does not fit the model's context window, as one code: OpenAI's own,
+# `context_length_exceeded`, which OpenAI clients already handle, and which a route's `failover_on`
+# can name (the next candidate may have a larger window).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+_CONTEXT_MESSAGES = re.compile(
+    r"maximum context length"  # OpenAI, vLLM, SGLang: "This model's maximum context length is ..."
+    r"|prompt is too long"  # Anthropic: "prompt is too long: 208656 tokens > 200000 maximum"
+    r"|exceed context limit"  # Anthropic: "input length and `max_tokens` exceed context limit: ..."
+    r"|input token count .* exceeds the maximum number of tokens",  # Gemini (INVALID_ARGUMENT)
+    re.IGNORECASE,
+)
+
+
 def upstream_error(
     status: int,
     message: str,
@@ -276,6 +289,8 @@ def upstream_error(
             "the backend's API key.",
             code="upstream_auth_failed",
         )
+    if status == 400 and _CONTEXT_MESSAGES.search(message):
+        code = CONTEXT_LENGTH_EXCEEDED
     if 400 <= status < 500:
         return UpstreamError(
             message,
