@@ -57,6 +57,12 @@ class Backend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # thinking-mode tool loop without it; Kimi's and vLLM's chat templates read it). None: only to
     # DeepSeek's and Moonshot's APIs, since OpenAI, Azure, Cerebras and Mistral refuse unknown fields.
     send_reasoning: bool | None = None
+    # OpenAI-compatible: the body field that carries the output limit. None: `max_completion_tokens` to
+    # OpenAI's and Azure OpenAI's APIs and to reasoning-model ids (o1, o3, o4-mini, gpt-5...: they
+    # refuse `max_tokens`), `max_tokens` to DeepSeek's and Mistral's APIs (they know no other), else the
+    # name the client used. Set it for a server that refuses one name (an older vLLM refuses
+    # `max_completion_tokens`; an Azure deployment of o3 may be named anything).
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] | None = None
     # type: engine without url: Weir starts and supervises `weir engine serve --model M --port P`.
     model: str | None = None
     port: int | None = None

@@ -88,6 +88,18 @@ def _declared_fit(choice: Choice, feats: Features) -> None:
         )
 
 
+def _refuses_parameter(exc: GatewayError) -> bool:
+    """OpenAI's 400 for a parameter or value the model does not take (a reasoning model refuses
+    `temperature`, `top_p`, `logprobs`...): the candidate cannot take the request, which is not at
+    fault, so it is passed over as one that cannot express it is, and that 400 reaches the client only
+    when no other candidate could take the request either."""
+    return (
+        isinstance(exc, UpstreamError)
+        and exc.status == 400
+        and exc.code in ("unsupported_parameter", "unsupported_value")
+    )
+
+
 def retries_in_place(exc: GatewayError) -> bool:
     """Whether asking the same backend again may help. Not after OpenAI's 429 `insufficient_quota`
     (the account is out of credit, which no wait lifts, unlike a rate limit's 429), nor after the
@@ -345,7 +357,7 @@ class Executor:
         route = plan.route
         queue = self._able(plan, op, feats, [c for c in plan.choices if c.candidate.model not in skip])
         last: GatewayError | None = None
-        refusal: InvalidRequest | None = None  # the first candidate's that cannot take the request
+        refusal: GatewayError | None = None  # the first candidate's that cannot take the request
         opened = False
         for index, choice in enumerate(queue):
             breaker = self.breakers.get(self._key(choice), route.breaker) if route.breaker else None
@@ -373,6 +385,11 @@ class Executor:
                         breaker.release()  # no verdict on the backend: a half-open trial is free
                     break
                 except GatewayError as exc:
+                    if _refuses_parameter(exc):
+                        # Its model does not take a parameter the request carries (a reasoning
+                        # model's `temperature`): valid for the others, so the next one is asked.
+                        refusal = refusal or exc
+                        break
                     if not fails_over(route, exc):
                         raise
                     last = exc

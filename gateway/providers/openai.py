@@ -7,6 +7,7 @@ OpenRouter), carried on as `reasoning_content`."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any, cast
 from urllib.parse import urlencode, urlparse
@@ -52,6 +53,12 @@ VENDOR = "openai"
 # message fields they do not know.
 REASONING_HOSTS = ("api.deepseek.com", "api.moonshot.ai", "api.moonshot.cn")
 MAX_CALL_ID = 40  # OpenAI: "string too long. Expected a string with maximum length 40"
+# The output limit's name. OpenAI's reasoning models (o1, o3, o4-mini, gpt-5 and on) refuse `max_tokens`
+# with a 400 wherever they are served, and every current chat model of OpenAI's and Azure OpenAI's
+# takes `max_completion_tokens`; DeepSeek's API documents only `max_tokens` and Mistral's refuses the
+# other name (422); other servers (vLLM, SGLang, the engine) get the name the client used.
+_REASONING_MODEL = re.compile(r"(o\d+|gpt-5)([-.]|$)")
+MAX_TOKENS_HOSTS = ("api.deepseek.com", "api.mistral.ai")
 
 
 def url(backend: Backend, path: str) -> str:
@@ -108,8 +115,31 @@ def sends_reasoning(backend: Backend) -> bool:
     return (urlparse(backend.base_url or "").hostname or "") in REASONING_HOSTS
 
 
-def _chat_body(request: ChatRequest, model: str, send_reasoning: bool = False) -> dict[str, Any]:
+def output_limit_field(backend: Backend, model: str) -> str | None:
+    """The field that carries the output limit to this backend's `model`; None: the client's name."""
+    if backend.max_tokens_field is not None:
+        return backend.max_tokens_field
+    parsed = urlparse(backend.base_url or backend.url or "")
+    host = parsed.hostname or ""
+    azure = host.endswith(".openai.azure.com") or (
+        host.endswith(".azure.com") and parsed.path.startswith("/openai/")
+    )
+    if host == "api.openai.com" or azure or _REASONING_MODEL.match(model):
+        return "max_completion_tokens"
+    return "max_tokens" if host in MAX_TOKENS_HOSTS else None
+
+
+def _chat_body(
+    request: ChatRequest, model: str, send_reasoning: bool = False, limit_field: str | None = None
+) -> dict[str, Any]:
     body = request_body(request, model)
+    # One limit, the one that applies (`output_limit`, also for a client that sent both), under the
+    # name this backend takes: a reasoning model refuses `max_tokens`, Mistral `max_completion_tokens`.
+    body.pop("max_tokens", None)
+    body.pop("max_completion_tokens", None)
+    if (limit := request.output_limit) is not None:
+        named = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        body[limit_field or named] = limit
     budget = body.pop("reasoning_budget", None)
     body.pop("reasoning_adaptive", None)  # the model's own default: nothing to send
     if budget is not None and request.reasoning_effort is None:
@@ -138,7 +168,7 @@ def _chat_body(request: ChatRequest, model: str, send_reasoning: bool = False) -
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
-    body = _chat_body(request, model, sends_reasoning(backend))
+    body = _chat_body(request, model, sends_reasoning(backend), output_limit_field(backend, model))
     if request.stream:
         # Always ask for the usage chunk: accounting needs it even when the client did not.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}

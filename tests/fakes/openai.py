@@ -23,6 +23,13 @@ least 1024 tokens; the longest prefix seen before, in 128-token steps), and
 ``reasoning_effort`` is set (minimal 0, low 64, medium 192, high 512), counted inside
 ``completion_tokens``.
 
+Reasoning models (ids starting ``o1``, ``o3``, ``o4``, ``gpt-5``) refuse on chat what OpenAI's refuse:
+``max_tokens`` (400 ``unsupported_parameter``: they take ``max_completion_tokens``), and ``temperature``
+or ``top_p`` other than 1 (``unsupported_value``), ``presence_penalty``/``frequency_penalty`` other than 0,
+``logprobs``, ``top_logprobs`` and ``logit_bias`` (``unsupported_parameter``), except that gpt-5.1 on
+take the sampling parameters when they do not reason (``reasoning_effort`` unset or ``none``, their
+default).
+
 Rejects with OpenAI's 400 what OpenAI rejects, so gateway translation bugs surface: ``max_tokens``
 above the model's limit (`MAX_OUTPUT_TOKENS`), ``stream_options`` without ``stream``, ``temperature``
 outside 0..2, ``n`` outside 1..128, empty ``messages``, unknown roles, a ``tool`` message with no
@@ -41,6 +48,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import secrets
 import struct
 import time
@@ -448,6 +456,8 @@ class FakeOpenAI(FakeServer):
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = self._body(request)
+            if self.flavour == "openai":
+                _refuse_unsupported_by_reasoning(body)
             turn, prompt = self._chat_turn(body)
         except BadRequest as exc:
             return self.error_response(exc.status, exc.message, param=exc.param, code=exc.code)
@@ -681,6 +691,50 @@ MAX_OUTPUT_TOKENS = {
     "deepseek-chat": 8192,
     "deepseek-reasoner": 65536,
 }
+
+
+def _refuse_unsupported_by_reasoning(body: dict[str, Any]) -> None:
+    """OpenAI's reasoning models refuse `max_tokens` and the sampling parameters, with these 400s."""
+    model = body["model"]
+    if not model.startswith(_REASONING_PREFIXES):
+        return
+    if body.get("max_tokens") is not None:
+        raise BadRequest(
+            400,
+            "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+            "'max_completion_tokens' instead.",
+            "max_tokens",
+            "unsupported_parameter",
+        )
+    if _SAMPLING_MODELS.match(model) and body.get("reasoning_effort") in (None, "none"):
+        return  # gpt-5.1 on: no reasoning by default, and then they sample as chat models do
+    for name, default in (("temperature", 1), ("top_p", 1)):
+        value = body.get(name)
+        if value is not None and value != default:
+            raise BadRequest(
+                400,
+                f"Unsupported value: '{name}' does not support {value} with this model. Only the default "
+                f"({default}) value is supported.",
+                name,
+                "unsupported_value",
+            )
+    for name, absent in (
+        ("presence_penalty", 0),
+        ("frequency_penalty", 0),
+        ("logprobs", False),
+        ("top_logprobs", None),
+        ("logit_bias", None),
+    ):
+        if body.get(name) not in (None, absent):
+            raise BadRequest(
+                400,
+                f"Unsupported parameter: '{name}' is not supported with this model.",
+                name,
+                "unsupported_parameter",
+            )
+
+
+_SAMPLING_MODELS = re.compile(r"gpt-5\.\d")
 
 
 def _max_output(model: str) -> int | None:
