@@ -307,7 +307,6 @@ def to_canonical(request: MessagesRequest) -> ChatRequest:
             tool_choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
         if request.tool_choice.disable_parallel_tool_use:
             parallel = False
-    extra = {"top_k": request.top_k} if request.top_k is not None else {}
     output = request.output_config or OutputConfig()
     response_format = None
     if output.format is not None:
@@ -329,7 +328,7 @@ def to_canonical(request: MessagesRequest) -> ChatRequest:
         reasoning_adaptive=True if request.thinking and request.thinking.type == "adaptive" else None,
         reasoning_effort=output.effort,
         response_format=response_format,
-        extra=extra,
+        top_k=request.top_k,
     )
 
 

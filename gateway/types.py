@@ -178,6 +178,8 @@ class ChatRequest(Base):
     stop: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
+    # Anthropic's, Gemini's and vLLM's top-k sampling; OpenAI's own API has none (not sent there).
+    top_k: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     seed: int | None = None

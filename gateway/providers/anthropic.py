@@ -90,6 +90,7 @@ PARAMS = ParamTable(
     {
         "temperature": Param("temperature"),
         "top_p": Param("top_p"),
+        "top_k": Param("top_k"),
         "stop": Param("stop_sequences", as_list),
         "user": Param("metadata.user_id"),
         "stream": Param("stream", lambda stream: True if stream else None),

@@ -77,6 +77,7 @@ PARAMS = ParamTable(
     {
         "temperature": Param("generationConfig.temperature"),
         "top_p": Param("generationConfig.topP"),
+        "top_k": Param("generationConfig.topK"),
         "stop": Param("generationConfig.stopSequences", as_list),
         "n": Param("generationConfig.candidateCount"),
         "seed": Param("generationConfig.seed"),

@@ -115,17 +115,23 @@ def sends_reasoning(backend: Backend) -> bool:
     return (urlparse(backend.base_url or "").hostname or "") in REASONING_HOSTS
 
 
-def output_limit_field(backend: Backend, model: str) -> str | None:
-    """The field that carries the output limit to this backend's `model`; None: the client's name."""
-    if backend.max_tokens_field is not None:
-        return backend.max_tokens_field
+def _openai_itself(backend: Backend) -> bool:
+    """OpenAI's own API or Azure OpenAI (not another server that speaks the format)."""
     parsed = urlparse(backend.base_url or backend.url or "")
     host = parsed.hostname or ""
     azure = host.endswith(".openai.azure.com") or (
         host.endswith(".azure.com") and parsed.path.startswith("/openai/")
     )
-    if host == "api.openai.com" or azure or _REASONING_MODEL.match(model):
+    return host == "api.openai.com" or azure
+
+
+def output_limit_field(backend: Backend, model: str) -> str | None:
+    """The field that carries the output limit to this backend's `model`; None: the client's name."""
+    if backend.max_tokens_field is not None:
+        return backend.max_tokens_field
+    if _openai_itself(backend) or _REASONING_MODEL.match(model):
         return "max_completion_tokens"
+    host = urlparse(backend.base_url or backend.url or "").hostname or ""
     return "max_tokens" if host in MAX_TOKENS_HOSTS else None
 
 
@@ -169,6 +175,10 @@ def _chat_body(
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     body = _chat_body(request, model, sends_reasoning(backend), output_limit_field(backend, model))
+    if _openai_itself(backend):
+        # OpenAI refuses what it does not know ("Unrecognized request argument supplied: top_k"), which
+        # would end a failover from Claude or Gemini, whose clients' top_k their own models took.
+        body.pop("top_k", None)
     if request.stream:
         # Always ask for the usage chunk: accounting needs it even when the client did not.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}

@@ -255,7 +255,7 @@ def test_anthropic_inbound_request_to_canonical() -> None:
     assert canonical.messages[2].tool_calls[0].function.arguments == '{"c":"x"}'  # type: ignore[index]
     assert canonical.messages[3].content == "Error: rain" and canonical.messages[3].tool_call_id == "t1"
     assert canonical.tool_choice.function.name == "w"  # type: ignore[union-attr]
-    assert canonical.extra == {"top_k": 5} and canonical.max_tokens == 10
+    assert canonical.top_k == 5 and canonical.extra == {} and canonical.max_tokens == 10
 
 
 def test_anthropic_tool_error_with_content_blocks_still_says_error() -> None:
