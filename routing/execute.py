@@ -632,6 +632,7 @@ class Executor:
                         not plan.route.resume
                         or tool_calls
                         or finished
+                        or _limit_reached(request, len(sent))
                         or not _resumable(request)
                         or not fails_over(plan.route, exc)
                     ):
@@ -834,6 +835,14 @@ def _without_repeat(batch: list[ChatChunk], owed: str) -> tuple[list[ChatChunk],
             )
         out.append(chunk)
     return out, owed
+
+
+def _limit_reached(request: ChatRequest, chunks_sent: int) -> bool:
+    """Whether the text sent already fills the client's output limit (one content chunk counted as one
+    token, and a chunk with text holds at least one): the answer ended at its length, and a
+    continuation could only add text past the limit the client set."""
+    limit = request.output_limit
+    return limit is not None and chunks_sent >= limit
 
 
 def _shorter(request: ChatRequest, chunks_sent: int) -> ChatRequest:

@@ -51,7 +51,6 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from tests.fakes.behaviour import (
-    GREETING,
     Reply,
     ReportedUsage,
     Tool,
@@ -593,7 +592,9 @@ def _content_blocks(reply: Reply, thought: str | None, sign: Callable[[str], str
             }
         )
     else:
-        blocks.append({"type": "text", "text": reply.text or GREETING})
+        # Empty only when a prefill already holds the whole answer: nothing is left to say (plan_reply
+        # gives a greeting to a prompt without text).
+        blocks.append({"type": "text", "text": reply.text})
     return blocks
 
 

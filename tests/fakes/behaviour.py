@@ -117,7 +117,9 @@ def plan_reply(turn: Turn) -> Reply:
         if cut >= 0:
             reply = Reply(text=reply.text[:cut], finish="stop_sequence", stop_sequence=stop)
     if turn.max_tokens is not None and count_tokens(reply.text) > turn.max_tokens:
-        reply = Reply(text=" ".join(words(reply.text)[: turn.max_tokens]), finish="length")
+        # A continuation's leading space is part of its first token, as in a real model's output.
+        lead = reply.text[: len(reply.text) - len(reply.text.lstrip())]
+        reply = Reply(text=lead + " ".join(words(reply.text)[: turn.max_tokens]), finish="length")
     return reply
 
 

@@ -389,6 +389,10 @@ class FakeServer:
             return await self._drop_midway(request, dropped.args[0] if dropped.args else b"")
         except StreamFinished as finished:
             return finished.args[0]
+        except ConnectionResetError:
+            # The caller hung up before the reply (a gateway that cancelled a losing hedge or a
+            # stream too slow for its TTFT timeout): nobody is left to answer, and the fake is fine.
+            raise asyncio.CancelledError from None
         except Exception:
             # a bug in the fake itself: make it loud in the test log, answer like the vendor's 500
             log.exception("fake %s failed on %s %s", self.vendor, request.method, request.path)
