@@ -15,9 +15,11 @@ gateway's CPU per request by 3-5% (docs/benchmarks.md, "Zen 5").
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
+from contextvars import ContextVar, Token
 
 _POOL_BYTES = 4000  # 400 ids per refill
 _pool = b""
@@ -50,3 +52,26 @@ def ordered_id() -> str:
     as unique as uuid4 for any practical purpose (80 random bits within one millisecond), sorted by
     creation time across milliseconds. A clock stepping back costs index locality, never uniqueness."""
     return f"{time.time_ns() // 1_000_000:012x}{random_hex(10)}"
+
+
+# The HTTP exchange the running code serves, as a number unique in this process, when its request id
+# came from the client (0 otherwise: the gateway's own ids are unique already). A client's
+# `x-request-id` is kept as given, and one client may send the same id on many requests (an SDK built
+# with a trace id in its default headers), concurrent or not: what the gateway keeps per request in
+# memory (budget reservations, token estimates: gateway.accounting.admission) is keyed by both, or
+# two exchanges sharing an id would settle and forget each other's. Set by the request middleware;
+# the tasks started for the request (hedges, comparisons) inherit it.
+exchange_tag: ContextVar[int] = ContextVar("weir_exchange_tag", default=0)
+_tags = itertools.count(1)
+
+
+def tag_exchange() -> Token[int]:
+    """Give the exchange being served a tag of its own (see `exchange_tag`)."""
+    return exchange_tag.set(next(_tags))
+
+
+def exchange_key(request_id: str) -> str:
+    """`request_id`, told apart from other exchanges that carry the same client-given id. (A space
+    never occurs in a request id, so a tagged key cannot equal another request's id.)"""
+    tag = exchange_tag.get()
+    return f"{request_id} {tag}" if tag else request_id

@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.ids import ordered_id
+from gateway.ids import exchange_tag, ordered_id, tag_exchange
 from gateway.metrics import Metrics
 from gateway.pipeline import RequestInfo
 
@@ -36,7 +36,8 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
-            raw_id = _incoming_id(scope) or ordered_id().encode()
+            incoming = _incoming_id(scope)
+            raw_id = incoming or ordered_id().encode()
             info = RequestInfo(request_id=raw_id.decode())
             scope.setdefault("state", {})["weir"] = info
             api = scope["path"].startswith("/v1/")
@@ -94,6 +95,9 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
 
             if api:
                 metrics.in_flight.inc()
+            # A client's own id may be on other requests too: this exchange's own tag keeps what is
+            # kept per request (admission, `on_finish`) apart from theirs (gateway.ids).
+            tag = tag_exchange() if incoming is not None else None
             try:
                 await app(scope, receive, send_wrapper)
             finally:
@@ -104,6 +108,8 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                 if not done:
                     status = 499 if status < 400 else status  # the client left before the last byte
                     finish()
+                if tag is not None:
+                    exchange_tag.reset(tag)
 
         return middleware
 

@@ -21,6 +21,7 @@ from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import pico_to_micro_ceil
 from gateway.accounting.pricing import PriceCatalog, sheet_of
 from gateway.errors import GatewayError
+from gateway.ids import exchange_key
 from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState
 from gateway.state import Admission as Decision
 
@@ -255,6 +256,9 @@ class Admission:
     ) -> None:
         """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it."""
         self._expire()
+        # Remembered under this exchange's key: a client may send its request id on other requests
+        # too, whose attempts must not settle this one's reservation (gateway.ids.exchange_tag).
+        exchange = exchange_key(request_id)
         estimate = prompt_tokens + max_output_tokens
         now = dt.datetime.now(dt.UTC)
         plan = self._plan(quotas, now)
@@ -314,7 +318,7 @@ class Admission:
             if drawn is not None:
                 self.local_admissions += 1
                 if budgets or tpm_keys:
-                    self._pending[request_id] = _Pending(
+                    self._pending[exchange] = _Pending(
                         None, plan.budget_keys, tpm_keys, estimate, releases=drawn
                     )
                 return
@@ -372,7 +376,7 @@ class Admission:
             self._keep_leases(limits, budgets, decision, sent)
             releases = [(reservation_id or "", amount) for _ in budgets]  # the pool stays reserved
         if budgets or tpm_keys:
-            self._pending[request_id] = _Pending(
+            self._pending[exchange] = _Pending(
                 reservation_id, plan.budget_keys, tpm_keys, estimate, releases=releases
             )
 
@@ -524,7 +528,8 @@ class Admission:
     def settle(self, event: UsageEvent) -> None:
         """Called for every usage event; the shared-state work happens off the request path, every
         settlement of one event-loop turn in one round trip."""
-        pending = self._pending.get(event.request_id)
+        exchange = exchange_key(event.request_id)  # recorded in the exchange's own context
+        pending = self._pending.get(exchange)
         if pending is None:
             return
         releases: Sequence[tuple[str, int]]
@@ -542,7 +547,7 @@ class Admission:
             pending.held_after_failure = True
         else:
             budget_keys, tpm_keys = pending.budget_keys, pending.tpm_keys
-            self._pending[event.request_id] = (pending.created, budget_keys, tpm_keys)
+            self._pending[exchange] = (pending.created, budget_keys, tpm_keys)
             estimate, reservation, releases = (
                 pending.estimated_tokens,
                 pending.reservation_id or "",
@@ -655,7 +660,8 @@ class Admission:
 
     def finish(self, request_id: str) -> None:
         """The request's HTTP exchange is over (every attempt made): forget it after a grace period."""
-        pending = self._pending.get(request_id)
+        exchange = exchange_key(request_id)
+        pending = self._pending.get(exchange)
         if isinstance(pending, _Pending) and not pending.held_after_failure:
             pending.finished = True
         elif isinstance(pending, _Pending):
@@ -664,7 +670,7 @@ class Admission:
             # and costs were counted as they settled). One none of whose attempts settled yet is
             # marked finished above: its first settlement, failed or not, releases as before.
             budget_keys, tpm_keys = pending.budget_keys, pending.tpm_keys
-            self._pending[request_id] = (pending.created, budget_keys, tpm_keys)
+            self._pending[exchange] = (pending.created, budget_keys, tpm_keys)
             self._apply(
                 budget_keys,
                 tpm_keys,
@@ -675,7 +681,7 @@ class Admission:
             )
         if pending is not None:
             self._finished_at.append(time.monotonic())
-            self._finished.append(request_id)
+            self._finished.append(exchange)
 
     def _expire(self) -> None:
         # At most every EXPIRE_EVERY_S, not on every admission: forgetting a request up to that much

@@ -44,6 +44,9 @@ class Admission:
     reservation_id: str | None = None  # when budgets were reserved
     leases: tuple[Lease, ...] = ()  # per limit, in order, when any was asked for and granted
     pools: tuple[int, ...] = ()  # per budget: extra money reserved under reservation_id (a pool)
+    # Per budget, in order, as far as the state looked (up to the one that refused): its `spent`
+    # before this admission. Redis says, so the in-process fallback starts from it during an outage.
+    spent: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,12 @@ A gateway must keep serving when Redis is down. While it is unreachable, every c
 replicas may admit up to N times a limit), a revocation reaches only this replica at once (the others
 within the key-cache TTL), and `weir_shared_state_degraded` is 1 so an alert fires. Redis is tried
 again every `retry_s`; the first call that succeeds switches back.
+
+Budgets carry over both ways. The fallback knows each budget's spend as Redis last reported it (the
+ledger's seed, then every admission's and settlement's answer), so a tenant that spent its budget
+stays refused while Redis is away instead of starting the month again from zero on every replica.
+What was settled here meanwhile (the money spent, reservations Redis made that it can release) goes
+to Redis once it answers, or its books would miss the outage's spend for the rest of the month.
 """
 
 from __future__ import annotations
@@ -46,27 +52,65 @@ class DegradableState(Shortcuts):
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._retry_at = 0.0
+        # For Redis once it answers again: spend settled here per budget, reservations it made that
+        # were settled here (budget key, reservation id, amount), and seeds it never got.
+        self._owed: dict[str, int] = {}
+        self._releases: list[tuple[str, str, int]] = []
+        self._seeds: dict[str, int] = {}
 
     @property
     def degraded(self) -> bool:
         return id(self) in _degraded
 
     async def _call(self, name: str, *args: Any) -> Any:
+        reached, result = await self._try_primary(name, *args)
+        return result if reached else await getattr(self.fallback, name)(*args)
+
+    async def _try_primary(self, name: str, *args: Any) -> tuple[bool, Any]:
+        """(True, Redis's answer), or (False, None) when Redis is unreachable (or being left alone
+        until its retry time): the caller asks the fallback then."""
         if self.degraded and time.monotonic() < self._retry_at:
-            return await getattr(self.fallback, name)(*args)
+            return False, None
         try:
             async with asyncio.timeout(self.timeout_s):
+                if self._owed or self._releases or self._seeds:
+                    await self._catch_up()  # before anything else Redis is asked (see there)
                 result = await getattr(self.primary, name)(*args)
         except _UNREACHABLE as exc:
             if not self.degraded:
                 log.warning("Redis unreachable (%s): limits and budgets now per process", exc)
                 _degraded.add(id(self))
             self._retry_at = time.monotonic() + self.retry_s
-            return await getattr(self.fallback, name)(*args)
+            return False, None
         if self.degraded:
             log.warning("Redis reachable again: limits and budgets shared across replicas")
             _degraded.discard(id(self))
-        return result
+        return True, result
+
+    async def _catch_up(self) -> None:
+        """Hand Redis what was settled here while it was away: seeds first (a seed only applies to a
+        budget Redis holds nothing of yet, so it must land before any settlement does), then the
+        spend and the releases. Taken first, so concurrent calls send it once; put back when Redis
+        fails again (a reply lost after Redis applied it would count the spend twice: the error that
+        refuses too much, not too little)."""
+        seeds, owed, releases = self._seeds, self._owed, self._releases
+        self._seeds, self._owed, self._releases = {}, {}, []
+        catch_up = [Settlement((), [key], actual_micro_usd=spent) for key, spent in owed.items()]
+        catch_up += [Settlement((), [key], releases=[(rid, amount)]) for key, rid, amount in releases]
+        try:
+            for key, spent in seeds.items():
+                await self.primary.budget_seed(key, spent)
+            if catch_up:
+                await self.primary.settle_many(catch_up)
+        except BaseException:
+            for key, spent in seeds.items():
+                self._seeds.setdefault(key, spent)
+            for key, spent in owed.items():
+                self._owed[key] = self._owed.get(key, 0) + spent
+            self._releases += releases
+            raise
+        if owed or releases:
+            log.warning("Redis caught up with %d budgets settled while it was away", len(owed))
 
     async def admit(
         self,
@@ -75,14 +119,39 @@ class DegradableState(Shortcuts):
         amount_micro_usd: int = 0,
         ttl_s: float = 600.0,
     ) -> Admission:
-        return await self._call("admit", limits, budgets, amount_micro_usd, ttl_s)
+        reached, decision = await self._try_primary("admit", limits, budgets, amount_micro_usd, ttl_s)
+        if not reached:
+            return await self.fallback.admit(limits, budgets, amount_micro_usd, ttl_s)
+        if decision.spent:
+            # What every replica spent so far, where the fallback starts from. A refusal says it for
+            # the budgets up to the one that refused (not strict).
+            spent = zip(budgets, decision.spent, strict=False)
+            self.fallback.budget_spent_at_least({budget.key: (s, 0) for budget, s in spent})
+        return decision
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
-        result: dict[str, tuple[int, int]] = await self._call("settle_many", settlements)
-        return result
+        reached, usage = await self._try_primary("settle_many", settlements)
+        if reached:
+            # What Redis says is spent (every replica's settlements): where the fallback starts from.
+            self.fallback.budget_spent_at_least(usage)
+            return usage
+        for settlement in settlements:
+            for i, key in enumerate(settlement.budget_keys):
+                if settlement.actual_micro_usd:
+                    self._owed[key] = self._owed.get(key, 0) + settlement.actual_micro_usd
+                rid, amount = (
+                    settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
+                )
+                if rid and not self.fallback.made(rid):  # Redis's own: it holds the money until released
+                    self._releases.append((key, rid, amount))
+        return await self.fallback.settle_many(settlements)
 
     async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
-        await self._call("budget_seed", key, spent_micro_usd)
+        # From the ledger's spend, as Redis is (never lowering what Redis reported since).
+        self.fallback.budget_spent_at_least({key: (spent_micro_usd, 0)})
+        reached, _ = await self._try_primary("budget_seed", key, spent_micro_usd)
+        if not reached:
+            self._seeds.setdefault(key, spent_micro_usd)
 
     async def budget_usage(self, key: str) -> tuple[int, int]:
         result: tuple[int, int] = await self._call("budget_usage", key)

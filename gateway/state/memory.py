@@ -299,6 +299,23 @@ class MemoryState(Shortcuts):
             if not state.spent_known:  # as Redis's HSETNX: a reservation alone does not count as known
                 state.spent, state.spent_known = spent_micro_usd, True
 
+    def budget_spent_at_least(self, usage: Mapping[str, tuple[int, int]]) -> None:
+        """Raise each budget's `spent` to the (spent, reserved) pair's spent, never lowering it: what
+        the shared state (Redis) last said was spent, for this state to start from if it takes over
+        (gateway.state.degradable)."""
+        budgets = self._budgets
+        for key, (spent, _) in usage.items():
+            state = budgets.get(key)
+            if state is None:
+                state = budgets[key] = _Budget()
+            if spent > state.spent:
+                state.spent = spent
+            state.spent_known = True
+
+    def made(self, reservation_id: str) -> bool:
+        """Whether this state made the reservation (another state's ids never start like its own)."""
+        return reservation_id.startswith(self._id_prefix)
+
     async def budget_usage(self, key: str) -> tuple[int, int]:
         state = self._budgets.get(key)
         return (state.spent, state.reserved(self._now())) if state else (0, 0)

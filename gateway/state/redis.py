@@ -100,10 +100,12 @@ end
 # KEYS: the limit keys, then (budget, budget:res, budget:exp) per budget.
 # ARGV: BUCKETS, number of limits, (limit, cost, window_ms, lease) per limit, then amount, reservation
 # ttl ms, reservation id, budget key ttl ms, then (limit, pool) per budget.
-# Returns {1, then (leased units, bucket, ms left in it) per limit, then the pool per budget} when
-# admitted, {0, 1, limit index, retry-after ms} or {0, 2, budget index} when refused; nothing is
-# counted or reserved unless everything fits. A lease or pool is granted only while the window (the
-# budget) stays at most half used with it, so near a limit every request is decided here, one by one.
+# Returns {1, then (leased units, bucket, ms left in it) per limit, then the pool per budget, then
+# `spent` per budget} when admitted, {0, 1, limit index, retry-after ms} or {0, 2, budget index, then
+# `spent` per budget up to that one} when refused (`spent`: for the in-process fallback to start
+# from during an outage, gateway.state.degradable); nothing is counted or reserved unless everything
+# fits. A lease or pool is granted only while the window (the budget) stays at most half used with
+# it, so near a limit every request is decided here, one by one.
 ADMIT = (
     _NOW_MS
     + _WINDOW
@@ -139,7 +141,7 @@ end
 local b0 = 3 + n * 4
 local amount = tonumber(ARGV[b0])
 local nb = (#KEYS - n) / 3
-local pools = {}
+local pools, spents = {}, {}
 for i = 0, nb - 1 do
   local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', exp, '-inf', now_ms)) do
@@ -151,10 +153,13 @@ for i = 0, nb - 1 do
     redis.call('ZREM', exp, id)
   end
   local spent = tonumber(redis.call('HGET', k, 'spent') or '0')
+  spents[i + 1] = spent
   local reserved = tonumber(redis.call('HGET', k, 'reserved') or '0')
   local limit = tonumber(ARGV[b0 + 4 + i * 2])
   if spent + reserved + amount > limit then
-    return {0, 2, i + 1}
+    local out = {0, 2, i + 1}
+    for j = 1, i + 1 do out[#out + 1] = spents[j] end
+    return out
   end
   local pool = tonumber(ARGV[b0 + 5 + i * 2])
   if pool <= 0 or spent + reserved + amount + pool > math.floor(limit / 2) then
@@ -191,6 +196,7 @@ for i = 0, nb - 1 do
   redis.call('PEXPIRE', exp, ARGV[b0 + 3])
   out[#out + 1] = pools[i + 1]
 end
+for i = 1, nb do out[#out + 1] = spents[i] end
 return out
 """
 )
@@ -485,11 +491,14 @@ class RedisState(Shortcuts):
                 Lease(int(result[1 + i * 3]), int(result[2 + i * 3]), float(result[3 + i * 3]))
                 for i in range(n)
             )
-            pools = tuple(int(p) for p in result[1 + n * 3 :])
-            return Admission(True, reservation_id=reservation_id, leases=leases, pools=pools)
+            nb = len(budgets)
+            pools = tuple(int(p) for p in result[1 + n * 3 : 1 + n * 3 + nb])
+            spent = tuple(int(s) for s in result[1 + n * 3 + nb :])
+            return Admission(True, reservation_id=reservation_id, leases=leases, pools=pools, spent=spent)
         if int(result[1]) == 1:
             return Admission(False, int(result[3]) / 1000, limits[int(result[2]) - 1].key)
-        return Admission(False, blocked_by=budgets[int(result[2]) - 1].key)
+        spent = tuple(int(s) for s in result[3:])
+        return Admission(False, blocked_by=budgets[int(result[2]) - 1].key, spent=spent)
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         # One script call for the lot: limit corrections summed per key (and bucket), and per budget
