@@ -26,6 +26,14 @@ PROMOTE_RULES = ("significant", "better")  # routing.train.should_promote
 REPLAY_MIN_ROWS = 30
 
 
+def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    # click's FloatRange lets NaN through (every comparison with it is false); as a share or a
+    # threshold it would silently turn the option off (--holdout) or label every row wrong.
+    if value is not None and value != value:
+        raise click.BadParameter("must be a number, not NaN")
+    return value
+
+
 @click.group()
 def router() -> None:
     """The difficulty router: score prompts, retrain the classifier head."""
@@ -62,14 +70,14 @@ def score(head_dir: Path | None, shipped: str) -> None:
 
     # stdout carries one result per input line; the head choice and anything else logged go to stderr.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    if head_dir and head_dir.is_dir():
-        clf = DifficultyClassifier.load(head_dir)
-    elif head_dir:
-        from routing.heads import classifier_from_bundle
+    if head_dir:
+        from routing.heads import classifier_from_bundle, read_bundle
 
         try:
-            clf = classifier_from_bundle(head_dir.read_bytes())
-        except ValueError as exc:
+            # A directory is read as `heads install` reads it: one without a head, or with a
+            # broken one, is an error naming it, not a traceback.
+            clf = classifier_from_bundle(read_bundle(head_dir))
+        except (OSError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
     else:
         clf = DifficultyClassifier.default(cast("HeadChoice", shipped))
@@ -159,7 +167,8 @@ def _score_input(line: bytes, prompt_text: Callable[[list[dict[str, Any]]], str]
 )
 @click.option(
     "--correct-at",
-    type=float,
+    type=click.FloatRange(0.0, 1.0),  # feedback scores and scaled grades are within [0, 1]
+    callback=_not_nan,
     default=0.5,
     show_default=True,
     help="With --tenant: a feedback score (or a judge's grade scaled to 0..1) at or above this counts "
@@ -182,11 +191,17 @@ def _score_input(line: bytes, prompt_text: Callable[[list[dict[str, Any]]], str]
     help="What the head reads the prompt's meaning from: MiniLM's first layers (what the shipped head "
     "uses) or the static table (~0.1 ms a prompt instead of ~3 ms, APGR 0.01 lower on MMLU).",
 )
-@click.option("--epochs", type=int, default=None, help="Training epochs (default: the shipped recipe's).")
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=1),  # 0 read as the default, fewer failed after loading everything
+    default=None,
+    help="Training epochs (default: the shipped recipe's).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--holdout",
     type=click.FloatRange(0.0, 0.5),
+    callback=_not_nan,
     default=None,
     help="First fit a head without this share of the prompts (by prompt hash) and compare how it and "
     "the shipped head rank them (AUC, bootstrap interval); 0 skips it. Default: 0.2 with --tenant or "
@@ -595,16 +610,18 @@ def _with_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T
 
     from gateway.db.session import normalise_url, resolve_database_url, run_with_sessions
 
-    # An explicit --database-url wins over WEIR_DATABASE_URL.
-    url = normalise_url(database_url) if database_url else resolve_database_url()
     try:
+        # An explicit --database-url wins over WEIR_DATABASE_URL.
+        url = normalise_url(database_url) if database_url else resolve_database_url()
         return run_with_sessions(url, work)
-    except SQLAlchemyError as exc:
+    except SQLAlchemyError as exc:  # a URL that does not parse, too
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         hint = (
             " (an older schema? `weir db upgrade` brings it up to date)" if "no such table" in reason else ""
         )
         raise click.ClickException(f"admin DB: {reason}{hint}") from None
+    except (OSError, ImportError) as exc:  # a server that does not answer; a driver Weir does not ship
+        raise click.ClickException(f"admin DB: {exc}") from None
 
 
 @heads.command("install")

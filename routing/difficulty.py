@@ -342,10 +342,21 @@ class DifficultyHead:
 
     @classmethod
     def load(cls, directory: Path) -> DifficultyHead:
+        """The head `save` wrote; ValueError naming the directory when its files are not one."""
+        from safetensors import SafetensorError
         from safetensors.numpy import load_file
 
-        meta = json.loads((directory / HEAD_META).read_text())
-        return cls.from_tensors(load_file(str(directory / HEAD_WEIGHTS)), meta, str(directory))
+        try:
+            meta = json.loads((directory / HEAD_META).read_text())
+        except ValueError as exc:
+            raise ValueError(f"{directory / HEAD_META}: {exc}") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{directory / HEAD_META} must hold a JSON object")
+        try:
+            tensors = load_file(str(directory / HEAD_WEIGHTS))
+        except SafetensorError as exc:  # not a ValueError: a broken file read as a traceback
+            raise ValueError(f"{directory / HEAD_WEIGHTS}: {exc}") from None
+        return cls.from_tensors(tensors, meta, str(directory))
 
 
 class DifficultyClassifier:

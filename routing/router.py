@@ -75,6 +75,10 @@ def matches(when: Conditions | None, feats: Features) -> bool:
 
 
 MAX_ROUTE_NAME = 200  # the admin DB's `routes.name` column
+# An opened breaker is published to the shared state with its cooldown as the TTL: one beyond what
+# Redis holds read as Redis unreachable (every limit and budget then per process), beyond a float's
+# range as an error in the request. A day is far past any cooldown that helps.
+MAX_COOLDOWN_S = 86_400.0
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -118,6 +122,8 @@ def _check_settings(route: Route, where: str) -> None:
     if route.breaker is not None:
         _at_least(route.breaker.failures, 1, f"{where}.breaker.failures")
         _at_least(route.breaker.cooldown, 0.0, f"{where}.breaker.cooldown", strict=True)
+        if route.breaker.cooldown > MAX_COOLDOWN_S:
+            raise RouteError(f"{where}.breaker.cooldown: at most {MAX_COOLDOWN_S:g} seconds (a day)")
     if route.hedge is not None:
         hedge = route.hedge
         if hedge.delay != "p95":
@@ -162,7 +168,7 @@ def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> N
         if not route.candidates:
             raise RouteError(f"{where}.candidates: at least one candidate is required")
         if route.policy == "difficulty" and len(route.candidates) < 2:
-            raise RouteError(f"{where}: the difficulty policy needs a weak and a strong candidate")
+            raise RouteError(f"{where}.candidates: the difficulty policy needs a weak and a strong candidate")
         if route.head is not None:
             if route.policy != "difficulty":
                 raise RouteError(f"{where}.head: only the difficulty policy reads a difficulty head")
@@ -174,8 +180,12 @@ def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> N
                 raise RouteError(f"{where}.compare: only the difficulty policy compares its candidates")
             if not 0.0 <= compare.share <= 1.0:
                 raise RouteError(f"{where}.compare.share: must be within [0, 1]")
-            if compare.max_spend_usd_per_hour < 0:
-                raise RouteError(f"{where}.compare.max_spend_usd_per_hour: must not be negative")
+            # Finite, as the hedge's cap: a NaN cap compared below nothing, so it capped nothing.
+            spend = compare.max_spend_usd_per_hour
+            if not (math.isfinite(spend) and spend >= 0):
+                raise RouteError(
+                    f"{where}.compare.max_spend_usd_per_hour: must not be negative, NaN or infinite"
+                )
             if compare.max_in_flight < 1:
                 raise RouteError(f"{where}.compare.max_in_flight: must be at least 1")
             if compare.judge not in names:
@@ -191,9 +201,12 @@ def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> N
                 value = getattr(candidate, limit)
                 if value is not None and value < 1:
                     raise RouteError(f"{where}.candidates[{j}].{limit}: must be at least 1")
-        for name in route.models():
+        # Which entry, so a config's error names its key (the admin API's `param` is the list).
+        listed = [(f"candidates[{j}].model", c.model) for j, c in enumerate(route.candidates)]
+        listed += [(f"fallbacks[{j}]", name) for j, name in enumerate(route.fallbacks)]
+        for at, name in listed:
             if name not in names:
-                raise RouteError(f"{where}: no model named {name!r}")
+                raise RouteError(f"{where}: no model named {name!r} ({at})")
 
 
 class Router:

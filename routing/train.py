@@ -121,7 +121,8 @@ def load_jsonl(path: Path) -> Outcomes:
 
     An outcome may be null (or absent) when only the other model's answer was scored, but not both.
     """
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [_feedback_row(line, n) for n, line in enumerate(lines, start=1)]
     if not rows:
         raise ValueError(f"{path} holds no rows")
     weak_known = np.array([r.get("weak_correct") is not None for r in rows])
@@ -138,6 +139,24 @@ def load_jsonl(path: Path) -> Outcomes:
         None if weak_known.all() else weak_known,
         None if strong_known.all() else strong_known,
     )
+
+
+def _feedback_row(line: str, n: int) -> dict[str, Any]:
+    """One row of `load_jsonl`; ValueError naming the row and the key. Checked here, not where the row
+    is used: a list there was a traceback, a numeric prompt one from the tokenizer, and the string
+    "false" an outcome counted as correct."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        raise ValueError(f"row {n}: {exc}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f'row {n}: expected a JSON object {{"prompt", "weak_correct", "strong_correct"}}')
+    if not isinstance(row.get("prompt"), str):
+        raise ValueError(f'row {n}: "prompt" must be a string')
+    for key in ("weak_correct", "strong_correct"):
+        if row.get(key) not in (None, True, False):  # 1 and 0 are True and False here
+            raise ValueError(f'row {n}: "{key}" must be true, false or null, not {row[key]!r}')
+    return row
 
 
 def prompt_fold(prompt: str, folds: int) -> int:

@@ -135,6 +135,10 @@ def decode(body: bytes, type_: type[T]) -> T:
     except msgspec.ValidationError as exc:
         text = str(exc)
         param = text.split("at `$.", 1)[1].split("`", 1)[0] if "at `$." in text else None
+        if text.startswith("Object contains unknown field `"):
+            # msgspec names the object the field is in (nothing at the top level): name the field.
+            field = text.split("`", 2)[1]
+            param = f"{param}.{field}" if param else field
         raise AdminError(400, text, "invalid_value", param) from None
     except msgspec.DecodeError as exc:
         raise AdminError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
