@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 
 # Triton kernels run through Triton's interpreter on machines without an NVIDIA GPU. Set before any test
 # module imports the engine (which imports kernels/), since Triton reads it when a kernel is defined.
@@ -12,6 +13,7 @@ if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import structlog
 
 
 def free_port() -> int:
@@ -23,6 +25,15 @@ def free_port() -> int:
 @pytest.fixture
 def unused_port() -> int:
     return free_port()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_config_restored() -> Iterator[None]:
+    """A CLI run in-process (`weir router score` through click's CliRunner) points structlog at the
+    runner's captured stderr, for good: later tests that read the gateway's log lines found none."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 pytest_plugins = ["tests.fakes.plugin"]
