@@ -58,6 +58,7 @@ class RequestInfo:
     # The client left before its response started, and its request was cancelled for it
     # (gateway.disconnect): the attempts that cancels are the client's 499s, not the gateway's own.
     client_gone: bool = False
+    answered: bool = False  # an attempt answered: the line names it, whatever is recorded after it
 
 
 @dataclass(slots=True)
@@ -328,7 +329,11 @@ class Pipeline:
         estimated: bool = False,
     ) -> None:
         info = call.info
-        info.backend, info.usage = target.backend.name, usage
+        if failure is None or not info.answered:
+            # A hedge that lost is recorded as it is cancelled, after a non-streaming winner's answer:
+            # the request's log line and metrics still name the attempt that answered, with its usage.
+            info.backend, info.usage = target.backend.name, usage
+            info.answered = failure is None
         if failure is not None:
             info.error = failure
         labels = (call.endpoint, target.backend.name, target.model.name)

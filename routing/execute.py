@@ -33,11 +33,13 @@ from gateway.errors import (
     InvalidRequest,
     UpstreamError,
 )
+from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call, Pipeline
 from gateway.providers.base import CONTEXT_LENGTH_EXCEEDED, UpstreamRequest
 from gateway.router_basic import Target
 from gateway.state import Limit, MemoryState, SharedState
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, ChunkChoice, Delta, Message
+from gateway.usage import Usage
 from routing.breaker import Breakers
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
@@ -599,6 +601,10 @@ class Executor:
         # chunk the gateway adds takes
         owed = ""  # whitespace the client has that the continuation's prefill left out
         judged = False  # the current attempt's stream said something about its backend
+        # What the usage a continuation reports must be told apart from (`_as_one_answer`): the
+        # output the cut attempts wrote, as the ledger bills it, and the prefill's tokens.
+        written, prefilled_tokens = Usage(), 0
+        told: Usage | None = None  # the usage the client was told, once a continuation reported it
         try:
             while True:
                 choice, judged = plan.chosen, False
@@ -608,6 +614,10 @@ class Executor:
                             batch = [_continued(chunk, stream_id) for chunk in batch]
                             if owed:
                                 batch, owed = _without_repeat(batch, owed)
+                            for i, chunk in enumerate(batch):
+                                if chunk.usage is not None:
+                                    told = _as_one_answer(chunk.usage, written, prefilled_tokens)
+                                    batch[i] = msgspec.structs.replace(chunk, usage=told)
                         for chunk in batch:
                             stream_id, last = stream_id or chunk.id, chunk
                             for c in chunk.choices:
@@ -618,6 +628,10 @@ class Executor:
                                 thinking = _thinking_after(thinking, c.delta)
                         yield batch
                     judged = True
+                    if told is not None:
+                        # The request's log line says what the client was told (the continuation's
+                        # usage event, recorded as its stream ended, set the vendor's own report).
+                        call.info.usage = told
                     if choice is not None and plan.route.breaker is not None:
                         await self.breakers.success(self._key(choice))
                     return
@@ -643,6 +657,15 @@ class Executor:
                     text = "".join(sent)
                     prefill = text.rstrip()
                     owed = text[len(prefill) :]
+                    # The cut attempt's usage event was recorded as its stream unwound, before the
+                    # break reached here: what it is billed for the text (and reasoning) it wrote.
+                    cut = call.info.usage or Usage()
+                    written = msgspec.structs.replace(
+                        written,
+                        output_tokens=written.output_tokens + cut.output_tokens,
+                        reasoning_tokens=written.reasoning_tokens + cut.reasoning_tokens,
+                    )
+                    prefilled_tokens = _estimated_tokens(prefill, sum(1 for s in sent if s.strip()))
                     prefilled = [Message(role="assistant", content=prefill)] if prefill else []
                     messages = [*request.messages, *prefilled]
                     continued = msgspec.structs.replace(request, messages=messages)
@@ -835,6 +858,28 @@ def _without_repeat(batch: list[ChatChunk], owed: str) -> tuple[list[ChatChunk],
             )
         out.append(chunk)
     return out, owed
+
+
+def _estimated_tokens(text: str, chunks: int) -> int:
+    """Tokens of text some model wrote in `chunks` chunks, by the rule that estimates a cut stream's
+    output (`gateway.estimate.Produced`): each chunk at least one, and 4 bytes a token."""
+    return max(chunks, -(-len(text.encode()) // BYTES_PER_TOKEN)) if text else 0
+
+
+def _as_one_answer(reported: Usage, written: Usage, prefilled_tokens: int) -> Usage:
+    """The usage of a resumed stream as the client is told it: its own prompt and the whole answer,
+    as an unbroken stream reports them, not the continuation's report alone (whose prompt counts the
+    prefill, text the client never sent, and whose output is only the rest of the answer). The prompt
+    is the continuation's, cache reads and writes as its vendor reported them, less the prefill's
+    tokens (estimated; always uncached input: the prefill comes after any cached prefix); the output
+    and reasoning add what the cut attempts are billed for (`written`). The ledger still bills each
+    attempt as it ran."""
+    return msgspec.structs.replace(
+        reported,
+        input_tokens=max(0, reported.input_tokens - prefilled_tokens),
+        output_tokens=reported.output_tokens + written.output_tokens,
+        reasoning_tokens=reported.reasoning_tokens + written.reasoning_tokens,
+    )
 
 
 def _limit_reached(request: ChatRequest, chunks_sent: int) -> bool:

@@ -210,6 +210,8 @@ async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
     response, _ = await run_routed(gateway, call, body.model, body.input, embeddings_op(body))
     data = msgspec.to_builtins(response)
     data["object"] = "list"
+    for item in data["data"]:
+        item["object"] = "embedding"  # a default, which to_builtins leaves out; OpenAI always sends it
     usage = response.usage
     data["usage"] = {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}
     return json_response(data)

@@ -2,28 +2,55 @@
 as chat (routing.execute), with the upstream call built per candidate.
 
 A completions route may mix backends: an OpenAI-compatible candidate gets the native
-`/v1/completions` call, any other gets the prompt as a one-message chat; the API renders whichever
-answered. An embeddings candidate that cannot embed (an Anthropic model), or a counting one that cannot count (an
-OpenAI model), is skipped.
+`/v1/completions` call, any other gets the prompt as a one-message chat (unless the request asks for
+what a chat cannot give: `echo`, `logprobs`...); the API renders whichever answered. An embeddings
+candidate that cannot embed (an Anthropic model), or one of another embedding model than the route's
+first (its vectors would have another size and space), or a counting one that cannot count (an OpenAI
+model), is skipped.
 """
 
 from __future__ import annotations
 
+import base64
+import struct
 from typing import Any
 
+import msgspec
+
 from gateway.errors import InvalidRequest
+from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call
 from gateway.providers import openai as openai_provider
 from gateway.providers.base import UpstreamRequest
 from gateway.router_basic import Target
 from gateway.runtime import Gateway
-from gateway.types import ChatRequest, CompletionRequest, EmbeddingRequest, Message
+from gateway.types import ChatRequest, CompletionRequest, EmbeddingRequest, EmbeddingResponse, Message
+from gateway.usage import Usage
 from routing.execute import Operation
 from routing.plan import Plan, features, prompt_request
 
 
+def _chat_cannot(request: CompletionRequest) -> str | None:
+    """The first completions parameter a chat cannot honour: the prompt echoed back, token logprobs,
+    an insertion suffix, server-side best-of, or biases on token ids of the completions model's
+    tokenizer. Dropped, the client got an answer of another shape than it asked for, from whichever
+    candidate a failover reached, without a word."""
+    for name, asked in (
+        ("echo", bool(request.echo)),
+        ("logprobs", request.logprobs is not None),
+        ("suffix", bool(request.suffix)),
+        ("best_of", (request.best_of or 1) > 1),
+        ("logit_bias", bool(request.logit_bias)),
+    ):
+        if asked:
+            return name
+    return None
+
+
 def completion_as_chat(request: CompletionRequest) -> ChatRequest:
     """A completions request as a one-message chat, for backends without a completions endpoint."""
+    if (name := _chat_cannot(request)) is not None:
+        raise InvalidRequest(f"'{name}' needs a model with a native completions endpoint", param=name)
     prompt = request.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -42,6 +69,8 @@ def completion_as_chat(request: CompletionRequest) -> ChatRequest:
         seed=request.seed,
         n=request.n,
         user=request.user,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
     )
 
 
@@ -67,7 +96,29 @@ def completion_op(body: CompletionRequest) -> Operation:
     return Operation(stream, prepare, check)
 
 
+def _as_base64(vector: list[float] | str) -> str:
+    """A vector as OpenAI sends it for `encoding_format: base64`: little-endian float32, base64."""
+    if isinstance(vector, str):
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+def _input_tokens(body: EmbeddingRequest) -> int:
+    """The input tokens of an embeddings request, estimated (4 bytes of text a token, at least one an
+    input; a token-id input counts its ids)."""
+    inputs = [body.input] if isinstance(body.input, str) or isinstance(body.input[0], int) else body.input
+    return sum(
+        max(1, -(-len(x.encode()) // BYTES_PER_TOKEN)) if isinstance(x, str) else len(x) for x in inputs
+    )
+
+
 def embeddings_op(body: EmbeddingRequest) -> Operation:
+    # The embedding model of the route's first candidate that can embed: the space (and size) of the
+    # vectors this request may get. Vectors of another model are useless beside them in the client's
+    # index, and a failover to one was silent (only the response's `model` told), so candidates of
+    # another model are skipped. The executor checks the candidates in plan order (`Executor._able`).
+    space: list[str] = []
+
     def check(target: Target) -> None:
         provider = target.provider
         if provider.embeddings_request is None or provider.embeddings_response is None:
@@ -75,12 +126,35 @@ def embeddings_op(body: EmbeddingRequest) -> Operation:
                 f"The model `{target.model.name}` does not support embeddings ({provider.name} backend).",
                 param="model",
             )
+        if not space:
+            space.append(target.upstream_model)
+        elif target.upstream_model != space[0]:
+            raise InvalidRequest(
+                f"The model `{target.model.name}` embeds with `{target.upstream_model}`, not with the "
+                f"route's `{space[0]}`: its vectors would have another size and space.",
+                param="model",
+            )
+        provider.embeddings_request(target.backend, body, target.upstream_model)  # its 400 (token ids)
 
     def prepare(target: Target) -> tuple[UpstreamRequest, Any]:
         provider = target.provider
         assert provider.embeddings_request is not None  # check() ran first
+        assert provider.embeddings_response is not None
+        parse = provider.embeddings_response
         upstream = provider.embeddings_request(target.backend, body, target.upstream_model)
-        return upstream, provider.embeddings_response
+
+        def reader(raw: bytes, model: str) -> EmbeddingResponse:
+            response = parse(raw, model)
+            if body.encoding_format == "base64":
+                # Gemini (and some compatible servers) answer floats only; the client decodes base64.
+                data = [msgspec.structs.replace(d, embedding=_as_base64(d.embedding)) for d in response.data]
+                response = msgspec.structs.replace(response, data=data)
+            if response.usage.prompt_tokens == 0:
+                # Gemini's batchEmbedContents reports no usage, but bills the input: estimated, not free.
+                response = msgspec.structs.replace(response, usage=Usage(input_tokens=_input_tokens(body)))
+            return response
+
+        return upstream, reader
 
     return Operation(False, prepare, check)
 

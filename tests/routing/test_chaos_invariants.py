@@ -329,8 +329,12 @@ def check_request(chaos: Chaos, out: Outcome, line: Mapping[str, Any] | None) ->
     elif out.error is None:
         assert len(answered) == 1 and not answered[0].estimated, (what, final, ledger)
         assert BACKEND_OF[final["candidate"]] == answered[0].backend, (what, final, ledger)
-        # What the client is told it used is what the answering attempt is billed.
-        assert out.output_tokens == answered[0].usage.output_tokens, (what, ledger)
+        # What the client is told it used is what the attempts that wrote its answer are billed: the
+        # answering one, and the cut ones a resumed stream went on from (billed estimates; a hedge's
+        # cancelled loser wrote nothing the client saw).
+        wrote = [e for e in events if e.estimated and e.status != 499]
+        billed = answered[0].usage.output_tokens + sum(e.usage.output_tokens for e in wrote)
+        assert out.output_tokens == billed, (what, ledger)
     else:
         assert not answered, (what, final, ledger)
 

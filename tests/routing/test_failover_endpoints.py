@@ -130,30 +130,37 @@ def test_plain_completions_model_keeps_single_attempt_semantics(
 # --- embeddings ------------------------------------------------------------------------------------
 
 
-def test_embeddings_500_on_the_primary_are_answered_by_the_secondary(
+def test_embeddings_500_on_the_primary_are_not_answered_by_another_model(
     gateway: RunningGateway, fake_openai: FakeOpenAI, fake_gemini: FakeGemini
 ) -> None:
+    # gemini-embedding-001's 3072-wide vectors are no answer for a client indexing text-embedding-3-small's
+    # 1536-wide ones: the primary's failure reaches the client (replicas of one model fail over:
+    # tests/routing/test_embeddings_completions_routing.py).
     fake_openai.fail_next(500, times=2)
-    raw = gateway.openai().embeddings.with_raw_response.create(model="embed", input=["a b", "c"])
-    result = raw.parse()
-    assert len(result.data) == 2 and len(result.data[0].embedding) == 3072  # gemini-embedding-001's size
-    route = route_header(raw)
-    assert route["candidate"] == "gemini-embedding" and route["attempts"] == "3"
-    assert ledger(gateway) == [("openai", 500), ("openai", 500), ("gemini", 200)]
-    assert len(fake_gemini.requests) == 1
+    with pytest.raises(openai.InternalServerError) as caught:
+        gateway.openai().embeddings.create(model="embed", input=["a b", "c"])
+    route = route_header(caught.value.response)
+    assert (
+        route["tried"] == "gemini-embedding:unsupported,text-embedding-3-small:502,text-embedding-3-small:502"
+    )
+    assert ledger(gateway) == [("openai", 500), ("openai", 500)]
+    assert not fake_gemini.requests
 
 
-def test_embeddings_breaker_opens_and_skips_the_dead_backend(
-    gateway: RunningGateway, fake_openai: FakeOpenAI
-) -> None:
+def test_embeddings_breaker_opens_and_fails_fast(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
     breakers = runtime(gateway).router.breakers
     fake_openai.stop()
     for _ in range(2):
-        raw = gateway.openai().embeddings.with_raw_response.create(model="embed", input="hi")
-        assert route_header(raw)["candidate"] == "gemini-embedding"
+        with pytest.raises(openai.APIStatusError):
+            gateway.openai().embeddings.create(model="embed", input="hi")
     assert breakers.state("openai/text-embedding-3-small") == "open"  # 3 refused connections
-    raw = gateway.openai().embeddings.with_raw_response.create(model="embed", input="hi")
-    assert route_header(raw)["tried"] == "text-embedding-3-small:open,gemini-embedding:ok"
+    with pytest.raises(openai.APIStatusError) as caught:
+        gateway.openai().embeddings.create(model="embed", input="hi")
+    assert caught.value.status_code == 503
+    assert (
+        route_header(caught.value.response)["tried"]
+        == "gemini-embedding:unsupported,text-embedding-3-small:open"
+    )
 
 
 def test_embeddings_skip_candidates_that_cannot_embed(

@@ -25,7 +25,7 @@ EDGE_ROUTES = f"""{ROUTES}\
   - {{name: reasoners, candidates: [{{model: deepseek-reasoner}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: thinkers, candidates: [{{model: claude-sonnet}}, {{model: claude-opus-46}}], {FAST}}}
   - {{name: complete, candidates: [{{model: claude-sonnet}}, {{model: gpt-instruct}}], {FAST}}}
-  - {{name: embed, candidates: [{{model: text-embedding-3-small}}, {{model: gemini-embedding}}], {FAST}}}
+  - {{name: embed, candidates: [{{model: gemini-embedding}}, {{model: text-embedding-3-small}}], {FAST}}}
   - {{name: hedged-anthropic-first, hedge: {{delay: 0.15}}, candidates: [{{model: claude-sonnet}}, {{model: gpt-4o-mini}}], {FAST}}}
   - {{name: count, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}, {{model: gemini-flash}}], {FAST}}}
 """
@@ -433,11 +433,11 @@ def test_completions_stream_before_first_token(
 def test_embeddings_all_failed(
     gateway: RunningGateway, fake_openai: FakeOpenAI, fake_gemini: FakeGemini
 ) -> None:
-    fake_openai.fail_next(500, times=2)
     fake_gemini.fail_next(Fault.status(429, retry_delay=30), times=2)
     with pytest.raises(openai.APIStatusError) as caught:
         gateway.openai().embeddings.create(model="embed", input="hello")
     err = caught.value
+    assert not fake_openai.requests  # another embedding model: never asked (other vectors)
     # The last failure's status and its wait (Gemini's RetryInfo) as retry-after, in OpenAI's shape.
     assert err.status_code == 429 and err.response.headers["retry-after"] == "30"
     assert isinstance(err.body, dict) and err.body["type"] == "rate_limit_error"
