@@ -100,10 +100,11 @@ def _check_settings(route: Route, where: str) -> None:
     """Numbers that only make sense in a range: a weight or interval of 0 or less, a share above 1, a
     window or token count below 1. Out of range they would be stored and then misroute (a negative
     cache hit share, a threshold no score reaches) or spin (a negative probe interval)."""
-    if not route.name or len(route.name) > MAX_ROUTE_NAME or _CONTROL.search(route.name):
+    if not route.name or len(route.name) > MAX_ROUTE_NAME or _CONTROL.search(route.name) or ";" in route.name:
+        # `;` separates x-weir-route's fields: a name holding one could pass for another field there.
         raise RouteError(
-            f"{where}.name: 1 to {MAX_ROUTE_NAME} characters, no control characters (it is the model "
-            "name clients send)"
+            f"{where}.name: 1 to {MAX_ROUTE_NAME} characters, no control characters or ';' (it is the "
+            "model name clients send, and x-weir-route's fields are separated by ';')"
         )
     for j, candidate in enumerate(route.candidates):
         at = f"{where}.candidates[{j}]"

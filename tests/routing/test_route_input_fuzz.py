@@ -359,6 +359,17 @@ def test_a_breaker_cooldown_the_shared_state_cannot_hold_is_refused(weir: Weir) 
     assert weir.admin.delete(f"/routes/{created.json()['id']}").status_code == 204
 
 
+def test_a_route_name_that_could_pass_for_another_header_field_is_refused(weir: Weir) -> None:
+    """x-weir-route is `route=NAME; policy=...; candidate=...`: a name holding `; candidate=x` made the
+    header say another candidate answered, to clients and to anything that parses it."""
+    before = weir.routes()
+    body = {**BASE, "name": "auto; candidate=gpt-4o"}
+    error = _openai_error(weir.admin.post("/routes", content=_json(body)))
+    assert error["param"] == "name", error
+    assert "name" in (_config(body) or "")
+    assert weir.routes()["data"] == before["data"]
+
+
 @pytest.mark.postgres
 def test_bad_feedback_bodies_get_a_named_400(weir: Weir) -> None:
     tenant = weir.admin.post("/tenants", json={"name": f"fuzz-{uuid.uuid4().hex[:6]}"})
