@@ -193,6 +193,15 @@ def _check_references(config: Config) -> None:
         if backend.name in backends:
             raise ConfigError(f"{where}.name: duplicate backend name {backend.name!r}")
         backends.add(backend.name)
+        if backend.args and (
+            backend.type != "engine" or backend.url or backend.base_url or backend.command is not None
+        ):
+            # They go only on the `weir engine serve` command line Weir starts itself: anywhere else
+            # they reached nothing (an engine's `--max-queued` silently limited no queue).
+            raise ConfigError(
+                f"{where}.args: only for an engine Weir starts (`type: engine` with `model`, without "
+                "`url` or `command`); put the flags on the engine's own command line"
+            )
         if backend.type == "engine":
             if not (backend.url or backend.base_url or backend.model):
                 raise ConfigError(f"{where}: an engine backend needs `url` or `model`")
