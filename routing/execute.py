@@ -594,6 +594,9 @@ class Executor:
         tool_calls = False
         finished = False  # the answer ended (a finish reason was sent): nothing is left to continue
         resumed = False
+        # The continuation goes on from answer text the client has: reasoning it writes first (a
+        # model that always reasons) would come after that text, splitting the one answer in two.
+        answering = False
         # Reasoning text sent whose block nothing ended yet (no signature, no answer after it): a
         # continuation reasons afresh, and its reasoning must not run on into this block.
         thinking = False
@@ -612,6 +615,8 @@ class Executor:
                     async for batch in batches:
                         if resumed:
                             batch = [_continued(chunk, stream_id) for chunk in batch]
+                            if answering:
+                                batch = _without_reasoning(batch)
                             if owed:
                                 batch, owed = _without_repeat(batch, owed)
                             for i, chunk in enumerate(batch):
@@ -682,7 +687,7 @@ class Executor:
                         )
                     except GatewayError:
                         raise exc from None  # nobody can continue: the client is told what broke
-                    resumed = True
+                    resumed, answering = True, bool(prefilled)
                     if thinking and last is not None:
                         # The cut block ends here, unsigned: otherwise the continuation's reasoning
                         # runs on into it and an Anthropic client gets one thinking block holding
@@ -838,6 +843,33 @@ def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:
         for c in chunk.choices
     ]
     return msgspec.structs.replace(chunk, id=stream_id or chunk.id, choices=choices, raw=None)
+
+
+def _without_reasoning(batch: list[ChatChunk]) -> list[ChatChunk]:
+    """A continuation's chunks without its reasoning (it is still billed): the client already has
+    the answer's first text, and reasoning after it would open a new block or item mid-answer.
+    Chunks that held only reasoning are left out."""
+    out = []
+    for chunk in batch:
+        choices = [
+            msgspec.structs.replace(
+                c,
+                delta=msgspec.structs.replace(
+                    c.delta, reasoning_content=None, reasoning_signature=None, redacted_reasoning=None
+                ),
+            )
+            for c in chunk.choices
+        ]
+        stripped = msgspec.structs.replace(chunk, choices=choices)
+        reasoned = any(
+            c.delta.reasoning_content
+            or c.delta.reasoning_signature is not None
+            or c.delta.redacted_reasoning is not None
+            for c in chunk.choices
+        )
+        if _output(stripped) or not reasoned:
+            out.append(stripped)
+    return out
 
 
 def _without_repeat(batch: list[ChatChunk], owed: str) -> tuple[list[ChatChunk], str]:
