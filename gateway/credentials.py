@@ -22,7 +22,11 @@ from gateway.db.poller import TablePoller
 from gateway.vault import Vault, VaultError, token_key_id
 
 log = structlog.get_logger("weir.credentials")
-SIGNATURE = select(func.count(BackendCredential.backend), func.max(BackendCredential.updated_at))
+SIGNATURE = select(
+    func.count(BackendCredential.backend),
+    func.max(BackendCredential.updated_at),
+    func.sum(BackendCredential.revision),  # an edit committed after a later-stamped one moves it too
+)
 
 
 def context(backend: str) -> str:

@@ -41,8 +41,12 @@ from routing.routes import HEAD_NAME
 
 log = structlog.get_logger("weir.routing")
 BUNDLE_KEY = "weir_difficulty_head"
-# Changes whenever a head is added, replaced (updated_at) or deleted (count).
-SIGNATURE = select(func.count(DifficultyHeadRow.name), func.max(DifficultyHeadRow.updated_at))
+# Changes whenever a head is added, replaced (revisions) or deleted (count).
+SIGNATURE = select(
+    func.count(DifficultyHeadRow.name),
+    func.max(DifficultyHeadRow.updated_at),
+    func.sum(DifficultyHeadRow.revision),
+)
 # Scored once after loading, so the first routed request does not pay for first-call set-up.
 _WARM_PROMPT = "Is this a hard question?"
 
@@ -264,6 +268,13 @@ class HeadStore:
         self.wanted = frozenset(names)
         for name in set(self.heads) - self.wanted:
             del self.heads[name]
+        # And what was kept about loads of heads no route names now (a finished task each, a failed
+        # bundle's error): one entry per head name ever named, for as long as the replica ran. A
+        # head named again is loaded (or its bundle tried) afresh.
+        for name in [name for name, task in self._tasks.items() if task.done() and name not in self.wanted]:
+            del self._tasks[name]
+        for name in set(self.failed) - self.wanted:
+            del self.failed[name]
         self._sync()
 
     async def refresh(self) -> None:

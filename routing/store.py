@@ -23,8 +23,10 @@ from routing.routes import Route
 
 log = structlog.get_logger("weir.routing")
 SEEDED = "routes_seeded"
-# Changes whenever a route is added, edited (updated_at) or deleted (count, id sum).
-SIGNATURE = select(func.count(RouteRow.id), func.max(RouteRow.updated_at), func.sum(RouteRow.id))
+# Changes whenever a route is added, edited (revisions, in any order of commits) or deleted (count, id sum).
+SIGNATURE = select(
+    func.count(RouteRow.id), func.max(RouteRow.updated_at), func.sum(RouteRow.id), func.sum(RouteRow.revision)
+)
 
 
 async def stamp(session: Any, now: dt.datetime) -> dt.datetime:

@@ -26,6 +26,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    literal_column,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -37,6 +38,14 @@ def utcnow() -> dt.datetime:
 
 def new_id() -> str:
     return uuid.uuid4().hex
+
+
+def revision_column() -> Mapped[int]:
+    """How many times a row was written, counted by the database in the UPDATE itself. Replicas
+    mirroring a table poll its signature; one built from the latest `updated_at` missed an edit whose
+    transaction committed after a later-stamped one (two admins saving at once): the latest stamp did
+    not move. A sum of revisions moves with every committed write, in whatever order they commit."""
+    return mapped_column(Integer, default=1, server_default="1", onupdate=literal_column("revision") + 1)
 
 
 class UTCDateTime(TypeDecorator[dt.datetime]):
@@ -226,6 +235,7 @@ class RouteRow(Base):
     position: Mapped[int] = mapped_column(Integer, default=0)
     spec: Mapped[dict] = mapped_column(JSON)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revision: Mapped[int] = revision_column()
 
 
 class DifficultyHeadRow(Base):
@@ -243,6 +253,7 @@ class DifficultyHeadRow(Base):
     bundle: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revision: Mapped[int] = revision_column()
 
 
 class Feedback(Base):
@@ -301,6 +312,7 @@ class BackendCredential(Base):
     last4: Mapped[str] = mapped_column(String(4))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revision: Mapped[int] = revision_column()
 
 
 class StoredPrompt(Base):

@@ -4,16 +4,17 @@ a table only when its signature moved."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 
 import pytest
-from sqlalchemy import delete
+from sqlalchemy import delete, select
 
 from gateway.db import migrate
-from gateway.db.models import RouteRow
+from gateway.db.models import BackendCredential, RouteRow
 from gateway.db.poller import TablePoller
 from gateway.db.session import create_engine, sessionmaker
 from routing.routes import Candidate, Route
-from routing.store import RouteStore, route_spec
+from routing.store import RouteStore, route_spec, stamp
 
 
 async def test_poller_survives_a_failing_refresh_and_stops() -> None:
@@ -81,4 +82,68 @@ async def test_route_polls_read_a_signature_on_a_held_connection_and_reload_on_c
         assert (reloads, loaded[-1]) == (2, [])
     finally:
         await store.stop()
+        await engine.dispose()
+
+
+@pytest.mark.postgres
+async def test_an_edit_committed_after_a_later_stamped_one_still_reaches_the_replicas(pg_url: str) -> None:
+    """Two admins save two routes at once: the save stamped earlier commits last. The table's latest
+    `updated_at` does not move on that commit, so a replica that polled between the two commits
+    never reloaded it and served the old route until some other edit (the revision sum moves)."""
+    await migrate.upgrade_async(pg_url)
+    engine = create_engine(pg_url)
+    sessions = sessionmaker(engine)
+    loaded: list[dict[str, str]] = []
+    store = RouteStore(
+        sessions, lambda routes: loaded.append({r.name: r.candidates[0].model for r in routes}), []
+    )
+
+    def spec(name: str, model: str) -> dict[str, object]:
+        return route_spec(Route(name=name, candidates=[Candidate(model=model)]))
+
+    try:
+        async with sessions() as session, session.begin():
+            session.add_all([RouteRow(name=n, position=i, spec=spec(n, "old")) for i, n in enumerate("ab")])
+        await store.start()
+        assert loaded[-1] == {"a": "old", "b": "old"}
+
+        t0 = dt.datetime.now(dt.UTC)
+        first, second = sessions(), sessions()
+        async with first, second:
+            await first.begin()
+            row_a = (await first.scalars(select(RouteRow).where(RouteRow.name == "a"))).one()
+            row_a.spec, row_a.updated_at = spec("a", "new"), await stamp(first, t0 + dt.timedelta(seconds=1))
+            await first.flush()
+            await second.begin()
+            row_b = (await second.scalars(select(RouteRow).where(RouteRow.name == "b"))).one()
+            row_b.spec, row_b.updated_at = spec("b", "new"), await stamp(second, t0 + dt.timedelta(seconds=2))
+            await second.commit()
+            assert await store.refresh()
+            assert loaded[-1] == {"a": "old", "b": "new"}
+            await first.commit()
+        assert await store.refresh()
+        assert loaded[-1] == {"a": "new", "b": "new"}
+    finally:
+        await store.stop()
+        await engine.dispose()
+
+
+async def test_every_write_of_a_mirrored_row_counts_a_revision(db_url: str) -> None:
+    await migrate.upgrade_async(db_url)
+    engine = create_engine(db_url)
+    sessions = sessionmaker(engine)
+    try:
+        async with sessions() as session, session.begin():
+            session.add(RouteRow(name="r", position=0, spec={}))
+            session.add(
+                BackendCredential(backend="b", ciphertext="c", key_id="k", fingerprint="f", last4="1234")
+            )
+        for last4 in ("0001", "0002"):
+            async with sessions() as session, session.begin():
+                (await session.get(BackendCredential, "b")).last4 = last4  # type: ignore[union-attr]
+                (await session.scalars(select(RouteRow))).one().position += 1
+        async with sessions() as session:
+            assert (await session.scalars(select(RouteRow.revision))).all() == [3]
+            assert (await session.scalars(select(BackendCredential.revision))).all() == [3]
+    finally:
         await engine.dispose()
