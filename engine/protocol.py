@@ -73,6 +73,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's: the final (assistant) message is an unfinished answer the model goes on writing, with
+    # no end of its turn and no new one opened (a prefill, or a gateway resuming a broken stream).
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -95,6 +99,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none": tools are not used, as in a chat completion
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -213,21 +213,43 @@ class EngineServer:
         tools: list[dict[str, Any]] | None,
         tools_used: bool,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The conversation as the model's chat template writes it, in token ids. Tools are used when
         the template writes a tool prompt; otherwise the model never learns of them, and saying so
-        beats silently ignoring them (as vLLM)."""
+        beats silently ignoring them (as vLLM). `continue_final_message` (vLLM's): the final assistant
+        message is left open, so the model goes on writing it."""
         dicts = [_message_dict(i, m) for i, m in enumerate(messages)]
         if tools_used and "tools" not in tokenizer.chat_template:
             raise ApiError(
                 400, f"the chat template of {self.model_name} does not support tools", param="tools"
             )
+        final = _final_text(messages) if continue_final_message else None
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ApiError(
+                    400,
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    param="continue_final_message",
+                )
+            if final is None:
+                raise ApiError(
+                    400,
+                    "continue_final_message: the final message must be an assistant message with text",
+                    param="messages",
+                )
         try:
             prompt = tokenizer.apply_chat_template(
                 dicts, tools=tools, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # jinja errors, templates that raise on unsupported roles
             raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+        if final:
+            # The template closes every turn (an end-of-turn token, a newline): the prompt ends where
+            # the final message's text does, as vLLM cuts it.
+            end = prompt.rfind(final)
+            if end >= 0:
+                prompt = prompt[: end + len(final)]
         return tokenizer.encode(prompt)
 
     def _max_tokens(
@@ -345,7 +367,14 @@ class EngineServer:
         req = await self._decode(request, ChatCompletionRequest)
         # tool calls are parsed from the reply only when the template writes a tool prompt
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        prompt_ids = self._chat_prompt_ids(engine.engine.tokenizer, req.messages, req.tools, parse_tools)
+        prompt_ids = self._chat_prompt_ids(
+            engine.engine.tokenizer,
+            req.messages,
+            req.tools,
+            parse_tools,
+            req.add_generation_prompt,
+            req.continue_final_message,
+        )
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -565,6 +594,7 @@ class EngineServer:
                 req.tools,
                 bool(req.tools) and req.tool_choice != "none",
                 req.add_generation_prompt,
+                req.continue_final_message,
             )
         elif req.prompt is not None:
             # As a completion of the prompt gets it (BOS where the model wants one), or without special
@@ -642,6 +672,15 @@ def _message_dict(index: int, message: Any) -> dict[str, Any]:
         if (value := getattr(message, key)) is not None:
             out[key] = value
     return out
+
+
+def _final_text(messages: list[Any]) -> str | None:
+    """The text of the final message when it is an assistant's with text (what continuing it needs)."""
+    last = messages[-1]
+    if last.role != "assistant" or last.tool_calls:
+        return None
+    text = _message_dict(len(messages) - 1, last)["content"]
+    return text or None
 
 
 def _prompt_list(prompt: str | list[Any]) -> list[str | list[int]]:

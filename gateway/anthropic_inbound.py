@@ -41,6 +41,7 @@ from gateway.types import (
     Tool,
     ToolCall,
     ToolChoiceFunction,
+    continuable,
 )
 from gateway.usage import Usage, anthropic_usage
 
@@ -329,6 +330,8 @@ def to_canonical(request: MessagesRequest) -> ChatRequest:
         reasoning_effort=output.effort,
         response_format=response_format,
         top_k=request.top_k,
+        # Anthropic's prefill: the answer goes on from the final assistant message, on any vendor.
+        continue_final_message=True if continuable(messages) else None,
     )
 
 

@@ -63,6 +63,13 @@ class Backend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # name the client used. Set it for a server that refuses one name (an older vLLM refuses
     # `max_completion_tokens`; an Azure deployment of o3 may be named anything).
     max_tokens_field: Literal["max_tokens", "max_completion_tokens"] | None = None
+    # How this backend is asked to go on writing an unfinished answer (a resumed stream, a prefill):
+    # `prefill` (a trailing assistant message, which Claude up to 4.5 continues), `continue_final_message`
+    # (vLLM's and the engine's flag) or `instruction` (the partial answer, then a user turn asking to
+    # continue it). None: the engine's flag for `type: engine`, a prefill for Claude models that take
+    # one, else the instruction (OpenAI, Gemini, Claude 4.6 on: a prefill there is refused or answered
+    # afresh). Set `continue_final_message` for a vLLM or SGLang server.
+    continuation: Literal["prefill", "continue_final_message", "instruction"] | None = None
     # type: engine without url: Weir starts and supervises `weir engine serve --model M --port P`.
     model: str | None = None
     port: int | None = None
@@ -201,6 +208,11 @@ def _check_references(config: Config) -> None:
             raise ConfigError(
                 f"{where}.args: only for an engine Weir starts (`type: engine` with `model`, without "
                 "`url` or `command`); put the flags on the engine's own command line"
+            )
+        if backend.continuation == "continue_final_message" and backend.type in ("anthropic", "gemini"):
+            raise ConfigError(
+                f"{where}.continuation: continue_final_message is a flag of OpenAI-compatible servers "
+                f"(vLLM, SGLang, the engine); a {backend.type} backend takes `prefill` or `instruction`"
             )
         if backend.type == "engine":
             if not (backend.url or backend.base_url or backend.model):

@@ -200,10 +200,18 @@ class ChatRequest(Base):
     reasoning_adaptive: bool | None = None
     service_tier: str | None = None
     store: bool | None = None
+    # vLLM's: the final assistant message is an unfinished answer to go on writing (what an Anthropic
+    # prefill means; a resumed stream sets it). Each provider asks its vendor in the way that vendor
+    # continues an answer (`gateway.providers.base.continued`).
+    continue_final_message: bool | None = None
     # Top-level parameters Weir does not model; forwarded verbatim to OpenAI-compatible backends only.
     extra: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
+        if self.continue_final_message and not continuable(self.messages):
+            raise ValueError(
+                "continue_final_message: the final message must be an assistant message with text"
+            )
         choice = self.tool_choice
         if isinstance(choice, AllowedToolsChoice):
             # ValueError: msgspec reports it as a validation error of the request (a 400).
@@ -222,6 +230,12 @@ class ChatRequest(Base):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def continuable(messages: list[Message]) -> bool:
+    """Whether the conversation ends with an answer to go on writing: an assistant message with text."""
+    last = messages[-1] if messages else None
+    return last is not None and last.role == "assistant" and not last.tool_calls and bool(last.text())
 
 
 # --- response ------------------------------------------------------------------------------------

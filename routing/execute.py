@@ -35,7 +35,7 @@ from gateway.errors import (
 )
 from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call, Pipeline
-from gateway.providers.base import CONTEXT_LENGTH_EXCEEDED, UpstreamRequest
+from gateway.providers.base import CONTEXT_LENGTH_EXCEEDED, CONTINUE_INSTRUCTION, UpstreamRequest
 from gateway.router_basic import Target
 from gateway.state import Limit, MemoryState, SharedState
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, ChunkChoice, Delta, Message
@@ -676,9 +676,14 @@ class Executor:
                     continued = msgspec.structs.replace(request, messages=messages)
                     if prefilled:
                         # The answer is continued, not thought out again: asked without reasoning
-                        # (Anthropic refuses a text prefill while thinking is on).
+                        # (Anthropic refuses a text prefill while thinking is on). Each provider asks
+                        # its vendor to continue it in the way that vendor can (`continued`).
                         continued = msgspec.structs.replace(
-                            continued, reasoning_effort=None, reasoning_budget=None, reasoning_adaptive=None
+                            continued,
+                            reasoning_effort=None,
+                            reasoning_budget=None,
+                            reasoning_adaptive=None,
+                            continue_final_message=True,
                         )
                     continued = _shorter(continued, len(sent))
                     try:
@@ -687,6 +692,8 @@ class Executor:
                         )
                     except GatewayError:
                         raise exc from None  # nobody can continue: the client is told what broke
+                    if prefilled and _instructed(plan.chosen):
+                        prefilled_tokens += _estimated_tokens(CONTINUE_INSTRUCTION, 1)
                     resumed, answering = True, bool(prefilled)
                     if thinking and last is not None:
                         # The cut block ends here, unsigned: otherwise the continuation's reasoning
@@ -890,6 +897,15 @@ def _without_repeat(batch: list[ChatChunk], owed: str) -> tuple[list[ChatChunk],
             )
         out.append(chunk)
     return out, owed
+
+
+def _instructed(choice: Choice | None) -> bool:
+    """Whether the continuation's vendor was asked for the rest in a user turn of Weir's own (whose
+    tokens, like the prefill's, the client never sent)."""
+    if choice is None:
+        return False
+    target = choice.target
+    return target.provider.continuation(target.backend, target.upstream_model) == "instruction"
 
 
 def _estimated_tokens(text: str, chunks: int) -> int:

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeOpenAI, Fault
 
 WEATHER_TOOL = {
@@ -499,12 +500,25 @@ def test_rejects_what_openai_rejects(client: openai.OpenAI) -> None:
     assert err.value.body["param"] == "temperature"
 
 
-def test_trailing_assistant_message_is_continued(client: openai.OpenAI) -> None:
-    # what a gateway sends to resume, on another backend, a stream that broke after "one two"
+def test_trailing_assistant_message_is_answered_afresh_unless_asked_to_continue(
+    client: openai.OpenAI,
+) -> None:
+    # OpenAI closes a trailing assistant message's turn and answers anew; vLLM continues it with its
+    # `continue_final_message` flag; any model continues it when a user turn asks for the rest.
     messages = [*user("one two three four"), {"role": "assistant", "content": "one two"}]
     reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages)
+    assert reply.choices[0].message.content == "one two three four"
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages, extra_body=flags)
     assert reply.choices[0].message.content == " three four"
     assert reply.usage.completion_tokens == 2
+    asked = [*messages, {"role": "user", "content": CONTINUE_INSTRUCTION}]
+    reply = client.chat.completions.create(model="gpt-4o-mini", messages=asked)
+    assert reply.choices[0].message.content == " three four"
+    with pytest.raises(openai.BadRequestError):  # vLLM refuses both a continued and a new turn
+        client.chat.completions.create(
+            model="gpt-4o-mini", messages=messages, extra_body={"continue_final_message": True}
+        )
 
 
 def test_set_latency_slows_every_generation_until_reset(

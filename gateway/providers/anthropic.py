@@ -25,11 +25,13 @@ from gateway.config import Backend
 from gateway.errors import BadGateway, GatewayError, InvalidRequest
 from gateway.providers.base import (
     NO_THINKING,
+    Continuation,
     Param,
     ParamTable,
     Provider,
     UpstreamRequest,
     as_list,
+    continued,
     decode_json,
     effort_for_budget,
     error_text,
@@ -75,6 +77,10 @@ EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384, "xhigh": 16384, "m
 EFFORTS = ("low", "medium", "high", "xhigh", "max")  # output_config.effort
 _BUDGET_ONLY = re.compile(r"claude-(3|(opus|sonnet|haiku)-4(-[015])?(-\d{8}|-latest)?$)")
 _BUDGET_OR_ADAPTIVE = re.compile(r"claude-(opus|sonnet)-4-6")
+# Claude 4.6 dropped the assistant prefill with budget-only thinking: "This model does not support
+# assistant message prefill. The conversation must end with a user message." Models this table does
+# not know are taken to be newer.
+_PREFILL = _BUDGET_ONLY
 
 STOP_REASONS = {
     "end_turn": "stop",
@@ -387,7 +393,12 @@ def _thinking(request: ChatRequest, model: str) -> tuple[dict[str, Any] | None, 
     return thinking, _vendor_effort(effort, mode), limit
 
 
+def continuation(backend: Backend, model: str) -> Continuation:
+    return backend.continuation or ("prefill" if _PREFILL.search(model) else "instruction")
+
+
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    request = continued(request, continuation(backend, model))
     body = json_encode(_chat_body(request, model))
     return UpstreamRequest(_url(backend), _headers(backend), body, stream=bool(request.stream))
 
@@ -639,4 +650,5 @@ PROVIDER = Provider(
     error=error,
     count_tokens_request=count_tokens_request,
     count_tokens_response=count_tokens_response,
+    continuation=continuation,
 )

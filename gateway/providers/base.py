@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 import structlog
@@ -35,6 +35,7 @@ from gateway.types import (
     ChatResponse,
     EmbeddingRequest,
     EmbeddingResponse,
+    Message,
     TokenCount,
 )
 
@@ -42,6 +43,7 @@ _json_decode = msgspec.json.decode
 json_encode = msgspec.json.Encoder().encode
 
 log = structlog.get_logger("weir.providers")
+Continuation = Literal["prefill", "continue_final_message", "instruction"]
 
 
 @dataclass(slots=True)
@@ -80,6 +82,34 @@ class Provider:
     # Gemini's countTokens, the engine's /tokenize); None: the backend has no way to count.
     count_tokens_request: Callable[[Backend, ChatRequest, str], UpstreamRequest] | None = None
     count_tokens_response: Callable[[bytes, str], TokenCount] | None = None
+    # How (backend, upstream model) is asked to go on writing an unfinished answer (`continued`).
+    continuation: Callable[[Backend, str], Continuation] = lambda backend, model: (
+        backend.continuation or "instruction"
+    )
+
+
+# --- continuing an unfinished answer ------------------------------------------------------------
+
+# The user turn after a partial answer, for vendors that do not continue a trailing assistant message
+# (OpenAI answers it afresh; Claude 4.6 on refuses it: "This model does not support assistant message
+# prefill"). Worded so that the reply is the rest of the answer and nothing else.
+CONTINUE_INSTRUCTION = (
+    "Your previous reply was cut off. Continue it from exactly where it stops, as if it had never been "
+    "interrupted: do not repeat any of it and write nothing before the continuation."
+)
+
+
+def continued(request: ChatRequest, how: Continuation) -> ChatRequest:
+    """`request` as a vendor that continues an answer `how` takes it, when its final assistant message
+    is an unfinished answer (`continue_final_message`): a bare trailing assistant message (`prefill`),
+    the flag kept for a server that knows it (`continue_final_message`), or that message followed by a
+    user turn asking for the rest (`instruction`)."""
+    if not request.continue_final_message or how == "continue_final_message":
+        return request
+    messages = request.messages
+    if how == "instruction":
+        messages = [*messages, Message(role="user", content=CONTINUE_INSTRUCTION)]
+    return msgspec.structs.replace(request, messages=messages, continue_final_message=None)
 
 
 # --- declarative parameter tables ----------------------------------------------------------------

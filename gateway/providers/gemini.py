@@ -24,6 +24,7 @@ from gateway.providers.base import (
     UpstreamRequest,
     as_list,
     call_id_with_signature,
+    continued,
     decode_json,
     error_text,
     guess_media_type,
@@ -345,7 +346,7 @@ def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
-    body = json_encode(chat_body(request, model))
+    body = json_encode(chat_body(continued(request, backend.continuation or "instruction"), model))
     if request.stream:
         return UpstreamRequest(
             _url(backend, model, "streamGenerateContent", {"alt": "sse"}),

@@ -17,8 +17,10 @@ import msgspec
 from gateway.config import Backend
 from gateway.errors import BadGateway, GatewayError
 from gateway.providers.base import (
+    Continuation,
     Provider,
     UpstreamRequest,
+    continued,
     decode_json,
     decode_typed,
     effort_for_budget,
@@ -173,8 +175,16 @@ def _chat_body(
     return body
 
 
+def continuation(backend: Backend, model: str) -> Continuation:
+    # OpenAI answers a trailing assistant message afresh; vLLM and the engine continue it when asked.
+    return backend.continuation or ("continue_final_message" if backend.type == "engine" else "instruction")
+
+
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    request = continued(request, continuation(backend, model))
     body = _chat_body(request, model, sends_reasoning(backend), output_limit_field(backend, model))
+    if request.continue_final_message:
+        body["add_generation_prompt"] = False  # vLLM refuses both at once; its default opens a new turn
     if _openai_itself(backend):
         # OpenAI refuses what it does not know ("Unrecognized request argument supplied: top_k"), which
         # would end a failover from Claude or Gemini, whose clients' top_k their own models took.
@@ -398,6 +408,7 @@ PROVIDER = Provider(
     embeddings_request=embeddings_request,
     embeddings_response=embeddings_response,
     native_completions=True,
+    continuation=continuation,
 )
 
 

@@ -933,3 +933,41 @@ async def test_a_request_that_asks_gets_the_engines_load_in_orca_format(served: 
         assert set(parse_orca(answered.headers["endpoint-load-metrics"])) == set(named)
         plain = await http.post("/chat/completions", json=json_body)
         assert plain.status_code == 200 and "endpoint-load-metrics" not in plain.headers
+
+
+async def test_continue_final_message_leaves_the_assistant_turn_open(served: Served) -> None:
+    """vLLM's `continue_final_message`: the prompt ends where the final assistant message's text does
+    (no end of its turn, no new turn), so the model goes on writing that answer, as a gateway
+    resuming a broken stream needs; without it a trailing assistant message is a closed turn."""
+    messages = [*chat("count to ten"), {"role": "assistant", "content": "one two three"}]
+    tok = served.engine.tokenizer
+    full = tok.apply_chat_template(messages, add_generation_prompt=False)
+    open_turn = full[: full.rfind("one two three") + len("one two three")]
+    assert open_turn != full  # the template closes the turn: the cut is what the test is about
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    tokenized = await post(served.root, "/tokenize", {"model": MODEL, "messages": messages, **flags})
+    assert tokenized.json()["tokens"] == tok.encode(open_turn)
+    resp = await served.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0,
+        extra_body=flags,
+    )
+    assert resp.usage is not None and resp.usage.prompt_tokens == len(tok.encode(open_turn))
+    closed = await served.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0,
+    )
+    assert closed.usage is not None and closed.usage.prompt_tokens > resp.usage.prompt_tokens
+
+    for body, param in (
+        ({"continue_final_message": True}, "continue_final_message"),  # a new turn opened as well
+        ({**flags, "messages": chat("no answer to continue")}, "messages"),
+    ):
+        refused = await post(
+            served.root, "/v1/chat/completions", {"model": MODEL, "messages": messages, **body}
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

@@ -21,7 +21,8 @@ Thinking signatures are checked as Anthropic checks them: the fake signs each th
 returns (an HMAC of its text), and a thinking block sent back with a missing, made-up or
 mismatched signature is a 400; with thinking enabled, a tool loop's final assistant message must
 start with a thinking (or redacted_thinking) block, or it is a 400 too, and so must a prefill (a
-conversation ending with an assistant message) with thinking enabled or adaptive. Thinking modes are checked
+conversation ending with an assistant message) with thinking enabled or adaptive; from Claude 4.6 on
+(`NO_PREFILL`) a prefill is refused outright. Thinking modes are checked
 per model as Anthropic documents them: ``thinking: {"type": "adaptive"}`` only on the 4.6 family and
 Opus 4.7 (`ADAPTIVE_MODELS`), ``enabled`` and ``disabled`` refused on Opus 4.7, and
 ``output_config.effort`` only on the models and levels in `EFFORT_LEVELS`. Structured outputs
@@ -55,6 +56,7 @@ from tests.fakes.behaviour import (
     ReportedUsage,
     Tool,
     Turn,
+    asks_to_continue,
     chunk_words,
     count_tokens,
     words,
@@ -64,6 +66,8 @@ from tests.fakes.server import BODY, INVALID_JSON, FakeServer, Invalid, sse
 from tests.fakes.util import deep_merge, huge_text
 
 IMAGE_TOKENS = 1600
+# Claude 4.6 on refuse an assistant prefill (a conversation ending with an assistant message).
+NO_PREFILL = re.compile(r"claude-(opus|sonnet|haiku)-(4-[6-9]|[5-9])")
 _ERROR_TYPES = {
     400: ("invalid_request_error", "Invalid request."),
     401: ("authentication_error", "invalid x-api-key"),
@@ -306,7 +310,22 @@ class FakeAnthropic(FakeServer):
         last = messages[-1]
         content = last.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
-        if last.get("role") == "user":
+        if len(messages) > 1 and last.get("role") == "user" and asks_to_continue(_text_of(blocks)):
+            messages, last = messages[:-1], messages[-2]
+            content = last.get("content")
+            blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+            if last.get("role") == "assistant":
+                turn.prefill = _text_of(blocks)  # the fake model obeys: it goes on with its reply
+        elif last.get("role") == "assistant" and NO_PREFILL.search(body.get("model", "")):
+            raise Invalid(
+                400,
+                "This model does not support assistant message prefill. The conversation must end with a "
+                "user message.",
+            )
+        if turn.prefill is not None:
+            asked = next((m for m in reversed(messages) if m.get("role") == "user"), {})
+            turn.last_user_text = _text_of(asked.get("content"))
+        elif last.get("role") == "user":
             turn.last_user_text = _text_of(blocks)
             turn.images = sum(1 for b in blocks if b.get("type") == "image")
             results = [b for b in blocks if b.get("type") == "tool_result"]

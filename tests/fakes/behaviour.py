@@ -18,9 +18,10 @@ Replies, in order of precedence:
    string fields hold the last user text.
 4. Otherwise the last user message's text, verbatim, followed by ``[image]`` for each image in it
    (or "Hello! How can I help you today?" when there is no text).
-When the conversation ends with an assistant message (a prefill, or a gateway resuming a stream that
-broke on another backend), the reply continues it: if the text above starts with the prefill, only
-the rest is sent, so the prefill plus the reply is the whole echo.
+When the conversation ends with an assistant message that the vendor continues (an Anthropic prefill,
+vLLM's `continue_final_message`; OpenAI's own API answers it afresh), or with that message and then
+Weir's user turn asking for the rest of it (`asks_to_continue`), the reply continues it: if the text
+above starts with the partial answer, only the rest is sent, so it plus the reply is the whole echo.
 Then `stop` cuts the text before the first stop sequence (finish "stop"), and `max_tokens` keeps the
 first max_tokens words (finish "length").
 """
@@ -34,7 +35,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.providers.base import CONTINUE_INSTRUCTION
+
 GREETING = "Hello! How can I help you today?"
+
+
+def asks_to_continue(text: str) -> bool:
+    """A user turn asking for the rest of the reply above it, which the fake models obey as a real
+    model does (near enough: a real one may word the join differently)."""
+    return text.strip() == CONTINUE_INSTRUCTION
 
 
 def count_tokens(text: str) -> int:

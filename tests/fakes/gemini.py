@@ -48,6 +48,7 @@ from tests.fakes.behaviour import (
     ReportedUsage,
     Tool,
     Turn,
+    asks_to_continue,
     chunk_words,
     count_tokens,
     embedding,
@@ -259,6 +260,9 @@ class FakeGemini(FakeServer):
         )
         contents = body.get("contents") or []
         last = contents[-1] if contents else {}
+        said = " ".join(p["text"] for p in last.get("parts") or [] if "text" in p)
+        if len(contents) > 1 and last.get("role", "user") == "user" and asks_to_continue(said):
+            contents, last = contents[:-1], contents[-2]  # the fake model obeys: it goes on with its reply
         asked = last
         if last.get("role") == "model" and not any("functionCall" in p for p in last.get("parts") or []):
             turn.prefill = " ".join(p["text"] for p in last.get("parts") or [] if "text" in p)

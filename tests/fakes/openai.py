@@ -61,6 +61,7 @@ from tests.fakes.behaviour import (
     ReportedUsage,
     Tool,
     Turn,
+    asks_to_continue,
     chunk_words,
     count_tokens,
     embedding,
@@ -381,6 +382,19 @@ class FakeOpenAI(FakeServer):
                 tokens += [f"<image:{digest}>"] * IMAGE_TOKENS
 
         last = messages[-1]
+        # vLLM's flag: the final assistant message is continued, not closed (OpenAI itself has none).
+        continuing = bool(body.get("continue_final_message"))
+        if continuing and body.get("add_generation_prompt", True):
+            raise BadRequest(
+                400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", None
+            )
+        if (
+            len(messages) > 1
+            and last.get("role") == "user"
+            and messages[-2].get("role") == "assistant"
+            and asks_to_continue(_content_text(last.get("content"))[0])
+        ):
+            messages, last, continuing = messages[:-1], messages[-2], True
         turn = Turn(
             tools=tools,
             stop=self._stop(body),
@@ -395,7 +409,8 @@ class FakeOpenAI(FakeServer):
             text, images = _content_text(last.get("content"))
             turn.last_user_text, turn.images = text, len(images)
         elif last.get("role") == "assistant" and not last.get("tool_calls"):
-            turn.prefill = _content_text(last.get("content"))[0]
+            # A trailing assistant message is a closed turn to OpenAI: the reply starts afresh.
+            turn.prefill = _content_text(last.get("content"))[0] if continuing else None
             asked = next((m for m in reversed(messages) if m.get("role") == "user"), {})
             text, images = _content_text(asked.get("content"))
             turn.last_user_text, turn.images = text, len(images)

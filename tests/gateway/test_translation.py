@@ -8,9 +8,10 @@ import msgspec
 import pytest
 
 from gateway.anthropic_inbound import MessagesRequest, from_canonical, stream_events, to_canonical
-from gateway.config import Backend
+from gateway.config import Backend, ConfigError, parse_config
 from gateway.errors import BadGateway, InvalidRequest
 from gateway.providers import anthropic, gemini, openai
+from gateway.providers.base import CONTINUE_INSTRUCTION
 from gateway.types import ChatChunk, ChatRequest, ChunkChoice, Delta, FunctionCallDelta, ToolCallDelta
 from gateway.usage import Usage
 
@@ -391,3 +392,58 @@ def test_tool_choice_without_tools_is_not_sent_to_anthropic_or_gemini() -> None:
     request = chat(tool_choice="none", parallel_tool_calls=False)
     assert "tool_choice" not in body(anthropic.chat_request(ANTHROPIC, request, "claude"))
     assert "toolConfig" not in body(gemini.chat_request(GEMINI, request, "gemini"))
+
+
+# --- continuing an unfinished answer --------------------------------------------------------------
+
+PARTIAL = [{"role": "user", "content": "count to four"}, {"role": "assistant", "content": "one two"}]
+
+
+def test_an_unfinished_answer_is_continued_the_way_each_vendor_can() -> None:
+    """`continue_final_message` (a resumed stream, an Anthropic prefill): Claude up to 4.5 continues a
+    trailing assistant message; Claude 4.6 on refuses one and OpenAI answers it afresh, so they get a
+    user turn asking for the rest; vLLM and the engine take the flag itself."""
+    request = chat(messages=PARTIAL, continue_final_message=True)
+    instruction = {"role": "user", "content": CONTINUE_INSTRUCTION}
+
+    sent = body(openai.chat_request(OPENAI, request, "gpt-4o"))
+    assert sent["messages"][-2:] == [PARTIAL[1], instruction] and "continue_final_message" not in sent
+    engine = Backend(name="e", type="engine", url="http://e")
+    vllm = Backend(name="v", type="openai", base_url="http://v/v1", continuation="continue_final_message")
+    for backend in (engine, vllm):
+        sent = body(openai.chat_request(backend, request, "m"))
+        assert sent["messages"][-1] == PARTIAL[1]
+        assert (sent["continue_final_message"], sent["add_generation_prompt"]) == (True, False)
+
+    old = body(anthropic.chat_request(ANTHROPIC, request, "claude-sonnet-4-5"))
+    assert old["messages"][-1] == {"role": "assistant", "content": [{"type": "text", "text": "one two"}]}
+    for model in ("claude-opus-4-6", "claude-opus-4-7", "claude-sonnet-5"):
+        new = body(anthropic.chat_request(ANTHROPIC, request, model))
+        assert new["messages"][-1] == {
+            "role": "user",
+            "content": [{"type": "text", "text": CONTINUE_INSTRUCTION}],
+        }
+
+    contents = body(gemini.chat_request(GEMINI, request, "gemini-2.5-flash"))["contents"]
+    assert (contents[-2]["role"], contents[-1]["parts"][0]["text"]) == ("model", CONTINUE_INSTRUCTION)
+    # Without the flag a trailing assistant message goes as it is, everywhere.
+    assert body(openai.chat_request(OPENAI, chat(messages=PARTIAL), "gpt-4o"))["messages"][-1] == PARTIAL[1]
+
+
+def test_an_anthropic_prefill_is_an_answer_to_continue_on_any_vendor() -> None:
+    def canonical(messages: list[dict[str, str]]) -> ChatRequest:
+        request = msgspec.convert({"model": "m", "max_tokens": 10, "messages": messages}, MessagesRequest)
+        return to_canonical(request)
+
+    assert canonical(PARTIAL).continue_final_message is True
+    assert canonical(PARTIAL[:1]).continue_final_message is None
+
+
+def test_continue_final_message_needs_an_answer_to_continue() -> None:
+    with pytest.raises(msgspec.ValidationError, match="continue_final_message"):
+        chat(continue_final_message=True)  # the conversation ends with the user's turn
+    with pytest.raises(ConfigError, match="continuation"):
+        parse_config(
+            "backends: [{name: a, type: anthropic, base_url: 'http://a', continuation: continue_final_message}]\n"
+            "models: []\n"
+        )

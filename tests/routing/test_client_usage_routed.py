@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import FAST, ROUTES, fresh, route_header, routed_gateway, settled
@@ -179,16 +180,21 @@ def test_a_stream_resumed_twice_counts_every_part_of_the_answer(
     fake_anthropic.fail_next(Fault.cut_stream(after=5))  # its start events, " three", " four"
     told, _ = streamed(gateway, "chat", "three")
     assert told.text == ECHO
-    assert fake_gemini.last_request.json["contents"][-1]["parts"][0]["text"] == "one two three four"
+    # Gemini is asked for the rest in a user turn after the text sent so far (it has no prefill).
+    contents = fake_gemini.last_request.json["contents"]
+    assert contents[-2]["parts"][0]["text"] == "one two three four"
+    assert contents[-1]["parts"][0]["text"] == CONTINUE_INSTRUCTION
     settled(gateway, 3)
     events = sorted(gateway.sink.events, key=lambda e: e.attempt)
     assert [e.backend for e in events] == ["openai", "anthropic", "gemini"]
-    assert (events[-1].usage.prompt_tokens, events[-1].usage.output_tokens) == (10, 2)  # Gemini's report
+    instruction = len(CONTINUE_INSTRUCTION.split())
+    assert (events[-1].usage.prompt_tokens, events[-1].usage.output_tokens) == (10 + instruction, 2)
     # Three attempts wrote the answer: its output is what each is billed for (the cut ones estimated,
-    # "one two" 2, " three four" 3 at 4 bytes a token); the prompt is Gemini's less the 18-byte
-    # prefill's estimated 5 tokens: 12 tokens in all, as Gemini counted the conversation.
+    # "one two" 2, " three four" 3 at 4 bytes a token); the prompt is Gemini's less the estimated tokens
+    # of what Weir added, at 4 bytes a token: the 18-byte prefill's 5 and the instruction's.
     assert told.output == sum(e.usage.output_tokens for e in events) == 7
-    assert (told.prompt, told.prompt + told.output) == (5, 12)
+    added = 5 + -(-len(CONTINUE_INSTRUCTION) // 4)
+    assert told.prompt == max(0, events[-1].usage.prompt_tokens - added)
 
 
 @pytest.mark.parametrize("api", APIS)

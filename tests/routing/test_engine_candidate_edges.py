@@ -24,6 +24,7 @@ from structlog.testing import capture_logs
 
 from gateway import engine_supervisor
 from gateway.config import Backend, parse_config
+from gateway.providers.base import CONTINUE_INSTRUCTION
 from gateway.transport import Transport
 from routing.breaker import Breakers
 from routing.health import HealthProber
@@ -375,7 +376,11 @@ def test_an_engine_dying_mid_stream_is_continued_on_the_vendor(fake_openai: Fake
         )
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == "BBBB" + ECHO  # the engine's four tokens, then the vendor's continuation
-        assert fake_openai.last_request.json["messages"][-1] == {"role": "assistant", "content": "BBBB"}
+        assert fake_openai.last_request.json["messages"][-2] == {"role": "assistant", "content": "BBBB"}
+        assert fake_openai.last_request.json["messages"][-1] == {
+            "role": "user",
+            "content": CONTINUE_INSTRUCTION,
+        }
         settled(gateway, 2)
         got = events(gateway)
         assert [(e.backend, e.status) for e in got] == [("local", 502), ("vendor", 200)]

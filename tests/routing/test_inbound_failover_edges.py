@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
 from tests.routing.routed import FAST, ROUTES, fresh, route_header, routed_gateway, settled
@@ -293,7 +294,9 @@ def test_messages_thinking_cut_after_text_resumes_on_claude_without_thinking(
     assert [block.type for block in final.content] == ["thinking", "text"]
     assert "".join(b.text for b in final.content if b.type == "text") == ECHO  # type: ignore[union-attr]
     continuation = fake_anthropic.last_request.json
-    assert "thinking" not in continuation and continuation["messages"][-1]["role"] == "assistant"
+    # Opus 4.6 refuses a prefill: the text sent so far, then a user turn asking for the rest.
+    assert "thinking" not in continuation and continuation["messages"][-2]["role"] == "assistant"
+    assert continuation["messages"][-1]["content"][0]["text"] == CONTINUE_INSTRUCTION
 
 
 def test_responses_reasoning_cut_mid_way_is_two_reasoning_items(

@@ -20,6 +20,7 @@ import pytest
 
 from gateway.config import Backend, parse_config
 from gateway.providers import openai as openai_provider
+from gateway.providers.base import CONTINUE_INSTRUCTION
 from gateway.types import ChatRequest, Message
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, running_gateway
@@ -160,7 +161,9 @@ def test_a_stream_cut_on_claude_continues_on_gpt5_within_the_anthropic_clients_m
     text, _ = _messages(gateway, "claude-then-gpt5", True, max_tokens=100)
     assert text.split() == ECHO.split()  # the whole answer, not one cut by a stream error event
     sent = fake_openai.last_request.json
-    assert sent["model"] == "gpt-5" and sent["messages"][-1]["role"] == "assistant"  # the continuation
+    # The continuation: OpenAI answers a trailing assistant message afresh, so it is asked for the rest.
+    assert sent["model"] == "gpt-5" and sent["messages"][-2] == {"role": "assistant", "content": "one two"}
+    assert sent["messages"][-1] == {"role": "user", "content": CONTINUE_INSTRUCTION}
     assert "max_tokens" not in sent and 90 <= sent["max_completion_tokens"] < 100
 
 
