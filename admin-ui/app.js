@@ -350,6 +350,11 @@ function routeForm(existing, onSaved, heads = null) {
     try { extra = JSON.parse(advanced.value || "{}"); } catch (e) {
       formError(form, { message: `Advanced (JSON) is not valid JSON: ${e.message}`, param: "advanced" }); return;
     }
+    // Spread into the route, a list or string would add fields named "0", "1"... and null or a
+    // number would silently drop every advanced setting.
+    if (extra === null || typeof extra !== "object" || Array.isArray(extra)) {
+      formError(form, { message: 'Advanced (JSON) must be a JSON object of route fields, e.g. {"retry": {"attempts": 3}}; write {} for none.', param: "advanced" }); return;
+    }
     const candidates = [];
     for (const line of cands.value.split("\n").map((l) => l.trim()).filter(Boolean)) {
       const c = parseCandidate(line);
@@ -871,11 +876,16 @@ async function requests(params, query) {
   // The attempt that answered, as the API picks it: the last that succeeded (a hedge that lost is a
   // later attempt, cancelled).
   const answering = (r) => [...r.attempts].reverse().find(ok) ?? null;
+  const attemptsText = (n) => `${n} earlier attempt${n > 1 ? "s" : ""}`;
   const story = (r, won) => {
     if (!won) return `no attempt answered (${r.attempts.length} tried)`;
     const at = `attempt ${won.attempt} on ${won.backend} (${won.model}) answered`;
     if (won === r.attempts[0]) return r.attempts.length > 1 ? `${at}; the later attempts were hedges that lost` : `${at}, its first choice`;
-    return `${at} after ${r.attempts.indexOf(won)} earlier attempt${r.attempts.indexOf(won) > 1 ? "s" : ""} failed`;
+    // An earlier attempt cancelled (499) had not failed: a hedge answered first and it was stopped.
+    const earlier = r.attempts.slice(0, r.attempts.indexOf(won));
+    const raced = earlier.filter((a) => a.status === 499).length, failed = earlier.length - raced;
+    return [failed ? `${at} after ${attemptsText(failed)} failed` : `${at} first, as a hedge`,
+      raced ? `${attemptsText(raced)} still under way ${raced > 1 ? "were" : "was"} cancelled` : null].filter(Boolean).join("; ");
   };
   const detail = (r) => { const won = answering(r); return h("details", {}, h("summary", {}, `Why and how: ${r.attempts.length} attempt${r.attempts.length > 1 ? "s" : ""}`),
     h("p", {}, `Route ${r.route}: ${story(r, won)}.`),
@@ -886,6 +896,8 @@ async function requests(params, query) {
       { label: "Decision (x-weir-route)", render: (a) => (a.routing ? h("code", {}, a.routing) : "—") },
       { label: "Fallback", render: (a) => (a.fallback ? "yes" : "no") },
       { label: "Latency", num: true, render: (a) => `${Math.round(a.latency_ms)} ms` },
+      // What a route's ttft_timeout is measured against; streams only.
+      { label: "First token", num: true, render: (a) => (a.ttft_ms === null || a.ttft_ms === undefined ? "—" : `${Math.round(a.ttft_ms)} ms`) },
       { label: "Tokens in/out", num: true, render: (a) => `${a.input_tokens}/${a.output_tokens}` },
       { label: "Cost", num: true, key: "cost_usd" },
     ], r.attempts)); };

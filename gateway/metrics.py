@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from gateway.state.degradable import degraded_states
@@ -47,7 +48,8 @@ class Metrics:
             registry=self.registry,
         ).set_function(lambda: min(degraded_states(), 1))
         # Labelled children, looked up once: `labels()` takes a lock and builds a key on every call.
-        # Label values are bounded (configured backends and models, status codes), so are these.
+        # Label values are configured backends and models, status codes and route names; a route's
+        # go with it (`forget_models`).
         self._done: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
         self._tokens: dict[tuple[str, str, str], Any] = {}
 
@@ -78,12 +80,39 @@ class Metrics:
                     child = self._tokens[key] = self.tokens.labels(backend, model, token_class)
                 child.inc(count)
 
+    def forget_models(self, names: Collection[str]) -> None:
+        """Stop exporting the series of model names that are gone (deleted or renamed routes): each
+        route name ever created kept its request, latency and token series for as long as the process
+        ran. A name used again starts its series afresh (a counter reset, which rate() absorbs)."""
+        self._done = {key: c for key, c in self._done.items() if key[2] not in names}
+        self._tokens = {key: c for key, c in self._tokens.items() if key[1] not in names}
+        drop_series(self.requests, ("endpoint", "backend", "model", "status"), "model", names)
+        drop_series(self.latency, ("endpoint", "backend", "model"), "model", names)
+        drop_series(self.tokens, ("backend", "model", "class"), "model", names)
+
     def watch_budgets(self, ratios: Callable[[], Mapping[str, float]]) -> None:
         """Export each tenant's monthly budget use (spent + reserved over the budget) on every scrape."""
         self.registry.register(_BudgetCollector(ratios))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def drop_series(
+    metric: MetricWrapperBase, labelnames: Sequence[str], label: str, values: Collection[str]
+) -> None:
+    """Remove every series of `metric` (labelled `labelnames`) whose `label` is one of `values`:
+    `remove` takes whole label sets, so they are read from what the metric exports."""
+    if not values:
+        return
+    found = {
+        tuple(sample.labels[name] for name in labelnames)
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.labels.get(label) in values
+    }
+    for labelvalues in found:
+        metric.remove(*labelvalues)
 
 
 class _BudgetCollector(Collector):

@@ -75,9 +75,6 @@ class Call:
     # The routing decision as of each attempt, by attempt number, for that attempt's usage event: a
     # hedge runs beside the primary, so `info.route` names whichever of them started last.
     routes: dict[int, str] = field(default_factory=dict)
-    # Set by the router when it may hedge the first attempt: resolved once that attempt is admitted
-    # (rate limits, budgets), before which no hedge may start.
-    admitted: asyncio.Future[None] | None = None
     # Attempts the router itself ends, by attempt number, with the error type and status to record for
     # them, set before it cancels them: a stream too slow for the route's TTFT timeout is its backend's
     # 504 (`upstream_error`), a hedge that lost is `cancelled` (499). An attempt cancelled without an
@@ -156,8 +153,10 @@ class Pipeline:
         upstream: UpstreamRequest,
         parse: Callable[[bytes, str], R],
         attempt: int = 1,
+        sending: Callable[[], None] | None = None,
     ) -> R:
-        """A non-streaming attempt: send, read, translate."""
+        """A non-streaming attempt: send, read, translate. `sending` is called once the attempt is
+        admitted, as it goes upstream: where the router's clocks for the backend start."""
         left = await self._admit(call, target, upstream, attempt)
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure = 0, Usage(), None
@@ -165,6 +164,8 @@ class Pipeline:
         try:
             if left:
                 raise asyncio.CancelledError  # admitted as its client left: recorded as its 499
+            if sending is not None:
+                sending()
             response = await self.transport.send(upstream, backend.timeouts, backend.name)
             status = response.status
             self.loads.observe(backend.name, response.headers)
@@ -190,13 +191,19 @@ class Pipeline:
             )
 
     async def stream(
-        self, call: Call, target: Target, upstream: UpstreamRequest, decoder: StreamDecoder, attempt: int = 1
+        self,
+        call: Call,
+        target: Target,
+        upstream: UpstreamRequest,
+        decoder: StreamDecoder,
+        attempt: int = 1,
+        sending: Callable[[], None] | None = None,
     ) -> AsyncIterator[Any]:
         """A streaming attempt, as batches (lists) of canonical chunks: the chunks decoded from one
         upstream read, for the API to write in one piece. Errors before the first batch raise here, so
         the API can still answer with an HTTP error status (and the router can fail over invisibly);
-        later ones raise mid-stream."""
-        chunks = self._stream(call, target, upstream, decoder, attempt)
+        later ones raise mid-stream. `sending` as in `exchange`."""
+        chunks = self._stream(call, target, upstream, decoder, attempt, sending)
         try:
             first = await anext(chunks)
         except StopAsyncIteration:
@@ -204,7 +211,13 @@ class Pipeline:
         return _prepend(first, chunks)
 
     async def _stream(
-        self, call: Call, target: Target, upstream: UpstreamRequest, decoder: StreamDecoder, attempt: int
+        self,
+        call: Call,
+        target: Target,
+        upstream: UpstreamRequest,
+        decoder: StreamDecoder,
+        attempt: int,
+        sending: Callable[[], None] | None,
     ) -> AsyncIterator[Any]:
         left = await self._admit(call, target, upstream, attempt)
         started_at, t0 = time.time(), time.perf_counter()
@@ -214,6 +227,8 @@ class Pipeline:
         try:
             if left:
                 raise asyncio.CancelledError  # admitted as its client left: recorded as its 499
+            if sending is not None:
+                sending()
             response = await self.transport.send(upstream, backend.timeouts, backend.name)
             status = response.status
             self.loads.observe(backend.name, response.headers)
@@ -309,8 +324,6 @@ class Pipeline:
         if cancelled and admitting.exception() is not None:
             raise asyncio.CancelledError  # refused anyway: nothing was counted, and nobody is waiting
         admitting.result()  # a refusal (429) raises
-        if call.admitted is not None and not call.admitted.done():
-            call.admitted.set_result(None)
         return cancelled
 
     async def _record(

@@ -75,6 +75,8 @@ class Gateway:
             lambda principal: self.limits.policy(principal).store_prompts,
             self.metrics.registry,
         )
+        # What the gateway keeps per route name goes with the route (deleted or renamed).
+        self.router.listeners += [lambda _, gone: self.metrics.forget_models(gone), self.comparer.forget]
         self.started = False
 
     async def start(self) -> None:

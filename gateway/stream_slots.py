@@ -4,7 +4,10 @@ In Redis each tenant has a sorted set of leases scored by their expiry (Redis se
 clocks do not matter). A replica refreshes the leases it holds every `ttl_s / 3`, so the leases of a
 replica that died vanish after `ttl_s` instead of holding the tenant's slots forever. A lease is given
 back (ZREM) when its stream's HTTP exchange ends. When Redis cannot be reached, the replica counts its
-own streams instead (the limit then holds per replica) and says so in the log once per outage.
+own streams instead (the limit then holds per replica) and says so in the log once per outage. Only
+the request that finds Redis gone waits for it (at most `timeout_s`: a Redis that hangs, rather than
+refusing connections, would otherwise cost every stream that long); until a background task hears
+from Redis again (asked every `retry_s`), streams are counted here at once.
 """
 
 from __future__ import annotations
@@ -66,10 +69,19 @@ class LocalSlots:
 class RedisSlots:
     """Streams open on every replica sharing the Redis namespace, per tenant."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "weir:", ttl_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "weir:",
+        ttl_s: float = 30.0,
+        timeout_s: float = 1.0,
+        retry_s: float = 1.0,
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.ttl_ms = int(ttl_s * 1000)
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
         self.local = LocalSlots()  # while Redis is away
         self.held: dict[str, tuple[str, str]] = {}  # lease id -> (tenant, set key), for refreshes
         self.degraded = False
@@ -77,6 +89,7 @@ class RedisSlots:
         self._refresh = client.register_script(REFRESH)
         self._tasks: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None  # asks Redis again while it is away
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "weir:", ttl_s: float = 30.0) -> RedisSlots:
@@ -88,22 +101,38 @@ class RedisSlots:
     async def acquire(self, tenant: str, limit: int) -> str | None:
         """A lease id, or None when the tenant has `limit` streams open already."""
         lease = random_hex(12)
+        if self.degraded:
+            return "local:" + lease if self.local.acquire(tenant, limit) else None
         try:
-            taken = await self._acquire(keys=[self.key(tenant)], args=[limit, lease, self.ttl_ms])
-        except (aioredis.RedisError, OSError) as exc:
+            async with asyncio.timeout(self.timeout_s):
+                taken = await self._acquire(keys=[self.key(tenant)], args=[limit, lease, self.ttl_ms])
+        except (aioredis.RedisError, OSError, TimeoutError) as exc:
             if not self.degraded:
                 self.degraded = True
                 log.warning(
-                    "stream_slots_degraded", detail="Redis unreachable; counting per replica", error=str(exc)
+                    "stream_slots_degraded", detail="Redis unreachable; counting per replica", error=repr(exc)
                 )
+            if self._prober is None or self._prober.done():
+                self._prober = asyncio.get_running_loop().create_task(self._probe())
             return "local:" + lease if self.local.acquire(tenant, limit) else None
-        if self.degraded:
-            self.degraded = False
-            log.info("stream_slots_recovered")
         if not taken:
             return None
         self.held[lease] = (tenant, self.key(tenant))
         return lease
+
+    async def _probe(self) -> None:
+        """Ask Redis every `retry_s` until it answers, off every request's path."""
+        while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
+            await asyncio.sleep(self.retry_s)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self.client.ping()
+            except (aioredis.RedisError, OSError, TimeoutError):
+                continue
+            self.degraded = False
+            log.info("stream_slots_recovered")
+            return
 
     def release(self, tenant: str, lease: str) -> None:
         """Give a lease back without waiting (called as the exchange ends, maybe while cancelled)."""
@@ -139,10 +168,11 @@ class RedisSlots:
                 log.warning("stream_slots_refresh_failed", error=str(exc))
 
     async def close(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
+        for task in (self._heartbeat, self._prober):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.client.aclose()

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
+import structlog
 
 from gateway.config import Timeouts
 from gateway.errors import BackendUnavailable, BadGateway, GatewayTimeout
@@ -20,6 +21,12 @@ from gateway.providers.base import UpstreamRequest
 
 MAX_ERROR_BODY = 64 * 1024  # enough of a vendor's error body to show its message
 MAX_RESPONSE_BODY = 64 * 1024 * 1024  # a non-streaming response larger than this is a broken backend
+# Stable codes for a connection that broke after the backend answered: clients can tell an answer cut
+# short from a refusal without parsing the message.
+STREAM_INTERRUPTED = "upstream_stream_interrupted"
+RESPONSE_INTERRUPTED = "upstream_response_interrupted"
+
+log = structlog.get_logger("weir.gateway")
 
 
 @dataclass(slots=True)
@@ -73,7 +80,8 @@ class Transport:
         except aiohttp.ClientConnectorError as exc:
             raise BackendUnavailable(f"cannot connect to backend {backend}: {exc.strerror or exc}") from None
         except aiohttp.ClientError as exc:
-            raise BadGateway(f"backend {backend} failed: {_describe(exc)}") from None
+            log.warning("upstream_request_broken", backend=backend, error=_describe(exc))
+            raise BadGateway(_before_answer(backend, exc)) from None
         return UpstreamResponse(response.status, response.headers, response)
 
     async def read(self, response: UpstreamResponse, timeouts: Timeouts, backend: str, limit: int) -> bytes:
@@ -95,7 +103,10 @@ class Transport:
         except TimeoutError:
             raise GatewayTimeout(f"backend {backend} stopped sending its response") from None
         except aiohttp.ClientError as exc:
-            raise BadGateway(f"backend {backend} failed mid-response: {_describe(exc)}") from None
+            log.warning("upstream_response_broken", backend=backend, error=_describe(exc))
+            raise BadGateway(
+                f"the response from backend {backend} ended before it was complete", code=RESPONSE_INTERRUPTED
+            ) from None
         finally:
             raw.release()
 
@@ -111,6 +122,7 @@ class Transport:
         event: str | None = None
         data: list[str] = []
         size = 0  # bytes of the event being read: its data lines so far
+        received = 0  # whole events read: how far a stream that breaks got, for the client's message
         pending = bytearray()
         try:
             async for piece in response.raw.content.iter_any():
@@ -137,6 +149,7 @@ class Transport:
                     if not line:
                         if data:
                             batch.append((event, "\n".join(data)))
+                            received += 1
                         event, data, size = None, [], 0
                     elif line.startswith("data:"):
                         data.append(line[6:] if line.startswith("data: ") else line[5:])
@@ -155,13 +168,30 @@ class Transport:
                 yield [(event, "\n".join(data))]
         except TimeoutError:
             raise GatewayTimeout(f"backend {backend} went silent mid-stream") from None
-        except (aiohttp.ClientError, UnicodeDecodeError) as exc:
-            raise BadGateway(f"backend {backend} broke the stream: {_describe(exc)}") from None
+        except aiohttp.ClientError as exc:
+            log.warning("upstream_stream_broken", backend=backend, events=received, error=_describe(exc))
+            raise BadGateway(
+                f"the stream from backend {backend} ended unexpectedly after {received} events",
+                code=STREAM_INTERRUPTED,
+            ) from None
+        except UnicodeDecodeError as exc:
+            log.warning("upstream_stream_broken", backend=backend, events=received, error=_describe(exc))
+            raise BadGateway(f"backend {backend} sent a stream event that is not UTF-8 text") from None
         finally:
             response.raw.release()
 
     def discard(self, response: UpstreamResponse) -> None:
         response.raw.close()
+
+
+def _before_answer(backend: str, exc: aiohttp.ClientError) -> str:
+    """What a client is told of a request that broke before any response headers: what happened, in
+    words that stay the same across aiohttp versions (the log has aiohttp's own)."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return f"backend {backend} closed the connection before answering"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"backend {backend} sent a response that is not valid HTTP"
+    return f"the request to backend {backend} failed before it answered"
 
 
 def _describe(exc: BaseException) -> str:

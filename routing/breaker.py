@@ -3,11 +3,18 @@
 Fed by request outcomes (the executor) and by active health probes (routing.health). Consecutive
 failures open a breaker; after `cooldown` one trial request is let through (half-open): its success
 closes the breaker, its failure opens it again. When shared state is configured (Redis), an opening
-is published with the cooldown as TTL so every replica stops sending there, and a recovery clears it.
+is published with the cooldown as TTL so every replica stops sending there; a recovery is published
+too, and moves the other replicas' open breakers to half-open (`Breakers.sync`). A half-open trial
+that only the cooldown let through is the fleet's one: a replica claims it in the shared state first
+(`Breakers.allow`), so N replicas send one trial per cooldown to a dead backend, not N.
+
+A route's `ttft_timeout` is that route's latency preference: it counts against the backend's breaker
+only where no route in force that uses the breaker would wait longer (`Breakers.too_slow`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,6 +35,12 @@ PREFIX = "weir:breaker:"
 # reached for a whole cooldown). Bad answers say "open": they wait out the cooldown everywhere.
 OPENED = b"open"
 OPENED_BY_PROBE = b"open:probe"
+# What a recovery publishes: b"closed:<token>", for a cooldown. A token of its own per recovery, so a
+# replica acts on each once (one it read again, or its own, is not news). Replicas before it wrote
+# b"closed" alone, which reads as a recovery too.
+RECOVERED = b"closed"
+# The fleet's half-open trial of a breaker: held by the replica that claimed it, for a cooldown.
+TRIAL_PREFIX = "weir:breaker-trial:"
 
 
 class State(StrEnum):
@@ -47,21 +60,37 @@ class CircuitBreaker:
     # Opened because health probes could not reach the backend: a probe that reaches it again may
     # half-open it early. Openings for bad answers wait out the cooldown (a probe cannot see those).
     by_probe: bool = False
+    # Half-open because the cooldown passed, with no sign that the backend is back: with shared
+    # state its trial is the fleet's one (Breakers.allow). Not after this replica's probe reached the
+    # backend, nor after another replica's request succeeded there: a trial then is one request to a
+    # backend seen up, each replica's own.
+    fleet_trial: bool = False
+    claimed_until: float = 0.0  # monotonic: this replica holds the fleet's trial until then
+    trial_elsewhere_until: float = 0.0  # monotonic: another replica holds it until then
+    recovery_seen: bytes | None = None  # the latest recovery record read or written here
 
     def current(self, now: float | None = None) -> State:
         if self.state is State.OPEN:
             now = time.monotonic() if now is None else now
             if now - self.opened_at >= self.settings.cooldown:
-                self.state, self.trial_in_flight = State.HALF_OPEN, False
+                self.state, self.trial_in_flight, self.fleet_trial = State.HALF_OPEN, False, True
         return self.state
 
+    def half_open(self) -> None:
+        """Half-open now on a sign that the backend is back (see `fleet_trial`): the next request is
+        this replica's trial."""
+        self.state, self.trial_in_flight, self.fleet_trial = State.HALF_OPEN, False, False
+        self.trial_elsewhere_until = 0.0
+
     def admits(self, now: float | None = None) -> bool:
-        """Would a request go there now? Closed, or half-open with no trial under way. A trial that
-        has not reported back within a cooldown (a stream its client left: neither success nor
-        failure) no longer holds the breaker."""
+        """Would a request go there now? Closed, or half-open with no trial under way, here or (the
+        fleet's trial) on another replica. A trial that has not reported back within a cooldown (a
+        stream its client left: neither success nor failure) no longer holds the breaker."""
         now = time.monotonic() if now is None else now
         state = self.current(now)
         if state is State.HALF_OPEN:
+            if now < self.trial_elsewhere_until:
+                return False
             return not self.trial_in_flight or now - self.trial_started >= self.settings.cooldown
         return state is State.CLOSED
 
@@ -78,6 +107,7 @@ class CircuitBreaker:
         """Record a success; True when this closed a breaker that was not closed."""
         changed = self.state is not State.CLOSED
         self.state, self.failures, self.trial_in_flight = State.CLOSED, 0, False
+        self.claimed_until = self.trial_elsewhere_until = 0.0
         return changed
 
     def failure(self, probe: bool = False) -> bool:
@@ -97,6 +127,7 @@ class CircuitBreaker:
 
     def trip(self, now: float | None = None) -> None:
         self.state, self.trial_in_flight, self.by_probe = State.OPEN, False, False
+        self.claimed_until = self.trial_elsewhere_until = 0.0
         self.opened_at = time.monotonic() if now is None else now
 
 
@@ -108,6 +139,9 @@ class Breakers:
         self.shared = state  # gateway.state.SharedState (kv_get/kv_set) or None
         # (key, new state), the latest only: a list grew for ever on a gateway whose breakers flap.
         self.transitions: deque[tuple[str, State]] = deque(maxlen=HISTORY)
+        # Per key: the longest any route in force with a breaker waits for a stream's first token
+        # there (inf: one waits as long as it takes). Router.set_routes keeps it; see too_slow.
+        self.patience: dict[str, float] = {}
 
     @staticmethod
     def key(backend: str, model: str) -> str:
@@ -128,20 +162,54 @@ class Breakers:
     def moved(self, key: str, state: State, cause: str | None = None) -> None:
         """Note a transition, and log it: an opening between two scrapes of the state gauge would
         otherwise leave no trace. `cause` of an opening: `requests` (failed answers), `probe` (the
-        health probes could not reach it) or `replica` (adopted from another replica)."""
+        health probes could not reach it) or `replica` (adopted from another replica); of a
+        half-open: `replica` (another replica's request succeeded there), else none."""
         self.transitions.append((key, state))
         if state is State.OPEN:
             log.warning("breaker_opened", breaker=key, cause=cause)
         elif state is State.HALF_OPEN:
-            log.info("breaker_half_open", breaker=key)
+            log.info("breaker_half_open", breaker=key, cause=cause)
         else:
             log.info("breaker_closed", breaker=key)
 
+    async def allow(self, key: str) -> bool:
+        """May a request go to `key` now? As `CircuitBreaker.allow`; with shared state, a trial that
+        only the cooldown let through (`fleet_trial`) must also be claimed for the fleet: refused
+        while another replica holds it, until its verdict reaches `sync` (its success) or its claim
+        lapses (a cooldown after it was taken, even if its holder died). Shared state that fails
+        leaves the trial to this replica, as without it: never a backend refused for that."""
+        breaker = self.get(key)
+        now = time.monotonic()
+        if not breaker.allow(now):
+            return False
+        if self.shared is None or breaker.state is not State.HALF_OPEN or not breaker.fleet_trial:
+            return True
+        if now < breaker.claimed_until:  # this replica's claim: a trial that ended without a verdict
+            return True
+        cooldown = breaker.settings.cooldown
+        try:
+            claimed, left = await self.shared.kv_set_if_absent(TRIAL_PREFIX + key, b"1", cooldown)
+        except Exception as exc:  # a state without a fallback (DegradableState answers from memory)
+            log.warning("breaker_trial_unshared", breaker=key, error=str(exc))
+            return True
+        if claimed:
+            breaker.claimed_until = now + cooldown
+            return True
+        if breaker.state is State.HALF_OPEN and breaker.fleet_trial:  # (unless sync moved it meanwhile)
+            breaker.trial_in_flight = False
+            breaker.trial_elsewhere_until = now + min(left, cooldown)
+        return False
+
     async def success(self, key: str) -> None:
-        if self.get(key).success():
+        breaker = self.get(key)
+        if breaker.success():
             self.moved(key, State.CLOSED)
             if self.shared is not None:
-                await self.shared.kv_set(PREFIX + key, b"closed", ttl_s=1.0)
+                # For a cooldown: every opening it can end, adopted or this replica's own, ends by
+                # itself within a cooldown of it, however seldom the other replicas sync (their probe
+                # interval, often longer than a second).
+                recovered = breaker.recovery_seen = RECOVERED + b":" + os.urandom(8).hex().encode()
+                await self.shared.kv_set(PREFIX + key, recovered, ttl_s=breaker.settings.cooldown)
 
     async def failure(self, key: str, probe: bool = False) -> None:
         breaker = self.get(key)
@@ -151,8 +219,21 @@ class Breakers:
                 value = OPENED_BY_PROBE if probe else OPENED
                 await self.shared.kv_set(PREFIX + key, value, ttl_s=breaker.settings.cooldown)
 
+    async def too_slow(self, key: str, waited: float) -> None:
+        """A route gave up on a stream after `waited` seconds without its first token (its
+        `ttft_timeout`). That is a failure of the backend only where no route in force with a breaker
+        there would have waited longer: a tighter route's latency preference must not open the
+        breaker that routes with no timeout, or a longer one, share, and take a model that would
+        answer them away from them. It says nothing about the backend to them either (a half-open
+        trial it was lets the next request be the trial). Its 504 still counts as the backend's error
+        in the metrics, as every TTFT timeout does."""
+        if waited >= self.patience.get(key, waited):
+            await self.failure(key)
+        else:
+            self.get(key).release()
+
     async def sync(self) -> None:
-        """Adopt openings published by other replicas (called by the health loop)."""
+        """Adopt openings and recoveries published by other replicas (called by the health loop)."""
         if self.shared is None:
             return
         # The keys as they are now, read in one round trip: a route added while it is under way
@@ -170,3 +251,21 @@ class Breakers:
                 breaker.trip()
                 breaker.by_probe = value == OPENED_BY_PROBE
                 self.moved(key, State.OPEN, "replica")
+            elif value is not None and value.startswith(RECOVERED) and value != breaker.recovery_seen:
+                breaker.recovery_seen = value
+                self._recovered_elsewhere(key, breaker)
+
+    def _recovered_elsewhere(self, key: str, breaker: CircuitBreaker) -> None:
+        """Another replica's request succeeded on a backend this replica has open: half-open, so the
+        next request here is this replica's own trial, rather than closed. The success shows the
+        backend answering that replica, not this one (a partition, or this replica's own failures,
+        which opened it), and one trial costs at most one request, where closing would send every
+        request until `failures` of them failed again. It is no fleet trial (one that waits on
+        another replica's claim stops waiting): the backend was seen up, and each replica's one
+        request there is ordinary traffic. A trial of this replica's under way decides on its own."""
+        state = breaker.current()
+        if state is State.OPEN:
+            breaker.half_open()
+            self.moved(key, State.HALF_OPEN, "replica")
+        elif state is State.HALF_OPEN and not breaker.trial_in_flight:
+            breaker.half_open()

@@ -30,7 +30,7 @@ import json
 import random
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -42,6 +42,7 @@ from prometheus_client.core import GaugeMetricFamily
 from gateway.accounting.pricing import price_usage
 from gateway.errors import GatewayError
 from gateway.ids import ordered_id
+from gateway.metrics import drop_series
 from gateway.pipeline import Call, Pipeline, RequestInfo
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
 from routing.execute import SpendCap
@@ -178,6 +179,20 @@ class RecentRanking:
             rows = self.rows[key] = deque(maxlen=self.size)
         rows.append((p_strong, needs_strong))
 
+    def forget(self, routes: Sequence[Route]) -> None:
+        """Keep the rows of routes in force that compare, and of the heads they can score with (the
+        shipped ones, and the trained head each names): a deleted route's rows, or those of a head
+        it no longer names, are never added to again, and an AUC below chance among them kept
+        WeirDifficultyHeadWorseThanChance firing."""
+        named: dict[str, set[str | None]] = {}
+        for route in routes:
+            if route.policy == "difficulty" and route.compare is not None:
+                named.setdefault(route.name, set()).add(route.head)
+        for name, head in list(self.rows):
+            trained = head_name(head)
+            if name not in named or (trained is not None and trained not in named[name]):
+                del self.rows[(name, head)]
+
     def collect(self) -> Iterator[Metric]:
         counts = GaugeMetricFamily(
             "weir_route_head_ranking_comparisons",
@@ -255,6 +270,12 @@ class Comparer:
         self.recent = RecentRanking()
         if registry is not None:
             registry.register(self.recent)
+
+    def forget(self, routes: Sequence[Route], gone: Collection[str]) -> None:
+        """The route table changed (`Router.listeners`): drop what is kept for routes no longer in
+        force (their outcome series, their rankings)."""
+        drop_series(self.outcomes, ("route", "outcome"), "route", gone)
+        self.recent.forget(routes)
 
     def use_control_plane(
         self,

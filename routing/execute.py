@@ -263,10 +263,12 @@ class Executor:
         op: Operation,
         charge: Charge | None = None,
         numbers: dict[asyncio.Future[Any], int] | None = None,
+        sent: asyncio.Future[None] | None = None,
     ) -> Any:
         """One upstream attempt: the parsed response, or a stream iterator past its first output.
         `charge` is settled with the attempt's cost once its usage event prices it. Run as a task of
-        its own (a hedge race), it enters its attempt number in `numbers` under that task."""
+        its own (a hedge race), it enters its attempt number in `numbers` under that task, and
+        resolves `sent` once it is admitted and goes upstream."""
         target = choice.target
         model = choice.candidate.model
         try:
@@ -287,18 +289,30 @@ class Executor:
         in_flight = self.context.in_flight
         in_flight[model] = in_flight.get(model, 0) + 1
         handed_over = False
+        timeout = plan.route.ttft_timeout if op.stream else None
+        deadline = _FirstTokenDeadline(call, number, timeout, target.backend.name) if timeout else None
+
+        def sending() -> None:
+            # Admitted (stream slots, rate limits, budgets: the gateway's own time, a Redis round
+            # trip or the month's first budget seed from the ledger) and going upstream now: where
+            # the backend's time to first token, and the hedge delay, start.
+            if deadline is not None:
+                deadline.start()
+            if sent is not None and not sent.done():
+                sent.set_result(None)
+
         try:
             if op.stream:
-                opening = _first_output(self.pipeline.stream(call, target, upstream, reader, attempt=number))
-                timeout = plan.route.ttft_timeout
-                if timeout:
-                    held, batches = await _first_in_time(call, number, opening, timeout, target.backend.name)
-                else:
-                    held, batches = await opening
+                opening = _first_output(
+                    self.pipeline.stream(call, target, upstream, reader, attempt=number, sending=sending)
+                )
+                held, batches = await (opening if deadline is None else deadline.within(opening))
                 handed_over = True
                 self._note(plan, model, "ok")
                 return self._track(batches, model, held)
-            result = await self.pipeline.exchange(call, target, upstream, reader, attempt=number)
+            result = await self.pipeline.exchange(
+                call, target, upstream, reader, attempt=number, sending=sending
+            )
             self._note(plan, model, "ok")
             if plan.route.breaker is not None:
                 await self.breakers.success(key)
@@ -316,7 +330,9 @@ class Executor:
                 raise
             self._note(plan, model, str(exc.status))
             if plan.route.breaker is not None:
-                if _unhealthy(exc):
+                if isinstance(exc, GatewayTimeout) and exc.code == "ttft_timeout" and plan.route.ttft_timeout:
+                    await self.breakers.too_slow(key, plan.route.ttft_timeout)  # perhaps its own preference
+                elif _unhealthy(exc):
                     await self.breakers.failure(key)
                 elif isinstance(exc, _BACKEND_ERRORS):
                     await self.breakers.success(key)  # it answered: the request was at fault, not it
@@ -363,7 +379,7 @@ class Executor:
         opened = False
         for index, choice in enumerate(queue):
             breaker = self.breakers.get(self._key(choice), route.breaker) if route.breaker else None
-            if breaker is not None and not breaker.allow():
+            if breaker is not None and not await self.breakers.allow(self._key(choice)):
                 self._note(plan, choice.candidate.model, "open")
                 opened = True
                 continue
@@ -401,7 +417,7 @@ class Executor:
                     if wait is not None and wait > route.retry.max_retry_after:
                         break  # not worth waiting for: the next candidate may answer now
                     await asyncio.sleep(wait if wait is not None else backoff(route, retry, self.rng))
-                    if breaker is not None and not breaker.allow():
+                    if breaker is not None and not await self.breakers.allow(self._key(choice)):
                         break
         if last is None and refusal is not None and not opened:
             raise refusal  # no candidate could take the request: why the first could not
@@ -455,22 +471,19 @@ class Executor:
         `partner`; the first to answer wins, the other is cancelled."""
         route = plan.route
         assert route.hedge is not None
-        admitted: asyncio.Future[None] | None = None
-        if plan.attempts == 0 and self.pipeline.admission is not None:
-            # The request's first attempt: the pipeline admits it (rate limits, budgets) first, and
-            # says so here (Call.admitted).
-            admitted = call.admitted = asyncio.get_running_loop().create_future()
         numbers: dict[asyncio.Future[Any], int] = {}  # each attempt's number, by its task
-        first = asyncio.ensure_future(self._attempt(call, plan, primary, op, numbers=numbers))
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        first = asyncio.ensure_future(self._attempt(call, plan, primary, op, numbers=numbers, sent=sent))
         try:
-            done, _ = await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
-            if not done and admitted is not None and not admitted.done():
-                # No hedge before the admission said yes (with Redis a round trip, and the month's
-                # spend read from the ledger the first time): one sent meanwhile could answer a
-                # request the tenant's own limits or budget refuse, past them.
-                ended, _ = await asyncio.wait({first, admitted}, return_when=asyncio.FIRST_COMPLETED)
-                done = {first} if first in ended else set()
-            if done:
+            # The delay counts from when the primary goes upstream, once admitted (with Redis a
+            # round trip, and the month's spend read from the ledger the first time): the admission
+            # is the gateway's own time, not the backend's slowness. And no hedge before the
+            # admission said yes: one sent meanwhile could answer a request the tenant's own limits
+            # or budget refuse, past them.
+            await asyncio.wait({first, sent}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
+            if first.done():
                 plan.chosen = primary
                 return first.result()
             output = feats.max_output_tokens or route.expected_output_tokens
@@ -730,36 +743,48 @@ async def _first_output(opening: Awaitable[Batches]) -> tuple[list[list[Any]], B
     return held, batches
 
 
-async def _first_in_time(
-    call: Call, number: int, opening: Awaitable[tuple[list[list[Any]], Batches]], timeout: float, backend: str
-) -> tuple[list[list[Any]], Batches]:
-    """`opening` (attempt `number`'s stream up to its first output) within the route's TTFT timeout,
-    else a 504. The attempt is cancelled as the backend's failure, not as a client that left: the
+class _FirstTokenDeadline:
+    """The route's TTFT timeout for one streamed attempt (number `number`), else a 504. The clock
+    starts when the pipeline sends the attempt upstream (`start`), not before its admission: time the
+    gateway spends admitting it is not the backend's, and must neither fail it over nor count against
+    its breaker. The attempt is cancelled as the backend's failure, not as a client that left: the
     pipeline records what `call.stopped` says for it, so that is set before the cancellation (which
     `asyncio.wait_for` gives no hook for). Someone else's cancellation passes through, as in
     `asyncio.timeout`."""
-    task = asyncio.current_task()
-    assert task is not None
-    expired = False
 
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        call.stopped[number] = (GatewayTimeout.type, GatewayTimeout.status)
-        task.cancel()
+    def __init__(self, call: Call, number: int, timeout: float, backend: str) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task, self.call, self.number = task, call, number
+        self.timeout, self.backend = timeout, backend
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False
 
-    cancelling = task.cancelling()
-    timer = asyncio.get_running_loop().call_later(timeout, expire)
-    try:
-        return await opening
-    except asyncio.CancelledError:
-        if expired and task.uncancel() <= cancelling:
-            raise GatewayTimeout(
-                f"{backend} sent no first token within {timeout:g} s", code="ttft_timeout"
-            ) from None
-        raise
-    finally:
-        timer.cancel()
+    def start(self) -> None:
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.timeout, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self.call.stopped[self.number] = (GatewayTimeout.type, GatewayTimeout.status)
+        self.task.cancel()
+
+    async def within(
+        self, opening: Awaitable[tuple[list[list[Any]], Batches]]
+    ) -> tuple[list[list[Any]], Batches]:
+        """`opening` (the attempt's stream up to its first output), in time."""
+        cancelling = self.task.cancelling()
+        try:
+            return await opening
+        except asyncio.CancelledError:
+            if self.expired and self.task.uncancel() <= cancelling:
+                raise GatewayTimeout(
+                    f"{self.backend} sent no first token within {self.timeout:g} s", code="ttft_timeout"
+                ) from None
+            raise
+        finally:
+            if self.timer is not None:
+                self.timer.cancel()
 
 
 async def _abandon(task: asyncio.Future[Any]) -> None:

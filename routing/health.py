@@ -4,9 +4,9 @@ timeout or 5xx counts as a failure for every breaker of that backend. The log sa
 changes state (down, back up, or not up yet at start, as a bundled engine loading its model), not
 every failed probe: an outage is one warning, not one every `interval` seconds. A breaker the probes opened
 goes half-open as soon as a probe reaches the backend again, so a backend that came back gets its
-trial request without waiting out the whole cooldown. Each round also adopts breaker openings other
-replicas published in the shared state. Every result also goes to `on_result` (the control plane's
-uptime recorder) when one is given."""
+trial request without waiting out the whole cooldown. Each round also adopts the breaker openings
+and recoveries other replicas published in the shared state (`Breakers.sync`). Every result also
+goes to `on_result` (the control plane's uptime recorder) when one is given."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ class HealthProber:
                 breaker = self.breakers.get(key)
                 if healthy:
                     if breaker.current() is State.OPEN and breaker.by_probe:
-                        breaker.state, breaker.trial_in_flight = State.HALF_OPEN, False
+                        breaker.half_open()
                         self.breakers.moved(key, State.HALF_OPEN)
                 else:
                     await self.breakers.failure(key, probe=True)

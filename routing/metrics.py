@@ -5,11 +5,13 @@ heads routes name."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gateway.metrics import drop_series
 
 STATE_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -31,6 +33,12 @@ class RoutingMetrics:
             registry=registry,
         )
         registry.register(_Collector(router))
+
+    def forget(self, routes: Collection[str]) -> None:
+        """Stop exporting the series of route names no longer in force (`Router.set_routes`): a
+        deleted or renamed route's attempts and hedges were exported for as long as the process ran."""
+        drop_series(self.attempts, ("route", "candidate", "outcome"), "route", routes)
+        drop_series(self.hedges, ("route", "result"), "route", routes)
 
 
 class _Collector:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from routing.difficulty import HeadChoice
     from routing.heads import HeadStore
 
+# Called after each route table change with the routes now in force and the names no longer in force
+# (deleted or renamed: no route of the name is left), to let go of what was kept for them.
+RoutesListener = Callable[[Sequence[Route], Collection[str]], None]
 IDLE_PROBE_INTERVAL_S = 5.0  # how often an idle prober looks for routes to probe
 log = structlog.get_logger("weir.routing")
 
@@ -235,6 +238,8 @@ class Router:
         self._startup_warming: asyncio.Task[object] | None = None
         self._startup_heads: asyncio.Future[list[BaseException | None]] | None = None
         self._started = False
+        self.metrics: RoutingMetrics | None = None
+        self.listeners: list[RoutesListener] = []  # e.g. the gateway's metrics and comparisons
         self.set_routes(routes)
         self.metrics = RoutingMetrics(registry, self) if registry is not None else None
 
@@ -311,13 +316,22 @@ class Router:
         table: dict[str, list[Route]] = {}
         for route in routes:
             table.setdefault(route.name, []).append(route)
+        patience: dict[str, float] = {}  # Breakers.patience
         for route in routes:
             if route.breaker is not None:
                 for name in route.models():
                     target = self.models.targets[name]
-                    self.breakers.get(Breakers.key(target.backend.name, target.upstream_model), route.breaker)
+                    key = Breakers.key(target.backend.name, target.upstream_model)
+                    self.breakers.get(key, route.breaker)
+                    patience[key] = max(patience.get(key, 0.0), route.ttft_timeout or math.inf)
+        self.breakers.patience = patience
+        gone = set(self.routes) - set(table)
         self.routes = table  # one assignment: requests see the old table or the new, never a mix
         self.context.forget(routes)  # windows and counts of routes deleted, renamed or re-conditioned
+        if gone and self.metrics is not None:
+            self.metrics.forget(gone)
+        for listener in self.listeners:
+            listener(routes, gone)
         self.version = self.version + 1 if version is None else version
         if self.heads is not None:
             self.heads.want({r.head for rs in table.values() for r in rs if r.head is not None})

@@ -188,6 +188,7 @@ class Admission:
         # share of each used, spent plus reserved, as of the last settlement (for /metrics and alerts).
         self._tenant_budgets: dict[str, tuple[str, int]] = {}
         self._budget_usage_ratio: dict[str, float] = {}
+        self._month_index = 0  # the latest month a plan was built for (year * 12 + month)
         self._budget_usage_now: Callable[[str], tuple[int, int] | None] | None = getattr(
             state, "budget_usage_now", None
         )
@@ -209,6 +210,8 @@ class Admission:
         if plan is not None and plan.month_index == month_index:
             return plan
         month = month_of(now)
+        if month_index > self._month_index:
+            self._turn_month(month_index, month)
         rates: list[tuple[Limit, bool]] = []
         tpm_keys: list[str] = []
         for scope, owner, rpm, tpm in (
@@ -244,6 +247,22 @@ class Admission:
             seeded=self._spend is None,
         )
         return plan
+
+    def _turn_month(self, month_index: int, month: str) -> None:
+        """A new month's first plan: what was kept per budget of the months before (seeded keys,
+        tenant budgets, their use for /metrics) is never read again, so it goes. Kept, it grew by
+        every budget of every month for as long as the replica ran, and last month's use of a
+        tenant's budget stayed on /metrics (where its alert fired) as if it were this month's."""
+        self._month_index = month_index
+        current = f":{month}"
+        self._seeded = {key for key in self._seeded if key.endswith(current)}
+        for key in [key for key in self._seed_locks if not key.endswith(current)]:
+            del self._seed_locks[key]
+        self._tenant_budgets = {k: v for k, v in self._tenant_budgets.items() if k.endswith(current)}
+        self._budget_usage_ratio = {}
+        forget_budgets = getattr(self.state, "forget_budgets", None)  # an in-process state's
+        if forget_budgets is not None:
+            forget_budgets(lambda key: not key.startswith("budget:") or key.endswith(current))
 
     async def admit(
         self,
@@ -523,7 +542,7 @@ class Admission:
                 return
             await self.state.budget_seed(key, pico_to_micro_ceil(spent))
             self._seeded.add(key)
-            del self._seed_locks[key]
+            self._seed_locks.pop(key, None)  # gone already if the month turned meanwhile
 
     def settle(self, event: UsageEvent) -> None:
         """Called for every usage event; the shared-state work happens off the request path, every

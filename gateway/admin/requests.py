@@ -17,8 +17,13 @@ from gateway.errors import GatewayError
 from routing.plan import CHARS_PER_TOKEN, Features
 
 MAX_LIMIT = 500
-# Attempts per request scanned before grouping: retries and fallbacks rarely exceed this.
+# The log is found from the newest attempts, read in pages of this many rows per request wanted; each
+# request found is then read whole, however many attempts it took.
 ATTEMPTS_PER_REQUEST = 4
+# With a status filter most requests found may be left out: the scan stops after this many pages.
+MAX_PAGES = 10
+# Attempts read per request found: far more than retries, fallbacks and hedges make.
+MAX_ATTEMPTS_READ = 100
 
 
 def _attempt(row: UsageEventRow) -> dict[str, Any]:
@@ -36,6 +41,29 @@ def _attempt(row: UsageEventRow) -> dict[str, Any]:
         "cached_input_tokens": row.cached_input_tokens,
         "output_tokens": row.output_tokens,
         "cost_usd": format_usd(pico_to_usd(row.cost_pico_usd)),
+    }
+
+
+def _request(attempts: list[UsageEventRow], names: dict[str, str]) -> dict[str, Any]:
+    """One request of the log, from all its attempts."""
+    attempts.sort(key=lambda r: r.attempt)
+    # The attempt that answered stands for the request, else the last one: a hedge that lost is a
+    # later attempt (cancelled, 499) than the primary that won.
+    last = next((r for r in reversed(attempts) if _ok(r.status)), attempts[-1])
+    return {
+        "request_id": last.request_id,
+        "ts": attempts[0].ts.isoformat(),
+        "tenant_id": last.tenant_id,
+        "tenant_name": names.get(last.tenant_id or ""),
+        "key_id": last.key_id,
+        "route": last.route,
+        "routing": last.routing,
+        "backend": last.backend,
+        "model": last.model,
+        "status": last.status,
+        "latency_ms": sum(r.latency_ms for r in attempts),
+        "cost_usd": format_usd(pico_to_usd(sum(r.cost_pico_usd for r in attempts))),
+        "attempts": [_attempt(r) for r in attempts],
     }
 
 
@@ -67,55 +95,50 @@ async def recent_requests(
     if status not in (None, "", "ok", "error") and not (status or "").isdigit():
         raise AdminError(400, "status must be ok, error or an HTTP status code", "invalid_value", "status")
     limit = max(1, min(limit, MAX_LIMIT))
-    query = select(UsageEventRow).order_by(UsageEventRow.ts.desc()).limit(limit * ATTEMPTS_PER_REQUEST)
+    page_rows = limit * ATTEMPTS_PER_REQUEST
+    newest = (
+        select(UsageEventRow.tenant_id, UsageEventRow.request_id)
+        .order_by(UsageEventRow.ts.desc())
+        .limit(page_rows)
+    )
     if tenant:
-        query = query.where(UsageEventRow.tenant_id == tenant)
+        newest = newest.where(UsageEventRow.tenant_id == tenant)
+    if model:
+        # A request matches when any attempt was on that upstream model or for that public name (a
+        # route); it is then shown whole: a request that failed over, filtered by the model that
+        # failed, still shows the attempt that answered it.
+        newest = newest.where(or_(UsageEventRow.model == model, UsageEventRow.route == model))
+    data: list[dict[str, Any]] = []
+    seen: set[tuple[str | None, str]] = set()
     async with ctx.sessions() as session:
-        if model:
-            # The requests that match, each with all its attempts: filtering the attempts themselves
-            # left a request that failed over without the attempt that answered it (shown as failed).
-            ids = (
-                query.with_only_columns(UsageEventRow.request_id)
-                .where(or_(UsageEventRow.model == model, UsageEventRow.route == model))
-                .subquery()
-            )
-            query = (
-                select(UsageEventRow)
-                .where(UsageEventRow.request_id.in_(select(ids.c.request_id)))
-                .order_by(UsageEventRow.ts.desc())
-            )
-        rows = (await session.scalars(query)).all()
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
-    grouped: dict[str, list[UsageEventRow]] = {}
-    for row in rows:
-        grouped.setdefault(row.request_id, []).append(row)
-    data = []
-    for request_id, attempts in grouped.items():
-        attempts.sort(key=lambda r: r.attempt)
-        # The attempt that answered stands for the request, else the last one: a hedge that lost
-        # is a later attempt (cancelled, 499) than the primary that won.
-        last = next((r for r in reversed(attempts) if _ok(r.status)), attempts[-1])
-        if status and not _status_matches(status, last.status):
-            continue
-        data.append(
-            {
-                "request_id": request_id,
-                "ts": attempts[0].ts.isoformat(),
-                "tenant_id": last.tenant_id,
-                "tenant_name": names.get(last.tenant_id or ""),
-                "key_id": last.key_id,
-                "route": last.route,
-                "routing": last.routing,
-                "backend": last.backend,
-                "model": last.model,
-                "status": last.status,
-                "latency_ms": sum(r.latency_ms for r in attempts),
-                "cost_usd": format_usd(pico_to_usd(sum(r.cost_pico_usd for r in attempts))),
-                "attempts": [_attempt(r) for r in attempts],
+        for page in range(MAX_PAGES):
+            found = (await session.execute(newest.offset(page * page_rows))).tuples().all()
+            # Newest first. A client may send its own x-request-id, so ids are kept apart per tenant.
+            grouped: dict[tuple[str | None, str], list[UsageEventRow]] = {
+                key: [] for key in dict.fromkeys(found) if key not in seen
             }
-        )
-        if len(data) == limit:
-            break
+            seen.update(grouped)
+            attempts = (
+                select(UsageEventRow)
+                .where(UsageEventRow.request_id.in_({request_id for _, request_id in grouped}))
+                .order_by(UsageEventRow.ts.desc())
+                # Bounded even when a client sends the same x-request-id on every request.
+                .limit(len(grouped) * MAX_ATTEMPTS_READ)
+            )
+            for row in (await session.scalars(attempts)).all():
+                if (key := (row.tenant_id, row.request_id)) in grouped:
+                    grouped[key].append(row)
+            for rows in grouped.values():
+                if not rows:
+                    continue  # its attempts were crowded out of the bounded read above
+                entry = _request(rows, names)
+                if not status or _status_matches(status, entry["status"]):
+                    data.append(entry)
+                if len(data) == limit:
+                    return {"data": data}
+            if len(found) < page_rows:
+                break  # the ledger holds no older attempts
     return {"data": data}
 
 

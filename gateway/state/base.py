@@ -157,6 +157,12 @@ class SharedState(Protocol):
         """Set `value` only if the current value is `expected` (None: absent); True if it was set."""
         ...
 
+    async def kv_set_if_absent(self, key: str, value: bytes, ttl_s: float) -> tuple[bool, float]:
+        """Set `value` for `ttl_s` seconds unless the key holds a value, atomically: (True, ttl_s)
+        when this call set it, else (False, the seconds the value it holds has left; inf: no TTL).
+        A claim only one caller gets, which lapses on its own if its holder goes away."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -3,8 +3,12 @@
 A gateway must keep serving when Redis is down. While it is unreachable, every call goes to a
 `MemoryState` in this process: limits and budgets hold per replica instead of across replicas (N
 replicas may admit up to N times a limit), a revocation reaches only this replica at once (the others
-within the key-cache TTL), and `weir_shared_state_degraded` is 1 so an alert fires. Redis is tried
-again every `retry_s`; the first call that succeeds switches back.
+within the key-cache TTL), and `weir_shared_state_degraded` is 1 so an alert fires.
+
+A Redis that hangs (accepts connections, never answers) costs each call `timeout_s`, where a refused
+connection fails at once; a request makes several calls. So only the call that finds Redis gone waits
+for it: from then on every call is answered here at once, and a background task alone asks Redis
+again, every `retry_s` (each ask bounded by `timeout_s`), switching back once it answers.
 
 Budgets carry over both ways. The fallback knows each budget's spend as Redis last reported it (the
 ledger's seed, then every admission's and settlement's answer), so a tenant that spent its budget
@@ -16,13 +20,14 @@ to Redis once it answers, or its books would miss the outage's spend for the res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
 
+from gateway.aio import stop_if_cancelled
 from gateway.state.base import (
     Admission,
     Budget,
@@ -38,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _UNREACHABLE = (RedisError, OSError, TimeoutError)
 _degraded: set[int] = set()  # ids of this process's states now running without Redis
+PROBE_KEY = "probe"  # read (never written) to learn whether Redis answers again
 
 
 def degraded_states() -> int:
@@ -51,7 +57,7 @@ class DegradableState(Shortcuts):
         self.fallback = MemoryState()
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self._retry_at = 0.0
+        self._prober: asyncio.Task[None] | None = None  # asks Redis again while it is away
         # For Redis once it answers again: spend settled here per budget, reservations it made that
         # were settled here (budget key, reservation id, amount), and seeds it never got.
         self._owed: dict[str, int] = {}
@@ -67,25 +73,40 @@ class DegradableState(Shortcuts):
         return result if reached else await getattr(self.fallback, name)(*args)
 
     async def _try_primary(self, name: str, *args: Any) -> tuple[bool, Any]:
-        """(True, Redis's answer), or (False, None) when Redis is unreachable (or being left alone
-        until its retry time): the caller asks the fallback then."""
-        if self.degraded and time.monotonic() < self._retry_at:
+        """(True, Redis's answer), or (False, None) when Redis is unreachable (or known to be, until
+        the prober hears from it again): the caller asks the fallback then."""
+        if self.degraded:
             return False, None
         try:
-            async with asyncio.timeout(self.timeout_s):
-                if self._owed or self._releases or self._seeds:
-                    await self._catch_up()  # before anything else Redis is asked (see there)
-                result = await getattr(self.primary, name)(*args)
+            result = await self._ask(name, *args)
         except _UNREACHABLE as exc:
             if not self.degraded:
-                log.warning("Redis unreachable (%s): limits and budgets now per process", exc)
+                log.warning("Redis unreachable (%r): limits and budgets now per process", exc)
                 _degraded.add(id(self))
-            self._retry_at = time.monotonic() + self.retry_s
+            if self._prober is None or self._prober.done():
+                self._prober = asyncio.get_running_loop().create_task(self._probe())
             return False, None
-        if self.degraded:
+        return True, result
+
+    async def _ask(self, name: str, *args: Any) -> Any:
+        async with asyncio.timeout(self.timeout_s):
+            if self._owed or self._releases or self._seeds:
+                await self._catch_up()  # before anything else Redis is asked (see there)
+            return await getattr(self.primary, name)(*args)
+
+    async def _probe(self) -> None:
+        """Ask Redis every `retry_s` until it answers (off every request's path: a hanging Redis
+        would make the asking call wait `timeout_s`), then switch back to it."""
+        while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
+            await asyncio.sleep(self.retry_s)
+            try:
+                await self._ask("kv_get", PROBE_KEY)
+            except _UNREACHABLE:
+                continue
             log.warning("Redis reachable again: limits and budgets shared across replicas")
             _degraded.discard(id(self))
-        return True, result
+            return
 
     async def _catch_up(self) -> None:
         """Hand Redis what was settled here while it was away: seeds first (a seed only applies to a
@@ -189,7 +210,16 @@ class DegradableState(Shortcuts):
         result: bool = await self._call("kv_compare_and_set", key, expected, value, ttl_s)
         return result
 
+    async def kv_set_if_absent(self, key: str, value: bytes, ttl_s: float) -> tuple[bool, float]:
+        # While Redis is away the claim is this process's own: one holder per replica, not per fleet.
+        claim: tuple[bool, float] = await self._call("kv_set_if_absent", key, value, ttl_s)
+        return claim
+
     async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
         _degraded.discard(id(self))
         await self.fallback.close()
         await self.primary.close()

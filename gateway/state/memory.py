@@ -9,7 +9,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gateway.state.base import (
     BUCKETS,
@@ -312,6 +312,11 @@ class MemoryState(Shortcuts):
                 state.spent = spent
             state.spent_known = True
 
+    def forget_budgets(self, keep: Callable[[str], bool]) -> None:
+        """Drop the budgets `keep` says no for: Admission's of months gone by, at a month's turn (in
+        Redis they expire; here they were kept for as long as the process ran)."""
+        self._budgets = {key: state for key, state in self._budgets.items() if keep(key)}
+
     def made(self, reservation_id: str) -> bool:
         """Whether this state made the reservation (another state's ids never start like its own)."""
         return reservation_id.startswith(self._id_prefix)
@@ -357,6 +362,14 @@ class MemoryState(Shortcuts):
                 return False
             await self.kv_set(key, value, ttl_s)
             return True
+
+    async def kv_set_if_absent(self, key: str, value: bytes, ttl_s: float) -> tuple[bool, float]:
+        async with self._lock:
+            if await self.kv_get(key) is None:  # (which drops an expired value)
+                await self.kv_set(key, value, ttl_s)
+                return True, ttl_s
+            expires = self._kv[key][1]
+            return False, math.inf if expires is None else max(0.0, expires - self._now())
 
     async def close(self) -> None:
         self._callbacks.clear()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -277,6 +278,14 @@ end
 return 0
 """
 
+# KEYS[1]. ARGV: value, ttl ms. {1, ttl ms} when set, else {0, ms the value held has left (-1: none)}.
+SET_IF_ABSENT = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {1, tonumber(ARGV[2])}
+end
+return {0, redis.call('PTTL', KEYS[1])}
+"""
+
 
 class HiredisConnection(aioredis.Connection):
     """redis-py parses replies with hiredis when it is installed, but packs commands in Python on
@@ -441,6 +450,7 @@ class RedisState(Shortcuts):
         self._admit = client.register_script(ADMIT)
         self._settle = client.register_script(SETTLE)
         self._cas = client.register_script(COMPARE_AND_SET)
+        self._set_if_absent = client.register_script(SET_IF_ABSENT)
         self._listeners: list[asyncio.Task[None]] = []
         self._queued: list[tuple[AsyncScript, list[str], list[int | str], asyncio.Future[Any]]] = []
         self._flush_scheduled = False
@@ -708,6 +718,11 @@ class RedisState(Shortcuts):
     ) -> bool:
         args = ["1" if expected is None else "0", expected or b"", value, int(ttl_s * 1000) if ttl_s else ""]
         return int(await self._cas(keys=[self._k(key)], args=args)) == 1
+
+    async def kv_set_if_absent(self, key: str, value: bytes, ttl_s: float) -> tuple[bool, float]:
+        ttl_ms = max(1, int(ttl_s * 1000))
+        set_, left_ms = await self._set_if_absent(keys=[self._k(key)], args=[value, ttl_ms])
+        return int(set_) == 1, math.inf if int(left_ms) < 0 else int(left_ms) / 1000
 
     async def close(self) -> None:
         for task in self._listeners:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+from types import SimpleNamespace
 
 import pytest
 
@@ -135,3 +136,47 @@ async def test_a_failed_attempt_holds_the_reservation_until_an_answer_or_the_end
     admission.settle(event("late", total_tokens=0, cost_pico_usd=0, status=499))
     assert state._budgets[budget].total_reserved == 0
     assert state._windows["tpm:tenant:t1"].total == 23
+
+
+async def test_budgets_of_past_months_are_let_go_when_the_month_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Which budgets were seeded from the ledger, the tenant budgets seen and their use for /metrics,
+    and without Redis the budgets themselves, were kept for every month the replica ran; last
+    month's use stayed on /metrics as the tenant's. At the month's first request they go, and this
+    month's budgets count as before."""
+    clock = [dt.datetime(2026, 1, 31, 23, 0, tzinfo=dt.UTC)]
+    monkeypatch.setattr(
+        admission_module,
+        "dt",
+        SimpleNamespace(datetime=SimpleNamespace(now=lambda tz: clock[0]), UTC=dt.UTC, date=dt.date),
+    )
+    seeded: list[tuple[str, str, dt.date]] = []
+
+    async def spend(scope: str, owner: str, start: dt.date) -> int:
+        seeded.append((scope, owner, start))
+        return 0
+
+    state = MemoryState()
+    admission = Admission(state, PriceCatalog, spend)
+    quotas = [
+        Quotas(tenant_id=f"t{i}", key_id=f"k{i}", tenant_budget_micro_usd=10**9, key_budget_micro_usd=10**9)
+        for i in range(3)
+    ]
+    for month in range(1, 13):
+        clock[0] = clock[0].replace(month=month, day=28)
+        for i, quota in enumerate(quotas):
+            await admission.admit(f"r{month}-{i}", quota, "openai", "gpt-4o-mini", 10, 10)
+            admission.settle(event(f"r{month}-{i}", total_tokens=20, cost_pico_usd=2_000_000))
+    current = month_of(clock[0])
+    assert all(key.endswith(current) for key in admission._seeded) and len(admission._seeded) == 6
+    assert set(admission._tenant_budgets) == {f"budget:tenant:t{i}:{current}" for i in range(3)}
+    assert admission._seed_locks == {}
+    assert all(key.endswith(current) for key in state._budgets) and len(state._budgets) == 6
+    assert admission.budget_usage_ratio == {f"t{i}": 2 / 10**9 for i in range(3)}
+    assert len(seeded) == 12 * 6  # each budget seeded once in each month, none again within it
+    # The next month: only its first requests' tenants have a budget in use.
+    clock[0] = dt.datetime(2027, 1, 1, 0, 5, tzinfo=dt.UTC)
+    await admission.admit("next", quotas[0], "openai", "gpt-4o-mini", 10, 10)
+    assert set(admission._tenant_budgets) == {"budget:tenant:t0:2027-01"}
+    assert admission.budget_usage_ratio == {"t0": 1 / 10**9}  # its reservation, nothing spent yet

@@ -4,6 +4,7 @@ are exact across processes."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import subprocess
 import sys
@@ -126,6 +127,17 @@ async def test_compare_and_set(state: SharedState) -> None:
     assert await state.kv_get("breaker:b1") == b"half-open"
     await asyncio.sleep(0.3)
     assert await state.kv_get("breaker:b1") is None
+
+
+async def test_set_if_absent_is_one_claim_that_lapses(state: SharedState) -> None:
+    assert await state.kv_set_if_absent("trial:b1", b"a", 0.3) == (True, 0.3)
+    claimed, left = await state.kv_set_if_absent("trial:b1", b"b", 0.3)
+    assert not claimed and 0 < left <= 0.3  # what the holder's claim has left
+    assert await state.kv_get("trial:b1") == b"a"
+    await asyncio.sleep(left + 0.05)
+    assert (await state.kv_set_if_absent("trial:b1", b"b", 0.3))[0]
+    await state.kv_set("trial:b2", b"kept")
+    assert await state.kv_set_if_absent("trial:b2", b"b", 0.3) == (False, math.inf)
 
 
 async def test_many_keys_in_one_call(state: SharedState) -> None:

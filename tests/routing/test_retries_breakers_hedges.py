@@ -371,6 +371,73 @@ def test_when_both_hedged_attempts_fail(
     assert sorted(ledger(gateway)) == [("deepseek", 500)] * 3 + [("raw", 500)] * 2  # one row per attempt
 
 
+def test_a_routes_ttft_timeout_does_not_take_the_model_from_routes_that_wait_longer(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """`impatient-route` gives gpt-4o-mini 0.3 s to its first token, `resilient` waits as long as it
+    takes. gpt-4o-mini is slow (0.6 s), not down: impatient-route's four timeouts (past the breaker's
+    three failures) opened the breaker both routes share, and `resilient` then sent its requests to
+    its fallback although gpt-4o-mini would have answered them. Real failures still open it for all."""
+    key = Breakers.key("openai", "gpt-4o-mini")
+    breakers = runtime(gateway).router.breakers
+    fake_openai.set_latency(first_token=0.6)
+    for _ in range(2):
+        raw = gateway.openai().chat.completions.with_raw_response.create(
+            model="impatient-route", messages=HI, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+        assert route_header(raw)["tried"] == "gpt-4o-mini:504,gpt-4o-mini:504,claude-sonnet:ok"
+    assert breakers.state(key) == State.CLOSED
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
+
+    fake_openai.set_latency()
+    fake_openai.fail_next(500, times=3)  # two on the first request, one on the second: three failures
+    assert [chat(gateway, "resilient")[1]["tried"] for _ in range(2)] == [
+        "gpt-4o-mini:502,gpt-4o-mini:502,claude-sonnet:ok",
+        "gpt-4o-mini:502,claude-sonnet:ok",
+    ]
+    assert breakers.state(key) == State.OPEN
+    assert chat(gateway, "impatient-route")[1]["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
+
+
+PATIENCE = """\
+backends:
+  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
+models:
+  - {name: gpt-4o-mini, backend: openai}
+  - {name: gpt-5, backend: openai}
+"""
+
+
+async def test_ttft_timeouts_open_the_breaker_where_no_route_there_waits_longer() -> None:
+    """The rule (Breakers.too_slow): a route's TTFT timeout counts against a backend's breaker when
+    every route with a breaker there would have given up as soon (the only route of a model keeps
+    skipping it while it is too slow), not when one waits longer."""
+    from gateway.router_basic import ModelTable
+    from routing.router import Router
+    from routing.routes import Candidate, Route
+
+    settings = BreakerSettings(failures=2, cooldown=30)
+    mini, five = Breakers.key("openai", "gpt-4o-mini"), Breakers.key("openai", "gpt-5")
+    routes = [
+        Route(name="tight", ttft_timeout=1, breaker=settings, candidates=[Candidate(model="gpt-4o-mini")]),
+        Route(name="loose", ttft_timeout=5, breaker=settings, candidates=[Candidate(model="gpt-4o-mini")]),
+        Route(name="alone", ttft_timeout=1, breaker=settings, candidates=[Candidate(model="gpt-5")]),
+        # No breaker: it never consults one, so its patience does not count.
+        Route(name="unguarded", breaker=None, candidates=[Candidate(model="gpt-5")]),
+    ]
+    breakers = Router(ModelTable(parse_config(PATIENCE, {})), routes).breakers
+    for _ in range(2):
+        await breakers.too_slow(mini, 1)
+        await breakers.too_slow(five, 1)
+    assert breakers.state(mini) == State.CLOSED  # `loose` would have waited
+    assert breakers.state(five) == State.OPEN  # nobody would
+    for _ in range(2):
+        await breakers.too_slow(mini, 5)
+    assert breakers.state(mini) == State.OPEN
+
+
 def test_when_every_candidate_is_open_the_client_is_told_when_to_retry(gateway: RunningGateway) -> None:
     breakers = runtime(gateway).router.breakers
     settings = runtime(gateway).router.routes["resilient"][0].breaker  # cooldown 0.5 s

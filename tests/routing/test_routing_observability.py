@@ -82,11 +82,11 @@ def stream_text(raw: object) -> str:
 def test_a_ttft_timeout_is_the_backends_504_in_ledger_metrics_and_breaker(
     gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> None:
-    """The route's TTFT timeout cancels an attempt because its backend is too slow: the breaker
-    counts it against the backend, and so must the ledger (504, not 499 "client closed") and the
-    error metrics (`upstream_error`, which the shipped WeirBackendDown alert reads, not
-    `client_disconnected`). Before, an operator saw a backend that never answered in time as clients
-    hanging up."""
+    """The route's TTFT timeout cancels an attempt because its backend is too slow for the route: the
+    ledger says so (504, not 499 "client closed") and so do the error metrics (`upstream_error`,
+    which the shipped WeirBackendDown alert reads, not `client_disconnected`). Before, an operator saw
+    a backend that never answered in time as clients hanging up. (Its breaker counts it only where no
+    route there waits longer: tests/routing/test_retries_breakers_hedges.py.)"""
     before = samples(gateway)
     fake_openai.fail_next(Fault.delay(3), times=2)
     raw = gateway.openai().chat.completions.with_raw_response.create(
@@ -106,7 +106,7 @@ def test_a_ttft_timeout_is_the_backends_504_in_ledger_metrics_and_breaker(
         delta(before, after, attempts, route="impatient-route", candidate="gpt-4o-mini", outcome="504") == 2
     )
     breaker = runtime(gateway).router.breakers.get(Breakers.key("openai", "gpt-4o-mini"))
-    assert breaker.failures == 2  # what the breaker counted, the ledger says too
+    assert breaker.failures == 0  # `resilient` waits for gpt-4o-mini as long as it takes
 
     # Every candidate too slow: the client's 504 says so, and no attempt blames a client.
     fresh(gateway)  # closed breakers: each candidate is tried twice

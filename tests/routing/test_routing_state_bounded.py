@@ -17,18 +17,21 @@ import httpx
 import msgspec
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.accounting.events import UsageEvent
 from gateway.auth import Principal
 from gateway.config import parse_config
+from gateway.metrics import Metrics
 from gateway.router_basic import ModelTable
 from gateway.types import ChatRequest
 from gateway.usage import Usage
-from routing.compare import RecentRanking
+from routing.compare import Comparer, RecentRanking
 from routing.heads import TrainedHead
 from routing.plan import Features, features
 from routing.router import Router
-from routing.routes import Candidate, Conditions, Route
+from routing.routes import Candidate, Compare, Conditions, Route
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
 from tests.routing.routed import FAST, routed_gateway, runtime
@@ -202,6 +205,79 @@ def test_recent_rankings_keep_the_latest_version_of_each_head() -> None:
     assert heads == {f"acme@{39:012x}", "static", f"acme@{0:012x}"}
 
 
+def fixed(name: str, model: str = "small", **fields: Any) -> Route:
+    return Route(name=name, candidates=[Candidate(model=model)], probe_interval=None, **fields)
+
+
+def exported(metrics: Iterator[Any], family: str, label: str) -> dict[str, float]:
+    """The sum of `family`'s samples by the value of `label`, as a scrape would see them."""
+    found: dict[str, float] = {}
+    for metric in metrics:
+        for sample in metric.samples if metric.name == family else ():
+            if sample.name in (family + "_total", family + "_count"):
+                found[sample.labels[label]] = found.get(sample.labels[label], 0.0) + sample.value
+    return found
+
+
+def test_route_series_of_deleted_and_renamed_routes_leave_metrics() -> None:
+    """`weir_route_attempts` and `weir_route_hedges` kept a series for every route name ever in
+    force. A name still in force keeps its series, however its routes change (two of one name told
+    apart by `when:`, one of them deleted); a deleted name used again counts afresh."""
+    registry = CollectorRegistry()
+    r = Router(ModelTable(parse_config(CONFIG, {})), (), registry=registry)
+    assert r.metrics is not None
+    shared = [fixed("s", when=Conditions(tenants=["acme"])), fixed("s", "big")]
+    for i in range(40):
+        routes = [fixed(f"r-{i}"), *shared[: 1 + i % 2]]
+        r.set_routes(routes)
+        for route in routes:  # as the executor counts each attempt and hedge
+            r.metrics.attempts.labels(route.name, route.candidates[0].model, "ok").inc()
+            r.metrics.hedges.labels(route.name, "started").inc()
+    assert exported(registry.collect(), "weir_route_attempts", "route") == {"r-39": 1, "s": 60}
+    assert exported(registry.collect(), "weir_route_hedges", "route") == {"r-39": 1, "s": 60}
+    r.set_routes([fixed("r-0")])
+    r.metrics.attempts.labels("r-0", "small", "ok").inc()
+    assert exported(registry.collect(), "weir_route_attempts", "route") == {"r-0": 1}
+    assert exported(registry.collect(), "weir_route_hedges", "route") == {}
+
+
+def test_gateway_series_of_a_deleted_route_go_and_come_back_with_it() -> None:
+    """`weir_requests`, `weir_request_duration_seconds` and `weir_tokens` are labelled with the model
+    name the client sent, a route's name for routed requests: a deleted route's series stayed. Those
+    of plain models stay, and a name used again is exported again (its cached child is let go too)."""
+    metrics = Metrics()
+    for model in ("gone", "small"):
+        metrics.request_done("chat", "openai", model, 200, 0.1)
+        metrics.record_tokens("openai", model, Usage(input_tokens=3, output_tokens=2))
+    metrics.forget_models({"gone"})
+    for family in ("weir_requests", "weir_request_duration_seconds"):
+        assert exported(metrics.registry.collect(), family, "model") == {"small": 1}
+    assert exported(metrics.registry.collect(), "weir_tokens", "model") == {"small": 5}
+    metrics.request_done("chat", "openai", "gone", 200, 0.1)  # a route of that name, added again
+    metrics.record_tokens("openai", "gone", Usage(output_tokens=4))
+    assert exported(metrics.registry.collect(), "weir_requests", "model") == {"small": 1, "gone": 1}
+    assert exported(metrics.registry.collect(), "weir_tokens", "model") == {"small": 5, "gone": 4}
+
+
+def test_comparisons_and_rankings_of_routes_no_longer_comparing_are_let_go() -> None:
+    """A deleted difficulty route's comparison outcomes and head rankings stayed on /metrics (an AUC
+    below chance kept WeirDifficultyHeadWorseThanChance firing); so did the rows of a head the route
+    no longer names. Kept: the rankings of routes in force, of their heads and of the shipped ones."""
+    registry = CollectorRegistry()
+    r = Router(ModelTable(parse_config(CONFIG, {})), (), registry=registry)
+    comparer = Comparer(None, None, r.context, lambda principal: True, registry)  # type: ignore[arg-type]
+    r.listeners.append(comparer.forget)
+    judged = Compare(judge="big")
+    r.set_routes([difficulty("smart", head="acme", compare=judged), difficulty("old", compare=judged)])
+    for route, head in (("smart", "acme@1"), ("smart", "beta@1"), ("smart", "static"), ("old", "static")):
+        comparer.recent.add(route, head, 0.5, True)
+        comparer.outcomes.labels(route, "judged").inc()
+    r.set_routes([difficulty("smart", head="acme", compare=judged), difficulty("old")])
+    assert set(comparer.recent.rows) == {("smart", "acme@1"), ("smart", "static")}
+    r.set_routes([difficulty("smart", head="acme", compare=judged)])
+    assert exported(registry.collect(), "weir_route_comparisons", "route") == {"smart": 3}
+
+
 # --- through a real gateway ---------------------------------------------------------------------------
 
 HI = [{"role": "user", "content": "one two three four five six"}]
@@ -294,8 +370,12 @@ def test_traffic_over_churned_routes_leaves_state_bounded_by_what_is_in_force(
                 jobs.append(_request(client, model, stream=j % 3 != 0, leave=j % 7 == 0, timeout=timeout))
             await asyncio.gather(*jobs)
 
+    comparer = runtime(gateway).comparer
     for i in range(30):
         on_loop(gateway, lambda i=i: router.set_routes(churned_routes(i)))  # type: ignore[misc]
+        if i == 0:  # as a comparison of d-0 would leave them (none runs: no admin DB here)
+            on_loop(gateway, lambda: comparer.recent.add("d-0", "static", 0.5, True))
+            on_loop(gateway, lambda: comparer.outcomes.labels("d-0", "judged").inc())
         fake_openai.fail_next(Fault.status(503), times=4)  # retries, fallbacks
         fake_openai.fail_next(Fault.delay(0.15), times=3)  # hedges
         fake_openai.fail_next(Fault.cut_stream(after=2), times=2)  # mid-stream failover
@@ -327,3 +407,20 @@ def test_traffic_over_churned_routes_leaves_state_bounded_by_what_is_in_force(
     assert {(200, False), (200, True), (503, False), (499, True)} <= outcomes, outcomes
     assert len(router.breakers.breakers) <= len(router.models.targets)
     assert len(router.stats.models) <= len(router.models.targets)
+    # /metrics names the routes in force and the plain models, not every route ever in force.
+    # ("none": a request no backend answered, e.g. every candidate's breaker open: one series.)
+    named = {"kept", "d-29", "p-29", "h-29", "f-29", "none", *router.models.targets}
+    scraped = list(text_string_to_metric_families(httpx.get(f"{gateway.url}/metrics").text))
+    for family, label in (
+        ("weir_route_attempts", "route"),
+        ("weir_route_hedges", "route"),
+        ("weir_route_comparisons", "route"),
+        ("weir_route_head_ranking_comparisons", "route"),
+        ("weir_requests", "model"),
+        ("weir_tokens", "model"),
+    ):
+        found = set(exported(iter(scraped), family, label))
+        # As for affinity_tokens above: the last attempts of the table before may land after it.
+        assert found - {"d-28", "p-28", "h-28", "f-28"} <= named, (family, found - named)
+    assert {"kept", "h-29"} <= set(exported(iter(scraped), "weir_route_attempts", "route"))
+    assert "h-29" in exported(iter(scraped), "weir_route_hedges", "route")

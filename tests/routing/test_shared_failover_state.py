@@ -333,3 +333,176 @@ def test_routed_traffic_keeps_flowing_while_redis_is_away_and_shares_again_after
             assert _degraded(url) == 0
     finally:
         proxy.close()
+
+
+# --- recoveries and half-open trials across replicas ------------------------------------------------
+
+
+def _replicas(redis_url: str, prefix: str) -> list[DegradableState]:
+    return [DegradableState(RedisState.from_url(redis_url, prefix=prefix)) for _ in "ab"]
+
+
+async def test_a_recovery_on_one_replica_half_opens_the_breaker_the_others_hold_open(
+    redis_prefix: str,
+) -> None:
+    """A's requests fail and open the breaker, B adopts the opening (30 s cooldown). The backend comes
+    back and A's trial proves it: B must stop refusing it at its next sync, with one trial of its own
+    (half-open, not closed: the success was A's; see Breakers._recovered_elsewhere). The recovery was
+    published but never read: B refused the backend for the rest of its cooldown."""
+    states = _replicas(REDIS_URL, redis_prefix)
+    a, b = Breakers(states[0]), Breakers(states[1])
+    settings = BreakerSettings(failures=2, cooldown=30)
+    try:
+        for breakers in (a, b):
+            breakers.get(KEY, settings)
+        for _ in range(2):
+            await a.failure(KEY)
+        await b.sync()
+        assert b.state(KEY) is State.OPEN
+        a.get(KEY).trip(now=time.monotonic() - 30)  # A's cooldown is over: its trial goes...
+        assert await a.allow(KEY)
+        await a.success(KEY)  # ...and answers
+        assert a.state(KEY) is State.CLOSED
+
+        await b.sync()
+        assert b.state(KEY) is State.HALF_OPEN, "B refuses a backend A has seen answer"
+        assert (KEY, State.HALF_OPEN) in b.transitions
+        # B's own trial, though A still holds the fleet's claim: the backend was seen up.
+        assert await b.allow(KEY) and not await b.allow(KEY)
+        await b.success(KEY)
+        assert b.state(KEY) is State.CLOSED
+        await a.sync()  # B's recovery is no news to A, which is closed
+        assert a.state(KEY) is State.CLOSED
+    finally:
+        for state in states:
+            await state.close()
+
+
+class _Clocked(MemoryState):
+    """One shared state for two replicas (as Redis is), on a clock the test moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1_000_000.0
+
+    def _now(self) -> float:  # type: ignore[override]
+        return self.now
+
+
+async def test_a_recovery_outlives_a_sync_interval_longer_than_a_second() -> None:
+    """The health loop syncs every probe interval (10 s by default). A recovery published for 1 s
+    was gone by the time the other replica looked: it must last as long as an opening it can end."""
+    shared = _Clocked()
+    a, b = Breakers(shared), Breakers(shared)
+    settings = BreakerSettings(failures=1, cooldown=30)
+    for breakers in (a, b):
+        breakers.get(KEY, settings)
+    await a.failure(KEY)
+    await b.sync()
+    assert b.state(KEY) is State.OPEN
+    a.get(KEY).trip(now=time.monotonic() - 30)
+    assert await a.allow(KEY)
+    await a.success(KEY)
+    shared.now += 10  # B's next probe round
+    await b.sync()
+    assert b.state(KEY) is State.HALF_OPEN
+    shared.now += 25  # past a cooldown, when every opening it could end has ended anyway
+    assert await shared.kv_get(PREFIX + KEY) is None
+
+
+async def test_one_half_open_trial_for_the_whole_fleet_and_a_dead_holder_blocks_it_one_cooldown(
+    redis_prefix: str,
+) -> None:
+    """Both replicas' breakers are open on a dead backend and their cooldowns pass: only one trial
+    goes to it for the fleet, not one per replica. A holder that dies with its trial (never reports)
+    holds the fleet's trial no longer than a cooldown."""
+    states = _replicas(REDIS_URL, redis_prefix)
+    a, b = Breakers(states[0]), Breakers(states[1])
+    cooldown = 0.3
+    try:
+        for breakers in (a, b):
+            breakers.get(KEY, BreakerSettings(failures=1, cooldown=cooldown)).trip(
+                now=time.monotonic() - cooldown
+            )
+        assert await a.allow(KEY)  # A's trial is the fleet's
+        assert not await b.allow(KEY), "B sent a second trial to the dead backend"
+        assert b.state(KEY) is State.HALF_OPEN and not b.get(KEY).admits()  # policies skip it too
+        started = time.monotonic()
+        while not await b.allow(KEY):  # A died with its trial: B takes over once the claim lapses
+            assert time.monotonic() - started < cooldown + 1, "a dead replica's trial blocks the fleet"
+            await asyncio.sleep(0.02)
+        await b.failure(KEY)  # still dead: the next trial, anywhere, a cooldown after B's claim
+        a.get(KEY).release()
+        assert not await a.allow(KEY)
+    finally:
+        for state in states:
+            await state.close()
+
+
+async def test_without_redis_each_replica_sends_its_own_half_open_trial(redis_prefix: str) -> None:
+    """Redis down degrades the fleet's trial to today's per-replica one, never to refusing the
+    backend: through the in-process fallback, and with a state that has none."""
+    proxy = ThreadedProxy(int(REDIS_URL.rsplit(":", 1)[1].split("/")[0]))
+    states = _replicas(f"redis://127.0.0.1:{proxy.port}/0", redis_prefix)
+    bare = RedisState.from_url(f"redis://127.0.0.1:{free_port()}/0", prefix=redis_prefix)
+    replicas = [Breakers(states[0]), Breakers(states[1]), Breakers(bare)]
+    try:
+        proxy.stop()
+        started = time.monotonic()
+        for breakers in replicas:
+            breakers.get(KEY, BreakerSettings(failures=1, cooldown=30)).trip(now=time.monotonic() - 30)
+            assert await breakers.allow(KEY)
+            assert not await breakers.allow(KEY)  # one trial per replica, as ever
+        assert time.monotonic() - started < 5
+    finally:
+        await bare.close()
+        for state in states:
+            await state.close()
+        proxy.close()
+
+
+TRIALS = """\
+backends:
+  - {name: openai, type: openai, base_url: "${BACKEND_URL}", api_key: "${BACKEND_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
+database_url: "${DB_URL}"
+redis_url: "${REDIS_URL}"
+tenants:
+  - {name: demo, api_keys: ["${DEMO_KEY}"]}
+routes:
+  - name: solo
+    probe_interval: null
+    retry: {attempts: 1}
+    breaker: {failures: 1, cooldown: 30}
+    candidates: [{model: gpt-4o-mini}]
+"""
+
+
+def test_two_gateways_send_one_half_open_trial_to_a_backend_that_is_still_down(
+    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two gateways over one Redis, each with the backend's breaker open and its cooldown over; the
+    backend still fails. The first gateway's request is the trial (502) and re-opens its breaker;
+    the second gateway's request must not be a second trial to the same dead backend: it is refused
+    (503, retry later) while the fleet's trial holds. It went to the backend too."""
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    with ExitStack() as stack:
+        urls, apps = [], []
+        for i in range(2):
+            monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool{i}"))
+            env = {
+                "BACKEND_URL": backend.base_url,
+                "BACKEND_KEY": backend.api_key,
+                "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir{i}.db",
+                "REDIS_URL": REDIS_URL,
+                "DEMO_KEY": DEMO_KEY,
+            }
+            apps.append(create_app(parse_config(TRIALS, env)))
+            urls.append(stack.enter_context(serve(apps[-1], free_port())))
+        for app in apps:
+            _runtime(app).router.breakers.get(KEY).trip(now=time.monotonic() - 30)
+        backend.fail_next(500, times=2)
+        assert [_status(url) for url in urls] == [502, 503]
+        assert len([r for r in backend.requests if r.method == "POST"]) == 1

@@ -224,6 +224,39 @@ async def test_the_store_loads_what_routes_name_swaps_replacements_and_says_why_
         await store.stop()
 
 
+async def test_the_store_lets_go_of_loads_of_heads_no_route_names(sessions: object) -> None:
+    """A finished load task per head name ever named, and a failed bundle's error, were kept for as
+    long as the replica ran while routes named head after head. A head named again loads afresh,
+    and a bundle that failed is tried again (and fails again, saying so)."""
+    stand_in = SimpleNamespace(score=lambda prompt: 0.5, embedder=SimpleNamespace(recipe="r"))
+
+    def load(data: bytes) -> object:
+        if b"refuse me" in data:
+            raise ValueError("this replica cannot build it")
+        return stand_in
+
+    refused = forced(1.0)
+    refused.meta["source"] = "refuse me"
+    for i in range(20):
+        await _put(sessions, f"h{i}", refused if i % 2 else forced(float(i)))
+    store = HeadStore(sessions, interval=60, load=load)  # type: ignore[arg-type]
+    await store.start()
+    try:
+        for i in range(20):
+            store.want({"h0", f"h{i}"})  # one head stays named throughout
+            await store.loaded(f"h{i}")
+        assert set(store._tasks) == {"h0", "h19"} and set(store.failed) == {"h19"}
+        store.want({"h0"})
+        assert set(store._tasks) == {"h0"} and store.failed == {}
+        assert store.status("h0") == "loaded"
+        store.want({"h0", "h2", "h3"})
+        assert await store.loaded("h2") is not None and store.status("h2") == "loaded"
+        await store.loaded("h3")
+        assert store.status("h3") == "failed"
+    finally:
+        await store.stop()
+
+
 async def test_the_policy_scores_with_the_named_head_and_names_it() -> None:
     trained = TrainedHead("acme", "ab" * 32, SimpleNamespace(score=lambda prompt: 0.9))  # type: ignore[arg-type]
     store = SimpleNamespace(

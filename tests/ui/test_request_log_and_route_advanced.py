@@ -1,0 +1,139 @@
+"""The request log and the route editor with routes that use every failover feature: a request that
+took more attempts than the log's page assumes still shows each of them, a status filter finds a
+failure behind a page of successes, and the editor's advanced JSON refuses what is not an object at
+the field instead of dropping or garbling the route's settings."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.fakes import FakeOpenAI, Fault
+from tests.ui.conftest import ADMIN, Weir
+
+WAIT_MS = 5000
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _client(weir: Weir) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{weir.url}/v1", api_key="sk-team-key", max_retries=0, timeout=20)
+
+
+def _logged(admin: httpx.Client, attempts: int, **params: Any) -> list[dict[str, Any]]:
+    """The log once it holds that many attempts (events are written in batches, within seconds)."""
+    deadline = time.monotonic() + 15
+    while True:
+        log = admin.get("/requests").json()["data"]
+        if sum(len(r["attempts"]) for r in log) >= attempts:
+            break
+        assert time.monotonic() < deadline, log
+        time.sleep(0.1)
+    return admin.get("/requests", params=params).json()["data"]
+
+
+def test_a_request_that_failed_over_five_times_shows_every_attempt(
+    routed: Weir, fake_openai: FakeOpenAI
+) -> None:
+    route = {
+        "name": "stubborn",
+        "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
+        "retry": {"attempts": 3, "backoff": 0.01, "max_backoff": 0.02},
+        "breaker": None,
+        "probe_interval": None,
+    }
+    assert routed.admin.post("/routes", json=route).status_code == 201
+    fake_openai.fail_next(500, times=5)  # three tries of the first candidate, two of the second
+    _client(routed).chat.completions.create(model="stubborn", messages=HI, max_tokens=5)
+    [request] = _logged(routed.admin, 6, limit=1)
+    assert [a["attempt"] for a in request["attempts"]] == [1, 2, 3, 4, 5, 6]
+    assert [a["status"] for a in request["attempts"]] == [500] * 5 + [200]
+    assert request["status"] == 200 and request["model"] == "gpt-4o"
+
+
+def test_a_status_filter_finds_a_failure_behind_newer_successes(
+    routed: Weir, fake_openai: FakeOpenAI
+) -> None:
+    client = _client(routed)
+    fake_openai.fail_next(500)
+    with pytest.raises(openai.APIStatusError):
+        client.chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=5)
+    for _ in range(5):
+        client.chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=5)
+    [failed] = _logged(routed.admin, 6, status="error", limit=1)
+    assert failed["status"] == 500 and len(failed["attempts"]) == 1  # as the vendor answered
+
+
+def _signed_in(weir: Weir, browser: Any, where: str) -> Any:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(WAIT_MS)
+    page.goto(f"{weir.url}/admin/{where}")
+    page.get_by_label("Admin token", exact=True).fill(ADMIN)
+    page.get_by_role("button", name="Sign in with token").click()
+    return page
+
+
+def test_advanced_json_that_is_not_an_object_is_refused_at_the_field(routed: Weir, browser: Any) -> None:
+    route = {
+        "name": "assistant",
+        "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
+        "retry": {"attempts": 3},
+        "failover_on": [429, "5xx", "context_length_exceeded"],
+        "resume": False,
+    }
+    created = routed.admin.post("/routes", json=route).json()
+    before = routed.admin.get(f"/routes/{created['id']}").json()
+    page = _signed_in(routed, browser, f"#/routes/{created['id']}")
+    form = page.locator("#edit form")
+    advanced = form.get_by_label("Advanced (JSON)", exact=True)
+    advanced.wait_for()
+    error = form.locator(".form-error")
+    # `[]` and `null` dropped every advanced setting (retry, failover_on, resume back to defaults);
+    # `"x"` became a field named "0" that the API refused in its own words.
+    for value in ("[]", "3", '"x"', "null", "[1, 2]"):
+        advanced.fill(value)
+        form.get_by_role("button", name="Save route").click()
+        error.wait_for()
+        assert "Advanced (JSON) must be a JSON object" in error.inner_text(), value
+        assert advanced.get_attribute("aria-invalid") == "true"
+        assert advanced.evaluate("el => el === document.activeElement")
+        assert routed.admin.get(f"/routes/{created['id']}").json() == before, value
+        page.evaluate("document.querySelector('#edit .form-error').hidden = true")
+    page.close()
+
+
+def test_the_log_tells_a_hedge_that_won_from_a_failover_and_shows_time_to_first_token(
+    routed: Weir, browser: Any, fake_openai: FakeOpenAI
+) -> None:
+    route = {
+        "name": "raced",
+        "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
+        "hedge": {"delay": 0.05, "min_delay": 0.01},
+        "breaker": None,
+        "probe_interval": None,
+    }
+    assert routed.admin.post("/routes", json=route).status_code == 201
+    fake_openai.fail_next(Fault.delay(3))  # the first candidate is slow; the hedge answers first
+    stream = _client(routed).chat.completions.create(model="raced", messages=HI, max_tokens=5, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    [request] = _logged(routed.admin, 2)
+    assert [(a["model"], a["status"]) for a in request["attempts"]] == [("gpt-4o-mini", 499), ("gpt-4o", 200)]
+    won = request["attempts"][1]
+
+    page = _signed_in(routed, browser, "#/requests")
+    detail = page.locator("main > .table-wrap > table > tbody > tr.detail").first
+    detail.locator("summary").click()
+    explained = detail.locator("details > p").first.inner_text()
+    # Not "after 1 earlier attempt failed": the first attempt was stopped because the hedge won.
+    assert (
+        "attempt 2 on openai (gpt-4o) answered first, as a hedge; 1 earlier attempt still under way was cancelled"
+        in explained
+    )
+    headers = detail.locator("thead th").all_inner_texts()
+    cells = detail.locator("tbody tr").nth(1).locator("td").all_inner_texts()
+    assert cells[headers.index("First token")] == f"{math.floor(won['ttft_ms'] + 0.5)} ms"  # as Math.round
+    page.close()
