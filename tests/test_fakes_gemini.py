@@ -242,3 +242,16 @@ def test_trailing_model_turn_is_continued(http: httpx.Client) -> None:
     }
     reply = http.post(f"/models/{MODEL}:generateContent", json=body).json()
     assert reply["candidates"][0]["content"]["parts"][0]["text"] == " blue"
+
+
+def test_newer_models_refuse_a_trailing_model_turn(http: httpx.Client, fake_gemini: FakeGemini) -> None:
+    fake_gemini.models.add("gemini-3.6-flash")
+    body = {
+        "contents": [
+            {"role": "user", "parts": [{"text": "red green blue"}]},
+            {"role": "model", "parts": [{"text": "red green"}]},
+        ]
+    }
+    refused = http.post("/models/gemini-3.6-flash:generateContent", json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == "Requests ending with a model turn are not supported."

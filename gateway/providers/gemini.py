@@ -18,6 +18,7 @@ from gateway.config import Backend
 from gateway.errors import BadGateway, GatewayError, InvalidRequest
 from gateway.providers.base import (
     NO_THINKING,
+    Continuation,
     Param,
     ParamTable,
     Provider,
@@ -242,6 +243,10 @@ def _contents(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
 # a client that dropped the id): Gemini 3 then skips the check instead of refusing the request.
 UNSIGNED = "skip_thought_signature_validator"
 _BEFORE_3 = re.compile(r"gemini-[12]\b")
+# Gemini continues a trailing model turn (a prefill) up to 3.1; 3.5 Flash-Lite and 3.6 on refuse one
+# ("Requests ending with a model turn are not supported"). Models this does not know are taken to be
+# newer.
+_PREFILL = re.compile(r"gemini-(1\.|2\.|3-|3\.1-)")
 
 
 def is_gemini_3(model: str) -> bool:
@@ -345,8 +350,12 @@ def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     return body
 
 
+def continuation(backend: Backend, model: str) -> Continuation:
+    return backend.continuation or ("prefill" if _PREFILL.search(model) else "instruction")
+
+
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
-    body = json_encode(chat_body(continued(request, backend.continuation or "instruction"), model))
+    body = json_encode(chat_body(continued(request, continuation(backend, model)), model))
     if request.stream:
         return UpstreamRequest(
             _url(backend, model, "streamGenerateContent", {"alt": "sse"}),
@@ -574,4 +583,5 @@ PROVIDER = Provider(
     embeddings_response=embeddings_response,
     count_tokens_request=count_tokens_request,
     count_tokens_response=count_tokens_response,
+    continuation=continuation,
 )

@@ -13,7 +13,9 @@ calls, sent whole in one chunk as Gemini does; a ``thought: true`` part when
 ``thinkingConfig.includeThoughts``), ``finishReason`` (``STOP``, ``MAX_TOKENS``), ``usageMetadata`` and
 ``modelVersion``/``responseId``. Every stream chunk carries the usage so far, the last one the total.
 
-Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents`` and ``maxOutputTokens`` outside 1..65536.
+Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents`` and ``maxOutputTokens`` outside 1..65536,
+and on 3.5 Flash-Lite and 3.6 on (`NO_PREFILL`) contents ending with a model turn, which earlier
+models continue (a prefill).
 
 Gemini 3 models (``gemini-3-*``) sign their function calls as the real ones do: the first
 ``functionCall`` part of a response carries a ``thoughtSignature``, and a request is refused (400)
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import secrets
 import time
 from datetime import UTC, datetime, timedelta
@@ -95,6 +98,10 @@ def check_thinking(model: str, thinking: dict[str, Any]) -> None:
 
 
 _FINISH = {"stop": "STOP", "stop_sequence": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP"}
+
+
+# Gemini 3.5 Flash-Lite and 3.6 on refuse contents ending with a model turn (earlier ones continue it).
+NO_PREFILL = re.compile(r"gemini-(3\.5-flash-lite|3\.[6-9]|[4-9])")
 
 
 class FakeGemini(FakeServer):
@@ -362,6 +369,13 @@ class FakeGemini(FakeServer):
         signs = model.startswith("gemini-3")
         if signs:
             self._check_signatures(body)
+        last = (body.get("contents") or [{}])[-1]
+        if (
+            NO_PREFILL.search(model)
+            and last.get("role") == "model"
+            and not any("functionResponse" in p for p in last.get("parts") or [])
+        ):
+            raise Invalid(400, "Requests ending with a model turn are not supported.")
         config = body.get("generationConfig") or {}
         reply = plan_reply(self._turn(body))
         big = huge_text(request)

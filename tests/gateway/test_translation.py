@@ -425,7 +425,10 @@ def test_an_unfinished_answer_is_continued_the_way_each_vendor_can() -> None:
         }
 
     contents = body(gemini.chat_request(GEMINI, request, "gemini-2.5-flash"))["contents"]
-    assert (contents[-2]["role"], contents[-1]["parts"][0]["text"]) == ("model", CONTINUE_INSTRUCTION)
+    assert contents[-1] == {"role": "model", "parts": [{"text": "one two"}]}
+    for model in ("gemini-3.5-flash-lite", "gemini-3.6-flash"):  # they refuse a trailing model turn
+        contents = body(gemini.chat_request(GEMINI, request, model))["contents"]
+        assert (contents[-2]["role"], contents[-1]["parts"][0]["text"]) == ("model", CONTINUE_INSTRUCTION)
     # Without the flag a trailing assistant message goes as it is, everywhere.
     assert body(openai.chat_request(OPENAI, chat(messages=PARTIAL), "gpt-4o"))["messages"][-1] == PARTIAL[1]
 

@@ -36,6 +36,7 @@ HI: Any = [{"role": "user", "content": ECHO}]
 USAGE_ROUTES = f"""{ROUTES}\
   - {{name: three, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}, {{model: gemini-flash}}], {FAST}}}
   - {{name: reasoner-first, candidates: [{{model: deepseek-reasoner}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: openai-twice, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
 """
 APIS = ["chat", "messages", "responses"]
 
@@ -180,21 +181,38 @@ def test_a_stream_resumed_twice_counts_every_part_of_the_answer(
     fake_anthropic.fail_next(Fault.cut_stream(after=5))  # its start events, " three", " four"
     told, _ = streamed(gateway, "chat", "three")
     assert told.text == ECHO
-    # Gemini is asked for the rest in a user turn after the text sent so far (it has no prefill).
-    contents = fake_gemini.last_request.json["contents"]
-    assert contents[-2]["parts"][0]["text"] == "one two three four"
-    assert contents[-1]["parts"][0]["text"] == CONTINUE_INSTRUCTION
+    assert fake_gemini.last_request.json["contents"][-1]["parts"][0]["text"] == "one two three four"
     settled(gateway, 3)
     events = sorted(gateway.sink.events, key=lambda e: e.attempt)
     assert [e.backend for e in events] == ["openai", "anthropic", "gemini"]
-    instruction = len(CONTINUE_INSTRUCTION.split())
-    assert (events[-1].usage.prompt_tokens, events[-1].usage.output_tokens) == (10 + instruction, 2)
+    assert (events[-1].usage.prompt_tokens, events[-1].usage.output_tokens) == (10, 2)  # Gemini's report
     # Three attempts wrote the answer: its output is what each is billed for (the cut ones estimated,
-    # "one two" 2, " three four" 3 at 4 bytes a token); the prompt is Gemini's less the estimated tokens
-    # of what Weir added, at 4 bytes a token: the 18-byte prefill's 5 and the instruction's.
+    # "one two" 2, " three four" 3 at 4 bytes a token); the prompt is Gemini's less the 18-byte
+    # prefill's estimated 5 tokens: 12 tokens in all, as Gemini counted the conversation.
     assert told.output == sum(e.usage.output_tokens for e in events) == 7
-    added = 5 + -(-len(CONTINUE_INSTRUCTION) // 4)
-    assert told.prompt == max(0, events[-1].usage.prompt_tokens - added)
+    assert (told.prompt, told.prompt + told.output) == (5, 12)
+
+
+def test_a_continuation_asked_for_in_a_user_turn_leaves_that_turn_out_of_the_prompt(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """gpt-4o-mini breaks after "one two"; deepseek-chat (OpenAI-compatible: no prefill) is asked
+    for the rest in a user turn. The client is told its own prompt: the continuation's, less the estimated tokens of the
+    partial answer and of that turn (4 bytes a token each), which the client never sent."""
+    fake_openai.fail_next(Fault.cut_stream(after=3))  # role, "one", " two"
+    told, _ = streamed(gateway, "chat", "openai-twice")
+    assert told.text == ECHO
+    sent = fake_deepseek.last_request.json["messages"]
+    assert sent[-2:] == [
+        {"role": "assistant", "content": "one two"},
+        {"role": "user", "content": CONTINUE_INSTRUCTION},
+    ]
+    settled(gateway, 2)
+    answered = max(gateway.sink.events, key=lambda e: e.attempt)
+    added = 2 + -(-len(CONTINUE_INSTRUCTION.encode()) // 4)  # "one two": 7 bytes, 2 tokens
+    assert answered.usage.prompt_tokens == 6 + 2 + len(CONTINUE_INSTRUCTION.split())  # the fake's words
+    assert told.prompt == max(0, answered.usage.prompt_tokens - added)
+    assert told.output == 6
 
 
 @pytest.mark.parametrize("api", APIS)

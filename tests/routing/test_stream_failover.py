@@ -134,8 +134,7 @@ def test_a_continuation_that_breaks_too_continues_on_the_third_candidate(
     assert [c.usage is not None for c in chunks].count(True) == 1 and chunks[-1].usage is not None
     # Each continuation was asked to go on from all the text sent so far, by every earlier candidate.
     first_prefill = fake_anthropic.last_request.json["messages"][-1]["content"][0]["text"]
-    # (Gemini is asked in a user turn after the text: `continuation` instruction, its default.)
-    second_prefill = fake_gemini.last_request.json["contents"][-2]["parts"][0]["text"]
+    second_prefill = fake_gemini.last_request.json["contents"][-1]["parts"][0]["text"]
     assert first_prefill == "one two" and second_prefill == "one two three four"
     # The request's log line names every attempt, not only what was known when the stream began.
     [line] = [e for e in logs if e["event"] == "request"]
