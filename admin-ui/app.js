@@ -388,17 +388,19 @@ function previewForm(list) {
   const prompt = h("textarea", { name: "prompt", rows: 3, required: true }, "");
   const tenant = h("input", { name: "tenant", autocomplete: "off", placeholder: "any" });
   const tools = h("input", { name: "tools", type: "checkbox" });
+  const images = h("input", { name: "images", type: "checkbox" });
   const out = h("div", { "aria-live": "polite", id: "preview-result" });
   const form = h("form", { class: "inline-form", "aria-label": "Preview a prompt" }, ...formBox(
     field("Model name", model, "What the client sends as model."), field("Tenant name", tenant, "For routes with tenant conditions."),
     h("label", { class: "check" }, tools, " request offers tools"),
+    h("label", { class: "check" }, images, " request has images"),
     field("Sample prompt", prompt, "The last user message; difficulty and prefix policies look at it."),
     h("button", { type: "submit" }, "Preview")), out);
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     form.querySelector(".form-error").hidden = true;
     try {
-      const p = await api("routes/preview", { method: "POST", body: { model: model.value.trim(), prompt: prompt.value, tenant: tenant.value.trim() || null, tools: tools.checked } });
+      const p = await api("routes/preview", { method: "POST", body: { model: model.value.trim(), prompt: prompt.value, tenant: tenant.value.trim() || null, tools: tools.checked, images: images.checked } });
       out.replaceChildren(
         h("p", {}, p.routed ? `Route ${p.model} (policy ${p.policy}) matches.` : `No route matches: the request goes to the model named ${p.model}, tried once.`,
           p.note ? ` ${p.note}.` : ""),

@@ -1,5 +1,6 @@
 """Per-request bookkeeping as plain ASGI: a request id (echoed in `x-request-id`), one structlog line
-per API request when its last byte is sent (streams included), and the request metrics."""
+per API request when its last byte is sent (streams included), the request's fields on every other
+line logged while serving it (gateway.logging), and the request metrics."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import structlog
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.ids import exchange_tag, ordered_id, tag_exchange
+from gateway.logging import logging_for
 from gateway.metrics import Metrics
 from gateway.pipeline import RequestInfo
 
@@ -98,18 +100,19 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
             # A client's own id may be on other requests too: this exchange's own tag keeps what is
             # kept per request (admission, `on_finish`) apart from theirs (gateway.ids).
             tag = tag_exchange() if incoming is not None else None
-            try:
-                await app(scope, receive, send_wrapper)
-            finally:
-                if api:
-                    metrics.in_flight.dec()
-                    if on_finish is not None:
-                        on_finish(info.request_id)
-                if not done:
-                    status = 499 if status < 400 else status  # the client left before the last byte
-                    finish()
-                if tag is not None:
-                    exchange_tag.reset(tag)
+            with logging_for(info):
+                try:
+                    await app(scope, receive, send_wrapper)
+                finally:
+                    if api:
+                        metrics.in_flight.dec()
+                        if on_finish is not None:
+                            on_finish(info.request_id)
+                    if not done:
+                        status = 499 if status < 400 else status  # the client left before the last byte
+                        finish()
+                    if tag is not None:
+                        exchange_tag.reset(tag)
 
         return middleware
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import msgspec
+import structlog
 
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import usd_per_mtok_to_micro
@@ -26,7 +27,7 @@ from gateway.ids import ordered_id
 from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
 from gateway.router_basic import Target
-from gateway.transport import MAX_RESPONSE_BODY, Transport
+from gateway.transport import MAX_RESPONSE_BODY, Transport, describe
 from gateway.usage import Usage
 from gateway.usage_sink import UsageSink
 from routing.load import LoadReports
@@ -36,6 +37,8 @@ class HasUsage(Protocol):
     @property
     def usage(self) -> Usage | None: ...
 
+
+log = structlog.get_logger("weir.gateway")
 
 R = TypeVar("R", bound=HasUsage)
 T = TypeVar("T")
@@ -59,6 +62,7 @@ class RequestInfo:
     # (gateway.disconnect): the attempts that cancels are the client's 499s, not the gateway's own.
     client_gone: bool = False
     answered: bool = False  # an attempt answered: the line names it, whatever is recorded after it
+    over: bool = False  # the exchange ended: later log lines are not its (gateway.logging)
 
 
 @dataclass(slots=True)
@@ -404,7 +408,14 @@ def decode(step: Callable[..., T], backend: str, *args: Any) -> T:
     except GatewayError:
         raise
     except (AttributeError, TypeError, KeyError, IndexError, ValueError, RecursionError) as exc:
-        raise BadGateway(f"backend {backend} sent a malformed response ({type(exc).__name__})") from None
+        # The client gets words that stay the same across releases; the operator, what broke where
+        # (the innermost frame: the decoder's line that choked, or a bug in it).
+        frame = exc.__traceback__
+        while frame is not None and frame.tb_next is not None:
+            frame = frame.tb_next
+        where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else None
+        log.warning("upstream_response_malformed", backend=backend, error=describe(exc)[:200], at=where)
+        raise BadGateway(f"backend {backend} sent a malformed response") from None
 
 
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -80,7 +80,7 @@ class Transport:
         except aiohttp.ClientConnectorError as exc:
             raise BackendUnavailable(f"cannot connect to backend {backend}: {exc.strerror or exc}") from None
         except aiohttp.ClientError as exc:
-            log.warning("upstream_request_broken", backend=backend, error=_describe(exc))
+            log.warning("upstream_request_broken", backend=backend, error=describe(exc))
             raise BadGateway(_before_answer(backend, exc)) from None
         return UpstreamResponse(response.status, response.headers, response)
 
@@ -103,7 +103,7 @@ class Transport:
         except TimeoutError:
             raise GatewayTimeout(f"backend {backend} stopped sending its response") from None
         except aiohttp.ClientError as exc:
-            log.warning("upstream_response_broken", backend=backend, error=_describe(exc))
+            log.warning("upstream_response_broken", backend=backend, error=describe(exc))
             raise BadGateway(
                 f"the response from backend {backend} ended before it was complete", code=RESPONSE_INTERRUPTED
             ) from None
@@ -169,13 +169,13 @@ class Transport:
         except TimeoutError:
             raise GatewayTimeout(f"backend {backend} went silent mid-stream") from None
         except aiohttp.ClientError as exc:
-            log.warning("upstream_stream_broken", backend=backend, events=received, error=_describe(exc))
+            log.warning("upstream_stream_broken", backend=backend, events=received, error=describe(exc))
             raise BadGateway(
                 f"the stream from backend {backend} ended unexpectedly after {received} events",
                 code=STREAM_INTERRUPTED,
             ) from None
         except UnicodeDecodeError as exc:
-            log.warning("upstream_stream_broken", backend=backend, events=received, error=_describe(exc))
+            log.warning("upstream_stream_broken", backend=backend, events=received, error=describe(exc))
             raise BadGateway(f"backend {backend} sent a stream event that is not UTF-8 text") from None
         finally:
             response.raw.release()
@@ -194,6 +194,7 @@ def _before_answer(backend: str, exc: aiohttp.ClientError) -> str:
     return f"the request to backend {backend} failed before it answered"
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """An exception for the log: its class and its text."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -9,7 +9,12 @@ that only the cooldown let through is the fleet's one: a replica claims it in th
 (`Breakers.allow`), so N replicas send one trial per cooldown to a dead backend, not N.
 
 A route's `ttft_timeout` is that route's latency preference: it counts against the backend's breaker
-only where no route in force that uses the breaker would wait longer (`Breakers.too_slow`).
+only where no route in force that uses the breaker would wait longer (`Breakers.too_slow`). Where
+another route would, it feeds a latency breaker of that route's own there instead (`Breakers.latency`,
+with the route's breaker settings): after `failures` timeouts in a row that route's streams skip the
+model (`tried=model:slow`) for a cooldown, then one trial goes; a first token in time closes it. It
+is a preference, not a verdict on the backend: each replica keeps its own, and other routes keep
+sending there.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import msgspec
 import structlog
 
 from routing.routes import Breaker as BreakerSettings
+from routing.routes import Route
 
 log = structlog.get_logger("weir.routing")
 HISTORY = 1000  # latest transitions kept in memory (tests read them); all of them are in the log
@@ -41,6 +48,19 @@ OPENED_BY_PROBE = b"open:probe"
 RECOVERED = b"closed"
 # The fleet's half-open trial of a breaker: held by the replica that claimed it, for a cooldown.
 TRIAL_PREFIX = "weir:breaker-trial:"
+
+
+# A route's own latency breaker on one backend/model: (`route_label`, its ttft_timeout, `Breakers.key`).
+# The timeout is part of it: a route edited to wait longer (or less) starts afresh.
+LatencyKey = tuple[str, float, str]
+
+
+def route_label(route: Route) -> str:
+    """The route as an admin names it: its name, and for one with conditions those too (routes sharing
+    a name keep their own latency breakers)."""
+    if route.when is None:
+        return route.name
+    return f"{route.name} when {msgspec.json.encode(route.when).decode()}"
 
 
 class State(StrEnum):
@@ -142,6 +162,11 @@ class Breakers:
         # Per key: the longest any route in force with a breaker waits for a stream's first token
         # there (inf: one waits as long as it takes). Router.set_routes keeps it; see too_slow.
         self.patience: dict[str, float] = {}
+        # Routes' own latency breakers (see too_slow), created on a route's first timeout there, and
+        # the settings of those the routes in force may have (Router.set_routes keeps both: one of a
+        # route deleted or edited, or of a model it no longer waits less for than another, goes).
+        self.latency: dict[LatencyKey, CircuitBreaker] = {}
+        self.latency_settings: dict[LatencyKey, BreakerSettings] = {}
 
     @staticmethod
     def key(backend: str, model: str) -> str:
@@ -219,18 +244,59 @@ class Breakers:
                 value = OPENED_BY_PROBE if probe else OPENED
                 await self.shared.kv_set(PREFIX + key, value, ttl_s=breaker.settings.cooldown)
 
-    async def too_slow(self, key: str, waited: float) -> None:
+    async def too_slow(self, key: str, waited: float, route: Route | None = None) -> None:
         """A route gave up on a stream after `waited` seconds without its first token (its
         `ttft_timeout`). That is a failure of the backend only where no route in force with a breaker
         there would have waited longer: a tighter route's latency preference must not open the
         breaker that routes with no timeout, or a longer one, share, and take a model that would
         answer them away from them. It says nothing about the backend to them either (a half-open
-        trial it was lets the next request be the trial). Its 504 still counts as the backend's error
-        in the metrics, as every TTFT timeout does."""
+        trial it was lets the next request be the trial), but it counts against `route`'s own latency
+        breaker there, so that route stops paying its timeout on every request while the model is
+        slow. Its 504 still counts as the backend's error in the metrics, as every TTFT timeout does."""
         if waited >= self.patience.get(key, waited):
             await self.failure(key)
-        else:
-            self.get(key).release()
+            return
+        self.get(key).release()
+        if route is None:
+            return
+        latency = (route_label(route), waited, key)
+        settings = self.latency_settings.get(latency)
+        if settings is None:  # a route no longer in force (an edit while this request ran)
+            return
+        breaker = self.latency.get(latency)
+        if breaker is None:
+            breaker = self.latency[latency] = CircuitBreaker(settings)
+        if breaker.failure():
+            log.info("latency_breaker_opened", route=latency[0], breaker=key, ttft_timeout=waited)
+
+    def latency_breaker(self, route: Route, key: str) -> CircuitBreaker | None:
+        """`route`'s own latency breaker on `key`, where its timeouts there made one."""
+        if not self.latency or not route.ttft_timeout:
+            return None
+        return self.latency.get((route_label(route), route.ttft_timeout, key))
+
+    def in_time(self, route: Route, key: str) -> None:
+        """`route`'s stream had its first token from `key` within its `ttft_timeout`: its latency
+        breaker there, if any, closes (and its count of timeouts in a row starts again)."""
+        breaker = self.latency_breaker(route, key)
+        if breaker is not None and breaker.success():
+            log.info("latency_breaker_closed", route=route_label(route), breaker=key)
+
+    def keep_latency(self, wanted: dict[LatencyKey, BreakerSettings]) -> None:
+        """The latency breakers the routes now in force may have, with their settings: the others
+        go, so a gateway whose routes are edited for weeks holds only those of the routes it has."""
+        self.latency_settings = wanted
+        for latency in [latency for latency in self.latency if latency not in wanted]:
+            del self.latency[latency]
+        for latency, breaker in self.latency.items():
+            breaker.settings = wanted[latency]
+
+    def latency_states(self) -> dict[str, dict[str, str]]:
+        """Each route's latency breakers by backend/model, for the admin (`routes/status`)."""
+        states: dict[str, dict[str, str]] = {}
+        for (label, _, key), breaker in list(self.latency.items()):
+            states.setdefault(label, {})[key] = breaker.current().value
+        return states
 
     async def sync(self) -> None:
         """Adopt openings and recoveries published by other replicas (called by the health loop)."""

@@ -42,6 +42,7 @@ from prometheus_client.core import GaugeMetricFamily
 from gateway.accounting.pricing import price_usage
 from gateway.errors import GatewayError
 from gateway.ids import ordered_id
+from gateway.logging import logging_for
 from gateway.metrics import drop_series
 from gateway.pipeline import Call, Pipeline, RequestInfo
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
@@ -455,7 +456,9 @@ class Comparer:
         call = Call(info, job.principal, "compare")
         upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
         try:
-            return await self.pipeline.exchange(call, target, upstream, target.provider.chat_response)
+            # Its lines (an upstream that broke) name this call, as its ledger row does, not the client's.
+            with logging_for(info):
+                return await self.pipeline.exchange(call, target, upstream, target.provider.chat_response)
         finally:
             if info.usage is not None:
                 cost = price_usage(info.usage, self.pipeline.prices.get(target.model.name, {}))

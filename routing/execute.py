@@ -40,7 +40,7 @@ from gateway.router_basic import Target
 from gateway.state import Limit, MemoryState, SharedState
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, ChunkChoice, Delta, Message
 from gateway.usage import Usage
-from routing.breaker import Breakers
+from routing.breaker import Breakers, State
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, expected_cost
@@ -309,6 +309,8 @@ class Executor:
                 held, batches = await (opening if deadline is None else deadline.within(opening))
                 handed_over = True
                 self._note(plan, model, "ok")
+                if deadline is not None and plan.route.breaker is not None:
+                    self.breakers.in_time(plan.route, key)
                 return self._track(batches, model, held)
             result = await self.pipeline.exchange(
                 call, target, upstream, reader, attempt=number, sending=sending
@@ -326,27 +328,39 @@ class Executor:
                 plan.attempts -= 1  # the next try is the first again, and is admitted first
                 call.stopped.pop(number, None)
                 if plan.route.breaker is not None:
-                    self.breakers.get(key).release()
+                    self._no_verdict(plan.route, key)
                 raise
             self._note(plan, model, str(exc.status))
             if plan.route.breaker is not None:
-                if isinstance(exc, GatewayTimeout) and exc.code == "ttft_timeout" and plan.route.ttft_timeout:
-                    await self.breakers.too_slow(key, plan.route.ttft_timeout)  # perhaps its own preference
+                # The route's TTFT timeout: perhaps only its own preference (Breakers.too_slow).
+                slow = deadline.timeout if deadline is not None and exc.code == "ttft_timeout" else None
+                if slow is not None:
+                    await self.breakers.too_slow(key, slow, plan.route)
                 elif _unhealthy(exc):
                     await self.breakers.failure(key)
                 elif isinstance(exc, _BACKEND_ERRORS):
                     await self.breakers.success(key)  # it answered: the request was at fault, not it
                 else:
                     self.breakers.get(key).release()
+                if slow is None and (latency := self.breakers.latency_breaker(plan.route, key)) is not None:
+                    latency.release()  # it failed before its first token was due: no word on its speed
             raise
         except asyncio.CancelledError:
             self._note(plan, model, "cancelled")
             if plan.route.breaker is not None:
-                self.breakers.get(key).release()
+                self._no_verdict(plan.route, key)
             raise
         finally:
             if not handed_over:
                 in_flight[model] -= 1
+
+    def _no_verdict(self, route: Route, key: str) -> None:
+        """An attempt that said nothing about its backend (refused by the gateway, cancelled): a
+        half-open trial it was, of the backend's breaker or of the route's latency breaker there,
+        lets the next request be the trial."""
+        self.breakers.get(key).release()
+        if (latency := self.breakers.latency_breaker(route, key)) is not None:
+            latency.release()
 
     def _billed(self, event: UsageEvent) -> int:
         """What an attempt is billed (pico-USD): at the price catalog's prices where the control plane
@@ -379,14 +393,14 @@ class Executor:
         opened = False
         for index, choice in enumerate(queue):
             breaker = self.breakers.get(self._key(choice), route.breaker) if route.breaker else None
-            if breaker is not None and not await self.breakers.allow(self._key(choice)):
-                self._note(plan, choice.candidate.model, "open")
+            if breaker is not None and (refused := await self._refused(route, choice, op)):
+                self._note(plan, choice.candidate.model, refused)
                 opened = True
                 continue
             for retry in range(route.retry.attempts):
                 try:
                     if retry == 0 and route.hedge is not None and not skip:
-                        partner = self._hedge_partner(queue[index + 1 :])
+                        partner = self._hedge_partner(route, op, queue[index + 1 :])
                         if partner is not None:
                             result = await self._hedged(call, plan, choice, partner, op, feats)
                             call.info.error = None
@@ -399,8 +413,8 @@ class Executor:
                     # Nothing was sent: the next candidate may take what this one's API cannot.
                     plan.tried.append(f"{choice.candidate.model}:unsupported")
                     refusal = refusal or exc.refusal
-                    if breaker is not None:
-                        breaker.release()  # no verdict on the backend: a half-open trial is free
+                    if breaker is not None:  # no verdict on the backend: a half-open trial is free
+                        self._no_verdict(route, self._key(choice))
                     break
                 except GatewayError as exc:
                     if _refuses_parameter(exc):
@@ -417,7 +431,7 @@ class Executor:
                     if wait is not None and wait > route.retry.max_retry_after:
                         break  # not worth waiting for: the next candidate may answer now
                     await asyncio.sleep(wait if wait is not None else backoff(route, retry, self.rng))
-                    if breaker is not None and not await self.breakers.allow(self._key(choice)):
+                    if breaker is not None and await self._refused(route, choice, op):
                         break
         if last is None and refusal is not None and not opened:
             raise refusal  # no candidate could take the request: why the first could not
@@ -450,9 +464,28 @@ class Executor:
             raise refusal
         return able
 
-    def _hedge_partner(self, rest: list[Choice]) -> Choice | None:
+    async def _refused(self, route: Route, choice: Choice, op: Operation) -> str | None:
+        """Why `choice` is skipped now, if it is: `open` (its backend's breaker) or `slow` (a stream,
+        and the route's own latency breaker there: its TTFT timeouts on that model, which routes that
+        wait longer still use). None: it is tried, as the half-open trial of either if so."""
+        key = self._key(choice)
+        if not self.breakers.get(key).admits():
+            return "open"
+        latency = self.breakers.latency_breaker(route, key) if op.stream else None
+        if latency is not None and not latency.allow():
+            return "slow"
+        if not await self.breakers.allow(key):
+            if latency is not None:
+                latency.release()  # its trial, if it was one, is the next request's
+            return "open"
+        return None
+
+    def _hedge_partner(self, route: Route, op: Operation, rest: list[Choice]) -> Choice | None:
         for choice in rest:
-            if self.breakers.state(self._key(choice)).value == "closed":
+            key = self._key(choice)
+            latency = self.breakers.latency_breaker(route, key) if op.stream else None
+            slow = latency is not None and latency.current() is not State.CLOSED
+            if self.breakers.state(key) is State.CLOSED and not slow:
                 return choice
         return None
 

@@ -63,8 +63,9 @@ class PrefixIndex:
         self._writes: set[asyncio.Task[None]] = set()
 
     def _reachable(self) -> SharedState | None:
-        # While Redis is unreachable the state falls back to a per-process store that never purges:
-        # keys for every request would grow it for the length of the outage. The LRU covers that time.
+        # While Redis is unreachable the state falls back to a per-process store: keys for every
+        # request would fill it (until each TTL and its next sweep) and no other replica reads them
+        # there. The LRU covers that time.
         shared = self.shared
         return None if shared is None or getattr(shared, "degraded", False) else shared
 

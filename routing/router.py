@@ -21,12 +21,13 @@ from gateway.config import Backend
 from gateway.errors import ModelNotFound
 from gateway.router_basic import ModelTable
 from gateway.state import MemoryState
-from routing.breaker import Breakers
+from routing.breaker import Breakers, LatencyKey, route_label
 from routing.health import HealthProber, ProbeListener
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, order
 from routing.routes import HEAD_NAME, Candidate, Conditions, Retry, Route
+from routing.routes import Breaker as BreakerSettings
 from routing.stats import RoutingStats
 from routing.store import RouteStore
 
@@ -325,6 +326,16 @@ class Router:
                     self.breakers.get(key, route.breaker)
                     patience[key] = max(patience.get(key, 0.0), route.ttft_timeout or math.inf)
         self.breakers.patience = patience
+        # The routes' own latency breakers (Breakers.too_slow): where another route would wait longer.
+        latency: dict[LatencyKey, BreakerSettings] = {}
+        for route in routes:
+            if route.breaker is not None and route.ttft_timeout:
+                for name in route.models():
+                    target = self.models.targets[name]
+                    key = Breakers.key(target.backend.name, target.upstream_model)
+                    if patience[key] > route.ttft_timeout:
+                        latency[(route_label(route), route.ttft_timeout, key)] = route.breaker
+        self.breakers.keep_latency(latency)
         gone = set(self.routes) - set(table)
         self.routes = table  # one assignment: requests see the old table or the new, never a mix
         self.context.forget(routes)  # windows and counts of routes deleted, renamed or re-conditioned

@@ -1,5 +1,6 @@
 """Admin API for routes: `/admin/api/v1/routes` (list, create, read, replace, delete) and
-`/admin/api/v1/routes/status` (breakers, affinity hit rates, observed speeds, trained heads loaded).
+`/admin/api/v1/routes/status` (breakers, routes' latency breakers, affinity hit rates, observed
+speeds, trained heads loaded).
 
 A route body is a `routing.routes.Route` as JSON, plus an optional `position` (routes sharing a
 name are tried in position order). Writes are validated against the gateway's models before they
@@ -173,6 +174,9 @@ async def routes_status(request: Request) -> dict[str, Any]:
         "version": router.version,
         "routes": {name: [msgspec.to_builtins(r) for r in routes] for name, routes in router.routes.items()},
         "breakers": {key: b.current().value for key, b in router.breakers.breakers.items()},
+        # Routes' own breakers for their TTFT timeouts on models other routes wait longer for
+        # (routing.breaker.Breakers.too_slow), by route and backend/model; this replica's own.
+        "latency_breakers": router.breakers.latency_states(),
         "prefix_affinity_hit_rate": {name: context.affinity_hit_rate(name) for name in context.affinity},
         # What the replicas' prefix caches served of those routes' prompts (their usage reports).
         "prefix_affinity_cache": {

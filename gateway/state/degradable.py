@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -173,6 +173,11 @@ class DegradableState(Shortcuts):
         reached, _ = await self._try_primary("budget_seed", key, spent_micro_usd)
         if not reached:
             self._seeds.setdefault(key, spent_micro_usd)
+
+    def forget_budgets(self, keep: Callable[[str], bool]) -> None:
+        """The fallback's budgets of months gone by (Admission, at a month's turn): it learns every
+        budget Redis reports, outage or not, so without this it held every budget of every month."""
+        self.fallback.forget_budgets(keep)
 
     async def budget_usage(self, key: str) -> tuple[int, int]:
         result: tuple[int, int] = await self._call("budget_usage", key)

@@ -23,14 +23,22 @@ from gateway.state.base import (
     retry_after,
 )
 
+# How often (seconds of the state's clock) `MemoryState` drops what has lapsed: windows with no live
+# bucket, expired kv values and reservations. Between sweeps a call pays one comparison.
+SWEEP_S = LIMIT_WINDOW_S
+_LAPSED = 2 * BUCKETS - 1  # lo + this: the bucket index from which nothing a window counted is left
+
 
 class _Window:
     """One limit's buckets (index -> count) with their running total: admission is O(1) instead of
     summing every live bucket, and buckets that left the window are removed as time passes."""
 
-    __slots__ = ("buckets", "lo", "total")
+    __slots__ = ("bucket_s", "buckets", "lo", "total")
 
-    def __init__(self) -> None:
+    def __init__(self, bucket_s: float) -> None:
+        # Its window's length / BUCKETS, for the sweep to tell when it lapsed (a key names one limit,
+        # so one length).
+        self.bucket_s = bucket_s
         self.buckets: dict[int, int] = {}
         self.total = 0
         self.lo = 0  # no bucket older than this index is left
@@ -142,17 +150,38 @@ class MemoryState(Shortcuts):
         self._lock = asyncio.Lock()
         self._id_prefix = f"m{os.urandom(8).hex()}-"
         self._ids = itertools.count(1)
+        self._next_sweep = 0.0  # the state's clock at which `_sweep` is next due
 
     @staticmethod
     def _now() -> float:
         return time.time()
+
+    def _sweep(self, now: float) -> None:
+        """Drop what has lapsed, every SWEEP_S from a call that counts or stores: windows with no live
+        bucket left (a new one in its place counts the same), expired kv values, and expired
+        reservations. Otherwise each limit key, kv key and budget ever used stayed for as long as the
+        process ran, read or not: API keys created and revoked, per-user keys, a prefix per prompt,
+        or everything a replica counted here during a long Redis outage. O(entries) once a sweep
+        interval, where per call it would cost every admission."""
+        self._next_sweep = now + SWEEP_S
+        windows = self._windows
+        # Every call that counts advances the window first (`lo` = its bucket then - BUCKETS + 1), so
+        # no bucket is newer than lo + BUCKETS - 1: once that left the window, they all did.
+        lapsed_at = _LAPSED  # read below as a local, not as a global once per window
+        for key in [key for key, w in windows.items() if now // w.bucket_s >= w.lo + lapsed_at]:
+            del windows[key]
+        kv = self._kv
+        for key in [key for key, (_, expires) in kv.items() if expires is not None and expires <= now]:
+            del kv[key]
+        for budget in self._budgets.values():  # its spend stays (for the month): only reservations
+            budget.reserved(now)
 
     def _window(self, limit_key: str, window_s: float, now: float) -> tuple[_Window, float, int]:
         bucket_s = window_s / BUCKETS
         current = int(now // bucket_s)
         window = self._windows.get(limit_key)
         if window is None:
-            window = self._windows[limit_key] = _Window()
+            window = self._windows[limit_key] = _Window(bucket_s)
         window.advance(current)
         return window, bucket_s, current
 
@@ -176,6 +205,8 @@ class MemoryState(Shortcuts):
         """`admit`, synchronously: nothing in it awaits, so it is as atomic as under the lock (which
         no method holds across a suspension). Admission calls this at once, without a coroutine."""
         now = self._now()
+        if now >= self._next_sweep:
+            self._sweep(now)
         counted = []
         windows = self._windows
         for limit in limits:
@@ -185,7 +216,7 @@ class MemoryState(Shortcuts):
             current = int(now // bucket_s)
             window = windows.get(limit.key)
             if window is None:
-                window = windows[limit.key] = _Window()
+                window = windows[limit.key] = _Window(bucket_s)
             window.advance(current)
             if window.total + limit.cost > limit.limit:
                 if limit.cost > limit.limit:
@@ -221,6 +252,8 @@ class MemoryState(Shortcuts):
         """`settle_many`, synchronously: nothing in it awaits, so it is as atomic as under the lock
         (which no method holds across a suspension)."""
         now = self._now()
+        if now >= self._next_sweep:
+            self._sweep(now)
         touched: set[str] = set()
         for settlement in settlements:
             for adjustment in settlement.adjustments:
@@ -255,13 +288,16 @@ class MemoryState(Shortcuts):
         `report=False` it returns {} instead of each budget's (spent, reserved): Admission reads those
         when /metrics asks (`budget_usage_now`), not after every attempt."""
         now = self._now()
+        if now >= self._next_sweep:
+            self._sweep(now)
         if delta:
-            current = int(now // (LIMIT_WINDOW_S / BUCKETS))
+            bucket_s = LIMIT_WINDOW_S / BUCKETS
+            current = int(now // bucket_s)
             windows = self._windows
             for key in limit_keys:
                 window = windows.get(key)
                 if window is None:
-                    window = windows[key] = _Window()
+                    window = windows[key] = _Window(bucket_s)
                 window.advance(current)
                 window.add(current, delta)
         touched: set[str] = set()
@@ -345,7 +381,10 @@ class MemoryState(Shortcuts):
         return value
 
     async def kv_set(self, key: str, value: bytes, ttl_s: float | None = None) -> None:
-        self._kv[key] = (value, self._now() + ttl_s if ttl_s else None)
+        now = self._now()
+        if now >= self._next_sweep:
+            self._sweep(now)
+        self._kv[key] = (value, now + ttl_s if ttl_s else None)
 
     async def kv_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return [await self.kv_get(key) for key in keys]

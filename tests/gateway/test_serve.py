@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import free_port
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import EXAMPLE
 
 
@@ -63,16 +63,33 @@ def test_weir_serve_with_the_example_config(
         )
         assert reply.parse().choices[0].message.content == "served"
         request_id = reply.headers["x-request-id"]
+        # A backend that breaks: its line, as JSON, names the request (the client's own id here).
+        fake_anthropic.fail_next(Fault.reset())
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(
+                model="claude-sonnet",
+                messages=[{"role": "user", "content": "broken"}],
+                extra_headers={"x-request-id": "serve-trace-1"},
+            )
+        assert caught.value.response.headers["x-request-id"] == "serve-trace-1"
     finally:
         server.terminate()
         stdout, stderr = server.communicate(timeout=30)
     lines = [json.loads(line) for line in stdout.decode().splitlines() if line.startswith("{")]
-    [line] = [entry for entry in lines if entry.get("event") == "request"]
+    line, failed = [entry for entry in lines if entry.get("event") == "request"]
     assert line["request_id"] == request_id and line["level"] == "info"
+    assert (failed["request_id"], failed["status"]) == ("serve-trace-1", 502)
     assert (line["status"], line["backend"], line["tenant"], line["output_tokens"]) == (
         200,
         "anthropic",
         "demo",
         1,
+    )
+    [broken] = [entry for entry in lines if entry.get("event") == "upstream_request_broken"]
+    assert (broken["request_id"], broken["tenant"], broken["model"], broken["level"]) == (
+        "serve-trace-1",
+        "demo",
+        "claude-sonnet",
+        "warning",
     )
     assert "Traceback" not in stderr.decode()

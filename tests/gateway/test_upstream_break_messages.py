@@ -12,7 +12,8 @@ import openai
 import pytest
 from structlog.testing import capture_logs
 
-from tests.fakes import FakeOpenAI, Fault
+from gateway.logging import add_request_fields
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 
 WORDS = "one two three four five six"
@@ -123,3 +124,31 @@ def test_a_connection_reset_before_the_answer_is_a_clear_502(
     assert body["code"] == "bad_gateway"
     [line] = [e for e in logs if e["event"] == "upstream_request_broken"]
     assert line["backend"] == "openai" and line["error"]
+
+
+def test_a_body_of_an_unexpected_shape_is_a_plain_502_and_the_details_are_logged(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message's text that is a number, not a string: the client is told the backend's answer was
+    malformed, in words that stay the same, not which Python exception the gateway met."""
+    answer = fake_anthropic.json_response
+
+    def malformed(request: Any, payload: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(payload, dict) and payload.get("type") == "message":
+            payload = {**payload, "content": [{"type": "text", "text": 5}]}
+        return answer(request, payload, *args, **kwargs)
+
+    monkeypatch.setattr(fake_anthropic, "json_response", malformed)
+    with (
+        capture_logs(processors=[add_request_fields]) as logs,
+        pytest.raises(openai.APIStatusError) as caught,
+    ):
+        gateway.openai().chat.completions.create(model="claude-sonnet", messages=SAY)
+    assert caught.value.status_code == 502
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert (body["message"], body["code"]) == ("backend anthropic sent a malformed response", "bad_gateway")
+    [line] = [e for e in logs if e["event"] == "upstream_response_malformed"]
+    assert line["backend"] == "anthropic" and line["error"].startswith("TypeError: ")
+    assert "gateway/providers/anthropic.py:" in line["at"]
+    assert line["request_id"] == caught.value.response.headers["x-request-id"]

@@ -77,7 +77,8 @@ def settled(gateway: RunningGateway, count: int) -> None:
 
 
 def fresh(gateway: RunningGateway) -> RunningGateway:
-    """The routed gateway with closed breakers and an empty ledger."""
+    """The routed gateway with closed breakers (routes' latency breakers too) and an empty ledger."""
     runtime(gateway).router.breakers.breakers.clear()
+    runtime(gateway).router.breakers.latency.clear()
     gateway.sink.events.clear()
     return gateway

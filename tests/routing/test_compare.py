@@ -18,12 +18,15 @@ import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.db.session import create_engine, sessionmaker
+from gateway.logging import add_request_fields
 from gateway.state.redis import RedisState
 from gateway.types import ChatRequest, Message
+from gateway.usage_sink import ListSink
 from routing.compare import JUDGE_SYSTEM, MAX_SECTION_CHARS, judge_request, parse_verdict, scaled
 from routing.execute import SpendCap
 from routing.feedback import load_feedback
@@ -32,7 +35,7 @@ from routing.router import RouteError, validate
 from routing.routes import Candidate, Compare, Route
 from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
-from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 from tests.routing.routed import counted_micro_usd
 
@@ -348,6 +351,47 @@ def test_both_answers_are_graded_and_become_full_training_rows(
     routed = dict(zip(data.prompts, report.routed.tolist(), strict=True))  # type: ignore[attr-defined]
     assert routed == {p: 0.9 if "hard" in p else 0.1 for p in prompts}
     assert report.routed_by == [None] * len(prompts)  # type: ignore[attr-defined]
+
+
+def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A comparison runs after the client's request, in a context of its own: a judge call that broke
+    is logged with that call's request id, the one its ledger row has (tied to the client's by `for=`),
+    never as if the client's request had broken."""
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    env = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
+        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
+        "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db",
+    }
+    sink = ListSink()
+    app = create_app(parse_config(CONFIG, env), usage_sink=sink)
+    app.state.gateway.router.context.scorer = lambda prompt: 0.1
+    fake_anthropic.fail_next(Fault.reset())  # the judge: the only call to Anthropic
+    with serve(app, free_port()) as url, capture_logs(processors=[add_request_fields]) as logs:
+        admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+        keeps = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
+        key = admin.post(f"/tenants/{keeps['id']}/keys", json={}).json()["key"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": "easy question"}]
+        )
+        assert "compare=sampled" in raw.headers["x-weir-route"]
+        wait_for(lambda: any(e["event"] == "comparison_failed" for e in logs))
+    client_id = raw.headers["x-request-id"]
+    [broken] = [e for e in logs if e["event"] == "upstream_request_broken"]
+    [judged] = [e for e in sink.events if e.backend == "anthropic"]
+    assert broken["request_id"] == judged.request_id != client_id
+    assert f"for={client_id}" in (judged.routing or "") and broken["tenant"] == "keeps"
+    [failed] = [e for e in logs if e["event"] == "comparison_failed"]
+    assert failed["request_id"] == client_id  # the comparison's own line names the client's request
 
 
 def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() -> None:

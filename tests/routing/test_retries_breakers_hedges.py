@@ -9,6 +9,7 @@ counts) and what the ledger holds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import email.utils
 import threading
 import time
@@ -56,6 +57,7 @@ EXTRA_ROUTES = f"""\
   - {{name: hedged-tight, hedge: {{delay: 0.1, max_spend_usd_per_hour: 0.035}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: gpt5-first, candidates: [{{model: gpt-5}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedge-slow-ttft, ttft_timeout: 0.4, hedge: {{delay: 1.2}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+  - {{name: tight, ttft_timeout: 0.3, retry: {{attempts: 1}}, breaker: {{failures: 2, cooldown: 30}}, probe_interval: null, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}]}}
 """
 OK_BODY = (
     b'{"id": "chatcmpl-raw", "object": "chat.completion", "created": 0, "model": "gpt-4o-mini",'
@@ -375,18 +377,20 @@ def test_a_routes_ttft_timeout_does_not_take_the_model_from_routes_that_wait_lon
     gateway: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:
     """`impatient-route` gives gpt-4o-mini 0.3 s to its first token, `resilient` waits as long as it
-    takes. gpt-4o-mini is slow (0.6 s), not down: impatient-route's four timeouts (past the breaker's
+    takes. gpt-4o-mini is slow (0.6 s), not down: impatient-route's three timeouts (the breaker's
     three failures) opened the breaker both routes share, and `resilient` then sent its requests to
-    its fallback although gpt-4o-mini would have answered them. Real failures still open it for all."""
+    its fallback although gpt-4o-mini would have answered them. (They open impatient-route's own
+    latency breaker there instead: its retry after the third is skipped.) Real failures still open it
+    for all."""
     key = Breakers.key("openai", "gpt-4o-mini")
     breakers = runtime(gateway).router.breakers
     fake_openai.set_latency(first_token=0.6)
-    for _ in range(2):
+    for tried in ("gpt-4o-mini:504,gpt-4o-mini:504,claude-sonnet:ok", "gpt-4o-mini:504,claude-sonnet:ok"):
         raw = gateway.openai().chat.completions.with_raw_response.create(
             model="impatient-route", messages=HI, stream=True
         )
         assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
-        assert route_header(raw)["tried"] == "gpt-4o-mini:504,gpt-4o-mini:504,claude-sonnet:ok"
+        assert route_header(raw)["tried"] == tried
     assert breakers.state(key) == State.CLOSED
     text, route = chat(gateway, "resilient")
     assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
@@ -399,6 +403,82 @@ def test_a_routes_ttft_timeout_does_not_take_the_model_from_routes_that_wait_lon
     ]
     assert breakers.state(key) == State.OPEN
     assert chat(gateway, "impatient-route")[1]["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
+
+
+def streamed(gateway: RunningGateway, model: str) -> tuple[str, dict[str, str]]:
+    messages: Any = HI
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model=model, messages=messages, stream=True
+    )
+    return "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices), route_header(raw)
+
+
+def chats_sent(fake: FakeOpenAI) -> int:
+    return sum(r.path.endswith("/chat/completions") for r in fake.requests)
+
+
+def test_a_route_stops_waiting_on_a_model_too_slow_for_it_while_routes_that_wait_longer_keep_it(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """`tight` gives gpt-4o-mini 0.3 s to its first token; `resilient` waits as long as it takes, so
+    tight's timeouts leave the shared breaker closed, and tight paid its 0.3 s on every stream for as
+    long as gpt-4o-mini stayed slow. They open tight's own latency breaker there instead: after its
+    two failures its streams go straight to claude-sonnet (`slow`: nothing sent), while `resilient`
+    still gets gpt-4o-mini's answers, and tight's requests that do not stream (no first-token
+    timeout) still go to gpt-4o-mini."""
+    breakers = runtime(gateway).router.breakers
+    fake_openai.set_latency(first_token=0.6)
+    for _ in range(2):
+        text, route = streamed(gateway, "tight")
+        assert text == ECHO and route["tried"] == "gpt-4o-mini:504,claude-sonnet:ok"
+    sent = chats_sent(fake_openai)
+    text, route = streamed(gateway, "tight")
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:slow,claude-sonnet:ok"
+    assert chats_sent(fake_openai) == sent  # no timeout waited out: nothing went to gpt-4o-mini
+    assert breakers.latency_states() == {"tight": {"openai/gpt-4o-mini": "open"}}
+
+    assert breakers.state(Breakers.key("openai", "gpt-4o-mini")) == State.CLOSED
+    text, route = streamed(gateway, "resilient")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
+    text, route = chat(gateway, "tight")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
+
+
+def test_after_its_cooldown_a_routes_latency_breaker_sends_one_trial_and_a_first_token_in_time_closes_it(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """Half-open, one stream of the route is the trial (another meanwhile still skips the model); a
+    trial that times out opens it for another cooldown, one whose first token comes in time closes
+    it, and the route's streams go to the model again."""
+    router = runtime(gateway).router
+    fake_openai.set_latency(first_token=0.6)
+    for _ in range(2):
+        streamed(gateway, "tight")
+    latency = router.breakers.latency_breaker(
+        router.routes["tight"][0], Breakers.key("openai", "gpt-4o-mini")
+    )
+    assert latency is not None and latency.current() == State.OPEN
+    latency.opened_at -= 30  # its 30 s cooldown has passed
+
+    sent = chats_sent(fake_openai)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        trial = pool.submit(streamed, gateway, "tight")
+        deadline = time.monotonic() + 5
+        while chats_sent(fake_openai) == sent:  # the trial reached gpt-4o-mini
+            assert time.monotonic() < deadline and not trial.done(), "no trial was sent"
+            time.sleep(0.01)
+        assert streamed(gateway, "tight")[1]["tried"] == "gpt-4o-mini:slow,claude-sonnet:ok"
+        assert trial.result()[1]["tried"] == "gpt-4o-mini:504,claude-sonnet:ok"
+    assert chats_sent(fake_openai) == sent + 1
+    assert latency.current() == State.OPEN  # still too slow: another cooldown
+    assert streamed(gateway, "tight")[1]["tried"] == "gpt-4o-mini:slow,claude-sonnet:ok"
+
+    latency.opened_at -= 30
+    fake_openai.set_latency()
+    for _ in range(2):
+        text, route = streamed(gateway, "tight")
+        assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
+    assert router.breakers.latency_states() == {"tight": {"openai/gpt-4o-mini": "closed"}}
 
 
 PATIENCE = """\
@@ -436,6 +516,41 @@ async def test_ttft_timeouts_open_the_breaker_where_no_route_there_waits_longer(
     for _ in range(2):
         await breakers.too_slow(mini, 5)
     assert breakers.state(mini) == State.OPEN
+
+
+async def test_a_routes_latency_breakers_last_while_it_is_in_force_and_another_route_waits_longer() -> None:
+    """`tight`'s timeouts on gpt-4o-mini open its own latency breaker there (`loose` would wait), which
+    a route table that changes nothing of that keeps; it goes once `loose` waits no longer (the
+    timeouts are the shared breaker's again), or once `tight` waits longer itself."""
+    from gateway.router_basic import ModelTable
+    from routing.router import Router
+    from routing.routes import Candidate, Route
+
+    settings = BreakerSettings(failures=2, cooldown=30)
+    mini = Breakers.key("openai", "gpt-4o-mini")
+
+    def route(name: str, ttft_timeout: float) -> Route:
+        return Route(
+            name=name,
+            ttft_timeout=ttft_timeout,
+            breaker=settings,
+            candidates=[Candidate(model="gpt-4o-mini")],
+        )
+
+    router = Router(ModelTable(parse_config(PATIENCE, {})), [route("tight", 1), route("loose", 5)])
+    breakers = router.breakers
+    for _ in range(2):
+        await breakers.too_slow(mini, 1, route("tight", 1))
+    assert breakers.latency_states() == {"tight": {mini: "open"}}
+    assert breakers.state(mini) == State.CLOSED
+    router.set_routes([route("tight", 1), route("loose", 5), route("other", 2)])
+    assert breakers.latency_states() == {"tight": {mini: "open"}}
+    router.set_routes([route("tight", 1), route("loose", 1)])
+    assert breakers.latency_states() == {}
+    router.set_routes([route("tight", 1), route("loose", 5)])
+    await breakers.too_slow(mini, 1, route("tight", 1))
+    router.set_routes([route("tight", 2), route("loose", 5)])
+    assert breakers.latency_states() == {}
 
 
 def test_when_every_candidate_is_open_the_client_is_told_when_to_retry(gateway: RunningGateway) -> None:

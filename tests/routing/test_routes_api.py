@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -239,6 +240,40 @@ def test_a_breaker_opened_on_one_replica_opens_on_the_other(
         time.sleep(0.1)
     # Replica 1 never saw a failure itself, yet skips the backend (through Redis).
     assert replicas.route_of(1, key, "shared")["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
+
+
+TIGHT = {
+    "name": "tight",
+    "ttft_timeout": 0.3,
+    "retry": {"attempts": 1},
+    "breaker": {"failures": 2, "cooldown": 30},
+    "probe_interval": None,
+    "candidates": [{"model": "gpt-4o-mini"}, {"model": "claude-sonnet"}],
+}
+
+
+def test_a_deleted_routes_latency_breakers_go_with_it(replicas: Replicas, fake_openai: FakeOpenAI) -> None:
+    """`tight` gives gpt-4o-mini 0.3 s to its first token where `auto` waits as long as it takes: its
+    timeouts open a latency breaker of its own on the replica that saw them (routes/status
+    `latency_breakers`; the shared breaker stays closed, and nothing goes to the other replica).
+    Deleted, the route leaves none behind."""
+    _, key = replicas.key("acme")
+    created = replicas.admin[0].post("/routes", json=TIGHT)
+    assert created.status_code == 201, created.text
+    fake_openai.set_latency(first_token=0.6)
+    for _ in range(2):
+        messages: Any = HI
+        raw = replicas.client(0, key).chat.completions.with_raw_response.create(
+            model="tight", messages=messages, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == "hello routes"
+        assert route_header(raw)["tried"] == "gpt-4o-mini:504,claude-sonnet:ok"
+    status = replicas.admin[0].get("/routes/status").json()
+    assert status["latency_breakers"] == {"tight": {"openai/gpt-4o-mini": "open"}}
+    assert status["breakers"]["openai/gpt-4o-mini"] == "closed"
+    assert replicas.admin[1].get("/routes/status").json()["latency_breakers"] == {}
+    assert replicas.admin[0].delete(f"/routes/{created.json()['id']}").status_code == 204
+    assert replicas.admin[0].get("/routes/status").json()["latency_breakers"] == {}
 
 
 def test_hedged_spend_is_capped_across_replicas(

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from gateway.config import parse_config
+from gateway.logging import add_request_fields
 from routing.breaker import Breakers
 from routing.routes import Breaker as BreakerSettings
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
@@ -204,6 +205,44 @@ def test_the_gateways_own_429_is_no_upstream_attempt(
         assert len(fake_openai.requests) == 1  # only the stream that holds the slot went upstream
     finally:
         held.close()
+
+
+def test_a_hedges_failure_is_logged_with_the_request_it_hedged(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """The hedge runs in a task of its own, started for the request: its lines name the request (the
+    client's own `x-request-id` here) and the route the client asked for."""
+    fake_openai.set_latency(first_token=0.6)  # the primary is slow: the hedge starts, and breaks
+    fake_deepseek.fail_next(Fault.reset())
+    with capture_logs(processors=[add_request_fields]) as logs:
+        raw = gateway.openai().chat.completions.with_raw_response.create(
+            model="hedged", messages=HI, extra_headers={"x-request-id": "hedge-trace-3"}
+        )
+    assert raw.parse().choices[0].message.content == ECHO
+    assert raw.headers["x-request-id"] == "hedge-trace-3"
+    [broken] = [e for e in logs if e["event"] == "upstream_request_broken"]
+    assert (broken["backend"], broken["request_id"], broken["model"], broken["tenant"]) == (
+        "deepseek",
+        "hedge-trace-3",
+        "hedged",
+        "demo",
+    )
+
+
+def test_a_breaker_a_request_opened_is_logged_with_that_request(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """`resilient` opens gpt-4o-mini's breaker at its third failure in a row: in the second request
+    here (two tries each), whose id the `breaker_opened` line carries."""
+    fake_openai.fail_next(503, times=3)
+    ids = []
+    with capture_logs(processors=[add_request_fields]) as logs:
+        for _ in range(2):
+            raw = gateway.openai().chat.completions.with_raw_response.create(model="resilient", messages=HI)
+            ids.append(raw.headers["x-request-id"])
+    [opened] = [e for e in logs if e["event"] == "breaker_opened"]
+    assert opened["breaker"] == Breakers.key("openai", "gpt-4o-mini")
+    assert (opened["request_id"], opened["model"]) == (ids[1], "resilient")
 
 
 def test_breaker_transitions_are_logged_and_their_history_is_bounded() -> None:

@@ -126,6 +126,32 @@ def test_saving_a_route_unchanged_keeps_every_field_and_the_form_reorders(routed
     page.close()
 
 
+def test_the_preview_shows_a_candidate_without_vision_skipped_for_images(routed: Weir, browser: Any) -> None:
+    """The preview asks what the API can: a request with images skips `vision: false` candidates."""
+    _create(
+        routed.admin,
+        {
+            "name": "looks",
+            "policy": "cheapest",
+            "candidates": [{"model": "gpt-4o-mini", "vision": False}, {"model": "gpt-4o"}],
+        },
+    )
+    page = _signed_in(routed, browser, "#/routes")
+    preview = page.get_by_role("form", name="Preview a prompt")
+    preview.get_by_label("Model name", exact=True).fill("looks")
+    preview.get_by_label("Sample prompt", exact=True).fill("What is in this picture?")
+    preview.get_by_role("button", name="Preview").click()
+    plan = page.locator("#preview-result ol")
+    plan.wait_for()
+    assert plan.locator("li").first.inner_text().startswith("gpt-4o-mini on openai")
+
+    preview.get_by_label("request has images").check()
+    preview.get_by_role("button", name="Preview").click()
+    page.locator("#preview-result ol li", has_text="gpt-4o-mini").wait_for(state="detached")
+    assert [li.inner_text().split(" on ")[0] for li in plan.locator("li").all()] == ["gpt-4o"]
+    page.close()
+
+
 def test_a_refused_edit_says_why_marks_the_field_and_changes_nothing(routed: Weir, browser: Any) -> None:
     route_id = _create(routed.admin, CHEAP)["id"]
     before = _stored(routed.admin, route_id)

@@ -1,0 +1,125 @@
+"""An operator ties every line the gateway logs while serving a request to that request's `request`
+line: each carries its `request_id` (the one the client got in `x-request-id`, its own included), and
+its `tenant` and `model` once known. A task the request left behind logs without them once the
+request is over; a comparison's background call logs with its own id, as its ledger row has it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import openai
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from gateway.logging import add_request_fields
+from gateway.metrics import Metrics
+from gateway.middleware import request_middleware
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.gateway.conftest import RunningGateway
+
+SAY = [{"role": "user", "content": "one two three four five six"}]
+
+
+def tagged_logs() -> Any:
+    """The log lines as the production config builds them (gateway.logging), before rendering."""
+    return capture_logs(processors=[add_request_fields])
+
+
+def logged(logs: list[dict[str, Any]], event: str) -> dict[str, Any]:
+    """The line `event`, once the request's own line is written (a stream's lines come as it unwinds)."""
+    deadline = time.monotonic() + 5
+    while not any(e["event"] == "request" for e in logs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    [line] = [e for e in logs if e["event"] == event]
+    return line
+
+
+def test_an_upstream_break_is_logged_with_the_request_id_the_client_got(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.fail_next(Fault.reset())
+    with tagged_logs() as logs:
+        with pytest.raises(openai.APIStatusError) as caught:
+            gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=SAY)
+        line = logged(logs, "upstream_request_broken")
+    request_id = caught.value.response.headers["x-request-id"]
+    assert len(request_id) == 32
+    assert (line["request_id"], line["tenant"], line["model"]) == (request_id, "demo", "gpt-4o-mini")
+    assert logged(logs, "request")["request_id"] == request_id
+
+
+def test_a_stream_cut_mid_way_is_logged_with_the_clients_own_request_id(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_anthropic.fail_next(Fault.cut_stream(after=5))
+    with tagged_logs() as logs:
+        raw = gateway.openai().chat.completions.with_raw_response.create(
+            model="claude-sonnet", messages=SAY, stream=True, extra_headers={"x-request-id": "trace-cut-7"}
+        )
+        with pytest.raises(openai.APIError):
+            list(raw.parse())
+        line = logged(logs, "upstream_stream_broken")
+    assert raw.headers["x-request-id"] == "trace-cut-7"
+    assert (line["request_id"], line["tenant"], line["model"], line["backend"]) == (
+        "trace-cut-7",
+        "demo",
+        "claude-sonnet",
+        "anthropic",
+    )
+
+
+def test_a_line_outside_any_request_names_none() -> None:
+    """A health probe's or a poller's line belongs to no request."""
+    log = structlog.get_logger("weir.test")
+    with tagged_logs() as logs:
+        log.info("outside_any_request")
+    assert logs == [{"event": "outside_any_request", "log_level": "info"}]
+
+
+async def test_a_task_the_request_left_behind_is_not_tagged_once_it_is_over() -> None:
+    """A loop some request happened to start (a prober, a cache refresh) runs on in that request's
+    context: its lines name the request only while the request is being served."""
+    log = structlog.get_logger("weir.test")
+    logged_during = asyncio.Event()
+    request_over = asyncio.Event()
+    left_behind: list[asyncio.Task[None]] = []
+
+    async def loop_started_by_a_request() -> None:
+        log.info("while_serving")
+        logged_during.set()
+        await request_over.wait()
+        log.info("after_the_request")
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        left_behind.append(asyncio.create_task(loop_started_by_a_request()))
+        await logged_during.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    middleware = request_middleware(Metrics())(app)
+    scope: dict[str, Any] = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/models",
+        "headers": [(b"x-request-id", b"trace-left-1")],
+    }
+    with tagged_logs() as logs:
+        await middleware(scope, receive, send)
+        request_over.set()
+        await left_behind[0]
+    by_event = {e["event"]: e for e in logs}
+    assert by_event["while_serving"]["request_id"] == "trace-left-1"
+    assert by_event["request"]["request_id"] == "trace-left-1"
+    assert "request_id" not in by_event["after_the_request"]
+    assert dict(sent[0]["headers"])[b"x-request-id"] == b"trace-left-1"
