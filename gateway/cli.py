@@ -68,6 +68,11 @@ def serve(
     if server_kind == "granian":
         from granian import Granian
 
+        from gateway.logging import configure_logging
+
+        # granian's own lines (this process's and its workers') go to the root handler, as JSON
+        # lines like the rest, not through its plain-text handler.
+        configure_logging(os.environ.get(LOG_LEVEL_ENV) or config.server.log_level)
         Granian(
             "gateway.cli:app_from_env",
             factory=True,
@@ -78,6 +83,7 @@ def serve(
             websockets=False,
             log_level="warning",  # type: ignore[arg-type]
             log_access=False,  # the gateway logs one structured line per request itself
+            log_dictconfig={"loggers": {"_granian": {"propagate": True}}},  # no handler of its own
         ).serve()
         return
     import uvicorn
@@ -91,5 +97,6 @@ def serve(
         http=uvicorn_protocol(config.server.header_timeout, config.server.body_timeout),
         log_level="warning",
         access_log=False,
+        log_config=None,  # no plain-text handlers of its own: its lines reach the JSON root handler
         timeout_graceful_shutdown=30,
     )

@@ -6,7 +6,13 @@ for) once known: the names and values of its `request` line, so an operator can 
 They come from `serving`, which the request middleware sets for the exchange: the tasks started for
 the request (hedges) inherit it. A task that outlives its request (a loop some request happened to
 start) inherits it too, but no longer adds it once the exchange is over: only what a request did is
-tagged with it. A line's own field of the same name wins.
+tagged with it. A line's own field of the same name wins. A long-lived loop is started in a context
+of its own (`asyncio.create_task(..., context=contextvars.Context())`): it carries no request's fields.
+
+The modules (and libraries: uvicorn, granian, asyncio, aiohttp, SQLAlchemy, alembic) that log through
+the standard library's `logging` write the same JSON lines, through structlog's `ProcessorFormatter`
+on a root handler: `event` (the message), `level`, `timestamp`, `logger` (its name) and the request's
+fields, so a log pipeline reading JSON lines from stdout meets nothing else there.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 from contextvars import ContextVar
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import msgspec
 import structlog
@@ -74,6 +80,37 @@ def _serialize(event: dict, **_: object) -> bytes:
         return _encode({key: str(value) for key, value in event.items()})
 
 
+def _serialize_text(event: dict, **_: object) -> str:
+    return _serialize(event).decode()  # a logging.Formatter's result is text
+
+
+class _JSONHandler(logging.StreamHandler[TextIO]):
+    """The root handler `configure_logging` installs: a class of its own, so configuring again
+    replaces it rather than writing each line twice, and leaves others' handlers (pytest's) be."""
+
+
+def stdlib_handler(stream: TextIO | None = None) -> logging.Handler:
+    """stdlib log records as the JSON lines structlog writes (same fields, same rendering), on
+    stdout unless told otherwise."""
+    handler = _JSONHandler(sys.stdout if stream is None else stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                add_request_fields,
+                structlog.processors.add_log_level,
+                structlog.stdlib.add_logger_name,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+            ],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                structlog.processors.JSONRenderer(serializer=_serialize_text),
+            ],
+        )
+    )
+    return handler
+
+
 def configure_logging(level: str = "info") -> None:
     structlog.configure(
         processors=[
@@ -87,3 +124,14 @@ def configure_logging(level: str = "info") -> None:
         logger_factory=structlog.BytesLoggerFactory(sys.stdout.buffer),
         cache_logger_on_first_use=True,
     )
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _JSONHandler)]:
+        root.removeHandler(handler)
+    root.addHandler(stdlib_handler())
+    logging.captureWarnings(True)  # a library's DeprecationWarning too: a JSON line, not stderr text
+    # Libraries keep the WARNING they had (Python's default; their INFO is chatter: a line per
+    # migration step, per pool event); the gateway's own modules follow the configured level, as
+    # its structlog lines do.
+    root.setLevel(max(logging.WARNING, _LEVELS[level]))
+    for ours in ("gateway", "routing"):
+        logging.getLogger(ours).setLevel(_LEVELS[level])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 
 import redis.asyncio as aioredis
 import structlog
@@ -113,7 +114,10 @@ class RedisSlots:
                     "stream_slots_degraded", detail="Redis unreachable; counting per replica", error=repr(exc)
                 )
             if self._prober is None or self._prober.done():
-                self._prober = asyncio.get_running_loop().create_task(self._probe())
+                # A context of its own: the request that met the outage must not tag its lines.
+                self._prober = asyncio.get_running_loop().create_task(
+                    self._probe(), context=contextvars.Context()
+                )
             return "local:" + lease if self.local.acquire(tenant, limit) else None
         if not taken:
             return None

@@ -16,7 +16,9 @@ from gateway.db.models import Base
 from gateway.db.session import normalise_url, resolve_database_url
 
 config = context.config
-if config.config_file_name and os.path.exists(config.config_file_name):
+# alembic's recipe: a caller with logging of its own (the gateway, gateway.db.migrate) says so.
+configure_logger = config.attributes.get("configure_logger", True)
+if configure_logger and config.config_file_name and os.path.exists(config.config_file_name):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 target_metadata = Base.metadata

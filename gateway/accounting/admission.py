@@ -9,6 +9,7 @@ overspend by at most what is in flight, never more.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime as dt
 import logging
 import math
@@ -636,7 +637,11 @@ class Admission:
 
     def _start_flush(self) -> None:
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+            # A context of its own: it settles every request's batch, not the one that started it
+            # (whose request id its lines would carry, and whose exchange tag, gateway.ids).
+            self._flusher = asyncio.get_running_loop().create_task(
+                self._flush(), context=contextvars.Context()
+            )
 
     async def _flush(self) -> None:
         while self._settlements or self._tpm_deltas:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import fcntl
 import logging
 import os
@@ -305,7 +306,10 @@ class RedisStreamQueue:
             # The first event of a window waits at most one flush interval for its XADD.
             self._window = asyncio.get_running_loop().call_later(self._flush_interval, self._window_end)
         if self._pump is None or self._pump.done():
-            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+            # A context of its own: it outlives the request whose event started it (gateway.logging).
+            self._pump = asyncio.get_running_loop().create_task(
+                self._run_pump(), context=contextvars.Context()
+            )
 
     def _window_end(self) -> None:
         self._window = None

@@ -25,8 +25,12 @@ def alembic_config(database_url: str | None = None, stdout: TextIO | None = None
     return config
 
 
-def upgrade(database_url: str | None = None, revision: str = "head") -> None:
-    command.upgrade(alembic_config(database_url), revision)
+def upgrade(
+    database_url: str | None = None, revision: str = "head", *, configure_logger: bool = True
+) -> None:
+    config = alembic_config(database_url)
+    config.attributes["configure_logger"] = configure_logger  # read by migrations/env.py
+    command.upgrade(config, revision)
 
 
 def downgrade(database_url: str | None = None, revision: str = "-1") -> None:
@@ -40,5 +44,7 @@ def current(database_url: str | None = None) -> str:
 
 
 async def upgrade_async(database_url: str | None = None, revision: str = "head") -> None:
-    """For callers already inside an event loop (the migrations' env.py runs its own loop)."""
-    await asyncio.to_thread(upgrade, database_url, revision)
+    """For callers already inside an event loop (the migrations' env.py runs its own loop): the
+    gateway at start, whose logging is configured already (gateway.logging); alembic.ini's would
+    replace its JSON root handler with a plain-text one."""
+    await asyncio.to_thread(lambda: upgrade(database_url, revision, configure_logger=False))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -84,7 +85,10 @@ class DegradableState(Shortcuts):
                 log.warning("Redis unreachable (%r): limits and budgets now per process", exc)
                 _degraded.add(id(self))
             if self._prober is None or self._prober.done():
-                self._prober = asyncio.get_running_loop().create_task(self._probe())
+                # A context of its own: the request that met the outage must not tag its lines.
+                self._prober = asyncio.get_running_loop().create_task(
+                    self._probe(), context=contextvars.Context()
+                )
             return False, None
         return True, result
 

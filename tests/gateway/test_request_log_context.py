@@ -6,17 +6,26 @@ request is over; a comparison's background call logs with its own id, as its led
 from __future__ import annotations
 
 import asyncio
+import io
+import json
+import logging
 import time
 from typing import Any
 
 import openai
 import pytest
+import redis.asyncio as aioredis
 import structlog
 from structlog.testing import capture_logs
 
-from gateway.logging import add_request_fields
+from gateway.logging import add_request_fields, stdlib_handler
 from gateway.metrics import Metrics
 from gateway.middleware import request_middleware
+from gateway.state.degradable import DegradableState
+from gateway.state.memory import MemoryState
+from gateway.stream_slots import RedisSlots
+from tests.conftest import free_port
+from tests.control.conftest import REDIS_URL
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 
@@ -123,3 +132,86 @@ async def test_a_task_the_request_left_behind_is_not_tagged_once_it_is_over() ->
     assert by_event["request"]["request_id"] == "trace-left-1"
     assert "request_id" not in by_event["after_the_request"]
     assert dict(sent[0]["headers"])[b"x-request-id"] == b"trace-left-1"
+
+
+class _Redis(MemoryState):
+    """A shared state that is unreachable until told otherwise."""
+
+    down = True
+
+    async def kv_get(self, key: str) -> bytes | None:
+        if self.down:
+            raise OSError("connection refused")
+        return await super().kv_get(key)
+
+
+async def test_a_prober_a_request_started_logs_without_its_request_id_as_json() -> None:
+    """A request meets a Redis outage: its line (the standard library's logging, rendered as the
+    same JSON) names it; the prober it started runs in no request's context, so its line, written
+    while that request is still being served, does not."""
+    redis = _Redis()
+    state = DegradableState(redis, retry_s=0.001)
+    lines = io.StringIO()
+    stdlib_log = logging.getLogger("gateway.state.degradable")
+    handler = stdlib_handler(lines)
+    stdlib_log.addHandler(handler)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await state.kv_get("k")  # Redis is away: the fallback answers, a prober starts
+        redis.down = False
+        assert state._prober is not None
+        await state._prober  # it hears from Redis while this request is still served
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    try:
+        await serve_one(app, b"trace-probe-1")
+    finally:
+        stdlib_log.removeHandler(handler)
+    away, back = (json.loads(line) for line in lines.getvalue().splitlines())
+    assert away["event"].startswith("Redis unreachable (OSError('connection refused'))")
+    assert (away["request_id"], away["level"], away["logger"]) == (
+        "trace-probe-1",
+        "warning",
+        "gateway.state.degradable",
+    )
+    assert away["timestamp"].endswith("Z")
+    assert back["event"].startswith("Redis reachable again") and "request_id" not in back
+
+
+async def serve_one(app: Any, request_id: bytes) -> None:
+    """`app` serves one request, with the client's own `request_id`, behind the request middleware."""
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    scope: dict[str, Any] = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/models",
+        "headers": [(b"x-request-id", request_id)],
+    }
+    await request_middleware(Metrics())(app)(scope, receive, send)
+
+
+@pytest.mark.redis
+async def test_the_stream_slots_prober_a_request_started_logs_without_its_request_id() -> None:
+    slots = RedisSlots(aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0"), retry_s=0.001)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        assert await slots.acquire("acme", 1) is not None  # counted here: nothing listens there
+        slots.client = aioredis.from_url(REDIS_URL)  # Redis is back
+        assert slots._prober is not None
+        await slots._prober  # it hears from Redis while this request is still served
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    with tagged_logs() as logs:
+        await serve_one(app, b"trace-slots-1")
+    by_event = {e["event"]: e for e in logs}
+    assert by_event["stream_slots_degraded"]["request_id"] == "trace-slots-1"
+    assert "request_id" not in by_event["stream_slots_recovered"]
+    await slots.client.aclose()

@@ -93,3 +93,69 @@ def test_weir_serve_with_the_example_config(
         "warning",
     )
     assert "Traceback" not in stderr.decode()
+
+
+@pytest.mark.parametrize("server_kind", ["granian", "uvicorn"])
+def test_weir_serve_writes_nothing_but_json_lines(
+    tmp_path: Path, fake_anthropic: FakeAnthropic, server_kind: str
+) -> None:
+    """A log pipeline reads JSON lines: what the standard library's logging writes (the control
+    plane's lines, alembic's migration at start, a Redis outage a request met) is JSON too, with
+    that request's id, and nothing else reaches stdout or stderr."""
+    config = tmp_path / "weir.yaml"
+    config.write_text(EXAMPLE)
+    port = free_port()
+    env = {
+        **os.environ,
+        "OPENAI_API_KEY": "unused",
+        "GEMINI_API_KEY": "unused",
+        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
+        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
+        "WEIR_DEMO_KEY": "sk-serve-test",
+        "WEIR_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db",
+        "WEIR_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",  # nothing listens: an outage
+        "WEIR_USAGE_SPOOL": str(tmp_path / "spool"),
+        "WEIR_ADMIN_TOKEN": "wa-serve-test-0123456789",  # else one is made and shown once on stderr
+    }
+    weir = Path(sys.executable).with_name("weir")
+    server = subprocess.Popen(
+        [str(weir), "serve", "--config", str(config), "--port", str(port), "--server", server_kind],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "weir serve did not start"
+            time.sleep(0.1)
+        # A tenant with a limit: its request asks Redis, finds it away and says so.
+        admin = httpx.Client(
+            base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {env['WEIR_ADMIN_TOKEN']}"}
+        )
+        tenant = admin.post("/tenants", json={"name": "limited", "rpm": 60}).json()
+        key = admin.post(f"/tenants/{tenant['id']}/keys", json={"name": "app"}).json()["key"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        reply = client.chat.completions.with_raw_response.create(
+            model="claude-sonnet", messages=[{"role": "user", "content": "served"}]
+        )
+        assert reply.parse().choices[0].message.content == "served"
+    finally:
+        server.terminate()
+        stdout, stderr = server.communicate(timeout=30)
+    assert stderr.decode() == ""
+    lines = [json.loads(line) for line in stdout.decode().splitlines()]  # every one of them
+    assert all(isinstance(line, dict) and {"event", "level", "timestamp"} <= line.keys() for line in lines)
+    [away] = [line for line in lines if line["event"].startswith("Redis unreachable")]
+    assert (away["logger"], away["level"], away["request_id"], away["tenant"]) == (
+        "gateway.state.degradable",
+        "warning",
+        reply.headers["x-request-id"],
+        "limited",
+    )
