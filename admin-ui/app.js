@@ -558,6 +558,10 @@ async function routes(params) {
       reload();
     } }, "Delete");
   const breakers = status ? Object.entries(status.breakers || {}) : [];
+  // Routes' own breakers for their ttft_timeout on models other routes wait longer for: [route, backend/model, state].
+  const latency = status ? Object.entries(status.latency_breakers || {}).sort(([a], [b]) => a.localeCompare(b))
+    .flatMap(([r, keys]) => Object.entries(keys).sort(([a], [b]) => a.localeCompare(b)).map(([k, v]) => [r, k, v])) : [];
+  const stateCell = (v) => h("span", { class: v === "closed" ? "ok" : "bad" }, v);
   page("Routes",
     h("div", { id: "routes-message", "aria-live": "polite" }),
     list.length ? table([
@@ -575,8 +579,11 @@ async function routes(params) {
     h("h2", {}, "Preview"), previewForm(list),
     heads ? headsSection(heads, status, route) : null,
     h("h2", {}, "Circuit breakers"),
-    breakers.length ? table([{ label: "Backend / model", render: ([k]) => k }, { label: "State", render: ([, v]) => h("span", { class: v === "closed" ? "ok" : "bad" }, v) }], breakers)
+    breakers.length ? table([{ label: "Backend / model", render: ([k]) => k }, { label: "State", render: ([, v]) => stateCell(v) }], breakers)
       : empty("No breaker has seen traffic yet."),
+    latency.length ? table([{ label: "Route", render: ([r]) => r }, { label: "Backend / model", render: ([, k]) => k }, { label: "Latency breaker", render: ([, , v]) => stateCell(v) }], latency,
+      { caption: "Routes' own latency breakers on this replica: a route's ttft_timeouts on a model that other routes wait longer for. Open, that route's streams skip the model (tried=model:slow); other routes keep it." })
+      : null,
     ...routedStatus(status),
     h("p", { class: "muted" }, "Every response carries x-weir-route, and the Requests page shows each attempt."),
     h("h2", {}, "History"),

@@ -6,7 +6,9 @@ closes the breaker, its failure opens it again. When shared state is configured 
 is published with the cooldown as TTL so every replica stops sending there; a recovery is published
 too, and moves the other replicas' open breakers to half-open (`Breakers.sync`). A half-open trial
 that only the cooldown let through is the fleet's one: a replica claims it in the shared state first
-(`Breakers.allow`), so N replicas send one trial per cooldown to a dead backend, not N.
+(`Breakers.allow`), so N replicas send one trial per cooldown to a dead backend, not N. Routes that
+send to one backend/model share its breaker, with settings decided once per route table from theirs
+(`shared_settings`: the fewest failures, the longest cooldown).
 
 A route's `ttft_timeout` is that route's latency preference: it counts against the backend's breaker
 only where no route in force that uses the breaker would wait longer (`Breakers.too_slow`). Where
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -61,6 +64,20 @@ def route_label(route: Route) -> str:
     if route.when is None:
         return route.name
     return f"{route.name} when {msgspec.json.encode(route.when).decode()}"
+
+
+def shared_settings(asked: Sequence[BreakerSettings]) -> BreakerSettings:
+    """The settings of a breaker that routes with these `breaker` settings share: the fewest
+    `failures` and the longest `cooldown` any of them asks for (each setting on its own). The
+    breaker is one verdict on the backend for every route there, so it cannot keep each route's
+    own; the most protective gives the backend the rest that the most careful route asked for, and
+    depends neither on the order of the routes nor on that of their requests (every replica with
+    the same table publishes openings with the same TTL). A route's own latency breakers, which only
+    its timeouts feed, keep its settings (`Breakers.latency_settings`)."""
+    return BreakerSettings(
+        failures=min(settings.failures for settings in asked),
+        cooldown=max(settings.cooldown for settings in asked),
+    )
 
 
 class State(StrEnum):
@@ -162,6 +179,10 @@ class Breakers:
         # Per key: the longest any route in force with a breaker waits for a stream's first token
         # there (inf: one waits as long as it takes). Router.set_routes keeps it; see too_slow.
         self.patience: dict[str, float] = {}
+        # Per key: the settings of its breaker, decided once per route table (Router.set_routes, see
+        # `settle`); a breaker made later (after a reset, or by a request of a table being replaced)
+        # takes them too, never the settings of whichever route's request happened to come last.
+        self.settings: dict[str, BreakerSettings] = {}
         # Routes' own latency breakers (see too_slow), created on a route's first timeout there, and
         # the settings of those the routes in force may have (Router.set_routes keeps both: one of a
         # route deleted or edited, or of a model it no longer waits less for than another, goes).
@@ -173,12 +194,23 @@ class Breakers:
         return f"{backend}/{model}"
 
     def get(self, key: str, settings: BreakerSettings | None = None) -> CircuitBreaker:
+        """`key`'s breaker, made on first use with the settings `settle` decided for it. `settings`
+        replaces them (a Breakers used on its own, without a router: tests, tools); requests never
+        pass any, or the routes sharing the breaker would flip its settings per request."""
         breaker = self.breakers.get(key)
         if breaker is None:
-            breaker = self.breakers[key] = CircuitBreaker(settings or BreakerSettings())
+            chosen = settings or self.settings.get(key) or BreakerSettings()
+            breaker = self.breakers[key] = CircuitBreaker(chosen)
         elif settings is not None:
             breaker.settings = settings
         return breaker
+
+    def settle(self, settings: dict[str, BreakerSettings]) -> None:
+        """The settings of each key's shared breaker under the route table now in force
+        (`shared_settings`), applied to the breakers there are and kept for those made later."""
+        self.settings = settings
+        for key, chosen in settings.items():
+            self.get(key, chosen)
 
     def state(self, key: str) -> State:
         breaker = self.breakers.get(key)

@@ -392,7 +392,8 @@ class Executor:
         refusal: GatewayError | None = None  # the first candidate's that cannot take the request
         opened = False
         for index, choice in enumerate(queue):
-            breaker = self.breakers.get(self._key(choice), route.breaker) if route.breaker else None
+            # Its settings are the route table's (Router.set_routes), not this route's: shared.
+            breaker = self.breakers.get(self._key(choice)) if route.breaker else None
             if breaker is not None and (refused := await self._refused(route, choice, op)):
                 self._note(plan, choice.candidate.model, refused)
                 opened = True

@@ -1,7 +1,7 @@
 """Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome, and
-hedges by route and result (the executor counts them), and, read at scrape time, breaker states,
-prefix-affinity hits and prompt tokens cached, the shipped difficulty head in use and the trained
-heads routes name."""
+hedges by route and result (the executor counts them), and, read at scrape time, breaker states
+(shared, and routes' own latency breakers), prefix-affinity hits and prompt tokens cached, the
+shipped difficulty head in use and the trained heads routes name."""
 
 from __future__ import annotations
 
@@ -41,6 +41,18 @@ class RoutingMetrics:
         drop_series(self.hedges, ("route", "result"), "route", routes)
 
 
+def _latency_states(breakers: Any) -> dict[tuple[str, str], int]:
+    """Each route's latency breakers (`Breakers.latency`: only the routes in force keep theirs, so a
+    route deleted or edited leaves no series behind) by route and backend/model. Routes of one name
+    and the same conditions but different timeouts would make two series of one label set, which a
+    scrape rejects: they show as one, the most open."""
+    states: dict[tuple[str, str], int] = {}
+    for (route, _, key), breaker in list(breakers.latency.items()):
+        value = STATE_VALUES[breaker.current().value]
+        states[route, key] = max(value, states.get((route, key), value))
+    return states
+
+
 class _Collector:
     def __init__(self, router: Any) -> None:
         self.router = router
@@ -54,6 +66,15 @@ class _Collector:
         for key, breaker in list(self.router.breakers.breakers.items()):
             states.add_metric((key,), STATE_VALUES[breaker.current().value])
         yield states
+        latency = GaugeMetricFamily(
+            "weir_route_latency_breaker_state",
+            "A route's own latency breaker per backend/model (its ttft_timeout there, where other routes "
+            "wait longer): 0 closed, 1 half-open, 2 open",
+            labels=("route", "breaker"),
+        )
+        for (route, key), value in sorted(_latency_states(self.router.breakers).items()):
+            latency.add_metric((route, key), value)
+        yield latency
         affinity = CounterMetricFamily(
             "weir_prefix_affinity_requests",
             "prefix_affinity decisions: hit (the preferred replica) or miss",

@@ -21,7 +21,7 @@ from gateway.config import Backend
 from gateway.errors import ModelNotFound
 from gateway.router_basic import ModelTable
 from gateway.state import MemoryState
-from routing.breaker import Breakers, LatencyKey, route_label
+from routing.breaker import Breakers, LatencyKey, route_label, shared_settings
 from routing.health import HealthProber, ProbeListener
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
@@ -318,13 +318,16 @@ class Router:
         for route in routes:
             table.setdefault(route.name, []).append(route)
         patience: dict[str, float] = {}  # Breakers.patience
+        asked: dict[str, list[BreakerSettings]] = {}  # per key, the breaker settings of routes there
         for route in routes:
             if route.breaker is not None:
                 for name in route.models():
                     target = self.models.targets[name]
                     key = Breakers.key(target.backend.name, target.upstream_model)
-                    self.breakers.get(key, route.breaker)
+                    asked.setdefault(key, []).append(route.breaker)
                     patience[key] = max(patience.get(key, 0.0), route.ttft_timeout or math.inf)
+        # Once per table, the same whatever order requests come in (see shared_settings).
+        self.breakers.settle({key: shared_settings(settings) for key, settings in asked.items()})
         self.breakers.patience = patience
         # The routes' own latency breakers (Breakers.too_slow): where another route would wait longer.
         latency: dict[LatencyKey, BreakerSettings] = {}

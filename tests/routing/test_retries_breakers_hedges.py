@@ -57,6 +57,14 @@ EXTRA_ROUTES = f"""\
   - {{name: hedged-tight, hedge: {{delay: 0.1, max_spend_usd_per_hour: 0.035}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: gpt5-first, candidates: [{{model: gpt-5}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedge-slow-ttft, ttft_timeout: 0.4, hedge: {{delay: 1.2}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+"""
+# A route with breaker settings of its own beside routes that wait longer on its model. A gateway of
+# their own: the breakers they share take the most protective of their settings (2 failures, 30 s),
+# which the other tests here must not get.
+TIGHT_ROUTES = f"""\
+routes:
+  - {{name: resilient, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: impatient-route, ttft_timeout: 0.3, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: tight, ttft_timeout: 0.3, retry: {{attempts: 1}}, breaker: {{failures: 2, cooldown: 30}}, probe_interval: null, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}]}}
 """
 OK_BODY = (
@@ -111,6 +119,24 @@ def _routed(
     env["RAW_URL"] = _raw[0].url
     with running_gateway(parse_config(text, env)) as gateway:
         yield gateway
+
+
+@pytest.fixture(scope="module")
+def _tight(
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    with running_gateway(parse_config(routed_config_text(TIGHT_ROUTES), env)) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def tight_routes(_tight: RunningGateway, fresh_fakes: None) -> RunningGateway:
+    """The gateway of TIGHT_ROUTES with fresh fakes, closed breakers and an empty ledger."""
+    return fresh(_tight)
 
 
 @pytest.fixture
@@ -418,7 +444,7 @@ def chats_sent(fake: FakeOpenAI) -> int:
 
 
 def test_a_route_stops_waiting_on_a_model_too_slow_for_it_while_routes_that_wait_longer_keep_it(
-    gateway: RunningGateway, fake_openai: FakeOpenAI
+    tight_routes: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:
     """`tight` gives gpt-4o-mini 0.3 s to its first token; `resilient` waits as long as it takes, so
     tight's timeouts leave the shared breaker closed, and tight paid its 0.3 s on every stream for as
@@ -426,34 +452,34 @@ def test_a_route_stops_waiting_on_a_model_too_slow_for_it_while_routes_that_wait
     two failures its streams go straight to claude-sonnet (`slow`: nothing sent), while `resilient`
     still gets gpt-4o-mini's answers, and tight's requests that do not stream (no first-token
     timeout) still go to gpt-4o-mini."""
-    breakers = runtime(gateway).router.breakers
+    breakers = runtime(tight_routes).router.breakers
     fake_openai.set_latency(first_token=0.6)
     for _ in range(2):
-        text, route = streamed(gateway, "tight")
+        text, route = streamed(tight_routes, "tight")
         assert text == ECHO and route["tried"] == "gpt-4o-mini:504,claude-sonnet:ok"
     sent = chats_sent(fake_openai)
-    text, route = streamed(gateway, "tight")
+    text, route = streamed(tight_routes, "tight")
     assert text == ECHO and route["tried"] == "gpt-4o-mini:slow,claude-sonnet:ok"
     assert chats_sent(fake_openai) == sent  # no timeout waited out: nothing went to gpt-4o-mini
     assert breakers.latency_states() == {"tight": {"openai/gpt-4o-mini": "open"}}
 
     assert breakers.state(Breakers.key("openai", "gpt-4o-mini")) == State.CLOSED
-    text, route = streamed(gateway, "resilient")
+    text, route = streamed(tight_routes, "resilient")
     assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
-    text, route = chat(gateway, "tight")
+    text, route = chat(tight_routes, "tight")
     assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
 
 
 def test_after_its_cooldown_a_routes_latency_breaker_sends_one_trial_and_a_first_token_in_time_closes_it(
-    gateway: RunningGateway, fake_openai: FakeOpenAI
+    tight_routes: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:
     """Half-open, one stream of the route is the trial (another meanwhile still skips the model); a
     trial that times out opens it for another cooldown, one whose first token comes in time closes
     it, and the route's streams go to the model again."""
-    router = runtime(gateway).router
+    router = runtime(tight_routes).router
     fake_openai.set_latency(first_token=0.6)
     for _ in range(2):
-        streamed(gateway, "tight")
+        streamed(tight_routes, "tight")
     latency = router.breakers.latency_breaker(
         router.routes["tight"][0], Breakers.key("openai", "gpt-4o-mini")
     )
@@ -462,23 +488,43 @@ def test_after_its_cooldown_a_routes_latency_breaker_sends_one_trial_and_a_first
 
     sent = chats_sent(fake_openai)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        trial = pool.submit(streamed, gateway, "tight")
+        trial = pool.submit(streamed, tight_routes, "tight")
         deadline = time.monotonic() + 5
         while chats_sent(fake_openai) == sent:  # the trial reached gpt-4o-mini
             assert time.monotonic() < deadline and not trial.done(), "no trial was sent"
             time.sleep(0.01)
-        assert streamed(gateway, "tight")[1]["tried"] == "gpt-4o-mini:slow,claude-sonnet:ok"
+        assert streamed(tight_routes, "tight")[1]["tried"] == "gpt-4o-mini:slow,claude-sonnet:ok"
         assert trial.result()[1]["tried"] == "gpt-4o-mini:504,claude-sonnet:ok"
     assert chats_sent(fake_openai) == sent + 1
     assert latency.current() == State.OPEN  # still too slow: another cooldown
-    assert streamed(gateway, "tight")[1]["tried"] == "gpt-4o-mini:slow,claude-sonnet:ok"
+    assert streamed(tight_routes, "tight")[1]["tried"] == "gpt-4o-mini:slow,claude-sonnet:ok"
 
     latency.opened_at -= 30
     fake_openai.set_latency()
     for _ in range(2):
-        text, route = streamed(gateway, "tight")
+        text, route = streamed(tight_routes, "tight")
         assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
     assert router.breakers.latency_states() == {"tight": {"openai/gpt-4o-mini": "closed"}}
+
+
+@pytest.mark.parametrize("order", [("resilient", "tight"), ("tight", "resilient")])
+def test_routes_sharing_a_model_give_its_breaker_the_same_settings_whatever_order_requests_come_in(
+    tight_routes: RunningGateway, order: tuple[str, str]
+) -> None:
+    """`resilient` (3 failures, 0.5 s cooldown) and `tight` (2, 30 s) share gpt-4o-mini's breaker. It
+    took the settings of whichever route's request came last, so how long it stayed open depended on
+    which route happened to send last. It has the route table's settings, the most protective of
+    theirs (the fewest failures, the longest cooldown), however requests come in."""
+    router = runtime(tight_routes).router
+    key = Breakers.key("openai", "gpt-4o-mini")
+    for model in order:
+        text, route = chat(tight_routes, model)
+        assert text == ECHO and route["candidate"] == "gpt-4o-mini"
+    assert router.breakers.get(key).settings == BreakerSettings(failures=2, cooldown=30)
+    # The routes' own latency breakers there keep their own routes' settings.
+    latency = router.breakers.latency_settings
+    assert latency[("tight", 0.3, key)] == BreakerSettings(failures=2, cooldown=30)
+    assert latency[("impatient-route", 0.3, key)] == BreakerSettings(failures=3, cooldown=0.5)
 
 
 PATIENCE = """\
@@ -551,6 +597,27 @@ async def test_a_routes_latency_breakers_last_while_it_is_in_force_and_another_r
     await breakers.too_slow(mini, 1, route("tight", 1))
     router.set_routes([route("tight", 2), route("loose", 5)])
     assert breakers.latency_states() == {}
+
+
+def test_a_shared_breakers_settings_follow_the_route_table() -> None:
+    """Decided per table, each setting on its own: an edit that drops the route asking for the
+    fewest failures or the longest cooldown gives the breaker the others' again."""
+    from gateway.router_basic import ModelTable
+    from routing.router import Router
+    from routing.routes import Candidate, Route
+
+    mini = Breakers.key("openai", "gpt-4o-mini")
+
+    def route(name: str, failures: int, cooldown: float) -> Route:
+        settings = BreakerSettings(failures=failures, cooldown=cooldown)
+        return Route(name=name, breaker=settings, candidates=[Candidate(model="gpt-4o-mini")])
+
+    router = Router(ModelTable(parse_config(PATIENCE, {})), [route("a", 2, 5), route("b", 4, 60)])
+    assert router.breakers.get(mini).settings == BreakerSettings(failures=2, cooldown=60)
+    router.set_routes([route("a", 2, 5), route("c", 3, 10)])
+    assert router.breakers.get(mini).settings == BreakerSettings(failures=2, cooldown=10)
+    router.breakers.breakers.clear()  # one made afresh takes the table's too
+    assert router.breakers.get(mini).settings == BreakerSettings(failures=2, cooldown=10)
 
 
 def test_when_every_candidate_is_open_the_client_is_told_when_to_retry(gateway: RunningGateway) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -243,6 +244,50 @@ def test_a_breaker_a_request_opened_is_logged_with_that_request(
     [opened] = [e for e in logs if e["event"] == "breaker_opened"]
     assert opened["breaker"] == Breakers.key("openai", "gpt-4o-mini")
     assert (opened["request_id"], opened["model"]) == (ids[1], "resilient")
+
+
+LATENCY_ROUTES = """\
+routes:
+  - {name: patient, retry: {attempts: 1}, breaker: {failures: 3, cooldown: 30}, probe_interval: null, candidates: [{model: gpt-4o-mini}]}
+  - {name: tight, ttft_timeout: 0.3, retry: {attempts: 1}, breaker: {failures: 2, cooldown: 30}, probe_interval: null, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]}
+"""
+
+
+def test_a_routes_latency_breakers_are_exported_while_the_route_is_in_force(
+    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
+) -> None:
+    """`tight` gives gpt-4o-mini 0.3 s to its first token where `patient` waits as long as it takes:
+    its two timeouts open its own latency breaker there, which only routes/status showed. /metrics
+    has it beside the shared breaker (still closed), labelled by route and backend/model, and a route
+    table without `tight` leaves no series of it behind."""
+    env = fakes_env(fake_openai, fake_anthropic, fake_gemini, fake_deepseek)
+    with running_gateway(parse_config(routed_config_text(LATENCY_ROUTES), env)) as gateway:
+        fake_openai.set_latency(first_token=0.6)
+        messages: Any = HI
+        for _ in range(2):
+            raw = gateway.openai().chat.completions.with_raw_response.create(
+                model="tight", messages=messages, stream=True
+            )
+            assert stream_text(raw) == ECHO
+            assert route_header(raw)["tried"] == "gpt-4o-mini:504,claude-sonnet:ok"
+        scraped = samples(gateway)
+        latency = "weir_route_latency_breaker_state"
+        mini = Breakers.key("openai", "gpt-4o-mini")
+        assert scraped[(latency, (("breaker", mini), ("route", "tight")))] == 2  # open
+        assert [labels for name, labels in scraped if name == latency] == [
+            (("breaker", mini), ("route", "tight"))
+        ]
+        assert scraped[("weir_route_breaker_state", (("breaker", mini),))] == 0
+
+        router = runtime(gateway).router
+
+        async def without_tight() -> None:  # on the gateway's loop, as the route store does it
+            router.set_routes(router.routes["patient"])
+
+        session = runtime(gateway).transport._session
+        assert session is not None
+        asyncio.run_coroutine_threadsafe(without_tight(), session._loop).result(5)
+        assert not [labels for name, labels in samples(gateway) if name == latency]
 
 
 def test_breaker_transitions_are_logged_and_their_history_is_bounded() -> None:

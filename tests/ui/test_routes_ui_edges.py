@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import openai
 
-from tests.fakes import FakeOpenAI
+from tests.fakes import FakeOpenAI, Fault
 from tests.ui.conftest import ADMIN, Weir
 
 # A failing assertion should fail in seconds, not after Playwright's default 30 s wait.
@@ -149,6 +149,54 @@ def test_the_preview_shows_a_candidate_without_vision_skipped_for_images(routed:
     preview.get_by_role("button", name="Preview").click()
     page.locator("#preview-result ol li", has_text="gpt-4o-mini").wait_for(state="detached")
     assert [li.inner_text().split(" on ")[0] for li in plan.locator("li").all()] == ["gpt-4o"]
+    page.close()
+
+
+def test_the_routes_page_shows_a_routes_own_latency_breaker_beside_the_shared_ones(
+    routed: Weir, browser: Any, fake_openai: FakeOpenAI
+) -> None:
+    """`tight` gives gpt-4o-mini 0.3 s to its first token where `patient` waits as long as it takes:
+    its timeout there opens a latency breaker of its own (the shared one stays closed). The page
+    showed only the shared breakers, so an admin saw gpt-4o-mini closed while tight skipped it."""
+    patient = {"name": "patient", "probe_interval": None, "candidates": [{"model": "gpt-4o-mini"}]}
+    tight = {
+        "name": "tight",
+        "ttft_timeout": 0.3,
+        "retry": {"attempts": 1},
+        "breaker": {"failures": 1, "cooldown": 30},
+        "probe_interval": None,
+        "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
+    }
+    for route in (patient, tight):
+        _create(routed.admin, route)
+    page = _signed_in(routed, browser, "#/routes")
+    page.get_by_role("heading", name="Circuit breakers").wait_for()
+    assert page.get_by_role("columnheader", name="Latency breaker", exact=True).count() == 0  # none yet
+    page.close()
+
+    fake_openai.fail_next(Fault.delay(3))  # gpt-4o-mini too slow for tight, once
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-team-key", max_retries=0, timeout=20)
+    stream = client.chat.completions.create(
+        model="tight", messages=[{"role": "user", "content": "hello"}], stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    page = _signed_in(routed, browser, "#/routes")
+    page.get_by_role("heading", name="Circuit breakers").wait_for()
+    rows = page.locator(
+        "table", has=page.get_by_role("columnheader", name="Latency breaker", exact=True)
+    ).locator("tbody tr")
+    rows.first.wait_for()
+    assert [row.locator("td").all_inner_texts() for row in rows.all()] == [
+        ["tight", "openai/gpt-4o-mini", "open"]
+    ]
+    shared = page.locator("table", has=page.get_by_role("columnheader", name="State", exact=True)).locator(
+        "tbody tr"
+    )
+    assert shared.filter(has_text="openai/gpt-4o-mini").locator("td").all_inner_texts() == [
+        "openai/gpt-4o-mini",
+        "closed",
+    ]
     page.close()
 
 
