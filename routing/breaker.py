@@ -131,6 +131,19 @@ class CircuitBreaker:
             return not self.trial_in_flight or now - self.trial_started >= self.settings.cooldown
         return state is State.CLOSED
 
+    def available_in(self, now: float | None = None) -> float:
+        """Seconds until this breaker would let a request through (0: now): the rest of its cooldown,
+        or of the trial under way here or on another replica (a trial that has not reported back
+        within a cooldown no longer holds it)."""
+        now = time.monotonic() if now is None else now
+        state = self.current(now)
+        if state is State.OPEN:
+            return max(0.0, self.opened_at + self.settings.cooldown - now)
+        if state is State.HALF_OPEN:
+            trial = self.trial_started + self.settings.cooldown - now if self.trial_in_flight else 0.0
+            return max(0.0, trial, self.trial_elsewhere_until - now)
+        return 0.0
+
     def allow(self, now: float | None = None) -> bool:
         """May a request go there now? Half-open lets exactly one trial through at a time: this one."""
         now = time.monotonic() if now is None else now

@@ -391,12 +391,16 @@ class Executor:
         last: GatewayError | None = None
         refusal: GatewayError | None = None  # the first candidate's that cannot take the request
         opened = False
+        soonest = math.inf  # seconds until a candidate skipped for a breaker takes requests again
         for index, choice in enumerate(queue):
             # Its settings are the route table's (Router.set_routes), not this route's: shared.
             breaker = self.breakers.get(self._key(choice)) if route.breaker else None
             if breaker is not None and (refused := await self._refused(route, choice, op)):
                 self._note(plan, choice.candidate.model, refused)
                 opened = True
+                latency = self.breakers.latency_breaker(route, self._key(choice))
+                held = latency if refused == "slow" and latency is not None else breaker
+                soonest = min(soonest, held.available_in())
                 continue
             for retry in range(route.retry.attempts):
                 try:
@@ -437,11 +441,13 @@ class Executor:
         if last is None and refusal is not None and not opened:
             raise refusal  # no candidate could take the request: why the first could not
         if last is None:
-            # Whole seconds, rounded up: a sub-second cooldown must not read "retry at once".
-            cooldown = math.ceil(route.breaker.cooldown) if route.breaker else 1
+            # When the first of them takes requests again (a shared breaker's cooldown is the longest
+            # of the routes there, not this route's), in whole seconds rounded up: a sub-second wait
+            # must not read "retry at once".
+            wait = soonest if soonest < math.inf else (route.breaker.cooldown if route.breaker else 1)
             last = BackendUnavailable(
                 f"Every backend of `{route.name}` is unavailable (circuit breakers open); retry later.",
-                headers={"retry-after": str(max(1, cooldown))},
+                headers={"retry-after": str(max(1, math.ceil(wait)))},
             )
         raise last
 

@@ -527,6 +527,24 @@ def test_routes_sharing_a_model_give_its_breaker_the_same_settings_whatever_orde
     assert latency[("impatient-route", 0.3, key)] == BreakerSettings(failures=3, cooldown=0.5)
 
 
+def test_when_every_candidate_is_open_retry_after_says_when_the_first_takes_requests_again(
+    tight_routes: RunningGateway,
+) -> None:
+    """`resilient`'s own cooldown is 0.5 s, but the shared breakers of its models wait 30 s (tight's,
+    the longest of the routes there): a client told `retry-after: 1` met another 503 for 29 s."""
+    router = runtime(tight_routes).router
+    for name in ("gpt-4o-mini", "claude-sonnet"):
+        target = router.models.targets[name]
+        router.breakers.get(Breakers.key(target.backend.name, target.upstream_model)).trip()
+    client = openai.OpenAI(
+        base_url=f"{tight_routes.url}/v1", api_key=tight_routes.openai().api_key, max_retries=0
+    )
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="resilient", messages=HI)  # type: ignore[arg-type]
+    assert refused.value.status_code == 503
+    assert 28 <= int(refused.value.response.headers["retry-after"]) <= 30
+
+
 PATIENCE = """\
 backends:
   - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
