@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def detached(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """A task of the running loop in a context of its own, for work a request starts that is not
+    that request's (a prober, a batch flusher, a comparison): asyncio copies the caller's context into
+    a new task, which would then carry the request's log fields (gateway.logging) and exchange tag
+    (gateway.ids)."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
 
 
 def stop_if_cancelled() -> None:

@@ -7,7 +7,7 @@ They come from `serving`, which the request middleware sets for the exchange: th
 the request (hedges) inherit it. A task that outlives its request (a loop some request happened to
 start) inherits it too, but no longer adds it once the exchange is over: only what a request did is
 tagged with it. A line's own field of the same name wins. A long-lived loop is started in a context
-of its own (`asyncio.create_task(..., context=contextvars.Context())`): it carries no request's fields.
+of its own (`gateway.aio.detached`): it carries no request's fields.
 
 The modules (and libraries: uvicorn, granian, asyncio, aiohttp, SQLAlchemy, alembic) that log through
 the standard library's `logging` write the same JSON lines, through structlog's `ProcessorFormatter`

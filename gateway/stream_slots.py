@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 
 import redis.asyncio as aioredis
 import structlog
 
-from gateway.aio import stop_if_cancelled
+from gateway.aio import detached, stop_if_cancelled
 from gateway.ids import random_hex
 
 log = structlog.get_logger("weir.limits")
@@ -114,10 +113,7 @@ class RedisSlots:
                     "stream_slots_degraded", detail="Redis unreachable; counting per replica", error=repr(exc)
                 )
             if self._prober is None or self._prober.done():
-                # A context of its own: the request that met the outage must not tag its lines.
-                self._prober = asyncio.get_running_loop().create_task(
-                    self._probe(), context=contextvars.Context()
-                )
+                self._prober = detached(self._probe())  # not the request's that met the outage
             return "local:" + lease if self.local.acquire(tenant, limit) else None
         if not taken:
             return None

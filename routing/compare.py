@@ -24,7 +24,6 @@ nor one whose answer came from a fallback or was resumed on another candidate.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import json
 import random
@@ -40,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Metric
 from prometheus_client.core import GaugeMetricFamily
 
 from gateway.accounting.pricing import price_usage
+from gateway.aio import detached
 from gateway.errors import GatewayError
 from gateway.ids import ordered_id
 from gateway.logging import logging_for
@@ -357,8 +357,8 @@ class Comparer:
             scored.score if scored is not None else None,
             scored.scored_by if scored is not None else None,
         )
-        # A fresh context: the client's exchange (stream leases, prompt capture) is not this work's.
-        task = asyncio.get_running_loop().create_task(self._compare(job), context=contextvars.Context())
+        # Not the client's exchange (stream leases, prompt capture): this work's own.
+        task = detached(self._compare(job))
         self.tasks.add(task)
         self.in_flight[route.name] = running + 1
         task.add_done_callback(lambda done: self._finished(done, route.name))

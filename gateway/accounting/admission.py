@@ -9,7 +9,6 @@ overspend by at most what is in flight, never more.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import datetime as dt
 import logging
 import math
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import pico_to_micro_ceil
 from gateway.accounting.pricing import PriceCatalog, sheet_of
+from gateway.aio import detached
 from gateway.errors import GatewayError
 from gateway.ids import exchange_key
 from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState
@@ -637,11 +637,8 @@ class Admission:
 
     def _start_flush(self) -> None:
         if self._flusher is None or self._flusher.done():
-            # A context of its own: it settles every request's batch, not the one that started it
-            # (whose request id its lines would carry, and whose exchange tag, gateway.ids).
-            self._flusher = asyncio.get_running_loop().create_task(
-                self._flush(), context=contextvars.Context()
-            )
+            # It settles every request's batch, not only the one that started it.
+            self._flusher = detached(self._flush())
 
     async def _flush(self) -> None:
         while self._settlements or self._tpm_deltas:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import fcntl
 import logging
 import os
@@ -25,7 +24,7 @@ from typing import Any, Protocol, cast
 import redis.asyncio as aioredis
 
 from gateway.accounting.events import UsageEvent, decode, encode
-from gateway.aio import stop_if_cancelled
+from gateway.aio import detached, stop_if_cancelled
 from gateway.state.redis import client_from_url
 
 log = logging.getLogger(__name__)
@@ -306,10 +305,7 @@ class RedisStreamQueue:
             # The first event of a window waits at most one flush interval for its XADD.
             self._window = asyncio.get_running_loop().call_later(self._flush_interval, self._window_end)
         if self._pump is None or self._pump.done():
-            # A context of its own: it outlives the request whose event started it (gateway.logging).
-            self._pump = asyncio.get_running_loop().create_task(
-                self._run_pump(), context=contextvars.Context()
-            )
+            self._pump = detached(self._run_pump())  # it outlives the request whose event started it
 
     def _window_end(self) -> None:
         self._window = None

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from gateway.aio import stop_if_cancelled
+from gateway.aio import detached, stop_if_cancelled
 from gateway.state.base import (
     Admission,
     Budget,
@@ -85,10 +84,7 @@ class DegradableState(Shortcuts):
                 log.warning("Redis unreachable (%r): limits and budgets now per process", exc)
                 _degraded.add(id(self))
             if self._prober is None or self._prober.done():
-                # A context of its own: the request that met the outage must not tag its lines.
-                self._prober = asyncio.get_running_loop().create_task(
-                    self._probe(), context=contextvars.Context()
-                )
+                self._prober = detached(self._probe())  # not the request's that met the outage
             return False, None
         return True, result
 
