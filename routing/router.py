@@ -21,7 +21,7 @@ from gateway.config import Backend
 from gateway.errors import ModelNotFound
 from gateway.router_basic import ModelTable
 from gateway.state import MemoryState
-from routing.breaker import Breakers, LatencyKey, route_label, shared_settings
+from routing.breaker import Breakers, route_label, shared_settings
 from routing.health import HealthProber, ProbeListener
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
@@ -317,28 +317,30 @@ class Router:
         table: dict[str, list[Route]] = {}
         for route in routes:
             table.setdefault(route.name, []).append(route)
-        patience: dict[str, float] = {}  # Breakers.patience
-        asked: dict[str, list[BreakerSettings]] = {}  # per key, the breaker settings of routes there
+        guarded: list[tuple[Route, BreakerSettings, str]] = []  # (route, its breaker, a breaker key)
         for route in routes:
             if route.breaker is not None:
                 for name in route.models():
                     target = self.models.targets[name]
-                    key = Breakers.key(target.backend.name, target.upstream_model)
-                    asked.setdefault(key, []).append(route.breaker)
-                    patience[key] = max(patience.get(key, 0.0), route.ttft_timeout or math.inf)
+                    guarded.append(
+                        (route, route.breaker, Breakers.key(target.backend.name, target.upstream_model))
+                    )
+        patience: dict[str, float] = {}  # Breakers.patience
+        asked: dict[str, list[BreakerSettings]] = {}  # per key, the breaker settings of routes there
+        for route, settings, key in guarded:
+            asked.setdefault(key, []).append(settings)
+            patience[key] = max(patience.get(key, 0.0), route.ttft_timeout or math.inf)
         # Once per table, the same whatever order requests come in (see shared_settings).
         self.breakers.settle({key: shared_settings(settings) for key, settings in asked.items()})
         self.breakers.patience = patience
         # The routes' own latency breakers (Breakers.too_slow): where another route would wait longer.
-        latency: dict[LatencyKey, BreakerSettings] = {}
-        for route in routes:
-            if route.breaker is not None and route.ttft_timeout:
-                for name in route.models():
-                    target = self.models.targets[name]
-                    key = Breakers.key(target.backend.name, target.upstream_model)
-                    if patience[key] > route.ttft_timeout:
-                        latency[(route_label(route), route.ttft_timeout, key)] = route.breaker
-        self.breakers.keep_latency(latency)
+        self.breakers.keep_latency(
+            {
+                (route_label(route), route.ttft_timeout, key): settings
+                for route, settings, key in guarded
+                if route.ttft_timeout and patience[key] > route.ttft_timeout
+            }
+        )
         gone = set(self.routes) - set(table)
         self.routes = table  # one assignment: requests see the old table or the new, never a mix
         self.context.forget(routes)  # windows and counts of routes deleted, renamed or re-conditioned
