@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -410,10 +411,8 @@ def decode(step: Callable[..., T], backend: str, *args: Any) -> T:
     except (AttributeError, TypeError, KeyError, IndexError, ValueError, RecursionError) as exc:
         # The client gets words that stay the same across releases; the operator, what broke where
         # (the innermost frame: the decoder's line that choked, or a bug in it).
-        frame = exc.__traceback__
-        while frame is not None and frame.tb_next is not None:
-            frame = frame.tb_next
-        where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else None
+        innermost = traceback.extract_tb(exc.__traceback__, limit=-1)
+        where = f"{innermost[0].filename}:{innermost[0].lineno}" if innermost else None
         log.warning("upstream_response_malformed", backend=backend, error=describe(exc)[:200], at=where)
         raise BadGateway(f"backend {backend} sent a malformed response") from None
 
