@@ -113,6 +113,14 @@ def engine() -> None:
 @click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
+@click.option(
+    "--log-format",
+    default="text",
+    show_default=True,
+    type=click.Choice(["text", "json"]),
+    help="json: every line on stdout a JSON object, as the gateway writes them (crashes included), and no "
+    "progress bars; the gateway asks for it for the engines it starts, whose output it shares.",
+)
 def serve(
     model: str,
     host: str,
@@ -137,12 +145,18 @@ def serve(
     packing: str,
     fused_decode: str,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     The port opens at once; /health answers 503 while the model loads and 200 once it can serve.
     """
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_format == "json":
+        from gateway.logging import configure_logging
+
+        configure_logging(log_level, ours=("engine", "kernels"))
+    else:
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads is not None:
         import torch
 
@@ -172,6 +186,7 @@ def serve(
             "packing": packing,
             "fused_decode": fused_decode,
             "adaptive_threads": adaptive_threads,
+            "progress": log_format == "text",  # a bar on stderr is no JSON line
         },
     )
     sys.exit(status)

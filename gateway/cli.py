@@ -16,11 +16,17 @@ def app_from_env() -> Any:
     (granian starts workers from an import string, not from an app object)."""
     from gateway.app import create_app
     from gateway.config import load_config
-    from gateway.logging import configure_logging
+    from gateway.logging import configure_logging, log_uncaught
 
     config = load_config(os.environ[CONFIG_ENV])
     configure_logging(os.environ.get(LOG_LEVEL_ENV) or config.server.log_level)
-    return create_app(config)
+    try:
+        return create_app(config)
+    except Exception as exc:
+        # A granian worker calls this in a multiprocessing child, which prints what escapes it as plain
+        # text on stderr (no excepthook is asked): the JSON line the hook writes, then the same exit.
+        log_uncaught(type(exc), exc, exc.__traceback__)
+        raise SystemExit(1) from None
 
 
 @click.command()

@@ -46,7 +46,9 @@ class EngineProcess:
         self.port = backend.port or 8000
         self.command = backend.command or [
             sys.executable, "-c", "from weir.cli import main; main()",
-            "engine", "serve", "--model", backend.model or "", "--port", str(self.port), *backend.args,
+            "engine", "serve", "--model", backend.model or "", "--port", str(self.port),
+            "--log-format", "json",  # its lines share the gateway's stdout: JSON lines too
+            *backend.args,
         ]  # fmt: skip
         self.health_url = f"http://127.0.0.1:{self.port}/health"
         self.process: asyncio.subprocess.Process | None = None

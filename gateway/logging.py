@@ -12,21 +12,29 @@ of its own (`gateway.aio.detached`): it carries no request's fields.
 The modules (and libraries: uvicorn, granian, asyncio, aiohttp, SQLAlchemy, alembic) that log through
 the standard library's `logging` write the same JSON lines, through structlog's `ProcessorFormatter`
 on a root handler: `event` (the message), `level`, `timestamp`, `logger` (its name) and the request's
-fields, so a log pipeline reading JSON lines from stdout meets nothing else there.
+fields, so a log pipeline reading JSON lines from stdout meets nothing else there. So does what
+Python would print as plain text on stderr: an exception that escapes the main thread
+(`sys.excepthook`) or another thread (`threading.excepthook`), and one raised where nothing can
+catch it (`sys.unraisablehook`: a finalizer, a generator closed by the collector), each as one
+`uncaught_exception` line with its traceback in `exception`. asyncio's (a task's exception nobody
+retrieved) already goes through its logger.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 from contextvars import ContextVar
-from typing import Protocol, TextIO
+from types import TracebackType
+from typing import Literal, Protocol, TextIO
 
 import msgspec
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
 _encode = msgspec.json.Encoder().encode
+log = structlog.get_logger("weir.crash")
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -111,7 +119,40 @@ def stdlib_handler(stream: TextIO | None = None) -> logging.Handler:
     return handler
 
 
-def configure_logging(level: str = "info") -> None:
+def log_uncaught(
+    exc_type: type[BaseException],
+    exc: BaseException | None,
+    tb: TracebackType | None,
+    level: Literal["critical", "error"] = "critical",
+    **fields: object,
+) -> None:
+    """One JSON line for an exception nothing caught, its traceback in `exception`. Should logging
+    itself fail (stdout closed at exit), Python's own hook prints it: a crash never goes unsaid."""
+    try:
+        getattr(log, level)("uncaught_exception", exc_info=(exc_type, exc, tb), **fields)
+    except Exception:
+        if exc is not None:
+            sys.__excepthook__(exc_type, exc, tb)
+
+
+def _thread_hook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # a thread's way to end, silent by default too
+        return
+    thread = args.thread.name if args.thread is not None else None
+    log_uncaught(args.exc_type, args.exc_value, args.exc_traceback, "error", thread=thread)
+
+
+def _unraisable_hook(args: sys.UnraisableHookArgs) -> None:
+    try:
+        where = f"{args.err_msg or 'Exception ignored in'}: {args.object!r}"
+    except Exception:  # a repr that fails: the message alone
+        where = args.err_msg or "Exception ignored"
+    log_uncaught(args.exc_type, args.exc_value, args.exc_traceback, "error", where=where)
+
+
+def configure_logging(level: str = "info", ours: tuple[str, ...] = ("gateway", "routing")) -> None:
+    """JSON lines on stdout for structlog, the standard library and crashes; `ours` (the packages
+    whose INFO lines are worth reading) log at `level`, other libraries at WARNING or above."""
     structlog.configure(
         processors=[
             add_request_fields,
@@ -129,9 +170,13 @@ def configure_logging(level: str = "info") -> None:
         root.removeHandler(handler)
     root.addHandler(stdlib_handler())
     logging.captureWarnings(True)  # a library's DeprecationWarning too: a JSON line, not stderr text
+    # Crashes too: Python writes them as plain text on stderr (a bad database URL, a thread that died).
+    sys.excepthook = log_uncaught
+    threading.excepthook = _thread_hook
+    sys.unraisablehook = _unraisable_hook
     # Libraries keep the WARNING they had (Python's default; their INFO is chatter: a line per
     # migration step, per pool event); the gateway's own modules follow the configured level, as
     # its structlog lines do.
     root.setLevel(max(logging.WARNING, _LEVELS[level]))
-    for ours in ("gateway", "routing"):
-        logging.getLogger(ours).setLevel(_LEVELS[level])
+    for name in ours:
+        logging.getLogger(name).setLevel(_LEVELS[level])

@@ -14,6 +14,7 @@ from gateway.state.degradable import degraded_states
 from gateway.usage import Usage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+NO_BACKEND = "none"  # the backend and model labels of a request that no backend answered
 
 
 class Metrics:
@@ -52,11 +53,16 @@ class Metrics:
         # go with it (`forget_models`).
         self._done: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
         self._tokens: dict[tuple[str, str, str], Any] = {}
+        # Whether a model name is served now (Router.in_force; the gateway sets it): a request of a
+        # route deleted while it ran makes no series of it again, once `forget_models` dropped them.
+        self.in_force: Callable[[str], bool] = lambda model: True
 
     def request_done(self, endpoint: str, backend: str, model: str, status: int, seconds: float) -> None:
         key = (endpoint, backend, model, status)
         children = self._done.get(key)
         if children is None:
+            if model != NO_BACKEND and not self.in_force(model):
+                return
             children = self._done[key] = (
                 self.requests.labels(endpoint, backend, model, str(status)),
                 self.latency.labels(endpoint, backend, model),
@@ -77,6 +83,8 @@ class Metrics:
                 key = (backend, model, token_class)
                 child = self._tokens.get(key)
                 if child is None:
+                    if not self.in_force(model):
+                        return
                     child = self._tokens[key] = self.tokens.labels(backend, model, token_class)
                 child.inc(count)
 

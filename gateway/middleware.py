@@ -14,7 +14,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.ids import exchange_tag, ordered_id, tag_exchange
 from gateway.logging import logging_for
-from gateway.metrics import Metrics
+from gateway.metrics import NO_BACKEND, Metrics
 from gateway.pipeline import RequestInfo
 
 log = structlog.get_logger("weir.request")
@@ -54,8 +54,8 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                     return
                 elapsed = time.perf_counter() - started
                 # The model label only once a backend was chosen: clients cannot mint label values.
-                backend = info.backend or "none"
-                model = info.model if info.backend else "none"
+                backend = info.backend or NO_BACKEND
+                model = info.model if info.backend else NO_BACKEND
                 metrics.request_done(info.endpoint or "unknown", backend, model, status, elapsed)
                 usage = info.usage
                 log.info(

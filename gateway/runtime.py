@@ -74,9 +74,12 @@ class Gateway:
             self.router.context,
             lambda principal: self.limits.policy(principal).store_prompts,
             self.metrics.registry,
+            in_force=self.router.in_force,
         )
-        # What the gateway keeps per route name goes with the route (deleted or renamed).
+        # What the gateway keeps per route name goes with the route (deleted or renamed), and a
+        # request still running then does not bring it back.
         self.router.listeners += [lambda _, gone: self.metrics.forget_models(gone), self.comparer.forget]
+        self.metrics.in_force = self.router.in_force
         self.started = False
 
     async def start(self) -> None:

@@ -15,6 +15,7 @@ from gateway.credentials import CredentialStore
 from gateway.limits import TenantPolicy
 from gateway.prompts import PromptStore
 from gateway.runtime import Gateway
+from gateway.state.degradable import DegradableState
 from gateway.stream_slots import RedisSlots
 from gateway.vault import Vault
 
@@ -45,7 +46,11 @@ class SecurityControls:
         gateway.limits.lookup = policy
         settings = control.settings
         if settings.redis_url:  # stream slots shared by every replica
-            gateway.limits.shared = RedisSlots.from_url(settings.redis_url, prefix=settings.redis_prefix)
+            # The same Redis as the limits' state: an outage either meets is the other's too.
+            outage = control.state if isinstance(control.state, DegradableState) else None
+            gateway.limits.shared = RedisSlots.from_url(
+                settings.redis_url, prefix=settings.redis_prefix, outage=outage
+            )
         gateway.limits.on_capture = prompts.capture
         credentials = CredentialStore(control.sessions, gateway.config.backends, vault)
         return cls(vault, credentials, prompts, gateway.limits.shared)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Protocol
 
 import redis.asyncio as aioredis
 import structlog
@@ -66,8 +67,20 @@ class LocalSlots:
             self.streams.pop(tenant, None)
 
 
+class Outage(Protocol):
+    """Another client of the same Redis in this process that knows whether it answers: the limits'
+    and budgets' state (gateway.state.degradable.DegradableState)."""
+
+    @property
+    def degraded(self) -> bool: ...
+
+    def lost(self, exc: BaseException) -> None: ...
+
+
 class RedisSlots:
-    """Streams open on every replica sharing the Redis namespace, per tenant."""
+    """Streams open on every replica sharing the Redis namespace, per tenant. With `outage`, the slots
+    and that state share what they learn: a hang one of them met is not waited out again by the other
+    (a stream's first request of an outage paid both timeouts, the slot's and its limits')."""
 
     def __init__(
         self,
@@ -76,6 +89,7 @@ class RedisSlots:
         ttl_s: float = 30.0,
         timeout_s: float = 1.0,
         retry_s: float = 1.0,
+        outage: Outage | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -85,6 +99,7 @@ class RedisSlots:
         self.local = LocalSlots()  # while Redis is away
         self.held: dict[str, tuple[str, str]] = {}  # lease id -> (tenant, set key), for refreshes
         self.degraded = False
+        self.outage = outage
         self._acquire = client.register_script(ACQUIRE)
         self._refresh = client.register_script(REFRESH)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -92,8 +107,11 @@ class RedisSlots:
         self._prober: asyncio.Task[None] | None = None  # asks Redis again while it is away
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "weir:", ttl_s: float = 30.0) -> RedisSlots:
-        return cls(aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0), prefix, ttl_s)
+    def from_url(
+        cls, url: str, prefix: str = "weir:", ttl_s: float = 30.0, outage: Outage | None = None
+    ) -> RedisSlots:
+        client = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        return cls(client, prefix, ttl_s, outage=outage)
 
     def key(self, tenant: str) -> str:
         return f"{self.prefix}streams:{tenant}"
@@ -101,7 +119,7 @@ class RedisSlots:
     async def acquire(self, tenant: str, limit: int) -> str | None:
         """A lease id, or None when the tenant has `limit` streams open already."""
         lease = random_hex(12)
-        if self.degraded:
+        if self.degraded or (self.outage is not None and self.outage.degraded):
             return "local:" + lease if self.local.acquire(tenant, limit) else None
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -114,6 +132,8 @@ class RedisSlots:
                 )
             if self._prober is None or self._prober.done():
                 self._prober = detached(self._probe())  # not the request's that met the outage
+            if self.outage is not None:
+                self.outage.lost(exc)
             return "local:" + lease if self.local.acquire(tenant, limit) else None
         if not taken:
             return None

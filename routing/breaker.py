@@ -6,7 +6,8 @@ closes the breaker, its failure opens it again. When shared state is configured 
 is published with the cooldown as TTL so every replica stops sending there; a recovery is published
 too, and moves the other replicas' open breakers to half-open (`Breakers.sync`). A half-open trial
 that only the cooldown let through is the fleet's one: a replica claims it in the shared state first
-(`Breakers.allow`), so N replicas send one trial per cooldown to a dead backend, not N. Routes that
+(`Breakers.allow`), so N replicas send one trial per cooldown to a dead backend, not N; once that
+trial succeeds, the replicas it kept waiting read its recovery within TRIAL_RECHECK_S. Routes that
 send to one backend/model share its breaker, with settings decided once per route table from theirs
 (`shared_settings`: the fewest failures, the longest cooldown).
 
@@ -51,6 +52,10 @@ OPENED_BY_PROBE = b"open:probe"
 RECOVERED = b"closed"
 # The fleet's half-open trial of a breaker: held by the replica that claimed it, for a cooldown.
 TRIAL_PREFIX = "weir:breaker-trial:"
+# A replica refused the fleet's trial asks again after this long at most (or when the claim lapses,
+# if sooner) whether that trial succeeded (its recovery published): otherwise it learnt so only at its
+# next health-loop round or when the claim lapsed, refusing a backend the fleet had seen answer.
+TRIAL_RECHECK_S = 1.0
 
 
 # A route's own latency breaker on one backend/model: (`route_label`, its ttft_timeout, `Breakers.key`).
@@ -86,6 +91,9 @@ class State(StrEnum):
     HALF_OPEN = "half_open"
 
 
+OPENNESS = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}  # also the state gauges' values
+
+
 @dataclass(slots=True)
 class CircuitBreaker:
     settings: BreakerSettings
@@ -104,6 +112,9 @@ class CircuitBreaker:
     fleet_trial: bool = False
     claimed_until: float = 0.0  # monotonic: this replica holds the fleet's trial until then
     trial_elsewhere_until: float = 0.0  # monotonic: another replica holds it until then
+    # Monotonic: until then a request is refused here without asking whether that trial is over (at
+    # most TRIAL_RECHECK_S after it was last asked; never after trial_elsewhere_until).
+    trial_recheck_at: float = 0.0
     recovery_seen: bytes | None = None  # the latest recovery record read or written here
 
     def current(self, now: float | None = None) -> State:
@@ -117,16 +128,17 @@ class CircuitBreaker:
         """Half-open now on a sign that the backend is back (see `fleet_trial`): the next request is
         this replica's trial."""
         self.state, self.trial_in_flight, self.fleet_trial = State.HALF_OPEN, False, False
-        self.trial_elsewhere_until = 0.0
+        self.trial_elsewhere_until = self.trial_recheck_at = 0.0
 
     def admits(self, now: float | None = None) -> bool:
         """Would a request go there now? Closed, or half-open with no trial under way, here or (the
-        fleet's trial) on another replica. A trial that has not reported back within a cooldown (a
-        stream its client left: neither success nor failure) no longer holds the breaker."""
+        fleet's trial) on another replica, until it is time to ask again whether that one is over
+        (`Breakers.allow`). A trial that has not reported back within a cooldown (a stream its client
+        left: neither success nor failure) no longer holds the breaker."""
         now = time.monotonic() if now is None else now
         state = self.current(now)
         if state is State.HALF_OPEN:
-            if now < self.trial_elsewhere_until:
+            if now < self.trial_recheck_at:
                 return False
             return not self.trial_in_flight or now - self.trial_started >= self.settings.cooldown
         return state is State.CLOSED
@@ -157,7 +169,7 @@ class CircuitBreaker:
         """Record a success; True when this closed a breaker that was not closed."""
         changed = self.state is not State.CLOSED
         self.state, self.failures, self.trial_in_flight = State.CLOSED, 0, False
-        self.claimed_until = self.trial_elsewhere_until = 0.0
+        self.claimed_until = self.trial_elsewhere_until = self.trial_recheck_at = 0.0
         return changed
 
     def failure(self, probe: bool = False) -> bool:
@@ -177,8 +189,14 @@ class CircuitBreaker:
 
     def trip(self, now: float | None = None) -> None:
         self.state, self.trial_in_flight, self.by_probe = State.OPEN, False, False
-        self.claimed_until = self.trial_elsewhere_until = 0.0
+        self.claimed_until = self.trial_elsewhere_until = self.trial_recheck_at = 0.0
         self.opened_at = time.monotonic() if now is None else now
+
+
+def _recovery_news(value: bytes | None, breaker: CircuitBreaker) -> bool:
+    """Whether `value`, read from the shared state, is a recovery `breaker` has not acted on (nor
+    written) yet."""
+    return value is not None and value.startswith(RECOVERED) and value != breaker.recovery_seen
 
 
 class Breakers:
@@ -220,8 +238,13 @@ class Breakers:
 
     def settle(self, settings: dict[str, BreakerSettings]) -> None:
         """The settings of each key's shared breaker under the route table now in force
-        (`shared_settings`), applied to the breakers there are and kept for those made later."""
+        (`shared_settings`), applied to the breakers there are and kept for those made later. The
+        breakers of keys no route with a breaker uses any more go: what is kept stays bounded by the
+        table, and a route that uses one again starts with its own settings, closed, not with the
+        state and settings a route long gone left there."""
         self.settings = settings
+        for key in [key for key in self.breakers if key not in settings]:
+            del self.breakers[key]
         for key, chosen in settings.items():
             self.get(key, chosen)
 
@@ -245,9 +268,11 @@ class Breakers:
     async def allow(self, key: str) -> bool:
         """May a request go to `key` now? As `CircuitBreaker.allow`; with shared state, a trial that
         only the cooldown let through (`fleet_trial`) must also be claimed for the fleet: refused
-        while another replica holds it, until its verdict reaches `sync` (its success) or its claim
-        lapses (a cooldown after it was taken, even if its holder died). Shared state that fails
-        leaves the trial to this replica, as without it: never a backend refused for that."""
+        while another replica holds it, until its success is published (read here first, every
+        TRIAL_RECHECK_S at most while refused, and by `sync`: this replica's trial then goes, as
+        after `sync` read it) or its claim lapses (a cooldown after it was taken, even if its holder
+        died). Shared state that fails leaves the trial to this replica, as without it: never a
+        backend refused for that."""
         breaker = self.get(key)
         now = time.monotonic()
         if not breaker.allow(now):
@@ -258,6 +283,13 @@ class Breakers:
             return True
         cooldown = breaker.settings.cooldown
         try:
+            # A recovery published since this replica last looked: the backend was seen up, so this
+            # is no fleet trial (whoever holds the claim, its trial answered).
+            published = await self.shared.kv_get(PREFIX + key)
+            if _recovery_news(published, breaker):
+                breaker.recovery_seen = published
+                breaker.half_open()
+                return breaker.allow(now)
             claimed, left = await self.shared.kv_set_if_absent(TRIAL_PREFIX + key, b"1", cooldown)
         except Exception as exc:  # a state without a fallback (DegradableState answers from memory)
             log.warning("breaker_trial_unshared", breaker=key, error=str(exc))
@@ -268,6 +300,7 @@ class Breakers:
         if breaker.state is State.HALF_OPEN and breaker.fleet_trial:  # (unless sync moved it meanwhile)
             breaker.trial_in_flight = False
             breaker.trial_elsewhere_until = now + min(left, cooldown)
+            breaker.trial_recheck_at = now + min(left, cooldown, TRIAL_RECHECK_S)
         return False
 
     async def success(self, key: str) -> None:
@@ -336,11 +369,16 @@ class Breakers:
         for latency, breaker in self.latency.items():
             breaker.settings = wanted[latency]
 
-    def latency_states(self) -> dict[str, dict[str, str]]:
-        """Each route's latency breakers by backend/model, for the admin (`routes/status`)."""
-        states: dict[str, dict[str, str]] = {}
+    def latency_states(self) -> dict[str, dict[str, State]]:
+        """Each route's latency breakers by backend/model, as the admin (`routes/status`) and
+        /metrics show them. Routes of one name and the same conditions but different timeouts have
+        one label there: it shows the most open of their breakers, so an operator is never told a
+        model is in use for a route whose requests some of its breakers skip."""
+        states: dict[str, dict[str, State]] = {}
         for (label, _, key), breaker in list(self.latency.items()):
-            states.setdefault(label, {})[key] = breaker.current().value
+            by_key = states.setdefault(label, {})
+            state = breaker.current()
+            by_key[key] = max(state, by_key.get(key, state), key=OPENNESS.__getitem__)
         return states
 
     async def sync(self) -> None:
@@ -362,7 +400,7 @@ class Breakers:
                 breaker.trip()
                 breaker.by_probe = value == OPENED_BY_PROBE
                 self.moved(key, State.OPEN, "replica")
-            elif value is not None and value.startswith(RECOVERED) and value != breaker.recovery_seen:
+            elif _recovery_news(value, breaker):
                 breaker.recovery_seen = value
                 self._recovered_elsewhere(key, breaker)
 

@@ -249,6 +249,7 @@ class Comparer:
         context: PolicyContext,
         stores_prompts: Callable[[Principal], bool],
         registry: CollectorRegistry | None = None,
+        in_force: Callable[[str], bool] = lambda route: True,
     ) -> None:
         self.pipeline = pipeline
         self.models = models
@@ -271,12 +272,19 @@ class Comparer:
         self.recent = RecentRanking()
         if registry is not None:
             registry.register(self.recent)
+        # Router.in_force: a comparison still running when its route was deleted counts nothing
+        # (its series and rankings went with the route, in `forget`).
+        self.in_force = in_force
 
     def forget(self, routes: Sequence[Route], gone: Collection[str]) -> None:
         """The route table changed (`Router.listeners`): drop what is kept for routes no longer in
         force (their outcome series, their rankings)."""
         drop_series(self.outcomes, ("route", "outcome"), "route", gone)
         self.recent.forget(routes)
+
+    def _count(self, route: str, outcome: str) -> None:
+        if self.in_force(route):
+            self.outcomes.labels(route, outcome).inc()
 
     def use_control_plane(
         self,
@@ -335,13 +343,13 @@ class Comparer:
         served = roles.get(chosen) if chosen is not None else None
         resumed = any(t.endswith(":cut") for t in plan.tried)
         if served is None or resumed or not answer.strip():
-            self.outcomes.labels(route.name, "skipped").inc()
+            self._count(route.name, "skipped")
             return
         assert route.compare is not None  # wants() sampled it
         # Per route: another route's comparisons must not starve this one's.
         running = self.in_flight.get(route.name, 0)
         if running >= route.compare.max_in_flight:
-            self.outcomes.labels(route.name, "busy").inc()
+            self._count(route.name, "busy")
             return
         first: Role = "weak" if self.rng.random() < 0.5 else "strong"
         scored = plan.chosen
@@ -379,7 +387,7 @@ class Comparer:
         tenant = job.principal.tenant_id or "anonymous"
         estimate = self._estimate(job, other, other_target, judge_target)
         if not await self.spend.allow(tenant, estimate, compare.max_spend_usd_per_hour):
-            self.outcomes.labels(route.name, "capped").inc()
+            self._count(route.name, "capped")
             return
         spent: list[float] = []  # USD of each call made, priced as the gateway prices its models
         try:
@@ -387,7 +395,7 @@ class Comparer:
             response = await self._ask(job, other_target, other.model, alone, "compare", spent)
             other_answer = answer_text(response)
             if not other_answer.strip():
-                self.outcomes.labels(route.name, "failed").inc()
+                self._count(route.name, "failed")
                 return
             other_role: Role = "strong" if job.served == "weak" else "weak"
             answers: dict[Role, str] = {job.served: job.answer, other_role: other_answer}
@@ -402,26 +410,26 @@ class Comparer:
                     log.warning(
                         "comparison_unparsed", route=route.name, judge=compare.judge, verdict=text[:200]
                     )
-                    self.outcomes.labels(route.name, "unparsed").inc()
+                    self._count(route.name, "unparsed")
                     return
                 graded.append({role: scaled(grade) for role, grade in zip(order, grades, strict=True)})
             if any(
                 (g[role] >= ACCEPTABLE) != (graded[0][role] >= ACCEPTABLE) for g in graded for role in answers
             ):
-                self.outcomes.labels(route.name, "inconsistent").inc()
+                self._count(route.name, "inconsistent")
                 return
             weak_score = sum(g["weak"] for g in graded) / len(graded)
             strong_score = sum(g["strong"] for g in graded) / len(graded)
             await self._store(job, tenant, weak_score, strong_score)
-            self.outcomes.labels(route.name, "judged").inc()
-            if job.p_strong is not None:
+            self._count(route.name, "judged")
+            if job.p_strong is not None and self.in_force(route.name):
                 self.recent.add(route.name, job.head, job.p_strong, needs_strong(weak_score, strong_score))
         except GatewayError as exc:  # refused (rate limit, budget) or failed upstream: no label
             log.info("comparison_failed", route=route.name, request_id=job.request_id, error=exc.type)
-            self.outcomes.labels(route.name, "failed").inc()
+            self._count(route.name, "failed")
         except Exception:
             log.exception("comparison_failed", route=route.name, request_id=job.request_id)
-            self.outcomes.labels(route.name, "failed").inc()
+            self._count(route.name, "failed")
         finally:
             # The cap counts what the calls cost, not what was guessed (a reasoning judge costs more).
             await self.spend.add(tenant, sum(spent) - estimate)

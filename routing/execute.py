@@ -246,11 +246,11 @@ class Executor:
     def _note(self, plan: Plan, model: str, outcome: str) -> None:
         plan.tried.append(f"{model}:{outcome}")
         if self.metrics is not None:
-            self.metrics.attempts.labels(plan.route.name, model, outcome).inc()
+            self.metrics.attempt(plan.route.name, model, outcome)
 
     def _hedge(self, plan: Plan, result: str) -> None:
         if self.metrics is not None:
-            self.metrics.hedges.labels(plan.route.name, result).inc()
+            self.metrics.hedge(plan.route.name, result)
 
     def _key(self, choice: Choice) -> str:
         return Breakers.key(choice.target.backend.name, choice.target.upstream_model)

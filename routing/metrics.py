@@ -12,8 +12,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.metrics import drop_series
-
-STATE_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+from routing.breaker import OPENNESS
 
 
 class RoutingMetrics:
@@ -33,24 +32,23 @@ class RoutingMetrics:
             registry=registry,
         )
         registry.register(_Collector(router))
+        self.in_force = router.in_force
+
+    def attempt(self, route: str, candidate: str, outcome: str) -> None:
+        """Count an attempt, unless its route is no longer in force (deleted while it ran): its
+        series went with the route and must not come back (`Router.in_force`)."""
+        if self.in_force(route):
+            self.attempts.labels(route, candidate, outcome).inc()
+
+    def hedge(self, route: str, result: str) -> None:
+        if self.in_force(route):
+            self.hedges.labels(route, result).inc()
 
     def forget(self, routes: Collection[str]) -> None:
         """Stop exporting the series of route names no longer in force (`Router.set_routes`): a
         deleted or renamed route's attempts and hedges were exported for as long as the process ran."""
         drop_series(self.attempts, ("route", "candidate", "outcome"), "route", routes)
         drop_series(self.hedges, ("route", "result"), "route", routes)
-
-
-def _latency_states(breakers: Any) -> dict[tuple[str, str], int]:
-    """Each route's latency breakers (`Breakers.latency`: only the routes in force keep theirs, so a
-    route deleted or edited leaves no series behind) by route and backend/model. Routes of one name
-    and the same conditions but different timeouts would make two series of one label set, which a
-    scrape rejects: they show as one, the most open."""
-    states: dict[tuple[str, str], int] = {}
-    for (route, _, key), breaker in list(breakers.latency.items()):
-        value = STATE_VALUES[breaker.current().value]
-        states[route, key] = max(value, states.get((route, key), value))
-    return states
 
 
 class _Collector:
@@ -64,7 +62,7 @@ class _Collector:
             labels=("breaker",),
         )
         for key, breaker in list(self.router.breakers.breakers.items()):
-            states.add_metric((key,), STATE_VALUES[breaker.current().value])
+            states.add_metric((key,), OPENNESS[breaker.current()])
         yield states
         latency = GaugeMetricFamily(
             "weir_route_latency_breaker_state",
@@ -72,8 +70,11 @@ class _Collector:
             "wait longer): 0 closed, 1 half-open, 2 open",
             labels=("route", "breaker"),
         )
-        for (route, key), value in sorted(_latency_states(self.router.breakers).items()):
-            latency.add_metric((route, key), value)
+        # Only the routes in force keep latency breakers, so a route deleted or edited leaves no
+        # series behind; routes of one label show as one (two series of one label set fail a scrape).
+        for route, by_key in sorted(self.router.breakers.latency_states().items()):
+            for key, state in sorted(by_key.items()):
+                latency.add_metric((route, key), OPENNESS[state])
         yield latency
         affinity = CounterMetricFamily(
             "weir_prefix_affinity_requests",

@@ -224,7 +224,7 @@ class Router:
         difficulty_head: HeadChoice = "auto",
     ) -> None:
         self.models = models
-        self.stats = RoutingStats()
+        self.stats = RoutingStats(self.in_force)
         self.breakers = Breakers(state)
         self.context = PolicyContext(self.stats, head=difficulty_head, breakers=self.breakers)
         self.routes: dict[str, list[Route]] = {}
@@ -396,6 +396,12 @@ class Router:
 
     def names(self) -> list[str]:
         return list(self.routes)
+
+    def in_force(self, name: str) -> bool:
+        """Whether requests for `name` are served now: a route of that name, or a plain model. A
+        request that began before its route was deleted or renamed counts nothing more under the old
+        name, or its metrics would bring back the series the table change dropped (`listeners`)."""
+        return name in self.routes or name in self.models.targets
 
     def offers(self, name: str, principal: Principal) -> bool:
         """Whether some request of `principal` can use the route `name`: one of its routes has no

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.accounting.events import UsageEvent
@@ -45,8 +46,9 @@ def _ewma(old: float | None, new: float) -> float:
 class RoutingStats:
     """A UsageSink: record() is called once per attempt; must not block."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_force: Callable[[str], bool] = lambda route: True) -> None:
         self.models: dict[tuple[str, str], ModelStats] = {}
+        self.in_force = in_force  # Router.in_force: a deleted route's late attempts add no row
         # prefix_affinity route -> [prompt tokens, of them read from the replicas' prefix caches]: the
         # hit rate the policy achieves, as the engines report it (where it sent requests is not that).
         self.affinity_tokens: dict[str, list[int]] = {}
@@ -83,9 +85,12 @@ class RoutingStats:
         if prompt > 0:
             stats.cache_hit_rate = _ewma(stats.cache_hit_rate, usage.cached_input_tokens / prompt)
             if event.routing is not None and "policy=prefix_affinity" in event.routing:
-                tokens = self.affinity_tokens.setdefault(event.route, [0, 0])
-                tokens[0] += prompt
-                tokens[1] += usage.cached_input_tokens
+                tokens = self.affinity_tokens.get(event.route)
+                if tokens is None and self.in_force(event.route):
+                    tokens = self.affinity_tokens[event.route] = [0, 0]
+                if tokens is not None:
+                    tokens[0] += prompt
+                    tokens[1] += usage.cached_input_tokens
 
     def affinity_cache(self, route: str) -> dict[str, float | int | None]:
         """A prefix_affinity route's prompt tokens, how many the replicas read from cache, and the share."""

@@ -58,6 +58,7 @@ class DegradableState(Shortcuts):
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._prober: asyncio.Task[None] | None = None  # asks Redis again while it is away
+        self._subscribers: list[asyncio.Task[None]] = []  # subscribe to revocations in Redis
         # For Redis once it answers again: spend settled here per budget, reservations it made that
         # were settled here (budget key, reservation id, amount), and seeds it never got.
         self._owed: dict[str, int] = {}
@@ -80,13 +81,20 @@ class DegradableState(Shortcuts):
         try:
             result = await self._ask(name, *args)
         except _UNREACHABLE as exc:
-            if not self.degraded:
-                log.warning("Redis unreachable (%r): limits and budgets now per process", exc)
-                _degraded.add(id(self))
-            if self._prober is None or self._prober.done():
-                self._prober = detached(self._probe())  # not the request's that met the outage
+            self.lost(exc)
             return False, None
         return True, result
+
+    def lost(self, exc: BaseException) -> None:
+        """Redis did not answer (`exc`), this state or another client of the same Redis in this
+        process (the stream slots, gateway.stream_slots): from now on every call is answered here at
+        once, until the prober hears from Redis again. A request that met the hang in its stream
+        slot then does not wait it out a second time for its limits."""
+        if not self.degraded:
+            log.warning("Redis unreachable (%r): limits and budgets now per process", exc)
+            _degraded.add(id(self))
+        if self._prober is None or self._prober.done():
+            self._prober = detached(self._probe())  # not the request's that met the outage
 
     async def _ask(self, name: str, *args: Any) -> Any:
         async with asyncio.timeout(self.timeout_s):
@@ -189,11 +197,32 @@ class DegradableState(Shortcuts):
         await self._call("publish_revocation", key_hash)
 
     async def subscribe_revocations(self, callback: RevocationCallback) -> None:
+        """This replica's own revocations reach `callback` at once (through the fallback); the other
+        replicas' once Redis holds the subscription, which a background task makes (`_subscribe`):
+        a gateway that starts while Redis is down or hangs starts at once, where it waited out
+        redis-py's 5 s socket timeout and then never subscribed at all."""
         await self.fallback.subscribe_revocations(callback)
-        try:
-            await self.primary.subscribe_revocations(callback)  # retries on its own once started
-        except _UNREACHABLE as exc:
-            log.warning("cannot subscribe to revocations in Redis (%s); this replica only", exc)
+        self._subscribers.append(detached(self._subscribe(callback)))
+
+    async def _subscribe(self, callback: RevocationCallback) -> None:
+        """Subscribe `callback` in Redis, each try bounded by `timeout_s`, every `retry_s` until one
+        succeeds (the subscription then retries on its own, RedisState._listen). Revocations published
+        before that reach this replica within the key-cache TTL, as during any outage."""
+        failed = False
+        while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self.primary.subscribe_revocations(callback)
+            except _UNREACHABLE as exc:
+                if not failed:
+                    log.warning("cannot subscribe to revocations in Redis (%r); retrying", exc)
+                    failed = True
+                await asyncio.sleep(self.retry_s)
+                continue
+            if failed:
+                log.info("subscribed to revocations in Redis")
+            return
 
     async def kv_get(self, key: str) -> bytes | None:
         result: bytes | None = await self._call("kv_get", key)
@@ -221,10 +250,11 @@ class DegradableState(Shortcuts):
         return claim
 
     async def close(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._prober
+        for task in [self._prober, *self._subscribers]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         _degraded.discard(id(self))
         await self.fallback.close()
         await self.primary.close()

@@ -673,7 +673,12 @@ class RedisState(Shortcuts):
 
     async def subscribe_revocations(self, callback: RevocationCallback) -> None:
         pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(self._k("revocations"))
+        try:
+            await pubsub.subscribe(self._k("revocations"))
+        except BaseException:  # failed or timed out (a hanging Redis): not a connection left open
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+            raise
         self._listeners.append(asyncio.create_task(self._listen(pubsub, callback)))
 
     async def _listen(self, pubsub: aioredis.client.PubSub, callback: RevocationCallback) -> None:

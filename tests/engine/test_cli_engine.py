@@ -168,3 +168,24 @@ def test_models_pull_downloads_smollm2_and_lists_it(tmp_path: Path) -> None:
     assert "smollm2-135m" in listing and "gguf" in listing and str(gguf) in listing
     again = weir("models", "pull", "smollm2-135m", env=env)  # idempotent: no second download
     assert again.communicate(timeout=60)[0].strip().endswith(str(gguf))
+
+
+def test_engine_serve_log_format_json_writes_nothing_but_json_lines(tmp_path: Path) -> None:
+    """What the gateway asks of the engines it starts: their output shares its stdout, JSON lines."""
+    args = ["engine", "serve", "--model", "no-such-model", "--port", str(free_port()), "--log-format", "json"]
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("weir")), *args],
+        cwd=ROOT,
+        env={**os.environ, "WEIR_MODELS_DIR": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert err == ""
+    lines = [json.loads(line) for line in out.splitlines()]  # a line that is not JSON fails here
+    listening = [line for line in lines if line["event"].startswith("listening on")]
+    assert listening and listening[0]["logger"] == "engine.server" and listening[0]["level"] == "info"
+    failed = [line for line in lines if line["level"] == "error"]
+    assert failed and "unknown model 'no-such-model'" in failed[0]["event"]

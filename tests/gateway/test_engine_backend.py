@@ -21,6 +21,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.engine_supervisor import EngineProcess
 from tests.conftest import free_port
 from tests.gateway.conftest import serve
 
@@ -70,6 +71,23 @@ models:
         assert second_pid != first_pid and engine.restarts == 1
     # Shutting the gateway down stops the engine.
     wait_for(lambda: engine.process.returncode is not None, timeout=5)
+
+
+def test_a_started_engine_logs_json_lines_unless_its_args_say_otherwise() -> None:
+    """Its output shares the gateway's stdout, where a log pipeline reads JSON lines; `args` come last,
+    so an operator's own `--log-format` wins."""
+    config = parse_config(
+        """
+backends:
+  - {name: a, type: engine, model: smollm2-135m, port: 8001}
+  - {name: b, type: engine, model: smollm2-135m, port: 8002, args: ["--log-format", "text"]}
+models: [{name: small, backend: a, model: smollm2-135m}]
+""",
+        {},
+    )
+    plain, told = (EngineProcess(backend).command for backend in config.backends)
+    assert plain[plain.index("--log-format") + 1] == "json"
+    assert told[-2:] == ["--log-format", "text"] and told.index("--log-format") < len(told) - 2
 
 
 def test_engine_by_url_needs_no_process() -> None:

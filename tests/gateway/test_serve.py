@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -159,3 +160,103 @@ def test_weir_serve_writes_nothing_but_json_lines(
         reply.headers["x-request-id"],
         "limited",
     )
+
+
+@pytest.mark.parametrize("server_kind", ["granian", "uvicorn"])
+@pytest.mark.parametrize("fault", ["database_url", "port_taken"])
+def test_weir_serve_that_cannot_start_says_why_in_a_json_line(
+    tmp_path: Path, server_kind: str, fault: str
+) -> None:
+    """A gateway that dies at start (a database URL no driver reads, so the app cannot be built; a
+    port another process holds) wrote Python's plain-text traceback on stderr: from the process
+    itself, or from granian's worker, where multiprocessing prints it. It is one JSON line now."""
+    config = tmp_path / "weir.yaml"
+    config.write_text(EXAMPLE)
+    env = {
+        **os.environ,
+        "OPENAI_API_KEY": "unused",
+        "ANTHROPIC_API_KEY": "unused",
+        "GEMINI_API_KEY": "unused",
+        "WEIR_DEMO_KEY": "sk-serve-test",
+        "WEIR_ADMIN_TOKEN": "wa-serve-test-0123456789",
+    }
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        if fault == "database_url":
+            env["WEIR_DATABASE_URL"] = "nosuchdialect://weir/db"
+            port, expected = free_port(), "NoSuchModuleError"
+        else:
+            port, expected = taken.getsockname()[1], "already in use"
+        weir = Path(sys.executable).with_name("weir")
+        done = subprocess.run(
+            [str(weir), "serve", "--config", str(config), "--port", str(port), "--server", server_kind],
+            env=env,
+            capture_output=True,
+            timeout=60,
+        )
+    assert done.returncode != 0
+    assert done.stderr.decode() == ""
+    lines = [json.loads(line) for line in done.stdout.decode().splitlines()]  # every one of them
+    assert all({"event", "level", "timestamp"} <= line.keys() for line in lines)
+    if (fault, server_kind) == ("port_taken", "uvicorn"):  # uvicorn says so itself, through logging
+        assert any(expected in line["event"] for line in lines), lines
+        return
+    [crash] = [line for line in lines if line["event"] == "uncaught_exception"]
+    assert crash["level"] == "critical"
+    assert crash["exception"].startswith("Traceback (most recent call last):")
+    assert expected in crash["exception"]
+
+
+CRASHES = """\
+import asyncio, threading
+from gateway.logging import configure_logging
+
+configure_logging("info")
+
+async def background() -> None:
+    raise ValueError("task nobody awaited")
+
+async def main() -> None:
+    task = asyncio.get_running_loop().create_task(background())
+    await asyncio.sleep(0.05)
+    del task
+
+asyncio.run(main())
+thread = threading.Thread(target=lambda: 1 / 0, name="poller")
+thread.start()
+thread.join()
+
+class Leaky:
+    def __del__(self) -> None:
+        raise KeyError("in a finalizer")
+
+Leaky()
+raise RuntimeError("the process gives up")
+"""
+
+
+def test_exceptions_nothing_caught_are_json_lines() -> None:
+    """What Python writes as plain text on stderr, logged as `weir serve` configures logging: the main
+    thread's uncaught exception, another thread's, one in a finalizer, a background task's that
+    nobody retrieved (asyncio's own logger). Each is one JSON line with its traceback."""
+    done = subprocess.run([sys.executable, "-c", CRASHES], capture_output=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.decode() == ""
+    lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    last = {line["exception"].splitlines()[-1]: line for line in lines}
+    assert set(last) == {
+        "ValueError: task nobody awaited",
+        "ZeroDivisionError: division by zero",
+        "KeyError: 'in a finalizer'",
+        "RuntimeError: the process gives up",
+    }
+    task = last["ValueError: task nobody awaited"]
+    assert (task["logger"], task["level"]) == ("asyncio", "error")
+    thread = last["ZeroDivisionError: division by zero"]
+    assert (thread["event"], thread["level"], thread["thread"]) == ("uncaught_exception", "error", "poller")
+    finalizer = last["KeyError: 'in a finalizer'"]
+    assert finalizer["event"] == "uncaught_exception" and "Leaky.__del__" in finalizer["where"]
+    crash = last["RuntimeError: the process gives up"]
+    assert (crash["event"], crash["level"]) == ("uncaught_exception", "critical")
+    assert crash["exception"].splitlines()[-2].endswith("in <module>")  # where it was raised

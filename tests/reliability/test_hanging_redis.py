@@ -3,7 +3,8 @@
 A refused connection fails at once; a hang costs whatever timeout the caller set, on every call. A
 request touches the shared state several times (stream slot, budget seed, rate limits and budget,
 breaker and hedge bookkeeping): the gateway must notice the hang once and then answer from its
-in-process state, not make each request wait out a timeout again.
+in-process state, not make each request wait out a timeout again. A gateway started during a hang
+must not wait for it either, and must hear other replicas' key revocations once Redis answers.
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+import redis
 from openai.types.chat import ChatCompletionMessageParam
 
+from gateway.admin.keys import key_digest
 from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.db import migrate
+from gateway.db.models import ApiKey, utcnow
+from gateway.db.session import create_engine, sessionmaker
+from gateway.state.redis import RedisState
 from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL
 from tests.control.test_gateway_control import ADMIN, Weir
@@ -59,6 +67,10 @@ class HangingRedis:
 
     def hang(self) -> None:
         self.hanging = True
+
+    def answer(self) -> None:
+        """Redis answers again, on connections made from now on (one that hung stays hung)."""
+        self.hanging = False
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.hanging:
@@ -100,26 +112,39 @@ def hanging_redis() -> Iterator[HangingRedis]:
 
 
 @pytest.fixture
-def weir(
+def gateway_app(
     fake_openai: FakeOpenAI,
     tmp_path: Path,
     redis_prefix: str,
     hanging_redis: HangingRedis,
     monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Weir]:
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+) -> Any:
+    """A gateway (not started) whose Redis is `hanging_redis`, its admin DB at tmp_path/weir.db."""
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     monkeypatch.setenv("WEIR_REDIS_URL", f"redis://127.0.0.1:{hanging_redis.port}/0")
     monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
-    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
+    env = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "DB_URL": _db(tmp_path),
+    }
     app = create_app(parse_config(CONFIG, env))
     # Redis is asked again every 50 ms, not every second: the requests below span many such
     # periods, and none of them may be the one that waits for a hanging Redis again.
     app.state.control.state.retry_s = RETRY_S
     app.state.gateway.limits.shared.retry_s = RETRY_S
-    with serve(app, free_port()) as url:
-        yield Weir(url, db_url)
+    return app
+
+
+def _db(tmp_path: Path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+
+
+@pytest.fixture
+def weir(gateway_app: Any, tmp_path: Path) -> Iterator[Weir]:
+    with serve(gateway_app, free_port()) as url:
+        yield Weir(url, _db(tmp_path))
 
 
 def _timed(client: openai.OpenAI, stream: bool) -> float:
@@ -149,7 +174,75 @@ def test_a_hanging_redis_costs_one_timeout_not_one_per_call(weir: Weir, hanging_
         took.append(_timed(client, stream=i % 2 == 0))
         time.sleep(2 * RETRY_S)  # each request comes after the time to ask Redis again
     print("seconds per request against a hanging Redis:", [round(t, 2) for t in took])
-    # Every request after the first two (which may each notice the hang: one for the stream slots,
-    # one for the limits and budgets) is answered from this process's state at once.
-    assert max(took[2:]) < 0.5, took
+    # Every request after the first (which notices the hang, for its stream slot and its limits and
+    # budget alike) is answered from this process's state at once.
+    assert max(took[1:]) < 0.5, took
     assert sum(took) < 3.5, took
+
+
+def test_a_stream_that_meets_a_hang_waits_out_one_timeout_not_two(
+    weir: Weir, gateway_app: Any, hanging_redis: HangingRedis
+) -> None:
+    """The first request of a hang is a stream: its stream slot (counted across replicas in Redis)
+    meets the hang first and waits out its timeout, then its rate limits and budget (in Redis too)
+    waited out theirs as well. The slots now tell the limits' state: one timeout. Both are 2 s here,
+    so one reads apart from two on a loaded machine."""
+    gateway_app.state.control.state.timeout_s = 2.0
+    gateway_app.state.gateway.limits.shared.timeout_s = 2.0
+    _, _, key = weir.tenant_with_key("stream-in-a-hang", rpm=50, budget_usd_monthly="0.05")
+    client = weir.client(key)
+    assert _timed(client, stream=True) < 1.0
+    time.sleep(0.5)  # its settlement reaches Redis first (in the background), not met by the hang
+    hanging_redis.hang()
+    took = _timed(client, stream=True)
+    print(f"a stream meeting the hang took {took:.2f} s")
+    assert took < 3.0, f"{took:.2f} s: the stream waited out the slots' timeout and the limits' too"
+    assert _timed(client, stream=True) < 0.5
+
+
+def test_a_gateway_started_while_redis_hangs_serves_and_hears_revocations_once_it_answers(
+    gateway_app: Any, hanging_redis: HangingRedis, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Redis hangs when the gateway starts. Its start subscribed to key revocations in Redis first,
+    and waited out redis-py's 5 s socket timeout; then it never subscribed at all, so another
+    replica's revocation reached it only when the key's cache entry lapsed. Now the start does not
+    wait, the gateway serves, and once Redis answers the subscription is made: a key another replica
+    revokes is refused here at once."""
+    asyncio.run(migrate.upgrade_async(_db(tmp_path)))  # what the start then does is quick: timed
+    hanging_redis.hang()
+    started = time.monotonic()
+    with serve(gateway_app, free_port()) as url:
+        assert time.monotonic() - started < 3.0, "the start waited on the hanging Redis"
+        weir = Weir(url, _db(tmp_path))
+        _, key_id, key = weir.tenant_with_key("revoked-elsewhere")
+        client = weir.client(key)
+        assert _timed(client, stream=False) < 3.0  # served (from this process's state)
+
+        hanging_redis.answer()
+        with redis.Redis.from_url(REDIS_URL) as plain:
+            channel = f"{redis_prefix}revocations"
+            deadline = time.monotonic() + 10
+            while plain.pubsub_numsub(channel)[0][1] < 1:
+                assert time.monotonic() < deadline, "never subscribed to revocations once Redis answered"
+                time.sleep(0.05)
+        asyncio.run(_revoke_on_another_replica(_db(tmp_path), redis_prefix, key_id, key))
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(model="gpt-4o-mini", messages=HI)
+
+
+async def _revoke_on_another_replica(db_url: str, prefix: str, key_id: str, key: str) -> None:
+    """What `DELETE /admin/api/v1/keys/{id}` does on another replica: revoke the key in the admin
+    DB, then publish the revocation in Redis."""
+    engine = create_engine(db_url)
+    try:
+        async with sessionmaker(engine)() as session, session.begin():
+            row = await session.get(ApiKey, key_id)
+            assert row is not None
+            row.revoked_at = utcnow()
+    finally:
+        await engine.dispose()
+    state = RedisState.from_url(REDIS_URL, prefix=prefix)
+    try:
+        await state.publish_revocation(key_digest(key))
+    finally:
+        await state.close()

@@ -394,6 +394,48 @@ def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
     assert failed["request_id"] == client_id  # the comparison's own line names the client's request
 
 
+def test_a_comparison_running_when_its_route_is_deleted_brings_back_no_series(
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A comparison outlives the request it follows by a judge's answer (seconds). One still running
+    when an admin deleted its route counted its outcome, and its judge call's tokens, under the
+    deleted name once the table change had dropped its series: they came back, until the name was
+    deleted again. They do not now."""
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    fake_anthropic.answer_as("claude-sonnet-4-5", judge)
+    fake_anthropic.set_latency(first_token=1.0)  # the judge takes its time
+    env = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
+        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
+        "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db",
+    }
+    app = create_app(parse_config(CONFIG, env))
+    gateway = app.state.gateway
+    gateway.router.context.scorer = lambda prompt: 0.1
+    with serve(app, free_port()) as url:
+        admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+        keeps = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
+        key = admin.post(f"/tenants/{keeps['id']}/keys", json={}).json()["key"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": "easy question"}]
+        )
+        assert "compare=sampled" in raw.headers["x-weir-route"]
+        wait_for(lambda: any(r.path.endswith("/messages") for r in fake_anthropic.requests))
+        [auto] = [route for route in admin.get("/routes").json()["data"] if route["name"] == "auto"]
+        assert admin.delete(f"/routes/{auto['id']}").status_code == 204
+        wait_for(lambda: not gateway.comparer.tasks)  # judged, after the deletion
+        scraped = httpx.get(f"{url}/metrics").text
+    left = [line for line in scraped.splitlines() if '"auto"' in line]
+    assert (left, gateway.comparer.recent.rows) == ([], {})
+
+
 def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() -> None:
     models = {"gpt-4o-mini", "gpt-4o", "grader"}
     candidates = [Candidate(model="gpt-4o-mini"), Candidate(model="gpt-4o")]

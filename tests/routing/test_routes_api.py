@@ -276,6 +276,35 @@ def test_a_deleted_routes_latency_breakers_go_with_it(replicas: Replicas, fake_o
     assert replicas.admin[0].get("/routes/status").json()["latency_breakers"] == {}
 
 
+def test_routes_of_one_name_and_conditions_show_their_most_open_latency_breaker(
+    replicas: Replicas, fake_openai: FakeOpenAI
+) -> None:
+    """`tight` opened its latency breaker on gpt-4o-mini; then a route of the same name and
+    conditions that waits 0.5 s was put first, and one of its requests timed out too (its own
+    breaker: one timeout, still closed). Both have one label in routes/status and /metrics, and both
+    now show it open, as the most open of the two: routes/status showed whichever came last, closed."""
+    _, key = replicas.key("acme")
+    mini = "openai/gpt-4o-mini"
+    assert replicas.admin[0].post("/routes", json=TIGHT).status_code == 201
+    fake_openai.set_latency(first_token=1.0)
+
+    def timed_out() -> None:
+        raw = replicas.client(0, key).chat.completions.with_raw_response.create(
+            model="tight", messages=HI, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == "hello routes"
+        assert route_header(raw)["tried"] == "gpt-4o-mini:504,claude-sonnet:ok"
+
+    for _ in range(2):
+        timed_out()
+    patient = {**TIGHT, "ttft_timeout": 0.5, "position": -1}
+    assert replicas.admin[0].post("/routes", json=patient).status_code == 201
+    timed_out()  # sent to gpt-4o-mini: the 0.5 s route's breaker, not the open one, took the request
+    assert replicas.admin[0].get("/routes/status").json()["latency_breakers"]["tight"][mini] == "open"
+    gauge = f'weir_route_latency_breaker_state{{breaker="{mini}",route="tight"}} 2.0'
+    assert gauge in httpx.get(f"{replicas.urls[0]}/metrics").text.splitlines()
+
+
 def test_hedged_spend_is_capped_across_replicas(
     replicas: Replicas, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -29,14 +30,14 @@ from gateway.state import MemoryState
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 from gateway.transport import Transport
-from routing.breaker import OPENED, PREFIX, Breakers, State
+from routing.breaker import OPENED, PREFIX, TRIAL_RECHECK_S, Breakers, State
 from routing.health import HealthProber
 from routing.router import Router
 from routing.routes import Breaker as BreakerSettings
 from routing.routes import Candidate, Route
 from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL
-from tests.fakes import FakeOpenAI
+from tests.fakes import FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 from tests.reliability.proxy import ThreadedProxy
 
@@ -479,13 +480,12 @@ routes:
 """
 
 
-def test_two_gateways_send_one_half_open_trial_to_a_backend_that_is_still_down(
+@contextmanager
+def _two_gateways_past_their_cooldown(
     backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two gateways over one Redis, each with the backend's breaker open and its cooldown over; the
-    backend still fails. The first gateway's request is the trial (502) and re-opens its breaker;
-    the second gateway's request must not be a second trial to the same dead backend: it is refused
-    (503, retry later) while the fleet's trial holds. It went to the backend too."""
+) -> Iterator[list[str]]:
+    """Two gateways over one Redis (`TRIALS`), each with the backend's breaker open and its cooldown
+    over: their URLs."""
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
     monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
     with ExitStack() as stack:
@@ -503,6 +503,90 @@ def test_two_gateways_send_one_half_open_trial_to_a_backend_that_is_still_down(
             urls.append(stack.enter_context(serve(apps[-1], free_port())))
         for app in apps:
             _runtime(app).router.breakers.get(KEY).trip(now=time.monotonic() - 30)
+        yield urls
+
+
+def test_two_gateways_send_one_half_open_trial_to_a_backend_that_is_still_down(
+    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two gateways over one Redis, each with the backend's breaker open and its cooldown over; the
+    backend still fails. The first gateway's request is the trial (502) and re-opens its breaker;
+    the second gateway's request must not be a second trial to the same dead backend: it is refused
+    (503, retry later) while the fleet's trial holds. It went to the backend too."""
+    with _two_gateways_past_their_cooldown(backend, redis_prefix, tmp_path, monkeypatch) as urls:
         backend.fail_next(500, times=2)
         assert [_status(url) for url in urls] == [502, 503]
         assert len([r for r in backend.requests if r.method == "POST"]) == 1
+
+
+def test_a_gateway_refused_the_fleets_trial_serves_once_that_trial_succeeds(
+    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two gateways over one Redis, the backend's breaker open on both and its cooldown over; the
+    backend is back. The first gateway's request is the fleet's trial (slow: a second); the second
+    gateway's, meanwhile, is refused (503) while it runs. The trial answers and publishes the
+    recovery: the second gateway must serve the backend again within a recheck, not refuse it until
+    its health loop reads the recovery or the claim lapses (30 s here, no probes)."""
+    with _two_gateways_past_their_cooldown(backend, redis_prefix, tmp_path, monkeypatch) as urls:
+        backend.fail_next(Fault.delay(1.0))
+        with ThreadPoolExecutor(1) as pool:
+            trial = pool.submit(_status, urls[0])
+            while not [r for r in backend.requests if r.method == "POST"]:
+                time.sleep(0.01)
+            assert _status(urls[1]) == 503  # the fleet's trial is under way on the first
+            assert trial.result() == 200
+        answered = time.monotonic()
+        while _status(urls[1]) != 200:
+            waited = time.monotonic() - answered
+            assert waited < 2 * TRIAL_RECHECK_S + 1, "refused a backend the fleet's trial found answering"
+            time.sleep(0.05)
+
+
+@pytest.fixture(params=["redis", "memory"])
+async def shared_pair(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncIterator[list[object]]:
+    """The states of two replicas: each its own over one Redis, or one in-process state for both."""
+    if request.param == "memory":
+        shared = MemoryState()
+        yield [shared, shared]
+        return
+    states = _replicas(REDIS_URL, redis_prefix)
+    yield list(states)
+    for state in states:
+        await state.close()
+
+
+async def test_a_replica_refused_the_fleets_trial_takes_its_own_once_that_trial_succeeded(
+    shared_pair: list[object],
+) -> None:
+    """B was refused the fleet's trial while A's ran; A's trial answered (A closes, and publishes the
+    recovery). Without a health-loop round in between, B's next requests must reach the backend
+    within TRIAL_RECHECK_S: one trial of B's own, as after a sync that read the recovery. It refused
+    the backend until the claim lapsed (a cooldown: 30 s)."""
+    a, b = Breakers(shared_pair[0]), Breakers(shared_pair[1])
+    for breakers in (a, b):
+        breakers.get(KEY, BreakerSettings(failures=1, cooldown=30)).trip(now=time.monotonic() - 30)
+    assert await a.allow(KEY)  # A's trial is the fleet's
+    assert not await b.allow(KEY)
+    await a.success(KEY)
+    answered = time.monotonic()
+    while not await b.allow(KEY):
+        assert time.monotonic() - answered < TRIAL_RECHECK_S + 1, "B refuses a backend A's trial found up"
+        await asyncio.sleep(0.02)
+    assert b.state(KEY) is State.HALF_OPEN and not await b.allow(KEY)  # one trial, B's own
+    await b.success(KEY)
+    assert b.state(KEY) is State.CLOSED
+
+
+async def test_a_replica_whose_cooldown_ends_after_the_fleets_trial_succeeded_is_not_refused(
+    shared_pair: list[object],
+) -> None:
+    """A's trial answered; B's breaker (opened later, by its own requests) comes out of its cooldown
+    while A's claim still stands. The claim is of a trial that is over and found the backend up: B
+    sends its own trial at once, rather than being refused until the claim lapses."""
+    a, b = Breakers(shared_pair[0]), Breakers(shared_pair[1])
+    a.get(KEY, BreakerSettings(failures=1, cooldown=30)).trip(now=time.monotonic() - 30)
+    assert await a.allow(KEY)
+    await a.success(KEY)
+    b.get(KEY, BreakerSettings(failures=1, cooldown=30)).trip(now=time.monotonic() - 30)
+    assert await b.allow(KEY)
+    assert not await b.allow(KEY)
