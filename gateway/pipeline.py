@@ -159,9 +159,14 @@ class Pipeline:
         parse: Callable[[bytes, str], R],
         attempt: int = 1,
         sending: Callable[[], None] | None = None,
+        answering: Callable[[], bool] | None = None,
     ) -> R:
         """A non-streaming attempt: send, read, translate. `sending` is called once the attempt is
-        admitted, as it goes upstream: where the router's clocks for the backend start."""
+        admitted, as it goes upstream: where the router's clocks for the backend start. `answering` is
+        asked once the answer is read, before its usage event is recorded: False when the router will
+        not take it (a hedge race the other attempt won meanwhile), and the attempt ends as one the
+        router cancelled a moment earlier would (`Call.stopped`, else `cancelled`), billed the usage
+        its vendor reported."""
         left = await self._admit(call, target, upstream, attempt)
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure = 0, Usage(), None
@@ -179,6 +184,8 @@ class Pipeline:
                 raise target.provider.error(status, body, response.headers)
             result = decode(parse, backend.name, body, target.upstream_model)
             usage = result.usage or usage
+            if answering is not None and not answering():
+                raise asyncio.CancelledError
             return result
         except GatewayError as exc:
             failure = exc.type

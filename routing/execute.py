@@ -45,6 +45,7 @@ from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, expected_cost
 from routing.routes import Route
+from routing.stitch import Stitcher
 
 Batches = AsyncIterator[list[ChatChunk]]
 _BACKEND_ERRORS = (UpstreamError, BadGateway, BackendUnavailable, GatewayTimeout)
@@ -264,11 +265,13 @@ class Executor:
         charge: Charge | None = None,
         numbers: dict[asyncio.Future[Any], int] | None = None,
         sent: asyncio.Future[None] | None = None,
+        race: _Race | None = None,
     ) -> Any:
         """One upstream attempt: the parsed response, or a stream iterator past its first output.
         `charge` is settled with the attempt's cost once its usage event prices it. Run as a task of
-        its own (a hedge race), it enters its attempt number in `numbers` under that task, and
-        resolves `sent` once it is admitted and goes upstream."""
+        its own (a hedge race), it enters its attempt number in `numbers` under that task, resolves
+        `sent` once it is admitted and goes upstream, and a whole answer it reads must take `race`
+        (else it ends cancelled, as the race's loser)."""
         target = choice.target
         model = choice.candidate.model
         try:
@@ -313,7 +316,13 @@ class Executor:
                     self.breakers.in_time(plan.route, key)
                 return self._track(batches, model, held)
             result = await self.pipeline.exchange(
-                call, target, upstream, reader, attempt=number, sending=sending
+                call,
+                target,
+                upstream,
+                reader,
+                attempt=number,
+                sending=sending,
+                answering=race.take if race is not None else None,
             )
             self._note(plan, model, "ok")
             if plan.route.breaker is not None:
@@ -513,7 +522,10 @@ class Executor:
         assert route.hedge is not None
         numbers: dict[asyncio.Future[Any], int] = {}  # each attempt's number, by its task
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        first = asyncio.ensure_future(self._attempt(call, plan, primary, op, numbers=numbers, sent=sent))
+        race = _Race()
+        first = asyncio.ensure_future(
+            self._attempt(call, plan, primary, op, numbers=numbers, sent=sent, race=race)
+        )
         try:
             # The delay counts from when the primary goes upstream, once admitted (with Redis a
             # round trip, and the month's spend read from the ledger the first time): the admission
@@ -544,7 +556,7 @@ class Executor:
         # The cap then counts what the hedge cost, not the estimate: a hedge that lost and was
         # cancelled costs what it had streamed, one that won what its answer cost.
         charge = Charge(self.hedges, tenant, usd)
-        second = asyncio.ensure_future(self._attempt(call, plan, partner, op, charge, numbers))
+        second = asyncio.ensure_future(self._attempt(call, plan, partner, op, charge, numbers, race=race))
         self._hedge(plan, "started")
         owners = {first: primary, second: partner}
         pending = {first, second}
@@ -553,6 +565,8 @@ class Executor:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # A cancelled one read its whole answer after the other had taken the race (`_Race`).
+                done = {task for task in done if not task.cancelled()}
                 failure = first.exception() if first in done else None
                 if failure is not None and not fails_over(route, failure):
                     # A 4xx the request caused (or a gateway refusal) on the primary: without a hedge
@@ -656,6 +670,9 @@ class Executor:
         last: ChatChunk | None = None  # the last chunk the client got, whose id, model and time a
         # chunk the gateway adds takes
         owed = ""  # whitespace the client has that the continuation's prefill left out
+        # A continuation asked for in a user turn, joined onto the text sent (`routing.stitch`): the
+        # model may write its end again, start over, or leave out the space between the two.
+        stitch: Stitcher | None = None
         judged = False  # the current attempt's stream said something about its backend
         # What the usage a continuation reports must be told apart from (`_as_one_answer`): the
         # output the cut attempts wrote, as the ledger bills it, and the prefill's tokens.
@@ -670,11 +687,15 @@ class Executor:
                             batch = [_continued(chunk, stream_id) for chunk in batch]
                             if answering:
                                 batch = _without_reasoning(batch)
-                            if owed:
+                            if stitch is not None:
+                                batch = _stitched(batch, stitch)
+                            elif owed:
                                 batch, owed = _without_repeat(batch, owed)
                             for i, chunk in enumerate(batch):
                                 if chunk.usage is not None:
-                                    told = _as_one_answer(chunk.usage, written, prefilled_tokens)
+                                    told = _as_one_answer(
+                                        chunk.usage, written, prefilled_tokens, _repeated_tokens(stitch)
+                                    )
                                     batch[i] = msgspec.structs.replace(chunk, usage=told)
                         for chunk in batch:
                             stream_id, last = stream_id or chunk.id, chunk
@@ -685,6 +706,8 @@ class Executor:
                                 finished = finished or c.finish_reason is not None
                                 thinking = _thinking_after(thinking, c.delta)
                         yield batch
+                    if stitch is not None and last is not None and (rest := stitch.end()):
+                        yield [_text_chunk(last, rest)]  # the stream ended with no finish reason
                     judged = True
                     if told is not None:
                         # The request's log line says what the client was told (the continuation's
@@ -720,7 +743,10 @@ class Executor:
                     cut = call.info.usage or Usage()
                     written = msgspec.structs.replace(
                         written,
-                        output_tokens=written.output_tokens + cut.output_tokens,
+                        # Less what a cut continuation wrote again of the text sent (the client never
+                        # got it twice).
+                        output_tokens=written.output_tokens
+                        + max(0, cut.output_tokens - _repeated_tokens(stitch)),
                         reasoning_tokens=written.reasoning_tokens + cut.reasoning_tokens,
                     )
                     prefilled_tokens = _estimated_tokens(prefill, sum(1 for s in sent if s.strip()))
@@ -745,8 +771,10 @@ class Executor:
                         )
                     except GatewayError:
                         raise exc from None  # nobody can continue: the client is told what broke
+                    stitch = None
                     if prefilled and _instructed(plan.chosen):
                         prefilled_tokens += _estimated_tokens(CONTINUE_INSTRUCTION, 1)
+                        stitch = Stitcher(text)
                     resumed, answering = True, bool(prefilled)
                     if thinking and last is not None:
                         # The cut block ends here, unsigned: otherwise the continuation's reasoning
@@ -825,6 +853,23 @@ class _FirstTokenDeadline:
         finally:
             if self.timer is not None:
                 self.timer.cancel()
+
+
+@dataclass(slots=True)
+class _Race:
+    """A hedge race's one answer. Not streamed, an attempt records its usage event as it reads its
+    answer, and both may have read theirs by the time the race is looked at (a busy event loop), so
+    the race is decided there: the first to read its answer takes it, and the other ends as the
+    router's `cancelled` (499), billed what its vendor reported, not as a second answer (200) in the
+    ledger, which the request's log line might have named. (A stream's answer is the first output
+    it hands over; the race's loser is closed after it, and is recorded then.)"""
+
+    taken: bool = False
+
+    def take(self) -> bool:
+        """Whether the race was still to be taken; it is now."""
+        taken, self.taken = self.taken, True
+        return not taken
 
 
 async def _abandon(task: asyncio.Future[Any]) -> None:
@@ -964,6 +1009,43 @@ def _without_repeat(batch: list[ChatChunk], owed: str) -> tuple[list[ChatChunk],
     return out, owed
 
 
+def _stitched(batch: list[ChatChunk], stitch: Stitcher) -> list[ChatChunk]:
+    """A continuation's chunks with its text joined onto the client's (`routing.stitch`): a chunk
+    whose text is all held back or dropped, and that carries nothing else, is left out; the chunk that
+    ends the answer's text (a finish reason, a tool call, a refusal, the usage report) first gets
+    what is still held."""
+    out = []
+    for chunk in batch:
+        choice = chunk.choices[0] if chunk.choices else None
+        text = choice.delta.content if choice is not None else None
+        given = stitch.push(text) if text else ""
+        if choice is None or choice.finish_reason or choice.delta.tool_calls or choice.delta.refusal:
+            given += stitch.end()
+        if choice is None:
+            if given:
+                out.append(_text_chunk(chunk, given))
+            out.append(chunk)
+            continue
+        delta = msgspec.structs.replace(choice.delta, content=given or None)
+        stitched = msgspec.structs.replace(
+            chunk, choices=[msgspec.structs.replace(choice, delta=delta), *chunk.choices[1:]]
+        )
+        if not text or _output(stitched):
+            out.append(stitched)
+    return out
+
+
+def _text_chunk(like: ChatChunk, text: str) -> ChatChunk:
+    """A chunk of answer text alone, with the id, model and time of `like`."""
+    choice = ChunkChoice(index=0, delta=Delta(content=text))
+    return msgspec.structs.replace(like, choices=[choice], usage=None, raw=None)
+
+
+def _repeated_tokens(stitch: Stitcher | None) -> int:
+    """The estimated tokens of what a continuation wrote again of the text sent, and was dropped."""
+    return _estimated_tokens(stitch.repeated, 1) if stitch is not None else 0
+
+
 def _instructed(choice: Choice | None) -> bool:
     """Whether the continuation's vendor was asked for the rest in a user turn of Weir's own (whose
     tokens, like the prefill's, the client never sent)."""
@@ -979,18 +1061,19 @@ def _estimated_tokens(text: str, chunks: int) -> int:
     return max(chunks, -(-len(text.encode()) // BYTES_PER_TOKEN)) if text else 0
 
 
-def _as_one_answer(reported: Usage, written: Usage, prefilled_tokens: int) -> Usage:
+def _as_one_answer(reported: Usage, written: Usage, prefilled_tokens: int, repeated_tokens: int) -> Usage:
     """The usage of a resumed stream as the client is told it: its own prompt and the whole answer,
     as an unbroken stream reports them, not the continuation's report alone (whose prompt counts the
     prefill, text the client never sent, and whose output is only the rest of the answer). The prompt
     is the continuation's, cache reads and writes as its vendor reported them, less the prefill's
     tokens (estimated; always uncached input: the prefill comes after any cached prefix); the output
-    and reasoning add what the cut attempts are billed for (`written`). The ledger still bills each
-    attempt as it ran."""
+    is the continuation's less what it wrote again of the text sent (`repeated_tokens`, estimated:
+    the client got it once), and it and the reasoning add what the cut attempts are billed for
+    (`written`). The ledger still bills each attempt as it ran."""
     return msgspec.structs.replace(
         reported,
         input_tokens=max(0, reported.input_tokens - prefilled_tokens),
-        output_tokens=reported.output_tokens + written.output_tokens,
+        output_tokens=max(0, reported.output_tokens - repeated_tokens) + written.output_tokens,
         reasoning_tokens=reported.reasoning_tokens + written.reasoning_tokens,
     )
 

@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeGemini, Fault
 
 MODEL = "gemini-2.5-flash"
@@ -242,6 +243,21 @@ def test_trailing_model_turn_is_continued(http: httpx.Client) -> None:
     }
     reply = http.post(f"/models/{MODEL}:generateContent", json=body).json()
     assert reply["candidates"][0]["content"]["parts"][0]["text"] == " blue"
+
+
+def test_continue_loosely_joins_only_continuations_asked_for_in_a_user_turn(
+    http: httpx.Client, fake_gemini: FakeGemini
+) -> None:
+    contents = [
+        {"role": "user", "parts": [{"text": "red green blue"}]},
+        {"role": "model", "parts": [{"text": "red green"}]},
+    ]
+    asked = [*contents, {"role": "user", "parts": [{"text": CONTINUE_INSTRUCTION}]}]
+    fake_gemini.continue_loosely(restate=1)
+    reply = http.post(f"/models/{MODEL}:generateContent", json={"contents": asked}).json()
+    assert reply["candidates"][0]["content"]["parts"][0]["text"] == "green blue"
+    reply = http.post(f"/models/{MODEL}:generateContent", json={"contents": contents}).json()
+    assert reply["candidates"][0]["content"]["parts"][0]["text"] == " blue"  # a prefill stays exact
 
 
 def test_newer_models_refuse_a_trailing_model_turn(http: httpx.Client, fake_gemini: FakeGemini) -> None:

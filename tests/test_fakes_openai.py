@@ -521,6 +521,29 @@ def test_trailing_assistant_message_is_answered_afresh_unless_asked_to_continue(
         )
 
 
+def test_continue_loosely_joins_only_continuations_asked_for_in_a_user_turn(
+    client: openai.OpenAI, fake_openai: FakeOpenAI
+) -> None:
+    messages = [*user("one two three four"), {"role": "assistant", "content": "one two"}]
+    asked = [*messages, {"role": "user", "content": CONTINUE_INSTRUCTION}]
+    for how, expected in [
+        ({}, "three four"),  # no leading space: a new message starts without one
+        ({"restate": 1}, "two three four"),
+        ({"restate": 2}, "one two three four"),
+        ({"restart": True}, "one two three four"),
+    ]:
+        fake_openai.continue_loosely(**how)
+        reply = client.chat.completions.create(model="gpt-4o-mini", messages=asked)
+        assert reply.choices[0].message.content == expected, how
+        assert reply.usage.completion_tokens == len(expected.split())
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages, extra_body=flags)
+    assert reply.choices[0].message.content == " three four"  # a literal continuation stays exact
+    fake_openai.reset()
+    reply = client.chat.completions.create(model="gpt-4o-mini", messages=asked)
+    assert reply.choices[0].message.content == " three four"
+
+
 def test_set_latency_slows_every_generation_until_reset(
     client: openai.OpenAI, fake_openai: FakeOpenAI
 ) -> None:

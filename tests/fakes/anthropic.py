@@ -316,6 +316,7 @@ class FakeAnthropic(FakeServer):
             blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
             if last.get("role") == "assistant":
                 turn.prefill = _text_of(blocks)  # the fake model obeys: it goes on with its reply
+                turn.rejoin = self.rejoin
         elif last.get("role") == "assistant" and NO_PREFILL.search(body.get("model", "")):
             raise Invalid(
                 400,

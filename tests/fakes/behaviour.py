@@ -21,7 +21,8 @@ Replies, in order of precedence:
 When the conversation ends with an assistant message that the vendor continues (an Anthropic prefill,
 vLLM's `continue_final_message`; OpenAI's own API answers it afresh), or with that message and then
 Weir's user turn asking for the rest of it (`asks_to_continue`), the reply continues it: if the text
-above starts with the partial answer, only the rest is sent, so it plus the reply is the whole echo.
+above starts with the partial answer, only the rest is sent, so it plus the reply is the whole echo
+(asked in a user turn, a fake set to `continue_loosely` joins it as real models often do: `Rejoin`).
 Then `stop` cuts the text before the first stop sequence (finish "stop"), and `max_tokens` keeps the
 first max_tokens words (finish "length").
 """
@@ -83,6 +84,26 @@ class Turn:
     stop: list[str] = field(default_factory=list)
     max_tokens: int | None = None
     prefill: str | None = None  # text of a trailing assistant message: the reply continues it
+    rejoin: Rejoin | None = None  # how a continuation asked for in a user turn is joined to `prefill`
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """How a fake model joins a continuation it was asked for in a user turn onto its partial answer,
+    the ways real models often do despite the instruction: it writes the answer's last `restate`
+    words again first, starts the whole answer over (`restart`), or (neither) begins without the
+    whitespace that joins the two, as a new message does."""
+
+    restate: int = 0
+    restart: bool = False
+
+    def reply(self, prefill: str, rest: str) -> str:
+        """The reply, for a partial answer `prefill` whose exact continuation is `rest`."""
+        if self.restart:
+            return prefill + rest
+        if self.restate:
+            return " ".join(words(prefill)[-self.restate :]) + rest
+        return rest.lstrip()
 
 
 @dataclass
@@ -120,6 +141,8 @@ def plan_reply(turn: Turn) -> Reply:
         text = " ".join([turn.last_user_text, *["[image]"] * turn.images]).strip() or GREETING
     if turn.prefill and text.startswith(turn.prefill):
         text = text[len(turn.prefill) :]
+        if turn.rejoin is not None:
+            text = turn.rejoin.reply(turn.prefill, text)
     reply = Reply(text=text)
     for stop in turn.stop:
         cut = reply.text.find(stop) if stop else -1

@@ -252,8 +252,7 @@ class FakeGemini(FakeServer):
                     tokens += words(json.dumps(part["functionResponse"]))
         return tokens
 
-    @staticmethod
-    def _turn(body: dict[str, Any]) -> Turn:
+    def _turn(self, body: dict[str, Any]) -> Turn:
         config = body.get("generationConfig") or {}
         tools = [
             Tool(d["name"], d.get("parametersJsonSchema") or d.get("parameters") or {})
@@ -270,6 +269,7 @@ class FakeGemini(FakeServer):
         said = " ".join(p["text"] for p in last.get("parts") or [] if "text" in p)
         if len(contents) > 1 and last.get("role", "user") == "user" and asks_to_continue(said):
             contents, last = contents[:-1], contents[-2]  # the fake model obeys: it goes on with its reply
+            turn.rejoin = self.rejoin
         asked = last
         if last.get("role") == "model" and not any("functionCall" in p for p in last.get("parts") or []):
             turn.prefill = " ".join(p["text"] for p in last.get("parts") or [] if "text" in p)

@@ -384,6 +384,7 @@ class FakeOpenAI(FakeServer):
         last = messages[-1]
         # vLLM's flag: the final assistant message is continued, not closed (OpenAI itself has none).
         continuing = bool(body.get("continue_final_message"))
+        instructed = False  # asked for the rest of its answer in a user turn
         if continuing and body.get("add_generation_prompt", True):
             raise BadRequest(
                 400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", None
@@ -394,7 +395,7 @@ class FakeOpenAI(FakeServer):
             and messages[-2].get("role") == "assistant"
             and asks_to_continue(_content_text(last.get("content"))[0])
         ):
-            messages, last, continuing = messages[:-1], messages[-2], True
+            messages, last, continuing, instructed = messages[:-1], messages[-2], True, True
         turn = Turn(
             tools=tools,
             stop=self._stop(body),
@@ -411,6 +412,7 @@ class FakeOpenAI(FakeServer):
         elif last.get("role") == "assistant" and not last.get("tool_calls"):
             # A trailing assistant message is a closed turn to OpenAI: the reply starts afresh.
             turn.prefill = _content_text(last.get("content"))[0] if continuing else None
+            turn.rejoin = self.rejoin if instructed else None
             asked = next((m for m in reversed(messages) if m.get("role") == "user"), {})
             text, images = _content_text(asked.get("content"))
             turn.last_user_text, turn.images = text, len(images)

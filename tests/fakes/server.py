@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Self
 
 from aiohttp import web
 
-from tests.fakes.behaviour import Reply, ReportedUsage, Turn, plan_reply
+from tests.fakes.behaviour import Rejoin, Reply, ReportedUsage, Turn, plan_reply
 from tests.fakes.faults import Fault, FaultKind
 
 # A reset or cut connection is the point of some faults; aiohttp would log each as an error.
@@ -108,6 +108,7 @@ class FakeServer:
         self.token_delay = 0.0  # seconds per further token
         self._usage_overrides: deque[UsageOverride] = deque()
         self._answers: dict[str, Callable[[str], str]] = {}  # model -> reply to the last user text
+        self.rejoin: Rejoin | None = None  # how continuations asked for in a user turn are joined
         self.queue_waiting: int | None = None  # reported as ORCA load when a request asks (report_load)
         self._lock = threading.Lock()
         self._generation = 0  # bumped by reset() and stop() to release hanging requests
@@ -170,6 +171,7 @@ class FakeServer:
             self._faults.clear()
             self._usage_overrides.clear()
             self._answers.clear()
+            self.rejoin = None
             self.queue_waiting = None
             self.models = set(self._initial_models)
             self.first_token_delay = self.token_delay = 0.0
@@ -197,6 +199,13 @@ class FakeServer:
         a model that gets some questions wrong), until `reset()`. OpenAI and Anthropic fakes."""
         with self._lock:
             self._answers[model] = reply
+
+    def continue_loosely(self, restate: int = 0, restart: bool = False) -> None:
+        """Continuations asked for in a user turn (Weir's `CONTINUE_INSTRUCTION`) are joined as real
+        models often join them, until `reset()`: the partial answer's last `restate` words written
+        again, the whole answer from its beginning (`restart`), or else the rest without the space
+        that joins it (`behaviour.Rejoin`)."""
+        self.rejoin = Rejoin(restate=restate, restart=restart)
 
     def reply_to(self, model: object, turn: Turn) -> Reply:
         """What `model` says to `turn`: its `answer_as` reply, else the deterministic behaviour."""

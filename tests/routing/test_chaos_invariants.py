@@ -333,9 +333,13 @@ def check_request(chaos: Chaos, out: Outcome, line: Mapping[str, Any] | None) ->
         assert len(answered) == 1 and not answered[0].estimated, (what, final, ledger)
         assert BACKEND_OF[final["candidate"]] == answered[0].backend, (what, final, ledger)
         # What the client is told it used is what the attempts that wrote its answer are billed: the
-        # answering one, and the cut ones a resumed stream went on from (billed estimates; a hedge's
-        # cancelled loser wrote nothing the client saw).
-        wrote = [e for e in events if e.estimated and e.status != 499]
+        # answering one, and the cut ones a resumed stream went on from (`cut` in `tried`; each the
+        # last attempt on its backend, since no continuation goes back to a model that broke). Not
+        # a hedge's cancelled loser, nor an attempt that failed before its first token, though
+        # either may be billed an estimate (a TTFT timeout after Anthropic's message_start, which
+        # reports an output token): neither wrote anything the client saw.
+        cut = {BACKEND_OF[model] for model, outcome in named if outcome == "cut"}
+        wrote = [[e for e in events if e.backend == backend][-1] for backend in cut]
         billed = answered[0].usage.output_tokens + sum(e.usage.output_tokens for e in wrote)
         assert out.output_tokens == billed, (what, ledger)
     else:
@@ -603,3 +607,73 @@ def test_a_stream_cut_once_it_filled_the_output_limit_is_not_continued_past_it(
     ]  # none asked to write past the limit
     events = wait_for_events(calm, out.request_id, 1)
     assert [(e.backend, e.ok) for e in events] == [("openai", False)]
+
+
+def test_a_hedge_race_whose_attempts_both_answered_before_it_was_looked_at_has_one_answer(
+    calm: Chaos,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    fake_deepseek: FakeOpenAI,
+) -> None:
+    """Not streamed, the slow primary and its hedge both had their whole answer by the time the race
+    was looked at (the gateway's loop was busy while both arrived: a loaded machine). Each attempt had
+    recorded its usage event as it read its answer, so the ledger held two answered attempts (200)
+    for one request, and the request's log line named whichever was recorded last, perhaps the one
+    whose answer the client never got. The first attempt to read its answer takes the race; the other
+    is the router's `cancelled` (499), billed what its vendor reported."""
+    fakes = fakes_of(fake_openai, fake_anthropic, fake_gemini, fake_deepseek)
+    # The primary far past the hedge delay (0.12 s), and the hedge about as slow: both answer while
+    # the gateway's loop is busy (from the hedge's arrival at its fake, for a second).
+    fake_openai.fail_next(Fault.delay(0.6))
+    fake_deepseek.fail_next(Fault.delay(0.5))
+    out = Outcome(0, "hedged", "openai", False, f"r {WORDS}")
+    loop = calm.gateway.router.prober._task.get_loop()
+    with capture_logs() as logs, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        asking = pool.submit(run_one, calm, (calm.openai(), calm.anthropic()), out, out.expected, 100)
+        deadline = time.monotonic() + 5
+        while not fake_deepseek.requests and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert fake_deepseek.requests, "no hedge was sent"
+        loop.call_soon_threadsafe(time.sleep, 1.0)
+        asking.result()
+        settle_and_check(calm, logs, out, out.expected, fakes)
+    line = next(e for e in logs if e.get("event") == "request" and e.get("request_id") == out.request_id)
+    events = wait_for_events(calm, out.request_id, 2)
+    assert sorted((e.backend, e.status) for e in events) in (
+        [("deepseek", 200), ("openai", 499)],
+        [("deepseek", 499), ("openai", 200)],
+    ), events
+    taken = next(e for e in events if e.ok)
+    assert line["backend"] == taken.backend and line["output_tokens"] == taken.usage.output_tokens, line
+    dropped = next(e for e in events if not e.ok)
+    assert not dropped.estimated and dropped.usage.output_tokens > 0  # what its vendor reported
+
+
+def test_an_attempt_that_timed_out_after_its_stream_opened_wrote_nothing_the_client_is_told_of(
+    calm: Chaos,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    fake_deepseek: FakeOpenAI,
+) -> None:
+    """Claude's stream opened (its message_start reports an output token) and then sent nothing
+    within the route's TTFT timeout: the backend's 504, billed an estimate (that token), before the
+    first token, so its retry answered as if it had never started. The client is told the retry's
+    usage alone, which is right; the check counted the timed-out attempt as one a resumed stream went
+    on from (when a paused process made a trickling stream miss the timeout)."""
+    fakes = fakes_of(fake_openai, fake_anthropic, fake_gemini, fake_deepseek)
+    fake_deepseek.fail_next(Fault.status(500), times=2)  # the route's first candidate, both tries
+    fake_anthropic.fail_next(Fault.slow_stream(0.6))  # message_start, then 0.6 s before each event
+    out = Outcome(0, "ttft", "openai", True, f"r {WORDS}")
+    with capture_logs() as logs:
+        run_one(calm, (calm.openai(), calm.anthropic()), out, out.expected, 100)
+        settle_and_check(calm, logs, out, out.expected, fakes)
+    events = calm.events(out.request_id)
+    assert [(e.backend, e.status, e.estimated) for e in events] == [
+        ("deepseek", 500, False),
+        ("deepseek", 500, False),
+        ("anthropic", 504, True),
+        ("anthropic", 200, False),
+    ], events
+    assert events[2].usage.output_tokens > 0 and out.output_tokens == events[3].usage.output_tokens
