@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Protocol
 
 import redis.asyncio as aioredis
 import structlog
 
 from gateway.aio import detached, stop_if_cancelled
 from gateway.ids import random_hex
+from gateway.state.base import Outage
 
 log = structlog.get_logger("weir.limits")
 
@@ -65,16 +65,6 @@ class LocalSlots:
             self.streams[tenant] = left
         else:
             self.streams.pop(tenant, None)
-
-
-class Outage(Protocol):
-    """Another client of the same Redis in this process that knows whether it answers: the limits'
-    and budgets' state (gateway.state.degradable.DegradableState)."""
-
-    @property
-    def degraded(self) -> bool: ...
-
-    def lost(self, exc: BaseException) -> None: ...
 
 
 class RedisSlots:
@@ -167,8 +157,9 @@ class RedisSlots:
 
     async def _remove(self, key: str, lease: str) -> None:
         # On failure it expires after ttl_s: no refresh keeps it alive.
-        with contextlib.suppress(aioredis.RedisError, OSError):
-            await self.client.zrem(key, lease)
+        with contextlib.suppress(aioredis.RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(self.timeout_s):
+                await self.client.zrem(key, lease)
 
     def start(self) -> None:
         self._heartbeat = asyncio.get_running_loop().create_task(self._keep_alive())
@@ -194,5 +185,10 @@ class RedisSlots:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self._tasks:
+            if self.degraded or (self.outage is not None and self.outage.degraded):
+                # Not waited for while Redis is away (each would wait out `timeout_s` on a hanging
+                # one): the leases they give back expire after `ttl_s` without a refresh.
+                for task in self._tasks:
+                    task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.client.aclose()

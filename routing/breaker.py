@@ -211,9 +211,12 @@ class Breakers:
         # there (inf: one waits as long as it takes). Router.set_routes keeps it; see too_slow.
         self.patience: dict[str, float] = {}
         # Per key: the settings of its breaker, decided once per route table (Router.set_routes, see
-        # `settle`); a breaker made later (after a reset, or by a request of a table being replaced)
-        # takes them too, never the settings of whichever route's request happened to come last.
+        # `settle`); a breaker made later (after a reset) takes them too, never the settings of
+        # whichever route's request happened to come last.
         self.settings: dict[str, BreakerSettings] = {}
+        # Whether a route table decides which keys have breakers (`settle` was called): then a key it
+        # has none for gets none (see `get`). A Breakers on its own (tests, tools) makes any on use.
+        self.routed = False
         # Routes' own latency breakers (see too_slow), created on a route's first timeout there, and
         # the settings of those the routes in force may have (Router.set_routes keeps both: one of a
         # route deleted or edited, or of a model it no longer waits less for than another, goes).
@@ -227,13 +230,27 @@ class Breakers:
     def get(self, key: str, settings: BreakerSettings | None = None) -> CircuitBreaker:
         """`key`'s breaker, made on first use with the settings `settle` decided for it. `settings`
         replaces them (a Breakers used on its own, without a router: tests, tools); requests never
-        pass any, or the routes sharing the breaker would flip its settings per request."""
+        pass any, or the routes sharing the breaker would flip its settings per request.
+
+        Where the route table in force has no breaker on `key` (a request or probe of a route deleted
+        or edited since asks), a closed breaker that is not kept: what it is told goes nowhere. A
+        late verdict brought back the breaker `settle` had dropped, with default settings and maybe
+        open, on /metrics and met by a route added later there, until the next table change."""
         breaker = self.breakers.get(key)
         if breaker is None:
-            chosen = settings or self.settings.get(key) or BreakerSettings()
-            breaker = self.breakers[key] = CircuitBreaker(chosen)
+            chosen = settings or self.settings.get(key)
+            if chosen is None and self.routed:
+                return CircuitBreaker(BreakerSettings())
+            breaker = self.breakers[key] = CircuitBreaker(chosen or BreakerSettings())
         elif settings is not None:
             breaker.settings = settings
+        return breaker
+
+    def _judged(self, key: str) -> CircuitBreaker | None:
+        """The breaker a verdict on `key` goes to: none where the route table has none (see `get`)."""
+        breaker = self.breakers.get(key)
+        if breaker is None and (not self.routed or key in self.settings):
+            breaker = self.get(key)
         return breaker
 
     def settle(self, settings: dict[str, BreakerSettings]) -> None:
@@ -242,7 +259,7 @@ class Breakers:
         breakers of keys no route with a breaker uses any more go: what is kept stays bounded by the
         table, and a route that uses one again starts with its own settings, closed, not with the
         state and settings a route long gone left there."""
-        self.settings = settings
+        self.settings, self.routed = settings, True
         for key in [key for key in self.breakers if key not in settings]:
             del self.breakers[key]
         for key, chosen in settings.items():
@@ -304,8 +321,8 @@ class Breakers:
         return False
 
     async def success(self, key: str) -> None:
-        breaker = self.get(key)
-        if breaker.success():
+        breaker = self._judged(key)
+        if breaker is not None and breaker.success():
             self.moved(key, State.CLOSED)
             if self.shared is not None:
                 # For a cooldown: every opening it can end, adopted or this replica's own, ends by
@@ -315,8 +332,8 @@ class Breakers:
                 await self.shared.kv_set(PREFIX + key, recovered, ttl_s=breaker.settings.cooldown)
 
     async def failure(self, key: str, probe: bool = False) -> None:
-        breaker = self.get(key)
-        if breaker.failure(probe):
+        breaker = self._judged(key)
+        if breaker is not None and breaker.failure(probe):
             self.moved(key, State.OPEN, "probe" if probe else "requests")
             if self.shared is not None:
                 value = OPENED_BY_PROBE if probe else OPENED

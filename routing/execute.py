@@ -355,7 +355,13 @@ class Executor:
                     latency.release()  # it failed before its first token was due: no word on its speed
             raise
         except asyncio.CancelledError:
-            self._note(plan, model, "cancelled")
+            if call.routes.pop(number, None) is not None:
+                # Cancelled before anything went upstream (its client left while the gateway
+                # refused it at admission): no attempt, as any refusal by the gateway (above).
+                plan.attempts -= 1
+                call.stopped.pop(number, None)
+            else:
+                self._note(plan, model, "cancelled")
             if plan.route.breaker is not None:
                 self._no_verdict(plan.route, key)
             raise

@@ -17,19 +17,23 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.accounting.events import UsageEvent, decode, encode
 from gateway.aio import detached, stop_if_cancelled
+from gateway.state.base import Outage
 from gateway.state.redis import client_from_url
 
 log = logging.getLogger(__name__)
 
 Token = Any  # where an event sits in its queue, handed back to `ack`
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 
 
 class UsageQueue(Protocol):
@@ -46,6 +50,12 @@ class UsageQueue(Protocol):
 
     async def ack(self, tokens: list[Token]) -> None: ...
 
+    @property
+    def reachable(self) -> bool:
+        """Whether the queue's store answers, as far as it knows: a shutdown does not wait on one that
+        does not (a local spool always does)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -56,6 +66,7 @@ class SpoolQueue:
     """
 
     SEGMENT_BYTES = 16 * 1024 * 1024
+    reachable = True  # a local file
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self._dir = Path(directory)
@@ -278,7 +289,12 @@ class RedisStreamQueue:
         # Lines a previous process spooled and never forwarded are sent first.
         self.spooling = spool is not None and bool(spool.read_lines(1))
         self._failing = False
-        self._riding = 0  # entries taken by a shared-state pipeline (take_entry) not yet settled
+        # The shared state (set by the control plane): a Redis that one of them found away is not
+        # waited for by the other (at shutdown, each wait on a hanging Redis cost seconds).
+        self.outage: Outage | None = None
+        # Entries taken by a shared-state pipeline (take_entry) not yet settled, by id: what `close`
+        # spools if their pipeline has not answered by then.
+        self._riding: dict[int, bytes] = {}
         # True while a shared-state pipeline that will take the buffered events is under way (set by
         # the control plane to the admission's "settling"); a window then ends once more before the
         # pump sends them itself.
@@ -291,6 +307,13 @@ class RedisStreamQueue:
     @classmethod
     def from_url(cls, url: str, prefix: str = "weir:", spool: SpoolQueue | None = None) -> RedisStreamQueue:
         return cls(client_from_url(url), prefix=prefix, spool=spool)
+
+    def start(self) -> None:
+        """Forward what a previous process left in the spool now: the pump starts with the first
+        event otherwise, so a replica without traffic kept it from the ledger."""
+        if self.spooling and (self._pump is None or self._pump.done()):
+            self._kick.set()
+            self._pump = detached(self._run_pump())
 
     def put(self, event: UsageEvent) -> None:
         # XADD happens in a background pump, batched, so the request path only appends to a list
@@ -334,16 +357,18 @@ class RedisStreamQueue:
             return None
         lines = self._buffer[: self.EVENTS_PER_ENTRY]
         del self._buffer[: len(lines)]
-        self._riding += 1
-        return self._stream, b"\n".join(lines)
+        entry = b"\n".join(lines)
+        self._riding[id(entry)] = entry
+        return self._stream, entry
 
     def entry_sent(self, entry: bytes) -> None:
-        self._riding -= 1
+        self._riding.pop(id(entry), None)
 
     def entry_failed(self, entry: bytes) -> None:
         """The pipeline failed or its answer is unknown: the pump sends the events again now, or
         spools them if Redis is away (a repeat is harmless: the ledger takes each event id once)."""
-        self._riding -= 1
+        if self._riding.pop(id(entry), None) is None:
+            return  # `close` spooled it already
         # Appended, never put in front: a flush in progress removes its batch from the front.
         self._buffer.extend(entry.split(b"\n"))
         self._kick.set()
@@ -384,17 +409,38 @@ class RedisStreamQueue:
                     await self._xadd(batch)
                     del self._buffer[: len(batch)]
             except Exception:
-                if self.spool is not None:
-                    for line in self._buffer:
-                        self.spool.put_line(line)
-                    self._buffer.clear()
-                    self.spooling = True
+                self._spool_buffer()
                 raise
+
+    def _spool_buffer(self) -> None:
+        """What is buffered, to the spool (where there is one): it is forwarded once Redis answers."""
+        if self.spool is not None:
+            for line in self._buffer:
+                self.spool.put_line(line)
+            self._buffer.clear()
+            self.spooling = True
+
+    @contextlib.asynccontextmanager
+    async def _answered(self, wait_s: float) -> AsyncIterator[None]:
+        """Bounds a call to Redis by `wait_s` (redis-py's own socket timeout is 5 s); one that found
+        Redis away tells the shared state (`outage`), so neither waits for it again meanwhile."""
+        try:
+            async with asyncio.timeout(wait_s):
+                yield
+        except _UNREACHABLE as exc:
+            if self.outage is not None:
+                self.outage.lost(exc)
+            raise
+
+    @property
+    def reachable(self) -> bool:
+        """Redis took this queue's last flush, and the shared state has not found it away since."""
+        return not self._failing and not (self.outage is not None and self.outage.degraded)
 
     async def _xadd(self, lines: list[bytes]) -> None:
         # One stream entry carries many events (JSON lines): far less to pack and parse than an
         # entry each, and the ledger's event ids keep redelivery harmless.
-        async with asyncio.timeout(self._timeout):
+        async with self._answered(self._timeout):
             await self._redis.xadd(self._stream, {"e": b"\n".join(lines)})
 
     async def _forward_spool(self) -> None:
@@ -424,14 +470,15 @@ class RedisStreamQueue:
     async def read_lines(self, max_events: int, block_s: float) -> list[tuple[Token, bytes]]:
         """As `read`, with each event as its encoded line (`events.encode`), not decoded: for a
         writer that hands the lines to the database as they are."""
-        try:
-            return await self._read(max_events, block_s)
-        except aioredis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            # Redis restarted without its data (no persistence): make the group again.
-            self._group_ready = False
-            return await self._read(max_events, block_s)
+        async with self._answered(block_s + self._timeout):
+            try:
+                return await self._read(max_events, block_s)
+            except aioredis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # Redis restarted without its data (no persistence): make the group again.
+                self._group_ready = False
+                return await self._read(max_events, block_s)
 
     async def _read(self, max_events: int, block_s: float) -> list[tuple[Token, bytes]]:
         await self._ensure_group()
@@ -470,7 +517,7 @@ class RedisStreamQueue:
     async def ack(self, tokens: list[Token]) -> None:
         tokens = list(dict.fromkeys(tokens))
         if tokens:
-            async with self._redis.pipeline(transaction=True) as pipe:
+            async with self._answered(self._timeout), self._redis.pipeline(transaction=True) as pipe:
                 pipe.xack(self._stream, self.GROUP, *tokens)
                 pipe.xdel(self._stream, *tokens)
                 await pipe.execute()
@@ -483,12 +530,21 @@ class RedisStreamQueue:
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pump
-        # Entries riding in a shared-state pipeline come back here if that fails: wait for them.
+        # Entries riding in a shared-state pipeline come back here if it fails: waited for while
+        # Redis answers, then sent again (a repeat is harmless), or spooled.
         deadline = asyncio.get_running_loop().time() + self._timeout
-        while self._riding > 0 and asyncio.get_running_loop().time() < deadline:
+        while self._riding and self.reachable and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
-        with contextlib.suppress(Exception):
-            await self.flush()  # what cannot reach Redis now waits in the spool for the next start
+        for entry in self._riding.values():
+            self._buffer.extend(entry.split(b"\n"))
+        self._riding.clear()
+        # What cannot reach Redis now waits in the spool for the next start. A Redis known to be
+        # away is not asked again (a hanging one would cost `timeout_s` more to shut down).
+        if self.reachable:
+            with contextlib.suppress(Exception):
+                await self.flush()
+        else:
+            self._spool_buffer()
         if self._buffer:
             log.error("usage queue closed with %d events Redis did not take", len(self._buffer))
         if self.spool is not None:

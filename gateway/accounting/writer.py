@@ -453,5 +453,9 @@ class BatchWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if not self.queue.reachable:
+            # Nothing can be read from a Redis that is away (a hanging one would have the drain wait
+            # out its timeout): what it holds is written by the next writer it answers.
+            return
         with contextlib.suppress(Exception):
             await self.drain(drain_timeout_s)

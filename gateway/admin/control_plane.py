@@ -37,6 +37,7 @@ from gateway.db import migrate
 from gateway.db.models import UsageRollup
 from gateway.db.session import create_engine, normalise_url, sessionmaker
 from gateway.state import open_state
+from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class ControlPlane:
         if isinstance(self.queue, RedisStreamQueue) and isinstance(primary, RedisState):
             # Usage events ride in the limit and budget scripts' pipelines (no XADD of their own).
             primary.rider = self.queue
+            if isinstance(self.state, DegradableState):  # an outage either meets is the other's too
+                self.queue.outage = self.state
         self.writer = BatchWriter(self.queue, self.engine)
         self.uptime = ProbeRecorder(self.engine)  # fed by the routing prober (see gateway.app)
         self.authenticator = DbAuthenticator(self.sessions, self.state, ttl_s=settings.key_cache_ttl_s)
@@ -134,6 +137,8 @@ class ControlPlane:
             log.info("price catalog: %d prices from the config", added)
         await self.reload_catalog()
         await self.authenticator.start()
+        if isinstance(self.queue, RedisStreamQueue):
+            self.queue.start()
         self.writer.start()
         self.uptime.start()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_catalog())

@@ -16,6 +16,21 @@ BUCKETS = 60
 LIMIT_WINDOW_S = 60.0  # the window of RPM and TPM limits (Limit and Adjustment default to it)
 
 
+class Outage(Protocol):
+    """What one client of a Redis knows about it that its other clients in this process should too:
+    whether it answers (the limits' and budgets' state, gateway.state.degradable.DegradableState).
+    A hang one of them met is not waited out again by the others."""
+
+    @property
+    def degraded(self) -> bool:
+        """Redis was found away and has not answered since."""
+        ...
+
+    def lost(self, exc: BaseException) -> None:
+        """Redis did not answer (`exc`)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Limit:
     key: str  # e.g. "rpm:tenant:<id>"; the caller names it, the state only counts

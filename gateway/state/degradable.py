@@ -87,9 +87,10 @@ class DegradableState(Shortcuts):
 
     def lost(self, exc: BaseException) -> None:
         """Redis did not answer (`exc`), this state or another client of the same Redis in this
-        process (the stream slots, gateway.stream_slots): from now on every call is answered here at
-        once, until the prober hears from Redis again. A request that met the hang in its stream
-        slot then does not wait it out a second time for its limits."""
+        process (the stream slots, gateway.stream_slots; the usage queue, gateway.accounting.queue):
+        from now on every call is answered here at once, until the prober hears from Redis again. A
+        request that met the hang in its stream slot then does not wait it out a second time for its
+        limits."""
         if not self.degraded:
             log.warning("Redis unreachable (%r): limits and budgets now per process", exc)
             _degraded.add(id(self))

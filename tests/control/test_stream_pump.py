@@ -131,6 +131,60 @@ async def test_close_sends_what_is_buffered(tmp_path: Path) -> None:
     assert [e.request_id for e in redis.events()] == ["r1"]
 
 
+async def test_a_spool_a_previous_process_left_is_forwarded_at_start(tmp_path: Path) -> None:
+    """A replica stopped while Redis was away left its events in the spool. The pump started with
+    the first new event, so a replica that got no traffic after its restart never forwarded them."""
+    left = SpoolQueue(tmp_path)
+    left.put(event(1))
+    await left.close()
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
+    queue.start()
+    deadline = time.monotonic() + 5
+    while not redis.events() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert [e.request_id for e in redis.events()] == ["r1"]
+    await queue.close()
+
+
+class Outage:
+    """The shared state's word on whether Redis answers (gateway.state.base.Outage)."""
+
+    def __init__(self, degraded: bool) -> None:
+        self.degraded = degraded
+
+    def lost(self, exc: BaseException) -> None:
+        self.degraded = True
+
+
+@pytest.mark.parametrize("away", [False, True])
+async def test_close_keeps_what_rides_in_a_pipeline_that_never_answers(tmp_path: Path, away: bool) -> None:
+    """Events taken by a shared-state pipeline that has not answered when the queue closes (a
+    hanging Redis) came back after the spool was closed, and were lost. Now the close waits for
+    them only while Redis answers (`timeout_s` at most), then sends them itself, or spools them when
+    Redis is known to be away, without waiting. The pipeline failing afterwards adds nothing."""
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path), timeout_s=0.3)  # type: ignore[arg-type]
+    queue.outage = Outage(away)
+    queue.put(event(1))
+    taken = queue.take_entry()
+    assert taken is not None
+    started = time.monotonic()
+    await queue.close()
+    took = time.monotonic() - started
+    queue.entry_failed(taken[1])  # the pipeline fails once the shared state closes its connection
+    assert not queue._buffer
+    if away:
+        assert took < 0.25, took  # not the 0.3 s wait
+        assert redis.events() == []
+        spool = SpoolQueue(tmp_path)
+        assert [e.request_id for _, e in await spool.read(10, 0)] == ["r1"]
+        await spool.close()
+    else:
+        assert 0.3 <= took < 2.0, took
+        assert [e.request_id for e in redis.events()] == ["r1"]  # a repeat is harmless (event ids)
+
+
 # --- events riding in the shared state's script pipelines -----------------------------------------
 
 

@@ -4,7 +4,8 @@ A refused connection fails at once; a hang costs whatever timeout the caller set
 request touches the shared state several times (stream slot, budget seed, rate limits and budget,
 breaker and hedge bookkeeping): the gateway must notice the hang once and then answer from its
 in-process state, not make each request wait out a timeout again. A gateway started during a hang
-must not wait for it either, and must hear other replicas' key revocations once Redis answers.
+must not wait for it either, and must hear other replicas' key revocations once Redis answers; one
+stopped during a hang must not wait for it, nor lose the usage events Redis did not take.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageParam
 
+from gateway.accounting.queue import SpoolQueue
 from gateway.admin.keys import key_digest
 from gateway.app import create_app
 from gateway.config import parse_config
@@ -124,17 +126,21 @@ def gateway_app(
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     monkeypatch.setenv("WEIR_REDIS_URL", f"redis://127.0.0.1:{hanging_redis.port}/0")
     monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
-    env = {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
-        "DB_URL": _db(tmp_path),
-    }
-    app = create_app(parse_config(CONFIG, env))
+    app = _app(fake_openai, tmp_path)
     # Redis is asked again every 50 ms, not every second: the requests below span many such
     # periods, and none of them may be the one that waits for a hanging Redis again.
     app.state.control.state.retry_s = RETRY_S
     app.state.gateway.limits.shared.retry_s = RETRY_S
     return app
+
+
+def _app(fake_openai: FakeOpenAI, tmp_path: Path) -> Any:
+    env = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "DB_URL": _db(tmp_path),
+    }
+    return create_app(parse_config(CONFIG, env))
 
 
 def _db(tmp_path: Path) -> str:
@@ -228,6 +234,37 @@ def test_a_gateway_started_while_redis_hangs_serves_and_hears_revocations_once_i
         asyncio.run(_revoke_on_another_replica(_db(tmp_path), redis_prefix, key_id, key))
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(model="gpt-4o-mini", messages=HI)
+
+
+def test_a_gateway_stops_at_once_while_redis_hangs_and_its_usage_reaches_the_ledger_later(
+    gateway_app: Any, hanging_redis: HangingRedis, fake_openai: FakeOpenAI, tmp_path: Path
+) -> None:
+    """Redis hangs while a gateway serves and then stops. Its shutdown waited on Redis step after
+    step: the usage writer's last read (redis-py's 5 s socket timeout), then the usage queue's last
+    XADD (2 s), about 7 s in all. A Redis known to be away is not asked at shutdown any more. The
+    request's usage event is not lost: it waits in the local spool, and the next start forwards it
+    to the stream, from where it reaches the ledger."""
+    hanging_redis.hang()
+    with serve(gateway_app, free_port()) as url:
+        weir = Weir(url, _db(tmp_path))
+        tenant_id, _, key = weir.tenant_with_key("stopped-in-a-hang", rpm=50)
+        assert _timed(weir.client(key), stream=False) < 3.0
+        stopping = time.monotonic()
+    took = time.monotonic() - stopping
+    print(f"stopped in {took:.2f} s while Redis hung")
+    assert took < 2.0, f"{took:.2f} s: the shutdown waited on the hanging Redis"
+
+    spool = SpoolQueue(tmp_path / "spool" / "0")
+    try:
+        spooled = asyncio.run(spool.read(100, 0))
+    finally:
+        asyncio.run(spool.close())
+    assert [event.tenant_id for _, event in spooled] == [tenant_id]
+
+    hanging_redis.answer()
+    with serve(_app(fake_openai, tmp_path), free_port()) as url:
+        rows = Weir(url, _db(tmp_path)).ledger(tenant_id, 1)
+    assert [status for *_, status, _key in rows] == [200]
 
 
 async def _revoke_on_another_replica(db_url: str, prefix: str, key_id: str, key: str) -> None:

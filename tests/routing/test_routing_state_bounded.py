@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 import msgspec
 import pytest
@@ -30,6 +31,7 @@ from gateway.usage import Usage
 from routing.breaker import Breakers, State
 from routing.compare import Comparer, RecentRanking
 from routing.heads import TrainedHead
+from routing.health import HealthProber
 from routing.plan import Features, features
 from routing.router import Router
 from routing.routes import Breaker as BreakerSettings
@@ -214,6 +216,74 @@ async def test_a_breaker_no_route_uses_any_more_goes_and_a_later_route_starts_af
         0,
         BreakerSettings(failures=3, cooldown=5),
     )
+
+
+async def test_late_verdicts_and_probes_of_a_deleted_route_bring_back_no_breaker() -> None:
+    """A request or probe of a route with a breaker that was under way when the route was deleted
+    reported afterwards, and re-created the breaker the table change had dropped, with default
+    settings and what it was told (failures in a row, an opening), until the next table change.
+    What they report now goes nowhere; a Breakers used on its own, without a route table (tests,
+    tools), still makes one."""
+    r = Router(ModelTable(parse_config(CONFIG, {})), ())
+    small = Breakers.key("openai", "small")
+    r.set_routes([fixed("careful", breaker=BreakerSettings(failures=1, cooldown=3600))])
+    stale = {"openai": (r.models.targets["small"].backend, [small])}  # a probe round's, taken before
+    r.set_routes([fixed("elsewhere", "big", breaker=BreakerSettings())])
+    await r.breakers.failure(small)
+    await r.breakers.success(small)
+    await r.breakers.too_slow(small, 1.0, fixed("careful", breaker=BreakerSettings(), ttft_timeout=1.0))
+    r.breakers.get(small).release()
+    assert await r.breakers.allow(small)  # a request of the old table failing over: let through
+    prober = HealthProber(SimpleNamespace(session=Unreachable()), r.breakers, interval=1)
+    prober.watch(stale)
+    await prober.run_once()
+    assert set(r.breakers.breakers) == {Breakers.key("other", "big")}
+    assert r.breakers.state(small) is State.CLOSED
+
+    alone = Breakers()
+    await alone.failure(small)
+    assert alone.breakers[small].failures == 1
+
+
+class Unreachable:
+    """An aiohttp session whose every connection is refused."""
+
+    def get(self, url: str, **kwargs: Any) -> Any:
+        raise aiohttp.ClientConnectionError("refused")
+
+
+def test_a_request_that_fails_after_its_route_was_deleted_brings_back_no_breaker(
+    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
+) -> None:
+    """The route's request was waiting upstream when the route was deleted, then failed. Its verdict
+    re-created the backend/model's breaker, with default settings and that failure counted: /metrics
+    showed it in `weir_route_breaker_state` until the next table change, and a route added meanwhile
+    that uses the model would have met its state (open, after enough such requests)."""
+    routes = "routes:\n  - {name: doomed, candidates: [{model: gpt-4o-mini}], retry: {attempts: 1}, "
+    routes += "breaker: {failures: 1, cooldown: 60}, probe_interval: null}\n"
+    key = Breakers.key("openai", "gpt-4o-mini")
+    with routed_gateway(fake_openai, fake_anthropic, fake_gemini, fake_deepseek, routes) as gateway:
+        router = runtime(gateway).router
+        assert key in router.breakers.breakers
+        fake_openai.fail_next(Fault.hang())
+        headers = {"authorization": f"Bearer {DEMO_KEY}"}
+
+        async def delete_then_fail() -> int:
+            async with httpx.AsyncClient(base_url=gateway.url, headers=headers, timeout=10) as client:
+                sent = asyncio.create_task(_status(client, "doomed", False))
+                while not fake_openai.requests:  # waiting upstream
+                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(on_loop, gateway, lambda: router.set_routes([]))
+                assert key not in router.breakers.breakers
+                fake_openai.reset()  # the hung request is answered now: 503
+                return await sent
+
+        assert asyncio.run(delete_then_fail()) >= 500
+        settled(gateway, 1)
+        assert key not in router.breakers.breakers
+        scraped = list(text_string_to_metric_families(httpx.get(f"{gateway.url}/metrics").text))
+    breakers = [s.labels for f in scraped if f.name == "weir_route_breaker_state" for s in f.samples]
+    assert breakers == []
 
 
 # --- recent head rankings (compare) -------------------------------------------------------------------

@@ -4,6 +4,7 @@ slot comes back when the stream ends, when the client walks away and when the up
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -237,3 +238,32 @@ async def test_stream_slots_count_locally_while_redis_is_away() -> None:
     assert slots.local.streams == {}
     assert await slots.acquire("acme", 1) is not None
     await slots.close()
+
+
+class StalledRedis:
+    """Stream slots' client of a Redis that hangs: a lease given back (ZREM) is never answered."""
+
+    def register_script(self, script: str) -> None:
+        return None
+
+    async def zrem(self, key: str, lease: str) -> int:
+        await asyncio.Event().wait()
+        return 0
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("away", [False, True])
+async def test_a_lease_given_back_to_a_hanging_redis_does_not_hold_up_the_shutdown(away: bool) -> None:
+    """A stream ended just before the gateway stopped, and Redis hangs: its lease's ZREM waited out
+    the client's socket timeout (2 s) in the shutdown. It waits `timeout_s` at most now, and not at
+    all once Redis is known to be away; the lease expires after `ttl_s` anyway."""
+    slots = RedisSlots(StalledRedis(), timeout_s=0.3)  # type: ignore[arg-type]
+    slots.held["lease"] = ("acme", slots.key("acme"))
+    slots.degraded = away
+    slots.release("acme", "lease")
+    started = time.monotonic()
+    await asyncio.wait_for(slots.close(), 5)
+    took = time.monotonic() - started
+    assert took < (0.1 if away else 1.0), took
