@@ -617,9 +617,10 @@ class Executor:
         self, call: Call, plan: Plan, request: ChatRequest, feats: Features
     ) -> ChatResponse | Batches:
         result = await self.first(call, plan, chat_op(request), feats)
+        stitch = _prefill_stitch(request, plan.chosen)
         if isinstance(result, ChatResponse):
-            return result
-        return self._resuming(call, plan, request, feats, result)
+            return result if stitch is None else _stitched_response(call, result, stitch)
+        return self._resuming(call, plan, request, feats, result, stitch)
 
     async def run(self, call: Call, plan: Plan, op: Operation, feats: Features) -> Any:
         """Any other call (completions, embeddings) with the same retries, fallbacks, breakers and
@@ -656,11 +657,18 @@ class Executor:
         self.breakers.get(self._key(choice)).release()
 
     async def _resuming(
-        self, call: Call, plan: Plan, request: ChatRequest, feats: Features, batches: Batches
+        self,
+        call: Call,
+        plan: Plan,
+        request: ChatRequest,
+        feats: Features,
+        batches: Batches,
+        stitch: Stitcher | None = None,
     ) -> Batches:
         """The client's one stream: when the upstream breaks after the first token, continue on the
         next candidate from the text already sent, or (route.resume false, tool calls under way, no
-        candidate left) raise, which the API turns into an SSE error event."""
+        candidate left) raise, which the API turns into an SSE error event. `stitch`: the first
+        answer's, which goes on from the client's own prefill (`_prefill_stitch`)."""
         sent: list[str] = []
         failed: set[str] = set()
         stream_id: str | None = None
@@ -677,13 +685,13 @@ class Executor:
         # chunk the gateway adds takes
         owed = ""  # whitespace the client has that the continuation's prefill left out
         # A continuation asked for in a user turn, joined onto the text sent (`routing.stitch`): the
-        # model may write its end again, start over, or leave out the space between the two.
-        stitch: Stitcher | None = None
+        # model may write its end again, start over, or leave out the space between the two. The
+        # first answer has one when its vendor was asked so to go on from the client's own prefill.
         judged = False  # the current attempt's stream said something about its backend
         # What the usage a continuation reports must be told apart from (`_as_one_answer`): the
         # output the cut attempts wrote, as the ledger bills it, and the prefill's tokens.
         written, prefilled_tokens = Usage(), 0
-        told: Usage | None = None  # the usage the client was told, once a continuation reported it
+        told: Usage | None = None  # the usage the client was told, once a stitched answer reported it
         try:
             while True:
                 choice, judged = plan.chosen, False
@@ -693,10 +701,11 @@ class Executor:
                             batch = [_continued(chunk, stream_id) for chunk in batch]
                             if answering:
                                 batch = _without_reasoning(batch)
-                            if stitch is not None:
-                                batch = _stitched(batch, stitch)
-                            elif owed:
-                                batch, owed = _without_repeat(batch, owed)
+                        if stitch is not None:
+                            batch = _stitched(batch, stitch)
+                        elif owed:
+                            batch, owed = _without_repeat(batch, owed)
+                        if resumed or stitch is not None:
                             for i, chunk in enumerate(batch):
                                 if chunk.usage is not None:
                                     told = _as_one_answer(
@@ -744,6 +753,9 @@ class Executor:
                     text = "".join(sent)
                     prefill = text.rstrip()
                     owed = text[len(prefill) :]
+                    # The client's own prefill, which the answer goes on from: the text sent goes on
+                    # from it too, and the continuation from both, as one assistant message.
+                    given = request.messages[-1].text() if request.continue_final_message else ""
                     # The cut attempt's usage event was recorded as its stream unwound, before the
                     # break reached here: what it is billed for the text (and reasoning) it wrote.
                     cut = call.info.usage or Usage()
@@ -756,10 +768,14 @@ class Executor:
                         reasoning_tokens=written.reasoning_tokens + cut.reasoning_tokens,
                     )
                     prefilled_tokens = _estimated_tokens(prefill, sum(1 for s in sent if s.strip()))
-                    prefilled = [Message(role="assistant", content=prefill)] if prefill else []
-                    messages = [*request.messages, *prefilled]
+                    messages = request.messages
+                    if prefill and given:
+                        whole = msgspec.structs.replace(messages[-1], content=given + prefill)
+                        messages = [*messages[:-1], whole]
+                    elif prefill:
+                        messages = [*messages, Message(role="assistant", content=prefill)]
                     continued = msgspec.structs.replace(request, messages=messages)
-                    if prefilled:
+                    if prefill:
                         # The answer is continued, not thought out again: asked without reasoning
                         # (Anthropic refuses a text prefill while thinking is on). Each provider asks
                         # its vendor to continue it in the way that vendor can (`continued`).
@@ -778,10 +794,13 @@ class Executor:
                     except GatewayError:
                         raise exc from None  # nobody can continue: the client is told what broke
                     stitch = None
-                    if prefilled and _instructed(plan.chosen):
-                        prefilled_tokens += _estimated_tokens(CONTINUE_INSTRUCTION, 1)
-                        stitch = Stitcher(text)
-                    resumed, answering = True, bool(prefilled)
+                    if (prefill or given) and _instructed(plan.chosen):
+                        if prefill:
+                            # The asking turn, which the client never sent (after its own prefill
+                            # alone it is counted as the prompt's, as in the first answer).
+                            prefilled_tokens += _estimated_tokens(CONTINUE_INSTRUCTION, 1)
+                        stitch = Stitcher(given + text)
+                    resumed, answering = True, bool(prefill)
                     if thinking and last is not None:
                         # The cut block ends here, unsigned: otherwise the continuation's reasoning
                         # runs on into it and an Anthropic client gets one thinking block holding
@@ -1036,9 +1055,36 @@ def _stitched(batch: list[ChatChunk], stitch: Stitcher) -> list[ChatChunk]:
         stitched = msgspec.structs.replace(
             chunk, choices=[msgspec.structs.replace(choice, delta=delta), *chunk.choices[1:]]
         )
-        if not text or _output(stitched):
+        # A first answer's role announcement stays, though its text is held (Gemini sends both in one).
+        if not text or _output(stitched) or delta.role is not None:
             out.append(stitched)
     return out
+
+
+def _prefill_stitch(request: ChatRequest, choice: Choice | None) -> Stitcher | None:
+    """How the answer is joined onto the client's own prefill (an Anthropic client's trailing
+    assistant message, `continue_final_message`), when the answering vendor was asked to go on from
+    it in a user turn: as a resumed stream's continuation is onto the text sent. None when the vendor
+    continues it literally, or for `n` > 1 (one text is joined, as `_resumable` resumes one)."""
+    if not request.continue_final_message or (request.n or 1) != 1 or not _instructed(choice):
+        return None
+    return Stitcher(request.messages[-1].text())
+
+
+def _stitched_response(call: Call, response: ChatResponse, stitch: Stitcher) -> ChatResponse:
+    """A whole answer joined onto the client's prefill (`routing.stitch`), its output told less what
+    was dropped (estimated, as a resumed stream's); the ledger bills what its vendor reported."""
+    if not response.choices:
+        return response
+    first = response.choices[0]
+    text = first.message.content
+    given = stitch.push(text) + stitch.end() if text else None
+    message = msgspec.structs.replace(first.message, content=given)
+    told = _as_one_answer(response.usage, Usage(), 0, _repeated_tokens(stitch))
+    call.info.usage = told  # the request's log line says what the client was told
+    return msgspec.structs.replace(
+        response, choices=[msgspec.structs.replace(first, message=message), *response.choices[1:]], usage=told
+    )
 
 
 def _text_chunk(like: ChatChunk, text: str) -> ChatChunk:
