@@ -4,7 +4,10 @@ Fed by request outcomes (the executor) and by active health probes (routing.heal
 failures open a breaker; after `cooldown` one trial request is let through (half-open): its success
 closes the breaker, its failure opens it again. When shared state is configured (Redis), an opening
 is published with the cooldown as TTL so every replica stops sending there; a recovery is published
-too, and moves the other replicas' open breakers to half-open (`Breakers.sync`). A half-open trial
+too, and moves the other replicas' open breakers to half-open (`Breakers.sync`). A replica that saw
+the backend answer within a cooldown (`CircuitBreaker.answered_lately`) does not take another's
+opening on trust: it half-opens, and its next request there decides for it (`Breakers.sync`), since
+the replica that opened may be the only one cut off from the backend. A half-open trial
 that only the cooldown let through is the fleet's one: a replica claims it in the shared state first
 (`Breakers.allow`), so N replicas send one trial per cooldown to a dead backend, not N; once that
 trial succeeds, the replicas it kept waiting read its recovery within TRIAL_RECHECK_S. Routes that
@@ -107,7 +110,8 @@ class CircuitBreaker:
     by_probe: bool = False
     # Half-open because the cooldown passed, with no sign that the backend is back: with shared
     # state its trial is the fleet's one (Breakers.allow). Not after this replica's probe reached the
-    # backend, nor after another replica's request succeeded there: a trial then is one request to a
+    # backend, nor after another replica's request succeeded there, nor when another replica's
+    # opening met this replica's own recent success (Breakers.sync): a trial then is one request to a
     # backend seen up, each replica's own.
     fleet_trial: bool = False
     claimed_until: float = 0.0  # monotonic: this replica holds the fleet's trial until then
@@ -116,6 +120,11 @@ class CircuitBreaker:
     # most TRIAL_RECHECK_S after it was last asked; never after trial_elsewhere_until).
     trial_recheck_at: float = 0.0
     recovery_seen: bytes | None = None  # the latest recovery record read or written here
+    # Monotonic: when this replica last saw the backend answer a request, and when it last reached it
+    # (that, or a health probe it answered). A failure since forgets both: they are this replica's
+    # latest word on the backend, which another replica's opening meets (`answered_lately`).
+    last_success: float | None = None
+    last_reached: float | None = None
 
     def current(self, now: float | None = None) -> State:
         if self.state is State.OPEN:
@@ -142,6 +151,18 @@ class CircuitBreaker:
                 return False
             return not self.trial_in_flight or now - self.trial_started >= self.settings.cooldown
         return state is State.CLOSED
+
+    def reached(self, now: float | None = None) -> None:
+        """A health probe reached the backend (it answered, even 401)."""
+        self.last_reached = time.monotonic() if now is None else now
+
+    def answered_lately(self, by_probe: bool, now: float | None = None) -> bool:
+        """Whether this replica's latest word on the backend, within a cooldown, is that it answers:
+        a request's success, or, against an opening probes caused (the backend unreachable), a probe
+        that reached it too. A model list cannot show that an opening's bad answers are over."""
+        seen = self.last_reached if by_probe else self.last_success
+        now = time.monotonic() if now is None else now
+        return seen is not None and now - seen < self.settings.cooldown
 
     def available_in(self, now: float | None = None) -> float:
         """Seconds until this breaker would let a request through (0: now): the rest of its cooldown,
@@ -170,11 +191,13 @@ class CircuitBreaker:
         changed = self.state is not State.CLOSED
         self.state, self.failures, self.trial_in_flight = State.CLOSED, 0, False
         self.claimed_until = self.trial_elsewhere_until = self.trial_recheck_at = 0.0
+        self.last_success = self.last_reached = time.monotonic()
         return changed
 
     def failure(self, probe: bool = False) -> bool:
         """Record a failure; True when this opened the breaker."""
         self.failures += 1
+        self.last_success = self.last_reached = None
         state = self.current()
         if state is State.HALF_OPEN or (state is State.CLOSED and self.failures >= self.settings.failures):
             self.trip()
@@ -273,7 +296,8 @@ class Breakers:
         """Note a transition, and log it: an opening between two scrapes of the state gauge would
         otherwise leave no trace. `cause` of an opening: `requests` (failed answers), `probe` (the
         health probes could not reach it) or `replica` (adopted from another replica); of a
-        half-open: `replica` (another replica's request succeeded there), else none."""
+        half-open: `replica` (another replica's request succeeded there), `contested` (another
+        replica opened it, but this one saw it answer within a cooldown: see `sync`), else none."""
         self.transitions.append((key, state))
         if state is State.OPEN:
             log.warning("breaker_opened", breaker=key, cause=cause)
@@ -414,12 +438,31 @@ class Breakers:
             if breaker is None:
                 continue
             if value in (OPENED, OPENED_BY_PROBE) and breaker.current() is State.CLOSED:
-                breaker.trip()
-                breaker.by_probe = value == OPENED_BY_PROBE
-                self.moved(key, State.OPEN, "replica")
+                self._opened_elsewhere(key, breaker, by_probe=value == OPENED_BY_PROBE)
             elif _recovery_news(value, breaker):
                 breaker.recovery_seen = value
                 self._recovered_elsewhere(key, breaker)
+
+    def _opened_elsewhere(self, key: str, breaker: CircuitBreaker, by_probe: bool) -> None:
+        """Another replica opened a breaker this replica has closed: adopted (open for a cooldown,
+        with its cause), unless this replica saw the backend answer within a cooldown
+        (`answered_lately`). Then it half-opens, and its next request there is its own trial. The
+        opening shows the backend failing that replica, which may be the only one cut off from it (a
+        partition, its own DNS or egress): adopted outright, it took a backend that answered every
+        other replica away from the whole fleet for a cooldown, and again each time the cut-off
+        replica failed anew. The trial costs one request, a failed one failing over as any: its
+        failure opens the breaker here and publishes that, its success closes it and publishes a
+        recovery, which also ends the opening's record (read again, it would be adopted again) and
+        half-opens the replicas that adopted it. No fleet trial: the backend was seen up here. A
+        replica with no such word of its own has nothing to set against the opening, and a real
+        outage costs it no request."""
+        if breaker.answered_lately(by_probe):
+            breaker.half_open()
+            self.moved(key, State.HALF_OPEN, "contested")
+        else:
+            breaker.trip()
+            breaker.by_probe = by_probe
+            self.moved(key, State.OPEN, "replica")
 
     def _recovered_elsewhere(self, key: str, breaker: CircuitBreaker) -> None:
         """Another replica's request succeeded on a backend this replica has open: half-open, so the

@@ -5,7 +5,9 @@ changes state (down, back up, or not up yet at start, as a bundled engine loadin
 every failed probe: an outage is one warning, not one every `interval` seconds. A breaker the probes opened
 goes half-open as soon as a probe reaches the backend again, so a backend that came back gets its
 trial request without waiting out the whole cooldown. Each round also adopts the breaker openings
-and recoveries other replicas published in the shared state (`Breakers.sync`). Every result also
+and recoveries other replicas published in the shared state (`Breakers.sync`): a probe that reached
+the backend within a cooldown makes another replica's probe opening a trial here, not an opening
+(`CircuitBreaker.answered_lately`). Every result also
 goes to `on_result` (the control plane's uptime recorder) when one is given."""
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class HealthProber:
             for key in keys:
                 breaker = self.breakers.get(key)
                 if healthy:
+                    breaker.reached()
                     if breaker.current() is State.OPEN and breaker.by_probe:
                         breaker.half_open()
                         self.breakers.moved(key, State.HALF_OPEN)

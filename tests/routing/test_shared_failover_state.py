@@ -100,6 +100,37 @@ async def test_an_adopted_probe_opening_half_opens_when_this_replicas_probes_rea
         await transport.close()
 
 
+async def test_a_probe_opening_is_one_trial_on_a_replica_whose_probes_reach_the_backend(
+    backend: FakeOpenAI, redis_prefix: str
+) -> None:
+    """A partition seen by the probes: A's cannot reach the backend (A's breaker opens, published as
+    the probes' opening), B's reach it. B's probe round reads the opening after its own probe reached
+    the backend: B half-opens at once (`cause=contested`), its next request being its trial, rather
+    than refusing the backend until its next probe round."""
+    config = parse_config(
+        f'backends:\n  - {{name: openai, type: openai, base_url: "{backend.base_url}", api_key: k}}\n'
+        "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
+        {},
+    )
+    settings = BreakerSettings(failures=1, cooldown=30)
+    states = [DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix)) for _ in "ab"]
+    transport = Transport()
+    a, b = Breakers(states[0]), Breakers(states[1])
+    prober = HealthProber(transport, b, interval=60, timeout=1.0)
+    try:
+        for breakers in (a, b):
+            breakers.get(KEY, settings)
+        prober.watch({"openai": (config.backends[0], [KEY])})
+        await a.failure(KEY, probe=True)  # A's probe could not reach it
+        await prober.run_once()  # B's reaches it, then B reads A's opening
+        assert b.state(KEY) is State.HALF_OPEN and (KEY, State.OPEN) not in b.transitions
+        assert await b.allow(KEY) and not await b.allow(KEY)  # one trial, B's own
+    finally:
+        for state in states:
+            await state.close()
+        await transport.close()
+
+
 async def test_an_adopted_opening_for_bad_answers_still_waits_out_its_cooldown(
     backend: FakeOpenAI, redis_prefix: str
 ) -> None:
@@ -168,9 +199,10 @@ def test_a_replica_that_reaches_the_backend_serves_it_while_another_replica_cann
     backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A partition: replica 0 cannot reach the backend (its probes open the breaker and publish it),
-    replica 1 can. Replica 1 adopts the opening, but its own probes keep reaching the backend, so it
-    must go back to serving at once. It answered every request to the one-candidate route with 503
-    for the whole 30 s cooldown instead."""
+    replica 1 can. Replica 1 reads the opening after its own probes reached the backend: it half-opens
+    (`cause=contested`), never open, and serves its very next request from the backend. It answered
+    every request to the one-candidate route with 503 for the whole 30 s cooldown once, and later
+    until its next probe round."""
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
     monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
@@ -189,19 +221,190 @@ def test_a_replica_that_reaches_the_backend_serves_it_while_another_replica_cann
             urls.append(stack.enter_context(serve(apps[-1], free_port())))
         cut_off, reaching = (_runtime(app).router.breakers for app in apps)
 
-        deadline = time.monotonic() + 10
-        while (KEY, State.OPEN) not in reaching.transitions:  # replica 1 adopted replica 0's opening
-            assert time.monotonic() < deadline, "replica 1 never adopted the opening"
-            time.sleep(0.05)
+        assert _next_move(reaching, 0) is State.HALF_OPEN, "replica 1 refused a backend it reaches"
         assert cut_off.state(KEY) is State.OPEN
-
-        deadline = time.monotonic() + 5
-        while (status := _status(urls[1])) != 200:
-            assert status == 503
-            assert time.monotonic() < deadline, "replica 1 refuses a backend its probes reach"
-            time.sleep(0.25)
+        assert _status(urls[1]) == 200
         assert reaching.state(KEY) is State.CLOSED  # its trial answered
         assert _status(urls[0]) == 503  # replica 0 still cannot reach it, and says so
+
+
+# --- another replica's opening against this replica's own word ----------------------------------------
+
+CONTESTED = """\
+backends:
+  - {name: openai, type: openai, base_url: "${BACKEND_URL}", api_key: "${BACKEND_KEY}"}
+  - {name: spare, type: openai, base_url: "${SPARE_URL}", api_key: "${BACKEND_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
+  - {name: spare-mini, backend: spare, model: gpt-4o-mini, price: {input: 0.15, output: 0.60}}
+database_url: "${DB_URL}"
+redis_url: "${REDIS_URL}"
+tenants:
+  - {name: demo, api_keys: ["${DEMO_KEY}"]}
+routes:
+  - name: solo
+    probe_interval: null
+    retry: {attempts: 1}
+    breaker: {failures: 1, cooldown: 30}
+    candidates: [{model: gpt-4o-mini}]
+  - name: spared
+    probe_interval: null
+    retry: {attempts: 1}
+    breaker: {failures: 1, cooldown: 30}
+    candidates: [{model: gpt-4o-mini}, {model: spare-mini}]
+  # No breaker, no probes of its own: its interval only paces the health loop, whose rounds sync
+  # the breakers across the replicas (openings here come from requests, not probes).
+  - {name: pacer, probe_interval: 0.1, breaker: null, candidates: [{model: gpt-4o-mini}]}
+"""
+
+
+@pytest.fixture
+def spare() -> Iterator[FakeOpenAI]:
+    """The backend of `CONTESTED`'s `spare-mini`, which every replica reaches."""
+    with FakeOpenAI() as fake:
+        yield fake
+
+
+@contextmanager
+def _two_gateways(
+    base_urls: Sequence[str],
+    spare: FakeOpenAI,
+    redis_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[list[str], list[Breakers]]]:
+    """Two gateways over one Redis (`CONTESTED`), each sending `gpt-4o-mini` to its own base URL:
+    their URLs and breakers."""
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    with ExitStack() as stack:
+        urls, apps = [], []
+        for i, base_url in enumerate(base_urls):
+            monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool{i}"))
+            env = {
+                "BACKEND_URL": base_url,
+                "SPARE_URL": spare.base_url,
+                "BACKEND_KEY": spare.api_key,
+                "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir{i}.db",
+                "REDIS_URL": REDIS_URL,
+                "DEMO_KEY": DEMO_KEY,
+            }
+            apps.append(create_app(parse_config(CONTESTED, env)))
+            urls.append(stack.enter_context(serve(apps[-1], free_port())))
+        yield urls, [_runtime(app).router.breakers for app in apps]
+
+
+def _next_move(breakers: Breakers, seen: int) -> State:
+    """What `breakers` moved to after its first `seen` transitions, waiting for it (a health-loop
+    round reads the shared state every 0.1 s here)."""
+    deadline = time.monotonic() + 10
+    while len(breakers.transitions) <= seen:
+        assert time.monotonic() < deadline, "the breaker never moved: the shared state was not read"
+        time.sleep(0.02)
+    key, state = breakers.transitions[seen]
+    assert key == KEY
+    return state
+
+
+def _posts(fake: FakeOpenAI) -> int:
+    return len([r for r in fake.requests if r.method == "POST"])
+
+
+def test_a_replica_cut_off_from_a_backend_does_not_take_it_from_a_replica_it_answers(
+    backend: FakeOpenAI, spare: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A split network: replica A cannot reach the backend (its base URL is a dead port), B can and
+    serves from it. A's failed request opens its breaker and publishes the opening. B saw the backend
+    answer moments ago, so it must not refuse it: the opening makes B's next request its own trial
+    (half-open, `cause=contested`), which answers, closes B's breaker and publishes a recovery. A reads
+    that, tries once more (failing), publishes again, and so on: through every such cycle each of
+    B's clients is served from the backend, B's trial being one of its own requests. B adopted each
+    opening outright and answered 503 for a 30 s cooldown, again after every failure of A's."""
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    with _two_gateways((dead, backend.base_url), spare, redis_prefix, tmp_path, monkeypatch) as gateways:
+        urls, (cut_off, reaching) = gateways
+        assert _status(urls[1]) == 200  # B's own word: the backend answers it
+        statuses = []
+        for _ in range(3):
+            a_moves, b_moves = len(cut_off.transitions), len(reaching.transitions)
+            assert _status(urls[0]) == 503  # A's request (a trial after the first cycle) was sent...
+            assert _next_move(cut_off, a_moves) is State.OPEN  # ...failed, and opened A's breaker: published
+            assert _next_move(reaching, b_moves) is State.HALF_OPEN, "B refuses a backend that answers it"
+            statuses.append(_status(urls[1]))  # B's trial: one of its clients' requests
+            assert reaching.state(KEY) is State.CLOSED  # published as a recovery...
+            assert _next_move(cut_off, a_moves + 1) is State.HALF_OPEN  # ...which A reads
+        assert statuses == [200] * 3
+        assert State.OPEN not in [state for _, state in reaching.transitions]
+        assert _posts(backend) == 4  # B's four requests, nothing more; A's never arrived
+        assert _posts(spare) == 0
+
+
+@pytest.mark.parametrize("answered_here", [True, False], ids=["answered_here", "nothing_here"])
+def test_in_an_outage_a_replica_that_saw_the_backend_answer_pays_one_failed_over_attempt(
+    answered_here: bool,
+    backend: FakeOpenAI,
+    spare: FakeOpenAI,
+    redis_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backend goes down for everyone. A's request fails over to the spare and A's breaker opens.
+    B, which saw the backend answer before the outage, contests the opening: its next request tries
+    the backend once (failing over to the spare, so its client sees nothing), and that opens B's
+    breaker too; after it B skips the backend. A replica with no word of its own on the backend
+    adopts the opening at once, as before, and never tries it."""
+    with _two_gateways((backend.base_url,) * 2, spare, redis_prefix, tmp_path, monkeypatch) as gateways:
+        urls, (_, b) = gateways
+        if answered_here:
+            assert _status(urls[1], "spared") == 200
+        backend.stop()
+        assert _status(urls[0], "spared") == 200  # the spare answered A
+        assert _next_move(b, 0) is (State.HALF_OPEN if answered_here else State.OPEN)
+        client = openai.OpenAI(base_url=f"{urls[1]}/v1", api_key=DEMO_KEY, max_retries=0, timeout=10)
+        tried = []
+        for _ in range(3):
+            raw = client.chat.completions.with_raw_response.create(model="spared", messages=HI)  # type: ignore[arg-type]
+            assert raw.parse().choices[0].message.content == HI[0]["content"]  # answered by the spare
+            route = raw.headers["x-weir-route"]
+            tried.append(re.search(r"tried=gpt-4o-mini:(\w+)", route).group(1))  # type: ignore[union-attr]
+        assert tried == (["503", "open", "open"] if answered_here else ["open"] * 3)
+        assert b.state(KEY) is State.OPEN
+        with redis.Redis.from_url(REDIS_URL) as shared:
+            assert shared.get(f"{redis_prefix}{PREFIX}{KEY}") == OPENED  # B's own opening, published
+
+
+async def test_another_replicas_opening_is_one_trial_here_only_after_a_recent_success_here(
+    shared_pair: list[object],
+) -> None:
+    """What B sets against A's opening is its own latest word on the backend, within a cooldown: a
+    request that succeeded there. That trial is B's own, not the fleet's (sent though A holds the
+    fleet's trial), and one: a second request waits for its verdict. Without such a word (never
+    answered, answered longer than a cooldown ago, or failed since), B adopts the opening."""
+    a, b = Breakers(shared_pair[0]), Breakers(shared_pair[1])
+    settings = BreakerSettings(failures=2, cooldown=30)
+    for breakers in (a, b):
+        breakers.get(KEY, settings)
+    a.get(KEY).trip(now=time.monotonic() - 30)
+    assert await a.allow(KEY)  # A claims the fleet's trial...
+    await a.failure(KEY)  # ...which fails: A's opening is published, its claim stands
+    await b.success(KEY)
+    await b.sync()
+    assert b.state(KEY) is State.HALF_OPEN and (KEY, State.OPEN) not in b.transitions
+    assert await b.allow(KEY) and not await b.allow(KEY)
+    await b.failure(KEY)  # the backend is down for B too: B's own opening
+    assert b.state(KEY) is State.OPEN and not await b.allow(KEY)
+
+    stale = time.monotonic() - settings.cooldown
+    for word in ("never", "stale", "failed since"):
+        other = Breakers(shared_pair[1])
+        breaker = other.get(KEY, settings)
+        if word == "stale":
+            breaker.last_success = stale
+        elif word == "failed since":
+            await other.success(KEY)
+            await other.failure(KEY)
+        await other.sync()
+        assert other.state(KEY) is State.OPEN, word
 
 
 # --- adopting openings while the route table changes ------------------------------------------------
