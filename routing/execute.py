@@ -690,7 +690,9 @@ class Executor:
         judged = False  # the current attempt's stream said something about its backend
         # What the usage a continuation reports must be told apart from (`_as_one_answer`): the
         # output the cut attempts wrote, as the ledger bills it, and the prefill's tokens.
-        written, prefilled_tokens = Usage(), 0
+        # A first answer going on from the client's own prefill was asked so in a turn of Weir's own,
+        # which the client never sent: its prompt is told without it, as a continuation's is.
+        written, prefilled_tokens = Usage(), _instruction_tokens(stitch)
         told: Usage | None = None  # the usage the client was told, once a stitched answer reported it
         try:
             while True:
@@ -795,11 +797,8 @@ class Executor:
                         raise exc from None  # nobody can continue: the client is told what broke
                     stitch = None
                     if (prefill or given) and _instructed(plan.chosen):
-                        if prefill:
-                            # The asking turn, which the client never sent (after its own prefill
-                            # alone it is counted as the prompt's, as in the first answer).
-                            prefilled_tokens += _estimated_tokens(CONTINUE_INSTRUCTION, 1)
                         stitch = Stitcher(given + text)
+                        prefilled_tokens += _instruction_tokens(stitch)  # the asking turn
                     resumed, answering = True, bool(prefill)
                     if thinking and last is not None:
                         # The cut block ends here, unsigned: otherwise the continuation's reasoning
@@ -1080,7 +1079,7 @@ def _stitched_response(call: Call, response: ChatResponse, stitch: Stitcher) -> 
     text = first.message.content
     given = stitch.push(text) + stitch.end() if text else None
     message = msgspec.structs.replace(first.message, content=given)
-    told = _as_one_answer(response.usage, Usage(), 0, _repeated_tokens(stitch))
+    told = _as_one_answer(response.usage, Usage(), _instruction_tokens(stitch), _repeated_tokens(stitch))
     call.info.usage = told  # the request's log line says what the client was told
     return msgspec.structs.replace(
         response, choices=[msgspec.structs.replace(first, message=message), *response.choices[1:]], usage=told
@@ -1091,6 +1090,12 @@ def _text_chunk(like: ChatChunk, text: str) -> ChatChunk:
     """A chunk of answer text alone, with the id, model and time of `like`."""
     choice = ChunkChoice(index=0, delta=Delta(content=text))
     return msgspec.structs.replace(like, choices=[choice], usage=None, raw=None)
+
+
+def _instruction_tokens(stitch: Stitcher | None) -> int:
+    """The estimated tokens of the turn asking for the rest, which a stitched continuation was asked
+    in (`continued`) and the client never sent."""
+    return _estimated_tokens(CONTINUE_INSTRUCTION, 1) if stitch is not None else 0
 
 
 def _repeated_tokens(stitch: Stitcher | None) -> int:

@@ -197,6 +197,15 @@ def test_a_supervised_engine_gets_its_backend_args(fake_openai: FakeOpenAI) -> N
     text = config_text('model: smollm2-135m, port: 8123, args: ["--max-queued", "16"]', fake_openai)
     backend = parse_config(text, {}).backends[0]
     command = EngineProcess(backend).command
-    assert command[-6:] == ["--model", "smollm2-135m", "--port", "8123", "--max-queued", "16"]
+    assert command[-8:] == [
+        "--model",
+        "smollm2-135m",
+        "--port",
+        "8123",
+        "--log-format",
+        "json",
+        "--max-queued",
+        "16",
+    ]
     with pytest.raises(ConfigError):  # a typo in the list's type is a config error, not a crash later
         parse_config(config_text('model: smollm2-135m, args: "--max-queued 16"', fake_openai), {})

@@ -72,6 +72,7 @@ def answering(
 class Reply:
     text: str
     output_tokens: int  # what the client is told
+    input_tokens: int | None = None  # what the client is told (not streamed)
 
 
 def messages_api(gateway: RunningGateway, model: str, stream: bool, text: str, prefill: str) -> Reply:
@@ -81,7 +82,7 @@ def messages_api(gateway: RunningGateway, model: str, stream: bool, text: str, p
     if not stream:
         message = client.messages.create(model=model, max_tokens=100, messages=messages)
         assert [block.type for block in message.content] == ["text"]
-        return Reply(message.content[0].text, message.usage.output_tokens)
+        return Reply(message.content[0].text, message.usage.output_tokens, message.usage.input_tokens)
     events = list(client.messages.create(model=model, max_tokens=100, messages=messages, stream=True))
     texts = [e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta"]
     assert [e.type for e in events].count("content_block_start") == 1
@@ -154,6 +155,9 @@ def test_the_client_is_told_the_output_it_got_and_the_ledger_what_was_billed(
     (event,) = gateway.sink.events
     assert (event.estimated, event.usage.output_tokens) == (False, 7)
     assert reply.output_tokens == 7 - 3
+    if not stream:  # the turn asking for the rest, which the client never sent, is not its prompt
+        asking = -(-len(CONTINUE_INSTRUCTION.encode()) // 4)
+        assert reply.input_tokens == event.usage.input_tokens - asking
 
 
 def test_a_literal_prefill_continuation_is_left_as_it_comes(
@@ -197,6 +201,8 @@ def test_an_openai_client_continuing_its_final_message_gets_the_rest_once(
     (event,) = gateway.sink.events
     assert event.usage.output_tokens == len(ANSWER.split())  # billed as reported: the whole answer again
     assert usage is not None and usage.completion_tokens == 9 - 5  # less "The quick brown fox" (19 bytes)
+    asking = -(-len(CONTINUE_INSTRUCTION.encode()) // 4)  # the turn asking for the rest: not the client's
+    assert usage.prompt_tokens == event.usage.input_tokens - asking
 
 
 def test_a_gemini_answer_keeps_its_role_while_its_first_text_is_held(
