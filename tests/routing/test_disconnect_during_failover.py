@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -412,66 +413,23 @@ routes:
 """
 
 
-@pytest.mark.redis
-def test_a_client_that_leaves_while_its_request_is_admitted_gives_its_reservation_back(
+@dataclass
+class _Admitted:
+    """A gateway whose shared state is a real Redis behind a proxy that can be made slow."""
+
+    url: str
+    weir: Weir
+    slow: _SlowRedis
+
+
+@pytest.fixture
+def admitted(
     fake_openai: FakeOpenAI,
     request: pytest.FixtureRequest,
     redis_prefix: str,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
-) -> None:
-    """Redis is slow to answer the admission; the client leaves meanwhile. The budget reservation
-    the shared state made for it must be given back, not held for its 10-minute TTL: the tenant's
-    next request, which fits its budget only without it, is answered, not refused as over budget."""
-    host, port = (
-        urllib.parse.urlsplit(REDIS_URL).hostname or "127.0.0.1",
-        urllib.parse.urlsplit(REDIS_URL).port,
-    )
-    db_url = request.getfixturevalue("sqlite_url")
-    slow = _SlowRedis((host, port or 6379))
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
-    monkeypatch.setenv("WEIR_REDIS_URL", f"redis://127.0.0.1:{slow.port}/{REDIS_URL.rsplit('/', 1)[-1]}")
-    env = {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
-        "DB_URL": db_url,
-    }
-    app = create_app(parse_config(ADMITTED_CONFIG, env))
-    try:
-        with serve(app, free_port()) as url:
-            weir = Weir(url, db_url)
-            # 1,000 micro-USD a month. A request asking for 1,000 output tokens reserves ~600.
-            _, _, key = weir.tenant_with_key("leaver", budget_usd_monthly="0.001")
-            client = weir.client(key)
-            client.chat.completions.create(model="auto", messages=HI, max_tokens=5)  # seeds the budget
-            slow.delay = 0.4  # under the shared state's own 1 s timeout: slow, not down
-            leaver = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=0.15)
-            with pytest.raises(openai.APITimeoutError):
-                leaver.chat.completions.create(model="auto", messages=HI, max_tokens=1000)
-            leaver.close()
-            time.sleep(1.0)  # the admission's answer arrives, after the client left
-            slow.delay = 0.0
-            time.sleep(0.3)  # settlements land
-            answer = client.chat.completions.create(model="auto", messages=HI, max_tokens=1000)
-            assert answer.choices[0].message.content == HI[0]["content"]
-            assert len(fake_openai.requests) == 2  # the leaver's request never went upstream
-    finally:
-        slow.close()
-
-
-@pytest.mark.redis
-def test_a_client_that_leaves_while_its_request_is_refused_at_admission_made_no_attempt(
-    fake_openai: FakeOpenAI,
-    request: pytest.FixtureRequest,
-    redis_prefix: str,
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
-) -> None:
-    """Redis is slow to answer the admission, the client leaves meanwhile, and the admission then
-    refuses the request (over budget). Nothing went upstream and no usage event was written: as any
-    refusal by the gateway, it is no attempt, not a `cancelled` one in the route's metrics."""
+) -> Iterator[_Admitted]:
     host, port = (
         urllib.parse.urlsplit(REDIS_URL).hostname or "127.0.0.1",
         urllib.parse.urlsplit(REDIS_URL).port,
@@ -486,25 +444,59 @@ def test_a_client_that_leaves_while_its_request_is_refused_at_admission_made_no_
     app = create_app(parse_config(ADMITTED_CONFIG, env))
     try:
         with serve(app, free_port()) as url:
-            weir = Weir(url, db_url)
-            _, _, key = weir.tenant_with_key("refused-leaver", budget_usd_monthly="0.001")
-            weir.client(key).chat.completions.create(model="auto", messages=HI, max_tokens=5)
-            slow.delay = 0.4  # under the shared state's own 1 s timeout: slow, not down
-            leaver = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=0.15)
-            with pytest.raises(openai.APITimeoutError):  # ~6,000 micro-USD reserved: over the budget
-                leaver.chat.completions.create(model="auto", messages=HI, max_tokens=10_000)
-            leaver.close()
-            time.sleep(1.0)  # the admission's refusal arrives, after the client left
-            slow.delay = 0.0
-            metrics = httpx.get(f"{url}/metrics").text
-            attempts = {
-                sample.labels["outcome"]: sample.value
-                for family in text_string_to_metric_families(metrics)
-                if family.name == "weir_route_attempts"
-                for sample in family.samples
-                if sample.name == "weir_route_attempts_total" and sample.labels["route"] == "auto"
-            }
-            assert attempts == {"ok": 1.0}
-            assert len(fake_openai.requests) == 1  # the leaver's request never went upstream
+            yield _Admitted(url, Weir(url, db_url), slow)
     finally:
         slow.close()
+
+
+@pytest.mark.redis
+def test_a_client_that_leaves_while_its_request_is_admitted_gives_its_reservation_back(
+    admitted: _Admitted, fake_openai: FakeOpenAI
+) -> None:
+    """Redis is slow to answer the admission; the client leaves meanwhile. The budget reservation
+    the shared state made for it must be given back, not held for its 10-minute TTL: the tenant's
+    next request, which fits its budget only without it, is answered, not refused as over budget."""
+    url, slow = admitted.url, admitted.slow
+    # 1,000 micro-USD a month. A request asking for 1,000 output tokens reserves ~600.
+    _, _, key = admitted.weir.tenant_with_key("leaver", budget_usd_monthly="0.001")
+    client = admitted.weir.client(key)
+    client.chat.completions.create(model="auto", messages=HI, max_tokens=5)  # seeds the budget
+    slow.delay = 0.4  # under the shared state's own 1 s timeout: slow, not down
+    leaver = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=0.15)
+    with pytest.raises(openai.APITimeoutError):
+        leaver.chat.completions.create(model="auto", messages=HI, max_tokens=1000)
+    leaver.close()
+    time.sleep(1.0)  # the admission's answer arrives, after the client left
+    slow.delay = 0.0
+    time.sleep(0.3)  # settlements land
+    answer = client.chat.completions.create(model="auto", messages=HI, max_tokens=1000)
+    assert answer.choices[0].message.content == HI[0]["content"]
+    assert len(fake_openai.requests) == 2  # the leaver's request never went upstream
+
+
+@pytest.mark.redis
+def test_a_client_that_leaves_while_its_request_is_refused_at_admission_made_no_attempt(
+    admitted: _Admitted, fake_openai: FakeOpenAI
+) -> None:
+    """Redis is slow to answer the admission, the client leaves meanwhile, and the admission then
+    refuses the request (over budget). Nothing went upstream and no usage event was written: as any
+    refusal by the gateway, it is no attempt, not a `cancelled` one in the route's metrics."""
+    url, slow = admitted.url, admitted.slow
+    _, _, key = admitted.weir.tenant_with_key("refused-leaver", budget_usd_monthly="0.001")
+    admitted.weir.client(key).chat.completions.create(model="auto", messages=HI, max_tokens=5)
+    slow.delay = 0.4  # under the shared state's own 1 s timeout: slow, not down
+    leaver = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=0.15)
+    with pytest.raises(openai.APITimeoutError):  # ~6,000 micro-USD reserved: over the budget
+        leaver.chat.completions.create(model="auto", messages=HI, max_tokens=10_000)
+    leaver.close()
+    time.sleep(1.0)  # the admission's refusal arrives, after the client left
+    slow.delay = 0.0
+    attempts = {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        if family.name == "weir_route_attempts"
+        for sample in family.samples
+        if sample.name == "weir_route_attempts_total" and sample.labels["route"] == "auto"
+    }
+    assert attempts == {"ok": 1.0}
+    assert len(fake_openai.requests) == 1  # the leaver's request never went upstream
