@@ -93,6 +93,25 @@ class GatewayTimeout(GatewayError):
     code = "timeout"
 
 
+class Unreachable(GatewayError):
+    """A backend this gateway could not reach: no connection (refused, no route, DNS, TLS, the connect
+    timeout), or one that broke before any answer. Mixed into the error the client sees, whose status
+    and code stay those of that error; the breakers tell it from a bad answer (a 5xx, a 429), since
+    this gateway alone may be cut off from a backend that answers the others."""
+
+
+class CannotConnect(Unreachable, BackendUnavailable):
+    """No connection to the backend (a 503)."""
+
+
+class ConnectTimeout(Unreachable, GatewayTimeout):
+    """No connection to the backend within its connect timeout (a 504)."""
+
+
+class DroppedBeforeAnswer(Unreachable, BadGateway):
+    """The connection broke before the backend sent any response (a 502)."""
+
+
 # Anthropic names its error types by status; https://docs.anthropic.com/en/api/errors
 ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error",

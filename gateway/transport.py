@@ -2,7 +2,8 @@
 transport under concurrency here), with the timeouts of `config.Timeouts` and an SSE reader.
 
 Transport failures become the gateway's own errors: refused connection -> 503, timeouts -> 504,
-anything else that breaks the exchange -> 502.
+anything else that breaks the exchange -> 502. Those that never reached an answer (no connection, the
+connect timeout, a connection dropped before any response) are `Unreachable` too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import aiohttp
 import structlog
 
 from gateway.config import Timeouts
-from gateway.errors import BackendUnavailable, BadGateway, GatewayTimeout
+from gateway.errors import BadGateway, CannotConnect, ConnectTimeout, DroppedBeforeAnswer, GatewayTimeout
 from gateway.providers.base import UpstreamRequest
 
 MAX_ERROR_BODY = 64 * 1024  # enough of a vendor's error body to show its message
@@ -73,14 +74,20 @@ class Transport:
                     headers=request.headers,
                     timeout=_client_timeout(timeouts, request.stream),
                 )
+        except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: the connect timeout's own
+            raise ConnectTimeout(
+                f"cannot connect to backend {backend} within {timeouts.connect:g}s"
+            ) from None
         except TimeoutError:
             raise GatewayTimeout(
                 f"backend {backend} did not answer within {timeouts.first_byte:g}s"
             ) from None
         except aiohttp.ClientConnectorError as exc:
-            raise BackendUnavailable(f"cannot connect to backend {backend}: {exc.strerror or exc}") from None
+            raise CannotConnect(f"cannot connect to backend {backend}: {exc.strerror or exc}") from None
         except aiohttp.ClientError as exc:
             log.warning("upstream_request_broken", backend=backend, error=describe(exc))
+            if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+                raise DroppedBeforeAnswer(_before_answer(backend, exc)) from None
             raise BadGateway(_before_answer(backend, exc)) from None
         return UpstreamResponse(response.status, response.headers, response)
 

@@ -2,12 +2,14 @@
 
 Fed by request outcomes (the executor) and by active health probes (routing.health). Consecutive
 failures open a breaker; after `cooldown` one trial request is let through (half-open): its success
-closes the breaker, its failure opens it again. When shared state is configured (Redis), an opening
-is published with the cooldown as TTL so every replica stops sending there; a recovery is published
-too, and moves the other replicas' open breakers to half-open (`Breakers.sync`). A replica that saw
-the backend answer within a cooldown (`CircuitBreaker.answered_lately`) does not take another's
-opening on trust: it half-opens, and its next request there decides for it (`Breakers.sync`), since
-the replica that opened may be the only one cut off from the backend. A half-open trial
+closes the breaker (a stream's, at its first token: the backend answered), its failure opens it
+again. When shared state is configured (Redis), an opening is published with the cooldown as TTL, and
+with its cause (the backend unreachable, or bad answers), so every replica stops sending there; a
+recovery is published too, and moves the other replicas' open breakers to half-open
+(`Breakers.sync`). A replica that saw the backend answer within a cooldown
+(`CircuitBreaker.answered_lately`) does not take another's opening on trust: it half-opens, and its
+next request there decides for it (`Breakers.sync`), since the replica that opened may be the only
+one cut off from the backend. A half-open trial
 that only the cooldown let through is the fleet's one: a replica claims it in the shared state first
 (`Breakers.allow`), so N replicas send one trial per cooldown to a dead backend, not N; once that
 trial succeeds, the replicas it kept waiting read its recovery within TRIAL_RECHECK_S. Routes that
@@ -43,12 +45,15 @@ log = structlog.get_logger("weir.routing")
 HISTORY = 1000  # latest transitions kept in memory (tests read them); all of them are in the log
 
 PREFIX = "weir:breaker:"
-# What an opening publishes: why it opened. Probes that could not reach the backend say "probe", so
-# a replica adopting it lets its own probes half-open it as soon as they reach the backend, as the
-# replica that opened it does (an adopted opening that forgot this refused a backend its probes
-# reached for a whole cooldown). Bad answers say "open": they wait out the cooldown everywhere.
+# What an opening publishes: why it opened. A backend this replica could not reach (its probes, or
+# requests that got no connection or lost it before any answer) says "open:probe" (the name is the
+# older replicas', which read it so too), so a replica adopting it lets its own probes half-open it as
+# soon as they reach the backend, as the replica that opened it does (an adopted opening that forgot
+# this refused a backend its probes reached for a whole cooldown), and a replica whose probes reached
+# it lately contests it (`answered_lately`). Bad answers (5xx, 429) say "open": they wait out the
+# cooldown everywhere.
 OPENED = b"open"
-OPENED_BY_PROBE = b"open:probe"
+OPENED_UNREACHABLE = b"open:probe"
 # What a recovery publishes: b"closed:<token>", for a cooldown. A token of its own per recovery, so a
 # replica acts on each once (one it read again, or its own, is not news). Replicas before it wrote
 # b"closed" alone, which reads as a recovery too.
@@ -105,9 +110,10 @@ class CircuitBreaker:
     opened_at: float = 0.0
     trial_in_flight: bool = False
     trial_started: float = 0.0  # monotonic time the half-open trial in flight was let through
-    # Opened because health probes could not reach the backend: a probe that reaches it again may
-    # half-open it early. Openings for bad answers wait out the cooldown (a probe cannot see those).
-    by_probe: bool = False
+    # Opened because the backend could not be reached (by health probes, or by requests that got no
+    # connection or lost it before any answer): a probe that reaches it again may half-open it early.
+    # Openings for bad answers wait out the cooldown (a probe cannot see those).
+    unreachable: bool = False
     # Half-open because the cooldown passed, with no sign that the backend is back: with shared
     # state its trial is the fleet's one (Breakers.allow). Not after this replica's probe reached the
     # backend, nor after another replica's request succeeded there, nor when another replica's
@@ -142,8 +148,8 @@ class CircuitBreaker:
     def admits(self, now: float | None = None) -> bool:
         """Would a request go there now? Closed, or half-open with no trial under way, here or (the
         fleet's trial) on another replica, until it is time to ask again whether that one is over
-        (`Breakers.allow`). A trial that has not reported back within a cooldown (a stream its client
-        left: neither success nor failure) no longer holds the breaker."""
+        (`Breakers.allow`). A trial that has not reported back within a cooldown (one still waiting
+        for its answer or first token, with no timeout to end it) no longer holds the breaker."""
         now = time.monotonic() if now is None else now
         state = self.current(now)
         if state is State.HALF_OPEN:
@@ -156,11 +162,12 @@ class CircuitBreaker:
         """A health probe reached the backend (it answered, even 401)."""
         self.last_reached = time.monotonic() if now is None else now
 
-    def answered_lately(self, by_probe: bool, now: float | None = None) -> bool:
+    def answered_lately(self, unreachable: bool, now: float | None = None) -> bool:
         """Whether this replica's latest word on the backend, within a cooldown, is that it answers:
-        a request's success, or, against an opening probes caused (the backend unreachable), a probe
-        that reached it too. A model list cannot show that an opening's bad answers are over."""
-        seen = self.last_reached if by_probe else self.last_success
+        a request's success, or, against an opening for a backend unreachable (to probes, or to
+        requests' connections), a probe that reached it too. A model list cannot show that an
+        opening's bad answers are over."""
+        seen = self.last_reached if unreachable else self.last_success
         now = time.monotonic() if now is None else now
         return seen is not None and now - seen < self.settings.cooldown
 
@@ -194,14 +201,15 @@ class CircuitBreaker:
         self.last_success = self.last_reached = time.monotonic()
         return changed
 
-    def failure(self, probe: bool = False) -> bool:
-        """Record a failure; True when this opened the breaker."""
+    def failure(self, unreachable: bool = False) -> bool:
+        """Record a failure (`unreachable`: the backend could not be reached, see `unreachable`); True
+        when this opened the breaker."""
         self.failures += 1
         self.last_success = self.last_reached = None
         state = self.current()
         if state is State.HALF_OPEN or (state is State.CLOSED and self.failures >= self.settings.failures):
             self.trip()
-            self.by_probe = probe
+            self.unreachable = unreachable
             return True
         return False
 
@@ -211,7 +219,7 @@ class CircuitBreaker:
         self.trial_in_flight = False
 
     def trip(self, now: float | None = None) -> None:
-        self.state, self.trial_in_flight, self.by_probe = State.OPEN, False, False
+        self.state, self.trial_in_flight, self.unreachable = State.OPEN, False, False
         self.claimed_until = self.trial_elsewhere_until = self.trial_recheck_at = 0.0
         self.opened_at = time.monotonic() if now is None else now
 
@@ -294,10 +302,11 @@ class Breakers:
 
     def moved(self, key: str, state: State, cause: str | None = None) -> None:
         """Note a transition, and log it: an opening between two scrapes of the state gauge would
-        otherwise leave no trace. `cause` of an opening: `requests` (failed answers), `probe` (the
-        health probes could not reach it) or `replica` (adopted from another replica); of a
-        half-open: `replica` (another replica's request succeeded there), `contested` (another
-        replica opened it, but this one saw it answer within a cooldown: see `sync`), else none."""
+        otherwise leave no trace. `cause` of an opening: `requests` (failed answers), `unreachable`
+        (requests that got no connection, or lost it before any answer), `probe` (the health probes
+        could not reach it) or `replica` (adopted from another replica); of a half-open: `replica`
+        (another replica's request succeeded there), `contested` (another replica opened it, but this
+        one saw it answer within a cooldown: see `sync`), else none."""
         self.transitions.append((key, state))
         if state is State.OPEN:
             log.warning("breaker_opened", breaker=key, cause=cause)
@@ -355,12 +364,18 @@ class Breakers:
                 recovered = breaker.recovery_seen = RECOVERED + b":" + os.urandom(8).hex().encode()
                 await self.shared.kv_set(PREFIX + key, recovered, ttl_s=breaker.settings.cooldown)
 
-    async def failure(self, key: str, probe: bool = False) -> None:
+    async def failure(self, key: str, probe: bool = False, unreachable: bool = False) -> None:
+        """A failure at `key`: a health probe's (`probe`: it could not reach the backend), or a
+        request's, `unreachable` where it got no connection or lost it before any answer. Both open
+        the breaker as unreachable, which a replica that reached the backend lately contests (see
+        `OPENED_UNREACHABLE`); a request's bad answer (5xx, 429) opens it for its cooldown."""
+        unreachable = unreachable or probe
         breaker = self._judged(key)
-        if breaker is not None and breaker.failure(probe):
-            self.moved(key, State.OPEN, "probe" if probe else "requests")
+        if breaker is not None and breaker.failure(unreachable):
+            cause = "probe" if probe else "unreachable" if unreachable else "requests"
+            self.moved(key, State.OPEN, cause)
             if self.shared is not None:
-                value = OPENED_BY_PROBE if probe else OPENED
+                value = OPENED_UNREACHABLE if unreachable else OPENED
                 await self.shared.kv_set(PREFIX + key, value, ttl_s=breaker.settings.cooldown)
 
     async def too_slow(self, key: str, waited: float, route: Route | None = None) -> None:
@@ -437,13 +452,13 @@ class Breakers:
             breaker = self.breakers.get(key)
             if breaker is None:
                 continue
-            if value in (OPENED, OPENED_BY_PROBE) and breaker.current() is State.CLOSED:
-                self._opened_elsewhere(key, breaker, by_probe=value == OPENED_BY_PROBE)
+            if value in (OPENED, OPENED_UNREACHABLE) and breaker.current() is State.CLOSED:
+                self._opened_elsewhere(key, breaker, unreachable=value == OPENED_UNREACHABLE)
             elif _recovery_news(value, breaker):
                 breaker.recovery_seen = value
                 self._recovered_elsewhere(key, breaker)
 
-    def _opened_elsewhere(self, key: str, breaker: CircuitBreaker, by_probe: bool) -> None:
+    def _opened_elsewhere(self, key: str, breaker: CircuitBreaker, unreachable: bool) -> None:
         """Another replica opened a breaker this replica has closed: adopted (open for a cooldown,
         with its cause), unless this replica saw the backend answer within a cooldown
         (`answered_lately`). Then it half-opens, and its next request there is its own trial. The
@@ -456,12 +471,12 @@ class Breakers:
         half-opens the replicas that adopted it. No fleet trial: the backend was seen up here. A
         replica with no such word of its own has nothing to set against the opening, and a real
         outage costs it no request."""
-        if breaker.answered_lately(by_probe):
+        if breaker.answered_lately(unreachable):
             breaker.half_open()
             self.moved(key, State.HALF_OPEN, "contested")
         else:
             breaker.trip()
-            breaker.by_probe = by_probe
+            breaker.unreachable = unreachable
             self.moved(key, State.OPEN, "replica")
 
     def _recovered_elsewhere(self, key: str, breaker: CircuitBreaker) -> None:

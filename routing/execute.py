@@ -31,6 +31,7 @@ from gateway.errors import (
     GatewayError,
     GatewayTimeout,
     InvalidRequest,
+    Unreachable,
     UpstreamError,
 )
 from gateway.estimate import BYTES_PER_TOKEN
@@ -310,6 +311,15 @@ class Executor:
                     self.pipeline.stream(call, target, upstream, reader, attempt=number, sending=sending)
                 )
                 held, batches = await (opening if deadline is None else deadline.within(opening))
+                if plan.route.breaker is not None and self.breakers.state(key) is not State.CLOSED:
+                    # Its first token shows the backend answers: a half-open trial's verdict, now, not
+                    # when the stream ends (every other request was kept off the backend for the whole
+                    # generation). A break after it counts as any stream's does (`_resuming`).
+                    try:
+                        await self.breakers.success(key)
+                    except BaseException:
+                        await batches.aclose()  # type: ignore[attr-defined]
+                        raise
                 handed_over = True
                 self._note(plan, model, "ok")
                 if deadline is not None and plan.route.breaker is not None:
@@ -346,7 +356,7 @@ class Executor:
                 if slow is not None:
                     await self.breakers.too_slow(key, slow, plan.route)
                 elif _unhealthy(exc):
-                    await self.breakers.failure(key)
+                    await self.breakers.failure(key, unreachable=isinstance(exc, Unreachable))
                 elif isinstance(exc, _BACKEND_ERRORS):
                     await self.breakers.success(key)  # it answered: the request was at fault, not it
                 else:
@@ -632,29 +642,21 @@ class Executor:
     async def _to_end(self, plan: Plan, batches: Batches) -> Batches:
         choice = plan.chosen
         breaker = plan.route.breaker is not None and choice is not None
-        judged = False  # the stream said something about its backend: it ended, or broke
         try:
             async for batch in batches:
                 yield batch
-            judged = True
             if breaker:
                 await self.breakers.success(self._key(choice))  # type: ignore[arg-type]
         except GatewayError as exc:
-            judged = True
             if choice is not None:
                 self._note(plan, choice.candidate.model, "cut")
                 if breaker and _unhealthy(exc):
                     await self.breakers.failure(self._key(choice))
             raise
         finally:
-            if breaker and not judged:
-                self._unjudged(choice)  # type: ignore[arg-type]
+            # A client that left mid-stream says nothing about the backend, and holds no half-open
+            # trial: the stream's first token gave the trial's verdict (`_attempt`).
             await batches.aclose()  # type: ignore[attr-defined]
-
-    def _unjudged(self, choice: Choice) -> None:
-        """The client left mid-stream: a half-open trial that said nothing about its backend lets the
-        next request be the trial now, not one cooldown later."""
-        self.breakers.get(self._key(choice)).release()
 
     async def _resuming(
         self,
@@ -687,7 +689,6 @@ class Executor:
         # A continuation asked for in a user turn, joined onto the text sent (`routing.stitch`): the
         # model may write its end again, start over, or leave out the space between the two. The
         # first answer has one when its vendor was asked so to go on from the client's own prefill.
-        judged = False  # the current attempt's stream said something about its backend
         # What the usage a continuation reports must be told apart from (`_as_one_answer`): the
         # output the cut attempts wrote, as the ledger bills it, and the prefill's tokens.
         # A first answer going on from the client's own prefill was asked so in a turn of Weir's own,
@@ -696,7 +697,7 @@ class Executor:
         told: Usage | None = None  # the usage the client was told, once a stitched answer reported it
         try:
             while True:
-                choice, judged = plan.chosen, False
+                choice = plan.chosen
                 try:
                     async for batch in batches:
                         if resumed:
@@ -725,7 +726,6 @@ class Executor:
                         yield batch
                     if stitch is not None and last is not None and (rest := stitch.end()):
                         yield [_text_chunk(last, rest)]  # the stream ended with no finish reason
-                    judged = True
                     if told is not None:
                         # The request's log line says what the client was told (the continuation's
                         # usage event, recorded as its stream ended, set the vendor's own report).
@@ -734,7 +734,6 @@ class Executor:
                         await self.breakers.success(self._key(choice))
                     return
                 except GatewayError as exc:
-                    judged = True
                     if choice is not None:
                         failed.add(choice.candidate.model)
                         self._note(plan, choice.candidate.model, "cut")
@@ -808,9 +807,8 @@ class Executor:
                         thinking = False
                         yield [_reasoning_end(last)]
         finally:
-            # The stream ended, broke for good, or the client left: the current upstream is closed.
-            if not judged and plan.chosen is not None and plan.route.breaker is not None:
-                self._unjudged(plan.chosen)
+            # The stream ended, broke for good, or the client left (which says nothing about the
+            # backend, and holds no half-open trial: see `_to_end`): the current upstream is closed.
             call.info.route = plan.header()  # the request's log line: every attempt, the cut ones too
             await batches.aclose()  # type: ignore[attr-defined]
 

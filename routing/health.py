@@ -2,12 +2,13 @@
 every `interval` seconds. An answer below 500 (even 401) means it is up; a refused connection,
 timeout or 5xx counts as a failure for every breaker of that backend. The log says when a backend
 changes state (down, back up, or not up yet at start, as a bundled engine loading its model), not
-every failed probe: an outage is one warning, not one every `interval` seconds. A breaker the probes opened
-goes half-open as soon as a probe reaches the backend again, so a backend that came back gets its
-trial request without waiting out the whole cooldown. Each round also adopts the breaker openings
-and recoveries other replicas published in the shared state (`Breakers.sync`): a probe that reached
-the backend within a cooldown makes another replica's probe opening a trial here, not an opening
-(`CircuitBreaker.answered_lately`). Every result also
+every failed probe: an outage is one warning, not one every `interval` seconds. A breaker opened
+because the backend could not be reached (by the probes, or by requests that got no connection) goes
+half-open as soon as a probe reaches the backend again, so a backend that came back gets its trial
+request without waiting out the whole cooldown. Each round also adopts the breaker openings and
+recoveries other replicas published in the shared state (`Breakers.sync`): a probe that reached the
+backend within a cooldown makes another replica's opening for an unreachable backend a trial here,
+not an opening (`CircuitBreaker.answered_lately`). Every result also
 goes to `on_result` (the control plane's uptime recorder) when one is given."""
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class HealthProber:
                 breaker = self.breakers.get(key)
                 if healthy:
                     breaker.reached()
-                    if breaker.current() is State.OPEN and breaker.by_probe:
+                    if breaker.current() is State.OPEN and breaker.unreachable:
                         breaker.half_open()
                         self.breakers.moved(key, State.HALF_OPEN)
                 else:

@@ -4,6 +4,7 @@ exception names and text; the gateway's log keeps those for the operator."""
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
@@ -12,7 +13,11 @@ import openai
 import pytest
 from structlog.testing import capture_logs
 
+from gateway.config import Timeouts
+from gateway.errors import GatewayTimeout, Unreachable
 from gateway.logging import add_request_fields
+from gateway.providers.base import UpstreamRequest
+from gateway.transport import Transport
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 
@@ -152,3 +157,29 @@ def test_a_body_of_an_unexpected_shape_is_a_plain_502_and_the_details_are_logged
     assert line["backend"] == "anthropic" and line["error"].startswith("TypeError: ")
     assert "gateway/providers/anthropic.py:" in line["at"]
     assert line["request_id"] == caught.value.response.headers["x-request-id"]
+
+
+async def test_a_backend_that_takes_no_connection_in_time_is_a_504_that_says_so() -> None:
+    """A listener whose backlog is full drops the next connection's SYNs (a host cut off by a
+    firewall looks the same): the connect timeout ends the attempt. The client is told that no
+    connection was made within it, not that the backend "did not answer" within the first-byte
+    timeout (10 minutes by default, never waited); the breakers count it as a backend unreachable."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        queued = [socket.socket() for _ in range(3)]
+        for filler in queued:
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        transport = Transport()
+        request = UpstreamRequest(url=f"http://127.0.0.1:{port}/v1/chat/completions", headers={}, body=b"{}")
+        try:
+            with pytest.raises(GatewayTimeout) as caught:
+                await transport.send(request, Timeouts(connect=0.3), "openai")
+        finally:
+            await transport.close()
+            for filler in queued:
+                filler.close()
+    assert caught.value.message == "cannot connect to backend openai within 0.3s"
+    assert isinstance(caught.value, Unreachable) and caught.value.status == 504

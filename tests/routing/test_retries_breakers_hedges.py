@@ -219,12 +219,12 @@ def test_retry_after_values_the_executor_reads() -> None:
 # --- breakers ---------------------------------------------------------------------------------------
 
 
-def test_a_half_open_trial_whose_client_left_lets_the_next_request_be_the_trial(
+def test_a_half_open_trial_whose_client_left_after_its_first_token_leaves_the_breaker_closed(
     gateway: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:
-    """The half-open trial is a stream the client walks away from: it neither succeeded nor failed.
-    The next request must be the next trial, not be sent elsewhere while the breaker waits on a trial
-    "in flight" that will never report (for ever before; `allow` also bounds it to a cooldown)."""
+    """The half-open trial is a stream the client walks away from after its first token. That token
+    was the trial's verdict (the backend answered): the breaker is closed, and the client leaving
+    says nothing more, so the next request goes to the backend as to any."""
     breakers = runtime(gateway).router.breakers
     key = "openai/gpt-4o-mini"
     settings = runtime(gateway).router.routes["resilient"][0].breaker  # cooldown 0.5 s
@@ -236,9 +236,34 @@ def test_a_half_open_trial_whose_client_left_lets_the_next_request_be_the_trial(
     stream.close()  # ...and its client left
     settled(gateway, 1)
     assert ledger(gateway) == [("openai", 499)]
-    assert breakers.state(key) == "half_open"
+    assert breakers.state(key) == "closed"
     text, route = chat(gateway, "resilient")
     assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
+    assert breakers.state(key) == "closed"
+
+
+def test_a_streamed_half_open_trial_gives_its_verdict_at_its_first_token(
+    tight_routes: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """The half-open trial is a long, slow stream. Its first token shows the backend answers: that
+    closes the breaker (30 s cooldown here), so a request sent while the stream still runs goes to the
+    backend too. The breaker waited for the stream's end, and sent every request meanwhile to the
+    next candidate (`tried=gpt-4o-mini:open`) for the whole generation."""
+    gateway = tight_routes
+    breakers = runtime(gateway).router.breakers
+    key = "openai/gpt-4o-mini"
+    breakers.get(key).trip(now=time.monotonic() - 31)
+    assert breakers.state(key) == "half_open"
+    fake_openai.fail_next(Fault.slow_stream(0.4))  # six words: about 2.4 s of stream
+    stream = gateway.openai().chat.completions.create(model="resilient", messages=HI, stream=True)
+    chunks = iter(stream)
+    first = next(c for c in chunks if c.choices and c.choices[0].delta.content)  # the trial's first token
+    text, route = chat(gateway, "resilient")  # while the trial streams on
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route, route
+    assert breakers.state(key) == "closed"
+    assert not fake_anthropic.requests
+    rest = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (first.choices[0].delta.content or "") + rest == ECHO  # the trial streamed to its end
     assert breakers.state(key) == "closed"
 
 

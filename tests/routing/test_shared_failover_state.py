@@ -30,7 +30,7 @@ from gateway.state import MemoryState
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 from gateway.transport import Transport
-from routing.breaker import OPENED, PREFIX, TRIAL_RECHECK_S, Breakers, State
+from routing.breaker import OPENED, OPENED_UNREACHABLE, PREFIX, TRIAL_RECHECK_S, Breakers, State
 from routing.health import HealthProber
 from routing.router import Router
 from routing.routes import Breaker as BreakerSettings
@@ -370,7 +370,73 @@ def test_in_an_outage_a_replica_that_saw_the_backend_answer_pays_one_failed_over
         assert tried == (["503", "open", "open"] if answered_here else ["open"] * 3)
         assert b.state(KEY) is State.OPEN
         with redis.Redis.from_url(REDIS_URL) as shared:
-            assert shared.get(f"{redis_prefix}{PREFIX}{KEY}") == OPENED  # B's own opening, published
+            # B's own opening, published: its trial's connection was refused (the backend is down)
+            assert shared.get(f"{redis_prefix}{PREFIX}{KEY}") == OPENED_UNREACHABLE
+
+
+async def _after_a_probe_round(base_url: str, redis_prefix: str) -> State:
+    """Replica B, which never sent the backend a request: its breaker after one health-probe round
+    against `base_url` (its probe, then the openings published in Redis)."""
+    config = parse_config(
+        f'backends:\n  - {{name: openai, type: openai, base_url: "{base_url}", api_key: k}}\n'
+        "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
+        {},
+    )
+    state = DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix))
+    transport = Transport()
+    breakers = Breakers(state)
+    breakers.get(KEY, BreakerSettings(failures=1, cooldown=30))
+    prober = HealthProber(transport, breakers, interval=60, timeout=1.0)
+    prober.watch({"openai": (config.backends[0], [KEY])})
+    try:
+        await prober.run_once()
+        return breakers.state(KEY)
+    finally:
+        await state.close()
+        await transport.close()
+
+
+@pytest.mark.parametrize(
+    ("cause", "told", "published", "on_b"),
+    [
+        ("refused", 503, OPENED_UNREACHABLE, State.HALF_OPEN),
+        ("reset", 502, OPENED_UNREACHABLE, State.HALF_OPEN),
+        ("500", 502, OPENED, State.OPEN),
+    ],
+)
+def test_a_replica_whose_probes_reach_the_backend_contests_an_opening_for_connections_that_failed(
+    cause: str,
+    told: int,
+    published: bytes,
+    on_b: State,
+    backend: FakeOpenAI,
+    spare: FakeOpenAI,
+    redis_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A's request never reached the backend's answer: its connection was refused (A's base URL is a
+    dead port: a partition) or dropped before any response. A's breaker opens as for a backend it
+    cannot reach, and publishes that, as its probes would have: replica B, whose probes reach the
+    backend but which sent it no request yet, contests it (half-open, its next request its own trial)
+    rather than refusing for a cooldown a backend it reaches. It adopted it, since A's opening read as
+    one for bad answers, which only a request of B's own could contest. A 500 is a bad answer: B
+    adopts that opening, its probes notwithstanding."""
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    base_url = dead if cause == "refused" else backend.base_url
+    with _two_gateways((base_url,), spare, redis_prefix, tmp_path, monkeypatch) as gateways:
+        urls, (a,) = gateways
+        if cause == "reset":
+            backend.fail_next(Fault.reset())
+        elif cause == "500":
+            backend.fail_next(500)
+        assert _status(urls[0], "solo") == told
+        assert a.state(KEY) is State.OPEN
+        assert asyncio.run(_after_a_probe_round(backend.base_url, redis_prefix)) is on_b
+        assert _posts(backend) == (0 if cause == "refused" else 1)  # B sent nothing: its probe decided
+        with redis.Redis.from_url(REDIS_URL) as shared:
+            assert shared.get(f"{redis_prefix}{PREFIX}{KEY}") == published
+        assert a.get(KEY).unreachable is (published == OPENED_UNREACHABLE)  # A's probes may half-open it
 
 
 async def test_another_replicas_opening_is_one_trial_here_only_after_a_recent_success_here(
