@@ -103,13 +103,18 @@ class RedisSlots:
         client = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         return cls(client, prefix, ttl_s, outage=outage)
 
+    @property
+    def away(self) -> bool:
+        """Redis is known not to answer: found so here, or by the limits' state (`outage`)."""
+        return self.degraded or (self.outage is not None and self.outage.degraded)
+
     def key(self, tenant: str) -> str:
         return f"{self.prefix}streams:{tenant}"
 
     async def acquire(self, tenant: str, limit: int) -> str | None:
         """A lease id, or None when the tenant has `limit` streams open already."""
         lease = random_hex(12)
-        if self.degraded or (self.outage is not None and self.outage.degraded):
+        if self.away:
             return "local:" + lease if self.local.acquire(tenant, limit) else None
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -185,7 +190,7 @@ class RedisSlots:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self._tasks:
-            if self.degraded or (self.outage is not None and self.outage.degraded):
+            if self.away:
                 # Not waited for while Redis is away (each would wait out `timeout_s` on a hanging
                 # one): the leases they give back expire after `ttl_s` without a refresh.
                 for task in self._tasks:

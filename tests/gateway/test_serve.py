@@ -18,6 +18,26 @@ from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import EXAMPLE
 
+WEIR = str(Path(sys.executable).with_name("weir"))
+
+
+def weir_serve(config: Path, port: int, env: dict[str, str], server_kind: str) -> subprocess.Popen[bytes]:
+    """`weir serve` as a user starts it, its stdout and stderr kept for the test to read."""
+    command = [WEIR, "serve", "--config", str(config), "--port", str(port), "--server", server_kind]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_ready(server: subprocess.Popen[bytes], url: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert server.poll() is None and time.monotonic() < deadline, "weir serve did not start"
+        time.sleep(0.1)
+
 
 @pytest.mark.parametrize("server_kind", ["granian", "uvicorn"])
 def test_weir_serve_with_the_example_config(
@@ -40,24 +60,10 @@ def test_weir_serve_with_the_example_config(
         "GEMINI_API_KEY": fake_gemini.api_key,
         "WEIR_DEMO_KEY": "sk-serve-test",
     }
-    weir = Path(sys.executable).with_name("weir")
-    server = subprocess.Popen(
-        [str(weir), "serve", "--config", str(config), "--port", str(port), "--server", server_kind],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    server = weir_serve(config, port, env, server_kind)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "weir serve did not start"
-            time.sleep(0.1)
+        wait_ready(server, url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-serve-test", max_retries=0)
         reply = client.chat.completions.with_raw_response.create(
             model="claude-sonnet", messages=[{"role": "user", "content": "served"}]
@@ -118,24 +124,10 @@ def test_weir_serve_writes_nothing_but_json_lines(
         "WEIR_USAGE_SPOOL": str(tmp_path / "spool"),
         "WEIR_ADMIN_TOKEN": "wa-serve-test-0123456789",  # else one is made and shown once on stderr
     }
-    weir = Path(sys.executable).with_name("weir")
-    server = subprocess.Popen(
-        [str(weir), "serve", "--config", str(config), "--port", str(port), "--server", server_kind],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    server = weir_serve(config, port, env, server_kind)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "weir serve did not start"
-            time.sleep(0.1)
+        wait_ready(server, url)
         # A tenant with a limit: its request asks Redis, finds it away and says so.
         admin = httpx.Client(
             base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {env['WEIR_ADMIN_TOKEN']}"}
@@ -191,9 +183,8 @@ def test_weir_serve_that_cannot_start_says_why_in_a_json_line(
             port, expected = free_port(), "NoSuchModuleError"
         else:
             port, expected = taken.getsockname()[1], "already in use"
-        weir = Path(sys.executable).with_name("weir")
         done = subprocess.run(
-            [str(weir), "serve", "--config", str(config), "--port", str(port), "--server", server_kind],
+            [WEIR, "serve", "--config", str(config), "--port", str(port), "--server", server_kind],
             env=env,
             capture_output=True,
             timeout=60,
