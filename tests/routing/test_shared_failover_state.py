@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -57,6 +57,34 @@ def backend() -> Iterator[FakeOpenAI]:
         yield fake
 
 
+@asynccontextmanager
+async def probed_replicas(
+    base_url: str, redis_prefix: str, settings: BreakerSettings, count: int = 2
+) -> AsyncIterator[list[tuple[Breakers, HealthProber]]]:
+    """`count` replicas over one Redis: each a breaker set holding `KEY` with `settings`, and a health
+    prober of its own watching the backend at `base_url` (driven with `run_once`)."""
+    config = parse_config(
+        f'backends:\n  - {{name: openai, type: openai, base_url: "{base_url}", api_key: k}}\n'
+        "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
+        {},
+    )
+    states = [DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix)) for _ in range(count)]
+    transport = Transport()
+    replicas = []
+    for state in states:
+        breakers = Breakers(state)
+        breakers.get(KEY, settings)
+        prober = HealthProber(transport, breakers, interval=60, timeout=1.0)
+        prober.watch({"openai": (config.backends[0], [KEY])})
+        replicas.append((breakers, prober))
+    try:
+        yield replicas
+    finally:
+        for state in states:
+            await state.close()
+        await transport.close()
+
+
 async def test_an_adopted_probe_opening_half_opens_when_this_replicas_probes_reach_the_backend(
     backend: FakeOpenAI, redis_prefix: str
 ) -> None:
@@ -66,38 +94,23 @@ async def test_an_adopted_probe_opening_half_opens_when_this_replicas_probes_rea
     half-open as soon as a probe reaches the backend again). B's probe reaches it too, so B must
     half-open as well, not refuse a backend it can reach for the rest of a 30 s cooldown (it did:
     the adopted opening lost the fact that probes caused it)."""
-    config = parse_config(
-        f'backends:\n  - {{name: openai, type: openai, base_url: "{backend.base_url}", api_key: k}}\n'
-        "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
-        {},
-    )
-    target = config.backends[0]
-    settings = BreakerSettings(failures=2, cooldown=30)
-    states = [DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix)) for _ in "ab"]
-    transport = Transport()
-    a, b = Breakers(states[0]), Breakers(states[1])
-    probers = [HealthProber(transport, breakers, interval=60, timeout=1.0) for breakers in (a, b)]
-    try:
-        for breakers, prober in zip((a, b), probers, strict=True):
-            breakers.get(KEY, settings)
-            prober.watch({"openai": (target, [KEY])})
+    async with probed_replicas(backend.base_url, redis_prefix, BreakerSettings(failures=2, cooldown=30)) as (
+        (a, a_prober),
+        (b, b_prober),
+    ):
         backend.stop()
-        await probers[0].run_once()
-        await probers[0].run_once()  # A: two failures, open, published
+        await a_prober.run_once()
+        await a_prober.run_once()  # A: two failures, open, published
         assert a.state(KEY) is State.OPEN
-        await probers[1].run_once()  # B: one failure of its own, then it adopts A's opening
+        await b_prober.run_once()  # B: one failure of its own, then it adopts A's opening
         assert b.state(KEY) is State.OPEN and (KEY, State.OPEN) in b.transitions
 
         backend.start()
-        await probers[0].run_once()
+        await a_prober.run_once()
         assert a.state(KEY) is State.HALF_OPEN  # A's own probe opening: half-open at once
-        await probers[1].run_once()
+        await b_prober.run_once()
         assert b.state(KEY) is State.HALF_OPEN, "B's probe reached the backend, yet B still refuses it"
         assert b.get(KEY).allow() and not b.get(KEY).allow()  # one trial on B, as on A
-    finally:
-        for state in states:
-            await state.close()
-        await transport.close()
 
 
 async def test_a_probe_opening_is_one_trial_on_a_replica_whose_probes_reach_the_backend(
@@ -107,28 +120,14 @@ async def test_a_probe_opening_is_one_trial_on_a_replica_whose_probes_reach_the_
     the probes' opening), B's reach it. B's probe round reads the opening after its own probe reached
     the backend: B half-opens at once (`cause=contested`), its next request being its trial, rather
     than refusing the backend until its next probe round."""
-    config = parse_config(
-        f'backends:\n  - {{name: openai, type: openai, base_url: "{backend.base_url}", api_key: k}}\n'
-        "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
-        {},
-    )
-    settings = BreakerSettings(failures=1, cooldown=30)
-    states = [DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix)) for _ in "ab"]
-    transport = Transport()
-    a, b = Breakers(states[0]), Breakers(states[1])
-    prober = HealthProber(transport, b, interval=60, timeout=1.0)
-    try:
-        for breakers in (a, b):
-            breakers.get(KEY, settings)
-        prober.watch({"openai": (config.backends[0], [KEY])})
+    async with probed_replicas(backend.base_url, redis_prefix, BreakerSettings(failures=1, cooldown=30)) as (
+        (a, _),
+        (b, prober),
+    ):
         await a.failure(KEY, probe=True)  # A's probe could not reach it
         await prober.run_once()  # B's reaches it, then B reads A's opening
         assert b.state(KEY) is State.HALF_OPEN and (KEY, State.OPEN) not in b.transitions
         assert await b.allow(KEY) and not await b.allow(KEY)  # one trial, B's own
-    finally:
-        for state in states:
-            await state.close()
-        await transport.close()
 
 
 async def test_an_adopted_opening_for_bad_answers_still_waits_out_its_cooldown(
@@ -136,30 +135,16 @@ async def test_an_adopted_opening_for_bad_answers_still_waits_out_its_cooldown(
 ) -> None:
     """The other side of the same rule: an opening caused by failed requests (5xx answers, which a
     model list cannot show are over) is adopted as such, so B's healthy probes do not half-open it."""
-    config = parse_config(
-        f'backends:\n  - {{name: openai, type: openai, base_url: "{backend.base_url}", api_key: k}}\n'
-        "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
-        {},
-    )
-    settings = BreakerSettings(failures=2, cooldown=30)
-    states = [DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix)) for _ in "ab"]
-    transport = Transport()
-    a, b = Breakers(states[0]), Breakers(states[1])
-    prober = HealthProber(transport, b, interval=60, timeout=1.0)
-    try:
-        for breakers in (a, b):
-            breakers.get(KEY, settings)
-        prober.watch({"openai": (config.backends[0], [KEY])})
+    async with probed_replicas(backend.base_url, redis_prefix, BreakerSettings(failures=2, cooldown=30)) as (
+        (a, _),
+        (b, prober),
+    ):
         for _ in range(2):
             await a.failure(KEY)  # two 500s answered on A
         await prober.run_once()  # B's probe is fine; it adopts A's opening
         assert b.state(KEY) is State.OPEN
         await prober.run_once()
         assert b.state(KEY) is State.OPEN  # the probes cannot tell the answers are good again
-    finally:
-        for state in states:
-            await state.close()
-        await transport.close()
 
 
 # --- two real gateways over one Redis -----------------------------------------------------------------
@@ -377,23 +362,11 @@ def test_in_an_outage_a_replica_that_saw_the_backend_answer_pays_one_failed_over
 async def _after_a_probe_round(base_url: str, redis_prefix: str) -> State:
     """Replica B, which never sent the backend a request: its breaker after one health-probe round
     against `base_url` (its probe, then the openings published in Redis)."""
-    config = parse_config(
-        f'backends:\n  - {{name: openai, type: openai, base_url: "{base_url}", api_key: k}}\n'
-        "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
-        {},
-    )
-    state = DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix))
-    transport = Transport()
-    breakers = Breakers(state)
-    breakers.get(KEY, BreakerSettings(failures=1, cooldown=30))
-    prober = HealthProber(transport, breakers, interval=60, timeout=1.0)
-    prober.watch({"openai": (config.backends[0], [KEY])})
-    try:
+    async with probed_replicas(base_url, redis_prefix, BreakerSettings(failures=1, cooldown=30), 1) as [
+        (breakers, prober)
+    ]:
         await prober.run_once()
         return breakers.state(KEY)
-    finally:
-        await state.close()
-        await transport.close()
 
 
 @pytest.mark.parametrize(
