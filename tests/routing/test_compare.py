@@ -353,6 +353,20 @@ def test_both_answers_are_graded_and_become_full_training_rows(
     assert report.routed_by == [None] * len(prompts)  # type: ignore[attr-defined]
 
 
+def compared_request(url: str) -> tuple[httpx.Client, httpx.Headers]:
+    """A tenant that stores its prompts asks `auto` an easy question, which is sampled for comparison:
+    an admin client of the gateway at `url`, and the reply's headers."""
+    admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+    keeps = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
+    key = admin.post(f"/tenants/{keeps['id']}/keys", json={}).json()["key"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": "easy question"}]
+    )
+    assert "compare=sampled" in raw.headers["x-weir-route"]
+    return admin, raw.headers
+
+
 def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
     fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
@@ -376,16 +390,9 @@ def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
     app.state.gateway.router.context.scorer = lambda prompt: 0.1
     fake_anthropic.fail_next(Fault.reset())  # the judge: the only call to Anthropic
     with serve(app, free_port()) as url, capture_logs(processors=[add_request_fields]) as logs:
-        admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
-        keeps = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
-        key = admin.post(f"/tenants/{keeps['id']}/keys", json={}).json()["key"]
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
-        raw = client.chat.completions.with_raw_response.create(
-            model="auto", messages=[{"role": "user", "content": "easy question"}]
-        )
-        assert "compare=sampled" in raw.headers["x-weir-route"]
+        _, headers = compared_request(url)
         wait_for(lambda: any(e["event"] == "comparison_failed" for e in logs))
-    client_id = raw.headers["x-request-id"]
+    client_id = headers["x-request-id"]
     [broken] = [e for e in logs if e["event"] == "upstream_request_broken"]
     [judged] = [e for e in sink.events if e.backend == "anthropic"]
     assert broken["request_id"] == judged.request_id != client_id
@@ -419,14 +426,7 @@ def test_a_comparison_running_when_its_route_is_deleted_brings_back_no_series(
     gateway = app.state.gateway
     gateway.router.context.scorer = lambda prompt: 0.1
     with serve(app, free_port()) as url:
-        admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
-        keeps = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
-        key = admin.post(f"/tenants/{keeps['id']}/keys", json={}).json()["key"]
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
-        raw = client.chat.completions.with_raw_response.create(
-            model="auto", messages=[{"role": "user", "content": "easy question"}]
-        )
-        assert "compare=sampled" in raw.headers["x-weir-route"]
+        admin, _ = compared_request(url)
         wait_for(lambda: any(r.path.endswith("/messages") for r in fake_anthropic.requests))
         [auto] = [route for route in admin.get("/routes").json()["data"] if route["name"] == "auto"]
         assert admin.delete(f"/routes/{auto['id']}").status_code == 204
