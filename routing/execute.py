@@ -339,13 +339,7 @@ class Executor:
                 await self.breakers.success(key)
             return result
         except GatewayError as exc:
-            if call.routes.pop(number, None) is not None:
-                # The pipeline takes the attempt's entry when it records its usage event, which it
-                # does for every attempt it sent: one still there was refused by the gateway itself
-                # before anything went upstream (rate limit, budget, stream slots). It is no attempt,
-                # in `x-weir-route` (attempts=0) or the metrics (a `429` there reads as the vendor's).
-                plan.attempts -= 1  # the next try is the first again, and is admitted first
-                call.stopped.pop(number, None)
+            if _unsent(call, plan, number):
                 if plan.route.breaker is not None:
                     self._no_verdict(plan.route, key)
                 raise
@@ -365,12 +359,9 @@ class Executor:
                     latency.release()  # it failed before its first token was due: no word on its speed
             raise
         except asyncio.CancelledError:
-            if call.routes.pop(number, None) is not None:
-                # Cancelled before anything went upstream (its client left while the gateway
-                # refused it at admission): no attempt, as any refusal by the gateway (above).
-                plan.attempts -= 1
-                call.stopped.pop(number, None)
-            else:
+            # Cancelled before anything went upstream (its client left while the gateway refused it
+            # at admission): no attempt, as any refusal by the gateway (above).
+            if not _unsent(call, plan, number):
                 self._note(plan, model, "cancelled")
             if plan.route.breaker is not None:
                 self._no_verdict(plan.route, key)
@@ -1088,6 +1079,19 @@ def _text_chunk(like: ChatChunk, text: str) -> ChatChunk:
     """A chunk of answer text alone, with the id, model and time of `like`."""
     choice = ChunkChoice(index=0, delta=Delta(content=text))
     return msgspec.structs.replace(like, choices=[choice], usage=None, raw=None)
+
+
+def _unsent(call: Call, plan: Plan, number: int) -> bool:
+    """Whether attempt `number` ended before anything went upstream, and if so take it back. The
+    pipeline takes the attempt's entry when it records its usage event, which it does for every
+    attempt it sent: one still there was refused by the gateway itself (rate limit, budget, stream
+    slots). It is no attempt, in `x-weir-route` (attempts=0) or the metrics (a `429` there reads as
+    the vendor's)."""
+    if call.routes.pop(number, None) is None:
+        return False
+    plan.attempts -= 1  # the next try is the first again, and is admitted first
+    call.stopped.pop(number, None)
+    return True
 
 
 def _instruction_tokens(stitch: Stitcher | None) -> int:
