@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from gateway.auth import Principal
     from gateway.router_basic import ModelTable, Target
     from gateway.state import SharedState
+    from routing.router import InForce
     from routing.routes import Route
 
 log = structlog.get_logger("weir.routing.compare")
@@ -114,6 +115,13 @@ RECENT_RANKED = 1000  # comparisons per route and head that /metrics ranks, on e
 def needs_strong(weak_score: float, strong_score: float) -> bool:
     """Whether only the strong model's answer was acceptable: what a difficulty head should rank high."""
     return weak_score < ACCEPTABLE <= strong_score
+
+
+def ranks(route: Route, head: str | None) -> bool:
+    """Whether `route` keeps rankings of `head`'s scores: it compares, and the head is a shipped one
+    or the trained head it names."""
+    trained = head_name(head)
+    return route.policy == "difficulty" and route.compare is not None and trained in (None, route.head)
 
 
 def scaled(grade: float) -> float:
@@ -181,17 +189,14 @@ class RecentRanking:
         rows.append((p_strong, needs_strong))
 
     def forget(self, routes: Sequence[Route]) -> None:
-        """Keep the rows of routes in force that compare, and of the heads they can score with (the
-        shipped ones, and the trained head each names): a deleted route's rows, or those of a head
-        it no longer names, are never added to again, and an AUC below chance among them kept
-        WeirDifficultyHeadWorseThanChance firing."""
-        named: dict[str, set[str | None]] = {}
+        """Keep the rows of routes in force that compare, and of the heads they can score with
+        (`ranks`): a deleted route's rows, or those of a head it no longer names, are never added to
+        again, and an AUC below chance among them kept WeirDifficultyHeadWorseThanChance firing."""
+        by_name: dict[str, list[Route]] = {}
         for route in routes:
-            if route.policy == "difficulty" and route.compare is not None:
-                named.setdefault(route.name, set()).add(route.head)
+            by_name.setdefault(route.name, []).append(route)
         for name, head in list(self.rows):
-            trained = head_name(head)
-            if name not in named or (trained is not None and trained not in named[name]):
+            if not any(ranks(route, head) for route in by_name.get(name, ())):
                 del self.rows[(name, head)]
 
     def collect(self) -> Iterator[Metric]:
@@ -249,7 +254,7 @@ class Comparer:
         context: PolicyContext,
         stores_prompts: Callable[[Principal], bool],
         registry: CollectorRegistry | None = None,
-        in_force: Callable[[str], bool] = lambda route: True,
+        in_force: InForce = lambda name, does=None: True,
     ) -> None:
         self.pipeline = pipeline
         self.models = models
@@ -273,7 +278,8 @@ class Comparer:
         if registry is not None:
             registry.register(self.recent)
         # Router.in_force: a comparison still running when its route was deleted counts nothing
-        # (its series and rankings went with the route, in `forget`).
+        # (its series and rankings went with the route, in `forget`), nor, when its route stopped
+        # comparing (or naming its head), in the rankings let go of then.
         self.in_force = in_force
 
     def forget(self, routes: Sequence[Route], gone: Collection[str]) -> None:
@@ -422,7 +428,7 @@ class Comparer:
             strong_score = sum(g["strong"] for g in graded) / len(graded)
             await self._store(job, tenant, weak_score, strong_score)
             self._count(route.name, "judged")
-            if job.p_strong is not None and self.in_force(route.name):
+            if job.p_strong is not None and self.in_force(route.name, lambda now: ranks(now, job.head)):
                 self.recent.add(route.name, job.head, job.p_strong, needs_strong(weak_score, strong_score))
         except GatewayError as exc:  # refused (rate limit, budget) or failed upstream: no label
             log.info("comparison_failed", route=route.name, request_id=job.request_id, error=exc.type)

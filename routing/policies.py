@@ -11,7 +11,7 @@ import hashlib
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,11 +23,12 @@ from routing.load import LoadReports
 from routing.plan import Choice, Features
 from routing.prefixes import PrefixIndex, cuts, prefix_keys
 from routing.routes import Route
-from routing.stats import RETRY_UNMEASURED_S, RoutingStats
+from routing.stats import RETRY_UNMEASURED_S, RoutingStats, uses_prefix_affinity
 
 if TYPE_CHECKING:
     from routing.difficulty import HeadChoice
     from routing.heads import HeadStore
+    from routing.router import InForce
 
 Scorer = Callable[[str], float]  # prompt -> p_strong
 # (backend, upstream model) -> the price catalog's micro-USD per 1M tokens by token class, valid now;
@@ -56,6 +57,9 @@ class PolicyContext:
     # The admin DB's price catalog, which bills every attempt (an admin may change it at any time);
     # None, or a model it has no row for: the config's `price`.
     prices: PriceLookup | None = None
+    # Router.in_force: a plan that awaited (a score, a prefix look-up in Redis) while its route was
+    # deleted or edited adds back no window or count the table change let go of (`forget`).
+    in_force: InForce = lambda name, does=None: True
 
     def score_difficulty(self, prompt: str) -> float:
         if self.scorer is None:
@@ -78,26 +82,19 @@ class PolicyContext:
         hits, total = self.affinity.get(route, (0, 0))
         return hits / total if total else None
 
-    def forget(self, routes: Iterable[Route]) -> None:
+    def forget(self, routes: Sequence[Route]) -> None:
         """Let go of what was learned for routes no longer in force (`Router.set_routes`): routes
         are created, renamed and deleted through the admin API while a replica runs for weeks, and
         each strong-share window holds up to 2,000 scores. Kept: the windows of difficulty routes
-        with a target share (their shipped heads', and their named head's), and prefix_affinity
-        routes' counts."""
-        heads: dict[tuple[str, ...], set[str | None]] = {}
-        affinity: set[str] = set()
+        with a target share (`reads_window`), and prefix_affinity routes' counts."""
+        by_name: dict[str, list[Route]] = {}
         for route in routes:
-            if route.policy == "difficulty" and route.strong_share is not None:
-                heads.setdefault(_route_key(route), set()).add(route.head)
-            elif route.policy == "prefix_affinity":
-                affinity.add(route.name)
+            by_name.setdefault(route.name, []).append(route)
         for key in list(self.calibrators):
-            named, trained = heads.get((key[0], *key[2:])), head_name(key[1])
-            # A trained head the route no longer names is not read again.
-            if named is None or (trained is not None and trained not in named):
+            if not any(reads_window(route, key) for route in by_name.get(key[0], ())):
                 del self.calibrators[key]
         for table in (self.affinity, self.stats.affinity_tokens):
-            for name in [name for name in table if name not in affinity]:
+            for name in [n for n in table if not any(map(uses_prefix_affinity, by_name.get(n, ())))]:
                 del table[name]
 
 
@@ -112,6 +109,19 @@ def _route_key(route: Route) -> tuple[str, ...]:
     if route.when is None:
         return (route.name,)
     return (route.name, msgspec.json.encode(route.when).decode())
+
+
+def reads_window(route: Route, key: tuple[str, ...]) -> bool:
+    """Whether `route` reads the strong-share window `key` (route name, scoring head[, conditions]):
+    a difficulty route with a target share, of that name and those conditions, scored by a shipped
+    head or the trained head it names (one it no longer names is not read again)."""
+    trained = head_name(key[1])
+    return (
+        route.policy == "difficulty"
+        and route.strong_share is not None
+        and trained in (None, route.head)
+        and _route_key(route) == (key[0], *key[2:])
+    )
 
 
 async def order(
@@ -270,7 +280,7 @@ async def difficulty(
         calibrator = ctx.calibrators.get(key)
         if calibrator is None or calibrator.target_share != route.strong_share:
             calibrator = StrongShareCalibrator(route.strong_share, initial_threshold=route.threshold)
-            if record:
+            if record and ctx.in_force(route.name, lambda now: reads_window(now, key)):
                 if trained is not None:
                     # A new version of the route's head (retrained, stored again under its name):
                     # the window of the one it replaces is never read again (kept, one window
@@ -374,7 +384,11 @@ async def prefix_affinity(
     # behind an open breaker takes nothing: the executor skips it.
     ordered = available + overloaded + closed
     hit = ordered[0] is preferred and preferred.reason != "open"
-    counts = ctx.affinity.setdefault(route.name, [0, 0]) if record else ctx.affinity.get(route.name, [0, 0])
+    counts = ctx.affinity.get(route.name)
+    if counts is None:
+        counts = [0, 0]
+        if record and ctx.in_force(route.name, uses_prefix_affinity):
+            ctx.affinity[route.name] = counts
     if record:
         counts[0] += hit
         counts[1] += 1

@@ -11,7 +11,7 @@ import asyncio
 import math
 import re
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -38,6 +38,14 @@ if TYPE_CHECKING:
 # Called after each route table change with the routes now in force and the names no longer in force
 # (deleted or renamed: no route of the name is left), to let go of what was kept for them.
 RoutesListener = Callable[[Sequence[Route], Collection[str]], None]
+
+
+class InForce(Protocol):
+    """`Router.in_force`, as what is kept per route asks it before adding a row for a late event."""
+
+    def __call__(self, name: str, does: Callable[[Route], bool] | None = None) -> bool: ...
+
+
 IDLE_PROBE_INTERVAL_S = 5.0  # how often an idle prober looks for routes to probe
 log = structlog.get_logger("weir.routing")
 
@@ -226,7 +234,9 @@ class Router:
         self.models = models
         self.stats = RoutingStats(self.in_force)
         self.breakers = Breakers(state)
-        self.context = PolicyContext(self.stats, head=difficulty_head, breakers=self.breakers)
+        self.context = PolicyContext(
+            self.stats, head=difficulty_head, breakers=self.breakers, in_force=self.in_force
+        )
         self.routes: dict[str, list[Route]] = {}
         self.version = 0
         self.seed = list(routes)
@@ -397,11 +407,16 @@ class Router:
     def names(self) -> list[str]:
         return list(self.routes)
 
-    def in_force(self, name: str) -> bool:
-        """Whether requests for `name` are served now: a route of that name, or a plain model. A
-        request that began before its route was deleted or renamed counts nothing more under the old
-        name, or its metrics would bring back the series the table change dropped (`listeners`)."""
-        return name in self.routes or name in self.models.targets
+    def in_force(self, name: str, does: Callable[[Route], bool] | None = None) -> bool:
+        """Whether requests for `name` are served now: a route of that name, or a plain model; with
+        `does`, whether a route of that name in force does what a row is kept for (uses prefix
+        affinity, compares, ...). A request or comparison that began under an older table adds no row
+        the table change let go of (`listeners`, `PolicyContext.forget`), or it would come back until
+        the next change: none under a name deleted or renamed, none of a kind its route no longer
+        keeps."""
+        if does is None:
+            return name in self.routes or name in self.models.targets
+        return any(does(route) for route in self.routes.get(name, ()))
 
     def offers(self, name: str, principal: Principal) -> bool:
         """Whether some request of `principal` can use the route `name`: one of its routes has no

@@ -6,10 +6,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.accounting.events import UsageEvent
+
+if TYPE_CHECKING:
+    from routing.router import InForce
+    from routing.routes import Route
 
 ALPHA = 0.2  # weight of the newest observation in each moving average
 WINDOW = 200  # recent TTFTs kept for the p95
@@ -43,12 +47,18 @@ def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + ALPHA * (new - old)
 
 
+def uses_prefix_affinity(route: Route) -> bool:
+    """Whether the route keeps prefix-affinity counts (hits, cached prompt tokens)."""
+    return route.policy == "prefix_affinity"
+
+
 class RoutingStats:
     """A UsageSink: record() is called once per attempt; must not block."""
 
-    def __init__(self, in_force: Callable[[str], bool] = lambda route: True) -> None:
+    def __init__(self, in_force: InForce = lambda name, does=None: True) -> None:
         self.models: dict[tuple[str, str], ModelStats] = {}
-        self.in_force = in_force  # Router.in_force: a deleted route's late attempts add no row
+        # Router.in_force: the late attempts of a route deleted, or no longer prefix_affinity, add no row
+        self.in_force = in_force
         # prefix_affinity route -> [prompt tokens, of them read from the replicas' prefix caches]: the
         # hit rate the policy achieves, as the engines report it (where it sent requests is not that).
         self.affinity_tokens: dict[str, list[int]] = {}
@@ -86,7 +96,7 @@ class RoutingStats:
             stats.cache_hit_rate = _ewma(stats.cache_hit_rate, usage.cached_input_tokens / prompt)
             if event.routing is not None and "policy=prefix_affinity" in event.routing:
                 tokens = self.affinity_tokens.get(event.route)
-                if tokens is None and self.in_force(event.route):
+                if tokens is None and self.in_force(event.route, uses_prefix_affinity):
                     tokens = self.affinity_tokens[event.route] = [0, 0]
                 if tokens is not None:
                     tokens[0] += prompt

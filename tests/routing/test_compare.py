@@ -401,7 +401,9 @@ def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
     assert failed["request_id"] == client_id  # the comparison's own line names the client's request
 
 
-def test_a_comparison_running_when_its_route_is_deleted_brings_back_no_series(
+@pytest.mark.parametrize("deleted", [True, False], ids=["deleted", "stopped_comparing"])
+def test_a_comparison_running_when_its_route_is_deleted_or_stops_comparing_brings_back_no_row(
+    deleted: bool,
     fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
     tmp_path: Path,
@@ -410,7 +412,9 @@ def test_a_comparison_running_when_its_route_is_deleted_brings_back_no_series(
     """A comparison outlives the request it follows by a judge's answer (seconds). One still running
     when an admin deleted its route counted its outcome, and its judge call's tokens, under the
     deleted name once the table change had dropped its series: they came back, until the name was
-    deleted again. They do not now."""
+    deleted again. They do not now. Nor does its ranking (`weir_route_head_ranking_*`) come back
+    under a route edited to stop comparing, which keeps its name's other series (its outcome counts:
+    its grades are stored)."""
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     fake_anthropic.answer_as("claude-sonnet-4-5", judge)
@@ -429,11 +433,16 @@ def test_a_comparison_running_when_its_route_is_deleted_brings_back_no_series(
         admin, _ = compared_request(url)
         wait_for(lambda: any(r.path.endswith("/messages") for r in fake_anthropic.requests))
         [auto] = [route for route in admin.get("/routes").json()["data"] if route["name"] == "auto"]
-        assert admin.delete(f"/routes/{auto['id']}").status_code == 204
-        wait_for(lambda: not gateway.comparer.tasks)  # judged, after the deletion
+        if deleted:
+            assert admin.delete(f"/routes/{auto['id']}").status_code == 204
+        else:
+            assert admin.put(f"/routes/{auto['id']}", json={**auto, "compare": None}).status_code == 200
+        wait_for(lambda: not gateway.comparer.tasks)  # judged, after the change
         scraped = httpx.get(f"{url}/metrics").text
-    left = [line for line in scraped.splitlines() if '"auto"' in line]
+    left = [line for line in scraped.splitlines() if '"auto"' in line and (deleted or "ranking" in line)]
     assert (left, gateway.comparer.recent.rows) == ([], {})
+    if not deleted:
+        assert 'weir_route_comparisons_total{outcome="judged",route="auto"} 1.0' in scraped
 
 
 def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() -> None:
