@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -28,3 +29,21 @@ def stop_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def retry_until(
+    ask: Callable[[], Awaitable[object]],
+    interval_s: float,
+    timeout_s: float,
+    errors: tuple[type[Exception], ...],
+) -> None:
+    """Every `interval_s`, `ask` (each call bounded by `timeout_s`) until it returns without one of
+    `errors`: how a background task waits, off every request's path, for a store found away to answer
+    again (a hanging one would keep the request that asked waiting `timeout_s`)."""
+    while True:
+        stop_if_cancelled()  # a cancel that library code swallowed last round
+        await asyncio.sleep(interval_s)
+        with contextlib.suppress(*errors):
+            async with asyncio.timeout(timeout_s):
+                await ask()
+            return

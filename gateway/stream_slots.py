@@ -18,7 +18,7 @@ import contextlib
 import redis.asyncio as aioredis
 import structlog
 
-from gateway.aio import detached, stop_if_cancelled
+from gateway.aio import detached, retry_until, stop_if_cancelled
 from gateway.ids import random_hex
 from gateway.state.base import Outage
 
@@ -137,17 +137,11 @@ class RedisSlots:
 
     async def _probe(self) -> None:
         """Ask Redis every `retry_s` until it answers, off every request's path."""
-        while True:
-            stop_if_cancelled()  # a cancel that library code swallowed last round
-            await asyncio.sleep(self.retry_s)
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    await self.client.ping()
-            except (aioredis.RedisError, OSError, TimeoutError):
-                continue
-            self.degraded = False
-            log.info("stream_slots_recovered")
-            return
+        await retry_until(
+            self.client.ping, self.retry_s, self.timeout_s, (aioredis.RedisError, OSError, TimeoutError)
+        )
+        self.degraded = False
+        log.info("stream_slots_recovered")
 
     def release(self, tenant: str, lease: str) -> None:
         """Give a lease back without waiting (called as the exchange ends, maybe while cancelled)."""

@@ -288,10 +288,16 @@ class RedisStreamQueue:
         self.spool = spool
         # Lines a previous process spooled and never forwarded are sent first.
         self.spooling = spool is not None and bool(spool.read_lines(1))
-        self._failing = False
-        # The shared state (set by the control plane): a Redis that one of them found away is not
-        # waited for by the other (at shutdown, each wait on a hanging Redis cost seconds).
+        self._failing = False  # the pump's, for its log (once per outage)
+        # Redis did not answer this queue's last call (an XADD, a read, an acknowledgement) and has
+        # answered none since: a shutdown does not ask it again (each wait on a hanging Redis cost
+        # `timeout_s`). The shared state (`outage`, set by the control plane) adds what its own
+        # calls found, and hears what these found.
+        self._unanswered = False
         self.outage: Outage | None = None
+        # This consumer's entries from `_reread` on (a stream id) are read again before anything
+        # else: a read that failed may have had them delivered (see `read_lines`).
+        self._reread: str | None = None
         # Entries taken by a shared-state pipeline (take_entry) not yet settled, by id: what `close`
         # spools if their pipeline has not answered by then.
         self._riding: dict[int, bytes] = {}
@@ -423,19 +429,22 @@ class RedisStreamQueue:
     @contextlib.asynccontextmanager
     async def _answered(self, wait_s: float) -> AsyncIterator[None]:
         """Bounds a call to Redis by `wait_s` (redis-py's own socket timeout is 5 s); one that found
-        Redis away tells the shared state (`outage`), so neither waits for it again meanwhile."""
+        Redis away is remembered (`reachable`) and told to the shared state (`outage`), so neither
+        waits for it again meanwhile."""
         try:
             async with asyncio.timeout(wait_s):
                 yield
         except _UNREACHABLE as exc:
+            self._unanswered = True
             if self.outage is not None:
                 self.outage.lost(exc)
             raise
+        self._unanswered = False
 
     @property
     def reachable(self) -> bool:
-        """Redis took this queue's last flush, and the shared state has not found it away since."""
-        return not self._failing and not (self.outage is not None and self.outage.degraded)
+        """Redis answered this queue's last call, and the shared state has not found it away since."""
+        return not self._unanswered and not (self.outage is not None and self.outage.degraded)
 
     async def _xadd(self, lines: list[bytes]) -> None:
         # One stream entry carries many events (JSON lines): far less to pack and parse than an
@@ -470,15 +479,24 @@ class RedisStreamQueue:
     async def read_lines(self, max_events: int, block_s: float) -> list[tuple[Token, bytes]]:
         """As `read`, with each event as its encoded line (`events.encode`), not decoded: for a
         writer that hands the lines to the database as they are."""
-        async with self._answered(block_s + self._timeout):
-            try:
-                return await self._read(max_events, block_s)
-            except aioredis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                # Redis restarted without its data (no persistence): make the group again.
-                self._group_ready = False
-                return await self._read(max_events, block_s)
+        try:
+            async with self._answered(block_s + self._timeout):
+                try:
+                    return await self._read(max_events, block_s)
+                except aioredis.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    # Redis restarted without its data (no persistence): make the group again.
+                    self._group_ready = False
+                    return await self._read(max_events, block_s)
+        except BaseException:
+            # Redis may have delivered entries to this consumer whose reply never came here (a
+            # timeout, a dropped connection, a cancel): the next read takes them again at once, where
+            # they waited `claim_idle_s` to be claimed. Entries read twice are harmless (the ledger
+            # takes each event id once), and the writer reads only once it acknowledged its last
+            # batch, so this consumer's unacknowledged entries are only ever such lost ones.
+            self._reread = "0"
+            raise
 
     async def _read(self, max_events: int, block_s: float) -> list[tuple[Token, bytes]]:
         await self._ensure_group()
@@ -487,24 +505,18 @@ class RedisStreamQueue:
         # reads after an outage (full entries) stay near `max_events` instead of 20x it (40k events
         # in one batch, seen after a Redis outage); never more entries than max_events / 10.
         count = max(1, min(max_events // 10, round(max_events / self._per_entry)))
-        _, claimed, *_ = await self._redis.xautoclaim(
-            self._stream, self.GROUP, self._consumer, min_idle_time=self._claim_idle_ms, count=count
-        )
-        entries = list(claimed)
+        entries: list[Any] = []
+        if self._reread is not None:
+            # This consumer's own entries a failed read may have had delivered, a page at a time.
+            entries = await self._deliver(self._reread, count)
+            self._reread = entries[-1][0] if len(entries) == count else None
         if not entries:
-            # RESP2 (the client's protocol) replies [[stream, entries], ...]; the stubs also allow
-            # RESP3's dict, which this client never gets.
-            response = cast(
-                "list[list[Any]]",
-                await self._redis.xreadgroup(
-                    self.GROUP,
-                    self._consumer,
-                    {self._stream: ">"},
-                    count=count,
-                    block=int(block_s * 1000) if block_s > 0 else None,
-                ),
+            _, claimed, *_ = await self._redis.xautoclaim(
+                self._stream, self.GROUP, self._consumer, min_idle_time=self._claim_idle_ms, count=count
             )
-            entries = response[0][1] if response else []
+            entries = list(claimed)
+        if not entries:
+            entries = await self._deliver(">", count, block_s)
         self.drained = len(entries) < count
         # Tokens are entry ids; an entry's events are acknowledged together, after all are written.
         lines = [
@@ -513,6 +525,23 @@ class RedisStreamQueue:
         if entries:
             self._per_entry = min(max(len(lines) / len(entries), 1.0), float(self.EVENTS_PER_ENTRY))
         return lines
+
+    async def _deliver(self, start: str, count: int, block_s: float = 0) -> list[Any]:
+        """XREADGROUP from `start`: ">", entries no consumer was given yet (waiting up to `block_s`
+        for some); a stream id, this consumer's own unacknowledged entries after it (at once)."""
+        # RESP2 (the client's protocol) replies [[stream, entries], ...]; the stubs also allow
+        # RESP3's dict, which this client never gets.
+        response = cast(
+            "list[list[Any]]",
+            await self._redis.xreadgroup(
+                self.GROUP,
+                self._consumer,
+                {self._stream: start},
+                count=count,
+                block=int(block_s * 1000) if block_s > 0 else None,
+            ),
+        )
+        return response[0][1] if response else []
 
     async def ack(self, tokens: list[Token]) -> None:
         tokens = list(dict.fromkeys(tokens))

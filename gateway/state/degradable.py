@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from gateway.aio import detached, stop_if_cancelled
+from gateway.aio import detached, retry_until
 from gateway.state.base import (
     Admission,
     Budget,
@@ -106,16 +107,9 @@ class DegradableState(Shortcuts):
     async def _probe(self) -> None:
         """Ask Redis every `retry_s` until it answers (off every request's path: a hanging Redis
         would make the asking call wait `timeout_s`), then switch back to it."""
-        while True:
-            stop_if_cancelled()  # a cancel that library code swallowed last round
-            await asyncio.sleep(self.retry_s)
-            try:
-                await self._ask("kv_get", PROBE_KEY)
-            except _UNREACHABLE:
-                continue
-            log.warning("Redis reachable again: limits and budgets shared across replicas")
-            _degraded.discard(id(self))
-            return
+        await retry_until(lambda: self._ask("kv_get", PROBE_KEY), self.retry_s, self.timeout_s, _UNREACHABLE)
+        log.warning("Redis reachable again: limits and budgets shared across replicas")
+        _degraded.discard(id(self))
 
     async def _catch_up(self) -> None:
         """Hand Redis what was settled here while it was away: seeds first (a seed only applies to a
@@ -209,21 +203,15 @@ class DegradableState(Shortcuts):
         """Subscribe `callback` in Redis, each try bounded by `timeout_s`, every `retry_s` until one
         succeeds (the subscription then retries on its own, RedisState._listen). Revocations published
         before that reach this replica within the key-cache TTL, as during any outage."""
-        failed = False
-        while True:
-            stop_if_cancelled()  # a cancel that library code swallowed last round
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    await self.primary.subscribe_revocations(callback)
-            except _UNREACHABLE as exc:
-                if not failed:
-                    log.warning("cannot subscribe to revocations in Redis (%r); retrying", exc)
-                    failed = True
-                await asyncio.sleep(self.retry_s)
-                continue
-            if failed:
-                log.info("subscribed to revocations in Redis")
+        subscribe = functools.partial(self.primary.subscribe_revocations, callback)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await subscribe()
             return
+        except _UNREACHABLE as exc:
+            log.warning("cannot subscribe to revocations in Redis (%r); retrying", exc)
+        await retry_until(subscribe, self.retry_s, self.timeout_s, _UNREACHABLE)
+        log.info("subscribed to revocations in Redis")
 
     async def kv_get(self, key: str) -> bytes | None:
         result: bytes | None = await self._call("kv_get", key)

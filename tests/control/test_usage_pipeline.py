@@ -8,10 +8,12 @@ import datetime as dt
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -168,6 +170,37 @@ async def test_stream_entries_of_a_dead_writer_are_taken_over(redis_prefix: str,
     assert (await ledger(engine))[0] == 50
     for q in (producer, dead, survivor):
         await q.close()
+
+
+@pytest.mark.redis
+async def test_entries_a_lost_read_had_delivered_are_read_again_at_once(
+    redis_prefix: str, engine: AsyncEngine
+) -> None:
+    """Redis gave a read entries but its reply never came (a timeout): they stayed this consumer's,
+    unacknowledged, and waited claim_idle_s (30 s) to be claimed. The next read takes them again at
+    once, page by page, then the new ones; the ledger holds each event once."""
+    queue = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    batch = events(30, seed=8)
+    for event in batch:  # an entry each: the lost reads below take ten entries each
+        await put_all(queue, [event])
+    deliver = queue._redis.xreadgroup
+
+    async def lost(*args: Any, **kwargs: Any) -> Any:
+        await deliver(*args, **kwargs)  # Redis delivers the entries to this consumer...
+        raise RedisTimeoutError("Timeout reading from Redis")  # ...and its reply never arrives
+
+    writer = BatchWriter(queue, engine, batch_size=100)
+    queue._redis.xreadgroup = lost  # type: ignore[method-assign]
+    for _ in range(2):
+        with pytest.raises(RedisTimeoutError):
+            await writer.step(block_s=0)
+    queue._redis.xreadgroup = deliver  # type: ignore[method-assign]
+    await writer.drain()
+    count, cost, rollup_cost = await ledger(engine)
+    assert count == 30 and cost == rollup_cost == sum(e.cost_pico_usd for e in batch)
+    assert writer.stats.duplicates == 0  # nothing was read twice
+    assert (await queue._redis.xpending(f"{redis_prefix}usage", RedisStreamQueue.GROUP))["pending"] == 0
+    await queue.close()
 
 
 async def test_spool_is_one_process_and_skips_torn_lines(tmp_path: Path) -> None:

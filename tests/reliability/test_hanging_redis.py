@@ -23,17 +23,19 @@ import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.accounting.queue import SpoolQueue
+from gateway.accounting.queue import RedisStreamQueue, SpoolQueue
+from gateway.accounting.writer import BatchWriter
 from gateway.admin.keys import key_digest
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.db import migrate
 from gateway.db.models import ApiKey, utcnow
 from gateway.db.session import create_engine, sessionmaker
-from gateway.state.redis import RedisState
+from gateway.state.redis import RedisState, client_from_url
 from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL
 from tests.control.test_gateway_control import ADMIN, Weir
+from tests.control.test_stream_pump import event
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
 
@@ -273,6 +275,42 @@ def test_a_gateway_stops_at_once_while_redis_hangs_and_its_usage_reaches_the_led
     with serve(_app(fake_openai, tmp_path), free_port()) as url:
         rows = Weir(url, _db(tmp_path)).ledger(tenant_id, 1)
     assert [status for *_, status, _key in rows] == [200]
+
+
+async def test_a_usage_queue_without_the_shared_state_stops_at_once_once_it_met_a_hang(
+    hanging_redis: HangingRedis, redis_prefix: str, tmp_path: Path
+) -> None:
+    """A usage queue built without the shared state (which tells it of a hang the limits met) knew of
+    one only from its pump's XADD: its writer's read that met the hang told nobody, so the shutdown
+    asked Redis twice more, the writer's last read and the queue's last XADD, a timeout each. What
+    any of the queue's own calls finds counts now: the shutdown waits for neither, and the event
+    Redis did not take waits in the spool."""
+    timeout_s = 0.5
+    client = client_from_url(f"redis://127.0.0.1:{hanging_redis.port}/0")
+    spool = SpoolQueue(tmp_path / "spool")
+    # A flush window longer than the test: the event is still buffered when the queue closes.
+    queue = RedisStreamQueue(
+        client, prefix=redis_prefix, flush_interval_s=30.0, spool=spool, timeout_s=timeout_s
+    )
+    engine = create_engine(_db(tmp_path))
+    writer = BatchWriter(queue, engine)
+    try:
+        assert await queue.read_lines(10, 0) == []  # Redis answers (the consumer group is made)
+        hanging_redis.hang()
+        with pytest.raises(TimeoutError):
+            await queue.read_lines(10, 0)  # the writer's read meets the hang
+        queue.put(event(1))
+        stopping = time.monotonic()
+        await writer.stop()
+        await queue.close()
+        took = time.monotonic() - stopping
+    finally:
+        await engine.dispose()
+    print(f"stopped in {took:.3f} s while Redis hung")
+    assert took < timeout_s / 2, f"{took:.2f} s: the shutdown waited on the hanging Redis"
+    left = SpoolQueue(tmp_path / "spool")
+    assert [e.request_id for _, e in await left.read(10, 0)] == ["r1"]
+    await left.close()
 
 
 async def _revoke_on_another_replica(db_url: str, prefix: str, key_id: str, key: str) -> None:
