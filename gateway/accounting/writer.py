@@ -358,8 +358,9 @@ class BatchWriter:
                 chunk = rows[start : start + MAX_ROWS_PER_INSERT]
                 new_ids.update((await conn.execute(self._insert_events, chunk)).scalars())
                 self.stats.statements += 1
-            fresh = [r for r in rows if r["event_id"] in new_ids]
-            rollups = _rollup_rows(fresh)
+            # One row per new event: a batch may hold an event twice, which the ledger stores once.
+            fresh = {r["event_id"]: r for r in rows if r["event_id"] in new_ids}
+            rollups = _rollup_rows(list(fresh.values()))
             if rollups:
                 await conn.execute(self._upsert_rollups, rollups)
         self.stats.batches += 1
@@ -383,7 +384,10 @@ class BatchWriter:
                 async with driver.execute(statement, _sqlite_params(chunk)) as cursor:  # type: ignore[union-attr]
                     new_ids.update([r[0] for r in await cursor.fetchall()])
                 self.stats.statements += 1
-            fresh = events if len(new_ids) == len(events) else [e for e in events if e.event_id in new_ids]
+            if len(new_ids) == len(events):
+                fresh = events
+            else:  # one per new event: a batch may hold an event twice, which the ledger stores once
+                fresh = list({e.event_id: e for e in events if e.event_id in new_ids}.values())
             rollups = _event_rollups(fresh)
             if rollups:
                 await conn.execute(self._upsert_rollups, rollups)

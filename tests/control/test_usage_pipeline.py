@@ -264,6 +264,35 @@ async def test_rollups_hold_every_sum_of_the_events_they_count(engine: AsyncEngi
     assert sum(r["errors"] for r in stored) == sum(1 for e in batch if not e.ok) > 0
 
 
+async def test_an_event_twice_in_one_batch_is_counted_once(engine: AsyncEngine) -> None:
+    """One batch can hold an event twice (a ride re-sent after its pipeline's answer was lost, a spool
+    forwarded twice, read together). The ledger stores it once; the rollups must count it once too."""
+    await _write_twice_in_one_batch(engine, latency_ms=12.5)
+
+
+@pytest.mark.postgres
+async def test_an_event_twice_in_one_batch_is_counted_once_on_postgres_array_path(pg_url: str) -> None:
+    """The same on PostgreSQL's other path (a time JSON cannot carry, NaN: the rollups are summed in
+    Weir, not by the server)."""
+    await migrate.upgrade_async(pg_url)
+    engine = create_engine(pg_url)
+    try:
+        await _write_twice_in_one_batch(engine, latency_ms=float("nan"))
+    finally:
+        await engine.dispose()
+
+
+async def _write_twice_in_one_batch(engine: AsyncEngine, latency_ms: float) -> None:
+    batch = [msgspec.structs.replace(e, latency_ms=latency_ms) for e in events(6, seed=41)]
+    writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
+    assert await writer.write(batch + batch[:2]) == 6
+    assert writer.stats.duplicates == 2
+    count, cost, rollup_cost = await ledger(engine)
+    assert count == 6 and cost == rollup_cost == sum(e.cost_pico_usd for e in batch)
+    async with engine.connect() as conn:
+        assert (await conn.execute(select(func.sum(UsageRollup.requests)))).scalar() == 6
+
+
 @pytest.mark.redis
 @pytest.mark.postgres
 async def test_stream_lines_go_to_postgres_as_sent_and_unreadable_ones_are_skipped(
