@@ -3,18 +3,23 @@
 Fed by request outcomes (the executor) and by active health probes (routing.health). Consecutive
 failures open a breaker; after `cooldown` one trial request is let through (half-open): its success
 closes the breaker (a stream's, at its first token: the backend answered), its failure opens it
-again. When shared state is configured (Redis), an opening is published with the cooldown as TTL, and
-with its cause (the backend unreachable, or bad answers), so every replica stops sending there; a
-recovery is published too, and moves the other replicas' open breakers to half-open
+again. Only that trial's success closes it: a request let through while it was closed that answers
+after it opened closes nothing (`Breakers.success`). An opening for a backend that could not be
+reached half-opens early once a probe reaches it (`Breakers.reached`); where a trial the probes let
+through (so, or by contesting another replica's opening) fails, their word counts for nothing there
+until a request succeeds (`CircuitBreaker.refuted`: a backend that answers its model list but fails
+requests). When shared state is configured (Redis), an opening is published with the cooldown as
+TTL, and with its cause (the backend unreachable, or bad answers), so every replica stops sending
+there; a recovery is published too, and moves the other replicas' open breakers to half-open
 (`Breakers.sync`). A replica that saw the backend answer within a cooldown
 (`CircuitBreaker.answered_lately`) does not take another's opening on trust: it half-opens, and its
 next request there decides for it (`Breakers.sync`), since the replica that opened may be the only
-one cut off from the backend. A half-open trial
-that only the cooldown let through is the fleet's one: a replica claims it in the shared state first
-(`Breakers.allow`), so N replicas send one trial per cooldown to a dead backend, not N; once that
-trial succeeds, the replicas it kept waiting read its recovery within TRIAL_RECHECK_S. Routes that
-send to one backend/model share its breaker, with settings decided once per route table from theirs
-(`shared_settings`: the fewest failures, the longest cooldown).
+one cut off from the backend. A half-open trial that only the cooldown let through is the fleet's
+one: a replica claims it in the shared state first (`Breakers.allow`), so N replicas send one trial
+per cooldown to a dead backend, not N; once that trial succeeds, the replicas it kept waiting read
+its recovery within TRIAL_RECHECK_S. Routes that send to one backend/model share its breaker, with
+settings decided once per route table from theirs (`shared_settings`: the fewest failures, the
+longest cooldown).
 
 A route's `ttft_timeout` is that route's latency preference: it counts against the backend's breaker
 only where no route in force that uses the breaker would wait longer (`Breakers.too_slow`). Where
@@ -51,7 +56,8 @@ PREFIX = "weir:breaker:"
 # soon as they reach the backend, as the replica that opened it does (an adopted opening that forgot
 # this refused a backend its probes reached for a whole cooldown), and a replica whose probes reached
 # it lately contests it (`answered_lately`). Bad answers (5xx, 429) say "open": they wait out the
-# cooldown everywhere.
+# cooldown everywhere, as does an opening for a backend unreachable whose probes' word a failed trial
+# refuted (`CircuitBreaker.refuted`).
 OPENED = b"open"
 OPENED_UNREACHABLE = b"open:probe"
 # What a recovery publishes: b"closed:<token>", for a cooldown. A token of its own per recovery, so a
@@ -120,6 +126,18 @@ class CircuitBreaker:
     # opening met this replica's own recent success (Breakers.sync): a trial then is one request to a
     # backend seen up, each replica's own.
     fleet_trial: bool = False
+    # Half-open on the probes' word: a probe of this replica reached the backend of an opening for one
+    # unreachable, or this replica contested another's such opening on a probe's reach alone, no
+    # request having answered here lately (`Breakers.reached`, `Breakers.sync`). A request's failure
+    # then refutes that word (`refuted`).
+    probed: bool = False
+    # A trial the probes' word let through failed: the backend answers its model list but fails
+    # requests (one that crashes on them, its connection reset before any answer, reads as unreachable
+    # too). Until a request succeeds here (closing the breaker), an opening for a backend unreachable is
+    # a plain one: the probes do not half-open it early, and it is published as OPENED, which the other
+    # replicas' probes do not contest. Else every probe round sent one more request to fail there, not
+    # one per cooldown.
+    refuted: bool = False
     claimed_until: float = 0.0  # monotonic: this replica holds the fleet's trial until then
     trial_elsewhere_until: float = 0.0  # monotonic: another replica holds it until then
     # Monotonic: until then a request is refused here without asking whether that trial is over (at
@@ -139,10 +157,11 @@ class CircuitBreaker:
                 self.state, self.trial_in_flight, self.fleet_trial = State.HALF_OPEN, False, True
         return self.state
 
-    def half_open(self) -> None:
-        """Half-open now on a sign that the backend is back (see `fleet_trial`): the next request is
-        this replica's trial."""
+    def half_open(self, probed: bool = False) -> None:
+        """Half-open now on a sign that the backend is back (see `fleet_trial`; `probed`: the probes'
+        word, see `probed`): the next request is this replica's trial."""
         self.state, self.trial_in_flight, self.fleet_trial = State.HALF_OPEN, False, False
+        self.probed = probed
         self.trial_elsewhere_until = self.trial_recheck_at = 0.0
 
     def admits(self, now: float | None = None) -> bool:
@@ -197,19 +216,22 @@ class CircuitBreaker:
         """Record a success; True when this closed a breaker that was not closed."""
         changed = self.state is not State.CLOSED
         self.state, self.failures, self.trial_in_flight = State.CLOSED, 0, False
+        self.probed = self.refuted = False
         self.claimed_until = self.trial_elsewhere_until = self.trial_recheck_at = 0.0
         self.last_success = self.last_reached = time.monotonic()
         return changed
 
-    def failure(self, unreachable: bool = False) -> bool:
-        """Record a failure (`unreachable`: the backend could not be reached, see `unreachable`); True
+    def failure(self, unreachable: bool = False, probe: bool = False) -> bool:
+        """Record a failure (`unreachable`: the backend could not be reached, see `unreachable`;
+        `probe`: a health probe's, which says the probes' word changed, not that it was wrong); True
         when this opened the breaker."""
         self.failures += 1
         self.last_success = self.last_reached = None
         state = self.current()
         if state is State.HALF_OPEN or (state is State.CLOSED and self.failures >= self.settings.failures):
+            self.refuted = self.refuted or (state is State.HALF_OPEN and self.probed and not probe)
             self.trip()
-            self.unreachable = unreachable
+            self.unreachable = unreachable and not self.refuted
             return True
         return False
 
@@ -219,7 +241,7 @@ class CircuitBreaker:
         self.trial_in_flight = False
 
     def trip(self, now: float | None = None) -> None:
-        self.state, self.trial_in_flight, self.unreachable = State.OPEN, False, False
+        self.state, self.trial_in_flight, self.unreachable, self.probed = State.OPEN, False, False, False
         self.claimed_until = self.trial_elsewhere_until = self.trial_recheck_at = 0.0
         self.opened_at = time.monotonic() if now is None else now
 
@@ -269,18 +291,23 @@ class Breakers:
         open, on /metrics and met by a route added later there, until the next table change."""
         breaker = self.breakers.get(key)
         if breaker is None:
-            chosen = settings or self.settings.get(key)
-            if chosen is None and self.routed:
+            if settings is None and not self._kept(key):
                 return CircuitBreaker(BreakerSettings())
-            breaker = self.breakers[key] = CircuitBreaker(chosen or BreakerSettings())
+            chosen = settings or self.settings.get(key) or BreakerSettings()
+            breaker = self.breakers[key] = CircuitBreaker(chosen)
         elif settings is not None:
             breaker.settings = settings
         return breaker
 
+    def _kept(self, key: str) -> bool:
+        """Whether `key` has a breaker kept here: where no route table decides (`routed`), any key;
+        else one the table in force has a breaker on."""
+        return not self.routed or key in self.settings
+
     def _judged(self, key: str) -> CircuitBreaker | None:
         """The breaker a verdict on `key` goes to: none where the route table has none (see `get`)."""
         breaker = self.breakers.get(key)
-        if breaker is None and (not self.routed or key in self.settings):
+        if breaker is None and self._kept(key):
             breaker = self.get(key)
         return breaker
 
@@ -304,9 +331,11 @@ class Breakers:
         """Note a transition, and log it: an opening between two scrapes of the state gauge would
         otherwise leave no trace. `cause` of an opening: `requests` (failed answers), `unreachable`
         (requests that got no connection, or lost it before any answer), `probe` (the health probes
-        could not reach it) or `replica` (adopted from another replica); of a half-open: `replica`
-        (another replica's request succeeded there), `contested` (another replica opened it, but this
-        one saw it answer within a cooldown: see `sync`), else none."""
+        could not reach it), `refuted` (it could not be reached, but a trial the probes' word let
+        through failed there since the breaker last closed: a plain opening, see
+        `CircuitBreaker.refuted`) or `replica` (adopted from another replica); of a half-open:
+        `replica` (another replica's request succeeded there), `contested` (another replica opened it,
+        but this one saw it answer within a cooldown: see `sync`), else none (a probe reached it)."""
         self.transitions.append((key, state))
         if state is State.OPEN:
             log.warning("breaker_opened", breaker=key, cause=cause)
@@ -353,9 +382,21 @@ class Breakers:
             breaker.trial_recheck_at = now + min(left, cooldown, TRIAL_RECHECK_S)
         return False
 
-    async def success(self, key: str) -> None:
+    async def success(self, key: str, trial: bool = True) -> None:
+        """A request at `key` succeeded (the backend answered). A breaker that is not closed closes
+        only on its own half-open trial's success (`trial`; tests and tools, without an executor, need
+        not say). Any other (`trial` False: a request let through while the breaker was closed that
+        answers after it opened, or a stream's end, whose first token gave its verdict) resets a
+        closed breaker's count of failures and closes no other: let through before the opening, it
+        says nothing of the requests the opening keeps off the backend. Closing on it, and publishing
+        that recovery to the fleet, sent every request back to a backend that failed the latest ones
+        (a long stream ending after the opening, above all). So only the cooldown, a probe or another
+        replica's recovery moves an open breaker (Polly and resilience4j ignore a late success there
+        too), and the trial then let through decides."""
         breaker = self._judged(key)
-        if breaker is not None and breaker.success():
+        if breaker is None or (not trial and breaker.current() is not State.CLOSED):
+            return
+        if breaker.success():
             self.moved(key, State.CLOSED)
             if self.shared is not None:
                 # For a cooldown: every opening it can end, adopted or this replica's own, ends by
@@ -364,18 +405,29 @@ class Breakers:
                 recovered = breaker.recovery_seen = RECOVERED + b":" + os.urandom(8).hex().encode()
                 await self.shared.kv_set(PREFIX + key, recovered, ttl_s=breaker.settings.cooldown)
 
+    def reached(self, key: str) -> None:
+        """A health probe reached `key`'s backend (it answered, even 401). An opening for a backend
+        unreachable half-opens at once, on the probes' word (`CircuitBreaker.probed`): a backend that
+        came back gets its trial without waiting out the cooldown."""
+        breaker = self.get(key)
+        breaker.reached()
+        if breaker.current() is State.OPEN and breaker.unreachable:
+            breaker.half_open(probed=True)
+            self.moved(key, State.HALF_OPEN)
+
     async def failure(self, key: str, probe: bool = False, unreachable: bool = False) -> None:
         """A failure at `key`: a health probe's (`probe`: it could not reach the backend), or a
         request's, `unreachable` where it got no connection or lost it before any answer. Both open
         the breaker as unreachable, which a replica that reached the backend lately contests (see
-        `OPENED_UNREACHABLE`); a request's bad answer (5xx, 429) opens it for its cooldown."""
+        `OPENED_UNREACHABLE`), unless the probes' word on it was refuted (`CircuitBreaker.refuted`);
+        a request's bad answer (5xx, 429) opens it for its cooldown."""
         unreachable = unreachable or probe
         breaker = self._judged(key)
-        if breaker is not None and breaker.failure(unreachable):
+        if breaker is not None and breaker.failure(unreachable, probe):
             cause = "probe" if probe else "unreachable" if unreachable else "requests"
-            self.moved(key, State.OPEN, cause)
+            self.moved(key, State.OPEN, "refuted" if unreachable and breaker.refuted else cause)
             if self.shared is not None:
-                value = OPENED_UNREACHABLE if unreachable else OPENED
+                value = OPENED_UNREACHABLE if breaker.unreachable else OPENED
                 await self.shared.kv_set(PREFIX + key, value, ttl_s=breaker.settings.cooldown)
 
     async def too_slow(self, key: str, waited: float, route: Route | None = None) -> None:
@@ -470,9 +522,12 @@ class Breakers:
         recovery, which also ends the opening's record (read again, it would be adopted again) and
         half-opens the replicas that adopted it. No fleet trial: the backend was seen up here. A
         replica with no such word of its own has nothing to set against the opening, and a real
-        outage costs it no request."""
+        outage costs it no request. Contested on a probe's reach alone (no request answered here
+        lately), the trial is one the probes' word let through: its failure refutes that word
+        (`CircuitBreaker.refuted`), and the opening it publishes is a plain one, which replicas cannot
+        contest on their probes either."""
         if breaker.answered_lately(unreachable):
-            breaker.half_open()
+            breaker.half_open(probed=not breaker.answered_lately(False))
             self.moved(key, State.HALF_OPEN, "contested")
         else:
             breaker.trip()

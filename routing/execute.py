@@ -267,12 +267,14 @@ class Executor:
         numbers: dict[asyncio.Future[Any], int] | None = None,
         sent: asyncio.Future[None] | None = None,
         race: _Race | None = None,
+        trial: bool = False,
     ) -> Any:
         """One upstream attempt: the parsed response, or a stream iterator past its first output.
         `charge` is settled with the attempt's cost once its usage event prices it. Run as a task of
         its own (a hedge race), it enters its attempt number in `numbers` under that task, resolves
         `sent` once it is admitted and goes upstream, and a whole answer it reads must take `race`
-        (else it ends cancelled, as the race's loser)."""
+        (else it ends cancelled, as the race's loser). `trial`: its backend's breaker let it through
+        as its half-open trial, whose success alone closes the breaker (`Breakers.success`)."""
         target = choice.target
         model = choice.candidate.model
         try:
@@ -311,7 +313,7 @@ class Executor:
                     self.pipeline.stream(call, target, upstream, reader, attempt=number, sending=sending)
                 )
                 held, batches = await (opening if deadline is None else deadline.within(opening))
-                if plan.route.breaker is not None and self.breakers.state(key) is not State.CLOSED:
+                if plan.route.breaker is not None and trial:
                     # Its first token shows the backend answers: a half-open trial's verdict, now, not
                     # when the stream ends (every other request was kept off the backend for the whole
                     # generation). A break after it counts as any stream's does (`_resuming`).
@@ -336,7 +338,7 @@ class Executor:
             )
             self._note(plan, model, "ok")
             if plan.route.breaker is not None:
-                await self.breakers.success(key)
+                await self.breakers.success(key, trial)
             return result
         except GatewayError as exc:
             if _unsent(call, plan, number):
@@ -352,7 +354,7 @@ class Executor:
                 elif _unhealthy(exc):
                     await self.breakers.failure(key, unreachable=isinstance(exc, Unreachable))
                 elif isinstance(exc, _BACKEND_ERRORS):
-                    await self.breakers.success(key)  # it answered: the request was at fault, not it
+                    await self.breakers.success(key, trial)  # it answered: the request was at fault
                 else:
                     self.breakers.get(key).release()
                 if slow is None and (latency := self.breakers.latency_breaker(plan.route, key)) is not None:
@@ -419,14 +421,17 @@ class Executor:
                 soonest = min(soonest, held.available_in())
                 continue
             for retry in range(route.retry.attempts):
+                # Admitted just now (`_refused`, before the first try or the retry): still half-open,
+                # it goes as the breaker's trial.
+                trial = breaker is not None and breaker.state is State.HALF_OPEN
                 try:
                     if retry == 0 and route.hedge is not None and not skip:
                         partner = self._hedge_partner(route, op, queue[index + 1 :])
                         if partner is not None:
-                            result = await self._hedged(call, plan, choice, partner, op, feats)
+                            result = await self._hedged(call, plan, choice, partner, op, feats, trial)
                             call.info.error = None
                             return result
-                    result = await self._attempt(call, plan, choice, op)
+                    result = await self._attempt(call, plan, choice, op, trial=trial)
                     plan.chosen = choice
                     call.info.error = None  # earlier attempts failed; the request did not
                     return result
@@ -521,17 +526,25 @@ class Executor:
         return max(route.hedge.min_delay, p95 if p95 is not None else 1.0)
 
     async def _hedged(
-        self, call: Call, plan: Plan, primary: Choice, partner: Choice, op: Operation, feats: Features
+        self,
+        call: Call,
+        plan: Plan,
+        primary: Choice,
+        partner: Choice,
+        op: Operation,
+        feats: Features,
+        trial: bool = False,
     ) -> Any:
         """Start `primary`; if it has not answered (first token) within the hedge delay, also start
-        `partner`; the first to answer wins, the other is cancelled."""
+        `partner`; the first to answer wins, the other is cancelled. `trial`: `primary` goes as its
+        breaker's half-open trial (a partner never does: only a closed one is picked)."""
         route = plan.route
         assert route.hedge is not None
         numbers: dict[asyncio.Future[Any], int] = {}  # each attempt's number, by its task
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         race = _Race()
         first = asyncio.ensure_future(
-            self._attempt(call, plan, primary, op, numbers=numbers, sent=sent, race=race)
+            self._attempt(call, plan, primary, op, numbers=numbers, sent=sent, race=race, trial=trial)
         )
         try:
             # The delay counts from when the primary goes upstream, once admitted (with Redis a
@@ -636,8 +649,8 @@ class Executor:
         try:
             async for batch in batches:
                 yield batch
-            if breaker:
-                await self.breakers.success(self._key(choice))  # type: ignore[arg-type]
+            if breaker:  # no trial's verdict: its first token gave that (`_attempt`)
+                await self.breakers.success(self._key(choice), trial=False)  # type: ignore[arg-type]
         except GatewayError as exc:
             if choice is not None:
                 self._note(plan, choice.candidate.model, "cut")
@@ -722,7 +735,8 @@ class Executor:
                         # usage event, recorded as its stream ended, set the vendor's own report).
                         call.info.usage = told
                     if choice is not None and plan.route.breaker is not None:
-                        await self.breakers.success(self._key(choice))
+                        # No trial's verdict: its first token gave that (`_attempt`).
+                        await self.breakers.success(self._key(choice), trial=False)
                     return
                 except GatewayError as exc:
                     if choice is not None:

@@ -5,11 +5,13 @@ changes state (down, back up, or not up yet at start, as a bundled engine loadin
 every failed probe: an outage is one warning, not one every `interval` seconds. A breaker opened
 because the backend could not be reached (by the probes, or by requests that got no connection) goes
 half-open as soon as a probe reaches the backend again, so a backend that came back gets its trial
-request without waiting out the whole cooldown. Each round also adopts the breaker openings and
-recoveries other replicas published in the shared state (`Breakers.sync`): a probe that reached the
-backend within a cooldown makes another replica's opening for an unreachable backend a trial here,
-not an opening (`CircuitBreaker.answered_lately`). Every result also
-goes to `on_result` (the control plane's uptime recorder) when one is given."""
+request without waiting out the whole cooldown (`Breakers.reached`), unless a trial the probes' word
+let through failed there since the breaker last closed: a backend that answers its model list but
+fails requests then costs one request per cooldown, not one per round (`CircuitBreaker.refuted`).
+Each round also adopts the breaker openings and recoveries other replicas published in the shared
+state (`Breakers.sync`): a probe that reached the backend within a cooldown makes another replica's
+opening for an unreachable backend a trial here, not an opening (`CircuitBreaker.answered_lately`).
+Every result also goes to `on_result` (the control plane's uptime recorder) when one is given."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import structlog
 
 from gateway.aio import stop_if_cancelled
 from gateway.config import Backend
-from routing.breaker import Breakers, State
+from routing.breaker import Breakers
 from routing.load import LoadReports, report_request
 
 log = structlog.get_logger("weir.routing")
@@ -117,12 +119,8 @@ class HealthProber:
             if self.on_result is not None:
                 self.on_result(backend.name, healthy, latency_ms if healthy else None, at)
             for key in keys:
-                breaker = self.breakers.get(key)
                 if healthy:
-                    breaker.reached()
-                    if breaker.current() is State.OPEN and breaker.unreachable:
-                        breaker.half_open()
-                        self.breakers.moved(key, State.HALF_OPEN)
+                    self.breakers.reached(key)
                 else:
                     await self.breakers.failure(key, probe=True)
             self._log_change(backend.name, healthy)

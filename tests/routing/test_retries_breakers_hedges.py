@@ -267,6 +267,67 @@ def test_a_streamed_half_open_trial_gives_its_verdict_at_its_first_token(
     assert breakers.state(key) == "closed"
 
 
+@pytest.mark.parametrize("answer", ["first_token", "stream_end", "whole"])
+def test_a_request_let_through_before_the_breaker_opened_does_not_close_it_when_it_answers(
+    tight_routes: RunningGateway, fake_openai: FakeOpenAI, answer: str
+) -> None:
+    """A request goes to the backend while its breaker is closed; before it answers (a stream's first
+    token, a stream's end, a whole answer), other requests' failures open the breaker. Its answer was
+    no half-open trial: it closes nothing, and the next request skips the backend for the cooldown
+    (30 s here). It closed the breaker (a stream's first token did so wherever the breaker was not
+    closed), sending the next requests back to a backend that had just failed the latest ones."""
+    gateway = tight_routes
+    breakers = runtime(gateway).router.breakers
+    key = "openai/gpt-4o-mini"
+    if answer == "stream_end":
+        fake_openai.fail_next(Fault.slow_stream(0.1))
+    else:
+        fake_openai.set_latency(first_token=0.4)
+
+    def ask() -> str:
+        if answer == "whole":
+            return chat(gateway, "resilient")[0]
+        stream = gateway.openai().chat.completions.create(model="resilient", messages=HI, stream=True)
+        chunks = iter(stream)
+        first = next(c for c in chunks if c.choices and c.choices[0].delta.content)
+        if answer == "stream_end":
+            breakers.get(key).trip()  # after its first token, before its end
+        return (first.choices[0].delta.content or "") + "".join(
+            c.choices[0].delta.content or "" for c in chunks if c.choices
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(ask)
+        if answer != "stream_end":
+            deadline = time.monotonic() + 5
+            while not fake_openai.requests:  # sent while the breaker was closed...
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            breakers.get(key).trip()  # ...and opened before it answers
+        assert asked.result(timeout=10) == ECHO
+    assert breakers.state(key) == "open"
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_hedged_routes_half_open_trial_closes_the_breaker_when_it_answers(
+    gateway: RunningGateway, stream: bool
+) -> None:
+    """A hedged route's first candidate is its breaker's half-open trial: its answer (a stream's first
+    token) before the hedge delay closes the breaker, as an unhedged route's does."""
+    breakers = runtime(gateway).router.breakers
+    key = "openai/gpt-4o-mini"
+    breakers.get(key).trip(now=time.monotonic() - 1)  # cooldown 0.5 s: half-open
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="hedged", messages=HI, stream=stream
+    )
+    assert route_header(raw)["candidate"] == "gpt-4o-mini" and "hedged" not in route_header(raw)
+    if stream:
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    assert breakers.state(key) == "closed"
+
+
 def test_a_half_open_trial_that_never_reports_is_replaced_after_a_cooldown() -> None:
     breaker = Breakers().get("b/m", BreakerSettings(failures=1, cooldown=0.5))
     breaker.trip(now=0.0)
