@@ -1,7 +1,10 @@
-"""Fixtures for the routing tests: the shipped classifier (loaded once) and the tiny MMLU slice."""
+"""Fixtures for the routing tests: the shipped classifier (loaded once), the tiny MMLU slice, and a
+routed gateway in front of the fake vendors (one per module; a module names its routes by overriding
+`gateway_routes`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,8 @@ import pytest
 from routing.difficulty import DifficultyClassifier
 from tests.control.conftest import redis_prefix  # noqa: F401  (a fixture shared with tests/control)
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.gateway.conftest import RunningGateway
+from tests.routing.routed import ROUTES, fresh, routed_gateway
 
 DATA = Path(__file__).parent / "data"
 
@@ -29,3 +34,35 @@ def fresh_fakes(
     fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
 ) -> None:
     """Every fake vendor reset for this test (their own fixtures do it)."""
+
+
+@pytest.fixture(scope="module")
+def gateway_routes() -> str:
+    """The `routes:` section of `_routed`: the shared ones (tests.routing.routed.ROUTES) unless the
+    module overrides this fixture with its own."""
+    return ROUTES
+
+
+@pytest.fixture(scope="module")
+def _routed(
+    gateway_routes: str,
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    """The module's routed gateway: started once, it outlives the per-test resets of the fakes."""
+    with routed_gateway(
+        _fake_openai_server,
+        _fake_anthropic_server,
+        _fake_gemini_server,
+        _fake_deepseek_server,
+        gateway_routes,
+    ) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
+    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
+    return fresh(_routed)

@@ -69,6 +69,11 @@ def ledger(gateway: RunningGateway) -> list[tuple[str, int]]:
     return [(e.backend, e.status) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
 
 
+def attempts(gateway: RunningGateway) -> list[tuple[str, bool]]:
+    """(backend, ok) of every attempt's usage event, in attempt order."""
+    return [(e.backend, e.ok) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
+
+
 def settled(gateway: RunningGateway, count: int) -> None:
     """Usage events of a cancelled, cut or closed attempt are recorded as it unwinds: wait for them."""
     deadline = time.monotonic() + 5

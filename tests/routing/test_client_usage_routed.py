@@ -19,7 +19,7 @@ reads again) is in the ledger and not in the response.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from structlog.testing import capture_logs
 from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import FAST, ROUTES, fresh, route_header, routed_gateway, settled
+from tests.routing.routed import FAST, ROUTES, fresh, route_header, settled
 
 ECHO = "one two three four five six"
 HI: Any = [{"role": "user", "content": ECHO}]
@@ -42,25 +42,8 @@ APIS = ["chat", "messages", "responses"]
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server,
-        _fake_anthropic_server,
-        _fake_gemini_server,
-        _fake_deepseek_server,
-        USAGE_ROUTES,
-    ) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    return fresh(_routed)
+def gateway_routes() -> str:
+    return USAGE_ROUTES
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ logs), and what the ledger holds (one usage event per attempt, exactly one succe
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -17,7 +16,6 @@ from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import (
     counted_micro_usd,
-    fresh,
     ledger,
     route_header,
     routed_gateway,
@@ -25,27 +23,9 @@ from tests.routing.routed import (
     settled,
 )
 
+# `gateway` is the routed gateway of tests/routing/conftest.py, with the shared routes (routed.ROUTES).
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
-
-
-@pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server
-    ) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
-    return fresh(_routed)
 
 
 def chat(gateway: RunningGateway, model: str, **kwargs: object) -> tuple[str, dict[str, str]]:

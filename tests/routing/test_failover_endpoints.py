@@ -4,14 +4,12 @@ with faults injected in the fakes. For each: what the client sees, which backend
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import FAST, fresh, ledger, route_header, routed_gateway, runtime
+from tests.routing.routed import FAST, ledger, route_header, runtime
 
 ROUTES = f"""\
 routes:
@@ -25,22 +23,8 @@ PROMPT = "one two three four five six"
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server, ROUTES
-    ) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
-    return fresh(_routed)
+def gateway_routes() -> str:
+    return ROUTES
 
 
 # --- completions -----------------------------------------------------------------------------------

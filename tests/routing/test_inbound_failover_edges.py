@@ -5,7 +5,6 @@ routes whose candidates span OpenAI, Anthropic and Gemini (and DeepSeek's reason
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -16,7 +15,7 @@ import pytest
 from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
-from tests.routing.routed import FAST, ROUTES, fresh, route_header, routed_gateway, settled
+from tests.routing.routed import FAST, ROUTES, attempts, fresh, route_header, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -34,29 +33,8 @@ THINKING = {"type": "enabled", "budget_tokens": 1024}
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server,
-        _fake_anthropic_server,
-        _fake_gemini_server,
-        _fake_deepseek_server,
-        EDGE_ROUTES,
-    ) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    return fresh(_routed)
-
-
-def attempts(gateway: RunningGateway) -> list[tuple[str, bool]]:
-    return [(e.backend, e.ok) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
+def gateway_routes() -> str:
+    return EDGE_ROUTES
 
 
 def sse(

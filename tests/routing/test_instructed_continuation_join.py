@@ -7,14 +7,13 @@ a routed gateway with the official SDKs as clients, the client gets the answer o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import FAST, ROUTES, fresh, routed_gateway, settled
+from tests.routing.routed import FAST, ROUTES, fresh, settled
 
 ANSWER = "The quick brown fox jumps over the lazy dog"
 CUT = Fault.cut_stream(after=5)  # role, "The", " quick", " brown", " fox"
@@ -25,25 +24,8 @@ JOIN_ROUTES = f"""{ROUTES}\
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server,
-        _fake_anthropic_server,
-        _fake_gemini_server,
-        _fake_deepseek_server,
-        JOIN_ROUTES,
-    ) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    return fresh(_routed)
+def gateway_routes() -> str:
+    return JOIN_ROUTES
 
 
 @pytest.fixture(params=["to-deepseek", "to-opus"])

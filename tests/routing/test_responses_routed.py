@@ -6,7 +6,6 @@ on a route, and streams cut after their first text (resumed, or ended with `resp
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -15,7 +14,7 @@ from openai.types.responses import Response, ResponseOutputMessage
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import FAST, ROUTES, fresh, route_header, routed_gateway, settled
+from tests.routing.routed import FAST, ROUTES, attempts, route_header, settled
 
 ECHO = "one two three four five six"
 RESPONSES_ROUTES = f"""{ROUTES}\
@@ -33,30 +32,8 @@ ASK_TOOL = 'call lookup {"q": "weir"}'
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server,
-        _fake_anthropic_server,
-        _fake_gemini_server,
-        _fake_deepseek_server,
-        RESPONSES_ROUTES,
-    ) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
-    return fresh(_routed)
-
-
-def attempts(gateway: RunningGateway) -> list[tuple[str, bool]]:
-    return [(e.backend, e.ok) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
+def gateway_routes() -> str:
+    return RESPONSES_ROUTES
 
 
 def kinds(events: list[Any]) -> list[str]:

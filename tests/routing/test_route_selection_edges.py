@@ -22,9 +22,9 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL, fresh_pg_database
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.gateway.conftest import DEMO_KEY, RunningGateway, serve
-from tests.routing.routed import route_header, routed_gateway
+from tests.routing.routed import route_header
 
 ROUTES = """\
 routes:
@@ -41,16 +41,8 @@ SMALL_ROUTE, BIG_ROUTE = "gpt-4o-mini", "claude-sonnet"
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server, ROUTES
-    ) as gateway:
-        yield gateway
+def gateway_routes() -> str:
+    return ROUTES
 
 
 @pytest.fixture

@@ -4,34 +4,14 @@ an unrouted one, never aiohttp's exception text."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import fresh, routed_gateway
 
+# `gateway` is the routed gateway of tests/routing/conftest.py, with the shared routes (routed.ROUTES).
 HI = [{"role": "user", "content": "one two three four five six"}]
-
-
-@pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server
-    ) as gw:
-        yield gw
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    return fresh(_routed)
 
 
 def _broken(gateway: RunningGateway, model: str) -> openai.APIError:

@@ -6,7 +6,6 @@ more than one break. For each: what the client sees, which backends were tried, 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -14,7 +13,7 @@ from structlog.testing import capture_logs
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import FAST, ROUTES, fresh, route_header, routed_gateway, settled
+from tests.routing.routed import FAST, ROUTES, attempts, route_header, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -25,30 +24,8 @@ STREAM_ROUTES = f"""{ROUTES}\
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server,
-        _fake_anthropic_server,
-        _fake_gemini_server,
-        _fake_deepseek_server,
-        STREAM_ROUTES,
-    ) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
-    return fresh(_routed)
-
-
-def attempts(gateway: RunningGateway) -> list[tuple[str, bool]]:
-    return [(e.backend, e.ok) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
+def gateway_routes() -> str:
+    return STREAM_ROUTES
 
 
 def test_a_failure_after_the_role_but_before_any_text_fails_over_invisibly(

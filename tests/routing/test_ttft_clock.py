@@ -11,15 +11,15 @@ admission slowed down deterministically.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes import FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import FAST, fresh, ledger, route_header, routed_gateway, runtime, settled
+from tests.routing.routed import FAST, fresh, ledger, route_header, runtime, settled
 
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -32,16 +32,8 @@ routes:
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server, ROUTES
-    ) as gateway:
-        yield gateway
+def gateway_routes() -> str:
+    return ROUTES
 
 
 @pytest.fixture
