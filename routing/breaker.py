@@ -25,9 +25,9 @@ A route's `ttft_timeout` is that route's latency preference: it counts against t
 only where no route in force that uses the breaker would wait longer (`Breakers.too_slow`). Where
 another route would, it feeds a latency breaker of that route's own there instead (`Breakers.latency`,
 with the route's breaker settings): after `failures` timeouts in a row that route's streams skip the
-model (`tried=model:slow`) for a cooldown, then one trial goes; a first token in time closes it. It
-is a preference, not a verdict on the backend: each replica keeps its own, and other routes keep
-sending there.
+model (`tried=model:slow`) for a cooldown, then one trial goes; its first token in time closes it
+(as for the backend's breaker, only the trial's: `Breakers.in_time`). It is a preference, not a
+verdict on the backend: each replica keeps its own, and other routes keep sending there.
 """
 
 from __future__ import annotations
@@ -212,8 +212,13 @@ class CircuitBreaker:
             self.trial_in_flight, self.trial_started = True, now
         return True
 
-    def success(self) -> bool:
-        """Record a success; True when this closed a breaker that was not closed."""
+    def success(self, trial: bool = True) -> bool:
+        """Record a success; True when this closed a breaker that was not closed. Only a request this
+        breaker let through as its half-open trial (`trial`) closes one that is not closed; any
+        other's success changes nothing there, and resets a closed one's count of failures (see
+        `Breakers.success`)."""
+        if not trial and self.current() is not State.CLOSED:
+            return False
         changed = self.state is not State.CLOSED
         self.state, self.failures, self.trial_in_flight = State.CLOSED, 0, False
         self.probed = self.refuted = False
@@ -392,11 +397,10 @@ class Breakers:
         that recovery to the fleet, sent every request back to a backend that failed the latest ones
         (a long stream ending after the opening, above all). So only the cooldown, a probe or another
         replica's recovery moves an open breaker (Polly and resilience4j ignore a late success there
-        too), and the trial then let through decides."""
+        too), and the trial then let through decides. The rule is `CircuitBreaker.success`'s, which
+        routes' latency breakers keep too (`in_time`)."""
         breaker = self._judged(key)
-        if breaker is None or (not trial and breaker.current() is not State.CLOSED):
-            return
-        if breaker.success():
+        if breaker is not None and breaker.success(trial):
             self.moved(key, State.CLOSED)
             if self.shared is not None:
                 # For a cooldown: every opening it can end, adopted or this replica's own, ends by
@@ -430,19 +434,21 @@ class Breakers:
                 value = OPENED_UNREACHABLE if breaker.unreachable else OPENED
                 await self.shared.kv_set(PREFIX + key, value, ttl_s=breaker.settings.cooldown)
 
-    async def too_slow(self, key: str, waited: float, route: Route | None = None) -> None:
+    async def too_slow(self, key: str, waited: float, route: Route | None = None, trial: bool = True) -> None:
         """A route gave up on a stream after `waited` seconds without its first token (its
         `ttft_timeout`). That is a failure of the backend only where no route in force with a breaker
         there would have waited longer: a tighter route's latency preference must not open the
         breaker that routes with no timeout, or a longer one, share, and take a model that would
-        answer them away from them. It says nothing about the backend to them either (a half-open
-        trial it was lets the next request be the trial), but it counts against `route`'s own latency
-        breaker there, so that route stops paying its timeout on every request while the model is
-        slow. Its 504 still counts as the backend's error in the metrics, as every TTFT timeout does."""
+        answer them away from them. It says nothing about the backend to them either (the half-open
+        trial it was, `trial`, lets the next request be the trial), but it counts against `route`'s
+        own latency breaker there, so that route stops paying its timeout on every request while the
+        model is slow. Its 504 still counts as the backend's error in the metrics, as every TTFT
+        timeout does."""
         if waited >= self.patience.get(key, waited):
             await self.failure(key)
             return
-        self.get(key).release()
+        if trial:
+            self.get(key).release()
         if route is None:
             return
         latency = (route_label(route), waited, key)
@@ -461,11 +467,14 @@ class Breakers:
             return None
         return self.latency.get((route_label(route), route.ttft_timeout, key))
 
-    def in_time(self, route: Route, key: str) -> None:
+    def in_time(self, route: Route, key: str, trial: bool) -> None:
         """`route`'s stream had its first token from `key` within its `ttft_timeout`: its latency
-        breaker there, if any, closes (and its count of timeouts in a row starts again)."""
+        breaker there, if any, closes if that stream was its half-open trial (`trial`), and a closed
+        one's count of timeouts in a row starts again. As for `success`, a stream let through before
+        it opened (other streams' timeouts opened it meanwhile) closes nothing: the route's streams
+        it would send back to the model are those the timeouts say are too slow there."""
         breaker = self.latency_breaker(route, key)
-        if breaker is not None and breaker.success():
+        if breaker is not None and breaker.success(trial):
             log.info("latency_breaker_closed", route=route_label(route), breaker=key)
 
     def keep_latency(self, wanted: dict[LatencyKey, BreakerSettings]) -> None:

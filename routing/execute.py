@@ -228,6 +228,20 @@ class Charge:
             await self.cap.add(self.tenant, cost_pico_usd / 1e12 - self.estimate)
 
 
+@dataclass(frozen=True, slots=True)
+class Trial:
+    """The breakers that let an attempt through as their half-open trial (`Executor._trial`), whose
+    success alone closes one that is not closed (`CircuitBreaker.success`): its backend's
+    (`backend`: its answer, a stream's first token) and its route's own latency breaker there
+    (`latency`: a stream's first token in time)."""
+
+    backend: bool = False
+    latency: bool = False
+
+
+NO_TRIAL = Trial()
+
+
 class Executor:
     def __init__(
         self,
@@ -267,14 +281,14 @@ class Executor:
         numbers: dict[asyncio.Future[Any], int] | None = None,
         sent: asyncio.Future[None] | None = None,
         race: _Race | None = None,
-        trial: bool = False,
+        trial: Trial = NO_TRIAL,
     ) -> Any:
         """One upstream attempt: the parsed response, or a stream iterator past its first output.
         `charge` is settled with the attempt's cost once its usage event prices it. Run as a task of
         its own (a hedge race), it enters its attempt number in `numbers` under that task, resolves
         `sent` once it is admitted and goes upstream, and a whole answer it reads must take `race`
-        (else it ends cancelled, as the race's loser). `trial`: its backend's breaker let it through
-        as its half-open trial, whose success alone closes the breaker (`Breakers.success`)."""
+        (else it ends cancelled, as the race's loser). `trial`: the breakers that let it through as
+        their half-open trial, whose success alone closes them (`Trial`)."""
         target = choice.target
         model = choice.candidate.model
         try:
@@ -313,7 +327,7 @@ class Executor:
                     self.pipeline.stream(call, target, upstream, reader, attempt=number, sending=sending)
                 )
                 held, batches = await (opening if deadline is None else deadline.within(opening))
-                if plan.route.breaker is not None and trial:
+                if plan.route.breaker is not None and trial.backend:
                     # Its first token shows the backend answers: a half-open trial's verdict, now, not
                     # when the stream ends (every other request was kept off the backend for the whole
                     # generation). A break after it counts as any stream's does (`_resuming`).
@@ -325,7 +339,7 @@ class Executor:
                 handed_over = True
                 self._note(plan, model, "ok")
                 if deadline is not None and plan.route.breaker is not None:
-                    self.breakers.in_time(plan.route, key)
+                    self.breakers.in_time(plan.route, key, trial.latency)
                 return self._track(batches, model, held)
             result = await self.pipeline.exchange(
                 call,
@@ -338,27 +352,27 @@ class Executor:
             )
             self._note(plan, model, "ok")
             if plan.route.breaker is not None:
-                await self.breakers.success(key, trial)
+                await self.breakers.success(key, trial.backend)
             return result
         except GatewayError as exc:
             if _unsent(call, plan, number):
                 if plan.route.breaker is not None:
-                    self._no_verdict(plan.route, key)
+                    self._no_verdict(plan.route, key, trial)
                 raise
             self._note(plan, model, str(exc.status))
             if plan.route.breaker is not None:
                 # The route's TTFT timeout: perhaps only its own preference (Breakers.too_slow).
                 slow = deadline.timeout if deadline is not None and exc.code == "ttft_timeout" else None
                 if slow is not None:
-                    await self.breakers.too_slow(key, slow, plan.route)
+                    await self.breakers.too_slow(key, slow, plan.route, trial.backend)
                 elif _unhealthy(exc):
                     await self.breakers.failure(key, unreachable=isinstance(exc, Unreachable))
                 elif isinstance(exc, _BACKEND_ERRORS):
-                    await self.breakers.success(key, trial)  # it answered: the request was at fault
-                else:
+                    await self.breakers.success(key, trial.backend)  # it answered: the request's fault
+                elif trial.backend:
                     self.breakers.get(key).release()
-                if slow is None and (latency := self.breakers.latency_breaker(plan.route, key)) is not None:
-                    latency.release()  # it failed before its first token was due: no word on its speed
+                if slow is None:  # it failed before its first token was due: no word on its speed
+                    self._no_verdict(plan.route, key, Trial(latency=trial.latency))
             raise
         except asyncio.CancelledError:
             # Cancelled before anything went upstream (its client left while the gateway refused it
@@ -366,18 +380,21 @@ class Executor:
             if not _unsent(call, plan, number):
                 self._note(plan, model, "cancelled")
             if plan.route.breaker is not None:
-                self._no_verdict(plan.route, key)
+                self._no_verdict(plan.route, key, trial)
             raise
         finally:
             if not handed_over:
                 in_flight[model] -= 1
 
-    def _no_verdict(self, route: Route, key: str) -> None:
-        """An attempt that said nothing about its backend (refused by the gateway, cancelled): a
-        half-open trial it was, of the backend's breaker or of the route's latency breaker there,
-        lets the next request be the trial."""
-        self.breakers.get(key).release()
-        if (latency := self.breakers.latency_breaker(route, key)) is not None:
+    def _no_verdict(self, route: Route, key: str, trial: Trial) -> None:
+        """An attempt that said nothing about its backend (refused by the gateway, cancelled): the
+        breakers it was the half-open trial of (`trial`), the backend's or the route's latency
+        breaker there, let the next request be the trial. Not the others: one that opened and
+        half-opened while it ran is held by another request's trial, and freed by this attempt it
+        let a second trial go beside that one."""
+        if trial.backend:
+            self.breakers.get(key).release()
+        if trial.latency and (latency := self.breakers.latency_breaker(route, key)) is not None:
             latency.release()
 
     def _billed(self, event: UsageEvent) -> int:
@@ -421,9 +438,8 @@ class Executor:
                 soonest = min(soonest, held.available_in())
                 continue
             for retry in range(route.retry.attempts):
-                # Admitted just now (`_refused`, before the first try or the retry): still half-open,
-                # it goes as the breaker's trial.
-                trial = breaker is not None and breaker.state is State.HALF_OPEN
+                # Admitted just now (`_refused`, before the first try or the retry).
+                trial = self._trial(route, choice, op) if breaker is not None else NO_TRIAL
                 try:
                     if retry == 0 and route.hedge is not None and not skip:
                         partner = self._hedge_partner(route, op, queue[index + 1 :])
@@ -440,7 +456,7 @@ class Executor:
                     plan.tried.append(f"{choice.candidate.model}:unsupported")
                     refusal = refusal or exc.refusal
                     if breaker is not None:  # no verdict on the backend: a half-open trial is free
-                        self._no_verdict(route, self._key(choice))
+                        self._no_verdict(route, self._key(choice), trial)
                     break
                 except GatewayError as exc:
                     if _refuses_parameter(exc):
@@ -508,6 +524,17 @@ class Executor:
             return "open"
         return None
 
+    def _trial(self, route: Route, choice: Choice, op: Operation) -> Trial:
+        """The breakers `_refused` just let `choice` through as their half-open trial: those still
+        half-open (one admits its trial alone), its backend's and, for a stream, its route's own
+        latency breaker there."""
+        key = self._key(choice)
+        latency = self.breakers.latency_breaker(route, key) if op.stream else None
+        return Trial(
+            backend=self.breakers.get(key).state is State.HALF_OPEN,
+            latency=latency is not None and latency.state is State.HALF_OPEN,
+        )
+
     def _hedge_partner(self, route: Route, op: Operation, rest: list[Choice]) -> Choice | None:
         for choice in rest:
             key = self._key(choice)
@@ -533,16 +560,21 @@ class Executor:
         partner: Choice,
         op: Operation,
         feats: Features,
-        trial: bool = False,
+        trial: Trial = NO_TRIAL,
     ) -> Any:
         """Start `primary`; if it has not answered (first token) within the hedge delay, also start
-        `partner`; the first to answer wins, the other is cancelled. `trial`: `primary` goes as its
-        breaker's half-open trial (a partner never does: only a closed one is picked)."""
+        `partner`; the first to answer wins, the other is cancelled. `trial`: the breakers that let
+        `primary` through as their trial. `partner`, picked with its breakers closed
+        (`_hedge_partner`), is admitted as any candidate is (`_refused`) when it would start: other
+        requests' failures may have opened them during the delay, and then no hedge starts
+        (`tried=model:open`, or `slow`) and `primary` goes on alone."""
         route = plan.route
         assert route.hedge is not None
         numbers: dict[asyncio.Future[Any], int] = {}  # each attempt's number, by its task
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         race = _Race()
+        refused: str | None = None  # why the partner's breakers turned it away when it would start
+        partner_trial, allowed = NO_TRIAL, False  # the partner's `_trial`, once admitted
         first = asyncio.ensure_future(
             self._attempt(call, plan, primary, op, numbers=numbers, sent=sent, race=race, trial=trial)
         )
@@ -558,25 +590,37 @@ class Executor:
             if first.done():
                 plan.chosen = primary
                 return first.result()
+            if route.breaker is not None:  # before the cap: a hedge not sent spends nothing
+                refused = await self._refused(route, partner, op)
+                partner_trial = NO_TRIAL if refused else self._trial(route, partner, op)
             output = feats.max_output_tokens or route.expected_output_tokens
             usd = expected_cost(partner, feats, output, self.context)
             tenant = call.principal.tenant_id or "anonymous"
-            allowed = await self.hedges.allow(tenant, usd, route.hedge.max_spend_usd_per_hour)
+            cap = route.hedge.max_spend_usd_per_hour
+            allowed = refused is None and await self.hedges.allow(tenant, usd, cap)
         except BaseException:
             # Cancelled while waiting (the server shutting down, say): the attempt must not run on
             # with no owner, holding its in-flight slot and, once it answered, a stream nobody closes.
             await _abandon(first)
             raise
+        finally:
+            if not allowed:  # a trial that never went: the next request's
+                self._no_verdict(route, self._key(partner), partner_trial)
         if not allowed:
-            plan.note = (plan.note + "; " if plan.note else "") + "hedge=capped"
-            self._hedge(plan, "capped")
+            if refused is not None:
+                self._note(plan, partner.candidate.model, refused)  # as a candidate skipped
+            else:
+                plan.note = (plan.note + "; " if plan.note else "") + "hedge=capped"
+                self._hedge(plan, "capped")
             result = await first
             plan.chosen = primary
             return result
         # The cap then counts what the hedge cost, not the estimate: a hedge that lost and was
         # cancelled costs what it had streamed, one that won what its answer cost.
         charge = Charge(self.hedges, tenant, usd)
-        second = asyncio.ensure_future(self._attempt(call, plan, partner, op, charge, numbers, race=race))
+        second = asyncio.ensure_future(
+            self._attempt(call, plan, partner, op, charge, numbers, race=race, trial=partner_trial)
+        )
         self._hedge(plan, "started")
         owners = {first: primary, second: partner}
         pending = {first, second}

@@ -24,7 +24,7 @@ from gateway.errors import UpstreamError
 from gateway.state import MemoryState
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
-from routing.breaker import Breakers, State
+from routing.breaker import Breakers, CircuitBreaker, State
 from routing.execute import retry_after
 from routing.routes import Breaker as BreakerSettings
 from tests.control.helpers import TcpProxy
@@ -485,6 +485,45 @@ def test_when_both_hedged_attempts_fail(
     assert sorted(ledger(gateway)) == [("deepseek", 500)] * 3 + [("raw", 500)] * 2  # one row per attempt
 
 
+@pytest.mark.parametrize("since", ["open", "half_open"])
+def test_a_hedge_is_admitted_by_its_breaker_when_it_would_start_not_only_when_it_was_picked(
+    gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_deepseek: FakeOpenAI,
+    monkeypatch: pytest.MonkeyPatch,
+    since: str,
+) -> None:
+    """`hedged` picks deepseek-chat as the partner, its breaker closed, when the request starts; other
+    requests' failures there open that breaker during the hedge delay. The hedge went anyway, to a
+    backend whose breaker is open. It is admitted when it would start, as any candidate is: open, it
+    is skipped (`tried=deepseek-chat:open`, nothing sent) and the primary goes on alone; half-open by
+    then (a cooldown shorter than the delay, a probe), it goes as the breaker's trial, whose answer
+    closes it (it left the breaker half-open, its trial never claimed)."""
+    executor = runtime(gateway).executor
+    breakers = runtime(gateway).router.breakers
+    key = Breakers.key("deepseek", "deepseek-chat")
+    pick = executor._hedge_partner
+
+    def picked(*args: Any) -> Any:
+        partner = pick(*args)
+        assert partner is not None and breakers.state(key) == "closed"
+        breaker = breakers.get(key)
+        breaker.trip(now=time.monotonic() - (breaker.settings.cooldown if since == "half_open" else 0))
+        return partner
+
+    monkeypatch.setattr(executor, "_hedge_partner", picked)
+    fake_openai.set_latency(first_token=0.6)  # past the hedge delay (0.15 s)
+    text, route = chat(gateway, "hedged")
+    assert text == ECHO
+    if since == "open":
+        assert route["candidate"] == "gpt-4o-mini" and "hedged" not in route
+        assert route["tried"] == "deepseek-chat:open,gpt-4o-mini:ok"
+        assert not fake_deepseek.requests and breakers.state(key) == "open"
+    else:
+        assert route["candidate"] == route["hedged"] == "deepseek-chat"
+        assert len(fake_deepseek.requests) == 1 and breakers.state(key) == "closed"
+
+
 def test_a_routes_ttft_timeout_does_not_take_the_model_from_routes_that_wait_longer(
     gateway: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:
@@ -591,6 +630,76 @@ def test_after_its_cooldown_a_routes_latency_breaker_sends_one_trial_and_a_first
         text, route = streamed(tight_routes, "tight")
         assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
     assert router.breakers.latency_states() == {"tight": {"openai/gpt-4o-mini": "closed"}}
+
+
+def test_a_stream_let_through_before_its_routes_latency_breaker_opened_does_not_close_it(
+    tight_routes: RunningGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream of `tight` goes to gpt-4o-mini while tight's latency breaker there is closed; before
+    its first token comes (in time), other streams' timeouts open the breaker. That first token was no
+    half-open trial: it closes nothing, and tight's next stream skips the model for the cooldown (30 s
+    here). It closed the breaker, sending tight's streams back to a model whose latest ones timed out."""
+    router = runtime(tight_routes).router
+    tight, key = router.routes["tight"][0], Breakers.key("openai", "gpt-4o-mini")
+    pipeline = runtime(tight_routes).executor.pipeline
+    real_stream = pipeline.stream
+    opened: list[bool] = []
+
+    async def stream(*args: Any, **kwargs: Any) -> Any:
+        batches = await real_stream(*args, **kwargs)
+        if not opened:  # sent while the breaker was closed: two other streams time out meanwhile
+            for _ in range(2):
+                await router.breakers.too_slow(key, 0.3, tight)
+            opened.append(True)
+        return batches
+
+    monkeypatch.setattr(pipeline, "stream", stream)
+    text, route = streamed(tight_routes, "tight")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route
+    assert router.breakers.latency_states() == {"tight": {key: "open"}}
+    text, route = streamed(tight_routes, "tight")
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:slow,claude-sonnet:ok"
+
+
+@pytest.mark.parametrize("held", ["backend", "latency"])
+def test_an_attempt_that_was_no_trial_does_not_free_the_trial_another_request_holds(
+    tight_routes: RunningGateway, fake_openai: FakeOpenAI, monkeypatch: pytest.MonkeyPatch, held: str
+) -> None:
+    """A stream of `tight` goes to gpt-4o-mini while its breakers there are closed; while it waits, one
+    of them opens and half-opens, and another request takes its trial. The stream then ends with no
+    verdict on that breaker (the backend's: a TTFT timeout that only tight's latency preference
+    counts; tight's latency breaker: a 502 before its first token was due). That freed the other
+    request's trial, as if the stream had been the trial: the next request went as a second trial
+    beside it."""
+    router = runtime(tight_routes).router
+    tight, key = router.routes["tight"][0], Breakers.key("openai", "gpt-4o-mini")
+    pipeline = runtime(tight_routes).executor.pipeline
+    real_stream = pipeline.stream
+    trials: list[CircuitBreaker] = []
+
+    async def stream(*args: Any, **kwargs: Any) -> Any:
+        if not trials:  # sent while the breakers were closed
+            if held == "backend":
+                breaker = router.breakers.get(key)
+                breaker.trip(now=time.monotonic() - breaker.settings.cooldown)
+            else:
+                for _ in range(2):
+                    await router.breakers.too_slow(key, 0.3, tight)
+                breaker = router.breakers.latency_breaker(tight, key)  # type: ignore[assignment]
+                breaker.opened_at -= breaker.settings.cooldown
+            assert breaker.allow() and breaker.current() == State.HALF_OPEN  # another request's trial
+            trials.append(breaker)
+        return await real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "stream", stream)
+    if held == "backend":
+        fake_openai.set_latency(first_token=0.6)  # past tight's ttft_timeout (0.3 s)
+    else:
+        fake_openai.fail_next(500)
+    text, route = streamed(tight_routes, "tight")
+    status = "504" if held == "backend" else "502"
+    assert text == ECHO and route["tried"] == f"gpt-4o-mini:{status},claude-sonnet:ok"
+    assert not trials[0].admits()  # the other request's trial still holds it
 
 
 @pytest.mark.parametrize("order", [("resilient", "tight"), ("tight", "resilient")])
@@ -701,6 +810,40 @@ async def test_a_routes_latency_breakers_last_while_it_is_in_force_and_another_r
     await breakers.too_slow(mini, 1, route("tight", 1))
     router.set_routes([route("tight", 2), route("loose", 5)])
     assert breakers.latency_states() == {}
+
+
+async def test_only_its_trials_first_token_in_time_closes_a_routes_latency_breaker() -> None:
+    """Any first token in time starts a closed latency breaker's count of timeouts again; one that is
+    not closed, open or half-open, closes on its half-open trial's first token alone."""
+    from gateway.router_basic import ModelTable
+    from routing.router import Router
+    from routing.routes import Candidate, Route
+
+    mini = Breakers.key("openai", "gpt-4o-mini")
+    tight, loose = (
+        Route(
+            name=name,
+            ttft_timeout=wait,
+            breaker=BreakerSettings(failures=2, cooldown=30),
+            candidates=[Candidate(model="gpt-4o-mini")],
+        )
+        for name, wait in (("tight", 1), ("loose", 5))
+    )
+    breakers = Router(ModelTable(parse_config(PATIENCE, {})), [tight, loose]).breakers
+    await breakers.too_slow(mini, 1, tight)
+    breakers.in_time(tight, mini, trial=False)
+    await breakers.too_slow(mini, 1, tight)
+    latency = breakers.latency_breaker(tight, mini)
+    assert latency is not None and latency.current() == State.CLOSED  # one timeout in a row, not two
+    await breakers.too_slow(mini, 1, tight)
+    breakers.in_time(tight, mini, trial=False)
+    assert latency.current() == State.OPEN
+    latency.opened_at -= 30
+    assert latency.allow() and latency.current() == State.HALF_OPEN  # the trial goes...
+    breakers.in_time(tight, mini, trial=False)  # ...and a stream let through before answers in time
+    assert latency.current() == State.HALF_OPEN
+    breakers.in_time(tight, mini, trial=True)
+    assert latency.current() == State.CLOSED
 
 
 def test_a_shared_breakers_settings_follow_the_route_table() -> None:
