@@ -615,6 +615,7 @@ def test_a_hedge_race_whose_attempts_both_answered_before_it_was_looked_at_has_o
     fake_anthropic: FakeAnthropic,
     fake_gemini: FakeGemini,
     fake_deepseek: FakeOpenAI,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Not streamed, the slow primary and its hedge both had their whole answer by the time the race
     was looked at (the gateway's loop was busy while both arrived: a loaded machine). Each attempt had
@@ -623,20 +624,26 @@ def test_a_hedge_race_whose_attempts_both_answered_before_it_was_looked_at_has_o
     whose answer the client never got. The first attempt to read its answer takes the race; the other
     is the router's `cancelled` (499), billed what its vendor reported."""
     fakes = fakes_of(fake_openai, fake_anthropic, fake_gemini, fake_deepseek)
-    # The primary far past the hedge delay (0.12 s), and the hedge about as slow: both answer while
-    # the gateway's loop is busy (from the hedge's arrival at its fake, for a second).
-    fake_openai.fail_next(Fault.delay(0.6))
-    fake_deepseek.fail_next(Fault.delay(0.5))
+    # The primary past the hedge delay (0.12 s). The first answer read waits for the second: both
+    # are read before either attempt looks at the race, whatever the scheduler does (blocking the
+    # gateway's loop for a while, as a loaded machine does, only made that likely).
+    fake_openai.fail_next(Fault.delay(0.3))
+    transport = calm.gateway.pipeline.transport
+    read, bodies, both = transport.read, [], asyncio.Event()  # (bound to the gateway's loop on use)
+
+    async def read_both(*args: Any, **kwargs: Any) -> bytes:
+        body = await read(*args, **kwargs)
+        bodies.append(body)
+        if len(bodies) < 2:
+            async with asyncio.timeout(5):
+                await both.wait()
+        both.set()  # the first wakes to find the race taken by the second
+        return body
+
+    monkeypatch.setattr(transport, "read", read_both)
     out = Outcome(0, "hedged", "openai", False, f"r {WORDS}")
-    loop = calm.gateway.router.prober._task.get_loop()
-    with capture_logs() as logs, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        asking = pool.submit(run_one, calm, (calm.openai(), calm.anthropic()), out, out.expected, 100)
-        deadline = time.monotonic() + 5
-        while not fake_deepseek.requests and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert fake_deepseek.requests, "no hedge was sent"
-        loop.call_soon_threadsafe(time.sleep, 1.0)
-        asking.result()
+    with capture_logs() as logs:
+        run_one(calm, (calm.openai(), calm.anthropic()), out, out.expected, 100)
         settle_and_check(calm, logs, out, out.expected, fakes)
     line = next(e for e in logs if e.get("event") == "request" and e.get("request_id") == out.request_id)
     events = wait_for_events(calm, out.request_id, 2)
