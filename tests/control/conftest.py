@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from sqlalchemy import text
 
 PG_ADMIN_URL = os.environ.get("WEIR_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("WEIR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_PORT = urllib.parse.urlsplit(REDIS_URL).port or 6379  # what the tests' proxies relay to
 
 
 def _pg_admin(statement: str) -> None:

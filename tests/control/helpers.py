@@ -16,7 +16,8 @@ from tests.conftest import free_port
 
 class TcpProxy:
     """127.0.0.1:<port> -> target. `stop()` makes the port refuse connections and cuts live ones,
-    which is what clients see when PostgreSQL goes down; `start()` brings it back on the same port."""
+    which is what clients see when PostgreSQL goes down; `start()` brings it back on the same port.
+    A subclass that overrides `forward` holds back or drops what passes (a slow or hanging server)."""
 
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
         self.port = free_port()
@@ -44,15 +45,20 @@ class TcpProxy:
             return
         self._writers.update((writer, up_writer))
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, upstream: bool) -> None:
             with contextlib.suppress(Exception):
                 while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
+                    await self.forward(data, dst, upstream)
             dst.close()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
         self._writers.difference_update((writer, up_writer))
+
+    async def forward(self, data: bytes, dst: asyncio.StreamWriter, upstream: bool) -> None:
+        """Pass on what one side sent: the client's bytes to the target (`upstream`), or the target's
+        answer to the client."""
+        dst.write(data)
+        await dst.drain()
 
 
 def random_usage(rng: random.Random) -> Usage:

@@ -126,31 +126,32 @@ E2E = [
 ]
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-@pytest.mark.parametrize(("model", "fake_name", "fields"), E2E, ids=[row[0] for row in E2E])
-def test_row_end_to_end(
-    gateway: RunningGateway,
-    request: pytest.FixtureRequest,
-    model: str,
-    fake_name: str,
-    fields: dict,
-    stream: bool,
-) -> None:
-    fake = request.getfixturevalue(fake_name)
-    fake.set_next_usage(**fields)
-    expected = Usage(**fields)
+PLAIN_AND_STREAMED = pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+EACH_ROW = pytest.mark.parametrize(("model", "fake_name", "fields"), E2E, ids=[row[0] for row in E2E])
+ASK = [{"role": "user", "content": "count my tokens please"}]
+
+
+@pytest.fixture
+def expected(gateway: RunningGateway, request: pytest.FixtureRequest, fake_name: str, fields: dict) -> Usage:
+    """The row's usage: its fake reports it for the next request, in its vendor's own format."""
+    request.getfixturevalue(fake_name).set_next_usage(**fields)
+    return Usage(**fields)
+
+
+@PLAIN_AND_STREAMED
+@EACH_ROW
+def test_row_end_to_end(gateway: RunningGateway, model: str, expected: Usage, stream: bool) -> None:
     client = gateway.openai()
-    messages = [{"role": "user", "content": "count my tokens please"}]
     if stream:
         chunks = list(
             client.chat.completions.create(
-                model=model, messages=messages, stream=True, stream_options={"include_usage": True}
+                model=model, messages=ASK, stream=True, stream_options={"include_usage": True}
             )
         )
         usage = chunks[-1].usage
         assert chunks[-1].choices == []
     else:
-        usage = client.chat.completions.create(model=model, messages=messages).usage
+        usage = client.chat.completions.create(model=model, messages=ASK).usage
     assert usage is not None
     assert usage.prompt_tokens == expected.prompt_tokens
     assert usage.completion_tokens == expected.output_tokens
@@ -163,26 +164,17 @@ def test_row_end_to_end(
     assert event.route == model
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-@pytest.mark.parametrize(("model", "fake_name", "fields"), E2E, ids=[row[0] for row in E2E])
+@PLAIN_AND_STREAMED
+@EACH_ROW
 def test_row_end_to_end_anthropic_client(
-    gateway: RunningGateway,
-    request: pytest.FixtureRequest,
-    model: str,
-    fake_name: str,
-    fields: dict,
-    stream: bool,
+    gateway: RunningGateway, model: str, expected: Usage, stream: bool
 ) -> None:
-    fake = request.getfixturevalue(fake_name)
-    fake.set_next_usage(**fields)
-    expected = Usage(**fields)
     client = gateway.anthropic()
-    messages = [{"role": "user", "content": "count my tokens please"}]
     if stream:
-        with client.messages.stream(model=model, max_tokens=100, messages=messages) as events:
+        with client.messages.stream(model=model, max_tokens=100, messages=ASK) as events:
             usage = events.get_final_message().usage
     else:
-        usage = client.messages.create(model=model, max_tokens=100, messages=messages).usage
+        usage = client.messages.create(model=model, max_tokens=100, messages=ASK).usage
     assert usage.input_tokens == expected.input_tokens
     assert usage.cache_read_input_tokens == expected.cached_input_tokens
     assert usage.cache_creation_input_tokens == expected.cache_write_tokens

@@ -11,13 +11,14 @@ from tests.control.helpers import TcpProxy
 
 
 class ThreadedProxy:
-    """127.0.0.1:<port> -> target_port; `stop()` plays the target going down, `start()` brings it back."""
+    """127.0.0.1:<port> -> target; `stop()` plays the target going down, `start()` brings it back.
+    `target` is the target's port, or a proxy of a TcpProxy subclass to run as it is."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target: int | TcpProxy) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._proxy = TcpProxy(target_port)
+        self._proxy = target if isinstance(target, TcpProxy) else TcpProxy(target)
         self.port = self._proxy.port
         self.start()
 
@@ -32,5 +33,12 @@ class ThreadedProxy:
 
     def close(self) -> None:
         self.stop()
+        self._run(_cancel_others())  # relays still unwinding (or asleep in a slow `forward`)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+
+
+async def _cancel_others() -> None:
+    for task in asyncio.all_tasks():
+        if task is not asyncio.current_task():
+            task.cancel()

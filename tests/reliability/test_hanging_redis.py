@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,11 +32,13 @@ from gateway.db.models import ApiKey, utcnow
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state.redis import RedisState, client_from_url
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL
+from tests.control.conftest import REDIS_PORT, REDIS_URL
+from tests.control.helpers import TcpProxy
 from tests.control.test_gateway_control import ADMIN, Weir
 from tests.control.test_stream_pump import event
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
+from tests.reliability.proxy import ThreadedProxy
 
 pytestmark = pytest.mark.redis
 
@@ -53,21 +54,11 @@ limits: {max_concurrent_streams: 4}
 RETRY_S = 0.05
 
 
-class HangingRedis:
+class HangingRedis(TcpProxy):
     """127.0.0.1:<port> -> Redis, until `hang()`: from then on every connection, open or new, is
     kept open and never answered (what a stalled or partitioned Redis looks like to its clients)."""
 
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.hanging = False
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(5)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def _start(self) -> asyncio.Server:
-        return await asyncio.start_server(self._handle, "127.0.0.1", 0)
+    hanging = False
 
     def hang(self) -> None:
         self.hanging = True
@@ -77,42 +68,27 @@ class HangingRedis:
         self.hanging = False
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.hanging:
-            with contextlib.suppress(Exception):
-                while await reader.read(65536):
-                    pass  # read and dropped: the client waits for replies that never come
-            writer.close()
+        if not self.hanging:
+            await super()._handle(reader, writer)
             return
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._writers.add(writer)  # cut by stop(), as the relayed ones are
+        with contextlib.suppress(Exception):
+            while await reader.read(65536):
+                pass  # read and dropped: the client waits for replies that never come
+        writer.close()
+        self._writers.discard(writer)
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(65536):
-                    if not self.hanging:
-                        dst.write(data)
-                        await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+    async def forward(self, data: bytes, dst: asyncio.StreamWriter, upstream: bool) -> None:
+        if not self.hanging:
+            await super().forward(data, dst, upstream)
 
 
 @pytest.fixture
 def hanging_redis() -> Iterator[HangingRedis]:
-    port = int(REDIS_URL.rsplit(":", 1)[1].split("/")[0])
-    redis = HangingRedis(("127.0.0.1", port))
+    redis = HangingRedis(REDIS_PORT)
+    proxy = ThreadedProxy(redis)
     yield redis
-    redis.close()
+    proxy.close()
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL
+from tests.control.conftest import REDIS_PORT, REDIS_URL
 from tests.control.test_gateway_control import ADMIN, CONFIG, Weir
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
@@ -47,7 +47,7 @@ def statuses(client: openai.OpenAI, n: int) -> list[int]:
 
 @pytest.fixture
 def redis_proxy() -> Iterator[ThreadedProxy]:
-    proxy = ThreadedProxy(int(REDIS_URL.rsplit(":", 1)[1].split("/")[0]))
+    proxy = ThreadedProxy(REDIS_PORT)
     yield proxy
     proxy.close()
 

@@ -43,6 +43,25 @@ def routed_gateway(
         yield gateway
 
 
+# Two engine replicas of one small model: `smol-a` on the fake OpenAI, `smol-b` on the fake DeepSeek.
+ENGINE_REPLICAS = """\
+backends:
+  - {name: replica-a, type: engine, url: "${A_URL}", api_key: "${A_KEY}"}
+  - {name: replica-b, type: engine, url: "${B_URL}", api_key: "${B_KEY}"}
+models:
+  - {name: smol-a, backend: replica-a, model: gpt-4o-mini}
+  - {name: smol-b, backend: replica-b, model: deepseek-chat}
+"""
+
+
+@contextmanager
+def engine_replicas(a: FakeOpenAI, b: FakeOpenAI, routes: str) -> Iterator[RunningGateway]:
+    """A gateway in front of `ENGINE_REPLICAS` (`smol-a` on `a`, `smol-b` on `b`) with `routes`."""
+    env = {"A_URL": a.base_url, "A_KEY": a.api_key, "B_URL": b.base_url, "B_KEY": b.api_key}
+    with running_gateway(parse_config(ENGINE_REPLICAS + routes, env)) as gateway:
+        yield gateway
+
+
 def runtime(gateway: RunningGateway) -> Gateway:
     return gateway.app.state.gateway  # type: ignore[attr-defined]
 

@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -97,7 +98,41 @@ def wait_for(check: Callable[[], bool], timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
+        time.sleep(0.05)
+
+
+def comparing_app(
+    config: str,
+    db_url: str,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    usage_sink: ListSink | None = None,
+    **env: str,
+) -> Any:
+    """The app (not started) of a gateway on `config`, its OpenAI candidates and Anthropic judge on
+    the fakes, its admin DB at `db_url`; `env` sets the config's other variables."""
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    values = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
+        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
+        "DB_URL": db_url,
+        **env,
+    }
+    return create_app(parse_config(config, values), usage_sink=usage_sink)
+
+
+def prompt_keeper(url: str) -> tuple[httpx.Client, dict[str, Any], openai.OpenAI]:
+    """An admin client of the gateway at `url`, and the tenant `keeps` made with it (it stores its
+    prompts) with an SDK client of its own."""
+    admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+    tenant = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
+    key = admin.post(f"/tenants/{tenant['id']}/keys", json={}).json()["key"]
+    return admin, tenant, openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -112,30 +147,17 @@ def test_both_answers_are_graded_and_become_full_training_rows(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     fake_openai.answer_as("gpt-4o-mini", weak_model)
     fake_openai.answer_as("gpt-4o", strong_model)
     fake_anthropic.answer_as("claude-sonnet-4-5", judge)
-    env = {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
-        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
-        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
-        "DB_URL": db,
-    }
-    app = create_app(parse_config(CONFIG, env))
+    app = comparing_app(CONFIG, db, fake_openai, fake_anthropic, tmp_path, monkeypatch)
     gateway = app.state.gateway
     # A stand-in for the shipped classifier: prompts saying "hard" go to the strong model.
     gateway.router.context.scorer = lambda prompt: 0.9 if "hard" in prompt else 0.1
     gateway.comparer.rng = Alternating()  # the judge sees the weak model's answer first, then second...
     with serve(app, free_port()) as url:
-        admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
-        keeps = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
+        admin, keeps, client = prompt_keeper(url)
         other = admin.post("/tenants", json={"name": "other"}).json()
-        client = openai.OpenAI(
-            base_url=f"{url}/v1", api_key=admin.post(f"/tenants/{keeps['id']}/keys", json={}).json()["key"]
-        )
         prompts = {
             "easy question one": ("weak", 9, 9),
             "tricky question two": ("weak", 2, 9),
@@ -356,10 +378,7 @@ def test_both_answers_are_graded_and_become_full_training_rows(
 def compared_request(url: str) -> tuple[httpx.Client, httpx.Headers]:
     """A tenant that stores its prompts asks `auto` an easy question, which is sampled for comparison:
     an admin client of the gateway at `url`, and the reply's headers."""
-    admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
-    keeps = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
-    key = admin.post(f"/tenants/{keeps['id']}/keys", json={}).json()["key"]
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    admin, _, client = prompt_keeper(url)
     raw = client.chat.completions.with_raw_response.create(
         model="auto", messages=[{"role": "user", "content": "easy question"}]
     )
@@ -376,17 +395,9 @@ def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
     """A comparison runs after the client's request, in a context of its own: a judge call that broke
     is logged with that call's request id, the one its ledger row has (tied to the client's by `for=`),
     never as if the client's request had broken."""
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    env = {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
-        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
-        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
-        "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db",
-    }
     sink = ListSink()
-    app = create_app(parse_config(CONFIG, env), usage_sink=sink)
+    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+    app = comparing_app(CONFIG, db_url, fake_openai, fake_anthropic, tmp_path, monkeypatch, sink)
     app.state.gateway.router.context.scorer = lambda prompt: 0.1
     fake_anthropic.fail_next(Fault.reset())  # the judge: the only call to Anthropic
     with serve(app, free_port()) as url, capture_logs(processors=[add_request_fields]) as logs:
@@ -415,18 +426,10 @@ def test_a_comparison_running_when_its_route_is_deleted_or_stops_comparing_bring
     deleted again. They do not now. Nor does its ranking (`weir_route_head_ranking_*`) come back
     under a route edited to stop comparing, which keeps its name's other series (its outcome counts:
     its grades are stored)."""
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     fake_anthropic.answer_as("claude-sonnet-4-5", judge)
     fake_anthropic.set_latency(first_token=1.0)  # the judge takes its time
-    env = {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
-        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
-        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
-        "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db",
-    }
-    app = create_app(parse_config(CONFIG, env))
+    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+    app = comparing_app(CONFIG, db_url, fake_openai, fake_anthropic, tmp_path, monkeypatch)
     gateway = app.state.gateway
     gateway.router.context.scorer = lambda prompt: 0.1
     with serve(app, free_port()) as url:

@@ -17,14 +17,11 @@ from pathlib import Path
 import click
 import httpx
 import numpy as np
-import openai
 import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
-from gateway.app import create_app
 from gateway.auth import Principal
-from gateway.config import parse_config
 from gateway.db.models import (
     AuditLog,
     Base,
@@ -51,6 +48,7 @@ from tests.control.conftest import db_url, pg_url, sqlite_url, sync_exec  # noqa
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 from tests.routing.routed import counted_micro_usd
+from tests.routing.test_compare import comparing_app, prompt_keeper, wait_for
 from tests.routing.test_train_feedback import (
     DIFFICULTY,
     NOW,
@@ -63,9 +61,6 @@ from tests.routing.test_train_feedback import (
     _tenant_route,
 )
 from tests.routing.test_trained_heads import forced
-
-ADMIN = "admin-token-for-tests"
-
 
 # --- the judge's verdict ----------------------------------------------------------------------
 
@@ -126,13 +121,6 @@ class WeakFirst(random.Random):
         return 0.25  # the judge reads the weak model's answer as A
 
 
-def wait_for(check: object, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_failed_and_unreadable_comparisons_store_nothing_and_count_their_spend(
     sqlite_url: str,  # noqa: F811
     fake_openai: FakeOpenAI,
@@ -141,28 +129,22 @@ def test_failed_and_unreadable_comparisons_store_nothing_and_count_their_spend(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     fake_anthropic.answer_as("claude-sonnet-4-5", judge)
-    env = {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
-        "DS_BASE_URL": fake_deepseek.base_url,
-        "DS_API_KEY": fake_deepseek.api_key,
-        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
-        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
-        "DB_URL": sqlite_url,
-    }
-    app = create_app(parse_config(CONFIG, env))
+    app = comparing_app(
+        CONFIG,
+        sqlite_url,
+        fake_openai,
+        fake_anthropic,
+        tmp_path,
+        monkeypatch,
+        DS_BASE_URL=fake_deepseek.base_url,
+        DS_API_KEY=fake_deepseek.api_key,
+    )
     gateway = app.state.gateway
     gateway.router.context.scorer = lambda prompt: 0.1  # every request goes to the weak model first
     gateway.comparer.rng = WeakFirst()
     with serve(app, free_port()) as url:
-        admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
-        tenant = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
-        client = openai.OpenAI(
-            base_url=f"{url}/v1", api_key=admin.post(f"/tenants/{tenant['id']}/keys", json={}).json()["key"]
-        )
+        admin, tenant, client = prompt_keeper(url)
 
         def ask(route: str, prompt: str, **extra: object) -> str:
             raw = client.chat.completions.with_raw_response.create(

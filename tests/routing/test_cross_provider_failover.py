@@ -15,9 +15,8 @@ import anthropic
 import pydantic
 import pytest
 
-from gateway.config import parse_config
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
+from tests.gateway.conftest import RunningGateway
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
 from tests.routing.routed import FAST, ROUTES, fresh, route_header, routed_config_text, settled
 
@@ -79,20 +78,15 @@ def _scripted() -> Iterator[tuple[RawBackend, Script]]:
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _scripted: tuple[RawBackend, Script],
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
+def gateway_config() -> str:
     text = routed_config_text(XROUTES)
     text = text.replace("backends:\n", "backends:\n" + SCRIPTED_BACKEND, 1)
-    text = text.replace("models:", "models:\n" + SCRIPTED_MODEL.rstrip("\n"), 1)
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    env["SCRIPTED_URL"] = _scripted[0].url.removesuffix("/v1")
-    with running_gateway(parse_config(text, env)) as gateway:
-        yield gateway
+    return text.replace("models:", "models:\n" + SCRIPTED_MODEL.rstrip("\n"), 1)
+
+
+@pytest.fixture(scope="module")
+def gateway_env(_scripted: tuple[RawBackend, Script]) -> dict[str, str]:
+    return {"SCRIPTED_URL": _scripted[0].url.removesuffix("/v1")}
 
 
 @pytest.fixture

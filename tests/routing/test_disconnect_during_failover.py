@@ -13,11 +13,8 @@ counts what the hedge was billed, and no task is left running or dies unobserved
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +30,12 @@ from gateway.config import parse_config
 from gateway.state import MemoryState
 from routing.breaker import Breakers
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL, sqlite_url  # noqa: F401  (a fixture)
+from tests.control.conftest import REDIS_PORT, REDIS_URL, sqlite_url  # noqa: F401  (a fixture)
+from tests.control.helpers import TcpProxy
 from tests.control.test_gateway_control import ADMIN, Weir
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import DEMO_KEY, RunningGateway, fakes_env, running_gateway, serve
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.gateway.conftest import DEMO_KEY, RunningGateway, serve
+from tests.reliability.proxy import ThreadedProxy
 from tests.routing.routed import counted_micro_usd, fresh, ledger, routed_config_text, runtime
 
 HI = [{"role": "user", "content": "one two three four five six seven eight"}]
@@ -56,19 +55,20 @@ SLOW = 2.5  # seconds a slow fake takes to its first token: far longer than the 
 
 
 @pytest.fixture(scope="module")
-def _leavers(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    env["ONE_STREAM_KEY"] = ONE_STREAM_KEY
-    text = routed_config_text(LEAVER_ROUTES).replace("\nserver:\n", f"\n{ONE_STREAM}\nserver:\n", 1)
-    with running_gateway(parse_config(text, env)) as gateway:
-        # One request first: the shared upstream client then exists, and tells which loop serves.
-        _client(gateway, 10).chat.completions.create(model="leave-retry", messages=HI)  # type: ignore[arg-type]
-        yield gateway
+def gateway_config() -> str:
+    return routed_config_text(LEAVER_ROUTES).replace("\nserver:\n", f"\n{ONE_STREAM}\nserver:\n", 1)
+
+
+@pytest.fixture(scope="module")
+def gateway_env() -> dict[str, str]:
+    return {"ONE_STREAM_KEY": ONE_STREAM_KEY}
+
+
+@pytest.fixture(scope="module")
+def _routed(_routed: RunningGateway) -> RunningGateway:
+    # One request first: the shared upstream client then exists, and tells which loop serves.
+    _client(_routed, 10).chat.completions.create(model="leave-retry", messages=HI)  # type: ignore[arg-type]
+    return _routed
 
 
 class _Errors(logging.Handler):
@@ -97,8 +97,8 @@ def errors() -> Iterator[_Errors]:
 
 
 @pytest.fixture
-def gateway(_leavers: RunningGateway, fresh_fakes: None, errors: _Errors) -> Iterator[RunningGateway]:
-    gateway = fresh(_leavers)
+def gateway(_routed: RunningGateway, fresh_fakes: None, errors: _Errors) -> Iterator[RunningGateway]:
+    gateway = fresh(_routed)
     runtime(gateway).executor.hedges.state = MemoryState()  # this test's hedge spend alone
     loop = _loop(gateway)
     # Exceptions of tasks nobody awaited go to the loop's handler: count them, whatever logs them.
@@ -360,46 +360,16 @@ def test_a_client_that_leaves_while_the_continuation_opens_cancels_it(
 # --- while the request waits for its admission (Redis) -----------------------------------------------
 
 
-class _SlowRedis:
+class _SlowRedis(TcpProxy):
     """127.0.0.1:<port> -> Redis, whose answers are held back `delay` seconds while it is set: a
     shared state slow to answer, so that a client can leave while its request is being admitted."""
 
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.delay = 0.0
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(5)
-        self.port = self.server.sockets[0].getsockname()[1]
+    delay = 0.0
 
-    async def _start(self) -> asyncio.Server:
-        return await asyncio.start_server(self._handle, "127.0.0.1", 0)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, slow: bool) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(65536):
-                    if slow and self.delay:
-                        await asyncio.sleep(self.delay)
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+    async def forward(self, data: bytes, dst: asyncio.StreamWriter, upstream: bool) -> None:
+        if not upstream and self.delay:
+            await asyncio.sleep(self.delay)
+        await super().forward(data, dst, upstream)
 
 
 ADMITTED_CONFIG = """\
@@ -430,12 +400,9 @@ def admitted(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> Iterator[_Admitted]:
-    host, port = (
-        urllib.parse.urlsplit(REDIS_URL).hostname or "127.0.0.1",
-        urllib.parse.urlsplit(REDIS_URL).port,
-    )
     db_url = request.getfixturevalue("sqlite_url")
-    slow = _SlowRedis((host, port or 6379))
+    slow = _SlowRedis(REDIS_PORT)
+    proxy = ThreadedProxy(slow)
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
@@ -446,7 +413,7 @@ def admitted(
         with serve(app, free_port()) as url:
             yield _Admitted(url, Weir(url, db_url), slow)
     finally:
-        slow.close()
+        proxy.close()
 
 
 @pytest.mark.redis

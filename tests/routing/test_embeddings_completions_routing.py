@@ -8,16 +8,14 @@ from __future__ import annotations
 import base64
 import struct
 import time
-from collections.abc import Iterator
 
 import anthropic
 import openai
 import pytest
 
-from gateway.config import parse_config
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, running_gateway
-from tests.routing.routed import FAST, fresh, ledger, route_header
+from tests.gateway.conftest import RunningGateway, full_config_text
+from tests.routing.routed import FAST, ledger, route_header
 
 # A second account of OpenAI's text-embedding-3-small (an Azure deployment of the same model, on the
 # fake OpenAI's Azure paths: a fault queued for `/v1/embeddings` leaves it alone), and Gemini's
@@ -47,7 +45,8 @@ routes:
 TEXT = "one two three four"
 
 
-def _config_text() -> str:
+@pytest.fixture(scope="module")
+def gateway_config() -> str:
     text = full_config_text()
     text = text.replace("  - name: dead\n", BACKENDS + "  - name: dead\n", 1)
     text = text.replace(
@@ -57,22 +56,8 @@ def _config_text() -> str:
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    oa = _fake_openai_server
-    env = fakes_env(oa, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    env["AZURE_EMBED_URL"] = oa.azure_base_url("text-embedding-3-small")
-    with running_gateway(parse_config(_config_text(), env)) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    return fresh(_routed)
+def gateway_env(_fake_openai_server: FakeOpenAI) -> dict[str, str]:
+    return {"AZURE_EMBED_URL": _fake_openai_server.azure_base_url("text-embedding-3-small")}
 
 
 def _floats(vector: str) -> tuple[float, ...]:

@@ -9,23 +9,17 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from gateway.config import Backend, parse_config
+from gateway.config import Backend
 from gateway.transport import Transport
 from routing import load
 from routing.breaker import Breakers
 from routing.health import HealthProber
 from routing.load import LoadReports, parse_orca
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import RunningGateway, running_gateway
-from tests.routing.routed import route_header
+from tests.gateway.conftest import RunningGateway
+from tests.routing.routed import engine_replicas, route_header
 
-CONFIG = """\
-backends:
-  - {name: replica-a, type: engine, url: "${A_URL}", api_key: "${A_KEY}"}
-  - {name: replica-b, type: engine, url: "${B_URL}", api_key: "${B_KEY}"}
-models:
-  - {name: smol-a, backend: replica-a, model: gpt-4o-mini}
-  - {name: smol-b, backend: replica-b, model: deepseek-chat}
+ROUTES = """\
 routes:
   - name: smol
     policy: prefix_affinity
@@ -38,13 +32,7 @@ PROMPT = "A shared document the replicas cache. Question one"
 
 @pytest.fixture
 def gateway(fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI) -> Iterator[RunningGateway]:
-    env = {
-        "A_URL": fake_openai.base_url,
-        "A_KEY": fake_openai.api_key,
-        "B_URL": fake_deepseek.base_url,
-        "B_KEY": fake_deepseek.api_key,
-    }
-    with running_gateway(parse_config(CONFIG, env)) as gateway:
+    with engine_replicas(fake_openai, fake_deepseek, ROUTES) as gateway:
         yield gateway
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import random
 import re
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -18,7 +17,7 @@ from routing.routes import Candidate, Route
 from routing.stats import RoutingStats
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import LIMITED_KEY, RunningGateway
-from tests.routing.routed import route_header, routed_gateway, runtime
+from tests.routing.routed import route_header, runtime
 
 ROUTES = """\
 routes:
@@ -50,19 +49,16 @@ EASY = "hi"
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server, ROUTES
-    ) as gateway:
-        # A deterministic stand-in for the shipped classifier (tested on its own in test_difficulty):
-        # the policy is what is under test here.
-        runtime(gateway).router.context.scorer = lambda prompt: 0.9 if "Prove" in prompt else 0.1
-        yield gateway
+def gateway_routes() -> str:
+    return ROUTES
+
+
+@pytest.fixture(scope="module")
+def _routed(_routed: RunningGateway) -> RunningGateway:
+    # A deterministic stand-in for the shipped classifier (tested on its own in test_difficulty): the
+    # policy is what is under test here.
+    runtime(_routed).router.context.scorer = lambda prompt: 0.9 if "Prove" in prompt else 0.1
+    return _routed
 
 
 @pytest.fixture

@@ -9,16 +9,14 @@ the rest of the answer only, as a model that continues the prefill literally giv
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from gateway.config import parse_config
 from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
-from tests.routing.routed import FAST, ROUTES, fresh, routed_config_text, settled
+from tests.gateway.conftest import RunningGateway
+from tests.routing.routed import FAST, ROUTES, routed_config_text, settled
 
 ANSWER = "The quick brown fox jumps over the lazy dog"
 PREFILL = "The quick brown fox"
@@ -31,22 +29,9 @@ GEMINI_36 = "  - {name: gemini-36, backend: gemini, model: gemini-3.6-flash}\n"
 
 
 @pytest.fixture(scope="module")
-def _gateway(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
+def gateway_config() -> str:
     # The first `tenants:` ends the models list.
-    config = routed_config_text(TO_OPUS).replace("tenants:", GEMINI_36 + "tenants:", 1)
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    with running_gateway(parse_config(config, env)) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_gateway: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    return fresh(_gateway)
+    return routed_config_text(TO_OPUS).replace("tenants:", GEMINI_36 + "tenants:", 1)
 
 
 @pytest.fixture(params=["claude-opus-46", "resilient"])

@@ -29,8 +29,8 @@ from routing.router import Router
 from routing.routes import Candidate, Hedge, Route
 from routing.stats import RoutingStats
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import RunningGateway, running_gateway
-from tests.routing.routed import runtime
+from tests.gateway.conftest import RunningGateway
+from tests.routing.routed import engine_replicas, runtime
 
 CONFIG = """\
 backends:
@@ -304,13 +304,7 @@ async def test_a_request_cancelled_while_its_hedge_waits_gives_its_slot_back() -
     assert ctx.in_flight == {"r1": 0} and pipeline.closed == 0  # cancelled before anything opened
 
 
-ENGINES = """\
-backends:
-  - {name: replica-a, type: engine, url: "${A_URL}", api_key: "${A_KEY}"}
-  - {name: replica-b, type: engine, url: "${B_URL}", api_key: "${B_KEY}"}
-models:
-  - {name: smol-a, backend: replica-a, model: gpt-4o-mini}
-  - {name: smol-b, backend: replica-b, model: deepseek-chat}
+ENGINE_ROUTES = """\
 routes:
   - name: smol
     policy: prefix_affinity
@@ -321,13 +315,7 @@ routes:
 
 @pytest.fixture
 def engines(fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI) -> Iterator[RunningGateway]:
-    env = {
-        "A_URL": fake_openai.base_url,
-        "A_KEY": fake_openai.api_key,
-        "B_URL": fake_deepseek.base_url,
-        "B_KEY": fake_deepseek.api_key,
-    }
-    with running_gateway(parse_config(ENGINES, env)) as gateway:
+    with engine_replicas(fake_openai, fake_deepseek, ENGINE_ROUTES) as gateway:
         yield gateway
 
 

@@ -11,20 +11,19 @@ limits while the route's own model was merely overloaded.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import openai
 import pytest
 
-from gateway.config import Backend, parse_config
+from gateway.config import Backend
 from gateway.providers import openai as openai_provider
 from gateway.providers.base import CONTINUE_INSTRUCTION
 from gateway.types import ChatRequest, Message
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, running_gateway
-from tests.routing.routed import FAST, fresh, ledger, route_header
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.gateway.conftest import RunningGateway, full_config_text
+from tests.routing.routed import FAST, ledger, route_header
 
 HI: Any = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -43,28 +42,12 @@ routes:
 OVERLOADED = Fault.status(529)  # Anthropic's overload: retried once in place (FAST), then failed over
 
 
-def _config_text() -> str:
+@pytest.fixture(scope="module")
+def gateway_config() -> str:
     text = full_config_text()
     anchor = "  - {name: gpt-5, backend: openai}\n"
     assert anchor in text
     return text.replace(anchor, anchor + MODELS, 1) + ROUTES
-
-
-@pytest.fixture(scope="module")
-def _routed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    with running_gateway(parse_config(_config_text(), env)) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    return fresh(_routed)
 
 
 def _claude_down(fake_anthropic: FakeAnthropic) -> None:

@@ -33,7 +33,7 @@ from gateway.accounting import admission
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL, fresh_pg_database
+from tests.control.conftest import REDIS_PORT, REDIS_URL, fresh_pg_database
 from tests.fakes import FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 from tests.reliability.proxy import ThreadedProxy
@@ -131,7 +131,7 @@ def replicas(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Replicas]:
     prefix = f"weirtest:{uuid.uuid4().hex[:10]}:"
-    proxy = ThreadedProxy(int(REDIS_URL.rsplit(":", 1)[1].split("/")[0]))
+    proxy = ThreadedProxy(REDIS_PORT)
     workdir = tmp_path_factory.mktemp("replica-limits")
     try:
         with (

@@ -9,7 +9,6 @@ either, and the gateway's own 429 (limits, before anything is sent) is no upstre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -37,22 +36,13 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @pytest.fixture(scope="module")
-def _observed(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    env["ONE_STREAM_KEY"] = ONE_STREAM_KEY  # tenant keys come from the environment, never the file
-    text = routed_config_text().replace("\nserver:\n", f"\n{ONE_STREAM}\nserver:\n", 1)
-    with running_gateway(parse_config(text, env)) as gateway:
-        yield gateway
+def gateway_config() -> str:
+    return routed_config_text().replace("\nserver:\n", f"\n{ONE_STREAM}\nserver:\n", 1)
 
 
-@pytest.fixture
-def gateway(_observed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    return fresh(_observed)
+@pytest.fixture(scope="module")
+def gateway_env() -> dict[str, str]:
+    return {"ONE_STREAM_KEY": ONE_STREAM_KEY}  # tenant keys come from the environment, never the file
 
 
 def samples(gateway: RunningGateway) -> Samples:

@@ -36,7 +36,7 @@ from routing.router import Router
 from routing.routes import Breaker as BreakerSettings
 from routing.routes import Candidate, Route
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL
+from tests.control.conftest import REDIS_PORT, REDIS_URL
 from tests.fakes import FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 from tests.reliability.proxy import ThreadedProxy
@@ -58,6 +58,30 @@ def backend() -> Iterator[FakeOpenAI]:
 
 
 @asynccontextmanager
+async def _states(
+    redis_prefix: str, count: int = 2, redis_url: str = REDIS_URL
+) -> AsyncIterator[list[DegradableState]]:
+    """The shared states of `count` replicas over one Redis (at `redis_url`), closed after."""
+    states = [DegradableState(RedisState.from_url(redis_url, prefix=redis_prefix)) for _ in range(count)]
+    try:
+        yield states
+    finally:
+        for state in states:
+            await state.close()
+
+
+def _holding(states: Sequence[object], settings: BreakerSettings, tripped: bool = False) -> list[Breakers]:
+    """A breaker set per replica's state, each holding `KEY` with `settings`; `tripped`: open, its
+    cooldown just over."""
+    replicas = [Breakers(state) for state in states]
+    for breakers in replicas:
+        breaker = breakers.get(KEY, settings)
+        if tripped:
+            breaker.trip(now=time.monotonic() - settings.cooldown)
+    return replicas
+
+
+@asynccontextmanager
 async def probed_replicas(
     base_url: str, redis_prefix: str, settings: BreakerSettings, count: int = 2
 ) -> AsyncIterator[list[tuple[Breakers, HealthProber]]]:
@@ -68,21 +92,17 @@ async def probed_replicas(
         "models:\n  - {name: gpt-4o-mini, backend: openai}\n",
         {},
     )
-    states = [DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix)) for _ in range(count)]
     transport = Transport()
-    replicas = []
-    for state in states:
-        breakers = Breakers(state)
-        breakers.get(KEY, settings)
-        prober = HealthProber(transport, breakers, interval=60, timeout=1.0)
-        prober.watch({"openai": (config.backends[0], [KEY])})
-        replicas.append((breakers, prober))
-    try:
-        yield replicas
-    finally:
-        for state in states:
-            await state.close()
-        await transport.close()
+    async with _states(redis_prefix, count) as states:
+        replicas = []
+        for breakers in _holding(states, settings):
+            prober = HealthProber(transport, breakers, interval=60, timeout=1.0)
+            prober.watch({"openai": (config.backends[0], [KEY])})
+            replicas.append((breakers, prober))
+        try:
+            yield replicas
+        finally:
+            await transport.close()
 
 
 async def test_an_adopted_probe_opening_half_opens_when_this_replicas_probes_reach_the_backend(
@@ -149,15 +169,61 @@ async def test_an_adopted_opening_for_bad_answers_still_waits_out_its_cooldown(
 
 # --- two real gateways over one Redis -----------------------------------------------------------------
 
+# What each gateway of a fleet has besides its config: an admin DB of its own, the one Redis, a tenant.
+PLUMBING = """\
+database_url: "${DB_URL}"
+redis_url: "${REDIS_URL}"
+tenants:
+  - {name: demo, api_keys: ["${DEMO_KEY}"]}
+"""
+
+
+def _runtime(app: object) -> Gateway:
+    return app.state.gateway  # type: ignore[attr-defined]
+
+
+class _Fleet:
+    """Gateways over one Redis, each with its own admin DB and usage spool."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.tmp_path, self.monkeypatch = tmp_path, monkeypatch
+
+    @contextmanager
+    def start(
+        self, config: str, base_urls: Sequence[str], backend_key: str, **env: str
+    ) -> Iterator[tuple[list[str], list[Breakers]]]:
+        """A gateway on `config` (and `PLUMBING`) for each of `base_urls`, its `${BACKEND_URL}`: their
+        URLs and breakers. `env` sets the config's other variables, or others than the usual ones."""
+        with ExitStack() as stack:
+            urls, breakers = [], []
+            for i, base_url in enumerate(base_urls):
+                self.monkeypatch.setenv("WEIR_USAGE_SPOOL", str(self.tmp_path / f"spool{i}"))
+                values = {
+                    "BACKEND_URL": base_url,
+                    "BACKEND_KEY": backend_key,
+                    "DB_URL": f"sqlite+aiosqlite:///{self.tmp_path}/weir{i}.db",
+                    "REDIS_URL": REDIS_URL,
+                    "DEMO_KEY": DEMO_KEY,
+                    **env,
+                }
+                app = create_app(parse_config(config + PLUMBING, values))
+                urls.append(stack.enter_context(serve(app, free_port())))
+                breakers.append(_runtime(app).router.breakers)
+            yield urls, breakers
+
+
+@pytest.fixture
+def fleet(redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Fleet:
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    return _Fleet(tmp_path, monkeypatch)
+
+
 REPLICA = """\
 backends:
   - {name: openai, type: openai, base_url: "${BACKEND_URL}", api_key: "${BACKEND_KEY}"}
 models:
   - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
-database_url: "${DB_URL}"
-redis_url: "${REDIS_URL}"
-tenants:
-  - {name: demo, api_keys: ["${DEMO_KEY}"]}
 routes:
   - name: solo
     probe_interval: 0.2
@@ -165,10 +231,6 @@ routes:
     breaker: {failures: 2, cooldown: 30}
     candidates: [{model: gpt-4o-mini}]
 """
-
-
-def _runtime(app: object) -> Gateway:
-    return app.state.gateway  # type: ignore[attr-defined]
 
 
 def _status(url: str, model: str = "solo") -> int:
@@ -181,31 +243,15 @@ def _status(url: str, model: str = "solo") -> int:
 
 
 def test_a_replica_that_reaches_the_backend_serves_it_while_another_replica_cannot(
-    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: FakeOpenAI, fleet: _Fleet
 ) -> None:
     """A partition: replica 0 cannot reach the backend (its probes open the breaker and publish it),
     replica 1 can. Replica 1 reads the opening after its own probes reached the backend: it half-opens
     (`cause=contested`), never open, and serves its very next request from the backend. It answered
     every request to the one-candidate route with 503 for the whole 30 s cooldown once, and later
     until its next probe round."""
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
-    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
-    with ExitStack() as stack:
-        urls, apps = [], []
-        for i, base_url in enumerate((dead, backend.base_url)):
-            monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool{i}"))
-            env = {
-                "BACKEND_URL": base_url,
-                "BACKEND_KEY": backend.api_key,
-                "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir{i}.db",
-                "REDIS_URL": REDIS_URL,
-                "DEMO_KEY": DEMO_KEY,
-            }
-            apps.append(create_app(parse_config(REPLICA, env)))
-            urls.append(stack.enter_context(serve(apps[-1], free_port())))
-        cut_off, reaching = (_runtime(app).router.breakers for app in apps)
-
+    with fleet.start(REPLICA, (dead, backend.base_url), backend.api_key) as (urls, (cut_off, reaching)):
         assert _next_move(reaching, 0) is State.HALF_OPEN, "replica 1 refused a backend it reaches"
         assert cut_off.state(KEY) is State.OPEN
         assert _status(urls[1]) == 200
@@ -222,10 +268,6 @@ backends:
 models:
   - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
   - {name: spare-mini, backend: spare, model: gpt-4o-mini, price: {input: 0.15, output: 0.60}}
-database_url: "${DB_URL}"
-redis_url: "${REDIS_URL}"
-tenants:
-  - {name: demo, api_keys: ["${DEMO_KEY}"]}
 routes:
   - name: solo
     probe_interval: null
@@ -250,35 +292,6 @@ def spare() -> Iterator[FakeOpenAI]:
         yield fake
 
 
-@contextmanager
-def _two_gateways(
-    base_urls: Sequence[str],
-    spare: FakeOpenAI,
-    redis_prefix: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[tuple[list[str], list[Breakers]]]:
-    """Two gateways over one Redis (`CONTESTED`), each sending `gpt-4o-mini` to its own base URL:
-    their URLs and breakers."""
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
-    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
-    with ExitStack() as stack:
-        urls, apps = [], []
-        for i, base_url in enumerate(base_urls):
-            monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool{i}"))
-            env = {
-                "BACKEND_URL": base_url,
-                "SPARE_URL": spare.base_url,
-                "BACKEND_KEY": spare.api_key,
-                "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir{i}.db",
-                "REDIS_URL": REDIS_URL,
-                "DEMO_KEY": DEMO_KEY,
-            }
-            apps.append(create_app(parse_config(CONTESTED, env)))
-            urls.append(stack.enter_context(serve(apps[-1], free_port())))
-        yield urls, [_runtime(app).router.breakers for app in apps]
-
-
 def _next_move(breakers: Breakers, seen: int) -> State:
     """What `breakers` moved to after its first `seen` transitions, waiting for it (a health-loop
     round reads the shared state every 0.1 s here)."""
@@ -296,7 +309,7 @@ def _posts(fake: FakeOpenAI) -> int:
 
 
 def test_a_replica_cut_off_from_a_backend_does_not_take_it_from_a_replica_it_answers(
-    backend: FakeOpenAI, spare: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: FakeOpenAI, spare: FakeOpenAI, fleet: _Fleet
 ) -> None:
     """A split network: replica A cannot reach the backend (its base URL is a dead port), B can and
     serves from it. A's failed request opens its breaker and publishes the opening. B saw the backend
@@ -306,7 +319,9 @@ def test_a_replica_cut_off_from_a_backend_does_not_take_it_from_a_replica_it_ans
     B's clients is served from the backend, B's trial being one of its own requests. B adopted each
     opening outright and answered 503 for a 30 s cooldown, again after every failure of A's."""
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
-    with _two_gateways((dead, backend.base_url), spare, redis_prefix, tmp_path, monkeypatch) as gateways:
+    with fleet.start(
+        CONTESTED, (dead, backend.base_url), spare.api_key, SPARE_URL=spare.base_url
+    ) as gateways:
         urls, (cut_off, reaching) = gateways
         assert _status(urls[1]) == 200  # B's own word: the backend answers it
         statuses = []
@@ -326,19 +341,14 @@ def test_a_replica_cut_off_from_a_backend_does_not_take_it_from_a_replica_it_ans
 
 @pytest.mark.parametrize("answered_here", [True, False], ids=["answered_here", "nothing_here"])
 def test_in_an_outage_a_replica_that_saw_the_backend_answer_pays_one_failed_over_attempt(
-    answered_here: bool,
-    backend: FakeOpenAI,
-    spare: FakeOpenAI,
-    redis_prefix: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    answered_here: bool, backend: FakeOpenAI, spare: FakeOpenAI, redis_prefix: str, fleet: _Fleet
 ) -> None:
     """The backend goes down for everyone. A's request fails over to the spare and A's breaker opens.
     B, which saw the backend answer before the outage, contests the opening: its next request tries
     the backend once (failing over to the spare, so its client sees nothing), and that opens B's
     breaker too; after it B skips the backend. A replica with no word of its own on the backend
     adopts the opening at once, as before, and never tries it."""
-    with _two_gateways((backend.base_url,) * 2, spare, redis_prefix, tmp_path, monkeypatch) as gateways:
+    with fleet.start(CONTESTED, (backend.base_url,) * 2, spare.api_key, SPARE_URL=spare.base_url) as gateways:
         urls, (_, b) = gateways
         if answered_here:
             assert _status(urls[1], "spared") == 200
@@ -385,8 +395,7 @@ def test_a_replica_whose_probes_reach_the_backend_contests_an_opening_for_connec
     backend: FakeOpenAI,
     spare: FakeOpenAI,
     redis_prefix: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    fleet: _Fleet,
 ) -> None:
     """A's request never reached the backend's answer: its connection was refused (A's base URL is a
     dead port: a partition) or dropped before any response. A's breaker opens as for a backend it
@@ -397,8 +406,7 @@ def test_a_replica_whose_probes_reach_the_backend_contests_an_opening_for_connec
     adopts that opening, its probes notwithstanding."""
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     base_url = dead if cause == "refused" else backend.base_url
-    with _two_gateways((base_url,), spare, redis_prefix, tmp_path, monkeypatch) as gateways:
-        urls, (a,) = gateways
+    with fleet.start(CONTESTED, (base_url,), spare.api_key, SPARE_URL=spare.base_url) as (urls, (a,)):
         if cause == "reset":
             backend.fail_next(Fault.reset())
         elif cause == "500":
@@ -419,10 +427,8 @@ async def test_another_replicas_opening_is_one_trial_here_only_after_a_recent_su
     request that succeeded there. That trial is B's own, not the fleet's (sent though A holds the
     fleet's trial), and one: a second request waits for its verdict. Without such a word (never
     answered, answered longer than a cooldown ago, or failed since), B adopts the opening."""
-    a, b = Breakers(shared_pair[0]), Breakers(shared_pair[1])
     settings = BreakerSettings(failures=2, cooldown=30)
-    for breakers in (a, b):
-        breakers.get(KEY, settings)
+    a, b = _holding(shared_pair, settings)
     a.get(KEY).trip(now=time.monotonic() - 30)
     assert await a.allow(KEY)  # A claims the fleet's trial...
     await a.failure(KEY)  # ...which fails: A's opening is published, its claim stands
@@ -504,10 +510,6 @@ backends:
 models:
   - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
   - {name: gpt-5, backend: openai, price: {input: 1.25, output: 10.0}}
-database_url: "${DB_URL}"
-redis_url: "${REDIS_URL}"
-tenants:
-  - {name: demo, api_keys: ["${DEMO_KEY}"]}
 routes:
   - name: solo
     probe_interval: null
@@ -534,24 +536,15 @@ def _degraded(url: str) -> float:
 
 
 def test_routed_traffic_keeps_flowing_while_redis_is_away_and_shares_again_after(
-    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: FakeOpenAI, redis_prefix: str, fleet: _Fleet
 ) -> None:
     """Breakers and the hedge cap live in Redis; with Redis gone mid-run every routed request is still
     answered (breakers open and refuse in this process, hedges are counted here), and once Redis is
     back the breakers publish there again."""
-    proxy = ThreadedProxy(int(REDIS_URL.rsplit(":", 1)[1].split("/")[0]))
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
-    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    env = {
-        "BACKEND_URL": backend.base_url,
-        "BACKEND_KEY": backend.api_key,
-        "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db",
-        "REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0",
-        "DEMO_KEY": DEMO_KEY,
-    }
+    proxy = ThreadedProxy(REDIS_PORT)
+    proxied = f"redis://127.0.0.1:{proxy.port}/0"
     try:
-        with serve(create_app(parse_config(OUTAGE, env)), free_port()) as url:
+        with fleet.start(OUTAGE, (backend.base_url,), backend.api_key, REDIS_URL=proxied) as ([url], _):
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=DEMO_KEY, max_retries=0, timeout=10)
             assert _status(url) == 200 and _degraded(url) == 0
 
@@ -581,10 +574,6 @@ def test_routed_traffic_keeps_flowing_while_redis_is_away_and_shares_again_after
 # --- recoveries and half-open trials across replicas ------------------------------------------------
 
 
-def _replicas(redis_url: str, prefix: str) -> list[DegradableState]:
-    return [DegradableState(RedisState.from_url(redis_url, prefix=prefix)) for _ in "ab"]
-
-
 async def test_a_recovery_on_one_replica_half_opens_the_breaker_the_others_hold_open(
     redis_prefix: str,
 ) -> None:
@@ -592,12 +581,8 @@ async def test_a_recovery_on_one_replica_half_opens_the_breaker_the_others_hold_
     back and A's trial proves it: B must stop refusing it at its next sync, with one trial of its own
     (half-open, not closed: the success was A's; see Breakers._recovered_elsewhere). The recovery was
     published but never read: B refused the backend for the rest of its cooldown."""
-    states = _replicas(REDIS_URL, redis_prefix)
-    a, b = Breakers(states[0]), Breakers(states[1])
-    settings = BreakerSettings(failures=2, cooldown=30)
-    try:
-        for breakers in (a, b):
-            breakers.get(KEY, settings)
+    async with _states(redis_prefix) as states:
+        a, b = _holding(states, BreakerSettings(failures=2, cooldown=30))
         for _ in range(2):
             await a.failure(KEY)
         await b.sync()
@@ -616,9 +601,6 @@ async def test_a_recovery_on_one_replica_half_opens_the_breaker_the_others_hold_
         assert b.state(KEY) is State.CLOSED
         await a.sync()  # B's recovery is no news to A, which is closed
         assert a.state(KEY) is State.CLOSED
-    finally:
-        for state in states:
-            await state.close()
 
 
 class _Clocked(MemoryState):
@@ -636,10 +618,7 @@ async def test_a_recovery_outlives_a_sync_interval_longer_than_a_second() -> Non
     """The health loop syncs every probe interval (10 s by default). A recovery published for 1 s
     was gone by the time the other replica looked: it must last as long as an opening it can end."""
     shared = _Clocked()
-    a, b = Breakers(shared), Breakers(shared)
-    settings = BreakerSettings(failures=1, cooldown=30)
-    for breakers in (a, b):
-        breakers.get(KEY, settings)
+    a, b = _holding([shared, shared], BreakerSettings(failures=1, cooldown=30))
     await a.failure(KEY)
     await b.sync()
     assert b.state(KEY) is State.OPEN
@@ -659,14 +638,9 @@ async def test_one_half_open_trial_for_the_whole_fleet_and_a_dead_holder_blocks_
     """Both replicas' breakers are open on a dead backend and their cooldowns pass: only one trial
     goes to it for the fleet, not one per replica. A holder that dies with its trial (never reports)
     holds the fleet's trial no longer than a cooldown."""
-    states = _replicas(REDIS_URL, redis_prefix)
-    a, b = Breakers(states[0]), Breakers(states[1])
     cooldown = 0.3
-    try:
-        for breakers in (a, b):
-            breakers.get(KEY, BreakerSettings(failures=1, cooldown=cooldown)).trip(
-                now=time.monotonic() - cooldown
-            )
+    async with _states(redis_prefix) as states:
+        a, b = _holding(states, BreakerSettings(failures=1, cooldown=cooldown), tripped=True)
         assert await a.allow(KEY)  # A's trial is the fleet's
         assert not await b.allow(KEY), "B sent a second trial to the dead backend"
         assert b.state(KEY) is State.HALF_OPEN and not b.get(KEY).admits()  # policies skip it too
@@ -677,30 +651,24 @@ async def test_one_half_open_trial_for_the_whole_fleet_and_a_dead_holder_blocks_
         await b.failure(KEY)  # still dead: the next trial, anywhere, a cooldown after B's claim
         a.get(KEY).release()
         assert not await a.allow(KEY)
-    finally:
-        for state in states:
-            await state.close()
 
 
 async def test_without_redis_each_replica_sends_its_own_half_open_trial(redis_prefix: str) -> None:
     """Redis down degrades the fleet's trial to today's per-replica one, never to refusing the
     backend: through the in-process fallback, and with a state that has none."""
-    proxy = ThreadedProxy(int(REDIS_URL.rsplit(":", 1)[1].split("/")[0]))
-    states = _replicas(f"redis://127.0.0.1:{proxy.port}/0", redis_prefix)
+    proxy = ThreadedProxy(REDIS_PORT)
     bare = RedisState.from_url(f"redis://127.0.0.1:{free_port()}/0", prefix=redis_prefix)
-    replicas = [Breakers(states[0]), Breakers(states[1]), Breakers(bare)]
     try:
-        proxy.stop()
-        started = time.monotonic()
-        for breakers in replicas:
-            breakers.get(KEY, BreakerSettings(failures=1, cooldown=30)).trip(now=time.monotonic() - 30)
-            assert await breakers.allow(KEY)
-            assert not await breakers.allow(KEY)  # one trial per replica, as ever
-        assert time.monotonic() - started < 5
+        async with _states(redis_prefix, redis_url=f"redis://127.0.0.1:{proxy.port}/0") as states:
+            replicas = _holding([*states, bare], BreakerSettings(failures=1, cooldown=30), tripped=True)
+            proxy.stop()
+            started = time.monotonic()
+            for breakers in replicas:
+                assert await breakers.allow(KEY)
+                assert not await breakers.allow(KEY)  # one trial per replica, as ever
+            assert time.monotonic() - started < 5
     finally:
         await bare.close()
-        for state in states:
-            await state.close()
         proxy.close()
 
 
@@ -709,10 +677,6 @@ backends:
   - {name: openai, type: openai, base_url: "${BACKEND_URL}", api_key: "${BACKEND_KEY}"}
 models:
   - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, output: 0.60}}
-database_url: "${DB_URL}"
-redis_url: "${REDIS_URL}"
-tenants:
-  - {name: demo, api_keys: ["${DEMO_KEY}"]}
 routes:
   - name: solo
     probe_interval: null
@@ -723,53 +687,37 @@ routes:
 
 
 @contextmanager
-def _two_gateways_past_their_cooldown(
-    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[list[str]]:
+def _two_gateways_past_their_cooldown(fleet: _Fleet, backend: FakeOpenAI) -> Iterator[list[str]]:
     """Two gateways over one Redis (`TRIALS`), each with the backend's breaker open and its cooldown
     over: their URLs."""
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", "admin-token-shared-failover")
-    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
-    with ExitStack() as stack:
-        urls, apps = [], []
-        for i in range(2):
-            monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool{i}"))
-            env = {
-                "BACKEND_URL": backend.base_url,
-                "BACKEND_KEY": backend.api_key,
-                "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir{i}.db",
-                "REDIS_URL": REDIS_URL,
-                "DEMO_KEY": DEMO_KEY,
-            }
-            apps.append(create_app(parse_config(TRIALS, env)))
-            urls.append(stack.enter_context(serve(apps[-1], free_port())))
-        for app in apps:
-            _runtime(app).router.breakers.get(KEY).trip(now=time.monotonic() - 30)
+    with fleet.start(TRIALS, (backend.base_url,) * 2, backend.api_key) as (urls, replicas):
+        for breakers in replicas:
+            breakers.get(KEY).trip(now=time.monotonic() - 30)
         yield urls
 
 
 def test_two_gateways_send_one_half_open_trial_to_a_backend_that_is_still_down(
-    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: FakeOpenAI, fleet: _Fleet
 ) -> None:
     """Two gateways over one Redis, each with the backend's breaker open and its cooldown over; the
     backend still fails. The first gateway's request is the trial (502) and re-opens its breaker;
     the second gateway's request must not be a second trial to the same dead backend: it is refused
     (503, retry later) while the fleet's trial holds. It went to the backend too."""
-    with _two_gateways_past_their_cooldown(backend, redis_prefix, tmp_path, monkeypatch) as urls:
+    with _two_gateways_past_their_cooldown(fleet, backend) as urls:
         backend.fail_next(500, times=2)
         assert [_status(url) for url in urls] == [502, 503]
         assert len([r for r in backend.requests if r.method == "POST"]) == 1
 
 
 def test_a_gateway_refused_the_fleets_trial_serves_once_that_trial_succeeds(
-    backend: FakeOpenAI, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: FakeOpenAI, fleet: _Fleet
 ) -> None:
     """Two gateways over one Redis, the backend's breaker open on both and its cooldown over; the
     backend is back. The first gateway's request is the fleet's trial (slow: a second); the second
     gateway's, meanwhile, is refused (503) while it runs. The trial answers and publishes the
     recovery: the second gateway must serve the backend again within a recheck, not refuse it until
     its health loop reads the recovery or the claim lapses (30 s here, no probes)."""
-    with _two_gateways_past_their_cooldown(backend, redis_prefix, tmp_path, monkeypatch) as urls:
+    with _two_gateways_past_their_cooldown(fleet, backend) as urls:
         backend.fail_next(Fault.delay(1.0))
         with ThreadPoolExecutor(1) as pool:
             trial = pool.submit(_status, urls[0])
@@ -791,10 +739,8 @@ async def shared_pair(request: pytest.FixtureRequest, redis_prefix: str) -> Asyn
         shared = MemoryState()
         yield [shared, shared]
         return
-    states = _replicas(REDIS_URL, redis_prefix)
-    yield list(states)
-    for state in states:
-        await state.close()
+    async with _states(redis_prefix) as states:
+        yield list(states)
 
 
 async def test_a_replica_refused_the_fleets_trial_takes_its_own_once_that_trial_succeeded(
@@ -804,9 +750,7 @@ async def test_a_replica_refused_the_fleets_trial_takes_its_own_once_that_trial_
     recovery). Without a health-loop round in between, B's next requests must reach the backend
     within TRIAL_RECHECK_S: one trial of B's own, as after a sync that read the recovery. It refused
     the backend until the claim lapsed (a cooldown: 30 s)."""
-    a, b = Breakers(shared_pair[0]), Breakers(shared_pair[1])
-    for breakers in (a, b):
-        breakers.get(KEY, BreakerSettings(failures=1, cooldown=30)).trip(now=time.monotonic() - 30)
+    a, b = _holding(shared_pair, BreakerSettings(failures=1, cooldown=30), tripped=True)
     assert await a.allow(KEY)  # A's trial is the fleet's
     assert not await b.allow(KEY)
     await a.success(KEY)
