@@ -35,6 +35,24 @@ def routed_config_text(routes: str = ROUTES) -> str:
     return full_config_text() + routes
 
 
+# A backend of a test's own raw HTTP server (tests.reliability.raw_backend) at ${RAW_URL}, and its
+# model `raw-model`, beside the fakes: for answers no fake vendor gives (scripted bytes, in-band errors).
+RAW_BACKEND = """\
+  - {name: raw, type: openai, base_url: "${RAW_URL}", api_key: unused}
+"""
+RAW_MODEL = """\
+  - {name: raw-model, backend: raw, model: gpt-4o-mini, price: {input: 0.15, output: 0.60}}
+"""
+
+
+def raw_config_text(routes: str) -> str:
+    """`routed_config_text(routes)` with the raw backend and its model."""
+    text = routed_config_text(routes)
+    return text.replace("backends:\n", "backends:\n" + RAW_BACKEND, 1).replace(
+        "models:", "models:\n" + RAW_MODEL.rstrip("\n"), 1
+    )
+
+
 @contextmanager
 def routed_gateway(
     oa: FakeOpenAI, an: FakeAnthropic, ge: FakeGemini, ds: FakeOpenAI, routes: str = ROUTES

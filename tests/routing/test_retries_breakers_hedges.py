@@ -36,6 +36,7 @@ from tests.routing.routed import (
     ROUTES,
     fresh,
     ledger,
+    raw_config_text,
     route_header,
     routed_config_text,
     runtime,
@@ -45,12 +46,6 @@ from tests.routing.routed import (
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
 
-RAW_BACKEND = """\
-  - {name: raw, type: openai, base_url: "${RAW_URL}", api_key: unused}
-"""
-RAW_MODEL = """\
-  - {name: raw-model, backend: raw, model: gpt-4o-mini, price: {input: 0.15, output: 0.60}}
-"""
 EXTRA_ROUTES = f"""\
   - {{name: raw-first, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: raw-hedged, hedge: {{delay: 0.15}}, candidates: [{{model: raw-model}}, {{model: deepseek-chat}}], {FAST}}}
@@ -104,21 +99,13 @@ def _raw() -> Iterator[tuple[RawBackend, Script]]:
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _raw: tuple[RawBackend, Script],
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    text = routed_config_text(ROUTES + EXTRA_ROUTES)
-    text = text.replace("backends:\n", "backends:\n" + RAW_BACKEND, 1).replace(
-        "models:", "models:\n" + RAW_MODEL.rstrip("\n"), 1
-    )
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    env["RAW_URL"] = _raw[0].url
-    with running_gateway(parse_config(text, env)) as gateway:
-        yield gateway
+def gateway_config() -> str:
+    return raw_config_text(ROUTES + EXTRA_ROUTES)
+
+
+@pytest.fixture(scope="module")
+def gateway_env(_raw: tuple[RawBackend, Script]) -> dict[str, str]:
+    return {"RAW_URL": _raw[0].url}
 
 
 @pytest.fixture(scope="module")

@@ -25,21 +25,14 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import parse_config
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
+from tests.gateway.conftest import RunningGateway
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
-from tests.routing.routed import FAST, ROUTES, fresh, ledger, route_header, routed_config_text, settled
+from tests.routing.routed import FAST, ROUTES, fresh, ledger, raw_config_text, route_header, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
 
-RAW_BACKEND = """\
-  - {name: raw, type: openai, base_url: "${RAW_URL}", api_key: unused}
-"""
-RAW_MODEL = """\
-  - {name: raw-model, backend: raw, model: gpt-4o-mini, price: {input: 0.15, output: 0.60}}
-"""
 EXTRA_ROUTES = f"""\
   - {{name: gemini-first, candidates: [{{model: gemini-flash}}, {{model: gpt-4o-mini}}], {FAST}}}
   - {{name: raw-first, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
@@ -80,21 +73,13 @@ def _raw() -> Iterator[tuple[RawBackend, Script]]:
 
 
 @pytest.fixture(scope="module")
-def _routed(
-    _raw: tuple[RawBackend, Script],
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    text = routed_config_text(ROUTES + EXTRA_ROUTES)
-    text = text.replace("backends:\n", "backends:\n" + RAW_BACKEND, 1).replace(
-        "models:", "models:\n" + RAW_MODEL.rstrip("\n"), 1
-    )
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    env["RAW_URL"] = _raw[0].url
-    with running_gateway(parse_config(text, env)) as gateway:
-        yield gateway
+def gateway_config() -> str:
+    return raw_config_text(ROUTES + EXTRA_ROUTES)
+
+
+@pytest.fixture(scope="module")
+def gateway_env(_raw: tuple[RawBackend, Script]) -> dict[str, str]:
+    return {"RAW_URL": _raw[0].url}
 
 
 @pytest.fixture
