@@ -1,4 +1,4 @@
-"""What a stream that ended without a usage report still cost: an estimate to bill instead of zero.
+"""What an attempt that ended without a usage report still cost: an estimate to bill instead of zero.
 
 Vendors report usage only in a stream's last chunk. When the client goes away (or the upstream
 breaks) before it, the backend has still produced, and billed, the tokens that reached the gateway.
@@ -9,6 +9,10 @@ an estimate, marked `estimated` in the usage event and the ledger:
   budget (an over-estimate by the JSON framing: the tenant pays at most a little more, never zero);
 - output: the larger of the count of chunks that carried text (OpenAI-compatible servers send about
   one token per chunk) and the generated text at 4 bytes per token (vendors that batch tokens).
+
+A whole (non-streamed) answer cancelled after its status line, whose body did not come in time, was
+generated in full: the prompt as above, and the output from the body's announced length
+(`whole_answer`).
 """
 
 from __future__ import annotations
@@ -77,3 +81,11 @@ class Produced:
         """The usage to bill for a stream cut before the vendor reported any."""
         output = max(self.chunks, _ceil_tokens(self.text_bytes))
         return Usage(input_tokens=_ceil_tokens(len(request_body)), output_tokens=output)
+
+
+def whole_answer(request_body: bytes, answer_bytes: int) -> Usage:
+    """The usage to bill for a whole answer its vendor generated and the gateway never read: the
+    prompt as for a stream, the output from the answer's size (its `content-length`; 0 unknown) at 4
+    bytes per token, high by the JSON around the text as the prompt is by the request's (a compressed
+    answer's length is the compressed size: low)."""
+    return Usage(input_tokens=_ceil_tokens(len(request_body)), output_tokens=_ceil_tokens(answer_bytes))

@@ -7,6 +7,7 @@ them once per attempt. Every attempt ends in exactly one UsageEvent, whatever ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import time
 import traceback
@@ -23,12 +24,12 @@ from gateway.accounting.pricing import TokenClass, price_usage
 from gateway.auth import Principal
 from gateway.config import Model
 from gateway.errors import ANTHROPIC_ERROR_TYPES, BadGateway, GatewayError, GatewayTimeout
-from gateway.estimate import Produced
+from gateway.estimate import Produced, whole_answer
 from gateway.ids import ordered_id
 from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
 from gateway.router_basic import Target
-from gateway.transport import MAX_RESPONSE_BODY, Transport, describe
+from gateway.transport import MAX_RESPONSE_BODY, Transport, UpstreamResponse, describe
 from gateway.usage import Usage
 from gateway.usage_sink import UsageSink
 from routing.load import LoadReports
@@ -129,6 +130,11 @@ def price_sheet(model: Model) -> dict[TokenClass, int]:
     return sheet
 
 
+# How long an attempt cancelled while its whole answer's body comes in still waits for it, for its
+# vendor's usage report (`_cut_answer`): the body usually arrives with the headers, and a
+# hedge race's winner waits for its loser to end (`routing.execute._abandon`).
+CUT_ANSWER_WAIT = 0.2  # seconds
+
 # Rate limits and budgets (the control plane): raises a 429 GatewayError to refuse a request.
 Admission = Callable[[Call, Target, UpstreamRequest], Awaitable[None]]
 
@@ -166,10 +172,13 @@ class Pipeline:
         asked once the answer is read, before its usage event is recorded: False when the router will
         not take it (a hedge race the other attempt won meanwhile), and the attempt ends as one the
         router cancelled a moment earlier would (`Call.stopped`, else `cancelled`), billed the usage
-        its vendor reported."""
+        its vendor reported. Cancelled once its status line arrived, before its body was read, it is
+        billed what `_cut_answer` says."""
         left = await self._admit(call, target, upstream, attempt)
         started_at, t0 = time.time(), time.perf_counter()
-        status, usage, failure = 0, Usage(), None
+        status, usage, failure, estimated = 0, Usage(), None, False
+        response: UpstreamResponse | None = None
+        reading: asyncio.Task[bytes] | None = None  # the body, while the attempt waits for it
         backend = target.backend
         try:
             if left:
@@ -179,7 +188,13 @@ class Pipeline:
             response = await self.transport.send(upstream, backend.timeouts, backend.name)
             status = response.status
             self.loads.observe(backend.name, response.headers)
-            body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
+            # Read in a task of its own: cancelled meanwhile, the attempt can still have the body (and
+            # its usage) that is coming in, where a cancelled read would drop what it had read.
+            reading = asyncio.ensure_future(
+                self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
+            )
+            body = await asyncio.shield(reading)
+            reading = None
             if status >= 400:
                 raise target.provider.error(status, body, response.headers)
             result = decode(parse, backend.name, body, target.upstream_model)
@@ -194,12 +209,24 @@ class Pipeline:
             raise
         except asyncio.CancelledError:
             # A hedge that lost or a client that left (499), unless the router says otherwise.
+            if reading is not None and response is not None:
+                usage, estimated = await _cut_answer(call, target, upstream, parse, response, reading)
             gone = ("client_disconnected", 499) if call.info.client_gone else ("cancelled", 499)
             failure, status = call.stopped.get(attempt, gone)
             raise
         finally:
             await self._record(
-                call, target, attempt, started_at, t0, usage, status, failure, ttft=None, stream=False
+                call,
+                target,
+                attempt,
+                started_at,
+                t0,
+                usage,
+                status,
+                failure,
+                ttft=None,
+                stream=False,
+                estimated=estimated,
             )
 
     async def stream(
@@ -393,6 +420,35 @@ class Pipeline:
             await on_cost(event)
 
 
+async def _cut_answer(
+    call: Call,
+    target: Target,
+    upstream: UpstreamRequest,
+    parse: Callable[[bytes, str], HasUsage],
+    response: UpstreamResponse,
+    reading: asyncio.Task[bytes],
+) -> tuple[Usage, bool]:
+    """What a whole answer cancelled after its status line, before its body was read, is billed, and
+    whether that is an estimate. A 2xx comes once its vendor generated the whole answer, which it
+    bills: the vendor's own report when the body comes within CUT_ANSWER_WAIT (billed as the answer
+    read uncancelled is: nothing for a body without usage or unreadable), else an estimate
+    (`estimate.whole_answer`) from the request and the answer's announced length (no output for an
+    embedding; counting tokens is free). An error status bills nothing, as ever."""
+    ok = 200 <= response.status < 300
+    body = await _read_within(reading, CUT_ANSWER_WAIT if ok else 0.0)
+    if not ok or call.endpoint == "count_tokens":
+        return Usage(), False
+    if body is not None:
+        backend, model = target.backend.name, target.upstream_model
+        try:
+            return decode(parse, backend, body, model).usage or Usage(), False
+        except GatewayError:
+            return Usage(), False
+    length = response.headers.get("content-length", "")
+    size = min(int(length), MAX_RESPONSE_BODY) if length.isdigit() else 0
+    return whole_answer(upstream.body, 0 if call.endpoint == "embeddings" else size), True
+
+
 def _cut_usage(decoder: StreamDecoder, estimate: Usage) -> Usage:
     """What a stream cut before its usage report is billed: the output estimated from what arrived,
     and the prompt as the vendor had already counted it where it had (Anthropic's message_start,
@@ -422,6 +478,23 @@ def decode(step: Callable[..., T], backend: str, *args: Any) -> T:
         where = f"{innermost[0].filename}:{innermost[0].lineno}" if innermost else None
         log.warning("upstream_response_malformed", backend=backend, error=describe(exc)[:200], at=where)
         raise BadGateway(f"backend {backend} sent a malformed response") from None
+
+
+async def _read_within(reading: asyncio.Task[bytes], seconds: float) -> bytes | None:
+    """What `reading` read, if it ends within `seconds`; else None, and the read is cancelled (ending,
+    it lets its connection go: the vendor stops sending). The attempt is being cancelled already, so
+    cancellations meanwhile do not cut the wait short: it is bounded."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not reading.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            reading.cancel()  # done within the next step
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({reading}, timeout=left if left > 0 else None)
+    if reading.cancelled() or reading.exception() is not None:
+        return None
+    return reading.result()
 
 
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -1,7 +1,7 @@
 """Issue 4's ledger gap: a stream cut before the vendor's usage report is billed, not free.
 
 The gateway cancels the upstream when the client leaves and bills an estimate of what the backend
-produced (docs/reliability.md, "Streams cut short"), marked `estimated` in the ledger.
+produced (docs/reliability.md, "Answers cut short"), marked `estimated` in the ledger.
 """
 
 from __future__ import annotations
