@@ -115,7 +115,9 @@ class CircuitBreaker:
     failures: int = 0
     opened_at: float = 0.0
     trial_in_flight: bool = False
-    trial_started: float = 0.0  # monotonic time the half-open trial in flight was let through
+    # Monotonic time the half-open trial in flight was let through: that trial's identity (`trial`),
+    # which its end without a verdict must match to free the breaker (`release`).
+    trial_started: float = 0.0
     # Opened because the backend could not be reached (by health probes, or by requests that got no
     # connection or lost it before any answer): a probe that reaches it again may half-open it early.
     # Openings for bad answers wait out the cooldown (a probe cannot see those).
@@ -212,11 +214,18 @@ class CircuitBreaker:
             self.trial_in_flight, self.trial_started = True, now
         return True
 
+    def trial(self) -> float | None:
+        """The identity of the half-open trial in flight here (when it was let through: read it right
+        after `allow` let a request through, to know whether that request is the trial), or None."""
+        return self.trial_started if self.state is State.HALF_OPEN and self.trial_in_flight else None
+
     def success(self, trial: bool = True) -> bool:
         """Record a success; True when this closed a breaker that was not closed. Only a request this
         breaker let through as its half-open trial (`trial`) closes one that is not closed; any
         other's success changes nothing there, and resets a closed one's count of failures (see
-        `Breakers.success`)."""
+        `Breakers.success`). Any trial of it: also one that no longer holds the breaker (silent for a
+        cooldown, another trial let through since, see `admits`), whose verdict still comes at its
+        answer or first token, as recent as the new trial's would be."""
         if not trial and self.current() is not State.CLOSED:
             return False
         changed = self.state is not State.CLOSED
@@ -240,10 +249,14 @@ class CircuitBreaker:
             return True
         return False
 
-    def release(self) -> None:
-        """A half-open trial ended without saying anything about the backend (cancelled, refused by
-        the gateway itself): let the next request be the trial."""
-        self.trial_in_flight = False
+    def release(self, trial: float) -> None:
+        """The half-open trial `trial` (its identity, see `trial`) ended without saying anything about
+        the backend (cancelled, refused by the gateway itself): let the next request be the trial, if
+        that trial still holds the breaker. One silent for a cooldown no longer does once another
+        request went as the trial (`admits`): freeing the breaker at its end let a third go beside
+        that one."""
+        if self.trial_in_flight and self.trial_started == trial:
+            self.trial_in_flight = False
 
     def trip(self, now: float | None = None) -> None:
         self.state, self.trial_in_flight, self.unreachable, self.probed = State.OPEN, False, False, False
@@ -382,7 +395,7 @@ class Breakers:
             breaker.claimed_until = now + cooldown
             return True
         if breaker.state is State.HALF_OPEN and breaker.fleet_trial:  # (unless sync moved it meanwhile)
-            breaker.trial_in_flight = False
+            breaker.release(now)  # the trial `breaker.allow(now)` let through
             breaker.trial_elsewhere_until = now + min(left, cooldown)
             breaker.trial_recheck_at = now + min(left, cooldown, TRIAL_RECHECK_S)
         return False
@@ -434,21 +447,23 @@ class Breakers:
                 value = OPENED_UNREACHABLE if breaker.unreachable else OPENED
                 await self.shared.kv_set(PREFIX + key, value, ttl_s=breaker.settings.cooldown)
 
-    async def too_slow(self, key: str, waited: float, route: Route | None = None, trial: bool = True) -> None:
+    async def too_slow(
+        self, key: str, waited: float, route: Route | None = None, trial: float | None = None
+    ) -> None:
         """A route gave up on a stream after `waited` seconds without its first token (its
         `ttft_timeout`). That is a failure of the backend only where no route in force with a breaker
         there would have waited longer: a tighter route's latency preference must not open the
         breaker that routes with no timeout, or a longer one, share, and take a model that would
         answer them away from them. It says nothing about the backend to them either (the half-open
-        trial it was, `trial`, lets the next request be the trial), but it counts against `route`'s
-        own latency breaker there, so that route stops paying its timeout on every request while the
-        model is slow. Its 504 still counts as the backend's error in the metrics, as every TTFT
-        timeout does."""
+        trial it was, `trial`: its identity, lets the next request be the trial), but it counts
+        against `route`'s own latency breaker there, so that route stops paying its timeout on every
+        request while the model is slow. Its 504 still counts as the backend's error in the metrics,
+        as every TTFT timeout does."""
         if waited >= self.patience.get(key, waited):
             await self.failure(key)
             return
-        if trial:
-            self.get(key).release()
+        if trial is not None:
+            self.get(key).release(trial)
         if route is None:
             return
         latency = (route_label(route), waited, key)

@@ -233,10 +233,13 @@ class Trial:
     """The breakers that let an attempt through as their half-open trial (`Executor._trial`), whose
     success alone closes one that is not closed (`CircuitBreaker.success`): its backend's
     (`backend`: its answer, a stream's first token) and its route's own latency breaker there
-    (`latency`: a stream's first token in time)."""
+    (`latency`: a stream's first token in time). Each is that trial's identity (`CircuitBreaker.trial`;
+    None: no trial there), so that its end without a verdict frees that breaker only while this trial
+    still holds it (`CircuitBreaker.release`), not the trial let through once it had been silent for a
+    cooldown."""
 
-    backend: bool = False
-    latency: bool = False
+    backend: float | None = None
+    latency: float | None = None
 
 
 NO_TRIAL = Trial()
@@ -327,7 +330,7 @@ class Executor:
                     self.pipeline.stream(call, target, upstream, reader, attempt=number, sending=sending)
                 )
                 held, batches = await (opening if deadline is None else deadline.within(opening))
-                if plan.route.breaker is not None and trial.backend:
+                if plan.route.breaker is not None and trial.backend is not None:
                     # Its first token shows the backend answers: a half-open trial's verdict, now, not
                     # when the stream ends (every other request was kept off the backend for the whole
                     # generation). A break after it counts as any stream's does (`_resuming`).
@@ -339,7 +342,7 @@ class Executor:
                 handed_over = True
                 self._note(plan, model, "ok")
                 if deadline is not None and plan.route.breaker is not None:
-                    self.breakers.in_time(plan.route, key, trial.latency)
+                    self.breakers.in_time(plan.route, key, trial.latency is not None)
                 return self._track(batches, model, held)
             result = await self.pipeline.exchange(
                 call,
@@ -352,7 +355,7 @@ class Executor:
             )
             self._note(plan, model, "ok")
             if plan.route.breaker is not None:
-                await self.breakers.success(key, trial.backend)
+                await self.breakers.success(key, trial.backend is not None)
             return result
         except GatewayError as exc:
             if _unsent(call, plan, number):
@@ -368,9 +371,10 @@ class Executor:
                 elif _unhealthy(exc):
                     await self.breakers.failure(key, unreachable=isinstance(exc, Unreachable))
                 elif isinstance(exc, _BACKEND_ERRORS):
-                    await self.breakers.success(key, trial.backend)  # it answered: the request's fault
-                elif trial.backend:
-                    self.breakers.get(key).release()
+                    # It answered: the request's fault.
+                    await self.breakers.success(key, trial.backend is not None)
+                elif trial.backend is not None:
+                    self.breakers.get(key).release(trial.backend)
                 if slow is None:  # it failed before its first token was due: no word on its speed
                     self._no_verdict(plan.route, key, Trial(latency=trial.latency))
             raise
@@ -391,11 +395,12 @@ class Executor:
         breakers it was the half-open trial of (`trial`), the backend's or the route's latency
         breaker there, let the next request be the trial. Not the others: one that opened and
         half-opened while it ran is held by another request's trial, and freed by this attempt it
-        let a second trial go beside that one."""
-        if trial.backend:
-            self.breakers.get(key).release()
-        if trial.latency and (latency := self.breakers.latency_breaker(route, key)) is not None:
-            latency.release()
+        let a second trial go beside that one. Nor one this attempt's trial no longer holds: silent
+        for a cooldown, it let another request through as the trial (`CircuitBreaker.release`)."""
+        if trial.backend is not None:
+            self.breakers.get(key).release(trial.backend)
+        if trial.latency is not None and (latency := self.breakers.latency_breaker(route, key)) is not None:
+            latency.release(trial.latency)
 
     def _billed(self, event: UsageEvent) -> int:
         """What an attempt is billed (pico-USD): at the price catalog's prices where the control plane
@@ -518,21 +523,22 @@ class Executor:
         latency = self.breakers.latency_breaker(route, key) if op.stream else None
         if latency is not None and not latency.allow():
             return "slow"
+        held = latency.trial() if latency is not None else None  # this request, if it is the trial
         if not await self.breakers.allow(key):
-            if latency is not None:
-                latency.release()  # its trial, if it was one, is the next request's
+            if latency is not None and held is not None:
+                latency.release(held)  # its trial is the next request's
             return "open"
         return None
 
     def _trial(self, route: Route, choice: Choice, op: Operation) -> Trial:
-        """The breakers `_refused` just let `choice` through as their half-open trial: those still
-        half-open (one admits its trial alone), its backend's and, for a stream, its route's own
-        latency breaker there."""
+        """The breakers `_refused` just let `choice` through as their half-open trial, with its
+        identity there: those still half-open (one admits its trial alone), its backend's and, for a
+        stream, its route's own latency breaker there. Called right after `_refused`, with no await
+        between: the trial in flight there is this request's."""
         key = self._key(choice)
         latency = self.breakers.latency_breaker(route, key) if op.stream else None
         return Trial(
-            backend=self.breakers.get(key).state is State.HALF_OPEN,
-            latency=latency is not None and latency.state is State.HALF_OPEN,
+            backend=self.breakers.get(key).trial(), latency=latency.trial() if latency is not None else None
         )
 
     def _hedge_partner(self, route: Route, op: Operation, rest: list[Choice]) -> Choice | None:

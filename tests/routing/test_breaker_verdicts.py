@@ -16,7 +16,7 @@ import pytest
 
 from gateway.config import parse_config
 from gateway.state import MemoryState
-from routing.breaker import OPENED, OPENED_UNREACHABLE, PREFIX, Breakers, State
+from routing.breaker import OPENED, OPENED_UNREACHABLE, PREFIX, Breakers, CircuitBreaker, State
 from routing.routes import Breaker as BreakerSettings
 from tests.fakes import FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway, running_gateway
@@ -205,3 +205,21 @@ async def test_only_its_half_open_trial_closes_a_breaker_that_is_not_closed() ->
     assert breakers.state(KEY) is State.HALF_OPEN and not breaker.allow()
     await breakers.success(KEY)  # the trial's
     assert breakers.state(KEY) is State.CLOSED
+
+
+def test_a_trials_end_without_a_verdict_frees_the_breaker_only_while_that_trial_holds_it() -> None:
+    """Trial A, silent for a cooldown, no longer holds the breaker: request C goes as the trial. A
+    then ends without a verdict (a hedge's loser, its client left): that freed C's hold, and a third
+    request went beside C. Only C's own end frees it now."""
+    breaker = CircuitBreaker(BreakerSettings(failures=1, cooldown=0.2))
+    breaker.trip(now=100.0)
+    assert breaker.allow(now=100.2)
+    a = breaker.trial()
+    assert a is not None and not breaker.admits(now=100.3)
+    assert breaker.allow(now=100.41)  # A silent for a cooldown: C is the trial
+    c = breaker.trial()
+    assert c is not None and c != a
+    breaker.release(a)
+    assert not breaker.admits(now=100.42), "A's end freed C's trial: a second one went beside it"
+    breaker.release(c)
+    assert breaker.admits(now=100.42) and breaker.allow(now=100.42)  # the next request's trial

@@ -511,6 +511,37 @@ def test_a_hedge_is_admitted_by_its_breaker_when_it_would_start_not_only_when_it
         assert len(fake_deepseek.requests) == 1 and breakers.state(key) == "closed"
 
 
+def test_a_hedge_loser_that_was_a_silent_trial_does_not_free_the_trial_let_through_since(
+    gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_deepseek: FakeOpenAI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`hedged`'s first candidate goes as its breaker's half-open trial and is slow; silent for a
+    cooldown, it no longer holds the breaker, and another request goes as the trial. The hedge answers
+    first and the old trial, the race's loser, is cancelled: no verdict. Its end freed the other
+    request's trial, letting a third request go beside it."""
+    executor = runtime(gateway).executor
+    breaker = runtime(gateway).router.breakers.get(Breakers.key("openai", "gpt-4o-mini"))
+    breaker.trip(now=time.monotonic() - breaker.settings.cooldown)
+    pick = executor._hedge_partner
+    held: list[float | None] = []
+
+    def picked(*args: Any) -> Any:
+        assert breaker.trial() is not None  # the first candidate's, admitted just now
+        breaker.trial_started -= breaker.settings.cooldown  # silent for a cooldown
+        assert breaker.allow()  # another request's trial
+        held.append(breaker.trial())
+        return pick(*args)
+
+    monkeypatch.setattr(executor, "_hedge_partner", picked)
+    fake_openai.set_latency(first_token=0.6)  # past the hedge delay (0.15 s)
+    text, route = chat(gateway, "hedged")
+    assert text == ECHO and route["candidate"] == route["hedged"] == "deepseek-chat"
+    assert len(fake_deepseek.requests) == 1
+    assert breaker.state is State.HALF_OPEN and breaker.trial() == held[0] is not None  # still held
+
+
 def test_a_routes_ttft_timeout_does_not_take_the_model_from_routes_that_wait_longer(
     gateway: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:

@@ -232,7 +232,7 @@ async def test_late_verdicts_and_probes_of_a_deleted_route_bring_back_no_breaker
     await r.breakers.failure(small)
     await r.breakers.success(small)
     await r.breakers.too_slow(small, 1.0, fixed("careful", breaker=BreakerSettings(), ttft_timeout=1.0))
-    r.breakers.get(small).release()
+    r.breakers.get(small).release(0.0)
     assert await r.breakers.allow(small)  # a request of the old table failing over: let through
     prober = HealthProber(SimpleNamespace(session=Unreachable()), r.breakers, interval=1)
     prober.watch(stale)

@@ -649,7 +649,7 @@ async def test_one_half_open_trial_for_the_whole_fleet_and_a_dead_holder_blocks_
             assert time.monotonic() - started < cooldown + 1, "a dead replica's trial blocks the fleet"
             await asyncio.sleep(0.02)
         await b.failure(KEY)  # still dead: the next trial, anywhere, a cooldown after B's claim
-        a.get(KEY).release()
+        a.get(KEY).release(a.get(KEY).trial_started)  # A's trial ends without a verdict
         assert not await a.allow(KEY)
 
 
