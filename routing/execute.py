@@ -373,8 +373,8 @@ class Executor:
                 elif isinstance(exc, _BACKEND_ERRORS):
                     # It answered: the request's fault.
                     await self.breakers.success(key, trial.backend is not None)
-                elif trial.backend is not None:
-                    self.breakers.get(key).release(trial.backend)
+                else:  # no word on the backend
+                    self._no_verdict(plan.route, key, Trial(backend=trial.backend))
                 if slow is None:  # it failed before its first token was due: no word on its speed
                     self._no_verdict(plan.route, key, Trial(latency=trial.latency))
             raise
