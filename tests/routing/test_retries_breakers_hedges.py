@@ -29,7 +29,7 @@ from routing.execute import retry_after
 from routing.routes import Breaker as BreakerSettings
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
+from tests.gateway.conftest import RunningGateway
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
 from tests.routing.routed import (
     FAST,
@@ -38,7 +38,7 @@ from tests.routing.routed import (
     ledger,
     raw_config_text,
     route_header,
-    routed_config_text,
+    routed_gateway,
     runtime,
     settled,
 )
@@ -115,8 +115,9 @@ def _tight(
     _fake_gemini_server: FakeGemini,
     _fake_deepseek_server: FakeOpenAI,
 ) -> Iterator[RunningGateway]:
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    with running_gateway(parse_config(routed_config_text(TIGHT_ROUTES), env)) as gateway:
+    with routed_gateway(
+        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server, TIGHT_ROUTES
+    ) as gateway:
         yield gateway
 
 
