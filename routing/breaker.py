@@ -3,8 +3,9 @@
 Fed by request outcomes (the executor) and by active health probes (routing.health). Consecutive
 failures open a breaker; after `cooldown` one trial request is let through (half-open): its success
 closes the breaker (a stream's, at its first token: the backend answered), its failure opens it
-again. Only that trial's success closes it: a request let through while it was closed that answers
-after it opened closes nothing (`Breakers.success`). An opening for a backend that could not be
+again. Only that trial's success closes it, and only if it was let through since the latest opening: a
+request let through while it was closed that answers after it opened closes nothing, nor does a trial
+let through before the trial whose failure opened it again (`Breakers.success`). An opening for a backend that could not be
 reached half-opens early once a probe reaches it (`Breakers.reached`); where a trial the probes let
 through (so, or by contesting another replica's opening) fails, their word counts for nothing there
 until a request succeeds (`CircuitBreaker.refuted`: a backend that answers its model list but fails
@@ -32,6 +33,7 @@ verdict on the backend: each replica keeps its own, and other routes keep sendin
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
@@ -70,6 +72,9 @@ TRIAL_PREFIX = "weir:breaker-trial:"
 # if sooner) whether that trial succeeded (its recovery published): otherwise it learnt so only at its
 # next health-loop round or when the claim lapsed, refusing a backend the fleet had seen answer.
 TRIAL_RECHECK_S = 1.0
+# The trial identity (see `CircuitBreaker.trial`) of a success that names none (`Breakers.success`:
+# tests and tools, which let no request through themselves): a trial let through after every opening.
+LATEST_TRIAL = math.inf
 
 
 # A route's own latency breaker on one backend/model: (`route_label`, its ttft_timeout, `Breakers.key`).
@@ -219,14 +224,18 @@ class CircuitBreaker:
         after `allow` let a request through, to know whether that request is the trial), or None."""
         return self.trial_started if self.state is State.HALF_OPEN and self.trial_in_flight else None
 
-    def success(self, trial: bool = True) -> bool:
-        """Record a success; True when this closed a breaker that was not closed. Only a request this
-        breaker let through as its half-open trial (`trial`) closes one that is not closed; any
-        other's success changes nothing there, and resets a closed one's count of failures (see
-        `Breakers.success`). Any trial of it: also one that no longer holds the breaker (silent for a
-        cooldown, another trial let through since, see `admits`), whose verdict still comes at its
-        answer or first token, as recent as the new trial's would be."""
-        if not trial and self.current() is not State.CLOSED:
+    def success(self, trial: float | None) -> bool:
+        """Record a success; True when this closed a breaker that was not closed. `trial`: the
+        identity (`trial`) of the half-open trial this breaker let the request through as, None for a
+        request it let through while closed. Only a trial let through since the breaker's latest
+        opening closes one that is not closed; any other's success changes nothing there, and resets a
+        closed one's count of failures (see `Breakers.success`). Any such trial: also one that no
+        longer holds the breaker (silent for a cooldown, another trial let through since, see
+        `admits`), whose verdict still comes at its answer or first token, as recent as the new
+        trial's would be. Not one let through before the latest opening: silent for a cooldown, it
+        let another trial go whose failure opened the breaker again, and its answer says no more of
+        that opening than a request's let through while the breaker was closed."""
+        if self.current() is not State.CLOSED and (trial is None or trial < self.opened_at):
             return False
         changed = self.state is not State.CLOSED
         self.state, self.failures, self.trial_in_flight = State.CLOSED, 0, False
@@ -400,13 +409,15 @@ class Breakers:
             breaker.trial_recheck_at = now + min(left, cooldown, TRIAL_RECHECK_S)
         return False
 
-    async def success(self, key: str, trial: bool = True) -> None:
+    async def success(self, key: str, trial: float | None = LATEST_TRIAL) -> None:
         """A request at `key` succeeded (the backend answered). A breaker that is not closed closes
-        only on its own half-open trial's success (`trial`; tests and tools, without an executor, need
-        not say). Any other (`trial` False: a request let through while the breaker was closed that
-        answers after it opened, or a stream's end, whose first token gave its verdict) resets a
-        closed breaker's count of failures and closes no other: let through before the opening, it
-        says nothing of the requests the opening keeps off the backend. Closing on it, and publishing
+        only on the success of a half-open trial it let through since its latest opening (`trial`:
+        that trial's identity, see `CircuitBreaker.trial`; tests and tools, without an executor, need
+        not say). Any other (`trial` None: a request let through while the breaker was closed that
+        answers after it opened, or a stream's end, whose first token gave its verdict; or a trial let
+        through before the latest opening) resets a closed breaker's count of failures and closes no
+        other: let through before the opening, it says nothing of the requests the opening keeps off
+        the backend. Closing on it, and publishing
         that recovery to the fleet, sent every request back to a backend that failed the latest ones
         (a long stream ending after the opening, above all). So only the cooldown, a probe or another
         replica's recovery moves an open breaker (Polly and resilience4j ignore a late success there
@@ -482,12 +493,14 @@ class Breakers:
             return None
         return self.latency.get((route_label(route), route.ttft_timeout, key))
 
-    def in_time(self, route: Route, key: str, trial: bool) -> None:
+    def in_time(self, route: Route, key: str, trial: float | None) -> None:
         """`route`'s stream had its first token from `key` within its `ttft_timeout`: its latency
-        breaker there, if any, closes if that stream was its half-open trial (`trial`), and a closed
-        one's count of timeouts in a row starts again. As for `success`, a stream let through before
-        it opened (other streams' timeouts opened it meanwhile) closes nothing: the route's streams
-        it would send back to the model are those the timeouts say are too slow there."""
+        breaker there, if any, closes if that stream was its half-open trial let through since its
+        latest opening (`trial`: that trial's identity, None for no trial), and a closed one's count
+        of timeouts in a row starts again. As for `success`, a stream let through before it opened
+        (other streams' timeouts opened it meanwhile, one of them perhaps a trial let through after
+        this one) closes nothing: the route's streams it would send back to the model are those the
+        timeouts say are too slow there."""
         breaker = self.latency_breaker(route, key)
         if breaker is not None and breaker.success(trial):
             log.info("latency_breaker_closed", route=route_label(route), breaker=key)

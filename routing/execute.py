@@ -234,9 +234,10 @@ class Trial:
     success alone closes one that is not closed (`CircuitBreaker.success`): its backend's
     (`backend`: its answer, a stream's first token) and its route's own latency breaker there
     (`latency`: a stream's first token in time). Each is that trial's identity (`CircuitBreaker.trial`;
-    None: no trial there), so that its end without a verdict frees that breaker only while this trial
-    still holds it (`CircuitBreaker.release`), not the trial let through once it had been silent for a
-    cooldown."""
+    None: no trial there), so that its success closes that breaker only if it has not opened again
+    since this trial was let through (a trial let through after it, once this one had been silent for
+    a cooldown, failed), and its end without a verdict frees it only while this trial still holds it
+    (`CircuitBreaker.release`), not the trial let through once it had been silent for a cooldown."""
 
     backend: float | None = None
     latency: float | None = None
@@ -335,14 +336,14 @@ class Executor:
                     # when the stream ends (every other request was kept off the backend for the whole
                     # generation). A break after it counts as any stream's does (`_resuming`).
                     try:
-                        await self.breakers.success(key)
+                        await self.breakers.success(key, trial.backend)
                     except BaseException:
                         await batches.aclose()  # type: ignore[attr-defined]
                         raise
                 handed_over = True
                 self._note(plan, model, "ok")
                 if deadline is not None and plan.route.breaker is not None:
-                    self.breakers.in_time(plan.route, key, trial.latency is not None)
+                    self.breakers.in_time(plan.route, key, trial.latency)
                 return self._track(batches, model, held)
             result = await self.pipeline.exchange(
                 call,
@@ -355,7 +356,7 @@ class Executor:
             )
             self._note(plan, model, "ok")
             if plan.route.breaker is not None:
-                await self.breakers.success(key, trial.backend is not None)
+                await self.breakers.success(key, trial.backend)
             return result
         except GatewayError as exc:
             if _unsent(call, plan, number):
@@ -372,7 +373,7 @@ class Executor:
                     await self.breakers.failure(key, unreachable=isinstance(exc, Unreachable))
                 elif isinstance(exc, _BACKEND_ERRORS):
                     # It answered: the request's fault.
-                    await self.breakers.success(key, trial.backend is not None)
+                    await self.breakers.success(key, trial.backend)
                 else:  # no word on the backend
                     self._no_verdict(plan.route, key, Trial(backend=trial.backend))
                 if slow is None:  # it failed before its first token was due: no word on its speed
@@ -700,7 +701,7 @@ class Executor:
             async for batch in batches:
                 yield batch
             if breaker:  # no trial's verdict: its first token gave that (`_attempt`)
-                await self.breakers.success(self._key(choice), trial=False)  # type: ignore[arg-type]
+                await self.breakers.success(self._key(choice), trial=None)  # type: ignore[arg-type]
         except GatewayError as exc:
             if choice is not None:
                 self._note(plan, choice.candidate.model, "cut")
@@ -786,7 +787,7 @@ class Executor:
                         call.info.usage = told
                     if choice is not None and plan.route.breaker is not None:
                         # No trial's verdict: its first token gave that (`_attempt`).
-                        await self.breakers.success(self._key(choice), trial=False)
+                        await self.breakers.success(self._key(choice), trial=None)
                     return
                 except GatewayError as exc:
                     if choice is not None:

@@ -193,17 +193,41 @@ async def test_only_its_half_open_trial_closes_a_breaker_that_is_not_closed() ->
     breakers = Breakers()
     breaker = breakers.get(KEY, BreakerSettings(failures=2, cooldown=30))
     await breakers.failure(KEY)
-    await breakers.success(KEY, trial=False)
+    await breakers.success(KEY, trial=None)
     await breakers.failure(KEY)
     assert breakers.state(KEY) is State.CLOSED  # one failure in a row, not two
     await breakers.failure(KEY)
-    await breakers.success(KEY, trial=False)
+    await breakers.success(KEY, trial=None)
     assert breakers.state(KEY) is State.OPEN
     breaker.trip(now=time.monotonic() - 30)
     assert breaker.allow()  # the trial, under way
-    await breakers.success(KEY, trial=False)
+    await breakers.success(KEY, trial=None)
     assert breakers.state(KEY) is State.HALF_OPEN and not breaker.allow()
     await breakers.success(KEY)  # the trial's
+    assert breakers.state(KEY) is State.CLOSED
+
+
+async def test_a_trial_let_through_before_the_latest_opening_does_not_close_the_breaker() -> None:
+    """Trial A, silent for a cooldown, no longer holds the breaker: B goes as the trial, fails, and
+    opens the breaker again. Then A answers. Let through before that opening, it says nothing of it
+    (B's failure is the latest word on the backend), as a request let through while the breaker was
+    closed says nothing: the breaker stays open, and no recovery goes to the fleet. It closed the
+    breaker and published that. A trial let through after the opening closes it."""
+    shared = MemoryState()
+    breakers = _breakers(shared)
+    breaker = breakers.get(KEY)
+    now = time.monotonic()
+    breaker.trip(now=now - 61)
+    assert breaker.allow(now=now - 31)  # A, half-open's trial...
+    a = breaker.trial()
+    assert a is not None and await breakers.allow(KEY)  # ...silent for a cooldown: B is the trial
+    await breakers.failure(KEY)  # B fails: open again
+    await breakers.success(KEY, a)  # A's answer
+    assert breakers.state(KEY) is State.OPEN, "a trial let through before the opening closed it"
+    assert await shared.kv_get(PREFIX + KEY) == OPENED
+    breaker.trip(now=time.monotonic() - 30)
+    assert breaker.allow()  # C, let through after the opening
+    await breakers.success(KEY, breaker.trial())
     assert breakers.state(KEY) is State.CLOSED
 
 

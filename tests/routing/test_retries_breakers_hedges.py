@@ -298,6 +298,44 @@ def test_a_request_let_through_before_the_breaker_opened_does_not_close_it_when_
     assert text == ECHO and route["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
 
 
+@pytest.mark.parametrize("answer", ["first_token", "whole"])
+def test_a_trial_let_through_before_the_breaker_opened_again_does_not_close_it_when_it_answers(
+    tight_routes: RunningGateway, fake_openai: FakeOpenAI, answer: str
+) -> None:
+    """The breaker (30 s cooldown) is half-open and request A goes as its trial. A is slow: silent for
+    a cooldown (made so here), it no longer holds the breaker, and request B goes as the trial, fails
+    and opens the breaker again. Then A answers (a stream's first token, a whole answer): let through
+    before that opening, it closes nothing, and the next request skips the backend. It closed the
+    breaker, sending the next requests back to a backend whose latest trial had just failed."""
+    gateway = tight_routes
+    breakers = runtime(gateway).router.breakers
+    key = "openai/gpt-4o-mini"
+    breaker = breakers.get(key)
+    breaker.trip(now=time.monotonic() - breaker.settings.cooldown)
+    fake_openai.set_latency(first_token=0.4)
+
+    def ask() -> str:
+        if answer == "whole":
+            return chat(gateway, "resilient")[0]
+        text, _ = streamed(gateway, "resilient")
+        return text
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(ask)
+        deadline = time.monotonic() + 5
+        while not fake_openai.requests:  # A went as the trial
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert breaker.trial() is not None
+        breaker.trial_started -= breaker.settings.cooldown  # A silent for a cooldown
+        assert breaker.allow()  # B, the trial now...
+        assert breaker.failure()  # ...fails: open again
+        assert asked.result(timeout=10) == ECHO  # A's answer
+    assert breakers.state(key) == "open", "a trial let through before the opening closed it"
+    text, route = chat(gateway, "resilient")
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_hedged_routes_half_open_trial_closes_the_breaker_when_it_answers(
     gateway: RunningGateway, stream: bool
@@ -850,19 +888,54 @@ async def test_only_its_trials_first_token_in_time_closes_a_routes_latency_break
     )
     breakers = Router(ModelTable(parse_config(PATIENCE, {})), [tight, loose]).breakers
     await breakers.too_slow(mini, 1, tight)
-    breakers.in_time(tight, mini, trial=False)
+    breakers.in_time(tight, mini, trial=None)
     await breakers.too_slow(mini, 1, tight)
     latency = breakers.latency_breaker(tight, mini)
     assert latency is not None and latency.current() == State.CLOSED  # one timeout in a row, not two
     await breakers.too_slow(mini, 1, tight)
-    breakers.in_time(tight, mini, trial=False)
+    breakers.in_time(tight, mini, trial=None)
     assert latency.current() == State.OPEN
     latency.opened_at -= 30
     assert latency.allow() and latency.current() == State.HALF_OPEN  # the trial goes...
-    breakers.in_time(tight, mini, trial=False)  # ...and a stream let through before answers in time
+    breakers.in_time(tight, mini, trial=None)  # ...and a stream let through before answers in time
     assert latency.current() == State.HALF_OPEN
-    breakers.in_time(tight, mini, trial=True)
+    breakers.in_time(tight, mini, trial=latency.trial())
     assert latency.current() == State.CLOSED
+
+
+async def test_a_latency_trial_let_through_before_the_latest_opening_does_not_close_it() -> None:
+    """Trial A of `tight`'s latency breaker, silent for a cooldown, no longer holds it: stream B goes
+    as the trial, times out, and opens it again. A's first token then comes in time: let through
+    before that opening, it closes nothing (B's timeout is the latest word on the model's speed). It
+    closed the breaker, sending tight's streams back to a model whose latest trial had just been too
+    slow."""
+    from gateway.router_basic import ModelTable
+    from routing.router import Router
+    from routing.routes import Candidate, Route
+
+    mini = Breakers.key("openai", "gpt-4o-mini")
+    tight, loose = (
+        Route(
+            name=name,
+            ttft_timeout=wait,
+            breaker=BreakerSettings(failures=2, cooldown=30),
+            candidates=[Candidate(model="gpt-4o-mini")],
+        )
+        for name, wait in (("tight", 1), ("loose", 5))
+    )
+    breakers = Router(ModelTable(parse_config(PATIENCE, {})), [tight, loose]).breakers
+    for _ in range(2):
+        await breakers.too_slow(mini, 1, tight)
+    latency = breakers.latency_breaker(tight, mini)
+    assert latency is not None and latency.current() == State.OPEN
+    latency.opened_at -= 30
+    assert latency.allow()  # A, the trial...
+    a = latency.trial()
+    latency.trial_started -= 30  # ...silent for a cooldown
+    assert latency.allow()  # B, the trial now...
+    await breakers.too_slow(mini, 1, tight)  # ...times out: open again
+    breakers.in_time(tight, mini, trial=a)
+    assert latency.current() == State.OPEN, "a trial let through before the opening closed it"
 
 
 def test_a_shared_breakers_settings_follow_the_route_table() -> None:
