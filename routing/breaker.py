@@ -273,6 +273,14 @@ class CircuitBreaker:
         self.opened_at = time.monotonic() if now is None else now
 
 
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request `Breakers.allow` let through. `trial`: its identity as the breaker's half-open trial
+    (`CircuitBreaker.trial`), None where the breaker was closed."""
+
+    trial: float | None = None
+
+
 def _recovery_news(value: bytes | None, breaker: CircuitBreaker) -> bool:
     """Whether `value`, read from the shared state, is a recovery `breaker` has not acted on (nor
     written) yet."""
@@ -371,8 +379,11 @@ class Breakers:
         else:
             log.info("breaker_closed", breaker=key)
 
-    async def allow(self, key: str) -> bool:
-        """May a request go to `key` now? As `CircuitBreaker.allow`; with shared state, a trial that
+    async def allow(self, key: str) -> Admitted | None:
+        """May a request go to `key` now? None: no; else how it goes (`Admitted`: its identity as the
+        half-open trial, if it is that, read as the breaker lets it through: after the awaits below,
+        `sync` or other requests' verdicts may have moved the breaker, and the trial in flight then
+        may be another request's). As `CircuitBreaker.allow`; with shared state, a trial that
         only the cooldown let through (`fleet_trial`) must also be claimed for the fleet: refused
         while another replica holds it, until its success is published (read here first, every
         TRIAL_RECHECK_S at most while refused, and by `sync`: this replica's trial then goes, as
@@ -382,11 +393,12 @@ class Breakers:
         breaker = self.get(key)
         now = time.monotonic()
         if not breaker.allow(now):
-            return False
+            return None
+        admitted = Admitted(breaker.trial())
         if self.shared is None or breaker.state is not State.HALF_OPEN or not breaker.fleet_trial:
-            return True
+            return admitted
         if now < breaker.claimed_until:  # this replica's claim: a trial that ended without a verdict
-            return True
+            return admitted
         cooldown = breaker.settings.cooldown
         try:
             # A recovery published since this replica last looked: the backend was seen up, so this
@@ -395,19 +407,19 @@ class Breakers:
             if _recovery_news(published, breaker):
                 breaker.recovery_seen = published
                 breaker.half_open()
-                return breaker.allow(now)
+                return Admitted(breaker.trial()) if breaker.allow(now) else None
             claimed, left = await self.shared.kv_set_if_absent(TRIAL_PREFIX + key, b"1", cooldown)
         except Exception as exc:  # a state without a fallback (DegradableState answers from memory)
             log.warning("breaker_trial_unshared", breaker=key, error=str(exc))
-            return True
+            return admitted
         if claimed:
             breaker.claimed_until = now + cooldown
-            return True
+            return admitted
         if breaker.state is State.HALF_OPEN and breaker.fleet_trial:  # (unless sync moved it meanwhile)
             breaker.release(now)  # the trial `breaker.allow(now)` let through
             breaker.trial_elsewhere_until = now + min(left, cooldown)
             breaker.trial_recheck_at = now + min(left, cooldown, TRIAL_RECHECK_S)
-        return False
+        return None
 
     async def success(self, key: str, trial: float | None = LATEST_TRIAL) -> None:
         """A request at `key` succeeded (the backend answered). A breaker that is not closed closes

@@ -230,7 +230,7 @@ class Charge:
 
 @dataclass(frozen=True, slots=True)
 class Trial:
-    """The breakers that let an attempt through as their half-open trial (`Executor._trial`), whose
+    """The breakers that let an attempt through as their half-open trial (`Executor._admit`), whose
     success alone closes one that is not closed (`CircuitBreaker.success`): its backend's
     (`backend`: its answer, a stream's first token) and its route's own latency breaker there
     (`latency`: a stream's first token in time). Each is that trial's identity (`CircuitBreaker.trial`;
@@ -436,7 +436,8 @@ class Executor:
         for index, choice in enumerate(queue):
             # Its settings are the route table's (Router.set_routes), not this route's: shared.
             breaker = self.breakers.get(self._key(choice)) if route.breaker else None
-            if breaker is not None and (refused := await self._refused(route, choice, op)):
+            refused, trial = await self._admit(route, choice, op) if breaker is not None else (None, NO_TRIAL)
+            if breaker is not None and refused is not None:
                 self._note(plan, choice.candidate.model, refused)
                 opened = True
                 latency = self.breakers.latency_breaker(route, self._key(choice))
@@ -444,8 +445,6 @@ class Executor:
                 soonest = min(soonest, held.available_in())
                 continue
             for retry in range(route.retry.attempts):
-                # Admitted just now (`_refused`, before the first try or the retry).
-                trial = self._trial(route, choice, op) if breaker is not None else NO_TRIAL
                 try:
                     if retry == 0 and route.hedge is not None and not skip:
                         partner = self._hedge_partner(route, op, queue[index + 1 :])
@@ -479,8 +478,10 @@ class Executor:
                     if wait is not None and wait > route.retry.max_retry_after:
                         break  # not worth waiting for: the next candidate may answer now
                     await asyncio.sleep(wait if wait is not None else backoff(route, retry, self.rng))
-                    if breaker is not None and await self._refused(route, choice, op):
-                        break
+                    if breaker is not None:
+                        refused, trial = await self._admit(route, choice, op)
+                        if refused is not None:
+                            break
         if last is None and refusal is not None and not opened:
             raise refusal  # no candidate could take the request: why the first could not
         if last is None:
@@ -514,33 +515,26 @@ class Executor:
             raise refusal
         return able
 
-    async def _refused(self, route: Route, choice: Choice, op: Operation) -> str | None:
+    async def _admit(self, route: Route, choice: Choice, op: Operation) -> tuple[str | None, Trial]:
         """Why `choice` is skipped now, if it is: `open` (its backend's breaker) or `slow` (a stream,
         and the route's own latency breaker there: its TTFT timeouts on that model, which routes that
-        wait longer still use). None: it is tried, as the half-open trial of either if so."""
+        wait longer still use). None: it is tried, and the `Trial` says which of the two let it
+        through as their half-open trial, with its identity there, each read as that breaker let it
+        through: the backend's (`Breakers.allow`) awaits the shared state, where `sync` or other
+        requests' verdicts may move it, and a trial read after that may be another request's."""
         key = self._key(choice)
         if not self.breakers.get(key).admits():
-            return "open"
+            return "open", NO_TRIAL
         latency = self.breakers.latency_breaker(route, key) if op.stream else None
         if latency is not None and not latency.allow():
-            return "slow"
+            return "slow", NO_TRIAL
         held = latency.trial() if latency is not None else None  # this request, if it is the trial
-        if not await self.breakers.allow(key):
+        admitted = await self.breakers.allow(key)
+        if admitted is None:
             if latency is not None and held is not None:
                 latency.release(held)  # its trial is the next request's
-            return "open"
-        return None
-
-    def _trial(self, route: Route, choice: Choice, op: Operation) -> Trial:
-        """The breakers `_refused` just let `choice` through as their half-open trial, with its
-        identity there: those still half-open (one admits its trial alone), its backend's and, for a
-        stream, its route's own latency breaker there. Called right after `_refused`, with no await
-        between: the trial in flight there is this request's."""
-        key = self._key(choice)
-        latency = self.breakers.latency_breaker(route, key) if op.stream else None
-        return Trial(
-            backend=self.breakers.get(key).trial(), latency=latency.trial() if latency is not None else None
-        )
+            return "open", NO_TRIAL
+        return None, Trial(backend=admitted.trial, latency=held)
 
     def _hedge_partner(self, route: Route, op: Operation, rest: list[Choice]) -> Choice | None:
         for choice in rest:
@@ -572,7 +566,7 @@ class Executor:
         """Start `primary`; if it has not answered (first token) within the hedge delay, also start
         `partner`; the first to answer wins, the other is cancelled. `trial`: the breakers that let
         `primary` through as their trial. `partner`, picked with its breakers closed
-        (`_hedge_partner`), is admitted as any candidate is (`_refused`) when it would start: other
+        (`_hedge_partner`), is admitted as any candidate is (`_admit`) when it would start: other
         requests' failures may have opened them during the delay, and then no hedge starts
         (`tried=model:open`, or `slow`) and `primary` goes on alone."""
         route = plan.route
@@ -598,8 +592,7 @@ class Executor:
                 plan.chosen = primary
                 return first.result()
             if route.breaker is not None:  # before the cap: a hedge not sent spends nothing
-                refused = await self._refused(route, partner, op)
-                partner_trial = NO_TRIAL if refused else self._trial(route, partner, op)
+                refused, partner_trial = await self._admit(route, partner, op)
             output = feats.max_output_tokens or route.expected_output_tokens
             usd = expected_cost(partner, feats, output, self.context)
             tenant = call.principal.tenant_id or "anonymous"

@@ -336,6 +336,37 @@ def test_a_trial_let_through_before_the_breaker_opened_again_does_not_close_it_w
     assert text == ECHO and route["tried"] == "gpt-4o-mini:open,claude-sonnet:ok"
 
 
+def test_a_trial_is_known_by_when_its_breaker_let_it_through_not_by_the_trial_in_flight_later(
+    tight_routes: RunningGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With shared state, a half-open trial that only the cooldown let through is claimed for the
+    fleet: a round trip. While request R waits on it, the breaker moves: another request's failure
+    opens it again, a probe half-opens it, and request S goes as its trial. R was taken for the trial
+    in flight once the shared state answered, S's: its answer closed the breaker that S's verdict was
+    to decide (and its end without one would have freed S's hold). R is known by when the breaker let
+    it through, before that opening: its answer closes nothing, and S still holds the breaker."""
+    breakers = runtime(tight_routes).router.breakers
+    key = Breakers.key("openai", "gpt-4o-mini")
+    breaker = breakers.get(key)
+    held: list[float | None] = []
+
+    class Moving(MemoryState):
+        async def kv_get(self, name: str) -> bytes | None:
+            if not held:  # R's claim of the fleet's trial, under way
+                assert breaker.failure()  # another request fails: open again
+                breaker.half_open()  # a probe reached the backend
+                assert breaker.allow()  # S, the trial now
+                held.append(breaker.trial())
+            return await super().kv_get(name)
+
+    monkeypatch.setattr(breakers, "shared", Moving())
+    breaker.trip(now=time.monotonic() - breaker.settings.cooldown)
+    text, route = chat(tight_routes, "resilient")
+    assert text == ECHO and route["candidate"] == "gpt-4o-mini" and "tried" not in route  # R went
+    assert breakers.state(key) == "half_open", "R's answer closed the breaker as S's would"
+    assert breaker.trial() == held[0] is not None and not breaker.admits()  # S still holds it
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_hedged_routes_half_open_trial_closes_the_breaker_when_it_answers(
     gateway: RunningGateway, stream: bool
