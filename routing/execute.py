@@ -292,12 +292,22 @@ class Executor:
         its own (a hedge race), it enters its attempt number in `numbers` under that task, resolves
         `sent` once it is admitted and goes upstream, and a whole answer it reads must take `race`
         (else it ends cancelled, as the race's loser). `trial`: the breakers that let it through as
-        their half-open trial, whose success alone closes them (`Trial`)."""
+        their half-open trial, whose success alone closes them (`Trial`). Unsupported when its
+        adapter cannot express the request: noted so, nothing sent, for a candidate of the chain as
+        for a hedge."""
         target = choice.target
         model = choice.candidate.model
+        key = self._key(choice)
         try:
             upstream, reader = op.prepare(target)
         except InvalidRequest as exc:
+            # Nothing was sent: no verdict on the backend (a half-open trial it was is the next
+            # request's), and a hedge's charge is nothing.
+            plan.tried.append(f"{model}:unsupported")
+            if plan.route.breaker is not None:
+                self._no_verdict(plan.route, key, trial)
+            if charge is not None:
+                await charge.settle(0)
             raise Unsupported(exc) from exc
         plan.attempts += 1
         number = plan.attempts
@@ -309,7 +319,6 @@ class Executor:
         # The decision as it stands: this attempt's usage event (kept per attempt: a hedge runs beside
         # the primary) and the header if it fails.
         call.info.route = call.routes[number] = plan.header(choice)
-        key = self._key(choice)
         in_flight = self.context.in_flight
         in_flight[model] = in_flight.get(model, 0) + 1
         handed_over = False
@@ -457,11 +466,9 @@ class Executor:
                     call.info.error = None  # earlier attempts failed; the request did not
                     return result
                 except Unsupported as exc:
-                    # Nothing was sent: the next candidate may take what this one's API cannot.
-                    plan.tried.append(f"{choice.candidate.model}:unsupported")
+                    # Nothing was sent (`_attempt` noted it): the next candidate may take what this
+                    # one's API cannot.
                     refusal = refusal or exc.refusal
-                    if breaker is not None:  # no verdict on the backend: a half-open trial is free
-                        self._no_verdict(route, self._key(choice), trial)
                     break
                 except GatewayError as exc:
                     if _refuses_parameter(exc):
@@ -651,7 +658,10 @@ class Executor:
                             # now (won, and hedged), not as it was when the attempt started.
                             call.routes[number] = plan.header(plan.chosen)
                         return task.result()
-                    error = task.exception()
+                    if task is first or not isinstance(task.exception(), Unsupported):
+                        # A hedge its adapter could not express sent nothing: the race's outcome is
+                        # the primary's (its failure, which `first` fails over from).
+                        error = task.exception()
             assert error is not None
             raise error
         finally:

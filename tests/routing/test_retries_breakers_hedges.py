@@ -34,6 +34,7 @@ from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
 from tests.routing.routed import (
     FAST,
     ROUTES,
+    counted_micro_usd,
     fresh,
     ledger,
     raw_config_text,
@@ -49,6 +50,7 @@ ECHO = "one two three four five six"
 EXTRA_ROUTES = f"""\
   - {{name: raw-first, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: raw-hedged, hedge: {{delay: 0.15}}, candidates: [{{model: raw-model}}, {{model: deepseek-chat}}], {FAST}}}
+  - {{name: raw-hedged-sonnet, hedge: {{delay: 0.15}}, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedged-tight, hedge: {{delay: 0.1, max_spend_usd_per_hour: 0.035}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: gpt5-first, candidates: [{{model: gpt-5}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedge-slow-ttft, ttft_timeout: 0.4, hedge: {{delay: 1.2}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
@@ -579,6 +581,61 @@ def test_a_hedge_is_admitted_by_its_breaker_when_it_would_start_not_only_when_it
     else:
         assert route["candidate"] == route["hedged"] == "deepseek-chat"
         assert len(fake_deepseek.requests) == 1 and breakers.state(key) == "closed"
+
+
+@pytest.mark.parametrize("primary", ["answers", "fails_first"])
+def test_a_hedge_its_adapter_cannot_express_frees_its_trial_and_is_noted_as_its_own(
+    gateway: RunningGateway,
+    raw: Script,
+    fake_anthropic: FakeAnthropic,
+    monkeypatch: pytest.MonkeyPatch,
+    primary: str,
+) -> None:
+    """`raw-hedged-sonnet` hedges raw-model with claude-sonnet, whose breaker is half-open when the
+    hedge would start: the hedge goes as its trial. Anthropic cannot express `n` = 2, which only its
+    adapter finds, after the hedge started: nothing is sent. The trial stayed claimed (a cooldown with
+    no request there), the hedge's estimate stayed counted against the tenant's cap, and where the
+    primary had failed first (made so here), that refusal ended the race as the primary's own: noted
+    `raw-model:unsupported`, no retry of the primary. The hedge is noted `claude-sonnet:unsupported`,
+    its trial is the next request's, it costs nothing, and the primary's failure fails over as any."""
+    executor = runtime(gateway).executor
+    executor.hedges.state = MemoryState()  # this test's window only
+    breakers = runtime(gateway).router.breakers
+    breaker = breakers.get(Breakers.key("anthropic", "claude-sonnet-4-5"))
+    pick, attempt = executor._hedge_partner, executor._attempt
+    started: list[asyncio.Future[Any]] = []
+
+    def picked(*args: Any) -> Any:
+        partner = pick(*args)
+        breaker.trip(now=time.monotonic() - breaker.settings.cooldown)  # half-open when it starts
+        return partner
+
+    async def attempted(*args: Any, **kwargs: Any) -> Any:
+        if len(started) == 1 and primary == "fails_first":  # the hedge, once the primary failed
+            await asyncio.wait(started)
+        task = asyncio.current_task()
+        assert task is not None
+        started.append(task)
+        return await attempt(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "_hedge_partner", picked)
+    monkeypatch.setattr(executor, "_attempt", attempted)
+    raw.delay = 0.3  # past the hedge delay (0.15 s)
+    if primary == "fails_first":
+        raw.answers = [
+            http_head(500) + b'{"error": {"message": "boom", "type": "server_error"}}',
+            raw.answers[0],
+        ]
+    text, route = chat(gateway, "raw-hedged-sonnet", n=2)
+    assert text == "raw answer" and route["candidate"] == "raw-model"
+    expected = {
+        "answers": "claude-sonnet:unsupported,raw-model:ok",
+        "fails_first": "raw-model:502,claude-sonnet:unsupported,raw-model:ok",
+    }
+    assert route.get("tried") == expected[primary]
+    assert breaker.state is State.HALF_OPEN and breaker.trial() is None  # the next request's trial
+    assert not fake_anthropic.requests
+    assert counted_micro_usd(executor.hedges, "demo", 0, 0)  # nothing sent, nothing spent
 
 
 def test_a_hedge_loser_that_was_a_silent_trial_does_not_free_the_trial_let_through_since(
