@@ -575,7 +575,7 @@ class Executor:
         `primary` through as their trial. `partner`, picked with its breakers closed
         (`_hedge_partner`), is admitted as any candidate is (`_admit`) when it would start: other
         requests' failures may have opened them during the delay, and then no hedge starts
-        (`tried=model:open`, or `slow`) and `primary` goes on alone."""
+        (`hedge=open`, or `slow`) and `primary` goes on alone."""
         route = plan.route
         assert route.hedge is not None
         numbers: dict[asyncio.Future[Any], int] = {}  # each attempt's number, by its task
@@ -614,11 +614,11 @@ class Executor:
             if not allowed:  # a trial that never went: the next request's
                 self._no_verdict(route, self._key(partner), partner_trial)
         if not allowed:
-            if refused is not None:
-                self._note(plan, partner.candidate.model, refused)  # as a candidate skipped
-            else:
-                plan.note = (plan.note + "; " if plan.note else "") + "hedge=capped"
-                self._hedge(plan, "capped")
+            # No hedge: its breakers refused it (`open`, `slow`) or the cap did. Not a candidate the
+            # chain skipped: that one is asked again, and noted then, if the chain reaches it.
+            result = refused or "capped"
+            plan.note = (plan.note + "; " if plan.note else "") + f"hedge={result}"
+            self._hedge(plan, result)
             result = await first
             plan.chosen = primary
             return result

@@ -554,8 +554,8 @@ def test_a_hedge_is_admitted_by_its_breaker_when_it_would_start_not_only_when_it
 ) -> None:
     """`hedged` picks deepseek-chat as the partner, its breaker closed, when the request starts; other
     requests' failures there open that breaker during the hedge delay. The hedge went anyway, to a
-    backend whose breaker is open. It is admitted when it would start, as any candidate is: open, it
-    is skipped (`tried=deepseek-chat:open`, nothing sent) and the primary goes on alone; half-open by
+    backend whose breaker is open. It is admitted when it would start, as any candidate is: open, no
+    hedge starts (`hedge=open`, nothing sent) and the primary goes on alone; half-open by
     then (a cooldown shorter than the delay, a probe), it goes as the breaker's trial, whose answer
     closes it (it left the breaker half-open, its trial never claimed)."""
     executor = runtime(gateway).executor
@@ -576,7 +576,7 @@ def test_a_hedge_is_admitted_by_its_breaker_when_it_would_start_not_only_when_it
     assert text == ECHO
     if since == "open":
         assert route["candidate"] == "gpt-4o-mini" and "hedged" not in route
-        assert route["tried"] == "deepseek-chat:open,gpt-4o-mini:ok"
+        assert route["hedge"] == "open" and "tried" not in route
         assert not fake_deepseek.requests and breakers.state(key) == "open"
     else:
         assert route["candidate"] == route["hedged"] == "deepseek-chat"
@@ -636,6 +636,36 @@ def test_a_hedge_its_adapter_cannot_express_frees_its_trial_and_is_noted_as_its_
     assert breaker.state is State.HALF_OPEN and breaker.trial() is None  # the next request's trial
     assert not fake_anthropic.requests
     assert counted_micro_usd(executor.hedges, "demo", 0, 0)  # nothing sent, nothing spent
+
+
+def test_a_hedge_its_breaker_refused_is_noted_once_when_the_request_fails_over_to_it(
+    gateway: RunningGateway, raw: Script, fake_deepseek: FakeOpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`raw-hedged`'s hedge, deepseek-chat, is refused by its breaker, opened during the delay (2 s
+    cooldown, the longest of the routes there): no hedge starts. The primary then fails both its
+    tries, and the request moves on to deepseek-chat, still open. It was noted `open` at the hedge
+    and again when the chain reached it: one candidate skipped twice in `tried` (and counted twice as
+    an attempt). The hedge's refusal is the hedge's (`hedge=open`); the candidate is noted once,
+    where the chain skipped it."""
+    executor = runtime(gateway).executor
+    breakers = runtime(gateway).router.breakers
+    key = Breakers.key("deepseek", "deepseek-chat")
+    pick = executor._hedge_partner
+
+    def picked(*args: Any) -> Any:
+        partner = pick(*args)
+        breakers.get(key).trip()  # other requests' failures, during the delay
+        return partner
+
+    monkeypatch.setattr(executor, "_hedge_partner", picked)
+    raw.delay = 0.3  # past the hedge delay (0.15 s)
+    raw.answers = [http_head(500) + b'{"error": {"message": "boom", "type": "server_error"}}']
+    with pytest.raises(openai.InternalServerError) as caught:
+        chat(gateway, "raw-hedged")
+    route = route_header(caught.value.response)
+    assert route["hedge"] == "open"
+    assert route["tried"] == "raw-model:502,raw-model:502,deepseek-chat:open"
+    assert raw.calls == 2 and not fake_deepseek.requests and breakers.state(key) == "open"
 
 
 def test_a_hedge_loser_that_was_a_silent_trial_does_not_free_the_trial_let_through_since(
