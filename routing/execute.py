@@ -616,9 +616,9 @@ class Executor:
         if not allowed:
             # No hedge: its breakers refused it (`open`, `slow`) or the cap did. Not a candidate the
             # chain skipped: that one is asked again, and noted then, if the chain reaches it.
-            result = refused or "capped"
-            plan.note = (plan.note + "; " if plan.note else "") + f"hedge={result}"
-            self._hedge(plan, result)
+            why = refused or "capped"
+            plan.note = (plan.note + "; " if plan.note else "") + f"hedge={why}"
+            self._hedge(plan, why)
             result = await first
             plan.chosen = primary
             return result
