@@ -314,6 +314,22 @@ class ChatChunk(Base):
     raw: str | None = None
 
 
+def is_output(chunk: object) -> bool:
+    """Whether a streamed chunk holds anything the model generated (text, a tool call, reasoning, a
+    refusal, a finish) or the usage report: more than the role some vendors announce before generating
+    anything (OpenAI's role chunk, Anthropic's `message_start`). A stream's first one is its first
+    token, which TTFT times. Any other reader's chunk (a legacy completion's) counts."""
+    if not isinstance(chunk, ChatChunk) or chunk.usage is not None:
+        return True
+    for choice in chunk.choices:
+        delta = choice.delta
+        if choice.finish_reason or delta.content or delta.tool_calls or delta.refusal:
+            return True
+        if delta.reasoning_content or delta.reasoning_signature or delta.redacted_reasoning is not None:
+            return True
+    return False
+
+
 # --- completions and embeddings ------------------------------------------------------------------
 
 

@@ -39,7 +39,7 @@ from gateway.pipeline import Call, Pipeline
 from gateway.providers.base import CONTEXT_LENGTH_EXCEEDED, CONTINUE_INSTRUCTION, UpstreamRequest
 from gateway.router_basic import Target
 from gateway.state import Limit, MemoryState, SharedState
-from gateway.types import ChatChunk, ChatRequest, ChatResponse, ChunkChoice, Delta, Message
+from gateway.types import ChatChunk, ChatRequest, ChatResponse, ChunkChoice, Delta, Message, is_output
 from gateway.usage import Usage
 from routing.breaker import Breakers, State
 from routing.metrics import RoutingMetrics
@@ -881,7 +881,7 @@ async def _first_output(opening: Awaitable[Batches]) -> tuple[list[list[Any]], B
     batches = await opening
     held: list[list[Any]] = []
     try:
-        while not (held and any(_output(chunk) for chunk in held[-1])):
+        while not (held and any(is_output(chunk) for chunk in held[-1])):
             try:
                 held.append(await anext(batches))
             except StopAsyncIteration:
@@ -960,19 +960,6 @@ async def _abandon(task: asyncio.Future[Any]) -> None:
     result = (await asyncio.gather(task, return_exceptions=True))[0]
     if hasattr(result, "aclose"):
         await result.aclose()
-
-
-def _output(chunk: Any) -> bool:
-    """Whether a chunk is more than the role announcement (any other reader's chunk counts)."""
-    if not isinstance(chunk, ChatChunk) or chunk.usage is not None:
-        return True
-    for choice in chunk.choices:
-        delta = choice.delta
-        if choice.finish_reason or delta.content or delta.tool_calls or delta.refusal:
-            return True
-        if delta.reasoning_content or delta.reasoning_signature or delta.redacted_reasoning is not None:
-            return True
-    return False
 
 
 class Tracked:
@@ -1065,7 +1052,7 @@ def _without_reasoning(batch: list[ChatChunk]) -> list[ChatChunk]:
             or c.delta.redacted_reasoning is not None
             for c in chunk.choices
         )
-        if _output(stripped) or not reasoned:
+        if is_output(stripped) or not reasoned:
             out.append(stripped)
     return out
 
@@ -1112,7 +1099,7 @@ def _stitched(batch: list[ChatChunk], stitch: Stitcher) -> list[ChatChunk]:
             chunk, choices=[msgspec.structs.replace(choice, delta=delta), *chunk.choices[1:]]
         )
         # A first answer's role announcement stays, though its text is held (Gemini sends both in one).
-        if not text or _output(stitched) or delta.role is not None:
+        if not text or is_output(stitched) or delta.role is not None:
             out.append(stitched)
     return out
 

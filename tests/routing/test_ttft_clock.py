@@ -1,4 +1,5 @@
-"""The time-to-first-token clock starts when an attempt goes upstream, not before its admission.
+"""The time-to-first-token clock starts when an attempt goes upstream, not before its admission, and
+stops at the stream's first output, not at the role some vendors announce before generating anything.
 
 A request's first attempt is admitted first (stream slots, rate limits, budgets: with Redis a round
 trip, and the month's spend read from the ledger the first time a budget is seen). That time is the
@@ -6,24 +7,31 @@ gateway's own: a slow admission must not read as a backend too slow for the rout
 (a 504 blamed on it, feeding its breaker, and a failover), nor start a hedge early. Each client API
 (chat completions, Anthropic messages, Responses) is checked, through the real gateway, with the
 admission slowed down deterministically.
+
+What stops the clock is what `ttft_timeout` and the hedge race wait for (`gateway.types.is_output`):
+text, a tool call or reasoning, not Anthropic's `message_start` or OpenAI's role chunk. The ledger's
+`ttft_ms` (and the metric, the request log) and what routing learns from it (`lowest_latency`,
+`hedge: {delay: p95}`) are checked against vendors that stream slowly, through the real gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from tests.fakes import FakeOpenAI, Fault
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import FAST, fresh, ledger, route_header, runtime, settled
 
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
 SLOW_ADMISSION_S = 0.8  # longer than the TTFT timeout and the hedge delay below
+GAP_S = 0.1  # between a slow stream's events: its role at once, its first output one gap or more later
 ROUTES = f"""\
 routes:
   - {{name: impatient, ttft_timeout: 0.4, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
@@ -111,3 +119,81 @@ def test_a_slow_admission_starts_no_hedge(
     route = route_header(raw)
     assert route["candidate"] == "gpt-4o-mini" and "hedged" not in route
     assert fake_deepseek.requests == []
+
+
+@pytest.fixture
+def prompt_gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
+    """The routed gateway, its admission as quick as it is, and nothing learned yet."""
+    runtime(_routed).router.stats.models.clear()
+    return fresh(_routed)
+
+
+def _seconds_to_first_text(gateway: RunningGateway, model: str) -> float:
+    """Stream a whole chat (an answer routing learns from); seconds from the request to its first
+    text, as the client saw it."""
+    started, first = time.monotonic(), None
+    for chunk in gateway.openai().chat.completions.create(model=model, messages=HI, stream=True):
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.monotonic() - started
+    assert first is not None
+    return first
+
+
+def test_ttft_is_time_to_the_first_text_not_to_message_start(
+    prompt_gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """Anthropic sends `message_start` (the role) at once, then the text block three events later:
+    the ledger's TTFT is the text's, which the client saw no sooner, not the role's few ms."""
+    fake_anthropic.fail_next(Fault.slow_stream(GAP_S))
+    first_text = _seconds_to_first_text(prompt_gateway, "claude-sonnet")
+    settled(prompt_gateway, 1)
+    (event,) = prompt_gateway.sink.events
+    assert event.status == 200 and event.ttft_ms is not None
+    assert 2.5 * GAP_S * 1000 <= event.ttft_ms <= first_text * 1000
+
+
+def test_what_routing_learns_is_time_to_the_first_text(
+    prompt_gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """The p95 `hedge: {delay: p95}` waits and the mean `lowest_latency` ranks by: learned from the
+    role's time, a p95 hedge on a Claude primary would fire at its `min_delay` on every stream."""
+    for _ in range(3):
+        fake_anthropic.fail_next(Fault.slow_stream(GAP_S))
+        _seconds_to_first_text(prompt_gateway, "claude-sonnet")
+    settled(prompt_gateway, 3)
+    learned = runtime(prompt_gateway).router.stats.get("anthropic", "claude-sonnet-4-5")
+    assert learned.samples == 3
+    p95 = learned.p95_ttft()
+    assert p95 is not None and p95 >= 2.5 * GAP_S
+    assert learned.ttft_s is not None and learned.ttft_s >= 2.5 * GAP_S
+
+
+TOOLS: list[ChatCompletionToolParam] = [
+    {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+]
+
+
+def test_a_tool_call_first_stops_the_clock(prompt_gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    """A stream whose first output is a tool call, with no text at all, has a TTFT: the tool call's,
+    one gap after the role chunk, and at least one event (the finish) before the stream's end."""
+    fake_openai.fail_next(Fault.slow_stream(GAP_S))
+    stream = prompt_gateway.openai().chat.completions.create(
+        model="gpt-4o-mini", messages=HI, stream=True, tools=TOOLS, tool_choice="required"
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert any(d.tool_calls for d in deltas) and not any(d.content for d in deltas)
+    settled(prompt_gateway, 1)
+    (event,) = prompt_gateway.sink.events
+    assert event.status == 200 and event.ttft_ms is not None
+    assert 0.9 * GAP_S * 1000 <= event.ttft_ms <= event.latency_ms - 0.9 * GAP_S * 1000
+
+
+def test_reasoning_first_stops_the_clock(prompt_gateway: RunningGateway, fake_deepseek: FakeOpenAI) -> None:
+    """DeepSeek's reasoner streams its reasoning before the text: the first reasoning is the first
+    token, one gap after the role chunk, and at least a gap before the text."""
+    fake_deepseek.fail_next(Fault.slow_stream(GAP_S))
+    first_text = _seconds_to_first_text(prompt_gateway, "deepseek-reasoner")
+    settled(prompt_gateway, 1)
+    (event,) = prompt_gateway.sink.events
+    assert event.status == 200 and event.ttft_ms is not None
+    assert 0.9 * GAP_S * 1000 <= event.ttft_ms <= (first_text - 0.9 * GAP_S) * 1000
