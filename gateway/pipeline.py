@@ -30,7 +30,7 @@ from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
 from gateway.router_basic import Target
 from gateway.transport import MAX_RESPONSE_BODY, Transport, UpstreamResponse, describe
-from gateway.types import is_output
+from gateway.types import is_answer
 from gateway.usage import Usage
 from gateway.usage_sink import UsageSink
 from routing.load import LoadReports
@@ -285,7 +285,7 @@ class Pipeline:
                             produced.add(chunk)
                             if chunk.usage is not None:
                                 usage, usage_reported = chunk.usage, True
-                            elif ttft is None and is_output(chunk):  # not the role announcement
+                            elif ttft is None and is_answer(chunk):  # not the role announcement
                                 ttft = time.perf_counter() - t0
                                 call.info.ttft = ttft
                             batch.append(chunk)

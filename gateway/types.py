@@ -293,6 +293,13 @@ class Delta(Base):
     reasoning_signature: str | None = None
     redacted_reasoning: str | None = None
 
+    def carries_output(self) -> bool:
+        """Whether this delta holds any of the answer (text, a tool call, a refusal, reasoning), not
+        only the role a stream announces first (with an empty `content`, as OpenAI sends it)."""
+        if self.content or self.tool_calls or self.refusal:
+            return True
+        return bool(self.reasoning_content or self.reasoning_signature) or self.redacted_reasoning is not None
+
 
 class ChunkChoice(Base):
     index: int
@@ -314,20 +321,21 @@ class ChatChunk(Base):
     raw: str | None = None
 
 
-def is_output(chunk: object) -> bool:
-    """Whether a streamed chunk holds anything the model generated (text, a tool call, reasoning, a
-    refusal, a finish) or the usage report: more than the role some vendors announce before generating
-    anything (OpenAI's role chunk, Anthropic's `message_start`). A stream's first one is its first
-    token, which TTFT times. Any other reader's chunk (a legacy completion's) counts."""
-    if not isinstance(chunk, ChatChunk) or chunk.usage is not None:
+def is_answer(chunk: object) -> bool:
+    """Whether a streamed chunk holds some of the answer (text, a tool call, a refusal, reasoning, a
+    finish): more than the role some vendors announce before generating anything (OpenAI's role
+    chunk, Anthropic's `message_start`) or a usage report alone. A stream's first one is its first
+    token, which TTFT times and `ttft_timeout` waits for; a stream that ends with none is no answer
+    (its decoder fails it). Any other reader's chunk (a legacy completion's) counts."""
+    if not isinstance(chunk, ChatChunk):
         return True
-    for choice in chunk.choices:
-        delta = choice.delta
-        if choice.finish_reason or delta.content or delta.tool_calls or delta.refusal:
-            return True
-        if delta.reasoning_content or delta.reasoning_signature or delta.redacted_reasoning is not None:
-            return True
-    return False
+    return any(choice.finish_reason or choice.delta.carries_output() for choice in chunk.choices)
+
+
+def is_output(chunk: object) -> bool:
+    """Whether a streamed chunk is more than the role announcement: some of the answer, or the usage
+    report."""
+    return is_answer(chunk) or (isinstance(chunk, ChatChunk) and chunk.usage is not None)
 
 
 # --- completions and embeddings ------------------------------------------------------------------

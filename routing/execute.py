@@ -39,7 +39,16 @@ from gateway.pipeline import Call, Pipeline
 from gateway.providers.base import CONTEXT_LENGTH_EXCEEDED, CONTINUE_INSTRUCTION, UpstreamRequest
 from gateway.router_basic import Target
 from gateway.state import Limit, MemoryState, SharedState
-from gateway.types import ChatChunk, ChatRequest, ChatResponse, ChunkChoice, Delta, Message, is_output
+from gateway.types import (
+    ChatChunk,
+    ChatRequest,
+    ChatResponse,
+    ChunkChoice,
+    Delta,
+    Message,
+    is_answer,
+    is_output,
+)
 from gateway.usage import Usage
 from routing.breaker import Breakers, State
 from routing.metrics import RoutingMetrics
@@ -873,15 +882,15 @@ class Executor:
 
 
 async def _first_output(opening: Awaitable[Batches]) -> tuple[list[list[Any]], Batches]:
-    """Open a stream and read it up to its first output (text, a tool call, reasoning, a finish, the
-    usage report), not only the role some vendors announce first: Anthropic's message_start, say,
+    """Open a stream and read it up to its first output (text, a tool call, reasoning, a finish:
+    `is_answer`), not only the role some vendors announce first: Anthropic's message_start, say,
     comes before the model generated anything. Until then a failure is one before the first token:
     the attempt fails, and the next one is tried as if this one had never started (the client has
     seen nothing yet, and gets an HTTP error if every candidate fails). The batches read, and the rest."""
     batches = await opening
     held: list[list[Any]] = []
     try:
-        while not (held and any(is_output(chunk) for chunk in held[-1])):
+        while not (held and any(is_answer(chunk) for chunk in held[-1])):
             try:
                 held.append(await anext(batches))
             except StopAsyncIteration:

@@ -527,6 +527,9 @@ class ChatStream:
         self.blocks: dict[int, tuple[str, int]] = {}  # content block index -> (kind, tool call index)
         self.tool_calls = 0
         self.done = False
+        # A content block (even an empty text block) or a stop_reason came: the model answered, if
+        # only with nothing. message_start then message_stop alone is no answer (failed at message_stop).
+        self.answered = False
 
     def _chunk(self, delta: Delta, finish: str | None = None, stop_sequence: str | None = None) -> ChatChunk:
         choice = ChunkChoice(index=0, delta=delta, finish_reason=finish, stop_sequence=stop_sequence)
@@ -545,6 +548,7 @@ class ChatStream:
             self.usage = dict(message.get("usage") or {})
             return [self._chunk(Delta(role="assistant", content=""))]
         if kind == "content_block_start":
+            self.answered = True
             block = payload.get("content_block", {})
             index = payload.get("index", 0)
             if block.get("type") == "tool_use":
@@ -592,11 +596,16 @@ class ChatStream:
             reason = (payload.get("delta") or {}).get("stop_reason")
             if reason is None:
                 return []
+            self.answered = True
             finish = STOP_REASONS.get(reason, "stop")
             if finish == "tool_calls" and self.tool_calls == 0:
                 finish = "stop"  # only the structured-output tool was called
             return [self._chunk(Delta(), finish, _matched(payload.get("delta") or {}))]
         if kind == "message_stop":
+            if not self.answered:
+                # The backend's failure, as OpenAI's `[DONE]` after nothing is: never an empty reply.
+                # Raised here, before the usage chunk that would read as the answer's first output.
+                raise BadGateway("the Anthropic backend ended the stream without an answer")
             self.done = True
             return [
                 ChatChunk(

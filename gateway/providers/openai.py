@@ -275,11 +275,19 @@ class _Chunk(Base):
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
 
 
+# A stream is an answer once it carries a finish reason or some of the answer. `[DONE]` after
+# nothing else (or after only the role, or a usage report) is none: the backend's failure, as a
+# completion without choices is, never an empty reply. An empty answer with a finish reason
+# (`stop`, or `length` under a tiny max_tokens) is the model's own, and is passed on.
+NO_ANSWER = "the OpenAI-compatible backend ended the stream without an answer"
+
+
 class ChatStream:
     def __init__(self, request: ChatRequest, model: str) -> None:
         self.model = model
         self.done = False
         self.finished = False
+        self.answered = False  # some of the answer came: text, a tool call, a refusal, reasoning
 
     def feed(self, event: str | None, data: str) -> list[ChatChunk]:
         if data == "[DONE]":
@@ -296,6 +304,7 @@ class ChatStream:
             _reasoning_as_content(choice.delta)
             if choice.finish_reason:
                 self.finished = True
+            self.answered = self.answered or choice.delta.carries_output()
         usage = normalise_usage(VENDOR, wire.usage) if wire.usage else None
         return [
             ChatChunk(
@@ -312,6 +321,8 @@ class ChatStream:
     def close(self) -> list[ChatChunk]:
         if not (self.done or self.finished):
             raise BadGateway("the OpenAI-compatible backend ended the stream before it was complete")
+        if not (self.finished or self.answered):
+            raise BadGateway(NO_ANSWER)
         return []
 
 
@@ -376,6 +387,7 @@ class CompletionStream:
         self.model = model
         self.done = False
         self.finished = False
+        self.answered = False  # some text came (see NO_ANSWER)
 
     def feed(self, event: str | None, data: str) -> list[RawResult]:
         if data == "[DONE]":
@@ -388,14 +400,18 @@ class CompletionStream:
             raise upstream_error(
                 502, str(payload["error"].get("message", "stream error")), {}, vendor="OpenAI-compatible"
             )
-        if any(choice.get("finish_reason") for choice in payload.get("choices") or ()):
+        choices = payload.get("choices") or ()
+        if any(choice.get("finish_reason") for choice in choices):
             self.finished = True
+        self.answered = self.answered or any(choice.get("text") for choice in choices)
         usage = payload.get("usage")
         return [RawResult(data=payload, usage=normalise_usage(VENDOR, usage) if usage else None)]
 
     def close(self) -> list[RawResult]:
         if not (self.done or self.finished):
             raise BadGateway("the OpenAI-compatible backend ended the stream before it was complete")
+        if not (self.finished or self.answered):
+            raise BadGateway(NO_ANSWER)
         return []
 
 

@@ -222,6 +222,64 @@ def test_openai_stream_ending_without_done_or_finish_is_a_bad_gateway() -> None:
         decoder.close()
 
 
+ROLE = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+USAGE = {"id": "c", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0}}
+FINISHED = {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+START = ("message_start", {"type": "message_start", "message": {"id": "m", "usage": {"input_tokens": 3}}})
+EMPTY_BLOCK = [
+    (
+        "content_block_start",
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    ),
+    ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+]
+END_TURN = ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {}})
+STOP = ("message_stop", {"type": "message_stop"})
+DONE = (None, "[DONE]")
+
+DECODERS = {
+    "openai": lambda: openai.ChatStream(chat(), "gpt"),
+    "completions": lambda: openai.CompletionStream("gpt"),
+    "anthropic": lambda: anthropic.ChatStream(chat(), "claude"),
+    "gemini": lambda: gemini.ChatStream(chat(), "gemini"),
+}
+# Streams that end cleanly with none of an answer and no finish reason: the backend's failure.
+NO_ANSWER: dict[str, tuple[str, list[tuple[str | None, dict | str]]]] = {
+    "openai-done-only": ("openai", [DONE]),
+    "openai-role-then-done": ("openai", [(None, ROLE), DONE]),
+    "openai-role-usage-done": ("openai", [(None, ROLE), (None, USAGE), DONE]),
+    "openai-completions-done-only": ("completions", [DONE]),
+    "anthropic-start-then-stop": ("anthropic", [START, STOP]),
+}
+# Empty answers the model gave: a finish reason (or, for Anthropic, a content block) says so. (Gemini's
+# decoder takes no stream without a finishReason for complete.)
+EMPTY_ANSWER: dict[str, tuple[str, list[tuple[str | None, dict | str]]]] = {
+    "openai-finish-length": ("openai", [(None, ROLE), (None, FINISHED), DONE]),
+    "openai-finish-without-done": ("openai", [(None, FINISHED)]),
+    "anthropic-empty-text-end-turn": ("anthropic", [START, *EMPTY_BLOCK, END_TURN, STOP]),
+    "anthropic-no-block-end-turn": ("anthropic", [START, END_TURN, STOP]),
+    "anthropic-empty-text-block": ("anthropic", [START, *EMPTY_BLOCK, STOP]),
+    "gemini-stop-without-parts": (
+        "gemini",
+        [(None, {"candidates": [{"content": {"role": "model", "parts": []}, "finishReason": "STOP"}]})],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_ANSWER))
+def test_a_stream_that_ends_without_an_answer_is_a_bad_gateway(case: str) -> None:
+    vendor, events = NO_ANSWER[case]
+    with pytest.raises(BadGateway, match="without an answer"):
+        feed(DECODERS[vendor](), events)
+
+
+@pytest.mark.parametrize("case", list(EMPTY_ANSWER))
+def test_an_empty_answer_the_model_gave_ends_the_stream_cleanly(case: str) -> None:
+    vendor, events = EMPTY_ANSWER[case]
+    chunks = feed(DECODERS[vendor](), events)  # no BadGateway
+    assert chunks and not any(c.choices[0].delta.content for c in chunks if c.choices)
+
+
 def test_anthropic_inbound_request_to_canonical() -> None:
     request = msgspec.convert(
         {

@@ -7,7 +7,9 @@ with the official SDKs as clients.
 - OpenAI's 429 `insufficient_quota` is an account out of credit, not a rate limit: waiting does not
   lift it, so the next candidate is tried at once instead of the same backend again.
 - An OpenAI-compatible server (OpenRouter, say) that has already sent its 200 reports a failure in the
-  body (`{"error": {...}}`, no `choices`): a failure to fail over from, never an empty answer.
+  body (`{"error": {...}}`, no `choices`): a failure to fail over from, never an empty answer. So is a
+  200 stream that ends (`[DONE]`) with no finish reason and none of an answer; an empty answer with a
+  finish reason is the model's own, and is passed on.
 - Errors inside a 200 stream and streams that just stop, for each vendor: before the first token they
   fail over invisibly, after it the stream continues on the next candidate.
 """
@@ -28,7 +30,7 @@ import pytest
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
-from tests.routing.routed import FAST, ROUTES, fresh, ledger, raw_config_text, route_header, settled
+from tests.routing.routed import FAST, ROUTES, fresh, ledger, raw_config_text, route_header, runtime, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -49,6 +51,12 @@ IN_BAND_429 = (
     b' "user_id": "user_123"}'
 )
 NO_CHOICES = b'{"id": "gen-1", "object": "chat.completion", "created": 0, "model": "gpt-4o-mini"}'
+CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "gpt-4o-mini"}
+ROLE = {
+    **CHUNK,
+    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+}
+USAGE = {**CHUNK, "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 0, "total_tokens": 6}}
 
 
 class Script:
@@ -278,6 +286,66 @@ def test_a_200_without_choices_is_a_bad_gateway_not_an_empty_answer(
     with pytest.raises(openai.APIStatusError) as caught:
         client(gateway).chat.completions.create(model="raw-model", messages=HI)  # type: ignore[arg-type]
     assert caught.value.status_code == 502
+
+
+def sse(*chunks: dict[str, Any]) -> bytes:
+    """An OpenAI-compatible 200 stream of these chunks, ended by `[DONE]`."""
+    events = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks)
+    return http_head(content_type="text/event-stream") + events + b"data: [DONE]\n\n"
+
+
+# Streams that end cleanly with no answer in them: no text, tool call or reasoning, no finish reason.
+NO_ANSWER = {"done-only": sse(), "role-then-done": sse(ROLE), "role-usage-done": sse(ROLE, USAGE)}
+
+
+@pytest.mark.parametrize("stream", list(NO_ANSWER))
+def test_a_200_stream_without_an_answer_fails_over_invisibly(
+    gateway: RunningGateway, raw: Script, fake_anthropic: FakeAnthropic, stream: str
+) -> None:
+    """Taken for an answer, the client got a clean, empty one (`[DONE]`), the route never asked the
+    next candidate and the breaker counted a success. It is the backend's failure (502): the client
+    sees one normal stream from the next candidate, and the ledger and breaker count the failures."""
+    raw.answer = NO_ANSWER[stream]
+    response = client(gateway).chat.completions.with_raw_response.create(
+        model="raw-first", messages=HI, stream=True
+    )
+    chunks = list(response.parse())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ECHO
+    assert [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role] == ["assistant"]
+    assert route_header(response)["tried"] == "raw-model:502,raw-model:502,claude-sonnet:ok"
+    assert len(fake_anthropic.requests) == 1
+    settled(gateway, 3)
+    assert ledger(gateway) == [("raw", 502), ("raw", 502), ("anthropic", 200)]
+    assert runtime(gateway).router.breakers.breakers["raw/gpt-4o-mini"].failures == 2
+
+
+def test_a_200_stream_without_an_answer_is_a_502_to_a_plain_model_client(
+    gateway: RunningGateway, raw: Script
+) -> None:
+    """Nothing was sent yet: the client gets an HTTP 502 in the OpenAI error shape, not a 200."""
+    raw.answer = NO_ANSWER["role-then-done"]
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(gateway).chat.completions.create(model="raw-model", messages=HI, stream=True)  # type: ignore[arg-type]
+    assert caught.value.status_code == 502
+    assert "without an answer" in caught.value.body["message"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_an_empty_streamed_answer_with_a_finish_reason_is_the_models_answer(
+    gateway: RunningGateway, raw: Script, fake_anthropic: FakeAnthropic, finish: str
+) -> None:
+    """Nothing but a finish reason (an empty reply, or `length` under a tiny max_tokens): what the
+    model said, passed on, not a failure to fail over from."""
+    ended = {**CHUNK, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}
+    raw.answer = sse(ROLE, ended, USAGE)
+    response = client(gateway).chat.completions.with_raw_response.create(
+        model="raw-first", messages=HI, stream=True, max_tokens=1
+    )
+    chunks = list(response.parse())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert route_header(response)["attempts"] == "1"
+    assert not fake_anthropic.requests
 
 
 # --- errors inside a 200 stream, and streams that just stop -----------------------------------------
