@@ -140,7 +140,10 @@ def test_cached_content_reports_cached_tokens(http: httpx.Client, fake_gemini: F
 def test_auth_errors_match_google(fake_gemini: FakeGemini) -> None:
     url = f"{fake_gemini.base_url}/v1beta/models/{MODEL}:generateContent"
     wrong = httpx.post(url, headers={"x-goog-api-key": "nope"}, json=ask("x"))
-    assert wrong.status_code == 400 and wrong.json()["error"]["details"][0]["reason"] == "API_KEY_INVALID"
+    assert wrong.status_code == 400 and wrong.json()["error"]["status"] == "INVALID_ARGUMENT"
+    details = wrong.json()["error"]["details"]
+    assert [d["@type"].rsplit(".", 1)[1] for d in details] == ["ErrorInfo", "LocalizedMessage"]
+    assert details[0]["reason"] == "API_KEY_INVALID"
     missing = httpx.post(url, json=ask("x"))
     assert missing.status_code == 403 and missing.json()["error"]["status"] == "PERMISSION_DENIED"
     by_query = httpx.post(url, params={"key": fake_gemini.api_key}, json=ask("ok"))

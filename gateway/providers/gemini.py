@@ -510,25 +510,37 @@ class ChatStream:
 # `error.details`, whose `retryDelay` is a protobuf Duration in its JSON form ("30s", "0.5s").
 _RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
 _DURATION = re.compile(r"\d{1,10}(?:\.\d{1,9})?s")
+# Google refuses the gateway's API key (wrong, deleted, or expired: "API key expired. Please renew
+# the API key." has the same reason) with a 400 INVALID_ARGUMENT, as if the request were at fault;
+# a google.rpc.ErrorInfo among `error.details` says `"reason": "API_KEY_INVALID"`.
+_ERROR_INFO = "type.googleapis.com/google.rpc.ErrorInfo"
+_KEY_REFUSED = "API_KEY_INVALID"
+
+
+def _detail(error: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
+    """The first of an error's `details` of this `@type` (RetryInfo, ErrorInfo), or None."""
+    details = error.get("details")
+    for item in details if isinstance(details, list) else ():
+        if isinstance(item, dict) and item.get("@type") == kind:
+            return item
+    return None
 
 
 def retry_hint(detail: Mapping[str, Any]) -> dict[str, str]:
     """An error's RetryInfo as the headers the executor and the clients' SDKs read: `retry-after-ms`
     exactly, `retry-after` in whole seconds rounded up. Empty when it has none (or not a Duration)."""
-    details = detail.get("details")
-    for item in details if isinstance(details, list) else ():
-        if isinstance(item, dict) and item.get("@type") == _RETRY_INFO:
-            delay = item.get("retryDelay")
-            if not isinstance(delay, str) or not _DURATION.fullmatch(delay):
-                return {}
-            seconds = float(delay[:-1])
-            return {"retry-after-ms": str(round(seconds * 1000)), "retry-after": str(math.ceil(seconds))}
-    return {}
+    delay = (_detail(detail, _RETRY_INFO) or {}).get("retryDelay")
+    if not isinstance(delay, str) or not _DURATION.fullmatch(delay):
+        return {}
+    seconds = float(delay[:-1])
+    return {"retry-after-ms": str(round(seconds * 1000)), "retry-after": str(math.ceil(seconds))}
 
 
 def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
     message, detail = error_text(body)
     kind = detail.get("status")
+    if status == 400 and (_detail(detail, _ERROR_INFO) or {}).get("reason") == _KEY_REFUSED:
+        status = 401  # the gateway's key, not the request: fails over as another vendor's 401 does
     headers: Mapping[str, str] = response_headers
     hint = retry_hint(detail)
     if hint and not any(name.lower() in ("retry-after", "retry-after-ms") for name in response_headers):

@@ -4,9 +4,9 @@ Endpoints under ``/v1beta`` (and ``/v1``): ``models/{model}:generateContent``,
 ``:streamGenerateContent`` (``?alt=sse`` gives SSE frames ``data: {...}\\r\\n\\r\\n``; without it, a
 streamed JSON array), ``:countTokens``, ``:embedContent``, ``:batchEmbedContents``, ``GET models``,
 ``GET models/{model}``, and ``cachedContents`` (create, get, list, delete). Auth: ``x-goog-api-key``
-header or ``?key=``. As the real API does, a wrong key gets 400 ``INVALID_ARGUMENT`` with reason
-``API_KEY_INVALID`` and a missing key 403 ``PERMISSION_DENIED``; errors are
-``{"error": {"code", "message", "status"}}``.
+header or ``?key=``. As the real API does, a wrong key gets 400 ``INVALID_ARGUMENT`` whose ``details``
+hold an ``ErrorInfo`` of reason ``API_KEY_INVALID`` and a ``LocalizedMessage``, and a missing key 403
+``PERMISSION_DENIED``; errors are ``{"error": {"code", "message", "status"}}``.
 
 Responses carry ``candidates[].content.parts[]`` (``text``; ``functionCall`` with ``args`` for tool
 calls, sent whole in one chunk as Gemini does; a ``thought: true`` part when
@@ -202,16 +202,22 @@ class FakeGemini(FakeServer):
                 "Please use API Key or other form of API consumer identity to call this API.",
             )
         if key != self.api_key:
+            message = "API key not valid. Please pass a valid API key."
             return self.error_response(
                 400,
-                "API key not valid. Please pass a valid API key.",
+                message,
                 details=[
                     {
                         "@type": "type.googleapis.com/google.rpc.ErrorInfo",
                         "reason": "API_KEY_INVALID",
                         "domain": "googleapis.com",
                         "metadata": {"service": "generativelanguage.googleapis.com"},
-                    }
+                    },
+                    {
+                        "@type": "type.googleapis.com/google.rpc.LocalizedMessage",
+                        "locale": "en-US",
+                        "message": message,
+                    },
                 ],
             )
         return None

@@ -103,6 +103,32 @@ def test_gemini_tool_result_for_an_unknown_call_is_400() -> None:
     assert caught.value.param == "messages[0].tool_call_id"
 
 
+def test_gemini_refusing_the_gateways_key_is_its_auth_failure_not_the_requests_400() -> None:
+    """Google's 400 for a wrong or expired key (as it sends it: reason API_KEY_INVALID in an ErrorInfo
+    among `details`) is the gateway's credentials refused; any other 400 INVALID_ARGUMENT stays the
+    request's."""
+    expired = "API key expired. Please renew the API key."
+    details = [
+        {
+            "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+            "reason": "API_KEY_INVALID",
+            "domain": "googleapis.com",
+        },
+        {"@type": "type.googleapis.com/google.rpc.LocalizedMessage", "locale": "en-US", "message": expired},
+    ]
+    refused = {"error": {"code": 400, "message": expired, "status": "INVALID_ARGUMENT", "details": details}}
+    error = gemini.error(400, json.dumps(refused).encode(), {})
+    assert (error.status, error.code) == (502, "upstream_auth_failed")
+    invalid = {
+        "error": {
+            "code": 400,
+            "message": "Invalid value at 'generation_config'",
+            "status": "INVALID_ARGUMENT",
+        }
+    }
+    assert gemini.error(400, json.dumps(invalid).encode(), {}).status == 400
+
+
 def feed(decoder: object, events: list[tuple[str | None, dict | str]]) -> list[ChatChunk]:
     chunks: list[ChatChunk] = []
     for name, data in events:

@@ -6,6 +6,9 @@ with the official SDKs as clients.
   `max_retry_after`), and reach the client as `retry-after`.
 - OpenAI's 429 `insufficient_quota` is an account out of credit, not a rate limit: waiting does not
   lift it, so the next candidate is tried at once instead of the same backend again.
+- A vendor refusing the gateway's own key or account is no fault of the request: a 502 that fails
+  over, however the vendor words it (a 401/403; Anthropic's 400 "credit balance is too low"; Gemini's
+  400 `INVALID_ARGUMENT` with reason `API_KEY_INVALID`).
 - An OpenAI-compatible server (OpenRouter, say) that has already sent its 200 reports a failure in the
   body (`{"error": {...}}`, no `choices`): a failure to fail over from, never an empty answer. So is a
   200 stream that ends (`[DONE]`) with no finish reason and none of an answer; an empty answer with a
@@ -41,7 +44,14 @@ EXTRA_ROUTES = f"""\
   - {{name: vendors, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}, {{model: gemini-flash}}], {FAST}}}
   - {{name: vendors-from-claude, candidates: [{{model: claude-sonnet}}, {{model: gemini-flash}}, {{model: gpt-4o-mini}}], {FAST}}}
   - {{name: vendors-from-gemini, candidates: [{{model: gemini-flash}}, {{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: gemini-key-first, candidates: [{{model: gemini-revoked}}, {{model: gpt-4o-mini}}], {FAST}}}
 """
+# A Gemini backend whose key the fake does not know: refused as Google refuses a wrong or expired key.
+REVOKED_BACKEND = """\
+  - {name: gemini-revoked, type: gemini, base_url: "${GEMINI_BASE_URL}", api_key: revoked-key}
+"""
+REVOKED_MODEL = """\
+  - {name: gemini-revoked, backend: gemini-revoked, model: gemini-2.5-flash}"""
 
 # OpenRouter commits its 200 before the provider behind it answers; a provider's failure then comes
 # in the body, with the provider's status as a number in `error.code`.
@@ -82,7 +92,9 @@ def _raw() -> Iterator[tuple[RawBackend, Script]]:
 
 @pytest.fixture(scope="module")
 def gateway_config() -> str:
-    return raw_config_text(ROUTES + EXTRA_ROUTES)
+    text = raw_config_text(ROUTES + EXTRA_ROUTES)
+    text = text.replace("backends:\n", "backends:\n" + REVOKED_BACKEND, 1)
+    return text.replace("models:", "models:\n" + REVOKED_MODEL, 1)
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +235,28 @@ def test_a_vendor_refusing_the_gateways_key_is_a_502_not_the_clients_401(
     body: Any = caught.value.body
     assert body["code"] == "upstream_auth_failed" and "credentials" in body["message"]
     assert "x-api-key" not in body["message"]
+
+
+def test_gemini_refusing_the_gateways_key_with_a_400_fails_over_at_once(
+    gateway: RunningGateway, fake_gemini: FakeGemini, fake_openai: FakeOpenAI
+) -> None:
+    """Google refuses a wrong or expired key with 400 INVALID_ARGUMENT (reason API_KEY_INVALID), as if
+    the request were at fault. Passed on as that 400, the route ended there with no breaker failure:
+    it is the gateway's key, so the route moves on at once, as after another vendor's 401."""
+    text, route = chat(gateway, "gemini-key-first")
+    assert text == ECHO and route["tried"] == "gemini-revoked:502,gpt-4o-mini:ok"
+    assert generations(fake_gemini) == 1
+    assert runtime(gateway).router.breakers.breakers["gemini-revoked/gemini-2.5-flash"].failures == 1
+
+
+def test_gemini_refusing_the_gateways_key_is_a_502_not_the_clients_400(gateway: RunningGateway) -> None:
+    """The client's key and request are fine: a 502 saying the backend refused the gateway's
+    credentials, not Google's "API key not valid", which read as the client's key refused."""
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(gateway).chat.completions.create(model="gemini-revoked", messages=HI)  # type: ignore[arg-type]
+    body: Any = caught.value.body
+    assert caught.value.status_code == 502 and body["code"] == "upstream_auth_failed"
+    assert "API key not valid" not in body["message"]
 
 
 def test_an_anthropic_account_out_of_credit_fails_over_and_is_no_400_to_the_client(
