@@ -1,6 +1,7 @@
 """Fixtures for the routing tests: the shipped classifier (loaded once), the tiny MMLU slice, and a
 routed gateway in front of the fake vendors (one per module; a module names its routes by overriding
-`gateway_routes`, or changes more of the config by overriding `gateway_config` and `gateway_env`)."""
+`gateway_routes`, adds a raw backend of its own by overriding `raw_script`, or changes more of the
+config by overriding `gateway_config` and `gateway_env`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from routing.difficulty import DifficultyClassifier
 from tests.control.conftest import redis_prefix  # noqa: F401  (a fixture shared with tests/control)
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
-from tests.routing.routed import ROUTES, fresh, routed_config_text
+from tests.reliability.raw_backend import RawBackend
+from tests.routing.routed import ROUTES, RawScript, fresh, raw_config_text, routed_config_text
 
 DATA = Path(__file__).parent / "data"
 
@@ -45,17 +47,36 @@ def gateway_routes() -> str:
 
 
 @pytest.fixture(scope="module")
-def gateway_config(gateway_routes: str) -> str:
-    """The config of `_routed`: the gateway tests' config with `gateway_routes`, unless the module
-    overrides this fixture (with backends, models or tenants of its own)."""
-    return routed_config_text(gateway_routes)
+def raw_script() -> RawScript | None:
+    """What the module's raw backend (tests.reliability.raw_backend, the model `raw-model` of
+    tests.routing.routed.raw_config_text) answers: no such backend unless the module overrides this
+    fixture with a script of its own."""
+    return None
 
 
 @pytest.fixture(scope="module")
-def gateway_env() -> dict[str, str]:
-    """What `_routed`'s config reads besides the fakes' URLs and keys (`fakes_env`): nothing, unless
-    the module overrides this fixture."""
-    return {}
+def _raw_backend(raw_script: RawScript | None) -> Iterator[RawBackend | None]:
+    """The module's raw backend, running `raw_script` (none without it)."""
+    if raw_script is None:
+        yield None
+        return
+    with RawBackend(raw_script) as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def gateway_config(gateway_routes: str, raw_script: RawScript | None) -> str:
+    """The config of `_routed`: the gateway tests' config with `gateway_routes` (and the raw backend
+    where the module has a `raw_script`), unless the module overrides this fixture (with backends,
+    models or tenants of its own)."""
+    return routed_config_text(gateway_routes) if raw_script is None else raw_config_text(gateway_routes)
+
+
+@pytest.fixture(scope="module")
+def gateway_env(_raw_backend: RawBackend | None) -> dict[str, str]:
+    """What `_routed`'s config reads besides the fakes' URLs and keys (`fakes_env`): the raw backend's
+    URL where there is one, else nothing, unless the module overrides this fixture."""
+    return {} if _raw_backend is None else {"RAW_URL": _raw_backend.url}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +95,14 @@ def _routed(
 
 
 @pytest.fixture
-def gateway(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
+def raw(raw_script: RawScript | None) -> RawScript | None:
+    """The module's `raw_script`, put back as the test starts (`reset`)."""
+    if raw_script is not None:
+        raw_script.reset()
+    return raw_script
+
+
+@pytest.fixture
+def gateway(_routed: RunningGateway, raw: RawScript | None, fresh_fakes: None) -> RunningGateway:
+    """The routed gateway with fresh fakes (and raw script), closed breakers and an empty ledger."""
     return fresh(_routed)

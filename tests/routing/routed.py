@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from gateway.config import parse_config
 from gateway.runtime import Gateway
@@ -12,6 +13,7 @@ from gateway.state import Limit, MemoryState
 from routing.execute import SpendCap
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, running_gateway
+from tests.reliability.raw_backend import Send, Sleep
 
 # Small waits everywhere: the behaviour is the same as with production settings, only faster.
 FAST = "retry: {attempts: 2, backoff: 0.02, max_backoff: 0.1, max_retry_after: 1.0}, "
@@ -51,6 +53,15 @@ def raw_config_text(routes: str) -> str:
     return text.replace("backends:\n", "backends:\n" + RAW_BACKEND, 1).replace(
         "models:", "models:\n" + RAW_MODEL.rstrip("\n"), 1
     )
+
+
+class RawScript(Protocol):
+    """What a module's raw backend answers (a `tests.reliability.raw_backend.Script`), kept for the
+    module's gateway, and put back as each test starts (`reset`)."""
+
+    def __call__(self, send: Send, sleep: Sleep) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 @contextmanager

@@ -18,7 +18,6 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -33,8 +32,8 @@ from gateway.usage import Usage
 from routing import execute
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import RunningGateway
-from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
-from tests.routing.routed import FAST, ROUTES, fresh, raw_config_text, route_header, settled
+from tests.reliability.raw_backend import Send, Sleep, http_head
+from tests.routing.routed import FAST, ROUTES, route_header, settled
 
 PROMPT = "one two three four five six"
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": PROMPT}]
@@ -65,9 +64,15 @@ class Script:
     abandons the attempt (`abandoned`), or never (`send_body` False: it hangs until the gateway lets
     the connection go, or the backend stops)."""
 
+    send_body: bool
+
     def __init__(self) -> None:
-        self.send_body = True
         self.abandoned = threading.Event()
+        self.reset()
+
+    def reset(self) -> None:
+        self.send_body = True
+        self.abandoned.clear()
 
     def __call__(self, send: Send, sleep: Sleep) -> None:
         send(HEAD)
@@ -87,28 +92,13 @@ class Abandons:
 
 
 @pytest.fixture(scope="module")
-def _raw() -> Iterator[tuple[RawBackend, Script]]:
-    script = Script()
-    with RawBackend(script) as backend:
-        yield backend, script
+def gateway_routes() -> str:
+    return ROUTES + EXTRA_ROUTES
 
 
 @pytest.fixture(scope="module")
-def gateway_config() -> str:
-    return raw_config_text(ROUTES + EXTRA_ROUTES)
-
-
-@pytest.fixture(scope="module")
-def gateway_env(_raw: tuple[RawBackend, Script]) -> dict[str, str]:
-    return {"RAW_URL": _raw[0].url}
-
-
-@pytest.fixture
-def raw(_raw: tuple[RawBackend, Script]) -> Script:
-    script = _raw[1]
-    script.send_body = True
-    script.abandoned.clear()
-    return script
+def raw_script() -> Script:
+    return Script()
 
 
 @pytest.fixture
@@ -128,11 +118,6 @@ def abandons(raw: Script, monkeypatch: pytest.MonkeyPatch) -> Abandons:
 
     monkeypatch.setattr(execute, "_abandon", timed_abandon)
     return timed
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, raw: Script, fresh_fakes: None) -> RunningGateway:
-    return fresh(_routed)
 
 
 def hedged_race(gateway: RunningGateway) -> tuple[Any, Any]:

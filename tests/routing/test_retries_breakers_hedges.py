@@ -30,14 +30,13 @@ from routing.routes import Breaker as BreakerSettings
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
+from tests.reliability.raw_backend import Send, Sleep, http_head
 from tests.routing.routed import (
     FAST,
     ROUTES,
     counted_micro_usd,
     fresh,
     ledger,
-    raw_config_text,
     route_header,
     routed_gateway,
     runtime,
@@ -75,11 +74,16 @@ RATE_LIMITED = b'{"error": {"message": "slow down", "type": "rate_limit_error", 
 class Script:
     """What the raw backend answers: `answers[i]` for its i-th request (the last one from then on)."""
 
+    answers: list[bytes]
+    calls: int
+    delay: float  # before each answer
+
     def __init__(self) -> None:
-        self.answers: list[bytes] = [http_head() + OK_BODY]
-        self.calls = 0
-        self.delay = 0.0  # before each answer
         self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.answers, self.calls, self.delay = [http_head() + OK_BODY], 0, 0.0
 
     def __call__(self, send: Send, sleep: Sleep) -> None:
         with self.lock:
@@ -94,20 +98,13 @@ def limited(headers: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def _raw() -> Iterator[tuple[RawBackend, Script]]:
-    script = Script()
-    with RawBackend(script) as backend:
-        yield backend, script
+def gateway_routes() -> str:
+    return ROUTES + EXTRA_ROUTES
 
 
 @pytest.fixture(scope="module")
-def gateway_config() -> str:
-    return raw_config_text(ROUTES + EXTRA_ROUTES)
-
-
-@pytest.fixture(scope="module")
-def gateway_env(_raw: tuple[RawBackend, Script]) -> dict[str, str]:
-    return {"RAW_URL": _raw[0].url}
+def raw_script() -> Script:
+    return Script()
 
 
 @pytest.fixture(scope="module")
@@ -127,19 +124,6 @@ def _tight(
 def tight_routes(_tight: RunningGateway, fresh_fakes: None) -> RunningGateway:
     """The gateway of TIGHT_ROUTES with fresh fakes, closed breakers and an empty ledger."""
     return fresh(_tight)
-
-
-@pytest.fixture
-def raw(_raw: tuple[RawBackend, Script]) -> Script:
-    script = _raw[1]
-    script.answers, script.calls, script.delay = [http_head() + OK_BODY], 0, 0.0
-    return script
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, raw: Script, fresh_fakes: None) -> RunningGateway:
-    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
-    return fresh(_routed)
 
 
 def chat(

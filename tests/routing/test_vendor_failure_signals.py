@@ -32,8 +32,8 @@ import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
-from tests.routing.routed import FAST, ROUTES, fresh, ledger, raw_config_text, route_header, runtime, settled
+from tests.reliability.raw_backend import Send, Sleep, http_head
+from tests.routing.routed import FAST, ROUTES, ledger, raw_config_text, route_header, runtime, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -72,10 +72,15 @@ USAGE = {**CHUNK, "choices": [], "usage": {"prompt_tokens": 6, "completion_token
 class Script:
     """What the raw backend answers to every request."""
 
+    answer: bytes
+    calls: int
+
     def __init__(self) -> None:
-        self.answer = http_head() + IN_BAND_429
-        self.calls = 0
         self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.answer, self.calls = http_head() + IN_BAND_429, 0
 
     def __call__(self, send: Send, sleep: Sleep) -> None:
         with self.lock:
@@ -84,35 +89,20 @@ class Script:
 
 
 @pytest.fixture(scope="module")
-def _raw() -> Iterator[tuple[RawBackend, Script]]:
-    script = Script()
-    with RawBackend(script) as backend:
-        yield backend, script
+def gateway_routes() -> str:
+    return ROUTES + EXTRA_ROUTES
 
 
 @pytest.fixture(scope="module")
-def gateway_config() -> str:
-    text = raw_config_text(ROUTES + EXTRA_ROUTES)
+def gateway_config(gateway_routes: str) -> str:
+    text = raw_config_text(gateway_routes)
     text = text.replace("backends:\n", "backends:\n" + REVOKED_BACKEND, 1)
     return text.replace("models:", "models:\n" + REVOKED_MODEL, 1)
 
 
 @pytest.fixture(scope="module")
-def gateway_env(_raw: tuple[RawBackend, Script]) -> dict[str, str]:
-    return {"RAW_URL": _raw[0].url}
-
-
-@pytest.fixture
-def raw(_raw: tuple[RawBackend, Script]) -> Script:
-    script = _raw[1]
-    script.answer, script.calls = http_head() + IN_BAND_429, 0
-    return script
-
-
-@pytest.fixture
-def gateway(_routed: RunningGateway, raw: Script, fresh_fakes: None) -> RunningGateway:
-    """The routed gateway with fresh fakes, closed breakers and an empty ledger."""
-    return fresh(_routed)
+def raw_script() -> Script:
+    return Script()
 
 
 def client(gateway: RunningGateway) -> openai.OpenAI:
