@@ -13,8 +13,14 @@ goes where (a hedge starts when the primary is slow on this machine); what must 
 - `x-weir-route` (and the request's log line, for a stream that resumed after its headers) counts
   as many attempts as the ledger holds events for the request, per candidate; exactly one attempt
   answered a request that succeeded, none one that failed;
-- afterwards: no budget reservation or in-flight count is left, no attempt task runs on, the ledger
-  and the metrics agree, and once the faults stop every breaker recovers.
+- a route's own latency breakers (its TTFT timeouts on a model that routes waiting longer still use)
+  are as the last attempts there of a request sent alone left them: closed (or their count of
+  timeouts reset) by a first token in time, counting after a timeout, not closed where the model was
+  skipped as slow; a model made to hang opens one, deterministically, and its route skips the model
+  until the cooldown, while other routes still get their answers there;
+- afterwards: no breaker holds a trial, no budget reservation or in-flight count is left, no attempt
+  task runs on, the ledger and the metrics agree, and once the faults stop every breaker recovers (a
+  latency breaker unless its route's calm streams timed out there on a paused process).
 """
 
 from __future__ import annotations
@@ -40,14 +46,15 @@ from gateway.accounting.money import pico_to_micro_ceil
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.usage_sink import ListSink
-from routing.breaker import State
+from routing.breaker import Breakers, LatencyKey, State, route_label
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 
 ADMIN = "admin-token-for-chaos"
+FAILURES, COOLDOWN = 3, 0.2  # every route's breaker settings, and so its latency breakers'
 FAST = "retry: {attempts: 2, backoff: 0.02, max_backoff: 0.05, max_retry_after: 0.5}, "
-FAST += "breaker: {failures: 3, cooldown: 0.2}, probe_interval: null"
+FAST += f"breaker: {{failures: {FAILURES}, cooldown: {COOLDOWN}}}, probe_interval: null"
 ROUTES = f"""\
 database_url: "${{DB_URL}}"
 routes:
@@ -301,6 +308,43 @@ def tried(header: dict[str, str]) -> list[tuple[str, str]]:
     return [tuple(t.rsplit(":", 1)) for t in header.get("tried", "").split(",") if t]  # type: ignore[misc]
 
 
+def latency_key(chaos: Chaos, route_name: str, model: str) -> LatencyKey | None:
+    """The key of `route_name`'s own latency breaker on `model`, where the route has a TTFT timeout."""
+    router = chaos.gateway.router
+    (route,) = router.routes[route_name]
+    if not route.ttft_timeout:
+        return None
+    target = router.models.targets[model]
+    return route_label(route), route.ttft_timeout, Breakers.key(target.backend.name, target.upstream_model)
+
+
+def latency_verdicts(chaos: Chaos, out: Outcome) -> list[tuple[LatencyKey, str]]:
+    """What a stream's attempts said to its route's latency breakers, in order: `ok` (a first token in
+    time), `504` (the TTFT timeout) or `slow` (the model skipped for that breaker)."""
+    verdicts = []
+    for model, outcome in tried(out.final) if out.stream else []:
+        if outcome in ("ok", "504", "slow") and (key := latency_key(chaos, out.route, model)) is not None:
+            verdicts.append((key, outcome))
+    return verdicts
+
+
+def check_latency(chaos: Chaos, out: Outcome) -> None:
+    """A request that ran alone left its route's latency breakers as its attempts' last word on them
+    says: a first token in time closed the breaker there (the half-open trial's) or reset its count
+    of timeouts, a timeout counted, a model skipped as slow had its breaker not closed; and no trial
+    is held once the request is over."""
+    latency = chaos.gateway.router.breakers.latency
+    for key, verdict in dict(latency_verdicts(chaos, out)).items():  # the last per breaker
+        breaker = latency.get(key)
+        if verdict == "ok":
+            assert breaker is None or (breaker.state is State.CLOSED and not breaker.failures), (key, breaker)
+        else:
+            assert breaker is not None and breaker.failures > 0, (key, breaker, out.describe())
+            assert verdict == "504" or breaker.state is not State.CLOSED, (key, breaker, out.describe())
+    for key, breaker in latency.items():
+        assert breaker.trial() is None, (key, breaker, out.describe())
+
+
 def check_request(chaos: Chaos, out: Outcome, line: Mapping[str, Any] | None) -> None:
     """The per-request invariants (module docstring); `line` is the request's log line."""
     final = out.final = parse_route(line["route"]) if line else {}
@@ -447,6 +491,86 @@ def settle_and_check(
         assert out.text.startswith(text), (out.describe(), prefills(fakes, prompt))
 
 
+def slow_model(
+    chaos: Chaos,
+    clients: tuple[openai.OpenAI, anthropic.Anthropic],
+    logs: list[MutableMapping[str, Any]],
+    fakes: Fakes,
+) -> list[Outcome]:
+    """The `ttft` route's first candidate hangs, so that each stream there misses the route's TTFT
+    timeout however the process is paused, until the route's own latency breaker there opens. The
+    route's next stream skips the model, unless the breaker's cooldown had passed by then (a paused
+    process), when it went as the breaker's half-open trial; another route still gets its answer
+    there (a latency preference is no verdict on the backend). After the cooldown, trials that fail
+    before their first token was due (a 500) say nothing of the model's speed: each lets the next
+    stream be the trial, and the one that gets its first token in time closes the breaker. The
+    requests, each checked (`check_latency`)."""
+    key = latency_key(chaos, "ttft", "deepseek-chat")
+    assert key is not None
+    latency = chaos.gateway.router.breakers.latency
+    sent: list[Outcome] = []
+
+    def stream(route: str) -> Outcome:
+        out = Outcome(-1, route, "openai", True, f"slow{len(sent)} {WORDS}")
+        run_one(chaos, clients, out, out.expected, 100)
+        settle_and_check(chaos, logs, out, out.expected, fakes)
+        check_latency(chaos, out)
+        sent.append(out)
+        return out
+
+    def openings() -> int:
+        return sum(
+            e.get("event") == "latency_breaker_opened"
+            and e.get("route") == "ttft"
+            and e.get("breaker") == key[2]
+            for e in list(logs)
+        )
+
+    for fake in fakes.values():
+        fake.reset()
+    time.sleep(COOLDOWN + 0.05)  # no backend breaker keeps a request off the model
+    before = openings()
+    fakes["deepseek"].fail_next(Fault.hang(), times=FAILURES)
+    # Each stream meets a hang at least once (the model is tried first, as the latency breaker's trial
+    # if it is half-open), and FAILURES timeouts in a row open the breaker.
+    while openings() == before and len(sent) < FAILURES:
+        stream("ttft")
+    assert openings() > before, [out.describe() for out in sent]
+    fakes["deepseek"].reset()
+    opened_at = latency[key].opened_at
+    out = stream("ttft")
+    skipped = ("deepseek-chat", "slow") in tried(out.final)
+    assert skipped or time.monotonic() - opened_at >= COOLDOWN, (out.describe(), latency[key])
+    fakes["openai"].fail_next(Fault.status(500), times=FAILURES)  # `hedged`'s first candidate
+    out = stream("hedged")
+    assert out.text == out.expected and out.final["candidate"] == "deepseek-chat", out.describe()
+    fakes["openai"].reset()
+    time.sleep(COOLDOWN + 0.05)
+    fakes["deepseek"].fail_next(Fault.status(500), times=2)  # the first try and its retry
+    out = stream("ttft")
+    assert ("deepseek-chat", "502") in tried(out.final), out.describe()  # (the vendor's 500)
+    fakes["deepseek"].reset()
+    stream("ttft")
+    return sent
+
+
+def check_latency_breakers(chaos: Chaos, run: list[Outcome], calm: list[Outcome]) -> None:
+    """The routes' own latency breakers at the end: only those the routes in force may have, with their
+    settings; none holds a trial; none counts more timeouts in a row than its route's streams had
+    there; and, the faults over, none is open but where its route's calm streams timed out there
+    (any other is closed, or half-open since its cooldown passed)."""
+    breakers = chaos.gateway.router.breakers
+    timeouts = collections.Counter(
+        key for out in run + calm for key, verdict in latency_verdicts(chaos, out) if verdict == "504"
+    )
+    lately = {key for out in calm for key, verdict in latency_verdicts(chaos, out) if verdict == "504"}
+    assert set(breakers.latency) <= set(breakers.latency_settings), breakers.latency
+    for key, breaker in breakers.latency.items():
+        assert breaker.settings == breakers.latency_settings[key], (key, breaker)
+        assert breaker.trial() is None and breaker.failures <= timeouts[key], (key, breaker, timeouts)
+        assert key in lately or (breaker.current() is not State.OPEN and breaker.admits()), (key, breaker)
+
+
 def test_random_faults_keep_every_invariant(
     chaos: Chaos,
     fake_openai: FakeOpenAI,
@@ -461,6 +585,7 @@ def test_random_faults_keep_every_invariant(
     chaos.sink.events.clear()
     clients = (chaos.openai(), chaos.anthropic())
     outcomes: list[Outcome] = []
+    slow: list[Outcome] = []  # while a model hangs (`slow_model`)
     calm: list[Outcome] = []  # once the faults stopped
     down: str | None = None
     started = time.monotonic()
@@ -478,6 +603,7 @@ def test_random_faults_keep_every_invariant(
                 run_one(chaos, clients, out, prompt, max_tokens)
                 outcomes.append(out)
                 settle_and_check(chaos, logs, out, prompt, fakes)
+                check_latency(chaos, out)
                 for fake in fakes.values():
                     if fake.running:
                         fake.reset()
@@ -499,21 +625,38 @@ def test_random_faults_keep_every_invariant(
                 for fake in fakes.values():
                     fake.reset()
         elapsed = time.monotonic() - started
+        slow = slow_model(chaos, clients, logs, fakes)
 
         # The faults stop: after a cooldown every route answers, and every breaker recovers.
         for fake in fakes.values():
             fake.reset()
-        time.sleep(0.25)
+        time.sleep(COOLDOWN + 0.05)
         for n, route in enumerate(ROUTE_NAMES * 2):
             out = Outcome(-1, route, "openai", False, f"calm{n} {WORDS}")
             run_one(chaos, clients, out, out.expected, 100)
             assert out.error is None and out.text == out.expected, out.describe()
             settle_and_check(chaos, logs, out, out.expected, fakes)
             calm.append(out)
+        # Streamed too, after a latency breaker's cooldown: each route's first stream to a model whose
+        # latency breaker is not closed is its half-open trial there. On a paused process a stream may
+        # miss its route's TTFT timeout though no fault was queued: an error then is one where every
+        # attempt sent timed out, and the breakers are checked against what the attempts said.
+        time.sleep(COOLDOWN + 0.05)
+        for n, route in enumerate(ROUTE_NAMES):
+            out = Outcome(-1, route, ["openai", "anthropic"][n % 2], True, f"calm-stream{n} {WORDS}")
+            run_one(chaos, clients, out, out.expected, 100)
+            settle_and_check(chaos, logs, out, out.expected, fakes)
+            check_latency(chaos, out)
+            attempted = {outcome for _, outcome in tried(out.final) if outcome not in NOT_SENT}
+            assert out.text == out.expected or attempted == {"504"}, out.describe()
+            calm.append(out)
+        openings = [e for e in logs if e.get("event") == "latency_breaker_opened"]
     runtime = chaos.gateway
     router = runtime.router
     for key, breaker in router.breakers.breakers.items():
         assert breaker.current() is not State.OPEN and breaker.admits(), (key, breaker)
+        assert breaker.trial() is None, (key, breaker)  # every trial ended with its request
+    check_latency_breakers(chaos, outcomes + slow, calm)
     first_choices = {BACKEND_OF[route.candidates[0].model] for rs in router.routes.values() for route in rs}
     for key, breaker in router.breakers.breakers.items():
         if key.split("/")[0] in first_choices:
@@ -541,7 +684,7 @@ def test_random_faults_keep_every_invariant(
 
     # The ledger and the metrics agree.
     after = samples(registry)
-    assert grew(before, after, "weir_requests_total") == len(outcomes) + 2 * len(ROUTE_NAMES)
+    assert grew(before, after, "weir_requests_total") == len(outcomes) + len(slow) + len(calm)
     assert (
         grew(before, after, "weir_requests_in_flight") == 0 or after.get(("weir_requests_in_flight", ())) == 0
     )
@@ -561,7 +704,7 @@ def test_random_faults_keep_every_invariant(
                 if outcome not in NOT_SENT
             )
             assert counted == sum(e.route == route and e.backend == backend for e in events), (route, model)
-    hedged = sum("hedged" in o.final for o in outcomes + calm)
+    hedged = sum("hedged" in o.final for o in outcomes + slow + calm)
     won, started_hedges = (
         grew(before, after, "weir_route_hedges_total", result=r) for r in ("won", "started")
     )
@@ -577,7 +720,8 @@ def test_random_faults_keep_every_invariant(
         f"{len(outcomes)} requests in {elapsed:.1f}s: {statuses}; resumed {resumed}; hedges "
         f"{grew(before, after, 'weir_route_hedges_total', result='started')} started, "
         f"{grew(before, after, 'weir_route_hedges_total', result='won')} won; "
-        f"ttft timeouts {sum(':504' in o.final.get('tried', '') for o in outcomes)}"
+        f"ttft timeouts {sum(':504' in o.final.get('tried', '') for o in outcomes)}; latency breakers "
+        f"opened {len(openings)}, skipped {sum(':slow' in o.final.get('tried', '') for o in outcomes + slow)}"
     )
 
 
@@ -586,8 +730,9 @@ def test_random_faults_keep_every_invariant(
 
 @pytest.fixture
 def calm(chaos: Chaos, fresh_fakes: None) -> Chaos:
-    """The chaos gateway with fresh fakes and closed breakers."""
+    """The chaos gateway with fresh fakes and closed breakers (routes' latency breakers too)."""
     chaos.gateway.router.breakers.breakers.clear()
+    chaos.gateway.router.breakers.latency.clear()
     return chaos
 
 
