@@ -8,7 +8,11 @@ import contextvars
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+import structlog
+
 T = TypeVar("T")
+
+log = structlog.get_logger("weir.gateway")
 
 
 def detached(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
@@ -17,6 +21,32 @@ def detached(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
     a new task, which would then carry the request's log fields (gateway.logging) and exchange tag
     (gateway.ids)."""
     return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
+
+class Background:
+    """Tasks of work that must run to its end though nothing waits for it (the usage event of an
+    attempt cancelled while its answer's body still came: whoever cancelled it does not wait): held
+    here, since the loop keeps only weak references to tasks, and awaited at shutdown (`drain`). Each
+    runs in its starter's context (the request's log fields)."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    def start(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("background_task_failed", exc_info=error)  # nobody else will ever see it
+
+    async def drain(self) -> None:
+        """Wait for every task, those started meanwhile included."""
+        while self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 def stop_if_cancelled() -> None:

@@ -10,9 +10,9 @@ an estimate, marked `estimated` in the usage event and the ledger:
 - output: the larger of the count of chunks that carried text (OpenAI-compatible servers send about
   one token per chunk) and the generated text at 4 bytes per token (vendors that batch tokens).
 
-A whole (non-streamed) answer cancelled after its status line, whose body did not come in time, was
-generated in full: the prompt as above, and the output from the body's announced length
-(`whole_answer`).
+A whole (non-streamed) answer whose body was not read to its end (its attempt cancelled once its
+status line came, or its body broke off) was generated in full: the prompt as above, and the output
+from the body's size less its vendor's envelope (`whole_answer`).
 """
 
 from __future__ import annotations
@@ -83,9 +83,64 @@ class Produced:
         return Usage(input_tokens=_ceil_tokens(len(request_body)), output_tokens=output)
 
 
-def whole_answer(request_body: bytes, answer_bytes: int) -> Usage:
-    """The usage to bill for a whole answer its vendor generated and the gateway never read: the
-    prompt as for a stream, the output from the answer's size (its `content-length`; 0 unknown) at 4
-    bytes per token, high by the JSON around the text as the prompt is by the request's (a compressed
-    answer's length is the compressed size: low)."""
-    return Usage(input_tokens=_ceil_tokens(len(request_body)), output_tokens=_ceil_tokens(answer_bytes))
+# Tokens admission reserves for a request that sets no output limit (`output_estimate`), and what an
+# answer whose size nothing tells is billed then (`whole_answer`).
+DEFAULT_OUTPUT_ESTIMATE = 1024
+
+
+class _GenerationConfig(msgspec.Struct):
+    maxOutputTokens: int | None = None
+    candidateCount: int | None = None
+
+
+class _OutputLimit(msgspec.Struct):
+    """The output cap and the number of choices as each vendor's request body spells them; every other
+    field is skipped."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    max_output_tokens: int | None = None
+    n: int | None = None
+    generationConfig: _GenerationConfig | None = None
+
+
+_output_limit = msgspec.json.Decoder(_OutputLimit)
+
+
+def _cap_and_choices(body: bytes) -> tuple[int | None, int]:
+    """An upstream request's output cap per choice (None: it sets none, or its body is unreadable) and
+    the choices it asks for (`n`, Gemini's `candidateCount`): every choice is billed."""
+    try:
+        found = _output_limit.decode(body)
+    except msgspec.MsgspecError:
+        return None, 1
+    config = found.generationConfig
+    nested = config.maxOutputTokens if config else None
+    cap = found.max_completion_tokens or found.max_tokens or found.max_output_tokens or nested
+    choices = found.n or (config.candidateCount if config else None) or 1
+    return cap, max(choices, 1)
+
+
+def output_estimate(body: bytes) -> int:
+    """The output tokens to reserve for an upstream request: its cap (DEFAULT_OUTPUT_ESTIMATE without
+    one) for each choice it asks for."""
+    cap, choices = _cap_and_choices(body)
+    return (cap or DEFAULT_OUTPUT_ESTIMATE) * choices
+
+
+def whole_answer(request_body: bytes, answer_bytes: int | None, envelope_bytes: int) -> Usage:
+    """The usage to bill for a whole answer its vendor generated and the gateway did not read to its
+    end: the prompt as for a stream; the output from `answer_bytes`, the answer's size (or the least
+    it is known to be), less `envelope_bytes`, what its vendor's answer holds besides the text (ids,
+    model, usage...: the size of one with no text), at 4 bytes per token, never below 0 and never
+    above the output the request allowed (its cap for every choice). With no size at all
+    (`answer_bytes` None: a chunked answer none of which came), the output the request allowed, as
+    admission reserved it (`output_estimate`): with a cap, the most its vendor can bill for it."""
+    if answer_bytes is None:
+        output = output_estimate(request_body)
+    else:
+        output = _ceil_tokens(max(0, answer_bytes - envelope_bytes))
+        cap, choices = _cap_and_choices(request_body)
+        if cap is not None:
+            output = min(output, cap * choices)
+    return Usage(input_tokens=_ceil_tokens(len(request_body)), output_tokens=output)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +22,7 @@ import structlog
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import TokenClass, price_usage
+from gateway.aio import Background
 from gateway.auth import Principal
 from gateway.config import Model
 from gateway.errors import ANTHROPIC_ERROR_TYPES, BadGateway, GatewayError, GatewayTimeout
@@ -29,7 +31,14 @@ from gateway.ids import ordered_id
 from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
 from gateway.router_basic import Target
-from gateway.transport import MAX_RESPONSE_BODY, Transport, UpstreamResponse, describe
+from gateway.transport import (
+    MAX_RESPONSE_BODY,
+    RESPONSE_INTERRUPTED,
+    Transport,
+    UpstreamResponse,
+    body_size,
+    describe,
+)
 from gateway.types import is_answer
 from gateway.usage import Usage
 from gateway.usage_sink import UsageSink
@@ -132,8 +141,9 @@ def price_sheet(model: Model) -> dict[TokenClass, int]:
 
 
 # How long an attempt cancelled while its whole answer's body comes in still waits for it, for its
-# vendor's usage report (`_cut_answer`): the body usually arrives with the headers, and a
-# hedge race's winner waits for its loser to end (`routing.execute._abandon`).
+# vendor's usage report (`_cut_answer`): the body usually arrives with the headers. The attempt ends
+# at once, and waits in the background (`Pipeline.background`): whoever cancelled it (a hedge race's
+# winner, `routing.execute._abandon`) does not wait for it.
 CUT_ANSWER_WAIT = 0.2  # seconds
 
 # Rate limits and budgets (the control plane): raises a 429 GatewayError to refuse a request.
@@ -157,6 +167,8 @@ class Pipeline:
         # What engine replicas report of their queues, for the router (its PolicyContext's).
         self.loads = loads if loads is not None else LoadReports()
         self.prices = {model.name: price_sheet(model) for model in models}
+        # Attempts ended whose usage events are still to be recorded (`exchange`): awaited at shutdown.
+        self.background = Background()
 
     async def exchange(
         self,
@@ -173,11 +185,16 @@ class Pipeline:
         asked once the answer is read, before its usage event is recorded: False when the router will
         not take it (a hedge race the other attempt won meanwhile), and the attempt ends as one the
         router cancelled a moment earlier would (`Call.stopped`, else `cancelled`), billed the usage
-        its vendor reported. Cancelled once its status line arrived, before its body was read, it is
-        billed what `_cut_answer` says."""
+        its vendor reported. Cancelled once its status line arrived, before its body was read, or
+        with its body broken off mid-read (`_unread`), it is billed what `_cut_answer` says: the
+        attempt ends at once, and its usage event is recorded once that is known, in the background
+        (`background`) while its body may still come."""
         left = await self._admit(call, target, upstream, attempt)
         started_at, t0 = time.time(), time.perf_counter()
-        status, usage, failure, estimated = 0, Usage(), None, False
+        record = functools.partial(
+            self._record, call, target, attempt, started_at, t0, ttft=None, stream=False
+        )
+        status, usage, failure = 0, Usage(), None
         response: UpstreamResponse | None = None
         reading: asyncio.Task[bytes] | None = None  # the body, while the attempt waits for it
         backend = target.backend
@@ -210,25 +227,21 @@ class Pipeline:
             raise
         except asyncio.CancelledError:
             # A hedge that lost or a client that left (499), unless the router says otherwise.
-            if reading is not None and response is not None:
-                usage, estimated = await _cut_answer(call, target, upstream, parse, response, reading)
             gone = ("client_disconnected", 499) if call.info.client_gone else ("cancelled", 499)
             failure, status = call.stopped.get(attempt, gone)
             raise
         finally:
-            await self._record(
-                call,
-                target,
-                attempt,
-                started_at,
-                t0,
-                usage,
-                status,
-                failure,
-                ttft=None,
-                stream=False,
-                estimated=estimated,
-            )
+            if response is None or reading is None or not _unread(reading):
+                await record(usage, status, failure)
+            else:
+                # Its body not read to its end: it broke off (the read is over), or is still coming
+                # as the attempt was cancelled, and is waited for in the background.
+                billed = _cut_answer(call, target, upstream, parse, response, reading)
+                recording = _record_cut(billed, record, status, failure)
+                if reading.done():
+                    await recording
+                else:
+                    self.background.start(recording)
 
     async def stream(
         self,
@@ -429,12 +442,13 @@ async def _cut_answer(
     response: UpstreamResponse,
     reading: asyncio.Task[bytes],
 ) -> tuple[Usage, bool]:
-    """What a whole answer cancelled after its status line, before its body was read, is billed, and
-    whether that is an estimate. A 2xx comes once its vendor generated the whole answer, which it
-    bills: the vendor's own report when the body comes within CUT_ANSWER_WAIT (billed as the answer
-    read uncancelled is: nothing for a body without usage or unreadable), else an estimate
-    (`estimate.whole_answer`) from the request and the answer's announced length (no output for an
-    embedding; counting tokens is free). An error status bills nothing, as ever."""
+    """What a whole answer not read to its end is billed (cancelled after its status line, before its
+    body was read; or its body broken off mid-read), and whether that is an estimate. A 2xx comes once
+    its vendor generated the whole answer, which it bills: the vendor's own report when the body comes
+    within CUT_ANSWER_WAIT (billed as the answer read uncancelled is: nothing for a body without usage
+    or unreadable), else an estimate (`estimate.whole_answer`) from the request and the answer's size
+    as far as known (`transport.body_size`), less its vendor's envelope (no output for an embedding;
+    counting tokens is free). An error status bills nothing, as ever."""
     ok = 200 <= response.status < 300
     body = await _read_within(reading, CUT_ANSWER_WAIT if ok else 0.0)
     if not ok or call.endpoint == "count_tokens":
@@ -445,9 +459,33 @@ async def _cut_answer(
             return decode(parse, backend, body, model).usage or Usage(), False
         except GatewayError:
             return Usage(), False
-    length = response.headers.get("content-length", "")
-    size = min(int(length), MAX_RESPONSE_BODY) if length.isdigit() else 0
-    return whole_answer(upstream.body, 0 if call.endpoint == "embeddings" else size), True
+    if call.endpoint == "embeddings":  # vectors: no output tokens, whatever their size
+        return whole_answer(upstream.body, 0, 0), True
+    envelope = len(target.provider.empty_answer(target.upstream_model))
+    return whole_answer(upstream.body, body_size(response), envelope), True
+
+
+def _unread(reading: asyncio.Task[bytes]) -> bool:
+    """Whether the answer whose body `reading` reads is one not read to its end, that `_cut_answer`
+    bills: its body still coming (or come) as its attempt was cancelled, or broken off mid-way (the
+    connection dropped). Not one the gateway gave up on, a broken backend's, billed nothing as ever:
+    silent past `timeouts.read`, or larger than MAX_RESPONSE_BODY (a gzip bomb)."""
+    if not reading.done() or reading.cancelled():
+        return True
+    error = reading.exception()
+    return error is None or (isinstance(error, GatewayError) and error.code == RESPONSE_INTERRUPTED)
+
+
+async def _record_cut(
+    billed: Awaitable[tuple[Usage, bool]],
+    record: Callable[..., Awaitable[None]],
+    status: int,
+    failure: str | None,
+) -> None:
+    """Record an attempt whose whole answer was not read to its end, once what it is billed, and
+    whether that is an estimate, is known (`billed`, `_cut_answer`)."""
+    usage, estimated = await billed
+    await record(usage, status, failure, estimated=estimated)
 
 
 def _cut_usage(decoder: StreamDecoder, estimate: Usage) -> Usage:
@@ -483,7 +521,7 @@ def decode(step: Callable[..., T], backend: str, *args: Any) -> T:
 
 async def _read_within(reading: asyncio.Task[bytes], seconds: float) -> bytes | None:
     """What `reading` read, if it ends within `seconds`; else None, and the read is cancelled (ending,
-    it lets its connection go: the vendor stops sending). The attempt is being cancelled already, so
+    it lets its connection go: the vendor stops sending). Its attempt was cancelled already, so
     cancellations meanwhile do not cut the wait short: it is bounded."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds

@@ -93,6 +93,9 @@ class Gateway:
     async def stop(self) -> None:
         self.started = False
         await self.comparer.stop()
+        # The usage events of attempts still waiting for their answers' bodies (`Pipeline.exchange`):
+        # those of requests and comparisons just cancelled too, before the transport closes.
+        await self.pipeline.background.drain()
         await self.router.stop()
         for engine in self.engines:
             await engine.stop()

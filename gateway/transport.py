@@ -35,6 +35,7 @@ class UpstreamResponse:
     status: int
     headers: Mapping[str, str]
     raw: aiohttp.ClientResponse
+    received: int = 0  # bytes of a whole body read so far in pieces (decompressed), for `body_size`
 
 
 @functools.lru_cache(maxsize=256)
@@ -103,6 +104,7 @@ class Transport:
                 body = bytearray()
                 async for chunk in raw.content.iter_any():
                     body += chunk
+                    response.received = len(body)
                     if len(body) > limit:
                         raw.close()
                         raise BadGateway(f"backend {backend} sent a response larger than {limit} bytes")
@@ -189,6 +191,20 @@ class Transport:
 
     def discard(self, response: UpstreamResponse) -> None:
         response.raw.close()
+
+
+def body_size(response: UpstreamResponse) -> int | None:
+    """How large a whole answer's body is, as far as known when it was not read to its end: its
+    `content-length` when nothing inflates it (exact); else (chunked, or compressed: the length counts
+    compressed bytes) the least it is known to be, the larger of what `Transport.read` had of it
+    (decompressed) and its compressed length; None when neither says anything. Never more than
+    MAX_RESPONSE_BODY: a larger body is refused."""
+    length = response.headers.get("content-length", "")
+    announced = int(length) if length.isdigit() else None
+    if announced is not None and response.headers.get("content-encoding", "identity").lower() == "identity":
+        return min(announced, MAX_RESPONSE_BODY)
+    least = max(response.received, announced or 0)
+    return min(least, MAX_RESPONSE_BODY) if least else None
 
 
 def _before_answer(backend: str, exc: aiohttp.ClientError) -> str:

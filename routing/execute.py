@@ -685,7 +685,9 @@ class Executor:
                         # Ended by the gateway, not by a client leaving: `cancelled` (499).
                         call.stopped.setdefault(number, ("cancelled", 499))
                     await _abandon(loser)
-            if second.cancelled():  # perhaps before it started: then it sent nothing and cost nothing
+            if second.cancelled() and second not in numbers:
+                # Cancelled before it started: it sent nothing and cost nothing. One that started
+                # settles with its usage event, perhaps once the winner answered (`Pipeline.background`).
                 await charge.settle(0)
 
     # --- the whole request --------------------------------------------------------------------

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from litestar import Router
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -36,14 +35,13 @@ from gateway.auth import Authenticator, Principal
 from gateway.db import migrate
 from gateway.db.models import UsageRollup
 from gateway.db.session import create_engine, normalise_url, sessionmaker
+from gateway.estimate import BYTES_PER_TOKEN, output_estimate
 from gateway.state import open_state
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OUTPUT_ESTIMATE = 1024  # tokens reserved for a request that sets no output limit
-BYTES_PER_TOKEN = 4  # prompt estimate from the upstream body size: cheap, and settled to the truth
 MAX_CACHED_QUOTAS = 10_000
 
 
@@ -219,39 +217,6 @@ class ControlPlane:
             prompt_tokens=len(upstream.body) // BYTES_PER_TOKEN,
             max_output_tokens=output_estimate(upstream.body),
         )
-
-
-class _GenerationConfig(msgspec.Struct):
-    maxOutputTokens: int | None = None
-    candidateCount: int | None = None
-
-
-class _OutputLimit(msgspec.Struct):
-    """The output cap and the number of choices as each vendor's request body spells them; every other
-    field is skipped."""
-
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    max_output_tokens: int | None = None
-    n: int | None = None
-    generationConfig: _GenerationConfig | None = None
-
-
-_output_limit = msgspec.json.Decoder(_OutputLimit)
-
-
-def output_estimate(body: bytes) -> int:
-    """The output tokens to reserve for an upstream request: its cap (DEFAULT_OUTPUT_ESTIMATE without
-    one) for each choice it asks for (`n`, Gemini's `candidateCount`), since every choice is billed."""
-    try:
-        found = _output_limit.decode(body)
-    except msgspec.MsgspecError:
-        return DEFAULT_OUTPUT_ESTIMATE
-    config = found.generationConfig
-    nested = config.maxOutputTokens if config else None
-    cap = found.max_completion_tokens or found.max_tokens or found.max_output_tokens or nested
-    choices = found.n or (config.candidateCount if config else None) or 1
-    return (cap or DEFAULT_OUTPUT_ESTIMATE) * max(choices, 1)
 
 
 def from_config(config: Any) -> ControlPlane | None:

@@ -462,6 +462,23 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     return body
 
 
+def empty_answer(model: str) -> bytes:
+    """A Messages answer with no text, in the fields every one carries (Anthropic's adds cache and
+    service-tier usage fields)."""
+    return json_encode(
+        {
+            "id": "msg_01" + "0" * 22,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [{"type": "text", "text": ""}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+    )
+
+
 def chat_response(body: bytes, model: str) -> ChatResponse:
     data = decode_json(body, "the Anthropic backend")
     if not isinstance(data, dict) or not isinstance(data.get("content"), list):
@@ -657,6 +674,7 @@ PROVIDER = Provider(
     chat_response=chat_response,
     chat_stream=ChatStream,
     error=error,
+    empty_answer=empty_answer,
     count_tokens_request=count_tokens_request,
     count_tokens_response=count_tokens_response,
     continuation=continuation,

@@ -74,6 +74,10 @@ class Provider:
     chat_response: Callable[[bytes, str], ChatResponse]
     chat_stream: Callable[[ChatRequest, str], StreamDecoder]  # (request, upstream model)
     error: Callable[[int, bytes, Mapping[str, str]], GatewayError]
+    # A whole chat answer from upstream model `model` with no text, in the smallest form the vendor's
+    # API has (compact JSON, the fields every answer carries): what an answer holds besides its text,
+    # which the estimate of an answer not read to its end takes off its size (`estimate.whole_answer`).
+    empty_answer: Callable[[str], bytes]
     embeddings_request: Callable[[Backend, EmbeddingRequest, str], UpstreamRequest] | None = None
     embeddings_response: Callable[[bytes, str], EmbeddingResponse] | None = None
     # OpenAI-compatible servers serve /completions natively; others get it translated through chat.

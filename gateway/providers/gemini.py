@@ -411,6 +411,16 @@ def _check_blocked(data: dict[str, Any]) -> None:
             raise BadGateway(f"the Gemini backend failed to answer (finishReason {reason})")
 
 
+def empty_answer(model: str) -> bytes:
+    """A generateContent answer with no text, in the fields every one carries (Gemini's adds token
+    details by modality)."""
+    candidate = {"content": {"parts": [{"text": ""}], "role": "model"}, "finishReason": "STOP", "index": 0}
+    usage = {"promptTokenCount": 0, "candidatesTokenCount": 0, "totalTokenCount": 0}
+    return json_encode(
+        {"candidates": [candidate], "usageMetadata": usage, "modelVersion": model, "responseId": "0" * 22}
+    )
+
+
 def chat_response(body: bytes, model: str) -> ChatResponse:
     data = decode_json(body, "the Gemini backend")
     if not isinstance(data, dict):
@@ -591,6 +601,7 @@ PROVIDER = Provider(
     chat_response=chat_response,
     chat_stream=ChatStream,
     error=error,
+    empty_answer=empty_answer,
     embeddings_request=embeddings_request,
     embeddings_response=embeddings_response,
     count_tokens_request=count_tokens_request,

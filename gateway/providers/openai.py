@@ -243,6 +243,27 @@ def _error_in_200(error: dict[str, Any]) -> GatewayError:
     return upstream_error(status, message, {}, vendor="OpenAI-compatible", code=named)
 
 
+def empty_answer(model: str) -> bytes:
+    """A chat completion with no text, in the fields every OpenAI-compatible server sends (OpenAI's
+    own adds more: `refusal`, `annotations`, usage details, `system_fingerprint`...)."""
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    return json_encode(
+        {
+            "id": "chatcmpl-" + "0" * 29,
+            "object": "chat.completion",
+            "created": 1700000000,
+            "model": model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        }
+    )
+
+
 def chat_response(body: bytes, model: str) -> ChatResponse:
     wire = decode_typed(body, _Completion, "the OpenAI-compatible backend")
     if wire.error is not None:
@@ -421,6 +442,7 @@ PROVIDER = Provider(
     chat_response=chat_response,
     chat_stream=ChatStream,
     error=error,
+    empty_answer=empty_answer,
     embeddings_request=embeddings_request,
     embeddings_response=embeddings_response,
     native_completions=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.admin.control_plane import DEFAULT_OUTPUT_ESTIMATE, output_estimate
+from gateway.estimate import DEFAULT_OUTPUT_ESTIMATE, output_estimate
 
 
 @pytest.mark.parametrize(
