@@ -133,6 +133,11 @@ class Abandons:
 
 
 @pytest.fixture(scope="module")
+def gateway_routes() -> str:
+    return ROUTES + EXTRA_ROUTES
+
+
+@pytest.fixture(scope="module")
 def raw_script() -> Script:
     return Script()
 
