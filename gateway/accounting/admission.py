@@ -1,7 +1,8 @@
 """Admission: rate limits and budgets, checked before a request goes upstream, settled after.
 
 RPM and TPM limits (per tenant and per key) are counted in the shared state; TPM counts an estimate
-at admission and is corrected to the real token count when the usage event arrives. Budgets reserve
+at admission and is corrected to the real token count when the usage event arrives (tokens the
+estimate was over by are given back in the bucket it was counted in, see `Admission._apply`). Budgets reserve
 the estimated cost at admission and settle to the actual cost per attempt, so concurrent requests can
 overspend by at most what is in flight, never more.
 """
@@ -89,6 +90,10 @@ class _Pending:
     held_after_failure: bool = False
     # The exchange is over (`finish`): nothing follows a failed attempt settling now, so it releases.
     finished: bool = False
+    # The bucket its token estimate was counted in (the state's numbering): what the estimate was
+    # over by is given back there, not in the bucket current at settlement (see _apply). None: the
+    # state did not say.
+    tpm_bucket: int | None = None
 
 
 # What a request keeps after its first settlement, for its later attempts (retries, fallbacks,
@@ -107,6 +112,9 @@ class _Plan:
     month_index: int  # year * 12 + month
     rates: list[tuple[Limit, bool]]  # (limit, counts tokens: its cost is each request's estimate)
     tpm_keys: tuple[str, ...]
+    # Index in `rates` of the first token limit (-1: none). A request's token limits are counted in
+    # one call with one window length, so in one bucket: that one's, as the state reports it.
+    tpm_index: int
     budgets: list[tuple[Budget, str, str]]  # (budget, scope, owner)
     budget_keys: tuple[str, ...]
     # The Budgets alone, and whether each has been seeded from the ledger: no per-request list and
@@ -177,7 +185,8 @@ class Admission:
         self._finished: deque[str] = deque()
         self._next_expiry = 0.0  # monotonic time of the next look for requests to forget
         self._settlements: list[Settlement] = []
-        self._tpm_deltas: dict[str, int] = {}  # token-limit corrections not yet flushed, per key
+        # Token-limit corrections not yet flushed, per (key, bucket; None: the current one).
+        self._tpm_deltas: dict[tuple[str, int | None], int] = {}
         self._flusher: asyncio.Task[None] | None = None
         # An in-process state (no Redis) admits and settles synchronously: each attempt at once,
         # without a coroutine, a lock, a task or the batching that a round trip to Redis is worth.
@@ -242,6 +251,7 @@ class Admission:
             month_index,
             rates,
             tuple(tpm_keys),
+            next((i for i, (_, tpm) in enumerate(rates) if tpm), -1),
             budgets,
             tuple(b.key for b, _, _ in budgets),
             budget_list=[b for b, _, _ in budgets],
@@ -339,7 +349,14 @@ class Admission:
                 self.local_admissions += 1
                 if budgets or tpm_keys:
                     self._pending[exchange] = _Pending(
-                        None, plan.budget_keys, tpm_keys, estimate, releases=drawn
+                        None,
+                        plan.budget_keys,
+                        tpm_keys,
+                        estimate,
+                        releases=drawn,
+                        # Drawn from leases of this second, so of one bucket. Were they not, the
+                        # oldest: a correction there can only leave the window before the estimate.
+                        tpm_bucket=min((self._leases[key].bucket for key in tpm_keys), default=None),
                     )
                 return
             # At most one lease (pool) per key held or asked for at a time: concurrent requests that
@@ -397,7 +414,12 @@ class Admission:
             releases = [(reservation_id or "", amount) for _ in budgets]  # the pool stays reserved
         if budgets or tpm_keys:
             self._pending[exchange] = _Pending(
-                reservation_id, plan.budget_keys, tpm_keys, estimate, releases=releases
+                reservation_id,
+                plan.budget_keys,
+                tpm_keys,
+                estimate,
+                releases=releases,
+                tpm_bucket=decision.buckets[plan.tpm_index] if tpm_keys and decision.buckets else None,
             )
 
     def _wants(self, key: str, cost: int, now: float) -> bool:
@@ -553,6 +575,7 @@ class Admission:
         if pending is None:
             return
         releases: Sequence[tuple[str, int]]
+        counted_in: int | None = None  # the estimate's bucket, where this settlement corrects it
         if isinstance(pending, tuple):  # settled before (_Settled): a later attempt
             _, budget_keys, tpm_keys = pending
             estimate, reservation, releases = 0, "", [("", 0)] * len(budget_keys)
@@ -573,6 +596,7 @@ class Admission:
                 pending.reservation_id or "",
                 pending.releases,
             )
+            counted_in = pending.tpm_bucket
         self._apply(
             budget_keys,
             tpm_keys,
@@ -580,6 +604,7 @@ class Admission:
             reservation,
             pico_to_micro_ceil(event.cost_pico_usd),
             releases,
+            counted_in,
         )
 
     def _apply(
@@ -590,9 +615,19 @@ class Admission:
         reservation: str,
         cost_micro_usd: int,
         releases: Sequence[tuple[str, int]],
+        counted_in: int | None = None,
     ) -> None:
         """Settle in the shared state: `delta` tokens on each token limit, `cost_micro_usd` spent on
-        each budget, `reservation` (or `releases`) released."""
+        each budget, `reservation` (or `releases`) released.
+
+        Tokens fewer than the estimate are given back in the bucket the estimate was counted in
+        (`counted_in`), and not at all once that bucket has left the window: the estimate no longer
+        counts then, and taken from the current bucket they would free room the window never held
+        (a request that ran longer than the window let the next minute admit the limit plus its
+        unused estimate). Tokens beyond the estimate (or an attempt's after the first) count in the
+        current bucket: they were used by the time they are known, and that bucket holds them a full
+        window from then, where the estimate's would let them go sooner, or drop them had it left."""
+        bucket = counted_in if delta < 0 else None
         if self._settle_attempt is not None:
             # In process: settled at once, as a batch of one would be, without a task, a loop turn
             # and the batching that a round trip to Redis is worth (nor a Settlement built).
@@ -607,14 +642,16 @@ class Admission:
                     cost_micro_usd,
                     releases,
                     report=False,
+                    bucket=bucket,
                 )
             return
         if delta:
-            # Token-limit corrections are summed per key until the flush (one Adjustment per key
-            # per flush, not one per key per attempt): the state adds them up anyway.
+            # Token-limit corrections are summed per key and bucket until the flush (one Adjustment
+            # per key and bucket per flush, not one per key per attempt): the state adds them up.
             deltas = self._tpm_deltas
             for key in tpm_keys:
-                deltas[key] = deltas.get(key, 0) + delta
+                where = (key, bucket)
+                deltas[where] = deltas.get(where, 0) + delta
         if budget_keys:
             self._settlements.append(
                 Settlement(
@@ -649,7 +686,11 @@ class Admission:
             batch, self._settlements = self._settlements, []
             deltas, self._tpm_deltas = self._tpm_deltas, {}
             if deltas:
-                batch.append(Settlement([Adjustment(key, delta) for key, delta in deltas.items()]))
+                batch.append(
+                    Settlement(
+                        [Adjustment(key, delta, bucket=bucket) for (key, bucket), delta in deltas.items()]
+                    )
+                )
             if not batch:
                 continue
             try:
@@ -699,6 +740,7 @@ class Admission:
                 pending.reservation_id or "",
                 0,
                 pending.releases,
+                pending.tpm_bucket,
             )
         if pending is not None:
             self._finished_at.append(time.monotonic())

@@ -62,6 +62,10 @@ class Admission:
     # Per budget, in order, as far as the state looked (up to the one that refused): its `spent`
     # before this admission. Redis says, so the in-process fallback starts from it during an outage.
     spent: tuple[int, ...] = ()
+    # Per limit, in order, when admitted: the bucket it was counted in (the index of its window's
+    # buckets since the epoch, by the state's clock). A correction of that count goes there
+    # (`Adjustment.bucket`), never to a later bucket that would keep it after the count has left.
+    buckets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +85,9 @@ class Adjustment:
     key: str  # a limit's key
     delta: int
     window_s: float = LIMIT_WINDOW_S
-    bucket: int | None = None  # None: the current bucket; else that one (a lease handed back)
+    # None: the current bucket. Else that one (a lease handed back, a token estimate corrected where
+    # it was counted); dropped if it has left the window, where its units no longer count either.
+    bucket: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,15 @@ class _Window:
         self.buckets[index] = self.buckets.get(index, 0) + units
         self.total += units
 
+    def correct(self, index: int | None, current: int, units: int) -> None:
+        """`add` a correction (after `advance(current)`): to the bucket counted in, `index`, or to
+        the current one when None. A bucket that has left the window no longer counts, so neither
+        does a correction of it: added to another bucket it would free room that was never held."""
+        if index is None:
+            self.add(current, units)
+        elif index >= self.lo:
+            self.add(index, units)
+
 
 class _Budget:
     """Spent money plus reservations, with their running total; expired reservations leave in order
@@ -273,15 +282,17 @@ class MemoryState(Shortcuts):
             if state.spent + state.reserved(now) + amount_micro_usd > budget.limit_micro_usd:
                 return Admission(False, blocked_by=budget.key)
             states.append(state)
+        counted_in = []
         for window, current, cost in counted:
             window.add(current, cost)
+            counted_in.append(current)
         # Unique within this state, which is the only one that ever sees it: a counter after a
         # random prefix (another state's ids, e.g. Redis's before an outage, never collide).
         reservation_id = f"{self._id_prefix}{next(self._ids)}" if budgets else None
         expires = now + ttl_s
         for state in states:
             state.reserve(reservation_id, amount_micro_usd, expires)  # type: ignore[arg-type]
-        return Admission(True, reservation_id=reservation_id)
+        return Admission(True, reservation_id=reservation_id, buckets=tuple(counted_in))
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         async with self._lock:
@@ -298,10 +309,10 @@ class MemoryState(Shortcuts):
             for adjustment in settlement.adjustments:
                 if adjustment.delta:
                     window, _, current = self._window(adjustment.key, adjustment.window_s, now)
-                    # This state never grants leases; one handed back here came from Redis
-                    # before it became unreachable and has nothing to return to.
-                    if adjustment.bucket is None:
-                        window.add(current, adjustment.delta)
+                    # A bucket is this state's, or Redis's before it became unreachable (a lease
+                    # handed back, an estimate it counted; gateway.state.degradable): numbered alike,
+                    # by the time, so that lands in this state's bucket of the same second.
+                    window.correct(adjustment.bucket, current, adjustment.delta)
             self._spend(
                 settlement.budget_keys,
                 settlement.reservation_id,
@@ -320,12 +331,13 @@ class MemoryState(Shortcuts):
         actual_micro_usd: int,
         releases: Sequence[tuple[str, int]] = (),
         report: bool = True,
+        bucket: int | None = None,
     ) -> dict[str, tuple[int, int]]:
         """`settle_now` of one Settlement whose adjustments are `delta` on each of `limit_keys` (in
-        their current bucket, LIMIT_WINDOW_S windows), without building it: Admission settles every
-        attempt through this at once, instead of a task and an event-loop turn per batch. With
-        `report=False` it returns {} instead of each budget's (spent, reserved): Admission reads those
-        when /metrics asks (`budget_usage_now`), not after every attempt."""
+        `bucket`, or the current one when None; LIMIT_WINDOW_S windows), without building it:
+        Admission settles every attempt through this at once, instead of a task and an event-loop
+        turn per batch. With `report=False` it returns {} instead of each budget's (spent, reserved):
+        Admission reads those when /metrics asks (`budget_usage_now`), not after every attempt."""
         now = self._now()
         if now >= self._next_sweep:
             self._sweep(now)
@@ -338,7 +350,7 @@ class MemoryState(Shortcuts):
                 if window is None:
                     window = windows[key] = _Window(bucket_s)
                 window.advance(current)
-                window.add(current, delta)
+                window.correct(bucket, current, delta)
         touched: set[str] = set()
         self._spend(budget_keys, reservation_id, actual_micro_usd, releases, touched)
         if not report:

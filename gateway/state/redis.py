@@ -504,7 +504,14 @@ class RedisState(Shortcuts):
             nb = len(budgets)
             pools = tuple(int(p) for p in result[1 + n * 3 : 1 + n * 3 + nb])
             spent = tuple(int(s) for s in result[1 + n * 3 + nb :])
-            return Admission(True, reservation_id=reservation_id, leases=leases, pools=pools, spent=spent)
+            return Admission(
+                True,
+                reservation_id=reservation_id,
+                leases=leases,
+                pools=pools,
+                spent=spent,
+                buckets=tuple(lease.bucket for lease in leases),
+            )
         if int(result[1]) == 1:
             return Admission(False, int(result[3]) / 1000, limits[int(result[2]) - 1].key)
         spent = tuple(int(s) for s in result[3:])

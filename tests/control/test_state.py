@@ -67,6 +67,22 @@ async def test_token_limit_settles_estimate_to_actual(state: SharedState) -> Non
     assert not huge.allowed and huge.retry_after_s == 60
 
 
+async def test_a_correction_lands_in_the_bucket_it_names_or_nowhere(state: SharedState) -> None:
+    """An admission says which bucket each limit was counted in; a correction sent there
+    (`Adjustment.bucket`) changes that bucket while it is in the window, and nothing once it has
+    left: the window never counts less than it holds."""
+    window = 1.2  # 20 ms buckets
+    first = await state.admit([Limit("tpm:tenant:b", 1000, 600, window_s=window)])
+    assert first.allowed and len(first.buckets) == 1
+    await state.settle([Adjustment("tpm:tenant:b", 100 - 600, window, first.buckets[0])])
+    assert (await state.acquire([Limit("tpm:tenant:b", 1000, 900, window_s=window)])).allowed
+    assert not (await state.acquire([Limit("tpm:tenant:b", 1000, 1, window_s=window)])).allowed
+    await asyncio.sleep(window + 0.05)  # both buckets have left the window
+    await state.settle([Adjustment("tpm:tenant:b", -100, window, first.buckets[0])])
+    assert (await state.acquire([Limit("tpm:tenant:b", 1000, 1000, window_s=window)])).allowed
+    assert not (await state.acquire([Limit("tpm:tenant:b", 1000, 1, window_s=window)])).allowed
+
+
 async def test_budget_reservations_cap_concurrent_spend(state: SharedState) -> None:
     budget = Budget("budget:tenant:t:2026-11", limit_micro_usd=100)
     decisions = await asyncio.gather(*(state.budget_reserve([budget], 10) for _ in range(50)))
