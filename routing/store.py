@@ -2,12 +2,13 @@
 
 Every replica polls a cheap signature of the table (row count, last update, id sum) and reloads the
 whole table when it changes, so an edit reaches every replica within `interval` seconds without a
-restart. A table that fails validation (e.g. a model removed from the config) is logged and the
-previous routes stay in force.
+restart. Every load serves the rows that validate on this replica and leaves out each one that does
+not (a model removed from the config, a row another version wrote), logged and listed in `left_out`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +49,14 @@ def route_spec(route: Route) -> dict[str, Any]:
     return msgspec.to_builtins(route)
 
 
+class LeftOut(msgspec.Struct, frozen=True):
+    """A stored route this replica does not serve, and why."""
+
+    id: int
+    name: str
+    error: str
+
+
 class RouteStore:
     def __init__(
         self,
@@ -58,13 +67,19 @@ class RouteStore:
         check: Callable[[Route], None] | None = None,
     ) -> None:
         self.sessions = sessions  # async_sessionmaker
-        self.apply = apply  # Callable[[list[Route]], None]: raises on an invalid table
-        # Raises ValueError for a route that cannot be served here (see _first_load).
+        self.apply = apply  # Callable[[list[Route]], None]: raises ValueError on a table it refuses
+        # Raises ValueError for a route that cannot be served here; without it, rows are only decoded.
         self.check = check
         self.seed = list(seed)
-        self.loaded = False  # whether routes from the table are in force (not the config's seed)
         self.interval = interval
         self.signature: tuple[Any, ...] | None = None
+        # The rows the latest load left out; and why the latest table read was refused as a whole
+        # (None once a table is in force), in which case the routes loaded before it stay in force.
+        self.left_out: list[LeftOut] = []
+        self.rejected: str | None = None
+        # One load at a time: a poll that read the table before an admin write must not apply its
+        # older rows after the write's own refresh.
+        self._loading = asyncio.Lock()
         self._poller = TablePoller(
             self.refresh,
             interval,
@@ -98,38 +113,26 @@ class RouteStore:
 
     async def refresh(self, force: bool = False) -> bool:
         """Reload the table if it changed; True when new routes were applied."""
-        async with self.sessions() as session:
-            signature = tuple((await session.execute(SIGNATURE)).one())
-            if signature == self.signature and not force:
-                return False
-            rows = (await session.scalars(select(RouteRow).order_by(RouteRow.position, RouteRow.id))).all()
-        routes: list[Route] = []
-        try:
-            for row in rows:
-                try:
-                    routes.append(row_route(row))
-                except msgspec.ValidationError as exc:
-                    # A spec that no longer decodes (written by another version, edited by hand) is
-                    # a table that no longer validates, like one naming a removed model.
-                    raise ValueError(f"route id {row.id} ({row.name}): {exc}") from None
-            self.apply(routes)
-        except ValueError as exc:
-            log.error("routes_rejected", error=str(exc))
-            if not self.loaded:
-                return self._first_load(rows, signature)
-            return False
-        finally:
+        async with self._loading:
+            async with self.sessions() as session:
+                signature = tuple((await session.execute(SIGNATURE)).one())
+                if signature == self.signature and not force:
+                    return False
+                rows = (
+                    await session.scalars(select(RouteRow).order_by(RouteRow.position, RouteRow.id))
+                ).all()
+            # Saved whatever the outcome: the same table would fare the same on a retry.
             self.signature = signature
-        self.loaded = True
-        log.info("routes_loaded", routes=len(routes))
-        return True
+            return self._load(rows)
 
-    def _first_load(self, rows: Sequence[RouteRow], signature: tuple[Any, ...]) -> bool:
-        """The table does not validate as a whole on this replica's first load (a model removed from
-        the config, a row a newer version wrote). Keeping "the routes in force" would mean the
-        config's seed here: routes an admin deleted would come back and every edit be reverted. So
-        the rows that validate are served and each one that does not is logged and left out."""
+    def _load(self, rows: Sequence[RouteRow]) -> bool:
+        """Serve the rows that validate one by one; log and leave out each one that does not. One row
+        that cannot be served here (its model removed from this replica's config, a spec another
+        version wrote) must not hold back every other route's edits, nor, at start, bring back the
+        config's seed (routes an admin deleted, edits reverted). What `apply` checks across rows
+        still decides for the table as a whole: refused, the routes in force stay as they are."""
         routes: list[Route] = []
+        left_out: list[LeftOut] = []
         for row in rows:
             try:
                 route = row_route(row)
@@ -137,13 +140,15 @@ class RouteStore:
                     self.check(route)
             except (msgspec.ValidationError, ValueError) as exc:
                 log.error("route_left_out", route_id=row.id, name=row.name, error=str(exc))
+                left_out.append(LeftOut(id=row.id, name=row.name, error=str(exc)))
                 continue
             routes.append(route)
         try:
             self.apply(routes)
-        except ValueError as exc:  # not expected: each route was checked on its own
+        except ValueError as exc:
             log.error("routes_rejected", error=str(exc))
+            self.rejected = str(exc)
             return False
-        self.loaded = True
-        log.info("routes_loaded", routes=len(routes), left_out=len(rows) - len(routes))
+        self.left_out, self.rejected = left_out, None
+        log.info("routes_loaded", routes=len(routes), left_out=len(left_out))
         return True

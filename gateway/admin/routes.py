@@ -75,10 +75,28 @@ async def _checked(
     return route, parsed.position
 
 
-async def _applied(request: Request) -> None:
+async def _applied(request: Request, route_id: int | None = None) -> None:
+    """Put a committed write in force on this replica now (the others poll). `_checked` refuses a route
+    this replica's load would leave out, so that is not expected; should it happen all the same (or
+    the table be refused as a whole), the answer says so rather than report a change not in force."""
     store = _router(request).store
-    if store is not None:
-        await store.refresh()
+    if store is None:
+        return
+    await store.refresh()
+    left_out = next((r for r in store.left_out if r.id == route_id), None)
+    if left_out is not None:
+        message = (
+            f"route {left_out.id} ({left_out.name}) is stored, but this replica leaves it out "
+            f"({left_out.error}): fix it with a PUT or delete it"
+        )
+    elif store.rejected is not None:
+        message = (
+            "the change is stored, but this replica keeps the routes it had: it refused the routes "
+            f"table ({store.rejected})"
+        )
+    else:
+        return
+    raise AdminError(409, message, "route_left_out")
 
 
 async def _row(session: Any, route_id: int, *, lock: bool = False) -> RouteRow:
@@ -128,7 +146,7 @@ async def create_route(request: Request, ctx: AdminContext) -> dict[str, Any]:
         session.add(row)
         await session.flush()
         audit("create", "route", str(row.id), None, route_json(row))
-    await _applied(request)
+    await _applied(request, row.id)
     return route_json(row)
 
 
@@ -152,7 +170,7 @@ async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> d
             row.position = position
         await session.flush()
         audit("update", "route", str(row.id), before, route_json(row))
-    await _applied(request)
+    await _applied(request, row.id)
     return route_json(row)
 
 
@@ -169,10 +187,14 @@ async def delete_route(route_id: int, request: Request, ctx: AdminContext) -> No
 @get("/routes/status")
 async def routes_status(request: Request) -> dict[str, Any]:
     router = _router(request)
-    context = router.context
+    context, store = router.context, router.store
     return {
         "version": router.version,
         "routes": {name: [msgspec.to_builtins(r) for r in routes] for name, routes in router.routes.items()},
+        # Stored routes this replica does not serve ({id, name, error}), and why it keeps routes older
+        # than the table (null unless the table as a whole was refused).
+        "left_out": msgspec.to_builtins(store.left_out) if store is not None else [],
+        "routes_rejected": store.rejected if store is not None else None,
         "breakers": {key: b.current().value for key, b in router.breakers.breakers.items()},
         # Routes' own breakers for their TTFT timeouts on models other routes wait longer for
         # (routing.breaker.Breakers.too_slow), by route and backend/model; this replica's own.

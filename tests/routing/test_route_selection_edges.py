@@ -283,7 +283,9 @@ def test_admin_edits_survive_a_restart_whose_config_dropped_a_model(gateways: Ga
     """After the first start the admin DB's routes are the source of truth. A restart with a config
     that no longer has a model one stored route names used to reject the whole table and serve the
     config's `routes:` seed instead: the routes an admin had deleted came back and every edit was
-    reverted. Now the routes that still validate are served, and the one that does not is left out."""
+    reverted. Now the routes that still validate are served, and the one that does not is left out,
+    named in routes/status. Every later load is the same, so edits still reach that replica (they did
+    not: every later load refused the whole table for the row left out, and kept the first one's)."""
     gateway, url = gateways.start()
     routes = _routes(url)
     _edit(url, routes["auto"], candidates=[{"model": "claude-sonnet"}])
@@ -301,4 +303,13 @@ def test_admin_edits_survive_a_restart_whose_config_dropped_a_model(gateways: Ga
         _candidate(url, "newer")  # its model is gone: left out, the rest served
     assert _candidate(url, "other") == "gpt-4o-mini"
     # The admin API still lists every stored row, so the one left out can be fixed or deleted.
-    assert set(_routes(url)) == {"auto", "other", "newer"}
+    routes = _routes(url)
+    assert set(routes) == {"auto", "other", "newer"}
+    status = _admin(url).get("/routes/status").json()
+    assert [(r["id"], r["name"]) for r in status["left_out"]] == [(routes["newer"]["id"], "newer")]
+    assert "gpt-5" in status["left_out"][0]["error"] and status["routes_rejected"] is None
+    _edit(url, routes["auto"], candidates=[{"model": "gpt-4o-mini"}])
+    assert _candidate(url, "auto") == "gpt-4o-mini"
+    _edit(url, routes["newer"], candidates=[{"model": "claude-sonnet"}])  # fixed: served again
+    assert _candidate(url, "newer") == "claude-sonnet"
+    assert _admin(url).get("/routes/status").json()["left_out"] == []

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +19,18 @@ import openai
 import pytest
 import structlog
 from click.testing import CliRunner
-from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from structlog.testing import capture_logs
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from gateway.db.models import Base, RouteRow
+from gateway.db.models import Base, RouteRow, utcnow
 from routing.cli import router as router_cli
 from routing.difficulty import DifficultyClassifier
-from routing.routes import Route
-from routing.store import RouteStore
+from routing.router import Router, validate
+from routing.routes import Candidate, Route
+from routing.store import RouteStore, route_spec
 from tests.conftest import free_port
 from tests.control.conftest import fresh_pg_database
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
@@ -48,8 +51,8 @@ PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAW
 
 
 class Weir:
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, router: Router) -> None:
+        self.url, self.router = url, router
         self.admin = httpx.Client(
             base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"}, timeout=20
         )
@@ -66,23 +69,34 @@ class Weir:
 
 
 @pytest.fixture(scope="module")
-def _weir(
+def env(
     _fake_openai_server: FakeOpenAI,
     _fake_anthropic_server: FakeAnthropic,
     _fake_gemini_server: FakeGemini,
     _fake_deepseek_server: FakeOpenAI,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Weir]:
-    """One gateway with the control plane on a fresh PostgreSQL database (no Redis: memory state)."""
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    with fresh_pg_database("weir_routes_audit") as url, pytest.MonkeyPatch.context() as patch:
+) -> dict[str, str]:
+    return fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+
+
+@contextmanager
+def _serving(env: dict[str, str], database_url: str, spool: Path, routes: str = "") -> Iterator[Weir]:
+    """A gateway with the control plane on `database_url` (no Redis: memory state)."""
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-        patch.setenv("WEIR_USAGE_SPOOL", str(tmp_path_factory.mktemp("spool")))
+        patch.setenv("WEIR_USAGE_SPOOL", str(spool))
         for var in ("WEIR_REDIS_URL", "WEIR_DATABASE_URL"):
             patch.delenv(var, raising=False)
-        config = parse_config(full_config_text() + f'database_url: "{url}"\n' + ROUTES, env)
-        with serve(create_app(config), free_port()) as base:
-            yield Weir(base)
+        app = create_app(parse_config(full_config_text() + f'database_url: "{database_url}"\n' + routes, env))
+        with serve(app, free_port()) as base:
+            yield Weir(base, app.state.gateway.router)
+
+
+@pytest.fixture(scope="module")
+def _weir(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weir]:
+    """One gateway on a fresh PostgreSQL database."""
+    spool = tmp_path_factory.mktemp("spool")
+    with fresh_pg_database("weir_routes_audit") as url, _serving(env, url, spool, ROUTES) as weir:
+        yield weir
 
 
 @pytest.fixture
@@ -271,13 +285,22 @@ def test_a_tenant_scoped_route_ahead_of_a_global_one_of_the_same_name(weir: Weir
             weir.admin.delete(f"/routes/{route.json()['id']}")
 
 
-async def test_a_stored_route_that_no_longer_decodes_leaves_the_routes_in_force(tmp_path: Path) -> None:
-    """A row written by another version (an unknown field) is logged like any invalid table, not raised
-    out of the poll (at start that was a gateway that would not start)."""
+async def _route_table(tmp_path: Path) -> tuple[AsyncEngine, async_sessionmaker[AsyncSession]]:
     engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path}/routes.db")
     async with engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)
-    sessions = async_sessionmaker(engine, expire_on_commit=False)
+    return engine, async_sessionmaker(engine, expire_on_commit=False)
+
+
+def _models(routes: Sequence[Route]) -> list[list[str]]:
+    return [[c.model for c in r.candidates] for r in routes]
+
+
+async def test_a_stored_route_that_no_longer_decodes_is_left_out(tmp_path: Path) -> None:
+    """A row written by another version (an unknown field) is logged and left out like any route this
+    replica cannot serve, not raised out of the poll (at start that was a gateway that would not start);
+    the other rows are served."""
+    engine, sessions = await _route_table(tmp_path)
     applied: list[list[Route]] = []
     good = Route(name="auto", candidates=[])
     store = RouteStore(sessions, applied.append, seed=[good])
@@ -286,13 +309,118 @@ async def test_a_stored_route_that_no_longer_decodes_leaves_the_routes_in_force(
         await store.stop()
         assert [[r.name for r in routes] for routes in applied] == [["auto"]]
         async with sessions() as session, session.begin():
-            session.add(RouteRow(name="newer", position=5, spec={**msgspec.to_builtins(good), "later": 1}))
+            newer = RouteRow(name="newer", position=5, spec={**msgspec.to_builtins(good), "later": 1})
+            session.add(newer)
         with capture_logs() as logs:
-            assert await store.refresh() is False
-        assert len(applied) == 1
-        assert any(e["event"] == "routes_rejected" and "later" in e["error"] for e in logs)
+            assert await store.refresh() is True
+        assert [r.name for r in applied[-1]] == ["auto"]
+        assert [(r.id, r.name) for r in store.left_out] == [(newer.id, "newer")]
+        assert "later" in store.left_out[0].error and store.rejected is None
+        assert any(e["event"] == "route_left_out" and "later" in e["error"] for e in logs)
     finally:
         await engine.dispose()
+
+
+async def test_an_edit_after_a_left_out_route_reaches_the_replica(tmp_path: Path) -> None:
+    """A replica that left a route out (its model removed from this replica's config) applied no later
+    edit: every refresh checked the whole table again, the row left out failed it, and the first load's
+    routes stayed in force for as long as that row was in the table. Every load now serves what
+    validates, so the edit is in force, and the row left out is still named."""
+    engine, sessions = await _route_table(tmp_path)
+    models = {"gpt-4o-mini", "claude-sonnet"}  # `retired` was removed from this replica's config
+    auto = Route(name="auto", candidates=[Candidate(model="gpt-4o-mini")])
+    old = Route(name="old", candidates=[Candidate(model="retired")])  # valid where it was written
+    async with sessions() as session, session.begin():
+        session.add(RouteRow(name="auto", position=0, spec=route_spec(auto)))
+        session.add(stale := RouteRow(name="old", position=1, spec=route_spec(old)))
+    applied: list[list[Route]] = []
+
+    def apply(routes: Sequence[Route]) -> None:  # what Router.set_routes does first
+        validate(routes, models)
+        applied.append(list(routes))
+
+    store = RouteStore(sessions, apply, seed=[], check=lambda r: validate([r], models))
+    try:
+        await store._seed()
+        assert await store.refresh() is True
+        assert _models(applied[-1]) == [["gpt-4o-mini"]]
+        async with sessions() as session, session.begin():  # an admin edits `auto` (valid here too)
+            row = (await session.scalars(select(RouteRow).where(RouteRow.name == "auto"))).one()
+            edited = Route(name="auto", candidates=[Candidate(model="claude-sonnet")])
+            row.spec, row.updated_at = route_spec(edited), utcnow()
+        assert await store.refresh() is True
+        assert _models(applied[-1]) == [["claude-sonnet"]]
+        assert [(r.id, r.name) for r in store.left_out] == [(stale.id, "old")]
+        assert "retired" in store.left_out[0].error and store.rejected is None
+    finally:
+        await engine.dispose()
+
+
+async def test_a_table_refused_as_a_whole_keeps_the_routes_in_force(tmp_path: Path) -> None:
+    """What only the table as a whole can break (rows that depend on each other; here a stand-in rule
+    against two routes of one name) is still all or nothing: the routes in force stay, and why the
+    newer table was refused is kept until a table is applied."""
+    engine, sessions = await _route_table(tmp_path)
+    applied: list[list[str]] = []
+
+    def apply(routes: Sequence[Route]) -> None:
+        names = [r.name for r in routes]
+        if len(set(names)) < len(names):
+            raise ValueError("two routes named dup")
+        applied.append(names)
+
+    def row(name: str) -> RouteRow:
+        return RouteRow(name=name, position=0, spec=route_spec(Route(name=name, candidates=[])))
+
+    store = RouteStore(sessions, apply, seed=[Route(name="a", candidates=[])])
+    try:
+        await store.start()
+        await store.stop()
+        async with sessions() as session, session.begin():
+            session.add_all([row("dup"), second := row("dup")])
+        with capture_logs() as logs:
+            assert await store.refresh() is False
+        assert applied == [["a"]] and store.rejected == "two routes named dup" and store.left_out == []
+        assert any(e["event"] == "routes_rejected" for e in logs)
+        async with sessions() as session, session.begin():
+            await session.delete(await session.get(RouteRow, second.id))
+        assert await store.refresh() is True
+        assert applied[-1] == ["a", "dup"] and store.rejected is None
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_write_this_replica_leaves_out_is_not_answered_as_in_force(
+    weir: Weir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admin API checks a route as this replica's load does, so a route it stores is served. Should
+    the load leave it out all the same (here the store's check is made stricter), the write is not
+    answered as done: a 409 that says it is stored and why this replica does not serve it, and
+    routes/status lists it."""
+    store = weir.router.store
+    assert store is not None
+    checked = store.check
+
+    def stricter(route: Route) -> None:
+        if route.name == "left-out":
+            raise ValueError("not served here")
+        if checked is not None:
+            checked(route)
+
+    monkeypatch.setattr(store, "check", stricter)
+    error = _openai_error(weir.admin.post("/routes", json={**GOOD, "name": "left-out"}), 409)
+    stored = {r["name"]: r["id"] for r in _listed(weir)["data"]}["left-out"]
+    try:
+        assert error["code"] == "route_left_out"
+        assert f"route {stored} (left-out) is stored" in error["message"]
+        assert "not served here" in error["message"]
+        status = weir.admin.get("/routes/status").json()
+        assert status["left_out"] == [{"id": stored, "name": "left-out", "error": "not served here"}]
+        assert "left-out" not in status["routes"] and status["routes_rejected"] is None
+    finally:
+        assert weir.admin.delete(f"/routes/{stored}").status_code == 204
+    assert weir.admin.get("/routes/status").json()["left_out"] == []
 
 
 def test_score_answers_every_bad_line_in_place_without_a_traceback(classifier: DifficultyClassifier) -> None:
