@@ -24,7 +24,8 @@ from routing.routes import Route
 from routing.store import route_spec, stamp
 
 # The admin DB's `routes.position` column is a 32-bit integer: beyond it the insert itself fails.
-Position = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+LAST_POSITION = 2**31 - 1
+Position = Annotated[int, msgspec.Meta(ge=-(2**31), le=LAST_POSITION)]
 
 
 class RouteBody(Route, kw_only=True, frozen=True):
@@ -140,7 +141,10 @@ async def create_route(request: Request, ctx: AdminContext) -> dict[str, Any]:
     async with ctx.write() as (session, audit):
         route, position = await _checked(request, body, session)
         if position is None:
-            position = ((await session.scalar(select(func.max(RouteRow.position)))) or 0) + 1
+            # After every other route. Past the last position that is the last one itself: routes
+            # of one position are tried in the order they were created (ids only grow).
+            last = (await session.scalar(select(func.max(RouteRow.position)))) or 0
+            position = min(last + 1, LAST_POSITION)
         updated_at = await stamp(session, utcnow())
         row = RouteRow(name=route.name, position=position, spec=route_spec(route), updated_at=updated_at)
         session.add(row)

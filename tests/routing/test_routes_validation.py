@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,30 @@ def test_out_of_range_route_settings_are_refused_and_change_nothing(weir: Weir) 
     created = weir.admin.post("/routes", json={**edge, "position": 2**31 - 1})
     assert created.status_code == 201, created.text
     assert weir.admin.delete(f"/routes/{created.json()['id']}").status_code == 204
+
+
+@pytest.mark.parametrize("database", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_route_created_after_one_at_the_last_position(
+    env: dict[str, str], database: str, tmp_path: Path
+) -> None:
+    """A route created without `position` went to the largest position + 1: after a route at the last
+    position the column holds (2**31 - 1, which the API accepts) that was a 500 on PostgreSQL, and on
+    SQLite a position PostgreSQL cannot hold. It takes the last position too, and still comes after
+    that route: routes of one position are tried in the order they were created."""
+    with ExitStack() as stack:
+        if database == "postgres":
+            url = stack.enter_context(fresh_pg_database("weir_routes_position"))
+        else:
+            url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+        weir = stack.enter_context(_serving(env, url, tmp_path))
+        last = weir.admin.post("/routes", json={**GOOD, "position": 2**31 - 1})
+        assert last.status_code == 201, last.text
+        after = weir.admin.post("/routes", json={**GOOD, "candidates": [{"model": "claude-sonnet"}]})
+        assert after.status_code == 201, after.text
+        assert after.json()["position"] == 2**31 - 1
+        assert [r["id"] for r in _listed(weir)["data"]][-2:] == [last.json()["id"], after.json()["id"]]
+        served = weir.admin.get("/routes/status").json()["routes"][GOOD["name"]]
+        assert [c["model"] for r in served for c in r["candidates"]] == ["gpt-4o-mini", "claude-sonnet"]
 
 
 @pytest.mark.postgres
