@@ -6,7 +6,9 @@ The gateway cancels the upstream at once (draining it would pay for tokens nobod
 an estimate, marked `estimated` in the usage event and the ledger:
 
 - prompt: the upstream request body at 4 bytes per token, the same rule admission uses to reserve
-  budget (an over-estimate by the JSON framing: the tenant pays at most a little more, never zero);
+  budget (an over-estimate by the JSON framing: the tenant pays at most a little more, never zero),
+  except that an image, document or audio clip sent inline (base64) counts at most about what its
+  vendor bills for an image, not its size (`prompt_tokens`);
 - output: the larger of the count of chunks that carried text (OpenAI-compatible servers send about
   one token per chunk) and the generated text at 4 bytes per token (vendors that batch tokens).
 
@@ -17,6 +19,7 @@ from the body's size less its vendor's envelope (`whole_answer`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -31,11 +34,69 @@ def _ceil_tokens(size: int) -> int:
     return -(-size // BYTES_PER_TOKEN)
 
 
+# What a part sent inline (an image, a PDF, an audio clip as base64) is estimated to cost, at most:
+# vendors bill an image by its pixels, not its bytes, and a photo's base64 is hundreds of kB (at 4
+# bytes a token, 150,000 tokens for 600 kB). Without decoding it, one allowance that covers a
+# typical image at every vendor: Anthropic scales an image down to about 1.15 megapixels (1568 px on
+# its long edge) and bills width * height / 750, about 1,600 tokens at most; OpenAI's high detail
+# bills 85 + 170 per 512 px tile of the image fit in 2048 px and scaled to 768 px on its short side,
+# 765 tokens for a square image, 1,105 for a 3:2 photo; Gemini bills 258 per 768 px tile. Low for a
+# many-page PDF, long audio or a model that takes larger images; the vendor's report replaces it
+# wherever one comes.
+INLINE_PART_TOKENS = 1600
+
+# What a request body holds if it carries a part inline, in every vendor's form: a string that starts
+# with a data URL (OpenAI's `image_url` and `file` parts, the Responses API's `input_image` and
+# `input_file`) or a `data` field (Anthropic's base64 `source`, Gemini's `inlineData`, OpenAI's
+# `input_audio`). A body without it (nearly every one) is not parsed: one scan of its bytes (a scan
+# per form's own marker would cost one each, each about as much as parsing the body).
+_INLINE_MARKER = b'"data'
+_DATA_URL_KEYS = frozenset(("url", "image_url", "file_data"))
+_INLINE_DATA_KEYS = frozenset(("inlineData", "inline_data", "input_audio"))
+
+
+def prompt_tokens(body: bytes) -> int:
+    """An upstream request's prompt tokens from its body: its size at 4 bytes per token (coarse, high
+    by the JSON framing, never zero), each part sent inline counted as its size or INLINE_PART_TOKENS,
+    whichever is less. What admission reserves and what an attempt cut before its usage report bills."""
+    if _INLINE_MARKER not in body:
+        return _ceil_tokens(len(body))
+    try:
+        tree = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return _ceil_tokens(len(body))
+    inline = list(_inline_sizes(tree))
+    parts = sum(min(_ceil_tokens(size), INLINE_PART_TOKENS) for size in inline)
+    return _ceil_tokens(len(body) - sum(inline)) + parts
+
+
+def _inline_sizes(tree: Any) -> Iterator[int]:
+    """The size of each part sent inline in a decoded request body (its base64, or its data URL)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        data = node.get("data")
+        if node.get("type") == "base64" and isinstance(data, str):  # Anthropic's source
+            yield len(data)
+        for key, value in node.items():
+            if isinstance(value, str):
+                if key in _DATA_URL_KEYS and value.startswith("data:") and ";base64," in value[:256]:
+                    yield len(value)
+            elif key in _INLINE_DATA_KEYS and isinstance(value, dict) and isinstance(value.get("data"), str):
+                yield len(value["data"])  # Gemini's inline data, OpenAI's input audio
+            elif isinstance(value, dict | list):
+                stack.append(value)
+
+
 def input_tokens(request: ChatRequest) -> int:
-    """A chat's input tokens from the size of what would be sent (messages and tools as JSON), by the
-    same rule: coarse, and high for prose, but never zero for a real request. For count_tokens where
-    no backend can count."""
-    return _ceil_tokens(len(msgspec.json.encode([request.messages, request.tools or []])))
+    """A chat's input tokens from what would be sent (messages and tools as JSON), by the same rule
+    (`prompt_tokens`). For count_tokens where no backend can count."""
+    return prompt_tokens(msgspec.json.encode([request.messages, request.tools or []]))
 
 
 def chunk_text_bytes(chunk: Any) -> int:
@@ -80,7 +141,7 @@ class Produced:
     def estimate(self, request_body: bytes) -> Usage:
         """The usage to bill for a stream cut before the vendor reported any."""
         output = max(self.chunks, _ceil_tokens(self.text_bytes))
-        return Usage(input_tokens=_ceil_tokens(len(request_body)), output_tokens=output)
+        return Usage(input_tokens=prompt_tokens(request_body), output_tokens=output)
 
 
 # Tokens admission reserves for a request that sets no output limit (`output_estimate`), and what an
@@ -143,4 +204,4 @@ def whole_answer(request_body: bytes, answer_bytes: int | None, envelope_bytes: 
         cap, choices = _cap_and_choices(request_body)
         if cap is not None:
             output = min(output, cap * choices)
-    return Usage(input_tokens=_ceil_tokens(len(request_body)), output_tokens=output)
+    return Usage(input_tokens=prompt_tokens(request_body), output_tokens=output)

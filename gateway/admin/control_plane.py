@@ -35,7 +35,7 @@ from gateway.auth import Authenticator, Principal
 from gateway.db import migrate
 from gateway.db.models import UsageRollup
 from gateway.db.session import create_engine, normalise_url, sessionmaker
-from gateway.estimate import BYTES_PER_TOKEN, output_estimate
+from gateway.estimate import output_estimate, prompt_tokens
 from gateway.state import open_state
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
@@ -214,7 +214,7 @@ class ControlPlane:
             quotas,
             target.backend.name,
             target.upstream_model,
-            prompt_tokens=len(upstream.body) // BYTES_PER_TOKEN,
+            prompt_tokens=prompt_tokens(upstream.body),
             max_output_tokens=output_estimate(upstream.body),
         )
 

@@ -4,6 +4,7 @@ and the shared state (in process or Redis)."""
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import os
 import subprocess
@@ -165,6 +166,31 @@ def test_budget_reserves_and_refuses(weir: Weir, fake_openai: FakeOpenAI) -> Non
         if line.startswith(f'weir_budget_usage_ratio{{tenant="{tenant_id}"}}')
     )
     assert float(gauge.split()[-1]) == pytest.approx(spent / 10**6 / 1000, rel=1e-6)
+
+
+def test_an_image_sent_inline_is_admitted_by_what_it_costs_not_its_size(weir: Weir) -> None:
+    """Admission estimates an inline image as an image (at most INLINE_PART_TOKENS), not its base64 at
+    4 bytes a token: this 600 kB one was 150,000 tokens, refused for ever by a 100,000 TPM limit
+    (retry-after 60 all the same), and reserved $0.0225 of a $0.01 budget, refused for ever too."""
+    _, _, key = weir.tenant_with_key("vision", tpm=100_000, budget_usd_monthly="0.01")
+    image = base64.b64encode(bytes(range(256)) * 1800).decode()
+    try:
+        reply = weir.client(key).chat.completions.create(
+            model="gpt-4o-mini",
+            max_tokens=50,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is in this picture?"},
+                        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+                    ],
+                }
+            ],
+        )
+    except openai.RateLimitError as exc:
+        raise AssertionError(f"refused: {exc.body}") from None
+    assert reply.usage is not None and reply.usage.prompt_tokens < 1000
 
 
 CONFIG_FILE = """\

@@ -1,11 +1,24 @@
-"""What admission reserves for a request's output: its cap for every choice it asks for."""
+"""What admission reserves for a request: its prompt from its body's size, each part sent inline (an
+image, a file, audio as base64) as one allowance, whatever vendor's form the body takes; its output,
+its cap for every choice it asks for. The prompt's estimate is also what an attempt cut before its
+usage report is billed (tests/routing/test_stream_failover.py, test_cancelled_answer_billing.py)."""
 
 from __future__ import annotations
+
+import base64
 
 import msgspec
 import pytest
 
-from gateway.estimate import DEFAULT_OUTPUT_ESTIMATE, output_estimate
+from gateway.estimate import (
+    BYTES_PER_TOKEN,
+    DEFAULT_OUTPUT_ESTIMATE,
+    INLINE_PART_TOKENS,
+    input_tokens,
+    output_estimate,
+    prompt_tokens,
+)
+from gateway.types import ChatRequest
 
 
 @pytest.mark.parametrize(
@@ -28,3 +41,105 @@ def test_the_output_reserved_covers_every_choice(body: dict, tokens: int) -> Non
 def test_an_unreadable_body_reserves_the_default() -> None:
     assert output_estimate(b"not json") == DEFAULT_OUTPUT_ESTIMATE
     assert output_estimate(b'{"max_tokens": "lots"}') == DEFAULT_OUTPUT_ESTIMATE
+
+
+# --- the prompt -------------------------------------------------------------------------------------
+
+B64 = base64.b64encode(bytes(60_000)).decode()  # 80 kB of base64: 20,000 tokens at 4 bytes each
+DATA_URL = f"data:image/png;base64,{B64}"
+TEXT = "what is in this picture?"
+
+
+def tokens(size: int) -> int:
+    return -(-size // BYTES_PER_TOKEN)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "messages": [{"role": "user", "content": TEXT}]},
+        {"model": "m", "messages": [{"role": "user", "content": "decode this base64: aGVsbG8="}]},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}]}]},
+        # An image by URL: nothing inline, its URL's size.
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}
+            ]
+        },
+        # A data URL written as text is text; a tool's input named `data` is not an inline part.
+        {"model": "m", "messages": [{"role": "user", "content": DATA_URL}]},
+        {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": {"data": B64}}]}]},
+        {"model": "m", "messages": [], "max_tokens": 100},
+        {},
+    ],
+)
+def test_a_prompt_with_nothing_inline_is_its_size_at_4_bytes_a_token(body: dict) -> None:
+    encoded = msgspec.json.encode(body)
+    assert prompt_tokens(encoded) == tokens(len(encoded))
+
+
+def test_an_unreadable_body_is_its_size() -> None:
+    for body in (b"", b"not json", b'{"input_audio": {"data": "AAAA"'):
+        assert prompt_tokens(body) == tokens(len(body))
+
+
+def _chat(part: dict) -> dict:
+    """An OpenAI or Anthropic body whose user turn is a text and `part`."""
+    return {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}, part]}]}
+
+
+def _gemini(part: dict) -> dict:
+    return {"contents": [{"role": "user", "parts": [{"text": TEXT}, part]}]}
+
+
+def _responses(part: dict) -> dict:
+    return {
+        "model": "m",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": TEXT}, part]}],
+    }
+
+
+ANTHROPIC_SOURCE = {"type": "base64", "media_type": "image/png", "data": B64}
+
+
+@pytest.mark.parametrize(
+    ("body", "payload"),
+    [
+        (_chat({"type": "image_url", "image_url": {"url": DATA_URL, "detail": "high"}}), DATA_URL),
+        (_chat({"type": "file", "file": {"filename": "a.pdf", "file_data": DATA_URL}}), DATA_URL),
+        (_chat({"type": "input_audio", "input_audio": {"data": B64, "format": "wav"}}), B64),
+        (_chat({"type": "image", "source": ANTHROPIC_SOURCE}), B64),
+        (_chat({"type": "document", "source": {**ANTHROPIC_SOURCE, "media_type": "application/pdf"}}), B64),
+        (_gemini({"inlineData": {"mimeType": "image/png", "data": B64}}), B64),
+        (_gemini({"inline_data": {"mime_type": "image/png", "data": B64}}), B64),
+        (_responses({"type": "input_image", "image_url": DATA_URL}), DATA_URL),
+        (_responses({"type": "input_file", "filename": "a.pdf", "file_data": DATA_URL}), DATA_URL),
+    ],
+    ids=[
+        "openai-image",
+        "openai-file",
+        "openai-audio",
+        "anthropic-image",
+        "anthropic-document",
+        "gemini",
+        "gemini-snake-case",
+        "responses-image",
+        "responses-file",
+    ],
+)
+def test_a_part_sent_inline_counts_one_allowance_not_its_base64(body: dict, payload: str) -> None:
+    encoded = msgspec.json.encode(body)
+    assert prompt_tokens(encoded) == tokens(len(encoded) - len(payload)) + INLINE_PART_TOKENS
+
+
+def test_every_part_counts_and_a_small_one_only_its_size() -> None:
+    small = "data:image/png;base64," + base64.b64encode(bytes(300)).decode()  # 422 bytes: 106 tokens
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in (DATA_URL, small, DATA_URL)]
+    body = msgspec.json.encode({"messages": [{"role": "user", "content": parts}]})
+    rest = len(body) - 2 * len(DATA_URL) - len(small)
+    assert prompt_tokens(body) == tokens(rest) + 2 * INLINE_PART_TOKENS + tokens(len(small))
+
+
+def test_count_tokens_estimates_an_inline_image_as_an_image() -> None:
+    request = msgspec.convert(_chat({"type": "image_url", "image_url": {"url": DATA_URL}}), ChatRequest)
+    assert INLINE_PART_TOKENS < input_tokens(request) < INLINE_PART_TOKENS + 50

@@ -19,6 +19,7 @@ body, whatever the scheduler.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 import time
@@ -33,7 +34,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from gateway import pipeline
 from gateway.config import Timeouts, parse_config
 from gateway.errors import BadGateway, GatewayTimeout
-from gateway.estimate import BYTES_PER_TOKEN, DEFAULT_OUTPUT_ESTIMATE
+from gateway.estimate import BYTES_PER_TOKEN, DEFAULT_OUTPUT_ESTIMATE, INLINE_PART_TOKENS
 from gateway.pipeline import CUT_ANSWER_WAIT, Call, RequestInfo, _cut_answer
 from gateway.providers import PROVIDERS
 from gateway.providers.base import UpstreamRequest
@@ -379,3 +380,24 @@ async def test_what_an_answer_whose_body_was_not_read_is_billed(
         assert billed == (Usage(), False)
     else:
         assert billed == (Usage(input_tokens=tokens(len(request_body)), output_tokens=output), True)
+
+
+async def test_an_answer_not_read_bills_an_image_sent_inline_as_an_image_not_its_base64() -> None:
+    """The prompt's estimate counts an inline image one allowance (`estimate.prompt_tokens`), as
+    admission does: its 120 kB of base64 at 4 bytes a token were 30,000 input tokens."""
+    image = "data:image/png;base64," + base64.b64encode(bytes(90_000)).decode()
+    parts = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": image}}]
+    request_body = _request(messages=[{"role": "user", "content": parts}], max_tokens=5)
+
+    async def broken() -> bytes:
+        raise BadGateway("the response ended before it was complete")
+
+    call = Call(RequestInfo("req"), SimpleNamespace(), "chat")  # type: ignore[arg-type]
+    target = SimpleNamespace(
+        provider=OPENAI, upstream_model="gpt-4o-mini", backend=SimpleNamespace(name="raw")
+    )
+    upstream = SimpleNamespace(body=request_body)
+    response = SimpleNamespace(status=200, headers={"content-length": str(ENVELOPE + 80)}, received=0)
+    billed = await _cut_answer(call, target, upstream, None, response, asyncio.ensure_future(broken()))  # type: ignore[arg-type]
+    prompt = tokens(len(request_body) - len(image)) + INLINE_PART_TOKENS
+    assert billed == (Usage(input_tokens=prompt, output_tokens=5), True)

@@ -5,12 +5,14 @@ more than one break. For each: what the client sees, which backends were tried, 
 
 from __future__ import annotations
 
+import base64
 import time
 
 import openai
 import pytest
 from structlog.testing import capture_logs
 
+from gateway.estimate import INLINE_PART_TOKENS
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import FAST, ROUTES, attempts, route_header, settled
@@ -123,6 +125,43 @@ def test_a_continuation_that_breaks_too_continues_on_the_third_candidate(
     # The broken attempts are billed what they generated (estimated), the last one as reported.
     assert [e.estimated for e in events] == [True, True, False]
     assert all(e.usage.output_tokens > 0 and e.cost_pico_usd > 0 for e in events)
+
+
+def test_a_cut_attempt_with_an_inline_image_is_billed_an_image_not_its_base64(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """A cut attempt's prompt is estimated from its body: an image sent inline (a data URL, what the
+    OpenAI SDKs send for a local file) counts one image's allowance, not its base64 at 4 bytes a
+    token (~30,000 tokens for this 120 kB of base64, where the vendor bills the prompt 91)."""
+    image = "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(90_000)).decode()
+    ask = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": ECHO},
+                {"type": "image_url", "image_url": {"url": image}},
+            ],
+        }
+    ]
+    # What the vendor bills this prompt: an uncut stream of the same request to the same model.
+    list(gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=ask, stream=True))  # type: ignore[arg-type]
+    settled(gateway, 1)
+    (whole,) = gateway.sink.events
+    reported = whole.usage.input_tokens
+    assert not whole.estimated and 0 < reported < 1000
+    gateway.sink.events.clear()
+
+    fake_openai.fail_next(Fault.cut_stream(after=3))  # role, "one", " two"
+    stream = gateway.openai().chat.completions.create(model="resilient", messages=ask, stream=True)  # type: ignore[arg-type]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).startswith("one two three")
+    settled(gateway, 2)
+    cut = min(gateway.sink.events, key=lambda e: e.attempt)
+    assert cut.backend == "openai" and cut.estimated
+    # One image's allowance and the rest of the body (a short text, JSON framing) at 4 bytes a token.
+    assert INLINE_PART_TOKENS < cut.usage.input_tokens < INLINE_PART_TOKENS + 200, (
+        cut.usage.input_tokens,
+        reported,
+    )
 
 
 def test_a_responses_stream_cut_mid_way_is_one_uninterrupted_response(
