@@ -424,6 +424,8 @@ class Pipeline:
             latency_ms=(time.perf_counter() - t0) * 1000,
             ttft_ms=ttft * 1000 if ttft is not None else None,
             status=status,  # 0: the backend never answered
+            error=failure,
+            stream=stream,
             fallback=attempt > 1,
             routing=call.routes.pop(attempt, None) or info.route,
             estimated=estimated,

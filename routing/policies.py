@@ -233,9 +233,10 @@ def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: Po
     for choice in choices:
         stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
         if stats.ttft_s is None and stats.latency_s is not None:
-            # Answered, but never streamed (no first token to time): the whole answers' moving
-            # average. Left "unmeasured", a route whose clients never stream measured no one and sent
-            # every request to the first listed candidate, however slow.
+            # Answered (or too slow to: `routing.stats`), but never streamed (no first token to
+            # time): the whole attempts' moving average. Left "unmeasured", a route whose clients
+            # never stream measured no one and sent every request to the first listed candidate,
+            # however slow.
             choice.score, choice.reason = stats.latency_s, "expected_seconds"
             continue
         if stats.ttft_s is None:

@@ -24,15 +24,23 @@ MIN_DECODE_TOKENS = 16
 # `lowest_latency` tries a candidate it has not measured first, so that it gets measured; one whose
 # last attempt failed (no answer, 429, 5xx) has had that try and waits this long for another.
 RETRY_UNMEASURED_S = 30.0
+# The most a censored observation (`_slower_than`) counts for in the p95 window. Uncapped, a p95
+# hedge's delay fed itself: each race the first candidate loses is entered as slower than the delay
+# (the delay plus the hedge's time to answer), so where that candidate stopped answering (more than 5%
+# of its window soon lost races) every lost race lifted the delay a little further, without end.
+# Answers are entered as they came, and the moving average takes censored ones uncapped: no delay
+# comes from it.
+MAX_CENSORED_S = 10.0
 
 
 @dataclass(slots=True)
 class ModelStats:
-    ttft_s: float | None = None  # moving average time to first token (streams)
+    # moving average time to first token (streams), counting attempts too slow to reach it (`_censored`)
+    ttft_s: float | None = None
     tokens_per_s: float | None = None  # moving average decode speed after the first token
     latency_s: float | None = None  # moving average whole-attempt latency
     cache_hit_rate: float | None = None  # moving average share of prompt tokens read from cache
-    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # for the p95, likewise
     samples: int = 0
     failed_at: float | None = None  # monotonic time of the backend's last failed attempt, until one succeeds
 
@@ -45,6 +53,35 @@ class ModelStats:
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + ALPHA * (new - old)
+
+
+def _censored(event: UsageEvent) -> bool:
+    """Whether a failed attempt says its backend is at least as slow as the attempt lasted: it ended
+    without its answer (a stream: its first token) because it was too slow, not for anything the
+    backend said (a 4xx, a 5xx, a refused connection) nor because its client left. So: a hedge race's
+    loser (`cancelled`, the router's 499; a client's is `client_disconnected`) and a timeout (504:
+    the route's TTFT timeout, the backend's own timeouts)."""
+    return event.ttft_ms is None and (event.status == 504 or event.error == "cancelled")
+
+
+def _slower_than(stats: ModelStats, event: UsageEvent) -> None:
+    """A censored observation: the answer (a stream's first token) would have come later than the
+    attempt's `latency_ms`, by how much is unknown. The moving average takes that lower bound where
+    it is above the average and leaves it out otherwise: below, it says nothing (a hedge that lost
+    after a few ms), and as a value it would pull the estimate down. The p95 window takes it by the
+    same rule, at most MAX_CENSORED_S: each value there is at most its attempt's true time, so the
+    delay `p95` follows a backend that slowed down up to what its attempts really took, never beyond,
+    and one that stopped answering up to MAX_CENSORED_S."""
+    waited = event.latency_ms / 1000
+    if stats.latency_s is None or waited > stats.latency_s:
+        stats.latency_s = _ewma(stats.latency_s, waited)
+    if not event.stream:
+        return
+    windowed = min(waited, MAX_CENSORED_S)
+    if stats.ttft_s is None or windowed > stats.ttft_s:
+        stats.ttfts.append(windowed)
+    if stats.ttft_s is None or waited > stats.ttft_s:
+        stats.ttft_s = _ewma(stats.ttft_s, waited)
 
 
 def uses_prefix_affinity(route: Route) -> bool:
@@ -71,11 +108,13 @@ class RoutingStats:
 
     def record(self, event: UsageEvent) -> None:
         if not event.ok:
-            # Failures feed the breakers, not the speed estimates; the backend's own (not a 4xx the
-            # request caused, nor a 499: cancelled by a hedge or a client; a TTFT timeout is a 504)
-            # are noted.
+            # Failures feed the breakers; the backend's own (not a 4xx the request caused, nor a 499:
+            # cancelled by a hedge or a client; a TTFT timeout is a 504) are noted. Only those that
+            # show the backend slow teach the speed estimates (`_censored`).
             if event.status == 0 or event.status == 429 or event.status >= 500:
                 self.get(event.backend, event.model).failed_at = time.monotonic()
+            if _censored(event):
+                _slower_than(self.get(event.backend, event.model), event)
             return
         stats = self.get(event.backend, event.model)
         stats.failed_at = None

@@ -33,6 +33,11 @@ class UsageEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     latency_ms: float = 0.0
     ttft_ms: float | None = None
     status: int = 200  # HTTP status of the attempt; 0 when the backend never answered
+    # Why the attempt failed (its error type: `cancelled` when the router ended it, a hedge race's
+    # loser; `client_disconnected`; `upstream_error`...); None when it answered. Not in the ledger:
+    # routing reads it (`routing.stats`), to tell what a 499 says about the backend's speed.
+    error: str | None = None
+    stream: bool = False  # a streamed attempt: its answer starts at its first token (`ttft_ms`)
     fallback: bool = False
     routing: str | None = None  # the routing decision so far (policy, candidate, score; x-weir-route)
     estimated: bool = False  # usage estimated by the gateway: the stream ended before the vendor's report

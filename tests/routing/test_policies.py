@@ -29,6 +29,10 @@ routes:
       - {model: gpt-4o-mini, context_window: 300, vision: false}
       - {model: gemini-flash, context_window: 1000000}
   - {name: fast, policy: lowest_latency, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
+  - name: fast-hedged
+    policy: lowest_latency
+    hedge: {delay: 0.5}
+    candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]
   - {name: smart, policy: difficulty, threshold: 0.5, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]}
   - {name: smart-share, policy: difficulty, strong_share: 0.25, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}]}
   - name: replicas
@@ -136,6 +140,40 @@ def test_lowest_latency_learns_from_observed_ttft(
     route = ask(gateway, "fast", max_tokens=5)
     assert route["candidate"] == "deepseek-chat"
     assert route["reason"] == "expected_seconds" and float(route["score"]) > 0
+
+
+def test_lowest_latency_stops_trying_first_a_candidate_that_slowed_down(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """Its slow attempts end without an answer: the hedge that wins cancels them (499). Learned from
+    answers alone, its moving average stayed that of its fast days, and it was every request's first
+    attempt: each waited the hedge delay and paid for a cancelled attempt. The time a cancelled
+    attempt waited counts as a lower bound of its time to first token."""
+    stats = runtime(gateway).router.stats
+    stats.models.clear()  # what earlier tests taught about these models
+    fake_deepseek.set_latency(first_token=0.05)
+
+    def first_token() -> str:
+        stream = gateway.openai().chat.completions.create(
+            model="fast-hedged", messages=[{"role": "user", "content": "one two three"}], stream=True
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    for _ in range(3):  # each unmeasured one is tried first: both measured, gpt-4o-mini the faster
+        first_token()
+    fast, other = stats.get("openai", "gpt-4o-mini"), stats.get("deepseek", "deepseek-chat")
+    assert fast.ttft_s is not None and other.ttft_s is not None and fast.ttft_s < other.ttft_s
+
+    fake_openai.set_latency(first_token=3.0)  # gpt-4o-mini slows down: every hedge to deepseek wins
+    gateway.sink.events.clear()
+    for _ in range(6):
+        assert first_token()
+    # The loser's event is recorded before the winner's answer goes out (routing.execute._hedged):
+    # each request was planned with the one before it counted.
+    asked_first = [e.status for e in gateway.sink.events if e.backend == "openai"]
+    assert asked_first in ([499], [499, 499]), (asked_first, fast.ttft_s, other.ttft_s)
+    assert fast.ttft_s > other.ttft_s
+    stats.models.clear()  # gpt-4o-mini's 3 s is this test's
 
 
 def test_difficulty_threshold(gateway: RunningGateway) -> None:

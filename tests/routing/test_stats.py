@@ -1,14 +1,17 @@
-"""What routing learns from usage events: moving averages of time to first token and decode speed."""
+"""What routing learns from usage events: moving averages of time to first token and decode speed, from\nanswers and from attempts too slow to answer (censored observations), and the p95 hedges wait."""
 
 from __future__ import annotations
 
 import datetime as dt
+import math
 
+import msgspec
 import pytest
 
 from gateway.accounting.events import UsageEvent
 from gateway.usage import Usage
-from routing.stats import MIN_DECODE_TOKENS, RoutingStats
+from routing.routes import Hedge
+from routing.stats import ALPHA, MAX_CENSORED_S, MIN_DECODE_TOKENS, RoutingStats
 
 
 def stream(tokens: int, ttft_s: float, latency_s: float) -> UsageEvent:
@@ -38,3 +41,103 @@ def test_short_streams_teach_time_to_first_token_but_not_decode_speed() -> None:
     stats.record(stream(MIN_DECODE_TOKENS + 1, ttft_s=0.1, latency_s=0.1 + MIN_DECODE_TOKENS * 0.01))
     assert learned.tokens_per_s == pytest.approx(100.0)
     assert learned.ttft_s == pytest.approx(0.1) and learned.samples == 2
+
+
+def ended(latency_s: float, status: int, error: str | None, *, streamed: bool = True) -> UsageEvent:
+    """An attempt that ended without its answer (a stream: its first token) after `latency_s`."""
+    return msgspec.structs.replace(
+        stream(0, ttft_s=0.0, latency_s=latency_s), ttft_ms=None, status=status, error=error, stream=streamed
+    )
+
+
+def measured(ttft_s: float, times: int = 5) -> RoutingStats:
+    stats = RoutingStats()
+    for _ in range(times):
+        stats.record(msgspec.structs.replace(stream(3, ttft_s=ttft_s, latency_s=ttft_s + 0.05), stream=True))
+    return stats
+
+
+@pytest.mark.parametrize(("status", "error"), [(499, "cancelled"), (504, "upstream_error")])
+def test_an_attempt_ended_for_being_slow_counts_as_at_least_that_slow(status: int, error: str) -> None:
+    """A hedge race's loser (the router's 499) and a timeout (504) never reached their first token:
+    the time they waited is a lower bound of their TTFT. Dropped, a candidate that slowed down kept
+    the average of its fast days, and `lowest_latency` tried it first on every request."""
+    stats = measured(0.01)
+    learned = stats.get("b", "m")
+    stats.record(ended(1.01, status, error))
+    assert learned.ttft_s == pytest.approx(0.01 + ALPHA * 1.0)
+    assert learned.latency_s is not None and learned.latency_s > 0.06
+    assert list(learned.ttfts)[-1] == pytest.approx(1.01) and learned.samples == 5
+    # Not streamed: its whole answer's time (`lowest_latency` ranks such candidates by it), no TTFT.
+    stats.record(msgspec.structs.replace(ended(3.0, status, error, streamed=False), model="whole"))
+    whole = stats.get("b", "whole")
+    assert (whole.latency_s, whole.ttft_s, list(whole.ttfts)) == (pytest.approx(3.0), None, [])
+
+
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [
+        (499, "client_disconnected"),
+        (400, "invalid_request_error"),
+        (502, "upstream_error"),
+        (0, "upstream_error"),
+    ],
+)
+def test_an_attempt_that_ended_for_another_reason_says_nothing_of_its_speed(status: int, error: str) -> None:
+    """A client that left after 5 ms, a 4xx the request caused, a backend that failed outright: how
+    long that took is not how slow the backend is."""
+    stats = measured(0.5)
+    learned = stats.get("b", "m")
+    before = (learned.ttft_s, learned.latency_s, list(learned.ttfts))
+    stats.record(ended(2.0, status, error))
+    assert (learned.ttft_s, learned.latency_s, list(learned.ttfts)) == before
+
+
+def test_a_lower_bound_below_the_estimate_leaves_it_as_it_was() -> None:
+    """A hedge that lost after 20 ms to a primary that answered says it would have taken more than
+    20 ms: no news about a backend whose first token takes 0.5 s, and no reason to lower its numbers.
+    A failed attempt that had its first token is no lower bound either."""
+    stats = measured(0.5)
+    learned = stats.get("b", "m")
+    before = (learned.ttft_s, learned.latency_s, list(learned.ttfts))
+    stats.record(ended(0.02, 499, "cancelled"))
+    stats.record(msgspec.structs.replace(ended(9.0, 504, "upstream_error"), ttft_ms=400.0))  # stalled later
+    assert (learned.ttft_s, learned.latency_s, list(learned.ttfts)) == before
+
+
+def _hedged_by_p95(stats: RoutingStats, true_ttft_s: float, requests: int, hedge_ttft_s: float = 0.05) -> int:
+    """`requests` streams to a primary whose first token takes `true_ttft_s`, each hedged after the
+    delay `delay: p95` waits (routing.execute: the p95, at least `min_delay`) by a candidate whose
+    first token takes `hedge_ttft_s`; the first to answer wins and the other is cancelled. Returns
+    how many of them the hedge won."""
+    lost = 0
+    for _ in range(requests):
+        p95 = stats.get("b", "m").p95_ttft()
+        delay = max(Hedge().min_delay, p95 if p95 is not None else 1.0)
+        if true_ttft_s <= delay + hedge_ttft_s:
+            stats.record(msgspec.structs.replace(stream(3, true_ttft_s, true_ttft_s + 0.05), stream=True))
+        else:
+            lost += 1
+            stats.record(ended(delay + hedge_ttft_s, 499, "cancelled"))
+    return lost
+
+
+def test_a_p95_hedge_delay_follows_a_primary_that_slowed_down_to_its_new_p95() -> None:
+    """Its lost races lift the p95 until the primary answers before the hedge does: then it is
+    hedged as rarely as before (its slowest answers), not on every request."""
+    stats = measured(0.1, times=50)
+    assert _hedged_by_p95(stats, true_ttft_s=3.0, requests=1000) > 50  # lost races while it caught up
+    assert _hedged_by_p95(stats, true_ttft_s=3.0, requests=200) == 0
+    p95 = stats.get("b", "m").p95_ttft()
+    assert p95 is not None and 2.9 < p95 <= 3.0  # never above what the attempts really took
+
+
+def test_a_p95_hedge_delay_stops_growing_where_the_primary_never_answers() -> None:
+    """Each lost race is entered as slower than the delay that hedged it, which lifts the delay: for a
+    primary that stopped answering, that went on with every request. Censored values count for at
+    most MAX_CENSORED_S in the window."""
+    stats = measured(0.1, times=50)
+    _hedged_by_p95(stats, true_ttft_s=math.inf, requests=5000)
+    assert stats.get("b", "m").p95_ttft() == MAX_CENSORED_S
+    learned = stats.get("b", "m")
+    assert learned.ttft_s is not None and learned.ttft_s > MAX_CENSORED_S  # ranked as slow as it is
