@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gateway.accounting.pricing import TokenClass, sheet_of
+from gateway.accounting.pricing import TokenClass, resolve
+from gateway.pipeline import price_sheet
 from routing.breaker import Breakers
 from routing.load import LoadReports
 from routing.plan import Choice, Features
@@ -173,25 +174,21 @@ def fits(choice: Choice, feats: Features, output_tokens: int) -> str | None:
 
 
 def expected_cost(choice: Choice, feats: Features, output_tokens: int, ctx: PolicyContext) -> float:
-    """Expected USD for this request at the prices that will bill it, counting the share of the prompt
-    the cache is expected to serve."""
+    """Expected USD for this request at the prices that will bill it, counting the shares of the
+    prompt the cache is expected to serve and to be written with (each billed at its own price:
+    writes cost more than input)."""
     backend, model = choice.target.backend.name, choice.target.upstream_model
     catalog = ctx.prices(backend, model) if ctx.prices is not None else {}
-    if catalog:  # resolved as billing resolves it, in micro-USD per 1M tokens
-        sheet = sheet_of(catalog)
-        input_price, cached_price, output_price = (
-            sheet.input / 1e6,
-            sheet.cached_input / 1e6,
-            sheet.output / 1e6,
-        )
-    else:
-        price = choice.target.model.price
-        input_price, output_price = float(price.input), float(price.output)
-        cached_price = float(price.cached_input) if price.cached_input is not None else input_price
-    observed = ctx.stats.get(backend, model).cache_hit_rate
-    hit = observed if observed is not None else choice.candidate.cache_hit_rate
-    per_prompt_token = (1 - hit) * input_price + hit * cached_price
-    return (feats.prompt_tokens * per_prompt_token + output_tokens * output_price) / 1e6
+    # In micro-USD per 1M tokens, unpriced classes as billing prices them (`resolve`).
+    prices = resolve(catalog or price_sheet(choice.target.model))
+    observed = ctx.stats.get(backend, model).prompt_shares()
+    shares = observed or {TokenClass.CACHED_INPUT: choice.candidate.cache_hit_rate}
+    input_price = prices.get(TokenClass.INPUT, 0)
+    per_prompt_token = input_price + sum(
+        share * (prices.get(token_class, input_price) - input_price) for token_class, share in shares.items()
+    )
+    output_price = prices.get(TokenClass.OUTPUT, 0)
+    return (feats.prompt_tokens * per_prompt_token + output_tokens * output_price) / 1e12
 
 
 def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:

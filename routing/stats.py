@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.accounting.events import UsageEvent
+from gateway.accounting.pricing import TokenClass
 
 if TYPE_CHECKING:
     from routing.router import InForce
@@ -39,10 +40,29 @@ class ModelStats:
     ttft_s: float | None = None
     tokens_per_s: float | None = None  # moving average decode speed after the first token
     latency_s: float | None = None  # moving average whole-attempt latency
-    cache_hit_rate: float | None = None  # moving average share of prompt tokens read from cache
+    # Moving average shares of prompt tokens read from the prompt cache and written to it (at the
+    # 5-minute and 1-hour TTL prices): `cheapest` prices each share at its own price.
+    cache_hit_rate: float | None = None
+    cache_write_5m_rate: float | None = None
+    cache_write_1h_rate: float | None = None
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # for the p95, likewise
     samples: int = 0
     failed_at: float | None = None  # monotonic time of the backend's last failed attempt, until one succeeds
+
+    def prompt_shares(self) -> dict[TokenClass, float] | None:
+        """The observed shares of prompt tokens billed as each cache class (the rest bill as input);
+        None before the model's first usage event with a prompt."""
+        if (
+            self.cache_hit_rate is None
+            or self.cache_write_5m_rate is None
+            or self.cache_write_1h_rate is None
+        ):
+            return None
+        return {
+            TokenClass.CACHED_INPUT: self.cache_hit_rate,
+            TokenClass.CACHE_WRITE_5M: self.cache_write_5m_rate,
+            TokenClass.CACHE_WRITE_1H: self.cache_write_1h_rate,
+        }
 
     def p95_ttft(self) -> float | None:
         if not self.ttfts:
@@ -129,10 +149,11 @@ class RoutingStats:
             decode_s = latency - ttft
             if usage.output_tokens >= MIN_DECODE_TOKENS and decode_s > 0:
                 stats.tokens_per_s = _ewma(stats.tokens_per_s, (usage.output_tokens - 1) / decode_s)
-        prompt = usage.input_tokens + usage.cached_input_tokens + usage.cache_write_5m_tokens
-        prompt += usage.cache_write_1h_tokens
+        prompt = usage.prompt_tokens
         if prompt > 0:
             stats.cache_hit_rate = _ewma(stats.cache_hit_rate, usage.cached_input_tokens / prompt)
+            stats.cache_write_5m_rate = _ewma(stats.cache_write_5m_rate, usage.cache_write_5m_tokens / prompt)
+            stats.cache_write_1h_rate = _ewma(stats.cache_write_1h_rate, usage.cache_write_1h_tokens / prompt)
             if event.routing is not None and "policy=prefix_affinity" in event.routing:
                 tokens = self.affinity_tokens.get(event.route)
                 if tokens is None and self.in_force(event.route, uses_prefix_affinity):

@@ -12,8 +12,10 @@ import msgspec
 import pytest
 
 from gateway.accounting.events import UsageEvent
+from gateway.accounting.pricing import price_usage
 from gateway.auth import Principal
 from gateway.config import parse_config
+from gateway.pipeline import price_sheet
 from gateway.router_basic import ModelTable
 from gateway.types import ChatRequest
 from gateway.usage import Usage
@@ -30,6 +32,8 @@ models:
   - {name: small, backend: openai, price: {input: 0.15, cached_input: 0.015, output: 0.6}}
   - {name: mid, backend: openai, price: {input: 1, cached_input: 0.1, output: 4}}
   - {name: big, backend: other, price: {input: 3, cached_input: 0.3, output: 15}}
+  - {name: writes, backend: other, price: {input: 3, cached_input: 0.3, cache_write_5m: 3.75, cache_write_1h: 6, output: 15}}
+  - {name: plain, backend: openai, price: {input: 2, output: 15}}
 """
 ACME = Principal(tenant_id="t1", tenant_name="acme", key_id="k1")
 OTHER = Principal(tenant_id="t2", tenant_name="other", key_id="k2")
@@ -68,8 +72,10 @@ def header(plan: Plan) -> dict[str, str]:
     return dict(part.split("=", 1) for part in plan.header().split("; "))
 
 
-def event(model: str, *, status: int = 200, ttft_s: float | None = 0.1, cached: int = 0) -> UsageEvent:
-    backend = "other" if model == "big" else "openai"
+def event(
+    model: str, *, status: int = 200, ttft_s: float | None = 0.1, cached: int = 0, usage: Usage | None = None
+) -> UsageEvent:
+    backend = "other" if model in ("big", "writes") else "openai"
     return UsageEvent(
         request_id="r",
         attempt=1,
@@ -79,7 +85,7 @@ def event(model: str, *, status: int = 200, ttft_s: float | None = 0.1, cached: 
         route="r",
         backend=backend,
         model=model,
-        usage=Usage(input_tokens=1000 - cached, cached_input_tokens=cached, output_tokens=40),
+        usage=usage or Usage(input_tokens=1000 - cached, cached_input_tokens=cached, output_tokens=40),
         prices={},
         cost_pico_usd=0,
         latency_ms=((ttft_s or 0.1) + 0.4) * 1000,
@@ -203,6 +209,48 @@ async def test_cheapest_learns_the_cache_hit_share_of_each_model_from_traffic() 
     plan = await planner.plan("c", OTHER, feats(prompt))
     assert [c.candidate.model for c in plan.choices] == ["small", "mid"]
     assert float(header(plan)["score"]) == pytest.approx(10001 * 0.15 / 1e6 + 0.6 / 1e6)
+
+
+# Traffic whose prompts the cache partly serves and partly is written with, at either TTL.
+READ_AND_WRITE_5M = Usage(cached_input_tokens=5000, cache_write_5m_tokens=5000)
+READ_AND_WRITE_1H = Usage(input_tokens=2000, cached_input_tokens=4000, cache_write_1h_tokens=4000)
+
+
+async def test_cheapest_prices_cache_writes_at_what_they_bill() -> None:
+    """Cache writes count in the observed share of the prompt the cache did not serve, but were
+    priced at the input price, although they bill at `cache_write_5m` (Anthropic: 1.25x input): a
+    model whose traffic writes its cache often looked cheaper than it bills, and won over one that is
+    cheaper. Half read, half written, `writes` bills 0.5·0.3 + 0.5·3.75 = 2.025/M prompt tokens
+    (it was estimated 0.5·0.3 + 0.5·3 = 1.65), above `plain`'s 2.00."""
+    r = Route(
+        name="c",
+        policy="cheapest",
+        candidates=[Candidate(model="writes"), Candidate(model="plain")],
+        probe_interval=None,
+        expected_output_tokens=1,
+    )
+    planner = router(r)
+    planner.stats.record(event("writes", usage=READ_AND_WRITE_5M))
+    plan = await planner.plan("c", ACME, feats("w " * 20000))
+    assert [c.candidate.model for c in plan.choices] == ["plain", "writes"]
+
+
+@pytest.mark.parametrize("usage", [READ_AND_WRITE_5M, READ_AND_WRITE_1H], ids=["5m", "1h"])
+@pytest.mark.parametrize("model", ["writes", "big"])  # big: no write prices, writes bill as input
+async def test_cheapest_expects_a_prompt_to_cost_what_its_models_traffic_bills(
+    usage: Usage, model: str
+) -> None:
+    """Its observed shares of reads and of writes at each TTL, each at the price that bills it."""
+    config = parse_config(CONFIG, {})
+    planner = router(route("c", "cheapest", model, expected_output_tokens=1))
+    planner.stats.record(event(model, usage=usage))
+    request = feats("w " * 20000)
+    plan = await planner.plan("c", ACME, request)
+    sheet = price_sheet(next(m for m in config.models if m.name == model))
+    billed = price_usage(msgspec.structs.replace(usage, output_tokens=1), sheet).cost_pico_usd / 1e12
+    output = price_usage(Usage(output_tokens=1), sheet).cost_pico_usd / 1e12
+    per_prompt = (billed - output) / usage.prompt_tokens
+    assert plan.choices[0].score == pytest.approx(request.prompt_tokens * per_prompt + output)
 
 
 # --- lowest_latency -----------------------------------------------------------------------------------
