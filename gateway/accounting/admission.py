@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from gateway.accounting.events import UsageEvent
-from gateway.accounting.money import pico_to_micro_ceil
+from gateway.accounting.money import micro_to_pico
 from gateway.accounting.pricing import PriceCatalog, sheet_of
 from gateway.aio import detached
 from gateway.errors import GatewayError
@@ -164,6 +164,14 @@ def month_of(now: dt.datetime) -> str:
     return f"{now.year:04d}-{now.month:02d}"
 
 
+def budget_key(scope: str, owner: str, month: str) -> str:
+    """A budget's key in the shared state. Its counters are pico-dollars, and the name says so:
+    earlier gateways counted whole micro-dollars under `budget:<scope>:...`, and old and new replicas
+    sharing one Redis during a rolling upgrade must keep separate counters rather than add up
+    numbers in two units (docs/deploy.md)."""
+    return f"budget:pico:{scope}:{owner}:{month}"
+
+
 class Admission:
     def __init__(
         self,
@@ -194,7 +202,7 @@ class Admission:
         self._settle_attempt: Callable[..., dict[str, tuple[int, int]]] | None = getattr(
             state, "settle_attempt", None
         )
-        # Tenant budgets seen by this replica (budget key -> (tenant id, limit in micro-USD)) and the
+        # Tenant budgets seen by this replica (budget key -> (tenant id, limit in pico-USD)) and the
         # share of each used, spent plus reserved, as of the last settlement (for /metrics and alerts).
         self._tenant_budgets: dict[str, tuple[str, int]] = {}
         self._budget_usage_ratio: dict[str, float] = {}
@@ -241,10 +249,11 @@ class Admission:
             ("key", quotas.key_id, quotas.key_budget_micro_usd),
         ):
             if owner is not None and limit is not None:
-                key = f"budget:{scope}:{owner}:{month}"
-                budgets.append((Budget(key, limit), scope, owner))
+                key = budget_key(scope, owner, month)
+                limit_pico_usd = micro_to_pico(limit)
+                budgets.append((Budget(key, limit_pico_usd), scope, owner))
                 if scope == "tenant":
-                    self._tenant_budgets[key] = (owner, limit)
+                    self._tenant_budgets[key] = (owner, limit_pico_usd)
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         plan = self._plans[quotas] = _Plan(
@@ -312,8 +321,8 @@ class Admission:
             # gives, from the resolved sheet directly (no Usage and Cost objects per request).
             sheet = sheet_of(self._catalog().prices_at(backend, model, now))
             cost_pico_usd = prompt_tokens * sheet.input + max_output_tokens * sheet.output
-            # At least one micro-dollar, so a budget that is fully spent refuses even unpriced models.
-            amount = max(1, pico_to_micro_ceil(cost_pico_usd))
+            # At least one pico-dollar, so a budget that is fully spent refuses even unpriced models.
+            amount = max(1, cost_pico_usd)
         if not limits and not budgets:
             return
         asked: list[str] = []
@@ -336,7 +345,7 @@ class Admission:
                 answers.update(
                     self._asking.get(b.key)
                     for b in budgets
-                    if b.limit_micro_usd // LEASE_SHARE >= LEASE_REQUESTS * amount
+                    if b.limit_pico_usd // LEASE_SHARE >= LEASE_REQUESTS * amount
                 )
                 answers.discard(None)
                 if not answers:
@@ -375,7 +384,7 @@ class Admission:
                 for limit in limits
             ]
             budgets = [
-                replace(b, pool_micro_usd=self._lease_size(b.key, b.limit_micro_usd, amount))
+                replace(b, pool_pico_usd=self._lease_size(b.key, b.limit_pico_usd, amount))
                 if b.key in asked
                 else b
                 for b in budgets
@@ -563,7 +572,7 @@ class Admission:
                 # DB down: admit against what the shared state already knows; seed on a later request.
                 log.warning("could not read this month's spend for %s %s", scope, owner, exc_info=True)
                 return
-            await self.state.budget_seed(key, pico_to_micro_ceil(spent))
+            await self.state.budget_seed(key, spent)
             self._seeded.add(key)
             self._seed_locks.pop(key, None)  # gone already if the month turned meanwhile
 
@@ -602,7 +611,7 @@ class Admission:
             tpm_keys,
             event.usage.total_tokens - estimate,
             reservation,
-            pico_to_micro_ceil(event.cost_pico_usd),
+            event.cost_pico_usd,
             releases,
             counted_in,
         )
@@ -613,11 +622,11 @@ class Admission:
         tpm_keys: tuple[str, ...],
         delta: int,
         reservation: str,
-        cost_micro_usd: int,
+        cost_pico_usd: int,
         releases: Sequence[tuple[str, int]],
         counted_in: int | None = None,
     ) -> None:
-        """Settle in the shared state: `delta` tokens on each token limit, `cost_micro_usd` spent on
+        """Settle in the shared state: `delta` tokens on each token limit, `cost_pico_usd` spent on
         each budget, `reservation` (or `releases`) released.
 
         Tokens fewer than the estimate are given back in the bucket the estimate was counted in
@@ -639,7 +648,7 @@ class Admission:
                     delta,
                     budget_keys,
                     reservation,
-                    cost_micro_usd,
+                    cost_pico_usd,
                     releases,
                     report=False,
                     bucket=bucket,
@@ -658,7 +667,7 @@ class Admission:
                     (),
                     budget_keys,
                     reservation,
-                    cost_micro_usd,
+                    cost_pico_usd,
                     releases=releases,
                 )
             )

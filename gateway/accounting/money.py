@@ -40,9 +40,9 @@ def pico_to_usd(pico: int) -> Decimal:
     return Decimal(pico) / PICO_PER_USD
 
 
-def pico_to_micro_ceil(pico: int) -> int:
-    """Budget counters work in whole micro-dollars; round against the tenant's favour never."""
-    return -((-pico) // MICRO_PER_USD)
+def micro_to_pico(micro: int) -> int:
+    """Budgets are set in micro-dollars and counted in pico-dollars, as the ledger counts costs."""
+    return micro * (PICO_PER_USD // MICRO_PER_USD)
 
 
 def format_usd(amount: Decimal) -> str:

@@ -2,8 +2,9 @@
 
 Rate limits are sliding windows counted in `BUCKETS` sub-buckets (one second each for a one-minute
 window): no window of that length ever admits more than the limit. Budgets are money counters in
-integer micro-dollars: `spent` (settled) plus `reserved` (in flight); a reservation that is never
-settled (a crashed replica) expires after its TTL.
+integer pico-dollars, the ledger's unit, so they add up to exactly what the ledger bills: `spent`
+(settled) plus `reserved` (in flight); a reservation that is never settled (a crashed replica)
+expires after its TTL.
 """
 
 from __future__ import annotations
@@ -70,11 +71,11 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    key: str  # e.g. "budget:tenant:<id>:2026-11"
-    limit_micro_usd: int
+    key: str  # e.g. "budget:pico:tenant:<id>:2026-11"
+    limit_pico_usd: int
     # Extra money to reserve beyond the request's amount, for the caller's later requests (a pool),
     # granted only while spent + reserved stays at most half the limit with it. 0: none.
-    pool_micro_usd: int = 0
+    pool_pico_usd: int = 0
 
 
 BudgetDecision = Admission
@@ -97,7 +98,7 @@ class Settlement:
     adjustments: Sequence[Adjustment] = ()
     budget_keys: Sequence[str] = ()
     reservation_id: str = ""  # released if still held; "" for an attempt after the first
-    actual_micro_usd: int = 0
+    actual_pico_usd: int = 0
     # Per budget key, in order: (reservation id, amount to release from it; 0 releases all of it).
     # When given it replaces `reservation_id` (money drawn from pools is released piece by piece).
     releases: Sequence[tuple[str, int]] = ()
@@ -111,7 +112,7 @@ class SharedState(Protocol):
         self,
         limits: Sequence[Limit],
         budgets: Sequence[Budget] = (),
-        amount_micro_usd: int = 0,
+        amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
     ) -> Admission:
         """One atomic step, all or nothing: count one use against every limit and reserve `amount` on
@@ -129,7 +130,7 @@ class SharedState(Protocol):
         adjustments: Sequence[Adjustment] = (),
         budget_keys: Sequence[str] = (),
         reservation_id: str = "",
-        actual_micro_usd: int = 0,
+        actual_pico_usd: int = 0,
     ) -> None: ...
 
     async def acquire(self, limits: Sequence[Limit]) -> Admission: ...
@@ -137,19 +138,17 @@ class SharedState(Protocol):
     async def adjust(self, key: str, delta: int, window_s: float = 60.0) -> None: ...
 
     async def budget_reserve(
-        self, budgets: Sequence[Budget], amount_micro_usd: int, ttl_s: float = 600.0
+        self, budgets: Sequence[Budget], amount_pico_usd: int, ttl_s: float = 600.0
     ) -> Admission: ...
 
-    async def budget_settle(
-        self, keys: Sequence[str], reservation_id: str, actual_micro_usd: int
-    ) -> None: ...
+    async def budget_settle(self, keys: Sequence[str], reservation_id: str, actual_pico_usd: int) -> None: ...
 
-    async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
+    async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
         """Start a budget's `spent` from the ledger, unless some replica already did."""
         ...
 
     async def budget_usage(self, key: str) -> tuple[int, int]:
-        """(spent, reserved) in micro-dollars."""
+        """(spent, reserved) in pico-dollars."""
         ...
 
     async def publish_revocation(self, key_hash: str) -> None: ...
@@ -194,7 +193,7 @@ class Shortcuts:
         self,
         limits: Sequence[Limit],
         budgets: Sequence[Budget] = (),
-        amount_micro_usd: int = 0,
+        amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
     ) -> Admission:
         raise NotImplementedError
@@ -207,9 +206,9 @@ class Shortcuts:
         adjustments: Sequence[Adjustment] = (),
         budget_keys: Sequence[str] = (),
         reservation_id: str = "",
-        actual_micro_usd: int = 0,
+        actual_pico_usd: int = 0,
     ) -> None:
-        await self.settle_many([Settlement(adjustments, budget_keys, reservation_id, actual_micro_usd)])
+        await self.settle_many([Settlement(adjustments, budget_keys, reservation_id, actual_pico_usd)])
 
     async def acquire(self, limits: Sequence[Limit]) -> Admission:
         return await self.admit(limits)
@@ -218,12 +217,12 @@ class Shortcuts:
         await self.settle([Adjustment(key, delta, window_s)])
 
     async def budget_reserve(
-        self, budgets: Sequence[Budget], amount_micro_usd: int, ttl_s: float = 600.0
+        self, budgets: Sequence[Budget], amount_pico_usd: int, ttl_s: float = 600.0
     ) -> Admission:
-        return await self.admit((), budgets, amount_micro_usd, ttl_s)
+        return await self.admit((), budgets, amount_pico_usd, ttl_s)
 
-    async def budget_settle(self, keys: Sequence[str], reservation_id: str, actual_micro_usd: int) -> None:
-        await self.settle((), keys, reservation_id, actual_micro_usd)
+    async def budget_settle(self, keys: Sequence[str], reservation_id: str, actual_pico_usd: int) -> None:
+        await self.settle((), keys, reservation_id, actual_pico_usd)
 
 
 def retry_after(

@@ -119,7 +119,7 @@ class DegradableState(Shortcuts):
         refuses too much, not too little)."""
         seeds, owed, releases = self._seeds, self._owed, self._releases
         self._seeds, self._owed, self._releases = {}, {}, []
-        catch_up = [Settlement((), [key], actual_micro_usd=spent) for key, spent in owed.items()]
+        catch_up = [Settlement((), [key], actual_pico_usd=spent) for key, spent in owed.items()]
         catch_up += [Settlement((), [key], releases=[(rid, amount)]) for key, rid, amount in releases]
         try:
             for key, spent in seeds.items():
@@ -140,12 +140,12 @@ class DegradableState(Shortcuts):
         self,
         limits: Sequence[Limit],
         budgets: Sequence[Budget] = (),
-        amount_micro_usd: int = 0,
+        amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
     ) -> Admission:
-        reached, decision = await self._try_primary("admit", limits, budgets, amount_micro_usd, ttl_s)
+        reached, decision = await self._try_primary("admit", limits, budgets, amount_pico_usd, ttl_s)
         if not reached:
-            return await self.fallback.admit(limits, budgets, amount_micro_usd, ttl_s)
+            return await self.fallback.admit(limits, budgets, amount_pico_usd, ttl_s)
         if decision.spent:
             # What every replica spent so far, where the fallback starts from. A refusal says it for
             # the budgets up to the one that refused (not strict).
@@ -161,8 +161,8 @@ class DegradableState(Shortcuts):
             return usage
         for settlement in settlements:
             for i, key in enumerate(settlement.budget_keys):
-                if settlement.actual_micro_usd:
-                    self._owed[key] = self._owed.get(key, 0) + settlement.actual_micro_usd
+                if settlement.actual_pico_usd:
+                    self._owed[key] = self._owed.get(key, 0) + settlement.actual_pico_usd
                 rid, amount = (
                     settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
                 )
@@ -170,12 +170,12 @@ class DegradableState(Shortcuts):
                     self._releases.append((key, rid, amount))
         return await self.fallback.settle_many(settlements)
 
-    async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
+    async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
         # From the ledger's spend, as Redis is (never lowering what Redis reported since).
-        self.fallback.budget_spent_at_least({key: (spent_micro_usd, 0)})
-        reached, _ = await self._try_primary("budget_seed", key, spent_micro_usd)
+        self.fallback.budget_spent_at_least({key: (spent_pico_usd, 0)})
+        reached, _ = await self._try_primary("budget_seed", key, spent_pico_usd)
         if not reached:
-            self._seeds.setdefault(key, spent_micro_usd)
+            self._seeds.setdefault(key, spent_pico_usd)
 
     def forget_budgets(self, keep: Callable[[str], bool]) -> None:
         """The fallback's budgets of months gone by (Admission, at a month's turn): it learns every

@@ -237,17 +237,17 @@ class MemoryState(Shortcuts):
         self,
         limits: Sequence[Limit],
         budgets: Sequence[Budget] = (),
-        amount_micro_usd: int = 0,
+        amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
     ) -> Admission:
         async with self._lock:
-            return self.admit_now(limits, budgets, amount_micro_usd, ttl_s)
+            return self.admit_now(limits, budgets, amount_pico_usd, ttl_s)
 
     def admit_now(
         self,
         limits: Sequence[Limit],
         budgets: Sequence[Budget] = (),
-        amount_micro_usd: int = 0,
+        amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
     ) -> Admission:
         """`admit`, synchronously: nothing in it awaits, so it is as atomic as under the lock (which
@@ -279,7 +279,7 @@ class MemoryState(Shortcuts):
             state = self._budgets.get(budget.key)
             if state is None:
                 state = self._budgets[budget.key] = _Budget()
-            if state.spent + state.reserved(now) + amount_micro_usd > budget.limit_micro_usd:
+            if state.spent + state.reserved(now) + amount_pico_usd > budget.limit_pico_usd:
                 return Admission(False, blocked_by=budget.key)
             states.append(state)
         counted_in = []
@@ -291,7 +291,7 @@ class MemoryState(Shortcuts):
         reservation_id = f"{self._id_prefix}{next(self._ids)}" if budgets else None
         expires = now + ttl_s
         for state in states:
-            state.reserve(reservation_id, amount_micro_usd, expires)  # type: ignore[arg-type]
+            state.reserve(reservation_id, amount_pico_usd, expires)  # type: ignore[arg-type]
         return Admission(True, reservation_id=reservation_id, buckets=tuple(counted_in))
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
@@ -316,7 +316,7 @@ class MemoryState(Shortcuts):
             self._spend(
                 settlement.budget_keys,
                 settlement.reservation_id,
-                settlement.actual_micro_usd,
+                settlement.actual_pico_usd,
                 settlement.releases,
                 touched,
             )
@@ -328,7 +328,7 @@ class MemoryState(Shortcuts):
         delta: int,
         budget_keys: Sequence[str],
         reservation_id: str,
-        actual_micro_usd: int,
+        actual_pico_usd: int,
         releases: Sequence[tuple[str, int]] = (),
         report: bool = True,
         bucket: int | None = None,
@@ -352,7 +352,7 @@ class MemoryState(Shortcuts):
                 window.advance(current)
                 window.correct(bucket, current, delta)
         touched: set[str] = set()
-        self._spend(budget_keys, reservation_id, actual_micro_usd, releases, touched)
+        self._spend(budget_keys, reservation_id, actual_pico_usd, releases, touched)
         if not report:
             return {}
         return {key: (self._budgets[key].spent, self._budgets[key].reserved(now)) for key in touched}
@@ -366,7 +366,7 @@ class MemoryState(Shortcuts):
         self,
         budget_keys: Sequence[str],
         reservation_id: str,
-        actual_micro_usd: int,
+        actual_pico_usd: int,
         releases: Sequence[tuple[str, int]],
         touched: set[str],
     ) -> None:
@@ -376,15 +376,15 @@ class MemoryState(Shortcuts):
                 state = self._budgets[key] = _Budget()
             rid, release = releases[i] if releases else (reservation_id, 0)
             state.release(rid, release)
-            state.spent += actual_micro_usd
+            state.spent += actual_pico_usd
             state.spent_known = True
             touched.add(key)
 
-    async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
+    async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
         async with self._lock:
             state = self._budgets.setdefault(key, _Budget())
             if not state.spent_known:  # as Redis's HSETNX: a reservation alone does not count as known
-                state.spent, state.spent_known = spent_micro_usd, True
+                state.spent, state.spent_known = spent_pico_usd, True
 
     def budget_spent_at_least(self, usage: Mapping[str, tuple[int, int]]) -> None:
         """Raise each budget's `spent` to the (spent, reserved) pair's spent, never lowering it: what

@@ -46,6 +46,17 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
+# Budgets count pico-dollars, past 2^53 (about USD 9,007) for a large month: more than a Lua number
+# (a double) holds exactly. So amounts are added by HINCRBY from their decimal text, never through a
+# Lua number, and `spent` and `reserved` are returned as text; only the comparisons with a limit
+# read them as numbers (within 2^-52 of the total, at most a thousandth of a micro-dollar).
+_NEGATED = """
+local function negated(text)
+  if text == '0' then return '0' end
+  return '-' .. text
+end
+"""
+
 # A limit's hash holds one field per bucket (its index) plus 't', the sum of the live buckets, and
 # 'lo', the oldest bucket index not yet removed. Admission then reads two fields and removes the
 # buckets that left the window since the last call (about one a second), instead of reading and
@@ -109,6 +120,7 @@ end
 # it, so near a limit every request is decided here, one by one.
 ADMIT = (
     _NOW_MS
+    + _NEGATED
     + _WINDOW
     + """
 local buckets = tonumber(ARGV[1])
@@ -148,13 +160,14 @@ for i = 0, nb - 1 do
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', exp, '-inf', now_ms)) do
     local stale = redis.call('HGET', res, id)
     if stale then
-      redis.call('HINCRBY', k, 'reserved', string.format('%d', -tonumber(stale)))
+      redis.call('HINCRBY', k, 'reserved', negated(stale))
       redis.call('HDEL', res, id)
     end
     redis.call('ZREM', exp, id)
   end
-  local spent = tonumber(redis.call('HGET', k, 'spent') or '0')
-  spents[i + 1] = spent
+  local spent_text = redis.call('HGET', k, 'spent') or '0'
+  local spent = tonumber(spent_text)
+  spents[i + 1] = spent_text
   local reserved = tonumber(redis.call('HGET', k, 'reserved') or '0')
   local limit = tonumber(ARGV[b0 + 4 + i * 2])
   if spent + reserved + amount > limit then
@@ -162,9 +175,9 @@ for i = 0, nb - 1 do
     for j = 1, i + 1 do out[#out + 1] = spents[j] end
     return out
   end
-  local pool = tonumber(ARGV[b0 + 5 + i * 2])
-  if pool <= 0 or spent + reserved + amount + pool > math.floor(limit / 2) then
-    pool = 0
+  local pool = ARGV[b0 + 5 + i * 2]
+  if tonumber(pool) <= 0 or spent + reserved + amount + tonumber(pool) > math.floor(limit / 2) then
+    pool = '0'
   end
   pools[i + 1] = pool
 end
@@ -188,9 +201,12 @@ for i = 1, n do
 end
 for i = 0, nb - 1 do
   local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
-  local held = string.format('%d', amount + pools[i + 1])
-  redis.call('HINCRBY', k, 'reserved', held)
-  redis.call('HSET', res, ARGV[b0 + 2], held)
+  redis.call('HINCRBY', k, 'reserved', ARGV[b0])
+  redis.call('HSET', res, ARGV[b0 + 2], ARGV[b0])
+  if pools[i + 1] ~= '0' then
+    redis.call('HINCRBY', k, 'reserved', pools[i + 1])
+    redis.call('HINCRBY', res, ARGV[b0 + 2], pools[i + 1])
+  end
   redis.call('ZADD', exp, now_ms + tonumber(ARGV[b0 + 1]), ARGV[b0 + 2])
   redis.call('PEXPIRE', k, ARGV[b0 + 3])
   redis.call('PEXPIRE', res, ARGV[b0 + 3])
@@ -211,6 +227,7 @@ return out
 # Returns (spent, reserved) per budget, afterwards.
 SETTLE = (
     _NOW_MS
+    + _NEGATED
     + """
 local buckets = tonumber(ARGV[1])
 local n = tonumber(ARGV[2])
@@ -241,23 +258,23 @@ for i = 0, (#KEYS - n) / 3 - 1 do
   local count = tonumber(ARGV[a + 1])
   for j = 0, count - 1 do
     local id = ARGV[a + 2 + j * 2]
-    local release = tonumber(ARGV[a + 3 + j * 2])
-    local held = tonumber(redis.call('HGET', res, id))
+    local release = ARGV[a + 3 + j * 2]
+    local held = redis.call('HGET', res, id)
     if held then
-      if release <= 0 or release >= held then
+      if tonumber(release) <= 0 or tonumber(release) >= tonumber(held) then
         release = held
         redis.call('HDEL', res, id)
         redis.call('ZREM', exp, id)
       else
-        redis.call('HINCRBY', res, id, string.format('%d', -release))
+        redis.call('HINCRBY', res, id, negated(release))
       end
-      redis.call('HINCRBY', k, 'reserved', string.format('%d', -release))
+      redis.call('HINCRBY', k, 'reserved', negated(release))
     end
   end
-  local spent = redis.call('HINCRBY', k, 'spent', actual)
+  redis.call('HINCRBY', k, 'spent', actual)
   redis.call('PEXPIRE', k, ttl)
-  usage[#usage + 1] = spent
-  usage[#usage + 1] = tonumber(redis.call('HGET', k, 'reserved') or '0')
+  usage[#usage + 1] = redis.call('HGET', k, 'spent')
+  usage[#usage + 1] = redis.call('HGET', k, 'reserved') or '0'
   a = a + 2 + count * 2
 end
 return usage
@@ -481,7 +498,7 @@ class RedisState(Shortcuts):
         self,
         limits: Sequence[Limit],
         budgets: Sequence[Budget] = (),
-        amount_micro_usd: int = 0,
+        amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
     ) -> Admission:
         if not limits and not budgets:
@@ -490,9 +507,9 @@ class RedisState(Shortcuts):
         args: list[int | str] = [BUCKETS, len(limits)]
         for limit in limits:
             args += [limit.limit, limit.cost, int(limit.window_s * 1000), limit.lease]
-        args += [amount_micro_usd, int(ttl_s * 1000), reservation_id or "", BUDGET_KEY_TTL_MS]
+        args += [amount_pico_usd, int(ttl_s * 1000), reservation_id or "", BUDGET_KEY_TTL_MS]
         for budget in budgets:
-            args += [budget.limit_micro_usd, budget.pool_micro_usd]
+            args += [budget.limit_pico_usd, budget.pool_pico_usd]
         keys = [self._k(limit.key) for limit in limits] + self._budget_keys([b.key for b in budgets])
         result = await self._call(self._admit, keys, args)
         if int(result[0]) == 1:
@@ -534,7 +551,7 @@ class RedisState(Shortcuts):
                 if entry is None:  # (not setdefault: its default would be built for every call)
                     entry = budgets[key] = ([0], [])
                 total, releases = entry
-                total[0] += settlement.actual_micro_usd
+                total[0] += settlement.actual_pico_usd
                 if settlement.releases:
                     if settlement.releases[i][0]:
                         releases.append(settlement.releases[i])
@@ -665,9 +682,9 @@ class RedisState(Shortcuts):
         finally:
             await pool.release(conn)
 
-    async def budget_seed(self, key: str, spent_micro_usd: int) -> None:
+    async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hsetnx(self._k(key), "spent", spent_micro_usd)
+            pipe.hsetnx(self._k(key), "spent", spent_pico_usd)
             pipe.pexpire(self._k(key), BUDGET_KEY_TTL_MS)
             await pipe.execute()
 

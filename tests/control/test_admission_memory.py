@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from gateway.accounting import admission as admission_module
-from gateway.accounting.admission import Admission, Quotas, month_of
+from gateway.accounting.admission import Admission, Quotas, budget_key, month_of
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import PriceCatalog
 from gateway.state.memory import MemoryState
@@ -50,12 +50,14 @@ async def test_a_settled_request_keeps_an_untracked_record_and_later_attempts_st
     state = MemoryState()
     admission = Admission(state, PriceCatalog)
     await admission.admit("r1", QUOTAS, "openai", "gpt-4o-mini", prompt_tokens=10, max_output_tokens=10)
-    budget = f"budget:tenant:t1:{month_of(dt.datetime.now(dt.UTC))}"
-    assert (await state.budget_usage(budget))[1] == 1  # the estimate's minimum: one micro-dollar reserved
+    budget = budget_key("tenant", "t1", month_of(dt.datetime.now(dt.UTC)))
+    assert (await state.budget_usage(budget))[1] == 1  # the estimate's minimum: one pico-dollar reserved
 
     admission.settle(event("r1", total_tokens=15, cost_pico_usd=2_500_000))  # 2.5 micro-USD
     await admission.drain()
-    assert await state.budget_usage(budget) == (3, 0)  # rounded up; the reservation released
+    # Exactly what the ledger bills, in its unit (pico-dollars); the reservation released. (It was
+    # rounded up to 3 micro-dollars per attempt, and the counter drifted ahead of the ledger.)
+    assert await state.budget_usage(budget) == (2_500_000, 0)
     assert state._windows["tpm:tenant:t1"].total == 15  # the estimate (20) corrected to the truth
     admission.finish("r1")
     gc.collect()
@@ -64,7 +66,7 @@ async def test_a_settled_request_keeps_an_untracked_record_and_later_attempts_st
 
     admission.settle(event("r1", total_tokens=7, cost_pico_usd=1_000_000, attempt=2))  # a fallback
     await admission.drain()
-    assert await state.budget_usage(budget) == (4, 0)
+    assert await state.budget_usage(budget) == (3_500_000, 0)
     assert state._windows["tpm:tenant:t1"].total == 22
 
     monkeypatch.setattr(admission_module, "FINISHED_GRACE_S", 0.0)
@@ -100,8 +102,8 @@ async def test_in_process_settlement_is_immediate() -> None:
     admission = Admission(state, PriceCatalog)
     await admission.admit("r1", QUOTAS, "openai", "gpt-4o-mini", prompt_tokens=10, max_output_tokens=10)
     admission.settle(event("r1", total_tokens=30, cost_pico_usd=5_000_000))
-    budget = f"budget:tenant:t1:{month_of(dt.datetime.now(dt.UTC))}"
-    assert state._budgets[budget].spent == 5 and state._budgets[budget].total_reserved == 0
+    budget = budget_key("tenant", "t1", month_of(dt.datetime.now(dt.UTC)))
+    assert state._budgets[budget].spent == 5_000_000 and state._budgets[budget].total_reserved == 0
     assert state._windows["tpm:tenant:t1"].total == 30
     assert not admission.settling()  # nothing left for a flush task to do
 
@@ -113,14 +115,14 @@ async def test_a_failed_attempt_holds_the_reservation_until_an_answer_or_the_end
     rather than holding the money until the reservation expires."""
     state = MemoryState()
     admission = Admission(state, PriceCatalog)
-    budget = f"budget:tenant:t1:{month_of(dt.datetime.now(dt.UTC))}"
+    budget = budget_key("tenant", "t1", month_of(dt.datetime.now(dt.UTC)))
     quota = {"prompt_tokens": 10, "max_output_tokens": 10}
 
     await admission.admit("answered", QUOTAS, "openai", "gpt-4o-mini", **quota)
     admission.settle(event("answered", total_tokens=4, cost_pico_usd=2_000_000, status=500))
-    assert state._budgets[budget].spent == 2 and state._budgets[budget].total_reserved == 1
+    assert state._budgets[budget].spent == 2_000_000 and state._budgets[budget].total_reserved == 1
     admission.settle(event("answered", total_tokens=15, cost_pico_usd=3_000_000, attempt=2))
-    assert state._budgets[budget].spent == 5 and state._budgets[budget].total_reserved == 0
+    assert state._budgets[budget].spent == 5_000_000 and state._budgets[budget].total_reserved == 0
     assert state._windows["tpm:tenant:t1"].total == 19  # both attempts' tokens, no estimate left
 
     await admission.admit("failed", QUOTAS, "openai", "gpt-4o-mini", **quota)
@@ -170,7 +172,7 @@ async def test_budgets_of_past_months_are_let_go_when_the_month_turns(
             admission.settle(event(f"r{month}-{i}", total_tokens=20, cost_pico_usd=2_000_000))
     current = month_of(clock[0])
     assert all(key.endswith(current) for key in admission._seeded) and len(admission._seeded) == 6
-    assert set(admission._tenant_budgets) == {f"budget:tenant:t{i}:{current}" for i in range(3)}
+    assert set(admission._tenant_budgets) == {budget_key("tenant", f"t{i}", current) for i in range(3)}
     assert admission._seed_locks == {}
     assert all(key.endswith(current) for key in state._budgets) and len(state._budgets) == 6
     assert admission.budget_usage_ratio == {f"t{i}": 2 / 10**9 for i in range(3)}
@@ -178,5 +180,5 @@ async def test_budgets_of_past_months_are_let_go_when_the_month_turns(
     # The next month: only its first requests' tenants have a budget in use.
     clock[0] = dt.datetime(2027, 1, 1, 0, 5, tzinfo=dt.UTC)
     await admission.admit("next", quotas[0], "openai", "gpt-4o-mini", 10, 10)
-    assert set(admission._tenant_budgets) == {"budget:tenant:t0:2027-01"}
-    assert admission.budget_usage_ratio == {"t0": 1 / 10**9}  # its reservation, nothing spent yet
+    assert set(admission._tenant_budgets) == {budget_key("tenant", "t0", "2027-01")}
+    assert admission.budget_usage_ratio == {"t0": 1 / 10**15}  # its reservation: a pico-dollar

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
 
 from gateway.accounting import events
-from gateway.accounting.admission import LEASE_REQUESTS, Admission, Quotas, month_of
+from gateway.accounting.admission import LEASE_REQUESTS, Admission, Quotas, budget_key, month_of
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import USAGE_FIELD, PriceCatalog, PriceRow, TokenClass, price_usage, resolve
 from gateway.accounting.sink import AccountingSink
@@ -52,7 +52,7 @@ async def test_memory_state_running_totals_match_a_recount(monkeypatch: pytest.M
             rid = rng.choice(list(held))
             release = rng.choice([0, 1, 10**6])
             await state.settle_many(
-                [Settlement((), [budget.key], actual_micro_usd=3, releases=[(rid, release)])]
+                [Settlement((), [budget.key], actual_pico_usd=3, releases=[(rid, release)])]
             )
             amount, expires = held[rid]
             if 0 < release < amount:
@@ -145,9 +145,9 @@ async def test_concurrent_requests_wait_for_the_lease_and_leases_grow(
     for key in ("rpm:tenant:t", "rpm:key:k"):  # unused leased units all came back
         fields = {k.decode(): int(v) for k, v in (await client.hgetall(f"{redis_prefix}{key}")).items()}
         assert fields["t"] == len(admitted)
-    budget = f"{redis_prefix}budget:tenant:t:{month_of(dt.datetime.now(dt.UTC))}"
+    budget = redis_prefix + budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
     # Unsettled requests still hold their estimate (10 micro-USD each); the pools are released.
-    assert int(await client.hget(budget, "reserved")) == 10 * len(admitted)
+    assert int(await client.hget(budget, "reserved")) == 10 * 10**6 * len(admitted)
 
 
 async def test_in_process_admit_and_settle_match_the_state_calls(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.accounting.admission import Admission, Quotas, RateLimited, month_of
+from gateway.accounting.admission import Admission, Quotas, RateLimited, budget_key, month_of
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.state.redis import RedisState
@@ -103,9 +103,9 @@ async def test_leases_admit_locally_and_the_books_end_exact(
     assert await window_total(client, f"{redis_prefix}rpm:tenant:t") == 600
     assert await window_total(client, f"{redis_prefix}rpm:key:k") == 600
     assert await window_total(client, f"{redis_prefix}tpm:tenant:t") == 600 * 40
-    budget = f"{redis_prefix}budget:tenant:t:{month_of(dt.datetime.now(dt.UTC))}"
+    budget = redis_prefix + budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
     spent, reserved = await client.hmget(budget, "spent", "reserved")
-    assert int(spent) == 600 * 40 and int(reserved) == 0
+    assert int(spent) == 600 * 40 * 10**6 and int(reserved) == 0  # pico-USD
     assert await client.hlen(f"{budget}:res") == 0
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gateway.accounting import admission as admission_module
-from gateway.accounting.admission import Admission, Quotas, month_of
+from gateway.accounting.admission import Admission, Quotas, budget_key, month_of
 from gateway.accounting.pricing import PriceCatalog
 from gateway.state import memory
 from gateway.state.base import Budget, Limit
@@ -184,7 +184,7 @@ async def test_the_fallback_behind_redis_lets_past_months_budgets_go(
             for i, quota in enumerate(quotas):
                 await admission.admit(f"r{m}-{i}", quota, "openai", "gpt-4o-mini", 10, 10)
         current = month_of(month[0])
-        assert sorted(state.fallback._budgets) == [f"budget:key:k{i}:{current}" for i in range(3)]
+        assert sorted(state.fallback._budgets) == [budget_key("key", f"k{i}", current) for i in range(3)]
     finally:
         await admission.drain()
         await state.close()

@@ -84,7 +84,7 @@ async def test_a_correction_lands_in_the_bucket_it_names_or_nowhere(state: Share
 
 
 async def test_budget_reservations_cap_concurrent_spend(state: SharedState) -> None:
-    budget = Budget("budget:tenant:t:2026-11", limit_micro_usd=100)
+    budget = Budget("budget:tenant:t:2026-11", limit_pico_usd=100)
     decisions = await asyncio.gather(*(state.budget_reserve([budget], 10) for _ in range(50)))
     granted = [d for d in decisions if d.allowed]
     assert len(granted) == 10  # in flight can never exceed the budget
@@ -133,6 +133,31 @@ async def test_budget_all_or_none_seed_and_expiry(state: SharedState) -> None:
     assert not (await state.budget_reserve([Budget("budget:tenant:e", 100)], 1)).allowed
     await asyncio.sleep(0.3)
     assert (await state.budget_reserve([Budget("budget:tenant:e", 100)], 100)).allowed
+
+
+@pytest.mark.redis
+async def test_budget_counters_in_redis_stay_exact_past_what_a_lua_number_holds(redis_prefix: str) -> None:
+    """Budgets count pico-dollars: a large month passes 2^53 (about USD 9,007), beyond which a Lua
+    number (a double) is no longer exact. Redis adds every amount as an integer, and `spent`,
+    `reserved` and pools come back as they are held, to the pico-dollar."""
+    state = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    big = 2**53 + 1  # the first integer a double cannot hold
+    budget = Budget("budget:pico:tenant:t:2026-11", 2**62, pool_pico_usd=big)
+    try:
+        await state.budget_seed(budget.key, 2**60 + 1)
+        decision = await state.admit([], [budget], big)
+        assert decision.allowed and decision.spent == (2**60 + 1,) and decision.pools == (big,)
+        assert await state.budget_usage(budget.key) == (2**60 + 1, 2 * big)
+        rid = decision.reservation_id or ""
+        usage = await state.settle_many(
+            [Settlement((), [budget.key], actual_pico_usd=big, releases=[(rid, big)])]
+        )
+        assert usage == {budget.key: (2**60 + 1 + big, big)}  # the pool's part still held
+        usage = await state.settle_many([Settlement((), [budget.key], rid, actual_pico_usd=big)])
+        assert usage == {budget.key: (2**60 + 1 + 2 * big, 0)}
+        assert await state.budget_usage(budget.key) == (2**60 + 1 + 2 * big, 0)
+    finally:
+        await state.close()
 
 
 async def test_compare_and_set(state: SharedState) -> None:

@@ -42,7 +42,6 @@ import pytest
 from structlog.testing import capture_logs
 
 from gateway.accounting.events import UsageEvent
-from gateway.accounting.money import pico_to_micro_ceil
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.usage_sink import ListSink
@@ -673,7 +672,7 @@ def test_random_faults_keep_every_invariant(
     spent, reserved = admission.state.budget_usage_now(budgets[0])
     assert reserved == 0, (spent, reserved)
     assert not [p for p in admission._pending.values() if not isinstance(p, tuple)]
-    assert spent == sum(pico_to_micro_ceil(e.cost_pico_usd) for e in events), spent
+    assert spent == sum(e.cost_pico_usd for e in events), spent
     # Rate limits: one request counted per request admitted, its estimate corrected to the tokens
     # its attempts used (the run fits in the limits' minute).
     tenant_id = events[0].tenant_id

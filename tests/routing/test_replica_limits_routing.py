@@ -94,11 +94,11 @@ class Replicas:
         return made.json()["id"], key.json()["key"]
 
     def budget(self, tenant_id: str) -> tuple[int, int]:
-        """(spent, reserved) of the tenant's budget this month in micro-dollars, as Redis holds it."""
-        month = dt.datetime.now(dt.UTC).strftime("%Y-%m")
+        """(spent, reserved) of the tenant's budget this month in pico-dollars, as Redis holds it."""
+        month = admission.month_of(dt.datetime.now(dt.UTC))
         with redis.Redis.from_url(REDIS_URL) as shared:
             spent, reserved = shared.hmget(
-                f"{self.prefix}budget:tenant:{tenant_id}:{month}", "spent", "reserved"
+                self.prefix + admission.budget_key("tenant", tenant_id, month), "spent", "reserved"
             )
         return int(spent or 0), int(reserved or 0)
 
@@ -178,9 +178,9 @@ def eventually(check: Callable[[], bool], within: float, what: str) -> None:
 
 
 def books_match(cluster: Replicas, tenant_id: str, rows: int) -> None:
-    """Redis's books for the tenant's budget come to what the ledger bills (each attempt's cost
-    rounded up to a micro-dollar, as settled), with nothing left reserved."""
-    billed = sum(micro(cost) for _, _, cost in cluster.ledger(tenant_id, rows))
+    """Redis's books for the tenant's budget come to exactly what the ledger bills, with nothing left
+    reserved."""
+    billed = sum(cost for _, _, cost in cluster.ledger(tenant_id, rows))
     deadline = time.monotonic() + 3
     while (books := cluster.budget(tenant_id)) != (billed, 0):
         assert time.monotonic() < deadline, f"(spent, reserved) {books}, billed {billed}"
@@ -205,11 +205,6 @@ def stream_text(client: openai.OpenAI, model: str, **kw: Any) -> str:
 def chats(fake: FakeOpenAI) -> int:
     """Chat requests the vendor got (not the health probes' model lists)."""
     return sum(r.path.endswith("/chat/completions") for r in fake.requests)
-
-
-def micro(pico: int) -> int:
-    """Pico-USD as a budget settles it: rounded up to whole micro-dollars, per attempt."""
-    return -(-pico // 10**6)
 
 
 # --- rate limits: counted once per request, the gateway's own 429 ----------------------------------
