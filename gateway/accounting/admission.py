@@ -251,7 +251,9 @@ class Admission:
             if owner is not None and limit is not None:
                 key = budget_key(scope, owner, month)
                 limit_pico_usd = micro_to_pico(limit)
-                budgets.append((Budget(key, limit_pico_usd), scope, owner))
+                # Seeded from the ledger before use (`_seed`), when there is one: a state that then
+                # holds no seed lost it and says so (`unseeded`).
+                budgets.append((Budget(key, limit_pico_usd, seeded=self._spend is not None), scope, owner))
                 if scope == "tenant":
                     self._tenant_budgets[key] = (owner, limit_pico_usd)
         if len(self._plans) >= MAX_PLANS:
@@ -315,6 +317,9 @@ class Admission:
             # A seed that failed (DB down) is tried again on a later request.
             plan.seeded = all(budget.key in self._seeded for budget in plan.budget_list)
         budgets = plan.budget_list  # never modified: the leasing path below builds new lists
+        if not plan.seeded:
+            # Meanwhile those budgets are admitted against what the shared state holds of them.
+            budgets = [b if b.key in self._seeded else replace(b, seeded=False) for b in budgets]
         amount = 0
         if budgets:
             # The estimate's price: what pricing Usage(input_tokens=prompt, output_tokens=max output)
@@ -402,6 +407,9 @@ class Admission:
                     del self._asking[key]
                 if asked:
                     answer.set()
+        if decision.unseeded:
+            budgets = await self._seed_again(plan, budgets, decision.unseeded, now)
+            decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
         if not decision.allowed:
             blocked = decision.blocked_by or ""
             scope = "key" if ":key:" in blocked else "tenant"
@@ -575,6 +583,25 @@ class Admission:
             await self.state.budget_seed(key, spent)
             self._seeded.add(key)
             self._seed_locks.pop(key, None)  # gone already if the month turned meanwhile
+
+    async def _seed_again(
+        self, plan: _Plan, budgets: list[Budget], lost: Sequence[str], now: dt.datetime
+    ) -> list[Budget]:
+        """The shared state lost what it held of `lost` budgets (Redis restarted without its data,
+        failed over to a replica behind it, or evicted the keys): seed them again from the ledger,
+        once however many requests found them lost. The budgets to ask with once more: those not
+        checked for their seed again (one that failed, DB down, is admitted against what the state
+        holds, as before a first seed)."""
+        for key in lost:
+            if key in self._seeded:
+                log.warning("the shared state lost budget %s: seeding it again from the ledger", key)
+                self._seeded.discard(key)
+        plan.seeded = False
+        for budget, scope, owner in plan.budgets:
+            if budget.key in lost:
+                await self._seed(budget.key, scope, owner, now)
+        plan.seeded = all(budget.key in self._seeded for budget in plan.budget_list)
+        return [replace(b, seeded=False) if b.key in lost else b for b in budgets]
 
     def settle(self, event: UsageEvent) -> None:
         """Called for every usage event; the shared-state work happens off the request path, every

@@ -67,6 +67,10 @@ class Admission:
     # buckets since the epoch, by the state's clock). A correction of that count goes there
     # (`Adjustment.bucket`), never to a later bucket that would keep it after the count has left.
     buckets: tuple[int, ...] = ()
+    # Refused because the state holds no seed for these budgets, which the caller had seeded: it
+    # lost them (Redis restarted empty, failed over to a replica behind it, evicted the key). Nothing
+    # was counted; the caller seeds them again from the ledger and asks once more.
+    unseeded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,9 @@ class Budget:
     # Extra money to reserve beyond the request's amount, for the caller's later requests (a pool),
     # granted only while spent + reserved stays at most half the limit with it. 0: none.
     pool_pico_usd: int = 0
+    # The caller seeded it (`budget_seed`): a state that holds no seed for it lost its data, and
+    # refuses the admission as `unseeded` rather than count from zero.
+    seeded: bool = False
 
 
 BudgetDecision = Admission
@@ -144,7 +151,8 @@ class SharedState(Protocol):
     async def budget_settle(self, keys: Sequence[str], reservation_id: str, actual_pico_usd: int) -> None: ...
 
     async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
-        """Start a budget's `spent` from the ledger, unless some replica already did."""
+        """Add the ledger's spend to a budget's `spent`, unless some replica seeded it already (since
+        the state last lost it): what was settled meanwhile stays counted."""
         ...
 
     async def budget_usage(self, key: str) -> tuple[int, int]:

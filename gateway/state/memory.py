@@ -90,8 +90,8 @@ class _Budget:
         "_recent",
         "_recent_expiry",
         "reservations",
+        "seeded",
         "spent",
-        "spent_known",
         "total_reserved",
     )
 
@@ -99,7 +99,7 @@ class _Budget:
 
     def __init__(self) -> None:
         self.spent = 0
-        self.spent_known = False  # seeded from the ledger or settled at least once
+        self.seeded = False  # `spent` includes the ledger's (seeded, or told by a state that was)
         self.reservations: dict[str, tuple[int, float]] = {}  # id -> (amount, expires)
         self.total_reserved = 0
         self._expiries: list[tuple[float, str]] = []
@@ -279,6 +279,11 @@ class MemoryState(Shortcuts):
             state = self._budgets.get(budget.key)
             if state is None:
                 state = self._budgets[budget.key] = _Budget()
+            if budget.seeded and not state.seeded:
+                # The caller's seed is not here (as Redis answers when it lost one): nothing counted.
+                held = self._budgets
+                lost = (b.key for b in budgets if b.seeded and not held.setdefault(b.key, _Budget()).seeded)
+                return Admission(False, unseeded=tuple(lost))
             if state.spent + state.reserved(now) + amount_pico_usd > budget.limit_pico_usd:
                 return Admission(False, blocked_by=budget.key)
             states.append(state)
@@ -377,14 +382,14 @@ class MemoryState(Shortcuts):
             rid, release = releases[i] if releases else (reservation_id, 0)
             state.release(rid, release)
             state.spent += actual_pico_usd
-            state.spent_known = True
             touched.add(key)
 
     async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
         async with self._lock:
             state = self._budgets.setdefault(key, _Budget())
-            if not state.spent_known:  # as Redis's HSETNX: a reservation alone does not count as known
-                state.spent, state.spent_known = spent_pico_usd, True
+            if not state.seeded:  # as in Redis: once, added to what was settled before it
+                state.spent += spent_pico_usd
+                state.seeded = True
 
     def budget_spent_at_least(self, usage: Mapping[str, tuple[int, int]]) -> None:
         """Raise each budget's `spent` to the (spent, reserved) pair's spent, never lowering it: what
@@ -397,7 +402,7 @@ class MemoryState(Shortcuts):
                 state = budgets[key] = _Budget()
             if spent > state.spent:
                 state.spent = spent
-            state.spent_known = True
+            state.seeded = True
 
     def forget_budgets(self, keep: Callable[[str], bool]) -> None:
         """Drop the budgets `keep` says no for: Admission's of months gone by, at a month's turn (in

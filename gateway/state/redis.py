@@ -111,11 +111,12 @@ end
 
 # KEYS: the limit keys, then (budget, budget:res, budget:exp) per budget.
 # ARGV: BUCKETS, number of limits, (limit, cost, window_ms, lease) per limit, then amount, reservation
-# ttl ms, reservation id, budget key ttl ms, then (limit, pool) per budget.
+# ttl ms, reservation id, budget key ttl ms, then (limit, pool, seeded: 1 or 0) per budget.
 # Returns {1, then (leased units, bucket, ms left in it) per limit, then the pool per budget, then
 # `spent` per budget} when admitted, {0, 1, limit index, retry-after ms} or {0, 2, budget index, then
 # `spent` per budget up to that one} when refused (`spent`: for the in-process fallback to start
-# from during an outage, gateway.state.degradable); nothing is counted or reserved unless everything
+# from during an outage, gateway.state.degradable), or {0, 3, then the index of each budget the
+# caller seeded that holds no seed: Redis lost it}; nothing is counted or reserved unless everything
 # fits. A lease or pool is granted only while the window (the budget) stays at most half used with
 # it, so near a limit every request is decided here, one by one.
 ADMIT = (
@@ -154,7 +155,7 @@ end
 local b0 = 3 + n * 4
 local amount = tonumber(ARGV[b0])
 local nb = (#KEYS - n) / 3
-local pools, spents = {}, {}
+local pools, spents, lost = {}, {}, {}
 for i = 0, nb - 1 do
   local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', exp, '-inf', now_ms)) do
@@ -169,17 +170,25 @@ for i = 0, nb - 1 do
   local spent = tonumber(spent_text)
   spents[i + 1] = spent_text
   local reserved = tonumber(redis.call('HGET', k, 'reserved') or '0')
-  local limit = tonumber(ARGV[b0 + 4 + i * 2])
+  local limit = tonumber(ARGV[b0 + 4 + i * 3])
+  if ARGV[b0 + 6 + i * 3] == '1' and redis.call('HEXISTS', k, 'seeded') == 0 then
+    lost[#lost + 1] = i + 1
+  end
   if spent + reserved + amount > limit then
     local out = {0, 2, i + 1}
     for j = 1, i + 1 do out[#out + 1] = spents[j] end
     return out
   end
-  local pool = ARGV[b0 + 5 + i * 2]
+  local pool = ARGV[b0 + 5 + i * 3]
   if tonumber(pool) <= 0 or spent + reserved + amount + tonumber(pool) > math.floor(limit / 2) then
     pool = '0'
   end
   pools[i + 1] = pool
+end
+if #lost > 0 then
+  local out = {0, 3}
+  for _, i in ipairs(lost) do out[#out + 1] = i end
+  return out
 end
 local out = {1}
 for i = 1, n do
@@ -280,6 +289,16 @@ end
 return usage
 """
 )
+
+# KEYS[1]: a budget. ARGV: the ledger's spend this month, the key's ttl ms. Added to `spent` once
+# (`seeded` marks it), on top of whatever was settled since Redis lost the budget (or before the
+# first seed): a replica that seeds it again then still counts those attempts.
+SEED = """
+if redis.call('HSETNX', KEYS[1], 'seeded', '1') == 1 then
+  redis.call('HINCRBY', KEYS[1], 'spent', ARGV[1])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
 
 # KEYS[1]. ARGV: expect-absent flag, expected, new value, ttl ms ('' for none).
 COMPARE_AND_SET = """
@@ -466,6 +485,7 @@ class RedisState(Shortcuts):
         self._prefix = prefix
         self._admit = client.register_script(ADMIT)
         self._settle = client.register_script(SETTLE)
+        self._seed = client.register_script(SEED)
         self._cas = client.register_script(COMPARE_AND_SET)
         self._set_if_absent = client.register_script(SET_IF_ABSENT)
         self._listeners: list[asyncio.Task[None]] = []
@@ -509,7 +529,7 @@ class RedisState(Shortcuts):
             args += [limit.limit, limit.cost, int(limit.window_s * 1000), limit.lease]
         args += [amount_pico_usd, int(ttl_s * 1000), reservation_id or "", BUDGET_KEY_TTL_MS]
         for budget in budgets:
-            args += [budget.limit_pico_usd, budget.pool_pico_usd]
+            args += [budget.limit_pico_usd, budget.pool_pico_usd, int(budget.seeded)]
         keys = [self._k(limit.key) for limit in limits] + self._budget_keys([b.key for b in budgets])
         result = await self._call(self._admit, keys, args)
         if int(result[0]) == 1:
@@ -531,6 +551,8 @@ class RedisState(Shortcuts):
             )
         if int(result[1]) == 1:
             return Admission(False, int(result[3]) / 1000, limits[int(result[2]) - 1].key)
+        if int(result[1]) == 3:
+            return Admission(False, unseeded=tuple(budgets[int(i) - 1].key for i in result[2:]))
         spent = tuple(int(s) for s in result[3:])
         return Admission(False, blocked_by=budgets[int(result[2]) - 1].key, spent=spent)
 
@@ -683,10 +705,7 @@ class RedisState(Shortcuts):
             await pool.release(conn)
 
     async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hsetnx(self._k(key), "spent", spent_pico_usd)
-            pipe.pexpire(self._k(key), BUDGET_KEY_TTL_MS)
-            await pipe.execute()
+        await self._call(self._seed, [self._k(key)], [spent_pico_usd, BUDGET_KEY_TTL_MS])
 
     async def budget_usage(self, key: str) -> tuple[int, int]:
         spent, reserved = await self._redis.hmget(self._k(key), "spent", "reserved")

@@ -80,3 +80,99 @@ async def test_budget_spend_is_what_the_ledger_bills_not_each_attempt_rounded_up
     assert await state.budget_usage(budget) == (100 * 10**6, 0)
     with pytest.raises(QuotaExceeded):
         await admission.admit("over", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(REDIS_URL)
+    yield client
+    await client.aclose()
+
+
+async def lose_budget(client: aioredis.Redis, redis_prefix: str, scope: str, owner: str) -> None:
+    """What Redis restarting without its data, failing over to a replica behind it or evicting the
+    keys leaves of one budget: nothing (only this test's keys go)."""
+    key = redis_prefix + budget_key(scope, owner, month_of(dt.datetime.now(dt.UTC)))
+    assert await client.delete(key, f"{key}:res", f"{key}:exp") >= 1
+
+
+@pytest.mark.redis
+async def test_budget_spend_is_not_forgotten_when_redis_loses_its_data(
+    redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """docs/deploy.md: budget counters are re-seeded from the ledger. A replica seeded a budget once
+    a month (Admission._seeded) and never again, and the seed set `spent` only where it was missing:
+    after Redis lost its data every replica admitted the tenant as if nothing had been spent this
+    month, until each restarted. Admission now learns from its admission that Redis holds no seed,
+    seeds again from the ledger and asks once more; the tenant stays refused on every replica."""
+    lookups: list[str] = []
+
+    async def spend(scope: str, owner: str, month_start: dt.date) -> int:
+        lookups.append(owner)
+        return 5 * 10**12  # the ledger says USD 5 spent this month
+
+    states = [RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix) for _ in range(2)]
+    replicas = [Admission(s, lambda: EMBEDDINGS, spend=spend) for s in states]
+    quotas = Quotas("t", None, tenant_budget_micro_usd=5 * 10**6)  # a USD 5 budget: all spent
+    try:
+        for replica in replicas:
+            with pytest.raises(QuotaExceeded):
+                await replica.admit("before", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        assert lookups == ["t", "t"]
+        await lose_budget(redis_client, redis_prefix, "tenant", "t")
+        for replica in replicas:
+            with pytest.raises(QuotaExceeded):
+                await replica.admit("after", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        # The first replica seeded it again, once; the second found it seeded (no lookup, no round trip).
+        assert lookups == ["t", "t", "t"]
+        assert await states[1].budget_usage(budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))) == (
+            5 * 10**12,
+            0,
+        )
+    finally:
+        for state in states:
+            await state.close()
+
+
+@pytest.mark.redis
+async def test_what_was_settled_after_redis_lost_a_budget_counts_with_the_ledger_s_spend(
+    redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """An attempt admitted before the loss settles after it, and recreates the budget's `spent` with
+    its own cost alone: that must not pass for the month's spend. The next admission seeds the budget
+    again, adding the ledger's spend to it. With the database down then, the request is admitted
+    against what Redis holds (as before a first seed, not refused or retried forever), and the
+    budget is seeded on a later request."""
+    database_down = False
+
+    async def spend(scope: str, owner: str, month_start: dt.date) -> int:
+        if database_down:
+            raise OSError("database unreachable")
+        return 4 * 10**12  # USD 4
+
+    state = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    admission = Admission(state, lambda: EMBEDDINGS, spend=spend)
+    quotas = Quotas("t", None, tenant_budget_micro_usd=5 * 10**6)  # USD 5
+    budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
+    usd = 10**12
+    try:
+        await admission.admit("r1", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        await lose_budget(redis_client, redis_prefix, "tenant", "t")
+        admission.settle(event("r1", Usage(input_tokens=10), usd // 2))
+        await admission.drain()
+        assert await state.budget_usage(budget) == (usd // 2, 0)
+
+        await admission.admit("r2", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        assert await state.budget_usage(budget) == (usd // 2 + 4 * usd, 200_000)  # r2's estimate held
+        with pytest.raises(QuotaExceeded):  # USD 0.6 fits only in what Redis had forgotten
+            await admission.admit("r3", quotas, "b", "m", prompt_tokens=30_000_000, max_output_tokens=0)
+
+        database_down = True
+        await lose_budget(redis_client, redis_prefix, "tenant", "t")
+        await admission.admit("r4", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        database_down = False
+        with pytest.raises(QuotaExceeded):  # the next request seeded it: USD 4 + 1.5 > 5
+            await admission.admit("r5", quotas, "b", "m", prompt_tokens=75_000_000, max_output_tokens=0)
+        assert await state.budget_usage(budget) == (4 * usd, 200_000)  # r4's estimate held
+    finally:
+        await state.close()

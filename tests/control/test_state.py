@@ -135,6 +135,27 @@ async def test_budget_all_or_none_seed_and_expiry(state: SharedState) -> None:
     assert (await state.budget_reserve([Budget("budget:tenant:e", 100)], 100)).allowed
 
 
+async def test_a_budget_its_caller_seeded_but_the_state_does_not_hold_is_refused_as_unseeded(
+    state: SharedState,
+) -> None:
+    """A state that holds no seed for a budget its caller seeded has lost it (Redis restarted empty,
+    failed over, evicted the key): it says which, counts nothing, and a seed then adds the ledger's
+    spend to what was settled meanwhile."""
+    rpm = Limit("rpm:tenant:u", 10)
+    tenant, key = Budget("budget:tenant:u", 1_000, seeded=True), Budget("budget:key:u", 1_000, seeded=True)
+    await state.budget_seed(key.key, 100)
+    await state.budget_settle([tenant.key], "", 7)  # an attempt admitted before the loss settles after it
+    refused = await state.admit([rpm], [tenant, key], 50)
+    assert not refused.allowed and refused.unseeded == (tenant.key,)
+    assert await state.budget_usage(tenant.key) == (7, 0)  # nothing reserved
+    assert (await state.admit([Limit(rpm.key, 10, cost=10)])).allowed  # nor counted: 10 of 10 fit
+    await state.budget_seed(tenant.key, 600)
+    await state.budget_seed(tenant.key, 0)  # another replica's seed after it changes nothing
+    assert await state.budget_usage(tenant.key) == (607, 0)
+    assert (await state.admit([], [tenant, key], 50)).allowed
+    assert await state.budget_usage(tenant.key) == (607, 50)
+
+
 @pytest.mark.redis
 async def test_budget_counters_in_redis_stay_exact_past_what_a_lua_number_holds(redis_prefix: str) -> None:
     """Budgets count pico-dollars: a large month passes 2^53 (about USD 9,007), beyond which a Lua
