@@ -123,7 +123,7 @@ async def test_budget_spend_is_not_forgotten_when_redis_loses_its_data(
         for replica in replicas:
             with pytest.raises(QuotaExceeded):
                 await replica.admit("after", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
-        # The first replica seeded it again, once; the second found it seeded (no lookup, no round trip).
+        # The first replica seeded it again, once; the second found it seeded (no lookup, no second ask).
         assert lookups == ["t", "t", "t"]
         assert await states[1].budget_usage(budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))) == (
             5 * 10**12,
