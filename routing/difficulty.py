@@ -503,6 +503,17 @@ def prompt_text(messages: list[dict[str, Any]]) -> str:
     return ""
 
 
+@dataclass(frozen=True, slots=True)
+class StrongCall:
+    """A calibrator's answer for one request (`StrongShareCalibrator.call`), kept apart from counting
+    the request as traffic (`count`), which waits until it is sent."""
+
+    score: float
+    strong: bool
+    threshold: float  # as it is with this request counted
+    tie_credit: float  # what counting it moves the tie credit by (see `StrongShareCalibrator.call`)
+
+
 class StrongShareCalibrator:
     """Turns "send about X% of traffic to the strong model" into a score threshold.
 
@@ -511,8 +522,8 @@ class StrongShareCalibrator:
     scores have been seen it falls back to `initial_threshold` (e.g. the same quantile on the
     training data), except for a target of 0 or 1: never or always strong from the first request.
     Scores equal to the threshold (a window of repeated prompts, a head that scores many alike) go
-    strong in the proportion that keeps the target share, spread evenly over them. Observing and
-    reading are O(log window) and thread-safe.
+    strong in the proportion that keeps the target share, spread evenly over them. Deciding is
+    O(window), observing O(log window), and both are thread-safe.
     """
 
     def __init__(
@@ -532,7 +543,7 @@ class StrongShareCalibrator:
         self.initial_threshold = initial_threshold
         self._recent: deque[float] = deque()
         self._sorted: list[float] = []
-        self._tie_credit = 0.0  # strong calls owed to scores tied at the threshold (see route_strong)
+        self._tie_credit = 0.0  # strong calls owed to scores tied at the threshold (see `call`)
         self._lock = threading.Lock()
 
     def observe(self, score: float) -> None:
@@ -549,15 +560,16 @@ class StrongShareCalibrator:
     def threshold(self) -> float:
         """Scores strictly above this go to the strong model."""
         with self._lock:
-            return self._threshold()[0]
+            return self._threshold(self._sorted)[0]
 
-    def _threshold(self) -> tuple[float, int]:
-        """The threshold, and how many of the window's scores should go strong (-1: not calibrated)."""
+    def _threshold(self, scores: list[float]) -> tuple[float, int]:
+        """The threshold over `scores` (sorted), and how many of them should go strong (-1: not
+        calibrated)."""
         if self.target_share <= 0.0:
             return math.inf, 0
         if self.target_share >= 1.0:
-            return -math.inf, len(self._sorted)
-        n = len(self._sorted)
+            return -math.inf, len(scores)
+        n = len(scores)
         if n < self.min_samples:
             return self.initial_threshold, -1
         strong = round(self.target_share * n)
@@ -565,25 +577,40 @@ class StrongShareCalibrator:
             return math.inf, 0
         if strong >= n:
             return -math.inf, n
-        return self._sorted[n - strong - 1], strong
+        return scores[n - strong - 1], strong
 
-    def route_strong(self, score: float) -> bool:
-        """Record `score` as traffic, then say whether this request goes to the strong model."""
+    def call(self, score: float) -> StrongCall:
+        """Whether a request of `score` goes to the strong model, judged on the window with its score
+        in it; the window is left as it is (`count` adds it once the request is sent: one the gateway
+        refused, or a token count, is no traffic)."""
         with self._lock:
-            self._observe(score)
-            threshold, strong = self._threshold()
+            scores = self._sorted.copy()
+            bisect.insort(scores, score)
+            if len(self._recent) >= self.window:  # as `_observe` would drop the oldest
+                del scores[bisect.bisect_left(scores, self._recent[0])]
+            threshold, strong = self._threshold(scores)
             if score != threshold or strong < 0:
-                return score > threshold
+                return StrongCall(score, score > threshold, threshold, 0.0)
             # Tied at the threshold: of the window's scores equal to it, `strong - above` belong to the
             # top share. Send that proportion of the tied requests strong (deterministically, by
-            # accumulating it), so a window of equal scores still gets its target share.
-            equal = bisect.bisect_right(self._sorted, score) - bisect.bisect_left(self._sorted, score)
-            above = len(self._sorted) - bisect.bisect_right(self._sorted, score)
-            self._tie_credit += (strong - above) / equal
-            if self._tie_credit >= 1.0:
-                self._tie_credit -= 1.0
-                return True
-            return False
+            # accumulating it as they are counted), so a window of equal scores still gets its share.
+            equal = bisect.bisect_right(scores, score) - bisect.bisect_left(scores, score)
+            above = len(scores) - bisect.bisect_right(scores, score)
+            owed = (strong - above) / equal
+            go = self._tie_credit + owed >= 1.0
+            return StrongCall(score, go, threshold, owed - float(go))
+
+    def count(self, call: StrongCall) -> None:
+        """Count the request `call` answered for as traffic: its score joins the window."""
+        with self._lock:
+            self._observe(call.score)
+            self._tie_credit += call.tie_credit
+
+    def route_strong(self, score: float) -> bool:
+        """Whether a request of `score` goes to the strong model, counted as traffic at once."""
+        call = self.call(score)
+        self.count(call)
+        return call.strong
 
     def __len__(self) -> int:
         return len(self._recent)

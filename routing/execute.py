@@ -337,7 +337,9 @@ class Executor:
         def sending() -> None:
             # Admitted (stream slots, rate limits, budgets: the gateway's own time, a Redis round
             # trip or the month's first budget seed from the ledger) and going upstream now: where
-            # the backend's time to first token, and the hedge delay, start.
+            # the backend's time to first token, and the hedge delay, start, and where the request
+            # becomes traffic the policy learns from (once, whichever attempt is the first sent).
+            plan.commit()
             if deadline is not None:
                 deadline.start()
             if sent is not None and not sent.done():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,9 @@ if TYPE_CHECKING:
     from routing.routes import Candidate, Route
 
 CHARS_PER_TOKEN = 4  # estimate, for conditions and cost; the vendor counts exactly afterwards
+# What a policy learns from one request (its score in a strong-share window, prefix affinity's hit or
+# miss and the prefixes it sends), kept once the request is sent (`Plan.commit`).
+Lesson = Callable[[], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +116,16 @@ class Plan:
     attempts: int = 0
     chosen: Choice | None = None
     tried: list[str] = field(default_factory=list)  # "model:outcome" per attempt
+    lessons: list[Lesson] = field(default_factory=list)  # what `commit` keeps
+
+    def commit(self) -> None:
+        """The request's first attempt was admitted and went upstream: keep what the policy learnt from
+        it. Not before: a request the gateway refuses (its own 429s, which clients retry in a loop)
+        sends nothing to any candidate, and is no traffic to learn from. Once: a failover's or a
+        hedge's later attempts add nothing."""
+        lessons, self.lessons = self.lessons, []
+        for lesson in lessons:
+            lesson()
 
     def header(self, trying: Choice | None = None) -> str:
         """The `x-weir-route` header: policy, chosen candidate, score, attempts (and why)."""

@@ -21,13 +21,13 @@ from gateway.accounting.pricing import TokenClass, resolve
 from gateway.pipeline import price_sheet
 from routing.breaker import Breakers
 from routing.load import LoadReports
-from routing.plan import Choice, Features
+from routing.plan import Choice, Features, Lesson
 from routing.prefixes import PrefixIndex, cuts, prefix_keys
 from routing.routes import Route
 from routing.stats import RETRY_UNMEASURED_S, RoutingStats, uses_prefix_affinity
 
 if TYPE_CHECKING:
-    from routing.difficulty import HeadChoice
+    from routing.difficulty import HeadChoice, StrongCall, StrongShareCalibrator
     from routing.heads import HeadStore
     from routing.router import InForce
 
@@ -58,8 +58,9 @@ class PolicyContext:
     # The admin DB's price catalog, which bills every attempt (an admin may change it at any time);
     # None, or a model it has no row for: the config's `price`.
     prices: PriceLookup | None = None
-    # Router.in_force: a plan that awaited (a score, a prefix look-up in Redis) while its route was
-    # deleted or edited adds back no window or count the table change let go of (`forget`).
+    # Router.in_force: a request sent after its route was deleted or edited (since its plan awaited a
+    # score or a prefix look-up in Redis, or the gateway's admission) adds back no window or count the
+    # table change let go of (`forget`).
     in_force: InForce = lambda name, does=None: True
 
     def score_difficulty(self, prompt: str) -> float:
@@ -126,10 +127,11 @@ def reads_window(route: Route, key: tuple[str, ...]) -> bool:
 
 
 async def order(
-    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, lessons: list[Lesson] | None
 ) -> tuple[list[Choice], str]:
-    """The candidates in order and the policy's note. `record=False` (a preview) leaves what the
-    policies learn from traffic as it was: strong-share windows, affinity counts, prefixes."""
+    """The candidates in order and the policy's note. What the policy learns from the request
+    (strong-share windows, affinity counts, prefixes) goes to `lessons`, to be kept once the request is
+    sent (`Plan.commit`); None (a preview, a token count) learns nothing."""
     if route.policy == "fixed":
         for choice in choices:
             choice.reason = "fixed"
@@ -141,8 +143,8 @@ async def order(
     if route.policy == "lowest_latency":
         return lowest_latency(route, choices, feats, ctx), ""
     if route.policy == "difficulty":
-        return await difficulty(route, choices, feats, ctx, record)
-    return await prefix_affinity(route, choices, feats, ctx, record)
+        return await difficulty(route, choices, feats, ctx, lessons)
+    return await prefix_affinity(route, choices, feats, ctx, lessons)
 
 
 def weighted(choices: list[Choice], rng: random.Random) -> list[Choice]:
@@ -251,7 +253,7 @@ def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: Po
 
 
 async def difficulty(
-    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, lessons: list[Lesson] | None
 ) -> tuple[list[Choice], str]:
     weak, strong = choices[0], choices[1]
     trained = None
@@ -269,29 +271,14 @@ async def difficulty(
         p_strong = await asyncio.to_thread(ctx.score_difficulty, feats.last_user)
         head = ctx.serving  # None: a scorer set in code
     if route.strong_share is not None:
-        from routing.difficulty import StrongShareCalibrator
-
         # Routes that share a name (`when:` tells them apart) each rank their own traffic against their
         # own target: with one window they took turns replacing it, so none ever left the warm-up.
         route_key = _route_key(route)
         key = (route_key[0], head or "", *route_key[1:])
-        calibrator = ctx.calibrators.get(key)
-        if calibrator is None or calibrator.target_share != route.strong_share:
-            calibrator = StrongShareCalibrator(route.strong_share, initial_threshold=route.threshold)
-            if record and ctx.in_force(route.name, lambda now: reads_window(now, key)):
-                if trained is not None:
-                    # A new version of the route's head (retrained, stored again under its name):
-                    # the window of the one it replaces is never read again (kept, one window
-                    # leaked with every swap).
-                    for old in [
-                        k
-                        for k in ctx.calibrators
-                        if head_name(k[1]) == route.head and (k[0], *k[2:]) == route_key
-                    ]:
-                        del ctx.calibrators[old]
-                ctx.calibrators[key] = calibrator
-        go_strong = calibrator.route_strong(p_strong) if record else p_strong > calibrator.threshold()
-        threshold = calibrator.threshold()
+        call = _calibrator(route, key, ctx).call(p_strong)
+        if lessons is not None:
+            lessons.append(lambda: _learn_score(route, key, trained is not None, call, ctx))
+        go_strong, threshold = call.strong, call.threshold
     else:
         threshold = route.threshold
         go_strong = p_strong > threshold
@@ -307,6 +294,55 @@ async def difficulty(
         status = ctx.heads.status(route.head) if ctx.heads is not None else "missing"
         note += f"; head_wanted={route.head}; head_status={status}"
     return first + choices[2:], note
+
+
+def _calibrator(route: Route, key: tuple[str, ...], ctx: PolicyContext) -> StrongShareCalibrator:
+    """The strong-share window `key` of `route`, or a new one where there is none for its target."""
+    from routing.difficulty import StrongShareCalibrator
+
+    calibrator: StrongShareCalibrator | None = ctx.calibrators.get(key)
+    if calibrator is None or calibrator.target_share != route.strong_share:
+        assert route.strong_share is not None
+        calibrator = StrongShareCalibrator(route.strong_share, initial_threshold=route.threshold)
+    return calibrator
+
+
+def _learn_score(
+    route: Route, key: tuple[str, ...], trained: bool, call: StrongCall, ctx: PolicyContext
+) -> None:
+    """Count a sent request's score in its route's strong-share window `key`, kept in `ctx` from the
+    first: only while the route in force reads that window at that target."""
+    share = route.strong_share
+    if not ctx.in_force(route.name, lambda now: reads_window(now, key) and now.strong_share == share):
+        return
+    calibrator = _calibrator(route, key, ctx)
+    if ctx.calibrators.get(key) is not calibrator:
+        if trained:
+            # A new version of the route's head (retrained, stored again under its name): the
+            # window of the one it replaces is never read again (kept, one window leaked with
+            # every swap).
+            route_key = _route_key(route)
+            for old in [
+                k for k in ctx.calibrators if head_name(k[1]) == route.head and (k[0], *k[2:]) == route_key
+            ]:
+                del ctx.calibrators[old]
+        ctx.calibrators[key] = calibrator
+    calibrator.count(call)
+
+
+def _learn_prefixes(
+    route: Route, hit: bool, used: bytes | None, learned: list[bytes], went: str, ctx: PolicyContext
+) -> None:
+    """Count a sent request's hit or miss, keep the prefix it `used` (found) in memory, and remember
+    the prefixes it sends to `went`: only while its route in force uses prefix affinity."""
+    if not ctx.in_force(route.name, uses_prefix_affinity):
+        return
+    counts = ctx.affinity.setdefault(route.name, [0, 0])
+    counts[0] += hit
+    counts[1] += 1
+    if used is not None:
+        ctx.prefixes.touch(used)
+    ctx.prefixes.remember(learned, went)
 
 
 def _rendezvous(key: bytes, name: str) -> int:
@@ -338,7 +374,7 @@ def _open(choice: Choice, route: Route, ctx: PolicyContext) -> bool:
 
 
 async def prefix_affinity(
-    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, record: bool = True
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, lessons: list[Lesson] | None
 ) -> tuple[list[Choice], str]:
     """The replica that served the longest prefix of this prompt recently (`routing.prefixes`), when
     that prefix is the conversation's history or at least `prefix_share` of the prompt; else
@@ -357,7 +393,7 @@ async def prefix_affinity(
     ends = sorted({*points, len(prompt), *([history] if history else [])} - {0})
     keys = prefix_keys(route.name, prompt, ends)
     by, share = "prefix", 0.0
-    found = await ctx.prefixes.longest(keys, touch=record)
+    found = await ctx.prefixes.longest(keys)
     if found is not None:
         end, went = ends[found[0]], found[1]
         conversation = history is not None and end >= history
@@ -382,14 +418,7 @@ async def prefix_affinity(
     # behind an open breaker takes nothing: the executor skips it.
     ordered = available + overloaded + closed
     hit = ordered[0] is preferred and preferred.reason != "open"
-    counts = ctx.affinity.get(route.name)
-    if counts is None:
-        counts = [0, 0]
-        if record and ctx.in_force(route.name, uses_prefix_affinity):
-            ctx.affinity[route.name] = counts
-    if record:
-        counts[0] += hit
-        counts[1] += 1
+    if lessons is not None:
         # Where it goes is where its KV cache will be: later requests that start with it look it up.
         # Sent past an overloaded (or unreachable) replica, only what was new goes with it: the
         # prefixes it shares stay with their replica, so traffic returns there once the load passes.
@@ -400,8 +429,11 @@ async def prefix_affinity(
         known = found[0] + 1 if found is not None and not hit else 0
         looked_up = history if history not in (len(prompt), *points) else None
         learned = [k for k, end in zip(keys[known:], ends[known:], strict=True) if end != looked_up]
-        ctx.prefixes.remember(learned, ordered[0].candidate.model)
-    rate = counts[0] / counts[1] if counts[1] else 0.0
+        used = keys[found[0]] if found is not None else None
+        went = ordered[0].candidate.model
+        lessons.append(lambda: _learn_prefixes(route, hit, used, learned, went, ctx))
+    hits, requests = ctx.affinity.get(route.name, (0, 0))
+    rate = (hits + hit) / (requests + 1)  # this request counted
     note = f"affinity={'hit' if hit else 'miss'}; affinity_by={by}"
     if by != "prefix":
         note += f"; affinity_shared={share:.2f}"

@@ -69,16 +69,14 @@ class PrefixIndex:
         shared = self.shared
         return None if shared is None or getattr(shared, "degraded", False) else shared
 
-    async def longest(self, keys: Sequence[bytes], touch: bool = True) -> tuple[int, str] | None:
+    async def longest(self, keys: Sequence[bytes]) -> tuple[int, str] | None:
         """The index in `keys` (prefixes, shortest first) of the longest one routed recently, and the
-        replica it went to; `touch` counts it as used (not for a preview). The shared state is asked
+        replica it went to; the request that uses it `touch`es it once sent. The shared state is asked
         only for prefixes longer than this process's."""
         found: tuple[int, str] | None = None
         for i in range(len(keys) - 1, -1, -1):
             entry = self.recent.get(keys[i])
             if entry is not None:
-                if touch:
-                    self.recent.move_to_end(keys[i])
                 found = (i, entry[0])
                 break
         start = found[0] + 1 if found else 0
@@ -90,6 +88,11 @@ class PrefixIndex:
                 if value is not None:
                     return start + i, value.decode()
         return found
+
+    def touch(self, key: bytes) -> None:
+        """A request that found `key` (`longest`) was sent: the prefix is the last to leave the LRU."""
+        if key in self.recent:
+            self.recent.move_to_end(key)
 
     def remember(self, keys: Sequence[bytes], replica: str) -> None:
         """The request with these prefixes went to `replica`: its cache now holds them all. Written

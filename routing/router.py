@@ -24,7 +24,7 @@ from gateway.state import MemoryState
 from routing.breaker import Breakers, route_label, shared_settings
 from routing.health import HealthProber, ProbeListener
 from routing.metrics import RoutingMetrics
-from routing.plan import Choice, Features, Plan
+from routing.plan import Choice, Features, Lesson, Plan
 from routing.policies import PolicyContext, order
 from routing.routes import HEAD_NAME, Candidate, Conditions, Retry, Route
 from routing.routes import Breaker as BreakerSettings
@@ -429,7 +429,8 @@ class Router:
 
     async def plan(self, name: str, principal: Principal, feats: Features, record: bool = True) -> Plan:
         """The ordered candidates for a request (404 model_not_found when the name means nothing).
-        `record=False`: a preview, which the policies do not learn from (see `policies.order`)."""
+        What the policy learns from it is kept once the request is sent (`Plan.commit`, which the
+        executor calls); `record=False`: a preview or a token count, which it learns nothing from."""
         routes = self.routes.get(name)
         if routes is not None and principal.may_use(name):
             for route in routes:
@@ -457,9 +458,10 @@ class Router:
 
     async def _plan(self, route: Route, feats: Features, record: bool = True) -> Plan:
         choices = [Choice(self.models.targets[c.model], c) for c in route.candidates]
-        ordered, note = await order(route, choices, feats, self.context, record)
+        lessons: list[Lesson] | None = [] if record else None
+        ordered, note = await order(route, choices, feats, self.context, lessons)
         for name in route.fallbacks:
             ordered.append(Choice(self.models.targets[name], Candidate(model=name), reason="fallback"))
         if not ordered:
             raise ModelNotFound(f"The route `{route.name}` has no candidates.", param="model")
-        return Plan(route, ordered, note=note)
+        return Plan(route, ordered, note=note, lessons=lessons or [])

@@ -56,7 +56,8 @@ async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
     chat = body.to_canonical()
     call.info.model = chat.model
     feats = features(chat, call.principal.tenant_name, call.principal.key_id)
-    plan = await gateway.router.plan(chat.model, call.principal, feats)
+    # Counting generates nothing: no traffic for the policy to learn from (a strong-share window).
+    plan = await gateway.router.plan(chat.model, call.principal, feats, record=False)
     try:
         count = await gateway.executor.run(call, plan, count_tokens_op(chat), feats)
     except NoTokenCounter:

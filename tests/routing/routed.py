@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -11,6 +11,7 @@ from gateway.config import parse_config
 from gateway.runtime import Gateway
 from gateway.state import Limit, MemoryState
 from routing.execute import SpendCap
+from routing.plan import Plan
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, running_gateway
 from tests.reliability.raw_backend import Send, Sleep
@@ -99,6 +100,14 @@ def route_header(raw: object) -> dict[str, str]:
     """The x-weir-route header as a dict."""
     value = raw.headers["x-weir-route"]  # type: ignore[attr-defined]
     return dict(part.split("=", 1) for part in value.split("; "))
+
+
+async def sent(planning: Awaitable[Plan]) -> Plan:
+    """A router's plan for a request that then went upstream: what its policy learnt from it is kept
+    (`Plan.commit`, which the executor calls once the first attempt is admitted and sent)."""
+    plan = await planning
+    plan.commit()
+    return plan
 
 
 def counted_micro_usd(cap: SpendCap, tenant: str, expected: int, tolerance: int) -> bool:

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import random
 import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
+import openai
 import pytest
 
 from gateway.types import ChatRequest, Message
 from routing.difficulty import DifficultyClassifier
-from routing.plan import Choice, features
+from routing.plan import Choice, Lesson, Plan, features
 from routing.policies import PolicyContext, order
 from routing.routes import Candidate, Route
 from routing.stats import RoutingStats
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import LIMITED_KEY, RunningGateway
-from tests.routing.routed import route_header, runtime
+from tests.routing.routed import route_header, routed_config_text, runtime
 
 ROUTES = """\
 routes:
@@ -45,16 +51,33 @@ routes:
   - {name: tiered, when: {min_prompt_tokens: 50}, candidates: [{model: gemini-flash}]}
   - {name: tiered, candidates: [{model: gpt-4o-mini}]}
   - {name: demo-only, when: {tenants: [demo]}, candidates: [{model: gpt-4o-mini}]}
+  - {name: smart-half, policy: difficulty, strong_share: 0.5, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
+  - name: smart-hedged
+    policy: difficulty
+    strong_share: 0.5
+    retry: {attempts: 1}
+    hedge: {delay: 0.1}
+    candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]
+  - {name: replicas-once, policy: prefix_affinity, retry: {attempts: 1}, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
 """
 HARD = (
     "Prove that every finite integral domain is a field, then derive the order of its multiplicative group."
 )
 EASY = "hi"
+ONE_STREAM_KEY = "sk-weir-one-stream-0123456789"
 
 
 @pytest.fixture(scope="module")
-def gateway_routes() -> str:
-    return ROUTES
+def gateway_config() -> str:
+    # A tenant allowed one stream at a time: its second is refused by the gateway itself (429),
+    # before anything goes upstream.
+    tenant = '  - {name: one-stream, api_keys: ["${ONE_STREAM_KEY}"], max_concurrent_streams: 1}'
+    return routed_config_text(ROUTES).replace("\nserver:\n", f"\n{tenant}\nserver:\n", 1)
+
+
+@pytest.fixture(scope="module")
+def gateway_env() -> dict[str, str]:
+    return {"ONE_STREAM_KEY": ONE_STREAM_KEY}  # tenant keys come from the environment, never the file
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +222,136 @@ def test_difficulty_target_strong_share(gateway: RunningGateway) -> None:
     assert 0.1 <= late.count("claude-sonnet") / len(late) <= 0.45
 
 
+def window(gateway: RunningGateway, route: str) -> int:
+    """How many scores the route's strong-share windows hold."""
+    calibrators = runtime(gateway).router.context.calibrators
+    return sum(len(c) for key, c in calibrators.items() if key[0] == route)
+
+
+@contextmanager
+def one_stream_held(gateway: RunningGateway, fake_anthropic: FakeAnthropic) -> Iterator[openai.OpenAI]:
+    """The one-stream tenant's client while its one stream slot is held (by a stream to a model that
+    hangs, which no route below uses): every stream it asks for meanwhile is refused by the gateway
+    itself."""
+    client = gateway.openai(ONE_STREAM_KEY)
+    fake_anthropic.fail_next(Fault.hang())
+
+    def hold() -> None:
+        with contextlib.suppress(openai.APIError):  # the hang's release: a 503
+            for _ in client.chat.completions.create(
+                model="claude-sonnet", messages=[{"role": "user", "content": "hold"}], stream=True
+            ):
+                pass
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not fake_anthropic.requests:  # admitted and sent: the slot is taken
+            assert time.monotonic() < deadline, "the stream that holds the slot never went upstream"
+            time.sleep(0.01)
+        yield client
+    finally:
+        fake_anthropic.reset()  # releases the hanging request, and with it the slot
+        holder.join(10)
+
+
+def refused_60_times(gateway: RunningGateway, fake_anthropic: FakeAnthropic, model: str, prompt: str) -> None:
+    """A client retrying a stream the gateway itself refuses (429: its stream slots; with a control
+    plane its rate limits and budgets, alike), 60 times: nothing is sent to any candidate."""
+    with one_stream_held(gateway, fake_anthropic) as refused:
+        for _ in range(60):
+            with pytest.raises(openai.RateLimitError):
+                refused.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], stream=True
+                )
+
+
+def test_requests_the_gateway_refuses_do_not_move_the_strong_share(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """Scored into the `strong_share` window as they were planned, 60 refused retries of one hard
+    prompt filled its top, and then 8 of the next 50 served requests went strong for a target of
+    half (27 now). The window is what was sent."""
+    context = runtime(gateway).router.context
+    scorer, before = context.scorer, window(gateway, "smart-half")
+    # "hard ..." scores 0.9; "q<i>" a permutation of 100 distinct scores below it.
+    context.scorer = lambda prompt: (
+        0.9 if prompt.startswith("hard") else 0.1 + (int(prompt[1:]) * 37 % 100) / 150
+    )
+    try:
+        refused_60_times(gateway, fake_anthropic, "smart-half", "hard question")
+        # Nothing was sent for them (the health probes' GETs aside).
+        assert not [r for r in fake_openai.requests + fake_deepseek.requests if r.method == "POST"]
+        assert window(gateway, "smart-half") == before
+        picks = [ask(gateway, "smart-half", f"q{i}")["candidate"] for i in range(100)]
+    finally:
+        context.scorer = scorer
+    assert window(gateway, "smart-half") == before + 100
+    assert 15 <= picks[50:].count("deepseek-chat") <= 35  # calibrated on them alone: about half
+
+
+def test_prefix_affinity_learns_nothing_from_requests_the_gateway_refuses(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """Counted as they were planned, 60 refused retries were 60 prefix-affinity hits (the route's hit
+    rate: routes/status, /metrics), and their prompt was remembered as on a replica that never saw it,
+    where its first request served then followed it."""
+    context = runtime(gateway).router.context
+    prompt = "A question asked only while refused, then once more."
+    hits, requests = context.affinity.get("replicas", (0, 0))
+    refused_60_times(gateway, fake_anthropic, "replicas", prompt)
+    assert context.affinity.get("replicas", [0, 0]) == [hits, requests]
+    route = ask(gateway, "replicas", prompt)
+    assert route["affinity_by"] == "prefix"  # nothing remembered of it: placed by its hash
+    assert context.affinity["replicas"] == [hits + 1, requests + 1]
+
+
+def test_a_token_count_is_no_traffic_to_learn_from(gateway: RunningGateway) -> None:
+    """`count_tokens` asks a route's candidates to count, and generates nothing: its prompt is not
+    scored into a strong-share window, nor counted or remembered by prefix affinity."""
+    context = runtime(gateway).router.context
+
+    def learnt() -> tuple[int, list[int], int]:
+        return (
+            window(gateway, "smart-half"),
+            list(context.affinity.get("replicas", [])),
+            len(context.prefixes.recent),
+        )
+
+    before = learnt()
+    client = gateway.anthropic()
+    for model in ("smart-half", "replicas"):
+        for _ in range(5):
+            counted = client.messages.count_tokens(
+                model=model, messages=[{"role": "user", "content": "a b c"}]
+            )
+            assert counted.input_tokens > 0
+    assert learnt() == before
+
+
+def test_a_request_that_fails_over_or_is_hedged_is_learnt_from_once(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """Its policy learns from a request once, when its first attempt is sent, however many follow."""
+    context = runtime(gateway).router.context
+    before = window(gateway, "smart-hedged")
+    fake_openai.fail_next(500)  # the weak candidate fails: the strong one answers
+    route = ask(gateway, "smart-hedged", EASY)
+    assert route["tried"] == "gpt-4o-mini:502,deepseek-chat:ok"
+    fake_openai.fail_next(Fault.delay(2.0))  # the weak candidate is slow: a hedge to the strong wins
+    route = ask(gateway, "smart-hedged", EASY)
+    assert route["candidate"] == "deepseek-chat" and route["hedged"] == "deepseek-chat", route
+    assert window(gateway, "smart-hedged") == before + 2
+    # Prefix affinity: the hit or miss and the prefixes, once.
+    hits, requests = context.affinity.get("replicas-once", (0, 0))
+    home = ask(gateway, "replicas-once", "a question about this document")["candidate"]
+    (fake_openai if home == "gpt-4o-mini" else fake_deepseek).fail_next(500)
+    route = ask(gateway, "replicas-once", "a question about this document")
+    assert route["tried"].startswith(f"{home}:502,") and route["affinity"] == "hit"
+    assert context.affinity["replicas-once"] == [hits + 2, requests + 2]
+
+
 def test_prefix_affinity_sticks_and_reports_its_hit_rate(gateway: RunningGateway) -> None:
     prefixes = [f"You are assistant number {i}. " * 3 for i in range(12)]
     first = {p: ask(gateway, "replicas", p + "question one")["candidate"] for p in prefixes}
@@ -234,35 +387,35 @@ def test_prefix_affinity_keeps_a_conversation_on_its_replica(gateway: RunningGat
     assert sum(h != replica[i] for i, h in enumerate(hashed)) >= 4  # where the prefix alone sends them
 
 
-async def test_a_preview_leaves_what_policies_learn_as_it_was() -> None:
-    route = Route(
+async def test_policies_learn_from_a_request_once_it_is_sent_and_never_from_a_preview() -> None:
+    affine = Route(
         name="r",
         policy="prefix_affinity",
         candidates=[Candidate(model="a"), Candidate(model="b")],
     )
-    ctx = PolicyContext(RoutingStats())
+    calibrated = Route(name="d", policy="difficulty", strong_share=0.5, candidates=affine.candidates)
+    ctx = PolicyContext(RoutingStats(), scorer=lambda prompt: 0.7)
     feats = features(
         ChatRequest(model="r", messages=[Message(role="user", content="hi")]), tenant=None, key_id=None
     )
-    for record, counted in ((False, 0), (True, 1)):
-        choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
-        _, note = await order(route, choices, feats, ctx, record=record)
-        assert ctx.affinity.get("r", [0, 0])[1] == counted and len(ctx.prefixes.recent) == counted
-        assert ("r" in ctx.affinity) == bool(counted)  # a preview does not even list the route
-        assert "affinity=hit" in note
-    ctx.scorer = lambda prompt: 0.7
-    route = Route(name="d", policy="difficulty", strong_share=0.5, candidates=route.candidates)
-    for record, counted in ((False, 0), (True, 1)):
-        choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
-        await order(route, choices, feats, ctx, record=record)
-        assert sum(len(c) for c in ctx.calibrators.values()) == counted  # the strong-share window
+    for lessons in (None, []):  # a preview, then a request
+        for route in (affine, calibrated):
+            choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
+            await order(route, choices, feats, ctx, lessons)
+        # Planned, it has taught nothing yet: the gateway may still refuse it (its own 429s).
+        assert ctx.affinity == {} and not ctx.prefixes.recent and ctx.calibrators == {}
+        Plan(affine, [], lessons=lessons or []).commit()  # its first attempt admitted and sent
+    assert ctx.affinity == {"r": [1, 1]} and len(ctx.prefixes.recent) == 1
+    assert sum(len(c) for c in ctx.calibrators.values()) == 1  # the strong-share window
 
 
 async def place(route: Route, ctx: PolicyContext, *messages: tuple[str, str]) -> tuple[str, str]:
-    """Where `prefix_affinity` sends a request (as the gateway would, recording it), and its note."""
+    """Where `prefix_affinity` sends a request (as the gateway would, learning from it), and its note."""
     request = ChatRequest(model=route.name, messages=[Message(role=r, content=c) for r, c in messages])
     choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
-    ordered, note = await order(route, choices, features(request, tenant=None, key_id=None), ctx)
+    lessons: list[Lesson] = []
+    ordered, note = await order(route, choices, features(request, tenant=None, key_id=None), ctx, lessons)
+    Plan(route, ordered, lessons=lessons).commit()
     return ordered[0].candidate.model, note
 
 

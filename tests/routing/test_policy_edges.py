@@ -23,6 +23,7 @@ from routing.plan import Features, Plan, features
 from routing.router import Router
 from routing.routes import Candidate, Conditions, Route
 from routing.stats import RETRY_UNMEASURED_S
+from tests.routing.routed import sent
 
 CONFIG = """\
 backends:
@@ -352,7 +353,7 @@ async def test_a_strong_share_holds_when_scores_are_equal() -> None:
     planner = router(route("d", "difficulty", "small", "big", strong_share=0.3))
     scores = iter([0.4] * 600 + [0.2 if i % 2 else 0.4 for i in range(3000)])
     planner.context.scorer = lambda prompt: next(scores)
-    picks = [(await planner.plan("d", ACME, feats())).choices[0].candidate.model for _ in range(3600)]
+    picks = [(await sent(planner.plan("d", ACME, feats()))).choices[0].candidate.model for _ in range(3600)]
     assert picks[:50] == ["small"] * 50  # the warm-up: 0.4 is not above the route's 0.5
     assert picks[100:600].count("big") == pytest.approx(150, abs=2)  # all equal: 30% of them
     # Half at 0.2, half at 0.4 once the window (2,000) holds only the mix: the 0.4s are the top half,
@@ -374,7 +375,7 @@ async def test_routes_sharing_a_name_keep_their_own_strong_share() -> None:
     strong = {"acme": 0, "other": 0}
     for i in range(1200):
         principal = ACME if i % 2 else OTHER
-        plan = await planner.plan("d", principal, feats(principal=principal))
+        plan = await sent(planner.plan("d", principal, feats(principal=principal)))
         if i >= 400:  # both windows past their warm-up
             strong[principal.tenant_name] += plan.choices[0].candidate.model == "big"
     assert strong["acme"] / 400 == pytest.approx(0.1, abs=0.06)

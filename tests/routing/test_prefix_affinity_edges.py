@@ -30,7 +30,7 @@ from routing.routes import Candidate, Hedge, Route
 from routing.stats import RoutingStats
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import engine_replicas, runtime
+from tests.routing.routed import engine_replicas, runtime, sent
 
 CONFIG = """\
 backends:
@@ -100,16 +100,18 @@ def served(r: Router, plan: Plan) -> Choice:
 async def test_with_every_replica_overloaded_the_preferred_one_still_takes_the_request() -> None:
     r = router(affinity("r1", "r2", "r3", max_in_flight=2))
     document = words(200)
-    first = (await r.plan("chat", ANYONE, chat(document + " first question"))).choices[0].candidate.model
+    first = (
+        (await sent(r.plan("chat", ANYONE, chat(document + " first question")))).choices[0].candidate.model
+    )
     for model in ("r1", "r2", "r3"):
         r.context.in_flight[model] = 2
-    plan = await r.plan("chat", ANYONE, chat(document + " second question"))
+    plan = await sent(r.plan("chat", ANYONE, chat(document + " second question")))
     route = header(plan)
     # Nowhere to go that is not overloaded: the replica that has the document cached, said as such.
     assert (route["candidate"], route["reason"], route["affinity"]) == (first, "overloaded", "hit")
     assert [c.reason for c in plan.choices] == ["overloaded"] * 3
     r.context.in_flight[first] = 1  # its load passed: back to it, as the others still are
-    assert (await r.plan("chat", ANYONE, chat(document + " third"))).choices[0].candidate.model == first
+    assert (await sent(r.plan("chat", ANYONE, chat(document + " third")))).choices[0].candidate.model == first
 
 
 async def test_a_replica_behind_an_open_breaker_is_skipped_as_overloaded_ones_are() -> None:
@@ -118,13 +120,13 @@ async def test_a_replica_behind_an_open_breaker_is_skipped_as_overloaded_ones_ar
     later turn went wherever the hash of its own first characters sent it among the others."""
     r = router(affinity("r1", "r2", "r3"))
     turns = [words(60)]
-    plan = await r.plan("chat", ANYONE, chat(*turns))
+    plan = await sent(r.plan("chat", ANYONE, chat(*turns)))
     down = served(r, plan)
     r.breakers.get(key(down), plan.route.breaker).trip()  # its breaker opens
     went = set()
     for turn in range(4):
         turns += [f"answer {turn}: " + words(20), f"question {turn}: " + words(25)]
-        plan = await r.plan("chat", ANYONE, chat(*turns))
+        plan = await sent(r.plan("chat", ANYONE, chat(*turns)))
         route = header(plan)
         assert plan.choices[0] is served(r, plan) and route["candidate"] != down.candidate.model
         # The first turn after it opened is a miss (not sent to the preferred replica); later ones
@@ -136,39 +138,42 @@ async def test_a_replica_behind_an_open_breaker_is_skipped_as_overloaded_ones_ar
     assert r.context.affinity_hit_rate("chat") == 4 / 5
     await r.breakers.success(key(down))  # it recovers: the conversation stays where it is cached now
     turns += ["answer 9", "question 9"]
-    assert header(await r.plan("chat", ANYONE, chat(*turns)))["candidate"] in went
+    assert header(await sent(r.plan("chat", ANYONE, chat(*turns))))["candidate"] in went
 
 
 async def test_a_documents_questions_return_to_its_replica_once_its_breaker_closes() -> None:
     r = router(affinity("r1", "r2", "r3"))
     document = words(400)  # longer than prefix_chars: its questions all hash alike
-    plan = await r.plan("chat", ANYONE, chat(document + " question 0"))
+    plan = await sent(r.plan("chat", ANYONE, chat(document + " question 0")))
     down = served(r, plan)
     r.breakers.get(key(down), plan.route.breaker).trip()
     meanwhile = set()
     for q in range(1, 4):
-        route = header(await r.plan("chat", ANYONE, chat(document + f" question {q}")))
+        route = header(await sent(r.plan("chat", ANYONE, chat(document + f" question {q}"))))
         assert (route["affinity"], route["affinity_by"]) == ("miss", "shared")
         meanwhile.add(route["candidate"])
     assert len(meanwhile) == 1 and down.candidate.model not in meanwhile
     await r.breakers.success(key(down))
-    route = header(await r.plan("chat", ANYONE, chat(document + " question 4")))
+    route = header(await sent(r.plan("chat", ANYONE, chat(document + " question 4"))))
     assert (route["candidate"], route["affinity"]) == (down.candidate.model, "hit")
 
 
 async def test_a_half_open_replica_takes_one_trial_and_the_others_meanwhile() -> None:
     r = router(affinity("r1", "r2", "r3"))
     document = words(200)
-    plan = await r.plan("chat", ANYONE, chat(document + " q0"))
+    plan = await sent(r.plan("chat", ANYONE, chat(document + " q0")))
     down = plan.choices[0]
     breaker = r.breakers.get(key(down), plan.route.breaker)
     breaker.trip(now=time.monotonic() - 60)  # opened long ago: half-open at the next look
-    trial = await r.plan("chat", ANYONE, chat(document + " q1"))
+    trial = await sent(r.plan("chat", ANYONE, chat(document + " q1")))
     assert served(r, trial) is trial.choices[0] and trial.choices[0].candidate.model == down.candidate.model
-    meanwhile = await r.plan("chat", ANYONE, chat(document + " q2"))  # the trial is still under way
+    meanwhile = await sent(r.plan("chat", ANYONE, chat(document + " q2")))  # the trial is still under way
     assert header(meanwhile)["candidate"] != down.candidate.model and header(meanwhile)["affinity"] == "miss"
     await r.breakers.success(key(down))
-    assert header(await r.plan("chat", ANYONE, chat(document + " q3")))["candidate"] == down.candidate.model
+    assert (
+        header(await sent(r.plan("chat", ANYONE, chat(document + " q3"))))["candidate"]
+        == down.candidate.model
+    )
 
 
 # --- routes edited while prefixes are remembered ------------------------------------------------------
@@ -177,16 +182,16 @@ async def test_a_half_open_replica_takes_one_trial_and_the_others_meanwhile() ->
 async def test_adding_a_replica_moves_only_its_share_and_a_removed_one_is_never_chosen() -> None:
     prompts = [f"prompt {i}: " + words(40) for i in range(60)]  # 256 characters and more: one cut
     two = router(affinity("r1", "r2", prefix_chars=100))
-    before = {p: (await two.plan("chat", ANYONE, chat(p))).choices[0].candidate.model for p in prompts}
+    before = {p: (await sent(two.plan("chat", ANYONE, chat(p)))).choices[0].candidate.model for p in prompts}
     three = router(affinity("r1", "r2", "r3", prefix_chars=100))  # where the hash alone sends them
-    after = {p: (await three.plan("chat", ANYONE, chat(p))).choices[0].candidate.model for p in prompts}
+    after = {p: (await sent(three.plan("chat", ANYONE, chat(p)))).choices[0].candidate.model for p in prompts}
     moved = [p for p in prompts if after[p] != before[p]]
     assert 8 <= len(moved) <= 35 and all(after[p] == "r3" for p in moved)
 
     # The same route edited: r3 leaves while it holds remembered prefixes.
     three.set_routes([affinity("r1", "r2", prefix_chars=100)])
     for p in prompts:
-        plan = await three.plan("chat", ANYONE, chat(p + " a follow-up"))
+        plan = await sent(three.plan("chat", ANYONE, chat(p + " a follow-up")))
         assert {c.candidate.model for c in plan.choices} == {"r1", "r2"}
         # Its prefixes are remembered on r3: hashed among the others, as if never seen; the rest
         # follow their replica.
@@ -207,16 +212,18 @@ async def test_a_few_shot_template_does_not_pull_every_request_to_one_replica() 
     example = ["Classify the sentiment: 'I loved it'", "positive"]
     went = []
     for i in range(12):
-        plan = await r.plan("chat", ANYONE, chat(*example, f"Review {i}: " + words(450), system="One word."))
+        plan = await sent(
+            r.plan("chat", ANYONE, chat(*example, f"Review {i}: " + words(450), system="One word."))
+        )
         route = header(plan)
         assert route["affinity_by"] == "prefix", route  # the template is a sixtieth of the prompt
         went.append(route["candidate"])
     assert len(set(went)) >= 2, went
     # A real conversation still follows its history, whatever its share.
     turns = [*example, "Review: " + words(450)]
-    first = header(await r.plan("chat", ANYONE, chat(*turns, system="One word.")))["candidate"]
+    first = header(await sent(r.plan("chat", ANYONE, chat(*turns, system="One word."))))["candidate"]
     turns += ["negative", "And this one? " + words(900)]
-    route = header(await r.plan("chat", ANYONE, chat(*turns, system="One word.")))
+    route = header(await sent(r.plan("chat", ANYONE, chat(*turns, system="One word."))))
     assert (route["candidate"], route["affinity_by"]) == (first, "conversation")
 
 
@@ -227,7 +234,7 @@ async def test_prompts_with_no_text_spread_over_the_replicas(content: str | list
     """Token ids (completions, embeddings) and images read as no text: hashing the empty prefix sent
     every one of them to the same replica, which has nothing of theirs cached."""
     r = router(affinity("r1", "r2", "r3"))
-    went = [(await r.plan("chat", ANYONE, chat(content))).choices[0].candidate.model for _ in range(30)]
+    went = [(await sent(r.plan("chat", ANYONE, chat(content)))).choices[0].candidate.model for _ in range(30)]
     assert set(went) == {"r1", "r2", "r3"}, went
     assert not r.context.prefixes.recent  # nothing to remember them by
 
@@ -235,10 +242,10 @@ async def test_prompts_with_no_text_spread_over_the_replicas(content: str | list
 async def test_a_long_non_ascii_document_is_followed_and_planned_quickly() -> None:
     r = router(affinity("r1", "r2", "r3"))
     document = "".join(random.Random(3).choice("日本語のテキストé€😀 ") for _ in range(120_000))
-    first = (await r.plan("chat", ANYONE, chat(document + " 質問1"))).choices[0].candidate.model
+    first = (await sent(r.plan("chat", ANYONE, chat(document + " 質問1")))).choices[0].candidate.model
     started = time.perf_counter()
     for q in range(20):
-        route = header(await r.plan("chat", ANYONE, chat(document + f" 質問{q + 2}")))
+        route = header(await sent(r.plan("chat", ANYONE, chat(document + f" 質問{q + 2}"))))
         assert (route["candidate"], route["affinity_by"]) == (first, "shared")
     assert (time.perf_counter() - started) / 20 < 0.05  # measured ~1 ms; the bound is for loaded CI
 

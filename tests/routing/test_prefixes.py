@@ -53,8 +53,12 @@ async def test_the_longest_remembered_prefix_wins_and_the_process_keeps_the_most
     memory.remember([a, b], "r1")
     memory.remember([c], "r2")
     assert await memory.longest([a, b, d]) == (1, "r1")
-    assert await memory.longest([c], touch=False) == (0, "r2")  # a preview: c stays the oldest
-    assert await memory.longest([a, d]) == (0, "r1")  # found: a and b are now the most recent
+    # Looking up uses nothing (a preview, a request the gateway may still refuse): c stays the oldest
+    # until a request that found it is sent.
+    assert await memory.longest([c]) == (0, "r2")
+    assert await memory.longest([a, d]) == (0, "r1")
+    memory.touch(b)
+    memory.touch(a)  # found by requests that were sent: a and b are now the most recent
     memory.remember([d], "r3")  # evicts c, the least recently used
     assert await memory.longest([c]) is None and await memory.longest([c, d]) == (1, "r3")
     assert await memory.longest([a, b]) == (1, "r1")

@@ -38,7 +38,7 @@ from routing.routes import Breaker as BreakerSettings
 from routing.routes import Candidate, Compare, Conditions, Route
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
-from tests.routing.routed import FAST, routed_gateway, runtime, settled
+from tests.routing.routed import FAST, routed_gateway, runtime, sent, settled
 
 CONFIG = """\
 backends:
@@ -124,7 +124,7 @@ async def test_strong_share_windows_of_deleted_renamed_and_reconditioned_routes_
         r.set_routes(routes)
         for name in ("d-", "shared"):
             for j in range(3):
-                await r.plan(f"d-{i}" if name == "d-" else "shared", ACME, ask(f"q{j}"))
+                await sent(r.plan(f"d-{i}" if name == "d-" else "shared", ACME, ask(f"q{j}")))
     assert len(r.context.calibrators) == 2
     assert {key[0] for key in r.context.calibrators} == {"d-119", "shared"}
     r.set_routes([])  # every route deleted
@@ -141,11 +141,11 @@ async def test_a_retrained_head_replaces_its_routes_window_and_the_shipped_heads
     r.context.heads = SimpleNamespace(  # type: ignore[assignment]
         get=lambda name: current[0], status=lambda name: "loading"
     )
-    await r.plan("smart", ACME, ask("while the head loads: the shipped head scores"))
+    await sent(r.plan("smart", ACME, ask("while the head loads: the shipped head scores")))
     for version in range(60):
         current[0] = TrainedHead("acme", f"{version:012x}" + "0" * 52, classifier)  # type: ignore[arg-type]
         for j in range(3):
-            await r.plan("smart", ACME, ask(f"q{j}"))
+            await sent(r.plan("smart", ACME, ask(f"q{j}")))
     assert set(r.context.calibrators) == {("smart", "static"), ("smart", f"acme@{59:012x}")}
     # The route names another head: the old one's window goes with the edit; the shipped head's stays.
     r.set_routes([difficulty("smart", head="other")])
@@ -159,8 +159,8 @@ async def test_a_preview_and_routes_sharing_a_name_keep_their_windows() -> None:
     r = router(acme, difficulty("d"))
     other = Principal(tenant_id="t2", tenant_name="other", key_id="k2")
     for j in range(60):
-        await r.plan("d", ACME, ask(f"q{j}"))
-        await r.plan("d", other, ask(f"q{j}", other), record=j % 2 == 0)
+        await sent(r.plan("d", ACME, ask(f"q{j}")))
+        await sent(r.plan("d", other, ask(f"q{j}", other), record=j % 2 == 0))
     before = {key: len(c._recent) for key, c in r.context.calibrators.items()}
     assert len(before) == 2
     r.set_routes([acme, difficulty("d"), affinity("new")])
@@ -176,7 +176,7 @@ async def test_prefix_affinity_counts_of_deleted_routes_are_let_go() -> None:
     r = router()
     for i in range(50):
         r.set_routes([affinity(f"p-{i}"), difficulty("d")])
-        plan = await r.plan(f"p-{i}", ACME, ask("a prompt " * 40))
+        plan = await sent(r.plan(f"p-{i}", ACME, ask("a prompt " * 40)))
         r.stats.record(usage_event(f"p-{i}", plan.header()))
     assert set(r.context.affinity) == {"p-49"} and set(r.stats.affinity_tokens) == {"p-49"}
     assert r.context.affinity["p-49"] == [1, 1]  # the route in force keeps its counts

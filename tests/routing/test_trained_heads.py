@@ -35,7 +35,7 @@ from routing.heads import (
     stored_bundle,
     unbundle,
 )
-from routing.plan import Choice, Features
+from routing.plan import Choice, Features, Lesson, Plan
 from routing.policies import PolicyContext, difficulty
 from routing.router import RouteError, Router, validate
 from routing.routes import Route
@@ -267,8 +267,11 @@ async def test_the_policy_scores_with_the_named_head_and_names_it() -> None:
     table = ModelTable(parse_config(CONFIG, {}))
 
     async def ask(route: Route) -> tuple[str, str]:
+        """Where the route sends a request that is then sent (what the policy learnt is kept)."""
         choices = [Choice(table.targets[c.model], c) for c in route.candidates]
-        ordered, note = await difficulty(route, choices, HI, ctx)
+        lessons: list[Lesson] = []
+        ordered, note = await difficulty(route, choices, HI, ctx, lessons)
+        Plan(route, ordered, lessons=lessons).commit()
         # Each candidate carries the score and the head that gave it (compare stores both).
         assert {(c.score, c.scored_by) for c in ordered} == {
             (ordered[0].score, note.split("head=")[1].split(";")[0])
@@ -294,7 +297,7 @@ async def test_the_policy_scores_with_the_named_head_and_names_it() -> None:
 
     cold = PolicyContext(RoutingStats(), heads=SimpleNamespace(get=lambda name: None, loaded=loaded))  # type: ignore[arg-type]
     choices = [Choice(table.targets[c.model], c) for c in named.candidates]
-    ordered, note = await difficulty(named, choices, HI, cold)
+    ordered, note = await difficulty(named, choices, HI, cold, None)
     assert waited == ["acme"] and ordered[0].candidate.model == "gpt-4o" and "head=acme@" in note
     assert cold.scorer is None and cold.serving is None  # the shipped head was never loaded
     # A target share keeps one window per head: a new head's scores are not ranked among the old's.
@@ -375,6 +378,7 @@ async def test_a_route_whose_head_is_missing_falls_back_to_the_shipped_head(
             [Choice(router.models.targets[c.model], c) for c in route.candidates],
             HI,
             router.context,
+            None,
         )
         assert note.endswith("head=static; head_wanted=gone; head_status=missing")
     finally:
