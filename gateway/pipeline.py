@@ -396,12 +396,13 @@ class Pipeline:
     ) -> None:
         info = call.info
         if failure is None or not info.answered:
-            # A hedge that lost is recorded as it is cancelled, after a non-streaming winner's answer:
-            # the request's log line and metrics still name the attempt that answered, with its usage.
+            # A hedge that lost is recorded as it is cancelled, after a non-streaming winner's answer
+            # (perhaps in the background, before that answer went out): the request's log line and
+            # metrics still name the attempt that answered, with its usage, and no error.
             info.backend, info.usage = target.backend.name, usage
             info.answered = failure is None
-        if failure is not None:
-            info.error = failure
+            if failure is not None:
+                info.error = failure
         labels = (call.endpoint, target.backend.name, target.model.name)
         if ttft is not None:
             self.metrics.ttft.labels(*labels).observe(ttft)

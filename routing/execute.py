@@ -38,7 +38,7 @@ from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call, Pipeline
 from gateway.providers.base import CONTEXT_LENGTH_EXCEEDED, CONTINUE_INSTRUCTION, UpstreamRequest
 from gateway.router_basic import Target
-from gateway.state import Limit, MemoryState, SharedState
+from gateway.state import Adjustment, Limit, MemoryState, SharedState, correction_bucket
 from gateway.types import (
     ChatChunk,
     ChatRequest,
@@ -210,11 +210,18 @@ class SpendCap:
 
     async def allow(self, tenant: str, usd: float, cap: float) -> bool:
         """Count `usd` if the last hour's spend stays within `cap` with it; False counts nothing."""
+        return await self.charge(tenant, usd, cap) is not None
+
+    async def charge(self, tenant: str, usd: float, cap: float) -> Charge | None:
+        """`allow`: what it counted, to be replaced by what the call cost (`Charge.settle`), or None."""
         if cap <= 0:
-            return False
+            return None
         # Rounded up: a call too cheap to count in micro-dollars still counts one.
-        limit = Limit(self.key(tenant), int(cap * 1e6), math.ceil(usd * 1e6), window_s=HOUR)
-        return (await self.state.admit([limit])).allowed
+        counted = math.ceil(usd * 1e6)
+        admission = await self.state.admit([Limit(self.key(tenant), int(cap * 1e6), counted, window_s=HOUR)])
+        if not admission.allowed:
+            return None
+        return Charge(self, tenant, counted, admission.buckets[0] if admission.buckets else None)
 
     async def add(self, tenant: str, usd: float) -> None:
         """Count `usd` more (or less: a correction once the actual cost is known)."""
@@ -224,17 +231,24 @@ class SpendCap:
 
 @dataclass(slots=True)
 class Charge:
-    """An estimate `allow` counted, replaced by what the call cost once, when that is known."""
+    """An estimate `SpendCap.charge` counted, replaced by what the call cost once, when that is known:
+    what the estimate was over by is given back in the bucket it was counted in (`bucket`; None: the
+    state did not say), as a token limit's is (`correction_bucket`): a hedge priced after its estimate
+    left the hour (a long stream) must not free room the window never held."""
 
     cap: SpendCap
     tenant: str
-    estimate: float  # USD
+    counted: int  # micro-USD
+    bucket: int | None = None
     settled: bool = False
 
     async def settle(self, cost_pico_usd: int) -> None:
-        if not self.settled:
-            self.settled = True
-            await self.cap.add(self.tenant, cost_pico_usd / 1e12 - self.estimate)
+        if self.settled:
+            return
+        self.settled = True
+        if delta := -(-cost_pico_usd // 10**6) - self.counted:  # micro-USD, rounded up as counted
+            bucket = correction_bucket(delta, self.bucket)
+            await self.cap.state.settle([Adjustment(self.cap.key(self.tenant), delta, HOUR, bucket)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +295,14 @@ class Executor:
         if self.metrics is not None:
             self.metrics.hedge(plan.route.name, result)
 
+    def _no_hedge(self, plan: Plan, why: str) -> None:
+        """A hedge that was not sent, and why: its breakers refused it when it would start (`open`,
+        `slow`), the tenant's hedge cap did (`capped`), or its adapter cannot express the request
+        (`unsupported`). The hedge's note (`hedge=why` in x-weir-route) and result, not an attempt:
+        where the request moves on to that candidate, the chain notes it in `tried`, once."""
+        plan.note = (plan.note + "; " if plan.note else "") + f"hedge={why}"
+        self._hedge(plan, why)
+
     def _key(self, choice: Choice) -> str:
         return Breakers.key(choice.target.backend.name, choice.target.upstream_model)
 
@@ -302,8 +324,9 @@ class Executor:
         `sent` once it is admitted and goes upstream, and a whole answer it reads must take `race`
         (else it ends cancelled, as the race's loser). `trial`: the breakers that let it through as
         their half-open trial, whose success alone closes them (`Trial`). Unsupported when its
-        adapter cannot express the request: noted so, nothing sent, for a candidate of the chain as
-        for a hedge."""
+        adapter cannot express the request: nothing sent, its trial freed and its charge settled at
+        nothing, for a candidate of the chain as for a hedge; its caller notes it (a candidate of the
+        chain in `tried`, a hedge as the hedge's)."""
         target = choice.target
         model = choice.candidate.model
         key = self._key(choice)
@@ -312,7 +335,6 @@ class Executor:
         except InvalidRequest as exc:
             # Nothing was sent: no verdict on the backend (a half-open trial it was is the next
             # request's), and a hedge's charge is nothing.
-            plan.tried.append(f"{model}:unsupported")
             if plan.route.breaker is not None:
                 self._no_verdict(plan.route, key, trial)
             if charge is not None:
@@ -477,8 +499,8 @@ class Executor:
                     call.info.error = None  # earlier attempts failed; the request did not
                     return result
                 except Unsupported as exc:
-                    # Nothing was sent (`_attempt` noted it): the next candidate may take what this
-                    # one's API cannot.
+                    # Nothing was sent: the next candidate may take what this one's API cannot.
+                    plan.tried.append(f"{choice.candidate.model}:unsupported")
                     refusal = refusal or exc.refusal
                     break
                 except GatewayError as exc:
@@ -593,7 +615,8 @@ class Executor:
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         race = _Race()
         refused: str | None = None  # why the partner's breakers turned it away when it would start
-        partner_trial, allowed = NO_TRIAL, False  # the partner's `_trial`, once admitted
+        partner_trial = NO_TRIAL  # the partner's `_trial`, once admitted
+        charge: Charge | None = None  # its estimate on the hedge cap, once the cap let it through
         first = asyncio.ensure_future(
             self._attempt(call, plan, primary, op, numbers=numbers, sent=sent, race=race, trial=trial)
         )
@@ -614,37 +637,40 @@ class Executor:
             output = feats.max_output_tokens or route.expected_output_tokens
             usd = expected_cost(partner, feats, output, self.context)
             tenant = call.principal.tenant_id or "anonymous"
-            cap = route.hedge.max_spend_usd_per_hour
-            allowed = refused is None and await self.hedges.allow(tenant, usd, cap)
+            if refused is None:
+                charge = await self.hedges.charge(tenant, usd, route.hedge.max_spend_usd_per_hour)
         except BaseException:
             # Cancelled while waiting (the server shutting down, say): the attempt must not run on
             # with no owner, holding its in-flight slot and, once it answered, a stream nobody closes.
             await _abandon(first)
             raise
         finally:
-            if not allowed:  # a trial that never went: the next request's
+            if charge is None:  # a trial that never went: the next request's
                 self._no_verdict(route, self._key(partner), partner_trial)
-        if not allowed:
-            # No hedge: its breakers refused it (`open`, `slow`) or the cap did. Not a candidate the
-            # chain skipped: that one is asked again, and noted then, if the chain reaches it.
-            why = refused or "capped"
-            plan.note = (plan.note + "; " if plan.note else "") + f"hedge={why}"
-            self._hedge(plan, why)
+        if charge is None:
+            # No hedge: its breakers refused it (`open`, `slow`) or the cap did.
+            self._no_hedge(plan, refused or "capped")
             result = await first
             plan.chosen = primary
             return result
-        # The cap then counts what the hedge cost, not the estimate: a hedge that lost and was
-        # cancelled costs what it had streamed, one that won what its answer cost.
-        charge = Charge(self.hedges, tenant, usd)
+        # The cap then counts what the hedge cost, not the estimate (`charge`): a hedge that lost and
+        # was cancelled costs what it had streamed, one that won what its answer cost.
+        went: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # sent upstream
         second = asyncio.ensure_future(
-            self._attempt(call, plan, partner, op, charge, numbers, race=race, trial=partner_trial)
+            self._attempt(call, plan, partner, op, charge, numbers, sent=went, race=race, trial=partner_trial)
         )
-        self._hedge(plan, "started")
         owners = {first: primary, second: partner}
         pending = {first, second}
         error: BaseException | None = None
         winner: asyncio.Future[Any] | None = None
         try:
+            # It goes upstream, or ends Unsupported (its adapter cannot express the request), in its
+            # first step: no request's first attempt, it has no admission to wait for.
+            await asyncio.wait({second, went}, return_when=asyncio.FIRST_COMPLETED)
+            if went.done():
+                self._hedge(plan, "started")
+            else:  # nothing was sent (`_attempt` freed its trial and settled its charge at nothing)
+                self._no_hedge(plan, "unsupported")
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 # A cancelled one read its whole answer after the other had taken the race (`_Race`).
@@ -661,9 +687,10 @@ class Executor:
                         plan.chosen = owners[task]
                         if task is second:
                             self._hedge(plan, "won")
-                        plan.note = (plan.note + "; " if plan.note else "") + (
-                            f"hedged={partner.candidate.model}"
-                        )
+                        if went.done():
+                            plan.note = (plan.note + "; " if plan.note else "") + (
+                                f"hedged={partner.candidate.model}"
+                            )
                         if (number := numbers.get(task)) in call.routes:
                             # A stream records its event when it ends: with the decision as it is
                             # now (won, and hedged), not as it was when the attempt started.

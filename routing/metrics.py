@@ -28,7 +28,8 @@ class RoutingMetrics:
             "Hedges by route and result: started (sent beside a slow first candidate), won (answered "
             "first; the other attempt is cancelled), capped (not sent: the tenant's hedge spend cap "
             "for the hour was reached), open or slow (not sent: its breaker, or the route's latency "
-            "breaker there, opened during the delay)",
+            "breaker there, opened during the delay), unsupported (not sent: its API cannot express "
+            "the request)",
             ("route", "result"),
             registry=registry,
         )

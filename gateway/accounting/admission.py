@@ -24,7 +24,7 @@ from gateway.accounting.pricing import PriceCatalog, sheet_of
 from gateway.aio import detached
 from gateway.errors import GatewayError
 from gateway.ids import exchange_key
-from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState
+from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState, correction_bucket
 from gateway.state import Admission as Decision
 
 log = logging.getLogger(__name__)
@@ -663,7 +663,7 @@ class Admission:
         unused estimate). Tokens beyond the estimate (or an attempt's after the first) count in the
         current bucket: they were used by the time they are known, and that bucket holds them a full
         window from then, where the estimate's would let them go sooner, or drop them had it left."""
-        bucket = counted_in if delta < 0 else None
+        bucket = correction_bucket(delta, counted_in)
         if self._settle_attempt is not None:
             # In process: settled at once, as a batch of one would be, without a task, a loop turn
             # and the batching that a round trip to Redis is worth (nor a Settlement built).

@@ -15,6 +15,7 @@ from gateway.state.base import (
     Limit,
     Settlement,
     SharedState,
+    correction_bucket,
 )
 from gateway.state.memory import MemoryState
 
@@ -39,5 +40,6 @@ __all__ = [
     "MemoryState",
     "Settlement",
     "SharedState",
+    "correction_bucket",
     "open_state",
 ]

@@ -98,6 +98,15 @@ class Adjustment:
     bucket: int | None = None
 
 
+def correction_bucket(delta: int, counted_in: int | None) -> int | None:
+    """Where a correction of units counted in bucket `counted_in` goes (`Adjustment.bucket`; None:
+    the current one). Units the count was over by are given back in its own bucket, so both leave the
+    window together (the state drops the correction once that bucket has left: given back in a later
+    one, it would free room the window never held). Units beyond the count go to the current bucket:
+    used by the time they are known, they count a full window from then."""
+    return counted_in if delta < 0 else None
+
+
 @dataclass(frozen=True, slots=True)
 class Settlement:
     """What one finished attempt changes: limit corrections, and its cost on its budgets."""

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from structlog.testing import capture_logs
 
 from gateway import pipeline
 from gateway.config import Timeouts, parse_config
@@ -238,6 +239,37 @@ def test_a_hedge_races_winner_answers_without_waiting_for_its_losers_body(
     # The loser still ends, and is billed what its vendor reported.
     loser, _ = race_events(gateway)
     assert (loser.usage, loser.estimated) == (REPORTED, False)
+
+
+def test_a_losers_event_recorded_before_the_answer_went_out_leaves_the_request_without_an_error(
+    gateway: RunningGateway, raw: Script, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loser's usage event is recorded in the background once its body comes, here after the
+    hedge took the race and before the answer goes out (the test holds the answer until then). Its
+    `cancelled` became the request's error, which the race's end had cleared: the log line of a
+    request answered 200, with the winner's backend and usage, said error=cancelled. The loser is
+    still recorded as the 499 it is."""
+    raw.body = "released"
+    monkeypatch.setattr(pipeline, "CUT_ANSWER_WAIT", 5.0)
+    executor, background = runtime(gateway).executor, runtime(gateway).pipeline.background
+    first = executor.first
+
+    async def answered_once_the_loser_is_recorded(*args: Any, **kwargs: Any) -> Any:
+        result = await first(*args, **kwargs)
+        raw.released.set()
+        await background.drain()
+        return result
+
+    monkeypatch.setattr(executor, "first", answered_once_the_loser_is_recorded)
+    with capture_logs() as logs:
+        hedge_wins(gateway)
+        deadline = time.monotonic() + 5  # the line is written once the response's last byte is sent
+        while not any(e["event"] == "request" for e in logs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    [line] = [e for e in logs if e["event"] == "request"]
+    assert (line["status"], line["backend"], line["error"]) == (200, "openai", None)
+    loser, winner = race_events(gateway)
+    assert (loser.error, winner.error) == ("cancelled", None)
 
 
 def test_a_hedge_that_lost_counts_what_it_cost_against_the_hedge_allowance(

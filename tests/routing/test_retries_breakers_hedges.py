@@ -13,7 +13,7 @@ import concurrent.futures
 import email.utils
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import openai
@@ -24,9 +24,11 @@ from gateway.errors import UpstreamError
 from gateway.state import MemoryState
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
+from routing import execute
 from routing.breaker import Breakers, CircuitBreaker, State
-from routing.execute import retry_after
+from routing.execute import HOUR, SpendCap, retry_after
 from routing.routes import Breaker as BreakerSettings
+from tests.control.conftest import REDIS_URL
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
@@ -124,6 +126,14 @@ def _tight(
 def tight_routes(_tight: RunningGateway, fresh_fakes: None) -> RunningGateway:
     """The gateway of TIGHT_ROUTES with fresh fakes, closed breakers and an empty ledger."""
     return fresh(_tight)
+
+
+def hedge_counts(gateway: RunningGateway, route: str) -> Callable[[], dict[str, float]]:
+    """What `route`'s weir_route_hedges_total has counted since this call, by result."""
+    counter = runtime(gateway).executor.metrics.hedges  # type: ignore[union-attr]
+    results = ("started", "won", "unsupported")
+    before = {result: counter.labels(route, result)._value.get() for result in results}
+    return lambda: {result: counter.labels(route, result)._value.get() - before[result] for result in results}
 
 
 def chat(
@@ -581,9 +591,12 @@ def test_a_hedge_its_adapter_cannot_express_frees_its_trial_and_is_noted_as_its_
     no request there), the hedge's estimate stayed counted against the tenant's cap, and where the
     primary had failed first (made so here), that refusal ended the race as the primary's own: noted
     `raw-model:unsupported`, no retry of the primary. The hedge is noted `claude-sonnet:unsupported`,
-    its trial is the next request's, it costs nothing, and the primary's failure fails over as any."""
+    its trial is the next request's, it costs nothing, and the primary's failure fails over as any.
+    Sent nowhere, it is the hedge's refusal, as `hedge=open` is: `hedge=unsupported` in x-weir-route
+    and weir_route_hedges_total (it was counted `started` and noted `hedged=claude-sonnet`)."""
     executor = runtime(gateway).executor
     executor.hedges.state = MemoryState()  # this test's window only
+    hedges = hedge_counts(gateway, "raw-hedged-sonnet")
     breakers = runtime(gateway).router.breakers
     breaker = breakers.get(Breakers.key("anthropic", "claude-sonnet-4-5"))
     pick, attempt = executor._hedge_partner, executor._attempt
@@ -612,14 +625,33 @@ def test_a_hedge_its_adapter_cannot_express_frees_its_trial_and_is_noted_as_its_
         ]
     text, route = chat(gateway, "raw-hedged-sonnet", n=2)
     assert text == "raw answer" and route["candidate"] == "raw-model"
-    expected = {
-        "answers": "claude-sonnet:unsupported,raw-model:ok",
-        "fails_first": "raw-model:502,claude-sonnet:unsupported,raw-model:ok",
-    }
-    assert route.get("tried") == expected[primary]
+    assert route["hedge"] == "unsupported" and "hedged" not in route
+    assert route.get("tried") == {"answers": None, "fails_first": "raw-model:502,raw-model:ok"}[primary]
+    assert hedges() == {"started": 0, "won": 0, "unsupported": 1}
     assert breaker.state is State.HALF_OPEN and breaker.trial() is None  # the next request's trial
     assert not fake_anthropic.requests
     assert counted_micro_usd(executor.hedges, "demo", 0, 0)  # nothing sent, nothing spent
+
+
+def test_a_hedge_its_adapter_cannot_express_is_noted_once_when_the_request_fails_over_to_it(
+    gateway: RunningGateway, raw: Script, fake_anthropic: FakeAnthropic
+) -> None:
+    """`raw-hedged-sonnet`'s hedge, claude-sonnet, cannot express `n` = 2: nothing is sent. The
+    primary then fails both its tries and the request moves on to claude-sonnet, which cannot express
+    it either. It was noted `unsupported` as the hedge and again when the chain reached it (one
+    candidate twice in `tried`), and the 502 said `hedged=claude-sonnet`. As for a hedge its breaker
+    refused: the hedge's note is `hedge=unsupported`, and `tried=` notes the candidate once, where the
+    chain reaches it."""
+    hedges = hedge_counts(gateway, "raw-hedged-sonnet")
+    raw.delay = 0.3  # past the hedge delay (0.15 s)
+    raw.answers = [http_head(500) + b'{"error": {"message": "boom", "type": "server_error"}}']
+    with pytest.raises(openai.InternalServerError) as caught:
+        chat(gateway, "raw-hedged-sonnet", n=2)
+    route = route_header(caught.value.response)
+    assert route["hedge"] == "unsupported" and "hedged" not in route
+    assert route["tried"] == "raw-model:502,raw-model:502,claude-sonnet:unsupported"
+    assert raw.calls == 2 and not fake_anthropic.requests
+    assert hedges() == {"started": 0, "won": 0, "unsupported": 1}
 
 
 def test_a_hedge_its_breaker_refused_is_noted_once_when_the_request_fails_over_to_it(
@@ -1102,6 +1134,61 @@ def test_the_hedge_cap_holds_for_concurrent_requests_of_one_tenant(
     assert len(routes) == 4
     assert sorted(r.get("hedge", r.get("hedged")) for r in routes) == ["capped"] * 2 + ["claude-sonnet"] * 2
     assert len(fake_anthropic.requests) == 2
+
+
+async def test_a_hedges_cost_corrects_its_estimate_in_the_minute_it_was_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hedge cap counts a hedge's estimate in the minute the hedge starts and replaces it with
+    what the hedge cost once that is priced. What the estimate was over by went to the minute current
+    then: a hedge priced after its estimate had left the hour (a long stream) freed that much of the
+    next hour, which then let hedges spend the cap and more; priced within the hour, the correction
+    outlived the estimate by as long as the hedge ran. It goes to the estimate's minute now (nowhere
+    once that has left the hour); what a hedge cost beyond its estimate counts from when it is known."""
+    now = [1_000_000.0]
+    monkeypatch.setattr(MemoryState, "_now", staticmethod(lambda: now[0]))
+    cap = SpendCap("hedge")
+    long = await cap.charge("t", 0.6, cap=1.0)
+    assert long is not None and not await cap.allow("t", 0.5, cap=1.0)
+    now[0] += HOUR + 60  # priced once its estimate has left the hour
+    await long.settle(100_000 * 10**6)  # $0.1
+    assert counted_micro_usd(cap, "t", 0, 0)
+
+    slow = await cap.charge("t", 0.6, cap=1.0)
+    assert slow is not None
+    now[0] += HOUR / 2
+    await slow.settle(100_000 * 10**6)
+    assert counted_micro_usd(cap, "t", 100_000, 0)
+    now[0] += HOUR / 2 + 60  # the estimate's minute has left the hour, and its correction with it
+    assert counted_micro_usd(cap, "t", 0, 0)
+
+    over = await cap.charge("t", 0.1, cap=1.0)
+    assert over is not None
+    now[0] += HOUR / 2
+    await over.settle(400_000 * 10**6)  # $0.3 beyond its estimate
+    now[0] += HOUR / 2 + 60
+    assert counted_micro_usd(cap, "t", 300_000, 0)  # an hour from when it was known
+    now[0] += HOUR / 2
+    assert counted_micro_usd(cap, "t", 0, 0)
+
+
+@pytest.mark.redis
+async def test_a_hedge_priced_after_its_estimate_left_the_window_frees_no_room_in_redis(
+    redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with the cap's window in Redis (1.2 s here, 20 ms buckets): the bucket Redis counted
+    the estimate in is where its correction goes, and there is none once that bucket has left."""
+    monkeypatch.setattr(execute, "HOUR", 1.2)
+    cap = SpendCap("hedge", RedisState.from_url(REDIS_URL, prefix=redis_prefix))
+    try:
+        charge = await cap.charge("t", 0.6, cap=1.0)
+        assert charge is not None
+        await asyncio.sleep(1.25)  # its estimate's bucket has left the window
+        await charge.settle(0)
+        assert await cap.allow("t", 1.0, cap=1.0)
+        assert not await cap.allow("t", 1e-6, cap=1.0)
+    finally:
+        await cap.state.close()
 
 
 @pytest.mark.redis
