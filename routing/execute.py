@@ -667,10 +667,12 @@ class Executor:
             # It goes upstream, or ends Unsupported (its adapter cannot express the request), in its
             # first step: no request's first attempt, it has no admission to wait for.
             await asyncio.wait({second, went}, return_when=asyncio.FIRST_COMPLETED)
-            if went.done():
-                self._hedge(plan, "started")
-            else:  # nothing was sent (`_attempt` freed its trial and settled its charge at nothing)
+            # (Not gone upstream, `second` is done.)
+            unsent = not went.done() and isinstance(second.exception(), Unsupported)
+            if unsent:  # nothing was sent (`_attempt` freed its trial and settled its charge at nothing)
                 self._no_hedge(plan, "unsupported")
+            else:
+                self._hedge(plan, "started")
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 # A cancelled one read its whole answer after the other had taken the race (`_Race`).
@@ -687,7 +689,7 @@ class Executor:
                         plan.chosen = owners[task]
                         if task is second:
                             self._hedge(plan, "won")
-                        if went.done():
+                        if not unsent:
                             plan.note = (plan.note + "; " if plan.note else "") + (
                                 f"hedged={partner.candidate.model}"
                             )
