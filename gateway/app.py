@@ -82,7 +82,9 @@ def create_app(
         gateway.router.use_control_plane(control.sessions, control.state, on_probe=control.uptime.record)
         gateway.comparer.use_control_plane(control.sessions, control.admission.finish, control.state)
         gateway.executor.hedges.state = control.state  # hedged spend capped across replicas
-        # `cheapest` and the spend caps' estimates price at the catalog's prices, which bill.
+        # The catalog's prices bill every attempt (priced once, as it is recorded); `cheapest` and the
+        # spend caps' estimates price at those valid now.
+        gateway.pipeline.catalog = lambda backend, model, at: control.catalog.prices_at(backend, model, at)
         gateway.router.context.prices = lambda backend, model: control.catalog.prices_at(
             backend, model, dt.datetime.now(dt.UTC)
         )

@@ -21,7 +21,7 @@ import structlog
 
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import usd_per_mtok_to_micro
-from gateway.accounting.pricing import TokenClass, price_usage
+from gateway.accounting.pricing import PricesAt, TokenClass, price_usage
 from gateway.aio import Background
 from gateway.auth import Principal
 from gateway.config import Model
@@ -85,8 +85,8 @@ class Call:
     principal: Principal
     endpoint: str
     started: float = field(default_factory=time.perf_counter)
-    # Awaited with an attempt's usage event once it is recorded, by attempt number: the router corrects
-    # a spend cap it charged an estimate to (hedged attempts) with what the attempt is billed.
+    # Awaited with an attempt's usage event once it is recorded, by attempt number: a spend cap charged
+    # an estimate (hedged attempts, comparisons) is corrected with what the attempt is billed.
     on_cost: dict[int, Callable[[UsageEvent], Awaitable[None]]] = field(default_factory=dict)
     # The routing decision as of each attempt, by attempt number, for that attempt's usage event: a
     # hedge runs beside the primary, so `info.route` names whichever of them started last.
@@ -167,8 +167,20 @@ class Pipeline:
         # What engine replicas report of their queues, for the router (its PolicyContext's).
         self.loads = loads if loads is not None else LoadReports()
         self.prices = {model.name: price_sheet(model) for model in models}
+        # The admin DB's price catalog (`PriceCatalog.prices_at`) where there is one: it bills an
+        # attempt whose backend and upstream model it prices (`billing_prices`).
+        self.catalog: PricesAt | None = None
         # Attempts ended whose usage events are still to be recorded (`exchange`): awaited at shutdown.
         self.background = Background()
+
+    def billing_prices(self, target: Target, at: dt.datetime) -> dict[TokenClass, int]:
+        """The prices that bill an attempt on `target` started at `at`: the catalog's valid then, where
+        it has any for the backend and upstream model, else the config's `price`."""
+        if self.catalog is not None and (
+            found := self.catalog(target.backend.name, target.upstream_model, at)
+        ):
+            return found
+        return self.prices.get(target.model.name, {})
 
     async def exchange(
         self,
@@ -408,11 +420,13 @@ class Pipeline:
             self.metrics.ttft.labels(*labels).observe(ttft)
         if failure is not None:
             self.metrics.errors.labels(*labels, _error_label(failure, status)).inc()
-        cost = price_usage(usage, self.prices.get(target.model.name, {}))
+        ts = dt.datetime.fromtimestamp(started_at, dt.UTC)
+        # Priced once, here: the ledger, budgets, spend caps and every sink take this cost.
+        cost = price_usage(usage, self.billing_prices(target, ts))
         event = UsageEvent(
             request_id=info.request_id,
             attempt=attempt,
-            ts=dt.datetime.fromtimestamp(started_at, dt.UTC),
+            ts=ts,
             tenant_id=call.principal.tenant_id,
             key_id=call.principal.key_id,
             route=info.model or target.model.name,

@@ -38,7 +38,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Metric
 from prometheus_client.core import GaugeMetricFamily
 
-from gateway.accounting.pricing import price_usage
+from gateway.accounting.events import UsageEvent
 from gateway.aio import detached
 from gateway.errors import GatewayError
 from gateway.ids import ordered_id
@@ -395,7 +395,7 @@ class Comparer:
         if not await self.spend.allow(tenant, estimate, compare.max_spend_usd_per_hour):
             self._count(route.name, "capped")
             return
-        spent: list[float] = []  # USD of each call made, priced as the gateway prices its models
+        spent: list[float] = []  # USD of each call made, as the ledger bills it
         try:
             alone = msgspec.structs.replace(job.request, stream=None, stream_options=None)
             response = await self._ask(job, other_target, other.model, alone, "compare", spent)
@@ -468,15 +468,17 @@ class Comparer:
             f"purpose={purpose}; for={job.request_id}",
         )
         call = Call(info, job.principal, "compare")
+
+        async def billed(event: UsageEvent) -> None:  # what the ledger bills it
+            spent.append(event.cost_pico_usd / 1e12)
+
+        call.on_cost[1] = billed
         upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
         try:
             # Its lines (an upstream that broke) name this call, as its ledger row does, not the client's.
             with logging_for(info):
                 return await self.pipeline.exchange(call, target, upstream, target.provider.chat_response)
         finally:
-            if info.usage is not None:
-                cost = price_usage(info.usage, self.pipeline.prices.get(target.model.name, {}))
-                spent.append(cost.cost_pico_usd / 1e12)
             if self.on_finish is not None:
                 self.on_finish(info.request_id)
 

@@ -23,8 +23,6 @@ from typing import Any
 
 import msgspec
 
-from gateway.accounting.events import UsageEvent
-from gateway.accounting.pricing import price_usage
 from gateway.errors import (
     BackendUnavailable,
     BadGateway,
@@ -346,7 +344,7 @@ class Executor:
             numbers[task] = number
         if charge is not None:
             settle = charge.settle
-            call.on_cost[number] = lambda event: settle(self._billed(event))
+            call.on_cost[number] = lambda event: settle(event.cost_pico_usd)
         # The decision as it stands: this attempt's usage event (kept per attempt: a hedge runs beside
         # the primary) and the header if it fails.
         call.info.route = call.routes[number] = plan.header(choice)
@@ -444,13 +442,6 @@ class Executor:
             self.breakers.get(key).release(trial.backend)
         if trial.latency is not None and (latency := self.breakers.latency_breaker(route, key)) is not None:
             latency.release(trial.latency)
-
-    def _billed(self, event: UsageEvent) -> int:
-        """What an attempt is billed (pico-USD): at the price catalog's prices where the control plane
-        has them (the ledger prices the event so: prices set through the admin API, models priced
-        only there), else as the pipeline priced it from the config."""
-        prices = self.context.prices(event.backend, event.model) if self.context.prices else None
-        return price_usage(event.usage, prices).cost_pico_usd if prices else event.cost_pico_usd
 
     def _track(self, batches: Batches, model: str, held: list[list[Any]]) -> Tracked:
         return Tracked(batches, lambda: self._release(model), held)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import datetime as dt
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -41,6 +42,11 @@ FALLBACK: dict[TokenClass, TokenClass] = {
     TokenClass.CACHE_WRITE_5M: TokenClass.INPUT,
     TokenClass.CACHE_WRITE_1H: TokenClass.CACHE_WRITE_5M,
 }
+
+
+# (backend, upstream model, moment) -> the prices valid then, by token class (`PriceCatalog.prices_at`);
+# empty where none are.
+PricesAt = Callable[[str, str, dt.datetime], dict[TokenClass, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +111,9 @@ class _Sheet:
         )
 
 
-# Every attempt is priced (twice with a catalog: from the config, then from the catalog), almost
-# always from one of a few long-lived price dicts: resolve each once. The entry keeps the dict itself
-# and a copy, so a dict modified since, or a new one at a recycled id, is resolved afresh.
+# Every attempt is priced, almost always from one of a few long-lived price dicts (the catalog's, the
+# config's): resolve each once. The entry keeps the dict itself and a copy, so a dict modified since,
+# or a new one at a recycled id, is resolved afresh.
 _sheets: dict[int, tuple[dict[TokenClass, int], dict[TokenClass, int], _Sheet]] = {}
 _MAX_SHEETS = 256
 
@@ -130,7 +136,8 @@ def price_usage(usage: Usage, prices: dict[TokenClass, int]) -> Cost:
 
 
 class PriceCatalog:
-    """All price rows, indexed for "valid at" lookups. Backend-specific rows win over `*` rows."""
+    """All price rows, indexed for "valid at" lookups. For each token class, a backend-specific row
+    wins over the `*` row."""
 
     def __init__(self, rows: list[PriceRow] | None = None) -> None:
         self._series: dict[tuple[str, str, TokenClass], list[tuple[dt.datetime, int]]] = defaultdict(list)
@@ -150,11 +157,9 @@ class PriceCatalog:
         cached = self._cache.get((backend, model))
         if cached is not None and cached[0] <= at < cached[1]:
             return cached[2]
-        found: dict[TokenClass, int] = {}
-        for scope in (backend, ANY_BACKEND):
-            found = self.scoped_prices(scope, model, at)
-            if found:
-                break
+        # Per token class: a backend's row for one class (a special output price) leaves its other
+        # classes at the `*` rows' prices, not unpriced.
+        found = self.scoped_prices(ANY_BACKEND, model, at) | self.scoped_prices(backend, model, at)
         start, until = dt.datetime.min.replace(tzinfo=dt.UTC), dt.datetime.max.replace(tzinfo=dt.UTC)
         for scope in (backend, ANY_BACKEND):
             for token_class in TokenClass:

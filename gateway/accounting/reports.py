@@ -39,6 +39,12 @@ CSV_COLUMNS = (
     "cache_savings_usd",
 )
 SIX_PLACES = Decimal("0.000001")
+MONEY_COLUMNS = ("cost_pico_usd", "savings_pico_usd")
+# SQLite's sum() of integers fails past 2^63 ("integer overflow": $9.2M in pico-dollars, in reach of
+# a long range's report) where PostgreSQL's sums as a numeric. Money is summed as two parts, the
+# quotient and the remainder by 2^32, each under 2^32 in size (so their sums stay exact up to 2^31
+# rows a group), and joined exactly in Python.
+_SPLIT = 2**32
 
 
 def _whole_days(start: dt.datetime, end: dt.datetime) -> bool:
@@ -67,23 +73,28 @@ async def usage_report(
         requests = func.count()
         errors = func.sum(case((and_(UsageEventRow.status >= 200, UsageEventRow.status < 400), 0), else_=1))
     dims = [getattr(table, GROUPS[name]).label(name) for name in group_by]
-    sums = [
-        func.sum(getattr(table, c)).label(c) for c in (*TOKEN_COLUMNS, "cost_pico_usd", "savings_pico_usd")
-    ]
+    sums = [func.sum(getattr(table, c)).label(c) for c in TOKEN_COLUMNS]
+    for c in MONEY_COLUMNS:
+        # Integer division and remainder truncate alike in both databases: quotient x 2^32 +
+        # remainder is the value, negative ones (savings, where cache reads cost more) too.
+        sums += [
+            func.sum(getattr(table, c) // _SPLIT).label(f"{c}_high"),
+            func.sum(getattr(table, c) % _SPLIT).label(f"{c}_low"),
+        ]
     query = select(*dims, requests.label("requests"), errors.label("errors"), *sums).where(where)
     if dims:
         query = query.group_by(*dims).order_by(*dims)
     raw = [dict(r._mapping) for r in await session.execute(query)]
     raw = [r for r in raw if r["requests"]]  # an empty range sums to one row of NULLs
+    for r in raw:
+        for c in MONEY_COLUMNS:
+            r[c] = int(r.pop(f"{c}_high") or 0) * _SPLIT + int(r.pop(f"{c}_low") or 0)
     names: dict[str, str] = {}
     if "tenant" in group_by:
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
     rows = [_finish(r, group_by, names) for r in raw]
     totals = _finish(
-        {
-            k: sum(int(r[k] or 0) for r in raw)
-            for k in ("requests", "errors", *TOKEN_COLUMNS, "cost_pico_usd", "savings_pico_usd")
-        },
+        {k: sum(int(r[k] or 0) for r in raw) for k in ("requests", "errors", *TOKEN_COLUMNS, *MONEY_COLUMNS)},
         [],
         {},
     )
@@ -98,10 +109,7 @@ async def usage_report(
 
 
 def _finish(raw: dict[str, Any], group_by: list[str], names: dict[str, str]) -> dict[str, Any]:
-    n = {
-        k: int(raw.get(k) or 0)
-        for k in ("requests", "errors", *TOKEN_COLUMNS, "cost_pico_usd", "savings_pico_usd")
-    }
+    n = {k: int(raw.get(k) or 0) for k in ("requests", "errors", *TOKEN_COLUMNS, *MONEY_COLUMNS)}
     row: dict[str, Any] = {}
     for name in group_by:
         value = raw[name]

@@ -100,7 +100,7 @@ class ControlPlane:
         self.admission = Admission(
             self.state, lambda: self.catalog, spend=self._spend_this_month, leasing=bool(settings.redis_url)
         )
-        self.sink = AccountingSink(self.queue, lambda: self.catalog, self.admission)
+        self.sink = AccountingSink(self.queue, self.admission)
         if isinstance(self.queue, RedisStreamQueue) and isinstance(primary, RedisState):
             # Every event of a DB key comes with a settlement: while one is under way, the window's
             # events wait for it (at most one more window) instead of an XADD of their own.

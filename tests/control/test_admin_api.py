@@ -18,13 +18,14 @@ from litestar import Litestar
 from sqlalchemy import select, text
 
 from gateway.accounting.catalog import load_catalog
+from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.accounting.queue import SpoolQueue
 from gateway.accounting.writer import BatchWriter
 from gateway.admin.keys import DbAuthenticator
 from gateway.admin.router import AdminContext, admin_router
 from gateway.admin.token import ensure_admin_token
 from gateway.db import migrate
-from gateway.db.models import ApiKey, UptimeSample
+from gateway.db.models import ApiKey, UptimeSample, UsageEventRow, UsageRollup
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state import MemoryState
 from tests.control.helpers import priced_event, random_usage
@@ -374,6 +375,74 @@ async def test_usage_report_reconciles_to_the_micro_dollar(env: Env) -> None:
     assert_openai_error(
         await c.get("/admin/api/v1/reports/usage", params={"start": "yesterday"}, headers=AUTH), 400, "start"
     )
+
+
+async def test_usage_report_sums_costs_past_64_bits_exactly(env: Env) -> None:
+    """Three days near $4.6M each (2^62 pico-dollars): the range's total passes 2^63, where SQLite's
+    sum() of integers failed the report ("integer overflow", a 500) while PostgreSQL's sums as a
+    numeric. Both report the exact total, from the rollups and from the raw ledger, negative savings
+    (cache reads dearer than input) included."""
+    first_day = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0) - dt.timedelta(
+        days=3
+    )
+    costs = [(2**62 + 1, -(2**62) + 5), (2**62 + 2, -3), (2**62 - 1, -(2**62) - 1)]
+    async with env.ctx.sessions() as session, session.begin():
+        for i, (cost, savings) in enumerate(costs):
+            ts = first_day + dt.timedelta(days=i, hours=12)
+            tokens = dict.fromkeys(
+                ("input_tokens", "cached_input_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens"), 0
+            )
+            tokens |= {"output_tokens": 10**9, "reasoning_tokens": 0}
+            money = {"cost_pico_usd": cost, "savings_pico_usd": savings}
+            session.add(
+                UsageRollup(
+                    day=ts.date(),
+                    tenant_id="t1",
+                    key_id="k1",
+                    backend="b",
+                    model="m",
+                    requests=1,
+                    errors=0,
+                    **tokens,
+                    **money,
+                )
+            )
+            session.add(
+                UsageEventRow(
+                    event_id=f"e{i}",
+                    request_id=f"r{i}",
+                    attempt=1,
+                    ts=ts,
+                    day=ts.date(),
+                    tenant_id="t1",
+                    key_id="k1",
+                    route="m",
+                    backend="b",
+                    model="m",
+                    **tokens,
+                    prices={},
+                    **money,
+                    latency_ms=1.0,
+                    ttft_ms=None,
+                    status=200,
+                    fallback=False,
+                )
+            )
+    cost_usd = format_usd(pico_to_usd(sum(c for c, _ in costs)))
+    savings_usd = format_usd(pico_to_usd(sum(s for _, s in costs)))
+    assert Decimal(cost_usd) > Decimal(2**63) / 10**12
+    end = first_day + dt.timedelta(days=3)
+    for source, params in (
+        ("rollups", {"start": first_day.date().isoformat(), "end": end.date().isoformat()}),
+        ("events", {"start": first_day.isoformat(), "end": (end - dt.timedelta(seconds=1)).isoformat()}),
+    ):
+        response = await env.client.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)
+        assert response.status_code == 200, response.text
+        report = response.json()
+        assert report["source"] == source
+        [row] = report["rows"]
+        assert (row["cost_usd"], row["cache_savings_usd"], row["requests"]) == (cost_usd, savings_usd, 3)
+        assert report["totals"]["cost_usd"] == cost_usd
 
 
 async def test_uptime_report(env: Env) -> None:

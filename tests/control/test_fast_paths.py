@@ -19,7 +19,6 @@ from gateway.accounting import events
 from gateway.accounting.admission import LEASE_REQUESTS, Admission, Quotas, budget_key, month_of
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import USAGE_FIELD, PriceCatalog, PriceRow, TokenClass, price_usage, resolve
-from gateway.accounting.sink import AccountingSink
 from gateway.state.base import BUCKETS, Adjustment, Budget, Limit, Settlement
 from gateway.state.memory import MemoryState
 from gateway.state.redis import HiredisConnection, RedisState, client_from_url
@@ -204,56 +203,6 @@ async def test_token_limits_count_each_requests_own_estimate() -> None:
     total = sum(p + o for p, o in estimates)
     assert state._windows["tpm:tenant:t1"].total == state._windows["tpm:key:k1"].total == total
     assert state._windows["rpm:tenant:t1"].total == len(estimates)
-
-
-def test_the_sink_keeps_an_event_priced_as_the_catalog_prices_it() -> None:
-    """An event priced with the catalog's prices goes on as it is (no second pricing); one priced
-    with other prices gets the catalog's prices and cost, as before."""
-    at = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-    catalog = PriceCatalog(
-        [
-            PriceRow("b", "m", TokenClass.INPUT, 2_000_000, at),
-            PriceRow("b", "m", TokenClass.OUTPUT, 8_000_000, at),
-        ]
-    )
-    queued: list[UsageEvent] = []
-
-    class Queue:
-        def put(self, event: UsageEvent) -> None:
-            queued.append(event)
-
-    sink = AccountingSink(Queue(), lambda: catalog)  # type: ignore[arg-type]
-    usage = Usage(input_tokens=100, cached_input_tokens=40, output_tokens=30)
-    same = price_usage(usage, {TokenClass.INPUT: 2_000_000, TokenClass.OUTPUT: 8_000_000})
-    other = price_usage(usage, {TokenClass.INPUT: 1_000_000, TokenClass.OUTPUT: 1_000_000})
-    sent = [
-        UsageEvent(
-            request_id="r",
-            attempt=1,
-            ts=at + dt.timedelta(days=1),
-            tenant_id="t",
-            key_id=None,
-            route="m",
-            backend="b",
-            model="m",
-            usage=usage,
-            prices=dict(cost.prices),  # an equal dict, not the sheet's own
-            cost_pico_usd=cost.cost_pico_usd,
-            savings_pico_usd=cost.savings_pico_usd,
-        )
-        for cost in (same, other)
-    ]
-    for event in sent:
-        sink.record(event)
-    assert queued[0] is sent[0] and queued[1] is not sent[1]
-    expected = catalog.price(usage, "b", "m", at + dt.timedelta(days=1))
-    for event in queued:
-        assert (event.prices, event.cost_pico_usd, event.savings_pico_usd) == (
-            expected.prices,
-            expected.cost_pico_usd,
-            expected.savings_pico_usd,
-        )
-    assert queued[0].cost_pico_usd == 100 * 2_000_000 + 40 * 2_000_000 + 30 * 8_000_000
 
 
 def test_usage_events_are_not_tracked_by_the_collector() -> None:

@@ -7,6 +7,7 @@ import datetime as dt
 import random
 from decimal import Decimal
 
+import msgspec
 import pytest
 
 from gateway.accounting.money import format_usd, pico_to_usd, usd_per_mtok_to_micro
@@ -140,3 +141,44 @@ def test_cached_lookups_match_fresh_ones_across_price_changes() -> None:
         at = t0 + dt.timedelta(hours=rng.randint(0, 110), minutes=rng.choice([0, 0, 30]))
         backend = rng.choice(["b1", "b2"])
         assert cached.prices_at(backend, "m", at) == PriceCatalog(rows).prices_at(backend, "m", at)
+
+
+def test_a_backend_row_prices_only_its_own_token_class() -> None:
+    """An admin gives one backend of a model its own output price: that backend's other classes stay
+    at the `*` rows' prices (they used to cost 0: the backend's rows replaced the whole `*` sheet),
+    and the class fallbacks apply to what the two together price."""
+    catalog = PriceCatalog(
+        [
+            *(PriceRow("*", "claude", token_class, price, T0) for token_class, price in SHEET.items()),
+            PriceRow("bedrock", "claude", TokenClass.OUTPUT, 12_000_000, T0),
+            PriceRow("*", "llama", TokenClass.INPUT, 1_000_000, T0),
+            PriceRow("*", "llama", TokenClass.OUTPUT, 4_000_000, T0),
+            PriceRow("cheap", "llama", TokenClass.INPUT, 500_000, T1),
+        ]
+    )
+    assert catalog.prices_at("bedrock", "claude", T1) == {**SHEET, TokenClass.OUTPUT: 12_000_000}
+    assert catalog.prices_at("anthropic", "claude", T1) == SHEET
+    usage = Usage(
+        input_tokens=1000, cached_input_tokens=2000, cache_write_5m_tokens=300, cache_write_1h_tokens=40
+    )
+    billed = catalog.price(
+        Usage(**{**msgspec.structs.asdict(usage), "output_tokens": 10}), "bedrock", "claude", T1
+    )
+    assert billed.cost_pico_usd == price_usage(usage, SHEET).cost_pico_usd + 10 * 12_000_000
+    # Cache reads and writes unpriced everywhere fall back to the input price this backend pays.
+    cheap = catalog.price(
+        Usage(input_tokens=10, cached_input_tokens=20, output_tokens=1), "cheap", "llama", T1
+    )
+    assert cheap.prices == {
+        "input": 500_000,
+        "output": 4_000_000,
+        "cached_input": 500_000,
+        "cache_write_5m": 500_000,
+        "cache_write_1h": 500_000,
+    }
+    assert cheap.cost_pico_usd == 30 * 500_000 + 4_000_000
+    # Before the backend's own row took effect, the `*` rows alone.
+    assert catalog.prices_at("cheap", "llama", T0) == {
+        TokenClass.INPUT: 1_000_000,
+        TokenClass.OUTPUT: 4_000_000,
+    }

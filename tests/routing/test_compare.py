@@ -386,6 +386,48 @@ def compared_request(url: str) -> tuple[httpx.Client, httpx.Headers]:
     return admin, raw.headers
 
 
+def test_the_spend_cap_counts_what_the_ledger_bills_at_the_catalogs_prices(
+    sqlite_url: str,  # noqa: F811
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The admin prices the other candidate (gpt-4o) and the judge ten times the config's prices: the
+    hourly cap counts what the ledger bills the comparison's calls, not the config's prices (a
+    tenth of it), which it counted from the pipeline's own config price sheets."""
+    fake_anthropic.answer_as("claude-sonnet-4-5", judge)
+    app = comparing_app(CONFIG, sqlite_url, fake_openai, fake_anthropic, tmp_path, monkeypatch)
+    gateway = app.state.gateway
+    gateway.router.context.scorer = lambda prompt: 0.1  # the weak model serves; gpt-4o is compared
+    with serve(app, free_port()) as url:
+        admin, keeps, client = prompt_keeper(url)
+        prices = [
+            {"backend": backend, "model": model, "token_class": token_class, "usd_per_1m_tokens": usd}
+            for backend, model, token_class, usd in (
+                ("openai", "gpt-4o", "input", "25"),
+                ("openai", "gpt-4o", "output", "100"),
+                ("anthropic", "claude-sonnet-4-5", "input", "30"),
+                ("anthropic", "claude-sonnet-4-5", "output", "150"),
+            )
+        ]
+        assert admin.put("/prices", json={"prices": prices}).status_code == 200
+        client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "easy question"}])
+
+        def ledger() -> list[tuple]:
+            return sync_exec(
+                sqlite_url,
+                f"SELECT cost_pico_usd FROM usage_events WHERE tenant_id = '{keeps['id']}' "
+                "AND routing LIKE '%purpose=%'",
+            )
+
+        wait_for(lambda: sync_exec(sqlite_url, "SELECT count(*) FROM comparisons") == [(1,)])
+        wait_for(lambda: len(ledger()) == 2)  # the other candidate's call and the judge's
+        micro_usd = round(sum(c for (c,) in ledger()) / 1e6)
+        assert micro_usd > 100
+        assert counted_micro_usd(gateway.comparer.spend, keeps["id"], micro_usd, 2)
+
+
 def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
     fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,

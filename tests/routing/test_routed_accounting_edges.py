@@ -8,10 +8,13 @@ hedges and fallbacks, tenants with rate limits and budgets, the official OpenAI 
   still on its way: concurrent requests would be admitted into money already being spent.
 - Each attempt's usage event names its own candidate (hedged attempts run at once), and the admin
   API's request log shows a hedged request by the attempt that answered, not by the hedge that lost.
+- An attempt has one price, the ledger's: resolved per token class from the catalog, and the same
+  for the reports, `cheapest`'s estimate, the usage sinks and the hedge cap.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from collections.abc import Iterator
@@ -24,14 +27,18 @@ import httpx
 import openai
 import pytest
 
+from gateway.accounting.money import pico_to_usd
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.usage_sink import ListSink
+from routing.plan import Choice, Features
+from routing.policies import expected_cost
+from routing.routes import Candidate
 from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import fakes_env, full_config_text, serve
-from tests.routing.routed import route_header
+from tests.routing.routed import counted_micro_usd, route_header
 
 ADMIN = "admin-token-for-tests"
 HI = [{"role": "user", "content": "one two three four five six"}]
@@ -47,8 +54,8 @@ routes:
 
 
 class Weir:
-    def __init__(self, url: str, sink: ListSink) -> None:
-        self.url, self.sink = url, sink
+    def __init__(self, url: str, sink: ListSink, app: Any) -> None:
+        self.url, self.sink, self.app = url, sink, app
         self.admin = httpx.Client(
             base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"}, timeout=20
         )
@@ -73,6 +80,9 @@ class Weir:
                 return {a["attempt"]: a for a in entry["attempts"]}
             assert time.monotonic() < deadline, listed
             time.sleep(0.1)
+
+    def tenant_id(self, name: str) -> str:
+        return str(next(t["id"] for t in self.admin.get("/tenants").json()["data"] if t["name"] == name))
 
     def settled(self, count: int) -> None:
         deadline = time.monotonic() + 5
@@ -99,7 +109,7 @@ def weir_gateway(
     sink = ListSink()
     app = create_app(parse_config(full_config_text() + ROUTES, env), usage_sink=sink)
     with serve(app, free_port()) as url:
-        yield Weir(url, sink)
+        yield Weir(url, sink, app)
 
 
 @pytest.fixture
@@ -334,3 +344,120 @@ def test_a_streamed_hedge_winner_records_the_final_decision(
     events = {e.backend: e for e in weir.sink.events if e.request_id == raw.headers["x-request-id"]}
     assert events["deepseek"].status == 200 and "hedged=deepseek-chat" in (events["deepseek"].routing or "")
     assert "candidate=gpt-4o-mini" in (events["openai"].routing or "")
+
+
+# --- one price for the ledger, the reports, the routing estimates and the spend caps ---------------
+
+
+def test_a_backend_price_for_some_token_classes_leaves_the_others_at_the_any_backend_prices(
+    weir: Weir, fake_deepseek: FakeOpenAI
+) -> None:
+    """The admin prices deepseek-chat's cache reads on any backend ($0.50 per 1M tokens), and its
+    input and output on the deepseek backend ($1, $3). Its attempts bill cache reads at the `*` price
+    and input and output at the backend's: the ledger, the usage report and `cheapest`'s expected
+    cost agree. Priced from the backend's rows alone, cache reads billed the input price ($1)."""
+    prices = [
+        {"backend": backend, "model": "deepseek-chat", "token_class": token_class, "usd_per_1m_tokens": usd}
+        for backend, token_class, usd in (
+            ("*", "cached_input", "0.5"),
+            ("deepseek", "input", "1"),
+            ("deepseek", "output", "3"),
+        )
+    ]
+    assert weir.admin.put("/prices", json={"prices": prices}).status_code == 200
+    client = weir.client(weir.tenant_key("special-output"))
+    fake_deepseek.set_next_usage(input_tokens=1000, cached_input_tokens=4000, output_tokens=100)
+    raw = client.chat.completions.with_raw_response.create(model="deepseek-chat", messages=HI)
+    billed = Decimal("0.0033")  # 1000 x $1 + 4000 x $0.50 + 100 x $3, per 1M tokens
+    ledger = weir.attempts(raw.headers["x-request-id"], 1)[1]
+    assert Decimal(ledger["cost_usd"]) == billed
+
+    day = dt.date.fromisoformat(ledger["ts"][:10])
+    report = weir.admin.get(
+        "/reports/usage",
+        params={
+            "start": day.isoformat(),
+            "end": (day + dt.timedelta(days=1)).isoformat(),
+            "group_by": "tenant",
+        },
+    ).json()
+    [row] = [r for r in report["rows"] if r["tenant_name"] == "special-output"]
+    assert Decimal(row["cost_usd"]) == billed
+
+    # `cheapest` expects what a request like it is billed (its cache share as observed: 4000 of 5000).
+    gateway = weir.app.state.gateway
+    feats = Features(
+        prompt="",
+        history_chars=None,
+        last_user="",
+        prompt_tokens=5000,
+        max_output_tokens=None,
+        tools=False,
+        images=False,
+        metadata={},
+        tags=frozenset(),
+        tenant=None,
+        key_id=None,
+    )
+    choice = Choice(gateway.models.targets["deepseek-chat"], Candidate(model="deepseek-chat"))
+    assert expected_cost(choice, feats, 100, gateway.router.context) == pytest.approx(float(billed), rel=1e-9)
+
+
+def test_the_usage_sinks_are_handed_the_price_the_ledger_bills(weir: Weir) -> None:
+    """gpt-4o-mini's config price ($0.15 input, $0.60 output per 1M tokens) seeded the catalog; the
+    admin raises it to $2 and $8. The usage event every sink in the process is handed (the
+    embedder's `usage_sink` here; the metrics and the routing stats too) carries the cost the ledger
+    bills: they were handed the config's price, which the sink then re-priced for the ledger only."""
+    prices = [
+        {"backend": "openai", "model": "gpt-4o-mini", "token_class": token_class, "usd_per_1m_tokens": usd}
+        for token_class, usd in (("input", "2"), ("output", "8"))
+    ]
+    assert weir.admin.put("/prices", json={"prices": prices}).status_code == 200
+    client = weir.client(weir.tenant_key("repriced"))
+    raw = client.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=HI)
+    request_id = raw.headers["x-request-id"]
+    ledger = weir.attempts(request_id, 1)[1]
+    [event] = [e for e in weir.sink.events if e.request_id == request_id]
+    usage = raw.parse().usage
+    assert usage is not None
+    assert event.cost_pico_usd == usage.prompt_tokens * 2_000_000 + usage.completion_tokens * 8_000_000
+    assert Decimal(ledger["cost_usd"]) == pico_to_usd(event.cost_pico_usd)
+    assert event.prices == {
+        "input": 2_000_000,
+        "cached_input": 75_000,  # the config's, not changed
+        "cache_write_5m": 2_000_000,
+        "cache_write_1h": 2_000_000,
+        "output": 8_000_000,
+    }
+
+
+def test_the_hedge_cap_counts_what_the_ledger_bills_when_the_price_changes_mid_attempt(
+    weir: Weir, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """deepseek-chat costs $100 per 1M tokens, and $10 from 2 s on (a change set ahead, as the docs
+    advise). The hedge (started at 0.15 s, answering after 3 s) is billed at the price valid when it
+    started, $0.0045 for 45 tokens: the cap must count that, not the price in force once it
+    answered ($0.00045), which it counted when it priced the attempt again itself."""
+    now = dt.datetime.now(dt.UTC)
+    prices = [
+        {
+            "backend": "deepseek",
+            "model": "deepseek-chat",
+            "token_class": token_class,
+            "usd_per_1m_tokens": usd,
+            "effective_from": at.isoformat(),
+        }
+        for usd, at in (("100", now), ("10", now + dt.timedelta(seconds=2)))
+        for token_class in ("input", "output")
+    ]
+    assert weir.admin.put("/prices", json={"prices": prices}).status_code == 200
+    client = weir.client(weir.tenant_key("mid-change"))
+    fake_openai.set_latency(first_token=5.0)  # the primary is slow: the hedge answers first
+    fake_deepseek.set_latency(first_token=3.0)
+    fake_deepseek.set_next_usage(input_tokens=5, output_tokens=40)
+    raw = client.chat.completions.with_raw_response.create(model="hedge-capped", messages=HI, max_tokens=50)
+    assert route_header(raw)["candidate"] == "deepseek-chat"
+    hedge = weir.attempts(raw.headers["x-request-id"], 2)[2]
+    assert Decimal(hedge["cost_usd"]) == Decimal("0.0045")
+    hedges = weir.app.state.gateway.executor.hedges
+    assert counted_micro_usd(hedges, weir.tenant_id("mid-change"), 4500, 1)
