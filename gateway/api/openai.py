@@ -16,7 +16,7 @@ from gateway.auth import Principal
 from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, encode_openai_error, stream_failure
 from gateway.runtime import Gateway
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, CompletionRequest, EmbeddingRequest
-from gateway.usage import openai_usage
+from gateway.usage import Usage, openai_usage
 
 _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"
@@ -44,20 +44,32 @@ def render_chat(response: ChatResponse) -> dict[str, Any]:
     return data
 
 
-def render_chunk(chunk: ChatChunk) -> bytes:
+def render_chunk(chunk: ChatChunk, include_usage: bool = True) -> bytes:
+    """One SSE frame; its usage only when the client asked for it (`include_usage`)."""
     if chunk.raw is not None and chunk.usage is None:
         return b"data: " + chunk.raw.encode() + b"\n\n"
     data = msgspec.to_builtins(chunk)
     data.pop("raw", None)
     data["object"] = "chat.completion.chunk"
     if chunk.usage is not None:
-        data["usage"] = openai_usage(chunk.usage)
+        if include_usage:
+            data["usage"] = openai_usage(chunk.usage)
+        else:
+            del data["usage"]
     for choice in data["choices"]:
         for name in _INTERNAL_DELTA_FIELDS:
             choice["delta"].pop(name, None)
         choice.pop("stop_sequence", None)
         choice.setdefault("finish_reason", None)
     return b"data: " + _encode(data) + b"\n\n"
+
+
+def _usage_alone(usage: Usage | None, choices: list[Any] | None) -> bool:
+    """Whether a streamed chunk is a usage report and nothing else, which only a client that set
+    `include_usage` gets: Weir asks every backend for usage (accounting). A chunk that holds more
+    (Mistral's, Together's and llama.cpp's last one also carries the finish reason, at times the last
+    text) goes to every client, rendered without its usage for one that did not ask."""
+    return usage is not None and not choices
 
 
 def _sse_error(error: GatewayError) -> bytes:
@@ -68,8 +80,11 @@ def _sse_error(error: GatewayError) -> bytes:
 async def chat_sse(batches: AsyncIterator[list[ChatChunk]], include_usage: bool) -> AsyncIterator[bytes]:
     try:
         async for batch in batches:
-            # Weir always asks for usage (accounting); the usage chunk goes on only if the client asked.
-            frames = [render_chunk(c) for c in batch if c.usage is None or include_usage]
+            frames = [
+                render_chunk(c, include_usage)
+                for c in batch
+                if include_usage or not _usage_alone(c.usage, c.choices)
+            ]
             if frames:
                 yield b"".join(frames)
     except Exception as exc:
@@ -138,7 +153,7 @@ def _text_choices(choices: list[Any], delta: bool) -> list[dict[str, Any]]:
     return result
 
 
-def _completion_frame(chunk: Any, native: bool) -> bytes:
+def _completion_frame(chunk: Any, native: bool, include_usage: bool) -> bytes:
     if native:
         data = chunk.data
     else:
@@ -150,7 +165,10 @@ def _completion_frame(chunk: Any, native: bool) -> bytes:
             "choices": _text_choices(chunk.choices, delta=True),
         }
     if chunk.usage is not None:
-        data["usage"] = openai_usage(chunk.usage)
+        if include_usage:
+            data["usage"] = openai_usage(chunk.usage)
+        else:
+            data.pop("usage", None)
     return b"data: " + _encode(data) + b"\n\n"
 
 
@@ -159,7 +177,11 @@ async def _completion_sse(
 ) -> AsyncIterator[bytes]:
     try:
         async for batch in batches:
-            frames = [_completion_frame(c, native) for c in batch if c.usage is None or include_usage]
+            frames = [
+                _completion_frame(c, native, include_usage)
+                for c in batch
+                if include_usage or not _usage_alone(c.usage, c.data.get("choices") if native else c.choices)
+            ]
             if frames:
                 yield b"".join(frames)
     except Exception as exc:

@@ -27,6 +27,7 @@ from gateway.config import Config, parse_config
 from gateway.usage_sink import ListSink
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes.compat import compat_server
 
 EXAMPLE = """\
 backends:
@@ -218,3 +219,28 @@ def gateway(
     """The gateway, with fresh fakes and an empty ledger."""
     _running_gateway.sink.events.clear()
     return _running_gateway
+
+
+COMPAT_CONFIG = """
+backends:
+  - {{name: compat, type: openai, base_url: "{url}/v1", api_key: "k"}}
+models:
+  - {{name: mistral-small, backend: compat}}
+  - {{name: vllm-reasoner, backend: compat}}
+  - {{name: gpt-4o-audio-preview, backend: compat}}
+  - {{name: cut-short, backend: compat}}
+routes:
+  - {{name: cut-then-mistral, candidates: [{{model: cut-short}}, {{model: mistral-small}}], probe_interval: null}}
+tenants:
+  - {{name: demo, api_keys: ["{key}"]}}
+"""
+
+
+@pytest.fixture(scope="module")
+def compat_gateway() -> Iterator[RunningGateway]:
+    """A gateway in front of `tests.fakes.compat`: OpenAI-compatible servers' own ways (each of its
+    models as a plain model, and `cut-then-mistral`: a stream cut after "Hello", resumed on Mistral)."""
+    with serve(compat_server, free_port()) as upstream:
+        config = parse_config(COMPAT_CONFIG.format(url=upstream, key=DEMO_KEY), {})
+        with running_gateway(config) as gateway:
+            yield gateway

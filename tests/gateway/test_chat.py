@@ -308,3 +308,42 @@ def test_unmodelled_parameters_pass_through_to_openai_compatible_servers(
     )
     sent = fake_openai.last_request.json
     assert sent["top_k"] == 5 and sent["metadata"] == {"team": "search"}
+
+
+# --- OpenAI-compatible servers' own ways (tests.fakes.compat) ------------------------------------
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_stream_keeps_its_last_chunk_when_that_also_reports_usage(
+    compat_gateway: RunningGateway, include_usage: bool
+) -> None:
+    """Mistral, Together and llama.cpp report the usage on the chunk with the finish reason. A client
+    that did not ask for usage (the SDK's default) still gets that chunk, without the usage; one that
+    asked gets it with the usage."""
+    stream = compat_gateway.openai().chat.completions.create(
+        model="mistral-small",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": include_usage},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "stop"
+    ]
+    usages = [c.usage for c in chunks if c.usage is not None]
+    assert [u.completion_tokens for u in usages] == ([2] if include_usage else [])
+
+
+def test_a_resumed_stream_keeps_the_finish_reported_with_the_usage(compat_gateway: RunningGateway) -> None:
+    """A route's stream cut after "Hello" goes on on Mistral, whose last chunk holds the finish and
+    the usage: the client, which did not ask for usage, gets the rest of the answer and its finish."""
+    stream = compat_gateway.openai().chat.completions.create(
+        model="cut-then-mistral", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "stop"
+    ]
+    assert all(c.usage is None for c in chunks)

@@ -186,3 +186,26 @@ def test_one_log_line_per_request(gateway: RunningGateway) -> None:
         "demo",
     )
     assert line["stream"] is True and line["output_tokens"] == 2 and line["ttft_ms"] > 0
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_completions_stream_keeps_its_last_chunk_when_that_also_reports_usage(
+    compat_gateway: RunningGateway, include_usage: bool
+) -> None:
+    """As on chat: Mistral's last chunk holds the finish reason and the usage, and goes to every
+    client, with the usage only for one that asked for it."""
+    chunks = list(
+        compat_gateway.openai().completions.create(
+            model="mistral-small",
+            prompt="hello",
+            stream=True,
+            stream_options={"include_usage": include_usage},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " world"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "stop"
+    ]
+    assert [c.usage.completion_tokens for c in chunks if c.usage is not None] == (
+        [2] if include_usage else []
+    )

@@ -315,3 +315,16 @@ def test_count_tokens_errors_come_in_anthropics_shape(
         client.messages.count_tokens(model="claude-sonnet", messages=[{"role": "user", "content": "x"}])
     assert overloaded.value.status_code == 503
     assert overloaded.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+
+
+def test_a_stream_whose_last_chunk_also_reports_usage_keeps_its_stop_reason(
+    compat_gateway: RunningGateway,
+) -> None:
+    """Mistral's chunk with the finish reason (`length` here) also holds the usage: both reach the
+    Anthropic client's message_delta."""
+    with compat_gateway.anthropic().messages.stream(
+        model="mistral-small", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
+        events = list(stream)
+    [delta] = [e for e in events if e.type == "message_delta"]
+    assert delta.delta.stop_reason == "max_tokens" and delta.usage.output_tokens == 2

@@ -1,0 +1,146 @@
+"""A scripted OpenAI-compatible server (a bare ASGI app) for the ways real servers' replies differ from
+OpenAI's own (and so from `FakeOpenAI`), by upstream model:
+
+- `mistral-small`: Mistral's (and Together's, llama.cpp's) streams, whose last chunk carries the finish
+  reason and the usage together, on chat (text "Hello there") and legacy completions (" world");
+  finish `length` under a `max_tokens` below 3, else `stop`;
+- `vllm-reasoner`: vLLM 0.17+'s (and OpenRouter's) `reasoning` delta field, then the answer "4";
+- `gpt-4o-audio-preview`: a whole answer with fields Weir does not model: the message's `audio` and
+  `annotations`, the completion's `service_tier`;
+- `cut-short`: a stream that breaks after "Hello" (no finish reason, no `[DONE]`).
+
+Every stream ends with `data: [DONE]` unless cut; `GET` (a prober) gets an empty model list.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+AUDIO = {"id": "audio_1", "data": "UklGRg==", "expires_at": 1900000000, "transcript": "Hi there"}
+CITATION = {
+    "type": "url_citation",
+    "url_citation": {"start_index": 0, "end_index": 4, "title": "T", "url": "https://example.com/"},
+}
+
+
+def _chunk(model: str, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    return {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": model,
+        "choices": [choice],
+    } | extra
+
+
+def _finish(request: dict[str, Any]) -> str:
+    limit = request.get("max_tokens") or request.get("max_completion_tokens")
+    return "length" if limit is not None and limit < 3 else "stop"
+
+
+def _chat_stream(request: dict[str, Any]) -> list[dict[str, Any]]:
+    model = request["model"]
+    if model == "mistral-small":
+        return [
+            _chunk(model, {"role": "assistant", "content": ""}),
+            _chunk(model, {"content": "Hello"}),
+            _chunk(model, {"content": " there"}),
+            # Mistral: the finish reason and the usage come in one last chunk.
+            _chunk(model, {"content": ""}, _finish(request), usage=USAGE),
+        ]
+    if model == "cut-short":
+        return [_chunk(model, {"role": "assistant", "content": ""}), _chunk(model, {"content": "Hello"})]
+    assert model == "vllm-reasoner", model
+    return [
+        _chunk(model, {"role": "assistant", "content": ""}),
+        _chunk(model, {"reasoning": "two plus two"}),
+        _chunk(model, {"reasoning": " is four"}),
+        _chunk(model, {"content": "4"}),
+        _chunk(model, {}, "stop"),
+        {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": model,
+            "choices": [],
+            "usage": USAGE,
+        },
+    ]
+
+
+def _completion_stream(request: dict[str, Any]) -> list[dict[str, Any]]:
+    def chunk(text: str, finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": request["model"],
+            "choices": [choice],
+        }
+
+    return [chunk(" wor"), chunk("ld"), chunk("", _finish(request)) | {"usage": USAGE}]
+
+
+def _completion(model: str) -> dict[str, Any]:
+    message = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "annotations": [CITATION],
+        "audio": AUDIO,
+    }
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}],
+        "usage": USAGE,
+        "service_tier": "default",
+    }
+
+
+async def _body(receive: Receive) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
+async def _respond(send: Send, content_type: bytes, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def compat_server(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    if scope["method"] == "GET":
+        await _respond(send, b"application/json", b'{"object": "list", "data": []}')
+        return
+    request = json.loads(await _body(receive))
+    if not request.get("stream"):
+        await _respond(send, b"application/json", json.dumps(_completion(request["model"])).encode())
+        return
+    chunks = _completion_stream(request) if scope["path"] == "/v1/completions" else _chat_stream(request)
+    frames = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    if request["model"] != "cut-short":
+        frames += b"data: [DONE]\n\n"
+    await _respond(send, b"text/event-stream", frames)
