@@ -316,9 +316,16 @@ class ChatChunk(Base):
     choices: list[ChunkChoice]
     usage: Usage | None = None  # set on the one chunk that reports usage
     system_fingerprint: str | None = None
-    # The upstream's own JSON when it is already this chunk in the OpenAI shape (OpenAI-compatible
-    # backends): OpenAI clients get it as is, without re-encoding.
+    # The upstream's own JSON when it says just what this chunk does, in the OpenAI shape
+    # (OpenAI-compatible backends): OpenAI clients get it as is, without re-encoding, and with the
+    # fields Weir does not model. A chunk changed after decoding is no longer that JSON: `edited`.
     raw: str | None = None
+
+
+def edited(chunk: ChatChunk, **changes: Any) -> ChatChunk:
+    """`chunk` with `changes`, without its `raw` JSON, which OpenAI clients would otherwise get in
+    place of the changed chunk."""
+    return msgspec.structs.replace(chunk, raw=None, **changes)
 
 
 def is_answer(chunk: object) -> bool:

@@ -44,6 +44,7 @@ from gateway.types import (
     ChunkChoice,
     Delta,
     Message,
+    edited,
     is_answer,
     is_output,
 )
@@ -805,7 +806,7 @@ class Executor:
                                     told = _as_one_answer(
                                         chunk.usage, written, prefilled_tokens, _repeated_tokens(stitch)
                                     )
-                                    batch[i] = msgspec.structs.replace(chunk, usage=told)
+                                    batch[i] = edited(chunk, usage=told)
                         for chunk in batch:
                             stream_id, last = stream_id or chunk.id, chunk
                             for c in chunk.choices:
@@ -1049,7 +1050,7 @@ def _reasoning_end(last: ChatChunk) -> ChatChunk:
     """A chunk that ends the reasoning block streamed so far without signing it (an empty signature):
     what the cut attempt reasoned stays the client's, as a block of its own."""
     choice = ChunkChoice(index=0, delta=Delta(reasoning_signature=""))
-    return msgspec.structs.replace(last, choices=[choice], usage=None, raw=None)
+    return edited(last, choices=[choice], usage=None)
 
 
 def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:
@@ -1060,7 +1061,7 @@ def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:
         else c
         for c in chunk.choices
     ]
-    return msgspec.structs.replace(chunk, id=stream_id or chunk.id, choices=choices, raw=None)
+    return edited(chunk, id=stream_id or chunk.id, choices=choices)
 
 
 def _without_reasoning(batch: list[ChatChunk]) -> list[ChatChunk]:
@@ -1078,7 +1079,7 @@ def _without_reasoning(batch: list[ChatChunk]) -> list[ChatChunk]:
             )
             for c in chunk.choices
         ]
-        stripped = msgspec.structs.replace(chunk, choices=choices)
+        stripped = edited(chunk, choices=choices)
         reasoned = any(
             c.delta.reasoning_content
             or c.delta.reasoning_signature is not None
@@ -1103,9 +1104,7 @@ def _without_repeat(batch: list[ChatChunk], owed: str) -> tuple[list[ChatChunk],
                 n += 1
             owed = owed[n:] if n == len(text) else ""
             delta = msgspec.structs.replace(choice.delta, content=text[n:] or None)
-            chunk = msgspec.structs.replace(
-                chunk, choices=[msgspec.structs.replace(choice, delta=delta), *chunk.choices[1:]]
-            )
+            chunk = edited(chunk, choices=[msgspec.structs.replace(choice, delta=delta), *chunk.choices[1:]])
         out.append(chunk)
     return out, owed
 
@@ -1128,9 +1127,7 @@ def _stitched(batch: list[ChatChunk], stitch: Stitcher) -> list[ChatChunk]:
             out.append(chunk)
             continue
         delta = msgspec.structs.replace(choice.delta, content=given or None)
-        stitched = msgspec.structs.replace(
-            chunk, choices=[msgspec.structs.replace(choice, delta=delta), *chunk.choices[1:]]
-        )
+        stitched = edited(chunk, choices=[msgspec.structs.replace(choice, delta=delta), *chunk.choices[1:]])
         # A first answer's role announcement stays, though its text is held (Gemini sends both in one).
         if not text or is_output(stitched) or delta.role is not None:
             out.append(stitched)
@@ -1166,7 +1163,7 @@ def _stitched_response(call: Call, response: ChatResponse, stitch: Stitcher) -> 
 def _text_chunk(like: ChatChunk, text: str) -> ChatChunk:
     """A chunk of answer text alone, with the id, model and time of `like`."""
     choice = ChunkChoice(index=0, delta=Delta(content=text))
-    return msgspec.structs.replace(like, choices=[choice], usage=None, raw=None)
+    return edited(like, choices=[choice], usage=None)
 
 
 def _unsent(call: Call, plan: Plan, number: int) -> bool:

@@ -215,10 +215,13 @@ class _ChunkChoice(ChunkChoice):
     delta: _Delta
 
 
-def _reasoning_as_content(part: _Message | _Delta) -> None:
-    if part.reasoning is not None:
-        part.reasoning_content = part.reasoning_content or part.reasoning
-        part.reasoning = None  # omitted when rendered: one name for clients
+def _reasoning_as_content(part: _Message | _Delta) -> bool:
+    """Whether `part` said `reasoning`, which it now carries as `reasoning_content`."""
+    if part.reasoning is None:
+        return False
+    part.reasoning_content = part.reasoning_content or part.reasoning
+    part.reasoning = None  # omitted when rendered: one name for clients
+    return True
 
 
 class _Completion(Base):
@@ -321,8 +324,9 @@ class ChatStream:
         if wire.error is not None:
             message = wire.error.get("message") or "stream error"
             raise upstream_error(502, str(message), {}, vendor="OpenAI-compatible")
+        renamed = False
         for choice in wire.choices:
-            _reasoning_as_content(choice.delta)
+            renamed = _reasoning_as_content(choice.delta) or renamed
             if choice.finish_reason:
                 self.finished = True
             self.answered = self.answered or choice.delta.carries_output()
@@ -335,7 +339,9 @@ class ChatStream:
                 choices=cast(list[ChunkChoice], wire.choices),  # subclasses, read-only here
                 usage=usage,
                 system_fingerprint=wire.system_fingerprint,
-                raw=data if usage is None and wire.model else None,
+                # The upstream's JSON only where it says what the chunk does: not where the model
+                # was filled in, the usage is to be normalised, or the reasoning was renamed.
+                raw=data if usage is None and wire.model and not renamed else None,
             )
         ]
 

@@ -692,6 +692,23 @@ def test_openai_compatible_reasoning_under_either_name() -> None:
         [canonical] = stream.feed(None, json.dumps(chunk))
         assert canonical.choices[0].delta.reasoning_content == "2+"
         assert "reasoning" not in msgspec.to_builtins(canonical.choices[0].delta)
+        # Sent as decoded, not as the upstream's own JSON (which says `reasoning` for vLLM 0.17+).
+        assert json.loads(render_chunk(canonical)[6:])["choices"][0]["delta"] == {"reasoning_content": "2+"}
+
+
+def test_streamed_reasoning_reaches_openai_clients_under_one_name(compat_gateway: RunningGateway) -> None:
+    """vLLM 0.17+ streams `reasoning`: OpenAI clients get it as `reasoning_content`, as unstreamed."""
+    stream = compat_gateway.openai().chat.completions.create(
+        model="vllm-reasoner", messages=[{"role": "user", "content": "2+2?"}], stream=True
+    )
+    reasoning, content = "", ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            assert "reasoning" not in extra
+            reasoning += extra.get("reasoning_content") or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == ("two plus two is four", "4")
 
 
 # --- adaptive thinking and effort (Claude 4.6 on) ------------------------------------------------

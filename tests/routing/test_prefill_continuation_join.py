@@ -190,6 +190,23 @@ def test_an_openai_client_continuing_its_final_message_gets_the_rest_once(
     assert usage.prompt_tokens == event.usage.input_tokens - asking
 
 
+def test_an_openai_client_gets_the_joined_text_not_the_models_own(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """The prefill ends "here."; OpenAI's model starts "Then": the stream's chunks, which an OpenAI
+    client otherwise gets as OpenAI sent them, go out with the space put back."""
+    fake_openai.continue_loosely()
+    messages = [
+        {"role": "user", "content": "Part one ends here. Then part two follows."},
+        {"role": "assistant", "content": "Part one ends here."},
+    ]
+    chunks = gateway.openai().chat.completions.create(
+        model="gpt-4o-mini", messages=messages, stream=True, extra_body={"continue_final_message": True}
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " Then part two follows."
+    assert asked_for_the_rest(fake_openai)
+
+
 def test_a_gemini_answer_keeps_its_role_while_its_first_text_is_held(
     gateway: RunningGateway, fake_gemini: FakeGemini
 ) -> None:
