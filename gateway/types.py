@@ -249,6 +249,9 @@ class AssistantMessage(Base):
     refusal: str | None = None
     reasoning_content: str | None = None  # the reasoning text, all blocks joined
     reasoning_blocks: list[Reasoning] | None = None  # internal: the blocks with their signatures
+    # Fields of an OpenAI-compatible backend's message Weir does not model (`audio`, `annotations`...):
+    # rendered back to OpenAI clients only; other client shapes have no place for them.
+    extra: dict[str, Any] = {}
 
 
 class Choice(Base):
@@ -268,6 +271,7 @@ class ChatResponse(Base):
     choices: list[Choice]
     usage: Usage = Usage()
     system_fingerprint: str | None = None
+    extra: dict[str, Any] = {}  # as AssistantMessage.extra: `service_tier`...
 
 
 class FunctionCallDelta(Base):

@@ -31,11 +31,19 @@ _INTERNAL_MESSAGE_FIELDS = ("reasoning_blocks",)
 _INTERNAL_DELTA_FIELDS = ("reasoning_signature", "redacted_reasoning")
 
 
+def _unmodelled_back(data: dict[str, Any]) -> None:
+    """The fields the backend sent that Weir does not model (`extra`) back beside the others."""
+    for key, value in data.pop("extra", {}).items():
+        data.setdefault(key, value)
+
+
 def render_chat(response: ChatResponse) -> dict[str, Any]:
     data = msgspec.to_builtins(response)
+    _unmodelled_back(data)
     data["object"] = "chat.completion"
     data["usage"] = openai_usage(response.usage)
     for choice in data["choices"]:
+        _unmodelled_back(choice["message"])
         choice["message"].setdefault("content", None)
         for name in _INTERNAL_MESSAGE_FIELDS:
             choice["message"].pop(name, None)

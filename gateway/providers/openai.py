@@ -232,6 +232,7 @@ class _Completion(Base):
     usage: dict[str, Any] | None = None
     system_fingerprint: str | None = None
     error: dict[str, Any] | None = None
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 def _error_in_200(error: dict[str, Any]) -> GatewayError:
@@ -267,8 +268,36 @@ def empty_answer(model: str) -> bytes:
     )
 
 
+# What the completion and its messages model; the rest of what the backend sends is kept in their
+# `extra` for OpenAI clients (`audio`, `annotations`, `service_tier`...). `object` is the shape's own,
+# which each client's rendering sets.
+_COMPLETION_FIELDS = frozenset(_Completion.__struct_fields__) - {"extra"} | {"object"}
+_MESSAGE_FIELDS = frozenset(_Message.__struct_fields__) - {"extra"}
+
+
+def _keep_unmodelled(data: Any, modelled: frozenset[str]) -> None:
+    if isinstance(data, dict):
+        extra = {key: value for key, value in data.items() if key not in modelled}
+        if extra:
+            data["extra"] = extra
+
+
+def _completion(body: bytes) -> _Completion:
+    """The completion, with what it and its messages do not model in their `extra`: as requests keep
+    theirs (`gateway.errors.decode_body`), decoded to JSON values first, then typed."""
+    try:
+        data = msgspec.json.decode(body)
+        _keep_unmodelled(data, _COMPLETION_FIELDS)
+        for choice in (data.get("choices") if isinstance(data, dict) else None) or ():
+            if isinstance(choice, dict):
+                _keep_unmodelled(choice.get("message"), _MESSAGE_FIELDS)
+        return msgspec.convert(data, _Completion)
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested thousands deep
+        raise BadGateway(f"the OpenAI-compatible backend returned an unexpected response: {exc}") from None
+
+
 def chat_response(body: bytes, model: str) -> ChatResponse:
-    wire = decode_typed(body, _Completion, "the OpenAI-compatible backend")
+    wire = _completion(body)
     if wire.error is not None:
         raise _error_in_200(wire.error)
     if not wire.choices:
@@ -283,6 +312,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         choices=cast(list[Choice], wire.choices),  # subclasses, read-only here
         usage=normalise_usage(VENDOR, wire.usage),
         system_fingerprint=wire.system_fingerprint,
+        extra=wire.extra,
     )
 
 

@@ -347,3 +347,20 @@ def test_a_resumed_stream_keeps_the_finish_reported_with_the_usage(compat_gatewa
         "stop"
     ]
     assert all(c.usage is None for c in chunks)
+
+
+def test_a_whole_answer_keeps_the_fields_weir_does_not_model(compat_gateway: RunningGateway) -> None:
+    """`modalities`/`audio` are forwarded to OpenAI-compatible servers (unmodelled parameters): the
+    audio the client asked (and pays) for, the message's citations and the completion's
+    `service_tier` come back as the server sent them, as they do in a stream."""
+    completion = compat_gateway.openai().chat.completions.create(
+        model="gpt-4o-audio-preview",
+        messages=[{"role": "user", "content": "say hi"}],
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
+    )
+    message = completion.choices[0].message
+    assert message.audio is not None and message.audio.transcript == "Hi there"
+    assert message.annotations and message.annotations[0].url_citation.url == "https://example.com/"
+    assert completion.service_tier == "default"
+    assert completion.object == "chat.completion" and completion.usage is not None

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from gateway.anthropic_inbound import MessagesRequest, from_canonical, stream_events, to_canonical
+from gateway.api.openai import render_chat
 from gateway.config import Backend, ConfigError, parse_config
 from gateway.errors import BadGateway, InvalidRequest
 from gateway.providers import anthropic, gemini, openai
@@ -470,6 +471,32 @@ def test_anthropic_inbound_response_from_canonical() -> None:
     assert message["content"] == [{"type": "tool_use", "id": "call_1", "name": "w", "input": {"c": 1}}]
     assert message["stop_reason"] == "tool_use" and message["model"] == "public"
     assert message["usage"]["input_tokens"] == 6 and message["usage"]["cache_read_input_tokens"] == 4
+
+
+def test_openai_reply_fields_weir_does_not_model_go_back_to_openai_clients_only() -> None:
+    """What an OpenAI-compatible server adds to its completion and message (OpenAI's `audio`,
+    `annotations` and `service_tier`, a server's own) is kept for OpenAI clients; Anthropic clients'
+    messages have no place for them."""
+    message = {"role": "assistant", "content": "Hi", "annotations": [], "audio": {"id": "a1"}, "x_vendor": 1}
+    reply = {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop", "stop_reason": None}],
+        "service_tier": "default",
+        "prompt_logprobs": None,
+    }
+    response = openai.chat_response(json.dumps(reply).encode(), "m")
+    assert response.extra == {"service_tier": "default", "prompt_logprobs": None}
+    assert response.choices[0].message.extra == {"annotations": [], "audio": {"id": "a1"}, "x_vendor": 1}
+    rendered = render_chat(response)
+    assert rendered["service_tier"] == "default" and rendered["object"] == "chat.completion"
+    assert rendered["choices"][0]["message"] == message
+    assert "extra" not in rendered and "extra" not in rendered["choices"][0]["message"]
+    anthropic_message = from_canonical(response, "m")
+    assert anthropic_message["content"] == [{"type": "text", "text": "Hi"}]
+    assert not {"service_tier", "extra", "audio"} & anthropic_message.keys()
 
 
 def test_tool_choice_without_tools_is_not_sent_to_anthropic_or_gemini() -> None:
