@@ -152,6 +152,25 @@ def test_tool_message_without_matching_call_is_rejected(client: openai.OpenAI) -
     assert err.value.body["param"] == "messages.[1].role"
 
 
+def test_images_outside_user_messages_are_rejected(client: openai.OpenAI) -> None:
+    """As OpenAI: "Image URLs are only allowed for messages with role 'user'" (a tool's screenshot)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+    messages = [
+        *user("call screenshot"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "here"}, image]},
+    ]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=messages)
+    assert err.value.body["param"] == "messages.[2].content"
+    assert "only allowed for messages with role 'user'" in err.value.message
+    messages[2]["content"] = "here"
+    messages.append({"role": "user", "content": [image]})
+    reply = client.chat.completions.create(model="gpt-4o", messages=messages)
+    assert reply.choices[0].message.content == "[image]"
+
+
 def test_max_tokens_stop_n_and_json_mode(client: openai.OpenAI) -> None:
     cut = client.chat.completions.create(model="gpt-4o-mini", messages=user("a b c d e"), max_tokens=2)
     assert (cut.choices[0].message.content, cut.choices[0].finish_reason) == ("a b", "length")

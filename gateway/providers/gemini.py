@@ -198,10 +198,15 @@ def _function_response(message: Message) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"result": value}
 
 
-def _contents(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _contents(messages: list[Message], model: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     system: list[dict[str, Any]] = []
     contents: list[dict[str, Any]] = []
     call_names: dict[str, str] = {}  # tool call id -> function name (Gemini answers by name)
+    # A functionResponse's `response` is JSON only. Gemini 3 takes a tool result's images inside it
+    # (`parts`, its multimodal function responses); earlier models have no such field, and are shown
+    # them as parts of the user turn, after the turn's function responses.
+    nested_media = is_gemini_3(model)
+    media: list[dict[str, Any]] = []
 
     def append(role: str, parts: list[dict[str, Any]]) -> None:
         if contents and contents[-1]["role"] == role:
@@ -211,6 +216,9 @@ def _contents(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
 
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
+        if media and message.role != "tool":
+            append("user", media)
+            media = []
         if message.role in ("system", "developer"):
             system.extend(_parts(message.content, where))
         elif message.role == "user":
@@ -235,7 +243,15 @@ def _contents(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
                     f"no earlier assistant tool call has id {message.tool_call_id!r}",
                     param=f"{where}.tool_call_id",
                 )
-            append("user", [{"functionResponse": {"name": name, "response": _function_response(message)}}])
+            response: dict[str, Any] = {"name": name, "response": _function_response(message)}
+            images = [part for part in _parts(message.content, where) if "text" not in part]
+            if images and nested_media:
+                response["parts"] = images
+            else:
+                media.extend(images)
+            append("user", [{"functionResponse": response}])
+    if media:
+        append("user", media)
     return system, contents
 
 
@@ -317,7 +333,7 @@ def _thinking_config(request: ChatRequest, model: str) -> dict[str, Any] | None:
 
 
 def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
-    system, contents = _contents(request.messages)
+    system, contents = _contents(request.messages, model)
     _sign_current_turn(contents, model)
     body: dict[str, Any] = {"contents": contents}
     if system:

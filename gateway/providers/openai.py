@@ -39,11 +39,14 @@ from gateway.types import (
     Choice,
     ChunkChoice,
     CompletionRequest,
+    ContentPart,
     Delta,
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
+    Message,
     ReasoningBlock,
+    TextPart,
     TokenCount,
 )
 from gateway.usage import Usage, normalise_usage
@@ -137,9 +140,37 @@ def output_limit_field(backend: Backend, model: str) -> str | None:
     return "max_tokens" if host in MAX_TOKENS_HOSTS else None
 
 
+def _media_after_tool_results(messages: list[Message]) -> list[Message]:
+    """A tool message takes text only ("Image URLs are only allowed for messages with role 'user'"):
+    a tool result's images (a screenshot tool's, an Anthropic client's image in a tool_result) go in
+    a user message after the turn's tool results, which must follow their assistant message unbroken,
+    joined to the user's own words of that turn where there are some; each result keeps its text."""
+    out: list[Message] = []
+    media: list[ContentPart] = []
+    for message in messages:
+        if message.role == "tool" and isinstance(message.content, list):
+            text = [part for part in message.content if isinstance(part, TextPart)]
+            if len(text) < len(message.content):
+                media.extend(part for part in message.content if not isinstance(part, TextPart))
+                message = msgspec.structs.replace(message, content=text or "")
+        elif media and message.role == "user":
+            own = message.content or []
+            own = [TextPart(text=own)] if isinstance(own, str) else own
+            message = msgspec.structs.replace(message, content=[*media, *own])
+            media = []
+        elif media:
+            out.append(Message(role="user", content=media))
+            media = []
+        out.append(message)
+    if media:
+        out.append(Message(role="user", content=media))
+    return out
+
+
 def _chat_body(
     request: ChatRequest, model: str, send_reasoning: bool = False, limit_field: str | None = None
 ) -> dict[str, Any]:
+    request = msgspec.structs.replace(request, messages=_media_after_tool_results(request.messages))
     body = request_body(request, model)
     # One limit, the one that applies (`output_limit`, also for a client that sent both), under the
     # name this backend takes: a reasoning model refuses `max_tokens`, Mistral `max_completion_tokens`.

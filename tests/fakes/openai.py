@@ -32,8 +32,9 @@ default).
 
 Rejects with OpenAI's 400 what OpenAI rejects, so gateway translation bugs surface: ``max_tokens``
 above the model's limit (`MAX_OUTPUT_TOKENS`), ``stream_options`` without ``stream``, ``temperature``
-outside 0..2, ``n`` outside 1..128, empty ``messages``, unknown roles, a ``tool`` message with no
-matching ``tool_calls`` before it, a tool, tool call or named ``tool_choice`` without ``type``, a tool
+outside 0..2, ``n`` outside 1..128, empty ``messages``, unknown roles, an ``image_url`` part in a
+message whose role is not ``user`` (a tool result's screenshot), a ``tool`` message with no matching
+``tool_calls`` before it, a tool, tool call or named ``tool_choice`` without ``type``, a tool
 call id over 40 characters, a body that is not JSON.
 
 ``FakeOpenAI(flavour="deepseek")`` speaks DeepSeek's dialect instead: models ``deepseek-chat`` and
@@ -342,6 +343,14 @@ class FakeOpenAI(FakeServer):
             ):
                 raise BadRequest(
                     400, f"Invalid value for 'messages[{i}].role'.", f"messages.[{i}].role", "invalid_value"
+                )
+            if message["role"] != "user" and _content_text(message.get("content"))[1]:
+                raise BadRequest(
+                    400,
+                    f"Invalid 'messages[{i}]'. Image URLs are only allowed for messages with role 'user', "
+                    f"but this message with role '{message['role']}' contains an image URL.",
+                    f"messages.[{i}].content",
+                    "invalid_value",
                 )
             if message["role"] == "tool" and message.get("tool_call_id") not in call_names:
                 raise BadRequest(

@@ -207,6 +207,32 @@ def test_tool_results_reach_each_vendor_in_its_format(
     assert sent["toolConfig"] == {"functionCallingConfig": {"mode": "AUTO"}}
 
 
+def test_tool_message_images_reach_openai_in_a_user_message(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """A client's tool message with an image (OpenAI itself refuses one; other servers and the
+    Anthropic and Gemini backends take it) goes to an OpenAI-compatible backend as an Anthropic
+    client's tool_result image does: the image in a user message after the tool results."""
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "radar:"}, image]},
+    ]
+    response = gateway.openai().chat.completions.create(
+        model="gpt-4o-mini", messages=messages, tools=[WEATHER_TOOL]
+    )  # type: ignore[arg-type]
+    assert response.choices[0].message.content == "[image]"
+    sent = fake_openai.last_request.json["messages"]  # type: ignore[union-attr]
+    assert sent[2] == {
+        "role": "tool",
+        "tool_call_id": "call_1",
+        "content": [{"type": "text", "text": "radar:"}],
+    }
+    assert sent[3] == {"role": "user", "content": [image]}
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_forced_tool_choice(gateway: RunningGateway, model: str) -> None:
     response = gateway.openai().chat.completions.create(

@@ -115,6 +115,75 @@ def test_images_reach_openai_as_data_urls(gateway: RunningGateway, fake_openai: 
     assert part == {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
 
 
+SCREENSHOT = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+SCREENSHOT_TOOL = {
+    "name": "screenshot",
+    "description": "Take a screenshot",
+    "input_schema": {"type": "object", "properties": {}},
+}
+
+
+def _screenshot_loop(then_said: str | None = None) -> list[dict]:
+    """A computer-use turn: the model took a screenshot, the client returns it in a tool_result."""
+    said = [{"type": "text", "text": then_said}] if then_said else []
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "toolu_01",
+        "content": [{"type": "text", "text": "here it is"}, SCREENSHOT],
+    }
+    return [
+        {"role": "user", "content": "call screenshot"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_01", "name": "screenshot", "input": {}}],
+        },
+        {"role": "user", "content": [result, *said]},
+    ]
+
+
+def test_tool_result_images_reach_openai_in_a_user_message(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """OpenAI refuses an image in a tool message (the fake as the real API: "Image URLs are only
+    allowed for messages with role 'user'"): the tool message keeps the text, and the image follows
+    the tool results in a user message, with what the user said in that turn."""
+    client = gateway.anthropic()
+    answer = client.messages.create(
+        model="gpt-4o-mini", max_tokens=50, messages=_screenshot_loop(), tools=[SCREENSHOT_TOOL]
+    )  # type: ignore[arg-type]
+    assert answer.content[0].text == "[image]"  # type: ignore[union-attr]
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
+    sent = fake_openai.last_request.json["messages"]  # type: ignore[union-attr]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool", "user"]
+    assert sent[2]["content"] == [{"type": "text", "text": "here it is"}]
+    assert sent[3] == {"role": "user", "content": [image]}
+    client.messages.create(
+        model="gpt-4o-mini", max_tokens=50, messages=_screenshot_loop("click OK"), tools=[SCREENSHOT_TOOL]
+    )  # type: ignore[arg-type]
+    sent = fake_openai.last_request.json["messages"]  # type: ignore[union-attr]
+    assert sent[3] == {"role": "user", "content": [image, {"type": "text", "text": "click OK"}]}
+
+
+@pytest.mark.parametrize(
+    ("model", "nested"), [("gemini-flash", False), ("gemini-pro", True)], ids=["gemini-2.5", "gemini-3"]
+)
+def test_tool_result_images_reach_gemini(
+    gateway: RunningGateway, fake_gemini: FakeGemini, model: str, nested: bool
+) -> None:
+    """A functionResponse holds JSON only: Gemini 3 takes the image inside it (its multimodal
+    function responses), earlier models as a part of the same user turn after it."""
+    gateway.anthropic().messages.create(
+        model=model, max_tokens=50, messages=_screenshot_loop(), tools=[SCREENSHOT_TOOL]
+    )  # type: ignore[arg-type]
+    image = {"inlineData": {"mimeType": "image/png", "data": PNG}}
+    response = {"name": "screenshot", "response": {"result": "here it is"}}
+    turn = fake_gemini.last_request.json["contents"][-1]  # type: ignore[union-attr]
+    if nested:
+        assert turn == {"role": "user", "parts": [{"functionResponse": {**response, "parts": [image]}}]}
+    else:
+        assert turn == {"role": "user", "parts": [{"functionResponse": response}, image]}
+
+
 LONG_SYSTEM = "You are a careful assistant. " * 300  # > 1024 words: cacheable
 
 

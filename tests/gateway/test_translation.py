@@ -104,6 +104,49 @@ def test_gemini_tool_result_for_an_unknown_call_is_400() -> None:
     assert caught.value.param == "messages[0].tool_call_id"
 
 
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+def _two_screenshots() -> ChatRequest:
+    """One assistant turn calling two tools whose results hold images, then the user's words."""
+    calls = [{"id": name, "type": "function", "function": {"name": name, "arguments": "{}"}} for name in "ab"]
+    return chat(
+        messages=[
+            {"role": "user", "content": "look"},
+            {"role": "assistant", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": "A"}, IMAGE_PART]},
+            {"role": "tool", "tool_call_id": "b", "content": [IMAGE_PART]},
+            {"role": "user", "content": "and now?"},
+        ]
+    )
+
+
+def test_tool_result_images_go_to_openai_after_every_tool_result_of_the_turn() -> None:
+    """A tool message takes text only; each tool result still answers its call before any user
+    message (OpenAI refuses a tool message that does not follow its assistant turn's)."""
+    sent = body(openai.chat_request(OPENAI, _two_screenshots(), "gpt-x"))["messages"]
+    assert sent[2:] == [
+        {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": "A"}]},
+        {"role": "tool", "tool_call_id": "b", "content": ""},
+        {"role": "user", "content": [IMAGE_PART, IMAGE_PART, {"type": "text", "text": "and now?"}]},
+    ]
+
+
+def test_tool_result_images_go_to_gemini_2_after_every_function_response_of_the_turn() -> None:
+    sent = body(gemini.chat_request(GEMINI, _two_screenshots(), "gemini-2.5-flash"))["contents"]
+    image = {"inlineData": {"mimeType": "image/png", "data": "AAAA"}}
+    assert sent[2] == {
+        "role": "user",
+        "parts": [
+            {"functionResponse": {"name": "a", "response": {"result": "A"}}},
+            {"functionResponse": {"name": "b", "response": {}}},
+            image,
+            image,
+            {"text": "and now?"},
+        ],
+    }
+
+
 def test_gemini_refusing_the_gateways_key_is_its_auth_failure_not_the_requests_400() -> None:
     """Google's 400 for a wrong or expired key (as it sends it: reason API_KEY_INVALID in an ErrorInfo
     among `details`) is the gateway's credentials refused; any other 400 INVALID_ARGUMENT stays the
