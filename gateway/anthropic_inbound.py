@@ -488,12 +488,7 @@ class _EventWriter:
         out.append(_event("message_stop", {"type": "message_stop"}))
 
 
-async def stream_events(
-    batches: AsyncIterator[list[ChatChunk]], model: str, thinking: bool = False
-) -> AsyncIterator[bytes]:
-    """Batches of canonical chunks as Anthropic's event sequence, one write per batch. Usage is only
-    final at the end of an upstream stream, so message_start reports zeros and message_delta carries
-    the whole usage. `thinking`: whether the client enabled thinking, and so sees reasoning."""
+def _message_start(model: str, usage: Usage) -> list[bytes]:
     start: dict[str, Any] = {
         "id": new_id("msg_"),
         "type": "message",
@@ -502,22 +497,42 @@ async def stream_events(
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": anthropic_usage(Usage()),
+        "usage": anthropic_usage(usage),
     }
-    writer = _EventWriter(thinking)
-    out = [
+    return [
         _event("message_start", {"type": "message_start", "message": start}),
         _event("ping", {"type": "ping"}),
     ]
+
+
+async def stream_events(
+    batches: AsyncIterator[list[ChatChunk]], model: str, thinking: bool = False
+) -> AsyncIterator[bytes]:
+    """Batches of canonical chunks as Anthropic's event sequence, one write per batch. message_start
+    reports the prompt's tokens where the backend counted them before answering (Anthropic, Gemini:
+    the first chunk's `prompt_usage`), else zeros (OpenAI-compatible backends report usage only at
+    the end); message_delta carries the whole usage. `thinking`: whether the client enabled thinking,
+    and so sees reasoning."""
+    writer = _EventWriter(thinking)
+    out: list[bytes] = []
+    started = False  # message_start written (with the first batch, which may say the prompt's count)
     try:
         async for batch in batches:
+            if not started:
+                counted = next((c.prompt_usage for c in batch if c.prompt_usage is not None), None)
+                # Also what message_delta says if the stream ends without a usage report: never less
+                # than message_start (the anthropic SDK takes message_delta's input count as final).
+                writer.usage = counted or Usage()
+                out, started = _message_start(model, writer.usage), True
             for chunk in batch:
                 writer.chunk(chunk, out)
             if out:
                 yield b"".join(out)
                 out = []
     except Exception as exc:
+        out = out if started else _message_start(model, Usage())
         yield b"".join([*out, b"event: error\ndata: ", encode_anthropic_error(stream_failure(exc)), b"\n\n"])
         return
+    out = out if started else _message_start(model, Usage())
     writer.end(out)
     yield b"".join(out)

@@ -320,6 +320,10 @@ class ChatChunk(Base):
     choices: list[ChunkChoice]
     usage: Usage | None = None  # set on the one chunk that reports usage
     system_fingerprint: str | None = None
+    # Internal, never rendered to OpenAI clients: the prompt's tokens as the vendor counted them before
+    # answering (Anthropic's message_start, Gemini's first usageMetadata), on the stream's first chunk,
+    # for an Anthropic client's message_start. Never billed: accounting reads `usage` alone.
+    prompt_usage: Usage | None = None
     # The upstream's own JSON when it says just what this chunk does, in the OpenAI shape
     # (OpenAI-compatible backends): OpenAI clients get it as is, without re-encoding, and with the
     # fields Weir does not model. A chunk changed after decoding is no longer that JSON: `edited`.

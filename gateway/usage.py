@@ -32,6 +32,10 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
 
+    def prompt_only(self) -> Usage:
+        """The prompt's tokens alone (cache reads and writes included), without any output."""
+        return msgspec.structs.replace(self, output_tokens=0, reasoning_tokens=0)
+
 
 # Every token class, in order; the ledger's columns and the reports use the same names.
 TOKEN_FIELDS: tuple[str, ...] = Usage.__struct_fields__

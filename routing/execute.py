@@ -807,6 +807,11 @@ class Executor:
                                         chunk.usage, written, prefilled_tokens, _repeated_tokens(stitch)
                                     )
                                     batch[i] = edited(chunk, usage=told)
+                                if chunk.prompt_usage is not None:
+                                    # An Anthropic client's message_start: the prompt as the final
+                                    # usage tells it, without the turn of Weir's own.
+                                    prompt = _as_one_answer(chunk.prompt_usage, Usage(), prefilled_tokens, 0)
+                                    batch[i] = edited(batch[i], prompt_usage=prompt)
                         for chunk in batch:
                             stream_id, last = stream_id or chunk.id, chunk
                             for c in chunk.choices:

@@ -58,6 +58,7 @@ def render_chunk(chunk: ChatChunk, include_usage: bool = True) -> bytes:
         return b"data: " + chunk.raw.encode() + b"\n\n"
     data = msgspec.to_builtins(chunk)
     data.pop("raw", None)
+    data.pop("prompt_usage", None)  # internal, for Anthropic clients' message_start
     data["object"] = "chat.completion.chunk"
     if chunk.usage is not None:
         if include_usage:

@@ -563,7 +563,11 @@ class ChatStream:
             self.id = message.get("id", "")
             self.model = message.get("model") or self.model
             self.usage = dict(message.get("usage") or {})
-            return [self._chunk(Delta(role="assistant", content=""))]
+            start = self._chunk(Delta(role="assistant", content=""))
+            # The prompt's count, known before the answer: an Anthropic client's message_start shows it.
+            counted = self.partial_usage()
+            start.prompt_usage = counted.prompt_only() if counted is not None else None
+            return [start]
         if kind == "content_block_start":
             self.answered = True
             block = payload.get("content_block", {})

@@ -476,6 +476,7 @@ class ChatStream:
         self.started: set[int] = set()
         self.tool_calls: dict[int, int] = {}  # candidate index -> tool calls sent so far
         self.finished = False
+        self.prompt_told = False  # the first chunk carried the prompt's count (`ChatChunk.prompt_usage`)
 
     def feed(self, event: str | None, data: str) -> list[ChatChunk]:
         try:
@@ -518,7 +519,12 @@ class ChatStream:
             choices.append(ChunkChoice(index=index, delta=delta, finish_reason=finish))
         if not choices:
             return []
-        return [ChatChunk(id=self.id, created=self.created, model=self.model, choices=choices)]
+        chunk = ChatChunk(id=self.id, created=self.created, model=self.model, choices=choices)
+        counted = self.partial_usage()
+        if counted is not None and not self.prompt_told:
+            # Every event carries the usage so far: the prompt's count is known from the first.
+            chunk.prompt_usage, self.prompt_told = counted.prompt_only(), True
+        return [chunk]
 
     def close(self) -> list[ChatChunk]:
         if not self.finished:

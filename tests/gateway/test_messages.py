@@ -53,6 +53,81 @@ def test_stream_event_sequence(gateway: RunningGateway, model: str) -> None:
     assert final.usage.output_tokens == 4
 
 
+def _start_and_delta(events: list) -> tuple:
+    start = next(e for e in events if e.type == "message_start")
+    delta = next(e for e in events if e.type == "message_delta")
+    return start.message.usage, delta.usage
+
+
+@pytest.mark.parametrize(
+    ("model", "fake_name"), [("claude-sonnet", "fake_anthropic"), ("gemini-flash", "fake_gemini")]
+)
+def test_message_start_reports_the_prompt_the_backend_counted_before_answering(
+    gateway: RunningGateway, request: pytest.FixtureRequest, model: str, fake_name: str
+) -> None:
+    """Clients that take the input from message_start and only output_tokens from message_delta (the
+    Vercel AI SDK, LangChain's ChatAnthropic) saw 0 input and cache tokens: message_start always said
+    zeros, even where the backend had counted the prompt (Anthropic's message_start, Gemini's first
+    event). The count is shown, not billed again: the ledger holds the vendor's final report."""
+    request.getfixturevalue(fake_name).set_next_usage(
+        input_tokens=100, cached_input_tokens=5000, output_tokens=4
+    )
+    events = list(
+        gateway.anthropic().messages.create(
+            model=model,
+            max_tokens=50,
+            messages=[{"role": "user", "content": "stream these four words"}],
+            stream=True,
+        )
+    )
+    start, delta = _start_and_delta(events)
+    assert (start.input_tokens, start.cache_read_input_tokens, start.output_tokens) == (100, 5000, 0)
+    assert (delta.input_tokens, delta.cache_read_input_tokens, delta.output_tokens) == (100, 5000, 4)
+    [event] = gateway.sink.events
+    assert (event.usage.input_tokens, event.usage.cached_input_tokens, event.usage.output_tokens) == (
+        100,
+        5000,
+        4,
+    )
+
+
+def test_message_start_says_zeros_where_the_backend_counts_only_at_the_end(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """OpenAI-compatible backends report usage after the answer only: message_start says zeros (no
+    estimate passed off as the count) and message_delta the whole usage, which the anthropic SDK (2.x)
+    takes for the message's, input and cache tokens included."""
+    fake_openai.set_next_usage(input_tokens=100, cached_input_tokens=5000, output_tokens=4)
+    with gateway.anthropic().messages.stream(
+        model="gpt-4o-mini", max_tokens=50, messages=[{"role": "user", "content": "stream these four words"}]
+    ) as stream:
+        start, _ = _start_and_delta(list(stream))
+        final = stream.get_final_message()
+    assert (start.input_tokens, start.cache_read_input_tokens) == (0, 0)
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens, final.usage.output_tokens) == (
+        100,
+        5000,
+        4,
+    )
+
+
+def test_message_start_leaves_out_the_turn_that_asked_to_continue_a_prefill(gateway: RunningGateway) -> None:
+    """Claude 4.6 takes no prefill: the rest of the answer is asked for in a user turn of Weir's own,
+    which the client never sent and message_delta's prompt leaves out; message_start's does too."""
+    prompt = "stream these words " + " ".join(f"w{i}" for i in range(60))
+    events = list(
+        gateway.anthropic().messages.create(
+            model="claude-opus-46",
+            max_tokens=50,
+            messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": "stream"}],
+            stream=True,
+        )
+    )
+    start, delta = _start_and_delta(events)
+    assert delta.input_tokens > 0
+    assert start.input_tokens == delta.input_tokens
+
+
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_tool_use_round_trip(gateway: RunningGateway, model: str, stream: bool) -> None:

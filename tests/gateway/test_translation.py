@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from gateway.anthropic_inbound import MessagesRequest, from_canonical, stream_events, to_canonical
-from gateway.api.openai import render_chat
+from gateway.api.openai import render_chat, render_chunk
 from gateway.config import Backend, ConfigError, parse_config
 from gateway.errors import BadGateway, InvalidRequest
 from gateway.providers import anthropic, gemini, openai
@@ -241,6 +241,11 @@ def test_anthropic_stream_decoder_turns_events_into_chunks() -> None:
     assert "".join(d.tool_calls[0].function.arguments for d in deltas[3:5]) == '{"x": 1}'  # type: ignore[index, union-attr]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage == Usage(input_tokens=9, cached_input_tokens=100, output_tokens=12)
+    # message_start's count rides on the first chunk, for an Anthropic client's message_start only:
+    # billed from the final report alone, and never shown to an OpenAI client.
+    assert chunks[0].prompt_usage == Usage(input_tokens=9, cached_input_tokens=100)
+    assert [c.usage for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert "prompt_usage" not in render_chunk(chunks[0]).decode()
 
 
 def test_anthropic_stream_without_message_stop_is_a_bad_gateway() -> None:
