@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from gateway.errors import InvalidRequest, encode_anthropic_error, stream_failure
-from gateway.providers.base import new_id, parse_arguments
+from gateway.providers.base import comma_list, new_id, parse_arguments
 from gateway.types import (
     AssistantMessage,
     Base,
@@ -178,7 +178,7 @@ class CountTokensRequest(Base):
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
 
-    def to_canonical(self) -> ChatRequest:
+    def to_canonical(self, beta: list[str] | None = None) -> ChatRequest:
         as_messages = MessagesRequest(
             model=self.model,
             messages=self.messages,
@@ -189,7 +189,7 @@ class CountTokensRequest(Base):
             thinking=self.thinking,
             output_config=self.output_config,
         )
-        return msgspec.structs.replace(to_canonical(as_messages), max_tokens=None)
+        return msgspec.structs.replace(to_canonical(as_messages, beta), max_tokens=None)
 
 
 def _image(block: ImageBlock) -> ImagePart:
@@ -271,7 +271,13 @@ def _assistant_message(content: list[Block]) -> Message:
     )
 
 
-def to_canonical(request: MessagesRequest) -> ChatRequest:
+def beta_flags(header_values: list[str]) -> list[str] | None:
+    """The `anthropic-beta` header's flags (comma-separated, the header maybe repeated), each once."""
+    return comma_list(header_values) or None
+
+
+def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> ChatRequest:
+    """`beta`: the client's `anthropic-beta` flags (`beta_flags`), for Anthropic backends."""
     messages: list[Message] = []
     if isinstance(request.system, str):
         messages.append(Message(role="system", content=request.system))
@@ -332,6 +338,7 @@ def to_canonical(request: MessagesRequest) -> ChatRequest:
         top_k=request.top_k,
         # Anthropic's prefill: the answer goes on from the final assistant message, on any vendor.
         continue_final_message=True if continuable(messages) else None,
+        anthropic_beta=beta,
     )
 
 

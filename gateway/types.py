@@ -204,6 +204,9 @@ class ChatRequest(Base):
     # prefill means; a resumed stream sets it). Each provider asks its vendor in the way that vendor
     # continues an answer (`gateway.providers.base.continued`).
     continue_final_message: bool | None = None
+    # An Anthropic client's `anthropic-beta` flags (1M context, interleaved thinking...), sent to
+    # Anthropic backends only, beside their own; other vendors have no such switch and ignore them.
+    anthropic_beta: list[str] | None = None
     # Top-level parameters Weir does not model; forwarded verbatim to OpenAI-compatible backends only.
     extra: dict[str, Any] = {}
 

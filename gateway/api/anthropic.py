@@ -11,6 +11,7 @@ from litestar.response import Stream
 from gateway.anthropic_inbound import (
     CountTokensRequest,
     MessagesRequest,
+    beta_flags,
     from_canonical,
     stream_events,
     to_canonical,
@@ -26,6 +27,7 @@ from routing.plan import features
 PATH = "/v1/messages"
 COUNT_PATH = PATH + "/count_tokens"
 PATHS = (PATH, COUNT_PATH)  # errors on these paths come in Anthropic's shape
+BETA_HEADER = "anthropic-beta"  # the client's beta features, passed on to Anthropic backends
 
 
 @post(PATH, status_code=200)
@@ -36,7 +38,8 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
         raise InvalidRequest("messages: at least one message is required", param="messages")
     if body.max_tokens < 1:
         raise InvalidRequest("max_tokens: must be at least 1", param="max_tokens")
-    result = await run_chat(gateway, call, to_canonical(body))
+    beta = beta_flags(request.headers.getall(BETA_HEADER, []))
+    result = await run_chat(gateway, call, to_canonical(body, beta))
     thinking = body.shows_thinking
     if isinstance(result, ChatResponse):
         return json_response(from_canonical(result, body.model, thinking))
@@ -53,7 +56,7 @@ async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
     body = await parse_body(request, CountTokensRequest)
     if not body.messages:
         raise InvalidRequest("messages: at least one message is required", param="messages")
-    chat = body.to_canonical()
+    chat = body.to_canonical(beta_flags(request.headers.getall(BETA_HEADER, [])))
     call.info.model = chat.model
     feats = features(chat, call.principal.tenant_name, call.principal.key_id)
     # Counting generates nothing: no traffic for the policy to learn from (a strong-share window).

@@ -31,6 +31,7 @@ from gateway.providers.base import (
     Provider,
     UpstreamRequest,
     as_list,
+    comma_list,
     continued,
     decode_json,
     effort_for_budget,
@@ -70,6 +71,7 @@ from gateway.usage import Usage, normalise_usage
 VENDOR = "anthropic"
 DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; OpenAI clients often leave it out
 JSON_TOOL = "json_response"  # the forced tool that carries structured output
+BETA = "anthropic-beta"  # the header that turns on Anthropic's beta features
 MIN_THINKING_BUDGET = 1024  # Anthropic refuses smaller thinking budgets
 # reasoning_effort -> thinking budget; other efforts ("minimal", "none") ask for no thinking. Above
 # high, no more than high: a larger budget needs a max_tokens the client did not choose.
@@ -109,11 +111,15 @@ def _url(backend: Backend, path: str = "/v1/messages") -> str:
     return f"{(backend.base_url or '').rstrip('/')}{path}{query}"
 
 
-def _headers(backend: Backend) -> dict[str, str]:
+def _headers(backend: Backend, request: ChatRequest) -> dict[str, str]:
     result = {"content-type": "application/json", "anthropic-version": backend.anthropic_version}
     if backend.api_key:
         result["x-api-key"] = backend.api_key
     result.update(backend.headers)
+    if request.anthropic_beta:
+        # The client's beta flags beside any the backend's config sends, each once.
+        configured = [result.pop(name) for name in list(result) if name.lower() == BETA]
+        result[BETA] = ",".join(comma_list([*configured, *request.anthropic_beta]))
     return result
 
 
@@ -400,7 +406,7 @@ def continuation(backend: Backend, model: str) -> Continuation:
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     request = continued(request, continuation(backend, model))
     body = json_encode(_chat_body(request, model))
-    return UpstreamRequest(_url(backend), _headers(backend), body, stream=bool(request.stream))
+    return UpstreamRequest(_url(backend), _headers(backend, request), body, stream=bool(request.stream))
 
 
 # What /v1/messages/count_tokens takes of a Messages body; it refuses the rest (max_tokens, stream...).
@@ -409,7 +415,9 @@ _COUNTED = ("model", "messages", "system", "tools", "tool_choice", "thinking")
 
 def count_tokens_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     body = {k: v for k, v in _chat_body(request, model).items() if k in _COUNTED}
-    return UpstreamRequest(_url(backend, "/v1/messages/count_tokens"), _headers(backend), json_encode(body))
+    return UpstreamRequest(
+        _url(backend, "/v1/messages/count_tokens"), _headers(backend, request), json_encode(body)
+    )
 
 
 def count_tokens_response(body: bytes, model: str) -> TokenCount:

@@ -12,7 +12,7 @@ import binascii
 import hashlib
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -154,6 +154,13 @@ def set_path(body: dict[str, Any], path: str, value: Any) -> None:
 
 def as_list(value: str | list[str]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
+
+
+def comma_list(values: Iterable[str]) -> list[str]:
+    """Comma-separated header values (`anthropic-beta: a,b`, the header maybe repeated) as their
+    items, each once, in order."""
+    items = (item.strip() for value in values for item in value.split(","))
+    return list(dict.fromkeys(item for item in items if item))
 
 
 # --- shared translation helpers ------------------------------------------------------------------

@@ -181,6 +181,7 @@ def _chat_body(
         body[limit_field or named] = limit
     budget = body.pop("reasoning_budget", None)
     body.pop("reasoning_adaptive", None)  # the model's own default: nothing to send
+    body.pop("anthropic_beta", None)  # an Anthropic client's, for Anthropic backends only
     if budget is not None and request.reasoning_effort is None:
         body["reasoning_effort"] = effort_for_budget(budget)
     elif body.get("reasoning_effort") == "max":  # Anthropic's top effort; OpenAI's top is not on every model

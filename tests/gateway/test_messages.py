@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 
 import anthropic
 import pytest
@@ -257,6 +258,52 @@ def test_tool_result_images_reach_gemini(
         assert turn == {"role": "user", "parts": [{"functionResponse": {**response, "parts": [image]}}]}
     else:
         assert turn == {"role": "user", "parts": [{"functionResponse": response}, image]}
+
+
+@pytest.mark.parametrize(
+    ("sent", "flags"),
+    [
+        ("context-1m-2025-08-07", "context-1m-2025-08-07"),
+        ("interleaved-thinking-2025-05-14", "interleaved-thinking-2025-05-14"),
+        (
+            "context-1m-2025-08-07, interleaved-thinking-2025-05-14,context-1m-2025-08-07",
+            "context-1m-2025-08-07,interleaved-thinking-2025-05-14",
+        ),
+    ],
+    ids=["1m-context", "interleaved-thinking", "several"],
+)
+def test_anthropic_beta_reaches_an_anthropic_backend(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, sent: str, flags: str
+) -> None:
+    """The client's `anthropic-beta` (1M context, interleaved thinking; Claude Code sends several) was
+    dropped: beta features silently did not happen, and a prompt Anthropic takes only with the 1M
+    context beta was refused through Weir. It goes to Anthropic with the message and with its count,
+    each flag once."""
+    client = gateway.anthropic()
+    hi = [{"role": "user", "content": "hi"}]
+    beta = {"anthropic-beta": sent}
+    client.messages.create(model="claude-sonnet", max_tokens=20, messages=hi, extra_headers=beta)  # type: ignore[arg-type]
+    assert fake_anthropic.last_request.headers["anthropic-beta"] == flags  # type: ignore[union-attr]
+    client.messages.count_tokens(model="claude-sonnet", messages=hi, extra_headers=beta)  # type: ignore[arg-type]
+    assert fake_anthropic.last_request.path == "/v1/messages/count_tokens"  # type: ignore[union-attr]
+    assert fake_anthropic.last_request.headers["anthropic-beta"] == flags  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("model", ["gpt-4o-mini", "gemini-flash"])
+def test_anthropic_beta_is_left_out_for_other_vendors(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_gemini: FakeGemini, model: str
+) -> None:
+    """No other vendor has Anthropic's beta switch (a route failing over from Claude to them goes on
+    without it): neither the header nor a body field reaches them."""
+    gateway.anthropic().messages.create(
+        model=model,
+        max_tokens=20,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"anthropic-beta": "context-1m-2025-08-07"},
+    )
+    sent = (fake_openai if model == "gpt-4o-mini" else fake_gemini).last_request
+    assert sent is not None and "anthropic-beta" not in sent.headers
+    assert "anthropic_beta" not in sent.json and "context-1m" not in json.dumps(sent.json)
 
 
 LONG_SYSTEM = "You are a careful assistant. " * 300  # > 1024 words: cacheable

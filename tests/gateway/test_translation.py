@@ -7,7 +7,13 @@ import json
 import msgspec
 import pytest
 
-from gateway.anthropic_inbound import MessagesRequest, from_canonical, stream_events, to_canonical
+from gateway.anthropic_inbound import (
+    MessagesRequest,
+    beta_flags,
+    from_canonical,
+    stream_events,
+    to_canonical,
+)
 from gateway.api.openai import render_chat, render_chunk
 from gateway.config import Backend, ConfigError, parse_config
 from gateway.errors import BadGateway, InvalidRequest
@@ -545,6 +551,29 @@ def test_openai_reply_fields_weir_does_not_model_go_back_to_openai_clients_only(
     anthropic_message = from_canonical(response, "m")
     assert anthropic_message["content"] == [{"type": "text", "text": "Hi"}]
     assert not {"service_tier", "extra", "audio"} & anthropic_message.keys()
+
+
+def test_anthropic_beta_flags_join_the_backends_own_each_once() -> None:
+    """Several `anthropic-beta` headers read as one list; a backend's configured betas (its `headers`,
+    in any case) are kept beside the client's, in one header."""
+    beta = beta_flags(["context-1m-2025-08-07, interleaved-thinking-2025-05-14", "context-1m-2025-08-07"])
+    assert beta == ["context-1m-2025-08-07", "interleaved-thinking-2025-05-14"]
+    assert beta_flags([]) is None
+    configured = msgspec.structs.replace(
+        ANTHROPIC, headers={"Anthropic-Beta": "files-api-2025-04-14,context-1m-2025-08-07"}
+    )
+    for request in (
+        anthropic.chat_request(configured, chat(anthropic_beta=beta), "claude"),
+        anthropic.count_tokens_request(configured, chat(anthropic_beta=beta), "claude"),
+    ):
+        assert [name for name in request.headers if name.lower() == "anthropic-beta"] == ["anthropic-beta"]
+        assert request.headers["anthropic-beta"] == (
+            "files-api-2025-04-14,context-1m-2025-08-07,interleaved-thinking-2025-05-14"
+        )
+    alone = anthropic.chat_request(configured, chat(), "claude")
+    assert alone.headers["Anthropic-Beta"] == "files-api-2025-04-14,context-1m-2025-08-07"
+    assert "anthropic-beta" not in anthropic.chat_request(ANTHROPIC, chat(), "claude").headers
+    assert "anthropic_beta" not in body(openai.chat_request(OPENAI, chat(anthropic_beta=beta), "gpt-x"))
 
 
 def test_tool_choice_without_tools_is_not_sent_to_anthropic_or_gemini() -> None:
