@@ -37,10 +37,20 @@ class Price(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     output: Decimal = Decimal(0)
 
 
+# A wait in seconds: above 0 and at most a day. 0 or less turned aiohttp's connect timeout off and
+# ended every other wait at once (as NaN ended every one); infinity was an OverflowError in every
+# request through aiohttp's connect timeout. A day is far past any wait a request or client is given.
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86_400)]
+# A TCP port; 0 asks the system for a free one.
+Port = Annotated[int, msgspec.Meta(ge=0, le=65_535)]
+# As the admin API's tenant limits (gateway.admin.schemas.Positive): a 32-bit count.
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+
+
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    connect: float = 10.0  # seconds to open a connection to the backend
-    first_byte: float = 600.0  # seconds until the response headers (a whole reply, when not streaming)
-    read: float = 300.0  # seconds of silence allowed between two chunks of a stream
+    connect: Seconds = 10.0  # seconds to open a connection to the backend
+    first_byte: Seconds = 600.0  # seconds until the response headers (a whole reply, when not streaming)
+    read: Seconds = 300.0  # seconds of silence allowed between two chunks of a stream
 
 
 class Backend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -72,10 +82,10 @@ class Backend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     continuation: Literal["prefill", "continue_final_message", "instruction"] | None = None
     # type: engine without url: Weir starts and supervises `weir engine serve --model M --port P`.
     model: str | None = None
-    port: int | None = None
+    port: Annotated[int, msgspec.Meta(ge=1, le=65_535)] | None = None  # 0 read as unset: 8000
     args: list[str] = []  # more `weir engine serve` flags, e.g. ["--max-queued", "16", "--threads", "8"]
     command: list[str] | None = None  # overrides the engine command line (tests, custom builds)
-    startup_timeout: float = 600.0
+    startup_timeout: Seconds = 600.0
 
 
 class Model(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -87,9 +97,6 @@ class Model(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def upstream_model(self) -> str:
         return self.model or self.name
-
-
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class Tenant(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -112,12 +119,12 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
 
 class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     host: str = "127.0.0.1"
-    port: int = 8080
-    max_body_bytes: int = 20 * 1024 * 1024  # larger request bodies get 413
+    port: Port = 8080
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 20 * 1024 * 1024  # larger request bodies get 413
     # Slow clients (`weir serve` with uvicorn): seconds to send the request headers, then the body;
     # a client that takes longer gets 408 and its connection is closed (gateway/slow_clients.py).
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
+    header_timeout: Seconds = 10.0
+    body_timeout: Seconds = 60.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

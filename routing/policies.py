@@ -149,16 +149,20 @@ async def order(
 
 def weighted(choices: list[Choice], rng: random.Random) -> list[Choice]:
     # Weighted sampling without replacement (Efraimidis-Spirakis): the first is drawn by weight, the
-    # rest follow in a weighted-random order as fallbacks. The key u^(1/w) is compared as its log,
-    # ln(u)/w: the power underflows to 0 for small weights (0.001 and 0.003 tied at 0 in 5% of draws,
-    # which then went to the first listed) and rounds to 1 for huge ones.
+    # rest follow in a weighted-random order as fallbacks. The key u^(1/w), highest first, is compared
+    # as log(-ln u) - ln w, lowest first (the same order): the power underflows to 0 for small weights
+    # (0.001 and 0.003 tied at 0 in 5% of draws, which then went to the first listed) and rounds to 1
+    # for huge ones, and ln(u)/w overflows to -inf below ~1e-308 (every such candidate tied). So every
+    # positive weight a route holds is drawn by what it says.
     keyed = []
     for choice in choices:
-        weight = max(choice.candidate.weight, 1e-9)
+        weight = choice.candidate.weight
         choice.score = weight
         choice.reason = "weighted"
-        keyed.append((math.log(1.0 - rng.random()) / weight, choice))  # 1 - [0, 1): never log(0)
-    keyed.sort(key=lambda item: item[0], reverse=True)
+        exponential = -math.log(1.0 - rng.random())  # 1 - [0, 1): never log(0)
+        key = math.log(exponential) - math.log(weight) if exponential > 0 else -math.inf
+        keyed.append((key, choice))
+    keyed.sort(key=lambda item: item[0])
     return [choice for _, choice in keyed]
 
 

@@ -87,19 +87,42 @@ def matches(when: Conditions | None, feats: Features) -> bool:
 
 
 MAX_ROUTE_NAME = 200  # the admin DB's `routes.name` column
-# An opened breaker is published to the shared state with its cooldown as the TTL: one beyond what
-# Redis holds read as Redis unreachable (every limit and budget then per process), beyond a float's
-# range as an error in the request. A day is far past any cooldown that helps.
+# An opened breaker is published to the shared state with its cooldown as the TTL, in whole
+# milliseconds: one beyond what Redis holds read as Redis unreachable (every limit and budget then
+# per process), beyond a float's range as an error in the request, and one under a millisecond
+# (0 ms, which Redis refuses) as Redis unreachable too. A day is far past any cooldown that helps.
+MIN_COOLDOWN_S = 0.001
 MAX_COOLDOWN_S = 86_400.0
+# Each probe round asks every backend the routes send to, one after another, with no pause but the
+# interval: a microsecond asked them without pause. Ten rounds a second is past any health checker's
+# usual rate (Kubernetes probes at most once a second), and tests run that fast.
+MIN_PROBE_INTERVAL_S = 0.1
+# Tries per candidate: the backoff doubles per retry, and past ~1,000 its 2**n overflowed a float (an
+# error in the request); a hundred tries of one backend within one request is past any retry policy.
+MAX_ATTEMPTS = 100
+# A spend cap is counted in the shared state in whole micro-dollars: beyond ~1.8e302 USD converting it
+# overflowed (an error in each request that would hedge or compare), beyond 9.2e12 USD it is more than
+# a 64-bit counter holds. A million dollars an hour fits one even in pico-dollars (the ledger's unit)
+# and is past any real cap on hedges or comparisons (`0` turns them off; there is no "unlimited").
+MAX_SPEND_USD_PER_HOUR = 1_000_000.0
+# Output tokens to expect: priced as a float by `cheapest` and for hedges and comparisons, which
+# overflowed near 1e300 tokens. A 32-bit count, as the admin API's token limits.
+MAX_EXPECTED_OUTPUT_TOKENS = 2**31 - 1
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def _at_least(value: float | None, low: float, where: str, strict: bool = False) -> None:
-    """RouteError unless `value` (when set) is a finite number >= low (> low with `strict`)."""
+def _at_least(
+    value: float | None, low: float, where: str, strict: bool = False, most: float = math.inf
+) -> None:
+    """RouteError unless `value` (when set) is a finite number >= low (> low with `strict`), <= most."""
     if value is None:
         return
-    if not math.isfinite(value) or value < low or (strict and value == low):
-        bound = f"greater than {low:g}" if strict else f"at least {low:g}"
+    # An int is finite however large (and too large for math.isfinite, which converts it to a float).
+    finite = isinstance(value, int) or math.isfinite(value)
+    if not finite or value < low or (strict and value == low) or value > most:
+        bound = f"greater than {low:,.15g}" if strict else f"at least {low:,.15g}"
+        if most < math.inf:
+            bound = f"{bound} and at most {most:,.15g}" if strict else f"from {low:,.15g} to {most:,.15g}"
         raise RouteError(f"{where}: must be a number {bound}")
 
 
@@ -124,25 +147,27 @@ def _check_settings(route: Route, where: str) -> None:
         _within(candidate.cache_hit_rate, f"{at}.cache_hit_rate")
         _at_least(candidate.context_window, 1, f"{at}.context_window")
     _within(route.threshold, f"{where}.threshold")
-    _at_least(route.probe_interval, 0.0, f"{where}.probe_interval", strict=True)
+    _at_least(route.probe_interval, MIN_PROBE_INTERVAL_S, f"{where}.probe_interval")
     _at_least(route.ttft_timeout, 0.0, f"{where}.ttft_timeout", strict=True)
     _at_least(route.prefix_chars, 1, f"{where}.prefix_chars")
-    _at_least(route.expected_output_tokens, 1, f"{where}.expected_output_tokens")
+    _at_least(
+        route.expected_output_tokens, 1, f"{where}.expected_output_tokens", most=MAX_EXPECTED_OUTPUT_TOKENS
+    )
     retry = route.retry
+    _at_least(retry.attempts, 1, f"{where}.retry.attempts", most=MAX_ATTEMPTS)
     for name in ("backoff", "max_backoff", "max_retry_after"):
         _at_least(getattr(retry, name), 0.0, f"{where}.retry.{name}")
     _within(retry.jitter, f"{where}.retry.jitter")
     if route.breaker is not None:
         _at_least(route.breaker.failures, 1, f"{where}.breaker.failures")
-        _at_least(route.breaker.cooldown, 0.0, f"{where}.breaker.cooldown", strict=True)
-        if route.breaker.cooldown > MAX_COOLDOWN_S:
-            raise RouteError(f"{where}.breaker.cooldown: at most {MAX_COOLDOWN_S:g} seconds (a day)")
+        _at_least(route.breaker.cooldown, MIN_COOLDOWN_S, f"{where}.breaker.cooldown", most=MAX_COOLDOWN_S)
     if route.hedge is not None:
         hedge = route.hedge
         if hedge.delay != "p95":
             _at_least(hedge.delay, 0.0, f"{where}.hedge.delay")
         _at_least(hedge.min_delay, 0.0, f"{where}.hedge.min_delay")
-        _at_least(hedge.max_spend_usd_per_hour, 0.0, f"{where}.hedge.max_spend_usd_per_hour")
+        spend = hedge.max_spend_usd_per_hour
+        _at_least(spend, 0.0, f"{where}.hedge.max_spend_usd_per_hour", most=MAX_SPEND_USD_PER_HOUR)
     for j, status in enumerate(route.failover_on):
         if isinstance(status, int) and not 400 <= status <= 599:
             raise RouteError(
@@ -195,10 +220,7 @@ def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> N
                 raise RouteError(f"{where}.compare.share: must be within [0, 1]")
             # Finite, as the hedge's cap: a NaN cap compared below nothing, so it capped nothing.
             spend = compare.max_spend_usd_per_hour
-            if not (math.isfinite(spend) and spend >= 0):
-                raise RouteError(
-                    f"{where}.compare.max_spend_usd_per_hour: must not be negative, NaN or infinite"
-                )
+            _at_least(spend, 0.0, f"{where}.compare.max_spend_usd_per_hour", most=MAX_SPEND_USD_PER_HOUR)
             if compare.max_in_flight < 1:
                 raise RouteError(f"{where}.compare.max_in_flight: must be at least 1")
             if compare.judge not in names:
@@ -207,8 +229,6 @@ def validate(routes: Sequence[Route], models: ModelTable | Collection[str]) -> N
             raise RouteError(f"{where}.prefix_share: must be within [0, 1]")
         if route.strong_share is not None and not 0.0 <= route.strong_share <= 1.0:
             raise RouteError(f"{where}.strong_share: must be within [0, 1]")
-        if route.retry.attempts < 1:
-            raise RouteError(f"{where}.retry.attempts: must be at least 1")
         for j, candidate in enumerate(route.candidates):
             for limit in ("max_in_flight", "max_waiting"):
                 value = getattr(candidate, limit)

@@ -104,3 +104,54 @@ def test_weir_serve_reports_config_errors_without_a_traceback(tmp_path: Path) ->
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.yaml")
+
+
+BACKEND = "backends: [{name: b, type: openai, base_url: 'http://127.0.0.1:9/v1', %s}]"
+ENGINE = "backends: [{name: e, type: engine, model: m, %s}]"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        # aiohttp's connect timeout: infinity was an OverflowError in every request, 0 or less no
+        # timeout at all, NaN a timeout on every connection.
+        *(
+            (BACKEND % f"timeouts: {{connect: {v}}}", r"backends\[0\]\.timeouts\.connect")
+            for v in (".inf", ".nan", 0, -1)
+        ),
+        # The others: 0, less or NaN timed out every request at once (a 504 before any answer).
+        *((BACKEND % f"timeouts: {{first_byte: {v}}}", r"timeouts\.first_byte") for v in (".nan", 0, -5)),
+        *((BACKEND % f"timeouts: {{read: {v}}}", r"timeouts\.read") for v in (".nan", 0, 86401)),
+        (ENGINE % "startup_timeout: .nan", r"backends\[0\]\.startup_timeout"),
+        (ENGINE % "startup_timeout: 0", r"backends\[0\]\.startup_timeout"),
+        (ENGINE % "port: 70000", r"backends\[0\]\.port"),
+        (ENGINE % "port: 0", r"backends\[0\]\.port"),  # read as "unset": the engine went to 8000
+        ("server: {port: 70000}", r"server\.port"),
+        ("server: {port: -1}", r"server\.port"),
+        ("server: {max_body_bytes: 0}", r"server\.max_body_bytes"),  # every request a 413
+        # uvicorn's slow-client deadlines: 0 or NaN answered every connection with a 408.
+        ("server: {header_timeout: 0}", r"server\.header_timeout"),
+        ("server: {body_timeout: .nan}", r"server\.body_timeout"),
+        ("server: {body_timeout: .inf}", r"server\.body_timeout"),
+        # As the admin API's tenant limits: a 32-bit count.
+        ("limits: {max_output_tokens: 2147483648}", r"limits\.max_output_tokens"),
+        ("tenants: [{name: t, max_messages: 2147483648}]", r"tenants\[0\]\.max_messages"),
+    ],
+)
+def test_numbers_out_of_their_range_are_refused_at_start(text: str, key: str) -> None:
+    """A number that could only break requests later (an error in each one, a timeout that never ends
+    or always has) is a config error naming its key, at start."""
+    with pytest.raises(ConfigError, match=key):
+        parse_config(text, {})
+
+
+def test_numbers_at_the_edges_of_their_ranges_are_taken() -> None:
+    config = parse_config(
+        BACKEND % "timeouts: {connect: 0.001, first_byte: 86400, read: 86400}"
+        + "\nserver: {port: 0, max_body_bytes: 1, header_timeout: 86400, body_timeout: 0.001}"
+        + "\nlimits: {max_output_tokens: 2147483647}",
+        {},
+    )
+    assert config.backends[0].timeouts.first_byte == 86400 and config.server.port == 0
+    engine = parse_config(ENGINE % "port: 65535, startup_timeout: 86400", {})
+    assert engine.backends[0].port == 65535

@@ -507,7 +507,7 @@ def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() 
         (route("cheapest"), "only the difficulty policy compares"),
         (route(judge="nobody"), "compare.judge: no model named 'nobody'"),
         (route(share=1.5), "compare.share: must be within"),
-        (route(max_spend_usd_per_hour=-1), "must not be negative"),
+        (route(max_spend_usd_per_hour=-1), r"max_spend_usd_per_hour: must be a number from 0 to 1,000,000"),
         (route(max_in_flight=0), "max_in_flight: must be at least 1"),
     ]:
         with pytest.raises(RouteError, match=message):

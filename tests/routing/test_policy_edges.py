@@ -109,6 +109,8 @@ def within_binomial(count: int, n: int, p: float) -> bool:
         (100.0, 1.0, 1.0),  # one weight far above the rest
         (0.0001, 0.0003, 0.0003),  # small weights: u^(1/w) underflowed to 0, ties went to the first
         (1e17, 3e17, 3e17),  # huge ones: it rounded to 1
+        (1e-12, 3e-12, 3e-12),  # below 1e-9: each was taken as 1e-9, so drawn alike
+        (5e-324, 1.5e-323, 1.5e-323),  # the smallest floats: ln(u)/w overflowed to -inf, a tie
     ],
 )
 async def test_weighted_first_choice_follows_the_weights(weights: tuple[float, ...]) -> None:

@@ -147,6 +147,27 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({**GOOD, "name": "a\u0000b"}, "name"),
     ({**GOOD, "name": "auto\r\nx-injected: 1"}, "name"),
     ({**GOOD, "position": 2**40}, "position"),
+    # Each taken before and then broken at request time or against a backend: 2,000 tries per
+    # candidate (the doubling backoff overflowed a float: an OverflowError in the request), probes
+    # every microsecond (each backend asked without pause), a cooldown below the shared state's
+    # millisecond (Redis refused its TTL: read as Redis unreachable), a spend cap beyond what a
+    # count of micro-dollars holds (an OverflowError in the request that would hedge or compare),
+    # an output expectation whose price overflows a float.
+    ({**GOOD, "retry": {"attempts": 2000}}, "retry.attempts"),
+    ({**GOOD, "probe_interval": 1e-6}, "probe_interval"),
+    ({**GOOD, "breaker": {"cooldown": 0.0005}}, "breaker.cooldown"),
+    ({**GOOD, "hedge": {"max_spend_usd_per_hour": 1e303}}, "hedge.max_spend_usd_per_hour"),
+    ({**GOOD, "hedge": {"max_spend_usd_per_hour": 1e7}}, "hedge.max_spend_usd_per_hour"),
+    (
+        {
+            **GOOD,
+            "policy": "difficulty",
+            "candidates": [{"model": "gpt-4o-mini"}, {"model": "claude-sonnet"}],
+            "compare": {"judge": "gpt-4o-mini", "max_spend_usd_per_hour": 1e303},
+        },
+        "compare.max_spend_usd_per_hour",
+    ),
+    ({**GOOD, "expected_output_tokens": 10**301}, "expected_output_tokens"),
 ]
 
 
@@ -165,7 +186,15 @@ def test_out_of_range_route_settings_are_refused_and_change_nothing(weir: Weir) 
     edge = {
         **GOOD,
         "threshold": 1.0,
-        "candidates": [{"model": "gpt-4o-mini", "weight": 0.001, "cache_hit_rate": 1}],
+        # A window beyond a float's range was an OverflowError in the check itself (a 500).
+        "candidates": [
+            {"model": "gpt-4o-mini", "weight": 1e-300, "cache_hit_rate": 1, "context_window": 10**400}
+        ],
+        "retry": {"attempts": 100, "backoff": 0, "max_backoff": 0},
+        "probe_interval": 0.1,
+        "breaker": {"cooldown": 0.001},
+        "hedge": {"delay": 0, "min_delay": 0, "max_spend_usd_per_hour": 1e6},
+        "expected_output_tokens": 2**31 - 1,
     }
     created = weir.admin.post("/routes", json={**edge, "position": 2**31 - 1})
     assert created.status_code == 201, created.text
@@ -222,12 +251,20 @@ def test_bad_route_settings_in_the_config_name_the_key() -> None:
     env |= {"DEAD_PORT": "9", "WEIR_DEMO_KEY": "a", "WEIR_LIMITED_KEY": "b"}
     routes = "routes:\n  - {name: r, probe_interval: -5, candidates: [{model: gpt-5}]}\n"
     with pytest.raises(
-        ConfigError, match=r"routes\[0\] \(r\)\.probe_interval: must be a number greater than 0"
+        ConfigError, match=r"routes\[0\] \(r\)\.probe_interval: must be a number at least 0\.1"
     ):
         parse_config(full_config_text() + routes, env)
     routes = "routes:\n  - {name: r, candidates: [{model: gpt-5, weight: .nan}]}\n"
     with pytest.raises(ConfigError, match=r"candidates\[0\]\.weight"):
         parse_config(full_config_text() + routes, env)
+    routes = "routes:\n  - {name: r, retry: {attempts: 2000}, candidates: [{model: gpt-5}]}\n"
+    with pytest.raises(
+        ConfigError, match=r"routes\[0\] \(r\)\.retry\.attempts: must be a number from 1 to 100"
+    ):
+        parse_config(full_config_text() + routes, env)
+    # A whole number is finite however large: checked, it was an OverflowError (a traceback at start).
+    routes = f"routes:\n  - {{name: r, candidates: [{{model: gpt-5, context_window: {10**400}}}]}}\n"
+    assert parse_config(full_config_text() + routes, env).routes[0].candidates[0].context_window == 10**400
 
 
 @pytest.mark.postgres
