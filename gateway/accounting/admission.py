@@ -19,10 +19,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from gateway.accounting.events import UsageEvent
-from gateway.accounting.money import micro_to_pico
+from gateway.accounting.money import format_usd, micro_to_pico, pico_to_usd
 from gateway.accounting.pricing import PriceCatalog, sheet_of
 from gateway.aio import detached
 from gateway.errors import GatewayError
+from gateway.estimate import DEFAULT_OUTPUT_ESTIMATE
 from gateway.ids import exchange_key
 from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState, correction_bucket
 from gateway.state import Admission as Decision
@@ -154,6 +155,62 @@ class QuotaExceeded(GatewayError):
     status = 429
     type = "insufficient_quota"
     code = "insufficient_quota"
+
+
+def _scope(key: str) -> str:
+    return "key" if ":key:" in key else "tenant"
+
+
+def refusal(
+    decision: Decision, limits: Sequence[Limit], budgets: Sequence[Budget], amount: int
+) -> GatewayError:
+    """What a request the shared state refused is told. First a limit or whole budget its estimate
+    alone is over, which no wait can lift: still a 429, as OpenAI answers such a request ("Request too
+    large for ... on tokens per min"), so that clients handling OpenAI's keep working, but with no
+    retry-after and with `x-should-retry: false`, which the OpenAI and Anthropic SDKs obey before the
+    status (a 429 alone they retry, twice by default: in vain, and with the retry-after of 60 s it
+    had, for two minutes)."""
+    never = {"x-should-retry": "false"}
+    for limit in limits:
+        if limit.cost > limit.limit:
+            scope = _scope(limit.key)
+            if limit.key.startswith("tpm:"):
+                return RateLimited(
+                    f"Request too large for this {scope} on tokens per min (TPM): Limit {limit.limit}, "
+                    f"Requested {limit.cost}. The input or output tokens must be reduced in order to run "
+                    "successfully (a request counts its prompt at about 4 bytes a token, and its "
+                    f"max_tokens, {DEFAULT_OUTPUT_ESTIMATE} when unset, for each choice it asks for).",
+                    type="tokens",
+                    headers=never,
+                )
+            return RateLimited(
+                f"This {scope}'s limit is {limit.limit} requests per minute: no request can be admitted. "
+                "Ask your Weir administrator to raise it.",
+                headers=never,
+            )
+    for budget in budgets:
+        if amount > budget.limit_pico_usd:
+            scope = _scope(budget.key)
+            return QuotaExceeded(
+                f"Request too large for this {scope}'s monthly budget: its estimated cost (USD "
+                f"{format_usd(pico_to_usd(amount))}) is more than this {scope}'s whole monthly budget "
+                f"(USD {format_usd(pico_to_usd(budget.limit_pico_usd))}). Reduce the input or max_tokens "
+                f"({DEFAULT_OUTPUT_ESTIMATE} when unset), or ask your Weir administrator to raise the budget.",
+                headers=never,
+            )
+    blocked = decision.blocked_by or ""
+    scope = _scope(blocked)
+    if blocked.startswith("budget:"):
+        return QuotaExceeded(
+            f"You exceeded this {scope}'s monthly budget. Ask your Weir administrator to raise it."
+        )
+    wait = max(1, math.ceil(decision.retry_after_s))
+    kind = "tokens" if blocked.startswith("tpm:") else "requests"
+    return RateLimited(
+        f"Rate limit reached for this {scope} on {kind} per minute. Please try again in {wait}s.",
+        type=kind,
+        headers={"retry-after": str(wait)},
+    )
 
 
 # Spend this month so far, from the ledger: (scope "tenant"|"key", id, month start) -> pico-USD.
@@ -411,19 +468,7 @@ class Admission:
             budgets = await self._seed_again(plan, budgets, decision.unseeded, now)
             decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
         if not decision.allowed:
-            blocked = decision.blocked_by or ""
-            scope = "key" if ":key:" in blocked else "tenant"
-            if blocked.startswith("budget:"):
-                raise QuotaExceeded(
-                    f"You exceeded this {scope}'s monthly budget. Ask your Weir administrator to raise it."
-                )
-            wait = max(1, math.ceil(decision.retry_after_s))
-            kind = "tokens" if blocked.startswith("tpm:") else "requests"
-            raise RateLimited(
-                f"Rate limit reached for this {scope} on {kind} per minute. Please try again in {wait}s.",
-                type=kind,
-                headers={"retry-after": str(wait)},
-            )
+            raise refusal(decision, limits, budgets, amount)
         reservation_id = decision.reservation_id
         releases: list[tuple[str, int]] = []
         if self.leasing and (decision.leases or decision.pools):

@@ -16,6 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -191,6 +192,57 @@ def test_an_image_sent_inline_is_admitted_by_what_it_costs_not_its_size(weir: We
     except openai.RateLimitError as exc:
         raise AssertionError(f"refused: {exc.body}") from None
     assert reply.usage is not None and reply.usage.prompt_tokens < 1000
+
+
+def test_a_request_larger_than_a_whole_limit_or_budget_is_not_retried_in_vain(
+    weir: Weir, fake_openai: FakeOpenAI
+) -> None:
+    """A request whose estimate alone is over its tenant's TPM limit or whole monthly budget can never
+    be admitted. It was a 429 saying "try again in 60s" (retry-after: 60, or none for the budget), which
+    the official SDKs retry by default, in vain (their two retries waited out a minute each). It is
+    OpenAI's own answer to such a request, "Request too large ... on tokens per min (TPM): Limit N,
+    Requested M" (429, `tokens`, `rate_limit_exceeded`), with no retry-after and `x-should-retry:
+    false`, which the OpenAI and Anthropic SDKs obey: one request, then the error."""
+    sent: list[str] = []
+    hooks = {"request": [lambda request: sent.append(request.url.path)]}
+
+    def sdk(key: str) -> openai.OpenAI:  # max_retries: the SDK's default (2)
+        return openai.OpenAI(
+            base_url=f"{weir.url}/v1", api_key=key, http_client=openai.DefaultHttpxClient(event_hooks=hooks)
+        )
+
+    hello = [{"role": "user", "content": "hello"}]
+    _, _, key = weir.tenant_with_key("tpm-small", tpm=100)
+    with pytest.raises(openai.RateLimitError) as caught:
+        sdk(key).chat.completions.create(model="gpt-4o-mini", messages=hello, max_tokens=500)  # type: ignore[arg-type]
+    assert sent == ["/v1/chat/completions"]
+    body, headers = caught.value.body, caught.value.response.headers
+    assert (body["type"], body["code"]) == ("tokens", "rate_limit_exceeded")  # type: ignore[index]
+    assert "Request too large for this tenant on tokens per min (TPM): Limit 100, Requested 5" in str(body)
+    assert "retry-after" not in headers and headers["x-should-retry"] == "false"
+    client = anthropic.Anthropic(
+        base_url=weir.url, api_key=key, http_client=anthropic.DefaultHttpxClient(event_hooks=hooks)
+    )
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        client.messages.create(
+            model="gpt-4o-mini", max_tokens=500, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert sent[1:] == ["/v1/messages"] and "Request too large" in str(refused.value.body)
+    assert "retry-after" not in refused.value.response.headers
+    # A request that fits is admitted: the limit itself is as it was.
+    assert sdk(key).chat.completions.create(model="gpt-4o-mini", messages=hello, max_tokens=20)  # type: ignore[arg-type]
+
+    sent.clear()  # 100 micro-dollars a month; 1000 output tokens at $0.60 per 1M are 600 of them
+    _, _, key = weir.tenant_with_key("budget-small", budget_usd_monthly="0.0001")
+    with pytest.raises(openai.RateLimitError) as caught:
+        sdk(key).chat.completions.create(model="gpt-4o-mini", messages=hello, max_tokens=1000)  # type: ignore[arg-type]
+    assert sent == ["/v1/chat/completions"]
+    body, headers = caught.value.body, caught.value.response.headers
+    assert (body["type"], body["code"]) == ("insufficient_quota", "insufficient_quota")  # type: ignore[index]
+    assert "more than this tenant's whole monthly budget (USD 0.0001)" in str(body)
+    assert "retry-after" not in headers and headers["x-should-retry"] == "false"
+    fake_openai.set_next_usage(input_tokens=5, output_tokens=10)
+    assert sdk(key).chat.completions.create(model="gpt-4o-mini", messages=hello, max_tokens=10)  # type: ignore[arg-type]
 
 
 CONFIG_FILE = """\
