@@ -14,7 +14,7 @@ from gateway.accounting.admission import Admission, Quotas, budget_key, month_of
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import PriceCatalog
 from gateway.state.memory import MemoryState
-from gateway.usage import Usage
+from tests.control.events import usage_event
 
 QUOTAS = Quotas(tenant_id="t1", key_id="k1", tenant_tpm=10**9, tenant_budget_micro_usd=10**9)
 
@@ -79,19 +79,16 @@ async def test_a_settled_request_keeps_an_untracked_record_and_later_attempts_st
 def event(
     request_id: str, total_tokens: int, cost_pico_usd: int, attempt: int = 1, status: int = 200
 ) -> UsageEvent:
-    return UsageEvent(
-        status=status,
-        request_id=request_id,
+    return usage_event(
+        request_id,
+        total_tokens,
+        cost_pico_usd,
         attempt=attempt,
-        ts=dt.datetime.now(dt.UTC),
+        status=status,
         tenant_id="t1",
         key_id="k1",
-        route="m",
         backend="openai",
         model="gpt-4o-mini",
-        usage=Usage(input_tokens=total_tokens // 2, output_tokens=total_tokens - total_tokens // 2),
-        prices={},
-        cost_pico_usd=cost_pico_usd,
     )
 
 

@@ -16,6 +16,7 @@ from gateway.state import MemoryState, SharedState
 from gateway.state.redis import RedisState
 from gateway.usage import Usage
 from tests.control.conftest import REDIS_URL
+from tests.control.events import usage_event
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 EMBEDDINGS = PriceCatalog(  # USD 0.02 per 1M input tokens: 10 tokens cost 0.2 micro-dollars
@@ -34,19 +35,7 @@ async def state(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncItera
 
 
 def event(request_id: str, usage: Usage, cost_pico_usd: int) -> UsageEvent:
-    return UsageEvent(
-        request_id=request_id,
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
-        tenant_id="t",
-        key_id="k",
-        route="m",
-        backend="b",
-        model="m",
-        usage=usage,
-        prices={},
-        cost_pico_usd=cost_pico_usd,
-    )
+    return usage_event(request_id, cost_pico_usd=cost_pico_usd, usage=usage)
 
 
 async def test_budget_spend_is_what_the_ledger_bills_not_each_attempt_rounded_up(

@@ -16,8 +16,8 @@ from gateway.accounting.admission import Admission, Quotas, RateLimited, budget_
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.state.redis import RedisState
-from gateway.usage import Usage
 from tests.control.conftest import REDIS_URL
+from tests.control.events import usage_event
 
 pytestmark = pytest.mark.redis
 
@@ -46,19 +46,7 @@ async def replicas(redis_prefix: str) -> AsyncIterator[tuple[list[Admission], ai
 
 
 def event(request_id: str, total_tokens: int) -> UsageEvent:
-    return UsageEvent(
-        request_id=request_id,
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
-        tenant_id="t",
-        key_id="k",
-        route="m",
-        backend="b",
-        model="m",
-        usage=Usage(input_tokens=total_tokens // 2, output_tokens=total_tokens - total_tokens // 2),
-        prices={},
-        cost_pico_usd=total_tokens * 1_000_000,  # 1 micro-USD per token
-    )
+    return usage_event(request_id, total_tokens, total_tokens * 1_000_000)  # 1 micro-USD per token
 
 
 async def admit(admission: Admission, quotas: Quotas) -> str | None:

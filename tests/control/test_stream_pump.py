@@ -5,7 +5,6 @@ and buffered events riding in the shared state's script pipelines instead of an 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import socket
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from gateway.state import Adjustment, Settlement
 from gateway.state.redis import RedisState, client_from_url
 from gateway.usage import Usage
 from tests.control.conftest import REDIS_URL
+from tests.control.events import usage_event
 
 
 class FakeRedis:
@@ -46,19 +46,7 @@ class FakeRedis:
 
 
 def event(n: int) -> UsageEvent:
-    return UsageEvent(
-        request_id=f"r{n}",
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
-        tenant_id="t",
-        key_id="k",
-        route="m",
-        backend="b",
-        model="m",
-        usage=Usage(input_tokens=n, output_tokens=1),
-        prices={},
-        cost_pico_usd=0,
-    )
+    return usage_event(f"r{n}", usage=Usage(input_tokens=n, output_tokens=1))
 
 
 def counting_flushes(queue: RedisStreamQueue) -> list[int]:

@@ -6,7 +6,6 @@ window cannot free room it never held, in process or in Redis, admitted there or
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import functools
 import uuid
 
@@ -20,28 +19,15 @@ from gateway.accounting.pricing import PriceCatalog
 from gateway.state import Adjustment, Limit, MemoryState
 from gateway.state.base import BUCKETS
 from gateway.state.redis import RedisState
-from gateway.usage import Usage
 from tests.control.conftest import REDIS_URL
+from tests.control.events import usage_event
 
 QUOTAS = Quotas("t", None, tenant_tpm=10_000)
 WINDOW_S = 1.2  # the Redis tests' limit window: 20 ms buckets, so they wait seconds, not minutes
 
 
 def event(request_id: str, tokens: int, status: int = 200) -> UsageEvent:
-    return UsageEvent(
-        request_id=request_id,
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
-        tenant_id="t",
-        key_id="k",
-        route="m",
-        backend="b",
-        model="m",
-        usage=Usage(input_tokens=tokens // 2, output_tokens=tokens - tokens // 2),
-        prices={},
-        cost_pico_usd=0,
-        status=status,
-    )
+    return usage_event(request_id, tokens, status=status)
 
 
 class Clock:
