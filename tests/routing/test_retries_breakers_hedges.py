@@ -1003,14 +1003,13 @@ async def test_a_routes_latency_breakers_last_while_it_is_in_force_and_another_r
     assert breakers.latency_states() == {}
 
 
-async def test_only_its_trials_first_token_in_time_closes_a_routes_latency_breaker() -> None:
-    """Any first token in time starts a closed latency breaker's count of timeouts again; one that is
-    not closed, open or half-open, closes on its half-open trial's first token alone."""
+def _tight_and_loose() -> tuple[Any, Breakers]:
+    """Routes `tight` (1 s TTFT timeout) and `loose` (5 s) on gpt-4o-mini, and their breakers: tight
+    has a latency breaker there (2 timeouts in a row open it, 30 s cooldown)."""
     from gateway.router_basic import ModelTable
     from routing.router import Router
     from routing.routes import Candidate, Route
 
-    mini = Breakers.key("openai", "gpt-4o-mini")
     tight, loose = (
         Route(
             name=name,
@@ -1020,7 +1019,14 @@ async def test_only_its_trials_first_token_in_time_closes_a_routes_latency_break
         )
         for name, wait in (("tight", 1), ("loose", 5))
     )
-    breakers = Router(ModelTable(parse_config(PATIENCE, {})), [tight, loose]).breakers
+    return tight, Router(ModelTable(parse_config(PATIENCE, {})), [tight, loose]).breakers
+
+
+async def test_only_its_trials_first_token_in_time_closes_a_routes_latency_breaker() -> None:
+    """Any first token in time starts a closed latency breaker's count of timeouts again; one that is
+    not closed, open or half-open, closes on its half-open trial's first token alone."""
+    mini = Breakers.key("openai", "gpt-4o-mini")
+    tight, breakers = _tight_and_loose()
     await breakers.too_slow(mini, 1, tight)
     breakers.in_time(tight, mini, trial=None)
     await breakers.too_slow(mini, 1, tight)
@@ -1043,21 +1049,8 @@ async def test_a_latency_trial_let_through_before_the_latest_opening_does_not_cl
     before that opening, it closes nothing (B's timeout is the latest word on the model's speed). It
     closed the breaker, sending tight's streams back to a model whose latest trial had just been too
     slow."""
-    from gateway.router_basic import ModelTable
-    from routing.router import Router
-    from routing.routes import Candidate, Route
-
     mini = Breakers.key("openai", "gpt-4o-mini")
-    tight, loose = (
-        Route(
-            name=name,
-            ttft_timeout=wait,
-            breaker=BreakerSettings(failures=2, cooldown=30),
-            candidates=[Candidate(model="gpt-4o-mini")],
-        )
-        for name, wait in (("tight", 1), ("loose", 5))
-    )
-    breakers = Router(ModelTable(parse_config(PATIENCE, {})), [tight, loose]).breakers
+    tight, breakers = _tight_and_loose()
     for _ in range(2):
         await breakers.too_slow(mini, 1, tight)
     latency = breakers.latency_breaker(tight, mini)
