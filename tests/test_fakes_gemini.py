@@ -274,3 +274,29 @@ def test_newer_models_refuse_a_trailing_model_turn(http: httpx.Client, fake_gemi
     refused = http.post("/models/gemini-3.6-flash:generateContent", json=body)
     assert refused.status_code == 400
     assert refused.json()["error"]["message"] == "Requests ending with a model turn are not supported."
+
+
+def test_logprobs_as_the_google_genai_sdk_reads_them(fake_gemini: FakeGemini) -> None:
+    from google import genai
+    from google.genai import types
+
+    client = genai.Client(
+        api_key=fake_gemini.api_key, http_options=types.HttpOptions(base_url=fake_gemini.base_url)
+    )
+    config = types.GenerateContentConfig(response_logprobs=True, logprobs=2)
+    result = client.models.generate_content(model=MODEL, contents="sky is blue", config=config)
+    logprobs = result.candidates[0].logprobs_result  # type: ignore[index]
+    assert fake_gemini.last_request.json["generationConfig"] == {"responseLogprobs": True, "logprobs": 2}
+    chosen = logprobs.chosen_candidates  # type: ignore[union-attr]
+    assert [c.token for c in chosen] == ["sky", " is", " blue"]  # type: ignore[union-attr]
+    assert chosen[0].log_probability is None and chosen[1].log_probability == -0.25  # type: ignore[index]
+    tops = logprobs.top_candidates  # type: ignore[union-attr]
+    expected = [["sky", "sky1"], [" is", " is1"], [" blue", " blue1"]]
+    assert [[c.token for c in step.candidates] for step in tops] == expected  # type: ignore[union-attr]
+    streamed = client.models.generate_content_stream(model=MODEL, contents="a b", config=config)
+    assert [[c.token for c in r.candidates[0].logprobs_result.chosen_candidates] for r in streamed] == [  # type: ignore[index, union-attr]
+        ["a"],
+        [" b"],
+    ]
+    plain = client.models.generate_content(model=MODEL, contents="a")
+    assert plain.candidates[0].logprobs_result is None  # type: ignore[index]

@@ -427,6 +427,13 @@ def count_tokens_response(body: bytes, model: str) -> TokenCount:
 def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if request.n is not None and request.n > 1:
         raise InvalidRequest("Anthropic models do not support n > 1", param="n")
+    if request.logprobs:
+        # Claude has no token log probabilities: dropped, the answer would read as having none.
+        raise InvalidRequest(
+            "Anthropic models do not return token log probabilities (logprobs)",
+            param="logprobs",
+            code="unsupported_parameter",
+        )
     system, messages = _messages(request.messages)
     thinking, effort, max_tokens = _thinking(request, model)
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": messages}

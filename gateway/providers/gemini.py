@@ -344,6 +344,11 @@ def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     thinking = _thinking_config(request, model)
     if thinking is not None:
         body.setdefault("generationConfig", {})["thinkingConfig"] = thinking
+    if request.logprobs:
+        config = body.setdefault("generationConfig", {})
+        config["responseLogprobs"] = True
+        if request.top_logprobs:  # alternatives a step; OpenAI's 0 is Gemini's leaving it out
+            config["logprobs"] = request.top_logprobs
     if request.tools:
         declarations = []
         for tool in request.tools:
@@ -403,6 +408,30 @@ def _candidate(
     return ("".join(texts) if texts else None), ("".join(thoughts) if thoughts else None), calls
 
 
+def _token_logprob(item: dict[str, Any]) -> dict[str, Any]:
+    token = str(item.get("token") or "")
+    # proto3 JSON leaves out a zero: a token the model was certain of comes without logProbability.
+    return {
+        "token": token,
+        "logprob": float(item.get("logProbability") or 0.0),
+        "bytes": list(token.encode()),
+    }
+
+
+def _logprobs(candidate: dict[str, Any]) -> dict[str, Any] | None:
+    """A candidate's `logprobsResult` as OpenAI's choice `logprobs`: one entry a decoding step, its
+    `topCandidates` as the entry's `top_logprobs`. None when the candidate carries none."""
+    result = candidate.get("logprobsResult")
+    if not isinstance(result, dict):
+        return None
+    steps = result.get("topCandidates") or []
+    content = []
+    for i, chosen in enumerate(result.get("chosenCandidates") or ()):
+        top = (steps[i].get("candidates") or []) if i < len(steps) else []
+        content.append({**_token_logprob(chosen), "top_logprobs": [_token_logprob(t) for t in top]})
+    return {"content": content, "refusal": None}
+
+
 def _finish(reason: str | None, has_calls: bool) -> str | None:
     if reason is None:
         return None
@@ -455,7 +484,14 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
             reasoning_content=thoughts,
         )
         finish = _finish(candidate.get("finishReason") or "STOP", bool(calls))
-        choices.append(Choice(index=candidate.get("index", i), message=message, finish_reason=finish))
+        choices.append(
+            Choice(
+                index=candidate.get("index", i),
+                message=message,
+                finish_reason=finish,
+                logprobs=_logprobs(candidate),
+            )
+        )
     return ChatResponse(
         id=data.get("responseId") or new_id("chatcmpl-"),
         created=now(),
@@ -516,7 +552,10 @@ class ChatStream:
             if finish is not None:
                 self.finished = True
             delta = Delta(role=role, content=text, tool_calls=deltas or None, reasoning_content=thoughts)
-            choices.append(ChunkChoice(index=index, delta=delta, finish_reason=finish))
+            logprobs = _logprobs(candidate)
+            if logprobs is not None and not logprobs["content"]:
+                logprobs = None  # a chunk without tokens (the finish alone): none, as OpenAI sends it
+            choices.append(ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs))
         if not choices:
             return []
         chunk = ChatChunk(id=self.id, created=self.created, model=self.model, choices=choices)

@@ -12,6 +12,11 @@ Responses carry ``candidates[].content.parts[]`` (``text``; ``functionCall`` wit
 calls, sent whole in one chunk as Gemini does; a ``thought: true`` part when
 ``thinkingConfig.includeThoughts``), ``finishReason`` (``STOP``, ``MAX_TOKENS``), ``usageMetadata`` and
 ``modelVersion``/``responseId``. Every stream chunk carries the usage so far, the last one the total.
+With ``generationConfig.responseLogprobs`` each candidate also carries ``logprobsResult`` for the text
+it holds (a stream chunk, its own tokens; one token a word): ``chosenCandidates`` (``token``,
+``tokenId``, ``logProbability``, left out when 0 as proto3 JSON leaves out zeros), ``topCandidates``
+(``generationConfig.logprobs`` candidates a step, most likely first, only when that is set) and
+``logProbabilitySum``, with ``avgLogprobs`` beside it.
 
 Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents`` and ``maxOutputTokens`` outside 1..65536,
 and on 3.5 Flash-Lite and 3.6 on (`NO_PREFILL`) contents ending with a model turn, which earlier
@@ -440,6 +445,9 @@ class FakeGemini(FakeServer):
                 candidate: dict[str, Any] = {"content": {"parts": parts, "role": "model"}}
                 if finish:
                     candidate["finishReason"] = finish
+                if config.get("responseLogprobs"):
+                    text = "".join(p["text"] for p in parts if "text" in p and not p.get("thought"))
+                    candidate |= _logprobs(chunk_words(text) if text else [], config.get("logprobs") or 0)
                 candidate["index"] = i
                 candidates.append(candidate)
             return {
@@ -578,6 +586,30 @@ class FakeGemini(FakeServer):
         if self.cached_contents.pop(request.match_info["id"], None) is None:
             return self.error_response(403, "CachedContent not found (or permission denied)")
         return self.json_response(request, {})
+
+
+def _logprobs(tokens: list[str], top: int) -> dict[str, Any]:
+    """A candidate's `logprobsResult` (and `avgLogprobs`) for these tokens: the first token certain
+    (log-probability 0, so left out as proto3 JSON leaves out zeros), the others a fixed -0.25, and
+    `top` alternatives a step, the chosen token first."""
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        item: dict[str, Any] = {"token": token, "tokenId": sum(token.encode()) % 256_000}
+        if logprob:
+            item["logProbability"] = logprob
+        return item
+
+    chosen = [0.0 if i == 0 else -0.25 for i in range(len(tokens))]
+    result: dict[str, Any] = {
+        "chosenCandidates": [entry(t, p) for t, p in zip(tokens, chosen, strict=True)],
+        "logProbabilitySum": sum(chosen),
+    }
+    if top:
+        result["topCandidates"] = [
+            {"candidates": [entry(t, p), *(entry(f"{t}{k}", p - 4.0 - k) for k in range(1, top))]}
+            for t, p in zip(tokens, chosen, strict=True)
+        ]
+    return {"logprobsResult": result, "avgLogprobs": sum(chosen) / len(chosen) if chosen else 0.0}
 
 
 def _lower_types(schema: Any) -> Any:

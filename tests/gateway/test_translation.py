@@ -296,6 +296,93 @@ def test_gemini_stream_decoder_numbers_tool_calls_and_reports_usage_at_the_end()
     assert chunks[-1].usage == Usage(input_tokens=4, output_tokens=6)
 
 
+# Gemini's logprobsResult as generateContent sends it: a chosen token need not be among the step's top
+# candidates, and a log-probability of 0 (a certain token) is left out, as proto3 JSON leaves zeros out.
+LOGPROBS_RESULT = {
+    "chosenCandidates": [
+        {"token": "Hi", "tokenId": 7, "logProbability": -0.5},
+        {"token": "é", "tokenId": 9},
+    ],
+    "topCandidates": [
+        {"candidates": [{"token": "Hello", "tokenId": 5, "logProbability": -0.2}]},
+        {"candidates": [{"token": "é", "tokenId": 9}]},
+    ],
+    "logProbabilitySum": -0.5,
+}
+LOGPROBS_CONTENT = [
+    {
+        "token": "Hi",
+        "logprob": -0.5,
+        "bytes": [72, 105],
+        "top_logprobs": [{"token": "Hello", "logprob": -0.2, "bytes": list(b"Hello")}],
+    },
+    {
+        "token": "é",
+        "logprob": 0.0,
+        "bytes": [0xC3, 0xA9],
+        "top_logprobs": [{"token": "é", "logprob": 0.0, "bytes": [0xC3, 0xA9]}],
+    },
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "config"),
+    [
+        ({"logprobs": True, "top_logprobs": 3}, {"responseLogprobs": True, "logprobs": 3}),
+        ({"logprobs": True, "top_logprobs": 0}, {"responseLogprobs": True}),
+        ({"logprobs": True}, {"responseLogprobs": True}),
+        ({"logprobs": False, "top_logprobs": 3}, {}),  # top_logprobs alone asks for nothing
+    ],
+)
+def test_gemini_is_asked_for_logprobs_in_its_generation_config(fields: dict, config: dict) -> None:
+    sent = body(gemini.chat_request(GEMINI, chat(**fields), "gemini-2.5-flash")).get("generationConfig", {})
+    assert {k: v for k, v in sent.items() if k in ("responseLogprobs", "logprobs")} == config
+
+
+def test_gemini_logprobs_result_becomes_openais_choice_logprobs() -> None:
+    candidate = {
+        "content": {"role": "model", "parts": [{"text": "Hié"}]},
+        "finishReason": "STOP",
+        "logprobsResult": LOGPROBS_RESULT,
+        "avgLogprobs": -0.25,
+    }
+    response = gemini.chat_response(json.dumps({"candidates": [candidate]}).encode(), "gemini")
+    assert response.choices[0].logprobs == {"content": LOGPROBS_CONTENT, "refusal": None}
+    without = {"candidates": [{"content": {"role": "model", "parts": [{"text": "Hi"}]}}]}
+    assert gemini.chat_response(json.dumps(without).encode(), "gemini").choices[0].logprobs is None
+    rendered = render_chat(response)["choices"][0]
+    assert rendered["logprobs"]["content"][0]["top_logprobs"][0]["token"] == "Hello"
+
+
+def test_gemini_stream_decoder_gives_each_chunk_its_own_logprobs() -> None:
+    events: list[tuple[str | None, dict | str]] = [
+        (
+            None,
+            {"candidates": [{"content": {"parts": [{"text": "Hié"}]}, "logprobsResult": LOGPROBS_RESULT}]},
+        ),
+        (
+            None,
+            {
+                "candidates": [
+                    {"content": {"parts": [{"text": ""}]}, "finishReason": "STOP", "logprobsResult": {}}
+                ],
+                "usageMetadata": {"promptTokenCount": 2, "candidatesTokenCount": 2},
+            },
+        ),
+    ]
+    chunks = feed(gemini.ChatStream(chat(logprobs=True), "gemini"), events)
+    assert chunks[0].choices[0].logprobs == {"content": LOGPROBS_CONTENT, "refusal": None}
+    assert chunks[1].choices[0].finish_reason == "stop" and chunks[1].choices[0].logprobs is None
+
+
+def test_logprobs_for_claude_are_refused_before_anything_is_sent() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        anthropic.chat_request(ANTHROPIC, chat(logprobs=True, top_logprobs=2), "claude-sonnet-4-5")
+    assert caught.value.param == "logprobs" and caught.value.code == "unsupported_parameter"
+    plain = body(anthropic.chat_request(ANTHROPIC, chat(logprobs=False), "claude-sonnet-4-5"))
+    assert "logprobs" not in plain
+
+
 def test_openai_stream_ending_without_done_or_finish_is_a_bad_gateway() -> None:
     decoder = openai.ChatStream(chat(), "gpt")
     decoder.feed(None, json.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "partial"}}]}))
