@@ -392,10 +392,11 @@ class Comparer:
         judge_target = self.models.targets[compare.judge]
         tenant = job.principal.tenant_id or "anonymous"
         estimate = self._estimate(job, other, other_target, judge_target)
-        if not await self.spend.allow(tenant, estimate, compare.max_spend_usd_per_hour):
+        charge = await self.spend.charge(tenant, estimate, compare.max_spend_usd_per_hour)
+        if charge is None:
             self._count(route.name, "capped")
             return
-        spent: list[float] = []  # USD of each call made, as the ledger bills it
+        spent: list[int] = []  # pico-USD of each call made, as the ledger bills it
         try:
             alone = msgspec.structs.replace(job.request, stream=None, stream_options=None)
             response = await self._ask(job, other_target, other.model, alone, "compare", spent)
@@ -437,8 +438,9 @@ class Comparer:
             log.exception("comparison_failed", route=route.name, request_id=job.request_id)
             self._count(route.name, "failed")
         finally:
-            # The cap counts what the calls cost, not what was guessed (a reasoning judge costs more).
-            await self.spend.add(tenant, sum(spent) - estimate)
+            # The cap counts what the calls cost, not what was guessed (a reasoning judge costs more);
+            # what the guess was over by is given back in the bucket it was counted in.
+            await charge.settle(sum(spent))
 
     def _estimate(self, job: Job, other: Candidate, other_target: Target, judge_target: Target) -> float:
         output = job.feats.max_output_tokens or job.route.expected_output_tokens
@@ -455,7 +457,7 @@ class Comparer:
         return answer + judge * (2 if job.route.compare.both_orders else 1)
 
     async def _ask(
-        self, job: Job, target: Target, model: str, request: ChatRequest, purpose: str, spent: list[float]
+        self, job: Job, target: Target, model: str, request: ChatRequest, purpose: str, spent: list[int]
     ) -> ChatResponse:
         """One background call, its own request in the ledger, tied to the client's by `for=`."""
         route = job.route
@@ -470,7 +472,7 @@ class Comparer:
         call = Call(info, job.principal, "compare")
 
         async def billed(event: UsageEvent) -> None:  # what the ledger bills it
-            spent.append(event.cost_pico_usd / 1e12)
+            spent.append(event.cost_pico_usd)
 
         call.on_cost[1] = billed
         upstream = target.provider.chat_request(target.backend, request, target.upstream_model)

@@ -222,11 +222,6 @@ class SpendCap:
             return None
         return Charge(self, tenant, counted, admission.buckets[0] if admission.buckets else None)
 
-    async def add(self, tenant: str, usd: float) -> None:
-        """Count `usd` more (or less: a correction once the actual cost is known)."""
-        if delta := round(usd * 1e6):
-            await self.state.adjust(self.key(tenant), delta, window_s=HOUR)
-
 
 @dataclass(slots=True)
 class Charge:

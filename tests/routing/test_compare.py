@@ -25,11 +25,12 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.db.session import create_engine, sessionmaker
 from gateway.logging import add_request_fields
+from gateway.state.memory import MemoryState
 from gateway.state.redis import RedisState
 from gateway.types import ChatRequest, Message
 from gateway.usage_sink import ListSink
 from routing.compare import JUDGE_SYSTEM, MAX_SECTION_CHARS, judge_request, parse_verdict, scaled
-from routing.execute import SpendCap
+from routing.execute import HOUR, SpendCap
 from routing.feedback import load_feedback
 from routing.ranking import auc_normal_interval
 from routing.router import RouteError, validate
@@ -428,6 +429,39 @@ def test_the_spend_cap_counts_what_the_ledger_bills_at_the_catalogs_prices(
         assert counted_micro_usd(gateway.comparer.spend, keeps["id"], micro_usd, 2)
 
 
+def test_a_comparison_priced_after_its_estimate_left_the_hour_frees_no_room(
+    sqlite_url: str,  # noqa: F811
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hourly cap counts a comparison's estimate when it starts and replaces it with what its
+    calls cost once they are priced, as the hedge cap does. What the estimate was over by went to the
+    minute current then: a judge that answered after the estimate had left the hour freed that much of
+    the next hour, so comparisons could spend the cap and more. It goes to the estimate's minute now,
+    gone with it."""
+    offset = [0.0]  # the state's clock runs ahead of the wall's by this much
+    monkeypatch.setattr(MemoryState, "_now", staticmethod(lambda: time.time() + offset[0]))
+
+    def slow_judge(text: str) -> str:
+        offset[0] += HOUR + 60  # answers once the estimate's minute has left the hour
+        return judge(text)
+
+    fake_anthropic.answer_as("claude-sonnet-4-5", slow_judge)
+    app = comparing_app(CONFIG, sqlite_url, fake_openai, fake_anthropic, tmp_path, monkeypatch)
+    gateway = app.state.gateway
+    gateway.router.context.scorer = lambda prompt: 0.1
+    with serve(app, free_port()) as url:
+        _, keeps, client = prompt_keeper(url)
+        # Estimated for 1,000 tokens of answer, the few the fakes say cost far less.
+        messages = [{"role": "user", "content": "easy question"}]
+        client.chat.completions.create(model="auto", messages=messages, max_tokens=1000)
+        wait_for(lambda: sync_exec(sqlite_url, "SELECT count(*) FROM comparisons") == [(1,)])
+        wait_for(lambda: not gateway.comparer.tasks)  # settled: its task ends after that
+        assert counted_micro_usd(gateway.comparer.spend, keeps["id"], 0, 0)
+
+
 def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
     fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
@@ -516,10 +550,12 @@ def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() 
 
 async def test_the_spend_cap_takes_corrections() -> None:
     cap = SpendCap("compare")
-    assert await cap.allow("t", 0.6, cap=1.0) and not await cap.allow("t", 0.6, cap=1.0)
-    await cap.add("t", -0.5)  # the first call cost 0.1, not 0.6
-    assert await cap.allow("t", 0.6, cap=1.0)
-    await cap.add("t", 0.4)
+    first = await cap.charge("t", 0.6, cap=1.0)
+    assert first is not None and not await cap.allow("t", 0.6, cap=1.0)
+    await first.settle(100_000 * 10**6)  # the first call cost 0.1, not 0.6
+    second = await cap.charge("t", 0.6, cap=1.0)
+    assert second is not None
+    await second.settle(10**12)  # 0.4 more than its estimate
     assert not await cap.allow("t", 0.1, cap=1.0) and not await cap.allow("u", 0.1, cap=0)
     assert await cap.allow("u", 0.0, cap=1e-6) and await cap.allow("u", 1e-9, cap=1e-6)
     assert not await cap.allow("u", 1e-9, cap=1e-6)  # under a micro-dollar still counts one
@@ -531,9 +567,11 @@ async def test_replicas_draw_on_one_spend_cap_through_redis(redis_prefix: str) -
         SpendCap("hedge", RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)) for _ in "ab"
     ]
     try:
-        allowed = [await replicas[i % 2].allow("t", 0.25, cap=1.0) for i in range(6)]
-        assert allowed == [True, True, True, True, False, False]  # four in all, not four on each
-        await replicas[1].add("t", -0.2)  # a call cost 0.05 of its 0.25
+        charges = [await replicas[i % 2].charge("t", 0.25, cap=1.0) for i in range(6)]
+        # Four in all, not four on each.
+        assert [c is not None for c in charges] == [True, True, True, True, False, False]
+        assert charges[1] is not None
+        await charges[1].settle(50_000 * 10**6)  # a call cost 0.05 of its 0.25
         assert await replicas[0].allow("t", 0.2, cap=1.0)
         assert await SpendCap("compare", replicas[0].state).allow("t", 1.0, cap=1.0)  # its own window
     finally:
