@@ -47,6 +47,18 @@ MONEY_COLUMNS = ("cost_pico_usd", "savings_pico_usd")
 _SPLIT = 2**32
 
 
+def split_sum(column: Any) -> tuple[ColumnElement[Any], ColumnElement[Any]]:
+    """The sum of an integer money column as two sums, to be joined by `joined_sum`."""
+    # Integer division and remainder truncate alike in both databases: quotient x 2^32 + remainder
+    # is the value, negative ones (savings, where cache reads cost more) too.
+    return func.sum(column // _SPLIT), func.sum(column % _SPLIT)
+
+
+def joined_sum(high: int | Decimal | None, low: int | Decimal | None) -> int:
+    """The exact sum `split_sum` read in two parts (None: no rows)."""
+    return int(high or 0) * _SPLIT + int(low or 0)
+
+
 def _whole_days(start: dt.datetime, end: dt.datetime) -> bool:
     return all(t.time() == dt.time(0) for t in (start, end))
 
@@ -75,12 +87,8 @@ async def usage_report(
     dims = [getattr(table, GROUPS[name]).label(name) for name in group_by]
     sums = [func.sum(getattr(table, c)).label(c) for c in TOKEN_COLUMNS]
     for c in MONEY_COLUMNS:
-        # Integer division and remainder truncate alike in both databases: quotient x 2^32 +
-        # remainder is the value, negative ones (savings, where cache reads cost more) too.
-        sums += [
-            func.sum(getattr(table, c) // _SPLIT).label(f"{c}_high"),
-            func.sum(getattr(table, c) % _SPLIT).label(f"{c}_low"),
-        ]
+        high, low = split_sum(getattr(table, c))
+        sums += [high.label(f"{c}_high"), low.label(f"{c}_low")]
     query = select(*dims, requests.label("requests"), errors.label("errors"), *sums).where(where)
     if dims:
         query = query.group_by(*dims).order_by(*dims)
@@ -88,7 +96,7 @@ async def usage_report(
     raw = [r for r in raw if r["requests"]]  # an empty range sums to one row of NULLs
     for r in raw:
         for c in MONEY_COLUMNS:
-            r[c] = int(r.pop(f"{c}_high") or 0) * _SPLIT + int(r.pop(f"{c}_low") or 0)
+            r[c] = joined_sum(r.pop(f"{c}_high"), r.pop(f"{c}_low"))
     names: dict[str, str] = {}
     if "tenant" in group_by:
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())

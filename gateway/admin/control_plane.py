@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from litestar import Router
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from gateway.accounting.admission import Admission, Quotas
@@ -24,6 +24,7 @@ from gateway.accounting.catalog import load_catalog, seed_prices
 from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
+from gateway.accounting.reports import joined_sum, split_sum
 from gateway.accounting.sink import AccountingSink
 from gateway.accounting.uptime import ProbeRecorder
 from gateway.accounting.writer import BatchWriter
@@ -171,13 +172,13 @@ class ControlPlane:
 
     async def _spend_this_month(self, scope: str, owner: str, month_start: dt.date) -> int:
         column = UsageRollup.tenant_id if scope == "tenant" else UsageRollup.key_id
+        # Summed in parts as the usage report does: SQLite's sum() fails past 2^63 (~$9.2M a month).
+        query = select(*split_sum(UsageRollup.cost_pico_usd)).where(
+            column == owner, UsageRollup.day >= month_start
+        )
         async with self.sessions() as session:
-            total = await session.scalar(
-                select(func.sum(UsageRollup.cost_pico_usd)).where(
-                    column == owner, UsageRollup.day >= month_start
-                )
-            )
-        return int(total or 0)
+            high, low = (await session.execute(query)).one()
+        return joined_sum(high, low)
 
     def quotas(self, principal: Principal) -> Quotas | None:
         record = self.authenticator.record_for(principal)

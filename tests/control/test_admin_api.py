@@ -21,6 +21,7 @@ from gateway.accounting.catalog import load_catalog
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.accounting.queue import SpoolQueue
 from gateway.accounting.writer import BatchWriter
+from gateway.admin.control_plane import ControlPlane, ControlPlaneSettings
 from gateway.admin.keys import DbAuthenticator
 from gateway.admin.router import AdminContext, admin_router
 from gateway.admin.token import ensure_admin_token
@@ -443,6 +444,48 @@ async def test_usage_report_sums_costs_past_64_bits_exactly(env: Env) -> None:
         [row] = report["rows"]
         assert (row["cost_usd"], row["cache_savings_usd"], row["requests"]) == (cost_usd, savings_usd, 3)
         assert report["totals"]["cost_usd"] == cost_usd
+
+
+async def test_a_budgets_month_spend_is_read_from_the_ledger_past_64_bits_exactly(
+    db_url: str, tmp_path: Any
+) -> None:
+    """Three rollups this month near $4.6M each (2^62 pico-dollars) and one of last month's: what a
+    tenant's and a key's budget start from is this month's exact total, past 2^63, where SQLite's
+    sum() of integers failed ("integer overflow") and the request that first met the budget with it."""
+    control = ControlPlane(ControlPlaneSettings(database_url=db_url, spool_dir=str(tmp_path / "spool")))
+    try:
+        await migrate.upgrade_async(db_url)
+        today = dt.datetime.now(dt.UTC).date()
+        month_start = today.replace(day=1)
+        costs = [2**62 + 1, 2**62 + 2, 2**62 - 1]
+        tokens = dict.fromkeys(
+            ("input_tokens", "cached_input_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens"), 0
+        )
+        tokens |= {"output_tokens": 10**9, "reasoning_tokens": 0}
+        async with control.sessions() as session, session.begin():
+            for i, (day, cost) in enumerate(
+                [*((today, c) for c in costs), (month_start - dt.timedelta(days=1), 2**62)]
+            ):
+                session.add(
+                    UsageRollup(
+                        day=day,
+                        tenant_id="t1",
+                        key_id="k1",
+                        backend="b",
+                        model=f"m{i}",
+                        requests=1,
+                        errors=0,
+                        **tokens,
+                        cost_pico_usd=cost,
+                        savings_pico_usd=0,
+                    )
+                )
+        assert sum(costs) > 2**63
+        for scope, owner in (("tenant", "t1"), ("key", "k1")):
+            assert await control._spend_this_month(scope, owner, month_start) == sum(costs)
+        assert await control._spend_this_month("tenant", "nobody", month_start) == 0
+    finally:
+        await control.stop()
 
 
 async def test_uptime_report(env: Env) -> None:
