@@ -1,7 +1,7 @@
 """Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome, and
 hedges by route and result (the executor counts them), and, read at scrape time, breaker states
 (shared, and routes' own latency breakers), prefix-affinity hits and prompt tokens cached, the
-shipped difficulty head in use and the trained heads routes name."""
+shipped difficulty head in use, the trained heads routes name and the stored routes left out."""
 
 from __future__ import annotations
 
@@ -119,6 +119,16 @@ class _Collector:
                 loaded = heads.get(name)
                 trained.add_metric((name, heads.status(name), loaded.digest[:12] if loaded else ""), 1)
             yield trained
+
+        # Stored routes this replica does not serve (GET /admin/api/v1/routes/status says which and why):
+        # a model removed from its config, a spec another version wrote. Only with the admin DB.
+        store = self.router.store
+        if store is not None:
+            left_out = GaugeMetricFamily(
+                "weir_routes_left_out", "Routes stored in the admin DB that this replica leaves out"
+            )
+            left_out.add_metric((), len(store.left_out))
+            yield left_out
 
     def describe(self) -> list[Any]:
         return []  # collected lazily: nothing to check at registration
