@@ -398,7 +398,11 @@ class Comparer:
             return
         spent: list[int] = []  # pico-USD of each call made, as the ledger bills it
         try:
-            alone = msgspec.structs.replace(job.request, stream=None, stream_options=None)
+            # One answer's text is what the judge reads: not the client's stream, nor its log
+            # probabilities, which the other model's API may not offer (Anthropic's does not).
+            alone = msgspec.structs.replace(
+                job.request, stream=None, stream_options=None, logprobs=None, top_logprobs=None
+            )
             response = await self._ask(job, other_target, other.model, alone, "compare", spent)
             other_answer = answer_text(response)
             if not other_answer.strip():

@@ -462,6 +462,43 @@ def test_a_comparison_priced_after_its_estimate_left_the_hour_frees_no_room(
         assert counted_micro_usd(gateway.comparer.spend, keeps["id"], 0, 0)
 
 
+def test_a_request_for_log_probabilities_is_compared_on_a_model_that_has_none(
+    sqlite_url: str,  # noqa: F811
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The comparison asks the other model for one answer's text, not the client's `logprobs`, which
+    Anthropic refuses (a 400 before anything is sent): a route comparing an OpenAI model with a Claude
+    one recorded no comparison for such requests."""
+    fake_openai.answer_as("gpt-4o-mini", weak_model)
+    # Claude is the route's strong candidate and its judge.
+    fake_anthropic.answer_as(
+        "claude-sonnet-4-5", lambda t: judge(t) if "<answer_A>" in t else strong_model(t)
+    )
+    config = (
+        CONFIG
+        + """\
+  - name: mixed
+    policy: difficulty
+    candidates: [{model: gpt-4o-mini}, {model: grader}]
+    probe_interval: null
+    compare: {judge: grader, share: 1.0, both_orders: false}
+"""
+    )
+    app = comparing_app(config, sqlite_url, fake_openai, fake_anthropic, tmp_path, monkeypatch)
+    app.state.gateway.router.context.scorer = lambda prompt: 0.1
+    with serve(app, free_port()) as url:
+        _, _, client = prompt_keeper(url)
+        messages = [{"role": "user", "content": "easy question"}]
+        client.chat.completions.create(model="mixed", messages=messages, logprobs=True, top_logprobs=2)
+        wait_for(lambda: sync_exec(sqlite_url, "SELECT count(*) FROM comparisons") == [(1,)])
+    asked = [r.json for r in fake_anthropic.requests if r.method == "POST"]
+    assert len(asked) == 2  # the other answer and the judge's verdict
+    assert all("logprobs" not in body for body in asked)
+
+
 def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
     fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
