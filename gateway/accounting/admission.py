@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from gateway.accounting.events import UsageEvent
-from gateway.accounting.money import format_usd, micro_to_pico, pico_to_usd
+from gateway.accounting.money import MAX_BUDGET_MICRO, format_usd, micro_to_pico, micro_to_usd, pico_to_usd
 from gateway.accounting.pricing import PriceCatalog, sheet_of
 from gateway.aio import detached
 from gateway.errors import GatewayError
@@ -221,6 +221,22 @@ def month_of(now: dt.datetime) -> str:
     return f"{now.year:04d}-{now.month:02d}"
 
 
+def _bounded_budget(scope: str, owner: str, limit_micro_usd: int) -> int:
+    """A budget as admission counts it: at most MAX_BUDGET_MICRO, which the admin API enforces. One
+    stored before that bound (up to 2^63-1 micro-dollars) overflowed its 64-bit pico-dollar counter in
+    Redis, and every request of its tenant failed; it is now held to the bound."""
+    if limit_micro_usd <= MAX_BUDGET_MICRO:
+        return limit_micro_usd
+    log.warning(
+        "the %s %s's monthly budget (USD %s) is above the most a budget can be; counted as USD %s",
+        scope,
+        owner,
+        format_usd(micro_to_usd(limit_micro_usd)),
+        format_usd(micro_to_usd(MAX_BUDGET_MICRO)),
+    )
+    return MAX_BUDGET_MICRO
+
+
 def budget_key(scope: str, owner: str, month: str) -> str:
     """A budget's key in the shared state. Its counters are pico-dollars, and the name says so:
     earlier gateways counted whole micro-dollars under `budget:<scope>:...`, and old and new replicas
@@ -307,7 +323,7 @@ class Admission:
         ):
             if owner is not None and limit is not None:
                 key = budget_key(scope, owner, month)
-                limit_pico_usd = micro_to_pico(limit)
+                limit_pico_usd = micro_to_pico(_bounded_budget(scope, owner, limit))
                 # Seeded from the ledger before use (`_seed`), when there is one: a state that then
                 # holds no seed lost it and says so (`unseeded`).
                 budgets.append((Budget(key, limit_pico_usd, seeded=self._spend is not None), scope, owner))

@@ -10,7 +10,12 @@ MICRO_PER_USD = 10**6
 # Amounts live in 64-bit columns. A price is capped lower, so that tokens x price (a request's cost
 # in pico-dollars) fits too for requests up to ~9M tokens.
 MAX_PRICE_MICRO = 10**12  # USD 1,000,000 per 1M tokens
-MAX_MICRO = 2**63 - 1
+# A monthly budget's counter (spent + reserved, in pico-dollars) is a signed 64-bit integer in Redis
+# (HINCRBY), which holds USD 9.22M. Admission keeps spent + reserved + the next estimate within the
+# budget, so the counter passes it only by what settled costs exceed their estimates: a budget of at
+# most USD 1M (10^18 pico) leaves USD 8.2M of headroom for that, and any request estimated above the
+# budget is refused before it is counted.
+MAX_BUDGET_MICRO = 10**12  # USD 1,000,000 a month
 
 
 def usd_per_mtok_to_micro(value: Decimal | str | int, *, limit: int = MAX_PRICE_MICRO) -> int:
@@ -31,8 +36,9 @@ def micro_to_usd(micro: int) -> Decimal:
 
 
 def usd_to_micro(value: Decimal | str | int) -> int:
-    """Budgets: `"100.25"` USD -> 100_250_000 micro-dollars (more than six decimals refused)."""
-    return usd_per_mtok_to_micro(value, limit=MAX_MICRO)
+    """Budgets: `"100.25"` USD -> 100_250_000 micro-dollars (more than six decimals, or more than
+    MAX_BUDGET_MICRO, refused)."""
+    return usd_per_mtok_to_micro(value, limit=MAX_BUDGET_MICRO)
 
 
 def pico_to_usd(pico: int) -> Decimal:

@@ -127,6 +127,43 @@ async def test_tenants_crud_with_audit(env: Env) -> None:
     assert audit[0]["after"] is None and audit[2]["before"] is None
 
 
+async def test_budgets_above_the_bound_are_refused_and_change_nothing(env: Env) -> None:
+    """Budgets are counted in pico-dollars in 64-bit counters (USD 9.22M at most): one of USD 10M was
+    accepted, and then overflowed the counter. Above USD 1M a month is now a 400 naming the field,
+    on a tenant or a key, created or changed, and nothing is written."""
+    c = env.client
+    too_much = {"name": "big", "budget_usd_monthly": "1000000.000001"}
+    error = assert_openai_error(
+        await c.post("/admin/api/v1/tenants", json=too_much, headers=AUTH), 400, "budget_usd_monthly"
+    )
+    assert error["code"] == "invalid_value" and "1000000" in error["message"]
+    assert (await c.get("/admin/api/v1/tenants", headers=AUTH)).json()["data"] == []
+
+    r = await c.post(
+        "/admin/api/v1/tenants", json={"name": "acme", "budget_usd_monthly": 10**6}, headers=AUTH
+    )
+    assert r.status_code == 201 and r.json()["budget_usd_monthly"] == "1000000"  # the bound itself
+    tenant = r.json()["id"]
+    assert_openai_error(
+        await c.patch(f"/admin/api/v1/tenants/{tenant}", json={"budget_usd_monthly": 10**7}, headers=AUTH),
+        400,
+        "budget_usd_monthly",
+    )
+    assert (await c.get(f"/admin/api/v1/tenants/{tenant}", headers=AUTH)).json()[
+        "budget_usd_monthly"
+    ] == "1000000"
+    assert_openai_error(
+        await c.post(
+            f"/admin/api/v1/tenants/{tenant}/keys", json={"budget_usd_monthly": "9223372"}, headers=AUTH
+        ),
+        400,
+        "budget_usd_monthly",
+    )
+    assert (await c.get(f"/admin/api/v1/tenants/{tenant}/keys", headers=AUTH)).json()["data"] == []
+    audit = (await c.get("/admin/api/v1/audit", headers=AUTH)).json()["data"]
+    assert [(a["action"], a["entity"]) for a in audit] == [("create", "tenant")]
+
+
 async def test_keys_shown_once_hashed_and_revoked_at_once(env: Env) -> None:
     c = env.client
     tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()

@@ -165,3 +165,23 @@ async def test_what_was_settled_after_redis_lost_a_budget_counts_with_the_ledger
         assert await state.budget_usage(budget) == (4 * usd, 200_000)  # r4's estimate held
     finally:
         await state.close()
+
+
+async def test_a_budget_stored_above_the_bound_is_counted_as_the_bound(
+    state: SharedState, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A budget stored before the admin API bounded them (up to 2^63-1 micro-dollars) is 10^6 times
+    that in pico-dollars, past what Redis's 64-bit counter holds: a request estimated at USD 10M was
+    admitted against it and its reservation overflowed the counter (a Redis error on every such
+    request of the tenant). It is now counted as MAX_BUDGET_MICRO (USD 1M), and logged."""
+    pricey = PriceCatalog(  # USD 10 per 1M tokens, in and out
+        [PriceRow("*", "m", TokenClass.INPUT, 10**7, T0), PriceRow("*", "m", TokenClass.OUTPUT, 10**7, T0)]
+    )
+    admission = Admission(state, lambda: pricey)
+    quotas = Quotas("t", None, tenant_budget_micro_usd=2**63 - 1)
+    with pytest.raises(QuotaExceeded, match=r"whole monthly budget \(USD 1000000\)"):
+        await admission.admit("big", quotas, "b", "m", prompt_tokens=10, max_output_tokens=10**12)
+    assert "above the most a budget can be" in caplog.text
+    await admission.admit("small", quotas, "b", "m", prompt_tokens=10, max_output_tokens=10)
+    budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
+    assert await state.budget_usage(budget) == (0, 20 * 10**7)  # only the small request is reserved
