@@ -88,6 +88,7 @@ def create_app(
         gateway.router.context.prices = lambda backend, model: control.catalog.prices_at(
             backend, model, dt.datetime.now(dt.UTC)
         )
+        control.long_context = gateway.pipeline.long_context  # budget estimates of long prompts
         gateway.metrics.watch_budgets(lambda: control.admission.budget_usage_ratio)
     security = SecurityControls.build(gateway, control)  # stored vendor keys, prompt storage
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from gateway.accounting.money import usd_per_mtok_to_micro
 from routing.routes import Route
 
 BackendType = Literal["openai", "anthropic", "gemini", "engine"]
@@ -27,16 +28,6 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names the offending key."""
 
 
-class Price(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """USD per 1M tokens, by token class (see gateway.usage.Usage)."""
-
-    input: Decimal = Decimal(0)
-    cached_input: Decimal | None = None  # None: cache reads cost the full input price
-    cache_write_5m: Decimal | None = None
-    cache_write_1h: Decimal | None = None
-    output: Decimal = Decimal(0)
-
-
 # A wait in seconds: above 0 and at most a day. 0 or less turned aiohttp's connect timeout off and
 # ended every other wait at once (as NaN ended every one); infinity was an OverflowError in every
 # request through aiohttp's connect timeout. A day is far past any wait a request or client is given.
@@ -45,6 +36,40 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=86_400)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65_535)]
 # As the admin API's tenant limits (gateway.admin.schemas.Positive): a 32-bit count.
 PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+
+
+class LongContextPrice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The rates (USD per 1M tokens) that bill a WHOLE request whose prompt (input, cache reads and
+    cache writes together) is above `above_prompt_tokens`, as Anthropic's 1M-context Sonnet and
+    Gemini 2.5 Pro bill one; a class left out keeps the model's base price."""
+
+    above_prompt_tokens: PositiveInt
+    input: Decimal | None = None
+    cached_input: Decimal | None = None
+    cache_write_5m: Decimal | None = None
+    cache_write_1h: Decimal | None = None
+    output: Decimal | None = None
+
+    def __post_init__(self) -> None:
+        # Checked here, not first when the gateway prices a long request (refused there: no cost).
+        for token_class in ("input", "cached_input", "cache_write_5m", "cache_write_1h", "output"):
+            value = getattr(self, token_class)
+            if value is not None:
+                try:
+                    usd_per_mtok_to_micro(value)
+                except ValueError as exc:
+                    raise ValueError(f"{token_class}: {exc}") from None
+
+
+class Price(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """USD per 1M tokens, by token class (see gateway.usage.Usage)."""
+
+    input: Decimal = Decimal(0)
+    cached_input: Decimal | None = None  # None: cache reads cost the full input price
+    cache_write_5m: Decimal | None = None
+    cache_write_1h: Decimal | None = None
+    output: Decimal = Decimal(0)
+    long_context: LongContextPrice | None = None  # higher rates above a prompt size
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -21,10 +21,10 @@ import structlog
 
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import usd_per_mtok_to_micro
-from gateway.accounting.pricing import PricesAt, TokenClass, price_usage
+from gateway.accounting.pricing import LongContextSheet, PricesAt, TokenClass, price_usage
 from gateway.aio import Background
 from gateway.auth import Principal
-from gateway.config import Model
+from gateway.config import LongContextPrice, Model, Price
 from gateway.errors import ANTHROPIC_ERROR_TYPES, BadGateway, GatewayError, GatewayTimeout
 from gateway.estimate import Produced, whole_answer
 from gateway.ids import ordered_id
@@ -124,20 +124,31 @@ def _error_label(failure: str, status: int) -> str:
     )
 
 
-def price_sheet(model: Model) -> dict[TokenClass, int]:
-    price = model.price
-    sheet = {
-        TokenClass.INPUT: usd_per_mtok_to_micro(price.input),
-        TokenClass.OUTPUT: usd_per_mtok_to_micro(price.output),
+_PRICE_CLASSES = (
+    TokenClass.INPUT,
+    TokenClass.CACHED_INPUT,
+    TokenClass.CACHE_WRITE_5M,
+    TokenClass.CACHE_WRITE_1H,
+    TokenClass.OUTPUT,
+)
+
+
+def _rates(price: Price | LongContextPrice) -> dict[TokenClass, int]:
+    """The classes `price` sets, in micro-USD per 1M tokens."""
+    return {
+        token_class: usd_per_mtok_to_micro(value)
+        for token_class in _PRICE_CLASSES
+        if (value := getattr(price, token_class)) is not None
     }
-    for token_class, value in (
-        (TokenClass.CACHED_INPUT, price.cached_input),
-        (TokenClass.CACHE_WRITE_5M, price.cache_write_5m),
-        (TokenClass.CACHE_WRITE_1H, price.cache_write_1h),
-    ):
-        if value is not None:
-            sheet[token_class] = usd_per_mtok_to_micro(value)
-    return sheet
+
+
+def price_sheet(model: Model) -> dict[TokenClass, int]:
+    return _rates(model.price)
+
+
+def long_context_sheet(model: Model) -> LongContextSheet | None:
+    tier = model.price.long_context
+    return None if tier is None else LongContextSheet(tier.above_prompt_tokens, _rates(tier))
 
 
 # How long an attempt cancelled while its whole answer's body comes in still waits for it, for its
@@ -167,20 +178,28 @@ class Pipeline:
         # What engine replicas report of their queues, for the router (its PolicyContext's).
         self.loads = loads if loads is not None else LoadReports()
         self.prices = {model.name: price_sheet(model) for model in models}
+        self.long_context = {
+            model.name: tier for model in models if (tier := long_context_sheet(model)) is not None
+        }
         # The admin DB's price catalog (`PriceCatalog.prices_at`) where there is one: it bills an
         # attempt whose backend and upstream model it prices (`billing_prices`).
         self.catalog: PricesAt | None = None
         # Attempts ended whose usage events are still to be recorded (`exchange`): awaited at shutdown.
         self.background = Background()
 
-    def billing_prices(self, target: Target, at: dt.datetime) -> dict[TokenClass, int]:
-        """The prices that bill an attempt on `target` started at `at`: the catalog's valid then, where
-        it has any for the backend and upstream model, else the config's `price`."""
-        if self.catalog is not None and (
-            found := self.catalog(target.backend.name, target.upstream_model, at)
-        ):
-            return found
-        return self.prices.get(target.model.name, {})
+    def billing_prices(
+        self, target: Target, at: dt.datetime, prompt_tokens: int = 0
+    ) -> dict[TokenClass, int]:
+        """The prices that bill an attempt on `target` started at `at` with a prompt of `prompt_tokens`:
+        the catalog's valid then, where it has any for the backend and upstream model, else the
+        config's `price`; at the config's `long_context` rates where the prompt is above its threshold."""
+        prices = None
+        if self.catalog is not None:
+            prices = self.catalog(target.backend.name, target.upstream_model, at)
+        if not prices:
+            prices = self.prices.get(target.model.name, {})
+        tier = self.long_context.get(target.model.name)
+        return prices if tier is None else tier.apply(prices, prompt_tokens)
 
     async def exchange(
         self,
@@ -422,7 +441,7 @@ class Pipeline:
             self.metrics.errors.labels(*labels, _error_label(failure, status)).inc()
         ts = dt.datetime.fromtimestamp(started_at, dt.UTC)
         # Priced once, here: the ledger, budgets, spend caps and every sink take this cost.
-        cost = price_usage(usage, self.billing_prices(target, ts))
+        cost = price_usage(usage, self.billing_prices(target, ts, usage.prompt_tokens))
         event = UsageEvent(
             request_id=info.request_id,
             attempt=attempt,

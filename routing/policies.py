@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gateway.accounting.pricing import TokenClass, resolve
-from gateway.pipeline import price_sheet
+from gateway.pipeline import long_context_sheet, price_sheet
 from routing.breaker import Breakers
 from routing.load import LoadReports
 from routing.plan import Choice, Features, Lesson
@@ -186,7 +186,10 @@ def expected_cost(choice: Choice, feats: Features, output_tokens: int, ctx: Poli
     backend, model = choice.target.backend.name, choice.target.upstream_model
     catalog = ctx.prices(backend, model) if ctx.prices is not None else {}
     # In micro-USD per 1M tokens, unpriced classes as billing prices them (`resolve`).
-    prices = resolve(catalog or price_sheet(choice.target.model))
+    base = catalog or price_sheet(choice.target.model)
+    # Above the model's long-context threshold every token bills at the tier (`Pipeline.billing_prices`).
+    tier = long_context_sheet(choice.target.model)
+    prices = resolve(base if tier is None else tier.apply(base, feats.prompt_tokens))
     observed = ctx.stats.get(backend, model).prompt_shares()
     shares = observed or {TokenClass.CACHED_INPUT: choice.candidate.cache_hit_rate}
     input_price = prices.get(TokenClass.INPUT, 0)

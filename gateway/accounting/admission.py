@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import MAX_BUDGET_MICRO, format_usd, micro_to_pico, micro_to_usd, pico_to_usd
-from gateway.accounting.pricing import PriceCatalog, sheet_of
+from gateway.accounting.pricing import LongContextSheet, PriceCatalog, sheet_of
 from gateway.aio import detached
 from gateway.errors import GatewayError
 from gateway.estimate import DEFAULT_OUTPUT_ESTIMATE
@@ -367,8 +367,10 @@ class Admission:
         model: str,
         prompt_tokens: int,
         max_output_tokens: int,
+        long_context: LongContextSheet | None = None,
     ) -> None:
-        """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it."""
+        """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it.
+        `long_context`: the model's long-context tier, which prices the estimate of a long prompt."""
         self._expire()
         # Remembered under this exchange's key: a client may send its request id on other requests
         # too, whose attempts must not settle this one's reservation (gateway.ids.exchange_tag).
@@ -397,7 +399,10 @@ class Admission:
         if budgets:
             # The estimate's price: what pricing Usage(input_tokens=prompt, output_tokens=max output)
             # gives, from the resolved sheet directly (no Usage and Cost objects per request).
-            sheet = sheet_of(self._catalog().prices_at(backend, model, now))
+            prices = self._catalog().prices_at(backend, model, now)
+            if long_context is not None:
+                prices = long_context.apply(prices, prompt_tokens)
+            sheet = sheet_of(prices)
             cost_pico_usd = prompt_tokens * sheet.input + max_output_tokens * sheet.output
             # At least one pico-dollar, so a budget that is fully spent refuses even unpriced models.
             amount = max(1, cost_pico_usd)

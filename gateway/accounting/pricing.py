@@ -111,6 +111,19 @@ class _Sheet:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class LongContextSheet:
+    """A model's long-context tier: above `above_prompt_tokens` prompt tokens, every token of the
+    attempt is billed at `rates` (the classes the tier sets) over the base prices."""
+
+    above_prompt_tokens: int
+    rates: dict[TokenClass, int]
+
+    def apply(self, prices: dict[TokenClass, int], prompt_tokens: int) -> dict[TokenClass, int]:
+        """`prices` (the catalog's or the config's) as they bill a prompt of `prompt_tokens`."""
+        return prices | self.rates if prompt_tokens > self.above_prompt_tokens else prices
+
+
 # Every attempt is priced, almost always from one of a few long-lived price dicts (the catalog's, the
 # config's): resolve each once. The entry keeps the dict itself and a copy, so a dict modified since,
 # or a new one at a recycled id, is resolved afresh.

@@ -22,7 +22,7 @@ from sqlalchemy.exc import IntegrityError
 from gateway.accounting.admission import Admission, Quotas
 from gateway.accounting.catalog import load_catalog, seed_prices
 from gateway.accounting.money import usd_per_mtok_to_micro
-from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
+from gateway.accounting.pricing import LongContextSheet, PriceCatalog, PriceRow, TokenClass
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
 from gateway.accounting.reports import joined_sum, split_sum
 from gateway.accounting.sink import AccountingSink
@@ -81,6 +81,9 @@ class ControlPlane:
         self.sessions = sessionmaker(self.engine)
         self.state = open_state(settings.redis_url, prefix=settings.redis_prefix)
         self.catalog = PriceCatalog()
+        # Public model name -> its config's long-context tier (`Pipeline.long_context`, set by the app):
+        # it prices a long prompt's budget estimate as the attempt will be billed.
+        self.long_context: dict[str, LongContextSheet] = {}
         # The spool is the queue without Redis, and where events wait while Redis is unreachable.
         spool = SpoolQueue.claim(Path(settings.spool_dir))
         self.queue: UsageQueue = (
@@ -217,6 +220,7 @@ class ControlPlane:
             target.upstream_model,
             prompt_tokens=prompt_tokens(upstream.body),
             max_output_tokens=output_estimate(upstream.body),
+            long_context=self.long_context.get(target.model.name),
         )
 
 

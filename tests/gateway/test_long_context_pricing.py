@@ -1,0 +1,185 @@
+"""Long-context price tiers: a prompt above the model's `price.long_context.above_prompt_tokens` bills
+every token of the attempt at the tier's rates; one at or below the threshold at the base rates."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+
+import pytest
+
+from gateway.accounting.admission import Admission, Quotas, budget_key, month_of
+from gateway.accounting.pricing import LongContextSheet, PriceCatalog, PriceRow, TokenClass, price_usage
+from gateway.config import Backend, ConfigError, Model, parse_config
+from gateway.pipeline import Pipeline
+from gateway.router_basic import Target
+from gateway.state import MemoryState
+from gateway.usage import Usage
+from routing.plan import Choice, features
+from routing.policies import PolicyContext, expected_cost
+from routing.routes import Candidate
+from routing.stats import RoutingStats
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.gateway.conftest import DEMO_KEY, RunningGateway, fakes_env, full_config_text, running_gateway
+
+# claude-sonnet's base sheet (conftest): input 3, cached 0.30, 5m writes 3.75, 1h writes 6, output 15.
+TIER = (
+    "long_context: {above_prompt_tokens: 40, input: 6.0, cached_input: 0.60, cache_write_5m: 7.50, "
+    "cache_write_1h: 12.0, output: 22.50}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiered(
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> Iterator[RunningGateway]:
+    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    text = full_config_text().replace(
+        "cache_write_1h: 6.0, output: 15.0}", f"cache_write_1h: 6.0, output: 15.0, {TIER}}}"
+    )
+    assert TIER in text
+    with running_gateway(parse_config(text, env)) as gateway:
+        yield gateway
+
+
+def _ask(gateway: RunningGateway, words: int) -> tuple[int, int, int]:
+    gateway.sink.events.clear()
+    gateway.anthropic(DEMO_KEY).messages.create(
+        model="claude-sonnet", max_tokens=5, messages=[{"role": "user", "content": "w " * words}]
+    )
+    (event,) = gateway.sink.events
+    return event.usage.prompt_tokens, event.usage.output_tokens, event.cost_pico_usd
+
+
+def test_a_prompt_above_the_threshold_bills_every_token_at_the_tier(tiered: RunningGateway) -> None:
+    prompt, output, cost = _ask(tiered, 60)
+    assert prompt > 40 and output > 0
+    assert tiered.sink.events[0].usage.prompt_tokens == tiered.sink.events[0].usage.input_tokens
+    assert cost == prompt * 6_000_000 + output * 22_500_000  # pico-USD: micro-USD per 1M tokens x tokens
+    assert tiered.sink.events[0].prices["input"] == 6_000_000
+
+
+def test_a_prompt_at_or_below_the_threshold_bills_at_the_base(tiered: RunningGateway) -> None:
+    prompt, output, cost = _ask(tiered, 10)
+    assert 0 < prompt <= 40
+    assert cost == prompt * 3_000_000 + output * 15_000_000
+    assert tiered.sink.events[0].prices["input"] == 3_000_000
+
+
+def test_cheapest_estimates_a_long_prompt_at_the_tier(tiered: RunningGateway) -> None:
+    from tests.routing.routed import runtime
+
+    target = runtime(tiered).models.targets["claude-sonnet"]
+    ctx = PolicyContext(RoutingStats())
+    choice = Choice(target, Candidate(model="claude-sonnet"))
+    from gateway.types import ChatRequest, Message
+
+    def cost(words: int) -> tuple[int, float]:
+        feats = features(
+            ChatRequest(model="x", messages=[Message(role="user", content="w " * words)]), None, None
+        )
+        return feats.prompt_tokens, expected_cost(choice, feats, 100, ctx)
+
+    short_tokens, short = cost(5)
+    long_tokens, long = cost(200)
+    assert short_tokens <= 40 < long_tokens
+    assert short == pytest.approx((short_tokens * 3 + 100 * 15) / 1e6)
+    assert long == pytest.approx((long_tokens * 6 + 100 * 22.5) / 1e6)
+
+
+@pytest.mark.parametrize(
+    ("tier", "message"),
+    [
+        (
+            "{above_prompt_tokens: 0, input: 6}",
+            r"models\[0\]\.price\.long_context\.above_prompt_tokens: Expected `int` >= 1",
+        ),
+        (
+            "{above_prompt_tokens: 1.5, input: 6}",
+            r"models\[0\]\.price\.long_context\.above_prompt_tokens: Expected `int`",
+        ),
+        (
+            "{input: 6}",
+            r"models\[0\]\.price\.long_context: Object missing required field `above_prompt_tokens`",
+        ),
+        (
+            "{above_prompt_tokens: 200000, output: -1}",
+            r"models\[0\]\.price\.long_context: output: price must be a non-negative",
+        ),
+        (
+            "{above_prompt_tokens: 200000, input: 0.0000001}",
+            r"models\[0\]\.price\.long_context: input: .*more than 6 decimals",
+        ),
+        (
+            "{above_prompt_tokens: 200000, inptu: 6}",
+            r"models\[0\]\.price\.long_context: Object contains unknown field `inptu`",
+        ),
+    ],
+)
+def test_a_bad_tier_is_a_config_error(tier: str, message: str) -> None:
+    text = f"backends: [{{name: b, type: openai, base_url: u}}]\nmodels: [{{name: m, backend: b, price: {{input: 3, long_context: {tier}}}}}]"
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text)
+
+
+def test_a_tier_parses() -> None:
+    text = "backends: [{name: b, type: openai, base_url: u}]\nmodels: [{name: m, backend: b, price: {input: 3, long_context: {above_prompt_tokens: 200000, input: 6}}}]"
+    tier = parse_config(text).models[0].price.long_context
+    assert (
+        tier is not None
+        and tier.above_prompt_tokens == 200_000
+        and str(tier.input) == "6"
+        and tier.output is None
+    )
+
+
+def _tiered_model() -> Model:
+    text = (
+        "backends: [{name: b, type: anthropic, base_url: u}]\n"
+        "models: [{name: m, backend: b, price: {input: 3, output: 15, "
+        "long_context: {above_prompt_tokens: 200000, input: 6, output: 22.5}}}]"
+    )
+    return parse_config(text).models[0]
+
+
+def test_the_tier_overlays_the_catalog_s_prices_and_keeps_the_classes_it_leaves_out() -> None:
+    """With an admin DB the catalog's prices bill (seeded from the config): above the threshold the
+    tier's classes replace theirs, and a class the tier leaves out keeps the catalog's price."""
+    model = _tiered_model()
+    pipeline = Pipeline(None, None, None, [model])  # type: ignore[arg-type]
+    target = Target(model, Backend(name="b", type="anthropic", base_url="u"), None)  # type: ignore[arg-type]
+    catalog = {TokenClass.INPUT: 4_000_000, TokenClass.CACHED_INPUT: 400_000, TokenClass.OUTPUT: 20_000_000}
+    pipeline.catalog = lambda backend, upstream, at: catalog
+    at = dt.datetime.now(dt.UTC)
+    assert pipeline.billing_prices(target, at, 200_000) == catalog
+    assert pipeline.billing_prices(target, at, 200_001) == {
+        TokenClass.INPUT: 6_000_000,
+        TokenClass.CACHED_INPUT: 400_000,
+        TokenClass.OUTPUT: 22_500_000,
+    }
+    # Cache reads and writes count toward the threshold (Anthropic: input + cache reads + writes).
+    usage = Usage(input_tokens=1, cached_input_tokens=150_000, cache_write_5m_tokens=50_000, output_tokens=2)
+    cost = price_usage(usage, pipeline.billing_prices(target, at, usage.prompt_tokens))
+    assert cost.cost_pico_usd == 6_000_000 + 150_000 * 400_000 + 50_000 * 6_000_000 + 2 * 22_500_000
+
+
+async def test_a_long_prompt_s_budget_estimate_is_at_the_tier() -> None:
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    catalog = PriceCatalog(
+        [PriceRow("*", "m", TokenClass.INPUT, 10**7, t0), PriceRow("*", "m", TokenClass.OUTPUT, 10**7, t0)]
+    )
+    tier = LongContextSheet(40, {TokenClass.INPUT: 2 * 10**7, TokenClass.OUTPUT: 3 * 10**7})
+    state = MemoryState()
+    admission = Admission(state, lambda: catalog)
+    quotas = Quotas("t", None, tenant_budget_micro_usd=10**6)
+    budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
+    await admission.admit(
+        "short", quotas, "b", "m", prompt_tokens=40, max_output_tokens=10, long_context=tier
+    )
+    assert await state.budget_usage(budget) == (0, 50 * 10**7)
+    await admission.admit("long", quotas, "b", "m", prompt_tokens=41, max_output_tokens=10, long_context=tier)
+    assert await state.budget_usage(budget) == (0, 50 * 10**7 + 41 * 2 * 10**7 + 10 * 3 * 10**7)
+    await state.close()
