@@ -247,7 +247,8 @@ def one_stream_held(gateway: RunningGateway, fake_anthropic: FakeAnthropic) -> I
     holder.start()
     try:
         deadline = time.monotonic() + 10
-        while not fake_anthropic.requests:  # admitted and sent: the slot is taken
+        # Admitted and sent: the slot is taken (a health probe's model-list GET says nothing of it).
+        while not any(r.method == "POST" for r in fake_anthropic.requests):
             assert time.monotonic() < deadline, "the stream that holds the slot never went upstream"
             time.sleep(0.01)
         yield client
