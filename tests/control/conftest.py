@@ -6,13 +6,17 @@ import asyncio
 import os
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
 import asyncpg
 import pytest
 import redis
+import redis.asyncio as aioredis
 from sqlalchemy import text
+
+from gateway.state import MemoryState, SharedState
+from gateway.state.redis import RedisState
 
 PG_ADMIN_URL = os.environ.get("WEIR_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("WEIR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -85,3 +89,14 @@ def sync_exec(url: str, sql: str) -> list[tuple]:
             await engine.dispose()
 
     return asyncio.run(run())
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+async def state(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncIterator[SharedState]:
+    """Each shared state: in process, and on the test Redis under this test's prefix."""
+    if request.param == "memory":
+        s: SharedState = MemoryState()
+    else:
+        s = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    yield s
+    await s.close()

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from gateway.accounting.admission import Admission, QuotaExceeded, Quotas, budget_key, month_of
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
-from gateway.state import MemoryState, SharedState
+from gateway.state import SharedState
 from gateway.state.redis import RedisState
 from gateway.usage import Usage
 from tests.control.conftest import REDIS_URL
@@ -22,16 +22,6 @@ T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 EMBEDDINGS = PriceCatalog(  # USD 0.02 per 1M input tokens: 10 tokens cost 0.2 micro-dollars
     [PriceRow("*", "m", TokenClass.INPUT, 20_000, T0), PriceRow("*", "m", TokenClass.OUTPUT, 0, T0)]
 )
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-async def state(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncIterator[SharedState]:
-    if request.param == "memory":
-        s: SharedState = MemoryState()
-    else:
-        s = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
-    yield s
-    await s.close()
 
 
 def event(request_id: str, usage: Usage, cost_pico_usd: int) -> UsageEvent:

@@ -9,24 +9,13 @@ import random
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.state import Adjustment, Budget, Limit, MemoryState, Settlement, SharedState
+from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState
 from gateway.state.redis import RedisState
 from tests.control.conftest import REDIS_URL
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-async def state(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncIterator[SharedState]:
-    if request.param == "memory":
-        s: SharedState = MemoryState()
-    else:
-        s = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
-    yield s
-    await s.close()
 
 
 async def test_rpm_admits_exactly_the_limit_under_concurrency(state: SharedState) -> None:
