@@ -43,7 +43,7 @@ def test_a_request_hanging_upstream_does_not_keep_the_gateway_alive(
         caller = threading.Thread(target=client, args=(url,), daemon=True)
         caller.start()
         deadline = time.monotonic() + 10
-        while not fake_openai.requests:  # the request is upstream now, and hangs there
+        while not fake_openai.posts:  # the request is upstream now, and hangs there
             assert time.monotonic() < deadline, "the request never reached the fake"
             time.sleep(0.01)
         stopping = time.monotonic()

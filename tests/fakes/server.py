@@ -249,6 +249,12 @@ class FakeServer:
         return self.requests[-1]
 
     @property
+    def posts(self) -> list[RecordedRequest]:
+        """The requests that asked for work: a gateway's health probes (GETs) are left out, so a test
+        waiting for "the request is upstream now" cannot be woken by a probe."""
+        return [r for r in self.requests if r.method == "POST"]
+
+    @property
     def last_usage(self) -> ReportedUsage:
         return self.usages[-1]
 

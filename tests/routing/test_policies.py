@@ -248,7 +248,7 @@ def one_stream_held(gateway: RunningGateway, fake_anthropic: FakeAnthropic) -> I
     try:
         deadline = time.monotonic() + 10
         # Admitted and sent: the slot is taken (a health probe's model-list GET says nothing of it).
-        while not any(r.method == "POST" for r in fake_anthropic.requests):
+        while not fake_anthropic.posts:
             assert time.monotonic() < deadline, "the stream that holds the slot never went upstream"
             time.sleep(0.01)
         yield client

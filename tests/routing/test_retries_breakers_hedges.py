@@ -284,7 +284,7 @@ def test_a_request_let_through_before_the_breaker_opened_does_not_close_it_when_
         asked = pool.submit(ask)
         if answer != "stream_end":
             deadline = time.monotonic() + 5
-            while not fake_openai.requests:  # sent while the breaker was closed...
+            while not fake_openai.posts:  # sent while the breaker was closed...
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             breakers.get(key).trip()  # ...and opened before it answers
@@ -319,7 +319,7 @@ def test_a_trial_let_through_before_the_breaker_opened_again_does_not_close_it_w
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         asked = pool.submit(ask)
         deadline = time.monotonic() + 5
-        while not fake_openai.requests:  # A went as the trial
+        while not fake_openai.posts:  # A went as the trial
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert breaker.trial() is not None

@@ -192,7 +192,7 @@ def test_a_failed_attempt_keeps_the_budget_reserved_for_its_fallback(
     thread = threading.Thread(target=first)
     thread.start()
     deadline = time.monotonic() + 5
-    while not fake_anthropic.requests:  # the fallback is on its way
+    while not fake_anthropic.posts:  # the fallback is on its way
         assert time.monotonic() < deadline
         time.sleep(0.01)
     with pytest.raises(openai.RateLimitError) as caught:

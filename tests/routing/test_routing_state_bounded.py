@@ -271,7 +271,7 @@ def test_a_request_that_fails_after_its_route_was_deleted_brings_back_no_breaker
         async def delete_then_fail() -> int:
             async with httpx.AsyncClient(base_url=gateway.url, headers=headers, timeout=10) as client:
                 sent = asyncio.create_task(_status(client, "doomed", False))
-                while not fake_openai.requests:  # waiting upstream
+                while not fake_openai.posts:  # waiting upstream
                     await asyncio.sleep(0.01)
                 await asyncio.to_thread(on_loop, gateway, lambda: router.set_routes([]))
                 assert key not in router.breakers.breakers
@@ -478,7 +478,7 @@ def test_requests_in_flight_when_their_route_is_deleted_bring_back_no_series(
                     asyncio.create_task(_status(client, model, stream))
                     for model, stream in (("doomed", False), ("doomed", True), ("gpt-4o-mini", False))
                 ]
-                while len(fake_openai.requests) < len(sent):  # all three are waiting upstream
+                while len(fake_openai.posts) < len(sent):  # all three are waiting upstream
                     await asyncio.sleep(0.01)
                 await asyncio.to_thread(on_loop, gateway, lambda: router.set_routes([]))
                 return await asyncio.gather(*sent)

@@ -721,7 +721,7 @@ def test_a_gateway_refused_the_fleets_trial_serves_once_that_trial_succeeds(
         backend.fail_next(Fault.delay(1.0))
         with ThreadPoolExecutor(1) as pool:
             trial = pool.submit(_status, urls[0])
-            while not [r for r in backend.requests if r.method == "POST"]:
+            while not backend.posts:
                 time.sleep(0.01)
             assert _status(urls[1]) == 503  # the fleet's trial is under way on the first
             assert trial.result() == 200
