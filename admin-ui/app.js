@@ -110,11 +110,13 @@ function formBox(...children) {
   return [h("p", { class: "form-error notice error", role: "alert", hidden: true }), ...children];
 }
 
-// `detail(row)`, when given, adds a full-width row under each row (e.g. a request's attempts).
-function table(columns, rows, { caption, foot, detail } = {}) {
+// `detail(row)`, when given, adds a full-width row under each row (e.g. a request's attempts);
+// `rowClass(row)` marks a row (e.g. a stored route this replica leaves out).
+function table(columns, rows, { caption, foot, detail, rowClass } = {}) {
   const thead = h("thead", {}, h("tr", {}, columns.map((c) => h("th", { scope: "col", class: c.num ? "num" : null }, c.label))));
   const tbody = h("tbody", {}, rows.map((r) => [
-    h("tr", { class: detail ? "has-detail" : null }, columns.map((c) => h("td", { class: c.num ? "num" : null }, c.render ? c.render(r) : r[c.key]))),
+    h("tr", { class: [detail ? "has-detail" : null, rowClass ? rowClass(r) : null].filter(Boolean).join(" ") || null },
+      columns.map((c) => h("td", { class: c.num ? "num" : null }, c.render ? c.render(r) : r[c.key]))),
     detail ? h("tr", { class: "detail" }, h("td", { colspan: columns.length }, detail(r))) : null,
   ]));
   const tfoot = foot ? h("tfoot", {}, h("tr", {}, columns.map((c) => h("td", { class: c.num ? "num" : null }, c.render ? c.render(foot) : foot[c.key])))) : null;
@@ -531,6 +533,23 @@ function routedStatus(status) {
   ];
 }
 
+// Stored routes the replica that answered does not serve, and why it refused the table as a whole
+// (the list's `left_out` and `routes_rejected`): above everything else, for the admin who must fix them.
+function notInForce(data) {
+  const leftOut = data.left_out || [];
+  const rejected = data.routes_rejected;
+  if (!leftOut.length && !rejected) return null;
+  const count = leftOut.length === 1 ? "1 stored route is" : `${leftOut.length} stored routes are`;
+  return h("div", { class: "notice warning", role: "alert", id: "routes-not-in-force" },
+    rejected ? h("p", {}, h("strong", {}, "This replica refused the routes table: "),
+      `it keeps serving the routes it loaded before, and applies no edit until the table loads. Why: ${rejected}`) : null,
+    leftOut.length ? [
+      h("p", {}, h("strong", {}, `${count} left out by this replica`),
+        " (its config lacks a model the route names, or another version wrote it). Edit each to fix it, or delete it:"),
+      h("ul", {}, leftOut.map((r) => h("li", {}, h("a", { href: `#/routes/${r.id}` }, `${r.name} #${r.id}`), ": ", r.error))),
+    ] : null);
+}
+
 async function routes(params) {
   let data;
   try { data = await api("routes"); } catch (e) {
@@ -547,6 +566,7 @@ async function routes(params) {
   ]);
   const headNames = heads ? heads.map((d) => d.name) : null;
   const list = data.data || [];
+  const leftOut = new Map((data.left_out || []).map((r) => [r.id, r]));
   const editing = params[0] ? list.find((r) => String(r.id) === params[0]) : null;
   const reload = () => { location.hash = "#/routes"; route(); };
   const remove = (r) => h("button", { type: "button", class: "danger", "aria-label": `Delete route ${r.name} #${r.id}`,
@@ -563,18 +583,22 @@ async function routes(params) {
     .flatMap(([r, keys]) => Object.entries(keys).sort(([a], [b]) => a.localeCompare(b)).map(([k, v]) => [r, k, v])) : [];
   const stateCell = (v) => h("span", { class: v === "closed" ? "ok" : "bad" }, v);
   page("Routes",
+    notInForce(data),
     h("div", { id: "routes-message", "aria-live": "polite" }),
     list.length ? table([
       { label: "#", num: true, key: "position" },
-      { label: "Model name", key: "name" },
+      { label: "Model name", render: (r) => (leftOut.has(r.id) ? [r.name, " ", h("span", { class: "tag warning", title: leftOut.get(r.id).error }, "left out")] : r.name) },
       { label: "Policy", render: (r) => (r.head ? `${r.policy} (head ${r.head})` : r.policy) },
       { label: "Candidates", render: (r) => r.candidates.map((c) => (r.policy === "weighted" ? `${c.model} ×${c.weight ?? 1}` : c.model)).join(", ") },
       { label: "Fallbacks", render: (r) => (r.fallbacks || []).join(", ") || "—" },
       { label: "When", render: routeSummary },
       { label: "", render: (r) => h("span", { class: "actions" }, h("a", { href: `#/routes/${r.id}`, "aria-label": `Edit route ${r.name} #${r.id}` }, "Edit"), " ", remove(r)) },
-    ], list, { caption: `Routes (version ${data.version ?? "—"}); routes sharing a model name are tried in # order, the first whose conditions match wins. Changes apply on every replica within seconds.` })
+    ], list, { caption: `Routes (version ${data.version ?? "—"}); routes sharing a model name are tried in # order, the first whose conditions match wins. Changes apply on every replica within seconds.`,
+      rowClass: (r) => (leftOut.has(r.id) ? "left-out" : null) })
       : empty("No routes yet: every request goes to the model it names. Create a route below (the config file's routes: are copied here at first start)."),
-    editing ? h("section", { class: "panel", id: "edit" }, h("h2", {}, `Edit route ${editing.name} (#${editing.id})`), routeForm(editing, reload, headNames))
+    editing ? h("section", { class: "panel", id: "edit" }, h("h2", {}, `Edit route ${editing.name} (#${editing.id})`),
+      leftOut.has(editing.id) ? notice(`This replica leaves this route out: ${leftOut.get(editing.id).error}`, "warning") : null,
+      routeForm(editing, reload, headNames))
       : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload, headNames)),
     h("h2", {}, "Preview"), previewForm(list),
     heads ? headsSection(heads, status, route) : null,

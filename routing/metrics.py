@@ -1,7 +1,8 @@
 """Routing metrics on the app's Prometheus registry: attempts by route, candidate and outcome, and
 hedges by route and result (the executor counts them), and, read at scrape time, breaker states
 (shared, and routes' own latency breakers), prefix-affinity hits and prompt tokens cached, the
-shipped difficulty head in use, the trained heads routes name and the stored routes left out."""
+shipped difficulty head in use, the trained heads routes name, the stored routes left out and whether
+the stored table was refused as a whole."""
 
 from __future__ import annotations
 
@@ -129,6 +130,15 @@ class _Collector:
             )
             left_out.add_metric((), len(store.left_out))
             yield left_out
+            # The latest table read was refused as a whole: this replica serves routes older than the
+            # table, and no edit reaches it until the table changes again (routes/status says why).
+            rejected = GaugeMetricFamily(
+                "weir_routes_rejected",
+                "1 while this replica refuses the routes table in the admin DB as a whole and keeps "
+                "serving the routes it loaded before it, else 0",
+            )
+            rejected.add_metric((), 1 if store.rejected is not None else 0)
+            yield rejected
 
     def describe(self) -> list[Any]:
         return []  # collected lazily: nothing to check at registration

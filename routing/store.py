@@ -3,7 +3,8 @@
 Every replica polls a cheap signature of the table (row count, last update, id sum) and reloads the
 whole table when it changes, so an edit reaches every replica within `interval` seconds without a
 restart. Every load serves the rows that validate on this replica and leaves out each one that does
-not (a model removed from the config, a row another version wrote), logged and listed in `left_out`.
+not (a model removed from the config, a row another version wrote), listed in `left_out` and logged
+when it is first left out, when its reason changes and when it loads again or is gone.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class RouteStore:
         # (None once a table is in force), in which case the routes loaded before it stay in force.
         self.left_out: list[LeftOut] = []
         self.rejected: str | None = None
+        # The rows the latest load found it could not serve, as logged, by id (see `_log_left_out`).
+        self._logged_left_out: dict[int, LeftOut] = {}
         # One load at a time: a poll that read the table before an admin write must not apply its
         # older rows after the write's own refresh.
         self._loading = asyncio.Lock()
@@ -139,16 +142,34 @@ class RouteStore:
                 if self.check is not None:
                     self.check(route)
             except (msgspec.ValidationError, ValueError) as exc:
-                log.error("route_left_out", route_id=row.id, name=row.name, error=str(exc))
                 left_out.append(LeftOut(id=row.id, name=row.name, error=str(exc)))
                 continue
             routes.append(route)
+        self._log_left_out(left_out)
         try:
             self.apply(routes)
         except ValueError as exc:
-            log.error("routes_rejected", error=str(exc))
+            if str(exc) != self.rejected:
+                log.error("routes_rejected", error=str(exc))
             self.rejected = str(exc)
             return False
+        if self.rejected is not None:
+            log.info("routes_rejected_cleared", previous_error=self.rejected)
         self.left_out, self.rejected = left_out, None
         log.info("routes_loaded", routes=len(routes), left_out=len(left_out))
         return True
+
+    def _log_left_out(self, left_out: Sequence[LeftOut]) -> None:
+        """Log a row left out when first found or when its reason changes, and once (info) when it
+        loads again or is gone; not again on every load it stays left out. Every edit to any route
+        reloads the table on every replica, so logging each load repeated the same errors once per edit
+        per replica, burying new ones. `left_out` (and the gauge) are still set on every load applied."""
+        found = {r.id: r for r in left_out}
+        for row in left_out:
+            before = self._logged_left_out.get(row.id)
+            if before is None or before.error != row.error:
+                log.error("route_left_out", route_id=row.id, name=row.name, error=row.error)
+        for route_id, row in self._logged_left_out.items():
+            if route_id not in found:
+                log.info("route_left_out_cleared", route_id=route_id, name=row.name)
+        self._logged_left_out = found

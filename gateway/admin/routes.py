@@ -1,6 +1,7 @@
 """Admin API for routes: `/admin/api/v1/routes` (list, create, read, replace, delete) and
 `/admin/api/v1/routes/status` (breakers, routes' latency breakers, affinity hit rates, observed
-speeds, trained heads loaded).
+speeds, trained heads loaded). Both say which stored routes the answering replica leaves out and why,
+and why it refused the table as a whole, if it did.
 
 A route body is a `routing.routes.Route` as JSON, plus an optional `position` (routes sharing a
 name are tried in position order). Writes are validated against the gateway's models before they
@@ -128,11 +129,23 @@ def _unchanged_since_read(request: Request, row: RouteRow) -> None:
     )
 
 
+def _not_in_force(router: Router) -> dict[str, Any]:
+    """Stored routes this replica does not serve ({id, name, error}), and why it keeps routes older than
+    the table (null unless the table as a whole was refused): what the admin who must fix them needs."""
+    store = router.store
+    return {
+        "left_out": msgspec.to_builtins(store.left_out) if store is not None else [],
+        "routes_rejected": store.rejected if store is not None else None,
+    }
+
+
 @get("/routes")
 async def list_routes(request: Request, ctx: AdminContext) -> dict[str, Any]:
     async with ctx.sessions() as session:
         rows = (await session.scalars(select(RouteRow).order_by(RouteRow.position, RouteRow.id))).all()
-    return {"version": _router(request).version, "data": [route_json(r) for r in rows]}
+    router = _router(request)
+    # `data` lists every stored row, served or not, so one left out can still be fixed or deleted.
+    return {"version": router.version, "data": [route_json(r) for r in rows], **_not_in_force(router)}
 
 
 @post("/routes", status_code=201)
@@ -191,14 +204,11 @@ async def delete_route(route_id: int, request: Request, ctx: AdminContext) -> No
 @get("/routes/status")
 async def routes_status(request: Request) -> dict[str, Any]:
     router = _router(request)
-    context, store = router.context, router.store
+    context = router.context
     return {
         "version": router.version,
         "routes": {name: [msgspec.to_builtins(r) for r in routes] for name, routes in router.routes.items()},
-        # Stored routes this replica does not serve ({id, name, error}), and why it keeps routes older
-        # than the table (null unless the table as a whole was refused).
-        "left_out": msgspec.to_builtins(store.left_out) if store is not None else [],
-        "routes_rejected": store.rejected if store is not None else None,
+        **_not_in_force(router),
         "breakers": {key: b.current().value for key, b in router.breakers.breakers.items()},
         # Routes' own breakers for their TTFT timeouts on models other routes wait longer for
         # (routing.breaker.Breakers.too_slow), by route and backend/model; this replica's own.

@@ -113,7 +113,7 @@ def test_promtool_accepts_the_rules_and_the_config(tmp_path: Path) -> None:
     local.write_text(config.replace("/etc/prometheus/rules/", f"{RULES.parent}/"))
     check = subprocess.run([promtool, "check", "config", str(local)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "19 rules found" in check.stdout
+    assert "20 rules found" in check.stdout
 
 
 @needs_promtool

@@ -31,7 +31,7 @@ from routing.cli import router as router_cli
 from routing.difficulty import DifficultyClassifier
 from routing.router import Router, validate
 from routing.routes import Candidate, Route
-from routing.store import RouteStore, route_spec
+from routing.store import RouteStore, route_spec, stamp
 from tests.conftest import free_port
 from tests.control.conftest import fresh_pg_database
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
@@ -452,6 +452,117 @@ async def test_a_table_refused_as_a_whole_keeps_the_routes_in_force(tmp_path: Pa
         await engine.dispose()
 
 
+def _events(logs: Sequence[dict[str, Any]], *events: str) -> list[tuple[str, str, Any]]:
+    """(event, level, what it names) of the log lines about routes left out or refused."""
+    return [(e["event"], e["log_level"], e.get("name", e.get("error"))) for e in logs if e["event"] in events]
+
+
+async def test_a_route_left_out_is_logged_when_that_changes_not_on_every_load(tmp_path: Path) -> None:
+    """Every edit to any route reloads the table on every replica, and every load logged each row it
+    left out again, at error level: a row whose model one replica's config dropped repeated the same
+    error once per edit per replica for as long as it stayed, burying new errors. It is now logged when
+    first left out and when its reason changes, and once (info) when it loads again or is gone; what
+    each load leaves out (`left_out`, which the gauge counts) is still that load's."""
+    engine, sessions = await _route_table(tmp_path)
+    models = {"gpt-4o-mini", "claude-sonnet"}  # `retired` and `gone` are not in this replica's config
+    auto = Route(name="auto", candidates=[Candidate(model="gpt-4o-mini")])
+    old = Route(name="old", candidates=[Candidate(model="retired")])
+    async with sessions() as session, session.begin():
+        session.add(first := RouteRow(name="auto", position=0, spec=route_spec(auto)))
+        session.add(stale := RouteRow(name="old", position=1, spec=route_spec(old)))
+    store = RouteStore(
+        sessions, lambda routes: validate(routes, models), seed=[], check=lambda r: validate([r], models)
+    )
+    left_out = ("route_left_out", "route_left_out_cleared")
+
+    async def edit(row_id: int, model: str) -> list[dict[str, Any]]:
+        """Point the row at `model` and reload as a replica's poll does: that load's log lines."""
+        async with sessions() as session, session.begin():
+            row = await session.get(RouteRow, row_id)
+            assert row is not None
+            spec = route_spec(Route(name=row.name, candidates=[Candidate(model=model)]))
+            row.spec, row.updated_at = spec, await stamp(session, utcnow())
+        with capture_logs() as logs:
+            assert await store.refresh() is True
+        return logs
+
+    try:
+        await store._seed()
+        with capture_logs() as logs:
+            assert await store.refresh() is True
+        assert _events(logs, *left_out) == [("route_left_out", "error", "old")]
+        for model in ("claude-sonnet", "gpt-4o-mini", "claude-sonnet"):  # edits to another route
+            assert _events(await edit(first.id, model), *left_out) == []
+            assert [(r.id, r.name) for r in store.left_out] == [(stale.id, "old")]
+        logs = await edit(stale.id, "gone")  # still left out, for another reason
+        assert _events(logs, *left_out) == [("route_left_out", "error", "old")]
+        assert "'gone'" in logs[0]["error"] and "'gone'" in store.left_out[0].error
+        assert _events(await edit(stale.id, "gpt-4o-mini"), *left_out) == [
+            ("route_left_out_cleared", "info", "old")
+        ]
+        assert store.left_out == []
+        assert _events(await edit(first.id, "gpt-4o-mini"), *left_out) == []
+    finally:
+        await engine.dispose()
+
+
+async def test_a_refused_table_is_logged_when_the_refusal_changes_not_on_every_load(tmp_path: Path) -> None:
+    """Each load of a table refused as a whole logged `routes_rejected` again, for every edit until it
+    was fixed. It is now logged when the table is first refused and when the reason changes, and once
+    (info) when a table loads again; `rejected` (what the gauge reads) is still each load's."""
+    engine, sessions = await _route_table(tmp_path)
+
+    def apply(routes: Sequence[Route]) -> None:  # stand-in rules across rows
+        names = [r.name for r in routes]
+        for name in sorted(set(names)):
+            if names.count(name) > 1:
+                raise ValueError(f"two routes named {name}")
+
+    def row(name: str) -> RouteRow:
+        return RouteRow(name=name, position=0, spec=route_spec(Route(name=name, candidates=[])))
+
+    async def change(*, add: Sequence[str] = (), remove: Sequence[int] = ()) -> list[dict[str, Any]]:
+        async with sessions() as session, session.begin():
+            session.add_all([row(name) for name in add])
+            for row_id in remove:
+                await session.delete(await session.get(RouteRow, row_id))
+        with capture_logs() as logs:
+            await store.refresh()
+        return logs
+
+    store = RouteStore(sessions, apply, seed=[Route(name="a", candidates=[])])
+    rejected = ("routes_rejected", "routes_rejected_cleared")
+    try:
+        await store._seed()
+        await store.refresh()
+        async with sessions() as session, session.begin():
+            session.add(second := row("dup"))
+        assert _events(await change(add=["dup"]), *rejected) == [
+            ("routes_rejected", "error", "two routes named dup")
+        ]
+        assert _events(await change(add=["b"]), *rejected) == []  # still refused, for the same reason
+        assert store.rejected == "two routes named dup"
+        async with sessions() as session, session.begin():
+            session.add(third := row("b"))
+        assert _events(await change(remove=[second.id]), *rejected) == [
+            ("routes_rejected", "error", "two routes named b")
+        ]
+        assert _events(await change(remove=[third.id]), *rejected) == [
+            ("routes_rejected_cleared", "info", None)
+        ]
+        assert store.rejected is None
+        assert _events(await change(add=["c"]), *rejected) == []
+    finally:
+        await engine.dispose()
+
+
+def _gauge(weir: Weir, name: str) -> float | None:
+    """The value of a gauge without labels on the gateway's /metrics, None when it is not exported."""
+    families = text_string_to_metric_families(httpx.get(f"{weir.url}/metrics").text)
+    found = [s.value for f in families for s in f.samples if s.name == name]
+    return found[0] if found else None
+
+
 def _leave_out(weir: Weir, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make this replica's route load leave out routes named `name` ("not served here")."""
     store = weir.router.store
@@ -496,21 +607,70 @@ def test_metrics_count_the_stored_routes_this_replica_leaves_out(
 ) -> None:
     """Routes stored but left out by this replica showed only in routes/status and a log line: nothing
     to alert on. `weir_routes_left_out` counts them, and is back to 0 once they are fixed or gone."""
-
-    def left_out() -> float | None:
-        families = text_string_to_metric_families(httpx.get(f"{weir.url}/metrics").text)
-        found = [s.value for f in families for s in f.samples if s.name == "weir_routes_left_out"]
-        return found[0] if found else None
-
-    assert left_out() == 0
+    assert _gauge(weir, "weir_routes_left_out") == 0
     _leave_out(weir, "left-out", monkeypatch)
     assert weir.admin.post("/routes", json={**GOOD, "name": "left-out"}).status_code == 409
     stored = {r["name"]: r["id"] for r in _listed(weir)["data"]}["left-out"]
     try:
-        assert left_out() == 1
+        assert _gauge(weir, "weir_routes_left_out") == 1
     finally:
         assert weir.admin.delete(f"/routes/{stored}").status_code == 204
-    assert left_out() == 0
+    assert _gauge(weir, "weir_routes_left_out") == 0
+
+
+@pytest.mark.postgres
+def test_the_routes_list_names_the_stored_routes_this_replica_leaves_out(
+    weir: Weir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admin who must fix a route left out reads the routes list (the admin UI's routes page is
+    built from it), which listed every stored row alike: only routes/status, a log line and a gauge
+    said which one this replica did not serve, and why. The list now carries `left_out` beside
+    `version` and `data`, as routes/status does; `data` still lists every stored row, to fix or delete."""
+    listed = _listed(weir)
+    assert listed["left_out"] == [] and listed["routes_rejected"] is None
+    _leave_out(weir, "left-out", monkeypatch)
+    assert weir.admin.post("/routes", json={**GOOD, "name": "left-out"}).status_code == 409
+    listed = _listed(weir)
+    stored = {r["name"]: r["id"] for r in listed["data"]}["left-out"]
+    try:
+        assert set(listed) == {"version", "data", "left_out", "routes_rejected"}
+        assert listed["left_out"] == [{"id": stored, "name": "left-out", "error": "not served here"}]
+        assert listed["routes_rejected"] is None
+        assert weir.admin.get("/routes/status").json()["left_out"] == listed["left_out"]
+    finally:
+        assert weir.admin.delete(f"/routes/{stored}").status_code == 204
+    assert _listed(weir)["left_out"] == []
+
+
+@pytest.mark.postgres
+def test_the_routes_list_and_metrics_say_when_this_replica_refuses_the_table(
+    weir: Weir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table refused as a whole (the routes in force stay, no edit reaches this replica) had no
+    metric and showed only in routes/status: `weir_routes_rejected` is 1 while it lasts (the shipped
+    alert WeirRoutesRejected), and the routes list says why in `routes_rejected`."""
+    store = weir.router.store
+    assert store is not None
+    apply = store.apply
+
+    def refusing(routes: Sequence[Route]) -> None:  # a stand-in rule across rows: the router has none
+        if any(r.name == "refused" for r in routes):
+            raise ValueError("a stand-in rule refused the table")
+        apply(routes)
+
+    assert _gauge(weir, "weir_routes_rejected") == 0
+    monkeypatch.setattr(store, "apply", refusing)
+    error = _openai_error(weir.admin.post("/routes", json={**GOOD, "name": "refused"}), 409)
+    listed = _listed(weir)
+    stored = {r["name"]: r["id"] for r in listed["data"]}["refused"]
+    try:
+        assert "a stand-in rule refused the table" in error["message"]
+        assert listed["routes_rejected"] == "a stand-in rule refused the table" and listed["left_out"] == []
+        assert _gauge(weir, "weir_routes_rejected") == 1
+    finally:
+        assert weir.admin.delete(f"/routes/{stored}").status_code == 204
+    assert _listed(weir)["routes_rejected"] is None
+    assert _gauge(weir, "weir_routes_rejected") == 0
 
 
 def test_score_answers_every_bad_line_in_place_without_a_traceback(classifier: DifficultyClassifier) -> None:

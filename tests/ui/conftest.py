@@ -12,6 +12,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from routing.router import Router
 from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
@@ -32,6 +33,7 @@ database_url: "${DB_URL}"
 class Weir:
     url: str
     db_url: str
+    router: Router  # the gateway's, in this process: for states no request can bring about
 
     @property
     def admin(self) -> httpx.Client:
@@ -60,8 +62,9 @@ def _serve(
     monkeypatch.delenv("WEIR_DATABASE_URL", raising=False)
     monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
     env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
-    with serve(create_app(parse_config(config, env)), free_port()) as url:
-        yield Weir(url, db_url)
+    app = create_app(parse_config(config, env))
+    with serve(app, free_port()) as url:
+        yield Weir(url, db_url, app.state.gateway.router)
 
 
 @pytest.fixture

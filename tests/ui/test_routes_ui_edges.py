@@ -7,11 +7,18 @@ with filters that return whole requests and markup in names shown as text."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
 
+from gateway.db.models import RouteRow
+from routing.routes import Candidate, Route
+from routing.store import route_spec
 from tests.fakes import FakeOpenAI, Fault
 from tests.ui.conftest import ADMIN, Weir
 
@@ -331,4 +338,87 @@ def test_the_request_log_explains_each_attempt_and_filters_whole_requests(
         assert rows.count() == 1, model
         cells = rows.first.locator("td").all_inner_texts()
         assert cells[4] == "200" and cells[6] == "2", (model, cells)
+    page.close()
+
+
+def _store_as_another_config_did(db_url: str, route: Route) -> int:
+    """A route row written straight to the admin DB, as a replica whose config still had its models
+    stored it: this gateway's next poll finds it."""
+    engine = create_engine(db_url.replace("+aiosqlite", ""))
+    try:
+        with Session(engine) as session, session.begin():
+            row = RouteRow(name=route.name, position=5, spec=route_spec(route))
+            session.add(row)
+            session.flush()
+            return row.id
+    finally:
+        engine.dispose()
+
+
+def test_the_routes_page_warns_of_routes_this_replica_leaves_out_until_they_are_fixed(
+    routed: Weir, browser: Any, shots: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored route naming a model this gateway's config lacks is left out: the routes page listed it
+    like any other, so the admin who must fix it had no sign of it (only routes/status, a log line and a
+    gauge did). The page now warns above the table with the reason, marks the row, and the warning goes
+    once the route is fixed; a table refused as a whole is shown the same way until it loads."""
+    _create(routed.admin, {"name": "assistant", "candidates": [{"model": "gpt-4o-mini"}]})
+    legacy = _store_as_another_config_did(
+        routed.db_url, Route(name="legacy", candidates=[Candidate(model="gpt-3.5")])
+    )
+    deadline = time.monotonic() + 10  # this replica's next poll of the table (every second)
+    while not routed.admin.get("/routes").json()["left_out"]:
+        assert time.monotonic() < deadline, "the gateway never loaded the new row"
+        time.sleep(0.1)
+
+    page = _signed_in(routed, browser, "#/routes")
+    banner = page.locator("#routes-not-in-force")
+    banner.wait_for()
+    assert banner.get_attribute("role") == "alert"
+    text = banner.inner_text()
+    assert "1 stored route is left out by this replica" in text
+    assert f"legacy #{legacy}: routes[0] (legacy): no model named 'gpt-3.5'" in text, text
+    assert "refused" not in text
+    row = page.locator("tbody tr", has=page.get_by_role("link", name=f"Edit route legacy #{legacy}"))
+    assert row.get_attribute("class") == "left-out" and "left out" in row.inner_text()
+    served = page.locator("tbody tr", has=page.get_by_role("link", name="Edit route assistant #1"))
+    assert served.get_attribute("class") is None and "left out" not in served.inner_text()
+    page.screenshot(path=shots / "13-routes-left-out.png", full_page=True)
+
+    banner.get_by_role("link", name=f"legacy #{legacy}").click()
+    page.locator("#edit h2", has_text=f"(#{legacy})").wait_for()
+    assert "no model named 'gpt-3.5'" in page.locator("#edit .notice.warning").inner_text()
+    form = page.locator("#edit form")
+    form.get_by_label("Candidates", exact=True).fill("gpt-4o")
+    form.get_by_role("button", name="Save route").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    page.get_by_role("link", name=f"Edit route legacy #{legacy}").wait_for()
+    assert banner.count() == 0 and page.locator("tr.left-out").count() == 0
+
+    # Refused as a whole: what no single row breaks (a stand-in rule across rows; the router's own
+    # checks are all per row today), the routes loaded before stay in force.
+    store = routed.router.store
+    assert store is not None
+    apply = store.apply
+
+    def refusing(routes: Any) -> None:
+        if any(r.name == "refused" for r in routes):
+            raise ValueError("a stand-in rule refused the table")
+        apply(routes)
+
+    monkeypatch.setattr(store, "apply", refusing)
+    assert (
+        routed.admin.post(
+            "/routes", json={"name": "refused", "candidates": [{"model": "gpt-4o"}]}
+        ).status_code
+        == 409
+    )
+    page.reload()
+    banner.wait_for()
+    text = banner.inner_text()
+    assert "This replica refused the routes table" in text and "a stand-in rule refused the table" in text
+    assert "left out by this replica" not in text
+    page.get_by_role("button", name="Delete route refused #").click()  # the dialog is accepted
+    banner.wait_for(state="detached")
+    assert page.get_by_role("link", name="Edit route refused #").count() == 0
     page.close()
