@@ -171,6 +171,15 @@ class CircuitBreaker:
         self.probed = probed
         self.trial_elsewhere_until = self.trial_recheck_at = 0.0
 
+    def contested(self, probed: bool, now: float | None = None) -> None:
+        """Another replica's opening, contested here (`Breakers._opened_elsewhere`): half-open, the next
+        request this replica's own trial (`probed`: let through on the probes' word alone). It is an
+        opening all the same (`opened_at`): a trial this replica let through before it (one silent for
+        a cooldown, whose answer comes late) says nothing of what failed on the other replica, and
+        closes nothing (`success`); the trial let through since does."""
+        self.half_open(probed)
+        self.opened_at = time.monotonic() if now is None else now
+
     def admits(self, now: float | None = None) -> bool:
         """Would a request go there now? Closed, or half-open with no trial under way, here or (the
         fleet's trial) on another replica, until it is time to ask again whether that one is over
@@ -568,15 +577,16 @@ class Breakers:
         other replica away from the whole fleet for a cooldown, and again each time the cut-off
         replica failed anew. The trial costs one request, a failed one failing over as any: its
         failure opens the breaker here and publishes that, its success closes it and publishes a
-        recovery, which also ends the opening's record (read again, it would be adopted again) and
-        half-opens the replicas that adopted it. No fleet trial: the backend was seen up here. A
-        replica with no such word of its own has nothing to set against the opening, and a real
-        outage costs it no request. Contested on a probe's reach alone (no request answered here
-        lately), the trial is one the probes' word let through: its failure refutes that word
-        (`CircuitBreaker.refuted`), and the opening it publishes is a plain one, which replicas cannot
-        contest on their probes either."""
+        recovery (a trial let through here before the opening closes nothing: adopted or contested,
+        the opening moves `opened_at`, see `CircuitBreaker.success`), which also ends the opening's
+        record (read again, it would be adopted again) and half-opens the replicas that adopted it.
+        No fleet trial: the backend was seen up here. A replica with no such word of its own has
+        nothing to set against the opening, and a real outage costs it no request. Contested on a
+        probe's reach alone (no request answered here lately), the trial is one the probes' word let
+        through: its failure refutes that word (`CircuitBreaker.refuted`), and the opening it
+        publishes is a plain one, which replicas cannot contest on their probes either."""
         if breaker.answered_lately(unreachable):
-            breaker.half_open(probed=not breaker.answered_lately(False))
+            breaker.contested(probed=not breaker.answered_lately(False))
             self.moved(key, State.HALF_OPEN, "contested")
         else:
             breaker.trip()

@@ -452,6 +452,53 @@ async def test_another_replicas_opening_is_one_trial_here_only_after_a_recent_su
         assert other.state(KEY) is State.OPEN, word
 
 
+@pytest.mark.parametrize(
+    ("word", "published"),
+    [("answered", OPENED), ("reached", OPENED_UNREACHABLE), ("stale", OPENED_UNREACHABLE)],
+)
+async def test_a_trial_let_through_before_another_replicas_opening_does_not_close_the_breaker(
+    word: str, published: bytes, redis_prefix: str
+) -> None:
+    """A's trial `old`, silent for a cooldown, no longer holds its breaker: the next request goes as
+    the trial, answers, and closes it. Then B opens the breaker and publishes that, and A's sync meets
+    the opening: contested, on a request that answered here lately or (an opening for a backend
+    unreachable) on a probe's reach alone, or adopted (no word here within a cooldown), and then
+    half-open on a probe's reach. Now `old` answers: let through before that opening, it says nothing
+    of it, and must close nothing, nor publish a recovery over B's opening. It closed the contested
+    breaker, which kept the opening it half-opened from as its latest. A trial let through after the
+    opening closes it."""
+    settings = BreakerSettings(failures=1, cooldown=30)
+    async with _states(redis_prefix) as states:
+        a, b = _holding(states, settings)
+        breaker = a.get(KEY)
+        now = time.monotonic()
+        breaker.trip(now=now - 61)
+        assert breaker.allow(now=now - 31)  # `old`, half-open's trial...
+        old = breaker.trial()
+        admitted = await a.allow(KEY)  # ...silent for a cooldown: this request is the trial
+        assert old is not None and admitted is not None and admitted.trial is not None
+        await a.success(KEY, admitted.trial)
+        assert a.state(KEY) is State.CLOSED
+        if word == "reached":
+            breaker.last_success = None  # A's latest word: its probe reached the backend
+        elif word == "stale":
+            breaker.last_success = breaker.last_reached = now - settings.cooldown
+
+        await b.failure(KEY, unreachable=published == OPENED_UNREACHABLE)
+        await a.sync()
+        if word == "stale":
+            assert a.state(KEY) is State.OPEN
+            a.reached(KEY)  # an adopted opening for a backend unreachable: the probes' word
+        assert a.state(KEY) is State.HALF_OPEN
+        await a.success(KEY, old)
+        assert a.state(KEY) is State.HALF_OPEN, "a trial let through before the opening closed it"
+        assert await states[0].kv_get(PREFIX + KEY) == published  # no recovery over B's opening
+        admitted = await a.allow(KEY)  # let through after the opening
+        assert admitted is not None and admitted.trial is not None
+        await a.success(KEY, admitted.trial)
+        assert a.state(KEY) is State.CLOSED
+
+
 # --- adopting openings while the route table changes ------------------------------------------------
 
 TWO_MODELS = """\
