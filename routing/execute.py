@@ -648,7 +648,6 @@ class Executor:
         )
         owners = {first: primary, second: partner}
         pending = {first, second}
-        error: BaseException | None = None
         winner: asyncio.Future[Any] | None = None
         try:
             # It goes upstream, or ends Unsupported (its adapter cannot express the request), in its
@@ -670,7 +669,8 @@ class Executor:
                     # it ends the request, never failing over, so the hedge must not answer in its
                     # place. (The hedge's own 4xx does not: unhedged, it would never have been asked.)
                     raise failure
-                for task in done:
+                # In the race's order, not the set's: both may be done in one turn of the loop.
+                for task in (task for task in owners if task in done):
                     if task.exception() is None:
                         winner = task
                         plan.chosen = owners[task]
@@ -685,12 +685,7 @@ class Executor:
                             # now (won, and hedged), not as it was when the attempt started.
                             call.routes[number] = plan.header(plan.chosen)
                         return task.result()
-                    if task is first or not isinstance(task.exception(), Unsupported):
-                        # A hedge its adapter could not express sent nothing: the race's outcome is
-                        # the primary's (its failure, which `first` fails over from).
-                        error = task.exception()
-            assert error is not None
-            raise error
+            raise _lost(first, second)
         finally:
             # Every attempt not taken is abandoned: one still running is cancelled, one that answered
             # anyway holds an open upstream stream and is closed (its usage event records what it
@@ -985,6 +980,24 @@ class _Race:
         """Whether the race was still to be taken; it is now."""
         taken, self.taken = self.taken, True
         return not taken
+
+
+def _lost(first: asyncio.Future[Any], second: asyncio.Future[Any]) -> BaseException:
+    """The failure a hedge race that neither attempt won ends with: the primary's (`first`), whether
+    the hedge (`second`) failed before it, after it or in the same turn of the event loop. `first`
+    acts on it as on the primary's own attempt, as unhedged: it retries the primary in place or not
+    by that failure's `retries_in_place` and `retry-after`, then moves on to the next candidate (the
+    hedge's, asked again), unless the failure does not fail over. The hedge's failure must not decide
+    that for the primary: its 4xx, which unhedged would not have ended the request before the
+    primary's retries, ended it (the rule `first` keeps: a failure that fails over before a
+    candidate's refusal); its 429's `retry-after` timed the primary's retry. A hedge its adapter
+    could not express sent nothing either. The hedge's failure is the race's only where the primary
+    has none: it lost the race to a hedge that took its answer and then failed."""
+    if not first.cancelled() and (failure := first.exception()) is not None:
+        return failure
+    failure = second.exception()
+    assert failure is not None
+    return failure
 
 
 async def _abandon(task: asyncio.Future[Any]) -> None:

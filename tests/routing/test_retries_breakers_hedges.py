@@ -538,6 +538,51 @@ def test_when_both_hedged_attempts_fail(
     assert sorted(ledger(gateway)) == [("deepseek", 500)] * 3 + [("raw", 500)] * 2  # one row per attempt
 
 
+def test_when_both_hedged_attempts_fail_at_once_the_race_ends_with_the_primarys_failure(
+    gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_deepseek: FakeOpenAI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The primary's 503 and the hedge's 400 (the request's fault there) come back in the same turn
+    of the event loop, both attempts done when the race is looked at. The race ends with the
+    primary's failure, which fails over: the primary is retried and answers. It ended with whichever
+    the set of both gave last: the hedge's 400 then ended the request, though unhedged the primary
+    would have been retried first. Several requests: the set's order varied between them."""
+    pipeline = runtime(gateway).executor.pipeline
+    real_exchange = pipeline.exchange
+    held: list[asyncio.Event] = []  # the race's two attempts, each held once it failed
+
+    async def exchange(*args: Any, **kwargs: Any) -> Any:
+        if len(held) >= 2:  # the race is over: the primary's retry goes as it is
+            return await real_exchange(*args, **kwargs)
+        gate = asyncio.Event()
+        try:
+            return await real_exchange(*args, **kwargs)
+        finally:
+            # Hold each failure until both attempts have failed, then release them together.
+            held.append(gate)
+            if len(held) == 2:
+                for each in held:
+                    each.set()
+            await gate.wait()
+
+    monkeypatch.setattr(pipeline, "exchange", exchange)
+    for _ in range(8):
+        held.clear()
+        fake_openai.fail_next(503)  # the primary's first try; its retry answers
+        fake_deepseek.fail_next(400)
+        raw = gateway.openai().chat.completions.with_raw_response.create(model="hedged", messages=HI)
+        assert raw.parse().choices[0].message.content == ECHO and len(held) == 2
+        header = route_header(raw)
+        assert sorted(header["tried"].split(",")) == [
+            "deepseek-chat:400",
+            "gpt-4o-mini:503",
+            "gpt-4o-mini:ok",
+        ]
+        assert header["tried"].endswith("gpt-4o-mini:ok")  # the primary's retry, after the race
+
+
 @pytest.mark.parametrize("since", ["open", "half_open"])
 def test_a_hedge_is_admitted_by_its_breaker_when_it_would_start_not_only_when_it_was_picked(
     gateway: RunningGateway,
