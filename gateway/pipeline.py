@@ -329,7 +329,9 @@ class Pipeline:
                             produced.add(chunk)
                             if chunk.usage is not None:
                                 usage, usage_reported = chunk.usage, True
-                            elif ttft is None and is_answer(chunk):  # not the role announcement
+                            # Not the role announcement; a chunk that also reports the usage so far
+                            # (vLLM's `continuous_usage_stats`) counts, as the usage report alone does not.
+                            if ttft is None and is_answer(chunk):
                                 ttft = time.perf_counter() - t0
                                 call.info.ttft = ttft
                             batch.append(chunk)

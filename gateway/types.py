@@ -164,6 +164,9 @@ class ResponseFormat(Base):
 
 class StreamOptions(Base):
     include_usage: bool | None = None
+    # vLLM's and SGLang's: the usage so far on every chunk. Forwarded to OpenAI-compatible servers but
+    # OpenAI's own API, which refuses it.
+    continuous_usage_stats: bool | None = None
 
 
 class ChatRequest(Base):
@@ -265,6 +268,7 @@ class Choice(Base):
     # Internal, never rendered to OpenAI clients: which of the request's stop sequences ended the
     # answer, where the backend says (Anthropic), for an Anthropic client's `stop_sequence`.
     stop_sequence: str | None = None
+    extra: dict[str, Any] = {}  # as AssistantMessage.extra: vLLM's `stop_reason`, `token_ids`...
 
 
 class ChatResponse(Base):
@@ -299,6 +303,7 @@ class Delta(Base):
     # so far (the next reasoning text starts a new block), and a whole redacted block's data.
     reasoning_signature: str | None = None
     redacted_reasoning: str | None = None
+    extra: dict[str, Any] = {}  # as AssistantMessage.extra, for a chunk Weir re-encodes (`ChatChunk.raw`)
 
     def carries_output(self) -> bool:
         """Whether this delta holds any of the answer (text, a tool call, a refusal, reasoning), not
@@ -314,6 +319,7 @@ class ChunkChoice(Base):
     finish_reason: FinishReason | None = None
     logprobs: dict[str, Any] | None = None
     stop_sequence: str | None = None  # internal, as Choice.stop_sequence
+    extra: dict[str, Any] = {}  # as Delta.extra: vLLM's `stop_reason`, `token_ids`...
 
 
 class ChatChunk(Base):
@@ -331,6 +337,9 @@ class ChatChunk(Base):
     # (OpenAI-compatible backends): OpenAI clients get it as is, without re-encoding, and with the
     # fields Weir does not model. A chunk changed after decoding is no longer that JSON: `edited`.
     raw: str | None = None
+    # The fields Weir does not model (vLLM's `prompt_token_ids`...), for OpenAI clients of a chunk that
+    # is re-encoded (no `raw`); its choices and their deltas keep theirs likewise.
+    extra: dict[str, Any] = {}
 
 
 def edited(chunk: ChatChunk, **changes: Any) -> ChatChunk:
@@ -339,12 +348,22 @@ def edited(chunk: ChatChunk, **changes: Any) -> ChatChunk:
     return msgspec.structs.replace(chunk, raw=None, **changes)
 
 
+class RawResult(Base):
+    """A response Weir passes through as it is, except for its usage (legacy /completions)."""
+
+    data: dict[str, Any]
+    usage: Usage | None = None
+
+
 def is_answer(chunk: object) -> bool:
     """Whether a streamed chunk holds some of the answer (text, a tool call, a refusal, reasoning, a
     finish): more than the role some vendors announce before generating anything (OpenAI's role
-    chunk, Anthropic's `message_start`) or a usage report alone. A stream's first one is its first
-    token, which TTFT times and `ttft_timeout` waits for; a stream that ends with none is no answer
-    (its decoder fails it). Any other reader's chunk (a legacy completion's) counts."""
+    chunk, Anthropic's `message_start`), an empty text or a usage report alone. A stream's first one
+    is its first token, which TTFT times and `ttft_timeout` waits for; a stream that ends with none is
+    no answer (its decoder fails it). Any other reader's chunk counts."""
+    if isinstance(chunk, RawResult):  # a legacy completion's: some text, or a finish
+        choices = chunk.data.get("choices") or ()
+        return any(isinstance(c, dict) and (c.get("text") or c.get("finish_reason")) for c in choices)
     if not isinstance(chunk, ChatChunk):
         return True
     return any(choice.finish_reason or choice.delta.carries_output() for choice in chunk.choices)

@@ -43,6 +43,7 @@ def render_chat(response: ChatResponse) -> dict[str, Any]:
     data["object"] = "chat.completion"
     data["usage"] = openai_usage(response.usage)
     for choice in data["choices"]:
+        _unmodelled_back(choice)
         _unmodelled_back(choice["message"])
         choice["message"].setdefault("content", None)
         for name in _INTERNAL_MESSAGE_FIELDS:
@@ -59,6 +60,7 @@ def render_chunk(chunk: ChatChunk, include_usage: bool = True) -> bytes:
     data = msgspec.to_builtins(chunk)
     data.pop("raw", None)
     data.pop("prompt_usage", None)  # internal, for Anthropic clients' message_start
+    _unmodelled_back(data)
     data["object"] = "chat.completion.chunk"
     if chunk.usage is not None:
         if include_usage:
@@ -66,6 +68,8 @@ def render_chunk(chunk: ChatChunk, include_usage: bool = True) -> bytes:
         else:
             del data["usage"]
     for choice in data["choices"]:
+        _unmodelled_back(choice)
+        _unmodelled_back(choice["delta"])
         for name in _INTERNAL_DELTA_FIELDS:
             choice["delta"].pop(name, None)
         choice.pop("stop_sequence", None)

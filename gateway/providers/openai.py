@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 from urllib.parse import urlencode, urlparse
 
 import msgspec
@@ -45,11 +45,12 @@ from gateway.types import (
     EmbeddingRequest,
     EmbeddingResponse,
     Message,
+    RawResult,
     ReasoningBlock,
     TextPart,
     TokenCount,
 )
-from gateway.usage import Usage, normalise_usage
+from gateway.usage import normalise_usage
 from routing.load import report_request
 
 VENDOR = "openai"
@@ -219,8 +220,10 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
         body["add_generation_prompt"] = False  # vLLM refuses both at once; its default opens a new turn
     if _openai_itself(backend):
         # OpenAI refuses what it does not know ("Unrecognized request argument supplied: top_k"), which
-        # would end a failover from Claude or Gemini, whose clients' top_k their own models took.
+        # would end a failover from Claude or Gemini, whose clients' top_k their own models took, or
+        # from a vLLM server whose client asked for its usage on every chunk.
         body.pop("top_k", None)
+        (body.get("stream_options") or {}).pop("continuous_usage_stats", None)
     if request.stream:
         # Always ask for the usage chunk: accounting needs it even when the client did not.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
@@ -300,11 +303,26 @@ def empty_answer(model: str) -> bytes:
     )
 
 
-# What the completion and its messages model; the rest of what the backend sends is kept in their
-# `extra` for OpenAI clients (`audio`, `annotations`, `service_tier`...). `object` is the shape's own,
-# which each client's rendering sets.
-_COMPLETION_FIELDS = frozenset(_Completion.__struct_fields__) - {"extra"} | {"object"}
-_MESSAGE_FIELDS = frozenset(_Message.__struct_fields__) - {"extra"}
+def _modelled(struct: type[msgspec.Struct], *own: str) -> frozenset[str]:
+    """The fields `struct` models, and `own`: fields of the shape's own that each client's rendering
+    sets (`object`)."""
+    return frozenset(struct.__struct_fields__) - {"extra"} | frozenset(own)
+
+
+class _Modelled(NamedTuple):
+    """What a completion or chunk (`top`), its choices, and their `part` (the message, the delta)
+    model; the rest of what the backend sends is kept in their `extra` for OpenAI clients (`audio`,
+    `annotations`, `service_tier`, vLLM's `stop_reason`...)."""
+
+    top: frozenset[str]
+    choice: frozenset[str]
+    part: str
+    part_fields: frozenset[str]
+
+
+_COMPLETION_FIELDS = _Modelled(
+    _modelled(_Completion, "object"), _modelled(_Choice), "message", _modelled(_Message)
+)
 
 
 def _keep_unmodelled(data: Any, modelled: frozenset[str]) -> None:
@@ -314,16 +332,22 @@ def _keep_unmodelled(data: Any, modelled: frozenset[str]) -> None:
             data["extra"] = extra
 
 
+def _with_unmodelled(data: Any, modelled: _Modelled) -> Any:
+    """A completion or chunk decoded to JSON values, with what it, its choices and their part do not
+    model in their `extra`, as requests keep theirs (`gateway.errors.decode_body`)."""
+    _keep_unmodelled(data, modelled.top)
+    for choice in (data.get("choices") if isinstance(data, dict) else None) or ():
+        if isinstance(choice, dict):
+            _keep_unmodelled(choice.get(modelled.part), modelled.part_fields)
+            _keep_unmodelled(choice, modelled.choice)
+    return data
+
+
 def _completion(body: bytes) -> _Completion:
-    """The completion, with what it and its messages do not model in their `extra`: as requests keep
-    theirs (`gateway.errors.decode_body`), decoded to JSON values first, then typed."""
+    """The completion, with what it, its choices and their messages do not model in their `extra`:
+    decoded to JSON values first, then typed."""
     try:
-        data = msgspec.json.decode(body)
-        _keep_unmodelled(data, _COMPLETION_FIELDS)
-        for choice in (data.get("choices") if isinstance(data, dict) else None) or ():
-            if isinstance(choice, dict):
-                _keep_unmodelled(choice.get("message"), _MESSAGE_FIELDS)
-        return msgspec.convert(data, _Completion)
+        return msgspec.convert(_with_unmodelled(msgspec.json.decode(body), _COMPLETION_FIELDS), _Completion)
     except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested thousands deep
         raise BadGateway(f"the OpenAI-compatible backend returned an unexpected response: {exc}") from None
 
@@ -356,9 +380,20 @@ class _Chunk(Base):
     usage: dict[str, Any] | None = None
     system_fingerprint: str | None = None
     error: dict[str, Any] | None = None
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-_chunk_decoder = msgspec.json.Decoder(_Chunk)
+_CHUNK_FIELDS = _Modelled(_modelled(_Chunk, "object"), _modelled(_ChunkChoice), "delta", _modelled(_Delta))
+
+
+def _chunk(data: str) -> _Chunk:
+    """A stream chunk, with what it, its choices and their deltas do not model in their `extra`, for a
+    chunk that is re-encoded (its usage normalised, its reasoning renamed, joined onto a resumed
+    stream's text...) rather than passed on as the upstream's JSON (`ChatChunk.raw`)."""
+    try:
+        return msgspec.convert(_with_unmodelled(msgspec.json.decode(data), _CHUNK_FIELDS), _Chunk)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadGateway(f"the OpenAI-compatible backend sent an invalid stream chunk: {exc}") from None
 
 
 # A stream is an answer once it carries a finish reason or some of the answer. `[DONE]` after
@@ -379,10 +414,7 @@ class ChatStream:
         if data == "[DONE]":
             self.done = True
             return []
-        try:
-            wire = _chunk_decoder.decode(data)
-        except msgspec.DecodeError as exc:
-            raise BadGateway(f"the OpenAI-compatible backend sent an invalid stream chunk: {exc}") from None
+        wire = _chunk(data)
         if wire.error is not None:
             message = wire.error.get("message") or "stream error"
             raise upstream_error(502, str(message), {}, vendor="OpenAI-compatible")
@@ -401,6 +433,7 @@ class ChatStream:
                 choices=cast(list[ChunkChoice], wire.choices),  # subclasses, read-only here
                 usage=usage,
                 system_fingerprint=wire.system_fingerprint,
+                extra=wire.extra,
                 # The upstream's JSON only where it says what the chunk does: not where the model
                 # was filled in, the usage is to be normalised, or the reasoning was renamed.
                 raw=data if usage is None and wire.model and not renamed else None,
@@ -446,13 +479,6 @@ def embeddings_response(body: bytes, model: str) -> EmbeddingResponse:
     return EmbeddingResponse(
         data=wire.data, model=wire.model or model, usage=normalise_usage(VENDOR, wire.usage)
     )
-
-
-class RawResult(Base):
-    """A response Weir passes through as it is, except for its usage (legacy /completions)."""
-
-    data: dict[str, Any]
-    usage: Usage | None = None
 
 
 def completions_request(backend: Backend, request: CompletionRequest, model: str) -> UpstreamRequest:

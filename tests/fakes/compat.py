@@ -4,9 +4,14 @@ OpenAI's own (and so from `FakeOpenAI`), by upstream model:
 - `mistral-small`: Mistral's (and Together's, llama.cpp's) streams, whose last chunk carries the finish
   reason and the usage together, on chat (text "Hello there") and legacy completions (" world");
   finish `length` under a `max_tokens` below 3, else `stop`;
-- `vllm-reasoner`: vLLM 0.17+'s (and OpenRouter's) `reasoning` delta field, then the answer "4";
+- `vllm-reasoner`: vLLM 0.17+'s (and OpenRouter's) `reasoning` delta field, with OpenRouter's
+  `reasoning_details` beside it, then the answer "4";
 - `gpt-4o-audio-preview`: a whole answer with fields Weir does not model: the message's `audio` and
   `annotations`, the completion's `service_tier`;
+- `vllm-served`: vLLM's own fields beside OpenAI's, whole and streamed ("Hello there"): each choice's
+  `stop_reason` (the stop string that ended it, "END"), and with `return_token_ids` the choices'
+  `token_ids` and the prompt's `prompt_token_ids` (on a stream's first chunk); a stream asked for
+  `stream_options.continuous_usage_stats` reports the usage so far on every chunk;
 - `cut-short`: a stream that breaks after "Hello" (no finish reason, no `[DONE]`).
 
 Every stream ends with `data: [DONE]` unless cut; `GET` (a prober) gets an empty model list.
@@ -46,8 +51,56 @@ def _finish(request: dict[str, Any]) -> str:
     return "length" if limit is not None and limit < 3 else "stop"
 
 
+PROMPT_IDS = [1, 15043]
+# vLLM's answer: (delta, finish reason, the delta's token ids).
+VLLM_ANSWER: list[tuple[dict[str, Any], str | None, list[int]]] = [
+    ({"role": "assistant", "content": ""}, None, []),
+    ({"content": "Hello"}, None, [9906]),
+    ({"content": " there"}, None, [1070]),
+    ({"content": ""}, "stop", []),
+]
+
+
+def _vllm_usage(completion_tokens: int) -> dict[str, int]:
+    prompt = USAGE["prompt_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
+
+
+def _vllm_stream(request: dict[str, Any]) -> list[dict[str, Any]]:
+    model, ids = request["model"], bool(request.get("return_token_ids"))
+    options = request.get("stream_options") or {}
+    chunks, generated = [], 0
+    for delta, finish, tokens in VLLM_ANSWER:
+        generated += len(tokens)
+        chunk = _chunk(model, delta, finish)
+        choice = chunk["choices"][0]
+        if finish:
+            choice["stop_reason"] = "END"
+        if ids:
+            choice["token_ids"] = tokens
+            if not chunks:
+                chunk["prompt_token_ids"] = PROMPT_IDS
+        if options.get("continuous_usage_stats"):
+            chunk["usage"] = _vllm_usage(generated)
+        chunks.append(chunk)
+    if options.get("include_usage"):
+        chunks.append(_chunk(model, {}) | {"choices": [], "usage": _vllm_usage(generated)})
+    return chunks
+
+
+def _reasoning(text: str) -> dict[str, Any]:
+    """A delta of reasoning as OpenRouter streams it: `reasoning`, and its own `reasoning_details`."""
+    return {"reasoning": text, "reasoning_details": [{"type": "reasoning.text", "text": text, "index": 0}]}
+
+
 def _chat_stream(request: dict[str, Any]) -> list[dict[str, Any]]:
     model = request["model"]
+    if model == "vllm-served":
+        return _vllm_stream(request)
     if model == "mistral-small":
         return [
             _chunk(model, {"role": "assistant", "content": ""}),
@@ -61,8 +114,8 @@ def _chat_stream(request: dict[str, Any]) -> list[dict[str, Any]]:
     assert model == "vllm-reasoner", model
     return [
         _chunk(model, {"role": "assistant", "content": ""}),
-        _chunk(model, {"reasoning": "two plus two"}),
-        _chunk(model, {"reasoning": " is four"}),
+        _chunk(model, _reasoning("two plus two")),
+        _chunk(model, _reasoning(" is four")),
         _chunk(model, {"content": "4"}),
         _chunk(model, {}, "stop"),
         {
@@ -88,6 +141,25 @@ def _completion_stream(request: dict[str, Any]) -> list[dict[str, Any]]:
         }
 
     return [chunk(" wor"), chunk("ld"), chunk("", _finish(request)) | {"usage": USAGE}]
+
+
+def _vllm_completion(request: dict[str, Any]) -> dict[str, Any]:
+    message = {"role": "assistant", "content": "Hello there", "refusal": None, "tool_calls": []}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop", "stop_reason": "END"}
+    completion = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": request["model"],
+        "choices": [choice],
+        "usage": _vllm_usage(2),
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }
+    if request.get("return_token_ids"):
+        choice["token_ids"] = [9906, 1070]
+        completion["prompt_token_ids"] = PROMPT_IDS
+    return completion
 
 
 def _completion(model: str) -> dict[str, Any]:
@@ -137,7 +209,9 @@ async def compat_server(scope: Scope, receive: Receive, send: Send) -> None:
         return
     request = json.loads(await _body(receive))
     if not request.get("stream"):
-        await _respond(send, b"application/json", json.dumps(_completion(request["model"])).encode())
+        model = request["model"]
+        completion = _vllm_completion(request) if model == "vllm-served" else _completion(model)
+        await _respond(send, b"application/json", json.dumps(completion).encode())
         return
     chunks = _completion_stream(request) if scope["path"] == "/v1/completions" else _chat_stream(request)
     frames = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)

@@ -229,8 +229,10 @@ models:
   - {{name: vllm-reasoner, backend: compat}}
   - {{name: gpt-4o-audio-preview, backend: compat}}
   - {{name: cut-short, backend: compat}}
+  - {{name: vllm-served, backend: compat}}
 routes:
   - {{name: cut-then-mistral, candidates: [{{model: cut-short}}, {{model: mistral-small}}], probe_interval: null}}
+  - {{name: cut-then-vllm, candidates: [{{model: cut-short}}, {{model: vllm-served}}], probe_interval: null}}
 tenants:
   - {{name: demo, api_keys: ["{key}"]}}
 """
@@ -239,7 +241,8 @@ tenants:
 @pytest.fixture(scope="module")
 def compat_gateway() -> Iterator[RunningGateway]:
     """A gateway in front of `tests.fakes.compat`: OpenAI-compatible servers' own ways (each of its
-    models as a plain model, and `cut-then-mistral`: a stream cut after "Hello", resumed on Mistral)."""
+    models as a plain model, and `cut-then-mistral` / `cut-then-vllm`: a stream cut after "Hello",
+    resumed on Mistral / vLLM)."""
     with serve(compat_server, free_port()) as upstream:
         config = parse_config(COMPAT_CONFIG.format(url=upstream, key=DEMO_KEY), {})
         with running_gateway(config) as gateway:

@@ -7,6 +7,9 @@ import json
 
 import pytest
 
+from gateway.config import Backend
+from gateway.providers import openai as openai_provider
+from gateway.types import ChatRequest, Message, StreamOptions
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import RunningGateway
 
@@ -390,3 +393,103 @@ def test_a_whole_answer_keeps_the_fields_weir_does_not_model(compat_gateway: Run
     assert message.annotations and message.annotations[0].url_citation.url == "https://example.com/"
     assert completion.service_tier == "default"
     assert completion.object == "chat.completion" and completion.usage is not None
+
+
+# vLLM's own fields beside OpenAI's (tests.fakes.compat `vllm-served`), which the SDK keeps in each
+# object's `model_extra`: the choice's `stop_reason` and, asked for with `return_token_ids`, the
+# choices' `token_ids` and the prompt's `prompt_token_ids`.
+VLLM_IDS = {"return_token_ids": True}
+
+
+def _vllm_stream_body(include_usage: bool) -> dict[str, object]:
+    """A streamed request's vLLM parameters: token ids, and the usage so far on every chunk."""
+    options = {"include_usage": include_usage, "continuous_usage_stats": True}
+    return {**VLLM_IDS, "stream_options": options}
+
+
+def test_a_whole_answer_keeps_its_choices_fields_weir_does_not_model(compat_gateway: RunningGateway) -> None:
+    """As the completion's and its message's own: each choice's fields come back as vLLM sent them."""
+    completion = compat_gateway.openai().chat.completions.create(
+        model="vllm-served", messages=[{"role": "user", "content": "hi"}], extra_body=VLLM_IDS
+    )
+    [choice] = completion.choices
+    assert choice.message.content == "Hello there" and choice.finish_reason == "stop"
+    assert choice.model_extra == {"stop_reason": "END", "token_ids": [9906, 1070]}
+    assert (completion.model_extra or {})["prompt_token_ids"] == [1, 15043]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_stream_re_encoded_for_its_usage_keeps_the_fields_weir_does_not_model(
+    compat_gateway: RunningGateway, include_usage: bool
+) -> None:
+    """vLLM's `continuous_usage_stats` puts the usage so far on every chunk, so every chunk is
+    re-encoded (its usage normalised, or left out for a client that did not ask for it), not passed
+    on as vLLM's JSON: each keeps its chunk's and its choice's own fields all the same."""
+    stream = compat_gateway.openai().chat.completions.create(
+        model="vllm-served",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        extra_body=_vllm_stream_body(include_usage),
+    )
+    chunks = list(stream)
+    answer = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in answer) == "Hello there"
+    assert [c.choices[0].model_extra for c in answer] == [
+        {"token_ids": []},
+        {"token_ids": [9906]},
+        {"token_ids": [1070]},
+        {"token_ids": [], "stop_reason": "END"},
+    ]
+    assert [c.model_extra for c in answer] == [{"prompt_token_ids": [1, 15043]}, {}, {}, {}]
+    usages = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert usages == ([0, 1, 2, 2, 2] if include_usage else [])
+
+
+def test_a_resumed_stream_keeps_the_fields_weir_does_not_model(compat_gateway: RunningGateway) -> None:
+    """A route's stream cut after "Hello" goes on on vLLM: its chunks, joined onto the text sent (so
+    changed, and re-encoded), keep their choices' own fields."""
+    stream = compat_gateway.openai().chat.completions.create(
+        model="cut-then-vllm", messages=[{"role": "user", "content": "hi"}], stream=True, extra_body=VLLM_IDS
+    )
+    answer = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in answer) == "Hello there"
+    finished = [c.choices[0] for c in answer if c.choices[0].finish_reason]
+    assert [(c.finish_reason, c.model_extra) for c in finished] == [
+        ("stop", {"token_ids": [], "stop_reason": "END"})
+    ]
+
+
+def test_a_stream_with_the_usage_on_every_chunk_times_its_first_token(compat_gateway: RunningGateway) -> None:
+    """vLLM's `continuous_usage_stats`: the chunk with the first text also reports the usage so far.
+    It is the first token all the same (the ledger's `ttft_ms`), not only a usage report."""
+    compat_gateway.sink.events.clear()
+    stream = compat_gateway.openai().chat.completions.create(
+        model="vllm-served",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        extra_body=_vllm_stream_body(False),
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Hello there"
+    [event] = compat_gateway.sink.events
+    assert event.status == 200 and event.usage.output_tokens == 2
+    assert event.ttft_ms is not None
+
+
+@pytest.mark.parametrize(
+    ("base_url", "sent"),
+    [
+        ("https://api.openai.com/v1", False),
+        ("https://acme.openai.azure.com/openai/deployments/gpt-4o", False),
+        ("http://vllm.internal:8000/v1", True),
+    ],
+)
+def test_continuous_usage_stats_is_left_out_for_openais_own_api_only(base_url: str, sent: bool) -> None:
+    """vLLM's and SGLang's stream option; OpenAI's API refuses an option it does not know."""
+    backend = Backend(name="b", type="openai", base_url=base_url, api_key="k")
+    options = StreamOptions(continuous_usage_stats=True)
+    request = ChatRequest(
+        model="m", messages=[Message(role="user", content="hi")], stream=True, stream_options=options
+    )
+    body = json.loads(openai_provider.chat_request(backend, request, "gpt-4o").body)
+    expected = {"include_usage": True, "continuous_usage_stats": True} if sent else {"include_usage": True}
+    assert body["stream_options"] == expected

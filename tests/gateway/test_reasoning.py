@@ -711,6 +711,21 @@ def test_streamed_reasoning_reaches_openai_clients_under_one_name(compat_gateway
     assert (reasoning, content) == ("two plus two is four", "4")
 
 
+def test_streamed_reasoning_keeps_the_fields_weir_does_not_model(compat_gateway: RunningGateway) -> None:
+    """Renamed, a chunk of reasoning is re-encoded, not passed on as the server's JSON: its delta keeps
+    what Weir does not model all the same (OpenRouter's `reasoning_details`, beside `reasoning`)."""
+    stream = compat_gateway.openai().chat.completions.create(
+        model="vllm-reasoner", messages=[{"role": "user", "content": "2+2?"}], stream=True
+    )
+    details = [
+        detail["text"]
+        for chunk in stream
+        for choice in chunk.choices
+        for detail in (choice.delta.model_extra or {}).get("reasoning_details", ())
+    ]
+    assert details == ["two plus two", " is four"]
+
+
 # --- adaptive thinking and effort (Claude 4.6 on) ------------------------------------------------
 
 

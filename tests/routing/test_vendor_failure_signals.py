@@ -372,6 +372,43 @@ def test_an_empty_streamed_answer_with_a_finish_reason_is_the_models_answer(
     assert not fake_anthropic.requests
 
 
+# A legacy completion's chunk with no text and no finish reason (vLLM's, before it generated anything).
+NO_TEXT = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "created": 0,
+    "model": "gpt-4o-mini",
+    "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}],
+}
+
+
+def test_a_200_completions_stream_without_text_fails_over_invisibly(
+    gateway: RunningGateway, raw: Script, fake_anthropic: FakeAnthropic
+) -> None:
+    """As a chat stream: a legacy completions stream of one empty chunk and `[DONE]` holds no answer.
+    Taken for its first token, it was handed over, and its client got a 200 stream that broke (an
+    error event) instead of the next candidate's answer."""
+    raw.answer = sse(NO_TEXT)
+    response = client(gateway).completions.with_raw_response.create(
+        model="raw-first", prompt=ECHO, stream=True
+    )
+    chunks = list(response.parse())
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ECHO
+    assert route_header(response)["tried"] == "raw-model:502,raw-model:502,claude-sonnet:ok"
+    settled(gateway, 3)
+    assert ledger(gateway) == [("raw", 502), ("raw", 502), ("anthropic", 200)]
+
+
+def test_a_200_completions_stream_without_text_is_a_502_to_a_plain_model_client(
+    gateway: RunningGateway, raw: Script
+) -> None:
+    raw.answer = sse(NO_TEXT)
+    with pytest.raises(openai.APIStatusError) as caught:
+        list(client(gateway).completions.create(model="raw-model", prompt=ECHO, stream=True))
+    assert caught.value.status_code == 502
+    assert "without an answer" in caught.value.body["message"]  # type: ignore[index]
+
+
 # --- errors inside a 200 stream, and streams that just stop -----------------------------------------
 
 # (route, the fake that breaks, the fault, which backend continues): each vendor's own in-stream error
