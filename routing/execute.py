@@ -750,13 +750,17 @@ class Executor:
         stitch: Stitcher | None = None,
     ) -> Batches:
         """The client's one stream: when the upstream breaks after the first token, continue on the
-        next candidate from the text already sent, or (route.resume false, tool calls under way, no
-        candidate left) raise, which the API turns into an SSE error event. `stitch`: the first
-        answer's, which goes on from the client's own prefill (`_prefill_stitch`)."""
+        next candidate from the text already sent, or (route.resume false, tool calls or a refusal
+        under way, the client's output limit spent, no candidate left) raise, which the API turns into
+        an SSE error event. `stitch`: the first answer's, which goes on from the client's own prefill
+        (`_prefill_stitch`)."""
         sent: list[str] = []
         failed: set[str] = set()
         stream_id: str | None = None
         tool_calls = False
+        # A refusal sent: no answer text a prefill could go on from, and a fresh answer after it
+        # would follow half a refusal in the one message.
+        refused = False
         finished = False  # the answer ended (a finish reason was sent): nothing is left to continue
         resumed = False
         # The continuation goes on from answer text the client has: reasoning it writes first (a
@@ -808,6 +812,7 @@ class Executor:
                                 if c.delta.content:
                                     sent.append(c.delta.content)
                                 tool_calls = tool_calls or bool(c.delta.tool_calls)
+                                refused = refused or bool(c.delta.refusal)
                                 finished = finished or c.finish_reason is not None
                                 thinking = _thinking_after(thinking, c.delta)
                         yield batch
@@ -827,11 +832,24 @@ class Executor:
                         self._note(plan, choice.candidate.model, "cut")
                         if plan.route.breaker is not None and _unhealthy(exc):
                             await self.breakers.failure(self._key(choice))
+                    # The cut attempt's usage event was recorded as its stream unwound, before the
+                    # break reached here: what it is billed for the text (and reasoning) it wrote,
+                    # which is also what it spent of the client's output limit.
+                    cut = call.info.usage or Usage()
+                    written = msgspec.structs.replace(
+                        written,
+                        # Less what a cut continuation wrote again of the text sent (the client never
+                        # got it twice).
+                        output_tokens=written.output_tokens
+                        + max(0, cut.output_tokens - _repeated_tokens(stitch)),
+                        reasoning_tokens=written.reasoning_tokens + cut.reasoning_tokens,
+                    )
                     if (
                         not plan.route.resume
                         or tool_calls
+                        or refused
                         or finished
-                        or _limit_reached(request, len(sent))
+                        or _limit_reached(request, written.output_tokens)
                         or not _resumable(request)
                         or not fails_over(plan.route, exc)
                     ):
@@ -845,17 +863,6 @@ class Executor:
                     # The client's own prefill, which the answer goes on from: the text sent goes on
                     # from it too, and the continuation from both, as one assistant message.
                     given = request.messages[-1].text() if request.continue_final_message else ""
-                    # The cut attempt's usage event was recorded as its stream unwound, before the
-                    # break reached here: what it is billed for the text (and reasoning) it wrote.
-                    cut = call.info.usage or Usage()
-                    written = msgspec.structs.replace(
-                        written,
-                        # Less what a cut continuation wrote again of the text sent (the client never
-                        # got it twice).
-                        output_tokens=written.output_tokens
-                        + max(0, cut.output_tokens - _repeated_tokens(stitch)),
-                        reasoning_tokens=written.reasoning_tokens + cut.reasoning_tokens,
-                    )
                     prefilled_tokens = _estimated_tokens(prefill, sum(1 for s in sent if s.strip()))
                     messages = request.messages
                     if prefill and given:
@@ -875,7 +882,7 @@ class Executor:
                             reasoning_adaptive=None,
                             continue_final_message=True,
                         )
-                    continued = _shorter(continued, len(sent))
+                    continued = _shorter(continued, written.output_tokens)
                     try:
                         batches = await self.first(
                             call, plan, chat_op(continued), feats, skip=frozenset(failed)
@@ -1235,20 +1242,21 @@ def _as_one_answer(reported: Usage, written: Usage, prefilled_tokens: int, repea
     )
 
 
-def _limit_reached(request: ChatRequest, chunks_sent: int) -> bool:
-    """Whether the text sent already fills the client's output limit (one content chunk counted as one
-    token, and a chunk with text holds at least one): the answer ended at its length, and a
-    continuation could only add text past the limit the client set."""
+def _limit_reached(request: ChatRequest, spent: int) -> bool:
+    """Whether the cut attempts' output (`spent`: what they are billed for, reasoning included, as
+    `_as_one_answer` tells the client) already fills the client's output limit: the answer ended at
+    its length, and a continuation could only add output past the limit the client set."""
     limit = request.output_limit
-    return limit is not None and chunks_sent >= limit
+    return limit is not None and spent >= limit
 
 
-def _shorter(request: ChatRequest, chunks_sent: int) -> ChatRequest:
-    """The continuation may only produce what the client's output limit has left (one content chunk
-    counted as one token: what the vendors stream; the vendor still enforces its own count)."""
+def _shorter(request: ChatRequest, spent: int) -> ChatRequest:
+    """The continuation may only produce what the client's output limit has left after the cut
+    attempts' output (`spent`, as `_limit_reached` counts it). A chunk is no token: Anthropic's and
+    Gemini's streams carry several a chunk. The vendor still enforces its own count."""
     if request.max_completion_tokens is not None:
-        left = max(1, request.max_completion_tokens - chunks_sent)
+        left = max(1, request.max_completion_tokens - spent)
         return msgspec.structs.replace(request, max_completion_tokens=left)
     if request.max_tokens is not None:
-        return msgspec.structs.replace(request, max_tokens=max(1, request.max_tokens - chunks_sent))
+        return msgspec.structs.replace(request, max_tokens=max(1, request.max_tokens - spent))
     return request
