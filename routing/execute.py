@@ -43,6 +43,7 @@ from gateway.types import (
     ChatResponse,
     ChunkChoice,
     Delta,
+    FinishReason,
     Message,
     edited,
     is_answer,
@@ -849,11 +850,26 @@ class Executor:
                         or tool_calls
                         or refused
                         or finished
-                        or _limit_reached(request, written.output_tokens)
                         or not _resumable(request)
                         or not fails_over(plan.route, exc)
                     ):
                         raise
+                    if last is not None and _limit_reached(request, written.output_tokens):
+                        # The answer already filled the client's output limit: its vendor would have
+                        # ended it at its length a moment later. It ends so here, as an unbroken
+                        # stream would have, not with an error a client retries (paying again) for
+                        # an answer it has whole; a continuation could only write past the limit.
+                        if stitch is not None and (rest := stitch.end()):
+                            yield [_text_chunk(last, rest)]
+                        told = _as_one_answer(
+                            msgspec.structs.replace(cut, output_tokens=0, reasoning_tokens=0),
+                            written,
+                            prefilled_tokens,
+                            0,
+                        )
+                        yield [_finish_chunk(last, "length"), edited(last, choices=[], usage=told)]
+                        call.info.usage = told
+                        return
                     # The prefill without trailing whitespace: Anthropic refuses one that ends in
                     # whitespace, and other models tokenize it badly. Nothing sent yet (the break
                     # came during reasoning): ask again, without an empty assistant turn.
@@ -1184,6 +1200,12 @@ def _text_chunk(like: ChatChunk, text: str) -> ChatChunk:
     """A chunk of answer text alone, with the id, model and time of `like`."""
     choice = ChunkChoice(index=0, delta=Delta(content=text))
     return edited(like, choices=[choice], usage=None)
+
+
+def _finish_chunk(like: ChatChunk, reason: FinishReason) -> ChatChunk:
+    """A chunk that ends the answer with `reason` and says nothing else, with the id, model and time
+    of `like`."""
+    return edited(like, choices=[ChunkChoice(index=0, delta=Delta(), finish_reason=reason)], usage=None)
 
 
 def _unsent(call: Call, plan: Plan, number: int) -> bool:

@@ -168,16 +168,55 @@ def test_a_continuation_is_asked_for_what_the_output_limit_has_left(
     assert FIVE_WORDS_TOKENS < told.completion_tokens <= limit
 
 
-def test_an_output_limit_the_cut_attempt_spent_is_not_continued(
+def test_an_output_limit_the_cut_attempt_spent_ends_the_answer_at_its_length(
     gateway: RunningGateway, raw: CutStream, fake_openai: FakeOpenAI
 ) -> None:
     """With max_tokens=6 the same cut attempt already spent the whole limit: a continuation (asked for
-    5 more, were a chunk one token) could only go past it. The stream ends with the SSE error, and the
-    client is told no usage beyond its limit."""
+    5 more, were a chunk one token) could only go past it, and the vendor would have ended the answer
+    at its length a moment later. The stream ends so, cleanly, not with an error the client would
+    retry (paying again) for an answer it has whole; it is told the output it was billed for."""
     raw.frames = FIVE_WORDS
     chunks, error = limited(gateway, FIVE_WORDS_TOKENS)
-    assert error is not None
+    assert error is None
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "one two three four five"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert cut_attempt(gateway, 1).usage.output_tokens == FIVE_WORDS_TOKENS
-    assert not fake_openai.requests
-    assert all(c.usage is None for c in chunks)
+    assert not fake_openai.posts
+    [told] = [c.usage for c in chunks if c.usage is not None]
+    assert told.completion_tokens == FIVE_WORDS_TOKENS
+
+
+def test_an_anthropic_client_whose_limit_the_cut_attempt_spent_gets_max_tokens(
+    gateway: RunningGateway, raw: CutStream, fake_openai: FakeOpenAI
+) -> None:
+    """The same through the Messages API: the message ends with stop_reason max_tokens and the
+    output it was billed for, and the SDK's stream parser accepts the event sequence."""
+    raw.frames = FIVE_WORDS
+    with gateway.anthropic().messages.stream(
+        model="raw-then-gpt", max_tokens=FIVE_WORDS_TOKENS, messages=ASK
+    ) as stream:
+        message = stream.get_final_message()
+    assert "".join(b.text for b in message.content if b.type == "text") == "one two three four five"
+    assert message.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == FIVE_WORDS_TOKENS
+    assert not fake_openai.posts
+
+
+def test_a_responses_client_whose_limit_the_cut_attempt_spent_gets_an_incomplete_response(
+    gateway: RunningGateway, raw: CutStream, fake_openai: FakeOpenAI
+) -> None:
+    """And through the Responses API: `response.incomplete` for its output limit, with the text."""
+    raw.frames = FIVE_WORDS
+    events = list(
+        gateway.openai().responses.create(
+            model="raw-then-gpt", input=ECHO, max_output_tokens=FIVE_WORDS_TOKENS, stream=True
+        )
+    )
+    assert events[-1].type == "response.incomplete"
+    response = events[-1].response
+    assert (
+        response.incomplete_details is not None and response.incomplete_details.reason == "max_output_tokens"
+    )
+    assert response.output_text == "one two three four five"
+    assert response.usage is not None and response.usage.output_tokens == FIVE_WORDS_TOKENS
+    assert not fake_openai.posts
