@@ -6,15 +6,18 @@ The gateway cancels the upstream at once (draining it would pay for tokens nobod
 an estimate, marked `estimated` in the usage event and the ledger:
 
 - prompt: the upstream request body at 4 bytes per token, the same rule admission uses to reserve
-  budget (an over-estimate by the JSON framing: the tenant pays at most a little more, never zero),
-  except that an image, document or audio clip sent inline (base64) counts at most about what its
-  vendor bills for an image, not its size (`prompt_tokens`);
+  budget and routing uses for the prompt's length (an over-estimate by the JSON framing: the tenant
+  pays at most a little more, never zero), except that an image, document or audio clip sent inline
+  (base64) counts at most about what its vendor bills for an image, not its size, and one sent by URL
+  (which its vendor fetches and bills as it bills one sent inline) that much, not its URL's size
+  (`prompt_tokens`);
 - output: the larger of the count of chunks that carried text (OpenAI-compatible servers send about
   one token per chunk) and the generated text at 4 bytes per token (vendors that batch tokens).
 
 A whole (non-streamed) answer whose body was not read to its end (its attempt cancelled once its
-status line came, or its body broke off) was generated in full: the prompt as above, and the output
-from the body's size less its vendor's envelope (`whole_answer`).
+status line came, or its body broke off, went silent past the backend's read timeout or ran past the
+gateway's size cap) was generated in full: the prompt as above, and the output from the body's size
+less its vendor's envelope (`whole_answer`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def _ceil_tokens(size: int) -> int:
     return -(-size // BYTES_PER_TOKEN)
 
 
-# What a part sent inline (an image, a PDF, an audio clip as base64) is estimated to cost, at most:
+# What a part sent inline (an image, a PDF, an audio clip as base64) is estimated to cost, at most, and
+# what one sent by URL is estimated to cost (its size is not known):
 # vendors bill an image by its pixels, not its bytes, and a photo's base64 is hundreds of kB (at 4
 # bytes a token, 150,000 tokens for 600 kB). Without decoding it, one allowance that covers a
 # typical image at every vendor: Anthropic scales an image down to about 1.15 megapixels (1568 px on
@@ -48,30 +52,45 @@ INLINE_PART_TOKENS = 1600
 # What a request body holds if it carries a part inline, in every vendor's form: a string that starts
 # with a data URL (OpenAI's `image_url` and `file` parts, the Responses API's `input_image` and
 # `input_file`) or a `data` field (Anthropic's base64 `source`, Gemini's `inlineData`, OpenAI's
-# `input_audio`). A body without it (nearly every one) is not parsed: one scan of its bytes (a scan
-# per form's own marker would cost one each, each about as much as parsing the body).
-_INLINE_MARKER = b'"data'
+# `input_audio`); or by URL: a URL's `://` (OpenAI's `image_url`, Anthropic's `url` source, Gemini's
+# `fileData`). A body with neither (nearly every one) is not parsed: a scan of its bytes for each
+# costs about as much as parsing it, and walking the parsed body far more.
+_MEDIA_MARKERS = (b'"data', b"://")
 _DATA_URL_KEYS = frozenset(("url", "image_url", "file_data"))
 _INLINE_DATA_KEYS = frozenset(("inlineData", "inline_data", "input_audio"))
+_FILE_DATA_KEYS = frozenset(("fileData", "file_data"))
 
 
 def prompt_tokens(body: bytes) -> int:
     """An upstream request's prompt tokens from its body: its size at 4 bytes per token (coarse, high
     by the JSON framing, never zero), each part sent inline counted as its size or INLINE_PART_TOKENS,
-    whichever is less. What admission reserves and what an attempt cut before its usage report bills."""
-    if _INLINE_MARKER not in body:
+    whichever is less, and each sent by URL as INLINE_PART_TOKENS. What admission reserves, what an
+    attempt cut before its usage report bills, and (`input_tokens`) the prompt's length to routing."""
+    if not any(marker in body for marker in _MEDIA_MARKERS):
         return _ceil_tokens(len(body))
     try:
         tree = msgspec.json.decode(body)
     except msgspec.DecodeError:
         return _ceil_tokens(len(body))
-    inline = list(_inline_sizes(tree))
-    parts = sum(min(_ceil_tokens(size), INLINE_PART_TOKENS) for size in inline)
-    return _ceil_tokens(len(body) - sum(inline)) + parts
+    media = list(_media_parts(tree))
+    return _ceil_tokens(len(body) - sum(size for size, _ in media)) + sum(cost for _, cost in media)
 
 
-def _inline_sizes(tree: Any) -> Iterator[int]:
-    """The size of each part sent inline in a decoded request body (its base64, or its data URL)."""
+def _inline(size: int) -> tuple[int, int]:
+    """A part sent inline, `size` bytes of base64 or data URL: those bytes, and what they are billed."""
+    return size, min(_ceil_tokens(size), INLINE_PART_TOKENS)
+
+
+def _by_url(value: Any) -> tuple[int, int] | None:
+    """A part sent by the URL `value`, if it is one (a data URL is inline): its bytes, and its cost."""
+    if isinstance(value, str) and "://" in value[:64] and not value.startswith("data:"):
+        return len(value), INLINE_PART_TOKENS
+    return None
+
+
+def _media_parts(tree: Any) -> Iterator[tuple[int, int]]:
+    """Each part sent inline or by URL in a decoded request body: the bytes of the body it takes (its
+    base64, its data URL, its URL), and the tokens it is estimated at instead."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -82,20 +101,39 @@ def _inline_sizes(tree: Any) -> Iterator[int]:
             continue
         data = node.get("data")
         if node.get("type") == "base64" and isinstance(data, str):  # Anthropic's source
-            yield len(data)
+            yield _inline(len(data))
         for key, value in node.items():
             if isinstance(value, str):
                 if key in _DATA_URL_KEYS and value.startswith("data:") and ";base64," in value[:256]:
-                    yield len(value)
+                    yield _inline(len(value))
+                elif key == "image_url" and (part := _by_url(value)) is not None:
+                    yield part  # the Responses API's input_image
+            elif not isinstance(value, dict | list):
+                continue
             elif key in _INLINE_DATA_KEYS and isinstance(value, dict) and isinstance(value.get("data"), str):
-                yield len(value["data"])  # Gemini's inline data, OpenAI's input audio
-            elif isinstance(value, dict | list):
+                yield _inline(len(value["data"]))  # Gemini's inline data, OpenAI's input audio
+            elif isinstance(value, dict) and (part := _linked(key, value)) is not None:
+                yield part
+            else:
                 stack.append(value)
+
+
+def _linked(key: str, value: dict[str, Any]) -> tuple[int, int] | None:
+    """The part sent by URL that the object `value` under `key` is, if it is one: OpenAI's `image_url`
+    (`{"url": ...}`), Anthropic's `source` of type `url`, Gemini's `fileData` (`fileUri`)."""
+    if key == "image_url":
+        return _by_url(value.get("url"))
+    if key == "source" and value.get("type") == "url":
+        return _by_url(value.get("url"))
+    if key in _FILE_DATA_KEYS:
+        return _by_url(value.get("fileUri", value.get("file_uri")))
+    return None
 
 
 def input_tokens(request: ChatRequest) -> int:
     """A chat's input tokens from what would be sent (messages and tools as JSON), by the same rule
-    (`prompt_tokens`). For count_tokens where no backend can count."""
+    (`prompt_tokens`). For count_tokens where no backend can count, and the prompt's length to routing
+    (`routing.plan.features`: route conditions, context-window fit, expected cost)."""
     return prompt_tokens(msgspec.json.encode([request.messages, request.tools or []]))
 
 

@@ -31,14 +31,7 @@ from gateway.ids import ordered_id
 from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
 from gateway.router_basic import Target
-from gateway.transport import (
-    MAX_RESPONSE_BODY,
-    RESPONSE_INTERRUPTED,
-    Transport,
-    UpstreamResponse,
-    body_size,
-    describe,
-)
+from gateway.transport import MAX_RESPONSE_BODY, Transport, UpstreamResponse, body_size, describe
 from gateway.types import is_answer
 from gateway.usage import Usage
 from gateway.usage_sink import UsageSink
@@ -217,9 +210,10 @@ class Pipeline:
         not take it (a hedge race the other attempt won meanwhile), and the attempt ends as one the
         router cancelled a moment earlier would (`Call.stopped`, else `cancelled`), billed the usage
         its vendor reported. Cancelled once its status line arrived, before its body was read, or
-        with its body broken off mid-read (`_unread`), it is billed what `_cut_answer` says: the
-        attempt ends at once, and its usage event is recorded once that is known, in the background
-        (`background`) while its body may still come."""
+        with its body not read to its end (broken off, silent past `timeouts.read`, larger than
+        MAX_RESPONSE_BODY), it is billed what `_cut_answer` says: the attempt ends at once, and its
+        usage event is recorded once that is known, in the background (`background`) while its body
+        may still come."""
         left = await self._admit(call, target, upstream, attempt)
         started_at, t0 = time.time(), time.perf_counter()
         record = functools.partial(
@@ -262,11 +256,12 @@ class Pipeline:
             failure, status = call.stopped.get(attempt, gone)
             raise
         finally:
-            if response is None or reading is None or not _unread(reading):
+            if response is None or reading is None:
                 await record(usage, status, failure)
             else:
-                # Its body not read to its end: it broke off (the read is over), or is still coming
-                # as the attempt was cancelled, and is waited for in the background.
+                # Its body not read to its end: the read failed (it broke off, went silent, or ran
+                # past the size cap), or the body is still coming as the attempt was cancelled, and
+                # is waited for in the background.
                 billed = _cut_answer(call, target, upstream, parse, response, reading)
                 recording = _record_cut(billed, record, status, failure)
                 if reading.done():
@@ -481,12 +476,14 @@ async def _cut_answer(
     reading: asyncio.Task[bytes],
 ) -> tuple[Usage, bool]:
     """What a whole answer not read to its end is billed (cancelled after its status line, before its
-    body was read; or its body broken off mid-read), and whether that is an estimate. A 2xx comes once
-    its vendor generated the whole answer, which it bills: the vendor's own report when the body comes
-    within CUT_ANSWER_WAIT (billed as the answer read uncancelled is: nothing for a body without usage
-    or unreadable), else an estimate (`estimate.whole_answer`) from the request and the answer's size
-    as far as known (`transport.body_size`), less its vendor's envelope (no output for an embedding;
-    counting tokens is free). An error status bills nothing, as ever."""
+    body was read; or its read failed: the body broke off mid-read, went silent past `timeouts.read`,
+    or ran past MAX_RESPONSE_BODY), and whether that is an estimate. A 2xx comes once its vendor
+    generated the whole answer, which it bills, whatever became of its body on the way: the vendor's
+    own report when the body comes within CUT_ANSWER_WAIT (billed as the answer read uncancelled is:
+    nothing for a body without usage or unreadable), else an estimate (`estimate.whole_answer`) from
+    the request and the answer's size as far as known (`transport.body_size`, at most
+    MAX_RESPONSE_BODY), less its vendor's envelope (no output for an embedding; counting tokens is
+    free). An error status bills nothing, as ever."""
     ok = 200 <= response.status < 300
     body = await _read_within(reading, CUT_ANSWER_WAIT if ok else 0.0)
     if not ok or call.endpoint == "count_tokens":
@@ -501,17 +498,6 @@ async def _cut_answer(
         return whole_answer(upstream.body, 0, 0), True
     envelope = len(target.provider.empty_answer(target.upstream_model))
     return whole_answer(upstream.body, body_size(response), envelope), True
-
-
-def _unread(reading: asyncio.Task[bytes]) -> bool:
-    """Whether the answer whose body `reading` reads is one not read to its end, that `_cut_answer`
-    bills: its body still coming (or come) as its attempt was cancelled, or broken off mid-way (the
-    connection dropped). Not one the gateway gave up on, a broken backend's, billed nothing as ever:
-    silent past `timeouts.read`, or larger than MAX_RESPONSE_BODY (a gzip bomb)."""
-    if not reading.done() or reading.cancelled():
-        return True
-    error = reading.exception()
-    return error is None or (isinstance(error, GatewayError) and error.code == RESPONSE_INTERRUPTED)
 
 
 async def _record_cut(

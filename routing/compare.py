@@ -41,13 +41,14 @@ from prometheus_client.core import GaugeMetricFamily
 from gateway.accounting.events import UsageEvent
 from gateway.aio import detached
 from gateway.errors import GatewayError
+from gateway.estimate import BYTES_PER_TOKEN
 from gateway.ids import ordered_id
 from gateway.logging import logging_for
 from gateway.metrics import drop_series
 from gateway.pipeline import Call, Pipeline, RequestInfo
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
 from routing.execute import SpendCap
-from routing.plan import CHARS_PER_TOKEN, Choice, Features, Plan
+from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, expected_cost, head_name
 from routing.ranking import head_ranking
 from routing.routes import Candidate
@@ -449,7 +450,7 @@ class Comparer:
     def _estimate(self, job: Job, other: Candidate, other_target: Target, judge_target: Target) -> float:
         output = job.feats.max_output_tokens or job.route.expected_output_tokens
         answer = expected_cost(Choice(other_target, other), job.feats, output, self.context)
-        judge_in = job.feats.prompt_tokens + 2 * max(len(job.answer) // CHARS_PER_TOKEN, output)
+        judge_in = job.feats.prompt_tokens + 2 * max(len(job.answer.encode()) // BYTES_PER_TOKEN, output)
         judge_feats = dataclasses.replace(job.feats, prompt_tokens=judge_in)
         judge = expected_cost(
             Choice(judge_target, Candidate(model=judge_target.model.name)),

@@ -6,15 +6,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
+from gateway.estimate import input_tokens
 from gateway.types import ChatRequest, ImagePart, Message, TextPart
 
 if TYPE_CHECKING:
     from gateway.router_basic import Target
     from routing.routes import Candidate, Route
 
-CHARS_PER_TOKEN = 4  # estimate, for conditions and cost; the vendor counts exactly afterwards
 # What a policy learns from one request (its score in a strong-share window, prefix affinity's hit or
 # miss and the prefixes it sends), kept once the request is sent (`Plan.commit`).
 Lesson = Callable[[], None]
@@ -29,6 +27,12 @@ class Features:
     # conversation's previous request, which prefix affinity looks up.
     history_chars: int | None
     last_user: str  # the last user turn (difficulty)
+    # The prompt's length as the gateway estimates it everywhere else (`estimate.input_tokens`, the
+    # rule of admission and of the bill of an attempt cut short): everything the vendor bills as input,
+    # not only the turns' text: earlier tool calls' arguments (an agent's history is mostly those), the
+    # tool definitions, images (inline or by URL). Counted from the text alone, a long tool loop or a
+    # question with images matched a `max_prompt_tokens` route for a small context window. The vendor
+    # counts exactly afterwards.
     prompt_tokens: int
     max_output_tokens: int | None
     tools: bool
@@ -72,23 +76,12 @@ def features(request: ChatRequest, tenant: str | None, key_id: str | None) -> Fe
             last_user = _turn_text(message)
         if isinstance(message.content, list):
             images = images or any(isinstance(part, ImagePart) for part in message.content)
-    prompt = "\n".join(texts)
-    # The prompt's length counts everything the vendor bills as input, not only the turns' text:
-    # earlier tool calls' arguments (an agent's history is mostly those) and the tool definitions.
-    # Without them a long tool loop matched a `max_prompt_tokens` route for a small context window.
-    size = len(prompt) + sum(
-        len(call.function.name) + len(call.function.arguments)
-        for message in request.messages
-        for call in message.tool_calls or ()
-    )
-    if request.tools:
-        size += len(msgspec.json.encode(request.tools))
     metadata = request.metadata or {}
     return Features(
-        prompt=prompt,
+        prompt="\n".join(texts),
         history_chars=history_chars,
         last_user=last_user,
-        prompt_tokens=size // CHARS_PER_TOKEN + 1,
+        prompt_tokens=input_tokens(request),
         max_output_tokens=request.output_limit,
         tools=bool(request.tools),
         images=images,

@@ -318,6 +318,27 @@ def test_stream_cut_after_n_chunks_has_no_terminator(client: openai.OpenAI, fake
     assert seen == ["", "a", " b"]
 
 
+def test_a_stall_sends_part_of_the_reply_then_nothing_until_reset(
+    client: openai.OpenAI, fake_openai: FakeOpenAI
+) -> None:
+    impatient = client.with_options(timeout=0.5)
+    fake_openai.fail_next(Fault.stall(), times=2)
+    with pytest.raises(openai.APITimeoutError):  # the headers came, the rest of the body never does
+        impatient.chat.completions.create(model="gpt-4o-mini", messages=user("x"))
+    seen: list[str | None] = []
+    with pytest.raises(openai.APITimeoutError):
+        for chunk in impatient.chat.completions.create(
+            model="gpt-4o-mini", messages=user("a b c d e"), stream=True
+        ):
+            seen.append(chunk.choices[0].delta.content)
+    assert seen == [""]  # one chunk (the role), then silence
+    fake_openai.reset()
+    assert (
+        client.chat.completions.create(model="gpt-4o-mini", messages=user("ok")).choices[0].message.content
+        == "ok"
+    )
+
+
 def test_in_stream_error_event(client: openai.OpenAI, fake_openai: FakeOpenAI) -> None:
     fake_openai.fail_next(Fault.stream_error(after=2, code=500))
     with pytest.raises(openai.APIError, match="server had an error"):

@@ -14,7 +14,9 @@ from gateway.accounting.pricing import USAGE_FIELD, TokenClass
 from gateway.auth import Principal
 from gateway.db.models import Tenant, UsageEventRow
 from gateway.errors import GatewayError
-from routing.plan import CHARS_PER_TOKEN, Features
+from gateway.estimate import input_tokens
+from gateway.types import ChatRequest, ContentPart, ImagePart, ImageURL, Message, TextPart
+from routing.plan import Features
 
 MAX_LIMIT = 500
 # The log is found from the newest attempts, read in pages of this many rows per request wanted; each
@@ -189,6 +191,18 @@ class PreviewBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: int | None = None
 
 
+def _sample_request(body: PreviewBody) -> ChatRequest:
+    """The request a preview stands for, as far as its prompt's length goes: its prompt as the user's
+    turn, with one image (by URL) where it says the request has images."""
+    content: str | list[ContentPart] = body.prompt
+    if body.images:
+        content = [
+            TextPart(text=body.prompt),
+            ImagePart(image_url=ImageURL(url="https://preview.invalid/image")),
+        ]
+    return ChatRequest(model=body.model, messages=[Message(role="user", content=content)])
+
+
 @post("/routes/preview", status_code=200)
 async def preview_route(request: Request, ctx: Any) -> dict[str, Any]:
     """Where a sample prompt would go and why: the route that matches, the candidates in the order
@@ -203,7 +217,7 @@ async def preview_route(request: Request, ctx: Any) -> dict[str, Any]:
         prompt=body.prompt,
         history_chars=None,
         last_user=body.prompt,
-        prompt_tokens=len(body.prompt) // CHARS_PER_TOKEN + 1,
+        prompt_tokens=input_tokens(_sample_request(body)),
         max_output_tokens=body.max_tokens,
         tools=body.tools,
         images=body.images,

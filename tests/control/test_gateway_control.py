@@ -20,9 +20,12 @@ import anthropic
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionContentPartParam
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.estimate import INLINE_PART_TOKENS, input_tokens
+from gateway.types import ChatRequest, Message
 from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL, sync_exec
 from tests.fakes import FakeOpenAI
@@ -79,11 +82,19 @@ def expected_pico(rows: list[tuple]) -> int:
     return int(usd * 10**12)
 
 
+@pytest.fixture
+def weir_config() -> str:
+    """The gateway's config (`${OPENAI_BASE_URL}`, `${OPENAI_API_KEY}`, `${DB_URL}` filled in): a
+    module that imports `weir` overrides it to change the backend's settings."""
+    return CONFIG
+
+
 @pytest.fixture(
     params=["sqlite", pytest.param("postgres+redis", marks=[pytest.mark.postgres, pytest.mark.redis])]
 )
 def weir(
     request: pytest.FixtureRequest,
+    weir_config: str,
     fake_openai: FakeOpenAI,
     tmp_path: Path,
     redis_prefix: str,
@@ -96,7 +107,7 @@ def weir(
     if request.param != "sqlite":
         monkeypatch.setenv("WEIR_REDIS_URL", REDIS_URL)
     env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
-    app = create_app(parse_config(CONFIG, env))
+    app = create_app(parse_config(weir_config, env))
     with serve(app, free_port()) as url:
         yield Weir(url, db_url)
 
@@ -192,6 +203,43 @@ def test_an_image_sent_inline_is_admitted_by_what_it_costs_not_its_size(weir: We
     except openai.RateLimitError as exc:
         raise AssertionError(f"refused: {exc.body}") from None
     assert reply.usage is not None and reply.usage.prompt_tokens < 1000
+
+
+def test_an_image_sent_by_url_is_admitted_by_what_it_costs_not_its_urls_size(weir: Weir) -> None:
+    """Admission estimates an image sent by URL as one sent inline (INLINE_PART_TOKENS): the vendor
+    fetches it and bills its tokens. It counted as its URL's dozen tokens: a 1,000 TPM limit let
+    through requests of 1,600 tokens and more, one image each."""
+    _, _, key = weir.tenant_with_key("vision-by-url", tpm=1000)
+    picture: list[ChatCompletionContentPartParam] = [
+        {"type": "text", "text": "what is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/photos/a-cat-on-a-mat.jpg"}},
+    ]
+    with pytest.raises(openai.RateLimitError) as caught:
+        weir.client(key).chat.completions.create(
+            model="gpt-4o-mini",
+            max_tokens=50,
+            messages=[{"role": "user", "content": picture}],
+        )
+    assert "Request too large for this tenant on tokens per min (TPM): Limit 1000" in str(caught.value.body)
+    # The same request without its image fits.
+    assert weir.client(key).chat.completions.create(
+        model="gpt-4o-mini",
+        max_tokens=50,
+        messages=[{"role": "user", "content": picture[:1]}],
+    )
+
+
+def test_a_route_preview_measures_its_prompt_as_a_requests(weir: Weir) -> None:
+    """The preview's prompt length is a request's (`estimate.input_tokens`), an image included: it was
+    its text at 4 characters a token, whatever `images` said."""
+    question = "what is in this picture?"
+    sample = {"model": "gpt-4o-mini", "prompt": question}
+    plain = weir.admin.post("/routes/preview", json=sample)
+    assert plain.status_code == 200, plain.text
+    request = ChatRequest(model="gpt-4o-mini", messages=[Message(role="user", content=question)])
+    assert plain.json()["prompt_tokens"] == input_tokens(request)
+    pictured = weir.admin.post("/routes/preview", json={**sample, "images": True}).json()
+    assert INLINE_PART_TOKENS < pictured["prompt_tokens"] < INLINE_PART_TOKENS + 50
 
 
 def test_a_request_larger_than_a_whole_limit_or_budget_is_not_retried_in_vain(

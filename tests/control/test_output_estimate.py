@@ -1,6 +1,6 @@
 """What admission reserves for a request: its prompt from its body's size, each part sent inline (an
-image, a file, audio as base64) as one allowance, whatever vendor's form the body takes; its output,
-its cap for every choice it asks for. The prompt's estimate is also what an attempt cut before its
+image, a file, audio as base64) or by URL as one allowance, whatever vendor's form the body takes; its
+output, its cap for every choice it asks for. The prompt's estimate is also what an attempt cut before its
 usage report is billed (tests/routing/test_stream_failover.py, test_cancelled_answer_billing.py)."""
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def test_an_unreadable_body_reserves_the_default() -> None:
 B64 = base64.b64encode(bytes(60_000)).decode()  # 80 kB of base64: 20,000 tokens at 4 bytes each
 DATA_URL = f"data:image/png;base64,{B64}"
 TEXT = "what is in this picture?"
+URL = "https://example.com/photos/a-cat-on-a-mat.png"
 
 
 def tokens(size: int) -> int:
@@ -60,15 +61,11 @@ def tokens(size: int) -> int:
         {"model": "m", "messages": [{"role": "user", "content": TEXT}]},
         {"model": "m", "messages": [{"role": "user", "content": "decode this base64: aGVsbG8="}]},
         {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}]}]},
-        # An image by URL: nothing inline, its URL's size.
-        {
-            "messages": [
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}
-            ]
-        },
-        # A data URL written as text is text; a tool's input named `data` is not an inline part.
+        # A data URL or a URL written as text is text; a tool's input named `data` or `url` is no part.
         {"model": "m", "messages": [{"role": "user", "content": DATA_URL}]},
+        {"model": "m", "messages": [{"role": "user", "content": f"what is at {URL}?"}]},
         {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": {"data": B64}}]}]},
+        {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": {"url": URL}}]}]},
         {"model": "m", "messages": [], "max_tokens": 100},
         {},
     ],
@@ -132,14 +129,40 @@ def test_a_part_sent_inline_counts_one_allowance_not_its_base64(body: dict, payl
     assert prompt_tokens(encoded) == tokens(len(encoded) - len(payload)) + INLINE_PART_TOKENS
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        _chat({"type": "image_url", "image_url": {"url": URL, "detail": "high"}}),
+        _chat({"type": "image", "source": {"type": "url", "url": URL}}),
+        _chat({"type": "document", "source": {"type": "url", "url": URL}}),
+        _gemini({"fileData": {"mimeType": "image/png", "fileUri": URL}}),
+        _gemini({"file_data": {"mime_type": "image/png", "file_uri": URL}}),
+        _responses({"type": "input_image", "image_url": URL}),
+    ],
+    ids=[
+        "openai-image",
+        "anthropic-image",
+        "anthropic-document",
+        "gemini",
+        "gemini-snake-case",
+        "responses-image",
+    ],
+)
+def test_a_part_sent_by_url_counts_one_allowance_as_one_sent_inline(body: dict) -> None:
+    """Its vendor fetches it and bills it as the same part sent inline: not its URL's 12 tokens."""
+    encoded = msgspec.json.encode(body)
+    assert prompt_tokens(encoded) == tokens(len(encoded) - len(URL)) + INLINE_PART_TOKENS
+
+
 def test_every_part_counts_and_a_small_one_only_its_size() -> None:
     small = "data:image/png;base64," + base64.b64encode(bytes(300)).decode()  # 422 bytes: 106 tokens
-    parts = [{"type": "image_url", "image_url": {"url": url}} for url in (DATA_URL, small, DATA_URL)]
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in (DATA_URL, small, DATA_URL, URL)]
     body = msgspec.json.encode({"messages": [{"role": "user", "content": parts}]})
-    rest = len(body) - 2 * len(DATA_URL) - len(small)
-    assert prompt_tokens(body) == tokens(rest) + 2 * INLINE_PART_TOKENS + tokens(len(small))
+    rest = len(body) - 2 * len(DATA_URL) - len(small) - len(URL)
+    assert prompt_tokens(body) == tokens(rest) + 3 * INLINE_PART_TOKENS + tokens(len(small))
 
 
-def test_count_tokens_estimates_an_inline_image_as_an_image() -> None:
-    request = msgspec.convert(_chat({"type": "image_url", "image_url": {"url": DATA_URL}}), ChatRequest)
+@pytest.mark.parametrize("url", [DATA_URL, URL], ids=["inline", "by-url"])
+def test_count_tokens_estimates_an_image_as_an_image(url: str) -> None:
+    request = msgspec.convert(_chat({"type": "image_url", "image_url": {"url": url}}), ChatRequest)
     assert INLINE_PART_TOKENS < input_tokens(request) < INLINE_PART_TOKENS + 50

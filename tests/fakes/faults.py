@@ -11,6 +11,7 @@ Build one with a constructor and queue it with ``fake.fail_next(fault, times=n)`
     fake.fail_next(Fault.cut_stream(after=3))           # 3 chunks, then the connection drops (no terminator)
     fake.fail_next(Fault.stream_error(after=3))         # 3 chunks, then the vendor's in-stream error event
     fake.fail_next(Fault.slow_stream(0.2))              # normal reply, 0.2 s between stream chunks
+    fake.fail_next(Fault.stall(after=3))                # 3 chunks (JSON: half the body), then silence
     fake.fail_next(Fault.garbage())                     # 200 with a body that is not the vendor's format
     fake.fail_next(Fault.wrong_content_type())          # 200 text/html, like a proxy's error page
     fake.fail_next(Fault.huge(20_000_000))              # a valid reply whose text is ~20 MB
@@ -32,6 +33,7 @@ class FaultKind(enum.Enum):
     CUT_STREAM = "cut_stream"
     STREAM_ERROR = "stream_error"
     SLOW_STREAM = "slow_stream"
+    STALL = "stall"
     GARBAGE = "garbage"
     WRONG_CONTENT_TYPE = "wrong_content_type"
     HUGE = "huge"
@@ -48,7 +50,7 @@ class Fault:
     code: str | None = None  # STATUS: the vendor's error code (OpenAI: `insufficient_quota`)
     message: str | None = None  # STATUS and STREAM_ERROR: overrides the vendor's default message
     seconds: float = 0.0  # DELAY: before the first byte; SLOW_STREAM: between chunks
-    after: int = 0  # CUT_STREAM and STREAM_ERROR: chunks sent before the failure
+    after: int = 0  # CUT_STREAM, STREAM_ERROR and STALL: chunks sent before the failure
     size: int = 0  # HUGE: approximate bytes of reply text
 
     @classmethod
@@ -89,6 +91,12 @@ class Fault:
     @classmethod
     def stream_error(cls, after: int = 1, code: int = 500, message: str | None = None) -> Fault:
         return cls(FaultKind.STREAM_ERROR, after=after, status_code=code, message=message)
+
+    @classmethod
+    def stall(cls, after: int = 1) -> Fault:
+        """`after` chunks (a JSON reply: its headers and half its body), then nothing more until
+        `reset()` or `stop()`, which drop the connection: a backend gone silent mid-answer."""
+        return cls(FaultKind.STALL, after=after)
 
     @classmethod
     def slow_stream(cls, seconds: float) -> Fault:

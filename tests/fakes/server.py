@@ -62,6 +62,10 @@ class ConnectionDropped(Exception):
     """Raised inside a handler after a fault closed the connection on purpose."""
 
 
+class ConnectionStalled(Exception):
+    """Raised inside a handler whose reply a fault stalls midway (the reply's body is its argument)."""
+
+
 class StreamFinished(Exception):
     """Raised inside a handler after a fault ended the stream early (e.g. an in-stream error event)."""
 
@@ -301,6 +305,8 @@ class FakeServer:
         fault = request.get(FAULT)
         if fault is not None and fault.kind is FaultKind.CUT_STREAM:
             raise ConnectionDropped(body)  # the middleware sends part of it, then drops the connection
+        if fault is not None and fault.kind is FaultKind.STALL:
+            raise ConnectionStalled(body)  # the middleware sends part of it, then nothing
         return web.Response(
             body=body,
             status=status,
@@ -313,6 +319,12 @@ class FakeServer:
 
     def _hang_released(self, generation: int) -> bool:
         return generation != self._generation or self._thread is None
+
+    async def _hang(self) -> None:
+        """Until `reset()` or `stop()` releases the requests hanging now."""
+        generation = self._generation
+        while not self._hang_released(generation):
+            await asyncio.sleep(0.05)
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -402,6 +414,8 @@ class FakeServer:
             return response
         except ConnectionDropped as dropped:
             return await self._drop_midway(request, dropped.args[0] if dropped.args else b"")
+        except ConnectionStalled as stalled:
+            return await self._drop_midway(request, stalled.args[0], stall=True)
         except StreamFinished as finished:
             return finished.args[0]
         except ConnectionResetError:
@@ -446,9 +460,7 @@ class FakeServer:
             await asyncio.sleep(fault.seconds)
             return None
         if kind is FaultKind.HANG:
-            generation = self._generation
-            while not self._hang_released(generation):
-                await asyncio.sleep(0.05)
+            await self._hang()
             return self.error_response(503, "released")
         if kind is FaultKind.RESET:
             _reset_connection(request)
@@ -467,15 +479,21 @@ class FakeServer:
                 text="<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1></body></html>",
                 content_type="text/html",
             )
-        return None  # CUT_STREAM, STREAM_ERROR, SLOW_STREAM and HUGE are applied while responding
+        return None  # CUT_STREAM, STREAM_ERROR, SLOW_STREAM, STALL and HUGE are applied while responding
 
-    async def _drop_midway(self, request: web.Request, body: bytes) -> web.StreamResponse:
+    async def _drop_midway(
+        self, request: web.Request, body: bytes, stall: bool = False
+    ) -> web.StreamResponse:
+        """Half of `body` (its headers announce all of it), then the connection drops: at once, or
+        (`stall`) once `reset()` or `stop()` releases it."""
         resp = web.StreamResponse(
             status=200, headers={**self.response_headers(), "content-type": "application/json"}
         )
         resp.content_length = len(body)
         await resp.prepare(request)
         await resp.write(body[: len(body) // 2])
+        if stall:
+            await self._hang()
         _drop_connection(request)
         raise asyncio.CancelledError
 
@@ -531,7 +549,9 @@ class EventStream:
     async def send(self, frame: bytes) -> None:
         fault = self.fault
         if fault is not None and self.sent >= fault.after:
-            if fault.kind is FaultKind.CUT_STREAM:
+            if fault.kind in (FaultKind.CUT_STREAM, FaultKind.STALL):
+                if fault.kind is FaultKind.STALL:
+                    await self.server._hang()
                 _drop_connection(self.request)
                 raise asyncio.CancelledError
             if fault.kind is FaultKind.STREAM_ERROR:

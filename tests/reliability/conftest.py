@@ -10,7 +10,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import pg_url, redis_prefix  # noqa: F401  (fixtures shared with tests/control)
+from tests.control.conftest import pg_url, redis_prefix, sqlite_url  # noqa: F401  (fixtures shared with tests/control)
 from tests.control.test_gateway_control import ADMIN, CONFIG, Weir
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve

@@ -4,7 +4,8 @@ ends, a gzip bomb, a body nested 100,000 deep, a trickle that never finishes, he
 
 Each: the client gets a clear error in the OpenAI shape within the backend's configured timeout
 (1 s here), another tenant is served meanwhile, and the ledger holds one row with the status the
-client saw and no cost.
+client saw: no cost, but for a whole answer whose body the gateway gave up on (the bomb, the trickle),
+which its vendor generated and bills, billed an estimate (docs/accounting.md).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.control.test_gateway_control import ADMIN, Weir
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
+from tests.reliability.test_disconnect_billing import ledger
 
 READ_TIMEOUT = 1.0
 CONFIG = """\
@@ -141,25 +143,37 @@ def call(weir: Weir, key: str, model: str, stream: bool) -> httpx.Response:
 
 
 FAULTS = [
-    # (script, model, stream, statuses the client may see, words its error message must hold)
+    # (script, model, stream, statuses the client may see, words its error message must hold, and the
+    # output tokens of the estimate it is billed: None, nothing billed)
     pytest.param(
-        keepalive_comments, "raw-model", True, {504}, "no content", id="sse-keepalive-comments-forever"
+        keepalive_comments, "raw-model", True, {504}, "no content", None, id="sse-keepalive-comments-forever"
     ),
-    pytest.param(anthropic_pings, "raw-claude", True, {504}, "no content", id="anthropic-pings-forever"),
+    pytest.param(
+        anthropic_pings, "raw-claude", True, {504}, "no content", None, id="anthropic-pings-forever"
+    ),
     # Whichever comes first: 64 MiB without a line end (502), or the read timeout without content.
-    pytest.param(endless_line, "raw-model", True, {502, 504}, "", id="sse-event-that-never-ends"),
-    pytest.param(gzip_bomb, "raw-model", False, {502}, "larger than", id="gzip-bomb"),
-    pytest.param(nested_body, "raw-model", False, {502}, "", id="body-nested-100k-deep"),
-    pytest.param(nested_error_body, "raw-model", False, {400}, "", id="error-body-nested-100k-deep"),
-    pytest.param(trickle, "raw-model", False, {504}, "", id="body-trickles-forever"),
-    pytest.param(headers_cut_off, "raw-model", False, {504}, "", id="headers-cut-off"),
-    pytest.param(json_to_a_stream, "raw-model", True, {502}, "", id="json-to-a-stream-request"),
+    pytest.param(endless_line, "raw-model", True, {502, 504}, "", None, id="sse-event-that-never-ends"),
+    # 100 MB of answer (past the 64 MiB cap): the output the request allowed, its max_tokens.
+    pytest.param(gzip_bomb, "raw-model", False, {502}, "larger than", 5, id="gzip-bomb"),
+    pytest.param(nested_body, "raw-model", False, {502}, "", None, id="body-nested-100k-deep"),
+    pytest.param(nested_error_body, "raw-model", False, {400}, "", None, id="error-body-nested-100k-deep"),
+    # What came of it is less than an answer's envelope: the prompt alone.
+    pytest.param(trickle, "raw-model", False, {504}, "", 0, id="body-trickles-forever"),
+    pytest.param(headers_cut_off, "raw-model", False, {504}, "", None, id="headers-cut-off"),
+    pytest.param(json_to_a_stream, "raw-model", True, {502}, "", None, id="json-to-a-stream-request"),
 ]
 
 
-@pytest.mark.parametrize(("script", "model", "stream", "statuses", "words"), FAULTS)
+@pytest.mark.parametrize(("script", "model", "stream", "statuses", "words", "output"), FAULTS)
 def test_raw_fault_gives_a_clear_error_in_time_and_a_true_ledger(
-    weir: Weir, raw: RawBackend, script: object, model: str, stream: bool, statuses: set[int], words: str
+    weir: Weir,
+    raw: RawBackend,
+    script: object,
+    model: str,
+    stream: bool,
+    statuses: set[int],
+    words: str,
+    output: int | None,
 ) -> None:
     raw.script = script  # type: ignore[assignment]
     tenant_id, _, key = weir.tenant_with_key("faulty")
@@ -188,8 +202,12 @@ def test_raw_fault_gives_a_clear_error_in_time_and_a_true_ledger(
     assert isinstance(error["message"], str) and error["message"] and words in error["message"]
     if model != "raw-claude":
         assert {"message", "type", "param", "code"} <= set(error)
-    rows = weir.ledger(tenant_id, expect=1)
+    weir.ledger(tenant_id, expect=1)  # the attempt's row landed
     time.sleep(0.2)  # a second row (a double count) would have landed with the first
-    rows = weir.ledger(tenant_id, expect=1)
-    assert len(rows) == 1 and rows[0][3] == 0  # one attempt, nothing billed
+    [(input_tokens, output_tokens, cost, _, estimated)] = ledger(weir, tenant_id)  # one attempt
+    if output is None:
+        assert (cost, estimated) == (0, False)  # nothing billed
+    else:  # raw-model: USD 1 per 1M tokens, in and out
+        assert (output_tokens, estimated) == (output, True) and input_tokens > 0
+        assert cost == (input_tokens + output_tokens) * 10**6
     assert len(weir.ledger(other_id, expect=1)) == 1

@@ -228,8 +228,9 @@ def test_the_cheap_route_example_by_tenant_and_tools(doc_gateway: tuple[str, Any
         "gpt-4o-mini",
         "cheapest_fit",
     )
-    # "hi" is 1 token at 4 characters a token; 256 expected output tokens; $1 and $2 per 1M.
-    assert float(header["score"]) == pytest.approx((1 * 1.0 + 256 * 2.0) / 1e6)
+    # "hi" as sent, [[{"role":"user","content":"hi"}],[]], is 10 tokens at 4 bytes a token (the
+    # gateway's estimate); 256 expected output tokens; $1 and $2 per 1M.
+    assert float(header["score"]) == pytest.approx((10 * 1.0 + 256 * 2.0) / 1e6)
     assert "cheap" in listed(url, ACME) and "cheap" not in listed(url, OTHER)
     with pytest.raises(openai.NotFoundError) as other:
         chat(url, OTHER, "cheap")

@@ -6,6 +6,7 @@ Real gateways in front of the fake vendors; the official openai and anthropic SD
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import json
 import time
@@ -113,6 +114,27 @@ def test_prompt_length_counts_tool_use_blocks_and_tools_on_the_messages_api(gate
     assert _messages_candidate(gateway, messages=hi, tools=[big_tool]) == BIG_ROUTE
     # The system prompt is part of the prompt too, as blocks or as a string.
     assert _messages_candidate(gateway, messages=hi, system=[{"type": "text", "text": BIG}]) == BIG_ROUTE
+
+
+def test_prompt_length_counts_images_as_the_gateways_estimate_does(gateway: RunningGateway) -> None:
+    """Images are billed as input (`estimate.prompt_tokens` counts each INLINE_PART_TOKENS, sent by
+    URL or inline): two are past the small route's 2,000 tokens. The prompt length ignored them, and
+    a short question with images took a route for a small context window."""
+    url = "https://example.com/photos/a-cat-on-a-mat.jpg"
+    inline = "data:image/png;base64," + base64.b64encode(bytes(6000)).decode()  # 8 kB: counted 1,600
+    for image in (url, inline):
+        one: Any = [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": image}},
+        ]
+        assert _chat_candidate(gateway, messages=[{"role": "user", "content": one}]) == SMALL_ROUTE
+        two = [*one, {"type": "image_url", "image_url": {"url": image}}]
+        assert _chat_candidate(gateway, messages=[{"role": "user", "content": two}]) == BIG_ROUTE
+    block: Any = {"type": "image", "source": {"type": "url", "url": url}}
+    text: Any = {"type": "text", "text": "what is this?"}
+    assert _messages_candidate(gateway, messages=[{"role": "user", "content": [block, text]}]) == SMALL_ROUTE
+    two_blocks: Any = [{"role": "user", "content": [block, block, text]}]
+    assert _messages_candidate(gateway, messages=two_blocks) == BIG_ROUTE
 
 
 def test_prompt_length_counts_function_call_items_on_the_responses_api(gateway: RunningGateway) -> None:
