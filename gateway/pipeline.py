@@ -497,7 +497,13 @@ async def _cut_answer(
     if call.endpoint == "embeddings":  # vectors: no output tokens, whatever their size
         return whole_answer(upstream.body, 0, 0), True
     envelope = len(target.provider.empty_answer(target.upstream_model))
-    return whole_answer(upstream.body, body_size(response), envelope), True
+    size = body_size(response)
+    if size is not None and size >= MAX_RESPONSE_BODY:
+        # No model writes 64 MiB of answer (16M tokens): a broken backend sent it (a gzip bomb). It is
+        # billed what admission reserved for it (the request's output cap, else the default), not
+        # its size.
+        size = None
+    return whole_answer(upstream.body, size, envelope), True
 
 
 async def _record_cut(

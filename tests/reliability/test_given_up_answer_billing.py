@@ -21,7 +21,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.estimate import BYTES_PER_TOKEN, INLINE_PART_TOKENS
+from gateway.estimate import BYTES_PER_TOKEN, DEFAULT_OUTPUT_ESTIMATE, INLINE_PART_TOKENS
 from gateway.providers import PROVIDERS
 from gateway.transport import MAX_RESPONSE_BODY
 from tests.control.test_gateway_control import CONFIG, Weir, weir  # noqa: F401  (weir: the fixture, both stores)
@@ -107,14 +107,19 @@ def test_a_whole_answer_that_went_silent_past_the_read_timeout_is_billed_an_esti
     assert output_tokens == tokens(len(replay.content) - ENVELOPE)
 
 
+@pytest.mark.parametrize("max_tokens", [4000, None])
 def test_a_whole_answer_larger_than_the_body_cap_is_billed_an_estimate(
     weir: Weir,  # noqa: F811
     fake_openai: FakeOpenAI,
+    max_tokens: int | None,
 ) -> None:
-    tenant_id, _, key = weir.tenant_with_key("flooded", budget_usd_monthly=str(BUDGET_USD))
+    """Billed what admission reserved for the request: its max_tokens, else the default reservation;
+    not 64 MiB at 4 bytes a token (16M tokens), a size no model writes (a broken backend's gzip bomb)."""
+    tenant_id, _, key = weir.tenant_with_key(f"flooded-{max_tokens}", budget_usd_monthly=str(BUDGET_USD))
     fake_openai.fail_next(Fault.huge(MAX_RESPONSE_BODY + 2**20))
+    capped = {} if max_tokens is None else {"max_tokens": max_tokens}
     with pytest.raises(openai.APIStatusError) as caught:
-        weir.client(key).chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=4000)
+        weir.client(key).chat.completions.create(model="gpt-4o-mini", messages=HI, **capped)
     assert caught.value.status_code == 502
     assert caught.value.body == {
         "message": f"backend openai sent a response larger than {MAX_RESPONSE_BODY} bytes",
@@ -124,8 +129,7 @@ def test_a_whole_answer_larger_than_the_body_cap_is_billed_an_estimate(
     }
     input_tokens, output_tokens = billed_estimate(weir, tenant_id, 502)
     assert input_tokens == tokens(len(fake_openai.last_request.body))
-    # At least 64 MiB of answer: the most the request allowed, its max_tokens.
-    assert output_tokens == 4000
+    assert output_tokens == (max_tokens or DEFAULT_OUTPUT_ESTIMATE)
 
 
 def test_an_image_sent_by_url_counts_as_an_image_in_the_estimate(
