@@ -144,6 +144,12 @@ class OutputConfig(Base):
 class Metadata(Base):
     user_id: str | None = None
 
+    def entries(self) -> dict[str, str]:
+        """The metadata as route conditions read it (`when.metadata`), as a chat client's would be.
+        Upstream it goes as the canonical `user`, not as `metadata`: OpenAI takes `metadata` only with
+        `store`, and a chat client's is sent as that client sent it."""
+        return {} if self.user_id is None else {"user_id": self.user_id}
+
 
 class MessagesRequest(Base):
     model: str

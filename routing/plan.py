@@ -60,7 +60,11 @@ def prompt_request(model: str, prompt: str | list[Any]) -> ChatRequest:
     return ChatRequest(model=model, messages=[Message(role="user", content=text)])
 
 
-def features(request: ChatRequest, tenant: str | None, key_id: str | None) -> Features:
+def features(
+    request: ChatRequest, tenant: str | None, key_id: str | None, metadata: dict[str, str] | None = None
+) -> Features:
+    """`metadata`: the metadata the client sent in its own API, where the canonical request does not
+    carry it as `request.metadata` (the Messages API's `metadata.user_id` goes upstream as `user`)."""
     texts: list[str] = []
     last_user = ""
     images = False
@@ -76,7 +80,7 @@ def features(request: ChatRequest, tenant: str | None, key_id: str | None) -> Fe
             last_user = _turn_text(message)
         if isinstance(message.content, list):
             images = images or any(isinstance(part, ImagePart) for part in message.content)
-    metadata = request.metadata or {}
+    metadata = (request.metadata if metadata is None else metadata) or {}
     return Features(
         prompt="\n".join(texts),
         history_chars=history_chars,

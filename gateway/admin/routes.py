@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, delete, get, post, put
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.router import AdminContext, AdminError, decode
@@ -102,8 +102,14 @@ async def _applied(request: Request, route_id: int | None = None) -> None:
 
 
 async def _row(session: Any, route_id: int, *, lock: bool = False) -> RouteRow:
+    """`lock`: read it from the database again, not the session's copy, and lock it (PostgreSQL; on
+    SQLite a transaction holds the write lock from its first write on)."""
     # An id beyond 64 bits names no row, and the database driver cannot even bind it (a 500).
-    row = await session.get(RouteRow, route_id, with_for_update=lock) if 0 < route_id < 2**63 else None
+    row = (
+        await session.get(RouteRow, route_id, with_for_update=lock, populate_existing=lock)
+        if 0 < route_id < 2**63
+        else None
+    )
     if row is None:
         raise AdminError(404, f"no route with id {route_id}", "not_found", "route_id")
     return row
@@ -111,8 +117,7 @@ async def _row(session: Any, route_id: int, *, lock: bool = False) -> RouteRow:
 
 def _unchanged_since_read(request: Request, row: RouteRow) -> None:
     """`If-Match: <updated_at as read>`: refuse a write made from an older read of the route (a 412,
-    nothing changed), so a form left open does not silently undo another admin's newer edit. The
-    row is locked (PostgreSQL) until the write commits, so two writers from one read cannot both pass."""
+    nothing changed), so a form left open does not silently undo another admin's newer edit."""
     wanted = request.headers.get("if-match")
     if wanted is None:
         return
@@ -127,6 +132,32 @@ def _unchanged_since_read(request: Request, row: RouteRow) -> None:
         "route_changed",
         "updated_at",
     )
+
+
+async def _claimed(request: Request, session: AsyncSession, route_id: int) -> RouteRow:
+    """Route `route_id` as this transaction writes it: read, checked against `If-Match`, and held
+    until the transaction ends by a first write made on the condition that the row is still the one
+    read (`UPDATE ... WHERE revision = <as read>`, one row or none).
+
+    A lock taken on the read holds on PostgreSQL only: SQLite ignores SELECT ... FOR UPDATE, and its
+    driver reads outside the transaction until the first write, so two writers from one read both
+    passed a check made on the read, and the second silently undid the first (and audited the route
+    it had read as the one it replaced). A write that finds the row changed reads it again, now under
+    the write lock (SQLite's, or PostgreSQL's row lock), and checks that: a 412 for a client whose
+    `If-Match` names the older read, the route as it is now for one without."""
+    for lock in (False, True):  # as read, then (another write came first) as it is under the lock
+        row = await _row(session, route_id, lock=lock)
+        _unchanged_since_read(request, row)
+        claim = (
+            update(RouteRow)
+            .where(RouteRow.id == row.id, RouteRow.revision == row.revision)
+            .values(revision=RouteRow.revision + 1)
+            .execution_options(synchronize_session=False)
+        )
+        claimed = await session.execute(claim)
+        if claimed.rowcount == 1:  # type: ignore[attr-defined]  # an UPDATE gives a CursorResult
+            return row
+    raise AssertionError(f"route {route_id} changed under its write lock")
 
 
 def _not_in_force(router: Router) -> dict[str, Any]:
@@ -178,9 +209,9 @@ async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> d
     body = await request.body()
     async with ctx.write() as (session, audit):
         route, position = await _checked(request, body, session, route_id)
-        row = await _row(session, route_id, lock=True)
-        _unchanged_since_read(request, row)
+        row = await _claimed(request, session, route_id)
         before = route_json(row)
+        # Stamped once the row is held: on SQLite no other write comes before this one commits.
         updated_at = await stamp(session, utcnow())
         row.name, row.spec, row.updated_at = route.name, route_spec(route), updated_at
         if position is not None:
@@ -194,8 +225,7 @@ async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> d
 @delete("/routes/{route_id:int}", status_code=204)
 async def delete_route(route_id: int, request: Request, ctx: AdminContext) -> None:
     async with ctx.write() as (session, audit):
-        row = await _row(session, route_id, lock=True)
-        _unchanged_since_read(request, row)
+        row = await _claimed(request, session, route_id)
         audit("delete", "route", str(row.id), route_json(row), None)
         await session.delete(row)
     await _applied(request)

@@ -39,7 +39,8 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
     if body.max_tokens < 1:
         raise InvalidRequest("max_tokens: must be at least 1", param="max_tokens")
     beta = beta_flags(request.headers.getall(BETA_HEADER, []))
-    result = await run_chat(gateway, call, to_canonical(body, beta))
+    metadata = body.metadata.entries() if body.metadata else None
+    result = await run_chat(gateway, call, to_canonical(body, beta), metadata=metadata)
     thinking = body.shows_thinking
     if isinstance(result, ChatResponse):
         return json_response(from_canonical(result, body.model, thinking))

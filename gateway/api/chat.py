@@ -13,11 +13,17 @@ from routing.plan import features
 
 
 async def run_chat(
-    gateway: Gateway, call: Call, request: ChatRequest, output_param: str | None = None
+    gateway: Gateway,
+    call: Call,
+    request: ChatRequest,
+    output_param: str | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> ChatResponse | AsyncIterator[list[ChatChunk]]:
     """The chat pipeline for any inbound API: a canonical response, or a stream of batches of
     canonical chunks (see Pipeline.stream), after routing and failover (routing.execute).
-    `output_param`: what the client's API calls the output limit, for the 400 when it is too large."""
+    `output_param`: what the client's API calls the output limit, for the 400 when it is too large.
+    `metadata`: what route conditions see of the client's metadata where the canonical request does
+    not carry it (`routing.plan.features`)."""
     call.info.model = request.model
     call.info.stream = bool(request.stream)
     gateway.limits.check_messages(call.principal, len(request.messages))
@@ -26,7 +32,7 @@ async def run_chat(
     )
     if (cap := gateway.limits.output_cap(call.principal, request.output_limit, param)) is not None:
         request = msgspec.structs.replace(request, max_completion_tokens=cap)
-    feats = features(request, call.principal.tenant_name, call.principal.key_id)
+    feats = features(request, call.principal.tenant_name, call.principal.key_id, metadata)
     plan = await gateway.router.plan(request.model, call.principal, feats)
     compared = gateway.comparer.wants(plan, request, feats, call.principal)
     try:
