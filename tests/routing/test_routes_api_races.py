@@ -1,5 +1,5 @@
-"""Audit of the routes admin API: two admins editing one route at once, on the default admin DB
-(SQLite) and on PostgreSQL. Each test here fails on the defect it names. A real gateway on each
+"""The routes admin API with two admins editing one route at once, on the default admin DB (SQLite)
+and on PostgreSQL: `If-Match` lets one of two writes made from one read win, never both. A real gateway on each
 database; plain HTTP as an admin client (the admin UI's own calls)."""
 
 from __future__ import annotations

@@ -1,22 +1,33 @@
-"""Audit of route conditions: what each inbound API (chat completions, the Anthropic Messages API, the
-Responses API) feeds a route's `when:` conditions. Each test here fails on the defect it names: a
-condition that sees a different request than the vendor bills or than the client sent. Real gateway in
-front of the fake vendors; the official openai and anthropic SDKs as clients."""
+"""Route conditions see the same request whichever inbound API the client used (chat completions, the
+Anthropic Messages API, the Responses API): its metadata as the client sent it, its prompt's length as
+the vendor bills it (images included). Real gateway in front of the fake vendors; the official openai
+and anthropic SDKs as clients."""
 
 from __future__ import annotations
 
+import base64
+from typing import Any
+
 import pytest
 
+from gateway.estimate import INLINE_PART_TOKENS
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import route_header
 
 ROUTES = """\
 routes:
+  - {name: sized, when: {max_prompt_tokens: 2000}, candidates: [{model: gpt-4o-mini}], probe_interval: null}
+  - {name: sized, candidates: [{model: claude-sonnet}], probe_interval: null}
   - {name: by-user, when: {metadata: {user_id: batch-7}}, candidates: [{model: gpt-4o-mini}], probe_interval: null}
   - {name: by-user, candidates: [{model: claude-sonnet}], probe_interval: null}
 """
 SMALL_WINDOW, LARGE_WINDOW = "gpt-4o-mini", "claude-sonnet"
+# A photo-sized inline image: 40 kB of base64, which every vendor bills by its pixels (hundreds to
+# ~1,600 tokens each), and which the gateway's estimate counts as INLINE_PART_TOKENS.
+PHOTO = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(30_000)).decode()
+PHOTOS = 3  # three photos: past the route's 2,000 tokens at any vendor's rate, whatever the text
+QUESTION = "What is in these pictures?"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +40,49 @@ def gateway(
     _routed: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> RunningGateway:
     return _routed
+
+
+def _chat(gateway: RunningGateway) -> str:
+    parts: list[Any] = [{"type": "text", "text": QUESTION}]
+    parts += [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PHOTO}"}}] * PHOTOS
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="sized", messages=[{"role": "user", "content": parts}]
+    )
+    raw.parse()
+    return route_header(raw)["candidate"]
+
+
+def _messages(gateway: RunningGateway) -> str:
+    blocks: list[Any] = [{"type": "text", "text": QUESTION}]
+    source = {"type": "base64", "media_type": "image/png", "data": PHOTO}
+    blocks += [{"type": "image", "source": source}] * PHOTOS
+    raw = gateway.anthropic().messages.with_raw_response.create(
+        model="sized", max_tokens=32, messages=[{"role": "user", "content": blocks}]
+    )
+    raw.parse()
+    return route_header(raw)["candidate"]
+
+
+def _responses(gateway: RunningGateway) -> str:
+    parts: list[Any] = [{"type": "input_text", "text": QUESTION}]
+    parts += [{"type": "input_image", "image_url": f"data:image/png;base64,{PHOTO}"}] * PHOTOS
+    raw = gateway.openai().responses.with_raw_response.create(
+        model="sized", input=[{"role": "user", "content": parts}]
+    )
+    raw.parse()
+    return route_header(raw)["candidate"]
+
+
+@pytest.mark.parametrize("send", [_chat, _messages, _responses], ids=["chat", "messages", "responses"])
+def test_images_count_toward_the_prompt_length_a_route_condition_sees(
+    gateway: RunningGateway, send: Any
+) -> None:
+    """Three photos and one short question: the vendor bills thousands of input tokens, and so does
+    the gateway's estimate (each inline image up to INLINE_PART_TOKENS), whichever API carried them;
+    the `max_prompt_tokens: 2000` route meant for a small context window must not take it (the
+    features once counted the text alone, ~7 tokens)."""
+    assert PHOTOS * INLINE_PART_TOKENS > 2000
+    assert send(gateway) == LARGE_WINDOW
 
 
 def test_a_metadata_condition_sees_the_anthropic_requests_metadata(
