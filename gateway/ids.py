@@ -17,9 +17,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import threading
 import time
 from contextvars import ContextVar, Token
+
+# What a request id may be: the gateway's own (32 hex digits) and a client's `x-request-id` it keeps.
+# One rule for every place that takes one (the request middleware, `POST /v1/feedback`): an id that
+# fails it can never name a request, so what is stored under it could never be read back or joined.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 _POOL_BYTES = 4000  # 400 ids per refill
 _pool = b""
@@ -45,6 +51,11 @@ def random_hex(nbytes: int) -> str:
         start = _taken
         _taken += nbytes
     return _pool[start : start + nbytes].hex()
+
+
+def is_request_id(value: str) -> bool:
+    """Whether `value` can be a request's id (letters, digits, `._:-`, 1 to 128 of them)."""
+    return _REQUEST_ID.fullmatch(value) is not None
 
 
 def ordered_id() -> str:

@@ -4,7 +4,6 @@ line logged while serving it (gateway.logging), and the request metrics."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,20 +11,19 @@ from typing import Any
 import structlog
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.ids import exchange_tag, ordered_id, tag_exchange
+from gateway.ids import exchange_tag, is_request_id, ordered_id, tag_exchange
 from gateway.logging import logging_for
 from gateway.metrics import NO_BACKEND, Metrics
 from gateway.pipeline import RequestInfo
 
 log = structlog.get_logger("weir.request")
 
-_VALID_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
-
 
 def _incoming_id(scope: Scope) -> bytes | None:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
-            return value if _VALID_ID.match(value) else None
+            # Latin-1 maps every byte to a character; any outside ASCII then fails the rule.
+            return value if is_request_id(value.decode("latin-1")) else None
     return None
 
 

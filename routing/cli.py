@@ -61,8 +61,9 @@ def score(head_dir: Path | None, shipped: str) -> None:
     {"p_strong": <0..1>} per line on stdout.
 
     p_strong is the estimated probability that the weak model gets this prompt wrong while the strong
-    model gets it right. A line that cannot be scored yields {"error": ...} in its place (so output
-    lines stay aligned with input lines) and the command exits with status 1.
+    model gets it right. A line that cannot be scored yields {"error": ...} in its place and the
+    command exits with status 1; a blank line yields a blank line, so output lines stay aligned with
+    input lines.
     """
     import structlog
 
@@ -85,15 +86,18 @@ def score(head_dir: Path | None, shipped: str) -> None:
     # Bytes, decoded line by line: one line that is not UTF-8 is that line's error, not a traceback
     # that ends the run (how sys.stdin decodes depends on the locale).
     for lineno, raw in enumerate(sys.stdin.buffer, start=1):
-        if not raw.strip():
-            continue
-        try:
-            text = _score_input(raw, prompt_text)
-            out: dict[str, float | str] = {"p_strong": round(clf.score(text), 6)}
-        except ValueError as exc:  # json.JSONDecodeError is a ValueError
-            failed += 1
-            out = {"error": f"line {lineno}: {exc}"}
-        sys.stdout.write(json.dumps(out) + "\n")
+        # A blank line in, a blank line out: skipped without a line of its own, every later answer
+        # sat on the line of the input before it.
+        answer = ""
+        if raw.strip():
+            try:
+                text = _score_input(raw, prompt_text)
+                out: dict[str, float | str] = {"p_strong": round(clf.score(text), 6)}
+            except ValueError as exc:  # json.JSONDecodeError is a ValueError
+                failed += 1
+                out = {"error": f"line {lineno}: {exc}"}
+            answer = json.dumps(out)
+        sys.stdout.write(answer + "\n")
         sys.stdout.flush()
     if failed:
         click.echo(f"{failed} line(s) could not be scored", err=True)
@@ -113,17 +117,7 @@ def _score_input(line: bytes, prompt_text: Callable[[list[dict[str, Any]]], str]
     if isinstance(row.get("prompt"), str):
         text = row["prompt"]
     elif isinstance(row.get("messages"), list):
-        for i, message in enumerate(row["messages"]):
-            if not isinstance(message, dict):
-                raise ValueError(f"messages[{i}]: expected an object with a role and content")
-            content = message.get("content")
-            if isinstance(content, list) and any(
-                isinstance(part, dict)
-                and part.get("type") == "text"
-                and not isinstance(part.get("text", ""), str)
-                for part in content
-            ):
-                raise ValueError(f'messages[{i}].content: a text part needs a string "text"')
+        _check_chat(row["messages"])
         text = prompt_text(row["messages"])
     else:
         raise ValueError('expected a string "prompt" or a "messages" list')
@@ -132,6 +126,22 @@ def _score_input(line: bytes, prompt_text: Callable[[list[dict[str, Any]]], str]
     except UnicodeEncodeError:  # a lone surrogate escape (\ud800) the tokenizer cannot take
         raise ValueError("the prompt is not valid Unicode (a lone surrogate)") from None
     return text
+
+
+def _check_chat(messages: list[Any]) -> None:
+    """ValueError unless `messages` is a chat the gateway's chat API takes (its own message type), with
+    a user turn to score. One it refuses (content a number or an object, a role "User") has no text
+    `prompt_text` can read, and was scored as the empty prompt, exit status 0."""
+    import msgspec
+
+    from gateway.types import Message
+
+    try:
+        msgspec.convert(messages, list[Message])
+    except msgspec.ValidationError as exc:  # it names the place as `$[0].content`: here, messages[0]
+        raise ValueError(str(exc).replace("`$", "`messages", 1)) from None
+    if not any(m["role"] == "user" and m.get("content") is not None for m in messages):
+        raise ValueError('messages: no "user" turn with content to score')
 
 
 @router.command()
@@ -437,6 +447,10 @@ async def _serves_others(session: Any, name: str, route: Any) -> str | None:
     return None
 
 
+class _RouteChanged(Exception):
+    """The route `--install` read was edited before it could be pointed at the new head."""
+
+
 def _promote(
     head: Any,
     name: str,
@@ -490,52 +504,65 @@ def _promote(
         return
 
     async def work(sessions: Any) -> str | None:
-        async with sessions() as session, session.begin():
-            if problem := await _serves_others(session, name, route):
-                return problem
-            row = await session.get(RouteRow, route.id)
-            # Any edit, not only to its head: one that shares the route with other tenants, or changes
-            # its candidates, would make this head's promotion decide what it was not trained for.
-            spec = (row.spec or {}) if row is not None else None
-            if spec is None or spec.get("head") != route.head or spec != (route.spec or spec):
-                return f"route {route.id} changed while the head was being trained: run again"
-            stored, before = await put_head(session, name, data, head)
+        try:
+            async with sessions() as session, session.begin():
+                return await install(session)
+        except _RouteChanged as exc:  # raised inside the transaction: rolled back, the head not stored
+            return str(exc)
+
+    async def install(session: Any) -> str | None:
+        if problem := await _serves_others(session, name, route):
+            return problem
+        stored, before = await put_head(session, name, data, head)
+        # The route is read only now, locked until this transaction commits (FOR UPDATE; on SQLite the
+        # head's write above holds the database's one write lock already): an edit committed while the
+        # head's megabytes were written is seen, and none can land between this check and the write
+        # below. Checked before them, and the spec rewritten from that read, such an edit (an admin's
+        # PUT) was silently undone, and the report said the route was updated as planned.
+        row = await session.get(RouteRow, route.id, with_for_update=True, populate_existing=True)
+        # Any edit, not only to its head: one that shares the route with other tenants, or changes
+        # its candidates, would make this head's promotion decide what it was not trained for.
+        spec = (row.spec or {}) if row is not None else None
+        if spec is None or spec.get("head") != route.head or spec != (route.spec or spec):
+            raise _RouteChanged(
+                f"route {route.id} changed while the head was being trained or stored: run again"
+            )
+        session.add(
+            AuditLog(
+                actor="cli",
+                action="update" if before else "create",
+                entity="difficulty_head",
+                entity_id=name,
+                before=before,
+                after=describe(stored),
+            )
+        )
+        report["installed"] = True
+        if not route.exclusive:
+            report["reason"] = (
+                f"better than {report['incumbent']}; stored, but route {route.id} does not serve "
+                f"{tenant!r} alone (its when.tenants), so it was left as it is: point a route "
+                f"limited to {tenant!r} at head {name!r}"
+            )
+            return None
+        if route.head != name:
+            shown = route_json(row)
+            row.spec = route_spec(msgspec.structs.replace(row_route(row), head=name))
+            row.updated_at = await stamp(session, utcnow())
+            await session.flush()
             session.add(
                 AuditLog(
                     actor="cli",
-                    action="update" if before else "create",
-                    entity="difficulty_head",
-                    entity_id=name,
-                    before=before,
-                    after=describe(stored),
+                    action="update",
+                    entity="route",
+                    entity_id=str(row.id),
+                    before=shown,
+                    after=route_json(row),
                 )
             )
-            report["installed"] = True
-            if not route.exclusive:
-                report["reason"] = (
-                    f"better than {report['incumbent']}; stored, but route {route.id} does not serve "
-                    f"{tenant!r} alone (its when.tenants), so it was left as it is: point a route "
-                    f"limited to {tenant!r} at head {name!r}"
-                )
-                return None
-            if route.head != name:
-                shown = route_json(row)
-                row.spec = route_spec(msgspec.structs.replace(row_route(row), head=name))
-                row.updated_at = await stamp(session, utcnow())
-                await session.flush()
-                session.add(
-                    AuditLog(
-                        actor="cli",
-                        action="update",
-                        entity="route",
-                        entity_id=str(row.id),
-                        before=shown,
-                        after=route_json(row),
-                    )
-                )
-                report["route_updated"] = True
-            report["reason"] = f"better than {report['incumbent']} on the held-out prompts: serving it"
-            return None
+            report["route_updated"] = True
+        report["reason"] = f"better than {report['incumbent']} on the held-out prompts: serving it"
+        return None
 
     problem = _with_db(database_url, work)
     if problem is not None:

@@ -22,8 +22,10 @@ threshold that sends a target share of recent traffic to the strong model.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import math
+import os
 import re
 import statistics
 import threading
@@ -53,6 +55,8 @@ DEFAULT_HEAD_DIR = Path(__file__).parent / "data"  # the encoder head (v4)
 STATIC_HEAD_DIR = DEFAULT_HEAD_DIR / "static"
 HEAD_WEIGHTS = "difficulty_head.safetensors"
 HEAD_META = "difficulty_head.json"
+# In HEAD_META as `save` writes it (not in a head's `meta`): the sha256 of the HEAD_WEIGHTS it goes with.
+WEIGHTS_DIGEST = "weights_sha256"
 
 
 def length_feature(prompt: str) -> float:
@@ -334,17 +338,36 @@ class DifficultyHead:
                 raise ValueError(f"difficulty head in {where}: {name} holds NaN or infinite values")
 
     def save(self, directory: Path) -> None:
-        from safetensors.numpy import save_file
+        """Write the head into `directory`, replacing any head there, never leaving one that `load`
+        would take for whole when it is not. Each file is written beside its target under a temporary
+        name, flushed to disk, and renamed over it (a rename replaces a file at once): the weights,
+        then the metadata, which names the weights it goes with by their digest. A save that fails
+        while writing its files (disk full, killed) leaves the previous head as it was; one cut short
+        between the two renames, or two saves to one directory interleaved, leaves weights under
+        metadata that does not name them, which `load` refuses instead of serving a head no run
+        trained. (Written in place, a failure between the two files left such a head, and it loaded.)"""
+        from safetensors.numpy import save
 
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(self.tensors(), directory / HEAD_WEIGHTS)
-        (directory / HEAD_META).write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n")
+        weights = save(self.tensors())
+        meta = {**self.meta, WEIGHTS_DIGEST: hashlib.sha256(weights).hexdigest()}
+        suffix = f".{os.getpid()}-{os.urandom(4).hex()}.tmp"
+        staged = {name: directory / f".{name}{suffix}" for name in (HEAD_WEIGHTS, HEAD_META)}
+        try:
+            staged[HEAD_WEIGHTS].write_bytes(weights)
+            staged[HEAD_META].write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            for name in (HEAD_WEIGHTS, HEAD_META):  # the metadata last: it vouches for the weights
+                _flush_to_disk(staged[name])
+                os.replace(staged[name], directory / name)
+        finally:
+            for path in staged.values():
+                path.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, directory: Path) -> DifficultyHead:
         """The head `save` wrote; ValueError naming the directory when its files are not one."""
         from safetensors import SafetensorError
-        from safetensors.numpy import load_file
+        from safetensors.numpy import load
 
         try:
             meta = json.loads((directory / HEAD_META).read_text())
@@ -352,11 +375,26 @@ class DifficultyHead:
             raise ValueError(f"{directory / HEAD_META}: {exc}") from None
         if not isinstance(meta, dict):
             raise ValueError(f"{directory / HEAD_META} must hold a JSON object")
+        data = (directory / HEAD_WEIGHTS).read_bytes()
         try:
-            tensors = load_file(str(directory / HEAD_WEIGHTS))
+            tensors = load(data)
         except SafetensorError as exc:  # not a ValueError: a broken file read as a traceback
             raise ValueError(f"{directory / HEAD_WEIGHTS}: {exc}") from None
+        # Absent from heads saved before it was written (the shipped ones among them).
+        expected = meta.pop(WEIGHTS_DIGEST, None)
+        if expected is not None and expected != hashlib.sha256(data).hexdigest():
+            raise ValueError(
+                f"{directory}: {HEAD_WEIGHTS} is not the weights {HEAD_META} was saved with (a save cut "
+                "short between the two files, or one of them replaced): save or train the head again"
+            )
         return cls.from_tensors(tensors, meta, str(directory))
+
+
+def _flush_to_disk(path: Path) -> None:
+    # Before the rename that puts it in place: after a power cut the new name must not point at a
+    # file whose data never reached the disk.
+    with path.open("rb") as file:
+        os.fsync(file.fileno())
 
 
 class DifficultyClassifier:

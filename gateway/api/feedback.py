@@ -14,6 +14,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from gateway.api.common import begin, json_response, parse_body
 from gateway.db.models import Feedback, utcnow
 from gateway.errors import GatewayError, InvalidRequest, NotFound
+from gateway.ids import is_request_id
 
 
 class FeedbackBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -28,11 +29,6 @@ def _sessions(request: Request[Any, Any, Any]) -> Any:
             "Feedback needs the control plane (set database_url).", status=501, code="not_implemented"
         )
     return sessions
-
-
-def _storable(request_id: str) -> bool:
-    # The column holds 128 characters, and PostgreSQL text cannot hold NUL at all (a 500 otherwise).
-    return 0 < len(request_id) <= 128 and "\x00" not in request_id
 
 
 def _json(row: Feedback) -> dict[str, Any]:
@@ -50,9 +46,11 @@ async def post_feedback(request: Request[Any, Any, Any]) -> Response[Any]:
     body = await parse_body(request, FeedbackBody)
     if not 0.0 <= body.score <= 1.0:
         raise InvalidRequest("'score' must be between 0 and 1.", param="score")
-    if not _storable(body.request_id):
+    # Only an id a request can carry: feedback stored under any other (a "/" in it, say) could be
+    # neither read back (GET /v1/feedback/{id}) nor joined with the ledger, yet was answered 200.
+    if not is_request_id(body.request_id):
         raise InvalidRequest(
-            "'request_id' must be 1 to 128 characters, without NUL (the x-request-id of a reply).",
+            "'request_id' must be the x-request-id of a reply: 1 to 128 letters, digits or `._:-`.",
             param="request_id",
         )
     tenant = call.principal.tenant_id or "anonymous"
@@ -88,7 +86,7 @@ async def get_feedback(request: Request[Any, Any, Any], request_id: str) -> Resp
     _, call = await begin(request, "feedback")
     tenant = call.principal.tenant_id or "anonymous"
     sessions, row = _sessions(request), None
-    if _storable(request_id):  # no feedback can be stored under any other id
+    if is_request_id(request_id):  # no feedback can be stored under any other id
         async with sessions() as session:
             row = await session.scalar(
                 select(Feedback).where(Feedback.tenant_id == tenant, Feedback.request_id == request_id)

@@ -76,13 +76,14 @@ def redis_prefix() -> Iterator[str]:
 
 
 def sync_exec(url: str, sql: str) -> list[tuple]:
-    """Run one statement on a throwaway engine, from synchronous tests."""
+    """Run one statement on a throwaway engine, from synchronous tests, and commit it (a write made
+    on `connect()` alone was rolled back when the connection closed: a no-op)."""
     from sqlalchemy.ext.asyncio import create_async_engine
 
     async def run() -> list[tuple]:
         engine = create_async_engine(url)
         try:
-            async with engine.connect() as conn:
+            async with engine.begin() as conn:
                 result = await conn.execute(text(sql))
                 return [tuple(r) for r in result] if result.returns_rows else []
         finally:

@@ -54,8 +54,11 @@ def test_score_reports_bad_lines_in_place() -> None:
     stdin = '{"prompt": "ok"}\nnot json\n{"text": "wrong key"}\n\n{"prompt": "fine"}\n'
     result = run(["router", "score"], stdin)
     assert result.returncode == 1
-    out = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(out) == 4  # the blank line is skipped, every other line answers in order
+    lines = result.stdout.splitlines()
+    # Every line answers on its own line, the blank one with a blank line: skipped, it shifted every
+    # later answer onto the line before its own (line 5's score on line 4).
+    assert len(lines) == 5 and lines[3] == ""
+    out = [json.loads(line) for line in lines if line]
     assert "p_strong" in out[0] and "p_strong" in out[3]
     assert out[1]["error"].startswith("line 2:")
     assert "prompt" in out[2]["error"]

@@ -10,8 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import routing.difficulty
 from routing.difficulty import (
     DEFAULT_HEAD_DIR,
+    HEAD_META,
+    HEAD_WEIGHTS,
     DifficultyClassifier,
     DifficultyHead,
     encode,
@@ -20,6 +23,7 @@ from routing.difficulty import (
     prompt_text,
 )
 from routing.embed import DEFAULT_RECIPE, StaticEmbedder
+from tests.routing.test_trained_heads import forced
 
 PROBE_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "routing_probe.jsonl"
 
@@ -76,6 +80,59 @@ def test_head_round_trips_and_refuses_other_versions(
     again.save(tmp_path / "future")
     with pytest.raises(ValueError, match="version"):
         DifficultyHead.load(tmp_path / "future")
+
+
+def _same_head(a: DifficultyHead, b: DifficultyHead) -> bool:
+    return a.meta == b.meta and all(np.array_equal(b.tensors()[k], v) for k, v in a.tensors().items())
+
+
+def test_a_head_save_that_fails_half_way_leaves_the_previous_head_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`save` (what `weir router train --out DIR` ends with) wrote the weights in place, then the
+    metadata: a run that died between the two (disk full, killed) left the new weights under the old
+    metadata, a head no run trained, and `score --head DIR` / `heads install` took it as whole."""
+    out = tmp_path / "acme-head"
+    old = DifficultyHead.load(DEFAULT_HEAD_DIR)
+    old.save(out)
+
+    def disk_full(self: Path, *args: object, **kwargs: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_text", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            forced(100.0).save(out)  # other weights: every prompt scores ~1
+    assert _same_head(DifficultyHead.load(out), old)
+    assert sorted(p.name for p in out.iterdir()) == sorted([HEAD_META, HEAD_WEIGHTS])  # nothing left over
+
+
+def test_a_head_save_cut_short_between_its_two_files_is_refused_not_loaded_mixed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file is renamed into place whole, the metadata last; a save cut short between the two
+    renames leaves new weights under old metadata, which names other weights: refused by `load`."""
+    out = tmp_path / "acme-head"
+    DifficultyHead.load(DEFAULT_HEAD_DIR).save(out)
+    renamed: list[str] = []
+
+    def replace_then_die(source: Path, target: Path) -> None:
+        if renamed:
+            raise OSError("killed")
+        renamed.append(Path(target).name)
+        real_replace(source, target)
+
+    real_replace = routing.difficulty.os.replace
+    with monkeypatch.context() as patch:
+        patch.setattr(routing.difficulty.os, "replace", replace_then_die)
+        with pytest.raises(OSError, match="killed"):
+            forced(100.0).save(out)
+    assert renamed == [HEAD_WEIGHTS]
+    with pytest.raises(ValueError, match=f"{HEAD_WEIGHTS} is not the weights {HEAD_META} was saved with"):
+        DifficultyHead.load(out)
+    # Saved again, whole: the new head.
+    forced(100.0).save(out)
+    assert _same_head(DifficultyHead.load(out), forced(100.0))
 
 
 def test_a_head_loads_with_the_embedder_it_was_trained_on(tmp_path: Path) -> None:

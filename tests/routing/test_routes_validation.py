@@ -290,6 +290,26 @@ def test_feedback_with_a_request_id_the_db_cannot_hold_is_a_400_not_a_500(weir: 
 
 
 @pytest.mark.postgres
+def test_feedback_under_an_id_no_request_carries_is_a_400_not_stored(weir: Weir) -> None:
+    """Request ids are letters, digits and `._:-` (gateway.ids.is_request_id). Feedback under any
+    other id (`run/42`) was stored with a 200, and then could be neither read back (`GET
+    /v1/feedback/run%2F42` is a 404) nor joined with a request: lost while the client was told it was
+    kept. It is refused like an id too long for the column."""
+    auth = {"authorization": f"Bearer {weir.key('acme')}"}
+    for request_id in ("run/42", "a b", "café", "x" * 129):
+        posted = httpx.post(
+            f"{weir.url}/v1/feedback", json={"request_id": request_id, "score": 0.5}, headers=auth
+        )
+        assert _openai_error(posted)["param"] == "request_id", request_id
+    # Every character a request id may hold is taken, and read back.
+    request_id = "Run-42_a.b:c"
+    assert httpx.post(
+        f"{weir.url}/v1/feedback", json={"request_id": request_id, "score": 0.5}, headers=auth
+    ).is_success
+    assert httpx.get(f"{weir.url}/v1/feedback/{request_id}", headers=auth).json()["score"] == 0.5
+
+
+@pytest.mark.postgres
 def test_the_route_header_on_errors_and_on_anthropic_requests_with_images(weir: Weir) -> None:
     key = weir.key("acme")
     with pytest.raises(openai.APIStatusError) as caught:
@@ -683,6 +703,11 @@ def test_score_answers_every_bad_line_in_place_without_a_traceback(classifier: D
         b"[" * 50_000,
         b"",
         b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "Prove it."}]}]}',
+        # No chat the chat API takes, and no user text to read: each was scored as the empty prompt.
+        b'{"messages": [{"role": "user", "content": 5}]}',
+        b'{"messages": [{"role": "user", "content": {"text": "Prove it."}}]}',  # an object, not parts
+        b'{"messages": [{"role": "User", "content": "Prove it."}]}',  # a role typo
+        b'{"messages": [{"role": "system", "content": "Be brief."}]}',  # no user turn
     ]
     saved = structlog.get_config()  # the command points structlog at its stderr
     try:
@@ -693,12 +718,17 @@ def test_score_answers_every_bad_line_in_place_without_a_traceback(classifier: D
         structlog.configure(**saved)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert result.exit_code == 1
-    out = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(out) == 7  # the blank line is skipped; every other line answers, in order
+    # Every line answers, in order; the blank one with a blank line.
+    answers = result.stdout.splitlines()
+    assert len(answers) == len(lines) and answers[6] == ""
+    out = [json.loads(line) if line else None for line in answers]
     assert out[0]["p_strong"] == pytest.approx(classifier.score("What is 2 + 2?"), abs=1e-6)
-    assert out[6]["p_strong"] == pytest.approx(classifier.score("Prove it."), abs=1e-6)
-    errors = [o["error"] for o in out[1:6]]
-    assert [e.split(":", 1)[0] for e in errors] == [f"line {n}" for n in range(2, 7)]
+    assert out[7]["p_strong"] == pytest.approx(classifier.score("Prove it."), abs=1e-6)
+    errors = [o["error"] for o in out[1:6] + out[8:]]
+    assert [e.split(":", 1)[0] for e in errors] == [f"line {n}" for n in [*range(2, 7), *range(9, 13)]]
     assert "UTF-8" in errors[0] and "surrogate" in errors[1] and "messages[0]" in errors[2]
-    assert "text" in errors[3] and "nested" in errors[4]
-    assert "5 line(s) could not be scored" in result.stderr
+    assert "messages[0].content[0].text" in errors[3] and "nested" in errors[4]
+    assert "messages[0].content" in errors[5] and "messages[0].content" in errors[6]
+    assert "'User'" in errors[7] and "messages[0].role" in errors[7]
+    assert 'no "user" turn' in errors[8]
+    assert "9 line(s) could not be scored" in result.stderr

@@ -1,21 +1,25 @@
 """`weir router train --tenant`: refit the difficulty head from a tenant's feedback in the admin DB
-(SQLite here), joined with its stored prompts and the ledger's record of which model answered."""
+(SQLite here; PostgreSQL too where `--install` races an admin), joined with its stored prompts and the
+ledger's record of which model answered."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as dt
 import json
 import random
 import subprocess
 from pathlib import Path
 
+import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+import routing.heads
 from gateway.credentials import prompt_context
 from gateway.db.models import (
     AuditLog,
@@ -28,8 +32,9 @@ from gateway.db.models import (
     UsageEventRow,
 )
 from gateway.db.session import create_engine as create_async_engine
-from gateway.db.session import sessionmaker
+from gateway.db.session import normalise_url, sessionmaker
 from gateway.vault import Vault, generate_key
+from routing.cli import _promote
 from routing.difficulty import DifficultyClassifier, DifficultyHead, encode
 from routing.feedback import TenantRoute, answered_by, load_feedback, request_prompt, tenant_route
 from routing.heads import bundle, digest
@@ -43,6 +48,7 @@ from routing.train import (
     holdout_check,
     should_promote,
 )
+from tests.control.conftest import db_url, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
 from tests.routing.test_cli import run
 from tests.routing.test_trained_heads import forced
 from weir.cli import main
@@ -461,7 +467,7 @@ def _set_routes(url: str, *specs: dict[str, object]) -> list[int]:
 
 def _tenant_route(url: str, tenant: str | None) -> TenantRoute:
     async def go() -> TenantRoute:
-        engine = create_async_engine(url.replace("sqlite://", "sqlite+aiosqlite://"))
+        engine = create_async_engine(normalise_url(url))
         try:
             return await tenant_route(sessionmaker(engine), "auto", tenant)
         finally:
@@ -624,3 +630,57 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
     assert bad.returncode != 0 and "--holdout 0" in bad.stderr
     bad = cli(["router", "train", "--tenant", "acme", "--weak", WEAK, "--strong", STRONG, "--install", "x"])
     assert bad.returncode != 0 and "--install needs --tenant and --route" in bad.stderr
+
+
+@pytest.fixture
+def acme_route_db(db_url: str) -> str:  # noqa: F811  (the fixture imported above)
+    """An admin DB, SQLite or PostgreSQL, with tenant acme and a difficulty route only acme reaches
+    (strong_share 0.3, the shipped head)."""
+
+    async def setup() -> None:
+        engine = create_async_engine(db_url)
+        try:
+            async with engine.begin() as conn:
+                await conn.run_sync(Base.metadata.create_all)
+            async with sessionmaker(engine)() as session, session.begin():
+                session.add(Tenant(id="t-acme", name="acme", store_prompts=True))
+                spec = {"name": "auto", **DIFFICULTY, "strong_share": 0.3, "when": {"tenants": ["acme"]}}
+                session.add(RouteRow(name="auto", position=0, spec=spec))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(setup())
+    return db_url
+
+
+def test_install_does_not_undo_an_admin_edit_of_the_route_made_while_it_stores_the_head(
+    acme_route_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--install` checked the route was as training read it, stored the head, then rewrote the
+    route's whole spec from that check's read, the row never locked: an admin's edit committed while
+    the head's megabytes were written (strong_share 0.3 -> 0.5) was undone, and the report said the
+    route was updated as planned. Now the route is read, locked, after the head is written: the edit
+    is seen, and the install refused and rolled back, the head not stored."""
+    url = acme_route_db
+    route = _tenant_route(url, "acme")
+    assert route.exclusive and route.spec is not None
+    edited = json.dumps({**route.spec, "strong_share": 0.5})
+    real_put_head = routing.heads.put_head
+
+    async def put_head_while_an_admin_edits(*args: object) -> object:
+        # The admin's edit, committed on a connection of its own (its own event loop: a thread).
+        statement = f"UPDATE routes SET spec = '{edited}' WHERE id = {route.id}"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(sync_exec, url, statement).result()
+        return await real_put_head(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(routing.heads, "put_head", put_head_while_an_admin_edits)
+    checked = {"baseline": "the shipped encoder head", "results": [_result(0.9, 0.6, 0.2, 0.4).__dict__]}
+    with pytest.raises(click.ClickException) as refused:
+        _promote(forced(0.0), "acme-auto", route, "acme", checked, "significant", url)
+    assert f"route {route.id} changed" in refused.value.message
+    assert "nothing was stored" in refused.value.message
+    [(spec,)] = sync_exec(url, f"SELECT spec FROM routes WHERE id = {route.id}")
+    assert (spec if isinstance(spec, dict) else json.loads(spec))["strong_share"] == 0.5
+    assert sync_exec(url, "SELECT count(*) FROM difficulty_heads") == [(0,)]
+    assert sync_exec(url, "SELECT count(*) FROM audit_log") == [(0,)]
