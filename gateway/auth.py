@@ -43,20 +43,21 @@ def key_id(api_key: str) -> str:
     return "key_" + hashlib.sha256(api_key.encode()).hexdigest()[:12]
 
 
+def tenant_principal(tenant: Tenant, key: str | None) -> Principal:
+    """A config tenant's caller, with the models it may use: what its keys authenticate as, and what
+    a route preview for it plans with (a preview that let it use more showed routes it is refused)."""
+    allowed = frozenset(tenant.models) if tenant.models is not None else None
+    return Principal(tenant_id=tenant.name, tenant_name=tenant.name, key_id=key, allowed_models=allowed)
+
+
 class StaticAuthenticator:
     """Keys from the config file's tenants (their values come from the environment)."""
 
     def __init__(self, tenants: list[Tenant]) -> None:
         self._keys: dict[bytes, Principal] = {}
         for tenant in tenants:
-            allowed = frozenset(tenant.models) if tenant.models is not None else None
             for api_key in tenant.api_keys:
-                self._keys[hash_key(api_key)] = Principal(
-                    tenant_id=tenant.name,
-                    tenant_name=tenant.name,
-                    key_id=key_id(api_key),
-                    allowed_models=allowed,
-                )
+                self._keys[hash_key(api_key)] = tenant_principal(tenant, key_id(api_key))
 
     async def authenticate(self, api_key: str) -> Principal | None:
         digest = hash_key(api_key)

@@ -39,6 +39,13 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def key_principal(key: ApiKey, tenant: Tenant) -> Principal:
+    """An admin-DB key's caller, with the models the key may use: what the key authenticates as, and
+    what a route preview for it plans with."""
+    allowed = frozenset(key.models) if key.models is not None else None
+    return Principal(tenant_id=tenant.id, tenant_name=tenant.name, key_id=key.id, allowed_models=allowed)
+
+
 @dataclass(frozen=True, slots=True)
 class KeyRecord:
     """What admission needs about a caller, beyond who they are."""
@@ -134,12 +141,7 @@ class DbAuthenticator:
         if key.revoked_at is not None:
             return None
         return KeyRecord(
-            principal=Principal(
-                tenant_id=tenant.id,
-                tenant_name=tenant.name,
-                key_id=key.id,
-                allowed_models=frozenset(key.models) if key.models is not None else None,
-            ),
+            principal=key_principal(key, tenant),
             key_hash=digest,
             tenant_rpm=tenant.rpm,
             tenant_tpm=tenant.tpm,

@@ -11,8 +11,10 @@ from sqlalchemy import or_, select
 
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.accounting.pricing import USAGE_FIELD, TokenClass
-from gateway.auth import Principal
-from gateway.db.models import Tenant, UsageEventRow
+from gateway.admin.keys import key_principal
+from gateway.auth import Principal, tenant_principal
+from gateway.config import Tenant as ConfigTenant
+from gateway.db.models import ApiKey, Tenant, UsageEventRow
 from gateway.errors import GatewayError
 from gateway.estimate import input_tokens
 from gateway.types import ChatRequest, ContentPart, ImagePart, ImageURL, Message, TextPart
@@ -203,6 +205,34 @@ def _sample_request(body: PreviewBody) -> ChatRequest:
     return ChatRequest(model=body.model, messages=[Message(role="user", content=content)])
 
 
+async def _preview_principal(body: PreviewBody, tenants: list[ConfigTenant], ctx: Any) -> Principal | None:
+    """Who the preview plans for, with the models they may use, as their own requests are: the
+    admin-DB key `key_id` names, else the config tenant `tenant` names. None for anyone else (an
+    admin-DB tenant limits no models, only its keys do)."""
+    from gateway.admin.router import AdminError
+
+    if body.key_id is not None:
+        async with ctx.sessions() as session:
+            row = (
+                await session.execute(
+                    select(ApiKey, Tenant)
+                    .join(Tenant, ApiKey.tenant_id == Tenant.id)
+                    .where(ApiKey.id == body.key_id)
+                )
+            ).first()
+        if row is not None:
+            key, tenant = row
+            if body.tenant is not None and body.tenant != tenant.name:
+                raise AdminError(
+                    400, f"key_id: the key belongs to the tenant {tenant.name!r}", "invalid_value", "key_id"
+                )
+            return key_principal(key, tenant)
+    for tenant in tenants:
+        if tenant.name == body.tenant:
+            return tenant_principal(tenant, body.key_id)
+    return None
+
+
 @post("/routes/preview", status_code=200)
 async def preview_route(request: Request, ctx: Any) -> dict[str, Any]:
     """Where a sample prompt would go and why: the route that matches, the candidates in the order
@@ -213,6 +243,11 @@ async def preview_route(request: Request, ctx: Any) -> dict[str, Any]:
     body = decode(await request.body(), PreviewBody)
     if not body.model.strip():
         raise AdminError(400, "model: enter the model name a client would send", "invalid_value", "model")
+    gateway = request.app.state.gateway
+    known = await _preview_principal(body, gateway.config.tenants or [], ctx)
+    principal = known or Principal(
+        tenant_id="preview", tenant_name=body.tenant or "preview", key_id=body.key_id
+    )
     feats = Features(
         prompt=body.prompt,
         history_chars=None,
@@ -223,11 +258,10 @@ async def preview_route(request: Request, ctx: Any) -> dict[str, Any]:
         images=body.images,
         metadata=body.metadata,
         tags=frozenset(t.strip() for t in body.metadata.get("tags", "").split(",") if t.strip()),
-        tenant=body.tenant,
+        tenant=known.tenant_name if known is not None else body.tenant,  # a DB key's own tenant
         key_id=body.key_id,
     )
-    principal = Principal(tenant_id="preview", tenant_name=body.tenant or "preview", key_id=body.key_id)
-    router = request.app.state.gateway.router
+    router = gateway.router
     try:
         plan = await router.plan(body.model, principal, feats, record=False)
     except GatewayError as exc:

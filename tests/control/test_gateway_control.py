@@ -242,6 +242,48 @@ def test_a_route_preview_measures_its_prompt_as_a_requests(weir: Weir) -> None:
     assert INLINE_PART_TOKENS < pictured["prompt_tokens"] < INLINE_PART_TOKENS + 50
 
 
+NARROW_KEY = "sk-weir-narrow-0123456789"
+LIMITED_CONFIG = (
+    CONFIG.replace("models:\n", "models:\n  - {name: gpt-5, backend: openai}\n", 1)
+    + f"""\
+routes:
+  - {{name: smart, candidates: [{{model: gpt-5}}, {{model: gpt-4o-mini}}], probe_interval: null}}
+tenants:
+  - {{name: narrow, api_keys: ["{NARROW_KEY}"], models: [gpt-4o-mini]}}
+"""
+)
+
+
+@pytest.mark.parametrize("weir_config", [LIMITED_CONFIG])
+def test_a_route_preview_for_a_tenant_limited_to_some_models_is_refused_as_its_request_is(
+    weir: Weir,
+) -> None:
+    """A tenant's model allowlist (`tenants[].models`, an admin-DB key's `models`) refuses its request
+    for another model or route with a 404; its preview planned for a caller with no allowlist and
+    showed the route's candidates as if the request would take them. Now the preview plans for the
+    tenant (or key) as its request is planned."""
+    sample = {"model": "smart", "prompt": "hello"}
+    assert weir.admin.post("/routes/preview", json=sample).json()["choices"][0]["model"] == "gpt-5"
+    tenant = weir.admin.post("/tenants", json={"name": "acme"}).json()
+    created = weir.admin.post(f"/tenants/{tenant['id']}/keys", json={"models": ["gpt-4o-mini"]})
+    assert created.status_code == 201, created.text
+    key_id, db_key = created.json()["id"], created.json()["key"]
+    for key, who in ((NARROW_KEY, {"tenant": "narrow"}), (db_key, {"key_id": key_id})):
+        with pytest.raises(openai.NotFoundError):
+            weir.client(key).chat.completions.create(
+                model="smart", messages=[{"role": "user", "content": "hello"}]
+            )
+        refused = weir.admin.post("/routes/preview", json={**sample, **who})
+        assert refused.status_code == 400, refused.text
+        assert "you do not have access to it" in refused.json()["error"]["message"]
+        allowed = weir.admin.post("/routes/preview", json={**sample, **who, "model": "gpt-4o-mini"})
+        assert allowed.status_code == 200, allowed.text
+        assert [c["model"] for c in allowed.json()["choices"]] == ["gpt-4o-mini"]
+    # A key and a tenant it does not belong to: no caller sends that.
+    mismatched = weir.admin.post("/routes/preview", json={**sample, "key_id": key_id, "tenant": "narrow"})
+    assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "key_id"
+
+
 def test_a_request_larger_than_a_whole_limit_or_budget_is_not_retried_in_vain(
     weir: Weir, fake_openai: FakeOpenAI
 ) -> None:
