@@ -109,6 +109,14 @@ def uses_prefix_affinity(route: Route) -> bool:
     return route.policy == "prefix_affinity"
 
 
+def _on_affinity_replica(routing: str) -> bool:
+    """Whether an attempt (its `x-weir-route` decision) went to a prefix_affinity route's candidate,
+    one of the replicas whose prefix caches the route's hit rate measures, not to a fallback (a
+    vendor, say) the route moved on to once they all failed."""
+    parts = routing.split("; ")
+    return "policy=prefix_affinity" in parts and "reason=fallback" not in parts
+
+
 class RoutingStats:
     """A UsageSink: record() is called once per attempt; must not block."""
 
@@ -154,7 +162,7 @@ class RoutingStats:
             stats.cache_hit_rate = _ewma(stats.cache_hit_rate, usage.cached_input_tokens / prompt)
             stats.cache_write_5m_rate = _ewma(stats.cache_write_5m_rate, usage.cache_write_5m_tokens / prompt)
             stats.cache_write_1h_rate = _ewma(stats.cache_write_1h_rate, usage.cache_write_1h_tokens / prompt)
-            if event.routing is not None and "policy=prefix_affinity" in event.routing:
+            if event.routing is not None and _on_affinity_replica(event.routing):
                 tokens = self.affinity_tokens.get(event.route)
                 if tokens is None and self.in_force(event.route, uses_prefix_affinity):
                     tokens = self.affinity_tokens[event.route] = [0, 0]

@@ -84,11 +84,27 @@ models:
 """
 
 
+# A vendor beside the replicas (`engine_replicas(..., vendor=)`): its model `claude-sonnet`.
+VENDOR_BACKEND = """\
+  - {name: vendor, type: anthropic, base_url: "${V_URL}", api_key: "${V_KEY}"}
+"""
+VENDOR_MODEL = """\
+  - {name: claude-sonnet, backend: vendor, model: claude-sonnet-4-5}
+"""
+
+
 @contextmanager
-def engine_replicas(a: FakeOpenAI, b: FakeOpenAI, routes: str) -> Iterator[RunningGateway]:
-    """A gateway in front of `ENGINE_REPLICAS` (`smol-a` on `a`, `smol-b` on `b`) with `routes`."""
+def engine_replicas(
+    a: FakeOpenAI, b: FakeOpenAI, routes: str, vendor: FakeAnthropic | None = None
+) -> Iterator[RunningGateway]:
+    """A gateway in front of `ENGINE_REPLICAS` (`smol-a` on `a`, `smol-b` on `b`) with `routes`, and
+    with `vendor`, the model `claude-sonnet` on that vendor (a fallback that is no replica)."""
     env = {"A_URL": a.base_url, "A_KEY": a.api_key, "B_URL": b.base_url, "B_KEY": b.api_key}
-    with running_gateway(parse_config(ENGINE_REPLICAS + routes, env)) as gateway:
+    config = ENGINE_REPLICAS
+    if vendor is not None:
+        env |= {"V_URL": vendor.base_url, "V_KEY": vendor.api_key}
+        config = config.replace("models:\n", VENDOR_BACKEND + "models:\n", 1) + VENDOR_MODEL
+    with running_gateway(parse_config(config + routes, env)) as gateway:
         yield gateway
 
 

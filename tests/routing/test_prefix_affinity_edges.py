@@ -28,9 +28,9 @@ from routing.policies import PolicyContext
 from routing.router import Router
 from routing.routes import Candidate, Hedge, Route
 from routing.stats import RoutingStats
-from tests.fakes import FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import engine_replicas, runtime, sent
+from tests.routing.routed import engine_replicas, route_header, runtime, sent, settled
 
 CONFIG = """\
 backends:
@@ -342,3 +342,43 @@ def test_a_client_that_leaves_before_its_stream_begins_frees_the_replica(
     while any(in_flight.values()) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(in_flight.values()), in_flight
+
+
+FALLBACK_ROUTES = """\
+routes:
+  - name: smol
+    policy: prefix_affinity
+    probe_interval: null
+    retry: {attempts: 1}
+    candidates: [{model: smol-a}, {model: smol-b}]
+    fallbacks: [claude-sonnet]
+"""
+
+
+def test_a_fallback_vendors_answer_is_not_counted_in_the_replicas_hit_rate(
+    fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """The hit rate a prefix_affinity route reports (routes/status `prefix_affinity_cache`, /metrics
+    `weir_prefix_affinity_prompt_tokens_total`) is its replicas' prefix caches': a request that both
+    replicas failed and its fallback vendor answered counted that vendor's prompt tokens too, as
+    computed by the replicas, and lowered the rate by whatever share of the traffic fell back."""
+    messages: Any = [{"role": "user", "content": "a question for the replicas"}]
+    with engine_replicas(fake_openai, fake_deepseek, FALLBACK_ROUTES, vendor=fake_anthropic) as gateway:
+        client = gateway.openai()
+        served = client.chat.completions.with_raw_response.create(model="smol", messages=messages)
+        assert route_header(served)["candidate"] in {"smol-a", "smol-b"}
+        on_replica = served.parse().usage
+        for replica in (fake_openai, fake_deepseek):
+            replica.fail_next(503)
+        fell_back = client.chat.completions.with_raw_response.create(model="smol", messages=messages)
+        assert route_header(fell_back)["candidate"] == "claude-sonnet"
+        assert fell_back.parse().usage.prompt_tokens > 0  # type: ignore[union-attr]
+        settled(gateway, 4)  # the replica's answer; two failures and the vendor's answer
+        answered = [e.backend for e in gateway.sink.events if e.ok]
+        assert answered[0] in {"replica-a", "replica-b"} and answered[1:] == ["vendor"]
+        assert on_replica is not None
+        cache = runtime(gateway).router.stats.affinity_cache("smol")
+        assert cache == {"prompt_tokens": on_replica.prompt_tokens, "cached_tokens": 0, "hit_rate": 0.0}
+        metrics = httpx.get(f"{gateway.url}/metrics").text
+        line = f'weir_prefix_affinity_prompt_tokens_total{{route="smol",source="computed"}} {float(on_replica.prompt_tokens)}'
+        assert line in metrics, metrics
