@@ -757,7 +757,7 @@ class Executor:
         (`_prefill_stitch`)."""
         sent: list[str] = []
         failed: set[str] = set()
-        stream_id: str | None = None
+        head: ChatChunk | None = None  # the stream's first chunk, whose id, model and time it keeps
         tool_calls = False
         # A refusal sent: no answer text a prefill could go on from, and a fresh answer after it
         # would follow half a refusal in the one message.
@@ -788,7 +788,7 @@ class Executor:
                 try:
                     async for batch in batches:
                         if resumed:
-                            batch = [_continued(chunk, stream_id) for chunk in batch]
+                            batch = [_continued(chunk, head) for chunk in batch]
                             if answering:
                                 batch = _without_reasoning(batch)
                         if stitch is not None:
@@ -808,7 +808,7 @@ class Executor:
                                     prompt = _as_one_answer(chunk.prompt_usage, Usage(), prefilled_tokens, 0)
                                     batch[i] = edited(batch[i], prompt_usage=prompt)
                         for chunk in batch:
-                            stream_id, last = stream_id or chunk.id, chunk
+                            head, last = head or chunk, chunk
                             for c in chunk.choices:
                                 if c.delta.content:
                                     sent.append(c.delta.content)
@@ -1089,15 +1089,19 @@ def _reasoning_end(last: ChatChunk) -> ChatChunk:
     return edited(last, choices=[choice], usage=None)
 
 
-def _continued(chunk: ChatChunk, stream_id: str | None) -> ChatChunk:
-    """A chunk of the continuation, dressed as part of the stream the client already has."""
+def _continued(chunk: ChatChunk, head: ChatChunk | None) -> ChatChunk:
+    """A chunk of the continuation, dressed as part of the stream the client already has: its first
+    chunk's id, model and creation time (an unbroken stream's never change; which candidate wrote
+    what is the ledger's and the request log's to say), and no second role."""
     choices = [
         msgspec.structs.replace(c, delta=msgspec.structs.replace(c.delta, role=None))
         if c.delta.role is not None
         else c
         for c in chunk.choices
     ]
-    return edited(chunk, id=stream_id or chunk.id, choices=choices)
+    if head is None:  # nothing was sent before the break
+        return edited(chunk, choices=choices)
+    return edited(chunk, id=head.id, model=head.model, created=head.created, choices=choices)
 
 
 def _without_reasoning(batch: list[ChatChunk]) -> list[ChatChunk]:

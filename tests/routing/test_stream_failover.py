@@ -194,3 +194,28 @@ def test_a_continuation_after_whitespace_is_accepted_and_not_doubled(
     assert fake_anthropic.last_request.json["messages"][-1]["content"][0]["text"] == "one"
     settled(gateway, 2)
     assert attempts(gateway) == [("openai", False), ("anthropic", True)]
+
+
+def test_a_resumed_stream_keeps_its_model_and_creation_time_to_the_end(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """The chunks a continuation on another vendor wrote carried that vendor's model and their own
+    creation time: an OpenAI client saw `model` (and `created`) change mid-stream, which an unbroken
+    stream never does. They carry the first chunk's now; which candidate wrote what is for the
+    ledger to say."""
+    fake_openai.set_latency(first_token=1.0)  # the continuation is created a second later at least
+    fake_openai.fail_next(Fault.cut_stream(after=3))  # role, "one", " two"
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="resilient", messages=HI, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(raw.parse())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ECHO
+    assert {(c.id, c.model, c.created) for c in chunks} == {(chunks[0].id, "gpt-4o-mini", chunks[0].created)}
+    assert route_header(raw)["candidate"] == "gpt-4o-mini"  # the decision when the stream began
+    settled(gateway, 2)
+    events = sorted(gateway.sink.events, key=lambda e: e.attempt)
+    assert [(e.backend, e.model, e.ok) for e in events] == [
+        ("openai", "gpt-4o-mini", False),
+        ("anthropic", "claude-sonnet-4-5", True),
+    ]
+    assert events[1].routing is not None and "candidate=claude-sonnet" in events[1].routing
