@@ -34,12 +34,13 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1
 """
-# KEYS: lease sets; ARGV[1]: ttl in ms, ARGV[2..]: the lease id held in each set.
+# KEYS: lease sets; ARGV[1]: ttl in ms, ARGV[2..]: the lease id held in each set. Adds a lease the set
+# lost (not XX): its holder still runs the stream.
 REFRESH = """
 local t = redis.call('TIME')
 local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, 'XX', expiry, ARGV[i + 1])
+  redis.call('ZADD', key, expiry, ARGV[i + 1])
   redis.call('PEXPIRE', key, tonumber(ARGV[1]))
 end
 return 1
@@ -58,6 +59,10 @@ class LocalSlots:
             return False
         self.streams[tenant] = open_now + 1
         return True
+
+    def add(self, tenant: str) -> None:
+        """One more stream open, granted elsewhere (by Redis)."""
+        self.streams[tenant] = self.streams.get(tenant, 0) + 1
 
     def release(self, tenant: str) -> None:
         left = self.streams.get(tenant, 0) - 1
@@ -86,8 +91,10 @@ class RedisSlots:
         self.ttl_ms = int(ttl_s * 1000)
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self.local = LocalSlots()  # while Redis is away
+        self.local = LocalSlots()  # every stream open here: the count while Redis is away
         self.held: dict[str, tuple[str, str]] = {}  # lease id -> (tenant, set key), for refreshes
+        self.unshared: set[str] = set()  # held leases granted while Redis was away, not in Redis yet
+        self._adding: set[asyncio.Future[None]] = set()  # writes (re)adding held leases, in flight
         self.degraded = False
         self.outage = outage
         self._acquire = client.register_script(ACQUIRE)
@@ -115,9 +122,11 @@ class RedisSlots:
         """A lease id, or None when the tenant has `limit` streams open already."""
         lease = random_hex(12)
         if self.away:
-            return "local:" + lease if self.local.acquire(tenant, limit) else None
+            return self._grant_locally(tenant, limit, lease)
         try:
             async with asyncio.timeout(self.timeout_s):
+                if self.unshared:  # streams opened while Redis was away count in it from now on
+                    await self._add(list(self.unshared))
                 taken = await self._acquire(keys=[self.key(tenant)], args=[limit, lease, self.ttl_ms])
         except (aioredis.RedisError, OSError, TimeoutError) as exc:
             if not self.degraded:
@@ -129,11 +138,33 @@ class RedisSlots:
                 self._prober = detached(self._probe())  # not the request's that met the outage
             if self.outage is not None:
                 self.outage.lost(exc)
-            return "local:" + lease if self.local.acquire(tenant, limit) else None
+            return self._grant_locally(tenant, limit, lease)
         if not taken:
             return None
         self.held[lease] = (tenant, self.key(tenant))
+        self.local.add(tenant)
         return lease
+
+    def _grant_locally(self, tenant: str, limit: int, lease: str) -> str | None:
+        """A lease counted against the streams open here (Redis is away), added to Redis once it is
+        back: until then the other replicas cannot see it."""
+        if not self.local.acquire(tenant, limit):
+            return None
+        lease = "local:" + lease
+        self.held[lease] = (tenant, self.key(tenant))
+        self.unshared.add(lease)
+        return lease
+
+    async def _add(self, leases: list[str]) -> None:
+        """Put held leases in Redis with a fresh expiry, whether Redis still has them or not."""
+        sent = asyncio.get_running_loop().create_future()
+        self._adding.add(sent)
+        try:
+            await self._refresh(keys=[self.held[lease][1] for lease in leases], args=[self.ttl_ms, *leases])
+        finally:
+            self._adding.discard(sent)
+            sent.set_result(None)
+        self.unshared.difference_update(leases)
 
     async def _probe(self) -> None:
         """Ask Redis every `retry_s` until it answers, off every request's path."""
@@ -144,20 +175,28 @@ class RedisSlots:
         log.info("stream_slots_recovered")
 
     def release(self, tenant: str, lease: str) -> None:
-        """Give a lease back without waiting (called as the exchange ends, maybe while cancelled)."""
-        if lease.startswith("local:"):
-            self.local.release(tenant)
-            return
+        """Give a lease back without waiting (called as the exchange ends, maybe while cancelled).
+        It leaves `held` at once, so no later refresh carries it."""
         if self.held.pop(lease, None) is None:
             return
-        task = asyncio.get_running_loop().create_task(self._remove(self.key(tenant), lease))
+        self.local.release(tenant)
+        in_flight = list(self._adding)
+        if lease in self.unshared:
+            self.unshared.discard(lease)
+            if not in_flight:
+                return  # never sent to Redis: nothing there to remove
+        task = asyncio.get_running_loop().create_task(self._remove(self.key(tenant), lease, in_flight))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _remove(self, key: str, lease: str) -> None:
+    async def _remove(self, key: str, lease: str, in_flight: list[asyncio.Future[None]]) -> None:
         # On failure it expires after ttl_s: no refresh keeps it alive.
         with contextlib.suppress(aioredis.RedisError, OSError, TimeoutError):
             async with asyncio.timeout(self.timeout_s):
+                if in_flight:
+                    # A refresh sent before the lease was given back may carry it: removed before
+                    # that refresh runs, the lease would be added back and count for `ttl_s`.
+                    await asyncio.wait(in_flight)
                 await self.client.zrem(key, lease)
 
     def start(self) -> None:
@@ -167,13 +206,10 @@ class RedisSlots:
         while True:
             stop_if_cancelled()  # a cancel that library code swallowed last round
             await asyncio.sleep(self.ttl_ms / 3000)
-            held = list(self.held.items())
-            if not held:
+            if not self.held or self.away:  # once Redis is back, the next round adds them all
                 continue
             try:
-                await self._refresh(
-                    keys=[key for _, (_, key) in held], args=[self.ttl_ms, *[lease for lease, _ in held]]
-                )
+                await self._add(list(self.held))
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("stream_slots_refresh_failed", error=str(exc))
 

@@ -35,6 +35,14 @@ log = logging.getLogger(__name__)
 Token = Any  # where an event sits in its queue, handed back to `ack`
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 
+# KEYS[1]: the usage stream; ARGV: the group, the consumer. Deletes the consumer if it has no pending
+# entries (deleting it would drop them from the group: no other writer could claim them); in one
+# script, so no read can hand it an entry between the check and the delete. 1: deleted.
+FORGET_IDLE_CONSUMER = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+"""
+
 
 class UsageQueue(Protocol):
     def put(self, event: UsageEvent) -> None:
@@ -576,6 +584,17 @@ class RedisStreamQueue:
             self._spool_buffer()
         if self._buffer:
             log.error("usage queue closed with %d events Redis did not take", len(self._buffer))
+        await self._leave_group()
         if self.spool is not None:
             await self.spool.close()
         await self._redis.aclose()
+
+    async def _leave_group(self) -> None:
+        """Take this process's consumer out of the group, unless it has entries pending (another
+        writer claims them after `claim_idle_s`): each process names a new one, so every restart,
+        rollout or scaled-out replica left one more in the group otherwise."""
+        if not self._group_ready or not self.reachable:
+            return  # never read here, or Redis is away: nothing to ask it
+        with contextlib.suppress(Exception):
+            async with self._answered(self._timeout):
+                await self._redis.eval(FORGET_IDLE_CONSUMER, 1, self._stream, self.GROUP, self._consumer)

@@ -173,6 +173,34 @@ async def test_stream_entries_of_a_dead_writer_are_taken_over(redis_prefix: str,
 
 
 @pytest.mark.redis
+async def test_a_writer_that_stops_leaves_the_group_unless_entries_wait_for_it(redis_prefix: str) -> None:
+    """Each process reads as a consumer of its own (`<host>-<pid>-<random>`). One that stops with
+    nothing pending takes its consumer out of the group (they stayed: each restart, rollout or
+    scaled-out replica added one for ever); one that stops with entries unacknowledged keeps it, with
+    them, for another writer to claim."""
+    stream = f"{redis_prefix}usage"
+    for life in range(3):  # three replica lifetimes, one after the other
+        queue = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+        await put_all(queue, events(5, seed=life))
+        read = await queue.read_lines(100, block_s=0)
+        assert len(read) == 5
+        await queue.ack([token for token, _ in read])  # all written: nothing pending
+        await queue.close()
+    async with aioredis.from_url(REDIS_URL) as shared:
+        assert await shared.xinfo_consumers(stream, RedisStreamQueue.GROUP) == []
+
+        stopped = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+        await put_all(stopped, events(5, seed=3))
+        assert len(await stopped.read_lines(100, block_s=0)) == 5  # stopped before writing them
+        await stopped.close()
+        consumers = await shared.xinfo_consumers(stream, RedisStreamQueue.GROUP)
+        assert [c["pending"] for c in consumers] == [1]  # one entry of 5 events
+    survivor = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix, claim_idle_s=0)
+    assert len(await survivor.read_lines(100, block_s=0)) == 5  # claimed
+    await survivor.close()
+
+
+@pytest.mark.redis
 async def test_entries_a_lost_read_had_delivered_are_read_again_at_once(
     redis_prefix: str, engine: AsyncEngine
 ) -> None:
