@@ -112,20 +112,26 @@ class DroppedBeforeAnswer(Unreachable, BadGateway):
     """The connection broke before the backend sent any response (a 502)."""
 
 
-# Anthropic names its error types by status; https://docs.anthropic.com/en/api/errors
+# Anthropic names its error types by status; https://docs.anthropic.com/en/api/errors. Each type's
+# own status comes first: the statuses after it that share its type are other vendors' words for it.
 ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    402: "billing_error",
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
+    529: "overloaded_error",
     502: "api_error",
     503: "overloaded_error",
     504: "timeout_error",
-    529: "overloaded_error",
 }
+# The other way, for an error Anthropic names by type alone (an `error` event inside a 200 stream):
+# the status that type has when Anthropic says it in the status line, so a route's `failover_on` and
+# retries see the same failure either way.
+ANTHROPIC_ERROR_STATUSES = {kind: status for status, kind in reversed(ANTHROPIC_ERROR_TYPES.items())}
 
 
 def stream_failure(exc: BaseException) -> GatewayError:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import functools
+import math
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -89,6 +90,15 @@ class Call:
     # 504 (`upstream_error`), a hedge that lost is `cancelled` (499). An attempt cancelled without an
     # entry here was ended by its client leaving.
     stopped: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # Seconds from `started` the client said it waits for its response (`x-stainless-read-timeout`,
+    # which the OpenAI and Anthropic SDKs send): a hint, None when it said nothing usable.
+    client_timeout: float | None = None
+
+    def time_left(self) -> float:
+        """Seconds until the client gives up, as it said (`client_timeout`): infinite if it did not."""
+        if self.client_timeout is None:
+            return math.inf
+        return self.client_timeout - (time.perf_counter() - self.started)
 
 
 # `weir_errors_total`'s `type` values: the gateway's own, and the error types of the vendors' APIs.

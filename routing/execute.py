@@ -63,8 +63,11 @@ HOUR = 3600.0
 
 
 def fails_over(route: Route, exc: BaseException) -> bool:
-    """Whether this failure moves on (retry or next candidate). Only failures a backend caused: a
-    gateway-side refusal (rate limit, budget) or a 4xx the request caused never does."""
+    """Whether this failure moves on (retry or next candidate). Only failures a backend caused, as
+    `failover_on` names them, and the route's own `ttft_timeout`: a gateway-side refusal (rate limit,
+    budget) or a 4xx the request caused never does."""
+    if isinstance(exc, FirstTokenTimeout):
+        return True  # the route's own instruction to move on, whatever `failover_on` lists
     if not isinstance(exc, _BACKEND_ERRORS):
         return False
     return any(
@@ -118,8 +121,9 @@ def retries_in_place(exc: GatewayError) -> bool:
     (the account is out of credit, which no wait lifts, unlike a rate limit's 429), nor after the
     backend refused the gateway's credentials or account, nor when the bundled engine's queue is full
     (`engine_overloaded`, from `--max-queued`: the point of the limit is to answer elsewhere now),
-    nor when the prompt does not fit its context window: the next candidate is asked at once."""
-    return exc.code not in (
+    nor when the prompt does not fit its context window, nor after a 404 (a model the backend does
+    not have, retired or misnamed, where `failover_on` lists 404): the next candidate is asked at once."""
+    return exc.status != 404 and exc.code not in (
         "insufficient_quota",
         "upstream_auth_failed",
         "upstream_billing_failed",
@@ -158,6 +162,12 @@ def backoff(route: Route, retry: int, rng: random.Random) -> float:
     settings = route.retry
     wait = min(settings.max_backoff, settings.backoff * 2**retry)
     return wait * (1 - settings.jitter * rng.random())
+
+
+class FirstTokenTimeout(GatewayTimeout):
+    """A stream with no first token within its route's `ttft_timeout` (`_FirstTokenDeadline`)."""
+
+    code = "ttft_timeout"
 
 
 class Unsupported(InvalidRequest):
@@ -505,7 +515,10 @@ class Executor:
                     wait = retry_after(exc)
                     if wait is not None and wait > route.retry.max_retry_after:
                         break  # not worth waiting for: the next candidate may answer now
-                    await asyncio.sleep(wait if wait is not None else backoff(route, retry, self.rng))
+                    pause = wait if wait is not None else backoff(route, retry, self.rng)
+                    if pause >= call.time_left():
+                        break  # the client would give up first: the next candidate may answer now
+                    await asyncio.sleep(pause)
                     if breaker is not None:
                         refused, trial = await self._admit(route, choice, op)
                         if refused is not None:
@@ -979,8 +992,8 @@ class _FirstTokenDeadline:
             return await opening
         except asyncio.CancelledError:
             if self.expired and self.task.uncancel() <= cancelling:
-                raise GatewayTimeout(
-                    f"{self.backend} sent no first token within {self.timeout:g} s", code="ttft_timeout"
+                raise FirstTokenTimeout(
+                    f"{self.backend} sent no first token within {self.timeout:g} s"
                 ) from None
             raise
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar
 
 import msgspec
@@ -32,7 +33,22 @@ async def begin(request: Request[Any, Any, Any], endpoint: str) -> tuple[Gateway
     info.endpoint = endpoint
     principal = await gateway.authenticate(request.headers)
     info.tenant = principal.tenant_name
-    return gateway, Call(info=info, principal=principal, endpoint=endpoint)
+    timeout = client_timeout(request.headers.get(CLIENT_TIMEOUT_HEADER))
+    return gateway, Call(info=info, principal=principal, endpoint=endpoint, client_timeout=timeout)
+
+
+# How long the OpenAI and Anthropic SDKs wait for a response (their read timeout, in seconds).
+CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"
+
+
+def client_timeout(value: str | None) -> float | None:
+    """The client's stated timeout in seconds: None unless a finite number above 0 (a hint, and any
+    client may send the header)."""
+    try:
+        seconds = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return seconds if 0 < seconds < math.inf else None
 
 
 async def parse_body(request: Request[Any, Any, Any], type_: type[T]) -> T:

@@ -22,7 +22,7 @@ from urllib.parse import urlencode
 import msgspec
 
 from gateway.config import Backend
-from gateway.errors import BadGateway, GatewayError, InvalidRequest
+from gateway.errors import ANTHROPIC_ERROR_STATUSES, BadGateway, GatewayError, InvalidRequest
 from gateway.providers.base import (
     NO_THINKING,
     Continuation,
@@ -653,9 +653,12 @@ class ChatStream:
                 )
             ]
         if kind == "error":
-            detail = payload.get("error") or {}
-            status = 529 if detail.get("type") == "overloaded_error" else 500
-            raise upstream_error(status, str(detail.get("message", "stream error")), {}, vendor="Anthropic")
+            # Any error Anthropic has may come after its 200 (a rate limit, an overload): read as
+            # the status its type has in a status line, not as a generic 500.
+            detail = payload.get("error") if isinstance(payload.get("error"), dict) else {}
+            named = detail.get("type")
+            status = ANTHROPIC_ERROR_STATUSES.get(named, 500) if isinstance(named, str) else 500
+            raise _error(status, str(detail.get("message", "stream error")), detail, {})
         return []  # ping and event types added later
 
     def close(self) -> list[ChatChunk]:
@@ -675,6 +678,14 @@ _NO_CREDIT = "credit balance is too low"
 
 def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
     message, detail = error_text(body)
+    return _error(status, message, detail, response_headers)
+
+
+def _error(
+    status: int, message: str, detail: Mapping[str, Any], response_headers: Mapping[str, str]
+) -> GatewayError:
+    """Anthropic's error (`detail`: its `error` object) as the client sees it, said in the status
+    line or inside a 200 stream."""
     kind = detail.get("type")
     if status == 400 and _NO_CREDIT in message:
         status = 402  # the gateway's account, not the request: fails over like a billing refusal

@@ -520,13 +520,11 @@ class ChatStream:
         except msgspec.DecodeError:
             raise BadGateway("the Gemini backend sent an invalid stream event") from None
         if "error" in payload:
-            detail = payload["error"] or {}
-            raise upstream_error(
-                int(detail.get("code") or 500),
-                str(detail.get("message", "stream error")),
-                {},
-                vendor="Gemini",
-            )
+            # The same object as in an error body: its status and RetryInfo count as they would there.
+            detail = payload["error"] if isinstance(payload["error"], dict) else {}
+            code = detail.get("code")
+            status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+            raise _error(status, str(detail.get("message", "stream error")), detail, {})
         _check_blocked(payload)
         if payload.get("usageMetadata"):
             self.usage = payload["usageMetadata"]
@@ -609,6 +607,14 @@ def retry_hint(detail: Mapping[str, Any]) -> dict[str, str]:
 
 def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
     message, detail = error_text(body)
+    return _error(status, message, detail, response_headers)
+
+
+def _error(
+    status: int, message: str, detail: Mapping[str, Any], response_headers: Mapping[str, str]
+) -> GatewayError:
+    """Google's error (`detail`: its `error` object) as the client sees it, said in the status line
+    or inside a 200 stream: its retry hint as headers, a refused key as the gateway's."""
     kind = detail.get("status")
     if status == 400 and (_detail(detail, _ERROR_INFO) or {}).get("reason") == _KEY_REFUSED:
         status = 401  # the gateway's key, not the request: fails over as another vendor's 401 does

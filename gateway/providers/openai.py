@@ -271,9 +271,10 @@ class _Completion(Base):
 
 
 def _error_in_200(error: dict[str, Any]) -> GatewayError:
-    """A failure reported in the body of a 200. OpenRouter commits its 200 before the provider behind
-    it answers, and then reports that provider's failure as `{"error": {"code": 429, ...}}`: that
-    status when it is an HTTP error status (a 429 or 5xx fails over), else 502."""
+    """A failure reported after a 200: in its body, or as an event of its stream. OpenRouter commits
+    its 200 before the provider behind it answers, and then reports that provider's failure as
+    `{"error": {"code": 429, ...}}`: that status when it is an HTTP error status (a 429 or 5xx fails
+    over), else 502, streamed or not."""
     code = error.get("code")
     numeric = isinstance(code, int) and not isinstance(code, bool)
     status = code if isinstance(code, int) and numeric and 400 <= code <= 599 else 502
@@ -415,9 +416,8 @@ class ChatStream:
             self.done = True
             return []
         wire = _chunk(data)
-        if wire.error is not None:
-            message = wire.error.get("message") or "stream error"
-            raise upstream_error(502, str(message), {}, vendor="OpenAI-compatible")
+        if wire.error is not None:  # read as in a whole 200: OpenRouter's provider status, if any
+            raise _error_in_200(wire.error)
         renamed = False
         for choice in wire.choices:
             renamed = _reasoning_as_content(choice.delta) or renamed
@@ -512,9 +512,7 @@ class CompletionStream:
         if not isinstance(payload, dict):
             raise BadGateway("the OpenAI-compatible backend sent an invalid stream chunk")
         if isinstance(payload.get("error"), dict):
-            raise upstream_error(
-                502, str(payload["error"].get("message", "stream error")), {}, vendor="OpenAI-compatible"
-            )
+            raise _error_in_200(payload["error"])
         choices = payload.get("choices") or ()
         if any(choice.get("finish_reason") for choice in choices):
             self.finished = True

@@ -147,15 +147,23 @@ def _client(gateway: RunningGateway, timeout: float, key: str = DEMO_KEY) -> ope
 def _leave_before_the_answer(
     gateway: RunningGateway, model: str, after: float, stream: bool = False, key: str = DEMO_KEY
 ) -> float:
-    """Ask `model` and hang up `after` seconds, before any byte of the answer; when the client left."""
+    """Ask `model` and hang up `after` seconds, before any byte of the answer; when the client left.
+    It does not say when it will (no `x-stainless-read-timeout`, which would have the gateway move
+    on from a wait it cannot outlive): it leaves as a user who cancels does, unannounced."""
     client = _client(gateway, after, key)
+    unannounced = {"x-stainless-read-timeout": openai.omit}
     try:
         with pytest.raises(openai.APITimeoutError):
             if stream:
-                for _ in client.chat.completions.create(model=model, messages=HI, stream=True):  # type: ignore[arg-type]
+                for _ in client.chat.completions.create(
+                    model=model,
+                    messages=HI,  # type: ignore[arg-type]
+                    stream=True,
+                    extra_headers=unannounced,
+                ):
                     pass
             else:
-                client.chat.completions.create(model=model, messages=HI)  # type: ignore[arg-type]
+                client.chat.completions.create(model=model, messages=HI, extra_headers=unannounced)  # type: ignore[arg-type]
     finally:
         client.close()
     return time.monotonic()

@@ -2,8 +2,10 @@
 
 The fake vendors send `retry-after` only as whole seconds; a scripted backend (tests/reliability
 raw_backend.py) sends what they cannot: an HTTP date, `retry-after-ms`, a value that is not a number.
-For each case: what the client sees, which backends were tried (x-weir-route, the backends' request
-counts) and what the ledger holds.
+A wait the client would not live through (past the timeout its SDK states in
+`x-stainless-read-timeout`) is not waited for. A route's own `ttft_timeout` fails over whatever its
+`failover_on` lists. For each case: what the client sees, which backends were tried (x-weir-route,
+the backends' request counts) and what the ledger holds.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.api.common import client_timeout
 from gateway.config import parse_config
 from gateway.errors import UpstreamError
 from gateway.state import MemoryState
@@ -55,6 +58,8 @@ EXTRA_ROUTES = f"""\
   - {{name: hedged-tight, hedge: {{delay: 0.1, max_spend_usd_per_hour: 0.035}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: gpt5-first, candidates: [{{model: gpt-5}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedge-slow-ttft, ttft_timeout: 0.4, hedge: {{delay: 1.2}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+  - {{name: impatient-429, ttft_timeout: 0.3, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}, failover_on: [429]}}
+  - {{name: patient, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], retry: {{attempts: 2, backoff: 0.02, max_backoff: 0.1, max_retry_after: 10}}, breaker: {{failures: 3, cooldown: 0.5}}, probe_interval: null}}
 """
 # A route with breaker settings of its own beside routes that wait longer on its model. A gateway of
 # their own: the breakers they share take the most protective of their settings (2 failures, 30 s),
@@ -180,6 +185,40 @@ def test_retry_after_ms_is_honoured_before_retry_after(gateway: RunningGateway, 
     assert text == "raw answer" and route["tried"] == "raw-model:429,raw-model:ok"
     assert 0.3 <= waited < 5  # the 300 ms were waited, not the 30 s (which would have failed over)
     assert ledger(gateway) == [("raw", 429), ("raw", 200)]
+
+
+def test_a_retry_after_past_the_clients_own_timeout_is_not_waited_for(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """The SDKs say how long they wait (`x-stainless-read-timeout`). A 429 asking for 3 s, within the
+    route's `max_retry_after` of 10 s, was waited for although the client gives up after 1.5 s: it
+    timed out while the next candidate could have answered at once."""
+    fake_openai.fail_next(Fault.status(429, retry_after=3))
+    started = time.monotonic()
+    text, route = chat(gateway, "patient", timeout=1.5)
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:429,claude-sonnet:ok"
+    assert time.monotonic() - started < 1.5
+    assert len(fake_openai.requests) == 1
+
+
+@pytest.mark.parametrize("stated", ["0", "-3", "inf", "nan", "soon"])
+def test_a_client_timeout_that_is_no_timeout_leaves_the_retry_after_wait_alone(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, stated: str
+) -> None:
+    """A stated timeout that says nothing usable is no reason to leave a backend that asked for a
+    second: it is waited for, and the same backend answers."""
+    fake_openai.fail_next(Fault.status(429, retry_after=1))
+    started = time.monotonic()
+    text, route = chat(gateway, "patient", extra_headers={"x-stainless-read-timeout": stated})
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:429,gpt-4o-mini:ok"
+    assert time.monotonic() - started >= 1
+    assert not fake_anthropic.requests
+
+
+def test_client_timeouts_the_gateway_reads() -> None:
+    assert client_timeout("1.5") == 1.5 and client_timeout("600") == 600.0
+    for unusable in (None, "", "soon", "0", "-1", "inf", "1e999", "nan"):
+        assert client_timeout(unusable) is None
 
 
 def _waits(headers: dict[str, str]) -> float | None:
@@ -518,6 +557,18 @@ def test_a_ttft_timeout_shorter_than_the_hedge_delay_fails_over_before_any_hedge
     settled(gateway, 3)
     # A TTFT timeout is the backend's 504 (tests/routing/test_routing_observability.py), not a 499.
     assert ledger(gateway) == [("openai", 504), ("openai", 504), ("deepseek", 200)]
+
+
+def test_the_routes_own_ttft_timeout_fails_over_whatever_failover_on_lists(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """`ttft_timeout` is the route's own instruction to move on, but its 504 was matched against
+    `failover_on` like a backend's: a route failing over on 429 only ended the request with 504
+    `ttft_timeout` at its first candidate, its timeout only making requests fail sooner."""
+    fake_openai.fail_next(Fault.delay(2.0), times=2)
+    text, route = streamed(gateway, "impatient-429")
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:504,gpt-4o-mini:504,claude-sonnet:ok"
+    assert len(fake_anthropic.requests) == 1
 
 
 def test_when_both_hedged_attempts_fail(

@@ -3,9 +3,10 @@ with the official SDKs as clients.
 
 - Gemini says when to retry in its error body (a `google.rpc.RetryInfo` in `error.details`,
   `"retryDelay": "30s"`), never in a header: it must be honoured like `retry-after` (and capped by
-  `max_retry_after`), and reach the client as `retry-after`.
-- OpenAI's 429 `insufficient_quota` is an account out of credit, not a rate limit: waiting does not
-  lift it, so the next candidate is tried at once instead of the same backend again.
+  `max_retry_after`), and reach the client as `retry-after`, in the status line or inside a stream.
+- OpenAI's 429 `insufficient_quota` is an account out of credit, not a rate limit, and a 404 is a
+  model the backend does not have: waiting lifts neither, so the next candidate is tried at once
+  instead of the same backend again.
 - A vendor refusing the gateway's own key or account is no fault of the request: a 502 that fails
   over, however the vendor words it (a 401/403; Anthropic's 400 "credit balance is too low"; Gemini's
   400 `INVALID_ARGUMENT` with reason `API_KEY_INVALID`).
@@ -14,7 +15,9 @@ with the official SDKs as clients.
   200 stream that ends (`[DONE]`) with no finish reason and none of an answer; an empty answer with a
   finish reason is the model's own, and is passed on.
 - Errors inside a 200 stream and streams that just stop, for each vendor: before the first token they
-  fail over invisibly, after it the stream continues on the next candidate.
+  fail over invisibly, after it the stream continues on the next candidate. An error inside a stream
+  has the status it would have in the status line (Anthropic's `rate_limit_error` a 429, OpenRouter's
+  `"code": 429` a 429), so a route's `failover_on` reads it the same, streamed or not.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from tests.routing.routed import FAST, ROUTES, ledger, raw_config_text, route_he
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
 
+# Routes that fail over on rate limits only (no `5xx`): what a 429 is must not depend on whether the
+# vendor said it in the status line or inside its 200 stream.
+ONLY_429 = FAST + ", failover_on: [429]"
 EXTRA_ROUTES = f"""\
   - {{name: gemini-first, candidates: [{{model: gemini-flash}}, {{model: gpt-4o-mini}}], {FAST}}}
   - {{name: raw-first, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
@@ -45,6 +51,10 @@ EXTRA_ROUTES = f"""\
   - {{name: vendors-from-claude, candidates: [{{model: claude-sonnet}}, {{model: gemini-flash}}, {{model: gpt-4o-mini}}], {FAST}}}
   - {{name: vendors-from-gemini, candidates: [{{model: gemini-flash}}, {{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: gemini-key-first, candidates: [{{model: gemini-revoked}}, {{model: gpt-4o-mini}}], {FAST}}}
+  - {{name: raw-gemini-first, candidates: [{{model: raw-gemini}}, {{model: gpt-4o-mini}}], {FAST}}}
+  - {{name: model-gone-first, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}, failover_on: [429, 5xx, 404]}}
+  - {{name: claude-first-429, candidates: [{{model: claude-sonnet}}, {{model: gpt-4o-mini}}], {ONLY_429}}}
+  - {{name: raw-first-429, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {ONLY_429}}}
 """
 # A Gemini backend whose key the fake does not know: refused as Google refuses a wrong or expired key.
 REVOKED_BACKEND = """\
@@ -52,6 +62,12 @@ REVOKED_BACKEND = """\
 """
 REVOKED_MODEL = """\
   - {name: gemini-revoked, backend: gemini-revoked, model: gemini-2.5-flash}"""
+# The raw backend again, spoken to as Gemini: its scripted bytes are whatever a test puts there.
+RAW_GEMINI_BACKEND = """\
+  - {name: raw-gemini, type: gemini, base_url: "${RAW_URL}", api_key: unused}
+"""
+RAW_GEMINI_MODEL = """\
+  - {name: raw-gemini, backend: raw-gemini, model: gemini-2.5-flash}"""
 
 # OpenRouter commits its 200 before the provider behind it answers; a provider's failure then comes
 # in the body, with the provider's status as a number in `error.code`.
@@ -96,8 +112,8 @@ def gateway_routes() -> str:
 @pytest.fixture(scope="module")
 def gateway_config(gateway_routes: str) -> str:
     text = raw_config_text(gateway_routes)
-    text = text.replace("backends:\n", "backends:\n" + REVOKED_BACKEND, 1)
-    return text.replace("models:", "models:\n" + REVOKED_MODEL, 1)
+    text = text.replace("backends:\n", "backends:\n" + REVOKED_BACKEND + RAW_GEMINI_BACKEND, 1)
+    return text.replace("models:", "models:\n" + REVOKED_MODEL + "\n" + RAW_GEMINI_MODEL, 1)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +129,12 @@ def client(gateway: RunningGateway) -> openai.OpenAI:
 def chat(gateway: RunningGateway, model: str, **kwargs: Any) -> tuple[str, dict[str, str]]:
     raw = client(gateway).chat.completions.with_raw_response.create(model=model, messages=HI, **kwargs)
     return raw.parse().choices[0].message.content or "", route_header(raw)
+
+
+def streamed(gateway: RunningGateway, model: str) -> tuple[str, dict[str, str]]:
+    """The text of a streamed chat and its x-weir-route header."""
+    raw = client(gateway).chat.completions.with_raw_response.create(model=model, messages=HI, stream=True)  # type: ignore[arg-type]
+    return "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices), route_header(raw)
 
 
 def generations(fake: FakeGemini) -> int:
@@ -174,7 +196,22 @@ def test_a_gemini_503_with_a_retry_delay_in_a_stream_error_is_honoured(
     assert generations(fake_gemini) == 1
 
 
-# --- OpenAI's insufficient_quota is not a rate limit --------------------------------------------
+def test_a_gemini_retry_delay_inside_its_200_stream_is_honoured_like_the_status_lines(
+    gateway: RunningGateway, raw: Script, fake_openai: FakeOpenAI
+) -> None:
+    """Gemini's error inside its 200 stream has the shape of its error body: a 429 RESOURCE_EXHAUSTED
+    with a RetryInfo (`retryDelay: 30s`). Read without its details, the 30 s (past the route's
+    `max_retry_after` of 1 s) went unseen, and Gemini was asked again after the 20 ms backoff, only to
+    refuse again: the next candidate is asked at once, as for the same error in the status line."""
+    retry_info = {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "30s"}
+    error = {"code": 429, "message": "quota", "status": "RESOURCE_EXHAUSTED", "details": [retry_info]}
+    raw.answer = sse({"error": error})
+    text, route = streamed(gateway, "raw-gemini-first")
+    assert text == ECHO and route["tried"] == "raw-gemini:429,gpt-4o-mini:ok"
+    assert raw.calls == 1
+
+
+# --- failures no wait lifts: OpenAI's insufficient_quota, a model the backend does not have ----------
 
 
 def test_insufficient_quota_fails_over_without_retrying_in_place(
@@ -187,6 +224,18 @@ def test_insufficient_quota_fails_over_without_retrying_in_place(
     assert len(fake_openai.requests) == 1  # the account is out of credit: asking again cannot help
     settled(gateway, 2)
     assert ledger(gateway) == [("openai", 429), ("anthropic", 200)]
+
+
+def test_a_404_model_not_found_listed_in_failover_on_is_not_retried_in_place(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """A route that lists 404 to move past a model the vendor does not have (retired, misnamed) asked
+    that backend again after its backoff first: `model_not_found` never lifts with a wait, any more
+    than `insufficient_quota` does, so the next candidate is asked at once."""
+    fake_openai.fail_next(Fault.status(404, error_code="model_not_found"), times=2)
+    text, route = streamed(gateway, "model-gone-first")
+    assert text == ECHO and route["tried"] == "gpt-4o-mini:404,claude-sonnet:ok"
+    assert len(fake_openai.requests) == 1
 
 
 def test_a_rate_limit_429_is_still_retried_in_place(
@@ -313,9 +362,30 @@ def test_a_200_without_choices_is_a_bad_gateway_not_an_empty_answer(
 
 
 def sse(*chunks: dict[str, Any]) -> bytes:
-    """An OpenAI-compatible 200 stream of these chunks, ended by `[DONE]`."""
+    """A 200 stream of these chunks, ended by OpenAI's `[DONE]` (which a stream whose first event is
+    an error, whatever its vendor, never gets to)."""
     events = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks)
     return http_head(content_type="text/event-stream") + events + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_an_error_status_inside_a_200_stream_is_that_status_as_in_a_whole_200(
+    gateway: RunningGateway, raw: Script, fake_anthropic: FakeAnthropic, endpoint: str
+) -> None:
+    """OpenRouter reports the failure of the provider behind it with its status as a number in
+    `error.code`, in a stream as in a whole 200. Read as the 429 it is only without streaming, every
+    in-band error of a stream was a 502: a route failing over on 429 only gave a streaming client
+    that 502 instead of asking its next candidate."""
+    raw.answer = sse({"error": {"message": "Provider returned error", "code": 429}})
+    if endpoint == "chat":
+        text, route = streamed(gateway, "raw-first-429")
+    else:
+        response = client(gateway).completions.with_raw_response.create(
+            model="raw-first-429", prompt=ECHO, stream=True
+        )
+        text = "".join(c.choices[0].text for c in response.parse() if c.choices)
+        route = route_header(response)
+    assert text == ECHO and route["tried"] == "raw-model:429,raw-model:429,claude-sonnet:ok"
 
 
 # Streams that end cleanly with no answer in them: no text, tool call or reasoning, no finish reason.
@@ -463,6 +533,18 @@ def test_a_stream_that_stops_before_its_first_token_fails_over_invisibly(
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ECHO
     assert [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role] == ["assistant"]
     assert route_header(raw)["attempts"] == "3"
+
+
+def test_an_anthropic_rate_limit_inside_its_200_stream_fails_over_on_a_429_only_route(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, fake_openai: FakeOpenAI
+) -> None:
+    """Anthropic may send any error type inside a 200 stream ("an error can occur after returning a
+    200"), `rate_limit_error` included. Every type but `overloaded_error` read as a 500 (a 502 to the
+    client): a route failing over on 429 only ended the request with that 502 instead of asking its
+    next candidate, as it does for the same 429 in the status line."""
+    fake_anthropic.fail_next(Fault.stream_error(after=0, code=429), times=2)
+    text, route = streamed(gateway, "claude-first-429")
+    assert text == ECHO and route["tried"] == "claude-sonnet:429,claude-sonnet:429,gpt-4o-mini:ok"
 
 
 TOOLS = [
