@@ -37,6 +37,7 @@ from gateway.providers.base import (
     effort_for_budget,
     error_text,
     json_encode,
+    json_instruction,
     now,
     parse_arguments,
     parse_data_url,
@@ -467,8 +468,7 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
         schema = (form.json_schema.schema if form.json_schema else None) or {"type": "object"}
         if not _uses_json_tool(request, model):
             # A forced tool would take the user's tools away: ask in words instead.
-            hint = f"Reply with only a JSON object matching this JSON schema: {json_encode(schema).decode()}"
-            body.setdefault("system", []).append({"type": "text", "text": hint})
+            body.setdefault("system", []).append({"type": "text", "text": json_instruction(form)})
         else:
             body["tools"] = [
                 {"name": JSON_TOOL, "description": "Reply with the answer.", "input_schema": schema}

@@ -36,6 +36,7 @@ from gateway.types import (
     EmbeddingRequest,
     EmbeddingResponse,
     Message,
+    ResponseFormat,
     TokenCount,
 )
 
@@ -197,6 +198,23 @@ def guess_media_type(url: str) -> str:
 
 
 NO_THINKING = ("none", "minimal")  # reasoning efforts that ask for no thinking
+
+
+def check_stop_count(request: ChatRequest, most: int, vendor: str) -> None:
+    """A vendor that takes at most `most` stop sequences refuses more with a 400 (OpenAI 4, Gemini 5;
+    Anthropic any number): the request cannot be expressed for it, and is not sent (a route passes the
+    candidate over; a client of that model alone gets this 400)."""
+    count = len(request.stop_list)
+    if count > most:
+        raise InvalidRequest(f"{vendor} models take at most {most} stop sequences, not {count}", param="stop")
+
+
+def json_instruction(form: ResponseFormat) -> str:
+    """Structured output asked for in words, where the vendor cannot take the schema beside the
+    request's tools (a forced tool on Claude would take the client's tools away; Gemini before 3
+    refuses a JSON response type beside function declarations)."""
+    schema = (form.json_schema.schema if form.json_schema else None) or {"type": "object"}
+    return f"Reply with only a JSON object matching this JSON schema: {json_encode(schema).decode()}"
 
 
 def effort_for_budget(budget: int) -> str:

@@ -25,11 +25,13 @@ from gateway.providers.base import (
     UpstreamRequest,
     as_list,
     call_id_with_signature,
+    check_stop_count,
     continued,
     decode_json,
     error_text,
     guess_media_type,
     json_encode,
+    json_instruction,
     new_id,
     now,
     parse_arguments,
@@ -172,7 +174,8 @@ def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str
     parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         if isinstance(part, TextPart):
-            parts.append({"text": part.text})
+            if part.text:  # Gemini refuses an empty text part
+                parts.append({"text": part.text})
         elif isinstance(part, ImagePart):
             data = parse_data_url(part.image_url.url)
             if data is not None:
@@ -209,6 +212,10 @@ def _contents(messages: list[Message], model: str) -> tuple[list[dict[str, Any]]
     media: list[dict[str, Any]] = []
 
     def append(role: str, parts: list[dict[str, Any]]) -> None:
+        # Gemini refuses a content without parts (an assistant turn of content "", a stored empty
+        # reply): it is left out, its neighbours of one role joined as any two turns of one role are.
+        if not parts:
+            return
         if contents and contents[-1]["role"] == role:
             contents[-1]["parts"].extend(parts)
         else:
@@ -332,7 +339,11 @@ def _thinking_config(request: ChatRequest, model: str) -> dict[str, Any] | None:
     return config
 
 
+MAX_STOP_SEQUENCES = 5  # generationConfig.stopSequences: "up to 5"
+
+
 def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
+    check_stop_count(request, MAX_STOP_SEQUENCES, "Gemini")
     system, contents = _contents(request.messages, model)
     _sign_current_turn(contents, model)
     body: dict[str, Any] = {"contents": contents}
@@ -363,7 +374,11 @@ def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if tool_config is not None and request.tools:
         body["toolConfig"] = tool_config
     form = request.response_format
-    if form is not None and form.type != "text":
+    if form is not None and form.type != "text" and request.tools and not is_gemini_3(model):
+        # Gemini before 3 refuses a JSON response type beside function declarations ("Function calling
+        # with a response mime type: 'application/json' is unsupported"): asked in words instead.
+        body.setdefault("systemInstruction", {"parts": []})["parts"].append({"text": json_instruction(form)})
+    elif form is not None and form.type != "text":
         config = body.setdefault("generationConfig", {})
         config["responseMimeType"] = "application/json"
         if form.json_schema is not None and form.json_schema.schema:

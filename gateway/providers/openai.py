@@ -20,6 +20,7 @@ from gateway.providers.base import (
     Continuation,
     Provider,
     UpstreamRequest,
+    check_stop_count,
     continued,
     decode_json,
     decode_typed,
@@ -65,6 +66,10 @@ MAX_CALL_ID = 40  # OpenAI: "string too long. Expected a string with maximum len
 # other name (422); other servers (vLLM, SGLang, the engine) get the name the client used.
 _REASONING_MODEL = re.compile(r"(o\d+|gpt-5)([-.]|$)")
 MAX_TOKENS_HOSTS = ("api.deepseek.com", "api.mistral.ai")
+# OpenAI's own model ids (not gpt-oss, served by vLLM and others under their own rules): wherever they
+# are served (OpenAI, Azure, a proxy in front of them), OpenAI's limits apply to them.
+_OPENAI_MODEL = re.compile(r"(gpt-\d|chatgpt-|o\d+([-.]|$))")
+MAX_STOP_SEQUENCES = 4  # OpenAI: "'stop': array too long. Expected an array with maximum length 4"
 
 
 def url(backend: Backend, path: str) -> str:
@@ -131,6 +136,12 @@ def _openai_itself(backend: Backend) -> bool:
     return host == "api.openai.com" or azure
 
 
+def _openai_rules(backend: Backend, model: str) -> bool:
+    """Whether OpenAI's own API rules apply: its API or Azure's, or one of its models served elsewhere.
+    Other OpenAI-compatible servers (vLLM, SGLang, the engine) take more (any number of stop sequences)."""
+    return _openai_itself(backend) or bool(_OPENAI_MODEL.match(model))
+
+
 def output_limit_field(backend: Backend, model: str) -> str | None:
     """The field that carries the output limit to this backend's `model`; None: the client's name."""
     if backend.max_tokens_field is not None:
@@ -169,8 +180,14 @@ def _media_after_tool_results(messages: list[Message]) -> list[Message]:
 
 
 def _chat_body(
-    request: ChatRequest, model: str, send_reasoning: bool = False, limit_field: str | None = None
+    request: ChatRequest,
+    model: str,
+    send_reasoning: bool = False,
+    limit_field: str | None = None,
+    openai_rules: bool = False,
 ) -> dict[str, Any]:
+    if openai_rules:
+        check_stop_count(request, MAX_STOP_SEQUENCES, "OpenAI")
     request = msgspec.structs.replace(request, messages=_media_after_tool_results(request.messages))
     body = request_body(request, model)
     # One limit, the one that applies (`output_limit`, also for a client that sent both), under the
@@ -183,7 +200,10 @@ def _chat_body(
     budget = body.pop("reasoning_budget", None)
     body.pop("reasoning_adaptive", None)  # the model's own default: nothing to send
     body.pop("anthropic_beta", None)  # an Anthropic client's, for Anthropic backends only
-    if budget is not None and request.reasoning_effort is None:
+    # An Anthropic client's thinking budget, as an effort: OpenAI's models other than its reasoning ones
+    # refuse `reasoning_effort` (400 unsupported_parameter), so they are sent none.
+    reasons = not openai_rules or _REASONING_MODEL.match(model)
+    if budget is not None and request.reasoning_effort is None and reasons:
         body["reasoning_effort"] = effort_for_budget(budget)
     elif body.get("reasoning_effort") == "max":  # Anthropic's top effort; OpenAI's top is not on every model
         body["reasoning_effort"] = "high"
@@ -215,7 +235,13 @@ def continuation(backend: Backend, model: str) -> Continuation:
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     request = continued(request, continuation(backend, model))
-    body = _chat_body(request, model, sends_reasoning(backend), output_limit_field(backend, model))
+    body = _chat_body(
+        request,
+        model,
+        sends_reasoning(backend),
+        output_limit_field(backend, model),
+        _openai_rules(backend, model),
+    )
     if request.continue_final_message:
         body["add_generation_prompt"] = False  # vLLM refuses both at once; its default opens a new turn
     if _openai_itself(backend):

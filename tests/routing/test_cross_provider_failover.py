@@ -338,6 +338,20 @@ def test_a_gemini_stream_whose_function_call_failed_after_its_text_continues_on_
 # --- stop sequences -------------------------------------------------------------------------------
 
 
+def test_an_anthropic_clients_five_stop_sequences_pass_openai_over_for_claude(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """OpenAI takes at most 4 stop sequences; an Anthropic client's five cannot go to gpt-4o-mini, so
+    `resilient` passes it over unsent (as Claude is passed over for `n` > 1) and Claude answers."""
+    stops = ["AAA", "BBB", "CCC", "DDD", "EEE"]
+    raw = gateway.anthropic().messages.with_raw_response.create(
+        model="resilient", max_tokens=20, messages=HI, stop_sequences=stops
+    )
+    assert route_header(raw)["candidate"] == "claude-sonnet"
+    assert not fake_openai.requests
+    assert fake_anthropic.last_request.json["stop_sequences"] == stops
+
+
 def test_an_anthropic_client_is_told_which_stop_sequence_ended_the_answer(
     gateway: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:

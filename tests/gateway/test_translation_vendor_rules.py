@@ -1,0 +1,216 @@
+"""Vendor rules a translated request must keep, for OpenAI and Gemini: what one vendor's client sends
+within its own API's limits, translated for another vendor, is sent only in a form that vendor takes.
+
+- OpenAI takes at most 4 stop sequences, Gemini 5 (Anthropic any number): more is a 400 of Weir's own,
+  nothing sent (a route passes that candidate over). Other OpenAI-compatible servers get them all.
+- Gemini is never sent a content without parts, nor an empty text part: an empty turn is left out.
+- Gemini before 3 is never sent a JSON response type beside function declarations: the schema is asked
+  for in words (as for Claude beside the client's tools); Gemini 3 takes both.
+- An Anthropic client's thinking budget becomes `reasoning_effort` only for OpenAI's reasoning models
+  (and for servers that are not OpenAI's), never for gpt-4o-mini and the like, which refuse it.
+
+The fakes accept what these vendors refuse here (they are laxer than the APIs): the tests assert on the
+body each vendor was sent, or on the client's 400 where nothing may be sent.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import pytest
+
+from gateway.config import Backend
+from gateway.errors import InvalidRequest
+from gateway.providers import openai as openai_provider
+from gateway.types import ChatRequest, Message
+from tests.fakes import FakeGemini, FakeOpenAI
+from tests.gateway.conftest import RunningGateway
+
+HI: Any = [{"role": "user", "content": "one two three"}]
+LOOKUP: Any = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look up",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
+ANSWER_SCHEMA: Any = {"type": "object", "properties": {"a": {"type": "string"}}}
+ANSWER: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+EMPTY_ASSISTANT: Any = [
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": ""},
+    {"role": "user", "content": "second question"},
+]
+
+
+def _openai_body(base_url: str, model: str, **fields: Any) -> dict[str, Any]:
+    """What an OpenAI-format backend at `base_url` is sent for `model`."""
+    backend = Backend(name="b", type="openai", base_url=base_url, api_key="k")
+    request = ChatRequest(model="public", messages=[Message(role="user", content="hi")], **fields)
+    body: dict[str, Any] = json.loads(openai_provider.chat_request(backend, request, model).body)
+    return body
+
+
+# --- stop sequences: OpenAI 4, Gemini 5 ---------------------------------------------------------------
+
+
+def test_an_anthropic_clients_fifth_stop_sequence_never_reaches_openai(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """Anthropic takes any number of stop sequences, OpenAI at most 4 (400 "'stop': array too long.
+    Expected an array with maximum length 4"). An Anthropic client's five for gpt-4o-mini get Weir's
+    own 400, naming `stop`, and OpenAI is sent nothing."""
+    stops = ["AAA", "BBB", "CCC", "DDD", "EEE"]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        gateway.anthropic().messages.create(
+            model="gpt-4o-mini", max_tokens=20, stop_sequences=stops, messages=HI
+        )
+    assert "at most 4 stop sequences" in info.value.message
+    assert not fake_openai.requests
+    gateway.anthropic().messages.create(
+        model="gpt-4o-mini", max_tokens=20, stop_sequences=stops[:4], messages=HI
+    )
+    assert fake_openai.last_request.json["stop"] == stops[:4]
+
+
+def test_an_anthropic_clients_sixth_stop_sequence_never_reaches_gemini(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Gemini's `stopSequences` holds "up to 5": six are Weir's own 400, and Gemini is sent nothing."""
+    stops = ["AAA", "BBB", "CCC", "DDD", "EEE", "FFF"]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        gateway.anthropic().messages.create(
+            model="gemini-flash", max_tokens=20, stop_sequences=stops, messages=HI
+        )
+    assert "at most 5 stop sequences" in info.value.message
+    assert not fake_gemini.requests
+    gateway.anthropic().messages.create(
+        model="gemini-flash", max_tokens=20, stop_sequences=stops[:5], messages=HI
+    )
+    assert fake_gemini.last_request.json["generationConfig"]["stopSequences"] == stops[:5]
+
+
+@pytest.mark.parametrize(
+    ("base_url", "model", "sent"),
+    [
+        ("https://api.openai.com/v1", "gpt-4o", False),
+        ("https://acme.openai.azure.com/openai/deployments/prod", "prod", False),
+        ("http://10.0.0.7:4000/v1", "gpt-4.1-mini", False),  # OpenAI's model behind a proxy
+        ("http://vllm.internal:8000/v1", "meta-llama/Llama-3.1-8B-Instruct", True),
+        ("http://vllm.internal:8000/v1", "openai/gpt-oss-20b", True),
+    ],
+)
+def test_more_than_four_stop_sequences_are_refused_for_openais_models_only(
+    base_url: str, model: str, sent: bool
+) -> None:
+    """OpenAI's limit is OpenAI's (its API, Azure's, its models wherever served): a vLLM-style server
+    is sent every stop sequence the client gave."""
+    stops = ["a", "b", "c", "d", "e"]
+    if sent:
+        assert _openai_body(base_url, model, stop=stops)["stop"] == stops
+    else:
+        with pytest.raises(InvalidRequest) as info:
+            _openai_body(base_url, model, stop=stops)
+        assert info.value.param == "stop"
+
+
+# --- Gemini: no content without parts -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        EMPTY_ASSISTANT,
+        [{"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hello"}]}],
+    ],
+    ids=["empty-turn", "empty-part"],
+)
+def test_gemini_is_never_sent_a_content_without_parts(
+    gateway: RunningGateway, fake_gemini: FakeGemini, messages: Any
+) -> None:
+    """Gemini refuses a content with no parts (400 INVALID_ARGUMENT "contents.parts must not be empty")
+    and an empty text part; an OpenAI assistant turn with content "" (a stored empty reply) made one.
+    The empty turn is left out and the user turns around it are one content, as two user turns are."""
+    gateway.openai().chat.completions.create(model="gemini-flash", messages=messages, max_tokens=20)
+    contents = fake_gemini.last_request.json["contents"]
+    assert all(content["parts"] for content in contents), contents
+    assert all(part.get("text") != "" for content in contents for part in content["parts"]), contents
+    if messages is EMPTY_ASSISTANT:
+        assert contents == [
+            {"role": "user", "parts": [{"text": "first question"}, {"text": "second question"}]}
+        ]
+
+
+# --- Gemini before 3: structured output beside tools, in words --------------------------------------
+
+
+def test_gemini_2_is_not_sent_a_json_mime_type_beside_function_declarations(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Gemini before 3 refuses structured output with function calling: 400 "Function calling with a
+    response mime type: 'application/json' is unsupported". OpenAI takes tools and response_format
+    together (an agent whose final answer has a schema): Gemini 2.5 keeps the tools and is asked for
+    the schema in its system instruction, as Claude is beside the client's tools."""
+    gateway.openai().chat.completions.create(
+        model="gemini-flash", messages=HI, tools=[LOOKUP], response_format=ANSWER
+    )
+    sent = fake_gemini.last_request.json
+    assert sent["tools"][0]["functionDeclarations"][0]["name"] == "lookup"
+    config = sent.get("generationConfig") or {}
+    assert "responseMimeType" not in config and "responseSchema" not in config, config
+    (instruction,) = sent["systemInstruction"]["parts"]
+    assert json.dumps(ANSWER_SCHEMA, separators=(",", ":")) in instruction["text"]
+
+
+def test_gemini_3_and_gemini_2_without_tools_keep_the_json_mime_type(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Gemini 3 takes structured output beside function calling; without tools every Gemini takes it."""
+    client = gateway.openai()
+    for model, tools in (("gemini-pro", [LOOKUP]), ("gemini-flash", None)):
+        extra: Any = {"tools": tools} if tools else {}
+        client.chat.completions.create(model=model, messages=HI, response_format=ANSWER, **extra)
+        sent = fake_gemini.last_request.json
+        assert sent["generationConfig"]["responseMimeType"] == "application/json", model
+        assert sent["generationConfig"]["responseSchema"] == ANSWER_SCHEMA, model
+        assert "systemInstruction" not in sent, model
+
+
+# --- thinking as reasoning_effort, for reasoning models only ---------------------------------------
+
+
+def test_an_anthropic_clients_thinking_is_not_sent_as_reasoning_effort_to_gpt_4o_mini(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """An Anthropic client (Claude Code sends `thinking` on every turn) routed to gpt-4o-mini: its
+    thinking budget became `reasoning_effort`, which OpenAI's non-reasoning models refuse (400
+    "Unsupported parameter: 'reasoning_effort' is not supported with this model."). gpt-4o-mini is sent
+    none; gpt-5, a reasoning model, still gets the budget as an effort."""
+    client = gateway.anthropic()
+    thinking: Any = {"type": "enabled", "budget_tokens": 2048}
+    client.messages.create(model="gpt-4o-mini", max_tokens=4000, thinking=thinking, messages=HI)
+    sent = fake_openai.last_request.json
+    assert sent["model"] == "gpt-4o-mini"
+    assert "reasoning_effort" not in sent, sent["reasoning_effort"]
+    client.messages.create(model="gpt-5", max_tokens=4000, thinking=thinking, messages=HI)
+    assert fake_openai.last_request.json["reasoning_effort"] == "medium"
+
+
+@pytest.mark.parametrize(
+    ("base_url", "model", "effort"),
+    [
+        ("https://api.openai.com/v1", "gpt-4o", None),
+        ("https://api.openai.com/v1", "o4-mini", "medium"),
+        ("https://acme.openai.azure.com/openai/deployments/prod", "prod", None),
+        ("http://vllm.internal:8000/v1", "Qwen/Qwen3-8B", "medium"),  # as before: not OpenAI's rules
+    ],
+)
+def test_a_thinking_budget_becomes_an_effort_where_the_model_takes_one(
+    base_url: str, model: str, effort: str | None
+) -> None:
+    """OpenAI's own API (and Azure's) takes `reasoning_effort` for its reasoning models only; other
+    OpenAI-compatible servers are sent the budget as an effort as before."""
+    assert _openai_body(base_url, model, reasoning_budget=2048).get("reasoning_effort") == effort
