@@ -225,7 +225,8 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
                 result_content: str | list[ContentPart] = block.content or ""
             else:
                 result_content = _parts(block.content)
-            # OpenAI's tool message has no error flag: the words say it, whatever the content's shape.
+            # OpenAI's tool message has no error flag: the words say it, whatever the content's shape,
+            # and the flag goes with them for Claude, which takes it.
             if block.is_error and isinstance(result_content, str):
                 result_content = f"Error: {result_content}"
             elif block.is_error:
@@ -236,6 +237,7 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
                     tool_call_id=block.tool_use_id,
                     content=result_content,
                     cache_control=block.cache_control,
+                    is_error=block.is_error or None,
                 )
             )
         elif isinstance(block, TextBlock):

@@ -80,6 +80,10 @@ EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384, "xhigh": 16384, "m
 EFFORTS = ("low", "medium", "high", "xhigh", "max")  # output_config.effort
 _BUDGET_ONLY = re.compile(r"claude-(3|(opus|sonnet|haiku)-4(-[015])?(-\d{8}|-latest)?$)")
 _BUDGET_OR_ADAPTIVE = re.compile(r"claude-(opus|sonnet)-4-6")
+# The Claude models that take `temperature` and `top_p` together; from Sonnet 4.5, Haiku 4.5 and Opus
+# 4.1 on: "`temperature` and `top_p` cannot both be specified for this model". Models this table does
+# not know are taken to be newer.
+_BOTH_SAMPLERS = re.compile(r"claude-(3|(opus|sonnet)-4(-0)?(-\d{8}|-latest)?$)")
 # Claude 4.6 dropped the assistant prefill with budget-only thinking: "This model does not support
 # assistant message prefill. The conversation must end with a user message." Models this table does
 # not know are taken to be newer.
@@ -95,12 +99,24 @@ STOP_REASONS = {
     "model_context_window_exceeded": "length",
 }
 
+MAX_TEMPERATURE = 1.0  # Claude's range is 0..1, OpenAI's 0..2
+
+
+def _stop_sequences(stop: str | list[str]) -> list[str] | None:
+    # Anthropic refuses a whitespace-only stop sequence ("each stop sequence must contain
+    # non-whitespace"): such a sequence (OpenAI's common `"\n"`) is left out, and with it the field
+    # when nothing else is left.
+    return [sequence for sequence in as_list(stop) if sequence.strip()] or None
+
+
 PARAMS = ParamTable(
     {
-        "temperature": Param("temperature"),
+        # Above Claude's range (an OpenAI client's, whose range is wider): its top, not a 400 that
+        # would end a failover to Claude over a value the client's own model takes.
+        "temperature": Param("temperature", lambda temperature: min(temperature, MAX_TEMPERATURE)),
         "top_p": Param("top_p"),
         "top_k": Param("top_k"),
-        "stop": Param("stop_sequences", as_list),
+        "stop": Param("stop_sequences", _stop_sequences),
         "user": Param("metadata.user_id"),
         "stream": Param("stream", lambda stream: True if stream else None),
     }
@@ -147,6 +163,8 @@ def _blocks(content: str | list[ContentPart] | None, where: str) -> list[dict[st
     blocks = []
     for i, part in enumerate(content):
         if isinstance(part, TextPart):
+            if not part.text:
+                continue  # Anthropic refuses empty text blocks; an OpenAI client may send them
             blocks.append(_cache({"type": "text", "text": part.text}, part.cache_control))
         elif isinstance(part, ImagePart):
             blocks.append(_image_block(part))
@@ -180,7 +198,11 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
     out: list[dict[str, Any]] = []
 
     def append(role: str, blocks: list[dict[str, Any]], cache_control: dict[str, Any] | None) -> None:
-        if cache_control is not None and blocks:
+        if not blocks:
+            # Anthropic refuses a turn with no content (an OpenAI client's stored empty reply): it is
+            # left out, and its neighbours merged below.
+            return
+        if cache_control is not None:
             blocks[-1]["cache_control"] = cache_control
         # Anthropic wants user and assistant turns to alternate: merge neighbours of one role
         # (consecutive tool results become one user turn, as Anthropic expects).
@@ -223,6 +245,8 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
                 result["content"] = message.content
             else:
                 result["content"] = _blocks(message.content, where)
+            if message.is_error:
+                result["is_error"] = True
             append("user", [result], message.cache_control)
     return system, out
 
@@ -333,6 +357,13 @@ def _continues_unsigned_tool_turn(messages: list[Message]) -> bool:
     return False
 
 
+def _forces_tool(request: ChatRequest) -> bool:
+    """Whether the client's tool_choice forces a tool (`any` or `tool` to Anthropic), which Anthropic
+    refuses beside thinking: "Tool use with extended thinking only supports tool_choice auto or none"."""
+    choice = request.tool_choice
+    return bool(request.tools) and (choice == "required" or isinstance(choice, NamedToolChoice))
+
+
 def thinking_mode(model: str) -> Literal["budget", "both", "adaptive"]:
     """How a Claude model takes thinking: a budget (`enabled`) up to the 4.5 family; a budget or
     adaptive thinking on the 4.6 family; only adaptive thinking from Opus 4.7 on (a budget or
@@ -377,7 +408,11 @@ def _thinking(request: ChatRequest, model: str) -> tuple[dict[str, Any] | None, 
     if (
         wants
         and not as_asked
-        and (_uses_json_tool(request, model) or _continues_unsigned_tool_turn(request.messages))
+        and (
+            _uses_json_tool(request, model)
+            or _forces_tool(request)
+            or _continues_unsigned_tool_turn(request.messages)
+        )
     ):
         wants = False
     thinking: dict[str, Any] | None = None
@@ -445,6 +480,7 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if system:
         body["system"] = system
     PARAMS.apply(request, body)
+    _fit_sampling(body, model)
     if request.tools:
         body["tools"] = [
             _cache(
@@ -475,6 +511,16 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
             ]
             body["tool_choice"] = {"type": "tool", "name": JSON_TOOL}
     return body
+
+
+def _fit_sampling(body: dict[str, Any], model: str) -> None:
+    """Sampling parameters as Claude takes them together. With thinking Anthropic takes only a
+    temperature of 1, its default: any other is left out. Newer models refuse `temperature` beside
+    `top_p`: the temperature, the one every vendor has, is kept."""
+    if "thinking" in body:
+        body.pop("temperature", None)
+    elif "temperature" in body and not _BOTH_SAMPLERS.search(model):
+        body.pop("top_p", None)
 
 
 def empty_answer(model: str) -> bytes:

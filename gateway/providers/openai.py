@@ -210,6 +210,7 @@ def _chat_body(
     for message, source in zip(body["messages"], request.messages, strict=True):
         # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take its text.
         message.pop("reasoning_blocks", None)
+        message.pop("is_error", None)  # an Anthropic client's, said in the content's words too
         if not send_reasoning:
             message.pop("reasoning_content", None)
         elif source.reasoning_content is None and source.role == "assistant":

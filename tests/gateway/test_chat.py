@@ -85,7 +85,8 @@ def test_vendor_receives_translated_parameters(
     )
     sent = fake_anthropic.last_request.json
     assert sent["model"] == "claude-sonnet-4-5"
-    assert (sent["max_tokens"], sent["temperature"], sent["top_p"]) == (50, 0.2, 0.9)
+    # Sonnet 4.5 refuses top_p beside temperature: only the temperature goes (test_translation_anthropic_rules).
+    assert (sent["max_tokens"], sent["temperature"], sent.get("top_p")) == (50, 0.2, None)
     assert sent["stop_sequences"] == ["END"] and sent["metadata"] == {"user_id": "u-1"}
     assert fake_anthropic.last_request.headers["x-api-key"] == fake_anthropic.api_key
     assert fake_anthropic.last_request.headers["anthropic-version"] == "2023-06-01"

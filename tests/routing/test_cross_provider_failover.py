@@ -105,6 +105,24 @@ def events(gateway: RunningGateway, count: int) -> list[Any]:
     return sorted(gateway.sink.events, key=lambda e: e.attempt)
 
 
+# --- sampling parameters on the next candidate ----------------------------------------------------
+
+
+def test_an_openai_temperature_above_claudes_range_is_served_by_claude_after_failover(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """OpenAI takes temperature 0..2, Claude 0..1 (the fake refuses above 1, as Anthropic does): the
+    fallback Claude is sent its top, 1, and answers, rather than end the failover with a 400 about a
+    temperature the route's own model takes."""
+    fake_openai.fail_next(500, times=2)
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="resilient", messages=HI, temperature=1.5, max_tokens=20
+    )
+    assert route_header(raw)["candidate"] == "claude-sonnet"
+    assert raw.parse().choices[0].message.content
+    assert fake_anthropic.last_request.json["temperature"] == 1.0
+
+
 # --- tools and tool choices on the next candidate -------------------------------------------------
 
 

@@ -1,0 +1,254 @@
+"""What Claude is sent for a request another vendor's client may send: sampling parameters, stop
+sequences, thinking, empty content and tool errors fitted to the rules Anthropic's API enforces.
+
+Clients use the official SDKs through the gateway to the fake Anthropic. Where the fake is laxer than
+the API (it accepts what Anthropic refuses), the tests assert on the body Claude was sent; the model
+tables are checked on the pure translation (`anthropic.chat_request`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from gateway.config import Backend
+from gateway.providers import anthropic
+from gateway.types import ChatRequest
+from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.gateway.conftest import RunningGateway
+
+HI: Any = [{"role": "user", "content": "one two three"}]
+LOOKUP: Any = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look up",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
+ANTHROPIC = Backend(name="a", type="anthropic", base_url="http://a", api_key="k")
+
+
+def sent_to(model: str, **fields: Any) -> dict[str, Any]:
+    """The Messages body `model` is sent for an OpenAI-shaped request with `fields`."""
+    request = msgspec.convert({"model": model, "messages": HI, **fields}, ChatRequest)
+    return json.loads(anthropic.chat_request(ANTHROPIC, request, model).body)
+
+
+# --- sampling parameters -----------------------------------------------------------------------
+
+
+def test_temperature_and_top_p_together_are_not_both_sent_to_claude_4_5(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """Sonnet 4.5, Haiku 4.5, Opus 4.1 and later refuse both at once ("`temperature` and `top_p`
+    cannot both be specified for this model"), which OpenAI clients send: only the temperature goes."""
+    gateway.openai().chat.completions.create(
+        model="claude-sonnet", messages=HI, temperature=0.2, top_p=0.9, max_tokens=20
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["model"] == "claude-sonnet-4-5"
+    assert sent["temperature"] == 0.2
+    assert "top_p" not in sent
+
+
+@pytest.mark.parametrize(
+    ("model", "both"),
+    [
+        ("claude-3-5-haiku-20241022", True),
+        ("claude-sonnet-4-20250514", True),
+        ("claude-opus-4-0", True),
+        ("claude-opus-4-1", False),
+        ("claude-haiku-4-5-20251001", False),
+        ("claude-opus-4-6", False),
+        ("claude-opus-5", False),  # unknown: taken to be newer
+    ],
+)
+def test_only_claude_models_before_4_1_are_sent_temperature_beside_top_p(model: str, both: bool) -> None:
+    """The model table: older models take both, and a top_p alone is always sent."""
+    sent = sent_to(model, temperature=0.2, top_p=0.9)
+    assert ("top_p" in sent) is both
+    assert sent["temperature"] == 0.2
+    assert sent_to(model, top_p=0.9)["top_p"] == 0.9
+
+
+def test_a_temperature_above_claudes_range_is_sent_as_its_top() -> None:
+    """Claude takes 0..1, OpenAI 0..2: above 1 is clamped to 1 rather than refused."""
+    assert sent_to("claude-sonnet-4-5", temperature=1.5)["temperature"] == 1.0
+    assert sent_to("claude-sonnet-4-5", temperature=0.7)["temperature"] == 0.7
+
+
+def test_an_anthropic_clients_temperature_beside_thinking_is_left_out(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """With thinking Anthropic takes only temperature 1, its default ("temperature may only be set to 1
+    when thinking is enabled"): another temperature is left out, the thinking kept."""
+    gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=4000,
+        thinking={"type": "enabled", "budget_tokens": 2048},
+        messages=HI,
+        extra_body={"temperature": 0.3},  # the SDK has no parameter of its own for it now
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 2048}
+    assert "temperature" not in sent
+
+
+# --- stop sequences ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("stop", "kept"), [(["\n"], None), (["\n\n", "END"], ["END"]), (" ", None)])
+def test_whitespace_only_stop_sequences_are_not_sent_to_claude(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stop: Any, kept: list[str] | None
+) -> None:
+    """Anthropic refuses a whitespace-only stop sequence ("each stop sequence must contain
+    non-whitespace"); OpenAI takes `stop: ["\\n"]`. Those are left out, and the field when none is left."""
+    gateway.openai().chat.completions.create(model="claude-sonnet", messages=HI, stop=stop, max_tokens=20)
+    assert fake_anthropic.last_request.json.get("stop_sequences") == kept
+
+
+# --- thinking beside a forced tool ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "lookup"}}])
+def test_an_openai_effort_is_not_turned_into_thinking_beside_a_forced_tool_for_claude(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, choice: Any
+) -> None:
+    """Anthropic: "Tool use with extended thinking only supports tool_choice auto or none". An OpenAI
+    client's effort with a forced tool_choice keeps the forced tool and sends no thinking."""
+    gateway.openai().chat.completions.create(
+        model="claude-sonnet",
+        messages=[{"role": "user", "content": "call lookup"}],
+        tools=[LOOKUP],
+        tool_choice=choice,
+        reasoning_effort="high",
+        max_tokens=20000,
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["tool_choice"]["type"] in ("any", "tool")
+    assert "thinking" not in sent
+
+
+def test_an_openai_effort_beside_tool_choice_auto_still_thinks(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """Only a forced tool rules thinking out: with `auto` the effort is still a thinking budget."""
+    gateway.openai().chat.completions.create(
+        model="claude-sonnet",
+        messages=[{"role": "user", "content": "call lookup"}],
+        tools=[LOOKUP],
+        tool_choice="auto",
+        reasoning_effort="high",
+        max_tokens=20000,
+    )
+    assert fake_anthropic.last_request.json["thinking"] == {"type": "enabled", "budget_tokens": 16384}
+
+
+# --- empty content --------------------------------------------------------------------------------
+
+
+EMPTY_ASSISTANT: Any = [
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": ""},
+    {"role": "user", "content": "second question"},
+]
+EMPTY_TEXT_PART: Any = [
+    {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hello"}]},
+]
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        (
+            EMPTY_ASSISTANT,
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "first question"},
+                        {"type": "text", "text": "second question"},
+                    ],
+                }
+            ],
+        ),
+        (EMPTY_TEXT_PART, [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]),
+    ],
+    ids=["empty-turn", "empty-part"],
+)
+def test_claude_is_never_sent_an_empty_message_or_empty_text_block(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, messages: Any, expected: Any
+) -> None:
+    """Anthropic refuses an empty turn ("all messages must have non-empty content except for the
+    optional final assistant message") and empty text blocks, which OpenAI takes (a stored empty
+    reply): empty parts are left out, an empty turn too, and the user turns around it merged."""
+    gateway.openai().chat.completions.create(model="claude-sonnet", messages=messages, max_tokens=20)
+    assert fake_anthropic.last_request.json["messages"] == expected
+
+
+# --- an Anthropic client's tool error -------------------------------------------------------------
+
+
+def test_an_anthropic_clients_tool_result_error_flag_reaches_claude(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """`is_error: true` on a tool_result tells Claude the tool failed: it reaches Claude as the flag
+    (the content keeps the words other vendors get instead)."""
+    tool: Any = {"name": "lookup", "input_schema": {"type": "object", "properties": {}}}
+    gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=100,
+        tools=[tool],
+        messages=[
+            {"role": "user", "content": "call lookup"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_01", "name": "lookup", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_01", "content": "timeout", "is_error": True}
+                ],
+            },
+        ],
+    )
+    (result,) = fake_anthropic.last_request.json["messages"][-1]["content"]
+    assert result == {
+        "type": "tool_result",
+        "tool_use_id": "toolu_01",
+        "content": "Error: timeout",
+        "is_error": True,
+    }
+
+
+def test_an_anthropic_clients_tool_error_reaches_openai_in_words_only(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """OpenAI's tool message has no error flag (and OpenAI refuses fields it does not know): the
+    failure is said in the content, the flag left out."""
+    tool: Any = {"name": "lookup", "input_schema": {"type": "object", "properties": {}}}
+    gateway.anthropic().messages.create(
+        model="gpt-4o-mini",
+        max_tokens=100,
+        tools=[tool],
+        messages=[
+            {"role": "user", "content": "call lookup"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_01", "name": "lookup", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_01", "content": "timeout", "is_error": True}
+                ],
+            },
+        ],
+    )
+    result = fake_openai.last_request.json["messages"][-1]
+    assert result == {"role": "tool", "content": "Error: timeout", "tool_call_id": "toolu_01"}
