@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from gateway.accounting.events import UsageEvent
@@ -213,8 +213,11 @@ def refusal(
     )
 
 
-# Spend this month so far, from the ledger: (scope "tenant"|"key", id, month start) -> pico-USD.
-SpendLookup = Callable[[str, str, dt.date], Awaitable[int]]
+# Spend this month so far, from the ledger: (scope "tenant"|"key", id, month start, usage event ids)
+# -> (pico-USD, those of the event ids whose cost it holds), both read at one moment of the ledger.
+SpendLookup = Callable[[str, str, dt.date, Sequence[str]], Awaitable[tuple[int, Collection[str]]]]
+# Times a seed reads the ledger again when attempts keep settling on the budget meanwhile.
+SEED_TRIES = 5
 
 
 def month_of(now: dt.datetime) -> str:
@@ -640,15 +643,24 @@ class Admission:
         async with self._seed_locks.setdefault(key, asyncio.Lock()):
             if key in self._seeded:
                 return
-            try:
-                spent = await self._spend(scope, owner, now.date().replace(day=1))
-            except Exception:
-                # DB down: admit against what the shared state already knows; seed on a later request.
-                log.warning("could not read this month's spend for %s %s", scope, owner, exc_info=True)
-                return
-            await self.state.budget_seed(key, spent)
-            self._seeded.add(key)
-            self._seed_locks.pop(key, None)  # gone already if the month turned meanwhile
+            for _ in range(SEED_TRIES):
+                # What the state holds beyond the ledger's spend: attempts settled since it lost the
+                # budget (or before its first seed). Those whose events reached the ledger already are
+                # in its spend too, and count once (`budget_seed`).
+                unseeded = await self.state.budget_unseeded(key)
+                try:
+                    spent, in_ledger = await self._spend(scope, owner, now.date().replace(day=1), unseeded)
+                except Exception:
+                    # DB down: admit against what the shared state knows; seed on a later request.
+                    log.warning("could not read this month's spend for %s %s", scope, owner, exc_info=True)
+                    return
+                if await self.state.budget_seed(key, spent, unseeded, list(in_ledger)):
+                    self._seeded.add(key)
+                    self._seed_locks.pop(key, None)  # gone already if the month turned meanwhile
+                    return
+            # Attempts settled on it while each try read the ledger: as with the DB down, admitted
+            # against what the state holds, and seeded on a later request.
+            log.warning("could not seed budget %s: attempts kept settling on it", key)
 
     async def _seed_again(
         self, plan: _Plan, budgets: list[Budget], lost: Sequence[str], now: dt.datetime
@@ -707,6 +719,7 @@ class Admission:
             event.cost_pico_usd,
             releases,
             counted_in,
+            event.event_id,
         )
 
     def _apply(
@@ -718,6 +731,7 @@ class Admission:
         cost_pico_usd: int,
         releases: Sequence[tuple[str, int]],
         counted_in: int | None = None,
+        event_id: str = "",
     ) -> None:
         """Settle in the shared state: `delta` tokens on each token limit, `cost_pico_usd` spent on
         each budget, `reservation` (or `releases`) released.
@@ -745,6 +759,7 @@ class Admission:
                     releases,
                     report=False,
                     bucket=bucket,
+                    event_id=event_id,
                 )
             return
         if delta:
@@ -762,6 +777,7 @@ class Admission:
                     reservation,
                     cost_pico_usd,
                     releases=releases,
+                    event_id=event_id,
                 )
             )
         self._start_flush()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from litestar import Router
-from sqlalchemy import select
+from sqlalchemy import null, select, union_all
 from sqlalchemy.exc import IntegrityError
 
 from gateway.accounting.admission import Admission, Quotas
@@ -34,7 +34,7 @@ from gateway.admin.token import ensure_admin_token
 from gateway.aio import stop_if_cancelled
 from gateway.auth import Authenticator, Principal
 from gateway.db import migrate
-from gateway.db.models import UsageRollup
+from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine, normalise_url, sessionmaker
 from gateway.estimate import output_estimate, prompt_tokens
 from gateway.state import open_state
@@ -173,15 +173,28 @@ class ControlPlane:
             except Exception:
                 log.warning("price catalog refresh failed; keeping the last one", exc_info=True)
 
-    async def _spend_this_month(self, scope: str, owner: str, month_start: dt.date) -> int:
+    async def _spend_this_month(
+        self, scope: str, owner: str, month_start: dt.date, event_ids: Sequence[str] = ()
+    ) -> tuple[int, list[str]]:
+        """The month's spend, and which of `event_ids` it holds: one statement, so both are read at
+        one moment of the ledger (the writer adds an event's row and its rollup in one transaction)."""
         column = UsageRollup.tenant_id if scope == "tenant" else UsageRollup.key_id
         # Summed in parts as the usage report does: SQLite's sum() fails past 2^63 (~$9.2M a month).
-        query = select(*split_sum(UsageRollup.cost_pico_usd)).where(
+        query: Any = select(*split_sum(UsageRollup.cost_pico_usd), null()).where(
             column == owner, UsageRollup.day >= month_start
         )
+        if event_ids:
+            owned = UsageEventRow.tenant_id if scope == "tenant" else UsageEventRow.key_id
+            query = union_all(
+                query,
+                select(null(), null(), UsageEventRow.event_id).where(
+                    UsageEventRow.event_id.in_(event_ids), owned == owner, UsageEventRow.day >= month_start
+                ),
+            )
         async with self.sessions() as session:
-            high, low = (await session.execute(query)).one()
-        return joined_sum(high, low)
+            rows = (await session.execute(query)).all()
+        high, low = next((high, low) for high, low, event_id in rows if event_id is None)
+        return joined_sum(high, low), [event_id for _, _, event_id in rows if event_id is not None]
 
     def quotas(self, principal: Principal) -> Quotas | None:
         record = self.authenticator.record_for(principal)

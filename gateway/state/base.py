@@ -118,6 +118,10 @@ class Settlement:
     # Per budget key, in order: (reservation id, amount to release from it; 0 releases all of it).
     # When given it replaces `reservation_id` (money drawn from pools is released piece by piece).
     releases: Sequence[tuple[str, int]] = ()
+    # The attempt's usage event (its ledger row's id): a budget settled while it holds no seed
+    # remembers which events its `spent` holds, so that the seed does not count them again once the
+    # ledger has them too (`budget_seed`). "" for what no event stands for (a lease handed back).
+    event_id: str = ""
 
 
 RevocationCallback = Callable[[str], Awaitable[None] | None]
@@ -159,9 +163,19 @@ class SharedState(Protocol):
 
     async def budget_settle(self, keys: Sequence[str], reservation_id: str, actual_pico_usd: int) -> None: ...
 
-    async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
+    async def budget_unseeded(self, key: str) -> list[str]:
+        """The usage events settled on a budget since the state last lost it (or before its first
+        seed): those its `spent` holds without the ledger's spend. For `budget_seed`."""
+        ...
+
+    async def budget_seed(
+        self, key: str, spent_pico_usd: int, unseeded: Sequence[str] = (), in_ledger: Sequence[str] = ()
+    ) -> bool:
         """Add the ledger's spend to a budget's `spent`, unless some replica seeded it already (since
-        the state last lost it): what was settled meanwhile stays counted."""
+        the state last lost it): what was settled meanwhile stays counted, less the costs of those
+        events (`unseeded`, as `budget_unseeded` read them) that the ledger's spend holds already
+        (`in_ledger`). False, with nothing changed, when events were settled on the budget since
+        `unseeded` was read: the ledger may hold them too, so read both again."""
         ...
 
     async def budget_usage(self, key: str) -> tuple[int, int]:

@@ -60,9 +60,10 @@ class DegradableState(Shortcuts):
         self.retry_s = retry_s
         self._prober: asyncio.Task[None] | None = None  # asks Redis again while it is away
         self._subscribers: list[asyncio.Task[None]] = []  # subscribe to revocations in Redis
-        # For Redis once it answers again: spend settled here per budget, reservations it made that
-        # were settled here (budget key, reservation id, amount), and seeds it never got.
-        self._owed: dict[str, int] = {}
+        # For Redis once it answers again: spend settled here per budget ((usage event id, cost) per
+        # attempt: Redis tells them from the ledger's if it lost the budget, see SETTLE), reservations
+        # it made that were settled here (budget key, reservation id, amount), and seeds it never got.
+        self._owed: dict[str, list[tuple[str, int]]] = {}
         self._releases: list[tuple[str, str, int]] = []
         self._seeds: dict[str, int] = {}
 
@@ -119,18 +120,25 @@ class DegradableState(Shortcuts):
         refuses too much, not too little)."""
         seeds, owed, releases = self._seeds, self._owed, self._releases
         self._seeds, self._owed, self._releases = {}, {}, []
-        catch_up = [Settlement((), [key], actual_pico_usd=spent) for key, spent in owed.items()]
+        catch_up = [
+            Settlement((), [key], actual_pico_usd=cost, event_id=event_id)
+            for key, events in owed.items()
+            for event_id, cost in events
+        ]
         catch_up += [Settlement((), [key], releases=[(rid, amount)]) for key, rid, amount in releases]
         try:
             for key, spent in seeds.items():
+                # Refused (False) where Redis holds attempts settled since it lost the budget: the
+                # ledger may hold them too, which this outage's spend does not say. Left unseeded
+                # then: the next admission finds that and seeds it from the ledger (Admission).
                 await self.primary.budget_seed(key, spent)
             if catch_up:
                 await self.primary.settle_many(catch_up)
         except BaseException:
             for key, spent in seeds.items():
                 self._seeds.setdefault(key, spent)
-            for key, spent in owed.items():
-                self._owed[key] = self._owed.get(key, 0) + spent
+            for key, events in owed.items():
+                self._owed.setdefault(key, []).extend(events)
             self._releases += releases
             raise
         if owed or releases:
@@ -162,7 +170,8 @@ class DegradableState(Shortcuts):
         for settlement in settlements:
             for i, key in enumerate(settlement.budget_keys):
                 if settlement.actual_pico_usd:
-                    self._owed[key] = self._owed.get(key, 0) + settlement.actual_pico_usd
+                    owed = self._owed.setdefault(key, [])
+                    owed.append((settlement.event_id, settlement.actual_pico_usd))
                 rid, amount = (
                     settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
                 )
@@ -170,12 +179,20 @@ class DegradableState(Shortcuts):
                     self._releases.append((key, rid, amount))
         return await self.fallback.settle_many(settlements)
 
-    async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
+    async def budget_unseeded(self, key: str) -> list[str]:
+        result: list[str] = await self._call("budget_unseeded", key)
+        return result
+
+    async def budget_seed(
+        self, key: str, spent_pico_usd: int, unseeded: Sequence[str] = (), in_ledger: Sequence[str] = ()
+    ) -> bool:
         # From the ledger's spend, as Redis is (never lowering what Redis reported since).
         self.fallback.budget_spent_at_least({key: (spent_pico_usd, 0)})
-        reached, _ = await self._try_primary("budget_seed", key, spent_pico_usd)
+        reached, seeded = await self._try_primary("budget_seed", key, spent_pico_usd, unseeded, in_ledger)
         if not reached:
             self._seeds.setdefault(key, spent_pico_usd)
+            return True
+        return bool(seeded)
 
     def forget_budgets(self, keep: Callable[[str], bool]) -> None:
         """The fallback's budgets of months gone by (Admission, at a month's turn): it learns every

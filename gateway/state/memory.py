@@ -93,6 +93,7 @@ class _Budget:
         "seeded",
         "spent",
         "total_reserved",
+        "unseeded",
     )
 
     RECENT_MAX = 256  # reservations kept out of the heap at most
@@ -100,6 +101,9 @@ class _Budget:
     def __init__(self) -> None:
         self.spent = 0
         self.seeded = False  # `spent` includes the ledger's (seeded, or told by a state that was)
+        # Usage events settled before the seed (event id -> cost), as Redis keeps them (SETTLE): the
+        # seed does not count again those the ledger's spend holds too. None: none.
+        self.unseeded: dict[str, int] | None = None
         self.reservations: dict[str, tuple[int, float]] = {}  # id -> (amount, expires)
         self.total_reserved = 0
         self._expiries: list[tuple[float, str]] = []
@@ -324,6 +328,7 @@ class MemoryState(Shortcuts):
                 settlement.actual_pico_usd,
                 settlement.releases,
                 touched,
+                settlement.event_id,
             )
         return {key: (self._budgets[key].spent, self._budgets[key].reserved(now)) for key in touched}
 
@@ -337,6 +342,7 @@ class MemoryState(Shortcuts):
         releases: Sequence[tuple[str, int]] = (),
         report: bool = True,
         bucket: int | None = None,
+        event_id: str = "",
     ) -> dict[str, tuple[int, int]]:
         """`settle_now` of one Settlement whose adjustments are `delta` on each of `limit_keys` (in
         `bucket`, or the current one when None; LIMIT_WINDOW_S windows), without building it:
@@ -357,7 +363,7 @@ class MemoryState(Shortcuts):
                 window.advance(current)
                 window.correct(bucket, current, delta)
         touched: set[str] = set()
-        self._spend(budget_keys, reservation_id, actual_pico_usd, releases, touched)
+        self._spend(budget_keys, reservation_id, actual_pico_usd, releases, touched, event_id)
         if not report:
             return {}
         return {key: (self._budgets[key].spent, self._budgets[key].reserved(now)) for key in touched}
@@ -374,6 +380,7 @@ class MemoryState(Shortcuts):
         actual_pico_usd: int,
         releases: Sequence[tuple[str, int]],
         touched: set[str],
+        event_id: str = "",
     ) -> None:
         for i, key in enumerate(budget_keys):
             state = self._budgets.get(key)
@@ -382,14 +389,30 @@ class MemoryState(Shortcuts):
             rid, release = releases[i] if releases else (reservation_id, 0)
             state.release(rid, release)
             state.spent += actual_pico_usd
+            if not state.seeded and event_id and actual_pico_usd:
+                if state.unseeded is None:
+                    state.unseeded = {}
+                state.unseeded[event_id] = state.unseeded.get(event_id, 0) + actual_pico_usd
             touched.add(key)
 
-    async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
+    async def budget_unseeded(self, key: str) -> list[str]:
+        state = self._budgets.get(key)
+        return list(state.unseeded) if state is not None and state.unseeded and not state.seeded else []
+
+    async def budget_seed(
+        self, key: str, spent_pico_usd: int, unseeded: Sequence[str] = (), in_ledger: Sequence[str] = ()
+    ) -> bool:
         async with self._lock:
             state = self._budgets.setdefault(key, _Budget())
-            if not state.seeded:  # as in Redis: once, added to what was settled before it
-                state.spent += spent_pico_usd
-                state.seeded = True
+            if state.seeded:  # as in Redis: once, added to what was settled before it
+                return True
+            held = state.unseeded or {}
+            if len(held) != len(unseeded) or any(event_id not in held for event_id in unseeded):
+                return False  # settled on since the caller read them: read again (see SEED)
+            state.spent += spent_pico_usd - sum(held.get(event_id, 0) for event_id in in_ledger)
+            state.seeded = True
+            state.unseeded = None
+            return True
 
     def budget_spent_at_least(self, usage: Mapping[str, tuple[int, int]]) -> None:
         """Raise each budget's `spent` to the (spent, reserved) pair's spent, never lowering it: what
@@ -403,6 +426,7 @@ class MemoryState(Shortcuts):
             if spent > state.spent:
                 state.spent = spent
             state.seeded = True
+            state.unseeded = None
 
     def forget_budgets(self, keep: Callable[[str], bool]) -> None:
         """Drop the budgets `keep` says no for: Admission's of months gone by, at a month's turn (in

@@ -228,11 +228,15 @@ return out
 )
 
 # Many finished attempts at once, summed per key by the caller.
-# KEYS: the limit keys to adjust, then (budget, budget:res, budget:exp) per budget.
+# KEYS: the limit keys to adjust, then (budget, budget:res, budget:exp, budget:unseeded) per budget.
 # ARGV: BUCKETS, number of limit keys, (delta, window_ms, bucket or -1 for the current one) per limit
 # key, budget key ttl ms, then per budget: the actual amount to add to `spent`, the number of
-# reservations to release, (id, amount; 0 for all of it) per reservation.
+# reservations to release, (id, amount; 0 for all of it) per reservation, the number of usage events
+# in the amount, (event id, cost) per event.
 # A delta for a bucket that already left the window is dropped (it no longer counts anyway).
+# A budget that holds no seed (Redis lost it, or it was never seeded) also records its events in
+# budget:unseeded, for the seed to tell which of them the ledger's spend holds already (SEED); a
+# seeded one, nearly always, only checks its mark.
 # Returns (spent, reserved) per budget, afterwards.
 SETTLE = (
     _NOW_MS
@@ -261,8 +265,8 @@ end
 local ttl = ARGV[3 + n * 3]
 local a = 4 + n * 3
 local usage = {}
-for i = 0, (#KEYS - n) / 3 - 1 do
-  local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
+for i = 0, (#KEYS - n) / 4 - 1 do
+  local k, res, exp = KEYS[n + i * 4 + 1], KEYS[n + i * 4 + 2], KEYS[n + i * 4 + 3]
   local actual = ARGV[a]
   local count = tonumber(ARGV[a + 1])
   for j = 0, count - 1 do
@@ -280,25 +284,55 @@ for i = 0, (#KEYS - n) / 3 - 1 do
       redis.call('HINCRBY', k, 'reserved', negated(release))
     end
   end
+  a = a + 2 + count * 2
+  local events = tonumber(ARGV[a])
+  if events > 0 and redis.call('HEXISTS', k, 'seeded') == 0 then
+    local unseeded = KEYS[n + i * 4 + 4]
+    for j = 0, events - 1 do
+      redis.call('HINCRBY', unseeded, ARGV[a + 1 + j * 2], ARGV[a + 2 + j * 2])
+    end
+    redis.call('PEXPIRE', unseeded, ttl)
+  end
+  a = a + 1 + events * 2
   redis.call('HINCRBY', k, 'spent', actual)
   redis.call('PEXPIRE', k, ttl)
   usage[#usage + 1] = redis.call('HGET', k, 'spent')
   usage[#usage + 1] = redis.call('HGET', k, 'reserved') or '0'
-  a = a + 2 + count * 2
 end
 return usage
 """
 )
 
-# KEYS[1]: a budget. ARGV: the ledger's spend this month, the key's ttl ms. Added to `spent` once
-# (`seeded` marks it), on top of whatever was settled since Redis lost the budget (or before the
-# first seed): a replica that seeds it again then still counts those attempts.
-SEED = """
-if redis.call('HSETNX', KEYS[1], 'seeded', '1') == 1 then
-  redis.call('HINCRBY', KEYS[1], 'spent', ARGV[1])
+# KEYS: a budget, budget:unseeded. ARGV: the ledger's spend this month, the key's ttl ms, the number
+# of events the caller read from budget:unseeded, those event ids, then those of them the ledger's
+# spend holds. Added to `spent` once (`seeded` marks it), on top of whatever was settled since Redis
+# lost the budget (or before the first seed): a replica that seeds it again then still counts those
+# attempts, but those the ledger already holds only once (their recorded cost comes off `spent`).
+# Returns 1, or 0 with nothing changed when budget:unseeded is no longer what the caller read (events
+# settled since: the ledger may hold them too, so the caller reads both again).
+SEED = (
+    _NEGATED
+    + """
+if redis.call('HEXISTS', KEYS[1], 'seeded') == 1 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
 end
+local read = tonumber(ARGV[3])
+if redis.call('HLEN', KEYS[2]) ~= read then return 0 end
+for j = 4, 3 + read do
+  if redis.call('HEXISTS', KEYS[2], ARGV[j]) == 0 then return 0 end
+end
+for j = 4 + read, #ARGV do
+  local cost = redis.call('HGET', KEYS[2], ARGV[j])
+  if cost then redis.call('HINCRBY', KEYS[1], 'spent', negated(cost)) end
+end
+redis.call('HSET', KEYS[1], 'seeded', '1')
+redis.call('HINCRBY', KEYS[1], 'spent', ARGV[1])
+redis.call('DEL', KEYS[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
 """
+)
 
 # KEYS[1]. ARGV: expect-absent flag, expected, new value, ttl ms ('' for none).
 COMPARE_AND_SET = """
@@ -561,7 +595,9 @@ class RedisState(Shortcuts):
         # the summed cost plus the reservations to release. Same result as settling one by one, far
         # less work for Redis and for the client's command packing.
         deltas: dict[tuple[str, float, int], int] = {}
-        budgets: dict[str, tuple[list[int], list[tuple[str, int]]]] = {}
+        # Per budget: [summed cost], releases, (event id, cost) per attempt (for a budget that holds
+        # no seed: the script alone looks, see SETTLE).
+        budgets: dict[str, tuple[list[int], list[tuple[str, int]], list[tuple[str, int]]]] = {}
         for settlement in settlements:
             for adjustment in settlement.adjustments:
                 if adjustment.delta:
@@ -571,9 +607,11 @@ class RedisState(Shortcuts):
             for i, key in enumerate(settlement.budget_keys):
                 entry = budgets.get(key)
                 if entry is None:  # (not setdefault: its default would be built for every call)
-                    entry = budgets[key] = ([0], [])
-                total, releases = entry
+                    entry = budgets[key] = ([0], [], [])
+                total, releases, events = entry
                 total[0] += settlement.actual_pico_usd
+                if settlement.event_id and settlement.actual_pico_usd:
+                    events.append((settlement.event_id, settlement.actual_pico_usd))
                 if settlement.releases:
                     if settlement.releases[i][0]:
                         releases.append(settlement.releases[i])
@@ -586,11 +624,16 @@ class RedisState(Shortcuts):
         for (_, window_s, bucket), delta in adjust:
             args += [delta, int(window_s * 1000), bucket]
         args.append(BUDGET_KEY_TTL_MS)
-        for total, releases in budgets.values():
+        for total, releases, events in budgets.values():
             args += [total[0], len(releases)]
             for rid, amount in releases:
                 args += [rid, amount]
-        keys = [self._k(key) for (key, _, _), _ in adjust] + self._budget_keys(list(budgets))
+            args.append(len(events))
+            for event_id, cost in events:
+                args += [event_id, cost]
+        keys = [self._k(key) for (key, _, _), _ in adjust]
+        for key in budgets:
+            keys += [*self._budget_keys([key]), self._k(key) + ":unseeded"]
         usage = await self._call(self._settle, keys, args)
         return {key: (int(usage[2 * i]), int(usage[2 * i + 1])) for i, key in enumerate(budgets)}
 
@@ -704,8 +747,16 @@ class RedisState(Shortcuts):
         finally:
             await pool.release(conn)
 
-    async def budget_seed(self, key: str, spent_pico_usd: int) -> None:
-        await self._call(self._seed, [self._k(key)], [spent_pico_usd, BUDGET_KEY_TTL_MS])
+    async def budget_unseeded(self, key: str) -> list[str]:
+        ids = await self._redis.hkeys(self._k(key) + ":unseeded")
+        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+
+    async def budget_seed(
+        self, key: str, spent_pico_usd: int, unseeded: Sequence[str] = (), in_ledger: Sequence[str] = ()
+    ) -> bool:
+        keys = [self._k(key), self._k(key) + ":unseeded"]
+        args: list[int | str] = [spent_pico_usd, BUDGET_KEY_TTL_MS, len(unseeded), *unseeded, *in_ledger]
+        return int(await self._call(self._seed, keys, args)) == 1
 
     async def budget_usage(self, key: str) -> tuple[int, int]:
         spent, reserved = await self._redis.hmget(self._k(key), "spent", "reserved")

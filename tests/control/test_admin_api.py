@@ -488,7 +488,9 @@ async def test_a_budgets_month_spend_is_read_from_the_ledger_past_64_bits_exactl
 ) -> None:
     """Three rollups this month near $4.6M each (2^62 pico-dollars) and one of last month's: what a
     tenant's and a key's budget start from is this month's exact total, past 2^63, where SQLite's
-    sum() of integers failed ("integer overflow") and the request that first met the budget with it."""
+    sum() of integers failed ("integer overflow") and the request that first met the budget with it.
+    Asked about usage events (those a budget counted before its seed), it says which of them that
+    total holds: the owner's, this month's, in the ledger."""
     control = ControlPlane(ControlPlaneSettings(database_url=db_url, spool_dir=str(tmp_path / "spool")))
     try:
         await migrate.upgrade_async(db_url)
@@ -517,10 +519,42 @@ async def test_a_budgets_month_spend_is_read_from_the_ledger_past_64_bits_exactl
                         savings_pico_usd=0,
                     )
                 )
+            for event_id, day, owner in (
+                ("e-now", today, "1"),
+                ("e-before", month_start - dt.timedelta(days=1), "1"),
+                ("e-other", today, "2"),
+            ):
+                session.add(
+                    UsageEventRow(
+                        event_id=event_id,
+                        request_id=event_id,
+                        attempt=1,
+                        ts=dt.datetime.combine(day, dt.time(12), dt.UTC),
+                        day=day,
+                        tenant_id=f"t{owner}",
+                        key_id=f"k{owner}",
+                        route="m",
+                        backend="b",
+                        model="m",
+                        **tokens,
+                        prices={},
+                        cost_pico_usd=1,
+                        savings_pico_usd=0,
+                        latency_ms=1.0,
+                        ttft_ms=None,
+                        status=200,
+                        fallback=False,
+                    )
+                )
         assert sum(costs) > 2**63
+        asked = ["e-now", "e-before", "e-other", "e-missing"]
         for scope, owner in (("tenant", "t1"), ("key", "k1")):
-            assert await control._spend_this_month(scope, owner, month_start) == sum(costs)
-        assert await control._spend_this_month("tenant", "nobody", month_start) == 0
+            assert await control._spend_this_month(scope, owner, month_start) == (sum(costs), [])
+            assert await control._spend_this_month(scope, owner, month_start, asked) == (
+                sum(costs),
+                ["e-now"],
+            )
+        assert await control._spend_this_month("tenant", "nobody", month_start, asked) == (0, [])
     finally:
         await control.stop()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
@@ -152,9 +153,9 @@ async def test_budgets_of_past_months_are_let_go_when_the_month_turns(
     )
     seeded: list[tuple[str, str, dt.date]] = []
 
-    async def spend(scope: str, owner: str, start: dt.date) -> int:
+    async def spend(scope: str, owner: str, start: dt.date, events: Sequence[str]) -> tuple[int, list[str]]:
         seeded.append((scope, owner, start))
-        return 0
+        return 0, []
 
     state = MemoryState()
     admission = Admission(state, PriceCatalog, spend)

@@ -4,7 +4,7 @@ and in Redis."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import redis.asyncio as aioredis
@@ -72,7 +72,7 @@ async def lose_budget(client: aioredis.Redis, redis_prefix: str, scope: str, own
     """What Redis restarting without its data, failing over to a replica behind it or evicting the
     keys leaves of one budget: nothing (only this test's keys go)."""
     key = redis_prefix + budget_key(scope, owner, month_of(dt.datetime.now(dt.UTC)))
-    assert await client.delete(key, f"{key}:res", f"{key}:exp") >= 1
+    assert await client.delete(key, f"{key}:res", f"{key}:exp", f"{key}:unseeded") >= 1
 
 
 @pytest.mark.redis
@@ -86,9 +86,11 @@ async def test_budget_spend_is_not_forgotten_when_redis_loses_its_data(
     seeds again from the ledger and asks once more; the tenant stays refused on every replica."""
     lookups: list[str] = []
 
-    async def spend(scope: str, owner: str, month_start: dt.date) -> int:
+    async def spend(
+        scope: str, owner: str, month_start: dt.date, events: Sequence[str]
+    ) -> tuple[int, list[str]]:
         lookups.append(owner)
-        return 5 * 10**12  # the ledger says USD 5 spent this month
+        return 5 * 10**12, []  # the ledger says USD 5 spent this month
 
     states = [RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix) for _ in range(2)]
     replicas = [Admission(s, lambda: EMBEDDINGS, spend=spend) for s in states]
@@ -124,10 +126,12 @@ async def test_what_was_settled_after_redis_lost_a_budget_counts_with_the_ledger
     budget is seeded on a later request."""
     database_down = False
 
-    async def spend(scope: str, owner: str, month_start: dt.date) -> int:
+    async def spend(
+        scope: str, owner: str, month_start: dt.date, events: Sequence[str]
+    ) -> tuple[int, list[str]]:
         if database_down:
             raise OSError("database unreachable")
-        return 4 * 10**12  # USD 4
+        return 4 * 10**12, []  # USD 4, none of the attempts settled since the loss
 
     state = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
     admission = Admission(state, lambda: EMBEDDINGS, spend=spend)

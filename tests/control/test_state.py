@@ -145,6 +145,32 @@ async def test_a_budget_its_caller_seeded_but_the_state_does_not_hold_is_refused
     assert await state.budget_usage(tenant.key) == (607, 50)
 
 
+async def test_a_seed_counts_once_the_attempts_settled_before_it_that_the_ledger_holds_too(
+    state: SharedState,
+) -> None:
+    """Attempts settled on a budget that holds no seed (lost, or not seeded yet) stay counted by the
+    seed; those whose usage events reached the ledger by then are in the ledger's spend as well, and
+    count once. One settled between reading them and seeding (another replica's) may be in the
+    ledger's spend too, unchecked: the seed changes nothing and says to read both again."""
+    budget = "budget:tenant:s"
+    await state.settle_many([Settlement((), [budget], actual_pico_usd=7, event_id="e1")])
+    await state.settle_many([Settlement((), [budget], actual_pico_usd=5, event_id="e2")])
+    assert sorted(await state.budget_unseeded(budget)) == ["e1", "e2"]
+    await state.settle_many([Settlement((), [budget], actual_pico_usd=3, event_id="e3")])  # meanwhile
+    assert not await state.budget_seed(budget, 600, ["e1", "e2"], ["e1"])
+    assert await state.budget_usage(budget) == (15, 0)
+    unseeded = await state.budget_unseeded(budget)
+    assert sorted(unseeded) == ["e1", "e2", "e3"]
+    # The ledger's USD 600 holds e1 and e3: e2 alone is added to it.
+    assert await state.budget_seed(budget, 600, unseeded, ["e1", "e3"])
+    assert await state.budget_usage(budget) == (605, 0)
+    assert await state.budget_seed(budget, 0)  # another replica's seed after it changes nothing
+    # Seeded: attempts count as before, and are no longer remembered.
+    await state.settle_many([Settlement((), [budget], actual_pico_usd=4, event_id="e4")])
+    assert await state.budget_usage(budget) == (609, 0)
+    assert await state.budget_unseeded(budget) == []
+
+
 @pytest.mark.redis
 async def test_budget_counters_in_redis_stay_exact_past_what_a_lua_number_holds(redis_prefix: str) -> None:
     """Budgets count pico-dollars: a large month passes 2^53 (about USD 9,007), beyond which a Lua

@@ -6,13 +6,15 @@ the client. What a tenant sees while its requests retry, fail over, hedge or res
 request counted once against RPM; what every attempt used (failed, cut and cancelled ones included)
 counted against TPM and the budget, as the ledger bills it; the gateway's own 429 with `retry-after`
 and OpenAI's error shape, sending nothing upstream; every budget reservation given back; route edits
-made on one replica live on the others; and a budget that holds while Redis is away and after.
+made on one replica live on the others; and a budget that holds while Redis is away and after, or
+loses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 import threading
 import time
 import uuid
@@ -185,6 +187,26 @@ def books_match(cluster: Replicas, tenant_id: str, rows: int) -> None:
     while (books := cluster.budget(tenant_id)) != (billed, 0):
         assert time.monotonic() < deadline, f"(spent, reserved) {books}, billed {billed}"
         time.sleep(0.02)
+
+
+def lose_budget(cluster: Replicas, tenant_id: str) -> None:
+    """What Redis holds of the tenant's budget this month is gone, as after a restart without its
+    data, a failover to a replica behind it or an eviction (spent, reservations and their expiries,
+    the seed mark, the attempts settled without one)."""
+    key = cluster.prefix + admission.budget_key(
+        "tenant", tenant_id, admission.month_of(dt.datetime.now(dt.UTC))
+    )
+    with redis.Redis.from_url(REDIS_URL) as shared:
+        assert shared.delete(key, key + ":res", key + ":exp", key + ":unseeded") >= 1
+
+
+def degraded(cluster: Replicas) -> float:
+    """How many of the replicas' shared states run without Redis (one process: the metric counts all)."""
+    match = re.search(
+        r"^weir_shared_state_degraded (\S+)$", httpx.get(f"{cluster.urls[0]}/metrics").text, re.M
+    )
+    assert match, "the metric is exported"
+    return float(match.group(1))
 
 
 def ask(client: openai.OpenAI, model: str = "failover", **kw: Any) -> int:
@@ -474,3 +496,51 @@ def test_what_was_settled_while_redis_was_away_reaches_it_once_it_is_back(
     time.sleep(1.1)  # a replica tries Redis again a second after it failed
     assert [ask(cluster.client(key, i)) for i in (0, 1)] == [200, 200]
     books_match(cluster, tenant_id, 6)
+
+
+def test_a_request_settled_after_redis_lost_the_budget_counts_once_when_it_is_seeded_again(
+    cluster: Replicas, fake_openai: FakeOpenAI
+) -> None:
+    """A request in flight when Redis loses the tenant's budget settles into Redis without the seed
+    mark, and its usage event reaches the ledger within milliseconds. The next request (on another
+    replica) seeds the budget again from the ledger, whose spend holds that cost already: Redis must
+    count it once (it counted it twice, refusing the tenant that much early for the rest of the
+    month), so that its books equal what the ledger bills."""
+    tenant_id, key = cluster.tenant(budget_usd_monthly="0.001")  # too small a budget to pool
+    assert ask(cluster.client(key, 0)) == 200  # seeds the budget from the (empty) ledger
+    books_match(cluster, tenant_id, 1)
+
+    fake_openai.set_latency(first_token=0.5)
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(ask, cluster.client(key, 1))
+        eventually(lambda: chats(fake_openai) == 2, 5, "the second request reaching the vendor")
+        lose_budget(cluster, tenant_id)
+        assert in_flight.result() == 200
+    fake_openai.set_latency()
+    cluster.ledger(tenant_id, 2)  # the in-flight request's cost is in the ledger now
+
+    assert ask(cluster.client(key, 2)) == 200  # finds the budget lost: seeds it again, then admits
+    books_match(cluster, tenant_id, 3)
+
+
+def test_what_a_replica_settled_while_redis_was_away_counts_once_if_redis_lost_the_budget(
+    cluster: Replicas, fake_openai: FakeOpenAI
+) -> None:
+    """A replica answers a request while Redis is away and owes Redis its cost; Redis comes back
+    without the tenant's budget (restarted empty). The replica hands the cost back, the request's
+    spooled usage event reaches the ledger, and the next request seeds the budget again from the
+    ledger, which holds that cost already: Redis must count it once."""
+    tenant_id, key = cluster.tenant(budget_usd_monthly="0.001")
+    assert ask(cluster.client(key, 0)) == 200
+    books_match(cluster, tenant_id, 1)
+    cluster.proxy.stop()
+    try:
+        assert ask(cluster.client(key, 0)) == 200  # settled in replica 0's process
+        lose_budget(cluster, tenant_id)
+    finally:
+        cluster.proxy.start()
+    eventually(lambda: degraded(cluster) == 0, 5, "the replica sharing its state through Redis again")
+    cluster.ledger(tenant_id, 2)  # the spool reached the ledger
+
+    assert ask(cluster.client(key, 0)) == 200  # finds the budget lost: seeds it again, then admits
+    books_match(cluster, tenant_id, 3)
