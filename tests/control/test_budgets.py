@@ -161,6 +161,54 @@ async def test_what_was_settled_after_redis_lost_a_budget_counts_with_the_ledger
         await state.close()
 
 
+@pytest.mark.redis
+async def test_a_seed_reads_the_ledger_again_when_an_attempt_settles_while_it_reads(
+    redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """Redis lost a budget while two of replica A's requests were in flight. The first settles and
+    its event reaches the ledger; replica B's next request finds the budget unseeded and seeds it.
+    While B reads the ledger, A's second request settles and its event reaches the ledger too: the
+    spend B read holds it, but B did not ask the ledger about it. B's seed then changes nothing and
+    B reads again, so the budget holds the ledger's spend with each attempt counted once."""
+    usd = 10**12
+    ledger: dict[str, int] = {}  # event id -> cost: the usage events the ledger holds
+    a_event = {f"r{i}": event(f"r{i}", Usage(input_tokens=10), usd // 2) for i in range(3)}
+    reads: list[list[str]] = []  # the unseeded events each ledger read was asked about
+
+    async def spend(
+        scope: str, owner: str, month_start: dt.date, events: Sequence[str]
+    ) -> tuple[int, list[str]]:
+        reads.append(sorted(events))
+        if len(reads) == 2:  # B's first read: A's r2 settles and reaches the ledger meanwhile
+            replicas[0].settle(a_event["r2"])
+            await replicas[0].drain()
+            ledger[a_event["r2"].event_id] = usd // 2
+        return sum(ledger.values()), [e for e in events if e in ledger]
+
+    states = [RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix) for _ in range(2)]
+    replicas = [Admission(s, lambda: EMBEDDINGS, spend=spend) for s in states]
+    quotas = Quotas("t", None, tenant_budget_micro_usd=5 * 10**6)  # USD 5
+    budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
+    try:
+        for request_id in a_event:
+            await replicas[0].admit(request_id, quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        replicas[0].settle(a_event["r0"])
+        await replicas[0].drain()
+        ledger[a_event["r0"].event_id] = usd // 2
+        await lose_budget(redis_client, redis_prefix, "tenant", "t")
+        replicas[0].settle(a_event["r1"])
+        await replicas[0].drain()
+        ledger[a_event["r1"].event_id] = usd // 2
+
+        await replicas[1].admit("b1", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        assert await states[1].budget_usage(budget) == (3 * usd // 2, 200_000)  # b1's estimate held
+        r1, r2 = a_event["r1"].event_id, a_event["r2"].event_id
+        assert reads == [[], [r1], sorted([r1, r2])]
+    finally:
+        for state in states:
+            await state.close()
+
+
 async def test_a_budget_stored_above_the_bound_is_counted_as_the_bound(
     state: SharedState, caplog: pytest.LogCaptureFixture
 ) -> None:
