@@ -17,7 +17,7 @@ import msgspec
 import yaml
 
 from gateway.accounting.money import usd_per_mtok_to_micro
-from routing.routes import Route
+from routing.routes import NAME_RULE, Route, fit_name
 
 BackendType = Literal["openai", "anthropic", "gemini", "engine"]
 
@@ -253,6 +253,8 @@ def _check_references(config: Config) -> None:
             raise ConfigError(f"{where}.base_url: required for a {backend.type} backend")
     names: set[str] = set()
     for i, model in enumerate(config.models):
+        if not fit_name(model.name):
+            raise ConfigError(f"models[{i}].name: {NAME_RULE}")
         if model.name in names:
             raise ConfigError(f"models[{i}].name: duplicate model name {model.name!r}")
         names.add(model.name)

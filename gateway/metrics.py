@@ -42,6 +42,15 @@ class Metrics:
             "weir_tokens", "Tokens by class", ("backend", "model", "class"), registry=self.registry
         )
         self.errors = Counter("weir_errors", "Errors by type", (*labels, "type"), registry=self.registry)
+        # Per upstream attempt (each retry, fallback and hedge), where `weir_requests_total` counts a
+        # request once, under its last attempt's backend: the denominator of a backend's failure share.
+        self.attempts = Counter(
+            "weir_upstream_attempts",
+            "Upstream attempts (retries, fallbacks and hedges each one) by backend, configured model "
+            "and status (0: no answer)",
+            ("backend", "model", "status"),
+            registry=self.registry,
+        )
         self.in_flight = Gauge("weir_requests_in_flight", "Requests being served", registry=self.registry)
         Gauge(
             "weir_shared_state_degraded",
@@ -53,6 +62,7 @@ class Metrics:
         # go with it (`forget_models`).
         self._done: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
         self._tokens: dict[tuple[str, str, str], Any] = {}
+        self._attempts: dict[tuple[str, str, int], Any] = {}
         # Whether a model name is served now (Router.in_force; the gateway sets it): a request of a
         # route deleted while it ran makes no series of it again, once `forget_models` dropped them.
         self.in_force: Callable[[str], bool] = lambda model: True
@@ -69,6 +79,15 @@ class Metrics:
             )
         children[0].inc()
         children[1].observe(seconds)
+
+    def attempt_done(self, backend: str, model: str, status: int) -> None:
+        """One upstream attempt ended: `model` is the configured model it went to (not a route's name:
+        those are request-level), `status` its status (0: the backend never answered)."""
+        key = (backend, model, status)
+        child = self._attempts.get(key)
+        if child is None:
+            child = self._attempts[key] = self.attempts.labels(backend, model, str(status))
+        child.inc()
 
     def record_tokens(self, backend: str, model: str, usage: Usage) -> None:
         for token_class, count in (

@@ -442,6 +442,7 @@ class Pipeline:
             if failure is not None:
                 info.error = failure
         labels = (call.endpoint, target.backend.name, target.model.name)
+        self.metrics.attempt_done(target.backend.name, target.model.name, status)
         if ttft is not None:
             self.metrics.ttft.labels(*labels).observe(ttft)
         if failure is not None:

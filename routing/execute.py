@@ -345,8 +345,7 @@ class Executor:
             if charge is not None:
                 await charge.settle(0)
             raise Unsupported(exc) from exc
-        plan.attempts += 1
-        number = plan.attempts
+        number = plan.attempt(choice)
         if numbers is not None and (task := asyncio.current_task()) is not None:
             numbers[task] = number
         if charge is not None:
@@ -733,9 +732,9 @@ class Executor:
         hedging as chat: the parsed response, or a stream whose break after the first batch ends
         it with the error (the API turns that into an SSE error event; no resumption)."""
         result = await self.first(call, plan, op, feats)
-        return self._to_end(plan, result) if op.stream else result
+        return self._to_end(call, plan, result) if op.stream else result
 
-    async def _to_end(self, plan: Plan, batches: Batches) -> Batches:
+    async def _to_end(self, call: Call, plan: Plan, batches: Batches) -> Batches:
         choice = plan.chosen
         breaker = plan.route.breaker is not None and choice is not None
         try:
@@ -752,7 +751,7 @@ class Executor:
         finally:
             # A client that left mid-stream says nothing about the backend, and holds no half-open
             # trial: the stream's first token gave the trial's verdict (`_attempt`).
-            await batches.aclose()  # type: ignore[attr-defined]
+            await _ended(call, plan, batches)
 
     async def _resuming(
         self,
@@ -932,9 +931,16 @@ class Executor:
                         yield [_reasoning_end(last)]
         finally:
             # The stream ended, broke for good, or the client left (which says nothing about the
-            # backend, and holds no half-open trial: see `_to_end`): the current upstream is closed.
-            call.info.route = plan.header()  # the request's log line: every attempt, the cut ones too
-            await batches.aclose()  # type: ignore[attr-defined]
+            # backend, and holds no half-open trial: see `_to_end`).
+            await _ended(call, plan, batches)
+
+
+async def _ended(call: Call, plan: Plan, batches: Batches) -> None:
+    """A stream past its first token is over (ended, broken for good, or its client left): the
+    request's log line takes the decision as it now stands, every attempt there, the cut ones too
+    (the `x-weir-route` header went out with the first token), and the current upstream is closed."""
+    call.info.route = plan.header()
+    await batches.aclose()  # type: ignore[attr-defined]
 
 
 async def _first_output(opening: Awaitable[Batches]) -> tuple[list[list[Any]], Batches]:

@@ -111,7 +111,11 @@ class Plan:
     choices: list[Choice]  # in the order they are tried
     note: str = ""  # policy-wide detail (difficulty score, affinity hit)
     attempts: int = 0
-    chosen: Choice | None = None
+    chosen: Choice | None = None  # the candidate that answered
+    # The latest attempt's candidate: what the header names while none answered, and when none did
+    # (the client's error, and the ledger's last row, are that attempt's), not the plan's first
+    # choice, which may have been skipped (its breaker open) or failed long before.
+    latest: Choice | None = None
     tried: list[str] = field(default_factory=list)  # "model:outcome" per attempt
     lessons: list[Lesson] = field(default_factory=list)  # what `commit` keeps
 
@@ -124,9 +128,17 @@ class Plan:
         for lesson in lessons:
             lesson()
 
+    def attempt(self, choice: Choice) -> int:
+        """Count an attempt on `choice`: its number."""
+        self.attempts += 1
+        self.latest = choice
+        return self.attempts
+
     def header(self, trying: Choice | None = None) -> str:
-        """The `x-weir-route` header: policy, chosen candidate, score, attempts (and why)."""
-        chosen = trying or self.chosen or (self.choices[0] if self.choices else None)
+        """The `x-weir-route` header: policy, candidate, score, attempts (and why). The candidate is
+        `trying`'s, else the one that answered, else the latest attempt's (the one whose failure the
+        client got), else, nothing tried, the plan's first choice."""
+        chosen = trying or self.chosen or self.latest or (self.choices[0] if self.choices else None)
         parts = [f"route={self.route.name}", f"policy={self.route.policy}"]
         if chosen is not None:
             parts.append(f"candidate={chosen.candidate.model}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -26,7 +25,7 @@ from routing.health import HealthProber, ProbeListener
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Lesson, Plan
 from routing.policies import PolicyContext, order
-from routing.routes import HEAD_NAME, Candidate, Conditions, Retry, Route
+from routing.routes import HEAD_NAME, NAME_RULE, Candidate, Conditions, Retry, Route, fit_name
 from routing.routes import Breaker as BreakerSettings
 from routing.stats import RoutingStats
 from routing.store import RouteStore
@@ -86,7 +85,6 @@ def matches(when: Conditions | None, feats: Features) -> bool:
     return when.images is None or feats.images == when.images
 
 
-MAX_ROUTE_NAME = 200  # the admin DB's `routes.name` column
 # An opened breaker is published to the shared state with its cooldown as the TTL, in whole
 # milliseconds: one beyond what Redis holds read as Redis unreachable (every limit and budget then
 # per process), beyond a float's range as an error in the request, and one under a millisecond
@@ -108,7 +106,6 @@ MAX_SPEND_USD_PER_HOUR = 1_000_000.0
 # Output tokens to expect: priced as a float by `cheapest` and for hedges and comparisons, which
 # overflowed near 1e300 tokens. A 32-bit count, as the admin API's token limits.
 MAX_EXPECTED_OUTPUT_TOKENS = 2**31 - 1
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _at_least(
@@ -135,12 +132,8 @@ def _check_settings(route: Route, where: str) -> None:
     """Numbers that only make sense in a range: a weight or interval of 0 or less, a share above 1, a
     window or token count below 1. Out of range they would be stored and then misroute (a negative
     cache hit share, a threshold no score reaches) or spin (a negative probe interval)."""
-    if not route.name or len(route.name) > MAX_ROUTE_NAME or _CONTROL.search(route.name) or ";" in route.name:
-        # `;` separates x-weir-route's fields: a name holding one could pass for another field there.
-        raise RouteError(
-            f"{where}.name: 1 to {MAX_ROUTE_NAME} characters, no control characters or ';' (it is the "
-            "model name clients send, and x-weir-route's fields are separated by ';')"
-        )
+    if not fit_name(route.name):
+        raise RouteError(f"{where}.name: {NAME_RULE}")
     for j, candidate in enumerate(route.candidates):
         at = f"{where}.candidates[{j}]"
         _at_least(candidate.weight, 0.0, f"{at}.weight", strict=True)

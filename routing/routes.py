@@ -14,6 +14,22 @@ import msgspec
 # A trained difficulty head's name (routing.heads), as routes and the admin API take it.
 HEAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
+MAX_NAME = 200  # the admin DB's `routes.name` column, and the ledger's `route` (the name clients send)
+# What a route's or a config model's name must be, both names clients send as `model`: it goes into
+# x-weir-route (`route=`, `candidate=`), whose fields `;` separates (a name holding one could pass for
+# another field there) and where a control character breaks the header.
+NAME_RULE = (
+    f"1 to {MAX_NAME} characters, no control characters or ';' (it is a model name clients send, and "
+    "x-weir-route's fields are separated by ';')"
+)
+_UNFIT = re.compile(r"[\x00-\x1f\x7f;]")
+
+
+def fit_name(name: str) -> bool:
+    """Whether `name` may name a route or a configured model (`NAME_RULE`)."""
+    return 0 < len(name) <= MAX_NAME and _UNFIT.search(name) is None
+
+
 PolicyName = Literal["fixed", "weighted", "cheapest", "lowest_latency", "difficulty", "prefix_affinity"]
 
 

@@ -1,10 +1,11 @@
 """What the dashboards and alert rules may reference: the metric names Weir's code really exports,
-found by reading the source (every prometheus_client metric and metric family it declares), and the
-metric names a PromQL expression selects."""
+found by reading the source (every prometheus_client metric and metric family it declares), the
+metric names a PromQL expression selects, and the shipped rules and dashboard's expressions."""
 
 from __future__ import annotations
 
 import ast
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "rules" / "weir.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "weir.json"
 PACKAGES = ("gateway", "routing", "engine", "kernels", "weir")
 
 # Series each metric type exposes, as prometheus_client writes them (`_created` is left out on purpose:
@@ -103,3 +105,14 @@ def rules() -> list[dict[str, Any]]:
 
 def recorded() -> set[str]:
     return {rule["record"] for rule in rules() if "record" in rule}
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())  # type: ignore[no-any-return]
+
+
+def queries(board: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, expression) of every query in the dashboard."""
+    out = [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", [])]
+    out += [(a["name"], a["expr"]) for a in board["annotations"]["list"] if "expr" in a]
+    return out

@@ -3,7 +3,6 @@ metrics the gateway and engine really export, and the provisioning wires it to t
 
 from __future__ import annotations
 
-import json
 import re
 from itertools import combinations
 from typing import Any
@@ -11,28 +10,29 @@ from typing import Any
 import pytest
 
 from tests.deploy.conftest import DEPLOY, load_yaml
-from tests.deploy.metrics import AWAITED, PROMETHEUS_BUILTIN, exported_series, recorded, selected_metrics
+from tests.deploy.metrics import (
+    AWAITED,
+    DASHBOARD,
+    PROMETHEUS_BUILTIN,
+    exported_series,
+    queries,
+    recorded,
+    selected_metrics,
+)
+from tests.deploy.metrics import dashboard as load_dashboard
 
-DASHBOARD = DEPLOY / "grafana" / "dashboards" / "weir.json"
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range"}
 _VARIABLE = re.compile(r"\$\{?(\w+)\}?")
 
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
+    return load_dashboard()
 
 
 def as_promql(expr: str) -> str:
     """What Prometheus receives: Grafana's interval variables become a duration and the others a regex."""
     return _VARIABLE.sub(lambda m: "5m" if m.group(1) in GRAFANA_BUILTINS else ".*", expr)
-
-
-def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """(panel title, expression) of every query in the dashboard."""
-    out = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
-    out += [(a["name"], a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a]
-    return out
 
 
 def test_dashboard_is_well_formed(dashboard: dict[str, Any]) -> None:

@@ -87,6 +87,37 @@ def test_invalid_configs_name_the_offending_key(text: str, message: str) -> None
         parse_config(text, {})
 
 
+MODEL_NAMED = (
+    "backends: [{name: b, type: openai, base_url: 'http://127.0.0.1:9/v1'}]\nmodels: [{name: %s, backend: b}]"
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        '"mini; policy=difficulty; candidate=gpt-5"',  # would forge x-weir-route's fields
+        '"mini\\r\\nx-evil: 1"',  # a control character breaks the header
+        '""',
+        "x" * 201,  # longer than the ledger's `route` column holds
+    ],
+)
+def test_a_model_name_that_would_forge_or_break_x_weir_route_is_refused(name: str) -> None:
+    """A model's name is sent by clients and goes into x-weir-route (`route=` of a plain model's
+    request, `candidate=` of every route using it), whose fields `;` separates: the rule route names
+    keep. A model named `mini; policy=difficulty; candidate=gpt-5` was taken, and its responses
+    carried a forged `policy` and `candidate`."""
+    with pytest.raises(
+        ConfigError, match=r"models\[0\]\.name: 1 to 200 characters, no control characters or ';'"
+    ):
+        parse_config(MODEL_NAMED % name, {})
+
+
+def test_model_names_of_the_usual_shapes_are_taken() -> None:
+    names = ["meta-llama/Llama-3.1-8B-Instruct", "gpt-4o-mini", "claude sonnet 4.5", "x" * 200]
+    text = MODEL_NAMED % ", backend: b}, {name: ".join(f'"{n}"' for n in names)
+    assert [m.name for m in parse_config(text, {}).models] == names
+
+
 def test_numbers_from_the_environment_are_converted() -> None:
     config = parse_config("server: {port: '${PORT:-9000}'}", {})
     assert config.server.port == 9000

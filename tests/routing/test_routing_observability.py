@@ -3,16 +3,21 @@
 
 Each signal must say who was at fault, once: a backend too slow for the route's TTFT timeout is the
 backend's 504 (not a client that left), a hedge the gateway cancelled is not a client that left
-either, and the gateway's own 429 (limits, before anything is sent) is no upstream attempt.
+either, the gateway's own 429 (limits, before anything is sent) is no upstream attempt, and a failed
+request names the candidate whose failure the client got. The shipped alert rules and dashboard read
+these series as the gateway exports them: a retried failure is not an outage, and each `model` filter
+selects the series of the traffic it offers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
 import openai
+import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
@@ -21,9 +26,11 @@ from gateway.config import parse_config
 from gateway.logging import add_request_fields
 from routing.breaker import Breakers
 from routing.routes import Breaker as BreakerSettings
+from tests.deploy.metrics import dashboard, queries, rules
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
-from tests.routing.routed import fresh, ledger, route_header, routed_config_text, runtime, settled
+from tests.gateway.test_request_log_context import logged, tagged_logs
+from tests.routing.routed import ROUTES, fresh, ledger, route_header, routed_config_text, runtime, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -31,13 +38,19 @@ ONE_STREAM_KEY = "sk-weir-one-stream-0123456789"
 # A tenant allowed one stream at a time: its second is refused by the gateway itself (429), before
 # anything goes upstream.
 ONE_STREAM = '  - {name: one-stream, api_keys: ["${ONE_STREAM_KEY}"], max_concurrent_streams: 1}'
+# A completions route: gpt-instruct answers natively; its stream cut after the first token ends with
+# an SSE error (completions are not resumed).
+INSTRUCT = (
+    "  - {name: instruct-route, retry: {attempts: 1}, probe_interval: null, "
+    "candidates: [{model: gpt-instruct}, {model: gpt-4o-mini}]}\n"
+)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @pytest.fixture(scope="module")
 def gateway_config() -> str:
-    return routed_config_text().replace("\nserver:\n", f"\n{ONE_STREAM}\nserver:\n", 1)
+    return routed_config_text(ROUTES + INSTRUCT).replace("\nserver:\n", f"\n{ONE_STREAM}\nserver:\n", 1)
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +325,148 @@ def test_model_names_clients_invent_mint_no_series(gateway: RunningGateway) -> N
     with pytest.raises(openai.NotFoundError):
         gateway.openai().chat.completions.create(model=invented, messages=HI, stream=True)
     assert invented not in httpx.get(f"{gateway.url}/metrics").text
+
+
+def test_a_failed_requests_header_names_the_candidate_whose_failure_the_client_got(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """Every candidate of `resilient` fails (503): the client's error is claude-sonnet's, the last
+    attempt's, as is the ledger's last row. x-weir-route and the request log line name claude-sonnet
+    too; they named the plan's first choice (gpt-4o-mini), so an admin reading them blamed the wrong
+    model."""
+    fake_openai.fail_next(503, times=2)
+    fake_anthropic.fail_next(503, times=2)
+    with tagged_logs() as logs:
+        with pytest.raises(openai.InternalServerError) as caught:
+            gateway.openai().chat.completions.create(model="resilient", messages=HI)
+        line = logged(logs, "request")
+    header = route_header(caught.value.response)
+    assert header["tried"] == "gpt-4o-mini:503,gpt-4o-mini:503,claude-sonnet:503,claude-sonnet:503"
+    assert header["candidate"] == "claude-sonnet", header
+    assert line["route"] == caught.value.response.headers["x-weir-route"]
+    settled(gateway, 4)
+    last = max(gateway.sink.events, key=lambda e: e.attempt)
+    assert last.backend == "anthropic" and "candidate=claude-sonnet;" in (last.routing or "")
+
+
+def test_a_candidate_skipped_for_its_open_breaker_is_not_named_for_the_failure(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """`recovering`'s first choice, deepseek-chat, has its breaker open: skipped, nothing sent. Then
+    claude-sonnet fails twice, and the header names it, not the candidate that was never asked."""
+    runtime(gateway).router.breakers.get(Breakers.key("deepseek", "deepseek-chat")).trip()  # 2 s cooldown
+    fake_anthropic.fail_next(503, times=2)
+    with pytest.raises(openai.InternalServerError) as caught:
+        gateway.openai().chat.completions.create(model="recovering", messages=HI)
+    header = route_header(caught.value.response)
+    assert header["tried"] == "deepseek-chat:open,claude-sonnet:503,claude-sonnet:503"
+    assert header["candidate"] == "claude-sonnet", header
+
+
+def test_a_completions_stream_cut_after_its_first_token_says_so_in_the_request_log_line(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """A completions stream that breaks after its first token ends with an SSE error and
+    `weir_route_attempts_total` counts the attempt `cut`: the request log line's `route` (the
+    decision as the response ended) says so too, as a chat stream's does. It read `attempts=1` and
+    no `tried`: the header as it went out with the first token."""
+    fake_openai.fail_next(Fault.cut_stream(2))
+    before = samples(gateway)
+    received = []
+    with tagged_logs() as logs:
+        with pytest.raises(openai.APIError) as caught:
+            for chunk in gateway.openai().completions.create(
+                model="instruct-route", prompt="one two three", stream=True
+            ):
+                received.append(chunk)
+        line = logged(logs, "request")
+    assert received and caught.value.code == "upstream_stream_interrupted"
+    assert "attempts=1;" in line["route"] and "tried=gpt-instruct:ok,gpt-instruct:cut" in line["route"]
+    cut = delta(before, samples(gateway), "weir_route_attempts_total", route="instruct-route", outcome="cut")
+    assert cut == 1
+
+
+def _per_backend(side: Any, before: Samples, after: Samples) -> dict[str, float]:
+    """`sum by (backend) (rate(name{label="value", ...}[5m]))` over counters that all started within
+    the window: their increase, by backend."""
+    assert isinstance(side, promql_parser.AggregateExpr) and side.modifier.labels == ["backend"]
+    assert isinstance(side.expr, promql_parser.Call) and side.expr.func.name == "rate"
+    selector = side.expr.args[0].vector_selector
+    wanted = {(m.name, m.value) for m in selector.matchers.matchers}
+    assert all(m.op == promql_parser.MatchOp.Equal for m in selector.matchers.matchers)
+    out: dict[str, float] = {}
+    for (name, labels), value in after.items():
+        if name == selector.name and wanted <= set(labels):
+            backend = dict(labels)["backend"]
+            out[backend] = out.get(backend, 0.0) + value - before.get((name, labels), 0.0)
+    return out
+
+
+def test_a_retried_failure_reads_as_half_the_backends_attempts_failing_not_an_outage(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """WeirBackendDown (critical) pages when over half of a backend's upstream attempts fail. One
+    request on openai failed once and succeeded on its retry there: half its attempts failed, and the
+    shipped recording rule, evaluated over what the gateway exports, reads 0.5. It divided the failed
+    attempts by the requests (each counted once, under its last attempt's backend) and read 1.0: a
+    page for one retried blip, and with a 34% failure rate and the default two tries a backend paged."""
+    before = samples(gateway)
+    fake_openai.fail_next(503)
+    chat = gateway.openai().chat.completions.create(model="resilient", messages=HI)
+    assert chat.choices[0].message.content == ECHO
+    settled(gateway, 2)
+    assert ledger(gateway) == [("openai", 503), ("openai", 200)]
+    after = samples(gateway)
+    [rule] = [r for r in rules() if r.get("record") == "weir:backend_errors:ratio_rate5m"]
+    ratio = promql_parser.parse(rule["expr"])
+    assert isinstance(ratio, promql_parser.BinaryExpr) and str(ratio.op) == "/"
+    failed, tried = _per_backend(ratio.lhs, before, after), _per_backend(ratio.rhs, before, after)
+    assert (failed["openai"], tried["openai"]) == (1, 2)
+    assert delta(before, after, "weir_upstream_attempts_total", backend="openai", model="gpt-4o-mini") == 2
+
+
+def test_the_dashboards_model_filters_select_a_routed_requests_series(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """The dashboard filters `model` by two variables, each offering the values of its own source
+    series: `$route` the names clients send (a route's, for this traffic `resilient`), for the
+    request-level series, and `$model` the configured model each attempt went to (`gpt-4o-mini`), for
+    the attempt-level ones (time to first token, errors). Each filter must select this traffic's
+    series: with one `$model` offering the names sent, picking the route emptied the TTFT and error
+    panels, whose series label `model` with the attempt's model."""
+    before = samples(gateway)
+    fake_openai.fail_next(503)  # one failed attempt (an error series), then the answer (a TTFT series)
+    stream = gateway.openai().chat.completions.create(model="resilient", messages=HI, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ECHO
+    settled(gateway, 2)
+    after = samples(gateway)
+    grew = [
+        (name, dict(labels))
+        for (name, labels), value in after.items()
+        if value > before.get((name, labels), 0)
+    ]
+    board = dashboard()
+    sources = {
+        v["name"]: re.fullmatch(r"label_values\((\w+), model\)", v["query"]["query"])
+        for v in board["templating"]["list"]
+        if v["type"] == "query"
+    }
+    filtered: dict[str, set[str]] = {}
+    for _, expr in queries(board):
+        for metric, variable in re.findall(r'(weir_\w+)\{[^}]*model=~"\$(\w+)"', expr):
+            filtered.setdefault(variable, set()).add(metric)
+    offers: dict[str, set[str]] = {}
+    for variable, metrics in sorted(filtered.items()):
+        source = sources[variable]
+        assert source is not None, f"${variable} filters `model` but does not offer its values"
+        offers[variable] = {labels["model"] for name, labels in grew if name == source.group(1)}
+        for metric in sorted(metrics):
+            selected = [
+                labels for name, labels in grew if name == metric and labels["model"] in offers[variable]
+            ]
+            assert selected, (
+                f'{metric}{{model=~"${variable}"}} selects none of this traffic ({offers[variable]})'
+            )
+    assert offers == {"route": {"resilient"}, "model": {"gpt-4o-mini"}}
+    assert {"weir_time_to_first_token_seconds_bucket", "weir_errors_total"} <= filtered["model"]
+    assert {"weir_requests_total", "weir_tokens_total"} <= filtered["route"]
