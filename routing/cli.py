@@ -447,6 +447,26 @@ async def _serves_others(session: Any, name: str, route: Any) -> str | None:
     return None
 
 
+async def _store_head(session: Any, name: str, data: bytes, head: Any) -> Any:
+    """Store bundle `data` as head `name` (`routing.heads.put_head`), audited as the CLI's change, in
+    the caller's transaction; the head's row."""
+    from gateway.db.models import AuditLog
+    from routing.heads import describe, put_head
+
+    row, before = await put_head(session, name, data, head)
+    session.add(
+        AuditLog(
+            actor="cli",
+            action="update" if before else "create",
+            entity="difficulty_head",
+            entity_id=name,
+            before=before,
+            after=describe(row),
+        )
+    )
+    return row
+
+
 class _RouteChanged(Exception):
     """The route `--install` read was edited before it could be pointed at the new head."""
 
@@ -466,7 +486,7 @@ def _promote(
 
     from gateway.admin.routes import route_json
     from gateway.db.models import AuditLog, RouteRow, utcnow
-    from routing.heads import bundle, describe, digest, put_head
+    from routing.heads import bundle, digest
     from routing.store import route_spec, row_route, stamp
     from routing.train import HoldoutResult, decisive, should_promote
 
@@ -513,7 +533,7 @@ def _promote(
     async def install(session: Any) -> str | None:
         if problem := await _serves_others(session, name, route):
             return problem
-        stored, before = await put_head(session, name, data, head)
+        await _store_head(session, name, data, head)
         # The route is read only now, locked until this transaction commits (FOR UPDATE; on SQLite the
         # head's write above holds the database's one write lock already): an edit committed while the
         # head's megabytes were written is seen, and none can land between this check and the write
@@ -527,16 +547,6 @@ def _promote(
             raise _RouteChanged(
                 f"route {route.id} changed while the head was being trained or stored: run again"
             )
-        session.add(
-            AuditLog(
-                actor="cli",
-                action="update" if before else "create",
-                entity="difficulty_head",
-                entity_id=name,
-                before=before,
-                after=describe(stored),
-            )
-        )
         report["installed"] = True
         if not route.exclusive:
             report["reason"] = (
@@ -658,8 +668,7 @@ def _with_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T
 def install_head(name: str, path: Path, database_url: str | None) -> None:
     """Store the head at PATH (a directory `weir router train` wrote, or a bundle file) as NAME,
     replacing any head of that name. Gateways using the admin DB pick it up within a second."""
-    from gateway.db.models import AuditLog
-    from routing.heads import check_name, describe, put_head, read_bundle, unbundle
+    from routing.heads import check_name, describe, read_bundle, unbundle
 
     try:
         check_name(name)
@@ -670,19 +679,7 @@ def install_head(name: str, path: Path, database_url: str | None) -> None:
 
     async def work(sessions: Any) -> dict[str, Any]:
         async with sessions() as session, session.begin():
-            row, before = await put_head(session, name, data, head)
-            after = describe(row)
-            session.add(
-                AuditLog(
-                    actor="cli",
-                    action="update" if before else "create",
-                    entity="difficulty_head",
-                    entity_id=name,
-                    before=before,
-                    after=after,
-                )
-            )
-            return after
+            return describe(await _store_head(session, name, data, head))
 
     shown = _with_db(database_url, work)
     click.echo(json.dumps(shown))

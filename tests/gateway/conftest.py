@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anthropic
 import openai
@@ -247,3 +248,15 @@ def compat_gateway() -> Iterator[RunningGateway]:
         config = parse_config(COMPAT_CONFIG.format(url=upstream, key=DEMO_KEY), {})
         with running_gateway(config) as gateway:
             yield gateway
+
+
+# A short chat and a one-tool list, for tests of what each vendor is sent.
+HI: Any = [{"role": "user", "content": "one two three"}]
+LOOKUP: Any = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look up",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}

@@ -18,17 +18,8 @@ from gateway.config import Backend
 from gateway.providers import anthropic
 from gateway.types import ChatRequest
 from tests.fakes import FakeAnthropic, FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.gateway.conftest import HI, LOOKUP, RunningGateway
 
-HI: Any = [{"role": "user", "content": "one two three"}]
-LOOKUP: Any = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Look up",
-        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
-    },
-}
 ANTHROPIC = Backend(name="a", type="anthropic", base_url="http://a", api_key="k")
 
 
@@ -193,14 +184,12 @@ def test_claude_is_never_sent_an_empty_message_or_empty_text_block(
 # --- an Anthropic client's tool error -------------------------------------------------------------
 
 
-def test_an_anthropic_clients_tool_result_error_flag_reaches_claude(
-    gateway: RunningGateway, fake_anthropic: FakeAnthropic
-) -> None:
-    """`is_error: true` on a tool_result tells Claude the tool failed: it reaches Claude as the flag
-    (the content keeps the words other vendors get instead)."""
+def send_failed_tool_result(gateway: RunningGateway, model: str) -> None:
+    """An Anthropic client's turn after its `lookup` tool failed: a tool_result with `is_error`."""
     tool: Any = {"name": "lookup", "input_schema": {"type": "object", "properties": {}}}
+    failed = {"type": "tool_result", "tool_use_id": "toolu_01", "content": "timeout", "is_error": True}
     gateway.anthropic().messages.create(
-        model="claude-sonnet",
+        model=model,
         max_tokens=100,
         tools=[tool],
         messages=[
@@ -209,14 +198,17 @@ def test_an_anthropic_clients_tool_result_error_flag_reaches_claude(
                 "role": "assistant",
                 "content": [{"type": "tool_use", "id": "toolu_01", "name": "lookup", "input": {}}],
             },
-            {
-                "role": "user",
-                "content": [
-                    {"type": "tool_result", "tool_use_id": "toolu_01", "content": "timeout", "is_error": True}
-                ],
-            },
+            {"role": "user", "content": [failed]},
         ],
     )
+
+
+def test_an_anthropic_clients_tool_result_error_flag_reaches_claude(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """`is_error: true` on a tool_result tells Claude the tool failed: it reaches Claude as the flag
+    (the content keeps the words other vendors get instead)."""
+    send_failed_tool_result(gateway, "claude-sonnet")
     (result,) = fake_anthropic.last_request.json["messages"][-1]["content"]
     assert result == {
         "type": "tool_result",
@@ -231,24 +223,6 @@ def test_an_anthropic_clients_tool_error_reaches_openai_in_words_only(
 ) -> None:
     """OpenAI's tool message has no error flag (and OpenAI refuses fields it does not know): the
     failure is said in the content, the flag left out."""
-    tool: Any = {"name": "lookup", "input_schema": {"type": "object", "properties": {}}}
-    gateway.anthropic().messages.create(
-        model="gpt-4o-mini",
-        max_tokens=100,
-        tools=[tool],
-        messages=[
-            {"role": "user", "content": "call lookup"},
-            {
-                "role": "assistant",
-                "content": [{"type": "tool_use", "id": "toolu_01", "name": "lookup", "input": {}}],
-            },
-            {
-                "role": "user",
-                "content": [
-                    {"type": "tool_result", "tool_use_id": "toolu_01", "content": "timeout", "is_error": True}
-                ],
-            },
-        ],
-    )
+    send_failed_tool_result(gateway, "gpt-4o-mini")
     result = fake_openai.last_request.json["messages"][-1]
     assert result == {"role": "tool", "content": "Error: timeout", "tool_call_id": "toolu_01"}

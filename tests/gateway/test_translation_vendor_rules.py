@@ -26,17 +26,8 @@ from gateway.errors import InvalidRequest
 from gateway.providers import openai as openai_provider
 from gateway.types import ChatRequest, Message
 from tests.fakes import FakeGemini, FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.gateway.conftest import HI, LOOKUP, RunningGateway
 
-HI: Any = [{"role": "user", "content": "one two three"}]
-LOOKUP: Any = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Look up",
-        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
-    },
-}
 ANSWER_SCHEMA: Any = {"type": "object", "properties": {"a": {"type": "string"}}}
 ANSWER: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
 EMPTY_ASSISTANT: Any = [
