@@ -55,6 +55,16 @@ STOP_REASONS = {
 }
 
 
+def _stop_reason(finish: str | None, stop_sequence: str | None, own: str | None) -> str:
+    """The Messages stop_reason for a canonical finish: Claude's own where a Claude backend sent one
+    finish_reason cannot say (`pause_turn`, `model_context_window_exceeded`), else the nearest."""
+    if own is not None:
+        return own
+    if stop_sequence is not None:
+        return "stop_sequence"  # a backend that says which sequence matched (Anthropic)
+    return STOP_REASONS.get(finish or "stop", "end_turn")
+
+
 # --- the Messages request ------------------------------------------------------------------------
 
 
@@ -342,6 +352,7 @@ def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> Cha
         reasoning_budget=request.thinking.budget() if request.thinking else None,
         reasoning_adaptive=True if request.thinking and request.thinking.type == "adaptive" else None,
         reasoning_effort=output.effort,
+        reasoning_effort_translated=True if output.effort is not None else None,
         response_format=response_format,
         top_k=request.top_k,
         # Anthropic's prefill: the answer goes on from the final assistant message, on any vendor.
@@ -393,9 +404,7 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
                     "input": _tool_input(call.function.arguments),
                 }
             )
-        stop_reason = STOP_REASONS.get(choice.finish_reason or "stop", "end_turn")
-        if stop_sequence is not None:
-            stop_reason = "stop_sequence"  # a backend that says which sequence matched (Anthropic)
+        stop_reason = _stop_reason(choice.finish_reason, stop_sequence, choice.anthropic_stop_reason)
     message_id = response.id if response.id.startswith("msg_") else new_id("msg_")
     return {
         "id": message_id,
@@ -423,6 +432,7 @@ class _EventWriter:
         self.tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> content block index
         self.finish: str | None = None
         self.stop_sequence: str | None = None
+        self.own_stop_reason: str | None = None  # Claude's, where finish_reason cannot say it
         self.usage = Usage()
 
     def close_block(self, out: list[bytes]) -> None:
@@ -491,12 +501,11 @@ class _EventWriter:
             if choice.finish_reason:
                 self.finish = choice.finish_reason
                 self.stop_sequence = choice.stop_sequence
+                self.own_stop_reason = choice.anthropic_stop_reason
 
     def end(self, out: list[bytes]) -> None:
         self.close_block(out)
-        stop_reason = STOP_REASONS.get(self.finish or "stop", "end_turn")
-        if self.stop_sequence is not None:
-            stop_reason = "stop_sequence"
+        stop_reason = _stop_reason(self.finish, self.stop_sequence, self.own_stop_reason)
         stop = {"stop_reason": stop_reason, "stop_sequence": self.stop_sequence}
         delta = {"type": "message_delta", "delta": stop}
         out.append(_event("message_delta", {**delta, "usage": anthropic_usage(self.usage)}))

@@ -198,6 +198,9 @@ class ChatRequest(Base):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     reasoning_effort: str | None = None
+    # `reasoning_effort` is another vendor's client's (an Anthropic client's `output_config.effort`),
+    # not an OpenAI client's own: sent to OpenAI's models only where they take one, as a budget is.
+    reasoning_effort_translated: bool | None = None
     # Tokens the model may spend reasoning (Anthropic's `thinking.budget_tokens`); each provider maps
     # it, or `reasoning_effort` when this is unset, to what its vendor takes.
     reasoning_budget: int | None = None
@@ -271,6 +274,9 @@ class Choice(Base):
     # Internal, never rendered to OpenAI clients: which of the request's stop sequences ended the
     # answer, where the backend says (Anthropic), for an Anthropic client's `stop_sequence`.
     stop_sequence: str | None = None
+    # Internal, as stop_sequence: Claude's own stop_reason where finish_reason cannot say it
+    # (`pause_turn`, `model_context_window_exceeded`), for an Anthropic client.
+    anthropic_stop_reason: str | None = None
     extra: dict[str, Any] = {}  # as AssistantMessage.extra: vLLM's `stop_reason`, `token_ids`...
 
 
@@ -322,6 +328,7 @@ class ChunkChoice(Base):
     finish_reason: FinishReason | None = None
     logprobs: dict[str, Any] | None = None
     stop_sequence: str | None = None  # internal, as Choice.stop_sequence
+    anthropic_stop_reason: str | None = None  # internal, as Choice.anthropic_stop_reason
     extra: dict[str, Any] = {}  # as Delta.extra: vLLM's `stop_reason`, `token_ids`...
 
 

@@ -34,7 +34,12 @@ from gateway.errors import (
 )
 from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call, Pipeline
-from gateway.providers.base import CONTEXT_LENGTH_EXCEEDED, CONTINUE_INSTRUCTION, UpstreamRequest
+from gateway.providers.base import (
+    CONTEXT_LENGTH_EXCEEDED,
+    CONTINUE_INSTRUCTION,
+    UpstreamRequest,
+    first_call_only,
+)
 from gateway.router_basic import Target
 from gateway.state import Adjustment, Limit, MemoryState, SharedState, correction_bucket
 from gateway.types import (
@@ -201,7 +206,11 @@ def chat_op(request: ChatRequest) -> Operation:
     def prepare(target: Target) -> tuple[UpstreamRequest, Any]:
         provider, model = target.provider, target.upstream_model
         upstream = provider.chat_request(target.backend, request, model)
-        return upstream, provider.chat_stream(request, model) if request.stream else provider.chat_response
+        if request.stream:
+            return upstream, provider.chat_stream(request, model)
+        if request.parallel_tool_calls is False and not provider.parallel_tool_calls_switch:
+            return upstream, first_call_only(provider.chat_response)
+        return upstream, provider.chat_response
 
     return Operation(bool(request.stream), prepare)
 

@@ -49,6 +49,7 @@ def render_chat(response: ChatResponse) -> dict[str, Any]:
         for name in _INTERNAL_MESSAGE_FIELDS:
             choice["message"].pop(name, None)
         choice.pop("stop_sequence", None)  # internal: OpenAI's shape has no place for it
+        choice.pop("anthropic_stop_reason", None)
         choice.setdefault("finish_reason", None)
     return data
 
@@ -73,6 +74,7 @@ def render_chunk(chunk: ChatChunk, include_usage: bool = True) -> bytes:
         for name in _INTERNAL_DELTA_FIELDS:
             choice["delta"].pop(name, None)
         choice.pop("stop_sequence", None)
+        choice.pop("anthropic_stop_reason", None)
         choice.setdefault("finish_reason", None)
     return b"data: " + _encode(data) + b"\n\n"
 

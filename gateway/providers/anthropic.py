@@ -98,8 +98,18 @@ STOP_REASONS = {
     "pause_turn": "stop",
     "model_context_window_exceeded": "length",
 }
+# The stop reasons an Anthropic client gets back from finish_reason as Claude sent them; the others
+# (pause_turn, model_context_window_exceeded, any added later) travel as `anthropic_stop_reason`.
+_FINISH_SAYS = {"end_turn", "stop_sequence", "max_tokens", "tool_use", "refusal"}
+
+
+def _own_stop_reason(reason: str | None) -> str | None:
+    """Claude's stop_reason where the OpenAI finish_reason cannot say it."""
+    return reason if reason is not None and reason not in _FINISH_SAYS else None
+
 
 MAX_TEMPERATURE = 1.0  # Claude's range is 0..1, OpenAI's 0..2
+MIN_THINKING_TOP_P = 0.95  # beside thinking: "top_p may be set between 0.95 and 1"
 
 
 def _stop_sequences(stop: str | list[str]) -> list[str] | None:
@@ -515,10 +525,15 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
 
 def _fit_sampling(body: dict[str, Any], model: str) -> None:
     """Sampling parameters as Claude takes them together. With thinking Anthropic takes only a
-    temperature of 1, its default: any other is left out. Newer models refuse `temperature` beside
-    `top_p`: the temperature, the one every vendor has, is kept."""
+    temperature of 1, its default, no `top_k`, and a `top_p` from 0.95 to 1: another temperature and
+    any top_k are left out, a lower top_p raised to 0.95 (the nearest it takes, still narrowing the
+    sampling as the client asked). Newer models refuse `temperature` beside `top_p`: the temperature,
+    the one every vendor has, is kept."""
     if "thinking" in body:
         body.pop("temperature", None)
+        body.pop("top_k", None)
+        if "top_p" in body:
+            body["top_p"] = max(body["top_p"], MIN_THINKING_TOP_P)
     elif "temperature" in body and not _BOTH_SAMPLERS.search(model):
         body.pop("top_p", None)
 
@@ -581,7 +596,15 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         id=data.get("id", ""),
         created=now(),
         model=data.get("model") or model,
-        choices=[Choice(index=0, message=message, finish_reason=finish, stop_sequence=_matched(data))],
+        choices=[
+            Choice(
+                index=0,
+                message=message,
+                finish_reason=finish,
+                stop_sequence=_matched(data),
+                anthropic_stop_reason=_own_stop_reason(data.get("stop_reason")),
+            )
+        ],
         usage=normalise_usage(VENDOR, data.get("usage")),
     )
 
@@ -682,7 +705,9 @@ class ChatStream:
             finish = STOP_REASONS.get(reason, "stop")
             if finish == "tool_calls" and self.tool_calls == 0:
                 finish = "stop"  # only the structured-output tool was called
-            return [self._chunk(Delta(), finish, _matched(payload.get("delta") or {}))]
+            chunk = self._chunk(Delta(), finish, _matched(payload.get("delta") or {}))
+            chunk.choices[0].anthropic_stop_reason = _own_stop_reason(reason)
+            return [chunk]
         if kind == "message_stop":
             if not self.answered:
                 # The backend's failure, as OpenAI's `[DONE]` after nothing is: never an empty reply.

@@ -91,6 +91,24 @@ class Provider:
     continuation: Callable[[Backend, str], Continuation] = lambda backend, model: (
         backend.continuation or "instruction"
     )
+    # Whether the vendor can be told `parallel_tool_calls: false`; where it cannot (Gemini), a reply to
+    # a client that asked for it keeps only its first call (`first_call_only`; its streams do it too).
+    parallel_tool_calls_switch: bool = True
+
+
+def first_call_only(read: Callable[[bytes, str], ChatResponse]) -> Callable[[bytes, str], ChatResponse]:
+    """`read`, with each choice's tool calls after the first left out (`parallel_tool_calls: false`
+    to a vendor that has no such switch)."""
+
+    def first(body: bytes, model: str) -> ChatResponse:
+        response = read(body, model)
+        for choice in response.choices:
+            calls = choice.message.tool_calls
+            if calls and len(calls) > 1:
+                choice.message.tool_calls = calls[:1]
+        return response
+
+    return first
 
 
 # --- continuing an unfinished answer ------------------------------------------------------------

@@ -526,6 +526,9 @@ class ChatStream:
         self.usage: dict[str, Any] | None = None
         self.started: set[int] = set()
         self.tool_calls: dict[int, int] = {}  # candidate index -> tool calls sent so far
+        # Gemini has no `parallel_tool_calls` switch: for a client that asked for no parallel calls,
+        # a candidate's calls after its first are left out.
+        self.most_calls = 1 if request.parallel_tool_calls is False else None
         self.finished = False
         self.prompt_told = False  # the first chunk carried the prompt's count (`ChatChunk.prompt_usage`)
 
@@ -549,6 +552,8 @@ class ChatStream:
             index = candidate.get("index", i)
             text, thoughts, calls = _candidate(candidate, [])
             first = self.tool_calls.get(index, 0)
+            if self.most_calls is not None:
+                calls = calls[: max(self.most_calls - first, 0)]
             deltas = [
                 ToolCallDelta(
                     index=first + k,
@@ -689,4 +694,5 @@ PROVIDER = Provider(
     count_tokens_request=count_tokens_request,
     count_tokens_response=count_tokens_response,
     continuation=continuation,
+    parallel_tool_calls_switch=False,
 )

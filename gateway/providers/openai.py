@@ -200,10 +200,14 @@ def _chat_body(
     budget = body.pop("reasoning_budget", None)
     body.pop("reasoning_adaptive", None)  # the model's own default: nothing to send
     body.pop("anthropic_beta", None)  # an Anthropic client's, for Anthropic backends only
-    # An Anthropic client's thinking budget, as an effort: OpenAI's models other than its reasoning ones
-    # refuse `reasoning_effort` (400 unsupported_parameter), so they are sent none.
+    translated = body.pop("reasoning_effort_translated", None)
+    # An Anthropic client's thinking budget or effort: OpenAI's models other than its reasoning ones
+    # refuse `reasoning_effort` (400 unsupported_parameter), so they are sent none. An OpenAI client's
+    # own effort goes as it is: the client asked that model for it.
     reasons = not openai_rules or _REASONING_MODEL.match(model)
-    if budget is not None and request.reasoning_effort is None and reasons:
+    if translated and not reasons:
+        body.pop("reasoning_effort", None)
+    elif budget is not None and request.reasoning_effort is None and reasons:
         body["reasoning_effort"] = effort_for_budget(budget)
     elif body.get("reasoning_effort") == "max":  # Anthropic's top effort; OpenAI's top is not on every model
         body["reasoning_effort"] = "high"

@@ -111,10 +111,22 @@ class FakeAnthropic(FakeServer):
         self._signing_key = secrets.token_bytes(32)  # signatures it issued verify for its whole life
         self.min_cache_tokens = 1024
         self.cache = BreakpointCache(min_tokens=self.min_cache_tokens)
+        self._stop_reasons: list[str] = []
 
     def reset_state(self) -> None:
         self.min_cache_tokens = 1024
         self.cache = BreakpointCache(min_tokens=self.min_cache_tokens)
+        self._stop_reasons = []
+
+    def stop_next_with(self, reason: str) -> None:
+        """The next message ends with Anthropic's `stop_reason` `reason` (`pause_turn`,
+        `model_context_window_exceeded`: ones the echo never gives), its content as usual."""
+        with self._lock:
+            self._stop_reasons.append(reason)
+
+    def _stop_reason(self, reply: Reply) -> str:
+        with self._lock:
+            return self._stop_reasons.pop(0) if self._stop_reasons else _STOP_REASONS[reply.finish]
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -406,7 +418,7 @@ class FakeAnthropic(FakeServer):
             "role": "assistant",
             "model": body["model"],
             "content": content,
-            "stop_reason": _STOP_REASONS[reply.finish],
+            "stop_reason": self._stop_reason(reply),
             "stop_sequence": reply.stop_sequence,
             "usage": rendered,
         }

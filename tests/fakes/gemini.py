@@ -127,11 +127,19 @@ class FakeGemini(FakeServer):
         self.min_cache_tokens = 1024
         self.cached_contents: dict[str, dict[str, Any]] = {}
         self.signatures: set[str] = set()  # thought signatures issued, as base64
+        self.calls_per_reply = 1
 
     def reset_state(self) -> None:
         self.min_cache_tokens = 1024
         self.cached_contents = {}
         self.signatures = set()
+        self.calls_per_reply = 1
+
+    def call_in_parallel(self, calls: int) -> None:
+        """A function call reply holds the call `calls` times, as parallel calls (only the first
+        signed, as Gemini signs them), in one part each, until `reset()`. Gemini has no switch that
+        stops it, whatever the request."""
+        self.calls_per_reply = calls
 
     def routes(self) -> list[web.RouteDef]:
         routes: list[web.RouteDef] = []
@@ -463,6 +471,9 @@ class FakeGemini(FakeServer):
             if signs:
                 call["thoughtSignature"] = self._sign()
             final_parts.append(call)
+            final_parts.extend(
+                {"functionCall": call["functionCall"]} for _ in range(self.calls_per_reply - 1)
+            )
         else:
             final_parts.append({"text": reply.text})
         candidates_total = usage.output_tokens - usage.reasoning_tokens
@@ -477,7 +488,7 @@ class FakeGemini(FakeServer):
         if thought_part:
             chunks.append(([thought_part], 0))
         if reply.tool_name:
-            chunks.append((final_parts[-1:], candidates_total))
+            chunks.append(([part for part in final_parts if "functionCall" in part], candidates_total))
         else:
             pieces = chunk_words(reply.text, 4096 if big is not None else 1) or [""]
             so_far = 0

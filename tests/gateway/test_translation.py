@@ -296,6 +296,20 @@ def test_gemini_stream_decoder_numbers_tool_calls_and_reports_usage_at_the_end()
     assert chunks[-1].usage == Usage(input_tokens=4, output_tokens=6)
 
 
+def test_gemini_stream_decoder_keeps_one_call_across_events_without_parallel_calls() -> None:
+    """`parallel_tool_calls: false`, which Gemini cannot be told: its later calls, in the same event or
+    a later one, are left out."""
+    part = {"functionCall": {"name": "f", "args": {"x": 1}}}
+    events: list[tuple[str | None, dict | str]] = [
+        (None, {"candidates": [{"content": {"role": "model", "parts": [part, part]}}]}),
+        (None, {"candidates": [{"content": {"role": "model", "parts": [part]}, "finishReason": "STOP"}]}),
+    ]
+    chunks = feed(gemini.ChatStream(chat(parallel_tool_calls=False), "gemini"), events)
+    calls = [call for c in chunks for choice in c.choices for call in choice.delta.tool_calls or ()]
+    assert [call.index for call in calls] == [0]
+    assert [choice.finish_reason for c in chunks for choice in c.choices][-1] == "tool_calls"
+
+
 # Gemini's logprobsResult as generateContent sends it: a chosen token need not be among the step's top
 # candidates, and a log-probability of 0 (a certain token) is left out, as proto3 JSON leaves zeros out.
 LOGPROBS_RESULT = {

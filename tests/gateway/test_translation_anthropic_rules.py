@@ -89,6 +89,45 @@ def test_an_anthropic_clients_temperature_beside_thinking_is_left_out(
     assert "temperature" not in sent
 
 
+@pytest.mark.parametrize(("top_p", "sent_top_p"), [(0.5, 0.95), (0.98, 0.98)])
+def test_top_k_and_a_low_top_p_beside_thinking_are_fitted_for_claude(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, top_p: float, sent_top_p: float
+) -> None:
+    """With thinking Anthropic refuses `top_k` and a `top_p` under 0.95 ("thinking isn't compatible
+    with temperature or top_k modifications"; "top_p may be set between 0.95 and 1"): top_k is left
+    out, a lower top_p raised to 0.95, the thinking kept."""
+    gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=4000,
+        thinking={"type": "enabled", "budget_tokens": 2048},
+        messages=HI,
+        extra_body={"top_k": 40, "top_p": top_p},  # the SDK has no parameters of its own for them now
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 2048}
+    assert "top_k" not in sent
+    assert sent["top_p"] == sent_top_p
+
+
+def test_an_openai_clients_top_p_beside_its_effort_is_raised_for_claude(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """An OpenAI client's effort becomes thinking: its top_p under 0.95 goes as 0.95. Without thinking
+    top_k and top_p go as they are."""
+    client = gateway.openai()
+    client.chat.completions.create(
+        model="claude-sonnet", messages=HI, reasoning_effort="low", top_p=0.3, max_tokens=4000
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 1024}
+    assert sent["top_p"] == 0.95
+    client.chat.completions.create(
+        model="claude-sonnet", messages=HI, top_p=0.3, max_tokens=20, extra_body={"top_k": 5}
+    )
+    sent = fake_anthropic.last_request.json
+    assert (sent["top_p"], sent["top_k"]) == (0.3, 5)
+
+
 # --- stop sequences ------------------------------------------------------------------------------
 
 
@@ -226,3 +265,48 @@ def test_an_anthropic_clients_tool_error_reaches_openai_in_words_only(
     send_failed_tool_result(gateway, "gpt-4o-mini")
     result = fake_openai.last_request.json["messages"][-1]
     assert result == {"role": "tool", "content": "Error: timeout", "tool_call_id": "toolu_01"}
+
+
+# --- Claude's own stop reasons ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reason", ["pause_turn", "model_context_window_exceeded"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_an_anthropic_client_gets_claudes_own_stop_reason(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, reason: str, stream: bool
+) -> None:
+    """Claude's `pause_turn` (a server tool's long turn, to be resumed) and
+    `model_context_window_exceeded` had only OpenAI's words on the way back (`stop`, `length`): an
+    Anthropic client was told `end_turn` or `max_tokens` instead. It now gets Claude's own."""
+    fake_anthropic.stop_next_with(reason)
+    client = gateway.anthropic()
+    if stream:
+        with client.messages.stream(model="claude-sonnet", max_tokens=100, messages=HI) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(model="claude-sonnet", max_tokens=100, messages=HI)
+    assert message.stop_reason == reason
+    assert message.content[0].type == "text"
+
+
+@pytest.mark.parametrize(
+    ("reason", "finish"), [("pause_turn", "stop"), ("model_context_window_exceeded", "length")]
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_an_openai_client_gets_the_nearest_finish_reason_for_claudes_own(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, reason: str, finish: str, stream: bool
+) -> None:
+    """OpenAI's finish_reason has no such values: the nearest, and nothing internal in the choice."""
+    fake_anthropic.stop_next_with(reason)
+    client = gateway.openai()
+    if stream:
+        chunks = list(
+            client.chat.completions.create(model="claude-sonnet", messages=HI, max_tokens=100, stream=True)
+        )
+        (last,) = [choice for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+        assert last.finish_reason == finish
+        assert "anthropic_stop_reason" not in last.model_dump()
+    else:
+        response = client.chat.completions.create(model="claude-sonnet", messages=HI, max_tokens=100)
+        assert response.choices[0].finish_reason == finish
+        assert "anthropic_stop_reason" not in response.choices[0].model_dump()

@@ -190,6 +190,25 @@ def test_an_anthropic_clients_thinking_is_not_sent_as_reasoning_effort_to_gpt_4o
     assert fake_openai.last_request.json["reasoning_effort"] == "medium"
 
 
+def test_an_anthropic_clients_effort_reaches_openais_reasoning_models_only(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """An Anthropic client's `output_config.effort` became `reasoning_effort` for gpt-4o-mini too,
+    which refuses it (400 unsupported_parameter): it now follows the budget's rule, sent to gpt-5 only.
+    An OpenAI client's own `reasoning_effort` is passed as it is: that client asked the model for it."""
+    client = gateway.anthropic()
+    effort: Any = {"output_config": {"effort": "low"}}  # the SDK has no parameter of its own for it
+    client.messages.create(model="gpt-4o-mini", max_tokens=400, messages=HI, extra_body=effort)
+    sent = fake_openai.last_request.json
+    assert sent["model"] == "gpt-4o-mini"
+    assert "reasoning_effort" not in sent, sent["reasoning_effort"]
+    assert "reasoning_effort_translated" not in sent
+    client.messages.create(model="gpt-5", max_tokens=400, messages=HI, extra_body=effort)
+    assert fake_openai.last_request.json["reasoning_effort"] == "low"
+    gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=HI, reasoning_effort="low")
+    assert fake_openai.last_request.json["reasoning_effort"] == "low"
+
+
 @pytest.mark.parametrize(
     ("base_url", "model", "effort"),
     [
@@ -205,3 +224,36 @@ def test_a_thinking_budget_becomes_an_effort_where_the_model_takes_one(
     """OpenAI's own API (and Azure's) takes `reasoning_effort` for its reasoning models only; other
     OpenAI-compatible servers are sent the budget as an effort as before."""
     assert _openai_body(base_url, model, reasoning_budget=2048).get("reasoning_effort") == effort
+
+
+# --- parallel_tool_calls: false, which Gemini has no switch for ---------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_gemini_answers_a_client_that_asked_for_no_parallel_calls_with_one_call(
+    gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
+) -> None:
+    """Gemini has no `parallel_tool_calls` switch (nothing is sent for it) and may call several
+    functions at once: a client that asked for one call at most got them all. It now gets the first."""
+    fake_gemini.call_in_parallel(3)
+    client = gateway.openai()
+    asked: Any = {"model": "gemini-flash", "messages": [{"role": "user", "content": "call lookup"}]}
+    asked["tools"] = [LOOKUP]
+
+    def calls(**fields: Any) -> list[str]:
+        if not stream:
+            message = client.chat.completions.create(**asked, **fields).choices[0].message
+            return [call.id for call in message.tool_calls or ()]
+        deltas = [
+            call
+            for chunk in client.chat.completions.create(**asked, **fields, stream=True)
+            for choice in chunk.choices
+            for call in choice.delta.tool_calls or ()
+        ]
+        return [call.id for call in deltas if call.id]
+
+    assert len(calls()) == 3  # Gemini's parallel calls, as it sent them
+    (one,) = calls(parallel_tool_calls=False)
+    assert one
+    sent = fake_gemini.last_request.json
+    assert "parallel_tool_calls" not in json.dumps(sent)
