@@ -302,11 +302,21 @@ function parseCandidate(line) {
 }
 
 // The form field an API error's `param` belongs to: "retry.jitter" and "when.tenants" are in the
-// advanced JSON box, "candidates[1].weight" is the candidates box.
-function routeParam(form, param) {
-  if (!param || param === "updated_at" || param === "id") return null; // about the form as a whole
+// advanced JSON box (`extra`, the fields it held), "candidates[1].weight" is the candidates box.
+// Anything else (route_id of a route deleted meanwhile, updated_at) is about the form as a whole.
+function routeParam(form, param, extra) {
+  if (!param || param === "updated_at" || param === "id") return null;
   const top = param.split(/[.[]/)[0];
-  return form.querySelector(`[name="${CSS.escape(top)}"]`) ? top : "advanced";
+  if (form.querySelector(`[name="${CSS.escape(top)}"]`)) return top;
+  return Object.hasOwn(extra, top) ? "advanced" : null;
+}
+
+// The head <select>'s options: "shipped", the stored heads, and the route's own head where it is no
+// longer stored (kept selectable, so saving says so).
+function headOptions(heads, selected) {
+  const names = selected && !heads.includes(selected) ? [...heads, selected] : heads;
+  return [h("option", { value: "" }, "shipped (default)"),
+    names.map((n) => h("option", { value: n, selected: n === selected }, heads.includes(n) ? n : `${n} (not stored)`))];
 }
 
 function routeSummary(r) {
@@ -326,11 +336,9 @@ function routeForm(existing, onSaved, heads = null) {
   const threshold = h("input", { name: "threshold", inputmode: "decimal", value: r.threshold ?? "" , placeholder: "0.5" });
   const share = h("input", { name: "strong_share", inputmode: "decimal", value: r.strong_share ?? "", placeholder: "not set" });
   const ttft = h("input", { name: "ttft_timeout", inputmode: "decimal", value: r.ttft_timeout ?? "", placeholder: "none" });
-  const position = h("input", { name: "position", inputmode: "numeric", value: r.position ?? "", placeholder: "after the others", autocomplete: "off" });
-  // A route may name a head that is no longer stored: keep it selectable, so saving says so.
-  const headNames = heads && r.head && !heads.includes(r.head) ? [...heads, r.head] : heads;
-  const head = heads ? h("select", { name: "head" }, h("option", { value: "" }, "shipped (default)"),
-    headNames.map((n) => h("option", { value: n, selected: n === r.head }, heads.includes(n) ? n : `${n} (not stored)`))) : null;
+  // An edit leaves an empty position out of the PUT, which keeps the stored one.
+  const position = h("input", { name: "position", inputmode: "numeric", value: r.position ?? "", placeholder: existing ? "unchanged" : "after the others", autocomplete: "off" });
+  const head = heads ? h("select", { name: "head" }, headOptions(heads, r.head)) : null;
   const formFields = heads ? FORM_FIELDS : FORM_FIELDS.filter((k) => k !== "head");
   const rest = Object.fromEntries(Object.entries(r).filter(([k]) => !formFields.includes(k)));
   const advanced = h("textarea", { name: "advanced", rows: 6, class: "code" }, Object.keys(rest).length ? JSON.stringify(rest, null, 2) : "{}");
@@ -346,8 +354,10 @@ function routeForm(existing, onSaved, heads = null) {
     field("Position (#)", position, "Routes sharing a model name are tried lowest # first; the first whose conditions match wins."),
     field("Advanced (JSON)", advanced, "Other route fields: when (conditions), retry, hedge, breaker, failover_on, resume… See docs/routing-policies.md."),
     h("button", { type: "submit" }, existing ? "Save route" : "Create route")));
+  const submit = form.querySelector("button[type=submit]");
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
+    if (submit.disabled) return; // a create carries no If-Match: a second submit would store it twice
     let extra;
     try { extra = JSON.parse(advanced.value || "{}"); } catch (e) {
       formError(form, { message: `Advanced (JSON) is not valid JSON: ${e.message}`, param: "advanced" }); return;
@@ -370,17 +380,20 @@ function routeForm(existing, onSaved, heads = null) {
       fallbacks: fallbacks.value.split(",").map((x) => x.trim()).filter(Boolean) };
     for (const [k, el] of [["threshold", threshold], ["strong_share", share], ["ttft_timeout", ttft], ["position", position]]) {
       const v = num(el);
-      if (v !== undefined && (Number.isNaN(v) || (k === "position" && !Number.isInteger(v)))) {
+      // Infinity (or 1e999) is no setting: JSON would send it as null, dropping the field.
+      if (v !== undefined && (!Number.isFinite(v) || (k === "position" && !Number.isInteger(v)))) {
         formError(form, { message: `${k} must be a ${k === "position" ? "whole " : ""}number.`, param: k }); return;
       }
       if (v !== undefined) body[k] = v;
     }
     if (head) { if (head.value) body.head = head.value; else delete body.head; }
+    submit.disabled = true;
     try {
       // If-Match: refused (412) when another admin changed the route since this form was filled.
       await api(existing ? `routes/${existing.id}` : "routes", { method: existing ? "PUT" : "POST", body, ifMatch: existing?.updated_at });
       onSaved();
-    } catch (e) { formError(form, { message: e.message, param: routeParam(form, e.param) }); }
+    } catch (e) { formError(form, { message: e.message, param: routeParam(form, e.param, extra) }); }
+    finally { submit.disabled = false; }
   });
   return form;
 }
@@ -389,11 +402,15 @@ function previewForm(list) {
   const model = h("input", { name: "model", required: true, value: list[0]?.name || "", autocomplete: "off" });
   const prompt = h("textarea", { name: "prompt", rows: 3, required: true }, "");
   const tenant = h("input", { name: "tenant", autocomplete: "off", placeholder: "any" });
+  const keyId = h("input", { name: "key_id", autocomplete: "off", placeholder: "any" });
+  const metadata = h("textarea", { name: "metadata", rows: 2, placeholder: "none" }, "");
   const tools = h("input", { name: "tools", type: "checkbox" });
   const images = h("input", { name: "images", type: "checkbox" });
   const out = h("div", { "aria-live": "polite", id: "preview-result" });
   const form = h("form", { class: "inline-form", "aria-label": "Preview a prompt" }, ...formBox(
     field("Model name", model, "What the client sends as model."), field("Tenant name", tenant, "For routes with tenant conditions."),
+    field("Key id", keyId, "For routes with key conditions; plans with the models that key may use."),
+    field("Metadata", metadata, "The request's metadata, one key=value per line, for routes with metadata or tag conditions: tags=batch,eu"),
     h("label", { class: "check" }, tools, " request offers tools"),
     h("label", { class: "check" }, images, " request has images"),
     field("Sample prompt", prompt, "The last user message; difficulty and prefix policies look at it."),
@@ -401,8 +418,15 @@ function previewForm(list) {
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     form.querySelector(".form-error").hidden = true;
+    const meta = {};
+    for (const line of metadata.value.split("\n").map((l) => l.trim()).filter(Boolean)) {
+      const eq = line.indexOf("=");
+      if (eq <= 0) { formError(form, { message: `Metadata line "${line}": write key=value.`, param: "metadata" }); return; }
+      meta[line.slice(0, eq).trim()] = line.slice(eq + 1).trim();
+    }
     try {
-      const p = await api("routes/preview", { method: "POST", body: { model: model.value.trim(), prompt: prompt.value, tenant: tenant.value.trim() || null, tools: tools.checked, images: images.checked } });
+      const p = await api("routes/preview", { method: "POST", body: { model: model.value.trim(), prompt: prompt.value, tenant: tenant.value.trim() || null,
+        key_id: keyId.value.trim() || null, metadata: meta, tools: tools.checked, images: images.checked } });
       out.replaceChildren(
         h("p", {}, p.routed ? `Route ${p.model} (policy ${p.policy}) matches.` : `No route matches: the request goes to the model named ${p.model}, tried once.`,
           p.note ? ` ${p.note}.` : ""),
@@ -429,7 +453,7 @@ function headServed(d, status) {
 }
 
 // The stored difficulty heads: list, delete, upload a bundle (what `weir router heads export` writes).
-// `reload` renders the page again in place (an open route editor stays open).
+// `reload` renders this section again (with the route form's head list), leaving the rest as it is.
 function headsSection(heads, status, reload) {
   const message = h("div", { id: "heads-message", "aria-live": "polite" });
   const remove = (d) => h("button", { type: "button", class: "danger", "aria-label": `Delete difficulty head ${d.name}`,
@@ -568,11 +592,23 @@ async function routes(params) {
   const list = data.data || [];
   const leftOut = new Map((data.left_out || []).map((r) => [r.id, r]));
   const editing = params[0] ? list.find((r) => String(r.id) === params[0]) : null;
-  const reload = () => { location.hash = "#/routes"; route(); };
+  // pushState, not location.hash: a hashchange would render the page a second time, after this one.
+  const reload = async () => { if (location.hash !== "#/routes") history.pushState(null, "", "#/routes"); await route(); };
+  // Only the heads section and the route form's head list: an open route form keeps what was typed.
+  const reloadHeads = async () => {
+    let fresh, now;
+    try { [fresh, now] = await Promise.all([api("difficulty-heads"), api("routes/status").catch(() => null)]); } catch (e) {
+      document.getElementById("heads-message")?.replaceChildren(notice(e.message)); return;
+    }
+    document.getElementById("heads")?.replaceWith(headsSection(fresh.data, now, reloadHeads));
+    const select = main.querySelector('select[name="head"]');
+    select?.replaceChildren(...headOptions(fresh.data.map((d) => d.name), select.value).flat());
+  };
   const remove = (r) => h("button", { type: "button", class: "danger", "aria-label": `Delete route ${r.name} #${r.id}`,
     onclick: async () => {
       if (!confirm(`Delete route ${r.name} (#${r.id})? Requests for ${r.name} then use the next matching route or the model of that name.`)) return;
       try { await api(`routes/${r.id}`, { method: "DELETE", ifMatch: r.updated_at }); } catch (e) {
+        if (e.status === 404) await reload(); // already gone (another admin): show the list without it
         document.getElementById("routes-message")?.replaceChildren(notice(e.message)); return;
       }
       reload();
@@ -596,12 +632,12 @@ async function routes(params) {
     ], list, { caption: `Routes (version ${data.version ?? "—"}); routes sharing a model name are tried in # order, the first whose conditions match wins. Changes apply on every replica within seconds.`,
       rowClass: (r) => (leftOut.has(r.id) ? "left-out" : null) })
       : empty("No routes yet: every request goes to the model it names. Create a route below (the config file's routes: are copied here at first start)."),
-    editing ? h("section", { class: "panel", id: "edit" }, h("h2", {}, `Edit route ${editing.name} (#${editing.id})`),
+    editing ? h("section", { class: "panel", id: "edit" }, h("h2", { tabindex: -1 }, `Edit route ${editing.name} (#${editing.id})`),
       leftOut.has(editing.id) ? notice(`This replica leaves this route out: ${leftOut.get(editing.id).error}`, "warning") : null,
       routeForm(editing, reload, headNames))
       : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload, headNames)),
     h("h2", {}, "Preview"), previewForm(list),
-    heads ? headsSection(heads, status, route) : null,
+    heads ? headsSection(heads, status, reloadHeads) : null,
     h("h2", {}, "Circuit breakers"),
     breakers.length ? table([{ label: "Backend / model", render: ([k]) => k }, { label: "State", render: ([, v]) => stateCell(v) }], breakers)
       : empty("No breaker has seen traffic yet."),
@@ -618,7 +654,8 @@ async function routes(params) {
       { label: "Policy / candidates", render: (a) => { const x = a.after || a.before || {}; return `${x.policy || ""}: ${(x.candidates || []).map((c) => c.model).join(", ")}`; } },
     ], audit.data) : empty("No route changes yet."),
   );
-  if (editing) document.getElementById("edit").scrollIntoView();
+  // Focus, not only scroll: a keyboard user who opened the form tabs on into it, not through the table.
+  if (editing) { document.getElementById("edit").scrollIntoView(); document.querySelector("#edit h2").focus(); }
 }
 
 // --- tenants and keys ---------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 every field the API took (per-candidate settings included), routes are reordered from the form, a
 refusal names and marks the field and changes nothing, a form left open cannot undo another admin's
 newer edit, and the request log explains each attempt (its x-weir-route decision, which one answered)
-with filters that return whole requests and markup in names shown as text."""
+with filters that return whole requests and markup in names shown as text. Also: a double click
+creates one route, a head upload keeps an open form's typed values, a number that is not finite is
+refused, the preview takes metadata and a key id, Edit by keyboard moves focus into the form, and a
+route another admin deleted meanwhile is named as such (and leaves the list)."""
 
 from __future__ import annotations
 
@@ -17,9 +20,11 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from gateway.db.models import RouteRow
+from routing.heads import bundle
 from routing.routes import Candidate, Route
 from routing.store import route_spec
 from tests.fakes import FakeOpenAI, Fault
+from tests.routing.test_trained_heads import forced
 from tests.ui.conftest import ADMIN, Weir
 
 # A failing assertion should fail in seconds, not after Playwright's default 30 s wait.
@@ -62,6 +67,7 @@ HARD: dict[str, Any] = {
     "breaker": {"failures": 3, "cooldown": 12.0},
     "probe_interval": 7.0,
 }
+MINI: dict[str, Any] = {"name": "assistant", "candidates": [{"model": "gpt-4o-mini"}]}
 AFFINITY: dict[str, Any] = {
     "name": "docs",
     "policy": "prefix_affinity",
@@ -421,4 +427,177 @@ def test_the_routes_page_warns_of_routes_this_replica_leaves_out_until_they_are_
     page.get_by_role("button", name="Delete route refused #").click()  # the dialog is accepted
     banner.wait_for(state="detached")
     assert page.get_by_role("link", name="Edit route refused #").count() == 0
+    page.close()
+
+
+def test_saving_a_route_another_admin_deleted_says_so_without_blaming_a_field(
+    routed: Weir, browser: Any
+) -> None:
+    """The PUT answers 404 with param `route_id`, no field of the form: the message shows, and no
+    field (the Advanced JSON box least of all) is marked as if a setting in it were wrong."""
+    route_id = _create(routed.admin, MINI)["id"]
+    page = _signed_in(routed, browser, "#/routes")
+    form = _edit(page, routed, route_id)
+    assert routed.admin.delete(f"/routes/{route_id}").status_code == 204  # another admin, meanwhile
+
+    form.get_by_role("button", name="Save route").click()
+    error = form.locator(".form-error")
+    error.wait_for()
+    assert f"no route with id {route_id}" in error.inner_text()
+    assert form.locator("[aria-invalid]").count() == 0
+    page.close()
+
+
+def test_deleting_a_route_another_admin_deleted_takes_it_off_the_list(routed: Weir, browser: Any) -> None:
+    """Delete answers 404: the page says so and reloads the list, which no longer has the route."""
+    route_id = _create(routed.admin, MINI)["id"]
+    page = _signed_in(routed, browser, "#/routes")
+    delete = page.get_by_role("button", name=f"Delete route assistant #{route_id}")
+    delete.wait_for()
+    assert routed.admin.delete(f"/routes/{route_id}").status_code == 204  # another admin, meanwhile
+
+    delete.click()  # _signed_in accepts the confirmation dialog
+    delete.wait_for(state="detached")
+    alert = page.locator("#routes-message").get_by_role("alert")
+    alert.wait_for()
+    assert f"no route with id {route_id}" in alert.inner_text()
+    assert page.get_by_role("link", name=f"Edit route assistant #{route_id}").count() == 0
+    page.close()
+
+
+def test_the_preview_matches_a_route_by_the_requests_metadata_and_key(routed: Weir, browser: Any) -> None:
+    """A route with `when.metadata`, `when.tags` and `when.keys` matches in the preview once its
+    Metadata (key=value lines, tags comma separated) and Key id fields say what the request carries."""
+    _create(
+        routed.admin,
+        {
+            "name": "gpt-4o",  # unmatched, a request goes to the model itself
+            "when": {"metadata": {"tier": "gold"}, "tags": ["batch"], "keys": ["k-gold"]},
+            "candidates": [{"model": "gpt-4o-mini"}],
+        },
+    )
+    page = _signed_in(routed, browser, "#/routes")
+    preview = page.get_by_role("form", name="Preview a prompt")
+    preview.get_by_label("Model name", exact=True).fill("gpt-4o")
+    preview.get_by_label("Sample prompt", exact=True).fill("hello")
+    result = page.locator("#preview-result")
+
+    preview.get_by_role("button", name="Preview").click()
+    result.get_by_text("No route matches").wait_for()
+
+    preview.get_by_label("Metadata", exact=True).fill("tier=gold\ntags=batch,eu")
+    preview.get_by_label("Key id", exact=True).fill("k-gold")
+    preview.get_by_role("button", name="Preview").click()
+    result.get_by_text("Route gpt-4o (policy fixed) matches.").wait_for()
+
+    preview.get_by_label("Metadata", exact=True).fill("tier")  # no "=": refused at the form
+    preview.get_by_role("button", name="Preview").click()
+    preview.locator("[name=metadata][aria-invalid=true]").wait_for()
+    assert 'Metadata line "tier"' in preview.locator(".form-error").inner_text()
+    page.close()
+
+
+def test_editing_a_route_with_the_keyboard_moves_focus_into_its_form(routed: Weir, browser: Any) -> None:
+    """Enter on a row's Edit link focuses the edit form's heading: the next Tab lands in the form,
+    not on the first link of the routes table."""
+    ids = [_create(routed.admin, {**MINI, "name": f"r{i}"})["id"] for i in range(3)]
+    page = _signed_in(routed, browser, "#/routes")
+    edit = page.get_by_role("link", name=f"Edit route r2 #{ids[2]}")
+    edit.focus()
+    page.keyboard.press("Enter")
+    page.locator("#edit h2", has_text=f"(#{ids[2]})").wait_for()
+    page.keyboard.press("Tab")
+    inside = page.evaluate("() => !!document.getElementById('edit')?.contains(document.activeElement)")
+    assert inside, "after opening the edit form by keyboard, Tab should land in it"
+    page.close()
+
+
+def test_uploading_a_head_keeps_the_route_being_edited(routed: Weir, browser: Any) -> None:
+    """Uploading a head (as the Difficulty head field suggests) renders the heads section and the
+    field's list again, not the open edit form: what the admin typed stays, and the new head is
+    there to pick and save."""
+    route_id = _create(
+        routed.admin,
+        {
+            "name": "auto",
+            "policy": "difficulty",
+            "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
+        },
+    )["id"]
+    page = _signed_in(routed, browser, "#/routes")
+    form = _edit(page, routed, route_id)
+    form.get_by_label("Difficulty threshold", exact=True).fill("0.9")
+    form.get_by_label("Fallbacks", exact=True).fill("gpt-4o")
+
+    upload = page.get_by_role("form", name="Upload a difficulty head")
+    upload.get_by_label("Head name", exact=True).fill("acme-v1")
+    upload.get_by_label("Head file", exact=True).set_input_files(
+        files=[
+            {
+                "name": "acme-v1.safetensors",
+                "mimeType": "application/octet-stream",
+                "buffer": bundle(forced(8.0)),
+            }
+        ]
+    )
+    upload.get_by_role("button", name="Upload head").click()
+    page.get_by_text("Stored difficulty head acme-v1").wait_for()
+    assert page.locator("#heads").get_by_role("cell", name="acme-v1", exact=True).count() == 1
+    assert form.get_by_label("Difficulty threshold", exact=True).input_value() == "0.9"
+    assert form.get_by_label("Fallbacks", exact=True).input_value() == "gpt-4o"
+
+    form.get_by_label("Difficulty head", exact=True).select_option("acme-v1")
+    form.get_by_role("button", name="Save route").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    stored = _stored(routed.admin, route_id)
+    assert (stored["threshold"], stored["fallbacks"], stored["head"]) == (0.9, ["gpt-4o"], "acme-v1")
+    page.close()
+
+
+@pytest.mark.parametrize("typed", ["1e999", "Infinity"])
+def test_a_first_token_timeout_that_is_no_finite_number_is_refused(
+    routed: Weir, browser: Any, typed: str
+) -> None:
+    """A timeout that is no finite number is refused at the form; it would reach the API as null,
+    saving the route with no first-token timeout at all."""
+    route_id = _create(routed.admin, {**MINI, "ttft_timeout": 3.0})["id"]
+    page = _signed_in(routed, browser, "#/routes")
+    form = _edit(page, routed, route_id)
+    form.get_by_label("First-token timeout (s)", exact=True).fill(typed)
+    form.get_by_role("button", name="Save route").click()
+    form.locator("[name=ttft_timeout][aria-invalid=true]").wait_for()
+    assert routed.admin.get(f"/routes/{route_id}").json()["ttft_timeout"] == 3.0
+    page.close()
+
+
+def test_clearing_position_on_edit_keeps_it_as_its_placeholder_says(routed: Weir, browser: Any) -> None:
+    """On an edit an empty Position is left out of the PUT, which keeps the stored position: its
+    placeholder says "unchanged" (a new route's says "after the others")."""
+    ids = [_create(routed.admin, {**MINI, "position": p})["id"] for p in (1, 2, 3)]
+    page = _signed_in(routed, browser, "#/routes")
+    new = page.get_by_role("form", name="Create a route").get_by_label("Position (#)", exact=True)
+    assert new.get_attribute("placeholder") == "after the others"
+    form = _edit(page, routed, ids[0])
+    position = form.get_by_label("Position (#)", exact=True)
+    position.fill("")
+    assert position.get_attribute("placeholder") == "unchanged"
+    form.get_by_role("button", name="Save route").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    assert [r["id"] for r in routed.admin.get("/routes").json()["data"]] == ids
+    page.close()
+
+
+def test_a_double_click_on_create_route_creates_one_route(routed: Weir, browser: Any) -> None:
+    """The submit button is disabled while the POST is under way (a create carries no If-Match to
+    refuse a second one): an impatient double click stores the route once."""
+    page = _signed_in(routed, browser, "#/routes")
+    form = page.get_by_role("form", name="Create a route")
+    form.get_by_label("Public model name", exact=True).fill("assistant")
+    form.get_by_label("Candidates", exact=True).fill("gpt-4o-mini")
+    form.get_by_role("button", name="Create route").dblclick()
+    page.get_by_role("cell", name="assistant", exact=True).first.wait_for()
+    deadline = time.monotonic() + 2  # let a second POST, if one was sent, land before counting
+    while time.monotonic() < deadline and len(routed.admin.get("/routes").json()["data"]) < 2:
+        time.sleep(0.1)
+    assert [r["name"] for r in routed.admin.get("/routes").json()["data"]] == ["assistant"]
     page.close()
