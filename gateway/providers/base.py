@@ -345,7 +345,7 @@ def upstream_error(
 
     4xx keep their status and the vendor's own message (the request is at fault, so the client must
     see why), except 401/402/403 (the gateway's credentials or account: a 502); 5xx become 502, 503 (overloaded,
-    including Anthropic's 529) or 504.
+    including Anthropic's 529) or 504, each with the vendor's `retry-after` if it sent one.
     """
     passed = {k: v for k, v in headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
     if status in (401, 402, 403):
@@ -380,9 +380,11 @@ def upstream_error(
     text = f"{vendor} backend error ({status}): {message}"
     if status in (503, 529):
         return BackendUnavailable(text, headers=passed)
+    # A vendor's `retry-after` on any 5xx is kept: the retry in place waits for it, and the client
+    # is told it, as for a 503.
     if status == 504:
-        return GatewayTimeout(text)
-    return BadGateway(text)
+        return GatewayTimeout(text, headers=passed)
+    return BadGateway(text, headers=passed)
 
 
 def error_text(body: bytes, path: tuple[str, ...] = ("error", "message")) -> tuple[str, dict[str, Any]]:

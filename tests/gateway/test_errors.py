@@ -150,6 +150,18 @@ def test_upstream_429_keeps_retry_after(gateway: RunningGateway, fake_anthropic:
     assert caught.value.response.headers["retry-after"] == "7"
 
 
+@pytest.mark.parametrize(("status", "expected"), [(500, 502), (502, 502), (503, 503), (504, 504)])
+def test_upstream_5xx_keeps_retry_after(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, status: int, expected: int
+) -> None:
+    """A vendor that says when to come back after a 5xx: the client is told it, whichever error the
+    5xx becomes (a 500 or 502 once lost it, a 503 kept it)."""
+    fake_openai.fail_next(Fault.status(status, retry_after=7))
+    response = post(gateway, "/v1/chat/completions", {"model": "gpt-4o-mini", "messages": HI})
+    assert response.status_code == expected
+    assert response.headers["retry-after"] == "7"
+
+
 @pytest.mark.parametrize(
     ("model", "fake_name", "status", "expected"),
     [
