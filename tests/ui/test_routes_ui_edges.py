@@ -84,6 +84,11 @@ def _signed_in(weir: Weir, browser: Any, where: str) -> Any:
     page.goto(f"{weir.url}/admin/{where}")
     page.get_by_label("Admin token", exact=True).fill(ADMIN)
     page.get_by_role("button", name="Sign in with token").click()
+    # The page signing in renders `where` once its requests are answered: a test that went on to
+    # another page at once (`_edit`) had two renders under way, and the later one could rebuild a form
+    # it had already begun to fill.
+    page.get_by_role("button", name="Sign in with token").wait_for(state="detached")
+    page.wait_for_load_state("networkidle")
     return page
 
 
