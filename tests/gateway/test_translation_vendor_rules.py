@@ -48,40 +48,34 @@ def _openai_body(base_url: str, model: str, **fields: Any) -> dict[str, Any]:
 # --- stop sequences: OpenAI 4, Gemini 5 ---------------------------------------------------------------
 
 
-def test_an_anthropic_clients_fifth_stop_sequence_never_reaches_openai(
-    gateway: RunningGateway, fake_openai: FakeOpenAI
+@pytest.mark.parametrize(
+    ("model", "fake_name", "most", "sent_stops"),
+    [
+        ("gpt-4o-mini", "fake_openai", 4, lambda body: body["stop"]),
+        ("gemini-flash", "fake_gemini", 5, lambda body: body["generationConfig"]["stopSequences"]),
+    ],
+    ids=["openai", "gemini"],
+)
+def test_an_anthropic_clients_stop_sequences_past_the_vendors_limit_are_never_sent(
+    gateway: RunningGateway,
+    request: pytest.FixtureRequest,
+    model: str,
+    fake_name: str,
+    most: int,
+    sent_stops: Any,
 ) -> None:
-    """Anthropic takes any number of stop sequences, OpenAI at most 4 (400 "'stop': array too long.
-    Expected an array with maximum length 4"). An Anthropic client's five for gpt-4o-mini get Weir's
-    own 400, naming `stop`, and OpenAI is sent nothing."""
-    stops = ["AAA", "BBB", "CCC", "DDD", "EEE"]
+    """Anthropic takes any number of stop sequences; OpenAI at most 4 (400 "'stop': array too long.
+    Expected an array with maximum length 4"), Gemini's `stopSequences` "up to 5". An Anthropic
+    client's one more than that gets Weir's own 400, naming `stop`, and the vendor is sent nothing;
+    as many as it takes go as they are."""
+    fake = request.getfixturevalue(fake_name)
+    stops = ["AAA", "BBB", "CCC", "DDD", "EEE", "FFF"][: most + 1]
     with pytest.raises(anthropic.BadRequestError) as info:
-        gateway.anthropic().messages.create(
-            model="gpt-4o-mini", max_tokens=20, stop_sequences=stops, messages=HI
-        )
-    assert "at most 4 stop sequences" in info.value.message
-    assert not fake_openai.requests
-    gateway.anthropic().messages.create(
-        model="gpt-4o-mini", max_tokens=20, stop_sequences=stops[:4], messages=HI
-    )
-    assert fake_openai.last_request.json["stop"] == stops[:4]
-
-
-def test_an_anthropic_clients_sixth_stop_sequence_never_reaches_gemini(
-    gateway: RunningGateway, fake_gemini: FakeGemini
-) -> None:
-    """Gemini's `stopSequences` holds "up to 5": six are Weir's own 400, and Gemini is sent nothing."""
-    stops = ["AAA", "BBB", "CCC", "DDD", "EEE", "FFF"]
-    with pytest.raises(anthropic.BadRequestError) as info:
-        gateway.anthropic().messages.create(
-            model="gemini-flash", max_tokens=20, stop_sequences=stops, messages=HI
-        )
-    assert "at most 5 stop sequences" in info.value.message
-    assert not fake_gemini.requests
-    gateway.anthropic().messages.create(
-        model="gemini-flash", max_tokens=20, stop_sequences=stops[:5], messages=HI
-    )
-    assert fake_gemini.last_request.json["generationConfig"]["stopSequences"] == stops[:5]
+        gateway.anthropic().messages.create(model=model, max_tokens=20, stop_sequences=stops, messages=HI)
+    assert f"at most {most} stop sequences" in info.value.message
+    assert not fake.requests
+    gateway.anthropic().messages.create(model=model, max_tokens=20, stop_sequences=stops[:most], messages=HI)
+    assert sent_stops(fake.last_request.json) == stops[:most]
 
 
 @pytest.mark.parametrize(
