@@ -9,8 +9,8 @@ an estimate, marked `estimated` in the usage event and the ledger:
   budget and routing uses for the prompt's length (an over-estimate by the JSON framing: the tenant
   pays at most a little more, never zero), except that an image, document or audio clip sent inline
   (base64) counts at most about what its vendor bills for an image, not its size, and one sent by URL
-  (which its vendor fetches and bills as it bills one sent inline) that much, not its URL's size
-  (`prompt_tokens`);
+  (which its vendor fetches and bills as it bills one sent inline) that much, not its URL's size,
+  and so does one referenced by id, uploaded before (`prompt_tokens`);
 - output: the larger of the count of chunks that carried text (OpenAI-compatible servers send about
   one token per chunk) and the generated text at 4 bytes per token (vendors that batch tokens).
 
@@ -53,9 +53,11 @@ INLINE_PART_TOKENS = 1600
 # with a data URL (OpenAI's `image_url` and `file` parts, the Responses API's `input_image` and
 # `input_file`) or a `data` field (Anthropic's base64 `source`, Gemini's `inlineData`, OpenAI's
 # `input_audio`); or by URL: a URL's `://` (OpenAI's `image_url`, Anthropic's `url` source, Gemini's
-# `fileData`). A body with neither (nearly every one) is not parsed: a scan of its bytes for each
-# costs about as much as parsing it, and walking the parsed body far more.
-_MEDIA_MARKERS = (b'"data', b"://")
+# `fileData`); or by id, a file uploaded before: a `file_id` (OpenAI's `file` part, the Responses
+# API's `input_file` and `input_image`, Anthropic's `file` source). A body with none of them (nearly
+# every one) is not parsed: a scan of its bytes for each costs about as much as parsing it, and
+# walking the parsed body far more.
+_MEDIA_MARKERS = (b'"data', b"://", b'"file_id"')
 _DATA_URL_KEYS = frozenset(("url", "image_url", "file_data"))
 _INLINE_DATA_KEYS = frozenset(("inlineData", "inline_data", "input_audio"))
 _FILE_DATA_KEYS = frozenset(("fileData", "file_data"))
@@ -64,7 +66,7 @@ _FILE_DATA_KEYS = frozenset(("fileData", "file_data"))
 def prompt_tokens(body: bytes) -> int:
     """An upstream request's prompt tokens from its body: its size at 4 bytes per token (coarse, high
     by the JSON framing, never zero), each part sent inline counted as its size or INLINE_PART_TOKENS,
-    whichever is less, and each sent by URL as INLINE_PART_TOKENS. What admission reserves, what an
+    whichever is less, and each sent by URL or by file id as INLINE_PART_TOKENS. What admission reserves, what an
     attempt cut before its usage report bills, and (`input_tokens`) the prompt's length to routing."""
     if not any(marker in body for marker in _MEDIA_MARKERS):
         return _ceil_tokens(len(body))
@@ -88,9 +90,19 @@ def _by_url(value: Any) -> tuple[int, int] | None:
     return None
 
 
+def _by_id(node: dict[str, Any]) -> tuple[int, int] | None:
+    """A part sent as the id of a file uploaded before, if `node` is one: its vendor reads the file and
+    bills it as the same part sent inline, whose size the id does not tell, so one allowance, as for a
+    URL. Not when the part carries the file inline too (counted as that)."""
+    file_id = node.get("file_id")
+    if isinstance(file_id, str) and file_id and "file_data" not in node and "data" not in node:
+        return len(file_id), INLINE_PART_TOKENS
+    return None
+
+
 def _media_parts(tree: Any) -> Iterator[tuple[int, int]]:
-    """Each part sent inline or by URL in a decoded request body: the bytes of the body it takes (its
-    base64, its data URL, its URL), and the tokens it is estimated at instead."""
+    """Each part sent inline, by URL or by file id in a decoded request body: the bytes of the body it
+    takes (its base64, its data URL, its URL, its id), and the tokens it is estimated at instead."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -102,6 +114,8 @@ def _media_parts(tree: Any) -> Iterator[tuple[int, int]]:
         data = node.get("data")
         if node.get("type") == "base64" and isinstance(data, str):  # Anthropic's source
             yield _inline(len(data))
+        if (part := _by_id(node)) is not None:
+            yield part
         for key, value in node.items():
             if isinstance(value, str):
                 if key in _DATA_URL_KEYS and value.startswith("data:") and ";base64," in value[:256]:

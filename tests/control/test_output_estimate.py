@@ -166,3 +166,29 @@ def test_every_part_counts_and_a_small_one_only_its_size() -> None:
 def test_count_tokens_estimates_an_image_as_an_image(url: str) -> None:
     request = msgspec.convert(_chat({"type": "image_url", "image_url": {"url": url}}), ChatRequest)
     assert INLINE_PART_TOKENS < input_tokens(request) < INLINE_PART_TOKENS + 50
+
+
+FILE_ID = "file-6F2ksmvXxt4VdoqmHRw6kL"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _chat({"type": "file", "file": {"file_id": FILE_ID}}),
+        _chat({"type": "document", "source": {"type": "file", "file_id": FILE_ID}}),
+        _chat({"type": "image", "source": {"type": "file", "file_id": FILE_ID}}),
+        _responses({"type": "input_file", "file_id": FILE_ID}),
+        _responses({"type": "input_image", "file_id": FILE_ID, "detail": "auto"}),
+    ],
+    ids=["openai-file", "anthropic-document", "anthropic-image", "responses-file", "responses-image"],
+)
+def test_a_part_sent_by_file_id_counts_one_allowance_as_one_sent_inline(body: dict) -> None:
+    """Its vendor reads the uploaded file and bills it as the same part sent inline: not its id's 7
+    tokens, which is all the body's size said of it."""
+    encoded = msgspec.json.encode(body)
+    assert prompt_tokens(encoded) == tokens(len(encoded) - len(FILE_ID)) + INLINE_PART_TOKENS
+
+
+def test_count_tokens_estimates_a_file_sent_by_id_as_a_part() -> None:
+    request = msgspec.convert(_chat({"type": "file", "file": {"file_id": FILE_ID}}), ChatRequest)
+    assert INLINE_PART_TOKENS < input_tokens(request) < INLINE_PART_TOKENS + 50
