@@ -235,12 +235,8 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
                 result_content: str | list[ContentPart] = block.content or ""
             else:
                 result_content = _parts(block.content)
-            # OpenAI's tool message has no error flag: the words say it, whatever the content's shape,
-            # and the flag goes with them for Claude, which takes it.
-            if block.is_error and isinstance(result_content, str):
-                result_content = f"Error: {result_content}"
-            elif block.is_error:
-                result_content = [TextPart(text="Error:"), *result_content]
+            # The client's content as it is, the failure in the flag: each vendor says it its own way
+            # (Claude the flag, Gemini an `error` response, OpenAI, which has neither, in words).
             results.append(
                 Message(
                     role="tool",

@@ -95,8 +95,9 @@ class Message(Base):
     tool_call_id: str | None = None
     refusal: str | None = None
     cache_control: dict[str, Any] | None = None  # applies to the last block this message becomes
-    # A tool result that reports the tool's failure (an Anthropic client's `is_error`): sent as the flag
-    # to Anthropic; its content also says so in words ("Error: ..."), which is all other vendors get.
+    # A tool result that reports the tool's failure (an Anthropic client's `is_error`); the content is the
+    # client's own. Anthropic is sent the flag, Gemini the result as its `error`, and OpenAI, which has
+    # no way to say it but words, the content after "Error: ".
     is_error: bool | None = None
     # An assistant turn's reasoning, in order (Anthropic inbound); only vendors that sign reasoning use it.
     reasoning_blocks: list[Reasoning] | None = None

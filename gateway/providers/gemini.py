@@ -197,6 +197,10 @@ def _function_response(message: Message) -> dict[str, Any]:
         value = msgspec.json.decode(text) if text else {}
     except (msgspec.DecodeError, RecursionError):
         value = text
+    if message.is_error:
+        # Gemini's documented key for a function's failure (the whole response is its output without
+        # one): the client's result as it sent it, said to be an error.
+        return {"error": value}
     # Gemini wants an object; anything else is wrapped.
     return value if isinstance(value, dict) else {"result": value}
 

@@ -179,6 +179,18 @@ def _media_after_tool_results(messages: list[Message]) -> list[Message]:
     return out
 
 
+def _worded_error(message: Message) -> Message:
+    """A failed tool's result (an Anthropic client's `is_error`) as OpenAI takes it: its tool message
+    has no error flag (and OpenAI refuses fields it does not know), so the content says it in words."""
+    if not message.is_error:
+        return message
+    content = message.content
+    worded: str | list[ContentPart] = (
+        [TextPart(text="Error:"), *content] if isinstance(content, list) else f"Error: {content or ''}"
+    )
+    return msgspec.structs.replace(message, content=worded, is_error=None)
+
+
 def _chat_body(
     request: ChatRequest,
     model: str,
@@ -188,7 +200,8 @@ def _chat_body(
 ) -> dict[str, Any]:
     if openai_rules:
         check_stop_count(request, MAX_STOP_SEQUENCES, "OpenAI")
-    request = msgspec.structs.replace(request, messages=_media_after_tool_results(request.messages))
+    messages = _media_after_tool_results([_worded_error(message) for message in request.messages])
+    request = msgspec.structs.replace(request, messages=messages)
     body = request_body(request, model)
     # One limit, the one that applies (`output_limit`, also for a client that sent both), under the
     # name this backend takes: a reasoning model refuses `max_tokens`, Mistral `max_completion_tokens`.
@@ -214,7 +227,6 @@ def _chat_body(
     for message, source in zip(body["messages"], request.messages, strict=True):
         # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take its text.
         message.pop("reasoning_blocks", None)
-        message.pop("is_error", None)  # an Anthropic client's, said in the content's words too
         if not send_reasoning:
             message.pop("reasoning_content", None)
         elif source.reasoning_content is None and source.role == "assistant":

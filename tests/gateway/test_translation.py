@@ -494,14 +494,16 @@ def test_anthropic_inbound_request_to_canonical() -> None:
     assert [m.role for m in canonical.messages] == ["system", "user", "assistant", "tool", "user"]
     assert canonical.messages[0].content[0].cache_control == {"type": "ephemeral"}  # type: ignore[index, union-attr]
     assert canonical.messages[2].tool_calls[0].function.arguments == '{"c":"x"}'  # type: ignore[index]
-    assert canonical.messages[3].content == "Error: rain" and canonical.messages[3].tool_call_id == "t1"
+    assert canonical.messages[3].content == "rain" and canonical.messages[3].tool_call_id == "t1"
+    assert canonical.messages[3].is_error
     assert canonical.tool_choice.function.name == "w"  # type: ignore[union-attr]
     assert canonical.top_k == 5 and canonical.extra == {} and canonical.max_tokens == 10
 
 
 def test_anthropic_tool_error_with_content_blocks_still_says_error() -> None:
     """`is_error` with a list of blocks was dropped: the next model read a failed tool's output as
-    its answer."""
+    its answer. OpenAI, which has no flag, is told in words before the blocks; Claude the flag beside
+    the client's blocks as they were."""
     request = msgspec.convert(
         {
             "model": "m",
@@ -527,9 +529,13 @@ def test_anthropic_tool_error_with_content_blocks_still_says_error() -> None:
         },
         MessagesRequest,
     )
-    tool = to_canonical(request).messages[-1]
-    assert tool.role == "tool" and tool.tool_call_id == "t1"
-    assert [p.text for p in tool.content] == ["Error:", "station offline"]  # type: ignore[union-attr]
+    canonical = to_canonical(request)
+    sent = body(openai.chat_request(OPENAI, canonical, "gpt-x"))["messages"][-1]
+    assert sent["role"] == "tool" and sent["tool_call_id"] == "t1" and "is_error" not in sent
+    assert [p["text"] for p in sent["content"]] == ["Error:", "station offline"]
+    (result,) = body(anthropic.chat_request(ANTHROPIC, canonical, "claude"))["messages"][-1]["content"]
+    assert result["is_error"] is True
+    assert result["content"] == [{"type": "text", "text": "station offline"}]
 
 
 async def test_anthropic_inbound_stream_events_for_text_then_tool() -> None:

@@ -17,7 +17,7 @@ import pytest
 from gateway.config import Backend
 from gateway.providers import anthropic
 from gateway.types import ChatRequest
-from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import HI, LOOKUP, RunningGateway
 
 ANTHROPIC = Backend(name="a", type="anthropic", base_url="http://a", api_key="k")
@@ -245,14 +245,14 @@ def send_failed_tool_result(gateway: RunningGateway, model: str) -> None:
 def test_an_anthropic_clients_tool_result_error_flag_reaches_claude(
     gateway: RunningGateway, fake_anthropic: FakeAnthropic
 ) -> None:
-    """`is_error: true` on a tool_result tells Claude the tool failed: it reaches Claude as the flag
-    (the content keeps the words other vendors get instead)."""
+    """`is_error: true` on a tool_result tells Claude the tool failed: it reaches Claude as the flag,
+    beside the client's own content (which had "Error: " put before it too: the failure said twice)."""
     send_failed_tool_result(gateway, "claude-sonnet")
     (result,) = fake_anthropic.last_request.json["messages"][-1]["content"]
     assert result == {
         "type": "tool_result",
         "tool_use_id": "toolu_01",
-        "content": "Error: timeout",
+        "content": "timeout",
         "is_error": True,
     }
 
@@ -265,6 +265,16 @@ def test_an_anthropic_clients_tool_error_reaches_openai_in_words_only(
     send_failed_tool_result(gateway, "gpt-4o-mini")
     result = fake_openai.last_request.json["messages"][-1]
     assert result == {"role": "tool", "content": "Error: timeout", "tool_call_id": "toolu_01"}
+
+
+def test_an_anthropic_clients_tool_error_reaches_gemini_as_its_error_response(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Gemini's functionResponse says a failure under its `error` key (without one, the whole response
+    is the function's output): the client's content there, not its words under `result`."""
+    send_failed_tool_result(gateway, "gemini-flash")
+    (part,) = fake_gemini.last_request.json["contents"][-1]["parts"]
+    assert part["functionResponse"]["response"] == {"error": "timeout"}
 
 
 # --- Claude's own stop reasons ----------------------------------------------------------------------
