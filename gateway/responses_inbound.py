@@ -58,6 +58,21 @@ _STATEFUL = {
 }
 # Canonical finish reasons that leave a response incomplete, and the reason the Responses API gives.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+# Claude's stop reasons that leave a response incomplete though its output is whole (finish_reason
+# `stop`), and the reason given. `pause_turn`: Claude paused a long turn of its server tools (web
+# search...), to be resumed by sending the answer back as input. OpenAI's reasons have none that says
+# so, and `completed` told the client the answer was whole, so Claude's word, as an Anthropic client
+# gets it (OpenAI's SDKs take reasons outside their list as they come).
+_PAUSED = {"pause_turn": "pause_turn"}
+
+
+def _incomplete(finish: str | None, own_stop_reason: str | None) -> tuple[str | None, bool]:
+    """Why a response ended incomplete (None: it is complete), and whether its last item was cut off
+    (a length or content filter cut) rather than whole (a paused turn)."""
+    if (paused := _PAUSED.get(own_stop_reason or "")) is not None:
+        return paused, False
+    reason = _INCOMPLETE.get(finish or "")
+    return reason, reason is not None
 
 
 # --- the Responses request -----------------------------------------------------------------------
@@ -439,11 +454,16 @@ def _call_item(call_id: str | None, name: str, arguments: str, status: str) -> d
 
 
 def _finished(
-    response: dict[str, Any], output: list[dict[str, Any]], finish: str | None, usage: Usage
+    response: dict[str, Any],
+    output: list[dict[str, Any]],
+    finish: str | None,
+    own_stop_reason: str | None,
+    usage: Usage,
 ) -> dict[str, Any]:
-    """The response once its output is complete; a cut-off one is `incomplete`, and so is its last item."""
-    reason = _INCOMPLETE.get(finish or "")
-    if reason is not None and output:
+    """The response once its output is complete; a cut-off one is `incomplete`, and so is its last
+    item; a paused one is `incomplete`, its items whole."""
+    reason, cut_off = _incomplete(finish, own_stop_reason)
+    if cut_off and output:
         output[-1]["status"] = "incomplete"
     return {
         **response,
@@ -470,7 +490,8 @@ def from_canonical(response: ChatResponse, request: ResponsesRequest) -> dict[st
     for call in message.tool_calls or ():
         output.append(_call_item(call.id, call.function.name, call.function.arguments, "completed"))
     finish = choice.finish_reason if choice is not None else None
-    return _finished(new_response(request, response.created), output, finish, response.usage)
+    own = choice.anthropic_stop_reason if choice is not None else None
+    return _finished(new_response(request, response.created), output, finish, own, response.usage)
 
 
 # Content parts as they stream: the output item that holds them, the field their text grows in, and
@@ -494,6 +515,7 @@ class _StreamWriter:
         self.part: dict[str, Any] | None = None  # the open message's content part still streaming
         self.calls: dict[int, int] = {}  # canonical tool call index -> output index
         self.finish: str | None = None
+        self.own_stop_reason: str | None = None  # Claude's, where finish_reason cannot say it
         self.usage = Usage()
         self.out: list[bytes] = []
 
@@ -609,14 +631,15 @@ class _StreamWriter:
                 self._tool_call(call)
             if choice.finish_reason:
                 self.finish = choice.finish_reason
+                self.own_stop_reason = choice.anthropic_stop_reason
 
     def end(self) -> None:
         if not any(item["type"] != "reasoning" for item in self.output):
             self._open_part("output_text")  # an empty answer is still a message, as unstreamed
-        cut_off = self.finish in _INCOMPLETE
+        reason, cut_off = _incomplete(self.finish, self.own_stop_reason)
         self._close("incomplete" if cut_off else "completed")
-        final = _finished(self.response, self.output, self.finish, self.usage)
-        self.emit("response.incomplete" if cut_off else "response.completed", response=final)
+        final = _finished(self.response, self.output, self.finish, self.own_stop_reason, self.usage)
+        self.emit("response.incomplete" if reason else "response.completed", response=final)
 
     def fail(self, error: GatewayError) -> None:
         if self.open is not None:

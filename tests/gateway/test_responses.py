@@ -309,6 +309,39 @@ def test_max_output_tokens_makes_it_incomplete(gateway: RunningGateway, model: s
 
 
 @pytest.mark.parametrize(
+    ("stop_reason", "reason", "item_status"),
+    [
+        ("pause_turn", "pause_turn", "completed"),
+        ("model_context_window_exceeded", "max_output_tokens", "incomplete"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_claudes_own_stop_reasons_make_it_incomplete(
+    gateway: RunningGateway,
+    fake_anthropic: FakeAnthropic,
+    stop_reason: str,
+    reason: str,
+    item_status: str,
+    stream: bool,
+) -> None:
+    """Claude's `pause_turn` (its server tools paused a long turn, resumed by sending the answer back)
+    came out `completed`, as if the answer were whole: it is `incomplete` for the reason
+    `pause_turn`, its items whole. `model_context_window_exceeded` cut the answer, as a length limit."""
+    fake_anthropic.stop_next_with(stop_reason)
+    client = gateway.openai()
+    if stream:
+        events = list(client.responses.create(model="claude-sonnet", input="Lima", stream=True))
+        assert events[-1].type == "response.incomplete"
+        response = events[-1].response
+    else:
+        response = client.responses.create(model="claude-sonnet", input="Lima")
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == reason
+    assert response.output_text and response.output[-1].status == item_status
+
+
+@pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
