@@ -46,6 +46,7 @@ from gateway.ids import ordered_id
 from gateway.logging import logging_for
 from gateway.metrics import drop_series
 from gateway.pipeline import Call, Pipeline, RequestInfo
+from gateway.providers.base import chat_response_reader
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
 from routing.execute import SpendCap
 from routing.plan import Choice, Features, Plan
@@ -481,10 +482,13 @@ class Comparer:
 
         call.on_cost[1] = billed
         upstream = target.provider.chat_request(target.backend, request, target.upstream_model)
+        # Read as the client's answer is (its `parallel_tool_calls: false` kept where the vendor has no
+        # such switch): the two answers are graded as the client would have got each.
+        reader = chat_response_reader(target.provider, request)
         try:
             # Its lines (an upstream that broke) name this call, as its ledger row does, not the client's.
             with logging_for(info):
-                return await self.pipeline.exchange(call, target, upstream, target.provider.chat_response)
+                return await self.pipeline.exchange(call, target, upstream, reader)
         finally:
             if self.on_finish is not None:
                 self.on_finish(info.request_id)

@@ -38,7 +38,7 @@ from gateway.providers.base import (
     CONTEXT_LENGTH_EXCEEDED,
     CONTINUE_INSTRUCTION,
     UpstreamRequest,
-    first_call_only,
+    chat_response_reader,
 )
 from gateway.router_basic import Target
 from gateway.state import Adjustment, Limit, MemoryState, SharedState, correction_bucket
@@ -208,9 +208,7 @@ def chat_op(request: ChatRequest) -> Operation:
         upstream = provider.chat_request(target.backend, request, model)
         if request.stream:
             return upstream, provider.chat_stream(request, model)
-        if request.parallel_tool_calls is False and not provider.parallel_tool_calls_switch:
-            return upstream, first_call_only(provider.chat_response)
-        return upstream, provider.chat_response
+        return upstream, chat_response_reader(provider, request)
 
     return Operation(bool(request.stream), prepare)
 

@@ -111,6 +111,16 @@ def first_call_only(read: Callable[[bytes, str], ChatResponse]) -> Callable[[byt
     return first
 
 
+def chat_response_reader(provider: Provider, request: ChatRequest) -> Callable[[bytes, str], ChatResponse]:
+    """How `provider`'s whole (not streamed) answer to `request` is read: a client's `parallel_tool_calls:
+    false` that the vendor cannot be told is kept here (`first_call_only`). Every call that reads one
+    answer (a routed request, a comparison's other answer) reads it so; streams keep it in their own
+    decoders (`chat_stream`)."""
+    if request.parallel_tool_calls is False and not provider.parallel_tool_calls_switch:
+        return first_call_only(provider.chat_response)
+    return provider.chat_response
+
+
 # --- continuing an unfinished answer ------------------------------------------------------------
 
 # The user turn after a partial answer, for vendors that do not continue a trailing assistant message

@@ -16,28 +16,32 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
 from gateway.app import create_app
+from gateway.auth import ANONYMOUS
 from gateway.config import parse_config
 from gateway.db.session import create_engine, sessionmaker
 from gateway.logging import add_request_fields
+from gateway.runtime import Gateway
 from gateway.state.memory import MemoryState
 from gateway.state.redis import RedisState
 from gateway.types import ChatRequest, Message
 from gateway.usage_sink import ListSink
-from routing.compare import JUDGE_SYSTEM, MAX_SECTION_CHARS, judge_request, parse_verdict, scaled
+from routing.compare import JUDGE_SYSTEM, MAX_SECTION_CHARS, Job, judge_request, parse_verdict, scaled
 from routing.execute import HOUR, SpendCap
 from routing.feedback import load_feedback
+from routing.plan import features
 from routing.ranking import auc_normal_interval
 from routing.router import RouteError, validate
 from routing.routes import Candidate, Compare, Route
 from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
-from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 from tests.routing.routed import counted_micro_usd
 
@@ -726,3 +730,55 @@ def test_recent_ranking_on_metrics_needs_ten_of_each_kind_and_keeps_the_latest()
         )
         == 1
     )
+
+
+async def test_a_comparisons_other_answer_is_read_as_the_clients_would_be(fake_gemini: FakeGemini) -> None:
+    """The other candidate's answer is read as the client's own (`chat_response_reader`): a request
+    with `parallel_tool_calls: false` that Gemini, which has no such switch, answered with several calls
+    at once kept them all there, where the request path keeps the first."""
+    config = """\
+backends:
+  - {name: gemini, type: gemini, base_url: "${GEMINI_BASE_URL}", api_key: "${GEMINI_API_KEY}"}
+models:
+  - {name: gemini-flash, backend: gemini, model: gemini-2.5-flash, price: {input: 0.3, output: 2.5}}
+"""
+    values = {"GEMINI_BASE_URL": fake_gemini.base_url, "GEMINI_API_KEY": fake_gemini.api_key}
+    gateway = Gateway(parse_config(config, values))
+    await gateway.start()
+    try:
+        fake_gemini.call_in_parallel(3)
+        tool: Any = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+        request = msgspec.convert(
+            {
+                "model": "auto",
+                "messages": [{"role": "user", "content": "call lookup"}],
+                "tools": [tool],
+                "parallel_tool_calls": False,
+            },
+            ChatRequest,
+        )
+        route = Route(
+            name="auto",
+            policy="difficulty",
+            candidates=[Candidate(model="gemini-flash"), Candidate(model="gemini-flash")],
+            probe_interval=None,
+            compare=Compare(judge="gemini-flash"),
+        )
+        job = Job(
+            ANONYMOUS,
+            "req",
+            route,
+            request,
+            features(request, None, None),
+            "weak",
+            "answer",
+            "weak",
+            None,
+            None,
+        )
+        target = gateway.models.targets["gemini-flash"]
+        answer = await gateway.comparer._ask(job, target, "gemini-flash", request, "compare", [])
+    finally:
+        await gateway.stop()
+    (one,) = answer.choices[0].message.tool_calls or ()
+    assert one.function.name == "lookup"
