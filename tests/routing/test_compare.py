@@ -780,5 +780,5 @@ models:
         answer = await gateway.comparer._ask(job, target, "gemini-flash", request, "compare", [])
     finally:
         await gateway.stop()
-    (one,) = answer.choices[0].message.tool_calls or ()
-    assert one.function.name == "lookup"
+    calls = answer.choices[0].message.tool_calls
+    assert calls is not None and [call.function.name for call in calls] == ["lookup"]
