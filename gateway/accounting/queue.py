@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import socket
 import uuid
@@ -42,6 +43,47 @@ FORGET_IDLE_CONSUMER = """
 if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
 return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 """
+
+# KEYS[1]: the usage stream, KEYS[2]: a hash of consumer -> when its writer last ran this (ms, Redis
+# time); ARGV: the group, idle ms, the caller's own consumer. Marks the caller's writer alive, then
+# deletes every consumer that has no pending entries, has not been handed an entry for over `idle ms`
+# and whose writer has not run this for as long: those of replicas that crashed (their entries
+# claimed by others) or were killed before `close`. Live writers run this every `idle ms` / 10, so
+# theirs are never deleted: Redis before 7.2 does not count a read that found nothing as activity, so
+# a quiet stream's live consumers look as idle as dead ones. The check and the delete are one script,
+# so no read can hand a consumer an entry in between (deleting one with entries would drop them from
+# the group: no other writer could claim them). Returns the number deleted.
+FORGET_DEAD_CONSUMERS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local idle_ms = tonumber(ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[3], now)
+redis.call('PEXPIRE', KEYS[2], idle_ms)
+local alive = {}
+local flat = redis.call('HGETALL', KEYS[2])
+for j = 1, #flat, 2 do
+  if now - tonumber(flat[j + 1]) > idle_ms then
+    redis.call('HDEL', KEYS[2], flat[j])
+  else
+    alive[flat[j]] = true
+  end
+end
+local removed = 0
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for j = 1, #consumer, 2 do info[consumer[j]] = consumer[j + 1] end
+  if not alive[info['name']] and info['pending'] == 0 and info['idle'] > idle_ms then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+    removed = removed + 1
+  end
+end
+return removed
+"""
+
+# A consumer with nothing pending whose writer has not been heard of for this many claim intervals
+# is a dead replica's; live writers say they are alive 10 times as often.
+FORGET_AFTER_CLAIMS = 10
 
 
 class UsageQueue(Protocol):
@@ -276,9 +318,15 @@ class RedisStreamQueue:
         spool: SpoolQueue | None = None,
         timeout_s: float = 2.0,
         retry_s: float = 0.5,
+        forget_idle_s: float | None = None,
     ) -> None:
         self._redis = client
         self._claim_idle_ms = int(claim_idle_s * 1000)
+        # Consumers of dead replicas are deleted once they are this idle with nothing pending, by
+        # whichever live writer looks first (each looks, and says it is alive, 10 times as often;
+        # by default once per claim interval; see `_forget_dead`).
+        self._forget_idle_s = FORGET_AFTER_CLAIMS * claim_idle_s if forget_idle_s is None else forget_idle_s
+        self._forgot_at = -math.inf  # loop time of the last look
         self._stream = f"{prefix}usage"
         self._consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._buffer: list[bytes] = []
@@ -508,6 +556,7 @@ class RedisStreamQueue:
 
     async def _read(self, max_events: int, block_s: float) -> list[tuple[Token, bytes]]:
         await self._ensure_group()
+        await self._forget_dead()
         # First take over what a dead writer (a crashed replica) read and never acknowledged.
         # Entries hold 1 to EVENTS_PER_ENTRY events. Sized by the last read's events per entry, the
         # reads after an outage (full entries) stay near `max_events` instead of 20x it (40k events
@@ -533,6 +582,34 @@ class RedisStreamQueue:
         if entries:
             self._per_entry = min(max(len(lines) / len(entries), 1.0), float(self.EVENTS_PER_ENTRY))
         return lines
+
+    async def _forget_dead(self) -> None:
+        """Delete the consumers crashed replicas left in the group (`_leave_group` runs only on a clean
+        stop): each process reads as a consumer of its own, so without this one more stayed in the
+        group for ever per crash or kill, their entries claimed by others but their names kept."""
+        now = asyncio.get_running_loop().time()
+        if now - self._forgot_at < self._forget_idle_s / FORGET_AFTER_CLAIMS:
+            return
+        self._forgot_at = now
+        try:
+            removed = await self._redis.eval(
+                FORGET_DEAD_CONSUMERS,
+                2,
+                self._stream,
+                f"{self._stream}:alive",
+                self.GROUP,
+                int(self._forget_idle_s * 1000),
+                self._consumer,
+            )
+        except aioredis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                raise  # Redis lost the group: `read_lines` makes it again
+            # E.g. XINFO refused by an ACL: reading matters more. Not asked again by this process.
+            log.warning("cannot remove dead usage consumers (%s); they stay in the group", exc)
+            self._forgot_at = math.inf
+            return
+        if removed:
+            log.info("removed %d dead consumers from the usage stream's group", removed)
 
     async def _deliver(self, start: str, count: int, block_s: float = 0) -> list[Any]:
         """XREADGROUP from `start`: ">", entries no consumer was given yet (waiting up to `block_s`

@@ -201,6 +201,52 @@ async def test_a_writer_that_stops_leaves_the_group_unless_entries_wait_for_it(r
 
 
 @pytest.mark.redis
+async def test_live_writers_remove_the_consumers_of_crashed_replicas(redis_prefix: str) -> None:
+    """A crashed replica never runs `close`, so its consumer stayed in the group for ever (empty once
+    its entries were claimed): one more per crash. Live writers delete every consumer with nothing
+    pending that has been idle for `forget_idle_s`; never one with entries pending (they would be
+    dropped from the group), nor a live writer's, idle as it may look while nothing new arrives."""
+    stream, group = f"{redis_prefix}usage", RedisStreamQueue.GROUP
+    writers = [
+        RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix, forget_idle_s=0.5)
+        for _ in range(2)
+    ]
+    async with aioredis.from_url(REDIS_URL) as shared:
+        await shared.xgroup_create(stream, group, id="0", mkstream=True)
+        for event in events(3, seed=9):
+            await shared.xadd(stream, {"e": encode(event)})
+
+        async def read_one(consumer: str) -> Any:
+            reply: Any = await shared.xreadgroup(group, consumer, {stream: ">"}, count=1)
+            [[_, [(entry_id, _)]]] = reply
+            return entry_id
+
+        crashed_entry = await read_one("crashed")  # read, then the replica crashed
+        await read_one("stalled")  # read, not written yet: pending
+        [(token, _)] = await writers[1].read_lines(1, block_s=0)
+        await writers[1].ack([token])
+        # A live writer claims the crashed replica's entry and writes it.
+        await shared.xclaim(stream, group, writers[0]._consumer, 0, [crashed_entry])
+        await writers[0].ack([crashed_entry])
+
+        async def least_idle_ms(*names: str) -> int:
+            consumers = await shared.xinfo_consumers(stream, group)
+            return min(c["idle"] for c in consumers if c["name"].decode() in names)
+
+        deadline = asyncio.get_running_loop().time() + 5
+        while await least_idle_ms("crashed", "stalled") <= 500:
+            assert asyncio.get_running_loop().time() < deadline, "consumers never idle for 0.5 s"
+            assert await writers[1].read_lines(1, block_s=0) == []  # a live writer, nothing new
+            await asyncio.sleep(0.02)
+
+        assert await writers[0].read_lines(100, block_s=0) == []
+        consumers = {c["name"].decode(): c["pending"] for c in await shared.xinfo_consumers(stream, group)}
+        assert consumers == {"stalled": 1, writers[0]._consumer: 0, writers[1]._consumer: 0}
+    for writer in writers:
+        await writer.close()
+
+
+@pytest.mark.redis
 async def test_entries_a_lost_read_had_delivered_are_read_again_at_once(
     redis_prefix: str, engine: AsyncEngine
 ) -> None:
