@@ -3,7 +3,8 @@
 In Redis each tenant has a sorted set of leases scored by their expiry (Redis server time, so replica
 clocks do not matter). A replica refreshes the leases it holds every `ttl_s / 3`, so the leases of a
 replica that died vanish after `ttl_s` instead of holding the tenant's slots forever. A lease is given
-back (ZREM) when its stream's HTTP exchange ends. When Redis cannot be reached, the replica counts its
+back (RELEASE: removed, and recorded so no refresh arriving later adds it back) when its stream's HTTP
+exchange ends. When Redis cannot be reached, the replica counts its
 own streams instead (the limit then holds per replica) and says so in the log once per outage. Only
 the request that finds Redis gone waits for it (at most `timeout_s`: a Redis that hangs, rather than
 refusing connections, would otherwise cost every stream that long); until a background task hears
@@ -34,15 +35,33 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1
 """
-# KEYS: lease sets; ARGV[1]: ttl in ms, ARGV[2..]: the lease id held in each set. Adds a lease the set
-# lost (not XX): its holder still runs the stream.
+# KEYS: (lease set, given-back set) per lease; ARGV[1]: ttl in ms, ARGV[2..]: the lease id held in
+# each set. Adds a lease the set lost (not XX): its holder still runs the stream. Never one given back
+# (RELEASE): a refresh can reach Redis after the lease it carries was given back (one whose reply
+# timed out here, or that was on its way), and it added that lease back, holding the ended stream's
+# slot for the TTL.
 REFRESH = """
 local t = redis.call('TIME')
 local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
-for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, expiry, ARGV[i + 1])
-  redis.call('PEXPIRE', key, tonumber(ARGV[1]))
+for i = 2, #ARGV do
+  local key, given_back = KEYS[i * 2 - 3], KEYS[i * 2 - 2]
+  if not redis.call('ZSCORE', given_back, ARGV[i]) then
+    redis.call('ZADD', key, expiry, ARGV[i])
+    redis.call('PEXPIRE', key, tonumber(ARGV[1]))
+  end
 end
+return 1
+"""
+# KEYS[1]: the tenant's lease set, KEYS[2]: its given-back set; ARGV: lease id, ttl in ms. Removes the
+# lease and remembers it as given back for the TTL (scored by when it is forgotten): a refresh that
+# reaches Redis later cannot add it back (REFRESH), whichever order the two arrive in.
+RELEASE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]))
 return 1
 """
 
@@ -94,11 +113,11 @@ class RedisSlots:
         self.local = LocalSlots()  # every stream open here: the count while Redis is away
         self.held: dict[str, tuple[str, str]] = {}  # lease id -> (tenant, set key), for refreshes
         self.unshared: set[str] = set()  # held leases granted while Redis was away, not in Redis yet
-        self._adding: set[asyncio.Future[None]] = set()  # writes (re)adding held leases, in flight
         self.degraded = False
         self.outage = outage
         self._acquire = client.register_script(ACQUIRE)
         self._refresh = client.register_script(REFRESH)
+        self._release = client.register_script(RELEASE)
         self._tasks: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None  # asks Redis again while it is away
@@ -117,6 +136,10 @@ class RedisSlots:
 
     def key(self, tenant: str) -> str:
         return f"{self.prefix}streams:{tenant}"
+
+    def given_back_key(self, tenant: str) -> str:
+        """The tenant's leases given back in the last TTL, which no refresh may add back."""
+        return f"{self.prefix}streams-given-back:{tenant}"
 
     async def acquire(self, tenant: str, limit: int) -> str | None:
         """A lease id, or None when the tenant has `limit` streams open already."""
@@ -156,14 +179,13 @@ class RedisSlots:
         return lease
 
     async def _add(self, leases: list[str]) -> None:
-        """Put held leases in Redis with a fresh expiry, whether Redis still has them or not."""
-        sent = asyncio.get_running_loop().create_future()
-        self._adding.add(sent)
-        try:
-            await self._refresh(keys=[self.held[lease][1] for lease in leases], args=[self.ttl_ms, *leases])
-        finally:
-            self._adding.discard(sent)
-            sent.set_result(None)
+        """Put held leases in Redis with a fresh expiry, whether Redis still has them or not (unless
+        given back meanwhile: see REFRESH)."""
+        keys = []
+        for lease in leases:
+            tenant, key = self.held[lease]
+            keys += [key, self.given_back_key(tenant)]
+        await self._refresh(keys=keys, args=[self.ttl_ms, *leases])
         self.unshared.difference_update(leases)
 
     async def _probe(self) -> None:
@@ -176,28 +198,28 @@ class RedisSlots:
 
     def release(self, tenant: str, lease: str) -> None:
         """Give a lease back without waiting (called as the exchange ends, maybe while cancelled).
-        It leaves `held` at once, so no later refresh carries it."""
+        It leaves `held` at once, so no later refresh carries it; one already sent cannot add it
+        back in Redis (RELEASE)."""
         if self.held.pop(lease, None) is None:
             return
         self.local.release(tenant)
-        in_flight = list(self._adding)
         if lease in self.unshared:
             self.unshared.discard(lease)
-            if not in_flight:
-                return  # never sent to Redis: nothing there to remove
-        task = asyncio.get_running_loop().create_task(self._remove(self.key(tenant), lease, in_flight))
+            if self.away:
+                # Not in Redis, unless an add of it failed here after Redis ran it: then it expires
+                # after `ttl_s`, no refresh keeping it (a lease given back while Redis is away is too).
+                return
+        task = asyncio.get_running_loop().create_task(self._remove(tenant, lease))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _remove(self, key: str, lease: str, in_flight: list[asyncio.Future[None]]) -> None:
+    async def _remove(self, tenant: str, lease: str) -> None:
         # On failure it expires after ttl_s: no refresh keeps it alive.
         with contextlib.suppress(aioredis.RedisError, OSError, TimeoutError):
             async with asyncio.timeout(self.timeout_s):
-                if in_flight:
-                    # A refresh sent before the lease was given back may carry it: removed before
-                    # that refresh runs, the lease would be added back and count for `ttl_s`.
-                    await asyncio.wait(in_flight)
-                await self.client.zrem(key, lease)
+                await self._release(
+                    keys=[self.key(tenant), self.given_back_key(tenant)], args=[lease, self.ttl_ms]
+                )
 
     def start(self) -> None:
         self._heartbeat = asyncio.get_running_loop().create_task(self._keep_alive())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -241,14 +241,14 @@ async def test_stream_slots_count_locally_while_redis_is_away() -> None:
 
 
 class StalledRedis:
-    """Stream slots' client of a Redis that hangs: a lease given back (ZREM) is never answered."""
+    """Stream slots' client of a Redis that hangs: no script call (a lease given back) is answered."""
 
-    def register_script(self, script: str) -> None:
-        return None
+    def register_script(self, script: str) -> Callable[..., Awaitable[int]]:
+        async def hangs(**kw: Any) -> int:
+            await asyncio.Event().wait()
+            return 0
 
-    async def zrem(self, key: str, lease: str) -> int:
-        await asyncio.Event().wait()
-        return 0
+        return hangs
 
     async def aclose(self) -> None:
         pass
