@@ -499,7 +499,7 @@ class Executor:
                             call.info.error = None
                             return result
                     result = await self._attempt(call, plan, choice, op, trial=trial)
-                    plan.chosen = choice
+                    plan.serve(choice)
                     call.info.error = None  # earlier attempts failed; the request did not
                     return result
                 except Unsupported as exc:
@@ -637,7 +637,7 @@ class Executor:
             if not first.done():
                 await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
             if first.done():
-                plan.chosen = primary
+                plan.serve(primary)
                 return first.result()
             if route.breaker is not None:  # before the cap: a hedge not sent spends nothing
                 refused, partner_trial = await self._admit(route, partner, op)
@@ -658,7 +658,7 @@ class Executor:
             # No hedge: its breakers refused it (`open`, `slow`) or the cap did.
             self._no_hedge(plan, refused or "capped")
             result = await first
-            plan.chosen = primary
+            plan.serve(primary)
             return result
         # The cap then counts what the hedge cost, not the estimate (`charge`): a hedge that lost and
         # was cancelled costs what it had streamed, one that won what its answer cost.
@@ -693,7 +693,7 @@ class Executor:
                 for task in (task for task in owners if task in done):
                     if task.exception() is None:
                         winner = task
-                        plan.chosen = owners[task]
+                        plan.serve(owners[task])
                         if task is second:
                             self._hedge(plan, "won")
                         if not unsent:

@@ -81,7 +81,8 @@ class _Collector:
         yield latency
         affinity = CounterMetricFamily(
             "weir_prefix_affinity_requests",
-            "prefix_affinity decisions: hit (the preferred replica) or miss",
+            "prefix_affinity requests with text that one of the route's replicas served: hit (the "
+            "preferred replica served it) or miss (another replica did)",
             labels=("route", "result"),
         )
         for route, (hits, total) in list(self.router.context.affinity.items()):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.estimate import input_tokens
 from gateway.types import ChatRequest, ImagePart, Message, TextPart
@@ -105,6 +105,22 @@ class Choice:
     scored_by: str | None = None  # what computed `score` where that varies: a difficulty head's label
 
 
+class Outcome(Protocol):
+    """The part of a policy's decision that depends on where the request is served (prefix
+    affinity's hit or miss): said in `x-weir-route` of the candidate the header names, and counted
+    once a candidate answers (`Plan.serve`), not when the plan is made or its first attempt sent (that
+    attempt may fail and another candidate serve the request)."""
+
+    def describe(self, choice: Choice | None, pending: bool) -> str:
+        """The header's note for `choice`; `pending`: an attempt on it is under way (the header its
+        answer goes out with), not yet counted."""
+        ...
+
+    def served(self, choice: Choice) -> None:
+        """`choice` answered the request: count it."""
+        ...
+
+
 @dataclass(slots=True)
 class Plan:
     route: Route
@@ -118,6 +134,7 @@ class Plan:
     latest: Choice | None = None
     tried: list[str] = field(default_factory=list)  # "model:outcome" per attempt
     lessons: list[Lesson] = field(default_factory=list)  # what `commit` keeps
+    outcome: Outcome | None = None  # what `serve` counts and the header says of the candidate it names
 
     def commit(self) -> None:
         """The request's first attempt was admitted and went upstream: keep what the policy learnt from
@@ -127,6 +144,14 @@ class Plan:
         lessons, self.lessons = self.lessons, []
         for lesson in lessons:
             lesson()
+
+    def serve(self, choice: Choice) -> None:
+        """`choice` answered (a whole answer, or a stream's first output): the request's outcome is
+        counted where it was served, once (a stream that later continues elsewhere was served here)."""
+        first = self.chosen is None
+        self.chosen = choice
+        if first and self.outcome is not None:
+            self.outcome.served(choice)
 
     def attempt(self, choice: Choice) -> int:
         """Count an attempt on `choice`: its number."""
@@ -147,6 +172,8 @@ class Plan:
             if chosen.reason:
                 parts.append(f"reason={chosen.reason}")
         parts.append(f"attempts={self.attempts}")
+        if self.outcome is not None:
+            parts.append(self.outcome.describe(chosen, pending=trying is not None and self.chosen is None))
         if self.note:
             parts.append(self.note)
         if len(self.tried) > 1:

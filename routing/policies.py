@@ -21,7 +21,7 @@ from gateway.accounting.pricing import TokenClass, resolve
 from gateway.pipeline import long_context_sheet, price_sheet
 from routing.breaker import Breakers
 from routing.load import LoadReports
-from routing.plan import Choice, Features, Lesson
+from routing.plan import Choice, Features, Lesson, Outcome
 from routing.prefixes import PrefixIndex, cuts, prefix_keys
 from routing.routes import Route
 from routing.stats import RETRY_UNMEASURED_S, RoutingStats, uses_prefix_affinity
@@ -48,7 +48,8 @@ class PolicyContext:
     # (route name, which head scores[, the route's conditions]) -> StrongShareCalibrator: a new head
     # starts a new window, and so does each route of a shared name that has conditions of its own.
     calibrators: dict[tuple[str, ...], Any] = field(default_factory=dict)
-    affinity: dict[str, list[int]] = field(default_factory=dict)  # route name -> [hits, requests]
+    # route name -> [hits, requests]: requests with text its replicas served, of them by the preferred one
+    affinity: dict[str, list[int]] = field(default_factory=dict)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prefix affinity's memory
     loads: LoadReports = field(default_factory=LoadReports)  # engine replicas' own queue reports
     rng: random.Random = field(default_factory=random.Random)
@@ -81,6 +82,8 @@ class PolicyContext:
             self.serving = DifficultyClassifier.default(self.head).kind
 
     def affinity_hit_rate(self, route: str) -> float | None:
+        """Of the route's requests that affinity could apply to, served by its replicas, the share
+        the preferred replica served (`AffinityOutcome`); None before the first."""
         hits, total = self.affinity.get(route, (0, 0))
         return hits / total if total else None
 
@@ -128,23 +131,25 @@ def reads_window(route: Route, key: tuple[str, ...]) -> bool:
 
 async def order(
     route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, lessons: list[Lesson] | None
-) -> tuple[list[Choice], str]:
-    """The candidates in order and the policy's note. What the policy learns from the request
-    (strong-share windows, affinity counts, prefixes) goes to `lessons`, to be kept once the request is
-    sent (`Plan.commit`); None (a preview, a token count) learns nothing."""
+) -> tuple[list[Choice], str, Outcome | None]:
+    """The candidates in order, the policy's note and what it counts by where the request is served
+    (`Plan.outcome`). What the policy learns from the request (strong-share windows, prefixes) goes to
+    `lessons`, to be kept once the request is sent (`Plan.commit`); None (a preview, a token count)
+    learns nothing."""
     if route.policy == "fixed":
         for choice in choices:
             choice.reason = "fixed"
-        return choices, ""
+        return choices, "", None
     if route.policy == "weighted":
-        return weighted(choices, ctx.rng), ""
+        return weighted(choices, ctx.rng), "", None
     if route.policy == "cheapest":
-        return cheapest(route, choices, feats, ctx), ""
+        return cheapest(route, choices, feats, ctx), "", None
     if route.policy == "lowest_latency":
-        return lowest_latency(route, choices, feats, ctx), ""
+        return lowest_latency(route, choices, feats, ctx), "", None
     if route.policy == "difficulty":
-        return await difficulty(route, choices, feats, ctx, lessons)
-    return await prefix_affinity(route, choices, feats, ctx, lessons)
+        return (*await difficulty(route, choices, feats, ctx, lessons), None)
+    ordered, outcome = await prefix_affinity(route, choices, feats, ctx, lessons)
+    return ordered, "", outcome
 
 
 def weighted(choices: list[Choice], rng: random.Random) -> list[Choice]:
@@ -338,18 +343,68 @@ def _learn_score(
 
 
 def _learn_prefixes(
-    route: Route, hit: bool, used: bytes | None, learned: list[bytes], went: str, ctx: PolicyContext
+    route: Route, used: bytes | None, learned: list[bytes], went: str, ctx: PolicyContext
 ) -> None:
-    """Count a sent request's hit or miss, keep the prefix it `used` (found) in memory, and remember
-    the prefixes it sends to `went`: only while its route in force uses prefix affinity."""
+    """Keep the prefix a sent request `used` (found) in memory, and remember the prefixes it sends to
+    `went`: only while its route in force uses prefix affinity."""
     if not ctx.in_force(route.name, uses_prefix_affinity):
         return
-    counts = ctx.affinity.setdefault(route.name, [0, 0])
-    counts[0] += hit
-    counts[1] += 1
     if used is not None:
         ctx.prefixes.touch(used)
     ctx.prefixes.remember(learned, went)
+
+
+@dataclass(slots=True)
+class AffinityOutcome:
+    """Prefix affinity's hit or miss, by where the request is served (`routing.plan.Outcome`): a hit
+    when the replica that answered is the preferred one (the one that served the prompt's longest
+    remembered prefix, else the hash's first), a miss when another replica answered (the preferred one
+    overloaded, behind an open breaker, or failed). Counted in the route's hit rate only where affinity
+    could apply: a request with text (a prompt with none is spread at random), answered by one of the
+    route's replicas (not a fallback beyond them, nor by none), and sent (not a preview)."""
+
+    route: Route
+    ctx: PolicyContext
+    preferred: str | None  # the preferred replica's model; None: no text, no prefix to follow
+    by: str  # conversation, shared or prefix (`affinity_by`)
+    share: float  # of the prompt, the followed prefix
+    new: list[bytes]  # the prompt's prefixes no replica had been sent (the rest stay where they are)
+    went: str  # where its first attempt went, and its prefixes were remembered
+    record: bool  # a request, not a preview: counted once served
+    counted: bool = False
+
+    def _counts(self, choice: Choice | None) -> bool:
+        return self.preferred is not None and choice is not None and choice.reason != "fallback"
+
+    def describe(self, choice: Choice | None, pending: bool) -> str:
+        hits, requests = self.ctx.affinity.get(self.route.name, (0, 0))
+        if self.preferred is None:
+            note = "affinity=none"
+        else:
+            hit = choice is not None and choice.candidate.model == self.preferred
+            note = f"affinity={'hit' if hit else 'miss'}; affinity_by={self.by}"
+            if self.by != "prefix":
+                note += f"; affinity_shared={self.share:.2f}"
+            if pending and self.record and not self.counted and self._counts(choice):
+                # The header its answer goes out with: this request counted as it would be.
+                hits, requests = hits + hit, requests + 1
+        return f"{note}; affinity_hit_rate={hits / requests:.3f}" if requests else note
+
+    def served(self, choice: Choice) -> None:
+        if not self.record or self.counted:
+            return
+        self.counted = True
+        if not self._counts(choice) or not self.ctx.in_force(self.route.name, uses_prefix_affinity):
+            return
+        model = choice.candidate.model
+        counts = self.ctx.affinity.setdefault(self.route.name, [0, 0])
+        counts[0] += model == self.preferred
+        counts[1] += 1
+        if model != self.went:
+            # Its first attempt failed and another replica answered: what was new goes with it, as
+            # with a replica overloaded when it was planned (the conversation's next turn follows it
+            # there), and the prefixes it shares stay with their replica, where traffic returns.
+            self.ctx.prefixes.remember(self.new, model)
 
 
 def _rendezvous(key: bytes, name: str) -> int:
@@ -382,7 +437,7 @@ def _open(choice: Choice, route: Route, ctx: PolicyContext) -> bool:
 
 async def prefix_affinity(
     route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, lessons: list[Lesson] | None
-) -> tuple[list[Choice], str]:
+) -> tuple[list[Choice], AffinityOutcome]:
     """The replica that served the longest prefix of this prompt recently (`routing.prefixes`), when
     that prefix is the conversation's history or at least `prefix_share` of the prompt; else
     rendezvous hashing of the first `prefix_chars`: the same prefix ranks the replicas the same way,
@@ -425,7 +480,15 @@ async def prefix_affinity(
     # behind an open breaker takes nothing: the executor skips it.
     ordered = available + overloaded + closed
     hit = ordered[0] is preferred and preferred.reason != "open"
-    if lessons is not None:
+    looked_up = history if history not in (len(prompt), *points) else None
+
+    def beyond(known: int) -> list[bytes]:
+        return [k for k, end in zip(keys[known:], ends[known:], strict=True) if end != looked_up]
+
+    new = beyond(found[0] + 1 if found is not None else 0)  # what no replica has been sent yet
+    learned = new if not hit else beyond(0)
+    went = ordered[0].candidate.model
+    if lessons is not None and keys:
         # Where it goes is where its KV cache will be: later requests that start with it look it up.
         # Sent past an overloaded (or unreachable) replica, only what was new goes with it: the
         # prefixes it shares stay with their replica, so traffic returns there once the load passes.
@@ -433,15 +496,16 @@ async def prefix_affinity(
         # remembered it as its whole prompt. Remembered here, earlier turns that every request repeats
         # (a few-shot template, a canned greeting) passed for each request's conversation and pulled
         # them all to one replica, whatever their share of the prompt.
-        known = found[0] + 1 if found is not None and not hit else 0
-        looked_up = history if history not in (len(prompt), *points) else None
-        learned = [k for k, end in zip(keys[known:], ends[known:], strict=True) if end != looked_up]
         used = keys[found[0]] if found is not None else None
-        went = ordered[0].candidate.model
-        lessons.append(lambda: _learn_prefixes(route, hit, used, learned, went, ctx))
-    hits, requests = ctx.affinity.get(route.name, (0, 0))
-    rate = (hits + hit) / (requests + 1)  # this request counted
-    note = f"affinity={'hit' if hit else 'miss'}; affinity_by={by}"
-    if by != "prefix":
-        note += f"; affinity_shared={share:.2f}"
-    return ordered, f"{note}; affinity_hit_rate={rate:.3f}"
+        lessons.append(lambda: _learn_prefixes(route, used, learned, went, ctx))
+    outcome = AffinityOutcome(
+        route,
+        ctx,
+        preferred.candidate.model if keys else None,
+        by,
+        share,
+        new,
+        went,
+        record=lessons is not None,
+    )
+    return ordered, outcome

@@ -472,9 +472,9 @@ class Router:
     async def _plan(self, route: Route, feats: Features, record: bool = True) -> Plan:
         choices = [Choice(self.models.targets[c.model], c) for c in route.candidates]
         lessons: list[Lesson] | None = [] if record else None
-        ordered, note = await order(route, choices, feats, self.context, lessons)
+        ordered, note, outcome = await order(route, choices, feats, self.context, lessons)
         for name in route.fallbacks:
             ordered.append(Choice(self.models.targets[name], Candidate(model=name), reason="fallback"))
         if not ordered:
             raise ModelNotFound(f"The route `{route.name}` has no candidates.", param="model")
-        return Plan(route, ordered, note=note, lessons=lessons or [])
+        return Plan(route, ordered, note=note, lessons=lessons or [], outcome=outcome)

@@ -119,10 +119,13 @@ def route_header(raw: object) -> dict[str, str]:
 
 
 async def sent(planning: Awaitable[Plan]) -> Plan:
-    """A router's plan for a request that then went upstream: what its policy learnt from it is kept
-    (`Plan.commit`, which the executor calls once the first attempt is admitted and sent)."""
+    """A router's plan for a request that then went upstream and its first candidate answered: what its
+    policy learnt from it is kept (`Plan.commit`, which the executor calls once the first attempt is
+    admitted and sent) and what it counts by where the request was served is counted (`Plan.serve`)."""
     plan = await planning
     plan.commit()
+    if plan.choices:
+        plan.serve(plan.choices[0])
     return plan
 
 

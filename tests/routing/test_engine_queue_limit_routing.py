@@ -78,9 +78,9 @@ def attempts_metric(gateway: RunningGateway, route: str, candidate: str, outcome
 
 
 def test_prefix_affinity_sends_past_a_full_preferred_replica_at_once(fake_openai: FakeOpenAI) -> None:
-    """The preferred replica refuses (full): the other one answers at once. `affinity=hit` and the hit
-    counters count the policy's decision (documented: hit = sent to the preferred replica), `tried`
-    says it was refused; the engine counts the refusal; the breaker stays closed, so the prefix returns home once there is room."""
+    """The preferred replica refuses (full): the other one answers at once. `affinity=miss` and the hit
+    counters count where it was served (documented: hit = served by the preferred replica), `tried`
+    says the preferred one refused; the engine counts the refusal; the breaker stays closed, so the prefix returns home once there is room."""
     with replicas(fake_openai) as (gateway, engines):
         client = gateway.openai()
         raw = client.chat.completions.with_raw_response.create(model="smol", messages=HI, max_tokens=4)  # type: ignore[arg-type]
@@ -93,7 +93,7 @@ def test_prefix_affinity_sends_past_a_full_preferred_replica_at_once(fake_openai
             assert time.monotonic() - started < 0.9  # not the engine's retry-after of 1 s
             header = route_header(raw)
             assert header["candidate"] == other and header["tried"] == f"{home}:429,{other}:ok"
-            assert header["affinity"] == "hit" and header["affinity_hit_rate"] == "1.000"
+            assert header["affinity"] == "miss" and header["affinity_hit_rate"] == "0.500"
             assert refused(port) == 1
         assert attempts_metric(gateway, "smol", home, "429") == 1
         assert attempts_metric(gateway, "smol", other, "ok") == 1

@@ -31,6 +31,7 @@ async def test_late_affinity_events_bring_back_no_counts(table: list[Route]) -> 
     plan = await r.plan("r", ACME, prompt)
     r.set_routes(table)
     plan.commit()  # its first attempt admitted and sent after the change
+    plan.serve(plan.choices[0])  # and answered
     r.stats.record(usage_event("r", plan.header()))  # its answer's usage, reported after the change
     assert (r.context.affinity, r.stats.affinity_tokens) == ({}, {})
     assert not r.context.prefixes.recent
@@ -52,6 +53,7 @@ async def test_a_late_difficulty_request_brings_back_no_strong_share_window(tabl
     plan = await r.plan("r", ACME, ask("a question"))
     r.set_routes(table)
     plan.commit()  # its first attempt admitted and sent after the change
+    plan.serve(plan.choices[0])  # and answered
     assert r.context.calibrators == {}
     r.set_routes([difficulty("r")])
     await sent(r.plan("r", ACME, ask("a question")))

@@ -349,8 +349,9 @@ def test_a_request_that_fails_over_or_is_hedged_is_learnt_from_once(
     home = ask(gateway, "replicas-once", "a question about this document")["candidate"]
     (fake_openai if home == "gpt-4o-mini" else fake_deepseek).fail_next(500)
     route = ask(gateway, "replicas-once", "a question about this document")
-    assert route["tried"].startswith(f"{home}:502,") and route["affinity"] == "hit"
-    assert context.affinity["replicas-once"] == [hits + 2, requests + 2]
+    # Served by the other replica: a miss there, counted once.
+    assert route["tried"].startswith(f"{home}:502,") and route["affinity"] == "miss"
+    assert context.affinity["replicas-once"] == [hits + 1, requests + 2]
 
 
 def test_prefix_affinity_sticks_and_reports_its_hit_rate(gateway: RunningGateway) -> None:
@@ -400,12 +401,15 @@ async def test_policies_learn_from_a_request_once_it_is_sent_and_never_from_a_pr
         ChatRequest(model="r", messages=[Message(role="user", content="hi")]), tenant=None, key_id=None
     )
     for lessons in (None, []):  # a preview, then a request
-        for route in (affine, calibrated):
-            choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
-            await order(route, choices, feats, ctx, lessons)
+        choices = [Choice(None, c) for c in affine.candidates]  # type: ignore[arg-type]
+        ordered, _, outcome = await order(affine, choices, feats, ctx, lessons)
+        choices = [Choice(None, c) for c in calibrated.candidates]  # type: ignore[arg-type]
+        await order(calibrated, choices, feats, ctx, lessons)
         # Planned, it has taught nothing yet: the gateway may still refuse it (its own 429s).
         assert ctx.affinity == {} and not ctx.prefixes.recent and ctx.calibrators == {}
-        Plan(affine, [], lessons=lessons or []).commit()  # its first attempt admitted and sent
+        plan = Plan(affine, ordered, lessons=lessons or [], outcome=outcome)
+        plan.commit()  # its first attempt admitted and sent
+        plan.serve(ordered[0])  # and answered
     assert ctx.affinity == {"r": [1, 1]} and len(ctx.prefixes.recent) == 1
     assert sum(len(c) for c in ctx.calibrators.values()) == 1  # the strong-share window
 
@@ -415,9 +419,13 @@ async def place(route: Route, ctx: PolicyContext, *messages: tuple[str, str]) ->
     request = ChatRequest(model=route.name, messages=[Message(role=r, content=c) for r, c in messages])
     choices = [Choice(None, c) for c in route.candidates]  # type: ignore[arg-type]
     lessons: list[Lesson] = []
-    ordered, note = await order(route, choices, features(request, tenant=None, key_id=None), ctx, lessons)
-    Plan(route, ordered, lessons=lessons).commit()
-    return ordered[0].candidate.model, note
+    ordered, _, outcome = await order(
+        route, choices, features(request, tenant=None, key_id=None), ctx, lessons
+    )
+    plan = Plan(route, ordered, lessons=lessons, outcome=outcome)
+    plan.commit()
+    plan.serve(ordered[0])
+    return ordered[0].candidate.model, outcome.describe(ordered[0], pending=False) if outcome else ""
 
 
 def affinity_route(**fields: object) -> Route:

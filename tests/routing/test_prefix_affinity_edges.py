@@ -382,3 +382,80 @@ def test_a_fallback_vendors_answer_is_not_counted_in_the_replicas_hit_rate(
         metrics = httpx.get(f"{gateway.url}/metrics").text
         line = f'weir_prefix_affinity_prompt_tokens_total{{route="smol",source="computed"}} {float(on_replica.prompt_tokens)}'
         assert line in metrics, metrics
+
+
+FAILOVER_ROUTES = """\
+routes:
+  - name: smol
+    policy: prefix_affinity
+    probe_interval: null
+    retry: {attempts: 1}
+    candidates: [{model: smol-a}, {model: smol-b}]
+"""
+
+
+def affinity_requests(gateway: RunningGateway, route: str = "smol") -> dict[str, float]:
+    """`weir_prefix_affinity_requests_total` of `route`, by result."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{gateway.url}/metrics").text.splitlines():
+        for result in ("hit", "miss"):
+            if line.startswith(f'weir_prefix_affinity_requests_total{{result="{result}",route="{route}"}} '):
+                counts[result] = float(line.split()[-1])
+    return counts
+
+
+def test_a_request_its_preferred_replica_fails_is_a_miss_where_another_replica_serves_it(
+    fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """A conversation's preferred replica fails a turn and the other replica answers it. That turn was
+    counted a hit (the replica it was sent to first) and remembered on the replica that failed, so the
+    next turn went back there, to a cache without the turn it follows, and was counted a hit again."""
+    with engine_replicas(fake_openai, fake_deepseek, FAILOVER_ROUTES) as gateway:
+        client = gateway.openai()
+        messages: list[Any] = [{"role": "user", "content": "about this document: " + words(80)}]
+        turns: list[dict[str, str]] = []
+        for turn in range(3):
+            if turn == 1:  # the replica that has the conversation fails this turn
+                (fake_openai if turns[0]["candidate"] == "smol-a" else fake_deepseek).fail_next(503)
+            raw = client.chat.completions.with_raw_response.create(model="smol", messages=messages)
+            turns.append(route_header(raw))
+            reply = raw.parse().choices[0].message.content
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"and {turn}?"}]
+        home, failed_over, after = turns
+        other = "smol-b" if home["candidate"] == "smol-a" else "smol-a"
+        assert (home["affinity"], home["affinity_hit_rate"]) == ("hit", "1.000")
+        assert failed_over["tried"] == f"{home['candidate']}:503,{other}:ok"
+        assert (failed_over["candidate"], failed_over["affinity"]) == (other, "miss")
+        assert failed_over["affinity_hit_rate"] == "0.500"
+        # The next turn follows the conversation to the replica whose cache has its previous turn.
+        assert (after["candidate"], after["affinity"], after["affinity_by"]) == (other, "hit", "conversation")
+        assert after["affinity_hit_rate"] == "0.667"
+        assert affinity_requests(gateway) == {"hit": 2.0, "miss": 1.0}
+        assert runtime(gateway).router.context.affinity_hit_rate("smol") == 2 / 3
+
+
+def test_the_hit_rate_counts_only_requests_affinity_could_apply_to(
+    fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """The hit rate's requests are those with text a replica served: a prompt of token ids (spread at
+    random, no prefix to follow) and a request every replica failed and the fallback vendor answered
+    were each counted a hit of the replica the policy put first, and raised the rate toward 1."""
+    with engine_replicas(fake_openai, fake_deepseek, FALLBACK_ROUTES, vendor=fake_anthropic) as gateway:
+        client = gateway.openai()
+        messages: Any = [{"role": "user", "content": "a question for the replicas"}]
+        first = route_header(
+            client.chat.completions.with_raw_response.create(model="smol", messages=messages)
+        )
+        assert (first["affinity"], first["affinity_hit_rate"]) == ("hit", "1.000")
+        for replica in (fake_openai, fake_deepseek):
+            replica.fail_next(503)
+        fell_back = route_header(
+            client.chat.completions.with_raw_response.create(model="smol", messages=messages)
+        )
+        assert (fell_back["candidate"], fell_back["affinity"]) == ("claude-sonnet", "miss")
+        assert fell_back["affinity_hit_rate"] == "1.000"  # this request not counted
+        ids = route_header(client.completions.with_raw_response.create(model="smol", prompt=[[1, 2, 3]]))
+        assert ids["candidate"] in {"smol-a", "smol-b"} and ids["affinity"] == "none", ids
+        assert "affinity_by" not in ids and ids["affinity_hit_rate"] == "1.000"
+        assert affinity_requests(gateway) == {"hit": 1.0, "miss": 0.0}
+        assert runtime(gateway).router.context.affinity == {"smol": [1, 1]}
