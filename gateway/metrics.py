@@ -47,7 +47,7 @@ class Metrics:
         self.attempts = Counter(
             "weir_upstream_attempts",
             "Upstream attempts (retries, fallbacks and hedges each one) by backend, configured model "
-            "and status (0: no answer)",
+            "and status class (2xx, 4xx, 5xx; 429, 499 cancelled and 0 no answer as they are)",
             ("backend", "model", "status"),
             registry=self.registry,
         )
@@ -58,11 +58,11 @@ class Metrics:
             registry=self.registry,
         ).set_function(lambda: min(degraded_states(), 1))
         # Labelled children, looked up once: `labels()` takes a lock and builds a key on every call.
-        # Label values are configured backends and models, status codes and route names; a route's
-        # go with it (`forget_models`).
+        # Label values are configured backends and models (fixed while the process runs), status
+        # codes (per attempt, their classes) and route names; a route's go with it (`forget_models`).
         self._done: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
         self._tokens: dict[tuple[str, str, str], Any] = {}
-        self._attempts: dict[tuple[str, str, int], Any] = {}
+        self._attempts: dict[tuple[str, str, str], Any] = {}
         # Whether a model name is served now (Router.in_force; the gateway sets it): a request of a
         # route deleted while it ran makes no series of it again, once `forget_models` dropped them.
         self.in_force: Callable[[str], bool] = lambda model: True
@@ -83,10 +83,10 @@ class Metrics:
     def attempt_done(self, backend: str, model: str, status: int) -> None:
         """One upstream attempt ended: `model` is the configured model it went to (not a route's name:
         those are request-level), `status` its status (0: the backend never answered)."""
-        key = (backend, model, status)
+        key = (backend, model, status_class(status))
         child = self._attempts.get(key)
         if child is None:
-            child = self._attempts[key] = self.attempts.labels(backend, model, str(status))
+            child = self._attempts[key] = self.attempts.labels(*key)
         child.inc()
 
     def record_tokens(self, backend: str, model: str, usage: Usage) -> None:
@@ -123,6 +123,17 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def status_class(status: int) -> str:
+    """An upstream attempt's status as `weir_upstream_attempts_total` labels it: its class ("2xx",
+    "4xx", "5xx"), but 429 (the backend's rate limit, which retries and failover wait out, where other
+    4xx are the request's fault), 499 (cancelled: a hedge that lost, a client that left) and 0 (no
+    answer) as they are. Backends answer whatever codes they like (Cloudflare's 52x, Anthropic's 529,
+    a proxy's 418): each was a series of its own for every configured model."""
+    if status in (0, 429, 499):
+        return str(status)
+    return f"{status // 100}xx" if 100 <= status < 600 else "other"
 
 
 def drop_series(

@@ -425,6 +425,36 @@ def test_a_retried_failure_reads_as_half_the_backends_attempts_failing_not_an_ou
     assert delta(before, after, "weir_upstream_attempts_total", backend="openai", model="gpt-4o-mini") == 2
 
 
+def test_upstream_attempts_are_counted_by_status_class_whatever_codes_a_backend_answers(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """`weir_upstream_attempts_total` made a series of every status code each configured model's
+    backend ever answered (a CDN's 520-527, a vendor's 529, a proxy's 418), for as long as the process
+    ran. It counts classes now, and keeps apart the codes that mean something else than their class:
+    429 (the backend's rate limit) here."""
+    before = samples(gateway)
+    codes = (500, 502, 503, 520, 529, 418, 429)
+    for code in codes:
+        fake_openai.fail_next(code)
+        with pytest.raises(openai.APIStatusError):
+            gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=HI)  # type: ignore[arg-type]
+    gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=HI)  # type: ignore[arg-type]
+    settled(gateway, len(codes) + 1)
+    after = samples(gateway)
+    labels = {"backend": "openai", "model": "gpt-4o-mini"}
+    by_status = {
+        status: delta(before, after, "weir_upstream_attempts_total", **labels, status=status)
+        for status in ("2xx", "4xx", "429", "5xx")
+    }
+    assert by_status == {"2xx": 1, "4xx": 1, "429": 1, "5xx": 5}
+    statuses = {
+        dict(have)["status"]
+        for (name, have) in after
+        if name == "weir_upstream_attempts_total" and labels.items() <= dict(have).items()
+    }
+    assert statuses <= {"0", "2xx", "4xx", "429", "499", "5xx"}, statuses
+
+
 def test_the_dashboards_model_filters_select_a_routed_requests_series(
     gateway: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:
