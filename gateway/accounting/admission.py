@@ -27,6 +27,7 @@ from gateway.estimate import DEFAULT_OUTPUT_ESTIMATE
 from gateway.ids import exchange_key
 from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState, correction_bucket
 from gateway.state import Admission as Decision
+from gateway.state.base import LATE_SETTLE_S
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +214,10 @@ def refusal(
     )
 
 
-# Spend this month so far, from the ledger: (scope "tenant"|"key", id, month start, usage event ids)
-# -> (pico-USD, those of the event ids whose cost it holds), both read at one moment of the ledger.
-SpendLookup = Callable[[str, str, dt.date, Sequence[str]], Awaitable[tuple[int, Collection[str]]]]
+# Spend this month so far, from the ledger: (scope "tenant"|"key", id, month start, usage event ids,
+# the least event id of the recent ones) -> (pico-USD, those of the event ids, and of the owner's
+# events with an id from the least one on, whose cost it holds), all read at one moment of the ledger.
+SpendLookup = Callable[[str, str, dt.date, Sequence[str], str], Awaitable[tuple[int, Collection[str]]]]
 # Times a seed reads the ledger again when attempts keep settling on the budget meanwhile.
 SEED_TRIES = 5
 
@@ -648,8 +650,12 @@ class Admission:
                 # budget (or before its first seed). Those whose events reached the ledger already are
                 # in its spend too, and count once (`budget_seed`).
                 unseeded = await self.state.budget_unseeded(key)
+                # The ledger's events whose settlement may still be on its way (created in the last
+                # LATE_SETTLE_S): event ids begin with their creation time (gateway/ids.py).
+                recent_from = f"{int((time.time() - LATE_SETTLE_S) * 1000):012x}"
+                month_start = now.date().replace(day=1)
                 try:
-                    spent, in_ledger = await self._spend(scope, owner, now.date().replace(day=1), unseeded)
+                    spent, in_ledger = await self._spend(scope, owner, month_start, unseeded, recent_from)
                 except Exception:
                     # DB down: admit against what the shared state knows; seed on a later request.
                     log.warning("could not read this month's spend for %s %s", scope, owner, exc_info=True)

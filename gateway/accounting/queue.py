@@ -465,6 +465,11 @@ class RedisStreamQueue:
         buffered goes to the spool (or stays buffered without one) and the error is raised."""
         async with self._flush_lock:  # the pump and an explicit flush must not send a batch twice
             try:
+                if self.outage is not None and self.outage.degraded:
+                    # The shared state holds settlements Redis has not had yet, handed over before
+                    # it stops being degraded: an attempt's event reaching the ledger first, a budget
+                    # seeded from the ledger meanwhile counted the attempt again when they came.
+                    raise RedisConnectionError("the shared state has not caught up with Redis yet")
                 await self._forward_spool()
                 while self._buffer:
                     batch = self._buffer[: self.EVENTS_PER_ENTRY]

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from litestar import Router
-from sqlalchemy import null, select, union_all
+from sqlalchemy import null, or_, select, union_all
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.sql.elements import ColumnElement
 
 from gateway.accounting.admission import Admission, Quotas
 from gateway.accounting.catalog import load_catalog, seed_prices
@@ -174,21 +175,31 @@ class ControlPlane:
                 log.warning("price catalog refresh failed; keeping the last one", exc_info=True)
 
     async def _spend_this_month(
-        self, scope: str, owner: str, month_start: dt.date, event_ids: Sequence[str] = ()
+        self,
+        scope: str,
+        owner: str,
+        month_start: dt.date,
+        event_ids: Sequence[str] = (),
+        recent_from: str = "",
     ) -> tuple[int, list[str]]:
-        """The month's spend, and which of `event_ids` it holds: one statement, so both are read at
-        one moment of the ledger (the writer adds an event's row and its rollup in one transaction)."""
+        """The month's spend, and which of `event_ids` and of the owner's events with an id from
+        `recent_from` on (created since then: ids begin with their time) it holds: one statement, so
+        all are read at one moment of the ledger (the writer adds an event's row and its rollup in
+        one transaction)."""
         column = UsageRollup.tenant_id if scope == "tenant" else UsageRollup.key_id
         # Summed in parts as the usage report does: SQLite's sum() fails past 2^63 (~$9.2M a month).
         query: Any = select(*split_sum(UsageRollup.cost_pico_usd), null()).where(
             column == owner, UsageRollup.day >= month_start
         )
-        if event_ids:
+        held: list[ColumnElement[bool]] = [UsageEventRow.event_id.in_(event_ids)] if event_ids else []
+        if recent_from:
+            held.append(UsageEventRow.event_id >= recent_from)
+        if held:
             owned = UsageEventRow.tenant_id if scope == "tenant" else UsageEventRow.key_id
             query = union_all(
                 query,
                 select(null(), null(), UsageEventRow.event_id).where(
-                    UsageEventRow.event_id.in_(event_ids), owned == owner, UsageEventRow.day >= month_start
+                    or_(*held), owned == owner, UsageEventRow.day >= month_start
                 ),
             )
         async with self.sessions() as session:

@@ -15,6 +15,10 @@ from typing import Protocol
 
 BUCKETS = 60
 LIMIT_WINDOW_S = 60.0  # the window of RPM and TPM limits (Limit and Adjustment default to it)
+# A budget's seed tells the state which events its ledger spend holds among those created this long
+# before it (`budget_seed`'s `in_ledger`); a settlement of one of them that arrives after the seed is
+# counted once, by the seed. A settlement comes within seconds of its event while Redis answers.
+LATE_SETTLE_S = 60.0
 
 
 class Outage(Protocol):
@@ -175,7 +179,9 @@ class SharedState(Protocol):
         the state last lost it): what was settled meanwhile stays counted, less the costs of those
         events (`unseeded`, as `budget_unseeded` read them) that the ledger's spend holds already
         (`in_ledger`). False, with nothing changed, when events were settled on the budget since
-        `unseeded` was read: the ledger may hold them too, so read both again."""
+        `unseeded` was read: the ledger may hold them too, so read both again. `in_ledger` also
+        names the ledger's events of the last LATE_SETTLE_S not settled here yet: their
+        settlements, should they come after the seed, are counted by the seed alone."""
         ...
 
     async def budget_usage(self, key: str) -> tuple[int, int]:

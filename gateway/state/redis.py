@@ -28,6 +28,7 @@ from gateway.aio import stop_if_cancelled
 from gateway.ids import random_hex
 from gateway.state.base import (
     BUCKETS,
+    LATE_SETTLE_S,
     Admission,
     Budget,
     Lease,
@@ -40,6 +41,13 @@ from gateway.state.base import (
 log = logging.getLogger(__name__)
 
 BUDGET_KEY_TTL_MS = 40 * 24 * 3600 * 1000  # budgets are per month; let last month's keys expire
+# A seed remembers this long the events its ledger spend holds whose settlement had not reached Redis
+# (budget:counted): a settlement comes within seconds of its event, unless Redis was unreachable.
+LATE_SETTLE_MS = int(LATE_SETTLE_S * 1000)
+# Events a budget without its seed records for the seed (budget:unseeded): one per attempt settled
+# while the database stays down, for the key's 40 days, without this bound. Also within the bound
+# parameters of one statement (SQLite's is 32,766) when the seed asks the ledger about them.
+UNSEEDED_MAX = 10_000
 
 _NOW_MS = """
 local t = redis.call('TIME')
@@ -228,15 +236,21 @@ return out
 )
 
 # Many finished attempts at once, summed per key by the caller.
-# KEYS: the limit keys to adjust, then (budget, budget:res, budget:exp, budget:unseeded) per budget.
+# KEYS: the limit keys to adjust, then (budget, budget:res, budget:exp, budget:unseeded, budget:counted)
+# per budget.
 # ARGV: BUCKETS, number of limit keys, (delta, window_ms, bucket or -1 for the current one) per limit
-# key, budget key ttl ms, then per budget: the actual amount to add to `spent`, the number of
+# key, budget key ttl ms, UNSEEDED_MAX, then per budget: the actual amount to add to `spent`, the number of
 # reservations to release, (id, amount; 0 for all of it) per reservation, the number of usage events
 # in the amount, (event id, cost) per event.
 # A delta for a bucket that already left the window is dropped (it no longer counts anyway).
 # A budget that holds no seed (Redis lost it, or it was never seeded) also records its events in
-# budget:unseeded, for the seed to tell which of them the ledger's spend holds already (SEED); a
-# seeded one, nearly always, only checks its mark.
+# budget:unseeded, for the seed to tell which of them the ledger's spend holds already (SEED), at most
+# UNSEEDED_MAX of them: beyond that (the database down for long while attempts settle) an attempt
+# counts in `spent` alone, and the seed counts it again if the ledger holds it by then (too much,
+# never too little), where the hash grew by one entry per attempt for the key's 40 days. A seeded
+# budget whose seed counted events the ledger held before their settlement came (budget:counted,
+# for LATE_SETTLE_MS after the seed) takes those out of the amount instead of counting them twice;
+# nearly always it only checks its mark and that set's existence.
 # Returns (spent, reserved) per budget, afterwards.
 SETTLE = (
     _NOW_MS
@@ -263,10 +277,11 @@ for i = 1, n do
   end
 end
 local ttl = ARGV[3 + n * 3]
-local a = 4 + n * 3
+local unseeded_max = tonumber(ARGV[4 + n * 3])
+local a = 5 + n * 3
 local usage = {}
-for i = 0, (#KEYS - n) / 4 - 1 do
-  local k, res, exp = KEYS[n + i * 4 + 1], KEYS[n + i * 4 + 2], KEYS[n + i * 4 + 3]
+for i = 0, (#KEYS - n) / 5 - 1 do
+  local k, res, exp = KEYS[n + i * 5 + 1], KEYS[n + i * 5 + 2], KEYS[n + i * 5 + 3]
   local actual = ARGV[a]
   local count = tonumber(ARGV[a + 1])
   for j = 0, count - 1 do
@@ -287,11 +302,24 @@ for i = 0, (#KEYS - n) / 4 - 1 do
   a = a + 2 + count * 2
   local events = tonumber(ARGV[a])
   if events > 0 and redis.call('HEXISTS', k, 'seeded') == 0 then
-    local unseeded = KEYS[n + i * 4 + 4]
+    local unseeded = KEYS[n + i * 5 + 4]
+    local room = unseeded_max - redis.call('HLEN', unseeded)
     for j = 0, events - 1 do
-      redis.call('HINCRBY', unseeded, ARGV[a + 1 + j * 2], ARGV[a + 2 + j * 2])
+      local id = ARGV[a + 1 + j * 2]
+      local known = redis.call('HEXISTS', unseeded, id) == 1
+      if known or room > 0 then
+        redis.call('HINCRBY', unseeded, id, ARGV[a + 2 + j * 2])
+        if not known then room = room - 1 end
+      end
     end
     redis.call('PEXPIRE', unseeded, ttl)
+  elseif events > 0 and redis.call('EXISTS', KEYS[n + i * 5 + 5]) == 1 then
+    local counted = KEYS[n + i * 5 + 5]
+    for j = 0, events - 1 do
+      if redis.call('SREM', counted, ARGV[a + 1 + j * 2]) == 1 then
+        redis.call('HINCRBY', k, 'spent', negated(ARGV[a + 2 + j * 2]))
+      end
+    end
   end
   a = a + 1 + events * 2
   redis.call('HINCRBY', k, 'spent', actual)
@@ -303,11 +331,14 @@ return usage
 """
 )
 
-# KEYS: a budget, budget:unseeded. ARGV: the ledger's spend this month, the key's ttl ms, the number
-# of events the caller read from budget:unseeded, those event ids, then those of them the ledger's
-# spend holds. Added to `spent` once (`seeded` marks it), on top of whatever was settled since Redis
-# lost the budget (or before the first seed): a replica that seeds it again then still counts those
-# attempts, but those the ledger already holds only once (their recorded cost comes off `spent`).
+# KEYS: a budget, budget:unseeded, budget:counted. ARGV: the ledger's spend this month, the key's ttl
+# ms, LATE_SETTLE_MS, the number of events the caller read from budget:unseeded, those event ids, then
+# the events the ledger's spend holds among them and among those created in the last LATE_SETTLE_MS.
+# Added to `spent` once (`seeded` marks it), on top of whatever was settled since Redis lost the
+# budget (or before its first seed): a replica that seeds it again then still counts those attempts,
+# but those the ledger already holds only once (their recorded cost comes off `spent`). The ledger's
+# recent events not settled here yet go to budget:counted, where their settlement, when it comes,
+# finds them counted already (SETTLE).
 # Returns 1, or 0 with nothing changed when budget:unseeded is no longer what the caller read (events
 # settled since: the ledger may hold them too, so the caller reads both again).
 SEED = (
@@ -317,15 +348,22 @@ if redis.call('HEXISTS', KEYS[1], 'seeded') == 1 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
-local read = tonumber(ARGV[3])
+local read = tonumber(ARGV[4])
 if redis.call('HLEN', KEYS[2]) ~= read then return 0 end
-for j = 4, 3 + read do
+for j = 5, 4 + read do
   if redis.call('HEXISTS', KEYS[2], ARGV[j]) == 0 then return 0 end
 end
-for j = 4 + read, #ARGV do
+local counted = 0
+for j = 5 + read, #ARGV do
   local cost = redis.call('HGET', KEYS[2], ARGV[j])
-  if cost then redis.call('HINCRBY', KEYS[1], 'spent', negated(cost)) end
+  if cost then
+    redis.call('HINCRBY', KEYS[1], 'spent', negated(cost))
+  else
+    redis.call('SADD', KEYS[3], ARGV[j])
+    counted = counted + 1
+  end
 end
+if counted > 0 then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
 redis.call('HSET', KEYS[1], 'seeded', '1')
 redis.call('HINCRBY', KEYS[1], 'spent', ARGV[1])
 redis.call('DEL', KEYS[2])
@@ -623,7 +661,7 @@ class RedisState(Shortcuts):
         args: list[int | str] = [BUCKETS, len(adjust)]
         for (_, window_s, bucket), delta in adjust:
             args += [delta, int(window_s * 1000), bucket]
-        args.append(BUDGET_KEY_TTL_MS)
+        args += [BUDGET_KEY_TTL_MS, UNSEEDED_MAX]
         for total, releases, events in budgets.values():
             args += [total[0], len(releases)]
             for rid, amount in releases:
@@ -633,7 +671,7 @@ class RedisState(Shortcuts):
                 args += [event_id, cost]
         keys = [self._k(key) for (key, _, _), _ in adjust]
         for key in budgets:
-            keys += [*self._budget_keys([key]), self._k(key) + ":unseeded"]
+            keys += [*self._budget_keys([key]), self._k(key) + ":unseeded", self._k(key) + ":counted"]
         usage = await self._call(self._settle, keys, args)
         return {key: (int(usage[2 * i]), int(usage[2 * i + 1])) for i, key in enumerate(budgets)}
 
@@ -754,8 +792,15 @@ class RedisState(Shortcuts):
     async def budget_seed(
         self, key: str, spent_pico_usd: int, unseeded: Sequence[str] = (), in_ledger: Sequence[str] = ()
     ) -> bool:
-        keys = [self._k(key), self._k(key) + ":unseeded"]
-        args: list[int | str] = [spent_pico_usd, BUDGET_KEY_TTL_MS, len(unseeded), *unseeded, *in_ledger]
+        keys = [self._k(key), self._k(key) + ":unseeded", self._k(key) + ":counted"]
+        args: list[int | str] = [
+            spent_pico_usd,
+            BUDGET_KEY_TTL_MS,
+            LATE_SETTLE_MS,
+            len(unseeded),
+            *unseeded,
+            *in_ledger,
+        ]
         return int(await self._call(self._seed, keys, args)) == 1
 
     async def budget_usage(self, key: str) -> tuple[int, int]:

@@ -554,6 +554,13 @@ async def test_a_budgets_month_spend_is_read_from_the_ledger_past_64_bits_exactl
                 sum(costs),
                 ["e-now"],
             )
+            # And the owner's events of the month from an id on (ids begin with their creation
+            # time: the recent ones, whose settlements may still be on their way), once each.
+            for held in ([], asked):
+                assert await control._spend_this_month(scope, owner, month_start, held, "e-a") == (
+                    sum(costs),
+                    ["e-now"],
+                )
         assert await control._spend_this_month("tenant", "nobody", month_start, asked) == (0, [])
     finally:
         await control.stop()

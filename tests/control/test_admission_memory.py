@@ -153,7 +153,9 @@ async def test_budgets_of_past_months_are_let_go_when_the_month_turns(
     )
     seeded: list[tuple[str, str, dt.date]] = []
 
-    async def spend(scope: str, owner: str, start: dt.date, events: Sequence[str]) -> tuple[int, list[str]]:
+    async def spend(
+        scope: str, owner: str, start: dt.date, events: Sequence[str], recent_from: str
+    ) -> tuple[int, list[str]]:
         seeded.append((scope, owner, start))
         return 0, []
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
+import gateway.state.redis
 from gateway.accounting.admission import Admission, QuotaExceeded, Quotas, budget_key, month_of
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
+from gateway.admin.control_plane import ControlPlane, ControlPlaneSettings
+from gateway.db import migrate
 from gateway.state import SharedState
 from gateway.state.redis import RedisState
 from gateway.usage import Usage
@@ -72,7 +76,7 @@ async def lose_budget(client: aioredis.Redis, redis_prefix: str, scope: str, own
     """What Redis restarting without its data, failing over to a replica behind it or evicting the
     keys leaves of one budget: nothing (only this test's keys go)."""
     key = redis_prefix + budget_key(scope, owner, month_of(dt.datetime.now(dt.UTC)))
-    assert await client.delete(key, f"{key}:res", f"{key}:exp", f"{key}:unseeded") >= 1
+    assert await client.delete(key, f"{key}:res", f"{key}:exp", f"{key}:unseeded", f"{key}:counted") >= 1
 
 
 @pytest.mark.redis
@@ -87,7 +91,7 @@ async def test_budget_spend_is_not_forgotten_when_redis_loses_its_data(
     lookups: list[str] = []
 
     async def spend(
-        scope: str, owner: str, month_start: dt.date, events: Sequence[str]
+        scope: str, owner: str, month_start: dt.date, events: Sequence[str], recent_from: str
     ) -> tuple[int, list[str]]:
         lookups.append(owner)
         return 5 * 10**12, []  # the ledger says USD 5 spent this month
@@ -127,7 +131,7 @@ async def test_what_was_settled_after_redis_lost_a_budget_counts_with_the_ledger
     database_down = False
 
     async def spend(
-        scope: str, owner: str, month_start: dt.date, events: Sequence[str]
+        scope: str, owner: str, month_start: dt.date, events: Sequence[str], recent_from: str
     ) -> tuple[int, list[str]]:
         if database_down:
             raise OSError("database unreachable")
@@ -176,7 +180,7 @@ async def test_a_seed_reads_the_ledger_again_when_an_attempt_settles_while_it_re
     reads: list[list[str]] = []  # the unseeded events each ledger read was asked about
 
     async def spend(
-        scope: str, owner: str, month_start: dt.date, events: Sequence[str]
+        scope: str, owner: str, month_start: dt.date, events: Sequence[str], recent_from: str
     ) -> tuple[int, list[str]]:
         reads.append(sorted(events))
         if len(reads) == 2:  # B's first read: A's r2 settles and reaches the ledger meanwhile
@@ -227,3 +231,85 @@ async def test_a_budget_stored_above_the_bound_is_counted_as_the_bound(
     await admission.admit("small", quotas, "b", "m", prompt_tokens=10, max_output_tokens=10)
     budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
     assert await state.budget_usage(budget) == (0, 20 * 10**7)  # only the small request is reserved
+
+
+@pytest.mark.redis
+async def test_an_attempt_whose_event_reached_the_ledger_before_its_settlement_counts_once(
+    db_url: str, tmp_path: Path, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """Redis lost a budget while replica A's request was in flight. Its usage event reaches the
+    ledger before its settlement reaches Redis, and replica B seeds the budget in between: the
+    spend B reads holds the attempt, which had not settled in Redis yet. Its settlement counted it
+    again when it came (USD 3 spent, USD 4 on the books). The seed now tells Redis which of the
+    ledger's recent events it counted, and the late settlement of one of them adds nothing; one of
+    an event the ledger did not hold counts as ever."""
+    usd = 10**12
+    control = ControlPlane(ControlPlaneSettings(database_url=db_url, spool_dir=str(tmp_path / "spool")))
+    states = [RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix) for _ in range(2)]
+    replicas = [Admission(s, lambda: EMBEDDINGS, spend=control._spend_this_month) for s in states]
+    quotas = Quotas("t", None, tenant_budget_micro_usd=5 * 10**6)  # USD 5
+    budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
+    late = event("r1", Usage(input_tokens=10), usd)
+    try:
+        await migrate.upgrade_async(db_url)
+        await control.writer.write([event("before", Usage(input_tokens=10), 2 * usd)])  # settled long ago
+        await replicas[0].admit("r1", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        await lose_budget(redis_client, redis_prefix, "tenant", "t")
+        await control.writer.write([late])  # r1's event is written to the ledger...
+        await replicas[1].admit("b1", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        replicas[0].settle(late)  # ...then its settlement reaches Redis, after B's seed
+        await replicas[0].drain()
+        assert await states[1].budget_usage(budget) == (3 * usd, 200_000)  # b1's estimate held
+
+        replicas[1].settle(event("b1", Usage(input_tokens=10), usd // 2))  # not in the ledger yet
+        await replicas[1].drain()
+        assert await states[1].budget_usage(budget) == (3 * usd + usd // 2, 0)
+    finally:
+        for state in states:
+            await state.close()
+        await control.stop()
+
+
+@pytest.mark.redis
+async def test_a_budget_left_unseeded_records_a_bounded_number_of_attempts_for_its_seed(
+    redis_prefix: str, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the database down at seed time, a budget stays unseeded, and each attempt settled on it
+    added an entry to `<budget>:unseeded` (for the seed to tell which of them the ledger holds) for
+    as long as the database stayed down, kept 40 days. It now holds at most UNSEEDED_MAX of them,
+    the oldest: those the ledger is first to hold once the database is back. Attempts beyond it
+    count in `spent` alone, and the seed counts exactly once those that are not in the ledger yet."""
+    monkeypatch.setattr(gateway.state.redis, "UNSEEDED_MAX", 3)
+    usd = 10**12
+    ledger: dict[str, int] = {}
+    database_down = True
+
+    async def spend(
+        scope: str, owner: str, month_start: dt.date, events: Sequence[str], recent_from: str = ""
+    ) -> tuple[int, list[str]]:
+        if database_down:
+            raise OSError("database unreachable")
+        return sum(ledger.values()), [e for e in ledger if e in events or e >= recent_from]
+
+    state = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    admission = Admission(state, lambda: EMBEDDINGS, spend=spend)
+    quotas = Quotas("t", None, tenant_budget_micro_usd=50 * 10**6)  # USD 50
+    budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
+    events = [event(f"r{i}", Usage(input_tokens=10), usd) for i in range(6)]
+    try:
+        for e in events:
+            await admission.admit(e.request_id, quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+            admission.settle(e)
+            admission.finish(e.request_id)
+        await admission.drain()
+        assert await redis_client.hlen(redis_prefix + budget + ":unseeded") == 3
+        assert await state.budget_usage(budget) == (6 * usd, 0)
+
+        database_down = False
+        for e in events[:3]:  # the writer catches up oldest first: half the outage's events so far
+            ledger[e.event_id] = usd
+        await admission.admit("after", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        assert await state.budget_usage(budget) == (6 * usd, 200_000)  # each attempt once
+        assert await redis_client.exists(redis_prefix + budget + ":unseeded") == 0
+    finally:
+        await state.close()

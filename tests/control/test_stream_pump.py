@@ -173,6 +173,26 @@ async def test_close_keeps_what_rides_in_a_pipeline_that_never_answers(tmp_path:
         assert [e.request_id for e in redis.events()] == ["r1"]  # a repeat is harmless (event ids)
 
 
+async def test_events_wait_until_the_shared_state_has_handed_redis_its_settlements(tmp_path: Path) -> None:
+    """While the shared state runs without Redis, it keeps the settlements it makes for Redis, and
+    hands them over before it stops being degraded. The queue sent its events to the stream as soon
+    as Redis took an XADD: an event could reach the ledger before its settlement reached Redis, and
+    a budget seeded from the ledger in between counted the attempt twice. Events now wait in the
+    spool until the state is back, and go once it is."""
+    redis = FakeRedis()
+    queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
+    outage = Outage(True)
+    queue.outage = outage
+    queue.put(event(1))
+    with pytest.raises(RedisConnectionError):
+        await queue.flush()
+    assert redis.events() == [] and queue.spooling
+    outage.degraded = False  # the state handed Redis what it settled meanwhile
+    await queue.flush()
+    assert [e.request_id for e in redis.events()] == ["r1"]
+    await queue.close()
+
+
 # --- events riding in the shared state's script pipelines -----------------------------------------
 
 
