@@ -7,6 +7,11 @@ const main = document.getElementById("main");
 const TOKEN_CLASSES = ["input", "cached_input", "cache_write_5m", "cache_write_1h", "output"];
 const COLORS = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2"];
 let csrf = null;
+// Each render of a page (route()) takes the next number, and only the latest may write the page: a
+// render still waiting on the API when another began (signing in, then following a link at once; a
+// link followed while a page loads) would otherwise replace the newer page, and a form the admin had
+// begun to fill, when its answers arrive. The sign-in form takes a number too.
+let generation = 0;
 
 // --- small helpers ------------------------------------------------------------------------------
 
@@ -177,6 +182,7 @@ function page(title, ...content) {
 // --- sign-in ------------------------------------------------------------------------------------
 
 function showSignIn(message) {
+  generation++; // a page still loading must not replace the sign-in form
   document.querySelector("header.top").hidden = true;
   csrf = null;
   const err = h("p", { class: "notice error", role: "alert", hidden: !message }, message || "");
@@ -221,7 +227,7 @@ document.getElementById("sign-out").addEventListener("click", async () => {
 
 // --- overview -----------------------------------------------------------------------------------
 
-async function overview() {
+async function overview(params, query, show) {
   const start = addDays(today(), -29), end = addDays(today(), 1);
   const [days, month, routing] = await Promise.all([
     api(`reports/usage?group_by=day&start=${isoDay(start)}&end=${isoDay(end)}`),
@@ -234,7 +240,7 @@ async function overview() {
   const x = rows.map((r) => r.day);
   const col = (k, zero = 0) => rows.map((r) => r[k] ?? zero);
   const errRate = (r) => (r.requests ? r.errors / r.requests : null);
-  page("Overview",
+  show("Overview",
     d.requests ? null : notice("No traffic yet. Create a tenant and a key under Tenants & keys, then send a request with it.", "info"),
     h("div", { class: "stats" },
       stat("Requests (30 days)", intFmt(d.requests), `${intFmt(t.requests)} this month`),
@@ -574,11 +580,11 @@ function notInForce(data) {
     ] : null);
 }
 
-async function routes(params) {
+async function routes(params, query, show) {
   let data;
   try { data = await api("routes"); } catch (e) {
     if (e.status === 404) {
-      page("Routes", empty("This gateway has no routes API: routes come from the routes: section of the config file (docs/routing.md)."));
+      show("Routes", empty("This gateway has no routes API: routes come from the routes: section of the config file (docs/routing.md)."));
       return;
     }
     throw e;
@@ -618,7 +624,7 @@ async function routes(params) {
   const latency = status ? Object.entries(status.latency_breakers || {}).sort(([a], [b]) => a.localeCompare(b))
     .flatMap(([r, keys]) => Object.entries(keys).sort(([a], [b]) => a.localeCompare(b)).map(([k, v]) => [r, k, v])) : [];
   const stateCell = (v) => h("span", { class: v === "closed" ? "ok" : "bad" }, v);
-  page("Routes",
+  const shown = show("Routes",
     notInForce(data),
     h("div", { id: "routes-message", "aria-live": "polite" }),
     list.length ? table([
@@ -655,7 +661,7 @@ async function routes(params) {
     ], audit.data) : empty("No route changes yet."),
   );
   // Focus, not only scroll: a keyboard user who opened the form tabs on into it, not through the table.
-  if (editing) { document.getElementById("edit").scrollIntoView(); document.querySelector("#edit h2").focus(); }
+  if (shown && editing) { document.getElementById("edit").scrollIntoView(); document.querySelector("#edit h2").focus(); }
 }
 
 // --- tenants and keys ---------------------------------------------------------------------------
@@ -671,7 +677,7 @@ const limitsBody = (i) => ({
   tpm: i.tpm.value ? Number(i.tpm.value) : null,
 });
 
-async function tenants(params) {
+async function tenants(params, query, show) {
   const end = addDays(today(), 1);
   const [list, spend] = await Promise.all([
     api("tenants"),
@@ -700,7 +706,7 @@ async function tenants(params) {
     return h("span", { class: "budget" }, h("meter", { min: 0, max: 1, value: share, "aria-label": `${t.name} budget used` }), ` ${usdFmt(s)} of ${usdFmt(t.budget_usd_monthly, 2)}`);
   };
   const selected = params[0] ? rows.find((t) => t.id === params[0]) : null;
-  page("Tenants & keys",
+  const shown = show("Tenants & keys",
     rows.length ? table([
       { label: "Tenant", render: (t) => h("a", { href: `#/tenants/${t.id}` }, t.name) },
       { label: "Spend this month vs budget", render: budgetCell },
@@ -711,7 +717,7 @@ async function tenants(params) {
     selected ? await tenantKeys(selected) : (params[0] ? notice("That tenant no longer exists.") : null),
     selected ? await tenantComparisons(selected) : null,
   );
-  if (selected) document.getElementById("keys").scrollIntoView();
+  if (shown && selected) document.getElementById("keys").scrollIntoView();
 }
 
 async function tenantKeys(tenant) {
@@ -817,7 +823,7 @@ async function tenantComparisons(tenant) {
 
 // --- backends and models ------------------------------------------------------------------------
 
-async function backends() {
+async function backends(params, query, show) {
   const days = [...Array(14).keys()].map((i) => addDays(today(), i - 13));
   const [prices, history, uptime, perDay] = await Promise.all([
     api("prices"), api("prices?history=true"),
@@ -854,7 +860,7 @@ async function backends() {
     { label: "USD / 1M tokens", num: true, key: "usd_per_1m_tokens" },
     { label: "Effective from", render: (p) => p.effective_from.slice(0, 16).replace("T", " ") },
   ];
-  page("Backends & models",
+  show("Backends & models",
     h("h2", {}, "Health"),
     uptime.backends.length ? table([
       { label: "Backend", key: "backend" },
@@ -872,7 +878,7 @@ async function backends() {
 
 // --- finance ------------------------------------------------------------------------------------
 
-async function finance(params, query) {
+async function finance(params, query, show) {
   const start = query.get("start") || isoDay(monthStart());
   const end = query.get("end") || isoDay(addDays(today(), 1));
   const groups = (query.get("group_by") || "tenant,model").split(",").filter(Boolean);
@@ -910,7 +916,7 @@ async function finance(params, query) {
     { label: "USD / 1M tokens", num: true, render: (r) => r.cost_per_1m_tokens ?? "—" },
     { label: "Cache saved", num: true, render: (r) => r.cache_savings_usd ?? "—" },
   ];
-  page("Finance", form,
+  show("Finance", form,
     h("p", {}, h("a", { class: "button", href: `${API}/reports/usage?${qs}&format=csv`, download: "" }, "Download CSV"),
       " ", h("span", { class: "muted" }, `Source: ${report.source}. Costs are exact decimals from the ledger.`)),
     report.rows.length ? table(cols, report.rows, { foot: total, caption: `Usage ${start} to ${end}` }) : empty("No usage in this range. Widen the dates, or send traffic with a tenant's key."),
@@ -922,7 +928,7 @@ async function finance(params, query) {
 
 // --- requests -----------------------------------------------------------------------------------
 
-async function requests(params, query) {
+async function requests(params, query, show) {
   const q = new URLSearchParams();
   for (const k of ["tenant", "model", "status"]) if (query.get(k)) q.set(k, query.get(k));
   q.set("limit", "100");
@@ -971,7 +977,7 @@ async function requests(params, query) {
       { label: "Tokens in/out", num: true, render: (a) => `${a.input_tokens}/${a.output_tokens}` },
       { label: "Cost", num: true, key: "cost_usd" },
     ], r.attempts)); };
-  page("Requests", form,
+  show("Requests", form,
     log.data.length ? table([
       { label: "Time (UTC)", render: (r) => r.ts.slice(0, 19).replace("T", " ") },
       { label: "Tenant", render: (r) => r.tenant_name || r.tenant_id || "—" },
@@ -987,8 +993,16 @@ async function requests(params, query) {
 
 const PAGES = { overview, routes, tenants, backends, finance, requests };
 
+// Renders the page the hash names. True when it was shown, false when a later render (or the sign-in
+// form) took its place first.
 async function route() {
-  if (!csrf) return;
+  if (!csrf) return false;
+  const gen = ++generation;
+  const show = (title, ...content) => {
+    if (gen !== generation) return false;
+    page(title, ...content);
+    return true;
+  };
   const [path, qs] = location.hash.replace(/^#\/?/, "").split("?");
   const [name, ...params] = path.split("/");
   const render = PAGES[name] || overview;
@@ -997,11 +1011,12 @@ async function route() {
     else a.removeAttribute("aria-current");
   }
   try {
-    await render(params, new URLSearchParams(qs || ""));
+    await render(params, new URLSearchParams(qs || ""), show);
   } catch (e) {
-    if (e.code === "invalid_session") return;
-    page("Something went wrong", notice(`${e.message} Reload the page to try again.`));
+    if (e.code === "invalid_session") return false;
+    show("Something went wrong", notice(`${e.message} Reload the page to try again.`));
   }
+  return gen === generation;
 }
 
 window.addEventListener("hashchange", route);

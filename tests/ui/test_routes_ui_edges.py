@@ -4,8 +4,9 @@ refusal names and marks the field and changes nothing, a form left open cannot u
 newer edit, and the request log explains each attempt (its x-weir-route decision, which one answered)
 with filters that return whole requests and markup in names shown as text. Also: a double click
 creates one route, a head upload keeps an open form's typed values, a number that is not finite is
-refused, the preview takes metadata and a key id, Edit by keyboard moves focus into the form, and a
-route another admin deleted meanwhile is named as such (and leaves the list)."""
+refused, the preview takes metadata and a key id, Edit by keyboard moves focus into the form, a
+route another admin deleted meanwhile is named as such (and leaves the list), and a page
+still loading when another is opened never replaces it."""
 
 from __future__ import annotations
 
@@ -77,13 +78,22 @@ AFFINITY: dict[str, Any] = {
 }
 
 
-def _signed_in(weir: Weir, browser: Any, where: str) -> Any:
+def _new_page(browser: Any) -> Any:
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.set_default_timeout(WAIT_MS)
     page.on("dialog", lambda dialog: dialog.accept())
+    return page
+
+
+def _sign_in(page: Any, weir: Weir, where: str) -> None:
     page.goto(f"{weir.url}/admin/{where}")
     page.get_by_label("Admin token", exact=True).fill(ADMIN)
     page.get_by_role("button", name="Sign in with token").click()
+
+
+def _signed_in(weir: Weir, browser: Any, where: str) -> Any:
+    page = _new_page(browser)
+    _sign_in(page, weir, where)
     # The page signing in renders `where` once its requests are answered: a test that went on to
     # another page at once (`_edit`) had two renders under way, and the later one could rebuild a form
     # it had already begun to fill.
@@ -450,6 +460,59 @@ def test_saving_a_route_another_admin_deleted_says_so_without_blaming_a_field(
     error.wait_for()
     assert f"no route with id {route_id}" in error.inner_text()
     assert form.locator("[aria-invalid]").count() == 0
+    page.close()
+
+
+# Each answer the page read, by address, pushed once its body is parsed. What a render does with its
+# last answer runs in the same microtask checkpoint, so once a wait sees every answer read, every
+# render under way has written the page or given up.
+ANSWERS_READ = """
+window.__answersRead = [];
+const json = Response.prototype.json;
+Response.prototype.json = function () {
+  const url = this.url;
+  return json.call(this).finally(() => window.__answersRead.push(url));
+};
+"""
+
+
+def test_a_page_still_loading_when_another_is_opened_never_replaces_it(routed: Weir, browser: Any) -> None:
+    """Signing in renders the page the address names; opening a route's edit form before that render
+    has its answers starts a second render. The first, answered last, replaced the page the admin
+    was on, and the form they had begun to fill, with the routes list; now a render that a later one
+    has superseded writes nothing."""
+    route_id = _create(routed.admin, MINI)["id"]
+    page = _new_page(browser)
+    page.add_init_script(ANSWERS_READ)
+    asked: list[str] = []  # every answer the page asked the gateway for (session and admin API)
+
+    def ask(request: Any) -> None:
+        if "/admin/session" in request.url:
+            asked.append(request.url)
+
+    page.on("request", ask)
+    held: list[Any] = []  # the sign-in render's last request, answered once the edit form is filled
+
+    def hold_the_first(request_route: Any) -> None:
+        if held:
+            request_route.continue_()
+        else:
+            held.append(request_route)
+
+    page.route(lambda url: "/api/v1/audit?" in url, hold_the_first)
+    with page.expect_request(lambda r: "/api/v1/audit?" in r.url):
+        _sign_in(page, routed, "#/routes")
+    form = _edit(page, routed, route_id)
+    form.get_by_label("Fallbacks", exact=True).fill("gpt-4o")
+
+    held[0].continue_()
+    page.wait_for_function("n => window.__answersRead.length >= n", arg=len(asked))
+    assert page.locator("#edit h2", has_text=f"(#{route_id})").count() == 1
+    assert page.get_by_role("heading", name="New route").count() == 0
+    assert form.get_by_label("Fallbacks", exact=True).input_value() == "gpt-4o"
+    form.get_by_role("button", name="Save route").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    assert _stored(routed.admin, route_id)["fallbacks"] == ["gpt-4o"]
     page.close()
 
 
