@@ -331,8 +331,9 @@ function routeSummary(r) {
 }
 
 // `heads`: the stored difficulty heads' names, or null when the gateway has no difficulty-heads API
-// (then a route's `head`, if any, stays in the advanced JSON box).
-function routeForm(existing, onSaved, heads = null) {
+// (then a route's `head`, if any, stays in the advanced JSON box). `onGone(message)`: the edited
+// route was deleted meanwhile (a 404).
+function routeForm(existing, onSaved, heads = null, onGone = null) {
   const r = existing || { policy: "fixed", candidates: [], fallbacks: [] };
   const name = h("input", { name: "name", required: true, value: r.name || "", autocomplete: "off" });
   const policy = h("select", { name: "policy" }, POLICIES.map((p) => h("option", { value: p, selected: p === r.policy }, p)));
@@ -398,7 +399,10 @@ function routeForm(existing, onSaved, heads = null) {
       // If-Match: refused (412) when another admin changed the route since this form was filled.
       await api(existing ? `routes/${existing.id}` : "routes", { method: existing ? "PUT" : "POST", body, ifMatch: existing?.updated_at });
       onSaved();
-    } catch (e) { formError(form, { message: e.message, param: routeParam(form, e.param, extra) }); }
+    } catch (e) {
+      if (existing && e.status === 404 && onGone) { await onGone(e.message); return; }
+      formError(form, { message: e.message, param: routeParam(form, e.param, extra) });
+    }
     finally { submit.disabled = false; }
   });
   return form;
@@ -599,7 +603,7 @@ async function routes(params, query, show) {
   const leftOut = new Map((data.left_out || []).map((r) => [r.id, r]));
   const editing = params[0] ? list.find((r) => String(r.id) === params[0]) : null;
   // pushState, not location.hash: a hashchange would render the page a second time, after this one.
-  const reload = async () => { if (location.hash !== "#/routes") history.pushState(null, "", "#/routes"); await route(); };
+  const reload = async () => { if (location.hash !== "#/routes") history.pushState(null, "", "#/routes"); return route(); };
   // Only the heads section and the route form's head list: an open route form keeps what was typed.
   const reloadHeads = async () => {
     let fresh, now;
@@ -610,11 +614,15 @@ async function routes(params, query, show) {
     const select = main.querySelector('select[name="head"]');
     select?.replaceChildren(...headOptions(fresh.data.map((d) => d.name), select.value).flat());
   };
+  // A route another admin deleted meanwhile: the list again, without it, and the API's word above it.
+  const gone = async (message) => {
+    if (await reload()) document.getElementById("routes-message")?.replaceChildren(notice(message));
+  };
   const remove = (r) => h("button", { type: "button", class: "danger", "aria-label": `Delete route ${r.name} #${r.id}`,
     onclick: async () => {
       if (!confirm(`Delete route ${r.name} (#${r.id})? Requests for ${r.name} then use the next matching route or the model of that name.`)) return;
       try { await api(`routes/${r.id}`, { method: "DELETE", ifMatch: r.updated_at }); } catch (e) {
-        if (e.status === 404) await reload(); // already gone (another admin): show the list without it
+        if (e.status === 404) { await gone(e.message); return; }
         document.getElementById("routes-message")?.replaceChildren(notice(e.message)); return;
       }
       reload();
@@ -640,7 +648,7 @@ async function routes(params, query, show) {
       : empty("No routes yet: every request goes to the model it names. Create a route below (the config file's routes: are copied here at first start)."),
     editing ? h("section", { class: "panel", id: "edit" }, h("h2", { tabindex: -1 }, `Edit route ${editing.name} (#${editing.id})`),
       leftOut.has(editing.id) ? notice(`This replica leaves this route out: ${leftOut.get(editing.id).error}`, "warning") : null,
-      routeForm(editing, reload, headNames))
+      routeForm(editing, reload, headNames, gone))
       : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload, headNames)),
     h("h2", {}, "Preview"), previewForm(list),
     heads ? headsSection(heads, status, reloadHeads) : null,

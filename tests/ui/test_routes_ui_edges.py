@@ -5,7 +5,7 @@ newer edit, and the request log explains each attempt (its x-weir-route decision
 with filters that return whole requests and markup in names shown as text. Also: a double click
 creates one route, a head upload keeps an open form's typed values, a number that is not finite is
 refused, the preview takes metadata and a key id, Edit by keyboard moves focus into the form, a
-route another admin deleted meanwhile is named as such (and leaves the list), and a page
+route another admin deleted meanwhile is named as such (and leaves the list, saved or deleted), and a page
 still loading when another is opened never replaces it."""
 
 from __future__ import annotations
@@ -445,21 +445,24 @@ def test_the_routes_page_warns_of_routes_this_replica_leaves_out_until_they_are_
     page.close()
 
 
-def test_saving_a_route_another_admin_deleted_says_so_without_blaming_a_field(
+def test_saving_a_route_another_admin_deleted_says_so_and_takes_it_off_the_list(
     routed: Weir, browser: Any
 ) -> None:
-    """The PUT answers 404 with param `route_id`, no field of the form: the message shows, and no
-    field (the Advanced JSON box least of all) is marked as if a setting in it were wrong."""
+    """The PUT answers 404 with param `route_id`, no field of the form: the page says so above the
+    list, which it reloads without the route (it kept listing it, with its form open), and no field
+    (the Advanced JSON box least of all) is marked as if a setting in it were wrong."""
     route_id = _create(routed.admin, MINI)["id"]
     page = _signed_in(routed, browser, "#/routes")
     form = _edit(page, routed, route_id)
     assert routed.admin.delete(f"/routes/{route_id}").status_code == 204  # another admin, meanwhile
 
     form.get_by_role("button", name="Save route").click()
-    error = form.locator(".form-error")
-    error.wait_for()
-    assert f"no route with id {route_id}" in error.inner_text()
-    assert form.locator("[aria-invalid]").count() == 0
+    alert = page.locator("#routes-message").get_by_role("alert")
+    alert.wait_for()
+    assert f"no route with id {route_id}" in alert.inner_text()
+    assert page.get_by_role("link", name=f"Edit route assistant #{route_id}").count() == 0
+    assert page.locator("#edit").count() == 0 and page.locator("main [aria-invalid]").count() == 0
+    page.get_by_role("heading", name="New route").wait_for()
     page.close()
 
 
