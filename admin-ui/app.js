@@ -1029,6 +1029,17 @@ async function route() {
 
 window.addEventListener("hashchange", route);
 
+// A link to the page already shown changes no hash, so no hashchange renders it: render it here, with
+// what the API has now. E.g. a route's Edit link after its save was refused (412) because another
+// admin changed it: the form is filled again from the current version.
+main.addEventListener("click", (ev) => {
+  const link = ev.target.closest('a[href^="#/"]');
+  if (!link || link.getAttribute("href") !== location.hash) return;
+  if (ev.button !== 0 || ev.ctrlKey || ev.metaKey || ev.shiftKey || ev.altKey) return; // a new tab or window
+  ev.preventDefault();
+  route();
+});
+
 (async () => {
   try {
     const me = await api("/admin/session");

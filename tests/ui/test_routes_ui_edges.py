@@ -5,8 +5,9 @@ newer edit, and the request log explains each attempt (its x-weir-route decision
 with filters that return whole requests and markup in names shown as text. Also: a double click
 creates one route, a head upload keeps an open form's typed values, a number that is not finite is
 refused, the preview takes metadata and a key id, Edit by keyboard moves focus into the form, a
-route another admin deleted meanwhile is named as such (and leaves the list, saved or deleted), and a page
-still loading when another is opened never replaces it."""
+route another admin deleted meanwhile is named as such (and leaves the list, saved or deleted), Edit
+after a refused save reads the route's current version, and a page still loading when another is
+opened never replaces it."""
 
 from __future__ import annotations
 
@@ -463,6 +464,37 @@ def test_saving_a_route_another_admin_deleted_says_so_and_takes_it_off_the_list(
     assert page.get_by_role("link", name=f"Edit route assistant #{route_id}").count() == 0
     assert page.locator("#edit").count() == 0 and page.locator("main [aria-invalid]").count() == 0
     page.get_by_role("heading", name="New route").wait_for()
+    page.close()
+
+
+def test_edit_after_a_refused_save_fills_the_form_with_the_current_version(
+    routed: Weir, browser: Any
+) -> None:
+    """A save refused because another admin changed the route (412) says to reload it: the route's
+    Edit link, whose address is the one already shown, reads it again (it did nothing), and the
+    change then saves on top of the other admin's."""
+    route_id = _create(routed.admin, MINI)["id"]
+    page = _signed_in(routed, browser, "#/routes")
+    form = _edit(page, routed, route_id)
+    read = routed.admin.get(f"/routes/{route_id}").json()
+    newer = routed.admin.put(f"/routes/{route_id}", json={**read, "candidates": [{"model": "gpt-4o"}]})
+    assert newer.status_code == 200, newer.text  # another admin, meanwhile
+
+    form.get_by_label("Fallbacks", exact=True).fill("gpt-4o-mini")
+    form.get_by_role("button", name="Save route").click()
+    form.locator(".form-error").wait_for()
+    assert "changed" in form.locator(".form-error").inner_text()
+
+    refused = form.element_handle()
+    page.get_by_role("link", name=f"Edit route assistant #{route_id}").click()
+    page.wait_for_function("el => !el.isConnected", arg=refused)  # the form, built again
+    assert form.get_by_label("Candidates", exact=True).input_value() == "gpt-4o"
+    assert form.locator(".form-error").is_hidden()
+    form.get_by_label("Fallbacks", exact=True).fill("gpt-4o-mini")
+    form.get_by_role("button", name="Save route").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    stored = _stored(routed.admin, route_id)
+    assert ([c["model"] for c in stored["candidates"]], stored["fallbacks"]) == (["gpt-4o"], ["gpt-4o-mini"])
     page.close()
 
 
