@@ -367,7 +367,6 @@ def to_canonical(request: ResponsesRequest) -> ChatRequest:
             top_p=request.top_p,
             max_completion_tokens=request.max_output_tokens,
             user=request.user,
-            metadata=request.metadata,
             reasoning_effort=request.reasoning.effort if request.reasoning else None,
             service_tier=request.service_tier,
         )

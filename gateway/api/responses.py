@@ -20,7 +20,10 @@ PATH = "/v1/responses"
 async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "responses")
     body = await parse_body(request, ResponsesRequest)
-    result = await run_chat(gateway, call, to_canonical(body), output_param="max_output_tokens")
+    # `metadata` tags a stored response: Weir stores none, so it only reaches route conditions (and the
+    # echo); upstream, OpenAI's chat API refuses it without `store` and Mistral refuses it outright.
+    canonical, metadata = to_canonical(body), body.metadata or {}
+    result = await run_chat(gateway, call, canonical, output_param="max_output_tokens", metadata=metadata)
     if isinstance(result, ChatResponse):
         return json_response(from_canonical(result, body))
     return Stream(stream_events(result, body), media_type="text/event-stream", headers=SSE_HEADERS)

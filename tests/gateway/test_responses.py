@@ -125,9 +125,21 @@ def test_request_reaches_openai_as_chat(gateway: RunningGateway, fake_openai: Fa
         {"role": "user", "content": "hi"},
     ]
     assert sent["max_completion_tokens"] == 30 and sent["temperature"] == 0.5 and sent["top_p"] == 0.9
-    assert sent["metadata"] == {"team": "a"}
     # Responses-only parameters are not chat parameters: never forwarded to a chat endpoint.
     assert not {"store", "include", "truncation", "prompt_cache_key", "input"} & set(sent)
+
+
+def test_metadata_is_echoed_but_never_sent_upstream(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    # Responses' metadata tags the stored response. As chat's `metadata` OpenAI refuses it without
+    # `store` ("The 'metadata' parameter is only allowed when 'store' is enabled."), and Mistral refuses
+    # any field it does not know; Weir stores nothing, so it stays in the gateway (route conditions).
+    client = gateway.openai()
+    response = client.responses.create(model="gpt-4o-mini", input="hi", metadata={"team": "a"})
+    assert response.metadata == {"team": "a"}
+    with client.responses.stream(model="gpt-4o-mini", input="hi", metadata={"team": "b"}) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.metadata == {"team": "b"}
+    assert [request.json.get("metadata") for request in fake_openai.posts] == [None, None]
 
 
 @pytest.mark.parametrize("model", MODELS)
