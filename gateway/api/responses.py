@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, Response, post
+from litestar import Request, Response, get, post, route
 from litestar.response import Stream
 
 from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
+from gateway.errors import NotFound
 from gateway.responses_inbound import ResponsesRequest, from_canonical, stream_events, to_canonical
 from gateway.types import ChatResponse
 
@@ -29,4 +30,40 @@ async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
     return Stream(stream_events(result, body), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-ROUTES = [responses]
+def _not_stored(response_id: str) -> NotFound:
+    return NotFound(
+        f"No response found with id '{response_id}': Weir does not store responses (each says "
+        '"store": false), so none can be retrieved, deleted, cancelled or listed. Keep the output '
+        "you received and send the whole conversation in `input`.",
+        param="response_id",
+    )
+
+
+# What the SDK's responses.retrieve / delete / cancel / input_items.list call: a clear 404 (after the
+# key is checked) rather than the router's bare "Not Found", which reads like a wrong base URL.
+@route(f"{PATH}/{{response_id:str}}", http_method=["GET", "DELETE"], status_code=200)
+async def stored_response(request: Request[Any, Any, Any], response_id: str) -> Response[Any]:
+    await begin(request, "responses")
+    raise _not_stored(response_id)
+
+
+@post(f"{PATH}/{{response_id:str}}/cancel", status_code=200)
+async def cancel_response(request: Request[Any, Any, Any], response_id: str) -> Response[Any]:
+    await begin(request, "responses")
+    raise _not_stored(response_id)
+
+
+@get(f"{PATH}/{{response_id:str}}/input_items")
+async def response_input_items(request: Request[Any, Any, Any], response_id: str) -> Response[Any]:
+    await begin(request, "responses")
+    raise _not_stored(response_id)
+
+
+@post(f"{PATH}/{{operation:str}}", status_code=200)
+async def other_operation(request: Request[Any, Any, Any], operation: str) -> Response[Any]:
+    # input_tokens, compact, ...: still a 404, not the 405 the GET and DELETE routes above would make it.
+    await begin(request, "responses")
+    raise NotFound(f"POST {PATH}/{operation} is not supported: Weir serves POST {PATH} only.")
+
+
+ROUTES = [responses, stored_response, cancel_response, response_input_items, other_operation]

@@ -390,6 +390,25 @@ def test_stateful_parameters_say_what_to_do(gateway: RunningGateway) -> None:
         gateway.openai().responses.create(model="claude-sonnet", input="hi", tools=[{"type": "web_search"}])
 
 
+def test_stored_response_operations_are_a_404_that_says_why(gateway: RunningGateway) -> None:
+    client = gateway.openai()
+    for operation in (
+        lambda: client.responses.retrieve("resp_1"),
+        lambda: client.responses.delete("resp_1"),
+        lambda: client.responses.cancel("resp_1"),
+        lambda: client.responses.input_items.list("resp_1"),
+    ):
+        with pytest.raises(openai.NotFoundError, match="Weir does not store responses") as caught:
+            operation()
+        body = caught.value.body
+        assert isinstance(body, dict) and body["message"].startswith("No response found with id 'resp_1'")
+        assert body["param"] == "response_id" and body["code"] == "not_found"
+    with pytest.raises(openai.NotFoundError, match="input_tokens is not supported"):
+        client.responses.input_tokens.count(model="gpt-4o-mini", input="hi")
+    with pytest.raises(openai.AuthenticationError):  # the key is checked first, as everywhere
+        gateway.openai(api_key="sk-wrong").responses.retrieve("resp_1")
+
+
 def test_unknown_model_is_404(gateway: RunningGateway) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         gateway.openai().responses.create(model="no-such-model", input="hi")
