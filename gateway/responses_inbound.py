@@ -34,6 +34,8 @@ from gateway.types import (
     JSONSchemaFormat,
     Message,
     NamedToolChoice,
+    ReasoningBlock,
+    RedactedReasoning,
     ResponseFormat,
     TextPart,
     Tool,
@@ -42,6 +44,7 @@ from gateway.types import (
     ToolChoice,
     ToolChoiceFunction,
 )
+from gateway.types import Reasoning as ThinkingBlock
 from gateway.usage import Usage
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -56,6 +59,11 @@ _STATEFUL = {
     "background": "Weir does not store responses, so they cannot run in the background to be polled later.",
     "prompt": "Stored prompt templates live at OpenAI; send the prompt's text in `instructions` and `input`.",
 }
+# A reasoning item's `encrypted_content`, where Weir keeps what Anthropic needs back to go on thinking in
+# a tool loop (the thinking block's signature, or a redacted block's data): the opaque field clients
+# already send back as is. Other vendors' encrypted content (OpenAI's) is not Weir's and is dropped.
+SIGNED = "weir.thinking.signature:"
+REDACTED = "weir.redacted_thinking:"
 # Canonical finish reasons that leave a response incomplete, and the reason the Responses API gives.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 # Claude's stop reasons that leave a response incomplete though its output is whole (finish_reason
@@ -238,6 +246,22 @@ def _message(item: InputMessage, where: str) -> Message:
     return Message(role=role, content=content)
 
 
+def _reasoning_block(raw: dict[str, Any], text: str) -> ThinkingBlock | None:
+    """The signed or redacted thinking block a reasoning item Weir handed out stands for, if any."""
+    encrypted = raw.get("encrypted_content")
+    if not isinstance(encrypted, str):
+        return None
+    if encrypted.startswith(SIGNED):
+        return ReasoningBlock(text=text, signature=encrypted.removeprefix(SIGNED))
+    if encrypted.startswith(REDACTED):
+        return RedactedReasoning(data=encrypted.removeprefix(REDACTED))
+    return None
+
+
+def _with_reasoning(message: Message, text: str, blocks: list[ThinkingBlock]) -> Message:
+    return msgspec.structs.replace(message, reasoning_content=text or None, reasoning_blocks=blocks or None)
+
+
 def _messages(request: ResponsesRequest) -> list[Message]:
     messages: list[Message] = []
     if request.instructions:
@@ -247,41 +271,48 @@ def _messages(request: ResponsesRequest) -> list[Message]:
         return messages
     if not request.input:
         raise InvalidRequest("'input' must not be empty.", param="input")
-    reasoning: str | None = None  # a reasoning item's text, for the assistant turn that follows it
+    # The reasoning items before the next assistant turn: their text, and the thinking blocks they carry.
+    reasoning, blocks = "", list[ThinkingBlock]()
     for i, raw in enumerate(request.input):
         where = f"input[{i}]"
         kind = raw.get("type", "message")
         if kind == "message":
             message = _message(_convert(raw, InputMessage, where), where)
-            if message.role == "assistant" and reasoning:
-                message = msgspec.structs.replace(message, reasoning_content=reasoning)
-            reasoning = None
+            if message.role == "assistant" and (reasoning or blocks):
+                message = _with_reasoning(message, reasoning, blocks)
+            reasoning, blocks = "", []
             messages.append(message)
         elif kind == "function_call":
             item = _convert(raw, FunctionCallItem, where)
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and not reasoning:
+            if last is not None and last.role == "assistant" and not (reasoning or blocks):
                 # One assistant turn: its text and every call it made (the Responses API lists them as
                 # separate items; chat, Anthropic and Gemini all want them in one turn).
                 messages[-1] = msgspec.structs.replace(last, tool_calls=[*(last.tool_calls or ()), call])
             else:
-                messages.append(Message(role="assistant", tool_calls=[call], reasoning_content=reasoning))
-            reasoning = None
+                turn = Message(role="assistant", tool_calls=[call])
+                messages.append(_with_reasoning(turn, reasoning, blocks))
+            reasoning, blocks = "", []
         elif kind == "function_call_output":
             output = _convert(raw, FunctionCallOutputItem, where)
             content = _content(output.output, f"{where}.output")
             messages.append(Message(role="tool", tool_call_id=output.call_id, content=content))
         elif kind == "reasoning":
             # Its text (what Weir hands out: reasoning_text parts) goes back as the next assistant
-            # turn's reasoning_content, which DeepSeek and Kimi need in a tool loop; encrypted or
-            # summarised reasoning (OpenAI's) cannot be read by another vendor and is dropped.
+            # turn's reasoning_content, which DeepSeek and Kimi need in a tool loop, and with the
+            # signature Weir put in `encrypted_content` as a thinking block, which Anthropic needs to
+            # go on thinking in one. Summaries and OpenAI's encrypted reasoning cannot be read by
+            # another vendor and are dropped.
             raw_parts = raw.get("content")
             parts: list[Any] = raw_parts if isinstance(raw_parts, list) else []
             text = "".join(
                 p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"
             )
-            reasoning = text or None
+            reasoning += text
+            block = _reasoning_block(raw, text)
+            if block is not None:
+                blocks.append(block)
         elif kind == "item_reference":
             raise InvalidRequest(STATELESS, param=f"{where}.type")
         else:
@@ -432,8 +463,27 @@ def _text_part(text: str) -> dict[str, Any]:
 
 def _reasoning_item(content: list[dict[str, Any]], status: str) -> dict[str, Any]:
     # The reasoning as text (what DeepSeek, vLLM, Gemini thoughts and Anthropic thinking give); no
-    # summary and no encrypted_content: Weir has neither, and sent back it is dropped anyway.
+    # summary: Weir has none. `encrypted_content` is added where Anthropic signed it (`SIGNED`).
     return {"type": "reasoning", "id": new_id("rs_"), "summary": [], "content": content, "status": status}
+
+
+def _reasoning_items(message: AssistantMessage) -> list[dict[str, Any]]:
+    """The answer's reasoning: one item per Anthropic block, with what Anthropic needs back in
+    `encrypted_content`; other vendors' reasoning as one item of text."""
+    if not message.reasoning_blocks:
+        text = message.reasoning_content
+        return [_reasoning_item([{"type": "reasoning_text", "text": text}], "completed")] if text else []
+    items = []
+    for block in message.reasoning_blocks:
+        if isinstance(block, RedactedReasoning):
+            item = _reasoning_item([], "completed")
+            item["encrypted_content"] = REDACTED + block.data
+        else:
+            item = _reasoning_item([{"type": "reasoning_text", "text": block.text}], "completed")
+            if block.signature:
+                item["encrypted_content"] = SIGNED + block.signature
+        items.append(item)
+    return items
 
 
 def _message_item(content: list[dict[str, Any]], status: str) -> dict[str, Any]:
@@ -479,10 +529,7 @@ def from_canonical(response: ChatResponse, request: ResponsesRequest) -> dict[st
     parts = [_text_part(message.content)] if message.content else []
     if message.refusal:
         parts.append({"type": "refusal", "refusal": message.refusal})
-    output: list[dict[str, Any]] = []
-    if message.reasoning_content:  # first, as the model produced it
-        reasoning = [{"type": "reasoning_text", "text": message.reasoning_content}]
-        output.append(_reasoning_item(reasoning, "completed"))
+    output = _reasoning_items(message)  # first, as the model produced it
     if parts or not message.tool_calls:
         # An empty answer is still a message, so `output[0].content[0]` is there to read.
         output.append(_message_item(parts or [_text_part("")], "completed"))
@@ -589,6 +636,13 @@ class _StreamWriter:
         logprobs: dict[str, list[Any]] = {"logprobs": []} if kind == "output_text" else {}
         self.emit(f"{event}.delta", **self._where(), delta=delta, **logprobs)
 
+    def _redacted(self, data: str) -> None:
+        """A redacted thinking block: an item with no text, whole at once."""
+        item = _reasoning_item([], "in_progress")
+        self._add(item)
+        item["encrypted_content"] = REDACTED + data  # on its done event, as a signature comes
+        self._close("completed")
+
     def _tool_call(self, delta: ToolCallDelta) -> None:
         function = delta.function
         index = self.calls.get(delta.index)
@@ -621,7 +675,11 @@ class _StreamWriter:
             ):
                 # The end of one reasoning block: the next reasoning is an item of its own. Unsigned,
                 # it is a stream's reasoning cut short and resumed on another candidate.
+                if delta.reasoning_signature:
+                    self.output[self.open]["encrypted_content"] = SIGNED + delta.reasoning_signature
                 self._close("completed" if delta.reasoning_signature else "incomplete")
+            if delta.redacted_reasoning is not None:
+                self._redacted(delta.redacted_reasoning)
             if delta.content:
                 self._text("output_text", delta.content)
             if delta.refusal:

@@ -13,8 +13,16 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from gateway.responses_inbound import ResponsesRequest, stream_events
-from gateway.types import ChatChunk, ChunkChoice, Delta, FunctionCallDelta, ToolCallDelta
+from gateway.responses_inbound import ResponsesRequest, stream_events, to_canonical
+from gateway.types import (
+    ChatChunk,
+    ChunkChoice,
+    Delta,
+    FunctionCallDelta,
+    ReasoningBlock,
+    RedactedReasoning,
+    ToolCallDelta,
+)
 from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
@@ -599,3 +607,61 @@ def test_reasoning_comes_as_a_reasoning_item_first(gateway: RunningGateway) -> N
     with client.responses.stream(model="deepseek-reasoner", input="a b") as stream:
         helper = stream.get_final_response()  # the SDK's own accumulation of the same events
     assert [item.type for item in helper.output] == ["reasoning", "message"] and helper.output_text == "a b"
+
+
+@pytest.mark.parametrize("model", ["claude-sonnet", "claude-opus-47"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_claude_keeps_thinking_through_a_tool_loop(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, model: str, stream: bool
+) -> None:
+    # Anthropic refuses thinking in a tool loop unless the turn that called the tool comes back with
+    # its signed thinking; the signature travels in the reasoning item's encrypted_content, which
+    # clients send back as is with the rest of the output.
+    client = gateway.openai()
+    settings: Any = {"model": model, "tools": [WEATHER], "reasoning": {"effort": "high"}}
+    conversation: list[Any] = [{"role": "user", "content": "call get_weather"}]
+    if stream:
+        with client.responses.stream(input=conversation, **settings) as events:
+            response = events.get_final_response()
+    else:
+        response = client.responses.create(input=conversation, **settings)
+    thought, *_, call = response.output
+    assert thought.type == "reasoning" and thought.encrypted_content and call.type == "function_call"
+    conversation += response.output
+    conversation.append({"type": "function_call_output", "call_id": call.call_id, "output": "foggy"})
+    answer = client.responses.create(input=conversation, **settings)
+    sent = fake_anthropic.last_request.json
+    assert sent.get("thinking") is not None  # still thinking, not switched off for the loop
+    turn = sent["messages"][1]["content"]
+    assert [block["type"] for block in turn] == ["thinking", "text", "tool_use"]
+    assert thought.content is not None and turn[0]["thinking"] == thought.content[0].text
+    assert [item.type for item in answer.output] == ["reasoning", "message"]
+    assert answer.output_text == "Tool get_weather returned: foggy"
+
+
+async def test_redacted_thinking_streams_as_an_item_of_its_own() -> None:
+    events = await _events(
+        [
+            _chunk(Delta(role="assistant", reasoning_content="Hmm")),
+            _chunk(Delta(reasoning_signature="sig")),
+            _chunk(Delta(redacted_reasoning="opaque")),
+            _chunk(Delta(content="Hi"), "stop"),
+        ]
+    )
+    done = [event.item for event in events if event.type == "response.output_item.done"]
+    assert [(item.type, item.encrypted_content) for item in done[:2]] == [
+        ("reasoning", "weir.thinking.signature:sig"),
+        ("reasoning", "weir.redacted_thinking:opaque"),
+    ]
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "reasoning", "message"]
+    # Sent back, they are Anthropic's blocks again, in order, on the turn they belong to.
+    request = ResponsesRequest(
+        model="m", input=[{"role": "user", "content": "hi"}, *final.model_dump()["output"]]
+    )
+    [_, assistant] = to_canonical(request).messages
+    assert assistant.reasoning_blocks == [
+        ReasoningBlock(text="Hmm", signature="sig"),
+        RedactedReasoning(data="opaque"),
+    ]
+    assert assistant.reasoning_content == "Hmm" and assistant.content == "Hi"
