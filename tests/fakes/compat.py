@@ -12,7 +12,9 @@ OpenAI's own (and so from `FakeOpenAI`), by upstream model:
   `stop_reason` (the stop string that ended it, "END"), and with `return_token_ids` the choices'
   `token_ids` and the prompt's `prompt_token_ids` (on a stream's first chunk); a stream asked for
   `stream_options.continuous_usage_stats` reports the usage so far on every chunk;
-- `cut-short`: a stream that breaks after "Hello" (no finish reason, no `[DONE]`).
+- `cut-short`: a stream that breaks after "Hello" (no finish reason, no `[DONE]`);
+- `ollama-parallel`: Ollama's (and SGLang's, Dynamo's) parallel tool calls, streamed: each call whole in
+  a chunk of its own, every one at `index: 0`, told apart only by its `id` (`OLLAMA_CALLS`).
 
 Every stream ends with `data: [DONE]` unless cut; `GET` (a prober) gets an empty model list.
 """
@@ -92,6 +94,25 @@ def _vllm_stream(request: dict[str, Any]) -> list[dict[str, Any]]:
     return chunks
 
 
+# Ollama's answer to a request for two calls at once: (id, name, arguments).
+OLLAMA_CALLS = [
+    ("call_lima01", "get_weather", '{"city": "Lima"}'),
+    ("call_quito2", "get_time", '{"city": "Quito"}'),
+]
+
+
+def _ollama_stream(model: str) -> list[dict[str, Any]]:
+    calls = [
+        {"id": id_, "index": 0, "type": "function", "function": {"name": name, "arguments": arguments}}
+        for id_, name, arguments in OLLAMA_CALLS
+    ]
+    return [
+        _chunk(model, {"role": "assistant", "content": ""}),
+        *(_chunk(model, {"role": "assistant", "content": "", "tool_calls": [call]}) for call in calls),
+        _chunk(model, {"role": "assistant", "content": ""}, "tool_calls", usage=USAGE),
+    ]
+
+
 def _reasoning(text: str) -> dict[str, Any]:
     """A delta of reasoning as OpenRouter streams it: `reasoning`, and its own `reasoning_details`."""
     return {"reasoning": text, "reasoning_details": [{"type": "reasoning.text", "text": text, "index": 0}]}
@@ -109,6 +130,8 @@ def _chat_stream(request: dict[str, Any]) -> list[dict[str, Any]]:
             # Mistral: the finish reason and the usage come in one last chunk.
             _chunk(model, {"content": ""}, _finish(request), usage=USAGE),
         ]
+    if model == "ollama-parallel":
+        return _ollama_stream(model)
     if model == "cut-short":
         return [_chunk(model, {"role": "assistant", "content": ""}), _chunk(model, {"content": "Hello"})]
     assert model == "vllm-reasoner", model

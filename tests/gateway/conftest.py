@@ -231,6 +231,7 @@ models:
   - {{name: gpt-4o-audio-preview, backend: compat}}
   - {{name: cut-short, backend: compat}}
   - {{name: vllm-served, backend: compat}}
+  - {{name: ollama-parallel, backend: compat}}
 routes:
   - {{name: cut-then-mistral, candidates: [{{model: cut-short}}, {{model: mistral-small}}], probe_interval: null}}
   - {{name: cut-then-vllm, candidates: [{{model: cut-short}}, {{model: vllm-served}}], probe_interval: null}}

@@ -25,6 +25,7 @@ from gateway.types import (
 )
 from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes.compat import OLLAMA_CALLS
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
 
 MODELS = ["gpt-4o-mini", "claude-sonnet", "gemini-flash"]
@@ -665,3 +666,32 @@ async def test_redacted_thinking_streams_as_an_item_of_its_own() -> None:
         RedactedReasoning(data="opaque"),
     ]
     assert assistant.reasoning_content == "Hmm" and assistant.content == "Hi"
+
+
+def test_parallel_calls_all_numbered_zero_stay_apart(compat_gateway: RunningGateway) -> None:
+    # Ollama (and SGLang, Dynamo) stream every parallel call at index 0, each with its own id: a new
+    # id at an index already taken is a new call, not more arguments for the last one.
+    tools: Any = [WEATHER, {**WEATHER, "name": "get_time"}]
+    client = compat_gateway.openai()
+    with client.responses.stream(model="ollama-parallel", input="both", tools=tools) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    calls = [
+        (item.call_id, item.name, item.arguments) for item in final.output if item.type == "function_call"
+    ]
+    assert calls == OLLAMA_CALLS
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(e.output_index, e.arguments) for e in done] == [(0, OLLAMA_CALLS[0][2]), (1, OLLAMA_CALLS[1][2])]
+
+
+async def test_a_call_whose_id_changes_midway_stays_one_call() -> None:
+    # Some servers send a new id on every delta of one call, naming the call only on the first.
+    first = ToolCallDelta(
+        index=0, id="call_a", function=FunctionCallDelta(name="get_weather", arguments='{"city":')
+    )
+    rest = ToolCallDelta(index=0, id="call_b", function=FunctionCallDelta(arguments=' "Lima"}'))
+    events = await _events(
+        [_chunk(Delta(tool_calls=[first])), _chunk(Delta(tool_calls=[rest]), "tool_calls")]
+    )
+    [call] = events[-1].response.output
+    assert (call.call_id, call.name, call.arguments) == ("call_a", "get_weather", '{"city": "Lima"}')
