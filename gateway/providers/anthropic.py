@@ -627,6 +627,10 @@ class ChatStream:
         self.usage: dict[str, Any] = {}
         self.blocks: dict[int, tuple[str, int]] = {}  # content block index -> (kind, tool call index)
         self.tool_calls = 0
+        # Tool blocks whose input has not started: Claude streams an empty input as one empty fragment,
+        # and "" is no JSON (clients json.loads a call's arguments, or the structured-output tool's
+        # reply), so at the block's end such a call, or reply, gets "{}", what the unstreamed one has.
+        self.no_input: set[int] = set()
         self.done = False
         # A content block (even an empty text block) or a stop_reason came: the model answered, if
         # only with nothing. message_start then message_stop alone is no answer (failed at message_stop).
@@ -659,10 +663,12 @@ class ChatStream:
             if block.get("type") == "tool_use":
                 if block.get("name") == JSON_TOOL:
                     self.blocks[index] = ("json", -1)
+                    self.no_input.add(index)
                     return []
                 call = self.tool_calls
                 self.tool_calls += 1
                 self.blocks[index] = ("tool", call)
+                self.no_input.add(index)
                 delta = ToolCallDelta(
                     index=call,
                     id=block.get("id"),
@@ -686,6 +692,8 @@ class ChatStream:
                 return [] if self.structured else [self._chunk(Delta(content=delta.get("text", "")))]
             if delta.get("type") == "input_json_delta":
                 partial = delta.get("partial_json", "")
+                if partial:
+                    self.no_input.discard(payload.get("index", 0))
                 if block_kind == "json":
                     return [self._chunk(Delta(content=partial))] if partial else []
                 tool_delta = ToolCallDelta(index=call, function=FunctionCallDelta(arguments=partial))
@@ -695,6 +703,16 @@ class ChatStream:
             if delta.get("type") == "signature_delta":
                 return [self._chunk(Delta(reasoning_signature=delta.get("signature", "")))]
             return []  # delta types added later
+        if kind == "content_block_stop":
+            index = payload.get("index", 0)
+            if index not in self.no_input:
+                return []
+            self.no_input.discard(index)
+            block_kind, call = self.blocks[index]
+            if block_kind == "json":  # the structured-output tool: its input is the reply
+                return [self._chunk(Delta(content="{}"))]
+            empty = ToolCallDelta(index=call, function=FunctionCallDelta(arguments="{}"))
+            return [self._chunk(Delta(tool_calls=[empty]))]
         if kind == "message_delta":
             usage = payload.get("usage") or {}
             self.usage.update({k: v for k, v in usage.items() if v is not None})

@@ -653,7 +653,9 @@ def _deltas(block: dict[str, Any], per_chunk: int) -> list[dict[str, Any]]:
         return [
             {"type": "thinking_delta", "thinking": p} for p in chunk_words(block["thinking"], per_chunk)
         ] + [{"type": "signature_delta", "signature": block["signature"]}]
-    arguments = json.dumps(block["input"])
+    # As Claude streams it: an empty fragment first, then the input's JSON; a tool called with no
+    # input (one without parameters) gets the empty fragment alone, never "{}".
+    arguments = json.dumps(block["input"]) if block["input"] else ""
     return [{"type": "input_json_delta", "partial_json": ""}] + [
         {"type": "input_json_delta", "partial_json": p} for p in chunk_words(arguments, 1)
     ]

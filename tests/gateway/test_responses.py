@@ -695,3 +695,15 @@ async def test_a_call_whose_id_changes_midway_stays_one_call() -> None:
     )
     [call] = events[-1].response.output
     assert (call.call_id, call.name, call.arguments) == ("call_a", "get_weather", '{"city": "Lima"}')
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_call_without_arguments_streams_an_empty_object(gateway: RunningGateway, model: str) -> None:
+    # Claude streams a parameterless call's input as one empty fragment: the call still has "{}", as
+    # unstreamed and from every other vendor, which clients json.loads.
+    clock: Any = {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {}}}
+    with gateway.openai().responses.stream(model=model, input="call now", tools=[clock]) as stream:
+        done = [e.arguments for e in stream if e.type == "response.function_call_arguments.done"]
+        final = stream.get_final_response()
+    [call] = [item for item in final.output if item.type == "function_call"]
+    assert done == [call.arguments] and json.loads(call.arguments) == {}
