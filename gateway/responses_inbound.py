@@ -262,6 +262,11 @@ def _with_reasoning(message: Message, text: str, blocks: list[ThinkingBlock]) ->
     return msgspec.structs.replace(message, reasoning_content=text or None, reasoning_blocks=blocks or None)
 
 
+def _calls_alone(message: Message) -> bool:
+    """An assistant turn of tool calls and no text yet (its results not sent yet)."""
+    return message.role == "assistant" and bool(message.tool_calls) and not message.content
+
+
 def _messages(request: ResponsesRequest) -> list[Message]:
     messages: list[Message] = []
     if request.instructions:
@@ -278,8 +283,14 @@ def _messages(request: ResponsesRequest) -> list[Message]:
         kind = raw.get("type", "message")
         if kind == "message":
             message = _message(_convert(raw, InputMessage, where), where)
+            last = messages[-1] if messages else None
             if message.role == "assistant" and (reasoning or blocks):
                 message = _with_reasoning(message, reasoning, blocks)
+            elif message.role == "assistant" and last is not None and _calls_alone(last):
+                # Text written after the turn's calls (Gemini's parts, a server's trailing text) is
+                # still that turn: OpenAI refuses anything between tool_calls and their tool messages.
+                message = msgspec.structs.replace(last, content=message.content)
+                messages.pop()
             reasoning, blocks = "", []
             messages.append(message)
         elif kind == "function_call":

@@ -259,6 +259,22 @@ def test_tool_calls_join_one_assistant_turn(gateway: RunningGateway, fake_openai
     assert second["tool_call_id"] == "call_2" and second["content"] == [{"type": "text", "text": "sunny"}]
 
 
+def test_text_after_a_call_joins_the_calls_turn(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    # A backend can write text after its call (Gemini's parts, a server's trailing text): the response
+    # lists the message after the function_call, and sent back it is still the turn that made the call;
+    # OpenAI refuses an assistant message between tool_calls and their tool messages.
+    conversation: Any = [
+        {"role": "user", "content": "weather in Lima?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Lima"}'},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call_output", "call_id": "call_1", "output": "foggy"},
+    ]
+    gateway.openai().responses.create(model="gpt-4o-mini", tools=[WEATHER], input=conversation)  # type: ignore[list-item]
+    _, assistant, result = fake_openai.last_request.json["messages"]
+    assert assistant["content"] == "Checking." and [c["id"] for c in assistant["tool_calls"]] == ["call_1"]
+    assert result == {"role": "tool", "tool_call_id": "call_1", "content": "foggy"}
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_stream_tool_call_events(gateway: RunningGateway, model: str) -> None:
     events = list(
