@@ -24,7 +24,7 @@ from routing.load import LoadReports
 from routing.plan import Choice, Features, Lesson, Outcome
 from routing.prefixes import PrefixIndex, cuts, prefix_keys
 from routing.routes import Route
-from routing.stats import RETRY_UNMEASURED_S, RoutingStats, uses_prefix_affinity
+from routing.stats import REMEASURE_S, RETRY_UNMEASURED_S, RoutingStats, uses_prefix_affinity
 
 if TYPE_CHECKING:
     from routing.difficulty import HeadChoice, StrongCall, StrongShareCalibrator
@@ -145,7 +145,7 @@ async def order(
     if route.policy == "cheapest":
         return cheapest(route, choices, feats, ctx), "", None
     if route.policy == "lowest_latency":
-        return lowest_latency(route, choices, feats, ctx), "", None
+        return lowest_latency(route, choices, feats, ctx, lessons), "", None
     if route.policy == "difficulty":
         return (*await difficulty(route, choices, feats, ctx, lessons), None)
     ordered, outcome = await prefix_affinity(route, choices, feats, ctx, lessons)
@@ -184,7 +184,7 @@ def fits(choice: Choice, feats: Features, output_tokens: int) -> str | None:
     return None
 
 
-def expected_cost(choice: Choice, feats: Features, output_tokens: int, ctx: PolicyContext) -> float:
+def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: PolicyContext) -> float:
     """Expected USD for this request at the prices that will bill it, counting the shares of the
     prompt the cache is expected to serve and to be written with (each billed at its own price:
     writes cost more than input)."""
@@ -205,12 +205,31 @@ def expected_cost(choice: Choice, feats: Features, output_tokens: int, ctx: Poli
     return (feats.prompt_tokens * per_prompt_token + output_tokens * output_price) / 1e12
 
 
+def expected_output(
+    choice: Choice, route: Route, feats: Features, ctx: PolicyContext, reasoning: bool = True
+) -> float:
+    """Output tokens to expect of this candidate: the route's `expected_output_tokens` and, with
+    `reasoning`, the hidden reasoning its answers have been observed to bill on top (moving
+    average); at most the request's limit (which counts reasoning too). The limit itself is a
+    ceiling, not an expectation: the Messages API requires one and clients set 4,096 or more whatever
+    they ask; priced at it, output prices outweighed any prompt (and decode speed any time to first
+    token), so the candidate where the request cost (or took) the most could win."""
+    expected = float(route.expected_output_tokens)
+    if reasoning:
+        stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+        expected += stats.reasoning_tokens or 0.0
+    limit = feats.max_output_tokens
+    return expected if not limit else min(expected, limit)
+
+
 def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:
-    output_tokens = feats.max_output_tokens or route.expected_output_tokens
+    # What must fit the window is what the request may write: vendors refuse a prompt whose limit
+    # does not fit, however short its answers turn out.
+    room = feats.max_output_tokens or route.expected_output_tokens
     fitting, misfits = [], []
     for choice in choices:
-        choice.score = expected_cost(choice, feats, output_tokens, ctx)
-        why = fits(choice, feats, output_tokens)
+        choice.score = expected_cost(choice, feats, expected_output(choice, route, feats, ctx), ctx)
+        why = fits(choice, feats, room)
         if why is None:
             choice.reason = "cheapest_fit"
             fitting.append(choice)
@@ -233,13 +252,15 @@ def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyCo
     return sorted(misfits, key=likeliest)
 
 
-# `lowest_latency`'s order by reason: unmeasured first (so each gets measured), then by expected
-# seconds, and one unmeasured that failed last.
-_LATENCY_RANK = {"unmeasured": 0, "expected_seconds": 1, "unmeasured_failed": 2}
+# `lowest_latency`'s order by reason: unmeasured first (so each gets measured), then one whose
+# estimate is stale (so it is measured again), then by expected seconds, and one unmeasured that
+# failed last.
+_LATENCY_RANK = {"unmeasured": 0, "remeasure": 1, "expected_seconds": 2, "unmeasured_failed": 3}
 
 
-def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:
-    output_tokens = feats.max_output_tokens or route.expected_output_tokens
+def lowest_latency(
+    route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, lessons: list[Lesson] | None
+) -> list[Choice]:
     now = time.monotonic()
     for choice in choices:
         stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
@@ -256,12 +277,50 @@ def lowest_latency(route: Route, choices: list[Choice], feats: Features, ctx: Po
                 # attempt, for having no slow numbers (with no breaker, until it answers).
                 choice.score, choice.reason = None, "unmeasured_failed"
             else:
-                # Never measured: try it first, so every candidate gets measured.
-                choice.score, choice.reason = 0.0, "unmeasured"
+                # Never measured: try it first, so every candidate gets measured. No score: there is
+                # no expected time to show (`score=0` in x-weir-route read as an instant answer).
+                choice.score, choice.reason = None, "unmeasured"
             continue
+        # The answer alone: hidden reasoning comes before the first token, so the time to first
+        # token counts it already.
+        output_tokens = expected_output(choice, route, feats, ctx, reasoning=False)
         decode = output_tokens / stats.tokens_per_s if stats.tokens_per_s else 0.0
         choice.score, choice.reason = stats.ttft_s + decode, "expected_seconds"
-    return sorted(choices, key=lambda c: (_LATENCY_RANK[c.reason or ""], c.score or 0.0))
+    ranked = sorted(choices, key=lambda c: (_LATENCY_RANK[c.reason], c.score or 0.0))
+    stale = _stale(route, ranked, ctx, now)
+    if stale is not None:
+        stale.reason = "remeasure"
+        ranked.remove(stale)
+        ranked.insert(0, stale)
+        if lessons is not None:
+            lessons.append(lambda: _remeasuring(stale, ctx))
+    return ranked
+
+
+def _stale(route: Route, ranked: list[Choice], ctx: PolicyContext, now: float) -> Choice | None:
+    """The measured candidate behind the first whose speed was learned (or last asked to be learned)
+    longest ago, more than REMEASURE_S ago, and whose breaker would let a request through. One the
+    policy ranks behind others gets no traffic: a backend that was slow for a while (an incident, a
+    cold start) kept that estimate, and its place behind, long after it recovered."""
+    if ranked[0].reason != "expected_seconds":
+        return None  # an unmeasured candidate is measured first, this request
+    oldest: tuple[float, Choice] | None = None
+    for choice in ranked[1:]:
+        if choice.reason != "expected_seconds":
+            continue
+        stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+        seen = max(stats.learned_at or 0.0, stats.remeasured_at or 0.0)
+        if now - seen <= REMEASURE_S or _open(choice, route, ctx):
+            continue
+        if oldest is None or seen < oldest[0]:
+            oldest = (seen, choice)
+    return oldest[1] if oldest is not None else None
+
+
+def _remeasuring(choice: Choice, ctx: PolicyContext) -> None:
+    """A request was sent to re-measure `choice`: the next one goes there again only REMEASURE_S
+    from now (or when its answer renews the estimate), not every request until that answer comes."""
+    ctx.stats.get(choice.target.backend.name, choice.target.upstream_model).remeasured_at = time.monotonic()
 
 
 async def difficulty(

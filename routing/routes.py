@@ -141,7 +141,8 @@ class Route(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     # when that prefix is at least this share of it (a conversation's history always is). 0.3 is
     # the cache threshold vLLM's and SGLang's routers default to.
     prefix_share: float = 0.3
-    # `cheapest`/`lowest_latency`: output tokens to expect when the request sets no limit.
+    # `cheapest`/`lowest_latency`: output tokens to expect of an answer (`cheapest` adds the hidden
+    # reasoning each model has been seen to bill); a request's `max_tokens` caps it.
     expected_output_tokens: int = 256
 
     def models(self) -> list[str]:

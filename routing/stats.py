@@ -32,6 +32,10 @@ RETRY_UNMEASURED_S = 30.0
 # Answers are entered as they came, and the moving average takes censored ones uncapped: no delay
 # comes from it.
 MAX_CENSORED_S = 10.0
+# `lowest_latency` sends one request to a candidate it ranks behind the fastest once its estimate is
+# this old: a backend that was slow (an incident, a cold start) is otherwise never asked again, so its
+# estimate never learns that it recovered. At most one request per candidate per this many seconds.
+REMEASURE_S = 300.0
 
 
 @dataclass(slots=True)
@@ -45,8 +49,18 @@ class ModelStats:
     cache_hit_rate: float | None = None
     cache_write_5m_rate: float | None = None
     cache_write_1h_rate: float | None = None
+    # Moving average of an answer's reasoning tokens, billed as output though the client never sees
+    # them: `cheapest` expects them on top of the route's `expected_output_tokens`. A reasoning model
+    # writes thousands; priced at the route's expected answer alone, it looked as cheap as a model
+    # that writes just the answer.
+    reasoning_tokens: float | None = None
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # for the p95, likewise
     samples: int = 0
+    # monotonic times its speed was last learned from an answer and `lowest_latency` last sent a
+    # request to measure it again (`REMEASURE_S`). An attempt too slow to answer is no new estimate
+    # to start from: it says only that the answer would have come later (`_slower_than`).
+    learned_at: float | None = None
+    remeasured_at: float | None = None
     failed_at: float | None = None  # monotonic time of the backend's last failed attempt, until one succeeds
 
     def prompt_shares(self) -> dict[TokenClass, float] | None:
@@ -73,6 +87,17 @@ class ModelStats:
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + ALPHA * (new - old)
+
+
+def _learning(stats: ModelStats) -> None:
+    """A new observation of the model's speed: the averages start again from it where the last one
+    is more than REMEASURE_S old. They say how fast it was then; averaged in at ALPHA, a backend
+    measured while it was slow took a dozen answers to look fast again, and `lowest_latency` asks one
+    it ranks behind only once per REMEASURE_S."""
+    now = time.monotonic()
+    if stats.learned_at is not None and now - stats.learned_at > REMEASURE_S:
+        stats.ttft_s = stats.tokens_per_s = stats.latency_s = None
+    stats.learned_at = now
 
 
 def _censored(event: UsageEvent) -> bool:
@@ -147,9 +172,11 @@ class RoutingStats:
         stats = self.get(event.backend, event.model)
         stats.failed_at = None
         stats.samples += 1
+        _learning(stats)
         latency = event.latency_ms / 1000
         stats.latency_s = _ewma(stats.latency_s, latency)
         usage = event.usage
+        stats.reasoning_tokens = _ewma(stats.reasoning_tokens, usage.reasoning_tokens)
         if event.ttft_ms is not None:
             ttft = event.ttft_ms / 1000
             stats.ttft_s = _ewma(stats.ttft_s, ttft)

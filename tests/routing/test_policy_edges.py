@@ -22,7 +22,7 @@ from gateway.usage import Usage
 from routing.plan import Features, Plan, features
 from routing.router import Router
 from routing.routes import Candidate, Conditions, Route
-from routing.stats import RETRY_UNMEASURED_S
+from routing.stats import REMEASURE_S, RETRY_UNMEASURED_S
 from tests.routing.routed import sent
 
 CONFIG = """\
@@ -35,6 +35,7 @@ models:
   - {name: big, backend: other, price: {input: 3, cached_input: 0.3, output: 15}}
   - {name: writes, backend: other, price: {input: 3, cached_input: 0.3, cache_write_5m: 3.75, cache_write_1h: 6, output: 15}}
   - {name: plain, backend: openai, price: {input: 2, output: 15}}
+  - {name: terse, backend: other, price: {input: 5, output: 5}}
 """
 ACME = Principal(tenant_id="t1", tenant_name="acme", key_id="k1")
 OTHER = Principal(tenant_id="t2", tenant_name="other", key_id="k2")
@@ -57,7 +58,11 @@ def route(name: str, policy: str, *models: str, **fields: object) -> Route:
 
 
 def feats(
-    text: str = "hello", principal: Principal = ACME, tools: bool = False, image: bool = False
+    text: str = "hello",
+    principal: Principal = ACME,
+    tools: bool = False,
+    image: bool = False,
+    max_tokens: int | None = None,
 ) -> Features:
     content: object = text
     if image:
@@ -66,6 +71,8 @@ def feats(
     body: dict[str, object] = {"model": "r", "messages": [{"role": "user", "content": content}]}
     if tools:
         body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     return features(msgspec.convert(body, ChatRequest), principal.tenant_name, principal.key_id)
 
 
@@ -74,9 +81,15 @@ def header(plan: Plan) -> dict[str, str]:
 
 
 def event(
-    model: str, *, status: int = 200, ttft_s: float | None = 0.1, cached: int = 0, usage: Usage | None = None
+    model: str,
+    *,
+    status: int = 200,
+    ttft_s: float | None = 0.1,
+    decode_s: float = 0.4,
+    cached: int = 0,
+    usage: Usage | None = None,
 ) -> UsageEvent:
-    backend = "other" if model in ("big", "writes") else "openai"
+    backend = "other" if model in ("big", "writes", "terse") else "openai"
     return UsageEvent(
         request_id="r",
         attempt=1,
@@ -89,7 +102,7 @@ def event(
         usage=usage or Usage(input_tokens=1000 - cached, cached_input_tokens=cached, output_tokens=40),
         prices={},
         cost_pico_usd=0,
-        latency_ms=((ttft_s or 0.1) + 0.4) * 1000,
+        latency_ms=((ttft_s or 0.1) + decode_s) * 1000,
         ttft_ms=None if ttft_s is None else ttft_s * 1000,
         status=status,
     )
@@ -258,6 +271,54 @@ async def test_cheapest_expects_a_prompt_to_cost_what_its_models_traffic_bills(
     assert plan.choices[0].score == pytest.approx(request.prompt_tokens * per_prompt + output)
 
 
+async def test_cheapest_expects_the_usual_answer_not_the_requests_output_limit() -> None:
+    """A client's `max_tokens` is a ceiling (the Messages API requires one; 4,096 or 8,192 is the
+    usual setting), not the answer's length: priced at it, `terse`'s cheap output won although the
+    request costs more than twice as much there. `plain` at 256 expected output tokens: 10,000 prompt
+    tokens · 2/M + 256 · 15/M = 0.0238 USD, `terse` 0.0513. The window still has to hold the limit."""
+    planner = router(route("c", "cheapest", "terse", "plain"))
+    request = feats("w " * 20000, max_tokens=8192)
+    plan = await planner.plan("c", ACME, request)
+    assert [c.candidate.model for c in plan.choices] == ["plain", "terse"]
+    expected = (request.prompt_tokens * 2 + 256 * 15) / 1e6
+    assert float(header(plan)["score"]) == pytest.approx(expected, rel=1e-5)
+    # A limit below the expected output caps it.
+    plan = await planner.plan("c", ACME, feats("w " * 20000, max_tokens=100))
+    assert plan.choices[0].score == pytest.approx((request.prompt_tokens * 2 + 100 * 15) / 1e6)
+    # The window is checked against the limit, not the expected answer.
+    windowed = Route(
+        name="w",
+        policy="cheapest",
+        candidates=[Candidate(model="plain", context_window=12_000), Candidate(model="terse")],
+        probe_interval=None,
+    )
+    plan = await router(windowed).plan("w", ACME, feats("w " * 20000, max_tokens=8192))
+    assert [c.candidate.model for c in plan.choices] == ["terse"]
+
+
+async def test_cheapest_counts_the_hidden_reasoning_a_model_writes() -> None:
+    """A reasoning model bills thousands of output tokens the client never sees. Priced at the
+    route's `expected_output_tokens` alone it looked as cheap as a model that writes just the answer;
+    the reasoning its answers were observed to bill is expected on top, up to the request's limit."""
+    planner = router(route("c", "cheapest", "plain", "terse"))
+    prompt = "w " * 20000
+    assert (await planner.plan("c", ACME, feats(prompt))).choices[0].candidate.model == "plain"
+    thinking = Usage(input_tokens=9000, output_tokens=4000, reasoning_tokens=3800)
+    for _ in range(3):
+        planner.stats.record(event("plain", usage=thinking))
+        planner.stats.record(event("terse", usage=Usage(input_tokens=9000, output_tokens=200)))
+    plan = await planner.plan("c", ACME, feats(prompt))
+    assert [c.candidate.model for c in plan.choices] == ["terse", "plain"]
+    prompt_tokens = feats(prompt).prompt_tokens
+    assert [c.score for c in plan.choices] == [
+        pytest.approx((prompt_tokens * 5 + 256 * 5) / 1e6),
+        pytest.approx((prompt_tokens * 2 + (256 + 3800) * 15) / 1e6),
+    ]
+    # A request that lets it write 300 tokens at most costs at most that much output there.
+    plan = await planner.plan("c", ACME, feats(prompt, max_tokens=300))
+    assert [c.candidate.model for c in plan.choices] == ["plain", "terse"]
+
+
 # --- lowest_latency -----------------------------------------------------------------------------------
 
 
@@ -267,7 +328,7 @@ async def test_lowest_latency_measures_each_candidate_then_keeps_the_fastest() -
     for ttft in (0.5, 0.05, 0.3):  # each answer measures the candidate it went to
         plan = await planner.plan("f", ACME, feats())
         first = plan.choices[0]
-        assert (first.reason, first.score) == ("unmeasured", 0.0)
+        assert (first.reason, first.score) == ("unmeasured", None)
         explored.append(first.candidate.model)
         planner.stats.record(event(first.candidate.model, ttft_s=ttft))
     assert explored == ["small", "mid", "big"]
@@ -315,6 +376,66 @@ async def test_lowest_latency_follows_a_candidate_that_gets_slower() -> None:
     planner.stats.record(event("small", ttft_s=1.0))
     plan = await planner.plan("f", ACME, feats())
     assert [c.candidate.model for c in plan.choices] == ["mid", "small"]
+
+
+async def test_lowest_latency_expects_the_usual_answer_not_the_requests_output_limit() -> None:
+    """The route's answers are about 40 tokens; `small` starts at once and decodes at ~49 tokens/s,
+    `mid` starts in a second at ~195 tokens/s. Expected at the request's `max_tokens` (4,096), the
+    decode speed decided (`small` 84 s, `mid` 22 s); what the answer takes is ~0.9 s against ~1.2 s."""
+    planner = router(route("f", "lowest_latency", "small", "mid", expected_output_tokens=40))
+    for _ in range(3):
+        planner.stats.record(event("small", ttft_s=0.1, decode_s=0.8))
+        planner.stats.record(event("mid", ttft_s=1.0, decode_s=0.2))
+    plan = await planner.plan("f", ACME, feats(max_tokens=4096))
+    assert [c.candidate.model for c in plan.choices] == ["small", "mid"]
+    assert float(header(plan)["score"]) == pytest.approx(0.1 + 40 / (39 / 0.8), rel=1e-4)
+
+
+async def test_lowest_latency_measures_again_a_candidate_it_stopped_asking() -> None:
+    """A backend measured while slow (an incident) got no more traffic, so its estimate never learned
+    that it recovered: it stayed behind for good. Once its estimate is REMEASURE_S old it gets one
+    request (`reason=remeasure`), and the answer replaces the stale average."""
+    planner = router(route("f", "lowest_latency", "small", "mid"))
+    for _ in range(5):
+        planner.stats.record(event("small", ttft_s=3.0))
+        planner.stats.record(event("mid", ttft_s=0.3))
+    plan = await planner.plan("f", ACME, feats())
+    assert [c.candidate.model for c in plan.choices] == ["mid", "small"]
+    slow = planner.stats.get("openai", "small")
+    assert slow.learned_at is not None
+    slow.learned_at -= REMEASURE_S + 1  # mid kept answering; small was last heard from long ago
+    preview = await planner.plan("f", ACME, feats(), record=False)
+    assert preview.choices[0].candidate.model == "small"
+    plan = await planner.plan("f", ACME, feats())
+    assert [(c.candidate.model, c.reason) for c in plan.choices] == [
+        ("small", "remeasure"),
+        ("mid", "expected_seconds"),
+    ]
+    assert header(plan)["reason"] == "remeasure"
+    plan.commit()  # sent: the next requests do not all go there before its answer comes
+    assert (await planner.plan("f", ACME, feats())).choices[0].candidate.model == "mid"
+    planner.stats.record(event("small", ttft_s=0.1))  # it recovered
+    plan = await planner.plan("f", ACME, feats())
+    assert [c.candidate.model for c in plan.choices] == ["small", "mid"]
+    assert plan.choices[0].reason == "expected_seconds"
+
+
+async def test_lowest_latency_does_not_remeasure_a_candidate_behind_an_open_breaker() -> None:
+    planner = router(route("f", "lowest_latency", "small", "mid"))
+    for _ in range(5):
+        planner.stats.record(event("small", ttft_s=3.0))
+        planner.stats.record(event("mid", ttft_s=0.3))
+    slow = planner.stats.get("openai", "small")
+    assert slow.learned_at is not None
+    slow.learned_at -= REMEASURE_S + 1
+    breaker = planner.breakers.get(planner.breakers.key("openai", "small"))
+    for _ in range(5):
+        breaker.failure()
+    plan = await planner.plan("f", ACME, feats())
+    assert [(c.candidate.model, c.reason) for c in plan.choices] == [
+        ("mid", "expected_seconds"),
+        ("small", "expected_seconds"),
+    ]
 
 
 # --- difficulty ---------------------------------------------------------------------------------------
