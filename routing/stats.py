@@ -44,11 +44,16 @@ class ModelStats:
     ttft_s: float | None = None
     tokens_per_s: float | None = None  # moving average decode speed after the first token
     latency_s: float | None = None  # moving average whole-attempt latency
-    # Moving average shares of prompt tokens read from the prompt cache and written to it (at the
-    # 5-minute and 1-hour TTL prices): `cheapest` prices each share at its own price.
-    cache_hit_rate: float | None = None
-    cache_write_5m_rate: float | None = None
-    cache_write_1h_rate: float | None = None
+    # Moving averages of an answer's prompt tokens and of those read from the prompt cache and
+    # written to it (at the 5-minute and 1-hour TTL prices): their ratios are the shares `cheapest`
+    # prices each at its own price. Shares of tokens, not an average of each answer's share: the cost
+    # of a route is in its long prompts, and where long cached prompts mix with short ones (a title,
+    # a classification, below any vendor's minimum to cache), each short answer's 0% counted as much
+    # as a 90% on a prompt a hundred times longer, and a model with a cheap cache lost to a dearer one.
+    prompt_tokens: float | None = None
+    cached_tokens: float = 0.0
+    cache_write_5m_tokens: float = 0.0
+    cache_write_1h_tokens: float = 0.0
     # Moving average of an answer's reasoning tokens, billed as output though the client never sees
     # them: `cheapest` expects them on top of the route's `expected_output_tokens`. A reasoning model
     # writes thousands; priced at the route's expected answer alone, it looked as cheap as a model
@@ -63,19 +68,22 @@ class ModelStats:
     remeasured_at: float | None = None
     failed_at: float | None = None  # monotonic time of the backend's last failed attempt, until one succeeds
 
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """The observed share of prompt tokens read from the prompt cache; None before the model's
+        first usage event with a prompt."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
     def prompt_shares(self) -> dict[TokenClass, float] | None:
         """The observed shares of prompt tokens billed as each cache class (the rest bill as input);
         None before the model's first usage event with a prompt."""
-        if (
-            self.cache_hit_rate is None
-            or self.cache_write_5m_rate is None
-            or self.cache_write_1h_rate is None
-        ):
+        prompt = self.prompt_tokens
+        if not prompt:
             return None
         return {
-            TokenClass.CACHED_INPUT: self.cache_hit_rate,
-            TokenClass.CACHE_WRITE_5M: self.cache_write_5m_rate,
-            TokenClass.CACHE_WRITE_1H: self.cache_write_1h_rate,
+            TokenClass.CACHED_INPUT: self.cached_tokens / prompt,
+            TokenClass.CACHE_WRITE_5M: self.cache_write_5m_tokens / prompt,
+            TokenClass.CACHE_WRITE_1H: self.cache_write_1h_tokens / prompt,
         }
 
     def p95_ttft(self) -> float | None:
@@ -186,9 +194,15 @@ class RoutingStats:
                 stats.tokens_per_s = _ewma(stats.tokens_per_s, (usage.output_tokens - 1) / decode_s)
         prompt = usage.prompt_tokens
         if prompt > 0:
-            stats.cache_hit_rate = _ewma(stats.cache_hit_rate, usage.cached_input_tokens / prompt)
-            stats.cache_write_5m_rate = _ewma(stats.cache_write_5m_rate, usage.cache_write_5m_tokens / prompt)
-            stats.cache_write_1h_rate = _ewma(stats.cache_write_1h_rate, usage.cache_write_1h_tokens / prompt)
+            first = stats.prompt_tokens is None  # each average starts at its first value
+            stats.prompt_tokens = _ewma(stats.prompt_tokens, prompt)
+            stats.cached_tokens = _ewma(None if first else stats.cached_tokens, usage.cached_input_tokens)
+            stats.cache_write_5m_tokens = _ewma(
+                None if first else stats.cache_write_5m_tokens, usage.cache_write_5m_tokens
+            )
+            stats.cache_write_1h_tokens = _ewma(
+                None if first else stats.cache_write_1h_tokens, usage.cache_write_1h_tokens
+            )
             if event.routing is not None and _on_affinity_replica(event.routing):
                 tokens = self.affinity_tokens.get(event.route)
                 if tokens is None and self.in_force(event.route, uses_prefix_affinity):

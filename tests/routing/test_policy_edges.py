@@ -319,6 +319,25 @@ async def test_cheapest_counts_the_hidden_reasoning_a_model_writes() -> None:
     assert [c.candidate.model for c in plan.choices] == ["plain", "terse"]
 
 
+async def test_cheapest_expects_a_long_prompt_to_hit_the_cache_as_long_prompts_do() -> None:
+    """`big`'s traffic: an agent's long prompts, 90% read from its cache, and three short calls (a
+    title, below any vendor's minimum to cache) for each. Averaged per answer, its share was ~25%, so a
+    long prompt was expected to cost 2.3/M there, above `plain`'s 2/M; it bills 0.57/M. The share is
+    now of tokens: the long prompts', which are where the cost is."""
+    planner = router(route("c", "cheapest", "plain", "big", expected_output_tokens=1))
+    long = Usage(input_tokens=1000, cached_input_tokens=9000, output_tokens=40)
+    short = Usage(input_tokens=100, output_tokens=40)
+    for _ in range(5):
+        for usage in (long, short, short, short):
+            planner.stats.record(event("big", usage=usage))
+    plan = await planner.plan("c", ACME, feats("w " * 20000))
+    assert [c.candidate.model for c in plan.choices] == ["big", "plain"]
+    assert plan.choices[0].score is not None and plan.choices[1].score is not None
+    assert plan.choices[0].score < plan.choices[1].score / 2
+    # As /routes/status reports it: the share of the model's recent prompt tokens.
+    assert planner.stats.get("other", "big").cache_hit_rate == pytest.approx(0.87, abs=0.03)
+
+
 # --- lowest_latency -----------------------------------------------------------------------------------
 
 
