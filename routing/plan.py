@@ -41,6 +41,9 @@ class Features:
     tags: frozenset[str]
     tenant: str | None
     key_id: str | None
+    # Whether the request marks a prompt-cache breakpoint (`cache_control` on a part, message or
+    # tool): Anthropic reads and writes its cache only up to one. None: not known (a route preview).
+    cache_breakpoints: bool | None = None
 
 
 def _turn_text(message: Message) -> str:
@@ -93,7 +96,20 @@ def features(
         tags=frozenset(t.strip() for t in metadata.get("tags", "").split(",") if t.strip()),
         tenant=tenant,
         key_id=key_id,
+        cache_breakpoints=_breakpoints(request),
     )
+
+
+def _breakpoints(request: ChatRequest) -> bool:
+    """Whether any part, message or tool of `request` carries `cache_control`."""
+    for message in request.messages:
+        if message.cache_control is not None:
+            return True
+        if isinstance(message.content, list) and any(
+            getattr(part, "cache_control", None) is not None for part in message.content
+        ):
+            return True
+    return any(tool.cache_control is not None for tool in request.tools or ())
 
 
 @dataclass(slots=True)

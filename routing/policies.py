@@ -195,14 +195,25 @@ def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: Po
     # Above the model's long-context threshold every token bills at the tier (`Pipeline.billing_prices`).
     tier = long_context_sheet(choice.target.model)
     prices = resolve(base if tier is None else tier.apply(base, feats.prompt_tokens))
-    observed = ctx.stats.get(backend, model).prompt_shares()
-    shares = observed or {TokenClass.CACHED_INPUT: choice.candidate.cache_hit_rate}
+    shares = _cache_shares(choice, feats, ctx)
     input_price = prices.get(TokenClass.INPUT, 0)
     per_prompt_token = input_price + sum(
         share * (prices.get(token_class, input_price) - input_price) for token_class, share in shares.items()
     )
     output_price = prices.get(TokenClass.OUTPUT, 0)
     return (feats.prompt_tokens * per_prompt_token + output_tokens * output_price) / 1e12
+
+
+def _cache_shares(choice: Choice, feats: Features, ctx: PolicyContext) -> dict[TokenClass, float]:
+    """The shares of the prompt expected to bill as each cache class: the model's observed ones, or
+    before its traffic is seen the candidate's `cache_hit_rate` read. None on Anthropic for a request
+    without a breakpoint: it caches nothing that no `cache_control` marks (neither reads nor writes),
+    so the share its other traffic (clients that mark one) reads was a discount this request never
+    gets."""
+    if choice.target.backend.type == "anthropic" and feats.cache_breakpoints is False:
+        return {}
+    observed = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model).prompt_shares()
+    return observed or {TokenClass.CACHED_INPUT: choice.candidate.cache_hit_rate}
 
 
 def expected_output(

@@ -139,7 +139,9 @@ def test_cheapest_counts_the_expected_cache_discount(gateway: RunningGateway) ->
 
     gw = runtime(gateway)
     target = gw.models.targets["claude-sonnet"]
-    feats = features(ChatRequest(model="x", messages=[Message(role="user", content="w " * 4000)]), None, None)
+    # A breakpoint: Anthropic caches only what one marks.
+    marked = Message(role="user", content="w " * 4000, cache_control={"type": "ephemeral"})
+    feats = features(ChatRequest(model="x", messages=[marked]), None, None)
     cold = expected_cost(Choice(target, Candidate(model="claude-sonnet")), feats, 100, gw.router.context)
     warm = expected_cost(
         Choice(target, Candidate(model="claude-sonnet", cache_hit_rate=0.9)), feats, 100, gw.router.context

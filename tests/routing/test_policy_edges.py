@@ -29,6 +29,7 @@ CONFIG = """\
 backends:
   - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
   - {name: other, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
+  - {name: claude, type: anthropic, base_url: "http://127.0.0.1:9", api_key: k}
 models:
   - {name: small, backend: openai, price: {input: 0.15, cached_input: 0.015, output: 0.6}}
   - {name: mid, backend: openai, price: {input: 1, cached_input: 0.1, output: 4}}
@@ -36,6 +37,7 @@ models:
   - {name: writes, backend: other, price: {input: 3, cached_input: 0.3, cache_write_5m: 3.75, cache_write_1h: 6, output: 15}}
   - {name: plain, backend: openai, price: {input: 2, output: 15}}
   - {name: terse, backend: other, price: {input: 5, output: 5}}
+  - {name: sonnet, backend: claude, price: {input: 3, cached_input: 0.3, cache_write_5m: 3.75, output: 15}}
 """
 ACME = Principal(tenant_id="t1", tenant_name="acme", key_id="k1")
 OTHER = Principal(tenant_id="t2", tenant_name="other", key_id="k2")
@@ -63,8 +65,11 @@ def feats(
     tools: bool = False,
     image: bool = False,
     max_tokens: int | None = None,
+    cache: bool = False,
 ) -> Features:
     content: object = text
+    if cache:  # an Anthropic prompt-cache breakpoint at the end of the prompt
+        content = [{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]
     if image:
         url = "data:image/png;base64,iVBORw0KGgo="
         content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
@@ -89,7 +94,7 @@ def event(
     cached: int = 0,
     usage: Usage | None = None,
 ) -> UsageEvent:
-    backend = "other" if model in ("big", "writes", "terse") else "openai"
+    backend = {"big": "other", "writes": "other", "terse": "other", "sonnet": "claude"}.get(model, "openai")
     return UsageEvent(
         request_id="r",
         attempt=1,
@@ -336,6 +341,32 @@ async def test_cheapest_expects_a_long_prompt_to_hit_the_cache_as_long_prompts_d
     assert plan.choices[0].score < plan.choices[1].score / 2
     # As /routes/status reports it: the share of the model's recent prompt tokens.
     assert planner.stats.get("other", "big").cache_hit_rate == pytest.approx(0.87, abs=0.03)
+
+
+async def test_cheapest_expects_no_cache_discount_on_anthropic_without_a_breakpoint() -> None:
+    """Anthropic reads its prompt cache only up to a `cache_control` breakpoint. `sonnet`'s traffic
+    (clients that mark one) reads 90% from it, and that share was expected of every request: one
+    without a breakpoint, which bills the full 3/M there, went to it over `plain`'s 2/M."""
+    planner = router(route("c", "cheapest", "sonnet", "plain", expected_output_tokens=1))
+    for _ in range(3):
+        planner.stats.record(event("sonnet", usage=Usage(input_tokens=1000, cached_input_tokens=9000)))
+    prompt = "w " * 20000
+    plan = await planner.plan("c", ACME, feats(prompt))
+    assert [c.candidate.model for c in plan.choices] == ["plain", "sonnet"]
+    assert plan.choices[1].score == pytest.approx((feats(prompt).prompt_tokens * 3 + 15) / 1e6)
+    plan = await planner.plan("c", ACME, feats(prompt, cache=True))
+    assert [c.candidate.model for c in plan.choices] == ["sonnet", "plain"]
+    # The configured share, before any traffic, likewise.
+    configured = Route(
+        name="k",
+        policy="cheapest",
+        candidates=[Candidate(model="sonnet", cache_hit_rate=0.9), Candidate(model="plain")],
+        probe_interval=None,
+        expected_output_tokens=1,
+    )
+    planner = router(configured)
+    assert (await planner.plan("k", ACME, feats(prompt))).choices[0].candidate.model == "plain"
+    assert (await planner.plan("k", ACME, feats(prompt, cache=True))).choices[0].candidate.model == "sonnet"
 
 
 # --- lowest_latency -----------------------------------------------------------------------------------
