@@ -24,7 +24,7 @@ from routing.load import LoadReports
 from routing.plan import Choice, Features, Lesson, Outcome
 from routing.prefixes import PrefixIndex, cuts, prefix_keys
 from routing.routes import Route
-from routing.stats import REMEASURE_S, RETRY_UNMEASURED_S, RoutingStats, uses_prefix_affinity
+from routing.stats import REMEASURE_S, RETRY_UNMEASURED_S, ModelStats, RoutingStats, uses_prefix_affinity
 
 if TYPE_CHECKING:
     from routing.difficulty import HeadChoice, StrongCall, StrongShareCalibrator
@@ -264,9 +264,15 @@ def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyCo
 
 
 # `lowest_latency`'s order by reason: unmeasured first (so each gets measured), then one whose
-# estimate is stale (so it is measured again), then by expected seconds, and one unmeasured that
-# failed last.
-_LATENCY_RANK = {"unmeasured": 0, "remeasure": 1, "expected_seconds": 2, "unmeasured_failed": 3}
+# estimate is stale (so it is measured again), then by expected seconds, then unmeasured ones whose
+# measuring request is under way, and one unmeasured that failed last.
+_LATENCY_RANK = {
+    "unmeasured": 0,
+    "remeasure": 1,
+    "expected_seconds": 2,
+    "measuring": 3,
+    "unmeasured_failed": 4,
+}
 
 
 def lowest_latency(
@@ -283,14 +289,8 @@ def lowest_latency(
             choice.score, choice.reason = stats.latency_s, "expected_seconds"
             continue
         if stats.ttft_s is None:
-            if stats.failed_at is not None and now - stats.failed_at < RETRY_UNMEASURED_S:
-                # Tried and failed: it had its turn. First again, it would be every request's first
-                # attempt, for having no slow numbers (with no breaker, until it answers).
-                choice.score, choice.reason = None, "unmeasured_failed"
-            else:
-                # Never measured: try it first, so every candidate gets measured. No score: there is
-                # no expected time to show (`score=0` in x-weir-route read as an instant answer).
-                choice.score, choice.reason = None, "unmeasured"
+            # No score: there is no expected time to show (`score=0` read as an instant answer).
+            choice.score, choice.reason = None, _unmeasured(stats, now)
             continue
         # The answer alone: hidden reasoning comes before the first token, so the time to first
         # token counts it already.
@@ -303,9 +303,25 @@ def lowest_latency(
         stale.reason = "remeasure"
         ranked.remove(stale)
         ranked.insert(0, stale)
-        if lessons is not None:
-            lessons.append(lambda: _remeasuring(stale, ctx))
+    first = ranked[0]
+    # Not one behind an open breaker: the executor skips it, and no request measures it.
+    if lessons is not None and first.reason in ("unmeasured", "remeasure") and not _open(first, route, ctx):
+        lessons.append(lambda: _measuring(first, ctx))
     return ranked
+
+
+def _unmeasured(stats: ModelStats, now: float) -> str:
+    """Where a candidate with no speed estimate goes. First ("unmeasured"), so that it gets measured,
+    unless a request was sent to measure it within RETRY_UNMEASURED_S ("measuring": its usage event
+    comes when the attempt ends, after a whole stream; until then every request went to it, a flood
+    of each candidate in turn after each restart, the slow ones too) or its last attempt failed then
+    ("unmeasured_failed": it had its turn; first again, it was every request's first attempt, with no
+    breaker until it answered)."""
+    if stats.failed_at is not None and now - stats.failed_at < RETRY_UNMEASURED_S:
+        return "unmeasured_failed"
+    if stats.measuring_at is not None and now - stats.measuring_at < RETRY_UNMEASURED_S:
+        return "measuring"
+    return "unmeasured"
 
 
 def _stale(route: Route, ranked: list[Choice], ctx: PolicyContext, now: float) -> Choice | None:
@@ -320,7 +336,7 @@ def _stale(route: Route, ranked: list[Choice], ctx: PolicyContext, now: float) -
         if choice.reason != "expected_seconds":
             continue
         stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
-        seen = max(stats.learned_at or 0.0, stats.remeasured_at or 0.0)
+        seen = max(stats.learned_at or 0.0, stats.measuring_at or 0.0)
         if now - seen <= REMEASURE_S or _open(choice, route, ctx):
             continue
         if oldest is None or seen < oldest[0]:
@@ -328,10 +344,10 @@ def _stale(route: Route, ranked: list[Choice], ctx: PolicyContext, now: float) -
     return oldest[1] if oldest is not None else None
 
 
-def _remeasuring(choice: Choice, ctx: PolicyContext) -> None:
-    """A request was sent to re-measure `choice`: the next one goes there again only REMEASURE_S
-    from now (or when its answer renews the estimate), not every request until that answer comes."""
-    ctx.stats.get(choice.target.backend.name, choice.target.upstream_model).remeasured_at = time.monotonic()
+def _measuring(choice: Choice, ctx: PolicyContext) -> None:
+    """A request was sent to measure `choice`: the next ones go elsewhere until its answer comes (an
+    unmeasured one for RETRY_UNMEASURED_S at most, a stale one for REMEASURE_S), not all of them."""
+    ctx.stats.get(choice.target.backend.name, choice.target.upstream_model).measuring_at = time.monotonic()
 
 
 async def difficulty(

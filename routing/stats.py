@@ -62,10 +62,11 @@ class ModelStats:
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # for the p95, likewise
     samples: int = 0
     # monotonic times its speed was last learned from an answer and `lowest_latency` last sent a
-    # request to measure it again (`REMEASURE_S`). An attempt too slow to answer is no new estimate
-    # to start from: it says only that the answer would have come later (`_slower_than`).
+    # request to measure it (unmeasured, or again after REMEASURE_S). An attempt too slow to answer is
+    # no new estimate to start from: it says only that the answer would have come later
+    # (`_slower_than`).
     learned_at: float | None = None
-    remeasured_at: float | None = None
+    measuring_at: float | None = None
     failed_at: float | None = None  # monotonic time of the backend's last failed attempt, until one succeeds
 
     @property

@@ -488,6 +488,39 @@ async def test_lowest_latency_does_not_remeasure_a_candidate_behind_an_open_brea
     ]
 
 
+async def test_lowest_latency_sends_one_request_to_measure_each_unmeasured_candidate() -> None:
+    """An unmeasured candidate is measured by its answer's usage event, which comes when the attempt
+    ends (after a whole stream). Until then every request went to it: after each restart, a flood of
+    each candidate in turn, the slow ones too. One request measures it; the next go elsewhere."""
+    planner = router(route("f", "lowest_latency", "small", "mid", "big"))
+    preview = await planner.plan("f", ACME, feats(), record=False)  # sends nothing
+    assert preview.choices[0].candidate.model == "small"
+    went = []
+    for _ in range(4):
+        plan = await planner.plan("f", ACME, feats())
+        plan.commit()  # sent; no answer yet
+        went.append((plan.choices[0].candidate.model, plan.choices[0].reason))
+    # Once each is being measured, the listed order, as before any was.
+    assert went == [
+        ("small", "unmeasured"),
+        ("mid", "unmeasured"),
+        ("big", "unmeasured"),
+        ("small", "measuring"),
+    ]
+    planner.stats.record(event("mid", ttft_s=0.2))
+    plan = await planner.plan("f", ACME, feats())
+    assert [(c.candidate.model, c.reason) for c in plan.choices] == [
+        ("mid", "expected_seconds"),
+        ("small", "measuring"),
+        ("big", "measuring"),
+    ]
+    small = planner.stats.get("openai", "small")
+    assert small.measuring_at is not None
+    small.measuring_at -= RETRY_UNMEASURED_S + 1  # no answer in that long: asked again
+    plan = await planner.plan("f", ACME, feats())
+    assert (plan.choices[0].candidate.model, plan.choices[0].reason) == ("small", "unmeasured")
+
+
 # --- difficulty ---------------------------------------------------------------------------------------
 
 
