@@ -205,14 +205,16 @@ def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: Po
 
 
 def _cache_shares(choice: Choice, feats: Features, ctx: PolicyContext) -> dict[TokenClass, float]:
-    """The shares of the prompt expected to bill as each cache class: the model's observed ones, or
-    before its traffic is seen the candidate's `cache_hit_rate` read. None on Anthropic for a request
+    """The shares of the prompt expected to bill as each cache class: those observed on the model's
+    prompts of its size (`routing.stats.size_class`), or before one is seen the candidate's
+    `cache_hit_rate` read. None on Anthropic for a request
     without a breakpoint: it caches nothing that no `cache_control` marks (neither reads nor writes),
     so the share its other traffic (clients that mark one) reads was a discount this request never
     gets."""
     if choice.target.backend.type == "anthropic" and feats.cache_breakpoints is False:
         return {}
-    observed = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model).prompt_shares()
+    stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+    observed = stats.prompt_shares(feats.prompt_tokens)
     return observed or {TokenClass.CACHED_INPUT: choice.candidate.cache_hit_rate}
 
 

@@ -3,6 +3,7 @@ usage events every attempt produces (so it sees exactly what the ledger sees).""
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import TokenClass
+from gateway.usage import Usage
 
 if TYPE_CHECKING:
     from routing.router import InForce
@@ -38,22 +40,58 @@ MAX_CENSORED_S = 10.0
 REMEASURE_S = 300.0
 
 
+# Prompt sizes (tokens) whose cache shares are kept apart: vendors cache no prompt under a minimum
+# (OpenAI, Claude Sonnet and Opus, Gemini Flash: 1,024; Claude Haiku: 2,048; Gemini Pro: 4,096), so
+# a model's long prompts may read 90% from its cache while its short ones read nothing.
+CACHE_SIZE_BOUNDS = (1024, 2048, 4096)
+
+
+def size_class(prompt_tokens: int) -> int:
+    """Which of the `CACHE_SIZE_BOUNDS` classes a prompt of `prompt_tokens` is in (0: the shortest)."""
+    return bisect.bisect_right(CACHE_SIZE_BOUNDS, prompt_tokens)
+
+
+@dataclass(slots=True)
+class CacheShares:
+    """Moving averages of an answer's prompt tokens and of those read from the prompt cache and
+    written to it (at the 5-minute and 1-hour TTL prices): their ratios are the shares `cheapest`
+    prices each at its own price. Shares of tokens, not an average of each answer's share: where
+    long cached prompts mix with shorter ones, each answer's share counted alike whatever its size,
+    and a model with a cheap cache lost a long request to a dearer one."""
+
+    prompt: float | None = None
+    cached: float = 0.0
+    write_5m: float = 0.0
+    write_1h: float = 0.0
+
+    def add(self, usage: Usage) -> None:
+        first = self.prompt is None  # each average starts at its first value
+        self.prompt = _ewma(self.prompt, usage.prompt_tokens)
+        self.cached = _ewma(None if first else self.cached, usage.cached_input_tokens)
+        self.write_5m = _ewma(None if first else self.write_5m, usage.cache_write_5m_tokens)
+        self.write_1h = _ewma(None if first else self.write_1h, usage.cache_write_1h_tokens)
+
+    def shares(self) -> dict[TokenClass, float] | None:
+        prompt = self.prompt
+        if not prompt:
+            return None
+        return {
+            TokenClass.CACHED_INPUT: self.cached / prompt,
+            TokenClass.CACHE_WRITE_5M: self.write_5m / prompt,
+            TokenClass.CACHE_WRITE_1H: self.write_1h / prompt,
+        }
+
+
 @dataclass(slots=True)
 class ModelStats:
     # moving average time to first token (streams), counting attempts too slow to reach it (`_censored`)
     ttft_s: float | None = None
     tokens_per_s: float | None = None  # moving average decode speed after the first token
     latency_s: float | None = None  # moving average whole-attempt latency
-    # Moving averages of an answer's prompt tokens and of those read from the prompt cache and
-    # written to it (at the 5-minute and 1-hour TTL prices): their ratios are the shares `cheapest`
-    # prices each at its own price. Shares of tokens, not an average of each answer's share: the cost
-    # of a route is in its long prompts, and where long cached prompts mix with short ones (a title,
-    # a classification, below any vendor's minimum to cache), each short answer's 0% counted as much
-    # as a 90% on a prompt a hundred times longer, and a model with a cheap cache lost to a dearer one.
-    prompt_tokens: float | None = None
-    cached_tokens: float = 0.0
-    cache_write_5m_tokens: float = 0.0
-    cache_write_1h_tokens: float = 0.0
+    # What the model's prompt cache served and was written with: over all its answers (what
+    # /routes/status reports) and by prompt size (`size_class`, what `cheapest` expects).
+    cache: CacheShares = field(default_factory=lambda: CacheShares())
+    cache_by_size: dict[int, CacheShares] = field(default_factory=dict)
     # Moving average of an answer's reasoning tokens, billed as output though the client never sees
     # them: `cheapest` expects them on top of the route's `expected_output_tokens`. A reasoning model
     # writes thousands; priced at the route's expected answer alone, it looked as cheap as a model
@@ -73,19 +111,14 @@ class ModelStats:
     def cache_hit_rate(self) -> float | None:
         """The observed share of prompt tokens read from the prompt cache; None before the model's
         first usage event with a prompt."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        shares = self.cache.shares()
+        return shares[TokenClass.CACHED_INPUT] if shares is not None else None
 
-    def prompt_shares(self) -> dict[TokenClass, float] | None:
-        """The observed shares of prompt tokens billed as each cache class (the rest bill as input);
-        None before the model's first usage event with a prompt."""
-        prompt = self.prompt_tokens
-        if not prompt:
-            return None
-        return {
-            TokenClass.CACHED_INPUT: self.cached_tokens / prompt,
-            TokenClass.CACHE_WRITE_5M: self.cache_write_5m_tokens / prompt,
-            TokenClass.CACHE_WRITE_1H: self.cache_write_1h_tokens / prompt,
-        }
+    def prompt_shares(self, prompt_tokens: int) -> dict[TokenClass, float] | None:
+        """The observed shares of a prompt of `prompt_tokens` billed as each cache class (the rest
+        bill as input): those of the model's prompts of its size class; None before one was seen."""
+        found = self.cache_by_size.get(size_class(prompt_tokens))
+        return found.shares() if found is not None else None
 
     def p95_ttft(self) -> float | None:
         if not self.ttfts:
@@ -195,15 +228,8 @@ class RoutingStats:
                 stats.tokens_per_s = _ewma(stats.tokens_per_s, (usage.output_tokens - 1) / decode_s)
         prompt = usage.prompt_tokens
         if prompt > 0:
-            first = stats.prompt_tokens is None  # each average starts at its first value
-            stats.prompt_tokens = _ewma(stats.prompt_tokens, prompt)
-            stats.cached_tokens = _ewma(None if first else stats.cached_tokens, usage.cached_input_tokens)
-            stats.cache_write_5m_tokens = _ewma(
-                None if first else stats.cache_write_5m_tokens, usage.cache_write_5m_tokens
-            )
-            stats.cache_write_1h_tokens = _ewma(
-                None if first else stats.cache_write_1h_tokens, usage.cache_write_1h_tokens
-            )
+            stats.cache.add(usage)
+            stats.cache_by_size.setdefault(size_class(prompt), CacheShares()).add(usage)
             if event.routing is not None and _on_affinity_replica(event.routing):
                 tokens = self.affinity_tokens.get(event.route)
                 if tokens is None and self.in_force(event.route, uses_prefix_affinity):

@@ -213,8 +213,9 @@ async def test_cheapest_with_nothing_that_fits_asks_the_likeliest_candidate_firs
 
 
 async def test_cheapest_learns_the_cache_hit_share_of_each_model_from_traffic() -> None:
-    """The configured `cache_hit_rate` holds until the model's usage events are seen; then the observed
-    share (of that model, whoever sent the traffic) replaces it, in both directions."""
+    """The configured `cache_hit_rate` holds until the model's usage events are seen (of prompts of
+    the request's size); then the observed share (of that model, whoever sent the traffic) replaces
+    it, in both directions."""
     r = Route(
         name="c",
         policy="cheapest",
@@ -226,7 +227,8 @@ async def test_cheapest_learns_the_cache_hit_share_of_each_model_from_traffic() 
     prompt = "w " * 20000  # prompt-heavy: the input price decides
     plan = await planner.plan("c", ACME, feats(prompt))
     assert plan.choices[0].candidate.model == "mid"  # 95% of its prompt at a tenth of 1.00 < 0.15
-    planner.stats.record(event("mid", cached=0))  # another tenant's traffic: no cache hits seen
+    # Another tenant's traffic, prompts as long: no cache hits seen.
+    planner.stats.record(event("mid", usage=Usage(input_tokens=10_000, output_tokens=40)))
     plan = await planner.plan("c", OTHER, feats(prompt))
     assert [c.candidate.model for c in plan.choices] == ["small", "mid"]
     prompt_tokens = feats(prompt).prompt_tokens  # 40,000 bytes of text and the JSON around it
@@ -367,6 +369,21 @@ async def test_cheapest_expects_no_cache_discount_on_anthropic_without_a_breakpo
     planner = router(configured)
     assert (await planner.plan("k", ACME, feats(prompt))).choices[0].candidate.model == "plain"
     assert (await planner.plan("k", ACME, feats(prompt, cache=True))).choices[0].candidate.model == "sonnet"
+
+
+async def test_cheapest_expects_a_short_prompt_to_miss_the_cache_as_short_prompts_do() -> None:
+    """Vendors cache no prompt under a minimum (1,024 tokens at OpenAI, Anthropic, Gemini Flash):
+    `big`'s long prompts read 90% from its cache, its short ones nothing. Each size is expected to
+    do as the model's prompts of that size do: a short one bills 3/M on `big`, above `plain`'s 2/M."""
+    planner = router(route("c", "cheapest", "plain", "big", expected_output_tokens=1))
+    for _ in range(5):
+        for usage in (Usage(input_tokens=1000, cached_input_tokens=9000), Usage(input_tokens=100)):
+            planner.stats.record(event("big", usage=usage))
+    short = feats("w " * 200)
+    plan = await planner.plan("c", ACME, short)
+    assert [c.candidate.model for c in plan.choices] == ["plain", "big"]
+    assert plan.choices[1].score == pytest.approx((short.prompt_tokens * 3 + 15) / 1e6)
+    assert (await planner.plan("c", ACME, feats("w " * 20000))).choices[0].candidate.model == "big"
 
 
 # --- lowest_latency -----------------------------------------------------------------------------------
