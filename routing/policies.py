@@ -207,10 +207,9 @@ def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: Po
 def _cache_shares(choice: Choice, feats: Features, ctx: PolicyContext) -> dict[TokenClass, float]:
     """The shares of the prompt expected to bill as each cache class: those observed on the model's
     prompts of its size (`routing.stats.size_class`), or before one is seen the candidate's
-    `cache_hit_rate` read. None on Anthropic for a request
-    without a breakpoint: it caches nothing that no `cache_control` marks (neither reads nor writes),
-    so the share its other traffic (clients that mark one) reads was a discount this request never
-    gets."""
+    `cache_hit_rate` read. No share on Anthropic for a request without a breakpoint: it caches nothing
+    that no `cache_control` marks (neither reads nor writes), so the share its other traffic (clients
+    that mark one) reads was a discount this request never gets."""
     if choice.target.backend.type == "anthropic" and feats.cache_breakpoints is False:
         return {}
     stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)

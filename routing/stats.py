@@ -90,7 +90,7 @@ class ModelStats:
     latency_s: float | None = None  # moving average whole-attempt latency
     # What the model's prompt cache served and was written with: over all its answers (what
     # /routes/status reports) and by prompt size (`size_class`, what `cheapest` expects).
-    cache: CacheShares = field(default_factory=lambda: CacheShares())
+    cache: CacheShares = field(default_factory=CacheShares)
     cache_by_size: dict[int, CacheShares] = field(default_factory=dict)
     # Moving average of an answer's reasoning tokens, billed as output though the client never sees
     # them: `cheapest` expects them on top of the route's `expected_output_tokens`. A reasoning model
