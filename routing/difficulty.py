@@ -549,18 +549,21 @@ class StrongCall:
     score: float
     strong: bool
     threshold: float  # as it is with this request counted
-    tie_credit: float  # what counting it moves the tie credit by (see `StrongShareCalibrator.call`)
 
 
 class StrongShareCalibrator:
     """Turns "send about X% of traffic to the strong model" into a score threshold.
 
-    Keeps the last `window` scores; the threshold is their (1 - target_share) quantile, so a request
-    goes strong when its score is in the top `target_share` of recent traffic. Until `min_samples`
-    scores have been seen it falls back to `initial_threshold` (e.g. the same quantile on the
-    training data), except for a target of 0 or 1: never or always strong from the first request.
-    Scores equal to the threshold (a window of repeated prompts, a head that scores many alike) go
-    strong in the proportion that keeps the target share, spread evenly over them. Deciding is
+    Keeps the last `window` scores; a request goes strong when its score is in the top `target_share`
+    of them, its own counted: the threshold is the highest score not wholly in that top share, and
+    scores strictly above it go strong. The top share of n scores is `target_share * n`, rarely a whole
+    number of them: the score at its edge, and every score tied with it (a window of repeated prompts,
+    a head that scores many alike), goes strong in the proportion that keeps the target, spread evenly
+    over such requests by a running credit. So the share holds from the first request (a score's rank
+    among the few seen is as likely to be any), in a window of any size, for any target, and in a
+    burst decided before any of it is counted. With `initial_threshold`, that threshold applies
+    instead until `min_samples` scores have been seen (a prior you trust, e.g. the same quantile on
+    the training data). A NaN score ranks nowhere: it goes weak and is never counted. Deciding is
     O(window), observing O(log window), and both are thread-safe.
     """
 
@@ -569,7 +572,7 @@ class StrongShareCalibrator:
         target_share: float,
         window: int = 2000,
         min_samples: int = 50,
-        initial_threshold: float = 0.5,
+        initial_threshold: float | None = None,
     ) -> None:
         if not 0.0 <= target_share <= 1.0:
             raise ValueError(f"target_share must be within [0, 1], got {target_share}")
@@ -581,7 +584,7 @@ class StrongShareCalibrator:
         self.initial_threshold = initial_threshold
         self._recent: deque[float] = deque()
         self._sorted: list[float] = []
-        self._tie_credit = 0.0  # strong calls owed to scores tied at the threshold (see `call`)
+        self._credit = 0.0  # strong calls owed to scores at the top share's edge, in [0, 1) (see `call`)
         self._lock = threading.Lock()
 
     def observe(self, score: float) -> None:
@@ -589,6 +592,8 @@ class StrongShareCalibrator:
             self._observe(score)
 
     def _observe(self, score: float) -> None:
+        if math.isnan(score):  # unordered: in the sorted index it broke every later look-up
+            return
         self._recent.append(score)
         bisect.insort(self._sorted, score)
         if len(self._recent) > self.window:
@@ -596,53 +601,63 @@ class StrongShareCalibrator:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
 
     def threshold(self) -> float:
-        """Scores strictly above this go to the strong model."""
+        """Scores strictly above this go to the strong model (inf: none seen yet)."""
         with self._lock:
             return self._threshold(self._sorted)[0]
 
-    def _threshold(self, scores: list[float]) -> tuple[float, int]:
-        """The threshold over `scores` (sorted), and how many of them should go strong (-1: not
-        calibrated)."""
-        if self.target_share <= 0.0:
-            return math.inf, 0
-        if self.target_share >= 1.0:
-            return -math.inf, len(scores)
+    def _threshold(self, scores: list[float]) -> tuple[float, float]:
+        """The threshold over `scores` (sorted), and how many of them the target share is (a fraction
+        of one at its edge; -1: not calibrated, `initial_threshold` applies)."""
         n = len(scores)
-        if n < self.min_samples:
-            return self.initial_threshold, -1
-        strong = round(self.target_share * n)
-        if strong <= 0:
-            return math.inf, 0
-        if strong >= n:
-            return -math.inf, n
-        return scores[n - strong - 1], strong
+        if self.target_share >= 1.0:
+            return -math.inf, float(n)
+        if self.target_share <= 0.0:
+            return math.inf, 0.0
+        if self.initial_threshold is not None and n < self.min_samples:
+            return self.initial_threshold, -1.0
+        if n == 0:
+            return math.inf, 0.0
+        # Rounded to 9 places: 0.1 * 30 is 3.0000000000000004, which would owe a sliver to the 4th.
+        strong = round(self.target_share * n, 9)
+        # Rounded to a whole number (round(0.3 * 1) is 0, round(0.5 * 10) is 4, round(0.0005 * 100)
+        # is 0), the share was off by up to half a score in every window: never strong in a window of
+        # 1 below a share of 0.7 or for a share under 0.5% of the 2,000 scores, 20% for 25% of 10.
+        whole = math.floor(strong)
+        # A target a hair below 1 can round to every score: all go strong (scores[-1], the highest,
+        # read as the threshold, sent only the top one).
+        return (scores[n - whole - 1] if whole < n else -math.inf), strong
 
-    def call(self, score: float) -> StrongCall:
+    def call(self, score: float, preview: bool = False) -> StrongCall:
         """Whether a request of `score` goes to the strong model, judged on the window with its score
         in it; the window is left as it is (`count` adds it once the request is sent: one the gateway
-        refused, or a token count, is no traffic)."""
+        refused, or a token count, is no traffic). A `preview` leaves the credit as it is too."""
         with self._lock:
+            if math.isnan(score):
+                return StrongCall(score, False, self._threshold(self._sorted)[0])
             scores = self._sorted.copy()
             bisect.insort(scores, score)
             if len(self._recent) >= self.window:  # as `_observe` would drop the oldest
                 del scores[bisect.bisect_left(scores, self._recent[0])]
             threshold, strong = self._threshold(scores)
             if score != threshold or strong < 0:
-                return StrongCall(score, score > threshold, threshold, 0.0)
-            # Tied at the threshold: of the window's scores equal to it, `strong - above` belong to the
-            # top share. Send that proportion of the tied requests strong (deterministically, by
-            # accumulating it as they are counted), so a window of equal scores still gets its share.
+                return StrongCall(score, score > threshold, threshold)
+            # At the edge of the top share: of the window's scores equal to this one, `strong - above`
+            # are in the top share (a fraction of one, or several tied). Send that proportion of such
+            # requests strong, deterministically by a running credit. Moved here rather than when the
+            # request is counted: a burst decided before any of it was sent all read one credit, and
+            # went all strong or all weak.
             equal = bisect.bisect_right(scores, score) - bisect.bisect_left(scores, score)
             above = len(scores) - bisect.bisect_right(scores, score)
-            owed = (strong - above) / equal
-            go = self._tie_credit + owed >= 1.0
-            return StrongCall(score, go, threshold, owed - float(go))
+            owed = min(max((strong - above) / equal, 0.0), 1.0)
+            go = self._credit + owed >= 1.0
+            if not preview:
+                self._credit += owed - go
+            return StrongCall(score, go, threshold)
 
     def count(self, call: StrongCall) -> None:
         """Count the request `call` answered for as traffic: its score joins the window."""
         with self._lock:
             self._observe(call.score)
-            self._tie_credit += call.tie_credit
 
     def route_strong(self, score: float) -> bool:
         """Whether a request of `score` goes to the strong model, counted as traffic at once."""

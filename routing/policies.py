@@ -374,7 +374,7 @@ async def difficulty(
         # own target: with one window they took turns replacing it, so none ever left the warm-up.
         route_key = _route_key(route)
         key = (route_key[0], head or "", *route_key[1:])
-        call = _calibrator(route, key, ctx).call(p_strong)
+        call = _calibrator(route, key, ctx).call(p_strong, preview=lessons is None)
         if lessons is not None:
             lessons.append(lambda: _learn_score(route, key, trained is not None, call, ctx))
         go_strong, threshold = call.strong, call.threshold
@@ -388,7 +388,9 @@ async def difficulty(
     # Which head scored: with `difficulty_head: auto` replicas can differ, and a trained head is named
     # with its digest, so the ledger tells its versions apart. A route whose trained head is not
     # (yet) loaded here is scored by the shipped head, and says why.
-    note = f"threshold={threshold:.4g}" + (f"; head={head}" if head is not None else "")
+    # As precise as the header's score (`Plan.header`): at 4 digits a score just below the threshold
+    # (easy) could read above it.
+    note = f"threshold={threshold:.6g}" + (f"; head={head}" if head is not None else "")
     if route.head is not None and trained is None:
         status = ctx.heads.status(route.head) if ctx.heads is not None else "missing"
         note += f"; head_wanted={route.head}; head_status={status}"
@@ -402,7 +404,10 @@ def _calibrator(route: Route, key: tuple[str, ...], ctx: PolicyContext) -> Stron
     calibrator: StrongShareCalibrator | None = ctx.calibrators.get(key)
     if calibrator is None or calibrator.target_share != route.strong_share:
         assert route.strong_share is not None
-        calibrator = StrongShareCalibrator(route.strong_share, initial_threshold=route.threshold)
+        # No `initial_threshold`: the route's `threshold` (0.5 unless set) sent about 1% of the shipped
+        # head's scores strong, whatever the target, for each window's first 50 requests (every
+        # replica's start, new head and new target); ranked from the first, the share holds.
+        calibrator = StrongShareCalibrator(route.strong_share)
     return calibrator
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -92,3 +93,66 @@ def test_thread_safe_under_concurrent_observers() -> None:
     assert set(window) <= {score for scores in streams for score in scores}
     assert cal.threshold() == window[400 - round(0.25 * 400) - 1]
     assert 0.6 < cal.threshold() < 0.9  # 0.75 +- 7 standard deviations of a 400-sample quantile
+
+
+@pytest.mark.parametrize(
+    ("target", "window"),
+    [(0.3, 1), (0.6, 1), (0.25, 10), (0.5, 10), (0.004, 100), (0.002, 200), (0.3, 7)],
+)
+def test_keeps_the_target_share_in_a_window_of_any_size(target: float, window: int) -> None:
+    """The top share of a window is rarely a whole number of scores. Rounded to one, a window of 1
+    never went strong below a share of 0.7, one of 10 sent 20% for 25% (round half to even), and
+    shares under half a score of the window never went strong."""
+    rng = random.Random(11)
+    cal = StrongShareCalibrator(target, window=window)
+    runs = 40000  # dozens of strong calls at the smallest share
+    share = routed_share(cal, [rng.random() for _ in range(runs)])
+    assert share == pytest.approx(target, rel=0.05)
+
+
+def test_a_burst_of_tied_scores_decided_before_any_is_counted_keeps_the_share() -> None:
+    """Requests are decided when planned and counted once sent, so a burst is decided on one window.
+    The credit that spreads tied scores over the share moved only when they were counted: every
+    request of the burst read the same credit and all went weak (or all strong)."""
+    cal = StrongShareCalibrator(0.3, window=200)
+    routed_share(cal, [0.4] * 200)
+    burst = [cal.call(0.4) for _ in range(100)]
+    for call in burst:
+        cal.count(call)
+    assert sum(call.strong for call in burst) == pytest.approx(30, abs=1)
+
+
+def test_a_cold_burst_keeps_the_share() -> None:
+    """A fresh window decides a burst with only each request's own score in it: by rank alone, each
+    is owed the target share, which the credit spreads over the burst."""
+    rng = random.Random(4)
+    cal = StrongShareCalibrator(0.3)
+    burst = [cal.call(rng.random()) for _ in range(100)]
+    assert sum(call.strong for call in burst) == pytest.approx(30, abs=1)
+
+
+@pytest.mark.parametrize("score", [math.nan, math.inf, -math.inf])
+def test_non_finite_scores_leave_the_window_ordered(score: float) -> None:
+    """NaN is no order: inserted into the sorted window, the window later dropped other scores in its
+    place and a look-up failed (IndexError, ZeroDivisionError). It goes weak and is not counted;
+    infinities rank like any score."""
+    rng = random.Random(9)
+    cal = StrongShareCalibrator(0.3, window=20)
+    routed_share(cal, [rng.random() for _ in range(10)])
+    assert cal.route_strong(score) is (score == math.inf)
+    share = routed_share(cal, [rng.random() for _ in range(3000)])
+    assert sorted(cal._recent) == cal._sorted
+    assert share == pytest.approx(0.3, abs=0.03)
+
+
+def test_a_target_a_hair_below_1_sends_all_strong() -> None:
+    rng = random.Random(3)
+    cal = StrongShareCalibrator(1 - 1e-12, window=50)
+    assert routed_share(cal, [rng.random() for _ in range(500)]) == 1.0
+
+
+@pytest.mark.parametrize("target", [0.0, 1.0])
+def test_shares_of_0_and_1_hold_on_an_empty_window(target: float) -> None:
+    cal = StrongShareCalibrator(target)
+    assert cal.threshold() == (math.inf if target == 0 else -math.inf)
+    assert cal.route_strong(0.5) is (target == 1)

@@ -202,18 +202,25 @@ def doc_gateway(
 def test_the_x_weir_route_example_is_what_the_example_route_answers(
     doc_gateway: tuple[str, Any], fake_anthropic: FakeAnthropic
 ) -> None:
-    """The doc's header: the `auto` route of its first snippet, a hard prompt (p_strong 0.83), the
-    strong candidate overloaded once (Anthropic's 529) and answering on the retry."""
+    """The doc's header: the `auto` route of its first snippet (`strong_share: 0.3`), a hard prompt
+    (p_strong 0.83) after nine others, the strong candidate overloaded once (Anthropic's 529) and
+    answering on the retry."""
     example = re.search(r"^ +x-weir-route: (.*)$", doc(POLICIES), re.M)
     assert example is not None
     documented = route_header(example.group(1))
+    url, runtime = doc_gateway
+    # With the example's, the window holds ten scores; its top 30% are the three above 0.61.
+    earlier = {f"q{i}": p for i, p in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.61, 0.7, 0.9])}
+    runtime.router.context.scorer = lambda prompt: earlier.get(prompt, 0.83)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=ACME, max_retries=0, timeout=20)
+    for prompt in earlier:
+        client.chat.completions.create(model="auto", messages=[{"role": "user", "content": prompt}])
     fake_anthropic.fail_next(529)
-    raw = chat(doc_gateway[0], ACME, "auto")
+    raw = chat(url, ACME, "auto")
     assert raw.parse().choices[0].message.content
     answered = route_header(raw.headers["x-weir-route"])
     assert list(answered) == list(documented)  # the same keys, in the same order
-    # The threshold is the route's `threshold` (0.5) until the strong-share window has 50 scores.
-    assert answered == {**documented, "threshold": "0.5"}
+    assert answered == documented
 
 
 def test_the_cheap_route_example_by_tenant_and_tools(doc_gateway: tuple[str, Any]) -> None:

@@ -338,6 +338,8 @@ def test_a_request_that_fails_over_or_is_hedged_is_learnt_from_once(
 ) -> None:
     """Its policy learns from a request once, when its first attempt is sent, however many follow."""
     context = runtime(gateway).router.context
+    for _ in range(4):  # the top half of the route's window: the easy prompts below go weak
+        ask(gateway, "smart-hedged", HARD)
     before = window(gateway, "smart-hedged")
     fake_openai.fail_next(500)  # the weak candidate fails: the strong one answers
     route = ask(gateway, "smart-hedged", EASY)
