@@ -665,5 +665,14 @@ class StrongShareCalibrator:
         self.count(call)
         return call.strong
 
+    def retargeted(self, target_share: float) -> StrongShareCalibrator:
+        """A calibrator for another target over this one's window (the same head's scores rank alike
+        whatever share is asked of them), of the same size."""
+        other = StrongShareCalibrator(target_share, self.window, self.min_samples, self.initial_threshold)
+        with self._lock:
+            other._recent.extend(self._recent)
+            other._sorted = self._sorted.copy()
+        return other
+
     def __len__(self) -> int:
         return len(self._recent)

@@ -402,12 +402,16 @@ def _calibrator(route: Route, key: tuple[str, ...], ctx: PolicyContext) -> Stron
     from routing.difficulty import StrongShareCalibrator
 
     calibrator: StrongShareCalibrator | None = ctx.calibrators.get(key)
-    if calibrator is None or calibrator.target_share != route.strong_share:
-        assert route.strong_share is not None
+    assert route.strong_share is not None
+    if calibrator is None:
         # No `initial_threshold`: the route's `threshold` (0.5 unless set) sent about 1% of the shipped
         # head's scores strong, whatever the target, for each window's first 50 requests (every
-        # replica's start, new head and new target); ranked from the first, the share holds.
-        calibrator = StrongShareCalibrator(route.strong_share)
+        # replica's start, new head); ranked from the first, the share holds.
+        return StrongShareCalibrator(route.strong_share)
+    if calibrator.target_share != route.strong_share:
+        # A new target for the same head's scores keeps their window: started empty, the first
+        # requests after an edit of the share were ranked among a few scores, not the last 2,000.
+        return calibrator.retargeted(route.strong_share)
     return calibrator
 
 

@@ -665,3 +665,21 @@ async def test_a_preview_of_a_strong_share_route_changes_no_later_decision() -> 
         decisions.append(picks)
     assert decisions[0] == decisions[1]
     assert decisions[0].count("big") == pytest.approx(12, abs=1)
+
+
+async def test_a_new_strong_share_applies_to_the_window_at_once() -> None:
+    """The window holds the head's scores, whatever share is asked of them. Edited from 30% to 10%,
+    the route started an empty one: its next requests were ranked among a few scores, so one at
+    0.95 of scores uniform on [0, 1) went weak and the threshold read 0.95, not 0.9."""
+    planner = router(route("d", "difficulty", "small", "big", strong_share=0.3))
+    rng = random.Random(8)
+    planner.context.scorer = lambda prompt: rng.random()
+    for _ in range(2000):
+        await sent(planner.plan("d", ACME, feats()))
+    planner.set_routes([route("d", "difficulty", "small", "big", strong_share=0.1)])
+    planner.context.scorer = lambda prompt: 0.95
+    plan = await sent(planner.plan("d", ACME, feats()))
+    assert plan.choices[0].candidate.model == "big"
+    assert float(header(plan)["threshold"]) == pytest.approx(0.9, abs=0.03)
+    ((target, window),) = [(c.target_share, len(c)) for c in planner.context.calibrators.values()]
+    assert (target, window) == (0.1, 2000)
