@@ -374,7 +374,12 @@ async def difficulty(
         # own target: with one window they took turns replacing it, so none ever left the warm-up.
         route_key = _route_key(route)
         key = (route_key[0], head or "", *route_key[1:])
-        call = _calibrator(route, key, ctx).call(p_strong, preview=lessons is None)
+        # Kept from the request's decision (its window stays empty until one is sent): a burst
+        # decided before any is sent shares one credit for the share's edge, where each had a window
+        # of its own, read an empty credit and went weak (a new route's opening burst).
+        kept = _kept(route, key, trained is not None, ctx) if lessons is not None else None
+        calibrator = kept if kept is not None else _calibrator(route, key, ctx)
+        call = calibrator.call(p_strong, preview=lessons is None)
         if lessons is not None:
             lessons.append(lambda: _learn_score(route, key, trained is not None, call, ctx))
         go_strong, threshold = call.strong, call.threshold
@@ -418,11 +423,21 @@ def _calibrator(route: Route, key: tuple[str, ...], ctx: PolicyContext) -> Stron
 def _learn_score(
     route: Route, key: tuple[str, ...], trained: bool, call: StrongCall, ctx: PolicyContext
 ) -> None:
-    """Count a sent request's score in its route's strong-share window `key`, kept in `ctx` from the
-    first: only while the route in force reads that window at that target."""
+    """Count a sent request's score in its route's strong-share window `key`: only while the route in
+    force reads that window at that target."""
+    calibrator = _kept(route, key, trained, ctx)
+    if calibrator is not None:
+        calibrator.count(call)
+
+
+def _kept(
+    route: Route, key: tuple[str, ...], trained: bool, ctx: PolicyContext
+) -> StrongShareCalibrator | None:
+    """The strong-share window `key` of `route`, kept in `ctx` from the first: only while the route in
+    force reads that window at that target (None when it does not)."""
     share = route.strong_share
     if not ctx.in_force(route.name, lambda now: reads_window(now, key) and now.strong_share == share):
-        return
+        return None
     calibrator = _calibrator(route, key, ctx)
     if ctx.calibrators.get(key) is not calibrator:
         if trained:
@@ -435,7 +450,7 @@ def _learn_score(
             ]:
                 del ctx.calibrators[old]
         ctx.calibrators[key] = calibrator
-    calibrator.count(call)
+    return calibrator
 
 
 def _learn_prefixes(

@@ -410,7 +410,8 @@ async def test_policies_learn_from_a_request_once_it_is_sent_and_never_from_a_pr
         choices = [Choice(None, c) for c in calibrated.candidates]  # type: ignore[arg-type]
         await order(calibrated, choices, feats, ctx, lessons)
         # Planned, it has taught nothing yet: the gateway may still refuse it (its own 429s).
-        assert ctx.affinity == {} and not ctx.prefixes.recent and ctx.calibrators == {}
+        assert ctx.affinity == {} and not ctx.prefixes.recent
+        assert sum(len(c) for c in ctx.calibrators.values()) == 0
         plan = Plan(affine, ordered, lessons=lessons or [], outcome=outcome)
         plan.commit()  # its first attempt admitted and sent
         plan.serve(ordered[0])  # and answered

@@ -4,6 +4,7 @@ split traffic. Each checks the plan's order and what `x-weir-route` says about i
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import math
 import random
@@ -683,3 +684,14 @@ async def test_a_new_strong_share_applies_to_the_window_at_once() -> None:
     assert float(header(plan)["threshold"]) == pytest.approx(0.9, abs=0.03)
     ((target, window),) = [(c.target_share, len(c)) for c in planner.context.calibrators.values()]
     assert (target, window) == (0.1, 2000)
+
+
+async def test_a_burst_on_a_new_strong_share_route_keeps_the_share() -> None:
+    """A route's first requests, planned together before any is sent (a batch job's opening burst),
+    are each ranked alone, owed the target share: one credit across them spreads it. Each made a
+    window of its own, kept only once sent, so each read an empty credit and all went weak."""
+    planner = router(route("d", "difficulty", "small", "big", strong_share=0.3))
+    rng = random.Random(6)
+    planner.context.scorer = lambda prompt: rng.random()
+    plans = await asyncio.gather(*(planner.plan("d", ACME, feats()) for _ in range(100)))
+    assert sum(plan.choices[0].candidate.model == "big" for plan in plans) == pytest.approx(30, abs=1)
