@@ -90,6 +90,9 @@ class Call:
     # 504 (`upstream_error`), a hedge that lost is `cancelled` (499). An attempt cancelled without an
     # entry here was ended by its client leaving.
     stopped: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # Attempts admitted (past the gateway's own limits), by attempt number: each has a usage event,
+    # recorded as it ends or, a whole answer whose body is still awaited, later in the background.
+    admitted: set[int] = field(default_factory=set)
     # Seconds from `started` the client said it waits for its response (`x-stainless-read-timeout`,
     # which the OpenAI and Anthropic SDKs send): a hint, None when it said nothing usable.
     client_timeout: float | None = None
@@ -225,6 +228,7 @@ class Pipeline:
         usage event is recorded once that is known, in the background (`background`) while its body
         may still come."""
         left = await self._admit(call, target, upstream, attempt)
+        call.admitted.add(attempt)  # from here on, its usage event is recorded whatever happens
         started_at, t0 = time.time(), time.perf_counter()
         record = functools.partial(
             self._record, call, target, attempt, started_at, t0, ttft=None, stream=False
@@ -309,6 +313,7 @@ class Pipeline:
         sending: Callable[[], None] | None,
     ) -> AsyncIterator[Any]:
         left = await self._admit(call, target, upstream, attempt)
+        call.admitted.add(attempt)  # from here on, its usage event is recorded whatever happens
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure, ttft = 0, Usage(), None, None
         produced, usage_reported, streaming, cancelled = Produced(), False, False, False

@@ -1240,12 +1240,15 @@ def _finish_chunk(like: ChatChunk, reason: FinishReason) -> ChatChunk:
 
 def _unsent(call: Call, plan: Plan, number: int) -> bool:
     """Whether attempt `number` ended before anything went upstream, and if so take it back. The
-    pipeline takes the attempt's entry when it records its usage event, which it does for every
-    attempt it sent: one still there was refused by the gateway itself (rate limit, budget, stream
-    slots). It is no attempt, in `x-weir-route` (attempts=0) or the metrics (a `429` there reads as
-    the vendor's)."""
-    if call.routes.pop(number, None) is None:
+    pipeline notes every attempt it admits (`Call.admitted`), each of which has a usage event: one it
+    did not was refused by the gateway itself (rate limit, budget, stream slots). It is no attempt,
+    in `x-weir-route` (attempts=0) or the metrics (a `429` there reads as the vendor's). Not whether
+    its event is recorded yet: a whole answer's, cancelled while its body was awaited (a hedge race's
+    loser), is recorded later in the background, and was taken back here, the header one attempt
+    short of the ledger and the event without its own decision (`Call.routes`)."""
+    if number in call.admitted:
         return False
+    call.routes.pop(number, None)
     plan.attempts -= 1  # the next try is the first again, and is admitted first
     call.stopped.pop(number, None)
     return True

@@ -221,6 +221,26 @@ def test_a_hedge_that_lost_after_its_status_line_whose_body_never_came_is_billed
     assert held < CUT_ANSWER_WAIT, held
 
 
+def test_a_hedge_that_lost_while_its_body_was_awaited_is_an_attempt_of_the_header_and_names_its_own_candidate(
+    gateway: RunningGateway, raw: Script, abandons: Abandons
+) -> None:
+    """The loser's usage event is recorded in the background (its body is still awaited when the
+    race is decided). It was taken for an attempt the gateway never sent: `x-weir-route` said
+    `attempts=1` beside two ledger rows, without the loser in `tried`, and the loser's row carried the
+    final decision, naming the winner's candidate, instead of its own."""
+    raw.body = "never"
+    response = gateway.openai().chat.completions.with_raw_response.create(model="hedged-raw", messages=HI)
+    header = route_header(response)
+    assert (header["candidate"], header["hedged"]) == ("gpt-4o-mini", "gpt-4o-mini")
+    assert header["attempts"] == "2"
+    assert header["tried"] == "gpt-4o-mini:ok,raw-model:cancelled"
+    assert abandons.ended.wait(10)
+    loser, winner = race_events(gateway)
+    assert {loser.request_id, winner.request_id} == {response.headers["x-request-id"]}
+    assert route_header(SimpleNamespace(headers={"x-weir-route": loser.routing}))["candidate"] == "raw-model"
+    assert route_header(SimpleNamespace(headers={"x-weir-route": winner.routing}))["candidate"] == "gpt-4o-mini"
+
+
 def test_a_hedge_races_winner_answers_without_waiting_for_its_losers_body(
     gateway: RunningGateway, raw: Script, abandons: Abandons, monkeypatch: pytest.MonkeyPatch
 ) -> None:
