@@ -405,7 +405,7 @@ class Executor:
                 reader,
                 attempt=number,
                 sending=sending,
-                answering=race.take if race is not None else None,
+                answering=_taking(race, call, plan, choice, number) if race is not None else None,
             )
             self._note(plan, model, "ok")
             if plan.route.breaker is not None:
@@ -679,6 +679,7 @@ class Executor:
                 self._no_hedge(plan, "unsupported")
             else:
                 self._hedge(plan, "started")
+                race.hedged = partner.candidate.model
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 # A cancelled one read its whole answer after the other had taken the race (`_Race`).
@@ -697,9 +698,7 @@ class Executor:
                         if task is second:
                             self._hedge(plan, "won")
                         if not unsent:
-                            plan.note = (plan.note + "; " if plan.note else "") + (
-                                f"hedged={partner.candidate.model}"
-                            )
+                            _note_hedged(plan, partner.candidate.model)
                         if (number := numbers.get(task)) in call.routes:
                             # A stream records its event when it ends: with the decision as it is
                             # now (won, and hedged), not as it was when the attempt started.
@@ -1024,11 +1023,36 @@ class _Race:
     it hands over; the race's loser is closed after it, and is recorded then.)"""
 
     taken: bool = False
+    hedged: str | None = None  # the hedge's model, once it went upstream: the race is a hedged one
 
     def take(self) -> bool:
         """Whether the race was still to be taken; it is now."""
         taken, self.taken = self.taken, True
         return not taken
+
+
+def _note_hedged(plan: Plan, model: str) -> None:
+    """`hedged=model` in the decision, once: a whole answer notes it as it takes the race, and the
+    race's end (`Executor._hedged`) for a stream."""
+    note = f"hedged={model}"
+    if note not in plan.note.split("; "):
+        plan.note = (plan.note + "; " if plan.note else "") + note
+
+
+def _taking(race: _Race, call: Call, plan: Plan, choice: Choice, number: int) -> Callable[[], bool]:
+    """A whole answer's take of its hedge race (`Pipeline.exchange`'s `answering`). It records its
+    usage event at once, before the race's end is looked at: as it takes a hedged race, its event
+    gets the decision as it now stands (won, and `hedged=`), as a streamed winner's does."""
+
+    def take() -> bool:
+        if not race.take():
+            return False
+        if race.hedged is not None and number in call.routes:
+            _note_hedged(plan, race.hedged)
+            call.routes[number] = plan.header(choice)
+        return True
+
+    return take
 
 
 def _lost(first: asyncio.Future[Any], second: asyncio.Future[Any]) -> BaseException:
