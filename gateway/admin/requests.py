@@ -41,9 +41,15 @@ def _attempt(row: UsageEventRow) -> dict[str, Any]:
         "routing": row.routing,  # the x-weir-route decision as of this attempt
         "latency_ms": row.latency_ms,
         "ttft_ms": row.ttft_ms,
+        # Every token class its cost is priced from (cache writes cost more than input), and whether
+        # the gateway estimated them (a cut attempt) rather than its vendor reporting them.
         "input_tokens": row.input_tokens,
         "cached_input_tokens": row.cached_input_tokens,
+        "cache_write_5m_tokens": row.cache_write_5m_tokens,
+        "cache_write_1h_tokens": row.cache_write_1h_tokens,
         "output_tokens": row.output_tokens,
+        "reasoning_tokens": row.reasoning_tokens,
+        "estimated": row.estimated,
         "cost_usd": format_usd(pico_to_usd(row.cost_pico_usd)),
     }
 

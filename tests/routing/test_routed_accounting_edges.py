@@ -36,7 +36,7 @@ from routing.policies import expected_cost
 from routing.routes import Candidate
 from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 from tests.routing.routed import counted_micro_usd, route_header
 
@@ -344,6 +344,56 @@ def test_a_streamed_hedge_winner_records_the_final_decision(
     events = {e.backend: e for e in weir.sink.events if e.request_id == raw.headers["x-request-id"]}
     assert events["deepseek"].status == 200 and "hedged=deepseek-chat" in (events["deepseek"].routing or "")
     assert "candidate=gpt-4o-mini" in (events["openai"].routing or "")
+
+
+def test_a_whole_answer_that_won_a_hedge_race_records_the_final_decision(
+    weir: Weir, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """A whole answer records its usage event as it takes the race, before the race is looked at:
+    its row said it as of its start, without `hedged=`, so the admin request log's decision for a
+    request a hedge answered did not say so (a streamed winner's did)."""
+    client = weir.client(weir.tenant_key("whole-hedge"))
+    fake_openai.set_latency(first_token=3.0)
+    raw = client.chat.completions.with_raw_response.create(model="hedge-race", messages=HI)
+    assert raw.parse().choices[0].message.content == ECHO
+    header = route_header(raw)
+    assert (header["candidate"], header["hedged"], header["attempts"]) == ("deepseek-chat", "deepseek-chat", "2")
+    attempts = weir.attempts(raw.headers["x-request-id"], 2)
+    assert (attempts[1]["backend"], attempts[1]["status"]) == ("openai", 499)
+    assert (attempts[2]["backend"], attempts[2]["status"]) == ("deepseek", 200)
+    won = dict(part.split("=", 1) for part in attempts[2]["routing"].split("; "))
+    assert (won["candidate"], won["hedged"], won["attempts"]) == ("deepseek-chat", "deepseek-chat", "2")
+    assert "hedged" not in dict(part.split("=", 1) for part in attempts[1]["routing"].split("; "))
+
+
+def test_the_request_log_shows_each_attempts_every_token_class_and_whether_it_was_estimated(
+    weir: Weir, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """A stream cut on gpt-4o-mini (billed an estimate) resumed on Claude, which writes its prompt
+    cache. The request log showed each attempt's input, cache reads and output only: not the cache
+    writes its cost includes (at 1.25x and 2x the input price), nor the reasoning, nor which attempt
+    was billed an estimate rather than its vendor's count, which the ledger holds."""
+    client = weir.client(weir.tenant_key("cache-writer"))
+    fake_openai.fail_next(Fault.cut_stream(after=3))  # role, "one", " two"
+    fake_anthropic.set_next_usage(
+        input_tokens=10, cached_input_tokens=1000, cache_write_5m_tokens=300, cache_write_1h_tokens=50, output_tokens=4
+    )
+    raw = client.chat.completions.with_raw_response.create(model="to-anthropic", messages=HI, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    attempts = weir.attempts(raw.headers["x-request-id"], 2)
+    cut, continued = attempts[1], attempts[2]
+    assert (cut["backend"], cut["estimated"], continued["backend"], continued["estimated"]) == (
+        "openai",
+        True,
+        "anthropic",
+        False,
+    )
+    classes = ("input_tokens", "cached_input_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens")
+    assert [continued[c] for c in (*classes, "output_tokens", "reasoning_tokens")] == [10, 1000, 300, 50, 4, 0]
+    ledger = {e.attempt: e for e in weir.sink.events if e.request_id == raw.headers["x-request-id"]}
+    for number, shown in attempts.items():
+        assert [shown[c] for c in classes] == [getattr(ledger[number].usage, c) for c in classes]
+        assert Decimal(shown["cost_usd"]) == pico_to_usd(ledger[number].cost_pico_usd)
 
 
 # --- one price for the ledger, the reports, the routing estimates and the spend caps ---------------
