@@ -238,7 +238,9 @@ def test_a_hedge_that_lost_while_its_body_was_awaited_is_an_attempt_of_the_heade
     loser, winner = race_events(gateway)
     assert {loser.request_id, winner.request_id} == {response.headers["x-request-id"]}
     assert route_header(SimpleNamespace(headers={"x-weir-route": loser.routing}))["candidate"] == "raw-model"
-    assert route_header(SimpleNamespace(headers={"x-weir-route": winner.routing}))["candidate"] == "gpt-4o-mini"
+    assert (
+        route_header(SimpleNamespace(headers={"x-weir-route": winner.routing}))["candidate"] == "gpt-4o-mini"
+    )
 
 
 def test_a_hedge_races_winner_answers_without_waiting_for_its_losers_body(

@@ -357,7 +357,7 @@ def test_a_whole_answer_that_won_a_hedge_race_records_the_final_decision(
     raw = client.chat.completions.with_raw_response.create(model="hedge-race", messages=HI)
     assert raw.parse().choices[0].message.content == ECHO
     header = route_header(raw)
-    assert (header["candidate"], header["hedged"], header["attempts"]) == ("deepseek-chat", "deepseek-chat", "2")
+    assert (header["candidate"], header["hedged"], header["attempts"]) == ("deepseek-chat",) * 2 + ("2",)
     attempts = weir.attempts(raw.headers["x-request-id"], 2)
     assert (attempts[1]["backend"], attempts[1]["status"]) == ("openai", 499)
     assert (attempts[2]["backend"], attempts[2]["status"]) == ("deepseek", 200)
@@ -375,21 +375,17 @@ def test_the_request_log_shows_each_attempts_every_token_class_and_whether_it_wa
     was billed an estimate rather than its vendor's count, which the ledger holds."""
     client = weir.client(weir.tenant_key("cache-writer"))
     fake_openai.fail_next(Fault.cut_stream(after=3))  # role, "one", " two"
-    fake_anthropic.set_next_usage(
-        input_tokens=10, cached_input_tokens=1000, cache_write_5m_tokens=300, cache_write_1h_tokens=50, output_tokens=4
-    )
+    reported = (10, 1000, 300, 50, 4, 0)  # input, cache reads, writes (5m, 1h), output, reasoning
+    classes = ("input_tokens", "cached_input_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens")
+    every = (*classes, "output_tokens", "reasoning_tokens")
+    fake_anthropic.set_next_usage(**dict(zip(every, reported, strict=True)))
     raw = client.chat.completions.with_raw_response.create(model="to-anthropic", messages=HI, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
     attempts = weir.attempts(raw.headers["x-request-id"], 2)
     cut, continued = attempts[1], attempts[2]
-    assert (cut["backend"], cut["estimated"], continued["backend"], continued["estimated"]) == (
-        "openai",
-        True,
-        "anthropic",
-        False,
-    )
-    classes = ("input_tokens", "cached_input_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens")
-    assert [continued[c] for c in (*classes, "output_tokens", "reasoning_tokens")] == [10, 1000, 300, 50, 4, 0]
+    assert (cut["backend"], cut["estimated"]) == ("openai", True)
+    assert (continued["backend"], continued["estimated"]) == ("anthropic", False)
+    assert tuple(continued[c] for c in every) == reported
     ledger = {e.attempt: e for e in weir.sink.events if e.request_id == raw.headers["x-request-id"]}
     for number, shown in attempts.items():
         assert [shown[c] for c in classes] == [getattr(ledger[number].usage, c) for c in classes]
