@@ -165,12 +165,19 @@ def usage_csv(report: dict[str, Any]) -> str:
     return out.getvalue()
 
 
+CANCELLED = 499  # an attempt's status when the gateway cancelled it or its client left
+
+
 def _ratio(part: int, whole: int) -> float | None:
     return round(part / whole, 6) if whole else None
 
 
 async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datetime) -> dict[str, Any]:
     ok_attempt = case((and_(UsageEventRow.status >= 200, UsageEventRow.status < 400), 1), else_=0)
+    # Cancelled (499: a hedge race's loser the gateway stopped, or a client that left): it says nothing
+    # of its backend's availability, as the breakers take no verdict from it. Counted as a failure, a
+    # backend a little slower than its hedge partner read as down whenever it lost the race.
+    cancelled = case((UsageEventRow.status == CANCELLED, 1), else_=0)
     in_range = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
     probes = {
         backend: (int(total), int(ok or 0))
@@ -181,9 +188,9 @@ async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datet
         )
     }
     attempts = {
-        backend: (int(total), int(ok or 0))
-        for backend, total, ok in await session.execute(
-            select(UsageEventRow.backend, func.count(), func.sum(ok_attempt))
+        backend: (int(total), int(ok or 0), int(stopped or 0))
+        for backend, total, ok, stopped in await session.execute(
+            select(UsageEventRow.backend, func.count(), func.sum(ok_attempt), func.sum(cancelled))
             .where(in_range)
             .group_by(UsageEventRow.backend)
         )
@@ -191,7 +198,7 @@ async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datet
     backends = []
     for backend in sorted(set(probes) | set(attempts)):
         p_total, p_ok = probes.get(backend, (0, 0))
-        a_total, a_ok = attempts.get(backend, (0, 0))
+        a_total, a_ok, a_cancelled = attempts.get(backend, (0, 0, 0))
         backends.append(
             {
                 "backend": backend,
@@ -200,7 +207,8 @@ async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datet
                 "probe_availability": _ratio(p_ok, p_total),
                 "attempts": a_total,
                 "attempts_ok": a_ok,
-                "request_availability": _ratio(a_ok, a_total),
+                "attempts_cancelled": a_cancelled,
+                "request_availability": _ratio(a_ok, a_total - a_cancelled),
             }
         )
     # A request succeeded if any of its attempts did (after retries and fallbacks).

@@ -603,3 +603,45 @@ async def test_uptime_report(env: Env) -> None:
     assert (backends["openai"]["attempts"], backends["openai"]["attempts_ok"]) == (3, 1)
     assert backends["anthropic"]["request_availability"] == 0.5 and backends["anthropic"]["probes"] == 0
     assert report["tenants"] == [{"tenant": "t1", "requests": 3, "succeeded": 2, "success_ratio": 0.666667}]
+
+
+async def test_cancelled_attempts_say_nothing_of_a_backends_availability(env: Env) -> None:
+    """A hedge race's loser, cancelled by the gateway, and an attempt whose client left are 499s in the
+    ledger: they counted as failures of their backend, so a healthy backend that lost hedge races
+    (a little slower than its partner) read as down half the time. Like the breakers, the report now
+    takes no verdict from them: counted apart (`attempts_cancelled`), out of the availability."""
+    now = dt.datetime.now(dt.UTC)
+    async with env.ctx.sessions() as session:
+        catalog = await load_catalog(session)
+    queue = SpoolQueue(env.tmp_path / "spool")
+    rng = random.Random(11)
+    # h1 and h2: hedged, openai lost both races; c1: the client left; f1: openai failed, then answered.
+    for request_id, attempts in {
+        "h1": [("openai", 499), ("anthropic", 200)],
+        "h2": [("anthropic", 200), ("openai", 499)],
+        "c1": [("openai", 499)],
+        "f1": [("openai", 502), ("openai", 200)],
+    }.items():
+        for n, (backend, status) in enumerate(attempts, start=1):
+            queue.put(
+                priced_event(
+                    catalog,
+                    tenant_id="t1",
+                    backend=backend,
+                    model="m",
+                    usage=random_usage(rng),
+                    ts=now,
+                    status=status,
+                    attempt=n,
+                    request_id=request_id,
+                )
+            )
+    await BatchWriter(queue, env.engine).drain()
+    await queue.close()
+    report = (await env.client.get("/admin/api/v1/reports/uptime", headers=AUTH)).json()
+    backends = {b["backend"]: b for b in report["backends"]}
+    openai = backends["openai"]
+    assert openai["request_availability"] == 0.5  # one failure, one answer: the 499s are neither
+    assert (openai["attempts"], openai["attempts_ok"], openai["attempts_cancelled"]) == (5, 1, 3)
+    claude = backends["anthropic"]
+    assert (claude["attempts"], claude["attempts_cancelled"], claude["request_availability"]) == (2, 0, 1.0)
