@@ -961,6 +961,14 @@ async function requests(params, query, show) {
   // later attempt, cancelled).
   const answering = (r) => [...r.attempts].reverse().find(ok) ?? null;
   const attemptsText = (n) => `${n} earlier attempt${n > 1 ? "s" : ""}`;
+  // Every token class the attempt's cost is priced from, and whether the gateway estimated them (a cut
+  // attempt) rather than its vendor reporting them.
+  const tokensText = (a) => {
+    const written = (a.cache_write_5m_tokens || 0) + (a.cache_write_1h_tokens || 0);
+    const extra = [a.cached_input_tokens ? `cached ${intFmt(a.cached_input_tokens)}` : null,
+      written ? `written ${intFmt(written)}` : null].filter(Boolean);
+    return `${a.input_tokens}/${a.output_tokens}${extra.length ? ` (${extra.join(", ")})` : ""}${a.estimated ? ", estimated" : ""}`;
+  };
   const story = (r, won) => {
     if (!won) return `no attempt answered (${r.attempts.length} tried)`;
     const at = `attempt ${won.attempt} on ${won.backend} (${won.model}) answered`;
@@ -982,7 +990,7 @@ async function requests(params, query, show) {
       { label: "Latency", num: true, render: (a) => `${Math.round(a.latency_ms)} ms` },
       // What a route's ttft_timeout is measured against; streams only.
       { label: "First token", num: true, render: (a) => (a.ttft_ms === null || a.ttft_ms === undefined ? "—" : `${Math.round(a.ttft_ms)} ms`) },
-      { label: "Tokens in/out", num: true, render: (a) => `${a.input_tokens}/${a.output_tokens}` },
+      { label: "Tokens in/out", num: true, render: tokensText },
       { label: "Cost", num: true, key: "cost_usd" },
     ], r.attempts)); };
   show("Requests", form,

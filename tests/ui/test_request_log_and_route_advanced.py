@@ -137,3 +137,37 @@ def test_the_log_tells_a_hedge_that_won_from_a_failover_and_shows_time_to_first_
     cells = detail.locator("tbody tr").nth(1).locator("td").all_inner_texts()
     assert cells[headers.index("First token")] == f"{math.floor(won['ttft_ms'] + 0.5)} ms"  # as Math.round
     page.close()
+
+
+def test_the_log_shows_an_attempts_cache_tokens_and_whether_it_was_estimated(
+    routed: Weir, browser: Any, fake_openai: FakeOpenAI
+) -> None:
+    """A stream cut on the first candidate (billed an estimate) resumed on the second, which reads its
+    prompt cache: each attempt's tokens say so, as its cost is priced (they said input/output only)."""
+    route = {
+        "name": "resumed",
+        "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
+        "breaker": None,
+        "probe_interval": None,
+    }
+    assert routed.admin.post("/routes", json=route).status_code == 201
+    fake_openai.fail_next(Fault.cut_stream(after=2))  # the role, one word
+    # The cut answer takes the first (its report never arrives), the continuation the second.
+    for _ in range(2):
+        fake_openai.set_next_usage(input_tokens=6, cached_input_tokens=1024, output_tokens=3)
+    long = [{"role": "user", "content": "one two three four five six"}]
+    stream = _client(routed).chat.completions.create(model="resumed", messages=long, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    [request] = _logged(routed.admin, 2)
+    cut, continued = request["attempts"]
+    assert (cut["estimated"], continued["estimated"], continued["cached_input_tokens"]) == (True, False, 1024)
+
+    page = _signed_in(routed, browser, "#/requests")
+    detail = page.locator("main > .table-wrap > table > tbody > tr.detail").first
+    detail.locator("summary").click()
+    headers = detail.locator("thead th").all_inner_texts()
+    rows = detail.locator("tbody tr")
+    tokens = [rows.nth(i).locator("td").all_inner_texts()[headers.index("Tokens in/out")] for i in (0, 1)]
+    assert tokens[0] == f"{cut['input_tokens']}/{cut['output_tokens']}, estimated"
+    assert tokens[1] == f"{continued['input_tokens']}/{continued['output_tokens']} (cached 1,024)"
+    page.close()
