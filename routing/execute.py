@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.accounting.events import UsageEvent
 from gateway.errors import (
     BackendUnavailable,
     BadGateway,
@@ -356,8 +357,8 @@ class Executor:
         if numbers is not None and (task := asyncio.current_task()) is not None:
             numbers[task] = number
         if charge is not None:
-            settle = charge.settle
-            call.on_cost[number] = lambda event: settle(event.cost_pico_usd)
+            hedge = charge
+            call.on_cost[number] = lambda event: hedge.settle(_hedge_cost(hedge, event))
         # The decision as it stands: this attempt's usage event (kept per attempt: a hedge runs beside
         # the primary) and the header if it fails.
         call.info.route = call.routes[number] = plan.header(choice)
@@ -592,13 +593,14 @@ class Executor:
                 return choice
         return None
 
-    def _hedge_delay(self, route: Route, choice: Choice) -> float:
+    def _hedge_delay(self, route: Route, choice: Choice, op: Operation) -> float:
+        """Seconds `choice` has to answer (a stream: its first token; else its whole answer) before
+        its hedge starts (`ModelStats.hedge_delay` for `p95`)."""
         assert route.hedge is not None
         if route.hedge.delay != "p95":
             return float(route.hedge.delay)
         stats = self.context.stats.get(choice.target.backend.name, choice.target.upstream_model)
-        p95 = stats.p95_ttft() if choice is not None else None
-        return max(route.hedge.min_delay, p95 if p95 is not None else 1.0)
+        return stats.hedge_delay(op.stream, route.hedge.min_delay)
 
     async def _hedged(
         self,
@@ -635,7 +637,7 @@ class Executor:
             # or budget refuse, past them.
             await asyncio.wait({first, sent}, return_when=asyncio.FIRST_COMPLETED)
             if not first.done():
-                await asyncio.wait({first}, timeout=self._hedge_delay(route, primary))
+                await asyncio.wait({first}, timeout=self._hedge_delay(route, primary, op))
             if first.done():
                 plan.serve(primary)
                 return first.result()
@@ -1053,6 +1055,19 @@ def _taking(race: _Race, call: Call, plan: Plan, choice: Choice, number: int) ->
         return True
 
     return take
+
+
+def _hedge_cost(charge: Charge, event: UsageEvent) -> int:
+    """What a hedge that went upstream counts on its tenant's cap (pico-USD): what its usage event
+    bills, except where it was cancelled (a race it lost, a client that left) before anything of its
+    answer came back. That event bills nothing, for the gateway cannot tell what the vendor, which had
+    the request, generated and bills for (a whole answer comes only once all of it is generated), and
+    the hedge keeps its estimate: given back, every hedge that lost before its answer came (nearly
+    every lost hedge of a request not streamed) spent nothing of the cap, which then bounded only the
+    hedges that won."""
+    if event.status == 499 and event.cost_pico_usd == 0:
+        return charge.counted * 10**6
+    return event.cost_pico_usd
 
 
 def _lost(first: asyncio.Future[Any], second: asyncio.Future[Any]) -> BaseException:

@@ -82,6 +82,13 @@ class CacheShares:
         }
 
 
+# A `delay: p95` hedge trusts an observed p95 from this many observations on: from fewer it is their
+# maximum (one observation's p95 is that observation), which hedged about one request in n + 1 (half
+# of them after the first), so until then the delay is at least DEFAULT_HEDGE_DELAY_S.
+MIN_P95_SAMPLES = 20
+DEFAULT_HEDGE_DELAY_S = 1.0
+
+
 @dataclass(slots=True)
 class ModelStats:
     # moving average time to first token (streams), counting attempts too slow to reach it (`_censored`)
@@ -98,6 +105,10 @@ class ModelStats:
     # that writes just the answer.
     reasoning_tokens: float | None = None
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # for the p95, likewise
+    # Whole-answer latencies of attempts not streamed (answers, and censored ones likewise): the p95 a
+    # hedge of a request not streamed waits, whose "first token" is its whole answer. A stream's
+    # time to first token is a fraction of that: waited, nearly every such request was hedged.
+    answers: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     samples: int = 0
     # monotonic times its speed was last learned from an answer and `lowest_latency` last sent a
     # request to measure it (unmeasured, or again after REMEASURE_S). An attempt too slow to answer is
@@ -121,10 +132,28 @@ class ModelStats:
         return found.shares() if found is not None else None
 
     def p95_ttft(self) -> float | None:
-        if not self.ttfts:
-            return None
-        ordered = sorted(self.ttfts)
-        return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+        return _p95(self.ttfts)
+
+    def p95_answer(self) -> float | None:
+        """The p95 whole-answer latency of attempts not streamed."""
+        return _p95(self.answers)
+
+    def hedge_delay(self, stream: bool, min_delay: float) -> float:
+        """What a `delay: p95` hedge waits for this model's answer (`stream`: its first token; else its
+        whole answer, which is what a request not streamed waits for): the observed p95 of that, at
+        least `min_delay`; at least DEFAULT_HEDGE_DELAY_S too until MIN_P95_SAMPLES were observed."""
+        window = self.ttfts if stream else self.answers
+        observed = _p95(window)
+        if observed is None or len(window) < MIN_P95_SAMPLES:
+            observed = max(observed or 0.0, DEFAULT_HEDGE_DELAY_S)
+        return max(min_delay, observed)
+
+
+def _p95(values: deque[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -160,11 +189,13 @@ def _slower_than(stats: ModelStats, event: UsageEvent) -> None:
     delay `p95` follows a backend that slowed down up to what its attempts really took, never beyond,
     and one that stopped answering up to MAX_CENSORED_S."""
     waited = event.latency_ms / 1000
+    windowed = min(waited, MAX_CENSORED_S)
+    if not event.stream and (stats.latency_s is None or windowed > stats.latency_s):
+        stats.answers.append(windowed)
     if stats.latency_s is None or waited > stats.latency_s:
         stats.latency_s = _ewma(stats.latency_s, waited)
     if not event.stream:
         return
-    windowed = min(waited, MAX_CENSORED_S)
     if stats.ttft_s is None or windowed > stats.ttft_s:
         stats.ttfts.append(windowed)
     if stats.ttft_s is None or waited > stats.ttft_s:
@@ -217,6 +248,8 @@ class RoutingStats:
         _learning(stats)
         latency = event.latency_ms / 1000
         stats.latency_s = _ewma(stats.latency_s, latency)
+        if not event.stream:
+            stats.answers.append(latency)
         usage = event.usage
         stats.reasoning_tokens = _ewma(stats.reasoning_tokens, usage.reasoning_tokens)
         if event.ttft_ms is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime as dt
 import email.utils
 import threading
 import time
@@ -21,16 +22,19 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.accounting.events import UsageEvent
 from gateway.api.common import client_timeout
 from gateway.config import parse_config
 from gateway.errors import UpstreamError
 from gateway.state import MemoryState
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
+from gateway.usage import Usage
 from routing import execute
 from routing.breaker import Breakers, CircuitBreaker, State
 from routing.execute import HOUR, SpendCap, retry_after
 from routing.routes import Breaker as BreakerSettings
+from routing.stats import WINDOW, ModelStats
 from tests.control.conftest import REDIS_URL
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
@@ -55,6 +59,7 @@ EXTRA_ROUTES = f"""\
   - {{name: raw-first, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: raw-hedged, hedge: {{delay: 0.15}}, candidates: [{{model: raw-model}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: raw-hedged-sonnet, hedge: {{delay: 0.15}}, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: hedged-p95, hedge: {{delay: p95}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: hedged-tight, hedge: {{delay: 0.1, max_spend_usd_per_hour: 0.035}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: gpt5-first, candidates: [{{model: gpt-5}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedge-slow-ttft, ttft_timeout: 0.4, hedge: {{delay: 1.2}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
@@ -538,6 +543,90 @@ def test_when_both_hedged_attempts_answer_at_once_the_loser_is_closed_and_billed
     while any(runtime(gateway).router.context.in_flight.values()):
         assert time.monotonic() < deadline, runtime(gateway).router.context.in_flight
         time.sleep(0.01)
+
+
+def timed(model: str, *, stream: bool, ttft_s: float | None, latency_s: float) -> UsageEvent:
+    """An answered attempt on the fake OpenAI's `model`, as routing learns its speed from it."""
+    return UsageEvent(
+        request_id="r",
+        attempt=1,
+        ts=dt.datetime.now(dt.UTC),
+        tenant_id=None,
+        key_id=None,
+        route=model,
+        backend="openai",
+        model=model,
+        usage=Usage(input_tokens=6, output_tokens=6),
+        prices={},
+        cost_pico_usd=0,
+        latency_ms=latency_s * 1000,
+        ttft_ms=None if ttft_s is None else ttft_s * 1000,
+        stream=stream,
+    )
+
+
+def test_a_p95_hedge_waits_for_a_whole_answer_when_the_request_is_not_streamed(
+    gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_deepseek: FakeOpenAI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The primary's streams have their first token in 50 ms, its whole answers take up to 1.5 s. A
+    request not streamed is answered in 0.4 s: within what its answers take, so it is not hedged
+    (it was, after the streams' 50 ms p95: nearly every request not streamed went to both). A stream
+    that slow to its first token still is."""
+    stats = runtime(gateway).executor.context.stats
+    monkeypatch.setitem(stats.models, ("openai", "gpt-4o-mini"), ModelStats())  # this test's own
+    for _ in range(WINDOW):
+        stats.record(timed("gpt-4o-mini", stream=True, ttft_s=0.05, latency_s=0.5))
+        stats.record(timed("gpt-4o-mini", stream=False, ttft_s=None, latency_s=1.5))
+    fake_openai.set_latency(first_token=0.4)
+    content, route = chat(gateway, "hedged-p95")
+    assert content == ECHO
+    assert "hedged" not in route and route["attempts"] == "1"
+    assert len(fake_deepseek.requests) == 0
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="hedged-p95", messages=HI, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    assert route_header(raw)["hedged"] == "deepseek-chat"
+
+
+def test_a_hedge_that_lost_before_any_answer_came_keeps_its_estimate_on_the_cap(
+    gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not streamed, a hedge's answer comes whole: one that lost is cancelled before anything of it
+    came back, its usage event bills nothing (the gateway cannot tell what its vendor, which had the
+    request, generated and bills for). The cap gave its estimate back for that: lost hedges spent
+    none of it, and a tenant whose primaries answered just after the delay hedged without bound. The
+    estimate stays counted."""
+    executor = runtime(gateway).executor
+    executor.hedges.state = MemoryState()  # this test's window only
+    charges: list[execute.Charge] = []
+    charge = executor.hedges.charge
+
+    async def charged(*args: Any) -> execute.Charge | None:
+        counted = await charge(*args)
+        if counted is not None:
+            charges.append(counted)
+        return counted
+
+    monkeypatch.setattr(executor.hedges, "charge", charged)
+    fake_openai.set_latency(first_token=0.5)  # past the hedge delay (0.15 s)
+    fake_anthropic.set_latency(first_token=3.0)  # still generating when the primary answers
+    content, route = chat(gateway, "hedged-sonnet")
+    assert content == ECHO and route["candidate"] == "gpt-4o-mini" and route["hedged"] == "claude-sonnet"
+    assert len(fake_anthropic.requests) == 1 and len(charges) == 1 and charges[0].counted > 0
+    settled(gateway, 2)
+    assert {e.backend: (e.status, e.cost_pico_usd) for e in gateway.sink.events}["anthropic"] == (499, 0)
+    deadline = time.monotonic() + 2
+    while not charges[0].settled:  # priced once its usage event is recorded
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert counted_micro_usd(executor.hedges, "demo", charges[0].counted, 0)
 
 
 def test_a_ttft_timeout_shorter_than_the_hedge_delay_fails_over_before_any_hedge(

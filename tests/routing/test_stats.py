@@ -11,7 +11,14 @@ import pytest
 from gateway.accounting.events import UsageEvent
 from gateway.usage import Usage
 from routing.routes import Hedge
-from routing.stats import ALPHA, MAX_CENSORED_S, MIN_DECODE_TOKENS, RoutingStats
+from routing.stats import (
+    ALPHA,
+    DEFAULT_HEDGE_DELAY_S,
+    MAX_CENSORED_S,
+    MIN_DECODE_TOKENS,
+    MIN_P95_SAMPLES,
+    RoutingStats,
+)
 
 
 def stream(tokens: int, ttft_s: float, latency_s: float) -> UsageEvent:
@@ -112,8 +119,7 @@ def _hedged_by_p95(stats: RoutingStats, true_ttft_s: float, requests: int, hedge
     how many of them the hedge won."""
     lost = 0
     for _ in range(requests):
-        p95 = stats.get("b", "m").p95_ttft()
-        delay = max(Hedge().min_delay, p95 if p95 is not None else 1.0)
+        delay = stats.get("b", "m").hedge_delay(True, Hedge().min_delay)
         if true_ttft_s <= delay + hedge_ttft_s:
             stats.record(msgspec.structs.replace(stream(3, true_ttft_s, true_ttft_s + 0.05), stream=True))
         else:
@@ -141,3 +147,39 @@ def test_a_p95_hedge_delay_stops_growing_where_the_primary_never_answers() -> No
     assert stats.get("b", "m").p95_ttft() == MAX_CENSORED_S
     learned = stats.get("b", "m")
     assert learned.ttft_s is not None and learned.ttft_s > MAX_CENSORED_S  # ranked as slow as it is
+
+
+def answered(latency_s: float) -> UsageEvent:
+    """A whole answer, not streamed, after `latency_s`."""
+    return msgspec.structs.replace(stream(40, ttft_s=0.0, latency_s=latency_s), ttft_ms=None, stream=False)
+
+
+def test_a_request_not_streamed_is_hedged_by_the_p95_of_whole_answers_not_of_first_tokens() -> None:
+    """A request not streamed has its answer when the whole answer is in: hedged after the p95 time
+    to first token of the model's streams (0.1 s), nearly every such request (its answers take 2 s)
+    was sent twice."""
+    stats = measured(0.1, times=50)
+    for _ in range(50):
+        stats.record(answered(2.0))
+    stats.record(ended(3.0, 499, "cancelled", streamed=False))  # a race it lost: at least that slow
+    learned = stats.get("b", "m")
+    assert learned.hedge_delay(True, Hedge().min_delay) == pytest.approx(0.1)
+    assert learned.hedge_delay(False, Hedge().min_delay) == pytest.approx(2.0)
+    assert list(learned.answers)[-1] == pytest.approx(3.0)
+
+
+def test_a_p95_hedge_delay_waits_at_least_the_default_until_enough_was_observed() -> None:
+    """The p95 of one observation is that observation: a model whose first stream took 0.1 s had
+    every later request slower than that hedged (half of them) until the window filled."""
+    stats = measured(0.1, times=1)
+    learned = stats.get("b", "m")
+    assert learned.hedge_delay(True, Hedge().min_delay) == DEFAULT_HEDGE_DELAY_S
+    assert learned.hedge_delay(False, Hedge().min_delay) == DEFAULT_HEDGE_DELAY_S  # none observed
+    for _ in range(MIN_P95_SAMPLES - 2):
+        stats.record(msgspec.structs.replace(stream(3, ttft_s=0.1, latency_s=0.15), stream=True))
+    assert learned.hedge_delay(True, Hedge().min_delay) == DEFAULT_HEDGE_DELAY_S
+    stats.record(msgspec.structs.replace(stream(3, ttft_s=0.1, latency_s=0.15), stream=True))
+    assert learned.hedge_delay(True, Hedge().min_delay) == pytest.approx(0.1)
+    # A slow model's few observations count as they are: it is not hedged after 1 s on every request.
+    slow = measured(3.0, times=2).get("b", "m")
+    assert slow.hedge_delay(True, Hedge().min_delay) == pytest.approx(3.0)
