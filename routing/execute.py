@@ -214,6 +214,10 @@ def chat_op(request: ChatRequest) -> Operation:
     return Operation(bool(request.stream), prepare)
 
 
+# A `delay: p95` stream's hedge starts by this share of the route's `ttft_timeout` at the latest.
+HEDGE_BEFORE_TIMEOUT = 0.8
+
+
 class SpendCap:
     """Estimated USD each tenant spent on optional calls (hedged attempts, comparisons) over the last
     hour, as a sliding window in the shared state: with Redis every replica draws on one allowance
@@ -600,7 +604,14 @@ class Executor:
         if route.hedge.delay != "p95":
             return float(route.hedge.delay)
         stats = self.context.stats.get(choice.target.backend.name, choice.target.upstream_model)
-        return stats.hedge_delay(op.stream, route.hedge.min_delay)
+        delay = stats.hedge_delay(op.stream, route.hedge.min_delay)
+        if op.stream and route.ttft_timeout:
+            # A stream the route's TTFT timeout gave up on enters the window as that slow, so where
+            # more than one in twenty time out the p95 is the timeout itself: the hedge waited until
+            # the primary was given up, never started where it is for (the slow tail), and each such
+            # request waited for the primary's retries in place before the next candidate was asked.
+            delay = min(delay, route.ttft_timeout * HEDGE_BEFORE_TIMEOUT)
+        return delay
 
     async def _hedged(
         self,

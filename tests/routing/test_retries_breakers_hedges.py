@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import openai
 import pytest
 
@@ -60,6 +61,7 @@ EXTRA_ROUTES = f"""\
   - {{name: raw-hedged, hedge: {{delay: 0.15}}, candidates: [{{model: raw-model}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: raw-hedged-sonnet, hedge: {{delay: 0.15}}, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedged-p95, hedge: {{delay: p95}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
+  - {{name: hedged-p95-ttft, ttft_timeout: 0.5, hedge: {{delay: p95}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: hedged-tight, hedge: {{delay: 0.1, max_spend_usd_per_hour: 0.035}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: gpt5-first, candidates: [{{model: gpt-5}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedge-slow-ttft, ttft_timeout: 0.4, hedge: {{delay: 1.2}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
@@ -590,6 +592,37 @@ def test_a_p95_hedge_waits_for_a_whole_answer_when_the_request_is_not_streamed(
     )
     assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
     assert route_header(raw)["hedged"] == "deepseek-chat"
+
+
+def test_a_p95_hedge_starts_before_the_routes_ttft_timeout_where_timeouts_made_the_p95(
+    gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_deepseek: FakeOpenAI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One stream in ten to gpt-4o-mini times out (0.5 s, the route's `ttft_timeout`): each enters
+    the p95 window as at least that slow, so the p95 is the timeout itself. Waited, no hedge started
+    before the timeout gave up on the primary: exactly where hedging is for (the slow tail), each such
+    request waited two timeouts (the primary retried in place) before the next candidate was asked.
+    The hedge starts before the timeout."""
+    stats = runtime(gateway).executor.context.stats
+    monkeypatch.setitem(stats.models, ("openai", "gpt-4o-mini"), ModelStats())  # this test's own
+    for i in range(WINDOW):
+        answered = timed("gpt-4o-mini", stream=True, ttft_s=0.1, latency_s=0.2)
+        timed_out = msgspec.structs.replace(
+            answered, ttft_ms=None, latency_ms=500.0, status=504, error="timeout"
+        )
+        stats.record(timed_out if i % 10 == 0 else answered)
+    assert stats.get("openai", "gpt-4o-mini").p95_ttft() == pytest.approx(0.5)
+    fake_openai.set_latency(first_token=3.0)
+    started = time.monotonic()
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="hedged-p95-ttft", messages=HI, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    assert route_header(raw)["hedged"] == "deepseek-chat"
+    assert time.monotonic() - started < 0.95  # not two 0.5 s timeouts first
+    assert len(fake_deepseek.requests) == 1
 
 
 def test_a_hedge_that_lost_before_any_answer_came_keeps_its_estimate_on_the_cap(
