@@ -254,7 +254,16 @@ def from_config(config: Any) -> ControlPlane | None:
     `WEIR_DATABASE_URL` / `WEIR_REDIS_URL` win over the config's `database_url` / `redis_url`.
     """
     database_url = os.environ.get("WEIR_DATABASE_URL") or getattr(config, "database_url", None)
+    redis_url = os.environ.get("WEIR_REDIS_URL") or getattr(config, "redis_url", None)
     if not database_url:
+        if redis_url:
+            # Redis is the control plane's shared state: without a database nothing uses it, and
+            # every replica keeps its own breakers, hedge cap, limits and stream slots. Said once at
+            # start, or a fleet configured for Redis alone never learns its replicas share nothing.
+            log.warning(
+                "redis_url is set but no database_url: the control plane is off, so Redis is not used "
+                "and circuit breakers, hedge caps, rate limits and stream slots are per replica"
+            )
         return None
     now = dt.datetime.now(dt.UTC)
     prices = []
@@ -270,7 +279,7 @@ def from_config(config: Any) -> ControlPlane | None:
     return ControlPlane(
         ControlPlaneSettings(
             database_url=database_url,
-            redis_url=os.environ.get("WEIR_REDIS_URL") or getattr(config, "redis_url", None),
+            redis_url=redis_url,
             auto_migrate=getattr(config, "auto_migrate", True),
             prices=prices,
             # One spool per process (without Redis); one key namespace per deployment (with Redis).

@@ -22,6 +22,7 @@ import openai
 import pytest
 import redis
 
+from gateway.admin import control_plane
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.router_basic import ModelTable
@@ -823,3 +824,20 @@ async def test_a_replica_whose_cooldown_ends_after_the_fleets_trial_succeeded_is
     b.get(KEY, BreakerSettings(failures=1, cooldown=30)).trip(now=time.monotonic() - 30)
     assert await b.allow(KEY)
     assert not await b.allow(KEY)
+
+
+def test_a_redis_url_without_a_database_says_that_replicas_share_no_breakers(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis is the control plane's shared state, which is on only with a database: a fleet given
+    `redis_url` alone kept breakers and hedge caps per replica without a word."""
+    monkeypatch.delenv("WEIR_DATABASE_URL", raising=False)
+    monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
+    config = parse_config(f"redis_url: {REDIS_URL}\nbackends: []\nmodels: []\n", {})
+    with caplog.at_level("WARNING", logger=control_plane.__name__):
+        assert control_plane.from_config(config) is None
+    assert any("redis_url is set but no database_url" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=control_plane.__name__):
+        assert control_plane.from_config(parse_config("backends: []\nmodels: []\n", {})) is None
+    assert not caplog.records  # no Redis, no database: nothing to say
