@@ -1070,13 +1070,13 @@ def _taking(race: _Race, call: Call, plan: Plan, choice: Choice, number: int) ->
 
 def _hedge_cost(charge: Charge, event: UsageEvent) -> int:
     """What a hedge that went upstream counts on its tenant's cap (pico-USD): what its usage event
-    bills, except where it was cancelled (a race it lost, a client that left) before anything of its
-    answer came back. That event bills nothing, for the gateway cannot tell what the vendor, which had
-    the request, generated and bills for (a whole answer comes only once all of it is generated), and
-    the hedge keeps its estimate: given back, every hedge that lost before its answer came (nearly
-    every lost hedge of a request not streamed) spent nothing of the cap, which then bounded only the
-    hedges that won."""
-    if event.status == 499 and event.cost_pico_usd == 0:
+    bills, except where it was not streamed and was cancelled (a race it lost, a client that left)
+    before anything of its answer came back. That event bills nothing, for the gateway cannot tell
+    what the vendor, which had the request and generates a whole answer however soon it is left,
+    bills for; the hedge keeps its estimate. Given back, nearly every lost hedge not streamed (its
+    answer comes whole, so it is cancelled before any of it) spent nothing of the cap, which then
+    bounded only the hedges that won. (A stream cancelled once its answer began bills its estimate.)"""
+    if not event.stream and event.status == 499 and event.cost_pico_usd == 0:
         return charge.counted * 10**6
     return event.cost_pico_usd
 
