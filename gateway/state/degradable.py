@@ -62,10 +62,11 @@ class DegradableState(Shortcuts):
         self._subscribers: list[asyncio.Task[None]] = []  # subscribe to revocations in Redis
         # For Redis once it answers again: spend settled here per budget ((usage event id, cost) per
         # attempt: Redis tells them from the ledger's if it lost the budget, see SETTLE), reservations
-        # it made that were settled here (budget key, reservation id, amount), and seeds it never got.
+        # it made that were settled here (budget key, reservation id, amount), and seeds it never got
+        # (the ledger's spend, and the ledger's recent events it holds: `budget_seed`'s `in_ledger`).
         self._owed: dict[str, list[tuple[str, int]]] = {}
         self._releases: list[tuple[str, str, int]] = []
-        self._seeds: dict[str, int] = {}
+        self._seeds: dict[str, tuple[int, tuple[str, ...]]] = {}
 
     @property
     def degraded(self) -> bool:
@@ -127,16 +128,19 @@ class DegradableState(Shortcuts):
         ]
         catch_up += [Settlement((), [key], releases=[(rid, amount)]) for key, rid, amount in releases]
         try:
-            for key, spent in seeds.items():
+            for key, (spent, in_ledger) in seeds.items():
                 # Refused (False) where Redis holds attempts settled since it lost the budget: the
                 # ledger may hold them too, which this outage's spend does not say. Left unseeded
                 # then: the next admission finds that and seeds it from the ledger (Admission).
-                await self.primary.budget_seed(key, spent)
+                # With the ledger's events it held when read: a settlement of one of them that
+                # comes after this (another replica's, or one owed below) is counted by the seed
+                # alone, as on a seed Redis took at once (budget:counted).
+                await self.primary.budget_seed(key, spent, (), in_ledger)
             if catch_up:
                 await self.primary.settle_many(catch_up)
         except BaseException:
-            for key, spent in seeds.items():
-                self._seeds.setdefault(key, spent)
+            for key, seed in seeds.items():
+                self._seeds.setdefault(key, seed)
             for key, events in owed.items():
                 self._owed.setdefault(key, []).extend(events)
             self._releases += releases
@@ -190,7 +194,9 @@ class DegradableState(Shortcuts):
         self.fallback.budget_spent_at_least({key: (spent_pico_usd, 0)})
         reached, seeded = await self._try_primary("budget_seed", key, spent_pico_usd, unseeded, in_ledger)
         if not reached:
-            self._seeds.setdefault(key, spent_pico_usd)
+            # `unseeded` is the fallback's (Admission read it here): Redis's, when it answers, must
+            # be empty for the seed to apply, so only the ledger's events travel with it.
+            self._seeds.setdefault(key, (spent_pico_usd, tuple(in_ledger)))
             return True
         return bool(seeded)
 

@@ -3,6 +3,7 @@ and in Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -17,10 +18,12 @@ from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.admin.control_plane import ControlPlane, ControlPlaneSettings
 from gateway.db import migrate
 from gateway.state import SharedState
+from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 from gateway.usage import Usage
 from tests.control.conftest import REDIS_URL
 from tests.control.events import usage_event
+from tests.control.helpers import TcpProxy
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 EMBEDDINGS = PriceCatalog(  # USD 0.02 per 1M input tokens: 10 tokens cost 0.2 micro-dollars
@@ -267,6 +270,56 @@ async def test_an_attempt_whose_event_reached_the_ledger_before_its_settlement_c
     finally:
         for state in states:
             await state.close()
+        await control.stop()
+
+
+@pytest.mark.redis
+async def test_a_seed_made_while_redis_was_away_counts_a_late_settlement_once(
+    db_url: str, tmp_path: Path, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """As above, but replica A, which seeds the budget, cannot reach Redis then: its seed waits for
+    Redis to answer again (DegradableState._catch_up), and was handed over with the ledger's spend
+    alone. Redis then kept no record of the ledger's recent events, and the settlement of one that
+    came after the seed landed counted it again (USD 4 on the books for USD 3 spent). The seed now
+    lands as it would have, with the recent events the ledger held when it was read."""
+    usd = 10**12
+    control = ControlPlane(ControlPlaneSettings(database_url=db_url, spool_dir=str(tmp_path / "spool")))
+    proxy = TcpProxy(6379)  # Redis as replica A sees it: stop() plays an outage
+    await proxy.start()
+    a = DegradableState(
+        RedisState(aioredis.from_url(f"redis://127.0.0.1:{proxy.port}/0"), prefix=redis_prefix), retry_s=0.02
+    )
+    b = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    replicas = [Admission(s, lambda: EMBEDDINGS, spend=control._spend_this_month) for s in (a, b)]
+    quotas = Quotas("t", None, tenant_budget_micro_usd=5 * 10**6)  # USD 5
+    budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
+    late = event("r1", Usage(input_tokens=10), usd)
+    try:
+        await migrate.upgrade_async(db_url)
+        await control.writer.write([event("before", Usage(input_tokens=10), 2 * usd)])  # settled long ago
+        await replicas[1].admit("r1", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        await lose_budget(redis_client, redis_prefix, "tenant", "t")
+        await control.writer.write([late])  # r1's event is written to the ledger...
+        await proxy.stop()
+        await replicas[0].admit("a1", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
+        assert a.degraded  # A read the ledger (USD 3, r1 in it) and holds the seed for Redis
+        await proxy.start()
+        async with asyncio.timeout(5):
+            while a.degraded:  # the prober hands Redis the seed, then switches back to it
+                await asyncio.sleep(0.01)
+        replicas[1].settle(late)  # ...then r1's settlement reaches Redis, after A's seed
+        await replicas[1].drain()
+        assert await b.budget_usage(budget) == (3 * usd, 0)  # a1's estimate is held by A alone
+
+        replicas[1].settle(event("r1", Usage(input_tokens=10), usd // 2))  # r1's retry: not in the ledger
+        await replicas[1].drain()
+        assert await b.budget_usage(budget) == (3 * usd + usd // 2, 0)
+    finally:
+        for replica in replicas:
+            await replica.drain()
+        await a.close()
+        await b.close()
+        await proxy.stop()
         await control.stop()
 
 
