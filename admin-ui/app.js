@@ -173,6 +173,25 @@ async function copyButton(text) {
   return b;
 }
 
+// A key just issued, shown only once: outside `main`, so no render can take it away before the admin
+// copied it. The tenant's page rendered again after the issue could be superseded by a newer render
+// (the admin following a link meanwhile), which left no place for the key: it was never shown, and
+// had to be revoked and issued again. It stays until its Done button (or signing out) clears it.
+const newKey = document.getElementById("new-key");
+
+async function showNewKey(tenant, key) {
+  newKey.replaceChildren(
+    h("p", {}, h("strong", {}, `Copy the new key of ${tenant.name}${key.name ? ` (${key.name})` : ""} now: it is shown only once.`)),
+    h("code", { class: "secret", id: "new-key-value" }, key.key), " ", await copyButton(key.key), " ",
+    h("button", { type: "button", onclick: clearNewKey }, "Done"));
+  newKey.hidden = false;
+}
+
+function clearNewKey() {
+  newKey.replaceChildren();
+  newKey.hidden = true;
+}
+
 function page(title, ...content) {
   main.replaceChildren(h("h1", {}, title), ...content.filter((c) => c !== null && c !== undefined && c !== false));
   document.title = `${title} · Weir admin`;
@@ -222,6 +241,7 @@ function enterApp(user) {
 }
 
 document.getElementById("sign-out").addEventListener("click", async () => {
+  clearNewKey(); // a secret: not left on the screen for whoever comes next
   try { await api("/admin/session", { method: "DELETE" }); } finally { showSignIn("Signed out."); }
 });
 
@@ -408,6 +428,26 @@ function routeForm(existing, onSaved, heads = null, onGone = null) {
   return form;
 }
 
+// The preview's Metadata field: a JSON object of strings, as a client sends `metadata` ({"tier":
+// "gold", "tags": "batch,eu"}), or one key=value per line. { meta } or { error } (the form's message).
+function parseMetadata(text) {
+  const json = text.trim();
+  if (json.startsWith("{")) {
+    let meta;
+    try { meta = JSON.parse(json); } catch (e) { return { error: `Metadata: not a JSON object (${e.message}).` }; }
+    const bad = Object.entries(meta).find(([, v]) => typeof v !== "string");
+    if (bad) return { error: `Metadata "${bad[0]}": write its value as a string, as requests carry it ("tags": "batch,eu").` };
+    return { meta };
+  }
+  const meta = {};
+  for (const line of text.split("\n").map((l) => l.trim()).filter(Boolean)) {
+    const eq = line.indexOf("=");
+    if (eq <= 0) return { error: `Metadata line "${line}": write key=value, or a JSON object.` };
+    meta[line.slice(0, eq).trim()] = line.slice(eq + 1).trim();
+  }
+  return { meta };
+}
+
 function previewForm(list) {
   const model = h("input", { name: "model", required: true, value: list[0]?.name || "", autocomplete: "off" });
   const prompt = h("textarea", { name: "prompt", rows: 3, required: true }, "");
@@ -420,7 +460,7 @@ function previewForm(list) {
   const form = h("form", { class: "inline-form", "aria-label": "Preview a prompt" }, ...formBox(
     field("Model name", model, "What the client sends as model."), field("Tenant name", tenant, "For routes with tenant conditions."),
     field("Key id", keyId, "For routes with key conditions; plans with the models that key may use."),
-    field("Metadata", metadata, "The request's metadata, one key=value per line, for routes with metadata or tag conditions: tags=batch,eu"),
+    field("Metadata", metadata, "The request's metadata, one key=value per line (tags=batch,eu) or a JSON object ({\"tags\": \"batch,eu\"}), for routes with metadata or tag conditions."),
     h("label", { class: "check" }, tools, " request offers tools"),
     h("label", { class: "check" }, images, " request has images"),
     field("Sample prompt", prompt, "The last user message; difficulty and prefix policies look at it."),
@@ -428,12 +468,8 @@ function previewForm(list) {
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     form.querySelector(".form-error").hidden = true;
-    const meta = {};
-    for (const line of metadata.value.split("\n").map((l) => l.trim()).filter(Boolean)) {
-      const eq = line.indexOf("=");
-      if (eq <= 0) { formError(form, { message: `Metadata line "${line}": write key=value.`, param: "metadata" }); return; }
-      meta[line.slice(0, eq).trim()] = line.slice(eq + 1).trim();
-    }
+    const { meta, error } = parseMetadata(metadata.value);
+    if (error) { formError(form, { message: error, param: "metadata" }); return; }
     try {
       const p = await api("routes/preview", { method: "POST", body: { model: model.value.trim(), prompt: prompt.value, tenant: tenant.value.trim() || null,
         key_id: keyId.value.trim() || null, metadata: meta, tools: tools.checked, images: images.checked } });
@@ -748,12 +784,10 @@ async function tenantKeys(tenant) {
     if (expires.value) body.expires_at = `${expires.value}T00:00:00Z`;
     try {
       const k = await api(`tenants/${tenant.id}/keys`, { method: "POST", body });
-      await route();
-      const box = document.getElementById("new-key");
-      box.replaceChildren(h("p", {}, h("strong", {}, "Copy this key now: it is shown only once.")),
-        h("code", { class: "secret", id: "new-key-value" }, k.key), " ", await copyButton(k.key));
-      box.hidden = false;
-      box.querySelector("button").focus();
+      await showNewKey(tenant, k); // before the render below, whichever page that render ends on
+      // The key list with the new key. A render begun meanwhile (the admin followed a link) takes the
+      // page instead, and then keeps the focus too.
+      if (await route()) newKey.querySelector("button").focus();
     } catch (e) { formError(form, e); }
   });
   const revoke = (k) => h("button", {
@@ -766,7 +800,7 @@ async function tenantKeys(tenant) {
   }, "Revoke");
   return h("section", { id: "keys", class: "panel" },
     h("h2", {}, `Keys of ${tenant.name}`),
-    h("div", { id: "new-key", class: "notice success", hidden: true }), shown,
+    shown,
     keys.length ? table([
       { label: "Name", render: (k) => k.name || "—" },
       { label: "Prefix", render: (k) => h("code", {}, k.prefix) },

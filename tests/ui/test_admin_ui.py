@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.ui.conftest import ADMIN, Weir
+from tests.ui.test_routes_ui_edges import ANSWERS_READ, _new_page, _sign_in
 
 
 def wait_for_ledger(weir: Weir, requests: int, timeout: float = 15) -> dict[str, Any]:
@@ -152,3 +153,47 @@ def test_admin_session_in_the_browser(weir: Weir, browser: Any, shots: Path) -> 
     page.get_by_role("heading", name="Sign in to Weir").wait_for()
     assert page_errors == []
     context.close()
+
+
+def test_a_new_key_is_shown_when_the_admin_opens_another_page_as_it_is_issued(
+    weir: Weir, browser: Any
+) -> None:
+    """A key is shown only once. The UI issued it, rendered the tenant's page again and then wrote
+    the key into that page: when the admin opened another page before that render had its answers,
+    the newer render took the page, there was no place for the key, and it was never shown (the
+    admin had to revoke it and issue another). It is now shown outside the page, whatever page
+    renders, until the admin clears it."""
+    tenant = weir.admin.post("/tenants", json={"name": "acme"}).json()
+    page = _new_page(browser)
+    page.add_init_script(ANSWERS_READ)
+    asked: list[str] = []  # every answer the page asked the gateway for (session and admin API)
+    page.on("request", lambda request: "/admin/session" in request.url and asked.append(request.url))
+    _sign_in(page, weir, f"#/tenants/{tenant['id']}")
+    page.get_by_role("heading", name="Keys of acme").wait_for()
+    page.wait_for_load_state("networkidle")
+    held: list[Any] = []  # the key list the tenant's page asks for again after the issue
+
+    def hold_the_list(request_route: Any) -> None:
+        if request_route.request.method == "GET" and not held:
+            held.append(request_route)
+        else:
+            request_route.continue_()
+
+    keys_url = f"/tenants/{tenant['id']}/keys"
+    page.route(lambda url: url.endswith(keys_url), hold_the_list)
+    with page.expect_request(lambda r: r.url.endswith(keys_url) and r.method == "GET"):
+        page.locator("#keys").get_by_role("button", name="Issue key").click()
+    page.get_by_role("link", name="Overview").click()  # while the tenant's page still loads
+    page.get_by_role("heading", name="Overview").wait_for()
+    held[0].continue_()
+    page.wait_for_function("n => window.__answersRead.length >= n", arg=len(asked))
+
+    assert page.get_by_role("heading", name="Overview").is_visible()  # the page the admin opened
+    key = page.locator("#new-key-value").inner_text()
+    (issued,) = weir.admin.get(keys_url).json()["data"]
+    assert key.startswith(issued["prefix"]) and len(key) > len(issued["prefix"])
+    assert page.locator("#new-key").get_by_role("button", name="Copy").is_visible()
+
+    page.locator("#new-key").get_by_role("button", name="Done").click()
+    assert page.locator("#new-key-value").count() == 0 and page.locator("#new-key").is_hidden()
+    page.close()

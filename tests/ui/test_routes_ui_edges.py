@@ -600,6 +600,34 @@ def test_the_preview_matches_a_route_by_the_requests_metadata_and_key(routed: We
     page.close()
 
 
+def test_the_preview_takes_metadata_as_a_json_object(routed: Weir, browser: Any) -> None:
+    """The Metadata field also takes the request's metadata as a client sends it, a JSON object of
+    strings (it took key=value lines only); a value that is not a string is refused at the form."""
+    _create(
+        routed.admin,
+        {
+            "name": "gpt-4o",
+            "when": {"metadata": {"tier": "gold"}, "tags": ["eu"]},
+            "candidates": [{"model": "gpt-4o-mini"}],
+        },
+    )
+    page = _signed_in(routed, browser, "#/routes")
+    preview = page.get_by_role("form", name="Preview a prompt")
+    preview.get_by_label("Model name", exact=True).fill("gpt-4o")
+    preview.get_by_label("Sample prompt", exact=True).fill("hello")
+    metadata = preview.get_by_label("Metadata", exact=True)
+
+    metadata.fill('{"tier": "gold", "tags": "batch, eu"}')
+    preview.get_by_role("button", name="Preview").click()
+    page.locator("#preview-result").get_by_text("Route gpt-4o (policy fixed) matches.").wait_for()
+
+    metadata.fill('{"tier": "gold", "tags": ["eu"]}')
+    preview.get_by_role("button", name="Preview").click()
+    preview.locator("[name=metadata][aria-invalid=true]").wait_for()
+    assert 'Metadata "tags": write its value as a string' in preview.locator(".form-error").inner_text()
+    page.close()
+
+
 def test_editing_a_route_with_the_keyboard_moves_focus_into_its_form(routed: Weir, browser: Any) -> None:
     """Enter on a row's Edit link focuses the edit form's heading: the next Tab lands in the form,
     not on the first link of the routes table."""
