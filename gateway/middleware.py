@@ -1,6 +1,7 @@
-"""Per-request bookkeeping as plain ASGI: a request id (echoed in `x-request-id`), one structlog line
-per API request when its last byte is sent (streams included), the request's fields on every other
-line logged while serving it (gateway.logging), and the request metrics."""
+"""Per-request bookkeeping as plain ASGI: a request id (echoed in `x-request-id`, and in `request-id` on
+the Anthropic Messages paths, as Anthropic sends it), one structlog line per API request when its last
+byte is sent (streams included), the request's fields on every other line logged while serving it
+(gateway.logging), and the request metrics."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gateway.metrics import NO_BACKEND, Metrics
 from gateway.pipeline import RequestInfo
 
 log = structlog.get_logger("weir.request")
+ANTHROPIC_PREFIX = "/v1/messages"  # the Anthropic Messages API's paths (gateway.api.anthropic)
 
 
 def _incoming_id(scope: Scope) -> bytes | None:
@@ -41,6 +43,9 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
             info = RequestInfo(request_id=raw_id.decode())
             scope.setdefault("state", {})["weir"] = info
             api = scope["path"].startswith("/v1/")
+            # The anthropic SDK reads the id from `request-id` (its errors' and messages' request_id);
+            # the openai SDK, and everything else, from `x-request-id`.
+            anthropic = scope["path"].startswith(ANTHROPIC_PREFIX)
             started = time.perf_counter()
             status = 500
             done = False
@@ -84,6 +89,8 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                 if message["type"] == "http.response.start":
                     status = message["status"]
                     headers = [*message.get("headers", ()), (b"x-request-id", raw_id)]
+                    if anthropic:
+                        headers.append((b"request-id", raw_id))
                     if info.route is not None:
                         headers.append((b"x-weir-route", info.route.encode()))
                     message["headers"] = headers

@@ -519,3 +519,20 @@ def test_a_stream_whose_last_chunk_also_reports_usage_keeps_its_stop_reason(
         events = list(stream)
     [delta] = [e for e in events if e.type == "message_delta"]
     assert delta.delta.stop_reason == "max_tokens" and delta.usage.output_tokens == 2
+
+
+def test_the_anthropic_sdk_reads_the_request_id_of_messages_streams_and_errors(
+    gateway: RunningGateway,
+) -> None:
+    """The anthropic SDK takes a request's id from `request-id` (Anthropic's header), not `x-request-id`:
+    `message._request_id` and an error's `request_id` were None through Weir, and so never reached
+    a client's logs or a support ticket. Both headers now carry the id the gateway logged."""
+    client = gateway.anthropic()
+    hi = [{"role": "user", "content": "hi"}]
+    raw = client.messages.with_raw_response.create(model="gpt-4o-mini", max_tokens=20, messages=hi)  # type: ignore[arg-type]
+    assert raw.parse()._request_id == raw.headers["x-request-id"] != ""
+    with client.messages.stream(model="gemini-flash", max_tokens=20, messages=hi) as stream:  # type: ignore[arg-type]
+        assert stream.request_id == stream.response.headers["x-request-id"] != ""
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="no-such-model", max_tokens=20, messages=hi)  # type: ignore[arg-type]
+    assert missing.value.request_id == missing.value.response.headers["x-request-id"] != ""
