@@ -11,7 +11,7 @@ adapter never sends upstream."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -26,6 +26,7 @@ from gateway.types import (
     ChatResponse,
     ContentPart,
     Delta,
+    FilePart,
     FunctionCall,
     FunctionDefinition,
     ImagePart,
@@ -85,6 +86,18 @@ class ImageBlock(Base, tag="image", tag_field="type"):
     cache_control: CacheControl = None
 
 
+class DocumentSource(Base):
+    type: str  # "base64" (a PDF) or "text"; "url" and "content" are Anthropic's alone
+    media_type: str | None = None
+    data: str | None = None
+
+
+class DocumentBlock(Base, tag="document", tag_field="type"):
+    source: DocumentSource
+    title: str | None = None
+    cache_control: CacheControl = None
+
+
 class ToolUseBlock(Base, tag="tool_use", tag_field="type"):
     id: str
     name: str
@@ -94,7 +107,7 @@ class ToolUseBlock(Base, tag="tool_use", tag_field="type"):
 
 class ToolResultBlock(Base, tag="tool_result", tag_field="type"):
     tool_use_id: str
-    content: str | list[TextBlock | ImageBlock] | None = None
+    content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
     is_error: bool | None = None
     cache_control: CacheControl = None
 
@@ -108,7 +121,15 @@ class RedactedThinkingBlock(Base, tag="redacted_thinking", tag_field="type"):
     data: str = ""
 
 
-Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+Block = (
+    TextBlock
+    | ImageBlock
+    | DocumentBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock
+)
 
 
 class InboundMessage(Base):
@@ -217,11 +238,35 @@ def _image(block: ImageBlock) -> ImagePart:
     return ImagePart(image_url=ImageURL(url=url), cache_control=block.cache_control)
 
 
-def _parts(blocks: list[TextBlock | ImageBlock]) -> list[ContentPart]:
-    return [
-        TextPart(text=b.text, cache_control=b.cache_control) if isinstance(b, TextBlock) else _image(b)
-        for b in blocks
-    ]
+def _document(block: DocumentBlock, where: str) -> ContentPart:
+    """A document as every vendor takes one: a PDF as a file (OpenAI's `file` part, which Weir's
+    Anthropic and Gemini adapters send as a document / inline data), plain text as text."""
+    source = block.source
+    if source.type == "base64" and source.data:
+        media_type = source.media_type or "application/pdf"
+        file = {
+            "file_data": f"data:{media_type};base64,{source.data}",
+            "filename": block.title or "document.pdf",
+        }
+        return FilePart(file=file, cache_control=block.cache_control)
+    if source.type == "text" and source.data is not None:
+        return TextPart(text=source.data, cache_control=block.cache_control)
+    raise InvalidRequest(
+        f"document sources of type '{source.type}' are not supported: send the document as base64 or text",
+        param=f"{where}.source",
+    )
+
+
+def _parts(blocks: Sequence[TextBlock | ImageBlock | DocumentBlock], where: str) -> list[ContentPart]:
+    parts: list[ContentPart] = []
+    for i, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            parts.append(TextPart(text=block.text, cache_control=block.cache_control))
+        elif isinstance(block, ImageBlock):
+            parts.append(_image(block))
+        else:
+            parts.append(_document(block, f"{where}[{i}]"))
+    return parts
 
 
 def _user_messages(content: list[Block], where: str) -> list[Message]:
@@ -234,7 +279,7 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
             if block.content is None or isinstance(block.content, str):
                 result_content: str | list[ContentPart] = block.content or ""
             else:
-                result_content = _parts(block.content)
+                result_content = _parts(block.content, f"{where}.content[{i}].content")
             # The client's content as it is, the failure in the flag: each vendor says it its own way
             # (Claude the flag, Gemini an `error` response, OpenAI, which has neither, in words).
             results.append(
@@ -250,6 +295,8 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
             parts.append(TextPart(text=block.text, cache_control=block.cache_control))
         elif isinstance(block, ImageBlock):
             parts.append(_image(block))
+        elif isinstance(block, DocumentBlock):
+            parts.append(_document(block, f"{where}.content[{i}]"))
         else:
             raise InvalidRequest(
                 f"a user message cannot hold a {type(block).__name__}", param=f"{where}.content[{i}]"
@@ -296,7 +343,7 @@ def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> Cha
     if isinstance(request.system, str):
         messages.append(Message(role="system", content=request.system))
     elif request.system:
-        messages.append(Message(role="system", content=_parts(list(request.system))))
+        messages.append(Message(role="system", content=_parts(request.system, "system")))
     for i, message in enumerate(request.messages):
         where = f"messages[{i}]"
         if isinstance(message.content, str):

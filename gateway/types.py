@@ -47,7 +47,8 @@ class InputAudioPart(Base, tag="input_audio", tag_field="type"):
 
 
 class FilePart(Base, tag="file", tag_field="type"):
-    file: dict[str, Any]
+    file: dict[str, Any]  # OpenAI's: `file_data` (a data: URL) and `filename`, or `file_id`
+    cache_control: dict[str, Any] | None = None
 
 
 class RefusalPart(Base, tag="refusal", tag_field="type"):

@@ -54,6 +54,7 @@ from gateway.types import (
     ChunkChoice,
     ContentPart,
     Delta,
+    FilePart,
     FunctionCall,
     FunctionCallDelta,
     ImagePart,
@@ -165,6 +166,16 @@ def _image_block(part: ImagePart) -> dict[str, Any]:
     return _cache({"type": "image", "source": source}, part.cache_control)
 
 
+def _document_block(part: FilePart) -> dict[str, Any] | None:
+    """A file sent inline (a PDF as a data: URL) as Anthropic's document; None for a file id, which
+    names a file in OpenAI's store."""
+    data = parse_data_url(str(part.file.get("file_data", "")))
+    if data is None:
+        return None
+    source = {"type": "base64", "media_type": data[0], "data": data[1]}
+    return _cache({"type": "document", "source": source}, part.cache_control)
+
+
 def _blocks(content: str | list[ContentPart] | None, where: str) -> list[dict[str, Any]]:
     if content is None:
         return []
@@ -178,6 +189,8 @@ def _blocks(content: str | list[ContentPart] | None, where: str) -> list[dict[st
             blocks.append(_cache({"type": "text", "text": part.text}, part.cache_control))
         elif isinstance(part, ImagePart):
             blocks.append(_image_block(part))
+        elif isinstance(part, FilePart) and (document := _document_block(part)) is not None:
+            blocks.append(document)
         else:
             raise InvalidRequest(
                 f"content parts of type '{type(part).__struct_config__.tag}' are not supported by Anthropic models",

@@ -52,6 +52,7 @@ from gateway.types import (
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
+    FilePart,
     FunctionCall,
     FunctionCallDelta,
     ImagePart,
@@ -183,6 +184,8 @@ def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str
             else:
                 url = part.image_url.url
                 parts.append({"fileData": {"mimeType": guess_media_type(url), "fileUri": url}})
+        elif isinstance(part, FilePart) and (inline := parse_data_url(str(part.file.get("file_data", "")))):
+            parts.append({"inlineData": {"mimeType": inline[0], "data": inline[1]}})  # a PDF, say
         else:
             raise InvalidRequest(
                 f"content parts of type '{type(part).__struct_config__.tag}' are not supported by Gemini models",

@@ -536,3 +536,61 @@ def test_the_anthropic_sdk_reads_the_request_id_of_messages_streams_and_errors(
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="no-such-model", max_tokens=20, messages=hi)  # type: ignore[arg-type]
     assert missing.value.request_id == missing.value.response.headers["x-request-id"] != ""
+
+
+PDF = base64.b64encode(b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n" + b"0" * 32).decode()
+PDF_DOCUMENT = {
+    "type": "document",
+    "source": {"type": "base64", "media_type": "application/pdf", "data": PDF},
+    "title": "report.pdf",
+    "cache_control": {"type": "ephemeral"},
+}
+
+
+def _ask_about(document: dict) -> list[dict]:
+    return [{"role": "user", "content": [document, {"type": "text", "text": "summarise"}]}]
+
+
+def test_pdf_documents_reach_each_vendor_in_its_own_shape(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_gemini: FakeGemini, fake_anthropic: FakeAnthropic
+) -> None:
+    """A `document` block (Claude clients' PDFs) was refused with a 400 on every route, Claude's own
+    included. It now goes as OpenAI's `file` part, Gemini's inline data and Anthropic's document (with
+    its cache breakpoint)."""
+    client = gateway.anthropic()
+    for model in ("gpt-4o-mini", "gemini-flash", "claude-sonnet"):
+        answer = client.messages.create(model=model, max_tokens=20, messages=_ask_about(PDF_DOCUMENT))  # type: ignore[arg-type]
+        assert answer.stop_reason == "end_turn"
+    file = {
+        "type": "file",
+        "file": {"file_data": f"data:application/pdf;base64,{PDF}", "filename": "report.pdf"},
+    }
+    assert fake_openai.last_request.json["messages"][0]["content"][0] == file  # type: ignore[union-attr]
+    inline = {"inlineData": {"mimeType": "application/pdf", "data": PDF}}
+    assert fake_gemini.last_request.json["contents"][0]["parts"][0] == inline  # type: ignore[union-attr]
+    sent = fake_anthropic.last_request.json["messages"][0]["content"][0]  # type: ignore[union-attr]
+    assert sent == {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": PDF},
+        "cache_control": {"type": "ephemeral"},
+    }
+
+
+def test_plain_text_documents_are_sent_as_text(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    text_document = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": "the memo"},
+    }
+    gateway.anthropic().messages.create(
+        model="gpt-4o-mini", max_tokens=20, messages=_ask_about(text_document)
+    )  # type: ignore[arg-type]
+    sent = fake_openai.last_request.json["messages"][0]["content"]  # type: ignore[union-attr]
+    assert sent == [{"type": "text", "text": "the memo"}, {"type": "text", "text": "summarise"}]
+
+
+def test_documents_by_url_are_refused_naming_the_source(gateway: RunningGateway) -> None:
+    by_url = {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        gateway.anthropic().messages.create(model="gpt-4o-mini", max_tokens=20, messages=_ask_about(by_url))  # type: ignore[arg-type]
+    assert "base64 or text" in refused.value.message
+    assert gateway.sink.events == []  # refused before any backend was asked
