@@ -293,6 +293,19 @@ class _ChunkChoice(ChunkChoice):
     delta: _Delta
 
 
+def _note_matched_stop(choice: _Choice | _ChunkChoice) -> None:
+    """The stop string that ended the answer, where the server says it (vLLM's `stop_reason`, SGLang's
+    `matched_stop`; an int there is a stop token, not a string): an Anthropic client is told
+    `stop_sequence` and which one, as Claude tells it. OpenAI's own API does not say."""
+    if choice.finish_reason != "stop":
+        return
+    for key in ("stop_reason", "matched_stop"):
+        matched = choice.extra.get(key)
+        if isinstance(matched, str) and matched:
+            choice.stop_sequence = matched
+            return
+
+
 def _reasoning_as_content(part: _Message | _Delta) -> bool:
     """Whether `part` said `reasoning`, which it now carries as `reasoning_content`."""
     if part.reasoning is None:
@@ -405,6 +418,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         raise BadGateway("the OpenAI-compatible backend returned a response without choices")
     for choice in wire.choices:
         _reasoning_as_content(choice.message)
+        _note_matched_stop(choice)
     return ChatResponse(
         id=wire.id,
         created=wire.created,
@@ -466,6 +480,7 @@ class ChatStream:
             renamed = _reasoning_as_content(choice.delta) or renamed
             if choice.finish_reason:
                 self.finished = True
+                _note_matched_stop(choice)
             self.answered = self.answered or choice.delta.carries_output()
         usage = normalise_usage(VENDOR, wire.usage) if wire.usage else None
         return [

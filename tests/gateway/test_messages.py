@@ -594,3 +594,26 @@ def test_documents_by_url_are_refused_naming_the_source(gateway: RunningGateway)
         gateway.anthropic().messages.create(model="gpt-4o-mini", max_tokens=20, messages=_ask_about(by_url))  # type: ignore[arg-type]
     assert "base64 or text" in refused.value.message
     assert gateway.sink.events == []  # refused before any backend was asked
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_stop_string_the_server_names_is_the_messages_stop_sequence(
+    compat_gateway: RunningGateway, stream: bool
+) -> None:
+    """vLLM says which stop string ended the answer (`stop_reason`); an Anthropic client was told
+    `end_turn` and no `stop_sequence`, as for an answer the model ended itself. It is now told
+    `stop_sequence` and the string, as Claude tells it."""
+    client = compat_gateway.anthropic()
+    asked = {
+        "model": "vllm-served",
+        "max_tokens": 20,
+        "stop_sequences": ["END"],
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    if stream:
+        with client.messages.stream(**asked) as events:  # type: ignore[arg-type]
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**asked)  # type: ignore[arg-type]
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
+    assert message.content[0].text == "Hello there"  # type: ignore[union-attr]
