@@ -56,11 +56,16 @@ STOP_REASONS = {
 }
 
 
-def _stop_reason(finish: str | None, stop_sequence: str | None, own: str | None) -> str:
+def _stop_reason(
+    finish: str | None, stop_sequence: str | None, own: str | None, refused: bool = False
+) -> str:
     """The Messages stop_reason for a canonical finish: Claude's own where a Claude backend sent one
-    finish_reason cannot say (`pause_turn`, `model_context_window_exceeded`), else the nearest."""
+    finish_reason cannot say (`pause_turn`, `model_context_window_exceeded`), else the nearest.
+    `refused`: the answer is OpenAI's `refusal` (structured outputs), which ends with finish `stop`."""
     if own is not None:
         return own
+    if refused:
+        return "refusal"
     if stop_sequence is not None:
         return "stop_sequence"  # a backend that says which sequence matched (Anthropic)
     return STOP_REASONS.get(finish or "stop", "end_turn")
@@ -438,6 +443,9 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
             content.extend(_thinking_blocks(choice.message))
         if choice.message.content:
             content.append({"type": "text", "text": choice.message.content})
+        refusal = choice.message.refusal
+        if refusal:  # OpenAI's words for what it refused, which Claude says as text
+            content.append({"type": "text", "text": refusal})
         for call in choice.message.tool_calls or ():
             content.append(
                 {
@@ -447,7 +455,9 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
                     "input": _tool_input(call.function.arguments),
                 }
             )
-        stop_reason = _stop_reason(choice.finish_reason, stop_sequence, choice.anthropic_stop_reason)
+        stop_reason = _stop_reason(
+            choice.finish_reason, stop_sequence, choice.anthropic_stop_reason, bool(refusal)
+        )
     message_id = response.id if response.id.startswith("msg_") else new_id("msg_")
     return {
         "id": message_id,
@@ -476,6 +486,7 @@ class _EventWriter:
         self.finish: str | None = None
         self.stop_sequence: str | None = None
         self.own_stop_reason: str | None = None  # Claude's, where finish_reason cannot say it
+        self.refused = False  # the answer streamed OpenAI's `refusal`
         self.usage = Usage()
 
     def close_block(self, out: list[bytes]) -> None:
@@ -522,10 +533,12 @@ class _EventWriter:
             delta = choice.delta
             if self.thinking:
                 self.reasoning(delta, out)
-            if delta.content:
-                if self.open_kind != "text":
-                    self.open_block("text", {"type": "text", "text": ""}, out)
-                self.delta({"type": "text_delta", "text": delta.content}, out)
+            for text in (delta.content, delta.refusal):  # a refusal is said as text (see from_canonical)
+                if text:
+                    if self.open_kind != "text":
+                        self.open_block("text", {"type": "text", "text": ""}, out)
+                    self.delta({"type": "text_delta", "text": text}, out)
+            self.refused = self.refused or bool(delta.refusal)
             for call in delta.tool_calls or ():
                 if call.index not in self.tool_blocks:
                     name = (call.function.name if call.function else None) or ""
@@ -548,7 +561,7 @@ class _EventWriter:
 
     def end(self, out: list[bytes]) -> None:
         self.close_block(out)
-        stop_reason = _stop_reason(self.finish, self.stop_sequence, self.own_stop_reason)
+        stop_reason = _stop_reason(self.finish, self.stop_sequence, self.own_stop_reason, self.refused)
         stop = {"stop_reason": stop_reason, "stop_sequence": self.stop_sequence}
         delta = {"type": "message_delta", "delta": stop}
         out.append(_event("message_delta", {**delta, "usage": anthropic_usage(self.usage)}))

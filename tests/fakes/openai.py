@@ -148,6 +148,12 @@ class FakeOpenAI(FakeServer):
             if flavour == "deepseek"
             else AutomaticPrefixCache()
         )
+        self.refusal: str | None = None
+
+    def refuse_with(self, refusal: str) -> None:
+        """Chats are refused with `refusal`, as OpenAI refuses one under structured outputs (the
+        message's `refusal` instead of its content, finish `stop`), until `reset()`."""
+        self.refusal = refusal
 
     @property
     def base_url(self) -> str:
@@ -159,6 +165,7 @@ class FakeOpenAI(FakeServer):
 
     def reset_state(self) -> None:
         self.cache.clear()
+        self.refusal = None
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -549,6 +556,8 @@ class FakeOpenAI(FakeServer):
         message: dict[str, Any] = {"role": "assistant", "content": None if reply.tool_name else reply.text}
         if self.flavour == "openai":
             message |= {"refusal": None, "annotations": []}
+        if self.refusal is not None:
+            return message | {"content": None, "refusal": self.refusal}
         elif model == "deepseek-reasoner":
             message["reasoning_content"] = _deepseek_reasoning(reply)
         if reply.tool_name:
@@ -562,6 +571,9 @@ class FakeOpenAI(FakeServer):
         if self.flavour == "openai":
             first["refusal"] = None
         deltas: list[tuple[dict[str, Any], str | None]] = [(first, None)]
+        if self.refusal is not None:
+            deltas += [({"refusal": p}, None) for p in chunk_words(self.refusal, per_chunk)]
+            return [*deltas, ({}, "stop")]
         if reply.tool_name:
             function = {"name": reply.tool_name, "arguments": ""}
             deltas.append(

@@ -617,3 +617,23 @@ def test_a_stop_string_the_server_names_is_the_messages_stop_sequence(
         message = client.messages.create(**asked)  # type: ignore[arg-type]
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
     assert message.content[0].text == "Hello there"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_an_openai_refusal_is_the_messages_refusal(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, stream: bool
+) -> None:
+    """OpenAI says a refusal (structured outputs) in `refusal`, not in the content: an Anthropic client
+    got an empty message that ended as `end_turn`, as if the model had nothing to say. It now gets
+    the refusal's words as text and `stop_reason` `refusal`, as Claude says one."""
+    fake_openai.refuse_with("I cannot help with that.")
+    client = gateway.anthropic()
+    asked = {"model": "gpt-4o-mini", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+    if stream:
+        with client.messages.stream(**asked) as events:  # type: ignore[arg-type]
+            assert "".join(events.text_stream) == "I cannot help with that."
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**asked)  # type: ignore[arg-type]
+    assert message.stop_reason == "refusal"
+    assert [(b.type, b.text) for b in message.content] == [("text", "I cannot help with that.")]  # type: ignore[union-attr]
