@@ -69,6 +69,7 @@ class TextStream:
     text: str = ""
     sent: int = 0  # characters of `text` already released
     stopped: bool = False  # a stop string matched; the caller aborts the request in the engine
+    matched: str | None = None  # which one (vLLM's `stop_reason`: an Anthropic client's stop_sequence)
 
     def add(self, token_ids: Sequence[int], finished: bool = False) -> str:
         """Feeds new ids; returns the text that may be released now. With `finished`, releases the rest."""
@@ -79,8 +80,9 @@ class TextStream:
         self.text += self.detokenizer.add(visible)
         if finished:
             self.text += self.detokenizer.flush()
-        cut = self._first_stop(searched_from)
-        if cut is not None:
+        hit = self._first_stop(searched_from)
+        if hit is not None:
+            cut, self.matched = hit
             self.text = self.text[:cut]
             self.stopped = True
             finished = True
@@ -91,9 +93,11 @@ class TextStream:
         self.sent = end
         return delta
 
-    def _first_stop(self, start: int) -> int | None:
-        hits = [i for s in self.stop if s and (i := self.text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+    def _first_stop(self, start: int) -> tuple[int, str] | None:
+        """Where the first stop string in the text begins, and which it is (the first listed of
+        those that begin there)."""
+        hits = [(i, s) for s in self.stop if s and (i := self.text.find(s, start)) >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _partial_stop_len(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of some stop string."""

@@ -422,6 +422,7 @@ class EngineServer:
             "message": message,
             "logprobs": {"content": chat_logprobs(tokenizer, logprobs, top_n)} if top_n is not None else None,
             "finish_reason": finish_reason,
+            **_stop_reason(gen, finish_reason),
         }
 
     async def _chat_chunks(
@@ -439,11 +440,8 @@ class EngineServer:
         extra = {"usage": None} if include_usage else {}
 
         def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
-            return {
-                **head,
-                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-                **extra,
-            }
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {**head, "choices": [choice | _stop_reason(gen, finish)], **extra}
 
         held: list[str] = []
         role_sent = False
@@ -648,6 +646,13 @@ class EngineServer:
         resp = web.Response(body=self.metrics.render())
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
+
+
+def _stop_reason(gen: Generation, finish: str | None) -> dict[str, Any]:
+    """vLLM's `stop_reason` on the choice that a stop string ended: which one (Weir's gateway tells
+    an Anthropic client `stop_sequence` and the string); nothing on any other choice or chunk."""
+    matched = gen.text.matched
+    return {"stop_reason": matched} if finish == "stop" and matched is not None else {}
 
 
 def _message_dict(index: int, message: Any) -> dict[str, Any]:

@@ -127,7 +127,7 @@ def test_earliest_of_several_stop_strings_wins_even_within_one_delta() -> None:
     tok = ByteTokenizer()
     deltas, ts = stream(tok, tok.encode("one two three four"), stop=("four", "two"), chunk=50)
     assert "".join(deltas) == "one "
-    assert ts.stopped
+    assert ts.stopped and ts.matched == "two"  # which one matched: the API's `stop_reason`
 
 
 def test_held_text_is_released_when_the_stream_finishes() -> None:
@@ -135,7 +135,7 @@ def test_held_text_is_released_when_the_stream_finishes() -> None:
     ts = TextStream(IncrementalDetokenizer(tok), ("STOP",))
     assert ts.add(tok.encode("almost ST")) == "almost "
     assert ts.add([], finished=True) == "ST"
-    assert not ts.stopped
+    assert not ts.stopped and ts.matched is None
 
 
 def test_eos_and_stop_tokens_are_counted_but_never_shown() -> None:

@@ -192,12 +192,16 @@ async def test_stop_string_trims_text_and_finishes_with_stop(served: Served) -> 
     assert stopped.choices[0].message.content == expected
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage and stopped.usage.completion_tokens < 24
+    # Which stop string ended it, as vLLM says it (`stop_reason`): an Anthropic client's stop_sequence.
+    assert stopped.choices[0].model_extra == {"stop_reason": stop}
+    assert free.choices[0].model_extra == {}  # nothing where no stop string matched
     stream = await served.client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=stop, stream=True
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=["\0never", stop], stream=True
     )
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_extra == {"stop_reason": stop}
 
 
 async def test_sampling_parameters_are_accepted_and_seeded_runs_repeat(served: Served) -> None:
