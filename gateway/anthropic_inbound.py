@@ -57,17 +57,26 @@ STOP_REASONS = {
 
 
 def _stop_reason(
-    finish: str | None, stop_sequence: str | None, own: str | None, refused: bool = False
+    finish: str | None,
+    stop_sequence: str | None,
+    own: str | None,
+    refused: bool = False,
+    called: bool = False,
 ) -> str:
     """The Messages stop_reason for a canonical finish: Claude's own where a Claude backend sent one
     finish_reason cannot say (`pause_turn`, `model_context_window_exceeded`), else the nearest.
-    `refused`: the answer is OpenAI's `refusal` (structured outputs), which ends with finish `stop`."""
+    `refused`: the answer is OpenAI's `refusal` (structured outputs), which ends with finish `stop`.
+    `called`: the answer holds tool calls, which end with `stop` where OpenAI forced the tool (a named
+    tool_choice) and on some OpenAI-compatible servers: Claude says `tool_use`, which agent loops
+    wait for to run the tools."""
     if own is not None:
         return own
     if refused:
         return "refusal"
     if stop_sequence is not None:
         return "stop_sequence"  # a backend that says which sequence matched (Anthropic)
+    if called and finish in (None, "stop"):
+        return "tool_use"
     return STOP_REASONS.get(finish or "stop", "end_turn")
 
 
@@ -456,7 +465,11 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
                 }
             )
         stop_reason = _stop_reason(
-            choice.finish_reason, stop_sequence, choice.anthropic_stop_reason, bool(refusal)
+            choice.finish_reason,
+            stop_sequence,
+            choice.anthropic_stop_reason,
+            refused=bool(refusal),
+            called=bool(choice.message.tool_calls),
         )
     message_id = response.id if response.id.startswith("msg_") else new_id("msg_")
     return {
@@ -561,7 +574,13 @@ class _EventWriter:
 
     def end(self, out: list[bytes]) -> None:
         self.close_block(out)
-        stop_reason = _stop_reason(self.finish, self.stop_sequence, self.own_stop_reason, self.refused)
+        stop_reason = _stop_reason(
+            self.finish,
+            self.stop_sequence,
+            self.own_stop_reason,
+            refused=self.refused,
+            called=bool(self.tool_blocks),
+        )
         stop = {"stop_reason": stop_reason, "stop_sequence": self.stop_sequence}
         delta = {"type": "message_delta", "delta": stop}
         out.append(_event("message_delta", {**delta, "usage": anthropic_usage(self.usage)}))

@@ -47,6 +47,7 @@ DeepSeek's thinking mode does, refuses a history whose assistant tool calls come
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import re
@@ -495,6 +496,10 @@ class FakeOpenAI(FakeServer):
         except BadRequest as exc:
             return self.error_response(exc.status, exc.message, param=exc.param, code=exc.code)
         reply = self.reply_to(body.get("model"), turn)
+        if self.flavour == "openai" and reply.tool_name and isinstance(body.get("tool_choice"), dict):
+            # OpenAI ends a call to the tool that tool_choice names with finish `stop`, not
+            # `tool_calls` (only `auto` and `required` say `tool_calls`), streamed or not.
+            reply = dataclasses.replace(reply, finish="stop")
         big = huge_text(request)
         if big is not None:
             reply = Reply(text=big)

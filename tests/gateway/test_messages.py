@@ -637,3 +637,30 @@ def test_an_openai_refusal_is_the_messages_refusal(
         message = client.messages.create(**asked)  # type: ignore[arg-type]
     assert message.stop_reason == "refusal"
     assert [(b.type, b.text) for b in message.content] == [("text", "I cannot help with that.")]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_forced_tool_call_from_openai_stops_for_tool_use(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, stream: bool
+) -> None:
+    """OpenAI ends a call to the tool a named tool_choice forces with finish `stop` (as the fake
+    does): an Anthropic client (`tool_choice: {"type": "tool"}`, the usual way to extract structured
+    data) got its tool_use block with `stop_reason` `end_turn`, and an agent loop waiting for
+    `tool_use` never ran the tool. Claude says `tool_use`; so does Weir now."""
+    client = gateway.anthropic()
+    asked = {
+        "model": "gpt-4o-mini",
+        "max_tokens": 100,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "messages": [{"role": "user", "content": 'weather {"city": "Lima"}'}],
+    }
+    if stream:
+        with client.messages.stream(**asked) as events:  # type: ignore[arg-type]
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**asked)  # type: ignore[arg-type]
+    sent = fake_openai.last_request.json  # type: ignore[union-attr]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert [block.type for block in message.content] == ["tool_use"]
+    assert message.stop_reason == "tool_use"
