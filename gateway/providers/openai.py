@@ -7,6 +7,7 @@ OpenRouter), carried on as `reasoning_content`."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
@@ -60,6 +61,7 @@ VENDOR = "openai"
 # message fields they do not know.
 REASONING_HOSTS = ("api.deepseek.com", "api.moonshot.ai", "api.moonshot.cn")
 MAX_CALL_ID = 40  # OpenAI: "string too long. Expected a string with maximum length 40"
+MAX_USER = 64  # OpenAI: "Invalid 'user': string too long. Expected ... maximum length 64" (OpenRouter: 128)
 # The output limit's name. OpenAI's reasoning models (o1, o3, o4-mini, gpt-5 and on) refuse `max_tokens`
 # with a 400 wherever they are served, and every current chat model of OpenAI's and Azure OpenAI's
 # takes `max_completion_tokens`; DeepSeek's API documents only `max_tokens` and Mistral's refuses the
@@ -259,6 +261,11 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
         output_limit_field(backend, model),
         _openai_rules(backend, model),
     )
+    user = body.get("user")
+    if isinstance(user, str) and len(user) > MAX_USER:
+        # An Anthropic client's metadata.user_id runs longer (Claude Code's, about 150 characters) and
+        # OpenAI refuses the whole request for it: a digest of it still names one user.
+        body["user"] = "user_" + hashlib.blake2b(user.encode(), digest_size=16).hexdigest()
     if request.continue_final_message:
         body["add_generation_prompt"] = False  # vLLM refuses both at once; its default opens a new turn
     if _openai_itself(backend):

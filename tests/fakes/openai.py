@@ -35,7 +35,7 @@ above the model's limit (`MAX_OUTPUT_TOKENS`), ``stream_options`` without ``stre
 outside 0..2, ``n`` outside 1..128, empty ``messages``, unknown roles, an ``image_url`` part in a
 message whose role is not ``user`` (a tool result's screenshot), a ``tool`` message with no matching
 ``tool_calls`` before it, a tool, tool call or named ``tool_choice`` without ``type``, a tool
-call id over 40 characters, a body that is not JSON.
+call id over 40 characters, a ``user`` over 64, a body that is not JSON.
 
 ``FakeOpenAI(flavour="deepseek")`` speaks DeepSeek's dialect instead: models ``deepseek-chat`` and
 ``deepseek-reasoner``, usage ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens`` (64-token cache
@@ -292,6 +292,15 @@ class FakeOpenAI(FakeServer):
                 f"Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got {temperature} instead.",
                 param="temperature",
                 code="decimal_above_max_value",
+            )
+        user = body.get("user")
+        if isinstance(user, str) and len(user) > MAX_USER:
+            raise BadRequest(
+                400,
+                f"Invalid 'user': string too long. Expected a string with maximum length {MAX_USER}, "
+                f"but got a string with length {len(user)} instead.",
+                param="user",
+                code="string_above_max_length",
             )
         n = body.get("n", 1)
         if not isinstance(n, int) or not 1 <= n <= 128:
@@ -786,6 +795,7 @@ def _max_output(model: str) -> int | None:
 
 
 MAX_CALL_ID = 40
+MAX_USER = 64  # OpenAI's longest `user`
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
 _KEY_ORDER = ("id", "object", "created", "model", "choices", "usage", "service_tier", "system_fingerprint")
 

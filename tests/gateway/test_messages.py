@@ -664,3 +664,25 @@ def test_a_forced_tool_call_from_openai_stops_for_tool_use(
     assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert [block.type for block in message.content] == ["tool_use"]
     assert message.stop_reason == "tool_use"
+
+
+CLAUDE_CODE_USER = "user_" + "a1" * 32 + "_account_" + "b" * 36 + "_session_" + "c" * 36
+
+
+def test_a_long_metadata_user_id_reaches_openai_as_a_digest(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """Claude Code's `metadata.user_id` (about 150 characters) went to OpenAI as `user`, which takes 64
+    at most: every request was refused with a 400. Such an id now goes as a digest of itself, the same
+    for the same id; a short one as it is."""
+    client = gateway.anthropic()
+    hi = [{"role": "user", "content": "hi"}]
+    sent = []
+    for user_id in (CLAUDE_CODE_USER, CLAUDE_CODE_USER, "u-42"):
+        answer = client.messages.create(
+            model="gpt-4o-mini", max_tokens=20, messages=hi, metadata={"user_id": user_id}
+        )  # type: ignore[arg-type]
+        assert answer.content[0].text == "hi"  # type: ignore[union-attr]
+        sent.append(fake_openai.last_request.json["user"])  # type: ignore[union-attr]
+    assert sent[0] == sent[1] != CLAUDE_CODE_USER and len(sent[0]) <= 64
+    assert sent[2] == "u-42"
