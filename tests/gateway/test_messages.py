@@ -8,6 +8,7 @@ import json
 import anthropic
 import pytest
 
+from gateway.providers import openai as openai_provider
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import RunningGateway
 
@@ -617,6 +618,23 @@ def test_a_stop_string_the_server_names_is_the_messages_stop_sequence(
         message = client.messages.create(**asked)  # type: ignore[arg-type]
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
     assert message.content[0].text == "Hello there"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("matched", "finish", "said"),
+    [("END", "stop", "END"), (151645, "stop", None), ("END", "length", None)],
+    ids=["stop-string", "stop-token", "not-a-stop"],
+)
+def test_sglangs_matched_stop_names_the_stop_sequence_only_for_a_stop_string(
+    matched: object, finish: str, said: str | None
+) -> None:
+    """SGLang says `matched_stop`: the stop string, or the id of the stop token (an end of turn, which
+    Claude calls `end_turn`)."""
+    choice = {"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": finish}
+    body = {"id": "c1", "created": 1, "model": "m", "choices": [{**choice, "matched_stop": matched}]}
+    response = openai_provider.chat_response(json.dumps(body).encode(), "m")
+    assert response.choices[0].stop_sequence == said
+    assert response.choices[0].extra == {"matched_stop": matched}  # still there for OpenAI clients
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
