@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 # Triton kernels run through Triton's interpreter on machines without an NVIDIA GPU. Set before any test
 # module imports the engine (which imports kernels/), since Triton reads it when a kernel is defined.
@@ -20,6 +21,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(check: Callable[[], object], timeout: float = 20.0, interval: float = 0.05) -> None:
+    """Poll `check` until it holds; fail the test once `timeout` seconds pass without it. The timeout
+    is only how long a failing test takes to say so: generous, for a loaded 2-core machine."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(interval)
 
 
 @pytest.fixture

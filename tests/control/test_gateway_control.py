@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,28 @@ class Weir:
             if len(rows) >= expect or time.monotonic() > deadline:
                 return rows
             time.sleep(0.1)
+
+
+@contextmanager
+def sqlite_weir(
+    config: str,
+    fake_openai: FakeOpenAI,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str] | None = None,
+) -> Iterator[Weir]:
+    """A gateway on `config` with the control plane on a SQLite ledger in `tmp_path` (`${DB_URL}`), its
+    backend `${OPENAI_BASE_URL}` / `${OPENAI_API_KEY}` the fake OpenAI, and `env` besides."""
+    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    values = {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": fake_openai.api_key,
+        "DB_URL": db_url,
+    }
+    with serve(create_app(parse_config(config, values | (env or {}))), free_port()) as url:
+        yield Weir(url, db_url)
 
 
 def expected_pico(rows: list[tuple]) -> int:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -21,7 +19,7 @@ from gateway.config import parse_config
 from gateway.db import migrate
 from gateway.db.models import UptimeSample
 from gateway.db.session import create_engine
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.control.conftest import sync_exec
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeOpenAI
@@ -35,13 +33,6 @@ models:
   - {name: gpt-4o-mini, backend: openai}
 database_url: "${DB_URL}"
 """
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_probes_see_a_backend_go_down_and_come_back(

@@ -2,12 +2,14 @@
 
 `fake_openai`, `fake_anthropic`, `fake_gemini` and `fake_deepseek` each yield a running fake
 (`tests.fakes.FakeOpenAI` and friends): one server per test session, `reset()` before every test, so a
-test sees no requests, faults, usage overrides or cached prompts from another.
+test sees no requests, faults, usage overrides or cached prompts from another. `fresh_fakes` resets all
+four; `fake_vendors` is the four session servers, unreset, for a module's or the session's gateway.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 
@@ -15,6 +17,15 @@ from tests.fakes.anthropic import FakeAnthropic
 from tests.fakes.gemini import FakeGemini
 from tests.fakes.openai import FakeOpenAI
 from tests.fakes.server import FakeServer
+
+
+class FakeVendors(NamedTuple):
+    """The session's four fake vendors, in `tests.gateway.conftest.fakes_env`'s order."""
+
+    openai: FakeOpenAI
+    anthropic: FakeAnthropic
+    gemini: FakeGemini
+    deepseek: FakeOpenAI
 
 
 def _fresh(server: FakeServer) -> Iterator[FakeServer]:
@@ -67,3 +78,24 @@ def fake_anthropic(_fake_anthropic_server: FakeAnthropic) -> Iterator[FakeAnthro
 @pytest.fixture
 def fake_gemini(_fake_gemini_server: FakeGemini) -> Iterator[FakeGemini]:
     yield from _fresh(_fake_gemini_server)  # type: ignore[misc]
+
+
+@pytest.fixture(scope="session")
+def fake_vendors(
+    _fake_openai_server: FakeOpenAI,
+    _fake_anthropic_server: FakeAnthropic,
+    _fake_gemini_server: FakeGemini,
+    _fake_deepseek_server: FakeOpenAI,
+) -> FakeVendors:
+    """The four fake vendors as the session runs them (not reset): what a gateway started once for a
+    module or the session is configured with (`fakes_env(*fake_vendors)`)."""
+    return FakeVendors(
+        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server
+    )
+
+
+@pytest.fixture
+def fresh_fakes(
+    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
+) -> None:
+    """Every fake vendor reset for this test (their own fixtures do it)."""

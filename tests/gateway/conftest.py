@@ -29,6 +29,7 @@ from gateway.usage_sink import ListSink
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.fakes.compat import compat_server
+from tests.fakes.plugin import FakeVendors
 
 EXAMPLE = """\
 backends:
@@ -197,26 +198,23 @@ def running_gateway(config: Config) -> Iterator[RunningGateway]:
         yield RunningGateway(url=url, sink=sink, config=config, app=app)
 
 
-@pytest.fixture(scope="session")
-def _running_gateway(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
+@contextmanager
+def gateway_on_fakes(
+    config_text: str, vendors: FakeVendors, env: dict[str, str] | None = None
 ) -> Iterator[RunningGateway]:
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    with running_gateway(parse_config(full_config_text(), env)) as gateway:
+    """A gateway on `config_text` with the fakes' URLs and keys (`fakes_env`) and `env` besides."""
+    with running_gateway(parse_config(config_text, fakes_env(*vendors) | (env or {}))) as gateway:
+        yield gateway
+
+
+@pytest.fixture(scope="session")
+def _running_gateway(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
+    with gateway_on_fakes(full_config_text(), fake_vendors) as gateway:
         yield gateway
 
 
 @pytest.fixture
-def gateway(
-    _running_gateway: RunningGateway,
-    fake_openai: FakeOpenAI,
-    fake_anthropic: FakeAnthropic,
-    fake_gemini: FakeGemini,
-    fake_deepseek: FakeOpenAI,
-) -> RunningGateway:
+def gateway(_running_gateway: RunningGateway, fresh_fakes: None) -> RunningGateway:
     """The gateway, with fresh fakes and an empty ledger."""
     _running_gateway.sink.events.clear()
     return _running_gateway

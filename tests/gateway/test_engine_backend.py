@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,17 +21,10 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.engine_supervisor import EngineProcess
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.gateway.conftest import serve
 
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
-
-
-def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def ready(url: str) -> bool:

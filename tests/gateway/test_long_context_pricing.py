@@ -19,8 +19,8 @@ from routing.plan import Choice, features
 from routing.policies import PolicyContext, expected_cost
 from routing.routes import Candidate
 from routing.stats import RoutingStats
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import DEMO_KEY, RunningGateway, fakes_env, full_config_text, running_gateway
+from tests.fakes.plugin import FakeVendors
+from tests.gateway.conftest import DEMO_KEY, RunningGateway, full_config_text, gateway_on_fakes
 
 # claude-sonnet's base sheet (conftest): input 3, cached 0.30, 5m writes 3.75, 1h writes 6, output 15.
 TIER = (
@@ -30,18 +30,12 @@ TIER = (
 
 
 @pytest.fixture(scope="module")
-def tiered(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+def tiered(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
     text = full_config_text().replace(
         "cache_write_1h: 6.0, output: 15.0}", f"cache_write_1h: 6.0, output: 15.0, {TIER}}}"
     )
     assert TIER in text
-    with running_gateway(parse_config(text, env)) as gateway:
+    with gateway_on_fakes(text, fake_vendors) as gateway:
         yield gateway
 
 

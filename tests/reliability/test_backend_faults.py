@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from gateway.app import create_app
-from gateway.config import parse_config
-from tests.conftest import free_port
-from tests.control.test_gateway_control import ADMIN, Weir
+from tests.control.test_gateway_control import Weir
 from tests.fakes import FakeOpenAI, Fault
-from tests.gateway.conftest import serve
 
 CONFIG = """\
 backends:
@@ -39,13 +33,8 @@ HI = [{"role": "user", "content": "one two three four five six"}]
 
 
 @pytest.fixture
-def weir(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
-    with serve(create_app(parse_config(CONFIG, env)), free_port()) as url:
-        yield Weir(url, db_url)
+def weir_config() -> str:
+    return CONFIG
 
 
 def call(weir: Weir, key: str, stream: bool) -> httpx.Response:

@@ -20,12 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.config import parse_config
-from tests.conftest import free_port
-from tests.control.test_gateway_control import ADMIN, Weir
+from tests.control.test_gateway_control import Weir, sqlite_weir
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import serve
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
 from tests.reliability.test_disconnect_billing import ledger
 
@@ -113,18 +109,9 @@ def raw() -> Iterator[RawBackend]:
 def weir(
     raw: RawBackend, fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Weir]:
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    env = {
-        "RAW_URL": raw.url,
-        "RAW_ROOT": raw.url.removesuffix("/v1"),
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
-        "DB_URL": db_url,
-    }
-    with serve(create_app(parse_config(CONFIG, env)), free_port()) as url:
-        yield Weir(url, db_url)
+    env = {"RAW_URL": raw.url, "RAW_ROOT": raw.url.removesuffix("/v1")}
+    with sqlite_weir(CONFIG, fake_openai, tmp_path, monkeypatch, env) as weir:
+        yield weir
 
 
 def call(weir: Weir, key: str, model: str, stream: bool) -> httpx.Response:

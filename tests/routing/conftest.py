@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import parse_config
 from routing.difficulty import DifficultyClassifier
 from tests.control.conftest import redis_prefix  # noqa: F401  (a fixture shared with tests/control)
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
+from tests.fakes.plugin import FakeVendors
+from tests.gateway.conftest import RunningGateway, gateway_on_fakes
 from tests.reliability.raw_backend import RawBackend
 from tests.routing.routed import ROUTES, RawScript, fresh, raw_config_text, routed_config_text
 
@@ -30,13 +29,6 @@ def fixture_dir() -> Path:
 def classifier() -> DifficultyClassifier:
     # The encoder head, named: "auto" would pick by this machine's speed, and the tests pin v4.
     return DifficultyClassifier.default("encoder")
-
-
-@pytest.fixture
-def fresh_fakes(
-    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
-) -> None:
-    """Every fake vendor reset for this test (their own fixtures do it)."""
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +73,10 @@ def gateway_env(_raw_backend: RawBackend | None) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def _routed(
-    gateway_config: str,
-    gateway_env: dict[str, str],
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
+    gateway_config: str, gateway_env: dict[str, str], fake_vendors: FakeVendors
 ) -> Iterator[RunningGateway]:
     """The module's routed gateway: started once, it outlives the per-test resets of the fakes."""
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
-    with running_gateway(parse_config(gateway_config, env | gateway_env)) as gateway:
+    with gateway_on_fakes(gateway_config, fake_vendors, gateway_env) as gateway:
         yield gateway
 
 

@@ -12,8 +12,9 @@ from gateway.runtime import Gateway
 from gateway.state import Limit, MemoryState
 from routing.execute import SpendCap
 from routing.plan import Plan
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import RunningGateway, fakes_env, full_config_text, running_gateway
+from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fakes.plugin import FakeVendors
+from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_fakes, running_gateway
 from tests.reliability.raw_backend import Send, Sleep
 
 # Small waits everywhere: the behaviour is the same as with production settings, only faster.
@@ -66,10 +67,8 @@ class RawScript(Protocol):
 
 
 @contextmanager
-def routed_gateway(
-    oa: FakeOpenAI, an: FakeAnthropic, ge: FakeGemini, ds: FakeOpenAI, routes: str = ROUTES
-) -> Iterator[RunningGateway]:
-    with running_gateway(parse_config(routed_config_text(routes), fakes_env(oa, an, ge, ds))) as gateway:
+def routed_gateway(vendors: FakeVendors, routes: str = ROUTES) -> Iterator[RunningGateway]:
+    with gateway_on_fakes(routed_config_text(routes), vendors) as gateway:
         yield gateway
 
 

@@ -49,6 +49,7 @@ from gateway.usage_sink import ListSink
 from routing.breaker import Breakers, LatencyKey, State, route_label
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 
 ADMIN = "admin-token-for-chaos"
@@ -267,19 +268,15 @@ class Chaos:
 
 @pytest.fixture(scope="module")
 def chaos(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
+    fake_vendors: FakeVendors,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Chaos]:
     tmp = tmp_path_factory.mktemp("chaos")
-    fakes = (_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WEIR_ADMIN_TOKEN", ADMIN)
         mp.setenv("WEIR_USAGE_SPOOL", str(tmp / "spool"))
         mp.delenv("WEIR_REDIS_URL", raising=False)
-        env = {**fakes_env(*fakes), "DB_URL": f"sqlite+aiosqlite:///{tmp}/weir.db"}
+        env = {**fakes_env(*fake_vendors), "DB_URL": f"sqlite+aiosqlite:///{tmp}/weir.db"}
         sink = ListSink()
         app = create_app(parse_config(full_config_text() + ROUTES, env), usage_sink=sink)
         with serve(app, free_port()) as url:

@@ -7,6 +7,7 @@ Anthropic judge on the fake vendors, the official OpenAI SDK as the client."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import random
 import re
@@ -39,7 +40,7 @@ from routing.plan import features
 from routing.ranking import auc_normal_interval
 from routing.router import RouteError, validate
 from routing.routes import Candidate, Compare, Route
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.control.conftest import REDIS_URL, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import serve
@@ -99,13 +100,6 @@ class Alternating(random.Random):
         return 0.25 if self.flip else 0.75
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def comparing_app(
     config: str,
     db_url: str,
@@ -131,6 +125,24 @@ def comparing_app(
     return create_app(parse_config(config, values), usage_sink=usage_sink)
 
 
+Comparing = Callable[..., Any]
+
+
+@pytest.fixture
+def comparing(
+    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Comparing:
+    """`comparing_app` on this test's fakes, temporary folder and environment: called with the config
+    and the DB URL (and the usage sink and other config variables, where a test has them)."""
+    return functools.partial(
+        comparing_app,
+        fake_openai=fake_openai,
+        fake_anthropic=fake_anthropic,
+        tmp_path=tmp_path,
+        monkeypatch=monkeypatch,
+    )
+
+
 def prompt_keeper(url: str) -> tuple[httpx.Client, dict[str, Any], openai.OpenAI]:
     """An admin client of the gateway at `url`, and the tenant `keeps` made with it (it stores its
     prompts) with an SDK client of its own."""
@@ -149,13 +161,12 @@ def test_both_answers_are_graded_and_become_full_training_rows(
     db: str,
     fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    comparing: Comparing,
 ) -> None:
     fake_openai.answer_as("gpt-4o-mini", weak_model)
     fake_openai.answer_as("gpt-4o", strong_model)
     fake_anthropic.answer_as("claude-sonnet-4-5", judge)
-    app = comparing_app(CONFIG, db, fake_openai, fake_anthropic, tmp_path, monkeypatch)
+    app = comparing(CONFIG, db)
     gateway = app.state.gateway
     # A stand-in for the shipped classifier: prompts saying "hard" go to the strong model.
     gateway.router.context.scorer = lambda prompt: 0.9 if "hard" in prompt else 0.1
@@ -393,16 +404,14 @@ def compared_request(url: str) -> tuple[httpx.Client, httpx.Headers]:
 
 def test_the_spend_cap_counts_what_the_ledger_bills_at_the_catalogs_prices(
     sqlite_url: str,  # noqa: F811
-    fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    comparing: Comparing,
 ) -> None:
     """The admin prices the other candidate (gpt-4o) and the judge ten times the config's prices: the
     hourly cap counts what the ledger bills the comparison's calls, not the config's prices (a
     tenth of it), which it counted from the pipeline's own config price sheets."""
     fake_anthropic.answer_as("claude-sonnet-4-5", judge)
-    app = comparing_app(CONFIG, sqlite_url, fake_openai, fake_anthropic, tmp_path, monkeypatch)
+    app = comparing(CONFIG, sqlite_url)
     gateway = app.state.gateway
     gateway.router.context.scorer = lambda prompt: 0.1  # the weak model serves; gpt-4o is compared
     with serve(app, free_port()) as url:
@@ -435,9 +444,8 @@ def test_the_spend_cap_counts_what_the_ledger_bills_at_the_catalogs_prices(
 
 def test_a_comparison_priced_after_its_estimate_left_the_hour_frees_no_room(
     sqlite_url: str,  # noqa: F811
-    fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
-    tmp_path: Path,
+    comparing: Comparing,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The hourly cap counts a comparison's estimate when it starts and replaces it with what its
@@ -453,7 +461,7 @@ def test_a_comparison_priced_after_its_estimate_left_the_hour_frees_no_room(
         return judge(text)
 
     fake_anthropic.answer_as("claude-sonnet-4-5", slow_judge)
-    app = comparing_app(CONFIG, sqlite_url, fake_openai, fake_anthropic, tmp_path, monkeypatch)
+    app = comparing(CONFIG, sqlite_url)
     gateway = app.state.gateway
     gateway.router.context.scorer = lambda prompt: 0.1
     with serve(app, free_port()) as url:
@@ -470,8 +478,7 @@ def test_a_request_for_log_probabilities_is_compared_on_a_model_that_has_none(
     sqlite_url: str,  # noqa: F811
     fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    comparing: Comparing,
 ) -> None:
     """The comparison asks the other model for one answer's text, not the client's `logprobs`, which
     Anthropic refuses (a 400 before anything is sent): a route comparing an OpenAI model with a Claude
@@ -491,7 +498,7 @@ def test_a_request_for_log_probabilities_is_compared_on_a_model_that_has_none(
     compare: {judge: grader, share: 1.0, both_orders: false}
 """
     )
-    app = comparing_app(config, sqlite_url, fake_openai, fake_anthropic, tmp_path, monkeypatch)
+    app = comparing(config, sqlite_url)
     app.state.gateway.router.context.scorer = lambda prompt: 0.1
     with serve(app, free_port()) as url:
         _, _, client = prompt_keeper(url)
@@ -504,17 +511,16 @@ def test_a_request_for_log_probabilities_is_compared_on_a_model_that_has_none(
 
 
 def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
-    fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
+    comparing: Comparing,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A comparison runs after the client's request, in a context of its own: a judge call that broke
     is logged with that call's request id, the one its ledger row has (tied to the client's by `for=`),
     never as if the client's request had broken."""
     sink = ListSink()
     db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
-    app = comparing_app(CONFIG, db_url, fake_openai, fake_anthropic, tmp_path, monkeypatch, sink)
+    app = comparing(CONFIG, db_url, usage_sink=sink)
     app.state.gateway.router.context.scorer = lambda prompt: 0.1
     fake_anthropic.fail_next(Fault.reset())  # the judge: the only call to Anthropic
     with serve(app, free_port()) as url, capture_logs(processors=[add_request_fields]) as logs:
@@ -532,10 +538,9 @@ def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
 @pytest.mark.parametrize("deleted", [True, False], ids=["deleted", "stopped_comparing"])
 def test_a_comparison_running_when_its_route_is_deleted_or_stops_comparing_brings_back_no_row(
     deleted: bool,
-    fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
+    comparing: Comparing,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A comparison outlives the request it follows by a judge's answer (seconds). One still running
     when an admin deleted its route counted its outcome, and its judge call's tokens, under the
@@ -546,7 +551,7 @@ def test_a_comparison_running_when_its_route_is_deleted_or_stops_comparing_bring
     fake_anthropic.answer_as("claude-sonnet-4-5", judge)
     fake_anthropic.set_latency(first_token=1.0)  # the judge takes its time
     db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
-    app = comparing_app(CONFIG, db_url, fake_openai, fake_anthropic, tmp_path, monkeypatch)
+    app = comparing(CONFIG, db_url)
     gateway = app.state.gateway
     gateway.router.context.scorer = lambda prompt: 0.1
     with serve(app, free_port()) as url:

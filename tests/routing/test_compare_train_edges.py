@@ -43,12 +43,12 @@ from routing.heads import BUNDLE_KEY, bundle, put_head, stored_bundle, unbundle
 from routing.plan import Choice, Plan
 from routing.routes import Candidate, Compare, Route
 from routing.train import HoldoutResult, Outcomes, TrainConfig, fit_head, holdout_check
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.control.conftest import db_url, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 from tests.routing.routed import counted_micro_usd
-from tests.routing.test_compare import comparing_app, prompt_keeper, wait_for
+from tests.routing.test_compare import comparing_app, prompt_keeper
 from tests.routing.test_train_feedback import (
     DIFFICULTY,
     NOW,

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import ledger, route_header, routed_gateway, settled
 
@@ -41,10 +42,8 @@ HI = [{"role": "user", "content": "a very long document"}]
 
 
 @pytest.fixture
-def gateway(
-    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
-) -> Iterator[RunningGateway]:
-    with routed_gateway(fake_openai, fake_anthropic, fake_gemini, fake_deepseek, ROUTES) as running:
+def gateway(fake_vendors: FakeVendors, fresh_fakes: None) -> Iterator[RunningGateway]:
+    with routed_gateway(fake_vendors, ROUTES) as running:
         yield running
 
 

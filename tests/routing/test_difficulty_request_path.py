@@ -31,7 +31,8 @@ from routing.feedback import FeedbackReport, load_feedback
 from routing.train import Outcomes
 from tests.conftest import free_port
 from tests.control.conftest import fresh_pg_database, sync_exec
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 from tests.routing.routed import route_header
 
@@ -118,14 +119,11 @@ def _running(db_url: str, env: dict[str, str], spool: Path) -> Iterator[Weir]:
 
 @pytest.fixture(scope="module")
 def _weir(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
+    fake_vendors: FakeVendors,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Weir]:
     """The gateway on a fresh PostgreSQL database."""
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    env = fakes_env(*fake_vendors)
     with (
         fresh_pg_database("weir_difficulty_path") as url,
         _running(url, env, tmp_path_factory.mktemp("spool")) as weir,
@@ -449,13 +447,10 @@ def test_concurrent_feedback_on_one_request_is_stored_once_without_a_500(weir: W
 
 
 def test_concurrent_feedback_on_sqlite_too(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
+    fake_vendors: FakeVendors,
     tmp_path: Path,
 ) -> None:
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    env = fakes_env(*fake_vendors)
     with _running(f"sqlite+aiosqlite:///{tmp_path}/weir.db", env, tmp_path / "spool") as weir:
         _race(weir)
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from gateway.transport import Transport
 from routing.breaker import Breakers
 from routing.health import HealthProber
 from routing.load import LoadReports
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import RunningGateway, running_gateway
 from tests.routing.routed import route_header, settled
@@ -114,13 +114,6 @@ routes:
   - {{name: auto, candidates: [{{model: small}}], fallbacks: [gpt-4o-mini], {FAST}}}
   - {{name: auto-no-resume, resume: false, candidates: [{{model: small}}], fallbacks: [gpt-4o-mini], {FAST}}}
 {routes}"""
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def answers(url: str) -> bool:

@@ -13,6 +13,7 @@ import pytest
 
 from gateway.state import MemoryState
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import (
     counted_micro_usd,
@@ -286,9 +287,9 @@ routes:
 
 
 def test_health_probes_open_and_half_open_the_breaker(
-    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
+    fake_vendors: FakeVendors, fresh_fakes: None, fake_openai: FakeOpenAI
 ) -> None:
-    with routed_gateway(fake_openai, fake_anthropic, fake_gemini, fake_deepseek, PROBED) as gateway:
+    with routed_gateway(fake_vendors, PROBED) as gateway:
         breakers = runtime(gateway).router.breakers
         key = "openai/gpt-4o-mini"
         fake_openai.stop()

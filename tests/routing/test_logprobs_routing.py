@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes import FakeAnthropic
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import route_header, routed_gateway
 
@@ -25,10 +26,8 @@ HI = [{"role": "user", "content": "sky is blue"}]
 
 
 @pytest.fixture
-def gateway(
-    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
-) -> Iterator[RunningGateway]:
-    with routed_gateway(fake_openai, fake_anthropic, fake_gemini, fake_deepseek, ROUTES) as running:
+def gateway(fake_vendors: FakeVendors, fresh_fakes: None) -> Iterator[RunningGateway]:
+    with routed_gateway(fake_vendors, ROUTES) as running:
         yield running
 
 

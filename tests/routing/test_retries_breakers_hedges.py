@@ -38,7 +38,8 @@ from routing.routes import Breaker as BreakerSettings
 from routing.stats import WINDOW, ModelStats
 from tests.control.conftest import REDIS_URL
 from tests.control.helpers import TcpProxy
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import RunningGateway
 from tests.reliability.raw_backend import Send, Sleep, http_head
 from tests.routing.routed import (
@@ -122,15 +123,8 @@ def raw_script() -> Script:
 
 
 @pytest.fixture(scope="module")
-def _tight(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
-    with routed_gateway(
-        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server, TIGHT_ROUTES
-    ) as gateway:
+def _tight(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
+    with routed_gateway(fake_vendors, TIGHT_ROUTES) as gateway:
         yield gateway
 
 

@@ -31,7 +31,7 @@ from gateway.config import ConfigError, parse_config
 from routing.cli import router as router_cli
 from tests.conftest import free_port
 from tests.control.conftest import fresh_pg_database
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 
 ADMIN = "admin-token-for-the-route-fuzz"
@@ -217,14 +217,11 @@ class Weir:
 
 @pytest.fixture(scope="module")
 def weir(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
+    fake_vendors: FakeVendors,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Weir]:
     """One gateway with the control plane on a fresh PostgreSQL database (no Redis: memory state)."""
-    env = fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    env = fakes_env(*fake_vendors)
     with fresh_pg_database("weir_route_fuzz") as url, pytest.MonkeyPatch.context() as patch:
         patch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
         patch.setenv("WEIR_USAGE_SPOOL", str(tmp_path_factory.mktemp("spool")))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from routing.heads import bundle, digest
 from routing.prefixes import PREFIX, prefix_keys
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.control.conftest import REDIS_URL, fresh_pg_database, sync_exec
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.gateway.conftest import serve
@@ -451,13 +451,6 @@ ROUTE = {
 }
 
 
-def _eventually(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def _put(replicas: Replicas, data: bytes, name: str = "acme", replica: int = 0) -> object:
     return replicas.admin[replica].put(
         f"/difficulty-heads/{name}", content=data, headers={"content-type": "application/octet-stream"}
@@ -501,7 +494,7 @@ def test_a_trained_head_routes_on_every_replica_and_is_swapped_without_a_restart
 
     # Both replicas: the route arrives within a poll, the head loads, and routes every prompt strong.
     for replica in (0, 1):
-        _eventually(lambda r=replica: serves(r, f"acme@{first[:12]}"))
+        wait_for(lambda r=replica: serves(r, f"acme@{first[:12]}"), timeout=30)
         header = routed(replica, "What is 2 + 2?")
         assert header["candidate"] == "claude-sonnet" and header["reason"] == "hard", header
     shown = admin.get("/difficulty-heads/acme").json()
@@ -520,7 +513,7 @@ def test_a_trained_head_routes_on_every_replica_and_is_swapped_without_a_restart
     assert replaced.status_code == 200, replaced.text  # type: ignore[attr-defined]
     second = digest(WEAK_ALWAYS)
     for replica in (0, 1):
-        _eventually(lambda r=replica: serves(r, f"acme@{second[:12]}"))
+        wait_for(lambda r=replica: serves(r, f"acme@{second[:12]}"), timeout=30)
         assert routed(replica, "Prove the Riemann hypothesis.")["candidate"] == "gpt-4o-mini"
 
     # The ledger keeps which head (and which version of it) routed each request.
@@ -530,7 +523,7 @@ def test_a_trained_head_routes_on_every_replica_and_is_swapped_without_a_restart
         )
         return [r[0] for r in rows]
 
-    _eventually(lambda: any(f"head=acme@{second[:12]}" in r for r in ledger()))
+    wait_for(lambda: any(f"head=acme@{second[:12]}" in r for r in ledger()), timeout=30)
     assert any(f"head=acme@{first[:12]}" in r for r in ledger())
 
     # Audit: who uploaded, replaced; the bytes themselves are not copied into the log.

@@ -34,7 +34,8 @@ from routing.routes import Candidate, Route
 from routing.store import RouteStore, route_spec, stamp
 from tests.conftest import free_port
 from tests.control.conftest import fresh_pg_database
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 from tests.routing.routed import route_header
 
@@ -71,12 +72,9 @@ class Weir:
 
 @pytest.fixture(scope="module")
 def env(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
+    fake_vendors: FakeVendors,
 ) -> dict[str, str]:
-    return fakes_env(_fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server)
+    return fakes_env(*fake_vendors)
 
 
 @contextmanager

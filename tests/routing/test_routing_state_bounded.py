@@ -36,7 +36,8 @@ from routing.plan import Features, features
 from routing.router import Router
 from routing.routes import Breaker as BreakerSettings
 from routing.routes import Candidate, Compare, Conditions, Route
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes import FakeOpenAI, Fault
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
 from tests.routing.routed import FAST, routed_gateway, runtime, sent, settled
 
@@ -253,7 +254,7 @@ class Unreachable:
 
 
 def test_a_request_that_fails_after_its_route_was_deleted_brings_back_no_breaker(
-    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
+    fake_vendors: FakeVendors, fresh_fakes: None, fake_openai: FakeOpenAI
 ) -> None:
     """The route's request was waiting upstream when the route was deleted, then failed. Its verdict
     re-created the backend/model's breaker, with default settings and that failure counted: /metrics
@@ -262,7 +263,7 @@ def test_a_request_that_fails_after_its_route_was_deleted_brings_back_no_breaker
     routes = "routes:\n  - {name: doomed, candidates: [{model: gpt-4o-mini}], retry: {attempts: 1}, "
     routes += "breaker: {failures: 1, cooldown: 60}, probe_interval: null}\n"
     key = Breakers.key("openai", "gpt-4o-mini")
-    with routed_gateway(fake_openai, fake_anthropic, fake_gemini, fake_deepseek, routes) as gateway:
+    with routed_gateway(fake_vendors, routes) as gateway:
         router = runtime(gateway).router
         assert key in router.breakers.breakers
         fake_openai.fail_next(Fault.hang())
@@ -420,20 +421,13 @@ def churned_routes(i: int) -> list[Route]:
 
 
 @pytest.fixture(scope="module")
-def _churned(
-    _fake_openai_server: FakeOpenAI,
-    _fake_anthropic_server: FakeAnthropic,
-    _fake_gemini_server: FakeGemini,
-    _fake_deepseek_server: FakeOpenAI,
-) -> Iterator[RunningGateway]:
+def _churned(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
     first = (
         "routes:\n  - {name: kept, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}], "
         + FAST
         + "}\n"
     )
-    with routed_gateway(
-        _fake_openai_server, _fake_anthropic_server, _fake_gemini_server, _fake_deepseek_server, first
-    ) as gateway:
+    with routed_gateway(fake_vendors, first) as gateway:
         yield gateway
 
 
@@ -460,14 +454,14 @@ async def _hedged_once(url: str, headers: dict[str, str]) -> None:
 
 
 def test_requests_in_flight_when_their_route_is_deleted_bring_back_no_series(
-    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
+    fake_vendors: FakeVendors, fresh_fakes: None, fake_openai: FakeOpenAI
 ) -> None:
     """Requests still waiting for their answers when their route was deleted counted their attempts,
     requests and tokens after the table change had dropped the route's series: those came back,
     until the name was deleted again. They count nothing under the name now; a plain model's
     request, in flight at the same time, still counts."""
     routes = "routes:\n  - {name: doomed, candidates: [{model: gpt-4o-mini}], " + FAST + "}\n"
-    with routed_gateway(fake_openai, fake_anthropic, fake_gemini, fake_deepseek, routes) as gateway:
+    with routed_gateway(fake_vendors, routes) as gateway:
         router = runtime(gateway).router
         fake_openai.set_latency(first_token=0.5)
         headers = {"authorization": f"Bearer {DEMO_KEY}"}

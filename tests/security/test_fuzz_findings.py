@@ -10,10 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.config import parse_config
-from tests.conftest import free_port
-from tests.control.test_gateway_control import ADMIN, CONFIG, Weir
+from tests.control.test_gateway_control import CONFIG, Weir, sqlite_weir
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import (  # noqa: F401  (the session gateway and its per-test reset)
     DEMO_KEY,
@@ -105,12 +102,8 @@ def test_tool_json_nested_20k_deep_is_a_400_not_a_500(
 @pytest.fixture
 def weir(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
     """A gateway with the control plane (SQLite admin DB) and its admin API."""
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
-    with serve(create_app(parse_config(CONFIG, env)), free_port()) as url:
-        yield Weir(url, db_url)
+    with sqlite_weir(CONFIG, fake_openai, tmp_path, monkeypatch) as weir:
+        yield weir
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])

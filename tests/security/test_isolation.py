@@ -13,13 +13,9 @@ import httpx
 import openai
 import pytest
 
-from gateway.app import create_app
-from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.control.conftest import sync_exec
-from tests.control.test_gateway_control import ADMIN, Weir
+from tests.control.test_gateway_control import ADMIN, Weir, sqlite_weir
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import serve
 
 CONFIG = """\
 backends:
@@ -36,12 +32,8 @@ ADMIN_GETS = ["/tenants", "/prices", "/reports/usage", "/reports/uptime", "/audi
 @pytest.fixture
 def weir(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
     fake_openai.models.add("gpt-4o")
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
-    with serve(create_app(parse_config(CONFIG, env)), free_port()) as url:
-        yield Weir(url, db_url)
+    with sqlite_weir(CONFIG, fake_openai, tmp_path, monkeypatch) as weir:
+        yield weir
 
 
 def keyed_tenant(weir: Weir, name: str, model: str) -> tuple[str, str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ from gateway.db.session import create_engine, sessionmaker
 from gateway.limits import Exchange
 from gateway.prompts import PromptStore
 from gateway.vault import ENV, generate_key
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.control.conftest import pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
@@ -44,13 +43,6 @@ database_url: "${DB_URL}"
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def write(url: str, sql: str) -> None:

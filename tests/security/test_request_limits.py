@@ -18,7 +18,7 @@ from redis import Redis
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.stream_slots import RedisSlots
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.control.conftest import REDIS_URL, redis_prefix  # noqa: F401  (fixture)
 from tests.fakes import FakeOpenAI, Fault
 from tests.gateway.conftest import serve
@@ -46,13 +46,6 @@ def body(messages: int = 1, stream: bool = True) -> dict[str, Any]:
 
 def auth(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.fixture

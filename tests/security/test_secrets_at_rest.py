@@ -5,7 +5,6 @@ is a clear error rather than a crash. On SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from gateway.db.session import create_engine, sessionmaker
 from gateway.limits import Exchange
 from gateway.prompts import PromptStore, read_body
 from gateway.vault import ENV, ENV_PREVIOUS, Vault, VaultError, generate_key
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.control.conftest import pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
@@ -70,13 +69,6 @@ def chat(url: str) -> httpx.Response:
 
 def admin(url: str) -> httpx.Client:
     return httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
-
-
-def wait_for(check: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 # --- the vault on its own -------------------------------------------------------------------------
