@@ -17,13 +17,13 @@ from redis.asyncio.connection import Connection
 
 from gateway.accounting import events
 from gateway.accounting.admission import LEASE_REQUESTS, Admission, Quotas, budget_key, month_of
-from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import USAGE_FIELD, PriceCatalog, PriceRow, TokenClass, price_usage, resolve
 from gateway.state.base import BUCKETS, Adjustment, Budget, Limit, Settlement
 from gateway.state.memory import MemoryState
 from gateway.state.redis import HiredisConnection, RedisState, client_from_url
 from gateway.usage import Usage
 from tests.control.conftest import REDIS_URL
+from tests.control.events import usage_event
 
 
 async def test_memory_state_running_totals_match_a_recount(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,19 +206,8 @@ async def test_token_limits_count_each_requests_own_estimate() -> None:
 
 
 def test_usage_events_are_not_tracked_by_the_collector() -> None:
-    usage = Usage(input_tokens=1)
-    event = UsageEvent(
-        request_id="r",
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
-        tenant_id=None,
-        key_id=None,
-        route="m",
-        backend="b",
-        model="m",
-        usage=usage,
-        prices={"input": 1},
-        cost_pico_usd=1,
+    event = usage_event(
+        "r", cost_pico_usd=1, tenant_id=None, key_id=None, usage=Usage(input_tokens=1), prices={"input": 1}
     )
     assert not gc.is_tracked(event)
     assert not gc.is_tracked(events.decode(events.encode(event)))

@@ -20,6 +20,7 @@ from gateway.accounting.writer import BatchWriter
 from gateway.db import migrate
 from gateway.db.session import create_engine
 from gateway.usage import Usage
+from tests.control.events import usage_event
 
 
 def test_ids_are_32_hex_digits_sorted_by_millisecond(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,19 +38,7 @@ def test_ids_are_32_hex_digits_sorted_by_millisecond(monkeypatch: pytest.MonkeyP
 
 def test_usage_events_get_ordered_ids_by_default() -> None:
     before = f"{dt.datetime.now(dt.UTC).timestamp() * 1000:.0f}"
-    event = UsageEvent(
-        request_id="r",
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
-        tenant_id=None,
-        key_id=None,
-        route="m",
-        backend="b",
-        model="m",
-        usage=Usage(),
-        prices={},
-        cost_pico_usd=0,
-    )
+    event = usage_event("r", tenant_id=None, key_id=None, usage=Usage())
     assert abs(int(event.event_id[:12], 16) - int(before)) < 60_000
 
 

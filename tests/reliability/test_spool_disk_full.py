@@ -6,7 +6,6 @@ filesystem does when it fills mid-write."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import errno
 import logging
 import os
@@ -18,20 +17,16 @@ import pytest
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.queue import SpoolQueue
 from gateway.usage import Usage
+from tests.control.events import usage_event
 
 
 def event(rng: random.Random) -> UsageEvent:
-    return UsageEvent(
-        request_id=os.urandom(8).hex(),
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
-        tenant_id="t",
-        key_id="k",
+    return usage_event(
+        os.urandom(8).hex(),
         route="gpt-4o-mini",
         backend="openai",
         model="gpt-4o-mini",
         usage=Usage(input_tokens=rng.randint(0, 5000), output_tokens=rng.randint(0, 5000)),
-        prices={},
         cost_pico_usd=rng.randint(0, 10**9),
     )
 

@@ -21,7 +21,7 @@ from routing.plan import Choice, Lesson, Plan, features
 from routing.policies import PolicyContext, order
 from routing.routes import Candidate, Route
 from routing.stats import RoutingStats
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import LIMITED_KEY, RunningGateway
 from tests.routing.routed import route_header, routed_config_text, runtime
 
@@ -85,18 +85,6 @@ def _routed(_routed: RunningGateway) -> RunningGateway:
     # A deterministic stand-in for the shipped classifier (tested on its own in test_difficulty): the
     # policy is what is under test here.
     runtime(_routed).router.context.scorer = lambda prompt: 0.9 if "Prove" in prompt else 0.1
-    return _routed
-
-
-@pytest.fixture
-def gateway(
-    _routed: RunningGateway,
-    fake_openai: FakeOpenAI,
-    fake_anthropic: FakeAnthropic,
-    fake_gemini: FakeGemini,
-    fake_deepseek: FakeOpenAI,
-) -> RunningGateway:
-    _routed.sink.events.clear()
     return _routed
 
 

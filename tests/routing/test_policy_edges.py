@@ -5,7 +5,6 @@ split traffic. Each checks the plan's order and what `x-weir-route` says about i
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import math
 import random
 
@@ -24,6 +23,7 @@ from routing.plan import Features, Plan, features
 from routing.router import Router
 from routing.routes import Candidate, Conditions, Route
 from routing.stats import REMEASURE_S, RETRY_UNMEASURED_S
+from tests.control.events import usage_event
 from tests.routing.routed import sent
 
 CONFIG = """\
@@ -96,18 +96,14 @@ def event(
     usage: Usage | None = None,
 ) -> UsageEvent:
     backend = {"big": "other", "writes": "other", "terse": "other", "sonnet": "claude"}.get(model, "openai")
-    return UsageEvent(
-        request_id="r",
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
+    return usage_event(
+        "r",
         tenant_id=None,
         key_id=None,
         route="r",
         backend=backend,
         model=model,
         usage=usage or Usage(input_tokens=1000 - cached, cached_input_tokens=cached, output_tokens=40),
-        prices={},
-        cost_pico_usd=0,
         latency_ms=((ttft_s or 0.1) + decode_s) * 1000,
         ttft_ms=None if ttft_s is None else ttft_s * 1000,
         status=status,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.estimate import INLINE_PART_TOKENS
-from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import route_header
 
@@ -33,13 +33,6 @@ QUESTION = "What is in these pictures?"
 @pytest.fixture(scope="module")
 def gateway_routes() -> str:
     return ROUTES
-
-
-@pytest.fixture
-def gateway(
-    _routed: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
-) -> RunningGateway:
-    return _routed
 
 
 def _chat(gateway: RunningGateway) -> str:

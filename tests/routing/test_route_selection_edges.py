@@ -46,13 +46,6 @@ def gateway_routes() -> str:
     return ROUTES
 
 
-@pytest.fixture
-def gateway(
-    _routed: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
-) -> RunningGateway:
-    return _routed
-
-
 # --- prompt length: every part of the prompt a vendor bills as input counts ---------------------------
 
 

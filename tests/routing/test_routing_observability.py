@@ -22,15 +22,24 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from gateway.config import parse_config
 from gateway.logging import add_request_fields
 from routing.breaker import Breakers
 from routing.routes import Breaker as BreakerSettings
 from tests.deploy.metrics import dashboard, queries, rules
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, fakes_env, running_gateway
+from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.fakes.plugin import FakeVendors
+from tests.gateway.conftest import RunningGateway
 from tests.gateway.test_request_log_context import logged, tagged_logs
-from tests.routing.routed import ROUTES, fresh, ledger, route_header, routed_config_text, runtime, settled
+from tests.routing.routed import (
+    ROUTES,
+    fresh,
+    ledger,
+    route_header,
+    routed_config_text,
+    routed_gateway,
+    runtime,
+    settled,
+)
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"
@@ -257,14 +266,13 @@ routes:
 
 
 def test_a_routes_latency_breakers_are_exported_while_the_route_is_in_force(
-    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini, fake_deepseek: FakeOpenAI
+    fake_vendors: FakeVendors, fresh_fakes: None, fake_openai: FakeOpenAI
 ) -> None:
     """`tight` gives gpt-4o-mini 0.3 s to its first token where `patient` waits as long as it takes:
     its two timeouts open its own latency breaker there, which only routes/status showed. /metrics
     has it beside the shared breaker (still closed), labelled by route and backend/model, and a route
     table without `tight` leaves no series of it behind."""
-    env = fakes_env(fake_openai, fake_anthropic, fake_gemini, fake_deepseek)
-    with running_gateway(parse_config(routed_config_text(LATENCY_ROUTES), env)) as gateway:
+    with routed_gateway(fake_vendors, LATENCY_ROUTES) as gateway:
         fake_openai.set_latency(first_token=0.6)
         messages: Any = HI
         for _ in range(2):

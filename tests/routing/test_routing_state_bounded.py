@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import datetime as dt
 import random
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -36,6 +35,7 @@ from routing.plan import Features, features
 from routing.router import Router
 from routing.routes import Breaker as BreakerSettings
 from routing.routes import Candidate, Compare, Conditions, Route
+from tests.control.events import usage_event
 from tests.fakes import FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
@@ -87,26 +87,17 @@ def ask(text: str, principal: Principal = ACME) -> Features:
     return features(request, principal.tenant_name, principal.key_id)
 
 
-def usage_event(route: str, note: str) -> UsageEvent:
-    return UsageEvent(
-        request_id="r",
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
+def routed_event(route: str, note: str) -> UsageEvent:
+    return usage_event(
+        "r",
         tenant_id=None,
         key_id=None,
         route=route,
         backend="openai",
         model="small",
         usage=Usage(input_tokens=80, cached_input_tokens=20, output_tokens=5),
-        prices={},
-        cost_pico_usd=0,
-        savings_pico_usd=0,
         latency_ms=10.0,
-        ttft_ms=None,
-        status=200,
-        fallback=False,
         routing=note,
-        estimated=False,
         event_id="e",
     )
 
@@ -178,12 +169,12 @@ async def test_prefix_affinity_counts_of_deleted_routes_are_let_go() -> None:
     for i in range(50):
         r.set_routes([affinity(f"p-{i}"), difficulty("d")])
         plan = await sent(r.plan(f"p-{i}", ACME, ask("a prompt " * 40)))
-        r.stats.record(usage_event(f"p-{i}", plan.header()))
+        r.stats.record(routed_event(f"p-{i}", plan.header()))
     assert set(r.context.affinity) == {"p-49"} and set(r.stats.affinity_tokens) == {"p-49"}
     assert r.context.affinity["p-49"] == [1, 1]  # the route in force keeps its counts
     r.set_routes([difficulty("d")])
     assert r.context.affinity == {} and r.stats.affinity_tokens == {}
-    r.stats.record(usage_event("p-49", plan.header()))  # a request of p-49 still running then
+    r.stats.record(routed_event("p-49", plan.header()))  # a request of p-49 still running then
     assert r.stats.affinity_tokens == {}
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 
 import msgspec
@@ -19,21 +18,16 @@ from routing.stats import (
     MIN_P95_SAMPLES,
     RoutingStats,
 )
+from tests.control.events import usage_event
 
 
 def stream(tokens: int, ttft_s: float, latency_s: float) -> UsageEvent:
-    return UsageEvent(
-        request_id="r",
-        attempt=1,
-        ts=dt.datetime.now(dt.UTC),
+    return usage_event(
+        "r",
         tenant_id=None,
         key_id=None,
         route="fast",
-        backend="b",
-        model="m",
         usage=Usage(input_tokens=3, output_tokens=tokens),
-        prices={},
-        cost_pico_usd=0,
         latency_ms=latency_s * 1000,
         ttft_ms=ttft_s * 1000,
     )
