@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import openai
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import DEMO_KEY
 from tests.routing.routed import routed_gateway
 
@@ -104,7 +105,7 @@ def run_drill(requests: int = 200, rate: float = 50.0, latency: float = 0.02) ->
         FakeAnthropic() as an,
         FakeGemini() as ge,
         FakeOpenAI(flavour="deepseek") as ds,
-        routed_gateway(oa, an, ge, ds, ROUTE) as gateway,
+        routed_gateway(FakeVendors(oa, an, ge, ds), ROUTE) as gateway,
     ):
         for model in ("drill", "gpt-4o-mini"):
             oa.start()
