@@ -11,7 +11,7 @@ import pytest
 from routing.plan import Features
 from routing.routes import Candidate, Route
 from tests.routing.routed import sent
-from tests.routing.test_routing_state_bounded import ACME, affinity, ask, difficulty, router, usage_event
+from tests.routing.test_routing_state_bounded import ACME, affinity, ask, difficulty, routed_event, router
 
 FIXED = Route(name="r", candidates=[Candidate(model="small")], probe_interval=None)
 UNCALIBRATED = msgspec.structs.replace(difficulty("r"), strong_share=None)
@@ -32,12 +32,12 @@ async def test_late_affinity_events_bring_back_no_counts(table: list[Route]) -> 
     r.set_routes(table)
     plan.commit()  # its first attempt admitted and sent after the change
     plan.serve(plan.choices[0])  # and answered
-    r.stats.record(usage_event("r", plan.header()))  # its answer's usage, reported after the change
+    r.stats.record(routed_event("r", plan.header()))  # its answer's usage, reported after the change
     assert (r.context.affinity, r.stats.affinity_tokens) == ({}, {})
     assert not r.context.prefixes.recent
     r.set_routes([affinity("r")])
     plan = await sent(r.plan("r", ACME, prompt))
-    r.stats.record(usage_event("r", plan.header()))
+    r.stats.record(routed_event("r", plan.header()))
     assert (r.context.affinity, r.stats.affinity_tokens) == ({"r": [1, 1]}, {"r": [100, 20]})
 
 

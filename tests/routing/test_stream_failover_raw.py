@@ -121,8 +121,9 @@ def test_a_refusal_cut_mid_way_fails_the_responses_stream(
 def test_a_refusal_cut_mid_way_ends_the_messages_stream_with_an_error(
     gateway: RunningGateway, raw: CutStream, fake_openai: FakeOpenAI
 ) -> None:
-    """On the Messages API (which has no refusal block: the refusal's text is not shown): Anthropic's
-    `error` event, no text block and no message_stop."""
+    """On the Messages API (which shows a refusal's words as text, `stop_reason: refusal`): the half
+    refusal's text, then Anthropic's `error` event, never a message_stop, and nothing asked of the
+    next candidate."""
     raw.frames = REFUSING
     seen: list[Any] = []
     stream = gateway.anthropic().messages.create(
@@ -132,7 +133,9 @@ def test_a_refusal_cut_mid_way_ends_the_messages_stream_with_an_error(
         for event in stream:
             seen.append(event)
     kinds = [e.type for e in seen]
-    assert kinds[0] == "message_start" and "content_block_start" not in kinds and "message_stop" not in kinds
+    assert kinds[0] == "message_start" and "message_stop" not in kinds and "message_delta" not in kinds
+    text = "".join(e.delta.text for e in seen if e.type == "content_block_delta")
+    assert text == "I'm sorry, but I"  # the half refusal, not continued elsewhere
     assert not fake_openai.requests
 
 
