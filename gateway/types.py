@@ -252,6 +252,18 @@ def continuable(messages: list[Message]) -> bool:
     return last is not None and last.role == "assistant" and not last.tool_calls and bool(last.text())
 
 
+def has_cache_control(request: ChatRequest) -> bool:
+    """Whether any message, part or tool of `request` carries a `cache_control` breakpoint."""
+    for message in request.messages:
+        if message.cache_control is not None:
+            return True
+        if isinstance(message.content, list) and any(
+            getattr(part, "cache_control", None) is not None for part in message.content
+        ):
+            return True
+    return any(tool.cache_control is not None for tool in request.tools or ())
+
+
 # --- response ------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.estimate import input_tokens
-from gateway.types import ChatRequest, ImagePart, Message, TextPart
+from gateway.types import ChatRequest, ImagePart, Message, TextPart, has_cache_control
 
 if TYPE_CHECKING:
     from gateway.router_basic import Target
@@ -96,20 +96,8 @@ def features(
         tags=frozenset(t.strip() for t in metadata.get("tags", "").split(",") if t.strip()),
         tenant=tenant,
         key_id=key_id,
-        cache_breakpoints=_breakpoints(request),
+        cache_breakpoints=has_cache_control(request),
     )
-
-
-def _breakpoints(request: ChatRequest) -> bool:
-    """Whether any part, message or tool of `request` carries `cache_control`."""
-    for message in request.messages:
-        if message.cache_control is not None:
-            return True
-        if isinstance(message.content, list) and any(
-            getattr(part, "cache_control", None) is not None for part in message.content
-        ):
-            return True
-    return any(tool.cache_control is not None for tool in request.tools or ())
 
 
 @dataclass(slots=True)

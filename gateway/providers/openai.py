@@ -51,6 +51,7 @@ from gateway.types import (
     ReasoningBlock,
     TextPart,
     TokenCount,
+    has_cache_control,
 )
 from gateway.usage import normalise_usage
 from routing.load import report_request
@@ -109,17 +110,6 @@ def _strip_cache_control(body: dict[str, Any]) -> None:
         if isinstance(content, list):
             for part in content:
                 part.pop("cache_control", None)
-
-
-def _has_cache_control(request: ChatRequest) -> bool:
-    for message in request.messages:
-        if message.cache_control is not None:
-            return True
-        if isinstance(message.content, list) and any(
-            getattr(part, "cache_control", None) is not None for part in message.content
-        ):
-            return True
-    return any(tool.cache_control is not None for tool in request.tools or ())
 
 
 def sends_reasoning(backend: Backend) -> bool:
@@ -242,7 +232,7 @@ def _chat_body(
             call["id"] = upstream_call_id(call["id"], MAX_CALL_ID)
         if "tool_call_id" in message:
             message["tool_call_id"] = upstream_call_id(message["tool_call_id"], MAX_CALL_ID)
-    if _has_cache_control(request):
+    if has_cache_control(request):
         _strip_cache_control(body)
     return body
 
