@@ -566,22 +566,17 @@ async def test_a_budgets_month_spend_is_read_from_the_ledger_past_64_bits_exactl
         await control.stop()
 
 
-async def test_uptime_report(env: Env) -> None:
-    now = dt.datetime.now(dt.UTC)
-    async with env.ctx.sessions() as session, session.begin():
-        for i in range(10):
-            session.add(UptimeSample(backend="openai", ts=now, ok=i != 0, latency_ms=5.0))
+async def _uptime_after(
+    env: Env, attempts: dict[str, list[tuple[str, int]]], now: dt.datetime, seed: int
+) -> dict[str, Any]:
+    """The uptime report once each request's attempts, (backend, status) in order, are in the ledger
+    (tenant t1, model m, random priced usage)."""
     async with env.ctx.sessions() as session:
         catalog = await load_catalog(session)
     queue = SpoolQueue(env.tmp_path / "spool")
-    rng = random.Random(7)
-    # Request r1 failed on openai then succeeded on anthropic; r2 failed everywhere; r3 succeeded.
-    for request_id, attempts in {
-        "r1": [("openai", 502), ("anthropic", 200)],
-        "r2": [("openai", 503), ("anthropic", 500)],
-        "r3": [("openai", 200)],
-    }.items():
-        for n, (backend, status) in enumerate(attempts, start=1):
+    rng = random.Random(seed)
+    for request_id, tried in attempts.items():
+        for n, (backend, status) in enumerate(tried, start=1):
             queue.put(
                 priced_event(
                     catalog,
@@ -597,7 +592,21 @@ async def test_uptime_report(env: Env) -> None:
             )
     await BatchWriter(queue, env.engine).drain()
     await queue.close()
-    report = (await env.client.get("/admin/api/v1/reports/uptime", headers=AUTH)).json()
+    return (await env.client.get("/admin/api/v1/reports/uptime", headers=AUTH)).json()
+
+
+async def test_uptime_report(env: Env) -> None:
+    now = dt.datetime.now(dt.UTC)
+    async with env.ctx.sessions() as session, session.begin():
+        for i in range(10):
+            session.add(UptimeSample(backend="openai", ts=now, ok=i != 0, latency_ms=5.0))
+    # Request r1 failed on openai then succeeded on anthropic; r2 failed everywhere; r3 succeeded.
+    attempts = {
+        "r1": [("openai", 502), ("anthropic", 200)],
+        "r2": [("openai", 503), ("anthropic", 500)],
+        "r3": [("openai", 200)],
+    }
+    report = await _uptime_after(env, attempts, now, seed=7)
     backends = {b["backend"]: b for b in report["backends"]}
     assert backends["openai"]["probe_availability"] == 0.9
     assert (backends["openai"]["attempts"], backends["openai"]["attempts_ok"]) == (3, 1)
@@ -611,34 +620,14 @@ async def test_cancelled_attempts_say_nothing_of_a_backends_availability(env: En
     (a little slower than its partner) read as down half the time. Like the breakers, the report now
     takes no verdict from them: counted apart (`attempts_cancelled`), out of the availability."""
     now = dt.datetime.now(dt.UTC)
-    async with env.ctx.sessions() as session:
-        catalog = await load_catalog(session)
-    queue = SpoolQueue(env.tmp_path / "spool")
-    rng = random.Random(11)
     # h1 and h2: hedged, openai lost both races; c1: the client left; f1: openai failed, then answered.
-    for request_id, attempts in {
+    attempts = {
         "h1": [("openai", 499), ("anthropic", 200)],
         "h2": [("anthropic", 200), ("openai", 499)],
         "c1": [("openai", 499)],
         "f1": [("openai", 502), ("openai", 200)],
-    }.items():
-        for n, (backend, status) in enumerate(attempts, start=1):
-            queue.put(
-                priced_event(
-                    catalog,
-                    tenant_id="t1",
-                    backend=backend,
-                    model="m",
-                    usage=random_usage(rng),
-                    ts=now,
-                    status=status,
-                    attempt=n,
-                    request_id=request_id,
-                )
-            )
-    await BatchWriter(queue, env.engine).drain()
-    await queue.close()
-    report = (await env.client.get("/admin/api/v1/reports/uptime", headers=AUTH)).json()
+    }
+    report = await _uptime_after(env, attempts, now, seed=11)
     backends = {b["backend"]: b for b in report["backends"]}
     openai = backends["openai"]
     assert openai["request_availability"] == 0.5  # one failure, one answer: the 499s are neither
