@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import Any
 
 import anthropic
 import pytest
@@ -19,6 +20,17 @@ WEATHER = {
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 32).decode()
+
+
+def final_message(
+    client: anthropic.Anthropic, stream: bool, asked: dict[str, Any]
+) -> anthropic.types.Message:
+    """The whole message the SDK hands back for `asked`: streamed (its accumulator's final message,
+    which checks the event sequence) or not."""
+    if stream:
+        with client.messages.stream(**asked) as events:
+            return events.get_final_message()
+    return client.messages.create(**asked)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -135,13 +147,8 @@ def test_message_start_leaves_out_the_turn_that_asked_to_continue_a_prefill(gate
 def test_tool_use_round_trip(gateway: RunningGateway, model: str, stream: bool) -> None:
     client = gateway.anthropic()
     messages: list[dict] = [{"role": "user", "content": 'call get_weather {"city": "Lima"}'}]
-    if stream:
-        with client.messages.stream(
-            model=model, max_tokens=200, messages=messages, tools=[WEATHER]
-        ) as events:  # type: ignore[arg-type, list-item]
-            message = events.get_final_message()
-    else:
-        message = client.messages.create(model=model, max_tokens=200, messages=messages, tools=[WEATHER])  # type: ignore[arg-type, list-item]
+    asked = {"model": model, "max_tokens": 200, "messages": messages, "tools": [WEATHER]}
+    message = final_message(client, stream, asked)
     assert message.stop_reason == "tool_use"
     [tool_use] = [block for block in message.content if block.type == "tool_use"]
     assert tool_use.name == "get_weather" and tool_use.input == {"city": "Lima"}
@@ -611,11 +618,7 @@ def test_a_stop_string_the_server_names_is_the_messages_stop_sequence(
         "stop_sequences": ["END"],
         "messages": [{"role": "user", "content": "hi"}],
     }
-    if stream:
-        with client.messages.stream(**asked) as events:  # type: ignore[arg-type]
-            message = events.get_final_message()
-    else:
-        message = client.messages.create(**asked)  # type: ignore[arg-type]
+    message = final_message(client, stream, asked)
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
     assert message.content[0].text == "Hello there"  # type: ignore[union-attr]
 
@@ -673,11 +676,7 @@ def test_a_forced_tool_call_from_openai_stops_for_tool_use(
         "tool_choice": {"type": "tool", "name": "get_weather"},
         "messages": [{"role": "user", "content": 'weather {"city": "Lima"}'}],
     }
-    if stream:
-        with client.messages.stream(**asked) as events:  # type: ignore[arg-type]
-            message = events.get_final_message()
-    else:
-        message = client.messages.create(**asked)  # type: ignore[arg-type]
+    message = final_message(client, stream, asked)
     sent = fake_openai.last_request.json  # type: ignore[union-attr]
     assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert [block.type for block in message.content] == ["tool_use"]
