@@ -481,8 +481,7 @@ class AffinityOutcome:
     share: float  # of the prompt, the followed prefix
     new: list[bytes]  # the prompt's prefixes no replica had been sent (the rest stay where they are)
     went: str  # where its first attempt went, and its prefixes were remembered
-    record: bool  # a request, not a preview: counted once served
-    counted: bool = False
+    record: bool  # a request, not a preview: counted once served (`Plan.serve` calls `served` once)
 
     def _counts(self, choice: Choice | None) -> bool:
         return self.preferred is not None and choice is not None and choice.reason != "fallback"
@@ -496,16 +495,15 @@ class AffinityOutcome:
             note = f"affinity={'hit' if hit else 'miss'}; affinity_by={self.by}"
             if self.by != "prefix":
                 note += f"; affinity_shared={self.share:.2f}"
-            if pending and self.record and not self.counted and self._counts(choice):
+            if pending and self.record and self._counts(choice):
                 # The header its answer goes out with: this request counted as it would be.
                 hits, requests = hits + hit, requests + 1
         return f"{note}; affinity_hit_rate={hits / requests:.3f}" if requests else note
 
     def served(self, choice: Choice) -> None:
-        if not self.record or self.counted:
-            return
-        self.counted = True
-        if not self._counts(choice) or not self.ctx.in_force(self.route.name, uses_prefix_affinity):
+        if not (
+            self.record and self._counts(choice) and self.ctx.in_force(self.route.name, uses_prefix_affinity)
+        ):
             return
         model = choice.candidate.model
         counts = self.ctx.affinity.setdefault(self.route.name, [0, 0])
