@@ -134,10 +134,6 @@ class ModelStats:
     def p95_ttft(self) -> float | None:
         return _p95(self.ttfts)
 
-    def p95_answer(self) -> float | None:
-        """The p95 whole-answer latency of attempts not streamed."""
-        return _p95(self.answers)
-
     def hedge_delay(self, stream: bool, min_delay: float) -> float:
         """What a `delay: p95` hedge waits for this model's answer (`stream`: its first token; else its
         whole answer, which is what a request not streamed waits for): the observed p95 of that, at
