@@ -90,7 +90,7 @@ class Call:
     # 504 (`upstream_error`), a hedge that lost is `cancelled` (499). An attempt cancelled without an
     # entry here was ended by its client leaving.
     stopped: dict[int, tuple[str, int]] = field(default_factory=dict)
-    # Attempts admitted (past the gateway's own limits), by attempt number: each has a usage event,
+    # Attempts admitted (past the gateway's own limits, `Pipeline._admit`), by attempt number: each has a usage event,
     # recorded as it ends or, a whole answer whose body is still awaited, later in the background.
     admitted: set[int] = field(default_factory=set)
     # Seconds from `started` the client said it waits for its response (`x-stainless-read-timeout`,
@@ -228,7 +228,6 @@ class Pipeline:
         usage event is recorded once that is known, in the background (`background`) while its body
         may still come."""
         left = await self._admit(call, target, upstream, attempt)
-        call.admitted.add(attempt)  # from here on, its usage event is recorded whatever happens
         started_at, t0 = time.time(), time.perf_counter()
         record = functools.partial(
             self._record, call, target, attempt, started_at, t0, ttft=None, stream=False
@@ -313,7 +312,6 @@ class Pipeline:
         sending: Callable[[], None] | None,
     ) -> AsyncIterator[Any]:
         left = await self._admit(call, target, upstream, attempt)
-        call.admitted.add(attempt)  # from here on, its usage event is recorded whatever happens
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure, ttft = 0, Usage(), None, None
         produced, usage_reported, streaming, cancelled = Produced(), False, False, False
@@ -408,18 +406,18 @@ class Pipeline:
         slot when the exchange ends, the reservation when the attempt's usage event (a 499, which the
         caller records when this returns True) settles. Cut short, both were held for their TTLs (a
         stream slot 30 s, a budget reservation 10 minutes)."""
-        if attempt != 1 or self.admission is None:
-            return False
-        admitting = asyncio.ensure_future(self.admission(call, target, upstream))
         cancelled = False
-        while not admitting.done():
-            try:
-                await asyncio.wait({admitting})
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled and admitting.exception() is not None:
-            raise asyncio.CancelledError  # refused anyway: nothing was counted, and nobody is waiting
-        admitting.result()  # a refusal (429) raises
+        if attempt == 1 and self.admission is not None:
+            admitting = asyncio.ensure_future(self.admission(call, target, upstream))
+            while not admitting.done():
+                try:
+                    await asyncio.wait({admitting})
+                except asyncio.CancelledError:
+                    cancelled = True
+            if cancelled and admitting.exception() is not None:
+                raise asyncio.CancelledError  # refused anyway: nothing was counted, and nobody is waiting
+            admitting.result()  # a refusal (429) raises
+        call.admitted.add(attempt)  # from here on, its usage event is recorded whatever happens
         return cancelled
 
     async def _record(
