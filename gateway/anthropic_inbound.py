@@ -271,16 +271,16 @@ def _document(block: DocumentBlock, where: str) -> ContentPart:
     )
 
 
+def _part(block: TextBlock | ImageBlock | DocumentBlock, where: str) -> ContentPart:
+    if isinstance(block, TextBlock):
+        return TextPart(text=block.text, cache_control=block.cache_control)
+    if isinstance(block, ImageBlock):
+        return _image(block)
+    return _document(block, where)
+
+
 def _parts(blocks: Sequence[TextBlock | ImageBlock | DocumentBlock], where: str) -> list[ContentPart]:
-    parts: list[ContentPart] = []
-    for i, block in enumerate(blocks):
-        if isinstance(block, TextBlock):
-            parts.append(TextPart(text=block.text, cache_control=block.cache_control))
-        elif isinstance(block, ImageBlock):
-            parts.append(_image(block))
-        else:
-            parts.append(_document(block, f"{where}[{i}]"))
-    return parts
+    return [_part(block, f"{where}[{i}]") for i, block in enumerate(blocks)]
 
 
 def _user_messages(content: list[Block], where: str) -> list[Message]:
@@ -305,12 +305,8 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
                     is_error=block.is_error or None,
                 )
             )
-        elif isinstance(block, TextBlock):
-            parts.append(TextPart(text=block.text, cache_control=block.cache_control))
-        elif isinstance(block, ImageBlock):
-            parts.append(_image(block))
-        elif isinstance(block, DocumentBlock):
-            parts.append(_document(block, f"{where}.content[{i}]"))
+        elif isinstance(block, TextBlock | ImageBlock | DocumentBlock):
+            parts.append(_part(block, f"{where}.content[{i}]"))
         else:
             raise InvalidRequest(
                 f"a user message cannot hold a {type(block).__name__}", param=f"{where}.content[{i}]"
