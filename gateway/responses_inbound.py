@@ -570,8 +570,7 @@ class _StreamWriter:
         self.output: list[dict[str, Any]] = []
         self.open: int | None = None  # output index of the item still streaming
         self.part: dict[str, Any] | None = None  # the open message's content part still streaming
-        self.calls: dict[int, int] = {}  # canonical tool call index -> output index of its latest call
-        self.named: set[int] = set()  # output indices of calls whose call_id the backend gave
+        self.calls: dict[int, int] = {}  # canonical tool call index -> output index of its call
         self.finish: str | None = None
         self.own_stop_reason: str | None = None  # Claude's, where finish_reason cannot say it
         self.usage = Usage()
@@ -655,24 +654,12 @@ class _StreamWriter:
         item["encrypted_content"] = REDACTED + data  # on its done event, as a signature comes
         self._close("completed")
 
-    def _starts_another(self, index: int, delta: ToolCallDelta) -> bool:
-        """Whether a delta at a call's canonical index starts another call: Ollama, SGLang and Dynamo
-        stream every parallel call at index 0, each with its own id and name. A new id alone is not
-        enough: some servers change the id on every delta of one call, but name the call only once."""
-        named = delta.function is not None and bool(delta.function.name)
-        given = index in self.named and bool(delta.id)
-        return named and given and delta.id != self.output[index]["call_id"]
-
     def _tool_call(self, delta: ToolCallDelta) -> None:
         function = delta.function
         index = self.calls.get(delta.index)
-        if index is not None and self._starts_another(index, delta):
-            index = None
         if index is None:
             name = (function.name if function else None) or ""
             index = self.calls[delta.index] = self._add(_call_item(delta.id, name, "", "in_progress"))
-            if delta.id:
-                self.named.add(index)
         item = self.output[index]
         if function is not None and function.arguments:
             # A backend that interleaves parallel calls can send more of a call already closed; the

@@ -24,6 +24,7 @@ import msgspec
 from gateway.config import Backend
 from gateway.errors import ANTHROPIC_ERROR_STATUSES, BadGateway, GatewayError, InvalidRequest
 from gateway.providers.base import (
+    NO_ARGUMENTS,
     NO_THINKING,
     Continuation,
     Param,
@@ -724,7 +725,7 @@ class ChatStream:
             block_kind, call = self.blocks[index]
             if block_kind == "json":  # the structured-output tool: its input is the reply
                 return [self._chunk(Delta(content="{}"))]
-            empty = ToolCallDelta(index=call, function=FunctionCallDelta(arguments="{}"))
+            empty = ToolCallDelta(index=call, function=FunctionCallDelta(arguments=NO_ARGUMENTS))
             return [self._chunk(Delta(tool_calls=[empty]))]
         if kind == "message_delta":
             usage = payload.get("usage") or {}

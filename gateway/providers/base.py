@@ -290,6 +290,11 @@ def upstream_call_id(call_id: str, max_length: int | None = None, anthropic: boo
     return call_id
 
 
+# A tool call's arguments where the backend gave none: an empty JSON object, as OpenAI sends it and as
+# clients json.loads them ("" is no JSON).
+NO_ARGUMENTS = "{}"
+
+
 def parse_arguments(arguments: str, where: str) -> dict[str, Any]:
     """OpenAI tool-call arguments (JSON text) as the object Anthropic and Gemini want."""
     if not arguments.strip():

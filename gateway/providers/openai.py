@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, cast
 from urllib.parse import urlencode, urlparse
 
@@ -18,6 +18,7 @@ import msgspec
 from gateway.config import Backend
 from gateway.errors import BadGateway, GatewayError
 from gateway.providers.base import (
+    NO_ARGUMENTS,
     Continuation,
     Provider,
     UpstreamRequest,
@@ -46,11 +47,13 @@ from gateway.types import (
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
+    FunctionCallDelta,
     Message,
     RawResult,
     ReasoningBlock,
     TextPart,
     TokenCount,
+    ToolCallDelta,
     has_cache_control,
 )
 from gateway.usage import normalise_usage
@@ -416,6 +419,9 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     for choice in wire.choices:
         _reasoning_as_content(choice.message)
         _note_matched_stop(choice)
+        for call in choice.message.tool_calls or ():
+            if not call.function.arguments.strip():  # "" from some servers for a call without arguments
+                call.function.arguments = NO_ARGUMENTS
     return ChatResponse(
         id=wire.id,
         created=wire.created,
@@ -443,8 +449,8 @@ _CHUNK_FIELDS = _Modelled(_modelled(_Chunk, "object"), _modelled(_ChunkChoice), 
 
 def _chunk(data: str) -> _Chunk:
     """A stream chunk, with what it, its choices and their deltas do not model in their `extra`, for a
-    chunk that is re-encoded (its usage normalised, its reasoning renamed, joined onto a resumed
-    stream's text...) rather than passed on as the upstream's JSON (`ChatChunk.raw`)."""
+    chunk that is re-encoded (its usage normalised, its reasoning renamed, its calls renumbered, joined
+    onto a resumed stream's text...) rather than passed on as the upstream's JSON (`ChatChunk.raw`)."""
     try:
         return msgspec.convert(_with_unmodelled(msgspec.json.decode(data), _CHUNK_FIELDS), _Chunk)
     except (msgspec.DecodeError, RecursionError) as exc:
@@ -458,12 +464,73 @@ def _chunk(data: str) -> _Chunk:
 NO_ANSWER = "the OpenAI-compatible backend ended the stream without an answer"
 
 
+@dataclasses.dataclass(slots=True)
+class _Call:
+    index: int  # the call's own index among its choice's calls, as clients are told it
+    id: str | None  # the id its first delta gave
+    argued: bool = False  # some of its arguments came
+
+
+class _CallNumbering:
+    """Streamed tool calls as OpenAI numbers them: each call at an index of its own, and with JSON
+    arguments once it ends. Every inbound API groups a stream's call deltas by index, and then:
+
+    - Ollama, SGLang and Dynamo stream every parallel call at `index: 0`, each starting with a delta
+      that gives its own id and name: a new id with a name at an index already taken is another call.
+      A new id alone is not: some servers change the id on every delta of one call, naming it once.
+    - some servers send `arguments: ""` for a call without arguments, which is no JSON: a call whose
+      arguments stayed empty gets "{}" where it ends (another call takes its index, or its choice
+      finishes), what OpenAI sends and what an Anthropic client's `input` must be."""
+
+    def __init__(self) -> None:
+        self.latest: dict[tuple[int, int], _Call] = {}  # (choice, server's index) -> its latest call
+        self.calls: dict[int, list[_Call]] = {}  # choice -> its calls, by their own index
+
+    def number(self, choice: int, deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        out: list[ToolCallDelta] = []
+        for delta in deltas:
+            call = self.latest.get((choice, delta.index))
+            if call is not None and _starts_another(call, delta):
+                out.extend(_no_arguments([call]))
+                call = None
+            if call is None:
+                calls = self.calls.setdefault(choice, [])
+                call = self.latest[choice, delta.index] = _Call(len(calls), delta.id)
+                calls.append(call)
+            if delta.function is not None and delta.function.arguments:
+                call.argued = True
+            out.append(
+                delta if delta.index == call.index else msgspec.structs.replace(delta, index=call.index)
+            )
+        return out
+
+    def finish(self, choice: int) -> list[ToolCallDelta]:
+        """The ends of a finished choice's calls that had no arguments."""
+        return _no_arguments(self.calls.get(choice, ()))
+
+
+def _starts_another(call: _Call, delta: ToolCallDelta) -> bool:
+    named = delta.function is not None and bool(delta.function.name)
+    return named and call.id is not None and bool(delta.id) and delta.id != call.id
+
+
+def _no_arguments(calls: Iterable[_Call]) -> list[ToolCallDelta]:
+    """`NO_ARGUMENTS` for each of `calls` that has had none, as it ends."""
+    ended = []
+    for call in calls:
+        if not call.argued:
+            call.argued = True
+            ended.append(ToolCallDelta(index=call.index, function=FunctionCallDelta(arguments=NO_ARGUMENTS)))
+    return ended
+
+
 class ChatStream:
     def __init__(self, request: ChatRequest, model: str) -> None:
         self.model = model
         self.done = False
         self.finished = False
         self.answered = False  # some of the answer came: text, a tool call, a refusal, reasoning
+        self.calls = _CallNumbering()
 
     def feed(self, event: str | None, data: str) -> list[ChatChunk]:
         if data == "[DONE]":
@@ -472,9 +539,10 @@ class ChatStream:
         wire = _chunk(data)
         if wire.error is not None:  # read as in a whole 200: OpenRouter's provider status, if any
             raise _error_in_200(wire.error)
-        renamed = False
+        changed = False  # the chunk says other than the upstream's JSON
         for choice in wire.choices:
-            renamed = _reasoning_as_content(choice.delta) or renamed
+            changed = _reasoning_as_content(choice.delta) or changed
+            changed = self._number_calls(choice) or changed
             if choice.finish_reason:
                 self.finished = True
                 _note_matched_stop(choice)
@@ -490,10 +558,23 @@ class ChatStream:
                 system_fingerprint=wire.system_fingerprint,
                 extra=wire.extra,
                 # The upstream's JSON only where it says what the chunk does: not where the model
-                # was filled in, the usage is to be normalised, or the reasoning was renamed.
-                raw=data if usage is None and wire.model and not renamed else None,
+                # was filled in, the usage is to be normalised, the reasoning was renamed or the tool
+                # calls renumbered.
+                raw=data if usage is None and wire.model and not changed else None,
             )
         ]
+
+    def _number_calls(self, choice: _ChunkChoice) -> bool:
+        """Gives `choice`'s tool call deltas their calls' own indices (`_CallNumbering`); whether that
+        changed them."""
+        given = choice.delta.tool_calls or []
+        calls = self.calls.number(choice.index, given)
+        if choice.finish_reason:
+            calls.extend(self.calls.finish(choice.index))
+        if calls == given:
+            return False
+        choice.delta.tool_calls = calls
+        return True
 
     def close(self) -> list[ChatChunk]:
         if not (self.done or self.finished):

@@ -14,7 +14,10 @@ OpenAI's own (and so from `FakeOpenAI`), by upstream model:
   `stream_options.continuous_usage_stats` reports the usage so far on every chunk;
 - `cut-short`: a stream that breaks after "Hello" (no finish reason, no `[DONE]`);
 - `ollama-parallel`: Ollama's (and SGLang's, Dynamo's) parallel tool calls, streamed: each call whole in
-  a chunk of its own, every one at `index: 0`, told apart only by its `id` (`OLLAMA_CALLS`).
+  a chunk of its own, every one at `index: 0`, told apart only by its `id` (`OLLAMA_CALLS`);
+- `sglang-parallel`: SGLang's parallel tool calls (`SGLANG_CALLS`), streamed all at `index: 0` too, each
+  starting with a delta of its id, name and `arguments: ""`, its arguments in pieces after it without
+  id or name; a call without arguments has only that `""`, streamed and whole.
 
 Every stream ends with `data: [DONE]` unless cut; `GET` (a prober) gets an empty model list.
 """
@@ -113,6 +116,47 @@ def _ollama_stream(model: str) -> list[dict[str, Any]]:
     ]
 
 
+# SGLang's answer to a request for three calls at once: (id, name, pieces of its arguments); the
+# first and last calls take no arguments.
+SGLANG_CALLS: list[tuple[str, str, list[str]]] = [
+    ("call_now0001", "now", []),
+    ("call_lima002", "get_weather", ['{"city": ', '"Lima"}']),
+    ("call_date003", "today", []),
+]
+
+
+def _sglang_stream(model: str) -> list[dict[str, Any]]:
+    chunks = [_chunk(model, {"role": "assistant", "content": ""})]
+    for id_, name, pieces in SGLANG_CALLS:
+        start = {"id": id_, "index": 0, "type": "function", "function": {"name": name, "arguments": ""}}
+        chunks.append(_chunk(model, {"tool_calls": [start]}))
+        for piece in pieces:
+            more = {
+                "id": None,
+                "index": 0,
+                "type": "function",
+                "function": {"name": None, "arguments": piece},
+            }
+            chunks.append(_chunk(model, {"tool_calls": [more]}))
+    return [*chunks, _chunk(model, {}, "tool_calls", usage=USAGE)]
+
+
+def _sglang_completion(model: str) -> dict[str, Any]:
+    calls = [
+        {"id": id_, "index": i, "type": "function", "function": {"name": name, "arguments": "".join(pieces)}}
+        for i, (id_, name, pieces) in enumerate(SGLANG_CALLS)
+    ]
+    message = {"role": "assistant", "content": None, "reasoning_content": None, "tool_calls": calls}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "tool_calls"}],
+        "usage": USAGE,
+    }
+
+
 def _reasoning(text: str) -> dict[str, Any]:
     """A delta of reasoning as OpenRouter streams it: `reasoning`, and its own `reasoning_details`."""
     return {"reasoning": text, "reasoning_details": [{"type": "reasoning.text", "text": text, "index": 0}]}
@@ -132,6 +176,8 @@ def _chat_stream(request: dict[str, Any]) -> list[dict[str, Any]]:
         ]
     if model == "ollama-parallel":
         return _ollama_stream(model)
+    if model == "sglang-parallel":
+        return _sglang_stream(model)
     if model == "cut-short":
         return [_chunk(model, {"role": "assistant", "content": ""}), _chunk(model, {"content": "Hello"})]
     assert model == "vllm-reasoner", model
@@ -233,7 +279,12 @@ async def compat_server(scope: Scope, receive: Receive, send: Send) -> None:
     request = json.loads(await _body(receive))
     if not request.get("stream"):
         model = request["model"]
-        completion = _vllm_completion(request) if model == "vllm-served" else _completion(model)
+        if model == "vllm-served":
+            completion = _vllm_completion(request)
+        elif model == "sglang-parallel":
+            completion = _sglang_completion(model)
+        else:
+            completion = _completion(model)
         await _respond(send, b"application/json", json.dumps(completion).encode())
         return
     chunks = _completion_stream(request) if scope["path"] == "/v1/completions" else _chat_stream(request)

@@ -28,7 +28,7 @@ from gateway.config import Config, parse_config
 from gateway.usage_sink import ListSink
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.fakes.compat import compat_server
+from tests.fakes.compat import OLLAMA_CALLS, SGLANG_CALLS, compat_server
 from tests.fakes.plugin import FakeVendors
 
 EXAMPLE = """\
@@ -230,9 +230,11 @@ models:
   - {{name: cut-short, backend: compat}}
   - {{name: vllm-served, backend: compat}}
   - {{name: ollama-parallel, backend: compat}}
+  - {{name: sglang-parallel, backend: compat}}
 routes:
   - {{name: cut-then-mistral, candidates: [{{model: cut-short}}, {{model: mistral-small}}], probe_interval: null}}
   - {{name: cut-then-vllm, candidates: [{{model: cut-short}}, {{model: vllm-served}}], probe_interval: null}}
+  - {{name: cut-then-sglang, candidates: [{{model: cut-short}}, {{model: sglang-parallel}}], probe_interval: null}}
 tenants:
   - {{name: demo, api_keys: ["{key}"]}}
 """
@@ -241,12 +243,20 @@ tenants:
 @pytest.fixture(scope="module")
 def compat_gateway() -> Iterator[RunningGateway]:
     """A gateway in front of `tests.fakes.compat`: OpenAI-compatible servers' own ways (each of its
-    models as a plain model, and `cut-then-mistral` / `cut-then-vllm`: a stream cut after "Hello",
-    resumed on Mistral / vLLM)."""
+    models as a plain model, and `cut-then-mistral` / `cut-then-vllm` / `cut-then-sglang`: a stream
+    cut after "Hello", resumed on Mistral / vLLM / SGLang)."""
     with serve(compat_server, free_port()) as upstream:
         config = parse_config(COMPAT_CONFIG.format(url=upstream, key=DEMO_KEY), {})
         with running_gateway(config) as gateway:
             yield gateway
+
+
+# The parallel calls each of `tests.fakes.compat`'s models streams all at index 0, as a client must
+# get them: (id, name, arguments), an empty object where the server sent "" (none).
+PARALLEL_CALLS: dict[str, list[tuple[str, str, str]]] = {
+    "ollama-parallel": OLLAMA_CALLS,
+    "sglang-parallel": [(id_, name, "".join(pieces) or "{}") for id_, name, pieces in SGLANG_CALLS],
+}
 
 
 # A short chat and a one-tool list, for tests of what each vendor is sent.

@@ -11,7 +11,7 @@ from gateway.config import Backend
 from gateway.providers import openai as openai_provider
 from gateway.types import ChatRequest, Message, StreamOptions
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.gateway.conftest import PARALLEL_CALLS, RunningGateway
 
 MODELS = ["gpt-4o-mini", "claude-sonnet", "gemini-flash", "deepseek-chat"]
 WEATHER_TOOL = {
@@ -474,6 +474,47 @@ def test_a_stream_with_the_usage_on_every_chunk_times_its_first_token(compat_gat
     [event] = compat_gateway.sink.events
     assert event.status == 200 and event.usage.output_tokens == 2
     assert event.ttft_ms is not None
+
+
+def _calls(message: object) -> list[tuple[str, str, str]]:
+    calls = getattr(message, "tool_calls", None) or []
+    return [(call.id, call.function.name, call.function.arguments) for call in calls]
+
+
+@pytest.mark.parametrize("model", PARALLEL_CALLS)
+def test_parallel_calls_streamed_at_one_index_stay_apart(compat_gateway: RunningGateway, model: str) -> None:
+    """Ollama, SGLang and Dynamo stream every parallel call at `index: 0`, each starting with its own
+    id and name: the SDK's accumulator (as every client) groups deltas by index, and ran the calls
+    together into one. Each call now has an index of its own, and one without arguments (`""` from
+    the server) has "{}"."""
+    with compat_gateway.openai().chat.completions.stream(
+        model=model, messages=[{"role": "user", "content": "all of them"}], tools=[WEATHER_TOOL]
+    ) as stream:
+        final = stream.get_final_completion()
+    assert _calls(final.choices[0].message) == PARALLEL_CALLS[model]
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_whole_answers_call_without_arguments_has_an_empty_object(compat_gateway: RunningGateway) -> None:
+    """SGLang answers `arguments: ""` for a call without arguments: no JSON, which a client that
+    json.loads it fails on, and which some vendors refuse when it comes back the next turn."""
+    completion = compat_gateway.openai().chat.completions.create(
+        model="sglang-parallel", messages=[{"role": "user", "content": "all of them"}], tools=[WEATHER_TOOL]
+    )
+    assert _calls(completion.choices[0].message) == PARALLEL_CALLS["sglang-parallel"]
+
+
+def test_a_resumed_stream_keeps_parallel_calls_streamed_at_one_index_apart(
+    compat_gateway: RunningGateway,
+) -> None:
+    """A route's stream cut after "Hello" goes on on SGLang, which calls tools, all at index 0: the
+    resumed stream's calls reach the client apart, as a plain stream's do."""
+    with compat_gateway.openai().chat.completions.stream(
+        model="cut-then-sglang", messages=[{"role": "user", "content": "all of them"}], tools=[WEATHER_TOOL]
+    ) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content == "Hello"
+    assert _calls(final.choices[0].message) == PARALLEL_CALLS["sglang-parallel"]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.providers import openai as openai_provider
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.gateway.conftest import PARALLEL_CALLS, RunningGateway
 
 MODELS = ["claude-sonnet", "gpt-4o-mini", "gemini-flash"]
 WEATHER = {
@@ -527,6 +527,25 @@ def test_a_stream_whose_last_chunk_also_reports_usage_keeps_its_stop_reason(
         events = list(stream)
     [delta] = [e for e in events if e.type == "message_delta"]
     assert delta.delta.stop_reason == "max_tokens" and delta.usage.output_tokens == 2
+
+
+@pytest.mark.parametrize("model", PARALLEL_CALLS)
+def test_parallel_calls_streamed_at_one_index_are_tool_use_blocks_apart(
+    compat_gateway: RunningGateway, model: str
+) -> None:
+    """Ollama, SGLang and Dynamo stream every parallel call at `index: 0`, each starting with its own
+    id and name: they were one tool_use block, its input the calls' arguments run together. Each is
+    a block of its own now, a call without arguments (`""` from the server) with an empty input."""
+    asked = {
+        "model": model,
+        "max_tokens": 100,
+        "tools": [WEATHER],
+        "messages": [{"role": "user", "content": "all of them"}],
+    }
+    message = final_message(compat_gateway.anthropic(), True, asked)
+    blocks = [(b.id, b.name, b.input) for b in message.content if b.type == "tool_use"]
+    assert blocks == [(id_, name, json.loads(arguments)) for id_, name, arguments in PARALLEL_CALLS[model]]
+    assert message.stop_reason == "tool_use"
 
 
 def test_the_anthropic_sdk_reads_the_request_id_of_messages_streams_and_errors(

@@ -25,8 +25,7 @@ from gateway.types import (
 )
 from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.fakes.compat import OLLAMA_CALLS
-from tests.gateway.conftest import DEMO_KEY, RunningGateway
+from tests.gateway.conftest import DEMO_KEY, PARALLEL_CALLS, RunningGateway
 
 MODELS = ["gpt-4o-mini", "claude-sonnet", "gemini-flash"]
 WEATHER = {
@@ -684,20 +683,24 @@ async def test_redacted_thinking_streams_as_an_item_of_its_own() -> None:
     assert assistant.reasoning_content == "Hmm" and assistant.content == "Hi"
 
 
-def test_parallel_calls_all_numbered_zero_stay_apart(compat_gateway: RunningGateway) -> None:
+@pytest.mark.parametrize("model", PARALLEL_CALLS)
+def test_parallel_calls_all_numbered_zero_stay_apart(compat_gateway: RunningGateway, model: str) -> None:
     # Ollama (and SGLang, Dynamo) stream every parallel call at index 0, each with its own id: a new
-    # id at an index already taken is a new call, not more arguments for the last one.
+    # id at an index already taken is a new call, not more arguments for the last one. A call without
+    # arguments (SGLang's "") has "{}" when it is done.
     tools: Any = [WEATHER, {**WEATHER, "name": "get_time"}]
     client = compat_gateway.openai()
-    with client.responses.stream(model="ollama-parallel", input="both", tools=tools) as stream:
+    with client.responses.stream(model=model, input="both", tools=tools) as stream:
         events = list(stream)
         final = stream.get_final_response()
     calls = [
         (item.call_id, item.name, item.arguments) for item in final.output if item.type == "function_call"
     ]
-    assert calls == OLLAMA_CALLS
+    assert calls == PARALLEL_CALLS[model]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert [(e.output_index, e.arguments) for e in done] == [(0, OLLAMA_CALLS[0][2]), (1, OLLAMA_CALLS[1][2])]
+    assert [(e.output_index, e.arguments) for e in done] == [
+        (i, arguments) for i, (_, _, arguments) in enumerate(PARALLEL_CALLS[model])
+    ]
 
 
 async def test_a_call_whose_id_changes_midway_stays_one_call() -> None:
