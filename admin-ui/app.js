@@ -301,7 +301,7 @@ const FORM_FIELDS = ["id", "name", "position", "policy", "candidates", "fallback
 
 // A candidate's settings besides its model and weight, with the schema's defaults (routing/routes.py
 // Candidate): the ones that differ are written on its line as key=value, so an edit keeps them.
-const CANDIDATE_DEFAULTS = { context_window: null, tools: true, vision: true, cache_hit_rate: 0, max_in_flight: null, max_waiting: null };
+const CANDIDATE_DEFAULTS = { context_window: null, max_output_tokens: null, tools: true, vision: true, cache_hit_rate: 0, max_in_flight: null, max_waiting: null };
 function candidateLine(c) {
   const parts = [c.model];
   if (c.weight !== undefined && c.weight !== 1) parts.push(String(c.weight));
@@ -372,7 +372,7 @@ function routeForm(existing, onSaved, heads = null, onGone = null) {
   const form = h("form", { class: "inline-form", "aria-label": existing ? `Edit route ${r.name}` : "Create a route" }, ...formBox(
     field("Public model name", name, "What clients send as model; several routes may share it (the first whose conditions match wins)."),
     field("Policy", policy, "fixed: first candidate; weighted: by weight; difficulty: candidates are weak, strong."),
-    field("Candidates", cands, "One model per line, optionally followed by a weight and settings: gpt-4o-mini 3 context_window=128000 vision=false"),
+    field("Candidates", cands, "One model per line, optionally followed by a weight and settings: gpt-4o-mini 3 context_window=128000 max_output_tokens=16384 vision=false"),
     field("Fallbacks", fallbacks, "Comma-separated models tried in order after every candidate failed."),
     field("Difficulty threshold", threshold, "difficulty: strong model when p_strong is above this (0-1)."),
     field("Target strong share", share, "difficulty: send this share of traffic to the strong model instead (0-1)."),

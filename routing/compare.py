@@ -48,9 +48,9 @@ from gateway.metrics import drop_series
 from gateway.pipeline import Call, Pipeline, RequestInfo
 from gateway.providers.base import chat_response_reader
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
-from routing.execute import SpendCap
+from routing.execute import SpendCap, within_output_limit
 from routing.plan import Choice, Features, Plan
-from routing.policies import PolicyContext, expected_cost, head_name
+from routing.policies import PolicyContext, expected_cost, head_name, output_room
 from routing.ranking import head_ranking
 from routing.routes import Candidate
 
@@ -405,6 +405,7 @@ class Comparer:
             alone = msgspec.structs.replace(
                 job.request, stream=None, stream_options=None, logprobs=None, top_logprobs=None
             )
+            alone = within_output_limit(alone, other)
             response = await self._ask(job, other_target, other.model, alone, "compare", spent)
             other_answer = answer_text(response)
             if not other_answer.strip():
@@ -449,8 +450,9 @@ class Comparer:
             await charge.settle(sum(spent))
 
     def _estimate(self, job: Job, other: Candidate, other_target: Target, judge_target: Target) -> float:
-        output = job.feats.max_output_tokens or job.route.expected_output_tokens
-        answer = expected_cost(Choice(other_target, other), job.feats, output, self.context)
+        choice = Choice(other_target, other)
+        output = output_room(choice, job.route, job.feats)
+        answer = expected_cost(choice, job.feats, output, self.context)
         judge_in = job.feats.prompt_tokens + 2 * max(len(job.answer.encode()) // BYTES_PER_TOKEN, output)
         judge_feats = dataclasses.replace(job.feats, prompt_tokens=judge_in)
         judge = expected_cost(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import structlog
 
 from gateway.accounting.events import UsageEvent
 from gateway.errors import (
@@ -38,6 +39,7 @@ from gateway.pipeline import Call, Pipeline
 from gateway.providers.base import (
     CONTEXT_LENGTH_EXCEEDED,
     CONTINUE_INSTRUCTION,
+    OUTPUT_LIMIT_TOO_LARGE,
     UpstreamRequest,
     chat_response_reader,
 )
@@ -59,13 +61,14 @@ from gateway.usage import Usage
 from routing.breaker import Breakers, State
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
-from routing.policies import PolicyContext, expected_cost
-from routing.routes import Route
+from routing.policies import PolicyContext, expected_cost, output_room
+from routing.routes import Candidate, Route
 from routing.stitch import Stitcher
 
 Batches = AsyncIterator[list[ChatChunk]]
 _BACKEND_ERRORS = (UpstreamError, BadGateway, BackendUnavailable, GatewayTimeout)
 HOUR = 3600.0
+log = structlog.get_logger("weir.routing.execute")
 
 
 def fails_over(route: Route, exc: BaseException) -> bool:
@@ -112,13 +115,19 @@ def _declared_fit(choice: Choice, feats: Features) -> None:
 
 def _refuses_parameter(exc: GatewayError) -> bool:
     """OpenAI's 400 for a parameter or value the model does not take (a reasoning model refuses
-    `temperature`, `top_p`, `logprobs`...): the candidate cannot take the request, which is not at
-    fault, so it is passed over as one that cannot express it is, and that 400 reaches the client only
-    when no other candidate could take the request either."""
+    `temperature`, `top_p`, `logprobs`...), or any vendor's for an output limit above the most the
+    model writes (a candidate without its `max_output_tokens` declared, or declared too high): the
+    candidate cannot take the request, which is not at fault, so it is passed over as one that
+    cannot express it is, and that 400 reaches the client only when no other candidate could take
+    the request either."""
     return (
         isinstance(exc, UpstreamError)
         and exc.status == 400
-        and exc.code in ("unsupported_parameter", "unsupported_value")
+        and exc.code != CONTEXT_LENGTH_EXCEEDED  # `failover_on` decides that one
+        and (
+            exc.code in ("unsupported_parameter", "unsupported_value")
+            or OUTPUT_LIMIT_TOO_LARGE.search(exc.message) is not None
+        )
     )
 
 
@@ -191,25 +200,28 @@ class Unsupported(InvalidRequest):
 class Operation:
     """What one attempt sends, built for whichever candidate is tried.
 
-    `prepare(target)` gives the upstream request and its reader: the response parser, or for a
-    stream a fresh decoder (decoders hold state, so one per attempt). `check(target)` raises
-    InvalidRequest when that candidate cannot serve this call at all (an Anthropic model asked for
-    embeddings): such candidates are skipped, and the request fails with that 400 only when no
-    candidate can serve it.
+    `prepare(choice)` gives the upstream request for that candidate and its reader: the response
+    parser, or for a stream a fresh decoder (decoders hold state, so one per attempt); a chat's
+    output limit above the candidate's `max_output_tokens` is sent as that (`within_output_limit`).
+    `check(target)` raises InvalidRequest when that candidate cannot serve this call at all (an
+    Anthropic model asked for embeddings): such candidates are skipped, and the request fails with
+    that 400 only when no candidate can serve it.
     """
 
     stream: bool
-    prepare: Callable[[Target], tuple[UpstreamRequest, Any]]
+    prepare: Callable[[Choice], tuple[UpstreamRequest, Any]]
     check: Callable[[Target], None] | None = None
 
 
 def chat_op(request: ChatRequest) -> Operation:
-    def prepare(target: Target) -> tuple[UpstreamRequest, Any]:
+    def prepare(choice: Choice) -> tuple[UpstreamRequest, Any]:
+        target = choice.target
         provider, model = target.provider, target.upstream_model
-        upstream = provider.chat_request(target.backend, request, model)
+        sent = within_output_limit(request, choice.candidate)
+        upstream = provider.chat_request(target.backend, sent, model)
         if request.stream:
-            return upstream, provider.chat_stream(request, model)
-        return upstream, chat_response_reader(provider, request)
+            return upstream, provider.chat_stream(sent, model)
+        return upstream, chat_response_reader(provider, sent)
 
     return Operation(bool(request.stream), prepare)
 
@@ -348,7 +360,7 @@ class Executor:
         model = choice.candidate.model
         key = self._key(choice)
         try:
-            upstream, reader = op.prepare(target)
+            upstream, reader = op.prepare(choice)
         except InvalidRequest as exc:
             # Nothing was sent: no verdict on the backend (a half-open trial it was is the next
             # request's), and a hedge's charge is nothing.
@@ -654,8 +666,7 @@ class Executor:
                 return first.result()
             if route.breaker is not None:  # before the cap: a hedge not sent spends nothing
                 refused, partner_trial = await self._admit(route, partner, op)
-            output = feats.max_output_tokens or route.expected_output_tokens
-            usd = expected_cost(partner, feats, output, self.context)
+            usd = expected_cost(partner, feats, output_room(partner, route, feats), self.context)
             tenant = call.principal.tenant_id or "anonymous"
             if refused is None:
                 charge = await self.hedges.charge(tenant, usd, route.hedge.max_spend_usd_per_hour)
@@ -1353,6 +1364,29 @@ def _limit_reached(request: ChatRequest, spent: int) -> bool:
     its length, and a continuation could only add output past the limit the client set."""
     limit = request.output_limit
     return limit is not None and spent >= limit
+
+
+def within_output_limit(request: ChatRequest, candidate: Candidate) -> ChatRequest:
+    """The request as an attempt on `candidate` sends it: an output limit above the model's own
+    (`max_output_tokens`) lowered to it. The model cannot write more anyway, and its vendor refuses
+    the larger limit with a 400 (Claude Code's 32,000 to gpt-4o, which writes 16,384 at most), which
+    ended the request where this candidate could answer it. A thinking budget the lowered limit no
+    longer holds is kept below it (thinking counts toward the limit: Anthropic refuses a budget that
+    is not below `max_tokens`, and Claude Code's is 31,999)."""
+    most = candidate.max_output_tokens
+    limit = request.output_limit
+    if limit is None or most is None or limit <= most:
+        return request
+    log.debug("output_limit_lowered", model=candidate.model, asked=limit, sent=most)
+    budget = request.reasoning_budget
+    return msgspec.structs.replace(
+        request,
+        max_tokens=None if request.max_tokens is None else min(request.max_tokens, most),
+        max_completion_tokens=(
+            None if request.max_completion_tokens is None else min(request.max_completion_tokens, most)
+        ),
+        reasoning_budget=budget if budget is None or budget < most else max(most - 1, 1),
+    )
 
 
 def _shorter(request: ChatRequest, spent: int) -> ChatRequest:

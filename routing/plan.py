@@ -139,6 +139,9 @@ class Plan:
     tried: list[str] = field(default_factory=list)  # "model:outcome" per attempt
     lessons: list[Lesson] = field(default_factory=list)  # what `commit` keeps
     outcome: Outcome | None = None  # what `serve` counts and the header says of the candidate it names
+    # The request's output limit (`Features.max_output_tokens`; None: none): the header says where a
+    # candidate's `max_output_tokens` lowers it (`routing.execute.within_output_limit`).
+    output_limit: int | None = None
 
     def commit(self) -> None:
         """The request's first attempt was admitted and went upstream: keep what the policy learnt from
@@ -175,6 +178,9 @@ class Plan:
                 parts.append(f"score={chosen.score:.6g}")
             if chosen.reason:
                 parts.append(f"reason={chosen.reason}")
+            limit = self.output_limit
+            if limit is not None and chosen.candidate.output_within(limit) < limit:
+                parts.append(f"output_capped={chosen.candidate.max_output_tokens}")
         parts.append(f"attempts={self.attempts}")
         if self.outcome is not None:
             parts.append(self.outcome.describe(chosen, pending=trying is not None and self.chosen is None))

@@ -231,17 +231,23 @@ def expected_output(
         stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
         expected += stats.reasoning_tokens or 0.0
     limit = feats.max_output_tokens
-    return expected if not limit else min(expected, limit)
+    return expected if not limit else min(expected, choice.candidate.output_within(limit))
+
+
+def output_room(choice: Choice, route: Route, feats: Features) -> int:
+    """The output an attempt on this candidate may write: the request's limit (without one, the
+    route's expected output), lowered to the model's own `max_output_tokens` as the attempt is
+    (`routing.execute.within_output_limit`)."""
+    return choice.candidate.output_within(feats.max_output_tokens or route.expected_output_tokens)
 
 
 def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:
-    # What must fit the window is what the request may write: vendors refuse a prompt whose limit
-    # does not fit, however short its answers turn out.
-    room = feats.max_output_tokens or route.expected_output_tokens
     fitting, misfits = [], []
     for choice in choices:
         choice.score = expected_cost(choice, feats, expected_output(choice, route, feats, ctx), ctx)
-        why = fits(choice, feats, room)
+        # What must fit the window is what the request may write there: vendors refuse a prompt
+        # whose limit does not fit, however short its answers turn out.
+        why = fits(choice, feats, output_room(choice, route, feats))
         if why is None:
             choice.reason = "cheapest_fit"
             fitting.append(choice)

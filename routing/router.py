@@ -139,6 +139,7 @@ def _check_settings(route: Route, where: str) -> None:
         _at_least(candidate.weight, 0.0, f"{at}.weight", strict=True)
         _within(candidate.cache_hit_rate, f"{at}.cache_hit_rate")
         _at_least(candidate.context_window, 1, f"{at}.context_window")
+        _at_least(candidate.max_output_tokens, 1, f"{at}.max_output_tokens")
     _within(route.threshold, f"{where}.threshold")
     _at_least(route.probe_interval, MIN_PROBE_INTERVAL_S, f"{where}.probe_interval")
     _at_least(route.ttft_timeout, 0.0, f"{where}.ttft_timeout", strict=True)
@@ -467,7 +468,11 @@ class Router:
             failover_on=[],
             breaker=None,
         )
-        return Plan(route, [Choice(target, route.candidates[0], reason="model")])
+        return Plan(
+            route,
+            [Choice(target, route.candidates[0], reason="model")],
+            output_limit=feats.max_output_tokens,
+        )
 
     async def _plan(self, route: Route, feats: Features, record: bool = True) -> Plan:
         choices = [Choice(self.models.targets[c.model], c) for c in route.candidates]
@@ -477,4 +482,11 @@ class Router:
             ordered.append(Choice(self.models.targets[name], Candidate(model=name), reason="fallback"))
         if not ordered:
             raise ModelNotFound(f"The route `{route.name}` has no candidates.", param="model")
-        return Plan(route, ordered, note=note, lessons=lessons or [], outcome=outcome)
+        return Plan(
+            route,
+            ordered,
+            note=note,
+            lessons=lessons or [],
+            outcome=outcome,
+            output_limit=feats.max_output_tokens,
+        )

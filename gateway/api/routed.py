@@ -26,8 +26,8 @@ from gateway.router_basic import Target
 from gateway.runtime import Gateway
 from gateway.types import ChatRequest, CompletionRequest, EmbeddingRequest, EmbeddingResponse, Message
 from gateway.usage import Usage
-from routing.execute import Operation
-from routing.plan import Plan, features, prompt_request
+from routing.execute import Operation, within_output_limit
+from routing.plan import Choice, Plan, features, prompt_request
 
 
 def _chat_cannot(request: CompletionRequest) -> str | None:
@@ -81,15 +81,23 @@ def completion_op(body: CompletionRequest) -> Operation:
         if not target.provider.native_completions:
             completion_as_chat(body)  # raises the 400 when the prompt is token ids
 
-    def prepare(target: Target) -> tuple[UpstreamRequest, Any]:
+    def prepare(choice: Choice) -> tuple[UpstreamRequest, Any]:
+        target = choice.target
         model = target.upstream_model
         if target.provider.native_completions:
-            upstream = openai_provider.completions_request(target.backend, body, model)
+            # As a chat's (`routing.execute.within_output_limit`): at most what the model writes.
+            limit = body.max_tokens
+            sent = (
+                body
+                if limit is None
+                else msgspec.structs.replace(body, max_tokens=choice.candidate.output_within(limit))
+            )
+            upstream = openai_provider.completions_request(target.backend, sent, model)
             reader = (
                 openai_provider.CompletionStream(model) if stream else openai_provider.completions_response
             )
             return upstream, reader
-        chat = completion_as_chat(body)
+        chat = within_output_limit(completion_as_chat(body), choice.candidate)
         upstream = target.provider.chat_request(target.backend, chat, model)
         return upstream, target.provider.chat_stream(chat, model) if stream else target.provider.chat_response
 
@@ -136,7 +144,8 @@ def embeddings_op(body: EmbeddingRequest) -> Operation:
             )
         provider.embeddings_request(target.backend, body, target.upstream_model)  # its 400 (token ids)
 
-    def prepare(target: Target) -> tuple[UpstreamRequest, Any]:
+    def prepare(choice: Choice) -> tuple[UpstreamRequest, Any]:
+        target = choice.target
         provider = target.provider
         assert provider.embeddings_request is not None  # check() ran first
         assert provider.embeddings_response is not None
@@ -168,7 +177,8 @@ def count_tokens_op(request: ChatRequest) -> Operation:
         if target.provider.count_tokens_request is None:
             raise NoTokenCounter(f"The model `{target.model.name}` cannot count tokens.", param="model")
 
-    def prepare(target: Target) -> tuple[UpstreamRequest, Any]:
+    def prepare(choice: Choice) -> tuple[UpstreamRequest, Any]:
+        target = choice.target
         provider = target.provider
         assert provider.count_tokens_request is not None  # check() ran first
         upstream = provider.count_tokens_request(target.backend, request, target.upstream_model)

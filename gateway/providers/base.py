@@ -345,6 +345,18 @@ _CONTEXT_MESSAGES = re.compile(
     re.IGNORECASE,
 )
 
+# How each vendor says an output limit is above the most the model writes: a property of the model,
+# not of the request (another model, or this one asked for less, takes it). The vendor's own error
+# reaches the client unchanged when no other candidate takes the request (`routing.execute`).
+OUTPUT_LIMIT_TOO_LARGE = re.compile(
+    # OpenAI: "max_tokens is too large: 32000. This model supports at most 16384 completion tokens, ..."
+    r"\b(max_tokens|max_completion_tokens) is too large"
+    # Anthropic: "max_tokens: 32000 > 8192, which is the maximum allowed number of output tokens for ..."
+    r"|maximum allowed number of output tokens"
+    # Gemini: "... has a maxOutputTokens value of 70000 but the supported range is from 1 ..."
+    r"|maxOutputTokens value of \d+ but the supported range",
+)
+
 
 def upstream_error(
     status: int,

@@ -175,6 +175,34 @@ async def test_weighted_shares_an_open_candidates_traffic_by_the_others_weights(
 # --- cheapest ---------------------------------------------------------------------------------------
 
 
+async def test_cheapest_fits_the_window_with_the_output_the_candidate_is_sent() -> None:
+    """Claude Code asks for 32,000 output tokens; `small` writes 16,384 at most, and an attempt there
+    is sent with that limit, so its 20,000-token window holds the prompt and all it may write.
+    Counted at the 32,000 asked for, it was ruled out (`reason=context_window`) and the dearer `big`
+    answered every such request."""
+
+    def cheap_small(limit: int | None) -> Route:
+        return Route(
+            name="c",
+            policy="cheapest",
+            candidates=[
+                Candidate(model="small", context_window=20_000, max_output_tokens=limit),
+                Candidate(model="big", context_window=200_000),
+            ],
+            probe_interval=None,
+        )
+
+    plan = await router(cheap_small(16_384)).plan("c", ACME, feats("hi", max_tokens=32_000))
+    assert [(c.candidate.model, c.reason) for c in plan.choices] == [
+        ("small", "cheapest_fit"),
+        ("big", "cheapest_fit"),
+    ]
+    assert header(plan)["output_capped"] == "16384"
+    # Undeclared, the model may write the whole limit: it does not fit.
+    plan = await router(cheap_small(None)).plan("c", ACME, feats("hi", max_tokens=32_000))
+    assert [c.candidate.model for c in plan.choices] == ["big"]
+
+
 async def test_cheapest_with_nothing_that_fits_asks_the_likeliest_candidate_first() -> None:
     """A 400 is never failed over, so the first candidate is the only one asked: where nothing fits by
     the estimate, the largest window (the prompt's size is estimated) goes first, and a candidate that

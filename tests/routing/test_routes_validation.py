@@ -131,6 +131,9 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     (_candidate(weight=0), "candidates[0].weight"),  # the admin UI asks for a positive weight too
     (_candidate(cache_hit_rate=1.5), "candidates[0].cache_hit_rate"),
     (_candidate(context_window=0), "candidates[0].context_window"),
+    # Every attempt on it would have been sent with an output limit of 0 (or less): a vendor's 400.
+    (_candidate(max_output_tokens=0), "candidates[0].max_output_tokens"),
+    (_candidate(max_output_tokens=-16384), "candidates[0].max_output_tokens"),
     ({**GOOD, "threshold": 2}, "threshold"),
     ({**GOOD, "probe_interval": -1}, "probe_interval"),
     ({**GOOD, "ttft_timeout": 0}, "ttft_timeout"),
@@ -187,7 +190,13 @@ def test_out_of_range_route_settings_are_refused_and_change_nothing(weir: Weir) 
         "threshold": 1.0,
         # A window beyond a float's range was an OverflowError in the check itself (a 500).
         "candidates": [
-            {"model": "gpt-4o-mini", "weight": 1e-300, "cache_hit_rate": 1, "context_window": 10**400}
+            {
+                "model": "gpt-4o-mini",
+                "weight": 1e-300,
+                "cache_hit_rate": 1,
+                "context_window": 10**400,
+                "max_output_tokens": 1,
+            }
         ],
         "retry": {"attempts": 100, "backoff": 0, "max_backoff": 0},
         "probe_interval": 0.1,
@@ -255,6 +264,12 @@ def test_bad_route_settings_in_the_config_name_the_key() -> None:
         parse_config(full_config_text() + routes, env)
     routes = "routes:\n  - {name: r, candidates: [{model: gpt-5, weight: .nan}]}\n"
     with pytest.raises(ConfigError, match=r"candidates\[0\]\.weight"):
+        parse_config(full_config_text() + routes, env)
+    routes = "routes:\n  - {name: r, candidates: [{model: gpt-5, max_output_tokens: 0}]}\n"
+    with pytest.raises(
+        ConfigError,
+        match=r"routes\[0\] \(r\)\.candidates\[0\]\.max_output_tokens: must be a number at least 1",
+    ):
         parse_config(full_config_text() + routes, env)
     routes = "routes:\n  - {name: r, retry: {attempts: 2000}, candidates: [{model: gpt-5}]}\n"
     with pytest.raises(

@@ -46,7 +46,7 @@ CHEAP: dict[str, Any] = {
     },
     "candidates": [
         {"model": "gpt-4o-mini", "context_window": 128000, "cache_hit_rate": 0.5, "vision": False},
-        {"model": "gpt-4o", "tools": False, "weight": 2.5},
+        {"model": "gpt-4o", "tools": False, "weight": 2.5, "max_output_tokens": 16384},
     ],
     "fallbacks": ["gpt-4o"],
     "retry": {"attempts": 3, "backoff": 0.1, "max_backoff": 2.0, "jitter": 0.25, "max_retry_after": 4.0},
@@ -142,7 +142,7 @@ def test_saving_a_route_unchanged_keeps_every_field_and_the_form_reorders(routed
     lines = _edit(page, routed, ids[0]).get_by_label("Candidates", exact=True).input_value().splitlines()
     assert lines == [
         "gpt-4o-mini context_window=128000 vision=false cache_hit_rate=0.5",
-        "gpt-4o 2.5 tools=false",
+        "gpt-4o 2.5 max_output_tokens=16384 tools=false",
     ]
 
     # The difficulty route goes before the cheapest one of the same name: it is tried first.
