@@ -211,6 +211,8 @@ class MessagesRequest(Base):
     metadata: Metadata | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    # Automatic prompt caching: Claude puts this breakpoint on the last cacheable block itself.
+    cache_control: CacheControl = None
 
     @property
     def shows_thinking(self) -> bool:
@@ -228,6 +230,7 @@ class CountTokensRequest(Base):
     tool_choice: InboundToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    cache_control: CacheControl = None
 
     def to_canonical(self, beta: list[str] | None = None) -> ChatRequest:
         as_messages = MessagesRequest(
@@ -239,6 +242,7 @@ class CountTokensRequest(Base):
             tool_choice=self.tool_choice,
             thinking=self.thinking,
             output_config=self.output_config,
+            cache_control=self.cache_control,
         )
         return msgspec.structs.replace(to_canonical(as_messages, beta), max_tokens=None)
 
@@ -411,6 +415,7 @@ def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> Cha
         # Anthropic's prefill: the answer goes on from the final assistant message, on any vendor.
         continue_final_message=True if continuable(messages) else None,
         anthropic_beta=beta,
+        cache_control=request.cache_control,
     )
 
 

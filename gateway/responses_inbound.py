@@ -215,6 +215,14 @@ def _parts(parts: list[Part], where: str) -> list[ContentPart]:
                 )
             result.append(ImagePart(image_url=ImageURL(url=part.image_url, detail=part.detail)))
         else:
+            if part.file_data is None and part.file_url is not None:
+                # Not a stored file: a URL for the model to read, which neither OpenAI's chat API nor
+                # every other backend takes, and Weir does not fetch it on the client's behalf.
+                raise InvalidRequest(
+                    "'file_url' is not supported: Weir routes to any backend, and not every backend "
+                    "can read a file from a URL. Send the file's content as `file_data` (a data URL).",
+                    param=f"{where}[{i}].file_url",
+                )
             if part.file_data is None:
                 raise InvalidRequest(
                     "Weir stores no files: send the file's content as `file_data` (a data URL).",
@@ -468,8 +476,34 @@ def new_response(request: ResponsesRequest, created_at: int) -> dict[str, Any]:
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, annotations: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": annotations or [], "logprobs": []}
+
+
+def _url_citations(annotations: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Chat annotations (`{"type": "url_citation", "url_citation": {...}}`, a search model's) in the
+    Responses shape, flat (`{"type": "url_citation", "url", "title", "start_index", "end_index"}`);
+    the indices still count characters of the one text part the answer's text makes. Other kinds,
+    and citations without a URL or indices, have no Responses form and are left out."""
+    out = []
+    for annotation in annotations or ():
+        cited = annotation.get("url_citation") if annotation.get("type") == "url_citation" else None
+        if not isinstance(cited, dict) or not isinstance(cited.get("url"), str):
+            continue
+        start, end = cited.get("start_index"), cited.get("end_index")
+        if not (isinstance(start, int) and isinstance(end, int)):
+            continue
+        title = cited.get("title")
+        out.append(
+            {
+                "type": "url_citation",
+                "start_index": start,
+                "end_index": end,
+                "url": cited["url"],
+                "title": title if isinstance(title, str) else "",
+            }
+        )
+    return out
 
 
 def _reasoning_item(content: list[dict[str, Any]], status: str) -> dict[str, Any]:
@@ -537,7 +571,7 @@ def _finished(
 def from_canonical(response: ChatResponse, request: ResponsesRequest) -> dict[str, Any]:
     choice = response.choices[0] if response.choices else None
     message = choice.message if choice is not None else AssistantMessage(role="assistant")
-    parts = [_text_part(message.content)] if message.content else []
+    parts = [_text_part(message.content, _url_citations(message.annotations))] if message.content else []
     if message.refusal:
         parts.append({"type": "refusal", "refusal": message.refusal})
     output = _reasoning_items(message)  # first, as the model produced it
@@ -647,6 +681,23 @@ class _StreamWriter:
         logprobs: dict[str, list[Any]] = {"logprobs": []} if kind == "output_text" else {}
         self.emit(f"{event}.delta", **self._where(), delta=delta, **logprobs)
 
+    def _annotate(self, annotations: list[dict[str, Any]]) -> None:
+        """Citations of the answer's text (a search model sends them with its text or after it,
+        alone): onto the text part, each told in an `annotation.added` event, as OpenAI streams them."""
+        cited = _url_citations(annotations)
+        if not cited:
+            return
+        part = self._open_part("output_text")
+        for annotation in cited:
+            part["annotations"].append(annotation)
+            index = len(part["annotations"]) - 1
+            self.emit(
+                "response.output_text.annotation.added",
+                **self._where(),
+                annotation_index=index,
+                annotation=annotation,
+            )
+
     def _redacted(self, data: str) -> None:
         """A redacted thinking block: an item with no text, whole at once."""
         item = _reasoning_item([], "in_progress")
@@ -693,6 +744,8 @@ class _StreamWriter:
                 self._redacted(delta.redacted_reasoning)
             if delta.content:
                 self._text("output_text", delta.content)
+            if delta.annotations:
+                self._annotate(delta.annotations)
             if delta.refusal:
                 self._text("refusal", delta.refusal)
             for call in delta.tool_calls or ():

@@ -2,8 +2,8 @@
 
 Inbound Anthropic Messages requests are translated into these, every provider adapter translates
 from them, and every response comes back as them. Two deliberate extensions of the OpenAI shape:
-`cache_control` on content parts, tools and messages (so Anthropic prompt-cache breakpoints survive
-the trip), `usage` held as the normalised `gateway.usage.Usage` (rendered per client API), and
+`cache_control` on content parts, tools, messages and the request (so Anthropic prompt-cache
+breakpoints and automatic caching survive the trip), `usage` held as the normalised `gateway.usage.Usage` (rendered per client API), and
 reasoning: `reasoning_content` (the field DeepSeek and vLLM add to the OpenAI shape) plus the signed
 blocks Anthropic needs back (`reasoning_blocks`, `reasoning_signature`, `redacted_reasoning`), which
 are internal: OpenAI clients never see them.
@@ -218,6 +218,10 @@ class ChatRequest(Base):
     # An Anthropic client's `anthropic-beta` flags (1M context, interleaved thinking...), sent to
     # Anthropic backends only, beside their own; other vendors have no such switch and ignore them.
     anthropic_beta: list[str] | None = None
+    # Anthropic's automatic prompt caching (a Messages request's top-level `cache_control`): Claude puts
+    # the breakpoint on the last cacheable block itself. Sent to Anthropic backends only; OpenAI and
+    # Gemini cache prompts on their own.
+    cache_control: dict[str, Any] | None = None
     # Top-level parameters Weir does not model; forwarded verbatim to OpenAI-compatible backends only.
     extra: dict[str, Any] = {}
 
@@ -253,7 +257,10 @@ def continuable(messages: list[Message]) -> bool:
 
 
 def has_cache_control(request: ChatRequest) -> bool:
-    """Whether any message, part or tool of `request` carries a `cache_control` breakpoint."""
+    """Whether `request` asks for automatic caching (its own `cache_control`) or any message, part or
+    tool of it carries a `cache_control` breakpoint."""
+    if request.cache_control is not None:
+        return True
     for message in request.messages:
         if message.cache_control is not None:
             return True
@@ -275,7 +282,11 @@ class AssistantMessage(Base):
     refusal: str | None = None
     reasoning_content: str | None = None  # the reasoning text, all blocks joined
     reasoning_blocks: list[Reasoning] | None = None  # internal: the blocks with their signatures
-    # Fields of an OpenAI-compatible backend's message Weir does not model (`audio`, `annotations`...):
+    # OpenAI's annotations of the text as its chat API gives them (`url_citation`s of a search model,
+    # OpenRouter's web plugin): OpenAI clients get them as they came, Responses clients as
+    # `output_text.annotations` (`gateway.responses_inbound`).
+    annotations: list[dict[str, Any]] | None = None
+    # Fields of an OpenAI-compatible backend's message Weir does not model (`audio`...):
     # rendered back to OpenAI clients only; other client shapes have no place for them.
     extra: dict[str, Any] = {}
 
@@ -322,6 +333,8 @@ class Delta(Base):
     tool_calls: list[ToolCallDelta] | None = None
     refusal: str | None = None
     reasoning_content: str | None = None
+    # As AssistantMessage.annotations, streamed (a search model's come after its text, alone).
+    annotations: list[dict[str, Any]] | None = None
     # Internal, never rendered to OpenAI clients: the signature that ends the reasoning block streamed
     # so far (the next reasoning text starts a new block), and a whole redacted block's data.
     reasoning_signature: str | None = None

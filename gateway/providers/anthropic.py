@@ -128,6 +128,7 @@ PARAMS = ParamTable(
         "temperature": Param("temperature", lambda temperature: min(temperature, MAX_TEMPERATURE)),
         "top_p": Param("top_p"),
         "top_k": Param("top_k"),
+        "cache_control": Param("cache_control"),  # automatic caching, as the client asked it
         "stop": Param("stop_sequences", _stop_sequences),
         "user": Param("metadata.user_id"),
         "stream": Param("stream", lambda stream: True if stream else None),
@@ -470,7 +471,7 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
 
 
 # What /v1/messages/count_tokens takes of a Messages body; it refuses the rest (max_tokens, stream...).
-_COUNTED = ("model", "messages", "system", "tools", "tool_choice", "thinking")
+_COUNTED = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control")
 
 
 def count_tokens_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:

@@ -105,8 +105,9 @@ def request_body(request: Base, model: str) -> dict[str, Any]:
 
 
 def _strip_cache_control(body: dict[str, Any]) -> None:
-    # Anthropic-style breakpoints mean nothing to OpenAI (its caching is automatic) and it would
-    # reject the unknown field.
+    # Anthropic-style breakpoints (and automatic caching, the request's own `cache_control`) mean
+    # nothing to OpenAI (its caching is automatic) and it would reject the unknown field.
+    body.pop("cache_control", None)
     for item in (*body.get("messages", ()), *(body.get("tools") or ())):
         item.pop("cache_control", None)
         content = item.get("content")

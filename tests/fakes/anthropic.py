@@ -34,7 +34,7 @@ Usage: ``input_tokens`` is only the prompt tokens neither read from nor written 
 ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` (split in
 ``cache_creation.ephemeral_5m_input_tokens``/``ephemeral_1h_input_tokens``) follow the
 ``cache_control`` breakpoints (see `caches.BreakpointCache`; the prefix order is tools, system,
-messages; the minimum cacheable prefix is ``fake.min_cache_tokens``, 1024 by default). Thinking text
+messages; a top-level ``cache_control``, automatic caching, puts one on the last block; the minimum cacheable prefix is ``fake.min_cache_tokens``, 1024 by default). Thinking text
 counts in ``output_tokens`` (Anthropic reports no separate reasoning count).
 """
 
@@ -313,6 +313,10 @@ class FakeAnthropic(FakeServer):
                 blocks.append(Block(tokens, _ttl(block)))
             previous_uses = uses
         _check_thinking_turn(body)
+        automatic = _ttl(body)
+        if automatic is not None and blocks and blocks[-1].ttl is None:
+            # Automatic caching (the request's own cache_control): the breakpoint on the last block.
+            blocks[-1] = Block(blocks[-1].tokens, automatic)
         return blocks, tool_names
 
     def _turn(self, body: dict[str, Any], tool_names: dict[str, str]) -> Turn:

@@ -6,8 +6,8 @@ OpenAI's own (and so from `FakeOpenAI`), by upstream model:
   finish `length` under a `max_tokens` below 3, else `stop`;
 - `vllm-reasoner`: vLLM 0.17+'s (and OpenRouter's) `reasoning` delta field, with OpenRouter's
   `reasoning_details` beside it, then the answer "4";
-- `gpt-4o-audio-preview`: a whole answer with fields Weir does not model: the message's `audio` and
-  `annotations`, the completion's `service_tier`;
+- `gpt-4o-audio-preview`: a whole answer with fields Weir does not model, the message's `audio` and
+  the completion's `service_tier`, beside the message's `annotations` (a citation);
 - `vllm-served`: vLLM's own fields beside OpenAI's, whole and streamed ("Hello there"): each choice's
   `stop_reason` (the stop string that ended it, "END"), and with `return_token_ids` the choices'
   `token_ids` and the prompt's `prompt_token_ids` (on a stream's first chunk); a stream asked for

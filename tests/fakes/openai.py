@@ -9,7 +9,8 @@ header also works); a missing or wrong key gets OpenAI's 401 body. Unknown model
 
 Wire format as OpenAI sends it: ``chat.completion`` objects with ``choices[].message`` (content,
 refusal, annotations, tool_calls), ``chat.completion.chunk`` SSE frames (``data: {...}\\n\\n``, one word
-per chunk, tool-call arguments in pieces, ``data: [DONE]``), ``stream_options.include_usage`` (every
+per chunk, tool-call arguments in pieces, a search model's annotations in a delta of their own after
+the text, ``data: [DONE]``), ``stream_options.include_usage`` (every
 chunk carries ``"usage": null`` and a last chunk with empty ``choices`` carries the usage),
 ``x-request-id`` and rate-limit headers, errors as ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -129,6 +130,8 @@ class FakeOpenAI(FakeServer):
         "gpt-4.1-nano",
         "gpt-5",
         "gpt-5-mini",
+        "gpt-4o-search-preview",
+        "gpt-4o-mini-search-preview",
         "o3-mini",
         "o4-mini",
         "gpt-3.5-turbo-instruct",
@@ -569,7 +572,7 @@ class FakeOpenAI(FakeServer):
     def _message(self, model: str, reply: Reply, call_id: str) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": None if reply.tool_name else reply.text}
         if self.flavour == "openai":
-            message |= {"refusal": None, "annotations": []}
+            message |= {"refusal": None, "annotations": _url_citations(model, message["content"] or "")}
         if self.refusal is not None:
             return message | {"content": None, "refusal": self.refusal}
         elif model == "deepseek-reasoner":
@@ -601,6 +604,8 @@ class FakeOpenAI(FakeServer):
                     ({"reasoning_content": p}, None) for p in chunk_words(_deepseek_reasoning(reply), 1)
                 ]
             deltas += [({"content": p}, None) for p in chunk_words(reply.text, per_chunk)]
+            if citations := _url_citations(model, reply.text):
+                deltas.append(({"annotations": citations}, None))  # after the text, alone
         deltas.append(({}, _FINISH[reply.finish]))
         return deltas
 
@@ -787,6 +792,25 @@ def _refuse_unsupported_by_reasoning(body: dict[str, Any]) -> None:
 
 
 _SAMPLING_MODELS = re.compile(r"gpt-5\.\d")
+
+
+def _url_citations(model: str, text: str) -> list[dict[str, Any]]:
+    """A search model's (``*-search-preview``) annotations: a ``url_citation`` of each ``https://`` word
+    of its reply, indexed by character, titled after its host."""
+    if not model.endswith("-search-preview"):
+        return []
+    return [
+        {
+            "type": "url_citation",
+            "url_citation": {
+                "start_index": found.start(),
+                "end_index": found.end(),
+                "url": found.group(),
+                "title": f"Page on {found.group().split('/')[2]}",
+            },
+        }
+        for found in re.finditer(r"https://\S+", text)
+    ]
 
 
 def _max_output(model: str) -> int | None:

@@ -72,6 +72,7 @@ EXTRA_BACKENDS = """\
 """
 EXTRA_MODELS = """\
   - {name: gpt-5, backend: openai}
+  - {name: gpt-4o-search-preview, backend: openai}
   - {name: gpt-instruct, backend: openai, model: gpt-3.5-turbo-instruct}
   - {name: text-embedding-3-small, backend: openai}
   - {name: gemini-embedding, backend: gemini, model: gemini-embedding-001}

@@ -535,3 +535,29 @@ def test_continuous_usage_stats_is_left_out_for_openais_own_api_only(base_url: s
     body = json.loads(openai_provider.chat_request(backend, request, "gpt-4o").body)
     expected = {"include_usage": True, "continuous_usage_stats": True} if sent else {"include_usage": True}
     assert body["stream_options"] == expected
+
+
+CITING = "read https://example.com/a and https://example.org/b"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_search_models_citations_reach_a_chat_client_as_it_sent_them(
+    gateway: RunningGateway, stream: bool
+) -> None:
+    """`message.annotations` (a search model's `url_citation`s, a delta of their own when streamed)
+    come to an OpenAI client as the model sent them."""
+    client = gateway.openai()
+    messages = [{"role": "user", "content": CITING}]
+    if stream:
+        chunks = list(
+            client.chat.completions.create(model="gpt-4o-search-preview", messages=messages, stream=True)  # type: ignore[arg-type]
+        )
+        found = [a for c in chunks for ch in c.choices for a in (ch.delta.to_dict().get("annotations") or ())]
+    else:
+        response = client.chat.completions.create(model="gpt-4o-search-preview", messages=messages)  # type: ignore[arg-type]
+        found = [a.to_dict() for a in response.choices[0].message.annotations or ()]
+    assert [(CITING[a["url_citation"]["start_index"] : a["url_citation"]["end_index"]]) for a in found] == [
+        "https://example.com/a",
+        "https://example.org/b",
+    ]
+    assert {a["type"] for a in found} == {"url_citation"}

@@ -722,3 +722,47 @@ def test_a_long_metadata_user_id_reaches_openai_as_a_digest(
         sent.append(fake_openai.last_request.json["user"])  # type: ignore[union-attr]
     assert sent[0] == sent[1] != CLAUDE_CODE_USER and len(sent[0]) <= 64
     assert sent[2] == "u-42"
+
+
+def test_automatic_caching_reaches_claude_and_its_cache_is_read(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """A top-level `cache_control` asks Claude to cache up to the last cacheable block (automatic
+    caching): it reaches Claude as sent, and the second request reads what the first wrote."""
+    client = gateway.anthropic()
+    asked: dict[str, Any] = {
+        "model": "claude-sonnet",
+        "max_tokens": 20,
+        "system": LONG_SYSTEM,
+        "cache_control": {"type": "ephemeral"},
+    }
+    first = client.messages.create(**asked, messages=[{"role": "user", "content": "hi"}])
+    assert fake_anthropic.last_request.json["cache_control"] == {"type": "ephemeral"}
+    assert first.usage.cache_creation_input_tokens > 1024
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": first.content[0].text},  # type: ignore[union-attr]
+        {"role": "user", "content": "and again"},
+    ]
+    second = client.messages.create(**asked, messages=history)
+    assert second.usage.cache_read_input_tokens == first.usage.cache_creation_input_tokens
+    first_event, second_event = gateway.sink.events  # the ledger bills the writes and the reads
+    assert first_event.usage.cache_write_tokens == first.usage.cache_creation_input_tokens
+    assert second_event.usage.cached_input_tokens == second.usage.cache_read_input_tokens
+
+
+@pytest.mark.parametrize("model", ["gpt-4o-mini", "gemini-flash"])
+def test_automatic_caching_is_left_out_for_other_vendors(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_gemini: FakeGemini, model: str
+) -> None:
+    """OpenAI and Gemini cache prompts on their own and know no `cache_control` (OpenAI refuses
+    unknown fields): a route failing over from Claude goes on without it."""
+    message = gateway.anthropic().messages.create(
+        model=model,
+        max_tokens=20,
+        cache_control={"type": "ephemeral"},
+        messages=[{"role": "user", "content": "hi"}],
+    )
+    assert message.content[0].text == "hi"  # type: ignore[union-attr]
+    sent = (fake_openai if model == "gpt-4o-mini" else fake_gemini).last_request
+    assert sent is not None and "cache_control" not in json.dumps(sent.json)

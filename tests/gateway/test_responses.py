@@ -726,3 +726,59 @@ def test_a_call_without_arguments_streams_an_empty_object(gateway: RunningGatewa
         final = stream.get_final_response()
     [call] = [item for item in final.output if item.type == "function_call"]
     assert done == [call.arguments] and json.loads(call.arguments) == {}
+
+
+CITING = "read https://example.com/a and https://example.org/b"
+
+
+def test_a_search_models_citations_are_url_citation_annotations(gateway: RunningGateway) -> None:
+    """A search model's chat answer cites its sources in `message.annotations`; a Responses client
+    gets them as `output_text.annotations` of type `url_citation`, indexed into that text."""
+    response = gateway.openai().responses.create(model="gpt-4o-search-preview", input=CITING)
+    [message] = response.output
+    assert message.type == "message"
+    [part] = message.content
+    assert part.type == "output_text" and part.text == CITING
+    cited = [(part.text[a.start_index : a.end_index], a.url, a.title) for a in part.annotations]  # type: ignore[union-attr]
+    assert cited == [
+        ("https://example.com/a", "https://example.com/a", "Page on example.com"),
+        ("https://example.org/b", "https://example.org/b", "Page on example.org"),
+    ]
+    assert {a.type for a in part.annotations} == {"url_citation"}
+
+
+def test_streamed_citations_are_announced_and_kept_on_the_text(gateway: RunningGateway) -> None:
+    """Streamed, the citations come after the text in a delta of their own: each is an
+    `output_text.annotation.added` event, and the final response's text part holds them all."""
+    with gateway.openai().responses.stream(model="gpt-4o-search-preview", input=CITING) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    added = [e for e in events if e.type == "response.output_text.annotation.added"]
+    assert [(e.annotation_index, e.annotation.url) for e in added] == [  # type: ignore[union-attr]
+        (0, "https://example.com/a"),
+        (1, "https://example.org/b"),
+    ]
+    kinds = [e.type for e in events]
+    assert kinds.index("response.output_text.annotation.added") < kinds.index("response.output_text.done")
+    [part] = final.output[0].content  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.text == CITING
+    assert [(part.text[a.start_index : a.end_index], a.url) for a in part.annotations] == [  # type: ignore[union-attr]
+        ("https://example.com/a", "https://example.com/a"),
+        ("https://example.org/b", "https://example.org/b"),
+    ]
+    done = next(e for e in events if e.type == "response.content_part.done")
+    assert len(done.part.annotations) == 2  # type: ignore[union-attr]
+
+
+def test_a_file_url_is_a_400_that_says_so(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    """A file by URL is no stored file: the 400 names `file_url` and says what to send instead."""
+    file = {"type": "input_file", "file_url": "https://example.com/report.pdf"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().responses.create(
+            model="gpt-4o-mini",
+            input=[{"role": "user", "content": [file, {"type": "input_text", "text": "summarise"}]}],  # type: ignore[list-item]
+        )
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "input[0].content[0].file_url"
+    assert "stores no files" not in error["message"] and "file_data" in error["message"]
+    assert fake_openai.requests == []

@@ -635,9 +635,9 @@ def test_anthropic_inbound_response_from_canonical() -> None:
 
 
 def test_openai_reply_fields_weir_does_not_model_go_back_to_openai_clients_only() -> None:
-    """What an OpenAI-compatible server adds to its completion and message (OpenAI's `audio`,
-    `annotations` and `service_tier`, a server's own) is kept for OpenAI clients; Anthropic clients'
-    messages have no place for them."""
+    """What an OpenAI-compatible server adds to its completion and message (OpenAI's `audio` and
+    `service_tier`, a server's own) is kept for OpenAI clients, as are its `annotations` (modelled,
+    for Responses clients); Anthropic clients' messages have no place for them."""
     message = {"role": "assistant", "content": "Hi", "annotations": [], "audio": {"id": "a1"}, "x_vendor": 1}
     reply = {
         "id": "c",
@@ -650,7 +650,8 @@ def test_openai_reply_fields_weir_does_not_model_go_back_to_openai_clients_only(
     }
     response = openai.chat_response(json.dumps(reply).encode(), "m")
     assert response.extra == {"service_tier": "default", "prompt_logprobs": None}
-    assert response.choices[0].message.extra == {"annotations": [], "audio": {"id": "a1"}, "x_vendor": 1}
+    assert response.choices[0].message.extra == {"audio": {"id": "a1"}, "x_vendor": 1}
+    assert response.choices[0].message.annotations == []
     rendered = render_chat(response)
     assert rendered["service_tier"] == "default" and rendered["object"] == "chat.completion"
     assert rendered["choices"][0]["message"] == message

@@ -11,6 +11,7 @@ import random
 import msgspec
 import pytest
 
+from gateway import anthropic_inbound
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import price_usage
 from gateway.auth import Principal
@@ -394,6 +395,24 @@ async def test_cheapest_expects_no_cache_discount_on_anthropic_without_a_breakpo
     planner = router(configured)
     assert (await planner.plan("k", ACME, feats(prompt))).choices[0].candidate.model == "plain"
     assert (await planner.plan("k", ACME, feats(prompt, cache=True))).choices[0].candidate.model == "sonnet"
+
+
+async def test_cheapest_counts_automatic_caching_as_a_breakpoint() -> None:
+    """An Anthropic client's top-level `cache_control` (automatic caching) has Claude put the
+    breakpoint on the last block itself: the request reads the cache as `sonnet`'s marked traffic
+    does, so its discount is expected and `sonnet` (0.3/M read) goes before `plain` (2/M)."""
+    planner = router(route("c", "cheapest", "sonnet", "plain", expected_output_tokens=1))
+    for _ in range(3):
+        planner.stats.record(event("sonnet", usage=Usage(input_tokens=1000, cached_input_tokens=9000)))
+    body = {
+        "model": "c",
+        "max_tokens": 1,
+        "cache_control": {"type": "ephemeral"},
+        "messages": [{"role": "user", "content": "w " * 20000}],
+    }
+    request = anthropic_inbound.to_canonical(msgspec.convert(body, anthropic_inbound.MessagesRequest))
+    plan = await planner.plan("c", ACME, features(request, ACME.tenant_name, ACME.key_id))
+    assert [c.candidate.model for c in plan.choices] == ["sonnet", "plain"]
 
 
 async def test_cheapest_expects_a_short_prompt_to_miss_the_cache_as_short_prompts_do() -> None:
