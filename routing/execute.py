@@ -1341,18 +1341,32 @@ def _estimated_tokens(text: str, chunks: int) -> int:
     return max(chunks, -(-len(text.encode()) // BYTES_PER_TOKEN)) if text else 0
 
 
+# The prompt's token classes from its end back: the uncached tail, then cache writes (a 1h breakpoint
+# must come before a 5m one), then the cached prefix.
+_FROM_PROMPT_END = ("input_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens", "cached_input_tokens")
+
+
+def _without_prompt_end(usage: Usage, tokens: int) -> Usage:
+    """`usage` less `tokens` at the end of its prompt, taken from the class each was billed as. The
+    end is mostly uncached, but a cache can cover it: OpenAI's reads the same request again to its
+    end (in 128-token steps), and Anthropic's automatic caching writes up to the last block."""
+    left, less = tokens, {}
+    for name in _FROM_PROMPT_END:
+        taken = min(left, getattr(usage, name))
+        less[name], left = getattr(usage, name) - taken, left - taken
+    return msgspec.structs.replace(usage, **less)
+
+
 def _as_one_answer(reported: Usage, written: Usage, prefilled_tokens: int, repeated_tokens: int) -> Usage:
     """The usage of a resumed stream as the client is told it: its own prompt and the whole answer,
     as an unbroken stream reports them, not the continuation's report alone (whose prompt counts the
     prefill, text the client never sent, and whose output is only the rest of the answer). The prompt
-    is the continuation's, cache reads and writes as its vendor reported them, less the prefill's
-    tokens (estimated; always uncached input: the prefill comes after any cached prefix); the output
-    is the continuation's less what it wrote again of the text sent (`repeated_tokens`, estimated:
-    the client got it once), and it and the reasoning add what the cut attempts are billed for
-    (`written`). The ledger still bills each attempt as it ran."""
+    is the continuation's less the prefill's tokens (estimated), which end it (`_without_prompt_end`);
+    the output is the continuation's less what it wrote again of the text sent (`repeated_tokens`,
+    estimated: the client got it once), and it and the reasoning add what the cut attempts are
+    billed for (`written`). The ledger still bills each attempt as it ran."""
     return msgspec.structs.replace(
-        reported,
-        input_tokens=max(0, reported.input_tokens - prefilled_tokens),
+        _without_prompt_end(reported, prefilled_tokens),
         output_tokens=max(0, reported.output_tokens - repeated_tokens) + written.output_tokens,
         reasoning_tokens=reported.reasoning_tokens + written.reasoning_tokens,
     )

@@ -766,3 +766,24 @@ def test_automatic_caching_is_left_out_for_other_vendors(
     assert message.content[0].text == "hi"  # type: ignore[union-attr]
     sent = (fake_openai if model == "gpt-4o-mini" else fake_gemini).last_request
     assert sent is not None and "cache_control" not in json.dumps(sent.json)
+
+
+def test_a_prefill_asked_for_in_a_user_turn_is_told_the_same_prompt_when_the_cache_read_it(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """OpenAI answers a prefill afresh, so the rest is asked for in a user turn of Weir's own, which
+    the client never sent and is not told. That turn ends the prompt: uncached the first time, but
+    the same request again is read from OpenAI's automatic cache to its end (128-token steps), and
+    the turn was then taken off the uncached input alone, clamped at 0: `input_tokens: 0`, and the
+    turn still told among the cache reads. The same prompt is told the same, cached or not."""
+    # 1118 words, the prefill's 2 and the asking turn's 32: 1152 tokens to the fake, nine 128-steps.
+    messages = [{"role": "user", "content": "w " * 1118}, {"role": "assistant", "content": "Once upon"}]
+    client = gateway.anthropic()
+    first, second = (
+        client.messages.create(model="gpt-4o-mini", max_tokens=20, messages=messages)  # type: ignore[arg-type]
+        for _ in range(2)
+    )
+    assert [e.usage.cached_input_tokens for e in gateway.sink.events] == [0, 1152]  # as OpenAI reported
+    assert second.usage.cache_read_input_tokens > 0
+    told = [m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) for m in (first, second)]
+    assert told[0] == told[1] < 1152
