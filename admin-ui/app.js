@@ -259,7 +259,11 @@ async function overview(params, query, show) {
   const todayRow = rows.find((r) => r.day === isoDay(today())) || { cost_usd: "0", requests: 0 };
   const x = rows.map((r) => r.day);
   const col = (k, zero = 0) => rows.map((r) => r[k] ?? zero);
-  const errRate = (r) => (r.requests ? r.errors / r.requests : null);
+  // Cancelled attempts (499: hedges that lost, clients that left) are neither errors nor answers.
+  const errRate = (r) => {
+    const settled = r.requests - (r.cancelled || 0);
+    return settled ? r.errors / settled : null;
+  };
   show("Overview",
     d.requests ? null : notice("No traffic yet. Create a tenant and a key under Tenants & keys, then send a request with it.", "info"),
     h("div", { class: "stats" },

@@ -12,6 +12,15 @@ from gateway.accounting.money import pico_to_usd
 from gateway.ids import ordered_id
 from gateway.usage import Usage
 
+# An attempt's status when the gateway cancelled it (a hedge race's loser) or its client left. It is
+# neither an answer nor a failure of its backend: the reports count it apart, never as an error.
+CANCELLED = 499
+
+
+def is_error(status: int) -> bool:
+    """Whether an attempt with this status failed: not answered (2xx/3xx), and not cancelled."""
+    return not 200 <= status < 400 and status != CANCELLED
+
 
 # gc=False: the collector never tracks an event. It holds no reference that could lead back to it
 # (text, numbers, a datetime, a Usage, a dict of ints), so it can never be part of a cycle. One is

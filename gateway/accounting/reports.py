@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Integer, and_, case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.accounting.events import CANCELLED
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.db.models import Tenant, UptimeSample, UsageEventRow, UsageRollup
 from gateway.usage import TOKEN_FIELDS as TOKEN_COLUMNS
@@ -25,6 +26,7 @@ CSV_COLUMNS = (
     "tenant_name",
     "requests",
     "errors",
+    "cancelled",
     "input_tokens",
     "cached_input_tokens",
     "cache_write_tokens",
@@ -40,6 +42,7 @@ CSV_COLUMNS = (
 )
 SIX_PLACES = Decimal("0.000001")
 MONEY_COLUMNS = ("cost_pico_usd", "savings_pico_usd")
+COUNT_COLUMNS = ("requests", "errors", "cancelled")  # attempts: all, failed, cancelled (499: no error)
 # SQLite's sum() of integers fails past 2^63 ("integer overflow": $9.2M in pico-dollars, in reach of
 # a long range's report) where PostgreSQL's sums as a numeric. Money is summed as two parts, the
 # quotient and the remainder by 2^32, each under 2^32 in size (so their sums stay exact up to 2^31
@@ -79,17 +82,22 @@ async def usage_report(
         table: Any = UsageRollup
         where = and_(UsageRollup.day >= start.date(), UsageRollup.day < end.date())
         requests, errors = func.sum(UsageRollup.requests), func.sum(UsageRollup.errors)
+        cancelled = func.sum(UsageRollup.cancelled)
     else:
         table = UsageEventRow
         where = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
         requests = func.count()
-        errors = func.sum(case((and_(UsageEventRow.status >= 200, UsageEventRow.status < 400), 0), else_=1))
+        # As the writer counts them into the rollups (`events.is_error`): a 499 is cancelled, no error.
+        status = UsageEventRow.status
+        errors = func.sum(case((and_(status >= 200, status < 400), 0), (status == CANCELLED, 0), else_=1))
+        cancelled = func.sum(case((status == CANCELLED, 1), else_=0))
     dims = [getattr(table, GROUPS[name]).label(name) for name in group_by]
     sums = [func.sum(getattr(table, c)).label(c) for c in TOKEN_COLUMNS]
     for c in MONEY_COLUMNS:
         high, low = split_sum(getattr(table, c))
         sums += [high.label(f"{c}_high"), low.label(f"{c}_low")]
-    query = select(*dims, requests.label("requests"), errors.label("errors"), *sums).where(where)
+    counts = [requests.label("requests"), errors.label("errors"), cancelled.label("cancelled")]
+    query = select(*dims, *counts, *sums).where(where)
     if dims:
         query = query.group_by(*dims).order_by(*dims)
     raw = [dict(r._mapping) for r in await session.execute(query)]
@@ -102,7 +110,7 @@ async def usage_report(
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
     rows = [_finish(r, group_by, names) for r in raw]
     totals = _finish(
-        {k: sum(int(r[k] or 0) for r in raw) for k in ("requests", "errors", *TOKEN_COLUMNS, *MONEY_COLUMNS)},
+        {k: sum(int(r[k] or 0) for r in raw) for k in (*COUNT_COLUMNS, *TOKEN_COLUMNS, *MONEY_COLUMNS)},
         [],
         {},
     )
@@ -117,7 +125,7 @@ async def usage_report(
 
 
 def _finish(raw: dict[str, Any], group_by: list[str], names: dict[str, str]) -> dict[str, Any]:
-    n = {k: int(raw.get(k) or 0) for k in ("requests", "errors", *TOKEN_COLUMNS, *MONEY_COLUMNS)}
+    n = {k: int(raw.get(k) or 0) for k in (*COUNT_COLUMNS, *TOKEN_COLUMNS, *MONEY_COLUMNS)}
     row: dict[str, Any] = {}
     for name in group_by:
         value = raw[name]
@@ -131,6 +139,7 @@ def _finish(raw: dict[str, Any], group_by: list[str], names: dict[str, str]) -> 
     row.update(
         requests=n["requests"],
         errors=n["errors"],
+        cancelled=n["cancelled"],
         input_tokens=n["input_tokens"],
         cached_input_tokens=n["cached_input_tokens"],
         cache_write_tokens=cache_writes,
@@ -163,9 +172,6 @@ def usage_csv(report: dict[str, Any]) -> str:
     for row in report["rows"]:
         writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
     return out.getvalue()
-
-
-CANCELLED = 499  # an attempt's status when the gateway cancelled it or its client left
 
 
 def _ratio(part: int, whole: int) -> float | None:

@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.accounting.events import UsageEvent, decode, encode
+from gateway.accounting.events import CANCELLED, UsageEvent, decode, encode, is_error
 from gateway.accounting.queue import RedisStreamQueue, Token, UsageQueue
 from gateway.aio import stop_if_cancelled
 from gateway.db.models import UsageEventRow, UsageRollup
@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 
 EVENTS: Table = UsageEventRow.__table__  # type: ignore[assignment]
 ROLLUPS: Table = UsageRollup.__table__  # type: ignore[assignment]
-SUMMED = ("requests", "errors", *TOKEN_FIELDS, "cost_pico_usd", "savings_pico_usd")
+# What each rollup row sums: counts of attempts (all; failed; cancelled, 499s, which are no error), then
+# the events' own amounts.
+AMOUNTS = (*TOKEN_FIELDS, "cost_pico_usd", "savings_pico_usd")
+SUMMED = ("requests", "errors", "cancelled", *AMOUNTS)
 # SQLite allows 32766 bound parameters per statement; usage_events has 25 columns.
 MAX_ROWS_PER_INSERT = 1000
 _json = msgspec.json.Encoder()
@@ -119,16 +122,16 @@ def _lines_insert() -> TextClause:
     rows or rollups: per event it only joins bytes. The count of new events comes back (no row when
     none was new)."""
     names = list(_LINE_COLUMNS)
-    sums = SUMMED[2:]
     return text(
         f"WITH inserted AS (INSERT INTO {EVENTS.name} ({', '.join(names)}) "
         f"SELECT {', '.join(_LINE_COLUMNS.values())} FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS e "
         "ON CONFLICT (event_id) DO NOTHING "
-        f"RETURNING day, tenant_id, key_id, backend, model, status, {', '.join(sums)}) "
+        f"RETURNING day, tenant_id, key_id, backend, model, status, {', '.join(AMOUNTS)}) "
         f"INSERT INTO {ROLLUPS.name} (day, tenant_id, key_id, backend, model, {', '.join(SUMMED)}) "
         "SELECT day, coalesce(tenant_id, ''), coalesce(key_id, ''), backend, model, count(*), "
-        "count(*) FILTER (WHERE status < 200 OR status >= 400), "
-        f"{', '.join(f'sum({n})' for n in sums)} FROM inserted GROUP BY 1, 2, 3, 4, 5 "
+        f"count(*) FILTER (WHERE (status < 200 OR status >= 400) AND status <> {CANCELLED}), "
+        f"count(*) FILTER (WHERE status = {CANCELLED}), "
+        f"{', '.join(f'sum({n})' for n in AMOUNTS)} FROM inserted GROUP BY 1, 2, 3, 4, 5 "
         "ON CONFLICT (day, tenant_id, key_id, backend, model) DO UPDATE SET "
         f"{', '.join(f'{n} = {ROLLUPS.name}.{n} + excluded.{n}' for n in SUMMED)} "
         "RETURNING (SELECT count(*) FROM inserted)"
@@ -215,9 +218,11 @@ def _event_rollups(events: list[UsageEvent]) -> list[dict[str, Any]]:
         if sums is None:
             sums = totals[group] = [0] * len(SUMMED)
         sums[0] += 1
-        if not 200 <= e.status < 400:
+        if is_error(e.status):
             sums[1] += 1
-        for i, value in enumerate((*_token_counts(e.usage), e.cost_pico_usd, e.savings_pico_usd), 2):
+        elif e.status == CANCELLED:
+            sums[2] += 1
+        for i, value in enumerate((*_token_counts(e.usage), e.cost_pico_usd, e.savings_pico_usd), 3):
             sums[i] += value
     return [
         {
@@ -247,8 +252,9 @@ def _rollup_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         group = (row["day"], row["tenant_id"] or "", row["key_id"] or "", row["backend"], row["model"])
         total = totals[group]
         total["requests"] += 1
-        total["errors"] += 0 if 200 <= row["status"] < 400 else 1
-        for name in SUMMED[2:]:
+        total["errors"] += is_error(row["status"])
+        total["cancelled"] += row["status"] == CANCELLED
+        for name in AMOUNTS:
             total[name] += row[name]
     return [
         {"day": d, "tenant_id": t, "key_id": k, "backend": b, "model": m, **sums}

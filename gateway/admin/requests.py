@@ -3,6 +3,8 @@ attempt (backend, model, status, latency, tokens, cost), read from the usage led
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 from typing import Any
 
 import msgspec
@@ -71,10 +73,20 @@ def _request(attempts: list[UsageEventRow], names: dict[str, str]) -> dict[str, 
         "backend": last.backend,
         "model": last.model,
         "status": last.status,
-        "latency_ms": sum(r.latency_ms for r in attempts),
+        "latency_ms": _wall_time_ms(attempts, last),
         "cost_usd": format_usd(pico_to_usd(sum(r.cost_pico_usd for r in attempts))),
         "attempts": [_attempt(r) for r in attempts],
     }
+
+
+def _wall_time_ms(attempts: list[UsageEventRow], last: UsageEventRow) -> float:
+    """The request's latency as its client saw it: from its first attempt's start to the end of the one
+    that answered (else of the last to end). Not the attempts' sum: hedged attempts run at once."""
+    ended = [last] if _ok(last.status) else attempts
+    end = max(
+        r.ts + dt.timedelta(milliseconds=r.latency_ms if math.isfinite(r.latency_ms) else 0.0) for r in ended
+    )
+    return round((end - min(r.ts for r in attempts)) / dt.timedelta(milliseconds=1), 3)
 
 
 def _ok(status: int) -> bool:

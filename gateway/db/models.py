@@ -179,7 +179,8 @@ class UsageRollup(Base):
     backend: Mapped[str] = mapped_column(String(200))
     model: Mapped[str] = mapped_column(String(200))
     requests: Mapped[int] = mapped_column(BigInteger)
-    errors: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)  # failed attempts; cancelled ones (499) are apart
+    cancelled: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     input_tokens: Mapped[int] = mapped_column(BigInteger)
     cached_input_tokens: Mapped[int] = mapped_column(BigInteger)
     cache_write_5m_tokens: Mapped[int] = mapped_column(BigInteger)

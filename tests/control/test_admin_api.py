@@ -18,6 +18,7 @@ from litestar import Litestar
 from sqlalchemy import select, text
 
 from gateway.accounting.catalog import load_catalog
+from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.accounting.queue import SpoolQueue
 from gateway.accounting.writer import BatchWriter
@@ -29,6 +30,7 @@ from gateway.db import migrate
 from gateway.db.models import ApiKey, UptimeSample, UsageEventRow, UsageRollup
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state import MemoryState
+from tests.control.events import usage_event
 from tests.control.helpers import priced_event, random_usage
 
 TOKEN = "test-admin-token"
@@ -634,3 +636,64 @@ async def test_cancelled_attempts_say_nothing_of_a_backends_availability(env: En
     assert (openai["attempts"], openai["attempts_ok"], openai["attempts_cancelled"]) == (5, 1, 3)
     claude = backends["anthropic"]
     assert (claude["attempts"], claude["attempts_cancelled"], claude["request_availability"]) == (2, 0, 1.0)
+
+
+async def _write(env: Env, events: list[UsageEvent]) -> None:
+    queue = SpoolQueue(env.tmp_path / "spool")
+    for event in events:
+        queue.put(event)
+    await BatchWriter(queue, env.engine).drain()
+    await queue.close()
+
+
+async def test_the_usage_report_counts_cancelled_attempts_apart_from_errors(env: Env) -> None:
+    """A hedge that lost and an attempt whose client left are 499s in the ledger: the usage report
+    (and the rollups it reads) counted them as errors, so a route that hedges showed an error rate
+    however healthy its backends. They are `cancelled`, from the rollups and the raw ledger alike."""
+    day = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    noon = day + dt.timedelta(hours=12)
+    statuses = {"h1": [200, 499], "h2": [499, 200], "c1": [499], "f1": [502, 200], "f2": [0]}
+    await _write(
+        env,
+        [
+            usage_event(request_id, attempt=n, ts=noon, status=status)
+            for request_id, tried in statuses.items()
+            for n, status in enumerate(tried, start=1)
+        ],
+    )
+    whole_days = {"start": day.date().isoformat(), "end": (day + dt.timedelta(days=1)).date().isoformat()}
+    part_of_a_day = {"start": day.isoformat(), "end": (noon + dt.timedelta(hours=1)).isoformat()}
+    for params, source in ((whole_days, "rollups"), (part_of_a_day, "events")):
+        report = (await env.client.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)).json()
+        assert report["source"] == source
+        assert [(r["requests"], r["errors"], r["cancelled"]) for r in report["rows"]] == [(8, 2, 3)], source
+        assert (report["totals"]["errors"], report["totals"]["cancelled"]) == (2, 3)
+    csv_report = await env.client.get(
+        "/admin/api/v1/reports/usage", params={**whole_days, "format": "csv"}, headers=AUTH
+    )
+    [row] = csv.DictReader(io.StringIO(csv_report.text))
+    assert (row["errors"], row["cancelled"]) == ("2", "3")
+
+
+async def test_the_request_logs_latency_is_the_requests_wall_time_not_its_attempts_sum(env: Env) -> None:
+    """A hedged request's attempts overlap: the primary ran 0 to 500 ms and answered, the hedge
+    started at 150 ms and was cancelled at 510 ms. The request took 500 ms, not their sum (860 ms).
+    One that failed over took from its first attempt's start to its last's end."""
+    t0 = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1)
+    ms = dt.timedelta(milliseconds=1)
+    await _write(
+        env,
+        [
+            usage_event("hedged", attempt=1, ts=t0, latency_ms=500.0, status=200),
+            usage_event("hedged", attempt=2, ts=t0 + 150 * ms, latency_ms=360.0, status=499),
+            usage_event("failed-over", attempt=1, ts=t0, latency_ms=100.0, status=502),
+            usage_event("failed-over", attempt=2, ts=t0 + 120 * ms, latency_ms=200.0, status=200),
+            usage_event("unanswered", attempt=1, ts=t0, latency_ms=300.0, status=503),
+            usage_event("unanswered", attempt=2, ts=t0 + 100 * ms, latency_ms=50.0, status=503),
+        ],
+    )
+    log = (await env.client.get("/admin/api/v1/requests", headers=AUTH)).json()["data"]
+    latency = {r["request_id"]: r["latency_ms"] for r in log}
+    assert latency == {"hedged": 500.0, "failed-over": 320.0, "unanswered": 300.0}
+    hedged = next(r for r in log if r["request_id"] == "hedged")
+    assert [a["latency_ms"] for a in hedged["attempts"]] == [500.0, 360.0]  # each attempt's own

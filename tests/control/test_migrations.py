@@ -75,3 +75,50 @@ def test_database_url_from_environment(pg_url: str, monkeypatch: pytest.MonkeyPa
     result = CliRunner().invoke(main, ["db", "upgrade"])
     assert result.exit_code == 0, result.output
     assert "tenants" in _tables(pg_url)
+
+
+_EVENT = (
+    "INSERT INTO usage_events (event_id, request_id, attempt, ts, day, tenant_id, key_id, route, backend, "
+    "model, input_tokens, cached_input_tokens, cache_write_5m_tokens, cache_write_1h_tokens, output_tokens, "
+    "reasoning_tokens, prices, cost_pico_usd, savings_pico_usd, latency_ms, status, fallback) VALUES "
+)
+_ROLLUP = (
+    "INSERT INTO usage_rollups (day, tenant_id, key_id, backend, model, requests, errors, input_tokens, "
+    "cached_input_tokens, cache_write_5m_tokens, cache_write_1h_tokens, output_tokens, reasoning_tokens, "
+    "cost_pico_usd, savings_pico_usd) VALUES "
+)
+
+
+def test_rollups_count_their_cancelled_attempts_apart_once_upgraded(db_url: str) -> None:
+    """Before 0010 the rollups counted 499s (hedges that lost, clients that left) as errors; the
+    upgrade moves each group's 499s, counted from the ledger, from `errors` to `cancelled` (a missing
+    tenant or key is "" in the rollups, NULL in the ledger), and the downgrade puts them back."""
+    migrate.upgrade(db_url, "0009")
+    statuses = {  # (day, tenant, key) -> the statuses of its attempts
+        ("2026-12-01", None, None): [499, 499, 502, 200],
+        ("2026-12-01", "t1", "k1"): [499, 200],
+        ("2026-12-02", "t1", "k1"): [502],
+    }
+    events, rollups = [], []
+    for (day, tenant, key), tried in statuses.items():
+        t, k = (f"'{v}'" if v else "NULL" for v in (tenant, key))
+        for status in tried:
+            events.append(
+                f"('e{len(events)}', 'r{len(events)}', 1, '{day} 12:00:00', '{day}', {t}, {k}, 'm', 'b', "
+                f"'m', 0, 0, 0, 0, 0, 0, '{{}}', 0, 0, 1.0, {status}, false)"
+            )
+        errors = sum(not 200 <= s < 400 for s in tried)  # as the writer counted them before 0010
+        rollups.append(
+            f"('{day}', '{tenant or ''}', '{key or ''}', 'b', 'm', {len(tried)}, {errors}, 0, 0, 0, 0, 0, 0, 0, 0)"
+        )
+    sync_exec(db_url, _EVENT + ", ".join(events))
+    sync_exec(db_url, _ROLLUP + ", ".join(rollups))
+    query = "SELECT day, tenant_id, requests, errors{} FROM usage_rollups ORDER BY day, tenant_id"
+
+    migrate.upgrade(db_url, "0010")
+    got = [(str(day), t, n, e, c) for day, t, n, e, c in sync_exec(db_url, query.format(", cancelled"))]
+    assert got == [("2026-12-01", "", 4, 1, 2), ("2026-12-01", "t1", 2, 0, 1), ("2026-12-02", "t1", 1, 1, 0)]
+
+    migrate.downgrade(db_url, "0009")
+    got = [(str(day), t, n, e) for day, t, n, e in sync_exec(db_url, query.format(""))]
+    assert got == [("2026-12-01", "", 4, 3), ("2026-12-01", "t1", 2, 1), ("2026-12-02", "t1", 1, 1)]

@@ -29,6 +29,7 @@ from tests.control.conftest import REDIS_URL
 from tests.control.helpers import TcpProxy, priced_event, random_usage
 
 T0 = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+CANCELLED = 499  # a hedge that lost, an attempt whose client left
 CATALOG = PriceCatalog(
     [
         PriceRow("*", "m1", TokenClass.INPUT, 2_500_000, T0),
@@ -322,6 +323,7 @@ async def test_rollups_hold_every_sum_of_the_events_they_count(engine: AsyncEngi
     match a sum of the events' rows, errors and anonymous keys included, and skip redelivered ones."""
     batch = events(120, seed=31)
     batch[:10] = [msgspec.structs.replace(e, key_id=None, tenant_id=None) for e in batch[:10]]
+    batch[5:25] = [msgspec.structs.replace(e, status=CANCELLED) for e in batch[5:25]]
     writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
     assert await writer.write(batch[:80]) == 80
     assert await writer.write(batch[40:]) == 40  # half of it a redelivery
@@ -335,7 +337,34 @@ async def test_rollups_hold_every_sum_of_the_events_they_count(engine: AsyncEngi
     for row in stored:
         group = (row["day"], row["tenant_id"], row["key_id"], row["backend"], row["model"])
         assert {k: row[k] for k in expected[group]} == expected[group]
-    assert sum(r["errors"] for r in stored) == sum(1 for e in batch if not e.ok) > 0
+    assert_counts(stored, batch)
+
+
+def assert_counts(stored: list[dict[str, Any]], batch: list) -> None:
+    """The rollups' counts: every attempt, the failed ones, and the cancelled ones (499s) apart."""
+    assert sum(r["requests"] for r in stored) == len(batch)
+    assert sum(r["cancelled"] for r in stored) == sum(e.status == CANCELLED for e in batch) > 0
+    assert sum(r["errors"] for r in stored) == sum(not e.ok and e.status != CANCELLED for e in batch) > 0
+
+
+@pytest.mark.postgres
+async def test_rollups_count_cancelled_attempts_apart_on_postgres_array_path(pg_url: str) -> None:
+    """PostgreSQL's other path (a time JSON cannot carry, NaN): the rollups are summed in Weir."""
+    await migrate.upgrade_async(pg_url)
+    engine = create_engine(pg_url)
+    try:
+        statuses = [200, 502, CANCELLED, CANCELLED, 0, 200]
+        batch = [
+            msgspec.structs.replace(e, latency_ms=float("nan"), status=status)
+            for e, status in zip(events(6, seed=43), statuses, strict=True)
+        ]
+        writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
+        assert await writer.write(batch) == 6
+        async with engine.connect() as conn:
+            stored = [dict(r._mapping) for r in await conn.execute(select(UsageRollup.__table__))]
+        assert_counts(stored, batch)
+    finally:
+        await engine.dispose()
 
 
 async def test_an_event_twice_in_one_batch_is_counted_once(engine: AsyncEngine) -> None:
