@@ -40,7 +40,9 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                 return
             incoming = _incoming_id(scope)
             raw_id = incoming or ordered_id().encode()
-            info = RequestInfo(request_id=raw_id.decode())
+            # A client's own id may be on other requests too: the ledger keeps this one apart by an id
+            # of the gateway's own (the client's is still the one echoed, logged and searched by).
+            info = RequestInfo(request_id=raw_id.decode(), exchange_id=ordered_id() if incoming else None)
             scope.setdefault("state", {})["weir"] = info
             api = scope["path"].startswith("/v1/")
             # The anthropic SDK reads the id from `request-id` (its errors' and messages' request_id);

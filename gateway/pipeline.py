@@ -55,6 +55,10 @@ class RequestInfo:
     """What the request log line and the metrics say about one request; filled in as it goes."""
 
     request_id: str
+    # The gateway's own id of this exchange (`ids.ordered_id`) when `request_id` is the client's
+    # `x-request-id`, which a client may send on many requests: the ledger tells such requests apart
+    # by it. None when `request_id` is the gateway's own, unique already.
+    exchange_id: str | None = None
     endpoint: str = ""
     model: str = ""
     backend: str = ""
@@ -455,6 +459,7 @@ class Pipeline:
         cost = price_usage(usage, self.billing_prices(target, ts, usage.prompt_tokens))
         event = UsageEvent(
             request_id=info.request_id,
+            exchange_id=info.exchange_id,
             attempt=attempt,
             ts=ts,
             tenant_id=call.principal.tenant_id,

@@ -28,6 +28,9 @@ def is_error(status: int) -> bool:
 # set off young collections that walked it (decoding 500 lines cost ~6 us per event, untracked ~1).
 class UsageEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     request_id: str
+    # The gateway's own id of the exchange when `request_id` is a client's x-request-id (which may name
+    # other requests too); None when `request_id` is the gateway's own (`pipeline.RequestInfo`).
+    exchange_id: str | None = None
     attempt: int  # 1 for the first upstream attempt of a request, 2 for its first retry or fallback...
     ts: dt.datetime  # when the attempt started (UTC); prices valid at this moment apply
     tenant_id: str | None

@@ -42,6 +42,10 @@ CSV_COLUMNS = (
 )
 SIX_PLACES = Decimal("0.000001")
 MONEY_COLUMNS = ("cost_pico_usd", "savings_pico_usd")
+# The ledger's columns that tell a request's attempts from another's (the uptime report's requests,
+# the admin request log): a client's x-request-id may name many requests, of many tenants, each told
+# apart by the gateway's own id of its exchange (`exchange_id`, set only for a client's id).
+REQUEST_KEY = (UsageEventRow.tenant_id, UsageEventRow.request_id, UsageEventRow.exchange_id)
 COUNT_COLUMNS = ("requests", "errors", "cancelled")  # attempts: all, failed, cancelled (499: no error)
 # SQLite's sum() of integers fails past 2^63 ("integer overflow": $9.2M in pico-dollars, in reach of
 # a long range's report) where PostgreSQL's sums as a numeric. Money is summed as two parts, the
@@ -219,9 +223,9 @@ async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datet
         )
     # A request succeeded if any of its attempts did (after retries and fallbacks).
     per_request = (
-        select(UsageEventRow.tenant_id, UsageEventRow.request_id, func.max(ok_attempt).label("ok"))
+        select(*REQUEST_KEY, func.max(ok_attempt).label("ok"))
         .where(in_range)
-        .group_by(UsageEventRow.tenant_id, UsageEventRow.request_id)
+        .group_by(*REQUEST_KEY)
         .subquery()
     )
     tenants = [

@@ -39,7 +39,7 @@ ROLLUPS: Table = UsageRollup.__table__  # type: ignore[assignment]
 # the events' own amounts.
 AMOUNTS = (*TOKEN_FIELDS, "cost_pico_usd", "savings_pico_usd")
 SUMMED = ("requests", "errors", "cancelled", *AMOUNTS)
-# SQLite allows 32766 bound parameters per statement; usage_events has 25 columns.
+# SQLite allows 32766 bound parameters per statement; usage_events has 26 columns.
 MAX_ROWS_PER_INSERT = 1000
 _json = msgspec.json.Encoder()
 
@@ -49,6 +49,7 @@ def event_row(event: UsageEvent) -> dict[str, Any]:
     return {
         "event_id": event.event_id,
         "request_id": event.request_id,
+        "exchange_id": event.exchange_id,
         "attempt": event.attempt,
         "ts": event.ts,
         "day": event.ts.date(),
@@ -93,6 +94,7 @@ def _unnest_insert(names: tuple[str, ...]) -> TextClause:
 _LINE_COLUMNS = {
     "event_id": "e->>'event_id'",
     "request_id": "e->>'request_id'",
+    "exchange_id": "e->>'exchange_id'",
     "attempt": "(e->>'attempt')::int",
     "ts": "(e->>'ts')::timestamptz",
     # The date as written (in the time's own offset, as `ts.date()` gives it).
@@ -147,6 +149,7 @@ def _finite(event: UsageEvent) -> bool:
 EVENT_COLUMNS = (
     "event_id",
     "request_id",
+    "exchange_id",
     "attempt",
     "ts",
     "day",
@@ -187,6 +190,7 @@ def _sqlite_params(events: list[UsageEvent]) -> list[Any]:
         params += (
             e.event_id,
             e.request_id,
+            e.exchange_id,
             e.attempt,
             ts.astimezone(dt.UTC).replace(tzinfo=None).isoformat(" ", "microseconds"),
             ts.date().isoformat(),

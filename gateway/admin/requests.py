@@ -13,6 +13,7 @@ from sqlalchemy import or_, select
 
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.accounting.pricing import USAGE_FIELD, TokenClass
+from gateway.accounting.reports import REQUEST_KEY
 from gateway.admin.keys import key_principal
 from gateway.auth import Principal, tenant_principal
 from gateway.config import Tenant as ConfigTenant
@@ -64,6 +65,7 @@ def _request(attempts: list[UsageEventRow], names: dict[str, str]) -> dict[str, 
     last = next((r for r in reversed(attempts) if _ok(r.status)), attempts[-1])
     return {
         "request_id": last.request_id,
+        "exchange_id": last.exchange_id,  # set when request_id is the client's (x-request-id)
         "ts": attempts[0].ts.isoformat(),
         "tenant_id": last.tenant_id,
         "tenant_name": names.get(last.tenant_id or ""),
@@ -118,11 +120,7 @@ async def recent_requests(
         raise AdminError(400, "status must be ok, error or an HTTP status code", "invalid_value", "status")
     limit = max(1, min(limit, MAX_LIMIT))
     page_rows = limit * ATTEMPTS_PER_REQUEST
-    newest = (
-        select(UsageEventRow.tenant_id, UsageEventRow.request_id)
-        .order_by(UsageEventRow.ts.desc())
-        .limit(page_rows)
-    )
+    newest = select(*REQUEST_KEY).order_by(UsageEventRow.ts.desc()).limit(page_rows)
     if tenant:
         newest = newest.where(UsageEventRow.tenant_id == tenant)
     if model:
@@ -131,25 +129,26 @@ async def recent_requests(
         # failed, still shows the attempt that answered it.
         newest = newest.where(or_(UsageEventRow.model == model, UsageEventRow.route == model))
     data: list[dict[str, Any]] = []
-    seen: set[tuple[str | None, str]] = set()
+    seen: set[tuple[str | None, str, str | None]] = set()
     async with ctx.sessions() as session:
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
         for page in range(MAX_PAGES):
             found = (await session.execute(newest.offset(page * page_rows))).tuples().all()
-            # Newest first. A client may send its own x-request-id, so ids are kept apart per tenant.
-            grouped: dict[tuple[str | None, str], list[UsageEventRow]] = {
+            # Newest first. A client may send its own x-request-id, on many requests: they are kept
+            # apart by tenant and by the gateway's own id of each exchange.
+            grouped: dict[tuple[str | None, str, str | None], list[UsageEventRow]] = {
                 key: [] for key in dict.fromkeys(found) if key not in seen
             }
             seen.update(grouped)
             attempts = (
                 select(UsageEventRow)
-                .where(UsageEventRow.request_id.in_({request_id for _, request_id in grouped}))
+                .where(UsageEventRow.request_id.in_({request_id for _, request_id, _ in grouped}))
                 .order_by(UsageEventRow.ts.desc())
                 # Bounded even when a client sends the same x-request-id on every request.
                 .limit(len(grouped) * MAX_ATTEMPTS_READ)
             )
             for row in (await session.scalars(attempts)).all():
-                if (key := (row.tenant_id, row.request_id)) in grouped:
+                if (key := (row.tenant_id, row.request_id, row.exchange_id)) in grouped:
                     grouped[key].append(row)
             for rows in grouped.values():
                 if not rows:

@@ -139,6 +139,8 @@ class UsageEventRow(Base):
 
     event_id: Mapped[str] = mapped_column(String(32), primary_key=True)
     request_id: Mapped[str] = mapped_column(String(64), index=True)
+    # Set when request_id is a client's x-request-id: tells apart the requests that share it.
+    exchange_id: Mapped[str | None] = mapped_column(String(32))
     attempt: Mapped[int] = mapped_column(Integer)
     ts: Mapped[dt.datetime] = mapped_column(UTCDateTime)
     day: Mapped[dt.date] = mapped_column(Date)

@@ -697,3 +697,31 @@ async def test_the_request_logs_latency_is_the_requests_wall_time_not_its_attemp
     assert latency == {"hedged": 500.0, "failed-over": 320.0, "unanswered": 300.0}
     hedged = next(r for r in log if r["request_id"] == "hedged")
     assert [a["latency_ms"] for a in hedged["attempts"]] == [500.0, 360.0]  # each attempt's own
+
+
+async def test_requests_that_share_a_clients_request_id_are_told_apart_by_their_exchange(env: Env) -> None:
+    """A client may send one `x-request-id` on many requests; the gateway records each request's
+    attempts with an `exchange_id` of its own. The request log and the uptime report's tenants
+    grouped attempts by request id (and tenant) alone: three requests, one failed, read as one
+    that succeeded after two retries."""
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1)
+    await _write(
+        env,
+        [
+            usage_event("trace-1", exchange_id="x1", ts=now, status=200),
+            usage_event("trace-1", exchange_id="x2", ts=now, status=502),
+            usage_event("trace-1", exchange_id="x2", attempt=2, ts=now, status=200),
+            usage_event("trace-1", exchange_id="x3", ts=now, status=503),
+            usage_event("own-id", ts=now, status=200),  # the gateway's own id: no exchange_id
+        ],
+    )
+    log = (await env.client.get("/admin/api/v1/requests", headers=AUTH)).json()["data"]
+    shown = sorted((r["request_id"], r["exchange_id"], r["status"], len(r["attempts"])) for r in log)
+    assert shown == [
+        ("own-id", None, 200, 1),
+        ("trace-1", "x1", 200, 1),
+        ("trace-1", "x2", 200, 2),
+        ("trace-1", "x3", 503, 1),
+    ]
+    uptime = (await env.client.get("/admin/api/v1/reports/uptime", headers=AUTH)).json()
+    assert [(t["tenant"], t["requests"], t["succeeded"]) for t in uptime["tenants"]] == [("t", 4, 3)]

@@ -296,7 +296,7 @@ async def test_every_column_lands_as_sent(engine: AsyncEngine, tmp_path: Path) -
     must store each event exactly as `event_row` describes it (JSON prices, UTC times, NULLs)."""
     batch = events(30, seed=21)
     batch[0] = msgspec.structs.replace(
-        batch[0], ttft_ms=None, key_id=None, routing="policy=fixed", estimated=True
+        batch[0], ttft_ms=None, key_id=None, routing="policy=fixed", estimated=True, exchange_id="e" * 32
     )
     # PostgreSQL gets a batch as JSON: integers past 2**53, floats that print long, text beyond ASCII
     # and a time with another offset must still land exactly.
@@ -409,7 +409,16 @@ async def test_stream_lines_go_to_postgres_as_sent_and_unreadable_ones_are_skipp
     queue = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
     batch = events(20, seed=32)
     old = msgspec.json.decode(encode(batch[0]))
-    for name in ("savings_pico_usd", "latency_ms", "ttft_ms", "status", "fallback", "routing", "estimated"):
+    for name in (
+        "savings_pico_usd",
+        "latency_ms",
+        "ttft_ms",
+        "status",
+        "fallback",
+        "routing",
+        "estimated",
+        "exchange_id",
+    ):
         old.pop(name)
     queue._buffer = [encode(e) for e in batch[1:]] + [msgspec.json.encode(old), b'{"request_id": "half-wr']
     await queue.flush()

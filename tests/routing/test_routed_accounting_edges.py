@@ -392,6 +392,48 @@ def test_the_request_log_shows_each_attempts_every_token_class_and_whether_it_wa
         assert Decimal(shown["cost_usd"]) == pico_to_usd(ledger[number].cost_pico_usd)
 
 
+def test_requests_that_share_a_clients_x_request_id_stay_apart_in_the_log_and_the_uptime_report(
+    weir: Weir, fake_openai: FakeOpenAI
+) -> None:
+    """An SDK built with a trace id in its default headers sends one `x-request-id` on every request.
+    The gateway keeps and echoes it, but the ledger grouped attempts by it: the request log showed
+    the two requests below as one (two "first" attempts), and the uptime report counted one request
+    for the tenant, answered, where one of the two had failed. Each is its own entry now, with the
+    gateway's own `exchange_id`, still found by the client's id."""
+    key = weir.tenant_key("one-trace-id")
+    client = openai.OpenAI(
+        base_url=f"{weir.url}/v1",
+        api_key=key,
+        max_retries=0,
+        timeout=20,
+        default_headers={"x-request-id": "trace-4711"},
+    )
+    answered = client.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=HI)
+    assert answered.headers["x-request-id"] == "trace-4711"
+    fake_openai.fail_next(Fault.status(503))
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.chat.completions.create(model="gpt-4o-mini", messages=HI)
+    assert failed.value.response.headers["x-request-id"] == "trace-4711"
+
+    deadline = time.monotonic() + 15
+    while (
+        len(
+            entries := [
+                r for r in weir.admin.get("/requests").json()["data"] if r["request_id"] == "trace-4711"
+            ]
+        )
+        < 2
+    ):
+        assert time.monotonic() < deadline, entries
+        time.sleep(0.1)
+    assert len(entries) == 2 and len({e["exchange_id"] for e in entries}) == 2
+    assert sorted(e["status"] for e in entries) == [200, 503]
+    assert [len(e["attempts"]) for e in entries] == [1, 1]
+    tenant = weir.tenant_id("one-trace-id")
+    uptime = weir.admin.get("/reports/uptime").json()["tenants"]
+    assert [(t["requests"], t["succeeded"]) for t in uptime if t["tenant"] == tenant] == [(2, 1)]
+
+
 # --- one price for the ledger, the reports, the routing estimates and the spend caps ---------------
 
 
