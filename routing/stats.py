@@ -7,6 +7,7 @@ import bisect
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,12 @@ if TYPE_CHECKING:
 
 ALPHA = 0.2  # weight of the newest observation in each moving average
 WINDOW = 200  # recent TTFTs kept for the p95
+# ...and none older than this: an estimate this old says how fast the model was then (REMEASURE_S,
+# below, restarts the averages by the same rule). Kept by count alone, a window full of an incident's
+# slow answers and timeouts (up to MAX_CENSORED_S each) held the `p95` hedge delay there after the
+# backend recovered until 200 new observations had come, hours on a quiet route, and for good where
+# `lowest_latency` sent the model nothing but its hedges.
+WINDOW_AGE_S = 300.0
 # Decode speed is learned only from streams this long. Over a handful of tokens the decode time is
 # mostly scheduling jitter: on a loaded host one 0.3 s stall turned a 3-token stream's 100 tokens/s
 # into 6, which then outweighed any difference in time to first token (a flaky lowest_latency test).
@@ -82,6 +89,28 @@ class CacheShares:
         }
 
 
+class Window:
+    """The latest observations (seconds) a p95 is read from: the last WINDOW of them, none older than
+    WINDOW_AGE_S. Iterating yields those values, oldest first."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (monotonic time, value)
+
+    def append(self, value: float) -> None:
+        self._seen.append((time.monotonic(), value))
+
+    def recent(self) -> list[float]:
+        oldest = time.monotonic() - WINDOW_AGE_S
+        while self._seen and self._seen[0][0] < oldest:
+            self._seen.popleft()
+        return [value for _, value in self._seen]
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self.recent())
+
+
 # A `delay: p95` hedge trusts an observed p95 from this many observations on: from fewer it is their
 # maximum (one observation's p95 is that observation), which hedged about one request in n + 1 (half
 # of them after the first), so until then the delay is at least DEFAULT_HEDGE_DELAY_S.
@@ -104,11 +133,11 @@ class ModelStats:
     # writes thousands; priced at the route's expected answer alone, it looked as cheap as a model
     # that writes just the answer.
     reasoning_tokens: float | None = None
-    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # for the p95, likewise
+    ttfts: Window = field(default_factory=Window)  # for the p95, likewise
     # Whole-answer latencies of attempts not streamed (answers, and censored ones likewise): the p95 a
     # hedge of a request not streamed waits, whose "first token" is its whole answer. A stream's
     # time to first token is a fraction of that: waited, nearly every such request was hedged.
-    answers: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    answers: Window = field(default_factory=Window)
     samples: int = 0
     # monotonic times its speed was last learned from an answer and `lowest_latency` last sent a
     # request to measure it (unmeasured, or again after REMEASURE_S). An attempt too slow to answer is
@@ -132,20 +161,21 @@ class ModelStats:
         return found.shares() if found is not None else None
 
     def p95_ttft(self) -> float | None:
-        return _p95(self.ttfts)
+        return _p95(self.ttfts.recent())
 
     def hedge_delay(self, stream: bool, min_delay: float) -> float:
         """What a `delay: p95` hedge waits for this model's answer (`stream`: its first token; else its
         whole answer, which is what a request not streamed waits for): the observed p95 of that, at
-        least `min_delay`; at least DEFAULT_HEDGE_DELAY_S too until MIN_P95_SAMPLES were observed."""
-        window = self.ttfts if stream else self.answers
+        least `min_delay`; at least DEFAULT_HEDGE_DELAY_S too while its window (`Window`: the last
+        WINDOW_AGE_S) holds fewer than MIN_P95_SAMPLES."""
+        window = (self.ttfts if stream else self.answers).recent()
         observed = _p95(window)
         if observed is None or len(window) < MIN_P95_SAMPLES:
             observed = max(observed or 0.0, DEFAULT_HEDGE_DELAY_S)
         return max(min_delay, observed)
 
 
-def _p95(values: deque[float]) -> float | None:
+def _p95(values: list[float]) -> float | None:
     if not values:
         return None
     ordered = sorted(values)

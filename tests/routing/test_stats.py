@@ -7,6 +7,7 @@ import math
 import msgspec
 import pytest
 
+import routing.stats
 from gateway.accounting.events import UsageEvent
 from gateway.usage import Usage
 from routing.routes import Hedge
@@ -16,6 +17,7 @@ from routing.stats import (
     MAX_CENSORED_S,
     MIN_DECODE_TOKENS,
     MIN_P95_SAMPLES,
+    WINDOW_AGE_S,
     RoutingStats,
 )
 from tests.control.events import usage_event
@@ -177,3 +179,36 @@ def test_a_p95_hedge_delay_waits_at_least_the_default_until_enough_was_observed(
     # A slow model's few observations count as they are: it is not hedged after 1 s on every request.
     slow = measured(3.0, times=2).get("b", "m")
     assert slow.hedge_delay(True, Hedge().min_delay) == pytest.approx(3.0)
+
+
+class Clock:
+    """routing.stats' `time`, at a time the test sets (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_p95_hedge_delay_forgets_an_incident_once_it_is_window_age_old(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A primary that stopped answering filled its window with lost races (MAX_CENSORED_S each).
+    Kept by count alone, they held the delay at 10 s after it recovered until some 190 new answers
+    had come: hours on a quiet route, for good where nothing else sent it requests."""
+    clock = Clock()
+    monkeypatch.setattr(routing.stats, "time", clock)
+    stats = measured(0.1, times=50)
+    _hedged_by_p95(stats, true_ttft_s=math.inf, requests=5000)  # the incident
+    learned = stats.get("b", "m")
+    assert learned.hedge_delay(True, Hedge().min_delay) == MAX_CENSORED_S
+    clock.now += WINDOW_AGE_S / 2  # recovered: a few fast answers since, in the incident's window
+    for _ in range(MIN_P95_SAMPLES):
+        stats.record(msgspec.structs.replace(stream(3, ttft_s=0.1, latency_s=0.15), stream=True))
+    assert learned.hedge_delay(True, Hedge().min_delay) == MAX_CENSORED_S
+    clock.now += WINDOW_AGE_S / 2 + 1  # the incident is WINDOW_AGE_S old: only the answers since count
+    assert learned.hedge_delay(True, Hedge().min_delay) == pytest.approx(0.1)
+    assert learned.p95_ttft() == pytest.approx(0.1)
+    clock.now += WINDOW_AGE_S + 1  # nothing observed lately: the default, as before any observation
+    assert learned.hedge_delay(True, Hedge().min_delay) == DEFAULT_HEDGE_DELAY_S
