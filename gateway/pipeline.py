@@ -33,7 +33,7 @@ from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
 from gateway.router_basic import Target
 from gateway.transport import MAX_RESPONSE_BODY, Transport, UpstreamResponse, body_size, describe
-from gateway.types import is_answer
+from gateway.types import is_answer, streams_reasoning
 from gateway.usage import Usage
 from gateway.usage_sink import UsageSink
 from routing.load import LoadReports
@@ -319,6 +319,7 @@ class Pipeline:
         started_at, t0 = time.time(), time.perf_counter()
         status, usage, failure, ttft = 0, Usage(), None, None
         produced, usage_reported, streaming, cancelled = Produced(), False, False, False
+        reasoning_streamed = False
         backend = target.backend
         try:
             if left:
@@ -346,6 +347,7 @@ class Pipeline:
                             if ttft is None and is_answer(chunk):
                                 ttft = time.perf_counter() - t0
                                 call.info.ttft = ttft
+                            reasoning_streamed = reasoning_streamed or streams_reasoning(chunk)
                             batch.append(chunk)
                 except GatewayError:
                     if batch:
@@ -400,6 +402,7 @@ class Pipeline:
                 ttft=ttft,
                 stream=True,
                 estimated=estimated,
+                reasoning_streamed=reasoning_streamed,
             )
 
     async def _admit(self, call: Call, target: Target, upstream: UpstreamRequest, attempt: int) -> bool:
@@ -438,6 +441,7 @@ class Pipeline:
         ttft: float | None,
         stream: bool,
         estimated: bool = False,
+        reasoning_streamed: bool = False,
     ) -> None:
         info = call.info
         if failure is None or not info.answered:
@@ -476,6 +480,7 @@ class Pipeline:
             status=status,  # 0: the backend never answered
             error=failure,
             stream=stream,
+            reasoning_streamed=reasoning_streamed,
             fallback=attempt > 1,
             routing=call.routes.pop(attempt, None) or info.route,
             estimated=estimated,

@@ -406,6 +406,14 @@ def is_answer(chunk: object) -> bool:
     return any(choice.finish_reason or choice.delta.carries_output() for choice in chunk.choices)
 
 
+def streams_reasoning(chunk: object) -> bool:
+    """Whether a streamed chunk holds reasoning text: a vendor that streams its reasoning (DeepSeek's
+    reasoner, Claude's thinking) sends it after the first token, where one that hides it (OpenAI's
+    reasoning models, Gemini's thoughts) generated it before (`routing.stats`: what decode speed is
+    timed over)."""
+    return isinstance(chunk, ChatChunk) and any(choice.delta.reasoning_content for choice in chunk.choices)
+
+
 def is_output(chunk: object) -> bool:
     """Whether a streamed chunk is more than the role announcement: some of the answer, or the usage
     report."""

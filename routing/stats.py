@@ -197,6 +197,17 @@ def _learning(stats: ModelStats) -> None:
     stats.learned_at = now
 
 
+def _decoded_tokens(event: UsageEvent) -> int:
+    """The output tokens a stream generated from its first token on, the time decode speed is timed
+    over: its reasoning tokens only where it streamed its reasoning (`reasoning_streamed`). Reasoning
+    a vendor hides (OpenAI's reasoning models, Gemini's thoughts) is billed as output but generated
+    before the first token, in the time to first token: counted, a reasoning model's hundreds of
+    hidden tokens over its short answer's stream read as thousands of tokens/s, and `lowest_latency`
+    expected its long answers to take no time at all."""
+    usage = event.usage
+    return usage.output_tokens if event.reasoning_streamed else usage.output_tokens - usage.reasoning_tokens
+
+
 def _censored(event: UsageEvent) -> bool:
     """Whether a failed attempt says its backend is at least as slow as the attempt lasted: it ended
     without its answer (a stream: its first token) because it was too slow, not for anything the
@@ -283,8 +294,9 @@ class RoutingStats:
             stats.ttft_s = _ewma(stats.ttft_s, ttft)
             stats.ttfts.append(ttft)
             decode_s = latency - ttft
-            if usage.output_tokens >= MIN_DECODE_TOKENS and decode_s > 0:
-                stats.tokens_per_s = _ewma(stats.tokens_per_s, (usage.output_tokens - 1) / decode_s)
+            decoded = _decoded_tokens(event)
+            if decoded >= MIN_DECODE_TOKENS and decode_s > 0:
+                stats.tokens_per_s = _ewma(stats.tokens_per_s, (decoded - 1) / decode_s)
         prompt = usage.prompt_tokens
         if prompt > 0:
             stats.cache.add(usage)

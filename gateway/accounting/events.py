@@ -50,6 +50,10 @@ class UsageEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # routing reads it (`routing.stats`), to tell what a 499 says about the backend's speed.
     error: str | None = None
     stream: bool = False  # a streamed attempt: its answer starts at its first token (`ttft_ms`)
+    # A stream that sent reasoning text (`gateway.types.streams_reasoning`): the reasoning tokens its
+    # usage reports came after its first token, not hidden before it. Not in the ledger: routing
+    # reads it (`routing.stats`, decode speed).
+    reasoning_streamed: bool = False
     fallback: bool = False
     routing: str | None = None  # the routing decision so far (policy, candidate, score; x-weir-route)
     estimated: bool = False  # usage estimated by the gateway: the stream ended before the vendor's report

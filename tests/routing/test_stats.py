@@ -46,6 +46,20 @@ def test_short_streams_teach_time_to_first_token_but_not_decode_speed() -> None:
     assert learned.ttft_s == pytest.approx(0.1) and learned.samples == 2
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_decode_speed_counts_hidden_reasoning_out_and_streamed_reasoning_in(streamed: bool) -> None:
+    """1,000 reasoning tokens and a 17-token answer, billed as 1,017 output tokens. Hidden, the
+    reasoning was generated before the first token (10 s of it), and the answer took 0.16 s: 100
+    tokens/s, where 1,016 tokens over 0.16 s read 6,350. Streamed, the first token was reasoning, and
+    every token came in the 10.16 s after it: 100 tokens/s too."""
+    stats = RoutingStats()
+    usage = Usage(input_tokens=3, output_tokens=1017, reasoning_tokens=1000)
+    ttft, latency = (10.0, 10.16) if not streamed else (0.1, 10.26)
+    event = stream(0, ttft_s=ttft, latency_s=latency)
+    stats.record(msgspec.structs.replace(event, usage=usage, reasoning_streamed=streamed))
+    assert stats.get("b", "m").tokens_per_s == pytest.approx(100.0)
+
+
 def ended(latency_s: float, status: int, error: str | None, *, streamed: bool = True) -> UsageEvent:
     """An attempt that ended without its answer (a stream: its first token) after `latency_s`."""
     return msgspec.structs.replace(

@@ -197,3 +197,47 @@ def test_reasoning_first_stops_the_clock(prompt_gateway: RunningGateway, fake_de
     (event,) = prompt_gateway.sink.events
     assert event.status == 200 and event.ttft_ms is not None
     assert 0.9 * GAP_S * 1000 <= event.ttft_ms <= (first_text - 0.9 * GAP_S) * 1000
+
+
+# An answer long enough to learn decode speed from (routing.stats.MIN_DECODE_TOKENS: 16 tokens).
+LONG: list[ChatCompletionMessageParam] = [{"role": "user", "content": " ".join(["word"] * 24)}]
+
+
+def _streamed_rate(gateway: RunningGateway, model: str) -> float:
+    """Stream a whole chat; the tokens per second the client saw after the first: the words of its
+    text and reasoning (one per chunk, as the fakes stream), from the first to the last."""
+    times: list[float] = []
+    tokens = 0
+    for chunk in gateway.openai().chat.completions.create(model=model, messages=LONG, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        reasoning = (delta.model_extra or {}).get("reasoning_content") if delta is not None else None
+        text = (delta.content or "") + (reasoning or "") if delta is not None else ""
+        if text.split():
+            tokens += len(text.split())
+            times.append(time.monotonic())
+    return (tokens - 1) / (times[-1] - times[0])
+
+
+@pytest.mark.parametrize(
+    ("model", "backend", "hidden"),
+    [("gpt-5", "openai", True), ("deepseek-reasoner", "deepseek", False)],
+)
+def test_decode_speed_counts_the_tokens_streamed_after_the_first_token(
+    prompt_gateway: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_deepseek: FakeOpenAI,
+    model: str,
+    backend: str,
+    hidden: bool,
+) -> None:
+    """gpt-5 bills 192 tokens of hidden reasoning as output, generated before its first token: over
+    its 24-token answer's stream they read as some ten times its speed. DeepSeek's reasoner streams
+    its reasoning after the first token: those tokens were timed, and count."""
+    fake = fake_openai if backend == "openai" else fake_deepseek
+    fake.fail_next(Fault.slow_stream(GAP_S / 2))
+    seen = _streamed_rate(prompt_gateway, model)
+    settled(prompt_gateway, 1)
+    (event,) = prompt_gateway.sink.events
+    assert event.reasoning_streamed is not hidden and event.usage.reasoning_tokens > 0
+    learned = runtime(prompt_gateway).router.stats.get(backend, model).tokens_per_s
+    assert learned is not None and 0.6 * seen <= learned <= 1.4 * seen
