@@ -11,7 +11,7 @@ option (routing.routes.Compare) buys those labels on live traffic:
   seeing them in a random order, since judges favour one position;
 - each of these calls is a usage event of the tenant's own (`purpose=compare` or `purpose=judge` and
   `for=<request id>` in its routing column), admitted like any request (rate limits, budgets), and
-  capped per tenant by `max_spend_usd_per_hour` (estimated before the calls, as hedging is) and per
+  capped per tenant and route by `max_spend_usd_per_hour` (estimated before the calls, as hedging is) and per
   route and replica by `max_in_flight`;
 - the grades go to the `comparisons` table. `weir router train --tenant` joins them with the stored
   prompt as it does feedback, so only tenants with `store_prompts` on are compared: the prompt is what
@@ -48,6 +48,7 @@ from gateway.metrics import drop_series
 from gateway.pipeline import Call, Pipeline, RequestInfo
 from gateway.providers.base import chat_response_reader
 from gateway.types import ChatChunk, ChatRequest, ChatResponse, Message
+from routing.breaker import route_label
 from routing.execute import SpendCap, within_output_limit
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, expected_cost, head_name, output_room
@@ -394,7 +395,7 @@ class Comparer:
         judge_target = self.models.targets[compare.judge]
         tenant = job.principal.tenant_id or "anonymous"
         estimate = self._estimate(job, other, other_target, judge_target)
-        charge = await self.spend.charge(tenant, estimate, compare.max_spend_usd_per_hour)
+        charge = await self.spend.charge(tenant, route_label(route), estimate, compare.max_spend_usd_per_hour)
         if charge is None:
             self._count(route.name, "capped")
             return

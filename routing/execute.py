@@ -58,7 +58,7 @@ from gateway.types import (
     is_output,
 )
 from gateway.usage import Usage
-from routing.breaker import Breakers, State
+from routing.breaker import Breakers, State, route_label
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, expected_cost, output_room
@@ -231,31 +231,35 @@ HEDGE_BEFORE_TIMEOUT = 0.8
 
 
 class SpendCap:
-    """Estimated USD each tenant spent on optional calls (hedged attempts, comparisons) over the last
-    hour, as a sliding window in the shared state: with Redis every replica draws on one allowance
-    (without it, or while it is unreachable, each replica counts its own)."""
+    """Estimated USD each tenant spent on one route's optional calls (hedged attempts, comparisons)
+    over the last hour, as a sliding window in the shared state: with Redis every replica draws on
+    one allowance (without it, or while it is unreachable, each replica counts its own). Per route,
+    since each route sets its own cap (`max_spend_usd_per_hour`): counted per tenant alone, a
+    tenant's hedges on one route spent another route's allowance, which then hedged nothing. A route
+    is named by `route_label` (routes sharing a name with other conditions have caps of their own)."""
 
     def __init__(self, purpose: str, state: SharedState | None = None) -> None:
         self.purpose = purpose
         self.state: SharedState = state if state is not None else MemoryState()
 
-    def key(self, tenant: str) -> str:
-        return f"spend:{self.purpose}:tenant:{tenant}"
+    def key(self, tenant: str, route: str) -> str:
+        return f"spend:{self.purpose}:tenant:{tenant}:route:{route}"
 
-    async def allow(self, tenant: str, usd: float, cap: float) -> bool:
+    async def allow(self, tenant: str, route: str, usd: float, cap: float) -> bool:
         """Count `usd` if the last hour's spend stays within `cap` with it; False counts nothing."""
-        return await self.charge(tenant, usd, cap) is not None
+        return await self.charge(tenant, route, usd, cap) is not None
 
-    async def charge(self, tenant: str, usd: float, cap: float) -> Charge | None:
+    async def charge(self, tenant: str, route: str, usd: float, cap: float) -> Charge | None:
         """`allow`: what it counted, to be replaced by what the call cost (`Charge.settle`), or None."""
         if cap <= 0:
             return None
         # Rounded up: a call too cheap to count in micro-dollars still counts one.
         counted = math.ceil(usd * 1e6)
-        admission = await self.state.admit([Limit(self.key(tenant), int(cap * 1e6), counted, window_s=HOUR)])
+        key = self.key(tenant, route)
+        admission = await self.state.admit([Limit(key, int(cap * 1e6), counted, window_s=HOUR)])
         if not admission.allowed:
             return None
-        return Charge(self, tenant, counted, admission.buckets[0] if admission.buckets else None)
+        return Charge(self, key, counted, admission.buckets[0] if admission.buckets else None)
 
 
 @dataclass(slots=True)
@@ -266,7 +270,7 @@ class Charge:
     left the hour (a long stream) must not free room the window never held."""
 
     cap: SpendCap
-    tenant: str
+    key: str  # the window it was counted in (`SpendCap.key`)
     counted: int  # micro-USD
     bucket: int | None = None
     settled: bool = False
@@ -277,7 +281,7 @@ class Charge:
         self.settled = True
         if delta := -(-cost_pico_usd // 10**6) - self.counted:  # micro-USD, rounded up as counted
             bucket = correction_bucket(delta, self.bucket)
-            await self.cap.state.settle([Adjustment(self.cap.key(self.tenant), delta, HOUR, bucket)])
+            await self.cap.state.settle([Adjustment(self.key, delta, HOUR, bucket)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -669,7 +673,8 @@ class Executor:
             usd = expected_cost(partner, feats, output_room(partner, route, feats), self.context)
             tenant = call.principal.tenant_id or "anonymous"
             if refused is None:
-                charge = await self.hedges.charge(tenant, usd, route.hedge.max_spend_usd_per_hour)
+                cap = route.hedge.max_spend_usd_per_hour
+                charge = await self.hedges.charge(tenant, route_label(route), usd, cap)
         except BaseException:
             # Cancelled while waiting (the server shutting down, say): the attempt must not run on
             # with no owner, holding its in-flight slot and, once it answered, a stream nobody closes.

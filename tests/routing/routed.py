@@ -128,13 +128,13 @@ async def sent(planning: Awaitable[Plan]) -> Plan:
     return plan
 
 
-def counted_micro_usd(cap: SpendCap, tenant: str, expected: int, tolerance: int) -> bool:
-    """Whether the cap's window holds `expected` micro-dollars for `tenant`, give or take `tolerance`
+def counted_micro_usd(cap: SpendCap, tenant: str, route: str, expected: int, tolerance: int) -> bool:
+    """Whether the cap's window holds `expected` micro-dollars for `tenant` on `route`, give or take `tolerance`
     (each call's cost is rounded once): a zero-cost probe fits under a limit just above it and not under
     one just below it."""
     state = cap.state
     assert isinstance(state, MemoryState)
-    key = cap.key(tenant)
+    key = cap.key(tenant, route)
     fits = state.admit_now([Limit(key, expected + tolerance, 0, window_s=3600)]).allowed
     return fits and not state.admit_now([Limit(key, expected - tolerance - 1, 0, window_s=3600)]).allowed
 

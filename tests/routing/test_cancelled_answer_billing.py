@@ -314,7 +314,7 @@ def test_a_hedge_that_lost_counts_what_it_cost_against_the_hedge_allowance(
     deadline = time.monotonic() + 5
     while background.tasks and time.monotonic() < deadline:  # it settles just after its event
         time.sleep(0.01)
-    assert counted_micro_usd(cap, "demo", round(hedge.cost_pico_usd / 1e6), 1)
+    assert counted_micro_usd(cap, "demo", "raw-hedges", round(hedge.cost_pico_usd / 1e6), 1)
 
 
 async def test_the_gateway_stops_once_the_usage_events_it_owes_are_recorded(

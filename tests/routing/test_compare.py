@@ -262,7 +262,7 @@ def test_both_answers_are_graded_and_become_full_training_rows(
         # Each comparison's estimate is rounded up and its correction rounded: within 2 of exact.
         tolerance = 2 * len(prompts)
         assert micro_usd > 5 * tolerance
-        assert counted_micro_usd(gateway.comparer.spend, keeps["id"], micro_usd, tolerance)
+        assert counted_micro_usd(gateway.comparer.spend, keeps["id"], "auto", micro_usd, tolerance)
 
         # The admin API shows the grades, newest first, and how often each model was acceptable.
         listed = admin.get(f"/tenants/{keeps['id']}/comparisons", params={"route": "auto", "limit": 2}).json()
@@ -439,7 +439,7 @@ def test_the_spend_cap_counts_what_the_ledger_bills_at_the_catalogs_prices(
         wait_for(lambda: len(ledger()) == 2)  # the other candidate's call and the judge's
         micro_usd = round(sum(c for (c,) in ledger()) / 1e6)
         assert micro_usd > 100
-        assert counted_micro_usd(gateway.comparer.spend, keeps["id"], micro_usd, 2)
+        assert counted_micro_usd(gateway.comparer.spend, keeps["id"], "auto", micro_usd, 2)
 
 
 def test_a_comparison_priced_after_its_estimate_left_the_hour_frees_no_room(
@@ -471,7 +471,7 @@ def test_a_comparison_priced_after_its_estimate_left_the_hour_frees_no_room(
         client.chat.completions.create(model="auto", messages=messages, max_tokens=1000)
         wait_for(lambda: sync_exec(sqlite_url, "SELECT count(*) FROM comparisons") == [(1,)])
         wait_for(lambda: not gateway.comparer.tasks)  # settled: its task ends after that
-        assert counted_micro_usd(gateway.comparer.spend, keeps["id"], 0, 0)
+        assert counted_micro_usd(gateway.comparer.spend, keeps["id"], "auto", 0, 0)
 
 
 def test_a_request_for_log_probabilities_is_compared_on_a_model_that_has_none(
@@ -596,15 +596,15 @@ def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() 
 
 async def test_the_spend_cap_takes_corrections() -> None:
     cap = SpendCap("compare")
-    first = await cap.charge("t", 0.6, cap=1.0)
-    assert first is not None and not await cap.allow("t", 0.6, cap=1.0)
+    first = await cap.charge("t", "r", 0.6, cap=1.0)
+    assert first is not None and not await cap.allow("t", "r", 0.6, cap=1.0)
     await first.settle(100_000 * 10**6)  # the first call cost 0.1, not 0.6
-    second = await cap.charge("t", 0.6, cap=1.0)
+    second = await cap.charge("t", "r", 0.6, cap=1.0)
     assert second is not None
     await second.settle(10**12)  # 0.4 more than its estimate
-    assert not await cap.allow("t", 0.1, cap=1.0) and not await cap.allow("u", 0.1, cap=0)
-    assert await cap.allow("u", 0.0, cap=1e-6) and await cap.allow("u", 1e-9, cap=1e-6)
-    assert not await cap.allow("u", 1e-9, cap=1e-6)  # under a micro-dollar still counts one
+    assert not await cap.allow("t", "r", 0.1, cap=1.0) and not await cap.allow("u", "r", 0.1, cap=0)
+    assert await cap.allow("u", "r", 0.0, cap=1e-6) and await cap.allow("u", "r", 1e-9, cap=1e-6)
+    assert not await cap.allow("u", "r", 1e-9, cap=1e-6)  # under a micro-dollar still counts one
 
 
 @pytest.mark.redis
@@ -613,13 +613,13 @@ async def test_replicas_draw_on_one_spend_cap_through_redis(redis_prefix: str) -
         SpendCap("hedge", RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)) for _ in "ab"
     ]
     try:
-        charges = [await replicas[i % 2].charge("t", 0.25, cap=1.0) for i in range(6)]
+        charges = [await replicas[i % 2].charge("t", "r", 0.25, cap=1.0) for i in range(6)]
         # Four in all, not four on each.
         assert [c is not None for c in charges] == [True, True, True, True, False, False]
         assert charges[1] is not None
         await charges[1].settle(50_000 * 10**6)  # a call cost 0.05 of its 0.25
-        assert await replicas[0].allow("t", 0.2, cap=1.0)
-        assert await SpendCap("compare", replicas[0].state).allow("t", 1.0, cap=1.0)  # its own window
+        assert await replicas[0].allow("t", "r", 0.2, cap=1.0)
+        assert await SpendCap("compare", replicas[0].state).allow("t", "r", 1.0, cap=1.0)  # its own window
     finally:
         for cap in replicas:
             await cap.state.close()

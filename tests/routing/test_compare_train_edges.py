@@ -213,12 +213,12 @@ def test_failed_and_unreadable_comparisons_store_nothing_and_count_their_spend(
         assert [r for r in fake_deepseek.requests if not (r.json or {}).get("stream")] == plain_before
         assert judged() == 3 and len(compared()) == 1
 
-        # Every background call is a ledger row, failed ones included; the hourly cap counts what
-        # they cost (the failed calls nothing), not their estimates.
+        # Every background call is a ledger row, failed ones included; each route's hourly cap counts
+        # what they cost there (the failed calls nothing), not their estimates.
         def ledger() -> list[tuple]:
             return sync_exec(
                 sqlite_url,
-                "SELECT routing, status, cost_pico_usd FROM usage_events "
+                "SELECT routing, status, cost_pico_usd, route FROM usage_events "
                 f"WHERE tenant_id = '{tenant['id']}' AND routing LIKE '%purpose=%'",
             )
 
@@ -233,9 +233,10 @@ def test_failed_and_unreadable_comparisons_store_nothing_and_count_their_spend(
             ("judge", 200),
             ("judge", 500),
         ]
-        micro_usd = round(sum(row[2] for row in ledger()) / 1e6)
-        assert micro_usd > 0
-        assert counted_micro_usd(gateway.comparer.spend, tenant["id"], micro_usd, 2 * 4)
+        for route in ("once", "twice"):
+            micro_usd = round(sum(row[2] for row in ledger() if row[3] == route) / 1e6)
+            assert micro_usd > 0
+            assert counted_micro_usd(gateway.comparer.spend, tenant["id"], route, micro_usd, 2 * 4)
 
         # A head bundle cut short, or nested past what a parser takes, is refused (400), not a 500.
         data = bundle(DifficultyHead.load(DEFAULT_HEAD_DIR))

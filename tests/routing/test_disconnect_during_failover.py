@@ -238,7 +238,9 @@ def test_a_client_that_leaves_during_the_hedge_delay_starts_no_hedge(
     after = _samples(gateway)
     assert _errors_of(after, "client_disconnected") - _errors_of(before, "client_disconnected") == 1
     assert _errors_of(after, "cancelled") - _errors_of(before, "cancelled") == 0
-    assert counted_micro_usd(runtime(gateway).executor.hedges, "demo", 0, 0)  # no hedge, no spend
+    assert counted_micro_usd(
+        runtime(gateway).executor.hedges, "demo", "leave-hedge", 0, 0
+    )  # no hedge, no spend
     _nothing_left(gateway, tasks)
 
 
@@ -262,7 +264,7 @@ def test_a_client_that_leaves_during_the_hedge_race_cancels_both_attempts(
     # its prompt, estimated), not the estimate it was let through on.
     billed = sum(e.cost_pico_usd for e in gateway.sink.events if e.backend == "deepseek")
     hedges = runtime(gateway).executor.hedges
-    assert _until(lambda: counted_micro_usd(hedges, "demo", round(billed / 1e6), 1)), billed
+    assert _until(lambda: counted_micro_usd(hedges, "demo", "leave-race", round(billed / 1e6), 1)), billed
     after = _samples(gateway)
     assert _errors_of(after, "client_disconnected") - _errors_of(before, "client_disconnected") == 2
     assert _errors_of(after, "cancelled") - _errors_of(before, "cancelled") == 0

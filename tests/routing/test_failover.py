@@ -246,7 +246,7 @@ def test_the_hedge_cap_counts_what_hedges_cost_not_their_estimate(
     assert all(e.cost_pico_usd > 0 for e in hedged)  # both cost something: the loser its prompt
     spent = sum(e.cost_pico_usd for e in hedged) // 10**6
     assert spent < 15_000 // 10  # micro-USD: far below one estimate
-    assert counted_micro_usd(hedges, hedged[0].tenant_id or "anonymous", spent, tolerance=3)
+    assert counted_micro_usd(hedges, hedged[0].tenant_id or "anonymous", "hedged-sonnet", spent, tolerance=3)
 
 
 def test_plain_models_keep_single_attempt_semantics(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:

@@ -64,6 +64,7 @@ EXTRA_ROUTES = f"""\
   - {{name: hedged-p95, hedge: {{delay: p95}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: hedged-p95-ttft, ttft_timeout: 0.5, hedge: {{delay: p95}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: hedged-tight, hedge: {{delay: 0.1, max_spend_usd_per_hour: 0.035}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: hedged-tight-too, hedge: {{delay: 0.1, max_spend_usd_per_hour: 0.035}}, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: gpt5-first, candidates: [{{model: gpt-5}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: hedge-slow-ttft, ttft_timeout: 0.4, hedge: {{delay: 1.2}}, candidates: [{{model: gpt-4o-mini}}, {{model: deepseek-chat}}], {FAST}}}
   - {{name: impatient-429, ttft_timeout: 0.3, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}, failover_on: [429]}}
@@ -653,7 +654,7 @@ def test_a_hedge_that_lost_before_any_answer_came_keeps_its_estimate_on_the_cap(
     while not charges[0].settled:  # priced once its usage event is recorded
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert counted_micro_usd(executor.hedges, "demo", charges[0].counted, 0)
+    assert counted_micro_usd(executor.hedges, "demo", "hedged-sonnet", charges[0].counted, 0)
 
 
 def test_a_ttft_timeout_shorter_than_the_hedge_delay_fails_over_before_any_hedge(
@@ -842,7 +843,9 @@ def test_a_hedge_its_adapter_cannot_express_frees_its_trial_and_is_noted_as_its_
     assert hedges() == {"started": 0, "won": 0, "unsupported": 1}
     assert breaker.state is State.HALF_OPEN and breaker.trial() is None  # the next request's trial
     assert not fake_anthropic.requests
-    assert counted_micro_usd(executor.hedges, "demo", 0, 0)  # nothing sent, nothing spent
+    assert counted_micro_usd(
+        executor.hedges, "demo", "raw-hedged-sonnet", 0, 0
+    )  # nothing sent, nothing spent
 
 
 def test_a_hedge_its_adapter_cannot_express_is_noted_once_when_the_request_fails_over_to_it(
@@ -1341,6 +1344,27 @@ def test_the_hedge_cap_holds_for_concurrent_requests_of_one_tenant(
     assert len(fake_anthropic.requests) == 2
 
 
+def test_a_tenants_hedges_on_one_route_spend_none_of_another_routes_cap(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """Each route sets its own hedge cap ($0.035 an hour on both routes here). A hedge on hedged-tight
+    that cost $0.03 leaves that route too little for the next (estimated at about $0.015 for 1,000
+    tokens), and leaves hedged-tight-too its whole allowance: counted per tenant alone, one route's
+    hedges spent the other's, which then hedged nothing."""
+    hedges = runtime(gateway).executor.hedges
+    hedges.state = MemoryState()  # this test's window only
+    fake_openai.set_latency(first_token=0.6)  # past the hedge delay (0.1 s): every request hedges
+    fake_anthropic.set_next_usage(input_tokens=6, output_tokens=2000)  # $0.03 at $15 per 1M
+    _, route = chat(gateway, "hedged-tight", max_tokens=1000)
+    assert route["candidate"] == "claude-sonnet" and route["hedged"] == "claude-sonnet"
+    settled(gateway, 2)  # the hedge priced, and its cost counted instead of its estimate
+    assert counted_micro_usd(hedges, "demo", "hedged-tight", 30_018, 1)
+    _, route = chat(gateway, "hedged-tight", max_tokens=1000)
+    assert route["candidate"] == "gpt-4o-mini" and route["hedge"] == "capped"
+    _, route = chat(gateway, "hedged-tight-too", max_tokens=1000)
+    assert route["candidate"] == "claude-sonnet" and route["hedged"] == "claude-sonnet"
+
+
 async def test_a_hedges_cost_corrects_its_estimate_in_the_minute_it_was_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1353,28 +1377,28 @@ async def test_a_hedges_cost_corrects_its_estimate_in_the_minute_it_was_counted(
     now = [1_000_000.0]
     monkeypatch.setattr(MemoryState, "_now", staticmethod(lambda: now[0]))
     cap = SpendCap("hedge")
-    long = await cap.charge("t", 0.6, cap=1.0)
-    assert long is not None and not await cap.allow("t", 0.5, cap=1.0)
+    long = await cap.charge("t", "r", 0.6, cap=1.0)
+    assert long is not None and not await cap.allow("t", "r", 0.5, cap=1.0)
     now[0] += HOUR + 60  # priced once its estimate has left the hour
     await long.settle(100_000 * 10**6)  # $0.1
-    assert counted_micro_usd(cap, "t", 0, 0)
+    assert counted_micro_usd(cap, "t", "r", 0, 0)
 
-    slow = await cap.charge("t", 0.6, cap=1.0)
+    slow = await cap.charge("t", "r", 0.6, cap=1.0)
     assert slow is not None
     now[0] += HOUR / 2
     await slow.settle(100_000 * 10**6)
-    assert counted_micro_usd(cap, "t", 100_000, 0)
+    assert counted_micro_usd(cap, "t", "r", 100_000, 0)
     now[0] += HOUR / 2 + 60  # the estimate's minute has left the hour, and its correction with it
-    assert counted_micro_usd(cap, "t", 0, 0)
+    assert counted_micro_usd(cap, "t", "r", 0, 0)
 
-    over = await cap.charge("t", 0.1, cap=1.0)
+    over = await cap.charge("t", "r", 0.1, cap=1.0)
     assert over is not None
     now[0] += HOUR / 2
     await over.settle(400_000 * 10**6)  # $0.3 beyond its estimate
     now[0] += HOUR / 2 + 60
-    assert counted_micro_usd(cap, "t", 300_000, 0)  # an hour from when it was known
+    assert counted_micro_usd(cap, "t", "r", 300_000, 0)  # an hour from when it was known
     now[0] += HOUR / 2
-    assert counted_micro_usd(cap, "t", 0, 0)
+    assert counted_micro_usd(cap, "t", "r", 0, 0)
 
 
 @pytest.mark.redis
@@ -1386,12 +1410,12 @@ async def test_a_hedge_priced_after_its_estimate_left_the_window_frees_no_room_i
     monkeypatch.setattr(execute, "HOUR", 1.2)
     cap = SpendCap("hedge", RedisState.from_url(REDIS_URL, prefix=redis_prefix))
     try:
-        charge = await cap.charge("t", 0.6, cap=1.0)
+        charge = await cap.charge("t", "r", 0.6, cap=1.0)
         assert charge is not None
         await asyncio.sleep(1.25)  # its estimate's bucket has left the window
         await charge.settle(0)
-        assert await cap.allow("t", 1.0, cap=1.0)
-        assert not await cap.allow("t", 1e-6, cap=1.0)
+        assert await cap.allow("t", "r", 1.0, cap=1.0)
+        assert not await cap.allow("t", "r", 1e-6, cap=1.0)
     finally:
         await cap.state.close()
 

@@ -548,4 +548,4 @@ def test_the_hedge_cap_counts_what_the_ledger_bills_when_the_price_changes_mid_a
     hedge = weir.attempts(raw.headers["x-request-id"], 2)[2]
     assert Decimal(hedge["cost_usd"]) == Decimal("0.0045")
     hedges = weir.app.state.gateway.executor.hedges
-    assert counted_micro_usd(hedges, weir.tenant_id("mid-change"), 4500, 1)
+    assert counted_micro_usd(hedges, weir.tenant_id("mid-change"), "hedge-capped", 4500, 1)
