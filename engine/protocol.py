@@ -152,17 +152,31 @@ def param_of(error: msgspec.ValidationError) -> str | None:
     return message.split(marker, 1)[1].split("`", 1)[0]
 
 
-def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
-    """A parameter the engine cannot honour, as (param, message), or None."""
+# OpenAI's codes for a parameter, or a value of one, that this model does not take: a gateway in front
+# passes such a 400 over to its next candidate (a vendor that takes images or tools answers), where any
+# other 400 is the client's mistake and ends the request.
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
+UNSUPPORTED_VALUE = "unsupported_value"
+
+
+def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | None:
+    """A parameter the engine cannot honour, as the 400 that says so, or None."""
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1, req.n):
-            return "best_of", "best_of must equal n (choices are not ranked)"
+            return ApiError(
+                400, "best_of must equal n (choices are not ranked)", param="best_of", code=UNSUPPORTED_VALUE
+            )
         if req.suffix:
-            return "suffix", "suffix is not supported"
+            return ApiError(400, "suffix is not supported", param="suffix", code=UNSUPPORTED_PARAMETER)
     else:
         fmt = (req.response_format or {}).get("type", "text")
         if fmt not in ("text", "json_object", "json_schema"):
-            return "response_format", f"response_format {fmt!r} is not supported"
+            return ApiError(
+                400,
+                f"response_format {fmt!r} is not supported",
+                param="response_format",
+                code=UNSUPPORTED_VALUE,
+            )
         if req.top_logprobs and not req.logprobs:
-            return "top_logprobs", "top_logprobs requires logprobs=true"
+            return ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     return None

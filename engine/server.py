@@ -35,6 +35,8 @@ from engine.output import (
     parse_tool_calls,
 )
 from engine.protocol import (
+    UNSUPPORTED_PARAMETER,
+    UNSUPPORTED_VALUE,
     ApiError,
     ChatCompletionRequest,
     ChatMessage,
@@ -202,8 +204,8 @@ class EngineServer:
             raise ApiError(
                 404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
             )
-        if isinstance(req, ChatCompletionRequest | CompletionRequest) and (problem := unsupported(req)):
-            raise ApiError(400, problem[1], param=problem[0])
+        if isinstance(req, ChatCompletionRequest | CompletionRequest) and (refusal := unsupported(req)):
+            raise refusal
         return req
 
     def _chat_prompt_ids(
@@ -222,7 +224,10 @@ class EngineServer:
         dicts = [_message_dict(i, m) for i, m in enumerate(messages)]
         if tools_used and "tools" not in tokenizer.chat_template:
             raise ApiError(
-                400, f"the chat template of {self.model_name} does not support tools", param="tools"
+                400,
+                f"the chat template of {self.model_name} does not support tools",
+                param="tools",
+                code=UNSUPPORTED_PARAMETER,
             )
         final = _final_text(messages) if continue_final_message else None
         if continue_final_message:
@@ -382,7 +387,10 @@ class EngineServer:
         forced = _forced_tool_call(req) if parse_tools else None
         if forced is not None and fmt is not None:
             raise ApiError(
-                400, "response_format cannot be combined with a forced tool_choice", param="response_format"
+                400,
+                "response_format cannot be combined with a forced tool_choice",
+                param="response_format",
+                code=UNSUPPORTED_PARAMETER,
             )
         params = replace(self._sampling(req, max(max_tokens, 1), top_n), json_format=forced or fmt)
         gens = self._choices(req.n, prompt_ids, params, self._stops(req.stop), started, max_tokens == 0)
@@ -666,6 +674,7 @@ def _message_dict(index: int, message: Any) -> dict[str, Any]:
                     400,
                     f"content part of type {part.get('type')!r} is not supported",
                     param=f"messages[{index}].content",
+                    code=UNSUPPORTED_VALUE,
                 )
             parts.append(part["text"])
         content = "".join(parts)
@@ -758,7 +767,9 @@ def _forced_tool_call(req: ChatCompletionRequest) -> JsonFormat | None:
         if not wanted:
             raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
     else:
-        raise ApiError(400, f"tool_choice {choice!r} is not supported", param="tool_choice")
+        raise ApiError(
+            400, f"tool_choice {choice!r} is not supported", param="tool_choice", code=UNSUPPORTED_VALUE
+        )
     if not wanted:
         raise ApiError(400, 'tool_choice "required" needs at least one function in tools', param="tools")
     schemas = [

@@ -336,6 +336,48 @@ def test_engine_attempts_are_billed_their_cached_prompt_tokens_at_the_configured
         assert got[0].usage.cached_input_tokens == 0 and got[1].usage.cached_input_tokens >= 32
 
 
+IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+WITH_IMAGE = [
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": ECHO}, {"type": "image_url", "image_url": {"url": IMAGE}}],
+    }
+]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize(
+    ("asked", "param"),
+    [
+        ({"messages": WITH_IMAGE}, "messages[0].content"),
+        ({"messages": HI, "tools": TOOLS}, "tools"),
+    ],
+    ids=["image", "tools"],
+)
+def test_what_the_engine_cannot_take_is_answered_by_the_routes_vendor(
+    fake_openai: FakeOpenAI, asked: dict[str, Any], param: str
+) -> None:
+    """The tiny model reads no images and its chat template writes no tool prompt. Its 400 said so
+    without OpenAI's `unsupported_*` code, so the gateway took it for the client's mistake and ended
+    the request, although the route's vendor takes both. Asked for the engine's model alone, the
+    client still gets that 400, naming the parameter."""
+    with tiny_engine() as (port, _), engine_gateway(fake_openai, port) as gateway:
+        client = gateway.openai()
+        raw = client.chat.completions.with_raw_response.create(model="auto", **asked)
+        header = route_header(raw)
+        assert header["candidate"] == "gpt-4o-mini" and header["tried"].startswith("small:")
+        assert raw.parse().choices[0].message.content and len(fake_openai.requests) == 1
+        settled(gateway, 2)
+        assert [(e.backend, e.status, e.cost_pico_usd) for e in events(gateway)] == [
+            ("local", 400, 0),
+            ("vendor", 200, events(gateway)[1].cost_pico_usd),
+        ]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="small", **asked)
+        assert isinstance(refused.value.body, dict) and refused.value.body["param"] == param
+        assert len(fake_openai.requests) == 1
+
+
 @contextmanager
 def failing_steps(llm: Any, after: int) -> Iterator[None]:
     """The engine's loop dies at its step number `after + 1` (an engine bug, a device fault)."""
