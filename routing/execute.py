@@ -113,7 +113,7 @@ def _declared_fit(choice: Choice, feats: Features) -> None:
         )
 
 
-def _refuses_parameter(exc: GatewayError) -> bool:
+def refuses_parameter(exc: GatewayError) -> bool:
     """OpenAI's 400 for a parameter or value the model does not take (a reasoning model refuses
     `temperature`, `top_p`, `logprobs`...), or any vendor's for an output limit above the most the
     model writes (a candidate without its `max_output_tokens` declared, or declared too high): the
@@ -529,7 +529,7 @@ class Executor:
                     refusal = refusal or exc.refusal
                     break
                 except GatewayError as exc:
-                    if _refuses_parameter(exc):
+                    if refuses_parameter(exc):
                         # Its model does not take a parameter the request carries (a reasoning
                         # model's `temperature`): valid for the others, so the next one is asked.
                         refusal = refusal or exc

@@ -19,9 +19,10 @@ from gateway.anthropic_inbound import (
 from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
 from gateway.api.routed import NoTokenCounter, count_tokens_op
-from gateway.errors import InvalidRequest
+from gateway.errors import GatewayError, InvalidRequest
 from gateway.estimate import input_tokens
-from gateway.types import ChatResponse
+from gateway.types import ChatRequest, ChatResponse
+from routing.execute import refuses_parameter
 from routing.plan import features
 
 PATH = "/v1/messages"
@@ -52,7 +53,9 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
 async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
     """The input tokens a Messages request would cost, counted by the route's first candidate that can
     count (an Anthropic or Gemini model, Weir's engine) with the same retries and fallbacks as a chat;
-    estimated from the request's size when none can (OpenAI has no counting endpoint)."""
+    estimated from the request's size when none can (OpenAI has no counting endpoint; the engine
+    cannot count what its model does not take, an image, which a chat would send to the route's
+    vendor: its `unsupported_*` 400 is no reason to refuse the count)."""
     gateway, call = await begin(request, "count_tokens")
     body = await parse_body(request, CountTokensRequest)
     if not body.messages:
@@ -65,10 +68,18 @@ async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
     try:
         count = await gateway.executor.run(call, plan, count_tokens_op(chat), feats)
     except NoTokenCounter:
-        return json_response({"input_tokens": input_tokens(chat)}, headers={"x-weir-token-count": "estimate"})
+        return _estimated(chat)
+    except GatewayError as exc:
+        if not refuses_parameter(exc):
+            raise
+        return _estimated(chat)
     finally:
         call.info.route = plan.header()
     return json_response({"input_tokens": count.input_tokens}, headers={"x-weir-token-count": "backend"})
+
+
+def _estimated(chat: ChatRequest) -> Response[Any]:
+    return json_response({"input_tokens": input_tokens(chat)}, headers={"x-weir-token-count": "estimate"})
 
 
 ROUTES = [messages, count_tokens]

@@ -206,3 +206,27 @@ def test_engine_backend_counts_tokens_as_it_bills_and_refuses_embeddings_clearly
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).embeddings.create(
                 model="small", input="hi"
             )
+
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+
+def test_a_count_the_engine_cannot_make_is_estimated_not_refused() -> None:
+    """The tiny model reads no images and its template writes no tool prompt: its /tokenize refuses
+    both with an `unsupported_*` 400, which the count passed on to the client as a 400 (Claude Code
+    counts before it sends). A count is estimated where the engine cannot make it, as for a model
+    that cannot count at all; what it can count is still its own."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    with tiny_engine_gateway() as url:
+        counted = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages
+        for asked in (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it"}, image]}]},
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]},
+        ):
+            raw = counted.with_raw_response.count_tokens(model="small", **asked)  # type: ignore[arg-type]
+            assert raw.headers["x-weir-token-count"] == "estimate" and raw.parse().input_tokens > 0
+        raw = counted.with_raw_response.count_tokens(
+            model="small", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert raw.headers["x-weir-token-count"] == "backend"
