@@ -250,11 +250,7 @@ class EngineServer:
         except Exception as exc:  # jinja errors, templates that raise on unsupported roles
             raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
         if final:
-            # The template closes every turn (an end-of-turn token, a newline): the prompt ends where
-            # the final message's text does, as vLLM cuts it.
-            end = prompt.rfind(final)
-            if end >= 0:
-                prompt = prompt[: end + len(final)]
+            prompt = _open_final_turn(prompt, final)
         return tokenizer.encode(prompt)
 
     def _max_tokens(
@@ -695,6 +691,23 @@ def _final_text(messages: list[Any]) -> str | None:
         return None
     text = _message_dict(len(messages) - 1, last)["content"]
     return text or None
+
+
+def _open_final_turn(prompt: str, final: str) -> str:
+    """The templated prompt cut where the final message's text ends, so the model goes on writing it:
+    the template closes every turn (an end-of-turn token, a newline). Templates that trim each message
+    (Llama 3's `| trim`) drop its trailing whitespace, a broken stream's usual end ("Steps:\\n\\n"):
+    the cut then comes after its last visible character, with that whitespace put back, so the model
+    goes on from exactly the text the client has (cut where the whole text is not found, the turn
+    stayed closed and the model wrote past its end)."""
+    end = prompt.rfind(final)
+    if end >= 0:
+        return prompt[: end + len(final)]
+    visible = final.strip()
+    end = prompt.rfind(visible) if visible else -1
+    if end < 0:
+        return prompt
+    return prompt[: end + len(visible)] + final[len(final.rstrip()) :]
 
 
 def _prompt_list(prompt: str | list[Any]) -> list[str | list[int]]:

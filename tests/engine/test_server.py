@@ -975,3 +975,33 @@ async def test_continue_final_message_leaves_the_assistant_turn_open(served: Ser
             served.root, "/v1/chat/completions", {"model": MODEL, "messages": messages, **body}
         )
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+
+
+# Llama 3's: each message `| trim`med, each turn closed with <|eot_id|>
+TRIMMING_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("answered", ["Steps:\n\n", "one two ", "one two"])
+async def test_a_trimming_template_still_leaves_the_final_answer_open_as_written(answered: str) -> None:
+    """A stream cut after "Steps:\\n\\n" resumed on the engine: a template that trims each message
+    (Llama 3's) wrote the answer without its trailing whitespace, so the text was not found, the
+    prompt was not cut, and the model was asked to go on after the answer's <|eot_id|>. The prompt
+    now ends with the answer exactly as written, whitespace and all."""
+    tokenizer = Tokenizer(None, chat_template=TRIMMING_TEMPLATE, eos_token_ids={0}, vocab_size=256)
+    engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS)
+    _, runner, base_url = await start(engine, model_name=MODEL)
+    messages = [*chat("how?"), {"role": "assistant", "content": answered}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    body = {"model": MODEL, "messages": messages, **flags}
+    try:
+        tokenized = (await post(base_url, "/tokenize", body)).json()
+        prompt = tokenizer.decode(tokenized["tokens"])
+        assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n" + answered), prompt
+        reply = await post(base_url, "/v1/chat/completions", {**body, "max_tokens": 2})
+        assert reply.json()["usage"]["prompt_tokens"] == tokenized["count"]
+    finally:
+        await runner.cleanup()  # type: ignore[attr-defined]
