@@ -76,6 +76,9 @@ FINISH_REASONS = {
     "PROHIBITED_CONTENT": "content_filter",
     "SPII": "content_filter",
     "IMAGE_SAFETY": "content_filter",
+    "IMAGE_PROHIBITED_CONTENT": "content_filter",
+    "IMAGE_RECITATION": "content_filter",
+    "LANGUAGE": "content_filter",  # stopped for a language Gemini does not serve: refused, not finished
 }
 
 PARAMS = ParamTable(
@@ -462,10 +465,19 @@ def _finish(reason: str | None, has_calls: bool) -> str | None:
 
 
 # Finish reasons that say the model failed to produce its answer, not that the answer ended: the
-# function call it wrote could not be parsed, or it called a tool none was offered for. Taken as a
-# finish (OpenAI's `stop`) they reached the client as an empty answer; as the backend's failure
-# (502) the next candidate, or a retry, answers instead.
-_FAILED_FINISH = frozenset({"MALFORMED_FUNCTION_CALL", "UNEXPECTED_TOOL_CALL"})
+# function call it wrote could not be parsed, it called a tool none was offered for or more tools than
+# Gemini allows, its response was malformed, or a thought signature was missing from the request.
+# Taken as a finish (OpenAI's `stop`) they reached the client as an empty answer; as the backend's
+# failure (502) the next candidate, or a retry, answers instead.
+_FAILED_FINISH = frozenset(
+    {
+        "MALFORMED_FUNCTION_CALL",
+        "UNEXPECTED_TOOL_CALL",
+        "TOO_MANY_TOOL_CALLS",
+        "MALFORMED_RESPONSE",
+        "MISSING_THOUGHT_SIGNATURE",
+    }
+)
 
 
 def _check_blocked(data: dict[str, Any]) -> None:
@@ -611,6 +623,11 @@ _DURATION = re.compile(r"\d{1,10}(?:\.\d{1,9})?s")
 # a google.rpc.ErrorInfo among `error.details` says `"reason": "API_KEY_INVALID"`.
 _ERROR_INFO = "type.googleapis.com/google.rpc.ErrorInfo"
 _KEY_REFUSED = "API_KEY_INVALID"
+# Google refuses a project it will not serve (the free tier where it is not offered: "Gemini API free
+# tier is not available in your country. Please enable billing on your project in Google AI Studio.",
+# or "User location is not supported for the API use.") with a 400 FAILED_PRECONDITION: the gateway's
+# account, not the request, as a refused key is.
+_ACCOUNT_REFUSED = "FAILED_PRECONDITION"
 
 
 def _detail(error: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
@@ -645,6 +662,8 @@ def _error(
     kind = detail.get("status")
     if status == 400 and (_detail(detail, _ERROR_INFO) or {}).get("reason") == _KEY_REFUSED:
         status = 401  # the gateway's key, not the request: fails over as another vendor's 401 does
+    elif status == 400 and kind == _ACCOUNT_REFUSED:
+        status = 403  # the gateway's project: fails over as a project without access to the model does
     headers: Mapping[str, str] = response_headers
     hint = retry_hint(detail)
     if hint and not any(name.lower() in ("retry-after", "retry-after-ms") for name in response_headers):

@@ -47,7 +47,9 @@ class Fault:
     # STATUS: Gemini's retry hint, in seconds, where Google puts it: a RetryInfo entry of the error
     # body's `details` (`"retryDelay": "30s"`), with no header. Vendors without such a body ignore it.
     retry_delay: float | None = None
-    code: str | None = None  # STATUS: the vendor's error code (OpenAI: `insufficient_quota`)
+    # STATUS: the vendor's error code (OpenAI: `insufficient_quota`; Gemini: its `status`, e.g.
+    # `FAILED_PRECONDITION`, in place of the one its HTTP status names)
+    code: str | None = None
     message: str | None = None  # STATUS and STREAM_ERROR: overrides the vendor's default message
     seconds: float = 0.0  # DELAY: before the first byte; SLOW_STREAM: between chunks
     after: int = 0  # CUT_STREAM, STREAM_ERROR and STALL: chunks sent before the failure

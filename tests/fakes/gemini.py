@@ -10,8 +10,9 @@ hold an ``ErrorInfo`` of reason ``API_KEY_INVALID`` and a ``LocalizedMessage``, 
 
 Responses carry ``candidates[].content.parts[]`` (``text``; ``functionCall`` with ``args`` for tool
 calls, sent whole in one chunk as Gemini does; a ``thought: true`` part when
-``thinkingConfig.includeThoughts``), ``finishReason`` (``STOP``, ``MAX_TOKENS``), ``usageMetadata`` and
-``modelVersion``/``responseId``. Every stream chunk carries the usage so far, the last one the total.
+``thinkingConfig.includeThoughts``), ``finishReason`` (``STOP``, ``MAX_TOKENS``; any other through
+``stop_next_with``), ``usageMetadata`` and ``modelVersion``/``responseId``. Every stream chunk carries
+the usage so far, the last one the total.
 With ``generationConfig.responseLogprobs`` each candidate also carries ``logprobsResult`` for the text
 it holds (a stream chunk, its own tokens; one token a word): ``chosenCandidates`` (``token``,
 ``tokenId``, ``logProbability``, left out when 0 as proto3 JSON leaves out zeros), ``topCandidates``
@@ -128,12 +129,25 @@ class FakeGemini(FakeServer):
         self.cached_contents: dict[str, dict[str, Any]] = {}
         self.signatures: set[str] = set()  # thought signatures issued, as base64
         self.calls_per_reply = 1
+        self._finish_reasons: list[str] = []
 
     def reset_state(self) -> None:
         self.min_cache_tokens = 1024
         self.cached_contents = {}
         self.signatures = set()
         self.calls_per_reply = 1
+        self._finish_reasons = []
+
+    def stop_next_with(self, reason: str) -> None:
+        """The next answer ends with Gemini's `finishReason` `reason` (`SAFETY`, `LANGUAGE`,
+        `TOO_MANY_TOOL_CALLS`...: ones the echo never gives), its content as usual; streamed, the
+        reason comes on the last chunk, after the text before it."""
+        with self._lock:
+            self._finish_reasons.append(reason)
+
+    def _finish_reason(self, reply: Reply) -> str:
+        with self._lock:
+            return self._finish_reasons.pop(0) if self._finish_reasons else _FINISH[reply.finish]
 
     def call_in_parallel(self, calls: int) -> None:
         """A function call reply holds the call `calls` times, as parallel calls (only the first
@@ -165,7 +179,7 @@ class FakeGemini(FakeServer):
         error: dict[str, Any] = {
             "code": status,
             "message": message or default,
-            "status": extra.get("status", name),
+            "status": extra.get("status") or extra.get("code") or name,  # a fault's `error_code`
         }
         if "details" in extra:
             error["details"] = extra["details"]
@@ -477,7 +491,7 @@ class FakeGemini(FakeServer):
         else:
             final_parts.append({"text": reply.text})
         candidates_total = usage.output_tokens - usage.reasoning_tokens
-        finish = _FINISH[reply.finish]
+        finish = self._finish_reason(reply)
         if method == "generateContent":
             return self.json_response(
                 request, response(final_parts, finish, candidates_total, usage.reasoning_tokens)

@@ -305,6 +305,48 @@ def test_a_gemini_safety_or_recitation_stop_is_each_apis_content_filter(
     assert script.calls == 4 and not gateway.sink.events[-1].fallback
 
 
+@pytest.mark.parametrize("finish", ["LANGUAGE", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION"])
+def test_gemini_stops_of_its_filters_beyond_safety_are_each_apis_content_filter(
+    gateway: RunningGateway, fake_gemini: FakeGemini, finish: str
+) -> None:
+    """Gemini's other filter stops (a language it does not serve, an image's prohibited content or
+    recitation) reached clients as `stop`/`end_turn`: an answer cut by the filter read as complete."""
+    fake_gemini.stop_next_with(finish)
+    chat = gateway.openai().chat.completions.create(model="gemini-flash", messages=HI)
+    assert chat.choices[0].finish_reason == "content_filter" and chat.choices[0].message.content == ECHO
+    fake_gemini.stop_next_with(finish)
+    with gateway.anthropic().messages.stream(model="gemini-flash", max_tokens=100, messages=HI) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "refusal"
+
+
+@pytest.mark.parametrize("finish", ["TOO_MANY_TOOL_CALLS", "MALFORMED_RESPONSE", "MISSING_THOUGHT_SIGNATURE"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_gemini_finish_that_says_it_failed_fails_over_instead_of_ending_the_answer(
+    gateway: RunningGateway, fake_gemini: FakeGemini, finish: str, stream: bool
+) -> None:
+    """Gemini's finishes for an answer it could not give (more tool calls than it allows, a response
+    it could not form, a thought signature missing from the request) reached the client as the
+    model's `stop`, with whatever half-answer came before: as MALFORMED_FUNCTION_CALL, the backend's
+    failure, which the next candidate answers."""
+    for _ in range(2):  # the attempt and its retry in place, as for any 502
+        fake_gemini.stop_next_with(finish)
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="gemini-then-openai", messages=HI, stream=stream
+    )
+    if stream:
+        chunks = list(raw.parse())
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        chat = raw.parse()
+        text, finishes = chat.choices[0].message.content or "", [chat.choices[0].finish_reason]
+    assert text == ECHO and finishes == ["stop"]
+    attempts = events(gateway, 2 if stream else 3)  # a stream goes on elsewhere from where it broke
+    assert (attempts[0].backend, attempts[0].status) == ("gemini", 502)
+    assert (attempts[-1].backend, attempts[-1].status) == ("openai", 200)
+
+
 def test_a_blocked_prompt_is_the_clients_400_in_its_own_shape_and_not_failed_over(
     gateway: RunningGateway, script: Script, fake_anthropic: FakeAnthropic
 ) -> None:

@@ -298,6 +298,30 @@ def test_gemini_refusing_the_gateways_key_is_a_502_not_the_clients_400(gateway: 
     assert "API key not valid" not in body["message"]
 
 
+FREE_TIER_REFUSED = (
+    "Gemini API free tier is not available in your country. Please enable billing on your project in "
+    "Google AI Studio."
+)
+
+
+def test_gemini_refusing_the_gateways_project_fails_over_and_is_no_400_to_the_client(
+    gateway: RunningGateway, fake_gemini: FakeGemini, fake_openai: FakeOpenAI
+) -> None:
+    """Google refuses a project it will not serve (no free tier in the region, no billing) with 400
+    FAILED_PRECONDITION, as if the request were at fault: passed on as that 400, a route's fallback was
+    never asked, and the client was told to enable billing. It is the gateway's account, as a 403."""
+    refused = Fault.status(400, message=FREE_TIER_REFUSED, error_code="FAILED_PRECONDITION")
+    fake_gemini.fail_next(refused, times=3)
+    text, route = chat(gateway, "gemini-first")
+    assert text == ECHO and route["tried"] == "gemini-flash:502,gpt-4o-mini:ok"
+    assert generations(fake_gemini) == 1
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(gateway).chat.completions.create(model="gemini-flash", messages=HI, stream=True)  # type: ignore[arg-type]
+    body: Any = caught.value.body
+    assert caught.value.status_code == 502 and body["code"] == "upstream_auth_failed"
+    assert "billing" not in body["message"]
+
+
 def test_an_anthropic_account_out_of_credit_fails_over_and_is_no_400_to_the_client(
     gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> None:
