@@ -7,6 +7,8 @@ from typing import Any, TypeVar
 import msgspec
 import structlog
 
+from gateway.usage import Usage
+
 
 class GatewayError(Exception):
     """An error the client sees: its HTTP status and the fields of the OpenAI error object."""
@@ -24,10 +26,14 @@ class GatewayError(Exception):
         status: int | None = None,
         type: str | None = None,
         headers: dict[str, str] | None = None,
+        billed: Usage | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        # What the vendor reported, and bills, for the 200 this error stands for (a prompt it blocked,
+        # an answer it failed to give): the attempt is recorded at it, not at nothing.
+        self.billed = billed
         if code is not None:
             self.code = code
         if status is not None:

@@ -266,6 +266,8 @@ class Pipeline:
             failure = exc.type
             if 0 < status < 400:  # answered, then broke: the attempt failed as the client saw it
                 status = exc.status
+            if exc.billed is not None:
+                usage = exc.billed
             raise
         except asyncio.CancelledError:
             # A hedge that lost or a client that left (499), unless the router says otherwise.
@@ -372,6 +374,8 @@ class Pipeline:
             failure = exc.type
             if 0 < status < 400:  # answered, then broke: the attempt failed as the client saw it
                 status = exc.status
+            if exc.billed is not None:  # the vendor's own report, in the event that ended the stream
+                usage, usage_reported = exc.billed, True
             raise
         except (GeneratorExit, asyncio.CancelledError):
             # The client went away mid-stream (499), unless the router ended it (Call.stopped).
@@ -516,8 +520,8 @@ async def _cut_answer(
         backend, model = target.backend.name, target.upstream_model
         try:
             return decode(parse, backend, body, model).usage or Usage(), False
-        except GatewayError:
-            return Usage(), False
+        except GatewayError as exc:
+            return exc.billed or Usage(), False
     if call.endpoint == "embeddings":  # vectors: no output tokens, whatever their size
         return whole_answer(upstream.body, 0, 0), True
     envelope = len(target.provider.empty_answer(target.upstream_model))

@@ -481,13 +481,26 @@ _FAILED_FINISH = frozenset(
 
 
 def _check_blocked(data: dict[str, Any]) -> None:
+    """A blocked prompt, or an answer Gemini failed to give, as the error the client sees. Both came in
+    a 200, which Google bills (only a 4xx or 5xx is free): the error carries the usage reported."""
     feedback = data.get("promptFeedback") or {}
     if feedback.get("blockReason") and not data.get("candidates"):
-        raise InvalidRequest(f"Gemini blocked the prompt: {feedback['blockReason']}", code="content_filter")
+        raise InvalidRequest(
+            f"Gemini blocked the prompt: {feedback['blockReason']}",
+            code="content_filter",
+            billed=_billed(data),
+        )
     for candidate in data.get("candidates") or ():
         reason = candidate.get("finishReason")
         if reason in _FAILED_FINISH:
-            raise BadGateway(f"the Gemini backend failed to answer (finishReason {reason})")
+            raise BadGateway(
+                f"the Gemini backend failed to answer (finishReason {reason})", billed=_billed(data)
+            )
+
+
+def _billed(data: dict[str, Any]) -> Usage | None:
+    """The usage a response reports, or None where it reports none."""
+    return normalise_usage(VENDOR, data["usageMetadata"]) if data.get("usageMetadata") else None
 
 
 def empty_answer(model: str) -> bytes:
@@ -507,7 +520,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     _check_blocked(data)
     if not data.get("candidates"):
         # Neither an answer nor a blocked prompt: a failure to fail over from, never an empty answer.
-        raise BadGateway("the Gemini backend returned a response without candidates")
+        raise BadGateway("the Gemini backend returned a response without candidates", billed=_billed(data))
     choices = []
     for i, candidate in enumerate(data.get("candidates") or ()):
         text, thoughts, calls = _candidate(candidate, [])

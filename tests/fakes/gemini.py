@@ -11,8 +11,9 @@ hold an ``ErrorInfo`` of reason ``API_KEY_INVALID`` and a ``LocalizedMessage``, 
 Responses carry ``candidates[].content.parts[]`` (``text``; ``functionCall`` with ``args`` for tool
 calls, sent whole in one chunk as Gemini does; a ``thought: true`` part when
 ``thinkingConfig.includeThoughts``), ``finishReason`` (``STOP``, ``MAX_TOKENS``; any other through
-``stop_next_with``), ``usageMetadata`` and ``modelVersion``/``responseId``. Every stream chunk carries
-the usage so far, the last one the total.
+``stop_next_with``), ``usageMetadata`` and ``modelVersion``/``responseId``; a blocked prompt
+(``block_next``) gets ``promptFeedback.blockReason``, no candidates and the prompt's usage. Every
+stream chunk carries the usage so far, the last one the total.
 With ``generationConfig.responseLogprobs`` each candidate also carries ``logprobsResult`` for the text
 it holds (a stream chunk, its own tokens; one token a word): ``chosenCandidates`` (``token``,
 ``tokenId``, ``logProbability``, left out when 0 as proto3 JSON leaves out zeros), ``topCandidates``
@@ -130,6 +131,7 @@ class FakeGemini(FakeServer):
         self.signatures: set[str] = set()  # thought signatures issued, as base64
         self.calls_per_reply = 1
         self._finish_reasons: list[str] = []
+        self._block_reasons: list[str] = []
 
     def reset_state(self) -> None:
         self.min_cache_tokens = 1024
@@ -137,6 +139,7 @@ class FakeGemini(FakeServer):
         self.signatures = set()
         self.calls_per_reply = 1
         self._finish_reasons = []
+        self._block_reasons = []
 
     def stop_next_with(self, reason: str) -> None:
         """The next answer ends with Gemini's `finishReason` `reason` (`SAFETY`, `LANGUAGE`,
@@ -144,6 +147,17 @@ class FakeGemini(FakeServer):
         reason comes on the last chunk, after the text before it."""
         with self._lock:
             self._finish_reasons.append(reason)
+
+    def block_next(self, reason: str) -> None:
+        """The next generation's prompt is blocked as Gemini blocks one (`SAFETY`, `PROHIBITED_CONTENT`,
+        `BLOCKLIST`...): a 200 with `promptFeedback.blockReason`, no candidates, and the usage of the
+        prompt alone, which is billed; streamed, that one event."""
+        with self._lock:
+            self._block_reasons.append(reason)
+
+    def _block_reason(self) -> str | None:
+        with self._lock:
+            return self._block_reasons.pop(0) if self._block_reasons else None
 
     def _finish_reason(self, reply: Reply) -> str:
         with self._lock:
@@ -425,6 +439,9 @@ class FakeGemini(FakeServer):
             thoughts = THOUGHT_TOKENS // 4
         n = config.get("candidateCount") or 1
         prompt = len(self._content_tokens(body)) + cached_tokens
+        blocked = self._block_reason()
+        if blocked is not None:
+            return await self._blocked(request, model, method, blocked, prompt, cached_tokens)
         usage, raw = self.take_usage(
             ReportedUsage(
                 input_tokens=prompt - cached_tokens,
@@ -527,6 +544,32 @@ class FakeGemini(FakeServer):
                     await stream.send(f"[{text}".encode() if i == 0 else f",\r\n{text}".encode())
             if not sse_mode:
                 await stream.send(b"]")
+        return stream.response
+
+    async def _blocked(
+        self, request: web.Request, model: str, method: str, reason: str, prompt: int, cached: int
+    ) -> web.StreamResponse:
+        """A blocked prompt's answer: its feedback and the prompt's usage, no candidates."""
+        usage, raw = self.take_usage(ReportedUsage(input_tokens=prompt - cached, cached_input_tokens=cached))
+        meta: dict[str, Any] = {
+            "promptTokenCount": usage.prompt_tokens,
+            "totalTokenCount": usage.prompt_tokens,
+        }
+        if usage.cached_input_tokens:
+            meta["cachedContentTokenCount"] = usage.cached_input_tokens
+        meta["promptTokensDetails"] = [{"modality": "TEXT", "tokenCount": usage.prompt_tokens}]
+        if raw:
+            deep_merge(meta, raw)
+        payload = {
+            "promptFeedback": {"blockReason": reason},
+            "usageMetadata": meta,
+            "modelVersion": model,
+            "responseId": secrets.token_urlsafe(16),
+        }
+        if method == "generateContent":
+            return self.json_response(request, payload)
+        async with self.open_stream(request) as stream:
+            await stream.send(sse(payload, sep=b"\r\n\r\n"))
         return stream.response
 
     async def _count_tokens(

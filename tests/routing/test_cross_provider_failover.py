@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import openai
 import pydantic
 import pytest
 
+from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
@@ -355,6 +357,48 @@ def test_a_blocked_prompt_is_the_clients_400_in_its_own_shape_and_not_failed_ove
         gateway.anthropic().messages.create(model="scripted-gemini", max_tokens=100, messages=HI)
     assert refused.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
     assert "SAFETY" in refused.value.message and not fake_anthropic.requests
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_blocked_gemini_prompt_is_billed_the_prompt_gemini_reported(
+    gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
+) -> None:
+    """Gemini answers a blocked prompt with a 200 whose usage counts the prompt, and bills it (only a
+    4xx or 5xx is free). The client's 400 recorded nothing: a tenant's blocked prompts cost its
+    budget nothing, and the ledger fell short of Google's bill."""
+    fake_gemini.block_next("PROHIBITED_CONTENT")
+    with pytest.raises(openai.BadRequestError) as refused:
+        gateway.openai().chat.completions.create(model="gemini-flash", messages=HI, stream=stream)
+    assert refused.value.code == "content_filter" and "PROHIBITED_CONTENT" in refused.value.message
+    (attempt,) = events(gateway, 1)
+    assert (attempt.status, attempt.estimated) == (400, False)
+    assert attempt.usage == Usage(input_tokens=fake_gemini.last_usage.input_tokens) != Usage()
+    assert attempt.cost_pico_usd > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_gemini_answer_it_failed_to_give_is_billed_what_gemini_reported(
+    gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
+) -> None:
+    """A failed finish (here after thinking, which Gemini bills as output) is the backend's 502 and
+    fails over, but Gemini billed the answer: each such attempt was recorded at nothing (a JSON
+    answer) or at an estimate of its text alone, its thoughts left out (a stream)."""
+    for _ in range(2):  # the attempt and its retry in place, as for any 502
+        fake_gemini.stop_next_with("MALFORMED_FUNCTION_CALL")
+    chat = gateway.openai().chat.completions.create(
+        model="gemini-then-openai", messages=HI, stream=stream, reasoning_effort="low"
+    )
+    if stream:
+        assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == ECHO  # type: ignore[union-attr]
+    attempts = events(gateway, 2 if stream else 3)
+    failed = [a for a in attempts if a.backend == "gemini"]
+    assert [a.status for a in failed] == [502] * len(failed)
+    reported = fake_gemini.usages[: len(failed)]
+    assert [a.usage for a in failed] == [
+        Usage(input_tokens=r.input_tokens, output_tokens=r.output_tokens, reasoning_tokens=r.reasoning_tokens)
+        for r in reported
+    ]
+    assert all(a.usage.reasoning_tokens > 0 and not a.estimated for a in failed)
 
 
 @pytest.mark.parametrize(
