@@ -99,6 +99,10 @@ PARAMS = ParamTable(
 EFFORT_BUDGETS = {"none": 0, "minimal": 1024, "low": 1024, "medium": 8192, "high": 24576}
 EFFORT_BUDGETS |= {"xhigh": 24576, "max": 24576}  # Anthropic's efforts above high: Flash's top budget
 DYNAMIC = -1  # thinkingBudget -1: the model decides how much to think
+# Gemini 2.5 Pro cannot stop thinking: its budgets run from 128, and a budget of 0 is its 400 ("Budget
+# 0 is invalid. This model only works in thinking mode."). No thinking asked of it is its least.
+_ALWAYS_THINKS = re.compile(r"gemini-2\.5-pro")
+LEAST_PRO_BUDGET = 128
 
 # JSON-schema keywords Gemini's OpenAPI-subset `parameters` rejects.
 _UNSUPPORTED_SCHEMA_KEYS = frozenset(
@@ -343,6 +347,8 @@ def _thinking_config(request: ChatRequest, model: str) -> dict[str, Any] | None:
         budget = DYNAMIC  # the model decides, as Anthropic's adaptive thinking
     if budget is None:
         return None  # the model's default: it may think, and its thoughts are not returned
+    if budget == 0 and _ALWAYS_THINKS.search(model):
+        return {"thinkingBudget": LEAST_PRO_BUDGET}  # the least there is; its thoughts are not asked for
     config: dict[str, Any] = {"thinkingBudget": budget}
     if budget != 0:
         config["includeThoughts"] = True  # reasoning asked for is shown, as reasoning_content

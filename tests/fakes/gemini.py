@@ -30,8 +30,8 @@ when the first ``functionCall`` of a model step since the last user text lacks o
 thought_signature") or carries one this server never issued ("Corrupted thought signature"), the
 documented stand-in ``skip_thought_signature_validator`` excepted. Gemini 2 models check nothing.
 ``thinkingConfig`` is checked per model: ``thinkingLevel`` only on Gemini 3 and only the levels each
-takes (`THINKING_LEVELS`), never beside ``thinkingBudget``, and a budget of 0 refused by 3 Pro, which
-cannot stop thinking.
+takes (`THINKING_LEVELS`), never beside ``thinkingBudget``, and a budget of 0 refused by 2.5 Pro and
+3 Pro, which cannot stop thinking (`ALWAYS_THINKS`).
 
 Usage: ``promptTokenCount`` counts every prompt token including ``cachedContentTokenCount``, which is
 reported when the request names a ``cachedContent`` created earlier (its whole size; creating one
@@ -94,13 +94,17 @@ THINKING_LEVELS = {
 }
 
 
+# Models that cannot stop thinking: a thinkingBudget of 0 is their 400.
+ALWAYS_THINKS = frozenset({"gemini-2.5-pro", "gemini-3-pro-preview"})
+
+
 def check_thinking(model: str, thinking: dict[str, Any]) -> None:
     level, budget = thinking.get("thinkingLevel"), thinking.get("thinkingBudget")
     if level is not None and budget is not None:
         raise Invalid(400, "You cannot use both thinking_level and the legacy thinking_budget parameter.")
     if level is not None and level not in THINKING_LEVELS.get(model, ()):
         raise Invalid(400, f"Thinking level {level} is not supported for this model.")
-    if budget == 0 and model == "gemini-3-pro-preview":
+    if budget == 0 and model in ALWAYS_THINKS:
         raise Invalid(400, "Budget 0 is invalid. This model only works in thinking mode.")
 
 

@@ -21,7 +21,7 @@ from gateway.config import Backend
 from gateway.providers import openai as openai_provider
 from gateway.providers.base import CONTINUE_INSTRUCTION
 from gateway.types import ChatRequest, Message
-from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway, full_config_text
 from tests.routing.routed import FAST, ledger, route_header
 
@@ -31,6 +31,7 @@ MODELS = """\
   - {name: o4-mini, backend: openai}
   - {name: o3-mini, backend: openai}
   - {name: gpt-5-mini, backend: openai}
+  - {name: gemini-25-pro, backend: gemini, model: gemini-2.5-pro}
 """
 ROUTES = f"""\
 routes:
@@ -38,6 +39,7 @@ routes:
   - {{name: claude-then-o4, candidates: [{{model: claude-sonnet}}, {{model: o4-mini}}, {{model: gpt-4o-mini}}], {FAST}}}
   - {{name: claude-then-o4-only, candidates: [{{model: claude-sonnet}}, {{model: o4-mini}}], {FAST}}}
   - {{name: o3-first, candidates: [{{model: o3-mini}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: gpt5-then-gemini-pro, candidates: [{{model: gpt-5}}, {{model: gemini-25-pro}}], {FAST}}}
 """
 OVERLOADED = Fault.status(529)  # Anthropic's overload: retried once in place (FAST), then failed over
 
@@ -203,6 +205,22 @@ def test_a_reasoning_model_alone_answers_a_parameter_it_refuses_with_a_clear_400
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == parameter and error["code"] == code
     assert parameter in error["message"]
+
+
+def test_no_reasoning_asked_of_a_gemini_2_5_pro_fallback_is_its_least_budget_not_its_400(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_gemini: FakeGemini
+) -> None:
+    """`reasoning_effort: "none"` (GPT-5.1's default, which clients send) was Gemini's budget 0, which
+    2.5 Pro refuses ("This model only works in thinking mode"): the route ended with Gemini's 400
+    once gpt-5 was down. 2.5 Pro gets its least budget, 128, its thoughts not asked for."""
+    fake_openai.fail_next(500, times=2)
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="gpt5-then-gemini-pro", messages=HI, reasoning_effort="none"
+    )
+    chat = raw.parse()
+    assert route_header(raw)["candidate"] == "gemini-25-pro" and chat.choices[0].message.content == ECHO
+    assert fake_gemini.last_request.json["generationConfig"]["thinkingConfig"] == {"thinkingBudget": 128}
+    assert (chat.choices[0].message.model_extra or {}).get("reasoning_content") is None
 
 
 def test_a_responses_clients_temperature_skips_the_reasoning_fallback(
