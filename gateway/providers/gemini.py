@@ -99,10 +99,27 @@ PARAMS = ParamTable(
 EFFORT_BUDGETS = {"none": 0, "minimal": 1024, "low": 1024, "medium": 8192, "high": 24576}
 EFFORT_BUDGETS |= {"xhigh": 24576, "max": 24576}  # Anthropic's efforts above high: Flash's top budget
 DYNAMIC = -1  # thinkingBudget -1: the model decides how much to think
-# Gemini 2.5 Pro cannot stop thinking: its budgets run from 128, and a budget of 0 is its 400 ("Budget
-# 0 is invalid. This model only works in thinking mode."). No thinking asked of it is its least.
-_ALWAYS_THINKS = re.compile(r"gemini-2\.5-pro")
-LEAST_PRO_BUDGET = 128
+# The thinkingBudget each Gemini 2.5 model takes, as Google documents it: least, most, and whether 0
+# stops its thinking. A budget outside is its 400 ("The thinking budget 31999 is invalid. Please
+# choose a value between 0 and 24576.": an Anthropic client's large budget), and 2.5 Pro, which cannot
+# stop thinking, refuses 0 ("Budget 0 is invalid. This model only works in thinking mode.").
+_BUDGET_RANGES = (
+    (re.compile(r"gemini-2\.5-pro"), 128, 32768, False),
+    (re.compile(r"gemini-2\.5-flash-lite"), 512, 24576, True),
+    (re.compile(r"gemini-2\.5-flash"), 1, 24576, True),
+)
+
+
+def _budget_for(model: str, budget: int) -> int:
+    """A thinking budget as the model takes it: within its range (the nearest it takes; no thinking on
+    2.5 Pro, its least), the dynamic -1 as it is. Models the table does not know get it unchanged."""
+    for pattern, least, most, stops in _BUDGET_RANGES:
+        if pattern.search(model):
+            if budget == DYNAMIC or (budget == 0 and stops):
+                return budget
+            return min(max(budget, least), most)
+    return budget
+
 
 # JSON-schema keywords Gemini's OpenAPI-subset `parameters` rejects.
 _UNSUPPORTED_SCHEMA_KEYS = frozenset(
@@ -347,9 +364,7 @@ def _thinking_config(request: ChatRequest, model: str) -> dict[str, Any] | None:
         budget = DYNAMIC  # the model decides, as Anthropic's adaptive thinking
     if budget is None:
         return None  # the model's default: it may think, and its thoughts are not returned
-    if budget == 0 and _ALWAYS_THINKS.search(model):
-        return {"thinkingBudget": LEAST_PRO_BUDGET}  # the least there is; its thoughts are not asked for
-    config: dict[str, Any] = {"thinkingBudget": budget}
+    config: dict[str, Any] = {"thinkingBudget": _budget_for(model, budget)}
     if budget != 0:
         config["includeThoughts"] = True  # reasoning asked for is shown, as reasoning_content
     return config

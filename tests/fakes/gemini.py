@@ -31,7 +31,8 @@ thought_signature") or carries one this server never issued ("Corrupted thought 
 documented stand-in ``skip_thought_signature_validator`` excepted. Gemini 2 models check nothing.
 ``thinkingConfig`` is checked per model: ``thinkingLevel`` only on Gemini 3 and only the levels each
 takes (`THINKING_LEVELS`), never beside ``thinkingBudget``, and a budget of 0 refused by 2.5 Pro and
-3 Pro, which cannot stop thinking (`ALWAYS_THINKS`).
+3 Pro, which cannot stop thinking (`ALWAYS_THINKS`), as is a budget outside a 2.5 model's range
+(`BUDGET_RANGES`).
 
 Usage: ``promptTokenCount`` counts every prompt token including ``cachedContentTokenCount``, which is
 reported when the request names a ``cachedContent`` created earlier (its whole size; creating one
@@ -96,6 +97,13 @@ THINKING_LEVELS = {
 
 # Models that cannot stop thinking: a thinkingBudget of 0 is their 400.
 ALWAYS_THINKS = frozenset({"gemini-2.5-pro", "gemini-3-pro-preview"})
+# The thinkingBudget range of each Gemini 2.5 model, as Google documents it (-1, the dynamic budget,
+# and 0, which stops thinking where the model can, aside).
+BUDGET_RANGES = {
+    "gemini-2.5-pro": (128, 32768),
+    "gemini-2.5-flash": (0, 24576),
+    "gemini-2.5-flash-lite": (512, 24576),
+}
 
 
 def check_thinking(model: str, thinking: dict[str, Any]) -> None:
@@ -106,6 +114,11 @@ def check_thinking(model: str, thinking: dict[str, Any]) -> None:
         raise Invalid(400, f"Thinking level {level} is not supported for this model.")
     if budget == 0 and model in ALWAYS_THINKS:
         raise Invalid(400, "Budget 0 is invalid. This model only works in thinking mode.")
+    least, most = BUDGET_RANGES.get(model, (0, None))
+    if budget not in (None, -1, 0) and (budget < least or (most is not None and budget > most)):
+        raise Invalid(
+            400, f"The thinking budget {budget} is invalid. Please choose a value between {least} and {most}."
+        )
 
 
 _FINISH = {"stop": "STOP", "stop_sequence": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP"}

@@ -813,6 +813,40 @@ def test_adaptive_thinking_to_gemini_is_a_dynamic_budget(
     assert config["thinkingConfig"] == {"thinkingBudget": -1, "includeThoughts": True}
 
 
+def test_an_anthropic_clients_budget_above_gemini_flashs_range_is_its_most(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Claude takes budgets up to its output limit (Claude Code's 31999); 2.5 Flash takes 1 to 24576
+    and refused the rest with a 400 ("The thinking budget 31999 is invalid"): it gets its most."""
+    message = gateway.anthropic().messages.create(
+        model="gemini-flash",
+        max_tokens=40000,
+        thinking={"type": "enabled", "budget_tokens": 31999},
+        messages=[{"role": "user", "content": "a b"}],
+    )
+    config = fake_gemini.last_request.json["generationConfig"]
+    assert config["thinkingConfig"] == {"thinkingBudget": 24576, "includeThoughts": True}
+    assert [block.type for block in message.content] == ["thinking", "text"]
+
+
+@pytest.mark.parametrize(
+    ("model", "budget", "sent"),
+    [
+        ("gemini-2.5-pro", 0, 128),  # cannot stop thinking: its least
+        ("gemini-2.5-pro", 40000, 32768),
+        ("gemini-2.5-flash-lite", 100, 512),
+        ("gemini-2.5-flash-lite", 0, 0),  # stops thinking
+        ("gemini-2.5-flash", 0, 0),
+        ("gemini-2.5-flash", -1, -1),  # dynamic, on every model
+        ("gemini-2.5-pro", -1, -1),
+    ],
+)
+def test_gemini_2_5_budgets_are_sent_within_each_models_range(model: str, budget: int, sent: int) -> None:
+    config = gemini.chat_body(chat(reasoning_budget=budget), model)["generationConfig"]["thinkingConfig"]
+    assert config["thinkingBudget"] == sent and ("includeThoughts" in config) is (budget != 0)
+    check_thinking(model, config)  # the fake's rules, as Google's
+
+
 def test_output_config_format_is_structured_output_on_any_backend(
     gateway: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:
