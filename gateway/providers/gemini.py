@@ -414,7 +414,26 @@ def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
         config["responseMimeType"] = "application/json"
         if form.json_schema is not None and form.json_schema.schema:
             config["responseSchema"] = clean_schema(form.json_schema.schema)
+    if "systemInstruction" in body and _NO_SYSTEM.search(model):
+        _fold_system(body)
     return body
+
+
+# Gemma, served by the same API, takes no system instruction ("Developer instruction is not enabled
+# for models/gemma-3-27b-it", a 400 for every request with a system prompt): it has no system role, and
+# Google's guidance is to give the instructions at the start of the first user turn.
+_NO_SYSTEM = re.compile(r"\bgemma-")
+
+
+def _fold_system(body: dict[str, Any]) -> None:
+    """The system instruction as the first parts of the first user turn (one of its own before a
+    conversation that starts with the model's)."""
+    parts = body.pop("systemInstruction")["parts"]
+    contents = body["contents"]
+    if contents and contents[0]["role"] == "user":
+        contents[0]["parts"] = [*parts, *contents[0]["parts"]]
+    else:
+        contents.insert(0, {"role": "user", "parts": parts})
 
 
 def continuation(backend: Backend, model: str) -> Continuation:

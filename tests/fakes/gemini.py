@@ -20,7 +20,8 @@ it holds (a stream chunk, its own tokens; one token a word): ``chosenCandidates`
 (``generationConfig.logprobs`` candidates a step, most likely first, only when that is set) and
 ``logProbabilitySum``, with ``avgLogprobs`` beside it.
 
-Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents`` and ``maxOutputTokens`` outside 1..65536,
+Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents``, ``maxOutputTokens`` outside 1..65536, a
+``systemInstruction`` to Gemma (``gemma-3-27b-it``: "Developer instruction is not enabled"),
 and on 3.5 Flash-Lite and 3.6 on (`NO_PREFILL`) contents ending with a model turn, which earlier
 models continue (a prefill).
 
@@ -137,6 +138,7 @@ class FakeGemini(FakeServer):
         "gemini-2.0-flash",
         "gemini-3-pro-preview",
         "gemini-3-flash-preview",
+        "gemma-3-27b-it",
         "gemini-embedding-001",
         "text-embedding-004",
     )
@@ -430,6 +432,8 @@ class FakeGemini(FakeServer):
                     400, "Model used by GenerateContent request and CachedContent has to be the same."
                 )
             cached_tokens = cache["tokens"]
+        if model.startswith("gemma-") and (body.get("systemInstruction") or body.get("system_instruction")):
+            raise Invalid(400, f"Developer instruction is not enabled for models/{model}")
         signs = model.startswith("gemini-3")
         if signs:
             self._check_signatures(body)

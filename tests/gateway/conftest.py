@@ -77,6 +77,7 @@ EXTRA_MODELS = """\
   - {name: text-embedding-3-small, backend: openai}
   - {name: gemini-embedding, backend: gemini, model: gemini-embedding-001}
   - {name: gemini-pro, backend: gemini, model: gemini-3-pro-preview}
+  - {name: gemma, backend: gemini, model: gemma-3-27b-it}
   - {name: claude-opus-46, backend: anthropic, model: claude-opus-4-6}
   - {name: claude-opus-47, backend: anthropic, model: claude-opus-4-7}
   - {name: deepseek-chat, backend: deepseek}

@@ -23,6 +23,7 @@ import pytest
 
 from gateway.config import Backend
 from gateway.errors import InvalidRequest
+from gateway.providers import gemini
 from gateway.providers import openai as openai_provider
 from gateway.types import ChatRequest, Message
 from tests.fakes import FakeGemini, FakeOpenAI
@@ -127,6 +128,47 @@ def test_gemini_is_never_sent_a_content_without_parts(
         assert contents == [
             {"role": "user", "parts": [{"text": "first question"}, {"text": "second question"}]}
         ]
+
+
+def test_gemma_is_sent_the_system_prompt_at_the_start_of_the_first_user_turn(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Gemma, served by the Gemini API, refuses a system instruction ("Developer instruction is not
+    enabled for models/gemma-3-27b-it"): every request with a system prompt was its 400. Gemma has
+    no system role; the instructions open the first user turn, as Google advises for it."""
+    asked: Any = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "one two"},
+        {"role": "assistant", "content": "one two"},
+        {"role": "user", "content": "three"},
+    ]
+    chat = gateway.openai().chat.completions.create(model="gemma", messages=asked)
+    assert chat.choices[0].message.content == "three"
+    sent = fake_gemini.last_request.json
+    assert "systemInstruction" not in sent
+    assert sent["contents"][0] == {"role": "user", "parts": [{"text": "Be brief."}, {"text": "one two"}]}
+    message = gateway.anthropic().messages.create(
+        model="gemma", max_tokens=50, system="Be brief.", messages=[{"role": "user", "content": "four"}]
+    )
+    assert message.content[0].type == "text" and message.content[0].text.endswith("four")
+    assert fake_gemini.last_request.json["contents"] == [
+        {"role": "user", "parts": [{"text": "Be brief."}, {"text": "four"}]}
+    ]
+
+
+def test_a_gemma_conversation_that_starts_with_the_model_gets_the_instructions_before_it() -> None:
+    request = ChatRequest(
+        model="gemma",
+        messages=[
+            Message(role="system", content="Be brief."),
+            Message(role="assistant", content="Hello."),
+            Message(role="user", content="Hi"),
+        ],
+    )
+    body = gemini.chat_body(request, "gemma-3-27b-it")
+    assert "systemInstruction" not in body
+    assert body["contents"][0] == {"role": "user", "parts": [{"text": "Be brief."}]}
+    assert "systemInstruction" in gemini.chat_body(request, "gemini-2.5-flash")
 
 
 # --- Gemini before 3: structured output beside tools, in words --------------------------------------
