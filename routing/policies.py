@@ -184,6 +184,11 @@ def fits(choice: Choice, feats: Features, output_tokens: int) -> str | None:
     return None
 
 
+def _stats(choice: Choice, ctx: PolicyContext) -> ModelStats:
+    """What the router has learned of this candidate's model on its backend."""
+    return ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+
+
 def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: PolicyContext) -> float:
     """Expected USD for this request at the prices that will bill it, counting the shares of the
     prompt the cache is expected to serve and to be written with (each billed at its own price:
@@ -212,7 +217,7 @@ def _cache_shares(choice: Choice, feats: Features, ctx: PolicyContext) -> dict[T
     that mark one) reads was a discount this request never gets."""
     if choice.target.backend.type == "anthropic" and feats.cache_breakpoints is False:
         return {}
-    stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+    stats = _stats(choice, ctx)
     observed = stats.prompt_shares(feats.prompt_tokens)
     return observed or {TokenClass.CACHED_INPUT: choice.candidate.cache_hit_rate}
 
@@ -228,7 +233,7 @@ def expected_output(
     token), so the candidate where the request cost (or took) the most could win."""
     expected = float(route.expected_output_tokens)
     if reasoning:
-        stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+        stats = _stats(choice, ctx)
         expected += stats.reasoning_tokens or 0.0
     limit = feats.max_output_tokens
     return expected if not limit else min(expected, choice.candidate.output_within(limit))
@@ -287,7 +292,7 @@ def lowest_latency(
 ) -> list[Choice]:
     now = time.monotonic()
     for choice in choices:
-        stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+        stats = _stats(choice, ctx)
         if stats.ttft_s is None and stats.latency_s is not None:
             # Answered (or too slow to: `routing.stats`), but never streamed (no first token to
             # time): the whole attempts' moving average. Left "unmeasured", a route whose clients
@@ -342,7 +347,7 @@ def _stale(route: Route, ranked: list[Choice], ctx: PolicyContext, now: float) -
     for choice in ranked[1:]:
         if choice.reason != "expected_seconds":
             continue
-        stats = ctx.stats.get(choice.target.backend.name, choice.target.upstream_model)
+        stats = _stats(choice, ctx)
         seen = max(stats.learned_at or 0.0, stats.measuring_at or 0.0)
         if now - seen <= REMEASURE_S or _open(choice, route, ctx):
             continue
@@ -354,7 +359,7 @@ def _stale(route: Route, ranked: list[Choice], ctx: PolicyContext, now: float) -
 def _measuring(choice: Choice, ctx: PolicyContext) -> None:
     """A request was sent to measure `choice`: the next ones go elsewhere until its answer comes (an
     unmeasured one for RETRY_UNMEASURED_S at most, a stale one for REMEASURE_S), not all of them."""
-    ctx.stats.get(choice.target.backend.name, choice.target.upstream_model).measuring_at = time.monotonic()
+    _stats(choice, ctx).measuring_at = time.monotonic()
 
 
 async def difficulty(
