@@ -241,13 +241,8 @@ class Pipeline:
         reading: asyncio.Task[bytes] | None = None  # the body, while the attempt waits for it
         backend = target.backend
         try:
-            if left:
-                raise asyncio.CancelledError  # admitted as its client left: recorded as its 499
-            if sending is not None:
-                sending()
-            response = await self.transport.send(upstream, backend.timeouts, backend.name)
+            response = await self._send(target, upstream, left, sending)
             status = response.status
-            self.loads.observe(backend.name, response.headers)
             # Read in a task of its own: cancelled meanwhile, the attempt can still have the body (and
             # its usage) that is coming in, where a cancelled read would drop what it had read.
             reading = asyncio.ensure_future(
@@ -324,13 +319,8 @@ class Pipeline:
         reasoning_streamed = False
         backend = target.backend
         try:
-            if left:
-                raise asyncio.CancelledError  # admitted as its client left: recorded as its 499
-            if sending is not None:
-                sending()
-            response = await self.transport.send(upstream, backend.timeouts, backend.name)
+            response = await self._send(target, upstream, left, sending)
             status = response.status
-            self.loads.observe(backend.name, response.headers)
             if status >= 400:
                 body = await self.transport.read(response, backend.timeouts, backend.name, MAX_RESPONSE_BODY)
                 raise target.provider.error(status, body, response.headers)
@@ -408,6 +398,21 @@ class Pipeline:
                 estimated=estimated,
                 reasoning_streamed=reasoning_streamed,
             )
+
+    async def _send(
+        self, target: Target, upstream: UpstreamRequest, left: bool, sending: Callable[[], None] | None
+    ) -> UpstreamResponse:
+        """Send an admitted attempt upstream and note the load its backend reports. One admitted as its
+        client left (`left`) is not sent: it raises CancelledError, for its caller to record as its
+        499. Its one await is the transport's: cancelled there, its caller holds no response yet."""
+        if left:
+            raise asyncio.CancelledError
+        if sending is not None:
+            sending()
+        backend = target.backend
+        response = await self.transport.send(upstream, backend.timeouts, backend.name)
+        self.loads.observe(backend.name, response.headers)
+        return response
 
     async def _admit(self, call: Call, target: Target, upstream: UpstreamRequest, attempt: int) -> bool:
         """Admit the request's first attempt (rate limits, budgets, stream slots); a refusal raises.
