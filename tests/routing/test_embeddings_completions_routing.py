@@ -15,7 +15,7 @@ import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway, full_config_text
-from tests.routing.routed import FAST, ledger, route_header
+from tests.routing.routed import FAST, ledger, route_header, runtime
 
 # A second account of OpenAI's text-embedding-3-small (an Azure deployment of the same model, on the
 # fake OpenAI's Azure paths: a fault queued for `/v1/embeddings` leaves it alone), and Gemini's
@@ -107,12 +107,16 @@ def test_the_first_planned_model_sets_the_space_even_when_its_breaker_is_open(
         for _ in range(2):
             with pytest.raises(openai.APIStatusError):
                 gateway.openai().embeddings.create(model="embed", input="hi")
-        with pytest.raises(openai.APIStatusError) as caught:
+        assert runtime(gateway).router.breakers.state("openai/text-embedding-3-small") == "open"
+        with pytest.raises(openai.APIStatusError) as caught:  # fails fast, Gemini still no answer
             gateway.openai().embeddings.create(model="embed", input="hi")
     finally:
         fake_openai.start()
     assert caught.value.status_code == 503  # every candidate of the space is open: retry later
-    assert route_header(caught.value.response)["tried"].endswith("text-embedding-3-small:open")
+    assert (
+        route_header(caught.value.response)["tried"]
+        == "gemini-embedding:unsupported,text-embedding-3-small:open"
+    )
     assert not fake_gemini.requests
 
 

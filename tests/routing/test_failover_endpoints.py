@@ -9,7 +9,7 @@ import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
-from tests.routing.routed import FAST, ledger, route_header, runtime
+from tests.routing.routed import FAST, ledger, route_header
 
 ROUTES = f"""\
 routes:
@@ -112,39 +112,8 @@ def test_plain_completions_model_keeps_single_attempt_semantics(
 
 
 # --- embeddings ------------------------------------------------------------------------------------
-
-
-def test_embeddings_500_on_the_primary_are_not_answered_by_another_model(
-    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_gemini: FakeGemini
-) -> None:
-    # gemini-embedding-001's 3072-wide vectors are no answer for a client indexing text-embedding-3-small's
-    # 1536-wide ones: the primary's failure reaches the client (replicas of one model fail over:
-    # tests/routing/test_embeddings_completions_routing.py).
-    fake_openai.fail_next(500, times=2)
-    with pytest.raises(openai.InternalServerError) as caught:
-        gateway.openai().embeddings.create(model="embed", input=["a b", "c"])
-    route = route_header(caught.value.response)
-    assert (
-        route["tried"] == "gemini-embedding:unsupported,text-embedding-3-small:502,text-embedding-3-small:502"
-    )
-    assert ledger(gateway) == [("openai", 500), ("openai", 500)]
-    assert not fake_gemini.requests
-
-
-def test_embeddings_breaker_opens_and_fails_fast(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
-    breakers = runtime(gateway).router.breakers
-    fake_openai.stop()
-    for _ in range(2):
-        with pytest.raises(openai.APIStatusError):
-            gateway.openai().embeddings.create(model="embed", input="hi")
-    assert breakers.state("openai/text-embedding-3-small") == "open"  # 3 refused connections
-    with pytest.raises(openai.APIStatusError) as caught:
-        gateway.openai().embeddings.create(model="embed", input="hi")
-    assert caught.value.status_code == 503
-    assert (
-        route_header(caught.value.response)["tried"]
-        == "gemini-embedding:unsupported,text-embedding-3-small:open"
-    )
+# A failing embeddings model never fails over to another (its vectors are another size and space), and
+# its breaker opens as a chat model's does: tests/routing/test_embeddings_completions_routing.py.
 
 
 def test_embeddings_skip_candidates_that_cannot_embed(
