@@ -236,9 +236,22 @@ async def test_a_budget_stored_above_the_bound_is_counted_as_the_bound(
     assert await state.budget_usage(budget) == (0, 20 * 10**7)  # only the small request is reserved
 
 
+@pytest.fixture
+async def control(db_url: str, tmp_path: Path) -> AsyncIterator[ControlPlane]:
+    """A control plane over a migrated ledger that holds USD 2 of this month's spend, settled long ago:
+    what a seed reads, beside the attempts a test writes."""
+    plane = ControlPlane(ControlPlaneSettings(database_url=db_url, spool_dir=str(tmp_path / "spool")))
+    try:
+        await migrate.upgrade_async(db_url)
+        await plane.writer.write([event("before", Usage(input_tokens=10), 2 * 10**12)])
+        yield plane
+    finally:
+        await plane.stop()
+
+
 @pytest.mark.redis
 async def test_an_attempt_whose_event_reached_the_ledger_before_its_settlement_counts_once(
-    db_url: str, tmp_path: Path, redis_prefix: str, redis_client: aioredis.Redis
+    control: ControlPlane, redis_prefix: str, redis_client: aioredis.Redis
 ) -> None:
     """Redis lost a budget while replica A's request was in flight. Its usage event reaches the
     ledger before its settlement reaches Redis, and replica B seeds the budget in between: the
@@ -247,15 +260,12 @@ async def test_an_attempt_whose_event_reached_the_ledger_before_its_settlement_c
     ledger's recent events it counted, and the late settlement of one of them adds nothing; one of
     an event the ledger did not hold counts as ever."""
     usd = 10**12
-    control = ControlPlane(ControlPlaneSettings(database_url=db_url, spool_dir=str(tmp_path / "spool")))
     states = [RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix) for _ in range(2)]
     replicas = [Admission(s, lambda: EMBEDDINGS, spend=control._spend_this_month) for s in states]
     quotas = Quotas("t", None, tenant_budget_micro_usd=5 * 10**6)  # USD 5
     budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
     late = event("r1", Usage(input_tokens=10), usd)
     try:
-        await migrate.upgrade_async(db_url)
-        await control.writer.write([event("before", Usage(input_tokens=10), 2 * usd)])  # settled long ago
         await replicas[0].admit("r1", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
         await lose_budget(redis_client, redis_prefix, "tenant", "t")
         await control.writer.write([late])  # r1's event is written to the ledger...
@@ -270,12 +280,11 @@ async def test_an_attempt_whose_event_reached_the_ledger_before_its_settlement_c
     finally:
         for state in states:
             await state.close()
-        await control.stop()
 
 
 @pytest.mark.redis
 async def test_a_seed_made_while_redis_was_away_counts_a_late_settlement_once(
-    db_url: str, tmp_path: Path, redis_prefix: str, redis_client: aioredis.Redis
+    control: ControlPlane, redis_prefix: str, redis_client: aioredis.Redis
 ) -> None:
     """As above, but replica A, which seeds the budget, cannot reach Redis then: its seed waits for
     Redis to answer again (DegradableState._catch_up), and was handed over with the ledger's spend
@@ -283,7 +292,6 @@ async def test_a_seed_made_while_redis_was_away_counts_a_late_settlement_once(
     came after the seed landed counted it again (USD 4 on the books for USD 3 spent). The seed now
     lands as it would have, with the recent events the ledger held when it was read."""
     usd = 10**12
-    control = ControlPlane(ControlPlaneSettings(database_url=db_url, spool_dir=str(tmp_path / "spool")))
     proxy = TcpProxy(6379)  # Redis as replica A sees it: stop() plays an outage
     await proxy.start()
     a = DegradableState(
@@ -295,8 +303,6 @@ async def test_a_seed_made_while_redis_was_away_counts_a_late_settlement_once(
     budget = budget_key("tenant", "t", month_of(dt.datetime.now(dt.UTC)))
     late = event("r1", Usage(input_tokens=10), usd)
     try:
-        await migrate.upgrade_async(db_url)
-        await control.writer.write([event("before", Usage(input_tokens=10), 2 * usd)])  # settled long ago
         await replicas[1].admit("r1", quotas, "b", "m", prompt_tokens=10, max_output_tokens=0)
         await lose_budget(redis_client, redis_prefix, "tenant", "t")
         await control.writer.write([late])  # r1's event is written to the ledger...
@@ -320,7 +326,6 @@ async def test_a_seed_made_while_redis_was_away_counts_a_late_settlement_once(
         await a.close()
         await b.close()
         await proxy.stop()
-        await control.stop()
 
 
 @pytest.mark.redis
