@@ -10,12 +10,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import anthropic
 import httpx
@@ -23,77 +20,11 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionContentPartParam
 
-from gateway.app import create_app
-from gateway.config import parse_config
 from gateway.estimate import INLINE_PART_TOKENS, input_tokens
 from gateway.types import ChatRequest, Message
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL, sync_exec
+from tests.control.conftest import ADMIN, CONFIG, PRICE, REDIS_URL, Weir
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import serve
-
-ADMIN = "admin-token-for-tests"
-PRICE = {"input": Decimal("0.15"), "cached_input": Decimal("0.075"), "output": Decimal("0.60")}
-CONFIG = """\
-backends:
-  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
-models:
-  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, cached_input: 0.075, output: 0.60}}
-database_url: "${DB_URL}"
-"""
-
-
-class Weir:
-    def __init__(self, url: str, db_url: str) -> None:
-        self.url, self.db_url = url, db_url
-        self.admin = httpx.Client(
-            base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"}
-        )
-
-    def client(self, key: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=20)
-
-    def tenant_with_key(self, name: str, **limits: Any) -> tuple[str, str, str]:
-        tenant = self.admin.post("/tenants", json={"name": name, **limits})
-        assert tenant.status_code == 201, tenant.text
-        key = self.admin.post(f"/tenants/{tenant.json()['id']}/keys", json={"name": "app"})
-        assert key.status_code == 201, key.text
-        return tenant.json()["id"], key.json()["id"], key.json()["key"]
-
-    def ledger(self, tenant_id: str, expect: int, timeout: float = 15) -> list[tuple]:
-        """The tenant's usage rows, once the batch writer has landed `expect` of them."""
-        deadline = time.monotonic() + timeout
-        while True:
-            rows = sync_exec(
-                self.db_url,
-                "SELECT input_tokens, cached_input_tokens, output_tokens, cost_pico_usd, status, key_id "
-                f"FROM usage_events WHERE tenant_id = '{tenant_id}'",
-            )
-            if len(rows) >= expect or time.monotonic() > deadline:
-                return rows
-            time.sleep(0.1)
-
-
-@contextmanager
-def sqlite_weir(
-    config: str,
-    fake_openai: FakeOpenAI,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    env: dict[str, str] | None = None,
-) -> Iterator[Weir]:
-    """A gateway on `config` with the control plane on a SQLite ledger in `tmp_path` (`${DB_URL}`), its
-    backend `${OPENAI_BASE_URL}` / `${OPENAI_API_KEY}` the fake OpenAI, and `env` besides."""
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    values = {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
-        "DB_URL": db_url,
-    }
-    with serve(create_app(parse_config(config, values | (env or {}))), free_port()) as url:
-        yield Weir(url, db_url)
 
 
 def expected_pico(rows: list[tuple]) -> int:
@@ -103,36 +34,6 @@ def expected_pico(rows: list[tuple]) -> int:
         for i, c, o, *_ in rows
     )
     return int(usd * 10**12)
-
-
-@pytest.fixture
-def weir_config() -> str:
-    """The gateway's config (`${OPENAI_BASE_URL}`, `${OPENAI_API_KEY}`, `${DB_URL}` filled in): a
-    module that imports `weir` overrides it to change the backend's settings."""
-    return CONFIG
-
-
-@pytest.fixture(
-    params=["sqlite", pytest.param("postgres+redis", marks=[pytest.mark.postgres, pytest.mark.redis])]
-)
-def weir(
-    request: pytest.FixtureRequest,
-    weir_config: str,
-    fake_openai: FakeOpenAI,
-    tmp_path: Path,
-    redis_prefix: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Weir]:
-    db_url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
-    if request.param != "sqlite":
-        monkeypatch.setenv("WEIR_REDIS_URL", REDIS_URL)
-    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
-    app = create_app(parse_config(weir_config, env))
-    with serve(app, free_port()) as url:
-        yield Weir(url, db_url)
 
 
 def test_keys_limits_and_ledger(weir: Weir) -> None:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.control.conftest import pg_url, redis_prefix, sqlite_url  # noqa: F401  (fixtures shared with tests/control)
-from tests.control.test_gateway_control import CONFIG, Weir, sqlite_weir
+from tests.control.conftest import CONFIG, Weir, pg_url, redis_prefix, sqlite_url, sqlite_weir  # noqa: F401  (fixtures shared with tests/control)
 from tests.fakes import FakeOpenAI
 
 

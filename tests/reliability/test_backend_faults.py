@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.control.test_gateway_control import Weir
+from tests.control.conftest import Weir
 from tests.fakes import FakeOpenAI, Fault
 
 CONFIG = """\

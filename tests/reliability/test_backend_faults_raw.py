@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.control.test_gateway_control import Weir, sqlite_weir
+from tests.control.conftest import Weir, sqlite_weir
 from tests.fakes import FakeOpenAI
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
 from tests.reliability.test_disconnect_billing import ledger

@@ -14,8 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.control.conftest import sync_exec
-from tests.control.test_gateway_control import PRICE, Weir
+from tests.control.conftest import PRICE, Weir, sync_exec
 from tests.fakes import FakeOpenAI, Fault
 
 WORDS = " ".join(f"w{i}" for i in range(40))  # the fake echoes one word per chunk, one token per word

@@ -32,9 +32,8 @@ from gateway.db.models import ApiKey, utcnow
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state.redis import RedisState, client_from_url
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_PORT, REDIS_URL
+from tests.control.conftest import ADMIN, REDIS_PORT, REDIS_URL, Weir
 from tests.control.helpers import TcpProxy
-from tests.control.test_gateway_control import ADMIN, Weir
 from tests.control.test_stream_pump import event
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve

@@ -18,8 +18,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_PORT, REDIS_URL
-from tests.control.test_gateway_control import ADMIN, CONFIG, Weir
+from tests.control.conftest import ADMIN, CONFIG, REDIS_PORT, REDIS_URL, Weir
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
 from tests.reliability.proxy import ThreadedProxy

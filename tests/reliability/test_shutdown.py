@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.control.test_gateway_control import ADMIN
+from tests.control.conftest import ADMIN
 from tests.fakes import FakeOpenAI, Fault
 
 ROOT = Path(__file__).resolve().parents[2]

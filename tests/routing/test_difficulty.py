@@ -23,7 +23,7 @@ from routing.difficulty import (
     prompt_text,
 )
 from routing.embed import DEFAULT_RECIPE, StaticEmbedder
-from tests.routing.test_trained_heads import forced
+from tests.routing.forced_heads import forced
 
 PROBE_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "routing_probe.jsonl"
 

@@ -30,9 +30,8 @@ from gateway.config import parse_config
 from gateway.state import MemoryState
 from routing.breaker import Breakers
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_PORT, REDIS_URL, sqlite_url  # noqa: F401  (a fixture)
+from tests.control.conftest import ADMIN, REDIS_PORT, REDIS_URL, Weir, sqlite_url  # noqa: F401  (a fixture)
 from tests.control.helpers import TcpProxy
-from tests.control.test_gateway_control import ADMIN, Weir
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import DEMO_KEY, RunningGateway, serve
 from tests.reliability.proxy import ThreadedProxy

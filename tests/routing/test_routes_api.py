@@ -26,8 +26,8 @@ from tests.conftest import free_port, wait_for
 from tests.control.conftest import REDIS_URL, fresh_pg_database, sync_exec
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.gateway.conftest import serve
+from tests.routing.forced_heads import forced
 from tests.routing.routed import route_header
-from tests.routing.test_trained_heads import forced
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 

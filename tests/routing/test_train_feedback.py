@@ -49,8 +49,8 @@ from routing.train import (
     should_promote,
 )
 from tests.control.conftest import db_url, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
+from tests.routing.forced_heads import forced
 from tests.routing.test_cli import run
-from tests.routing.test_trained_heads import forced
 from weir.cli import main
 
 WEAK, STRONG = "gpt-4o-mini", "claude-sonnet"

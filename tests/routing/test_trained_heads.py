@@ -40,6 +40,7 @@ from routing.policies import PolicyContext, difficulty
 from routing.router import RouteError, Router, validate
 from routing.routes import Route
 from routing.stats import RoutingStats
+from tests.routing.forced_heads import forced
 from tests.routing.test_router_warm import CONFIG, DIFFICULTY
 
 PROMPTS = [
@@ -61,16 +62,6 @@ HI = Features(
     tenant=None,
     key_id=None,
 )
-
-
-def forced(bias: float) -> DifficultyHead:
-    """The shipped head with its biases moved so far that every prompt scores ~1 (or ~0): a head
-    whose routing no prompt can hide."""
-    head = DifficultyHead.load(DEFAULT_HEAD_DIR)
-    head.blend[-1] = bias
-    head.fallback[-1] = bias
-    head.meta["source"] = f"test head, bias {bias}"
-    return head
 
 
 def test_a_bundle_round_trips_exactly(classifier: DifficultyClassifier) -> None:

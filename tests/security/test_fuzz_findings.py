@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.control.test_gateway_control import CONFIG, Weir, sqlite_weir
+from tests.control.conftest import CONFIG, Weir, sqlite_weir
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import (  # noqa: F401  (the session gateway and its per-test reset)
     DEMO_KEY,

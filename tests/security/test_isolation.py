@@ -13,8 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.control.conftest import sync_exec
-from tests.control.test_gateway_control import ADMIN, Weir, sqlite_weir
+from tests.control.conftest import ADMIN, Weir, sqlite_weir, sync_exec
 from tests.fakes import FakeOpenAI
 
 CONFIG = """\

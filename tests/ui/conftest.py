@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -106,3 +107,47 @@ def browser() -> Iterator[object]:
 def shots() -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+# --- pages -------------------------------------------------------------------------------------------
+
+# A failing assertion should fail in seconds, not after Playwright's default 30 s wait.
+WAIT_MS = 5000
+
+# An init script that lists each answer the page has read (`window.__answersRead`): a test waits for
+# the page to have read every answer it asked for before it looks at what the page shows.
+ANSWERS_READ = """
+window.__answersRead = [];
+const json = Response.prototype.json;
+Response.prototype.json = function () {
+  const url = this.url;
+  return json.call(this).finally(() => window.__answersRead.push(url));
+};
+"""
+
+
+def new_page(browser: Any, accept_dialogs: bool = True) -> Any:
+    """A page that fails fast; it accepts each confirmation dialog unless `accept_dialogs` is False
+    (the test then answers them itself)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(WAIT_MS)
+    if accept_dialogs:
+        page.on("dialog", lambda dialog: dialog.accept())
+    return page
+
+
+def sign_in(page: Any, weir: Weir, where: str) -> None:
+    page.goto(f"{weir.url}/admin/{where}")
+    page.get_by_label("Admin token", exact=True).fill(ADMIN)
+    page.get_by_role("button", name="Sign in with token").click()
+
+
+def signed_in(weir: Weir, browser: Any, where: str, accept_dialogs: bool = True) -> Any:
+    page = new_page(browser, accept_dialogs)
+    sign_in(page, weir, where)
+    # The page signing in renders `where` once its requests are answered: a test that went on to
+    # another page at once (a route's edit form) had two renders under way, and the later one could rebuild a form
+    # it had already begun to fill.
+    page.get_by_role("button", name="Sign in with token").wait_for(state="detached")
+    page.wait_for_load_state("networkidle")
+    return page

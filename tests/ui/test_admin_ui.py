@@ -11,8 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.ui.conftest import ADMIN, Weir
-from tests.ui.test_routes_ui_edges import ANSWERS_READ, _new_page, _sign_in
+from tests.ui.conftest import ADMIN, ANSWERS_READ, Weir, new_page, sign_in
 
 
 def wait_for_ledger(weir: Weir, requests: int, timeout: float = 15) -> dict[str, Any]:
@@ -164,11 +163,11 @@ def test_a_new_key_is_shown_when_the_admin_opens_another_page_as_it_is_issued(
     admin had to revoke it and issue another). It is now shown outside the page, whatever page
     renders, until the admin clears it."""
     tenant = weir.admin.post("/tenants", json={"name": "acme"}).json()
-    page = _new_page(browser)
+    page = new_page(browser)
     page.add_init_script(ANSWERS_READ)
     asked: list[str] = []  # every answer the page asked the gateway for (session and admin API)
     page.on("request", lambda request: "/admin/session" in request.url and asked.append(request.url))
-    _sign_in(page, weir, f"#/tenants/{tenant['id']}")
+    sign_in(page, weir, f"#/tenants/{tenant['id']}")
     page.get_by_role("heading", name="Keys of acme").wait_for()
     page.wait_for_load_state("networkidle")
     held: list[Any] = []  # the key list the tenant's page asks for again after the issue

@@ -12,7 +12,7 @@ from typing import Any
 import openai
 
 from routing.heads import bundle, digest
-from tests.routing.test_trained_heads import forced
+from tests.routing.forced_heads import forced
 from tests.ui.conftest import ADMIN, Weir
 
 HOLDOUT = {

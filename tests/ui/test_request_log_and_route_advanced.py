@@ -14,9 +14,8 @@ import openai
 import pytest
 
 from tests.fakes import FakeOpenAI, Fault
-from tests.ui.conftest import ADMIN, Weir
+from tests.ui.conftest import Weir, signed_in
 
-WAIT_MS = 5000
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -68,15 +67,6 @@ def test_a_status_filter_finds_a_failure_behind_newer_successes(
     assert failed["status"] == 500 and len(failed["attempts"]) == 1  # as the vendor answered
 
 
-def _signed_in(weir: Weir, browser: Any, where: str) -> Any:
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.set_default_timeout(WAIT_MS)
-    page.goto(f"{weir.url}/admin/{where}")
-    page.get_by_label("Admin token", exact=True).fill(ADMIN)
-    page.get_by_role("button", name="Sign in with token").click()
-    return page
-
-
 def test_advanced_json_that_is_not_an_object_is_refused_at_the_field(routed: Weir, browser: Any) -> None:
     route = {
         "name": "assistant",
@@ -87,7 +77,7 @@ def test_advanced_json_that_is_not_an_object_is_refused_at_the_field(routed: Wei
     }
     created = routed.admin.post("/routes", json=route).json()
     before = routed.admin.get(f"/routes/{created['id']}").json()
-    page = _signed_in(routed, browser, f"#/routes/{created['id']}")
+    page = signed_in(routed, browser, f"#/routes/{created['id']}")
     form = page.locator("#edit form")
     advanced = form.get_by_label("Advanced (JSON)", exact=True)
     advanced.wait_for()
@@ -124,7 +114,7 @@ def test_the_log_tells_a_hedge_that_won_from_a_failover_and_shows_time_to_first_
     assert [(a["model"], a["status"]) for a in request["attempts"]] == [("gpt-4o-mini", 499), ("gpt-4o", 200)]
     won = request["attempts"][1]
 
-    page = _signed_in(routed, browser, "#/requests")
+    page = signed_in(routed, browser, "#/requests")
     detail = page.locator("main > .table-wrap > table > tbody > tr.detail").first
     detail.locator("summary").click()
     explained = detail.locator("details > p").first.inner_text()
@@ -162,7 +152,7 @@ def test_the_log_shows_an_attempts_cache_tokens_and_whether_it_was_estimated(
     cut, continued = request["attempts"]
     assert (cut["estimated"], continued["estimated"], continued["cached_input_tokens"]) == (True, False, 1024)
 
-    page = _signed_in(routed, browser, "#/requests")
+    page = signed_in(routed, browser, "#/requests")
     detail = page.locator("main > .table-wrap > table > tbody > tr.detail").first
     detail.locator("summary").click()
     headers = detail.locator("thead th").all_inner_texts()

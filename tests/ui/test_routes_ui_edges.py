@@ -26,11 +26,8 @@ from routing.heads import bundle
 from routing.routes import Candidate, Route
 from routing.store import route_spec
 from tests.fakes import FakeOpenAI, Fault
-from tests.routing.test_trained_heads import forced
-from tests.ui.conftest import ADMIN, Weir
-
-# A failing assertion should fail in seconds, not after Playwright's default 30 s wait.
-WAIT_MS = 5000
+from tests.routing.forced_heads import forced
+from tests.ui.conftest import ANSWERS_READ, Weir, new_page, sign_in, signed_in
 
 CHEAP: dict[str, Any] = {
     "name": "auto",
@@ -79,30 +76,6 @@ AFFINITY: dict[str, Any] = {
 }
 
 
-def _new_page(browser: Any) -> Any:
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.set_default_timeout(WAIT_MS)
-    page.on("dialog", lambda dialog: dialog.accept())
-    return page
-
-
-def _sign_in(page: Any, weir: Weir, where: str) -> None:
-    page.goto(f"{weir.url}/admin/{where}")
-    page.get_by_label("Admin token", exact=True).fill(ADMIN)
-    page.get_by_role("button", name="Sign in with token").click()
-
-
-def _signed_in(weir: Weir, browser: Any, where: str) -> Any:
-    page = _new_page(browser)
-    _sign_in(page, weir, where)
-    # The page signing in renders `where` once its requests are answered: a test that went on to
-    # another page at once (`_edit`) had two renders under way, and the later one could rebuild a form
-    # it had already begun to fill.
-    page.get_by_role("button", name="Sign in with token").wait_for(state="detached")
-    page.wait_for_load_state("networkidle")
-    return page
-
-
 def _stored(admin: httpx.Client, route_id: int) -> dict[str, Any]:
     body = admin.get(f"/routes/{route_id}").json()
     body.pop("updated_at")
@@ -125,7 +98,7 @@ def _create(admin: httpx.Client, route: dict[str, Any]) -> dict[str, Any]:
 def test_saving_a_route_unchanged_keeps_every_field_and_the_form_reorders(routed: Weir, browser: Any) -> None:
     ids = [_create(routed.admin, r)["id"] for r in (CHEAP, HARD, AFFINITY)]
     before = {i: _stored(routed.admin, i) for i in ids}
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     page.get_by_role("heading", name="New route").wait_for()
     text = page.locator("main").inner_text()
     # No traffic yet: the observed-status sections say so instead of failing the page.
@@ -165,7 +138,7 @@ def test_the_preview_shows_a_candidate_without_vision_skipped_for_images(routed:
             "candidates": [{"model": "gpt-4o-mini", "vision": False}, {"model": "gpt-4o"}],
         },
     )
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     preview = page.get_by_role("form", name="Preview a prompt")
     preview.get_by_label("Model name", exact=True).fill("looks")
     preview.get_by_label("Sample prompt", exact=True).fill("What is in this picture?")
@@ -198,7 +171,7 @@ def test_the_routes_page_shows_a_routes_own_latency_breaker_beside_the_shared_on
     }
     for route in (patient, tight):
         _create(routed.admin, route)
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     page.get_by_role("heading", name="Circuit breakers").wait_for()
     assert page.get_by_role("columnheader", name="Latency breaker", exact=True).count() == 0  # none yet
     page.close()
@@ -210,7 +183,7 @@ def test_the_routes_page_shows_a_routes_own_latency_breaker_beside_the_shared_on
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     page.get_by_role("heading", name="Circuit breakers").wait_for()
     rows = page.locator(
         "table", has=page.get_by_role("columnheader", name="Latency breaker", exact=True)
@@ -232,7 +205,7 @@ def test_the_routes_page_shows_a_routes_own_latency_breaker_beside_the_shared_on
 def test_a_refused_edit_says_why_marks_the_field_and_changes_nothing(routed: Weir, browser: Any) -> None:
     route_id = _create(routed.admin, CHEAP)["id"]
     before = _stored(routed.admin, route_id)
-    page = _signed_in(routed, browser, f"#/routes/{route_id}")
+    page = signed_in(routed, browser, f"#/routes/{route_id}")
     form = page.locator("#edit form")
     advanced = form.get_by_label("Advanced (JSON)", exact=True)
     advanced.wait_for()
@@ -260,7 +233,7 @@ def test_a_refused_edit_says_why_marks_the_field_and_changes_nothing(routed: Wei
 
 def test_a_form_left_open_cannot_undo_a_newer_edit(routed: Weir, browser: Any) -> None:
     route_id = _create(routed.admin, {"name": "assistant", "candidates": [{"model": "gpt-4o-mini"}]})["id"]
-    page = _signed_in(routed, browser, f"#/routes/{route_id}")
+    page = signed_in(routed, browser, f"#/routes/{route_id}")
     form = page.locator("#edit form")
     form.get_by_label("Fallbacks", exact=True).wait_for()
 
@@ -327,7 +300,7 @@ def test_the_request_log_explains_each_attempt_and_filters_whole_requests(
     attempts = log[0]["attempts"]
     assert [a["status"] for a in attempts] == [500, 200] and attempts[0]["routing"] != attempts[1]["routing"]
 
-    page = _signed_in(routed, browser, "#/requests")
+    page = signed_in(routed, browser, "#/requests")
     rows = page.locator("main > .table-wrap > table > tbody > tr.has-detail")
     rows.first.wait_for()
     assert rows.count() == 1
@@ -393,7 +366,7 @@ def test_the_routes_page_warns_of_routes_this_replica_leaves_out_until_they_are_
         assert time.monotonic() < deadline, "the gateway never loaded the new row"
         time.sleep(0.1)
 
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     banner = page.locator("#routes-not-in-force")
     banner.wait_for()
     assert banner.get_attribute("role") == "alert"
@@ -453,7 +426,7 @@ def test_saving_a_route_another_admin_deleted_says_so_and_takes_it_off_the_list(
     list, which it reloads without the route (it kept listing it, with its form open), and no field
     (the Advanced JSON box least of all) is marked as if a setting in it were wrong."""
     route_id = _create(routed.admin, MINI)["id"]
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     form = _edit(page, routed, route_id)
     assert routed.admin.delete(f"/routes/{route_id}").status_code == 204  # another admin, meanwhile
 
@@ -474,7 +447,7 @@ def test_edit_after_a_refused_save_fills_the_form_with_the_current_version(
     Edit link, whose address is the one already shown, reads it again (it did nothing), and the
     change then saves on top of the other admin's."""
     route_id = _create(routed.admin, MINI)["id"]
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     form = _edit(page, routed, route_id)
     read = routed.admin.get(f"/routes/{route_id}").json()
     newer = routed.admin.put(f"/routes/{route_id}", json={**read, "candidates": [{"model": "gpt-4o"}]})
@@ -501,23 +474,13 @@ def test_edit_after_a_refused_save_fills_the_form_with_the_current_version(
 # Each answer the page read, by address, pushed once its body is parsed. What a render does with its
 # last answer runs in the same microtask checkpoint, so once a wait sees every answer read, every
 # render under way has written the page or given up.
-ANSWERS_READ = """
-window.__answersRead = [];
-const json = Response.prototype.json;
-Response.prototype.json = function () {
-  const url = this.url;
-  return json.call(this).finally(() => window.__answersRead.push(url));
-};
-"""
-
-
 def test_a_page_still_loading_when_another_is_opened_never_replaces_it(routed: Weir, browser: Any) -> None:
     """Signing in renders the page the address names; opening a route's edit form before that render
     has its answers starts a second render. The first, answered last, replaced the page the admin
     was on, and the form they had begun to fill, with the routes list; now a render that a later one
     has superseded writes nothing."""
     route_id = _create(routed.admin, MINI)["id"]
-    page = _new_page(browser)
+    page = new_page(browser)
     page.add_init_script(ANSWERS_READ)
     asked: list[str] = []  # every answer the page asked the gateway for (session and admin API)
 
@@ -536,7 +499,7 @@ def test_a_page_still_loading_when_another_is_opened_never_replaces_it(routed: W
 
     page.route(lambda url: "/api/v1/audit?" in url, hold_the_first)
     with page.expect_request(lambda r: "/api/v1/audit?" in r.url):
-        _sign_in(page, routed, "#/routes")
+        sign_in(page, routed, "#/routes")
     form = _edit(page, routed, route_id)
     form.get_by_label("Fallbacks", exact=True).fill("gpt-4o")
 
@@ -554,12 +517,12 @@ def test_a_page_still_loading_when_another_is_opened_never_replaces_it(routed: W
 def test_deleting_a_route_another_admin_deleted_takes_it_off_the_list(routed: Weir, browser: Any) -> None:
     """Delete answers 404: the page says so and reloads the list, which no longer has the route."""
     route_id = _create(routed.admin, MINI)["id"]
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     delete = page.get_by_role("button", name=f"Delete route assistant #{route_id}")
     delete.wait_for()
     assert routed.admin.delete(f"/routes/{route_id}").status_code == 204  # another admin, meanwhile
 
-    delete.click()  # _signed_in accepts the confirmation dialog
+    delete.click()  # signed_in accepts the confirmation dialog
     delete.wait_for(state="detached")
     alert = page.locator("#routes-message").get_by_role("alert")
     alert.wait_for()
@@ -579,7 +542,7 @@ def test_the_preview_matches_a_route_by_the_requests_metadata_and_key(routed: We
             "candidates": [{"model": "gpt-4o-mini"}],
         },
     )
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     preview = page.get_by_role("form", name="Preview a prompt")
     preview.get_by_label("Model name", exact=True).fill("gpt-4o")
     preview.get_by_label("Sample prompt", exact=True).fill("hello")
@@ -611,7 +574,7 @@ def test_the_preview_takes_metadata_as_a_json_object(routed: Weir, browser: Any)
             "candidates": [{"model": "gpt-4o-mini"}],
         },
     )
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     preview = page.get_by_role("form", name="Preview a prompt")
     preview.get_by_label("Model name", exact=True).fill("gpt-4o")
     preview.get_by_label("Sample prompt", exact=True).fill("hello")
@@ -632,7 +595,7 @@ def test_editing_a_route_with_the_keyboard_moves_focus_into_its_form(routed: Wei
     """Enter on a row's Edit link focuses the edit form's heading: the next Tab lands in the form,
     not on the first link of the routes table."""
     ids = [_create(routed.admin, {**MINI, "name": f"r{i}"})["id"] for i in range(3)]
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     edit = page.get_by_role("link", name=f"Edit route r2 #{ids[2]}")
     edit.focus()
     page.keyboard.press("Enter")
@@ -655,7 +618,7 @@ def test_uploading_a_head_keeps_the_route_being_edited(routed: Weir, browser: An
             "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o"}],
         },
     )["id"]
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     form = _edit(page, routed, route_id)
     form.get_by_label("Difficulty threshold", exact=True).fill("0.9")
     form.get_by_label("Fallbacks", exact=True).fill("gpt-4o")
@@ -692,7 +655,7 @@ def test_a_first_token_timeout_that_is_no_finite_number_is_refused(
     """A timeout that is no finite number is refused at the form; it would reach the API as null,
     saving the route with no first-token timeout at all."""
     route_id = _create(routed.admin, {**MINI, "ttft_timeout": 3.0})["id"]
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     form = _edit(page, routed, route_id)
     form.get_by_label("First-token timeout (s)", exact=True).fill(typed)
     form.get_by_role("button", name="Save route").click()
@@ -705,7 +668,7 @@ def test_clearing_position_on_edit_keeps_it_as_its_placeholder_says(routed: Weir
     """On an edit an empty Position is left out of the PUT, which keeps the stored position: its
     placeholder says "unchanged" (a new route's says "after the others")."""
     ids = [_create(routed.admin, {**MINI, "position": p})["id"] for p in (1, 2, 3)]
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     new = page.get_by_role("form", name="Create a route").get_by_label("Position (#)", exact=True)
     assert new.get_attribute("placeholder") == "after the others"
     form = _edit(page, routed, ids[0])
@@ -721,7 +684,7 @@ def test_clearing_position_on_edit_keeps_it_as_its_placeholder_says(routed: Weir
 def test_a_double_click_on_create_route_creates_one_route(routed: Weir, browser: Any) -> None:
     """The submit button is disabled while the POST is under way (a create carries no If-Match to
     refuse a second one): an impatient double click stores the route once."""
-    page = _signed_in(routed, browser, "#/routes")
+    page = signed_in(routed, browser, "#/routes")
     form = page.get_by_role("form", name="Create a route")
     form.get_by_label("Public model name", exact=True).fill("assistant")
     form.get_by_label("Candidates", exact=True).fill("gpt-4o-mini")
