@@ -1075,14 +1075,20 @@ async function route() {
 
 window.addEventListener("hashchange", route);
 
+// A form of the page shown that the admin typed into is marked data-typed (a render builds new,
+// unmarked ones): what a render of the page would throw away.
+main.addEventListener("input", (ev) => ev.target.closest("form")?.setAttribute("data-typed", ""));
+
 // A link to the page already shown changes no hash, so no hashchange renders it: render it here, with
 // what the API has now. E.g. a route's Edit link after its save was refused (412) because another
-// admin changed it: the form is filled again from the current version.
+// admin changed it: the form is filled again from the current version. A form typed into is asked
+// about first: the same link clicked by habit threw away a route half edited.
 main.addEventListener("click", (ev) => {
   const link = ev.target.closest('a[href^="#/"]');
   if (!link || link.getAttribute("href") !== location.hash) return;
   if (ev.button !== 0 || ev.ctrlKey || ev.metaKey || ev.shiftKey || ev.altKey) return; // a new tab or window
   ev.preventDefault();
+  if (main.querySelector("form[data-typed]") && !confirm("Discard what you typed and show this page as it is now?")) return;
   route();
 });
 

@@ -6,8 +6,8 @@ with filters that return whole requests and markup in names shown as text. Also:
 creates one route, a head upload keeps an open form's typed values, a number that is not finite is
 refused, the preview takes metadata and a key id, Edit by keyboard moves focus into the form, a
 route another admin deleted meanwhile is named as such (and leaves the list, saved or deleted), Edit
-after a refused save reads the route's current version, and a page still loading when another is
-opened never replaces it."""
+after a refused save reads the route's current version (asking first when the form was typed into),
+and a page still loading when another is opened never replaces it."""
 
 from __future__ import annotations
 
@@ -474,6 +474,48 @@ def test_edit_after_a_refused_save_fills_the_form_with_the_current_version(
 # Each answer the page read, by address, pushed once its body is parsed. What a render does with its
 # last answer runs in the same microtask checkpoint, so once a wait sees every answer read, every
 # render under way has written the page or given up.
+def test_the_edit_link_of_the_open_form_asks_before_it_discards_what_was_typed(
+    routed: Weir, browser: Any
+) -> None:
+    """The Edit link of the route whose form is open renders the page again (after a refused save,
+    that reads the route's current version): it threw away what the admin had typed into the form,
+    unasked. A form typed into is now asked about first: declined, it keeps what was typed; accepted,
+    the route is read again. A form not typed into is read again without a question."""
+    route_id = _create(routed.admin, MINI)["id"]
+    page = signed_in(routed, browser, "#/routes", accept_dialogs=False)
+    asked: list[str] = []
+    answers = [False, True]  # decline, then accept
+
+    def answer(dialog: Any) -> None:
+        asked.append(dialog.message)
+        if answers.pop(0):
+            dialog.accept()
+        else:
+            dialog.dismiss()
+
+    page.on("dialog", answer)
+    form = _edit(page, routed, route_id)
+    edit = page.get_by_role("link", name=f"Edit route assistant #{route_id}")
+
+    untyped = form.element_handle()
+    edit.click()
+    page.wait_for_function("el => !el.isConnected", arg=untyped)  # read again
+    assert asked == []
+
+    form.get_by_label("Fallbacks", exact=True).fill("gpt-4o")
+    typed = form.element_handle()
+    edit.click()
+    page.wait_for_load_state("networkidle")
+    assert asked == ["Discard what you typed and show this page as it is now?"]
+    assert typed.evaluate("el => el.isConnected")
+    assert form.get_by_label("Fallbacks", exact=True).input_value() == "gpt-4o"
+
+    edit.click()
+    page.wait_for_function("el => !el.isConnected", arg=typed)
+    assert len(asked) == 2 and form.get_by_label("Fallbacks", exact=True).input_value() == ""
+    page.close()
+
+
 def test_a_page_still_loading_when_another_is_opened_never_replaces_it(routed: Weir, browser: Any) -> None:
     """Signing in renders the page the address names; opening a route's edit form before that render
     has its answers starts a second render. The first, answered last, replaced the page the admin
