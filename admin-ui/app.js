@@ -176,7 +176,8 @@ async function copyButton(text) {
 // A key just issued, shown only once: outside `main`, so no render can take it away before the admin
 // copied it. The tenant's page rendered again after the issue could be superseded by a newer render
 // (the admin following a link meanwhile), which left no place for the key: it was never shown, and
-// had to be revoked and issued again. It stays until its Done button (or signing out) clears it.
+// had to be revoked and issued again. It stays until its Done button or the sign-in form (signed out,
+// or the session expired) clears it.
 const newKey = document.getElementById("new-key");
 
 async function showNewKey(tenant, key) {
@@ -202,6 +203,7 @@ function page(title, ...content) {
 
 function showSignIn(message) {
   generation++; // a page still loading must not replace the sign-in form
+  clearNewKey(); // a secret: not left over the sign-in form for whoever comes next (signed out or expired)
   document.querySelector("header.top").hidden = true;
   csrf = null;
   const err = h("p", { class: "notice error", role: "alert", hidden: !message }, message || "");
@@ -241,7 +243,6 @@ function enterApp(user) {
 }
 
 document.getElementById("sign-out").addEventListener("click", async () => {
-  clearNewKey(); // a secret: not left on the screen for whoever comes next
   try { await api("/admin/session", { method: "DELETE" }); } finally { showSignIn("Signed out."); }
 });
 

@@ -11,7 +11,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.ui.conftest import ADMIN, ANSWERS_READ, Weir, new_page, sign_in
+from gateway.admin import ui
+from tests.ui.conftest import ADMIN, ANSWERS_READ, Weir, new_page, sign_in, signed_in
 
 
 def wait_for_ledger(weir: Weir, requests: int, timeout: float = 15) -> dict[str, Any]:
@@ -194,5 +195,25 @@ def test_a_new_key_is_shown_when_the_admin_opens_another_page_as_it_is_issued(
     assert page.locator("#new-key").get_by_role("button", name="Copy").is_visible()
 
     page.locator("#new-key").get_by_role("button", name="Done").click()
+    assert page.locator("#new-key-value").count() == 0 and page.locator("#new-key").is_hidden()
+    page.close()
+
+
+def test_a_new_key_is_cleared_when_the_session_expires(
+    weir: Weir, browser: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key just issued stays on the screen, outside the page, until its Done button: signing out
+    cleared it, but a session that expired left it over the sign-in form, a secret for whoever comes
+    to the screen next. The sign-in form now clears it, however it came."""
+    tenant = weir.admin.post("/tenants", json={"name": "acme"}).json()
+    page = signed_in(weir, browser, f"#/tenants/{tenant['id']}")
+    page.locator("#keys").get_by_role("button", name="Issue key").click()
+    page.locator("#new-key-value").wait_for()
+    page.wait_for_load_state("networkidle")
+
+    monkeypatch.setattr(ui, "ABSOLUTE_S", 0)  # every session has lived its whole life
+    page.evaluate("location.hash = '#/overview'")  # the next page the admin opens
+    page.get_by_text("Your session expired. Sign in again.").wait_for()
+    assert page.get_by_role("button", name="Sign in with token").is_visible()
     assert page.locator("#new-key-value").count() == 0 and page.locator("#new-key").is_hidden()
     page.close()
