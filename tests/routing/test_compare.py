@@ -23,7 +23,6 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from gateway.app import create_app
 from gateway.auth import ANONYMOUS
 from gateway.config import parse_config
 from gateway.db.session import create_engine, sessionmaker
@@ -44,9 +43,9 @@ from tests.conftest import free_port, wait_for
 from tests.control.conftest import REDIS_URL, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import serve
+from tests.routing.comparing import comparing_app, prompt_keeper
 from tests.routing.routed import counted_micro_usd
 
-ADMIN = "admin-token-for-tests"
 CONFIG = """\
 backends:
   - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
@@ -100,31 +99,6 @@ class Alternating(random.Random):
         return 0.25 if self.flip else 0.75
 
 
-def comparing_app(
-    config: str,
-    db_url: str,
-    fake_openai: FakeOpenAI,
-    fake_anthropic: FakeAnthropic,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    usage_sink: ListSink | None = None,
-    **env: str,
-) -> Any:
-    """The app (not started) of a gateway on `config`, its OpenAI candidates and Anthropic judge on
-    the fakes, its admin DB at `db_url`; `env` sets the config's other variables."""
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
-    values = {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": fake_openai.api_key,
-        "ANTHROPIC_BASE_URL": fake_anthropic.base_url,
-        "ANTHROPIC_API_KEY": fake_anthropic.api_key,
-        "DB_URL": db_url,
-        **env,
-    }
-    return create_app(parse_config(config, values), usage_sink=usage_sink)
-
-
 Comparing = Callable[..., Any]
 
 
@@ -141,15 +115,6 @@ def comparing(
         tmp_path=tmp_path,
         monkeypatch=monkeypatch,
     )
-
-
-def prompt_keeper(url: str) -> tuple[httpx.Client, dict[str, Any], openai.OpenAI]:
-    """An admin client of the gateway at `url`, and the tenant `keeps` made with it (it stores its
-    prompts) with an SDK client of its own."""
-    admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
-    tenant = admin.post("/tenants", json={"name": "keeps", "store_prompts": True}).json()
-    key = admin.post(f"/tenants/{tenant['id']}/keys", json={}).json()["key"]
-    return admin, tenant, openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

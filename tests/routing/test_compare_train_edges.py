@@ -47,9 +47,9 @@ from tests.conftest import free_port, wait_for
 from tests.control.conftest import db_url, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import serve
+from tests.routing.comparing import comparing_app, prompt_keeper
 from tests.routing.forced_heads import forced
 from tests.routing.routed import counted_micro_usd
-from tests.routing.test_compare import comparing_app, prompt_keeper
 from tests.routing.test_train_feedback import (
     DIFFICULTY,
     NOW,
