@@ -95,7 +95,7 @@ def test_a_whole_answer_that_went_silent_past_the_read_timeout_is_billed_an_esti
     }
     assert READ_TIMEOUT <= time.monotonic() - started < READ_TIMEOUT + 4
     input_tokens, output_tokens = billed_estimate(weir, tenant_id, 504)
-    sent = fake_openai.last_request
+    sent = fake_openai.posts[-1]
     assert input_tokens == tokens(len(sent.body))
     # The output from the answer's announced length less an OpenAI answer's envelope: what the fake
     # sends for the same request (the same answer, of the same length) tells that length here.
@@ -128,7 +128,7 @@ def test_a_whole_answer_larger_than_the_body_cap_is_billed_an_estimate(
         "code": "bad_gateway",
     }
     input_tokens, output_tokens = billed_estimate(weir, tenant_id, 502)
-    assert input_tokens == tokens(len(fake_openai.last_request.body))
+    assert input_tokens == tokens(len(fake_openai.posts[-1].body))
     assert output_tokens == (max_tokens or DEFAULT_OUTPUT_ESTIMATE)
 
 
@@ -155,6 +155,6 @@ def test_an_image_sent_by_url_counts_as_an_image_in_the_estimate(
         ):
             pass
     input_tokens, _ = billed_estimate(weir, tenant_id, 502)
-    sent = fake_openai.last_request.body
+    sent = fake_openai.posts[-1].body
     assert IMAGE_URL.encode() in sent
     assert input_tokens == tokens(len(sent) - len(IMAGE_URL)) + INLINE_PART_TOKENS
