@@ -118,6 +118,10 @@ class Model(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backend: str
     model: str | None = None  # upstream model id; defaults to `name`
     price: Price = Price()
+    # The most output tokens the model writes in one answer (None: unknown): every candidate of it
+    # without its own (`routes[].candidates[].max_output_tokens`), a request for it by name and a
+    # route's fallback to it send at most this (`routing.plan.Choice.max_output_tokens`).
+    max_output_tokens: PositiveInt | None = None
 
     @property
     def upstream_model(self) -> str:

@@ -391,10 +391,11 @@ class Comparer:
         assert compare is not None
         weak, strong = route.candidates[0], route.candidates[1]
         other = strong if job.served == "weak" else weak
-        other_target = self.models.targets[other.model]
-        judge_target = self.models.targets[compare.judge]
+        other_choice = Choice(self.models.targets[other.model], other)
+        # The judge is no candidate: it writes within its model's own limit (`models[]`).
+        judge = Choice(self.models.targets[compare.judge], Candidate(model=compare.judge))
         tenant = job.principal.tenant_id or "anonymous"
-        estimate = self._estimate(job, other, other_target, judge_target)
+        estimate = self._estimate(job, other_choice, judge)
         charge = await self.spend.charge(tenant, route_label(route), estimate, compare.max_spend_usd_per_hour)
         if charge is None:
             self._count(route.name, "capped")
@@ -406,8 +407,8 @@ class Comparer:
             alone = msgspec.structs.replace(
                 job.request, stream=None, stream_options=None, logprobs=None, top_logprobs=None
             )
-            alone = within_output_limit(alone, other)
-            response = await self._ask(job, other_target, other.model, alone, "compare", spent)
+            alone = within_output_limit(alone, other_choice)
+            response = await self._ask(job, other_choice.target, other.model, alone, "compare", spent)
             other_answer = answer_text(response)
             if not other_answer.strip():
                 self._count(route.name, "failed")
@@ -419,7 +420,8 @@ class Comparer:
             graded: list[dict[Role, float]] = []
             for order in orders:  # one after the other: a failed first call stops the second
                 asked = judge_request(compare.judge, job.request, answers[order[0]], answers[order[1]])
-                text = answer_text(await self._ask(job, judge_target, compare.judge, asked, "judge", spent))
+                asked = within_output_limit(asked, judge)
+                text = answer_text(await self._ask(job, judge.target, compare.judge, asked, "judge", spent))
                 grades = parse_verdict(text)
                 if grades is None:
                     log.warning(
@@ -450,20 +452,14 @@ class Comparer:
             # what the guess was over by is given back in the bucket it was counted in.
             await charge.settle(sum(spent))
 
-    def _estimate(self, job: Job, other: Candidate, other_target: Target, judge_target: Target) -> float:
-        choice = Choice(other_target, other)
-        output = output_room(choice, job.route, job.feats)
-        answer = expected_cost(choice, job.feats, output, self.context)
+    def _estimate(self, job: Job, other: Choice, judge: Choice) -> float:
+        output = output_room(other, job.route, job.feats)
+        answer = expected_cost(other, job.feats, output, self.context)
         judge_in = job.feats.prompt_tokens + 2 * max(len(job.answer.encode()) // BYTES_PER_TOKEN, output)
         judge_feats = dataclasses.replace(job.feats, prompt_tokens=judge_in)
-        judge = expected_cost(
-            Choice(judge_target, Candidate(model=judge_target.model.name)),
-            judge_feats,
-            JUDGE_EXPECTED_OUTPUT,
-            self.context,
-        )
+        judged = expected_cost(judge, judge_feats, JUDGE_EXPECTED_OUTPUT, self.context)
         assert job.route.compare is not None
-        return answer + judge * (2 if job.route.compare.both_orders else 1)
+        return answer + judged * (2 if job.route.compare.both_orders else 1)
 
     async def _ask(
         self, job: Job, target: Target, model: str, request: ChatRequest, purpose: str, spent: list[int]

@@ -62,7 +62,7 @@ from routing.breaker import Breakers, State, route_label
 from routing.metrics import RoutingMetrics
 from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, expected_cost, output_room
-from routing.routes import Candidate, Route
+from routing.routes import Route
 from routing.stitch import Stitcher
 
 Batches = AsyncIterator[list[ChatChunk]]
@@ -202,7 +202,7 @@ class Operation:
 
     `prepare(choice)` gives the upstream request for that candidate and its reader: the response
     parser, or for a stream a fresh decoder (decoders hold state, so one per attempt); a chat's
-    output limit above the candidate's `max_output_tokens` is sent as that (`within_output_limit`).
+    output limit above the choice's `max_output_tokens` is sent as that (`within_output_limit`).
     `check(target)` raises InvalidRequest when that candidate cannot serve this call at all (an
     Anthropic model asked for embeddings): such candidates are skipped, and the request fails with
     that 400 only when no candidate can serve it.
@@ -217,7 +217,7 @@ def chat_op(request: ChatRequest) -> Operation:
     def prepare(choice: Choice) -> tuple[UpstreamRequest, Any]:
         target = choice.target
         provider, model = target.provider, target.upstream_model
-        sent = within_output_limit(request, choice.candidate)
+        sent = within_output_limit(request, choice)
         upstream = provider.chat_request(target.backend, sent, model)
         if request.stream:
             return upstream, provider.chat_stream(sent, model)
@@ -1385,18 +1385,18 @@ def _limit_reached(request: ChatRequest, spent: int) -> bool:
     return limit is not None and spent >= limit
 
 
-def within_output_limit(request: ChatRequest, candidate: Candidate) -> ChatRequest:
-    """The request as an attempt on `candidate` sends it: an output limit above the model's own
-    (`max_output_tokens`) lowered to it. The model cannot write more anyway, and its vendor refuses
-    the larger limit with a 400 (Claude Code's 32,000 to gpt-4o, which writes 16,384 at most), which
-    ended the request where this candidate could answer it. A thinking budget the lowered limit no
+def within_output_limit(request: ChatRequest, choice: Choice) -> ChatRequest:
+    """The request as an attempt on `choice` sends it: an output limit above the model's own
+    (`Choice.max_output_tokens`: the candidate's, else the model's) lowered to it. The model cannot
+    write more anyway, and its vendor refuses the larger limit with a 400 (Claude Code's 32,000 to
+    gpt-4o, which writes 16,384 at most), which ended the request where this candidate could answer it. A thinking budget the lowered limit no
     longer holds is kept below it (thinking counts toward the limit: Anthropic refuses a budget that
     is not below `max_tokens`, and Claude Code's is 31,999)."""
-    most = candidate.max_output_tokens
+    most = choice.max_output_tokens
     limit = request.output_limit
     if limit is None or most is None or limit <= most:
         return request
-    log.debug("output_limit_lowered", model=candidate.model, asked=limit, sent=most)
+    log.debug("output_limit_lowered", model=choice.candidate.model, asked=limit, sent=most)
     budget = request.reasoning_budget
     return msgspec.structs.replace(
         request,

@@ -108,6 +108,20 @@ class Choice:
     reason: str = ""
     scored_by: str | None = None  # what computed `score` where that varies: a difficulty head's label
 
+    @property
+    def max_output_tokens(self) -> int | None:
+        """The most output tokens this choice's model writes in one answer (None: unknown): the
+        candidate's own, else its model's (`models[].max_output_tokens`). The one rule for every
+        choice: a route's candidates, its fallbacks, a request for a model by name and a
+        comparison's judge (the last three are bare candidates, so they have the model's alone)."""
+        own = self.candidate.max_output_tokens
+        return own if own is not None else self.target.model.max_output_tokens
+
+    def output_within(self, tokens: int) -> int:
+        """`tokens` of output, at most what the model writes (`max_output_tokens`)."""
+        most = self.max_output_tokens
+        return tokens if most is None else min(tokens, most)
+
 
 class Outcome(Protocol):
     """The part of a policy's decision that depends on where the request is served (prefix
@@ -140,7 +154,7 @@ class Plan:
     lessons: list[Lesson] = field(default_factory=list)  # what `commit` keeps
     outcome: Outcome | None = None  # what `serve` counts and the header says of the candidate it names
     # The request's output limit (`Features.max_output_tokens`; None: none): the header says where a
-    # candidate's `max_output_tokens` lowers it (`routing.execute.within_output_limit`).
+    # choice's `max_output_tokens` lowers it (`routing.execute.within_output_limit`).
     output_limit: int | None = None
 
     def commit(self) -> None:
@@ -179,8 +193,8 @@ class Plan:
             if chosen.reason:
                 parts.append(f"reason={chosen.reason}")
             limit = self.output_limit
-            if limit is not None and chosen.candidate.output_within(limit) < limit:
-                parts.append(f"output_capped={chosen.candidate.max_output_tokens}")
+            if limit is not None and chosen.output_within(limit) < limit:
+                parts.append(f"output_capped={chosen.max_output_tokens}")
         parts.append(f"attempts={self.attempts}")
         if self.outcome is not None:
             parts.append(self.outcome.describe(chosen, pending=trying is not None and self.chosen is None))

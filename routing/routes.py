@@ -41,9 +41,10 @@ class Candidate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
     # What the model can take (context_window None: unknown, assumed to fit). `cheapest` weighs all
     # three; every policy skips a candidate declared without the tools or images a request has.
     context_window: int | None = None
-    # The most output tokens the model writes in one answer (None: unknown). A request asking for more
-    # is sent with this limit instead (vendors refuse a larger one with a 400: gpt-4o takes 16,384,
-    # Claude Code asks for 32,000), and its context window must hold the prompt and this much.
+    # The most output tokens the model writes in one answer (None: the model's own, `models[]
+    # .max_output_tokens`, which this overrides; `routing.plan.Choice.max_output_tokens`). A request
+    # asking for more is sent with this limit instead (vendors refuse a larger one with a 400: gpt-4o
+    # takes 16,384, Claude Code asks for 32,000), and its context window must hold the prompt and this.
     max_output_tokens: int | None = None
     tools: bool = True
     vision: bool = True
@@ -54,10 +55,6 @@ class Candidate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
     # `prefix_affinity`: a replica whose last load report (within 10 s) shows this many requests queued
     # counts as overloaded too; engines report to every gateway replica (routing/load.py)
     max_waiting: int | None = None
-
-    def output_within(self, tokens: int) -> int:
-        """`tokens` of output, at most what the model writes (`max_output_tokens`)."""
-        return tokens if self.max_output_tokens is None else min(tokens, self.max_output_tokens)
 
 
 class Conditions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -233,6 +233,15 @@ def test_rejects_what_gemini_rejects(http: httpx.Client) -> None:
         f"/models/{MODEL}:generateContent", json=ask("x", generationConfig={"maxOutputTokens": 100000})
     )
     assert too_many.status_code == 400 and "maxOutputTokens" in too_many.json()["error"]["message"]
+    # Each model's own limit, as its `outputTokenLimit` says: Gemini 2.0 Flash writes 8,192 at most.
+    assert http.get("/models/gemini-2.0-flash").json()["outputTokenLimit"] == 8192
+    flash_2 = "/models/gemini-2.0-flash:generateContent"
+    assert http.post(flash_2, json=ask("x", generationConfig={"maxOutputTokens": 8192})).status_code == 200
+    above = http.post(flash_2, json=ask("x", generationConfig={"maxOutputTokens": 8193}))
+    assert (
+        "value of 8193 but the supported range is from 1 (inclusive) to 8193 (exclusive)"
+        in (above.json()["error"]["message"])
+    )
     empty = http.post(f"/models/{MODEL}:generateContent", json={"contents": []})
     assert empty.status_code == 400 and empty.json()["error"]["status"] == "INVALID_ARGUMENT"
 

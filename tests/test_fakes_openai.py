@@ -416,6 +416,22 @@ def test_deepseek_flavour_reports_hit_and_miss_tokens(fake_deepseek: FakeOpenAI)
     assert thinker.usage.completion_tokens_details.reasoning_tokens == 4
 
 
+@pytest.mark.parametrize("asked", [8193, 0])
+def test_deepseek_flavour_refuses_an_output_limit_in_deepseeks_words(
+    fake_deepseek: FakeOpenAI, asked: int
+) -> None:
+    client = openai.OpenAI(base_url=fake_deepseek.base_url, api_key=fake_deepseek.api_key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="deepseek-chat", messages=user("hi"), max_tokens=asked)
+    assert info.value.body == {
+        "message": "Invalid max_tokens value, the valid range of max_tokens is [1, 8192]",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_request_error",
+    }
+    assert client.chat.completions.create(model="deepseek-chat", messages=user("hi"), max_tokens=8192).choices
+
+
 def test_usable_as_context_manager_outside_pytest() -> None:
     with FakeOpenAI(api_key="k") as fake:
         client = openai.OpenAI(base_url=fake.base_url, api_key="k", max_retries=0)

@@ -90,14 +90,14 @@ def completion_op(body: CompletionRequest) -> Operation:
             sent = (
                 body
                 if limit is None
-                else msgspec.structs.replace(body, max_tokens=choice.candidate.output_within(limit))
+                else msgspec.structs.replace(body, max_tokens=choice.output_within(limit))
             )
             upstream = openai_provider.completions_request(target.backend, sent, model)
             reader = (
                 openai_provider.CompletionStream(model) if stream else openai_provider.completions_response
             )
             return upstream, reader
-        chat = within_output_limit(completion_as_chat(body), choice.candidate)
+        chat = within_output_limit(completion_as_chat(body), choice)
         upstream = target.provider.chat_request(target.backend, chat, model)
         return upstream, target.provider.chat_stream(chat, model) if stream else target.provider.chat_response
 

@@ -354,7 +354,10 @@ OUTPUT_LIMIT_TOO_LARGE = re.compile(
     # Anthropic: "max_tokens: 32000 > 8192, which is the maximum allowed number of output tokens for ..."
     r"|maximum allowed number of output tokens"
     # Gemini: "... has a maxOutputTokens value of 70000 but the supported range is from 1 ..."
-    r"|maxOutputTokens value of \d+ but the supported range",
+    r"|maxOutputTokens value of \d+ but the supported range"
+    # DeepSeek: "Invalid max_tokens value, the valid range of max_tokens is [1, 8192]" (its words for a
+    # limit below 1 too, which another candidate refuses as well: the last refusal reaches the client)
+    r"|valid range of max_tokens is \[",
 )
 
 

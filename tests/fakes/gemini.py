@@ -20,7 +20,8 @@ it holds (a stream chunk, its own tokens; one token a word): ``chosenCandidates`
 (``generationConfig.logprobs`` candidates a step, most likely first, only when that is set) and
 ``logProbabilitySum``, with ``avgLogprobs`` beside it.
 
-Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents``, ``maxOutputTokens`` outside 1..65536, a
+Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents``, ``maxOutputTokens`` outside 1 to the
+model's output limit (`MAX_OUTPUT_TOKENS`: 8,192 on Gemini 2.0 Flash, 65,536 on 2.5 and 3), a
 ``systemInstruction`` to Gemma (``gemma-3-27b-it``: "Developer instruction is not enabled"),
 and on 3.5 Flash-Lite and 3.6 on (`NO_PREFILL`) contents ending with a model turn, which earlier
 models continue (a prefill).
@@ -72,7 +73,15 @@ from tests.fakes.util import deep_merge, huge_text
 
 IMAGE_TOKENS = 258
 THOUGHT_TOKENS = 64
-MAX_OUTPUT_TOKENS = 65536
+# The most output tokens each model writes (`outputTokenLimit`), as Google documents them.
+MAX_OUTPUT_TOKENS = {
+    "gemini-2.5-flash": 65536,
+    "gemini-2.5-pro": 65536,
+    "gemini-2.5-flash-lite": 65536,
+    "gemini-2.0-flash": 8192,
+    "gemini-3-pro-preview": 65536,
+    "gemini-3-flash-preview": 65536,
+}
 EMBEDDING_DIMS = {"gemini-embedding-001": 3072, "text-embedding-004": 768}
 _STATUS = {
     400: ("INVALID_ARGUMENT", "Request contains an invalid argument."),
@@ -416,11 +425,12 @@ class FakeGemini(FakeServer):
         if not body.get("contents"):
             raise Invalid(400, "* GenerateContentRequest.contents: contents is not specified\n")
         limit = body.get("generationConfig", {}).get("maxOutputTokens")
-        if limit is not None and not 1 <= limit <= MAX_OUTPUT_TOKENS:
+        most = _max_output(model)
+        if limit is not None and not 1 <= limit <= most:
             raise Invalid(
                 400,
                 f"Unable to submit request because it has a maxOutputTokens value of {limit} but the supported "
-                f"range is from 1 (inclusive) to {MAX_OUTPUT_TOKENS + 1} (exclusive). Update the value and try again.",
+                f"range is from 1 (inclusive) to {most + 1} (exclusive). Update the value and try again.",
             )
         cached_tokens = 0
         if body.get("cachedContent"):
@@ -713,6 +723,12 @@ def _lower_types(schema: Any) -> Any:
     return schema
 
 
+def _max_output(model: str) -> int:
+    """The model's output limit: 1 for an embedding model, which writes none; a model a test adds to
+    the fake's list writes what 2.5 and 3 do."""
+    return 1 if "embedding" in model else MAX_OUTPUT_TOKENS.get(model, 65536)
+
+
 def _model_object(model: str) -> dict[str, Any]:
     embed = "embedding" in model
     return {
@@ -720,7 +736,7 @@ def _model_object(model: str) -> dict[str, Any]:
         "version": "001",
         "displayName": model.replace("-", " ").title(),
         "inputTokenLimit": 2048 if embed else 1048576,
-        "outputTokenLimit": 1 if embed else 65536,
+        "outputTokenLimit": _max_output(model),
         "supportedGenerationMethods": ["embedContent", "batchEmbedContents"]
         if embed
         else ["generateContent", "countTokens", "createCachedContent", "batchGenerateContent"],

@@ -40,9 +40,10 @@ call id over 40 characters, a ``user`` over 64, a body that is not JSON.
 
 ``FakeOpenAI(flavour="deepseek")`` speaks DeepSeek's dialect instead: models ``deepseek-chat`` and
 ``deepseek-reasoner``, usage ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens`` (64-token cache
-units, no ``prompt_tokens_details``), and ``reasoning_content`` from ``deepseek-reasoner``, which, as
-DeepSeek's thinking mode does, refuses a history whose assistant tool calls come without their
-``reasoning_content``.
+units, no ``prompt_tokens_details``), an output limit outside 1 to the model's refused as DeepSeek
+refuses it ("Invalid max_tokens value, the valid range of max_tokens is [1, 8192]", no ``param``), and
+``reasoning_content`` from ``deepseek-reasoner``, which, as DeepSeek's thinking mode does, refuses a
+history whose assistant tool calls come without their ``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -265,6 +266,15 @@ class FakeOpenAI(FakeServer):
             )
         for name in ("max_tokens", "max_completion_tokens"):
             value = body.get(name)
+            limit = _max_output(model)
+            in_range = isinstance(value, int) and 1 <= value <= (limit or value)
+            if self.flavour == "deepseek" and value is not None and not in_range:
+                # DeepSeek's words, for a limit below 1 and above the model's alike, with no param.
+                raise BadRequest(
+                    400,
+                    f"Invalid {name} value, the valid range of {name} is [1, {limit}]",
+                    code="invalid_request_error",
+                )
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise BadRequest(
                     400,
@@ -272,7 +282,6 @@ class FakeOpenAI(FakeServer):
                     param=name,
                     code="integer_below_min_value",
                 )
-            limit = _max_output(model)
             if value is not None and limit is not None and value > limit:
                 raise BadRequest(
                     400,

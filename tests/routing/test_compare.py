@@ -475,6 +475,45 @@ def test_a_request_for_log_probabilities_is_compared_on_a_model_that_has_none(
     assert all("logprobs" not in body for body in asked)
 
 
+def test_a_comparisons_other_answer_and_judge_are_asked_within_their_models_limits(
+    sqlite_url: str,  # noqa: F811
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    comparing: Comparing,
+) -> None:
+    """The judge is no candidate and the other answer's candidate declares nothing: each has the
+    limit its model declares (`models[].max_output_tokens`). Before, the other model was asked for the
+    client's whole limit and the judge for its 1,024 tokens, which a vendor refuses above its model's."""
+    fake_openai.answer_as("gpt-4o-mini", weak_model)
+    fake_anthropic.answer_as(
+        "claude-sonnet-4-5", lambda t: judge(t) if "<answer_A>" in t else strong_model(t)
+    )
+    # The grader's model under two more names (the price catalog keeps one price per upstream model).
+    limited = """\
+  - {name: sonnet-8k, backend: anthropic, model: claude-sonnet-4-5, max_output_tokens: 8000, price: {input: 3, output: 15}}
+  - {name: grader-512, backend: anthropic, model: claude-sonnet-4-5, max_output_tokens: 512, price: {input: 3, output: 15}}
+"""
+    config = CONFIG.replace("database_url:", limited + "database_url:", 1) + (
+        """\
+  - name: limited
+    policy: difficulty
+    candidates: [{model: gpt-4o-mini}, {model: sonnet-8k}]
+    probe_interval: null
+    compare: {judge: grader-512, share: 1.0, both_orders: false}
+"""
+    )
+    app = comparing(config, sqlite_url)
+    app.state.gateway.router.context.scorer = lambda prompt: 0.1
+    with serve(app, free_port()) as url:
+        _, _, client = prompt_keeper(url)
+        messages = [{"role": "user", "content": "easy question"}]
+        client.chat.completions.create(model="limited", messages=messages, max_tokens=10_000)
+        wait_for(lambda: sync_exec(sqlite_url, "SELECT count(*) FROM comparisons") == [(1,)])
+    assert fake_openai.last_request.json["max_tokens"] == 10_000  # served as asked
+    other, verdict = [r.json for r in fake_anthropic.requests if r.method == "POST"]
+    assert (other["max_tokens"], verdict["max_tokens"]) == (8000, 512)
+
+
 def test_a_comparisons_calls_log_their_own_request_id_not_the_clients(
     fake_anthropic: FakeAnthropic,
     comparing: Comparing,
