@@ -520,6 +520,23 @@ _FAILED_FINISH = frozenset(
 )
 
 
+# Finish reasons that name no reason: Google documents OTHER as "Unknown reason." (Vertex: "All other
+# reasons that stopped the token generation"), IMAGE_OTHER as image generation stopped "for a reason not
+# otherwise specified", and NO_IMAGE as an image expected and none generated. After some of the answer
+# they end it (`stop`: the client has what came); with none of it, text or a tool call, they reached the
+# client as an empty `stop`: an answer Gemini failed to give, as the `_FAILED_FINISH` ones are.
+_UNKNOWN_FINISH = frozenset({"OTHER", "IMAGE_OTHER", "NO_IMAGE"})
+
+
+def _check_answered(reason: str | None, answered: bool, data: dict[str, Any]) -> None:
+    """A candidate ended for no named reason before any of its answer came: the backend's failure (502,
+    failed over), billed the usage `data` reports as a failed finish is."""
+    if reason in _UNKNOWN_FINISH and not answered:
+        raise BadGateway(
+            f"the Gemini backend stopped without an answer (finishReason {reason})", billed=_billed(data)
+        )
+
+
 def _check_blocked(data: dict[str, Any]) -> None:
     """A blocked prompt, or an answer Gemini failed to give, as the error the client sees. Both came in
     a 200, which Google bills (only a 4xx or 5xx is free): the error carries the usage reported."""
@@ -564,6 +581,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     choices = []
     for i, candidate in enumerate(data.get("candidates") or ()):
         text, thoughts, calls = _candidate(candidate, [])
+        _check_answered(candidate.get("finishReason"), bool(text or calls), data)
         message = AssistantMessage(
             role="assistant",
             content=text if text is not None or not calls else None,
@@ -601,7 +619,11 @@ class ChatStream:
         # Gemini has no `parallel_tool_calls` switch: for a client that asked for no parallel calls,
         # a candidate's calls after its first are left out.
         self.most_calls = 1 if request.parallel_tool_calls is False else None
-        self.finished = False
+        # Each candidate (`n`, candidateCount) streams and finishes on its own, interleaved with the
+        # others: the stream is whole once every one asked for, and every one seen, has finished.
+        self.candidates = request.n or 1
+        self.answered: set[int] = set()  # candidates some text or a tool call came for
+        self.finished: set[int] = set()
         self.prompt_told = False  # the first chunk carried the prompt's count (`ChatChunk.prompt_usage`)
 
     def feed(self, event: str | None, data: str) -> list[ChatChunk]:
@@ -623,6 +645,9 @@ class ChatStream:
         for i, candidate in enumerate(payload.get("candidates") or ()):
             index = candidate.get("index", i)
             text, thoughts, calls = _candidate(candidate, [])
+            if text or calls:
+                self.answered.add(index)
+            _check_answered(candidate.get("finishReason"), index in self.answered, payload)
             first = self.tool_calls.get(index, 0)
             if self.most_calls is not None:
                 calls = calls[: max(self.most_calls - first, 0)]
@@ -640,7 +665,7 @@ class ChatStream:
             self.started.add(index)
             finish = _finish(candidate.get("finishReason"), self.tool_calls[index] > 0)
             if finish is not None:
-                self.finished = True
+                self.finished.add(index)
             delta = Delta(role=role, content=text, tool_calls=deltas or None, reasoning_content=thoughts)
             logprobs = _logprobs(candidate)
             if logprobs is not None and not logprobs["content"]:
@@ -656,8 +681,12 @@ class ChatStream:
         return [chunk]
 
     def close(self) -> list[ChatChunk]:
-        if not self.finished:
-            raise BadGateway("the Gemini backend ended the stream before a finishReason")
+        unfinished = (set(range(self.candidates)) | self.started) - self.finished
+        if unfinished:
+            raise BadGateway(
+                "the Gemini backend ended the stream before a finishReason"
+                + (f" for candidates {sorted(unfinished)}" if self.candidates > 1 else "")
+            )
         usage = normalise_usage(VENDOR, self.usage)
         return [ChatChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)]
 

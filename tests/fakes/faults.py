@@ -10,6 +10,7 @@ Build one with a constructor and queue it with ``fake.fail_next(fault, times=n)`
     fake.fail_next(Fault.reset())                       # TCP RST before any byte
     fake.fail_next(Fault.cut_stream(after=3))           # 3 chunks, then the connection drops (no terminator)
     fake.fail_next(Fault.stream_error(after=3))         # 3 chunks, then the vendor's in-stream error event
+    fake.fail_next(Fault.end_stream(after=3))           # 3 chunks, then the body ends in good order
     fake.fail_next(Fault.slow_stream(0.2))              # normal reply, 0.2 s between stream chunks
     fake.fail_next(Fault.stall(after=3))                # 3 chunks (JSON: half the body), then silence
     fake.fail_next(Fault.garbage())                     # 200 with a body that is not the vendor's format
@@ -32,6 +33,7 @@ class FaultKind(enum.Enum):
     RESET = "reset"
     CUT_STREAM = "cut_stream"
     STREAM_ERROR = "stream_error"
+    END_STREAM = "end_stream"
     SLOW_STREAM = "slow_stream"
     STALL = "stall"
     GARBAGE = "garbage"
@@ -52,7 +54,7 @@ class Fault:
     code: str | None = None
     message: str | None = None  # STATUS and STREAM_ERROR: overrides the vendor's default message
     seconds: float = 0.0  # DELAY: before the first byte; SLOW_STREAM: between chunks
-    after: int = 0  # CUT_STREAM, STREAM_ERROR and STALL: chunks sent before the failure
+    after: int = 0  # CUT_STREAM, STREAM_ERROR, END_STREAM and STALL: chunks sent before the failure
     size: int = 0  # HUGE: approximate bytes of reply text
 
     @classmethod
@@ -93,6 +95,13 @@ class Fault:
     @classmethod
     def stream_error(cls, after: int = 1, code: int = 500, message: str | None = None) -> Fault:
         return cls(FaultKind.STREAM_ERROR, after=after, status_code=code, message=message)
+
+    @classmethod
+    def end_stream(cls, after: int = 1) -> Fault:
+        """`after` chunks, then the body ends as a whole body does (no error, no broken connection)
+        without the rest, its terminator (`[DONE]`, `message_stop`) too: a vendor or a proxy on the
+        way that ends a stream early, which only the stream's own content tells."""
+        return cls(FaultKind.END_STREAM, after=after)
 
     @classmethod
     def stall(cls, after: int = 1) -> Fault:

@@ -11,7 +11,9 @@ hold an ``ErrorInfo`` of reason ``API_KEY_INVALID`` and a ``LocalizedMessage``, 
 Responses carry ``candidates[].content.parts[]`` (``text``; ``functionCall`` with ``args`` for tool
 calls, sent whole in one chunk as Gemini does; a ``thought: true`` part when
 ``thinkingConfig.includeThoughts``), ``finishReason`` (``STOP``, ``MAX_TOKENS``; any other through
-``stop_next_with``), ``usageMetadata`` and ``modelVersion``/``responseId``; a blocked prompt
+``stop_next_with``), ``usageMetadata`` and ``modelVersion``/``responseId``; streamed with
+``candidateCount`` > 1, the candidates come interleaved (each one event behind the one before), each
+finishing in an event of its own; a blocked prompt
 (``block_next``) gets ``promptFeedback.blockReason``, no candidates and the prompt's usage. Every
 stream chunk carries the usage so far, the last one the total.
 With ``generationConfig.responseLogprobs`` each candidate also carries ``logprobsResult`` for the text
@@ -158,7 +160,7 @@ class FakeGemini(FakeServer):
         self.cached_contents: dict[str, dict[str, Any]] = {}
         self.signatures: set[str] = set()  # thought signatures issued, as base64
         self.calls_per_reply = 1
-        self._finish_reasons: list[str] = []
+        self._finish_reasons: list[tuple[str, bool]] = []
         self._block_reasons: list[str] = []
 
     def reset_state(self) -> None:
@@ -169,12 +171,13 @@ class FakeGemini(FakeServer):
         self._finish_reasons = []
         self._block_reasons = []
 
-    def stop_next_with(self, reason: str) -> None:
+    def stop_next_with(self, reason: str, *, empty: bool = False) -> None:
         """The next answer ends with Gemini's `finishReason` `reason` (`SAFETY`, `LANGUAGE`,
-        `TOO_MANY_TOOL_CALLS`...: ones the echo never gives), its content as usual; streamed, the
-        reason comes on the last chunk, after the text before it."""
+        `TOO_MANY_TOOL_CALLS`, `OTHER`...: ones the echo never gives), its content as usual; streamed,
+        the reason comes on the last chunk, after the text before it. `empty`: stopped before any of
+        the answer, its candidate has no parts (its thoughts aside) and only the thoughts are output."""
         with self._lock:
-            self._finish_reasons.append(reason)
+            self._finish_reasons.append((reason, empty))
 
     def block_next(self, reason: str) -> None:
         """The next generation's prompt is blocked as Gemini blocks one (`SAFETY`, `PROHIBITED_CONTENT`,
@@ -187,9 +190,10 @@ class FakeGemini(FakeServer):
         with self._lock:
             return self._block_reasons.pop(0) if self._block_reasons else None
 
-    def _finish_reason(self, reply: Reply) -> str:
+    def _finish_reason(self) -> tuple[str | None, bool]:
+        """The finish `stop_next_with` queued, and whether the answer is empty; (None, False) if none."""
         with self._lock:
-            return self._finish_reasons.pop(0) if self._finish_reasons else _FINISH[reply.finish]
+            return self._finish_reasons.pop(0) if self._finish_reasons else (None, False)
 
     def call_in_parallel(self, calls: int) -> None:
         """A function call reply holds the call `calls` times, as parallel calls (only the first
@@ -473,6 +477,10 @@ class FakeGemini(FakeServer):
         blocked = self._block_reason()
         if blocked is not None:
             return await self._blocked(request, model, method, blocked, prompt, cached_tokens)
+        finish, empty = self._finish_reason()
+        if empty:
+            reply = Reply()
+        finish = finish or _FINISH[reply.finish]
         usage, raw = self.take_usage(
             ReportedUsage(
                 input_tokens=prompt - cached_tokens,
@@ -508,13 +516,18 @@ class FakeGemini(FakeServer):
         )
 
         def response(
-            parts: list[dict[str, Any]], finish: str | None, candidates_tokens: int, thoughts_tokens: int
+            pieces: list[tuple[int, list[dict[str, Any]], str | None]],
+            candidates_tokens: int,
+            thoughts_tokens: int,
         ) -> dict[str, Any]:
+            """A response of these candidates: (index, parts, finishReason or None) each."""
             candidates = []
-            for i in range(n):
-                candidate: dict[str, Any] = {"content": {"parts": parts, "role": "model"}}
-                if finish:
-                    candidate["finishReason"] = finish
+            for i, parts, ended in pieces:
+                # proto3 JSON leaves out an empty list: a candidate stopped before any part has none
+                content: dict[str, Any] = {"parts": parts, "role": "model"} if parts else {"role": "model"}
+                candidate: dict[str, Any] = {"content": content}
+                if ended:
+                    candidate["finishReason"] = ended
                 if config.get("responseLogprobs"):
                     text = "".join(p["text"] for p in parts if "text" in p and not p.get("thought"))
                     candidate |= _logprobs(chunk_words(text) if text else [], config.get("logprobs") or 0)
@@ -536,38 +549,45 @@ class FakeGemini(FakeServer):
             final_parts.extend(
                 {"functionCall": call["functionCall"]} for _ in range(self.calls_per_reply - 1)
             )
-        else:
+        elif not empty:
             final_parts.append({"text": reply.text})
         candidates_total = usage.output_tokens - usage.reasoning_tokens
-        finish = self._finish_reason(reply)
         if method == "generateContent":
-            return self.json_response(
-                request, response(final_parts, finish, candidates_total, usage.reasoning_tokens)
-            )
+            whole = [(i, final_parts, finish) for i in range(n)]
+            return self.json_response(request, response(whole, candidates_total, usage.reasoning_tokens))
 
-        # streaming: thoughts first, then one word per chunk (or the whole function call)
+        # streaming: thoughts first, then one word per chunk (or the whole function call), with the
+        # candidate's tokens so far
         chunks: list[tuple[list[dict[str, Any]], int]] = []
         if thought_part:
             chunks.append(([thought_part], 0))
         if reply.tool_name:
-            chunks.append(([part for part in final_parts if "functionCall" in part], candidates_total))
+            chunks.append(([part for part in final_parts if "functionCall" in part], reply.output_tokens))
+        elif empty:
+            chunks.append(([], 0))
         else:
             pieces = chunk_words(reply.text, 4096 if big is not None else 1) or [""]
             so_far = 0
             for piece in pieces:
                 so_far += count_tokens(piece)
-                chunks.append(([{"text": piece}], min(so_far * n, candidates_total)))
+                chunks.append(([{"text": piece}], so_far))
+        # Several candidates stream interleaved, each finishing at its own time: candidate c is c
+        # events behind the first, so event i carries chunk i - c of each one still going.
+        events = len(chunks) + n - 1
         sse_mode = request.query.get("alt") == "sse"
         content_type = "text/event-stream" if sse_mode else "application/json; charset=UTF-8"
         async with self.open_stream(request, content_type) as stream:
-            for i, (parts, candidates_tokens) in enumerate(chunks):
-                last = i == len(chunks) - 1
-                payload = response(
-                    parts,
-                    finish if last else None,
-                    candidates_tokens if not last else candidates_total,
-                    usage.reasoning_tokens,
-                )
+            for i in range(events):
+                last = i == events - 1
+                steps = {c: i - c for c in range(n) if i >= c}  # each started candidate's chunk now
+                going = [
+                    (c, chunks[k][0], finish if k == len(chunks) - 1 else None)
+                    for c, k in steps.items()
+                    if k < len(chunks)
+                ]
+                counted = sum(chunks[min(k, len(chunks) - 1)][1] for k in steps.values())
+                tokens = candidates_total if last else min(counted, candidates_total)
+                payload = response(going, tokens, usage.reasoning_tokens)
                 if sse_mode:
                     await stream.send(sse(payload, sep=b"\r\n\r\n"))
                 else:

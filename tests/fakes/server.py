@@ -554,8 +554,11 @@ class EventStream:
                     await self.server._hang()
                 _drop_connection(self.request)
                 raise asyncio.CancelledError
-            if fault.kind is FaultKind.STREAM_ERROR:
-                await self.response.write(self.server.stream_error_frame(fault.status_code, fault.message))
+            if fault.kind in (FaultKind.STREAM_ERROR, FaultKind.END_STREAM):
+                if fault.kind is FaultKind.STREAM_ERROR:
+                    await self.response.write(
+                        self.server.stream_error_frame(fault.status_code, fault.message)
+                    )
                 await self.response.write_eof()
                 raise StreamFinished(self.response)
         if fault is not None and fault.kind is FaultKind.SLOW_STREAM and self.sent:

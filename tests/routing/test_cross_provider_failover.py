@@ -349,6 +349,95 @@ def test_a_gemini_finish_that_says_it_failed_fails_over_instead_of_ending_the_an
     assert (attempts[-1].backend, attempts[-1].status) == ("openai", 200)
 
 
+@pytest.mark.parametrize("finish", ["OTHER", "NO_IMAGE"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_gemini_stop_for_no_named_reason_before_any_answer_fails_over_and_is_billed(
+    gateway: RunningGateway, fake_gemini: FakeGemini, finish: str, stream: bool
+) -> None:
+    """OTHER is Google's "Unknown reason." (NO_IMAGE: an image expected, none made): with no text and
+    no tool call before it, it reached the client as an empty `stop` answer. It is an answer Gemini
+    failed to give, as MALFORMED_RESPONSE is: the backend's 502, failed over, billed what Gemini
+    reported."""
+    for _ in range(2):  # the attempt and its retry in place, as for any 502
+        fake_gemini.stop_next_with(finish, empty=True)
+    chat = gateway.openai().chat.completions.create(model="gemini-then-openai", messages=HI, stream=stream)
+    if stream:
+        chunks = list(chat)  # type: ignore[arg-type]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        text = chat.choices[0].message.content or ""  # type: ignore[union-attr]
+    assert text == ECHO
+    attempts = events(gateway, 3)
+    assert [(a.backend, a.status) for a in attempts] == [("gemini", 502), ("gemini", 502), ("openai", 200)]
+    reported = fake_gemini.usages[:2]
+    assert [a.usage for a in attempts[:2]] == [
+        Usage(input_tokens=r.input_tokens, output_tokens=r.output_tokens) for r in reported
+    ]
+    assert all(a.usage != Usage() and a.cost_pico_usd > 0 and not a.estimated for a in attempts[:2])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_gemini_stop_for_no_named_reason_after_its_text_is_the_answers_stop(
+    gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
+) -> None:
+    """After some of the answer, OTHER ends it: the client keeps the text that came, finished."""
+    fake_gemini.stop_next_with("OTHER")
+    chat = gateway.openai().chat.completions.create(model="gemini-then-openai", messages=HI, stream=stream)
+    if stream:
+        chunks = list(chat)  # type: ignore[arg-type]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        text, finishes = chat.choices[0].message.content or "", [chat.choices[0].finish_reason]  # type: ignore[union-attr]
+    assert (text, finishes) == (ECHO, ["stop"])
+    assert [(a.backend, a.status) for a in events(gateway, 1)] == [("gemini", 200)]
+
+
+def streamed_choices(chunks: list[Any]) -> tuple[dict[int, str], list[tuple[int, str]]]:
+    """Each choice's text, and the (choice, finish_reason) pairs in the order they came."""
+    texts: dict[int, str] = {}
+    finishes: list[tuple[int, str]] = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes.append((choice.index, choice.finish_reason))
+    return texts, finishes
+
+
+def test_gemini_candidates_stream_interleaved_and_each_finishes_on_its_own(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """With candidateCount 3 Gemini streams the candidates interleaved, each finishing in an event of
+    its own: every choice reaches the client whole, with one finish of its own."""
+    stream = gateway.openai().chat.completions.create(model="gemini-flash", messages=HI, n=3, stream=True)
+    chunks = list(stream)
+    texts, finishes = streamed_choices(chunks)
+    assert texts == {0: ECHO, 1: ECHO, 2: ECHO} and finishes == [(0, "stop"), (1, "stop"), (2, "stop")]
+    first_done = next(i for i, c in enumerate(chunks) if any(ch.finish_reason for ch in c.choices))
+    assert any(ch.index == 2 and ch.delta.content for c in chunks[first_done + 1 :] for ch in c.choices)
+    (attempt,) = events(gateway, 1)
+    assert attempt.status == 200 and attempt.usage.output_tokens == fake_gemini.last_usage.output_tokens
+
+
+def test_a_gemini_stream_that_ends_before_every_candidate_finished_is_no_whole_answer(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """The stream counted as finished once any candidate finished: one that ended (in good order)
+    after the first candidate's finish, the second still going, reached the client as complete, its
+    second choice cut short without a word, and was recorded as a whole answer. It is a stream that
+    ended early, as one without any finishReason is: an error the client is told of."""
+    fake_gemini.fail_next(Fault.end_stream(after=len(ECHO.split())))  # up to the first candidate's finish
+    stream = gateway.openai().chat.completions.create(model="gemini-flash", messages=HI, n=2, stream=True)
+    chunks: list[Any] = []
+    with pytest.raises(openai.APIError, match="finishReason"):
+        chunks.extend(stream)
+    texts, finishes = streamed_choices(chunks)
+    assert texts[0] == ECHO and finishes == [(0, "stop")] and texts[1] != ECHO
+    (attempt,) = events(gateway, 1)
+    assert attempt.status == 502
+
+
 def test_a_blocked_prompt_is_the_clients_400_in_its_own_shape_and_not_failed_over(
     gateway: RunningGateway, script: Script, fake_anthropic: FakeAnthropic
 ) -> None:
