@@ -416,7 +416,11 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         raise _error_in_200(wire.error)
     if not wire.choices:
         # Not an answer (a completion always has a choice): the backend's failure, not an empty reply.
-        raise BadGateway("the OpenAI-compatible backend returned a response without choices")
+        # A server that reports usage beside it bills that usage: the attempt is recorded at it.
+        raise BadGateway(
+            "the OpenAI-compatible backend returned a response without choices",
+            billed=normalise_usage(VENDOR, wire.usage) if wire.usage else None,
+        )
     for choice in wire.choices:
         _reasoning_as_content(choice.message)
         _note_matched_stop(choice)

@@ -33,6 +33,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
 from tests.reliability.raw_backend import Send, Sleep, http_head
@@ -383,6 +384,20 @@ def test_a_200_without_choices_is_a_bad_gateway_not_an_empty_answer(
     with pytest.raises(openai.APIStatusError) as caught:
         client(gateway).chat.completions.create(model="raw-model", messages=HI)  # type: ignore[arg-type]
     assert caught.value.status_code == 502
+
+
+def test_a_200_without_choices_is_billed_the_usage_it_reports(gateway: RunningGateway, raw: Script) -> None:
+    """A server that answers 200 without choices but with a usage block bills that usage: the
+    attempt was recorded at nothing, and the ledger fell short of the vendor's bill."""
+    reported = {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+    raw.answer = http_head() + json.dumps({**json.loads(NO_CHOICES), "usage": reported}).encode()
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(gateway).chat.completions.create(model="raw-model", messages=HI)  # type: ignore[arg-type]
+    assert caught.value.status_code == 502
+    settled(gateway, raw.calls)
+    failed = gateway.sink.events
+    assert failed and all((e.backend, e.status, e.estimated) == ("raw", 502, False) for e in failed)
+    assert all(e.usage == Usage(input_tokens=6, output_tokens=3) and e.cost_pico_usd > 0 for e in failed)
 
 
 def sse(*chunks: dict[str, Any]) -> bytes:
