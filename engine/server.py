@@ -61,6 +61,11 @@ _T = TypeVar("_T")
 _LOADER = web.AppKey("loader", asyncio.Task)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy API's default
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# The `retry-after` of a 503 `model_not_ready` (the model still loading): a hint for a client calling
+# the engine itself. A small model loads in seconds, a large one in a minute or more; a client that
+# polls every few seconds loses little either way. (Weir's gateway does not wait for it: it fails
+# over at once, `routing.execute.retries_in_place`.)
+LOADING_RETRY_AFTER_S = 5
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -138,7 +143,12 @@ class EngineServer:
 
     def ready(self) -> AsyncLLMEngine:
         if self.engine is None:
-            raise ApiError(503, self.load_error or "the model is still loading", code="model_not_ready")
+            raise ApiError(
+                503,
+                self.load_error or "the model is still loading",
+                code="model_not_ready",
+                headers={"retry-after": str(LOADING_RETRY_AFTER_S)},
+            )
         if self.engine.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.engine.error!r}")
         return self.engine

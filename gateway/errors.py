@@ -27,6 +27,7 @@ class GatewayError(Exception):
         type: str | None = None,
         headers: dict[str, str] | None = None,
         billed: Usage | None = None,
+        upstream_code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -34,6 +35,10 @@ class GatewayError(Exception):
         # What the vendor reported, and bills, for the 200 this error stands for (a prompt it blocked,
         # an answer it failed to give): the attempt is recorded at it, not at nothing.
         self.billed = billed
+        # The backend's own error code behind a 5xx the client sees under the gateway's code
+        # (`backend_unavailable`...): never rendered, read where it decides a retry (the bundled
+        # engine's `model_not_ready` is not worth one).
+        self.upstream_code = upstream_code
         if code is not None:
             self.code = code
         if status is not None:

@@ -131,19 +131,31 @@ def refuses_parameter(exc: GatewayError) -> bool:
     )
 
 
+_NOT_RETRIED = frozenset(
+    {
+        "insufficient_quota",
+        "upstream_auth_failed",
+        "upstream_billing_failed",
+        "engine_overloaded",
+        CONTEXT_LENGTH_EXCEEDED,
+    }
+)
+
+
 def retries_in_place(exc: GatewayError) -> bool:
     """Whether asking the same backend again may help. Not after OpenAI's 429 `insufficient_quota`
     (the account is out of credit, which no wait lifts, unlike a rate limit's 429), nor after the
     backend refused the gateway's credentials or account, nor when the bundled engine's queue is full
     (`engine_overloaded`, from `--max-queued`: the point of the limit is to answer elsewhere now),
     nor when the prompt does not fit its context window, nor after a 404 (a model the backend does
-    not have, retired or misnamed, where `failover_on` lists 404): the next candidate is asked at once."""
-    return exc.status != 404 and exc.code not in (
-        "insufficient_quota",
-        "upstream_auth_failed",
-        "upstream_billing_failed",
-        "engine_overloaded",
-        CONTEXT_LENGTH_EXCEEDED,
+    not have, retired or misnamed, where `failover_on` lists 404), nor when the bundled engine said
+    it is still loading its model or its loop died (503 `model_not_ready`, `engine_dead`: seconds
+    to minutes until it loads or its supervisor restarts it; the client sees the gateway's 503 either
+    way): the next candidate is asked at once."""
+    return (
+        exc.status != 404
+        and exc.code not in _NOT_RETRIED
+        and exc.upstream_code not in ("model_not_ready", "engine_dead")
     )
 
 

@@ -409,12 +409,12 @@ def upstream_error(
         )
     text = f"{vendor} backend error ({status}): {message}"
     if status in (503, 529):
-        return BackendUnavailable(text, headers=passed)
+        return BackendUnavailable(text, headers=passed, upstream_code=code)
     # A vendor's `retry-after` on any 5xx is kept: the retry in place waits for it, and the client
     # is told it, as for a 503.
     if status == 504:
-        return GatewayTimeout(text, headers=passed)
-    return BadGateway(text, headers=passed)
+        return GatewayTimeout(text, headers=passed, upstream_code=code)
+    return BadGateway(text, headers=passed, upstream_code=code)
 
 
 def error_text(body: bytes, path: tuple[str, ...] = ("error", "message")) -> tuple[str, dict[str, Any]]:

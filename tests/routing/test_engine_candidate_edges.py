@@ -290,6 +290,33 @@ def test_an_engine_still_loading_its_model_fails_over_invisibly(fake_openai: Fak
         assert sorted(g[:2] for g in got if g[0] == "vendor") == [("vendor", 200)] * 2
 
 
+def test_a_loading_engine_is_passed_over_at_once_not_retried_in_place(fake_openai: FakeOpenAI) -> None:
+    """The engine's 503 `model_not_ready` reached the route as the gateway's `backend_unavailable`,
+    so a route that retries in place asked the loading engine again after its backoff (0.2 s, one
+    more attempt in the ledger) before its vendor. Now the engine's own code decides: the vendor is
+    asked at once. A client of the engine's model itself still sees the gateway's 503 in OpenAI's
+    shape, with the engine's `retry-after` hint, which the engine now sends."""
+    patient = "  - {name: patient, candidates: [{model: small}], fallbacks: [gpt-4o-mini]}"  # 2 attempts
+    with tiny_engine(loading=True) as (port, _), engine_gateway(fake_openai, port, patient) as gateway:
+        direct = httpx.get(f"http://127.0.0.1:{port}/v1/models")
+        assert direct.status_code == 503 and direct.headers["retry-after"] == "5"
+        assert direct.json()["error"]["code"] == "model_not_ready"
+        client = gateway.openai()
+        raw = client.chat.completions.with_raw_response.create(model="patient", messages=HI)  # type: ignore[arg-type]
+        assert raw.parse().choices[0].message.content == ECHO
+        assert route_header(raw)["tried"] == "small:503,gpt-4o-mini:ok"
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.chat.completions.create(model="small", messages=HI)  # type: ignore[arg-type]
+        assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "5"
+        assert refused.value.code == "backend_unavailable"
+        settled(gateway, 3)
+        assert sorted((e.backend, e.status) for e in events(gateway)) == [
+            ("local", 503),
+            ("local", 503),
+            ("vendor", 200),
+        ]
+
+
 def test_engine_attempts_are_billed_their_cached_prompt_tokens_at_the_configured_price(
     fake_openai: FakeOpenAI,
 ) -> None:
