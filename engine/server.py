@@ -34,6 +34,7 @@ from engine.output import (
     chat_logprobs,
     parse_tool_calls,
 )
+from engine.parent_watch import watch_parent_from_env
 from engine.protocol import (
     UNSUPPORTED_PARAMETER,
     UNSUPPORTED_VALUE,
@@ -928,6 +929,7 @@ def run(
         app[_LOADER] = asyncio.create_task(load())
 
     server.app.on_startup.append(start_loading)
+    watch_parent_from_env()  # started by a gateway: end with it
     log.info("listening on http://%s:%d, loading %s", host, port, model)
     web.run_app(server.app, host=host, port=port, handler_cancellation=True, access_log=None, print=None)
     return 1 if server.load_error else 0

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -18,12 +19,37 @@ from gateway.config import Backend
 
 log = structlog.get_logger("weir.engine")
 
-RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)  # seconds between restarts after quick deaths
+# Seconds before the next start: the n-th failure in a row waits the n-th entry (the last one for every
+# failure after). A failure is an engine that exited or was stopped, a command that could not be run,
+# or a port another process holds; an engine that had run for RAN_LONG_S before it died starts the
+# count again, so its death is a first failure (1 s), not the next after the last quick one.
+RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
+RAN_LONG_S = 60.0
+# The engine polls this pid and shuts down once it is gone (engine/parent_watch.py, which names it too).
+PARENT_PID_ENV = "WEIR_ENGINE_PARENT_PID"
 # A running engine's /health is checked this often: an exception inside the engine's step stops its
 # loop but not its process, which then answers 503 {"status": "error"} to /health and `engine_dead`
 # to every request for ever. DEAD_AFTER such answers in a row and it is restarted.
 WATCH_INTERVAL_S = 1.0
 DEAD_AFTER = 3
+
+
+def restart_delay(failures: int) -> float:
+    """Seconds to wait after the `failures`-th failure in a row (counted from 1)."""
+    return RESTART_BACKOFF[min(failures, len(RESTART_BACKOFF)) - 1]
+
+
+def port_taken(port: int) -> bool:
+    """Whether another process listens on 127.0.0.1:`port` (or on every address), where our engine's
+    /health is asked: its 200 would pass for our engine's, whose bind fails. SO_REUSEADDR as the
+    engine binds (aiohttp's default), so our last engine's connections in TIME_WAIT do not count."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def engine_base_url(backend: Backend) -> str:
@@ -61,7 +87,10 @@ class EngineProcess:
         self._task = asyncio.create_task(self._supervise(), name=f"engine:{self.backend.name}")
 
     async def _spawn(self) -> None:
-        env = {**os.environ, "WEIR_ENGINE_PORT": str(self.port)}
+        env = {**os.environ, "WEIR_ENGINE_PORT": str(self.port), PARENT_PID_ENV: str(os.getpid())}
+        # A session of its own: a terminal's Ctrl+C reaches only the gateway, which stops the engine in
+        # order (`stop`), and `_terminate` signals the whole group (a `command:`'s children too). The
+        # engine ends with the gateway by watching PARENT_PID_ENV, since no signal reaches it then.
         self.process = await asyncio.create_subprocess_exec(*self.command, env=env, start_new_session=True)
         log.info("engine_started", backend=self.backend.name, pid=self.process.pid, command=self.command)
 
@@ -78,9 +107,21 @@ class EngineProcess:
         return False
 
     async def _supervise(self) -> None:
-        failures = 0
+        failures = 0  # in a row (see RESTART_BACKOFF)
         async with aiohttp.ClientSession() as session:
             while not self._stopping:
+                if port_taken(self.port):
+                    # Another process holds the port, such as an engine a SIGKILLed gateway left behind
+                    # (it ends itself within a second or so): its /health would make ours look ready.
+                    failures += 1
+                    log.error(
+                        "engine_port_in_use",
+                        backend=self.backend.name,
+                        port=self.port,
+                        retry_in=restart_delay(failures),
+                    )
+                    await asyncio.sleep(restart_delay(failures))
+                    continue
                 try:
                     await self._spawn()
                 except OSError as exc:
@@ -88,15 +129,14 @@ class EngineProcess:
                     # tried again after the backoff. Raised, it ended supervision without a word, left
                     # /readyz at 503 for ever and failed the gateway's shutdown.
                     failures += 1
-                    delay = RESTART_BACKOFF[min(failures, len(RESTART_BACKOFF) - 1)]
                     log.error(
                         "engine_start_failed",
                         backend=self.backend.name,
                         command=self.command,
                         error=str(exc),
-                        retry_in=delay,
+                        retry_in=restart_delay(failures),
                     )
-                    await asyncio.sleep(delay)
+                    await asyncio.sleep(restart_delay(failures))
                     continue
                 started = time.monotonic()
                 if await self._wait_healthy(session):
@@ -111,11 +151,12 @@ class EngineProcess:
                 self.healthy = False
                 if self._stopping:
                     return
-                failures = 0 if time.monotonic() - started > 60 else failures + 1
-                delay = RESTART_BACKOFF[min(failures, len(RESTART_BACKOFF) - 1)]
+                failures = 1 if time.monotonic() - started > RAN_LONG_S else failures + 1
                 self.restarts += 1
-                log.warning("engine_exited", backend=self.backend.name, code=code, restart_in=delay)
-                await asyncio.sleep(delay)
+                log.warning(
+                    "engine_exited", backend=self.backend.name, code=code, restart_in=restart_delay(failures)
+                )
+                await asyncio.sleep(restart_delay(failures))
 
     async def _watch(self, session: aiohttp.ClientSession) -> None:
         """Until the process exits: check /health, and terminate an engine that says it is dead (its

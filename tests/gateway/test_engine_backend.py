@@ -15,11 +15,14 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import msgspec
 import openai
 import pytest
+from structlog.testing import capture_logs
 
+from gateway import engine_supervisor
 from gateway.app import create_app
-from gateway.config import parse_config
+from gateway.config import Backend, parse_config
 from gateway.engine_supervisor import EngineProcess
 from tests.conftest import free_port, wait_for
 from tests.gateway.conftest import serve
@@ -230,3 +233,116 @@ def test_a_count_the_engine_cannot_make_is_estimated_not_refused() -> None:
             model="small", messages=[{"role": "user", "content": "hi"}]
         )
         assert raw.headers["x-weir-token-count"] == "backend"
+
+
+# --- supervision: restarts, the port, a gateway that dies ---------------------------------------------
+
+TINY_ENGINE = str(Path(__file__).with_name("tiny_engine.py"))
+
+
+def engine_backend(port: int, command: list[str]) -> Backend:
+    return msgspec.convert(
+        {"name": "local", "type": "engine", "model": "tiny", "port": port, "command": command}, Backend
+    )
+
+
+async def test_restarts_wait_the_backoff_lists_entries_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The n-th quick failure in a row waits the n-th entry of RESTART_BACKOFF. The first quick crash
+    waited the second entry (2 s) and the first (1 s) was only used after an engine that had run for
+    over a minute."""
+    monkeypatch.setattr(engine_supervisor, "RESTART_BACKOFF", (0.1, 0.2, 0.3))
+    engine = EngineProcess(engine_backend(free_port(), [sys.executable, "-c", "raise SystemExit(3)"]))
+    with capture_logs() as logs:
+        await engine.start()
+        try:
+            while sum(e["event"] == "engine_exited" for e in logs) < 4:
+                await asyncio.sleep(0.05)
+        finally:
+            await engine.stop()
+    exits = [e for e in logs if e["event"] == "engine_exited"]
+    assert [e["restart_in"] for e in exits[:4]] == [0.1, 0.2, 0.3, 0.3]
+    assert exits[0]["code"] == 3
+
+
+async def test_a_process_already_on_the_port_is_not_taken_for_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another process on the engine's port (the engine a SIGKILLed gateway left behind) answered the
+    new engine's /health, so the supervisor said ready while its own engine could not bind and
+    restarted in a loop. Now it starts nothing while the port is taken, says so, and starts its
+    engine once the port is free."""
+    monkeypatch.setattr(engine_supervisor, "RESTART_BACKOFF", (0.2,))
+    port = free_port()
+    squatter = subprocess.Popen([sys.executable, FAKE_ENGINE, str(port)])
+    engine = EngineProcess(engine_backend(port, [sys.executable, FAKE_ENGINE, str(port)]))
+    try:
+        wait_for(lambda: _up(port))
+        with capture_logs() as logs:
+            await engine.start()
+            await asyncio.sleep(1.5)
+            assert not engine.healthy and engine.process is None  # nothing started
+            assert any(e["event"] == "engine_port_in_use" and e["port"] == port for e in logs)
+        squatter.terminate()
+        squatter.wait(10)
+        while not engine.healthy:
+            await asyncio.sleep(0.05)
+        async with httpx.AsyncClient() as client:
+            reply = await client.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            )
+        assert engine.process is not None
+        assert reply.json()["choices"][0]["message"]["content"] == f"engine pid {engine.process.pid} says: hi"
+    finally:
+        await engine.stop()
+        squatter.kill()
+        squatter.wait(10)
+
+
+SUPERVISOR = """
+import asyncio, sys
+import msgspec
+from gateway.config import Backend
+from gateway.engine_supervisor import EngineProcess
+
+async def main() -> None:
+    port = int(sys.argv[1])
+    command = [sys.executable, sys.argv[2], "engine", "serve", "--model", "tiny", "--port", str(port)]
+    backend = {"name": "local", "type": "engine", "model": "tiny", "port": port, "command": command}
+    await EngineProcess(msgspec.convert(backend, Backend)).start()
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def _exited(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie no one has reaped yet counts: its port is closed)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_supervised_engine_exits_when_its_gateway_is_killed(tmp_path: Path) -> None:
+    """The engine runs in a session of its own, so a SIGKILLed gateway left it serving, unsupervised,
+    and the restarted gateway's engine could not bind its port. Now the engine watches the gateway's
+    pid and shuts down within a second or so of it going. The real engine server, tiny model."""
+    port, pid_file = free_port(), tmp_path / "engine.pid"
+    env = {**os.environ, "TINY_ENGINE_PID_FILE": str(pid_file)}
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(port), TINY_ENGINE], env=env)
+    engine_pid = None
+    try:
+        wait_for(lambda: _up(port), timeout=90)  # torch's import on a loaded machine
+        engine_pid = int(pid_file.read_text())
+        supervisor.kill()
+        supervisor.wait(10)
+        wait_for(lambda: _exited(engine_pid), timeout=5)
+        assert not _up(port)
+    finally:
+        supervisor.kill()
+        supervisor.wait(10)
+        if engine_pid is not None and not _exited(engine_pid):
+            os.killpg(engine_pid, signal.SIGKILL)
