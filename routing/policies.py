@@ -226,8 +226,8 @@ def expected_output(
     choice: Choice, route: Route, feats: Features, ctx: PolicyContext, reasoning: bool = True
 ) -> float:
     """Output tokens to expect of this candidate: the route's `expected_output_tokens` and, with
-    `reasoning`, the hidden reasoning its answers have been observed to bill on top (moving
-    average); at most the request's limit (which counts reasoning too). The limit itself is a
+    `reasoning`, the reasoning (hidden or streamed) its answers have been observed to bill on top
+    (moving average); at most the request's limit (which counts reasoning too). The limit itself is a
     ceiling, not an expectation: the Messages API requires one and clients set 4,096 or more whatever
     they ask; priced at it, output prices outweighed any prompt (and decode speed any time to first
     token), so the candidate where the request cost (or took) the most could win."""
@@ -304,9 +304,11 @@ def lowest_latency(
             # No score: there is no expected time to show (`score=0` read as an instant answer).
             choice.score, choice.reason = None, _unmeasured(stats, now)
             continue
-        # The answer alone: hidden reasoning comes before the first token, so the time to first
-        # token counts it already.
-        output_tokens = expected_output(choice, route, feats, ctx, reasoning=False)
+        # The answer, and the reasoning only where the model streams it: hidden reasoning comes
+        # before the first token, so the time to first token counts it already; streamed, the first
+        # token is reasoning, and all of it is still to come (left out, DeepSeek's reasoner, whose
+        # first token comes at once, looked faster than a model that answers without reasoning).
+        output_tokens = expected_output(choice, route, feats, ctx, reasoning=stats.streams_reasoning)
         decode = output_tokens / stats.tokens_per_s if stats.tokens_per_s else 0.0
         choice.score, choice.reason = stats.ttft_s + decode, "expected_seconds"
     ranked = sorted(choices, key=lambda c: (_LATENCY_RANK[c.reason], c.score or 0.0))

@@ -133,6 +133,11 @@ class ModelStats:
     # writes thousands; priced at the route's expected answer alone, it looked as cheap as a model
     # that writes just the answer.
     reasoning_tokens: float | None = None
+    # Whether the model streams its reasoning (DeepSeek's `reasoning_content`, Claude's thinking), as
+    # its last stream with reasoning did (`UsageEvent.reasoning_streamed`): then its time to first
+    # token is its first reasoning token's, and `lowest_latency` expects the reasoning's time after
+    # it. Hidden reasoning (OpenAI's reasoning models, Gemini's thoughts) is inside the TTFT already.
+    streams_reasoning: bool = False
     ttfts: Window = field(default_factory=Window)  # for the p95, likewise
     # Whole-answer latencies of attempts not streamed (answers, and censored ones likewise): the p95 a
     # hedge of a request not streamed waits, whose "first token" is its whole answer. A stream's
@@ -289,6 +294,8 @@ class RoutingStats:
             stats.answers.append(latency)
         usage = event.usage
         stats.reasoning_tokens = _ewma(stats.reasoning_tokens, usage.reasoning_tokens)
+        if event.stream and usage.reasoning_tokens:  # a stream without reasoning shows neither way
+            stats.streams_reasoning = event.reasoning_streamed
         if event.ttft_ms is not None:
             ttft = event.ttft_ms / 1000
             stats.ttft_s = _ewma(stats.ttft_s, ttft)

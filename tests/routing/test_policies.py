@@ -35,6 +35,10 @@ routes:
       - {model: gpt-4o-mini, context_window: 300, vision: false}
       - {model: gemini-flash, context_window: 1000000}
   - {name: fast, policy: lowest_latency, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
+  - name: fast-reasoner
+    policy: lowest_latency
+    expected_output_tokens: 10
+    candidates: [{model: deepseek-reasoner}, {model: gpt-4o-mini}]
   - name: fast-hedged
     policy: lowest_latency
     hedge: {delay: 0.5}
@@ -153,6 +157,32 @@ def test_lowest_latency_learns_from_observed_ttft(
     route = ask(gateway, "fast", max_tokens=5)
     assert route["candidate"] == "deepseek-chat"
     assert route["reason"] == "expected_seconds" and float(route["score"]) > 0
+
+
+def test_lowest_latency_counts_the_reasoning_a_model_streams_after_its_first_token(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """DeepSeek's reasoner streams its reasoning: its first token is the first reasoning token, at
+    once, and its 63 reasoning tokens (0.63 s) come after it, before its 10-token answer (the route's
+    `expected_output_tokens`). gpt-4o-mini writes no reasoning and takes 0.3 s to its first token: the
+    faster of the two, though by time to first token alone (the reasoning taken to be inside it, as a
+    hidden reasoning model's is) DeepSeek looked it."""
+    stats = runtime(gateway).router.stats
+    stats.models.clear()  # what earlier tests taught about these models
+    fake_openai.set_latency(first_token=0.3, per_token=0.01)
+    fake_deepseek.set_latency(first_token=0.0, per_token=0.01)
+    words = " ".join(["word"] * 60)  # echoed, and in the reasoner's reasoning ("The user wants: ...")
+    for _ in range(3):  # both measured (unmeasured candidates are tried first)
+        stream = gateway.openai().chat.completions.create(
+            model="fast-reasoner", messages=[{"role": "user", "content": words}], stream=True
+        )
+        list(stream)
+    reasoner = stats.get("deepseek", "deepseek-reasoner")
+    assert reasoner.ttft_s is not None and stats.get("openai", "gpt-4o-mini").ttft_s is not None
+    route = ask(gateway, "fast-reasoner")
+    assert (route["candidate"], route["reason"]) == ("gpt-4o-mini", "expected_seconds"), route
+    assert reasoner.streams_reasoning and (reasoner.reasoning_tokens or 0) > 60
+    stats.models.clear()
 
 
 def test_lowest_latency_stops_trying_first_a_candidate_that_slowed_down(
