@@ -97,6 +97,9 @@ class Call:
     # Attempts admitted (past the gateway's own limits, `Pipeline._admit`), by attempt number: each has a usage event,
     # recorded as it ends or, a whole answer whose body is still awaited, later in the background.
     admitted: set[int] = field(default_factory=set)
+    # The model (configured name) the first attempt went to: a later attempt on another is a fallback
+    # (its usage event's `fallback`), one on the same model a retry, which is none.
+    first_model: str | None = None
     # Seconds from `started` the client said it waits for its response (`x-stainless-read-timeout`,
     # which the OpenAI and Anthropic SDKs send): a hint, None when it said nothing usable.
     client_timeout: float | None = None
@@ -423,6 +426,8 @@ class Pipeline:
         caller records when this returns True) settles. Cut short, both were held for their TTLs (a
         stream slot 30 s, a budget reservation 10 minutes)."""
         cancelled = False
+        if call.first_model is None:
+            call.first_model = target.model.name
         if attempt == 1 and self.admission is not None:
             admitting = asyncio.ensure_future(self.admission(call, target, upstream))
             while not admitting.done():
@@ -490,7 +495,7 @@ class Pipeline:
             error=failure,
             stream=stream,
             reasoning_streamed=reasoning_streamed,
-            fallback=attempt > 1,
+            fallback=target.model.name != call.first_model,
             routing=call.routes.pop(attempt, None) or info.route,
             estimated=estimated,
             event_id=ordered_id(),  # time-ordered: appended at the ledger index's edge (gateway/ids.py)

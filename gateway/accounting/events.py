@@ -54,7 +54,7 @@ class UsageEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # usage reports came after its first token, not hidden before it. Not in the ledger: routing
     # reads it (`routing.stats`, decode speed).
     reasoning_streamed: bool = False
-    fallback: bool = False
+    fallback: bool = False  # on another model than the request's first attempt (a retry is none)
     routing: str | None = None  # the routing decision so far (policy, candidate, score; x-weir-route)
     estimated: bool = False  # usage estimated by the gateway: the stream ended before the vendor's report
     event_id: str = msgspec.field(default_factory=ordered_id)  # time-ordered (gateway/ids.py)

@@ -149,6 +149,11 @@ def attempts(gateway: RunningGateway) -> list[tuple[str, bool]]:
     return [(e.backend, e.ok) for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
 
 
+def fallbacks(gateway: RunningGateway) -> list[bool]:
+    """Each attempt's usage event's `fallback` flag, in attempt order."""
+    return [e.fallback for e in sorted(gateway.sink.events, key=lambda e: e.attempt)]
+
+
 def settled(gateway: RunningGateway, count: int) -> None:
     """Usage events of a cancelled, cut or closed attempt are recorded as it unwinds: wait for them."""
     deadline = time.monotonic() + 5

@@ -17,6 +17,7 @@ from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import (
     counted_micro_usd,
+    fallbacks,
     ledger,
     route_header,
     routed_gateway,
@@ -45,6 +46,7 @@ def test_429_with_retry_after_is_retried_on_the_same_backend(
     assert (route["candidate"], route["attempts"]) == ("gpt-4o-mini", "2")
     assert ledger(gateway) == [("openai", 429), ("openai", 200)]
     assert not fake_anthropic.requests
+    assert fallbacks(gateway) == [False, False]  # a retry is no fallback
 
 
 def test_429_with_a_long_retry_after_fails_over_at_once(
@@ -56,6 +58,7 @@ def test_429_with_a_long_retry_after_fails_over_at_once(
     assert text == ECHO and time.monotonic() - started < 5
     assert route["candidate"] == "claude-sonnet" and route["tried"] == "gpt-4o-mini:429,claude-sonnet:ok"
     assert ledger(gateway) == [("openai", 429), ("anthropic", 200)]
+    assert fallbacks(gateway) == [False, True]
 
 
 def test_500_exhausts_retries_then_falls_over(
@@ -65,7 +68,8 @@ def test_500_exhausts_retries_then_falls_over(
     text, route = chat(gateway, "resilient")
     assert text == ECHO and route["candidate"] == "claude-sonnet" and route["attempts"] == "3"
     assert ledger(gateway) == [("openai", 500), ("openai", 500), ("anthropic", 200)]
-    assert [e.fallback for e in sorted(gateway.sink.events, key=lambda e: e.attempt)] == [False, True, True]
+    # The retry on gpt-4o-mini is no fallback; the failover to claude-sonnet is.
+    assert fallbacks(gateway) == [False, False, True]
     assert len(fake_openai.requests) == 2 and len(fake_anthropic.requests) == 1
 
 
