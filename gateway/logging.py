@@ -1,7 +1,9 @@
 """structlog as JSON lines on stdout: one line per request (see gateway.middleware), cheap to emit.
 
 Every line logged while a request is served (an upstream that broke, a breaker it opened) carries
-that request's `request_id`, and its `tenant` and `model` (the public model name the client asked
+that request's `request_id`, its `exchange_id` where the request id is the client's `x-request-id`
+(which the client may send on other requests too: the gateway's own id of the exchange, as the
+ledger has it, tells their lines apart), and its `tenant` and `model` (the public model name the client asked
 for) once known: the names and values of its `request` line, so an operator can join them.
 They come from `serving`, which the request middleware sets for the exchange: the tasks started for
 the request (hedges) inherit it. A task that outlives its request (a loop some request happened to
@@ -42,6 +44,7 @@ class Served(Protocol):
     """What a log line says of the request it was written for (gateway.pipeline.RequestInfo)."""
 
     request_id: str
+    exchange_id: str | None  # the gateway's own id where `request_id` is a client's, which others may share
     tenant: str | None
     model: str
     over: bool  # the exchange ended: the tasks it left behind are no longer its
@@ -74,6 +77,8 @@ def add_request_fields(_logger: WrappedLogger, _method: str, event: EventDict) -
     if info is None or info.over:
         return event
     event.setdefault("request_id", info.request_id)
+    if info.exchange_id is not None:
+        event.setdefault("exchange_id", info.exchange_id)
     if info.tenant is not None:
         event.setdefault("tenant", info.tenant)
     if info.model:

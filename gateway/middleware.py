@@ -66,6 +66,9 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                 log.info(
                     "request",
                     request_id=info.request_id,
+                    # The gateway's own id of the exchange where request_id is the client's, which
+                    # other requests may share (None otherwise): the ledger's, to join them by.
+                    exchange_id=info.exchange_id,
                     # litestar types scope["type"] as its ScopeType enum, so == "http" above cannot
                     # narrow the scope to HTTPScope for mypy; it is one.
                     method=scope["method"],  # type: ignore[typeddict-item]

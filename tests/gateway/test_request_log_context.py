@@ -80,6 +80,33 @@ def test_a_stream_cut_mid_way_is_logged_with_the_clients_own_request_id(
     )
 
 
+def test_requests_that_share_a_clients_request_id_are_told_apart_in_the_log(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """A client may send one x-request-id on many requests (a retry of its own, a trace id): each
+    request's lines carry the gateway's own `exchange_id` too, the one its ledger rows have, so an
+    operator can tell whose the upstream break is. A request the gateway named has none."""
+    shared = {"x-request-id": "trace-shared-3"}
+    fake_openai.fail_next(Fault.reset())
+    with tagged_logs() as logs:
+        with pytest.raises(openai.APIStatusError):
+            gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=SAY, extra_headers=shared)
+        broken = logged(logs, "upstream_request_broken")
+    with tagged_logs() as again:
+        gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=SAY, extra_headers=shared)
+        answered = logged(again, "request")
+    failed = logged(logs, "request")
+    assert failed["request_id"] == answered["request_id"] == broken["request_id"] == "trace-shared-3"
+    exchanges = {failed["exchange_id"], answered["exchange_id"]}
+    assert None not in exchanges and len(exchanges) == 2
+    assert broken["exchange_id"] == failed["exchange_id"]
+    ledger = {e.status: e.exchange_id for e in gateway.sink.events if e.request_id == "trace-shared-3"}
+    assert ledger == {0: failed["exchange_id"], 200: answered["exchange_id"]}
+    with tagged_logs() as own:
+        gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=SAY)
+        assert logged(own, "request")["exchange_id"] is None
+
+
 def test_a_line_outside_any_request_names_none() -> None:
     """A health probe's or a poller's line belongs to no request."""
     log = structlog.get_logger("weir.test")
