@@ -955,6 +955,9 @@ async function finance(params, query, show) {
   const total = { ...report.totals, tenant_name: "Total", [groups[0]]: "Total" };
   const cols = [...groupCols,
     { label: "Requests", num: true, render: (r) => intFmt(r.requests) },
+    // Of them: failed, and cancelled (499: hedges that lost, clients that left), which is no error.
+    { label: "Errors", num: true, render: (r) => intFmt(r.errors) },
+    { label: "Cancelled", num: true, render: (r) => intFmt(r.cancelled) },
     { label: "Input", num: true, render: (r) => intFmt(r.input_tokens) },
     { label: "Cached", num: true, render: (r) => intFmt(r.cached_input_tokens) },
     { label: "Cache write", num: true, render: (r) => intFmt(r.cache_write_tokens) },

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from gateway.admin import ui
+from tests.fakes import FakeOpenAI, Fault
 from tests.ui.conftest import ADMIN, ANSWERS_READ, Weir, new_page, sign_in, signed_in
 
 
@@ -216,4 +217,35 @@ def test_a_new_key_is_cleared_when_the_session_expires(
     page.get_by_text("Your session expired. Sign in again.").wait_for()
     assert page.get_by_role("button", name="Sign in with token").is_visible()
     assert page.locator("#new-key-value").count() == 0 and page.locator("#new-key").is_hidden()
+    page.close()
+
+
+def test_finance_shows_the_reports_errors_and_cancelled_attempts(
+    routed: Weir, browser: Any, fake_openai: FakeOpenAI
+) -> None:
+    """The Finance table mirrors the usage report: beside its requests, the attempts that failed and
+    those cancelled (a client that left mid-stream, a hedge that lost: no error), as the API counts
+    them, in each row and the totals."""
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-team-key", max_retries=0, timeout=20)
+    say = [{"role": "user", "content": "one two three four five six"}]
+    assert client.chat.completions.create(model="gpt-4o-mini", messages=say).choices[0].message.content  # type: ignore[arg-type]
+    fake_openai.fail_next(Fault.status(400, message="bad temperature"))
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="gpt-4o-mini", messages=say)  # type: ignore[arg-type]
+    fake_openai.set_latency(per_token=0.3)
+    stream = client.chat.completions.create(model="gpt-4o-mini", messages=say, stream=True)  # type: ignore[arg-type]
+    next(iter(stream))
+    stream.close()  # the client leaves mid-stream: a 499
+    report = wait_for_ledger(routed, 3)
+    assert (report["totals"]["errors"], report["totals"]["cancelled"]) == (1, 1), report["totals"]
+
+    page = signed_in(routed, browser, "#/finance")
+    api = routed.admin.get("/reports/usage", params={"group_by": "tenant,model"}).json()
+    heads = page.locator("main table thead th").all_inner_texts()
+    foot = page.locator("main table tfoot td").all_inner_texts()
+    (row,) = api["rows"]
+    cells = page.locator("main table tbody tr").first.locator("td").all_inner_texts()
+    for label, column in (("Requests", "requests"), ("Errors", "errors"), ("Cancelled", "cancelled")):
+        assert cells[heads.index(label)] == str(row[column])
+        assert foot[heads.index(label)] == str(api["totals"][column])
     page.close()
