@@ -20,6 +20,9 @@ from gateway.accounting.money import usd_per_mtok_to_micro
 from routing.routes import NAME_RULE, Route, fit_name
 
 BackendType = Literal["openai", "anthropic", "gemini", "engine"]
+# The API an OpenAI backend's models are asked on: chat completions, or the Responses API, which some
+# of OpenAI's models are served on alone (o1-pro, o3-pro, codex-mini-latest, gpt-5-codex, ...).
+UpstreamApi = Literal["chat", "responses"]
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
 
@@ -105,6 +108,8 @@ class Backend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # one, else the instruction (OpenAI, Gemini, Claude 4.6 on: a prefill there is refused or answered
     # afresh). Set `continue_final_message` for a vLLM or SGLang server.
     continuation: Literal["prefill", "continue_final_message", "instruction"] | None = None
+    # `type: openai` only: the API its models are asked on, unless a model says otherwise (`chat`).
+    api: UpstreamApi = "chat"
     # type: engine without url: Weir starts and supervises `weir engine serve --model M --port P`.
     model: str | None = None
     port: Annotated[int, msgspec.Meta(ge=1, le=65_535)] | None = None  # 0 read as unset: 8000
@@ -122,6 +127,7 @@ class Model(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # without its own (`routes[].candidates[].max_output_tokens`), a request for it by name and a
     # route's fallback to it send at most this (`routing.plan.Choice.max_output_tokens`).
     max_output_tokens: PositiveInt | None = None
+    api: UpstreamApi | None = None  # `type: openai` backends only; None: the backend's `api`
 
     @property
     def upstream_model(self) -> str:
@@ -250,6 +256,8 @@ def _check_references(config: Config) -> None:
                 f"{where}.continuation: continue_final_message is a flag of OpenAI-compatible servers "
                 f"(vLLM, SGLang, the engine); a {backend.type} backend takes `prefill` or `instruction`"
             )
+        if backend.api != "chat" and backend.type != "openai":
+            raise ConfigError(f"{where}.api: only `type: openai` backends serve the Responses API")
         if backend.type == "engine":
             if not (backend.url or backend.base_url or backend.model):
                 raise ConfigError(f"{where}: an engine backend needs `url` or `model`")
@@ -264,6 +272,8 @@ def _check_references(config: Config) -> None:
         names.add(model.name)
         if model.backend not in backends:
             raise ConfigError(f"models[{i}].backend: no backend named {model.backend!r}")
+        if model.api is not None and config.backend(model.backend).type != "openai":
+            raise ConfigError(f"models[{i}].api: only models of `type: openai` backends take `api`")
     if config.routes:
         from routing.router import RouteError, validate  # the routing engine imports this module
 

@@ -17,6 +17,7 @@ import msgspec
 
 from gateway.errors import GatewayError, InvalidRequest, stream_failure, validation_error
 from gateway.providers.base import new_id, now
+from gateway.providers.openai_responses import INCOMPLETE_REASONS
 from gateway.types import (
     AllowedTools,
     AllowedToolsChoice,
@@ -64,8 +65,6 @@ _STATEFUL = {
 # already send back as is. Other vendors' encrypted content (OpenAI's) is not Weir's and is dropped.
 SIGNED = "weir.thinking.signature:"
 REDACTED = "weir.redacted_thinking:"
-# Canonical finish reasons that leave a response incomplete, and the reason the Responses API gives.
-_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 # Claude's stop reasons that leave a response incomplete though its output is whole (finish_reason
 # `stop`), and the reason given. `pause_turn`: Claude paused a long turn of its server tools (web
 # search...), to be resumed by sending the answer back as input. OpenAI's reasons have none that says
@@ -79,7 +78,7 @@ def _incomplete(finish: str | None, own_stop_reason: str | None) -> tuple[str | 
     (a length or content filter cut) rather than whole (a paused turn)."""
     if (paused := _PAUSED.get(own_stop_reason or "")) is not None:
         return paused, False
-    reason = _INCOMPLETE.get(finish or "")
+    reason = INCOMPLETE_REASONS.get(finish or "")
     return reason, reason is not None
 
 

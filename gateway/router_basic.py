@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from gateway.auth import Principal
 from gateway.config import Backend, Config, Model
 from gateway.errors import ModelNotFound
-from gateway.providers import PROVIDERS, Provider
+from gateway.providers import Provider, provider_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,7 @@ class ModelTable:
         self.targets: dict[str, Target] = {}
         for model in config.models:
             backend = config.backend(model.backend)
-            self.targets[model.name] = Target(model, backend, PROVIDERS[backend.type])
+            self.targets[model.name] = Target(model, backend, provider_for(backend, model))
 
     def visible_to(self, principal: Principal) -> list[Target]:
         return [target for name, target in self.targets.items() if principal.may_use(name)]

@@ -67,6 +67,14 @@ USAGE_SHAPES: dict[str, UsageShape] = {
         output="completion_tokens",
         reasoning="completion_tokens_details.reasoning_tokens",
     ),
+    # OpenAI's Responses API (`api: responses`): the same counts as chat under other names.
+    "openai_responses": UsageShape(
+        prompt="input_tokens",
+        prompt_includes_cache=True,
+        cache_read="input_tokens_details.cached_tokens",
+        output="output_tokens",
+        reasoning="output_tokens_details.reasoning_tokens",
+    ),
     "deepseek": UsageShape(
         prompt="prompt_tokens",
         prompt_includes_cache=True,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.providers import anthropic, gemini, openai
+from gateway.config import Backend, Model
+from gateway.providers import anthropic, gemini, openai, openai_responses
 from gateway.providers.base import Provider, StreamDecoder, UpstreamRequest
 
 PROVIDERS: dict[str, Provider] = {
@@ -12,4 +13,13 @@ PROVIDERS: dict[str, Provider] = {
     "gemini": gemini.PROVIDER,
 }
 
-__all__ = ["PROVIDERS", "Provider", "StreamDecoder", "UpstreamRequest"]
+
+def provider_for(backend: Backend, model: Model) -> Provider:
+    """The adapter `model` is asked through: its backend type's, or (`api: responses`, on the model
+    or its backend) the Responses API's."""
+    if (model.api or backend.api) == "responses":
+        return openai_responses.PROVIDER
+    return PROVIDERS[backend.type]
+
+
+__all__ = ["PROVIDERS", "Provider", "StreamDecoder", "UpstreamRequest", "provider_for"]

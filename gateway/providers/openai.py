@@ -29,6 +29,7 @@ from gateway.providers.base import (
     effort_for_budget,
     error_text,
     json_encode,
+    log,
     token_count,
     upstream_call_id,
     upstream_error,
@@ -132,7 +133,7 @@ def _openai_itself(backend: Backend) -> bool:
     return host == "api.openai.com" or azure
 
 
-def _openai_rules(backend: Backend, model: str) -> bool:
+def openai_rules(backend: Backend, model: str) -> bool:
     """Whether OpenAI's own API rules apply: its API or Azure's, or one of its models served elsewhere.
     Other OpenAI-compatible servers (vLLM, SGLang, the engine) take more (any number of stop sequences)."""
     return _openai_itself(backend) or bool(_OPENAI_MODEL.match(model))
@@ -148,7 +149,7 @@ def output_limit_field(backend: Backend, model: str) -> str | None:
     return "max_tokens" if host in MAX_TOKENS_HOSTS else None
 
 
-def _media_after_tool_results(messages: list[Message]) -> list[Message]:
+def media_after_tool_results(messages: list[Message]) -> list[Message]:
     """A tool message takes text only ("Image URLs are only allowed for messages with role 'user'"):
     a tool result's images (a screenshot tool's, an Anthropic client's image in a tool_result) go in
     a user message after the turn's tool results, which must follow their assistant message unbroken,
@@ -175,7 +176,7 @@ def _media_after_tool_results(messages: list[Message]) -> list[Message]:
     return out
 
 
-def _worded_error(message: Message) -> Message:
+def worded_error(message: Message) -> Message:
     """A failed tool's result (an Anthropic client's `is_error`) as OpenAI takes it: its tool message
     has no error flag (and OpenAI refuses fields it does not know), so the content says it in words."""
     if not message.is_error:
@@ -196,7 +197,7 @@ def _chat_body(
 ) -> dict[str, Any]:
     if openai_rules:
         check_stop_count(request, MAX_STOP_SEQUENCES, "OpenAI")
-    messages = _media_after_tool_results([_worded_error(message) for message in request.messages])
+    messages = media_after_tool_results([worded_error(message) for message in request.messages])
     request = msgspec.structs.replace(request, messages=messages)
     body = request_body(request, model)
     # One limit, the one that applies (`output_limit`, also for a client that sent both), under the
@@ -206,20 +207,11 @@ def _chat_body(
     if (limit := request.output_limit) is not None:
         named = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         body[limit_field or named] = limit
-    budget = body.pop("reasoning_budget", None)
-    body.pop("reasoning_adaptive", None)  # the model's own default: nothing to send
+    for name in ("reasoning_budget", "reasoning_adaptive", "reasoning_effort_translated", "reasoning_effort"):
+        body.pop(name, None)  # adaptive: the model's own default, nothing to send
     body.pop("anthropic_beta", None)  # an Anthropic client's, for Anthropic backends only
-    translated = body.pop("reasoning_effort_translated", None)
-    # An Anthropic client's thinking budget or effort: OpenAI's models other than its reasoning ones
-    # refuse `reasoning_effort` (400 unsupported_parameter), so they are sent none. An OpenAI client's
-    # own effort goes as it is: the client asked that model for it.
-    reasons = not openai_rules or _REASONING_MODEL.match(model)
-    if translated and not reasons:
-        body.pop("reasoning_effort", None)
-    elif budget is not None and request.reasoning_effort is None and reasons:
-        body["reasoning_effort"] = effort_for_budget(budget)
-    elif body.get("reasoning_effort") == "max":  # Anthropic's top effort; OpenAI's top is not on every model
-        body["reasoning_effort"] = "high"
+    if (effort := reasoning_effort(request, model, openai_rules)) is not None:
+        body["reasoning_effort"] = effort
     for message, source in zip(body["messages"], request.messages, strict=True):
         # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take its text.
         message.pop("reasoning_blocks", None)
@@ -241,6 +233,30 @@ def _chat_body(
     return body
 
 
+def reasoning_effort(request: ChatRequest, model: str, rules: bool) -> str | None:
+    """The reasoning effort to send `model` (`rules`: OpenAI's own rules apply), if any. An Anthropic client's thinking budget or effort:
+    OpenAI's models other than its reasoning ones refuse `reasoning_effort` (400 unsupported_parameter),
+    so they are sent none. An OpenAI client's own effort goes as it is: the client asked that model
+    for it."""
+    reasons = not rules or bool(_REASONING_MODEL.match(model))
+    if request.reasoning_effort_translated and not reasons:
+        return None
+    if request.reasoning_budget is not None and request.reasoning_effort is None and reasons:
+        return effort_for_budget(request.reasoning_budget)
+    if request.reasoning_effort == "max":  # Anthropic's top effort; OpenAI's top is not on every model
+        return "high"
+    return request.reasoning_effort
+
+
+def short_user(user: str) -> str:
+    """An end-user id as OpenAI takes it. An Anthropic client's metadata.user_id runs longer (Claude
+    Code's, about 150 characters) and OpenAI refuses the whole request for it: a digest of it still
+    names one user."""
+    if len(user) <= MAX_USER:
+        return user
+    return "user_" + hashlib.blake2b(user.encode(), digest_size=16).hexdigest()
+
+
 def continuation(backend: Backend, model: str) -> Continuation:
     # OpenAI answers a trailing assistant message afresh; vLLM and the engine continue it when asked.
     return backend.continuation or ("continue_final_message" if backend.type == "engine" else "instruction")
@@ -253,13 +269,10 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
         model,
         sends_reasoning(backend),
         output_limit_field(backend, model),
-        _openai_rules(backend, model),
+        openai_rules(backend, model),
     )
-    user = body.get("user")
-    if isinstance(user, str) and len(user) > MAX_USER:
-        # An Anthropic client's metadata.user_id runs longer (Claude Code's, about 150 characters) and
-        # OpenAI refuses the whole request for it: a digest of it still names one user.
-        body["user"] = "user_" + hashlib.blake2b(user.encode(), digest_size=16).hexdigest()
+    if isinstance(user := body.get("user"), str):
+        body["user"] = short_user(user)
     if request.continue_final_message:
         body["add_generation_prompt"] = False  # vLLM refuses both at once; its default opens a new turn
     if _openai_itself(backend):
@@ -589,9 +602,21 @@ class ChatStream:
         return []
 
 
+# OpenAI's answer to a chat completion for a model it serves on the Responses API alone (o1-pro,
+# o3-pro, codex-mini-latest, gpt-5-codex...): a 404, which the client gets as it is; the operator is
+# told in the log what fixes it.
+RESPONSES_ONLY = "only supported in v1/responses"
+
+
 def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
     message, detail = error_text(body)
     code = detail.get("code")
+    if RESPONSES_ONLY in message:
+        log.warning(
+            "model_served_on_responses_api_only",
+            hint="set `api: responses` on this model (or its backend) in the configuration",
+            message=message,
+        )
     return upstream_error(
         status,
         message,

@@ -1,6 +1,7 @@
 """Fake OpenAI API (and OpenAI-compatible servers such as DeepSeek) on 127.0.0.1.
 
-Endpoints under ``/v1``: ``POST chat/completions``, ``POST completions``, ``POST embeddings``,
+Endpoints under ``/v1``: ``POST chat/completions``, ``POST responses`` (`tests.fakes.openai_responses`,
+which also serves the models OpenAI serves there alone), ``POST completions``, ``POST embeddings``,
 ``GET models``, ``GET models/{id}``; the same three POSTs in Azure OpenAI's form
 (``/openai/deployments/{deployment}/...?api-version=...``, the deployment being the model). Auth: ``Authorization: Bearer <api_key>`` (Azure's ``api-key``
 header also works); a missing or wrong key gets OpenAI's 401 body. Unknown models get 404
@@ -60,6 +61,7 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
+from tests.fakes import openai_responses
 from tests.fakes.behaviour import (
     Reply,
     ReportedUsage,
@@ -73,7 +75,8 @@ from tests.fakes.behaviour import (
     words,
 )
 from tests.fakes.caches import AutomaticPrefixCache
-from tests.fakes.server import BODY, INVALID_JSON, FakeServer, sse
+from tests.fakes.openai_responses import ONLY_ON_RESPONSES, RESPONSES_ONLY
+from tests.fakes.server import BODY, INVALID_JSON, FakeServer, current_request, sse
 from tests.fakes.util import deep_merge, huge_text
 
 IMAGE_TOKENS = 85
@@ -135,6 +138,7 @@ class FakeOpenAI(FakeServer):
         "gpt-4o-mini-search-preview",
         "o3-mini",
         "o4-mini",
+        *RESPONSES_ONLY,
         "gpt-3.5-turbo-instruct",
         "text-embedding-3-small",
         "text-embedding-3-large",
@@ -175,6 +179,7 @@ class FakeOpenAI(FakeServer):
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/v1/chat/completions", self._chat),
+            web.post("/v1/responses", self._responses),
             web.post("/v1/completions", self._completions),
             web.post("/v1/embeddings", self._embeddings),
             web.get("/v1/models", self._list_models),
@@ -215,6 +220,8 @@ class FakeOpenAI(FakeServer):
         return web.json_response({"error": error}, status=status, headers=self.response_headers())
 
     def stream_error_frame(self, status: int, message: str | None) -> bytes:
+        if current_request().path.endswith("/responses"):
+            return openai_responses.stream_error_event(message)
         kind, code, default = _STATUS_ERRORS.get(status, ("server_error", None, "Error."))
         return sse({"error": {"message": message or default, "type": kind, "param": None, "code": code}})
 
@@ -511,6 +518,8 @@ class FakeOpenAI(FakeServer):
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = self._body(request)
+            if body["model"] in RESPONSES_ONLY:
+                raise BadRequest(404, ONLY_ON_RESPONSES)
             if self.flavour == "openai":
                 _refuse_unsupported_by_reasoning(body)
             turn, prompt = self._chat_turn(body)
@@ -617,6 +626,13 @@ class FakeOpenAI(FakeServer):
                 deltas.append(({"annotations": citations}, None))  # after the text, alone
         deltas.append(({}, _FINISH[reply.finish]))
         return deltas
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = self._body(request)
+        except BadRequest as exc:
+            return self.error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        return await openai_responses.respond(self, request, body)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -48,6 +48,11 @@ USAGE = web.RequestKey("fake_usage", ReportedUsage)  # what this request's respo
 _current: contextvars.ContextVar[web.Request] = contextvars.ContextVar("fake_request")
 
 
+def current_request() -> web.Request:
+    """The request the fake is answering now (in its handlers and what they call)."""
+    return _current.get()
+
+
 @dataclass
 class RecordedRequest:
     method: str

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.responses_inbound import responses_usage
 from gateway.usage import USAGE_SHAPES, Usage, anthropic_usage, normalise_usage, openai_usage
 from tests.gateway.conftest import RunningGateway
 
@@ -60,6 +61,17 @@ ROWS = [
         },
         Usage(input_tokens=904, cached_input_tokens=4096, output_tokens=140, reasoning_tokens=100),
     ),
+    (
+        "openai_responses",
+        {
+            "input_tokens": 2000,
+            "input_tokens_details": {"cached_tokens": 1536},
+            "output_tokens": 300,
+            "output_tokens_details": {"reasoning_tokens": 192},
+            "total_tokens": 2300,
+        },
+        Usage(input_tokens=464, cached_input_tokens=1536, output_tokens=300, reasoning_tokens=192),
+    ),
 ]
 
 
@@ -75,6 +87,11 @@ def test_row(vendor: str, raw: dict, expected: Usage) -> None:
 def test_openai_row_detects_deepseek_dialect() -> None:
     raw = ROWS[1][1]
     assert normalise_usage("openai", raw) == ROWS[1][2]
+
+
+def test_the_responses_row_reads_what_the_responses_api_inbound_writes() -> None:
+    usage = ROWS[-1][2]
+    assert normalise_usage("openai_responses", responses_usage(usage)) == usage
 
 
 def test_anthropic_writes_without_the_ttl_split_are_5_minute_writes() -> None:
