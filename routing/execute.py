@@ -18,7 +18,7 @@ import email.utils
 import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -36,6 +36,8 @@ from gateway.errors import (
 )
 from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call, Pipeline
+from gateway.providers import openai as openai_provider
+from gateway.providers import openai_responses
 from gateway.providers.base import (
     CONTEXT_LENGTH_EXCEEDED,
     CONTINUE_INSTRUCTION,
@@ -328,6 +330,9 @@ class Executor:
         self.context = context
         self.hedges = SpendCap("hedge")  # the control plane's shared state replaces its own
         self.rng = random.Random()
+        # OpenAI models (`_key`) without `api: responses` that OpenAI turned out to serve on the
+        # Responses API alone: asked there from then on, in this process (`_asked_on`).
+        self.on_responses: set[str] = set()
 
     # --- one attempt ---------------------------------------------------------------------------
 
@@ -351,7 +356,50 @@ class Executor:
     def _key(self, choice: Choice) -> str:
         return Breakers.key(choice.target.backend.name, choice.target.upstream_model)
 
+    def _asked_on(self, choice: Choice) -> Choice:
+        """`choice`, through the Responses API where its OpenAI model is served there alone."""
+        target = choice.target
+        if target.provider is openai_provider.PROVIDER and self._key(choice) in self.on_responses:
+            return replace(choice, target=replace(target, provider=openai_responses.PROVIDER))
+        return choice
+
     async def _attempt(
+        self,
+        call: Call,
+        plan: Plan,
+        choice: Choice,
+        op: Operation,
+        charge: Charge | None = None,
+        numbers: dict[asyncio.Future[Any], int] | None = None,
+        sent: asyncio.Future[None] | None = None,
+        race: _Race | None = None,
+        trial: Trial = NO_TRIAL,
+    ) -> Any:
+        """`_attempt_once` on `choice`; where OpenAI answers that its model is served on the Responses
+        API alone (a model configured without `api: responses`), once more at once through that API,
+        as every later request to that model is (the operator is told to configure it so, which spares
+        the first request its 404)."""
+
+        def once(asked: Choice) -> Awaitable[Any]:
+            return self._attempt_once(call, plan, asked, op, charge, numbers, sent, race, trial)
+
+        asked = self._asked_on(choice)
+        try:
+            return await once(asked)
+        except UpstreamError as exc:
+            chat = asked.target.provider is openai_provider.PROVIDER
+            if not chat or not openai_provider.served_on_responses_only(exc):
+                raise
+            self.on_responses.add(self._key(choice))
+            log.warning(
+                "model_served_on_responses_api_only",
+                model=choice.candidate.model,
+                backend=choice.target.backend.name,
+                hint="asked through the Responses API from now on; set `api: responses` on this model",
+            )
+            return await once(self._asked_on(choice))
+
+    async def _attempt_once(
         self,
         call: Call,
         plan: Plan,

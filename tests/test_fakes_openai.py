@@ -650,3 +650,51 @@ def test_logprobs_per_token(client: openai.OpenAI) -> None:
     ]
     assert streamed == ["sky", " is", " blue"]
     assert client.chat.completions.create(model="gpt-4o-mini", messages=user("x")).choices[0].logprobs is None
+
+
+# --- the Responses API ----------------------------------------------------------------------------
+
+
+def test_a_responses_only_model_refuses_chat_completions_as_openai_does(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="only supported in v1/responses") as caught:
+        client.chat.completions.create(model="o3-pro", messages=user("hi"))
+    assert caught.value.body == {
+        "message": "This model is only supported in v1/responses and not in v1/chat/completions.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+
+
+def test_responses_answer_in_openais_shapes(client: openai.OpenAI) -> None:
+    response = client.responses.create(model="o3-pro", input="one two three", max_output_tokens=2)
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output_text == "one two"
+    assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == 192
+    with client.responses.stream(
+        model="gpt-4o-mini",
+        input="call get_weather",
+        tools=[{"type": "function", **WEATHER_TOOL["function"]}],
+    ) as stream:
+        final = stream.get_final_response()
+    [call] = final.output
+    assert call.type == "function_call" and json.loads(call.arguments)["location"] == "example"
+
+
+def test_responses_refuse_chat_fields(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match=r"'messages'\. In the Responses API"):
+        client.responses.create(model="o3-pro", input="hi", extra_body={"messages": user("hi")})
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\].name"):
+        client.responses.create(model="o3-pro", input="hi", tools=[WEATHER_TOOL])
+
+
+def test_a_responses_stream_error_is_openais_error_event(fake_openai: FakeOpenAI) -> None:
+    fake_openai.fail_next(Fault.stream_error(after=2))
+    body = {"model": "o3-pro", "input": "hi", "stream": True}
+    headers = {"authorization": f"Bearer {fake_openai.api_key}"}
+    reply = httpx.post(f"{fake_openai.base_url}/responses", json=body, headers=headers, timeout=5)
+    last = reply.text.strip().split("\n\n")[-1]
+    assert last.startswith("event: error\ndata: ")
+    assert json.loads(last.split("data: ", 1)[1])["type"] == "error"

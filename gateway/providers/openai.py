@@ -29,7 +29,6 @@ from gateway.providers.base import (
     effort_for_budget,
     error_text,
     json_encode,
-    log,
     token_count,
     upstream_call_id,
     upstream_error,
@@ -602,21 +601,16 @@ class ChatStream:
         return []
 
 
-# OpenAI's answer to a chat completion for a model it serves on the Responses API alone (o1-pro,
-# o3-pro, codex-mini-latest, gpt-5-codex...): a 404, which the client gets as it is; the operator is
-# told in the log what fixes it.
-RESPONSES_ONLY = "only supported in v1/responses"
+def served_on_responses_only(exc: GatewayError) -> bool:
+    """OpenAI's answer to a chat completion for a model it serves on the Responses API alone (o1-pro,
+    o3-pro, codex-mini-latest, gpt-5-codex...): "This model is only supported in v1/responses and not
+    in v1/chat/completions." (404)."""
+    return exc.status == 404 and "only supported in v1/responses" in exc.message
 
 
 def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> GatewayError:
     message, detail = error_text(body)
     code = detail.get("code")
-    if RESPONSES_ONLY in message:
-        log.warning(
-            "model_served_on_responses_api_only",
-            hint="set `api: responses` on this model (or its backend) in the configuration",
-            message=message,
-        )
     return upstream_error(
         status,
         message,

@@ -104,9 +104,20 @@ def test_a_backend_can_serve_every_model_on_the_responses_api(
     assert _sent(fake_openai)["model"] == "codex-mini-latest"
 
 
-def test_without_api_responses_openai_refuses_the_chat_completion(gateway: RunningGateway) -> None:
-    with pytest.raises(openai.NotFoundError, match="only supported in v1/responses"):
-        gateway.openai().chat.completions.create(model="o3-pro-on-chat", messages=HI)
+def test_without_api_responses_weir_switches_on_openais_404(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    client = gateway.openai()
+    with capture_logs() as logs:
+        first = client.chat.completions.create(model="o3-pro-on-chat", messages=HI)
+    assert first.choices[0].message.content == "one two three"
+    [hint] = [line for line in logs if line["event"] == "model_served_on_responses_api_only"]
+    assert "api: responses" in hint["hint"]
+    # Asked there at once, and from then on: no 404 again.
+    streamed = list(client.chat.completions.create(model="o3-pro-on-chat", messages=HI, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "one two three"
+    assert [r.path for r in fake_openai.posts] == ["/v1/chat/completions", "/v1/responses", "/v1/responses"]
+    assert [e.status for e in gateway.sink.events] == [404, 200, 200]
 
 
 def test_a_streamed_chat_completion(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
@@ -264,13 +275,6 @@ def test_a_responses_client_talks_to_a_responses_only_model(
     assert sent["reasoning"] == {"effort": "high"} and sent["input"] == [
         {"role": "user", "content": "hello over there"}
     ]
-
-
-def test_the_log_tells_the_operator_how_to_reach_a_responses_only_model(gateway: RunningGateway) -> None:
-    with capture_logs() as logs, pytest.raises(openai.NotFoundError):
-        gateway.openai().chat.completions.create(model="o3-pro-on-chat", messages=HI)
-    [hint] = [line for line in logs if line["event"] == "model_served_on_responses_api_only"]
-    assert "api: responses" in hint["hint"]
 
 
 # --- the translation itself, where no fake tells the difference ----------------------------------
