@@ -137,13 +137,24 @@ def test_a_streamed_chat_completion(gateway: RunningGateway, fake_openai: FakeOp
     assert event.usage.output_tokens == 3 + 192 and event.usage.reasoning_tokens == 192
 
 
-def test_an_answer_cut_by_its_output_limit_finishes_with_length(gateway: RunningGateway) -> None:
-    messages = [{"role": "user", "content": "one two three four five six"}]
-    reply = gateway.openai().chat.completions.create(
-        model="o3-pro", messages=messages, max_completion_tokens=2
-    )
-    assert reply.choices[0].finish_reason == "length"
-    assert reply.choices[0].message.content == "one two"
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_cut_by_its_output_limit_finishes_with_length(
+    gateway: RunningGateway, stream: bool
+) -> None:
+    messages: Any = [{"role": "user", "content": "one two three four five six"}]
+    client = gateway.openai()
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                model="o3-pro", messages=messages, max_completion_tokens=2, stream=True
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        [finish] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        reply = client.chat.completions.create(model="o3-pro", messages=messages, max_completion_tokens=2)
+        text, finish = reply.choices[0].message.content or "", reply.choices[0].finish_reason
+    assert (text, finish) == ("one two", "length")
 
 
 @pytest.mark.parametrize("stream", [False, True])
