@@ -274,6 +274,7 @@ def _check_references(config: Config) -> None:
             raise ConfigError(f"models[{i}].backend: no backend named {model.backend!r}")
         if model.api is not None and config.backend(model.backend).type != "openai":
             raise ConfigError(f"models[{i}].api: only models of `type: openai` backends take `api`")
+    _check_one_price_per_upstream_model(config.models)
     if config.routes:
         from routing.router import RouteError, validate  # the routing engine imports this module
 
@@ -292,6 +293,27 @@ def _check_references(config: Config) -> None:
         for j, name in enumerate(tenant.models or []):
             if name not in names and not any(route.name == name for route in config.routes):
                 raise ConfigError(f"tenants[{i}].models[{j}]: no model named {name!r}")
+
+
+def _check_one_price_per_upstream_model(models: list[Model]) -> None:
+    """Two public names for one upstream model on one backend (another max_output_tokens, another
+    tenant group) must price it alike: the vendor bills the upstream model, and the admin DB's price
+    catalog and ledger price an attempt by (backend, upstream model), so only one price could apply
+    (seeding both at start failed on the catalog's unique key and the gateway did not start)."""
+    first: dict[tuple[str, str], tuple[int, Model]] = {}
+    for i, model in enumerate(models):
+        key = (model.backend, model.upstream_model)
+        if key not in first:
+            first[key] = (i, model)
+            continue
+        j, other = first[key]
+        if model.price != other.price:
+            raise ConfigError(
+                f"models[{i}].price: {model.name!r} and models[{j}] {other.name!r} both serve "
+                f"{model.upstream_model!r} on backend {model.backend!r} at different prices; a price "
+                "is the upstream model's (the ledger bills by backend and upstream model): give both "
+                "the same price (a YAML anchor, &price and *price, shares one)"
+            )
 
 
 def _show(path: str) -> str:

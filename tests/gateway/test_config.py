@@ -186,3 +186,48 @@ def test_numbers_at_the_edges_of_their_ranges_are_taken() -> None:
     assert config.backends[0].timeouts.first_byte == 86400 and config.server.port == 0
     engine = parse_config(ENGINE % "port: 65535, startup_timeout: 86400", {})
     assert engine.backends[0].port == 65535
+
+
+TWO_NAMES = """\
+backends:
+  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1"}
+  - {name: azure, type: openai, base_url: "http://127.0.0.1:9/v1"}
+models:
+  - {name: mini, backend: openai, model: gpt-4o-mini, price: {input: 0.15, output: 0.60}}
+  - {name: mini-short, backend: %s, model: %s, max_output_tokens: 64%s}
+"""
+
+
+@pytest.mark.parametrize(
+    "price",
+    [
+        ", price: {input: 0.3, output: 1.2}",
+        ", price: {input: 0.15, output: 0.60, cached_input: 0.075}",
+        ", price: {input: 0.15, output: 0.60, long_context: {above_prompt_tokens: 1000, input: 0.3}}",
+        "",  # no price: $0
+    ],
+)
+def test_two_names_for_one_upstream_model_at_different_prices_are_refused(price: str) -> None:
+    """The admin DB's price catalog and ledger bill an attempt by (backend, upstream model), as its
+    vendor does: two prices for one could not both apply (seeding both crashed the gateway's start)."""
+    with pytest.raises(
+        ConfigError,
+        match=r"^models\[1\]\.price: 'mini-short' and models\[0\] 'mini' both serve 'gpt-4o-mini' on "
+        r"backend 'openai' at different prices",
+    ):
+        parse_config(TWO_NAMES % ("openai", "gpt-4o-mini", price), {})
+
+
+@pytest.mark.parametrize(
+    ("backend", "upstream", "price"),
+    [
+        ("openai", "gpt-4o-mini", ", price: {input: 0.150, output: 0.6}"),  # the same, written otherwise
+        ("azure", "gpt-4o-mini", ", price: {input: 0.3, output: 1.2}"),  # another backend's price
+        ("openai", "gpt-4o", ", price: {input: 2.5, output: 10}"),  # another upstream model
+    ],
+)
+def test_prices_of_other_upstream_models_or_the_same_price_are_taken(
+    backend: str, upstream: str, price: str
+) -> None:
+    config = parse_config(TWO_NAMES % (backend, upstream, price), {})
+    assert [m.name for m in config.models] == ["mini", "mini-short"]

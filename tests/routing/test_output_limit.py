@@ -40,8 +40,9 @@ routes:
   - {{name: deepseek-first, candidates: [{{model: deepseek-chat}}, {{model: claude-sonnet}}], {FAST}}}
 """
 # Models that declare their output limit (as their vendors document it; the fakes refuse more).
+# mini-16k is gpt-4o-mini under another name, so at its price (one price per upstream model).
 MODELS = """\
-  - {name: mini-16k, backend: openai, model: gpt-4o-mini, max_output_tokens: 16384}
+  - {name: mini-16k, backend: openai, model: gpt-4o-mini, max_output_tokens: 16384, price: {input: 0.15, cached_input: 0.075, output: 0.60}}
   - {name: flash-2, backend: gemini, model: gemini-2.0-flash, max_output_tokens: 8192}
 """
 
