@@ -332,6 +332,15 @@ function parseCandidate(line) {
   return c;
 }
 
+// The output limits a route's lines inherit, as "gpt-4o max_output_tokens 16384 (model)": for each
+// candidate without its own max_output_tokens, and each fallback (which has none), its model's
+// `models[].max_output_tokens` from the config (`limits`: GET routes' model_max_output_tokens).
+function inheritedLimits(candidates, fallbacks, limits) {
+  const names = [...candidates.filter((c) => c && c.max_output_tokens == null).map((c) => c.model), ...fallbacks];
+  return [...new Set(names)].filter((m) => Object.hasOwn(limits, m))
+    .map((m) => `${m} max_output_tokens ${limits[m]} (model)`).join(", ");
+}
+
 // The form field an API error's `param` belongs to: "retry.jitter" and "when.tenants" are in the
 // advanced JSON box (`extra`, the fields it held), "candidates[1].weight" is the candidates box.
 // Anything else (route_id of a route deleted meanwhile, updated_at) is about the form as a whole.
@@ -357,8 +366,8 @@ function routeSummary(r) {
 
 // `heads`: the stored difficulty heads' names, or null when the gateway has no difficulty-heads API
 // (then a route's `head`, if any, stays in the advanced JSON box). `onGone(message)`: the edited
-// route was deleted meanwhile (a 404).
-function routeForm(existing, onSaved, heads = null, onGone = null) {
+// route was deleted meanwhile (a 404). `limits`: the models' max_output_tokens (inheritedLimits).
+function routeForm(existing, onSaved, heads = null, onGone = null, limits = {}) {
   const r = existing || { policy: "fixed", candidates: [], fallbacks: [] };
   const name = h("input", { name: "name", required: true, value: r.name || "", autocomplete: "off" });
   const policy = h("select", { name: "policy" }, POLICIES.map((p) => h("option", { value: p, selected: p === r.policy }, p)));
@@ -374,10 +383,22 @@ function routeForm(existing, onSaved, heads = null, onGone = null) {
   const formFields = heads ? FORM_FIELDS : FORM_FIELDS.filter((k) => k !== "head");
   const rest = Object.fromEntries(Object.entries(r).filter(([k]) => !formFields.includes(k)));
   const advanced = h("textarea", { name: "advanced", rows: 6, class: "code" }, Object.keys(rest).length ? JSON.stringify(rest, null, 2) : "{}");
+  // What applies where a line sets no max_output_tokens, kept up to date as the lines are typed.
+  const inherited = h("small", { class: "hint", "aria-live": "polite" });
+  const showInherited = () => {
+    const text = inheritedLimits(cands.value.split("\n").map((l) => l.trim()).filter(Boolean).map(parseCandidate),
+      fallbacks.value.split(",").map((x) => x.trim()).filter(Boolean), limits);
+    inherited.textContent = text ? `Inherited: ${text}.` : "";
+  };
+  showInherited();
+  cands.addEventListener("input", showInherited);
+  fallbacks.addEventListener("input", showInherited);
+  const candsField = field("Candidates", cands, "One model per line, optionally followed by a weight and settings: gpt-4o-mini 3 context_window=128000 max_output_tokens=16384 vision=false");
+  candsField.append(inherited);
   const form = h("form", { class: "inline-form", "aria-label": existing ? `Edit route ${r.name}` : "Create a route" }, ...formBox(
     field("Public model name", name, "What clients send as model; several routes may share it (the first whose conditions match wins)."),
     field("Policy", policy, "fixed: first candidate; weighted: by weight; difficulty: candidates are weak, strong."),
-    field("Candidates", cands, "One model per line, optionally followed by a weight and settings: gpt-4o-mini 3 context_window=128000 max_output_tokens=16384 vision=false"),
+    candsField,
     field("Fallbacks", fallbacks, "Comma-separated models tried in order after every candidate failed."),
     field("Difficulty threshold", threshold, "difficulty: strong model when p_strong is above this (0-1)."),
     field("Target strong share", share, "difficulty: send this share of traffic to the strong model instead (0-1)."),
@@ -642,6 +663,7 @@ async function routes(params, query, show) {
   const headNames = heads ? heads.map((d) => d.name) : null;
   const list = data.data || [];
   const leftOut = new Map((data.left_out || []).map((r) => [r.id, r]));
+  const limits = data.model_max_output_tokens || {}; // absent from a gateway older than it
   const editing = params[0] ? list.find((r) => String(r.id) === params[0]) : null;
   // pushState, not location.hash: a hashchange would render the page a second time, after this one.
   const reload = async () => { if (location.hash !== "#/routes") history.pushState(null, "", "#/routes"); return route(); };
@@ -689,8 +711,8 @@ async function routes(params, query, show) {
       : empty("No routes yet: every request goes to the model it names. Create a route below (the config file's routes: are copied here at first start)."),
     editing ? h("section", { class: "panel", id: "edit" }, h("h2", { tabindex: -1 }, `Edit route ${editing.name} (#${editing.id})`),
       leftOut.has(editing.id) ? notice(`This replica leaves this route out: ${leftOut.get(editing.id).error}`, "warning") : null,
-      routeForm(editing, reload, headNames, gone))
-      : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload, headNames)),
+      routeForm(editing, reload, headNames, gone, limits))
+      : h("section", { class: "panel" }, h("h2", {}, "New route"), routeForm(null, reload, headNames, null, limits)),
     h("h2", {}, "Preview"), previewForm(list),
     heads ? headsSection(heads, status, reloadHeads) : null,
     h("h2", {}, "Circuit breakers"),

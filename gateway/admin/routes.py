@@ -176,7 +176,23 @@ async def list_routes(request: Request, ctx: AdminContext) -> dict[str, Any]:
         rows = (await session.scalars(select(RouteRow).order_by(RouteRow.position, RouteRow.id))).all()
     router = _router(request)
     # `data` lists every stored row, served or not, so one left out can still be fixed or deleted.
-    return {"version": router.version, "data": [route_json(r) for r in rows], **_not_in_force(router)}
+    return {
+        "version": router.version,
+        "data": [route_json(r) for r in rows],
+        **_not_in_force(router),
+        "model_max_output_tokens": _model_output_limits(router),
+    }
+
+
+def _model_output_limits(router: Router) -> dict[str, int]:
+    """The answering replica's `models[].max_output_tokens`, of the models that set one: the limit a
+    candidate without its own, and every fallback, inherits (`routing.plan.Choice.max_output_tokens`).
+    Models live in the config, not the admin DB, so a route's own fields cannot show it."""
+    return {
+        name: limit
+        for name, target in router.models.targets.items()
+        if (limit := target.model.max_output_tokens) is not None
+    }
 
 
 @post("/routes", status_code=201)

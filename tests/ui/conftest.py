@@ -78,6 +78,17 @@ def routed(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     yield from _serve(ROUTED_CONFIG, fake_openai, tmp_path, monkeypatch)
 
 
+# The routed models with the output limits their vendor documents (`models[].max_output_tokens`).
+LIMITED_CONFIG = ROUTED_CONFIG.replace(
+    "{name: gpt-4o-mini, backend: openai,", "{name: gpt-4o-mini, backend: openai, max_output_tokens: 16384,"
+).replace("{name: gpt-4o, backend: openai,", "{name: gpt-4o, backend: openai, max_output_tokens: 8192,")
+
+
+@pytest.fixture
+def limited(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Weir]:
+    yield from _serve(LIMITED_CONFIG, fake_openai, tmp_path, monkeypatch)
+
+
 # Module scope: Playwright's sync API runs an event loop of its own, which must be gone before
 # other modules' asyncio tests start.
 @pytest.fixture(scope="module")

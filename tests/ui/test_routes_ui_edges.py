@@ -737,3 +737,44 @@ def test_a_double_click_on_create_route_creates_one_route(routed: Weir, browser:
         time.sleep(0.1)
     assert [r["name"] for r in routed.admin.get("/routes").json()["data"]] == ["assistant"]
     page.close()
+
+
+def test_a_candidate_shows_the_output_limit_it_inherits_from_its_model(limited: Weir, browser: Any) -> None:
+    """A candidate's line shows its own max_output_tokens; one without takes its model's
+    (`models[].max_output_tokens`, config only), which the form did not show, so an admin could not
+    see what applies. The form now says it under the lines, as the model's, and keeps it current as
+    the lines are edited; saving writes nothing of it into the route."""
+    limits = limited.admin.get("/routes").json()["model_max_output_tokens"]
+    assert limits == {"gpt-4o-mini": 16384, "gpt-4o": 8192}
+    route = _create(
+        limited.admin,
+        {
+            "name": "capped",
+            "candidates": [{"model": "gpt-4o-mini"}, {"model": "gpt-4o", "max_output_tokens": 4096}],
+        },
+    )
+    before = _stored(limited.admin, route["id"])
+    page = signed_in(limited, browser, "#/routes")
+    form = _edit(page, limited, route["id"])
+    candidates = form.get_by_label("Candidates", exact=True)
+    assert candidates.input_value().splitlines() == ["gpt-4o-mini", "gpt-4o max_output_tokens=4096"]
+    hint = form.locator(".field", has=page.get_by_label("Candidates", exact=True)).locator(".hint[aria-live]")
+    assert hint.inner_text() == "Inherited: gpt-4o-mini max_output_tokens 16384 (model)."
+
+    # Without its own limit, gpt-4o has its model's too; a fallback always has its model's.
+    candidates.fill("gpt-4o-mini max_output_tokens=1000\ngpt-4o")
+    assert hint.inner_text() == "Inherited: gpt-4o max_output_tokens 8192 (model)."
+    form.get_by_label("Fallbacks", exact=True).fill("gpt-4o-mini")
+    assert hint.inner_text() == (
+        "Inherited: gpt-4o max_output_tokens 8192 (model), gpt-4o-mini max_output_tokens 16384 (model)."
+    )
+
+    # Saved unchanged, the route keeps only the limit it sets itself.
+    page.goto(f"{limited.url}/admin/#/routes")  # the typed lines discarded (the dialog accepted)
+    page.get_by_role("heading", name="New route").wait_for()
+    form = _edit(page, limited, route["id"])
+    assert candidates.input_value().splitlines() == ["gpt-4o-mini", "gpt-4o max_output_tokens=4096"]
+    form.get_by_role("button", name="Save route").click()
+    page.get_by_role("heading", name="New route").wait_for()
+    assert _stored(limited.admin, route["id"]) == before
+    page.close()
