@@ -34,8 +34,8 @@ from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_
 
 FAST = "retry: {attempts: 2, backoff: 0.02, max_backoff: 0.1}, probe_interval: null"
 MODELS = """\
-  - {name: o3-pro, backend: openai, api: responses, price: {input: 20.0, cached_input: 5.0, output: 80.0}}
-  - {name: o3-pro-on-chat, backend: openai, model: o3-pro}
+  - {name: o3-pro, backend: openai, api: responses, price: &o3pro {input: 20.0, cached_input: 5.0, output: 80.0}}
+  - {name: o3-pro-on-chat, backend: openai, model: o3-pro, price: *o3pro}  # one price per upstream model
   - {name: codex, backend: openai-responses, model: codex-mini-latest}
 """
 BACKENDS = """\
