@@ -213,6 +213,7 @@ class MessagesRequest(Base):
     output_config: OutputConfig | None = None
     # Automatic prompt caching: Claude puts this breakpoint on the last cacheable block itself.
     cache_control: CacheControl = None
+    service_tier: Literal["auto", "standard_only"] | None = None
 
     @property
     def shows_thinking(self) -> bool:
@@ -416,7 +417,13 @@ def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> Cha
         continue_final_message=True if continuable(messages) else None,
         anthropic_beta=beta,
         cache_control=request.cache_control,
+        service_tier=_CANONICAL_TIERS[request.service_tier] if request.service_tier else None,
     )
+
+
+# An Anthropic client's service tier in the canonical (OpenAI) words: `standard_only` is OpenAI's
+# standard processing, `default`; `auto` is `auto` to both (priority capacity where there is some).
+_CANONICAL_TIERS = {"auto": "auto", "standard_only": "default"}
 
 
 # --- responses -----------------------------------------------------------------------------------

@@ -84,7 +84,9 @@ def create_app(
         gateway.executor.hedges.state = control.state  # hedged spend capped across replicas
         # The catalog's prices bill every attempt (priced once, as it is recorded); `cheapest` and the
         # spend caps' estimates price at those valid now.
-        gateway.pipeline.catalog = lambda backend, model, at: control.catalog.prices_at(backend, model, at)
+        gateway.pipeline.catalog = lambda backend, model, at, tier: control.catalog.prices_at(
+            backend, model, at, tier
+        )
         gateway.router.context.prices = lambda backend, model: control.catalog.prices_at(
             backend, model, dt.datetime.now(dt.UTC)
         )

@@ -17,6 +17,7 @@ import msgspec
 import yaml
 
 from gateway.accounting.money import usd_per_mtok_to_micro
+from gateway.accounting.pricing import TierName
 from routing.routes import NAME_RULE, Route, fit_name
 
 BackendType = Literal["openai", "anthropic", "gemini", "engine"]
@@ -41,12 +42,10 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65_535)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 
 
-class LongContextPrice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """The rates (USD per 1M tokens) that bill a WHOLE request whose prompt (input, cache reads and
-    cache writes together) is above `above_prompt_tokens`, as Anthropic's 1M-context Sonnet and
-    Gemini 2.5 Pro bill one; a class left out keeps the model's base price."""
+class TierPrice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The rates (USD per 1M tokens) of one service tier (`Price.tiers`): an attempt its vendor says
+    it served at that tier is billed at them; a class left out keeps the model's base price."""
 
-    above_prompt_tokens: PositiveInt
     input: Decimal | None = None
     cached_input: Decimal | None = None
     cache_write_5m: Decimal | None = None
@@ -54,7 +53,7 @@ class LongContextPrice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     output: Decimal | None = None
 
     def __post_init__(self) -> None:
-        # Checked here, not first when the gateway prices a long request (refused there: no cost).
+        # Checked here, not first when the gateway prices an attempt (refused there: no cost).
         for token_class in ("input", "cached_input", "cache_write_5m", "cache_write_1h", "output"):
             value = getattr(self, token_class)
             if value is not None:
@@ -62,6 +61,14 @@ class LongContextPrice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
                     usd_per_mtok_to_micro(value)
                 except ValueError as exc:
                     raise ValueError(f"{token_class}: {exc}") from None
+
+
+class LongContextPrice(TierPrice, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The rates (USD per 1M tokens) that bill a WHOLE request whose prompt (input, cache reads and
+    cache writes together) is above `above_prompt_tokens`, as Anthropic's 1M-context Sonnet and
+    Gemini 2.5 Pro bill one; a class left out keeps the model's base price."""
+
+    above_prompt_tokens: PositiveInt
 
 
 class Price(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -73,6 +80,14 @@ class Price(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     cache_write_1h: Decimal | None = None
     output: Decimal = Decimal(0)
     long_context: LongContextPrice | None = None  # higher rates above a prompt size
+    # Rates by the service tier the vendor reports serving an attempt at (OpenAI's flex at about half
+    # price, priority above it); a tier not listed, or none reported, is billed at the base price.
+    tiers: dict[TierName, TierPrice] = {}
+
+    def __post_init__(self) -> None:
+        for name, tier in self.tiers.items():
+            if tier == TierPrice():
+                raise ValueError(f"tiers.{name}: sets no price")
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -323,7 +338,9 @@ def _show(path: str) -> str:
 def _describe(exc: msgspec.ValidationError) -> str:
     # msgspec says "Expected `int`, got `str` - at `$.server.port`"; lead with the key path instead.
     message = str(exc)
-    match = re.search(r" - at `(.*)`$", message)
+    # A mapping's key (a price tier's name): "... - at `key` in `$.models[0].price.tiers`".
+    match = re.search(r" - at (`key` in )?`(.*)`$", message)
     if match:
-        return f"{_show(match.group(1))}: {message[: match.start()]}"
+        key = " (a key)" if match.group(1) else ""
+        return f"{_show(match.group(2))}{key}: {message[: match.start()]}"
     return message

@@ -25,7 +25,7 @@ from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import LongContextSheet, PricesAt, TokenClass, price_usage
 from gateway.aio import Background
 from gateway.auth import Principal
-from gateway.config import LongContextPrice, Model, Price
+from gateway.config import Model, Price, TierPrice
 from gateway.errors import ANTHROPIC_ERROR_TYPES, BadGateway, GatewayError, GatewayTimeout
 from gateway.estimate import Produced, whole_answer
 from gateway.ids import ordered_id
@@ -146,7 +146,7 @@ _PRICE_CLASSES = (
 )
 
 
-def _rates(price: Price | LongContextPrice) -> dict[TokenClass, int]:
+def _rates(price: Price | TierPrice) -> dict[TokenClass, int]:
     """The classes `price` sets, in micro-USD per 1M tokens."""
     return {
         token_class: usd_per_mtok_to_micro(value)
@@ -157,6 +157,12 @@ def _rates(price: Price | LongContextPrice) -> dict[TokenClass, int]:
 
 def price_sheet(model: Model) -> dict[TokenClass, int]:
     return _rates(model.price)
+
+
+def tier_sheets(model: Model) -> dict[str, dict[TokenClass, int]]:
+    """Each service tier's prices of `model` (`Price.tiers`): its rates over the base prices."""
+    base = price_sheet(model)
+    return {name: base | _rates(tier) for name, tier in model.price.tiers.items()}
 
 
 def long_context_sheet(model: Model) -> LongContextSheet | None:
@@ -191,6 +197,7 @@ class Pipeline:
         # What engine replicas report of their queues, for the router (its PolicyContext's).
         self.loads = loads if loads is not None else LoadReports()
         self.prices = {model.name: price_sheet(model) for model in models}
+        self.tier_prices = {model.name: tiers for model in models if (tiers := tier_sheets(model))}
         self.long_context = {
             model.name: tier for model in models if (tier := long_context_sheet(model)) is not None
         }
@@ -201,16 +208,19 @@ class Pipeline:
         self.background = Background()
 
     def billing_prices(
-        self, target: Target, at: dt.datetime, prompt_tokens: int = 0
+        self, target: Target, at: dt.datetime, prompt_tokens: int = 0, service_tier: str | None = None
     ) -> dict[TokenClass, int]:
-        """The prices that bill an attempt on `target` started at `at` with a prompt of `prompt_tokens`:
-        the catalog's valid then, where it has any for the backend and upstream model, else the
-        config's `price`; at the config's `long_context` rates where the prompt is above its threshold."""
+        """The prices that bill an attempt on `target` started at `at` with a prompt of `prompt_tokens`,
+        served at `service_tier` (as its vendor said; None: it said none): the catalog's valid then,
+        where it has any for the backend and upstream model, else the config's `price`; a tier's own
+        prices where it has some, else the base ones; at the config's `long_context` rates where the
+        prompt is above its threshold."""
         prices = None
         if self.catalog is not None:
-            prices = self.catalog(target.backend.name, target.upstream_model, at)
+            prices = self.catalog(target.backend.name, target.upstream_model, at, service_tier)
         if not prices:
-            prices = self.prices.get(target.model.name, {})
+            tiers = self.tier_prices.get(target.model.name, {})
+            prices = tiers.get(service_tier or "") or self.prices.get(target.model.name, {})
         tier = self.long_context.get(target.model.name)
         return prices if tier is None else tier.apply(prices, prompt_tokens)
 
@@ -474,7 +484,7 @@ class Pipeline:
             self.metrics.errors.labels(*labels, _error_label(failure, status)).inc()
         ts = dt.datetime.fromtimestamp(started_at, dt.UTC)
         # Priced once, here: the ledger, budgets, spend caps and every sink take this cost.
-        cost = price_usage(usage, self.billing_prices(target, ts, usage.prompt_tokens))
+        cost = price_usage(usage, self.billing_prices(target, ts, usage.prompt_tokens, usage.service_tier))
         event = UsageEvent(
             request_id=info.request_id,
             exchange_id=info.exchange_id,

@@ -564,7 +564,18 @@ def _finished(
         "incomplete_details": {"reason": reason} if reason else None,
         "output": output,
         "usage": responses_usage(usage),
+        "service_tier": _served_tier(usage, response["service_tier"]),
     }
+
+
+# The tiers a Response may name (the SDK refuses others, as Anthropic's `standard` or `batch`).
+_RESPONSE_TIERS = frozenset({"default", "flex", "scale", "priority"})
+
+
+def _served_tier(usage: Usage, asked: str | None) -> str | None:
+    """The tier the vendor served the response at, as OpenAI's Responses report it, where it is one
+    a Response may name; else the one asked for."""
+    return usage.service_tier if usage.service_tier in _RESPONSE_TIERS else asked
 
 
 def from_canonical(response: ChatResponse, request: ResponsesRequest) -> dict[str, Any]:

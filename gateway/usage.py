@@ -18,6 +18,10 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     cache_write_1h_tokens: int = 0  # prompt-cache writes at the 1-hour TTL price
     output_tokens: int = 0  # every generated token, reasoning included
     reasoning_tokens: int = 0  # the part of output_tokens spent on hidden reasoning
+    # The service tier the vendor says it served the attempt at (OpenAI's `service_tier`: "default",
+    # "flex", "priority"; Anthropic's `usage.service_tier`: "standard", "priority", "batch"); None
+    # where it says none. Its prices bill the attempt (`Price.tiers`); not a token class.
+    service_tier: str | None = None
 
     @property
     def cache_write_tokens(self) -> int:
@@ -38,7 +42,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Every token class, in order; the ledger's columns and the reports use the same names.
-TOKEN_FIELDS: tuple[str, ...] = Usage.__struct_fields__
+TOKEN_FIELDS: tuple[str, ...] = tuple(f for f in Usage.__struct_fields__ if f != "service_tier")
 
 
 # --- how each vendor reports usage ----------------------------------------------------------------
@@ -57,6 +61,9 @@ class UsageShape(msgspec.Struct, frozen=True, kw_only=True):
     cache_write_1h: str | None = None
     reasoning: str | None = None
     reasoning_in_output: bool = True  # False: reasoning is reported beside `output` (Gemini)
+    # The service tier served, where the vendor reports it inside its usage object (Anthropic); OpenAI
+    # reports it beside the usage, and its adapter passes it to `normalise_usage`. Gemini reports none.
+    service_tier: str | None = None
 
 
 USAGE_SHAPES: dict[str, UsageShape] = {
@@ -90,6 +97,7 @@ USAGE_SHAPES: dict[str, UsageShape] = {
         cache_write_5m="cache_creation.ephemeral_5m_input_tokens",
         cache_write_1h="cache_creation.ephemeral_1h_input_tokens",
         output="output_tokens",
+        service_tier="service_tier",
     ),
     "gemini": UsageShape(
         prompt="promptTokenCount",
@@ -129,10 +137,15 @@ def openai_flavour(raw: dict[str, Any]) -> str:
     return "deepseek" if "prompt_cache_hit_tokens" in raw else "openai"
 
 
-def normalise_usage(vendor: str, raw: dict[str, Any] | None) -> Usage:
-    """Turn a vendor's usage object into `Usage`, following that vendor's row of USAGE_SHAPES."""
+def _tier(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def normalise_usage(vendor: str, raw: dict[str, Any] | None, service_tier: Any = None) -> Usage:
+    """Turn a vendor's usage object into `Usage`, following that vendor's row of USAGE_SHAPES.
+    `service_tier`: the tier served as reported beside the usage object (OpenAI's top-level one)."""
     if not raw:
-        return Usage()
+        return Usage(service_tier=_tier(service_tier))
     if vendor == "openai":
         vendor = openai_flavour(raw)
     shape = USAGE_SHAPES[vendor]
@@ -155,6 +168,8 @@ def normalise_usage(vendor: str, raw: dict[str, Any] | None) -> Usage:
         cache_write_1h_tokens=write_1h,
         output_tokens=output,
         reasoning_tokens=reasoning,
+        service_tier=_tier(service_tier)
+        or _tier(raw.get(shape.service_tier) if shape.service_tier else None),
     )
 
 

@@ -16,7 +16,14 @@ async def load_catalog(session: AsyncSession) -> PriceCatalog:
     rows = (await session.scalars(select(Price))).all()
     return PriceCatalog(
         [
-            PriceRow(r.backend, r.model, TokenClass(r.token_class), r.micro_usd_per_mtok, r.effective_from)
+            PriceRow(
+                r.backend,
+                r.model,
+                TokenClass(r.token_class),
+                r.micro_usd_per_mtok,
+                r.effective_from,
+                r.service_tier,
+            )
             for r in rows
         ]
     )
@@ -31,6 +38,8 @@ async def seed_prices(session: AsyncSession, rows: Iterable[PriceRow], now: dt.d
     added = 0
     for row in rows:
         marker = f"config_price:{row.backend}:{row.model}:{row.token_class}"
+        if row.service_tier:
+            marker += f":{row.service_tier}"
         seeded = await session.get(Setting, marker)
         if seeded is not None and seeded.value == str(row.micro_usd_per_mtok):
             continue
@@ -39,6 +48,7 @@ async def seed_prices(session: AsyncSession, rows: Iterable[PriceRow], now: dt.d
                 backend=row.backend,
                 model=row.model,
                 token_class=str(row.token_class),
+                service_tier=row.service_tier,
                 micro_usd_per_mtok=row.micro_usd_per_mtok,
                 effective_from=now,
             )

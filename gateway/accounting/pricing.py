@@ -12,6 +12,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Annotated
+
+import msgspec
 
 from gateway.usage import Usage
 
@@ -44,9 +47,17 @@ FALLBACK: dict[TokenClass, TokenClass] = {
 }
 
 
-# (backend, upstream model, moment) -> the prices valid then, by token class (`PriceCatalog.prices_at`);
-# empty where none are.
-PricesAt = Callable[[str, str, dt.datetime], dict[TokenClass, int]]
+# A vendor's service tier name as its responses report it: OpenAI's `flex`, `priority`, `default`;
+# Anthropic's `priority`, `standard`, `batch`.
+TierName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+
+# The service tier of the base prices: the one an attempt is billed at when its vendor reports no
+# tier, or one without prices of its own.
+BASE_TIER = ""
+
+# (backend, upstream model, moment, service tier served or None) -> the prices valid then, by token
+# class (`PriceCatalog.prices_at`); empty where none are.
+PricesAt = Callable[[str, str, dt.datetime, str | None], dict[TokenClass, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +67,7 @@ class PriceRow:
     token_class: TokenClass
     micro_usd_per_mtok: int
     effective_from: dt.datetime
+    service_tier: str = BASE_TIER  # a tier's price (`flex`, `priority`) overrides the base price
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,48 +161,66 @@ def price_usage(usage: Usage, prices: dict[TokenClass, int]) -> Cost:
 
 
 class PriceCatalog:
-    """All price rows, indexed for "valid at" lookups. For each token class, a backend-specific row
-    wins over the `*` row."""
+    """All price rows, indexed for "valid at" lookups. For each token class, a row of the tier served
+    wins over a base row, and a backend-specific row over the `*` row of the same tier."""
 
     def __init__(self, rows: list[PriceRow] | None = None) -> None:
-        self._series: dict[tuple[str, str, TokenClass], list[tuple[dt.datetime, int]]] = defaultdict(list)
-        # (backend, model) -> (from, until, prices): the answer of prices_at for any moment in
+        self._series: dict[tuple[str, str, str, TokenClass], list[tuple[dt.datetime, int]]] = defaultdict(
+            list
+        )
+        self._tiers: set[tuple[str, str]] = set()  # (model, tier) pairs that have rows of their own
+        # (backend, model, tier) -> (from, until, prices): the answer of prices_at for any moment in
         # [from, until), since no row of that pair takes effect in between. Every request asks.
-        self._cache: dict[tuple[str, str], tuple[dt.datetime, dt.datetime, dict[TokenClass, int]]] = {}
+        self._cache: dict[tuple[str, str, str], tuple[dt.datetime, dt.datetime, dict[TokenClass, int]]] = {}
         for row in rows or ():
             self.add(row)
 
     def add(self, row: PriceRow) -> None:
-        series = self._series[(row.backend, row.model, TokenClass(row.token_class))]
+        series = self._series[(row.backend, row.model, row.service_tier, TokenClass(row.token_class))]
         bisect.insort(series, (row.effective_from, row.micro_usd_per_mtok))
+        self._tiers.add((row.model, row.service_tier))
         self._cache.clear()
 
-    def prices_at(self, backend: str, model: str, at: dt.datetime) -> dict[TokenClass, int]:
-        """The prices valid at `at` (do not modify the dict: it is shared)."""
-        cached = self._cache.get((backend, model))
+    def prices_at(
+        self, backend: str, model: str, at: dt.datetime, service_tier: str | None = None
+    ) -> dict[TokenClass, int]:
+        """The prices valid at `at` for an attempt served at `service_tier` (None: the vendor said
+        none): the tier's own rows over the base ones (do not modify the dict: it is shared)."""
+        # A tier without rows of its own is billed at the base prices: one cache entry for them all.
+        tier = service_tier if service_tier and (model, service_tier) in self._tiers else BASE_TIER
+        cached = self._cache.get((backend, model, tier))
         if cached is not None and cached[0] <= at < cached[1]:
             return cached[2]
+        tiers = (BASE_TIER, tier) if tier else (BASE_TIER,)
         # Per token class: a backend's row for one class (a special output price) leaves its other
-        # classes at the `*` rows' prices, not unpriced.
-        found = self.scoped_prices(ANY_BACKEND, model, at) | self.scoped_prices(backend, model, at)
+        # classes at the `*` rows' prices, not unpriced; a tier's rows leave the classes they do not
+        # price at the base prices.
+        found: dict[TokenClass, int] = {}
+        for each in tiers:
+            found |= self.scoped_prices(ANY_BACKEND, model, at, each)
+            found |= self.scoped_prices(backend, model, at, each)
         start, until = dt.datetime.min.replace(tzinfo=dt.UTC), dt.datetime.max.replace(tzinfo=dt.UTC)
-        for scope in (backend, ANY_BACKEND):
-            for token_class in TokenClass:
-                series = self._series.get((scope, model, token_class))
-                if series:
-                    i = bisect.bisect_right(series, (at, float("inf")))
-                    if i:
-                        start = max(start, series[i - 1][0])
-                    if i < len(series):
-                        until = min(until, series[i][0])
-        self._cache[(backend, model)] = (start, until, found)
+        for each in tiers:
+            for scope in (backend, ANY_BACKEND):
+                for token_class in TokenClass:
+                    series = self._series.get((scope, model, each, token_class))
+                    if series:
+                        i = bisect.bisect_right(series, (at, float("inf")))
+                        if i:
+                            start = max(start, series[i - 1][0])
+                        if i < len(series):
+                            until = min(until, series[i][0])
+        self._cache[(backend, model, tier)] = (start, until, found)
         return found
 
-    def scoped_prices(self, backend: str, model: str, at: dt.datetime) -> dict[TokenClass, int]:
-        """Prices of exactly this (backend, model) valid at `at`, without falling back to `*`."""
+    def scoped_prices(
+        self, backend: str, model: str, at: dt.datetime, service_tier: str = BASE_TIER
+    ) -> dict[TokenClass, int]:
+        """Prices of exactly this (backend, model, tier) valid at `at`, without falling back to `*`
+        or to the base tier."""
         found: dict[TokenClass, int] = {}
         for token_class in TokenClass:
-            series = self._series.get((backend, model, token_class))
+            series = self._series.get((backend, model, service_tier, token_class))
             if series:
                 i = bisect.bisect_right(series, (at, float("inf")))
                 if i:
@@ -198,4 +228,4 @@ class PriceCatalog:
         return found
 
     def price(self, usage: Usage, backend: str, model: str, at: dt.datetime) -> Cost:
-        return price_usage(usage, self.prices_at(backend, model, at))
+        return price_usage(usage, self.prices_at(backend, model, at, usage.service_tier))

@@ -20,7 +20,16 @@ from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.db.models import Tenant, UptimeSample, UsageEventRow, UsageRollup
 from gateway.usage import TOKEN_FIELDS as TOKEN_COLUMNS
 
-GROUPS = {"tenant": "tenant_id", "key": "key_id", "model": "model", "backend": "backend", "day": "day"}
+GROUPS = {
+    "tenant": "tenant_id",
+    "key": "key_id",
+    "model": "model",
+    "backend": "backend",
+    "day": "day",
+    "service_tier": "service_tier",  # the tier each attempt was served and priced at
+}
+# Groups the daily rollups do not keep: a report grouped by one reads the ledger, whatever its range.
+LEDGER_ONLY_GROUPS = frozenset({"service_tier"})
 CSV_COLUMNS = (
     *GROUPS,
     "tenant_name",
@@ -82,7 +91,7 @@ async def usage_report(
     session: AsyncSession, start: dt.datetime, end: dt.datetime, group_by: list[str]
 ) -> dict[str, Any]:
     requests: ColumnElement[int]  # a sum of the rollups' counts, or a count of ledger rows
-    if _whole_days(start, end):
+    if _whole_days(start, end) and not LEDGER_ONLY_GROUPS.intersection(group_by):
         table: Any = UsageRollup
         where = and_(UsageRollup.day >= start.date(), UsageRollup.day < end.date())
         requests, errors = func.sum(UsageRollup.requests), func.sum(UsageRollup.errors)

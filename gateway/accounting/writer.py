@@ -39,7 +39,7 @@ ROLLUPS: Table = UsageRollup.__table__  # type: ignore[assignment]
 # the events' own amounts.
 AMOUNTS = (*TOKEN_FIELDS, "cost_pico_usd", "savings_pico_usd")
 SUMMED = ("requests", "errors", "cancelled", *AMOUNTS)
-# SQLite allows 32766 bound parameters per statement; usage_events has 26 columns.
+# SQLite allows 32766 bound parameters per statement; usage_events has 27 columns.
 MAX_ROWS_PER_INSERT = 1000
 _json = msgspec.json.Encoder()
 
@@ -64,6 +64,7 @@ def event_row(event: UsageEvent) -> dict[str, Any]:
         "cache_write_1h_tokens": u.cache_write_1h_tokens,
         "output_tokens": u.output_tokens,
         "reasoning_tokens": u.reasoning_tokens,
+        "service_tier": u.service_tier,
         "prices": event.prices,
         "cost_pico_usd": event.cost_pico_usd,
         "savings_pico_usd": event.savings_pico_usd,
@@ -105,6 +106,7 @@ _LINE_COLUMNS = {
     "backend": "e->>'backend'",
     "model": "e->>'model'",
     **{name: f"coalesce((e->'usage'->>'{name}')::bigint, 0)" for name in TOKEN_FIELDS},
+    "service_tier": "e->'usage'->>'service_tier'",
     "prices": "e->'prices'",
     "cost_pico_usd": "(e->>'cost_pico_usd')::bigint",
     "savings_pico_usd": "coalesce((e->>'savings_pico_usd')::bigint, 0)",
@@ -159,6 +161,7 @@ EVENT_COLUMNS = (
     "backend",
     "model",
     *TOKEN_FIELDS,
+    "service_tier",
     "prices",
     "cost_pico_usd",
     "savings_pico_usd",
@@ -200,6 +203,7 @@ def _sqlite_params(events: list[UsageEvent]) -> list[Any]:
             e.backend,
             e.model,
             *_token_counts(e.usage),
+            e.usage.service_tier,
             prices_text,
             e.cost_pico_usd,
             e.savings_pico_usd,

@@ -268,14 +268,15 @@ def from_config(config: Any) -> ControlPlane | None:
     now = dt.datetime.now(dt.UTC)
     prices = []
     for model in config.models:
-        for token_class in TokenClass:
-            value = getattr(model.price, str(token_class), None)
-            if value is not None:
-                prices.append(
-                    PriceRow(
-                        model.backend, model.upstream_model, token_class, usd_per_mtok_to_micro(value), now
+        # The base price, then each service tier's (`price.tiers`): their rows bill that tier.
+        for tier, price in (("", model.price), *model.price.tiers.items()):
+            for token_class in TokenClass:
+                value = getattr(price, str(token_class), None)
+                if value is not None:
+                    micro = usd_per_mtok_to_micro(value)
+                    prices.append(
+                        PriceRow(model.backend, model.upstream_model, token_class, micro, now, tier)
                     )
-                )
     return ControlPlane(
         ControlPlaneSettings(
             database_url=database_url,

@@ -53,6 +53,7 @@ def _attempt(row: UsageEventRow) -> dict[str, Any]:
         "output_tokens": row.output_tokens,
         "reasoning_tokens": row.reasoning_tokens,
         "estimated": row.estimated,
+        "service_tier": row.service_tier,  # the tier its vendor served it at, which priced it
         "cost_usd": format_usd(pico_to_usd(row.cost_pico_usd)),
     }
 

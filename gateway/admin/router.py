@@ -192,6 +192,7 @@ def price_json(p: Price) -> dict[str, Any]:
         "backend": p.backend,
         "model": p.model,
         "token_class": p.token_class,
+        "service_tier": p.service_tier or None,
         "usd_per_1m_tokens": format_usd(micro_to_usd(p.micro_usd_per_mtok)),
         "effective_from": p.effective_from.isoformat(),
     }
@@ -340,15 +341,17 @@ async def list_prices(
 ) -> dict[str, Any]:
     moment = _parse_time(at, "at") if at else utcnow()
     async with ctx.sessions() as session:
-        query = select(Price).order_by(Price.model, Price.backend, Price.token_class, Price.effective_from)
+        query = select(Price).order_by(
+            Price.model, Price.backend, Price.service_tier, Price.token_class, Price.effective_from
+        )
         if model:
             query = query.where(Price.model == model)
         rows = (await session.scalars(query)).all()
-    if not history:  # only the row valid at `moment` for each (backend, model, class)
-        valid: dict[tuple[str, str, str], Price] = {}
+    if not history:  # only the row valid at `moment` for each (backend, model, tier, class)
+        valid: dict[tuple[str, str, str, str], Price] = {}
         for row in rows:
             if row.effective_from <= moment:
-                valid[(row.backend, row.model, row.token_class)] = row
+                valid[(row.backend, row.model, row.service_tier, row.token_class)] = row
         rows = list(valid.values())
     return {"at": None if history else moment.isoformat(), "data": [price_json(p) for p in rows]}
 
@@ -380,6 +383,7 @@ async def put_prices(request: Request, ctx: AdminContext) -> dict[str, Any]:
                 backend=item.backend,
                 model=item.model,
                 token_class=str(item.token_class),
+                service_tier=item.tier,
                 micro_usd_per_mtok=micro,
                 effective_from=effective,
             )

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import msgspec
 
-from gateway.accounting.pricing import ANY_BACKEND, TokenClass
+from gateway.accounting.pricing import ANY_BACKEND, BASE_TIER, TierName, TokenClass
 
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # stored as 32-bit integers
 Usd = Decimal  # checked for sign and precision when converted to micro-dollars
@@ -57,7 +57,14 @@ class PriceIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     token_class: TokenClass
     usd_per_1m_tokens: Usd
     backend: Name = ANY_BACKEND
+    # The service tier whose attempts it bills (`flex`, `priority`); None: the base price, which bills
+    # attempts of every other tier and those whose vendor reports none.
+    service_tier: TierName | None = None
     effective_from: dt.datetime | None = None  # None: now
+
+    @property
+    def tier(self) -> str:
+        return self.service_tier or BASE_TIER
 
 
 class PricesPut(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -117,15 +117,17 @@ class ApiKey(Base):
 
 
 class Price(Base):
-    """One row per (backend, model, token class, effective_from); rows are never updated."""
+    """One row per (backend, model, service tier, token class, effective_from); rows are never updated."""
 
     __tablename__ = "prices"
-    __table_args__ = (UniqueConstraint("backend", "model", "token_class", "effective_from"),)
+    __table_args__ = (UniqueConstraint("backend", "model", "service_tier", "token_class", "effective_from"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     backend: Mapped[str] = mapped_column(String(200))  # "*" applies to every backend serving `model`
     model: Mapped[str] = mapped_column(String(200))
     token_class: Mapped[str] = mapped_column(String(32))
+    # "" for the base price; else the service tier whose attempts it bills (`flex`, `priority`).
+    service_tier: Mapped[str] = mapped_column(String(32), default="", server_default="")
     micro_usd_per_mtok: Mapped[int] = mapped_column(BigInteger)
     effective_from: Mapped[dt.datetime] = mapped_column(UTCDateTime)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -155,6 +157,8 @@ class UsageEventRow(Base):
     cache_write_1h_tokens: Mapped[int] = mapped_column(BigInteger)
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
+    # The service tier the vendor served the attempt at (its `prices` are that tier's); None: unsaid.
+    service_tier: Mapped[str | None] = mapped_column(String(32))
     prices: Mapped[dict[str, int]] = mapped_column(JSON)  # token class -> micro-USD per 1M tokens
     cost_pico_usd: Mapped[int] = mapped_column(BigInteger)
     savings_pico_usd: Mapped[int] = mapped_column(BigInteger)

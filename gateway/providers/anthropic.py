@@ -110,6 +110,11 @@ def _own_stop_reason(reason: str | None) -> str | None:
     return reason if reason is not None and reason not in _FINISH_SAYS else None
 
 
+# A canonical (OpenAI) service tier as Anthropic's request takes one: priority capacity where there is
+# some (`auto`) for `auto` and `priority`; standard processing alone for `default` and `flex` (Claude
+# has no flex tier: the cheapest it has short of the Batch API). Another tier is left out: `auto`.
+_ANTHROPIC_TIERS = {"auto": "auto", "priority": "auto", "default": "standard_only", "flex": "standard_only"}
+
 MAX_TEMPERATURE = 1.0  # Claude's range is 0..1, OpenAI's 0..2
 MIN_THINKING_TOP_P = 0.95  # beside thinking: "top_p may be set between 0.95 and 1"
 
@@ -132,6 +137,7 @@ PARAMS = ParamTable(
         "stop": Param("stop_sequences", _stop_sequences),
         "user": Param("metadata.user_id"),
         "stream": Param("stream", lambda stream: True if stream else None),
+        "service_tier": Param("service_tier", lambda tier: _ANTHROPIC_TIERS.get(tier)),
     }
 )
 

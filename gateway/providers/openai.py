@@ -444,7 +444,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         created=wire.created,
         model=wire.model or model,
         choices=cast(list[Choice], wire.choices),  # subclasses, read-only here
-        usage=normalise_usage(VENDOR, wire.usage),
+        usage=normalise_usage(VENDOR, wire.usage, wire.extra.get("service_tier")),
         system_fingerprint=wire.system_fingerprint,
         extra=wire.extra,
     )
@@ -564,7 +564,7 @@ class ChatStream:
                 self.finished = True
                 _note_matched_stop(choice)
             self.answered = self.answered or choice.delta.carries_output()
-        usage = normalise_usage(VENDOR, wire.usage) if wire.usage else None
+        usage = normalise_usage(VENDOR, wire.usage, wire.extra.get("service_tier")) if wire.usage else None
         return [
             ChatChunk(
                 id=wire.id,
@@ -654,7 +654,7 @@ def completions_response(body: bytes, model: str) -> RawResult:
     data = decode_json(body, "the OpenAI-compatible backend")
     if not isinstance(data, dict):
         raise BadGateway("the OpenAI-compatible backend returned an unexpected response")
-    return RawResult(data=data, usage=normalise_usage(VENDOR, data.get("usage")))
+    return RawResult(data=data, usage=normalise_usage(VENDOR, data.get("usage"), data.get("service_tier")))
 
 
 class CompletionStream:
@@ -678,7 +678,12 @@ class CompletionStream:
             self.finished = True
         self.answered = self.answered or any(choice.get("text") for choice in choices)
         usage = payload.get("usage")
-        return [RawResult(data=payload, usage=normalise_usage(VENDOR, usage) if usage else None)]
+        return [
+            RawResult(
+                data=payload,
+                usage=normalise_usage(VENDOR, usage, payload.get("service_tier")) if usage else None,
+            )
+        ]
 
     def close(self) -> list[RawResult]:
         if not (self.done or self.finished):

@@ -182,3 +182,41 @@ def test_a_backend_row_prices_only_its_own_token_class() -> None:
         TokenClass.INPUT: 1_000_000,
         TokenClass.OUTPUT: 4_000_000,
     }
+
+
+# --- service tiers ----------------------------------------------------------------------------------
+
+
+def _tiered_catalog() -> PriceCatalog:
+    micro = usd_per_mtok_to_micro
+    return PriceCatalog(
+        [
+            PriceRow("*", "gpt-5-mini", TokenClass.INPUT, micro("0.25"), T0),
+            PriceRow("*", "gpt-5-mini", TokenClass.OUTPUT, micro("2"), T0),
+            PriceRow("*", "gpt-5-mini", TokenClass.INPUT, micro("0.125"), T0, "flex"),
+            PriceRow("*", "gpt-5-mini", TokenClass.OUTPUT, micro("1"), T0, "flex"),
+            PriceRow("azure", "gpt-5-mini", TokenClass.OUTPUT, micro("2.2"), T0),  # the base, one backend
+            PriceRow("*", "gpt-5-mini", TokenClass.OUTPUT, micro("0.9"), T1, "flex"),  # a later flex price
+        ]
+    )
+
+
+def test_a_tier_served_is_priced_at_its_own_rows_over_the_base() -> None:
+    catalog = _tiered_catalog()
+    at = T0 + dt.timedelta(days=1)
+    assert catalog.prices_at("openai", "gpt-5-mini", at, "flex") == {
+        TokenClass.INPUT: 125_000,
+        TokenClass.OUTPUT: 1_000_000,
+    }
+    # A tier's row wins over a backend's base row: flex is priced as flex on every backend.
+    assert catalog.prices_at("azure", "gpt-5-mini", at, "flex")[TokenClass.OUTPUT] == 1_000_000
+    # A tier without rows of its own, or none reported: the base prices.
+    base = {TokenClass.INPUT: 250_000, TokenClass.OUTPUT: 2_000_000}
+    assert catalog.prices_at("openai", "gpt-5-mini", at, "priority") == base
+    assert catalog.prices_at("openai", "gpt-5-mini", at, None) == base
+    assert catalog.prices_at("openai", "gpt-5-mini", at) == base
+    # A tier's price change applies from its moment on, as any other (the cache's window included).
+    assert catalog.prices_at("openai", "gpt-5-mini", T1, "flex")[TokenClass.OUTPUT] == 900_000
+    assert catalog.prices_at("openai", "gpt-5-mini", at, "flex")[TokenClass.OUTPUT] == 1_000_000
+    usage = Usage(input_tokens=1000, output_tokens=100, service_tier="flex")
+    assert catalog.price(usage, "openai", "gpt-5-mini", at).cost_pico_usd == 1000 * 125_000 + 100 * 1_000_000

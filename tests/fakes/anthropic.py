@@ -196,6 +196,8 @@ class FakeAnthropic(FakeServer):
                 raise Invalid(400, f"{field}: Field required")
         if body["model"] not in self.models:
             raise Invalid(404, f"model: {body['model']}")
+        if body.get("service_tier", "auto") not in ("auto", "standard_only"):
+            raise Invalid(400, "service_tier: Input should be 'auto' or 'standard_only'")
         max_tokens = body.get("max_tokens", 1)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise Invalid(400, "max_tokens: Input should be greater than or equal to 1")
@@ -412,7 +414,11 @@ class FakeAnthropic(FakeServer):
                 "ephemeral_1h_input_tokens": usage.cache_write_1h_tokens,
             },
             "output_tokens": usage.output_tokens,
-            "service_tier": "standard",
+            # As Anthropic reports it: `standard_only` is always standard; `auto` (the default) takes
+            # the workspace's Priority Tier capacity where it has some.
+            "service_tier": "standard"
+            if body.get("service_tier") == "standard_only"
+            else self.capacity_tier or "standard",
         }
         if raw:
             deep_merge(rendered, raw)

@@ -547,7 +547,7 @@ class FakeOpenAI(FakeServer):
         common: dict[str, Any] = {"id": f"chatcmpl-{secrets.token_urlsafe(21)}", "created": int(time.time())}
         common |= {"model": body["model"], "system_fingerprint": "fp_fake0001"}
         if self.flavour == "openai":
-            common["service_tier"] = "default"
+            common["service_tier"] = self._served_tier(body)
         call_ids = [f"call_{secrets.token_urlsafe(18)}" for _ in range(n)]
         top = body.get("top_logprobs") or 0
         want_logprobs = bool(body.get("logprobs")) and not reply.tool_name
@@ -586,6 +586,14 @@ class FakeOpenAI(FakeServer):
                 await stream.send(sse(_ordered(payload)))
             await stream.send(b"data: [DONE]\n\n")
         return stream.response
+
+    def _served_tier(self, body: dict[str, Any]) -> str:
+        """The tier OpenAI reports serving a request at: the `flex` or `priority` it asks for, else
+        `default` (or the project's capacity tier for `auto`), in every response and chunk."""
+        asked = body.get("service_tier")
+        if asked in ("flex", "priority", "default"):
+            return str(asked)
+        return self.capacity_tier or "default"
 
     def _message(self, model: str, reply: Reply, call_id: str) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": None if reply.tool_name else reply.text}

@@ -119,6 +119,7 @@ class FakeServer:
         self._answers: dict[str, Callable[[str], str]] = {}  # model -> reply to the last user text
         self.rejoin: Rejoin | None = None  # how continuations asked for in a user turn are joined
         self.queue_waiting: int | None = None  # reported as ORCA load when a request asks (report_load)
+        self.capacity_tier: str | None = None  # the tier `auto` requests are served at (serve_auto_at)
         self._lock = threading.Lock()
         self._generation = 0  # bumped by reset() and stop() to release hanging requests
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -182,6 +183,7 @@ class FakeServer:
             self._answers.clear()
             self.rejoin = None
             self.queue_waiting = None
+            self.capacity_tier = None
             self.models = set(self._initial_models)
             self.first_token_delay = self.token_delay = 0.0
             self._generation += 1
@@ -222,6 +224,12 @@ class FakeServer:
         if answer is None or turn.tools:
             return plan_reply(turn)
         return Reply(text=answer(turn.last_user_text))
+
+    def serve_auto_at(self, tier: str | None) -> None:
+        """Requests that leave the service tier to the vendor (`auto`, or none: OpenAI's and
+        Anthropic's default) are served, and report being served, at `tier` until `reset()`: a project
+        with Scale Tier or Priority capacity (None: the vendor's standard tier)."""
+        self.capacity_tier = tier
 
     def report_load(self, waiting: int | None) -> None:
         """Answer requests that carry ``endpoint-load-metrics-format`` with an ORCA load report of

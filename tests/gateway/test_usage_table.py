@@ -122,8 +122,14 @@ E2E = [
         "gpt-4o-mini",
         "fake_openai",
         dict(input_tokens=464, cached_input_tokens=1536, output_tokens=30, reasoning_tokens=12),
+        "default",  # the service tier served: OpenAI's top-level `service_tier`
     ),
-    ("deepseek-chat", "fake_deepseek", dict(input_tokens=360, cached_input_tokens=640, output_tokens=50)),
+    (
+        "deepseek-chat",
+        "fake_deepseek",
+        dict(input_tokens=360, cached_input_tokens=640, output_tokens=50),
+        None,
+    ),
     (
         "claude-sonnet",
         "fake_anthropic",
@@ -134,25 +140,29 @@ E2E = [
             cache_write_1h_tokens=1000,
             output_tokens=7,
         ),
+        "standard",  # Anthropic's `usage.service_tier`
     ),
     (
         "gemini-flash",
         "fake_gemini",
         dict(input_tokens=904, cached_input_tokens=4096, output_tokens=14, reasoning_tokens=10),
+        None,  # Gemini reports no tier
     ),
 ]
 
 
 PLAIN_AND_STREAMED = pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-EACH_ROW = pytest.mark.parametrize(("model", "fake_name", "fields"), E2E, ids=[row[0] for row in E2E])
+EACH_ROW = pytest.mark.parametrize(("model", "fake_name", "fields", "tier"), E2E, ids=[row[0] for row in E2E])
 ASK = [{"role": "user", "content": "count my tokens please"}]
 
 
 @pytest.fixture
-def expected(gateway: RunningGateway, request: pytest.FixtureRequest, fake_name: str, fields: dict) -> Usage:
+def expected(
+    gateway: RunningGateway, request: pytest.FixtureRequest, fake_name: str, fields: dict, tier: str | None
+) -> Usage:
     """The row's usage: its fake reports it for the next request, in its vendor's own format."""
     request.getfixturevalue(fake_name).set_next_usage(**fields)
-    return Usage(**fields)
+    return Usage(**fields, service_tier=tier)
 
 
 @PLAIN_AND_STREAMED
@@ -201,3 +211,19 @@ def test_row_end_to_end_anthropic_client(
     assert usage.cache_creation.ephemeral_1h_input_tokens == expected.cache_write_1h_tokens
     assert usage.output_tokens == expected.output_tokens
     assert gateway.sink.events[0].usage == expected
+
+
+@pytest.mark.parametrize(
+    ("vendor", "raw", "beside", "tier"),
+    [
+        ("openai", {"prompt_tokens": 5, "completion_tokens": 1}, "flex", "flex"),  # top-level, beside usage
+        ("openai", {"prompt_tokens": 5, "completion_tokens": 1}, None, None),
+        ("anthropic", {"input_tokens": 5, "output_tokens": 1, "service_tier": "priority"}, None, "priority"),
+        ("anthropic", {"input_tokens": 5, "output_tokens": 1, "service_tier": None}, None, None),
+        ("gemini", {"promptTokenCount": 5, "candidatesTokenCount": 1}, None, None),  # Gemini reports none
+    ],
+)
+def test_the_service_tier_served_is_read_with_the_usage(
+    vendor: str, raw: dict, beside: str | None, tier: str | None
+) -> None:
+    assert normalise_usage(vendor, raw, beside).service_tier == tier
