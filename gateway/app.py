@@ -87,8 +87,8 @@ def create_app(
         gateway.pipeline.catalog = lambda backend, model, at, tier: control.catalog.prices_at(
             backend, model, at, tier
         )
-        gateway.router.context.prices = lambda backend, model: control.catalog.prices_at(
-            backend, model, dt.datetime.now(dt.UTC)
+        gateway.router.context.prices = lambda backend, model, tier: control.catalog.prices_at(
+            backend, model, dt.datetime.now(dt.UTC), tier
         )
         control.long_context = gateway.pipeline.long_context  # budget estimates of long prompts
         gateway.metrics.watch_budgets(lambda: control.admission.budget_usage_ratio)

@@ -44,6 +44,9 @@ class Features:
     # Whether the request marks a prompt-cache breakpoint (`cache_control` on a part, message or
     # tool): Anthropic reads and writes its cache only up to one. None: not known (a route preview).
     cache_breakpoints: bool | None = None
+    # The service tier the request asks for (`flex`, `priority`...): `cheapest` prices each candidate
+    # at that tier where it prices one (served as asked), as the attempt will be billed.
+    service_tier: str | None = None
 
 
 def _turn_text(message: Message) -> str:
@@ -97,6 +100,7 @@ def features(
         tenant=tenant,
         key_id=key_id,
         cache_breakpoints=has_cache_control(request),
+        service_tier=request.service_tier,
     )
 
 

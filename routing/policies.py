@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gateway.accounting.pricing import TokenClass, resolve
-from gateway.pipeline import long_context_sheet, price_sheet
+from gateway.pipeline import long_context_sheet, price_sheet, tier_sheets
 from routing.breaker import Breakers
 from routing.load import LoadReports
 from routing.plan import Choice, Features, Lesson, Outcome
@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from routing.router import InForce
 
 Scorer = Callable[[str], float]  # prompt -> p_strong
-# (backend, upstream model) -> the price catalog's micro-USD per 1M tokens by token class, valid now;
-# empty where the catalog has none.
-PriceLookup = Callable[[str, str], dict[TokenClass, int]]
+# (backend, upstream model, service tier or None) -> the price catalog's micro-USD per 1M tokens by
+# token class, valid now, at that tier's prices over the base ones; empty where the catalog has none.
+PriceLookup = Callable[[str, str, str | None], dict[TokenClass, int]]
 
 
 @dataclass
@@ -194,9 +194,14 @@ def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: Po
     prompt the cache is expected to serve and to be written with (each billed at its own price:
     writes cost more than input)."""
     backend, model = choice.target.backend.name, choice.target.upstream_model
-    catalog = ctx.prices(backend, model) if ctx.prices is not None else {}
+    # At the prices of the service tier the request asks for, where the candidate prices one of that
+    # name (OpenAI's `flex`, `priority`: served as asked), else the base prices.
+    asked = feats.service_tier
+    catalog = ctx.prices(backend, model, asked) if ctx.prices is not None else {}
     # In micro-USD per 1M tokens, unpriced classes as billing prices them (`resolve`).
-    base = catalog or price_sheet(choice.target.model)
+    base = (
+        catalog or (asked and tier_sheets(choice.target.model).get(asked)) or price_sheet(choice.target.model)
+    )
     # Above the model's long-context threshold every token bills at the tier (`Pipeline.billing_prices`).
     tier = long_context_sheet(choice.target.model)
     prices = resolve(base if tier is None else tier.apply(base, feats.prompt_tokens))

@@ -177,31 +177,3 @@ async def test_a_long_prompt_s_budget_estimate_is_at_the_tier() -> None:
     await admission.admit("long", quotas, "b", "m", prompt_tokens=41, max_output_tokens=10, long_context=tier)
     assert await state.budget_usage(budget) == (0, 50 * 10**7 + 41 * 2 * 10**7 + 10 * 3 * 10**7)
     await state.close()
-
-
-@pytest.mark.parametrize(
-    ("tiers", "message"),
-    [
-        ("{Flex: {input: 1}}", r"models\[0\]\.price\.tiers \(a key\): Expected `str` matching regex"),
-        ("{'': {input: 1}}", r"models\[0\]\.price\.tiers \(a key\): Expected `str` matching regex"),
-        ("{flex: {}}", r"models\[0\]\.price: tiers\.flex: sets no price"),
-        (
-            "{flex: {output: -1}}",
-            r"models\[0\]\.price\.tiers\[\.\.\.\]: output: price must be a non-negative",
-        ),
-        ("{flex: {input: 0.0000001}}", r"models\[0\]\.price\.tiers\[\.\.\.\]: input: .*more than 6 decimals"),
-        ("{flex: {inptu: 1}}", r"models\[0\]\.price\.tiers\[\.\.\.\]: Object contains unknown field `inptu`"),
-        ("{flex: {input: 1, above_prompt_tokens: 5}}", r"unknown field `above_prompt_tokens`"),
-    ],
-)
-def test_a_bad_service_tier_price_is_a_config_error(tiers: str, message: str) -> None:
-    text = f"backends: [{{name: b, type: openai, base_url: u}}]\nmodels: [{{name: m, backend: b, price: {{input: 3, tiers: {tiers}}}}}]"
-    with pytest.raises(ConfigError, match=message):
-        parse_config(text)
-
-
-def test_service_tier_prices_parse() -> None:
-    text = "backends: [{name: b, type: openai, base_url: u}]\nmodels: [{name: m, backend: b, price: {input: 2, output: 8, tiers: {flex: {input: 1}, priority: {input: 3.5, output: 14}}}}]"
-    tiers = parse_config(text).models[0].price.tiers
-    assert set(tiers) == {"flex", "priority"}
-    assert str(tiers["flex"].input) == "1" and tiers["flex"].output is None
