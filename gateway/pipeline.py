@@ -220,7 +220,7 @@ class Pipeline:
             prices = self.catalog(target.backend.name, target.upstream_model, at, service_tier)
         if not prices:
             tiers = self.tier_prices.get(target.model.name, {})
-            prices = tiers.get(service_tier or "") or self.prices.get(target.model.name, {})
+            prices = (service_tier and tiers.get(service_tier)) or self.prices.get(target.model.name, {})
         tier = self.long_context.get(target.model.name)
         return prices if tier is None else tier.apply(prices, prompt_tokens)
 

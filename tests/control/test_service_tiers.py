@@ -72,22 +72,22 @@ def test_openai_attempts_are_billed_at_the_tier_served(weir: Weir, fake_openai: 
     ask = {"model": "gpt-5-mini", "messages": [{"role": "user", "content": "hello"}]}
 
     fake_openai.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
-    flex = client.chat.completions.create(**ask, service_tier="flex")  # type: ignore[call-overload]
+    flex = client.chat.completions.create(**ask, service_tier="flex")
     assert flex.service_tier == "flex"  # the client sees what the vendor said
 
     fake_openai.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
     stream = client.chat.completions.create(
         **ask, service_tier="priority", stream=True, stream_options={"include_usage": True}
-    )  # type: ignore[call-overload]
+    )
     assert {chunk.service_tier for chunk in stream} == {"priority"}
 
     fake_openai.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
-    plain = client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    plain = client.chat.completions.create(**ask)
     assert plain.service_tier == "default"  # a tier without prices of its own: the base price
 
     fake_openai.serve_auto_at("scale")  # a project with Scale Tier capacity: unpriced, the base price
     fake_openai.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
-    scaled = client.chat.completions.create(**ask, service_tier="auto")  # type: ignore[call-overload]
+    scaled = client.chat.completions.create(**ask, service_tier="auto")
     assert scaled.service_tier == "scale"
 
     assert tiers_and_costs(weir, tenant_id, expect=4) == [
@@ -126,12 +126,12 @@ def test_anthropic_attempts_are_billed_at_the_tier_served(weir: Weir, fake_anthr
 
     fake_anthropic.serve_auto_at("priority")  # a workspace with Priority Tier capacity
     fake_anthropic.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
-    client.messages.create(**ask)  # type: ignore[call-overload]
+    client.messages.create(**ask)
     fake_anthropic.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
-    with client.messages.stream(**ask) as stream:  # type: ignore[call-overload]
+    with client.messages.stream(**ask) as stream:
         stream.until_done()
     fake_anthropic.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
-    client.messages.create(**ask, service_tier="standard_only")  # type: ignore[call-overload]
+    client.messages.create(**ask, service_tier="standard_only")
 
     assert tiers_and_costs(weir, tenant_id, expect=3) == [
         ("claude-sonnet-4-5", "priority", pico("4.5", "22.5")),
@@ -167,7 +167,7 @@ def test_an_openai_clients_tier_reaches_claude_in_anthropics_words(
         fake_anthropic.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
         client.chat.completions.create(
             model="claude-sonnet", messages=[{"role": "user", "content": "hi"}], service_tier=tier
-        )  # type: ignore[call-overload]
+        )
     assert [r.json["service_tier"] for r in fake_anthropic.requests] == ["standard_only", "auto"]
     assert tiers_and_costs(weir, tenant_id, expect=2) == [
         ("claude-sonnet-4-5", "standard", pico("3.0", "15.0")),
@@ -213,10 +213,10 @@ def test_a_tier_priced_in_the_catalog_bills_its_attempts(weir: Weir, fake_openai
     client = weir.client(key)
     ask = {"model": "gpt-5-mini", "messages": [{"role": "user", "content": "hello"}]}
     fake_openai.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
-    client.chat.completions.create(**ask, service_tier="flex")  # type: ignore[call-overload]
+    client.chat.completions.create(**ask, service_tier="flex")
     fake_openai.serve_auto_at("scale")
     fake_openai.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
-    client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    client.chat.completions.create(**ask)
     assert tiers_and_costs(weir, tenant_id, expect=2) == [
         ("gpt-5-mini", "flex", pico("0.125", "0.90")),
         ("gpt-5-mini", "scale", pico("0.20", "2.00")),
