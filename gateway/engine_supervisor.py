@@ -79,9 +79,18 @@ class EngineProcess:
         self.health_url = f"http://127.0.0.1:{self.port}/health"
         self.process: asyncio.subprocess.Process | None = None
         self.healthy = False
+        self.loaded = False  # healthy once: its first start is over (the gateway's /readyz waits for it)
         self.restarts = 0
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+
+    @property
+    def state(self) -> str:
+        """What /readyz reports: "ready", "loading" (its first start, or a command that never ran) or
+        "restarting" (healthy once, now down: exited, dead, or being started again)."""
+        if self.healthy:
+            return "ready"
+        return "restarting" if self.loaded else "loading"
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"engine:{self.backend.name}")
@@ -140,7 +149,7 @@ class EngineProcess:
                     continue
                 started = time.monotonic()
                 if await self._wait_healthy(session):
-                    self.healthy = True
+                    self.healthy = self.loaded = True
                     log.info("engine_ready", backend=self.backend.name, port=self.port)
                     await self._watch(session)
                 else:

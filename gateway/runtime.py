@@ -102,10 +102,26 @@ class Gateway:
         await self.transport.close()
 
     @property
+    def readiness(self) -> str:
+        """What /readyz says: "starting" until the replica can serve what it was started for (every
+        supervised engine healthy once, the difficulty classifier the routes need loaded), then
+        "ready", or "unavailable" while it can answer nothing (`answers_something`)."""
+        if not self.started or self.router.scorer_loading or not all(e.loaded for e in self.engines):
+            return "starting"
+        return "ready" if self.answers_something() else "unavailable"
+
+    @property
     def ready(self) -> bool:
-        return (
-            self.started and all(engine.healthy for engine in self.engines) and not self.router.scorer_loading
-        )
+        return self.readiness == "ready"
+
+    def answers_something(self) -> bool:
+        """Whether some model is served by a backend other than a supervised engine, or by one that is
+        up. An engine restarting does not take the replica out of the pool while it has another
+        backend: its routes fail over at once, and the same input crashing every replica's engine must
+        not take every replica out. One whose models all sit on engines that are down answers nothing,
+        so it leaves, and the replicas whose engines are up take its share."""
+        healthy = {engine.backend.name: engine.healthy for engine in self.engines}
+        return not healthy or any(healthy.get(t.backend.name, True) for t in self.models.targets.values())
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         api_key = api_key_from(headers)

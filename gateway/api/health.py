@@ -18,12 +18,12 @@ async def healthz() -> Response[Any]:
 @get("/readyz")
 async def readyz(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway = runtime(request)
-    engines = {engine.backend.name: engine.healthy for engine in gateway.engines}
-    ready = gateway.ready
-    body: dict[str, Any] = {"status": "ready" if ready else "starting", "engines": engines}
+    status = gateway.readiness
+    engines = {engine.backend.name: engine.state for engine in gateway.engines}
+    body: dict[str, Any] = {"status": status, "engines": engines}
     if gateway.router.scorer_loading:
         body["difficulty_classifier"] = "loading"
-    return json_response(body, 200 if ready else 503)
+    return json_response(body, 200 if status == "ready" else 503)
 
 
 @get("/metrics")

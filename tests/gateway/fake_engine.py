@@ -1,6 +1,9 @@
 """A stand-in for `weir engine serve` in supervisor tests: /health and an OpenAI-shaped chat reply.
 
-python tests/gateway/fake_engine.py PORT
+python tests/gateway/fake_engine.py PORT [LOADED_FILE]
+
+With LOADED_FILE, /health says 503 "loading" (as the engine's own does while its model loads) until that
+file exists: a test decides when the engine is up.
 """
 
 from __future__ import annotations
@@ -9,11 +12,16 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from aiohttp import web
 
+LOADED_FILE = Path(sys.argv[2]) if len(sys.argv) > 2 else None
+
 
 async def health(request: web.Request) -> web.Response:
+    if LOADED_FILE is not None and not LOADED_FILE.exists():
+        return web.json_response({"status": "loading", "detail": None}, status=503)
     return web.json_response({"status": "ok"})
 
 

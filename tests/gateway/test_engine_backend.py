@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
@@ -25,6 +26,7 @@ from gateway.app import create_app
 from gateway.config import Backend, parse_config
 from gateway.engine_supervisor import EngineProcess
 from tests.conftest import free_port, wait_for
+from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
 
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
@@ -34,8 +36,21 @@ def ready(url: str) -> bool:
     return httpx.get(f"{url}/readyz").status_code == 200
 
 
-def test_supervised_engine_is_started_restarted_and_stopped() -> None:
-    engine_port = free_port()
+def readyz(url: str) -> tuple[int, Any]:
+    response = httpx.get(f"{url}/readyz")
+    return response.status_code, response.json()
+
+
+def engine_command(port: int, loaded: Path) -> str:
+    """The fake engine on `port`, loading (its /health a 503) until the file `loaded` exists."""
+    return f'["{sys.executable}", "{FAKE_ENGINE}", "{port}", "{loaded}"]'
+
+
+def test_supervised_engine_is_started_restarted_and_stopped(tmp_path: Path) -> None:
+    """A replica whose models are all on a supervised engine (`make run`'s) answers nothing while
+    that engine restarts, so it leaves the pool meanwhile (503 "unavailable")."""
+    engine_port, loaded = free_port(), tmp_path / "loaded"
+    loaded.touch()
     config = parse_config(
         f"""
 backends:
@@ -43,7 +58,7 @@ backends:
     type: engine
     model: smollm2-135m
     port: {engine_port}
-    command: ["{sys.executable}", "{FAKE_ENGINE}", "{engine_port}"]
+    command: {engine_command(engine_port, loaded)}
 models:
   - {{name: small, backend: local, model: smollm2-135m}}
 """,
@@ -58,14 +73,66 @@ models:
         engine = app.state.gateway.engines[0]
         assert engine.process.pid == first_pid
 
+        loaded.unlink()  # the next engine loads until the test says
         os.kill(first_pid, signal.SIGKILL)  # the engine dies...
-        wait_for(lambda: not ready(url))
+        wait_for(lambda: engine.state == "restarting")
+        assert readyz(url) == (503, {"status": "unavailable", "engines": {"local": "restarting"}})
+        loaded.touch()
         wait_for(lambda: ready(url))  # ...and is back
         reply = client.chat.completions.create(model="small", messages=[{"role": "user", "content": "again"}])
         second_pid = int((reply.choices[0].message.content or "").split()[2])
         assert second_pid != first_pid and engine.restarts == 1
     # Shutting the gateway down stops the engine.
     wait_for(lambda: engine.process.returncode is not None, timeout=5)
+
+
+def test_a_replica_with_a_vendor_stays_ready_while_its_engine_restarts(
+    tmp_path: Path, fake_openai: FakeOpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/readyz wanted every supervised engine up at all times: while one restarted after a crash (its
+    model reloading, up to a minute), or for ever when it could not come back, the replica left the
+    load balancer, its vendor models and the routes failing over from the engine included, and the
+    same input crashing every replica's engine took every replica out. Now the first start alone is
+    waited for, and the body says how each engine is."""
+    monkeypatch.setattr(engine_supervisor, "RESTART_BACKOFF", (0.1,))
+    engine_port, loaded = free_port(), tmp_path / "loaded"
+    config = parse_config(
+        f"""
+backends:
+  - name: local
+    type: engine
+    model: smollm2-135m
+    port: {engine_port}
+    command: {engine_command(engine_port, loaded)}
+  - {{name: vendor, type: openai, base_url: "{fake_openai.base_url}", api_key: "{fake_openai.api_key}"}}
+models:
+  - {{name: small, backend: local, model: smollm2-135m}}
+  - {{name: gpt-4o-mini, backend: vendor}}
+""",
+        {},
+    )
+    app = create_app(config)
+    with serve(app, free_port()) as url:
+        engine = app.state.gateway.engines[0]
+        wait_for(lambda: engine.process is not None)  # its first start: not ready yet
+        assert readyz(url) == (503, {"status": "starting", "engines": {"local": "loading"}})
+        loaded.touch()
+        wait_for(lambda: ready(url))
+        assert readyz(url) == (200, {"status": "ready", "engines": {"local": "ready"}})
+
+        loaded.unlink()  # the next engine loads until the test says
+        os.kill(engine.process.pid, signal.SIGKILL)
+        wait_for(lambda: engine.state == "restarting")
+        assert readyz(url) == (200, {"status": "ready", "engines": {"local": "restarting"}})
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.choices[0].message.content == "hi"  # the vendor answers meanwhile
+        wait_for(lambda: engine.restarts == 1 and engine.process.returncode is None)  # the new one loads
+        assert readyz(url) == (200, {"status": "ready", "engines": {"local": "restarting"}})
+        loaded.touch()
+        wait_for(lambda: readyz(url) == (200, {"status": "ready", "engines": {"local": "ready"}}))
 
 
 def test_a_started_engine_logs_json_lines_unless_its_args_say_otherwise() -> None:

@@ -123,6 +123,12 @@ def answers(url: str) -> bool:
         return False
 
 
+def engine_state(url: str) -> tuple[int, str]:
+    """/readyz's status code and what it says of the engine `local`."""
+    response = httpx.get(url, timeout=2)
+    return response.status_code, response.json()["engines"]["local"]
+
+
 def events(gateway: RunningGateway) -> list[Any]:
     return sorted(gateway.sink.events, key=lambda e: e.attempt)
 
@@ -234,8 +240,8 @@ def test_an_engine_whose_loop_died_is_restarted_and_clients_fail_over_meanwhile(
     """An exception inside the engine's step (a CUDA fault, an engine bug) stops its loop but not its
     process: /health says 503 "error" and every request gets 503 `engine_dead`, for ever. The
     supervisor only restarted an engine whose process exited, so the engine stayed dead, and the
-    gateway's /readyz kept saying ready. Now the supervisor watches /health and restarts it; the
-    route's vendor answers the clients meanwhile, none of them sees an error."""
+    gateway's /readyz kept saying the engine was up. Now the supervisor watches /health and restarts
+    it; the route's vendor answers the clients meanwhile, none of them sees an error."""
     monkeypatch.setattr(engine_supervisor, "WATCH_INTERVAL_S", 0.2, raising=False)
     monkeypatch.setattr(engine_supervisor, "RESTART_BACKOFF", (0.2,) * 5)
     script = tmp_path / "stand_in.py"
@@ -256,8 +262,9 @@ def test_an_engine_whose_loop_died_is_restarted_and_clients_fail_over_meanwhile(
         first_pid = int(text.split()[2])
         httpx.post(f"http://127.0.0.1:{port}/__die__")  # the loop dies; the process lives on
         assert ask() == ("gpt-4o-mini", ECHO)  # the vendor answers, invisibly
-        wait_for(lambda: not answers(ready), timeout=5)  # the gateway says its engine is down...
-        wait_for(lambda: answers(ready), timeout=8)  # ...until a new one is up
+        # /readyz says the engine is down, the replica staying in the pool (its vendor answers)...
+        wait_for(lambda: engine_state(ready) == (200, "restarting"), timeout=5)
+        wait_for(lambda: engine_state(ready) == (200, "ready"), timeout=8)  # ...until a new one is up
         supervised = gateway.app.state.gateway.engines[0]  # type: ignore[attr-defined]
         assert supervised.restarts == 1 and supervised.process.pid != first_pid
         wait_for(lambda: ask()[0] == "small", timeout=5)  # the breaker lets the engine back in
@@ -538,7 +545,7 @@ def test_an_engine_command_that_cannot_run_is_logged_and_retried_and_shutdown_st
         reply = gateway.openai().chat.completions.create(model="auto", messages=HI)  # type: ignore[arg-type]
         assert reply.choices[0].message.content == ECHO
         wait_for(lambda: sum(e["event"] == "engine_start_failed" for e in logs) >= 2, timeout=5)
-        assert httpx.get(f"{gateway.url}/readyz").status_code == 503
+        assert engine_state(f"{gateway.url}/readyz") == (503, "loading")  # never up: not ready
         supervised = gateway.app.state.gateway.engines[0]  # type: ignore[attr-defined]
         assert not supervised._task.done()  # still supervising: a fixed binary would be started
     failed = [e for e in logs if e["event"] == "engine_start_failed"]
