@@ -643,22 +643,11 @@ _DATABASE_URL = click.option(
 
 def _with_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T:
     """Run `work(sessions)` against the admin DB; a DB error becomes a clean CLI error."""
-    from sqlalchemy.exc import SQLAlchemyError
+    from gateway.db.cli import reported_db_errors
+    from gateway.db.session import resolve_database_url, run_with_sessions
 
-    from gateway.db.session import normalise_url, resolve_database_url, run_with_sessions
-
-    try:
-        # An explicit --database-url wins over WEIR_DATABASE_URL.
-        url = normalise_url(database_url) if database_url else resolve_database_url()
-        return run_with_sessions(url, work)
-    except SQLAlchemyError as exc:  # a URL that does not parse, too
-        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        hint = (
-            " (an older schema? `weir db upgrade` brings it up to date)" if "no such table" in reason else ""
-        )
-        raise click.ClickException(f"admin DB: {reason}{hint}") from None
-    except (OSError, ImportError) as exc:  # a server that does not answer; a driver Weir does not ship
-        raise click.ClickException(f"admin DB: {exc}") from None
+    with reported_db_errors():
+        return run_with_sessions(resolve_database_url(database_url), work)
 
 
 @heads.command("install")

@@ -31,6 +31,7 @@ from litestar.static_files import create_static_files_router
 
 from gateway.admin.router import AdminContext, AdminError, admin_router
 from gateway.admin.token import token_matches
+from gateway.db.cli import database_url_option, reported_db_errors
 
 if TYPE_CHECKING:
     from gateway.admin.control_plane import ControlPlane
@@ -332,9 +333,7 @@ def admin() -> None:
 
 @admin.command("create-user")
 @click.argument("username")
-@click.option(
-    "--database-url", envvar="WEIR_DATABASE_URL", default=None, help="Defaults to sqlite ./var/weir.db."
-)
+@database_url_option
 @click.option("--password-stdin", is_flag=True, help="Read the password from standard input.")
 @click.option("--update", is_flag=True, help="Change the password of an existing user.")
 def create_user(username: str, database_url: str | None, password_stdin: bool, update: bool) -> None:
@@ -350,10 +349,11 @@ def create_user(username: str, database_url: str | None, password_stdin: bool, u
         raise click.BadParameter("use at least 12 characters", param_hint="password")
     from gateway.db import migrate
     from gateway.db.models import Setting
-    from gateway.db.session import create_engine, normalise_url, resolve_database_url, sessionmaker
+    from gateway.db.session import create_engine, resolve_database_url, sessionmaker
 
-    url = normalise_url(resolve_database_url(database_url))
-    migrate.upgrade(url)
+    with reported_db_errors():
+        url = resolve_database_url(database_url)
+        migrate.upgrade(url)
     digest = _hasher().hash(password)
 
     async def store() -> bool:
@@ -371,6 +371,8 @@ def create_user(username: str, database_url: str | None, password_stdin: bool, u
         finally:
             await engine.dispose()
 
-    if not asyncio.run(store()):
+    with reported_db_errors():
+        stored = asyncio.run(store())
+    if not stored:
         raise click.ClickException(f"user {username!r} exists; pass --update to change its password")
     click.echo(f"admin user {username!r} {'updated' if update else 'created'}")

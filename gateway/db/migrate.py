@@ -10,7 +10,7 @@ from typing import TextIO
 from alembic import command
 from alembic.config import Config
 
-from gateway.db.session import normalise_url, resolve_database_url
+from gateway.db.session import resolve_database_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,9 +19,7 @@ def alembic_config(database_url: str | None = None, stdout: TextIO | None = None
     config = Config(str(ROOT / "alembic.ini"), stdout=stdout) if stdout else Config(str(ROOT / "alembic.ini"))
     config.set_main_option("script_location", str(ROOT / "migrations"))
     # '%' is ConfigParser's interpolation marker; escape it for passwords that contain it.
-    config.set_main_option(
-        "sqlalchemy.url", normalise_url(database_url or resolve_database_url()).replace("%", "%%")
-    )
+    config.set_main_option("sqlalchemy.url", resolve_database_url(database_url).replace("%", "%%"))
     return config
 
 

@@ -16,12 +16,14 @@ DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./var/weir.db"
 T = TypeVar("T")
 
 
-def resolve_database_url(configured: str | None = None) -> str:
-    """`WEIR_DATABASE_URL`, else the config's `database_url`, else a SQLite file under ./var/.
+def resolve_database_url(explicit: str | None = None) -> str:
+    """A command's explicit `--database-url`, else `WEIR_DATABASE_URL`, else a SQLite file under ./var/.
 
-    Plain driver-less URLs are accepted (`postgresql://`, `sqlite:///`).
+    The explicit URL wins: an operator whose shell exports WEIR_DATABASE_URL (production, say) and
+    names another database on the command line means that one. Plain driver-less URLs are accepted
+    (`postgresql://`, `sqlite:///`).
     """
-    return normalise_url(os.environ.get("WEIR_DATABASE_URL") or configured or DEFAULT_DATABASE_URL)
+    return normalise_url(explicit or os.environ.get("WEIR_DATABASE_URL") or DEFAULT_DATABASE_URL)
 
 
 def normalise_url(url: str) -> str:
