@@ -9,6 +9,10 @@ import click
 
 CONFIG_ENV = "WEIR_CONFIG"
 LOG_LEVEL_ENV = "WEIR_LOG_LEVEL"
+NO_CONFIG_HINT = (
+    "name one with --config; docs/configuration.md has an example, and `weir demo` serves a small "
+    "model without one"
+)
 
 
 def app_from_env() -> Any:
@@ -62,7 +66,9 @@ def serve(
     try:
         config = load_config(config_path)  # here first, so a bad config is reported before any worker starts
     except ConfigError as exc:
-        raise click.ClickException(f"{config_path}: {exc}") from None
+        # A first `weir serve` in a fresh checkout finds no weir.yaml: say where to get one.
+        hint = "" if os.path.exists(config_path) else f" ({NO_CONFIG_HINT})"
+        raise click.ClickException(f"{config_path}: {exc}{hint}") from None
     try:
         Vault.from_env()  # a malformed WEIR_MASTER_KEY: say so, rather than a worker's traceback
     except VaultError as exc:

@@ -246,7 +246,8 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+        # No path here: like every ConfigError, the caller says which file (`weir serve` prefixes it).
+        raise ConfigError(f"cannot read the file: {exc.strerror}") from None
     return parse_config(text, env)
 
 

@@ -132,6 +132,20 @@ def test_weir_serve_reports_config_errors_without_a_traceback(tmp_path: Path) ->
     assert "Traceback" not in result.output
 
 
+def test_weir_serve_without_a_config_file_says_where_to_get_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first `weir serve` in a fresh checkout (the default --config, weir.yaml, not there): the file
+    named once, then what to do, not `weir.yaml: cannot read weir.yaml: No such file or directory`."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(serve, [])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: weir.yaml: cannot read the file: No such file or directory")
+    assert result.output.count("weir.yaml") == 1
+    assert "--config" in result.output and "weir demo" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.yaml")
