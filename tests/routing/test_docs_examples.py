@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 import httpx
+import msgspec
 import openai
 import pytest
 import yaml
@@ -28,7 +29,7 @@ from gateway.app import create_app
 from gateway.config import Config, parse_config
 from gateway.usage_sink import ListSink
 from routing.cli import router as router_cli
-from routing.routes import Compare, PolicyName, Route
+from routing.routes import Breaker, Candidate, Compare, Conditions, Hedge, PolicyName, Retry, Route
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import serve
@@ -178,6 +179,21 @@ def test_the_snippets_comments_state_the_code_defaults() -> None:
     defaults = Compare(judge="x")
     for key, value in stated.items():
         assert yaml.safe_load(value) == getattr(defaults, key), key
+
+
+def test_every_route_setting_is_named_in_the_routing_docs() -> None:
+    """Each key a route, a candidate and their nested settings take (routing/routes.py) appears in
+    docs/routing-policies.md or docs/routing.md, as `key`, `parent.key` or `key:` in an example: a
+    setting added to the schema without a word in the docs fails here."""
+    text = doc(POLICIES) + doc(CLASSIFIER)
+    structs = (Route, Candidate, Conditions, Retry, Hedge, Breaker, Compare)
+    missing = [
+        f"{struct.__name__}.{field.name}"
+        for struct in structs
+        for field in msgspec.structs.fields(struct)
+        if not re.search(rf"`(?:\w+\.)?{field.name}`|[\s{{]{field.name}: ", text)
+    ]
+    assert not missing, f"route settings the routing docs never name: {missing}"
 
 
 # --- the first snippet, served: the `x-weir-route` example ---------------------------------------------
