@@ -6,6 +6,7 @@ environment can never change the file's structure, and every error names the key
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect
 import yaml
 
 from gateway.accounting.money import usd_per_mtok_to_micro
@@ -337,11 +339,43 @@ def _show(path: str) -> str:
 
 
 def _describe(exc: msgspec.ValidationError) -> str:
-    # msgspec says "Expected `int`, got `str` - at `$.server.port`"; lead with the key path instead.
+    # msgspec says "Expected `int`, got `str` - at `$.server.port`"; lead with the key path instead
+    # (a top-level problem comes without one).
     message = str(exc)
     # A mapping's key (a price tier's name): "... - at `key` in `$.models[0].price.tiers`".
     match = re.search(r" - at (`key` in )?`(.*)`$", message)
-    if match:
-        key = " (a key)" if match.group(1) else ""
-        return f"{_show(match.group(2))}{key}: {message[: match.start()]}"
-    return message
+    path, problem = (match.group(2), message[: match.start()]) if match else ("$", message)
+    unknown = re.fullmatch(r"Object contains unknown field `(.*)`", problem)
+    if unknown:
+        # A misspelt key (`max_ouput_tokens`): name the one meant, from the keys taken there.
+        close = difflib.get_close_matches(unknown.group(1), _keys_at(path), n=1)
+        problem += f" (did you mean `{close[0]}`?)" if close else ""
+    if not match:
+        return problem
+    key = " (a key)" if match.group(1) else ""
+    return f"{_show(path)}{key}: {problem}"
+
+
+def _keys_at(path: str) -> list[str]:
+    """The keys the config takes at a msgspec error path such as `$.routes[0].candidates[1]`."""
+    node: Any = msgspec.inspect.type_info(Config)
+    for name in re.findall(r"\.(\w+)|\[\d+\]", path):
+        node = _unwrapped(node)
+        if name:
+            fields = (
+                {f.name: f.type for f in node.fields} if isinstance(node, msgspec.inspect.StructType) else {}
+            )
+            node = fields.get(name)
+        else:
+            node = node.item_type if isinstance(node, msgspec.inspect.ListType) else None
+    node = _unwrapped(node)
+    return [f.name for f in node.fields] if isinstance(node, msgspec.inspect.StructType) else []
+
+
+def _unwrapped(node: Any) -> Any:
+    """`X | None` -> X, where X is the one struct or list the union allows."""
+    if isinstance(node, msgspec.inspect.UnionType):
+        kinds = (msgspec.inspect.StructType, msgspec.inspect.ListType)
+        inner = [t for t in node.types if isinstance(t, kinds)]
+        return inner[0] if len(inner) == 1 else None
+    return node

@@ -132,6 +132,34 @@ def test_weir_serve_reports_config_errors_without_a_traceback(tmp_path: Path) ->
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("modles: []", "Object contains unknown field `modles` (did you mean `models`?)"),
+        ("server: {prot: 9000}", "server: Object contains unknown field `prot` (did you mean `port`?)"),
+        (
+            "backends: [{name: b, type: openai, base_url: u, timeouts: {conect: 3}}]",
+            "backends[0].timeouts: Object contains unknown field `conect` (did you mean `connect`?)",
+        ),
+        (
+            "routes: [{name: auto, candidates: [{model: m, max_ouput_tokens: 8}]}]",
+            "routes[0].candidates[0]: Object contains unknown field `max_ouput_tokens` "
+            "(did you mean `max_output_tokens`?)",
+        ),
+        (
+            "routes: [{name: auto, candidates: [], hedge: {max_spend_usd_per_hr: 1}}]",
+            "routes[0].hedge: Object contains unknown field `max_spend_usd_per_hr` "
+            "(did you mean `max_spend_usd_per_hour`?)",
+        ),
+        ("zzzz: 1", "Object contains unknown field `zzzz`"),  # nothing like it: no guess
+    ],
+)
+def test_a_misspelt_key_is_named_with_the_key_meant(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_config(text, {})
+    assert str(refused.value) == message
+
+
 def test_weir_serve_without_a_config_file_says_where_to_get_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
