@@ -362,10 +362,8 @@ def _keys_at(path: str) -> list[str]:
     for name in re.findall(r"\.(\w+)|\[\d+\]", path):
         node = _unwrapped(node)
         if name:
-            fields = (
-                {f.name: f.type for f in node.fields} if isinstance(node, msgspec.inspect.StructType) else {}
-            )
-            node = fields.get(name)
+            fields = node.fields if isinstance(node, msgspec.inspect.StructType) else ()
+            node = next((f.type for f in fields if f.name == name), None)
         else:
             node = node.item_type if isinstance(node, msgspec.inspect.ListType) else None
     node = _unwrapped(node)
