@@ -339,7 +339,7 @@ def test_the_admin_api_curl_examples(db_gateway: str) -> None:
     created = admin.post("/admin/api/v1/routes", content=json.dumps(posts[0][2]))
     assert created.status_code == 201, created.text
     listing = admin.get("/admin/api/v1/routes").json()
-    assert set(listing) == {"version", "data", "left_out", "routes_rejected"}
+    assert set(listing) == {"version", "data", "left_out", "routes_rejected", "model_max_output_tokens"}
     assert listing["left_out"] == [] and listing["routes_rejected"] is None
     assert created.json()["id"] in [r["id"] for r in listing["data"]]
     assert "auto" in admin.get("/admin/api/v1/routes/status").json()["routes"]

@@ -666,7 +666,7 @@ def test_the_routes_list_names_the_stored_routes_this_replica_leaves_out(
     listed = _listed(weir)
     stored = {r["name"]: r["id"] for r in listed["data"]}["left-out"]
     try:
-        assert set(listed) == {"version", "data", "left_out", "routes_rejected"}
+        assert set(listed) == {"version", "data", "left_out", "routes_rejected", "model_max_output_tokens"}
         assert listed["left_out"] == [{"id": stored, "name": "left-out", "error": "not served here"}]
         assert listed["routes_rejected"] is None
         assert weir.admin.get("/routes/status").json()["left_out"] == listed["left_out"]
