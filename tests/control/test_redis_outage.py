@@ -16,8 +16,8 @@ from gateway.accounting.writer import BatchWriter
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow
 from gateway.db.session import create_engine
+from tests.control.events import random_events
 from tests.control.helpers import TcpProxy
-from tests.control.test_usage_pipeline import events
 
 pytestmark = pytest.mark.redis
 
@@ -42,7 +42,12 @@ async def test_events_spool_while_redis_is_away_and_land_once(
     await proxy.start()
     spool_dir = tmp_path / "spool"
     queue = stream_queue(proxy.port, redis_prefix, spool_dir)
-    batches = [events(40, seed=11), events(120, seed=12), events(30, seed=13), events(10, seed=14)]
+    batches = [
+        random_events(40, seed=11),
+        random_events(120, seed=12),
+        random_events(30, seed=13),
+        random_events(10, seed=14),
+    ]
     try:
         for event in batches[0]:
             queue.put(event)

@@ -17,9 +17,8 @@ from gateway.accounting.events import UsageEvent, decode
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue
 from gateway.state import Adjustment, Settlement
 from gateway.state.redis import RedisState, client_from_url
-from gateway.usage import Usage
 from tests.control.conftest import REDIS_URL
-from tests.control.events import usage_event
+from tests.control.events import numbered_event
 
 
 class FakeRedis:
@@ -45,10 +44,6 @@ class FakeRedis:
         return [decode(line) for entry in self.entries for line in entry.split(b"\n")]
 
 
-def event(n: int) -> UsageEvent:
-    return usage_event(f"r{n}", usage=Usage(input_tokens=n, output_tokens=1))
-
-
 def counting_flushes(queue: RedisStreamQueue) -> list[int]:
     calls = [0]
     flush = queue.flush
@@ -67,7 +62,7 @@ async def test_one_window_one_xadd_then_the_pump_sleeps(tmp_path: Path) -> None:
     flushes = counting_flushes(queue)
     put_at = time.monotonic()
     for n in range(5):
-        queue.put(event(n))
+        queue.put(numbered_event(n))
     await asyncio.sleep(0.1)
     assert [e.request_id for e in redis.events()] == [f"r{n}" for n in range(5)]
     assert len(redis.entries) == 1
@@ -77,7 +72,7 @@ async def test_one_window_one_xadd_then_the_pump_sleeps(tmp_path: Path) -> None:
     # Idle: no more wake-ups (the pump used to flush every interval, with or without events).
     await asyncio.sleep(0.2)
     assert flushes[0] == after_first
-    queue.put(event(9))
+    queue.put(numbered_event(9))
     await asyncio.sleep(0.1)
     assert len(redis.entries) == 2 and flushes[0] == after_first + 1
     await queue.close()
@@ -87,7 +82,7 @@ async def test_a_full_buffer_goes_without_waiting_for_the_window(tmp_path: Path)
     redis = FakeRedis()
     queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
     for n in range(RedisStreamQueue.FULL_BUFFER):
-        queue.put(event(n))
+        queue.put(numbered_event(n))
     for _ in range(5):
         await asyncio.sleep(0)
     assert len(redis.events()) == RedisStreamQueue.FULL_BUFFER
@@ -99,8 +94,8 @@ async def test_spooled_events_are_forwarded_without_new_events(tmp_path: Path, f
     redis = FakeRedis(failures=failures)
     spool = SpoolQueue(tmp_path)
     queue = RedisStreamQueue(redis, flush_interval_s=0.01, spool=spool, retry_s=0.02)  # type: ignore[arg-type]
-    queue.put(event(1))
-    queue.put(event(2))
+    queue.put(numbered_event(1))
+    queue.put(numbered_event(2))
     # Nothing else is put: the pump alone must retry until Redis takes the spooled events.
     deadline = time.monotonic() + 5
     while len(redis.events()) < 2 and time.monotonic() < deadline:
@@ -113,7 +108,7 @@ async def test_spooled_events_are_forwarded_without_new_events(tmp_path: Path, f
 async def test_close_sends_what_is_buffered(tmp_path: Path) -> None:
     redis = FakeRedis()
     queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
-    queue.put(event(1))
+    queue.put(numbered_event(1))
     await asyncio.sleep(0)
     await queue.close()
     assert [e.request_id for e in redis.events()] == ["r1"]
@@ -123,7 +118,7 @@ async def test_a_spool_a_previous_process_left_is_forwarded_at_start(tmp_path: P
     """A replica stopped while Redis was away left its events in the spool. The pump started with
     the first new event, so a replica that got no traffic after its restart never forwarded them."""
     left = SpoolQueue(tmp_path)
-    left.put(event(1))
+    left.put(numbered_event(1))
     await left.close()
     redis = FakeRedis()
     queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
@@ -154,7 +149,7 @@ async def test_close_keeps_what_rides_in_a_pipeline_that_never_answers(tmp_path:
     redis = FakeRedis()
     queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path), timeout_s=0.3)  # type: ignore[arg-type]
     queue.outage = Outage(away)
-    queue.put(event(1))
+    queue.put(numbered_event(1))
     taken = queue.take_entry()
     assert taken is not None
     started = time.monotonic()
@@ -183,7 +178,7 @@ async def test_events_wait_until_the_shared_state_has_handed_redis_its_settlemen
     queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
     outage = Outage(True)
     queue.outage = outage
-    queue.put(event(1))
+    queue.put(numbered_event(1))
     with pytest.raises(RedisConnectionError):
         await queue.flush()
     assert redis.events() == [] and queue.spooling
@@ -204,7 +199,7 @@ async def test_buffered_events_ride_in_the_settlement_pipeline(tmp_path: Path, r
     state.rider = queue
     flushes = counting_flushes(queue)
     for n in range(3):
-        queue.put(event(n))
+        queue.put(numbered_event(n))
     # The flush window is 30 s: only the settlement's round trip can have carried them.
     await state.settle_many([Settlement([Adjustment("tpm:key:k", 5)])])
     raw = await queue._redis.xrange(f"{redis_prefix}usage")
@@ -226,7 +221,7 @@ async def test_a_failed_pipeline_gives_its_events_back_once(tmp_path: Path, redi
     queue = RedisStreamQueue(redis, flush_interval_s=0.02, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
     state.rider = queue
     for n in range(4):
-        queue.put(event(n))
+        queue.put(numbered_event(n))
     with pytest.raises(RedisConnectionError):
         await state.settle_many([Settlement([Adjustment("tpm:key:k", 5)])])
     await asyncio.sleep(0.15)
@@ -238,7 +233,7 @@ async def test_a_failed_pipeline_gives_its_events_back_once(tmp_path: Path, redi
 async def test_no_ride_while_the_pump_flushes_or_spools(tmp_path: Path) -> None:
     redis = FakeRedis()
     queue = RedisStreamQueue(redis, flush_interval_s=30.0, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
-    queue.put(event(1))
+    queue.put(numbered_event(1))
     async with queue._flush_lock:
         assert queue.take_entry() is None  # the pump removes its batch from the buffer's front
     queue.spooling = True
@@ -257,7 +252,7 @@ async def test_the_pump_stays_asleep_when_riders_took_the_window(tmp_path: Path)
     queue = RedisStreamQueue(redis, flush_interval_s=0.02, spool=SpoolQueue(tmp_path))  # type: ignore[arg-type]
     flushes = counting_flushes(queue)
     for round_no in range(3):
-        queue.put(event(round_no))
+        queue.put(numbered_event(round_no))
         taken = queue.take_entry()  # what a settlement pipeline does within the window
         assert taken is not None
         queue.entry_sent(taken[1])
@@ -294,7 +289,7 @@ async def test_a_window_waits_once_for_settlements_under_way(tmp_path: Path) -> 
         return settling[0]
 
     queue.rider_busy = busy
-    queue.put(event(1))
+    queue.put(numbered_event(1))
     await asyncio.sleep(0.03)  # the first window ended while settlements were under way
     assert redis.entries == []
     taken = queue.take_entry()  # the settlement pipeline takes them
@@ -303,7 +298,7 @@ async def test_a_window_waits_once_for_settlements_under_way(tmp_path: Path) -> 
     await asyncio.sleep(0.03)
     assert redis.entries == []  # nothing left for the pump
 
-    queue.put(event(2))  # settlements still under way, but nobody takes these
+    queue.put(numbered_event(2))  # settlements still under way, but nobody takes these
     for _ in range(100):
         if redis.entries:
             break
@@ -311,7 +306,7 @@ async def test_a_window_waits_once_for_settlements_under_way(tmp_path: Path) -> 
     assert [e.request_id for e in redis.events()] == ["r2"]  # sent after the second window
     assert waits[0] == 2  # one wait per window, never two in a row
     settling[0] = False
-    queue.put(event(3))
+    queue.put(numbered_event(3))
     for _ in range(100):
         if len(redis.entries) == 2:
             break

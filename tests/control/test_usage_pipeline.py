@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,40 +18,16 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.accounting.events import encode
-from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
 from gateway.accounting.writer import BatchWriter, _rollup_rows, event_row
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine
 from tests.control.conftest import REDIS_URL
-from tests.control.helpers import TcpProxy, priced_event, random_usage
+from tests.control.events import random_events
+from tests.control.helpers import TcpProxy
 
-T0 = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
 CANCELLED = 499  # a hedge that lost, an attempt whose client left
-CATALOG = PriceCatalog(
-    [
-        PriceRow("*", "m1", TokenClass.INPUT, 2_500_000, T0),
-        PriceRow("*", "m1", TokenClass.CACHED_INPUT, 1_250_000, T0),
-        PriceRow("*", "m1", TokenClass.OUTPUT, 10_000_000, T0),
-    ]
-)
-
-
-def events(n: int, seed: int = 1) -> list:
-    rng = random.Random(seed)
-    return [
-        priced_event(
-            CATALOG,
-            tenant_id=rng.choice(["t1", "t2"]),
-            backend="openai",
-            model="m1",
-            usage=random_usage(rng),
-            ts=T0 + dt.timedelta(hours=rng.randint(0, 72)),
-            status=rng.choice([200, 200, 200, 502]),
-        )
-        for _ in range(n)
-    ]
 
 
 @pytest.fixture(params=["spool", pytest.param("redis", marks=pytest.mark.redis)])
@@ -90,7 +65,7 @@ async def put_all(queue: UsageQueue, batch: list) -> None:
 
 
 async def test_events_land_in_batches_with_rollups(queue: UsageQueue, engine: AsyncEngine) -> None:
-    batch = events(1200)
+    batch = random_events(1200)
     await put_all(queue, batch)
     writer = BatchWriter(queue, engine, batch_size=500)
     await writer.drain()
@@ -115,13 +90,13 @@ async def test_db_outage_loses_nothing_and_writes_once(queue: UsageQueue, pg_url
     await proxy.start()
     engine = create_engine(make_url(pg_url).set(port=proxy.port).render_as_string(hide_password=False))
     writer = BatchWriter(queue, engine, batch_size=100)
-    first = events(150, seed=2)
+    first = random_events(150, seed=2)
     await put_all(queue, first)
     await writer.drain()
     assert (await ledger(engine))[0] == 150
 
     await proxy.stop()  # the database goes away
-    second = events(250, seed=3)
+    second = random_events(250, seed=3)
     await put_all(queue, second)  # the request path keeps queueing: no DB involved
     with pytest.raises(Exception):  # noqa: B017 - whatever the driver raises for a dead server
         await writer.step(block_s=0)
@@ -141,7 +116,7 @@ async def test_db_outage_loses_nothing_and_writes_once(queue: UsageQueue, pg_url
 async def test_redelivery_after_a_crash_is_written_once(tmp_path: Path, engine: AsyncEngine) -> None:
     spool = tmp_path / "spool"
     queue = SpoolQueue(spool)
-    batch = events(300, seed=4)
+    batch = random_events(300, seed=4)
     await put_all(queue, batch)
     writer = BatchWriter(queue, engine, batch_size=1000)
     items = await queue.read(1000, 0)
@@ -161,7 +136,7 @@ async def test_redelivery_after_a_crash_is_written_once(tmp_path: Path, engine: 
 @pytest.mark.redis
 async def test_stream_entries_of_a_dead_writer_are_taken_over(redis_prefix: str, engine: AsyncEngine) -> None:
     producer = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
-    await put_all(producer, events(50, seed=5))
+    await put_all(producer, random_events(50, seed=5))
     dead = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
     assert len(await dead.read(100, 0)) == 50  # read, never acknowledged: this replica crashed
     survivor = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix, claim_idle_s=0.05)
@@ -182,7 +157,7 @@ async def test_a_writer_that_stops_leaves_the_group_unless_entries_wait_for_it(r
     stream = f"{redis_prefix}usage"
     for life in range(3):  # three replica lifetimes, one after the other
         queue = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
-        await put_all(queue, events(5, seed=life))
+        await put_all(queue, random_events(5, seed=life))
         read = await queue.read_lines(100, block_s=0)
         assert len(read) == 5
         await queue.ack([token for token, _ in read])  # all written: nothing pending
@@ -191,7 +166,7 @@ async def test_a_writer_that_stops_leaves_the_group_unless_entries_wait_for_it(r
         assert await shared.xinfo_consumers(stream, RedisStreamQueue.GROUP) == []
 
         stopped = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
-        await put_all(stopped, events(5, seed=3))
+        await put_all(stopped, random_events(5, seed=3))
         assert len(await stopped.read_lines(100, block_s=0)) == 5  # stopped before writing them
         await stopped.close()
         consumers = await shared.xinfo_consumers(stream, RedisStreamQueue.GROUP)
@@ -214,7 +189,7 @@ async def test_live_writers_remove_the_consumers_of_crashed_replicas(redis_prefi
     ]
     async with aioredis.from_url(REDIS_URL) as shared:
         await shared.xgroup_create(stream, group, id="0", mkstream=True)
-        for event in events(3, seed=9):
+        for event in random_events(3, seed=9):
             await shared.xadd(stream, {"e": encode(event)})
 
         async def read_one(consumer: str) -> Any:
@@ -255,7 +230,7 @@ async def test_entries_a_lost_read_had_delivered_are_read_again_at_once(
     unacknowledged, and waited claim_idle_s (30 s) to be claimed. The next read takes them again at
     once, page by page, then the new ones; the ledger holds each event once."""
     queue = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
-    batch = events(30, seed=8)
+    batch = random_events(30, seed=8)
     for event in batch:  # an entry each: the lost reads below take ten entries each
         await put_all(queue, [event])
     deliver = queue._redis.xreadgroup
@@ -282,7 +257,7 @@ async def test_spool_is_one_process_and_skips_torn_lines(tmp_path: Path) -> None
     queue = SpoolQueue(tmp_path / "spool")
     with pytest.raises(RuntimeError, match="in use"):
         SpoolQueue(tmp_path / "spool")
-    await put_all(queue, events(3, seed=6))
+    await put_all(queue, random_events(3, seed=6))
     await asyncio.sleep(0)  # one event-loop turn: the spool hands its lines to the OS
     segment = next((tmp_path / "spool").glob("*.jsonl"))
     with open(segment, "ab") as f:
@@ -294,7 +269,7 @@ async def test_spool_is_one_process_and_skips_torn_lines(tmp_path: Path) -> None
 async def test_every_column_lands_as_sent(engine: AsyncEngine, tmp_path: Path) -> None:
     """PostgreSQL takes batches as arrays unnested by the server, SQLite as multi-row VALUES: both
     must store each event exactly as `event_row` describes it (JSON prices, UTC times, NULLs)."""
-    batch = events(30, seed=21)
+    batch = random_events(30, seed=21)
     batch[0] = msgspec.structs.replace(
         batch[0], ttft_ms=None, key_id=None, routing="policy=fixed", estimated=True, exchange_id="e" * 32
     )
@@ -321,7 +296,7 @@ async def test_every_column_lands_as_sent(engine: AsyncEngine, tmp_path: Path) -
 async def test_rollups_hold_every_sum_of_the_events_they_count(engine: AsyncEngine) -> None:
     """PostgreSQL sums the rollups itself (from the encoded events), SQLite in the writer: both must
     match a sum of the events' rows, errors and anonymous keys included, and skip redelivered ones."""
-    batch = events(120, seed=31)
+    batch = random_events(120, seed=31)
     batch[:10] = [msgspec.structs.replace(e, key_id=None, tenant_id=None) for e in batch[:10]]
     batch[5:25] = [msgspec.structs.replace(e, status=CANCELLED) for e in batch[5:25]]
     writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
@@ -356,7 +331,7 @@ async def test_rollups_count_cancelled_attempts_apart_on_postgres_array_path(pg_
         statuses = [200, 502, CANCELLED, CANCELLED, 0, 200]
         batch = [
             msgspec.structs.replace(e, latency_ms=float("nan"), status=status)
-            for e, status in zip(events(6, seed=43), statuses, strict=True)
+            for e, status in zip(random_events(6, seed=43), statuses, strict=True)
         ]
         writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
         assert await writer.write(batch) == 6
@@ -386,7 +361,7 @@ async def test_an_event_twice_in_one_batch_is_counted_once_on_postgres_array_pat
 
 
 async def _write_twice_in_one_batch(engine: AsyncEngine, latency_ms: float) -> None:
-    batch = [msgspec.structs.replace(e, latency_ms=latency_ms) for e in events(6, seed=41)]
+    batch = [msgspec.structs.replace(e, latency_ms=latency_ms) for e in random_events(6, seed=41)]
     writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
     assert await writer.write(batch + batch[:2]) == 6
     assert writer.stats.duplicates == 2
@@ -407,7 +382,7 @@ async def test_stream_lines_go_to_postgres_as_sent_and_unreadable_ones_are_skipp
     await migrate.upgrade_async(pg_url)
     engine = create_engine(pg_url)
     queue = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
-    batch = events(20, seed=32)
+    batch = random_events(20, seed=32)
     old = msgspec.json.decode(encode(batch[0]))
     for name in (
         "savings_pico_usd",

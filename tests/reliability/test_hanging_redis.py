@@ -33,8 +33,8 @@ from gateway.db.session import create_engine, sessionmaker
 from gateway.state.redis import RedisState, client_from_url
 from tests.conftest import free_port
 from tests.control.conftest import ADMIN, REDIS_PORT, REDIS_URL, Weir
+from tests.control.events import numbered_event
 from tests.control.helpers import TcpProxy
-from tests.control.test_stream_pump import event
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
 from tests.reliability.proxy import ThreadedProxy
@@ -274,7 +274,7 @@ async def test_a_usage_queue_without_the_shared_state_stops_at_once_once_it_met_
         hanging_redis.hang()
         with pytest.raises(TimeoutError):
             await queue.read_lines(10, 0)  # the writer's read meets the hang
-        queue.put(event(1))
+        queue.put(numbered_event(1))
         stopping = time.monotonic()
         await writer.stop()
         await queue.close()
