@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.control.conftest import CONFIG, Weir, pg_url, redis_prefix, sqlite_url, sqlite_weir  # noqa: F401  (fixtures shared with tests/control)
+from tests.control.conftest import (
+    CONFIG,
+    Weir,
+    pg_url,  # noqa: F401  (a fixture shared with tests/control)
+    redis_prefix,  # noqa: F401  (a fixture shared with tests/control)
+    sqlite_url,  # noqa: F401  (a fixture shared with tests/control)
+    sqlite_weir,
+)
 from tests.fakes import FakeOpenAI
 
 

@@ -22,8 +22,8 @@ import pytest
 
 from tests.control.conftest import Weir, sqlite_weir
 from tests.fakes import FakeOpenAI
+from tests.reliability.billing import ledger
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
-from tests.reliability.test_disconnect_billing import ledger
 
 READ_TIMEOUT = 1.0
 CONFIG = """\

@@ -7,35 +7,14 @@ produced (docs/reliability.md, "Answers cut short"), marked `estimated` in the l
 from __future__ import annotations
 
 import json
-import time
-from decimal import Decimal
 
 import httpx
 import openai
 import pytest
 
-from tests.control.conftest import PRICE, Weir, sync_exec
+from tests.control.conftest import Weir
 from tests.fakes import FakeOpenAI, Fault
-
-WORDS = " ".join(f"w{i}" for i in range(40))  # the fake echoes one word per chunk, one token per word
-
-
-def ledger(weir: Weir, tenant_id: str, timeout: float = 15) -> list[tuple]:
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = sync_exec(
-            weir.db_url,
-            "SELECT input_tokens, output_tokens, cost_pico_usd, status, estimated "
-            f"FROM usage_events WHERE tenant_id = '{tenant_id}'",
-        )
-        if rows or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.1)
-
-
-def pico(input_tokens: int, output_tokens: int) -> int:
-    usd = (Decimal(input_tokens) * PRICE["input"] + Decimal(output_tokens) * PRICE["output"]) / 10**6
-    return int(usd * 10**12)
+from tests.reliability.billing import WORDS, ledger, pico
 
 
 def test_client_leaving_mid_stream_is_billed_for_what_was_produced(

@@ -24,9 +24,13 @@ from openai.types.chat import ChatCompletionMessageParam
 from gateway.estimate import BYTES_PER_TOKEN, DEFAULT_OUTPUT_ESTIMATE, INLINE_PART_TOKENS
 from gateway.providers import PROVIDERS
 from gateway.transport import MAX_RESPONSE_BODY
-from tests.control.conftest import CONFIG, Weir, weir  # noqa: F401  (weir: the fixture, both stores)
+from tests.control.conftest import (
+    CONFIG,
+    Weir,
+    weir,  # noqa: F401  (the fixture, both stores)
+)
 from tests.fakes import FakeOpenAI, Fault
-from tests.reliability.test_disconnect_billing import WORDS, ledger, pico
+from tests.reliability.billing import WORDS, ledger, pico
 
 READ_TIMEOUT = 1.0
 
