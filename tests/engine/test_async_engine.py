@@ -12,18 +12,13 @@ from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.config import KNOWN_MODELS
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from tests.engine.engine_server import all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 
 
 def new_engine() -> LLMEngine:
     return LLMEngine.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=64, max_num_batched_tokens=128)
-
-
-def all_blocks_free(engine: LLMEngine) -> bool:
-    s = engine.stats()
-    idle = s.num_running == 0 and s.num_waiting == 0 and not engine.has_unfinished_requests()
-    return idle and s.kv_blocks_free == s.kv_blocks_total
 
 
 async def eventually(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]

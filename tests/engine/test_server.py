@@ -19,13 +19,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.async_engine import AsyncLLMEngine
 from engine.config import KNOWN_MODELS
 from engine.llm_engine import LLMEngine
-from engine.server import EngineServer, start_server
+from engine.server import EngineServer
 from engine.tokenizer import Tokenizer
 from routing.load import parse_orca
-from tests.conftest import free_port
+from tests.engine.engine_server import NUM_BLOCKS, all_blocks_free, start
 
 MODEL = "tiny"
-NUM_BLOCKS = 64  # 64 blocks of 16 tokens: a 1024-token context
 
 
 @dataclass
@@ -38,19 +37,6 @@ class Served:
     @property
     def root(self) -> str:
         return self.base_url.removesuffix("/v1")
-
-
-async def start(engine: LLMEngine | None, **server_kwargs: object) -> tuple[EngineServer, object, str]:
-    server = EngineServer(AsyncLLMEngine(engine) if engine else None, **server_kwargs)  # type: ignore[arg-type]
-    port = free_port()
-    runner = await start_server(server, "127.0.0.1", port)
-    return server, runner, f"http://127.0.0.1:{port}/v1"
-
-
-def all_blocks_free(engine: LLMEngine) -> bool:
-    s = engine.stats()
-    idle = s.num_running == 0 and s.num_waiting == 0 and not engine.has_unfinished_requests()
-    return idle and s.kv_blocks_free == s.kv_blocks_total
 
 
 async def wait_until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]

@@ -7,7 +7,7 @@ import httpx
 from engine.config import KNOWN_MODELS
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
-from tests.engine.test_server import NUM_BLOCKS, all_blocks_free, start
+from tests.engine.engine_server import NUM_BLOCKS, all_blocks_free, start
 
 
 def _values(text: str) -> dict[str, float]:

@@ -12,7 +12,7 @@ import pytest
 from engine.config import tiny_config
 from engine.llm_engine import LLMEngine, SamplingParams
 from engine.speculative import sequence_logits
-from tests.engine.test_speculative import chi_square_pvalue, two_sample_chi_square_pvalue
+from tests.engine.chi_square import chi_square_pvalue, two_sample_chi_square_pvalue
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
