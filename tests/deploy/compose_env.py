@@ -1,11 +1,15 @@
 """Docker Compose's variable interpolation, as the compose specification defines it, so the tests
-can see the file exactly as `docker compose` will with a given environment."""
+can see the file exactly as `docker compose` will with a given environment (such as deploy/.env.example
+filled in: `example_env`)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from tests.deploy.conftest import DEPLOY
+from tests.deploy.kustomize import parse_env_file
 
 _VAR = re.compile(
     r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
@@ -60,3 +64,9 @@ def variables(value: Any) -> dict[str, str | None]:
         for v in value.values():
             found.update({k: o for k, o in variables(v).items() if k not in found})
     return found
+
+
+def example_env() -> dict[str, str]:
+    """deploy/.env.example with every empty value filled in, as a user would."""
+    env = parse_env_file((DEPLOY / ".env.example").read_text())
+    return {k: v or f"test-{k.lower()}" for k, v in env.items()}

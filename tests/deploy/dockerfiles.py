@@ -1,9 +1,11 @@
-"""Parsed Dockerfiles (dockerfile-parse) split into stages, and the .dockerignore matcher Docker uses."""
+"""Parsed Dockerfiles (dockerfile-parse) split into stages, the .dockerignore matcher Docker uses, and an
+image's HEALTHCHECK as a command line to run here."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,3 +110,11 @@ def _pattern_regex(pattern: str) -> re.Pattern[str]:
             out += re.escape(pattern[i])
             i += 1
     return re.compile(out)
+
+
+def healthcheck_argv(dockerfile: Path, port: int) -> list[str]:
+    """The image's HEALTHCHECK command, aimed at `port` instead of the container's fixed one."""
+    (healthcheck,) = parse(dockerfile).stages[-1].values("HEALTHCHECK")
+    argv = exec_form(healthcheck.partition("CMD")[2].strip())
+    argv = [a.replace("127.0.0.1:8080", f"127.0.0.1:{port}") for a in argv]
+    return [sys.executable if a == "python" else a for a in argv]

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import redis
 
-from tests.deploy.compose_env import MissingVariable, interpolate, variables
+from tests.deploy.compose_env import MissingVariable, example_env, interpolate, variables
 from tests.deploy.conftest import DEPLOY, SECRET_NAME, load_yaml
 from tests.deploy.dockerfiles import exec_form, parse
 from tests.deploy.kustomize import parse_env_file
@@ -24,12 +24,6 @@ from tests.deploy.weir_cli import assert_cli_accepts
 
 COMPOSE_DIR = DEPLOY  # the project directory: relative paths and .env resolve from here
 LONG_RUNNING = {"postgres", "redis", "engine", "gateway", "lb", "prometheus", "grafana"}
-
-
-def example_env() -> dict[str, str]:
-    """deploy/.env.example with every empty value filled in, as a user would."""
-    env = parse_env_file((DEPLOY / ".env.example").read_text())
-    return {k: v or f"test-{k.lower()}" for k, v in env.items()}
 
 
 def test_compose_file_is_valid_against_the_compose_specification(compose: dict[str, Any]) -> None:

@@ -20,11 +20,10 @@ import httpx
 import openai
 import pytest
 
-from tests.deploy.compose_env import interpolate
+from tests.deploy.compose_env import example_env, interpolate
 from tests.deploy.conftest import DEPLOY
+from tests.deploy.dockerfiles import healthcheck_argv
 from tests.deploy.processes import WEIR, redis_server, weir_serve
-from tests.deploy.test_compose import example_env
-from tests.deploy.test_shipped_config_serves import healthcheck_argv
 from tests.fakes import FakeOpenAI
 
 # Two gateways, a migration and a Redis start here: about 20-30 s on 2 shared cores.

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -18,20 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port
 from tests.deploy.conftest import DEPLOY
-from tests.deploy.dockerfiles import exec_form, parse
+from tests.deploy.dockerfiles import healthcheck_argv
 from tests.deploy.metrics import exported_series
 from tests.deploy.processes import weir_serve
 from tests.fakes import FakeOpenAI
 
 DEMO_KEY = "sk-weir-deploy-test"
-
-
-def healthcheck_argv(dockerfile: Path, port: int) -> list[str]:
-    """The image's HEALTHCHECK command, aimed at `port` instead of the container's fixed one."""
-    (healthcheck,) = parse(dockerfile).stages[-1].values("HEALTHCHECK")
-    argv = exec_form(healthcheck.partition("CMD")[2].strip())
-    argv = [a.replace("127.0.0.1:8080", f"127.0.0.1:{port}") for a in argv]
-    return [sys.executable if a == "python" else a for a in argv]
 
 
 @pytest.fixture(scope="module")
