@@ -9,16 +9,14 @@ import asyncio
 import io
 import json
 import logging
-import time
 from typing import Any
 
 import openai
 import pytest
 import redis.asyncio as aioredis
 import structlog
-from structlog.testing import capture_logs
 
-from gateway.logging import add_request_fields, stdlib_handler
+from gateway.logging import stdlib_handler
 from gateway.metrics import Metrics
 from gateway.middleware import request_middleware
 from gateway.state.degradable import DegradableState
@@ -28,22 +26,9 @@ from tests.conftest import free_port
 from tests.control.conftest import REDIS_URL
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway
+from tests.gateway.request_logs import logged, tagged_logs
 
 SAY = [{"role": "user", "content": "one two three four five six"}]
-
-
-def tagged_logs() -> Any:
-    """The log lines as the production config builds them (gateway.logging), before rendering."""
-    return capture_logs(processors=[add_request_fields])
-
-
-def logged(logs: list[dict[str, Any]], event: str) -> dict[str, Any]:
-    """The line `event`, once the request's own line is written (a stream's lines come as it unwinds)."""
-    deadline = time.monotonic() + 5
-    while not any(e["event"] == "request" for e in logs) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    [line] = [e for e in logs if e["event"] == event]
-    return line
 
 
 def test_an_upstream_break_is_logged_with_the_request_id_the_client_got(

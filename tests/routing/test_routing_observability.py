@@ -29,7 +29,7 @@ from tests.deploy.metrics import dashboard, queries, rules
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import RunningGateway
-from tests.gateway.test_request_log_context import logged, tagged_logs
+from tests.gateway.request_logs import logged, tagged_logs
 from tests.routing.routed import (
     ROUTES,
     fresh,
