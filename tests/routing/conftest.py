@@ -13,7 +13,7 @@ import pytest
 from routing.difficulty import DifficultyClassifier
 from tests.control.conftest import redis_prefix  # noqa: F401  (a fixture shared with tests/control)
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway, gateway_on_fakes
+from tests.gateway.conftest import RunningGateway, fakes_env, gateway_on_fakes
 from tests.reliability.raw_backend import RawBackend
 from tests.routing.routed import ROUTES, RawScript, fresh, raw_config_text, routed_config_text
 
@@ -29,6 +29,12 @@ def fixture_dir() -> Path:
 def classifier() -> DifficultyClassifier:
     # The encoder head, named: "auto" would pick by this machine's speed, and the tests pin v4.
     return DifficultyClassifier.default("encoder")
+
+
+@pytest.fixture(scope="module")
+def vendor_env(fake_vendors: FakeVendors) -> dict[str, str]:
+    """The fake vendors' URLs and keys, as the variables a config of the gateway tests reads."""
+    return fakes_env(*fake_vendors)
 
 
 @pytest.fixture(scope="module")

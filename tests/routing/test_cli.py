@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from routing.difficulty import DifficultyClassifier
-
-WEIR = [str(Path(sys.executable).with_name("weir"))]
-
-
-def run(args: list[str], stdin: str = "", timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*WEIR, *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+from tests.routing.weir_command import run
 
 
 def test_score_round_trip(classifier: DifficultyClassifier) -> None:

@@ -40,7 +40,12 @@ from routing.ranking import auc_normal_interval
 from routing.router import RouteError, validate
 from routing.routes import Candidate, Compare, Route
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import REDIS_URL, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
+from tests.control.conftest import (
+    REDIS_URL,
+    pg_url,  # noqa: F401  (a fixture)
+    sqlite_url,  # noqa: F401  (a fixture)
+    sync_exec,
+)
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 from tests.routing.comparing import comparing_app, prompt_keeper

@@ -44,22 +44,27 @@ from routing.plan import Choice, Plan
 from routing.routes import Candidate, Compare, Route
 from routing.train import HoldoutResult, Outcomes, TrainConfig, fit_head, holdout_check
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import db_url, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
+from tests.control.conftest import (
+    db_url,  # noqa: F401  (a fixture)
+    pg_url,  # noqa: F401  (a fixture)
+    sqlite_url,  # noqa: F401  (a fixture)
+    sync_exec,
+)
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 from tests.routing.comparing import comparing_app, prompt_keeper
 from tests.routing.forced_heads import forced
 from tests.routing.routed import counted_micro_usd
-from tests.routing.test_train_feedback import (
+from tests.routing.training_db import (
     DIFFICULTY,
     NOW,
     STRONG,
     WEAK,
-    _audit,
-    _event,
-    _route_head,
-    _set_routes,
-    _tenant_route,
+    audit_rows,
+    ledger_row,
+    reached_route,
+    route_head,
+    set_routes,
 )
 
 # --- the judge's verdict ----------------------------------------------------------------------
@@ -408,13 +413,13 @@ def test_a_request_id_sent_with_different_requests_trains_nothing(tmp_path: Path
         _compared("t-acme", "one", 1.0, 1.0),
         # Feedback on an id both models answered: whose answer did the score judge?
         _stored("t-acme", "fb-both", "scored question"),
-        _event("fb-both", 1, "t-acme", WEAK, 200),
-        _event("fb-both", 2, "t-acme", STRONG, 200),
+        ledger_row("fb-both", 1, "t-acme", WEAK, 200),
+        ledger_row("fb-both", 2, "t-acme", STRONG, 200),
         Feedback(tenant_id="t-acme", request_id="fb-both", score=1.0),
         # Answered twice by the same model: that model's label.
         _stored("t-acme", "fb-weak", "retried question"),
-        _event("fb-weak", 1, "t-acme", WEAK, 200),
-        _event("fb-weak", 2, "t-acme", WEAK, 200),
+        ledger_row("fb-weak", 1, "t-acme", WEAK, 200),
+        ledger_row("fb-weak", 2, "t-acme", WEAK, 200),
         Feedback(tenant_id="t-acme", request_id="fb-weak", score=0.0),
     )
     data, report = _load(url, "acme")
@@ -489,8 +494,8 @@ def _passed() -> dict[str, object]:
 def test_install_leaves_a_route_edited_while_its_head_trained(tmp_path: Path, edit: str) -> None:
     url = _db(tmp_path, Tenant(id="t-acme", name="acme"), Tenant(id="t-other", name="other"))
     mine = {**DIFFICULTY, "when": {"tenants": ["acme"]}}
-    [route_id] = _set_routes(url, mine)
-    route = _tenant_route(url, "acme")  # read before training, as `weir router train` does
+    [route_id] = set_routes(url, mine)
+    route = reached_route(url, "acme")  # read before training, as `weir router train` does
     assert route.exclusive and route.head is None
     edited = (
         {**mine, "when": {"tenants": ["acme", "other"]}}
@@ -506,7 +511,7 @@ def test_install_leaves_a_route_edited_while_its_head_trained(tmp_path: Path, ed
     engine.dispose()
     with pytest.raises(click.ClickException, match="changed while the head was being trained"):
         _promote(forced(-100.0), "acme-new", route, "acme", _passed(), "significant", url)
-    assert _route_head(url, route_id) is None and _audit(url) == []
+    assert route_head(url, route_id) is None and audit_rows(url) == []
     engine = create_engine(url)
     with Session(engine) as session:
         assert session.scalars(select(DifficultyHeadRow)).all() == []
@@ -514,6 +519,6 @@ def test_install_leaves_a_route_edited_while_its_head_trained(tmp_path: Path, ed
     engine.dispose()
     # Run again on the route as it is now: re-pointed where it still serves acme alone; a route
     # shared since gets the head stored only.
-    _promote(forced(-100.0), "acme-new", _tenant_route(url, "acme"), "acme", _passed(), "significant", url)
+    _promote(forced(-100.0), "acme-new", reached_route(url, "acme"), "acme", _passed(), "significant", url)
     shared = edit == "shared with another tenant"
-    assert _route_head(url, route_id) == (None if shared else "acme-new")
+    assert route_head(url, route_id) == (None if shared else "acme-new")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 from pathlib import Path
@@ -24,13 +23,9 @@ from routing.difficulty import (
 )
 from routing.embed import DEFAULT_RECIPE, StaticEmbedder
 from tests.routing.forced_heads import forced
+from tests.routing.mmlu import fixture_prompts
 
 PROBE_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "routing_probe.jsonl"
-
-
-def fixture_prompts(fixture_dir: Path, subject: str) -> list[str]:
-    with (fixture_dir / f"mmlu_{subject}.csv").open(newline="") as fh:
-        return [row[0] for row in list(csv.reader(fh))[1:]]
 
 
 def test_shipped_head_loads_with_its_metadata() -> None:

@@ -30,7 +30,13 @@ from gateway.config import parse_config
 from gateway.state import MemoryState
 from routing.breaker import Breakers
 from tests.conftest import free_port
-from tests.control.conftest import ADMIN, REDIS_PORT, REDIS_URL, Weir, sqlite_url  # noqa: F401  (a fixture)
+from tests.control.conftest import (
+    ADMIN,
+    REDIS_PORT,
+    REDIS_URL,
+    Weir,
+    sqlite_url,  # noqa: F401  (a fixture)
+)
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.gateway.conftest import DEMO_KEY, RunningGateway, serve

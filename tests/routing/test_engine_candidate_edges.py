@@ -6,11 +6,8 @@ process has to die or misbehave on cue, a small stand-in (`STAND_IN`) plays the 
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +29,17 @@ from routing.load import LoadReports
 from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import RunningGateway, running_gateway
+from tests.routing.engine_candidate import (
+    BS,
+    ECHO,
+    FAST,
+    HI,
+    config_text,
+    engine_gateway,
+    failing_steps,
+    slow_steps,
+    tiny_engine,
+)
 from tests.routing.routed import route_header, settled
 
 # An engine in one file: /health, /v1/models and chat as `weir engine serve` answers them, plus
@@ -94,27 +102,6 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 HUGE_QUEUE = 'JSON {"named_metrics": {"num_requests_waiting": 1' + "0" * 400 + "}}"
 DEEP = "JSON " + "[" * 5000
 
-HI = [{"role": "user", "content": "one two three four five six"}]
-ECHO = "one two three four five six"
-FAST = "retry: {attempts: 1}, breaker: {failures: 3, cooldown: 0.5}, probe_interval: null"
-
-
-def config_text(engine: str, vendor: FakeOpenAI, routes: str = "") -> str:
-    """The engine backend (`engine`: its `url:`, or `model:`/`command:` for a supervised one) as
-    `small`, the fake OpenAI as `gpt-4o-mini`, a route `auto` (engine first, the vendor as fallback)
-    and a route `auto-no-resume` that forbids resuming a cut stream."""
-    return f"""
-backends:
-  - {{name: local, type: engine, {engine}}}
-  - {{name: vendor, type: openai, base_url: "{vendor.base_url}", api_key: "{vendor.api_key}"}}
-models:
-  - {{name: small, backend: local, model: tiny, price: {{input: 1.0, cached_input: 0.25, output: 2.0}}}}
-  - {{name: gpt-4o-mini, backend: vendor, price: {{input: 0.15, output: 0.60}}}}
-routes:
-  - {{name: auto, candidates: [{{model: small}}], fallbacks: [gpt-4o-mini], {FAST}}}
-  - {{name: auto-no-resume, resume: false, candidates: [{{model: small}}], fallbacks: [gpt-4o-mini], {FAST}}}
-{routes}"""
-
 
 def answers(url: str) -> bool:
     try:
@@ -146,45 +133,6 @@ def stand_in(tmp_path: Path, report: str | None = None) -> Iterator[int]:
     finally:
         process.terminate()
         process.wait(10)
-
-
-@contextmanager
-def tiny_engine(
-    loading: bool = False, max_num_seqs: int = 64, max_queued: int | None = None
-) -> Iterator[tuple[int, Any]]:
-    """The real engine server on the tiny random model, on its own event loop in a thread; yields its
-    port and the LLMEngine (None while `loading`: the server answers as one still loading its model)."""
-    from engine.async_engine import AsyncLLMEngine
-    from engine.config import KNOWN_MODELS
-    from engine.llm_engine import LLMEngine
-    from engine.server import EngineServer, start_server
-
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    llm = (
-        None
-        if loading
-        else LLMEngine.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=64, max_num_seqs=max_num_seqs)
-    )
-    server = EngineServer(
-        AsyncLLMEngine(llm) if llm is not None else None, model_name="tiny", max_queued=max_queued
-    )
-    runner = asyncio.run_coroutine_threadsafe(start_server(server, "127.0.0.1", port), loop).result(30)
-    try:
-        yield port, llm
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-
-
-@contextmanager
-def engine_gateway(fake_openai: FakeOpenAI, port: int, routes: str = "") -> Iterator[RunningGateway]:
-    text = config_text(f'url: "http://127.0.0.1:{port}"', fake_openai, routes)
-    with running_gateway(parse_config(text, {})) as gateway:
-        yield gateway
 
 
 # --- load reports ------------------------------------------------------------------------------------
@@ -412,27 +360,6 @@ def test_what_the_engine_cannot_take_is_answered_by_the_routes_vendor(
         assert len(fake_openai.requests) == 1
 
 
-@contextmanager
-def failing_steps(llm: Any, after: int) -> Iterator[None]:
-    """The engine's loop dies at its step number `after + 1` (an engine bug, a device fault)."""
-    real, calls = llm.step, [0]
-
-    def step() -> Any:
-        calls[0] += 1
-        if calls[0] > after:
-            raise RuntimeError("device fault")
-        return real()
-
-    llm.step = step
-    try:
-        yield
-    finally:
-        llm.step = real
-
-
-BS = {"66": 100}  # the tiny model's byte vocabulary: token 66 is "B", so the engine says "BBB..."
-
-
 def test_an_engine_dying_mid_stream_is_continued_on_the_vendor(fake_openai: FakeOpenAI) -> None:
     with tiny_engine() as (port, llm), engine_gateway(fake_openai, port) as gateway, failing_steps(llm, 4):
         stream = gateway.openai().chat.completions.create(
@@ -476,22 +403,6 @@ def test_an_engine_dying_mid_stream_ends_with_an_sse_error_where_the_route_forbi
             for chunk in stream:
                 text += chunk.choices[0].delta.content or "" if chunk.choices else ""
         assert text == "BBBB" and fake_openai.requests == []
-
-
-@contextmanager
-def slow_steps(llm: Any, seconds: float) -> Iterator[None]:
-    """Every engine step takes `seconds` (a big model on a small CPU)."""
-    real = llm.step
-
-    def step() -> Any:
-        time.sleep(seconds)
-        return real()
-
-    llm.step = step
-    try:
-        yield
-    finally:
-        llm.step = real
 
 
 SLOW_ROUTES = f"""\

@@ -6,11 +6,7 @@ opened against an engine that is only busy. The real engine server runs the tiny
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import httpx
 import openai
@@ -18,57 +14,23 @@ import pytest
 
 from gateway.config import ConfigError, parse_config
 from gateway.engine_supervisor import EngineProcess
+from tests.conftest import wait_for
 from tests.fakes import FakeOpenAI
-from tests.routing.routed import route_header, settled
-from tests.routing.test_engine_candidate_edges import (
+from tests.routing.engine_candidate import (
     ECHO,
     HI,
+    LONG,
+    busy,
     config_text,
     engine_gateway,
-    slow_steps,
+    refused,
     tiny_engine,
-    wait_for,
 )
-
-LONG = {"model": "tiny", "prompt": "x" * 20, "max_tokens": 400, "ignore_eos": True, "stream": True}
-
-
-@contextmanager
-def busy(port: int, llm: Any, streams: int) -> Iterator[None]:
-    """`streams` long streamed completions held by the engine (running or queued; each holds its seat
-    until it ends), every engine step slowed so they last; closed, and so aborted, on exit."""
-    stop = threading.Event()
-
-    def hold() -> None:
-        with (
-            httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=30) as http,
-            http.stream("POST", "/completions", json=LONG) as resp,
-        ):
-            assert resp.status_code == 200
-            stop.wait(30)
-
-    threads = [threading.Thread(target=hold, daemon=True) for _ in range(streams)]
-    with slow_steps(llm, 0.02):
-        for t in threads:
-            t.start()
-        wait_for(lambda: llm.stats().num_running + llm.stats().num_waiting == streams)
-        try:
-            yield
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(10)
-    wait_for(lambda: not llm.has_unfinished_requests(), timeout=5)
+from tests.routing.routed import route_header, settled
 
 
 def engine_client(port: int) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-
-
-def refused(port: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith("weir_engine_requests_refused_total "))
-    return float(line.split()[1])
 
 
 def test_a_full_engine_refuses_with_an_openai_shaped_429_and_serves_again_once_seats_free() -> None:

@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, parse_config
+from tests.conftest import wait_for
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import RunningGateway, running_gateway
+from tests.routing.engine_candidate import BS, ECHO, HI, busy, failing_steps, refused, tiny_engine
 from tests.routing.routed import route_header, runtime, settled
-from tests.routing.test_engine_candidate_edges import BS, ECHO, HI, failing_steps, tiny_engine, wait_for
-from tests.routing.test_engine_queue_limit import busy, refused
 
 FAST = "retry: {attempts: 2, backoff: 0.02}, breaker: {failures: 1, cooldown: 30}, probe_interval: null"
 

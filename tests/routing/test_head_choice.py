@@ -21,7 +21,7 @@ from routing.difficulty import (
     scoring_time,
 )
 from routing.embed import DEFAULT_RECIPE, STATIC_RECIPE
-from tests.routing.test_difficulty import fixture_prompts
+from tests.routing.mmlu import fixture_prompts
 
 
 def test_the_encoder_is_kept_only_where_its_estimated_p99_fits_the_budget() -> None:

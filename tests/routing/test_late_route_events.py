@@ -10,8 +10,8 @@ import pytest
 
 from routing.plan import Features
 from routing.routes import Candidate, Route
+from tests.routing.in_process_router import ACME, affinity, ask, difficulty, routed_event, router
 from tests.routing.routed import sent
-from tests.routing.test_routing_state_bounded import ACME, affinity, ask, difficulty, routed_event, router
 
 FIXED = Route(name="r", candidates=[Candidate(model="small")], probe_interval=None)
 UNCALIBRATED = msgspec.structs.replace(difficulty("r"), strong_share=None)

@@ -15,18 +15,8 @@ from gateway.runtime import Gateway
 from gateway.transport import Transport
 from routing.difficulty import DifficultyClassifier
 from routing.router import Router
-from routing.routes import Candidate, Route
-
-CONFIG = """\
-backends:
-  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
-models:
-  - {name: gpt-4o-mini, backend: openai}
-  - {name: gpt-4o, backend: openai}
-"""
-DIFFICULTY = Route(
-    name="auto", policy="difficulty", candidates=[Candidate(model="gpt-4o-mini"), Candidate(model="gpt-4o")]
-)
+from routing.routes import Route
+from tests.routing.difficulty_route import CONFIG, DIFFICULTY
 
 
 @pytest.fixture

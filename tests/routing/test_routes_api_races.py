@@ -18,8 +18,7 @@ import httpx
 import pytest
 
 from tests.control.conftest import fresh_pg_database
-from tests.routing.test_routes_validation import GOOD, ROUTES, Weir, _serving
-from tests.routing.test_routes_validation import env as env  # the module fixture, reused
+from tests.routing.routes_admin import GOOD, ROUTES, Weir, serving
 
 # Another writer holding off every write of route `id` (not its reads) until the block ends.
 Hold = Callable[[int], AbstractContextManager[None]]
@@ -63,17 +62,17 @@ def _pg_row_lock(url: str, route_id: int) -> Iterator[None]:
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def admin_db(
-    request: pytest.FixtureRequest, env: dict[str, str], tmp_path: Path
+    request: pytest.FixtureRequest, vendor_env: dict[str, str], tmp_path: Path
 ) -> Iterator[tuple[Weir, Hold]]:
     """A gateway on a fresh admin DB, and a way to hold off writes of a route on it."""
     if request.param == "sqlite":
         database = tmp_path / "weir.db"
-        with _serving(env, f"sqlite+aiosqlite:///{database}", tmp_path / "spool", ROUTES) as weir:
+        with serving(vendor_env, f"sqlite+aiosqlite:///{database}", tmp_path / "spool", ROUTES) as weir:
             yield weir, lambda _route_id: _sqlite_write_lock(database)
     else:
         with (
             fresh_pg_database("weir_route_races") as url,
-            _serving(env, url, tmp_path / "spool", ROUTES) as weir,
+            serving(vendor_env, url, tmp_path / "spool", ROUTES) as weir,
         ):
             yield weir, lambda route_id: _pg_row_lock(url, route_id)
 

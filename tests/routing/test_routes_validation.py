@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,77 +24,28 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from structlog.testing import capture_logs
 
-from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.db.models import Base, RouteRow, utcnow
 from routing.cli import router as router_cli
 from routing.difficulty import DifficultyClassifier
-from routing.router import Router, validate
+from routing.router import validate
 from routing.routes import Candidate, Route
 from routing.store import RouteStore, route_spec, stamp
-from tests.conftest import free_port
 from tests.control.conftest import fresh_pg_database
 from tests.fakes import FakeAnthropic, FakeOpenAI
-from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import fakes_env, full_config_text, serve
+from tests.gateway.conftest import full_config_text
 from tests.routing.routed import route_header
+from tests.routing.routes_admin import GOOD, ROUTES, Weir, serving
 
-ADMIN = "admin-token-for-the-routes-audit"
-ROUTES = """\
-routes:
-  - {name: auto, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}], probe_interval: null}
-  - {name: vis, when: {images: true}, candidates: [{model: claude-sonnet}], probe_interval: null}
-  - {name: vis, candidates: [{model: gpt-4o-mini}], probe_interval: null}
-  - {name: down, candidates: [{model: dead-model}], retry: {attempts: 1}, probe_interval: null}
-"""
-GOOD = {"name": "audit", "candidates": [{"model": "gpt-4o-mini"}], "probe_interval": None}
 HI = [{"role": "user", "content": "hello audit"}]
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
 
-class Weir:
-    def __init__(self, url: str, router: Router) -> None:
-        self.url, self.router = url, router
-        self.admin = httpx.Client(
-            base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"}, timeout=20
-        )
-
-    def key(self, name: str) -> str:
-        tenant = self.admin.post("/tenants", json={"name": f"{name}-{uuid.uuid4().hex[:6]}"})
-        assert tenant.status_code == 201, tenant.text
-        key = self.admin.post(f"/tenants/{tenant.json()['id']}/keys", json={"name": "app"})
-        assert key.status_code == 201, key.text
-        return str(key.json()["key"])
-
-    def openai(self, key: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=20)
-
-
 @pytest.fixture(scope="module")
-def env(
-    fake_vendors: FakeVendors,
-) -> dict[str, str]:
-    return fakes_env(*fake_vendors)
-
-
-@contextmanager
-def _serving(env: dict[str, str], database_url: str, spool: Path, routes: str = "") -> Iterator[Weir]:
-    """A gateway with the control plane on `database_url` (no Redis: memory state)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-        patch.setenv("WEIR_USAGE_SPOOL", str(spool))
-        for var in ("WEIR_REDIS_URL", "WEIR_DATABASE_URL"):
-            patch.delenv(var, raising=False)
-        app = create_app(parse_config(full_config_text() + f'database_url: "{database_url}"\n' + routes, env))
-        with serve(app, free_port()) as base:
-            yield Weir(base, app.state.gateway.router)
-
-
-@pytest.fixture(scope="module")
-def _weir(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weir]:
+def _weir(vendor_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weir]:
     """One gateway on a fresh PostgreSQL database."""
     spool = tmp_path_factory.mktemp("spool")
-    with fresh_pg_database("weir_routes_audit") as url, _serving(env, url, spool, ROUTES) as weir:
+    with fresh_pg_database("weir_routes_audit") as url, serving(vendor_env, url, spool, ROUTES) as weir:
         yield weir
 
 
@@ -211,7 +162,7 @@ def test_out_of_range_route_settings_are_refused_and_change_nothing(weir: Weir) 
 
 @pytest.mark.parametrize("database", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def test_a_route_created_after_one_at_the_last_position(
-    env: dict[str, str], database: str, tmp_path: Path
+    vendor_env: dict[str, str], database: str, tmp_path: Path
 ) -> None:
     """A route created without `position` went to the largest position + 1: after a route at the last
     position the column holds (2**31 - 1, which the API accepts) that was a 500 on PostgreSQL, and on
@@ -222,7 +173,7 @@ def test_a_route_created_after_one_at_the_last_position(
             url = stack.enter_context(fresh_pg_database("weir_routes_position"))
         else:
             url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
-        weir = stack.enter_context(_serving(env, url, tmp_path))
+        weir = stack.enter_context(serving(vendor_env, url, tmp_path))
         last = weir.admin.post("/routes", json={**GOOD, "position": 2**31 - 1})
         assert last.status_code == 201, last.text
         after = weir.admin.post("/routes", json={**GOOD, "candidates": [{"model": "claude-sonnet"}]})

@@ -20,86 +20,25 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.accounting.events import UsageEvent
 from gateway.auth import Principal
 from gateway.config import parse_config
 from gateway.metrics import Metrics
 from gateway.router_basic import ModelTable
-from gateway.types import ChatRequest
 from gateway.usage import Usage
 from routing.breaker import Breakers, State
 from routing.compare import Comparer, RecentRanking
 from routing.heads import TrainedHead
 from routing.health import HealthProber
-from routing.plan import Features, features
 from routing.router import Router
 from routing.routes import Breaker as BreakerSettings
 from routing.routes import Candidate, Compare, Conditions, Route
-from tests.control.events import usage_event
 from tests.fakes import FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import DEMO_KEY, RunningGateway
+from tests.routing.in_process_router import ACME, CONFIG, affinity, ask, difficulty, routed_event, router
 from tests.routing.routed import FAST, routed_gateway, runtime, sent, settled
 
-CONFIG = """\
-backends:
-  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
-  - {name: other, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: k}
-models:
-  - {name: small, backend: openai, price: {input: 0.15, output: 0.6}}
-  - {name: big, backend: other, price: {input: 3, output: 15}}
-"""
-ACME = Principal(tenant_id="t1", tenant_name="acme", key_id="k1")
 T = TypeVar("T")
-
-
-def router(*routes: Route) -> Router:
-    r = Router(ModelTable(parse_config(CONFIG, {})), routes)
-    r.context.rng = random.Random(0)
-    rng = random.Random(1)
-    r.context.scorer = lambda prompt: rng.random()  # the shipped head's load is not under test
-    r.context.serving = "static"
-    return r
-
-
-def difficulty(name: str, **fields: Any) -> Route:
-    return Route(
-        name=name,
-        policy="difficulty",
-        candidates=[Candidate(model="small"), Candidate(model="big")],
-        strong_share=0.3,
-        probe_interval=None,
-        **fields,
-    )
-
-
-def affinity(name: str) -> Route:
-    return Route(
-        name=name,
-        policy="prefix_affinity",
-        candidates=[Candidate(model="small"), Candidate(model="big")],
-        probe_interval=None,
-    )
-
-
-def ask(text: str, principal: Principal = ACME) -> Features:
-    request = msgspec.convert({"model": "r", "messages": [{"role": "user", "content": text}]}, ChatRequest)
-    return features(request, principal.tenant_name, principal.key_id)
-
-
-def routed_event(route: str, note: str) -> UsageEvent:
-    return usage_event(
-        "r",
-        tenant_id=None,
-        key_id=None,
-        route=route,
-        backend="openai",
-        model="small",
-        usage=Usage(input_tokens=80, cached_input_tokens=20, output_tokens=5),
-        latency_ms=10.0,
-        routing=note,
-        event_id="e",
-    )
 
 
 # --- strong-share windows -----------------------------------------------------------------------------

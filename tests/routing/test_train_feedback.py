@@ -22,21 +22,19 @@ from sqlalchemy.orm import Session
 import routing.heads
 from gateway.credentials import prompt_context
 from gateway.db.models import (
-    AuditLog,
     Base,
     DifficultyHeadRow,
     Feedback,
     RouteRow,
     StoredPrompt,
     Tenant,
-    UsageEventRow,
 )
 from gateway.db.session import create_engine as create_async_engine
-from gateway.db.session import normalise_url, sessionmaker
+from gateway.db.session import sessionmaker
 from gateway.vault import Vault, generate_key
 from routing.cli import _promote
 from routing.difficulty import DifficultyClassifier, DifficultyHead, encode
-from routing.feedback import TenantRoute, answered_by, load_feedback, request_prompt, tenant_route
+from routing.feedback import answered_by, load_feedback, request_prompt
 from routing.heads import bundle, digest
 from routing.ranking import auc
 from routing.train import (
@@ -48,13 +46,27 @@ from routing.train import (
     holdout_check,
     should_promote,
 )
-from tests.control.conftest import db_url, pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
+from tests.control.conftest import (
+    db_url,  # noqa: F401  (a fixture)
+    pg_url,  # noqa: F401  (a fixture)
+    sqlite_url,  # noqa: F401  (a fixture)
+    sync_exec,
+)
 from tests.routing.forced_heads import forced
-from tests.routing.test_cli import run
+from tests.routing.training_db import (
+    DIFFICULTY,
+    NOW,
+    STRONG,
+    WEAK,
+    audit_rows,
+    ledger_row,
+    reached_route,
+    route_head,
+    set_routes,
+)
+from tests.routing.weir_command import run
 from weir.cli import main
 
-WEAK, STRONG = "gpt-4o-mini", "claude-sonnet"
-NOW = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
 TOPICS = ["apples", "rivers", "poems", "trains", "gardens", "music", "colours", "cities", "birds", "tea"]
 
 
@@ -64,36 +76,6 @@ def easy(i: int) -> str:
 
 def hard(i: int) -> str:
     return f"Prove rigorously that the eigenvalues of this operator on {TOPICS[i % 10]} are real, case {i}."
-
-
-def _event(request_id: str, attempt: int, tenant: str, candidate: str, status: int) -> UsageEventRow:
-    upstream = {"gpt-4o-mini": "gpt-4o-mini", "claude-sonnet": "claude-sonnet-4-5"}.get(candidate, candidate)
-    return UsageEventRow(
-        event_id=f"{request_id}-{attempt}",
-        request_id=request_id,
-        attempt=attempt,
-        ts=NOW,
-        day=NOW.date(),
-        tenant_id=tenant,
-        key_id=None,
-        route="auto",
-        backend="b",
-        model=upstream,
-        input_tokens=10,
-        cached_input_tokens=0,
-        cache_write_5m_tokens=0,
-        cache_write_1h_tokens=0,
-        output_tokens=5,
-        reasoning_tokens=0,
-        prices={},
-        cost_pico_usd=0,
-        savings_pico_usd=0,
-        latency_ms=10.0,
-        ttft_ms=None,
-        status=status,
-        fallback=attempt > 1,
-        routing=f"route=auto; policy=difficulty; candidate={candidate}; score=0.2; attempts={attempt}",
-    )
 
 
 def _chat(prompt: str) -> str:
@@ -135,10 +117,10 @@ def _traffic(session: Session, vault: Vault, rng: random.Random, requests: range
             )
         )
         if i % 7 == 0:  # a failed first attempt: the answer came from the second
-            session.add(_event(rid, 1, "t-acme", candidate, 500))
-            session.add(_event(rid, 2, "t-acme", candidate, 200))
+            session.add(ledger_row(rid, 1, "t-acme", candidate, 500))
+            session.add(ledger_row(rid, 2, "t-acme", candidate, 200))
         else:
-            session.add(_event(rid, 1, "t-acme", candidate, 200))
+            session.add(ledger_row(rid, 1, "t-acme", candidate, 200))
         score = rng.uniform(0.7, 1.0) if right else rng.uniform(0.0, 0.3)
         session.add(Feedback(tenant_id="t-acme", request_id=rid, score=score))
 
@@ -171,9 +153,9 @@ def admin_db(tmp_path: Path) -> tuple[str, Vault]:
         )
         _traffic(session, vault, rng, range(80))
         # Skipped: no stored prompt, answered by a third model, another tenant's feedback.
-        session.add(_event("r-unstored", 1, "t-acme", WEAK, 200))
+        session.add(ledger_row("r-unstored", 1, "t-acme", WEAK, 200))
         session.add(Feedback(tenant_id="t-acme", request_id="r-unstored", score=1.0))
-        session.add(_event("r-gemini", 1, "t-acme", "gemini-flash", 200))
+        session.add(ledger_row("r-gemini", 1, "t-acme", "gemini-flash", 200))
         session.add(
             StoredPrompt(
                 request_id="r-gemini",
@@ -187,7 +169,7 @@ def admin_db(tmp_path: Path) -> tuple[str, Vault]:
             )
         )
         session.add(Feedback(tenant_id="t-acme", request_id="r-gemini", score=1.0))
-        session.add(_event("o1", 1, "t-other", WEAK, 200))
+        session.add(ledger_row("o1", 1, "t-other", WEAK, 200))
         session.add(Feedback(tenant_id="t-other", request_id="o1", score=0.0))
         session.commit()
     engine.dispose()
@@ -267,7 +249,8 @@ def test_prompt_and_candidate_extraction() -> None:
     assert request_prompt(json.dumps({"model": "m", "prompt": [1, 2]}), "completions") is None
     assert request_prompt("not json", "chat") is None
     assert request_prompt(_chat("what is up"), "embeddings") is None  # no difficulty policy scores these
-    assert answered_by(_event("x", 1, "t", STRONG, 200)) == STRONG  # the public name, not claude-sonnet-4-5
+    # The public name, not claude-sonnet-4-5.
+    assert answered_by(ledger_row("x", 1, "t", STRONG, 200)) == STRONG
 
 
 def test_partial_labels_train_a_head_that_separates_the_prompts(admin_db: tuple[str, Vault]) -> None:
@@ -449,46 +432,16 @@ def _store_head(url: str, name: str, head: DifficultyHead) -> None:
     engine.dispose()
 
 
-def _set_routes(url: str, *specs: dict[str, object]) -> list[int]:
-    """Replace the route table with these `auto` routes, in this order; their ids."""
-    engine = create_engine(url)
-    with Session(engine) as session:
-        for row in session.scalars(select(RouteRow)):
-            session.delete(row)
-        rows = [
-            RouteRow(name="auto", position=i, spec={"name": "auto", **spec}) for i, spec in enumerate(specs)
-        ]
-        session.add_all(rows)
-        session.commit()
-        ids = [row.id for row in rows]
-    engine.dispose()
-    return ids
-
-
-def _tenant_route(url: str, tenant: str | None) -> TenantRoute:
-    async def go() -> TenantRoute:
-        engine = create_async_engine(normalise_url(url))
-        try:
-            return await tenant_route(sessionmaker(engine), "auto", tenant)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
-
-
-DIFFICULTY = {"policy": "difficulty", "candidates": [{"model": WEAK}, {"model": STRONG}]}
-
-
 def test_the_route_a_tenant_reaches(admin_db: tuple[str, Vault]) -> None:
     url, _ = admin_db
-    other, mine, _ = _set_routes(
+    other, mine, _ = set_routes(
         url,
         {"policy": "fixed", "candidates": [{"model": WEAK}]},  # not a difficulty route: passed over
         {**DIFFICULTY, "when": {"tenants": ["other"]}, "head": "other-v1"},
         {**DIFFICULTY, "when": {"tenants": ["acme"]}, "head": "acme-v1"},
         {**DIFFICULTY, "candidates": [{"model": STRONG}, {"model": WEAK}]},
     )[1:]
-    found = _tenant_route(url, "acme")
+    found = reached_route(url, "acme")
     assert (found.id, found.weak, found.strong, found.head, found.exclusive) == (
         mine,
         WEAK,
@@ -496,21 +449,21 @@ def test_the_route_a_tenant_reaches(admin_db: tuple[str, Vault]) -> None:
         "acme-v1",
         True,
     )
-    assert _tenant_route(url, "t-acme").id == mine  # by id as well as by name
-    assert _tenant_route(url, "other").id == other
-    assert _tenant_route(url, None).id == other  # no tenant: the first difficulty route of the name
-    _set_routes(
+    assert reached_route(url, "t-acme").id == mine  # by id as well as by name
+    assert reached_route(url, "other").id == other
+    assert reached_route(url, None).id == other  # no tenant: the first difficulty route of the name
+    set_routes(
         url,
         {**DIFFICULTY, "when": {"tenants": ["other"]}},
         {**DIFFICULTY, "when": {"tenants": ["acme", "other"]}},
     )
-    found = _tenant_route(url, "acme")
+    found = reached_route(url, "acme")
     assert found.head is None and not found.exclusive  # serves two tenants
-    _set_routes(url, {**DIFFICULTY, "when": {"tenants": ["other"]}})
+    set_routes(url, {**DIFFICULTY, "when": {"tenants": ["other"]}})
     with pytest.raises(ValueError, match="no difficulty route named 'auto' that tenant 'acme' reaches"):
-        _tenant_route(url, "acme")
+        reached_route(url, "acme")
     with pytest.raises(ValueError, match="no tenant named 'nobody'"):
-        _tenant_route(url, "nobody")
+        reached_route(url, "nobody")
 
 
 def _result(
@@ -532,24 +485,6 @@ def test_the_promotion_rule() -> None:
         should_promote(weak_only, "sometimes")
 
 
-def _audit(url: str) -> list[tuple[str, str, str | None]]:
-    engine = create_engine(url)
-    with Session(engine) as session:
-        rows = [
-            (a.action, a.entity, a.entity_id) for a in session.scalars(select(AuditLog).order_by(AuditLog.id))
-        ]
-    engine.dispose()
-    return rows
-
-
-def _route_head(url: str, route_id: int) -> object:
-    engine = create_engine(url)
-    with Session(engine) as session:
-        spec = session.get(RouteRow, route_id).spec  # type: ignore[union-attr]
-    engine.dispose()
-    return spec.get("head")
-
-
 @pytest.mark.slow
 def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
     admin_db: tuple[str, Vault], tmp_path: Path
@@ -557,7 +492,7 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
     url, vault = admin_db
     # The route acme alone reaches serves a head that ranks nothing (every prompt scores ~1).
     _store_head(url, "acme-old", forced(100.0))
-    [route_id] = _set_routes(url, {**DIFFICULTY, "when": {"tenants": ["acme"]}, "head": "acme-old"})
+    [route_id] = set_routes(url, {**DIFFICULTY, "when": {"tenants": ["acme"]}, "head": "acme-old"})
     train = [*train_acme(url), "--holdout", "0.5"]  # two folds, each held out in turn: two fits a run
 
     first = cli([*train, "--out", str(tmp_path / "h1"), "--install", "acme-auto"])
@@ -571,8 +506,8 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
         f"every prompt held out in turn (by prompt hash, 2 fits); heads fitted without it vs {report['incumbent']}"
         in (first.stderr)
     )
-    assert _route_head(url, route_id) == "acme-auto"
-    assert _audit(url) == [("create", "difficulty_head", "acme-auto"), ("update", "route", str(route_id))]
+    assert route_head(url, route_id) == "acme-auto"
+    assert audit_rows(url) == [("create", "difficulty_head", "acme-auto"), ("update", "route", str(route_id))]
 
     # The next night, nothing new. The head in use ranks the rows it was fitted on better than it will
     # rank new ones, so it is not compared on them as it is: it was fitted by this recipe, so within each
@@ -610,21 +545,21 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
     listed = cli(["router", "heads", "list", "--database-url", url])
     digests = {json.loads(line)["name"]: json.loads(line)["digest"] for line in listed.stdout.splitlines()}
     assert digests["acme-auto"].startswith(report["digest"])
-    assert len(_audit(url)) == 2
+    assert len(audit_rows(url)) == 2
 
     # A route other tenants share is not re-pointed by one tenant's head, and a head it serves is
     # not replaced.
-    [shared] = _set_routes(url, {**DIFFICULTY, "head": "acme-old"})
+    [shared] = set_routes(url, {**DIFFICULTY, "head": "acme-old"})
     stored = cli([*train, "--out", str(tmp_path / "h4"), "--install", "acme-v2"])
     assert stored.returncode == 0, stored.stderr
     shown = json.loads(stored.stdout)
     assert (
         shown["installed"] and not shown["route_updated"] and "does not serve 'acme' alone" in shown["reason"]
     )
-    assert _route_head(url, shared) == "acme-old"
+    assert route_head(url, shared) == "acme-old"
     refused = cli([*train, "--out", str(tmp_path / "h5"), "--install", "acme-old"])
     assert refused.returncode != 0 and "not only this tenant's" in refused.stderr
-    assert "nothing was trained or stored" in refused.stderr and len(_audit(url)) == 3
+    assert "nothing was trained or stored" in refused.stderr and len(audit_rows(url)) == 3
 
     bad = cli([*train, "--install", "acme-auto", "--holdout", "0"])
     assert bad.returncode != 0 and "--holdout 0" in bad.stderr
@@ -662,7 +597,7 @@ def test_install_does_not_undo_an_admin_edit_of_the_route_made_while_it_stores_t
     route was updated as planned. Now the route is read, locked, after the head is written: the edit
     is seen, and the install refused and rolled back, the head not stored."""
     url = acme_route_db
-    route = _tenant_route(url, "acme")
+    route = reached_route(url, "acme")
     assert route.exclusive and route.spec is not None
     edited = json.dumps({**route.spec, "strong_share": 0.5})
     real_put_head = routing.heads.put_head

@@ -40,8 +40,8 @@ from routing.policies import PolicyContext, difficulty
 from routing.router import RouteError, Router, validate
 from routing.routes import Route
 from routing.stats import RoutingStats
+from tests.routing.difficulty_route import CONFIG, DIFFICULTY
 from tests.routing.forced_heads import forced
-from tests.routing.test_router_warm import CONFIG, DIFFICULTY
 
 PROMPTS = [
     "hello",
