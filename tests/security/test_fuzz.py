@@ -19,10 +19,10 @@ from gateway.errors import GatewayError
 from gateway.pipeline import decode
 from gateway.providers import anthropic, gemini, openai
 from gateway.types import ChatRequest, Message
-from tests.gateway.conftest import (  # noqa: F401  (the session gateway and the fakes it needs)
+from tests.gateway.conftest import (
     DEMO_KEY,
     RunningGateway,
-    _running_gateway,
+    _running_gateway,  # noqa: F401  (the fixture: the session gateway and the fakes it needs)
 )
 
 FUZZ = settings(

@@ -12,12 +12,11 @@ import pytest
 
 from tests.control.conftest import CONFIG, Weir, sqlite_weir
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import (  # noqa: F401  (the session gateway and its per-test reset)
+from tests.gateway.conftest import (
     DEMO_KEY,
     RunningGateway,
-    _running_gateway,
-    gateway,
-    serve,
+    _running_gateway,  # noqa: F401  (the fixture `gateway` needs: the session gateway)
+    gateway,  # noqa: F401  (a fixture: the session gateway, its fakes reset per test)
 )
 
 

@@ -19,7 +19,10 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.stream_slots import RedisSlots
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import REDIS_URL, redis_prefix  # noqa: F401  (fixture)
+from tests.control.conftest import (
+    REDIS_URL,
+    redis_prefix,  # noqa: F401  (a fixture)
+)
 from tests.fakes import FakeOpenAI, Fault
 from tests.gateway.conftest import serve
 

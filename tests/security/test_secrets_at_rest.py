@@ -23,7 +23,11 @@ from gateway.limits import Exchange
 from gateway.prompts import PromptStore, read_body
 from gateway.vault import ENV, ENV_PREVIOUS, Vault, VaultError, generate_key
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import pg_url, sqlite_url, sync_exec  # noqa: F401  (fixtures)
+from tests.control.conftest import (
+    pg_url,  # noqa: F401  (a fixture)
+    sqlite_url,  # noqa: F401  (a fixture)
+    sync_exec,
+)
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
 from weir.cli import main

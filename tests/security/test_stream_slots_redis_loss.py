@@ -19,7 +19,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.stream_slots import RedisSlots
-from tests.control.conftest import REDIS_PORT, REDIS_URL, redis_prefix  # noqa: F401  (fixture)
+from tests.control.conftest import (
+    REDIS_PORT,
+    REDIS_URL,
+    redis_prefix,  # noqa: F401  (a fixture)
+)
 from tests.control.helpers import TcpProxy
 
 pytestmark = pytest.mark.redis

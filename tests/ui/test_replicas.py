@@ -14,7 +14,11 @@ from gateway.admin import ui
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL, pg_url, redis_prefix  # noqa: F401 (fixtures)
+from tests.control.conftest import (
+    REDIS_URL,
+    pg_url,  # noqa: F401  (a fixture)
+    redis_prefix,  # noqa: F401  (a fixture)
+)
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
 from tests.ui.conftest import ADMIN, CONFIG
