@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
@@ -930,6 +931,30 @@ def run(
 
     server.app.on_startup.append(start_loading)
     watch_parent_from_env()  # started by a gateway: end with it
-    log.info("listening on http://%s:%d, loading %s", host, port, model)
-    web.run_app(server.app, host=host, port=port, handler_cancellation=True, access_log=None, print=None)
+    sockets = listen(host, port)
+    # The port bound, not the one asked for: `--port 0` leaves the choice to the system.
+    log.info("listening on http://%s:%d, loading %s", host, sockets[0].getsockname()[1], model)
+    web.run_app(server.app, sock=sockets, handler_cancellation=True, access_log=None, print=None)
     return 1 if server.load_error else 0
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address `host` resolves to, as aiohttp binds `host` and `port` itself,
+    but bound here, where the port the system picks for port 0 can be read (one port for all of them)."""
+    sockets: list[socket.socket] = []
+    try:
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(found):  # once each, in order
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # asyncio's default on Unix
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # the IPv4 address has its own
+            sock.bind((address[0], port, *address[2:]))
+            sock.listen(128)  # open at once, as before: connections wait in the backlog until served
+            port = sock.getsockname()[1]
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets

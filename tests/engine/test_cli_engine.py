@@ -189,3 +189,21 @@ def test_engine_serve_log_format_json_writes_nothing_but_json_lines(tmp_path: Pa
     assert listening and listening[0]["logger"] == "engine.server" and listening[0]["level"] == "info"
     failed = [line for line in lines if line["level"] == "error"]
     assert failed and "unknown model 'no-such-model'" in failed[0]["event"]
+
+
+def test_engine_serve_port_0_logs_the_port_it_bound(tmp_path: Path) -> None:
+    """`--port 0` lets the system choose: the log line says which port, and /health answers on it."""
+    model_dir = tiny_hf_model(tmp_path / "tiny-llama")
+    proc = weir("engine", "serve", "--model", str(model_dir), "--port", "0", "--log-format", "json")
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the line comes before the model loads
+            event = json.loads(line)["event"]
+            if event.startswith("listening on"):
+                break
+        port = int(event.removeprefix("listening on http://127.0.0.1:").split(",")[0])
+        assert port != 0, event
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code in (200, 503)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
