@@ -642,12 +642,11 @@ _DATABASE_URL = click.option(
 
 
 def _with_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T:
-    """Run `work(sessions)` against the admin DB; a DB error becomes a clean CLI error."""
-    from gateway.db.cli import reported_db_errors
-    from gateway.db.session import resolve_database_url, run_with_sessions
+    """Run `work(sessions)` against the admin DB, which must exist and be migrated; a DB error becomes
+    a clean CLI error."""
+    from gateway.db.cli import run_on_admin_db
 
-    with reported_db_errors():
-        return run_with_sessions(resolve_database_url(database_url), work)
+    return run_on_admin_db(database_url, work)
 
 
 @heads.command("install")

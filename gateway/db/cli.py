@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import click
+
+T = TypeVar("T")
+UPGRADE_HINT = "`weir db upgrade` creates its tables"
 
 
 @contextmanager
@@ -19,14 +24,53 @@ def reported_db_errors() -> Iterator[None]:
         yield
     except SQLAlchemyError as exc:  # a URL that does not parse, too
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        hint = (
-            " (an older schema? `weir db upgrade` brings it up to date)" if "no such table" in reason else ""
-        )
+        missing_table = "no such table" in reason or ("relation" in reason and "does not exist" in reason)
+        hint = " (an older schema? `weir db upgrade` brings it up to date)" if missing_table else ""
         raise click.ClickException(f"admin DB: {reason}{hint}") from None
     except CommandError as exc:  # alembic: a revision it does not know, a step it cannot take
         raise click.ClickException(f"admin DB: {exc}") from None
     except (OSError, ImportError) as exc:  # a server that does not answer; a driver Weir does not ship
         raise click.ClickException(f"admin DB: {exc}") from None
+
+
+def run_on_admin_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `work(sessions)` against the admin DB (`--database-url`, else WEIR_DATABASE_URL, else
+    ./var/weir.db) for a command that reads or writes it, once it is known to exist and to have tables.
+
+    Only `weir db upgrade` creates a database: opening a SQLite file that is not there made an empty
+    one (./var/weir.db, where no database was configured) and the command then failed on a missing table.
+    """
+    from sqlalchemy import inspect
+    from sqlalchemy.engine import make_url
+
+    from gateway.db.session import (
+        DEFAULT_DATABASE_URL,
+        normalise_url,
+        resolve_database_url,
+        run_with_sessions,
+    )
+
+    with reported_db_errors():
+        url = resolve_database_url(database_url)
+        parsed = make_url(url)
+        shown = parsed.render_as_string(hide_password=True)
+        path = parsed.database if parsed.get_backend_name() == "sqlite" else None
+        if path and path != ":memory:" and not os.path.exists(path):
+            if url == normalise_url(DEFAULT_DATABASE_URL):
+                raise click.ClickException(
+                    f"admin DB: none configured (--database-url or WEIR_DATABASE_URL), and the default "
+                    f"{path} does not exist; name the gateway's database, or {UPGRADE_HINT} there"
+                )
+            raise click.ClickException(f"admin DB: {path} does not exist; {UPGRADE_HINT}")
+
+        async def checked(sessions: Any) -> T:
+            async with sessions() as session:
+                tables = await session.run_sync(lambda s: inspect(s.connection()).get_table_names())
+            if not tables:
+                raise click.ClickException(f"admin DB: {shown} has no tables (not migrated); {UPGRADE_HINT}")
+            return await work(sessions)
+
+        return run_with_sessions(url, checked)
 
 
 @click.group()

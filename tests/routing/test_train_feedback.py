@@ -414,6 +414,33 @@ def test_cli_says_what_is_missing(admin_db: tuple[str, Vault]) -> None:
     assert result.returncode != 0 and "--route or both --weak and --strong" in result.stderr
 
 
+def test_cli_without_a_migrated_admin_db_says_so_and_creates_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no database configured, `router train --tenant` made an empty ./var/weir.db and then failed
+    on "no such table": it says what is missing, pointing at `weir db upgrade`, and creates nothing."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WEIR_DATABASE_URL", raising=False)
+    train = ["router", "train", "--tenant", "acme", "--route", "auto"]
+    result = cli(train)
+    assert result.returncode == 1
+    assert "admin DB: none configured (--database-url or WEIR_DATABASE_URL)" in result.stderr
+    assert "`weir db upgrade` creates its tables" in result.stderr
+    assert not (tmp_path / "var").exists()
+    # A SQLite file named but not there is not made either; `heads` goes the same way.
+    missing = tmp_path / "typo.db"
+    for args in (train, ["router", "heads", "list"]):
+        result = cli([*args, "--database-url", f"sqlite:///{missing}"])
+        assert result.returncode == 1 and f"admin DB: {missing} does not exist" in result.stderr
+    assert not missing.exists()
+    # A database that is there but was never migrated.
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    result = cli([*train, "--database-url", f"sqlite:///{empty}"])
+    assert result.returncode == 1
+    assert "has no tables (not migrated); `weir db upgrade` creates its tables" in result.stderr
+
+
 def _store_head(url: str, name: str, head: DifficultyHead) -> None:
     data = bundle(head)
     engine = create_engine(url)
