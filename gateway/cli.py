@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from gateway.config import Config
 
 CONFIG_ENV = "WEIR_CONFIG"
 LOG_LEVEL_ENV = "WEIR_LOG_LEVEL"
@@ -33,8 +36,7 @@ def app_from_env() -> Any:
         raise SystemExit(1) from None
 
 
-@click.command()
-@click.option(
+config_option = click.option(
     "--config",
     "config_path",
     type=click.Path(dir_okay=False),
@@ -42,6 +44,23 @@ def app_from_env() -> Any:
     show_default=True,
     help="YAML configuration (see docs/configuration.md).",
 )
+
+
+def checked_config(config_path: str) -> Config:
+    """The config at `config_path` as the gateway loads it (`${VAR}` interpolation, validation of every
+    key, backend, model and route); a ConfigError becomes one `Error: PATH: ...` line and exit status 1."""
+    from gateway.config import ConfigError, load_config
+
+    try:
+        return load_config(config_path)
+    except ConfigError as exc:
+        # A first `weir serve` in a fresh checkout finds no weir.yaml: say where to get one.
+        hint = "" if os.path.exists(config_path) else f" ({NO_CONFIG_HINT})"
+        raise click.ClickException(f"{config_path}: {exc}{hint}") from None
+
+
+@click.command()
+@config_option
 @click.option("--host", default=None, help="Interface to bind [default: server.host, else 127.0.0.1].")
 @click.option("--port", type=int, default=None, help="Port to listen on [default: server.port, else 8080].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
@@ -60,15 +79,9 @@ def serve(
     config_path: str, host: str | None, port: int | None, log_level: str | None, server_kind: str
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway."""
-    from gateway.config import ConfigError, load_config
     from gateway.vault import Vault, VaultError
 
-    try:
-        config = load_config(config_path)  # here first, so a bad config is reported before any worker starts
-    except ConfigError as exc:
-        # A first `weir serve` in a fresh checkout finds no weir.yaml: say where to get one.
-        hint = "" if os.path.exists(config_path) else f" ({NO_CONFIG_HINT})"
-        raise click.ClickException(f"{config_path}: {exc}{hint}") from None
+    config = checked_config(config_path)  # here first, so a bad config is reported before any worker starts
     try:
         Vault.from_env()  # a malformed WEIR_MASTER_KEY: say so, rather than a worker's traceback
     except VaultError as exc:
@@ -112,3 +125,30 @@ def serve(
         log_config=None,  # no plain-text handlers of its own: its lines reach the JSON root handler
         timeout_graceful_shutdown=30,
     )
+
+
+@click.group("config")
+def config_group() -> None:
+    """The gateway's YAML configuration."""
+
+
+@config_group.command()
+@config_option
+def check(config_path: str) -> None:
+    """Load the config as `weir serve` would, without serving: print a one-line summary and exit 0, or
+    the first error and exit 1 (for CI, or a Kubernetes init container before the gateway starts).
+
+    The environment variables the config reads (`${VAR}`) must be set as the gateway will see them.
+    """
+    config = checked_config(config_path)
+    tenants = "no tenants (no authentication)" if config.tenants is None else _count(config.tenants, "tenant")
+    counts = [
+        _count(config.backends, "backend"),
+        _count(config.models, "model"),
+        _count(config.routes, "route"),
+    ]
+    click.echo(f"{config_path}: OK: {', '.join(counts)}, {tenants}")
+
+
+def _count(items: list[Any], noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"

@@ -12,6 +12,7 @@ from weir import __version__
 # name -> "module:attribute" of a click command or group.
 SUBCOMMANDS: dict[str, str] = {
     "serve": "gateway.cli:serve",
+    "config": "gateway.cli:config_group",
     "demo": "weir.demo:demo",
     "engine": "engine.cli:engine",
     "models": "engine.cli:models",

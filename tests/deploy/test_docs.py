@@ -23,8 +23,14 @@ def test_every_file_the_doc_names_exists() -> None:
 
 def test_every_weir_command_in_the_doc_is_accepted_by_the_cli() -> None:
     # `weir GROUP [SUBCOMMAND]`: the command path; the doc shows no options.
-    commands = set(re.findall(r"(?:^|`|\s)(weir (?:serve|db|engine|models|router)(?: [a-z]+)?)", DOC))
-    assert {"weir serve", "weir db upgrade", "weir db current", "weir db downgrade"} <= commands
+    commands = set(re.findall(r"(?:^|`|\s)(weir (?:serve|config|db|engine|models|router)(?: [a-z]+)?)", DOC))
+    assert {
+        "weir serve",
+        "weir config check",
+        "weir db upgrade",
+        "weir db current",
+        "weir db downgrade",
+    } <= commands
     for command in commands:
         assert_cli_accepts(command.split())
 

@@ -6,11 +6,12 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from gateway.cli import serve
 from gateway.config import ConfigError, interpolate, load_config, parse_config
 from tests.gateway.conftest import EXAMPLE
+from weir.cli import main
 
 ENV = {"OPENAI_API_KEY": "sk-o", "ANTHROPIC_API_KEY": "sk-a", "GEMINI_API_KEY": "g", "WEIR_DEMO_KEY": "demo"}
 
@@ -273,3 +274,73 @@ def test_prices_of_other_upstream_models_or_the_same_price_are_taken(
 ) -> None:
     config = parse_config(TWO_NAMES % (backend, upstream, price), {})
     assert [m.name for m in config.models] == ["mini", "mini-short"]
+
+
+CHECKED = """
+backends:
+  - {name: openai, type: openai, base_url: "http://127.0.0.1:9/v1", api_key: "${OPENAI_API_KEY}"}
+models:
+  - {name: gpt-4o-mini, backend: openai}
+  - {name: gpt-4o, backend: openai}
+routes:
+  - {name: auto, candidates: [{model: gpt-4o-mini}], fallbacks: [gpt-4o]}
+tenants:
+  - {name: demo, api_keys: ["${WEIR_DEMO_KEY}"]}
+"""
+
+
+def config_check(path: Path, env: dict[str, str | None]) -> Result:
+    """`weir config check --config PATH` with these environment variables set (None: unset)."""
+    return CliRunner().invoke(main, ["config", "check", "--config", str(path)], env=env)
+
+
+def test_weir_config_check_summarises_a_valid_config(tmp_path: Path) -> None:
+    path = tmp_path / "weir.yaml"
+    path.write_text(CHECKED)
+    result = config_check(path, {"OPENAI_API_KEY": "sk-o", "WEIR_DEMO_KEY": "demo"})
+    assert result.exit_code == 0, result.output
+    assert result.output == f"{path}: OK: 1 backend, 2 models, 1 route, 1 tenant\n"
+    path.write_text("")
+    assert (
+        config_check(path, {}).output
+        == f"{path}: OK: 0 backends, 0 models, 0 routes, no tenants (no authentication)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "env", "message"),
+    [
+        # A misspelt key: the loader names the one meant.
+        (
+            ("max_output_tokens", "max_ouput_tokens"),
+            {},
+            "models[0]: Object contains unknown field `max_ouput_tokens` (did you mean `max_output_tokens`?)",
+        ),
+        # A `${VAR}` left unset is an error, as at `weir serve`.
+        (
+            (),
+            {"WEIR_DEMO_KEY": None},
+            "tenants[0].api_keys[0]: environment variable WEIR_DEMO_KEY is not set",
+        ),
+        # Routes are validated too: a fallback to a model the config does not have.
+        (("fallbacks: [gpt-4o]", "fallbacks: [gpt-4o-maxi]"), {}, "gpt-4o-maxi"),
+    ],
+)
+def test_weir_config_check_fails_with_the_loaders_error(
+    tmp_path: Path, edit: tuple[str, ...], env: dict[str, str | None], message: str
+) -> None:
+    text = CHECKED.replace(
+        "{name: gpt-4o-mini, backend: openai}", "{name: gpt-4o-mini, backend: openai, max_output_tokens: 100}"
+    )
+    path = tmp_path / "weir.yaml"
+    path.write_text(text.replace(*edit) if edit else text)
+    result = config_check(path, {"OPENAI_API_KEY": "sk-o", "WEIR_DEMO_KEY": "demo", **env})
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"Error: {path}: ") and message in result.output, result.output
+    assert result.output.count("\n") == 1, result.output  # one line, no traceback
+
+
+def test_weir_config_check_of_a_missing_file(tmp_path: Path) -> None:
+    result = config_check(tmp_path / "nowhere.yaml", {})
+    assert result.exit_code == 1
+    assert f"{tmp_path / 'nowhere.yaml'}: cannot read the file: No such file or directory" in result.output
