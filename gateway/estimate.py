@@ -175,6 +175,19 @@ def chunk_text_bytes(chunk: Any) -> int:
     return 0
 
 
+def with_thinking(usage: Usage, thought_bytes: int) -> Usage:
+    """A Claude answer's usage with its reasoning tokens where Anthropic reported none: before
+    `output_tokens_details` (and on models without it) Anthropic bills thinking inside `output_tokens`
+    and says nothing of its share. Estimated from the thinking received (thinking text and redacted
+    blocks' data, `thought_bytes`) at BYTES_PER_TOKEN, at most `output_tokens`, and marked
+    `reasoning_estimated`; low where Claude 4 returns a summary of a longer thinking it bills in
+    full. A breakdown for reports and routing (`cheapest`, `lowest_latency`), never what is billed."""
+    if usage.reasoning_tokens or not thought_bytes:
+        return usage
+    estimate = min(_ceil_tokens(thought_bytes), usage.output_tokens)
+    return msgspec.structs.replace(usage, reasoning_tokens=estimate, reasoning_estimated=estimate > 0)
+
+
 class Produced:
     """Counts what a stream generated so far, to estimate its output if no usage report comes."""
 

@@ -18,6 +18,10 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     cache_write_1h_tokens: int = 0  # prompt-cache writes at the 1-hour TTL price
     output_tokens: int = 0  # every generated token, reasoning included
     reasoning_tokens: int = 0  # the part of output_tokens spent on hidden reasoning
+    # True: `reasoning_tokens` is Weir's estimate, not the vendor's count (Claude's thinking where
+    # Anthropic reports no `output_tokens_details`: `gateway.estimate.with_thinking`). A breakdown
+    # only, never billed: `output_tokens` holds the thinking either way.
+    reasoning_estimated: bool = False
     # The service tier the vendor says it served the attempt at (OpenAI's `service_tier`: "default",
     # "flex", "priority"; Anthropic's `usage.service_tier`: "standard", "priority", "batch"); None
     # where it says none. Its prices bill the attempt (`Price.tiers`); not a token class.
@@ -42,7 +46,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Every token class, in order; the ledger's columns and the reports use the same names.
-TOKEN_FIELDS: tuple[str, ...] = tuple(f for f in Usage.__struct_fields__ if f != "service_tier")
+TOKEN_FIELDS: tuple[str, ...] = tuple(
+    f for f in Usage.__struct_fields__ if f not in ("service_tier", "reasoning_estimated")
+)
 
 
 # --- how each vendor reports usage ----------------------------------------------------------------
@@ -97,6 +103,10 @@ USAGE_SHAPES: dict[str, UsageShape] = {
         cache_write_5m="cache_creation.ephemeral_5m_input_tokens",
         cache_write_1h="cache_creation.ephemeral_1h_input_tokens",
         output="output_tokens",
+        # Newer models only (the SDKs' `OutputTokensDetails`): the full thinking's count, even where
+        # the thinking text returned is a summary (Claude 4). Elsewhere the adapter estimates it
+        # from the thinking text received (`gateway.estimate.with_thinking`).
+        reasoning="output_tokens_details.thinking_tokens",
         service_tier="service_tier",
     ),
     "gemini": UsageShape(
@@ -192,8 +202,10 @@ def openai_usage(usage: Usage) -> dict[str, Any]:
 
 
 def anthropic_usage(usage: Usage) -> dict[str, Any]:
-    """`Usage` in the Anthropic shape: cache reads and writes beside the uncached `input_tokens`."""
-    return {
+    """`Usage` in the Anthropic shape: cache reads and writes beside the uncached `input_tokens`;
+    reasoning as `output_tokens_details.thinking_tokens` where a vendor counted it, never Weir's
+    estimate (Anthropic's own report of Claude's thinking reaches an Anthropic client as it was)."""
+    rendered: dict[str, Any] = {
         "input_tokens": usage.input_tokens,
         "cache_creation_input_tokens": usage.cache_write_tokens,
         "cache_read_input_tokens": usage.cached_input_tokens,
@@ -203,3 +215,6 @@ def anthropic_usage(usage: Usage) -> dict[str, Any]:
         },
         "output_tokens": usage.output_tokens,
     }
+    if usage.reasoning_tokens and not usage.reasoning_estimated:
+        rendered["output_tokens_details"] = {"thinking_tokens": usage.reasoning_tokens}
+    return rendered

@@ -23,6 +23,7 @@ import msgspec
 
 from gateway.config import Backend
 from gateway.errors import ANTHROPIC_ERROR_STATUSES, BadGateway, GatewayError, InvalidRequest
+from gateway.estimate import with_thinking
 from gateway.providers.base import (
     NO_ARGUMENTS,
     NO_THINKING,
@@ -626,7 +627,15 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
                 anthropic_stop_reason=_own_stop_reason(data.get("stop_reason")),
             )
         ],
-        usage=normalise_usage(VENDOR, data.get("usage")),
+        usage=with_thinking(normalise_usage(VENDOR, data.get("usage")), _thought_bytes(reasoning)),
+    )
+
+
+def _thought_bytes(reasoning: list[Reasoning]) -> int:
+    """The size of the thinking an answer returned: its text, or a redacted block's encrypted data."""
+    return sum(
+        len(block.text.encode()) if isinstance(block, ReasoningBlock) else len(block.data.encode())
+        for block in reasoning
     )
 
 
@@ -653,6 +662,7 @@ class ChatStream:
         # reply), so at the block's end such a call, or reply, gets "{}", what the unstreamed one has.
         self.no_input: set[int] = set()
         self.done = False
+        self.thought_bytes = 0  # the thinking streamed, to estimate its tokens (`with_thinking`)
         # A content block (even an empty text block) or a stop_reason came: the model answered, if
         # only with nothing. message_start then message_stop alone is no answer (failed at message_stop).
         self.answered = False
@@ -700,9 +710,12 @@ class ChatStream:
             block_type = block.get("type", "text")
             self.blocks[index] = (block_type, -1)
             if block_type == "redacted_thinking":
-                return [self._chunk(Delta(redacted_reasoning=block.get("data", "")))]
+                data = block.get("data", "")
+                self.thought_bytes += len(data.encode())
+                return [self._chunk(Delta(redacted_reasoning=data))]
             if block_type == "thinking":
                 thought = block.get("thinking")
+                self.thought_bytes += len((thought or "").encode())
                 return [self._chunk(Delta(reasoning_content=thought))] if thought else []
             text = block.get("text")
             return [self._chunk(Delta(content=text))] if text and not self.structured else []
@@ -720,7 +733,9 @@ class ChatStream:
                 tool_delta = ToolCallDelta(index=call, function=FunctionCallDelta(arguments=partial))
                 return [self._chunk(Delta(tool_calls=[tool_delta]))]
             if delta.get("type") == "thinking_delta":
-                return [self._chunk(Delta(reasoning_content=delta.get("thinking", "")))]
+                thought = delta.get("thinking", "")
+                self.thought_bytes += len(thought.encode())
+                return [self._chunk(Delta(reasoning_content=thought))]
             if delta.get("type") == "signature_delta":
                 return [self._chunk(Delta(reasoning_signature=delta.get("signature", "")))]
             return []  # delta types added later
@@ -759,7 +774,7 @@ class ChatStream:
                     created=self.created,
                     model=self.model,
                     choices=[],
-                    usage=normalise_usage(VENDOR, self.usage),
+                    usage=with_thinking(normalise_usage(VENDOR, self.usage), self.thought_bytes),
                 )
             ]
         if kind == "error":

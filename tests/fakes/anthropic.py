@@ -420,6 +420,11 @@ class FakeAnthropic(FakeServer):
             if body.get("service_tier") == "standard_only"
             else self.capacity_tier or "standard",
         }
+        if usage.reasoning_tokens:
+            # Newer models' breakdown (the SDKs' `OutputTokensDetails`): the thinking's share of
+            # `output_tokens`, counted in full even where the text returned is a summary. A set
+            # `reasoning_tokens` reports it; by default the fake is a model that reports none.
+            rendered["output_tokens_details"] = {"thinking_tokens": usage.reasoning_tokens}
         if raw:
             deep_merge(rendered, raw)
         message = {
@@ -435,7 +440,10 @@ class FakeAnthropic(FakeServer):
         if not body.get("stream"):
             return self.json_response(request, message)
 
-        start_usage = {k: v for k, v in rendered.items() if k != "output_tokens"} | {"output_tokens": 1}
+        # The output's breakdown comes with its count, in message_delta.
+        start_usage = {
+            k: v for k, v in rendered.items() if k not in ("output_tokens", "output_tokens_details")
+        } | {"output_tokens": 1}
         head = {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}
         per_chunk = 4096 if big is not None else 1
         async with self.open_stream(request, "text/event-stream; charset=utf-8") as stream:

@@ -33,6 +33,7 @@ from gateway.types import (
     ReasoningBlock,
     RedactedReasoning,
 )
+from routing.stats import RoutingStats
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.fakes.gemini import check_thinking
 from tests.fakes.server import Invalid
@@ -96,10 +97,83 @@ def test_thinking_reaches_claude_and_comes_back_signed(
     assert thinking.type == "thinking" and thinking.thinking == "Let me think about: a b"
     assert thinking.signature == fake_anthropic.sign(thinking.thinking)
     assert message.content[1].text == "a b"
-    # Anthropic counts thinking in output_tokens and reports no split: nothing is counted twice.
-    assert message.usage.output_tokens == 6 + 2
+    # Anthropic counts thinking in output_tokens and (this model) reports no split: the Anthropic
+    # client sees its report as it was; the ledger's reasoning is the thinking text's estimate,
+    # "Let me think about: a b" (23 bytes) at 4 bytes a token, within the output and not billed twice.
+    assert message.usage.output_tokens == 6 + 2 and message.usage.output_tokens_details is None
     [event] = gateway.sink.events
-    assert (event.usage.output_tokens, event.usage.reasoning_tokens) == (8, 0)
+    assert (event.usage.output_tokens, event.usage.reasoning_tokens) == (8, 6)
+    assert event.usage.reasoning_estimated
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_claudes_thinking_is_estimated_for_the_ledger_openai_clients_and_routing(
+    gateway: RunningGateway, stream: bool
+) -> None:
+    """Claude's thinking, billed inside `output_tokens` with no split reported, is estimated from
+    the thinking received (6 of the answer's 8 tokens): in the ledger (marked estimated), in an
+    OpenAI client's `reasoning_tokens`, and in what routing learns, so that `cheapest` prices it and
+    `lowest_latency` expects it after the first (thinking) token. Before, all of them saw none."""
+    ask = {
+        "model": "claude-sonnet",
+        "reasoning_effort": "low",
+        "messages": [{"role": "user", "content": "a b"}],
+    }
+    client = gateway.openai()
+    if stream:
+        chunks = list(
+            client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+        )
+        usage = chunks[-1].usage
+    else:
+        usage = client.chat.completions.create(**ask).usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert (usage.completion_tokens, usage.completion_tokens_details.reasoning_tokens) == (8, 6)
+    [event] = gateway.sink.events
+    assert (event.usage.output_tokens, event.usage.reasoning_tokens) == (8, 6)
+    assert event.usage.reasoning_estimated
+    stats = RoutingStats()
+    stats.record(event)
+    learned = stats.get(event.backend, event.model)
+    assert learned.reasoning_tokens == 6  # `cheapest`'s reasoning term
+    assert learned.streams_reasoning is stream  # `lowest_latency` expects it after the first token
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_claudes_own_thinking_count_wins_and_reaches_anthropic_clients_unchanged(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    """A model that reports `output_tokens_details.thinking_tokens` (the full thinking, though the
+    text returned may be a summary): that count, not an estimate, everywhere."""
+    fake_anthropic.set_next_usage(output_tokens=50, reasoning_tokens=40)
+    ask: dict[str, Any] = {
+        "model": "claude-sonnet",
+        "max_tokens": 2000,
+        "thinking": THINKING,
+        "messages": [{"role": "user", "content": "a b"}],
+    }
+    client = gateway.anthropic()
+    if stream:
+        with client.messages.stream(**ask) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**ask)
+    assert message.usage.output_tokens == 50
+    assert message.usage.output_tokens_details is not None
+    assert message.usage.output_tokens_details.thinking_tokens == 40
+    [event] = gateway.sink.events
+    assert (event.usage.output_tokens, event.usage.reasoning_tokens) == (50, 40)
+    assert not event.usage.reasoning_estimated
+    fake_anthropic.set_next_usage(output_tokens=50, reasoning_tokens=40)
+    usage = (
+        gateway.openai()
+        .chat.completions.create(
+            model="claude-sonnet", reasoning_effort="low", messages=[{"role": "user", "content": "a b"}]
+        )
+        .usage
+    )
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == 40
 
 
 def test_thinking_disabled_sends_no_thinking(gateway: RunningGateway, fake_anthropic: FakeAnthropic) -> None:
@@ -480,7 +554,13 @@ def test_anthropic_response_and_stream_carry_reasoning() -> None:
         "stop_reason": "end_turn",
         "usage": {"input_tokens": 1, "output_tokens": 2},
     }
-    message = anthropic_provider.chat_response(json.dumps(reply).encode(), "c").choices[0].message
+    response = anthropic_provider.chat_response(json.dumps(reply).encode(), "c")
+    # The thinking's 9 bytes (3 tokens at 4 bytes each), at most the 2 output tokens billed.
+    assert (response.usage.reasoning_tokens, response.usage.reasoning_estimated) == (2, True)
+    reply["usage"] = {"input_tokens": 1, "output_tokens": 20}
+    response = anthropic_provider.chat_response(json.dumps(reply).encode(), "c")
+    assert (response.usage.output_tokens, response.usage.reasoning_tokens) == (20, 3)
+    message = response.choices[0].message
     assert message.reasoning_content == "hmm" and message.content == "hi"
     assert message.reasoning_blocks == [
         RedactedReasoning(data="opaque"),
@@ -510,6 +590,12 @@ def test_anthropic_response_and_stream_carry_reasoning() -> None:
         Delta(reasoning_content="hm"),
         Delta(reasoning_signature="sig"),
     ]
+    ending = [
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 20}},
+        {"type": "message_stop"},
+    ]
+    [*_, last] = [c for e in ending for c in decoder.feed(None, json.dumps(e))]
+    assert last.usage is not None and (last.usage.output_tokens, last.usage.reasoning_tokens) == (20, 2)
 
 
 def test_openai_request_maps_a_budget_to_effort_and_sends_no_blocks() -> None:

@@ -41,6 +41,8 @@ ROWS = [
             "cache_creation_input_tokens": 1500,
             "cache_creation": {"ephemeral_5m_input_tokens": 500, "ephemeral_1h_input_tokens": 1000},
             "output_tokens": 70,
+            # Newer models' thinking share (older ones send none: `test_reasoning` estimates it)
+            "output_tokens_details": {"thinking_tokens": 50},
         },
         Usage(
             input_tokens=20,
@@ -48,6 +50,7 @@ ROWS = [
             cache_write_5m_tokens=500,
             cache_write_1h_tokens=1000,
             output_tokens=70,
+            reasoning_tokens=50,
         ),
     ),
     (
@@ -139,6 +142,7 @@ E2E = [
             cache_write_5m_tokens=500,
             cache_write_1h_tokens=1000,
             output_tokens=7,
+            reasoning_tokens=5,
         ),
         "standard",  # Anthropic's `usage.service_tier`
     ),
