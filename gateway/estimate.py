@@ -204,9 +204,43 @@ class Produced:
             self.text_bytes += size
 
     def estimate(self, request_body: bytes) -> Usage:
-        """The usage to bill for a stream cut before the vendor reported any."""
+        """The usage to bill for a stream cut before the vendor reported any, at the service tier the
+        request asked for where it named one (`asked_tier`): a flex stream billed at the base price
+        cost twice what its vendor charged."""
         output = max(self.chunks, _ceil_tokens(self.text_bytes))
-        return Usage(input_tokens=prompt_tokens(request_body), output_tokens=output)
+        return Usage(
+            input_tokens=prompt_tokens(request_body),
+            output_tokens=output,
+            service_tier=asked_tier(request_body),
+        )
+
+
+# The service tiers a request can name and be served at as asked (OpenAI's flex and priority
+# processing, which its vendor reports back): `auto` leaves the tier to the vendor (Scale Tier or
+# Priority capacity where the project has some), `default` and Anthropic's `standard_only` are the
+# base price, so none of them tells what an attempt is billed.
+CONCRETE_TIERS = frozenset(("flex", "priority"))
+
+
+class _ServiceTier(msgspec.Struct):
+    service_tier: Any = None
+
+
+_service_tier = msgspec.json.Decoder(_ServiceTier)
+
+
+def asked_tier(body: bytes) -> str | None:
+    """The concrete service tier (CONCRETE_TIERS) an upstream request body asks its vendor for, or
+    None: what admission reserves a request's budget at, and what an attempt without its vendor's
+    usage report is billed at. The upstream body, not the client's: an OpenAI client's `priority`
+    asks Anthropic for `auto`, which need not be served at Priority Tier."""
+    if b'"service_tier"' not in body:  # nearly every request: no parse
+        return None
+    try:
+        tier = _service_tier.decode(body).service_tier
+    except msgspec.MsgspecError:
+        return None
+    return tier if isinstance(tier, str) and tier in CONCRETE_TIERS else None
 
 
 # Tokens admission reserves for a request that sets no output limit (`output_estimate`), and what an
@@ -269,4 +303,5 @@ def whole_answer(request_body: bytes, answer_bytes: int | None, envelope_bytes: 
         cap, choices = _cap_and_choices(request_body)
         if cap is not None:
             output = min(output, cap * choices)
-    return Usage(input_tokens=prompt_tokens(request_body), output_tokens=output)
+    tier = asked_tier(request_body)  # as for a stream (`Produced.estimate`)
+    return Usage(input_tokens=prompt_tokens(request_body), output_tokens=output, service_tier=tier)

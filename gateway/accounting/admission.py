@@ -373,9 +373,13 @@ class Admission:
         prompt_tokens: int,
         max_output_tokens: int,
         long_context: LongContextSheet | None = None,
+        service_tier: str | None = None,
     ) -> None:
         """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it.
-        `long_context`: the model's long-context tier, which prices the estimate of a long prompt."""
+        `long_context`: the model's long-context tier, which prices the estimate of a long prompt.
+        `service_tier`: the tier the request asks for, whose prices (where the model has some) price
+        the estimate, as they will bill the attempt: at the base price a priority request was
+        reserved too little until it settled, and a tenant near its budget overspent it."""
         self._expire()
         # Remembered under this exchange's key: a client may send its request id on other requests
         # too, whose attempts must not settle this one's reservation (gateway.ids.exchange_tag).
@@ -404,7 +408,7 @@ class Admission:
         if budgets:
             # The estimate's price: what pricing Usage(input_tokens=prompt, output_tokens=max output)
             # gives, from the resolved sheet directly (no Usage and Cost objects per request).
-            prices = self._catalog().prices_at(backend, model, now)
+            prices = self._catalog().prices_at(backend, model, now, service_tier)
             if long_context is not None:
                 prices = long_context.apply(prices, prompt_tokens)
             sheet = sheet_of(prices)

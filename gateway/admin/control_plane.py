@@ -37,7 +37,7 @@ from gateway.auth import Authenticator, Principal
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine, normalise_url, sessionmaker
-from gateway.estimate import output_estimate, prompt_tokens
+from gateway.estimate import asked_tier, output_estimate, prompt_tokens
 from gateway.state import open_state
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
@@ -245,6 +245,7 @@ class ControlPlane:
             prompt_tokens=prompt_tokens(upstream.body),
             max_output_tokens=output_estimate(upstream.body),
             long_context=self.long_context.get(target.model.name),
+            service_tier=asked_tier(upstream.body),
         )
 
 

@@ -9,6 +9,8 @@ import time
 from decimal import Decimal
 
 import anthropic
+import httpx
+import openai
 import pytest
 
 from tests.control.conftest import Weir, sync_exec
@@ -221,6 +223,72 @@ def test_a_tier_priced_in_the_catalog_bills_its_attempts(weir: Weir, fake_openai
         ("gpt-5-mini", "flex", pico("0.125", "0.90")),
         ("gpt-5-mini", "scale", pico("0.20", "2.00")),
     ]
+
+
+def budget_used(weir: Weir, tenant_id: str, ratio: float, timeout: float = 15) -> None:
+    """Wait until the tenant's budget use (/metrics, as of its last settlement) reaches `ratio`."""
+    deadline = time.monotonic() + timeout
+    gauge = f'weir_budget_usage_ratio{{tenant="{tenant_id}"}}'
+    while time.monotonic() < deadline:
+        lines = httpx.get(f"{weir.url}/metrics").text.splitlines()
+        if any(line.startswith(gauge) and float(line.split()[-1]) >= ratio for line in lines):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the budget never reached {ratio}")
+
+
+def test_a_priority_request_reserves_its_budget_at_the_priority_price(
+    weir: Weir, fake_openai: FakeOpenAI
+) -> None:
+    """Admission reserves a request's estimate (its prompt, and its max_tokens of output) at the prices
+    of the tier it asks for: at the base price, a priority request near the end of a budget was
+    admitted and overspent it by what priority costs above the base."""
+    tenant_id, _, key = weir.tenant_with_key("priority-budget", budget_usd_monthly="0.01")
+    client = weir.client(key)
+    ask = {"model": "gpt-5-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}
+    # $0.00025 + $0.007 of a $0.01 budget spent: $0.00275 left.
+    fake_openai.set_next_usage(input_tokens=INPUT, output_tokens=3500)
+    client.chat.completions.create(**{**ask, "max_tokens": 4000})
+    budget_used(weir, tenant_id, 0.725)
+
+    # 1,000 output tokens at priority's $3.60: $0.0036, more than is left; at the base $2: $0.002.
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(**ask, service_tier="priority")
+    assert refused.value.code == "insufficient_quota"
+    assert len(fake_openai.posts) == 1
+    fake_openai.set_next_usage(input_tokens=10, output_tokens=10)
+    assert client.chat.completions.create(**ask).service_tier == "default"
+
+
+def test_a_stream_cut_before_its_usage_is_billed_at_the_tier_it_asked_for(
+    weir: Weir, fake_openai: FakeOpenAI
+) -> None:
+    """A stream its client leaves before the vendor's usage report is billed an estimate, at the prices
+    of the concrete tier it asked for (`flex`, `priority`): its vendor serves those as asked. It was
+    billed at the base price, a flex stream at twice what OpenAI charges."""
+    tenant_id, _, key = weir.tenant_with_key("cut-tiers")
+    fake_openai.set_latency(per_token=0.3)
+    stream = weir.client(key).chat.completions.create(
+        model="gpt-5-mini",
+        messages=[{"role": "user", "content": "one two three four five six"}],
+        service_tier="flex",
+        stream=True,
+    )
+    next(iter(stream))
+    stream.close()  # the client leaves mid-stream: a 499, billed what was generated, estimated
+    deadline = time.monotonic() + 15
+    while not (rows := sync_exec(weir.db_url, _CUT_ROW.format(tenant_id))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [(tier, estimated, status, input_tokens, output_tokens, cost)] = rows
+    assert (tier, bool(estimated), status) == ("flex", True, 499)
+    assert input_tokens > 0 and output_tokens > 0
+    assert cost == input_tokens * 125_000 + output_tokens * 1_000_000  # flex: $0.125 and $1 per 1M
+
+
+_CUT_ROW = (
+    "SELECT service_tier, estimated, status, input_tokens, output_tokens, cost_pico_usd "
+    "FROM usage_events WHERE tenant_id = '{}'"
+)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import pytest
 
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.config import ConfigError, Model, parse_config
+from gateway.estimate import Produced, asked_tier, whole_answer
 from gateway.pipeline import Pipeline
 from gateway.router_basic import Target
 from gateway.types import ChatRequest, Message
@@ -108,3 +109,23 @@ def test_cheapest_prices_the_tier_asked_for_from_the_catalog() -> None:
     )
     prompt, cost = _cost(_model(), "flex", ctx)
     assert cost == pytest.approx((prompt * 0.30 + 100 * 1.5) / 1e6)
+
+
+@pytest.mark.parametrize(
+    ("body", "tier"),
+    [
+        (b'{"model": "m", "service_tier": "flex"}', "flex"),
+        (b'{"model": "m", "service_tier": "priority", "stream": true}', "priority"),
+        # The vendor decides (`auto`), the base price (`default`, Anthropic's `standard_only`), none.
+        (b'{"model": "m", "service_tier": "auto"}', None),
+        (b'{"model": "m", "service_tier": "default"}', None),
+        (b'{"model": "m", "service_tier": "standard_only"}', None),
+        (b'{"model": "m"}', None),
+        (b'{"model": "m", "service_tier": ["flex"]}', None),
+        (b'{"messages": [{"content": "\\"service_tier\\""}]', None),  # cut short: unreadable
+    ],
+)
+def test_the_tier_a_request_body_asks_for(body: bytes, tier: str | None) -> None:
+    assert asked_tier(body) == tier
+    assert Produced().estimate(body).service_tier == tier
+    assert whole_answer(body, None, 0).service_tier == tier
