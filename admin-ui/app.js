@@ -958,7 +958,9 @@ async function finance(params, query, show) {
   const spendDays = spanDays > 0 && spanDays <= 400 ? fillDays(daily.data, new Date(start + "T00:00:00Z"), new Date(end + "T00:00:00Z")) : daily.data;
   const startIn = h("input", { name: "start", type: "date", value: start, required: true });
   const endIn = h("input", { name: "end", type: "date", value: end, required: true });
-  const boxes = ["tenant", "model", "backend", "day", "key"].map((g) =>
+  // service_tier: cost by the tier each attempt was served and billed at (flex, priority...); blank
+  // where its vendor reported none. The report reads the ledger for it (the rollups keep no tier).
+  const boxes = ["tenant", "model", "backend", "day", "key", "service_tier"].map((g) =>
     h("label", { class: "check" }, h("input", { type: "checkbox", name: "group_by", value: g, checked: groups.includes(g) }), ` ${g}`));
   const form = h("form", { class: "inline-form", "aria-label": "Report range" }, ...formBox(
     field("From", startIn), field("To (exclusive)", endIn, "The report covers From up to, not including, To."),

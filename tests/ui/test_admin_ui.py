@@ -249,3 +249,30 @@ def test_finance_shows_the_reports_errors_and_cancelled_attempts(
         assert cells[heads.index(label)] == str(row[column])
         assert foot[heads.index(label)] == str(api["totals"][column])
     page.close()
+
+
+def test_finance_groups_cost_by_service_tier(routed: Weir, browser: Any, fake_openai: FakeOpenAI) -> None:
+    """Finance offers the usage report's `service_tier` grouping: what the attempts each tier their
+    vendor served them at (flex, the default) cost, as the API reports it."""
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-team-key", max_retries=0, timeout=20)
+    for tier in ("flex", "flex", "default"):
+        fake_openai.set_next_usage(input_tokens=1000, output_tokens=100)
+        client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], service_tier=tier
+        )
+    assert wait_for_ledger(routed, 3)["totals"]["requests"] == 3
+
+    page = signed_in(routed, browser, "#/finance")
+    page.get_by_label("model", exact=True).uncheck()
+    page.get_by_label("service_tier", exact=True).check()
+    page.get_by_role("button", name="Show report").click()
+    page.wait_for_url("**group_by=tenant,service_tier")
+    report = page.locator("main table").first
+    report.locator("thead th", has_text="service_tier").wait_for()
+    api = routed.admin.get("/reports/usage", params={"group_by": "tenant,service_tier"}).json()
+    heads = report.locator("thead th").all_inner_texts()
+    rows = [row.locator("td").all_inner_texts() for row in report.locator("tbody tr").all()]
+    shown = {cells[heads.index("service_tier")]: cells[heads.index("Cost (USD)")] for cells in rows}
+    assert shown == {r["service_tier"]: r["cost_usd"] for r in api["rows"]}
+    assert set(shown) == {"flex", "default"}
+    page.close()
