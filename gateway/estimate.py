@@ -176,12 +176,14 @@ def chunk_text_bytes(chunk: Any) -> int:
 
 
 def with_thinking(usage: Usage, thought_bytes: int) -> Usage:
-    """A Claude answer's usage with its reasoning tokens where Anthropic reported none: before
-    `output_tokens_details` (and on models without it) Anthropic bills thinking inside `output_tokens`
-    and says nothing of its share. Estimated from the thinking received (thinking text and redacted
-    blocks' data, `thought_bytes`) at BYTES_PER_TOKEN, at most `output_tokens`, and marked
+    """An answer's usage with its reasoning tokens where its vendor reported none: a Claude answer
+    (before `output_tokens_details`, and on models without it, Anthropic bills thinking inside
+    `output_tokens` and says nothing of its share), or a stream cut before any usage report
+    (`Produced.estimate`). Estimated from the thinking received (reasoning text and redacted blocks'
+    data, `thought_bytes`) at BYTES_PER_TOKEN, at most `output_tokens`, and marked
     `reasoning_estimated`; low where Claude 4 returns a summary of a longer thinking it bills in
-    full. A breakdown for reports and routing (`cheapest`, `lowest_latency`), never what is billed."""
+    full, and 0 where the reasoning is hidden (OpenAI's). A breakdown for reports and routing
+    (`cheapest`, `lowest_latency`), never what is billed."""
     if usage.reasoning_tokens or not thought_bytes:
         return usage
     estimate = min(_ceil_tokens(thought_bytes), usage.output_tokens)
@@ -191,28 +193,39 @@ def with_thinking(usage: Usage, thought_bytes: int) -> Usage:
 class Produced:
     """Counts what a stream generated so far, to estimate its output if no usage report comes."""
 
-    __slots__ = ("chunks", "text_bytes")
+    __slots__ = ("chunks", "text_bytes", "thought_bytes")
 
     def __init__(self) -> None:
         self.chunks = 0
         self.text_bytes = 0
+        self.thought_bytes = 0  # the reasoning received, to estimate its share (`with_thinking`)
 
     def add(self, chunk: Any) -> None:
         size = chunk_text_bytes(chunk)
         if size:
             self.chunks += 1
             self.text_bytes += size
+        if isinstance(chunk, ChatChunk):
+            self.thought_bytes += sum(_thought_bytes(choice.delta) for choice in chunk.choices)
 
     def estimate(self, request_body: bytes) -> Usage:
         """The usage to bill for a stream cut before the vendor reported any, at the service tier the
         request asked for where it named one (`asked_tier`): a flex stream billed at the base price
-        cost twice what its vendor charged."""
+        cost twice what its vendor charged. Its reasoning share is estimated from the reasoning
+        received, as a Claude answer's is (`with_thinking`): a stream cut mid-thinking reasoned."""
         output = max(self.chunks, _ceil_tokens(self.text_bytes))
-        return Usage(
+        usage = Usage(
             input_tokens=prompt_tokens(request_body),
             output_tokens=output,
             service_tier=asked_tier(request_body),
         )
+        return with_thinking(usage, self.thought_bytes)
+
+
+def _thought_bytes(delta: Any) -> int:
+    """The reasoning a delta carries: its text, or a redacted block's encrypted data (as the Anthropic
+    adapter counts it for `with_thinking`)."""
+    return len((delta.reasoning_content or "").encode()) + len((delta.redacted_reasoning or "").encode())
 
 
 # The service tiers a request can name and be served at as asked (OpenAI's flex and priority

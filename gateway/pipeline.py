@@ -571,13 +571,27 @@ def _cut_usage(decoder: StreamDecoder, estimate: Usage) -> Usage:
     and the prompt as the vendor had already counted it where it had (Anthropic's message_start,
     Gemini's running usageMetadata), cache reads and writes included. Estimated from the body's size
     instead, a prompt read from the cache was billed at the full input price, and a cache write (which
-    costs more) at it too: a failover's cut attempt on a long cached prompt cost ten times too much."""
+    costs more) at it too: a failover's cut attempt on a long cached prompt cost ten times too much.
+    The reasoning is the vendor's running count where it gave one (Gemini's), else the estimate's.
+    The tier is the one the stream said it was served at where it said so before its usage report
+    (OpenAI's `service_tier`, in every chunk: `auto` served at `priority`), else the estimate's (the
+    tier asked for)."""
+    served = getattr(decoder, "served_tier", None)  # optional: only OpenAI says so in every chunk
+    if served is not None:
+        estimate = msgspec.structs.replace(estimate, service_tier=served)
     partial = getattr(decoder, "partial_usage", None)  # optional: OpenAI reports usage only at the end
     reported = partial() if partial is not None else None
     if reported is None or reported.prompt_tokens == 0:
         return estimate
     output = max(reported.output_tokens, estimate.output_tokens)
-    return msgspec.structs.replace(reported, output_tokens=output)
+    if reported.reasoning_tokens:
+        return msgspec.structs.replace(reported, output_tokens=output)
+    return msgspec.structs.replace(
+        reported,
+        output_tokens=output,
+        reasoning_tokens=estimate.reasoning_tokens,
+        reasoning_estimated=estimate.reasoning_estimated,
+    )
 
 
 def decode(step: Callable[..., T], backend: str, *args: Any) -> T:

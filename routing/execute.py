@@ -951,6 +951,7 @@ class Executor:
                         output_tokens=written.output_tokens
                         + max(0, cut.output_tokens - _repeated_tokens(stitch)),
                         reasoning_tokens=written.reasoning_tokens + cut.reasoning_tokens,
+                        reasoning_estimated=written.reasoning_estimated or cut.reasoning_estimated,
                     )
                     if (
                         not plan.route.resume
@@ -1429,11 +1430,14 @@ def _as_one_answer(reported: Usage, written: Usage, prefilled_tokens: int, repea
     is the continuation's less the prefill's tokens (estimated), which end it (`_without_prompt_end`);
     the output is the continuation's less what it wrote again of the text sent (`repeated_tokens`,
     estimated: the client got it once), and it and the reasoning add what the cut attempts are
-    billed for (`written`). The ledger still bills each attempt as it ran."""
+    billed for (`written`). The ledger still bills each attempt as it ran. The reasoning is an
+    estimate if any part of it was (`Usage.reasoning_estimated`): an Anthropic client is never told
+    Weir's estimate as Anthropic's count."""
     return msgspec.structs.replace(
         _without_prompt_end(reported, prefilled_tokens),
         output_tokens=max(0, reported.output_tokens - repeated_tokens) + written.output_tokens,
         reasoning_tokens=reported.reasoning_tokens + written.reasoning_tokens,
+        reasoning_estimated=reported.reasoning_estimated or written.reasoning_estimated,
     )
 
 

@@ -548,6 +548,9 @@ class ChatStream:
         self.finished = False
         self.answered = False  # some of the answer came: text, a tool call, a refusal, reasoning
         self.calls = _CallNumbering()
+        # The tier OpenAI says it serves the stream at, in every chunk: what a stream cut before its
+        # usage chunk is billed at (`pipeline._cut_usage`), which `auto` does not tell.
+        self.served_tier: str | None = None
 
     def feed(self, event: str | None, data: str) -> list[ChatChunk]:
         if data == "[DONE]":
@@ -564,7 +567,10 @@ class ChatStream:
                 self.finished = True
                 _note_matched_stop(choice)
             self.answered = self.answered or choice.delta.carries_output()
-        usage = normalise_usage(VENDOR, wire.usage, wire.extra.get("service_tier")) if wire.usage else None
+        tier = wire.extra.get("service_tier")
+        if isinstance(tier, str) and tier:
+            self.served_tier = tier
+        usage = normalise_usage(VENDOR, wire.usage, tier) if wire.usage else None
         return [
             ChatChunk(
                 id=wire.id,

@@ -285,6 +285,31 @@ def test_a_stream_cut_before_its_usage_is_billed_at_the_tier_it_asked_for(
     assert cost == input_tokens * 125_000 + output_tokens * 1_000_000  # flex: $0.125 and $1 per 1M
 
 
+def test_a_stream_cut_before_its_usage_is_billed_at_the_tier_it_was_served_at(
+    weir: Weir, fake_openai: FakeOpenAI
+) -> None:
+    """OpenAI says the tier it serves a stream at in every chunk, not only the usage chunk: a stream
+    that asks for `auto` and is served at `priority` (a project with Priority capacity), cut before its
+    usage chunk, is billed at priority's prices. It was billed at the base price (`auto` names none)."""
+    tenant_id, _, key = weir.tenant_with_key("cut-served-tier")
+    fake_openai.serve_auto_at("priority")
+    fake_openai.set_latency(per_token=0.3)
+    stream = weir.client(key).chat.completions.create(
+        model="gpt-5-mini",
+        messages=[{"role": "user", "content": "one two three four five six"}],
+        service_tier="auto",
+        stream=True,
+    )
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 15
+    while not (rows := sync_exec(weir.db_url, _CUT_ROW.format(tenant_id))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [(tier, estimated, status, input_tokens, output_tokens, cost)] = rows
+    assert (tier, bool(estimated), status) == ("priority", True, 499)
+    assert cost == input_tokens * 450_000 + output_tokens * 3_600_000  # priority: $0.45 and $3.60 per 1M
+
+
 _CUT_ROW = (
     "SELECT service_tier, estimated, status, input_tokens, output_tokens, cost_pico_usd "
     "FROM usage_events WHERE tenant_id = '{}'"

@@ -255,6 +255,41 @@ def test_messages_thinking_cut_mid_reasoning_is_two_thinking_blocks_the_next_tur
     assert [b["type"] for b in sent] == ["thinking", "text"] and sent[0]["signature"] == thought.signature  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize(
+    ("route", "cut", "thought_tokens"),
+    # DeepSeek's "The user" (8 bytes), then Claude's "Let me" (6 bytes): 2 tokens at 4 bytes each.
+    [("reasoners", Fault.cut_stream(after=3), 2), ("thinkers", Fault.cut_stream(after=5), 2)],
+)
+def test_a_stream_cut_mid_thinking_estimates_its_reasoning_and_the_client_gets_no_estimate_as_a_count(
+    gateway: RunningGateway,
+    fake_deepseek: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    route: str,
+    cut: Fault,
+    thought_tokens: int,
+) -> None:
+    """The stream breaks in its reasoning, before any usage report: the cut attempt is billed its
+    reasoning too, estimated from the reasoning received (it was 0). The continuation's model counts
+    its thinking (`thinking_tokens`), and the resumed stream's usage adds the cut attempt's
+    estimate to it: the sum is an estimate, which an Anthropic client is never told as
+    `output_tokens_details.thinking_tokens` (it was told 40 + the estimate as Anthropic's count)."""
+    fresh(gateway)
+    (fake_deepseek if route == "reasoners" else fake_anthropic).fail_next(cut)
+    for _ in range(2):  # whichever response reports usage first, the continuation reports its count
+        fake_anthropic.set_next_usage(output_tokens=50, reasoning_tokens=40)
+    with gateway.anthropic().messages.stream(
+        model=route, max_tokens=2000, messages=HI, thinking=THINKING
+    ) as stream:
+        final = stream.get_final_message()
+    settled(gateway, 2)
+    first, second = sorted(gateway.sink.events, key=lambda e: e.attempt)
+    assert first.estimated and first.usage.output_tokens >= thought_tokens
+    assert (first.usage.reasoning_tokens, first.usage.reasoning_estimated) == (thought_tokens, True)
+    assert (second.usage.reasoning_tokens, second.usage.reasoning_estimated) == (40, False)
+    assert final.usage.output_tokens == 50 + first.usage.output_tokens
+    assert final.usage.output_tokens_details is None
+
+
 def test_messages_thinking_cut_after_text_resumes_on_claude_without_thinking(
     gateway: RunningGateway, fake_anthropic: FakeAnthropic
 ) -> None:
