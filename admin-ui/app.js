@@ -1057,6 +1057,8 @@ async function requests(params, query, show) {
       // What a route's ttft_timeout is measured against; streams only.
       { label: "First token", num: true, render: (a) => (a.ttft_ms === null || a.ttft_ms === undefined ? "—" : `${Math.round(a.ttft_ms)} ms`) },
       { label: "Tokens in/out", num: true, render: tokensText },
+      // The tier its vendor served it at (flex, priority...), whose prices its cost is; "—" where it said none.
+      { label: "Tier", render: (a) => a.service_tier || "—" },
       { label: "Cost", num: true, key: "cost_usd" },
     ], r.attempts)); };
   show("Requests", form,

@@ -312,7 +312,9 @@ async def routing_savings(
 ) -> dict[str, Any]:
     """Per day: what routed requests cost against what they would have cost on their route's most
     expensive candidate (the "send everything to the strongest model" baseline), priced at the
-    prices in effect when each request ran. Requests to a plain model (no route, or a route with
+    prices in effect when each request ran, at the service tier its attempt was served at where the
+    baseline model prices that tier (as the attempt itself was billed: flex traffic priced against a
+    base-price baseline showed flex's discount as routing's savings). Requests to a plain model (no route, or a route with
     one candidate) count on both sides alike. Routes are today's: a route since changed is judged
     by its current candidates."""
     from gateway.accounting.catalog import load_catalog
@@ -325,7 +327,12 @@ async def routing_savings(
     columns = [getattr(UsageEventRow, USAGE_FIELD[c]) for c in TokenClass]
     query = (
         select(
-            UsageEventRow.day, UsageEventRow.ts, UsageEventRow.route, UsageEventRow.cost_pico_usd, *columns
+            UsageEventRow.day,
+            UsageEventRow.ts,
+            UsageEventRow.route,
+            UsageEventRow.service_tier,
+            UsageEventRow.cost_pico_usd,
+            *columns,
         )
         .where(
             UsageEventRow.ts >= lo,
@@ -336,22 +343,22 @@ async def routing_savings(
         .execution_options(yield_per=5000)
     )
 
-    def strongest_cost(route: str, at: Any, tokens: list[int]) -> int | None:
+    def strongest_cost(route: str, at: Any, tier: str | None, tokens: list[int]) -> int | None:
         costs = []
         for candidate_route in router.routes.get(route, []):
             for model in (c.model for c in candidate_route.candidates):
                 target = targets.get(model)
                 if target is None:
                     continue
-                prices = resolve(catalog.prices_at(target.backend.name, target.upstream_model, at))
+                prices = resolve(catalog.prices_at(target.backend.name, target.upstream_model, at, tier))
                 costs.append(sum(n * prices.get(c, 0) for c, n in zip(TokenClass, tokens, strict=True)))
         return max(costs) if len(costs) > 1 else None
 
     days: dict[str, list[int]] = {}
     async with ctx.sessions() as session:
         catalog = await load_catalog(session)
-        async for day, ts, route, cost, *tokens in await session.stream(query):
-            baseline = strongest_cost(route, ts, tokens)
+        async for day, ts, route, tier, cost, *tokens in await session.stream(query):
+            baseline = strongest_cost(route, ts, tier, tokens)
             into = days.setdefault(day.isoformat(), [0, 0])
             into[0] += cost
             into[1] += cost if baseline is None else baseline

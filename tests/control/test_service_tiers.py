@@ -36,6 +36,11 @@ models:
     backend: anthropic
     model: claude-sonnet-4-5
     price: {input: 3.0, output: 15.0, tiers: {priority: {input: 4.5, output: 22.5}}}
+  - name: gpt-5
+    backend: openai
+    price: {input: 1.25, output: 10.00, tiers: {flex: {input: 0.625, output: 5.00}}}
+routes:
+  - {name: pair, candidates: [{model: gpt-5-mini}, {model: gpt-5}], probe_interval: null}
 database_url: "${DB_URL}"
 """
 
@@ -308,6 +313,25 @@ def test_a_stream_cut_before_its_usage_is_billed_at_the_tier_it_was_served_at(
     [(tier, estimated, status, input_tokens, output_tokens, cost)] = rows
     assert (tier, bool(estimated), status) == ("priority", True, 499)
     assert cost == input_tokens * 450_000 + output_tokens * 3_600_000  # priority: $0.45 and $3.60 per 1M
+
+
+def test_the_savings_baseline_is_priced_at_the_tier_each_request_was_served_at(
+    weir: Weir, fake_openai: FakeOpenAI
+) -> None:
+    """A flex request routed to gpt-5-mini is billed at flex's prices; the "strongest model"
+    baseline (gpt-5, which prices flex too) is priced at flex's as well, so the savings are
+    routing's alone. At gpt-5's base price, flex's discount showed as savings too."""
+    tenant_id, _, key = weir.tenant_with_key("flex-savings")
+    fake_openai.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
+    answer = weir.client(key).chat.completions.create(
+        model="pair", messages=[{"role": "user", "content": "hello"}], service_tier="flex"
+    )
+    assert answer.service_tier == "flex"
+    [(model, tier, cost)] = tiers_and_costs(weir, tenant_id, 1)
+    assert (model, tier, cost) == ("gpt-5-mini", "flex", pico("0.125", "1.00"))
+    totals = weir.admin.get("/reports/routing-savings").json()["totals"]
+    assert Decimal(totals["cost_usd"]) * 10**12 == pico("0.125", "1.00")
+    assert Decimal(totals["strongest_cost_usd"]) * 10**12 == pico("0.625", "5.00")
 
 
 _CUT_ROW = (

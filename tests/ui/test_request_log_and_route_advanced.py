@@ -161,3 +161,21 @@ def test_the_log_shows_an_attempts_cache_tokens_and_whether_it_was_estimated(
     assert tokens[0] == f"{cut['input_tokens']}/{cut['output_tokens']}, estimated"
     assert tokens[1] == f"{continued['input_tokens']}/{continued['output_tokens']} (cached 1,024)"
     page.close()
+
+
+def test_the_log_shows_the_tier_each_attempt_was_served_at(routed: Weir, browser: Any) -> None:
+    """The API gives each attempt's `service_tier`, whose prices its cost is; the attempt rows showed
+    none of it."""
+    _client(routed).chat.completions.create(
+        model="gpt-4o-mini", messages=HI, max_tokens=5, service_tier="flex"
+    )
+    [request] = _logged(routed.admin, 1)
+    assert request["attempts"][0]["service_tier"] == "flex"
+
+    page = signed_in(routed, browser, "#/requests")
+    detail = page.locator("main > .table-wrap > table > tbody > tr.detail").first
+    detail.locator("summary").click()
+    headers = detail.locator("thead th").all_inner_texts()
+    cells = detail.locator("tbody tr").first.locator("td").all_inner_texts()
+    assert cells[headers.index("Tier")] == "flex"
+    page.close()
