@@ -23,7 +23,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from gateway.accounting.admission import Admission, Quotas
 from gateway.accounting.catalog import load_catalog, seed_prices
 from gateway.accounting.money import usd_per_mtok_to_micro
-from gateway.accounting.pricing import LongContextSheet, PriceCatalog, PriceRow, TokenClass
+from gateway.accounting.pricing import BASE_TIER, LongContextSheet, PriceCatalog, PriceRow, TokenClass
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
 from gateway.accounting.reports import joined_sum, split_sum
 from gateway.accounting.sink import AccountingSink
@@ -270,7 +270,7 @@ def from_config(config: Any) -> ControlPlane | None:
     prices = []
     for model in config.models:
         # The base price, then each service tier's (`price.tiers`): their rows bill that tier.
-        for tier, price in (("", model.price), *model.price.tiers.items()):
+        for tier, price in ((BASE_TIER, model.price), *model.price.tiers.items()):
             for token_class in TokenClass:
                 value = getattr(price, str(token_class), None)
                 if value is not None:

@@ -19,6 +19,7 @@ from gateway.config import Backend
 from gateway.errors import BadGateway, GatewayError, InvalidRequest
 from gateway.providers import openai
 from gateway.providers.base import (
+    CONTEXT_LENGTH_EXCEEDED,
     NO_ARGUMENTS,
     Param,
     ParamTable,
@@ -70,7 +71,7 @@ _FAILURE_STATUS = {
     "server_is_overloaded": 503,
     "slow_down": 503,
     "invalid_prompt": 400,
-    "context_length_exceeded": 400,
+    CONTEXT_LENGTH_EXCEEDED: 400,
 }
 
 

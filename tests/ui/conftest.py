@@ -78,7 +78,8 @@ def routed(fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     yield from _serve(ROUTED_CONFIG, fake_openai, tmp_path, monkeypatch)
 
 
-# The routed models with the output limits their vendor documents (`models[].max_output_tokens`).
+# The routed models with output limits (`models[].max_output_tokens`): two different ones, so the route
+# form's hint shows which model each limit is inherited from (gpt-4o's documented limit is 16,384).
 LIMITED_CONFIG = ROUTED_CONFIG.replace(
     "{name: gpt-4o-mini, backend: openai,", "{name: gpt-4o-mini, backend: openai, max_output_tokens: 16384,"
 ).replace("{name: gpt-4o, backend: openai,", "{name: gpt-4o, backend: openai, max_output_tokens: 8192,")
