@@ -104,6 +104,17 @@ def sync_exec(url: str, sql: str) -> list[tuple]:
     return asyncio.run(run())
 
 
+def wait_rows(url: str, sql: str, expect: int = 1, timeout: float = 15) -> list[tuple]:
+    """`sql`'s rows once there are `expect` of them (the batch writer lands usage events a moment
+    after the response), or what there is after `timeout` seconds, for the caller's assert to show."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = sync_exec(url, sql)
+        if len(rows) >= expect or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 async def state(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncIterator[SharedState]:
     """Each shared state: in process, and on the test Redis under this test's prefix."""
@@ -147,16 +158,13 @@ class Weir:
 
     def ledger(self, tenant_id: str, expect: int, timeout: float = 15) -> list[tuple]:
         """The tenant's usage rows, once the batch writer has landed `expect` of them."""
-        deadline = time.monotonic() + timeout
-        while True:
-            rows = sync_exec(
-                self.db_url,
-                "SELECT input_tokens, cached_input_tokens, output_tokens, cost_pico_usd, status, key_id "
-                f"FROM usage_events WHERE tenant_id = '{tenant_id}'",
-            )
-            if len(rows) >= expect or time.monotonic() > deadline:
-                return rows
-            time.sleep(0.1)
+        return wait_rows(
+            self.db_url,
+            "SELECT input_tokens, cached_input_tokens, output_tokens, cost_pico_usd, status, key_id "
+            f"FROM usage_events WHERE tenant_id = '{tenant_id}'",
+            expect,
+            timeout,
+        )
 
 
 @contextmanager

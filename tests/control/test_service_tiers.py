@@ -5,7 +5,6 @@ model's base price. The ledger, the request log and the usage report show the ti
 
 from __future__ import annotations
 
-import time
 from decimal import Decimal
 
 import anthropic
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.control.conftest import Weir, sync_exec
+from tests.control.conftest import Weir, wait_rows
 from tests.fakes import FakeAnthropic, FakeOpenAI
 
 # USD per 1M tokens. gpt-5-mini: OpenAI's list prices (standard, flex, priority processing).
@@ -61,16 +60,13 @@ def pico(input_usd: str, output_usd: str) -> int:
 
 def tiers_and_costs(weir: Weir, tenant_id: str, expect: int, timeout: float = 15) -> list[tuple]:
     """The tenant's ledger rows as (model, service_tier, cost_pico_usd), oldest first."""
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = sync_exec(
-            weir.db_url,
-            "SELECT model, service_tier, cost_pico_usd FROM usage_events "
-            f"WHERE tenant_id = '{tenant_id}' ORDER BY event_id",
-        )
-        if len(rows) >= expect or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.1)
+    return wait_rows(
+        weir.db_url,
+        "SELECT model, service_tier, cost_pico_usd FROM usage_events "
+        f"WHERE tenant_id = '{tenant_id}' ORDER BY event_id",
+        expect,
+        timeout,
+    )
 
 
 def test_openai_attempts_are_billed_at_the_tier_served(weir: Weir, fake_openai: FakeOpenAI) -> None:

@@ -3,10 +3,9 @@ the tenant's ledger rows once they land, and the price of tokens at the config's
 
 from __future__ import annotations
 
-import time
 from decimal import Decimal
 
-from tests.control.conftest import PRICE, Weir, sync_exec
+from tests.control.conftest import PRICE, Weir, wait_rows
 
 WORDS = " ".join(f"w{i}" for i in range(40))  # the fake echoes one word per chunk, one token per word
 
@@ -14,16 +13,12 @@ WORDS = " ".join(f"w{i}" for i in range(40))  # the fake echoes one word per chu
 def ledger(weir: Weir, tenant_id: str, timeout: float = 15) -> list[tuple]:
     """The tenant's ledger rows (input and output tokens, cost, status, estimated), waiting up to
     `timeout` seconds for the first to land."""
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = sync_exec(
-            weir.db_url,
-            "SELECT input_tokens, output_tokens, cost_pico_usd, status, estimated "
-            f"FROM usage_events WHERE tenant_id = '{tenant_id}'",
-        )
-        if rows or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.1)
+    return wait_rows(
+        weir.db_url,
+        "SELECT input_tokens, output_tokens, cost_pico_usd, status, estimated "
+        f"FROM usage_events WHERE tenant_id = '{tenant_id}'",
+        timeout=timeout,
+    )
 
 
 def pico(input_tokens: int, output_tokens: int) -> int:
