@@ -170,6 +170,19 @@ def long_context_sheet(model: Model) -> LongContextSheet | None:
     return None if tier is None else LongContextSheet(tier.above_prompt_tokens, _rates(tier))
 
 
+def model_prices(
+    model: Model, catalog: dict[TokenClass, int], service_tier: str | None, prompt_tokens: int
+) -> dict[TokenClass, int]:
+    """The prices that bill an attempt on `model` served at `service_tier` with a prompt of
+    `prompt_tokens`: the catalog's (`catalog`, empty where it has none for the model), else the
+    config's `price`, at the tier's own prices where it has some, else the base ones; at the config's
+    `long_context` rates where the prompt is above its threshold. One rule for billing
+    (`Pipeline.billing_prices`) and for the prices `cheapest` expects (`routing.policies`)."""
+    prices = catalog or (service_tier and tier_sheets(model).get(service_tier)) or price_sheet(model)
+    tier = long_context_sheet(model)
+    return prices if tier is None else tier.apply(prices, prompt_tokens)
+
+
 # How long an attempt cancelled while its whole answer's body comes in still waits for it, for its
 # vendor's usage report (`_cut_answer`): the body usually arrives with the headers. The attempt ends
 # at once, and waits in the background (`Pipeline.background`): whoever cancelled it (a hedge race's
@@ -196,8 +209,6 @@ class Pipeline:
         self.admission = admission
         # What engine replicas report of their queues, for the router (its PolicyContext's).
         self.loads = loads if loads is not None else LoadReports()
-        self.prices = {model.name: price_sheet(model) for model in models}
-        self.tier_prices = {model.name: tiers for model in models if (tiers := tier_sheets(model))}
         self.long_context = {
             model.name: tier for model in models if (tier := long_context_sheet(model)) is not None
         }
@@ -215,14 +226,10 @@ class Pipeline:
         where it has any for the backend and upstream model, else the config's `price`; a tier's own
         prices where it has some, else the base ones; at the config's `long_context` rates where the
         prompt is above its threshold."""
-        prices = None
+        catalog: dict[TokenClass, int] = {}
         if self.catalog is not None:
-            prices = self.catalog(target.backend.name, target.upstream_model, at, service_tier)
-        if not prices:
-            tiers = self.tier_prices.get(target.model.name, {})
-            prices = (service_tier and tiers.get(service_tier)) or self.prices.get(target.model.name, {})
-        tier = self.long_context.get(target.model.name)
-        return prices if tier is None else tier.apply(prices, prompt_tokens)
+            catalog = self.catalog(target.backend.name, target.upstream_model, at, service_tier)
+        return model_prices(target.model, catalog, service_tier, prompt_tokens)
 
     async def exchange(
         self,

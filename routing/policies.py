@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gateway.accounting.pricing import TokenClass, resolve
-from gateway.pipeline import long_context_sheet, price_sheet, tier_sheets
+from gateway.pipeline import model_prices
 from routing.breaker import Breakers
 from routing.load import LoadReports
 from routing.plan import Choice, Features, Lesson, Outcome
@@ -198,13 +198,9 @@ def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: Po
     # name (OpenAI's `flex`, `priority`: served as asked), else the base prices.
     asked = feats.service_tier
     catalog = ctx.prices(backend, model, asked) if ctx.prices is not None else {}
-    # In micro-USD per 1M tokens, unpriced classes as billing prices them (`resolve`).
-    base = (
-        catalog or (asked and tier_sheets(choice.target.model).get(asked)) or price_sheet(choice.target.model)
-    )
-    # Above the model's long-context threshold every token bills at the tier (`Pipeline.billing_prices`).
-    tier = long_context_sheet(choice.target.model)
-    prices = resolve(base if tier is None else tier.apply(base, feats.prompt_tokens))
+    # In micro-USD per 1M tokens, as billing finds them (`model_prices`: above the model's long-context
+    # threshold every token bills at its rates), unpriced classes as billing prices them (`resolve`).
+    prices = resolve(model_prices(choice.target.model, catalog, asked, feats.prompt_tokens))
     shares = _cache_shares(choice, feats, ctx)
     input_price = prices.get(TokenClass.INPUT, 0)
     per_prompt_token = input_price + sum(
