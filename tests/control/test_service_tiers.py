@@ -262,24 +262,29 @@ def test_a_priority_request_reserves_its_budget_at_the_priority_price(
     assert client.chat.completions.create(**ask).service_tier == "default"
 
 
+def _cut_stream(weir: Weir, tenant: str, service_tier: str) -> list[tuple]:
+    """A new tenant's gpt-5-mini stream at `service_tier`, which its client leaves after the first
+    chunk (a 499, billed what was generated, estimated): its ledger row (`_CUT_ROW`) once it lands."""
+    tenant_id, _, key = weir.tenant_with_key(tenant)
+    stream = weir.client(key).chat.completions.create(
+        model="gpt-5-mini",
+        messages=[{"role": "user", "content": "one two three four five six"}],
+        service_tier=service_tier,
+        stream=True,
+    )
+    next(iter(stream))
+    stream.close()
+    return wait_rows(weir.db_url, _CUT_ROW.format(tenant_id))
+
+
 def test_a_stream_cut_before_its_usage_is_billed_at_the_tier_it_asked_for(
     weir: Weir, fake_openai: FakeOpenAI
 ) -> None:
     """A stream its client leaves before the vendor's usage report is billed an estimate, at the prices
     of the concrete tier it asked for (`flex`, `priority`): its vendor serves those as asked. It was
     billed at the base price, a flex stream at twice what OpenAI charges."""
-    tenant_id, _, key = weir.tenant_with_key("cut-tiers")
     fake_openai.set_latency(per_token=0.3)
-    stream = weir.client(key).chat.completions.create(
-        model="gpt-5-mini",
-        messages=[{"role": "user", "content": "one two three four five six"}],
-        service_tier="flex",
-        stream=True,
-    )
-    next(iter(stream))
-    stream.close()  # the client leaves mid-stream: a 499, billed what was generated, estimated
-    rows = wait_rows(weir.db_url, _CUT_ROW.format(tenant_id))
-    [(tier, estimated, status, input_tokens, output_tokens, cost)] = rows
+    [(tier, estimated, status, input_tokens, output_tokens, cost)] = _cut_stream(weir, "cut-tiers", "flex")
     assert (tier, bool(estimated), status) == ("flex", True, 499)
     assert input_tokens > 0 and output_tokens > 0
     assert cost == input_tokens * 125_000 + output_tokens * 1_000_000  # flex: $0.125 and $1 per 1M
@@ -291,19 +296,11 @@ def test_a_stream_cut_before_its_usage_is_billed_at_the_tier_it_was_served_at(
     """OpenAI says the tier it serves a stream at in every chunk, not only the usage chunk: a stream
     that asks for `auto` and is served at `priority` (a project with Priority capacity), cut before its
     usage chunk, is billed at priority's prices. It was billed at the base price (`auto` names none)."""
-    tenant_id, _, key = weir.tenant_with_key("cut-served-tier")
     fake_openai.serve_auto_at("priority")
     fake_openai.set_latency(per_token=0.3)
-    stream = weir.client(key).chat.completions.create(
-        model="gpt-5-mini",
-        messages=[{"role": "user", "content": "one two three four five six"}],
-        service_tier="auto",
-        stream=True,
+    [(tier, estimated, status, input_tokens, output_tokens, cost)] = _cut_stream(
+        weir, "cut-served-tier", "auto"
     )
-    next(iter(stream))
-    stream.close()
-    rows = wait_rows(weir.db_url, _CUT_ROW.format(tenant_id))
-    [(tier, estimated, status, input_tokens, output_tokens, cost)] = rows
     assert (tier, bool(estimated), status) == ("priority", True, 499)
     assert cost == input_tokens * 450_000 + output_tokens * 3_600_000  # priority: $0.45 and $3.60 per 1M
 
