@@ -298,7 +298,9 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
             if block.content is None or isinstance(block.content, str):
                 result_content: str | list[ContentPart] = block.content or ""
             else:
-                result_content = _parts(block.content, f"{where}.content[{i}].content")
+                # An empty list (an MCP tool that returned nothing) as the empty string: OpenAI refuses
+                # an empty content array ("Expected an array with minimum length 1").
+                result_content = _parts(block.content, f"{where}.content[{i}].content") or ""
             # The client's content as it is, the failure in the flag: each vendor says it its own way
             # (Claude the flag, Gemini an `error` response, OpenAI, which has neither, in words).
             results.append(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, Response, get
+from litestar import Request, Response, get, head
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.api.common import json_response, runtime
@@ -13,6 +13,22 @@ from gateway.api.common import json_response, runtime
 @get("/healthz")
 async def healthz() -> Response[Any]:
     return json_response({"status": "ok"})
+
+
+# What Claude Code asks of its ANTHROPIC_BASE_URL before and between requests: `HEAD /` as a
+# connectivity preflight (a 404 or 405 reads as the endpoint being down) and `HEAD /api/hello` to warm
+# its connection. Answered as /healthz is, without a key: they say only that the gateway is up.
+PROBES = ["/", "/api/hello"]
+
+
+@get(PROBES)
+async def probe() -> Response[Any]:
+    return json_response({"status": "ok"})
+
+
+@head(PROBES)
+async def probe_head() -> None:
+    return None
 
 
 @get("/readyz")
@@ -31,4 +47,4 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[Any]:
     return Response(runtime(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-ROUTES = [healthz, readyz, metrics]
+ROUTES = [healthz, probe, probe_head, readyz, metrics]

@@ -7,7 +7,8 @@ hold or would rule out, it is Claude's own `output_config.format` where the mode
 
 Reasoning depends on the model (`thinking_mode`): up to the 4.5 family Claude takes a thinking budget,
 the 4.6 family a budget or adaptive thinking with an effort, and from Opus 4.7 on only adaptive
-thinking. An Anthropic client's own `thinking` is sent as it is where the model takes it; otherwise
+thinking. An Anthropic client's own `thinking` is sent as it is where the model takes it (not beside a
+tool turn without signed thinking, see `_thinking`); otherwise
 (an OpenAI client's `reasoning_effort`, adaptive thinking for a budget-only model, a budget for an
 adaptive-only one) it is turned into what the model takes, fitted to Anthropic's rules. Thinking blocks
 come back as `reasoning_content` plus the signed blocks, which go back upstream first in their turn."""
@@ -426,7 +427,13 @@ def _thinking(request: ChatRequest, model: str) -> tuple[dict[str, Any] | None, 
     where Anthropic would refuse any thinking (a forced tool, a tool loop without the signed thinking
     OpenAI clients cannot send back) and a budget kept below max_tokens, which thinking counts toward.
     A budget for a model that takes only adaptive thinking becomes adaptive thinking at the nearest
-    effort."""
+    effort.
+
+    A tool loop whose last tool turn has no signed thinking goes without thinking whoever asked for
+    it: an Anthropic client's too. That turn is most often another candidate's (a failover in a Claude
+    Code session), which Claude did not think for and the client cannot sign; Anthropic refuses
+    thinking then ("To avoid this requirement, disable `thinking`"), on every retry, so the session
+    could not go on past it."""
     mode = thinking_mode(model)
     limit = request.output_limit
     budget, effort = request.reasoning_budget, request.reasoning_effort
@@ -437,14 +444,9 @@ def _thinking(request: ChatRequest, model: str) -> tuple[dict[str, Any] | None, 
     )
     if mode == "adaptive" and budget is not None:
         adaptive, effort, budget = True, effort or effort_for_budget(budget), None
-    if (
-        wants
-        and not as_asked
-        and (
-            _uses_json_tool(request, model)
-            or _forces_tool(request)
-            or _continues_unsigned_tool_turn(request.messages)
-        )
+    if wants and (
+        _continues_unsigned_tool_turn(request.messages)
+        or (not as_asked and (_uses_json_tool(request, model) or _forces_tool(request)))
     ):
         wants = False
     thinking: dict[str, Any] | None = None

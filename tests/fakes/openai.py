@@ -34,7 +34,8 @@ default).
 
 Rejects with OpenAI's 400 what OpenAI rejects, so gateway translation bugs surface: ``max_tokens``
 above the model's limit (`MAX_OUTPUT_TOKENS`), ``stream_options`` without ``stream``, ``temperature``
-outside 0..2, ``n`` outside 1..128, empty ``messages``, unknown roles, an ``image_url`` part in a
+outside 0..2, ``n`` outside 1..128, empty ``messages``, a message whose ``content`` is an empty
+array, unknown roles, an ``image_url`` part in a
 message whose role is not ``user`` (a tool result's screenshot), a ``tool`` message with no matching
 ``tool_calls`` before it, a tool, tool call or named ``tool_choice`` without ``type``, a tool
 call id over 40 characters, a ``user`` over 64, a body that is not JSON.
@@ -379,6 +380,14 @@ class FakeOpenAI(FakeServer):
             ):
                 raise BadRequest(
                     400, f"Invalid value for 'messages[{i}].role'.", f"messages.[{i}].role", "invalid_value"
+                )
+            if message.get("content") == []:
+                raise BadRequest(
+                    400,
+                    f"Invalid 'messages[{i}].content': empty array. Expected an array with minimum length 1, "
+                    "but got an empty array instead.",
+                    f"messages.[{i}].content",
+                    "empty_array",
                 )
             if message["role"] != "user" and _content_text(message.get("content"))[1]:
                 raise BadRequest(

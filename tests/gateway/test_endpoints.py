@@ -115,6 +115,16 @@ def test_health_and_readiness(gateway: RunningGateway) -> None:
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
 
 
+@pytest.mark.parametrize("path", ["/", "/api/hello"])
+def test_claude_codes_probes_find_the_gateway_up_without_a_key(gateway: RunningGateway, path: str) -> None:
+    """Claude Code sends `HEAD /` to its ANTHROPIC_BASE_URL as a connectivity preflight and `HEAD
+    /api/hello` to warm its connection: a 404 read as the endpoint being down."""
+    head = httpx.head(f"{gateway.url}{path}")
+    assert head.status_code == 200 and head.content == b""
+    got = httpx.get(f"{gateway.url}{path}")
+    assert got.status_code == 200 and got.json() == {"status": "ok"}
+
+
 def test_metrics(gateway: RunningGateway) -> None:
     client = gateway.openai()
     client.chat.completions.create(model="claude-sonnet", messages=[{"role": "user", "content": "a b"}])

@@ -248,6 +248,29 @@ def test_tool_result_images_reach_openai_in_a_user_message(
     assert sent[3] == {"role": "user", "content": [image, {"type": "text", "text": "click OK"}]}
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_an_empty_tool_result_reaches_every_vendor(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, model: str
+) -> None:
+    """A tool that returned nothing (an MCP tool in Claude Code) comes back as `content: []`, which
+    OpenAI refuses in a message ("empty array. Expected an array with minimum length 1"): the
+    empty result goes as an empty string."""
+    messages: Any = [
+        {"role": "user", "content": "call get_weather"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": {}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01", "content": []}]},
+    ]
+    answer = gateway.anthropic().messages.create(
+        model=model, max_tokens=50, messages=messages, tools=[WEATHER]
+    )
+    assert answer.content[0].text.startswith("Tool get_weather returned:")  # type: ignore[union-attr]
+    if model == "gpt-4o-mini":
+        assert fake_openai.last_request.json["messages"][2]["content"] == ""
+
+
 @pytest.mark.parametrize(
     ("model", "nested"), [("gemini-flash", False), ("gemini-pro", True)], ids=["gemini-2.5", "gemini-3"]
 )

@@ -263,16 +263,19 @@ def test_tool_loop_with_thinking_sends_the_signed_block_back(
     text = answer.content[-1].text
     assert text.startswith("Tool get_weather returned: ") and "foggy" in text
 
-    # Anthropic's own 400s reach the client: a tampered signature, and a tool loop without the thinking.
+    # Anthropic's own 400 reaches the client for a tampered signature.
     tampered = [{**returned[0], "thinking": "something else"}, *returned[1:]]
     with pytest.raises(anthropic.BadRequestError, match="signature"):
         client.messages.create(
             messages=[messages[0], {"role": "assistant", "content": tampered}, messages[2]], **ask
         )
-    with pytest.raises(anthropic.BadRequestError, match="must start with a thinking block"):
-        client.messages.create(
-            messages=[messages[0], {"role": "assistant", "content": returned[1:]}, messages[2]], **ask
-        )
+    # A tool loop without the thinking (another candidate's turn, or a client that dropped it), which
+    # Anthropic refuses beside thinking, is answered without thinking (tests/routing/test_claude_code).
+    unthought = client.messages.create(
+        messages=[messages[0], {"role": "assistant", "content": returned[1:]}, messages[2]], **ask
+    )
+    assert "thinking" not in fake_anthropic.last_request.json
+    assert [block.type for block in unthought.content] == ["text"]
 
 
 # --- OpenAI clients to Claude --------------------------------------------------------------------
