@@ -59,6 +59,19 @@ def checked_config(config_path: str) -> Config:
         raise click.ClickException(f"{config_path}: {exc}{hint}") from None
 
 
+def check_master_key() -> None:
+    """WEIR_MASTER_KEY (and WEIR_MASTER_KEY_PREVIOUS) as the gateway reads them at start, which it
+    refuses with a malformed key (`SecurityControls.build`): one `Error:` line and exit status 1. None
+    set is no error, as for the gateway, which then refuses to store vendor keys and stores opted-in
+    prompts in clear."""
+    from gateway.vault import Vault, VaultError
+
+    try:
+        Vault.from_env()
+    except VaultError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 @click.command()
 @config_option
 @click.option("--host", default=None, help="Interface to bind [default: server.host, else 127.0.0.1].")
@@ -79,13 +92,9 @@ def serve(
     config_path: str, host: str | None, port: int | None, log_level: str | None, server_kind: str
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway."""
-    from gateway.vault import Vault, VaultError
-
-    config = checked_config(config_path)  # here first, so a bad config is reported before any worker starts
-    try:
-        Vault.from_env()  # a malformed WEIR_MASTER_KEY: say so, rather than a worker's traceback
-    except VaultError as exc:
-        raise click.ClickException(str(exc)) from None
+    # Both here first, so that a bad config or master key is one line before any worker starts.
+    config = checked_config(config_path)
+    check_master_key()
     os.environ[CONFIG_ENV] = os.path.abspath(config_path)
     if log_level:
         os.environ[LOG_LEVEL_ENV] = log_level
@@ -138,9 +147,11 @@ def check(config_path: str) -> None:
     """Load the config as `weir serve` would, without serving: print a one-line summary and exit 0, or
     the first error and exit 1 (for CI, or a Kubernetes init container before the gateway starts).
 
-    The environment variables the config reads (`${VAR}`) must be set as the gateway will see them.
+    The environment variables the config reads (`${VAR}`) must be set as the gateway will see them, and
+    WEIR_MASTER_KEY too: a malformed one stops `weir serve` as well.
     """
     config = checked_config(config_path)
+    check_master_key()
     tenants = "no tenants (no authentication)" if config.tenants is None else _count(config.tenants, "tenant")
     counts = [
         _count(config.backends, "backend"),

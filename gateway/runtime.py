@@ -110,10 +110,6 @@ class Gateway:
             return "starting"
         return "ready" if self.answers_something() else "unavailable"
 
-    @property
-    def ready(self) -> bool:
-        return self.readiness == "ready"
-
     def answers_something(self) -> bool:
         """Whether some model is served by a backend other than a supervised engine, or by one that is
         up. An engine restarting does not take the replica out of the pool while it has another

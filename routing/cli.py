@@ -8,16 +8,17 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import click
+
+from gateway.db.cli import database_url_option, run_on_admin_db
 
 if TYPE_CHECKING:
     from routing.train import Outcomes
 
-T = TypeVar("T")
 # Recipes in routing.embed (not imported here: this module loads before any command runs).
 EMBEDDERS = ("minilm-l6-first3-96tok-v1", "minilm-l6-static-v1")
 PROMOTE_RULES = ("significant", "better")  # routing.train.should_promote
@@ -170,11 +171,7 @@ def _check_chat(messages: list[Any]) -> None:
 )
 @click.option("--weak", help="With --tenant: the weak model's public name (instead of --route).")
 @click.option("--strong", help="With --tenant: the strong model's public name (instead of --route).")
-@click.option(
-    "--database-url",
-    default=None,
-    help="With --tenant: the admin DB (default: WEIR_DATABASE_URL, else ./var/weir.db).",
-)
+@database_url_option  # with --tenant
 @click.option(
     "--correct-at",
     type=click.FloatRange(0.0, 1.0),  # feedback scores and scaled grades are within [0, 1]
@@ -290,7 +287,7 @@ def train(
             async with sessions() as session:
                 return await _serves_others(session, install_as, serving[0])
 
-        if problem := _with_db(database_url, check):
+        if problem := run_on_admin_db(database_url, check):
             raise click.ClickException(f"{problem}; nothing was trained or stored")
     cfg = replace(TrainConfig(), seed=seed, epochs=epochs or TrainConfig.epochs)
     known = data.known()
@@ -574,7 +571,7 @@ def _promote(
         report["reason"] = f"better than {report['incumbent']} on the held-out prompts: serving it"
         return None
 
-    problem = _with_db(database_url, work)
+    problem = run_on_admin_db(database_url, work)
     if problem is not None:
         raise click.ClickException(f"{problem}; nothing was stored")
     click.echo(json.dumps(report))
@@ -624,7 +621,7 @@ def _tenant_outcomes(
         )
 
     try:
-        return _with_db(database_url, load)
+        return run_on_admin_db(database_url, load)
     except VaultError as exc:  # a bad master key
         raise ValueError(str(exc)) from exc
 
@@ -634,25 +631,10 @@ def heads() -> None:
     """Trained difficulty heads in the admin DB, which difficulty routes name in `head`."""
 
 
-_DATABASE_URL = click.option(
-    "--database-url",
-    default=None,
-    help="The admin DB (default: WEIR_DATABASE_URL, else ./var/weir.db).",
-)
-
-
-def _with_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T:
-    """Run `work(sessions)` against the admin DB, which must exist and be migrated; a DB error becomes
-    a clean CLI error."""
-    from gateway.db.cli import run_on_admin_db
-
-    return run_on_admin_db(database_url, work)
-
-
 @heads.command("install")
 @click.argument("name")
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
-@_DATABASE_URL
+@database_url_option
 def install_head(name: str, path: Path, database_url: str | None) -> None:
     """Store the head at PATH (a directory `weir router train` wrote, or a bundle file) as NAME,
     replacing any head of that name. Gateways using the admin DB pick it up within a second."""
@@ -669,12 +651,12 @@ def install_head(name: str, path: Path, database_url: str | None) -> None:
         async with sessions() as session, session.begin():
             return describe(await _store_head(session, name, data, head))
 
-    shown = _with_db(database_url, work)
+    shown = run_on_admin_db(database_url, work)
     click.echo(json.dumps(shown))
 
 
 @heads.command("list")
-@_DATABASE_URL
+@database_url_option
 def list_heads(database_url: str | None) -> None:
     """One JSON line per stored head (name, digest, embedder, size, training source)."""
     from routing.heads import describe, listed
@@ -683,7 +665,7 @@ def list_heads(database_url: str | None) -> None:
         async with sessions() as session:
             return [describe(row) for row in await listed(session)]
 
-    for shown in _with_db(database_url, work):
+    for shown in run_on_admin_db(database_url, work):
         click.echo(json.dumps(shown))
 
 
@@ -696,7 +678,7 @@ def list_heads(database_url: str | None) -> None:
     required=True,
     help="Bundle file to write.",
 )
-@_DATABASE_URL
+@database_url_option
 def export_head(name: str, out_path: Path, database_url: str | None) -> None:
     """Write the stored head NAME to a bundle file (for another deployment, or `weir router score --head`)."""
     from routing.heads import stored_bundle
@@ -705,7 +687,7 @@ def export_head(name: str, out_path: Path, database_url: str | None) -> None:
         async with sessions() as session:
             return await stored_bundle(session, name)
 
-    found = _with_db(database_url, work)
+    found = run_on_admin_db(database_url, work)
     if found is None:
         raise click.ClickException(f"no difficulty head named {name!r}")
     data = found[1]
@@ -715,7 +697,7 @@ def export_head(name: str, out_path: Path, database_url: str | None) -> None:
 
 @heads.command("delete")
 @click.argument("name")
-@_DATABASE_URL
+@database_url_option
 def delete_head(name: str, database_url: str | None) -> None:
     """Delete the stored head NAME; refused while a route names it."""
     from gateway.db.models import AuditLog, DifficultyHeadRow
@@ -741,7 +723,7 @@ def delete_head(name: str, database_url: str | None) -> None:
             await session.delete(row)
             return None
 
-    problem = _with_db(database_url, work)
+    problem = run_on_admin_db(database_url, work)
     if problem is not None:
         raise click.ClickException(f"{problem}; nothing was deleted")
     click.echo(f"deleted {name}", err=True)

@@ -259,12 +259,9 @@ class SpendCap:
     def key(self, tenant: str, route: str) -> str:
         return f"spend:{self.purpose}:tenant:{tenant}:route:{route}"
 
-    async def allow(self, tenant: str, route: str, usd: float, cap: float) -> bool:
-        """Count `usd` if the last hour's spend stays within `cap` with it; False counts nothing."""
-        return await self.charge(tenant, route, usd, cap) is not None
-
     async def charge(self, tenant: str, route: str, usd: float, cap: float) -> Charge | None:
-        """`allow`: what it counted, to be replaced by what the call cost (`Charge.settle`), or None."""
+        """Count `usd` if the last hour's spend stays within `cap` with it: what it counted, to be
+        replaced by what the call cost (`Charge.settle`); None counts nothing."""
         if cap <= 0:
             return None
         # Rounded up: a call too cheap to count in micro-dollars still counts one.

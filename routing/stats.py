@@ -7,7 +7,6 @@ import bisect
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -91,7 +90,7 @@ class CacheShares:
 
 class Window:
     """The latest observations (seconds) a p95 is read from: the last WINDOW of them, none older than
-    WINDOW_AGE_S. Iterating yields those values, oldest first."""
+    WINDOW_AGE_S (`recent`, oldest first)."""
 
     __slots__ = ("_seen",)
 
@@ -106,9 +105,6 @@ class Window:
         while self._seen and self._seen[0][0] < oldest:
             self._seen.popleft()
         return [value for _, value in self._seen]
-
-    def __iter__(self) -> Iterator[float]:
-        return iter(self.recent())
 
 
 # A `delay: p95` hedge trusts an observed p95 from this many observations on: from fewer it is their

@@ -31,7 +31,7 @@ from litestar.static_files import create_static_files_router
 
 from gateway.admin.router import AdminContext, AdminError, admin_router
 from gateway.admin.token import token_matches
-from gateway.db.cli import database_url_option, reported_db_errors
+from gateway.db.cli import database_url_option, run_on_admin_db
 
 if TYPE_CHECKING:
     from gateway.admin.control_plane import ControlPlane
@@ -340,39 +340,35 @@ def create_user(username: str, database_url: str | None, password_stdin: bool, u
     """Create an admin UI account (or change its password with --update)."""
     if not USERNAME.match(username):
         raise click.BadParameter("1-64 letters, digits or ._@-", param_hint="USERNAME")
-    if password_stdin:
+    from gateway.db.models import Setting
+
+    async def store(sessions: Any) -> bool:
+        # Asked only once the DB is known to exist and have its tables (`run_on_admin_db`): not a
+        # password typed twice for a mistyped --database-url, and not an account stored in a database
+        # made on the spot, which no gateway reads.
+        digest = _hasher().hash(_new_password(password_stdin))
+        async with sessions() as db, db.begin():
+            existing = await db.get(Setting, USER_SETTING + username)
+            if existing is not None and not update:
+                return False
+            if existing is None:
+                db.add(Setting(key=USER_SETTING + username, value=digest))
+            else:
+                existing.value = digest
+            return True
+
+    stored = run_on_admin_db(database_url, store)
+    if not stored:
+        raise click.ClickException(f"user {username!r} exists; pass --update to change its password")
+    click.echo(f"admin user {username!r} {'updated' if update else 'created'}")
+
+
+def _new_password(from_stdin: bool) -> str:
+    if from_stdin:
         # (not click.get_text_stream: deprecated in Click 8.5, gone in 9)
         password = sys.stdin.readline().rstrip("\r\n")
     else:
         password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
     if len(password) < 12:
         raise click.BadParameter("use at least 12 characters", param_hint="password")
-    from gateway.db import migrate
-    from gateway.db.models import Setting
-    from gateway.db.session import create_engine, resolve_database_url, sessionmaker
-
-    with reported_db_errors():
-        url = resolve_database_url(database_url)
-        migrate.upgrade(url)
-    digest = _hasher().hash(password)
-
-    async def store() -> bool:
-        engine = create_engine(url)
-        try:
-            async with sessionmaker(engine)() as db, db.begin():
-                existing = await db.get(Setting, USER_SETTING + username)
-                if existing is not None and not update:
-                    return False
-                if existing is None:
-                    db.add(Setting(key=USER_SETTING + username, value=digest))
-                else:
-                    existing.value = digest
-                return True
-        finally:
-            await engine.dispose()
-
-    with reported_db_errors():
-        stored = asyncio.run(store())
-    if not stored:
-        raise click.ClickException(f"user {username!r} exists; pass --update to change its password")
-    click.echo(f"admin user {username!r} {'updated' if update else 'created'}")
+    return password

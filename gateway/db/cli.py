@@ -33,35 +33,40 @@ def reported_db_errors() -> Iterator[None]:
         raise click.ClickException(f"admin DB: {exc}") from None
 
 
-def run_on_admin_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T:
-    """Run `work(sessions)` against the admin DB (`--database-url`, else WEIR_DATABASE_URL, else
-    ./var/weir.db) for a command that reads or writes it, once it is known to exist and to have tables.
+def existing_database_url(database_url: str | None) -> str:
+    """The admin DB's URL (`--database-url`, else WEIR_DATABASE_URL, else ./var/weir.db), once a
+    SQLite file it names is known to be there: only `weir db upgrade` creates a database. Opening a
+    SQLite file that is not there made an empty one (./var/weir.db, where no database was configured,
+    or a mistyped path) and the command then failed on a missing table, or stored what it wrote where
+    no gateway reads it."""
+    from sqlalchemy.engine import make_url
 
-    Only `weir db upgrade` creates a database: opening a SQLite file that is not there made an empty
-    one (./var/weir.db, where no database was configured) and the command then failed on a missing table.
-    """
+    from gateway.db.session import DEFAULT_DATABASE_URL, normalise_url, resolve_database_url
+
+    url = resolve_database_url(database_url)
+    parsed = make_url(url)
+    path = parsed.database if parsed.get_backend_name() == "sqlite" else None
+    if path and path != ":memory:" and not os.path.exists(path):
+        if url == normalise_url(DEFAULT_DATABASE_URL):
+            raise click.ClickException(
+                f"admin DB: none configured (--database-url or WEIR_DATABASE_URL), and the default "
+                f"{path} does not exist; name the gateway's database, or {UPGRADE_HINT} there"
+            )
+        raise click.ClickException(f"admin DB: {path} does not exist; {UPGRADE_HINT}")
+    return url
+
+
+def run_on_admin_db(database_url: str | None, work: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `work(sessions)` against the admin DB (`existing_database_url`) for a command that reads or
+    writes it, once it is known to exist and to have tables."""
     from sqlalchemy import inspect
     from sqlalchemy.engine import make_url
 
-    from gateway.db.session import (
-        DEFAULT_DATABASE_URL,
-        normalise_url,
-        resolve_database_url,
-        run_with_sessions,
-    )
+    from gateway.db.session import run_with_sessions
 
     with reported_db_errors():
-        url = resolve_database_url(database_url)
-        parsed = make_url(url)
-        shown = parsed.render_as_string(hide_password=True)
-        path = parsed.database if parsed.get_backend_name() == "sqlite" else None
-        if path and path != ":memory:" and not os.path.exists(path):
-            if url == normalise_url(DEFAULT_DATABASE_URL):
-                raise click.ClickException(
-                    f"admin DB: none configured (--database-url or WEIR_DATABASE_URL), and the default "
-                    f"{path} does not exist; name the gateway's database, or {UPGRADE_HINT} there"
-                )
-            raise click.ClickException(f"admin DB: {path} does not exist; {UPGRADE_HINT}")
+        url = existing_database_url(database_url)
+        shown = make_url(url).render_as_string(hide_password=True)
 
         async def checked(sessions: Any) -> T:
             async with sessions() as session:
@@ -105,7 +110,7 @@ def downgrade(database_url: str | None, revision: str) -> None:
     from gateway.db import migrate
 
     with reported_db_errors():
-        migrate.downgrade(database_url, revision)
+        migrate.downgrade(existing_database_url(database_url), revision)
 
 
 @db.command()
@@ -115,7 +120,7 @@ def current(database_url: str | None) -> None:
     from gateway.db import migrate
 
     with reported_db_errors():
-        revision = migrate.current(database_url)
+        revision = migrate.current(existing_database_url(database_url))
     click.echo(revision or "(empty database)")
 
 

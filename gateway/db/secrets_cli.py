@@ -3,22 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
 import click
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.credentials import rotate_master_key
-from gateway.db.session import resolve_database_url, run_with_sessions
+from gateway.db.cli import run_on_admin_db
 from gateway.prompts import purge_expired
 from gateway.vault import ENV, Vault, VaultError
-
-T = TypeVar("T")
-
-
-def _run(database_url: str | None, work: Callable[[async_sessionmaker[AsyncSession]], Awaitable[T]]) -> T:
-    return run_with_sessions(resolve_database_url(database_url), work)
 
 
 def rotate(database_url: str | None) -> None:
@@ -26,7 +16,7 @@ def rotate(database_url: str | None) -> None:
         vault = Vault.from_env()
         if vault is None:
             raise VaultError(f"{ENV} is not set: put the new key first, then the old ones (new,old)")
-        counts = _run(database_url, lambda sessions: rotate_master_key(sessions, vault))
+        counts = run_on_admin_db(database_url, lambda sessions: rotate_master_key(sessions, vault))
     except VaultError as exc:
         raise click.ClickException(f"{exc}; nothing was changed") from None
     click.echo(
@@ -37,5 +27,5 @@ def rotate(database_url: str | None) -> None:
 
 
 def purge(database_url: str | None) -> None:
-    deleted = _run(database_url, purge_expired)
+    deleted = run_on_admin_db(database_url, purge_expired)
     click.echo(f"deleted {deleted} stored prompts past their retention")

@@ -1,16 +1,20 @@
-"""`weir db` and `weir admin create-user` as an operator meets them: the database named with
-`--database-url` is the one written to, whatever WEIR_DATABASE_URL the shell exports, and a database
-that cannot be reached, parsed or migrated is one line saying why, not a traceback."""
+"""`weir db`, `weir admin create-user` and `weir router` as an operator meets them: the database named
+with `--database-url` is the one written to, whatever WEIR_DATABASE_URL the shell exports, a database
+that cannot be reached, parsed or migrated is one line saying why, not a traceback, and only `weir db
+upgrade` creates one."""
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner, Result
 
 from gateway.vault import generate_key
+from routing.difficulty import STATIC_HEAD_DIR
 from tests.conftest import free_port
 from weir.cli import main
 
@@ -31,6 +35,7 @@ def test_an_explicit_database_url_wins_over_weir_database_url(
     monkeypatch.setenv("WEIR_DATABASE_URL", f"sqlite:///{exported}")
     monkeypatch.setenv("WEIR_MASTER_KEY", generate_key())
     url = ["--database-url", f"sqlite:///{named}"]
+    assert weir("db", "upgrade", *url).exit_code == 0
     created = weir("admin", "create-user", "ana", "--password-stdin", *url, input=PASSWORD)
     assert created.exit_code == 0, created.output
     for command in (["db", "purge-prompts"], ["db", "rotate-master-key"]):
@@ -72,3 +77,94 @@ def test_a_bad_url_or_revision_is_one_line(tmp_path: Path) -> None:
     assert "Could not parse" in one_line_error(weir("db", "current", "--database-url", "weir.db"))
     sqlite = f"sqlite:///{tmp_path / 'weir.db'}"
     assert "'nonsense'" in one_line_error(weir("db", "upgrade", "nonsense", "--database-url", sqlite))
+
+
+def test_router_commands_take_the_named_database_over_weir_database_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`weir router train --tenant` and `weir router heads` resolve the database as `weir db` does:
+    the exported one here is not there, so a command that read it would fail saying so."""
+    named, exported = tmp_path / "named.db", tmp_path / "exported.db"
+    monkeypatch.setenv("WEIR_DATABASE_URL", f"sqlite:///{exported}")
+    url = ["--database-url", f"sqlite:///{named}"]
+    assert weir("db", "upgrade", *url).exit_code == 0
+    installed = weir("router", "heads", "install", "static", str(STATIC_HEAD_DIR), *url)
+    assert installed.exit_code == 0, installed.output
+    listed = weir("router", "heads", "list", *url)
+    assert listed.exit_code == 0 and '"name": "static"' in listed.output, listed.output
+    exported_head = weir("router", "heads", "export", "static", "--out", str(tmp_path / "static.bin"), *url)
+    assert exported_head.exit_code == 0 and (tmp_path / "static.bin").stat().st_size > 0
+    deleted = weir("router", "heads", "delete", "static", *url)
+    assert deleted.exit_code == 0, deleted.output
+    trained = weir("router", "train", "--tenant", "acme", "--route", "auto", *url)
+    assert "no tenant named 'acme'" in trained.output, trained.output  # looked up in the named one
+    assert not exported.exists()
+    # Without the option, the exported database is the one used.
+    listed = weir("router", "heads", "list")
+    assert listed.exit_code == 1 and f"admin DB: {exported} does not exist" in listed.output
+
+
+def _commands(command: click.Command, path: str) -> Iterator[tuple[str, click.Command]]:
+    yield path, command
+    if isinstance(command, click.Group):
+        ctx = click.Context(command)
+        for name in command.list_commands(ctx):
+            sub = command.get_command(ctx, name)
+            assert sub is not None, f"{path} {name}"
+            yield from _commands(sub, f"{path} {name}")
+
+
+def test_every_database_url_option_is_the_shared_one() -> None:
+    """One option for every command that opens the admin DB, so that each resolves it alike and says
+    so alike in its --help (`weir router` had copies of its own, without the environment variable)."""
+    options = {
+        path: param.to_info_dict()
+        for path, command in _commands(main, "weir")
+        for param in command.params
+        if "--database-url" in param.opts
+    }
+    assert {"weir router train", "weir router heads list", "weir admin create-user"} <= set(options)
+    for path, option in options.items():
+        assert option == options["weir db upgrade"], path
+
+
+DB_COMMANDS = [
+    ["db", "purge-prompts"],
+    ["db", "rotate-master-key"],
+    ["admin", "create-user", "ana", "--password-stdin"],
+]
+
+
+@pytest.mark.parametrize("command", [*DB_COMMANDS, ["db", "current"], ["db", "downgrade"]])
+def test_a_database_that_is_not_there_is_refused_and_not_made(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only `weir db upgrade` makes a database. These opened a mistyped SQLite path as a new empty
+    file and then failed on "no such table" (create-user migrated it and stored the account there,
+    where no gateway reads it; `db current` reported it as an "(empty database)")."""
+    monkeypatch.setenv("WEIR_MASTER_KEY", generate_key())
+    # In a directory that is there (SQLite would make the file) and in one that is not (made for it).
+    for missing in (tmp_path / "typo.db", tmp_path / "typo" / "weir.db"):
+        result = weir(*command, "--database-url", f"sqlite:///{missing}", input=PASSWORD)
+        error = one_line_error(result)
+        assert f"admin DB: {missing} does not exist; `weir db upgrade` creates its tables" in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", DB_COMMANDS)
+def test_a_database_never_migrated_is_refused(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIR_MASTER_KEY", generate_key())
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    result = weir(*command, "--database-url", f"sqlite:///{empty}", input=PASSWORD)
+    assert "has no tables (not migrated); `weir db upgrade` creates its tables" in one_line_error(result)
+    with sqlite3.connect(empty) as db:
+        assert db.execute("SELECT name FROM sqlite_master").fetchall() == []
+
+
+def test_create_user_asks_for_the_password_only_once_the_database_is_there(tmp_path: Path) -> None:
+    """Not a password typed twice, then refused for a mistyped --database-url."""
+    result = weir("admin", "create-user", "ana", "--database-url", f"sqlite:///{tmp_path / 'typo.db'}")
+    assert "Password" not in one_line_error(result)

@@ -47,7 +47,7 @@ async def test_ten_thousand_keys_leave_once_their_windows_pass(clock: list[float
         decision = state.admit_now(limits, [Budget(f"budget:key:k{i}:2026-12", 10**9)], 10, ttl_s=600.0)
         assert decision.allowed
         state.settle_attempt([f"tpm:key:k{i}"], -20, [], "", 0, report=False)
-        assert await hedges.allow(f"t{i}", "r", 0.01, cap=1.0)
+        assert await hedges.charge(f"t{i}", "r", 0.01, cap=1.0) is not None
         await state.kv_set(f"session:{i}", b"{}", ttl_s=900.0)
         clock[0] += 0.005  # all within 50 s (less than SWEEP_S): nothing has lapsed yet
     assert len(state._windows) == 3 * KEYS + 1 and len(state._kv) == KEYS
@@ -135,19 +135,19 @@ async def test_a_window_with_a_live_bucket_stays_and_counts_as_before(clock: lis
     minute's sweep, and a rate limit swept between two requests counts the same as a fresh one."""
     state = MemoryState()
     hedges = SpendCap("hedge", state)
-    assert await hedges.allow("t", "r", 0.6, cap=1.0)
+    assert await hedges.charge("t", "r", 0.6, cap=1.0) is not None
     assert state.admit_now([Limit("rpm:key:k", 2)]).allowed
     assert state.admit_now([Limit("rpm:key:k", 2)]).allowed
     assert not state.admit_now([Limit("rpm:key:k", 2)]).allowed
     clock[0] += HOUR / 2  # a sweep: the minute's window goes, the hour's stays
     assert state.admit_now([Limit("rpm:other", 1)]).allowed
     assert "rpm:key:k" not in state._windows and hedges.key("t", "r") in state._windows
-    assert not await hedges.allow("t", "r", 0.6, cap=1.0)  # 0.6 of the hour's 1.0 still counted
+    assert await hedges.charge("t", "r", 0.6, cap=1.0) is None  # 0.6 of the hour's 1.0 still counted
     assert state.admit_now([Limit("rpm:key:k", 2)]).allowed
     assert state.admit_now([Limit("rpm:key:k", 2)]).allowed
     assert not state.admit_now([Limit("rpm:key:k", 2)]).allowed
     clock[0] += HOUR / 2 + SWEEP_S
-    assert await hedges.allow("t", "r", 0.6, cap=1.0)
+    assert await hedges.charge("t", "r", 0.6, cap=1.0) is not None
 
 
 async def test_a_kv_claim_lasts_its_ttl_through_sweeps(clock: list[float]) -> None:

@@ -10,6 +10,7 @@ from click.testing import CliRunner, Result
 
 from gateway.cli import serve
 from gateway.config import ConfigError, interpolate, load_config, parse_config
+from gateway.vault import generate_key
 from tests.gateway.conftest import EXAMPLE
 from weir.cli import main
 
@@ -344,3 +345,50 @@ def test_weir_config_check_of_a_missing_file(tmp_path: Path) -> None:
     result = config_check(tmp_path / "nowhere.yaml", {})
     assert result.exit_code == 1
     assert f"{tmp_path / 'nowhere.yaml'}: cannot read the file: No such file or directory" in result.output
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"WEIR_MASTER_KEY": "not-a-key"}, "WEIR_MASTER_KEY key 1 is not a master key"),
+        (
+            {"WEIR_MASTER_KEY": f"{generate_key()},{generate_key()[:20]}"},
+            "WEIR_MASTER_KEY key 2 is not a master key",
+        ),
+        (
+            {"WEIR_MASTER_KEY": None, "WEIR_MASTER_KEY_PREVIOUS": generate_key()},
+            "WEIR_MASTER_KEY_PREVIOUS is set but WEIR_MASTER_KEY is not",
+        ),
+    ],
+)
+def test_weir_config_check_refuses_the_master_key_weir_serve_refuses(
+    tmp_path: Path, keys: dict[str, str | None], message: str
+) -> None:
+    """The gateway will not start with a malformed WEIR_MASTER_KEY; a check that passed it anyway
+    let an init container go green in front of a gateway that then crash-looped."""
+    path = tmp_path / "weir.yaml"
+    path.write_text(CHECKED)
+    env = {"OPENAI_API_KEY": "sk-o", "WEIR_DEMO_KEY": "demo", "WEIR_MASTER_KEY_PREVIOUS": None, **keys}
+    checked = config_check(path, env)
+    assert checked.exit_code == 1 and checked.output.startswith("Error: ") and message in checked.output
+    assert checked.output.count("\n") == 1, checked.output  # one line, no traceback
+    served = CliRunner().invoke(main, ["serve", "--config", str(path)], env=env)
+    assert (served.exit_code, served.output) == (1, checked.output)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"WEIR_MASTER_KEY": None},  # the gateway starts without one (vendor keys refused, prompts in clear)
+        {"WEIR_MASTER_KEY": f" {generate_key()} , {generate_key()} "},  # rotating: new,old
+        {"WEIR_MASTER_KEY": generate_key(), "WEIR_MASTER_KEY_PREVIOUS": generate_key()},
+    ],
+)
+def test_weir_config_check_takes_the_master_keys_weir_serve_takes(
+    tmp_path: Path, keys: dict[str, str | None]
+) -> None:
+    path = tmp_path / "weir.yaml"
+    path.write_text(CHECKED)
+    env = {"OPENAI_API_KEY": "sk-o", "WEIR_DEMO_KEY": "demo", "WEIR_MASTER_KEY_PREVIOUS": None, **keys}
+    result = config_check(path, env)
+    assert result.output == f"{path}: OK: 1 backend, 2 models, 1 route, 1 tenant\n" and result.exit_code == 0

@@ -606,14 +606,16 @@ def test_a_route_compares_only_under_the_difficulty_policy_with_a_known_judge() 
 async def test_the_spend_cap_takes_corrections() -> None:
     cap = SpendCap("compare")
     first = await cap.charge("t", "r", 0.6, cap=1.0)
-    assert first is not None and not await cap.allow("t", "r", 0.6, cap=1.0)
+    assert first is not None and await cap.charge("t", "r", 0.6, cap=1.0) is None
     await first.settle(100_000 * 10**6)  # the first call cost 0.1, not 0.6
     second = await cap.charge("t", "r", 0.6, cap=1.0)
     assert second is not None
     await second.settle(10**12)  # 0.4 more than its estimate
-    assert not await cap.allow("t", "r", 0.1, cap=1.0) and not await cap.allow("u", "r", 0.1, cap=0)
-    assert await cap.allow("u", "r", 0.0, cap=1e-6) and await cap.allow("u", "r", 1e-9, cap=1e-6)
-    assert not await cap.allow("u", "r", 1e-9, cap=1e-6)  # under a micro-dollar still counts one
+    assert await cap.charge("t", "r", 0.1, cap=1.0) is None
+    assert await cap.charge("u", "r", 0.1, cap=0) is None
+    assert await cap.charge("u", "r", 0.0, cap=1e-6) is not None
+    assert await cap.charge("u", "r", 1e-9, cap=1e-6) is not None
+    assert await cap.charge("u", "r", 1e-9, cap=1e-6) is None  # under a micro-dollar still counts one
 
 
 @pytest.mark.redis
@@ -627,8 +629,9 @@ async def test_replicas_draw_on_one_spend_cap_through_redis(redis_prefix: str) -
         assert [c is not None for c in charges] == [True, True, True, True, False, False]
         assert charges[1] is not None
         await charges[1].settle(50_000 * 10**6)  # a call cost 0.05 of its 0.25
-        assert await replicas[0].allow("t", "r", 0.2, cap=1.0)
-        assert await SpendCap("compare", replicas[0].state).allow("t", "r", 1.0, cap=1.0)  # its own window
+        assert await replicas[0].charge("t", "r", 0.2, cap=1.0) is not None
+        compare = SpendCap("compare", replicas[0].state)
+        assert await compare.charge("t", "r", 1.0, cap=1.0) is not None  # its own window
     finally:
         for cap in replicas:
             await cap.state.close()

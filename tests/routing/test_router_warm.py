@@ -116,11 +116,13 @@ async def test_the_gateway_is_not_ready_until_the_startup_classifier_has_loaded(
     gateway = Gateway(parse_config(CONFIG + routes, {}))
     await gateway.start()
     try:
-        assert gateway.router.scorer_loading and not gateway.ready  # a load balancer holds traffic back
+        assert (
+            gateway.router.scorer_loading and gateway.readiness == "starting"
+        )  # a load balancer holds traffic back
         release.set()
         assert gateway.router._warming is not None
         await gateway.router._warming
-        assert not gateway.router.scorer_loading and gateway.ready
+        assert not gateway.router.scorer_loading and gateway.readiness == "ready"
     finally:
         release.set()
         await gateway.stop()
@@ -137,10 +139,10 @@ async def test_a_route_added_later_loads_without_leaving_the_pool(monkeypatch: p
     gateway = Gateway(parse_config(CONFIG, {}))
     await gateway.start()
     try:
-        assert gateway.ready
+        assert gateway.readiness == "ready"
         gateway.router.set_routes([DIFFICULTY])  # through the admin API, on every replica at once
         assert gateway.router._warming is not None and not gateway.router._warming.done()
-        assert gateway.ready and not gateway.router.scorer_loading
+        assert gateway.readiness == "ready" and not gateway.router.scorer_loading
         release.set()
         await gateway.router._warming
     finally:

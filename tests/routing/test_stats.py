@@ -84,11 +84,11 @@ def test_an_attempt_ended_for_being_slow_counts_as_at_least_that_slow(status: in
     stats.record(ended(1.01, status, error))
     assert learned.ttft_s == pytest.approx(0.01 + ALPHA * 1.0)
     assert learned.latency_s is not None and learned.latency_s > 0.06
-    assert list(learned.ttfts)[-1] == pytest.approx(1.01) and learned.samples == 5
+    assert learned.ttfts.recent()[-1] == pytest.approx(1.01) and learned.samples == 5
     # Not streamed: its whole answer's time (`lowest_latency` ranks such candidates by it), no TTFT.
     stats.record(msgspec.structs.replace(ended(3.0, status, error, streamed=False), model="whole"))
     whole = stats.get("b", "whole")
-    assert (whole.latency_s, whole.ttft_s, list(whole.ttfts)) == (pytest.approx(3.0), None, [])
+    assert (whole.latency_s, whole.ttft_s, whole.ttfts.recent()) == (pytest.approx(3.0), None, [])
 
 
 @pytest.mark.parametrize(
@@ -105,9 +105,9 @@ def test_an_attempt_that_ended_for_another_reason_says_nothing_of_its_speed(stat
     long that took is not how slow the backend is."""
     stats = measured(0.5)
     learned = stats.get("b", "m")
-    before = (learned.ttft_s, learned.latency_s, list(learned.ttfts))
+    before = (learned.ttft_s, learned.latency_s, learned.ttfts.recent())
     stats.record(ended(2.0, status, error))
-    assert (learned.ttft_s, learned.latency_s, list(learned.ttfts)) == before
+    assert (learned.ttft_s, learned.latency_s, learned.ttfts.recent()) == before
 
 
 def test_a_lower_bound_below_the_estimate_leaves_it_as_it_was() -> None:
@@ -116,10 +116,10 @@ def test_a_lower_bound_below_the_estimate_leaves_it_as_it_was() -> None:
     A failed attempt that had its first token is no lower bound either."""
     stats = measured(0.5)
     learned = stats.get("b", "m")
-    before = (learned.ttft_s, learned.latency_s, list(learned.ttfts))
+    before = (learned.ttft_s, learned.latency_s, learned.ttfts.recent())
     stats.record(ended(0.02, 499, "cancelled"))
     stats.record(msgspec.structs.replace(ended(9.0, 504, "upstream_error"), ttft_ms=400.0))  # stalled later
-    assert (learned.ttft_s, learned.latency_s, list(learned.ttfts)) == before
+    assert (learned.ttft_s, learned.latency_s, learned.ttfts.recent()) == before
 
 
 def _hedged_by_p95(stats: RoutingStats, true_ttft_s: float, requests: int, hedge_ttft_s: float = 0.05) -> int:
@@ -175,7 +175,7 @@ def test_a_request_not_streamed_is_hedged_by_the_p95_of_whole_answers_not_of_fir
     learned = stats.get("b", "m")
     assert learned.hedge_delay(True, Hedge().min_delay) == pytest.approx(0.1)
     assert learned.hedge_delay(False, Hedge().min_delay) == pytest.approx(2.0)
-    assert list(learned.answers)[-1] == pytest.approx(3.0)
+    assert learned.answers.recent()[-1] == pytest.approx(3.0)
 
 
 def test_a_p95_hedge_delay_waits_at_least_the_default_until_enough_was_observed() -> None:
