@@ -20,9 +20,10 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 # choices per request: each is a sequence in the engine's batch, so the cap keeps one request from
-# filling it (OpenAI allows 128)
+# filling it (OpenAI allows 128). More is the engine's limit, not the client's mistake: refused as a
+# value the engine does not take (`unsupported`), which a gateway passes on to its next candidate.
 MAX_CHOICES = 16
-Choices = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)]
+Choices = Annotated[int, msgspec.Meta(ge=1)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 Stop = str | list[str] | None
@@ -77,6 +78,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # no end of its turn and no new one opened (a prefill, or a gateway resuming a broken stream).
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    # OpenAI's, decoded only to be refused (`unsupported`): the engine answers in text, searches
+    # nothing, and ignoring them would hand back another answer than the one asked for.
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -161,6 +166,8 @@ UNSUPPORTED_VALUE = "unsupported_value"
 
 def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | None:
     """A parameter the engine cannot honour, as the 400 that says so, or None."""
+    if req.n > MAX_CHOICES:
+        return ApiError(400, f"n above {MAX_CHOICES} is not supported", param="n", code=UNSUPPORTED_VALUE)
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1, req.n):
             return ApiError(
@@ -176,6 +183,15 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | No
                 f"response_format {fmt!r} is not supported",
                 param="response_format",
                 code=UNSUPPORTED_VALUE,
+            )
+        if req.modalities and "audio" in req.modalities:
+            return ApiError(400, "audio output is not supported", param="modalities", code=UNSUPPORTED_VALUE)
+        if req.web_search_options is not None:
+            return ApiError(
+                400,
+                "web search is not supported",
+                param="web_search_options",
+                code=UNSUPPORTED_PARAMETER,
             )
         if req.top_logprobs and not req.logprobs:
             return ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")

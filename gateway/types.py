@@ -172,6 +172,10 @@ class StreamOptions(Base):
     # vLLM's and SGLang's: the usage so far on every chunk. Forwarded to OpenAI-compatible servers but
     # OpenAI's own API, which refuses it.
     continuous_usage_stats: bool | None = None
+    # OpenAI's: false leaves out the `obfuscation` padding of each chunk (bandwidth over the defence
+    # against length side channels). Sent as the client set it: OpenAI's chunks reach OpenAI clients
+    # as they came, padding included; other backends pad nothing.
+    include_obfuscation: bool | None = None
 
 
 class ChatRequest(Base):

@@ -44,7 +44,9 @@ from gateway.providers.base import (
     now,
     parse_arguments,
     parse_data_url,
+    refuse_unexpressible,
     token_count,
+    unexpressible,
     upstream_call_id,
     upstream_error,
 )
@@ -137,7 +139,6 @@ PARAMS = ParamTable(
         "top_k": Param("top_k"),
         "cache_control": Param("cache_control"),  # automatic caching, as the client asked it
         "stop": Param("stop_sequences", _stop_sequences),
-        "user": Param("metadata.user_id"),
         "stream": Param("stream", lambda stream: True if stream else None),
         "service_tier": Param("service_tier", lambda tier: _ANTHROPIC_TIERS.get(tier)),
     }
@@ -494,16 +495,27 @@ def count_tokens_response(body: bytes, model: str) -> TokenCount:
     return token_count(body, "input_tokens", "the Anthropic backend")
 
 
+# What Claude's Messages API cannot carry, which left out would change the answer: token log
+# probabilities (the answer would read as having none), biased or banned tokens (OpenAI's token ids
+# mean nothing to Claude's tokenizer), repetition penalties other than none, a spoken answer, a web
+# search (Weir sends no server tools). `seed`, `store`, `metadata`, `prediction`, `verbosity` and the
+# prompt-cache hints are left out instead: they ask for no other answer.
+UNEXPRESSIBLE = unexpressible(
+    "logprobs", "logit_bias", "frequency_penalty", "presence_penalty", "modalities", "web_search_options"
+)
+
+
+def _end_user(request: ChatRequest) -> str | None:
+    """The end user's id for `metadata.user_id`: OpenAI's `safety_identifier`, which replaces its
+    deprecated `user` (an Anthropic client's own `metadata.user_id` arrives as `user`)."""
+    safety = request.extra.get("safety_identifier")
+    return safety if isinstance(safety, str) and safety else request.user
+
+
 def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if request.n is not None and request.n > 1:
         raise InvalidRequest("Anthropic models do not support n > 1", param="n")
-    if request.logprobs:
-        # Claude has no token log probabilities: dropped, the answer would read as having none.
-        raise InvalidRequest(
-            "Anthropic models do not return token log probabilities (logprobs)",
-            param="logprobs",
-            code="unsupported_parameter",
-        )
+    refuse_unexpressible(request, UNEXPRESSIBLE, "Anthropic models")
     system, messages = _messages(request.messages)
     thinking, effort, max_tokens = _thinking(request, model)
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": messages}
@@ -514,6 +526,8 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if system:
         body["system"] = system
     PARAMS.apply(request, body)
+    if (end_user := _end_user(request)) is not None:
+        body["metadata"] = {"user_id": end_user}
     _fit_sampling(body, model)
     if request.tools:
         body["tools"] = [

@@ -237,6 +237,53 @@ def check_stop_count(request: ChatRequest, most: int, vendor: str) -> None:
         raise InvalidRequest(f"{vendor} models take at most {most} stop sequences, not {count}", param="stop")
 
 
+def asks_audio(request: ChatRequest) -> bool:
+    """Whether the client asked for a spoken answer (OpenAI's `modalities: ["text", "audio"]`, which
+    Weir does not model and forwards to OpenAI-compatible backends alone)."""
+    modalities = request.extra.get("modalities")
+    return isinstance(modalities, list) and "audio" in modalities
+
+
+def asks_web_search(request: ChatRequest) -> bool:
+    """Whether the client asked a search model to search the web (OpenAI's `web_search_options`)."""
+    return request.extra.get("web_search_options") is not None
+
+
+# A parameter whose meaning a vendor's API has no way to carry -> (whether the request sets it, what
+# it asks for). Dropping one would answer another question than the one asked (no audio, no search,
+# banned tokens that come back, repetition the client penalised), so the request is refused instead
+# (`refuse_unexpressible`).
+Unexpressible = Mapping[str, tuple[Callable[[ChatRequest], bool], str]]
+ANSWER_CHANGING: Unexpressible = {
+    "logprobs": (lambda request: bool(request.logprobs), "token log probabilities"),
+    # OpenAI's token ids: another vendor's tokenizer numbers its tokens otherwise.
+    "logit_bias": (lambda request: bool(request.logit_bias), "token biases (OpenAI token ids)"),
+    # 0, what many clients send by default, asks for nothing.
+    "frequency_penalty": (lambda request: bool(request.frequency_penalty), "repetition penalties"),
+    "presence_penalty": (lambda request: bool(request.presence_penalty), "repetition penalties"),
+    "modalities": (asks_audio, "audio output"),
+    "web_search_options": (asks_web_search, "web search on the chat API"),
+}
+
+
+def unexpressible(*names: str) -> Unexpressible:
+    """The rows of `ANSWER_CHANGING` a vendor's API cannot carry."""
+    return {name: ANSWER_CHANGING[name] for name in names}
+
+
+def refuse_unexpressible(request: ChatRequest, table: Unexpressible, where: str) -> None:
+    """A 400 `unsupported_parameter` naming the first parameter of `table` the request sets, raised
+    before anything is sent: a route passes the candidate over for the next one (`tried=model:
+    unsupported`), and a client of that model alone gets this 400."""
+    for name, (is_set, meaning) in table.items():
+        if is_set(request):
+            raise InvalidRequest(
+                f"'{name}' is not supported by {where}: they have no {meaning}",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
 def json_instruction(form: ResponseFormat) -> str:
     """Structured output asked for in words, where the vendor cannot take the schema beside the
     request's tools (a forced tool on Claude would take the client's tools away; Gemini before 3

@@ -36,8 +36,10 @@ from gateway.providers.base import (
     now,
     parse_arguments,
     parse_data_url,
+    refuse_unexpressible,
     split_call_id,
     token_count,
+    unexpressible,
     upstream_error,
 )
 from gateway.types import (
@@ -89,8 +91,9 @@ PARAMS = ParamTable(
         "stop": Param("generationConfig.stopSequences", as_list),
         "n": Param("generationConfig.candidateCount"),
         "seed": Param("generationConfig.seed"),
-        "presence_penalty": Param("generationConfig.presencePenalty"),
-        "frequency_penalty": Param("generationConfig.frequencyPenalty"),
+        # 0, what many clients send by default, asks for nothing: left out.
+        "presence_penalty": Param("generationConfig.presencePenalty", lambda penalty: penalty or None),
+        "frequency_penalty": Param("generationConfig.frequencyPenalty", lambda penalty: penalty or None),
     }
 )
 
@@ -371,10 +374,24 @@ def _thinking_config(request: ChatRequest, model: str) -> dict[str, Any] | None:
 
 
 MAX_STOP_SEQUENCES = 5  # generationConfig.stopSequences: "up to 5"
+# What generateContent as Weir asks it cannot carry, which left out would change the answer: biased or
+# banned tokens (OpenAI's token ids mean nothing to Gemini's tokenizer), a spoken answer (Weir sends
+# no `responseModalities`), a web search (Weir sends no `googleSearch` tool). `user`, `store`,
+# `metadata`, `service_tier`, `prediction`, `verbosity` and the prompt-cache hints are left out
+# instead: they ask for no other answer.
+UNEXPRESSIBLE = unexpressible("logit_bias", "modalities", "web_search_options")
+# Repetition penalties, which only Gemini 2.0 takes: later models (and ids this table does not know,
+# taken to be newer) refuse one other than 0 with a 400 no route fails over from ("Penalty is not
+# enabled for models/gemini-2.5-flash").
+_PENALTIES = re.compile(r"gemini-2\.0-")
+PENALTIES = unexpressible("frequency_penalty", "presence_penalty")
 
 
 def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     check_stop_count(request, MAX_STOP_SEQUENCES, "Gemini")
+    refuse_unexpressible(request, UNEXPRESSIBLE, "Gemini models")
+    if not _PENALTIES.search(model):
+        refuse_unexpressible(request, PENALTIES, "Gemini models after 2.0")
     system, contents = _contents(request.messages, model)
     _sign_current_turn(contents, model)
     body: dict[str, Any] = {"contents": contents}

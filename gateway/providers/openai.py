@@ -272,6 +272,11 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     )
     if isinstance(user := body.get("user"), str):
         body["user"] = short_user(user)
+    if openai_rules(backend, model) and body.get("store") is not True:
+        # It tags a stored completion, and OpenAI refuses it on one it does not store ("The 'metadata'
+        # parameter is only allowed when 'store' is enabled."), a 400 no route fails over from: left
+        # out, it still reaches Weir's route conditions and logs, which read the client's request.
+        body.pop("metadata", None)
     if request.continue_final_message:
         body["add_generation_prompt"] = False  # vLLM refuses both at once; its default opens a new turn
     if _openai_itself(backend):

@@ -24,6 +24,8 @@ from gateway.providers.base import (
     Param,
     ParamTable,
     UpstreamRequest,
+    asks_audio,
+    asks_web_search,
     continued,
     decode_json,
     json_encode,
@@ -88,7 +90,13 @@ _NOT_IN_RESPONSES = {
     "logit_bias": lambda request: bool(request.logit_bias),
     "frequency_penalty": lambda request: bool(request.frequency_penalty),
     "presence_penalty": lambda request: bool(request.presence_penalty),
+    "modalities": asks_audio,  # the Responses API answers in text alone
+    "web_search_options": asks_web_search,  # a `web_search` tool there, which Weir does not send
 }
+# Chat parameters Weir does not model (`ChatRequest.extra`) that the Responses API takes under the same
+# name (`verbosity` as `text.verbosity`): without them its prompt cache is routed, kept and its abuse
+# checks keyed otherwise than the client asked, and gpt-5 answers at its default length.
+_SAME_IN_RESPONSES = ("prompt_cache_key", "prompt_cache_retention", "safety_identifier")
 
 
 def _check_expressible(request: ChatRequest) -> None:
@@ -214,6 +222,11 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     if instructions is not None:
         body["instructions"] = instructions
     _PARAMS.apply(request, body)
+    for name in _SAME_IN_RESPONSES:
+        if (value := request.extra.get(name)) is not None:
+            body[name] = value
+    if (verbosity := request.extra.get("verbosity")) is not None:
+        body.setdefault("text", {})["verbosity"] = verbosity
     effort = openai.reasoning_effort(request, model, openai.openai_rules(backend, model))
     if effort is not None:
         body["reasoning"] = {"effort": effort}

@@ -675,6 +675,41 @@ async def test_bad_parameters_are_400_naming_the_parameter(served: Served, extra
     assert all_blocks_free(served.engine)
 
 
+AUDIO = {"voice": "alloy", "format": "wav"}
+
+
+@pytest.mark.parametrize(
+    ("refused", "taken", "param", "code"),
+    [
+        (
+            {"modalities": ["text", "audio"], "audio": AUDIO},
+            {"modalities": ["text"]},
+            "modalities",
+            "unsupported_value",
+        ),
+        ({"web_search_options": {}}, {}, "web_search_options", "unsupported_parameter"),
+        ({"n": 17}, {"n": 2}, "n", "unsupported_value"),  # MAX_CHOICES; OpenAI takes up to 128
+    ],
+    ids=["audio", "web_search", "n"],
+)
+async def test_what_the_engine_cannot_honour_is_refused_as_unsupported(
+    served: Served, refused: dict, taken: dict, param: str, code: str
+) -> None:
+    """The engine answers in text, searches nothing and runs at most MAX_CHOICES choices a request.
+    Ignored, audio and search gave another answer than the one asked for; and OpenAI's codes for a
+    parameter or value a model does not take let a gateway pass the request on to one that does,
+    where a plain 400 ended it."""
+    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=served.base_url) as http:
+        resp = await http.post("/chat/completions", json=body | refused)
+        answer = await http.post("/chat/completions", json=body | taken)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == (param, code)
+    assert answer.status_code == 200, answer.text
+    assert all_blocks_free(served.engine)
+
+
 async def test_prompt_longer_than_the_context_is_400_context_length_exceeded(served: Served) -> None:
     with pytest.raises(openai.APIStatusError) as info:
         await served.client.completions.create(model=MODEL, prompt="z" * 2000, max_tokens=1)

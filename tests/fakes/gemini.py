@@ -24,7 +24,9 @@ it holds (a stream chunk, its own tokens; one token a word): ``chosenCandidates`
 
 Rejects with 400 ``INVALID_ARGUMENT`` empty ``contents``, ``maxOutputTokens`` outside 1 to the
 model's output limit (`MAX_OUTPUT_TOKENS`: 8,192 on Gemini 2.0 Flash, 65,536 on 2.5 and 3), a
-``systemInstruction`` to Gemma (``gemma-3-27b-it``: "Developer instruction is not enabled"),
+``systemInstruction`` to Gemma (``gemma-3-27b-it``: "Developer instruction is not enabled"), a
+``presencePenalty`` or ``frequencyPenalty`` other than 0 to a model after Gemini 2.0 ("Penalty is not
+enabled for models/gemini-2.5-flash"; 0 is not checked),
 and on 3.5 Flash-Lite and 3.6 on (`NO_PREFILL`) contents ending with a model turn, which earlier
 models continue (a prefill).
 
@@ -459,6 +461,10 @@ class FakeGemini(FakeServer):
         ):
             raise Invalid(400, "Requests ending with a model turn are not supported.")
         config = body.get("generationConfig") or {}
+        if not model.startswith("gemini-2.0") and (
+            config.get("presencePenalty") or config.get("frequencyPenalty")
+        ):
+            raise Invalid(400, f"Penalty is not enabled for models/{model}")
         reply = plan_reply(self._turn(body))
         big = huge_text(request)
         if big is not None:

@@ -38,7 +38,8 @@ outside 0..2, ``n`` outside 1..128, empty ``messages``, a message whose ``conten
 array, unknown roles, an ``image_url`` part in a
 message whose role is not ``user`` (a tool result's screenshot), a ``tool`` message with no matching
 ``tool_calls`` before it, a tool, tool call or named ``tool_choice`` without ``type``, a tool
-call id over 40 characters, a ``user`` over 64, a body that is not JSON.
+call id over 40 characters, a ``user`` over 64, chat ``metadata`` without ``store: true`` ("The
+'metadata' parameter is only allowed when 'store' is enabled."), a body that is not JSON.
 
 ``FakeOpenAI(flavour="deepseek")`` speaks DeepSeek's dialect instead: models ``deepseek-chat`` and
 ``deepseek-reasoner``, usage ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens`` (64-token cache
@@ -531,6 +532,10 @@ class FakeOpenAI(FakeServer):
                 raise BadRequest(404, ONLY_ON_RESPONSES)
             if self.flavour == "openai":
                 _refuse_unsupported_by_reasoning(body)
+                if body.get("metadata") is not None and body.get("store") is not True:
+                    raise BadRequest(
+                        400, "The 'metadata' parameter is only allowed when 'store' is enabled.", "metadata"
+                    )
             turn, prompt = self._chat_turn(body)
         except BadRequest as exc:
             return self.error_response(exc.status, exc.message, param=exc.param, code=exc.code)

@@ -41,7 +41,7 @@ _FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "parallel_tool_calls", "text", "reasoning", "store", "stream", "stream_options", "user", "metadata",
     "service_tier", "include", "truncation", "previous_response_id", "background", "prompt_cache_key",
-    "safety_identifier", "max_tool_calls", "top_logprobs", "conversation", "prompt",
+    "safety_identifier", "prompt_cache_retention", "max_tool_calls", "top_logprobs", "conversation", "prompt",
 }  # fmt: skip
 # Where chat's fields went, as OpenAI's 400 says it.
 _MOVED = {

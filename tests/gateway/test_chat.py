@@ -334,6 +334,7 @@ def test_unmodelled_parameters_pass_through_to_openai_compatible_servers(
         model="gpt-4o-mini",
         messages=[{"role": "user", "content": "hi"}],
         metadata={"team": "search"},
+        store=True,  # OpenAI takes metadata only beside it
         extra_body={"top_k": 5},
     )
     sent = fake_openai.last_request.json

@@ -250,6 +250,42 @@ def test_a_request_the_responses_api_cannot_take_is_refused(gateway: RunningGate
         gateway.openai().chat.completions.create(model="o3-pro", messages=HI, stop=["three"])
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+        {"web_search_options": {}},
+    ],
+    ids=["modalities", "web_search_options"],
+)
+def test_audio_output_and_web_search_are_refused_not_dropped(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, params: dict[str, Any]
+) -> None:
+    # The Responses API answers in text alone, and searches with a tool Weir does not send.
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().chat.completions.create(model="o3-pro", messages=HI, **params)
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == next(iter(params))
+    assert not fake_openai.posts
+
+
+def test_chat_parameters_the_responses_api_shares_reach_it(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    gateway.openai().chat.completions.create(
+        model="o3-pro",
+        messages=HI,
+        verbosity="low",
+        prompt_cache_key="thread-1",
+        prompt_cache_retention="24h",
+        safety_identifier="user-hash-1",
+        response_format={"type": "json_object"},
+    )
+    sent = _sent(fake_openai)
+    assert sent["text"] == {"format": {"type": "json_object"}, "verbosity": "low"}
+    assert sent["prompt_cache_key"] == "thread-1" and sent["prompt_cache_retention"] == "24h"
+    assert sent["safety_identifier"] == "user-hash-1"
+
+
 def test_only_openai_backends_take_api_responses() -> None:
     text = _config_text().replace("type: anthropic\n", "type: anthropic\n    api: responses\n", 1)
     with pytest.raises(ConfigError, match=r"backends\[\d\]\.api"):

@@ -30,6 +30,7 @@ BACKENDS = """\
 MODELS = """\
   - {name: small-azure, backend: azure-embed, model: text-embedding-3-small, price: {input: 0.02, output: 0}}
   - {name: gemini-embedding-768, backend: gemini, model: text-embedding-004, price: {input: 0.15, output: 0}}
+  - {name: gemini-2-flash, backend: gemini, model: gemini-2.0-flash}
 """
 ROUTES = f"""\
 routes:
@@ -269,8 +270,8 @@ def test_completions_without_those_options_still_fail_over_to_chat(
 def test_completions_penalties_reach_a_chat_candidate(
     gateway: RunningGateway, fake_gemini: FakeGemini
 ) -> None:
-    gateway.openai().completions.create(
-        model="gemini-flash", prompt=TEXT, presence_penalty=0.5, frequency_penalty=0.25
+    gateway.openai().completions.create(  # Gemini 2.0: later models take no penalties
+        model="gemini-2-flash", prompt=TEXT, presence_penalty=0.5, frequency_penalty=0.25
     )
     config = fake_gemini.last_request.json["generationConfig"]
     assert config["presencePenalty"] == 0.5 and config["frequencyPenalty"] == 0.25

@@ -98,10 +98,10 @@ def test_a_metadata_condition_sees_the_anthropic_requests_metadata(
     )
     answer.parse()
     assert route_header(answer)["candidate"] == SMALL_WINDOW
-    # Upstream each goes as before: the chat client's metadata as it sent it, the Anthropic client's
-    # user id as OpenAI's `user` and no `metadata` (OpenAI takes that only with `store`).
+    # Upstream neither goes as `metadata`, which OpenAI takes only with `store` (the route read it
+    # from the client's request); the Anthropic client's user id goes as OpenAI's `user`.
     chat, messages = (r.json for r in fake_openai.posts)
-    assert chat["metadata"] == {"user_id": "batch-7"} and "user" not in chat
+    assert "metadata" not in chat and "user" not in chat
     assert messages["user"] == "batch-7" and "metadata" not in messages
 
 
