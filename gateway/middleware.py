@@ -98,6 +98,10 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                         headers.append((b"request-id", raw_id))
                     if info.route is not None:
                         headers.append((b"x-weir-route", info.route.encode()))
+                    if info.rate_limits:
+                        headers += [
+                            (name.encode(), value.encode()) for name, value in info.rate_limits.items()
+                        ]
                     message["headers"] = headers
                     await send(message)
                     return

@@ -68,6 +68,9 @@ class RequestInfo:
     ttft: float | None = None  # seconds
     error: str | None = None
     route: str | None = None  # the routing decision (x-weir-route header, usage events)
+    # The x-ratelimit-* headers of the tenant's and key's RPM/TPM limits, as admission counted the
+    # request (gateway.accounting.admission.rate_headers); a refusal's are on its 429 instead.
+    rate_limits: dict[str, str] | None = None
     # The client left before its response started, and its request was cancelled for it
     # (gateway.disconnect): the attempts that cancels are the client's 499s, not the gateway's own.
     client_gone: bool = False

@@ -136,6 +136,11 @@ class _Lease:
     window_s: float
     expires: float  # monotonic
     granted: int = 0  # units leased in all (for sizing the next lease)
+    # What the state said of the window with the lease (Decision.windows): the units it holds, the
+    # whole lease included, and when (monotonic) all of them have left it. The rate-limit headers of
+    # the requests admitted from the lease.
+    used: int = 0
+    emptied_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -160,6 +165,40 @@ class QuotaExceeded(GatewayError):
 
 def _scope(key: str) -> str:
     return "key" if ":key:" in key else "tenant"
+
+
+def reset_text(seconds: float) -> str:
+    """A duration as OpenAI writes its x-ratelimit-reset-* headers: "20ms", "1.5s", "6m0s"."""
+    ms = max(0, math.ceil(seconds * 1000))
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, ms = divmod(ms, 60_000)
+    secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+# (limit key, limit, units its window holds, seconds until they have all left it)
+WindowState = tuple[str, int, int, float]
+
+
+def rate_headers(windows: Sequence[WindowState]) -> dict[str, str]:
+    """OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens} headers: for each kind, the
+    limit (tenant's or key's) with the least room left. Reset is when the window will hold nothing
+    of what it holds now, OpenAI's "resets to its initial state"; remaining counts units a replica
+    leased ahead as used (Admission.leases)."""
+    least: dict[str, tuple[int, int, float]] = {}
+    for key, limit, used, reset_s in windows:
+        kind = "tokens" if key.startswith("tpm:") else "requests"
+        remaining = max(0, limit - used)
+        held = least.get(kind)
+        if held is None or remaining < held[1]:
+            least[kind] = (limit, remaining, reset_s)
+    headers = {}
+    for kind, (limit, remaining, reset_s) in least.items():
+        headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
+        headers[f"x-ratelimit-reset-{kind}"] = reset_text(reset_s)
+    return headers
 
 
 def refusal(
@@ -374,8 +413,9 @@ class Admission:
         max_output_tokens: int,
         long_context: LongContextSheet | None = None,
         service_tier: str | None = None,
-    ) -> None:
-        """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it.
+    ) -> dict[str, str]:
+        """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it; the
+        rate-limit headers its response carries (`rate_headers`; none without RPM/TPM limits).
         `long_context`: the model's long-context tier, which prices the estimate of a long prompt.
         `service_tier`: the tier the request asks for, whose prices (where the model has some) price
         the estimate, as they will bill the attempt: at the base price a priority request was
@@ -416,7 +456,7 @@ class Admission:
             # At least one pico-dollar, so a budget that is fully spent refuses even unpriced models.
             amount = max(1, cost_pico_usd)
         if not limits and not budgets:
-            return
+            return {}
         asked: list[str] = []
         if self.leasing:
             drawn = self._take_local(limits, budgets, amount)
@@ -448,6 +488,13 @@ class Admission:
                 drawn = self._take_local(limits, budgets, amount)
             if drawn is not None:
                 self.local_admissions += 1
+                leases, now_s = self._leases, time.monotonic()
+                headers = rate_headers(
+                    [
+                        (limit.key, limit.limit, leases[limit.key].used, leases[limit.key].emptied_at - now_s)
+                        for limit in limits
+                    ]
+                )
                 if budgets or tpm_keys:
                     self._pending[exchange] = _Pending(
                         None,
@@ -459,7 +506,7 @@ class Admission:
                         # oldest: a correction there can only leave the window before the estimate.
                         tpm_bucket=min((self._leases[key].bucket for key in tpm_keys), default=None),
                     )
-                return
+                return headers
             # At most one lease (pool) per key held or asked for at a time: concurrent requests that
             # miss it go to the shared state without asking for more, which bounds what a replica
             # can hold unused to one lease per key.
@@ -498,12 +545,23 @@ class Admission:
             budgets = await self._seed_again(plan, budgets, decision.unseeded, now)
             decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
         if not decision.allowed:
-            raise refusal(decision, limits, budgets, amount)
+            refused = refusal(decision, limits, budgets, amount)
+            if decision.windows and decision.blocked_by is not None:
+                # The limit that refused, as it stands (the other limits were not looked at).
+                limit = next(limit for limit in limits if limit.key == decision.blocked_by)
+                used, reset_s = decision.windows[0]
+                refused.headers.update(rate_headers([(limit.key, limit.limit, used, reset_s)]))
+            raise refused
         reservation_id = decision.reservation_id
         releases: list[tuple[str, int]] = []
         if self.leasing and (decision.leases or decision.pools):
             self._keep_leases(limits, budgets, decision, sent)
             releases = [(reservation_id or "", amount) for _ in budgets]  # the pool stays reserved
+        if self._leases:
+            for limit, (used, reset_s) in zip(limits, decision.windows, strict=False):
+                held = self._leases.get(limit.key)
+                if held is not None:  # this admission's lease, or one held still: the state's latest
+                    held.used, held.emptied_at = used, sent + reset_s
         if budgets or tpm_keys:
             self._pending[exchange] = _Pending(
                 reservation_id,
@@ -513,6 +571,12 @@ class Admission:
                 releases=releases,
                 tpm_bucket=decision.buckets[plan.tpm_index] if tpm_keys and decision.buckets else None,
             )
+        return rate_headers(
+            [
+                (limit.key, limit.limit, used, reset_s)
+                for limit, (used, reset_s) in zip(limits, decision.windows, strict=False)
+            ]
+        )
 
     def _wants(self, key: str, cost: int, now: float) -> bool:
         if key in self._asking:

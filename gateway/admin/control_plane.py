@@ -237,7 +237,8 @@ class ControlPlane:
         quotas = self.quotas(call.principal)
         if quotas is None:
             return
-        await self.admission.admit(
+        # OpenAI's x-ratelimit-* headers, which the request middleware puts on the response.
+        call.info.rate_limits = await self.admission.admit(
             call.info.request_id,
             quotas,
             target.backend.name,

@@ -1,10 +1,10 @@
 """The shared-state interface and its value types.
 
 Rate limits are sliding windows counted in `BUCKETS` sub-buckets (one second each for a one-minute
-window): no window of that length ever admits more than the limit. Budgets are money counters in
-integer pico-dollars, the ledger's unit, so they add up to exactly what the ledger bills: `spent`
-(settled) plus `reserved` (in flight); a reservation that is never settled (a crashed replica)
-expires after its TTL.
+window): a unit counts until its bucket leaves the window, 59 to 60 s after it was counted, so no
+59 s ever admit more than the limit. Budgets are money counters in integer pico-dollars, the
+ledger's unit, so they add up to exactly what the ledger bills: `spent` (settled) plus `reserved`
+(in flight); a reservation that is never settled (a crashed replica) expires after its TTL.
 """
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ class Admission:
     # buckets since the epoch, by the state's clock). A correction of that count goes there
     # (`Adjustment.bucket`), never to a later bucket that would keep it after the count has left.
     buckets: tuple[int, ...] = ()
+    # Per limit, in order, when admitted: (units its window holds with this admission's, leases
+    # included; seconds until all of them have left the window). When a limit refused: that limit's
+    # alone (one entry), before this request. What the client's x-ratelimit-* headers say
+    # (gateway.accounting.admission.rate_headers); the state's own count and clock, so every replica
+    # says the same.
+    windows: tuple[tuple[int, float], ...] = ()
     # Refused because the state holds no seed for these budgets, which the caller had seeded: it
     # lost them (Redis restarted empty, failed over to a replica behind it, evicted the key). Nothing
     # was counted; the caller seeds them again from the ledger and asks once more.

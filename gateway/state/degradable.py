@@ -10,6 +10,11 @@ connection fails at once; a request makes several calls. So only the call that f
 for it: from then on every call is answered here at once, and a background task alone asks Redis
 again, every `retry_s` (each ask bounded by `timeout_s`), switching back once it answers.
 
+Rate limits carry over to Redis: what the fallback counted meanwhile (admissions, and the corrections
+settled here, those of requests Redis counted before the outage included) is added to Redis's
+windows, in the buckets it was counted in, once it answers. Without it a minute spanning the
+recovery admitted the limit again on top of what every replica admitted during the outage.
+
 Budgets carry over both ways. The fallback knows each budget's spend as Redis last reported it (the
 ledger's seed, then every admission's and settlement's answer), so a tenant that spent its budget
 stays refused while Redis is away instead of starting the month again from zero on every replica.
@@ -23,6 +28,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +36,8 @@ from redis.exceptions import RedisError
 
 from gateway.aio import detached, retry_until
 from gateway.state.base import (
+    BUCKETS,
+    Adjustment,
     Admission,
     Budget,
     Limit,
@@ -45,6 +53,7 @@ log = logging.getLogger(__name__)
 _UNREACHABLE = (RedisError, OSError, TimeoutError)
 _degraded: set[int] = set()  # ids of this process's states now running without Redis
 PROBE_KEY = "probe"  # read (never written) to learn whether Redis answers again
+COUNTED_MAX = 10_000  # limit buckets owed to Redis before those out of their window are dropped
 
 
 def degraded_states() -> int:
@@ -67,6 +76,8 @@ class DegradableState(Shortcuts):
         self._owed: dict[str, list[tuple[str, int]]] = {}
         self._releases: list[tuple[str, str, int]] = []
         self._seeds: dict[str, tuple[int, tuple[str, ...]]] = {}
+        # For Redis once it answers again: units counted on limits here, per (key, window, bucket).
+        self._counted: dict[tuple[str, float, int], int] = {}
 
     @property
     def degraded(self) -> bool:
@@ -102,7 +113,7 @@ class DegradableState(Shortcuts):
 
     async def _ask(self, name: str, *args: Any) -> Any:
         async with asyncio.timeout(self.timeout_s):
-            if self._owed or self._releases or self._seeds:
+            if self._owed or self._releases or self._seeds or self._counted:
                 await self._catch_up()  # before anything else Redis is asked (see there)
             return await getattr(self.primary, name)(*args)
 
@@ -114,14 +125,20 @@ class DegradableState(Shortcuts):
         _degraded.discard(id(self))
 
     async def _catch_up(self) -> None:
-        """Hand Redis what was settled here while it was away: seeds first (a seed only applies to a
-        budget Redis holds nothing of yet, so it must land before any settlement does), then the
-        spend and the releases. Taken first, so concurrent calls send it once; put back when Redis
+        """Hand Redis what was counted and settled here while it was away: seeds first (a seed only
+        applies to a budget Redis holds nothing of yet, so it must land before any settlement does),
+        then the limits' counts, the spend and the releases. Taken first, so concurrent calls send it once; put back when Redis
         fails again (a reply lost after Redis applied it would count the spend twice: the error that
         refuses too much, not too little)."""
         seeds, owed, releases = self._seeds, self._owed, self._releases
         self._seeds, self._owed, self._releases = {}, {}, []
-        catch_up = [
+        counted, self._counted = self._counted, {}
+        # Limits first: one settlement of every bucket counted here (units 0 are left out by it).
+        counts = [
+            Adjustment(key, units, window_s, bucket) for (key, window_s, bucket), units in counted.items()
+        ]
+        catch_up = [Settlement(counts)] if counts else []
+        catch_up += [
             Settlement((), [key], actual_pico_usd=cost, event_id=event_id)
             for key, events in owed.items()
             for event_id, cost in events
@@ -144,9 +161,15 @@ class DegradableState(Shortcuts):
             for key, events in owed.items():
                 self._owed.setdefault(key, []).extend(events)
             self._releases += releases
+            for where, units in counted.items():
+                self._count(*where, units)
             raise
-        if owed or releases:
-            log.warning("Redis caught up with %d budgets settled while it was away", len(owed))
+        if owed or releases or counted:
+            log.warning(
+                "Redis caught up with %d budgets and %d limits counted while it was away",
+                len(owed),
+                len({key for key, _, _ in counted}),
+            )
 
     async def admit(
         self,
@@ -157,7 +180,11 @@ class DegradableState(Shortcuts):
     ) -> Admission:
         reached, decision = await self._try_primary("admit", limits, budgets, amount_pico_usd, ttl_s)
         if not reached:
-            return await self.fallback.admit(limits, budgets, amount_pico_usd, ttl_s)
+            decision = await self.fallback.admit(limits, budgets, amount_pico_usd, ttl_s)
+            if decision.allowed:
+                for limit, bucket in zip(limits, decision.buckets, strict=False):
+                    self._count(limit.key, limit.window_s, bucket, limit.cost)
+            return decision
         if decision.spent:
             # What every replica spent so far, where the fallback starts from. A refusal says it for
             # the budgets up to the one that refused (not strict).
@@ -171,7 +198,15 @@ class DegradableState(Shortcuts):
             # What Redis says is spent (every replica's settlements): where the fallback starts from.
             self.fallback.budget_spent_at_least(usage)
             return usage
+        now = time.time()
         for settlement in settlements:
+            for adjustment in settlement.adjustments:
+                if adjustment.delta:
+                    window_s = adjustment.window_s
+                    bucket = adjustment.bucket
+                    if bucket is None:  # the current one, numbered as the fallback and Redis do
+                        bucket = int(now // (window_s / BUCKETS))
+                    self._count(adjustment.key, window_s, bucket, adjustment.delta)
             for i, key in enumerate(settlement.budget_keys):
                 if settlement.actual_pico_usd:
                     owed = self._owed.setdefault(key, [])
@@ -182,6 +217,18 @@ class DegradableState(Shortcuts):
                 if rid and not self.fallback.made(rid):  # Redis's own: it holds the money until released
                     self._releases.append((key, rid, amount))
         return await self.fallback.settle_many(settlements)
+
+    def _count(self, key: str, window_s: float, bucket: int, units: int) -> None:
+        """Owe Redis `units` on a limit's bucket. Buckets that have left their window count for
+        nothing there (SETTLE drops them), so they go once there are many: a long outage keeps
+        about a window's worth per key."""
+        where = (key, window_s, bucket)
+        self._counted[where] = self._counted.get(where, 0) + units
+        if len(self._counted) > COUNTED_MAX:
+            now = time.time()
+            self._counted = {
+                (k, w, b): n for (k, w, b), n in self._counted.items() if b > now // (w / BUCKETS) - BUCKETS
+            }
 
     async def budget_unseeded(self, key: str) -> list[str]:
         result: list[str] = await self._call("budget_unseeded", key)

@@ -158,6 +158,12 @@ class _Budget:
         return self.total_reserved
 
 
+def _emptied_in(buckets: list[tuple[int, int]], bucket_s: float, now: float) -> float:
+    """Seconds until the newest bucket that holds units (of `buckets`, oldest first) leaves the window."""
+    newest = next((index for index, count in reversed(buckets) if count > 0), None)
+    return 0.0 if newest is None else max(0.0, (newest + BUCKETS) * bucket_s - now)
+
+
 def _window_lapsed(window: _Window, now: float) -> bool:
     # Every call that counts advances the window first (`lo` = its bucket then - BUCKETS + 1), so no
     # bucket is newer than lo + BUCKETS - 1: once that left the window, they all did.
@@ -271,12 +277,13 @@ class MemoryState(Shortcuts):
                 window = windows[limit.key] = _Window(bucket_s)
             window.advance(current)
             if window.total + limit.cost > limit.limit:
-                if limit.cost > limit.limit:
-                    return Admission(False, limit.window_s, limit.key)
-                need = window.total + limit.cost - limit.limit
                 buckets = sorted(window.buckets.items())
+                refused_by = ((window.total, _emptied_in(buckets, bucket_s, now)),)
+                if limit.cost > limit.limit:
+                    return Admission(False, limit.window_s, limit.key, windows=refused_by)
+                need = window.total + limit.cost - limit.limit
                 wait = retry_after(buckets, need, bucket_s, now, limit.window_s)
-                return Admission(False, wait, limit.key)
+                return Admission(False, wait, limit.key, windows=refused_by)
             counted.append((window, current, limit.cost))
         states = []
         for budget in budgets:
@@ -292,16 +299,21 @@ class MemoryState(Shortcuts):
                 return Admission(False, blocked_by=budget.key)
             states.append(state)
         counted_in = []
+        windows_now = []
         for window, current, cost in counted:
             window.add(current, cost)
             counted_in.append(current)
+            # This bucket, just counted in, is the window's newest: all of it has left with it.
+            windows_now.append((window.total, (current + BUCKETS) * window.bucket_s - now))
         # Unique within this state, which is the only one that ever sees it: a counter after a
         # random prefix (another state's ids, e.g. Redis's before an outage, never collide).
         reservation_id = f"{self._id_prefix}{next(self._ids)}" if budgets else None
         expires = now + ttl_s
         for state in states:
             state.reserve(reservation_id, amount_pico_usd, expires)  # type: ignore[arg-type]
-        return Admission(True, reservation_id=reservation_id, buckets=tuple(counted_in))
+        return Admission(
+            True, reservation_id=reservation_id, buckets=tuple(counted_in), windows=tuple(windows_now)
+        )
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         async with self._lock:

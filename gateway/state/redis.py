@@ -120,8 +120,10 @@ end
 # KEYS: the limit keys, then (budget, budget:res, budget:exp) per budget.
 # ARGV: BUCKETS, number of limits, (limit, cost, window_ms, lease) per limit, then amount, reservation
 # ttl ms, reservation id, budget key ttl ms, then (limit, pool, seeded: 1 or 0) per budget.
-# Returns {1, then (leased units, bucket, ms left in it) per limit, then the pool per budget, then
-# `spent` per budget} when admitted, {0, 1, limit index, retry-after ms} or {0, 2, budget index, then
+# Returns {1, then (leased units, bucket, ms left in it, units the window holds now, ms until they
+# have all left it) per limit, then the pool per budget, then `spent` per budget} when admitted,
+# {0, 1, limit index, retry-after ms, units its window holds, ms until they have all left it} or
+# {0, 2, budget index, then
 # `spent` per budget up to that one} when refused (`spent`: for the in-process fallback to start
 # from during an outage, gateway.state.degradable), or {0, 3, then the index of each budget the
 # caller seeded that holds no seed: Redis lost it}; nothing is counted or reserved unless everything
@@ -146,10 +148,18 @@ for i = 1, n do
   totals[i] = total
   if total + cost > limit then
     local wait_ms = window_ms
+    local live = live_buckets(KEYS[i])
+    local emptied_ms = 0
+    for j = #live, 1, -1 do
+      if live[j][2] > 0 then
+        emptied_ms = (live[j][1] + buckets) * bucket_ms - now_ms
+        break
+      end
+    end
     if cost <= limit then
       local need = total + cost - limit
       local freed = 0
-      for _, bucket in ipairs(live_buckets(KEYS[i])) do
+      for _, bucket in ipairs(live) do
         freed = freed + bucket[2]
         if freed >= need then
           wait_ms = (bucket[1] + buckets) * bucket_ms - now_ms
@@ -157,7 +167,8 @@ for i = 1, n do
         end
       end
     end
-    return {0, 1, i, string.format('%d', math.max(0, math.ceil(wait_ms)))}
+    return {0, 1, i, string.format('%d', math.max(0, math.ceil(wait_ms))), string.format('%d', total),
+      string.format('%d', math.max(0, math.ceil(emptied_ms)))}
   end
 end
 local b0 = 3 + n * 4
@@ -215,6 +226,8 @@ for i = 1, n do
   out[#out + 1] = lease
   out[#out + 1] = string.format('%d', currents[i])
   out[#out + 1] = string.format('%d', math.floor((currents[i] + 1) * bucket_ms - now_ms))
+  out[#out + 1] = string.format('%d', totals[i] + cost + lease)
+  out[#out + 1] = string.format('%d', math.ceil((currents[i] + buckets) * bucket_ms - now_ms))
 end
 for i = 0, nb - 1 do
   local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
@@ -607,12 +620,13 @@ class RedisState(Shortcuts):
         if int(result[0]) == 1:
             n = len(limits)
             leases = tuple(
-                Lease(int(result[1 + i * 3]), int(result[2 + i * 3]), float(result[3 + i * 3]))
+                Lease(int(result[1 + i * 5]), int(result[2 + i * 5]), float(result[3 + i * 5]))
                 for i in range(n)
             )
+            windows = tuple((int(result[4 + i * 5]), int(result[5 + i * 5]) / 1000) for i in range(n))
             nb = len(budgets)
-            pools = tuple(int(p) for p in result[1 + n * 3 : 1 + n * 3 + nb])
-            spent = tuple(int(s) for s in result[1 + n * 3 + nb :])
+            pools = tuple(int(p) for p in result[1 + n * 5 : 1 + n * 5 + nb])
+            spent = tuple(int(s) for s in result[1 + n * 5 + nb :])
             return Admission(
                 True,
                 reservation_id=reservation_id,
@@ -620,9 +634,11 @@ class RedisState(Shortcuts):
                 pools=pools,
                 spent=spent,
                 buckets=tuple(lease.bucket for lease in leases),
+                windows=windows,
             )
         if int(result[1]) == 1:
-            return Admission(False, int(result[3]) / 1000, limits[int(result[2]) - 1].key)
+            held = ((int(result[4]), int(result[5]) / 1000),)
+            return Admission(False, int(result[3]) / 1000, limits[int(result[2]) - 1].key, windows=held)
         if int(result[1]) == 3:
             return Admission(False, unseeded=tuple(budgets[int(i) - 1].key for i in result[2:]))
         spent = tuple(int(s) for s in result[3:])

@@ -1,0 +1,77 @@
+"""Rate limits across a Redis outage: while Redis is away each replica counts in its own process
+(N replicas may admit N times a limit, docs/reliability.md), and what they counted meanwhile is
+added to Redis once it answers, so the minute after the outage does not admit the limit again."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.accounting.admission import Admission, Quotas, RateLimited
+from gateway.accounting.pricing import PriceCatalog
+from gateway.state.degradable import DegradableState
+from gateway.state.redis import RedisState
+from tests.control.conftest import REDIS_PORT, REDIS_URL
+from tests.control.events import usage_event
+from tests.control.helpers import TcpProxy
+
+pytestmark = pytest.mark.redis
+
+
+async def admitted(admission: Admission, quotas: Quotas, n: int, tokens: int = 10) -> list[str]:
+    ids = []
+    for _ in range(n):
+        request_id = uuid.uuid4().hex
+        try:
+            await admission.admit(request_id, quotas, "b", "m", prompt_tokens=tokens, max_output_tokens=0)
+        except RateLimited:
+            continue
+        ids.append(request_id)
+    return ids
+
+
+async def window_total(client: aioredis.Redis, key: str) -> int:
+    return int(await client.hget(key, "t") or 0)
+
+
+async def test_what_a_replica_counted_while_redis_was_away_counts_in_redis_after(redis_prefix: str) -> None:
+    proxy = TcpProxy(REDIS_PORT)  # Redis as replica A sees it: stop() plays an outage
+    await proxy.start()
+    a = DegradableState(
+        RedisState(aioredis.from_url(f"redis://127.0.0.1:{proxy.port}/0"), prefix=redis_prefix), retry_s=0.02
+    )
+    b = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    client = aioredis.from_url(REDIS_URL)
+    replicas = [Admission(state, lambda: PriceCatalog([])) for state in (a, b)]
+    quotas = Quotas("t", None, tenant_rpm=10, tenant_tpm=10_000)
+    try:
+        before = await admitted(replicas[0], quotas, 3)
+        assert len(before) == 3
+        replicas[0].settle(usage_event(before[0], 4))  # estimated 10 tokens, used 4: settled in Redis
+        await replicas[0].drain()
+        await proxy.stop()
+        during = await admitted(replicas[0], quotas, 12)
+        assert a.degraded and len(during) == 10  # counted here alone, from an empty window
+        # A request Redis counted before the outage settles during it: its correction is owed too.
+        replicas[0].settle(usage_event(before[1], 2))
+        replicas[0].settle(usage_event(during[0], 7))
+        await replicas[0].drain()
+        await proxy.start()
+        async with asyncio.timeout(5):
+            while a.degraded:  # the prober hands Redis what was counted here, then switches back
+                await asyncio.sleep(0.01)
+        assert await window_total(client, f"{redis_prefix}rpm:tenant:t") == 13
+        assert await window_total(client, f"{redis_prefix}tpm:tenant:t") == 4 + 2 + 10 + 7 + 9 * 10
+        # Redis knows the 13 requests of this minute: no replica admits more in it.
+        assert await admitted(replicas[1], quotas, 5) == []
+        assert await admitted(replicas[0], quotas, 5) == []
+    finally:
+        for replica in replicas:
+            await replica.drain()
+        await a.close()
+        await b.close()
+        await client.aclose()
+        await proxy.stop()
