@@ -434,6 +434,7 @@ def client_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
     return aioredis.from_url(url, connection_class=HiredisConnection, **kwargs)
 
 
+RESUBSCRIBE_S = 1.0  # how often a lost revocation subscription is made again
 LINK_TIMEOUT_S = 5.0  # connect, and wait for a reply, at most this long (redis-py's default too)
 
 
@@ -839,6 +840,7 @@ class RedisState(Shortcuts):
     async def _listen(self, pubsub: aioredis.client.PubSub, callback: RevocationCallback) -> None:
         # Runs for the life of the process; a dropped connection is retried, and the authenticator's
         # cache TTL bounds how stale a key can be while the link is down.
+        failing = False  # the subscription was lost and is not back yet
         while True:
             stop_if_cancelled()  # a cancel that library code swallowed last round
             try:
@@ -852,10 +854,21 @@ class RedisState(Shortcuts):
                 await pubsub.aclose()
                 raise
             except Exception:
-                log.warning("revocation subscription failed; retrying", exc_info=True)
-                await asyncio.sleep(1.0)
-                with contextlib.suppress(Exception):
+                # Once per outage, not on every retry: a warning with its traceback every second per
+                # replica for as long as Redis was away buried the one that said it went.
+                if not failing:
+                    log.warning(
+                        "revocation subscription lost; resubscribing until Redis answers", exc_info=True
+                    )
+                    failing = True
+                await asyncio.sleep(RESUBSCRIBE_S)
+                try:
                     await pubsub.subscribe(self._k("revocations"))
+                except Exception:
+                    continue
+                if failing:
+                    log.warning("revocation subscription restored")
+                    failing = False
 
     async def kv_get(self, key: str) -> bytes | None:
         # The client never sets decode_responses, so replies are bytes; the stubs cannot know that.

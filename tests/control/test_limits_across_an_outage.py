@@ -1,10 +1,12 @@
 """Rate limits across a Redis outage: while Redis is away each replica counts in its own process
 (N replicas may admit N times a limit, docs/reliability.md), and what they counted meanwhile is
-added to Redis once it answers, so the minute after the outage does not admit the limit again."""
+added to Redis once it answers, so the minute after the outage does not admit the limit again. The
+outage is logged once, not on every retry."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 import pytest
@@ -74,4 +76,40 @@ async def test_what_a_replica_counted_while_redis_was_away_counts_in_redis_after
         await a.close()
         await b.close()
         await client.aclose()
+        await proxy.stop()
+
+
+async def test_a_lost_revocation_subscription_is_logged_once_and_comes_back(
+    redis_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It logged a warning with its traceback on every retry, every second per replica while Redis was
+    away, where the limits' state says it once (DegradableState.lost)."""
+    proxy = TcpProxy(REDIS_PORT)
+    await proxy.start()
+    state = RedisState(aioredis.from_url(f"redis://127.0.0.1:{proxy.port}/0"), prefix=redis_prefix)
+    publisher = RedisState(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
+    heard: list[str] = []
+    caplog.set_level(logging.WARNING, logger="gateway.state.redis")
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "revocation subscription" in r.getMessage()]
+
+    try:
+        await state.subscribe_revocations(heard.append)
+        await proxy.stop()
+        await asyncio.sleep(1.2)  # past the first retry (RESUBSCRIBE_S), which is warned of no more
+        assert len(warnings()) == 1
+        await proxy.start()
+        async with asyncio.timeout(5):
+            while not heard:  # published before it subscribed again, a revocation reaches no one
+                await publisher.publish_revocation("k1")
+                await asyncio.sleep(0.05)
+        assert set(heard) == {"k1"}
+        assert warnings() == [
+            "revocation subscription lost; resubscribing until Redis answers",
+            "revocation subscription restored",
+        ]
+    finally:
+        await state.close()
+        await publisher.close()
         await proxy.stop()
