@@ -546,11 +546,11 @@ class Admission:
             decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
         if not decision.allowed:
             refused = refusal(decision, limits, budgets, amount)
-            if decision.windows and decision.blocked_by is not None:
+            by = next((limit for limit in limits if limit.key == decision.blocked_by), None)
+            if by is not None and decision.windows:
                 # The limit that refused, as it stands (the other limits were not looked at).
-                limit = next(limit for limit in limits if limit.key == decision.blocked_by)
                 used, reset_s = decision.windows[0]
-                refused.headers.update(rate_headers([(limit.key, limit.limit, used, reset_s)]))
+                refused.headers.update(rate_headers([(by.key, by.limit, used, reset_s)]))
             raise refused
         reservation_id = decision.reservation_id
         releases: list[tuple[str, int]] = []

@@ -127,9 +127,9 @@ class DegradableState(Shortcuts):
     async def _catch_up(self) -> None:
         """Hand Redis what was counted and settled here while it was away: seeds first (a seed only
         applies to a budget Redis holds nothing of yet, so it must land before any settlement does),
-        then the limits' counts, the spend and the releases. Taken first, so concurrent calls send it once; put back when Redis
-        fails again (a reply lost after Redis applied it would count the spend twice: the error that
-        refuses too much, not too little)."""
+        then the limits' counts, the spend and the releases. Taken first, so concurrent calls send
+        it once; put back when Redis fails again (a reply lost after Redis applied it would count
+        them twice: the error that refuses too much, not too little)."""
         seeds, owed, releases = self._seeds, self._owed, self._releases
         self._seeds, self._owed, self._releases = {}, {}, []
         counted, self._counted = self._counted, {}
