@@ -44,6 +44,7 @@ from gateway.providers.base import (
     OUTPUT_LIMIT_TOO_LARGE,
     UpstreamRequest,
     chat_response_reader,
+    context_report,
 )
 from gateway.router_basic import Target
 from gateway.state import Adjustment, Limit, MemoryState, SharedState, correction_bucket
@@ -330,6 +331,10 @@ class Executor:
         # OpenAI models (`_key`) without `api: responses` that OpenAI turned out to serve on the
         # Responses API alone: asked there from then on, in this process (`_asked_on`).
         self.on_responses: set[str] = set()
+        # The context window each backend and upstream model (`_key`) said it has in its last 400 for a
+        # request that did not fit (`_fit_context`), in this process: a bundled engine's is set by its
+        # model and its KV cache, which the config need not repeat.
+        self.windows: dict[str, int] = {}
 
     # --- one attempt ---------------------------------------------------------------------------
 
@@ -372,18 +377,31 @@ class Executor:
         race: _Race | None = None,
         trial: Trial = NO_TRIAL,
     ) -> Any:
-        """`_attempt_once` on `choice`; where OpenAI answers that its model is served on the Responses
-        API alone (a model configured without `api: responses`), once more at once through that API,
-        as every later request to that model is (the operator is told to configure it so, which spares
-        the first request its 404)."""
+        """`_attempt_once` on `choice`, asking for no more output than its context window has room
+        for where the gateway knows it (`_fit_context`); once more at once where the backend's 400
+        says the prompt fits and how much room it leaves (`context_report`: the gateway's estimate of
+        the prompt was low, or the window was not known), asking for that room, or where OpenAI
+        answers that its model is served on the Responses API alone (a model configured without
+        `api: responses`), through that API, as every later request to that model is (the operator
+        is told to configure it so, which spares the first request its 404)."""
 
         def once(asked: Choice) -> Awaitable[Any]:
             return self._attempt_once(call, plan, asked, op, charge, numbers, sent, race, trial)
 
+        self._fit_context(plan, choice)
         asked = self._asked_on(choice)
         try:
             return await once(asked)
         except UpstreamError as exc:
+            report = context_report(exc.message) if exc.code == CONTEXT_LENGTH_EXCEEDED else None
+            if report is not None:
+                window, prompt = report
+                self.windows[self._key(choice)] = window
+                log.debug(
+                    "context_window_reported", model=choice.candidate.model, window=window, prompt=prompt
+                )
+                choice.context_room = window - prompt
+                return await once(self._asked_on(choice))
             chat = asked.target.provider is openai_provider.PROVIDER
             if not chat or not openai_provider.served_on_responses_only(exc):
                 raise
@@ -395,6 +413,23 @@ class Executor:
                 hint="asked through the Responses API from now on; set `api: responses` on this model",
             )
             return await once(self._asked_on(choice))
+
+    def _fit_context(self, plan: Plan, choice: Choice) -> None:
+        """Where the gateway knows `choice`'s context window (what its backend last reported, else the
+        candidate's `context_window`), the room for output that the request's prompt, as the gateway
+        estimates it (`Plan.prompt_tokens`), leaves there: an output limit above it is sent as that
+        room (`within_output_limit`) and said in `x-weir-route` (`output_capped`), as one above the
+        model's own limit is. Otherwise an OpenAI-compatible server (the bundled engine, vLLM,
+        OpenAI) refuses the request with a 400 even though its prompt fits (Claude Code asks for
+        32,000 tokens; an 8,192-token engine has room for fewer). A prompt the estimate puts at the
+        window or above is sent as it is: only the backend can say whether it fits. An estimate
+        below the backend's count gets its 400, which says the exact room (`_attempt`). Kept once
+        set: an attempt's exact room, and a retry in place, stand for the later attempts here."""
+        if choice.context_room is not None or plan.prompt_tokens is None:
+            return
+        window = self.windows.get(self._key(choice)) or choice.candidate.context_window
+        if window is not None and plan.prompt_tokens < window:
+            choice.context_room = window - plan.prompt_tokens
 
     async def _attempt_once(
         self,

@@ -111,15 +111,24 @@ class Choice:
     score: float | None = None
     reason: str = ""
     scored_by: str | None = None  # what computed `score` where that varies: a difficulty head's label
+    # The output tokens this request's prompt leaves in the model's context window (None: not known),
+    # set by the executor as it sends an attempt here (`routing.execute.Executor._fit_context`): from
+    # the gateway's estimate of the prompt where it knows the window, or exactly as the backend
+    # reported them in its 400. Never at plan time: policies weigh the whole output limit.
+    context_room: int | None = None
 
     @property
     def max_output_tokens(self) -> int | None:
-        """The most output tokens this choice's model writes in one answer (None: unknown): the
-        candidate's own, else its model's (`models[].max_output_tokens`). The one rule for every
-        choice: a route's candidates, its fallbacks, a request for a model by name and a
-        comparison's judge (the last three are bare candidates, so they have the model's alone)."""
+        """The most output tokens an attempt on this choice asks for (None: no limit known): what its
+        model writes in one answer, the candidate's own, else its model's (`models[]
+        .max_output_tokens`), and once an attempt is sent, at most the room its prompt leaves in the
+        context window (`context_room`). The one rule for every choice: a route's candidates, its
+        fallbacks, a request for a model by name and a comparison's judge (the last three are bare
+        candidates, so they have the model's alone)."""
         own = self.candidate.max_output_tokens
-        return own if own is not None else self.target.model.max_output_tokens
+        most = own if own is not None else self.target.model.max_output_tokens
+        room = self.context_room
+        return room if most is None or (room is not None and room < most) else most
 
     def output_within(self, tokens: int) -> int:
         """`tokens` of output, at most what the model writes (`max_output_tokens`)."""
@@ -160,6 +169,9 @@ class Plan:
     # The request's output limit (`Features.max_output_tokens`; None: none): the header says where a
     # choice's `max_output_tokens` lowers it (`routing.execute.within_output_limit`).
     output_limit: int | None = None
+    # The prompt's length as the gateway estimates it (`Features.prompt_tokens`; None: not known): what
+    # a candidate's known context window leaves for output (`Choice.context_room`).
+    prompt_tokens: int | None = None
 
     def commit(self) -> None:
         """The request's first attempt was admitted and went upstream: keep what the policy learnt from

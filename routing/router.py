@@ -472,6 +472,7 @@ class Router:
             route,
             [Choice(target, route.candidates[0], reason="model")],
             output_limit=feats.max_output_tokens,
+            prompt_tokens=feats.prompt_tokens,
         )
 
     async def _plan(self, route: Route, feats: Features, record: bool = True) -> Plan:
@@ -489,4 +490,5 @@ class Router:
             lessons=lessons or [],
             outcome=outcome,
             output_limit=feats.max_output_tokens,
+            prompt_tokens=feats.prompt_tokens,
         )

@@ -392,6 +392,32 @@ _CONTEXT_MESSAGES = re.compile(
     re.IGNORECASE,
 )
 
+# A context-window 400 that says how large the window is and how many tokens the prompt has: the
+# bundled engine's and OpenAI's words (vLLM's before 0.10 too), "This model's maximum context length
+# is 8192 tokens. However, you requested 40000 tokens (8000 in the messages|prompt, 32000 ...)", and
+# vLLM's since, "... maximum context length is 8192 tokens and your request has 8000 input tokens".
+# Anthropic's, for models before Sonnet 4.5: "input length and `max_tokens` exceed context limit:
+# 190000 + 32000 > 200000, decrease input length or `max_tokens` and try again". A prompt that fills
+# the window alone is worded otherwise by each of them ("the prompt has N tokens", "prompt is too long").
+_CONTEXT_REPORT = re.compile(
+    r"maximum context length is (?P<window>\d+) tokens.*?"
+    r"(?:\((?P<prompt>\d+) in the (?:prompt|messages)\b|your request has (?P<input>\d+) input tokens)",
+    re.DOTALL,
+)
+_ANTHROPIC_CONTEXT_REPORT = re.compile(r"exceed context limit: (?P<prompt>\d+) \+ \d+ > (?P<window>\d+)")
+
+
+def context_report(message: str) -> tuple[int, int] | None:
+    """(context window, prompt tokens) of a context-window 400's message that says both, where the
+    prompt fits and the output limit is what does not; None otherwise."""
+    found = _CONTEXT_REPORT.search(message) or _ANTHROPIC_CONTEXT_REPORT.search(message)
+    if found is None:
+        return None
+    named = found.groupdict()
+    window, prompt = int(named["window"]), int(named["prompt"] or named.get("input") or 0)
+    return (window, prompt) if prompt < window else None
+
+
 # How each vendor says an output limit is above the most the model writes: a property of the model,
 # not of the request (another model, or this one asked for less, takes it). The vendor's own error
 # reaches the client unchanged when no other candidate takes the request (`routing.execute`).
