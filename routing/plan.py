@@ -34,7 +34,9 @@ class Features:
     # question with images matched a `max_prompt_tokens` route for a small context window. The vendor
     # counts exactly afterwards.
     prompt_tokens: int
-    max_output_tokens: int | None
+    # The output limit the request asks for (`max_tokens`, `max_completion_tokens`, a Responses
+    # client's `max_output_tokens`; None: none), not the model's own (`Choice.max_output_tokens`).
+    requested_output_tokens: int | None
     tools: bool
     images: bool
     metadata: dict[str, str]
@@ -92,7 +94,7 @@ def features(
         history_chars=history_chars,
         last_user=last_user,
         prompt_tokens=input_tokens(request),
-        max_output_tokens=request.output_limit,
+        requested_output_tokens=request.output_limit,
         tools=bool(request.tools),
         images=images,
         metadata=metadata,
@@ -166,7 +168,7 @@ class Plan:
     tried: list[str] = field(default_factory=list)  # "model:outcome" per attempt
     lessons: list[Lesson] = field(default_factory=list)  # what `commit` keeps
     outcome: Outcome | None = None  # what `serve` counts and the header says of the candidate it names
-    # The request's output limit (`Features.max_output_tokens`; None: none): the header says where a
+    # The request's output limit (`Features.requested_output_tokens`; None: none): the header says where a
     # choice's `max_output_tokens` lowers it (`routing.execute.within_output_limit`).
     output_limit: int | None = None
     # The prompt's length as the gateway estimates it (`Features.prompt_tokens`; None: not known): what

@@ -236,7 +236,7 @@ def expected_output(
     if reasoning:
         stats = _stats(choice, ctx)
         expected += stats.reasoning_tokens or 0.0
-    limit = feats.max_output_tokens
+    limit = feats.requested_output_tokens
     return expected if not limit else min(expected, choice.output_within(limit))
 
 
@@ -244,7 +244,7 @@ def output_room(choice: Choice, route: Route, feats: Features) -> int:
     """The output an attempt on this candidate may write: the request's limit (without one, the
     route's expected output), lowered to the model's own `max_output_tokens` as the attempt is
     (`routing.execute.within_output_limit`)."""
-    return choice.output_within(feats.max_output_tokens or route.expected_output_tokens)
+    return choice.output_within(feats.requested_output_tokens or route.expected_output_tokens)
 
 
 def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext) -> list[Choice]:

@@ -471,7 +471,7 @@ class Router:
         return Plan(
             route,
             [Choice(target, route.candidates[0], reason="model")],
-            output_limit=feats.max_output_tokens,
+            output_limit=feats.requested_output_tokens,
             prompt_tokens=feats.prompt_tokens,
         )
 
@@ -489,6 +489,6 @@ class Router:
             note=note,
             lessons=lessons or [],
             outcome=outcome,
-            output_limit=feats.max_output_tokens,
+            output_limit=feats.requested_output_tokens,
             prompt_tokens=feats.prompt_tokens,
         )

@@ -271,7 +271,7 @@ async def preview_route(request: Request, ctx: Any) -> dict[str, Any]:
         history_chars=None,
         last_user=body.prompt,
         prompt_tokens=input_tokens(_sample_request(body)),
-        max_output_tokens=body.max_tokens,
+        requested_output_tokens=body.max_tokens,
         tools=body.tools,
         images=body.images,
         metadata=body.metadata,

@@ -479,7 +479,7 @@ def test_a_backend_price_for_some_token_classes_leaves_the_others_at_the_any_bac
         history_chars=None,
         last_user="",
         prompt_tokens=5000,
-        max_output_tokens=None,
+        requested_output_tokens=None,
         tools=False,
         images=False,
         metadata={},
