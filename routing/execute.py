@@ -314,6 +314,22 @@ class Trial:
 NO_TRIAL = Trial()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Terms:
+    """How one attempt runs beside others, the same for each try of it (`Executor._attempt`): a hedge's
+    `charge` on the hedge cap, settled with the attempt's cost once its usage event prices it. Run as
+    a task of its own (a hedge race), it enters its attempt number in `numbers` under that task,
+    resolves `sent` once it is admitted and goes upstream, and a whole answer it reads must take
+    `race` (else it ends cancelled, as the race's loser). `trial`: the breakers that let it through as
+    their half-open trial, whose success alone closes them (`Trial`)."""
+
+    charge: Charge | None = None
+    numbers: dict[asyncio.Future[Any], int] | None = None
+    sent: asyncio.Future[None] | None = None
+    race: _Race | None = None
+    trial: Trial = NO_TRIAL
+
+
 class Executor:
     def __init__(
         self,
@@ -365,18 +381,7 @@ class Executor:
             return replace(choice, target=replace(target, provider=openai_responses.PROVIDER))
         return choice
 
-    async def _attempt(
-        self,
-        call: Call,
-        plan: Plan,
-        choice: Choice,
-        op: Operation,
-        charge: Charge | None = None,
-        numbers: dict[asyncio.Future[Any], int] | None = None,
-        sent: asyncio.Future[None] | None = None,
-        race: _Race | None = None,
-        trial: Trial = NO_TRIAL,
-    ) -> Any:
+    async def _attempt(self, call: Call, plan: Plan, choice: Choice, op: Operation, terms: _Terms) -> Any:
         """`_attempt_once` on `choice`, asking for no more output than its context window has room
         for where the gateway knows it (`_fit_context`); once more at once where the backend's 400
         says the prompt fits and how much room it leaves (`context_report`: the gateway's estimate of
@@ -384,14 +389,10 @@ class Executor:
         answers that its model is served on the Responses API alone (a model configured without
         `api: responses`), through that API, as every later request to that model is (the operator
         is told to configure it so, which spares the first request its 404)."""
-
-        def once(asked: Choice) -> Awaitable[Any]:
-            return self._attempt_once(call, plan, asked, op, charge, numbers, sent, race, trial)
-
         self._fit_context(plan, choice)
         asked = self._asked_on(choice)
         try:
-            return await once(asked)
+            return await self._attempt_once(call, plan, asked, op, terms)
         except UpstreamError as exc:
             report = context_report(exc.message) if exc.code == CONTEXT_LENGTH_EXCEEDED else None
             if report is not None:
@@ -401,7 +402,7 @@ class Executor:
                     "context_window_reported", model=choice.candidate.model, window=window, prompt=prompt
                 )
                 choice.context_room = window - prompt
-                return await once(self._asked_on(choice))
+                return await self._attempt_once(call, plan, self._asked_on(choice), op, terms)
             chat = asked.target.provider is openai_provider.PROVIDER
             if not chat or not openai_provider.served_on_responses_only(exc):
                 raise
@@ -412,7 +413,7 @@ class Executor:
                 backend=choice.target.backend.name,
                 hint="asked through the Responses API from now on; set `api: responses` on this model",
             )
-            return await once(self._asked_on(choice))
+            return await self._attempt_once(call, plan, self._asked_on(choice), op, terms)
 
     def _fit_context(self, plan: Plan, choice: Choice) -> None:
         """Where the gateway knows `choice`'s context window (what its backend last reported, else the
@@ -432,26 +433,13 @@ class Executor:
             choice.context_room = window - plan.prompt_tokens
 
     async def _attempt_once(
-        self,
-        call: Call,
-        plan: Plan,
-        choice: Choice,
-        op: Operation,
-        charge: Charge | None = None,
-        numbers: dict[asyncio.Future[Any], int] | None = None,
-        sent: asyncio.Future[None] | None = None,
-        race: _Race | None = None,
-        trial: Trial = NO_TRIAL,
+        self, call: Call, plan: Plan, choice: Choice, op: Operation, terms: _Terms
     ) -> Any:
-        """One upstream attempt: the parsed response, or a stream iterator past its first output.
-        `charge` is settled with the attempt's cost once its usage event prices it. Run as a task of
-        its own (a hedge race), it enters its attempt number in `numbers` under that task, resolves
-        `sent` once it is admitted and goes upstream, and a whole answer it reads must take `race`
-        (else it ends cancelled, as the race's loser). `trial`: the breakers that let it through as
-        their half-open trial, whose success alone closes them (`Trial`). Unsupported when its
-        adapter cannot express the request: nothing sent, its trial freed and its charge settled at
-        nothing, for a candidate of the chain as for a hedge; its caller notes it (a candidate of the
-        chain in `tried`, a hedge as the hedge's)."""
+        """One upstream attempt, run on `terms` (`_Terms`): the parsed response, or a stream iterator
+        past its first output. Unsupported when its adapter cannot express the request: nothing
+        sent, its trial freed and its charge settled at nothing, for a candidate of the chain as for a
+        hedge; its caller notes it (a candidate of the chain in `tried`, a hedge as the hedge's)."""
+        charge, numbers, sent, race, trial = terms.charge, terms.numbers, terms.sent, terms.race, terms.trial
         target = choice.target
         model = choice.candidate.model
         key = self._key(choice)
@@ -611,7 +599,7 @@ class Executor:
                             result = await self._hedged(call, plan, choice, partner, op, feats, trial)
                             call.info.error = None
                             return result
-                    result = await self._attempt(call, plan, choice, op, trial=trial)
+                    result = await self._attempt(call, plan, choice, op, _Terms(trial=trial))
                     plan.serve(choice)
                     call.info.error = None  # earlier attempts failed; the request did not
                     return result
@@ -746,7 +734,7 @@ class Executor:
         partner_trial = NO_TRIAL  # the partner's `_trial`, once admitted
         charge: Charge | None = None  # its estimate on the hedge cap, once the cap let it through
         first = asyncio.ensure_future(
-            self._attempt(call, plan, primary, op, numbers=numbers, sent=sent, race=race, trial=trial)
+            self._attempt(call, plan, primary, op, _Terms(numbers=numbers, sent=sent, race=race, trial=trial))
         )
         try:
             # The delay counts from when the primary goes upstream, once admitted (with Redis a
@@ -785,7 +773,13 @@ class Executor:
         # was cancelled costs what it had streamed, one that won what its answer cost.
         went: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # sent upstream
         second = asyncio.ensure_future(
-            self._attempt(call, plan, partner, op, charge, numbers, sent=went, race=race, trial=partner_trial)
+            self._attempt(
+                call,
+                plan,
+                partner,
+                op,
+                _Terms(charge=charge, numbers=numbers, sent=went, race=race, trial=partner_trial),
+            )
         )
         owners = {first: primary, second: partner}
         pending = {first, second}
