@@ -1378,7 +1378,7 @@ async def test_a_hedges_cost_corrects_its_estimate_in_the_minute_it_was_counted(
     monkeypatch.setattr(MemoryState, "_now", staticmethod(lambda: now[0]))
     cap = SpendCap("hedge")
     long = await cap.charge("t", "r", 0.6, cap=1.0)
-    assert long is not None and not await cap.allow("t", "r", 0.5, cap=1.0)
+    assert long is not None and await cap.charge("t", "r", 0.5, cap=1.0) is None
     now[0] += HOUR + 60  # priced once its estimate has left the hour
     await long.settle(100_000 * 10**6)  # $0.1
     assert counted_micro_usd(cap, "t", "r", 0, 0)
@@ -1414,8 +1414,8 @@ async def test_a_hedge_priced_after_its_estimate_left_the_window_frees_no_room_i
         assert charge is not None
         await asyncio.sleep(1.25)  # its estimate's bucket has left the window
         await charge.settle(0)
-        assert await cap.allow("t", "r", 1.0, cap=1.0)
-        assert not await cap.allow("t", "r", 1e-6, cap=1.0)
+        assert await cap.charge("t", "r", 1.0, cap=1.0) is not None
+        assert await cap.charge("t", "r", 1e-6, cap=1.0) is None
     finally:
         await cap.state.close()
 
