@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway.errors import InvalidRequest, encode_anthropic_error, stream_failure
+from gateway.errors import InvalidRequest, encode_anthropic_error, stream_failure, validation_error
 from gateway.providers.base import comma_list, new_id, parse_arguments
 from gateway.types import (
+    AnthropicTool,
     AssistantMessage,
     Base,
     ChatChunk,
@@ -148,14 +149,81 @@ Block = (
 
 class InboundMessage(Base):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    # Blocks as the client sent them: typed by `_typed` (an assistant turn's server tool blocks, which
+    # Weir does not model, are kept as they are, for Claude).
+    content: str | list[dict[str, Any]]
+
+
+def _server_block(kind: Any) -> bool:
+    """Whether a block type is one of Claude's server tools' (`server_tool_use`, `web_search_tool_result`,
+    `web_fetch_tool_result`, `code_execution_tool_result`, `tool_search_tool_result`, MCP's...), which an
+    assistant turn sends back as Claude wrote it."""
+    return isinstance(kind, str) and (
+        kind in ("server_tool_use", "mcp_tool_use", "container_upload")
+        or (kind.endswith("_tool_result") and kind != "tool_result")
+    )
+
+
+def _typed(content: list[dict[str, Any]], where: str, assistant: bool) -> list[Block | dict[str, Any]]:
+    """A message's blocks as Weir models them; in an assistant turn, a server tool's block as it is."""
+    blocks: list[Block | dict[str, Any]] = []
+    for i, raw in enumerate(content):
+        if assistant and _server_block(raw.get("type")):
+            blocks.append(raw)
+            continue
+        try:
+            blocks.append(msgspec.convert(raw, Block))
+        except msgspec.ValidationError as exc:
+            raise validation_error(exc, f"{where}.content[{i}]") from None
+    return blocks
+
+
+def _claude_only(content: list[dict[str, Any]]) -> bool:
+    """Whether an assistant turn holds what only Claude can take back as it was: a server tool's
+    block, or text with citations (of a web search's results)."""
+    return any(
+        _server_block(b.get("type")) or (b.get("type") == "text" and b.get("citations")) for b in content
+    )
 
 
 class InboundTool(Base):
+    """A client tool the client runs (`type` absent or `custom`)."""
+
     name: str
     input_schema: dict[str, Any]
     description: str | None = None
     cache_control: CacheControl = None
+
+
+def _tools(tools: list[dict[str, Any]]) -> tuple[list[Tool] | None, list[AnthropicTool] | None]:
+    """The client's tools: its own as function tools; those of Anthropic's API (any other `type`: a
+    server tool, an Anthropic-defined client tool) and its own that Anthropic's tool search is to load
+    (`defer_loading`) as they are, for an Anthropic backend."""
+    functions: list[Tool] = []
+    typed: list[AnthropicTool] = []
+    for i, raw in enumerate(tools):
+        kind = raw.get("type")
+        if kind is not None and kind != "custom":
+            if not isinstance(kind, str) or not isinstance(raw.get("name"), str):
+                raise InvalidRequest(
+                    f"tools[{i}]: a tool of type {kind!r} needs a string `type` and `name`",
+                    param=f"tools[{i}]",
+                )
+            typed.append(AnthropicTool(position=i, definition=raw))
+            continue
+        try:
+            tool = msgspec.convert(raw, InboundTool)
+        except msgspec.ValidationError as exc:
+            raise validation_error(exc, f"tools[{i}]") from None
+        if raw.get("defer_loading"):
+            # Loaded when Anthropic's tool search finds it (a `tool_reference`): Claude's alone, as is.
+            typed.append(AnthropicTool(position=i, definition=raw))
+            continue
+        definition = FunctionDefinition(
+            name=tool.name, description=tool.description, parameters=tool.input_schema
+        )
+        functions.append(Tool(function=definition, cache_control=tool.cache_control))
+    return functions or None, typed or None
 
 
 class InboundToolChoice(Base):
@@ -206,7 +274,7 @@ class MessagesRequest(Base):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool | None = None
-    tools: list[InboundTool] | None = None
+    tools: list[dict[str, Any]] | None = None  # typed by `_tools`
     tool_choice: InboundToolChoice | None = None
     metadata: Metadata | None = None
     thinking: ThinkingConfig | None = None
@@ -227,7 +295,7 @@ class CountTokensRequest(Base):
     model: str
     messages: list[InboundMessage]
     system: str | list[TextBlock] | None = None
-    tools: list[InboundTool] | None = None
+    tools: list[dict[str, Any]] | None = None  # typed by `_tools`
     tool_choice: InboundToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
@@ -288,7 +356,7 @@ def _parts(blocks: Sequence[TextBlock | ImageBlock | DocumentBlock], where: str)
     return [_part(block, f"{where}[{i}]") for i, block in enumerate(blocks)]
 
 
-def _user_messages(content: list[Block], where: str) -> list[Message]:
+def _user_messages(content: list[Block | dict[str, Any]], where: str) -> list[Message]:
     # Tool results become OpenAI tool messages, which must follow the assistant turn directly: they
     # come first, then whatever else the user said in the same turn.
     results: list[Message] = []
@@ -323,7 +391,11 @@ def _user_messages(content: list[Block], where: str) -> list[Message]:
     return results
 
 
-def _assistant_message(content: list[Block]) -> Message:
+def _assistant_message(
+    content: list[Block | dict[str, Any]], verbatim: list[dict[str, Any]] | None
+) -> Message:
+    """The turn's text, calls and reasoning; `verbatim`: the turn as the client sent it, where it holds
+    what only Claude takes back (`_claude_only`), for an Anthropic backend."""
     texts: list[str] = []
     calls: list[ToolCall] = []
     reasoning: list[Reasoning] = []
@@ -346,6 +418,7 @@ def _assistant_message(content: list[Block]) -> Message:
         tool_calls=calls or None,
         cache_control=cache_control,
         reasoning_blocks=reasoning or None,
+        anthropic_content=verbatim,
     )
 
 
@@ -366,20 +439,12 @@ def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> Cha
         if isinstance(message.content, str):
             messages.append(Message(role=message.role, content=message.content))
         elif message.role == "user":
-            messages.extend(_user_messages(message.content, where))
+            messages.extend(_user_messages(_typed(message.content, where, assistant=False), where))
         else:
-            messages.append(_assistant_message(message.content))
-    tools = None
-    if request.tools:
-        tools = [
-            Tool(
-                function=FunctionDefinition(
-                    name=t.name, description=t.description, parameters=t.input_schema
-                ),
-                cache_control=t.cache_control,
-            )
-            for t in request.tools
-        ]
+            blocks = _typed(message.content, where, assistant=True)
+            verbatim = message.content if _claude_only(message.content) else None
+            messages.append(_assistant_message(blocks, verbatim))
+    tools, anthropic_tools = _tools(request.tools) if request.tools else (None, None)
     tool_choice: Any = None
     parallel = None
     if request.tool_choice is not None:
@@ -415,12 +480,20 @@ def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> Cha
         reasoning_effort_translated=True if output.effort is not None else None,
         response_format=response_format,
         top_k=request.top_k,
-        # Anthropic's prefill: the answer goes on from the final assistant message, on any vendor.
-        continue_final_message=True if continuable(messages) else None,
+        # Anthropic's prefill: the answer goes on from the final assistant message, on any vendor. Not
+        # a turn with server tool blocks: Claude paused it (`pause_turn`) and goes on with it itself.
+        continue_final_message=True if continuable(messages) and not _paused(messages) else None,
         anthropic_beta=beta,
+        anthropic_tools=anthropic_tools,
         cache_control=request.cache_control,
         service_tier=_CANONICAL_TIERS[request.service_tier] if request.service_tier else None,
     )
+
+
+def _paused(messages: list[Message]) -> bool:
+    """Whether the conversation ends with a turn of Claude's with its server tools' blocks: one it
+    paused (`pause_turn`, a long search), sent back as it was for Claude to go on with."""
+    return bool(messages) and messages[-1].anthropic_content is not None
 
 
 # An Anthropic client's service tier in the canonical (OpenAI) words: `standard_only` is OpenAI's
@@ -457,7 +530,15 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
     content: list[dict[str, Any]] = []
     stop_reason = "end_turn"
     stop_sequence = choice.stop_sequence if choice is not None else None
-    if choice is not None:
+    if choice is not None and choice.message.anthropic_content is not None:
+        # Claude's answer with its server tools' blocks: as it came, in its order (thinking only where
+        # the client enabled it, as below).
+        content = [
+            block
+            for block in choice.message.anthropic_content
+            if thinking or block.get("type") not in ("thinking", "redacted_thinking")
+        ]
+    elif choice is not None:
         if thinking:
             content.extend(_thinking_blocks(choice.message))
         if choice.message.content:
@@ -474,11 +555,12 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
                     "input": _tool_input(call.function.arguments),
                 }
             )
+    if choice is not None:
         stop_reason = _stop_reason(
             choice.finish_reason,
             stop_sequence,
             choice.anthropic_stop_reason,
-            refused=bool(refusal),
+            refused=bool(choice.message.refusal),
             called=bool(choice.message.tool_calls),
         )
     message_id = response.id if response.id.startswith("msg_") else new_id("msg_")
@@ -504,7 +586,7 @@ class _EventWriter:
     def __init__(self, thinking: bool) -> None:
         self.thinking = thinking  # whether reasoning is shown (the client enabled thinking)
         self.index = -1
-        self.open_kind: str | None = None  # "thinking", "text" or "tool"
+        self.open_kind: str | None = None  # "thinking", "text", "tool" or "claude" (a server tool's)
         self.tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> content block index
         self.finish: str | None = None
         self.stop_sequence: str | None = None
@@ -554,6 +636,11 @@ class _EventWriter:
             self.usage = chunk.usage
         for choice in chunk.choices[:1]:
             delta = choice.delta
+            if delta.anthropic_block is not None:
+                # A block of Claude's the canonical delta cannot say (a server tool's), or a text block
+                # of an answer that holds them: a block of its own, as Claude sent it.
+                kind = "text" if delta.anthropic_block.get("type") == "text" else "claude"
+                self.open_block(kind, delta.anthropic_block, out)
             if self.thinking:
                 self.reasoning(delta, out)
             for text in (delta.content, delta.refusal):  # a refusal is said as text (see from_canonical)
@@ -562,6 +649,8 @@ class _EventWriter:
                         self.open_block("text", {"type": "text", "text": ""}, out)
                     self.delta({"type": "text_delta", "text": text}, out)
             self.refused = self.refused or bool(delta.refusal)
+            if delta.anthropic_delta is not None and self.open_kind in ("text", "claude"):
+                self.delta(delta.anthropic_delta, out)  # a server tool's input, a text's citation
             for call in delta.tool_calls or ():
                 if call.index not in self.tool_blocks:
                     name = (call.function.name if call.function else None) or ""

@@ -105,6 +105,11 @@ class Message(Base):
     # An assistant turn's reasoning as text, as OpenAI-compatible clients send it back (DeepSeek and
     # Kimi refuse a thinking-mode tool loop without it).
     reasoning_content: str | None = None
+    # An Anthropic client's assistant turn as it sent it, where it holds what the fields above cannot
+    # (server tool blocks, `server_tool_use` and `web_search_tool_result`..., and text with citations):
+    # sent back to Anthropic as it is, as Anthropic wants its server tools' turns; other vendors get
+    # the turn from the fields above (its text, calls and reasoning), without the server tools' blocks.
+    anthropic_content: list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         """The message's text parts joined (images and other parts dropped)."""
@@ -125,6 +130,26 @@ class FunctionDefinition(Base):
 class Tool(Base, tag="function", tag_field="type"):
     function: FunctionDefinition
     cache_control: dict[str, Any] | None = None
+
+
+class AnthropicTool(Base):
+    """A tool of Anthropic's own API (a `type` other than `custom`): a server tool that Anthropic runs
+    (`web_search_20250305`, `web_fetch_20250910`, `code_execution_20250825`, tool search) or a client
+    tool whose schema Anthropic defines (`bash_20250124`, `text_editor_20250728`, `computer_*`), or a
+    client tool that Anthropic's tool search loads (`defer_loading`). Only an Anthropic backend can
+    take one; it gets `definition` as the client sent it, at `position` among the request's tools (the
+    function tools keep their order around it)."""
+
+    position: int
+    definition: dict[str, Any]
+
+    @property
+    def described(self) -> str:
+        """What the tool is, for an error: its type, or a deferred client tool's name."""
+        kind = self.definition.get("type")
+        if kind is None or kind == "custom":
+            return f"`{self.definition.get('name')}` with `defer_loading` (Anthropic's tool search)"
+        return f"`{kind}`"
 
 
 class ToolChoiceFunction(Base):
@@ -222,6 +247,10 @@ class ChatRequest(Base):
     # An Anthropic client's `anthropic-beta` flags (1M context, interleaved thinking...), sent to
     # Anthropic backends only, beside their own; other vendors have no such switch and ignore them.
     anthropic_beta: list[str] | None = None
+    # An Anthropic client's tools of Anthropic's own API (`AnthropicTool`), beside its function tools in
+    # `tools`: an Anthropic backend takes them; any other vendor's adapter refuses the request
+    # (`gateway.providers.base.refuse_anthropic_tools`), so that candidate is skipped.
+    anthropic_tools: list[AnthropicTool] | None = None
     # Anthropic's automatic prompt caching (a Messages request's top-level `cache_control`): Claude puts
     # the breakpoint on the last cacheable block itself. Sent to Anthropic backends only; OpenAI and
     # Gemini cache prompts on their own.
@@ -290,6 +319,10 @@ class AssistantMessage(Base):
     # OpenRouter's web plugin): OpenAI clients get them as they came, Responses clients as
     # `output_text.annotations` (`gateway.responses_inbound`).
     annotations: list[dict[str, Any]] | None = None
+    # Internal: Claude's content blocks as it sent them, where they hold what the fields above cannot
+    # (its server tools' `server_tool_use` and `*_tool_result` blocks, text with citations): an
+    # Anthropic client gets them as they came, in their order. The fields above still hold the text.
+    anthropic_content: list[dict[str, Any]] | None = None
     # Fields of an OpenAI-compatible backend's message Weir does not model (`audio`...):
     # rendered back to OpenAI clients only; other client shapes have no place for them.
     extra: dict[str, Any] = {}
@@ -343,12 +376,21 @@ class Delta(Base):
     # so far (the next reasoning text starts a new block), and a whole redacted block's data.
     reasoning_signature: str | None = None
     redacted_reasoning: str | None = None
+    # Internal, as AssistantMessage.anthropic_content streamed: a content block Claude started that the
+    # fields above cannot say (a server tool's block, or a text block of an answer that holds them,
+    # which starts a block of its own), and a delta of it they cannot say (a server tool's
+    # `input_json_delta`, a `citations_delta`), for an Anthropic client, as they came.
+    anthropic_block: dict[str, Any] | None = None
+    anthropic_delta: dict[str, Any] | None = None
     extra: dict[str, Any] = {}  # as AssistantMessage.extra, for a chunk Weir re-encodes (`ChatChunk.raw`)
 
     def carries_output(self) -> bool:
-        """Whether this delta holds any of the answer (text, a tool call, a refusal, reasoning), not
-        only the role a stream announces first (with an empty `content`, as OpenAI sends it)."""
+        """Whether this delta holds any of the answer (text, a tool call, a refusal, reasoning, a
+        server tool's block), not only the role a stream announces first (with an empty `content`,
+        as OpenAI sends it)."""
         if self.content or self.tool_calls or self.refusal:
+            return True
+        if self.anthropic_block is not None or self.anthropic_delta is not None:
             return True
         return bool(self.reasoning_content or self.reasoning_signature) or self.redacted_reasoning is not None
 

@@ -26,6 +26,11 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     # "flex", "priority"; Anthropic's `usage.service_tier`: "standard", "priority", "batch"); None
     # where it says none. Its prices bill the attempt (`Price.tiers`); not a token class.
     service_tier: str | None = None
+    # Requests an Anthropic server tool made for the attempt (`usage.server_tool_use`), which Anthropic
+    # bills per request beside the tokens (web search: $10 per 1,000). Counts, not token classes: on
+    # the usage event, not priced (the price catalog prices tokens) nor ledger columns.
+    web_search_requests: int = 0
+    web_fetch_requests: int = 0
 
     @property
     def cache_write_tokens(self) -> int:
@@ -45,10 +50,10 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.structs.replace(self, output_tokens=0, reasoning_tokens=0)
 
 
+# Usage's fields that are no token class: how the tokens were counted or served, and request counts.
+NOT_TOKENS = ("service_tier", "reasoning_estimated", "web_search_requests", "web_fetch_requests")
 # Every token class, in order; the ledger's columns and the reports use the same names.
-TOKEN_FIELDS: tuple[str, ...] = tuple(
-    f for f in Usage.__struct_fields__ if f not in ("service_tier", "reasoning_estimated")
-)
+TOKEN_FIELDS: tuple[str, ...] = tuple(f for f in Usage.__struct_fields__ if f not in NOT_TOKENS)
 
 
 # --- how each vendor reports usage ----------------------------------------------------------------
@@ -70,6 +75,10 @@ class UsageShape(msgspec.Struct, frozen=True, kw_only=True):
     # The service tier served, where the vendor reports it inside its usage object (Anthropic); OpenAI
     # reports it beside the usage, and its adapter passes it to `normalise_usage`. Gemini reports none.
     service_tier: str | None = None
+    # Server tools' requests, where the vendor runs tools and counts them (Anthropic's web search and
+    # web fetch).
+    web_search: str | None = None
+    web_fetch: str | None = None
 
 
 USAGE_SHAPES: dict[str, UsageShape] = {
@@ -108,6 +117,8 @@ USAGE_SHAPES: dict[str, UsageShape] = {
         # from the thinking text received (`gateway.estimate.with_thinking`).
         reasoning="output_tokens_details.thinking_tokens",
         service_tier="service_tier",
+        web_search="server_tool_use.web_search_requests",
+        web_fetch="server_tool_use.web_fetch_requests",
     ),
     "gemini": UsageShape(
         prompt="promptTokenCount",
@@ -180,6 +191,8 @@ def normalise_usage(vendor: str, raw: dict[str, Any] | None, service_tier: Any =
         reasoning_tokens=reasoning,
         service_tier=_tier(service_tier)
         or _tier(raw.get(shape.service_tier) if shape.service_tier else None),
+        web_search_requests=_get(raw, shape.web_search),
+        web_fetch_requests=_get(raw, shape.web_fetch),
     )
 
 
@@ -217,4 +230,9 @@ def anthropic_usage(usage: Usage) -> dict[str, Any]:
     }
     if usage.reasoning_tokens and not usage.reasoning_estimated:
         rendered["output_tokens_details"] = {"thinking_tokens": usage.reasoning_tokens}
+    if usage.web_search_requests or usage.web_fetch_requests:
+        rendered["server_tool_use"] = {
+            "web_search_requests": usage.web_search_requests,
+            "web_fetch_requests": usage.web_fetch_requests,
+        }
     return rendered

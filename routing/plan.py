@@ -95,7 +95,7 @@ def features(
         last_user=last_user,
         prompt_tokens=input_tokens(request),
         requested_output_tokens=request.output_limit,
-        tools=bool(request.tools),
+        tools=bool(request.tools or request.anthropic_tools),
         images=images,
         metadata=metadata,
         tags=frozenset(t.strip() for t in metadata.get("tags", "").split(",") if t.strip()),

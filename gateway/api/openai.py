@@ -26,9 +26,10 @@ _DONE = b"data: [DONE]\n\n"
 
 
 # Canonical fields OpenAI's shape has no place for: signed reasoning is for the vendor that signed it
-# (OpenAI clients get the text as `reasoning_content`, as from DeepSeek).
-_INTERNAL_MESSAGE_FIELDS = ("reasoning_blocks",)
-_INTERNAL_DELTA_FIELDS = ("reasoning_signature", "redacted_reasoning")
+# (OpenAI clients get the text as `reasoning_content`, as from DeepSeek); Claude's own content blocks
+# are for Anthropic clients.
+_INTERNAL_MESSAGE_FIELDS = ("reasoning_blocks", "anthropic_content")
+_INTERNAL_DELTA_FIELDS = ("reasoning_signature", "redacted_reasoning", "anthropic_block", "anthropic_delta")
 
 
 def _unmodelled_back(data: dict[str, Any]) -> None:

@@ -254,6 +254,11 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
             system.extend(blocks)
         elif message.role == "user":
             append("user", _blocks(message.content, where), message.cache_control)
+        elif message.role == "assistant" and message.anthropic_content is not None:
+            # A turn with Claude's server tool blocks (or cited text), as Claude wrote it and the
+            # client sent it back: Anthropic wants those blocks unchanged. Copies: `append` may set a
+            # breakpoint on the last one.
+            append("assistant", [dict(block) for block in message.anthropic_content], None)
         elif message.role == "assistant":
             blocks = _reasoning_blocks(message) + _blocks(message.content, where)
             for j, call in enumerate(message.tool_calls or ()):
@@ -366,7 +371,7 @@ def _native_format(request: ChatRequest, model: str) -> bool:
     # Claude's structured outputs take no recursive schemas, which the forced tool does: a strict one
     # with references keeps the tool unless tools or thinking rule it out.
     strict = bool(form.json_schema.strict) and not _refers(form.json_schema.schema)
-    return bool(supported and (strict or request.tools or thinks))
+    return bool(supported and (strict or _has_tools(request) or thinks))
 
 
 def _refers(schema: Any) -> bool:
@@ -378,7 +383,10 @@ def _refers(schema: Any) -> bool:
 def _uses_json_tool(request: ChatRequest, model: str) -> bool:
     form = request.response_format
     return (
-        form is not None and form.type != "text" and not request.tools and not _native_format(request, model)
+        form is not None
+        and form.type != "text"
+        and not _has_tools(request)
+        and not _native_format(request, model)
     )
 
 
@@ -395,7 +403,12 @@ def _forces_tool(request: ChatRequest) -> bool:
     """Whether the client's tool_choice forces a tool (`any` or `tool` to Anthropic), which Anthropic
     refuses beside thinking: "Tool use with extended thinking only supports tool_choice auto or none"."""
     choice = request.tool_choice
-    return bool(request.tools) and (choice == "required" or isinstance(choice, NamedToolChoice))
+    return _has_tools(request) and (choice == "required" or isinstance(choice, NamedToolChoice))
+
+
+def _has_tools(request: ChatRequest) -> bool:
+    """Whether the request has tools: function tools, or tools of Anthropic's API (a web search)."""
+    return bool(request.tools or request.anthropic_tools)
 
 
 def thinking_mode(model: str) -> Literal["budget", "both", "adaptive"]:
@@ -498,7 +511,7 @@ def count_tokens_response(body: bytes, model: str) -> TokenCount:
 # What Claude's Messages API cannot carry, which left out would change the answer: token log
 # probabilities (the answer would read as having none), biased or banned tokens (OpenAI's token ids
 # mean nothing to Claude's tokenizer), repetition penalties other than none, a spoken answer, a web
-# search (Weir sends no server tools). `seed`, `store`, `metadata`, `prediction`, `verbosity` and the
+# search (not translated into Claude's web search tool). `seed`, `store`, `metadata`, `prediction`, `verbosity` and the
 # prompt-cache hints are left out instead: they ask for no other answer.
 UNEXPRESSIBLE = unexpressible(
     "logprobs", "logit_bias", "frequency_penalty", "presence_penalty", "modalities", "web_search_options"
@@ -510,6 +523,25 @@ def _end_user(request: ChatRequest) -> str | None:
     deprecated `user` (an Anthropic client's own `metadata.user_id` arrives as `user`)."""
     safety = request.extra.get("safety_identifier")
     return safety if isinstance(safety, str) and safety else request.user
+
+
+def _tools(request: ChatRequest) -> list[dict[str, Any]]:
+    """The function tools as Claude's, and the tools of Anthropic's API as the client sent them, each
+    in its place among the client's tools (an order a prompt-cache breakpoint on a tool depends on)."""
+    tools = [
+        _cache(
+            {
+                "name": tool.function.name,
+                "description": tool.function.description or "",
+                "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
+            },
+            tool.cache_control,
+        )
+        for tool in request.tools or ()
+    ]
+    for typed in sorted(request.anthropic_tools or (), key=lambda tool: tool.position):
+        tools.insert(typed.position, typed.definition)
+    return tools
 
 
 def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
@@ -529,20 +561,10 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if (end_user := _end_user(request)) is not None:
         body["metadata"] = {"user_id": end_user}
     _fit_sampling(body, model)
-    if request.tools:
-        body["tools"] = [
-            _cache(
-                {
-                    "name": tool.function.name,
-                    "description": tool.function.description or "",
-                    "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
-                },
-                tool.cache_control,
-            )
-            for tool in request.tools
-        ]
+    if _has_tools(request):
+        body["tools"] = _tools(request)
     tool_choice = _tool_choice(request)
-    if tool_choice is not None and request.tools:  # Anthropic refuses a tool_choice without tools
+    if tool_choice is not None and _has_tools(request):  # Anthropic refuses a tool_choice without tools
         body["tool_choice"] = tool_choice
     form = request.response_format
     if form is not None and form.json_schema is not None and _native_format(request, model):
@@ -601,6 +623,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     calls: list[ToolCall] = []
     reasoning: list[Reasoning] = []
     structured: str | None = None  # the structured-output tool's input, which is then the whole reply
+    own = _claude_only(data["content"])
     for block in data["content"]:
         kind = block.get("type")
         if kind == "text":
@@ -629,6 +652,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
         tool_calls=calls or None,
         reasoning_content="".join(thoughts) if thoughts else None,
         reasoning_blocks=reasoning or None,
+        anthropic_content=data["content"] if own and structured is None else None,
     )
     return ChatResponse(
         id=data.get("id", ""),
@@ -644,6 +668,24 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
             )
         ],
         usage=with_thinking(normalise_usage(VENDOR, data.get("usage")), _thought_bytes(reasoning)),
+    )
+
+
+# The content blocks the canonical message says; any other (a server tool's `server_tool_use` and
+# `*_tool_result`, MCP's, a container upload) is Claude's own, for an Anthropic client as it came.
+_CANONICAL_BLOCKS = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
+
+
+def _claude_only(content: list[Any]) -> bool:
+    """Whether an answer holds what only an Anthropic client can be shown as it came: a server tool's
+    block, or text with citations (the web search's sources)."""
+    return any(
+        isinstance(block, dict)
+        and (
+            block.get("type") not in _CANONICAL_BLOCKS
+            or (block.get("type") == "text" and block.get("citations"))
+        )
+        for block in content
     )
 
 
@@ -682,6 +724,10 @@ class ChatStream:
         # A content block (even an empty text block) or a stop_reason came: the model answered, if
         # only with nothing. message_start then message_stop alone is no answer (failed at message_stop).
         self.answered = False
+        # A server tool's block came: from then on each text block is a block of its own for an
+        # Anthropic client (`Delta.anthropic_block`), as Claude's answer with its sources is, each
+        # text with its own citations.
+        self.server_tools = False
 
     def _chunk(self, delta: Delta, finish: str | None = None, stop_sequence: str | None = None) -> ChatChunk:
         choice = ChunkChoice(index=0, delta=delta, finish_reason=finish, stop_sequence=stop_sequence)
@@ -725,6 +771,13 @@ class ChatStream:
                 return [self._chunk(Delta(tool_calls=[delta]))]
             block_type = block.get("type", "text")
             self.blocks[index] = (block_type, -1)
+            if block_type not in _CANONICAL_BLOCKS:  # a server tool's block, for Anthropic clients
+                self.server_tools = True
+                self.blocks[index] = ("claude", -1)
+                return [self._chunk(Delta(anthropic_block=block))]
+            if block_type == "text" and (self.server_tools or "citations" in block) and not self.structured:
+                text = block.get("text")
+                return [self._chunk(Delta(anthropic_block={**block, "text": ""}, content=text or None))]
             if block_type == "redacted_thinking":
                 data = block.get("data", "")
                 self.thought_bytes += len(data.encode())
@@ -740,6 +793,9 @@ class ChatStream:
             block_kind, call = self.blocks.get(payload.get("index", 0), ("text", -1))
             if delta.get("type") == "text_delta":
                 return [] if self.structured else [self._chunk(Delta(content=delta.get("text", "")))]
+            if block_kind == "claude" or delta.get("type") == "citations_delta":
+                # A server tool's input, a text's citation: only an Anthropic client has a place for them.
+                return [self._chunk(Delta(anthropic_delta=delta))]
             if delta.get("type") == "input_json_delta":
                 partial = delta.get("partial_json", "")
                 if partial:

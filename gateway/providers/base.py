@@ -132,6 +132,23 @@ CONTINUE_INSTRUCTION = (
 )
 
 
+def refuse_anthropic_tools(request: ChatRequest, vendor: str) -> None:
+    """A request with a tool of Anthropic's own API (`ChatRequest.anthropic_tools`) refused by
+    `vendor`'s adapter: a server tool runs on Anthropic's side, which no other vendor has; a client
+    tool with Anthropic's fixed schema (bash, text editor, computer use) is one Claude is trained for,
+    and its schema changes with each version, so it is not rewritten as a function tool either.
+    Nothing is sent: the executor skips this candidate, and the client gets this 400 only when no
+    candidate of the route could take the request."""
+    for tool in request.anthropic_tools or ():
+        raise InvalidRequest(
+            f"tools[{tool.position}]: {tool.described} is a tool of Anthropic's API, which only Claude "
+            f"models served by an Anthropic backend can take, not {vendor} models; route this request "
+            "to a Claude model or leave the tool out.",
+            param=f"tools[{tool.position}]",
+            code="unsupported_tool",
+        )
+
+
 def continued(request: ChatRequest, how: Continuation) -> ChatRequest:
     """`request` as a vendor that continues an answer `how` takes it, when its final assistant message
     is an unfinished answer (`continue_final_message`): a bare trailing assistant message (`prefill`),

@@ -36,6 +36,7 @@ from gateway.providers.base import (
     now,
     parse_arguments,
     parse_data_url,
+    refuse_anthropic_tools,
     refuse_unexpressible,
     split_call_id,
     token_count,
@@ -458,6 +459,7 @@ def continuation(backend: Backend, model: str) -> Continuation:
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    refuse_anthropic_tools(request, "Gemini")
     body = json_encode(chat_body(continued(request, continuation(backend, model)), model))
     if request.stream:
         return UpstreamRequest(

@@ -29,6 +29,7 @@ from gateway.providers.base import (
     effort_for_budget,
     error_text,
     json_encode,
+    refuse_anthropic_tools,
     token_count,
     upstream_call_id,
     upstream_error,
@@ -209,11 +210,13 @@ def _chat_body(
     for name in ("reasoning_budget", "reasoning_adaptive", "reasoning_effort_translated", "reasoning_effort"):
         body.pop(name, None)  # adaptive: the model's own default, nothing to send
     body.pop("anthropic_beta", None)  # an Anthropic client's, for Anthropic backends only
+    body.pop("anthropic_tools", None)
     if (effort := reasoning_effort(request, model, openai_rules)) is not None:
         body["reasoning_effort"] = effort
     for message, source in zip(body["messages"], request.messages, strict=True):
         # Signed reasoning is for the vendor that signed it; OpenAI-compatible servers take its text.
         message.pop("reasoning_blocks", None)
+        message.pop("anthropic_content", None)  # Claude's own blocks: the turn's text and calls go
         if not send_reasoning:
             message.pop("reasoning_content", None)
         elif source.reasoning_content is None and source.role == "assistant":
@@ -262,6 +265,7 @@ def continuation(backend: Backend, model: str) -> Continuation:
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    refuse_anthropic_tools(request, "Weir's engine" if backend.type == "engine" else "OpenAI-compatible")
     request = continued(request, continuation(backend, model))
     body = _chat_body(
         request,

@@ -29,6 +29,7 @@ from gateway.providers.base import (
     continued,
     decode_json,
     json_encode,
+    refuse_anthropic_tools,
     upstream_call_id,
     upstream_error,
 )
@@ -214,6 +215,7 @@ def _items(messages: list[Message]) -> tuple[str | None, list[dict[str, Any]]]:
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    refuse_anthropic_tools(request, "OpenAI")
     _check_expressible(request)
     request = continued(request, openai.continuation(backend, model))
     messages = openai.media_after_tool_results([openai.worded_error(message) for message in request.messages])

@@ -30,6 +30,18 @@ Opus 4.7 (`ADAPTIVE_MODELS`), ``enabled`` and ``disabled`` refused on Opus 4.7, 
 (`STRUCTURED_OUTPUT_MODELS`), and refuse an object schema without ``additionalProperties: false`` or
 numeric and length bounds, as Anthropic does.
 
+Tools of Anthropic's own API (a ``type`` other than ``custom``: `SERVER_TOOL_TYPES`) are taken beside
+client tools, which need an ``input_schema``. With a ``web_search_*`` tool, a user turn that asks to
+"search" is answered as Claude answers with web search: a short text, a ``server_tool_use`` block
+(``srvtoolu_`` id, the query as its input), its ``web_search_tool_result`` (results with their
+``encrypted_content``), then text blocks, the answer's with ``citations``; streamed as Anthropic
+streams them (the server tool's input as ``input_json_delta``, the result block whole in its
+``content_block_start``, each citation as a ``citations_delta`` before its text), and
+``usage.server_tool_use.web_search_requests`` counting the searches. Such blocks sent back in an
+assistant turn are checked as Anthropic checks them: each result after its ``server_tool_use`` in the
+same turn, results with their ``encrypted_content``, citations with their ``encrypted_index``; in a
+user turn they are a 400.
+
 Usage: ``input_tokens`` is only the prompt tokens neither read from nor written to the cache;
 ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` (split in
 ``cache_creation.ephemeral_5m_input_tokens``/``ephemeral_1h_input_tokens``) follow the
@@ -81,6 +93,17 @@ _ERROR_TYPES = {
     504: ("timeout_error", "Request timed out"),
     529: ("overloaded_error", "Overloaded"),
 }
+# The tool types of Anthropic's API the fake takes (by prefix: each has dated versions).
+SERVER_TOOL_TYPES = (
+    "web_search_",
+    "web_fetch_",
+    "code_execution_",
+    "bash_",
+    "text_editor_",
+    "computer_",
+    "memory_",
+    "tool_search_tool_",
+)
 _COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "mcp_servers"}
 _STOP_REASONS = {
     "stop": "end_turn",
@@ -250,7 +273,15 @@ class FakeAnthropic(FakeServer):
     def _prompt_blocks(self, body: dict[str, Any]) -> tuple[list[Block], dict[str, str]]:
         """The prompt as cacheable blocks (tools, system, messages) and a tool_use id -> name map."""
         blocks: list[Block] = []
-        for tool in body.get("tools") or []:
+        for i, tool in enumerate(body.get("tools") or []):
+            kind = tool.get("type", "custom")
+            if kind == "custom" and "input_schema" not in tool:
+                raise Invalid(400, f"tools.{i}.custom.input_schema: Field required")
+            if kind != "custom" and not str(kind).startswith(SERVER_TOOL_TYPES):
+                raise Invalid(
+                    400,
+                    f"tools.{i}: Input tag '{kind}' found using 'type' does not match any of the expected tags",
+                )
             plain = {k: v for k, v in tool.items() if k != "cache_control"}
             blocks.append(Block(words(json.dumps(plain)), _ttl(tool)))
         system = body.get("system")
@@ -269,10 +300,43 @@ class FakeAnthropic(FakeServer):
                 previous_uses = set()
                 continue
             uses: set[str] = set()
+            server_uses: set[str] = set()  # this turn's server_tool_use ids, which its results follow
             for j, block in enumerate(content if isinstance(content, list) else []):
                 kind = block.get("type")
                 if kind == "text":
+                    for k, citation in enumerate(block.get("citations") or []):
+                        if not citation.get("encrypted_index"):
+                            raise Invalid(
+                                400, f"messages.{i}.content.{j}.citations.{k}.encrypted_index: Field required"
+                            )
                     tokens = words(block.get("text", ""))
+                elif kind in ("server_tool_use", "web_search_tool_result") and message["role"] != "assistant":
+                    raise Invalid(
+                        400,
+                        f"messages.{i}.content.{j}: `{kind}` blocks are only allowed in assistant messages",
+                    )
+                elif kind == "server_tool_use":
+                    if not re.fullmatch(r"srvtoolu_[a-zA-Z0-9_]+", str(block.get("id", ""))):
+                        raise Invalid(
+                            400,
+                            f"messages.{i}.content.{j}.id: String should match pattern '^srvtoolu_[a-zA-Z0-9_]+$'",
+                        )
+                    server_uses.add(block["id"])
+                    tokens = words(json.dumps(block.get("input", {})))
+                elif kind == "web_search_tool_result":
+                    if block.get("tool_use_id") not in server_uses:
+                        raise Invalid(
+                            400,
+                            f"messages.{i}.content.{j}: `web_search_tool_result` block(s) provided when previous "
+                            "message does not contain a corresponding `server_tool_use` block",
+                        )
+                    results = block.get("content")
+                    for k, result in enumerate(results if isinstance(results, list) else []):
+                        if not result.get("encrypted_content"):
+                            raise Invalid(
+                                400, f"messages.{i}.content.{j}.content.{k}.encrypted_content: Field required"
+                            )
+                    tokens = words(json.dumps(results))
                 elif kind in ("image", "document"):
                     tokens = [
                         f"<{kind}:{json.dumps(block.get('source'), sort_keys=True)[:64]}>"
@@ -322,7 +386,11 @@ class FakeAnthropic(FakeServer):
         return blocks, tool_names
 
     def _turn(self, body: dict[str, Any], tool_names: dict[str, str]) -> Turn:
-        tools = [Tool(t["name"], t.get("input_schema") or {}) for t in body.get("tools") or [] if "name" in t]
+        tools = [
+            Tool(t["name"], t.get("input_schema") or {})
+            for t in body.get("tools") or []
+            if "name" in t and t.get("type", "custom") == "custom"
+        ]
         turn = Turn(tools=tools, stop=list(body.get("stop_sequences") or []), max_tokens=body["max_tokens"])
         messages = body["messages"]
         last = messages[-1]
@@ -335,7 +403,11 @@ class FakeAnthropic(FakeServer):
             if last.get("role") == "assistant":
                 turn.prefill = _text_of(blocks)  # the fake model obeys: it goes on with its reply
                 turn.rejoin = self.rejoin
-        elif last.get("role") == "assistant" and NO_PREFILL.search(body.get("model", "")):
+        elif (
+            last.get("role") == "assistant"
+            and NO_PREFILL.search(body.get("model", ""))
+            and not any(b.get("type") == "server_tool_use" for b in blocks)  # a paused turn, resumed
+        ):
             raise Invalid(
                 400,
                 "This model does not support assistant message prefill. The conversation must end with a "
@@ -392,7 +464,12 @@ class FakeAnthropic(FakeServer):
             if thinking.get("type") in ("enabled", "adaptive")
             else None
         )
-        content = _content_blocks(reply, thought, self.sign)
+        search = _web_search(body, turn)
+        content = (
+            _searched(search, turn.last_user_text, reply)
+            if search
+            else _content_blocks(reply, thought, self.sign)
+        )
         output = sum(_block_tokens(b) for b in content)
         self.cache.min_tokens = self.min_cache_tokens
         cached = self.cache.process(blocks)
@@ -414,6 +491,7 @@ class FakeAnthropic(FakeServer):
                 "ephemeral_1h_input_tokens": usage.cache_write_1h_tokens,
             },
             "output_tokens": usage.output_tokens,
+            **({"server_tool_use": {"web_search_requests": 1, "web_fetch_requests": 0}} if search else {}),
             # As Anthropic reports it: `standard_only` is always standard; `auto` (the default) takes
             # the workspace's Priority Tier capacity where it has some.
             "service_tier": "standard"
@@ -648,25 +726,73 @@ def _content_blocks(reply: Reply, thought: str | None, sign: Callable[[str], str
     return blocks
 
 
+def _web_search(body: dict[str, Any], turn: Turn) -> str | None:
+    """The web search tool's name where Claude would search: the tool is there, tools are not turned
+    off, and the user's own turn (not a tool result) asks to search."""
+    tool = next(
+        (t for t in body.get("tools") or [] if str(t.get("type", "")).startswith("web_search_")), None
+    )
+    last = body["messages"][-1]
+    asks = last.get("role") == "user" and turn.tool_result is None and "search" in turn.last_user_text.lower()
+    return (
+        str(tool.get("name", "web_search")) if tool is not None and asks and not turn.tools_disabled else None
+    )
+
+
+def _searched(tool: str, query: str, reply: Reply) -> list[dict[str, Any]]:
+    """Claude's answer after one web search, as Anthropic returns it."""
+    use_id = f"srvtoolu_01{secrets.token_hex(11)}"
+    url = "https://example.com/" + "-".join(words(query))[:40]
+    title = f"About {query}"[:60]
+    result = {
+        "type": "web_search_result",
+        "url": url,
+        "title": title,
+        "encrypted_content": base64.b64encode(query.encode()).decode(),
+        "page_age": "April 30, 2025",
+    }
+    citation = {
+        "type": "web_search_result_location",
+        "url": url,
+        "title": title,
+        "encrypted_index": base64.b64encode(url.encode()).decode(),
+        "cited_text": reply.text[:150],
+    }
+    return [
+        {"type": "text", "text": "I'll search the web."},
+        {"type": "server_tool_use", "id": use_id, "name": tool, "input": {"query": query}},
+        {"type": "web_search_tool_result", "tool_use_id": use_id, "content": [result]},
+        {"type": "text", "text": "According to the web, "},
+        {"type": "text", "text": reply.text, "citations": [citation]},
+    ]
+
+
 def _block_tokens(block: dict[str, Any]) -> int:
     if block["type"] == "text":
         return count_tokens(block["text"])
     if block["type"] == "thinking":
         return count_tokens(block["thinking"])
+    if block["type"] == "web_search_tool_result":
+        return 0  # the results are the next sampling's input, not output
     return count_tokens(json.dumps(block["input"]))
 
 
 def _empty(block: dict[str, Any]) -> dict[str, Any]:
     if block["type"] == "text":
-        return {"type": "text", "text": ""}
+        return {"type": "text", "text": ""}  # its citations come as citations_delta
     if block["type"] == "thinking":
         return {"type": "thinking", "thinking": "", "signature": ""}
-    return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+    if block["type"] == "web_search_tool_result":
+        return block  # whole in its start: a result streams no deltas
+    return {"type": block["type"], "id": block["id"], "name": block["name"], "input": {}}
 
 
 def _deltas(block: dict[str, Any], per_chunk: int) -> list[dict[str, Any]]:
     if block["type"] == "text":
-        return [{"type": "text_delta", "text": p} for p in chunk_words(block["text"], per_chunk)]
+        citations = [{"type": "citations_delta", "citation": c} for c in block.get("citations") or ()]
+        return citations + [{"type": "text_delta", "text": p} for p in chunk_words(block["text"], per_chunk)]
+    if block["type"] == "web_search_tool_result":
+        return []
     if block["type"] == "thinking":
         return [
             {"type": "thinking_delta", "thinking": p} for p in chunk_words(block["thinking"], per_chunk)

@@ -1,0 +1,270 @@
+"""Anthropic's own tools on /v1/messages (Claude Code's WebSearch): a server tool such as web search
+goes to Claude as the client sent it, its blocks come back as Claude sent them (streamed and not) and
+go back to Claude unchanged on the next turn; a candidate of another vendor is skipped, and with none
+that can run the tool the client gets a 400 naming it. With the official anthropic SDK."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import pytest
+
+from gateway.usage import Usage, anthropic_usage, normalise_usage
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes.plugin import FakeVendors
+from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_fakes
+from tests.gateway.test_messages import WEATHER, final_message
+
+WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 8}
+BASH = {"type": "bash_20250124", "name": "bash"}
+TOOL_SEARCH = {"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"}
+DEFERRED = {**WEATHER, "defer_loading": True}
+ROUTES = """\
+routes:
+  - {name: gpt-then-claude, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}], probe_interval: null}
+  - {name: gpt-then-gemini, candidates: [{model: gpt-4o-mini}, {model: gemini-flash}], probe_interval: null}
+"""
+ASK = "search the web for the tallest tree"
+
+
+@pytest.fixture(scope="module")
+def _routed(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
+    with gateway_on_fakes(full_config_text() + ROUTES, fake_vendors) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def routed(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
+    _routed.sink.events.clear()
+    return _routed
+
+
+def _search(gateway: RunningGateway, stream: bool, model: str = "claude-sonnet", **more: Any) -> Any:
+    asked = {
+        "model": model,
+        "max_tokens": 200,
+        "tools": [WEB_SEARCH],
+        "messages": [{"role": "user", "content": ASK}],
+        **more,
+    }
+    return final_message(gateway.anthropic(), stream, asked)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_web_search_answer_reaches_the_client_as_claude_sent_it(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    message = _search(gateway, stream)
+    assert fake_anthropic.last_request.json["tools"] == [WEB_SEARCH]  # the tool as the client sent it
+    assert [block.type for block in message.content] == [
+        "text",
+        "server_tool_use",
+        "web_search_tool_result",
+        "text",
+        "text",
+    ]
+    use, result, cited = message.content[1], message.content[2], message.content[4]
+    assert use.name == "web_search" and use.input == {"query": ASK}  # type: ignore[union-attr]
+    assert use.id.startswith("srvtoolu_") and result.tool_use_id == use.id  # type: ignore[union-attr]
+    assert result.content[0].encrypted_content  # type: ignore[union-attr,index]
+    assert message.content[3].citations is None  # type: ignore[union-attr]
+    [citation] = cited.citations  # type: ignore[union-attr]
+    assert citation.url == result.content[0].url and citation.encrypted_index  # type: ignore[union-attr,index]
+    assert cited.text == ASK  # type: ignore[union-attr]
+    assert message.stop_reason == "end_turn"
+    assert message.usage.server_tool_use is not None
+    assert message.usage.server_tool_use.web_search_requests == 1
+    [event] = gateway.sink.events
+    assert event.backend == "anthropic" and event.usage.web_search_requests == 1
+    assert event.usage.output_tokens == message.usage.output_tokens
+
+
+def test_a_streamed_and_a_whole_web_search_answer_say_the_same(gateway: RunningGateway) -> None:
+    def said(message: Any) -> list[tuple[Any, ...]]:
+        return [
+            (block.type, getattr(block, "text", None), len(getattr(block, "citations", None) or ()))
+            for block in message.content
+        ]
+
+    assert said(_search(gateway, stream=True)) == said(_search(gateway, stream=False))
+
+
+def test_streamed_server_tool_input_comes_as_input_json_delta(gateway: RunningGateway) -> None:
+    with gateway.anthropic().messages.stream(
+        model="claude-sonnet",
+        max_tokens=200,
+        tools=[WEB_SEARCH],  # type: ignore[list-item]
+        messages=[{"role": "user", "content": ASK}],
+    ) as stream:
+        events = list(stream)
+    starts = {e.index: e.content_block.type for e in events if e.type == "content_block_start"}
+    deltas = [(e.index, e.delta.type) for e in events if e.type == "content_block_delta"]
+    assert starts == {0: "text", 1: "server_tool_use", 2: "web_search_tool_result", 3: "text", 4: "text"}
+    assert (1, "input_json_delta") in deltas and (4, "citations_delta") in deltas
+    assert not any(index == 2 for index, _ in deltas)  # the result comes whole in its start
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_next_turn_sends_the_server_blocks_back_unchanged(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    first = _search(gateway, stream)
+    sent_back = [block.to_dict() for block in first.content]
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": sent_back},
+        {"role": "user", "content": "thanks, say it again"},
+    ]
+    again = _search(gateway, stream, messages=messages)
+    assert [block.type for block in again.content] == ["text"]
+    assert fake_anthropic.last_request.json["messages"][1] == {"role": "assistant", "content": sent_back}
+
+
+def test_function_tools_keep_their_place_around_a_server_tool(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    other = {**WEATHER, "name": "get_time"}
+    tools = [WEATHER, WEB_SEARCH, BASH, other]
+    gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=50,
+        tools=tools,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "hello"}],
+    )
+    assert fake_anthropic.last_request.json["tools"] == tools
+
+
+def test_tool_search_and_its_deferred_tools_reach_claude_as_sent(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    tools = [TOOL_SEARCH, DEFERRED, {**WEATHER, "name": "get_time"}]
+    gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=50,
+        tools=tools,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "hello"}],
+    )
+    assert fake_anthropic.last_request.json["tools"] == tools  # `defer_loading` kept
+
+
+def test_a_server_tool_skips_a_candidate_of_another_vendor(
+    routed: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    response = routed.anthropic().messages.with_raw_response.create(
+        model="gpt-then-claude",
+        max_tokens=200,
+        tools=[WEB_SEARCH],  # type: ignore[list-item]
+        messages=[{"role": "user", "content": ASK}],
+    )
+    message = response.parse()
+    assert "server_tool_use" in [block.type for block in message.content]
+    assert "gpt-4o-mini:unsupported" in response.headers["x-weir-route"]
+    assert not fake_openai.posts  # nothing was sent where the tool cannot run
+    [event] = routed.sink.events
+    assert event.backend == "anthropic" and event.usage.web_search_requests == 1
+
+
+@pytest.mark.parametrize(
+    ("model", "tool"), [("gpt-then-gemini", WEB_SEARCH), ("gpt-4o-mini", BASH), ("gemini-flash", DEFERRED)]
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_no_candidate_that_can_run_the_tool_the_client_gets_a_400_naming_it(
+    routed: RunningGateway,
+    fake_openai: FakeOpenAI,
+    fake_gemini: FakeGemini,
+    model: str,
+    tool: dict[str, Any],
+    stream: bool,
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        final_message(
+            routed.anthropic(),
+            stream,
+            {
+                "model": model,
+                "max_tokens": 50,
+                "tools": [WEATHER, tool],
+                "messages": [{"role": "user", "content": ASK}],
+            },
+        )
+    assert (
+        f"`{tool.get('type', tool['name'])}`" in caught.value.message and "tools[1]" in caught.value.message
+    )
+    assert not fake_openai.posts and not fake_gemini.posts
+
+
+def test_a_client_tool_without_a_schema_is_still_refused_naming_it(gateway: RunningGateway) -> None:
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        gateway.anthropic().messages.create(
+            model="claude-sonnet",
+            max_tokens=50,
+            tools=[WEB_SEARCH, {"name": "broken"}],  # type: ignore[list-item]
+            messages=[{"role": "user", "content": "hello"}],
+        )
+    assert "tools[1].input_schema" in caught.value.message
+
+
+def test_server_tool_requests_are_read_from_anthropic_usage_and_rendered_back() -> None:
+    raw = {
+        "input_tokens": 10,
+        "output_tokens": 5,
+        "server_tool_use": {"web_search_requests": 3, "web_fetch_requests": 2},
+    }
+    usage = normalise_usage("anthropic", raw)
+    assert (usage.web_search_requests, usage.web_fetch_requests) == (3, 2)
+    assert anthropic_usage(usage)["server_tool_use"] == {"web_search_requests": 3, "web_fetch_requests": 2}
+    assert "server_tool_use" not in anthropic_usage(Usage(input_tokens=1))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_paused_turn_goes_back_to_claude_as_it_was_for_claude_to_go_on(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    """Claude pauses a long server-tool turn (`pause_turn`); the client sends it back as the last
+    message for Claude to go on with. That is no prefill for Weir to turn into a "continue" request
+    (on Claude 4.6, which takes no prefill): it goes as it is."""
+    fake_anthropic.stop_next_with("pause_turn")
+    paused = _search(gateway, stream, model="claude-opus-46")
+    assert paused.stop_reason == "pause_turn"
+    sent_back = [block.to_dict() for block in paused.content]
+    messages = [{"role": "user", "content": ASK}, {"role": "assistant", "content": sent_back}]
+    _search(gateway, stream, model="claude-opus-46", messages=messages)
+    sent = fake_anthropic.last_request.json["messages"]
+    assert len(sent) == 2 and sent[-1] == messages[-1]  # no "continue" turn after it
+
+
+def test_count_tokens_counts_a_server_tool_on_claude(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    counted = gateway.anthropic().messages.count_tokens(
+        model="claude-sonnet",
+        tools=[WEB_SEARCH],  # type: ignore[list-item]
+        messages=[{"role": "user", "content": ASK}],
+    )
+    assert counted.input_tokens > 0
+    assert fake_anthropic.last_request.path.endswith("/count_tokens")
+    assert fake_anthropic.last_request.json["tools"] == [WEB_SEARCH]
+
+
+@pytest.mark.parametrize("model", ["gpt-4o-mini", "gemini-flash"])
+def test_a_searched_turn_goes_to_another_vendor_as_its_text(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_gemini: FakeGemini, model: str
+) -> None:
+    """A later request without the server tools may go anywhere: Claude's searched turn is its text
+    there (the search blocks are Claude's alone), never Weir's internal copy of the blocks."""
+    first = _search(gateway, stream=False)
+    said = "".join(getattr(block, "text", "") for block in first.content)
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": [block.to_dict() for block in first.content]},
+        {"role": "user", "content": "thanks"},
+    ]
+    answer = gateway.anthropic().messages.create(model=model, max_tokens=50, messages=messages)  # type: ignore[arg-type]
+    assert [block.type for block in answer.content] == ["text"]
+    sent = (fake_openai if model == "gpt-4o-mini" else fake_gemini).last_request.json
+    if model == "gpt-4o-mini":
+        assert sent["messages"][1] == {"role": "assistant", "content": said}
+    else:
+        assert sent["contents"][1] == {"role": "model", "parts": [{"text": said}]}
