@@ -19,6 +19,9 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
+# A chat completion must write at least one token (OpenAI, vLLM and Weir's gateway answer 0 with a 400
+# naming the parameter); only a legacy completion takes 0, to score its echoed prompt.
+AtLeastOne = Annotated[int, msgspec.Meta(ge=1)]
 # choices per request: each is a sequence in the engine's batch, so the cap keeps one request from
 # filling it (OpenAI allows 128). More is the engine's limit, not the client's mistake: refused as a
 # value the engine does not take (`unsupported`), which a gateway passes on to its next candidate.
@@ -66,8 +69,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
-    max_tokens: Count | None = None
-    max_completion_tokens: Count | None = None
+    max_tokens: AtLeastOne | None = None
+    max_completion_tokens: AtLeastOne | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     tools: list[dict[str, Any]] | None = None

@@ -18,10 +18,13 @@ class JsonFormat:
     suffix: str = ""
 
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 => greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) => greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 => off
     min_p: float = 0.0
@@ -73,7 +76,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below `GREEDY_BELOW` are greedy, as in vLLM: dividing the logits by a temperature
+        near float32's smallest (1e-40) overflows them to inf, and softmax then gives NaN."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

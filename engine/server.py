@@ -400,8 +400,8 @@ class EngineServer:
                 param="response_format",
                 code=UNSUPPORTED_PARAMETER,
             )
-        params = replace(self._sampling(req, max(max_tokens, 1), top_n), json_format=forced or fmt)
-        gens = self._choices(req.n, prompt_ids, params, self._stops(req.stop), started, max_tokens == 0)
+        params = replace(self._sampling(req, max_tokens, top_n), json_format=forced or fmt)
+        gens = self._choices(req.n, prompt_ids, params, self._stops(req.stop), started, score_only=False)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         with self._seats(engine, len(gens)):
             if req.stream:
@@ -504,7 +504,9 @@ class EngineServer:
             prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
             params = self._sampling(req, max(max_tokens, 1), req.logprobs, prompt_lp)
             texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(ids))
-            groups.append(self._choices(req.n, ids, params, self._stops(req.stop), started, max_tokens == 0))
+            groups.append(
+                self._choices(req.n, ids, params, self._stops(req.stop), started, score_only=max_tokens == 0)
+            )
         # choice index = prompt index * n + choice, as OpenAI numbers a batch's choices
         choices = [(g, texts[p]) for p, group in enumerate(groups) for g in group]
         head = {

@@ -170,7 +170,9 @@ class DraftModelProposer:
                 drafted[j].append(greedy[j])
                 continue
             q = apply_filters(logits[j : j + 1], [row]).softmax(-1)[0]
-            drafted[j].append(int(torch.multinomial(q, 1, generator=seq.generator or generator)))
+            # never from a seeded request's own generator: its draws are the target's, one per emitted
+            # token (speculative.verify_seeded), or its text would change with what was drafted
+            drafted[j].append(int(torch.multinomial(q, 1, generator=generator)))
             probs[live[j]].append(q)
 
     def _forward(self, feeds: list[_Feed]) -> torch.Tensor:

@@ -9,7 +9,10 @@ and the output distribution is exactly the target's:
 - sampling: Leviathan et al. (2023) / Chen et al. (2023) rejection sampling. Draft token x drawn from q
   is accepted with probability min(1, p(x) / q(x)); on the first rejection a token is drawn from the
   residual max(0, p - q) normalised, and if every draft survives a bonus token is drawn from the last
-  row of p. A deterministic proposer (n-gram lookup) is the case q = one-hot(x).
+  row of p. A deterministic proposer (n-gram lookup) is the case q = one-hot(x);
+- seeded sampling: each position's token is drawn as plain decoding draws it (one Exp(1) noise row from
+  the request's own generator per emitted token), and drafts are kept while they equal those draws, so
+  a seed gives the same text with speculation as without, whatever else the engine is running.
 
 Proposers:
 - `NgramProposer`: prompt lookup (Saxena 2023): find the latest earlier occurrence of the sequence's
@@ -51,6 +54,7 @@ __all__ = [
     "rejection_sample",
     "self_draft_model",
     "verify_greedy",
+    "verify_seeded",
 ]
 
 
@@ -270,6 +274,26 @@ def verify_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> list[in
             return out
         out.append(d)
     out.append(target_argmax[len(draft)])
+    return out
+
+
+def verify_seeded(draft: Sequence[int], target_probs: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """Seeded sampling: at each position the token plain decoding would draw (`sampling.sample`: the
+    argmax of p / Exp(1), one noise row from `generator`), kept going while it equals the draft. Every
+    emitted token costs exactly one noise row, as in plain decoding, so the tokens do not depend on
+    what was drafted (rejection sampling draws a varying number of uniforms and residual samples, so a
+    seeded request would give another text whenever the drafts differed). Lossless like the rule
+    below: each token is an exact sample of its row; n-gram drafts are accepted as often (p(x))."""
+    k = len(draft)
+    if target_probs.shape[0] != k + 1:
+        raise ValueError("target_probs needs one row more than the draft")
+    out: list[int] = []
+    for i in range(k + 1):
+        noise = torch.empty_like(target_probs[i]).exponential_(generator=generator)
+        token = int((target_probs[i] / noise).max(-1).indices)
+        out.append(token)
+        if i == k or token != draft[i]:
+            break
     return out
 
 
@@ -809,9 +833,12 @@ class Speculator:
             tokens = verify_greedy(drafts, logits.argmax(-1).tolist())
         else:
             probs = apply_filters(logits, rows).softmax(-1)
-            # the scheduler may have cut the draft to fit the token budget: its first rows still hold
-            draft_q = q[: len(drafts)] if q is not None else None
-            tokens = rejection_sample(drafts, probs, draft_q, seq.generator or generator)
+            if seq.generator is not None:
+                tokens = verify_seeded(drafts, probs, seq.generator)
+            else:
+                # the scheduler may have cut the draft to fit the token budget: its first rows still hold
+                draft_q = q[: len(drafts)] if q is not None else None
+                tokens = rejection_sample(drafts, probs, draft_q, generator)
         self.metrics.record(len(drafts), len(tokens) - 1)
         bucket = self._bucket.pop(seq.request_id, 0)
         self.rates.update(bucket, len(drafts), len(tokens) - 1)

@@ -105,6 +105,16 @@ def test_filters_on_known_logits() -> None:
     assert kept(top_k=3, top_p=0.6) == [0, 1]
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-45])
+def test_a_temperature_near_zero_is_greedy(temperature: float) -> None:
+    """Dividing logits by a denormal temperature overflows them to inf (softmax: NaN); vLLM treats any
+    temperature below 1e-5 as greedy, and so does the sampler."""
+    logits = torch.tensor([[1.0, 5.0, 2.0, -3.0], [4.0, -1.0, 0.5, 3.5]])
+    rows = [SamplingRow(SamplingParams(temperature=temperature), None, [], []) for _ in range(2)]
+    assert SamplingParams(temperature=temperature).greedy
+    assert sample(logits, rows, torch.Generator().manual_seed(0)) == [1, 0]
+
+
 def test_penalties_on_known_logits() -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
 

@@ -647,6 +647,9 @@ async def test_unknown_model_is_404(served: Served) -> None:
         ({"n": 17}, "n"),  # MAX_CHOICES
         ({"n": 0}, "n"),
         ({"max_tokens": -1}, "max_tokens"),
+        # a chat completion writes at least one token (OpenAI, vLLM); only a legacy completion scores
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ({"logit_bias": {"five": 10}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),

@@ -247,3 +247,23 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(
     law = _exact_two_token_law(spec, prompt)
     cells = sorted(law)
     assert chi_square_pvalue([counts[c] for c in cells], [law[c] for c in cells]) > 1e-4
+
+
+@pytest.mark.parametrize("spec", ["ngram", "self:layers=1"])
+def test_a_seeded_sample_is_the_same_text_with_speculation_alone_or_batched(
+    make_engine: Callable[..., LLMEngine], spec: str
+) -> None:
+    """A `seed` fixes the text: speculation (what was drafted, how much was accepted) must not change
+    which tokens a seeded sampling request gets, nor its batch-mates."""
+    prompt = list(b"abcabcabcabc abc abc abc")  # repetitive: n-gram lookup has drafts to offer
+    params = SamplingParams(max_tokens=24, temperature=0.7, seed=11, ignore_eos=True)
+    small = {"num_kv_blocks": 32, "adaptive_threads": False}  # fast to build and to step
+    [expected] = make_engine(**small).generate([prompt], params)
+    engine = make_engine(speculative=spec, **small)
+    [alone] = engine.generate([prompt], params)
+    others = [list(f"xyz xyz {i} xyz xyz".encode()) for i in range(3)]
+    mates = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    batched = engine.generate([prompt, *others], [params, mates, mates, mates])[0]
+    assert engine.speculator is not None and engine.speculator.metrics.num_draft_tokens > 0
+    assert alone == expected
+    assert batched == expected
