@@ -42,6 +42,7 @@ class Generation:
         started: float,
         *,
         score_only: bool = False,
+        include_stop: bool = False,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -50,7 +51,9 @@ class Generation:
         self.score_only = score_only
         tokenizer = self.engine.engine.tokenizer
         hidden = frozenset(tokenizer.eos_token_ids) | frozenset(params.stop_token_ids)
-        self.text = TextStream(IncrementalDetokenizer(tokenizer, prompt_ids), stop, hidden)
+        self.text = TextStream(
+            IncrementalDetokenizer(tokenizer, prompt_ids), stop, hidden, keep_stop=include_stop
+        )
         self.prompt_ids = prompt_ids
         self.params = params
         self.started = started

@@ -66,6 +66,7 @@ class TextStream:
     detokenizer: IncrementalDetokenizer
     stop: Sequence[str] = ()
     hidden_ids: frozenset[int] = frozenset()  # EOS / stop tokens: counted, never shown (as vLLM)
+    keep_stop: bool = False  # vLLM's include_stop_str_in_output: the matched stop string stays in the text
     text: str = ""
     sent: int = 0  # characters of `text` already released
     stopped: bool = False  # a stop string matched; the caller aborts the request in the engine
@@ -83,7 +84,7 @@ class TextStream:
         hit = self._first_stop(searched_from)
         if hit is not None:
             cut, self.matched = hit
-            self.text = self.text[:cut]
+            self.text = self.text[: cut + len(self.matched) if self.keep_stop else cut]
             self.stopped = True
             finished = True
         end = len(self.text) if finished else len(self.text) - self._partial_stop_len()

@@ -57,6 +57,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    guided_json: str | dict[str, Any] | None = None  # a JSON Schema (vLLM's older structured output)
+    # vLLM extras that change the output and that the engine does not implement: declared so that a
+    # request setting one gets a 400 naming it (see `unsupported`) instead of a silently different answer
+    min_tokens: Count = 0
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: bool = False
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -171,6 +183,25 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | No
     """A parameter the engine cannot honour, as the 400 that says so, or None."""
     if req.n > MAX_CHOICES:
         return ApiError(400, f"n above {MAX_CHOICES} is not supported", param="n", code=UNSUPPORTED_VALUE)
+    unhonoured = [
+        ("min_tokens", req.min_tokens > 0),
+        ("use_beam_search", req.use_beam_search),
+        *(
+            (name, getattr(req, name) is not None)
+            for name in (
+                "guided_regex",
+                "guided_choice",
+                "guided_grammar",
+                "structured_outputs",
+                "truncate_prompt_tokens",
+                "prompt_logprobs",
+            )
+        ),
+    ]
+    for name, used in unhonoured:
+        if used:
+            hint = " (use echo with logprobs)" if name == "prompt_logprobs" else ""
+            return ApiError(400, f"{name} is not supported{hint}", param=name, code=UNSUPPORTED_PARAMETER)
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1, req.n):
             return ApiError(

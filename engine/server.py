@@ -320,6 +320,7 @@ class EngineServer:
         stop: list[str],
         started: float,
         score_only: bool,
+        include_stop: bool = False,
     ) -> list[Generation]:
         """`n` generations of one prompt. A seeded request's choice i draws with seed + i: each choice is
         reproducible, and none is a copy of another."""
@@ -333,6 +334,7 @@ class EngineServer:
                 stop,
                 started,
                 score_only=score_only,
+                include_stop=include_stop,
             )
             for i in range(n)
         ]
@@ -400,8 +402,23 @@ class EngineServer:
                 param="response_format",
                 code=UNSUPPORTED_PARAMETER,
             )
-        params = replace(self._sampling(req, max_tokens, top_n), json_format=forced or fmt)
-        gens = self._choices(req.n, prompt_ids, params, self._stops(req.stop), started, score_only=False)
+        guided = _guided_json(req)
+        if guided is not None and (forced or fmt) is not None:
+            raise ApiError(
+                400,
+                "guided_json cannot be combined with response_format or a forced tool_choice",
+                param="guided_json",
+            )
+        params = replace(self._sampling(req, max_tokens, top_n), json_format=forced or fmt or guided)
+        gens = self._choices(
+            req.n,
+            prompt_ids,
+            params,
+            self._stops(req.stop),
+            started,
+            score_only=False,
+            include_stop=req.include_stop_str_in_output,
+        )
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         with self._seats(engine, len(gens)):
             if req.stream:
@@ -503,9 +520,18 @@ class EngineServer:
             max_tokens = self._max_tokens(req.max_tokens, len(ids), "prompt", DEFAULT_COMPLETION_MAX_TOKENS)
             prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
             params = self._sampling(req, max(max_tokens, 1), req.logprobs, prompt_lp)
+            params = replace(params, json_format=_guided_json(req))
             texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(ids))
             groups.append(
-                self._choices(req.n, ids, params, self._stops(req.stop), started, score_only=max_tokens == 0)
+                self._choices(
+                    req.n,
+                    ids,
+                    params,
+                    self._stops(req.stop),
+                    started,
+                    score_only=max_tokens == 0,
+                    include_stop=req.include_stop_str_in_output,
+                )
             )
         # choice index = prompt index * n + choice, as OpenAI numbers a batch's choices
         choices = [(g, texts[p]) for p, group in enumerate(groups) for g in group]
@@ -774,6 +800,22 @@ def _json_format(req: ChatCompletionRequest) -> JsonFormat | None:
         raise ApiError(
             400, "response_format json_schema needs json_schema.schema, an object", param="response_format"
         )
+    return JsonFormat(json.dumps(schema))
+
+
+def _guided_json(req: SamplingFields) -> JsonFormat | None:
+    """vLLM's `guided_json` (a JSON Schema, as an object or as JSON text): the same grammar as a
+    `json_schema` response_format, on either endpoint."""
+    schema = req.guided_json
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise ApiError(400, "guided_json must be a JSON Schema", param="guided_json") from None
+    if not isinstance(schema, dict):
+        raise ApiError(400, "guided_json must be a JSON Schema, an object", param="guided_json")
     return JsonFormat(json.dumps(schema))
 
 

@@ -190,6 +190,33 @@ async def test_stop_string_trims_text_and_finishes_with_stop(served: Served) -> 
     assert chunks[-1].choices[0].model_extra == {"stop_reason": stop}
 
 
+async def test_include_stop_str_in_output_keeps_the_stop_string(served: Served) -> None:
+    """vLLM's `include_stop_str_in_output`: the text ends with the stop string that ended it (it was
+    ignored, the stop string cut off)."""
+    kwargs = dict(model=MODEL, messages=chat("say something long"), max_tokens=24, temperature=0)
+    free = (await served.client.chat.completions.create(**kwargs)).choices[0].message.content or ""  # type: ignore[call-overload]
+    stop = free[4:6]
+    expected = free[: free.find(stop) + len(stop)]
+    extra = {"include_stop_str_in_output": True}
+    whole = await served.client.chat.completions.create(**kwargs, stop=[stop], extra_body=extra)  # type: ignore[call-overload]
+    assert whole.choices[0].message.content == expected and whole.choices[0].finish_reason == "stop"
+    stream = await served.client.chat.completions.create(**kwargs, stop=[stop], stream=True, extra_body=extra)  # type: ignore[call-overload]
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == expected
+    completion = await served.client.completions.create(
+        model=MODEL, prompt="say", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = completion.choices[0].text
+    cut = await served.client.completions.create(
+        model=MODEL,
+        prompt="say",
+        max_tokens=24,
+        temperature=0,
+        stop=text[3:5],
+        extra_body={"ignore_eos": True, **extra},
+    )
+    assert cut.choices[0].text == text[: text.find(text[3:5]) + 2]
+
+
 async def test_sampling_parameters_are_accepted_and_seeded_runs_repeat(served: Served) -> None:
     kwargs = dict(
         model=MODEL,
@@ -570,6 +597,68 @@ async def test_a_bad_response_format_is_a_400(served: Served, response_format: d
         )
     assert "response_format" in info.value.message or info.value.body["param"] == "response_format"  # type: ignore[index]
     assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
+
+
+async def test_guided_json_constrains_both_endpoints(served: Served) -> None:
+    """vLLM's older structured-output parameter: ignored, a vLLM client asking for JSON got free text."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    chat_resp = await served.client.chat.completions.create(
+        model=MODEL, messages=chat("json"), max_tokens=24, seed=3, extra_body={"guided_json": schema}
+    )
+    completion = await served.client.completions.create(
+        model=MODEL, prompt="json:", max_tokens=24, seed=3, extra_body={"guided_json": json.dumps(schema)}
+    )
+    for text, finish in (
+        (chat_resp.choices[0].message.content or "", chat_resp.choices[0].finish_reason),
+        (completion.choices[0].text, completion.choices[0].finish_reason),
+    ):
+        assert isinstance(json.loads(text)["ok"], bool) and finish == "stop"
+    with pytest.raises(openai.BadRequestError) as info:
+        await served.client.chat.completions.create(
+            model=MODEL,
+            messages=chat("json"),
+            max_tokens=4,
+            response_format={"type": "json_object"},
+            extra_body={"guided_json": schema},
+        )
+    assert info.value.body["param"] == "guided_json"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"min_tokens": 5}, "min_tokens"),
+        ({"guided_regex": "[a-z]+"}, "guided_regex"),
+        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+        ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ],
+)
+async def test_vllm_extras_the_engine_cannot_honour_are_400_not_ignored(
+    served: Served, extra: dict, param: str
+) -> None:
+    """Ignored, each of these gave a vLLM client an answer other than the one it asked for (text under
+    its min_tokens, outside its regex or choices) with a 200."""
+    for path, body in (
+        ("/chat/completions", {"messages": chat("hi")}),
+        ("/completions", {"prompt": "hi"}),
+    ):
+        async with httpx.AsyncClient(base_url=served.base_url) as http:
+            resp = await http.post(path, json={"model": MODEL, "max_tokens": 2, **body, **extra})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["param"], error["code"]) == (param, "unsupported_parameter")
+    # what a client sends for "off" is no reason to refuse it
+    off = {"min_tokens": 0, "use_beam_search": False, "guided_regex": None}
+    resp_ok = await served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=off)
+    assert resp_ok.choices[0].finish_reason in ("stop", "length")
 
 
 # --- concurrency and disconnects ----------------------------------------------------------------------
