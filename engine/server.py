@@ -370,6 +370,14 @@ class EngineServer:
             except EngineDeadError as exc:
                 body = ApiError(503, str(exc), code="engine_dead").body()
                 await resp.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
+            except ConnectionError:  # the client is gone: nothing can reach it
+                raise
+            except Exception:
+                # The headers are out: the middleware's 500 would be written into the chunked body (a
+                # client reads "illegal chunk header", a connection error); an error event it can read.
+                log.exception("unhandled error in the stream of %s %s", request.method, request.path)
+                body = ApiError(500, "internal server error", type="server_error").body()
+                await resp.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -676,6 +677,42 @@ async def test_concurrent_streams_match_their_solo_outputs(served: Served) -> No
     together = await asyncio.gather(*(run(p) for p in prompts))
     alone = [await run(p) for p in prompts]
     assert together == alone
+
+
+async def test_an_unexpected_error_mid_stream_is_an_error_event_not_a_broken_stream(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the stream's headers are out, an error's 500 response was written into the chunked body:
+    the SDK saw a connection error ("illegal chunk header"), not an OpenAI error."""
+    from engine.generation import Generation
+
+    deltas = Generation.deltas
+
+    async def failing(self: Generation):  # type: ignore[no-untyped-def]
+        async with contextlib.aclosing(deltas(self)) as inner:
+            async for delta in inner:
+                yield delta
+                raise RuntimeError("a bug after the first token")
+
+    monkeypatch.setattr(Generation, "deltas", failing)
+    stream = await served.client.chat.completions.create(
+        model=MODEL, messages=chat("x"), max_tokens=10, stream=True
+    )
+    with pytest.raises(openai.APIError) as info:
+        async for _ in stream:
+            pass
+    assert not isinstance(info.value, openai.APIConnectionError)
+    assert info.value.message == "internal server error"
+    assert info.value.body == {
+        "message": "internal server error",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+    monkeypatch.undo()
+    resp = await served.client.chat.completions.create(model=MODEL, messages=chat("x"), max_tokens=2)
+    assert resp.choices[0].finish_reason in ("stop", "length")  # still serving
+    assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
 
 
 async def test_disconnected_stream_frees_its_blocks_at_once(served: Served) -> None:
