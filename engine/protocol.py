@@ -69,6 +69,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     use_beam_search: bool = False
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -97,6 +99,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # nothing, and ignoring them would hand back another answer than the one asked for.
     modalities: list[str] | None = None
     web_search_options: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: the reply starts with the final message's text (not implemented)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -195,6 +198,8 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | No
                 "structured_outputs",
                 "truncate_prompt_tokens",
                 "prompt_logprobs",
+                "allowed_token_ids",
+                "bad_words",
             )
         ),
     ]
@@ -227,6 +232,8 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | No
                 param="web_search_options",
                 code=UNSUPPORTED_PARAMETER,
             )
+        if req.echo:
+            return ApiError(400, "echo is not supported", param="echo", code=UNSUPPORTED_PARAMETER)
         if req.top_logprobs and not req.logprobs:
             return ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     return None

@@ -640,6 +640,8 @@ async def test_guided_json_constrains_both_endpoints(served: Served) -> None:
         ({"use_beam_search": True}, "use_beam_search"),
         ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ({"bad_words": ["no"]}, "bad_words"),
     ],
 )
 async def test_vllm_extras_the_engine_cannot_honour_are_400_not_ignored(
@@ -660,6 +662,20 @@ async def test_vllm_extras_the_engine_cannot_honour_are_400_not_ignored(
     off = {"min_tokens": 0, "use_beam_search": False, "guided_regex": None}
     resp_ok = await served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=off)
     assert resp_ok.choices[0].finish_reason in ("stop", "length")
+    chat_ok = await served.client.chat.completions.create(
+        model=MODEL, messages=chat("hi"), max_tokens=2, extra_body={**off, "echo": False}
+    )
+    assert chat_ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_vllm_chat_echo_is_400_not_ignored(served: Served) -> None:
+    """vLLM's chat `echo` (the reply starts with the final message) was ignored; a completion's is kept."""
+    with pytest.raises(openai.BadRequestError) as info:
+        await served.client.chat.completions.create(
+            model=MODEL, messages=chat("hi"), max_tokens=2, extra_body={"echo": True}
+        )
+    assert info.value.body["param"] == "echo"  # type: ignore[index]
+    assert info.value.code == "unsupported_parameter"
 
 
 # --- concurrency and disconnects ----------------------------------------------------------------------
