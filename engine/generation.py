@@ -52,7 +52,11 @@ class Generation:
         tokenizer = self.engine.engine.tokenizer
         hidden = frozenset(tokenizer.eos_token_ids) | frozenset(params.stop_token_ids)
         self.text = TextStream(
-            IncrementalDetokenizer(tokenizer, prompt_ids), stop, hidden, keep_stop=include_stop
+            IncrementalDetokenizer(tokenizer, prompt_ids),
+            stop,
+            hidden,
+            keep_stop=include_stop,
+            min_tokens=params.min_tokens,
         )
         self.prompt_ids = prompt_ids
         self.params = params

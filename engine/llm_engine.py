@@ -300,6 +300,9 @@ class LLMEngine:
             seq.grammar = self._grammars().start(params.json_format)
         if params.seed is not None:
             seq.generator = self.runner.make_generator(params.seed)
+        if params.min_tokens:
+            eos = () if params.ignore_eos else self.config.eos_token_ids
+            seq.min_tokens_banned = sorted({*params.stop_token_ids, *eos})
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = []
         self._requests[request_id] = seq

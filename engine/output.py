@@ -67,6 +67,9 @@ class TextStream:
     stop: Sequence[str] = ()
     hidden_ids: frozenset[int] = frozenset()  # EOS / stop tokens: counted, never shown (as vLLM)
     keep_stop: bool = False  # vLLM's include_stop_str_in_output: the matched stop string stays in the text
+    min_tokens: int = 0  # vLLM's: a stop string must end past the text of the first min_tokens tokens
+    num_tokens: int = 0  # token ids fed so far (hidden ones included)
+    stop_from: int = 0  # a stop string ending at or before this offset of `text` does not count
     text: str = ""
     sent: int = 0  # characters of `text` already released
     stopped: bool = False  # a stop string matched; the caller aborts the request in the engine
@@ -76,6 +79,13 @@ class TextStream:
         """Feeds new ids; returns the text that may be released now. With `finished`, releases the rest."""
         if self.stopped:
             return ""
+        if self.num_tokens < self.min_tokens:
+            head = self.min_tokens - self.num_tokens
+            self.text += self.detokenizer.add([t for t in token_ids[:head] if t not in self.hidden_ids])
+            self.stop_from = len(self.text)
+            self.num_tokens += len(token_ids[:head])
+            token_ids = token_ids[head:]
+        self.num_tokens += len(token_ids)
         visible = [t for t in token_ids if t not in self.hidden_ids]
         searched_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += self.detokenizer.add(visible)
@@ -97,7 +107,11 @@ class TextStream:
     def _first_stop(self, start: int) -> tuple[int, str] | None:
         """Where the first stop string in the text begins, and which it is (the first listed of
         those that begin there)."""
-        hits = [(i, s) for s in self.stop if s and (i := self.text.find(s, start)) >= 0]
+        hits = [
+            (i, s)
+            for s in self.stop
+            if s and (i := self.text.find(s, max(start, self.stop_from - len(s) + 1))) >= 0
+        ]
         return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _partial_stop_len(self) -> int:

@@ -59,9 +59,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     guided_json: str | dict[str, Any] | None = None  # a JSON Schema (vLLM's older structured output)
+    min_tokens: Count = 0  # EOS and stop tokens banned, stop strings ignored, until this many tokens
     # vLLM extras that change the output and that the engine does not implement: declared so that a
     # request setting one gets a 400 naming it (see `unsupported`) instead of a silently different answer
-    min_tokens: Count = 0
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
@@ -187,7 +187,6 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | No
     if req.n > MAX_CHOICES:
         return ApiError(400, f"n above {MAX_CHOICES} is not supported", param="n", code=UNSUPPORTED_VALUE)
     unhonoured = [
-        ("min_tokens", req.min_tokens > 0),
         ("use_beam_search", req.use_beam_search),
         *(
             (name, getattr(req, name) is not None)

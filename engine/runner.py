@@ -188,6 +188,11 @@ class ModelRunner:
             for j in sample_rows:
                 seq = batch.seqs[order[j]]
                 allowed = seq.grammar.allowed() if seq.grammar is not None else None
+                if seq.min_tokens_banned and seq.num_output_tokens < seq.params.min_tokens:
+                    if allowed is None:
+                        allowed = torch.ones(logits.shape[1], dtype=torch.bool)
+                    allowed = allowed.clone()
+                    allowed[seq.min_tokens_banned] = False
                 rows.append(
                     SamplingRow(
                         seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids, allowed

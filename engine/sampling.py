@@ -24,6 +24,7 @@ GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's: EOS and stop tokens are banned, stop strings ignored, until this many
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW) => greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 => off
@@ -43,6 +44,7 @@ class SamplingParams:
         """Raise ValueError with a message fit for an API client."""
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.temperature >= 0, "temperature must be non-negative"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be non-negative (0 disables it)"),

@@ -39,6 +39,8 @@ class Sequence:
     # speculative tokens proposed for this step, not yet verified (not part of num_tokens)
     draft_token_ids: list[int] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured output: what the grammar accepts next
+    # min_tokens: the tokens that would end the request (EOS, stop tokens), banned until it has that many
+    min_tokens_banned: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

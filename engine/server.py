@@ -297,6 +297,7 @@ class EngineServer:
 
         return SamplingParams(
             max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(req.top_k or 0, 0),  # vLLM uses -1 for "off"

@@ -778,6 +778,7 @@ class Speculator:
             seq.draft_token_ids
             or p.logprobs is not None
             or p.json_format is not None  # a grammar would have to check every draft position
+            or seq.num_output_tokens < p.min_tokens  # so would min_tokens' ban on ending tokens
             or seq.num_computed_tokens != seq.num_tokens - 1
         ):
             return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -113,6 +114,28 @@ def test_a_temperature_near_zero_is_greedy(temperature: float) -> None:
     rows = [SamplingRow(SamplingParams(temperature=temperature), None, [], []) for _ in range(2)]
     assert SamplingParams(temperature=temperature).greedy
     assert sample(logits, rows, torch.Generator().manual_seed(0)) == [1, 0]
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached(make_engine, speculative: str | None) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's `min_tokens`: EOS and stop tokens cannot be drawn before the request has that many."""
+    engine = make_engine(num_kv_blocks=32, adaptive_threads=False, speculative=speculative)
+    eos = min(engine.config.eos_token_ids)
+    prompt = list(b"abcabcabcabc")  # repetitive: n-gram lookup has drafts to offer
+    forced = SamplingParams(max_tokens=12, temperature=0, logit_bias={eos: 100.0})
+    [ended] = engine.generate([prompt], forced)
+    assert ended == [eos]  # the bias makes EOS the greedy choice at once
+    [held] = engine.generate([prompt], replace(forced, min_tokens=5))
+    assert len(held) == 6 and eos not in held[:5] and held[5] == eos
+    [free] = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    stop = free[1]
+    stopped = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    [cut] = engine.generate([prompt], stopped)
+    assert cut == free[: free.index(stop) + 1]
+    [kept] = engine.generate([prompt], replace(stopped, min_tokens=4))
+    assert len(kept) >= 4 and stop not in kept[:4]
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4).validate()
 
 
 def test_penalties_on_known_logits() -> None:

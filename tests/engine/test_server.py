@@ -218,6 +218,29 @@ async def test_include_stop_str_in_output_keeps_the_stop_string(served: Served) 
     assert cut.choices[0].text == text[: text.find(text[3:5]) + 2]
 
 
+async def test_min_tokens_holds_off_eos_and_stop_strings(served: Served) -> None:
+    """vLLM's `min_tokens` (ignored before, then refused): EOS cannot end the answer, nor a stop string
+    that ends within the text of its first min_tokens tokens."""
+    eos = min(served.engine.config.eos_token_ids)
+    forced = dict(model=MODEL, messages=chat("hi"), max_tokens=12, temperature=0, logit_bias={str(eos): 100})
+    ended = await served.client.chat.completions.create(**forced)  # type: ignore[call-overload]
+    assert ended.usage and ended.usage.completion_tokens == 1  # EOS at once
+    held = await served.client.chat.completions.create(**forced, extra_body={"min_tokens": 5})  # type: ignore[call-overload]
+    assert held.usage and held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    kwargs = dict(model=MODEL, prompt="say", max_tokens=24, temperature=0)
+    free = (await served.client.completions.create(**kwargs, extra_body={"ignore_eos": True})).choices[0].text  # type: ignore[call-overload]
+    stop = free[:2]  # ends within the first two tokens' text, or three: a character may take two bytes
+    cut = await served.client.completions.create(**kwargs, stop=stop, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    assert cut.choices[0].text == ""
+    later = await served.client.completions.create(  # type: ignore[call-overload]
+        **kwargs, stop=stop, stream=True, extra_body={"ignore_eos": True, "min_tokens": 8}
+    )
+    text = "".join([c.choices[0].text async for c in later if c.choices])
+    assert text and free.startswith(text)
+    with pytest.raises(openai.BadRequestError):
+        await served.client.completions.create(**{**kwargs, "max_tokens": 3}, extra_body={"min_tokens": 4})  # type: ignore[call-overload]
+
+
 async def test_sampling_parameters_are_accepted_and_seeded_runs_repeat(served: Served) -> None:
     kwargs = dict(
         model=MODEL,
@@ -633,7 +656,6 @@ async def test_guided_json_constrains_both_endpoints(served: Served) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"min_tokens": 5}, "min_tokens"),
         ({"guided_regex": "[a-z]+"}, "guided_regex"),
         ({"guided_choice": ["yes", "no"]}, "guided_choice"),
         ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
