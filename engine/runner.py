@@ -189,10 +189,14 @@ class ModelRunner:
                 seq = batch.seqs[order[j]]
                 allowed = seq.grammar.allowed() if seq.grammar is not None else None
                 if seq.min_tokens_banned and seq.num_output_tokens < seq.params.min_tokens:
-                    if allowed is None:
-                        allowed = torch.ones(logits.shape[1], dtype=torch.bool)
-                    allowed = allowed.clone()
-                    allowed[seq.min_tokens_banned] = False
+                    kept = (
+                        torch.ones(logits.shape[1], dtype=torch.bool) if allowed is None else allowed.clone()
+                    )
+                    kept[seq.min_tokens_banned] = False
+                    # a complete JSON answer's grammar allows EOS alone: it ends there, min_tokens or
+                    # not (masking every token would draw one the grammar then refuses)
+                    if bool(kept.any()):
+                        allowed = kept
                 rows.append(
                     SamplingRow(
                         seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids, allowed

@@ -241,6 +241,39 @@ async def test_min_tokens_holds_off_eos_and_stop_strings(served: Served) -> None
         await served.client.completions.create(**{**kwargs, "max_tokens": 3}, extra_body={"min_tokens": 4})  # type: ignore[call-overload]
 
 
+async def test_min_tokens_past_a_complete_json_answer_ends_it_and_the_engine_lives() -> None:
+    """Once the JSON is complete its grammar allows only EOS, which min_tokens bans: masking both left
+    no token at all, and the token drawn anyway (id 0: argmax of a row of -inf) failed the grammar's
+    check and stopped the engine. (EOS is not id 0 here, where it would be drawn by luck.)"""
+    config = KNOWN_MODELS["tiny"].with_(eos_token_ids=(3,))
+    engine = LLMEngine.from_config(config, num_kv_blocks=NUM_BLOCKS)
+    _, runner, base_url = await start(engine, model_name=MODEL)
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"k": {"enum": ["a"]}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    try:
+        for temperature in (0.0, 1.0):
+            resp = await client.completions.create(
+                model=MODEL,
+                prompt="json:",
+                max_tokens=32,
+                temperature=temperature,
+                extra_body={"guided_json": schema, "min_tokens": 20},
+            )
+            assert json.loads(resp.choices[0].text) == {"k": "a"}
+            assert resp.choices[0].finish_reason == "stop"
+        again = await client.completions.create(model=MODEL, prompt="still there?", max_tokens=2)
+        assert again.choices[0].finish_reason in ("stop", "length")
+    finally:
+        await client.close()
+        await runner.cleanup()  # type: ignore[attr-defined]
+    assert all_blocks_free(engine)
+
+
 async def test_sampling_parameters_are_accepted_and_seeded_runs_repeat(served: Served) -> None:
     kwargs = dict(
         model=MODEL,
