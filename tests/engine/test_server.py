@@ -1139,7 +1139,15 @@ async def test_health_is_503_until_the_model_is_attached() -> None:
 
 
 async def test_a_request_that_asks_gets_the_engines_load_in_orca_format(served: Served) -> None:
-    body = {"model": MODEL, "messages": chat("hello there"), "max_tokens": 4, "stream": True}
+    # Long enough to be running still when the first chunk's headers go out: with 4 tokens the engine
+    # thread could finish it first on a loaded machine (num_requests_running 0, a flaky failure).
+    body = {
+        "model": MODEL,
+        "messages": chat("hello there"),
+        "max_tokens": 128,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with httpx.AsyncClient(base_url=served.base_url) as http:
         streamed = await http.post(
             "/chat/completions", json=body, headers={"endpoint-load-metrics-format": "TEXT"}
