@@ -1,5 +1,8 @@
 """Backends of `type: engine` with `model:` instead of `url:`: Weir starts `weir engine serve --model M
---port P` itself, waits for its /health, restarts it when it dies and stops it on shutdown."""
+--port P` itself, waits for its /health, restarts it when it dies and stops it on shutdown. Each time
+it is up, its model list (`/v1/models`, with the model's `max_model_len`) goes to `on_models`: the
+gateway fits output limits in the window of the engine running now, flags changed between restarts
+included."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
@@ -77,6 +81,9 @@ class EngineProcess:
             *backend.args,
         ]  # fmt: skip
         self.health_url = f"http://127.0.0.1:{self.port}/health"
+        self.models_url = f"http://127.0.0.1:{self.port}/v1/models"
+        # The body of the engine's model list, each time it is up (gateway.runtime: its context window).
+        self.on_models: Callable[[bytes], None] | None = None
         self.process: asyncio.subprocess.Process | None = None
         self.healthy = False
         self.loaded = False  # healthy once: its first start is over (the gateway's /readyz waits for it)
@@ -151,6 +158,7 @@ class EngineProcess:
                 if await self._wait_healthy(session):
                     self.healthy = self.loaded = True
                     log.info("engine_ready", backend=self.backend.name, port=self.port)
+                    await self._read_models(session)
                     await self._watch(session)
                 else:
                     log.error("engine_not_ready", backend=self.backend.name, port=self.port)
@@ -191,6 +199,16 @@ class EngineProcess:
                         return
         finally:
             exited.cancel()
+
+    async def _read_models(self, session: aiohttp.ClientSession) -> None:
+        """The engine's model list to `on_models`, once it is up: the health probes read it every
+        round too, but only for routes that probe, and only after their first interval."""
+        if self.on_models is None:
+            return
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(self.models_url, timeout=aiohttp.ClientTimeout(total=2)) as response:
+                if response.status == 200:
+                    self.on_models(await response.read())
 
     async def _health(self, session: aiohttp.ClientSession) -> str | None:
         """What the engine's /health says: "ok", "error" (its loop died), or None (no clear answer)."""

@@ -3,7 +3,7 @@ the authenticator, the usage sink, metrics and supervised engines."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import msgspec
 import structlog
@@ -20,7 +20,9 @@ from gateway.transport import Transport
 from gateway.usage_sink import FanoutSink, MetricsSink, UsageSink
 from routing.compare import Comparer
 from routing.execute import Executor
+from routing.health import record_windows
 from routing.router import Router
+from routing.windows import served_windows
 
 log = structlog.get_logger("weir.gateway")
 
@@ -66,8 +68,14 @@ class Gateway:
             self.router.context.loads,
         )
         self.executor = Executor(
-            self.pipeline, self.router.breakers, self.router.context, self.router.metrics
+            self.pipeline,
+            self.router.breakers,
+            self.router.context,
+            self.router.metrics,
+            windows=self.router.windows,
         )
+        for engine in self.engines:
+            engine.on_models = self._engine_windows(engine.backend.name)
         self.comparer = Comparer(
             self.pipeline,
             self.models,
@@ -81,6 +89,16 @@ class Gateway:
         self.router.listeners += [lambda _, gone: self.metrics.forget_models(gone), self.comparer.forget]
         self.metrics.in_force = self.router.in_force
         self.started = False
+
+    def _engine_windows(self, backend: str) -> Callable[[bytes], None]:
+        """What a supervised engine's model list says of its context window, for the executor."""
+
+        def record(body: bytes) -> None:
+            windows = served_windows(body, sole=True)
+            if windows is not None:
+                record_windows(self.router.windows, backend, windows)
+
+        return record
 
     async def start(self) -> None:
         if self.config.tenants is None:

@@ -67,6 +67,7 @@ from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, expected_cost, output_room
 from routing.routes import Route
 from routing.stitch import Stitcher
+from routing.windows import ContextWindows
 
 Batches = AsyncIterator[list[ChatChunk]]
 _BACKEND_ERRORS = (UpstreamError, BadGateway, BackendUnavailable, GatewayTimeout)
@@ -337,6 +338,7 @@ class Executor:
         breakers: Breakers,
         context: PolicyContext,
         metrics: RoutingMetrics | None = None,
+        windows: ContextWindows | None = None,
     ) -> None:
         self.metrics = metrics
         self.pipeline = pipeline
@@ -347,10 +349,10 @@ class Executor:
         # OpenAI models (`_key`) without `api: responses` that OpenAI turned out to serve on the
         # Responses API alone: asked there from then on, in this process (`_asked_on`).
         self.on_responses: set[str] = set()
-        # The context window each backend and upstream model (`_key`) said it has in its last 400 for a
-        # request that did not fit (`_fit_context`), in this process: a bundled engine's is set by its
-        # model and its KV cache, which the config need not repeat.
-        self.windows: dict[str, int] = {}
+        # The context window of each backend's models (`_fit_context`): what their servers' model lists
+        # say (the health probes, the engine supervisor), what their 400s report, what routes declare.
+        # A bundled engine's is set by its model and its KV cache, which the config need not repeat.
+        self.windows = windows if windows is not None else ContextWindows()
 
     # --- one attempt ---------------------------------------------------------------------------
 
@@ -397,7 +399,7 @@ class Executor:
             report = context_report(exc.message) if exc.code == CONTEXT_LENGTH_EXCEEDED else None
             if report is not None:
                 window, prompt = report
-                self.windows[self._key(choice)] = window
+                self.windows.reported(choice.target.backend.name, choice.target.upstream_model, window)
                 log.debug(
                     "context_window_reported", model=choice.candidate.model, window=window, prompt=prompt
                 )
@@ -416,19 +418,23 @@ class Executor:
             return await self._attempt_once(call, plan, self._asked_on(choice), op, terms)
 
     def _fit_context(self, plan: Plan, choice: Choice) -> None:
-        """Where the gateway knows `choice`'s context window (what its backend last reported, else the
-        candidate's `context_window`), the room for output that the request's prompt, as the gateway
-        estimates it (`Plan.prompt_tokens`), leaves there: an output limit above it is sent as that
-        room (`within_output_limit`) and said in `x-weir-route` (`output_capped`), as one above the
-        model's own limit is. Otherwise an OpenAI-compatible server (the bundled engine, vLLM,
-        OpenAI) refuses the request with a 400 even though its prompt fits (Claude Code asks for
-        32,000 tokens; an 8,192-token engine has room for fewer). A prompt the estimate puts at the
-        window or above is sent as it is: only the backend can say whether it fits. An estimate
-        below the backend's count gets its 400, which says the exact room (`_attempt`). Kept once
-        set: an attempt's exact room, and a retry in place, stand for the later attempts here."""
+        """Where the gateway knows `choice`'s context window (`ContextWindows.window`: what its backend
+        last said of it, in its model list or a 400, at most the candidate's `context_window`), the
+        room for output that the request's prompt, as the gateway estimates it (`Plan.prompt_tokens`),
+        leaves there: an output limit above it is sent as that room (`within_output_limit`) and said
+        in `x-weir-route` (`output_capped`), as one above the model's own limit is. Otherwise an
+        OpenAI-compatible server (the bundled engine, vLLM, OpenAI) refuses the request with a 400
+        even though its prompt fits (Claude Code asks for 32,000 tokens; an 8,192-token engine has
+        room for fewer). A prompt the estimate puts at the window or above is sent as it is: only the
+        backend can say whether it fits. An estimate below the backend's count gets its 400, which
+        says the exact room (`_attempt`). Kept once set: an attempt's exact room, and a retry in
+        place, stand for the later attempts here."""
         if choice.context_room is not None or plan.prompt_tokens is None:
             return
-        window = self.windows.get(self._key(choice)) or choice.candidate.context_window
+        target = choice.target
+        window = self.windows.window(
+            target.backend.name, target.upstream_model, choice.candidate.context_window
+        )
         if window is not None and plan.prompt_tokens < window:
             choice.context_room = window - plan.prompt_tokens
 

@@ -11,7 +11,10 @@ fails requests then costs one request per cooldown, not one per round (`CircuitB
 Each round also adopts the breaker openings and recoveries other replicas published in the shared
 state (`Breakers.sync`): a probe that reached the backend within a cooldown makes another replica's
 opening for an unreachable backend a trial here, not an opening (`CircuitBreaker.answered_lately`).
-Every result also goes to `on_result` (the control plane's uptime recorder) when one is given."""
+Every result also goes to `on_result` (the control plane's uptime recorder) when one is given.
+The model list an OpenAI-compatible server answers with gives each model's context window where it
+says it (`max_model_len`: the bundled engine, vLLM, SGLang), in place of what the last round said
+(`routing.windows`): a server restarted with another window is followed from the next round."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from gateway.aio import stop_if_cancelled
 from gateway.config import Backend
 from routing.breaker import Breakers
 from routing.load import LoadReports, report_request
+from routing.windows import ContextWindows, served_windows
 
 log = structlog.get_logger("weir.routing")
 
@@ -37,10 +41,22 @@ PROBE_PATHS = {
     "anthropic": "/v1/models",
     "gemini": "/v1beta/models",
 }
+# Backends whose model list may say each model's context window (`max_model_len`), and the most of
+# it read: a model list is a few KiB; an aggregator's (OpenRouter's, a megabyte) is not read.
+WINDOW_TYPES = ("openai", "engine")
+MAX_LIST_BYTES = 256 * 1024
 
 
 # (backend name, reached it, latency in ms, when): e.g. gateway.accounting.uptime.ProbeRecorder.record
 ProbeListener = Callable[[str, bool, float | None, dt.datetime], None]
+
+
+def record_windows(store: ContextWindows, backend: str, windows: dict[str, int]) -> None:
+    """`backend`'s model list's windows into `store`, logged where one changed (a server restarted
+    with another window; 0: no longer said), not every round."""
+    for model, window in store.served(backend, windows).items():
+        if model:  # ANY_MODEL repeats the engine's sole model's
+            log.info("context_window_served", backend=backend, model=model, window=window)
 
 
 def probe_url(backend: Backend) -> str:
@@ -57,7 +73,9 @@ class HealthProber:
         timeout: float = 2.0,
         on_result: ProbeListener | None = None,
         loads: LoadReports | None = None,
+        windows: ContextWindows | None = None,
     ) -> None:
+        self.windows = windows
         self.transport = transport  # gateway.transport.Transport (its shared aiohttp session)
         # Engines answer probes with their load too: a replica prefix affinity skipped as
         # overloaded gets no requests, so without probes its last report would only age.
@@ -104,12 +122,36 @@ class HealthProber:
                 headers=report_request(backend),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
             ) as response:
+                latency_ms = (time.perf_counter() - started) * 1000
                 healthy = response.status < 500
                 if self.loads is not None:
                     self.loads.observe(backend.name, response.headers)
+                if response.status == 200:
+                    await self._read_windows(backend, response)
         except (aiohttp.ClientError, TimeoutError):
-            healthy = False
-        return healthy, (time.perf_counter() - started) * 1000
+            return False, (time.perf_counter() - started) * 1000
+        return healthy, latency_ms
+
+    async def _read_windows(self, backend: Backend, response: aiohttp.ClientResponse) -> None:
+        """Each model's context window as `backend`'s model list says it, into `windows`. A list
+        without it, a body that is no list, or one too long to read say nothing: no log, no change."""
+        if self.windows is None or backend.type not in WINDOW_TYPES:
+            return
+        if (response.content_length or 0) > MAX_LIST_BYTES:
+            return
+        body = b""
+        try:  # the backend answered: a list cut short says nothing of its health
+            while len(body) <= MAX_LIST_BYTES and (
+                chunk := await response.content.read(MAX_LIST_BYTES + 1 - len(body))
+            ):
+                body += chunk
+        except (aiohttp.ClientError, TimeoutError):
+            return
+        if len(body) > MAX_LIST_BYTES:
+            return
+        windows = served_windows(body, sole=backend.type == "engine")
+        if windows is not None:
+            record_windows(self.windows, backend.name, windows)
 
     async def run_once(self) -> None:
         targets = list(self.targets.values())

@@ -29,6 +29,7 @@ from routing.routes import HEAD_NAME, NAME_RULE, Candidate, Conditions, Retry, R
 from routing.routes import Breaker as BreakerSettings
 from routing.stats import RoutingStats
 from routing.store import RouteStore
+from routing.windows import ContextWindows
 
 if TYPE_CHECKING:
     from routing.difficulty import HeadChoice
@@ -248,6 +249,9 @@ class Router:
         self.models = models
         self.stats = RoutingStats(self.in_force)
         self.breakers = Breakers(state)
+        # What each backend's model list says of its models' context windows (the probes, the engine
+        # supervisor) and what their 400s report: the executor fits output limits in them.
+        self.windows = ContextWindows()
         self.context = PolicyContext(
             self.stats, head=difficulty_head, breakers=self.breakers, in_force=self.in_force
         )
@@ -307,6 +311,7 @@ class Router:
             self._probe_interval(),
             on_result=self.on_probe,
             loads=self.context.loads,
+            windows=self.windows,
         )
         self.prober.watch(self._probe_targets())
         self.prober.start()

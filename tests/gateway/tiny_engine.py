@@ -17,7 +17,8 @@ real = llm_engine.LLMEngine
 
 
 def tiny(model: str, **kwargs: object) -> llm_engine.LLMEngine:
-    return real.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=64)
+    # `--max-model-len` as the real engine takes it (a window below the tiny model's 1,024)
+    return real.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=64, max_model_len=kwargs.get("max_model_len"))
 
 
 llm_engine.LLMEngine = tiny  # type: ignore[misc,assignment]

@@ -46,23 +46,30 @@ routes:
 
 @contextmanager
 def tiny_engine(
-    loading: bool = False, max_num_seqs: int = 64, max_queued: int | None = None
+    loading: bool = False,
+    max_num_seqs: int = 64,
+    max_queued: int | None = None,
+    port: int | None = None,
+    max_model_len: int | None = None,
 ) -> Iterator[tuple[int, Any]]:
     """The real engine server on the tiny random model, on its own event loop in a thread; yields its
-    port and the LLMEngine (None while `loading`: the server answers as one still loading its model)."""
+    port and the LLMEngine (None while `loading`: the server answers as one still loading its model).
+    `port`: that one (an engine started again where the last one was), else a free one."""
     from engine.async_engine import AsyncLLMEngine
     from engine.config import KNOWN_MODELS
     from engine.llm_engine import LLMEngine
     from engine.server import EngineServer, start_server
 
-    port = free_port()
+    port = port or free_port()
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     llm = (
         None
         if loading
-        else LLMEngine.from_config(KNOWN_MODELS["tiny"], num_kv_blocks=64, max_num_seqs=max_num_seqs)
+        else LLMEngine.from_config(
+            KNOWN_MODELS["tiny"], num_kv_blocks=64, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+        )
     )
     server = EngineServer(
         AsyncLLMEngine(llm) if llm is not None else None, model_name="tiny", max_queued=max_queued
