@@ -4,9 +4,15 @@ sequence (response.created ... response.completed).
 
 Weir stores nothing, so whatever needs OpenAI's server-side state (previous_response_id,
 conversation, background, stored prompts, item references) is refused with a 400 that says to send
-the whole input; built-in tools (web search, file search, computer use, ...) are refused too, since
-no backend-independent way serves them. Function tools, text and image input, structured output
-and streaming work on every backend, as chat does."""
+the whole input. Function tools, text and image input, structured output and streaming work on every
+backend, as chat does; custom (freeform) tools too, as functions of one string on chat backends.
+
+What only OpenAI's Responses API reads (built-in tools, custom tools' grammars, its encrypted
+reasoning sent back with `store: false`, reasoning summaries, `include`) rides along the canonical
+request (`ChatRequest.responses`, `Message.responses_items`) to OpenAI's models served there, and
+their output items and events come back as they came (`Choice.responses_output`,
+`ChatChunk.responses_event`): a Codex CLI session sees OpenAI's own. Other backends refuse built-in
+tools (the route passes them over) and never see OpenAI's encrypted reasoning."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from gateway.errors import GatewayError, InvalidRequest, stream_failure, validation_error
-from gateway.providers.base import new_id, now
+from gateway.providers.base import CUSTOM_INPUT, custom_arguments, custom_input, new_id, now
 from gateway.providers.openai_responses import INCOMPLETE_REASONS
 from gateway.types import (
     AllowedTools,
@@ -65,6 +71,16 @@ _STATEFUL = {
 # already send back as is. Other vendors' encrypted content (OpenAI's) is not Weir's and is dropped.
 SIGNED = "weir.thinking.signature:"
 REDACTED = "weir.redacted_thinking:"
+# Input items of OpenAI's built-in tools (their calls and results): passed to OpenAI's Responses API as
+# they came; no other backend runs these tools, so a request with them in its `tools` goes there alone.
+BUILTIN_ITEMS = frozenset(
+    {
+        "web_search_call", "file_search_call", "computer_call", "computer_call_output",
+        "image_generation_call", "code_interpreter_call", "local_shell_call", "local_shell_call_output",
+        "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output",
+        "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "mcp_call",
+    }
+)  # fmt: skip
 # Claude's stop reasons that leave a response incomplete though its output is whole (finish_reason
 # `stop`), and the reason given. `pause_turn`: Claude paused a long turn of its server tools (web
 # search...), to be resumed by sending the answer back as input. OpenAI's reasons have none that says
@@ -125,7 +141,13 @@ class FunctionCallItem(Base):
     arguments: str
 
 
-class FunctionCallOutputItem(Base):
+class CustomToolCallItem(Base):
+    call_id: str
+    name: str
+    input: str
+
+
+class FunctionCallOutputItem(Base):  # a custom_tool_call_output too
     call_id: str
     output: str | list[Part]
 
@@ -135,6 +157,12 @@ class FunctionTool(Base):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class CustomTool(Base):
+    name: str
+    description: str | None = None
+    format: dict[str, Any] | None = None  # {"type": "text"} or {"type": "grammar", "syntax", "definition"}
 
 
 class ToolChoiceObject(Base):
@@ -154,18 +182,19 @@ class TextFormat(Base):
 
 class TextConfig(Base):
     format: TextFormat | None = None
-    verbosity: str | None = None  # accepted; no backend-independent equivalent
+    verbosity: str | None = None  # for OpenAI's Responses API alone; no backend-independent equivalent
 
 
 class Reasoning(Base):
     effort: str | None = None
-    summary: str | None = None  # accepted; reasoning summaries are not carried across vendors
+    summary: str | None = None  # for OpenAI's Responses API alone; no other vendor summarises
 
 
 class ResponsesRequest(Base):
-    """The body of POST /v1/responses. Top-level fields not modelled here (include, store,
-    prompt_cache_key, stream_options, ...) are accepted and ignored: they are Responses-only, so
-    unlike on chat they are not forwarded (a chat endpoint upstream would refuse them)."""
+    """The body of POST /v1/responses. Top-level fields not modelled here (stream_options, ...) are
+    accepted and ignored; the Responses-only ones modelled (include, prompt_cache_key, the reasoning
+    summary, the text's verbosity, custom and built-in tools) reach OpenAI's Responses API alone
+    (`ChatRequest.responses`): a chat endpoint upstream would refuse them."""
 
     model: str
     # Items stay dicts until converted one by one: a message item may omit its `type`, which a
@@ -186,6 +215,11 @@ class ResponsesRequest(Base):
     service_tier: str | None = None
     stream: bool | None = None
     store: bool | None = None  # accepted; nothing is ever stored (the response says "store": false)
+    # Responses-only settings, for OpenAI's Responses API alone (`ChatRequest.responses`).
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
@@ -274,54 +308,102 @@ def _calls_alone(message: Message) -> bool:
     return message.role == "assistant" and bool(message.tool_calls) and not message.content
 
 
+def _foreign_reasoning(raw: dict[str, Any]) -> bool:
+    """A reasoning item OpenAI encrypted (`include: reasoning.encrypted_content`): only OpenAI's
+    Responses API can read it, and it needs it back in a tool loop that stores nothing."""
+    encrypted = raw.get("encrypted_content")
+    return isinstance(encrypted, str) and bool(encrypted) and not encrypted.startswith((SIGNED, REDACTED))
+
+
+def _as_sent(raw: dict[str, Any]) -> dict[str, Any]:
+    """An input item to send OpenAI's Responses API as the client sent it. Ids are left out but a
+    reasoning item's: with nothing stored, OpenAI refuses ids it never kept (an item Weir minted when
+    another vendor answered), and a reasoning item names its encrypted content by its own."""
+    return raw if raw.get("type") == "reasoning" else {k: v for k, v in raw.items() if k != "id"}
+
+
+class _Turn:
+    """A canonical message being built, with the input items it stands for and whether any of them
+    has no canonical form (`native`: the Responses API gets those items rather than the message)."""
+
+    def __init__(self, message: Message, items: list[dict[str, Any]], native: bool) -> None:
+        self.message, self.items, self.native = message, items, native
+
+    def done(self) -> Message:
+        if not self.native:
+            return self.message
+        return msgspec.structs.replace(self.message, responses_items=[_as_sent(item) for item in self.items])
+
+
 def _messages(request: ResponsesRequest) -> list[Message]:
-    messages: list[Message] = []
+    turns: list[_Turn] = []
     if request.instructions:
-        messages.append(Message(role="system", content=request.instructions))
+        turns.append(_Turn(Message(role="system", content=request.instructions), [], False))
     if isinstance(request.input, str):
-        messages.append(Message(role="user", content=request.input))
-        return messages
+        return [turn.message for turn in turns] + [Message(role="user", content=request.input)]
     if not request.input:
         raise InvalidRequest("'input' must not be empty.", param="input")
-    # The reasoning items before the next assistant turn: their text, and the thinking blocks they carry.
+    # The reasoning items before the next assistant turn: their text, and the thinking blocks they carry;
+    # and the items only the Responses API reads (OpenAI's encrypted reasoning, built-in tools' calls)
+    # that go before the next turn.
     reasoning, blocks = "", list[ThinkingBlock]()
+    held: list[dict[str, Any]] = []
+
+    def add(message: Message, raw: dict[str, Any], native: bool) -> None:
+        nonlocal held
+        turns.append(_Turn(message, [*held, raw], native or bool(held)))
+        held = []
+
+    def join(turn: _Turn, message: Message, raw: dict[str, Any], native: bool) -> None:
+        nonlocal held
+        turn.message, turn.items = message, [*turn.items, *held, raw]
+        turn.native = turn.native or native or bool(held)
+        held = []
+
     for i, raw in enumerate(request.input):
         where = f"input[{i}]"
         kind = raw.get("type", "message")
+        last = turns[-1] if turns else None
         if kind == "message":
             message = _message(_convert(raw, InputMessage, where), where)
-            last = messages[-1] if messages else None
             if message.role == "assistant" and (reasoning or blocks):
-                message = _with_reasoning(message, reasoning, blocks)
-            elif message.role == "assistant" and last is not None and _calls_alone(last):
+                add(_with_reasoning(message, reasoning, blocks), raw, False)
+            elif message.role == "assistant" and last is not None and _calls_alone(last.message):
                 # Text written after the turn's calls (Gemini's parts, a server's trailing text) is
                 # still that turn: OpenAI refuses anything between tool_calls and their tool messages.
-                message = msgspec.structs.replace(last, content=message.content)
-                messages.pop()
+                join(last, msgspec.structs.replace(last.message, content=message.content), raw, False)
+            else:
+                add(message, raw, False)
             reasoning, blocks = "", []
-            messages.append(message)
-        elif kind == "function_call":
-            item = _convert(raw, FunctionCallItem, where)
-            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
-            last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and not (reasoning or blocks):
+        elif kind in ("function_call", "custom_tool_call"):
+            custom = kind == "custom_tool_call"
+            if custom:
+                item = _convert(raw, CustomToolCallItem, where)
+                function = FunctionCall(name=item.name, arguments=custom_arguments(item.input))
+            else:
+                call_item = _convert(raw, FunctionCallItem, where)
+                function = FunctionCall(name=call_item.name, arguments=call_item.arguments)
+            call = ToolCall(id=raw["call_id"], function=function)
+            if last is not None and last.message.role == "assistant" and not (reasoning or blocks):
                 # One assistant turn: its text and every call it made (the Responses API lists them as
                 # separate items; chat, Anthropic and Gemini all want them in one turn).
-                messages[-1] = msgspec.structs.replace(last, tool_calls=[*(last.tool_calls or ()), call])
+                calls = [*(last.message.tool_calls or ()), call]
+                join(last, msgspec.structs.replace(last.message, tool_calls=calls), raw, custom)
             else:
                 turn = Message(role="assistant", tool_calls=[call])
-                messages.append(_with_reasoning(turn, reasoning, blocks))
+                add(_with_reasoning(turn, reasoning, blocks), raw, custom)
             reasoning, blocks = "", []
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = _convert(raw, FunctionCallOutputItem, where)
             content = _content(output.output, f"{where}.output")
-            messages.append(Message(role="tool", tool_call_id=output.call_id, content=content))
+            tool = Message(role="tool", tool_call_id=output.call_id, content=content)
+            add(tool, raw, kind == "custom_tool_call_output")
         elif kind == "reasoning":
             # Its text (what Weir hands out: reasoning_text parts) goes back as the next assistant
             # turn's reasoning_content, which DeepSeek and Kimi need in a tool loop, and with the
             # signature Weir put in `encrypted_content` as a thinking block, which Anthropic needs to
-            # go on thinking in one. Summaries and OpenAI's encrypted reasoning cannot be read by
-            # another vendor and are dropped.
+            # go on thinking in one. OpenAI's encrypted reasoning goes back to OpenAI's Responses API
+            # alone; summaries cannot be read by another vendor and are dropped.
             raw_parts = raw.get("content")
             parts: list[Any] = raw_parts if isinstance(raw_parts, list) else []
             text = "".join(
@@ -331,33 +413,69 @@ def _messages(request: ResponsesRequest) -> list[Message]:
             block = _reasoning_block(raw, text)
             if block is not None:
                 blocks.append(block)
+            if _foreign_reasoning(raw):
+                held.append(raw)
         elif kind == "item_reference":
             raise InvalidRequest(STATELESS, param=f"{where}.type")
+        elif kind in BUILTIN_ITEMS:
+            held.append(raw)  # a built-in tool's call or result: OpenAI's Responses API alone runs them
         else:
             raise InvalidRequest(
                 f"Input items of type {kind!r} are not supported: only messages, function_call, "
-                "function_call_output and reasoning items are.",
+                "function_call_output, custom_tool_call, custom_tool_call_output, reasoning items and "
+                "built-in tools' calls are.",
                 param=f"{where}.type",
             )
-    return messages
+    if held and turns:
+        # Items after the last turn (a built-in call's output the model is to read) close that turn.
+        turns[-1].items += held
+        turns[-1].native = True
+    return [turn.done() for turn in turns]
+
+
+def _custom_tool(raw: dict[str, Any], where: str) -> FunctionDefinition:
+    """A custom (freeform) tool as a function of one string (`CUSTOM_INPUT`), for backends with
+    function tools alone; its grammar, which they cannot enforce, is told in the description."""
+    tool = _convert(raw, CustomTool, where)
+    described = [tool.description] if tool.description else []
+    form = tool.format or {}
+    if form.get("type") == "grammar" and isinstance(form.get("definition"), str):
+        syntax = form.get("syntax") or "lark"
+        described.append(f"The `{CUSTOM_INPUT}` must match this {syntax} grammar:\n{form['definition']}")
+    field = {"type": "string", "description": "The tool's freeform input, as plain text."}
+    parameters = {
+        "type": "object",
+        "properties": {CUSTOM_INPUT: field},
+        "required": [CUSTOM_INPUT],
+        "additionalProperties": False,
+    }
+    return FunctionDefinition(
+        name=tool.name, description="\n\n".join(described) or None, parameters=parameters
+    )
 
 
 def _tools(raw_tools: list[dict[str, Any]]) -> list[Tool] | None:
+    """Function and custom tools, which every backend can serve (custom ones as functions); built-in
+    tools stay in `ChatRequest.responses` alone, for OpenAI's Responses API."""
     tools = []
     for i, raw in enumerate(raw_tools):
         kind = raw.get("type")
-        if kind != "function":
-            raise InvalidRequest(
-                f"Tools of type {kind!r} are not supported: Weir routes to any backend, and only "
-                "function tools can be served by all of them.",
-                param=f"tools[{i}].type",
+        if kind == "custom":
+            tools.append(Tool(function=_custom_tool(raw, f"tools[{i}]")))
+        elif kind == "function":
+            tool = _convert(raw, FunctionTool, f"tools[{i}]")
+            function = FunctionDefinition(
+                name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
             )
-        tool = _convert(raw, FunctionTool, f"tools[{i}]")
-        function = FunctionDefinition(
-            name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
-        )
-        tools.append(Tool(function=function))
+            tools.append(Tool(function=function))
+        elif not isinstance(kind, str):
+            raise InvalidRequest("Missing required parameter: 'type'.", param=f"tools[{i}].type")
     return tools or None
+
+
+def custom_tools(request: ResponsesRequest) -> frozenset[str]:
+    """The names of the request's custom tools, whose calls are `custom_tool_call` items."""
+    return frozenset(str(t.get("name")) for t in request.tools or () if t.get("type") == "custom")
 
 
 def _tool_choice(choice: ToolChoice | ToolChoiceObject | None) -> ToolChoice | None:
@@ -365,13 +483,20 @@ def _tool_choice(choice: ToolChoice | ToolChoiceObject | None) -> ToolChoice | N
         return choice
     if choice.type == "allowed_tools":
         # Responses names each tool flat ({"type": "function", "name"}); chat nests it under `function`.
-        tools = [{"type": t.get("type"), "function": {"name": t.get("name")}} for t in choice.tools or ()]
+        # Custom tools are functions there too; a built-in tool is no function (400 naming it).
+        tools = [
+            {
+                "type": "function" if t.get("type") == "custom" else t.get("type"),
+                "function": {"name": t.get("name")},
+            }
+            for t in choice.tools or ()
+        ]
         allowed = _convert({"mode": choice.mode, "tools": tools}, AllowedTools, "tool_choice")
         return AllowedToolsChoice(allowed_tools=allowed)
-    if choice.type != "function":
+    if choice.type not in ("function", "custom"):
         raise InvalidRequest(
-            f"tool_choice of type {choice.type!r} is not supported: use 'auto', 'none', 'required' or "
-            "a function tool.",
+            f"tool_choice of type {choice.type!r} is not supported: use 'auto', 'none', 'required', "
+            "a function or a custom tool.",
             param="tool_choice.type",
         )
     if not choice.name:
@@ -393,6 +518,21 @@ def _response_format(text: TextConfig | None) -> ResponseFormat | None:
         name=fmt.name, schema=fmt.schema, description=fmt.description, strict=fmt.strict
     )
     return ResponseFormat(type="json_schema", json_schema=schema)
+
+
+def _responses_only(request: ResponsesRequest) -> dict[str, Any]:
+    """The settings a Responses backend gets as the client sent them (`ChatRequest.responses`)."""
+    settings: dict[str, Any] = {
+        "tools": request.tools,
+        "tool_choice": msgspec.to_builtins(request.tool_choice) if request.tool_choice else None,
+        "include": request.include,
+        "prompt_cache_key": request.prompt_cache_key,
+        "prompt_cache_retention": request.prompt_cache_retention,
+        "safety_identifier": request.safety_identifier,
+        "reasoning_summary": request.reasoning.summary if request.reasoning else None,
+        "verbosity": request.text.verbosity if request.text else None,
+    }
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 def to_canonical(request: ResponsesRequest) -> ChatRequest:
@@ -418,6 +558,7 @@ def to_canonical(request: ResponsesRequest) -> ChatRequest:
             user=request.user,
             reasoning_effort=request.reasoning.effort if request.reasoning else None,
             service_tier=request.service_tier,
+            responses=_responses_only(request),
         )
     except ValueError as exc:  # ChatRequest's own check of allowed_tools against the tools
         raise InvalidRequest(f"{exc}.", param="tool_choice.tools") from None
@@ -535,15 +676,15 @@ def _message_item(content: list[dict[str, Any]], status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _call_item(call_id: str | None, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": new_id("fc_"),
-        "call_id": call_id or new_id("call_"),
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
+def _call_item(call_id: str | None, name: str, arguments: str, status: str, custom: bool) -> dict[str, Any]:
+    """A function call, or a custom tool's (`custom`) with its freeform input (`custom_input`)."""
+    if custom:
+        item_id, fields = new_id("ctc_"), {"input": custom_input(arguments)}
+    else:
+        item_id, fields = new_id("fc_"), {"arguments": arguments}
+    kind = "custom_tool_call" if custom else "function_call"
+    call = {"type": kind, "id": item_id, "call_id": call_id or new_id("call_"), "name": name}
+    return call | fields | {"status": status}
 
 
 def _finished(
@@ -580,7 +721,15 @@ def _served_tier(usage: Usage, asked: str | None) -> str | None:
 
 def from_canonical(response: ChatResponse, request: ResponsesRequest) -> dict[str, Any]:
     choice = response.choices[0] if response.choices else None
+    finish = choice.finish_reason if choice is not None else None
+    own = choice.anthropic_stop_reason if choice is not None else None
+    if choice is not None and choice.responses_output is not None:
+        # OpenAI's Responses API's own items (custom tool calls, encrypted reasoning, summaries,
+        # built-in tools' calls), as it returned them.
+        output = [dict(item) for item in choice.responses_output]
+        return _finished(new_response(request, response.created), output, finish, own, response.usage)
     message = choice.message if choice is not None else AssistantMessage(role="assistant")
+    custom = custom_tools(request)
     parts = [_text_part(message.content, _url_citations(message.annotations))] if message.content else []
     if message.refusal:
         parts.append({"type": "refusal", "refusal": message.refusal})
@@ -589,9 +738,8 @@ def from_canonical(response: ChatResponse, request: ResponsesRequest) -> dict[st
         # An empty answer is still a message, so `output[0].content[0]` is there to read.
         output.append(_message_item(parts or [_text_part("")], "completed"))
     for call in message.tool_calls or ():
-        output.append(_call_item(call.id, call.function.name, call.function.arguments, "completed"))
-    finish = choice.finish_reason if choice is not None else None
-    own = choice.anthropic_stop_reason if choice is not None else None
+        name = call.function.name
+        output.append(_call_item(call.id, name, call.function.arguments, "completed", name in custom))
     return _finished(new_response(request, response.created), output, finish, own, response.usage)
 
 
@@ -608,8 +756,14 @@ class _StreamWriter:
     """Canonical chunks -> Responses events. As OpenAI streams them, one output item at a time: an
     item's closing events are written when the next item starts or the stream ends."""
 
-    def __init__(self, response: dict[str, Any]) -> None:
+    def __init__(self, response: dict[str, Any], custom: frozenset[str] = frozenset()) -> None:
         self.response = response
+        self.custom = custom  # the names of custom tools, whose calls are `custom_tool_call` items
+        self.inputs: dict[int, str] = {}  # output index of a custom tool's call -> its arguments so far
+        # Items of OpenAI's Responses API passed through as they came: its output index -> theirs, and
+        # those of theirs not done yet.
+        self.passed: dict[int, int] = {}
+        self.passing: set[int] = set()
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: int | None = None  # output index of the item still streaming
@@ -631,6 +785,7 @@ class _StreamWriter:
 
     def _add(self, item: dict[str, Any]) -> int:
         self._close("completed")
+        self._cut_passing()
         self.open = len(self.output)
         self.output.append(item)
         self.emit("response.output_item.added", output_index=self.open, item=item)
@@ -663,6 +818,13 @@ class _StreamWriter:
                 output_index=index,
                 arguments=item["arguments"],
             )
+        elif item["type"] == "custom_tool_call":
+            # Its input whole at once: the arguments are JSON around it until the call is complete.
+            item["input"] = custom_input(self.inputs.get(index, ""))
+            where = {"item_id": item["id"], "output_index": index}
+            if item["input"]:
+                self.emit("response.custom_tool_call_input.delta", **where, delta=item["input"])
+            self.emit("response.custom_tool_call_input.done", **where, input=item["input"])
         else:
             self._close_part()
         item["status"] = status
@@ -720,8 +882,15 @@ class _StreamWriter:
         index = self.calls.get(delta.index)
         if index is None:
             name = (function.name if function else None) or ""
-            index = self.calls[delta.index] = self._add(_call_item(delta.id, name, "", "in_progress"))
+            item = _call_item(delta.id, name, "", "in_progress", name in self.custom)
+            index = self.calls[delta.index] = self._add(item)
         item = self.output[index]
+        if item["type"] == "custom_tool_call":
+            if function is not None and function.arguments:
+                self.inputs[index] = self.inputs.get(index, "") + function.arguments
+                if self.open != index:  # more of a call already closed: the final response has it all
+                    item["input"] = custom_input(self.inputs[index])
+            return
         if function is not None and function.arguments:
             # A backend that interleaves parallel calls can send more of a call already closed; the
             # delta still goes out, and the final response holds the whole arguments.
@@ -733,9 +902,48 @@ class _StreamWriter:
                 delta=function.arguments,
             )
 
+    def _pass(self, event: dict[str, Any]) -> None:
+        """An event of OpenAI's Responses API as it came, renumbered, and its item at its place in this
+        response's output. The response's own events are this stream's (its id, its final output)."""
+        kind = str(event.get("type"))
+        if "response" in event or kind == "error":
+            return
+        theirs = event.get("output_index")
+        item = event.get("item")
+        fields = {key: value for key, value in event.items() if key not in ("type", "sequence_number")}
+        if kind == "response.output_item.added" and isinstance(theirs, int) and isinstance(item, dict):
+            self._close("completed")
+            self.passed[theirs] = len(self.output)
+            self.passing.add(len(self.output))
+            self.output.append(dict(item))
+        ours = self.passed.get(theirs) if isinstance(theirs, int) else None
+        if ours is None and theirs is not None:
+            return  # of an item this stream never showed
+        if ours is not None:
+            fields["output_index"] = ours
+            if kind == "response.output_item.done" and isinstance(item, dict):
+                self.output[ours] = dict(item)
+                self.passing.discard(ours)
+        self.emit(kind, **fields)
+
+    def _cut_passing(self) -> None:
+        """Items passed through that their stream never finished (it broke, and another candidate
+        goes on): incomplete."""
+        for index in sorted(self.passing):
+            item = self.output[index]
+            item["status"] = "incomplete"
+            self.emit("response.output_item.done", output_index=index, item=item)
+        self.passing.clear()
+
     def chunk(self, chunk: ChatChunk) -> None:
         if chunk.usage is not None:
             self.usage = chunk.usage
+        if chunk.responses_event is not None:
+            self._pass(chunk.responses_event)
+            for choice in chunk.choices[:1]:
+                if choice.finish_reason:
+                    self.finish = choice.finish_reason
+            return
         for choice in chunk.choices[:1]:
             delta = choice.delta
             if delta.reasoning_content:
@@ -765,6 +973,7 @@ class _StreamWriter:
                 self.own_stop_reason = choice.anthropic_stop_reason
 
     def end(self) -> None:
+        self._cut_passing()
         if not any(item["type"] != "reasoning" for item in self.output):
             self._open_part("output_text")  # an empty answer is still a message, as unstreamed
         reason, cut_off = _incomplete(self.finish, self.own_stop_reason)
@@ -791,7 +1000,7 @@ async def stream_events(
 ) -> AsyncIterator[bytes]:
     """Batches of canonical chunks as the Responses event sequence, one write per batch. A failure
     after the stream started ends it with an `error` event and `response.failed`, never silently."""
-    writer = _StreamWriter(new_response(request, now()))
+    writer = _StreamWriter(new_response(request, now()), custom_tools(request))
     writer.emit("response.created", response=writer.response)
     writer.emit("response.in_progress", response=writer.response)
     try:

@@ -110,6 +110,10 @@ class Message(Base):
     # sent back to Anthropic as it is, as Anthropic wants its server tools' turns; other vendors get
     # the turn from the fields above (its text, calls and reasoning), without the server tools' blocks.
     anthropic_content: list[dict[str, Any]] | None = None
+    # Internal, from a Responses client only: the turn's input items that only OpenAI's Responses API
+    # can read (its encrypted reasoning, custom tool calls and their outputs, built-in tools' calls),
+    # sent there as they came (`gateway.providers.openai_responses`); every other adapter ignores them.
+    responses_items: list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         """The message's text parts joined (images and other parts dropped)."""
@@ -255,6 +259,11 @@ class ChatRequest(Base):
     # the breakpoint on the last cacheable block itself. Sent to Anthropic backends only; OpenAI and
     # Gemini cache prompts on their own.
     cache_control: dict[str, Any] | None = None
+    # Internal, from a Responses client only: its Responses-only settings as it sent them (`tools` with
+    # custom and built-in ones, `tool_choice`, `include`, `reasoning.summary`, `text.verbosity`,
+    # `prompt_cache_key`), for OpenAI's Responses API (`gateway.providers.openai_responses`). Other
+    # adapters refuse built-in tools (`gateway.providers.base.refuse_builtin_tools`) and ignore the rest.
+    responses: dict[str, Any] | None = None
     # Top-level parameters Weir does not model; forwarded verbatim to OpenAI-compatible backends only.
     extra: dict[str, Any] = {}
 
@@ -339,6 +348,9 @@ class Choice(Base):
     # Internal, as stop_sequence: Claude's own stop_reason where finish_reason cannot say it
     # (`pause_turn`, `model_context_window_exceeded`), for an Anthropic client.
     anthropic_stop_reason: str | None = None
+    # Internal, as stop_sequence: the output items as OpenAI's Responses API returned them (custom tool
+    # calls, encrypted reasoning, summaries, built-in tools' calls), for a Responses client as they came.
+    responses_output: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = {}  # as AssistantMessage.extra: vLLM's `stop_reason`, `token_ids`...
 
 
@@ -420,15 +432,18 @@ class ChatChunk(Base):
     # (OpenAI-compatible backends): OpenAI clients get it as is, without re-encoding, and with the
     # fields Weir does not model. A chunk changed after decoding is no longer that JSON: `edited`.
     raw: str | None = None
+    # Internal, as `raw` for Responses clients: the Responses API event this chunk was read from, for a
+    # Responses client as it came (`gateway.responses_inbound`); set only when the client is one.
+    responses_event: dict[str, Any] | None = None
     # The fields Weir does not model (vLLM's `prompt_token_ids`...), for OpenAI clients of a chunk that
     # is re-encoded (no `raw`); its choices and their deltas keep theirs likewise.
     extra: dict[str, Any] = {}
 
 
 def edited(chunk: ChatChunk, **changes: Any) -> ChatChunk:
-    """`chunk` with `changes`, without its `raw` JSON, which OpenAI clients would otherwise get in
-    place of the changed chunk."""
-    return msgspec.structs.replace(chunk, raw=None, **changes)
+    """`chunk` with `changes`, without its `raw` JSON or its Responses event, which clients would
+    otherwise get in place of the changed chunk."""
+    return msgspec.structs.replace(chunk, raw=None, responses_event=None, **changes)
 
 
 class RawResult(Base):

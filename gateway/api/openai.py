@@ -51,6 +51,7 @@ def render_chat(response: ChatResponse) -> dict[str, Any]:
             choice["message"].pop(name, None)
         choice.pop("stop_sequence", None)  # internal: OpenAI's shape has no place for it
         choice.pop("anthropic_stop_reason", None)
+        choice.pop("responses_output", None)
         choice.setdefault("finish_reason", None)
     return data
 
@@ -62,6 +63,7 @@ def render_chunk(chunk: ChatChunk, include_usage: bool = True) -> bytes:
     data = msgspec.to_builtins(chunk)
     data.pop("raw", None)
     data.pop("prompt_usage", None)  # internal, for Anthropic clients' message_start
+    data.pop("responses_event", None)  # internal, for Responses clients
     _unmodelled_back(data)
     data["object"] = "chat.completion.chunk"
     if chunk.usage is not None:

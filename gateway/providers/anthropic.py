@@ -44,6 +44,7 @@ from gateway.providers.base import (
     now,
     parse_arguments,
     parse_data_url,
+    refuse_builtin_tools,
     refuse_unexpressible,
     token_count,
     unexpressible,
@@ -548,6 +549,7 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     if request.n is not None and request.n > 1:
         raise InvalidRequest("Anthropic models do not support n > 1", param="n")
     refuse_unexpressible(request, UNEXPRESSIBLE, "Anthropic models")
+    refuse_builtin_tools(request, "Anthropic models")
     system, messages = _messages(request.messages)
     thinking, effort, max_tokens = _thinking(request, model)
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": messages}

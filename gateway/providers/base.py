@@ -301,6 +301,51 @@ def refuse_unexpressible(request: ChatRequest, table: Unexpressible, where: str)
             )
 
 
+# A custom (freeform) tool of a Responses client on a backend with function tools alone: a function of
+# one string argument, named so, whose value is the freeform input.
+CUSTOM_INPUT = "input"
+
+
+def custom_arguments(text: str) -> str:
+    """A custom tool's freeform input as the arguments of the function tool it is elsewhere
+    (`gateway.responses_inbound`): a JSON object of one string."""
+    return json_encode({CUSTOM_INPUT: text}).decode()
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's freeform input back from a function call's arguments (`custom_arguments`); a
+    model that wrote something else gets it passed on as it wrote it."""
+    try:
+        value = msgspec.json.decode(arguments or "{}")
+    except msgspec.DecodeError:
+        return arguments
+    text = value.get(CUSTOM_INPUT) if isinstance(value, dict) else None
+    return text if isinstance(text, str) else arguments
+
+
+def builtin_tools(request: ChatRequest) -> list[tuple[int, str]]:
+    """The OpenAI built-in tools (web_search, local_shell, ...) a Responses client gave, by their place
+    in its `tools` and their type: only OpenAI's Responses API runs them (function and custom tools
+    are in `request.tools` too)."""
+    tools = (request.responses or {}).get("tools") or ()
+    kinds = ((i, tool.get("type")) for i, tool in enumerate(tools) if isinstance(tool, dict))
+    return [(i, str(kind)) for i, kind in kinds if kind not in ("function", "custom")]
+
+
+def refuse_builtin_tools(request: ChatRequest, where: str) -> None:
+    """A 400 `unsupported_parameter` for a Responses client's built-in tools on a backend that cannot
+    run them, before anything is sent: a route passes the candidate over (`tried=model:unsupported`)
+    for one on OpenAI's Responses API, and a client of that model alone gets this 400."""
+    if builtin := builtin_tools(request):
+        index, kind = builtin[0]
+        raise InvalidRequest(
+            f"Tools of type {kind!r} are not supported by {where}: OpenAI's built-in tools run on "
+            "OpenAI's models served on the Responses API (`api: responses`) alone.",
+            param=f"tools[{index}].type",
+            code="unsupported_parameter",
+        )
+
+
 def json_instruction(form: ResponseFormat) -> str:
     """Structured output asked for in words, where the vendor cannot take the schema beside the
     request's tools (a forced tool on Claude would take the client's tools away; Gemini before 3

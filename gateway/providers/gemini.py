@@ -37,6 +37,7 @@ from gateway.providers.base import (
     parse_arguments,
     parse_data_url,
     refuse_anthropic_tools,
+    refuse_builtin_tools,
     refuse_unexpressible,
     split_call_id,
     token_count,
@@ -391,6 +392,7 @@ PENALTIES = unexpressible("frequency_penalty", "presence_penalty")
 def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     check_stop_count(request, MAX_STOP_SEQUENCES, "Gemini")
     refuse_unexpressible(request, UNEXPRESSIBLE, "Gemini models")
+    refuse_builtin_tools(request, "Gemini models")
     if not _PENALTIES.search(model):
         refuse_unexpressible(request, PENALTIES, "Gemini models after 2.0")
     system, contents = _contents(request.messages, model)

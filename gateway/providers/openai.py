@@ -30,6 +30,7 @@ from gateway.providers.base import (
     error_text,
     json_encode,
     refuse_anthropic_tools,
+    refuse_builtin_tools,
     token_count,
     upstream_call_id,
     upstream_error,
@@ -97,6 +98,9 @@ def headers(backend: Backend) -> dict[str, str]:
 def request_body(request: Base, model: str) -> dict[str, Any]:
     """The request as OpenAI JSON: unset fields omitted, unmodelled parameters passed through."""
     body: dict[str, Any] = msgspec.to_builtins(request)
+    body.pop("responses", None)  # a Responses client's own settings, for OpenAI's Responses API alone
+    for message in body.get("messages") or ():
+        message.pop("responses_items", None)
     extra = body.pop("extra", None)
     if extra:
         for key, value in extra.items():
@@ -266,6 +270,7 @@ def continuation(backend: Backend, model: str) -> Continuation:
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     refuse_anthropic_tools(request, "Weir's engine" if backend.type == "engine" else "OpenAI-compatible")
+    refuse_builtin_tools(request, "models served on chat completions")
     request = continued(request, continuation(backend, model))
     body = _chat_body(
         request,

@@ -27,6 +27,7 @@ from gateway.providers.base import (
     asks_audio,
     asks_web_search,
     continued,
+    custom_arguments,
     decode_json,
     json_encode,
     refuse_anthropic_tools,
@@ -184,7 +185,11 @@ def _items(messages: list[Message]) -> tuple[str | None, list[dict[str, Any]]]:
     instructions = "\n\n".join(message.text() for message in messages[:leading]) or None
     items: list[dict[str, Any]] = []
     for message in messages[leading:]:
-        if message.role in ("system", "developer"):
+        if message.responses_items is not None:
+            # A Responses client's own items, some of which only this API reads (encrypted reasoning,
+            # custom tool calls and their outputs, built-in tools' calls): as the client sent them.
+            items.extend(message.responses_items)
+        elif message.role in ("system", "developer"):
             items.append({"role": "developer", "content": _content(message.content)})
         elif message.role == "user":
             items.append({"role": "user", "content": _content(message.content)})
@@ -214,6 +219,22 @@ def _items(messages: list[Message]) -> tuple[str | None, list[dict[str, Any]]]:
     return instructions, items
 
 
+def _client_settings(settings: dict[str, Any] | None, body: dict[str, Any]) -> None:
+    """A Responses client's own settings (`ChatRequest.responses`), as it sent them: its tools as they
+    are (custom tools with their grammar, built-in tools, which the canonical request holds as
+    functions or not at all), what to include (encrypted reasoning, which a tool loop that stores
+    nothing needs back), the reasoning summary, the verbosity and the prompt cache key."""
+    if not settings:
+        return
+    for name in ("tools", "tool_choice", "include", *_SAME_IN_RESPONSES):
+        if name in settings:
+            body[name] = settings[name]
+    if "reasoning_summary" in settings:
+        body.setdefault("reasoning", {})["summary"] = settings["reasoning_summary"]
+    if "verbosity" in settings:
+        body.setdefault("text", {})["verbosity"] = settings["verbosity"]
+
+
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     refuse_anthropic_tools(request, "OpenAI")
     _check_expressible(request)
@@ -232,6 +253,7 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     effort = openai.reasoning_effort(request, model, openai.openai_rules(backend, model))
     if effort is not None:
         body["reasoning"] = {"effort": effort}
+    _client_settings(request.responses, body)
     if request.stream:
         body["stream"] = True
     return UpstreamRequest(
@@ -309,6 +331,13 @@ def _message(output: list[Any]) -> AssistantMessage:
             arguments = item.get("arguments") or NO_ARGUMENTS
             function = FunctionCall(name=str(item.get("name") or ""), arguments=arguments)
             calls.append(ToolCall(id=str(item.get("call_id") or item.get("id") or ""), function=function))
+        elif kind == "custom_tool_call":
+            # As a function of one string, as other backends serve custom tools; a Responses client
+            # gets the item itself (`Choice.responses_output`).
+            function = FunctionCall(
+                name=str(item.get("name") or ""), arguments=custom_arguments(str(item.get("input") or ""))
+            )
+            calls.append(ToolCall(id=str(item.get("call_id") or item.get("id") or ""), function=function))
         elif kind == "reasoning":
             reasoning.append(_reasoning_text(item))
     return AssistantMessage(
@@ -328,7 +357,8 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     if response.get("status") == "failed" or response.get("error"):
         raise _failure(response.get("error"))
     message = _message(response["output"])
-    choice = Choice(index=0, message=message, finish_reason=_finish(response, bool(message.tool_calls)))
+    finish = _finish(response, bool(message.tool_calls))
+    choice = Choice(index=0, message=message, finish_reason=finish, responses_output=response["output"])
     return ChatResponse(
         id=str(response.get("id") or ""),
         created=int(response.get("created_at") or 0),
@@ -372,6 +402,9 @@ class ChatStream:
         self.created = 0
         self.calls: dict[str, int] = {}  # function_call item id -> its canonical tool call index
         self.argued: set[int] = set()  # calls some of whose arguments came
+        self.custom: set[int] = set()  # the calls of custom tools, as functions of one string
+        # A Responses client gets each event as it came (`ChatChunk.responses_event`).
+        self.passes = request.responses is not None
         self.finished = False
 
     def _chunk(self, delta: Delta | None = None, finish: str | None = None, **fields: Any) -> ChatChunk:
@@ -387,6 +420,44 @@ class ChatStream:
         payload = decode_json(data, BACKEND_HINT)
         if not isinstance(payload, dict):
             raise BadGateway(f"{BACKEND_HINT} sent an invalid stream event")
+        chunks = self._read(event, payload)
+        if not self.passes:
+            return chunks
+        first = chunks[0] if chunks else self._chunk()
+        return [msgspec.structs.replace(first, responses_event=payload), *chunks[1:]]
+
+    def _custom_call(self, kind: Any, item: Any, payload: dict[str, Any]) -> list[ChatChunk] | None:
+        """A custom tool's call as a function's of one string (`custom_arguments`), its JSON written
+        around the input as it streams; None: the event is not one of a custom tool's call."""
+        if kind == "response.custom_tool_call_input.delta":
+            index = self.calls.get(str(payload.get("item_id")), -1)
+            delta = str(payload.get("delta") or "")
+            if index not in self.custom or not delta:
+                return []
+            # The JSON string's inside: the encoded piece without its quotes.
+            piece = json_encode(delta).decode()[1:-1]
+            opening = "" if index in self.argued else custom_arguments("")[:-2]
+            self.argued.add(index)
+            return [self._call(index, function=FunctionCallDelta(arguments=opening + piece))]
+        if not isinstance(item, dict) or item.get("type") != "custom_tool_call":
+            return None
+        if kind == "response.output_item.added":
+            index = self.calls[str(item.get("id"))] = len(self.calls)
+            self.custom.add(index)
+            head = FunctionCallDelta(name=str(item.get("name") or ""), arguments="")
+            call_id = str(item.get("call_id") or item.get("id") or "")
+            return [self._call(index, id=call_id, type="function", function=head)]
+        if kind == "response.output_item.done":
+            index = self.calls.get(str(item.get("id")), -1)
+            if index < 0:
+                return []
+            whole = index not in self.argued
+            self.argued.add(index)
+            closing = custom_arguments(str(item.get("input") or "")) if whole else custom_arguments("")[-2:]
+            return [self._call(index, function=FunctionCallDelta(arguments=closing))]
+        return []
+
+    def _read(self, event: str | None, payload: dict[str, Any]) -> list[ChatChunk]:
         kind = payload.get("type", event)
         if kind == "error":
             raise _failure(payload)
@@ -394,6 +465,8 @@ class ChatStream:
         if isinstance(response, dict):
             return self._response_event(kind, response)
         item = payload.get("item")
+        if (custom := self._custom_call(kind, item, payload)) is not None:
+            return custom
         if (
             kind == "response.output_item.added"
             and isinstance(item, dict)

@@ -6,7 +6,19 @@ v1/chat/completions."). Requests are checked as OpenAI checks them, so a gateway
 surface: chat's fields (``messages``, ``max_tokens``, ``max_completion_tokens``, ``stop``,
 ``reasoning_effort``, ``response_format``, ``n``...) get 400 ``unsupported_parameter``; a tool in chat's
 nested shape is missing its ``name``; a ``function_call_output`` needs a ``function_call`` with its
-``call_id`` earlier in ``input``; ``previous_response_id`` is refused, since the fake stores nothing.
+``call_id`` earlier in ``input`` (a ``custom_tool_call_output`` a ``custom_tool_call``);
+``previous_response_id`` is refused, since the fake stores nothing; a ``reasoning`` item sent back is
+refused unless it carries ``encrypted_content`` the fake issued (with nothing stored, its id alone names
+nothing). Tools: ``function`` and ``custom`` (freeform: ``format`` text or a lark/regex ``grammar``)
+tools, and built-in ones (``web_search``, ``local_shell``, ...), whose calls and outputs are taken back
+as input items.
+
+Custom tools: the model calls one as it calls a function of one string ``input`` (``call apply_patch
+{"input": "..."}`` in the user's text), and answers a ``custom_tool_call`` item with that ``input``,
+streamed as ``response.custom_tool_call_input.delta`` events. ``include: ["reasoning.encrypted_content"]``
+adds ``encrypted_content`` to the reasoning item; ``reasoning.summary`` gives it a ``summary_text``
+part, streamed as ``response.reasoning_summary_part.added``, ``response.reasoning_summary_text.delta``
+and their ``.done`` events.
 
 Answers: a Response object (``output``: a ``reasoning`` item for reasoning models, then a ``message``
 with ``output_text`` or a ``function_call``; ``status`` ``incomplete`` with ``incomplete_details.reason``
@@ -51,6 +63,12 @@ _MOVED = {
 }
 _REASONING_TOKENS = {"minimal": 0, "low": 64, "medium": 192, "high": 512}
 IMAGE_TOKENS = 85
+# The prefix of the reasoning the fake encrypts (OpenAI's is a Fernet token, which starts so), and what
+# it says when asked to summarise its reasoning.
+ENCRYPTED = "gAAAAB"
+SUMMARY = "**Planning the answer** I considered the request and chose what to do."
+# Input items of built-in tools' calls and outputs, taken back as they are.
+_BUILTIN_ITEMS = {"web_search_call", "local_shell_call", "local_shell_call_output", "file_search_call"}
 
 
 class Refused(Exception):
@@ -92,20 +110,32 @@ def _turn(body: dict[str, Any]) -> tuple[Turn, list[str]]:
         )
     tools = []
     for i, tool in enumerate(body.get("tools") or ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind not in ("function", "custom") and isinstance(tool, dict) and "name" not in tool:
+            continue  # a built-in tool (web_search, local_shell, ...): the model never calls one here
         if not isinstance(tool, dict) or "name" not in tool:  # chat's nested shape has none at the top
             raise Refused(
                 f"Missing required parameter: 'tools[{i}].name'.",
                 f"tools[{i}].name",
                 "missing_required_parameter",
             )
-        tools.append(Tool(tool["name"], tool.get("parameters") or {}))
+        if kind == "custom":
+            form = tool.get("format") or {"type": "text"}
+            if form.get("type") not in ("text", "grammar") or (
+                form.get("type") == "grammar" and not isinstance(form.get("definition"), str)
+            ):
+                raise Refused("Invalid value for 'format'.", f"tools[{i}].format", "invalid_value")
+            # Called as a function of one string would be (`_output` makes it a custom_tool_call).
+            tools.append(Tool(tool["name"], {"type": "object", "properties": {"input": {"type": "string"}}}))
+        else:
+            tools.append(Tool(tool["name"], tool.get("parameters") or {}))
     items = body.get("input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise Refused("Missing required parameter: 'input'.", "input", "missing_required_parameter")
     tokens = words(str(body.get("instructions") or "")) + (words(json.dumps(body["tools"])) if tools else [])
-    calls: dict[str, str] = {}  # call_id -> tool name
+    calls: dict[str, tuple[str, str]] = {}  # call_id -> (its item's type, the tool's name)
     turn = Turn(tools=tools, max_tokens=body.get("max_output_tokens"))
     for i, item in enumerate(items):
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -116,23 +146,37 @@ def _turn(body: dict[str, Any]) -> tuple[Turn, list[str]]:
             tokens += words(text) + ["<image>"] * (images * IMAGE_TOKENS)
             turn.tool_result = None
             turn.last_user_text, turn.images = (text, images) if item["role"] != "assistant" else ("", 0)
-        elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
+        elif kind in ("function_call", "custom_tool_call"):
+            argument = "arguments" if kind == "function_call" else "input"
+            for key in ("call_id", "name", argument):
                 if not isinstance(item.get(key), str):
                     where = f"input[{i}].{key}"
                     raise Refused(
                         f"Missing required parameter: '{where}'.", where, "missing_required_parameter"
                     )
-            calls[item["call_id"]] = item["name"]
-            tokens += words(item["name"]) + words(item["arguments"])
-        elif kind == "function_call_output":
+            calls[item["call_id"]] = (kind, item["name"])
+            tokens += words(item["name"]) + words(item[argument])
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
-            if call_id not in calls:
-                raise Refused(f"No tool call found for function call output with call_id {call_id}.", "input")
+            called = calls.get(call_id)
+            if called is None or called[0] != kind.removesuffix("_output"):
+                what = kind.removesuffix("_output").replace("_", " ")
+                raise Refused(f"No {what} found for {kind} with call_id {call_id}.", "input")
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, f"input[{i}].output")[0]
             tokens += words(text)
-            turn.tool_result, turn.last_user_text = (calls[call_id], text), ""
+            turn.tool_result, turn.last_user_text = (called[1], text), ""
+        elif kind == "reasoning":
+            encrypted = item.get("encrypted_content")
+            if not (isinstance(encrypted, str) and encrypted.startswith(ENCRYPTED)):
+                # OpenAI's, with nothing stored: the id alone names an item it never kept.
+                raise Refused(
+                    f"Item with id '{item.get('id')}' not found. Items are not persisted when `store` is "
+                    "set to false. Try again with `store` set to true, or remove this item from your input.",
+                    "input",
+                )
+        elif kind in _BUILTIN_ITEMS:
+            pass
         else:
             raise Refused(f"Invalid value: '{kind}'.", f"input[{i}].type", "invalid_value")
     choice = body.get("tool_choice")
@@ -166,13 +210,24 @@ def _usage(usage: ReportedUsage) -> dict[str, Any]:
     }
 
 
-def _output(reply: Reply, reasoning: int) -> list[dict[str, Any]]:
-    """The output items, whole: a reasoning item (its summary empty, as OpenAI gives one unasked), then
-    the call or the message."""
+def _output(body: dict[str, Any], reply: Reply, reasoning: int) -> list[dict[str, Any]]:
+    """The output items, whole: a reasoning item (its summary empty unless asked for, as OpenAI gives
+    one; its encrypted content where `include` asks), then the call or the message."""
     output: list[dict[str, Any]] = []
     if reasoning:
-        output.append({"type": "reasoning", "id": f"rs_{secrets.token_hex(24)}", "summary": []})
-    if reply.tool_name:
+        item: dict[str, Any] = {"type": "reasoning", "id": f"rs_{secrets.token_hex(24)}", "summary": []}
+        if (body.get("reasoning") or {}).get("summary"):
+            item["summary"] = [{"type": "summary_text", "text": SUMMARY}]
+        if "reasoning.encrypted_content" in (body.get("include") or ()):
+            item["encrypted_content"] = ENCRYPTED + secrets.token_urlsafe(48)
+        output.append(item)
+    custom = {tool.get("name") for tool in body.get("tools") or () if tool.get("type") == "custom"}
+    if reply.tool_name in custom:
+        call_id = f"call_{secrets.token_urlsafe(18)}"
+        text = str((reply.tool_args or {}).get("input", ""))
+        call = {"type": "custom_tool_call", "id": f"ctc_{secrets.token_hex(24)}", "status": "completed"}
+        output.append(call | {"call_id": call_id, "name": reply.tool_name, "input": text})
+    elif reply.tool_name:
         call = {
             "type": "function_call",
             "id": f"fc_{secrets.token_hex(24)}",
@@ -227,7 +282,7 @@ async def respond(fake: FakeOpenAI, request: web.Request, body: dict[str, Any]) 
         "_created": int(time.time()),
     }  # not the recorded one
     status = "incomplete" if reply.finish == "length" else "completed"
-    output = _output(reply, reasoning)
+    output = _output(body, reply, reasoning)
     if not body.get("stream"):
         return fake.json_response(request, _response(body, status, output, usage))
     async with fake.open_stream(request) as stream:
@@ -248,7 +303,20 @@ def _events(
     emit("response.in_progress", response=_response(body, "in_progress", [], None))
     for index, item in enumerate(output):
         where = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "function_call":
+        if item["type"] == "custom_tool_call":
+            emit("response.output_item.added", output_index=index, item=item | {"input": ""})
+            for piece in chunk_words(item["input"]):
+                emit("response.custom_tool_call_input.delta", **where, delta=piece)
+            emit("response.custom_tool_call_input.done", **where, input=item["input"])
+        elif item["type"] == "reasoning" and item["summary"]:
+            emit("response.output_item.added", output_index=index, item=item | {"summary": []})
+            empty = {"type": "summary_text", "text": ""}
+            emit("response.reasoning_summary_part.added", **where, summary_index=0, part=empty)
+            for piece in chunk_words(SUMMARY):
+                emit("response.reasoning_summary_text.delta", **where, summary_index=0, delta=piece)
+            emit("response.reasoning_summary_text.done", **where, summary_index=0, text=SUMMARY)
+            emit("response.reasoning_summary_part.done", **where, summary_index=0, part=item["summary"][0])
+        elif item["type"] == "function_call":
             emit(
                 "response.output_item.added",
                 output_index=index,
