@@ -4,7 +4,9 @@ import uPlot from "./vendor/uPlot.esm.js";
 
 const API = "/admin/session/api/v1";
 const main = document.getElementById("main");
-const TOKEN_CLASSES = ["input", "cached_input", "cache_write_5m", "cache_write_1h", "output"];
+// What a price row prices: token classes, and `web_search` (Anthropic's, per search; priced per 1M
+// searches like a token class: $10 per 1,000 is 10000).
+const TOKEN_CLASSES = ["input", "cached_input", "cache_write_5m", "cache_write_1h", "output", "web_search"];
 const COLORS = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2"];
 let csrf = null;
 // Each render of a page (route()) takes the next number, and only the latest may write the page: a
@@ -912,7 +914,7 @@ async function backends(params, query, show) {
   const form = h("form", { class: "inline-form", "aria-label": "Add a price" }, ...formBox(
     field("Model", model, "The upstream model name, as the backend bills it."),
     field("Backend", backend, "* applies to every backend serving the model."),
-    field("Token class", cls), field("USD per 1M tokens", usd),
+    field("Token class", cls), field("USD per 1M tokens", usd, "web_search: USD per 1M searches ($10 per 1,000 is 10000)."),
     field("Effective from (UTC)", from, "Empty: now. Never in the past: history is not re-priced."),
     h("button", { type: "submit" }, "Add price")));
   form.addEventListener("submit", async (ev) => {
@@ -986,6 +988,7 @@ async function finance(params, query, show) {
     { label: "Cached", num: true, render: (r) => intFmt(r.cached_input_tokens) },
     { label: "Cache write", num: true, render: (r) => intFmt(r.cache_write_tokens) },
     { label: "Output", num: true, render: (r) => intFmt(r.output_tokens) },
+    { label: "Web searches", num: true, render: (r) => intFmt(r.web_search_requests || 0) },
     { label: "Cost (USD)", num: true, render: (r) => h("span", { class: "cost", "data-usd": r.cost_usd }, r.cost_usd) },
     { label: "USD / 1M tokens", num: true, render: (r) => r.cost_per_1m_tokens ?? "—" },
     { label: "Cache saved", num: true, render: (r) => r.cache_savings_usd ?? "—" },
@@ -1032,7 +1035,8 @@ async function requests(params, query, show) {
   const tokensText = (a) => {
     const written = (a.cache_write_5m_tokens || 0) + (a.cache_write_1h_tokens || 0);
     const extra = [a.cached_input_tokens ? `cached ${intFmt(a.cached_input_tokens)}` : null,
-      written ? `written ${intFmt(written)}` : null].filter(Boolean);
+      written ? `written ${intFmt(written)}` : null,
+      a.web_search_requests ? `${intFmt(a.web_search_requests)} web search${a.web_search_requests > 1 ? "es" : ""}` : null].filter(Boolean);
     return `${a.input_tokens}/${a.output_tokens}${extra.length ? ` (${extra.join(", ")})` : ""}${a.estimated ? ", estimated" : ""}`;
   };
   const story = (r, won) => {

@@ -81,6 +81,9 @@ class Price(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     cache_write_5m: Decimal | None = None
     cache_write_1h: Decimal | None = None
     output: Decimal = Decimal(0)
+    # USD per 1,000 web searches (Anthropic's web search tool: 10), as vendors quote it; None: searches
+    # cost nothing. Every service tier and long prompt pays this one price.
+    web_search_per_1k: Decimal | None = None
     long_context: LongContextPrice | None = None  # higher rates above a prompt size
     # Rates by the service tier the vendor reports serving an attempt at (OpenAI's flex at about half
     # price, priority above it); a tier not listed, or none reported, is billed at the base price.
@@ -90,6 +93,19 @@ class Price(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
         for name, tier in self.tiers.items():
             if tier == TierPrice():
                 raise ValueError(f"tiers.{name}: sets no price")
+        if self.web_search is not None:
+            try:
+                usd_per_mtok_to_micro(self.web_search)
+            except ValueError:
+                raise ValueError(
+                    "web_search_per_1k: USD per 1,000 searches must be a number from 0 to 1000 with at "
+                    f"most 9 decimals, got {self.web_search_per_1k}"
+                ) from None
+
+    @property
+    def web_search(self) -> Decimal | None:
+        """The `web_search` class's price as the catalog holds every class: USD per 1M searches."""
+        return None if self.web_search_per_1k is None else self.web_search_per_1k * 1000
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -146,15 +146,16 @@ _PRICE_CLASSES = (
     TokenClass.CACHE_WRITE_5M,
     TokenClass.CACHE_WRITE_1H,
     TokenClass.OUTPUT,
+    TokenClass.WEB_SEARCH,  # the base price's alone (`Price.web_search`): no tier sets one
 )
 
 
 def _rates(price: Price | TierPrice) -> dict[TokenClass, int]:
-    """The classes `price` sets, in micro-USD per 1M tokens."""
+    """The classes `price` sets, in micro-USD per 1M tokens (or searches)."""
     return {
         token_class: usd_per_mtok_to_micro(value)
         for token_class in _PRICE_CLASSES
-        if (value := getattr(price, token_class)) is not None
+        if (value := getattr(price, token_class, None)) is not None
     }
 
 

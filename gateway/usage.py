@@ -26,9 +26,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     # "flex", "priority"; Anthropic's `usage.service_tier`: "standard", "priority", "batch"); None
     # where it says none. Its prices bill the attempt (`Price.tiers`); not a token class.
     service_tier: str | None = None
-    # Requests an Anthropic server tool made for the attempt (`usage.server_tool_use`), which Anthropic
-    # bills per request beside the tokens (web search: $10 per 1,000). Counts, not token classes: on
-    # the usage event, not priced (the price catalog prices tokens) nor ledger columns.
+    # Requests an Anthropic server tool made for the attempt (`usage.server_tool_use`). Anthropic bills
+    # each web search beside the tokens ($10 per 1,000): priced as the `web_search` class, a ledger
+    # column. A web fetch has no fee of its own (its pages are input tokens): counted, not priced.
     web_search_requests: int = 0
     web_fetch_requests: int = 0
 
@@ -50,9 +50,11 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.structs.replace(self, output_tokens=0, reasoning_tokens=0)
 
 
-# Usage's fields that are no token class: how the tokens were counted or served, and request counts.
-NOT_TOKENS = ("service_tier", "reasoning_estimated", "web_search_requests", "web_fetch_requests")
-# Every token class, in order; the ledger's columns and the reports use the same names.
+# Usage's fields the ledger keeps no column of: how the tokens were counted or served, and web
+# fetches (no fee of their own).
+NOT_TOKENS = ("service_tier", "reasoning_estimated", "web_fetch_requests")
+# Every amount the ledger keeps a column of, in order (the token classes, reasoning tokens, and web
+# searches, billed per search); the ledger's columns, the rollups and the reports use the same names.
 TOKEN_FIELDS: tuple[str, ...] = tuple(f for f in Usage.__struct_fields__ if f not in NOT_TOKENS)
 
 

@@ -22,11 +22,16 @@ ANY_BACKEND = "*"
 
 
 class TokenClass(StrEnum):
+    """What a price row prices: a class of tokens, or `web_search`, one search of Anthropic's web
+    search tool, priced like a token (micro-USD per 1M searches: $10 per 1,000 is 10^10), so one
+    catalog, one cost formula and one ledger column per class serve both."""
+
     INPUT = "input"
     CACHED_INPUT = "cached_input"
     CACHE_WRITE_5M = "cache_write_5m"
     CACHE_WRITE_1H = "cache_write_1h"
     OUTPUT = "output"
+    WEB_SEARCH = "web_search"
 
 
 # Which Usage field each class bills. Reasoning tokens are part of output_tokens and billed there.
@@ -36,6 +41,7 @@ USAGE_FIELD: dict[TokenClass, str] = {
     TokenClass.CACHE_WRITE_5M: "cache_write_5m_tokens",
     TokenClass.CACHE_WRITE_1H: "cache_write_1h_tokens",
     TokenClass.OUTPUT: "output_tokens",
+    TokenClass.WEB_SEARCH: "web_search_requests",
 }
 
 # A class without its own price is billed like this one (vendors that do not discount cache reads or
@@ -72,7 +78,7 @@ class PriceRow:
 
 @dataclass(frozen=True, slots=True)
 class Cost:
-    prices: dict[str, int]  # token class -> micro-USD per 1M tokens actually applied
+    prices: dict[str, int]  # token class -> micro-USD per 1M tokens (or searches) actually applied
     cost_pico_usd: int
     savings_pico_usd: int  # what the cache reads would have cost at the input price, minus what they cost
 
@@ -96,6 +102,7 @@ class _Sheet:
     cache_write_5m: int
     cache_write_1h: int
     output: int
+    web_search: int
     saved_per_token: int
 
     @classmethod
@@ -108,6 +115,7 @@ class _Sheet:
             cache_write_5m=full.get(TokenClass.CACHE_WRITE_5M, 0),
             cache_write_1h=full.get(TokenClass.CACHE_WRITE_1H, 0),
             output=full.get(TokenClass.OUTPUT, 0),
+            web_search=full.get(TokenClass.WEB_SEARCH, 0),
             saved_per_token=full.get(TokenClass.INPUT, 0) - full.get(TokenClass.CACHED_INPUT, 0),
         )
 
@@ -118,7 +126,8 @@ class _Sheet:
             + usage.cached_input_tokens * self.cached_input
             + usage.cache_write_5m_tokens * self.cache_write_5m
             + usage.cache_write_1h_tokens * self.cache_write_1h
-            + usage.output_tokens * self.output,
+            + usage.output_tokens * self.output
+            + usage.web_search_requests * self.web_search,
             savings_pico_usd=usage.cached_input_tokens * self.saved_per_token,
         )
 

@@ -44,6 +44,7 @@ CSV_COLUMNS = (
     "output_tokens",
     "reasoning_tokens",
     "total_tokens",
+    "web_search_requests",
     "cost_usd",
     "cost_per_1m_tokens",
     "cache_hit_ratio",
@@ -161,6 +162,8 @@ def _finish(raw: dict[str, Any], group_by: list[str], names: dict[str, str]) -> 
         output_tokens=n["output_tokens"],
         reasoning_tokens=n["reasoning_tokens"],
         total_tokens=total,
+        # Anthropic web searches, billed per search: in `cost_usd`, which is not all tokens' then.
+        web_search_requests=n["web_search_requests"],
         # USD amounts are strings: exact decimals that no JSON parser turns into floats.
         cost_usd=format_usd(cost),
         cost_per_1m_tokens=format_usd((cost * 1_000_000 / total).quantize(SIX_PLACES, ROUND_HALF_EVEN))

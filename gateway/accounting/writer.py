@@ -39,7 +39,7 @@ ROLLUPS: Table = UsageRollup.__table__  # type: ignore[assignment]
 # the events' own amounts.
 AMOUNTS = (*TOKEN_FIELDS, "cost_pico_usd", "savings_pico_usd")
 SUMMED = ("requests", "errors", "cancelled", *AMOUNTS)
-# SQLite allows 32766 bound parameters per statement; usage_events has 27 columns.
+# SQLite allows 32766 bound parameters per statement; usage_events has 28 columns.
 MAX_ROWS_PER_INSERT = 1000
 _json = msgspec.json.Encoder()
 
@@ -64,6 +64,7 @@ def event_row(event: UsageEvent) -> dict[str, Any]:
         "cache_write_1h_tokens": u.cache_write_1h_tokens,
         "output_tokens": u.output_tokens,
         "reasoning_tokens": u.reasoning_tokens,
+        "web_search_requests": u.web_search_requests,
         "service_tier": u.service_tier,
         "prices": event.prices,
         "cost_pico_usd": event.cost_pico_usd,

@@ -52,6 +52,7 @@ def _attempt(row: UsageEventRow) -> dict[str, Any]:
         "cache_write_1h_tokens": row.cache_write_1h_tokens,
         "output_tokens": row.output_tokens,
         "reasoning_tokens": row.reasoning_tokens,
+        "web_search_requests": row.web_search_requests,  # billed per search, beside the tokens
         "estimated": row.estimated,
         "service_tier": row.service_tier,  # the tier its vendor served it at, which priced it
         "cost_usd": format_usd(pico_to_usd(row.cost_pico_usd)),
@@ -167,7 +168,8 @@ async def recent_requests(
 @get("/reports/spend-by-class")
 async def spend_by_class(ctx: Any, start: str | None = None, end: str | None = None) -> dict[str, Any]:
     """Spend per day split by token class, from the event ledger: each attempt's tokens of a class
-    times the price it was billed at (kept on the event), so the classes add up to its exact cost."""
+    (searches, for `web_search`) times the price it was billed at (kept on the event), so the classes
+    add up to its exact cost."""
     from gateway.admin.router import _range
 
     lo, hi = _range(start, end)

@@ -157,9 +157,11 @@ class UsageEventRow(Base):
     cache_write_1h_tokens: Mapped[int] = mapped_column(BigInteger)
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
+    # Anthropic web searches the attempt made, priced as the `web_search` class (its `prices`).
+    web_search_requests: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # The service tier the vendor served the attempt at (its `prices` are that tier's); None: unsaid.
     service_tier: Mapped[str | None] = mapped_column(String(32))
-    prices: Mapped[dict[str, int]] = mapped_column(JSON)  # token class -> micro-USD per 1M tokens
+    prices: Mapped[dict[str, int]] = mapped_column(JSON)  # token class -> micro-USD per 1M tokens/searches
     cost_pico_usd: Mapped[int] = mapped_column(BigInteger)
     savings_pico_usd: Mapped[int] = mapped_column(BigInteger)
     latency_ms: Mapped[float] = mapped_column(Float)
@@ -193,6 +195,7 @@ class UsageRollup(Base):
     cache_write_1h_tokens: Mapped[int] = mapped_column(BigInteger)
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
+    web_search_requests: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     cost_pico_usd: Mapped[int] = mapped_column(BigInteger)
     savings_pico_usd: Mapped[int] = mapped_column(BigInteger)
 

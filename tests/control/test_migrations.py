@@ -122,3 +122,40 @@ def test_rollups_count_their_cancelled_attempts_apart_once_upgraded(db_url: str)
     migrate.downgrade(db_url, "0009")
     got = [(str(day), t, n, e) for day, t, n, e in sync_exec(db_url, query.format(""))]
     assert got == [("2026-12-01", "", 4, 3), ("2026-12-01", "t1", 2, 1), ("2026-12-02", "t1", 1, 1)]
+
+
+def test_web_searches_count_from_0013_and_their_prices_go_with_a_downgrade(db_url: str) -> None:
+    """0013 gives the ledger and the rollups a count of web searches, 0 for what was there; the
+    downgrade drops it and the `web_search` prices (and the config's seeding markers for them), which
+    the older code's catalog cannot read, and keeps every other price."""
+    migrate.upgrade(db_url, "0012")
+    sync_exec(
+        db_url,
+        _EVENT + "('e0', 'r0', 1, '2026-12-01 12:00:00', '2026-12-01', NULL, NULL, 'm', 'b', 'm', "
+        "1, 0, 0, 0, 1, 0, '{}', 5, 0, 1.0, 200, false)",
+    )
+    sync_exec(db_url, _ROLLUP + "('2026-12-01', '', '', 'b', 'm', 1, 0, 1, 0, 0, 0, 1, 0, 5, 0)")
+    migrate.upgrade(db_url, "0013")
+    for table in ("usage_events", "usage_rollups"):
+        assert sync_exec(db_url, f"SELECT web_search_requests, cost_pico_usd FROM {table}") == [(0, 5)]
+
+    prices = "INSERT INTO prices (backend, model, token_class, micro_usd_per_mtok, effective_from, created_at) VALUES "
+    at = "'2026-12-01 00:00:00'"
+    sync_exec(
+        db_url,
+        prices
+        + f"('b', 'm', 'input', 3000000, {at}, {at}), ('b', 'm', 'web_search', 10000000000, {at}, {at})",
+    )
+    sync_exec(
+        db_url,
+        "INSERT INTO settings (key, value) VALUES ('config_price:b:m:input', '3000000'), "
+        "('config_price:b:m:web_search', '10000000000'), ('config_price:b:web_search:output', '1')",
+    )
+    migrate.downgrade(db_url, "0012")
+    assert sync_exec(db_url, "SELECT token_class FROM prices") == [("input",)]
+    assert sorted(sync_exec(db_url, "SELECT key FROM settings")) == [
+        ("config_price:b:m:input",),
+        ("config_price:b:web_search:output",),  # a model named web_search keeps its prices
+    ]
+    with pytest.raises(Exception, match="web_search_requests"):
+        sync_exec(db_url, "SELECT web_search_requests FROM usage_rollups")

@@ -47,7 +47,7 @@ backends:
     api_key: ${GEMINI_API_KEY}
 models:                               # public name -> backend and upstream model id; prices in USD per 1M tokens
   - {name: gpt-4o-mini, backend: openai, model: gpt-4o-mini, price: {input: 0.15, cached_input: 0.075, output: 0.60}}
-  - {name: claude-sonnet, backend: anthropic, model: claude-sonnet-4-5, price: {input: 3.0, cached_input: 0.30, cache_write_5m: 3.75, cache_write_1h: 6.0, output: 15.0}}
+  - {name: claude-sonnet, backend: anthropic, model: claude-sonnet-4-5, price: {input: 3.0, cached_input: 0.30, cache_write_5m: 3.75, cache_write_1h: 6.0, output: 15.0, web_search_per_1k: 10}}
   - {name: gemini-flash, backend: gemini, model: gemini-2.5-flash, price: {input: 0.30, cached_input: 0.03, output: 2.50}}
 tenants:                              # seeds; keys come from the environment, never from the file
   - {name: demo, api_keys: ["${WEIR_DEMO_KEY}"]}

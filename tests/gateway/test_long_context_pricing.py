@@ -32,7 +32,7 @@ TIER = (
 @pytest.fixture(scope="module")
 def tiered(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
     text = full_config_text().replace(
-        "cache_write_1h: 6.0, output: 15.0}", f"cache_write_1h: 6.0, output: 15.0, {TIER}}}"
+        "output: 15.0, web_search_per_1k: 10}", f"output: 15.0, web_search_per_1k: 10, {TIER}}}"
     )
     assert TIER in text
     with gateway_on_fakes(text, fake_vendors) as gateway:

@@ -9,8 +9,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import msgspec
 import pytest
 
+from gateway.config import Model
+from gateway.pipeline import price_sheet
 from gateway.usage import Usage, anthropic_usage, normalise_usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.fakes.plugin import FakeVendors
@@ -216,6 +219,48 @@ def test_server_tool_requests_are_read_from_anthropic_usage_and_rendered_back() 
     assert (usage.web_search_requests, usage.web_fetch_requests) == (3, 2)
     assert anthropic_usage(usage)["server_tool_use"] == {"web_search_requests": 3, "web_fetch_requests": 2}
     assert "server_tool_use" not in anthropic_usage(Usage(input_tokens=1))
+
+
+# claude-sonnet's prices in the example config (tests/gateway/conftest.py), in micro-USD per 1M
+# tokens (or searches: `web_search_per_1k: 10`, $10 per 1,000 searches, is $10,000 per 1M).
+INPUT_PRICE, OUTPUT_PRICE, SEARCH_PRICE = 3 * 10**6, 15 * 10**6, 10_000 * 10**6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_web_searches_are_billed_beside_the_tokens(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    """Anthropic bills $10 per 1,000 web searches beside the tokens: the attempt's cost (what the
+    ledger, budgets and every usage sink take) holds both, at the model's `web_search_per_1k`."""
+    searches = {"server_tool_use": {"web_search_requests": 3, "web_fetch_requests": 0}}
+    fake_anthropic.set_next_usage(searches, input_tokens=1000, output_tokens=100)
+    message = _search(gateway, stream)
+    assert message.usage.server_tool_use is not None
+    assert message.usage.server_tool_use.web_search_requests == 3
+    [event] = gateway.sink.events
+    assert event.usage.web_search_requests == 3
+    assert event.prices["web_search"] == SEARCH_PRICE  # as the ledger row keeps it
+    # $0.0045 of tokens and $0.03 of searches, in pico-USD.
+    assert event.cost_pico_usd == 1000 * INPUT_PRICE + 100 * OUTPUT_PRICE + 3 * SEARCH_PRICE
+
+
+def test_a_search_price_is_checked_as_the_config_loads() -> None:
+    def sheet(price: dict[str, Any]) -> dict[str, int]:
+        return {
+            str(c): p
+            for c, p in price_sheet(
+                msgspec.convert({"name": "m", "backend": "b", "price": price}, Model)
+            ).items()
+        }
+
+    assert sheet({"input": 3, "web_search_per_1k": "10"})["web_search"] == SEARCH_PRICE
+    assert sheet({"web_search_per_1k": "0.000000001"})["web_search"] == 1  # a billionth of a dollar
+    assert "web_search" not in sheet({"input": 3})  # no price: searches cost nothing
+    for wrong in ("-1", "1000.5", "0.0000000001"):
+        with pytest.raises(msgspec.ValidationError, match="web_search_per_1k: USD per 1,000 searches"):
+            sheet({"web_search_per_1k": wrong})
+    with pytest.raises(msgspec.ValidationError):  # a service tier has no search price of its own
+        sheet({"tiers": {"priority": {"input": 4, "web_search_per_1k": 10}}})
 
 
 @pytest.mark.parametrize("stream", [False, True])
