@@ -9,6 +9,7 @@ from typing import TextIO
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy.engine import make_url
 
 from gateway.db.session import resolve_database_url
 
@@ -23,11 +24,22 @@ def alembic_config(database_url: str | None = None, stdout: TextIO | None = None
     return config
 
 
+def make_sqlite_directory(url: str) -> None:
+    """Upgrade creates the database, and so its directory, as the gateway's own engine does
+    (session.create_engine): SQLite cannot open a file in a directory that is not there, and aiosqlite's
+    failed open raced the closing event loop, printing an "Event loop is closed" traceback from its
+    worker thread before the one-line error."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+
+
 def upgrade(
     database_url: str | None = None, revision: str = "head", *, configure_logger: bool = True
 ) -> None:
     config = alembic_config(database_url)
     config.attributes["configure_logger"] = configure_logger  # read by migrations/env.py
+    make_sqlite_directory(resolve_database_url(database_url))
     command.upgrade(config, revision)
 
 

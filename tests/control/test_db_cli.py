@@ -168,3 +168,17 @@ def test_create_user_asks_for_the_password_only_once_the_database_is_there(tmp_p
     """Not a password typed twice, then refused for a mistyped --database-url."""
     result = weir("admin", "create-user", "ana", "--database-url", f"sqlite:///{tmp_path / 'typo.db'}")
     assert "Password" not in one_line_error(result)
+
+
+def test_upgrade_into_a_directory_not_there_makes_it(tmp_path: Path) -> None:
+    """SQLite cannot open a file in a missing directory: upgrade failed ("unable to open database
+    file"), and aiosqlite's failed open raced the closing event loop, an "Event loop is closed"
+    traceback from its worker thread before the error. The gateway's own engine makes the directory;
+    upgrade, the one command that creates a database, does too, and the others still refuse it."""
+    missing = tmp_path / "var" / "weir.db"
+    url = ["--database-url", f"sqlite:///{missing}"]
+    upgraded = weir("db", "upgrade", *url)
+    assert upgraded.exit_code == 0, upgraded.output
+    assert missing.exists()
+    current = weir("db", "current", *url)
+    assert current.exit_code == 0 and "(head)" in current.output, current.output
