@@ -15,6 +15,7 @@ import functools
 import logging
 import math
 import operator
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, cast
@@ -41,6 +42,7 @@ AMOUNTS = (*TOKEN_FIELDS, "cost_pico_usd", "savings_pico_usd")
 SUMMED = ("requests", "errors", "cancelled", *AMOUNTS)
 # SQLite allows 32766 bound parameters per statement; usage_events has 28 columns.
 MAX_ROWS_PER_INSERT = 1000
+OUTAGE_REMINDER_S = 60.0  # how often a database outage the writer is waiting out is logged again
 _json = msgspec.json.Encoder()
 
 
@@ -438,11 +440,24 @@ class BatchWriter:
 
     async def run(self) -> None:
         backoff = 0.1
+        # Once per outage, not on every retry: a warning per backoff step for as long as the database
+        # was away buried the one that said it went. (start, last logged, failed attempts)
+        outage: tuple[float, float, int] | None = None
         while True:
             stop_if_cancelled()  # a cancel that library code swallowed last round
             try:
+                held = len(self._pending)  # the batch that failed, if any, is the one written now
                 await self.step()
                 backoff = 0.1
+                if outage is not None:
+                    log.info(
+                        "usage batches written again after %.1fs: the batch held meanwhile (%d rows) "
+                        "is in, after %d failed attempts",
+                        time.monotonic() - outage[0],
+                        held,
+                        outage[2],
+                    )
+                    outage = None
                 if self.queue.drained:
                     # Nothing more waiting: let events gather instead of waking (and committing)
                     # for every request under light load.
@@ -450,9 +465,24 @@ class BatchWriter:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning(
-                    "usage batch not written (%s); retrying in %.1fs", exc.__class__.__name__, backoff
-                )
+                now = time.monotonic()
+                if outage is None:
+                    log.warning(
+                        "usage batch not written (%s: %s); holding it and retrying until it is written",
+                        exc.__class__.__name__,
+                        str(exc).splitlines()[0] if str(exc) else "",
+                    )
+                    outage = (now, now, 1)
+                elif now - outage[1] >= OUTAGE_REMINDER_S:
+                    log.warning(
+                        "usage batch still not written after %.0fs (%s); %d rows held, retrying",
+                        now - outage[0],
+                        exc.__class__.__name__,
+                        len(self._pending),
+                    )
+                    outage = (outage[0], now, outage[2] + 1)
+                else:
+                    outage = (outage[0], outage[1], outage[2] + 1)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
 

@@ -4,9 +4,12 @@ in batches, a DB outage loses nothing, and redelivery never writes an event twic
 from __future__ import annotations
 
 import asyncio
+import logging
 import datetime as dt
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -411,3 +414,56 @@ async def test_stream_lines_go_to_postgres_as_sent_and_unreadable_ones_are_skipp
     assert len(await queue.read(100, 0)) == 0  # all acknowledged, the torn line too
     await queue.close()
     await engine.dispose()
+
+
+async def test_a_db_outage_is_logged_once_and_its_end_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer logged "usage batch not written ...; retrying in Xs" on every retry for as long as
+    the database was away. Now: the failure once, a reminder every OUTAGE_REMINDER_S, and the recovery
+    once, saying how long it lasted and what was held."""
+    engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'unused.db'}")
+    queue = SpoolQueue(tmp_path / "spool")
+    writer = BatchWriter(queue, engine, batch_size=40, max_backoff_s=0.01, linger_s=0.01)
+    attempts: list[int] = []
+    landed: list[int] = []
+
+    async def write(events: list[Any]) -> int:
+        attempts.append(len(events))
+        if len(attempts) <= 8:  # the database is away for eight tries
+            raise ConnectionRefusedError("Connect call failed ('127.0.0.1', 5432)")
+        landed.append(len(events))
+        return len(events)
+
+    monkeypatch.setattr(writer, "write", write)
+    # The writer's clock moves 30 s at each look: failures at 0-210 s, the recovery at 240 s.
+    clock = itertools.count(0.0, 30.0)
+    monkeypatch.setattr("gateway.accounting.writer.time", SimpleNamespace(monotonic=lambda: next(clock)))
+    caplog.set_level(logging.INFO, logger="gateway.accounting.writer")
+    await put_all(queue, random_events(30, seed=41))
+    writer.start()
+    try:
+        async with asyncio.timeout(5):
+            while not landed:
+                await asyncio.sleep(0.01)
+    finally:
+        await writer.stop(drain_timeout_s=0)
+        await queue.close()
+        await engine.dispose()
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if "usage batch" in r.getMessage()]
+    assert records[0] == (
+        "WARNING",
+        "usage batch not written (ConnectionRefusedError: Connect call failed ('127.0.0.1', 5432)); "
+        "holding it and retrying until it is written",
+    )
+    assert records[1:] == [  # not one per retry: a reminder once a minute (OUTAGE_REMINDER_S)
+        ("WARNING", "usage batch still not written after 60s (ConnectionRefusedError); 30 rows held, retrying"),
+        ("WARNING", "usage batch still not written after 120s (ConnectionRefusedError); 30 rows held, retrying"),
+        ("WARNING", "usage batch still not written after 180s (ConnectionRefusedError); 30 rows held, retrying"),
+        (
+            "INFO",
+            "usage batches written again after 240.0s: the batch held meanwhile (30 rows) is in, "
+            "after 8 failed attempts",
+        ),
+    ]
+    assert landed == [30]
