@@ -182,8 +182,15 @@ UNSUPPORTED_PARAMETER = "unsupported_parameter"
 UNSUPPORTED_VALUE = "unsupported_value"
 
 
+# OpenAI's words (vLLM refuses it too): options of a stream for an answer that is not streamed.
+STREAM_OPTIONS_WITHOUT_STREAM = "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+
+
 def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | None:
-    """A parameter the engine cannot honour, as the 400 that says so, or None."""
+    """A parameter the engine cannot honour, or one it cannot take with another, as the 400 that
+    says so, or None."""
+    if req.stream_options is not None and not req.stream:
+        return ApiError(400, STREAM_OPTIONS_WITHOUT_STREAM, param="stream_options")
     if req.n > MAX_CHOICES:
         return ApiError(400, f"n above {MAX_CHOICES} is not supported", param="n", code=UNSUPPORTED_VALUE)
     unhonoured = [

@@ -111,7 +111,17 @@ async def chat_sse(batches: AsyncIterator[list[ChatChunk]], include_usage: bool)
     yield _DONE
 
 
+def _check_stream_options(request: ChatRequest | CompletionRequest) -> None:
+    """OpenAI and vLLM refuse options of a stream for an answer that is not streamed; passed on, the
+    request got a 400 from one backend and an answer from another, by route."""
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequest(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
+        )
+
+
 def _validate_chat(request: ChatRequest) -> None:
+    _check_stream_options(request)
     if not request.messages:
         raise InvalidRequest("'messages' must contain at least one message.", param="messages")
     if request.n is not None and request.n < 1:
@@ -213,6 +223,7 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "completions")
     body = await parse_body(request, CompletionRequest)
     _check_text_or_tokens(body.prompt, "prompt")
+    _check_stream_options(body)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     result, plan = await run_routed(gateway, call, body.model, body.prompt, completion_op(body))
     # Candidates of one route may differ: the native completions shape, or a chat to translate back.

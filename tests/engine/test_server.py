@@ -1234,3 +1234,26 @@ async def test_a_trimming_template_still_leaves_the_final_answer_open_as_written
         assert reply.json()["usage"]["prompt_tokens"] == tokenized["count"]
     finally:
         await runner.cleanup()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+async def test_stream_options_without_stream_is_a_400(served: Served, path: str) -> None:
+    """OpenAI and vLLM refuse `stream_options` on an answer that is not streamed; the engine
+    answered it, so a client tested against Weir's engine met the 400 only on another backend."""
+    prompt = {"messages": chat("hi")} if path == "/chat/completions" else {"prompt": "hi"}
+    body = {"model": MODEL, "max_tokens": 2, "stream_options": {"include_usage": True}, **prompt}
+    async with httpx.AsyncClient(base_url=served.base_url) as http:
+        refused = [await http.post(path, json=body), await http.post(path, json=body | {"stream": False})]
+        streamed = await http.post(path, json=body | {"stream": True})
+        plain = await http.post(path, json=body | {"stream_options": None})
+    for resp in refused:
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"] == {
+            "message": "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            "type": "invalid_request_error",
+            "param": "stream_options",
+            "code": None,
+        }
+    assert streamed.status_code == 200 and '"usage"' in streamed.text, streamed.text
+    assert plain.status_code == 200, plain.text
+    assert all_blocks_free(served.engine)

@@ -316,3 +316,22 @@ def test_client_leaving_mid_stream_is_recorded(gateway: RunningGateway, fake_ope
         time.sleep(0.05)
     [event] = gateway.sink.events
     assert event.status == 499 and not event.ok
+
+
+@pytest.mark.parametrize(
+    ("path", "prompt"), [("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "hi"})]
+)
+def test_stream_options_without_stream_is_a_400(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, path: str, prompt: dict
+) -> None:
+    """OpenAI's 400, given before any backend is asked: passed on, the request was refused by OpenAI
+    and vLLM but answered by other backends, by route."""
+    body = {"model": "gpt-4o-mini", "stream_options": {"include_usage": True}, **prompt}
+    for sent in (body, body | {"stream": False}):
+        response = post(gateway, path, sent)
+        assert response.status_code == 400, response.text
+        error = openai_error(response)
+        assert (error["param"], error["type"]) == ("stream_options", "invalid_request_error")
+        assert error["message"] == "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+    assert fake_openai.requests == []
+    assert post(gateway, path, body | {"stream": True}).status_code == 200
