@@ -192,9 +192,10 @@ class Reasoning(Base):
 
 class ResponsesRequest(Base):
     """The body of POST /v1/responses. Top-level fields not modelled here (stream_options, ...) are
-    accepted and ignored; the Responses-only ones modelled (include, prompt_cache_key, the reasoning
-    summary, the text's verbosity, custom and built-in tools) reach OpenAI's Responses API alone
-    (`ChatRequest.responses`): a chat endpoint upstream would refuse them."""
+    accepted and ignored; the Responses-only ones modelled (include, the reasoning summary, the text's
+    verbosity, custom and built-in tools) reach OpenAI's Responses API alone (`ChatRequest.responses`):
+    a chat endpoint upstream would refuse them. The prompt cache settings and safety identifier reach
+    both (`_SAME_IN_CHAT`)."""
 
     model: str
     # Items stay dicts until converted one by one: a message item may omit its `type`, which a
@@ -535,6 +536,17 @@ def _responses_only(request: ResponsesRequest) -> dict[str, Any]:
     return {name: value for name, value in settings.items() if value is not None}
 
 
+# Responses settings that chat completions takes under the same name: as a chat client's own unmodelled
+# parameters (`ChatRequest.extra`) they reach an OpenAI-compatible chat backend too, and Claude's
+# `metadata.user_id` the safety identifier. Kept to the Responses API alone, a Responses client's prompt
+# cache was routed otherwise than it asked whenever its model was served on chat completions.
+_SAME_IN_CHAT = ("prompt_cache_key", "prompt_cache_retention", "safety_identifier")
+
+
+def _chat_too(request: ResponsesRequest) -> dict[str, Any]:
+    return {name: value for name in _SAME_IN_CHAT if (value := getattr(request, name)) is not None}
+
+
 def to_canonical(request: ResponsesRequest) -> ChatRequest:
     for param, reason in _STATEFUL.items():
         if getattr(request, param):
@@ -559,6 +571,7 @@ def to_canonical(request: ResponsesRequest) -> ChatRequest:
             reasoning_effort=request.reasoning.effort if request.reasoning else None,
             service_tier=request.service_tier,
             responses=_responses_only(request),
+            extra=_chat_too(request),
         )
     except ValueError as exc:  # ChatRequest's own check of allowed_tools against the tools
         raise InvalidRequest(f"{exc}.", param="tool_choice.tools") from None
