@@ -69,6 +69,9 @@ class UsageShape(msgspec.Struct, frozen=True, kw_only=True):
     prompt_includes_cache: bool  # True: cache reads/writes are part of `prompt`; False: beside it
     output: str
     cache_read: str | None = None
+    # Prompt tokens reported beside `prompt` and billed as uncached input: Gemini's tool-use prompts
+    # (what its grounding search and code execution fed the model), outside `promptTokenCount`.
+    prompt_beside: str | None = None
     cache_write: str | None = None  # total cache writes
     cache_write_5m: str | None = None  # the split of `cache_write` by TTL, when reported
     cache_write_1h: str | None = None
@@ -126,6 +129,7 @@ USAGE_SHAPES: dict[str, UsageShape] = {
         prompt="promptTokenCount",
         prompt_includes_cache=True,
         cache_read="cachedContentTokenCount",
+        prompt_beside="toolUsePromptTokenCount",
         output="candidatesTokenCount",
         reasoning="thoughtsTokenCount",
         reasoning_in_output=False,
@@ -180,6 +184,7 @@ def normalise_usage(vendor: str, raw: dict[str, Any] | None, service_tier: Any =
     prompt = _get(raw, shape.prompt)
     if shape.prompt_includes_cache:
         prompt = max(prompt - cache_read - write_5m - write_1h, 0)
+    prompt += _get(raw, shape.prompt_beside)
     reasoning = _get(raw, shape.reasoning)
     output = _get(raw, shape.output)
     if not shape.reasoning_in_output:

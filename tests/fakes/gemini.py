@@ -45,7 +45,8 @@ reported when the request names a ``cachedContent`` created earlier (its whole s
 needs at least ``fake.min_cache_tokens`` tokens, 1024 by default). ``thoughtsTokenCount`` is reported
 when ``thinkingConfig.thinkingBudget`` > 0 (min(budget, 64) tokens; 64 for the dynamic -1 and
 ``thinkingLevel`` high, Gemini 3's default, 16 for lower levels) and is not part of
-``candidatesTokenCount``; ``totalTokenCount`` = prompt + candidates + thoughts.
+``candidatesTokenCount``; ``totalTokenCount`` = prompt + candidates + thoughts (+ a
+``toolUsePromptTokenCount`` a test sets raw, beside the prompt as Gemini reports grounding's).
 """
 
 from __future__ import annotations
@@ -498,10 +499,13 @@ class FakeGemini(FakeServer):
 
         def metadata(candidates_tokens: int, thoughts_tokens: int) -> dict[str, Any]:
             prompt_count = usage.prompt_tokens
+            # A raw toolUsePromptTokenCount (grounding, code execution) counts in the total, as Gemini's
+            # does: beside promptTokenCount, not in it.
+            tool_use = int((raw or {}).get("toolUsePromptTokenCount", 0))
             meta: dict[str, Any] = {
                 "promptTokenCount": prompt_count,
                 "candidatesTokenCount": candidates_tokens,
-                "totalTokenCount": prompt_count + candidates_tokens + thoughts_tokens,
+                "totalTokenCount": prompt_count + candidates_tokens + thoughts_tokens + tool_use,
             }
             if usage.cached_input_tokens:
                 meta["cachedContentTokenCount"] = usage.cached_input_tokens

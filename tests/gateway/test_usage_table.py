@@ -7,6 +7,7 @@ import pytest
 
 from gateway.responses_inbound import responses_usage
 from gateway.usage import USAGE_SHAPES, Usage, anthropic_usage, normalise_usage, openai_usage
+from tests.fakes import FakeGemini
 from tests.gateway.conftest import RunningGateway
 
 # vendor, its usage object as the vendor sends it, the normalised Usage
@@ -60,9 +61,11 @@ ROWS = [
             "cachedContentTokenCount": 4096,
             "candidatesTokenCount": 40,
             "thoughtsTokenCount": 100,
-            "totalTokenCount": 5140,
+            # What grounding or code execution fed the model: beside the prompt, billed as input.
+            "toolUsePromptTokenCount": 250,
+            "totalTokenCount": 5390,
         },
-        Usage(input_tokens=904, cached_input_tokens=4096, output_tokens=140, reasoning_tokens=100),
+        Usage(input_tokens=1154, cached_input_tokens=4096, output_tokens=140, reasoning_tokens=100),
     ),
     (
         "openai_responses",
@@ -215,6 +218,33 @@ def test_row_end_to_end_anthropic_client(
     assert usage.cache_creation.ephemeral_1h_input_tokens == expected.cache_write_1h_tokens
     assert usage.output_tokens == expected.output_tokens
     assert gateway.sink.events[0].usage == expected
+
+
+@PLAIN_AND_STREAMED
+def test_geminis_tool_use_prompt_tokens_are_billed_input(
+    gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
+) -> None:
+    """`toolUsePromptTokenCount` (what Gemini's grounding search or code execution fed the model) is
+    outside `promptTokenCount` and billed as input: it was dropped, under-billing every grounded
+    answer."""
+    fake_gemini.set_next_usage(
+        raw={"toolUsePromptTokenCount": 1200}, input_tokens=900, cached_input_tokens=0, output_tokens=14
+    )
+    client = gateway.openai()
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                model="gemini-flash", messages=ASK, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        usage = chunks[-1].usage
+    else:
+        usage = client.chat.completions.create(model="gemini-flash", messages=ASK).usage
+    assert usage is not None and usage.prompt_tokens == 900 + 1200
+    assert usage.total_tokens == 900 + 1200 + 14
+    [event] = gateway.sink.events
+    assert (event.usage.input_tokens, event.usage.output_tokens) == (2100, 14)
+    assert event.cost_pico_usd > 0
 
 
 @pytest.mark.parametrize(
