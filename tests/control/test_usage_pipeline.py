@@ -4,9 +4,9 @@ in batches, a DB outage loses nothing, and redelivery never writes an event twic
 from __future__ import annotations
 
 import asyncio
-import logging
 import datetime as dt
 import itertools
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -457,9 +457,18 @@ async def test_a_db_outage_is_logged_once_and_its_end_once(
         "holding it and retrying until it is written",
     )
     assert records[1:] == [  # not one per retry: a reminder once a minute (OUTAGE_REMINDER_S)
-        ("WARNING", "usage batch still not written after 60s (ConnectionRefusedError); 30 rows held, retrying"),
-        ("WARNING", "usage batch still not written after 120s (ConnectionRefusedError); 30 rows held, retrying"),
-        ("WARNING", "usage batch still not written after 180s (ConnectionRefusedError); 30 rows held, retrying"),
+        (
+            "WARNING",
+            "usage batch still not written after 60s (ConnectionRefusedError); 30 rows held, retrying",
+        ),
+        (
+            "WARNING",
+            "usage batch still not written after 120s (ConnectionRefusedError); 30 rows held, retrying",
+        ),
+        (
+            "WARNING",
+            "usage batch still not written after 180s (ConnectionRefusedError); 30 rows held, retrying",
+        ),
         (
             "INFO",
             "usage batches written again after 240.0s: the batch held meanwhile (30 rows) is in, "
