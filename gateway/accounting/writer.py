@@ -446,15 +446,14 @@ class BatchWriter:
         while True:
             stop_if_cancelled()  # a cancel that library code swallowed last round
             try:
-                held = len(self._pending)  # the batch that failed, if any, is the one written now
-                await self.step()
+                written = await self.step()  # after an outage, the batch held through it
                 backoff = 0.1
                 if outage is not None:
                     log.info(
                         "usage batches written again after %.1fs: the batch held meanwhile (%d rows) "
                         "is in, after %d failed attempts",
                         time.monotonic() - outage[0],
-                        held,
+                        written,
                         outage[2],
                     )
                     outage = None
@@ -467,10 +466,10 @@ class BatchWriter:
             except Exception as exc:
                 now = time.monotonic()
                 if outage is None:
+                    detail = str(exc).splitlines()[0] if str(exc) else ""
                     log.warning(
-                        "usage batch not written (%s: %s); holding it and retrying until it is written",
-                        exc.__class__.__name__,
-                        str(exc).splitlines()[0] if str(exc) else "",
+                        "usage batch not written (%s); holding it and retrying until it is written",
+                        f"{exc.__class__.__name__}: {detail}" if detail else exc.__class__.__name__,
                     )
                     outage = (now, now, 1)
                 elif now - outage[1] >= OUTAGE_REMINDER_S:
