@@ -937,7 +937,40 @@ class _StreamWriter:
             if kind == "response.output_item.done" and isinstance(item, dict):
                 self.output[ours] = dict(item)
                 self.passing.discard(ours)
+            else:
+                self._grow(self.output[ours], kind, event)
         self.emit(kind, **fields)
+
+    @staticmethod
+    def _grow(item: dict[str, Any], kind: str, event: dict[str, Any]) -> None:
+        """A passed message's text as far as it streamed, which its `output_item.done` would have
+        said whole: a stream cut before it goes on in this item (`_adopt`), or ends with it."""
+        content = item.get("content")
+        if not isinstance(content, list):
+            return
+        part = event.get("part")
+        if kind == "response.content_part.added" and isinstance(part, dict):
+            content.append(dict(part))
+        elif kind == "response.output_text.delta" and content and content[-1].get("type") == "output_text":
+            content[-1]["text"] = str(content[-1].get("text") or "") + str(event.get("delta") or "")
+
+    def _adopt(self) -> None:
+        """A passed stream broke and another candidate's canonical chunks go on: a message it left
+        unfinished, the last item, is this writer's open item, so the continuation's text goes on in
+        it (one message, as a resumed stream is elsewhere); any other unfinished item is incomplete."""
+        last = len(self.output) - 1
+        item = self.output[last] if last in self.passing else None
+        content = item.get("content") if item is not None else None
+        if item is None or item.get("type") != "message" or not isinstance(content, list):
+            self._cut_passing()
+            return
+        self.passing.discard(last)
+        self._cut_passing()
+        self.open = last
+        if content and content[-1].get("type") == "output_text":
+            self.part = content[-1]
+            self.part.setdefault("annotations", [])
+            self.part.setdefault("text", "")
 
     def _cut_passing(self) -> None:
         """Items passed through that their stream never finished (it broke, and another candidate
@@ -957,6 +990,8 @@ class _StreamWriter:
                 if choice.finish_reason:
                     self.finish = choice.finish_reason
             return
+        if self.passing:
+            self._adopt()
         for choice in chunk.choices[:1]:
             delta = choice.delta
             if delta.reasoning_content:
@@ -995,8 +1030,8 @@ class _StreamWriter:
         self.emit("response.incomplete" if reason else "response.completed", response=final)
 
     def fail(self, error: GatewayError) -> None:
-        if self.open is not None:
-            self.output[self.open]["status"] = "incomplete"
+        for index in (*self.passing, *(() if self.open is None else (self.open,))):
+            self.output[index]["status"] = "incomplete"  # as far as it got, a passed item's too
         self.emit("error", code=error.code or error.type, message=error.message, param=error.param)
         code = "rate_limit_exceeded" if error.status == 429 else "server_error"
         failed = {

@@ -897,6 +897,8 @@ class Executor:
         sent: list[str] = []
         failed: set[str] = set()
         head: ChatChunk | None = None  # the stream's first chunk, whose id, model and time it keeps
+        # A tool call, or a block of Claude's server tools (a web search and its results), under way:
+        # no text prefill can carry it, and a continuation would answer without the search it made.
         tool_calls = False
         # A refusal sent: no answer text a prefill could go on from, and a fresh answer after it
         # would follow half a refusal in the one message.
@@ -951,7 +953,9 @@ class Executor:
                             for c in chunk.choices:
                                 if c.delta.content:
                                     sent.append(c.delta.content)
-                                tool_calls = tool_calls or bool(c.delta.tool_calls)
+                                tool_calls = (
+                                    tool_calls or bool(c.delta.tool_calls) or _server_tool_block(c.delta)
+                                )
                                 refused = refused or bool(c.delta.refusal)
                                 finished = finished or c.finish_reason is not None
                                 thinking = _thinking_after(thinking, c.delta)
@@ -1255,6 +1259,12 @@ def _resumable(request: ChatRequest) -> bool:
     an assistant turn (the next model starts a new JSON value)."""
     fmt = request.response_format
     return (request.n or 1) == 1 and (fmt is None or fmt.type == "text")
+
+
+def _server_tool_block(delta: Delta) -> bool:
+    """Whether `delta` starts a block of Claude's server tools (`Delta.anthropic_block` other than
+    the text of an answer that holds them)."""
+    return delta.anthropic_block is not None and delta.anthropic_block.get("type") != "text"
 
 
 def _thinking_after(thinking: bool, delta: Delta) -> bool:

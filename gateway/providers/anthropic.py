@@ -546,10 +546,12 @@ def _tools(request: ChatRequest) -> list[dict[str, Any]]:
 
 
 def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
+    # Tools first, then parameters, as every adapter refuses them (the first candidate's reason is
+    # the one a client of no able candidate reads).
+    refuse_builtin_tools(request, "Anthropic models")
     if request.n is not None and request.n > 1:
         raise InvalidRequest("Anthropic models do not support n > 1", param="n")
     refuse_unexpressible(request, UNEXPRESSIBLE, "Anthropic models")
-    refuse_builtin_tools(request, "Anthropic models")
     system, messages = _messages(request.messages)
     thinking, effort, max_tokens = _thinking(request, model)
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": messages}

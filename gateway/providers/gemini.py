@@ -390,9 +390,9 @@ PENALTIES = unexpressible("frequency_penalty", "presence_penalty")
 
 
 def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
+    refuse_builtin_tools(request, "Gemini models")  # tools first, then parameters, as on every adapter
     check_stop_count(request, MAX_STOP_SEQUENCES, "Gemini")
     refuse_unexpressible(request, UNEXPRESSIBLE, "Gemini models")
-    refuse_builtin_tools(request, "Gemini models")
     if not _PENALTIES.search(model):
         refuse_unexpressible(request, PENALTIES, "Gemini models after 2.0")
     system, contents = _contents(request.messages, model)

@@ -23,14 +23,15 @@ from gateway.providers.base import (
     NO_ARGUMENTS,
     Param,
     ParamTable,
+    Unexpressible,
     UpstreamRequest,
-    asks_audio,
-    asks_web_search,
     continued,
     custom_arguments,
     decode_json,
     json_encode,
     refuse_anthropic_tools,
+    refuse_unexpressible,
+    unexpressible,
     upstream_call_id,
     upstream_error,
 )
@@ -85,28 +86,20 @@ _FAILURE_STATUS = {
 # request that sets one cannot be expressed for it, and is not sent (a route passes the candidate
 # over; a client of that model alone gets this 400). `top_k` and `seed` are dropped as on chat to
 # OpenAI: another vendor's clients send them where their own models took them.
-_NOT_IN_RESPONSES = {
-    "stop": lambda request: bool(request.stop_list),
-    "n": lambda request: (request.n or 1) > 1,
-    "logprobs": lambda request: bool(request.logprobs or request.top_logprobs),
-    "logit_bias": lambda request: bool(request.logit_bias),
-    "frequency_penalty": lambda request: bool(request.frequency_penalty),
-    "presence_penalty": lambda request: bool(request.presence_penalty),
-    "modalities": asks_audio,  # the Responses API answers in text alone
-    "web_search_options": asks_web_search,  # a `web_search` tool there, which Weir does not send
+_NOT_IN_RESPONSES: Unexpressible = {
+    "stop": (lambda request: bool(request.stop_list), "stop sequences"),
+    "n": (lambda request: (request.n or 1) > 1, "several choices"),
+    "logprobs": (lambda request: bool(request.logprobs or request.top_logprobs), "token log probabilities"),
+    # The Responses API answers in text alone, and searches the web with a `web_search` tool, which
+    # Weir does not send for chat's `web_search_options`.
+    **unexpressible(
+        "logit_bias", "frequency_penalty", "presence_penalty", "modalities", "web_search_options"
+    ),
 }
 # Chat parameters Weir does not model (`ChatRequest.extra`) that the Responses API takes under the same
 # name (`verbosity` as `text.verbosity`): without them its prompt cache is routed, kept and its abuse
 # checks keyed otherwise than the client asked, and gpt-5 answers at its default length.
 _SAME_IN_RESPONSES = ("prompt_cache_key", "prompt_cache_retention", "safety_identifier")
-
-
-def _check_expressible(request: ChatRequest) -> None:
-    for name, is_set in _NOT_IN_RESPONSES.items():
-        if is_set(request):
-            raise InvalidRequest(
-                f"'{name}' is not supported by models served on the Responses API", param=name
-            )
 
 
 def _tools(tools: list[Tool]) -> list[dict[str, Any]]:
@@ -237,7 +230,7 @@ def _client_settings(settings: dict[str, Any] | None, body: dict[str, Any]) -> N
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     refuse_anthropic_tools(request, "OpenAI")
-    _check_expressible(request)
+    refuse_unexpressible(request, _NOT_IN_RESPONSES, "models served on the Responses API")
     request = continued(request, openai.continuation(backend, model))
     messages = openai.media_after_tool_results([openai.worded_error(message) for message in request.messages])
     instructions, items = _items(messages)

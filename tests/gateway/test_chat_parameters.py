@@ -18,6 +18,10 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.config import Backend
+from gateway.errors import InvalidRequest
+from gateway.providers import anthropic, gemini
+from gateway.types import ChatRequest, Message
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.gateway.conftest import RunningGateway
 
@@ -157,3 +161,24 @@ def test_openais_current_parameters_reach_it_as_sent(
     }
     assert sent["prompt_cache_retention"] == "24h" and sent["safety_identifier"] == "user-hash-1"
     assert sent["service_tier"] == "flex" and sent["max_completion_tokens"] == 50
+
+
+@pytest.mark.parametrize(
+    ("adapter", "model"),
+    [(anthropic.PROVIDER, "claude-sonnet-4-5"), (gemini.PROVIDER, "gemini-2.5-flash")],
+    ids=["anthropic", "gemini"],
+)
+def test_tools_are_refused_before_parameters_on_every_adapter(adapter: Any, model: str) -> None:
+    """A request no adapter but OpenAI's Responses API takes, for two reasons: each adapter names the
+    same one first (its built-in tool), so the 400 a client of no able candidate reads does not depend
+    on which vendor came first."""
+    request = ChatRequest(
+        model=model,
+        messages=[Message(role="user", content="hi")],
+        logit_bias={"50256": -100},
+        responses={"tools": [{"type": "web_search"}]},
+    )
+    backend = Backend(name="b", type=adapter.name, base_url="http://127.0.0.1:9", api_key="k")
+    with pytest.raises(InvalidRequest) as caught:
+        adapter.chat_request(backend, request, model)
+    assert caught.value.param == "tools[0].type" and caught.value.code == "unsupported_parameter"

@@ -245,9 +245,19 @@ def test_an_error_event_midway_fails_over(gateway: RunningGateway, fake_openai: 
     assert [e.status for e in gateway.sink.events] == [502, 502, 200]
 
 
-def test_a_request_the_responses_api_cannot_take_is_refused(gateway: RunningGateway) -> None:
-    with pytest.raises(openai.BadRequestError, match="'stop' is not supported"):
-        gateway.openai().chat.completions.create(model="o3-pro", messages=HI, stop=["three"])
+@pytest.mark.parametrize(
+    "params", [{"stop": ["three"]}, {"n": 2}, {"logprobs": True}, {"frequency_penalty": 0.5}], ids=str
+)
+def test_a_request_the_responses_api_cannot_take_is_refused(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, params: dict[str, Any]
+) -> None:
+    """As every adapter's refusal (`refuse_unexpressible`): a 400 `unsupported_parameter` naming it."""
+    name = next(iter(params))
+    with pytest.raises(openai.BadRequestError, match=f"'{name}' is not supported") as caught:
+        gateway.openai().chat.completions.create(model="o3-pro", messages=HI, **params)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["param"] == name and body["code"] == "unsupported_parameter"
+    assert not fake_openai.posts
 
 
 @pytest.mark.parametrize(
@@ -264,7 +274,9 @@ def test_audio_output_and_web_search_are_refused_not_dropped(
     # The Responses API answers in text alone, and searches with a tool Weir does not send.
     with pytest.raises(openai.BadRequestError) as caught:
         gateway.openai().chat.completions.create(model="o3-pro", messages=HI, **params)
-    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == next(iter(params))
+    body = caught.value.body
+    assert isinstance(body, dict) and body["param"] == next(iter(params))
+    assert body["code"] == "unsupported_parameter"
     assert not fake_openai.posts
 
 
@@ -399,3 +411,26 @@ def test_a_stream_that_ends_before_its_response_is_complete_is_no_answer() -> No
 def test_the_empty_answer_reads_as_an_empty_answer() -> None:
     response = openai_responses.chat_response(openai_responses.empty_answer("o3-pro"), "o3-pro")
     assert response.choices[0].message.content == "" and response.choices[0].finish_reason == "stop"
+
+
+def test_a_passed_through_stream_cut_mid_way_goes_on_in_the_same_message(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """A Responses client on OpenAI's Responses API gets its events as they came; cut after some of
+    the answer's text, the chat candidate's continuation goes on in that message (one message, its
+    text whole, in the final response too), not in a second one beside an empty incomplete one."""
+    words = "one two three four five six seven eight"
+    # created, in_progress, the reasoning item's two events, the message's added and its part's: then
+    # three words, and the break.
+    fake_openai.fail_next(Fault.stream_error(after=9, code=500))
+    with gateway.openai().responses.stream(model="pro-then-mini", input=words) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [post.path for post in fake_openai.posts] == ["/v1/responses", "/v1/chat/completions"]
+    messages = [item for item in final.output if item.type == "message"]
+    assert len(messages) == 1 and messages[0].status == "completed"
+    assert final.output_text == words and final.status == "completed"
+    added = [e.item.id for e in events if e.type == "response.output_item.added" and e.item.type == "message"]
+    texts = {e.item_id for e in events if e.type == "response.output_text.delta"}
+    assert texts == set(added) and len(added) == 1
+    assert [e.sequence_number for e in events] == list(range(len(events)))

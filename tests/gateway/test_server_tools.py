@@ -15,7 +15,8 @@ import pytest
 from gateway.config import Model
 from gateway.pipeline import price_sheet
 from gateway.usage import Usage, anthropic_usage, normalise_usage
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fakes.behaviour import chunk_words
 from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_fakes
 from tests.gateway.test_messages import WEATHER, final_message
@@ -28,6 +29,7 @@ ROUTES = """\
 routes:
   - {name: gpt-then-claude, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}], probe_interval: null}
   - {name: gpt-then-gemini, candidates: [{model: gpt-4o-mini}, {model: gemini-flash}], probe_interval: null}
+  - {name: claude-twice, candidates: [{model: claude-sonnet}, {model: claude-opus-46}], probe_interval: null}
 """
 ASK = "search the web for the tallest tree"
 
@@ -313,3 +315,30 @@ def test_a_searched_turn_goes_to_another_vendor_as_its_text(
         assert sent["messages"][1] == {"role": "assistant", "content": said}
     else:
         assert sent["contents"][1] == {"role": "model", "parts": [{"text": said}]}
+
+
+def test_a_stream_cut_after_a_server_tool_block_is_not_continued_from_its_text(
+    routed: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """A cut answer that already holds a server tool's block cannot go on from its text alone: the
+    continuation would not have the search it made (its results are in the blocks, not the text) and
+    would follow a half-sent `server_tool_use`. It ends as a cut tool call does, with an error event,
+    and no second candidate is asked."""
+    opening = _search(routed, stream=False).content[0].text  # type: ignore[union-attr]
+    # message_start; the opening text's start, ping, words and stop; the search's start and two of
+    # its input's deltas: then the break.
+    fake_anthropic.fail_next(Fault.stream_error(after=len(chunk_words(opening)) + 8, code=529))
+    events: list[Any] = []
+    with (
+        pytest.raises(anthropic.APIStatusError),
+        routed.anthropic().messages.stream(
+            model="claude-twice",
+            max_tokens=200,
+            tools=[WEB_SEARCH],  # type: ignore[list-item]
+            messages=[{"role": "user", "content": ASK}],
+        ) as stream,
+    ):
+        events.extend(stream)
+    started = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert "server_tool_use" in started
+    assert len(fake_anthropic.posts) == 2  # the opening's and the cut one's: nobody continued it
