@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.estimate import input_tokens
+from gateway.providers.base import builtin_tools
 from gateway.types import ChatRequest, ImagePart, Message, TextPart, has_cache_control
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ def features(
         last_user=last_user,
         prompt_tokens=input_tokens(request),
         requested_output_tokens=request.output_limit,
-        tools=bool(request.tools or request.anthropic_tools),
+        # Function tools, Anthropic's own (a web search) and a Responses client's built-in ones alike.
+        tools=bool(request.tools or request.anthropic_tools or builtin_tools(request)),
         images=images,
         metadata=metadata,
         tags=frozenset(t.strip() for t in metadata.get("tags", "").split(",") if t.strip()),

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from gateway.estimate import INLINE_PART_TOKENS
+from gateway.types import ChatRequest, Message
+from routing.plan import features
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import RunningGateway
 from tests.routing.routed import route_header
@@ -129,3 +131,13 @@ def test_an_anthropic_request_without_the_metadata_takes_the_other_branch(gatewa
         )
         answer.parse()
         assert route_header(answer)["candidate"] == LARGE_WINDOW, metadata
+
+
+def test_a_responses_requests_built_in_tools_are_tools_to_a_route() -> None:
+    """Codex's `web_search` or `local_shell` alone (no function tool beside it) still makes a request
+    with tools: a `when: {tools: ...}` condition and a candidate's `tools: false` see it as one, as
+    they see an Anthropic client's web search."""
+    asked = [Message(role="user", content=QUESTION)]
+    built_in = ChatRequest(model="sized", messages=asked, responses={"tools": [{"type": "web_search"}]})
+    plain = ChatRequest(model="sized", messages=asked, responses={"include": ["reasoning.encrypted_content"]})
+    assert features(built_in, None, None).tools and not features(plain, None, None).tools
