@@ -956,21 +956,21 @@ class _StreamWriter:
 
     def _adopt(self) -> None:
         """A passed stream broke and another candidate's canonical chunks go on: a message it left
-        unfinished, the last item, is this writer's open item, so the continuation's text goes on in
-        it (one message, as a resumed stream is elsewhere); any other unfinished item is incomplete."""
+        unfinished in its text, the last item, is this writer's open item, so the continuation's text
+        goes on in it (one message, as a resumed stream is elsewhere); any other unfinished item is
+        incomplete."""
         last = len(self.output) - 1
         item = self.output[last] if last in self.passing else None
         content = item.get("content") if item is not None else None
-        if item is None or item.get("type") != "message" or not isinstance(content, list):
+        part = content[-1] if isinstance(content, list) and content else None
+        if item is None or item.get("type") != "message" or part is None or part.get("type") != "output_text":
             self._cut_passing()
             return
         self.passing.discard(last)
         self._cut_passing()
-        self.open = last
-        if content and content[-1].get("type") == "output_text":
-            self.part = content[-1]
-            self.part.setdefault("annotations", [])
-            self.part.setdefault("text", "")
+        self.open, self.part = last, part
+        part.setdefault("annotations", [])
+        part.setdefault("text", "")
 
     def _cut_passing(self) -> None:
         """Items passed through that their stream never finished (it broke, and another candidate
