@@ -4,9 +4,15 @@ import uPlot from "./vendor/uPlot.esm.js";
 
 const API = "/admin/session/api/v1";
 const main = document.getElementById("main");
-// What a price row prices: token classes, and `web_search` (Anthropic's, per search; priced per 1M
-// searches like a token class: $10 per 1,000 is 10000).
+// What a price row prices: token classes, and `web_search` (Anthropic's, billed per search).
 const TOKEN_CLASSES = ["input", "cached_input", "cache_write_5m", "cache_write_1h", "output", "web_search"];
+// The classes billed per request, by what one request is: the API takes and shows their price per
+// 1,000 (`usd_per_1k_requests`, as vendors quote it), the others' per 1M tokens.
+const PER_REQUEST = { web_search: "searches" };
+// A price row as it reads: "$2.50 / 1M tokens", "$10.00 / 1k searches" (every decimal the API holds).
+const priceFmt = (p) => p.usd_per_1k_requests != null
+  ? `${usdFmt(p.usd_per_1k_requests, 9)} / 1k ${PER_REQUEST[p.token_class] || "requests"}`
+  : `${usdFmt(p.usd_per_1m_tokens, 6)} / 1M tokens`;
 const COLORS = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2"];
 let csrf = null;
 // Each render of a page (route()) takes the next number, and only the latest may write the page: a
@@ -911,15 +917,27 @@ async function backends(params, query, show) {
   const cls = h("select", { name: "token_class" }, TOKEN_CLASSES.map((c) => h("option", { value: c }, c)));
   const usd = h("input", { name: "usd_per_1m_tokens", inputmode: "decimal", required: true });
   const from = h("input", { name: "effective_from", type: "datetime-local" });
+  const tokenHint = "As vendors quote it (GPT-4o input: 2.50).";
+  const usdField = field("USD per 1M tokens", usd, tokenHint);
+  // The price's unit follows the class: a search price is typed as vendors quote it, per 1,000 (10,
+  // not 10000), and sent as the field of that unit, whose name an API error then points at.
+  const showUnit = () => {
+    const unit = PER_REQUEST[cls.value];
+    usd.name = unit ? "usd_per_1k_requests" : "usd_per_1m_tokens";
+    usdField.querySelector("label").textContent = unit ? `USD per 1,000 ${unit}` : "USD per 1M tokens";
+    usdField.querySelector(".hint").textContent = unit ? `As vendors quote it (Anthropic's web search: 10, $10 per 1,000 ${unit}).` : tokenHint;
+  };
+  cls.addEventListener("change", showUnit);
+  showUnit();
   const form = h("form", { class: "inline-form", "aria-label": "Add a price" }, ...formBox(
     field("Model", model, "The upstream model name, as the backend bills it."),
     field("Backend", backend, "* applies to every backend serving the model."),
-    field("Token class", cls), field("USD per 1M tokens", usd, "web_search: USD per 1M searches ($10 per 1,000 is 10000)."),
+    field("Token class", cls), usdField,
     field("Effective from (UTC)", from, "Empty: now. Never in the past: history is not re-priced."),
     h("button", { type: "submit" }, "Add price")));
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
-    const p = { model: model.value.trim(), backend: backend.value.trim() || "*", token_class: cls.value, usd_per_1m_tokens: usd.value.trim() };
+    const p = { model: model.value.trim(), backend: backend.value.trim() || "*", token_class: cls.value, [usd.name]: usd.value.trim() };
     if (from.value) p.effective_from = `${from.value}:00Z`;
     try { await api("prices", { method: "PUT", body: { prices: [p] } }); await route(); } catch (e) {
       formError(form, { ...e, message: e.message, param: e.param ? e.param.replace(/^prices\[\d+\]\./, "") : null });
@@ -928,7 +946,7 @@ async function backends(params, query, show) {
   const priceCols = [
     { label: "Model", key: "model" }, { label: "Backend", key: "backend" },
     { label: "Token class", key: "token_class" },
-    { label: "USD / 1M tokens", num: true, key: "usd_per_1m_tokens" },
+    { label: "Price (USD)", num: true, render: priceFmt },
     { label: "Effective from", render: (p) => p.effective_from.slice(0, 16).replace("T", " ") },
   ];
   show("Backends & models",

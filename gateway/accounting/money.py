@@ -35,6 +35,31 @@ def micro_to_usd(micro: int) -> Decimal:
     return Decimal(micro) / MICRO_PER_USD
 
 
+# A class billed per request (web searches) is held like a token class, in micro-USD per 1M requests,
+# but vendors quote it per 1,000 requests ($10 per 1,000 searches): the admin API reads and writes it
+# in their unit, so nobody has to multiply by 1,000 to type a price.
+MICRO_PER_USD_PER_1K = MICRO_PER_USD * 1000
+
+
+def usd_per_1k_requests_to_micro(value: Decimal | str | int) -> int:
+    """`"10"` USD per 1,000 requests -> 10^10 micro-USD per 1M requests. More than nine decimals
+    cannot be held exactly: refused, as is more than the price cap."""
+    amount = Decimal(str(value))
+    if not amount.is_finite() or amount < 0:
+        raise ValueError(f"price must be a non-negative number, got {value!r}")
+    micro = amount * MICRO_PER_USD_PER_1K
+    if micro > MAX_PRICE_MICRO:
+        limit = Decimal(MAX_PRICE_MICRO) / MICRO_PER_USD_PER_1K
+        raise ValueError(f"{value!r} is too large (at most {limit} USD per 1,000 requests)")
+    if micro != micro.to_integral_value():
+        raise ValueError(f"price {value!r} has more than 9 decimals (USD per 1,000 requests)")
+    return int(micro)
+
+
+def micro_to_usd_per_1k_requests(micro: int) -> Decimal:
+    return Decimal(micro) / MICRO_PER_USD_PER_1K
+
+
 def usd_to_micro(value: Decimal | str | int) -> int:
     """Budgets: `"100.25"` USD -> 100_250_000 micro-dollars (more than six decimals, or more than
     MAX_BUDGET_MICRO, refused)."""

@@ -44,6 +44,10 @@ USAGE_FIELD: dict[TokenClass, str] = {
     TokenClass.WEB_SEARCH: "web_search_requests",
 }
 
+# Classes billed per request, not per token: the admin API takes and shows their price per 1,000
+# requests (`usd_per_1k_requests`), as vendors quote it, and refuses a price per 1M tokens for them.
+PER_REQUEST: frozenset[TokenClass] = frozenset({TokenClass.WEB_SEARCH})
+
 # A class without its own price is billed like this one (vendors that do not discount cache reads or
 # charge extra for writes simply leave those classes out).
 FALLBACK: dict[TokenClass, TokenClass] = {

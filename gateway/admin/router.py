@@ -24,10 +24,18 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.accounting import reports
-from gateway.accounting.money import format_usd, micro_to_usd, usd_per_mtok_to_micro, usd_to_micro
+from gateway.accounting.money import (
+    format_usd,
+    micro_to_usd,
+    micro_to_usd_per_1k_requests,
+    usd_per_1k_requests_to_micro,
+    usd_per_mtok_to_micro,
+    usd_to_micro,
+)
+from gateway.accounting.pricing import PER_REQUEST
 from gateway.admin.keys import new_key
 from gateway.admin.requests import preview_route, recent_requests, routing_savings, spend_by_class
-from gateway.admin.schemas import KeyCreate, PricesPut, TenantCreate, TenantPatch
+from gateway.admin.schemas import KeyCreate, PriceIn, PricesPut, TenantCreate, TenantPatch
 from gateway.admin.token import token_matches
 from gateway.db.models import ApiKey, AuditLog, Price, Tenant, utcnow
 from gateway.state import SharedState
@@ -188,14 +196,47 @@ def key_json(k: ApiKey) -> dict[str, Any]:
 
 
 def price_json(p: Price) -> dict[str, Any]:
+    # Both fields on every row, the one that does not apply null: a client reading a search price as
+    # per 1M tokens gets nothing rather than a number 1,000 times too large.
+    per_request = p.token_class in PER_REQUEST
     return {
         "backend": p.backend,
         "model": p.model,
         "token_class": p.token_class,
         "service_tier": p.service_tier or None,
-        "usd_per_1m_tokens": format_usd(micro_to_usd(p.micro_usd_per_mtok)),
+        "usd_per_1m_tokens": None if per_request else format_usd(micro_to_usd(p.micro_usd_per_mtok)),
+        "usd_per_1k_requests": (
+            format_usd(micro_to_usd_per_1k_requests(p.micro_usd_per_mtok)) if per_request else None
+        ),
         "effective_from": p.effective_from.isoformat(),
     }
+
+
+def _price_micro(item: PriceIn, i: int) -> int:
+    """The catalog's micro-USD per 1M units of a price row, from the one field its class is priced in."""
+    per_request = item.token_class in PER_REQUEST
+    field = "usd_per_1k_requests" if per_request else "usd_per_1m_tokens"
+    other = "usd_per_1m_tokens" if per_request else "usd_per_1k_requests"
+    if getattr(item, other) is not None:
+        if per_request:
+            message = (
+                f"{item.token_class} is billed per request and priced per 1,000 requests: send "
+                "usd_per_1k_requests (Anthropic's $10 per 1,000 web searches is 10), not usd_per_1m_tokens"
+            )
+        else:
+            message = (
+                "usd_per_1k_requests prices only the classes billed per request (web_search): "
+                f"{item.token_class} is priced in usd_per_1m_tokens"
+            )
+        raise AdminError(400, message, "invalid_value", f"prices[{i}].{other}")
+    value = getattr(item, field)
+    if value is None:
+        message = f"{field} is required for {item.token_class}"
+        raise AdminError(400, message, "invalid_value", f"prices[{i}].{field}")
+    try:
+        return usd_per_1k_requests_to_micro(value) if per_request else usd_per_mtok_to_micro(value)
+    except ValueError as exc:
+        raise AdminError(400, str(exc), "invalid_value", f"prices[{i}].{field}") from None
 
 
 async def tenant_or_404(session: AsyncSession, tenant_id: str) -> Tenant:
@@ -375,10 +416,7 @@ async def put_prices(request: Request, ctx: AdminContext) -> dict[str, Any]:
                     "invalid_value",
                     f"prices[{i}].effective_from",
                 )
-            try:
-                micro = usd_per_mtok_to_micro(item.usd_per_1m_tokens)
-            except ValueError as exc:
-                raise AdminError(400, str(exc), "invalid_value", f"prices[{i}].usd_per_1m_tokens") from None
+            micro = _price_micro(item, i)
             row = Price(
                 backend=item.backend,
                 model=item.model,

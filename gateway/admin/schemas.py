@@ -55,7 +55,12 @@ class KeyCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class PriceIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: Name
     token_class: TokenClass
-    usd_per_1m_tokens: Usd
+    # Exactly one, by class: a token class's price per 1M tokens, or a per-request class's
+    # (`web_search`) per 1,000 requests, the unit vendors quote ($10 per 1,000 searches is 10). A
+    # field of its own, not one number whose unit hangs on the class: a search price typed per 1M
+    # tokens would bill 1,000 times too little.
+    usd_per_1m_tokens: Usd | None = None
+    usd_per_1k_requests: Usd | None = None
     backend: Name = ANY_BACKEND
     # The service tier whose attempts it bills (`flex`, `priority`); None: the base price, which bills
     # attempts of every other tier and those whose vendor reports none.

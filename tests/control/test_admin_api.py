@@ -6,7 +6,9 @@ import csv
 import datetime as dt
 import hashlib
 import io
+import logging
 import random
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from decimal import Decimal
@@ -20,6 +22,7 @@ from sqlalchemy import select, text
 from gateway.accounting.catalog import load_catalog
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import format_usd, pico_to_usd
+from gateway.accounting.pricing import TokenClass
 from gateway.accounting.queue import SpoolQueue
 from gateway.accounting.writer import BatchWriter
 from gateway.admin.control_plane import ControlPlane, ControlPlaneSettings
@@ -27,9 +30,10 @@ from gateway.admin.keys import DbAuthenticator
 from gateway.admin.router import AdminContext, admin_router
 from gateway.admin.token import ensure_admin_token
 from gateway.db import migrate
-from gateway.db.models import ApiKey, UptimeSample, UsageEventRow, UsageRollup
+from gateway.db.models import ApiKey, Price, UptimeSample, UsageEventRow, UsageRollup
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state import MemoryState
+from gateway.usage import Usage
 from tests.control.events import usage_event
 from tests.control.helpers import priced_event, random_usage
 
@@ -277,6 +281,115 @@ async def test_prices_are_appended_never_rewritten(env: Env) -> None:
     )
     audit = (await c.get("/admin/api/v1/audit", params={"entity": "price"}, headers=AUTH)).json()["data"]
     assert len(audit) == 4 and all(a["action"] == "create" and a["after"]["model"] == "gpt-4o" for a in audit)
+
+
+async def _history(env: Env) -> list[dict[str, Any]]:
+    r = await env.client.get("/admin/api/v1/prices", params={"history": "true"}, headers=AUTH)
+    return list(r.json()["data"])
+
+
+async def test_a_search_price_is_written_and_read_per_1000_searches(env: Env) -> None:
+    """Vendors quote web searches per 1,000 ($10): the API takes and shows that number in
+    `usd_per_1k_requests`, and the catalog bills one search $0.01. (It took USD per 1M searches in
+    `usd_per_1m_tokens`, where the 10 an admin copied from the price sheet billed $0.00001.)"""
+    search = {"backend": "anthropic", "model": "claude-sonnet-4-5", "token_class": "web_search"}
+    r = await env.client.put(
+        "/admin/api/v1/prices",
+        json={
+            "prices": [
+                search | {"usd_per_1k_requests": "10"},
+                search | {"model": "claude-haiku-4-5", "usd_per_1k_requests": 0.000000001},
+                {"model": "claude-haiku-4-5", "token_class": "input", "usd_per_1m_tokens": "0.80"},
+            ]
+        },
+        headers=AUTH,
+    )
+    assert r.status_code == 200, r.text
+    written = [(p["model"], p["usd_per_1k_requests"], p["usd_per_1m_tokens"]) for p in r.json()["data"]]
+    assert written == [
+        ("claude-sonnet-4-5", "10", None),
+        ("claude-haiku-4-5", "0.000000001", None),
+        ("claude-haiku-4-5", None, "0.8"),
+    ]
+    listed = (await env.client.get("/admin/api/v1/prices", headers=AUTH)).json()["data"]
+    assert {(p["model"], p["usd_per_1k_requests"], p["usd_per_1m_tokens"]) for p in listed} == set(written)
+
+    async with env.ctx.sessions() as session:
+        catalog = await load_catalog(session)
+    now = dt.datetime.now(dt.UTC)
+    one_search = catalog.price(Usage(web_search_requests=1), "anthropic", "claude-sonnet-4-5", now)
+    assert pico_to_usd(one_search.cost_pico_usd) == Decimal("0.01")
+    cheapest = catalog.price(Usage(web_search_requests=1000), "anthropic", "claude-haiku-4-5", now)
+    assert pico_to_usd(cheapest.cost_pico_usd) == Decimal("0.000000001")
+
+
+@pytest.mark.parametrize(
+    ("price", "param", "says"),
+    [
+        # The old unit for a search price: refused, naming the field to send instead.
+        (
+            {"token_class": "web_search", "usd_per_1m_tokens": "10000"},
+            "usd_per_1m_tokens",
+            "usd_per_1k_requests",
+        ),
+        ({"token_class": "web_search"}, "usd_per_1k_requests", "required"),
+        (
+            {"token_class": "web_search", "usd_per_1k_requests": "0.0000000001"},
+            "usd_per_1k_requests",
+            "9 decimals",
+        ),
+        (
+            {"token_class": "web_search", "usd_per_1k_requests": "1000.001"},
+            "usd_per_1k_requests",
+            "too large",
+        ),
+        ({"token_class": "web_search", "usd_per_1k_requests": "-1"}, "usd_per_1k_requests", "non-negative"),
+        ({"token_class": "input", "usd_per_1k_requests": "10"}, "usd_per_1k_requests", "usd_per_1m_tokens"),
+        ({"token_class": "output"}, "usd_per_1m_tokens", "required"),
+    ],
+)
+async def test_a_price_in_the_wrong_unit_for_its_class_is_refused(
+    env: Env, price: dict[str, Any], param: str, says: str
+) -> None:
+    before = await _history(env)
+    good = {"model": "claude-sonnet-4-5", "token_class": "input", "usd_per_1m_tokens": "3"}
+    r = await env.client.put(
+        "/admin/api/v1/prices", json={"prices": [good, {"model": "claude-sonnet-4-5"} | price]}, headers=AUTH
+    )
+    error = assert_openai_error(r, 400, f"prices[1].{param}")
+    assert says in error["message"]
+    assert await _history(env) == before  # the whole batch, the good row too
+
+
+async def test_the_catalog_skips_rows_of_a_token_class_it_does_not_know(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newer release's price class (a row this code cannot bill) is skipped, with one warning however
+    often the catalog reloads; the rest loads. It failed the whole load: during a rolling upgrade an
+    old replica kept a stale catalog, or failed to start, once a new replica's class was priced."""
+    future = f"future_{uuid.uuid4().hex[:8]}"  # never seen by this process, whatever ran before
+    now = dt.datetime.now(dt.UTC)
+    async with env.ctx.sessions() as session, session.begin():
+        for model, token_class, micro in (("gpt-4o", "input", 2_500_000), ("gpt-4o", future, 10**10)):
+            session.add(
+                Price(
+                    backend="*",
+                    model=model,
+                    token_class=token_class,
+                    micro_usd_per_mtok=micro,
+                    effective_from=now,
+                )
+            )
+    caplog.set_level(logging.WARNING, logger="gateway.accounting.catalog")
+    for _ in range(3):  # the first load and two periodic reloads
+        async with env.ctx.sessions() as session:
+            catalog = await load_catalog(session)
+        assert catalog.prices_at("openai", "gpt-4o", now) == {TokenClass.INPUT: 2_500_000}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and future in warnings[0], warnings
+    # The admin API still lists the row as it is.
+    listed = (await env.client.get("/admin/api/v1/prices", headers=AUTH)).json()["data"]
+    assert {p["token_class"] for p in listed} == {"input", future}
 
 
 # Prices used by the reconciliation below, as an operator would type them (USD per 1M tokens).
