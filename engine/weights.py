@@ -8,6 +8,7 @@ peak memory stays near the size of the final fp32/bf16 model.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -47,9 +48,29 @@ def is_gguf(path: Path) -> bool:
 
 def open_gguf(path: Path) -> GGUFReader:
     """A memory-mapped GGUF reader. Parsing the header takes seconds: open once, pass it around."""
+    return plain_view_reader()(path)
+
+
+@functools.cache
+def plain_view_reader() -> type[GGUFReader]:
     import gguf
 
-    return gguf.GGUFReader(path)
+    class PlainViewReader(gguf.GGUFReader):
+        """gguf's reader slices its np.memmap once per header value and per row group of a quantised
+        tensor (~250,000 slices for SmolLM2's 49,152-token vocabulary and merges), and every slice of a
+        memmap runs its Python __getitem__ and __array_finalize__ hooks: over half of the time SmolLM2
+        took to open and dequantise. A plain ndarray view of the same mapping reads the same bytes without
+        them (it keeps the memmap, and so the mapping, alive as its base)."""
+
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray[Any, Any]:
+            return self._plain_data
+
+        @data.setter
+        def data(self, value: np.ndarray[Any, Any]) -> None:
+            self._plain_data = value.view(np.ndarray)
+
+    return PlainViewReader
 
 
 def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:

@@ -4,7 +4,12 @@ the real gateway in front of the fake OpenAI (`weir`, `sqlite_weir`) for the tes
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
+import functools
 import os
+import shutil
+import tempfile
 import time
 import urllib.parse
 import uuid
@@ -24,6 +29,7 @@ from sqlalchemy import text
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.db import migrate
 from gateway.state import MemoryState, SharedState
 from gateway.state.redis import RedisState
 from tests.conftest import free_port
@@ -68,6 +74,27 @@ def pg_url() -> Iterator[str]:
 @pytest.fixture
 def sqlite_url(tmp_path: object) -> str:
     return f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+
+
+@functools.cache
+def _migrated_sqlite_template() -> Path:
+    """A SQLite admin DB at the schema's head, migrated once a session (alembic's batch-mode steps take
+    about a second on a loaded 2-core machine: most of a gateway fixture's start)."""
+    directory = Path(tempfile.mkdtemp(prefix="weir-test-template-"))
+    atexit.register(shutil.rmtree, directory, True)
+    path = directory / "weir.db"
+    # In a thread of its own: env.py runs its own event loop, and a test's may be running here.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(migrate.upgrade, f"sqlite+aiosqlite:///{path}", configure_logger=False).result()
+    return path
+
+
+def migrated_sqlite(url: str) -> str:
+    """Put a copy of the migrated template at SQLite `url`'s file, for a gateway fixture: its start then
+    finds the schema at head (its upgrade a no-op check). What a start migrates from an empty file is
+    the tests' of migrations (test_migrations, test_db_cli) and of the modules that make their own."""
+    shutil.copyfile(_migrated_sqlite_template(), url.split(":///", 1)[1])
+    return url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -177,7 +204,7 @@ def sqlite_weir(
 ) -> Iterator[Weir]:
     """A gateway on `config` with the control plane on a SQLite ledger in `tmp_path` (`${DB_URL}`), its
     backend `${OPENAI_BASE_URL}` / `${OPENAI_API_KEY}` the fake OpenAI, and `env` besides."""
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+    db_url = migrated_sqlite(f"sqlite+aiosqlite:///{tmp_path}/weir.db")
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     values = {
@@ -207,7 +234,10 @@ def weir(
     redis_prefix: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Weir]:
-    db_url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    if request.param == "sqlite":
+        db_url = migrated_sqlite(request.getfixturevalue("sqlite_url"))
+    else:
+        db_url = request.getfixturevalue("pg_url")
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)

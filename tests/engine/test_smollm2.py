@@ -4,6 +4,7 @@ transformers loading the same file: identical greedy tokens, identical tokenizat
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from engine import registry
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from engine.weights import plain_view_reader
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -36,10 +38,16 @@ def engine(gguf_path: Path) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def hf(gguf_path: Path) -> tuple[object, object]:
-    tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
+    import gguf
+
+    # transformers parses the file with gguf.GGUFReader for the tokenizer, then for the config and the
+    # weights: each time through np.memmap slices, most of this fixture's time. It reads the same
+    # bytes through the engine's plain view of the mapping (test_weights checks the two readers agree).
+    with mock.patch.object(gguf, "GGUFReader", plain_view_reader()):
+        tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        ).eval()
     return tok, model
 
 

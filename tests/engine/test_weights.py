@@ -176,6 +176,46 @@ def write_gguf(
     w.close()
 
 
+def test_a_gguf_file_is_read_through_a_plain_view_of_its_mapping(tmp_path: Path) -> None:
+    """open_gguf reads what gguf's own reader does, but hands out no np.memmap slices: each one ran
+    memmap's Python hooks, over half of the time a real model's header and weights took to read."""
+    import gguf
+
+    from engine.weights import open_gguf
+
+    path = tmp_path / "plain.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_token_list([f"tok{i}" for i in range(500)])
+    w.add_token_merges([f"t o{i}" for i in range(300)])
+    w.add_block_count(2)
+    weight = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    w.add_tensor(
+        "blk.0.ffn_down.weight",
+        gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
+    w.add_tensor("output_norm.weight", weight[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    assert {k: f.contents() for k, f in ours.fields.items()} == {
+        k: f.contents() for k, f in theirs.fields.items()
+    }
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[499] == "tok499"
+    for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type) == (ref.name, ref.tensor_type)
+        np.testing.assert_array_equal(
+            gguf.quants.dequantize(mine.data, mine.tensor_type),
+            gguf.quants.dequantize(ref.data, ref.tensor_type),
+        )
+    assert type(ours.data) is np.ndarray
+    parts = [p for f in ours.fields.values() for p in f.parts] + [t.data for t in ours.tensors]
+    assert not [p for p in parts if isinstance(p, np.memmap)]
+
+
 @pytest.mark.parametrize("rope", ["default", "llama3"])
 def test_gguf_file_matches_transformers(tmp_path: Path, rope: str) -> None:
     tok = train_tokenizer()

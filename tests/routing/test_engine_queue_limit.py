@@ -6,6 +6,7 @@ opened against an engine that is only busy. The real engine server runs the tiny
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 
 import httpx
@@ -73,8 +74,16 @@ def test_a_request_holds_a_seat_per_choice() -> None:
 
 def test_without_a_limit_requests_queue_instead_of_being_refused() -> None:
     """The default (no `--max-queued`) keeps vLLM's behaviour: everything queues."""
-    with tiny_engine(max_num_seqs=1) as (port, llm), busy(port, llm, 2):
-        reply = engine_client(port).completions.create(model="tiny", prompt="hi", max_tokens=2, timeout=30)
+    with tiny_engine(max_num_seqs=1) as (port, llm), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with busy(port, llm, 2):
+            queued = pool.submit(
+                engine_client(port).completions.create, model="tiny", prompt="hi", max_tokens=2, timeout=30
+            )
+            # Waiting behind the running stream and the queued one, not refused. The busy streams
+            # are let go now rather than run to their end (400 slowed steps each, ~16 s).
+            wait_for(lambda: llm.stats().num_waiting == 2 or queued.done(), timeout=10)
+            assert not queued.done() and refused(port) == 0
+        reply = queued.result(timeout=30)
         assert reply.choices[0].finish_reason == "length"
         assert refused(port) == 0
 

@@ -15,10 +15,12 @@ from pathlib import Path
 import click
 import numpy as np
 import pytest
+import structlog
 from click.testing import CliRunner
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+import routing.embed
 import routing.heads
 from gateway.credentials import prompt_context
 from gateway.db.models import (
@@ -34,6 +36,7 @@ from gateway.db.session import sessionmaker
 from gateway.vault import Vault, generate_key
 from routing.cli import _promote
 from routing.difficulty import DifficultyClassifier, DifficultyHead, encode
+from routing.embed import WordPieceEmbedder
 from routing.feedback import answered_by, load_feedback, request_prompt
 from routing.heads import bundle, digest
 from routing.ranking import auc
@@ -176,11 +179,40 @@ def admin_db(tmp_path: Path) -> tuple[str, Vault]:
     return f"sqlite:///{path}", vault
 
 
-def cli(args: list[str]) -> subprocess.CompletedProcess[str]:
-    """`weir ARGS` in this process, so that torch and the embedder load once for a test's many runs
-    (not `router score`, which points the process's logging at its own stderr)."""
-    result = CliRunner().invoke(main, args)
+def cli(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`weir ARGS` in this process, so that torch and the embedder load once for a test's many runs.
+    `router score` points structlog at the runner's stderr for good: the config is put back after."""
+    saved = structlog.get_config()
+    try:
+        result = CliRunner().invoke(main, args, input=stdin)
+    finally:
+        structlog.configure(**saved)
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
+@pytest.fixture
+def embed_each_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `router train` runs of a test in this process share one MiniLM per recipe, and each prompt's
+    embedding: every run re-embedded the same few hundred prompts, one per pass (a prompt's embedding
+    is a function of its token ids alone: routing.minilm), which was most of the test's time."""
+    real_load = routing.embed.load_embedder
+    loaded: dict[str, WordPieceEmbedder] = {}
+
+    def load_once(recipe: str = routing.embed.DEFAULT_RECIPE) -> WordPieceEmbedder:
+        if recipe not in loaded:
+            embedder = loaded[recipe] = real_load(recipe)
+            real_pool, pooled = embedder.pool, dict[tuple[int, ...], np.ndarray]()
+
+            def pool_once(ids: list[int]) -> np.ndarray:
+                key = tuple(ids)
+                if key not in pooled:
+                    pooled[key] = real_pool(ids)
+                return pooled[key].copy()
+
+            embedder.pool = pool_once  # type: ignore[method-assign]
+        return loaded[recipe]
+
+    monkeypatch.setattr(routing.embed, "load_embedder", load_once)
 
 
 def train_acme(url: str) -> list[str]:
@@ -362,8 +394,8 @@ def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Pat
     assert f"blend: {meta['blend_inputs']} (cross-fitted AUC" in result.stderr
     assert meta["version"] == (5 if meta["blend_inputs"] == "components+length" else 4)
     lines = "\n".join(json.dumps({"prompt": p}) for p in (hard(200), easy(200))) + "\n"
-    # `router score` sends structlog to its stderr for the whole process: run it as its own process.
-    scored = run(["router", "score", "--head", str(out)], lines)
+    scored = cli(["router", "score", "--head", str(out)], lines)
+    assert scored.returncode == 0, scored.stderr
     hard_p, easy_p = (json.loads(line)["p_strong"] for line in scored.stdout.splitlines())
     assert hard_p > easy_p
 
@@ -377,7 +409,7 @@ def test_cli_trains_from_the_admin_db(admin_db: tuple[str, Vault], tmp_path: Pat
     assert [json.loads(line)["digest"] for line in listed.stdout.splitlines()] == [shown["digest"]]
     exported = cli(["router", "heads", "export", "acme-v1", "--out", str(tmp_path / "acme.safetensors"), *db])
     assert exported.returncode == 0, exported.stderr
-    again = run(["router", "score", "--head", str(tmp_path / "acme.safetensors")], lines)
+    again = cli(["router", "score", "--head", str(tmp_path / "acme.safetensors")], lines)
     assert again.stdout == scored.stdout
     bad = cli(["router", "heads", "install", "acme-v2", str(tmp_path / "acme.safetensors.missing"), *db])
     assert bad.returncode != 0
@@ -513,6 +545,7 @@ def test_the_promotion_rule() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("embed_each_prompt_once")
 def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
     admin_db: tuple[str, Vault], tmp_path: Path
 ) -> None:

@@ -15,6 +15,7 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from routing.router import Router
 from tests.conftest import free_port
+from tests.control.conftest import migrated_sqlite
 from tests.fakes import FakeOpenAI
 from tests.gateway.conftest import serve
 
@@ -57,7 +58,7 @@ database_url: "${DB_URL}"
 def _serve(
     config: str, fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Weir]:
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+    db_url = migrated_sqlite(f"sqlite+aiosqlite:///{tmp_path}/weir.db")
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     monkeypatch.delenv("WEIR_DATABASE_URL", raising=False)
