@@ -89,6 +89,11 @@ def _migrated_sqlite_template() -> Path:
     return path
 
 
+def premigrated(url: str) -> str:
+    """`url` as `migrated_sqlite` leaves a SQLite one; a PostgreSQL one as it is (its test migrates it)."""
+    return migrated_sqlite(url) if url.startswith("sqlite") else url
+
+
 def migrated_sqlite(url: str) -> str:
     """Put a copy of the migrated template at SQLite `url`'s file, for a gateway fixture: its start then
     finds the schema at head (its upgrade a no-op check). What a start migrates from an empty file is

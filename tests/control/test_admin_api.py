@@ -34,6 +34,7 @@ from gateway.db.models import ApiKey, Price, UptimeSample, UsageEventRow, UsageR
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state import MemoryState
 from gateway.usage import Usage
+from tests.control.conftest import premigrated
 from tests.control.events import usage_event
 from tests.control.helpers import priced_event, random_usage
 
@@ -48,7 +49,7 @@ class Env:
 
 @pytest.fixture
 async def env(db_url: str, tmp_path: Any) -> AsyncIterator[Env]:
-    await migrate.upgrade_async(db_url)
+    await migrate.upgrade_async(premigrated(db_url))
     engine = create_engine(db_url)
     sessions = sessionmaker(engine)
     digest, generated = await ensure_admin_token(sessions, env_token=TOKEN)

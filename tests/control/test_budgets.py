@@ -21,7 +21,7 @@ from gateway.state import SharedState
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 from gateway.usage import Usage
-from tests.control.conftest import REDIS_URL
+from tests.control.conftest import REDIS_URL, premigrated
 from tests.control.events import usage_event
 from tests.control.helpers import TcpProxy
 
@@ -242,7 +242,7 @@ async def control(db_url: str, tmp_path: Path) -> AsyncIterator[ControlPlane]:
     what a seed reads, beside the attempts a test writes."""
     plane = ControlPlane(ControlPlaneSettings(database_url=db_url, spool_dir=str(tmp_path / "spool")))
     try:
-        await migrate.upgrade_async(db_url)
+        await migrate.upgrade_async(premigrated(db_url))
         await plane.writer.write([event("before", Usage(input_tokens=10), 2 * 10**12)])
         yield plane
     finally:

@@ -26,7 +26,7 @@ from gateway.accounting.writer import BatchWriter, _rollup_rows, event_row
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine
-from tests.control.conftest import REDIS_URL
+from tests.control.conftest import REDIS_URL, premigrated
 from tests.control.events import random_events
 from tests.control.helpers import TcpProxy
 
@@ -47,7 +47,7 @@ async def queue(
 
 @pytest.fixture
 async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    await migrate.upgrade_async(db_url)
+    await migrate.upgrade_async(premigrated(db_url))
     e = create_engine(db_url)
     yield e
     await e.dispose()

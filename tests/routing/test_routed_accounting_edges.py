@@ -35,7 +35,7 @@ from routing.plan import Choice, Features
 from routing.policies import expected_cost
 from routing.routes import Candidate
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL
+from tests.control.conftest import REDIS_URL, migrated_sqlite
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 from tests.routing.routed import counted_micro_usd, route_header
@@ -105,7 +105,7 @@ def weir_gateway(
         monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
     else:
         monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
-    env = {**fakes_env(*fakes), "DB_URL": f"sqlite+aiosqlite:///{tmp_path}/weir.db"}
+    env = {**fakes_env(*fakes), "DB_URL": migrated_sqlite(f"sqlite+aiosqlite:///{tmp_path}/weir.db")}
     sink = ListSink()
     app = create_app(parse_config(full_config_text() + ROUTES, env), usage_sink=sink)
     with serve(app, free_port()) as url:
