@@ -75,6 +75,15 @@ const usdFmt = (v, digits = 4) => {
   const n = Number(v);
   return "$" + n.toLocaleString("en-US", { minimumFractionDigits: 2, maximumFractionDigits: n !== 0 && Math.abs(n) < 1 ? digits + 2 : digits });
 };
+// An exact decimal from the API (the ledger's costs) as money, every digit kept and none rounded
+// away: "0.14" -> "$0.14", "1234.5" -> "$1,234.50", "0.00000075" -> "$0.00000075", "0" -> "$0.00".
+// Raw, "0", "0.035" and "1234.5" stood in one column without a unit, each with its own decimals.
+const exactUsd = (v) => {
+  if (v === null || v === undefined || v === "") return "—";
+  const m = /^(-?)(\d+)(?:\.(\d+))?$/.exec(String(v));
+  if (!m) return String(v); // not a plain decimal: shown as the API wrote it rather than misread
+  return `${m[1]}$${m[2].replace(/\B(?=(\d{3})+(?!\d))/g, ",")}.${(m[3] || "").padEnd(2, "0")}`;
+};
 const intFmt = (v) => (v === null || v === undefined ? "—" : Number(v).toLocaleString("en-US"));
 const pctFmt = (v) => (v === null || v === undefined ? "—" : (Number(v) * 100).toFixed(1) + "%");
 const isoDay = (d) => d.toISOString().slice(0, 10);
@@ -801,7 +810,6 @@ async function tenants(params, query, show) {
 
 async function tenantKeys(tenant) {
   const keys = (await api(`tenants/${tenant.id}/keys`)).data;
-  const shown = h("div", { "aria-live": "polite" });
   const kname = h("input", { name: "name", autocomplete: "off" });
   const models = h("input", { name: "models", autocomplete: "off", placeholder: "all models" });
   const expires = h("input", { name: "expires_at", type: "date" });
@@ -829,13 +837,17 @@ async function tenantKeys(tenant) {
     type: "button", class: "danger", "aria-label": `Revoke key ${k.name || k.prefix}`,
     onclick: async () => {
       if (!confirm(`Revoke key ${k.name || k.prefix}? Requests with it are refused at once.`)) return;
-      await api(`keys/${k.id}`, { method: "DELETE" });
+      // A refusal is said above the keys: uncaught, the button did nothing and the key looked revoked
+      // to an admin who assumed it was, while it still worked.
+      try { await api(`keys/${k.id}`, { method: "DELETE" }); } catch (e) {
+        document.getElementById("keys-message")?.replaceChildren(notice(`Key ${k.name || k.prefix} was not revoked: ${e.message}`)); return;
+      }
       await route();
     },
   }, "Revoke");
   return h("section", { id: "keys", class: "panel" },
     h("h2", {}, `Keys of ${tenant.name}`),
-    shown,
+    h("div", { id: "keys-message", "aria-live": "polite" }),
     keys.length ? table([
       { label: "Name", render: (k) => k.name || "—" },
       { label: "Prefix", render: (k) => h("code", {}, k.prefix) },
@@ -972,10 +984,6 @@ async function finance(params, query, show) {
   const end = query.get("end") || isoDay(addDays(today(), 1));
   const groups = (query.get("group_by") || "tenant,model").split(",").filter(Boolean);
   const qs = `start=${encodeURIComponent(start)}&end=${encodeURIComponent(end)}&group_by=${groups.join(",")}`;
-  const [report, daily] = await Promise.all([api(`reports/usage?${qs}`), api(`reports/spend-by-class?start=${start}&end=${end}`)]);
-  const spanDays = (Date.parse(end) - Date.parse(start)) / 86400000;
-  // A long range is charted as it is: filling years of empty days would not help anyone read it.
-  const spendDays = spanDays > 0 && spanDays <= 400 ? fillDays(daily.data, new Date(start + "T00:00:00Z"), new Date(end + "T00:00:00Z")) : daily.data;
   const startIn = h("input", { name: "start", type: "date", value: start, required: true });
   const endIn = h("input", { name: "end", type: "date", value: end, required: true });
   // service_tier: cost by the tier each attempt was served and billed at (flex, priority...); blank
@@ -993,6 +1001,20 @@ async function finance(params, query, show) {
     if (endIn.value <= startIn.value) { formError(form, { message: "To must be after From.", param: "end" }); return; }
     location.hash = `#/finance?start=${startIn.value}&end=${endIn.value}&group_by=${g.join(",")}`;
   });
+  let report, daily;
+  try {
+    [report, daily] = await Promise.all([api(`reports/usage?${qs}`), api(`reports/spend-by-class?start=${start}&end=${end}`)]);
+  } catch (e) {
+    if (e.status !== 400) throw e;
+    // A range or grouping the API refuses (a link or bookmark edited by hand: the form checks its
+    // own) is said beside the form, which can fix it; "Something went wrong ... Reload the page"
+    // reloaded the same refused report.
+    if (show("Finance", form)) formError(form, { message: e.message, param: e.param });
+    return;
+  }
+  const spanDays = (Date.parse(end) - Date.parse(start)) / 86400000;
+  // A long range is charted as it is: filling years of empty days would not help anyone read it.
+  const spendDays = spanDays > 0 && spanDays <= 400 ? fillDays(daily.data, new Date(start + "T00:00:00Z"), new Date(end + "T00:00:00Z")) : daily.data;
   const groupCols = groups.map((g) => (g === "tenant"
     ? { label: "tenant", render: (r) => r.tenant_name ?? r.tenant ?? "" }
     : { label: g, render: (r) => r[g] ?? "" }));
@@ -1007,9 +1029,9 @@ async function finance(params, query, show) {
     { label: "Cache write", num: true, render: (r) => intFmt(r.cache_write_tokens) },
     { label: "Output", num: true, render: (r) => intFmt(r.output_tokens) },
     { label: "Web searches", num: true, render: (r) => intFmt(r.web_search_requests || 0) },
-    { label: "Cost (USD)", num: true, render: (r) => h("span", { class: "cost", "data-usd": r.cost_usd }, r.cost_usd) },
-    { label: "USD / 1M tokens", num: true, render: (r) => r.cost_per_1m_tokens ?? "—" },
-    { label: "Cache saved", num: true, render: (r) => r.cache_savings_usd ?? "—" },
+    { label: "Cost (USD)", num: true, render: (r) => h("span", { class: "cost", "data-usd": r.cost_usd }, exactUsd(r.cost_usd)) },
+    { label: "USD / 1M tokens", num: true, render: (r) => exactUsd(r.cost_per_1m_tokens) },
+    { label: "Cache saved", num: true, render: (r) => exactUsd(r.cache_savings_usd) },
   ];
   show("Finance", form,
     h("p", {}, h("a", { class: "button", href: `${API}/reports/usage?${qs}&format=csv`, download: "" }, "Download CSV"),
@@ -1055,7 +1077,7 @@ async function requests(params, query, show) {
     const extra = [a.cached_input_tokens ? `cached ${intFmt(a.cached_input_tokens)}` : null,
       written ? `written ${intFmt(written)}` : null,
       a.web_search_requests ? `${intFmt(a.web_search_requests)} web search${a.web_search_requests > 1 ? "es" : ""}` : null].filter(Boolean);
-    return `${a.input_tokens}/${a.output_tokens}${extra.length ? ` (${extra.join(", ")})` : ""}${a.estimated ? ", estimated" : ""}`;
+    return `${intFmt(a.input_tokens)}/${intFmt(a.output_tokens)}${extra.length ? ` (${extra.join(", ")})` : ""}${a.estimated ? ", estimated" : ""}`;
   };
   const story = (r, won) => {
     if (!won) return `no attempt answered (${r.attempts.length} tried)`;
@@ -1075,13 +1097,13 @@ async function requests(params, query, show) {
       { label: "Status", render: (a) => h("span", { class: ok(a) ? "ok" : "bad" }, a.status || "no response", a === won ? " (answered)" : "") },
       { label: "Decision (x-weir-route)", render: (a) => (a.routing ? h("code", {}, a.routing) : "—") },
       { label: "Fallback", render: (a) => (a.fallback ? "yes" : "no") },
-      { label: "Latency", num: true, render: (a) => `${Math.round(a.latency_ms)} ms` },
+      { label: "Latency", num: true, render: (a) => `${intFmt(Math.round(a.latency_ms))} ms` },
       // What a route's ttft_timeout is measured against; streams only.
-      { label: "First token", num: true, render: (a) => (a.ttft_ms === null || a.ttft_ms === undefined ? "—" : `${Math.round(a.ttft_ms)} ms`) },
+      { label: "First token", num: true, render: (a) => (a.ttft_ms === null || a.ttft_ms === undefined ? "—" : `${intFmt(Math.round(a.ttft_ms))} ms`) },
       { label: "Tokens in/out", num: true, render: tokensText },
       // The tier its vendor served it at (flex, priority...), whose prices its cost is; "—" where it said none.
       { label: "Tier", render: (a) => a.service_tier || "—" },
-      { label: "Cost", num: true, key: "cost_usd" },
+      { label: "Cost", num: true, render: (a) => exactUsd(a.cost_usd) },
     ], r.attempts)); };
   show("Requests", form,
     log.data.length ? table([
@@ -1089,7 +1111,7 @@ async function requests(params, query, show) {
       { label: "Tenant", render: (r) => r.tenant_name || r.tenant_id || "—" },
       { label: "Route", key: "route" }, { label: "Model", key: "model" },
       { label: "Status", render: (r) => h("span", { class: r.status >= 200 && r.status < 300 ? "ok" : "bad" }, r.status || "no response") },
-      { label: "Cost", num: true, key: "cost_usd" },
+      { label: "Cost", num: true, render: (r) => exactUsd(r.cost_usd) },
       { label: "Attempts", num: true, render: (r) => r.attempts.length },
     ], log.data, { detail }) : empty("No requests match. Clear the filters, or send a request with a tenant's key; the log shows them within seconds."),
   );

@@ -122,6 +122,13 @@ def shots() -> Path:
     return ARTIFACTS
 
 
+def usd(exact: str) -> str:
+    """How the pages show one of the API's exact decimal costs: "$" and every digit ("1010.5" ->
+    "$1,010.50")."""
+    whole, _, fraction = exact.partition(".")
+    return f"${int(whole):,}.{fraction.ljust(2, '0')}"
+
+
 # --- pages -------------------------------------------------------------------------------------------
 
 # A failing assertion should fail in seconds, not after Playwright's default 30 s wait.

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.admin import ui
 from tests.fakes import FakeOpenAI, Fault
-from tests.ui.conftest import ADMIN, ANSWERS_READ, Weir, new_page, sign_in, signed_in
+from tests.ui.conftest import ADMIN, ANSWERS_READ, Weir, new_page, sign_in, signed_in, usd
 
 
 def wait_for_ledger(weir: Weir, requests: int, timeout: float = 15) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def test_admin_session_in_the_browser(weir: Weir, browser: Any, shots: Path) -> 
     api = weir.admin.get("/reports/usage", params={"group_by": "tenant,model"}).json()
     footer = page.locator("tfoot .cost")
     assert footer.get_attribute("data-usd") == api["totals"]["cost_usd"]
-    assert footer.inner_text() == api["totals"]["cost_usd"]
+    assert footer.inner_text() == usd(api["totals"]["cost_usd"])
     assert float(api["totals"]["cost_usd"]) > 0
     page.wait_for_selector("figure.chart canvas")
     page.screenshot(path=shots / "04-finance.png", full_page=True)
@@ -273,6 +273,6 @@ def test_finance_groups_cost_by_service_tier(routed: Weir, browser: Any, fake_op
     heads = report.locator("thead th").all_inner_texts()
     rows = [row.locator("td").all_inner_texts() for row in report.locator("tbody tr").all()]
     shown = {cells[heads.index("service_tier")]: cells[heads.index("Cost (USD)")] for cells in rows}
-    assert shown == {r["service_tier"]: r["cost_usd"] for r in api["rows"]}
+    assert shown == {r["service_tier"]: usd(r["cost_usd"]) for r in api["rows"]}
     assert set(shown) == {"flex", "default"}
     page.close()
