@@ -181,11 +181,22 @@ def reset_text(seconds: float) -> str:
 WindowState = tuple[str, int, int, float]
 
 
-def rate_headers(windows: Sequence[WindowState]) -> dict[str, str]:
+def reset_at(seconds: float, now: float | None = None) -> str:
+    """When a window empties as Anthropic writes its anthropic-ratelimit-*-reset headers: an RFC 3339
+    UTC timestamp in whole seconds, rounded up so that a client waiting for it finds the window
+    empty. `now`: the wall clock (time.time()) the duration counts from."""
+    at = math.ceil((time.time() if now is None else now) + max(0.0, seconds))
+    return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def rate_headers(windows: Sequence[WindowState], anthropic: bool = False) -> dict[str, str]:
     """OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens} headers: for each kind, the
     limit (tenant's or key's) with the least room left. Reset is when the window will hold nothing
     of what it holds now, OpenAI's "resets to its initial state"; remaining counts units a replica
-    leased ahead as used (Admission.leases)."""
+    leased ahead as used (Admission.leases). `anthropic`: Anthropic's anthropic-ratelimit-{requests,
+    tokens}-{limit,remaining,reset} too, of the same limits (reset: `reset_at`). Not its
+    input-tokens and output-tokens variants: Weir's TPM counts both together, and a client reading
+    the one number as two separate allowances would plan for twice what is left."""
     least: dict[str, tuple[int, int, float]] = {}
     for key, limit, used, reset_s in windows:
         kind = "tokens" if key.startswith("tpm:") else "requests"
@@ -194,10 +205,15 @@ def rate_headers(windows: Sequence[WindowState]) -> dict[str, str]:
         if held is None or remaining < held[1]:
             least[kind] = (limit, remaining, reset_s)
     headers = {}
+    now = time.time()
     for kind, (limit, remaining, reset_s) in least.items():
         headers[f"x-ratelimit-limit-{kind}"] = str(limit)
         headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
         headers[f"x-ratelimit-reset-{kind}"] = reset_text(reset_s)
+        if anthropic:
+            headers[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
+            headers[f"anthropic-ratelimit-{kind}-remaining"] = str(remaining)
+            headers[f"anthropic-ratelimit-{kind}-reset"] = reset_at(reset_s, now)
     return headers
 
 
@@ -413,9 +429,11 @@ class Admission:
         max_output_tokens: int,
         long_context: LongContextSheet | None = None,
         service_tier: str | None = None,
+        anthropic: bool = False,
     ) -> dict[str, str]:
         """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it; the
-        rate-limit headers its response carries (`rate_headers`; none without RPM/TPM limits).
+        rate-limit headers its response carries (`rate_headers`; none without RPM/TPM limits), and
+        a 429's: Anthropic's too where `anthropic` (a request to the Messages API).
         `long_context`: the model's long-context tier, which prices the estimate of a long prompt.
         `service_tier`: the tier the request asks for, whose prices (where the model has some) price
         the estimate, as they will bill the attempt: at the base price a priority request was
@@ -493,7 +511,8 @@ class Admission:
                     [
                         (limit.key, limit.limit, leases[limit.key].used, leases[limit.key].emptied_at - now_s)
                         for limit in limits
-                    ]
+                    ],
+                    anthropic,
                 )
                 if budgets or tpm_keys:
                     self._pending[exchange] = _Pending(
@@ -550,7 +569,7 @@ class Admission:
             if by is not None and decision.windows:
                 # The limit that refused, as it stands (the other limits were not looked at).
                 used, reset_s = decision.windows[0]
-                refused.headers.update(rate_headers([(by.key, by.limit, used, reset_s)]))
+                refused.headers.update(rate_headers([(by.key, by.limit, used, reset_s)], anthropic))
             raise refused
         reservation_id = decision.reservation_id
         releases: list[tuple[str, int]] = []
@@ -575,7 +594,8 @@ class Admission:
             [
                 (limit.key, limit.limit, used, reset_s)
                 for limit, (used, reset_s) in zip(limits, decision.windows, strict=False)
-            ]
+            ],
+            anthropic,
         )
 
     def _wants(self, key: str, cost: int, now: float) -> bool:

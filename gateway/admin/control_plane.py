@@ -45,6 +45,9 @@ from gateway.state.redis import RedisState
 log = logging.getLogger(__name__)
 
 MAX_CACHED_QUOTAS = 10_000
+# The pipeline's endpoints of Anthropic's Messages API (gateway.api.anthropic), whose clients read
+# Anthropic's rate-limit headers.
+ANTHROPIC_ENDPOINTS = frozenset({"messages", "count_tokens"})
 
 
 @dataclass
@@ -237,7 +240,8 @@ class ControlPlane:
         quotas = self.quotas(call.principal)
         if quotas is None:
             return
-        # OpenAI's x-ratelimit-* headers, which the request middleware puts on the response.
+        # OpenAI's x-ratelimit-* headers, which the request middleware puts on the response; on the
+        # Messages API Anthropic's anthropic-ratelimit-* too, which its clients read.
         call.info.rate_limits = await self.admission.admit(
             call.info.request_id,
             quotas,
@@ -247,6 +251,7 @@ class ControlPlane:
             max_output_tokens=output_estimate(upstream.body),
             long_context=self.long_context.get(target.model.name),
             service_tier=asked_tier(upstream.body),
+            anthropic=call.endpoint in ANTHROPIC_ENDPOINTS,
         )
 
 

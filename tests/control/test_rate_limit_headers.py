@@ -1,9 +1,11 @@
 """What a client sees of its RPM and TPM limits: OpenAI's x-ratelimit-* headers on every admitted
-request and on the 429 (OpenAI's and Anthropic's error shapes alike), the same count from every
-replica sharing one Redis, and exactly the limit admitted however many arrive at once."""
+request and on the 429 (OpenAI's and Anthropic's error shapes alike), Anthropic's
+anthropic-ratelimit-* too on the Messages API, the same count from every replica sharing one Redis,
+and exactly the limit admitted however many arrive at once."""
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import time
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+import anthropic
 import httpx
 import pytest
 
@@ -87,6 +90,64 @@ def test_admitted_requests_and_the_429_say_what_is_left_and_when(weir: Weir) -> 
     assert on_messages.json()["error"]["type"] == "rate_limit_error"
     assert on_messages.headers["x-ratelimit-remaining-requests"] == "0"
     assert int(on_messages.headers["retry-after"]) >= 55
+
+
+def test_anthropic_reset_is_an_rfc3339_time_rounded_up_to_the_second() -> None:
+    from gateway.accounting.admission import reset_at
+
+    now = dt.datetime(2026, 12, 5, 11, 59, 0, 500_000, tzinfo=dt.UTC).timestamp()
+    # 59.2 s after 11:59:00.5 is 11:59:59.7, and the window is not empty before then: 12:00:00.
+    assert reset_at(59.2, now) == "2026-12-05T12:00:00Z"
+    assert reset_at(60, now) == "2026-12-05T12:00:01Z"
+    assert reset_at(-1, now) == "2026-12-05T11:59:01Z"  # already empty: now
+
+
+def reset_in(text: str) -> float:
+    """Seconds from now until an anthropic-ratelimit-*-reset time, which is RFC 3339 in UTC."""
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", text), text
+    return dt.datetime.fromisoformat(text).timestamp() - time.time()
+
+
+def test_messages_clients_get_anthropics_rate_limit_headers(weir: Weir) -> None:
+    """The anthropic SDK's client sees its limits as Anthropic's API writes them, on each answer and
+    on the 429, from the same count as the x-ratelimit-* headers it also gets."""
+    _, _, key = weir.tenant_with_key("claude-client", rpm=2, tpm=100_000)
+    client = anthropic.Anthropic(base_url=weir.url, api_key=key, max_retries=0)
+    lefts = []
+    for _ in range(2):
+        raw = client.messages.with_raw_response.create(
+            model="gpt-4o-mini", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert raw.parse().type == "message"
+        headers = raw.headers
+        assert headers["anthropic-ratelimit-requests-limit"] == "2"
+        assert headers["anthropic-ratelimit-tokens-limit"] == "100000"
+        for kind in ("requests", "tokens"):
+            assert (
+                headers[f"anthropic-ratelimit-{kind}-remaining"] == headers[f"x-ratelimit-remaining-{kind}"]
+            )
+            # Counted this second: the window is empty a minute on, written in whole seconds up.
+            assert 58 < reset_in(headers[f"anthropic-ratelimit-{kind}-reset"]) <= 61
+        # One combined TPM: no separate input and output allowances to report.
+        assert not any(
+            name.startswith(("anthropic-ratelimit-input", "anthropic-ratelimit-output")) for name in headers
+        )
+        lefts.append(int(headers["anthropic-ratelimit-requests-remaining"]))
+    assert lefts == [1, 0]
+
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        client.messages.create(
+            model="gpt-4o-mini", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+    headers = refused.value.response.headers
+    assert headers["anthropic-ratelimit-requests-limit"] == "2"
+    assert headers["anthropic-ratelimit-requests-remaining"] == "0"
+    assert int(headers["retry-after"]) >= 55 and reset_in(headers["anthropic-ratelimit-requests-reset"]) > 54
+
+    # OpenAI's clients are told in OpenAI's headers only.
+    chat = post(weir.url, key)
+    assert chat.status_code == 429 and "x-ratelimit-remaining-requests" in chat.headers
+    assert not any(name.startswith("anthropic-ratelimit") for name in chat.headers)
 
 
 @pytest.fixture
