@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from gateway.errors import InvalidRequest, encode_anthropic_error, stream_failure, validation_error
-from gateway.providers.base import comma_list, new_id, parse_arguments
+from gateway.providers.base import CANONICAL_BLOCKS, claude_only, comma_list, new_id, parse_arguments
 from gateway.types import (
     AnthropicTool,
     AssistantMessage,
@@ -149,26 +149,19 @@ Block = (
 
 class InboundMessage(Base):
     role: Literal["user", "assistant"]
-    # Blocks as the client sent them: typed by `_typed` (an assistant turn's server tool blocks, which
-    # Weir does not model, are kept as they are, for Claude).
+    # Blocks as the client sent them: typed by `_typed` (an assistant turn's blocks of Claude's own,
+    # server tools' and any Weir does not model, are kept as they are, for Claude).
     content: str | list[dict[str, Any]]
 
 
-def _server_block(kind: Any) -> bool:
-    """Whether a block type is one of Claude's server tools' (`server_tool_use`, `web_search_tool_result`,
-    `web_fetch_tool_result`, `code_execution_tool_result`, `tool_search_tool_result`, MCP's...), which an
-    assistant turn sends back as Claude wrote it."""
-    return isinstance(kind, str) and (
-        kind in ("server_tool_use", "mcp_tool_use", "container_upload")
-        or (kind.endswith("_tool_result") and kind != "tool_result")
-    )
-
-
 def _typed(content: list[dict[str, Any]], where: str, assistant: bool) -> list[Block | dict[str, Any]]:
-    """A message's blocks as Weir models them; in an assistant turn, a server tool's block as it is."""
+    """A message's blocks as Weir models them; in an assistant turn, any but its text, reasoning and
+    tool calls as it is (`claude_only`): a server tool's, or one of a type Claude added after this
+    gateway was written, which it returned to the client and is to be sent back unchanged."""
     blocks: list[Block | dict[str, Any]] = []
     for i, raw in enumerate(content):
-        if assistant and _server_block(raw.get("type")):
+        kind = raw.get("type")
+        if assistant and isinstance(kind, str) and kind not in CANONICAL_BLOCKS:
             blocks.append(raw)
             continue
         try:
@@ -176,14 +169,6 @@ def _typed(content: list[dict[str, Any]], where: str, assistant: bool) -> list[B
         except msgspec.ValidationError as exc:
             raise validation_error(exc, f"{where}.content[{i}]") from None
     return blocks
-
-
-def _claude_only(content: list[dict[str, Any]]) -> bool:
-    """Whether an assistant turn holds what only Claude can take back as it was: a server tool's
-    block, or text with citations (of a web search's results)."""
-    return any(
-        _server_block(b.get("type")) or (b.get("type") == "text" and b.get("citations")) for b in content
-    )
 
 
 class InboundTool(Base):
@@ -395,7 +380,7 @@ def _assistant_message(
     content: list[Block | dict[str, Any]], verbatim: list[dict[str, Any]] | None
 ) -> Message:
     """The turn's text, calls and reasoning; `verbatim`: the turn as the client sent it, where it holds
-    what only Claude takes back (`_claude_only`), for an Anthropic backend."""
+    what only Claude takes back (`claude_only`), for an Anthropic backend."""
     texts: list[str] = []
     calls: list[ToolCall] = []
     reasoning: list[Reasoning] = []
@@ -442,7 +427,7 @@ def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> Cha
             messages.extend(_user_messages(_typed(message.content, where, assistant=False), where))
         else:
             blocks = _typed(message.content, where, assistant=True)
-            verbatim = message.content if _claude_only(message.content) else None
+            verbatim = message.content if claude_only(message.content) else None
             messages.append(_assistant_message(blocks, verbatim))
     tools, anthropic_tools = _tools(request.tools) if request.tools else (None, None)
     tool_choice: Any = None

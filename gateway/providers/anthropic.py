@@ -26,6 +26,7 @@ from gateway.config import Backend
 from gateway.errors import ANTHROPIC_ERROR_STATUSES, BadGateway, GatewayError, InvalidRequest
 from gateway.estimate import with_thinking
 from gateway.providers.base import (
+    CANONICAL_BLOCKS,
     NO_ARGUMENTS,
     NO_THINKING,
     Continuation,
@@ -34,6 +35,7 @@ from gateway.providers.base import (
     Provider,
     UpstreamRequest,
     as_list,
+    claude_only,
     comma_list,
     continued,
     decode_json,
@@ -627,7 +629,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     calls: list[ToolCall] = []
     reasoning: list[Reasoning] = []
     structured: str | None = None  # the structured-output tool's input, which is then the whole reply
-    own = _claude_only(data["content"])
+    own = claude_only(data["content"])
     for block in data["content"]:
         kind = block.get("type")
         if kind == "text":
@@ -672,24 +674,6 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
             )
         ],
         usage=with_thinking(normalise_usage(VENDOR, data.get("usage")), _thought_bytes(reasoning)),
-    )
-
-
-# The content blocks the canonical message says; any other (a server tool's `server_tool_use` and
-# `*_tool_result`, MCP's, a container upload) is Claude's own, for an Anthropic client as it came.
-_CANONICAL_BLOCKS = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
-
-
-def _claude_only(content: list[Any]) -> bool:
-    """Whether an answer holds what only an Anthropic client can be shown as it came: a server tool's
-    block, or text with citations (the web search's sources)."""
-    return any(
-        isinstance(block, dict)
-        and (
-            block.get("type") not in _CANONICAL_BLOCKS
-            or (block.get("type") == "text" and block.get("citations"))
-        )
-        for block in content
     )
 
 
@@ -775,7 +759,7 @@ class ChatStream:
                 return [self._chunk(Delta(tool_calls=[delta]))]
             block_type = block.get("type", "text")
             self.blocks[index] = (block_type, -1)
-            if block_type not in _CANONICAL_BLOCKS:  # a server tool's block, for Anthropic clients
+            if block_type not in CANONICAL_BLOCKS:  # a server tool's block, or newer, for Anthropic clients
                 self.server_tools = True
                 self.blocks[index] = ("claude", -1)
                 return [self._chunk(Delta(anthropic_block=block))]

@@ -12,7 +12,7 @@ import binascii
 import hashlib
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -132,13 +132,47 @@ CONTINUE_INSTRUCTION = (
 )
 
 
+# --- Claude's content blocks -----------------------------------------------------------------------
+
+# The content blocks of a Claude turn that the canonical message says (its text, reasoning and tool
+# calls). Any other, one Weir models or not (a server tool's, MCP's, `compaction`, a block type
+# Claude adds later), is Claude's own: kept as Claude wrote it (`claude_only`).
+CANONICAL_BLOCKS = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
+
+
+def server_block(kind: Any) -> bool:
+    """Whether a block type is one of Claude's server tools' (`server_tool_use`, `web_search_tool_result`,
+    `web_fetch_tool_result`, `code_execution_tool_result`, `tool_search_tool_result`, MCP's
+    `mcp_tool_use` and `mcp_tool_result`, `container_upload`): a tool that ran on Anthropic's side,
+    whose outcome the turn's text goes on to say, so another vendor can be sent the turn without it."""
+    return isinstance(kind, str) and (
+        kind in ("server_tool_use", "mcp_tool_use", "container_upload")
+        or (kind.endswith("_tool_result") and kind != "tool_result")
+    )
+
+
+def claude_only(content: Sequence[Any]) -> bool:
+    """Whether a Claude turn (an answer, or an Anthropic client's assistant turn) holds what only Claude
+    takes, and only an Anthropic client is shown, as it came: a block the canonical message does not
+    say (`CANONICAL_BLOCKS`), or text with citations (a web search's sources)."""
+    return any(
+        isinstance(block, dict)
+        and (
+            block.get("type") not in CANONICAL_BLOCKS
+            or (block.get("type") == "text" and bool(block.get("citations")))
+        )
+        for block in content
+    )
+
+
 def refuse_anthropic_tools(request: ChatRequest, vendor: str) -> None:
     """A request with a tool of Anthropic's own API (`ChatRequest.anthropic_tools`) refused by
     `vendor`'s adapter: a server tool runs on Anthropic's side, which no other vendor has; a client
     tool with Anthropic's fixed schema (bash, text editor, computer use) is one Claude is trained for,
     and its schema changes with each version, so it is not rewritten as a function tool either.
     Nothing is sent: the executor skips this candidate, and the client gets this 400 only when no
-    candidate of the route could take the request."""
+    candidate of the route could take the request. So, too, a conversation of Claude's blocks that
+    another vendor cannot be sent (`refuse_claude_blocks`)."""
     for tool in request.anthropic_tools or ():
         raise InvalidRequest(
             f"tools[{tool.position}]: {tool.described} is a tool of Anthropic's API, which only Claude "
@@ -147,6 +181,27 @@ def refuse_anthropic_tools(request: ChatRequest, vendor: str) -> None:
             param=f"tools[{tool.position}]",
             code="unsupported_tool",
         )
+    refuse_claude_blocks(request, vendor)
+
+
+def refuse_claude_blocks(request: ChatRequest, vendor: str) -> None:
+    """An Anthropic client's assistant turn sent to `vendor` is its text, calls and reasoning: what
+    it holds besides is left out where that is safe (a server tool's blocks, whose outcome its text
+    says; citations), and refused otherwise: a block type Weir does not know (`compaction`, which
+    stands for the conversation before it, or one Claude adds later) may carry what the rest of the
+    conversation needs, so the candidate is skipped rather than sent a conversation missing it."""
+    for message in request.messages:
+        for block in message.anthropic_content or ():
+            kind = block.get("type")
+            if kind in CANONICAL_BLOCKS or server_block(kind):
+                continue
+            raise InvalidRequest(
+                f"messages: an assistant turn holds a `{kind}` block, which only Claude models served by "
+                f"an Anthropic backend can be sent back, not {vendor} models; route this request to a "
+                "Claude model.",
+                param="messages",
+                code="unsupported_content",
+            )
 
 
 def continued(request: ChatRequest, how: Continuation) -> ChatRequest:

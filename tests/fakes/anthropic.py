@@ -40,7 +40,9 @@ streams them (the server tool's input as ``input_json_delta``, the result block 
 ``usage.server_tool_use.web_search_requests`` counting the searches. Such blocks sent back in an
 assistant turn are checked as Anthropic checks them: each result after its ``server_tool_use`` in the
 same turn, results with their ``encrypted_content``, citations with their ``encrypted_index``; in a
-user turn they are a 400.
+user turn they are a 400. ``lead_next_with(block)`` starts the next answer with a block of a type the
+fake does not otherwise model (a newer Claude's ``compaction``), which an assistant turn may send back
+only as it was issued.
 
 Usage: ``input_tokens`` is only the prompt tokens neither read from nor written to the cache;
 ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` (split in
@@ -135,11 +137,24 @@ class FakeAnthropic(FakeServer):
         self.min_cache_tokens = 1024
         self.cache = BreakpointCache(min_tokens=self.min_cache_tokens)
         self._stop_reasons: list[str] = []
+        self._leads: list[dict[str, Any]] = []
+        self._issued: list[dict[str, Any]] = []  # the lead blocks it returned, which it takes back
 
     def reset_state(self) -> None:
         self.min_cache_tokens = 1024
         self.cache = BreakpointCache(min_tokens=self.min_cache_tokens)
         self._stop_reasons = []
+        self._leads = []
+        self._issued = []
+
+    def lead_next_with(self, block: dict[str, Any]) -> None:
+        """The next message starts with `block`, of a type this fake does not otherwise model (a newer
+        Claude's: `compaction`, say), before its content as usual: streamed whole in its
+        content_block_start. An assistant turn may send it back, unchanged (Anthropic checks what its
+        blocks carry: a compaction's summary stands for the turns before it); changed, or in a user
+        turn, it is a 400."""
+        with self._lock:
+            self._leads.append(block)
 
     def stop_next_with(self, reason: str) -> None:
         """The next message ends with Anthropic's `stop_reason` `reason` (`pause_turn`,
@@ -372,6 +387,8 @@ class FakeAnthropic(FakeServer):
                     if not block.get("data"):
                         raise Invalid(400, f"messages.{i}.content.{j}.data: Field required")
                     tokens = []
+                elif message["role"] == "assistant" and block in self._issued:
+                    tokens = words(json.dumps(block))
                 else:
                     raise Invalid(
                         400, f"messages.{i}.content.{j}.type: Input tag '{kind}' is not a valid block type"
@@ -470,6 +487,11 @@ class FakeAnthropic(FakeServer):
             if search
             else _content_blocks(reply, thought, self.sign)
         )
+        with self._lock:
+            if self._leads:
+                lead = self._leads.pop(0)
+                self._issued.append(lead)
+                content = [lead, *content]
         output = sum(_block_tokens(b) for b in content)
         self.cache.min_tokens = self.min_cache_tokens
         cached = self.cache.process(blocks)
@@ -772,9 +794,9 @@ def _block_tokens(block: dict[str, Any]) -> int:
         return count_tokens(block["text"])
     if block["type"] == "thinking":
         return count_tokens(block["thinking"])
-    if block["type"] == "web_search_tool_result":
-        return 0  # the results are the next sampling's input, not output
-    return count_tokens(json.dumps(block["input"]))
+    if block["type"] == "tool_use" or block["type"] == "server_tool_use":
+        return count_tokens(json.dumps(block["input"]))
+    return 0  # a search's results (the next sampling's input), a lead block (`lead_next_with`)
 
 
 def _empty(block: dict[str, Any]) -> dict[str, Any]:
@@ -782,17 +804,17 @@ def _empty(block: dict[str, Any]) -> dict[str, Any]:
         return {"type": "text", "text": ""}  # its citations come as citations_delta
     if block["type"] == "thinking":
         return {"type": "thinking", "thinking": "", "signature": ""}
-    if block["type"] == "web_search_tool_result":
-        return block  # whole in its start: a result streams no deltas
-    return {"type": block["type"], "id": block["id"], "name": block["name"], "input": {}}
+    if block["type"] in ("tool_use", "server_tool_use"):
+        return {"type": block["type"], "id": block["id"], "name": block["name"], "input": {}}
+    return block  # whole in its start: a search's result, a lead block (`lead_next_with`)
 
 
 def _deltas(block: dict[str, Any], per_chunk: int) -> list[dict[str, Any]]:
     if block["type"] == "text":
         citations = [{"type": "citations_delta", "citation": c} for c in block.get("citations") or ()]
         return citations + [{"type": "text_delta", "text": p} for p in chunk_words(block["text"], per_chunk)]
-    if block["type"] == "web_search_tool_result":
-        return []
+    if block["type"] not in ("thinking", "tool_use", "server_tool_use"):
+        return []  # whole in its content_block_start
     if block["type"] == "thinking":
         return [
             {"type": "thinking_delta", "thinking": p} for p in chunk_words(block["thinking"], per_chunk)
