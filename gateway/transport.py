@@ -74,6 +74,10 @@ class Transport:
                     data=request.body,
                     headers=request.headers,
                     timeout=_client_timeout(timeouts, request.stream),
+                    # Followed, a redirect re-sent the vendor key (`x-api-key`, `x-goog-api-key`: aiohttp
+                    # drops only `Authorization` across origins) and, on 307/308, the prompt to wherever
+                    # the Location said, an internal address included, and echoed its answer back.
+                    allow_redirects=False,
                 )
         except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: the connect timeout's own
             raise ConnectTimeout(
@@ -90,6 +94,19 @@ class Transport:
             if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
                 raise DroppedBeforeAnswer(_before_answer(backend, exc)) from None
             raise BadGateway(_before_answer(backend, exc)) from None
+        if 300 <= response.status < 400:
+            response.close()
+            # Where it pointed goes to the log only: a client has no business with the backend's URLs.
+            log.warning(
+                "upstream_redirect_refused",
+                backend=backend,
+                status=response.status,
+                location=_without_query(response.headers.get("location", "")),
+            )
+            raise BadGateway(
+                f"backend {backend} answered with a redirect ({response.status}), which the gateway "
+                "does not follow: set the backend's base_url to where it points"
+            )
         return UpstreamResponse(response.status, response.headers, response)
 
     async def read(self, response: UpstreamResponse, timeouts: Timeouts, backend: str, limit: int) -> bytes:
@@ -215,6 +232,11 @@ def _before_answer(backend: str, exc: aiohttp.ClientError) -> str:
     if isinstance(exc, aiohttp.ClientResponseError):
         return f"backend {backend} sent a response that is not valid HTTP"
     return f"the request to backend {backend} failed before it answered"
+
+
+def _without_query(url: str) -> str:
+    # A query string may carry a key (`?key=`, as Google's APIs take one): never logged.
+    return url.split("?", 1)[0]
 
 
 def describe(exc: BaseException) -> str:

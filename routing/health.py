@@ -121,6 +121,9 @@ class HealthProber:
                 probe_url(backend),
                 headers=report_request(backend),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
+                # A probe reads what the backend itself says: following a redirect sent the probe (and
+                # any configured headers) to wherever the backend pointed, an internal address included.
+                allow_redirects=False,
             ) as response:
                 latency_ms = (time.perf_counter() - started) * 1000
                 healthy = response.status < 500
