@@ -10,6 +10,7 @@ import hashlib
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -23,6 +24,9 @@ from gateway.state import SharedState
 
 KEY_PREFIX = "wk-"
 STALE_RETRY_S = 5.0  # while the DB is unreachable, how often one key's expired entry is retried
+# Unknown keys remembered (their misses cached), the least recently tried dropped beyond it: every
+# anonymous caller can mint new ones, so unbounded, a flood of random keys grew the process for ever.
+MAX_MISSES = 10_000
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +78,9 @@ class DbAuthenticator:
         self._sessions = sessions
         self._state = state
         self._ttl = ttl_s
+        # Known keys (bounded by the keys the DB holds) and keys that matched none (`MAX_MISSES`).
         self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
+        self._misses: OrderedDict[str, float] = OrderedDict()  # digest -> until when it stays a miss
         self._records: dict[str, KeyRecord] = {}  # tenant/key id pair -> record, for admission
         self._loading: dict[str, asyncio.Future[KeyRecord | None]] = {}
 
@@ -84,8 +90,21 @@ class DbAuthenticator:
     def evict(self, key_hash: str) -> None:
         if key_hash == "*":  # a tenant's limits changed: reload everything on next use
             self._cache.clear()
+            self._misses.clear()
         else:
             self._cache.pop(key_hash, None)
+            self._misses.pop(key_hash, None)
+
+    def _remember(self, digest: str, until: float, record: KeyRecord | None) -> None:
+        if record is not None:
+            self._misses.pop(digest, None)
+            self._cache[digest] = (until, record)
+            return
+        self._cache.pop(digest, None)
+        self._misses[digest] = until
+        self._misses.move_to_end(digest)
+        while len(self._misses) > MAX_MISSES:
+            self._misses.popitem(last=False)
 
     async def authenticate(self, api_key: str) -> Principal | None:
         record = await self.lookup(api_key)
@@ -95,6 +114,8 @@ class DbAuthenticator:
         digest = key_digest(api_key)
         now = time.monotonic()
         cached = self._cache.get(digest)
+        if cached is None and (missed := self._misses.get(digest)) is not None:
+            cached = (missed, None)
         if cached is None or cached[0] <= now:
             # Concurrent requests with the same uncached key share one DB query.
             loading = self._loading.get(digest)
@@ -107,10 +128,10 @@ class DbAuthenticator:
                 if cached is None:
                     raise
                 log.warning("admin DB unreachable (%s); serving the cached key record", type(exc).__name__)
-                self._cache[digest] = (now + STALE_RETRY_S, cached[1])
+                self._remember(digest, now + STALE_RETRY_S, cached[1])
                 record = cached[1]
             else:
-                self._cache[digest] = (now + self._ttl, record)
+                self._remember(digest, now + self._ttl, record)
             if record is not None:
                 self._records[record.principal.key_id or ""] = record
         else:
