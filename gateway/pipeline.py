@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 import functools
 import math
+import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,7 +26,7 @@ from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import LongContextSheet, PricesAt, TokenClass, price_usage
 from gateway.aio import Background
 from gateway.auth import Principal
-from gateway.config import Model, Price, TierPrice
+from gateway.config import Backend, Model, Price, TierPrice
 from gateway.errors import ANTHROPIC_ERROR_TYPES, BadGateway, GatewayError, GatewayTimeout
 from gateway.estimate import Produced, whole_answer
 from gateway.ids import ordered_id
@@ -282,6 +283,7 @@ class Pipeline:
                 raise asyncio.CancelledError
             return result
         except GatewayError as exc:
+            redact_secrets(exc, backend)
             failure = exc.type
             if 0 < status < 400:  # answered, then broke: the attempt failed as the client saw it
                 status = exc.status
@@ -385,6 +387,7 @@ class Pipeline:
             if tail:
                 yield tail
         except GatewayError as exc:
+            redact_secrets(exc, backend)
             failure = exc.type
             if 0 < status < 400:  # answered, then broke: the attempt failed as the client saw it
                 status = exc.status
@@ -575,6 +578,33 @@ async def _record_cut(
     whether that is an estimate, is known (`billed`, `_cut_answer`)."""
     usage, estimated = await billed
     await record(usage, status, failure, estimated=estimated)
+
+
+# Names of a backend's configured headers and query parameters whose values are credentials.
+_SECRET_NAME = re.compile(r"auth|key|token|secret|signature|password", re.IGNORECASE)
+REDACTED = "[redacted]"
+
+
+def backend_secrets(backend: Backend) -> list[str]:
+    """The credentials `backend` sends upstream: its API key (the stored one where one is), and the
+    values of configured headers and query parameters named like one (Azure's `api-key`, a `?key=`,
+    an `Authorization: Bearer ...` and its token alone). Short values are left out: they are no
+    secret, and blanking them would blank ordinary words of a message."""
+    values = [backend.api_key or ""]
+    for name, value in (*backend.headers.items(), *backend.query.items()):
+        if _SECRET_NAME.search(name):
+            values += [value, value.partition(" ")[2]]
+    return sorted({value for value in values if len(value) >= 8}, key=len, reverse=True)
+
+
+def redact_secrets(exc: GatewayError, backend: Backend) -> None:
+    """Blank `backend`'s credentials in an error the client will see. A vendor's message reaches the
+    client as the vendor wrote it, and some echo what they were sent (a proxy its `Authorization`, an
+    API its whole request URL, `?key=` included)."""
+    for secret in backend_secrets(backend):
+        if secret in exc.message:
+            exc.message = exc.message.replace(secret, REDACTED)
+            exc.args = (exc.message,)
 
 
 def _cut_usage(decoder: StreamDecoder, estimate: Usage) -> Usage:

@@ -1,0 +1,89 @@
+"""A vendor's error message reaches the client as the vendor wrote it (the request is at fault, so the
+client must see why), but some vendors and proxies echo what they were sent: the `Authorization`
+header, the whole request URL with its `?key=`. The gateway's credentials for the backend (its API
+key, and configured headers or query parameters named like a credential) are blanked in what the
+client gets, in a whole answer's error and in an error event mid-stream; the rest of the message is
+kept."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from gateway.config import parse_config
+from tests.fakes import FakeOpenAI, Fault
+from tests.gateway.conftest import RunningGateway, running_gateway
+
+TENANT_KEY = "sk-weir-tenant-redaction-0123"
+HEADER_TOKEN = "tok-extra-credential-987654321"
+QUERY_KEY = "AIzaQueryKeyAbcdefghijklmnop"
+CONFIG = """\
+backends:
+  - name: openai
+    type: openai
+    base_url: "{url}"
+    api_key: "{key}"
+    headers: {{x-upstream-token: "{token}", x-tenant-label: "plainlabel-0001"}}
+    query: {{key: "{query}"}}
+models:
+  - {{name: gpt-4o-mini, backend: openai}}
+tenants:
+  - {{name: t, api_keys: ["{tenant}"]}}
+"""
+
+
+@pytest.fixture(scope="module")
+def weir(_fake_openai_server: FakeOpenAI) -> Iterator[RunningGateway]:
+    fake = _fake_openai_server
+    text = CONFIG.format(
+        url=fake.base_url, key=fake.api_key, token=HEADER_TOKEN, query=QUERY_KEY, tenant=TENANT_KEY
+    )
+    with running_gateway(parse_config(text, {})) as gateway:
+        yield gateway
+
+
+def _echo(fake: FakeOpenAI) -> str:
+    # What a careless upstream says back: its URL with the query key, the headers it was sent.
+    return (
+        f"model not served at {fake.base_url}/chat/completions?key={QUERY_KEY} "
+        f"(Authorization: Bearer {fake.api_key}; x-upstream-token: {HEADER_TOKEN}; "
+        "x-tenant-label: plainlabel-0001)"
+    )
+
+
+def _assert_redacted(message: str, fake: FakeOpenAI) -> None:
+    for secret in (fake.api_key, HEADER_TOKEN, QUERY_KEY):
+        assert secret not in message, message
+    assert "[redacted]" in message
+    # What is no credential stays: the client still learns what went wrong.
+    assert "model not served at" in message and "plainlabel-0001" in message
+
+
+def test_a_vendor_error_echoing_credentials_is_redacted(weir: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    fake_openai.fail_next(Fault.status(400, message=_echo(fake_openai)), path="/v1/chat/completions")
+    response = httpx.post(
+        f"{weir.url}/v1/chat/completions",
+        json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"authorization": f"Bearer {TENANT_KEY}"},
+        timeout=20,
+    )
+    assert response.status_code == 400
+    _assert_redacted(response.json()["error"]["message"], fake_openai)
+
+
+def test_a_stream_error_echoing_credentials_is_redacted(weir: RunningGateway, fake_openai: FakeOpenAI) -> None:
+    fake_openai.fail_next(
+        Fault.stream_error(after=1, code=400, message=_echo(fake_openai)), path="/v1/chat/completions"
+    )
+    with httpx.stream(
+        "POST",
+        f"{weir.url}/v1/chat/completions",
+        json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        headers={"authorization": f"Bearer {TENANT_KEY}"},
+        timeout=20,
+    ) as response:
+        body = response.read().decode()
+    assert "model not served at" in body  # the error event reached the client
+    _assert_redacted(body, fake_openai)
