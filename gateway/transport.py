@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
@@ -239,7 +240,12 @@ def _without_query(url: str) -> str:
     return url.split("?", 1)[0]
 
 
+# A URL's query string inside an exception's text (aiohttp's name the request's URL).
+_QUERY = re.compile(r"(https?://[^\s'\"?#]*)\?[^\s'\"#)]*")
+
+
 def describe(exc: BaseException) -> str:
-    """An exception for the log: its class and its text."""
-    text = str(exc)
+    """An exception for the log: its class and its text, any URL in it without its query string
+    (a backend's configured query parameters may hold its key)."""
+    text = _QUERY.sub(r"\1?[query]", str(exc))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -3,16 +3,21 @@ client must see why), but some vendors and proxies echo what they were sent: the
 header, the whole request URL with its `?key=`. The gateway's credentials for the backend (its API
 key, and configured headers or query parameters named like a credential) are blanked in what the
 client gets, in a whole answer's error and in an error event mid-stream; the rest of the message is
-kept."""
+kept. The gateway's own log lines about a broken upstream exchange name its URL without the query."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
-from gateway.config import parse_config
+from gateway.config import Timeouts, parse_config
+from gateway.errors import BadGateway
+from gateway.providers.base import UpstreamRequest
+from gateway.transport import Transport
 from tests.fakes import FakeOpenAI, Fault
 from tests.gateway.conftest import RunningGateway, running_gateway
 
@@ -87,3 +92,28 @@ def test_a_stream_error_echoing_credentials_is_redacted(weir: RunningGateway, fa
         body = response.read().decode()
     assert "model not served at" in body  # the error event reached the client
     _assert_redacted(body, fake_openai)
+
+
+async def test_a_broken_upstream_answer_logs_its_url_without_the_query_key() -> None:
+    """aiohttp's errors name the request's URL, with the backend's configured query (`?key=`): the
+    log line keeps the URL for the operator, never its query string."""
+
+    async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(not_http, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = Transport()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions?key={QUERY_KEY}"
+    try:
+        with capture_logs() as logs, pytest.raises(BadGateway):
+            await transport.send(UpstreamRequest(url, {}, b"{}"), Timeouts(connect=2, first_byte=2), "b")
+    finally:
+        await transport.close()
+        server.close()
+    [line] = [entry for entry in logs if entry["event"] == "upstream_request_broken"]
+    assert f"127.0.0.1:{port}/v1/chat/completions" in line["error"]  # still says where
+    assert QUERY_KEY not in line["error"]
