@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import ChainMap
 from collections.abc import Mapping
 from typing import Any, Literal
 from urllib.parse import quote, urlencode
@@ -137,29 +138,36 @@ _UNSUPPORTED_SCHEMA_KEYS = frozenset(
 _SUBSCHEMA_KEYS = frozenset({"items", "anyOf", "oneOf", "allOf", "prefixItems", "not"})
 _LOCAL_REFS = ("#/$defs/", "#/definitions/")
 # Inlining copies a definition per reference: a few nested definitions each referring twice to the
-# next would multiply without end. Past this many copied nodes a reference is an object of any shape.
-_MAX_INLINED_NODES = 10_000
+# next would multiply without end. Past this much copying (keys and items of the copied nodes) a
+# reference is an object of any shape. The budget is a request's, shared by all its schemas, and
+# counts copies only (the schemas' own nodes are bounded by the body's size): one per schema, a request of thousands of tools, each a kilobyte of
+# such definitions, grew to gigabytes and held the event loop for minutes.
+_MAX_INLINED_NODES = 20_000  # keys and items
 
 
-def clean_schema(schema: Any) -> Any:
+def clean_schema(schema: Any, cleaner: SchemaCleaner | None = None) -> Any:
     """A JSON schema as Gemini's OpenAPI subset takes it: the keywords it rejects left out, and local
     `$ref`s inlined, since it has no `$defs` (Pydantic puts every nested model there: dropped, their
     references dangled and the model answered a string where an object belonged). A reference back
-    into its own definition cannot be inlined: it becomes an object of any shape."""
-    return _Cleaner().clean(schema, {}, ())
+    into its own definition cannot be inlined: it becomes an object of any shape. `cleaner`: the
+    request's, whose node budget every schema of the request draws on."""
+    return (cleaner or SchemaCleaner()).clean(schema, {}, ())
 
 
-class _Cleaner:
+class SchemaCleaner:
     def __init__(self) -> None:
         self.left = _MAX_INLINED_NODES
 
-    def clean(self, schema: Any, defs: dict[str, Any], seen: tuple[str, ...]) -> Any:
+    def clean(self, schema: Any, defs: Mapping[str, Any], seen: tuple[str, ...]) -> Any:
         if not isinstance(schema, dict):
             return schema
-        self.left -= 1
+        if seen:  # inside an inlined definition: a copy, charged for what it iterates
+            self.left -= len(schema) + sum(len(v) for v in schema.values() if isinstance(v, dict | list))
         for key in ("definitions", "$defs"):
             if isinstance(found := schema.get(key), dict):
-                defs = {**defs, **found}
+                # Chained, not merged: a copy of a definition that holds many definitions copied them
+                # all again for each reference to it.
+                defs = ChainMap(found, defs)
         ref = schema.get("$ref")
         if isinstance(ref, str) and ref.startswith(_LOCAL_REFS):
             name = ref.split("/", 2)[2]
@@ -411,6 +419,7 @@ def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
         config["responseLogprobs"] = True
         if request.top_logprobs:  # alternatives a step; OpenAI's 0 is Gemini's leaving it out
             config["logprobs"] = request.top_logprobs
+    cleaner = SchemaCleaner()  # one node budget for every schema of the request
     if request.tools:
         declarations = []
         for tool in request.tools:
@@ -418,7 +427,7 @@ def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
             if tool.function.description:
                 declaration["description"] = tool.function.description
             if tool.function.parameters and tool.function.parameters.get("properties"):
-                declaration["parameters"] = clean_schema(tool.function.parameters)
+                declaration["parameters"] = clean_schema(tool.function.parameters, cleaner)
             declarations.append(declaration)
         body["tools"] = [{"functionDeclarations": declarations}]
     tool_config = _tool_config(request)
@@ -433,7 +442,7 @@ def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
         config = body.setdefault("generationConfig", {})
         config["responseMimeType"] = "application/json"
         if form.json_schema is not None and form.json_schema.schema:
-            config["responseSchema"] = clean_schema(form.json_schema.schema)
+            config["responseSchema"] = clean_schema(form.json_schema.schema, cleaner)
     if "systemInstruction" in body and _NO_SYSTEM.search(model):
         _fold_system(body)
     return body
