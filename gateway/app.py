@@ -19,7 +19,14 @@ from gateway.api.anthropic import PATHS as ANTHROPIC_PATHS
 from gateway.auth import Authenticator, StaticAuthenticator
 from gateway.config import Config
 from gateway.disconnect import cancel_on_disconnect
-from gateway.errors import GatewayError, PayloadTooLarge, encode_anthropic_error, encode_openai_error
+from gateway.errors import (
+    NESTED_TOO_DEEPLY,
+    GatewayError,
+    InvalidRequest,
+    PayloadTooLarge,
+    encode_anthropic_error,
+    encode_openai_error,
+)
 from gateway.middleware import request_middleware
 from gateway.runtime import Gateway
 from gateway.security import SecurityControls
@@ -55,6 +62,12 @@ def _on_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> R
 def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     # Never a stack trace to the client; the log has it.
     info = request.scope.get("state", {}).get("weir")
+    if isinstance(exc, RecursionError):
+        # A body nested just shallower than the JSON decoder's limit, which the translators' own
+        # recursion then ran past: the client's doing, not a fault. Logged without its traceback,
+        # a thousand frames long: with one per request, any tenant could flood the log.
+        log.warning("request_nested_too_deeply", request_id=getattr(info, "request_id", None))
+        return _error_response(request, InvalidRequest(NESTED_TOO_DEEPLY))
     log.error("unhandled_error", request_id=getattr(info, "request_id", None), exc_info=exc)
     return _error_response(request, GatewayError("The server had an error while processing your request."))
 

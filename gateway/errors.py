@@ -195,6 +195,7 @@ def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> InvalidR
 
 S = TypeVar("S", bound=msgspec.Struct)
 _decode = msgspec.json.Decoder().decode
+NESTED_TOO_DEEPLY = "The JSON body of your request is nested too deeply."
 
 
 def decode_body(body: bytes | str, type_: type[S]) -> S:
@@ -207,7 +208,7 @@ def decode_body(body: bytes | str, type_: type[S]) -> S:
             "We could not parse the JSON body of your request. The body must be a JSON object."
         ) from None
     except RecursionError:  # JSON nested thousands deep: a hostile body, not a server fault
-        raise InvalidRequest("The JSON body of your request is nested too deeply.") from None
+        raise InvalidRequest(NESTED_TOO_DEEPLY) from None
     if not isinstance(raw, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     fields = type_.__struct_fields__
