@@ -151,14 +151,14 @@ def clean_schema(schema: Any, cleaner: SchemaCleaner | None = None) -> Any:
     references dangled and the model answered a string where an object belonged). A reference back
     into its own definition cannot be inlined: it becomes an object of any shape. `cleaner`: the
     request's, whose node budget every schema of the request draws on."""
-    return (cleaner or SchemaCleaner()).clean(schema, {}, ())
+    return (cleaner or SchemaCleaner()).clean(schema, ChainMap(), ())
 
 
 class SchemaCleaner:
     def __init__(self) -> None:
         self.left = _MAX_INLINED_NODES
 
-    def clean(self, schema: Any, defs: Mapping[str, Any], seen: tuple[str, ...]) -> Any:
+    def clean(self, schema: Any, defs: ChainMap[str, Any], seen: tuple[str, ...]) -> Any:
         if not isinstance(schema, dict):
             return schema
         if seen:  # inside an inlined definition: a copy, charged for what it iterates
@@ -167,7 +167,7 @@ class SchemaCleaner:
             if isinstance(found := schema.get(key), dict):
                 # Chained, not merged: a copy of a definition that holds many definitions copied them
                 # all again for each reference to it.
-                defs = ChainMap(found, defs)
+                defs = defs.new_child(found)
         ref = schema.get("$ref")
         if isinstance(ref, str) and ref.startswith(_LOCAL_REFS):
             name = ref.split("/", 2)[2]

@@ -66,7 +66,9 @@ def _assert_redacted(message: str, fake: FakeOpenAI) -> None:
     assert "model not served at" in message and "plainlabel-0001" in message
 
 
-def test_a_vendor_error_echoing_credentials_is_redacted(weir: RunningGateway, fake_openai: FakeOpenAI) -> None:
+def test_a_vendor_error_echoing_credentials_is_redacted(
+    weir: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
     fake_openai.fail_next(Fault.status(400, message=_echo(fake_openai)), path="/v1/chat/completions")
     response = httpx.post(
         f"{weir.url}/v1/chat/completions",
@@ -78,7 +80,9 @@ def test_a_vendor_error_echoing_credentials_is_redacted(weir: RunningGateway, fa
     _assert_redacted(response.json()["error"]["message"], fake_openai)
 
 
-def test_a_stream_error_echoing_credentials_is_redacted(weir: RunningGateway, fake_openai: FakeOpenAI) -> None:
+def test_a_stream_error_echoing_credentials_is_redacted(
+    weir: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
     fake_openai.fail_next(
         Fault.stream_error(after=1, code=400, message=_echo(fake_openai)), path="/v1/chat/completions"
     )
