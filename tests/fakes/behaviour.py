@@ -29,6 +29,7 @@ first max_tokens words (finish "length").
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -47,7 +48,9 @@ def asks_to_continue(text: str) -> bool:
     return text.strip() == CONTINUE_INSTRUCTION
 
 
+@functools.lru_cache(maxsize=64)
 def count_tokens(text: str) -> int:
+    # Cached: a HUGE fault's reply (`util.huge_words`) is split once, not on every request.
     return len(text.split())
 
 

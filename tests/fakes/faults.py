@@ -123,4 +123,7 @@ class Fault:
 
     @classmethod
     def huge(cls, size: int = 20_000_000) -> Fault:
+        from tests.fakes.util import huge_words  # (util imports this module)
+
+        huge_words(size)  # made now, in the test, not while the request waits for its headers
         return cls(FaultKind.HUGE, size=size)
