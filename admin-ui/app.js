@@ -145,6 +145,9 @@ function table(columns, rows, { caption, foot, detail, rowClass } = {}) {
   return h("div", { class: "table-wrap" }, h("table", {}, caption ? h("caption", {}, caption) : null, thead, tbody, tfoot));
 }
 
+// A chart's time-axis steps, in seconds: whole days, then uPlot's month and year steps (30 and 365 days).
+const DAY_STEPS = [1, 2, 3, 7, 14, 30, 60, 90, 180, 365, 730, 1825].map((n) => n * 86400);
+
 // A uPlot chart over days. `stacked` draws each series on top of the previous ones.
 function chart(title, days, series, { stacked = false, fmt = (v) => v, range } = {}) {
   const box = h("figure", { class: "chart" }, h("figcaption", {}, title));
@@ -157,9 +160,12 @@ function chart(title, days, series, { stacked = false, fmt = (v) => v, range } =
   const order = stacked ? [...series.keys()].reverse() : [...series.keys()];
   const opts = {
     width: 600, height: 220,
+    // Each point is a whole UTC day: ticks fall on UTC midnights and step by whole days (uPlot's own
+    // steps, for a few days across, were 6 or 12 hours: "12am, 6am, 12pm" on a chart of days).
+    tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"),
     scales: { x: { time: true }, y: range ? { range } : { range: (u, lo, hi) => [Math.min(0, lo), hi > 0 ? hi * 1.1 : 1] } },
-    axes: [{}, { values: (u, vals) => vals.map((v) => fmt(v)), size: 96 }],
-    series: [{}, ...order.map((i) => ({
+    axes: [{ incrs: DAY_STEPS }, { values: (u, vals) => vals.map((v) => fmt(v)), size: 96 }],
+    series: [{ value: "{YYYY}-{MM}-{DD}" }, ...order.map((i) => ({
       label: series[i].label,
       stroke: COLORS[i % COLORS.length],
       fill: stacked ? COLORS[i % COLORS.length] + "99" : undefined,
@@ -169,6 +175,7 @@ function chart(title, days, series, { stacked = false, fmt = (v) => v, range } =
     }))],
   };
   const plot = new uPlot(opts, [xs, ...order.map((i) => ys[i])], box);
+  box.plot = plot;  // its axes' ticks, which the canvas alone does not show tests or the console
   const fit = () => plot.setSize({ width: Math.max(260, box.clientWidth - 16), height: 220 });
   requestAnimationFrame(fit);
   new ResizeObserver(fit).observe(box);
@@ -288,7 +295,7 @@ async function overview(params, query, show) {
       stat("Requests (30 days)", intFmt(d.requests), `${intFmt(t.requests)} this month`),
       stat("Spend today", usdFmt(todayRow.cost_usd), null, todayRow.cost_usd),
       stat("Spend this month", usdFmt(t.cost_usd), null, t.cost_usd),
-      stat("Tokens this month", intFmt(t.total_tokens), `in ${intFmt(t.input_tokens)} · cached ${intFmt(t.cached_input_tokens)} · out ${intFmt(t.output_tokens)}`),
+      stat("Tokens this month", intFmt(t.total_tokens), `in ${intFmt(t.input_tokens)} · cached ${intFmt(t.cached_input_tokens)} · cache write ${intFmt(t.cache_write_tokens)} · out ${intFmt(t.output_tokens)}`),
       stat("Cache hit ratio", pctFmt(t.cache_hit_ratio), `saved ${usdFmt(t.cache_savings_usd)} this month`),
       stat("Error rate (30 days)", pctFmt(errRate(d))),
       stat("Routing savings (30 days)", usdFmt(routing.totals.saved_usd), `vs ${usdFmt(routing.totals.strongest_cost_usd)} on each route's priciest candidate`, routing.totals.saved_usd),
@@ -979,6 +986,10 @@ async function backends(params, query, show) {
 
 // --- finance ------------------------------------------------------------------------------------
 
+// A report wider than the page (three group-bys at 1280 px) scrolls sideways: style.css keeps its
+// first column in view and shades the edge that has more columns beyond it.
+const scrolling = (wrap) => { wrap.classList.add("scrolls"); return wrap; };
+
 async function finance(params, query, show) {
   const start = query.get("start") || isoDay(monthStart());
   const end = query.get("end") || isoDay(addDays(today(), 1));
@@ -1036,7 +1047,7 @@ async function finance(params, query, show) {
   show("Finance", form,
     h("p", {}, h("a", { class: "button", href: `${API}/reports/usage?${qs}&format=csv`, download: "" }, "Download CSV"),
       " ", h("span", { class: "muted" }, `Source: ${report.source}. Costs are exact decimals from the ledger.`)),
-    report.rows.length ? table(cols, report.rows, { foot: total, caption: `Usage ${start} to ${end}` }) : empty("No usage in this range. Widen the dates, or send traffic with a tenant's key."),
+    report.rows.length ? scrolling(table(cols, report.rows, { foot: total, caption: `Usage ${start} to ${end}` })) : empty("No usage in this range. Widen the dates, or send traffic with a tenant's key."),
     chart("Spend by token class per day (USD)", spendDays.map((r) => r.day),
       TOKEN_CLASSES.map((c) => ({ label: c, values: spendDays.map((r) => (r.cost_usd_by_class || {})[c] || 0) })),
       { stacked: true, fmt: usdFmt }),

@@ -137,6 +137,14 @@ def _admin_guard(ctx: AdminContext) -> Callable[[ASGIConnection, BaseRouteHandle
     return guard
 
 
+# What each price field takes, as a refusal of a value that is no number says. (Budgets are left as
+# msgspec words them: the Tenants page reads that refusal as it is.)
+_AMOUNTS = {
+    "usd_per_1m_tokens": ("a price in USD per 1M tokens", 6),
+    "usd_per_1k_requests": ("a price in USD per 1,000 requests", 9),
+}
+
+
 def decode(body: bytes, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(body or b"{}", type=type_)
@@ -147,6 +155,12 @@ def decode(body: bytes, type_: type[T]) -> T:
             # msgspec names the object the field is in (nothing at the top level): name the field.
             field = text.split("`", 2)[1]
             param = f"{param}.{field}" if param else field
+        amount = _AMOUNTS.get(param.rsplit(".", 1)[-1]) if param else None
+        if amount is not None and "decimal" in text.split(" - at ", 1)[0]:
+            # msgspec's "Invalid decimal string - at `$.prices[0].usd_per_1k_requests`" is the one
+            # refusal an admin typing "$10" or "1,50" meets: say what the field takes instead.
+            what, decimals = amount
+            text = f"Enter {what} as a plain number with up to {decimals} decimals, such as 2.50 (no $ or commas)"
         raise AdminError(400, text, "invalid_value", param) from None
     except msgspec.DecodeError as exc:
         raise AdminError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None

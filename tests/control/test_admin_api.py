@@ -274,6 +274,16 @@ async def test_prices_are_appended_never_rewritten(env: Env) -> None:
         400,
         "prices[0].usd_per_1m_tokens",
     )
+    # A price as a price sheet prints it: refused in words, not msgspec's "Invalid decimal string".
+    bad = {"model": "gpt-4o", "token_class": "input", "usd_per_1m_tokens": "$2.50"}
+    error = assert_openai_error(
+        await c.put("/admin/api/v1/prices", json={"prices": [bad]}, headers=AUTH),
+        400,
+        "prices[0].usd_per_1m_tokens",
+    )
+    assert error["message"].startswith(
+        "Enter a price in USD per 1M tokens as a plain number with up to 6 decimals"
+    )
     bad = {"model": "gpt-4o", "token_class": "thinking", "usd_per_1m_tokens": "1"}
     assert_openai_error(await c.put("/admin/api/v1/prices", json={"prices": [bad]}, headers=AUTH), 400)
     assert (

@@ -60,3 +60,23 @@ def test_a_refused_search_price_marks_the_field_it_was_typed_in(weir: Weir, brow
     assert "9 decimals" in error.inner_text()
     assert price.get_attribute("aria-invalid") == "true"
     assert weir.router.context.prices("openai", "claude-sonnet-4-5", None) == {}
+
+
+def test_a_price_that_is_no_number_is_refused_in_words(weir: Weir, browser: Any) -> None:
+    """A price typed as the price sheet prints it ("$10") was refused with msgspec's "Invalid decimal
+    string - at `$.prices[0].usd_per_1k_requests`" beside the field."""
+    page = signed_in(weir, browser, "#/backends")
+    form = page.get_by_role("form", name="Add a price")
+    form.get_by_label("Model", exact=True).fill("claude-sonnet-4-5")
+    form.get_by_label("Token class", exact=True).select_option("web_search")
+    price = form.get_by_label("USD per 1,000 searches", exact=True)
+    price.fill("$10")
+    form.get_by_role("button", name="Add price").click()
+    error = form.locator(".form-error")
+    error.wait_for()
+    assert error.inner_text() == (
+        "Enter a price in USD per 1,000 requests as a plain number with up to 9 decimals, "
+        "such as 2.50 (no $ or commas)"
+    )
+    assert price.get_attribute("aria-invalid") == "true"
+    assert weir.router.context.prices("openai", "claude-sonnet-4-5", None) == {}
