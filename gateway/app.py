@@ -30,6 +30,7 @@ from gateway.errors import (
 from gateway.middleware import request_middleware
 from gateway.runtime import Gateway
 from gateway.security import SecurityControls
+from gateway.throttle import FailureThrottle
 from gateway.usage_sink import FanoutSink, UsageSink
 
 log = structlog.get_logger("weir.gateway")
@@ -91,6 +92,7 @@ def create_app(
         admission = control.admit
     gateway = Gateway(config, authenticator=authenticator, usage_sink=usage_sink, admission=admission)
     if control is not None:
+        control.admin.throttle = FailureThrottle(config.server.admin_auth_failures_per_minute)
         # Routes in the admin DB; every backend's probe results feed the uptime report.
         gateway.router.use_control_plane(control.sessions, control.state, on_probe=control.uptime.record)
         gateway.comparer.use_control_plane(control.sessions, control.admission.finish, control.state)

@@ -34,6 +34,17 @@ class Authenticator(Protocol):
     async def authenticate(self, api_key: str) -> Principal | None: ...
 
 
+async def authenticate_known(authenticator: Authenticator, api_key: str) -> Principal | None:
+    """The key's caller if the authenticator can tell without a DB query (`authenticate_known`, where
+    it has one): what a client over its failed-key allowance may still use (gateway.throttle). An
+    authenticator without the method is taken to be in memory."""
+    known = getattr(authenticator, "authenticate_known", None)
+    if known is None:
+        return await authenticator.authenticate(api_key)
+    principal: Principal | None = await known(api_key)
+    return principal
+
+
 def hash_key(api_key: str) -> bytes:
     return hashlib.sha256(api_key.encode()).digest()
 
@@ -68,11 +79,17 @@ class StaticAuthenticator:
                 found = principal
         return found
 
+    async def authenticate_known(self, api_key: str) -> Principal | None:
+        return await self.authenticate(api_key)  # in memory
+
 
 class OpenAuthenticator:
     """No tenants configured: every caller is the anonymous principal (local development only)."""
 
     async def authenticate(self, api_key: str) -> Principal | None:
+        return ANONYMOUS
+
+    async def authenticate_known(self, api_key: str) -> Principal | None:
         return ANONYMOUS
 
 

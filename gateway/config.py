@@ -194,6 +194,11 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     header_timeout: Seconds = 10.0
     body_timeout: Seconds = 60.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Wrong API keys one client address may present a minute, per replica, before it gets 429 (its
+    # keys already known valid still work), and wrong admin tokens on the admin API (429 even with
+    # the right one, or the throttle would not slow guessing). 0: no throttle. See gateway/throttle.py.
+    auth_failures_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 30
+    admin_auth_failures_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 10
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

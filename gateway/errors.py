@@ -59,6 +59,12 @@ class AuthenticationFailed(GatewayError):
     code = "invalid_api_key"
 
 
+class TooManyFailedKeys(GatewayError):
+    status = 429
+    type = "requests"
+    code = "too_many_failed_authentications"
+
+
 class PermissionDenied(GatewayError):
     status = 403
     type = "permission_error"

@@ -8,14 +8,22 @@ from collections.abc import Callable, Mapping
 import msgspec
 import structlog
 
-from gateway.auth import Authenticator, OpenAuthenticator, Principal, StaticAuthenticator, api_key_from
+from gateway.auth import (
+    Authenticator,
+    OpenAuthenticator,
+    Principal,
+    StaticAuthenticator,
+    api_key_from,
+    authenticate_known,
+)
 from gateway.config import Config
 from gateway.engine_supervisor import EngineProcess, resolve_engine_backend
-from gateway.errors import AuthenticationFailed
+from gateway.errors import AuthenticationFailed, TooManyFailedKeys
 from gateway.limits import RequestLimits
 from gateway.metrics import Metrics
 from gateway.pipeline import Admission, Pipeline
 from gateway.router_basic import ModelTable
+from gateway.throttle import FailureThrottle
 from gateway.transport import Transport
 from gateway.usage_sink import FanoutSink, MetricsSink, UsageSink
 from routing.compare import Comparer
@@ -54,6 +62,7 @@ class Gateway:
             else:
                 authenticator = StaticAuthenticator(config.tenants)
         self.authenticator = authenticator
+        self.auth_throttle = FailureThrottle(config.server.auth_failures_per_minute)
         sinks: list[UsageSink] = [MetricsSink(self.metrics), self.router.stats]
         if usage_sink is not None:
             sinks.append(usage_sink)
@@ -137,13 +146,28 @@ class Gateway:
         healthy = {engine.backend.name: engine.healthy for engine in self.engines}
         return not healthy or any(healthy.get(t.backend.name, True) for t in self.models.targets.values())
 
-    async def authenticate(self, headers: Mapping[str, str]) -> Principal:
+    async def authenticate(self, headers: Mapping[str, str], address: str = "unknown") -> Principal:
+        """The caller of the request's key; `address` (gateway.throttle.client_address) is throttled
+        after too many wrong keys: each unknown key costs the admin DB a query."""
         api_key = api_key_from(headers)
+        wait = self.auth_throttle.retry_after(address) if api_key is not None else None
+        if wait is not None:
+            # Over its allowance: only keys known without a DB query. A real client with a typo in
+            # one request keeps its real key; a spray of random keys stops reaching the DB.
+            principal = await authenticate_known(self.authenticator, api_key or "")
+            if principal is None:
+                raise TooManyFailedKeys(
+                    "Too many requests with an incorrect API key from this address. "
+                    f"Retry in {wait} seconds.",
+                    headers={"retry-after": str(wait)},
+                )
+            return principal
         principal = await self.authenticator.authenticate(api_key or "")
         if principal is None:
             if api_key is None:
                 raise AuthenticationFailed(
                     "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' or as 'x-api-key'."
                 )
+            self.auth_throttle.failed(address)
             raise AuthenticationFailed("Incorrect API key provided.")
         return principal

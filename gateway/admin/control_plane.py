@@ -33,7 +33,7 @@ from gateway.admin.keys import DbAuthenticator, KeyRecord
 from gateway.admin.router import AdminContext, admin_router
 from gateway.admin.token import ensure_admin_token
 from gateway.aio import stop_if_cancelled
-from gateway.auth import Authenticator, Principal
+from gateway.auth import Authenticator, Principal, authenticate_known
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine, normalise_url, sessionmaker
@@ -72,6 +72,13 @@ class FirstMatch:
     async def authenticate(self, api_key: str) -> Principal | None:
         for authenticator in self.authenticators:
             principal = await authenticator.authenticate(api_key)
+            if principal is not None:
+                return principal
+        return None
+
+    async def authenticate_known(self, api_key: str) -> Principal | None:
+        for authenticator in self.authenticators:
+            principal = await authenticate_known(authenticator, api_key)
             if principal is not None:
                 return principal
         return None

@@ -110,6 +110,15 @@ class DbAuthenticator:
         record = await self.lookup(api_key)
         return record.principal if record else None
 
+    async def authenticate_known(self, api_key: str) -> Principal | None:
+        """`authenticate` for keys this replica has seen valid (a DB query only to refresh one of
+        those), else None without a query: a throttled address's spray of random keys never reaches
+        the DB, while its real key, already cached, keeps working."""
+        cached = self._cache.get(key_digest(api_key))
+        if cached is None or cached[1] is None:
+            return None
+        return await self.authenticate(api_key)
+
     async def lookup(self, api_key: str) -> KeyRecord | None:
         digest = key_digest(api_key)
         now = time.monotonic()

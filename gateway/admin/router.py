@@ -39,6 +39,7 @@ from gateway.admin.schemas import KeyCreate, PriceIn, PricesPut, TenantCreate, T
 from gateway.admin.token import token_matches
 from gateway.db.models import ApiKey, AuditLog, Price, Tenant, utcnow
 from gateway.state import SharedState
+from gateway.throttle import FailureThrottle, client_address
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -55,9 +56,11 @@ class AdminError(Exception):
         code: str,
         param: str | None = None,
         type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
+        self.headers = headers
 
 
 @dataclass
@@ -67,6 +70,8 @@ class AdminContext:
     token_digest: str
     on_prices_changed: Callable[[], Awaitable[None]] | None = None
     actor: str = "admin"
+    # Wrong admin tokens per client address (`server.admin_auth_failures_per_minute`); None: none.
+    throttle: FailureThrottle | None = None
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[tuple[AsyncSession, Callable[..., None]]]:
@@ -109,7 +114,7 @@ def _error_response(
 
 
 def _on_admin_error(_: Request, exc: AdminError) -> Response[dict[str, Any]]:
-    return _error_response(exc.status, exc.message, exc.code, exc.param, exc.type)
+    return _error_response(exc.status, exc.message, exc.code, exc.param, exc.type, exc.headers)
 
 
 def _on_http_error(_: Request, exc: HTTPException) -> Response[dict[str, Any]]:
@@ -128,8 +133,22 @@ def _on_unexpected(_: Request, exc: Exception) -> Response[dict[str, Any]]:
 
 def _admin_guard(ctx: AdminContext) -> Callable[[ASGIConnection, BaseRouteHandler], None]:
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        address = client_address(connection.scope)
+        # Checked before the token, as the UI's sign-in lockout is: were the right token let through,
+        # a throttled guesser would still learn which of its guesses was right.
+        wait = ctx.throttle.retry_after(address) if ctx.throttle is not None else None
+        if wait is not None:
+            raise AdminError(
+                429,
+                f"too many wrong admin tokens from this address: retry in {wait} seconds",
+                "too_many_failed_authentications",
+                type="requests",
+                headers={"retry-after": str(wait)},
+            )
         scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token_matches(token.strip(), ctx.token_digest):
+            if ctx.throttle is not None:
+                ctx.throttle.failed(address)
             raise AdminError(
                 401, "a valid admin token is required (Authorization: Bearer <token>)", "invalid_admin_token"
             )

@@ -12,6 +12,7 @@ from litestar.exceptions import InternalServerException
 from gateway.errors import GatewayError, decode_body
 from gateway.pipeline import Call, RequestInfo
 from gateway.runtime import Gateway
+from gateway.throttle import client_address
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -31,7 +32,7 @@ async def begin(request: Request[Any, Any, Any], endpoint: str) -> tuple[Gateway
     gateway = runtime(request)
     info = request_info(request)
     info.endpoint = endpoint
-    principal = await gateway.authenticate(request.headers)
+    principal = await gateway.authenticate(request.headers, client_address(request.scope))
     info.tenant = principal.tenant_name
     timeout = client_timeout(request.headers.get(CLIENT_TIMEOUT_HEADER))
     return gateway, Call(info=info, principal=principal, endpoint=endpoint, client_timeout=timeout)

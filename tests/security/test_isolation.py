@@ -23,6 +23,9 @@ models:
   - {name: model-a, backend: openai, model: gpt-4o-mini, price: {input: 0.15, output: 0.60}}
   - {name: model-b, backend: openai, model: gpt-4o, price: {input: 2.5, output: 10.0}}
 database_url: "${DB_URL}"
+# Off: test_admin_api_refuses_tenant_keys sends dozens of wrong admin tokens from one address, each
+# to be refused as wrong (the throttle's own tests: tests/security/test_auth_throttle.py).
+server: {admin_auth_failures_per_minute: 0}
 """
 HI = [{"role": "user", "content": "hello"}]
 ADMIN_GETS = ["/tenants", "/prices", "/reports/usage", "/reports/uptime", "/audit", "/requests", "/routes"]

@@ -1,0 +1,214 @@
+"""Wrong credentials are throttled per client address. Tenant keys: every unknown key costs the admin
+DB a query, so past `server.auth_failures_per_minute` wrong keys an address gets 429 without one,
+while its keys already known valid keep working (a real client's one typo must not lock it out).
+Admin tokens: past `server.admin_auth_failures_per_minute` wrong tokens an address gets 429 even with
+the right one (else the throttle would not slow guessing: the right guess would still get through)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from litestar import Litestar
+
+from gateway.admin.control_plane import FirstMatch
+from gateway.admin.keys import DbAuthenticator, KeyRecord, key_digest
+from gateway.admin.router import AdminContext, admin_router
+from gateway.admin.token import token_digest
+from gateway.app import create_app
+from gateway.auth import Principal, StaticAuthenticator
+from gateway.config import parse_config
+from gateway.db.session import create_engine, sessionmaker
+from gateway.state import MemoryState
+from gateway.throttle import FailureThrottle, client_address
+from tests.control.conftest import migrated_sqlite
+
+N = 5  # failures a minute: a refill every 12 s of the fake clock
+CONFIG_KEY = "sk-config-tenant-key"
+DB_KEY = "wk-the-one-real-db-key"
+ADMIN = "admin-token-for-throttle-tests"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _config(per_minute: int) -> str:
+    return f"""\
+backends:
+  - {{name: openai, type: openai, base_url: "http://127.0.0.1:9", api_key: "unused"}}
+models:
+  - {{name: model-a, backend: openai, model: gpt-4o-mini}}
+tenants:
+  - {{name: config-tenant, api_keys: ["{CONFIG_KEY}"]}}
+server: {{auth_failures_per_minute: {per_minute}}}
+"""
+
+
+class Gateway:
+    """A gateway app (no backends reached: /v1/models only) whose admin-DB keys come from a fake DB
+    that counts its queries."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.queries: list[str] = []
+        record = KeyRecord(
+            principal=Principal(tenant_id="t1", tenant_name="db-tenant", key_id="k1"),
+            key_hash=key_digest(DB_KEY),
+            tenant_rpm=None,
+            tenant_tpm=None,
+            tenant_budget_micro_usd=None,
+            key_rpm=None,
+            key_tpm=None,
+            key_budget_micro_usd=None,
+            expires_at=None,
+        )
+
+        async def load(digest: str) -> KeyRecord | None:
+            self.queries.append(digest)
+            return record if digest == record.key_hash else None
+
+        config = parse_config(_config(per_minute), {})
+        db = DbAuthenticator(sessions=None, state=None)  # type: ignore[arg-type]  # _load replaced
+        db._load = load  # type: ignore[method-assign]
+        self.app = create_app(
+            config, authenticator=FirstMatch([StaticAuthenticator(config.tenants or []), db])
+        )
+        self.clock = Clock()
+        self.app.state.gateway.auth_throttle.clock = self.clock
+
+    async def models(self, key: str, address: str = "203.0.113.7") -> httpx.Response:
+        transport = httpx.ASGITransport(app=self.app, client=(address, 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://weir") as client:
+            return await client.get("/v1/models", headers={"authorization": f"Bearer {key}"})
+
+
+def _assert_throttled(response: httpx.Response) -> int:
+    assert response.status_code == 429, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "too_many_failed_authentications"
+    wait = int(response.headers["retry-after"])
+    assert 1 <= wait <= 60
+    return wait
+
+
+async def test_unknown_keys_past_the_allowance_get_429_without_a_db_query() -> None:
+    gw = Gateway(N)
+    assert (await gw.models(DB_KEY)).status_code == 200  # the real key, seen once: now cached
+    for i in range(N):
+        assert (await gw.models(f"wk-guess-{i}")).status_code == 401
+    assert len(gw.queries) == 1 + N
+
+    for i in range(N, 3 * N):
+        _assert_throttled(await gw.models(f"wk-guess-{i}"))
+    assert len(gw.queries) == 1 + N  # the spray stopped reaching the DB
+
+    # The throttled address's real keys still work: the cached DB key and the config key.
+    assert (await gw.models(DB_KEY)).status_code == 200
+    assert (await gw.models(CONFIG_KEY)).status_code == 200
+    # Another address is not affected.
+    assert (await gw.models("wk-guess-elsewhere", address="198.51.100.9")).status_code == 401
+    assert len(gw.queries) == 2 + N
+
+
+async def test_the_allowance_refills() -> None:
+    gw = Gateway(N)
+    for i in range(N):
+        assert (await gw.models(f"wk-guess-{i}")).status_code == 401
+    wait = _assert_throttled(await gw.models("wk-guess-x"))
+    assert wait == 60 // N
+    gw.clock.now += wait  # one failure's worth back
+    assert (await gw.models("wk-guess-y")).status_code == 401
+    _assert_throttled(await gw.models("wk-guess-z"))
+    gw.clock.now += 60  # a full minute: the whole allowance back
+    for i in range(N):
+        assert (await gw.models(f"wk-later-{i}")).status_code == 401
+
+
+async def test_zero_turns_the_throttle_off() -> None:
+    gw = Gateway(0)
+    for i in range(3 * N):
+        assert (await gw.models(f"wk-guess-{i}")).status_code == 401
+    assert len(gw.queries) == 3 * N
+
+
+async def test_a_key_never_seen_valid_is_not_looked_up_while_throttled() -> None:
+    # A valid DB key this replica has not cached yet waits like any unknown key: telling it from a
+    # guess would take the very query the throttle saves.
+    gw = Gateway(N)
+    for i in range(N):
+        await gw.models(f"wk-guess-{i}")
+    _assert_throttled(await gw.models(DB_KEY))
+    assert key_digest(DB_KEY) not in gw.queries
+
+
+def test_client_addresses() -> None:
+    assert client_address({"client": ("203.0.113.7", 1)}) == "203.0.113.7"
+    # One IPv6 host's /64 is one bucket, however many of its addresses it sends from.
+    assert client_address({"client": ("2001:db8:1:2::1", 1)}) == client_address(
+        {"client": ("2001:db8:1:2::ff", 1)}
+    )
+    assert client_address({"client": ("2001:db8:1:2::1", 1)}) != client_address(
+        {"client": ("2001:db8:1:3::1", 1)}
+    )
+    assert client_address({"client": ("::ffff:203.0.113.7", 1)}) == "203.0.113.7"
+    assert client_address({"client": None}) == client_address({}) == "unknown"
+
+
+def test_the_address_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway import throttle
+
+    monkeypatch.setattr(throttle, "MAX_ADDRESSES", 100)
+    limiter = FailureThrottle(1)
+    for i in range(1000):
+        limiter.failed(f"10.0.{i // 256}.{i % 256}")
+    assert len(limiter._buckets) == 100
+    assert limiter.retry_after("10.0.3.231") is not None  # the most recent are kept
+
+
+# --- admin tokens ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def admin(tmp_path: Path) -> AsyncIterator[tuple[Any, Clock]]:
+    engine = create_engine(migrated_sqlite(f"sqlite+aiosqlite:///{tmp_path}/weir.db"))
+    clock = Clock()
+    ctx = AdminContext(
+        sessions=sessionmaker(engine),
+        state=MemoryState(),
+        token_digest=token_digest(ADMIN),
+        throttle=FailureThrottle(N, clock),
+    )
+    app = Litestar(route_handlers=[admin_router(ctx)])
+
+    async def get(token: str, address: str = "203.0.113.7") -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, client=(address, 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://weir") as client:
+            return await client.get("/admin/api/v1/tenants", headers={"authorization": f"Bearer {token}"})
+
+    yield get, clock
+    await engine.dispose()
+
+
+async def test_wrong_admin_tokens_are_throttled_per_address(admin: tuple[Any, Clock]) -> None:
+    get, clock = admin
+    assert (await get(ADMIN)).status_code == 200
+    for i in range(N):
+        response = await get(f"{ADMIN}{i}")
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_admin_token"
+    wait = _assert_throttled(await get("wrong-again"))
+    # The right token too: a guesser must not learn which guess was right while throttled.
+    _assert_throttled(await get(ADMIN))
+    # Another address is not affected.
+    assert (await get(ADMIN, address="198.51.100.9")).status_code == 200
+    assert (await get("wrong", address="198.51.100.9")).status_code == 401
+    # The window recovers.
+    clock.now += wait
+    assert (await get(ADMIN)).status_code == 200
