@@ -56,13 +56,14 @@ class KeyRecord:
 
     principal: Principal
     key_hash: str
-    tenant_rpm: int | None
-    tenant_tpm: int | None
-    tenant_budget_micro_usd: int | None
-    key_rpm: int | None
-    key_tpm: int | None
-    key_budget_micro_usd: int | None
-    expires_at: dt.datetime | None
+    # None: no such limit, budget or expiry.
+    tenant_rpm: int | None = None
+    tenant_tpm: int | None = None
+    tenant_budget_micro_usd: int | None = None
+    key_rpm: int | None = None
+    key_tpm: int | None = None
+    key_budget_micro_usd: int | None = None
+    expires_at: dt.datetime | None = None
     policy: TenantPolicy = NO_POLICY  # the tenant's request limits and prompt storage
 
 

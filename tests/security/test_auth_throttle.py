@@ -61,13 +61,6 @@ class Gateway:
         record = KeyRecord(
             principal=Principal(tenant_id="t1", tenant_name="db-tenant", key_id="k1"),
             key_hash=key_digest(DB_KEY),
-            tenant_rpm=None,
-            tenant_tpm=None,
-            tenant_budget_micro_usd=None,
-            key_rpm=None,
-            key_tpm=None,
-            key_budget_micro_usd=None,
-            expires_at=None,
         )
 
         async def load(digest: str) -> KeyRecord | None:

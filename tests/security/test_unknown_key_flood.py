@@ -20,13 +20,6 @@ def _authenticator(monkeypatch: pytest.MonkeyPatch) -> tuple[DbAuthenticator, li
     record = KeyRecord(
         principal=Principal(tenant_id="t1", tenant_name="acme", key_id="k1"),
         key_hash=key_digest(GOOD),
-        tenant_rpm=None,
-        tenant_tpm=None,
-        tenant_budget_micro_usd=None,
-        key_rpm=None,
-        key_tpm=None,
-        key_budget_micro_usd=None,
-        expires_at=None,
     )
 
     async def load(digest: str) -> KeyRecord | None:  # the DB: one key exists
