@@ -256,6 +256,54 @@ def asked_tier(body: bytes) -> str | None:
     return tier if isinstance(tier, str) and tier in CONCRETE_TIERS else None
 
 
+# Web searches admission reserves for a request whose web search tool sets no `max_uses`. Anthropic
+# then caps the searches with nothing but its server-side loop, which pauses the turn (`pause_turn`)
+# after 10 iterations, each normally one search: about 10 per request, the client's continuation
+# being a request of its own (reserved anew). Claude Code sends `max_uses: 8`.
+DEFAULT_WEB_SEARCH_ESTIMATE = 10
+# Anthropic's web search tool types are `web_search_` and a date (`web_search_20250305`); OpenAI's
+# `web_search`, `web_search_preview` and `web_search_2025_08_26` are none of them, and are billed on
+# no `web_search_requests` count Weir reads.
+_WEB_SEARCH_PREFIX = "web_search_"
+
+
+class _Tool(msgspec.Struct):
+    type: Any = None
+    max_uses: Any = None
+
+
+class _Tools(msgspec.Struct):
+    tools: list[_Tool] | None = None
+
+
+_tools = msgspec.json.Decoder(_Tools)
+
+
+def _is_web_search(kind: Any) -> bool:
+    return (
+        isinstance(kind, str)
+        and kind.startswith(_WEB_SEARCH_PREFIX)
+        and kind[len(_WEB_SEARCH_PREFIX) :].isdigit()
+    )
+
+
+def web_search_estimate(body: bytes) -> int:
+    """The web searches to reserve for an upstream request: each Anthropic web search tool's
+    `max_uses`, DEFAULT_WEB_SEARCH_ESTIMATE without one; 0 without such a tool. What admission
+    reserves at the model's `web_search` price beside the tokens; settlement bills the searches run."""
+    if b'"web_search_' not in body:  # nearly every request: no parse
+        return 0
+    try:
+        tools = _tools.decode(body).tools or ()
+    except msgspec.MsgspecError:
+        return 0
+    return sum(
+        tool.max_uses if type(tool.max_uses) is int and tool.max_uses >= 0 else DEFAULT_WEB_SEARCH_ESTIMATE
+        for tool in tools
+        if _is_web_search(tool.type)
+    )
+
+
 # Tokens admission reserves for a request that sets no output limit (`output_estimate`), and what an
 # answer whose size nothing tells is billed then (`whole_answer`).
 DEFAULT_OUTPUT_ESTIMATE = 1024

@@ -41,6 +41,14 @@ class Metrics:
         self.tokens = Counter(
             "weir_tokens", "Tokens by class", ("backend", "model", "class"), registry=self.registry
         )
+        # Per tenant, where the token counter is not: a search is billed on its own ($10 per 1,000,
+        # gateway.accounting.pricing), and one tenant's agent can run hundreds of them an hour.
+        self.server_tools = Counter(
+            "weir_server_tool_uses",
+            "Anthropic server tool uses (web_search, web_fetch) by backend, model and tenant",
+            ("backend", "model", "tenant", "tool"),
+            registry=self.registry,
+        )
         self.errors = Counter("weir_errors", "Errors by type", (*labels, "type"), registry=self.registry)
         # Per upstream attempt (each retry, fallback and hedge), where `weir_requests_total` counts a
         # request once, under its last attempt's backend: the denominator of a backend's failure share.
@@ -62,6 +70,7 @@ class Metrics:
         # codes (per attempt, their classes) and route names; a route's go with it (`forget_models`).
         self._done: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
         self._tokens: dict[tuple[str, str, str], Any] = {}
+        self._server_tools: dict[tuple[str, str, str, str], Any] = {}
         self._attempts: dict[tuple[str, str, str], Any] = {}
         # Whether a model name is served now (Router.in_force; the gateway sets it): a request of a
         # route deleted while it ran makes no series of it again, once `forget_models` dropped them.
@@ -107,15 +116,35 @@ class Metrics:
                     child = self._tokens[key] = self.tokens.labels(backend, model, token_class)
                 child.inc(count)
 
+    def record_server_tools(self, backend: str, model: str, tenant: str, usage: Usage) -> None:
+        """Count the server tool uses an attempt's usage reports (Anthropic's `server_tool_use`),
+        labelled as `record_tokens` labels tokens, and with the tenant."""
+        if not (usage.web_search_requests or usage.web_fetch_requests):  # nearly every attempt
+            return
+        for tool, count in (
+            ("web_search", usage.web_search_requests),
+            ("web_fetch", usage.web_fetch_requests),
+        ):
+            if count:
+                key = (backend, model, tenant, tool)
+                child = self._server_tools.get(key)
+                if child is None:
+                    if not self.in_force(model):
+                        return
+                    child = self._server_tools[key] = self.server_tools.labels(*key)
+                child.inc(count)
+
     def forget_models(self, names: Collection[str]) -> None:
         """Stop exporting the series of model names that are gone (deleted or renamed routes): each
         route name ever created kept its request, latency and token series for as long as the process
         ran. A name used again starts its series afresh (a counter reset, which rate() absorbs)."""
         self._done = {key: c for key, c in self._done.items() if key[2] not in names}
         self._tokens = {key: c for key, c in self._tokens.items() if key[1] not in names}
+        self._server_tools = {key: c for key, c in self._server_tools.items() if key[1] not in names}
         drop_series(self.requests, ("endpoint", "backend", "model", "status"), "model", names)
         drop_series(self.latency, ("endpoint", "backend", "model"), "model", names)
         drop_series(self.tokens, ("backend", "model", "class"), "model", names)
+        drop_series(self.server_tools, ("backend", "model", "tenant", "tool"), "model", names)
 
     def watch_budgets(self, ratios: Callable[[], Mapping[str, float]]) -> None:
         """Export each tenant's monthly budget use (spent + reserved over the budget) on every scrape."""

@@ -9,6 +9,7 @@ from typing import Protocol
 import structlog
 
 from gateway.accounting.events import UsageEvent
+from gateway.auth import ANONYMOUS
 from gateway.metrics import Metrics
 
 log = structlog.get_logger("weir.usage")
@@ -19,13 +20,15 @@ class UsageSink(Protocol):
 
 
 class MetricsSink:
-    """The default sink: token counters in Prometheus and a debug log line per attempt."""
+    """The default sink: token and server tool counters in Prometheus and a debug log line per attempt."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
     def record(self, event: UsageEvent) -> None:
         self.metrics.record_tokens(event.backend, event.route, event.usage)
+        tenant = event.tenant_id or ANONYMOUS.tenant_id
+        self.metrics.record_server_tools(event.backend, event.route, tenant, event.usage)
         log.debug(
             "usage",
             request_id=event.request_id,

@@ -23,7 +23,7 @@ from gateway.accounting.money import MAX_BUDGET_MICRO, format_usd, micro_to_pico
 from gateway.accounting.pricing import LongContextSheet, PriceCatalog, sheet_of
 from gateway.aio import detached
 from gateway.errors import GatewayError
-from gateway.estimate import DEFAULT_OUTPUT_ESTIMATE
+from gateway.estimate import DEFAULT_OUTPUT_ESTIMATE, DEFAULT_WEB_SEARCH_ESTIMATE
 from gateway.ids import exchange_key
 from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState, correction_bucket
 from gateway.state import Admission as Decision
@@ -218,7 +218,7 @@ def rate_headers(windows: Sequence[WindowState], anthropic: bool = False) -> dic
 
 
 def refusal(
-    decision: Decision, limits: Sequence[Limit], budgets: Sequence[Budget], amount: int
+    decision: Decision, limits: Sequence[Limit], budgets: Sequence[Budget], amount: int, web_searches: int = 0
 ) -> GatewayError:
     """What a request the shared state refused is told. First a limit or whole budget its estimate
     alone is over, which no wait can lift: still a 429, as OpenAI answers such a request ("Request too
@@ -247,11 +247,17 @@ def refusal(
     for budget in budgets:
         if amount > budget.limit_pico_usd:
             scope = _scope(budget.key)
+            searches = (
+                f", the web search tool's max_uses ({DEFAULT_WEB_SEARCH_ESTIMATE} when unset)"
+                if web_searches
+                else ""
+            )
             return QuotaExceeded(
                 f"Request too large for this {scope}'s monthly budget: its estimated cost (USD "
                 f"{format_usd(pico_to_usd(amount))}) is more than this {scope}'s whole monthly budget "
                 f"(USD {format_usd(pico_to_usd(budget.limit_pico_usd))}). Reduce the input or max_tokens "
-                f"({DEFAULT_OUTPUT_ESTIMATE} when unset), or ask your Weir administrator to raise the budget.",
+                f"({DEFAULT_OUTPUT_ESTIMATE} when unset){searches}, or ask your Weir administrator to raise "
+                "the budget.",
                 headers=never,
             )
     blocked = decision.blocked_by or ""
@@ -430,6 +436,7 @@ class Admission:
         long_context: LongContextSheet | None = None,
         service_tier: str | None = None,
         anthropic: bool = False,
+        web_searches: int = 0,
     ) -> dict[str, str]:
         """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it; the
         rate-limit headers its response carries (`rate_headers`; none without RPM/TPM limits), and
@@ -437,7 +444,10 @@ class Admission:
         `long_context`: the model's long-context tier, which prices the estimate of a long prompt.
         `service_tier`: the tier the request asks for, whose prices (where the model has some) price
         the estimate, as they will bill the attempt: at the base price a priority request was
-        reserved too little until it settled, and a tenant near its budget overspent it."""
+        reserved too little until it settled, and a tenant near its budget overspent it.
+        `web_searches`: the web searches it may run (`gateway.estimate.web_search_estimate`), priced
+        into the estimate as they will bill the attempt: left out, a tenant near its budget started a
+        request of 50 searches ($0.50) reserved for its tokens alone."""
         self._expire()
         # Remembered under this exchange's key: a client may send its request id on other requests
         # too, whose attempts must not settle this one's reservation (gateway.ids.exchange_tag).
@@ -470,7 +480,11 @@ class Admission:
             if long_context is not None:
                 prices = long_context.apply(prices, prompt_tokens)
             sheet = sheet_of(prices)
-            cost_pico_usd = prompt_tokens * sheet.input + max_output_tokens * sheet.output
+            cost_pico_usd = (
+                prompt_tokens * sheet.input
+                + max_output_tokens * sheet.output
+                + web_searches * sheet.web_search
+            )
             # At least one pico-dollar, so a budget that is fully spent refuses even unpriced models.
             amount = max(1, cost_pico_usd)
         if not limits and not budgets:
@@ -564,7 +578,7 @@ class Admission:
             budgets = await self._seed_again(plan, budgets, decision.unseeded, now)
             decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
         if not decision.allowed:
-            refused = refusal(decision, limits, budgets, amount)
+            refused = refusal(decision, limits, budgets, amount, web_searches)
             by = next((limit for limit in limits if limit.key == decision.blocked_by), None)
             if by is not None and decision.windows:
                 # The limit that refused, as it stands (the other limits were not looked at).

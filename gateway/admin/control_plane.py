@@ -37,7 +37,7 @@ from gateway.auth import Authenticator, Principal, authenticate_known
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine, normalise_url, sessionmaker
-from gateway.estimate import asked_tier, output_estimate, prompt_tokens
+from gateway.estimate import asked_tier, output_estimate, prompt_tokens, web_search_estimate
 from gateway.state import open_state
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
@@ -259,6 +259,7 @@ class ControlPlane:
             long_context=self.long_context.get(target.model.name),
             service_tier=asked_tier(upstream.body),
             anthropic=call.endpoint in ANTHROPIC_ENDPOINTS,
+            web_searches=web_search_estimate(upstream.body),
         )
 
 

@@ -1,6 +1,7 @@
 """What admission reserves for a request: its prompt from its body's size, each part sent inline (an
 image, a file, audio as base64) or by URL as one allowance, whatever vendor's form the body takes; its
-output, its cap for every choice it asks for. The prompt's estimate is also what an attempt cut before its
+output, its cap for every choice it asks for; its web searches, each Anthropic web search tool's
+`max_uses`. The prompt's estimate is also what an attempt cut before its
 usage report is billed (tests/routing/test_stream_failover.py, test_cancelled_answer_billing.py)."""
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import pytest
 from gateway.estimate import (
     BYTES_PER_TOKEN,
     DEFAULT_OUTPUT_ESTIMATE,
+    DEFAULT_WEB_SEARCH_ESTIMATE,
     INLINE_PART_TOKENS,
     input_tokens,
     output_estimate,
     prompt_tokens,
+    web_search_estimate,
 )
 from gateway.types import ChatRequest
 
@@ -36,6 +39,37 @@ from gateway.types import ChatRequest
 )
 def test_the_output_reserved_covers_every_choice(body: dict, tokens: int) -> None:
     assert output_estimate(msgspec.json.encode(body)) == tokens
+
+
+SEARCH = {"type": "web_search_20250305", "name": "web_search"}
+SEARCHED = {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []}
+
+
+@pytest.mark.parametrize(
+    ("tools", "searches"),
+    [
+        ([{**SEARCH, "max_uses": 8}], 8),  # Claude Code's WebSearch
+        ([SEARCH], DEFAULT_WEB_SEARCH_ESTIMATE),  # no cap of the tool's own
+        ([{**SEARCH, "type": "web_search_20260209", "max_uses": 50}], 50),  # a later version
+        ([{"name": "get_weather", "input_schema": {}}, {**SEARCH, "max_uses": 3}], 3),
+        ([{"type": "web_fetch_20250910", "name": "web_fetch", "max_uses": 5}], 0),  # no fee per use
+        ([{"type": "web_search"}, {"type": "web_search_preview"}, {"type": "web_search_2025_08_26"}], 0),
+        ([], 0),
+    ],
+)
+def test_the_web_searches_reserved_are_the_tools_max_uses(tools: list[dict], searches: int) -> None:
+    """Anthropic's web search tools (`web_search_` and a date) count their `max_uses`; OpenAI's
+    built-in `web_search` tools, billed on no count Weir reads, and every other tool count none."""
+    body = {"model": "m", "max_tokens": 10, "tools": tools, "messages": [{"role": "user", "content": "x"}]}
+    assert web_search_estimate(msgspec.json.encode(body)) == searches
+
+
+def test_a_past_search_without_the_tool_reserves_none() -> None:
+    """A conversation that searched before, its `web_search_tool_result` sent back, can search no more
+    without the tool; an unreadable body reserves none (its vendor refuses it, billing nothing)."""
+    turns = [{"role": "assistant", "content": [SEARCHED]}, {"role": "user", "content": "thanks"}]
+    assert web_search_estimate(msgspec.json.encode({"model": "m", "messages": turns})) == 0
+    assert web_search_estimate(b'{"tools": [{"type": "web_search_20250305"') == 0
 
 
 def test_an_unreadable_body_reserves_the_default() -> None:

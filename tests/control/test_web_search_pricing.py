@@ -1,12 +1,14 @@
 """Web searches are billed: Anthropic's $10 per 1,000 web searches (the model's `web_search_per_1k`,
 the catalog's `web_search` class) are on each attempt's ledger row and cost, in the usage report and
-its CSV, in the spend by class and the request log, and charged to the tenant's budget."""
+its CSV, in the spend by class and the request log, and charged to the tenant's budget, which admission
+reserves them in (the tool's `max_uses`) beside the tokens."""
 
 from __future__ import annotations
 
 import json
 import time
 from decimal import Decimal
+from typing import Any
 
 import anthropic
 import httpx
@@ -99,20 +101,53 @@ def _budget_ratio(weir: Weir, tenant_id: str, above: float, timeout: float = 10)
         time.sleep(0.05)
 
 
-def test_a_budget_is_charged_the_searches(weir: Weir, fake_anthropic: FakeAnthropic) -> None:
-    """$0.02 a month: two searched answers ($0.0145 each) spend it; the third request is refused."""
-    tenant_id, _, key = weir.tenant_with_key("searcher-budget", budget_usd_monthly="0.02")
-    budget = 2 * 10**10  # pico-USD
-    outcomes, ratios = [], []
-    for _ in range(3):
-        fake_anthropic.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
-        try:
-            _client(weir, key).messages.create(**ASKED)
-        except anthropic.RateLimitError as exc:
-            assert "monthly budget" in str(exc.body)
-            outcomes.append("refused")
-        else:
-            outcomes.append("ok")
-            ratios.append(_budget_ratio(weir, tenant_id, above=ratios[-1] if ratios else 0.0))
-    assert ratios == [pytest.approx(COST / budget), pytest.approx(2 * COST / budget)]
-    assert outcomes == ["ok", "ok", "refused"]
+def _searching(max_uses: int | None, **more: Any) -> dict[str, Any]:
+    tool = {k: v for k, v in WEB_SEARCH.items() if k != "max_uses"}
+    return {**ASKED, "tools": [tool if max_uses is None else {**tool, "max_uses": max_uses}], **more}
+
+
+def _refused(weir: Weir, key: str, asked: dict[str, Any]) -> anthropic.RateLimitError:
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        _client(weir, key).messages.create(**asked)
+    return refused.value
+
+
+def test_a_budget_reserves_the_searches_and_is_charged_those_run(
+    weir: Weir, fake_anthropic: FakeAnthropic
+) -> None:
+    """Admission reserves a request's web searches (its tool's `max_uses`, 10 without one) at the
+    model's search price beside its tokens: a tenant whose budget left covers the tokens but not the
+    searches is refused as a request over its budget by its tokens is. Reserved for its tokens alone,
+    a request of many searches started on the last cents of a budget and overran it. Settled, an
+    answer is charged the searches it ran (one, here), not those reserved."""
+    tenant_id, _, key = weir.tenant_with_key("searcher-budget", budget_usd_monthly="0.05")
+    budget = 5 * 10**10  # pico-USD
+    # Up to 3 searches reserved ($0.03 and ~$0.003 of tokens): admitted, one run and billed ($0.0145).
+    fake_anthropic.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
+    _client(weir, key).messages.create(**_searching(3))
+    assert _budget_ratio(weir, tenant_id, above=0.0) == pytest.approx(COST / budget)
+
+    # $0.0355 left. 4 searches ($0.04) do not fit, though the tokens would ($0.003): refused as a
+    # request whose tokens do not fit is (3,000 output tokens, $0.045, and no tool).
+    by_searches = _refused(weir, key, _searching(4))
+    by_tokens = _refused(weir, key, {**ASKED, "tools": [], "max_tokens": 3000})
+    assert by_searches.body == by_tokens.body
+    assert by_searches.status_code == by_tokens.status_code == 429
+    assert "exceeded this tenant's monthly budget" in str(by_searches.body)
+    assert "x-should-retry" not in by_searches.response.headers  # the budget frees up as months turn
+    # Without `max_uses`, 10 searches ($0.10): more than the whole budget, which no wait lifts.
+    unbounded = _refused(weir, key, _searching(None))
+    assert "more than this tenant's whole monthly budget (USD 0.05)" in str(unbounded.body)
+    assert "max_uses (10 when unset)" in str(unbounded.body)
+    assert unbounded.response.headers["x-should-retry"] == "false"
+
+    # 2 searches fit; the answer runs one and the budget is charged that one, the reservation released.
+    fake_anthropic.set_next_usage(input_tokens=INPUT, output_tokens=OUTPUT)
+    _client(weir, key).messages.create(**_searching(2))
+    assert _budget_ratio(weir, tenant_id, above=COST / budget) == pytest.approx(2 * COST / budget)
+    ledger = wait_rows(
+        weir.db_url,
+        f"SELECT web_search_requests, cost_pico_usd FROM usage_events WHERE tenant_id = '{tenant_id}'",
+        expect=2,
+    )
+    assert ledger == [(1, COST), (1, COST)]

@@ -5,12 +5,15 @@ that can run the tool the client gets a 400 naming it. With the official anthrop
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import httpx
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Model
 from gateway.pipeline import price_sheet
@@ -244,6 +247,42 @@ def test_web_searches_are_billed_beside_the_tokens(
     assert event.prices["web_search"] == SEARCH_PRICE  # as the ledger row keeps it
     # $0.0045 of tokens and $0.03 of searches, in pico-USD.
     assert event.cost_pico_usd == 1000 * INPUT_PRICE + 100 * OUTPUT_PRICE + 3 * SEARCH_PRICE
+
+
+def _tool_uses(gateway: RunningGateway) -> dict[tuple[str, ...], float]:
+    """`weir_server_tool_uses_total` as /metrics exports it: (backend, model, tenant, tool) -> count."""
+    return {
+        tuple(sample.labels[name] for name in ("backend", "model", "tenant", "tool")): sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{gateway.url}/metrics").text)
+        for sample in family.samples
+        if sample.name == "weir_server_tool_uses_total"
+    }
+
+
+def test_server_tool_uses_are_counted_on_metrics_per_tenant_model_and_backend(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """Each attempt's web searches and fetches (Anthropic's `server_tool_use`) are counted on
+    /metrics, labelled as the token counter is (backend, the model the client named), and with the
+    tenant: searches are billed per search, and one tenant's agent can run many."""
+    before = _tool_uses(gateway)
+    searched = ("anthropic", "claude-sonnet", "demo", "web_search")
+    fetched = ("anthropic", "claude-sonnet", "demo", "web_fetch")
+    for stream in (False, True):
+        tools = {"server_tool_use": {"web_search_requests": 3, "web_fetch_requests": 2}}
+        fake_anthropic.set_next_usage(tools, input_tokens=10, output_tokens=5)
+        _search(gateway, stream)
+    gateway.anthropic().messages.create(
+        model="claude-sonnet", max_tokens=20, messages=[{"role": "user", "content": "no tools"}]
+    )
+    deadline = time.monotonic() + 5  # a stream's usage event may land just after its last byte
+    after = _tool_uses(gateway)
+    while after.get(searched, 0) - before.get(searched, 0) < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        after = _tool_uses(gateway)
+    assert after[searched] - before.get(searched, 0) == 6
+    assert after[fetched] - before.get(fetched, 0) == 4
+    assert {key for key, count in after.items() if count != before.get(key, 0)} == {searched, fetched}
 
 
 def test_a_search_price_is_checked_as_the_config_loads() -> None:

@@ -279,21 +279,26 @@ def test_route_series_of_deleted_and_renamed_routes_leave_metrics() -> None:
 
 
 def test_gateway_series_of_a_deleted_route_go_and_come_back_with_it() -> None:
-    """`weir_requests`, `weir_request_duration_seconds` and `weir_tokens` are labelled with the model
-    name the client sent, a route's name for routed requests: a deleted route's series stayed. Those
-    of plain models stay, and a name used again is exported again (its cached child is let go too)."""
+    """`weir_requests`, `weir_request_duration_seconds`, `weir_tokens` and `weir_server_tool_uses` are
+    labelled with the model name the client sent, a route's name for routed requests: a deleted route's
+    series stayed. Those of plain models stay, and a name used again is exported again (its cached
+    child is let go too)."""
     metrics = Metrics()
     for model in ("gone", "small"):
         metrics.request_done("chat", "openai", model, 200, 0.1)
         metrics.record_tokens("openai", model, Usage(input_tokens=3, output_tokens=2))
+        metrics.record_server_tools("anthropic", model, "t", Usage(web_search_requests=2))
     metrics.forget_models({"gone"})
     for family in ("weir_requests", "weir_request_duration_seconds"):
         assert exported(metrics.registry.collect(), family, "model") == {"small": 1}
     assert exported(metrics.registry.collect(), "weir_tokens", "model") == {"small": 5}
+    assert exported(metrics.registry.collect(), "weir_server_tool_uses", "model") == {"small": 2}
     metrics.request_done("chat", "openai", "gone", 200, 0.1)  # a route of that name, added again
     metrics.record_tokens("openai", "gone", Usage(output_tokens=4))
+    metrics.record_server_tools("anthropic", "gone", "t", Usage(web_search_requests=1))
     assert exported(metrics.registry.collect(), "weir_requests", "model") == {"small": 1, "gone": 1}
     assert exported(metrics.registry.collect(), "weir_tokens", "model") == {"small": 5, "gone": 4}
+    assert exported(metrics.registry.collect(), "weir_server_tool_uses", "model") == {"small": 2, "gone": 1}
 
 
 def test_comparisons_and_rankings_of_routes_no_longer_comparing_are_let_go() -> None:
