@@ -17,7 +17,14 @@ from typing import Any, Literal
 import msgspec
 
 from gateway.errors import InvalidRequest, encode_anthropic_error, stream_failure, validation_error
-from gateway.providers.base import CANONICAL_BLOCKS, claude_only, comma_list, new_id, parse_arguments
+from gateway.providers.base import (
+    CANONICAL_BLOCKS,
+    CANONICAL_RESULT_BLOCKS,
+    claude_only,
+    comma_list,
+    new_id,
+    parse_arguments,
+)
 from gateway.types import (
     AnthropicTool,
     AssistantMessage,
@@ -122,7 +129,7 @@ class ToolUseBlock(Base, tag="tool_use", tag_field="type"):
 
 class ToolResultBlock(Base, tag="tool_result", tag_field="type"):
     tool_use_id: str
-    content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
+    content: str | list[dict[str, Any]] | None = None  # typed by `_typed`
     is_error: bool | None = None
     cache_control: CacheControl = None
 
@@ -154,14 +161,18 @@ class InboundMessage(Base):
     content: str | list[dict[str, Any]]
 
 
-def _typed(content: list[dict[str, Any]], where: str, assistant: bool) -> list[Block | dict[str, Any]]:
-    """A message's blocks as Weir models them; in an assistant turn, any but its text, reasoning and
-    tool calls as it is (`claude_only`): a server tool's, or one of a type Claude added after this
-    gateway was written, which it returned to the client and is to be sent back unchanged."""
+def _typed(
+    content: list[dict[str, Any]], where: str, modelled: frozenset[str] | None
+) -> list[Block | dict[str, Any]]:
+    """A message's blocks as Weir models them, any of a type outside `modelled` as it is (None: every
+    block typed, a user turn's). An assistant turn's are its text, reasoning and tool calls: a server
+    tool's block, or one of a type Claude added after this gateway was written, is one Claude
+    returned to the client, to be sent back unchanged (`claude_only`). A tool result's are text,
+    images and documents: another (a client-side tool search's `tool_reference`) is Claude's to read."""
     blocks: list[Block | dict[str, Any]] = []
     for i, raw in enumerate(content):
         kind = raw.get("type")
-        if assistant and isinstance(kind, str) and kind not in CANONICAL_BLOCKS:
+        if modelled is not None and isinstance(kind, str) and kind not in modelled:
             blocks.append(raw)
             continue
         try:
@@ -341,30 +352,44 @@ def _parts(blocks: Sequence[TextBlock | ImageBlock | DocumentBlock], where: str)
     return [_part(block, f"{where}[{i}]") for i, block in enumerate(blocks)]
 
 
-def _user_messages(content: list[Block | dict[str, Any]], where: str) -> list[Message]:
+def _tool_result(block: ToolResultBlock, where: str) -> Message:
+    """A tool result as a tool message: its content as parts; as the client sent it besides, where it
+    holds a block only Claude reads (a `tool_reference`), for an Anthropic backend. The failure in
+    the flag: each vendor says it its own way (Claude the flag, Gemini an `error` response, OpenAI,
+    which has neither, in words)."""
+    verbatim = None
+    if block.content is None or isinstance(block.content, str):
+        content: str | list[ContentPart] = block.content or ""
+    else:
+        typed = _typed(block.content, where, CANONICAL_RESULT_BLOCKS)
+        parts = [
+            _part(part, f"{where}.content[{i}]")
+            for i, part in enumerate(typed)
+            if isinstance(part, TextBlock | ImageBlock | DocumentBlock)
+        ]
+        if len(parts) < len(typed):
+            verbatim = block.content
+        # An empty list (an MCP tool that returned nothing, a tool search's references alone) as the
+        # empty string: OpenAI refuses an empty content array ("Expected an array with minimum length 1").
+        content = parts or ""
+    return Message(
+        role="tool",
+        tool_call_id=block.tool_use_id,
+        content=content,
+        cache_control=block.cache_control,
+        is_error=block.is_error or None,
+        anthropic_content=verbatim,
+    )
+
+
+def _user_messages(content: list[dict[str, Any]], where: str) -> list[Message]:
     # Tool results become OpenAI tool messages, which must follow the assistant turn directly: they
     # come first, then whatever else the user said in the same turn.
     results: list[Message] = []
     parts: list[ContentPart] = []
-    for i, block in enumerate(content):
+    for i, block in enumerate(_typed(content, where, None)):
         if isinstance(block, ToolResultBlock):
-            if block.content is None or isinstance(block.content, str):
-                result_content: str | list[ContentPart] = block.content or ""
-            else:
-                # An empty list (an MCP tool that returned nothing) as the empty string: OpenAI refuses
-                # an empty content array ("Expected an array with minimum length 1").
-                result_content = _parts(block.content, f"{where}.content[{i}].content") or ""
-            # The client's content as it is, the failure in the flag: each vendor says it its own way
-            # (Claude the flag, Gemini an `error` response, OpenAI, which has neither, in words).
-            results.append(
-                Message(
-                    role="tool",
-                    tool_call_id=block.tool_use_id,
-                    content=result_content,
-                    cache_control=block.cache_control,
-                    is_error=block.is_error or None,
-                )
-            )
+            results.append(_tool_result(block, f"{where}.content[{i}]"))
         elif isinstance(block, TextBlock | ImageBlock | DocumentBlock):
             parts.append(_part(block, f"{where}.content[{i}]"))
         else:
@@ -424,9 +449,9 @@ def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> Cha
         if isinstance(message.content, str):
             messages.append(Message(role=message.role, content=message.content))
         elif message.role == "user":
-            messages.extend(_user_messages(_typed(message.content, where, assistant=False), where))
+            messages.extend(_user_messages(message.content, where))
         else:
-            blocks = _typed(message.content, where, assistant=True)
+            blocks = _typed(message.content, where, CANONICAL_BLOCKS)
             verbatim = message.content if claude_only(message.content) else None
             messages.append(_assistant_message(blocks, verbatim))
     tools, anthropic_tools = _tools(request.tools) if request.tools else (None, None)
@@ -478,7 +503,7 @@ def to_canonical(request: MessagesRequest, beta: list[str] | None = None) -> Cha
 def _paused(messages: list[Message]) -> bool:
     """Whether the conversation ends with a turn of Claude's with its server tools' blocks: one it
     paused (`pause_turn`, a long search), sent back as it was for Claude to go on with."""
-    return bool(messages) and messages[-1].anthropic_content is not None
+    return bool(messages) and messages[-1].role == "assistant" and messages[-1].anthropic_content is not None
 
 
 # An Anthropic client's service tier in the canonical (OpenAI) words: `standard_only` is OpenAI's

@@ -24,6 +24,7 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     PayloadTooLarge,
+    anthropic_status,
     encode_anthropic_error,
     encode_openai_error,
 )
@@ -39,11 +40,12 @@ log = structlog.get_logger("weir.gateway")
 def _error_response(request: Request[Any, Any, Any], error: GatewayError) -> Response[bytes]:
     anthropic = request.url.path in ANTHROPIC_PATHS
     body = encode_anthropic_error(error) if anthropic else encode_openai_error(error)
+    status = anthropic_status(error) if anthropic else error.status
     state = request.scope.get("state", {})
     info = state.get("weir") if isinstance(state, dict) else None
     if info is not None and info.error is None:
         info.error = error.type
-    return Response(body, status_code=error.status, media_type="application/json", headers=error.headers)
+    return Response(body, status_code=status, media_type="application/json", headers=error.headers)
 
 
 def _on_gateway_error(request: Request[Any, Any, Any], exc: GatewayError) -> Response[bytes]:

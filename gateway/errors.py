@@ -164,11 +164,31 @@ def openai_error_body(error: GatewayError) -> dict[str, Any]:
     return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
 
 
-def anthropic_error_body(error: GatewayError) -> dict[str, Any]:
-    kind = ANTHROPIC_ERROR_TYPES.get(
+OVERLOADED_STATUS = 529  # Anthropic's status for its `overloaded_error`
+
+
+def anthropic_error_type(error: GatewayError) -> str:
+    """The error's type in Anthropic's words. The bundled engine's full queue (its 429
+    `engine_overloaded`, which OpenAI's words put as a rate limit) is an overload to Anthropic: the
+    server lacks capacity, whatever the client's own rate."""
+    if error.code == "engine_overloaded":
+        return "overloaded_error"
+    return ANTHROPIC_ERROR_TYPES.get(
         error.status, "api_error" if error.status >= 500 else "invalid_request_error"
     )
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def anthropic_status(error: GatewayError) -> int:
+    """The HTTP status an Anthropic client gets for `error`: 529 for an overload, as Anthropic's own
+    API says it (its error list has no 503), else the error's own. The anthropic SDK retries both as
+    5xx, but raises `OverloadedError` only for a 529, and its fallback middleware changes model on a
+    429 or 529 only; Claude Code counts 529s as overloads (its `fallbackModel` switches on them).
+    OpenAI-shaped endpoints keep the 503 (and the engine's 429) that OpenAI's clients know."""
+    return OVERLOADED_STATUS if anthropic_error_type(error) == "overloaded_error" else error.status
+
+
+def anthropic_error_body(error: GatewayError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": anthropic_error_type(error), "message": error.message}}
 
 
 def encode_openai_error(error: GatewayError) -> bytes:

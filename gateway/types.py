@@ -109,6 +109,8 @@ class Message(Base):
     # (server tool blocks, `server_tool_use` and `web_search_tool_result`..., and text with citations):
     # sent back to Anthropic as it is, as Anthropic wants its server tools' turns; other vendors get
     # the turn from the fields above (its text, calls and reasoning), without the server tools' blocks.
+    # So, too, a tool result's content as an Anthropic client sent it, where it holds a block the
+    # content parts cannot say (a client-side tool search's `tool_reference`).
     anthropic_content: list[dict[str, Any]] | None = None
     # Internal, from a Responses client only: the turn's input items that only OpenAI's Responses API
     # can read (its encrypted reasoning, custom tool calls and their outputs, built-in tools' calls),

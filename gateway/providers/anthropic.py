@@ -283,7 +283,10 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
                 "type": "tool_result",
                 "tool_use_id": upstream_call_id(message.tool_call_id, anthropic=True),
             }
-            if isinstance(message.content, str):
+            if message.anthropic_content is not None:
+                # The client's own content, with what only Claude takes (a `tool_reference`), as sent.
+                result["content"] = [dict(block) for block in message.anthropic_content]
+            elif isinstance(message.content, str):
                 result["content"] = message.content
             else:
                 result["content"] = _blocks(message.content, where)

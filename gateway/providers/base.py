@@ -138,6 +138,9 @@ CONTINUE_INSTRUCTION = (
 # calls). Any other, one Weir models or not (a server tool's, MCP's, `compaction`, a block type
 # Claude adds later), is Claude's own: kept as Claude wrote it (`claude_only`).
 CANONICAL_BLOCKS = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
+# So, in a client's `tool_result`, the blocks the canonical tool message says (its content parts); any
+# other (a client-side tool search's `tool_reference`, a type Weir does not model) is Claude's own.
+CANONICAL_RESULT_BLOCKS = frozenset({"text", "image", "document"})
 
 
 def server_block(kind: Any) -> bool:
@@ -149,6 +152,14 @@ def server_block(kind: Any) -> bool:
         kind in ("server_tool_use", "mcp_tool_use", "container_upload")
         or (kind.endswith("_tool_result") and kind != "tool_result")
     )
+
+
+def left_out_safely(kind: Any) -> bool:
+    """Whether another vendor may be sent a conversation without a block of this type: a server
+    tool's (`server_block`), or a `tool_reference` in a tool result (a client-side tool search's
+    answer), which loads a deferred tool into Claude's tools: a request with deferred tools is
+    Claude's alone (`refuse_anthropic_tools`), so another vendor is sent every tool it has anyway."""
+    return server_block(kind) or kind == "tool_reference"
 
 
 def claude_only(content: Sequence[Any]) -> bool:
@@ -185,20 +196,22 @@ def refuse_anthropic_tools(request: ChatRequest, vendor: str) -> None:
 
 
 def refuse_claude_blocks(request: ChatRequest, vendor: str) -> None:
-    """An Anthropic client's assistant turn sent to `vendor` is its text, calls and reasoning: what
-    it holds besides is left out where that is safe (a server tool's blocks, whose outcome its text
-    says; citations), and refused otherwise: a block type Weir does not know (`compaction`, which
-    stands for the conversation before it, or one Claude adds later) may carry what the rest of the
-    conversation needs, so the candidate is skipped rather than sent a conversation missing it."""
+    """An Anthropic client's assistant turn sent to `vendor` is its text, calls and reasoning, and its
+    tool result the result's text, images and documents: what they hold besides is left out where
+    that is safe (`left_out_safely`; citations), and refused otherwise: a block type Weir does not
+    know (`compaction`, which stands for the conversation before it, or one Claude adds later) may
+    carry what the rest of the conversation needs, so the candidate is skipped rather than sent a
+    conversation missing it."""
     for message in request.messages:
+        said = CANONICAL_RESULT_BLOCKS if message.role == "tool" else CANONICAL_BLOCKS
         for block in message.anthropic_content or ():
             kind = block.get("type")
-            if kind in CANONICAL_BLOCKS or server_block(kind):
+            if kind in said or left_out_safely(kind):
                 continue
+            where = "a tool result" if message.role == "tool" else "an assistant turn"
             raise InvalidRequest(
-                f"messages: an assistant turn holds a `{kind}` block, which only Claude models served by "
-                f"an Anthropic backend can be sent back, not {vendor} models; route this request to a "
-                "Claude model.",
+                f"messages: {where} holds a `{kind}` block, which only Claude models served by an "
+                f"Anthropic backend can be sent, not {vendor} models; route this request to a Claude model.",
                 param="messages",
                 code="unsupported_content",
             )

@@ -373,6 +373,7 @@ class FakeAnthropic(FakeServer):
                             f"{block.get('tool_use_id')}. Each `tool_result` block must have a corresponding "
                             "`tool_use` block in the previous message.",
                         )
+                    _check_result_content(block.get("content"), body, f"messages.{i}.content.{j}")
                     tokens = words(_text_of(block.get("content")))
                 elif kind == "thinking":
                     signature = block.get("signature")
@@ -688,6 +689,25 @@ def _ttl(block: dict[str, Any]) -> str | None:
     if not isinstance(control, dict) or control.get("type") != "ephemeral":
         return None
     return "1h" if control.get("ttl") == "1h" else "5m"
+
+
+_RESULT_BLOCKS = ("text", "image", "document", "search_result", "tool_reference")
+
+
+def _check_result_content(content: Any, body: dict[str, Any], where: str) -> None:
+    """A tool result's blocks, as Anthropic checks them: its types only, and a `tool_reference` (a
+    client-side tool search's answer) naming a tool of the request that `defer_loading` holds back."""
+    deferred = {t.get("name") for t in body.get("tools") or [] if t.get("defer_loading")}
+    for k, part in enumerate(content if isinstance(content, list) else []):
+        kind = part.get("type")
+        if kind not in _RESULT_BLOCKS:
+            raise Invalid(400, f"{where}.content.{k}.type: Input tag '{kind}' is not a valid block type")
+        if kind == "tool_reference" and part.get("tool_name") not in deferred:
+            raise Invalid(
+                400,
+                f"{where}.content.{k}: `tool_reference` names `{part.get('tool_name')}`, which is not a "
+                "tool of the request with `defer_loading`",
+            )
 
 
 def _text_of(content: Any) -> str:

@@ -193,7 +193,7 @@ def test_anthropic_clients_get_anthropic_error_bodies(
     fake_openai.fail_next(Fault.status(503))
     with pytest.raises(anthropic.APIStatusError) as caught:
         gateway.anthropic().messages.create(model="gpt-4o-mini", max_tokens=5, messages=HI)  # type: ignore[arg-type]
-    assert caught.value.status_code == 503
+    assert caught.value.status_code == 529  # Anthropic's status for an overload (the vendor's 503)
     assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     response = httpx.post(
         f"{gateway.url}/v1/messages", json={"model": "claude-sonnet"}, headers={"x-api-key": DEMO_KEY}
@@ -201,6 +201,70 @@ def test_anthropic_clients_get_anthropic_error_bodies(
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert "messages" in response.json()["error"]["message"]
+
+
+# What Weir says "overloaded" for: Anthropic's own 529, an OpenAI-compatible vendor's 503, and the
+# bundled engine's full queue (its 429 `engine_overloaded`), each with the wait it asked for.
+OVERLOADS = [
+    ("claude-sonnet", "fake_anthropic", Fault.status(529, retry_after=7), 503),
+    ("gpt-4o-mini", "fake_openai", Fault.status(503, retry_after=7), 503),
+    ("gpt-4o-mini", "fake_openai", Fault.status(429, retry_after=7, error_code="engine_overloaded"), 429),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("model", "fake_name", "fault", "openai_status"), OVERLOADS, ids=["529", "503", "engine"]
+)
+def test_an_overload_is_anthropics_529_to_anthropic_clients(
+    gateway: RunningGateway,
+    request: pytest.FixtureRequest,
+    model: str,
+    fake_name: str,
+    fault: Fault,
+    openai_status: int,
+    stream: bool,
+) -> None:
+    """Anthropic's API says it is overloaded with a 529 `overloaded_error` (it has no 503): the
+    anthropic SDK raises its `OverloadedError` for that status alone, and Claude Code counts 529s as
+    overloads. The retry-after is kept."""
+    request.getfixturevalue(fake_name).fail_next(fault)
+    with pytest.raises(anthropic.OverloadedError) as caught:
+        gateway.anthropic().messages.create(model=model, max_tokens=5, messages=HI, stream=stream)  # type: ignore[arg-type]
+    assert caught.value.status_code == 529
+    assert caught.value.body == {  # type: ignore[comparison-overlap]
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": caught.value.body["error"]["message"]},  # type: ignore[index]
+    }
+    assert caught.value.response.headers["retry-after"] == "7"
+
+
+@pytest.mark.parametrize(
+    ("model", "fake_name", "fault", "openai_status"), OVERLOADS, ids=["529", "503", "engine"]
+)
+def test_an_overload_keeps_openais_status_for_openai_clients(
+    gateway: RunningGateway,
+    request: pytest.FixtureRequest,
+    model: str,
+    fake_name: str,
+    fault: Fault,
+    openai_status: int,
+) -> None:
+    """OpenAI says it with a 503 (or the engine's 429, as OpenAI's own "engine overloaded" is):
+    unchanged on the OpenAI-shaped endpoints."""
+    request.getfixturevalue(fake_name).fail_next(fault)
+    response = post(gateway, "/v1/chat/completions", {"model": model, "messages": HI})
+    assert response.status_code == openai_status and response.headers["retry-after"] == "7"
+    openai_error(response)
+
+
+def test_the_anthropic_sdk_retries_a_529_after_the_wait_it_is_told(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    fake_anthropic.fail_next(Fault.status(529, retry_after=0.05))
+    client = anthropic.Anthropic(base_url=gateway.url, api_key=DEMO_KEY, max_retries=1, timeout=20)
+    answer = client.messages.create(model="claude-sonnet", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    assert answer.content and len(fake_anthropic.posts) == 2
 
 
 def test_dead_backend_is_503(gateway: RunningGateway) -> None:

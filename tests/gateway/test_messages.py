@@ -531,11 +531,11 @@ def test_count_tokens_errors_come_in_anthropics_shape(
         gateway.anthropic(api_key="sk-wrong").messages.count_tokens(
             model="claude-sonnet", messages=[{"role": "user", "content": "x"}]
         )
-    # An overloaded upstream reads as it does on /v1/messages: 503, Anthropic's overloaded_error.
+    # An overloaded upstream reads as it does on /v1/messages: Anthropic's 529 overloaded_error.
     fake_anthropic.fail_next(529)
-    with pytest.raises(anthropic.InternalServerError) as overloaded:
+    with pytest.raises(anthropic.OverloadedError) as overloaded:
         client.messages.count_tokens(model="claude-sonnet", messages=[{"role": "user", "content": "x"}])
-    assert overloaded.value.status_code == 503
+    assert overloaded.value.status_code == 529
     assert overloaded.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
 
 

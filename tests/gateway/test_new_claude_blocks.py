@@ -139,6 +139,43 @@ def test_only_blocks_safe_to_leave_out_go_to_another_vendor() -> None:
         assert caught.value.code == "unsupported_content" and f"`{kind}`" in str(caught.value)
 
 
+def test_a_tool_results_blocks_of_claudes_own_go_to_claude_and_are_refused_elsewhere() -> None:
+    """A tool result's `tool_reference` is left out for another vendor (it only loads a deferred
+    tool); a block of a type Weir does not model is kept for Claude and refused elsewhere, as an
+    assistant turn's is. Text, images and documents are the tool message's parts for every vendor."""
+    from gateway.providers.base import refuse_claude_blocks
+
+    def result(*blocks: dict[str, Any]) -> ChatRequest:
+        asked = {
+            "model": "m",
+            "max_tokens": 10,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t1", "content": list(blocks)}],
+                },
+            ],
+        }
+        return to_canonical(msgspec.convert(asked, MessagesRequest))
+
+    text = {"type": "text", "text": "found"}
+    plain = result(text)
+    assert plain.messages[2].anthropic_content is None  # nothing of Claude's own: parts alone
+    chat = result({"type": "tool_reference", "tool_name": "g"}, text)
+    assert chat.messages[2].anthropic_content == [{"type": "tool_reference", "tool_name": "g"}, text]
+    assert chat.messages[2].content == plain.messages[2].content
+    refuse_claude_blocks(chat, "OpenAI-compatible")  # raises nothing
+    chat = result({"type": "search_result_2027", "source": "s"}, text)
+    with pytest.raises(InvalidRequest) as caught:
+        refuse_claude_blocks(chat, "OpenAI-compatible")
+    assert caught.value.code == "unsupported_content" and "`search_result_2027`" in str(caught.value)
+
+
 def test_one_rule_says_what_is_claudes_own_both_ways() -> None:
     from gateway.providers.base import claude_only
 

@@ -5,6 +5,7 @@ that can run the tool the client gets a 400 naming it. With the official anthrop
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -155,6 +156,75 @@ def test_tool_search_and_its_deferred_tools_reach_claude_as_sent(
         messages=[{"role": "user", "content": "hello"}],
     )
     assert fake_anthropic.last_request.json["tools"] == tools  # `defer_loading` kept
+
+
+# Client-side tool search: the client's own search tool answers with `tool_reference` blocks, each
+# loading one of its `defer_loading` tools.
+FIND_TOOLS = {
+    "name": "find_tools",
+    "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}},
+}
+REFERENCE = {"type": "tool_reference", "tool_name": "get_weather"}
+
+
+def _searched_tools(*result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A conversation whose last turn answers the client's tool search with `result`."""
+    call = {"type": "tool_use", "id": "toolu_find1", "name": "find_tools", "input": {"q": "weather"}}
+    return [
+        {"role": "user", "content": "what is the weather in Paris"},
+        {"role": "assistant", "content": [call]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_find1", "content": list(result)}],
+        },
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_reference_in_a_tool_result_reaches_claude_as_sent(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    """The fake checks the reference names a deferred tool of the request, as Anthropic does."""
+    messages = _searched_tools({**REFERENCE, "cache_control": {"type": "ephemeral"}})
+    asked = {
+        "model": "claude-sonnet",
+        "max_tokens": 50,
+        "tools": [FIND_TOOLS, DEFERRED],
+        "messages": messages,
+    }
+    answer = final_message(gateway.anthropic(), stream, asked)
+    assert answer.content
+    assert fake_anthropic.last_request.json["messages"][2] == messages[2]
+
+
+def test_a_tool_reference_is_left_out_for_another_vendor(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """Sent where the tools are all loaded up front (a request with deferred tools is Claude's alone),
+    the reference loads nothing: the result is the rest of its content."""
+    messages = _searched_tools(REFERENCE, {"type": "text", "text": "get_weather loaded"})
+    gateway.anthropic().messages.create(
+        model="gpt-4o-mini",
+        max_tokens=50,
+        tools=[FIND_TOOLS, WEATHER],  # type: ignore[list-item]
+        messages=messages,  # type: ignore[arg-type]
+    )
+    sent = fake_openai.last_request.json["messages"][2]
+    assert sent["role"] == "tool" and sent["content"] == [{"type": "text", "text": "get_weather loaded"}]
+
+
+def test_a_deferred_tools_search_skips_a_candidate_of_another_vendor(
+    routed: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    response = routed.anthropic().messages.with_raw_response.create(
+        model="gpt-then-claude",
+        max_tokens=50,
+        tools=[FIND_TOOLS, DEFERRED],  # type: ignore[list-item]
+        messages=_searched_tools(REFERENCE),  # type: ignore[arg-type]
+    )
+    assert response.parse().content and "gpt-4o-mini:unsupported" in response.headers["x-weir-route"]
+    assert not fake_openai.posts
+    assert fake_anthropic.last_request.json["messages"][2]["content"][0]["content"] == [REFERENCE]
 
 
 def test_a_server_tool_skips_a_candidate_of_another_vendor(
@@ -381,3 +451,51 @@ def test_a_stream_cut_after_a_server_tool_block_is_not_continued_from_its_text(
     started = [e.content_block.type for e in events if e.type == "content_block_start"]
     assert "server_tool_use" in started
     assert len(fake_anthropic.posts) == 2  # the opening's and the cut one's: nobody continued it
+
+
+def _events_before_cited_text(fake: FakeAnthropic) -> int:
+    """How many events the fake streams of a search answer up to the end of its results block."""
+    asked = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 200,
+        "stream": True,
+        "tools": [WEB_SEARCH],
+        "messages": [{"role": "user", "content": ASK}],
+    }
+    headers = {"x-api-key": fake.api_key or "", "anthropic-version": "2023-06-01"}
+    with httpx.stream("POST", f"{fake.base_url}/v1/messages", json=asked, headers=headers) as raw:
+        data = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: ")]
+    starts = [e.get("content_block", {}).get("type") for e in data]
+    return starts.index("web_search_tool_result") + 2  # its start and its stop
+
+
+def test_a_stream_cut_after_a_searchs_results_is_not_resumed_either(
+    routed: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """Cut while the text after the search's results streams: a continuation could have those results
+    only as a prefill of Claude's blocks, which Anthropic documents for its own `pause_turn` alone
+    (whole blocks) and Claude 4.6 on refuses, and running the search again would bill another one
+    and may find other pages than the client was shown. The client keeps what it got and an `error`
+    event saying why (an overload, as Anthropic says one inside a stream); no other candidate is
+    asked."""
+    sent = _events_before_cited_text(fake_anthropic) + 2  # and the next text's start and first words
+    asked_before = len(fake_anthropic.posts)
+    fake_anthropic.fail_next(Fault.stream_error(after=sent, code=529))
+    events: list[Any] = []
+    with (
+        pytest.raises(anthropic.APIStatusError) as caught,
+        routed.anthropic().messages.stream(
+            model="claude-twice",
+            max_tokens=200,
+            tools=[WEB_SEARCH],  # type: ignore[list-item]
+            messages=[{"role": "user", "content": ASK}],
+        ) as stream,
+    ):
+        events.extend(stream)
+    started = [i for i, e in enumerate(events) if e.type == "content_block_start"]
+    kinds = [events[i].content_block.type for i in started]
+    assert kinds == ["text", "server_tool_use", "web_search_tool_result", "text"]
+    after = events[started[-1] :]  # the text after the results had begun
+    assert any(e.type == "content_block_delta" and e.delta.type == "text_delta" for e in after)
+    assert caught.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert len(fake_anthropic.posts) == asked_before + 1  # the cut one's alone: nobody continued it

@@ -180,7 +180,7 @@ def test_messages_every_candidate_failing_is_an_anthropic_error(
         with pytest.raises(anthropic.APIStatusError) as caught:
             gateway.anthropic().messages.create(model="resilient", max_tokens=100, messages=HI, stream=stream)
         err = caught.value
-        assert err.status_code == 503  # the last failure: Anthropic overloaded
+        assert err.status_code == 529  # the last failure: Anthropic overloaded, as Anthropic says it
         assert err.body == {  # Anthropic's error shape on the Messages API, not OpenAI's
             "type": "error",
             "error": {"type": "overloaded_error", "message": "Anthropic backend error (529): Overloaded"},
@@ -188,7 +188,7 @@ def test_messages_every_candidate_failing_is_an_anthropic_error(
         assert route_header(err.response)["tried"].endswith("claude-sonnet:503")
 
 
-def test_messages_all_breakers_open_is_503_with_retry_after_in_anthropic_shape(
+def test_messages_all_breakers_open_is_529_with_retry_after_in_anthropic_shape(
     gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> None:
     fake_openai.fail_next(500, times=6)
@@ -199,7 +199,7 @@ def test_messages_all_breakers_open_is_503_with_retry_after_in_anthropic_shape(
     with pytest.raises(anthropic.APIStatusError) as caught:
         gateway.anthropic().messages.create(model="resilient", max_tokens=100, messages=HI)
     err = caught.value
-    assert err.status_code == 503 and err.response.headers["retry-after"] == "1"
+    assert err.status_code == 529 and err.response.headers["retry-after"] == "1"
     assert isinstance(err.body, dict) and err.body["type"] == "error"
     assert err.body["error"]["type"] == "overloaded_error"
     assert route_header(err.response)["tried"] == "gpt-4o-mini:open,claude-sonnet:open"
@@ -468,7 +468,7 @@ def test_count_tokens_all_failed(
     with pytest.raises(anthropic.APIStatusError) as caught:
         gateway.anthropic().messages.count_tokens(model="count", messages=HI)  # type: ignore[arg-type]
     err = caught.value
-    assert err.status_code == 503 and isinstance(err.body, dict)
+    assert err.status_code == 529 and isinstance(err.body, dict)
     assert err.body["type"] == "error" and err.body["error"]["type"] == "overloaded_error"
     assert route_header(err.response)["tried"].startswith("gpt-4o-mini:unsupported,claude-sonnet:502")
 
