@@ -286,7 +286,7 @@ async function overview(params, query, show) {
   const col = (k, zero = 0) => rows.map((r) => r[k] ?? zero);
   // Cancelled attempts (499: hedges that lost, clients that left) are neither errors nor answers.
   const errRate = (r) => {
-    const settled = r.requests - (r.cancelled || 0);
+    const settled = r.attempts - (r.cancelled || 0);
     return settled ? r.errors / settled : null;
   };
   show("Overview",
@@ -794,16 +794,22 @@ async function tenants(params, query, show) {
     } catch (e) { formError(form, e); }
   });
   const rows = list.data;
+  // Tenants from the config file's tenants: are listed (their requests are in the ledger under their
+  // name) but change only in the config: no link to keys, no budget or rate limits kept for them.
+  const fromConfig = (t) => t.source === "config";
   const budgetCell = (t) => {
     const s = Number(spent[t.id] || 0);
     if (!t.budget_usd_monthly) return `${usdFmt(s)} (no budget)`;
     const share = Math.min(1, s / Number(t.budget_usd_monthly));
     return h("span", { class: "budget" }, h("meter", { min: 0, max: 1, value: share, "aria-label": `${t.name} budget used` }), ` ${usdFmt(s)} of ${usdFmt(t.budget_usd_monthly, 2)}`);
   };
-  const selected = params[0] ? rows.find((t) => t.id === params[0]) : null;
+  const tenantCell = (t) => (fromConfig(t)
+    ? [t.name, " ", h("span", { class: "tag config", title: `Defined in the config file's tenants: (${intFmt(t.keys)} key${t.keys === 1 ? "" : "s"}); read-only here, change it there.` }, "from config")]
+    : h("a", { href: `#/tenants/${t.id}` }, t.name));
+  const selected = params[0] ? rows.find((t) => t.id === params[0] && !fromConfig(t)) : null;
   const shown = show("Tenants & keys",
     rows.length ? table([
-      { label: "Tenant", render: (t) => h("a", { href: `#/tenants/${t.id}` }, t.name) },
+      { label: "Tenant", render: tenantCell },
       { label: "Spend this month vs budget", render: budgetCell },
       { label: "RPM", num: true, render: (t) => intFmt(t.rpm) },
       { label: "TPM", num: true, render: (t) => intFmt(t.tpm) },
@@ -814,6 +820,13 @@ async function tenants(params, query, show) {
   );
   if (shown && selected) document.getElementById("keys").scrollIntoView();
 }
+
+// A key's own budget and rate limits, compact ("$5.00/month · 60 rpm"); the tenant's apply as well.
+const keyLimits = (k) => [
+  k.budget_usd_monthly != null ? `${usdFmt(k.budget_usd_monthly, 2)}/month` : null,
+  k.rpm != null ? `${intFmt(k.rpm)} rpm` : null,
+  k.tpm != null ? `${intFmt(k.tpm)} tpm` : null,
+].filter(Boolean).join(" · ") || "tenant's only";
 
 async function tenantKeys(tenant) {
   const keys = (await api(`tenants/${tenant.id}/keys`)).data;
@@ -859,6 +872,7 @@ async function tenantKeys(tenant) {
       { label: "Name", render: (k) => k.name || "—" },
       { label: "Prefix", render: (k) => h("code", {}, k.prefix) },
       { label: "Models", render: (k) => (k.models ? k.models.join(", ") : "all") },
+      { label: "Own limits", render: keyLimits },
       { label: "Expires", render: (k) => (k.expires_at ? k.expires_at.slice(0, 10) : "never") },
       { label: "Status", render: (k) => (k.revoked_at ? `revoked ${k.revoked_at.slice(0, 16).replace("T", " ")}` : "active") },
       { label: "", render: (k) => (k.revoked_at ? "" : revoke(k)) },
@@ -1031,8 +1045,11 @@ async function finance(params, query, show) {
     : { label: g, render: (r) => r[g] ?? "" }));
   const total = { ...report.totals, tenant_name: "Total", [groups[0]]: "Total" };
   const cols = [...groupCols,
+    // Client requests, each once however many attempts it took; attempts count every try (retries,
+    // failovers, hedges), each its own ledger row.
     { label: "Requests", num: true, render: (r) => intFmt(r.requests) },
-    // Of them: failed, and cancelled (499: hedges that lost, clients that left), which is no error.
+    { label: "Attempts", num: true, render: (r) => intFmt(r.attempts) },
+    // Of the attempts: failed, and cancelled (499: hedges that lost, clients that left), which is no error.
     { label: "Errors", num: true, render: (r) => intFmt(r.errors) },
     { label: "Cancelled", num: true, render: (r) => intFmt(r.cancelled) },
     { label: "Input", num: true, render: (r) => intFmt(r.input_tokens) },
@@ -1047,6 +1064,7 @@ async function finance(params, query, show) {
   show("Finance", form,
     h("p", {}, h("a", { class: "button", href: `${API}/reports/usage?${qs}&format=csv`, download: "" }, "Download CSV"),
       " ", h("span", { class: "muted" }, `Source: ${report.source}. Costs are exact decimals from the ledger.`)),
+    h("p", { class: "muted" }, "Requests are client requests; attempts are every upstream try (retries, failovers, hedges), and errors and cancelled are of those. A request tried in two groups is in each row and once in the total."),
     report.rows.length ? scrolling(table(cols, report.rows, { foot: total, caption: `Usage ${start} to ${end}` })) : empty("No usage in this range. Widen the dates, or send traffic with a tenant's key."),
     chart("Spend by token class per day (USD)", spendDays.map((r) => r.day),
       TOKEN_CLASSES.map((c) => ({ label: c, values: spendDays.map((r) => (r.cost_usd_by_class || {})[c] || 0) })),

@@ -34,6 +34,7 @@ CSV_COLUMNS = (
     *GROUPS,
     "tenant_name",
     "requests",
+    "attempts",
     "errors",
     "cancelled",
     "input_tokens",
@@ -56,7 +57,8 @@ MONEY_COLUMNS = ("cost_pico_usd", "savings_pico_usd")
 # the admin request log): a client's x-request-id may name many requests, of many tenants, each told
 # apart by the gateway's own id of its exchange (`exchange_id`, set only for a client's id).
 REQUEST_KEY = (UsageEventRow.tenant_id, UsageEventRow.request_id, UsageEventRow.exchange_id)
-COUNT_COLUMNS = ("requests", "errors", "cancelled")  # attempts: all, failed, cancelled (499: no error)
+# Client requests (distinct REQUEST_KEYs), then attempts: all, failed, cancelled (499: no error).
+COUNT_COLUMNS = ("requests", "attempts", "errors", "cancelled")
 # SQLite's sum() of integers fails past 2^63 ("integer overflow": $9.2M in pico-dollars, in reach of
 # a long range's report) where PostgreSQL's sums as a numeric. Money is summed as two parts, the
 # quotient and the remainder by 2^32, each under 2^32 in size (so their sums stay exact up to 2^31
@@ -91,16 +93,16 @@ def parse_group_by(text: str | None) -> list[str]:
 async def usage_report(
     session: AsyncSession, start: dt.datetime, end: dt.datetime, group_by: list[str]
 ) -> dict[str, Any]:
-    requests: ColumnElement[int]  # a sum of the rollups' counts, or a count of ledger rows
+    attempts: ColumnElement[int]  # a sum of the rollups' counts, or a count of ledger rows
     if _whole_days(start, end) and not LEDGER_ONLY_GROUPS.intersection(group_by):
         table: Any = UsageRollup
         where = and_(UsageRollup.day >= start.date(), UsageRollup.day < end.date())
-        requests, errors = func.sum(UsageRollup.requests), func.sum(UsageRollup.errors)
+        attempts, errors = func.sum(UsageRollup.requests), func.sum(UsageRollup.errors)
         cancelled = func.sum(UsageRollup.cancelled)
     else:
         table = UsageEventRow
         where = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
-        requests = func.count()
+        attempts = func.count()
         # As the writer counts them into the rollups (`events.is_error`): a 499 is cancelled, no error.
         status = UsageEventRow.status
         errors = func.sum(case((and_(status >= 200, status < 400), 0), (status == CANCELLED, 0), else_=1))
@@ -110,24 +112,27 @@ async def usage_report(
     for c in MONEY_COLUMNS:
         high, low = split_sum(getattr(table, c))
         sums += [high.label(f"{c}_high"), low.label(f"{c}_low")]
-    counts = [requests.label("requests"), errors.label("errors"), cancelled.label("cancelled")]
+    counts = [attempts.label("attempts"), errors.label("errors"), cancelled.label("cancelled")]
     query = select(*dims, *counts, *sums).where(where)
     if dims:
         query = query.group_by(*dims).order_by(*dims)
     raw = [dict(r._mapping) for r in await session.execute(query)]
-    raw = [r for r in raw if r["requests"]]  # an empty range sums to one row of NULLs
+    raw = [r for r in raw if r["attempts"]]  # an empty range sums to one row of NULLs
+    in_range = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
+    requests = await _client_requests(session, in_range, group_by)
     for r in raw:
         for c in MONEY_COLUMNS:
             r[c] = joined_sum(r.pop(f"{c}_high"), r.pop(f"{c}_low"))
+        r["requests"] = requests.get(_group_key(r, group_by), 0)
     names: dict[str, str] = {}
     if "tenant" in group_by:
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
     rows = [_finish(r, group_by, names) for r in raw]
-    totals = _finish(
-        {k: sum(int(r[k] or 0) for r in raw) for k in (*COUNT_COLUMNS, *TOKEN_COLUMNS, *MONEY_COLUMNS)},
-        [],
-        {},
-    )
+    summed = {k: sum(int(r[k] or 0) for r in raw) for k in (*COUNT_COLUMNS, *TOKEN_COLUMNS, *MONEY_COLUMNS)}
+    # A request whose attempts fall in two groups (a failover to another backend) is in both rows
+    # and once in the totals.
+    summed["requests"] = (await _client_requests(session, in_range, [])).get((), 0)
+    totals = _finish(summed, [], {})
     return {
         "start": start.isoformat(),
         "end": end.isoformat(),
@@ -135,6 +140,29 @@ async def usage_report(
         "source": "rollups" if table is UsageRollup else "events",
         "rows": rows,
         "totals": totals,
+    }
+
+
+def _group_key(row: dict[str, Any], group_by: list[str]) -> tuple[Any, ...]:
+    # The rollups keep "" where the ledger keeps NULL (anonymous traffic, a config key): one key for both.
+    return tuple(row[name] or None for name in group_by)
+
+
+async def _client_requests(
+    session: AsyncSession, in_range: ColumnElement[bool], group_by: list[str]
+) -> dict[tuple[Any, ...], int]:
+    """Client requests per group: distinct REQUEST_KEYs of the ledger, however many attempts
+    (retries, failovers, hedges) each made. The rollups count attempts only, so this reads the
+    ledger whatever the range, as the uptime report's requests do."""
+    dims = [getattr(UsageEventRow, GROUPS[name]).label(name) for name in group_by]
+    per_request = select(*dims, *REQUEST_KEY).where(in_range).distinct().subquery()
+    grouped = [per_request.c[name] for name in group_by]
+    query = select(*grouped, func.count()).select_from(per_request)
+    if grouped:
+        query = query.group_by(*grouped)
+    return {
+        _group_key(dict(zip(group_by, r[:-1], strict=True)), group_by): int(r[-1])
+        for r in await session.execute(query)
     }
 
 
@@ -152,6 +180,7 @@ def _finish(raw: dict[str, Any], group_by: list[str], names: dict[str, str]) -> 
     cost = pico_to_usd(n["cost_pico_usd"])
     row.update(
         requests=n["requests"],
+        attempts=n["attempts"],
         errors=n["errors"],
         cancelled=n["cancelled"],
         input_tokens=n["input_tokens"],

@@ -34,6 +34,7 @@ from gateway.admin.router import AdminContext, admin_router
 from gateway.admin.token import ensure_admin_token
 from gateway.aio import stop_if_cancelled
 from gateway.auth import Authenticator, Principal, authenticate_known
+from gateway.config import Tenant as ConfigTenant
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine, normalise_url, sessionmaker
@@ -61,6 +62,7 @@ class ControlPlaneSettings:
     key_cache_ttl_s: float = 30.0
     catalog_refresh_s: float = 10.0
     prices: Sequence[PriceRow] = field(default_factory=list)  # from the config; seed the catalog
+    tenants: Sequence[ConfigTenant] = ()  # the config's `tenants:`, listed read-only by the admin API
 
 
 class FirstMatch:
@@ -123,7 +125,11 @@ class ControlPlane:
         # Key record (by identity; the entry holds it, so its id is not reused) -> its Quotas.
         self._quotas: dict[int, tuple[KeyRecord, Quotas]] = {}
         self.admin = AdminContext(
-            self.sessions, self.state, token_digest="", on_prices_changed=self.reload_catalog
+            self.sessions,
+            self.state,
+            token_digest="",
+            on_prices_changed=self.reload_catalog,
+            config_tenants=settings.tenants,
         )
         self._refresher: asyncio.Task[None] | None = None
 
@@ -298,6 +304,7 @@ def from_config(config: Any) -> ControlPlane | None:
             redis_url=redis_url,
             auto_migrate=getattr(config, "auto_migrate", True),
             prices=prices,
+            tenants=getattr(config, "tenants", None) or (),
             # One spool per process (without Redis); one key namespace per deployment (with Redis).
             spool_dir=os.environ.get("WEIR_USAGE_SPOOL", "./var/usage-spool"),
             redis_prefix=os.environ.get("WEIR_REDIS_PREFIX", "weir:"),

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, TypeVar
 
 import msgspec
@@ -25,6 +26,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.accounting import reports
 from gateway.accounting.money import (
+    MAX_BUDGET_MICRO,
+    MICRO_PER_USD,
     format_usd,
     micro_to_usd,
     micro_to_usd_per_1k_requests,
@@ -37,6 +40,7 @@ from gateway.admin.keys import new_key
 from gateway.admin.requests import preview_route, recent_requests, routing_savings, spend_by_class
 from gateway.admin.schemas import KeyCreate, PriceIn, PricesPut, TenantCreate, TenantPatch
 from gateway.admin.token import token_matches
+from gateway.config import Tenant as ConfigTenant
 from gateway.db.models import ApiKey, AuditLog, Price, Tenant, utcnow
 from gateway.state import SharedState
 from gateway.throttle import FailureThrottle, client_address
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 # Published on the revocation channel to make every replica drop all cached keys (limits changed).
 EVICT_ALL = "*"
 BACKDATE_TOLERANCE = dt.timedelta(minutes=1)
+BUDGET = "budget_usd_monthly"
 
 
 class AdminError(Exception):
@@ -72,6 +77,9 @@ class AdminContext:
     actor: str = "admin"
     # Wrong admin tokens per client address (`server.admin_auth_failures_per_minute`); None: none.
     throttle: FailureThrottle | None = None
+    # The config file's `tenants:`, read at start: listed read-only beside the admin DB's, and their
+    # names kept from admin-DB tenants (a config tenant's id is its name, in the ledger too).
+    config_tenants: Sequence[ConfigTenant] = ()
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[tuple[AsyncSession, Callable[..., None]]]:
@@ -156,11 +164,12 @@ def _admin_guard(ctx: AdminContext) -> Callable[[ASGIConnection, BaseRouteHandle
     return guard
 
 
-# What each price field takes, as a refusal of a value that is no number says. (Budgets are left as
-# msgspec words them: the Tenants page reads that refusal as it is.)
+# What each amount field takes, as a refusal of a value that is no number says (the Tenants and
+# Backends pages show the refusal as it is).
 _AMOUNTS = {
     "usd_per_1m_tokens": ("a price in USD per 1M tokens", 6),
     "usd_per_1k_requests": ("a price in USD per 1,000 requests", 9),
+    "budget_usd_monthly": ("a monthly budget in USD", 6),
 }
 
 
@@ -178,28 +187,44 @@ def decode(body: bytes, type_: type[T]) -> T:
         if amount is not None and "decimal" in text.split(" - at ", 1)[0]:
             # msgspec's "Invalid decimal string - at `$.prices[0].usd_per_1k_requests`" is the one
             # refusal an admin typing "$10" or "1,50" meets: say what the field takes instead.
-            what, decimals = amount
-            text = f"Enter {what} as a plain number with up to {decimals} decimals, such as 2.50 (no $ or commas)"
+            text = _enter_amount(*amount)
         raise AdminError(400, text, "invalid_value", param) from None
     except msgspec.DecodeError as exc:
         raise AdminError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+
+
+def _enter_amount(what: str, decimals: int) -> str:
+    return f"Enter {what} as a plain number with up to {decimals} decimals, such as 2.50 (no $ or commas)"
 
 
 def _usd(micro: int | None) -> str | None:
     return None if micro is None else format_usd(micro_to_usd(micro))
 
 
-def _micro(value: Any, param: str = "budget_usd_monthly") -> int | None:
+def _budget_micro(value: Decimal | None) -> int | None:
+    """A tenant's or key's `budget_usd_monthly` in micro-USD, refused in words: the money helpers'
+    reasons speak of prices per 1M tokens."""
+    if value is None:
+        return None
     try:
-        return None if value is None else usd_to_micro(value)
-    except ValueError as exc:
-        raise AdminError(400, f"{param}: {exc}", "invalid_value", param) from None
+        return usd_to_micro(value)
+    except ValueError:
+        pass
+    if not value.is_finite() or value < 0:
+        message = _enter_amount(*_AMOUNTS[BUDGET])
+    elif value * MICRO_PER_USD > MAX_BUDGET_MICRO:
+        bound = format_usd(micro_to_usd(MAX_BUDGET_MICRO))
+        message = f"A monthly budget is at most {bound} USD, got {format_usd(value)}"
+    else:
+        message = f"A monthly budget has at most 6 decimals (one micro-dollar), got {format_usd(value)}"
+    raise AdminError(400, message, "invalid_value", BUDGET)
 
 
 def tenant_json(t: Tenant) -> dict[str, Any]:
     return {
         "id": t.id,
         "name": t.name,
+        "source": "db",
         "budget_usd_monthly": _usd(t.budget_micro_usd_monthly),
         "rpm": t.rpm,
         "tpm": t.tpm,
@@ -209,6 +234,29 @@ def tenant_json(t: Tenant) -> dict[str, Any]:
         "prompt_retention_days": t.prompt_retention_days,
         "created_at": t.created_at.isoformat(),
         "updated_at": t.updated_at.isoformat(),
+    }
+
+
+def config_tenant_json(t: ConfigTenant) -> dict[str, Any]:
+    """A config file tenant, in a DB tenant's shape: its id is its name (what its requests carry in
+    the ledger); no budget or rate limits (those are the admin DB's) and no stored prompts. Only the
+    config changes it: `source: "config"` tells a client not to try."""
+    return {
+        "id": t.name,
+        "name": t.name,
+        "source": "config",
+        "budget_usd_monthly": None,
+        "rpm": None,
+        "tpm": None,
+        "max_messages": t.max_messages,
+        "max_concurrent_streams": t.max_concurrent_streams,
+        "max_output_tokens": t.max_output_tokens,
+        "models": t.models,
+        "keys": len(t.api_keys),
+        "store_prompts": False,
+        "prompt_retention_days": None,
+        "created_at": None,
+        "updated_at": None,
     }
 
 
@@ -283,13 +331,26 @@ async def tenant_or_404(session: AsyncSession, tenant_id: str) -> Tenant:
 # --- tenants -----------------------------------------------------------------------------------
 
 
+def refuse_config_name(ctx: AdminContext, name: str) -> None:
+    """409 for an admin-DB tenant named as a config tenant: both would be one tenant to routes'
+    `when.tenants`, route previews and the pages, while their keys, limits and ledger rows differ."""
+    if any(t.name == name for t in ctx.config_tenants):
+        raise AdminError(
+            409,
+            f"a tenant named {name!r} is defined in the config file (tenants:); choose another name",
+            "conflict",
+            "name",
+        )
+
+
 @post("/tenants", status_code=201)
 async def create_tenant(request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = decode(await request.body(), TenantCreate)
+    refuse_config_name(ctx, body.name)
     async with ctx.write() as (session, audit):
         tenant = Tenant(
             name=body.name,
-            budget_micro_usd_monthly=_micro(body.budget_usd_monthly),
+            budget_micro_usd_monthly=_budget_micro(body.budget_usd_monthly),
             rpm=body.rpm,
             tpm=body.tpm,
             max_messages=body.max_messages,
@@ -307,7 +368,7 @@ async def create_tenant(request: Request, ctx: AdminContext) -> dict[str, Any]:
 async def list_tenants(ctx: AdminContext) -> dict[str, Any]:
     async with ctx.sessions() as session:
         tenants = (await session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.name))).all()
-    return {"data": [tenant_json(t) for t in tenants]}
+    return {"data": [*map(tenant_json, tenants), *map(config_tenant_json, ctx.config_tenants)]}
 
 
 @get("/tenants/{tenant_id:str}")
@@ -319,13 +380,15 @@ async def get_tenant(tenant_id: str, ctx: AdminContext) -> dict[str, Any]:
 @patch("/tenants/{tenant_id:str}")
 async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = decode(await request.body(), TenantPatch)
+    if body.name is not msgspec.UNSET:
+        refuse_config_name(ctx, body.name)
     async with ctx.write() as (session, audit):
         tenant = await tenant_or_404(session, tenant_id)
         before = tenant_json(tenant)
         if body.name is not msgspec.UNSET:
             tenant.name = body.name
         if body.budget_usd_monthly is not msgspec.UNSET:
-            tenant.budget_micro_usd_monthly = _micro(body.budget_usd_monthly)
+            tenant.budget_micro_usd_monthly = _budget_micro(body.budget_usd_monthly)
         if body.rpm is not msgspec.UNSET:
             tenant.rpm = body.rpm
         if body.tpm is not msgspec.UNSET:
@@ -372,7 +435,7 @@ async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dic
             expires_at=body.expires_at,
             rpm=body.rpm,
             tpm=body.tpm,
-            budget_micro_usd_monthly=_micro(body.budget_usd_monthly),
+            budget_micro_usd_monthly=_budget_micro(body.budget_usd_monthly),
         )
         session.add(row)
         await session.flush()

@@ -29,6 +29,7 @@ from gateway.admin.control_plane import ControlPlane, ControlPlaneSettings
 from gateway.admin.keys import DbAuthenticator
 from gateway.admin.router import AdminContext, admin_router
 from gateway.admin.token import ensure_admin_token
+from gateway.config import Tenant as ConfigTenant
 from gateway.db import migrate
 from gateway.db.models import ApiKey, Price, UptimeSample, UsageEventRow, UsageRollup
 from gateway.db.session import create_engine, sessionmaker
@@ -169,6 +170,66 @@ async def test_budgets_above_the_bound_are_refused_and_change_nothing(env: Env) 
     assert (await c.get(f"/admin/api/v1/tenants/{tenant}/keys", headers=AUTH)).json()["data"] == []
     audit = (await c.get("/admin/api/v1/audit", headers=AUTH)).json()["data"]
     assert [(a["action"], a["entity"]) for a in audit] == [("create", "tenant")]
+
+
+async def test_config_tenants_are_listed_read_only_and_keep_their_names(env: Env) -> None:
+    """The config file's tenants were missing from GET /tenants (so from the Tenants page), and an
+    admin-DB tenant could take one's name: to routes' `when.tenants`, previews and the pages they
+    were one tenant with two sets of keys and limits. Config tenants are listed with `source:
+    "config"` (id = name, as the ledger has them); their names are a 409 for admin-DB tenants."""
+    env.ctx.config_tenants = [
+        ConfigTenant(name="team-a", api_keys=["k1", "k2"], models=["gpt-4o-mini"], max_messages=50)
+    ]
+    c = env.client
+    created = await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)
+    assert created.status_code == 201 and created.json()["source"] == "db"
+    listed = (await c.get("/admin/api/v1/tenants", headers=AUTH)).json()["data"]
+    assert [(t["id"] == created.json()["id"], t["name"], t["source"]) for t in listed] == [
+        (True, "acme", "db"),
+        (False, "team-a", "config"),
+    ]
+    config = listed[1]
+    assert config["id"] == "team-a" and config["keys"] == 2 and config["models"] == ["gpt-4o-mini"]
+    assert config["max_messages"] == 50 and config["budget_usd_monthly"] is None and config["rpm"] is None
+
+    error = assert_openai_error(
+        await c.post("/admin/api/v1/tenants", json={"name": "team-a", "rpm": 5}, headers=AUTH), 409, "name"
+    )
+    assert error["code"] == "conflict" and "config file" in error["message"]
+    renamed = await c.patch(
+        f"/admin/api/v1/tenants/{created.json()['id']}", json={"name": "team-a"}, headers=AUTH
+    )
+    assert assert_openai_error(renamed, 409, "name")["code"] == "conflict"
+    names = [t["name"] for t in (await c.get("/admin/api/v1/tenants", headers=AUTH)).json()["data"]]
+    assert names == ["acme", "team-a"]  # nothing written
+    audit = (await c.get("/admin/api/v1/audit", headers=AUTH)).json()["data"]
+    assert [(a["action"], a["entity"]) for a in audit] == [("create", "tenant")]
+
+
+@pytest.mark.parametrize("budget", ["abc", "$500", "1,000", True, [5], "-5", "NaN", "0.0000001"])
+async def test_a_bad_budget_is_refused_in_words(env: Env, budget: Any) -> None:
+    """A budget the Tenants page's form could not take came back as msgspec's "Invalid decimal string
+    - at `$.budget_usd_monthly`" (or "Expected `decimal | null`, got `bool`"), or the price helpers'
+    "price must be a non-negative number, got Decimal('-5')": the page shows the API's message as it
+    is. Refused in words, on a tenant or a key, created or changed, naming the field."""
+    c = env.client
+    tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
+    calls = [
+        ("POST", "/admin/api/v1/tenants", {"name": "big", "budget_usd_monthly": budget}),
+        ("PATCH", f"/admin/api/v1/tenants/{tenant['id']}", {"budget_usd_monthly": budget}),
+        ("POST", f"/admin/api/v1/tenants/{tenant['id']}/keys", {"budget_usd_monthly": budget}),
+    ]
+    for method, url, body in calls:
+        refused = await c.request(method, url, json=body, headers=AUTH)
+        error = assert_openai_error(refused, 400, "budget_usd_monthly")
+        assert error["code"] == "invalid_value"
+        assert error["message"].startswith(("Enter a monthly budget in USD", "A monthly budget has")), error
+        for raw in ("Expected `", "Invalid decimal", "$.", "price", "Decimal("):
+            assert raw not in error["message"], error
+    assert (await c.get(f"/admin/api/v1/tenants/{tenant['id']}", headers=AUTH)).json()[
+        "budget_usd_monthly"
+    ] is None
+    assert (await c.get(f"/admin/api/v1/tenants/{tenant['id']}/keys", headers=AUTH)).json()["data"] == []
 
 
 async def test_keys_shown_once_hashed_and_revoked_at_once(env: Env) -> None:
@@ -790,13 +851,70 @@ async def test_the_usage_report_counts_cancelled_attempts_apart_from_errors(env:
     for params, source in ((whole_days, "rollups"), (part_of_a_day, "events")):
         report = (await env.client.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)).json()
         assert report["source"] == source
-        assert [(r["requests"], r["errors"], r["cancelled"]) for r in report["rows"]] == [(8, 2, 3)], source
+        row = report["rows"][0]
+        assert [(r["attempts"], r["errors"], r["cancelled"]) for r in report["rows"]] == [(8, 2, 3)], source
+        assert row["requests"] == 5, source  # client requests; the 8 attempts are their tries
         assert (report["totals"]["errors"], report["totals"]["cancelled"]) == (2, 3)
     csv_report = await env.client.get(
         "/admin/api/v1/reports/usage", params={**whole_days, "format": "csv"}, headers=AUTH
     )
     [row] = csv.DictReader(io.StringIO(csv_report.text))
-    assert (row["errors"], row["cancelled"]) == ("2", "3")
+    assert (row["requests"], row["attempts"], row["errors"], row["cancelled"]) == ("5", "8", "2", "3")
+
+
+async def test_the_usage_report_counts_client_requests_apart_from_their_attempts(env: Env) -> None:
+    """`requests` counted ledger rows, one per attempt, so a request that failed over counted twice
+    on the Finance page. It is now the client requests (distinct request ids, told apart by tenant
+    and exchange), in each group an attempt of theirs fell in and once in the totals; `attempts`
+    keeps the old count. From the rollups and the raw ledger alike, and in the CSV."""
+    day = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    noon = day + dt.timedelta(hours=12)
+    tried = {  # request id -> the backends its attempts went to, in order
+        "failed-over": ["openai", "anthropic"],
+        "retried": ["openai", "openai", "openai"],
+        "first-try": ["anthropic"],
+    }
+    events = [
+        usage_event(
+            request_id, attempt=n, ts=noon, backend=backend, status=200 if n == len(backends) else 502
+        )
+        for request_id, backends in tried.items()
+        for n, backend in enumerate(backends, start=1)
+    ]
+    # A client's x-request-id reused by a second request: its own exchange, its own request.
+    events += [usage_event("retried", exchange_id="x2", ts=noon, backend="openai")]
+    await _write(env, events)
+    whole_days = {"start": day.date().isoformat(), "end": (day + dt.timedelta(days=1)).date().isoformat()}
+    part_of_a_day = {"start": day.isoformat(), "end": (noon + dt.timedelta(hours=1)).isoformat()}
+    for params, source in ((whole_days, "rollups"), (part_of_a_day, "events")):
+        for group_by, rows in (
+            ("backend", {"anthropic": (2, 2), "openai": (3, 5)}),
+            ("tenant", {"t": (4, 7)}),
+            ("tenant,key,day", {("t", "k", day.date().isoformat()): (4, 7)}),
+        ):
+            report = (
+                await env.client.get(
+                    "/admin/api/v1/reports/usage", params={**params, "group_by": group_by}, headers=AUTH
+                )
+            ).json()
+            assert report["source"] == source
+            keys = group_by.split(",")
+            got = {
+                (r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys)): (r["requests"], r["attempts"])
+                for r in report["rows"]
+            }
+            assert got == rows, (source, group_by)
+            assert (report["totals"]["requests"], report["totals"]["attempts"]) == (4, 7), (source, group_by)
+    csv_report = await env.client.get(
+        "/admin/api/v1/reports/usage",
+        params={**whole_days, "group_by": "backend", "format": "csv"},
+        headers=AUTH,
+    )
+    rows = list(csv.DictReader(io.StringIO(csv_report.text)))
+    assert [(r["backend"], r["requests"], r["attempts"]) for r in rows] == [
+        ("anthropic", "2", "2"),
+        ("openai", "3", "5"),
+    ]
 
 
 async def test_the_request_logs_latency_is_the_requests_wall_time_not_its_attempts_sum(env: Env) -> None:

@@ -16,11 +16,12 @@ from tests.fakes import FakeOpenAI, Fault
 from tests.ui.conftest import ADMIN, ANSWERS_READ, Weir, new_page, sign_in, signed_in, usd
 
 
-def wait_for_ledger(weir: Weir, requests: int, timeout: float = 15) -> dict[str, Any]:
+def wait_for_ledger(weir: Weir, requests: int, timeout: float = 15, attempts: int = 0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         report = weir.admin.get("/reports/usage", params={"group_by": "tenant"}).json()
-        if report["totals"]["requests"] >= requests or time.monotonic() > deadline:
+        written = report["totals"]["requests"] >= requests and report["totals"]["attempts"] >= attempts
+        if written or time.monotonic() > deadline:
             return report
         time.sleep(0.2)
 
@@ -58,15 +59,27 @@ def test_admin_session_in_the_browser(weir: Weir, browser: Any, shots: Path) -> 
     page.get_by_role("button", name="Create tenant").click()
     error = page.locator("form .form-error")
     error.wait_for()
-    assert "budget_usd_monthly" in error.inner_text()
+    # In words, not msgspec's "Invalid decimal string - at `$.budget_usd_monthly`"; the field marked.
+    assert error.inner_text().startswith("Enter a monthly budget in USD as a plain number"), (
+        error.inner_text()
+    )
+    assert page.get_by_label("Monthly budget (USD)", exact=True).get_attribute("aria-invalid") == "true"
     page.get_by_label("Monthly budget (USD)", exact=True).fill("5")
     page.get_by_role("button", name="Create tenant").click()
     page.get_by_role("heading", name="Keys of acme").wait_for()
     keys = page.locator("#keys")
     keys.get_by_label("Key name", exact=True).fill("backend")
+    keys.get_by_label("Monthly budget (USD)", exact=True).fill("2")
+    keys.get_by_label("Requests per minute", exact=True).fill("600")
     keys.get_by_role("button", name="Issue key").click()
     key = page.locator("#new-key-value").inner_text()
     assert key.startswith("wk-")
+    # The key list shows the key's own budget and rate limits, compactly.
+    listed = page.locator("#keys table")
+    listed.wait_for()
+    heads = listed.locator("thead th").all_inner_texts()
+    cells = listed.locator("tbody tr").first.locator("td").all_inner_texts()
+    assert cells[heads.index("Own limits")] == "$2.00/month · 600 rpm"
     assert page.locator("#new-key").get_by_role("button", name="Copy").is_visible()
     page.screenshot(path=shots / "02-tenants-and-keys.png", full_page=True)
 
@@ -221,14 +234,24 @@ def test_a_new_key_is_cleared_when_the_session_expires(
 
 
 def test_finance_shows_the_reports_errors_and_cancelled_attempts(
-    routed: Weir, browser: Any, fake_openai: FakeOpenAI
+    routed: Weir, browser: Any, fake_openai: FakeOpenAI, shots: Path
 ) -> None:
-    """The Finance table mirrors the usage report: beside its requests, the attempts that failed and
-    those cancelled (a client that left mid-stream, a hedge that lost: no error), as the API counts
-    them, in each row and the totals."""
+    """The Finance table mirrors the usage report: its client requests, their attempts (a retried
+    request is one request of two attempts: "Requests" counted attempts), the attempts that failed
+    and those cancelled (a client that left mid-stream, a hedge that lost: no error), as the API
+    counts them, in each row and the totals. The config file's tenant who sent them is on the
+    Tenants page, marked as from the config, with its spend; its name is refused to a new tenant."""
     client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-team-key", max_retries=0, timeout=20)
     say = [{"role": "user", "content": "one two three four five six"}]
     assert client.chat.completions.create(model="gpt-4o-mini", messages=say).choices[0].message.content  # type: ignore[arg-type]
+    retried = {
+        "name": "retried",
+        "candidates": [{"model": "gpt-4o-mini"}],
+        "retry": {"attempts": 2, "backoff": 0.01},
+    }
+    assert routed.admin.post("/routes", json=retried).status_code == 201
+    fake_openai.fail_next(500)  # its first attempt; the retry answers
+    assert client.chat.completions.create(model="retried", messages=say).choices[0].message.content  # type: ignore[arg-type]
     fake_openai.fail_next(Fault.status(400, message="bad temperature"))
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="gpt-4o-mini", messages=say)  # type: ignore[arg-type]
@@ -236,8 +259,11 @@ def test_finance_shows_the_reports_errors_and_cancelled_attempts(
     stream = client.chat.completions.create(model="gpt-4o-mini", messages=say, stream=True)  # type: ignore[arg-type]
     next(iter(stream))
     stream.close()  # the client leaves mid-stream: a 499
-    report = wait_for_ledger(routed, 3)
-    assert (report["totals"]["errors"], report["totals"]["cancelled"]) == (1, 1), report["totals"]
+    report = wait_for_ledger(routed, 4, attempts=5)
+    totals = report["totals"]
+    assert (totals["requests"], totals["attempts"], totals["errors"], totals["cancelled"]) == (4, 5, 2, 1), (
+        totals
+    )
 
     page = signed_in(routed, browser, "#/finance")
     api = routed.admin.get("/reports/usage", params={"group_by": "tenant,model"}).json()
@@ -245,9 +271,31 @@ def test_finance_shows_the_reports_errors_and_cancelled_attempts(
     foot = page.locator("main table tfoot td").all_inner_texts()
     (row,) = api["rows"]
     cells = page.locator("main table tbody tr").first.locator("td").all_inner_texts()
-    for label, column in (("Requests", "requests"), ("Errors", "errors"), ("Cancelled", "cancelled")):
+    counts = (
+        ("Requests", "requests"),
+        ("Attempts", "attempts"),
+        ("Errors", "errors"),
+        ("Cancelled", "cancelled"),
+    )
+    for label, column in counts:
         assert cells[heads.index(label)] == str(row[column])
         assert foot[heads.index(label)] == str(api["totals"][column])
+    assert (cells[heads.index("Requests")], cells[heads.index("Attempts")]) == ("4", "5")
+
+    page.get_by_role("link", name="Tenants & keys").click()
+    team = page.locator("main table tbody tr", has_text="team")
+    team.wait_for()
+    assert team.locator(".tag").inner_text() == "from config"
+    assert team.get_by_role("link").count() == 0  # its keys and limits live in the config
+    spend = team.locator("td").nth(1).inner_text()  # its requests are the ledger's under its name
+    assert spend.endswith(" (no budget)") and spend != "$0.00 (no budget)", spend
+    page.get_by_label("Name", exact=True).fill("team")
+    page.get_by_role("button", name="Create tenant").click()
+    error = page.locator("form .form-error")
+    error.wait_for()
+    assert "defined in the config file" in error.inner_text()
+    assert page.get_by_label("Name", exact=True).get_attribute("aria-invalid") == "true"
+    page.screenshot(path=shots / "tenants-from-config.png", full_page=True)
     page.close()
 
 
