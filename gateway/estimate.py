@@ -5,9 +5,10 @@ breaks) before it, the backend has still produced, and billed, the tokens that r
 The gateway cancels the upstream at once (draining it would pay for tokens nobody reads) and bills
 an estimate, marked `estimated` in the usage event and the ledger:
 
-- prompt: the upstream request body at 4 bytes per token, the same rule admission uses to reserve
-  budget and routing uses for the prompt's length (an over-estimate by the JSON framing: the tenant
-  pays at most a little more, never zero), except that an image, document or audio clip sent inline
+- prompt: the upstream request body at 4 bytes per token, and what a chat template adds to its
+  messages (`template_tokens`), the same rule admission uses to reserve budget and routing uses for
+  the prompt's length (an over-estimate by the JSON framing: the tenant pays at most a little more,
+  never zero), except that an image, document or audio clip sent inline
   (base64) counts at most about what its vendor bills for an image, not its size, and one sent by URL
   (which its vendor fetches and bills as it bills one sent inline) that much, not its URL's size,
   and so does one referenced by id, uploaded before (`prompt_tokens`);
@@ -63,11 +64,44 @@ _INLINE_DATA_KEYS = frozenset(("inlineData", "inline_data", "input_audio"))
 _FILE_DATA_KEYS = frozenset(("fileData", "file_data"))
 
 
+# What a chat template writes besides the messages' text, which their JSON does not hold. Per message,
+# the markers around its turn: OpenAI documents 3 a message (`<|start|>{role}<|message|>...<|end|>`),
+# ChatML (SmolLM2's, Qwen's) writes 5 (`<|im_start|>{role}\n...<|im_end|>\n`) and Llama 3 about as
+# many; the lower figure, since the message's own JSON framing (`{"role":"user","content":""}`, 7
+# tokens at 4 bytes a token) already stands for most of them. Per chat, the reply's priming (3:
+# ChatML's `<|im_start|>assistant\n`, OpenAI's `<|start|>assistant<|message|>`) and the system turn a
+# template writes when the chat sends none: 22 tokens in SmolLM2's, the bundled engine's model, and
+# about 20 in Qwen 2.5's and in Llama 3.1's dated system header. Without them a short chat was
+# estimated at about half its length ("What is the capital of France?": 17 tokens, 37 to SmolLM2),
+# and the room for output left in a context window was too large for the backend to accept.
+MESSAGE_TOKENS = 3
+CHAT_TOKENS = 3 + 22
+
+# How a body names a message's role, in every vendor's form (OpenAI's and Anthropic's `messages`,
+# Gemini's `contents`, the Responses API's `input` items). A string holding the word is escaped in
+# JSON (`\"role\"`), so only keys count, and a tool schema's property named `role` (a few tokens high).
+_ROLE_KEY = b'"role"'
+
+
+def template_tokens(body: bytes) -> int:
+    """The tokens a chat template adds to a request body's messages (CHAT_TOKENS, and MESSAGE_TOKENS
+    for each message); none for a body without messages (a completion's prompt, embeddings' input),
+    which no template wraps."""
+    messages = body.count(_ROLE_KEY)
+    return CHAT_TOKENS + MESSAGE_TOKENS * messages if messages else 0
+
+
 def prompt_tokens(body: bytes) -> int:
     """An upstream request's prompt tokens from its body: its size at 4 bytes per token (coarse, high
     by the JSON framing, never zero), each part sent inline counted as its size or INLINE_PART_TOKENS,
-    whichever is less, and each sent by URL or by file id as INLINE_PART_TOKENS. What admission reserves, what an
-    attempt cut before its usage report bills, and (`input_tokens`) the prompt's length to routing."""
+    whichever is less, and each sent by URL or by file id as INLINE_PART_TOKENS, and what a chat
+    template adds (`template_tokens`). What admission reserves, what an attempt cut before its usage
+    report bills, and (`input_tokens`) the prompt's length to routing."""
+    return _content_tokens(body) + template_tokens(body)
+
+
+def _content_tokens(body: bytes) -> int:
+    """A body's tokens at 4 bytes per token, its parts sent inline, by URL or by file id as above."""
     if not any(marker in body for marker in _MEDIA_MARKERS):
         return _ceil_tokens(len(body))
     try:
@@ -146,8 +180,9 @@ def _linked(key: str, value: dict[str, Any]) -> tuple[int, int] | None:
 
 def input_tokens(request: ChatRequest) -> int:
     """A chat's input tokens from what would be sent (messages and tools as JSON), by the same rule
-    (`prompt_tokens`). For count_tokens where no backend can count, and the prompt's length to routing
-    (`routing.plan.features`: route conditions, context-window fit, expected cost)."""
+    (`prompt_tokens`: the chat template's tokens included). For count_tokens where no backend can
+    count, and the prompt's length to routing (`routing.plan.features`: route conditions,
+    context-window fit, expected cost)."""
     return prompt_tokens(msgspec.json.encode([request.messages, request.tools or []]))
 
 

@@ -331,14 +331,6 @@ class _Terms:
     trial: Trial = NO_TRIAL
 
 
-# Tokens a chat template adds around the messages (role markers, a default system prompt) that the
-# gateway's estimate of a prompt, from its messages' JSON, leaves out: taken off a known window's room
-# too, so that a short prompt's first attempt fits (SmolLM2's template made "What is the capital of
-# France?" 37 tokens against an estimate of 17, and the engine refused the first attempt). A prompt
-# the estimate undercounts by more still gets the backend's 400 and the retry at the exact room.
-TEMPLATE_TOKENS = 32
-
-
 class Executor:
     def __init__(
         self,
@@ -428,8 +420,8 @@ class Executor:
     def _fit_context(self, plan: Plan, choice: Choice) -> None:
         """Where the gateway knows `choice`'s context window (`ContextWindows.window`: what its backend
         last said of it, in its model list or a 400, at most the candidate's `context_window`), the
-        room for output that the request's prompt, as the gateway estimates it (`Plan.prompt_tokens`),
-        leaves there: an output limit above it is sent as that room (`within_output_limit`) and said
+        room for output that the request's prompt, as the gateway estimates it (`Plan.prompt_tokens`, a
+        chat template's tokens included: `gateway.estimate.template_tokens`), leaves there: an output limit above it is sent as that room (`within_output_limit`) and said
         in `x-weir-route` (`output_capped`), as one above the model's own limit is. Otherwise an
         OpenAI-compatible server (the bundled engine, vLLM, OpenAI) refuses the request with a 400
         even though its prompt fits (Claude Code asks for 32,000 tokens; an 8,192-token engine has
@@ -443,8 +435,8 @@ class Executor:
         window = self.windows.window(
             target.backend.name, target.upstream_model, choice.candidate.context_window
         )
-        if window is not None and plan.prompt_tokens + TEMPLATE_TOKENS < window:
-            choice.context_room = window - plan.prompt_tokens - TEMPLATE_TOKENS
+        if window is not None and plan.prompt_tokens < window:
+            choice.context_room = window - plan.prompt_tokens
 
     async def _attempt_once(
         self, call: Call, plan: Plan, choice: Choice, op: Operation, terms: _Terms

@@ -1,21 +1,27 @@
-"""What admission reserves for a request: its prompt from its body's size, each part sent inline (an
-image, a file, audio as base64) or by URL as one allowance, whatever vendor's form the body takes; its
-output, its cap for every choice it asks for; its web searches, each Anthropic web search tool's
-`max_uses`. The prompt's estimate is also what an attempt cut before its
-usage report is billed (tests/routing/test_stream_failover.py, test_cancelled_answer_billing.py)."""
+"""What admission reserves for a request: its prompt from its body's size and a chat template's
+allowance, each part sent inline (an image, a file, audio as base64) or by URL as one allowance,
+whatever vendor's form the body takes; its output, its cap for every choice it asks for; its web
+searches, each Anthropic web search tool's `max_uses`. The prompt's estimate is also what an attempt
+cut before its usage report is billed (tests/routing/test_stream_failover.py,
+test_cancelled_answer_billing.py) and the prompt's length to routing (`input_tokens`)."""
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
 
+from engine.tokenizer import Tokenizer
 from gateway.estimate import (
     BYTES_PER_TOKEN,
+    CHAT_TOKENS,
     DEFAULT_OUTPUT_ESTIMATE,
     DEFAULT_WEB_SEARCH_ESTIMATE,
     INLINE_PART_TOKENS,
+    MESSAGE_TOKENS,
     input_tokens,
     output_estimate,
     prompt_tokens,
@@ -89,24 +95,34 @@ def tokens(size: int) -> int:
     return -(-size // BYTES_PER_TOKEN)
 
 
+def template(messages: int) -> int:
+    """The chat template's allowance for a chat of `messages` messages (none without messages)."""
+    return CHAT_TOKENS + MESSAGE_TOKENS * messages if messages else 0
+
+
+ONE_TURN = template(1)  # every body below with a part is a chat of one user turn
+
+
 @pytest.mark.parametrize(
-    "body",
+    ("body", "messages"),
     [
-        {"model": "m", "messages": [{"role": "user", "content": TEXT}]},
-        {"model": "m", "messages": [{"role": "user", "content": "decode this base64: aGVsbG8="}]},
-        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}]}]},
+        ({"model": "m", "messages": [{"role": "user", "content": TEXT}]}, 1),
+        ({"model": "m", "messages": [{"role": "user", "content": "decode this base64: aGVsbG8="}]}, 1),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}]}]}, 1),
         # A data URL or a URL written as text is text; a tool's input named `data` or `url` is no part.
-        {"model": "m", "messages": [{"role": "user", "content": DATA_URL}]},
-        {"model": "m", "messages": [{"role": "user", "content": f"what is at {URL}?"}]},
-        {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": {"data": B64}}]}]},
-        {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": {"url": URL}}]}]},
-        {"model": "m", "messages": [], "max_tokens": 100},
-        {},
+        ({"model": "m", "messages": [{"role": "user", "content": DATA_URL}]}, 1),
+        ({"model": "m", "messages": [{"role": "user", "content": f"what is at {URL}?"}]}, 1),
+        ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": {"data": B64}}]}]}, 1),
+        ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": {"url": URL}}]}]}, 1),
+        ({"model": "m", "messages": [], "max_tokens": 100}, 0),
+        ({}, 0),
     ],
 )
-def test_a_prompt_with_nothing_inline_is_its_size_at_4_bytes_a_token(body: dict) -> None:
+def test_a_prompt_with_nothing_inline_is_its_size_at_4_bytes_a_token_and_its_template(
+    body: dict, messages: int
+) -> None:
     encoded = msgspec.json.encode(body)
-    assert prompt_tokens(encoded) == tokens(len(encoded))
+    assert prompt_tokens(encoded) == tokens(len(encoded)) + template(messages)
 
 
 def test_an_unreadable_body_is_its_size() -> None:
@@ -160,7 +176,7 @@ ANTHROPIC_SOURCE = {"type": "base64", "media_type": "image/png", "data": B64}
 )
 def test_a_part_sent_inline_counts_one_allowance_not_its_base64(body: dict, payload: str) -> None:
     encoded = msgspec.json.encode(body)
-    assert prompt_tokens(encoded) == tokens(len(encoded) - len(payload)) + INLINE_PART_TOKENS
+    assert prompt_tokens(encoded) == tokens(len(encoded) - len(payload)) + INLINE_PART_TOKENS + ONE_TURN
 
 
 @pytest.mark.parametrize(
@@ -185,7 +201,7 @@ def test_a_part_sent_inline_counts_one_allowance_not_its_base64(body: dict, payl
 def test_a_part_sent_by_url_counts_one_allowance_as_one_sent_inline(body: dict) -> None:
     """Its vendor fetches it and bills it as the same part sent inline: not its URL's 12 tokens."""
     encoded = msgspec.json.encode(body)
-    assert prompt_tokens(encoded) == tokens(len(encoded) - len(URL)) + INLINE_PART_TOKENS
+    assert prompt_tokens(encoded) == tokens(len(encoded) - len(URL)) + INLINE_PART_TOKENS + ONE_TURN
 
 
 def test_every_part_counts_and_a_small_one_only_its_size() -> None:
@@ -193,13 +209,13 @@ def test_every_part_counts_and_a_small_one_only_its_size() -> None:
     parts = [{"type": "image_url", "image_url": {"url": url}} for url in (DATA_URL, small, DATA_URL, URL)]
     body = msgspec.json.encode({"messages": [{"role": "user", "content": parts}]})
     rest = len(body) - 2 * len(DATA_URL) - len(small) - len(URL)
-    assert prompt_tokens(body) == tokens(rest) + 3 * INLINE_PART_TOKENS + tokens(len(small))
+    assert prompt_tokens(body) == tokens(rest) + 3 * INLINE_PART_TOKENS + tokens(len(small)) + ONE_TURN
 
 
 @pytest.mark.parametrize("url", [DATA_URL, URL], ids=["inline", "by-url"])
 def test_count_tokens_estimates_an_image_as_an_image(url: str) -> None:
     request = msgspec.convert(_chat({"type": "image_url", "image_url": {"url": url}}), ChatRequest)
-    assert INLINE_PART_TOKENS < input_tokens(request) < INLINE_PART_TOKENS + 50
+    assert INLINE_PART_TOKENS + ONE_TURN < input_tokens(request) < INLINE_PART_TOKENS + ONE_TURN + 50
 
 
 FILE_ID = "file-6F2ksmvXxt4VdoqmHRw6kL"
@@ -220,9 +236,108 @@ def test_a_part_sent_by_file_id_counts_one_allowance_as_one_sent_inline(body: di
     """Its vendor reads the uploaded file and bills it as the same part sent inline: not its id's 7
     tokens, which is all the body's size said of it."""
     encoded = msgspec.json.encode(body)
-    assert prompt_tokens(encoded) == tokens(len(encoded) - len(FILE_ID)) + INLINE_PART_TOKENS
+    assert prompt_tokens(encoded) == tokens(len(encoded) - len(FILE_ID)) + INLINE_PART_TOKENS + ONE_TURN
 
 
 def test_count_tokens_estimates_a_file_sent_by_id_as_a_part() -> None:
     request = msgspec.convert(_chat({"type": "file", "file": {"file_id": FILE_ID}}), ChatRequest)
-    assert INLINE_PART_TOKENS < input_tokens(request) < INLINE_PART_TOKENS + 50
+    assert INLINE_PART_TOKENS + ONE_TURN < input_tokens(request) < INLINE_PART_TOKENS + ONE_TURN + 50
+
+
+# --- the chat template ------------------------------------------------------------------------------
+
+
+def _turns(count: int) -> list[dict[str, str]]:
+    """A conversation of `count` short turns, user and assistant in turn."""
+    return [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}: ok"} for i in range(count)]
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        lambda turns: {"model": "m", "messages": turns},  # OpenAI's and Anthropic's
+        lambda turns: {"contents": [{"role": t["role"], "parts": [{"text": t["content"]}]} for t in turns]},
+        lambda turns: {"model": "m", "input": turns},  # the Responses API's
+    ],
+    ids=["messages", "gemini", "responses"],
+)
+def test_each_message_adds_the_per_message_allowance_in_every_form(
+    form: Callable[[list[dict[str, str]]], dict[str, Any]],
+) -> None:
+    """A chat is its JSON at 4 bytes a token, CHAT_TOKENS once (the reply's priming, a default system
+    turn) and MESSAGE_TOKENS for each message (its role markers), whatever vendor's form it takes."""
+    for count in (1, 2, 5):
+        body = msgspec.json.encode(form(_turns(count)))
+        assert prompt_tokens(body) == tokens(len(body)) + CHAT_TOKENS + MESSAGE_TOKENS * count
+
+
+def test_a_conversation_grows_by_its_turns_and_the_per_message_allowance() -> None:
+    short, long = (msgspec.convert({"model": "m", "messages": _turns(n)}, ChatRequest) for n in (1, 6))
+    # Five more turns, each its JSON (`{"role":"assistant","content":"turn 1: ok",...}`) and its allowance.
+    added_json = len(msgspec.json.encode(long.messages)) - len(msgspec.json.encode(short.messages))
+    grown = input_tokens(long) - input_tokens(short)
+    assert tokens(added_json) - 1 <= grown - 5 * MESSAGE_TOKENS <= tokens(added_json) + 1
+
+
+def test_a_role_written_in_text_is_no_message_and_a_prompt_without_messages_has_no_template() -> None:
+    chat = msgspec.json.encode({"messages": [{"role": "user", "content": 'what does "role": "user" mean?'}]})
+    assert prompt_tokens(chat) == tokens(len(chat)) + template(1)  # the quotes are escaped in JSON
+    for body in ({"model": "m", "prompt": "Once upon a time"}, {"model": "m", "input": ["a", "b"]}):
+        encoded = msgspec.json.encode(body)  # a completion, embeddings: no template wraps them
+        assert prompt_tokens(encoded) == tokens(len(encoded))
+
+
+def test_tool_definitions_still_count_beside_the_template() -> None:
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather now in a city, in degrees Celsius and words.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    bare = {"model": "m", "messages": _turns(1)}
+    plain, with_tools = (msgspec.convert(b, ChatRequest) for b in (bare, {**bare, "tools": [weather] * 3}))
+    tools_json = tokens(len(msgspec.json.encode(with_tools.tools)))  # 3 definitions, about 150 tokens
+    assert tools_json - 1 <= input_tokens(with_tools) - input_tokens(plain) <= tools_json + 1
+
+
+SHORT_CHATS = {
+    "question": [{"role": "user", "content": "What is the capital of France?"}],
+    "greeting": [{"role": "user", "content": "hi"}],
+    "system": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
+    "conversation": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+    ],
+    "long": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 40}],
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Tokenizer:
+    """The bundled SmolLM2's tokenizer and chat template (from its GGUF's metadata: no weights)."""
+    from engine import registry
+    from engine.weights import gguf_metadata, open_gguf
+
+    return Tokenizer.from_gguf_metadata(gguf_metadata(open_gguf(registry.pull("smollm2-135m", quiet=True))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHORT_CHATS)
+def test_a_chats_estimate_is_at_least_what_smollm2_reads_and_not_far_above(
+    smollm2: Tokenizer, name: str
+) -> None:
+    """The estimate holds what SmolLM2's template writes around the messages ("What is the capital of
+    France?" is 37 tokens to it: 17 from its JSON alone), so the room left for output in its window
+    fits; high by at most about the default system turn a chat with its own does not get."""
+    messages = SHORT_CHATS[name]
+    real = len(smollm2.encode(smollm2.apply_chat_template(messages)))
+    estimate = input_tokens(msgspec.convert({"model": "m", "messages": messages}, ChatRequest))
+    assert real <= estimate <= 2.5 * real

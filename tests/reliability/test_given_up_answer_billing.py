@@ -21,7 +21,13 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.estimate import BYTES_PER_TOKEN, DEFAULT_OUTPUT_ESTIMATE, INLINE_PART_TOKENS
+from gateway.estimate import (
+    BYTES_PER_TOKEN,
+    CHAT_TOKENS,
+    DEFAULT_OUTPUT_ESTIMATE,
+    INLINE_PART_TOKENS,
+    MESSAGE_TOKENS,
+)
 from gateway.providers import PROVIDERS
 from gateway.transport import MAX_RESPONSE_BODY
 from tests.control.conftest import (
@@ -51,6 +57,11 @@ IMAGE_URL = "https://example.com/photos/a-cat-on-a-mat.jpg"
 
 def tokens(size: int) -> int:
     return -(-size // BYTES_PER_TOKEN)
+
+
+# What the prompt's estimate adds to a chat of one turn, as every request here is, for its chat
+# template (`estimate.template_tokens`).
+ONE_TURN = CHAT_TOKENS + MESSAGE_TOKENS
 
 
 def budget_ratio(gateway: Weir, tenant_id: str, expected: float, timeout: float = 10) -> float | None:
@@ -100,7 +111,7 @@ def test_a_whole_answer_that_went_silent_past_the_read_timeout_is_billed_an_esti
     assert READ_TIMEOUT <= time.monotonic() - started < READ_TIMEOUT + 4
     input_tokens, output_tokens = billed_estimate(weir, tenant_id, 504)
     sent = fake_openai.posts[-1]
-    assert input_tokens == tokens(len(sent.body))
+    assert input_tokens == tokens(len(sent.body)) + ONE_TURN
     # The output from the answer's announced length less an OpenAI answer's envelope: what the fake
     # sends for the same request (the same answer, of the same length) tells that length here.
     replay = httpx.post(
@@ -132,7 +143,7 @@ def test_a_whole_answer_larger_than_the_body_cap_is_billed_an_estimate(
         "code": "bad_gateway",
     }
     input_tokens, output_tokens = billed_estimate(weir, tenant_id, 502)
-    assert input_tokens == tokens(len(fake_openai.posts[-1].body))
+    assert input_tokens == tokens(len(fake_openai.posts[-1].body)) + ONE_TURN
     assert output_tokens == (max_tokens or DEFAULT_OUTPUT_ESTIMATE)
 
 
@@ -161,4 +172,4 @@ def test_an_image_sent_by_url_counts_as_an_image_in_the_estimate(
     input_tokens, _ = billed_estimate(weir, tenant_id, 502)
     sent = fake_openai.posts[-1].body
     assert IMAGE_URL.encode() in sent
-    assert input_tokens == tokens(len(sent) - len(IMAGE_URL)) + INLINE_PART_TOKENS
+    assert input_tokens == tokens(len(sent) - len(IMAGE_URL)) + INLINE_PART_TOKENS + ONE_TURN

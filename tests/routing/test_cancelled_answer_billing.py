@@ -35,7 +35,13 @@ from structlog.testing import capture_logs
 from gateway import pipeline
 from gateway.config import Timeouts, parse_config
 from gateway.errors import BadGateway, GatewayTimeout
-from gateway.estimate import BYTES_PER_TOKEN, DEFAULT_OUTPUT_ESTIMATE, INLINE_PART_TOKENS
+from gateway.estimate import (
+    BYTES_PER_TOKEN,
+    CHAT_TOKENS,
+    DEFAULT_OUTPUT_ESTIMATE,
+    INLINE_PART_TOKENS,
+    MESSAGE_TOKENS,
+)
 from gateway.pipeline import CUT_ANSWER_WAIT, Call, RequestInfo, _cut_answer
 from gateway.providers import PROVIDERS
 from gateway.providers.base import UpstreamRequest
@@ -94,6 +100,11 @@ EXTRA_ROUTES = f"""\
 
 def tokens(size: int) -> int:
     return -(-size // BYTES_PER_TOKEN)
+
+
+# What the prompt's estimate adds to a chat of one turn, as every request here with messages is, for its chat
+# template (`estimate.template_tokens`).
+ONE_TURN = CHAT_TOKENS + MESSAGE_TOKENS
 
 
 class Script:
@@ -213,7 +224,7 @@ def test_a_hedge_that_lost_after_its_status_line_whose_body_never_came_is_billed
     # its commas and colons), where the whole length billed five times that.
     sent = fake_openai.last_request.body
     output = tokens(len(BODY) - ENVELOPE)
-    assert loser.usage == Usage(input_tokens=tokens(len(sent)), output_tokens=output)
+    assert loser.usage == Usage(input_tokens=tokens(len(sent)) + ONE_TURN, output_tokens=output)
     assert REPORTED.output_tokens <= output <= REPORTED.output_tokens + 8 < tokens(len(BODY)) // 3
     assert loser.cost_pico_usd == loser.usage.input_tokens * PICO_IN + loser.usage.output_tokens * PICO_OUT
     # Its event waited for the body (CUT_ANSWER_WAIT); the winner did not.
@@ -453,5 +464,5 @@ async def test_an_answer_not_read_bills_an_image_sent_inline_as_an_image_not_its
     upstream = SimpleNamespace(body=request_body)
     response = SimpleNamespace(status=200, headers={"content-length": str(ENVELOPE + 80)}, received=0)
     billed = await _cut_answer(call, target, upstream, None, response, asyncio.ensure_future(broken()))  # type: ignore[arg-type]
-    prompt = tokens(len(request_body) - len(image)) + INLINE_PART_TOKENS
+    prompt = tokens(len(request_body) - len(image)) + INLINE_PART_TOKENS + ONE_TURN
     assert billed == (Usage(input_tokens=prompt, output_tokens=5), True)

@@ -27,6 +27,7 @@ from click.testing import CliRunner
 
 from gateway.app import create_app
 from gateway.config import Config, parse_config
+from gateway.estimate import CHAT_TOKENS, MESSAGE_TOKENS
 from gateway.usage_sink import ListSink
 from routing.cli import router as router_cli
 from routing.routes import Breaker, Candidate, Compare, Conditions, Hedge, PolicyName, Retry, Route
@@ -251,9 +252,11 @@ def test_the_cheap_route_example_by_tenant_and_tools(doc_gateway: tuple[str, Any
         "gpt-4o-mini",
         "cheapest_fit",
     )
-    # "hi" as sent, [[{"role":"user","content":"hi"}],[]], is 10 tokens at 4 bytes a token (the
-    # gateway's estimate); 256 expected output tokens; $1 and $2 per 1M.
-    assert float(header["score"]) == pytest.approx((10 * 1.0 + 256 * 2.0) / 1e6)
+    # "hi" as sent, [[{"role":"user","content":"hi"}],[]], is 10 tokens at 4 bytes a token, and the
+    # gateway's estimate adds a chat template's allowance for its one turn; 256 expected output
+    # tokens; $1 and $2 per 1M.
+    prompt = 10 + CHAT_TOKENS + MESSAGE_TOKENS
+    assert float(header["score"]) == pytest.approx((prompt * 1.0 + 256 * 2.0) / 1e6)
     assert "cheap" in listed(url, ACME) and "cheap" not in listed(url, OTHER)
     with pytest.raises(openai.NotFoundError) as other:
         chat(url, OTHER, "cheap")

@@ -23,7 +23,6 @@ from gateway import estimate
 from gateway.config import Backend, parse_config
 from gateway.transport import Transport
 from routing.breaker import Breakers
-from routing.execute import TEMPLATE_TOKENS
 from routing.health import HealthProber
 from routing.windows import ANY_MODEL, ContextWindows, served_windows
 from tests.conftest import free_port, wait_for
@@ -38,6 +37,9 @@ CLAUDE_CODE = 32_000
 PROBED = "  - {name: probed, candidates: [{model: small}], retry: {attempts: 1}, probe_interval: 0.1}\n"
 SHORT = [{"role": "user", "content": "hi"}]
 EOS = {"0": 100}  # the engine's EOS at once: an answer of no length
+# What the gateway's estimate of SHORT adds for a chat template (`estimate.template_tokens`): a
+# window's room is that much lower than its JSON alone leaves.
+TEMPLATE = estimate.CHAT_TOKENS + estimate.MESSAGE_TOKENS
 
 
 @pytest.fixture(autouse=True)
@@ -83,9 +85,9 @@ def probed(fake_openai: FakeOpenAI) -> Iterator[tuple[int, RunningGateway]]:
 def test_a_short_prompt_fits_its_first_attempt_at_the_gateways_usual_estimate(
     probed: tuple[int, RunningGateway], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At 4 bytes a token "hi" is 10 tokens to the gateway and 20 to the engine (its chat template's
-    tokens): the room the gateway takes off the window leaves a chat template's worth more, so the
-    first attempt is not refused."""
+    """At 4 bytes a token the JSON of "hi" is 10 tokens and the engine counts 20 (its chat template's
+    tokens): the gateway's estimate holds a chat template's allowance (`estimate.template_tokens`), so
+    the room it takes off the window fits and the first attempt is not refused."""
     monkeypatch.setattr(estimate, "BYTES_PER_TOKEN", 4)
     port, gateway = probed
     wait_for(lambda: known_window(gateway) == WINDOW, timeout=5)
@@ -108,8 +110,7 @@ def test_the_first_request_is_capped_by_the_probed_window_with_no_refused_attemp
     header = ask(gateway)
     room = WINDOW - prompt_tokens(port)
     assert header["attempts"] == "1" and "tried" not in header  # no refused attempt
-    # The estimate's room, less what a chat template adds (TEMPLATE_TOKENS): it fits.
-    assert room - 64 - TEMPLATE_TOKENS < int(header["output_capped"]) <= room
+    assert room - 64 < int(header["output_capped"]) <= room  # the estimate's room: it fits
     settled(gateway, 1)
     assert ledger(gateway) == [("local", 200)]
 
@@ -125,9 +126,7 @@ def test_an_engine_restarted_with_a_smaller_window_is_followed_after_the_next_pr
         with tiny_engine(port=port, max_model_len=512):  # started again with `--max-model-len 512`
             wait_for(lambda: known_window(gateway) == 512, timeout=5)
             header = ask(gateway)
-            assert (
-                header["attempts"] == "1" and 512 - 64 - TEMPLATE_TOKENS < int(header["output_capped"]) < 512
-            )
+            assert header["attempts"] == "1" and 512 - 64 - TEMPLATE < int(header["output_capped"]) < 512
         settled(gateway, 2)
         assert ledger(gateway) == [("local", 200), ("local", 200)]  # no 400, before or after
 
@@ -165,7 +164,7 @@ def test_the_window_of_an_engine_the_gateway_started_is_known_from_the_moment_it
     with running_gateway(parse_config(config_text(engine, fake_openai), {})) as gateway:
         wait_for(lambda: known_window(gateway) == 512, timeout=60)
         header = ask(gateway, "auto")
-        assert header["attempts"] == "1" and 512 - 64 - TEMPLATE_TOKENS < int(header["output_capped"]) < 512
+        assert header["attempts"] == "1" and 512 - 64 - TEMPLATE < int(header["output_capped"]) < 512
         settled(gateway, 1)
         assert ledger(gateway) == [("local", 200)]
 

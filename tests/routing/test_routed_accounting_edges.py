@@ -48,7 +48,7 @@ database_url: "${DB_URL}"
 routes:
   - {name: hedge-now, hedge: {delay: 0}, retry: {attempts: 1}, probe_interval: null, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
   - {name: hedge-race, hedge: {delay: 0.15}, retry: {attempts: 1}, probe_interval: null, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
-  - {name: hedge-capped, hedge: {delay: 0.15, max_spend_usd_per_hour: 0.008}, retry: {attempts: 1}, probe_interval: null, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
+  - {name: hedge-capped, hedge: {delay: 0.15, max_spend_usd_per_hour: 0.012}, retry: {attempts: 1}, probe_interval: null, candidates: [{model: gpt-4o-mini}, {model: deepseek-chat}]}
   - {name: to-anthropic, retry: {attempts: 1}, probe_interval: null, candidates: [{model: gpt-4o-mini}], fallbacks: [claude-sonnet]}
 """
 
@@ -227,9 +227,10 @@ def test_the_hedge_cap_counts_what_a_hedge_is_billed_at_the_catalogs_prices(
     weir: Weir, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
 ) -> None:
     """deepseek-chat has no price in the config; the admin prices it at $100 per 1M tokens, which is
-    what its attempts are billed (the ledger). The route caps hedges at $0.008 an hour. The first
-    hedge (estimated ~$0.0057, 7 prompt tokens and 50 output) fits, wins and is billed $0.0045 (45
-    tokens): the cap must count that, so the second request's hedge ($0.0045 + $0.0057) is refused.
+    what its attempts are billed (the ledger). The route caps hedges at $0.012 an hour. The first
+    hedge (estimated $0.0094: 44 prompt tokens, a chat template's allowance included, and 50 output)
+    fits, wins and is billed $0.0045 (45 tokens): the cap must count that, so the second request's
+    hedge ($0.0045 + $0.0094) is refused.
     Counted at the config's price (nothing), the cap would let every hedge through."""
     prices = [
         {
