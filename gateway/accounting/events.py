@@ -22,6 +22,13 @@ def is_error(status: int) -> bool:
     return not 200 <= status < 400 and status != CANCELLED
 
 
+# The number of a request's first upstream attempt: each request (a plan of the executor, a comparison's
+# call) has exactly one in the ledger, the one admission let through (a refused try is no attempt and
+# gives its number back), however many retries, failovers and hedges follow it (2, 3...). The rollups
+# and reports count client requests as their first attempts: once, in that attempt's group.
+FIRST_ATTEMPT = 1
+
+
 # gc=False: the collector never tracks an event. It holds no reference that could lead back to it
 # (text, numbers, a datetime, a Usage, a dict of ints), so it can never be part of a cycle. One is
 # made per attempt, and the batch writer decodes thousands at a time: tracked, every decoded batch

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Integer, and_, case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.accounting.events import CANCELLED
+from gateway.accounting.events import CANCELLED, FIRST_ATTEMPT
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.db.models import Tenant, UptimeSample, UsageEventRow, UsageRollup
 from gateway.usage import TOKEN_FIELDS as TOKEN_COLUMNS
@@ -57,7 +57,8 @@ MONEY_COLUMNS = ("cost_pico_usd", "savings_pico_usd")
 # the admin request log): a client's x-request-id may name many requests, of many tenants, each told
 # apart by the gateway's own id of its exchange (`exchange_id`, set only for a client's id).
 REQUEST_KEY = (UsageEventRow.tenant_id, UsageEventRow.request_id, UsageEventRow.exchange_id)
-# Client requests (distinct REQUEST_KEYs), then attempts: all, failed, cancelled (499: no error).
+# Client requests (each once, in the group of its first attempt), then attempts: all, failed,
+# cancelled (499: no error).
 COUNT_COLUMNS = ("requests", "attempts", "errors", "cancelled")
 # SQLite's sum() of integers fails past 2^63 ("integer overflow": $9.2M in pico-dollars, in reach of
 # a long range's report) where PostgreSQL's sums as a numeric. Money is summed as two parts, the
@@ -93,17 +94,22 @@ def parse_group_by(text: str | None) -> list[str]:
 async def usage_report(
     session: AsyncSession, start: dt.datetime, end: dt.datetime, group_by: list[str]
 ) -> dict[str, Any]:
-    attempts: ColumnElement[int]  # a sum of the rollups' counts, or a count of ledger rows
+    # Sums of the rollups' counts, or counts of ledger rows.
+    requests: ColumnElement[int]
+    attempts: ColumnElement[int]
     if _whole_days(start, end) and not LEDGER_ONLY_GROUPS.intersection(group_by):
         table: Any = UsageRollup
         where = and_(UsageRollup.day >= start.date(), UsageRollup.day < end.date())
-        attempts, errors = func.sum(UsageRollup.requests), func.sum(UsageRollup.errors)
-        cancelled = func.sum(UsageRollup.cancelled)
+        requests, attempts = func.sum(UsageRollup.client_requests), func.sum(UsageRollup.requests)
+        errors, cancelled = func.sum(UsageRollup.errors), func.sum(UsageRollup.cancelled)
     else:
         table = UsageEventRow
         where = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
+        # As the writer counts them into the rollups: a client request is its first attempt (one
+        # per request, so no DISTINCT over the range), and a 499 is cancelled, no error
+        # (`events.is_error`).
+        requests = func.sum(case((UsageEventRow.attempt == FIRST_ATTEMPT, 1), else_=0))
         attempts = func.count()
-        # As the writer counts them into the rollups (`events.is_error`): a 499 is cancelled, no error.
         status = UsageEventRow.status
         errors = func.sum(case((and_(status >= 200, status < 400), 0), (status == CANCELLED, 0), else_=1))
         cancelled = func.sum(case((status == CANCELLED, 1), else_=0))
@@ -112,26 +118,26 @@ async def usage_report(
     for c in MONEY_COLUMNS:
         high, low = split_sum(getattr(table, c))
         sums += [high.label(f"{c}_high"), low.label(f"{c}_low")]
-    counts = [attempts.label("attempts"), errors.label("errors"), cancelled.label("cancelled")]
+    counts = [
+        requests.label("requests"),
+        attempts.label("attempts"),
+        errors.label("errors"),
+        cancelled.label("cancelled"),
+    ]
     query = select(*dims, *counts, *sums).where(where)
     if dims:
         query = query.group_by(*dims).order_by(*dims)
     raw = [dict(r._mapping) for r in await session.execute(query)]
     raw = [r for r in raw if r["attempts"]]  # an empty range sums to one row of NULLs
-    in_range = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
-    requests = await _client_requests(session, in_range, group_by)
     for r in raw:
         for c in MONEY_COLUMNS:
             r[c] = joined_sum(r.pop(f"{c}_high"), r.pop(f"{c}_low"))
-        r["requests"] = requests.get(_group_key(r, group_by), 0)
     names: dict[str, str] = {}
     if "tenant" in group_by:
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
     rows = [_finish(r, group_by, names) for r in raw]
+    # Each request is in one row (its first attempt's), so the rows add up to the totals.
     summed = {k: sum(int(r[k] or 0) for r in raw) for k in (*COUNT_COLUMNS, *TOKEN_COLUMNS, *MONEY_COLUMNS)}
-    # A request whose attempts fall in two groups (a failover to another backend) is in both rows
-    # and once in the totals.
-    summed["requests"] = (await _client_requests(session, in_range, [])).get((), 0)
     totals = _finish(summed, [], {})
     return {
         "start": start.isoformat(),
@@ -140,29 +146,6 @@ async def usage_report(
         "source": "rollups" if table is UsageRollup else "events",
         "rows": rows,
         "totals": totals,
-    }
-
-
-def _group_key(row: dict[str, Any], group_by: list[str]) -> tuple[Any, ...]:
-    # The rollups keep "" where the ledger keeps NULL (anonymous traffic, a config key): one key for both.
-    return tuple(row[name] or None for name in group_by)
-
-
-async def _client_requests(
-    session: AsyncSession, in_range: ColumnElement[bool], group_by: list[str]
-) -> dict[tuple[Any, ...], int]:
-    """Client requests per group: distinct REQUEST_KEYs of the ledger, however many attempts
-    (retries, failovers, hedges) each made. The rollups count attempts only, so this reads the
-    ledger whatever the range, as the uptime report's requests do."""
-    dims = [getattr(UsageEventRow, GROUPS[name]).label(name) for name in group_by]
-    per_request = select(*dims, *REQUEST_KEY).where(in_range).distinct().subquery()
-    grouped = [per_request.c[name] for name in group_by]
-    query = select(*grouped, func.count()).select_from(per_request)
-    if grouped:
-        query = query.group_by(*grouped)
-    return {
-        _group_key(dict(zip(group_by, r[:-1], strict=True)), group_by): int(r[-1])
-        for r in await session.execute(query)
     }
 
 

@@ -26,7 +26,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.accounting.events import CANCELLED, UsageEvent, decode, encode, is_error
+from gateway.accounting.events import CANCELLED, FIRST_ATTEMPT, UsageEvent, decode, encode, is_error
 from gateway.accounting.queue import RedisStreamQueue, Token, UsageQueue
 from gateway.aio import stop_if_cancelled
 from gateway.db.models import UsageEventRow, UsageRollup
@@ -36,10 +36,12 @@ log = logging.getLogger(__name__)
 
 EVENTS: Table = UsageEventRow.__table__  # type: ignore[assignment]
 ROLLUPS: Table = UsageRollup.__table__  # type: ignore[assignment]
-# What each rollup row sums: counts of attempts (all; failed; cancelled, 499s, which are no error), then
+# What each rollup row sums: counts of attempts (all; failed; cancelled, 499s, which are no error) and of
+# the client requests that started in the group (their first attempts: `events.FIRST_ATTEMPT`), then
 # the events' own amounts.
+COUNTS = ("requests", "errors", "cancelled", "client_requests")
 AMOUNTS = (*TOKEN_FIELDS, "cost_pico_usd", "savings_pico_usd")
-SUMMED = ("requests", "errors", "cancelled", *AMOUNTS)
+SUMMED = (*COUNTS, *AMOUNTS)
 # SQLite allows 32766 bound parameters per statement; usage_events has 28 columns.
 MAX_ROWS_PER_INSERT = 1000
 OUTAGE_REMINDER_S = 60.0  # how often a database outage the writer is waiting out is logged again
@@ -133,11 +135,12 @@ def _lines_insert() -> TextClause:
         f"WITH inserted AS (INSERT INTO {EVENTS.name} ({', '.join(names)}) "
         f"SELECT {', '.join(_LINE_COLUMNS.values())} FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS e "
         "ON CONFLICT (event_id) DO NOTHING "
-        f"RETURNING day, tenant_id, key_id, backend, model, status, {', '.join(AMOUNTS)}) "
+        f"RETURNING day, tenant_id, key_id, backend, model, status, attempt, {', '.join(AMOUNTS)}) "
         f"INSERT INTO {ROLLUPS.name} (day, tenant_id, key_id, backend, model, {', '.join(SUMMED)}) "
         "SELECT day, coalesce(tenant_id, ''), coalesce(key_id, ''), backend, model, count(*), "
         f"count(*) FILTER (WHERE (status < 200 OR status >= 400) AND status <> {CANCELLED}), "
         f"count(*) FILTER (WHERE status = {CANCELLED}), "
+        f"count(*) FILTER (WHERE attempt = {FIRST_ATTEMPT}), "
         f"{', '.join(f'sum({n})' for n in AMOUNTS)} FROM inserted GROUP BY 1, 2, 3, 4, 5 "
         "ON CONFLICT (day, tenant_id, key_id, backend, model) DO UPDATE SET "
         f"{', '.join(f'{n} = {ROLLUPS.name}.{n} + excluded.{n}' for n in SUMMED)} "
@@ -233,7 +236,10 @@ def _event_rollups(events: list[UsageEvent]) -> list[dict[str, Any]]:
             sums[1] += 1
         elif e.status == CANCELLED:
             sums[2] += 1
-        for i, value in enumerate((*_token_counts(e.usage), e.cost_pico_usd, e.savings_pico_usd), 3):
+        if e.attempt == FIRST_ATTEMPT:
+            sums[3] += 1
+        values = (*_token_counts(e.usage), e.cost_pico_usd, e.savings_pico_usd)
+        for i, value in enumerate(values, len(COUNTS)):
             sums[i] += value
     return [
         {
@@ -265,6 +271,7 @@ def _rollup_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         total["requests"] += 1
         total["errors"] += is_error(row["status"])
         total["cancelled"] += row["status"] == CANCELLED
+        total["client_requests"] += row["attempt"] == FIRST_ATTEMPT
         for name in AMOUNTS:
             total[name] += row[name]
     return [

@@ -186,9 +186,12 @@ class UsageRollup(Base):
     key_id: Mapped[str] = mapped_column(String(32))
     backend: Mapped[str] = mapped_column(String(200))
     model: Mapped[str] = mapped_column(String(200))
-    requests: Mapped[int] = mapped_column(BigInteger)
+    requests: Mapped[int] = mapped_column(BigInteger)  # attempts (the usage report's `attempts`)
     errors: Mapped[int] = mapped_column(BigInteger)  # failed attempts; cancelled ones (499) are apart
     cancelled: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Client requests whose first attempt (`events.FIRST_ATTEMPT`) is in this group: each request is
+    # counted once, where it started, whichever groups its retries and failovers went to.
+    client_requests: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     input_tokens: Mapped[int] = mapped_column(BigInteger)
     cached_input_tokens: Mapped[int] = mapped_column(BigInteger)
     cache_write_5m_tokens: Mapped[int] = mapped_column(BigInteger)

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from litestar import Litestar
+from sqlalchemy import event as sa_event
 from sqlalchemy import select, text
 
 from gateway.accounting.catalog import load_catalog
@@ -627,6 +628,7 @@ async def test_usage_report_sums_costs_past_64_bits_exactly(env: Env) -> None:
                     backend="b",
                     model="m",
                     requests=1,
+                    client_requests=1,
                     errors=0,
                     **tokens,
                     **money,
@@ -864,55 +866,96 @@ async def test_the_usage_report_counts_cancelled_attempts_apart_from_errors(env:
 
 async def test_the_usage_report_counts_client_requests_apart_from_their_attempts(env: Env) -> None:
     """`requests` counted ledger rows, one per attempt, so a request that failed over counted twice
-    on the Finance page. It is now the client requests (distinct request ids, told apart by tenant
-    and exchange), in each group an attempt of theirs fell in and once in the totals; `attempts`
-    keeps the old count. From the rollups and the raw ledger alike, and in the CSV."""
+    on the Finance page. It is the client requests (a client's x-request-id reused is another
+    request: its own exchange), each counted once, in the group of its first attempt (a failover's
+    backend, a retry after midnight add attempts to theirs, no request), so the rows add up to the
+    totals; `attempts` keeps the old count. Whole days read both from the rollups, never the ledger
+    (a DISTINCT scan of a month's ledger per report defeated them); other ranges count the ledger's
+    first attempts, alike. In the CSV too."""
     day = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     noon = day + dt.timedelta(hours=12)
-    tried = {  # request id -> the backends its attempts went to, in order
-        "failed-over": ["openai", "anthropic"],
-        "retried": ["openai", "openai", "openai"],
-        "first-try": ["anthropic"],
+    tried = {  # request id -> (when, backend) of its attempts, in order
+        "failed-over": [(noon, "openai"), (noon, "anthropic")],
+        "retried": [(noon, "openai")] * 3,
+        "first-try": [(noon, "anthropic")],
+        "overnight": [
+            (day - dt.timedelta(minutes=1), "anthropic"),
+            (day + dt.timedelta(minutes=1), "anthropic"),
+        ],
     }
     events = [
-        usage_event(
-            request_id, attempt=n, ts=noon, backend=backend, status=200 if n == len(backends) else 502
-        )
-        for request_id, backends in tried.items()
-        for n, backend in enumerate(backends, start=1)
+        usage_event(request_id, attempt=n, ts=ts, backend=backend, status=200 if n == len(steps) else 502)
+        for request_id, steps in tried.items()
+        for n, (ts, backend) in enumerate(steps, start=1)
     ]
     # A client's x-request-id reused by a second request: its own exchange, its own request.
     events += [usage_event("retried", exchange_id="x2", ts=noon, backend="openai")]
     await _write(env, events)
-    whole_days = {"start": day.date().isoformat(), "end": (day + dt.timedelta(days=1)).date().isoformat()}
-    part_of_a_day = {"start": day.isoformat(), "end": (noon + dt.timedelta(hours=1)).isoformat()}
-    for params, source in ((whole_days, "rollups"), (part_of_a_day, "events")):
-        for group_by, rows in (
-            ("backend", {"anthropic": (2, 2), "openai": (3, 5)}),
-            ("tenant", {"t": (4, 7)}),
-            ("tenant,key,day", {("t", "k", day.date().isoformat()): (4, 7)}),
-        ):
-            report = (
-                await env.client.get(
-                    "/admin/api/v1/reports/usage", params={**params, "group_by": group_by}, headers=AUTH
-                )
-            ).json()
-            assert report["source"] == source
-            keys = group_by.split(",")
-            got = {
-                (r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys)): (r["requests"], r["attempts"])
-                for r in report["rows"]
-            }
-            assert got == rows, (source, group_by)
-            assert (report["totals"]["requests"], report["totals"]["attempts"]) == (4, 7), (source, group_by)
+    yesterday, today, tomorrow = ((day + dt.timedelta(days=n)).date().isoformat() for n in (-1, 0, 1))
+    an_hour_later = (noon + dt.timedelta(hours=1)).isoformat()
+    ranges = {  # (start, end) of whole days, then of the same attempts in part of a day
+        "both days": (
+            (yesterday, tomorrow),
+            ((day - dt.timedelta(hours=1)).isoformat(), an_hour_later),
+            {
+                "backend": {"anthropic": (2, 4), "openai": (3, 5)},
+                "tenant": {"t": (5, 9)},
+                "tenant,key,day": {("t", "k", yesterday): (1, 1), ("t", "k", today): (4, 8)},
+            },
+        ),
+        # The overnight request started yesterday: today has its retry, not the request.
+        "today": (
+            (today, tomorrow),
+            (day.isoformat(), an_hour_later),
+            {
+                "backend": {"anthropic": (1, 3), "openai": (3, 5)},
+                "tenant": {"t": (4, 8)},
+                "tenant,key,day": {("t", "k", today): (4, 8)},
+            },
+        ),
+    }
+    statements: list[str] = []
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    sa_event.listen(env.engine.sync_engine, "before_cursor_execute", note)
+    try:
+        for name, (whole, part, expected) in ranges.items():
+            for (start, end), source in ((whole, "rollups"), (part, "events")):
+                for group_by, rows in expected.items():
+                    statements.clear()
+                    params = {"start": start, "end": end, "group_by": group_by}
+                    report = (
+                        await env.client.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)
+                    ).json()
+                    assert report["source"] == source
+                    if source == "rollups":
+                        assert statements and not [s for s in statements if "usage_events" in s], statements
+                    keys = group_by.split(",")
+                    got = {
+                        (r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys)): (
+                            r["requests"],
+                            r["attempts"],
+                        )
+                        for r in report["rows"]
+                    }
+                    assert got == rows, (name, source, group_by)
+                    totals = tuple(map(sum, zip(*rows.values(), strict=True)))
+                    assert (report["totals"]["requests"], report["totals"]["attempts"]) == totals, (
+                        name,
+                        source,
+                    )
+    finally:
+        sa_event.remove(env.engine.sync_engine, "before_cursor_execute", note)
     csv_report = await env.client.get(
         "/admin/api/v1/reports/usage",
-        params={**whole_days, "group_by": "backend", "format": "csv"},
+        params={"start": yesterday, "end": tomorrow, "group_by": "backend", "format": "csv"},
         headers=AUTH,
     )
     rows = list(csv.DictReader(io.StringIO(csv_report.text)))
     assert [(r["backend"], r["requests"], r["attempts"]) for r in rows] == [
-        ("anthropic", "2", "2"),
+        ("anthropic", "2", "4"),
         ("openai", "3", "5"),
     ]
 

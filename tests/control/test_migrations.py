@@ -159,3 +159,45 @@ def test_web_searches_count_from_0013_and_their_prices_go_with_a_downgrade(db_ur
     ]
     with pytest.raises(Exception, match="web_search_requests"):
         sync_exec(db_url, "SELECT web_search_requests FROM usage_rollups")
+
+
+def test_rollups_count_their_client_requests_once_upgraded(db_url: str) -> None:
+    """0014 gives the rollups `client_requests`, the usage report's `requests` over whole days; the
+    rows already there get theirs from the ledger: each group's first attempts (attempt 1: a retry,
+    failover or hedge is a later one), a missing tenant or key "" in the rollups and NULL in the
+    ledger, a group whose requests all started elsewhere 0. The downgrade drops it."""
+    migrate.upgrade(db_url, "0013")
+    attempts = {  # (day, tenant, key, backend) -> the attempt numbers of its events
+        ("2026-12-01", None, None, "b"): [1, 2, 1, 1],
+        ("2026-12-01", "t1", "k1", "b"): [1, 3],
+        ("2026-12-01", "t1", "k1", "fallback"): [2, 2],  # failed over to: no request started here
+        ("2026-12-02", "t1", "k1", "b"): [2, 1],  # a retry after midnight, and a request of the day
+    }
+    events, rollups = [], []
+    for (day, tenant, key, backend), numbers in attempts.items():
+        t, k = (f"'{v}'" if v else "NULL" for v in (tenant, key))
+        for number in numbers:
+            events.append(
+                f"('e{len(events)}', 'r{len(events)}', {number}, '{day} 12:00:00', '{day}', {t}, {k}, 'm', "
+                f"'{backend}', 'm', 0, 0, 0, 0, 0, 0, '{{}}', 0, 0, 1.0, 200, false)"
+            )
+        rollups.append(
+            f"('{day}', '{tenant or ''}', '{key or ''}', '{backend}', 'm', {len(numbers)}, 0, 0, 0, 0, 0, 0, 0, 0, 0)"
+        )
+    sync_exec(db_url, _EVENT + ", ".join(events))
+    sync_exec(db_url, _ROLLUP + ", ".join(rollups))
+
+    migrate.upgrade(db_url, "0014")
+    query = "SELECT day, tenant_id, backend, requests, client_requests FROM usage_rollups ORDER BY 1, 2, 3"
+    got = [(str(day), *rest) for day, *rest in sync_exec(db_url, query)]
+    assert got == [
+        ("2026-12-01", "", "b", 4, 3),
+        ("2026-12-01", "t1", "b", 2, 1),
+        ("2026-12-01", "t1", "fallback", 2, 0),
+        ("2026-12-02", "t1", "b", 2, 1),
+    ]
+
+    migrate.downgrade(db_url, "0013")
+    with pytest.raises(Exception, match="client_requests"):
+        sync_exec(db_url, "SELECT client_requests FROM usage_rollups")
+    assert sync_exec(db_url, "SELECT sum(requests) FROM usage_rollups") == [(10,)]

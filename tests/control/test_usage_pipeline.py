@@ -298,10 +298,13 @@ async def test_every_column_lands_as_sent(engine: AsyncEngine, tmp_path: Path) -
 
 async def test_rollups_hold_every_sum_of_the_events_they_count(engine: AsyncEngine) -> None:
     """PostgreSQL sums the rollups itself (from the encoded events), SQLite in the writer: both must
-    match a sum of the events' rows, errors and anonymous keys included, and skip redelivered ones."""
+    match a sum of the events' rows, errors, retries and anonymous keys included, and skip
+    redelivered ones."""
     batch = random_events(120, seed=31)
     batch[:10] = [msgspec.structs.replace(e, key_id=None, tenant_id=None) for e in batch[:10]]
     batch[5:25] = [msgspec.structs.replace(e, status=CANCELLED) for e in batch[5:25]]
+    # Retries, failovers and hedges: attempts of a request, not requests of their own.
+    batch[20:50] = [msgspec.structs.replace(e, attempt=2 + i % 2) for i, e in enumerate(batch[20:50])]
     writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
     assert await writer.write(batch[:80]) == 80
     assert await writer.write(batch[40:]) == 40  # half of it a redelivery
@@ -319,8 +322,10 @@ async def test_rollups_hold_every_sum_of_the_events_they_count(engine: AsyncEngi
 
 
 def assert_counts(stored: list[dict[str, Any]], batch: list) -> None:
-    """The rollups' counts: every attempt, the failed ones, and the cancelled ones (499s) apart."""
+    """The rollups' counts: every attempt, the failed ones, and the cancelled ones (499s) apart; and
+    the client requests, counted by their first attempts."""
     assert sum(r["requests"] for r in stored) == len(batch)
+    assert 0 < sum(r["client_requests"] for r in stored) == sum(e.attempt == 1 for e in batch) < len(batch)
     assert sum(r["cancelled"] for r in stored) == sum(e.status == CANCELLED for e in batch) > 0
     assert sum(r["errors"] for r in stored) == sum(not e.ok and e.status != CANCELLED for e in batch) > 0
 
@@ -332,9 +337,10 @@ async def test_rollups_count_cancelled_attempts_apart_on_postgres_array_path(pg_
     engine = create_engine(pg_url)
     try:
         statuses = [200, 502, CANCELLED, CANCELLED, 0, 200]
+        attempts = [1, 1, 2, 1, 1, 3]
         batch = [
-            msgspec.structs.replace(e, latency_ms=float("nan"), status=status)
-            for e, status in zip(random_events(6, seed=43), statuses, strict=True)
+            msgspec.structs.replace(e, latency_ms=float("nan"), status=status, attempt=attempt)
+            for e, status, attempt in zip(random_events(6, seed=43), statuses, attempts, strict=True)
         ]
         writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
         assert await writer.write(batch) == 6
