@@ -75,7 +75,12 @@ def check_master_key() -> None:
 @click.command()
 @config_option
 @click.option("--host", default=None, help="Interface to bind [default: server.host, else 127.0.0.1].")
-@click.option("--port", type=int, default=None, help="Port to listen on [default: server.port, else 8080].")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port to listen on, 0: a free one [default: server.port, else 8080].",
+)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option(
     "--server",
@@ -98,7 +103,9 @@ def serve(
     os.environ[CONFIG_ENV] = os.path.abspath(config_path)
     if log_level:
         os.environ[LOG_LEVEL_ENV] = log_level
-    bind_host, bind_port = host or config.server.host, port or config.server.port
+    # `--port 0` asks for a free port, as `server.port: 0` does: not a flag left unset
+    bind_host = host if host is not None else config.server.host
+    bind_port = port if port is not None else config.server.port
     if server_kind == "granian":
         from granian import Granian
 

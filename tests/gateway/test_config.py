@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -132,6 +133,41 @@ def test_weir_serve_reports_config_errors_without_a_traceback(tmp_path: Path) ->
     assert result.exit_code == 1
     assert "server.port: Expected `int`, got `str`" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.fixture
+def uvicorn_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What `weir serve` would have served with, without serving it."""
+    import uvicorn
+
+    from gateway.cli import CONFIG_ENV
+
+    monkeypatch.setenv(CONFIG_ENV, "restored after the test")  # serve sets it for its app factory
+    ran: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: ran.update(options))
+    return ran
+
+
+@pytest.mark.parametrize(("flag", "bound"), [([], 9123), (["--port", "0"], 0), (["--port", "9124"], 9124)])
+def test_weir_serve_port_flag_overrides_server_port_zero_included(
+    tmp_path: Path, uvicorn_runs: dict[str, Any], flag: list[str], bound: int
+) -> None:
+    """`--port 0` asks for a free port, as `server.port: 0` does (docs/configuration.md); it used to be
+    read as no flag, so the config's port was bound instead."""
+    path = tmp_path / "weir.yaml"
+    path.write_text("server: {port: 9123}\n")
+    result = CliRunner().invoke(serve, ["--config", str(path), *flag])
+    assert result.exit_code == 0, result.output
+    assert uvicorn_runs["port"] == bound
+
+
+def test_weir_serve_refuses_a_port_out_of_range(tmp_path: Path, uvicorn_runs: dict[str, Any]) -> None:
+    """As `server.port` is: a usage error naming the range (70000 used to listen on 4464, modulo 2^16)."""
+    path = tmp_path / "weir.yaml"
+    path.write_text("{}\n")
+    result = CliRunner().invoke(serve, ["--config", str(path), "--port", "70000"])
+    assert result.exit_code == 2 and "70000 is not in the range 0<=x<=65535" in result.output
+    assert not uvicorn_runs
 
 
 @pytest.mark.parametrize(
