@@ -159,13 +159,22 @@ def check(config_path: str) -> None:
     """
     config = checked_config(config_path)
     check_master_key()
-    tenants = "no tenants (no authentication)" if config.tenants is None else _count(config.tenants, "tenant")
+    tenants = _count(config.tenants, "tenant") if config.tenants is not None else _no_tenants(config)
     counts = [
         _count(config.backends, "backend"),
         _count(config.models, "model"),
         _count(config.routes, "route"),
     ]
     click.echo(f"{config_path}: OK: {', '.join(counts)}, {tenants}")
+
+
+def _no_tenants(config: Config) -> str:
+    """What a config without `tenants:` means: open to all, unless the admin DB's keys are checked."""
+    from gateway.admin.control_plane import configured_database_url
+
+    if configured_database_url(config):
+        return "no config tenants (admin-DB keys only)"
+    return "no tenants (no authentication)"
 
 
 def _count(items: list[Any], noun: str) -> str:

@@ -110,7 +110,8 @@ class Gateway:
         return record
 
     async def start(self) -> None:
-        if self.config.tenants is None:
+        # Only where nothing checks keys: with the admin DB, a config without tenants still needs one
+        if isinstance(self.authenticator, OpenAuthenticator):
             log.warning("no_tenants_configured", detail="every request is accepted without an API key")
         for engine in self.engines:
             await engine.start()

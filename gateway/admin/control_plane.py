@@ -269,12 +269,17 @@ class ControlPlane:
         )
 
 
+def configured_database_url(config: Any) -> str | None:
+    """The admin DB a gateway on `config` uses: `WEIR_DATABASE_URL` wins over `database_url`."""
+    return os.environ.get("WEIR_DATABASE_URL") or getattr(config, "database_url", None)
+
+
 def from_config(config: Any) -> ControlPlane | None:
     """A control plane for a gateway `Config`, or None when no database is configured.
 
     `WEIR_DATABASE_URL` / `WEIR_REDIS_URL` win over the config's `database_url` / `redis_url`.
     """
-    database_url = os.environ.get("WEIR_DATABASE_URL") or getattr(config, "database_url", None)
+    database_url = configured_database_url(config)
     redis_url = os.environ.get("WEIR_REDIS_URL") or getattr(config, "redis_url", None)
     if not database_url:
         if redis_url:

@@ -331,6 +331,46 @@ def config_check(path: Path, env: dict[str, str | None]) -> Result:
     return CliRunner().invoke(main, ["config", "check", "--config", str(path)], env=env)
 
 
+@pytest.mark.parametrize(
+    ("text", "env"),
+    [
+        ("database_url: sqlite:///x.db\n", {"WEIR_DATABASE_URL": None}),
+        ("", {"WEIR_DATABASE_URL": "sqlite:///x.db"}),
+    ],
+)
+def test_weir_config_check_says_a_config_without_tenants_needs_admin_db_keys(
+    tmp_path: Path, text: str, env: dict[str, str | None]
+) -> None:
+    """With the admin DB, no `tenants:` is not open access (every request needs a key it issued), and
+    the summary said "no authentication" all the same."""
+    path = tmp_path / "weir.yaml"
+    path.write_text(text)
+    result = config_check(path, env)
+    assert (
+        result.output
+        == f"{path}: OK: 0 backends, 0 models, 0 routes, no config tenants (admin-DB keys only)\n"
+    )
+
+
+async def test_the_open_access_warning_only_where_nothing_checks_keys() -> None:
+    """`no_tenants_configured` ("every request is accepted without an API key") was logged by a gateway
+    whose admin DB authenticates every request, which refuses one without a key (401)."""
+    from structlog.testing import capture_logs
+
+    from gateway.auth import StaticAuthenticator
+    from gateway.runtime import Gateway
+
+    config = parse_config("{}", {})
+    for gateway, warned in [
+        (Gateway(config), True),
+        (Gateway(config, authenticator=StaticAuthenticator([])), False),
+    ]:
+        with capture_logs() as logs:
+            await gateway.start()
+        await gateway.stop()
+        assert ("no_tenants_configured" in [line["event"] for line in logs]) is warned
+
+
 def test_weir_config_check_summarises_a_valid_config(tmp_path: Path) -> None:
     path = tmp_path / "weir.yaml"
     path.write_text(CHECKED)
