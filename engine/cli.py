@@ -22,7 +22,7 @@ def engine() -> None:
     help="A registry name (see `weir models list`), a .gguf file or a Hugging Face directory.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option(
     "--served-model-name",
     default=None,

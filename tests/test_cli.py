@@ -4,6 +4,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from tests.deploy.weir_cli import assert_cli_accepts
@@ -96,3 +97,11 @@ def test_every_cli_option_is_named_in_the_docs() -> None:
         if not re.search(rf"`[^`]*{re.escape(option)}(?![\w-])", docs)
     ]
     assert not missing, f"options no doc names: {missing}"
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["engine", "serve"], ["demo"]])
+def test_a_port_out_of_range_is_a_usage_error(argv: list[str]) -> None:
+    """Not a traceback from bind() (the engine), nor port 70000 served as 4464 (uvicorn, modulo 2^16)."""
+    result = CliRunner().invoke(main, [*argv, "--port", "70000"])
+    assert result.exit_code == 2, result.output
+    assert "70000 is not in the range" in result.output

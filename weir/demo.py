@@ -81,7 +81,7 @@ Metrics: {base}/metrics   Health: {base}/readyz   Stop: Ctrl-C
 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--model", default="smollm2-135m", show_default=True, help="A model `weir models pull` knows.")
 @click.option("--var-dir", default="var", show_default=True, type=click.Path(file_okay=False))
 def demo(host: str, port: int, model: str, var_dir: str) -> None:
