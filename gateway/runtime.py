@@ -81,7 +81,6 @@ class Gateway:
             self.router.breakers,
             self.router.context,
             self.router.metrics,
-            windows=self.router.windows,
         )
         for engine in self.engines:
             engine.on_models = self._engine_windows(engine.backend.name)

@@ -67,7 +67,6 @@ from routing.plan import Choice, Features, Plan
 from routing.policies import PolicyContext, expected_cost, output_room
 from routing.routes import Route
 from routing.stitch import Stitcher
-from routing.windows import ContextWindows
 
 Batches = AsyncIterator[list[ChatChunk]]
 _BACKEND_ERRORS = (UpstreamError, BadGateway, BackendUnavailable, GatewayTimeout)
@@ -338,7 +337,6 @@ class Executor:
         breakers: Breakers,
         context: PolicyContext,
         metrics: RoutingMetrics | None = None,
-        windows: ContextWindows | None = None,
     ) -> None:
         self.metrics = metrics
         self.pipeline = pipeline
@@ -352,7 +350,8 @@ class Executor:
         # The context window of each backend's models (`_fit_context`): what their servers' model lists
         # say (the health probes, the engine supervisor), what their 400s report, what routes declare.
         # A bundled engine's is set by its model and its KV cache, which the config need not repeat.
-        self.windows = windows if windows is not None else ContextWindows()
+        # The policies' own (`PolicyContext.windows`): a candidate is fitted and sent in one window.
+        self.windows = context.windows
 
     # --- one attempt ---------------------------------------------------------------------------
 
@@ -418,7 +417,7 @@ class Executor:
             return await self._attempt_once(call, plan, self._asked_on(choice), op, terms)
 
     def _fit_context(self, plan: Plan, choice: Choice) -> None:
-        """Where the gateway knows `choice`'s context window (`ContextWindows.window`: what its backend
+        """Where the gateway knows `choice`'s context window (`ContextWindows.of`: what its backend
         last said of it, in its model list or a 400, at most the candidate's `context_window`), the
         room for output that the request's prompt, as the gateway estimates it (`Plan.prompt_tokens`, a
         chat template's tokens included: `gateway.estimate.template_tokens`), leaves there: an output limit above it is sent as that room (`within_output_limit`) and said
@@ -431,10 +430,7 @@ class Executor:
         place, stand for the later attempts here."""
         if choice.context_room is not None or plan.prompt_tokens is None:
             return
-        target = choice.target
-        window = self.windows.window(
-            target.backend.name, target.upstream_model, choice.candidate.context_window
-        )
+        window = self.windows.of(choice)
         if window is not None and plan.prompt_tokens < window:
             choice.context_room = window - plan.prompt_tokens
 

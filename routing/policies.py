@@ -25,6 +25,7 @@ from routing.plan import Choice, Features, Lesson, Outcome
 from routing.prefixes import PrefixIndex, cuts, prefix_keys
 from routing.routes import Route
 from routing.stats import REMEASURE_S, RETRY_UNMEASURED_S, ModelStats, RoutingStats, uses_prefix_affinity
+from routing.windows import ContextWindows
 
 if TYPE_CHECKING:
     from routing.difficulty import HeadChoice, StrongCall, StrongShareCalibrator
@@ -63,6 +64,9 @@ class PolicyContext:
     # score or a prefix look-up in Redis, or the gateway's admission) adds back no window or count the
     # table change let go of (`forget`).
     in_force: InForce = lambda name, does=None: True
+    # The router's context windows (what backends' model lists and 400s say, `routing.windows`), which
+    # the executor fits each attempt's output in: a candidate is fitted to a request in the same one.
+    windows: ContextWindows = field(default_factory=ContextWindows)
 
     def score_difficulty(self, prompt: str) -> float:
         if self.scorer is None:
@@ -171,10 +175,13 @@ def weighted(choices: list[Choice], rng: random.Random) -> list[Choice]:
     return [choice for _, choice in keyed]
 
 
-def fits(choice: Choice, feats: Features, output_tokens: int) -> str | None:
-    """Why the candidate cannot take this request, or None when it can."""
+def fits(choice: Choice, feats: Features, output_tokens: int, windows: ContextWindows) -> str | None:
+    """Why the candidate cannot take this request, or None when it can. Its window is the one its
+    attempt is fitted in (`ContextWindows.of`): a model list's or a 400's where the backend said one,
+    at most the candidate's `context_window`, so one declared larger than the backend serves no longer
+    sends a request the backend cannot hold to the cheapest candidate."""
     candidate = choice.candidate
-    window = candidate.context_window
+    window = windows.of(choice)
     if window is not None and feats.prompt_tokens + output_tokens > window:
         return "context_window"
     if feats.tools and not candidate.tools:
@@ -253,7 +260,7 @@ def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyCo
         choice.score = expected_cost(choice, feats, expected_output(choice, route, feats, ctx), ctx)
         # What must fit the window is what the request may write there: vendors refuse a prompt
         # whose limit does not fit, however short its answers turn out.
-        why = fits(choice, feats, output_room(choice, route, feats))
+        why = fits(choice, feats, output_room(choice, route, feats), ctx.windows)
         if why is None:
             choice.reason = "cheapest_fit"
             fitting.append(choice)
@@ -270,7 +277,7 @@ def cheapest(route: Route, choices: list[Choice], feats: Features, ctx: PolicyCo
     def likeliest(choice: Choice) -> tuple[int, float, float]:
         candidate = choice.candidate
         lacks = (feats.tools and not candidate.tools) + (feats.images and not candidate.vision)
-        window = candidate.context_window
+        window = ctx.windows.of(choice)
         return lacks, -(window if window is not None else math.inf), choice.score or 0.0
 
     return sorted(misfits, key=likeliest)

@@ -250,10 +250,15 @@ class Router:
         self.stats = RoutingStats(self.in_force)
         self.breakers = Breakers(state)
         # What each backend's model list says of its models' context windows (the probes, the engine
-        # supervisor) and what their 400s report: the executor fits output limits in them.
+        # supervisor) and what their 400s report: the executor fits output limits in them, and
+        # policies fit candidates to a request in them.
         self.windows = ContextWindows()
         self.context = PolicyContext(
-            self.stats, head=difficulty_head, breakers=self.breakers, in_force=self.in_force
+            self.stats,
+            head=difficulty_head,
+            breakers=self.breakers,
+            in_force=self.in_force,
+            windows=self.windows,
         )
         self.routes: dict[str, list[Route]] = {}
         self.version = 0

@@ -38,8 +38,9 @@ class Candidate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
 
     model: str
     weight: float = 1.0  # `weighted`
-    # What the model can take (context_window None: unknown, assumed to fit). `cheapest` weighs all
-    # three; every policy skips a candidate declared without the tools or images a request has.
+    # What the model can take (context_window None: the window its backend says, where it says one,
+    # else assumed to fit; one the backend says smaller wins: `routing.windows`). `cheapest` weighs
+    # all three; every policy skips a candidate declared without the tools or images a request has.
     context_window: int | None = None
     # The most output tokens the model writes in one answer (None: the model's own, `models[]
     # .max_output_tokens`, which this overrides; `routing.plan.Choice.max_output_tokens`). A request

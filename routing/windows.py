@@ -1,5 +1,7 @@
 """The context window each backend's model has, as far as the gateway knows it: what the output limit
-of an attempt must leave room for after the prompt (`routing.execute.Executor._fit_context`).
+of an attempt must leave room for after the prompt (`routing.execute.Executor._fit_context`), and what
+a candidate must hold to fit a request (`routing.policies.fits`, the `cheapest` policy): both read it
+through `ContextWindows.of`, so a plan never weighs one window and its attempt another.
 
 Three sources, one answer (`ContextWindows.window`):
 - served: what an OpenAI-compatible server says of itself, `max_model_len` on each model of its
@@ -17,9 +19,12 @@ Three sources, one answer (`ContextWindows.window`):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from routing.plan import Choice
 
 # The window of a server that serves one model whatever it is called (the bundled engine answers to
 # its `--served-model-name` and its `--model` string alike, and lists only the first).
@@ -87,3 +92,9 @@ class ContextWindows:
         if fact is None or declared is None:
             return fact if fact is not None else declared
         return min(fact, declared)
+
+    def of(self, choice: Choice) -> int | None:
+        """The window to fit a request on `choice` in: its backend's newest word on its upstream model,
+        at most the candidate's `context_window` (`window`)."""
+        target = choice.target
+        return self.window(target.backend.name, target.upstream_model, choice.candidate.context_window)

@@ -160,6 +160,18 @@ class FakeOpenAI(FakeServer):
             else AutomaticPrefixCache()
         )
         self.refusal: str | None = None
+        self.max_model_len: dict[str, int] = {}  # `serve_windows`
+
+    def serve_windows(self, windows: dict[str, int]) -> None:
+        """Its `/v1/models` says each model's context window, `max_model_len`, and answers any caller,
+        as vLLM started without `--api-key` does (the gateway's health probes send no key; OpenAI's own
+        list says no window and wants one), until `reset()`."""
+        self.max_model_len = dict(windows)
+
+    def auth_error(self, request: web.Request) -> web.StreamResponse | None:
+        if self.max_model_len and request.method == "GET" and request.path == "/v1/models":
+            return None
+        return self._key_error(request)
 
     def refuse_with(self, refusal: str) -> None:
         """Chats are refused with `refusal`, as OpenAI refuses one under structured outputs (the
@@ -177,6 +189,7 @@ class FakeOpenAI(FakeServer):
     def reset_state(self) -> None:
         self.cache.clear()
         self.refusal = None
+        self.max_model_len = {}
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -227,7 +240,7 @@ class FakeOpenAI(FakeServer):
         kind, code, default = _STATUS_ERRORS.get(status, ("server_error", None, "Error."))
         return sse({"error": {"message": message or default, "type": kind, "param": None, "code": code}})
 
-    def auth_error(self, request: web.Request) -> web.StreamResponse | None:
+    def _key_error(self, request: web.Request) -> web.StreamResponse | None:
         header = request.headers.get("authorization", "")
         key = header[7:] if header.lower().startswith("bearer ") else request.headers.get("api-key", "")
         if not key:
@@ -772,7 +785,7 @@ class FakeOpenAI(FakeServer):
         return self.json_response(request, payload)
 
     async def _list_models(self, request: web.Request) -> web.StreamResponse:
-        data = [_model_object(m, self.flavour) for m in sorted(self.models)]
+        data = [self._with_window(_model_object(m, self.flavour)) for m in sorted(self.models)]
         return self.json_response(request, {"object": "list", "data": data})
 
     async def _get_model(self, request: web.Request) -> web.StreamResponse:
@@ -781,7 +794,11 @@ class FakeOpenAI(FakeServer):
             return self.error_response(
                 404, f"The model '{model}' does not exist", param="model", code="model_not_found"
             )
-        return self.json_response(request, _model_object(model, self.flavour))
+        return self.json_response(request, self._with_window(_model_object(model, self.flavour)))
+
+    def _with_window(self, card: dict[str, Any]) -> dict[str, Any]:
+        window = self.max_model_len.get(card["id"])
+        return card if window is None else {**card, "max_model_len": window}
 
 
 # the largest max_tokens each model family accepts (longest prefix wins); others: no limit

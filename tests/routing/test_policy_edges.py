@@ -239,6 +239,46 @@ async def test_cheapest_with_nothing_that_fits_asks_the_likeliest_candidate_firs
     assert plan.choices[0].candidate.model == "small"
 
 
+async def test_cheapest_fits_a_candidate_in_the_window_its_backend_serves() -> None:
+    """A candidate's `context_window` declared larger than its backend serves (`max_model_len` in its
+    model list, `ContextWindows.served`) no longer fits a prompt the backend cannot hold: `cheapest`
+    fits it in the window its attempt is fitted in (`ContextWindows.of`), the smaller, as a declared
+    window below the served one is kept (an operator's limit). Fitted on the declared 128,000 alone,
+    the cheap `small` took a prompt its 2,000-token server refuses."""
+    r = Route(
+        name="c",
+        policy="cheapest",
+        candidates=[
+            Candidate(model="small", context_window=128_000),
+            Candidate(model="big", context_window=128_000),
+        ],
+        probe_interval=None,
+    )
+    planner = router(r)
+    planner.windows.served("openai", {"small": 2_000})
+    long = "word " * 2000  # ~2,500 tokens by the estimate: above the served 2,000
+    plan = await planner.plan("c", ACME, feats(long))
+    assert [(c.candidate.model, c.reason) for c in plan.choices] == [("big", "cheapest_fit")]
+    plan = await planner.plan("c", ACME, feats("hi"))
+    assert [(c.candidate.model, c.reason) for c in plan.choices] == [
+        ("small", "cheapest_fit"),
+        ("big", "cheapest_fit"),
+    ]
+    # Nothing fits: the largest window the gateway knows goes first, the served one where it is
+    # smaller than declared (it was a tie at the declared 128,000, and the cheaper `small` first).
+    planner.windows.served("other", {"big": 3_000})
+    plan = await planner.plan("c", ACME, feats("word " * 4000))
+    assert [(c.candidate.model, c.reason) for c in plan.choices] == [
+        ("big", "context_window"),
+        ("small", "context_window"),
+    ]
+    # A declared window below the served one is the operator's limit, as for the attempt's room.
+    capped = [Candidate(model="small", context_window=1_000), r.candidates[1]]
+    planner.set_routes([msgspec.structs.replace(r, candidates=capped)])
+    plan = await planner.plan("c", ACME, feats("word " * 1000))  # ~1,250 tokens: fits 2,000, not 1,000
+    assert [c.candidate.model for c in plan.choices] == ["big"]
+
+
 async def test_cheapest_learns_the_cache_hit_share_of_each_model_from_traffic() -> None:
     """The configured `cache_hit_rate` holds until the model's usage events are seen (of prompts of
     the request's size); then the observed share (of that model, whoever sent the traffic) replaces
