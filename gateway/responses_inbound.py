@@ -762,7 +762,19 @@ _PARTS = {
     "output_text": ("message", "text", "response.output_text"),
     "refusal": ("message", "refusal", "response.refusal"),
     "reasoning_text": ("reasoning", "text", "response.reasoning_text"),
+    "summary_text": ("reasoning", "text", "response.reasoning_summary_text"),
 }
+# The lists of parts a passed item holds: the event that adds one, the field that numbers it, and the
+# event that says it is done. A reasoning item's summary is parts of its own, apart from its content.
+_PART_LISTS = {
+    "content": ("response.content_part.added", "content_index", "response.content_part.done"),
+    "summary": (
+        "response.reasoning_summary_part.added",
+        "summary_index",
+        "response.reasoning_summary_part.done",
+    ),
+}
+_TEXT_EVENTS = {event for _, _, event in _PARTS.values()}
 
 
 class _StreamWriter:
@@ -777,6 +789,9 @@ class _StreamWriter:
         # those of theirs not done yet.
         self.passed: dict[int, int] = {}
         self.passing: set[int] = set()
+        # Their parts not done yet: (output index, the list holding it, its index) -> whether its text's
+        # done event came (the part's did not yet).
+        self.parts: dict[tuple[int, str, int], bool] = {}
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: int | None = None  # output index of the item still streaming
@@ -814,11 +829,16 @@ class _StreamWriter:
         part, self.part = self.part, None
         if part is None:
             return
-        where = self._where()
+        self._end_part(self._where(), "content", part)
+
+    def _end_part(self, where: dict[str, Any], holder: str, part: dict[str, Any], told: bool = False) -> None:
+        """A content or summary part's done events, saying its text whole: its text's (unless `told`,
+        already sent), then the part's."""
         _, field, event = _PARTS[part["type"]]
-        logprobs: dict[str, list[Any]] = {"logprobs": []} if part["type"] == "output_text" else {}
-        self.emit(f"{event}.done", **where, **{field: part[field]}, **logprobs)
-        self.emit("response.content_part.done", **where, part=part)
+        if not told:
+            logprobs: dict[str, list[Any]] = {"logprobs": []} if part["type"] == "output_text" else {}
+            self.emit(f"{event}.done", **where, **{field: part[field]}, **logprobs)
+        self.emit(_PART_LISTS[holder][2], **where, part=part)
 
     def _close(self, status: str) -> None:
         if self.open is None:
@@ -919,6 +939,11 @@ class _StreamWriter:
         """An event of OpenAI's Responses API as it came, renumbered, and its item at its place in this
         response's output. The response's own events are this stream's (its id, its final output)."""
         kind = str(event.get("type"))
+        if kind == "response.created" and self.output:
+            # Another candidate answering afresh after a break (`routing.execute`): what the broken
+            # stream left unfinished ends before its items, whose output indices are its own.
+            self._cut_passing()
+            self.passed = {}
         if "response" in event or kind == "error":
             return
         theirs = event.get("output_index")
@@ -937,22 +962,44 @@ class _StreamWriter:
             if kind == "response.output_item.done" and isinstance(item, dict):
                 self.output[ours] = dict(item)
                 self.passing.discard(ours)
+                self.parts = {key: told for key, told in self.parts.items() if key[0] != ours}
             else:
-                self._grow(self.output[ours], kind, event)
+                self._grow(ours, kind, event)
         self.emit(kind, **fields)
 
-    @staticmethod
-    def _grow(item: dict[str, Any], kind: str, event: dict[str, Any]) -> None:
-        """A passed message's text as far as it streamed, which its `output_item.done` would have
-        said whole: a stream cut before it goes on in this item (`_adopt`), or ends with it."""
-        content = item.get("content")
-        if not isinstance(content, list):
+    def _grow(self, index: int, kind: str, event: dict[str, Any]) -> None:
+        """A passed item's parts (a message's text, a reasoning item's summary or text) as far as they
+        streamed, which its `output_item.done` would have said whole: a stream cut before it goes on
+        in this item (`_adopt`), or ends with it, its open parts closed (`_cut_passing`)."""
+        item = self.output[index]
+        for holder, (added, numbered, done) in _PART_LISTS.items():
+            at = event.get(numbered)
+            if not isinstance(at, int):
+                continue
+            parts = item.get(holder)
+            part = event.get("part")
+            if kind == added and isinstance(part, dict) and part.get("type") in _PARTS:
+                item[holder] = parts = parts if isinstance(parts, list) else []
+                parts.append(dict(part))
+                self.parts[index, holder, at] = False
+            elif kind == done:
+                self.parts.pop((index, holder, at), None)
+            elif (
+                not isinstance(parts, list)
+                or not 0 <= at < len(parts)
+                or (index, holder, at) not in self.parts
+            ):
+                return
+            elif kind.endswith(".delta") and kind.removesuffix(".delta") in _TEXT_EVENTS:
+                field = _PARTS[parts[at]["type"]][1]
+                parts[at][field] = str(parts[at].get(field) or "") + str(event.get("delta") or "")
+            elif kind.endswith(".done") and kind.removesuffix(".done") in _TEXT_EVENTS:
+                self.parts[index, holder, at] = True
+            elif kind == "response.output_text.annotation.added" and isinstance(
+                event.get("annotation"), dict
+            ):
+                parts[at].setdefault("annotations", []).append(event["annotation"])
             return
-        part = event.get("part")
-        if kind == "response.content_part.added" and isinstance(part, dict):
-            content.append(dict(part))
-        elif kind == "response.output_text.delta" and content and content[-1].get("type") == "output_text":
-            content[-1]["text"] = str(content[-1].get("text") or "") + str(event.get("delta") or "")
 
     def _adopt(self) -> None:
         """A passed stream broke and another candidate's canonical chunks go on: a message it left
@@ -963,10 +1010,18 @@ class _StreamWriter:
         item = self.output[last] if last in self.passing else None
         content = item.get("content") if item is not None else None
         part = content[-1] if isinstance(content, list) and content else None
-        if item is None or item.get("type") != "message" or part is None or part.get("type") != "output_text":
+        key = (last, "content", len(content) - 1 if isinstance(content, list) else -1)
+        if (
+            item is None
+            or item.get("type") != "message"
+            or part is None
+            or part.get("type") != "output_text"
+            or self.parts.get(key) is not False  # its text said done already: nothing goes on in it
+        ):
             self._cut_passing()
             return
         self.passing.discard(last)
+        del self.parts[key]  # the writer's own part now, which it closes
         self._cut_passing()
         self.open, self.part = last, part
         part.setdefault("annotations", [])
@@ -977,9 +1032,14 @@ class _StreamWriter:
         goes on): incomplete."""
         for index in sorted(self.passing):
             item = self.output[index]
+            for (of, holder, at), told in sorted(self.parts.items()):
+                if of == index:
+                    where = {"item_id": item.get("id"), "output_index": index, _PART_LISTS[holder][1]: at}
+                    self._end_part(where, holder, item[holder][at], told)
             item["status"] = "incomplete"
             self.emit("response.output_item.done", output_index=index, item=item)
         self.passing.clear()
+        self.parts.clear()
 
     def chunk(self, chunk: ChatChunk) -> None:
         if chunk.usage is not None:

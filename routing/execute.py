@@ -904,6 +904,11 @@ class Executor:
         # The continuation goes on from answer text the client has: reasoning it writes first (a
         # model that always reasons) would come after that text, splitting the one answer in two.
         answering = False
+        # The next candidate answers afresh (no text was sent, so nothing is joined or cut from its
+        # chunks): a Responses client gets its Responses events as they came, its OpenAI reasoning
+        # and built-in tools' items whole. A continuation's text is joined onto the client's, which
+        # its own events would not say: it reaches a Responses client translated.
+        fresh = False
         # Reasoning text sent whose block nothing ended yet (no signature, no answer after it): a
         # continuation reasons afresh, and its reasoning must not run on into this block.
         thinking = False
@@ -925,7 +930,7 @@ class Executor:
                 try:
                     async for batch in batches:
                         if resumed:
-                            batch = [_continued(chunk, head) for chunk in batch]
+                            batch = [_continued(chunk, head, fresh) for chunk in batch]
                             if answering:
                                 batch = _without_reasoning(batch)
                         if stitch is not None:
@@ -1050,6 +1055,7 @@ class Executor:
                         stitch = Stitcher(given + text)
                         prefilled_tokens += _instruction_tokens(stitch)  # the asking turn
                     resumed, answering = True, bool(prefill)
+                    fresh = not text and stitch is None
                     if thinking and last is not None:
                         # The cut block ends here, unsigned: otherwise the continuation's reasoning
                         # runs on into it and an Anthropic client gets one thinking block holding
@@ -1280,19 +1286,21 @@ def _reasoning_end(last: ChatChunk) -> ChatChunk:
     return edited(last, choices=[choice], usage=None)
 
 
-def _continued(chunk: ChatChunk, head: ChatChunk | None) -> ChatChunk:
+def _continued(chunk: ChatChunk, head: ChatChunk | None, fresh: bool) -> ChatChunk:
     """A chunk of the continuation, dressed as part of the stream the client already has: its first
     chunk's id, model and creation time (an unbroken stream's never change; which candidate wrote
-    what is the ledger's and the request log's to say), and no second role."""
+    what is the ledger's and the request log's to say), and no second role. A `fresh` answer's
+    keeps its Responses event, which says nothing of the stream's id or role."""
     choices = [
         msgspec.structs.replace(c, delta=msgspec.structs.replace(c.delta, role=None))
         if c.delta.role is not None
         else c
         for c in chunk.choices
     ]
-    if head is None:  # nothing was sent before the break
-        return edited(chunk, choices=choices)
-    return edited(chunk, id=head.id, model=head.model, created=head.created, choices=choices)
+    # With nothing sent before the break, there is no stream to dress it as.
+    stream = {} if head is None else {"id": head.id, "model": head.model, "created": head.created}
+    dressed = edited(chunk, choices=choices, **stream)
+    return msgspec.structs.replace(dressed, responses_event=chunk.responses_event) if fresh else dressed
 
 
 def _without_reasoning(batch: list[ChatChunk]) -> list[ChatChunk]:
@@ -1344,13 +1352,18 @@ def _stitched(batch: list[ChatChunk], stitch: Stitcher) -> list[ChatChunk]:
     """A continuation's chunks with its text joined onto the client's (`routing.stitch`): a chunk
     whose text is all held back or dropped, and that carries nothing else, is left out; the chunk that
     ends the answer's text (a finish reason, a tool call, a refusal, the usage report) first gets
-    what is still held."""
+    what is still held. A chunk of none of these ends nothing: a Responses backend streams its
+    items' and parts' opening events, which say no text, before the text a stitch still decides."""
     out = []
     for chunk in batch:
         choice = chunk.choices[0] if chunk.choices else None
         text = choice.delta.content if choice is not None else None
         given = stitch.push(text) if text else ""
-        if choice is None or choice.finish_reason or choice.delta.tool_calls or choice.delta.refusal:
+        if (
+            chunk.usage is not None
+            if choice is None
+            else choice.finish_reason or choice.delta.tool_calls or choice.delta.refusal
+        ):
             given += stitch.end()
         if choice is None:
             if given:

@@ -18,7 +18,9 @@ Custom tools: the model calls one as it calls a function of one string ``input``
 streamed as ``response.custom_tool_call_input.delta`` events. ``include: ["reasoning.encrypted_content"]``
 adds ``encrypted_content`` to the reasoning item; ``reasoning.summary`` gives it a ``summary_text``
 part, streamed as ``response.reasoning_summary_part.added``, ``response.reasoning_summary_text.delta``
-and their ``.done`` events.
+and their ``.done`` events. Input that ends with an assistant message and Weir's user turn asking for
+the rest of it (``CONTINUE_INSTRUCTION``) is answered with the rest, as the chat fake answers it
+(``continue_loosely`` applies).
 
 Answers: a Response object (``output``: a ``reasoning`` item for reasoning models, then a ``message``
 with ``output_text`` or a ``function_call``; ``status`` ``incomplete`` with ``incomplete_details.reason``
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from tests.fakes.behaviour import Reply, ReportedUsage, Tool, Turn, chunk_words, words
+from tests.fakes.behaviour import Reply, ReportedUsage, Tool, Turn, asks_to_continue, chunk_words, words
 from tests.fakes.server import sse
 
 if TYPE_CHECKING:
@@ -137,6 +139,7 @@ def _turn(body: dict[str, Any]) -> tuple[Turn, list[str]]:
     tokens = words(str(body.get("instructions") or "")) + (words(json.dumps(body["tools"])) if tools else [])
     calls: dict[str, tuple[str, str]] = {}  # call_id -> (its item's type, the tool's name)
     turn = Turn(tools=tools, max_tokens=body.get("max_output_tokens"))
+    said: list[tuple[int, str, str, int]] = []  # the message items: where, role, text, images
     for i, item in enumerate(items):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
@@ -146,6 +149,7 @@ def _turn(body: dict[str, Any]) -> tuple[Turn, list[str]]:
             tokens += words(text) + ["<image>"] * (images * IMAGE_TOKENS)
             turn.tool_result = None
             turn.last_user_text, turn.images = (text, images) if item["role"] != "assistant" else ("", 0)
+            said.append((i, item["role"], text, images))
         elif kind in ("function_call", "custom_tool_call"):
             argument = "arguments" if kind == "function_call" else "input"
             for key in ("call_id", "name", argument):
@@ -179,6 +183,7 @@ def _turn(body: dict[str, Any]) -> tuple[Turn, list[str]]:
             pass
         else:
             raise Refused(f"Invalid value: '{kind}'.", f"input[{i}].type", "invalid_value")
+    _continuation(turn, len(items), said)
     choice = body.get("tool_choice")
     if choice == "none":
         turn.tools_disabled = True
@@ -191,6 +196,22 @@ def _turn(body: dict[str, Any]) -> tuple[Turn, list[str]]:
         turn.json_mode = True
         turn.json_schema = form.get("schema") if form.get("type") == "json_schema" else None
     return turn, tokens
+
+
+def _continuation(turn: Turn, count: int, said: list[tuple[int, str, str, int]]) -> None:
+    """Input that ends with an assistant message and Weir's user turn asking for the rest of it
+    (`asks_to_continue`): the reply continues that message, as the chat fake's does."""
+    if len(said) < 2:
+        return
+    (before, role, partial, _), (last, asker, asked, _) = said[-2], said[-1]
+    if last != count - 1 or before != last - 1 or role != "assistant" or asker == "assistant":
+        return
+    if not asks_to_continue(asked):
+        return
+    turn.prefill = partial
+    turn.last_user_text, turn.images = next(
+        ((text, images) for _, who, text, images in reversed(said[:-2]) if who != "assistant"), ("", 0)
+    )
 
 
 def _reasoning_tokens(body: dict[str, Any]) -> int:
@@ -265,6 +286,7 @@ async def respond(fake: FakeOpenAI, request: web.Request, body: dict[str, Any]) 
         turn, prompt = _turn(body)
     except Refused as exc:
         return fake.error_response(400, exc.message, param=exc.param, code=exc.code)
+    turn.rejoin = fake.rejoin if turn.prefill is not None else None
     reply = fake.reply_to(body["model"], turn)
     reasoning = _reasoning_tokens(body)
     cached = fake.cache.lookup_and_store(prompt)

@@ -16,19 +16,23 @@ import pytest
 
 from gateway.config import Backend
 from gateway.providers import openai_responses
-from gateway.providers.base import custom_arguments
+from gateway.providers.base import CONTINUE_INSTRUCTION, custom_arguments
 from gateway.responses_inbound import ResponsesRequest, to_canonical
-from gateway.types import ChatRequest, FunctionCall, Message
+from gateway.types import ChatChunk, ChatRequest, ChunkChoice, Delta, FunctionCall, Message
+from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fakes.openai_responses import ENCRYPTED, SUMMARY
 from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_fakes
+from tests.gateway.test_responses import _chunk, _events
 from tests.gateway.test_responses_outbound import BACKENDS, FAST, MODELS
 
+# The routes that fail codex's streams over have no breaker: the module's cuts of codex would open it.
 ROUTES = f"""\
 routes:
   - {{name: claude-then-codex, candidates: [{{model: claude-sonnet}}, {{model: codex}}], {FAST}}}
-  - {{name: codex-then-mini, candidates: [{{model: codex}}, {{model: gpt-4o-mini}}], {FAST}}}
+  - {{name: codex-then-mini, candidates: [{{model: codex}}, {{model: gpt-4o-mini}}], breaker: null, {FAST}}}
+  - {{name: codex-then-pro, candidates: [{{model: codex}}, {{model: o3-pro}}], breaker: null, {FAST}}}
 """
 PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+Hello, world!\n*** End Patch\n"
 GRAMMAR = 'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF\n'
@@ -194,15 +198,167 @@ def test_a_stream_that_breaks_midway_goes_on_elsewhere_in_order(
             model="codex-then-mini", input=ask, tools=[APPLY_PATCH], stream=True, **CODEX
         )
     )
-    assert [e.sequence_number for e in events] == list(range(len(events)))
+    _well_formed(events)
     final = events[-1].response
-    assert events[-1].type == "response.completed"
     added = [e.output_index for e in events if e.type == "response.output_item.added"]
     done = [e.output_index for e in events if e.type == "response.output_item.done"]
     assert added == done == list(range(len(final.output)))  # every item closed, in order
     assert [item.status for item in final.output[:-1]] == ["incomplete"] * (len(final.output) - 1)
     call = final.output[-1]
     assert call.type == "custom_tool_call" and call.input == PATCH and call.status == "completed"
+
+
+ECHO = "one two three four five six seven eight nine ten"
+# The number of codex's first text delta in its answer to ECHO: after created and in_progress, its
+# reasoning item (added, the summary's part added, a delta a word, the text's, part's and item's done
+# events) and the message's added and part added events.
+FIRST_TEXT_DELTA = 2 + 2 + len(SUMMARY.split()) + 3 + 2
+
+
+def _well_formed(events: list[Any]) -> None:
+    """One Responses event sequence, as a client that checks every event sees it: numbered in order,
+    one response.created first and one response.completed last; each item opened once, then its
+    events, then closed once, at the next output index; each content or summary part of it opened at
+    the next index, its deltas, and closed once, its done events saying the text its deltas made."""
+    kinds = [event.type for event in events]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert kinds[0] == "response.created" and kinds.count("response.created") == 1
+    assert kinds[-1] == "response.completed" and kinds.count("response.completed") == 1
+    items: dict[int, Any] = {}  # output index -> the item as added
+    closed: set[int] = set()
+    parts: dict[tuple[int, str, int], str] = {}  # (output index, content/summary, index) -> its text
+    parts_closed: set[tuple[int, str, int]] = set()
+    for event in events[1:-1]:
+        index = getattr(event, "output_index", None)
+        if event.type == "response.output_item.added":
+            assert index == len(items) and closed == set(items), "an item opened before the last closed"
+            items[index] = event.item
+            continue
+        if index is None:
+            continue
+        assert index in items and index not in closed, f"{event.type} outside its item"
+        if hasattr(event, "item_id"):
+            assert event.item_id == items[index].id
+        if event.type == "response.output_item.done":
+            assert event.item.id == items[index].id
+            assert all(key in parts_closed for key in parts if key[0] == index), (
+                "an item closed with a part open"
+            )
+            closed.add(index)
+            continue
+        summary = "summary_index" in type(event).model_fields
+        key = (
+            index,
+            "summary" if summary else "content",
+            event.summary_index if summary else getattr(event, "content_index", -1),
+        )
+        if event.type.endswith("part.added"):
+            assert key not in parts and key[2] == sum(1 for k in parts if k[:2] == key[:2])
+            parts[key] = ""
+        elif key[2] >= 0 and not event.type.startswith(("response.function_call", "response.custom_tool")):
+            assert key in parts and key not in parts_closed, f"{event.type} outside its part"
+            if event.type.endswith(".delta"):
+                parts[key] += event.delta
+            elif event.type.endswith("part.done"):
+                parts_closed.add(key)
+            elif event.type.endswith(".done"):
+                assert getattr(event, "text", None) in (None, parts[key])
+    assert closed == set(items) and set(parts) == parts_closed
+    final = events[-1].response
+    assert [item.id for item in final.output] == [items[i].id for i in range(len(items))]
+
+
+@pytest.mark.parametrize("restate", [0, 2])
+def test_a_stream_cut_midway_goes_on_on_another_responses_backend_in_one_message(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, restate: int
+) -> None:
+    """codex breaks three words into its answer; o3-pro, on the Responses API too, is asked for the
+    rest and goes on in the same message (its own reasoning left out: the answer is under way), as one
+    event sequence, joined as a continuation asked for in a user turn is, whatever the model repeats."""
+    fake_openai.fail_next(Fault.stream_error(after=FIRST_TEXT_DELTA + 3))
+    if restate:
+        fake_openai.continue_loosely(restate=restate)
+    with gateway.openai().responses.stream(
+        model="codex-then-pro", input=ECHO, tools=[SHELL, APPLY_PATCH], **CODEX
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    _well_formed(events)
+    sent = fake_openai.posts[-1].json
+    assert sent["model"] == "o3-pro" and sent["input"][-1]["content"] == CONTINUE_INSTRUCTION
+    assert final.status == "completed" and final.output_text == ECHO
+    reasoning, message = final.output
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content.startswith(ENCRYPTED)
+    assert [part.text for part in reasoning.summary] == [SUMMARY]
+    assert message.type == "message" and message.status == "completed"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == ECHO
+
+
+@pytest.mark.parametrize("route", ["codex-then-pro", "codex-then-mini"])
+def test_reasoning_cut_while_its_summary_streams_keeps_the_summary_streamed(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, route: str
+) -> None:
+    """codex breaks three words into its reasoning summary: the cut item is closed incomplete with
+    those words as its summary (its text and part done events, and the item itself, say them), and
+    the next candidate answers afresh after it."""
+    fake_openai.fail_next(Fault.stream_error(after=4 + 3))
+    with gateway.openai().responses.stream(
+        model=route, input=ECHO, tools=[SHELL, APPLY_PATCH], **CODEX
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    _well_formed(events)
+    streamed = " ".join(SUMMARY.split()[:3])
+    cut = final.output[0]
+    assert cut.type == "reasoning" and cut.status == "incomplete"
+    assert [part.text for part in cut.summary] == [streamed]
+    [done] = [e for e in events if e.type == "response.reasoning_summary_text.done" and e.output_index == 0]
+    assert done.text == streamed and done.summary_index == 0
+    [item_done] = [e for e in events if e.type == "response.output_item.done" and e.output_index == 0]
+    assert [part.text for part in item_done.item.summary] == [streamed]
+    assert final.status == "completed" and final.output_text == ECHO
+    if route == "codex-then-pro":
+        # o3-pro answered afresh on the Responses API: its items as they came, its reasoning whole.
+        _, reasoning, message = final.output
+        assert reasoning.type == "reasoning" and reasoning.encrypted_content.startswith(ENCRYPTED)
+        assert [part.text for part in reasoning.summary] == [SUMMARY] and message.type == "message"
+        assert fake_openai.posts[-1].json["input"] == [{"role": "user", "content": ECHO}]
+
+
+def _passed(event: dict[str, Any], delta: Delta | None = None) -> ChatChunk:
+    """A chunk read from an event of OpenAI's Responses API, as its adapter gives a Responses client."""
+    choices = [ChunkChoice(index=0, delta=delta)] if delta is not None else []
+    return ChatChunk(id="c", created=0, model="m", choices=choices, responses_event=event)
+
+
+async def test_a_message_cut_after_its_text_was_said_done_is_not_gone_on_in() -> None:
+    """OpenAI's stream breaks between a message's `output_text.done` and its part's done event: the
+    cut message closes its part once (no second text done event) and the continuation's text is a
+    message of its own, the answer's text whole across the two."""
+    where = {"item_id": "msg_1", "output_index": 0, "content_index": 0, "logprobs": []}
+    item = {"type": "message", "id": "msg_1", "status": "in_progress", "role": "assistant", "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    events = await _events(
+        [
+            _passed({"type": "response.created", "response": {}}, Delta(role="assistant", content="")),
+            _passed({"type": "response.output_item.added", "output_index": 0, "item": item}),
+            _passed({"type": "response.content_part.added", **where, "part": part}),
+            _passed(
+                {"type": "response.output_text.delta", **where, "delta": "one two"}, Delta(content="one two")
+            ),
+            _passed({"type": "response.output_text.done", **where, "text": "one two"}),
+            _chunk(Delta(content=" three")),  # the continuation, translated
+            _chunk(Delta(), "stop", Usage(input_tokens=4, output_tokens=3)),
+        ]
+    )
+    _well_formed(events)
+    final = events[-1].response
+    assert [(item.status, item.content[0].text) for item in final.output] == [
+        ("incomplete", "one two"),
+        ("completed", " three"),
+    ]
+    assert [e.output_index for e in events if e.type == "response.output_text.done"] == [0, 1]
 
 
 OPENAI = Backend(
