@@ -12,6 +12,7 @@ given (per address, one host could rotate through 2^64 of them).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 import time
@@ -31,6 +32,13 @@ def client_address(scope: Mapping[str, Any]) -> str:
     host = client[0] if client else None
     if not host:
         return "unknown"
+    return _bucket(host)
+
+
+# Every authenticated request asks, mostly for the same few peers, and ipaddress's parse costs several
+# microseconds: once per address. Bounded, so a flood of addresses only turns the cache over.
+@functools.lru_cache(maxsize=4096)
+def _bucket(host: str) -> str:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -59,8 +67,8 @@ class FailureThrottle:
 
     def retry_after(self, address: str) -> int | None:
         """Whole seconds until `address` may fail again, or None while it still may."""
-        if self.per_minute <= 0:
-            return None
+        if self.per_minute <= 0 or address not in self._buckets:
+            return None  # no failures (a full bucket): every request with a key asks, so no clock read
         tokens = self._tokens(address, self.clock())
         if tokens >= 1.0:
             return None

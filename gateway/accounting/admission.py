@@ -173,7 +173,8 @@ def reset_text(seconds: float) -> str:
     if ms < 1000:
         return f"{ms}ms"
     minutes, ms = divmod(ms, 60_000)
-    secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".")
+    whole, frac = divmod(ms, 1000)
+    secs = f"{whole}.{frac:03d}".rstrip("0") if frac else str(whole)
     return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
@@ -187,6 +188,21 @@ def reset_at(seconds: float, now: float | None = None) -> str:
     empty. `now`: the wall clock (time.time()) the duration counts from."""
     at = math.ceil((time.time() if now is None else now) + max(0.0, seconds))
     return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# Each kind's header names (limit, remaining, reset), made once rather than for every response.
+_OPENAI_RATE_HEADERS = {
+    kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
+    for kind in ("requests", "tokens")
+}
+_ANTHROPIC_RATE_HEADERS = {
+    kind: (
+        f"anthropic-ratelimit-{kind}-limit",
+        f"anthropic-ratelimit-{kind}-remaining",
+        f"anthropic-ratelimit-{kind}-reset",
+    )
+    for kind in ("requests", "tokens")
+}
 
 
 def rate_headers(windows: Sequence[WindowState], anthropic: bool = False) -> dict[str, str]:
@@ -205,15 +221,18 @@ def rate_headers(windows: Sequence[WindowState], anthropic: bool = False) -> dic
         if held is None or remaining < held[1]:
             least[kind] = (limit, remaining, reset_s)
     headers = {}
-    now = time.time()
+    now = time.time() if anthropic else 0.0
     for kind, (limit, remaining, reset_s) in least.items():
-        headers[f"x-ratelimit-limit-{kind}"] = str(limit)
-        headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
-        headers[f"x-ratelimit-reset-{kind}"] = reset_text(reset_s)
+        limit_text, remaining_text = str(limit), str(remaining)
+        limit_name, remaining_name, reset_name = _OPENAI_RATE_HEADERS[kind]
+        headers[limit_name] = limit_text
+        headers[remaining_name] = remaining_text
+        headers[reset_name] = reset_text(reset_s)
         if anthropic:
-            headers[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
-            headers[f"anthropic-ratelimit-{kind}-remaining"] = str(remaining)
-            headers[f"anthropic-ratelimit-{kind}-reset"] = reset_at(reset_s, now)
+            limit_name, remaining_name, reset_name = _ANTHROPIC_RATE_HEADERS[kind]
+            headers[limit_name] = limit_text
+            headers[remaining_name] = remaining_text
+            headers[reset_name] = reset_at(reset_s, now)
     return headers
 
 

@@ -395,7 +395,9 @@ def builtin_tools(request: ChatRequest) -> list[tuple[int, str]]:
     """The OpenAI built-in tools (web_search, local_shell, ...) a Responses client gave, by their place
     in its `tools` and their type: only OpenAI's Responses API runs them (function and custom tools
     are in `request.tools` too)."""
-    tools = (request.responses or {}).get("tools") or ()
+    if not request.responses:  # every request but a Responses client's: no generator to run
+        return []
+    tools = request.responses.get("tools") or ()
     kinds = ((i, tool.get("type")) for i, tool in enumerate(tools) if isinstance(tool, dict))
     return [(i, str(kind)) for i, kind in kinds if kind not in ("function", "custom")]
 

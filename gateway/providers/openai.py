@@ -7,6 +7,7 @@ OpenRouter), carried on as `reasoning_content`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
@@ -121,18 +122,26 @@ def _strip_cache_control(body: dict[str, Any]) -> None:
                 part.pop("cache_control", None)
 
 
+@functools.lru_cache(maxsize=256)
+def _host_and_path(url: str) -> tuple[str, str]:
+    """A backend URL's host and path, parsed once per URL: several checks of every request ask, and
+    urlparse is the costly part of each. Keyed by the URL itself, so a reloaded backend with another
+    URL is parsed afresh."""
+    parsed = urlparse(url)
+    return parsed.hostname or "", parsed.path
+
+
 def sends_reasoning(backend: Backend) -> bool:
     if backend.send_reasoning is not None:
         return backend.send_reasoning
-    return (urlparse(backend.base_url or "").hostname or "") in REASONING_HOSTS
+    return _host_and_path(backend.base_url or "")[0] in REASONING_HOSTS
 
 
 def _openai_itself(backend: Backend) -> bool:
     """OpenAI's own API or Azure OpenAI (not another server that speaks the format)."""
-    parsed = urlparse(backend.base_url or backend.url or "")
-    host = parsed.hostname or ""
+    host, path = _host_and_path(backend.base_url or backend.url or "")
     azure = host.endswith(".openai.azure.com") or (
-        host.endswith(".azure.com") and parsed.path.startswith("/openai/")
+        host.endswith(".azure.com") and path.startswith("/openai/")
     )
     return host == "api.openai.com" or azure
 
@@ -149,7 +158,7 @@ def output_limit_field(backend: Backend, model: str) -> str | None:
         return backend.max_tokens_field
     if _openai_itself(backend) or _REASONING_MODEL.match(model):
         return "max_completion_tokens"
-    host = urlparse(backend.base_url or backend.url or "").hostname or ""
+    host = _host_and_path(backend.base_url or backend.url or "")[0]
     return "max_tokens" if host in MAX_TOKENS_HOSTS else None
 
 
@@ -272,16 +281,11 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     refuse_anthropic_tools(request, "Weir's engine" if backend.type == "engine" else "OpenAI-compatible")
     refuse_builtin_tools(request, "models served on chat completions")
     request = continued(request, continuation(backend, model))
-    body = _chat_body(
-        request,
-        model,
-        sends_reasoning(backend),
-        output_limit_field(backend, model),
-        openai_rules(backend, model),
-    )
+    rules = openai_rules(backend, model)
+    body = _chat_body(request, model, sends_reasoning(backend), output_limit_field(backend, model), rules)
     if isinstance(user := body.get("user"), str):
         body["user"] = short_user(user)
-    if openai_rules(backend, model) and body.get("store") is not True:
+    if rules and body.get("store") is not True:
         # It tags a stored completion, and OpenAI refuses it on one it does not store ("The 'metadata'
         # parameter is only allowed when 'store' is enabled."), a 400 no route fails over from: left
         # out, it still reaches Weir's route conditions and logs, which read the client's request.

@@ -103,6 +103,44 @@ def test_more_than_four_stop_sequences_are_refused_for_openais_models_only(
         assert info.value.param == "stop"
 
 
+def test_a_backend_moved_to_another_url_gets_that_urls_rules() -> None:
+    """The checks of a backend's URL are worked out once per URL (openai._host_and_path), not per
+    request: a config reload that moves a backend (same name, same model) to another server gets that
+    server's rules from its next request on, and back again."""
+    stops = ["a", "b", "c", "d", "e"]
+    moves = [
+        ("http://vllm.internal:8000/v1", "max_tokens", True),  # the client's name, every stop
+        ("https://api.openai.com/v1", "max_completion_tokens", False),
+        ("https://api.deepseek.com/v1", "max_tokens", True),
+        ("https://acme.azure.com/openai/deployments/prod", "max_completion_tokens", False),
+        ("https://acme.azure.com/other/v1", "max_tokens", True),  # Azure, but not its OpenAI path
+        ("http://vllm.internal:8000/v1", "max_tokens", True),
+    ]
+    for base_url, limit_field, all_stops in moves:
+        assert limit_field in _openai_body(base_url, "house-model", max_tokens=16), base_url
+        if all_stops:
+            assert _openai_body(base_url, "house-model", stop=stops)["stop"] == stops
+        else:
+            with pytest.raises(InvalidRequest):
+                _openai_body(base_url, "house-model", stop=stops)
+
+
+def test_a_backends_url_is_parsed_once_not_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """urlparse cost more than the rest of the adapter's URL checks, four times on every request."""
+    parsed: list[str] = []
+    real = openai_provider.urlparse
+
+    def counting(url: str) -> Any:
+        parsed.append(url)
+        return real(url)
+
+    monkeypatch.setattr(openai_provider, "urlparse", counting)
+    url = "http://parsed-once.internal:8000/v1"  # no other test's, so not parsed before this one
+    for _ in range(3):
+        _openai_body(url, "house-model", max_tokens=16)
+    assert parsed == [url]
+
+
 # --- Gemini: no content without parts -----------------------------------------------------------------
 
 
