@@ -14,7 +14,13 @@ opening for an unreachable backend a trial here, not an opening (`CircuitBreaker
 Every result also goes to `on_result` (the control plane's uptime recorder) when one is given.
 The model list an OpenAI-compatible server answers with gives each model's context window where it
 says it (`max_model_len`: the bundled engine, vLLM, SGLang), in place of what the last round said
-(`routing.windows`): a server restarted with another window is followed from the next round."""
+(`routing.windows`): a server restarted with another window is followed from the next round.
+A probe is asked as the backend's adapter asks every request (`Provider.models_request`): with the
+backend's own key (the config's, or the one stored for it), never a client's, so a vLLM server
+started with `--api-key` shows its list, windows included. A probe whose answer says the backend
+refused that key (as a request's would be read: 401, 403, Google's 400 `API_KEY_INVALID`) still counts
+the backend up, since it answered, and is logged once per backend until a probe is let in again:
+a wrong or revoked key shows in the log before the first request fails on it."""
 
 from __future__ import annotations
 
@@ -29,22 +35,22 @@ import structlog
 
 from gateway.aio import stop_if_cancelled
 from gateway.config import Backend
+from gateway.providers import PROVIDERS
+from gateway.providers.base import CREDENTIALS_REFUSED, UpstreamRequest
 from routing.breaker import Breakers
-from routing.load import LoadReports, report_request
+from routing.load import LoadReports
 from routing.windows import ContextWindows, served_windows
 
 log = structlog.get_logger("weir.routing")
 
-PROBE_PATHS = {
-    "openai": "/models",
-    "engine": "/models",
-    "anthropic": "/v1/models",
-    "gemini": "/v1beta/models",
-}
 # Backends whose model list may say each model's context window (`max_model_len`), and the most of
 # it read: a model list is a few KiB; an aggregator's (OpenRouter's, a megabyte) is not read.
 WINDOW_TYPES = ("openai", "engine")
 MAX_LIST_BYTES = 256 * 1024
+# The statuses an answer refusing the gateway's key comes with (Google says a wrong key with a 400),
+# and the most of such an answer read to tell: an error body is a few hundred bytes.
+REFUSAL_STATUSES = (400, 401, 403)
+MAX_ERROR_BYTES = 16 * 1024
 
 
 # (backend name, reached it, latency in ms, when): e.g. gateway.accounting.uptime.ProbeRecorder.record
@@ -59,9 +65,23 @@ def record_windows(store: ContextWindows, backend: str, windows: dict[str, int])
             log.info("context_window_served", backend=backend, model=model, window=window)
 
 
-def probe_url(backend: Backend) -> str:
-    base = (backend.base_url or backend.url or "").rstrip("/")
-    return base + PROBE_PATHS[backend.type]
+def probe_request(backend: Backend) -> UpstreamRequest:
+    """The probe of `backend`: its model list, asked as its adapter asks every request."""
+    return PROVIDERS[backend.type].models_request(backend)
+
+
+async def read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """A probe's answer's body; None for one longer than `limit` or cut short (the backend answered:
+    a body cut short says nothing of its health)."""
+    if (response.content_length or 0) > limit:
+        return None
+    body = b""
+    try:
+        while len(body) <= limit and (chunk := await response.content.read(limit + 1 - len(body))):
+            body += chunk
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return body if len(body) <= limit else None
 
 
 class HealthProber:
@@ -89,6 +109,7 @@ class HealthProber:
         self._stopping = False
         self._down_since: dict[str, float] = {}  # backend name -> monotonic time its probes began failing
         self._seen_up: set[str] = set()
+        self._key_refused: set[str] = set()  # backends whose probes' key was refused, logged once
 
     def watch(self, targets: dict[str, tuple[Backend, list[str]]]) -> None:
         self.targets = targets
@@ -115,14 +136,16 @@ class HealthProber:
         return healthy
 
     async def _timed_probe(self, backend: Backend) -> tuple[bool, float]:
+        question = probe_request(backend)
         started = time.perf_counter()
         try:
             async with self.transport.session.get(
-                probe_url(backend),
-                headers=report_request(backend),
+                question.url,
+                headers=question.headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 # A probe reads what the backend itself says: following a redirect sent the probe (and
-                # any configured headers) to wherever the backend pointed, an internal address included.
+                # its key: aiohttp drops only `Authorization` across origins) to wherever the backend
+                # pointed, an internal address included.
                 allow_redirects=False,
             ) as response:
                 latency_ms = (time.perf_counter() - started) * 1000
@@ -131,6 +154,7 @@ class HealthProber:
                     self.loads.observe(backend.name, response.headers)
                 if response.status == 200:
                     await self._read_windows(backend, response)
+                await self._check_key(backend, response)
         except (aiohttp.ClientError, TimeoutError):
             return False, (time.perf_counter() - started) * 1000
         return healthy, latency_ms
@@ -140,21 +164,35 @@ class HealthProber:
         without it, a body that is no list, or one too long to read say nothing: no log, no change."""
         if self.windows is None or backend.type not in WINDOW_TYPES:
             return
-        if (response.content_length or 0) > MAX_LIST_BYTES:
-            return
-        body = b""
-        try:  # the backend answered: a list cut short says nothing of its health
-            while len(body) <= MAX_LIST_BYTES and (
-                chunk := await response.content.read(MAX_LIST_BYTES + 1 - len(body))
-            ):
-                body += chunk
-        except (aiohttp.ClientError, TimeoutError):
-            return
-        if len(body) > MAX_LIST_BYTES:
+        body = await read_at_most(response, MAX_LIST_BYTES)
+        if body is None:
             return
         windows = served_windows(body, sole=backend.type == "engine")
         if windows is not None:
             record_windows(self.windows, backend.name, windows)
+
+    async def _check_key(self, backend: Backend, response: aiohttp.ClientResponse) -> None:
+        """Log once per backend a probe's answer that says the backend refused its key, read by the
+        backend's adapter as a request's answer would be; a probe let in (below 400) re-arms it."""
+        if response.status < 400:
+            self._key_refused.discard(backend.name)
+            return
+        if response.status not in REFUSAL_STATUSES or backend.name in self._key_refused:
+            return
+        body = await read_at_most(response, MAX_ERROR_BYTES)
+        if body is None:
+            return
+        refusal = PROVIDERS[backend.type].error(response.status, body, response.headers)
+        if refusal.code == CREDENTIALS_REFUSED:
+            self._key_refused.add(backend.name)
+            # The status alone: the key is the backend's secret, and the vendor's words (some quote
+            # part of the key) are in the adapter's `upstream_credentials_refused` line.
+            log.warning(
+                "backend_probe_key_refused",
+                backend=backend.name,
+                status=response.status,
+                with_key=bool(backend.api_key),
+            )
 
     async def run_once(self) -> None:
         targets = list(self.targets.values())

@@ -153,11 +153,18 @@ def _url(backend: Backend, path: str = "/v1/messages") -> str:
     return f"{(backend.base_url or '').rstrip('/')}{path}{query}"
 
 
-def _headers(backend: Backend, request: ChatRequest) -> dict[str, str]:
-    result = {"content-type": "application/json", "anthropic-version": backend.anthropic_version}
+def _base_headers(backend: Backend) -> dict[str, str]:
+    """What every request to `backend` carries, with a body or without (its health probes): the
+    API version and the backend's own key, never a client's, then its configured headers."""
+    result = {"anthropic-version": backend.anthropic_version}
     if backend.api_key:
         result["x-api-key"] = backend.api_key
     result.update(backend.headers)
+    return result
+
+
+def _headers(backend: Backend, request: ChatRequest) -> dict[str, str]:
+    result = {"content-type": "application/json", **_base_headers(backend)}
     if request.anthropic_beta:
         # The client's beta flags beside any the backend's config sends, each once.
         configured = [result.pop(name) for name in list(result) if name.lower() == BETA]
@@ -501,6 +508,12 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
 
 # What /v1/messages/count_tokens takes of a Messages body; it refuses the rest (max_tokens, stream...).
 _COUNTED = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control")
+
+
+def models_request(backend: Backend) -> UpstreamRequest:
+    """The GET of `backend`'s model list (`/v1/models`), which Anthropic answers only with the key
+    and `anthropic-version`, as every request carries them."""
+    return UpstreamRequest(_url(backend, "/v1/models"), _base_headers(backend), b"", method="GET")
 
 
 def count_tokens_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
@@ -893,6 +906,7 @@ PROVIDER = Provider(
     chat_stream=ChatStream,
     error=error,
     empty_answer=empty_answer,
+    models_request=models_request,
     count_tokens_request=count_tokens_request,
     count_tokens_response=count_tokens_response,
     continuation=continuation,

@@ -45,6 +45,9 @@ json_encode = msgspec.json.Encoder().encode
 
 log = structlog.get_logger("weir.providers")
 Continuation = Literal["prefill", "continue_final_message", "instruction"]
+# The code of a 502 for an answer saying the backend refused the gateway's own credentials
+# (`upstream_error`): a request's, or a health probe's (`routing.health`).
+CREDENTIALS_REFUSED = "upstream_auth_failed"
 
 
 @dataclass(slots=True)
@@ -79,6 +82,9 @@ class Provider:
     # API has (compact JSON, the fields every answer carries): what an answer holds besides its text,
     # which the estimate of an answer not read to its end takes off its size (`estimate.whole_answer`).
     empty_answer: Callable[[str], bytes]
+    # The GET of the backend's model list with what every request to it carries (its own key, never a
+    # client's): the health probes' question (`routing.health`).
+    models_request: Callable[[Backend], UpstreamRequest]
     embeddings_request: Callable[[Backend, EmbeddingRequest, str], UpstreamRequest] | None = None
     embeddings_response: Callable[[bytes, str], EmbeddingResponse] | None = None
     # OpenAI-compatible servers serve /completions natively; others get it translated through chat.
@@ -599,7 +605,7 @@ def upstream_error(
         return BadGateway(
             f"The {vendor} backend refused the gateway's credentials ({status}); an operator must check "
             "the backend's API key.",
-            code="upstream_auth_failed",
+            code=CREDENTIALS_REFUSED,
         )
     if status == 400 and _CONTEXT_MESSAGES.search(message):
         code = CONTEXT_LENGTH_EXCEEDED

@@ -190,18 +190,31 @@ class SchemaCleaner:
         return out
 
 
-def _url(backend: Backend, model: str, method: str, extra: dict[str, str] | None = None) -> str:
+def _api_url(backend: Backend, path: str, extra: dict[str, str] | None = None) -> str:
     query = {**backend.query, **(extra or {})}
     suffix = f"?{urlencode(query)}" if query else ""
-    return f"{(backend.base_url or '').rstrip('/')}/v1beta/models/{quote(model, safe='')}:{method}{suffix}"
+    return f"{(backend.base_url or '').rstrip('/')}/v1beta{path}{suffix}"
+
+
+def _url(backend: Backend, model: str, method: str, extra: dict[str, str] | None = None) -> str:
+    return _api_url(backend, f"/models/{quote(model, safe='')}:{method}", extra)
+
+
+def _base_headers(backend: Backend) -> dict[str, str]:
+    """What every request to `backend` carries, with a body or without (its health probes): the
+    backend's own key, never a client's, then its configured headers."""
+    result = {"x-goog-api-key": backend.api_key} if backend.api_key else {}
+    result.update(backend.headers)
+    return result
 
 
 def _headers(backend: Backend) -> dict[str, str]:
-    result = {"content-type": "application/json"}
-    if backend.api_key:
-        result["x-goog-api-key"] = backend.api_key
-    result.update(backend.headers)
-    return result
+    return {"content-type": "application/json", **_base_headers(backend)}
+
+
+def models_request(backend: Backend) -> UpstreamRequest:
+    """The GET of `backend`'s model list (`/v1beta/models`), asked with the key as every request is."""
+    return UpstreamRequest(_api_url(backend, "/models"), _base_headers(backend), b"", method="GET")
 
 
 def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str, Any]]:
@@ -827,6 +840,7 @@ PROVIDER = Provider(
     chat_stream=ChatStream,
     error=error,
     empty_answer=empty_answer,
+    models_request=models_request,
     embeddings_request=embeddings_request,
     embeddings_response=embeddings_response,
     count_tokens_request=count_tokens_request,

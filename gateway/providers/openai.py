@@ -87,13 +87,24 @@ def url(backend: Backend, path: str) -> str:
     return f"{base}{path}{query}"
 
 
-def headers(backend: Backend) -> dict[str, str]:
-    result = {"content-type": "application/json"}
-    if backend.api_key:
-        result["authorization"] = f"Bearer {backend.api_key}"
+def base_headers(backend: Backend) -> dict[str, str]:
+    """What every request to `backend` carries, with a body or without (its health probes): the
+    backend's own key, never a client's, and its configured headers (Azure's `api-key`)."""
+    result = {"authorization": f"Bearer {backend.api_key}"} if backend.api_key else {}
     result.update(report_request(backend))  # the engine's queue, in each response
     result.update(backend.headers)
     return result
+
+
+def headers(backend: Backend) -> dict[str, str]:
+    return {"content-type": "application/json", **base_headers(backend)}
+
+
+def models_request(backend: Backend) -> UpstreamRequest:
+    """The GET of `backend`'s model list (`/models`, free on OpenAI and Azure): a vLLM or SGLang
+    server started with `--api-key` answers it with each model's `max_model_len` only when asked
+    with the key."""
+    return UpstreamRequest(url(backend, "/models"), base_headers(backend), b"", method="GET")
 
 
 def request_body(request: Base, model: str) -> dict[str, Any]:
@@ -724,6 +735,7 @@ PROVIDER = Provider(
     chat_stream=ChatStream,
     error=error,
     empty_answer=empty_answer,
+    models_request=models_request,
     embeddings_request=embeddings_request,
     embeddings_response=embeddings_response,
     native_completions=True,

@@ -163,15 +163,10 @@ class FakeOpenAI(FakeServer):
         self.max_model_len: dict[str, int] = {}  # `serve_windows`
 
     def serve_windows(self, windows: dict[str, int]) -> None:
-        """Its `/v1/models` says each model's context window, `max_model_len`, and answers any caller,
-        as vLLM started without `--api-key` does (the gateway's health probes send no key; OpenAI's own
-        list says no window and wants one), until `reset()`."""
+        """Its `/v1/models` says each model's context window, `max_model_len`, to a caller with the
+        key, as vLLM started with `--api-key` does (OpenAI's own list says no window), until
+        `reset()`."""
         self.max_model_len = dict(windows)
-
-    def auth_error(self, request: web.Request) -> web.StreamResponse | None:
-        if self.max_model_len and request.method == "GET" and request.path == "/v1/models":
-            return None
-        return self._key_error(request)
 
     def refuse_with(self, refusal: str) -> None:
         """Chats are refused with `refusal`, as OpenAI refuses one under structured outputs (the
@@ -240,7 +235,7 @@ class FakeOpenAI(FakeServer):
         kind, code, default = _STATUS_ERRORS.get(status, ("server_error", None, "Error."))
         return sse({"error": {"message": message or default, "type": kind, "param": None, "code": code}})
 
-    def _key_error(self, request: web.Request) -> web.StreamResponse | None:
+    def auth_error(self, request: web.Request) -> web.StreamResponse | None:
         header = request.headers.get("authorization", "")
         key = header[7:] if header.lower().startswith("bearer ") else request.headers.get("api-key", "")
         if not key:

@@ -134,12 +134,20 @@ def test_an_engine_restarted_with_a_smaller_window_is_followed_after_the_next_pr
 async def test_a_probe_of_a_list_without_windows_changes_nothing_and_logs_nothing(
     fake_openai: FakeOpenAI,
 ) -> None:
-    """OpenAI's own list (the fake's) says no window: the backend is up, a window its 400 reported
-    stands, and nothing is logged, round after round."""
+    """OpenAI's own list (the fake's, asked with the backend's key) says no window: the backend is
+    up, a window its 400 reported stands, and nothing is logged, round after round."""
     windows, transport, breakers = ContextWindows(), Transport(), Breakers()
     windows.reported("vendor", "gpt-4o-mini", 128_000)
     prober = HealthProber(transport, breakers, interval=1.0, windows=windows)
-    vendor = msgspec.convert({"name": "vendor", "type": "openai", "base_url": fake_openai.base_url}, Backend)
+    vendor = msgspec.convert(
+        {
+            "name": "vendor",
+            "type": "openai",
+            "base_url": fake_openai.base_url,
+            "api_key": fake_openai.api_key,
+        },
+        Backend,
+    )
     try:
         prober.watch({"vendor": (vendor, ["vendor/gpt-4o-mini"])})
         with capture_logs() as logs:
