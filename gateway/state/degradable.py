@@ -10,7 +10,11 @@ connection fails at once; a request makes several calls. So only the call that f
 for it: from then on every call is answered here at once, and a background task alone asks Redis
 again, every `retry_s` (each ask bounded by `timeout_s`), switching back once it answers.
 
-Rate limits carry over to Redis: what the fallback counted meanwhile (admissions, and the corrections
+Rate limits carry over both ways. The fallback starts each limit's window from what Redis last said
+it held (every admission's answer, this replica's and every other's units in it), so right after the
+outage starts a replica admits the limit less what was used, where its empty window admitted the
+whole limit again (R replicas: R x the limit on top of what Redis had counted). Each replica still
+admits up to that on its own: the gateway does not know how many replicas there are. And what the fallback counted meanwhile (admissions, and the corrections
 settled here, those of requests Redis counted before the outage included) is added to Redis's
 windows, in the buckets it was counted in, once it answers. Without it a minute spanning the
 recovery admitted the limit again on top of what every replica admitted during the outage.
@@ -78,6 +82,10 @@ class DegradableState(Shortcuts):
         self._seeds: dict[str, tuple[int, tuple[str, ...]]] = {}
         # For Redis once it answers again: units counted on limits here, per (key, window, bucket).
         self._counted: dict[tuple[str, float, int], int] = {}
+        # What Redis last said of each limit's window: key -> (window, newest bucket, units), for the
+        # fallback to start from when Redis goes away (MemoryState.seed_windows).
+        self._last_read: dict[str, tuple[float, int, int]] = {}
+        self._last_read_max = COUNTED_MAX  # pruned past this, which doubles with what stays live
 
     @property
     def degraded(self) -> bool:
@@ -108,6 +116,9 @@ class DegradableState(Shortcuts):
         if not self.degraded:
             log.warning("Redis unreachable (%r): limits and budgets now per process", exc)
             _degraded.add(id(self))
+            # Read before the outage: once Redis is back, what it says replaces them.
+            self.fallback.seed_windows(self._last_read)
+            self._last_read = {}
         if self._prober is None or self._prober.done():
             self._prober = detached(self._probe())  # not the request's that met the outage
 
@@ -185,6 +196,7 @@ class DegradableState(Shortcuts):
                 for limit, bucket in zip(limits, decision.buckets, strict=False):
                     self._count(limit.key, limit.window_s, bucket, limit.cost)
             return decision
+        self._read(limits, decision)
         if decision.spent:
             # What every replica spent so far, where the fallback starts from. A refusal says it for
             # the budgets up to the one that refused (not strict).
@@ -217,6 +229,31 @@ class DegradableState(Shortcuts):
                 if rid and not self.fallback.made(rid):  # Redis's own: it holds the money until released
                     self._releases.append((key, rid, amount))
         return await self.fallback.settle_many(settlements)
+
+    def _read(self, limits: Sequence[Limit], decision: Admission) -> None:
+        """Keep what Redis said of the limits' windows (Admission.windows), for the fallback to start
+        from: a dict entry per limit, no round trip."""
+        if decision.allowed:
+            for limit, bucket, (units, _) in zip(limits, decision.buckets, decision.windows, strict=False):
+                self._last_read[limit.key] = (limit.window_s, bucket, units)
+        elif decision.windows:  # the limit that refused, full: the other replicas' traffic fills it
+            by = next((limit for limit in limits if limit.key == decision.blocked_by), None)
+            units, emptied_in = decision.windows[0]
+            if by is not None and units > 0:
+                # Its newest bucket leaves the window `emptied_in` from now (Redis's clock).
+                bucket_s = by.window_s / BUCKETS
+                newest = round((time.time() + emptied_in) / bucket_s) - BUCKETS
+                self._last_read[by.key] = (by.window_s, newest, units)
+        if len(self._last_read) > self._last_read_max:
+            # Keys no longer used (their bucket has left); the bound grows with the live ones, so a
+            # fleet with more live keys than it does not walk them all on every admission.
+            now = time.time()
+            self._last_read = {
+                key: (w, b, n)
+                for key, (w, b, n) in self._last_read.items()
+                if b > now // (w / BUCKETS) - BUCKETS
+            }
+            self._last_read_max = max(COUNTED_MAX, 2 * len(self._last_read))
 
     def _count(self, key: str, window_s: float, bucket: int, units: int) -> None:
         """Owe Redis `units` on a limit's bucket. Buckets that have left their window count for

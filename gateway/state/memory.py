@@ -440,6 +440,22 @@ class MemoryState(Shortcuts):
             state.seeded = True
             state.unseeded = None
 
+    def seed_windows(self, seeds: Mapping[str, tuple[float, int, int]]) -> None:
+        """Start each limit's window from what the shared state (Redis) last said it held: key ->
+        (window length, the newest bucket it had counted in, the units the window held then), for this
+        state to take over from (gateway.state.degradable). Which buckets held those units is not
+        known, so all of them count in the newest: they leave the window no sooner than they would
+        have there (refusing too much for a while, never admitting more than the limit). A window whose
+        newest bucket has left is left as it is."""
+        now = self._now()
+        for key, (window_s, bucket, units) in seeds.items():
+            window = _Window(window_s / BUCKETS)
+            current = int(now // window.bucket_s)
+            window.advance(current)
+            if units > 0 and window.lo <= bucket:
+                window.add(min(bucket, current), units)  # (a later one: the other clock ran ahead)
+                self._windows[key] = window
+
     def forget_budgets(self, keep: Callable[[str], bool]) -> None:
         """Drop the budgets `keep` says no for: Admission's of months gone by, at a month's turn (in
         Redis they expire; here they were kept for as long as the process ran)."""
