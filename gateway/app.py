@@ -31,7 +31,7 @@ from gateway.errors import (
 from gateway.middleware import request_middleware
 from gateway.runtime import Gateway
 from gateway.security import SecurityControls
-from gateway.throttle import FailureThrottle
+from gateway.throttle import FailureThrottle, SharedFailureThrottle
 from gateway.usage_sink import FanoutSink, UsageSink
 
 log = structlog.get_logger("weir.gateway")
@@ -94,7 +94,17 @@ def create_app(
         admission = control.admit
     gateway = Gateway(config, authenticator=authenticator, usage_sink=usage_sink, admission=admission)
     if control is not None:
-        control.admin.throttle = FailureThrottle(config.server.admin_auth_failures_per_minute)
+        server = config.server
+        if control.settings.redis_url:
+            # One bucket per address across the replicas, not one each (R replicas: R x the allowance).
+            gateway.auth_throttle = SharedFailureThrottle(
+                server.auth_failures_per_minute, control.state, "api"
+            )
+            control.admin.throttle = SharedFailureThrottle(
+                server.admin_auth_failures_per_minute, control.state, "admin"
+            )
+        else:
+            control.admin.throttle = FailureThrottle(server.admin_auth_failures_per_minute)
         # Routes in the admin DB; every backend's probe results feed the uptime report.
         gateway.router.use_control_plane(control.sessions, control.state, on_probe=control.uptime.record)
         gateway.comparer.use_control_plane(control.sessions, control.admission.finish, control.state)

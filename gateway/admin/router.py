@@ -139,12 +139,12 @@ def _on_unexpected(_: Request, exc: Exception) -> Response[dict[str, Any]]:
     )
 
 
-def _admin_guard(ctx: AdminContext) -> Callable[[ASGIConnection, BaseRouteHandler], None]:
-    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+def _admin_guard(ctx: AdminContext) -> Callable[[ASGIConnection, BaseRouteHandler], Awaitable[None]]:
+    async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         address = client_address(connection.scope)
         # Checked before the token, as the UI's sign-in lockout is: were the right token let through,
         # a throttled guesser would still learn which of its guesses was right.
-        wait = ctx.throttle.retry_after(address) if ctx.throttle is not None else None
+        wait = await ctx.throttle.retry_after(address) if ctx.throttle is not None else None
         if wait is not None:
             raise AdminError(
                 429,
@@ -156,7 +156,7 @@ def _admin_guard(ctx: AdminContext) -> Callable[[ASGIConnection, BaseRouteHandle
         scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token_matches(token.strip(), ctx.token_digest):
             if ctx.throttle is not None:
-                ctx.throttle.failed(address)
+                await ctx.throttle.failed(address)
             raise AdminError(
                 401, "a valid admin token is required (Authorization: Bearer <token>)", "invalid_admin_token"
             )

@@ -6,12 +6,14 @@ the right one (else the throttle would not slow guessing: the right guess would 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from litestar import Litestar
 
 from gateway.admin.control_plane import FirstMatch
@@ -23,8 +25,13 @@ from gateway.auth import Principal, StaticAuthenticator
 from gateway.config import parse_config
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state import MemoryState
-from gateway.throttle import FailureThrottle, client_address
-from tests.control.conftest import migrated_sqlite
+from gateway.state.degradable import DegradableState
+from gateway.state.redis import RedisState
+from gateway.throttle import FailureThrottle, SharedFailureThrottle, client_address
+from tests.conftest import free_port
+from tests.control.conftest import REDIS_PORT, REDIS_URL, migrated_sqlite, redis_prefix  # noqa: F401  (a fixture)
+from tests.control.helpers import TcpProxy
+from tests.gateway.conftest import serve
 
 N = 5  # failures a minute: a refill every 12 s of the fake clock
 CONFIG_KEY = "sk-config-tenant-key"
@@ -176,15 +183,15 @@ def test_an_address_is_parsed_once_not_per_request(monkeypatch: pytest.MonkeyPat
     assert parsed == ["198.51.100.23", "2001:db8:7:8::1", "2001:db8:7:8::2"]
 
 
-def test_the_address_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_address_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     from gateway import throttle
 
     monkeypatch.setattr(throttle, "MAX_ADDRESSES", 100)
     limiter = FailureThrottle(1)
     for i in range(1000):
-        limiter.failed(f"10.0.{i // 256}.{i % 256}")
+        await limiter.failed(f"10.0.{i // 256}.{i % 256}")
     assert len(limiter._buckets) == 100
-    assert limiter.retry_after("10.0.3.231") is not None  # the most recent are kept
+    assert await limiter.retry_after("10.0.3.231") is not None  # the most recent are kept
 
 
 # --- admin tokens ---------------------------------------------------------------------------------
@@ -226,3 +233,89 @@ async def test_wrong_admin_tokens_are_throttled_per_address(admin: tuple[Any, Cl
     # The window recovers.
     clock.now += wait
     assert (await get(ADMIN)).status_code == 200
+
+
+# --- across replicas sharing Redis -----------------------------------------------------------------
+
+SHARED_CONFIG = f"""\
+backends:
+  - {{name: openai, type: openai, base_url: "http://127.0.0.1:9", api_key: "unused"}}
+models:
+  - {{name: model-a, backend: openai, model: gpt-4o-mini}}
+tenants:
+  - {{name: config-tenant, api_keys: ["{CONFIG_KEY}"]}}
+database_url: "${{DB_URL}}"
+redis_url: "${{REDIS_URL}}"
+server: {{auth_failures_per_minute: {N}, admin_auth_failures_per_minute: {N}}}
+"""
+
+
+@pytest.fixture
+def two_replicas(
+    tmp_path: Path,
+    redis_prefix: str,  # noqa: F811  (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[list[str]]:
+    """Two gateways (uvicorn: an X-Forwarded-For from 127.0.0.1 names the client) on one admin DB
+    and one Redis."""
+    db_url = migrated_sqlite(f"sqlite+aiosqlite:///{tmp_path}/weir.db")
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    monkeypatch.delenv("WEIR_DATABASE_URL", raising=False)
+    monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
+    with ExitStack() as up:
+        urls = []
+        for i in range(2):
+            monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / f"spool-{i}"))
+            config = parse_config(SHARED_CONFIG, {"DB_URL": db_url, "REDIS_URL": REDIS_URL})
+            urls.append(up.enter_context(serve(create_app(config), free_port())))
+        yield urls
+
+
+def _get(url: str, path: str, token: str, address: str) -> httpx.Response:
+    headers = {"authorization": f"Bearer {token}", "x-forwarded-for": address}
+    return httpx.get(f"{url}{path}", headers=headers, timeout=10)
+
+
+@pytest.mark.redis
+def test_replicas_sharing_redis_share_one_allowance_per_address(two_replicas: list[str]) -> None:
+    """Each replica counted an address's failures on its own: with R replicas it got R x the
+    allowance. With Redis every replica counts against one bucket per address."""
+    here, there = "203.0.113.7", "198.51.100.9"
+    for i in range(N):  # the allowance, spread over both replicas
+        response = _get(two_replicas[i % 2], "/v1/models", f"wk-guess-{i}", here)
+        assert response.status_code == 401, response.text
+    for url in two_replicas:
+        _assert_throttled(_get(url, "/v1/models", "wk-guess-again", here))
+        assert _get(url, "/v1/models", CONFIG_KEY, here).status_code == 200  # known keys still work
+    assert _get(two_replicas[1], "/v1/models", "wk-guess", there).status_code == 401  # per address
+    # Admin tokens likewise, in a bucket of their own.
+    assert _get(two_replicas[0], "/admin/api/v1/tenants", ADMIN, here).status_code == 200
+    for i in range(N):
+        assert _get(two_replicas[i % 2], "/admin/api/v1/tenants", f"wrong-{i}", here).status_code == 401
+    for url in two_replicas:
+        _assert_throttled(_get(url, "/admin/api/v1/tenants", ADMIN, here))
+    assert _get(two_replicas[1], "/admin/api/v1/tenants", ADMIN, there).status_code == 200
+
+
+@pytest.mark.redis
+async def test_a_shared_throttle_counts_per_replica_while_redis_is_away(
+    redis_prefix: str,  # noqa: F811  (the fixture)
+) -> None:
+    proxy = TcpProxy(REDIS_PORT)
+    await proxy.start()
+    state = DegradableState(
+        RedisState(aioredis.from_url(f"redis://127.0.0.1:{proxy.port}/0"), prefix=redis_prefix), retry_s=0.02
+    )
+    limiter = SharedFailureThrottle(N, state, "api")
+    try:
+        await limiter.failed("203.0.113.7")
+        await proxy.stop()
+        for _ in range(N):  # from a full bucket in the process (what Redis held is not known there)
+            assert await limiter.retry_after("203.0.113.7") is None
+            await limiter.failed("203.0.113.7")
+        assert state.degraded
+        assert await limiter.retry_after("203.0.113.7") is not None
+    finally:
+        await state.close()
+        await proxy.stop()
