@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -33,26 +34,46 @@ def reported_db_errors() -> Iterator[None]:
         raise click.ClickException(f"admin DB: {exc}") from None
 
 
+def sqlite_path(url: str) -> str | None:
+    """The file a SQLite URL names; None for another backend or an in-memory database."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    path = parsed.database if parsed.get_backend_name() == "sqlite" else None
+    return path if path and path != ":memory:" else None
+
+
+def check_sqlite_opens(url: str) -> None:
+    """Open a SQLite file once here, synchronously, before a command's own event loop does: aiosqlite
+    reports a failed open (a directory, a path under a file, no permission) from its worker thread,
+    which could run after `asyncio.run` had closed the loop and print an "Event loop is closed"
+    traceback before the one-line error. Opening it here fails in this thread, naming the path."""
+    if (path := sqlite_path(url)) is None:
+        return
+    try:
+        sqlite3.connect(path).close()
+    except sqlite3.Error as exc:
+        raise click.ClickException(f"admin DB: cannot open {path}: {exc}") from None
+
+
 def existing_database_url(database_url: str | None) -> str:
     """The admin DB's URL (`--database-url`, else WEIR_DATABASE_URL, else ./var/weir.db), once a
     SQLite file it names is known to be there: only `weir db upgrade` creates a database. Opening a
     SQLite file that is not there made an empty one (./var/weir.db, where no database was configured,
     or a mistyped path) and the command then failed on a missing table, or stored what it wrote where
     no gateway reads it."""
-    from sqlalchemy.engine import make_url
-
     from gateway.db.session import DEFAULT_DATABASE_URL, normalise_url, resolve_database_url
 
     url = resolve_database_url(database_url)
-    parsed = make_url(url)
-    path = parsed.database if parsed.get_backend_name() == "sqlite" else None
-    if path and path != ":memory:" and not os.path.exists(path):
+    path = sqlite_path(url)
+    if path and not os.path.exists(path):
         if url == normalise_url(DEFAULT_DATABASE_URL):
             raise click.ClickException(
                 f"admin DB: none configured (--database-url or WEIR_DATABASE_URL), and the default "
                 f"{path} does not exist; name the gateway's database, or {UPGRADE_HINT} there"
             )
         raise click.ClickException(f"admin DB: {path} does not exist; {UPGRADE_HINT}")
+    check_sqlite_opens(url)
     return url
 
 
@@ -97,9 +118,17 @@ database_url_option = click.option(
 def upgrade(database_url: str | None, revision: str) -> None:
     """Upgrade the schema to REVISION (default: head)."""
     from gateway.db import migrate
+    from gateway.db.session import resolve_database_url
 
     with reported_db_errors():
-        migrate.upgrade(database_url, revision)
+        url = resolve_database_url(database_url)
+        if path := sqlite_path(url):
+            try:
+                migrate.make_sqlite_directory(url)
+            except OSError as exc:  # a path under a file: "File exists: <that file>" alone
+                raise click.ClickException(f"admin DB: cannot open {path}: {exc}") from None
+        check_sqlite_opens(url)
+        migrate.upgrade(url, revision)
 
 
 @db.command()

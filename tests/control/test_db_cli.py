@@ -6,6 +6,8 @@ upgrade` creates one."""
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -182,3 +184,55 @@ def test_upgrade_into_a_directory_not_there_makes_it(tmp_path: Path) -> None:
     assert missing.exists()
     current = weir("db", "current", *url)
     assert current.exit_code == 0 and "(head)" in current.output, current.output
+
+
+# aiosqlite's worker thread made slow, as on a loaded machine, and the process slow to exit: the
+# thread then reports a failed open after `asyncio.run` has closed the command's event loop, and
+# before the process ends, every time rather than now and then.
+SLOW_AIOSQLITE_WEIR = """
+import atexit, sys, time
+import aiosqlite.core as core
+worker = core._connection_worker_thread
+
+class Slow:
+    def __init__(self, tx):
+        self.tx = tx
+    def get(self):
+        item = self.tx.get()
+        time.sleep(0.3)
+        return item
+
+core._connection_worker_thread = lambda tx: worker(Slow(tx))
+atexit.register(time.sleep, 1.5)
+from weir.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("command", [*DB_COMMANDS, ["db", "current"], ["db", "upgrade"]])
+def test_a_sqlite_file_that_cannot_be_opened_is_one_line(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path SQLite cannot open (a directory here; a path under a file, or one without permission,
+    alike) printed aiosqlite's "Event loop is closed" traceback from its worker thread before the
+    one-line error: only the error now, naming the path, with exit status 1."""
+    monkeypatch.setenv("WEIR_MASTER_KEY", generate_key())
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    ran = subprocess.run(
+        [sys.executable, "-c", SLOW_AIOSQLITE_WEIR, *command, "--database-url", f"sqlite:///{tmp_path}"],
+        input=PASSWORD,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.returncode == 1, ran.stderr
+    assert "Event loop is closed" not in ran.stderr, ran.stderr
+    assert ran.stderr == f"Error: admin DB: cannot open {tmp_path}: unable to open database file\n"
+
+
+def test_upgrade_under_a_file_names_the_database(tmp_path: Path) -> None:
+    """Its directory cannot be made: the error named only the file in the way ("File exists: ...")."""
+    (tmp_path / "file").touch()
+    under = tmp_path / "file" / "weir.db"
+    error = one_line_error(weir("db", "upgrade", "--database-url", f"sqlite:///{under}"))
+    assert error.startswith(f"Error: admin DB: cannot open {under}: "), error
