@@ -331,10 +331,14 @@ async def tenant_or_404(session: AsyncSession, tenant_id: str) -> Tenant:
 # --- tenants -----------------------------------------------------------------------------------
 
 
+def config_tenant(ctx: AdminContext, name: str) -> ConfigTenant | None:
+    return next((t for t in ctx.config_tenants if t.name == name), None)
+
+
 def refuse_config_name(ctx: AdminContext, name: str) -> None:
     """409 for an admin-DB tenant named as a config tenant: both would be one tenant to routes'
     `when.tenants`, route previews and the pages, while their keys, limits and ledger rows differ."""
-    if any(t.name == name for t in ctx.config_tenants):
+    if config_tenant(ctx, name) is not None:
         raise AdminError(
             409,
             f"a tenant named {name!r} is defined in the config file (tenants:); choose another name",
@@ -373,7 +377,12 @@ async def list_tenants(ctx: AdminContext) -> dict[str, Any]:
 
 @get("/tenants/{tenant_id:str}")
 async def get_tenant(tenant_id: str, ctx: AdminContext) -> dict[str, Any]:
+    """An admin-DB tenant by its id, else a config tenant by its id (its name), as GET /tenants
+    lists them."""
+    config = config_tenant(ctx, tenant_id)
     async with ctx.sessions() as session:
+        if config is not None and await session.get(Tenant, tenant_id) is None:
+            return config_tenant_json(config)
         return tenant_json(await tenant_or_404(session, tenant_id))
 
 

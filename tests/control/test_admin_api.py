@@ -207,6 +207,21 @@ async def test_config_tenants_are_listed_read_only_and_keep_their_names(env: Env
     assert [(a["action"], a["entity"]) for a in audit] == [("create", "tenant")]
 
 
+async def test_a_config_tenant_is_read_by_its_id_as_listed(env: Env) -> None:
+    """GET /tenants/{id} with a config tenant's id (its name, as GET /tenants lists it) was a 404:
+    the same read-only record now; an admin-DB tenant is still read by its own id."""
+    env.ctx.config_tenants = [ConfigTenant(name="team-a", api_keys=["k1"], max_output_tokens=512)]
+    c = env.client
+    created = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
+    listed = {t["id"]: t for t in (await c.get("/admin/api/v1/tenants", headers=AUTH)).json()["data"]}
+    for tenant_id in ("team-a", created["id"]):
+        read = await c.get(f"/admin/api/v1/tenants/{tenant_id}", headers=AUTH)
+        assert read.status_code == 200, read.text
+        assert read.json() == listed[tenant_id]
+    assert listed["team-a"]["source"] == "config" and listed["team-a"]["max_output_tokens"] == 512
+    assert_openai_error(await c.get("/admin/api/v1/tenants/team-b", headers=AUTH), 404, "tenant_id")
+
+
 @pytest.mark.parametrize("budget", ["abc", "$500", "1,000", True, [5], "-5", "NaN", "0.0000001"])
 async def test_a_bad_budget_is_refused_in_words(env: Env, budget: Any) -> None:
     """A budget the Tenants page's form could not take came back as msgspec's "Invalid decimal string
