@@ -30,7 +30,7 @@ from gateway.accounting.sink import AccountingSink
 from gateway.accounting.uptime import ProbeRecorder
 from gateway.accounting.writer import BatchWriter
 from gateway.admin.keys import DbAuthenticator, KeyRecord
-from gateway.admin.router import AdminContext, admin_router
+from gateway.admin.router import AdminContext, admin_router, db_tenants_named_as_config
 from gateway.admin.token import ensure_admin_token
 from gateway.aio import stop_if_cancelled
 from gateway.auth import Authenticator, Principal, authenticate_known
@@ -155,6 +155,7 @@ class ControlPlane:
         if added:
             log.info("price catalog: %d prices from the config", added)
         await self.reload_catalog()
+        await self.warn_of_tenant_name_clashes()
         await self.authenticator.start()
         if isinstance(self.queue, RedisStreamQueue):
             self.queue.start()
@@ -174,6 +175,23 @@ class ControlPlane:
         await self.queue.close()
         await self.state.close()
         await self.engine.dispose()
+
+    async def warn_of_tenant_name_clashes(self) -> None:
+        """A warning, not a refused start: the clash comes from a config edit (a tenant added under a
+        name the admin DB already has), and refusing to start would take every replica down at its
+        next restart for what a rename mends. Both tenants' keys keep working meanwhile; only what
+        knows tenants by name takes them for one."""
+        for tenant_id, name in await db_tenants_named_as_config(self.sessions, self.settings.tenants):
+            log.warning(
+                "tenant name %r is both a config file tenant (tenants:, id %r) and an admin-DB tenant "
+                "(id %r): routes' when.tenants, route previews and the admin pages take them for one "
+                "tenant while their keys, limits, budgets and ledger rows differ; rename one (the "
+                "admin-DB one with PATCH /admin/api/v1/tenants/%s)",
+                name,
+                name,
+                tenant_id,
+                tenant_id,
+            )
 
     async def reload_catalog(self) -> None:
         async with self.sessions() as session:

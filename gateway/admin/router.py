@@ -335,6 +335,20 @@ def config_tenant(ctx: AdminContext, name: str) -> ConfigTenant | None:
     return next((t for t in ctx.config_tenants if t.name == name), None)
 
 
+async def db_tenants_named_as_config(
+    sessions: async_sessionmaker[AsyncSession], config_tenants: Sequence[ConfigTenant]
+) -> list[tuple[str, str]]:
+    """(id, name) of each admin-DB tenant named as a config tenant: the API refuses that name
+    (`refuse_config_name`), but a config tenant added to the file after the DB tenant meets it only
+    when a gateway starts with that config."""
+    names = [t.name for t in config_tenants]
+    if not names:
+        return []
+    async with sessions() as session:
+        rows = await session.execute(select(Tenant.id, Tenant.name).where(Tenant.name.in_(names)))
+    return [(tenant_id, name) for tenant_id, name in rows]
+
+
 def refuse_config_name(ctx: AdminContext, name: str) -> None:
     """409 for an admin-DB tenant named as a config tenant: both would be one tenant to routes'
     `when.tenants`, route previews and the pages, while their keys, limits and ledger rows differ."""

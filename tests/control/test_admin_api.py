@@ -33,6 +33,7 @@ from gateway.admin.token import ensure_admin_token
 from gateway.config import Tenant as ConfigTenant
 from gateway.db import migrate
 from gateway.db.models import ApiKey, Price, UptimeSample, UsageEventRow, UsageRollup
+from gateway.db.models import Tenant as DbTenant
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state import MemoryState
 from gateway.usage import Usage
@@ -220,6 +221,34 @@ async def test_a_config_tenant_is_read_by_its_id_as_listed(env: Env) -> None:
         assert read.json() == listed[tenant_id]
     assert listed["team-a"]["source"] == "config" and listed["team-a"]["max_output_tokens"] == 512
     assert_openai_error(await c.get("/admin/api/v1/tenants/team-b", headers=AUTH), 404, "tenant_id")
+
+
+async def test_a_db_tenant_named_as_a_config_tenant_is_warned_of_at_start(
+    sqlite_url: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The API refuses a config tenant's name to admin-DB tenants, but a config tenant added to the
+    file under a DB tenant's name was met silently: the start now warns, naming both, and starts."""
+    await migrate.upgrade_async(premigrated(sqlite_url))
+    engine = create_engine(sqlite_url)
+    async with sessionmaker(engine)() as session, session.begin():
+        session.add_all([DbTenant(id="t-acme", name="acme"), DbTenant(id="t-other", name="other")])
+    await engine.dispose()
+    control = ControlPlane(
+        ControlPlaneSettings(
+            database_url=sqlite_url,
+            spool_dir=str(tmp_path / "spool"),
+            admin_token=TOKEN,
+            tenants=[ConfigTenant(name="acme", api_keys=["k1"]), ConfigTenant(name="team-a")],
+        )
+    )
+    caplog.set_level(logging.WARNING, logger="gateway.admin.control_plane")
+    try:
+        await control.start()
+    finally:
+        await control.stop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "'acme' is both a config file tenant" in warnings[0] and "(id 't-acme')" in warnings[0]
 
 
 @pytest.mark.parametrize("budget", ["abc", "$500", "1,000", True, [5], "-5", "NaN", "0.0000001"])
