@@ -105,6 +105,7 @@ def test_gateway_and_engine_sections(dashboard: dict[str, Any]) -> None:
         "weir_requests_total",
         "weir_time_to_first_token_seconds_bucket",
         "weir_tokens_total",
+        "weir_server_tool_uses_total",  # web searches by tenant: billed per search, run by agents
     } <= sections["Gateway"]
     assert not any(m.startswith("weir_engine_") for m in sections["Gateway"])
 
