@@ -65,6 +65,9 @@ class Generation:
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
+        # vLLM's `stop_reason`: the stop string or stop_token_ids token that ended it; None for EOS,
+        # the length limit, or not ended yet.
+        self.stop_reason: str | int | None = None
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The request's text and tokens as they come; the last delta carries the finish reason.
@@ -98,9 +101,10 @@ class Generation:
                         metrics.observe_tokens(n, now)
                     text = self.text.add(out.new_token_ids, finished=out.finished)
                     if self.text.stopped:
-                        self.finish_reason = "stop"
+                        self.finish_reason, self.stop_reason = "stop", self.text.matched
                     elif out.finished:
                         self.finish_reason = "length" if self.score_only else out.finish_reason
+                        self.stop_reason = None if self.score_only else out.stop_token_id
                     yield Delta(text, list(out.new_token_ids), out.new_logprobs, self.finish_reason)
                     if self.finish_reason is not None:
                         return

@@ -58,6 +58,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int  # total so far
+    stop_token_id: int | None = None  # the request's stop token that ended it; None for EOS and the rest
 
 
 @dataclass
@@ -407,11 +408,12 @@ class LLMEngine:
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        if (
-            token in p.stop_token_ids
-            or (not p.ignore_eos and token in self.config.eos_token_ids)
-            or (seq.grammar is not None and seq.grammar.complete)
-        ):
+        # In vLLM's order, which its `stop_reason` shows: EOS (none), then a stop token (its id).
+        if not p.ignore_eos and token in self.config.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_token_id = "stop", token
+        elif seq.grammar is not None and seq.grammar.complete:
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
@@ -436,6 +438,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
             num_output_tokens=seq.num_output_tokens,
+            stop_token_id=seq.stop_token_id,
         )
 
     def stats(self) -> EngineStats:

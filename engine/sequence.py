@@ -32,6 +32,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     finish_reason: str | None = None
+    stop_token_id: int | None = None  # the request's stop_token_ids token that ended it (vLLM's stop_reason)
     # prompt log-probs gathered chunk by chunk; reported once, in the first output
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False

@@ -586,6 +586,7 @@ class EngineServer:
             "text": "".join(text),
             "logprobs": lp.to_dict() if lp else None,
             "finish_reason": gen.finish_reason,
+            **_stop_reason(gen, gen.finish_reason),
         }
 
     async def _completion_chunks(
@@ -623,6 +624,7 @@ class EngineServer:
                                 "text": text,
                                 "logprobs": lp.to_dict() if lp else None,
                                 "finish_reason": d.finish_reason,
+                                **_stop_reason(gen, d.finish_reason),
                             }
                         ],
                         **extra,
@@ -702,10 +704,11 @@ class EngineServer:
 
 
 def _stop_reason(gen: Generation, finish: str | None) -> dict[str, Any]:
-    """vLLM's `stop_reason` on the choice that a stop string ended: which one (Weir's gateway tells
-    an Anthropic client `stop_sequence` and the string); nothing on any other choice or chunk."""
-    matched = gen.text.matched
-    return {"stop_reason": matched} if finish == "stop" and matched is not None else {}
+    """vLLM's `stop_reason` on a finished choice (a non-streamed one, a stream's chunk with its
+    `finish_reason`): the stop string that ended it (Weir's gateway tells an Anthropic client
+    `stop_sequence` and the string), the stop_token_ids token, or null (EOS, the length limit).
+    Nothing on a stream's other chunks."""
+    return {"stop_reason": gen.stop_reason} if finish is not None else {}
 
 
 def _message_dict(index: int, message: Any) -> dict[str, Any]:

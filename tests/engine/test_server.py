@@ -181,7 +181,7 @@ async def test_stop_string_trims_text_and_finishes_with_stop(served: Served) -> 
     assert stopped.usage and stopped.usage.completion_tokens < 24
     # Which stop string ended it, as vLLM says it (`stop_reason`): an Anthropic client's stop_sequence.
     assert stopped.choices[0].model_extra == {"stop_reason": stop}
-    assert free.choices[0].model_extra == {}  # nothing where no stop string matched
+    assert free.choices[0].model_extra == {"stop_reason": None}  # no stop string or token ended it
     stream = await served.client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=["\0never", stop], stream=True
     )
@@ -216,6 +216,67 @@ async def test_include_stop_str_in_output_keeps_the_stop_string(served: Served) 
         extra_body={"ignore_eos": True, **extra},
     )
     assert cut.choices[0].text == text[: text.find(text[3:5]) + 2]
+
+
+async def finished_choices(served: Served, endpoint: str, stream: bool, body: dict) -> list[dict]:
+    """The choice as the server wrote it (JSON, so `stop_reason`'s type shows); streamed, each chunk's,
+    those that end the choice last."""
+    async with httpx.AsyncClient(base_url=served.base_url, timeout=30) as http:
+        resp = await http.post(endpoint, json={"model": MODEL, "temperature": 0, "stream": stream, **body})
+    assert resp.status_code == 200, resp.text
+    if not stream:
+        return list(resp.json()["choices"])
+    lines = [line.removeprefix("data: ") for line in resp.text.splitlines() if line.startswith("data: ")]
+    return [choice for line in lines if line != "[DONE]" for choice in json.loads(line)["choices"]]
+
+
+STOP_TOKEN, EOS = 7, 0  # the tiny model's EOS is token 0; a logit bias of 100 makes a token the greedy one
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("endpoint", "prompt"),
+    [("/completions", {"prompt": "once upon"}), ("/chat/completions", {"messages": chat("once upon")})],
+)
+@pytest.mark.parametrize(
+    ("extra", "finish_reason", "stop_reason"),
+    [
+        ({"logit_bias": {str(STOP_TOKEN): 100}, "stop_token_ids": [STOP_TOKEN]}, "stop", STOP_TOKEN),
+        # EOS is said as EOS (null) though listed in stop_token_ids, as vLLM checks it first ...
+        ({"logit_bias": {str(EOS): 100}, "stop_token_ids": [EOS]}, "stop", None),
+        # ... but not with ignore_eos, where it ends the answer as a stop token only.
+        ({"logit_bias": {str(EOS): 100}, "stop_token_ids": [EOS], "ignore_eos": True}, "stop", EOS),
+        ({"logit_bias": {str(EOS): 100}}, "stop", None),
+        ({"ignore_eos": True}, "length", None),
+    ],
+)
+async def test_stop_reason_says_which_stop_token_ended_a_choice(
+    served: Served,
+    endpoint: str,
+    prompt: dict,
+    stream: bool,
+    extra: dict,
+    finish_reason: str,
+    stop_reason: int | None,
+) -> None:
+    """vLLM's `stop_reason` on every finished choice, both endpoints, streamed or not: the
+    stop_token_ids token that ended it, null for EOS and the length limit (it was missing there, and
+    on completions always)."""
+    choices = await finished_choices(served, endpoint, stream, {**prompt, "max_tokens": 3, **extra})
+    *before, last = choices
+    assert last["finish_reason"] == finish_reason
+    assert "stop_reason" in last and last["stop_reason"] == stop_reason
+    assert all(c["finish_reason"] is None and "stop_reason" not in c for c in before)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_completions_stop_reason_names_the_stop_string(served: Served, stream: bool) -> None:
+    body = {"prompt": "once upon", "max_tokens": 24, "ignore_eos": True}
+    (free,) = await finished_choices(served, "/completions", False, body)
+    stop = free["text"][3:5]
+    choices = await finished_choices(served, "/completions", stream, {**body, "stop": ["\0never", stop]})
+    assert "".join(c["text"] for c in choices) == free["text"][: free["text"].find(stop)]
+    assert choices[-1]["finish_reason"] == "stop" and choices[-1]["stop_reason"] == stop
 
 
 async def test_min_tokens_holds_off_eos_and_stop_strings(served: Served) -> None:
