@@ -53,13 +53,18 @@ def _pg_admin(statement: str) -> None:
     asyncio.run(run())
 
 
+def _pg_url(name: str) -> str:
+    return PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
+
+
 @contextmanager
-def fresh_pg_database(prefix: str = "weir_test") -> Iterator[str]:
-    """A fresh, empty PostgreSQL database's URL (asyncpg driver), dropped afterwards."""
+def fresh_pg_database(prefix: str = "weir_test", template: str | None = None) -> Iterator[str]:
+    """A fresh PostgreSQL database's URL (asyncpg driver), dropped afterwards: empty, or a copy of
+    database `template`."""
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    _pg_admin(f'CREATE DATABASE "{name}"')
+    _pg_admin(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
     try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://") + f"/{name}"
+        yield _pg_url(name)
     finally:
         _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
@@ -100,6 +105,29 @@ def migrated_sqlite(url: str) -> str:
     the tests' of migrations (test_migrations, test_db_cli) and of the modules that make their own."""
     shutil.copyfile(_migrated_sqlite_template(), url.split(":///", 1)[1])
     return url
+
+
+@functools.cache
+def _migrated_pg_template() -> str:
+    """A PostgreSQL database at the schema's head, migrated once a session, for `migrated_pg_url` to
+    copy. Its name is this session's own: other runs may share the server."""
+    name = f"weir_template_{uuid.uuid4().hex[:12]}"
+    _pg_admin(f'CREATE DATABASE "{name}"')
+    atexit.register(_pg_admin, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    # In a thread of its own: env.py runs its own event loop, and a test's may be running here.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(migrate.upgrade, _pg_url(name), configure_logger=False).result()
+    return name
+
+
+@pytest.fixture
+def migrated_pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database at the schema's head (a copy of the session's migrated template),
+    dropped afterwards, for a gateway fixture: its start's upgrade is then a no-op check. Copying
+    takes about what creating an empty database does; migrating it took as long again. What a start
+    migrates from an empty database is the tests' that take `pg_url` or `fresh_pg_database`."""
+    with fresh_pg_database(template=_migrated_pg_template()) as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -242,7 +270,7 @@ def weir(
     if request.param == "sqlite":
         db_url = migrated_sqlite(request.getfixturevalue("sqlite_url"))
     else:
-        db_url = request.getfixturevalue("pg_url")
+        db_url = request.getfixturevalue("migrated_pg_url")
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)

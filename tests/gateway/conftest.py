@@ -7,6 +7,7 @@ plus a few models and tenants the tests need.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import socket
 import sys
@@ -118,11 +119,55 @@ class RunningGateway:
 
 
 class _Server(uvicorn.Server):
+    """uvicorn's server, stopping without its fixed waits: it looks at `should_exit` every 0.1 s and,
+    stopping, sleeps 0.1 s for connections to close before it waits for them to. The suite stops a
+    server for most of its tests, so those 0.2 s came to minutes; `stop()` wakes it at once instead."""
+
     loop: asyncio.AbstractEventLoop | None = None  # known once it runs: where its tasks are
+    _wake: asyncio.Event | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
         await super().serve(sockets)
+
+    def stop(self) -> None:
+        """Ask the server to exit, from any thread, and wake its main loop to see it."""
+        self.should_exit = True
+        loop, wake = self.loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed already: it has stopped
+                loop.call_soon_threadsafe(wake.set)
+
+    async def main_loop(self) -> None:
+        # uvicorn's loop, its 0.1 s sleep cut short by `stop()` (on_tick still refreshes the date header).
+        assert self._wake is not None
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.1)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn's shutdown, less its fixed 0.1 s sleep after asking connections to close: an idle
+        # keep-alive one is gone a loop iteration later, and `_wait_tasks_to_complete` waits for a
+        # busy one (a request still being answered) as it does anyway.
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        for _ in range(3):  # lets the closed transports' connection_lost callbacks run
+            await asyncio.sleep(0)
+        try:
+            async with asyncio.timeout(self.config.timeout_graceful_shutdown):
+                await self._wait_tasks_to_complete()
+        except TimeoutError:
+            for task in self.server_state.tasks:
+                task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        if not self.force_exit:
+            await self.lifespan.shutdown()
 
 
 @contextmanager
@@ -148,14 +193,14 @@ def serve(app: object, port: int) -> Iterator[str]:
     deadline = time.monotonic() + 30  # a migrating start on a loaded 2-core machine takes seconds
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
-            server.should_exit = True  # or a slow start would go on and serve behind the test
+            server.stop()  # or a slow start would go on and serve behind the test
             thread.join(20)
             raise RuntimeError("the gateway did not start")
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        server.stop()
         thread.join(20)
         if thread.is_alive():
             stuck = _stuck_at(server, thread)
