@@ -28,25 +28,46 @@ class Gateway:
 @contextmanager
 def weir_serve(config: Path, env: Mapping[str, str], cwd: Path, timeout: float = 60) -> Iterator[Gateway]:
     """`weir serve --config CONFIG` on a free loopback port, yielded once /healthz answers."""
-    port = free_port()
-    argv = [str(WEIR), "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(argv, env=dict(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    with weir_serving(config, env, [cwd], timeout) as [gateway]:
+        yield gateway
+
+
+@contextmanager
+def weir_serving(
+    config: Path, env: Mapping[str, str], cwds: list[Path], timeout: float = 60
+) -> Iterator[list[Gateway]]:
+    """One `weir serve --config CONFIG` per directory in `cwds`, all started before any is waited for
+    (as compose starts replicas; each start is seconds of imports), yielded once each /healthz answers."""
+    gateways: list[Gateway] = []
     try:
+        for cwd in cwds:
+            port = free_port()
+            argv = [str(WEIR), "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+            process = subprocess.Popen(
+                argv, env=dict(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+            gateways.append(Gateway(f"http://127.0.0.1:{port}", process))
         deadline = time.monotonic() + timeout
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the gateway did not start within {timeout:g} s"
-            time.sleep(0.2)
-        yield Gateway(base, process)
+        for gateway in gateways:
+            _wait_healthy(gateway, deadline, timeout)
+        yield gateways
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        for gateway in gateways:
+            gateway.process.terminate()
+        for gateway in gateways:
+            gateway.process.wait(timeout=60)
+
+
+def _wait_healthy(gateway: Gateway, deadline: float, timeout: float) -> None:
+    while True:
+        assert gateway.process.poll() is None, gateway.process.stdout.read().decode()  # type: ignore[union-attr]
+        try:
+            if httpx.get(f"{gateway.base}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the gateway did not start within {timeout:g} s"
+        time.sleep(0.05)
 
 
 @contextmanager

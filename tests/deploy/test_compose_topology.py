@@ -23,7 +23,7 @@ import pytest
 from tests.deploy.compose_env import example_env, interpolate
 from tests.deploy.conftest import DEPLOY
 from tests.deploy.dockerfiles import healthcheck_argv
-from tests.deploy.processes import WEIR, redis_server, weir_serve
+from tests.deploy.processes import WEIR, redis_server, weir_serving
 from tests.fakes import FakeOpenAI
 
 # Two gateways, a migration and a Redis start here: about 20-30 s on 2 shared cores.
@@ -83,11 +83,9 @@ def replicas(
         env["OPENAI_BASE_URL"] = _fake_openai_server.base_url
         env["OPENAI_API_KEY"] = _fake_openai_server.api_key
         config = DEPLOY / "compose" / "weir.yaml"
-        with (
-            weir_serve(config, env, tmp_path_factory.mktemp("gateway-1")) as first,
-            weir_serve(config, env, tmp_path_factory.mktemp("gateway-2")) as second,
-        ):
-            yield [first.base, second.base], env
+        cwds = [tmp_path_factory.mktemp("gateway-1"), tmp_path_factory.mktemp("gateway-2")]
+        with weir_serving(config, env, cwds) as gateways:
+            yield [gateway.base for gateway in gateways], env
 
 
 def test_both_replicas_pass_the_images_health_check(replicas: tuple[list[str], dict[str, str]]) -> None:

@@ -1,6 +1,6 @@
 """N `weir serve` replicas sharing one throwaway PostgreSQL database and one Redis key prefix, as a
 horizontally scaled deployment runs them, plus a client-side round-robin load balancer. The processes
-are started with the deploy tests' `weir_serve` helper; the benchmark uses this module too."""
+are started with the deploy tests' `weir_serving` helper; the benchmark uses this module too."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import asyncpg
 import httpx
 import redis
 
-from tests.deploy.processes import WEIR, Gateway, weir_serve
+from tests.deploy.processes import WEIR, Gateway, weir_serving
 
 PG_ADMIN = os.environ.get("WEIR_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("WEIR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -133,12 +133,10 @@ def cluster(
             [str(WEIR), "db", "upgrade"], env=env, capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stdout + done.stderr
-        with ExitStack() as stack:
-            replicas = []
-            for i in range(n):
-                cwd = workdir / f"replica-{i}"
-                cwd.mkdir(exist_ok=True)
-                replicas.append(stack.enter_context(weir_serve(config, env, cwd)))
+        cwds = [workdir / f"replica-{i}" for i in range(n)]
+        for cwd in cwds:
+            cwd.mkdir(exist_ok=True)
+        with weir_serving(config, env, cwds) as replicas:
             yield Cluster(replicas, database, prefix)
     finally:
         pg_admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
