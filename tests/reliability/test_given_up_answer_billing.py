@@ -33,6 +33,7 @@ from gateway.transport import MAX_RESPONSE_BODY
 from tests.control.conftest import (
     CONFIG,
     Weir,
+    migrated_pg_url,  # noqa: F401  (a fixture the weir fixture takes)
     weir,  # noqa: F401  (the fixture, both stores)
 )
 from tests.fakes import FakeOpenAI, Fault
