@@ -21,6 +21,20 @@ NO_CONFIG_HINT = (
 def app_from_env() -> Any:
     """The app for a server worker process: the config path and log level come from the environment
     (granian starts workers from an import string, not from an app object)."""
+    return _config_and_app()[1]
+
+
+def granian_app_from_env() -> Any:
+    """`app_from_env`'s app for a granian worker, behind the proxy-headers wrapper granian ships but
+    does not apply itself: an `X-Forwarded-For` from a trusted proxy names the client, as uvicorn's
+    own middleware does (the failed-auth throttle and request logs count per client address)."""
+    from granian.utils.proxies import wrap_asgi_with_proxy_headers
+
+    config, app = _config_and_app()
+    return wrap_asgi_with_proxy_headers(app, trusted_hosts=trusted_proxies(config))
+
+
+def _config_and_app() -> tuple[Config, Any]:
     from gateway.app import create_app
     from gateway.config import load_config
     from gateway.logging import configure_logging, log_uncaught
@@ -28,12 +42,28 @@ def app_from_env() -> Any:
     config = load_config(os.environ[CONFIG_ENV])
     configure_logging(os.environ.get(LOG_LEVEL_ENV) or config.server.log_level)
     try:
-        return create_app(config)
+        return config, create_app(config)
     except Exception as exc:
         # A granian worker calls this in a multiprocessing child, which prints what escapes it as plain
         # text on stderr (no excepthook is asked): the JSON line the hook writes, then the same exit.
         log_uncaught(type(exc), exc, exc.__traceback__)
         raise SystemExit(1) from None
+
+
+def trusted_proxies(config: Config) -> list[str] | str:
+    """The peers whose `X-Forwarded-For` names the client: `server.forwarded_allow_ips`, else what
+    uvicorn trusts by default (FORWARDED_ALLOW_IPS, else loopback), for granian as well."""
+    allowed = config.server.forwarded_allow_ips
+    if allowed is None:
+        return os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1,::1")
+    return allowed
+
+
+def log_listening(host: str, port: int) -> None:
+    """The one line `weir serve` writes once it listens: with port 0 the only place the port shows."""
+    import structlog
+
+    structlog.get_logger("weir.gateway").info("gateway_listening", host=host, port=port)
 
 
 config_option = click.option(
@@ -107,40 +137,68 @@ def serve(
     bind_host = host if host is not None else config.server.host
     bind_port = port if port is not None else config.server.port
     if server_kind == "granian":
-        from granian import Granian
+        _serve_granian(config, bind_host, bind_port)
+    else:
+        _serve_uvicorn(config, bind_host, bind_port)
 
-        from gateway.logging import configure_logging
 
-        # granian's own lines (this process's and its workers') go to the root handler, as JSON
-        # lines like the rest, not through its plain-text handler.
-        configure_logging(os.environ.get(LOG_LEVEL_ENV) or config.server.log_level)
-        Granian(
-            "gateway.cli:app_from_env",
-            factory=True,
-            address=bind_host,
-            port=bind_port,
-            interface="asgi",  # type: ignore[arg-type]
-            workers=1,
-            websockets=False,
-            log_level="warning",  # type: ignore[arg-type]
-            log_access=False,  # the gateway logs one structured line per request itself
-            log_dictconfig={"loggers": {"_granian": {"propagate": True}}},  # no handler of its own
-        ).serve()
-        return
+def _serve_granian(config: Config, host: str, port: int) -> None:
+    from granian import Granian
+
+    from gateway.logging import configure_logging
+
+    # granian's own lines (this process's and its workers') go to the root handler, as JSON
+    # lines like the rest, not through its plain-text handler.
+    configure_logging(os.environ.get(LOG_LEVEL_ENV) or config.server.log_level)
+    server = Granian(
+        "gateway.cli:granian_app_from_env",
+        factory=True,
+        address=host,
+        port=port,
+        interface="asgi",  # type: ignore[arg-type]
+        workers=1,
+        websockets=False,
+        log_level="warning",  # type: ignore[arg-type]
+        log_access=False,  # the gateway logs one structured line per request itself
+        log_dictconfig={"loggers": {"_granian": {"propagate": True}}},  # no handler of its own
+    )
+    # Startup hooks run in the main process once the listening socket is bound, before the workers.
+    server.on_startup(lambda: log_listening(host, _granian_port(server, port)))
+    server.serve()
+
+
+def _granian_port(server: Any, asked: int) -> int:
+    """The port granian bound: on Linux its socket spec (private in granian 2.8) holds the system's
+    choice for port 0 once built; elsewhere the port asked for."""
+    spec = getattr(server, "_ssp", None)
+    return int(spec.__getstate__()[1]) if spec is not None else asked
+
+
+def _serve_uvicorn(config: Config, host: str, port: int) -> None:
     import uvicorn
 
     from gateway.slow_clients import uvicorn_protocol
 
-    uvicorn.run(
-        app_from_env(),
-        host=bind_host,
-        port=bind_port,
-        http=uvicorn_protocol(config.server.header_timeout, config.server.body_timeout),
-        log_level="warning",
-        access_log=False,
-        log_config=None,  # no plain-text handlers of its own: its lines reach the JSON root handler
-        timeout_graceful_shutdown=30,
-    )
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # its own "running on" line is at info, below the level `serve` gives it
+                bound = self.servers[0].sockets[0].getsockname()
+                log_listening(bound[0], bound[1])
+
+    Server(
+        uvicorn.Config(
+            app_from_env(),
+            host=host,
+            port=port,
+            http=uvicorn_protocol(config.server.header_timeout, config.server.body_timeout),
+            log_level="warning",
+            access_log=False,
+            log_config=None,  # no plain-text handlers of its own: its lines reach the JSON root handler
+            timeout_graceful_shutdown=30,
+            forwarded_allow_ips=trusted_proxies(config),
+        )
+    ).run()
 
 
 @click.group("config")

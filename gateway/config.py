@@ -7,6 +7,7 @@ environment can never change the file's structure, and every error names the key
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -199,6 +200,9 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     # the right one, or the throttle would not slow guessing). 0: no throttle. See gateway/throttle.py.
     auth_failures_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 30
     admin_auth_failures_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 10
+    # Peers whose `X-Forwarded-For` names the client (the address those throttles and the request logs
+    # count): addresses or CIDRs, or "*" for any. None: FORWARDED_ALLOW_IPS, else 127.0.0.1 and ::1.
+    forwarded_allow_ips: list[str] | Literal["*"] | None = None
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -275,6 +279,7 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
 
 
 def _check_references(config: Config) -> None:
+    _check_forwarded_allow_ips(config.server.forwarded_allow_ips)
     backends: set[str] = set()
     for i, backend in enumerate(config.backends):
         where = f"backends[{i}]"
@@ -332,6 +337,19 @@ def _check_references(config: Config) -> None:
         for j, name in enumerate(tenant.models or []):
             if name not in names and not any(route.name == name for route in config.routes):
                 raise ConfigError(f"tenants[{i}].models[{j}]: no model named {name!r}")
+
+
+def _check_forwarded_allow_ips(allowed: list[str] | str | None) -> None:
+    # uvicorn and granian take an entry that is no address as a literal host name the peer never
+    # has: a typo would silently trust no one.
+    for i, entry in enumerate(allowed if isinstance(allowed, list) else []):
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise ConfigError(
+                f"server.forwarded_allow_ips[{i}]: {entry!r} is not an IP address or CIDR "
+                '(write "*" instead of the list to trust any peer)'
+            ) from None
 
 
 def _check_one_price_per_upstream_model(models: list[Model]) -> None:

@@ -5,13 +5,11 @@ its own (with R replicas an address gets up to R x the allowance); `SharedFailur
 in the shared state, so with Redis every replica counts against one bucket per address (per replica
 again while Redis is away: gateway.state.degradable answers from the process then).
 
-The address is the ASGI peer (`scope["client"]`): behind a proxy, uvicorn replaces it with the
-`X-Forwarded-For` client only when the proxy is in `FORWARDED_ALLOW_IPS` (127.0.0.1 and ::1 by
-default), so set that to the proxy's address, or every client behind it shares one bucket. Granian,
-as `weir serve --server granian` runs it, never does: it has no such setting of its own (only an ASGI
-wrapper, granian.utils.proxies, which the gateway does not apply), and the gateway has no
-trusted-proxies setting either. IPv6 addresses count per /64, the block one host is usually given (per
-address, one host could rotate through 2^64 of them).
+The address is the ASGI peer (`scope["client"]`): behind a proxy, `weir serve` replaces it with the
+`X-Forwarded-For` client only when the proxy is in `server.forwarded_allow_ips` (uvicorn's own
+setting; for granian its proxy-headers wrapper, gateway/cli.py), so set that to the proxy's address,
+or every client behind it shares one bucket. IPv6 addresses count per /64, the block one host is
+usually given (per address, one host could rotate through 2^64 of them).
 """
 
 from __future__ import annotations

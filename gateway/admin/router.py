@@ -349,6 +349,20 @@ async def db_tenants_named_as_config(
     return [(tenant_id, name) for tenant_id, name in rows]
 
 
+async def db_tenant_or_error(ctx: AdminContext, session: AsyncSession, tenant_id: str) -> Tenant:
+    """`tenant_or_404` for the routes that change a tenant or its keys: a config tenant's id (its name,
+    as GET /tenants lists it) gets 409 saying where it is changed, not a 404 that says it is not there."""
+    if config_tenant(ctx, tenant_id) is not None and await session.get(Tenant, tenant_id) is None:
+        raise AdminError(
+            409,
+            f"tenant {tenant_id!r} is defined in the config file (tenants:); edit the config to change "
+            "it or its keys",
+            "conflict",
+            "tenant_id",
+        )
+    return await tenant_or_404(session, tenant_id)
+
+
 def refuse_config_name(ctx: AdminContext, name: str) -> None:
     """409 for an admin-DB tenant named as a config tenant: both would be one tenant to routes'
     `when.tenants`, route previews and the pages, while their keys, limits and ledger rows differ."""
@@ -406,7 +420,7 @@ async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> 
     if body.name is not msgspec.UNSET:
         refuse_config_name(ctx, body.name)
     async with ctx.write() as (session, audit):
-        tenant = await tenant_or_404(session, tenant_id)
+        tenant = await db_tenant_or_error(ctx, session, tenant_id)
         before = tenant_json(tenant)
         if body.name is not msgspec.UNSET:
             tenant.name = body.name
@@ -428,7 +442,7 @@ async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> 
 @delete("/tenants/{tenant_id:str}", status_code=204)
 async def delete_tenant(tenant_id: str, ctx: AdminContext) -> None:
     async with ctx.write() as (session, audit):
-        tenant = await tenant_or_404(session, tenant_id)
+        tenant = await db_tenant_or_error(ctx, session, tenant_id)
         hashes = (await session.scalars(select(ApiKey.key_hash).where(ApiKey.tenant_id == tenant_id))).all()
         audit("delete", "tenant", tenant.id, tenant_json(tenant), None)
         await session.delete(tenant)
@@ -448,7 +462,7 @@ async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dic
         )
     key, prefix, digest = new_key()
     async with ctx.write() as (session, audit):
-        await tenant_or_404(session, tenant_id)
+        await db_tenant_or_error(ctx, session, tenant_id)
         row = ApiKey(
             tenant_id=tenant_id,
             name=body.name,
@@ -470,7 +484,7 @@ async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dic
 @get("/tenants/{tenant_id:str}/keys")
 async def list_keys(tenant_id: str, ctx: AdminContext) -> dict[str, Any]:
     async with ctx.sessions() as session:
-        await tenant_or_404(session, tenant_id)
+        await db_tenant_or_error(ctx, session, tenant_id)
         keys = (
             await session.scalars(
                 select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at)

@@ -223,6 +223,31 @@ async def test_a_config_tenant_is_read_by_its_id_as_listed(env: Env) -> None:
     assert_openai_error(await c.get("/admin/api/v1/tenants/team-b", headers=AUTH), 404, "tenant_id")
 
 
+async def test_changing_a_config_tenant_is_a_409_that_says_where_it_is_changed(env: Env) -> None:
+    """PATCH or DELETE of a config tenant's id (as GET /tenants lists it), or of its keys, was a
+    generic 404, as if it did not exist: a 409 now that names the config file, and nothing changes."""
+    env.ctx.config_tenants = [ConfigTenant(name="team-a", api_keys=["k1"], max_messages=50)]
+    c = env.client
+    before = (await c.get("/admin/api/v1/tenants/team-a", headers=AUTH)).json()
+    url = "/admin/api/v1/tenants/team-a"
+    for response in [
+        await c.patch(url, json={"rpm": 5}, headers=AUTH),
+        await c.delete(url, headers=AUTH),
+        await c.post(f"{url}/keys", json={"name": "app"}, headers=AUTH),
+        await c.get(f"{url}/keys", headers=AUTH),
+    ]:
+        error = assert_openai_error(response, 409, "tenant_id")
+        assert error["code"] == "conflict", error
+        assert "'team-a' is defined in the config file" in error["message"], error
+    assert (await c.get(url, headers=AUTH)).json() == before
+    assert (await c.get("/admin/api/v1/audit", headers=AUTH)).json()["data"] == []
+    async with env.ctx.sessions() as session:
+        assert (await session.scalars(select(ApiKey))).all() == []
+        assert (await session.scalars(select(DbTenant))).all() == []
+    # An id that is neither is still a 404.
+    assert_openai_error(await c.delete("/admin/api/v1/tenants/team-b", headers=AUTH), 404, "tenant_id")
+
+
 async def test_a_db_tenant_named_as_a_config_tenant_is_warned_of_at_start(
     sqlite_url: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -144,7 +144,7 @@ def uvicorn_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     monkeypatch.setenv(CONFIG_ENV, "restored after the test")  # serve sets it for its app factory
     ran: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: ran.update(options))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: ran.update(vars(server.config)))
     return ran
 
 

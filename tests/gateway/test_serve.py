@@ -254,3 +254,79 @@ def test_exceptions_nothing_caught_are_json_lines() -> None:
     crash = last["RuntimeError: the process gives up"]
     assert (crash["event"], crash["level"]) == ("uncaught_exception", "critical")
     assert crash["exception"].splitlines()[-2].endswith("in <module>")  # where it was raised
+
+
+def serve_on_port_0(config: Path, server_kind: str) -> tuple[subprocess.Popen[bytes], int]:
+    """`weir serve --port 0` and the port it says it bound, read from its `gateway_listening` line."""
+    server = weir_serve(config, 0, {**os.environ, "WEIR_DEMO_KEY": "sk-serve-test"}, server_kind)
+    assert server.stdout is not None
+    for line in server.stdout:  # ends, and the test fails below, if it stops without the line
+        event = json.loads(line)
+        if event["event"] == "gateway_listening":
+            assert (event["level"], event["host"]) == ("info", "127.0.0.1"), event
+            return server, event["port"]
+    server.communicate(timeout=30)
+    raise AssertionError("weir serve wrote no gateway_listening line")
+
+
+def stop(server: subprocess.Popen[bytes]) -> str:
+    server.terminate()
+    return server.communicate(timeout=30)[1].decode()
+
+
+@pytest.mark.parametrize("server_kind", ["granian", "uvicorn"])
+def test_weir_serve_port_0_logs_the_port_it_bound(tmp_path: Path, server_kind: str) -> None:
+    """With `--port 0` the system picks the port, and `weir serve` wrote nothing at start (the servers'
+    own lines are below the level it gives them): one JSON line says where it listens now."""
+    config = tmp_path / "weir.yaml"
+    config.write_text(THROTTLED.format(trusted="[127.0.0.1]"))
+    server, port = serve_on_port_0(config, server_kind)
+    try:
+        assert port != 0
+        wait_ready(server, f"http://127.0.0.1:{port}")
+    finally:
+        assert "Traceback" not in stop(server)
+
+
+THROTTLED = """\
+backends:
+  - {{name: openai, type: openai, base_url: "http://127.0.0.1:9", api_key: "unused"}}
+models:
+  - {{name: model-a, backend: openai, model: gpt-4o-mini}}
+tenants:
+  - {{name: demo, api_keys: ["${{WEIR_DEMO_KEY}}"]}}
+server: {{auth_failures_per_minute: 3, forwarded_allow_ips: {trusted}}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("server_kind", "trusted", "per_client"),
+    [
+        ("uvicorn", "[127.0.0.1]", True),
+        ("granian", "[127.0.0.1]", True),
+        ("granian", '"*"', True),
+        ("uvicorn", "[192.0.2.0/24]", False),  # the peer is no trusted proxy: its header is ignored
+    ],
+)
+def test_forwarded_allow_ips_names_the_client_the_auth_throttle_counts(
+    tmp_path: Path, server_kind: str, trusted: str, per_client: bool
+) -> None:
+    """Behind a proxy the failed-auth throttle counted the proxy's address (granian always, uvicorn
+    unless FORWARDED_ALLOW_IPS named it), so one client's wrong keys throttled every client behind
+    it. `server.forwarded_allow_ips` names the proxies whose `X-Forwarded-For` names the client."""
+    config = tmp_path / "weir.yaml"
+    config.write_text(THROTTLED.format(trusted=trusted))
+    server, port = serve_on_port_0(config, server_kind)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(server, url)
+
+        def models(key: str, client: str) -> int:
+            headers = {"authorization": f"Bearer {key}", "x-forwarded-for": client}
+            return httpx.get(f"{url}/v1/models", headers=headers, timeout=10).status_code
+
+        assert [models(f"sk-wrong-{i}", "203.0.113.9") for i in range(4)] == [401, 401, 401, 429]
+        assert models("sk-wrong", "198.51.100.7") == (401 if per_client else 429)
+        assert models("sk-serve-test", "198.51.100.7") == 200
+    finally:
+        assert "Traceback" not in stop(server)
