@@ -341,15 +341,20 @@ def _check_references(config: Config) -> None:
 
 def _check_forwarded_allow_ips(allowed: list[str] | str | None) -> None:
     # uvicorn and granian take an entry that is no address as a literal host name the peer never
-    # has: a typo would silently trust no one.
+    # has: a typo would silently trust no one. So, too, a CIDR with host bits set (10.0.0.1/8): both
+    # parse networks strictly, and take one that fails as such a literal.
     for i, entry in enumerate(allowed if isinstance(allowed, list) else []):
+        where = f"server.forwarded_allow_ips[{i}]: {entry!r}"
         try:
-            ipaddress.ip_network(entry, strict=False)
+            ipaddress.ip_network(entry)
         except ValueError:
-            raise ConfigError(
-                f"server.forwarded_allow_ips[{i}]: {entry!r} is not an IP address or CIDR "
-                '(write "*" instead of the list to trust any peer)'
-            ) from None
+            try:
+                network = ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f'{where} is not an IP address or CIDR (write "*" instead of the list to trust any peer)'
+                ) from None
+            raise ConfigError(f"{where} has host bits set; write the network, {network}") from None
 
 
 def _check_one_price_per_upstream_model(models: list[Model]) -> None:

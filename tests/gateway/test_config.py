@@ -90,6 +90,40 @@ def test_invalid_configs_name_the_offending_key(text: str, message: str) -> None
         parse_config(text, {})
 
 
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            "proxy.internal",
+            r"server\.forwarded_allow_ips\[0\]: 'proxy.internal' is not an IP address or CIDR",
+        ),
+        (
+            "10.0.0.1/8",
+            r"server\.forwarded_allow_ips\[0\]: '10.0.0.1/8' has host bits set; write the network, 10.0.0.0/8",
+        ),
+    ],
+)
+def test_forwarded_allow_ips_that_uvicorn_and_granian_would_never_match_are_refused(
+    entry: str, message: str
+) -> None:
+    """Both servers parse a CIDR strictly and take one that fails (host bits set) as a literal host
+    name, which no peer has: `10.0.0.1/8` passed the check and then trusted no proxy in 10/8, every
+    client behind it sharing the proxy's failed-auth bucket."""
+    from granian.utils.proxies import _Forwarders
+    from uvicorn.middleware.proxy_headers import _TrustedHosts
+
+    if "/" in entry:  # what the servers would make of it, had the config taken it
+        assert "10.1.2.3" not in _Forwarders([entry]) and "10.1.2.3" not in _TrustedHosts([entry])
+    with pytest.raises(ConfigError, match=message):
+        parse_config(f"server: {{forwarded_allow_ips: ['{entry}']}}", {})
+
+
+def test_forwarded_allow_ips_of_addresses_and_networks_are_taken() -> None:
+    entries = ["10.0.0.0/8", "192.168.1.7", "::1", "fd00::/8"]
+    config = parse_config(f"server: {{forwarded_allow_ips: {entries}}}", {})
+    assert config.server.forwarded_allow_ips == entries
+
+
 MODEL_NAMED = (
     "backends: [{name: b, type: openai, base_url: 'http://127.0.0.1:9/v1'}]\nmodels: [{name: %s, backend: b}]"
 )
