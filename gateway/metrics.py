@@ -107,14 +107,10 @@ class Metrics:
             ("output", usage.output_tokens),
             ("reasoning", usage.reasoning_tokens),
         ):
-            if count:
-                key = (backend, model, token_class)
-                child = self._tokens.get(key)
-                if child is None:
-                    if not self.in_force(model):
-                        return
-                    child = self._tokens[key] = self.tokens.labels(backend, model, token_class)
-                child.inc(count)
+            if count and not self._add(
+                self._tokens, self.tokens, (backend, model, token_class), model, count
+            ):
+                return
 
     def record_server_tools(self, backend: str, model: str, tenant: str, usage: Usage) -> None:
         """Count the server tool uses an attempt's usage reports (Anthropic's `server_tool_use`),
@@ -125,14 +121,24 @@ class Metrics:
             ("web_search", usage.web_search_requests),
             ("web_fetch", usage.web_fetch_requests),
         ):
-            if count:
-                key = (backend, model, tenant, tool)
-                child = self._server_tools.get(key)
-                if child is None:
-                    if not self.in_force(model):
-                        return
-                    child = self._server_tools[key] = self.server_tools.labels(*key)
-                child.inc(count)
+            if count and not self._add(
+                self._server_tools, self.server_tools, (backend, model, tenant, tool), model, count
+            ):
+                return
+
+    def _add(
+        self, children: dict[Any, Any], counter: Counter, key: tuple[str, ...], model: str, count: int
+    ) -> bool:
+        """Add `count` to `counter`'s series `key`, kept in `children` once made. False, counting
+        nothing, for a model no longer served: a request of a deleted route that ends after
+        `forget_models` would make its series again, which nothing would ever drop."""
+        child = children.get(key)
+        if child is None:
+            if not self.in_force(model):
+                return False
+            child = children[key] = counter.labels(*key)
+        child.inc(count)
+        return True
 
     def forget_models(self, names: Collection[str]) -> None:
         """Stop exporting the series of model names that are gone (deleted or renamed routes): each
