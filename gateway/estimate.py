@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.types import ChatChunk, ChatRequest
+from gateway.types import ChatChunk, ChatRequest, Message
 from gateway.usage import Usage
 
 BYTES_PER_TOKEN = 4
@@ -183,7 +183,19 @@ def input_tokens(request: ChatRequest) -> int:
     (`prompt_tokens`: the chat template's tokens included). For count_tokens where no backend can
     count, and the prompt's length to routing (`routing.plan.features`: route conditions,
     context-window fit, expected cost)."""
-    return prompt_tokens(msgspec.json.encode([request.messages, request.tools or []]))
+    return prompt_tokens(msgspec.json.encode([[_once(m) for m in request.messages], request.tools or []]))
+
+
+def _once(message: Message) -> Message:
+    """`message` with each of its blocks once: where it keeps an Anthropic client's blocks as sent
+    (`anthropic_content`: a turn with server tools' blocks, a tool result with a `tool_reference`),
+    those hold its text, calls, reasoning and parts too, which counted twice made a tool result's
+    text twice its length to context-window fit and route conditions."""
+    if message.anthropic_content is None:
+        return message
+    return msgspec.structs.replace(
+        message, content=None, tool_calls=None, reasoning_blocks=None, reasoning_content=None
+    )
 
 
 def chunk_text_bytes(chunk: Any) -> int:

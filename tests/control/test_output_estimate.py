@@ -287,6 +287,38 @@ def test_a_role_written_in_text_is_no_message_and_a_prompt_without_messages_has_
         assert prompt_tokens(encoded) == tokens(len(encoded))
 
 
+def _tool_result_turns(result: list[dict[str, Any]]) -> ChatRequest:
+    from gateway.anthropic_inbound import MessagesRequest, to_canonical
+
+    call = {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}
+    body = {
+        "model": "m",
+        "max_tokens": 10,
+        "messages": [
+            {"role": "user", "content": "Read it."},
+            {"role": "assistant", "content": [call]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}],
+            },
+        ],
+    }
+    return to_canonical(msgspec.convert(body, MessagesRequest))
+
+
+def test_a_tool_result_kept_as_the_client_sent_it_counts_its_text_once() -> None:
+    """A tool result holding a `tool_reference` is kept as the client sent it beside its parts (for
+    Claude): counted as both, its text was twice its length to context-window fit and route
+    conditions (4,000 bytes: about 1,000 tokens more)."""
+    text = [{"type": "text", "text": "x" * 4000}]
+    reference = {"type": "tool_reference", "tool_name": "grep"}
+    plain, referenced = _tool_result_turns(text), _tool_result_turns([*text, reference])
+    assert referenced.messages[-1].anthropic_content is not None  # the case at hand
+    extra = input_tokens(referenced) - input_tokens(plain)
+    # The reference and a little framing (the client's blocks' JSON, not the parts'), not the text again.
+    assert tokens(len(msgspec.json.encode(reference))) <= extra < tokens(4000) // 10
+
+
 def test_tool_definitions_still_count_beside_the_template() -> None:
     weather = {
         "type": "function",
