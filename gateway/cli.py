@@ -171,7 +171,10 @@ def _granian_port(server: Any, asked: int) -> int:
     """The port granian bound: on Linux its socket spec (private in granian 2.8) holds the system's
     choice for port 0 once built; elsewhere the port asked for."""
     spec = getattr(server, "_ssp", None)
-    return int(spec.__getstate__()[1]) if spec is not None else asked
+    try:  # a later granian may shape it otherwise: the line must never stop a start
+        return int(spec.__getstate__()[1]) if spec is not None else asked
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return asked
 
 
 def _serve_uvicorn(config: Config, host: str, port: int) -> None:

@@ -37,6 +37,7 @@ from gateway.aio import stop_if_cancelled
 from gateway.config import Backend
 from gateway.providers import PROVIDERS
 from gateway.providers.base import CREDENTIALS_REFUSED, UpstreamRequest
+from gateway.transport import describe
 from routing.breaker import Breakers
 from routing.load import LoadReports
 from routing.windows import ContextWindows, served_windows
@@ -233,5 +234,5 @@ class HealthProber:
             try:
                 await self.run_once()
             except Exception as exc:  # a probe round must never take the gateway down
-                log.warning("health_probe_round_failed", error=str(exc))
+                log.warning("health_probe_round_failed", error=describe(exc))  # a URL's query may hold a key
             stop_if_cancelled()

@@ -330,3 +330,15 @@ def test_forwarded_allow_ips_names_the_client_the_auth_throttle_counts(
         assert models("sk-serve-test", "198.51.100.7") == 200
     finally:
         assert "Traceback" not in stop(server)
+
+
+def test_granians_port_falls_back_to_the_port_asked_for_when_its_spec_is_unreadable() -> None:
+    """The bound port is read from granian's private socket spec; a granian that shapes it otherwise
+    gets the port asked for in the line, and the start goes on."""
+    from types import SimpleNamespace
+
+    from gateway.cli import _granian_port
+
+    assert _granian_port(SimpleNamespace(), 8080) == 8080
+    assert _granian_port(SimpleNamespace(_ssp=SimpleNamespace(__getstate__=lambda: ())), 8080) == 8080
+    assert _granian_port(SimpleNamespace(_ssp=SimpleNamespace(__getstate__=lambda: ("h", 4321))), 0) == 4321

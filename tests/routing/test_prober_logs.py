@@ -30,3 +30,20 @@ async def test_probe_logs_only_state_changes() -> None:
         ("backend_probe_failed", "warning"),
         ("backend_probe_recovered", "info"),
     ]
+
+
+async def test_a_failed_round_logs_no_url_query() -> None:
+    """A probe URL carries a backend's configured query (a Gemini-style `?key=`): an error that
+    quotes it reaches the log without it."""
+    prober = HealthProber(transport=None, breakers=Breakers(), interval=0.01)
+
+    async def failing_round() -> None:
+        prober._stopping = True
+        raise ValueError("cannot read http://backend.example/v1beta/models?key=SECRET-KEY-123")
+
+    prober.run_once = failing_round  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        await prober._loop()
+    [entry] = [entry for entry in logs if entry["event"] == "health_probe_round_failed"]
+    assert "SECRET-KEY-123" not in entry["error"]
+    assert "http://backend.example/v1beta/models" in entry["error"]
