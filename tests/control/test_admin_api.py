@@ -37,9 +37,9 @@ from gateway.db.models import Tenant as DbTenant
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state import MemoryState
 from gateway.usage import Usage
-from tests.control.conftest import premigrated
 from tests.control.events import usage_event
 from tests.control.helpers import priced_event, random_usage
+from tests.fixtures.db import premigrated
 
 TOKEN = "test-admin-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

@@ -21,9 +21,9 @@ from gateway.state import SharedState
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 from gateway.usage import Usage
-from tests.control.conftest import REDIS_URL, premigrated
 from tests.control.events import usage_event
 from tests.control.helpers import TcpProxy
+from tests.fixtures.db import REDIS_URL, premigrated
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 EMBEDDINGS = PriceCatalog(  # USD 0.02 per 1M input tokens: 10 tokens cost 0.2 micro-dollars

@@ -22,8 +22,8 @@ from gateway.state.base import BUCKETS, Adjustment, Budget, Limit, Settlement
 from gateway.state.memory import MemoryState
 from gateway.state.redis import HiredisConnection, RedisState, client_from_url
 from gateway.usage import Usage
-from tests.control.conftest import REDIS_URL
 from tests.control.events import usage_event
+from tests.fixtures.db import REDIS_URL
 
 
 async def test_memory_state_running_totals_match_a_recount(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,8 +23,9 @@ from openai.types.chat import ChatCompletionContentPartParam
 from gateway.estimate import CHAT_TOKENS, INLINE_PART_TOKENS, MESSAGE_TOKENS, input_tokens
 from gateway.types import ChatRequest, Message
 from tests.conftest import free_port
-from tests.control.conftest import ADMIN, CONFIG, PRICE, REDIS_URL, Weir
 from tests.fakes import FakeOpenAI
+from tests.fixtures.db import REDIS_URL
+from tests.fixtures.gateway import ADMIN, CONFIG, PRICE, Weir
 
 
 def expected_pico(rows: list[tuple]) -> int:

@@ -16,8 +16,8 @@ from gateway.accounting.admission import Admission, Quotas, RateLimited, budget_
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.state.redis import RedisState
-from tests.control.conftest import REDIS_URL
 from tests.control.events import usage_event
+from tests.fixtures.db import REDIS_URL
 
 pytestmark = pytest.mark.redis
 

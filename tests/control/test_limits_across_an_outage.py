@@ -17,9 +17,9 @@ from gateway.accounting.admission import Admission, Quotas, RateLimited
 from gateway.accounting.pricing import PriceCatalog
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
-from tests.control.conftest import REDIS_PORT, REDIS_URL
 from tests.control.events import usage_event
 from tests.control.helpers import TcpProxy
+from tests.fixtures.db import REDIS_PORT, REDIS_URL
 
 pytestmark = pytest.mark.redis
 

@@ -22,7 +22,7 @@ from gateway.state.degradable import DegradableState
 from gateway.state.memory import SWEEP_CHUNK, SWEEP_S, MemoryState
 from gateway.state.redis import RedisState
 from routing.execute import HOUR, SpendCap
-from tests.control.conftest import REDIS_URL
+from tests.fixtures.db import REDIS_URL
 
 KEYS = 10_000
 

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway.db import migrate
 from gateway.db.models import Base
-from tests.control.conftest import sync_exec
+from tests.fixtures.db import sync_exec
 from weir.cli import main
 
 

@@ -22,8 +22,8 @@ import redis
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL, sync_exec
 from tests.fakes import FakeOpenAI
+from tests.fixtures.db import REDIS_URL, sync_exec
 from tests.gateway.conftest import serve
 
 pytestmark = [

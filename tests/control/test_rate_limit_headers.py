@@ -20,8 +20,9 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import ADMIN, CONFIG, REDIS_URL, Weir
 from tests.fakes import FakeOpenAI
+from tests.fixtures.db import REDIS_URL
+from tests.fixtures.gateway import ADMIN, CONFIG, Weir
 from tests.gateway.conftest import serve
 
 HELLO = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}

@@ -15,8 +15,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.state import redis as redis_state
 from gateway.state.redis import RedisState, ScriptLink, client_from_url
-from tests.control.conftest import REDIS_URL
 from tests.control.helpers import TcpProxy
+from tests.fixtures.db import REDIS_URL
 
 pytestmark = pytest.mark.redis
 

@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
-from tests.control.conftest import Weir, wait_rows
 from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fixtures.db import wait_rows
+from tests.fixtures.gateway import Weir
 
 # USD per 1M tokens. gpt-5-mini: OpenAI's list prices (standard, flex, priority processing).
 # Anthropic sells Priority Tier by commitment, without a list price: a made-up one.

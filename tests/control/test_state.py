@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from gateway.state import Adjustment, Budget, Limit, Settlement, SharedState
 from gateway.state.redis import RedisState
-from tests.control.conftest import REDIS_URL
+from tests.fixtures.db import REDIS_URL
 
 
 async def test_rpm_admits_exactly_the_limit_under_concurrency(state: SharedState) -> None:

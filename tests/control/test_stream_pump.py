@@ -17,8 +17,8 @@ from gateway.accounting.events import UsageEvent, decode
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue
 from gateway.state import Adjustment, Settlement
 from gateway.state.redis import RedisState, client_from_url
-from tests.control.conftest import REDIS_URL
 from tests.control.events import numbered_event
+from tests.fixtures.db import REDIS_URL
 
 
 class FakeRedis:

@@ -19,8 +19,8 @@ from gateway.accounting.pricing import PriceCatalog
 from gateway.state import Adjustment, Limit, MemoryState
 from gateway.state.base import BUCKETS
 from gateway.state.redis import RedisState
-from tests.control.conftest import REDIS_URL
 from tests.control.events import usage_event
+from tests.fixtures.db import REDIS_URL
 
 QUOTAS = Quotas("t", None, tenant_tpm=10_000)
 WINDOW_S = 1.2  # the Redis tests' limit window: 20 ms buckets, so they wait seconds, not minutes

@@ -20,9 +20,9 @@ from gateway.db import migrate
 from gateway.db.models import UptimeSample
 from gateway.db.session import create_engine
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import sync_exec
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeOpenAI
+from tests.fixtures.db import sync_exec
 from tests.gateway.conftest import serve
 
 ADMIN = "admin-token-for-uptime"

@@ -26,9 +26,9 @@ from gateway.accounting.writer import BatchWriter, _rollup_rows, event_row
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine
-from tests.control.conftest import REDIS_URL, premigrated
 from tests.control.events import random_events
 from tests.control.helpers import TcpProxy
+from tests.fixtures.db import REDIS_URL, premigrated
 
 CANCELLED = 499  # a hedge that lost, an attempt whose client left
 

@@ -14,8 +14,9 @@ import anthropic
 import httpx
 import pytest
 
-from tests.control.conftest import Weir, wait_rows
 from tests.fakes import FakeAnthropic
+from tests.fixtures.db import wait_rows
+from tests.fixtures.gateway import Weir
 from tests.gateway.test_messages import final_message
 
 CONFIG = """\

@@ -23,8 +23,8 @@ from gateway.state.degradable import DegradableState
 from gateway.state.memory import MemoryState
 from gateway.stream_slots import RedisSlots
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.fixtures.db import REDIS_URL
 from tests.gateway.conftest import RunningGateway
 from tests.gateway.request_logs import logged, tagged_logs
 

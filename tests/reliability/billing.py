@@ -1,11 +1,12 @@
-"""What the control plane's config (tests/control/conftest.py) bills a request: a prompt of known length,
+"""What the control plane's config (tests/fixtures/gateway.py) bills a request: a prompt of known length,
 the tenant's ledger rows once they land, and the price of tokens at the config's prices."""
 
 from __future__ import annotations
 
 from decimal import Decimal
 
-from tests.control.conftest import PRICE, Weir, wait_rows
+from tests.fixtures.db import wait_rows
+from tests.fixtures.gateway import PRICE, Weir
 
 WORDS = " ".join(f"w{i}" for i in range(40))  # the fake echoes one word per chunk, one token per word
 

@@ -7,15 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.control.conftest import (
-    CONFIG,
-    Weir,
-    pg_url,  # noqa: F401  (a fixture shared with tests/control)
-    redis_prefix,  # noqa: F401  (a fixture shared with tests/control)
-    sqlite_url,  # noqa: F401  (a fixture shared with tests/control)
-    sqlite_weir,
-)
 from tests.fakes import FakeOpenAI
+from tests.fixtures.gateway import CONFIG, Weir, sqlite_weir
 
 
 @pytest.fixture

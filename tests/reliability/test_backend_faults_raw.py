@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.control.conftest import Weir, sqlite_weir
 from tests.fakes import FakeOpenAI
+from tests.fixtures.gateway import Weir, sqlite_weir
 from tests.reliability.billing import ledger
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
 

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.control.conftest import Weir
 from tests.fakes import FakeOpenAI, Fault
+from tests.fixtures.gateway import Weir
 from tests.reliability.billing import WORDS, ledger, pico
 
 

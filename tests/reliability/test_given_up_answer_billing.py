@@ -30,13 +30,12 @@ from gateway.estimate import (
 )
 from gateway.providers import PROVIDERS
 from gateway.transport import MAX_RESPONSE_BODY
-from tests.control.conftest import (
+from tests.fakes import FakeOpenAI, Fault
+from tests.fixtures.gateway import (
     CONFIG,
     Weir,
-    migrated_pg_url,  # noqa: F401  (a fixture the weir fixture takes)
-    weir,  # noqa: F401  (the fixture, both stores)
+    weir,  # noqa: F401  (both stores', over tests/reliability's SQLite-only fixture of that name)
 )
-from tests.fakes import FakeOpenAI, Fault
 from tests.reliability.billing import WORDS, ledger, pico
 
 READ_TIMEOUT = 1.0

@@ -18,8 +18,9 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import ADMIN, CONFIG, REDIS_PORT, REDIS_URL, Weir
 from tests.fakes import FakeOpenAI
+from tests.fixtures.db import REDIS_PORT, REDIS_URL
+from tests.fixtures.gateway import ADMIN, CONFIG, Weir
 from tests.gateway.conftest import serve
 from tests.reliability.proxy import ThreadedProxy
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.control.conftest import ADMIN
 from tests.fakes import FakeOpenAI, Fault
+from tests.fixtures.gateway import ADMIN
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = " ".join(f"w{i}" for i in range(20))

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from routing.difficulty import DifficultyClassifier
-from tests.control.conftest import redis_prefix  # noqa: F401  (a fixture shared with tests/control)
 from tests.fakes.plugin import FakeVendors
 from tests.gateway.conftest import RunningGateway, fakes_env, gateway_on_fakes
 from tests.reliability.raw_backend import RawBackend

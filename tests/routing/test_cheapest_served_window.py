@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tests.control.conftest import sqlite_weir
 from tests.fakes import FakeOpenAI
+from tests.fixtures.gateway import sqlite_weir
 from tests.routing.routed import route_header
 
 SERVED = 1_000  # what the fake's `/v1/models` says of `gpt-4o-mini`: far below the declared 128,000

@@ -40,13 +40,8 @@ from routing.ranking import auc_normal_interval
 from routing.router import RouteError, validate
 from routing.routes import Candidate, Compare, Route
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import (
-    REDIS_URL,
-    pg_url,  # noqa: F401  (a fixture)
-    sqlite_url,  # noqa: F401  (a fixture)
-    sync_exec,
-)
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fixtures.db import REDIS_URL, sync_exec
 from tests.gateway.conftest import serve
 from tests.routing.comparing import comparing_app, prompt_keeper
 from tests.routing.routed import counted_micro_usd
@@ -373,7 +368,7 @@ def compared_request(url: str) -> tuple[httpx.Client, httpx.Headers]:
 
 
 def test_the_spend_cap_counts_what_the_ledger_bills_at_the_catalogs_prices(
-    sqlite_url: str,  # noqa: F811
+    sqlite_url: str,
     fake_anthropic: FakeAnthropic,
     comparing: Comparing,
 ) -> None:
@@ -413,7 +408,7 @@ def test_the_spend_cap_counts_what_the_ledger_bills_at_the_catalogs_prices(
 
 
 def test_a_comparison_priced_after_its_estimate_left_the_hour_frees_no_room(
-    sqlite_url: str,  # noqa: F811
+    sqlite_url: str,
     fake_anthropic: FakeAnthropic,
     comparing: Comparing,
     monkeypatch: pytest.MonkeyPatch,
@@ -445,7 +440,7 @@ def test_a_comparison_priced_after_its_estimate_left_the_hour_frees_no_room(
 
 
 def test_a_request_for_log_probabilities_is_compared_on_a_model_that_has_none(
-    sqlite_url: str,  # noqa: F811
+    sqlite_url: str,
     fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
     comparing: Comparing,
@@ -481,7 +476,7 @@ def test_a_request_for_log_probabilities_is_compared_on_a_model_that_has_none(
 
 
 def test_a_comparisons_other_answer_and_judge_are_asked_within_their_models_limits(
-    sqlite_url: str,  # noqa: F811
+    sqlite_url: str,
     fake_openai: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
     comparing: Comparing,

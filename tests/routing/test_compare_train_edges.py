@@ -44,13 +44,8 @@ from routing.plan import Choice, Plan
 from routing.routes import Candidate, Compare, Route
 from routing.train import HoldoutResult, Outcomes, TrainConfig, fit_head, holdout_check
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import (
-    db_url,  # noqa: F401  (a fixture)
-    pg_url,  # noqa: F401  (a fixture)
-    sqlite_url,  # noqa: F401  (a fixture)
-    sync_exec,
-)
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.fixtures.db import sync_exec
 from tests.gateway.conftest import serve
 from tests.routing.comparing import comparing_app, prompt_keeper
 from tests.routing.forced_heads import forced
@@ -127,7 +122,7 @@ class WeakFirst(random.Random):
 
 
 def test_failed_and_unreadable_comparisons_store_nothing_and_count_their_spend(
-    sqlite_url: str,  # noqa: F811
+    sqlite_url: str,
     fake_openai: FakeOpenAI,
     fake_deepseek: FakeOpenAI,
     fake_anthropic: FakeAnthropic,
@@ -461,7 +456,7 @@ def test_rows_all_of_one_kind_train_a_head_that_is_never_promoted(
     assert not report["installed"] and "rank nothing" in report["reason"]
 
 
-async def test_a_head_whose_metadata_holds_nan_is_stored_as_strict_json(db_url: str) -> None:  # noqa: F811
+async def test_a_head_whose_metadata_holds_nan_is_stored_as_strict_json(db_url: str) -> None:
     head = DifficultyHead.load(DEFAULT_HEAD_DIR)
     head.meta["blend_aucs"] = {"components": float("nan"), "components+length": float("nan")}
     head.meta["holdout"] = {"results": [], "share": 0.2, "inf": float("inf")}

@@ -30,9 +30,9 @@ from gateway.db.session import create_engine, sessionmaker
 from routing.feedback import FeedbackReport, load_feedback
 from routing.train import Outcomes
 from tests.conftest import free_port
-from tests.control.conftest import fresh_pg_database, sync_exec
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fakes.plugin import FakeVendors
+from tests.fixtures.db import fresh_pg_database, sync_exec
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 from tests.routing.routed import route_header
 

@@ -30,15 +30,10 @@ from gateway.config import parse_config
 from gateway.state import MemoryState
 from routing.breaker import Breakers
 from tests.conftest import free_port
-from tests.control.conftest import (
-    ADMIN,
-    REDIS_PORT,
-    REDIS_URL,
-    Weir,
-    sqlite_url,  # noqa: F401  (a fixture)
-)
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
+from tests.fixtures.db import REDIS_PORT, REDIS_URL
+from tests.fixtures.gateway import ADMIN, Weir
 from tests.gateway.conftest import DEMO_KEY, RunningGateway, serve
 from tests.reliability.proxy import ThreadedProxy
 from tests.routing.routed import counted_micro_usd, fresh, ledger, routed_config_text, runtime

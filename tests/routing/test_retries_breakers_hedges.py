@@ -36,10 +36,10 @@ from routing.breaker import Breakers, CircuitBreaker, State
 from routing.execute import HOUR, SpendCap, retry_after
 from routing.routes import Breaker as BreakerSettings
 from routing.stats import WINDOW, ModelStats
-from tests.control.conftest import REDIS_URL
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
+from tests.fixtures.db import REDIS_URL
 from tests.gateway.conftest import RunningGateway
 from tests.reliability.raw_backend import Send, Sleep, http_head
 from tests.routing.routed import (

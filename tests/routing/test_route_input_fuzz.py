@@ -30,8 +30,8 @@ from gateway.app import create_app
 from gateway.config import ConfigError, parse_config
 from routing.cli import router as router_cli
 from tests.conftest import free_port
-from tests.control.conftest import fresh_pg_database
 from tests.fakes.plugin import FakeVendors
+from tests.fixtures.db import fresh_pg_database
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 
 ADMIN = "admin-token-for-the-route-fuzz"

@@ -22,8 +22,8 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL, fresh_pg_database
 from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fixtures.db import REDIS_URL, fresh_pg_database
 from tests.gateway.conftest import DEMO_KEY, RunningGateway, serve
 from tests.routing.routed import route_header
 

@@ -35,8 +35,8 @@ from routing.plan import Choice, Features
 from routing.policies import expected_cost
 from routing.routes import Candidate
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_URL, migrated_sqlite
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fixtures.db import REDIS_URL, migrated_sqlite
 from tests.gateway.conftest import fakes_env, full_config_text, serve
 from tests.routing.routed import counted_micro_usd, route_header
 

@@ -23,8 +23,8 @@ from gateway.config import parse_config
 from routing.heads import bundle, digest
 from routing.prefixes import PREFIX, prefix_keys
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import REDIS_URL, fresh_pg_database, sync_exec
 from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fixtures.db import REDIS_URL, fresh_pg_database, sync_exec
 from tests.gateway.conftest import serve
 from tests.routing.forced_heads import forced
 from tests.routing.routed import route_header

@@ -17,7 +17,7 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.control.conftest import fresh_pg_database
+from tests.fixtures.db import fresh_pg_database
 from tests.routing.routes_admin import GOOD, ROUTES, Weir, serving
 
 # Another writer holding off every write of route `id` (not its reads) until the block ends.

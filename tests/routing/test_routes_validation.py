@@ -31,8 +31,8 @@ from routing.difficulty import DifficultyClassifier
 from routing.router import validate
 from routing.routes import Candidate, Route
 from routing.store import RouteStore, route_spec, stamp
-from tests.control.conftest import fresh_pg_database
 from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fixtures.db import fresh_pg_database
 from tests.gateway.conftest import full_config_text
 from tests.routing.routed import route_header
 from tests.routing.routes_admin import GOOD, ROUTES, Weir, serving

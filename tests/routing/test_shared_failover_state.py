@@ -37,8 +37,8 @@ from routing.router import Router
 from routing.routes import Breaker as BreakerSettings
 from routing.routes import Candidate, Route
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_PORT, REDIS_URL
 from tests.fakes import FakeOpenAI, Fault
+from tests.fixtures.db import REDIS_PORT, REDIS_URL
 from tests.gateway.conftest import serve
 from tests.reliability.proxy import ThreadedProxy
 

@@ -49,12 +49,7 @@ from routing.train import (
     holdout_check,
     should_promote,
 )
-from tests.control.conftest import (
-    db_url,  # noqa: F401  (a fixture)
-    pg_url,  # noqa: F401  (a fixture)
-    sqlite_url,  # noqa: F401  (a fixture)
-    sync_exec,
-)
+from tests.fixtures.db import sync_exec
 from tests.routing.forced_heads import forced
 from tests.routing.training_db import (
     DIFFICULTY,
@@ -628,7 +623,7 @@ def test_install_promotes_a_better_head_and_keeps_the_one_in_use_otherwise(
 
 
 @pytest.fixture
-def acme_route_db(db_url: str) -> str:  # noqa: F811  (the fixture imported above)
+def acme_route_db(db_url: str) -> str:
     """An admin DB, SQLite or PostgreSQL, with tenant acme and a difficulty route only acme reaches
     (strong_share 0.3, the shipped head)."""
 

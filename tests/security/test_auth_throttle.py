@@ -29,8 +29,8 @@ from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 from gateway.throttle import FailureThrottle, SharedFailureThrottle, client_address
 from tests.conftest import free_port
-from tests.control.conftest import REDIS_PORT, REDIS_URL, migrated_sqlite, redis_prefix  # noqa: F401  (a fixture)
 from tests.control.helpers import TcpProxy
+from tests.fixtures.db import REDIS_PORT, REDIS_URL, migrated_sqlite
 from tests.gateway.conftest import serve
 
 N = 5  # failures a minute: a refill every 12 s of the fake clock
@@ -253,7 +253,7 @@ server: {{auth_failures_per_minute: {N}, admin_auth_failures_per_minute: {N}}}
 @pytest.fixture
 def two_replicas(
     tmp_path: Path,
-    redis_prefix: str,  # noqa: F811  (the fixture)
+    redis_prefix: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[list[str]]:
     """Two gateways (uvicorn: an X-Forwarded-For from 127.0.0.1 names the client) on one admin DB
@@ -300,7 +300,7 @@ def test_replicas_sharing_redis_share_one_allowance_per_address(two_replicas: li
 
 @pytest.mark.redis
 async def test_a_shared_throttle_counts_per_replica_while_redis_is_away(
-    redis_prefix: str,  # noqa: F811  (the fixture)
+    redis_prefix: str,
 ) -> None:
     proxy = TcpProxy(REDIS_PORT)
     await proxy.start()

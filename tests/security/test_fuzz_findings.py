@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.control.conftest import CONFIG, Weir, sqlite_weir
 from tests.fakes import FakeOpenAI
+from tests.fixtures.gateway import CONFIG, Weir, sqlite_weir
 from tests.gateway.conftest import (
     DEMO_KEY,
     RunningGateway,

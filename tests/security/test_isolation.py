@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
-from tests.control.conftest import ADMIN, Weir, sqlite_weir, sync_exec
 from tests.fakes import FakeOpenAI
+from tests.fixtures.db import sync_exec
+from tests.fixtures.gateway import ADMIN, Weir, sqlite_weir
 
 CONFIG = """\
 backends:

@@ -25,12 +25,8 @@ from gateway.limits import Exchange
 from gateway.prompts import PromptStore
 from gateway.vault import ENV, generate_key
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import (
-    pg_url,  # noqa: F401  (a fixture)
-    sqlite_url,  # noqa: F401  (a fixture)
-    sync_exec,
-)
 from tests.fakes import FakeOpenAI
+from tests.fixtures.db import sync_exec
 from tests.gateway.conftest import serve
 from weir.cli import main
 
@@ -158,7 +154,7 @@ def test_opt_in_storage_isolation_and_retention(
 
 
 async def test_queue_is_bounded_and_survives_a_failed_write(
-    sqlite_url: str,  # noqa: F811  (the fixture)
+    sqlite_url: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

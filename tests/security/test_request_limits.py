@@ -19,11 +19,8 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.stream_slots import RedisSlots
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import (
-    REDIS_URL,
-    redis_prefix,  # noqa: F401  (a fixture)
-)
 from tests.fakes import FakeOpenAI, Fault
+from tests.fixtures.db import REDIS_URL
 from tests.gateway.conftest import serve
 
 CONFIG = """\
@@ -179,7 +176,7 @@ def test_stream_slots_are_shared_by_replicas_through_redis(
     fake_openai: FakeOpenAI,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    redis_prefix: str,  # noqa: F811  (the fixture)
+    redis_prefix: str,
 ) -> None:
     monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("WEIR_REDIS_URL", REDIS_URL)

@@ -23,12 +23,8 @@ from gateway.limits import Exchange
 from gateway.prompts import PromptStore, read_body
 from gateway.vault import ENV, ENV_PREVIOUS, Vault, VaultError, generate_key
 from tests.conftest import free_port, wait_for
-from tests.control.conftest import (
-    pg_url,  # noqa: F401  (a fixture)
-    sqlite_url,  # noqa: F401  (a fixture)
-    sync_exec,
-)
 from tests.fakes import FakeOpenAI
+from tests.fixtures.db import sync_exec
 from tests.gateway.conftest import serve
 from weir.cli import main
 
@@ -260,7 +256,7 @@ async def read_prompt(db: str, vault: Vault | None) -> tuple[str, str]:
     return read_body(row, vault)
 
 
-def test_store_applies_and_reverts_config_keys(sqlite_url: str) -> None:  # noqa: F811
+def test_store_applies_and_reverts_config_keys(sqlite_url: str) -> None:
     migrate.upgrade(sqlite_url)
     vault = Vault([bytes(32)])
     backends = [Backend(name="x", type="openai", base_url="http://x", api_key="from-config")]

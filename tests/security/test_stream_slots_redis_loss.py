@@ -19,12 +19,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.stream_slots import RedisSlots
-from tests.control.conftest import (
-    REDIS_PORT,
-    REDIS_URL,
-    redis_prefix,  # noqa: F401  (a fixture)
-)
 from tests.control.helpers import TcpProxy
+from tests.fixtures.db import REDIS_PORT, REDIS_URL
 
 pytestmark = pytest.mark.redis
 
@@ -54,7 +50,7 @@ def _count_refreshes(slots: RedisSlots, before: Callable[[], Any] | None = None)
 
 
 async def test_streams_opened_during_an_outage_still_count_once_redis_returns(
-    redis_prefix: str,  # noqa: F811
+    redis_prefix: str,
 ) -> None:
     """Limit 2. While Redis is away the replica opens 2 streams, counted in the process. Redis comes
     back while both still stream: they are in Redis before its next grant, so a third is refused
@@ -84,7 +80,7 @@ async def test_streams_opened_during_an_outage_still_count_once_redis_returns(
         await proxy.stop()
 
 
-async def test_leases_redis_lost_are_put_back_by_the_refresh(redis_prefix: str) -> None:  # noqa: F811
+async def test_leases_redis_lost_are_put_back_by_the_refresh(redis_prefix: str) -> None:
     """Limit 1, one stream open on replica A. Redis loses the tenant's lease set (here the key is
     deleted). A's next heartbeat adds its lease back, so replica B is still refused (the refresh only
     updated leases Redis had: B was granted a second stream, and more, for as long as A's ran)."""
@@ -108,7 +104,7 @@ async def test_leases_redis_lost_are_put_back_by_the_refresh(redis_prefix: str) 
 
 
 async def test_a_lease_given_back_while_a_refresh_carries_it_is_not_added_back(
-    redis_prefix: str,  # noqa: F811
+    redis_prefix: str,
 ) -> None:
     """The heartbeat has taken the lease into a refresh that is not sent yet when the stream ends, and
     the lease is given back first. The refresh that follows does not add it back: the ended stream
@@ -137,7 +133,7 @@ async def test_a_lease_given_back_while_a_refresh_carries_it_is_not_added_back(
 
 
 async def test_a_refresh_redis_runs_after_the_lease_was_given_back_does_not_add_it_back(
-    redis_prefix: str,  # noqa: F811
+    redis_prefix: str,
 ) -> None:
     """The heartbeat's refresh timed out here (the client gave up on its reply) while it was still on
     its way to Redis, and the stream then ended: the lease was given back, then Redis ran the refresh.

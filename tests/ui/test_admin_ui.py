@@ -13,7 +13,7 @@ import pytest
 
 from gateway.admin import ui
 from tests.fakes import FakeOpenAI, Fault
-from tests.ui.conftest import ADMIN, ANSWERS_READ, Weir, new_page, sign_in, signed_in, usd
+from tests.ui.helpers import ADMIN, ANSWERS_READ, Weir, new_page, sign_in, signed_in, usd
 
 
 def wait_for_ledger(weir: Weir, requests: int, timeout: float = 15, attempts: int = 0) -> dict[str, Any]:

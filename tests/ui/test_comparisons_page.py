@@ -13,7 +13,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from gateway.db.models import Comparison
-from tests.ui.conftest import ADMIN, Weir
+from tests.ui.helpers import ADMIN, Weir
 
 T0 = dt.datetime(2025, 3, 4, 12, 0, tzinfo=dt.UTC)
 

@@ -13,7 +13,7 @@ import openai
 
 from routing.heads import bundle, digest
 from tests.routing.forced_heads import forced
-from tests.ui.conftest import ADMIN, Weir
+from tests.ui.helpers import ADMIN, Weir
 
 HOLDOUT = {
     "share": 0.2,

@@ -12,7 +12,7 @@ from typing import Any
 import openai
 
 from tests.fakes import FakeOpenAI
-from tests.ui.conftest import Weir, signed_in
+from tests.ui.helpers import Weir, signed_in
 
 
 def _logged(weir: Weir, requests: int) -> list[dict[str, Any]]:

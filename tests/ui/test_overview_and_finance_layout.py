@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeOpenAI
-from tests.ui.conftest import Weir, _serve, signed_in
+from tests.ui.helpers import Weir, serve_ui, signed_in
 
 DAY = 86400
 
@@ -33,7 +33,7 @@ tenants:
   - {{name: team, api_keys: ["sk-team-key"]}}
 database_url: "${{DB_URL}}"
 """
-    yield from _serve(config, fake_openai, tmp_path, monkeypatch)
+    yield from serve_ui(config, fake_openai, tmp_path, monkeypatch)
 
 
 def test_overview_counts_cache_writes_and_finance_charts_days_and_scrolls_a_wide_report(

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.accounting.pricing import TokenClass
-from tests.ui.conftest import Weir, signed_in
+from tests.ui.helpers import Weir, signed_in
 
 
 def test_a_search_price_typed_per_1000_searches_is_the_catalogs_price(

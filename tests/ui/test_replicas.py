@@ -14,14 +14,10 @@ from gateway.admin import ui
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
-from tests.control.conftest import (
-    REDIS_URL,
-    pg_url,  # noqa: F401  (a fixture)
-    redis_prefix,  # noqa: F401  (a fixture)
-)
 from tests.fakes import FakeOpenAI
+from tests.fixtures.db import REDIS_URL
 from tests.gateway.conftest import serve
-from tests.ui.conftest import ADMIN, CONFIG
+from tests.ui.helpers import ADMIN, CONFIG
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
@@ -29,8 +25,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 @pytest.fixture
 def replicas(
     fake_openai: FakeOpenAI,
-    pg_url: str,  # noqa: F811
-    redis_prefix: str,  # noqa: F811
+    pg_url: str,
+    redis_prefix: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[list[str]]:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeOpenAI, Fault
-from tests.ui.conftest import Weir, signed_in
+from tests.ui.helpers import Weir, signed_in
 
 HI = [{"role": "user", "content": "hi"}]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 
-from tests.ui.conftest import ADMIN, Weir
+from tests.ui.helpers import ADMIN, Weir
 
 
 def upstream_model(client: openai.OpenAI) -> tuple[str, str | None]:

@@ -27,7 +27,7 @@ from routing.routes import Candidate, Route
 from routing.store import route_spec
 from tests.fakes import FakeOpenAI, Fault
 from tests.routing.forced_heads import forced
-from tests.ui.conftest import ANSWERS_READ, Weir, new_page, sign_in, signed_in
+from tests.ui.helpers import ANSWERS_READ, Weir, new_page, sign_in, signed_in
 
 CHEAP: dict[str, Any] = {
     "name": "auto",

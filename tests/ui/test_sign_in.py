@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from gateway.admin import ui
-from tests.ui.conftest import ADMIN, Weir
+from tests.ui.helpers import ADMIN, Weir
 from weir.cli import main as weir_cli
 
 
