@@ -267,7 +267,7 @@ def train(
 
     from routing.difficulty import encode
     from routing.embed import load_embedder
-    from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, question_stem
+    from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, one_thread, question_stem
 
     report = None  # with --tenant: what the join found, per row its routed score and when recorded
     serving = None  # with --tenant and --route: the route and the head it serves now
@@ -297,11 +297,12 @@ def train(
         err=True,
     )
     embed = load_embedder(embedder)
-    enc = encode(embed, data.prompts)
-    stems = None
-    if data.groups is not None and enc.options is not None and enc.options.mean() >= 0.9:
-        # Multiple-choice training data: fit the fallback for prompts asked without options.
-        stems = encode(embed, [question_stem(p) for p in data.prompts])
+    with one_thread():  # one prompt a pass through MiniLM
+        enc = encode(embed, data.prompts)
+        stems = None
+        if data.groups is not None and enc.options is not None and enc.options.mean() >= 0.9:
+            # Multiple-choice training data: fit the fallback for prompts asked without options.
+            stems = encode(embed, [question_stem(p) for p in data.prompts])
     share = holdout if holdout is not None else (0.0 if data_dir else 0.2)
     incumbent = serving[1] if install_as is not None and serving is not None else None
     # --install decides on the check, so it holds out every fifth in turn (five fits, every row ranked).
@@ -355,13 +356,14 @@ def _holdout(
 
     from routing.difficulty import DEFAULT_HEAD_DIR, STATIC_HEAD_DIR, DifficultyHead, encode
     from routing.embed import STATIC_RECIPE, load_embedder
-    from routing.train import holdout_check
+    from routing.train import holdout_check, one_thread
 
     baseline_enc, unseen, replay = None, None, None
     if incumbent is not None:
         name, baseline = incumbent
         if baseline.embedder != enc.recipe:  # it reads the prompts through another embedder
-            baseline_enc = encode(load_embedder(baseline.embedder), data.prompts)
+            with one_thread():
+                baseline_enc = encode(load_embedder(baseline.embedder), data.prompts)
         through = baseline.meta.get("trained_through")
         if report is not None and through is not None and baseline.meta.get("tenant_id") == report.tenant_id:
             had = report.recorded <= through
