@@ -17,16 +17,10 @@ from routing.router import Router
 from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import migrated_sqlite
+from tests.fixtures.gateway import CONFIG as CONFIG  # the control tests' one-backend config
 from tests.gateway.conftest import serve
 
 ADMIN = "admin-token-for-ui-tests"
-CONFIG = """\
-backends:
-  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
-models:
-  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, cached_input: 0.075, output: 0.60}}
-database_url: "${DB_URL}"
-"""
 
 
 @dataclass
