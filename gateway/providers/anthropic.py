@@ -83,6 +83,9 @@ DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; OpenAI clients often
 JSON_TOOL = "json_response"  # the forced tool that carries structured output
 BETA = "anthropic-beta"  # the header that turns on Anthropic's beta features
 MIN_THINKING_BUDGET = 1024  # Anthropic refuses smaller thinking budgets
+# Anthropic refuses a request with more `cache_control` breakpoints than this: "A maximum of 4 blocks
+# with cache_control may be provided. Found 5."
+MAX_BREAKPOINTS = 4
 # reasoning_effort -> thinking budget; other efforts ("minimal", "none") ask for no thinking. Above
 # high, no more than high: a larger budget needs a max_tokens the client did not choose.
 EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384, "xhigh": 16384, "max": 16384}
@@ -602,7 +605,40 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
                 {"name": JSON_TOOL, "description": "Reply with the answer.", "input_schema": schema}
             ]
             body["tool_choice"] = {"type": "tool", "name": JSON_TOOL}
+    _fit_breakpoints(body)
     return body
+
+
+def _breakpoints(body: dict[str, Any]) -> list[tuple[list[Any], int]]:
+    """Where the body's `cache_control` breakpoints are, in the order of Anthropic's prompt prefix
+    (tools, system, messages), each as (the list holding its block, the block's index): every one the
+    body carries, a tool result's own blocks' (kept as the client sent them) included."""
+    found: list[tuple[list[Any], int]] = []
+
+    def scan(blocks: Any) -> None:
+        for i, block in enumerate(blocks if isinstance(blocks, list) else ()):
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "tool_result":
+                scan(block.get("content"))  # before the result's own marker, which ends it
+            if block.get("cache_control") is not None:
+                found.append((blocks, i))
+
+    scan(body.get("tools"))
+    scan(body.get("system"))
+    for message in body["messages"]:
+        scan(message["content"])
+    return found
+
+
+def _fit_breakpoints(body: dict[str, Any]) -> None:
+    """Breakpoints beyond Anthropic's `MAX_BREAKPOINTS` left out, where Anthropic would refuse the whole
+    request: they ask for no other answer, only for what is cached. Kept: the first ones, the prefixes
+    other conversations share (tools, system), and the last, the longest prefix, which the next turn
+    reads; those between are what another kept breakpoint's prefix holds too. Each block dropped from
+    is replaced by a copy, never changed: it may be the client's own (a tool's definition)."""
+    for blocks, i in _breakpoints(body)[MAX_BREAKPOINTS - 1 : -1]:
+        blocks[i] = {key: value for key, value in blocks[i].items() if key != "cache_control"}
 
 
 def _fit_sampling(body: dict[str, Any], model: str) -> None:

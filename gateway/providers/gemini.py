@@ -411,7 +411,11 @@ PENALTIES = unexpressible("frequency_penalty", "presence_penalty")
 
 
 def chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
-    refuse_builtin_tools(request, "Gemini models")  # tools first, then parameters, as on every adapter
+    # Tools first, then parameters, as on every adapter; here, not in `chat_request` alone, so that a
+    # count (`count_tokens_request`) is refused where the request it counts would be, not made without
+    # the tools that request could not carry.
+    refuse_anthropic_tools(request, "Gemini")
+    refuse_builtin_tools(request, "Gemini models")
     check_stop_count(request, MAX_STOP_SEQUENCES, "Gemini")
     refuse_unexpressible(request, UNEXPRESSIBLE, "Gemini models")
     if not _PENALTIES.search(model):
@@ -483,7 +487,6 @@ def continuation(backend: Backend, model: str) -> Continuation:
 
 
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
-    refuse_anthropic_tools(request, "Gemini")
     body = json_encode(chat_body(continued(request, continuation(backend, model)), model))
     if request.stream:
         return UpstreamRequest(

@@ -288,8 +288,12 @@ def continuation(backend: Backend, model: str) -> Continuation:
     return backend.continuation or ("continue_final_message" if backend.type == "engine" else "instruction")
 
 
-def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+def _refuse_anthropic_tools(backend: Backend, request: ChatRequest) -> None:
     refuse_anthropic_tools(request, "Weir's engine" if backend.type == "engine" else "OpenAI-compatible")
+
+
+def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
+    _refuse_anthropic_tools(backend, request)
     refuse_builtin_tools(request, "models served on chat completions")
     request = continued(request, continuation(backend, model))
     rules = openai_rules(backend, model)
@@ -744,7 +748,9 @@ PROVIDER = Provider(
 
 
 def tokenize_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
-    """Weir's engine counts a chat with `POST /tokenize` (vLLM's endpoint), at its server root."""
+    """Weir's engine counts a chat with `POST /tokenize` (vLLM's endpoint), at its server root; a chat
+    it would refuse (`chat_request`) is not counted without what it refuses."""
+    _refuse_anthropic_tools(backend, request)
     chat = _chat_body(request, model)
     body = {"model": model, "messages": chat["messages"]}
     for key in ("tools", "tool_choice"):

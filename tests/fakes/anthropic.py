@@ -14,7 +14,8 @@ streaming event sequence ``message_start``, ``content_block_start``, ``ping``, `
 same object as an ``event: error`` mid-stream; ``request-id`` and rate-limit headers.
 
 Rejects with Anthropic's 400 what Anthropic rejects: a missing ``max_tokens``/``model``/``messages``,
-``max_tokens`` above the model's limit (`MAX_OUTPUT_TOKENS`), ``temperature`` above 1, a thinking
+``max_tokens`` above the model's limit (`MAX_OUTPUT_TOKENS`), ``temperature`` above 1, more than four
+``cache_control`` breakpoints (a tool result's blocks' counted too), a thinking
 budget under 1024 or not below ``max_tokens``, a ``tool_result`` without its ``tool_use`` in the
 previous message, a ``tool_use`` id outside ``[a-zA-Z0-9_-]``, unknown block types; on ``count_tokens``, fields it does not take (``max_tokens``).
 Thinking signatures are checked as Anthropic checks them: the fake signs each thinking block it
@@ -287,6 +288,7 @@ class FakeAnthropic(FakeServer):
 
     def _prompt_blocks(self, body: dict[str, Any]) -> tuple[list[Block], dict[str, str]]:
         """The prompt as cacheable blocks (tools, system, messages) and a tool_use id -> name map."""
+        _check_breakpoint_count(body)
         blocks: list[Block] = []
         for i, tool in enumerate(body.get("tools") or []):
             kind = tool.get("type", "custom")
@@ -689,6 +691,33 @@ def _ttl(block: dict[str, Any]) -> str | None:
     if not isinstance(control, dict) or control.get("type") != "ephemeral":
         return None
     return "1h" if control.get("ttl") == "1h" else "5m"
+
+
+MAX_BREAKPOINTS = 4
+
+
+def _check_breakpoint_count(body: dict[str, Any]) -> None:
+    """At most `MAX_BREAKPOINTS` blocks with `cache_control`, as Anthropic counts them: tools, system
+    blocks, message blocks and the blocks of a tool result."""
+
+    def marked(blocks: Any) -> int:
+        blocks = blocks if isinstance(blocks, list) else []
+        return sum(
+            (block.get("cache_control") is not None)
+            + (marked(block.get("content")) if block.get("type") == "tool_result" else 0)
+            for block in blocks
+            if isinstance(block, dict)
+        )
+
+    found = (
+        marked(body.get("tools"))
+        + marked(body.get("system"))
+        + sum(marked(m.get("content")) for m in body.get("messages") or [] if isinstance(m, dict))
+    )
+    if found > MAX_BREAKPOINTS:
+        raise Invalid(
+            400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {found}."
+        )
 
 
 _RESULT_BLOCKS = ("text", "image", "document", "search_result", "tool_reference")

@@ -302,6 +302,21 @@ def test_a_count_the_engine_cannot_make_is_estimated_not_refused() -> None:
         assert raw.headers["x-weir-token-count"] == "backend"
 
 
+def test_a_count_with_a_tool_of_anthropics_api_is_refused_as_its_message_is() -> None:
+    """The engine is never sent a tool of Anthropic's API (its message is refused before anything
+    is sent): a count without the tool was below anything the message could bill."""
+    asked = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+    }
+    with tiny_engine_gateway() as url:
+        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages
+        with pytest.raises(anthropic.BadRequestError, match=r"tools\[0\]"):
+            client.create(model="small", max_tokens=5, **asked)  # type: ignore[arg-type]
+        with pytest.raises(anthropic.BadRequestError, match=r"tools\[0\]"):
+            client.count_tokens(model="small", **asked)  # type: ignore[arg-type]
+
+
 # --- supervision: restarts, the port, a gateway that dies ---------------------------------------------
 
 TINY_ENGINE = str(Path(__file__).with_name("tiny_engine.py"))

@@ -33,6 +33,7 @@ ROUTES = """\
 routes:
   - {name: gpt-then-claude, candidates: [{model: gpt-4o-mini}, {model: claude-sonnet}], probe_interval: null}
   - {name: gpt-then-gemini, candidates: [{model: gpt-4o-mini}, {model: gemini-flash}], probe_interval: null}
+  - {name: gemini-then-claude, candidates: [{model: gemini-flash}, {model: claude-sonnet}], probe_interval: null}
   - {name: claude-twice, candidates: [{model: claude-sonnet}, {model: claude-opus-46}], probe_interval: null}
 """
 ASK = "search the web for the tallest tree"
@@ -195,6 +196,57 @@ def test_a_tool_reference_in_a_tool_result_reaches_claude_as_sent(
     answer = final_message(gateway.anthropic(), stream, asked)
     assert answer.content
     assert fake_anthropic.last_request.json["messages"][2] == messages[2]
+
+
+CACHED = {"type": "ephemeral"}
+
+
+def _marked(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The blocks of `blocks` (a tool result's included) that carry a `cache_control` breakpoint."""
+    found = []
+    for block in blocks:
+        if block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+            found += _marked(block["content"])
+        if "cache_control" in block:
+            found.append(block)
+    return found
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_results_own_breakpoints_count_toward_claudes_four(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    """Five breakpoints, one on the `tool_reference` of a tool result kept as the client sent it:
+    Anthropic refuses more than four, so one between the first three and the last is left out, and
+    the rest reach Claude as sent. The count endpoint gets the same body."""
+    messages = _searched_tools({**REFERENCE, "cache_control": CACHED})
+    messages[0]["content"] = [
+        {"type": "text", "text": "what is the weather in Paris", "cache_control": CACHED}
+    ]
+    messages[2]["content"][0]["cache_control"] = CACHED
+    asked = {
+        "model": "claude-sonnet",
+        "max_tokens": 50,
+        "system": [{"type": "text", "text": "You are terse.", "cache_control": CACHED}],
+        "tools": [{**FIND_TOOLS, "cache_control": CACHED}, DEFERRED],
+        "messages": messages,
+    }
+    answer = final_message(gateway.anthropic(), stream, asked)
+    assert answer.content
+    sent = fake_anthropic.last_request.json
+    marked = [
+        *_marked(sent["tools"]),
+        *_marked(sent["system"]),
+        *(block for message in sent["messages"] for block in _marked(message["content"])),
+    ]
+    assert len(marked) == 4
+    result = sent["messages"][2]["content"][0]
+    assert result["content"] == [REFERENCE] and result["cache_control"] == CACHED
+    assert sent["messages"][0]["content"][0]["cache_control"] == CACHED
+    counted = gateway.anthropic().messages.count_tokens(
+        **{k: v for k, v in asked.items() if k != "max_tokens"}
+    )
+    assert counted.input_tokens > 0
 
 
 def test_a_tool_reference_is_left_out_for_another_vendor(
@@ -402,6 +454,23 @@ def test_count_tokens_counts_a_server_tool_on_claude(
     assert counted.input_tokens > 0
     assert fake_anthropic.last_request.path.endswith("/count_tokens")
     assert fake_anthropic.last_request.json["tools"] == [WEB_SEARCH]
+
+
+@pytest.mark.parametrize("tool", [WEB_SEARCH, DEFERRED])
+def test_a_gemini_count_is_refused_where_its_message_would_be(
+    routed: RunningGateway, fake_gemini: FakeGemini, fake_anthropic: FakeAnthropic, tool: dict[str, Any]
+) -> None:
+    """Gemini cannot be sent a tool of Anthropic's API (nor a deferred one): a count made without it
+    was a count of a request that is never sent, below what the message bills wherever it goes. Now
+    the count is refused as the message is, and a route counts on the candidate that takes it."""
+    asked = {"tools": [WEATHER, tool], "messages": [{"role": "user", "content": ASK}]}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        routed.anthropic().messages.count_tokens(model="gemini-flash", **asked)  # type: ignore[arg-type]
+    assert "tools[1]" in caught.value.message and not fake_gemini.posts
+    raw = routed.anthropic().messages.with_raw_response.count_tokens(model="gemini-then-claude", **asked)  # type: ignore[arg-type]
+    assert "gemini-flash:unsupported" in raw.headers["x-weir-route"]
+    assert raw.headers["x-weir-token-count"] == "backend" and not fake_gemini.posts
+    assert fake_anthropic.last_request.json["tools"][1] == tool
 
 
 @pytest.mark.parametrize("model", ["gpt-4o-mini", "gemini-flash"])
