@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
-from urllib.parse import urlencode
 
 import msgspec
 
@@ -34,6 +33,7 @@ from gateway.providers.base import (
     ParamTable,
     Provider,
     UpstreamRequest,
+    VendorApi,
     as_list,
     claude_only,
     comma_list,
@@ -151,23 +151,17 @@ PARAMS = ParamTable(
 )
 
 
-def _url(backend: Backend, path: str = "/v1/messages") -> str:
-    query = f"?{urlencode(backend.query)}" if backend.query else ""
-    return f"{(backend.base_url or '').rstrip('/')}{path}{query}"
+def _version(backend: Backend) -> dict[str, str]:
+    return {"anthropic-version": backend.anthropic_version}
 
 
-def _base_headers(backend: Backend) -> dict[str, str]:
-    """What every request to `backend` carries, with a body or without (its health probes): the
-    API version and the backend's own key, never a client's, then its configured headers."""
-    result = {"anthropic-version": backend.anthropic_version}
-    if backend.api_key:
-        result["x-api-key"] = backend.api_key
-    result.update(backend.headers)
-    return result
+# The backend's key in `x-api-key`, beside the API version every request needs, the model list's too
+# (`/v1/models`, which Anthropic answers only with both).
+API = VendorApi(key_header="x-api-key", root="/v1", fixed=_version)
 
 
 def _headers(backend: Backend, request: ChatRequest) -> dict[str, str]:
-    result = {"content-type": "application/json", **_base_headers(backend)}
+    result = API.headers(backend)
     if request.anthropic_beta:
         # The client's beta flags beside any the backend's config sends, each once.
         configured = [result.pop(name) for name in list(result) if name.lower() == BETA]
@@ -506,23 +500,19 @@ def continuation(backend: Backend, model: str) -> Continuation:
 def chat_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     request = continued(request, continuation(backend, model))
     body = json_encode(_chat_body(request, model))
-    return UpstreamRequest(_url(backend), _headers(backend, request), body, stream=bool(request.stream))
+    return UpstreamRequest(
+        API.url(backend, "/messages"), _headers(backend, request), body, stream=bool(request.stream)
+    )
 
 
 # What /v1/messages/count_tokens takes of a Messages body; it refuses the rest (max_tokens, stream...).
 _COUNTED = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control")
 
 
-def models_request(backend: Backend) -> UpstreamRequest:
-    """The GET of `backend`'s model list (`/v1/models`), which Anthropic answers only with the key
-    and `anthropic-version`, as every request carries them."""
-    return UpstreamRequest(_url(backend, "/v1/models"), _base_headers(backend), b"", method="GET")
-
-
 def count_tokens_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     body = {k: v for k, v in _chat_body(request, model).items() if k in _COUNTED}
     return UpstreamRequest(
-        _url(backend, "/v1/messages/count_tokens"), _headers(backend, request), json_encode(body)
+        API.url(backend, "/messages/count_tokens"), _headers(backend, request), json_encode(body)
     )
 
 
@@ -942,7 +932,7 @@ PROVIDER = Provider(
     chat_stream=ChatStream,
     error=error,
     empty_answer=empty_answer,
-    models_request=models_request,
+    models_request=API.models_request,
     count_tokens_request=count_tokens_request,
     count_tokens_response=count_tokens_response,
     continuation=continuation,

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+from urllib.parse import urlencode
 
 import msgspec
 import structlog
@@ -57,6 +58,50 @@ class UpstreamRequest:
     body: bytes
     method: str = "POST"
     stream: bool = False
+
+
+def _no_headers(backend: Backend) -> Mapping[str, str]:
+    return {}
+
+
+@dataclass(frozen=True, slots=True)
+class VendorApi:
+    """How a vendor's HTTP API is reached, as data: where its paths start, how it takes the backend's
+    key, what else every request carries. The URLs and headers every adapter sends (its health
+    probes' included) are built from it here, once; an adapter declares only what differs."""
+
+    key_header: str  # the header the backend's key goes in
+    key_prefix: str = ""  # before the key in it ("Bearer ")
+    root: str = ""  # the API's version prefix, before every path ("/v1")
+    models_path: str = "/models"  # the model list, below `root`
+    # Headers the vendor wants on every request besides the key (Anthropic's API version).
+    fixed: Callable[[Backend], Mapping[str, str]] = _no_headers
+
+    def url(self, backend: Backend, path: str, query: Mapping[str, str] | None = None) -> str:
+        """`path` (below `root`) on `backend`, with its configured query and then `query`."""
+        params = {**backend.query, **(query or {})}
+        suffix = f"?{urlencode(params)}" if params else ""
+        return f"{(backend.base_url or backend.url or '').rstrip('/')}{self.root}{path}{suffix}"
+
+    def base_headers(self, backend: Backend) -> dict[str, str]:
+        """What every request to `backend` carries, with a body or without (its health probes): the
+        vendor's fixed headers, the backend's own key (never a client's), then its configured headers
+        (Azure's `api-key`), which win."""
+        result = dict(self.fixed(backend))
+        if backend.api_key:
+            result[self.key_header] = f"{self.key_prefix}{backend.api_key}"
+        result.update(backend.headers)
+        return result
+
+    def headers(self, backend: Backend) -> dict[str, str]:
+        """`base_headers` for a request with a JSON body."""
+        return {"content-type": "application/json", **self.base_headers(backend)}
+
+    def models_request(self, backend: Backend) -> UpstreamRequest:
+        """The GET of `backend`'s model list, asked as every request is (`Provider.models_request`)."""
+        return UpstreamRequest(
+            self.url(backend, self.models_path), self.base_headers(backend), b"", method="GET"
+        )
 
 
 class StreamDecoder(Protocol):

@@ -11,7 +11,7 @@ import re
 from collections import ChainMap
 from collections.abc import Mapping
 from typing import Any, Literal
-from urllib.parse import quote, urlencode
+from urllib.parse import quote
 
 import msgspec
 
@@ -24,6 +24,7 @@ from gateway.providers.base import (
     ParamTable,
     Provider,
     UpstreamRequest,
+    VendorApi,
     as_list,
     call_id_with_signature,
     check_stop_count,
@@ -190,31 +191,12 @@ class SchemaCleaner:
         return out
 
 
-def _api_url(backend: Backend, path: str, extra: dict[str, str] | None = None) -> str:
-    query = {**backend.query, **(extra or {})}
-    suffix = f"?{urlencode(query)}" if query else ""
-    return f"{(backend.base_url or '').rstrip('/')}/v1beta{path}{suffix}"
+# The backend's key in `x-goog-api-key`, on the model list (`/v1beta/models`) as on every request.
+API = VendorApi(key_header="x-goog-api-key", root="/v1beta")
 
 
-def _url(backend: Backend, model: str, method: str, extra: dict[str, str] | None = None) -> str:
-    return _api_url(backend, f"/models/{quote(model, safe='')}:{method}", extra)
-
-
-def _base_headers(backend: Backend) -> dict[str, str]:
-    """What every request to `backend` carries, with a body or without (its health probes): the
-    backend's own key, never a client's, then its configured headers."""
-    result = {"x-goog-api-key": backend.api_key} if backend.api_key else {}
-    result.update(backend.headers)
-    return result
-
-
-def _headers(backend: Backend) -> dict[str, str]:
-    return {"content-type": "application/json", **_base_headers(backend)}
-
-
-def models_request(backend: Backend) -> UpstreamRequest:
-    """The GET of `backend`'s model list (`/v1beta/models`), asked with the key as every request is."""
-    return UpstreamRequest(_api_url(backend, "/models"), _base_headers(backend), b"", method="GET")
+def _url(backend: Backend, model: str, method: str, query: dict[str, str] | None = None) -> str:
+    return API.url(backend, f"/models/{quote(model, safe='')}:{method}", query)
 
 
 def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str, Any]]:
@@ -491,11 +473,11 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     if request.stream:
         return UpstreamRequest(
             _url(backend, model, "streamGenerateContent", {"alt": "sse"}),
-            _headers(backend),
+            API.headers(backend),
             body,
             stream=True,
         )
-    return UpstreamRequest(_url(backend, model, "generateContent"), _headers(backend), body)
+    return UpstreamRequest(_url(backend, model, "generateContent"), API.headers(backend), body)
 
 
 def _candidate(
@@ -811,7 +793,9 @@ def embeddings_request(backend: Backend, request: EmbeddingRequest, model: str) 
     if request.dimensions is not None:
         entry["outputDimensionality"] = request.dimensions
     body = {"requests": [{**entry, "content": {"parts": [{"text": text}]}} for text in texts]}
-    return UpstreamRequest(_url(backend, model, "batchEmbedContents"), _headers(backend), json_encode(body))
+    return UpstreamRequest(
+        _url(backend, model, "batchEmbedContents"), API.headers(backend), json_encode(body)
+    )
 
 
 def embeddings_response(body: bytes, model: str) -> EmbeddingResponse:
@@ -829,7 +813,7 @@ def embeddings_response(body: bytes, model: str) -> EmbeddingResponse:
 def count_tokens_request(backend: Backend, request: ChatRequest, model: str) -> UpstreamRequest:
     # The whole generateContent request, so the system instruction and tools are counted too.
     body = {"generateContentRequest": {"model": f"models/{model}", **chat_body(request, model)}}
-    return UpstreamRequest(_url(backend, model, "countTokens"), _headers(backend), json_encode(body))
+    return UpstreamRequest(_url(backend, model, "countTokens"), API.headers(backend), json_encode(body))
 
 
 def count_tokens_response(body: bytes, model: str) -> TokenCount:
@@ -843,7 +827,7 @@ PROVIDER = Provider(
     chat_stream=ChatStream,
     error=error,
     empty_answer=empty_answer,
-    models_request=models_request,
+    models_request=API.models_request,
     embeddings_request=embeddings_request,
     embeddings_response=embeddings_response,
     count_tokens_request=count_tokens_request,

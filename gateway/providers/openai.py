@@ -12,7 +12,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, cast
-from urllib.parse import urlencode, urlparse
+from urllib.parse import urlparse
 
 import msgspec
 
@@ -23,6 +23,7 @@ from gateway.providers.base import (
     Continuation,
     Provider,
     UpstreamRequest,
+    VendorApi,
     check_stop_count,
     continued,
     decode_json,
@@ -81,30 +82,10 @@ _OPENAI_MODEL = re.compile(r"(gpt-\d|chatgpt-|o\d+([-.]|$))")
 MAX_STOP_SEQUENCES = 4  # OpenAI: "'stop': array too long. Expected an array with maximum length 4"
 
 
-def url(backend: Backend, path: str) -> str:
-    base = (backend.base_url or backend.url or "").rstrip("/")
-    query = f"?{urlencode(backend.query)}" if backend.query else ""
-    return f"{base}{path}{query}"
-
-
-def base_headers(backend: Backend) -> dict[str, str]:
-    """What every request to `backend` carries, with a body or without (its health probes): the
-    backend's own key, never a client's, and its configured headers (Azure's `api-key`)."""
-    result = {"authorization": f"Bearer {backend.api_key}"} if backend.api_key else {}
-    result.update(report_request(backend))  # the engine's queue, in each response
-    result.update(backend.headers)
-    return result
-
-
-def headers(backend: Backend) -> dict[str, str]:
-    return {"content-type": "application/json", **base_headers(backend)}
-
-
-def models_request(backend: Backend) -> UpstreamRequest:
-    """The GET of `backend`'s model list (`/models`, free on OpenAI and Azure): a vLLM or SGLang
-    server started with `--api-key` answers it with each model's `max_model_len` only when asked
-    with the key."""
-    return UpstreamRequest(url(backend, "/models"), base_headers(backend), b"", method="GET")
+# The backend's key as a bearer token; the bundled engine is asked for its load report on every
+# request and probe. The model list (`/models`, free on OpenAI and Azure) is asked with the key: a vLLM
+# or SGLang server started with `--api-key` answers it with each model's `max_model_len` only then.
+API = VendorApi(key_header="authorization", key_prefix="Bearer ", fixed=report_request)
 
 
 def request_body(request: Base, model: str) -> dict[str, Any]:
@@ -317,7 +298,10 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
         # Always ask for the usage chunk: accounting needs it even when the client did not.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return UpstreamRequest(
-        url(backend, "/chat/completions"), headers(backend), json_encode(body), stream=bool(request.stream)
+        API.url(backend, "/chat/completions"),
+        API.headers(backend),
+        json_encode(body),
+        stream=bool(request.stream),
     )
 
 
@@ -663,7 +647,7 @@ def error(status: int, body: bytes, response_headers: Mapping[str, str]) -> Gate
 
 def embeddings_request(backend: Backend, request: EmbeddingRequest, model: str) -> UpstreamRequest:
     return UpstreamRequest(
-        url(backend, "/embeddings"), headers(backend), json_encode(request_body(request, model))
+        API.url(backend, "/embeddings"), API.headers(backend), json_encode(request_body(request, model))
     )
 
 
@@ -685,7 +669,7 @@ def completions_request(backend: Backend, request: CompletionRequest, model: str
     if request.stream:
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return UpstreamRequest(
-        url(backend, "/completions"), headers(backend), json_encode(body), stream=bool(request.stream)
+        API.url(backend, "/completions"), API.headers(backend), json_encode(body), stream=bool(request.stream)
     )
 
 
@@ -739,7 +723,7 @@ PROVIDER = Provider(
     chat_stream=ChatStream,
     error=error,
     empty_answer=empty_answer,
-    models_request=models_request,
+    models_request=API.models_request,
     embeddings_request=embeddings_request,
     embeddings_response=embeddings_response,
     native_completions=True,
@@ -757,7 +741,7 @@ def tokenize_request(backend: Backend, request: ChatRequest, model: str) -> Upst
         if chat.get(key):
             body[key] = chat[key]
     root = (backend.base_url or backend.url or "").rstrip("/").removesuffix("/v1")
-    return UpstreamRequest(f"{root}/tokenize", headers(backend), json_encode(body))
+    return UpstreamRequest(f"{root}/tokenize", API.headers(backend), json_encode(body))
 
 
 def tokenize_response(body: bytes, model: str) -> TokenCount:

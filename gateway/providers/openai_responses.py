@@ -250,8 +250,8 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     if request.stream:
         body["stream"] = True
     return UpstreamRequest(
-        openai.url(backend, "/responses"),
-        openai.headers(backend),
+        openai.API.url(backend, "/responses"),
+        openai.API.headers(backend),
         json_encode(body),
         stream=bool(request.stream),
     )
