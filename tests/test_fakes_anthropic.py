@@ -346,6 +346,9 @@ def test_rejects_what_anthropic_rejects(client: anthropic.Anthropic) -> None:
         client.messages.create(
             model=MODEL, max_tokens=10, messages=user("x"), extra_body={"temperature": 1.5}
         )
+    marked = [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}} for i in range(5)]
+    with pytest.raises(anthropic.BadRequestError, match="A maximum of 4 blocks with cache_control"):
+        client.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": marked}])  # type: ignore[arg-type]
 
 
 def test_prefill_is_continued(client: anthropic.Anthropic) -> None:
