@@ -623,11 +623,13 @@ def _breakpoints(body: dict[str, Any]) -> list[tuple[list[Any], int]]:
 
 def _fit_breakpoints(body: dict[str, Any]) -> None:
     """Breakpoints beyond Anthropic's `MAX_BREAKPOINTS` left out, where Anthropic would refuse the whole
-    request: they ask for no other answer, only for what is cached. Kept: the first ones, the prefixes
-    other conversations share (tools, system), and the last, the longest prefix, which the next turn
-    reads; those between are what another kept breakpoint's prefix holds too. Each block dropped from
-    is replaced by a copy, never changed: it may be the client's own (a tool's definition)."""
-    for blocks, i in _breakpoints(body)[MAX_BREAKPOINTS - 1 : -1]:
+    request: they ask for no other answer, only for what is cached. Automatic caching (the body's own
+    `cache_control`) takes one of the slots. Kept: the first ones, the prefixes other conversations
+    share (tools, system), and the last, the longest prefix, which the next turn reads; those between
+    are what another kept breakpoint's prefix holds too. Each block dropped from is replaced by a
+    copy, never changed: it may be the client's own (a tool's definition)."""
+    room = MAX_BREAKPOINTS - (body.get("cache_control") is not None)
+    for blocks, i in _breakpoints(body)[room - 1 : -1]:
         blocks[i] = {key: value for key, value in blocks[i].items() if key != "cache_control"}
 
 

@@ -698,7 +698,8 @@ MAX_BREAKPOINTS = 4
 
 def _check_breakpoint_count(body: dict[str, Any]) -> None:
     """At most `MAX_BREAKPOINTS` blocks with `cache_control`, as Anthropic counts them: tools, system
-    blocks, message blocks and the blocks of a tool result."""
+    blocks, message blocks and the blocks of a tool result, and automatic caching (a top-level
+    `cache_control`), which takes one of the slots."""
 
     def marked(blocks: Any) -> int:
         blocks = blocks if isinstance(blocks, list) else []
@@ -710,7 +711,8 @@ def _check_breakpoint_count(body: dict[str, Any]) -> None:
         )
 
     found = (
-        marked(body.get("tools"))
+        (body.get("cache_control") is not None)
+        + marked(body.get("tools"))
         + marked(body.get("system"))
         + sum(marked(m.get("content")) for m in body.get("messages") or [] if isinstance(m, dict))
     )

@@ -249,6 +249,30 @@ def test_a_tool_results_own_breakpoints_count_toward_claudes_four(
     assert counted.input_tokens > 0
 
 
+def test_automatic_caching_takes_one_of_claudes_four_breakpoints(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """Four breakpoints of the client's and automatic caching (the request's own `cache_control`),
+    which Anthropic counts as a fifth: one of the client's between the first two and the last is
+    left out."""
+    turns = [
+        {"role": "user", "content": [{"type": "text", "text": "first", "cache_control": CACHED}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "noted", "cache_control": CACHED}]},
+        {"role": "user", "content": [{"type": "text", "text": "second", "cache_control": CACHED}]},
+    ]
+    gateway.anthropic().messages.create(
+        model="claude-sonnet",
+        max_tokens=50,
+        system=[{"type": "text", "text": "You are terse.", "cache_control": CACHED}],
+        messages=turns,  # type: ignore[arg-type]
+        extra_body={"cache_control": CACHED},
+    )
+    sent = fake_anthropic.last_request.json
+    assert sent["cache_control"] == CACHED
+    assert [len(_marked(message["content"])) for message in sent["messages"]] == [1, 0, 1]
+    assert _marked(sent["system"])
+
+
 def test_a_tool_reference_is_left_out_for_another_vendor(
     gateway: RunningGateway, fake_openai: FakeOpenAI
 ) -> None:
