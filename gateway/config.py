@@ -220,6 +220,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # WEIR_DATABASE_URL and WEIR_REDIS_URL win over these. See docs/accounting.md.
     database_url: str | None = None
     redis_url: str | None = None
+    # How many gateway replicas share `redis_url`: while Redis is away each admits 1/replicas of every
+    # rate limit. Only until this replica has counted the live ones in Redis (every 10 s), which then
+    # wins: for a replica that starts during an outage. None: 1. See docs/reliability.md.
+    replicas: Annotated[int, msgspec.Meta(ge=1)] | None = None
     auto_migrate: bool = True  # upgrade the admin DB schema at start
 
     def backend(self, name: str) -> Backend:

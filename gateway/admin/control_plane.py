@@ -58,6 +58,7 @@ class ControlPlaneSettings:
     auto_migrate: bool = True
     spool_dir: str = "./var/usage-spool"
     redis_prefix: str = "weir:"
+    replicas: int | None = None  # the config's hint: replicas sharing Redis, until counted there
     admin_token: str | None = None  # None: WEIR_ADMIN_TOKEN, else generated once and printed
     key_cache_ttl_s: float = 30.0
     catalog_refresh_s: float = 10.0
@@ -92,7 +93,7 @@ class ControlPlane:
         self.database_url = normalise_url(settings.database_url)
         self.engine = create_engine(self.database_url)
         self.sessions = sessionmaker(self.engine)
-        self.state = open_state(settings.redis_url, prefix=settings.redis_prefix)
+        self.state = open_state(settings.redis_url, prefix=settings.redis_prefix, replicas=settings.replicas)
         self.catalog = PriceCatalog()
         # Public model name -> its config's long-context tier (`Pipeline.long_context`, set by the app):
         # it prices a long prompt's budget estimate as the attempt will be billed.
@@ -157,6 +158,8 @@ class ControlPlane:
         await self.reload_catalog()
         await self.warn_of_tenant_name_clashes()
         await self.authenticator.start()
+        if isinstance(self.state, DegradableState):  # counts the replicas it shares limits among
+            self.state.start()
         if isinstance(self.queue, RedisStreamQueue):
             self.queue.start()
         self.writer.start()
@@ -325,6 +328,7 @@ def from_config(config: Any) -> ControlPlane | None:
         ControlPlaneSettings(
             database_url=database_url,
             redis_url=redis_url,
+            replicas=getattr(config, "replicas", None),
             auto_migrate=getattr(config, "auto_migrate", True),
             prices=prices,
             tenants=getattr(config, "tenants", None) or (),

@@ -20,14 +20,15 @@ from gateway.state.base import (
 from gateway.state.memory import MemoryState
 
 
-def open_state(redis_url: str | None, prefix: str = "weir:") -> SharedState:
+def open_state(redis_url: str | None, prefix: str = "weir:", replicas: int | None = None) -> SharedState:
+    """`replicas`: how many replicas to share limits among while Redis is away, until counted there."""
     if not redis_url:
         return MemoryState()
     from gateway.state.degradable import DegradableState
     from gateway.state.redis import RedisState
 
     # Redis down must not take the gateway down: limits fall back to this process meanwhile.
-    return DegradableState(RedisState.from_url(redis_url, prefix=prefix))
+    return DegradableState(RedisState.from_url(redis_url, prefix=prefix), replicas=replicas)
 
 
 __all__ = [

@@ -226,6 +226,16 @@ class SharedState(Protocol):
         A claim only one caller gets, which lapses on its own if its holder goes away."""
         ...
 
+    async def announce_replica(self, replica: str, ttl_s: float) -> int:
+        """Say that gateway replica `replica` is alive for the next `ttl_s` seconds; how many are (each
+        that said so within its own TTL, this one included). What the outage fallback shares each
+        limit among (gateway.state.degradable)."""
+        ...
+
+    async def replica_left(self, replica: str) -> None:
+        """`replica` stops: it no longer counts among the live ones."""
+        ...
+
     async def close(self) -> None: ...
 
 

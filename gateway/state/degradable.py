@@ -1,23 +1,28 @@
 """Shared state that survives its Redis going away: in-process limits meanwhile, Redis again after.
 
 A gateway must keep serving when Redis is down. While it is unreachable, every call goes to a
-`MemoryState` in this process: limits and budgets hold per replica instead of across replicas (N
-replicas may admit up to N times a limit), a revocation reaches only this replica at once (the others
-within the key-cache TTL), and `weir_shared_state_degraded` is 1 so an alert fires.
+`MemoryState` in this process: each replica admits its share of every limit instead of the replicas
+counting together (below), budgets hold per replica (N replicas may spend up to N times what was left
+of one), a revocation reaches only this replica at once (the others within the key-cache TTL), and
+`weir_shared_state_degraded` is 1 so an alert fires.
 
 A Redis that hangs (accepts connections, never answers) costs each call `timeout_s`, where a refused
 connection fails at once; a request makes several calls. So only the call that finds Redis gone waits
 for it: from then on every call is answered here at once, and a background task alone asks Redis
 again, every `retry_s` (each ask bounded by `timeout_s`), switching back once it answers.
 
-Rate limits carry over both ways. The fallback starts each limit's window from what Redis last said
-it held (every admission's answer, this replica's and every other's units in it), so right after the
-outage starts a replica admits the limit less what was used, where its empty window admitted the
-whole limit again (R replicas: R x the limit on top of what Redis had counted). Each replica still
-admits up to that on its own: the gateway does not know how many replicas there are. And what the fallback counted meanwhile (admissions, and the corrections
-settled here, those of requests Redis counted before the outage included) is added to Redis's
-windows, in the buckets it was counted in, once it answers. Without it a minute spanning the
-recovery admitted the limit again on top of what every replica admitted during the outage.
+Rate limits carry over both ways. Each replica says in Redis every ANNOUNCE_S that it is alive and
+counts the live ones, R (one script call off the request path, `_announce`). While Redis is away each
+admits 1/R of every limit (`_share`), starting from 1/R of what Redis last said the window held (every
+admission's answer, this replica's and every other's units in it): together the R replicas admit
+about the limit less what was used, where each admitted all of that on its own (R times it; and R x
+the limit in every later minute), and a limit a replica never asked Redis about starts at limit / R,
+not a whole limit each. R is as last counted (one announcement stale; a replica that starts during
+the outage has counted none: the config's `replicas` hint, else 1). And what the fallback counted
+meanwhile (admissions, and the corrections settled here, those of requests Redis counted before the
+outage included) is added to Redis's windows, in the buckets it was counted in, once it answers.
+Without it a minute spanning the recovery admitted the limit again on top of what every replica
+admitted during the outage.
 
 Budgets carry over both ways. The fallback knows each budget's spend as Redis last reported it (the
 ledger's seed, then every admission's and settlement's answer), so a tenant that spent its budget
@@ -32,13 +37,17 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
+import socket
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from gateway.aio import detached, retry_until
+from gateway.aio import detached, retry_until, stop_if_cancelled
 from gateway.state.base import (
     BUCKETS,
     Adjustment,
@@ -58,6 +67,8 @@ _UNREACHABLE = (RedisError, OSError, TimeoutError)
 _degraded: set[int] = set()  # ids of this process's states now running without Redis
 PROBE_KEY = "probe"  # read (never written) to learn whether Redis answers again
 COUNTED_MAX = 10_000  # limit buckets owed to Redis before those out of their window are dropped
+ANNOUNCE_S = 10.0  # how often a replica says in Redis that it is alive, and counts the live ones
+ANNOUNCE_LAPSES = 3  # announcements a replica may miss (a slow loop, a blip) before it stops counting
 
 
 def degraded_states() -> int:
@@ -66,7 +77,15 @@ def degraded_states() -> int:
 
 
 class DegradableState(Shortcuts):
-    def __init__(self, primary: SharedState, *, timeout_s: float = 1.0, retry_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        primary: SharedState,
+        *,
+        timeout_s: float = 1.0,
+        retry_s: float = 1.0,
+        replicas: int | None = None,
+        announce_s: float = ANNOUNCE_S,
+    ) -> None:
         self.primary = primary
         self.fallback = MemoryState()
         self.timeout_s = timeout_s
@@ -86,6 +105,13 @@ class DegradableState(Shortcuts):
         # fallback to start from when Redis goes away (MemoryState.seed_windows).
         self._last_read: dict[str, tuple[float, int, int]] = {}
         self._last_read_max = COUNTED_MAX  # pruned past this, which doubles with what stays live
+        # How many replicas share Redis: while it is away each admits 1/replicas of every limit
+        # (`_share`). Counted in Redis every `announce_s` once started (`_announce`), and left as last
+        # counted while Redis is away; until the first count, the config's hint (`replicas`), else 1.
+        self.replicas = replicas or 1
+        self.announce_s = announce_s
+        self._replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._announcer: asyncio.Task[None] | None = None
 
     @property
     def degraded(self) -> bool:
@@ -114,10 +140,18 @@ class DegradableState(Shortcuts):
         request that met the hang in its stream slot then does not wait it out a second time for its
         limits."""
         if not self.degraded:
-            log.warning("Redis unreachable (%r): limits and budgets now per process", exc)
+            log.warning(
+                "Redis unreachable (%r): limits and budgets now per process (1/%d of each limit here)",
+                exc,
+                self.replicas,
+            )
             _degraded.add(id(self))
-            # Read before the outage: once Redis is back, what it says replaces them.
-            self.fallback.seed_windows(self._last_read)
+            # Read before the outage: once Redis is back, what it says replaces them. This replica's
+            # share of what was used, as it admits its share of each limit (`_share`).
+            r = self.replicas
+            self.fallback.seed_windows(
+                {key: (w, b, -(-n // r)) for key, (w, b, n) in self._last_read.items()}
+            )
             self._last_read = {}
         if self._prober is None or self._prober.done():
             self._prober = detached(self._probe())  # not the request's that met the outage
@@ -127,6 +161,22 @@ class DegradableState(Shortcuts):
             if self._owed or self._releases or self._seeds or self._counted:
                 await self._catch_up()  # before anything else Redis is asked (see there)
             return await getattr(self.primary, name)(*args)
+
+    def start(self) -> None:
+        """Count the live replicas in Redis from now on (`_announce`), off every request's path."""
+        if self._announcer is None:
+            self._announcer = detached(self._announce())
+
+    async def _announce(self) -> None:
+        """Every `announce_s`: say in Redis that this replica is alive, and learn how many are. Not
+        while Redis is away: the count of when it went holds until it is back."""
+        ttl_s = ANNOUNCE_LAPSES * self.announce_s
+        while True:
+            stop_if_cancelled()  # a cancel that library code swallowed last round
+            reached, live = await self._try_primary("announce_replica", self._replica, ttl_s)
+            if reached:
+                self.replicas = live
+            await asyncio.sleep(self.announce_s)
 
     async def _probe(self) -> None:
         """Ask Redis every `retry_s` until it answers (off every request's path: a hanging Redis
@@ -191,11 +241,12 @@ class DegradableState(Shortcuts):
     ) -> Admission:
         reached, decision = await self._try_primary("admit", limits, budgets, amount_pico_usd, ttl_s)
         if not reached:
-            decision = await self.fallback.admit(limits, budgets, amount_pico_usd, ttl_s)
+            shares = [self._share(limit) for limit in limits]
+            decision = await self.fallback.admit(shares, budgets, amount_pico_usd, ttl_s)
             if decision.allowed:
                 for limit, bucket in zip(limits, decision.buckets, strict=False):
                     self._count(limit.key, limit.window_s, bucket, limit.cost)
-            return decision
+            return self._of_whole_limits(limits, shares, decision)
         self._read(limits, decision)
         if decision.spent:
             # What every replica spent so far, where the fallback starts from. A refusal says it for
@@ -229,6 +280,32 @@ class DegradableState(Shortcuts):
                 if rid and not self.fallback.made(rid):  # Redis's own: it holds the money until released
                     self._releases.append((key, rid, amount))
         return await self.fallback.settle_many(settlements)
+
+    def _share(self, limit: Limit) -> Limit:
+        """This replica's part of a limit while Redis is away: 1/replicas of it, so that together the
+        replicas admit about the limit, not each all of it. At least 1 (a limit below the replica
+        count still admits on each), and a request larger than the part but within the limit fits an
+        empty window, where it would be refused for the whole outage."""
+        if self.replicas <= 1:
+            return limit
+        share = max(1, limit.limit // self.replicas, limit.cost if limit.cost <= limit.limit else 0)
+        return replace(limit, limit=min(share, limit.limit))
+
+    def _of_whole_limits(
+        self, limits: Sequence[Limit], shares: Sequence[Limit], decision: Admission
+    ) -> Admission:
+        """The fallback's answer with its windows said of the whole limits, as the rate-limit headers
+        give them: what is left of a limit is what this replica has left of its share."""
+        if self.replicas <= 1 or not decision.windows:
+            return decision
+        pairs = list(zip(limits, shares, strict=True))
+        if not decision.allowed:  # the window of the limit that refused alone
+            pairs = [(limit, share) for limit, share in pairs if limit.key == decision.blocked_by]
+        windows = tuple(
+            (limit.limit - max(0, share.limit - units), emptied_in)
+            for (limit, share), (units, emptied_in) in zip(pairs, decision.windows, strict=False)
+        )
+        return replace(decision, windows=windows)
 
     def _read(self, limits: Sequence[Limit], decision: Admission) -> None:
         """Keep what Redis said of the limits' windows (Admission.windows), for the fallback to start
@@ -345,12 +422,24 @@ class DegradableState(Shortcuts):
         claim: tuple[bool, float] = await self._call("kv_set_if_absent", key, value, ttl_s)
         return claim
 
+    async def announce_replica(self, replica: str, ttl_s: float) -> int:
+        live: int = await self._call("announce_replica", replica, ttl_s)
+        return live
+
+    async def replica_left(self, replica: str) -> None:
+        await self._call("replica_left", replica)
+
     async def close(self) -> None:
-        for task in [self._prober, *self._subscribers]:
+        for task in [self._prober, self._announcer, *self._subscribers]:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self._announcer is not None and not self.degraded:
+            # The others' count drops at their next announcement, not after this one's TTL.
+            with contextlib.suppress(*_UNREACHABLE):
+                async with asyncio.timeout(self.timeout_s):
+                    await self.primary.replica_left(self._replica)
         _degraded.discard(id(self))
         await self.fallback.close()
         await self.primary.close()

@@ -185,6 +185,7 @@ class MemoryState(Shortcuts):
         self._budgets: dict[str, _Budget] = {}
         self._kv: dict[str, tuple[bytes, float | None]] = {}
         self._callbacks: list[RevocationCallback] = []
+        self._replicas: dict[str, float] = {}  # replica id -> when its announcement lapses
         # All methods run on one event loop without awaiting inside, so each is atomic; the lock
         # keeps that true if a future change adds an await.
         self._lock = asyncio.Lock()
@@ -517,6 +518,15 @@ class MemoryState(Shortcuts):
                 return True, ttl_s
             expires = self._kv[key][1]
             return False, math.inf if expires is None else max(0.0, expires - self._now())
+
+    async def announce_replica(self, replica: str, ttl_s: float) -> int:
+        now = self._now()
+        self._replicas[replica] = now + ttl_s
+        self._replicas = {r: lapses for r, lapses in self._replicas.items() if lapses > now}
+        return len(self._replicas)
+
+    async def replica_left(self, replica: str) -> None:
+        self._replicas.pop(replica, None)
 
     async def close(self) -> None:
         self._callbacks.clear()

@@ -399,6 +399,21 @@ end
 return 0
 """
 
+# KEYS[1]: the live replicas (a sorted set: a replica's id -> when its announcement lapses, ms of
+# Redis's clock). ARGV: the caller's id, ttl ms. Marks the caller alive for the TTL, drops those whose
+# announcement lapsed (stopped or crashed), and returns how many are left, the caller included. The
+# set outlives the longest announcement in it.
+ANNOUNCE = (
+    _NOW_MS
+    + """
+local ttl_ms = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now_ms + ttl_ms, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
+if redis.call('PTTL', KEYS[1]) < ttl_ms then redis.call('PEXPIRE', KEYS[1], ttl_ms) end
+return redis.call('ZCARD', KEYS[1])
+"""
+)
+
 # KEYS[1]. ARGV: value, ttl ms. {1, ttl ms} when set, else {0, ms the value held has left (-1: none)}.
 SET_IF_ABSENT = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
@@ -574,6 +589,7 @@ class RedisState(Shortcuts):
         self._seed = client.register_script(SEED)
         self._cas = client.register_script(COMPARE_AND_SET)
         self._set_if_absent = client.register_script(SET_IF_ABSENT)
+        self._announce = client.register_script(ANNOUNCE)
         self._listeners: list[asyncio.Task[None]] = []
         self._queued: list[tuple[AsyncScript, list[str], list[int | str], asyncio.Future[Any]]] = []
         self._flush_scheduled = False
@@ -896,6 +912,13 @@ class RedisState(Shortcuts):
         ttl_ms = max(1, int(ttl_s * 1000))
         set_, left_ms = await self._set_if_absent(keys=[self._k(key)], args=[value, ttl_ms])
         return int(set_) == 1, math.inf if int(left_ms) < 0 else int(left_ms) / 1000
+
+    async def announce_replica(self, replica: str, ttl_s: float) -> int:
+        ttl_ms = max(1, int(ttl_s * 1000))
+        return int(await self._announce(keys=[self._k("replicas")], args=[replica, ttl_ms]))
+
+    async def replica_left(self, replica: str) -> None:
+        await self._redis.zrem(self._k("replicas"), replica)
 
     async def close(self) -> None:
         for task in self._listeners:

@@ -1,8 +1,9 @@
 """Rate limits across a Redis outage: while Redis is away each replica counts in its own process,
-starting from what Redis last said each window held (so the outage's first minute admits the limit
-less what was used, per replica: docs/reliability.md), and what they counted meanwhile is added to
-Redis once it answers, so the minute after the outage does not admit the limit again. The outage is
-logged once, not on every retry."""
+starting from what Redis last said each window held, and admits its share of each limit (1/R, R the
+live replicas it last counted in Redis), so the outage's first minute admits about the limit less what
+was used across the replicas: docs/reliability.md. What they counted meanwhile is added to Redis once
+it answers, so the minute after the outage does not admit the limit again. The outage is logged once,
+not on every retry."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import redis.asyncio as aioredis
 
 from gateway.accounting.admission import Admission, Quotas, RateLimited
 from gateway.accounting.pricing import PriceCatalog
+from gateway.config import ConfigError, parse_config
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 from tests.control.events import usage_event
@@ -113,6 +115,108 @@ async def test_a_replica_starts_an_outage_from_what_redis_last_said_its_windows_
         await a.close()
         await b.close()
         await proxy.stop()
+
+
+async def counted(states: list[DegradableState], live: int) -> None:
+    """Until each of `states` has counted `live` replicas in Redis (they announce every 0.05 s)."""
+    async with asyncio.timeout(5):
+        while any(state.replicas != live for state in states):
+            await asyncio.sleep(0.01)
+
+
+def behind_proxy(proxy: TcpProxy, prefix: str) -> DegradableState:
+    client = aioredis.from_url(f"redis://127.0.0.1:{proxy.port}/0")
+    return DegradableState(RedisState(client, prefix=prefix), retry_s=0.02, announce_s=0.05)
+
+
+async def test_replicas_share_what_is_left_of_a_limit_while_redis_is_away(redis_prefix: str) -> None:
+    """Each replica's fallback admitted all that was left of a limit on its own: two replicas twice
+    the remainder, and a whole limit each of one never asked about (R x the limit)."""
+    proxies = [TcpProxy(REDIS_PORT), TcpProxy(REDIS_PORT)]  # stop() plays an outage for each replica
+    for proxy in proxies:
+        await proxy.start()
+    states = [behind_proxy(proxy, redis_prefix) for proxy in proxies]
+    replica_a, replica_b = (Admission(state, lambda: PriceCatalog([])) for state in states)
+    quotas = Quotas("t", None, tenant_rpm=10, tenant_tpm=10_000)
+    unseen = Quotas("u", None, tenant_rpm=10, tenant_tpm=10_000)
+    try:
+        for state in states:
+            state.start()
+        await counted(states, 2)
+        assert len(await admitted(replica_a, quotas, 5)) == 5  # A last heard: 5 of 10 used
+        assert len(await admitted(replica_b, quotas, 1)) == 1  # B last heard: 6
+        for proxy in proxies:
+            await proxy.stop()
+        during = [await admitted(replica, quotas, 10) for replica in (replica_a, replica_b)]
+        assert all(state.degraded for state in states)
+        # Half of the limit each, less half of what it last heard was used (rounded up): 5 - 3 each.
+        assert [len(ids) for ids in during] == [2, 2]  # 4 left of the minute: not 4 + 5
+        # A limit neither asked Redis about: half of it each, not all of it each.
+        assert [len(await admitted(replica, unseen, 10)) for replica in (replica_a, replica_b)] == [5, 5]
+        # The rate-limit headers say what this replica has left of its share.
+        headers = await replica_a.admit(
+            uuid.uuid4().hex, Quotas("v", None, tenant_rpm=10), "b", "m", prompt_tokens=1, max_output_tokens=0
+        )
+        assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == (
+            "10",
+            "4",
+        )
+    finally:
+        for replica in (replica_a, replica_b):
+            await replica.drain()
+        for state in states:
+            await state.close()
+        for proxy in proxies:
+            await proxy.stop()
+
+
+async def test_a_replica_counts_the_live_replicas_in_redis(redis_prefix: str) -> None:
+    """Every replica says it is alive every `announce_s` and counts those that did within three of
+    them: one that stops leaves the count at once, one cut off from Redis once it lapses. While Redis
+    is away the count of when it went holds."""
+    proxy = TcpProxy(REDIS_PORT)
+    await proxy.start()
+    cut_off = behind_proxy(proxy, redis_prefix)
+    others = [
+        DegradableState(RedisState.from_url(REDIS_URL, prefix=redis_prefix), announce_s=0.05) for _ in "ab"
+    ]
+    states = [cut_off, *others]
+    try:
+        for state in states:
+            state.start()
+        await counted(states, 3)
+        await others[1].close()
+        await counted([cut_off, others[0]], 2)
+        await proxy.stop()
+        await counted(others[:1], 1)  # its announcements lapsed (3 x 0.05 s)
+        assert cut_off.degraded and cut_off.replicas == 2
+    finally:
+        for state in states:
+            await state.close()
+        await proxy.stop()
+
+
+async def test_a_replica_that_starts_during_an_outage_shares_limits_by_the_configs_hint(
+    redis_prefix: str,
+) -> None:
+    """Before it has counted the replicas in Redis, a replica knows only what the config says
+    (`replicas:`): it admits that share of each limit, where it knew of no replica but itself."""
+    proxy = TcpProxy(REDIS_PORT)  # never started: Redis is away from the first call
+    hinted = DegradableState(
+        RedisState(aioredis.from_url(f"redis://127.0.0.1:{proxy.port}/0"), prefix=redis_prefix),
+        retry_s=0.02,
+        replicas=parse_config("replicas: 4\n", {}).replicas,
+    )
+    replica = Admission(hinted, lambda: PriceCatalog([]))
+    try:
+        hinted.start()
+        assert len(await admitted(replica, Quotas("t", None, tenant_rpm=8, tenant_tpm=10_000), 8)) == 2
+        assert hinted.degraded and hinted.replicas == 4
+    finally:
+        await replica.drain()
+        await hinted.close()
+    with pytest.raises(ConfigError):
+        parse_config("replicas: 0\n", {})
 
 
 async def test_a_lost_revocation_subscription_is_logged_once_and_comes_back(

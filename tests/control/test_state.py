@@ -344,3 +344,16 @@ async def test_redis_state_reloads_its_scripts_and_counts_once(redis_prefix: str
         assert int(await client.hget(f"{redis_prefix}rpm:tenant:reload", "t")) == 5
     finally:
         await state.close()
+
+
+async def test_live_replicas_are_those_that_announced_within_their_ttl(state: SharedState) -> None:
+    """What the outage fallback shares limits among (gateway.state.degradable): a replica counts
+    until its announcement lapses, or until it says it left."""
+    assert await state.announce_replica("a", 60.0) == 1
+    assert await state.announce_replica("b", 60.0) == 2
+    assert await state.announce_replica("a", 60.0) == 2  # again: the same replica
+    assert await state.announce_replica("brief", 0.05) == 3
+    await asyncio.sleep(0.1)
+    assert await state.announce_replica("a", 60.0) == 2  # "brief" lapsed (stopped or crashed)
+    await state.replica_left("b")
+    assert await state.announce_replica("a", 60.0) == 1
