@@ -10,18 +10,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.accounting.admission import Admission, Quotas, RateLimited
 from gateway.accounting.pricing import PriceCatalog
+from gateway.admin import control_plane
 from gateway.config import ConfigError, parse_config
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 from tests.control.events import usage_event
 from tests.control.helpers import TcpProxy
-from tests.fixtures.db import REDIS_PORT, REDIS_URL
+from tests.fixtures.db import REDIS_PORT, REDIS_URL, migrated_sqlite
 
 pytestmark = pytest.mark.redis
 
@@ -217,6 +219,26 @@ async def test_a_replica_that_starts_during_an_outage_shares_limits_by_the_confi
         await hinted.close()
     with pytest.raises(ConfigError):
         parse_config("replicas: 0\n", {})
+
+
+async def test_a_gateway_shares_limits_by_the_configs_hint_until_it_has_counted_the_replicas(
+    sqlite_url: str, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("WEIR_DATABASE_URL", raising=False)
+    monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
+    monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
+    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
+    text = f"database_url: {migrated_sqlite(sqlite_url)}\nredis_url: {REDIS_URL}\nreplicas: 3\n"
+    control = control_plane.from_config(parse_config(text, {}))
+    assert control is not None and isinstance(control.state, DegradableState)
+    assert control.state.replicas == 3  # the hint, until counted
+    await control.start()
+    try:
+        async with asyncio.timeout(5):
+            while control.state.replicas != 1:  # the only replica in this namespace
+                await asyncio.sleep(0.01)
+    finally:
+        await control.stop()
 
 
 async def test_a_lost_revocation_subscription_is_logged_once_and_comes_back(
