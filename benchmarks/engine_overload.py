@@ -33,7 +33,7 @@ from gateway.config import parse_config
 from gateway.logging import configure_logging
 from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import running_gateway
+from tests.fixtures.vendor_gateway import running_gateway
 
 KEY = "sk-bench"
 

@@ -25,7 +25,7 @@ import openai
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import DEMO_KEY
+from tests.fixtures.vendor_gateway import DEMO_KEY
 from tests.routing.routed import routed_gateway
 
 ROUTE = """\

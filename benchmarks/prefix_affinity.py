@@ -49,7 +49,7 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.logging import configure_logging
 from tests.conftest import free_port
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 VOCABULARY = (
     "the of and to in is that for it as with was on be by this are from at or an which have not "

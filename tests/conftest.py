@@ -48,4 +48,9 @@ def _structlog_config_restored() -> Iterator[None]:
 
 # Fixtures every folder's tests may take, without importing them (pytest reads `pytest_plugins` only
 # here, in the root conftest). A folder's conftest may still override one of them with its own.
-pytest_plugins = ["tests.fakes.plugin", "tests.fixtures.db", "tests.fixtures.gateway"]
+pytest_plugins = [
+    "tests.fakes.plugin",
+    "tests.fixtures.db",
+    "tests.fixtures.gateway",
+    "tests.fixtures.vendor_gateway",
+]

@@ -1,4 +1,4 @@
-"""The in-process gateway helper every test uses (`tests.gateway.conftest.serve`) must leave nothing
+"""The in-process gateway helper every test uses (`tests.fixtures.server.serve`) must leave nothing
 behind: a gateway that outlived its test went on probing the session's fake vendors every 0.2 s and
 failed unrelated tests that count the fakes' requests (CI, 2026-11-30)."""
 
@@ -14,7 +14,8 @@ from gateway.config import parse_config
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.fakes.faults import Fault
-from tests.gateway.conftest import DEMO_KEY, fakes_env, full_config_text, serve
+from tests.fixtures.server import serve
+from tests.fixtures.vendor_gateway import DEMO_KEY, fakes_env, full_config_text
 
 
 def test_a_request_hanging_upstream_does_not_keep_the_gateway_alive(

@@ -24,7 +24,7 @@ from gateway.config import parse_config
 from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_URL, sync_exec
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 pytestmark = [
     pytest.mark.slow,

@@ -15,7 +15,7 @@ from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import sync_exec
 from tests.fixtures.gateway import CONFIG, PRICE, Weir
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 SHORT = "  - {name: mini-short, backend: openai, model: gpt-4o-mini, max_output_tokens: 64, price: %s}\n"
 SAME_PRICE = CONFIG.replace(

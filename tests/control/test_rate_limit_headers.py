@@ -23,7 +23,7 @@ from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_URL
 from tests.fixtures.gateway import ADMIN, CONFIG, Weir
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 HELLO = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 

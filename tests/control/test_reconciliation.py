@@ -19,7 +19,7 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 ADMIN = "reconcile-admin-token"
 CONFIG = """\

@@ -23,7 +23,7 @@ from tests.conftest import free_port, wait_for
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import sync_exec
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 ADMIN = "admin-token-for-uptime"
 CONFIG = """\

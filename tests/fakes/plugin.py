@@ -20,7 +20,7 @@ from tests.fakes.server import FakeServer
 
 
 class FakeVendors(NamedTuple):
-    """The session's four fake vendors, in `tests.gateway.conftest.fakes_env`'s order."""
+    """The session's four fake vendors, in `tests.fixtures.vendor_gateway.fakes_env`'s order."""
 
     openai: FakeOpenAI
     anthropic: FakeAnthropic

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import DEMO_KEY, RunningGateway
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 
 
 def _tool(name: str) -> dict:

@@ -11,7 +11,7 @@ from gateway.config import Backend
 from gateway.providers import openai as openai_provider
 from gateway.types import ChatRequest, Message, StreamOptions
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import PARALLEL_CALLS, RunningGateway
+from tests.fixtures.vendor_gateway import PARALLEL_CALLS, RunningGateway
 
 MODELS = ["gpt-4o-mini", "claude-sonnet", "gemini-flash", "deepseek-chat"]
 WEATHER_TOOL = {

@@ -23,7 +23,7 @@ from gateway.errors import InvalidRequest
 from gateway.providers import anthropic, gemini
 from gateway.types import ChatRequest, Message
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 
 HI: Any = [{"role": "user", "content": "sky is blue"}]
 

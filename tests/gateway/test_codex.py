@@ -8,7 +8,6 @@ left out."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -22,8 +21,7 @@ from gateway.types import ChatChunk, ChatRequest, ChunkChoice, Delta, FunctionCa
 from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fakes.openai_responses import ENCRYPTED, SUMMARY
-from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_fakes
+from tests.fixtures.vendor_gateway import RunningGateway, full_config_text, module_gateway
 from tests.gateway.test_responses import _chunk, _events
 from tests.gateway.test_responses_outbound import BACKENDS, FAST, MODELS
 
@@ -69,18 +67,12 @@ CODEX: Any = {
 }
 
 
-@pytest.fixture(scope="module")
-def _codex_gateway(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
-    text = full_config_text().replace("models:", "models:\n" + MODELS.rstrip("\n"), 1)
-    text = text.replace("backends:\n", "backends:\n" + BACKENDS, 1) + ROUTES
-    with gateway_on_fakes(text, fake_vendors) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_codex_gateway: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    _codex_gateway.sink.events.clear()
-    return _codex_gateway
+_module_gateway, gateway = module_gateway(
+    full_config_text()
+    .replace("models:", "models:\n" + MODELS.rstrip("\n"), 1)
+    .replace("backends:\n", "backends:\n" + BACKENDS, 1)
+    + ROUTES
+)
 
 
 def _turn(gateway: RunningGateway, model: str, items: list[Any], tools: list[Any], stream: bool) -> Any:

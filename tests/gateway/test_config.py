@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 from gateway.cli import serve
 from gateway.config import ConfigError, interpolate, load_config, parse_config
 from gateway.vault import generate_key
-from tests.gateway.conftest import EXAMPLE
+from tests.fixtures.vendor_gateway import EXAMPLE
 from weir.cli import main
 
 ENV = {"OPENAI_API_KEY": "sk-o", "ANTHROPIC_API_KEY": "sk-a", "GEMINI_API_KEY": "g", "WEIR_DEMO_KEY": "demo"}

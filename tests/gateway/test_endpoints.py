@@ -9,7 +9,7 @@ import pytest
 import structlog
 
 from tests.fakes import FakeGemini, FakeOpenAI
-from tests.gateway.conftest import DEMO_KEY, LIMITED_KEY, RunningGateway
+from tests.fixtures.vendor_gateway import DEMO_KEY, LIMITED_KEY, RunningGateway
 
 
 def test_completions_native_on_openai_compatible_backends(

@@ -27,7 +27,7 @@ from gateway.config import Backend, parse_config
 from gateway.engine_supervisor import EngineProcess
 from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import DEMO_KEY, LIMITED_KEY, RunningGateway
+from tests.fixtures.vendor_gateway import DEMO_KEY, LIMITED_KEY, RunningGateway
 
 HI = [{"role": "user", "content": "hi"}]
 

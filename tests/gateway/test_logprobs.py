@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 
 HI = [{"role": "user", "content": "sky is blue"}]
 WORDS = ["sky", " is", " blue"]  # the fake echoes the prompt, one token a word

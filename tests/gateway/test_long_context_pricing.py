@@ -20,7 +20,7 @@ from routing.policies import PolicyContext, expected_cost
 from routing.routes import Candidate
 from routing.stats import RoutingStats
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import DEMO_KEY, RunningGateway, full_config_text, gateway_on_fakes
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway, full_config_text, gateway_on_fakes
 
 # claude-sonnet's base sheet (conftest): input 3, cached 0.30, 5m writes 3.75, 1h writes 6, output 15.
 TIER = (

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.providers import openai as openai_provider
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import PARALLEL_CALLS, RunningGateway
+from tests.fixtures.vendor_gateway import PARALLEL_CALLS, RunningGateway
 
 MODELS = ["claude-sonnet", "gpt-4o-mini", "gemini-flash"]
 WEATHER = {

@@ -7,7 +7,6 @@ whose outcome the turn's text says, are left out there as before. With the offic
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -18,8 +17,7 @@ from gateway.anthropic_inbound import MessagesRequest, to_canonical
 from gateway.errors import InvalidRequest
 from gateway.types import ChatRequest
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_fakes
+from tests.fixtures.vendor_gateway import RunningGateway, full_config_text, module_gateway
 from tests.gateway.test_messages import final_message
 
 COMPACTION = {
@@ -34,16 +32,7 @@ routes:
 """
 
 
-@pytest.fixture(scope="module")
-def _routed(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
-    with gateway_on_fakes(full_config_text() + ROUTES, fake_vendors) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def routed(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    _routed.sink.events.clear()
-    return _routed
+_module_gateway, routed = module_gateway(full_config_text() + ROUTES, "routed")
 
 
 def _ask(

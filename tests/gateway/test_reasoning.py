@@ -37,7 +37,7 @@ from routing.stats import RoutingStats
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.fakes.gemini import check_thinking
 from tests.fakes.server import Invalid
-from tests.gateway.conftest import DEMO_KEY, RunningGateway
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 
 THINKING = {"type": "enabled", "budget_tokens": 1024}
 WEATHER = {

@@ -25,7 +25,7 @@ from gateway.stream_slots import RedisSlots
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_URL
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.gateway.request_logs import logged, tagged_logs
 
 SAY = [{"role": "user", "content": "one two three four five six"}]

@@ -25,7 +25,7 @@ from gateway.types import (
 )
 from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import DEMO_KEY, PARALLEL_CALLS, RunningGateway
+from tests.fixtures.vendor_gateway import DEMO_KEY, PARALLEL_CALLS, RunningGateway
 
 MODELS = ["gpt-4o-mini", "claude-sonnet", "gemini-flash"]
 WEATHER = {

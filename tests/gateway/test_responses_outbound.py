@@ -6,7 +6,6 @@ as OpenAI does, and takes POST /v1/responses in OpenAI's own wire format."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -29,8 +28,7 @@ from gateway.types import (
     ToolChoiceFunction,
 )
 from tests.fakes import FakeOpenAI, Fault
-from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_fakes
+from tests.fixtures.vendor_gateway import RunningGateway, full_config_text, module_gateway
 
 FAST = "retry: {attempts: 2, backoff: 0.02, max_backoff: 0.1}, probe_interval: null"
 MODELS = """\
@@ -65,16 +63,7 @@ def _config_text() -> str:
     return text.replace("backends:\n", "backends:\n" + BACKENDS, 1) + ROUTES
 
 
-@pytest.fixture(scope="module")
-def _responses_gateway(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
-    with gateway_on_fakes(_config_text(), fake_vendors) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def gateway(_responses_gateway: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    _responses_gateway.sink.events.clear()
-    return _responses_gateway
+_module_gateway, gateway = module_gateway(_config_text())
 
 
 def _sent(fake: FakeOpenAI) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import EXAMPLE
+from tests.fixtures.vendor_gateway import EXAMPLE
 
 WEIR = str(Path(sys.executable).with_name("weir"))
 

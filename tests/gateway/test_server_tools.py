@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -21,8 +20,7 @@ from gateway.pipeline import price_sheet
 from gateway.usage import Usage, anthropic_usage, normalise_usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fakes.behaviour import chunk_words
-from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_fakes
+from tests.fixtures.vendor_gateway import RunningGateway, full_config_text, module_gateway
 from tests.gateway.test_messages import WEATHER, final_message
 
 WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 8}
@@ -39,16 +37,7 @@ routes:
 ASK = "search the web for the tallest tree"
 
 
-@pytest.fixture(scope="module")
-def _routed(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
-    with gateway_on_fakes(full_config_text() + ROUTES, fake_vendors) as gateway:
-        yield gateway
-
-
-@pytest.fixture
-def routed(_routed: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    _routed.sink.events.clear()
-    return _routed
+_module_gateway, routed = module_gateway(full_config_text() + ROUTES, "routed")
 
 
 def _search(gateway: RunningGateway, stream: bool, model: str = "claude-sonnet", **more: Any) -> Any:
@@ -372,7 +361,7 @@ def test_server_tool_requests_are_read_from_anthropic_usage_and_rendered_back() 
     assert "server_tool_use" not in anthropic_usage(Usage(input_tokens=1))
 
 
-# claude-sonnet's prices in the example config (tests/gateway/conftest.py), in micro-USD per 1M
+# claude-sonnet's prices in the example config (tests/fixtures/vendor_gateway.py), in micro-USD per 1M
 # tokens (or searches: `web_search_per_1k: 10`, $10 per 1,000 searches, is $10,000 per 1M).
 INPUT_PRICE, OUTPUT_PRICE, SEARCH_PRICE = 3 * 10**6, 15 * 10**6, 10_000 * 10**6
 
@@ -519,6 +508,23 @@ def test_a_searched_turn_goes_to_another_vendor_as_its_text(
         assert sent["contents"][1] == {"role": "model", "parts": [{"text": said}]}
 
 
+def _search_until_cut(gateway: RunningGateway) -> tuple[list[Any], anthropic.APIStatusError]:
+    """A web search streamed from `claude-twice` that the fake Anthropic cuts (the test queued the
+    fault): the events the client got, and the error the stream ended with."""
+    events: list[Any] = []
+    with (
+        pytest.raises(anthropic.APIStatusError) as caught,
+        gateway.anthropic().messages.stream(
+            model="claude-twice",
+            max_tokens=200,
+            tools=[WEB_SEARCH],  # type: ignore[list-item]
+            messages=[{"role": "user", "content": ASK}],
+        ) as stream,
+    ):
+        events.extend(stream)
+    return events, caught.value
+
+
 def test_a_stream_cut_after_a_server_tool_block_is_not_continued_from_its_text(
     routed: RunningGateway, fake_anthropic: FakeAnthropic
 ) -> None:
@@ -530,17 +536,7 @@ def test_a_stream_cut_after_a_server_tool_block_is_not_continued_from_its_text(
     # message_start; the opening text's start, ping, words and stop; the search's start and two of
     # its input's deltas: then the break.
     fake_anthropic.fail_next(Fault.stream_error(after=len(chunk_words(opening)) + 8, code=529))
-    events: list[Any] = []
-    with (
-        pytest.raises(anthropic.APIStatusError),
-        routed.anthropic().messages.stream(
-            model="claude-twice",
-            max_tokens=200,
-            tools=[WEB_SEARCH],  # type: ignore[list-item]
-            messages=[{"role": "user", "content": ASK}],
-        ) as stream,
-    ):
-        events.extend(stream)
+    events, _ = _search_until_cut(routed)
     started = [e.content_block.type for e in events if e.type == "content_block_start"]
     assert "server_tool_use" in started
     assert len(fake_anthropic.posts) == 2  # the opening's and the cut one's: nobody continued it
@@ -574,21 +570,11 @@ def test_a_stream_cut_after_a_searchs_results_is_not_resumed_either(
     sent = _events_before_cited_text(fake_anthropic) + 2  # and the next text's start and first words
     asked_before = len(fake_anthropic.posts)
     fake_anthropic.fail_next(Fault.stream_error(after=sent, code=529))
-    events: list[Any] = []
-    with (
-        pytest.raises(anthropic.APIStatusError) as caught,
-        routed.anthropic().messages.stream(
-            model="claude-twice",
-            max_tokens=200,
-            tools=[WEB_SEARCH],  # type: ignore[list-item]
-            messages=[{"role": "user", "content": ASK}],
-        ) as stream,
-    ):
-        events.extend(stream)
+    events, error = _search_until_cut(routed)
     started = [i for i, e in enumerate(events) if e.type == "content_block_start"]
     kinds = [events[i].content_block.type for i in started]
     assert kinds == ["text", "server_tool_use", "web_search_tool_result", "text"]
     after = events[started[-1] :]  # the text after the results had begun
     assert any(e.type == "content_block_delta" and e.delta.type == "text_delta" for e in after)
-    assert caught.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert error.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     assert len(fake_anthropic.posts) == asked_before + 1  # the cut one's alone: nobody continued it

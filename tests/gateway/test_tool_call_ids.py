@@ -14,7 +14,7 @@ from gateway.providers import gemini
 from gateway.providers.base import call_id_with_signature, split_call_id, upstream_call_id
 from gateway.types import ChatRequest
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 
 WEATHER = {
     "type": "function",

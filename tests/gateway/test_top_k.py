@@ -12,7 +12,7 @@ from gateway.config import Backend
 from gateway.providers import openai as openai_provider
 from gateway.types import ChatRequest, Message
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 
 HI = [{"role": "user", "content": "hi"}]
 

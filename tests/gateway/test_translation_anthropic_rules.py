@@ -18,7 +18,7 @@ from gateway.config import Backend
 from gateway.providers import anthropic
 from gateway.types import ChatRequest
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import HI, LOOKUP, RunningGateway
+from tests.fixtures.vendor_gateway import HI, LOOKUP, RunningGateway
 
 ANTHROPIC = Backend(name="a", type="anthropic", base_url="http://a", api_key="k")
 

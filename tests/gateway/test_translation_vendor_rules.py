@@ -27,7 +27,7 @@ from gateway.providers import gemini
 from gateway.providers import openai as openai_provider
 from gateway.types import ChatRequest, Message
 from tests.fakes import FakeGemini, FakeOpenAI
-from tests.gateway.conftest import HI, LOOKUP, RunningGateway
+from tests.fixtures.vendor_gateway import HI, LOOKUP, RunningGateway
 
 ANSWER_SCHEMA: Any = {"type": "object", "properties": {"a": {"type": "string"}}}
 ANSWER: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}

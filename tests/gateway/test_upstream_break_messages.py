@@ -19,7 +19,7 @@ from gateway.logging import add_request_fields
 from gateway.providers.base import UpstreamRequest
 from gateway.transport import Transport
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 
 WORDS = "one two three four five six"
 SAY = [{"role": "user", "content": WORDS}]

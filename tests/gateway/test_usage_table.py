@@ -8,7 +8,7 @@ import pytest
 from gateway.responses_inbound import responses_usage
 from gateway.usage import USAGE_SHAPES, Usage, anthropic_usage, normalise_usage, openai_usage
 from tests.fakes import FakeGemini
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 
 # vendor, its usage object as the vendor sends it, the normalised Usage
 ROWS = [

@@ -37,7 +37,7 @@ from tests.control.helpers import TcpProxy
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
 from tests.fixtures.gateway import ADMIN, Weir
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 from tests.reliability.proxy import ThreadedProxy
 
 pytestmark = pytest.mark.redis

@@ -21,7 +21,7 @@ from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
 from tests.fixtures.gateway import ADMIN, CONFIG, Weir
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 from tests.reliability.proxy import ThreadedProxy
 
 HI = [{"role": "user", "content": "hello there"}]

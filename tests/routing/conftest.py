@@ -12,7 +12,7 @@ import pytest
 
 from routing.difficulty import DifficultyClassifier
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway, fakes_env, gateway_on_fakes
+from tests.fixtures.vendor_gateway import RunningGateway, fakes_env, gateway_on_fakes
 from tests.reliability.raw_backend import RawBackend
 from tests.routing.routed import ROUTES, RawScript, fresh, raw_config_text, routed_config_text
 

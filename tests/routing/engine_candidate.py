@@ -16,7 +16,7 @@ import httpx
 from gateway.config import parse_config
 from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import RunningGateway, running_gateway
+from tests.fixtures.vendor_gateway import RunningGateway, running_gateway
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"  # the fake OpenAI's answer to HI: it echoes the prompt

@@ -14,7 +14,7 @@ from routing.execute import SpendCap
 from routing.plan import Plan
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway, full_config_text, gateway_on_fakes, running_gateway
+from tests.fixtures.vendor_gateway import RunningGateway, full_config_text, gateway_on_fakes, running_gateway
 from tests.reliability.raw_backend import Send, Sleep
 
 # Small waits everywhere: the behaviour is the same as with production settings, only faster.

@@ -16,7 +16,8 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from routing.router import Router
 from tests.conftest import free_port
-from tests.gateway.conftest import full_config_text, serve
+from tests.fixtures.server import serve
+from tests.fixtures.vendor_gateway import full_config_text
 
 ADMIN = "admin-token-for-the-routes-audit"
 # The routes the gateway starts with, and a route body the admin API accepts.

@@ -19,7 +19,7 @@ from gateway.state import MemoryState
 from routing.breaker import OPENED, OPENED_UNREACHABLE, PREFIX, Breakers, CircuitBreaker, State
 from routing.routes import Breaker as BreakerSettings
 from tests.fakes import FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, running_gateway
+from tests.fixtures.vendor_gateway import RunningGateway, running_gateway
 from tests.routing.routed import route_header, runtime
 
 KEY = Breakers.key("crashing", "gpt-4o-mini")

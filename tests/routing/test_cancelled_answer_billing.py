@@ -51,7 +51,7 @@ from gateway.usage import Usage
 from routing import execute
 from routing.execute import SpendCap
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import RunningGateway, fakes_env
+from tests.fixtures.vendor_gateway import RunningGateway, fakes_env
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
 from tests.routing.routed import (
     FAST,

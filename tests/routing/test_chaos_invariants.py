@@ -50,7 +50,8 @@ from routing.breaker import Breakers, LatencyKey, State, route_label
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import fakes_env, full_config_text, serve
+from tests.fixtures.server import serve
+from tests.fixtures.vendor_gateway import fakes_env, full_config_text
 
 ADMIN = "admin-token-for-chaos"
 FAILURES, COOLDOWN = 3, 0.2  # every route's breaker settings, and so its latency breakers'

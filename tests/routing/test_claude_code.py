@@ -9,7 +9,7 @@ from typing import Any
 import anthropic
 
 from tests.fakes import FakeAnthropic, FakeOpenAI
-from tests.gateway.conftest import DEMO_KEY, RunningGateway
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 
 BASH = {
     "name": "Bash",

@@ -28,7 +28,7 @@ from structlog.testing import capture_logs
 
 from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import FAST, ROUTES, fresh, route_header, settled
 
 ECHO = "one two three four five six"

@@ -42,7 +42,7 @@ from routing.routes import Candidate, Compare, Route
 from tests.conftest import free_port, wait_for
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_URL, sync_exec
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 from tests.routing.comparing import comparing_app, prompt_keeper
 from tests.routing.routed import counted_micro_usd
 

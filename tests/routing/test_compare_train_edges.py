@@ -46,7 +46,7 @@ from routing.train import HoldoutResult, Outcomes, TrainConfig, fit_head, holdou
 from tests.conftest import free_port, wait_for
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fixtures.db import sync_exec
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 from tests.routing.comparing import comparing_app, prompt_keeper
 from tests.routing.forced_heads import forced
 from tests.routing.routed import counted_micro_usd

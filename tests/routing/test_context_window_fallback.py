@@ -15,7 +15,7 @@ import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import ledger, route_header, routed_gateway, settled
 
 RULES = "failover_on: [429, 5xx, context_length_exceeded], retry: {attempts: 2, backoff: 0.5}, probe_interval: null"

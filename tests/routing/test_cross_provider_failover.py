@@ -18,7 +18,7 @@ import pytest
 
 from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.reliability.raw_backend import RawBackend, Send, Sleep, http_head
 from tests.routing.routed import FAST, ROUTES, fresh, route_header, routed_config_text, settled
 

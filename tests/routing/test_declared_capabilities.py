@@ -12,7 +12,7 @@ import pytest
 
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import route_header, routed_gateway
 
 FAST = "retry: {attempts: 1}, probe_interval: null"

@@ -33,7 +33,8 @@ from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fakes.plugin import FakeVendors
 from tests.fixtures.db import fresh_pg_database, sync_exec
-from tests.gateway.conftest import fakes_env, full_config_text, serve
+from tests.fixtures.server import serve
+from tests.fixtures.vendor_gateway import fakes_env, full_config_text
 from tests.routing.routed import route_header
 
 ADMIN = "admin-token-for-the-difficulty-request-path"

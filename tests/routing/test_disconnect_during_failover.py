@@ -34,7 +34,8 @@ from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
 from tests.fixtures.gateway import ADMIN, Weir
-from tests.gateway.conftest import DEMO_KEY, RunningGateway, serve
+from tests.fixtures.server import serve
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 from tests.reliability.proxy import ThreadedProxy
 from tests.routing.routed import counted_micro_usd, fresh, ledger, routed_config_text, runtime
 

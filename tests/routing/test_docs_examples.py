@@ -33,7 +33,7 @@ from routing.cli import router as router_cli
 from routing.routes import Breaker, Candidate, Compare, Conditions, Hedge, PolicyName, Retry, Route
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES, CLASSIFIER, README = "docs/routing-policies.md", "docs/routing.md", "README.md"

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, full_config_text
+from tests.fixtures.vendor_gateway import RunningGateway, full_config_text
 from tests.routing.routed import FAST, ledger, route_header, runtime
 
 # A second account of OpenAI's text-embedding-3-small (an Azure deployment of the same model, on the

@@ -28,7 +28,7 @@ from routing.health import HealthProber
 from routing.load import LoadReports
 from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import RunningGateway, running_gateway
+from tests.fixtures.vendor_gateway import RunningGateway, running_gateway
 from tests.routing.engine_candidate import (
     BS,
     ECHO,

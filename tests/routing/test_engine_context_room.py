@@ -21,7 +21,7 @@ import pytest
 
 from gateway.providers.base import context_report
 from tests.fakes import FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.engine_candidate import FAST, HI, engine_gateway, tiny_engine
 from tests.routing.routed import ledger, route_header, settled
 

@@ -14,7 +14,7 @@ import pytest
 from gateway.state import MemoryState
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import (
     counted_micro_usd,
     fallbacks,

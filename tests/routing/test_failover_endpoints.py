@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import FAST, ledger, route_header
 
 ROUTES = f"""\

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import DEMO_KEY, RunningGateway
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 from tests.routing.routed import FAST, ROUTES, attempts, fresh, route_header, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import FAST, ROUTES, fresh, settled
 
 ANSWER = "The quick brown fox jumps over the lazy dog"

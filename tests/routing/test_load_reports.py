@@ -16,7 +16,7 @@ from routing.breaker import Breakers
 from routing.health import HealthProber
 from routing.load import LoadReports, parse_orca
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import engine_replicas, route_header
 
 ROUTES = """\

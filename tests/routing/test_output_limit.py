@@ -13,7 +13,6 @@ declares none of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -23,7 +22,7 @@ import pytest
 from gateway.config import ConfigError, parse_config
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway, fakes_env, gateway_on_fakes
+from tests.fixtures.vendor_gateway import RunningGateway, fakes_env, module_gateway
 from tests.routing.routed import route_header, routed_config_text
 
 FAST = "retry: {attempts: 1}, probe_interval: null"
@@ -55,16 +54,7 @@ HI = [{"role": "user", "content": "hello there"}]
 CLAUDE_CODE = 32_000  # the max_tokens Claude Code sends
 
 
-@pytest.fixture(scope="module")
-def _gateway(fake_vendors: FakeVendors) -> Iterator[RunningGateway]:
-    with gateway_on_fakes(config_text(), fake_vendors) as running:
-        yield running
-
-
-@pytest.fixture
-def gateway(_gateway: RunningGateway, fresh_fakes: None) -> RunningGateway:
-    _gateway.sink.events.clear()
-    return _gateway
+_module_gateway, gateway = module_gateway(config_text())
 
 
 def _sent_limit(fake: FakeOpenAI) -> Any:

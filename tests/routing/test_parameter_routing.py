@@ -15,7 +15,7 @@ import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway, gateway_on_fakes
+from tests.fixtures.vendor_gateway import RunningGateway, gateway_on_fakes
 from tests.routing.routed import route_header, routed_config_text
 
 FAST = "retry: {attempts: 1}, probe_interval: null"

@@ -22,7 +22,7 @@ from routing.policies import PolicyContext, order
 from routing.routes import Candidate, Route
 from routing.stats import RoutingStats
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
-from tests.gateway.conftest import LIMITED_KEY, RunningGateway
+from tests.fixtures.vendor_gateway import LIMITED_KEY, RunningGateway
 from tests.routing.routed import route_header, routed_config_text, runtime
 
 ROUTES = """\
@@ -602,7 +602,7 @@ def test_difficulty_with_the_shipped_classifier(
 )
 def test_bad_routes_in_the_config_name_the_problem(routes: str, message: str) -> None:
     from gateway.config import ConfigError, parse_config
-    from tests.gateway.conftest import full_config_text
+    from tests.fixtures.vendor_gateway import full_config_text
 
     names = ("OPENAI", "ANTHROPIC", "GEMINI", "DEEPSEEK")
     env = {f"{n}_BASE_URL": "http://127.0.0.1:9" for n in names} | {f"{n}_API_KEY": "k" for n in names}

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.providers.base import CONTINUE_INSTRUCTION
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import FAST, ROUTES, routed_config_text, settled
 
 ANSWER = "The quick brown fox jumps over the lazy dog"

@@ -29,7 +29,7 @@ from routing.router import Router
 from routing.routes import Candidate, Hedge, Route
 from routing.stats import RoutingStats
 from tests.fakes import FakeAnthropic, FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import engine_replicas, route_header, runtime, sent, settled
 
 CONFIG = """\

@@ -22,7 +22,7 @@ from gateway.providers import openai as openai_provider
 from gateway.providers.base import CONTINUE_INSTRUCTION
 from gateway.types import ChatRequest, Message
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, full_config_text
+from tests.fixtures.vendor_gateway import RunningGateway, full_config_text
 from tests.routing.routed import FAST, ledger, route_header
 
 HI: Any = [{"role": "user", "content": "one two three four five six"}]

@@ -37,7 +37,7 @@ from gateway.config import parse_config
 from tests.conftest import free_port
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_PORT, REDIS_URL, fresh_pg_database
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 from tests.reliability.proxy import ThreadedProxy
 from tests.routing.routed import route_header
 

@@ -13,7 +13,7 @@ import pytest
 from openai.types.responses import Response, ResponseOutputMessage
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import FAST, ROUTES, attempts, route_header, settled
 
 ECHO = "one two three four five six"

@@ -40,7 +40,7 @@ from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
 from tests.fixtures.db import REDIS_URL
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.reliability.raw_backend import Send, Sleep, http_head
 from tests.routing.routed import (
     FAST,

@@ -14,7 +14,7 @@ from gateway.estimate import INLINE_PART_TOKENS
 from gateway.types import ChatRequest, Message
 from routing.plan import features
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import route_header
 
 ROUTES = """\

@@ -32,7 +32,8 @@ from routing.cli import router as router_cli
 from tests.conftest import free_port
 from tests.fakes.plugin import FakeVendors
 from tests.fixtures.db import fresh_pg_database
-from tests.gateway.conftest import fakes_env, full_config_text, serve
+from tests.fixtures.server import serve
+from tests.fixtures.vendor_gateway import fakes_env, full_config_text
 
 ADMIN = "admin-token-for-the-route-fuzz"
 ROUTES = "routes:\n  - {name: auto, candidates: [{model: gpt-4o-mini}], probe_interval: null}\n"

@@ -24,7 +24,8 @@ from gateway.config import parse_config
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fixtures.db import REDIS_URL, fresh_pg_database
-from tests.gateway.conftest import DEMO_KEY, RunningGateway, serve
+from tests.fixtures.server import serve
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 from tests.routing.routed import route_header
 
 ROUTES = """\

@@ -37,7 +37,8 @@ from routing.routes import Candidate
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_URL, migrated_sqlite
-from tests.gateway.conftest import fakes_env, full_config_text, serve
+from tests.fixtures.server import serve
+from tests.fixtures.vendor_gateway import fakes_env, full_config_text
 from tests.routing.routed import counted_micro_usd, route_header
 
 ADMIN = "admin-token-for-tests"

@@ -25,7 +25,7 @@ from routing.prefixes import PREFIX, prefix_keys
 from tests.conftest import free_port, wait_for
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fixtures.db import REDIS_URL, fresh_pg_database, sync_exec
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 from tests.routing.forced_heads import forced
 from tests.routing.routed import route_header
 

@@ -33,7 +33,7 @@ from routing.routes import Candidate, Route
 from routing.store import RouteStore, route_spec, stamp
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fixtures.db import fresh_pg_database
-from tests.gateway.conftest import full_config_text
+from tests.fixtures.vendor_gateway import full_config_text
 from tests.routing.routed import route_header
 from tests.routing.routes_admin import GOOD, ROUTES, Weir, serving
 

@@ -28,7 +28,7 @@ from routing.routes import Breaker as BreakerSettings
 from tests.deploy.metrics import dashboard, queries, rules
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.gateway.request_logs import logged, tagged_logs
 from tests.routing.routed import (
     ROUTES,

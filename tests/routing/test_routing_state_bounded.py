@@ -34,7 +34,7 @@ from routing.routes import Breaker as BreakerSettings
 from routing.routes import Candidate, Compare, Conditions, Route
 from tests.fakes import FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import DEMO_KEY, RunningGateway
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 from tests.routing.in_process_router import ACME, CONFIG, affinity, ask, difficulty, routed_event, router
 from tests.routing.routed import FAST, routed_gateway, runtime, sent, settled
 

@@ -39,7 +39,7 @@ from routing.routes import Candidate, Route
 from tests.conftest import free_port
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 from tests.reliability.proxy import ThreadedProxy
 
 pytestmark = pytest.mark.redis

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 
 # `gateway` is the routed gateway of tests/routing/conftest.py, with the shared routes (routed.ROUTES).
 HI = [{"role": "user", "content": "one two three four five six"}]

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from gateway.estimate import INLINE_PART_TOKENS
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import FAST, ROUTES, attempts, route_header, settled
 
 HI = [{"role": "user", "content": "one two three four five six"}]

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeOpenAI
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.reliability.raw_backend import Send, Sleep, http_head
 from tests.routing.routed import FAST, ROUTES, settled
 

@@ -25,7 +25,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.routing.routed import FAST, fresh, ledger, route_header, runtime, settled
 
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "one two three four five six"}]

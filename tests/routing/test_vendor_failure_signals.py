@@ -35,7 +35,7 @@ import pytest
 
 from gateway.usage import Usage
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway
+from tests.fixtures.vendor_gateway import RunningGateway
 from tests.reliability.raw_backend import Send, Sleep, http_head
 from tests.routing.routed import FAST, ROUTES, ledger, raw_config_text, route_header, runtime, settled
 

@@ -31,7 +31,7 @@ from gateway.throttle import FailureThrottle, SharedFailureThrottle, client_addr
 from tests.conftest import free_port
 from tests.control.helpers import TcpProxy
 from tests.fixtures.db import REDIS_PORT, REDIS_URL, migrated_sqlite
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 N = 5  # failures a minute: a refill every 12 s of the fake clock
 CONFIG_KEY = "sk-config-tenant-key"

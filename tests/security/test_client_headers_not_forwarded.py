@@ -12,7 +12,7 @@ import pytest
 
 from tests.fakes.plugin import FakeVendors
 from tests.fakes.server import RecordedRequest
-from tests.gateway.conftest import DEMO_KEY, RunningGateway, full_config_text, gateway_on_fakes
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway, full_config_text, gateway_on_fakes
 
 CLIENT_HEADERS = {
     "authorization": f"Bearer {DEMO_KEY}",

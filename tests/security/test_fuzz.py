@@ -19,11 +19,7 @@ from gateway.errors import GatewayError
 from gateway.pipeline import decode
 from gateway.providers import anthropic, gemini, openai
 from gateway.types import ChatRequest, Message
-from tests.gateway.conftest import (
-    DEMO_KEY,
-    RunningGateway,
-    _running_gateway,  # noqa: F401  (the fixture: the session gateway and the fakes it needs)
-)
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 
 FUZZ = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -111,7 +107,7 @@ def post(gw: RunningGateway, body: bytes, path: str = "/v1/chat/completions") ->
 
 @FUZZ
 @given(body=chat_like | json_values)
-def test_any_json_body_gets_an_answer_or_a_clean_4xx(_running_gateway: RunningGateway, body: Any) -> None:  # noqa: F811
+def test_any_json_body_gets_an_answer_or_a_clean_4xx(_running_gateway: RunningGateway, body: Any) -> None:
     if isinstance(body, dict) and body.get("stream") is True:
         body["stream"] = False  # a stream's errors arrive as SSE events; the JSON path is the one fuzzed
     response = post(_running_gateway, json.dumps(body).encode())
@@ -122,14 +118,14 @@ def test_any_json_body_gets_an_answer_or_a_clean_4xx(_running_gateway: RunningGa
 
 @FUZZ
 @given(raw=st.binary(max_size=300))
-def test_any_bytes_get_a_clean_4xx(_running_gateway: RunningGateway, raw: bytes) -> None:  # noqa: F811
+def test_any_bytes_get_a_clean_4xx(_running_gateway: RunningGateway, raw: bytes) -> None:
     for path in ("/v1/chat/completions", "/v1/messages", "/v1/embeddings", "/v1/completions"):
         response = post(_running_gateway, raw, path)
         assert_clean(response)
 
 
 @pytest.mark.parametrize("depth", [64, 10_000])
-def test_deeply_nested_and_huge_bodies(_running_gateway: RunningGateway, depth: int) -> None:  # noqa: F811
+def test_deeply_nested_and_huge_bodies(_running_gateway: RunningGateway, depth: int) -> None:
     nested = b'{"model": "gpt-4o-mini", "messages": ' + b"[" * depth + b"]" * depth + b"}"
     assert_clean(post(_running_gateway, nested))
     unicode = {

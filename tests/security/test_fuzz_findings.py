@@ -12,12 +12,7 @@ import pytest
 
 from tests.fakes import FakeOpenAI
 from tests.fixtures.gateway import CONFIG, Weir, sqlite_weir
-from tests.gateway.conftest import (
-    DEMO_KEY,
-    RunningGateway,
-    _running_gateway,  # noqa: F401  (the fixture `gateway` needs: the session gateway)
-    gateway,  # noqa: F401  (a fixture: the session gateway, its fakes reset per test)
-)
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 
 
 def post(gw: RunningGateway, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -35,7 +30,7 @@ def post(gw: RunningGateway, path: str, body: dict[str, Any]) -> httpx.Response:
 )
 @pytest.mark.parametrize("value", [[None, None], [], [["a"]], [1, "a"], [True], [[]]])
 def test_malformed_text_or_tokens_is_a_400_without_an_upstream_call(
-    gateway: RunningGateway,  # noqa: F811
+    gateway: RunningGateway,
     fake_openai: FakeOpenAI,
     path: str,
     field: str,
@@ -52,7 +47,7 @@ def test_malformed_text_or_tokens_is_a_400_without_an_upstream_call(
 
 @pytest.mark.parametrize("dimensions", [0, -164453])
 def test_embedding_dimensions_below_1_are_a_400_without_an_upstream_call(
-    gateway: RunningGateway,  # noqa: F811
+    gateway: RunningGateway,
     fake_openai: FakeOpenAI,
     dimensions: int,
 ) -> None:
@@ -66,7 +61,7 @@ def test_embedding_dimensions_below_1_are_a_400_without_an_upstream_call(
 
 @pytest.mark.parametrize("value", ["hi", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_every_documented_input_form_still_passes(
-    gateway: RunningGateway,  # noqa: F811
+    gateway: RunningGateway,
     fake_openai: FakeOpenAI,
     value: Any,
 ) -> None:
@@ -80,7 +75,7 @@ DEEP = "[" * 20_000 + "]" * 20_000
 
 @pytest.mark.parametrize("model", ["claude-sonnet", "gemini-flash"])
 def test_tool_json_nested_20k_deep_is_a_400_not_a_500(
-    gateway: RunningGateway,  # noqa: F811
+    gateway: RunningGateway,
     model: str,
 ) -> None:
     """A tool call's arguments (and a tool result, for Gemini) are JSON inside a string: the gateway

@@ -18,7 +18,7 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeOpenAI
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 KEY = "sk-weir-hostile-0123456789"
 CONFIG = """\

@@ -13,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.fakes.plugin import FakeVendors
-from tests.gateway.conftest import DEMO_KEY, RunningGateway, full_config_text, gateway_on_fakes
+from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway, full_config_text, gateway_on_fakes
 
 HEADERS = {"authorization": f"Bearer {DEMO_KEY}", "content-type": "application/json"}
 

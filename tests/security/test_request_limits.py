@@ -21,7 +21,7 @@ from gateway.stream_slots import RedisSlots
 from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_URL
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 CONFIG = """\
 backends:

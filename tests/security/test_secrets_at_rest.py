@@ -25,7 +25,7 @@ from gateway.vault import ENV, ENV_PREVIOUS, Vault, VaultError, generate_key
 from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import sync_exec
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 from weir.cli import main
 
 ADMIN = "admin-token-for-tests"

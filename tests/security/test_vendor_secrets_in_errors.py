@@ -19,7 +19,7 @@ from gateway.errors import BadGateway
 from gateway.providers.base import UpstreamRequest
 from gateway.transport import Transport
 from tests.fakes import FakeOpenAI, Fault
-from tests.gateway.conftest import RunningGateway, running_gateway
+from tests.fixtures.vendor_gateway import RunningGateway, running_gateway
 
 TENANT_KEY = "sk-weir-tenant-redaction-0123"
 HEADER_TOKEN = "tok-extra-credential-987654321"

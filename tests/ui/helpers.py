@@ -18,7 +18,7 @@ from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import migrated_sqlite
 from tests.fixtures.gateway import CONFIG as CONFIG  # the control tests' one-backend config
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 
 ADMIN = "admin-token-for-ui-tests"
 

@@ -16,7 +16,7 @@ from gateway.config import parse_config
 from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_URL
-from tests.gateway.conftest import serve
+from tests.fixtures.server import serve
 from tests.ui.helpers import ADMIN, CONFIG
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
