@@ -187,15 +187,26 @@ def input_tokens(request: ChatRequest) -> int:
 
 
 def _once(message: Message) -> Message:
-    """`message` with each of its blocks once: where it keeps an Anthropic client's blocks as sent
-    (`anthropic_content`: a turn with server tools' blocks, a tool result with a `tool_reference`),
-    those hold its text, calls, reasoning and parts too, which counted twice made a tool result's
-    text twice its length to context-window fit and route conditions."""
-    if message.anthropic_content is None:
-        return message
-    return msgspec.structs.replace(
-        message, content=None, tool_calls=None, reasoning_blocks=None, reasoning_content=None
-    )
+    """`message` with each of its blocks once. A message that keeps what its client sent as sent, for
+    the vendor of that client's API (which is sent that in its place), holds its text, calls and parts
+    twice: there, and in the canonical fields every other backend is sent. Counted twice, a tool
+    call's arguments or a tool result's text was twice its length to context-window fit and route
+    conditions. Which backend it goes to is not known yet (routing reads this), so it is counted from
+    what it keeps as sent, the larger of the two (the rest, and what that API alone reads: server
+    tools' results, OpenAI's encrypted reasoning), and the canonical fields it duplicates are left out:
+    - `anthropic_content` (an Anthropic client's turn with server tools' blocks, a tool result with a
+      `tool_reference`) holds the turn's reasoning too: all four go;
+    - `responses_items` (a Responses client's turn with OpenAI's encrypted reasoning, custom tool
+      calls or their outputs, built-in tools' calls) holds none of the reasoning Weir handed out (its
+      text, its signatures: OpenAI's encrypted reasoning alone is among them), which the turn's
+      `reasoning_content` and `reasoning_blocks` still count."""
+    if message.anthropic_content is not None:
+        return msgspec.structs.replace(
+            message, content=None, tool_calls=None, reasoning_blocks=None, reasoning_content=None
+        )
+    if message.responses_items is not None:
+        return msgspec.structs.replace(message, content=None, tool_calls=None)
+    return message
 
 
 def chunk_text_bytes(chunk: Any) -> int:

@@ -319,6 +319,30 @@ def test_a_tool_result_kept_as_the_client_sent_it_counts_its_text_once() -> None
     assert tokens(len(msgspec.json.encode(reference))) <= extra < tokens(4000) // 10
 
 
+def _responses_loop(*held: dict[str, Any]) -> ChatRequest:
+    """A Responses client's tool loop: a call with 4,000 bytes of arguments and its result, after the
+    `held` items (none, or OpenAI's encrypted reasoning, which makes the turn one sent as it came)."""
+    from gateway.responses_inbound import ResponsesRequest, to_canonical
+
+    call = {"type": "function_call", "call_id": "call_1", "name": "write", "arguments": "x" * 4000}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "done"}
+    items = [{"role": "user", "content": "Write it."}, *held, call, output]
+    return to_canonical(msgspec.convert({"model": "m", "input": items}, ResponsesRequest))
+
+
+def test_a_responses_turn_kept_as_the_client_sent_it_counts_its_calls_once() -> None:
+    """A Responses client's turn with OpenAI's encrypted reasoning keeps its input items as sent (for
+    OpenAI's Responses API) beside its tool calls (for every other backend): counted as both, its
+    call's arguments were twice their length to context-window fit and route conditions."""
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA" + "e" * 395}
+    plain, sent_as_is = _responses_loop(), _responses_loop(reasoning)
+    assert sent_as_is.messages[1].responses_items is not None  # the case at hand
+    extra = input_tokens(sent_as_is) - input_tokens(plain)
+    # The reasoning item and the items' framing (about 30 tokens), not the 4,000 bytes of arguments again.
+    held = tokens(len(msgspec.json.encode(reasoning)))
+    assert held <= extra < held + 50
+
+
 def test_tool_definitions_still_count_beside_the_template() -> None:
     weather = {
         "type": "function",
