@@ -162,11 +162,12 @@ def media_after_tool_results(messages: list[Message]) -> list[Message]:
     out: list[Message] = []
     media: list[ContentPart] = []
     for message in messages:
-        if message.role == "tool" and isinstance(message.content, list):
-            text = [part for part in message.content if isinstance(part, TextPart)]
-            if len(text) < len(message.content):
-                media.extend(part for part in message.content if not isinstance(part, TextPart))
-                message = msgspec.structs.replace(message, content=text or "")
+        if message.role == "tool":  # a result of text alone too: the media wait after the turn's last
+            if isinstance(message.content, list):
+                text = [part for part in message.content if isinstance(part, TextPart)]
+                if len(text) < len(message.content):
+                    media.extend(part for part in message.content if not isinstance(part, TextPart))
+                    message = msgspec.structs.replace(message, content=text or "")
         elif media and message.role == "user":
             own = message.content or []
             own = [TextPart(text=own)] if isinstance(own, str) else own

@@ -212,6 +212,15 @@ def _items(messages: list[Message]) -> tuple[str | None, list[dict[str, Any]]]:
     return instructions, items
 
 
+def _as_its_items(message: Message) -> Message:
+    """A tool result a Responses client's items stand for (`responses_items`) without content of its
+    own: the items are sent in its place (`_items`), its images inside them, which moved to a user
+    message after the turn's results as well (`openai.media_after_tool_results`) were sent twice."""
+    if message.responses_items is None or message.role != "tool":
+        return message
+    return msgspec.structs.replace(message, content=None)
+
+
 def _client_settings(settings: dict[str, Any] | None, body: dict[str, Any]) -> None:
     """A Responses client's own settings (`ChatRequest.responses`), as it sent them: its tools as they
     are (custom tools with their grammar, built-in tools, which the canonical request holds as
@@ -232,8 +241,8 @@ def chat_request(backend: Backend, request: ChatRequest, model: str) -> Upstream
     refuse_anthropic_tools(request, "OpenAI")
     refuse_unexpressible(request, _NOT_IN_RESPONSES, "models served on the Responses API")
     request = continued(request, openai.continuation(backend, model))
-    messages = openai.media_after_tool_results([openai.worded_error(message) for message in request.messages])
-    instructions, items = _items(messages)
+    own = [_as_its_items(openai.worded_error(message)) for message in request.messages]
+    instructions, items = _items(openai.media_after_tool_results(own))
     body: dict[str, Any] = {"model": model, "input": items, "store": False}
     if instructions is not None:
         body["instructions"] = instructions

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import openai
 import pytest
 from structlog.testing import capture_logs
@@ -370,6 +371,23 @@ def test_images_developer_turns_and_a_tool_results_image_become_input_items() ->
     ]
     assert body["reasoning"] == {"effort": "high"} and body["text"] == {"format": {"type": "json_object"}}
     assert body["tool_choice"] == {"type": "function", "name": "shot"} and body["store"] is False
+
+
+def test_a_custom_tools_image_output_goes_back_once_as_the_client_sent_it() -> None:
+    """A Responses client's custom tool result goes back to the Responses API as the client sent it,
+    its image inside: moved to a user message after the results too, as a chat tool result's image
+    is, the model was sent the image twice, and billed for it twice."""
+    from gateway.responses_inbound import ResponsesRequest, to_canonical
+
+    png = "data:image/png;base64,iVBORw0KGgo="
+    output = [{"type": "input_text", "text": "here"}, {"type": "input_image", "image_url": png}]
+    items = [
+        {"role": "user", "content": "shoot"},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "shot", "input": "screen"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": output},
+    ]
+    request = to_canonical(msgspec.convert({"model": "o3-pro", "input": items}, ResponsesRequest))
+    assert _body(request)["input"] == items
 
 
 def test_a_failed_response_is_the_error_it_stands_for() -> None:

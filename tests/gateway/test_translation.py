@@ -138,6 +138,17 @@ def test_tool_result_images_go_to_openai_after_every_tool_result_of_the_turn() -
     ]
 
 
+def test_a_tool_result_of_text_alone_after_one_with_an_image_still_follows_the_turn() -> None:
+    """The turn's second result is plain text: the first result's image waits after it too. Put
+    before it, the user message broke the turn's results apart, which OpenAI refuses ("tool messages
+    must respond to tool_calls")."""
+    request = _two_screenshots()
+    request.messages[3] = msgspec.structs.replace(request.messages[3], content="B")
+    sent = body(openai.chat_request(OPENAI, request, "gpt-x"))["messages"]
+    assert [message["role"] for message in sent] == ["user", "assistant", "tool", "tool", "user"]
+    assert sent[4]["content"] == [IMAGE_PART, {"type": "text", "text": "and now?"}]
+
+
 def test_tool_result_images_go_to_gemini_2_after_every_function_response_of_the_turn() -> None:
     sent = body(gemini.chat_request(GEMINI, _two_screenshots(), "gemini-2.5-flash"))["contents"]
     image = {"inlineData": {"mimeType": "image/png", "data": "AAAA"}}
