@@ -25,6 +25,7 @@ retrieved) already goes through its logger.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 from contextvars import ContextVar
@@ -84,6 +85,39 @@ def add_request_fields(_logger: WrappedLogger, _method: str, event: EventDict) -
     if info.model:
         event.setdefault("model", info.model)
     return event
+
+
+REDACTED = "[redacted]"
+
+# What a credential looks like inside a vendor's words, whoever's it is (`_KEY_LIKE`): OpenAI's and
+# Anthropic's keys (`sk-...`, `sk-ant-...`), whole or masked as OpenAI quotes a refused one
+# (`sk-proj-****abcd`), Google's (`AIza...`), a bearer token (RFC 6750's characters); and
+# (`_LONG_WORD`) any word holding a run of 24 or more letters and digits, both among them: a key with
+# no known prefix (Azure's 32 hex digits, Groq's `gsk_...`, a token a proxy echoes back), never a
+# model's name, whose words are short (`deepseek-r1-distill-qwen-32b`).
+_KEY_LIKE = re.compile(r"\bsk-[\w\-*.]*[\w*]|\bAIza[\w\-]{8,}|(?<=\bBearer )[\w\-.~+/]+=*", re.IGNORECASE)
+# A long word, then the run it must hold: two linear scans (one pattern for both backtracks, its time
+# the square of a word's length).
+_LONG_WORD = re.compile(r"[A-Za-z0-9+_\-]{24,}=*")
+_LONG_RUN = re.compile(r"[A-Za-z0-9]{24,}")
+
+
+def _opaque(word: re.Match[str]) -> str:
+    text = word.group()
+    if not _LONG_RUN.search(text):
+        return text
+    mixed = any(c.isdigit() for c in text) and any(c.isalpha() for c in text)
+    return REDACTED if mixed else text
+
+
+def redact_keys(text: str) -> str:
+    """`text` (a vendor's error message, an exception's) for the log, with whatever looks like a
+    credential blanked: a 401's message may quote part of the key the gateway sent, or all of it,
+    and a log line outlives the key. It knows no backend's key (unlike `gateway.pipeline.redact_secrets`,
+    which blanks the backend's own in what the client sees), so it blanks by shape: also a masked
+    key's last characters and a long id (a request id of 32 hex digits), which the operator does not
+    need to see why a key was refused."""
+    return _LONG_WORD.sub(_opaque, _KEY_LIKE.sub(REDACTED, text))
 
 
 def _serialize(event: dict, **_: object) -> bytes:

@@ -30,6 +30,7 @@ from gateway.config import Backend, Model, Price, TierPrice
 from gateway.errors import ANTHROPIC_ERROR_TYPES, BadGateway, GatewayError, GatewayTimeout
 from gateway.estimate import Produced, whole_answer
 from gateway.ids import ordered_id
+from gateway.logging import REDACTED
 from gateway.metrics import Metrics
 from gateway.providers.base import StreamDecoder, UpstreamRequest
 from gateway.router_basic import Target
@@ -582,7 +583,6 @@ async def _record_cut(
 
 # Names of a backend's configured headers and query parameters whose values are credentials.
 _SECRET_NAME = re.compile(r"auth|key|token|secret|signature|password", re.IGNORECASE)
-REDACTED = "[redacted]"
 
 
 def backend_secrets(backend: Backend) -> list[str]:

@@ -19,6 +19,7 @@ import structlog
 
 from gateway.config import Timeouts
 from gateway.errors import BadGateway, CannotConnect, ConnectTimeout, DroppedBeforeAnswer, GatewayTimeout
+from gateway.logging import redact_keys
 from gateway.providers.base import UpstreamRequest
 
 MAX_ERROR_BODY = 64 * 1024  # enough of a vendor's error body to show its message
@@ -246,6 +247,7 @@ _QUERY = re.compile(r"(https?://[^\s'\"?#]*)\?[^\s'\"#)]*")
 
 def describe(exc: BaseException) -> str:
     """An exception for the log: its class and its text, any URL in it without its query string
-    (a backend's configured query parameters may hold its key)."""
-    text = _QUERY.sub(r"\1?[query]", str(exc))
+    (a backend's configured query parameters may hold its key), and whatever in it looks like a key
+    (`redact_keys`: a decoder's error may quote the vendor's body, a connection error a header)."""
+    text = redact_keys(_QUERY.sub(r"\1?[query]", str(exc)))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

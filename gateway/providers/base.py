@@ -30,6 +30,7 @@ from gateway.errors import (
     UpstreamError,
 )
 from gateway.ids import random_hex
+from gateway.logging import redact_keys
 from gateway.types import (
     ChatChunk,
     ChatRequest,
@@ -639,8 +640,11 @@ def upstream_error(
         # without access to the model) or its account cannot pay (402): neither the request nor the
         # client's key is at fault. Passed on, it read as the client's key refused, and the vendor's
         # text is about the gateway's key or account; a 502 instead, which fails over and counts
-        # against the backend's breaker. The vendor's words go to the operator's log.
-        log.warning("upstream_credentials_refused", vendor=vendor, status=status, message=message)
+        # against the backend's breaker. The vendor's words go to the operator's log, without the part
+        # of the key they may quote.
+        log.warning(
+            "upstream_credentials_refused", vendor=vendor, status=status, message=redact_keys(message)
+        )
         if status == 402:
             return BadGateway(
                 f"The {vendor} backend refused the gateway's account for billing (402); an operator must "

@@ -3,7 +3,9 @@ client must see why), but some vendors and proxies echo what they were sent: the
 header, the whole request URL with its `?key=`. The gateway's credentials for the backend (its API
 key, and configured headers or query parameters named like a credential) are blanked in what the
 client gets, in a whole answer's error and in an error event mid-stream; the rest of the message is
-kept. The gateway's own log lines about a broken upstream exchange name its URL without the query."""
+kept. The gateway's own log lines about a broken upstream exchange name its URL without the query,
+and neither they nor the vendor's words on a refused key, which are logged alone, hold what looks like
+a key: OpenAI quotes the key it refused, masked, and a proxy may echo the whole token."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from structlog.testing import capture_logs
 from gateway.config import Timeouts, parse_config
 from gateway.errors import BadGateway
 from gateway.providers.base import UpstreamRequest
-from gateway.transport import Transport
+from gateway.transport import Transport, describe
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.vendor_gateway import RunningGateway, running_gateway
 
@@ -121,3 +123,35 @@ async def test_a_broken_upstream_answer_logs_its_url_without_the_query_key() -> 
     [line] = [entry for entry in logs if entry["event"] == "upstream_request_broken"]
     assert f"127.0.0.1:{port}/v1/chat/completions" in line["error"]  # still says where
     assert QUERY_KEY not in line["error"]
+
+
+# A 401's words as OpenAI writes them, quoting the refused key masked.
+MASKED_KEY = "sk-proj-********************************************a1B2"
+
+
+def test_a_vendors_words_on_the_gateways_key_are_logged_without_the_key(
+    weir: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """The client gets a 502 of the gateway's own words; the operator's `upstream_credentials_refused`
+    line says why the vendor refused the key, and a log line outlives the key: what the vendor quoted
+    of it is blanked, the rest of its words kept."""
+    said = f"Incorrect API key provided: {MASKED_KEY}. (Authorization: Bearer {fake_openai.api_key})"
+    fake_openai.fail_next(Fault.status(401, message=said), path="/v1/chat/completions")
+    with capture_logs() as logs:
+        response = httpx.post(
+            f"{weir.url}/v1/chat/completions",
+            json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": f"Bearer {TENANT_KEY}"},
+            timeout=20,
+        )
+    assert response.status_code == 502
+    [line] = [entry for entry in logs if entry["event"] == "upstream_credentials_refused"]
+    assert line["message"] == "Incorrect API key provided: [redacted]. (Authorization: Bearer [redacted])"
+
+
+def test_an_upstream_exception_is_logged_without_a_key_it_quotes() -> None:
+    """A decoder's error may quote the vendor's body, and the body the key it was sent: `describe`,
+    which writes every upstream exception to the log, blanks it."""
+    key = "sk-ant-api03-Zx9Yw8Vu7Ts6Rq5Po4Nm3Lk2Ji1Hg0Fe"
+    error = ValueError(f"invalid literal for int(): 'x-api-key {key} is invalid'")
+    assert describe(error) == "ValueError: invalid literal for int(): 'x-api-key [redacted] is invalid'"
