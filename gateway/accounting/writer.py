@@ -16,7 +16,7 @@ import logging
 import math
 import operator
 import time
-from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -223,23 +223,28 @@ def _sqlite_params(events: list[UsageEvent]) -> list[Any]:
     return params
 
 
-def _event_rollups(events: list[UsageEvent]) -> list[dict[str, Any]]:
-    """`_rollup_rows` of these events' rows, summed from the events themselves."""
+# One attempt as the rollups count it: its group (day, tenant, key, backend, model), its status, whether
+# it starts a client request (its first attempt: `events.FIRST_ATTEMPT`), and its `AMOUNTS`, in that order.
+_Counted = tuple[dt.date, str | None, str | None, str, str, int, bool, Iterable[int]]
+
+
+def _sum_rollups(attempts: Iterable[_Counted]) -> list[dict[str, Any]]:
+    """The rollup rows of these attempts: `SUMMED` per group, a missing tenant or key as "" (the
+    rollups' unique key must hold for anonymous traffic). The one count of both writer paths."""
     totals: dict[tuple[Any, ...], list[int]] = {}
-    for e in events:
-        group = (e.ts.date(), e.tenant_id or "", e.key_id or "", e.backend, e.model)
+    for day, tenant, key, backend, model, status, starts_request, amounts in attempts:
+        group = (day, tenant or "", key or "", backend, model)
         sums = totals.get(group)
         if sums is None:
             sums = totals[group] = [0] * len(SUMMED)
         sums[0] += 1
-        if is_error(e.status):
+        if is_error(status):
             sums[1] += 1
-        elif e.status == CANCELLED:
+        elif status == CANCELLED:
             sums[2] += 1
-        if e.attempt == FIRST_ATTEMPT:
+        if starts_request:
             sums[3] += 1
-        values = (*_token_counts(e.usage), e.cost_pico_usd, e.savings_pico_usd)
-        for i, value in enumerate(values, len(COUNTS)):
+        for i, value in enumerate(amounts, len(COUNTS)):
             sums[i] += value
     return [
         {
@@ -254,6 +259,24 @@ def _event_rollups(events: list[UsageEvent]) -> list[dict[str, Any]]:
     ]
 
 
+def _event_rollups(events: list[UsageEvent]) -> list[dict[str, Any]]:
+    """The rollup rows of these events, read from the events themselves: SQLite's path, which builds
+    no ledger row (`_sqlite_params`)."""
+    return _sum_rollups(
+        (
+            e.ts.date(),
+            e.tenant_id,
+            e.key_id,
+            e.backend,
+            e.model,
+            e.status,
+            e.attempt == FIRST_ATTEMPT,
+            (*_token_counts(e.usage), e.cost_pico_usd, e.savings_pico_usd),
+        )
+        for e in events
+    )
+
+
 @functools.lru_cache(maxsize=8)  # batch sizes vary; a few statements of up to ~100 kB each
 def _sqlite_insert(names: tuple[str, ...], rows: int) -> str:
     one = "(" + ", ".join("?" * len(names)) + ")"
@@ -264,20 +287,20 @@ def _sqlite_insert(names: tuple[str, ...], rows: int) -> str:
 
 
 def _rollup_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    totals: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(SUMMED, 0))
-    for row in rows:
-        group = (row["day"], row["tenant_id"] or "", row["key_id"] or "", row["backend"], row["model"])
-        total = totals[group]
-        total["requests"] += 1
-        total["errors"] += is_error(row["status"])
-        total["cancelled"] += row["status"] == CANCELLED
-        total["client_requests"] += row["attempt"] == FIRST_ATTEMPT
-        for name in AMOUNTS:
-            total[name] += row[name]
-    return [
-        {"day": d, "tenant_id": t, "key_id": k, "backend": b, "model": m, **sums}
-        for (d, t, k, b, m), sums in totals.items()
-    ]
+    """The rollup rows of these ledger rows (`event_row`): the path that builds them."""
+    return _sum_rollups(
+        (
+            r["day"],
+            r["tenant_id"],
+            r["key_id"],
+            r["backend"],
+            r["model"],
+            r["status"],
+            r["attempt"] == FIRST_ATTEMPT,
+            [r[name] for name in AMOUNTS],
+        )
+        for r in rows
+    )
 
 
 @dataclass
