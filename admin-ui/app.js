@@ -1064,7 +1064,7 @@ async function finance(params, query, show) {
   show("Finance", form,
     h("p", {}, h("a", { class: "button", href: `${API}/reports/usage?${qs}&format=csv`, download: "" }, "Download CSV"),
       " ", h("span", { class: "muted" }, `Source: ${report.source}. Costs are exact decimals from the ledger.`)),
-    h("p", { class: "muted" }, "Requests are client requests; attempts are every upstream try (retries, failovers, hedges), and errors and cancelled are of those. A request is counted once, in the row of its first attempt: a failover's or a retry's other row has only its attempts."),
+    h("p", { class: "muted" }, "Requests are client requests; attempts are every upstream try (retries, failovers, hedges, and the calls of a comparison, which Weir makes itself), and errors and cancelled are of those. A request is counted once, in the row of its first attempt: a failover's or a retry's other row has only its attempts."),
     report.rows.length ? scrolling(table(cols, report.rows, { foot: total, caption: `Usage ${start} to ${end}` })) : empty("No usage in this range. Widen the dates, or send traffic with a tenant's key."),
     chart("Spend by token class per day (USD)", spendDays.map((r) => r.day),
       TOKEN_CLASSES.map((c) => ({ label: c, values: spendDays.map((r) => (r.cost_usd_by_class || {})[c] || 0) })),

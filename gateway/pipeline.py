@@ -108,6 +108,9 @@ class Call:
     # Seconds from `started` the client said it waits for its response (`x-stainless-read-timeout`,
     # which the OpenAI and Anthropic SDKs send): a hint, None when it said nothing usable.
     client_timeout: float | None = None
+    # Why Weir itself makes this call (`UsageEvent.purpose`: a comparison's `compare` or `judge`);
+    # None for a client's request, the only kind the usage report counts as requests.
+    purpose: str | None = None
 
     def time_left(self) -> float:
         """Seconds until the client gives up, as it said (`client_timeout`): infinite if it did not."""
@@ -523,6 +526,7 @@ class Pipeline:
             fallback=target.model.name != call.first_model,
             routing=call.routes.pop(attempt, None) or info.route,
             estimated=estimated,
+            purpose=call.purpose,
             event_id=ordered_id(),  # time-ordered: appended at the ledger index's edge (gateway/ids.py)
         )
         self.sink.record(event)

@@ -9,8 +9,9 @@ option (routing.routes.Compare) buys those labels on live traffic:
 - once the client has its answer (a stream: once it ended cleanly), the same request goes in the
   background, not streamed, to the other candidate; the judge then grades both answers from 1 to 10,
   seeing them in a random order, since judges favour one position;
-- each of these calls is a usage event of the tenant's own (`purpose=compare` or `purpose=judge` and
-  `for=<request id>` in its routing column), admitted like any request (rate limits, budgets), and
+- each of these calls is a usage event of the tenant's own (its `purpose`, `compare` or `judge`, and
+  `purpose=...; for=<request id>` in its routing column): the usage report counts it in attempts and
+  cost, not as a client request; admitted like any request (rate limits, budgets), and
   capped per tenant and route by `max_spend_usd_per_hour` (estimated before the calls, as hedging is) and per
   route and replica by `max_in_flight`;
 - the grades go to the `comparisons` table. `weir router train --tenant` joins them with the stored
@@ -474,7 +475,7 @@ class Comparer:
             route=f"route={route.name}; policy={route.policy}; candidate={model}; "
             f"purpose={purpose}; for={job.request_id}",
         )
-        call = Call(info, job.principal, "compare")
+        call = Call(info, job.principal, "compare", purpose=purpose)
 
         async def billed(event: UsageEvent) -> None:  # what the ledger bills it
             spent.append(event.cost_pico_usd)

@@ -29,6 +29,14 @@ def is_error(status: int) -> bool:
 FIRST_ATTEMPT = 1
 
 
+def starts_client_request(attempt: int, purpose: str | None) -> bool:
+    """Whether an attempt is a client request's first: the one the reports count that request by. A
+    call Weir makes of its own (`purpose`: a comparison's other answer or its judge) is an attempt,
+    and costs, but no client asked for it. The SQL that counts them says the same (the writer's
+    PostgreSQL statement, the usage report over the ledger, migration 0015)."""
+    return attempt == FIRST_ATTEMPT and purpose is None
+
+
 # gc=False: the collector never tracks an event. It holds no reference that could lead back to it
 # (text, numbers, a datetime, a Usage, a dict of ints), so it can never be part of a cycle. One is
 # made per attempt, and the batch writer decodes thousands at a time: tracked, every decoded batch
@@ -64,6 +72,9 @@ class UsageEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     fallback: bool = False  # on another model than the request's first attempt (a retry is none)
     routing: str | None = None  # the routing decision so far (policy, candidate, score; x-weir-route)
     estimated: bool = False  # usage estimated by the gateway: the stream ended before the vendor's report
+    # Why Weir itself made this call, None for a client's request: `compare` (a comparison's other
+    # answer) or `judge` (routing/compare.py). Counted as attempts and billed, never as client requests.
+    purpose: str | None = None
     event_id: str = msgspec.field(default_factory=ordered_id)  # time-ordered (gateway/ids.py)
 
     @property

@@ -106,9 +106,10 @@ async def usage_report(
         table = UsageEventRow
         where = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
         # As the writer counts them into the rollups: a client request is its first attempt (one
-        # per request, so no DISTINCT over the range), and a 499 is cancelled, no error
-        # (`events.is_error`).
-        requests = func.sum(case((UsageEventRow.attempt == FIRST_ATTEMPT, 1), else_=0))
+        # per request, so no DISTINCT over the range; Weir's own calls are none:
+        # `events.starts_client_request`), and a 499 is cancelled, no error (`events.is_error`).
+        starts_request = and_(UsageEventRow.attempt == FIRST_ATTEMPT, UsageEventRow.purpose.is_(None))
+        requests = func.sum(case((starts_request, 1), else_=0))
         attempts = func.count()
         status = UsageEventRow.status
         errors = func.sum(case((and_(status >= 200, status < 400), 0), (status == CANCELLED, 0), else_=1))

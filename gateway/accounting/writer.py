@@ -26,7 +26,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.accounting.events import CANCELLED, FIRST_ATTEMPT, UsageEvent, decode, encode, is_error
+from gateway.accounting.events import (
+    CANCELLED,
+    FIRST_ATTEMPT,
+    UsageEvent,
+    decode,
+    encode,
+    is_error,
+    starts_client_request,
+)
 from gateway.accounting.queue import RedisStreamQueue, Token, UsageQueue
 from gateway.aio import stop_if_cancelled
 from gateway.db.models import UsageEventRow, UsageRollup
@@ -37,12 +45,12 @@ log = logging.getLogger(__name__)
 EVENTS: Table = UsageEventRow.__table__  # type: ignore[assignment]
 ROLLUPS: Table = UsageRollup.__table__  # type: ignore[assignment]
 # What each rollup row sums: counts of attempts (all; failed; cancelled, 499s, which are no error) and of
-# the client requests that started in the group (their first attempts: `events.FIRST_ATTEMPT`), then
-# the events' own amounts.
+# the client requests that started in the group (their first attempts, not Weir's own calls:
+# `events.starts_client_request`), then the events' own amounts.
 COUNTS = ("requests", "errors", "cancelled", "client_requests")
 AMOUNTS = (*TOKEN_FIELDS, "cost_pico_usd", "savings_pico_usd")
 SUMMED = (*COUNTS, *AMOUNTS)
-# SQLite allows 32766 bound parameters per statement; usage_events has 28 columns.
+# SQLite allows 32766 bound parameters per statement; usage_events has 29 columns.
 MAX_ROWS_PER_INSERT = 1000
 OUTAGE_REMINDER_S = 60.0  # how often a database outage the writer is waiting out is logged again
 _json = msgspec.json.Encoder()
@@ -79,6 +87,7 @@ def event_row(event: UsageEvent) -> dict[str, Any]:
         "fallback": event.fallback,
         "estimated": event.estimated,
         "routing": event.routing[:1000] if event.routing else None,
+        "purpose": event.purpose,
     }
 
 
@@ -121,7 +130,10 @@ _LINE_COLUMNS = {
     "fallback": "coalesce((e->>'fallback')::boolean, false)",
     "estimated": "coalesce((e->>'estimated')::boolean, false)",
     "routing": "left(e->>'routing', 1000)",
+    "purpose": "e->>'purpose'",
 }
+# `events.starts_client_request` in SQL, over the inserted rows.
+_STARTS_CLIENT_REQUEST = f"attempt = {FIRST_ATTEMPT} AND purpose IS NULL"
 
 
 @functools.cache
@@ -135,12 +147,12 @@ def _lines_insert() -> TextClause:
         f"WITH inserted AS (INSERT INTO {EVENTS.name} ({', '.join(names)}) "
         f"SELECT {', '.join(_LINE_COLUMNS.values())} FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS e "
         "ON CONFLICT (event_id) DO NOTHING "
-        f"RETURNING day, tenant_id, key_id, backend, model, status, attempt, {', '.join(AMOUNTS)}) "
+        f"RETURNING day, tenant_id, key_id, backend, model, status, attempt, purpose, {', '.join(AMOUNTS)}) "
         f"INSERT INTO {ROLLUPS.name} (day, tenant_id, key_id, backend, model, {', '.join(SUMMED)}) "
         "SELECT day, coalesce(tenant_id, ''), coalesce(key_id, ''), backend, model, count(*), "
         f"count(*) FILTER (WHERE (status < 200 OR status >= 400) AND status <> {CANCELLED}), "
         f"count(*) FILTER (WHERE status = {CANCELLED}), "
-        f"count(*) FILTER (WHERE attempt = {FIRST_ATTEMPT}), "
+        f"count(*) FILTER (WHERE {_STARTS_CLIENT_REQUEST}), "
         f"{', '.join(f'sum({n})' for n in AMOUNTS)} FROM inserted GROUP BY 1, 2, 3, 4, 5 "
         "ON CONFLICT (day, tenant_id, key_id, backend, model) DO UPDATE SET "
         f"{', '.join(f'{n} = {ROLLUPS.name}.{n} + excluded.{n}' for n in SUMMED)} "
@@ -177,6 +189,7 @@ EVENT_COLUMNS = (
     "fallback",
     "estimated",
     "routing",
+    "purpose",
 )
 _token_counts = operator.attrgetter(*TOKEN_FIELDS)
 
@@ -219,12 +232,13 @@ def _sqlite_params(events: list[UsageEvent]) -> list[Any]:
             e.fallback,
             e.estimated,
             e.routing[:1000] if e.routing else None,
+            e.purpose,
         )
     return params
 
 
 # One attempt as the rollups count it: its group (day, tenant, key, backend, model), its status, whether
-# it starts a client request (its first attempt: `events.FIRST_ATTEMPT`), and its `AMOUNTS`, in that order.
+# it starts a client request (`events.starts_client_request`), and its `AMOUNTS`, in that order.
 _Counted = tuple[dt.date, str | None, str | None, str, str, int, bool, Iterable[int]]
 
 
@@ -270,7 +284,7 @@ def _event_rollups(events: list[UsageEvent]) -> list[dict[str, Any]]:
             e.backend,
             e.model,
             e.status,
-            e.attempt == FIRST_ATTEMPT,
+            starts_client_request(e.attempt, e.purpose),
             (*_token_counts(e.usage), e.cost_pico_usd, e.savings_pico_usd),
         )
         for e in events
@@ -296,7 +310,7 @@ def _rollup_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r["backend"],
             r["model"],
             r["status"],
-            r["attempt"] == FIRST_ATTEMPT,
+            starts_client_request(r["attempt"], r["purpose"]),
             [r[name] for name in AMOUNTS],
         )
         for r in rows

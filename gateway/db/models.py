@@ -171,6 +171,9 @@ class UsageEventRow(Base):
     # True when the gateway estimated the usage (a stream cut before the vendor reported it)
     estimated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     routing: Mapped[str | None] = mapped_column(String(1000), nullable=True)  # the x-weir-route decision
+    # Why Weir itself made the call (`compare`, `judge`: routing/compare.py); None for a client's
+    # request. Only a client request's first attempt counts in the usage report's `requests`.
+    purpose: Mapped[str | None] = mapped_column(String(16))
 
 
 class UsageRollup(Base):
@@ -189,8 +192,9 @@ class UsageRollup(Base):
     requests: Mapped[int] = mapped_column(BigInteger)  # attempts (the usage report's `attempts`)
     errors: Mapped[int] = mapped_column(BigInteger)  # failed attempts; cancelled ones (499) are apart
     cancelled: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    # Client requests whose first attempt (`events.FIRST_ATTEMPT`) is in this group: each request is
-    # counted once, where it started, whichever groups its retries and failovers went to.
+    # Client requests whose first attempt (`events.starts_client_request`) is in this group: each is
+    # counted once, where it started, whichever groups its retries and failovers went to; Weir's own
+    # calls (a comparison's, its judge's) are attempts, not client requests.
     client_requests: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     input_tokens: Mapped[int] = mapped_column(BigInteger)
     cached_input_tokens: Mapped[int] = mapped_column(BigInteger)

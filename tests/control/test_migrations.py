@@ -201,3 +201,61 @@ def test_rollups_count_their_client_requests_once_upgraded(db_url: str) -> None:
     with pytest.raises(Exception, match="client_requests"):
         sync_exec(db_url, "SELECT client_requests FROM usage_rollups")
     assert sync_exec(db_url, "SELECT sum(requests) FROM usage_rollups") == [(10,)]
+
+
+def test_weirs_own_calls_are_no_client_requests_once_upgraded(db_url: str) -> None:
+    """0015 gives the ledger `purpose`: a comparison's other answer and its judge (routing/compare.py)
+    are first attempts of calls Weir made itself, which 0014 counted as client requests. The rows
+    already there get theirs from their routing text (`purpose=compare; for=...`), and the rollup
+    rows that held one count their client requests again; the downgrade counts them back in."""
+    migrate.upgrade(db_url, "0014")
+    client = "route=auto; policy=difficulty; candidate={}; p_strong=0.1"
+    own = "route=auto; policy=difficulty; candidate={}; purpose={}; for=r0"
+    attempts = {  # (backend, model) -> (attempt, routing) of its events, all of tenant t1's day
+        ("openai", "gpt-4o-mini"): [(1, client.format("gpt-4o-mini"))],  # the compared request
+        ("openai", "gpt-4o"): [
+            (1, own.format("gpt-4o", "compare")),  # its other answer
+            (1, client.format("gpt-4o")),  # a client's request that failed and was retried
+            (2, client.format("gpt-4o")),
+        ],
+        ("anthropic", "claude"): [(1, own.format("claude", "judge"))] * 2,  # both orders
+        ("openai", "o3"): [(1, None)],  # no routing: a client's
+    }
+    events, rollups = [], []
+    for (backend, model), tried in attempts.items():
+        for number, routing in tried:
+            text = f"'{routing}'" if routing else "NULL"
+            events.append(
+                f"('e{len(events)}', 'r{len(events)}', {number}, '2026-12-01 12:00:00', '2026-12-01', 't1', "
+                f"'k1', 'auto', '{backend}', '{model}', 0, 0, 0, 0, 0, 0, '{{}}', 5, 0, 1.0, 200, false, {text})"
+            )
+        first = sum(number == 1 for number, _ in tried)  # as 0014's code counted them
+        rollups.append(
+            f"('2026-12-01', 't1', 'k1', '{backend}', '{model}', {len(tried)}, 0, 0, 0, 0, 0, 0, 0, "
+            f"{5 * len(tried)}, 0, {first})"
+        )
+    sync_exec(db_url, _EVENT.replace("fallback) VALUES", "fallback, routing) VALUES") + ", ".join(events))
+    sync_exec(db_url, _ROLLUP.replace(") VALUES", ", client_requests) VALUES") + ", ".join(rollups))
+    query = "SELECT backend, model, requests, client_requests, cost_pico_usd FROM usage_rollups ORDER BY 1, 2"
+    before = [
+        ("anthropic", "claude", 2, 2, 10),
+        ("openai", "gpt-4o", 3, 2, 15),
+        ("openai", "gpt-4o-mini", 1, 1, 5),
+        ("openai", "o3", 1, 1, 5),
+    ]
+    assert sync_exec(db_url, query) == before
+
+    migrate.upgrade(db_url, "0015")
+    purposes = sync_exec(db_url, "SELECT event_id, purpose FROM usage_events WHERE purpose IS NOT NULL")
+    assert sorted(purposes) == [("e1", "compare"), ("e4", "judge"), ("e5", "judge")]
+    assert sync_exec(db_url, query) == [  # attempts and cost as they were
+        ("anthropic", "claude", 2, 0, 10),
+        ("openai", "gpt-4o", 3, 1, 15),
+        ("openai", "gpt-4o-mini", 1, 1, 5),
+        ("openai", "o3", 1, 1, 5),
+    ]
+
+    migrate.downgrade(db_url, "0014")
+    with pytest.raises(Exception, match="purpose"):
+        sync_exec(db_url, "SELECT purpose FROM usage_events")
+    assert sync_exec(db_url, query) == before

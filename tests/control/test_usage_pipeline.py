@@ -351,6 +351,42 @@ async def test_rollups_count_cancelled_attempts_apart_on_postgres_array_path(pg_
         await engine.dispose()
 
 
+async def test_weirs_own_calls_are_attempts_not_client_requests(engine: AsyncEngine) -> None:
+    """A comparison's calls (routing/compare.py: the other candidate's answer, the judge's verdict) are
+    first attempts of requests of their own, which no client made: the rollups counted each as a
+    client request. They count as attempts, with their cost; the ledger keeps their `purpose`."""
+    await _write_weirs_own_calls(engine, latency_ms=12.5)
+
+
+@pytest.mark.postgres
+async def test_weirs_own_calls_are_attempts_not_client_requests_on_postgres_array_path(pg_url: str) -> None:
+    """The same on PostgreSQL's other path (a time JSON cannot carry, NaN: summed in Weir)."""
+    await migrate.upgrade_async(pg_url)
+    engine = create_engine(pg_url)
+    try:
+        await _write_weirs_own_calls(engine, latency_ms=float("nan"))
+    finally:
+        await engine.dispose()
+
+
+async def _write_weirs_own_calls(engine: AsyncEngine, latency_ms: float) -> None:
+    batch = [msgspec.structs.replace(e, latency_ms=latency_ms) for e in random_events(12, seed=51)]
+    batch[:4] = [msgspec.structs.replace(e, purpose="compare") for e in batch[:4]]
+    batch[4:6] = [msgspec.structs.replace(e, purpose="judge") for e in batch[4:6]]
+    batch[6:8] = [msgspec.structs.replace(e, attempt=2) for e in batch[6:8]]  # a client request's retries
+    writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
+    assert await writer.write(batch) == 12
+    async with engine.connect() as conn:
+        stored = [dict(r._mapping) for r in await conn.execute(select(UsageRollup.__table__))]
+        purposes = (
+            await conn.execute(select(UsageEventRow.purpose, func.count()).group_by(UsageEventRow.purpose))
+        ).tuples()
+        assert dict(purposes.all()) == {None: 6, "compare": 4, "judge": 2}
+    assert sum(r["requests"] for r in stored) == 12
+    assert sum(r["client_requests"] for r in stored) == 4  # the 12 less Weir's 6 calls and 2 retries
+    assert sum(r["cost_pico_usd"] for r in stored) == sum(e.cost_pico_usd for e in batch)
+
+
 async def test_an_event_twice_in_one_batch_is_counted_once(engine: AsyncEngine) -> None:
     """One batch can hold an event twice (a ride re-sent after its pipeline's answer was lost, a spool
     forwarded twice, read together). The ledger stores it once; the rollups must count it once too."""

@@ -7,6 +7,7 @@ Anthropic judge on the fake vendors, the official OpenAI SDK as the client."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import functools
 import math
 import random
@@ -23,6 +24,7 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
+from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.auth import ANONYMOUS
 from gateway.config import parse_config
 from gateway.db.session import create_engine, sessionmaker
@@ -365,6 +367,43 @@ def compared_request(url: str) -> tuple[httpx.Client, httpx.Headers]:
     )
     assert "compare=sampled" in raw.headers["x-weir-route"]
     return admin, raw.headers
+
+
+def test_a_compared_request_is_one_request_whose_comparison_adds_attempts_and_cost(
+    db: str, fake_anthropic: FakeAnthropic, comparing: Comparing
+) -> None:
+    """A comparison's calls (the other candidate's answer, the judge's verdict) are requests Weir sends
+    itself, each with its own attempt 1: the usage report counted them as client requests, so a
+    compared request read as three. It is one request, whose attempts and cost include its
+    comparison's (Finance sees that spend), whether whole days read the rollups or part of a day the
+    ledger."""
+    fake_anthropic.answer_as("claude-sonnet-4-5", judge)
+    app = comparing(CONFIG, db)
+    app.state.gateway.router.context.scorer = lambda prompt: 0.1  # gpt-4o-mini serves; gpt-4o compared
+    with serve(app, free_port()) as url:
+        admin, _ = compared_request(url)
+        wait_for(lambda: sync_exec(db, "SELECT count(*) FROM comparisons") == [(1,)])
+        wait_for(lambda: sync_exec(db, "SELECT count(*) FROM usage_events") == [(3,)])
+        [(cost,)] = sync_exec(db, "SELECT sum(cost_pico_usd) FROM usage_events")
+        assert cost > 0
+        now = dt.datetime.now(dt.UTC)
+        whole_days = {
+            "start": (now - dt.timedelta(days=1)).date(),
+            "end": (now + dt.timedelta(days=2)).date(),
+        }
+        part_of_a_day = {"start": now - dt.timedelta(hours=1), "end": now + dt.timedelta(hours=1)}
+        for span, source in ((whole_days, "rollups"), (part_of_a_day, "events")):
+            params = {k: v.isoformat() for k, v in span.items()}
+            report = admin.get("/reports/usage", params=params).json()
+            assert report["source"] == source
+            [row] = report["rows"]
+            assert (row["tenant_name"], row["requests"], row["attempts"]) == ("keeps", 1, 3), source
+            assert row["cost_usd"] == format_usd(pico_to_usd(int(cost))), source
+            by_model = admin.get("/reports/usage", params={**params, "group_by": "model"}).json()
+            got = {r["model"]: (r["requests"], r["attempts"]) for r in by_model["rows"]}
+            # The request counts where it was served; the other answer and the verdict are attempts.
+            assert got == {"gpt-4o-mini": (1, 1), "gpt-4o": (0, 1), "claude-sonnet-4-5": (0, 1)}, source
+            assert (by_model["totals"]["requests"], by_model["totals"]["attempts"]) == (1, 3), source
 
 
 def test_the_spend_cap_counts_what_the_ledger_bills_at_the_catalogs_prices(
