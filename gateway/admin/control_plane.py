@@ -29,7 +29,7 @@ from gateway.accounting.reports import joined_sum, split_sum
 from gateway.accounting.sink import AccountingSink
 from gateway.accounting.uptime import ProbeRecorder
 from gateway.accounting.writer import BatchWriter
-from gateway.admin.keys import DbAuthenticator, KeyRecord
+from gateway.admin.keys import DbAuthenticator
 from gateway.admin.router import AdminContext, admin_router, db_tenants_named_as_config
 from gateway.admin.token import ensure_admin_token
 from gateway.aio import stop_if_cancelled
@@ -45,7 +45,6 @@ from gateway.state.redis import RedisState
 
 log = logging.getLogger(__name__)
 
-MAX_CACHED_QUOTAS = 10_000
 # The pipeline's endpoints of Anthropic's Messages API (gateway.api.anthropic), whose clients read
 # Anthropic's rate-limit headers.
 ANTHROPIC_ENDPOINTS = frozenset({"messages", "count_tokens"})
@@ -123,8 +122,6 @@ class ControlPlane:
             # Every event of a DB key comes with a settlement: while one is under way, the window's
             # events wait for it (at most one more window) instead of an XADD of their own.
             self.queue.rider_busy = self.admission.settling
-        # Key record (by identity; the entry holds it, so its id is not reused) -> its Quotas.
-        self._quotas: dict[int, tuple[KeyRecord, Quotas]] = {}
         self.admin = AdminContext(
             self.sessions,
             self.state,
@@ -246,26 +243,8 @@ class ControlPlane:
 
     def quotas(self, principal: Principal) -> Quotas | None:
         record = self.authenticator.record_for(principal)
-        if record is None:
-            return None  # a config-file key: no limits or budgets kept for it
-        # Built once per key record (a new record, after a reload, gets new Quotas), not per request.
-        cached = self._quotas.get(id(record))
-        if cached is not None and cached[0] is record:
-            return cached[1]
-        if len(self._quotas) >= MAX_CACHED_QUOTAS:
-            self._quotas.clear()
-        quotas = Quotas(
-            tenant_id=principal.tenant_id,
-            key_id=principal.key_id,
-            tenant_rpm=record.tenant_rpm,
-            tenant_tpm=record.tenant_tpm,
-            tenant_budget_micro_usd=record.tenant_budget_micro_usd,
-            key_rpm=record.key_rpm,
-            key_tpm=record.key_tpm,
-            key_budget_micro_usd=record.key_budget_micro_usd,
-        )
-        self._quotas[id(record)] = (record, quotas)
-        return quotas
+        # None: a config-file key, with no limits or budgets kept for it.
+        return None if record is None else record.quotas
 
     async def admit(self, call: Any, target: Any, upstream: Any) -> None:
         """The pipeline's admission hook, before a request's first attempt goes upstream: 429 when a

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.accounting.admission import Quotas
 from gateway.auth import Principal
 from gateway.db.models import ApiKey, Tenant
 from gateway.limits import NO_POLICY, TenantPolicy
@@ -56,14 +57,10 @@ class KeyRecord:
 
     principal: Principal
     key_hash: str
-    # None: no such limit, budget or expiry.
-    tenant_rpm: int | None = None
-    tenant_tpm: int | None = None
-    tenant_budget_micro_usd: int | None = None
-    key_rpm: int | None = None
-    key_tpm: int | None = None
-    key_budget_micro_usd: int | None = None
-    expires_at: dt.datetime | None = None
+    # The tenant's and the key's limits and budgets, built once per load (not per request): the
+    # admission plans are cached by them.
+    quotas: Quotas
+    expires_at: dt.datetime | None = None  # None: never
     policy: TenantPolicy = NO_POLICY  # the tenant's request limits and prompt storage
 
 
@@ -174,12 +171,16 @@ class DbAuthenticator:
         return KeyRecord(
             principal=key_principal(key, tenant),
             key_hash=digest,
-            tenant_rpm=tenant.rpm,
-            tenant_tpm=tenant.tpm,
-            tenant_budget_micro_usd=tenant.budget_micro_usd_monthly,
-            key_rpm=key.rpm,
-            key_tpm=key.tpm,
-            key_budget_micro_usd=key.budget_micro_usd_monthly,
+            quotas=Quotas(
+                tenant_id=tenant.id,
+                key_id=key.id,
+                tenant_rpm=tenant.rpm,
+                tenant_tpm=tenant.tpm,
+                tenant_budget_micro_usd=tenant.budget_micro_usd_monthly,
+                key_rpm=key.rpm,
+                key_tpm=key.tpm,
+                key_budget_micro_usd=key.budget_micro_usd_monthly,
+            ),
             expires_at=key.expires_at,
             policy=TenantPolicy(tenant.max_messages, tenant.max_concurrent_streams, tenant.store_prompts),
         )

@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from litestar import Litestar
 
+from gateway.accounting.admission import Quotas
 from gateway.admin.control_plane import FirstMatch
 from gateway.admin.keys import DbAuthenticator, KeyRecord, key_digest
 from gateway.admin.router import AdminContext, admin_router
@@ -68,6 +69,7 @@ class Gateway:
         record = KeyRecord(
             principal=Principal(tenant_id="t1", tenant_name="db-tenant", key_id="k1"),
             key_hash=key_digest(DB_KEY),
+            quotas=Quotas("t1", "k1"),
         )
 
         async def load(digest: str) -> KeyRecord | None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gateway.accounting.admission import Quotas
 from gateway.admin import keys
 from gateway.admin.keys import DbAuthenticator, KeyRecord, key_digest
 from gateway.auth import Principal
@@ -20,6 +21,7 @@ def _authenticator(monkeypatch: pytest.MonkeyPatch) -> tuple[DbAuthenticator, li
     record = KeyRecord(
         principal=Principal(tenant_id="t1", tenant_name="acme", key_id="k1"),
         key_hash=key_digest(GOOD),
+        quotas=Quotas("t1", "k1"),
     )
 
     async def load(digest: str) -> KeyRecord | None:  # the DB: one key exists
