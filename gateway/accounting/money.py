@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from decimal import Decimal
+from decimal import Decimal, Inexact, localcontext
 
 PICO_PER_USD = 10**12
 MICRO_PER_USD = 10**6
@@ -18,15 +18,27 @@ MAX_PRICE_MICRO = 10**12  # USD 1,000,000 per 1M tokens
 MAX_BUDGET_MICRO = 10**12  # USD 1,000,000 a month
 
 
+def _scaled(amount: Decimal, factor: int) -> Decimal | None:
+    """`amount` x `factor` exactly, or None where that needs more digits than a Decimal's 28: rounded,
+    a digit past them was dropped, and the amount passed for a whole number of units it is not."""
+    with localcontext() as context:
+        context.traps[Inexact] = True
+        try:
+            return amount * factor
+        except Inexact:
+            return None
+
+
 def usd_per_mtok_to_micro(value: Decimal | str | int, *, limit: int = MAX_PRICE_MICRO) -> int:
     """`"2.50"` USD per 1M tokens -> 2_500_000. More than six decimals cannot be held exactly: refused."""
     amount = Decimal(str(value))
     if not amount.is_finite() or amount < 0:
         raise ValueError(f"price must be a non-negative number, got {value!r}")
-    micro = amount * MICRO_PER_USD
-    if micro > limit:
+    # Compared before it is scaled: an exponent such as 1E+1000000 overflowed the multiplication.
+    if amount > Decimal(limit) / MICRO_PER_USD:
         raise ValueError(f"{value!r} is too large (at most {Decimal(limit) / MICRO_PER_USD} USD)")
-    if micro != micro.to_integral_value():
+    micro = _scaled(amount, MICRO_PER_USD)
+    if micro is None or micro != micro.to_integral_value():
         raise ValueError(f"price {value!r} has more than 6 decimals (USD per 1M tokens)")
     return int(micro)
 
@@ -47,11 +59,11 @@ def usd_per_1k_requests_to_micro(value: Decimal | str | int) -> int:
     amount = Decimal(str(value))
     if not amount.is_finite() or amount < 0:
         raise ValueError(f"price must be a non-negative number, got {value!r}")
-    micro = amount * MICRO_PER_USD_PER_1K
-    if micro > MAX_PRICE_MICRO:
-        limit = Decimal(MAX_PRICE_MICRO) / MICRO_PER_USD_PER_1K
+    limit = Decimal(MAX_PRICE_MICRO) / MICRO_PER_USD_PER_1K
+    if amount > limit:  # before it is scaled, as above
         raise ValueError(f"{value!r} is too large (at most {limit} USD per 1,000 requests)")
-    if micro != micro.to_integral_value():
+    micro = _scaled(amount, MICRO_PER_USD_PER_1K)
+    if micro is None or micro != micro.to_integral_value():
         raise ValueError(f"price {value!r} has more than 9 decimals (USD per 1,000 requests)")
     return int(micro)
 

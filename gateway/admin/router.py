@@ -21,13 +21,12 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.handlers import BaseRouteHandler
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.accounting import reports
 from gateway.accounting.money import (
     MAX_BUDGET_MICRO,
-    MICRO_PER_USD,
     format_usd,
     micro_to_usd,
     micro_to_usd_per_1k_requests,
@@ -132,6 +131,14 @@ def _on_http_error(_: Request, exc: HTTPException) -> Response[dict[str, Any]]:
     )
 
 
+def _on_db_error(request: Request, exc: DBAPIError) -> Response[dict[str, Any]]:
+    # PostgreSQL's character_not_in_repertoire: text with U+0000, which it neither stores nor compares
+    # with (a name in a body, an id in a path); SQLite takes it. Bad input, not the server's fault.
+    if getattr(exc.orig, "sqlstate", None) == "22021":
+        return _error_response(400, "text must not contain a NUL character (U+0000)", "invalid_value")
+    return _on_unexpected(request, exc)
+
+
 def _on_unexpected(_: Request, exc: Exception) -> Response[dict[str, Any]]:
     log.error("admin API request failed", exc_info=exc)
     return _error_response(
@@ -212,12 +219,17 @@ def _budget_micro(value: Decimal | None) -> int | None:
         pass
     if not value.is_finite() or value < 0:
         message = _enter_amount(*_AMOUNTS[BUDGET])
-    elif value * MICRO_PER_USD > MAX_BUDGET_MICRO:
-        bound = format_usd(micro_to_usd(MAX_BUDGET_MICRO))
-        message = f"A monthly budget is at most {bound} USD, got {format_usd(value)}"
+    elif value > (bound := micro_to_usd(MAX_BUDGET_MICRO)):  # compared unscaled: 1E+1000000 overflowed
+        message = f"A monthly budget is at most {format_usd(bound)} USD, got {_as_entered(value)}"
     else:
-        message = f"A monthly budget has at most 6 decimals (one micro-dollar), got {format_usd(value)}"
+        message = f"A monthly budget has at most 6 decimals (one micro-dollar), got {_as_entered(value)}"
     raise AdminError(400, message, "invalid_value", BUDGET)
+
+
+def _as_entered(value: Decimal) -> str:
+    """An amount refused, as a message repeats it: every digit (format_usd keeps 28), and a huge
+    exponent as written rather than its million zeros."""
+    return format(value, "f") if value.adjusted() < 30 else str(value)
 
 
 def tenant_json(t: Tenant) -> dict[str, Any]:
@@ -456,10 +468,12 @@ async def delete_tenant(tenant_id: str, ctx: AdminContext) -> None:
 @post("/tenants/{tenant_id:str}/keys", status_code=201)
 async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = decode(await request.body(), KeyCreate)
-    if body.expires_at is not None and body.expires_at.tzinfo is None:
-        raise AdminError(
-            400, "expires_at needs a time zone (e.g. 2027-01-01T00:00:00Z)", "invalid_value", "expires_at"
-        )
+    if body.expires_at is not None:
+        if body.expires_at.tzinfo is None:
+            raise AdminError(
+                400, "expires_at needs a time zone (e.g. 2027-01-01T00:00:00Z)", "invalid_value", "expires_at"
+            )
+        _in_utc(body.expires_at, "expires_at")
     key, prefix, digest = new_key()
     async with ctx.write() as (session, audit):
         await db_tenant_or_error(ctx, session, tenant_id)
@@ -542,6 +556,7 @@ async def put_prices(request: Request, ctx: AdminContext) -> dict[str, Any]:
                 raise AdminError(
                     400, "effective_from needs a time zone", "invalid_value", f"prices[{i}].effective_from"
                 )
+            _in_utc(effective, f"prices[{i}].effective_from")
             if effective < now - BACKDATE_TOLERANCE:
                 raise AdminError(
                     400,
@@ -578,7 +593,21 @@ def _parse_time(text: str, param: str) -> dt.datetime:
         raise AdminError(
             400, f"{param} must be an ISO 8601 date or time, got {text!r}", "invalid_value", param
         ) from None
-    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else _in_utc(value, param)
+
+
+def _in_utc(value: dt.datetime, param: str) -> dt.datetime:
+    """`value` (with a time zone) in UTC, as the DB stores it, or a 400: year 9999 at -10:00 or year 1
+    at +10:00 has no UTC equivalent, and converting it raised OverflowError, a 500."""
+    try:
+        return value.astimezone(dt.UTC)
+    except OverflowError:
+        raise AdminError(
+            400,
+            f"{param} is outside the years 1 to 9999 once in UTC, got {value.isoformat()}",
+            "invalid_value",
+            param,
+        ) from None
 
 
 def _range(start: str | None, end: str | None) -> tuple[dt.datetime, dt.datetime]:
@@ -681,6 +710,7 @@ def admin_router(ctx: AdminContext, path: str = "/admin/api/v1") -> Router:
         exception_handlers={
             AdminError: _on_admin_error,
             HTTPException: _on_http_error,
+            DBAPIError: _on_db_error,
             Exception: _on_unexpected,
         },
     )

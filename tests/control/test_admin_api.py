@@ -169,6 +169,16 @@ async def test_budgets_above_the_bound_are_refused_and_change_nothing(env: Env) 
         400,
         "budget_usd_monthly",
     )
+    # Beyond what a Decimal holds (decimal.Overflow was a 500), on a tenant and a key.
+    for method, url, body in [
+        ("POST", "/admin/api/v1/tenants", {"name": "huge", "budget_usd_monthly": "1E+1000000"}),
+        ("PATCH", f"/admin/api/v1/tenants/{tenant}", {"budget_usd_monthly": "1E+1000000"}),
+        ("POST", f"/admin/api/v1/tenants/{tenant}/keys", {"budget_usd_monthly": "1E+1000000"}),
+    ]:
+        error = assert_openai_error(
+            await c.request(method, url, json=body, headers=AUTH), 400, "budget_usd_monthly"
+        )
+        assert error["message"].startswith("A monthly budget is at most 1000000 USD"), error
     assert (await c.get(f"/admin/api/v1/tenants/{tenant}/keys", headers=AUTH)).json()["data"] == []
     audit = (await c.get("/admin/api/v1/audit", headers=AUTH)).json()["data"]
     assert [(a["action"], a["entity"]) for a in audit] == [("create", "tenant")]
@@ -276,7 +286,10 @@ async def test_a_db_tenant_named_as_a_config_tenant_is_warned_of_at_start(
     assert "'acme' is both a config file tenant" in warnings[0] and "(id 't-acme')" in warnings[0]
 
 
-@pytest.mark.parametrize("budget", ["abc", "$500", "1,000", True, [5], "-5", "NaN", "0.0000001"])
+@pytest.mark.parametrize(
+    "budget",
+    ["abc", "$500", "1,000", True, [5], "-5", "NaN", "0.0000001", "0.1000000000000000000000000000001"],
+)
 async def test_a_bad_budget_is_refused_in_words(env: Env, budget: Any) -> None:
     """A budget the Tenants page's form could not take came back as msgspec's "Invalid decimal string
     - at `$.budget_usd_monthly`" (or "Expected `decimal | null`, got `bool`"), or the price helpers'
@@ -349,6 +362,56 @@ async def test_keys_shown_once_hashed_and_revoked_at_once(env: Env) -> None:
         for a in (await c.get("/admin/api/v1/audit", params={"entity": "key"}, headers=AUTH)).json()["data"]
     ]
     assert actions == ["create", "revoke", "create"]
+
+
+# Moments whose conversion to UTC falls outside the years a datetime holds (1 to 9999).
+OFF_THE_CALENDAR = ["9999-12-31T23:59:59-10:00", "0001-01-01T00:00:00+10:00"]
+
+
+@pytest.mark.parametrize("moment", OFF_THE_CALENDAR)
+async def test_a_moment_off_the_calendar_in_utc_is_a_400_not_a_500(env: Env, moment: str) -> None:
+    """A key's `expires_at`, a price's `effective_from` or a report's `at` that has no UTC equivalent
+    raised OverflowError as it was converted for the DB (or the query), and the API answered 500;
+    now it is a 400 naming the field, and nothing is written."""
+    c = env.client
+    tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
+    keys = f"/admin/api/v1/tenants/{tenant['id']}/keys"
+    error = assert_openai_error(
+        await c.post(keys, json={"expires_at": moment}, headers=AUTH), 400, "expires_at"
+    )
+    assert error["code"] == "invalid_value" and "UTC" in error["message"]
+    assert (await c.get(keys, headers=AUTH)).json()["data"] == []
+    price = {"model": "m", "token_class": "input", "usd_per_1m_tokens": "1", "effective_from": moment}
+    r = await c.put("/admin/api/v1/prices", json={"prices": [price]}, headers=AUTH)
+    assert_openai_error(r, 400, "prices[0].effective_from")
+    assert await _history(env) == []
+    assert_openai_error(await c.get("/admin/api/v1/prices", params={"at": moment}, headers=AUTH), 400, "at")
+
+
+async def test_text_with_a_nul_character_is_a_400_not_a_500(env: Env) -> None:
+    """PostgreSQL cannot store U+0000 in text and refuses even to compare with it: a tenant or key
+    named with one, or a tenant id with one in the path, was a 500 there. It is a 400 naming the
+    problem; SQLite stores such a name as it is."""
+    c = env.client
+    postgres = env.engine.dialect.name == "postgresql"
+    tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
+    calls = [
+        ("POST", "/admin/api/v1/tenants", {"name": "a\x00b"}),
+        ("PATCH", f"/admin/api/v1/tenants/{tenant['id']}", {"name": "a\x00b"}),
+        ("POST", f"/admin/api/v1/tenants/{tenant['id']}/keys", {"name": "a\x00b"}),
+        ("GET", "/admin/api/v1/tenants/a%00b", None),
+        ("GET", "/admin/api/v1/tenants/a%00b/keys", None),
+        ("DELETE", "/admin/api/v1/keys/a%00b", None),
+    ]
+    for method, url, body in calls:
+        r = await c.request(method, url, json=body, headers=AUTH)
+        assert r.status_code < 500, (method, url, r.text)
+        if postgres:
+            error = assert_openai_error(r, 400)
+            assert error["code"] == "invalid_value" and "NUL" in error["message"]
+    if postgres:
+        listed = (await c.get("/admin/api/v1/tenants", headers=AUTH)).json()["data"]
+        assert [t["name"] for t in listed] == ["acme"]
 
 
 async def test_prices_are_appended_never_rewritten(env: Env) -> None:
@@ -486,6 +549,13 @@ async def test_a_search_price_is_written_and_read_per_1000_searches(env: Env) ->
             "too large",
         ),
         ({"token_class": "web_search", "usd_per_1k_requests": "-1"}, "usd_per_1k_requests", "non-negative"),
+        # Beyond what a Decimal holds: decimal.Overflow was a 500.
+        ({"token_class": "input", "usd_per_1m_tokens": "1E+1000000"}, "usd_per_1m_tokens", "too large"),
+        (
+            {"token_class": "web_search", "usd_per_1k_requests": "1E+1000000"},
+            "usd_per_1k_requests",
+            "too large",
+        ),
         ({"token_class": "input", "usd_per_1k_requests": "10"}, "usd_per_1k_requests", "usd_per_1m_tokens"),
         ({"token_class": "output"}, "usd_per_1m_tokens", "required"),
     ],

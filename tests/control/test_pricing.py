@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+from collections.abc import Callable
 from decimal import Decimal
 
 import msgspec
 import pytest
 
-from gateway.accounting.money import format_usd, pico_to_usd, usd_per_mtok_to_micro
+from gateway.accounting.money import (
+    format_usd,
+    pico_to_usd,
+    usd_per_1k_requests_to_micro,
+    usd_per_mtok_to_micro,
+    usd_to_micro,
+)
 from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass, price_usage
 from gateway.usage import Usage
 
@@ -89,6 +96,18 @@ def test_prices_with_more_than_six_decimals_are_refused() -> None:
         usd_per_mtok_to_micro("0.0000001")
     with pytest.raises(ValueError):
         usd_per_mtok_to_micro("-1")
+
+
+@pytest.mark.parametrize("convert", [usd_per_mtok_to_micro, usd_to_micro, usd_per_1k_requests_to_micro])
+def test_amounts_beyond_what_a_decimal_holds_are_refused_in_words(convert: Callable[[str], int]) -> None:
+    """An exponent that overflowed Decimal's context (`1E+1000000`) raised decimal.Overflow, which the
+    admin API answered with a 500; a digit past Decimal's 28 significant ones was rounded away, and the
+    amount passed for a whole number of micro-dollars it is not."""
+    with pytest.raises(ValueError, match="too large"):
+        convert("1E+1000000")
+    with pytest.raises(ValueError, match="decimals"):
+        convert("0.1000000000000000000000000000001")
+    assert convert("1.000000000000000000000000000000000") == convert("1")  # zeros only: exact
 
 
 def test_price_valid_when_the_request_ran_and_history_never_changes() -> None:
