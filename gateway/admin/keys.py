@@ -64,6 +64,15 @@ class KeyRecord:
     policy: TenantPolicy = NO_POLICY  # the tenant's request limits and prompt storage
 
 
+@dataclass(slots=True)
+class _Load:
+    """One key's DB read under way, shared by the lookups that need it."""
+
+    future: asyncio.Future[KeyRecord | None]
+    # The key was evicted while it ran: what it read may predate the revocation or limit change.
+    evicted: bool = False
+
+
 class DbAuthenticator:
     """Keys from the admin DB. Lookups are cached for `ttl_s` (positive and negative); a revocation
     published through the shared state evicts the key on every replica at once. While the DB is
@@ -80,18 +89,25 @@ class DbAuthenticator:
         self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
         self._misses: OrderedDict[str, float] = OrderedDict()  # digest -> until when it stays a miss
         self._records: dict[str, KeyRecord] = {}  # tenant/key id pair -> record, for admission
-        self._loading: dict[str, asyncio.Future[KeyRecord | None]] = {}
+        self._loading: dict[str, _Load] = {}
 
     async def start(self) -> None:
         await self._state.subscribe_revocations(self.evict)
 
     def evict(self, key_hash: str) -> None:
+        # A read under way may have seen the row before the change: it must not be cached, nor joined
+        # by the lookups that come after the eviction (they read again).
         if key_hash == "*":  # a tenant's limits changed: reload everything on next use
             self._cache.clear()
             self._misses.clear()
+            evicted = list(self._loading.values())
+            self._loading.clear()
         else:
             self._cache.pop(key_hash, None)
             self._misses.pop(key_hash, None)
+            evicted = [load] if (load := self._loading.pop(key_hash, None)) is not None else []
+        for load in evicted:
+            load.evicted = True
 
     def _remember(self, digest: str, until: float, record: KeyRecord | None) -> None:
         if record is not None:
@@ -124,23 +140,25 @@ class DbAuthenticator:
         if cached is None and (missed := self._misses.get(digest)) is not None:
             cached = (missed, None)
         if cached is None or cached[0] <= now:
-            # Concurrent requests with the same uncached key share one DB query.
-            loading = self._loading.get(digest)
-            if loading is None:
-                loading = self._loading[digest] = asyncio.ensure_future(self._load(digest))
-                loading.add_done_callback(lambda _: self._loading.pop(digest, None))
+            load = self._loading.get(digest) or self._start_load(digest)
             try:
-                record = await asyncio.shield(loading)
+                record = await asyncio.shield(load.future)
             except (SQLAlchemyError, OSError, TimeoutError) as exc:
-                if cached is None:
+                if cached is None or load.evicted:  # evicted: the entry is no longer ours to vouch for
                     raise
                 log.warning("admin DB unreachable (%s); serving the cached key record", type(exc).__name__)
                 self._remember(digest, now + STALE_RETRY_S, cached[1])
                 record = cached[1]
             else:
-                self._remember(digest, now + self._ttl, record)
+                # Evicted meanwhile: this request, under way before the change, gets what was read;
+                # the cache does not, or the change would not apply here until the entry expired.
+                if not load.evicted:
+                    self._remember(digest, now + self._ttl, record)
             if record is not None:
-                self._records[record.principal.key_id or ""] = record
+                if load.evicted:  # never in place of a record read after the change
+                    self._records.setdefault(record.principal.key_id or "", record)
+                else:
+                    self._records[record.principal.key_id or ""] = record
         else:
             record = cached[1]
         if (
@@ -150,6 +168,17 @@ class DbAuthenticator:
         ):
             return None
         return record
+
+    def _start_load(self, digest: str) -> _Load:
+        """Read the key from the DB, once for all the lookups that need it meanwhile."""
+        load = self._loading[digest] = _Load(asyncio.ensure_future(self._load(digest)))
+
+        def done(_: asyncio.Future[KeyRecord | None]) -> None:
+            if self._loading.get(digest) is load:  # not a later read, begun after an eviction
+                del self._loading[digest]
+
+        load.future.add_done_callback(done)
+        return load
 
     def record_for(self, principal: Principal) -> KeyRecord | None:
         return self._records.get(principal.key_id or "")
