@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.types import ChatChunk, ChatRequest, Message
+from gateway.types import ChatChunk, ChatRequest, Message, ReasoningBlock
 from gateway.usage import Usage
 
 BYTES_PER_TOKEN = 4
@@ -182,8 +182,12 @@ def input_tokens(request: ChatRequest) -> int:
     """A chat's input tokens from what would be sent (messages and tools as JSON), by the same rule
     (`prompt_tokens`: the chat template's tokens included). For count_tokens where no backend can
     count, and the prompt's length to routing (`routing.plan.features`: route conditions,
-    context-window fit, expected cost)."""
-    return prompt_tokens(msgspec.json.encode([[_once(m) for m in request.messages], request.tools or []]))
+    context-window fit, expected cost). Tools of Anthropic's own API (`anthropic_tools`: a server
+    tool, a client tool loaded by tool search) count as the definitions Claude is sent and bills as
+    input; a tool is in them or in `tools`, never both (`gateway.anthropic_inbound`)."""
+    messages = [_once(m) for m in request.messages]
+    typed = [tool.definition for tool in request.anthropic_tools or ()]
+    return prompt_tokens(msgspec.json.encode([messages, request.tools or [], typed]))
 
 
 def _once(message: Message) -> Message:
@@ -199,14 +203,32 @@ def _once(message: Message) -> Message:
     - `responses_items` (a Responses client's turn with OpenAI's encrypted reasoning, custom tool
       calls or their outputs, built-in tools' calls) holds none of the reasoning Weir handed out (its
       text, its signatures: OpenAI's encrypted reasoning alone is among them), which the turn's
-      `reasoning_content` and `reasoning_blocks` still count."""
+      `reasoning_content` and `reasoning_blocks` still count, once (`_reasoning_once`)."""
     if message.anthropic_content is not None:
         return msgspec.structs.replace(
             message, content=None, tool_calls=None, reasoning_blocks=None, reasoning_content=None
         )
     if message.responses_items is not None:
-        return msgspec.structs.replace(message, content=None, tool_calls=None)
-    return message
+        message = msgspec.structs.replace(message, content=None, tool_calls=None)
+    return _reasoning_once(message)
+
+
+def _reasoning_once(message: Message) -> Message:
+    """`message` with its reasoning text once. A turn can carry it twice: as `reasoning_content`, what
+    OpenAI-compatible backends are sent, and in its signed thinking blocks (`reasoning_blocks`), what
+    Claude is sent (a Responses client's turn with the reasoning Weir signed holds both). Each backend
+    gets one of them: the larger text counts, and the blocks' signatures and redacted data beside it."""
+    blocks, text = message.reasoning_blocks, message.reasoning_content
+    if not blocks or text is None:
+        return message
+    signed = sum(len(block.text) for block in blocks if isinstance(block, ReasoningBlock))
+    if signed > len(text):
+        return msgspec.structs.replace(message, reasoning_content=None)
+    bare = [
+        msgspec.structs.replace(block, text="") if isinstance(block, ReasoningBlock) else block
+        for block in blocks
+    ]
+    return msgspec.structs.replace(message, reasoning_blocks=bare)
 
 
 def chunk_text_bytes(chunk: Any) -> int:

@@ -11,6 +11,7 @@ are internal: OpenAI clients never see them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import msgspec
@@ -302,17 +303,38 @@ def continuable(messages: list[Message]) -> bool:
 
 def has_cache_control(request: ChatRequest) -> bool:
     """Whether `request` asks for automatic caching (its own `cache_control`) or any message, part or
-    tool of it carries a `cache_control` breakpoint."""
+    tool of it carries a `cache_control` breakpoint: every one an Anthropic backend is sent, those in
+    what a message keeps as its client sent it (`anthropic_content`: server tools' blocks, a tool
+    result's `tool_reference`) and on tools of Anthropic's own API (`anthropic_tools`) included."""
     if request.cache_control is not None:
         return True
     for message in request.messages:
-        if message.cache_control is not None:
+        if message.cache_control is not None or _marked(message.anthropic_content):
             return True
         if isinstance(message.content, list) and any(
             getattr(part, "cache_control", None) is not None for part in message.content
         ):
             return True
-    return any(tool.cache_control is not None for tool in request.tools or ())
+    if any(tool.cache_control is not None for tool in request.tools or ()):
+        return True
+    return _marked([tool.definition for tool in request.anthropic_tools or ()])
+
+
+def block_breakpoints(blocks: Any) -> Iterator[tuple[list[Any], int]]:
+    """The `cache_control` breakpoints among blocks in Anthropic's own form (content blocks, tool
+    definitions), in the order of the prompt, each as (the list holding its block, the block's
+    index): a tool result's own blocks' included, before the result's own marker, which ends it."""
+    for i, block in enumerate(blocks if isinstance(blocks, list) else ()):
+        if not isinstance(block, dict):
+            continue
+        if block.get("type") == "tool_result":
+            yield from block_breakpoints(block.get("content"))
+        if block.get("cache_control") is not None:
+            yield blocks, i
+
+
+def _marked(blocks: Any) -> bool:
+    return next(block_breakpoints(blocks), None) is not None
 
 
 # --- response ------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ class Features:
     tenant: str | None
     key_id: str | None
     # Whether the request marks a prompt-cache breakpoint (`cache_control` on a part, message or
-    # tool): Anthropic reads and writes its cache only up to one. None: not known (a route preview).
+    # tool, or in blocks kept as the client sent them: `has_cache_control`): Anthropic reads and
+    # writes its cache only up to one. None: not known (a route preview).
     cache_breakpoints: bool | None = None
     # The service tier the request asks for (`flex`, `priority`...): `cheapest` prices each candidate
     # at that tier where it prices one (served as asked), as the attempt will be billed.

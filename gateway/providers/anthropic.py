@@ -75,6 +75,7 @@ from gateway.types import (
     TokenCount,
     ToolCall,
     ToolCallDelta,
+    block_breakpoints,
 )
 from gateway.usage import Usage, normalise_usage
 
@@ -603,21 +604,9 @@ def _breakpoints(body: dict[str, Any]) -> list[tuple[list[Any], int]]:
     """Where the body's `cache_control` breakpoints are, in the order of Anthropic's prompt prefix
     (tools, system, messages), each as (the list holding its block, the block's index): every one the
     body carries, a tool result's own blocks' (kept as the client sent them) included."""
-    found: list[tuple[list[Any], int]] = []
-
-    def scan(blocks: Any) -> None:
-        for i, block in enumerate(blocks if isinstance(blocks, list) else ()):
-            if not isinstance(block, dict):
-                continue
-            if block.get("type") == "tool_result":
-                scan(block.get("content"))  # before the result's own marker, which ends it
-            if block.get("cache_control") is not None:
-                found.append((blocks, i))
-
-    scan(body.get("tools"))
-    scan(body.get("system"))
+    found = [*block_breakpoints(body.get("tools")), *block_breakpoints(body.get("system"))]
     for message in body["messages"]:
-        scan(message["content"])
+        found.extend(block_breakpoints(message["content"]))
     return found
 
 

@@ -343,6 +343,65 @@ def test_a_responses_turn_kept_as_the_client_sent_it_counts_its_calls_once() -> 
     assert held <= extra < held + 50
 
 
+def test_weir_signed_reasoning_counts_its_text_once() -> None:
+    """A Responses client's reasoning item with a signature Weir handed out goes back as the turn's
+    `reasoning_content` (for OpenAI-compatible backends) and as a signed thinking block (for Claude):
+    counted as both, its text was twice its length to routing. Each backend is sent one of them."""
+    text = "r" * 4000
+    signed = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "encrypted_content": "weir.thinking.signature:" + "s" * 400,
+    }
+    plain, reasoned = _responses_loop(), _responses_loop(signed)
+    turn = reasoned.messages[1]
+    assert turn.reasoning_content == text and turn.reasoning_blocks  # the case at hand
+    extra = input_tokens(reasoned) - input_tokens(plain)
+    # The text and the signature (1,100 tokens) and the block's framing, not the 4,000 bytes again.
+    assert tokens(4400) <= extra < tokens(4400) + 30
+
+
+def test_claude_thinking_sent_back_counts_its_text_once() -> None:
+    """An Anthropic client's thinking block comes back as the turn's signed blocks alone (no
+    `reasoning_content` beside them): its text counts once."""
+    from gateway.anthropic_inbound import MessagesRequest, to_canonical
+
+    thinking = {"type": "thinking", "thinking": "r" * 4000, "signature": "s" * 400}
+    answer = {"type": "text", "text": "ok"}
+
+    def chat(*blocks: dict[str, Any]) -> ChatRequest:
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [*blocks, answer]}]
+        body = {"model": "m", "max_tokens": 10, "messages": [*turns, {"role": "user", "content": "and?"}]}
+        return to_canonical(msgspec.convert(body, MessagesRequest))
+
+    plain, reasoned = chat(), chat(thinking)
+    assert reasoned.messages[1].reasoning_blocks and reasoned.messages[1].reasoning_content is None
+    extra = input_tokens(reasoned) - input_tokens(plain)
+    assert tokens(4400) <= extra < tokens(4400) + 30
+
+
+def _anthropic_tools(*tools: dict[str, Any]) -> ChatRequest:
+    from gateway.anthropic_inbound import MessagesRequest, to_canonical
+
+    body = {"model": "m", "max_tokens": 10, "messages": _turns(1), "tools": list(tools)}
+    return to_canonical(msgspec.convert(body, MessagesRequest))
+
+
+def test_tools_of_anthropics_own_api_count_once() -> None:
+    """Anthropic's server tools and the client tools its tool search loads (`defer_loading`) are kept
+    as the client sent them (`anthropic_tools`), not as function tools: left out, a request with a
+    hundred deferred tools was estimated as one with none, though Claude bills each definition."""
+    schema = {"type": "object", "properties": {"pattern": {"type": "string", "description": "x" * 300}}}
+    deferred = {"name": "grep", "description": "Search files.", "input_schema": schema, "defer_loading": True}
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+    plain, typed = _anthropic_tools(), _anthropic_tools(deferred, search)
+    assert typed.tools is None and typed.anthropic_tools  # the case at hand: both kept as sent, alone
+    definitions = tokens(len(msgspec.json.encode([deferred, search])))  # about 120 tokens
+    assert definitions - 1 <= input_tokens(typed) - input_tokens(plain) <= definitions + 1
+
+
 def test_tool_definitions_still_count_beside_the_template() -> None:
     weather = {
         "type": "function",

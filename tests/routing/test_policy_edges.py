@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -455,6 +456,55 @@ async def test_cheapest_counts_automatic_caching_as_a_breakpoint() -> None:
     request = anthropic_inbound.to_canonical(msgspec.convert(body, anthropic_inbound.MessagesRequest))
     plan = await planner.plan("c", ACME, features(request, ACME.tenant_name, ACME.key_id))
     assert [c.candidate.model for c in plan.choices] == ["sonnet", "plain"]
+
+
+_MARK = {"cache_control": {"type": "ephemeral"}}
+_SEARCH = {"type": "web_search_20250305", "name": "web_search"}
+_SEARCH_CALL = {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "q"}}
+_SEARCH_RESULT = {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []}
+_SEARCH_TOOLS = {"type": "tool_use", "id": "toolu_1", "name": "tool_search", "input": {}}
+_REFERENCE = {"type": "tool_reference", "tool_name": "grep"}
+Marked = dict[str, object]
+
+
+def _searched(mark: Marked) -> tuple[list[Marked], list[Marked]]:
+    """A server tool's turn, kept as the client sent it, `mark`ed on its search result."""
+    return [_SEARCH], [{"role": "assistant", "content": [_SEARCH_CALL, {**_SEARCH_RESULT, **mark}]}]
+
+
+def _referenced(mark: Marked) -> tuple[list[Marked], list[Marked]]:
+    """A tool result kept as the client sent it (a tool search's `tool_reference`), `mark`ed there."""
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{**_REFERENCE, **mark}]}
+    return [], [{"role": "assistant", "content": [_SEARCH_TOOLS]}, {"role": "user", "content": [result]}]
+
+
+def _server_tool(mark: Marked) -> tuple[list[Marked], list[Marked]]:
+    """A tool of Anthropic's own API (a server tool) `mark`ed: the prefix of tools is cached."""
+    return [{**_SEARCH, **mark}], []
+
+
+@pytest.mark.parametrize("shape", [_searched, _referenced, _server_tool])
+async def test_cheapest_sees_a_breakpoint_kept_as_the_client_sent_it(
+    shape: Callable[[Marked], tuple[list[Marked], list[Marked]]],
+) -> None:
+    """A `cache_control` marker in blocks an Anthropic backend is sent as the client sent them (a server
+    tool's turn, a tool result with a `tool_reference`) or on a tool of Anthropic's own API is a
+    breakpoint Claude caches up to. Unseen, such a request was expected to read none of `sonnet`'s
+    cache, and went to `plain` (2/M) over `sonnet` (0.3/M read), as one without a marker does."""
+    planner = router(route("c", "cheapest", "sonnet", "plain", expected_output_tokens=1))
+    for _ in range(3):
+        planner.stats.record(event("sonnet", usage=Usage(input_tokens=1000, cached_input_tokens=9000)))
+
+    async def first(mark: Marked) -> str:
+        tools, turns = shape(mark)
+        messages = [{"role": "user", "content": "w " * 20000}, *turns, {"role": "user", "content": "go on"}]
+        body = {"model": "c", "max_tokens": 1, "messages": messages, "tools": tools}
+        request = anthropic_inbound.to_canonical(msgspec.convert(body, anthropic_inbound.MessagesRequest))
+        plan = await planner.plan("c", ACME, features(request, ACME.tenant_name, ACME.key_id))
+        return plan.choices[0].candidate.model
+
+    assert await first(_MARK) == "sonnet"
+    assert await first({}) == "plain"
 
 
 async def test_cheapest_expects_a_short_prompt_to_miss_the_cache_as_short_prompts_do() -> None:
