@@ -31,8 +31,8 @@ import openai
 
 from gateway.config import parse_config
 from gateway.logging import configure_logging
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.vendor_gateway import running_gateway
 
 KEY = "sk-bench"

@@ -48,7 +48,7 @@ import openai
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.logging import configure_logging
-from tests.conftest import free_port
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 VOCABULARY = (

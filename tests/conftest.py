@@ -1,12 +1,11 @@
-"""Fixtures shared by every test package. Each package (tests/gateway, tests/engine, ...) keeps its own
-conftest.py for what only it needs."""
+"""Hooks and fixtures shared by every test package. Each package (tests/gateway, tests/engine, ...) keeps
+its own conftest.py for what only it needs; plain helpers are imported from tests/fixtures/, never from a
+conftest."""
 
 from __future__ import annotations
 
 import os
-import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 # Triton kernels run through Triton's interpreter on machines without an NVIDIA GPU. Set before any test
 # module imports the engine (which imports kernels/), since Triton reads it when a kernel is defined.
@@ -16,20 +15,7 @@ if not os.path.exists("/dev/nvidia0"):
 import pytest
 import structlog
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(check: Callable[[], object], timeout: float = 20.0, interval: float = 0.05) -> None:
-    """Poll `check` until it holds; fail the test once `timeout` seconds pass without it. The timeout
-    is only how long a failing test takes to say so: generous, for a loaded 2-core machine."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(interval)
+from tests.fixtures.net import free_port
 
 
 @pytest.fixture

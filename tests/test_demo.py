@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.fixtures.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ import httpx
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
 from tests.fakes.faults import Fault
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.vendor_gateway import DEMO_KEY, fakes_env, full_config_text
 

@@ -11,7 +11,7 @@ import uuid
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.pricing import PriceCatalog
 from gateway.usage import Usage
-from tests.conftest import free_port
+from tests.fixtures.net import free_port
 
 
 class TcpProxy:

@@ -17,7 +17,7 @@ from click.testing import CliRunner, Result
 
 from gateway.vault import generate_key
 from routing.difficulty import STATIC_HEAD_DIR
-from tests.conftest import free_port
+from tests.fixtures.net import free_port
 from weir.cli import main
 
 PASSWORD = "correct horse battery\n"

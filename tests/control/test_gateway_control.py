@@ -22,10 +22,10 @@ from openai.types.chat import ChatCompletionContentPartParam
 
 from gateway.estimate import CHAT_TOKENS, INLINE_PART_TOKENS, MESSAGE_TOKENS, input_tokens
 from gateway.types import ChatRequest, Message
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_URL
 from tests.fixtures.gateway import ADMIN, CONFIG, PRICE, Weir
+from tests.fixtures.net import free_port
 
 
 def expected_pico(rows: list[tuple]) -> int:

@@ -21,9 +21,9 @@ import redis
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_URL, sync_exec
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 pytestmark = [

@@ -11,10 +11,10 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import ConfigError, parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import sync_exec
 from tests.fixtures.gateway import CONFIG, PRICE, Weir
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 SHORT = "  - {name: mini-short, backend: openai, model: gpt-4o-mini, max_output_tokens: 64, price: %s}\n"

@@ -19,10 +19,10 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_URL
 from tests.fixtures.gateway import ADMIN, CONFIG, Weir
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 HELLO = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}

@@ -17,8 +17,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 ADMIN = "reconcile-admin-token"

@@ -19,11 +19,12 @@ from gateway.config import parse_config
 from gateway.db import migrate
 from gateway.db.models import UptimeSample
 from gateway.db.session import create_engine
-from tests.conftest import free_port, wait_for
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import sync_exec
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
+from tests.fixtures.waiting import wait_for
 
 ADMIN = "admin-token-for-uptime"
 CONFIG = """\

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from tests.deploy.conftest import DEPLOY
+from tests.deploy.artefacts import DEPLOY
 from tests.deploy.kustomize import parse_env_file
 
 _VAR = re.compile(

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from tests.conftest import free_port
+from tests.fixtures.net import free_port
 
 WEIR = Path(sys.executable).with_name("weir")
 

@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 import redis
 
+from tests.deploy.artefacts import DEPLOY, SECRET_NAME, load_yaml
 from tests.deploy.compose_env import MissingVariable, example_env, interpolate, variables
-from tests.deploy.conftest import DEPLOY, SECRET_NAME, load_yaml
 from tests.deploy.dockerfiles import exec_form, parse
 from tests.deploy.kustomize import parse_env_file
 from tests.deploy.processes import redis_server

@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
+from tests.deploy.artefacts import DEPLOY
 from tests.deploy.compose_env import example_env, interpolate
-from tests.deploy.conftest import DEPLOY
 from tests.deploy.dockerfiles import healthcheck_argv
 from tests.deploy.processes import WEIR, redis_server, weir_serving
 from tests.fakes import FakeOpenAI

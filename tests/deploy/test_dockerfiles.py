@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-from tests.deploy.conftest import DEPLOY, ROOT, SECRET_NAME
+from tests.deploy.artefacts import DEPLOY, ROOT, SECRET_NAME
 from tests.deploy.dockerfiles import (
     Dockerfile,
     dockerignore_excludes,

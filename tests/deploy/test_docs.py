@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.deploy.conftest import ROOT
+from tests.deploy.artefacts import ROOT
 from tests.deploy.metrics import rules
 from tests.deploy.weir_cli import assert_cli_accepts
 

@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from engine import registry
-from tests.conftest import free_port
-from tests.deploy.conftest import DEPLOY
+from tests.deploy.artefacts import DEPLOY
 from tests.deploy.dockerfiles import exec_form, parse
+from tests.fixtures.net import free_port
 
 ENGINE = DEPLOY / "docker" / "engine.Dockerfile"
 

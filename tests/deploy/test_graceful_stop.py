@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.deploy.conftest import DEPLOY
+from tests.deploy.artefacts import DEPLOY
 from tests.deploy.processes import weir_serve
 from tests.fakes import FakeOpenAI
 from tests.fakes.faults import Fault

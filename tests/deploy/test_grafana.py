@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.conftest import DEPLOY, load_yaml
+from tests.deploy.artefacts import DEPLOY, load_yaml
 from tests.deploy.metrics import (
     AWAITED,
     DASHBOARD,

@@ -11,8 +11,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy.artefacts import DEPLOY, SECRET_NAME
 from tests.deploy.compose_env import variables
-from tests.deploy.conftest import DEPLOY, SECRET_NAME
 from tests.deploy.dockerfiles import exec_form, parse
 from tests.deploy.kustomize import find, parse_env_file, pod_spec, render
 from tests.deploy.weir_cli import assert_cli_accepts

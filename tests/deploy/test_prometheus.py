@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
+from tests.deploy.artefacts import DEPLOY, ROOT, load_yaml
 from tests.deploy.metrics import (
     AWAITED,
     PROMETHEUS_BUILTIN,

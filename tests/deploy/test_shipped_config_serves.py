@@ -14,12 +14,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
-from tests.deploy.conftest import DEPLOY
+from tests.deploy.artefacts import DEPLOY
 from tests.deploy.dockerfiles import healthcheck_argv
 from tests.deploy.metrics import exported_series
 from tests.deploy.processes import weir_serve
 from tests.fakes import FakeOpenAI
+from tests.fixtures.net import free_port
 
 DEMO_KEY = "sk-weir-deploy-test"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine.async_engine import AsyncLLMEngine
 from engine.llm_engine import LLMEngine
 from engine.server import EngineServer, start_server
-from tests.conftest import free_port
+from tests.fixtures.net import free_port
 
 NUM_BLOCKS = 64  # 64 blocks of 16 tokens: a 1024-token context
 

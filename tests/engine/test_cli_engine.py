@@ -15,7 +15,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from tests.conftest import free_port
+from tests.fixtures.net import free_port
 from weir.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

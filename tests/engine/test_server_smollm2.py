@@ -12,7 +12,7 @@ from engine import registry
 from engine.async_engine import AsyncLLMEngine
 from engine.llm_engine import LLMEngine
 from engine.server import EngineServer, start_server
-from tests.conftest import free_port
+from tests.fixtures.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes.compat import compat_server
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway, running_gateway
 

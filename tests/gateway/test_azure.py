@@ -6,8 +6,8 @@ import openai
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 CONFIG = """

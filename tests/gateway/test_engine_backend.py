@@ -25,9 +25,10 @@ from gateway import engine_supervisor
 from gateway.app import create_app
 from gateway.config import Backend, parse_config
 from gateway.engine_supervisor import EngineProcess
-from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
+from tests.fixtures.waiting import wait_for
 
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
 

@@ -22,9 +22,9 @@ from gateway.middleware import request_middleware
 from gateway.state.degradable import DegradableState
 from gateway.state.memory import MemoryState
 from gateway.stream_slots import RedisSlots
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_URL
+from tests.fixtures.net import free_port
 from tests.fixtures.vendor_gateway import RunningGateway
 from tests.gateway.request_logs import logged, tagged_logs
 

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
+from tests.fixtures.net import free_port
 from tests.fixtures.vendor_gateway import EXAMPLE
 
 WEIR = str(Path(sys.executable).with_name("weir"))

@@ -20,7 +20,7 @@ import weir.kernels.int8_matmul as int8_mod
 from engine.config import tiny_config
 from engine.llm_engine import LLMEngine
 from engine.quant import Int4Linear, Int8Linear, quantize_model
-from tests.kernels.conftest import prompt_logprobs_and_tokens
+from tests.kernels.checks import prompt_logprobs_and_tokens
 from weir.kernels._triton import interpreting, triton_on_cpu, use_triton
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")

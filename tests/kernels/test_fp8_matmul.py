@@ -13,7 +13,7 @@ from engine.config import tiny_config
 from engine.llm_engine import LLMEngine
 from engine.model import Transformer
 from engine.quant import Fp8Linear, build_quantized_model, config_metadata, quantize_model, save_quantized
-from tests.kernels.conftest import assert_close, prompt_logprobs_and_tokens, skip_broken_bf16_dot
+from tests.kernels.checks import assert_close, prompt_logprobs_and_tokens, skip_broken_bf16_dot
 from weir.kernels.fp8_matmul import (
     FP8_MAX,
     dequantize_fp8,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.conftest import assert_close, skip_broken_bf16_dot
+from tests.kernels.checks import assert_close, skip_broken_bf16_dot
 from weir.kernels.int4_matmul import (
     cpu_int4_supported,
     dequantize_int4,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.conftest import assert_close
+from tests.kernels.checks import assert_close
 from weir.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_cpu,

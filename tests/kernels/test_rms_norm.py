@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.conftest import assert_close
+from tests.kernels.checks import assert_close
 from weir.kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref, rms_norm_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.conftest import assert_close
+from tests.kernels.checks import assert_close
 from weir.kernels.rotary import (
     build_cos_sin_cache,
     rotary_embedding,

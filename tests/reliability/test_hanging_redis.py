@@ -31,12 +31,12 @@ from gateway.db import migrate
 from gateway.db.models import ApiKey, utcnow
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state.redis import RedisState, client_from_url
-from tests.conftest import free_port
 from tests.control.events import numbered_event
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
 from tests.fixtures.gateway import ADMIN, Weir
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.reliability.proxy import ThreadedProxy
 

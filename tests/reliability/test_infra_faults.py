@@ -17,10 +17,10 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
 from tests.fixtures.gateway import ADMIN, CONFIG, Weir
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.reliability.proxy import ThreadedProxy
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.gateway import ADMIN
+from tests.fixtures.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = " ".join(f"w{i}" for i in range(20))

@@ -14,9 +14,10 @@ from typing import Any
 import httpx
 
 from gateway.config import parse_config
-from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.vendor_gateway import RunningGateway, running_gateway
+from tests.fixtures.waiting import wait_for
 
 HI = [{"role": "user", "content": "one two three four five six"}]
 ECHO = "one two three four five six"  # the fake OpenAI's answer to HI: it echoes the prompt

@@ -15,7 +15,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from routing.router import Router
-from tests.conftest import free_port
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.vendor_gateway import full_config_text
 

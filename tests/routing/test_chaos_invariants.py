@@ -47,9 +47,9 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.usage_sink import ListSink
 from routing.breaker import Breakers, LatencyKey, State, route_label
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fakes.plugin import FakeVendors
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.vendor_gateway import fakes_env, full_config_text
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
 from tests.fakes import FakeOpenAI
 from tests.fixtures.gateway import sqlite_weir
+from tests.fixtures.waiting import wait_for
 from tests.routing.routed import route_header
 
 SERVED = 1_000  # what the fake's `/v1/models` says of `gpt-4o-mini`: far below the declared 128,000

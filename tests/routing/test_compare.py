@@ -41,10 +41,11 @@ from routing.plan import features
 from routing.ranking import auc_normal_interval
 from routing.router import RouteError, validate
 from routing.routes import Candidate, Compare, Route
-from tests.conftest import free_port, wait_for
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_URL, sync_exec
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
+from tests.fixtures.waiting import wait_for
 from tests.routing.comparing import comparing_app, prompt_keeper
 from tests.routing.routed import counted_micro_usd
 

@@ -43,10 +43,11 @@ from routing.heads import BUNDLE_KEY, bundle, put_head, stored_bundle, unbundle
 from routing.plan import Choice, Plan
 from routing.routes import Candidate, Compare, Route
 from routing.train import HoldoutResult, Outcomes, TrainConfig, fit_head, holdout_check
-from tests.conftest import free_port, wait_for
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fixtures.db import sync_exec
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
+from tests.fixtures.waiting import wait_for
 from tests.routing.comparing import comparing_app, prompt_keeper
 from tests.routing.forced_heads import forced
 from tests.routing.routed import counted_micro_usd

@@ -29,10 +29,10 @@ from gateway.config import parse_config
 from gateway.db.session import create_engine, sessionmaker
 from routing.feedback import FeedbackReport, load_feedback
 from routing.train import Outcomes
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fakes.plugin import FakeVendors
 from tests.fixtures.db import fresh_pg_database, sync_exec
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.vendor_gateway import fakes_env, full_config_text
 from tests.routing.routed import route_header

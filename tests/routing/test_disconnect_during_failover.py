@@ -29,11 +29,11 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.state import MemoryState
 from routing.breaker import Breakers
-from tests.conftest import free_port
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
 from tests.fixtures.gateway import ADMIN, Weir
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 from tests.reliability.proxy import ThreadedProxy

@@ -31,8 +31,8 @@ from gateway.estimate import CHAT_TOKENS, MESSAGE_TOKENS
 from gateway.usage_sink import ListSink
 from routing.cli import router as router_cli
 from routing.routes import Breaker, Candidate, Compare, Conditions, Hedge, PolicyName, Retry, Route
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 ROOT = Path(__file__).resolve().parents[2]

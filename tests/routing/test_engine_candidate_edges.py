@@ -26,9 +26,10 @@ from gateway.transport import Transport
 from routing.breaker import Breakers
 from routing.health import HealthProber
 from routing.load import LoadReports
-from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.vendor_gateway import RunningGateway, running_gateway
+from tests.fixtures.waiting import wait_for
 from tests.routing.engine_candidate import (
     BS,
     ECHO,

@@ -25,9 +25,10 @@ from gateway.transport import Transport
 from routing.breaker import Breakers
 from routing.health import HealthProber
 from routing.windows import ANY_MODEL, ContextWindows, served_windows
-from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.vendor_gateway import RunningGateway, running_gateway
+from tests.fixtures.waiting import wait_for
 from tests.gateway.test_engine_backend import TINY_ENGINE
 from tests.routing.engine_candidate import config_text, engine_gateway, tiny_engine
 from tests.routing.routed import ledger, route_header, runtime, settled

@@ -15,8 +15,8 @@ import pytest
 
 from gateway.config import ConfigError, parse_config
 from gateway.engine_supervisor import EngineProcess
-from tests.conftest import wait_for
 from tests.fakes import FakeOpenAI
+from tests.fixtures.waiting import wait_for
 from tests.routing.engine_candidate import (
     ECHO,
     HI,

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from tests.conftest import wait_for
 from tests.fakes import FakeOpenAI
 from tests.fixtures.vendor_gateway import RunningGateway, running_gateway
+from tests.fixtures.waiting import wait_for
 from tests.routing.engine_candidate import BS, ECHO, HI, busy, failing_steps, refused, tiny_engine
 from tests.routing.routed import route_header, runtime, settled
 

@@ -34,9 +34,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from gateway.accounting import admission
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_PORT, REDIS_URL, fresh_pg_database
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.reliability.proxy import ThreadedProxy
 from tests.routing.routed import route_header

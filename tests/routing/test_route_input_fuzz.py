@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 from gateway.app import create_app
 from gateway.config import ConfigError, parse_config
 from routing.cli import router as router_cli
-from tests.conftest import free_port
 from tests.fakes.plugin import FakeVendors
 from tests.fixtures.db import fresh_pg_database
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.vendor_gateway import fakes_env, full_config_text
 

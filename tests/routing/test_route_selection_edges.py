@@ -21,9 +21,9 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fixtures.db import REDIS_URL, fresh_pg_database
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 from tests.routing.routed import route_header

@@ -34,9 +34,9 @@ from gateway.usage_sink import ListSink
 from routing.plan import Choice, Features
 from routing.policies import expected_cost
 from routing.routes import Candidate
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_URL, migrated_sqlite
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.vendor_gateway import fakes_env, full_config_text
 from tests.routing.routed import counted_micro_usd, route_header

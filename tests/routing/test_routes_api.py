@@ -22,10 +22,11 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from routing.heads import bundle, digest
 from routing.prefixes import PREFIX, prefix_keys
-from tests.conftest import free_port, wait_for
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fixtures.db import REDIS_URL, fresh_pg_database, sync_exec
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
+from tests.fixtures.waiting import wait_for
 from tests.routing.forced_heads import forced
 from tests.routing.routed import route_header
 

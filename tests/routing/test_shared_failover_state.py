@@ -36,9 +36,9 @@ from routing.health import HealthProber
 from routing.router import Router
 from routing.routes import Breaker as BreakerSettings
 from routing.routes import Candidate, Route
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.reliability.proxy import ThreadedProxy
 

@@ -29,9 +29,9 @@ from gateway.state import MemoryState
 from gateway.state.degradable import DegradableState
 from gateway.state.redis import RedisState
 from gateway.throttle import FailureThrottle, SharedFailureThrottle, client_address
-from tests.conftest import free_port
 from tests.control.helpers import TcpProxy
 from tests.fixtures.db import REDIS_PORT, REDIS_URL, migrated_sqlite
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 N = 5  # failures a minute: a refill every 12 s of the fake clock

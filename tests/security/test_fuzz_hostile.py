@@ -16,8 +16,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 KEY = "sk-weir-hostile-0123456789"

@@ -34,8 +34,8 @@ from schemathesis.specs.openapi.checks import (
 from gateway.api.anthropic import PATHS as ANTHROPIC_PATHS
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.security.openapi_schema import ADMIN_PREFIX, gateway_schema
 

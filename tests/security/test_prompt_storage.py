@@ -24,10 +24,11 @@ from gateway.db.session import create_engine, sessionmaker
 from gateway.limits import Exchange
 from gateway.prompts import PromptStore
 from gateway.vault import ENV, generate_key
-from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import sync_exec
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
+from tests.fixtures.waiting import wait_for
 from weir.cli import main
 
 ADMIN = "admin-token-for-tests"

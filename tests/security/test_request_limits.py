@@ -18,10 +18,11 @@ from redis import Redis
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.stream_slots import RedisSlots
-from tests.conftest import free_port, wait_for
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_URL
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
+from tests.fixtures.waiting import wait_for
 
 CONFIG = """\
 backends:

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI, Fault
+from tests.fixtures.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-weir-slowloris-0123456789"

@@ -14,10 +14,10 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from routing.router import Router
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import migrated_sqlite
 from tests.fixtures.gateway import CONFIG as CONFIG  # the control tests' one-backend config
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
 ADMIN = "admin-token-for-ui-tests"

@@ -13,9 +13,9 @@ import pytest
 from gateway.admin import ui
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.conftest import free_port
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_URL
+from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.ui.helpers import ADMIN, CONFIG
 
