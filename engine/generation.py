@@ -80,7 +80,7 @@ class Generation:
                 try:
                     out: RequestOutput | None = await anext(outputs)
                 except ValueError as exc:  # the engine rejected the request's parameters
-                    raise ApiError(400, str(exc)) from exc
+                    raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
                 accepted = True
                 last_token_at: float | None = None
                 while out is not None:

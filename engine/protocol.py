@@ -30,6 +30,10 @@ Choices = Annotated[int, msgspec.Meta(ge=1)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 Stop = str | list[str] | None
+# A 64-bit signed seed, as vLLM takes it: torch seeds a generator with up to 64 unsigned bits, and choice
+# i of n draws with seed + i, which this range keeps inside them (larger seeds were a 400 naming nothing,
+# "Overflow when unpacking long long", for some n and not others).
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -43,7 +47,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: Probability | None = None
     n: Choices = 1
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -21,6 +21,14 @@ class JsonFormat:
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 
 
+class InvalidSamplingParam(ValueError):
+    """A sampling parameter out of range; `param` is its name (the API's name for it too)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -41,40 +49,49 @@ class SamplingParams:
     json_format: JsonFormat | None = None  # only text the JSON grammar accepts
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError with a message fit for an API client."""
+        """Raise `InvalidSamplingParam` (a ValueError) naming the parameter, with a message fit for an
+        API client."""
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-            (self.temperature >= 0, "temperature must be non-negative"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be non-negative (0 disables it)"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be positive"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs must be non-negative"),
+            ("max_tokens", self.max_tokens >= 1, "max_tokens must be at least 1"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            ("temperature", self.temperature >= 0, "temperature must be non-negative"),
+            # greedy sampling never reads top_p, so it takes 0 too (vLLM resets it for greedy requests;
+            # `temperature: 0, top_p: 0` is a common way to ask for determinism)
+            ("top_p", 0 < self.top_p <= 1 or (self.greedy and self.top_p == 0), "top_p must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "top_k must be non-negative (0 disables it)"),
+            ("min_p", 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "repetition_penalty must be positive"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "logprobs must be non-negative"),
             (
+                "prompt_logprobs",
                 self.prompt_logprobs is None or self.prompt_logprobs >= 0,
                 "prompt_logprobs must be non-negative",
             ),
             (
+                "logit_bias",
                 all(-100 <= b <= 100 for b in self.logit_bias.values()),
                 "logit_bias values must be in [-100, 100]",
             ),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidSamplingParam(param, message)
         if vocab_size is not None:
             for tid in self.stop_token_ids:
                 if not 0 <= tid < vocab_size:
-                    raise ValueError(f"stop token id {tid} is outside the vocabulary")
+                    raise InvalidSamplingParam(
+                        "stop_token_ids", f"stop token id {tid} is outside the vocabulary"
+                    )
             for tid in self.logit_bias:
                 if not 0 <= tid < vocab_size:
-                    raise ValueError(f"logit_bias names token id {tid}, outside the vocabulary")
+                    raise InvalidSamplingParam(
+                        "logit_bias", f"logit_bias names token id {tid}, outside the vocabulary"
+                    )
             for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
                 if k is not None and k > vocab_size:
-                    raise ValueError(f"{name} must be at most the vocabulary size")
+                    raise InvalidSamplingParam(name, f"{name} must be at most the vocabulary size")
 
     @property
     def greedy(self) -> bool:

@@ -266,7 +266,12 @@ class EngineServer:
         return tokenizer.encode(prompt)
 
     def _max_tokens(
-        self, requested: int | None, prompt_len: int, prompt_param: str, default: int | None = None
+        self,
+        requested: int | None,
+        prompt_len: int,
+        prompt_param: str,
+        default: int | None = None,
+        requested_param: str = "max_tokens",
     ) -> int:
         limit = self.ready().engine.max_model_len
         if prompt_len >= limit:  # the engine needs room for at least one generated token
@@ -285,7 +290,7 @@ class EngineServer:
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
                 f"{requested} for the completion).",
-                param="max_tokens",
+                param=requested_param,
                 code="context_length_exceeded",
             )
         return requested
@@ -371,8 +376,12 @@ class EngineServer:
             except EngineDeadError as exc:
                 body = ApiError(503, str(exc), code="engine_dead").body()
                 await resp.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
-            except ConnectionError:  # the client is gone: nothing can reach it
-                raise
+            except ConnectionError:
+                # The client is gone: a write can find its connection closing before aiohttp cancels
+                # the handler. Leaving the `aclosing` block aborts its requests; there is nothing to
+                # write, and raising made the middleware log an "unhandled error" and answer a 500
+                # into the closed stream (aiohttp ends a returned response quietly).
+                return resp
             except Exception:
                 # The headers are out: the middleware's 500 would be written into the chunked body (a
                 # client reads "illegal chunk header", a connection error); an error event it can read.
@@ -399,8 +408,10 @@ class EngineServer:
             req.add_generation_prompt,
             req.continue_final_message,
         )
+        # OpenAI's max_completion_tokens wins over the older max_tokens; an error names the one sent
+        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._max_tokens(requested, len(prompt_ids), "messages")
+        max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", requested_param=limit_param)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         fmt = _json_format(req)
         forced = _forced_tool_call(req) if parse_tools else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 from openai import AsyncOpenAI
 from tokenizers import AddedToken, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -543,6 +546,16 @@ async def test_n_choices_are_seeded_apart_reproducible_and_billed_once_for_the_p
     assert 3 <= a.usage.completion_tokens <= 24
 
 
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
+async def test_seeds_at_the_ends_of_the_range_serve_every_choice(served: Served, seed: int) -> None:
+    """The last choice's seed + i still seeds a generator (2**64 - 1 with n=2 was a 400)."""
+    kwargs = dict(model=MODEL, prompt="seeds", max_tokens=3, seed=seed, n=16)
+    a = await served.client.completions.create(**kwargs)  # type: ignore[call-overload]
+    b = await served.client.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert len(a.choices) == 16
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+
+
 async def test_n_greedy_choices_are_equal(served: Served) -> None:
     resp = await served.client.chat.completions.create(
         model=MODEL, messages=chat("same"), max_tokens=6, temperature=0, n=2, extra_body={"ignore_eos": True}
@@ -871,6 +884,44 @@ async def test_disconnected_stream_frees_its_blocks_at_once(served: Served) -> N
     assert 'weir_engine_requests_total{finish_reason="abort"} 1.0' in metrics
 
 
+async def test_a_client_gone_during_a_write_ends_the_stream_quietly(
+    served: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that disconnects mid-stream often makes the server's next write fail before aiohttp
+    cancels the handler (two of five SDK streams closed early did): every choice is still aborted and
+    its blocks freed, and nothing is logged as a server error (it was: an "unhandled error" traceback
+    per disconnect, and a 500 answered into the closed stream)."""
+    write = web.StreamResponse.write
+    writes = 0
+
+    async def lose_the_client_on_the_third_write(self: web.StreamResponse, data: bytes) -> None:
+        nonlocal writes
+        writes += 1
+        if writes == 3:
+            raise ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp says it
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", lose_the_client_on_the_third_write)
+    body = {
+        "model": MODEL,
+        "prompt": "x" * 100,
+        "max_tokens": 600,
+        "n": 2,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with httpx.AsyncClient(base_url=served.base_url, timeout=30) as http:
+        with contextlib.suppress(httpx.HTTPError):
+            async with http.stream("POST", "/completions", json=body) as resp:
+                lines = [line async for line in resp.aiter_lines() if line]
+    assert writes == 3 and "data: [DONE]" not in lines
+    assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"{served.root}/metrics")).text
+    assert 'weir_engine_requests_total{finish_reason="abort"} 2.0' in metrics
+
+
 async def test_cancelled_non_streaming_request_is_aborted(served: Served) -> None:
     async with httpx.AsyncClient(base_url=served.base_url, timeout=30) as http:
         task = asyncio.create_task(
@@ -917,6 +968,11 @@ async def test_unknown_model_is_404(served: Served) -> None:
             "messages[0].content",
         ),
         ({"max_tokens": 5000}, "max_tokens"),
+        ({"max_completion_tokens": 5000}, "max_completion_tokens"),  # was named max_tokens
+        # seeds are 64-bit signed, as vLLM's: above, a 400 naming nothing for some n and not others
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 2**63, "n": 2}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         (
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
             "tools",
@@ -991,12 +1047,26 @@ async def test_malformed_json_and_unknown_routes(served: Served) -> None:
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
 
 
+async def test_greedy_takes_top_p_0_and_sampling_refuses_it_naming_it(served: Served) -> None:
+    """`temperature: 0, top_p: 0` is greedy, as vLLM answers it (it was a 400): greedy never reads
+    top_p. Sampling with top_p 0 would keep no token: a 400 that names top_p (it named nothing)."""
+    kwargs = dict(model=MODEL, prompt="determinism", max_tokens=8, temperature=0)
+    greedy = await served.client.completions.create(**kwargs)  # type: ignore[call-overload]
+    zero = await served.client.completions.create(**kwargs, top_p=0)  # type: ignore[call-overload]
+    assert zero.choices[0].text == greedy.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        await served.client.completions.create(**{**kwargs, "temperature": 1}, top_p=0)  # type: ignore[call-overload]
+    assert info.value.body["param"] == "top_p"  # type: ignore[index]
+    assert "top_p" in info.value.message
+
+
 async def test_engine_rejection_is_a_400_not_a_crash(served: Served) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         await served.client.completions.create(
             model=MODEL, prompt=[1, 2, 3], max_tokens=2, extra_body={"stop_token_ids": [999]}
         )
     assert "vocabulary" in info.value.message
+    assert info.value.body["param"] == "stop_token_ids"  # type: ignore[index]
     ok = await served.client.completions.create(model=MODEL, prompt="still serving", max_tokens=2)
     assert ok.usage and ok.usage.completion_tokens == 2
 
