@@ -48,14 +48,36 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return delta
 
-    def flush(self) -> str:
-        """Whatever is still held back at the end of the stream (an incomplete character stays U+FFFD)."""
+    def held(self) -> str:
+        """The text of the ids held back so far (an incomplete character as U+FFFD), still held."""
         if len(self._ids) == self._read_offset:
             return ""
         prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._tokenizer.decode(self._ids[self._prefix_offset :])
-        self._read_offset = len(self._ids)
         return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end of the stream (an incomplete character stays U+FFFD)."""
+        text = self.held()
+        self._read_offset = len(self._ids)
+        return text
+
+
+class TextOffsets:
+    """The legacy `text_offset`: where each token's text starts in the text of the tokens before it,
+    counted on the incremental detokenizer's text. Each token decoded alone (as before) counted a
+    character split over several tokens once per piece and dropped a SentencePiece word's leading
+    space, so the offsets drifted from the text after the first such token."""
+
+    def __init__(self, tokenizer: Decoder, context_ids: Sequence[int] = ()) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids)
+        self._released = 0  # characters the detokenizer has released
+
+    def next(self, token_id: int) -> int:
+        """The offset of `token_id`, the token after those seen so far."""
+        start = self._released + len(self._detokenizer.held())
+        self._released += len(self._detokenizer.add([token_id]))
+        return start
 
 
 @dataclass
@@ -213,15 +235,14 @@ class CompletionLogprobs:
     text_offset: list[int] = field(default_factory=list)
 
     def extend(
-        self, tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[Any | None], offset: int
-    ) -> int:
+        self, tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[Any | None], offsets: TextOffsets
+    ) -> None:
         """Appends one entry per token (a None logprob, as for the first prompt token, is shown as null);
-        returns the text offset after them."""
+        `offsets` follows the choice's text across calls."""
         for token_id, lp in zip(token_ids, logprobs, strict=True):
             text = token_str(tokenizer, token_id)
             self.tokens.append(text)
-            self.text_offset.append(offset)
-            offset += len(tokenizer.decode([token_id]))
+            self.text_offset.append(offsets.next(token_id))
             if lp is None:
                 self.token_logprobs.append(None)
                 self.top_logprobs.append(None)
@@ -230,7 +251,6 @@ class CompletionLogprobs:
             top = {token_str(tokenizer, tid): safe_logprob(v) for tid, v in lp.top}
             top.setdefault(text, safe_logprob(lp.logprob))
             self.top_logprobs.append(top)
-        return offset
 
     def to_dict(self) -> dict[str, Any]:
         return {

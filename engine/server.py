@@ -32,6 +32,7 @@ from engine.output import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     CompletionLogprobs,
+    TextOffsets,
     chat_logprobs,
     parse_tool_calls,
 )
@@ -588,10 +589,10 @@ class EngineServer:
         lp = None
         if req.logprobs is not None:
             lp = CompletionLogprobs()
-            offset = 0
+            offsets = _text_offsets(tokenizer, gen, req.echo)
             if req.echo:
-                offset = lp.extend(tokenizer, gen.prompt_ids, _prompt_logprobs(gen), offset)
-            lp.extend(tokenizer, ids[: len(logprobs)], logprobs, offset)
+                lp.extend(tokenizer, gen.prompt_ids, _prompt_logprobs(gen), offsets)
+            lp.extend(tokenizer, ids[: len(logprobs)], logprobs, offsets)
         return {
             "index": index,
             "text": "".join(text),
@@ -611,7 +612,7 @@ class EngineServer:
     ) -> AsyncGenerator[dict[str, Any], None]:
         tokenizer = gen.engine.engine.tokenizer
         extra = {"usage": None} if include_usage else {}
-        offset = 0
+        offsets = _text_offsets(tokenizer, gen, req.echo)
         echoed = not req.echo
         async with aclosing(gen.deltas()) as deltas:
             async for d in deltas:
@@ -623,9 +624,9 @@ class EngineServer:
                     echoed = True
                     text = prompt_text + text
                     if lp is not None:
-                        offset = lp.extend(tokenizer, gen.prompt_ids, _prompt_logprobs(gen), offset)
+                        lp.extend(tokenizer, gen.prompt_ids, _prompt_logprobs(gen), offsets)
                 if lp is not None and d.logprobs:
-                    offset = lp.extend(tokenizer, d.token_ids[: len(d.logprobs)], d.logprobs, offset)
+                    lp.extend(tokenizer, d.token_ids[: len(d.logprobs)], d.logprobs, offsets)
                 if text or (lp is not None and lp.tokens) or d.finish_reason is not None:
                     yield {
                         **head,
@@ -789,6 +790,12 @@ def _prompt_list(prompt: str | list[Any]) -> list[str | list[int]]:
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _text_offsets(tokenizer: Tokenizer, gen: Generation, echo: bool) -> TextOffsets:
+    """A choice's `text_offset`s: from the echoed prompt's start, or from the completion's with the
+    prompt as the detokenizer's context (as the choice's own text is decoded)."""
+    return TextOffsets(tokenizer, () if echo else gen.prompt_ids)
 
 
 def _prompt_logprobs(gen: Generation) -> list[TokenLogprob | None]:

@@ -13,6 +13,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from engine.output import (
     CompletionLogprobs,
     IncrementalDetokenizer,
+    TextOffsets,
     TextStream,
     chat_logprobs,
     parse_tool_calls,
@@ -185,14 +186,51 @@ def test_completion_logprobs_offsets_follow_the_text() -> None:
     tok = ByteTokenizer()
     prompt = tok.encode("ab")
     lp = CompletionLogprobs()
-    offset = lp.extend(tok, prompt, [None, LP(prompt[1], -2.0, [(ord("c"), -0.1)])], 0)
-    lp.extend(tok, [ord("c")], [LP(ord("c"), -0.1, [(ord("c"), -0.1)])], offset)
+    offsets = TextOffsets(tok)
+    lp.extend(tok, prompt, [None, LP(prompt[1], -2.0, [(ord("c"), -0.1)])], offsets)
+    lp.extend(tok, [ord("c")], [LP(ord("c"), -0.1, [(ord("c"), -0.1)])], offsets)
     assert lp.to_dict() == {
         "tokens": ["a", "b", "c"],
         "token_logprobs": [None, -2.0, -0.1],
         "top_logprobs": [None, {"c": -0.1, "b": -2.0}, {"c": -0.1}],
         "text_offset": [0, 1, 2],
     }
+
+
+def offsets_of(tokenizer: object, ids: list[int]) -> list[int]:
+    offsets = TextOffsets(tokenizer)  # type: ignore[arg-type]
+    return [offsets.next(i) for i in ids]
+
+
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer(), BPETokenizer(["plain ascii text only"])])
+def test_text_offsets_count_a_split_character_once(tokenizer: object) -> None:
+    """A character split over several tokens is one character of the text: every whole token is found
+    at its offset (each piece counted as one character, so the offsets ran ahead of the text)."""
+    ids = tokenizer.encode(TEXT)  # type: ignore[attr-defined]
+    offsets = offsets_of(tokenizer, ids)
+    assert offsets == sorted(offsets) and offsets[-1] < len(TEXT)
+    whole = [
+        (i, o) for i, o in zip(ids, offsets, strict=True) if not token_str(tokenizer, i).startswith("bytes:")
+    ]
+    assert len(whole) > 10
+    for token_id, offset in whole:
+        piece = tokenizer.decode([token_id])  # type: ignore[attr-defined]
+        assert TEXT[offset : offset + len(piece)] == piece, (piece, offset)
+
+
+def test_text_offsets_keep_sentencepiece_spaces() -> None:
+    """SentencePiece drops a word's leading space when its token is decoded alone; in the text it is
+    there (offsets lost one character per word)."""
+    backend = HFTokenizer(
+        models.WordLevel({"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}, unk_token="<unk>")
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    ids = backend.encode("Hello world again").ids
+    assert offsets_of(backend, ids) == [0, 5, 11]
+    # a completion's offsets start at its own text, the prompt decoded only as context
+    offsets = TextOffsets(backend, ids[:1])
+    assert [offsets.next(i) for i in ids[1:]] == [0, 6]
 
 
 def test_hermes_tool_calls_are_parsed_out_of_the_reply() -> None:

@@ -495,6 +495,28 @@ async def test_completion_echo_with_prompt_logprobs(served: Served) -> None:
     assert choice.finish_reason == "length"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_text_offsets_point_into_the_text(served: Served, stream: bool) -> None:
+    """`text_offset` is where each token starts in the choice's text, past characters split over
+    several tokens too (the tiny model's tokens are bytes: each piece counted as a character, so every
+    offset after "café" ran ahead of its token)."""
+    prompt = "café ☕ ok, naïve"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    if stream:
+        chunks = [c async for c in await served.client.completions.create(**kwargs, stream=True)]  # type: ignore[call-overload]
+        text = "".join(c.choices[0].text for c in chunks)
+        lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        tokens = [t for lp in lps for t in lp.tokens]
+        offsets = [o for lp in lps for o in lp.text_offset]
+    else:
+        choice = (await served.client.completions.create(**kwargs)).choices[0]  # type: ignore[call-overload]
+        text, tokens, offsets = choice.text, choice.logprobs.tokens, choice.logprobs.text_offset
+    assert text == prompt and len(tokens) == len(prompt.encode())
+    whole = [(t, o) for t, o in zip(tokens, offsets, strict=True) if not t.startswith("bytes:")]
+    assert [text[o : o + len(t)] for t, o in whole] == [t for t, _ in whole]
+    assert offsets[-1] == len(prompt) - 1
+
+
 async def test_completion_echo_and_generation_logprobs(served: Served) -> None:
     prompt_ids = served.engine.tokenizer.encode("abc")
     resp = await served.client.completions.create(
