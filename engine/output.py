@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+SENTENCEPIECE_SPACE = "\u2581"  # "▁", a space in SentencePiece vocabularies
 # Earlier tokens decoded with each window; enough for any tokenizer's look-behind (vLLM uses 5).
 CONTEXT_TOKENS = 5
 
@@ -173,9 +174,13 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """The raw bytes of one token. Its decoded text when that is whole; for a token holding part of a
     UTF-8 character, the bytes its vocabulary entry spells (byte-level BPE `Ġ`-style or `<0xE2>`)."""
     text = tokenizer.decode([token_id])
+    piece = getattr(tokenizer, "id_to_token", lambda _: None)(token_id)
+    if piece and piece.startswith(SENTENCEPIECE_SPACE) and not text.startswith(" "):
+        # SentencePiece decoders strip the leading space of what they decode, so a word's token decoded
+        # alone lost it (OpenAI and vLLM show " world"); its vocabulary entry still has it
+        text = " " + text
     if text and REPLACEMENT_CHAR not in text:
         return text.encode()
-    piece = getattr(tokenizer, "id_to_token", lambda _: None)(token_id)
     if not piece:
         return text.encode()
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback

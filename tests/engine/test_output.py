@@ -218,14 +218,32 @@ def test_text_offsets_count_a_split_character_once(tokenizer: object) -> None:
         assert TEXT[offset : offset + len(piece)] == piece, (piece, offset)
 
 
+def sentencepiece_words() -> HFTokenizer:
+    """Whole words as SentencePiece spells them (`▁` for the space before a word), with its decoder."""
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3, "▁": 4}
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    return backend
+
+
+def test_sentencepiece_tokens_keep_their_leading_space() -> None:
+    """A SentencePiece decoder strips the leading space of what it decodes: a word's token decoded
+    alone lost it ("world"); OpenAI and vLLM show " world", and its bytes hold the space."""
+    tok = sentencepiece_words()
+    assert [token_str(tok, i) for i in (1, 2, 4)] == [" Hello", " world", " "]
+    [entry] = chat_logprobs(tok, [LP(2, -0.5, [(3, -1.5)])], 1)
+    assert (entry["token"], entry["bytes"], entry["top_logprobs"][0]["token"]) == (
+        " world",
+        list(b" world"),
+        " again",
+    )
+
+
 def test_text_offsets_keep_sentencepiece_spaces() -> None:
     """SentencePiece drops a word's leading space when its token is decoded alone; in the text it is
     there (offsets lost one character per word)."""
-    backend = HFTokenizer(
-        models.WordLevel({"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}, unk_token="<unk>")
-    )
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Metaspace()
+    backend = sentencepiece_words()
     ids = backend.encode("Hello world again").ids
     assert offsets_of(backend, ids) == [0, 5, 11]
     # a completion's offsets start at its own text, the prompt decoded only as context
