@@ -17,7 +17,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
-from contextlib import aclosing, contextmanager
+from contextlib import aclosing, contextmanager, suppress
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -367,30 +367,12 @@ class EngineServer:
                 }
             )
             await resp.prepare(request)
-            try:
-                if first is not None:
-                    await resp.write(b"data: " + msgspec.json.encode(first) + b"\n\n")
-                async for chunk in chunks:
-                    await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
-            except ApiError as exc:
-                await resp.write(b"data: " + msgspec.json.encode(exc.body()) + b"\n\n")
-            except EngineDeadError as exc:
-                body = ApiError(503, str(exc), code="engine_dead").body()
-                await resp.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
-            except ConnectionError:
-                # The client is gone: a write can find its connection closing before aiohttp cancels
-                # the handler. Leaving the `aclosing` block aborts its requests; there is nothing to
-                # write, and raising made the middleware log an "unhandled error" and answer a 500
-                # into the closed stream (aiohttp ends a returned response quietly).
-                return resp
-            except Exception:
-                # The headers are out: the middleware's 500 would be written into the chunked body (a
-                # client reads "illegal chunk header", a connection error); an error event it can read.
-                log.exception("unhandled error in the stream of %s %s", request.method, request.path)
-                body = ApiError(500, "internal server error", type="server_error").body()
-                await resp.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            # A client gone: a write can find its connection closing before aiohttp cancels the
+            # handler. Leaving the `aclosing` block aborts its requests; there is nothing to write,
+            # and raising made the middleware log an "unhandled error" and answer a 500 into the
+            # closed stream (aiohttp ends a returned response quietly).
+            with suppress(ConnectionError):
+                await _write_events(request, resp, first, chunks)
             return resp
 
     # --- chat ------------------------------------------------------------------------------------------
@@ -713,6 +695,38 @@ class EngineServer:
         resp = web.Response(body=self.metrics.render())
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
+
+
+async def _write_events(
+    request: web.Request,
+    resp: web.StreamResponse,
+    first: dict[str, Any] | None,
+    chunks: AsyncGenerator[dict[str, Any], None],
+) -> None:
+    """The stream's chunks as events, an error event if it fails after the headers are out, then
+    `[DONE]`. A write to a client that is gone raises ConnectionError."""
+    try:
+        if first is not None:
+            await _event(resp, first)
+        async for chunk in chunks:
+            await _event(resp, chunk)
+    except ApiError as exc:
+        await _event(resp, exc.body())
+    except EngineDeadError as exc:
+        await _event(resp, ApiError(503, str(exc), code="engine_dead").body())
+    except ConnectionError:
+        raise
+    except Exception:
+        # The headers are out: the middleware's 500 would be written into the chunked body (a client
+        # reads "illegal chunk header", a connection error); an error event it can read.
+        log.exception("unhandled error in the stream of %s %s", request.method, request.path)
+        await _event(resp, ApiError(500, "internal server error", type="server_error").body())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+
+
+async def _event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
+    await resp.write(b"data: " + msgspec.json.encode(data) + b"\n\n")
 
 
 def _stop_reason(gen: Generation, finish: str | None) -> dict[str, Any]:

@@ -906,42 +906,40 @@ async def test_disconnected_stream_frees_its_blocks_at_once(served: Served) -> N
     assert 'weir_engine_requests_total{finish_reason="abort"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("lost_at", ["a chunk", "[DONE]"])
 async def test_a_client_gone_during_a_write_ends_the_stream_quietly(
-    served: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    served: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, lost_at: str
 ) -> None:
     """A client that disconnects mid-stream often makes the server's next write fail before aiohttp
-    cancels the handler (two of five SDK streams closed early did): every choice is still aborted and
-    its blocks freed, and nothing is logged as a server error (it was: an "unhandled error" traceback
-    per disconnect, and a 500 answered into the closed stream)."""
+    cancels the handler (two of five SDK streams closed early did), and one that leaves once it has
+    its finish_reason makes `[DONE]` fail: every choice still running is aborted and its blocks freed,
+    and nothing is logged as a server error (it was: an "unhandled error" traceback per disconnect,
+    and a 500 answered into the closed stream)."""
     write = web.StreamResponse.write
     writes = 0
 
-    async def lose_the_client_on_the_third_write(self: web.StreamResponse, data: bytes) -> None:
+    async def lose_the_client(self: web.StreamResponse, data: bytes) -> None:
         nonlocal writes
         writes += 1
-        if writes == 3:
+        if (writes == 3) if lost_at == "a chunk" else data == b"data: [DONE]\n\n":
             raise ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp says it
         await write(self, data)
 
-    monkeypatch.setattr(web.StreamResponse, "write", lose_the_client_on_the_third_write)
-    body = {
-        "model": MODEL,
-        "prompt": "x" * 100,
-        "max_tokens": 600,
-        "n": 2,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    monkeypatch.setattr(web.StreamResponse, "write", lose_the_client)
+    max_tokens = 600 if lost_at == "a chunk" else 3
+    body = {"model": MODEL, "prompt": "x" * 100, "max_tokens": max_tokens, "n": 2, "ignore_eos": True}
+    lines: list[str] = []
     async with httpx.AsyncClient(base_url=served.base_url, timeout=30) as http:
         with contextlib.suppress(httpx.HTTPError):
-            async with http.stream("POST", "/completions", json=body) as resp:
-                lines = [line async for line in resp.aiter_lines() if line]
-    assert writes == 3 and "data: [DONE]" not in lines
+            async with http.stream("POST", "/completions", json=body | {"stream": True}) as resp:
+                lines.extend([line async for line in resp.aiter_lines() if line])
+    assert lines and "data: [DONE]" not in lines
     assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     async with httpx.AsyncClient() as http:
         metrics = (await http.get(f"{served.root}/metrics")).text
-    assert 'weir_engine_requests_total{finish_reason="abort"} 2.0' in metrics
+    finish = "abort" if lost_at == "a chunk" else "length"
+    assert f'weir_engine_requests_total{{finish_reason="{finish}"}} 2.0' in metrics
 
 
 async def test_cancelled_non_streaming_request_is_aborted(served: Served) -> None:
