@@ -217,6 +217,15 @@ function clearNewKey() {
   newKey.hidden = true;
 }
 
+// Opens `hash`, or renders it again when it is the page shown: a form submitted unchanged (Show report
+// or Filter pressed again to see the traffic since) set the same hash, which fires no hashchange, and
+// the button did nothing.
+function go(hash) {
+  const before = location.hash;
+  location.hash = hash;
+  if (location.hash === before) route();
+}
+
 function page(title, ...content) {
   main.replaceChildren(h("h1", {}, title), ...content.filter((c) => c !== null && c !== undefined && c !== false));
   document.title = `${title} · Weir admin`;
@@ -293,12 +302,14 @@ async function overview(params, query, show) {
     d.requests ? null : notice("No traffic yet. Create a tenant and a key under Tenants & keys, then send a request with it.", "info"),
     h("div", { class: "stats" },
       stat("Requests (30 days)", intFmt(d.requests), `${intFmt(t.requests)} this month`),
-      stat("Spend today", usdFmt(todayRow.cost_usd), null, todayRow.cost_usd),
-      stat("Spend this month", usdFmt(t.cost_usd), null, t.cost_usd),
+      // Exact, as Finance and the API say them: rounded, this month's spend read $0.018001 here and
+      // $0.01800075 on Finance for the same range.
+      stat("Spend today", exactUsd(todayRow.cost_usd), null, todayRow.cost_usd),
+      stat("Spend this month", exactUsd(t.cost_usd), null, t.cost_usd),
       stat("Tokens this month", intFmt(t.total_tokens), `in ${intFmt(t.input_tokens)} · cached ${intFmt(t.cached_input_tokens)} · cache write ${intFmt(t.cache_write_tokens)} · out ${intFmt(t.output_tokens)}`),
-      stat("Cache hit ratio", pctFmt(t.cache_hit_ratio), `saved ${usdFmt(t.cache_savings_usd)} this month`),
+      stat("Cache hit ratio", pctFmt(t.cache_hit_ratio), `saved ${exactUsd(t.cache_savings_usd)} this month`),
       stat("Error rate (30 days)", pctFmt(errRate(d))),
-      stat("Routing savings (30 days)", usdFmt(routing.totals.saved_usd), `vs ${usdFmt(routing.totals.strongest_cost_usd)} on each route's priciest candidate`, routing.totals.saved_usd),
+      stat("Routing savings (30 days)", exactUsd(routing.totals.saved_usd), `vs ${exactUsd(routing.totals.strongest_cost_usd)} on each route's priciest candidate`, routing.totals.saved_usd),
     ),
     h("div", { class: "charts" },
       chart("Requests per day", x, [{ label: "requests", values: col("requests") }], { fmt: intFmt }),
@@ -797,16 +808,22 @@ async function tenants(params, query, show) {
   // Tenants from the config file's tenants: are listed (their requests are in the ledger under their
   // name) but change only in the config: no link to keys, no budget or rate limits kept for them.
   const fromConfig = (t) => t.source === "config";
+  // Spend and budget as the API's exact decimals, as Finance shows them ($0.00000075, not $0.000001).
   const budgetCell = (t) => {
-    const s = Number(spent[t.id] || 0);
-    if (!t.budget_usd_monthly) return `${usdFmt(s)} (no budget)`;
-    const share = Math.min(1, s / Number(t.budget_usd_monthly));
-    return h("span", { class: "budget" }, h("meter", { min: 0, max: 1, value: share, "aria-label": `${t.name} budget used` }), ` ${usdFmt(s)} of ${usdFmt(t.budget_usd_monthly, 2)}`);
+    const s = spent[t.id] ?? "0";
+    if (!t.budget_usd_monthly) return `${exactUsd(s)} (no budget)`;
+    const share = Math.min(1, Number(s) / Number(t.budget_usd_monthly));
+    return h("span", { class: "budget" }, h("meter", { min: 0, max: 1, value: share, "aria-label": `${t.name} budget used` }), ` ${exactUsd(s)} of ${exactUsd(t.budget_usd_monthly)}`);
   };
   const tenantCell = (t) => (fromConfig(t)
     ? [t.name, " ", h("span", { class: "tag config", title: `Defined in the config file's tenants: (${intFmt(t.keys)} key${t.keys === 1 ? "" : "s"}); read-only here, change it there.` }, "from config")]
     : h("a", { href: `#/tenants/${t.id}` }, t.name));
-  const selected = params[0] ? rows.find((t) => t.id === params[0] && !fromConfig(t)) : null;
+  const linked = params[0] ? rows.find((t) => t.id === params[0]) : null;
+  const selected = linked && !fromConfig(linked) ? linked : null;
+  // A link to a config tenant (its id is its name) said it "no longer exists" while it is listed above.
+  const missing = !params[0] || selected ? null : linked
+    ? notice(`${linked.name} is defined in the config file's tenants:, which holds its keys and limits; change it there.`, "info")
+    : notice("That tenant no longer exists.");
   const shown = show("Tenants & keys",
     rows.length ? table([
       { label: "Tenant", render: tenantCell },
@@ -815,7 +832,7 @@ async function tenants(params, query, show) {
       { label: "TPM", num: true, render: (t) => intFmt(t.tpm) },
     ], rows) : empty("No tenants yet. Create one below, then issue it a key."),
     h("h2", {}, "New tenant"), form,
-    selected ? await tenantKeys(selected) : (params[0] ? notice("That tenant no longer exists.") : null),
+    selected ? await tenantKeys(selected) : missing,
     selected ? await tenantComparisons(selected) : null,
   );
   if (shown && selected) document.getElementById("keys").scrollIntoView();
@@ -823,20 +840,29 @@ async function tenants(params, query, show) {
 
 // A key's own budget and rate limits, compact ("$5.00/month · 60 rpm"); the tenant's apply as well.
 const keyLimits = (k) => [
-  k.budget_usd_monthly != null ? `${usdFmt(k.budget_usd_monthly, 2)}/month` : null,
+  k.budget_usd_monthly != null ? `${exactUsd(k.budget_usd_monthly)}/month` : null,
   k.rpm != null ? `${intFmt(k.rpm)} rpm` : null,
   k.tpm != null ? `${intFmt(k.tpm)} tpm` : null,
 ].filter(Boolean).join(" · ") || "tenant's only";
+
+const minuteFmt = (iso) => iso.slice(0, 16).replace("T", " ");
+// A key past its expires_at is refused as a revoked one is: it read "active".
+const keyStatus = (k) => {
+  if (k.revoked_at) return `revoked ${minuteFmt(k.revoked_at)} UTC`;
+  if (k.expires_at && Date.parse(k.expires_at) <= Date.now()) return h("span", { class: "bad" }, `expired ${minuteFmt(k.expires_at)} UTC`);
+  return "active";
+};
 
 async function tenantKeys(tenant) {
   const keys = (await api(`tenants/${tenant.id}/keys`)).data;
   const kname = h("input", { name: "name", autocomplete: "off" });
   const models = h("input", { name: "models", autocomplete: "off", placeholder: "all models" });
-  const expires = h("input", { name: "expires_at", type: "date" });
+  // Tomorrow at the earliest: a key expiring at 00:00 UTC today or before was issued already expired.
+  const expires = h("input", { name: "expires_at", type: "date", min: isoDay(addDays(today(), 1)) });
   const lim = limitInputs();
   const form = h("form", { class: "inline-form", "aria-label": "Issue a key" }, ...formBox(
     field("Key name", kname), field("Models", models, "Comma-separated public model names; empty allows every model."),
-    field("Expires", expires, "Optional; the key stops working at 00:00 UTC that day."),
+    field("Expires", expires, "Optional; the key stops working at 00:00 UTC that day (tomorrow at the earliest)."),
     field("Monthly budget (USD)", lim.budget), field("Requests per minute", lim.rpm), field("Tokens per minute", lim.tpm),
     h("button", { type: "submit" }, "Issue key")));
   form.addEventListener("submit", async (ev) => {
@@ -874,7 +900,7 @@ async function tenantKeys(tenant) {
       { label: "Models", render: (k) => (k.models ? k.models.join(", ") : "all") },
       { label: "Own limits", render: keyLimits },
       { label: "Expires", render: (k) => (k.expires_at ? k.expires_at.slice(0, 10) : "never") },
-      { label: "Status", render: (k) => (k.revoked_at ? `revoked ${k.revoked_at.slice(0, 16).replace("T", " ")}` : "active") },
+      { label: "Status", render: keyStatus },
       { label: "", render: (k) => (k.revoked_at ? "" : revoke(k)) },
     ], keys) : empty("No keys yet. Issue one below; it is shown once, so copy it then."),
     h("h3", {}, "Issue a key"), form);
@@ -948,6 +974,9 @@ async function backends(params, query, show) {
   const model = h("input", { name: "model", required: true });
   const backend = h("input", { name: "backend", value: "*" });
   const cls = h("select", { name: "token_class" }, TOKEN_CLASSES.map((c) => h("option", { value: c }, c)));
+  // The API's tier names (pricing.TierName), checked here so a typo is said in words, not as a regex.
+  const tier = h("input", { name: "service_tier", autocomplete: "off", placeholder: "base price",
+    pattern: "[a-z][a-z0-9_\\-]{0,31}", title: "A tier as its vendor names it: lower-case letters, digits, _ or -, such as flex" });
   const usd = h("input", { name: "usd_per_1m_tokens", inputmode: "decimal", required: true });
   const from = h("input", { name: "effective_from", type: "datetime-local" });
   const tokenHint = "As vendors quote it (GPT-4o input: 2.50).";
@@ -966,11 +995,13 @@ async function backends(params, query, show) {
     field("Model", model, "The upstream model name, as the backend bills it."),
     field("Backend", backend, "* applies to every backend serving the model."),
     field("Token class", cls), usdField,
+    field("Service tier", tier, "Empty: the base price. flex, priority...: bills only the attempts served at that tier."),
     field("Effective from (UTC)", from, "Empty: now. Never in the past: history is not re-priced."),
     h("button", { type: "submit" }, "Add price")));
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     const p = { model: model.value.trim(), backend: backend.value.trim() || "*", token_class: cls.value, [usd.name]: usd.value.trim() };
+    if (tier.value.trim()) p.service_tier = tier.value.trim();
     if (from.value) p.effective_from = `${from.value}:00Z`;
     try { await api("prices", { method: "PUT", body: { prices: [p] } }); await route(); } catch (e) {
       formError(form, { ...e, message: e.message, param: e.param ? e.param.replace(/^prices\[\d+\]\./, "") : null });
@@ -979,8 +1010,11 @@ async function backends(params, query, show) {
   const priceCols = [
     { label: "Model", key: "model" }, { label: "Backend", key: "backend" },
     { label: "Token class", key: "token_class" },
+    // A tier's price bills only attempts served at that tier: without the column, a flex price read
+    // as a second, contradicting base price of the same model.
+    { label: "Tier", render: (p) => p.service_tier ?? "base" },
     { label: "Price (USD)", num: true, render: priceFmt },
-    { label: "Effective from", render: (p) => p.effective_from.slice(0, 16).replace("T", " ") },
+    { label: "Effective from (UTC)", render: (p) => minuteFmt(p.effective_from) },
   ];
   show("Backends & models",
     h("h2", {}, "Health"),
@@ -1016,7 +1050,7 @@ async function finance(params, query, show) {
   const boxes = ["tenant", "model", "backend", "day", "key", "service_tier"].map((g) =>
     h("label", { class: "check" }, h("input", { type: "checkbox", name: "group_by", value: g, checked: groups.includes(g) }), ` ${g}`));
   const form = h("form", { class: "inline-form", "aria-label": "Report range" }, ...formBox(
-    field("From", startIn), field("To (exclusive)", endIn, "The report covers From up to, not including, To."),
+    field("From", startIn), field("To (exclusive)", endIn, "UTC days: the report covers From 00:00 UTC up to, not including, To 00:00 UTC."),
     h("fieldset", {}, h("legend", {}, "Group by"), boxes),
     h("button", { type: "submit" }, "Show report")));
   form.addEventListener("submit", (ev) => {
@@ -1024,7 +1058,7 @@ async function finance(params, query, show) {
     const g = [...form.querySelectorAll("input[name=group_by]:checked")].map((i) => i.value);
     if (!g.length) { formError(form, { message: "Pick at least one thing to group by." }); return; }
     if (endIn.value <= startIn.value) { formError(form, { message: "To must be after From.", param: "end" }); return; }
-    location.hash = `#/finance?start=${startIn.value}&end=${endIn.value}&group_by=${g.join(",")}`;
+    go(`#/finance?start=${startIn.value}&end=${endIn.value}&group_by=${g.join(",")}`);
   });
   let report, daily;
   try {
@@ -1074,10 +1108,13 @@ async function finance(params, query, show) {
 
 // --- requests -----------------------------------------------------------------------------------
 
+// The request log reads the newest this many (the API has no further pages): a full page says so.
+const LOG_LIMIT = 100;
+
 async function requests(params, query, show) {
   const q = new URLSearchParams();
   for (const k of ["tenant", "model", "status"]) if (query.get(k)) q.set(k, query.get(k));
-  q.set("limit", "100");
+  q.set("limit", String(LOG_LIMIT));
   const [log, tenantList] = await Promise.all([api(`requests?${q}`), api("tenants")]);
   const tenant = h("select", { name: "tenant" }, h("option", { value: "" }, "all tenants"),
     tenantList.data.map((t) => h("option", { value: t.id, selected: query.get("tenant") === t.id }, t.name)));
@@ -1092,7 +1129,7 @@ async function requests(params, query, show) {
     if (tenant.value) f.set("tenant", tenant.value);
     if (model.value.trim()) f.set("model", model.value.trim());
     if (status.value) f.set("status", status.value);
-    location.hash = `#/requests?${f}`;
+    go(`#/requests?${f}`);
   });
   const ok = (a) => a.status >= 200 && a.status < 300;
   // The attempt that answered, as the API picks it: the last that succeeded (a hedge that lost is a
@@ -1142,7 +1179,9 @@ async function requests(params, query, show) {
       { label: "Status", render: (r) => h("span", { class: r.status >= 200 && r.status < 300 ? "ok" : "bad" }, r.status || "no response") },
       { label: "Cost", num: true, render: (r) => exactUsd(r.cost_usd) },
       { label: "Attempts", num: true, render: (r) => r.attempts.length },
-    ], log.data, { detail }) : empty("No requests match. Clear the filters, or send a request with a tenant's key; the log shows them within seconds."),
+    ], log.data, { detail, caption: log.data.length < LOG_LIMIT ? null
+      : `The ${LOG_LIMIT} most recent requests that match, newest first; older ones are not listed: filter by tenant, model or status to reach them, or see Finance for totals.` })
+      : empty("No requests match. Clear the filters, or send a request with a tenant's key; the log shows them within seconds."),
   );
 }
 
