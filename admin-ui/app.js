@@ -1038,6 +1038,16 @@ async function backends(params, query, show) {
 // first column in view and shades the edge that has more columns beyond it.
 const scrolling = (wrap) => { wrap.classList.add("scrolls"); return wrap; };
 
+// A key as the keys list names it ("ci wk-9fs6d1LX", or its prefix alone), its id on hover: the id
+// alone is shown nowhere else. A config file's key has only its id.
+const keyCell = (r) => (r.key_prefix
+  ? h("span", { title: r.key }, r.key_name ? `${r.key_name} ` : "", h("code", {}, r.key_prefix))
+  : r.key ?? "");
+const GROUP_COLUMNS = {
+  tenant: { label: "tenant", render: (r) => r.tenant_name ?? r.tenant ?? "" },
+  key: { label: "key", render: keyCell },
+};
+
 async function finance(params, query, show) {
   const start = query.get("start") || isoDay(monthStart());
   const end = query.get("end") || isoDay(addDays(today(), 1));
@@ -1074,9 +1084,7 @@ async function finance(params, query, show) {
   const spanDays = (Date.parse(end) - Date.parse(start)) / 86400000;
   // A long range is charted as it is: filling years of empty days would not help anyone read it.
   const spendDays = spanDays > 0 && spanDays <= 400 ? fillDays(daily.data, new Date(start + "T00:00:00Z"), new Date(end + "T00:00:00Z")) : daily.data;
-  const groupCols = groups.map((g) => (g === "tenant"
-    ? { label: "tenant", render: (r) => r.tenant_name ?? r.tenant ?? "" }
-    : { label: g, render: (r) => r[g] ?? "" }));
+  const groupCols = groups.map((g) => GROUP_COLUMNS[g] ?? { label: g, render: (r) => r[g] ?? "" });
   const total = { ...report.totals, tenant_name: "Total", [groups[0]]: "Total" };
   const cols = [...groupCols,
     // Client requests, each once however many attempts it took; attempts count every try (retries,

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.accounting.events import CANCELLED, FIRST_ATTEMPT
 from gateway.accounting.money import format_usd, pico_to_usd
-from gateway.db.models import Tenant, UptimeSample, UsageEventRow, UsageRollup
+from gateway.db.models import ApiKey, Tenant, UptimeSample, UsageEventRow, UsageRollup
 from gateway.usage import TOKEN_FIELDS as TOKEN_COLUMNS
 
 GROUPS = {
@@ -30,9 +30,13 @@ GROUPS = {
 }
 # Groups the daily rollups do not keep: a report grouped by one reads the ledger, whatever its range.
 LEDGER_ONLY_GROUPS = frozenset({"service_tier"})
+# A key's row also says which key it is as the keys list shows it (its id is shown nowhere else):
+# its name and prefix, null for a config file's key.
+KEY_LABELS = ("key_name", "key_prefix")
 CSV_COLUMNS = (
     *GROUPS,
     "tenant_name",
+    *KEY_LABELS,
     "requests",
     "attempts",
     "errors",
@@ -137,6 +141,8 @@ async def usage_report(
     if "tenant" in group_by:
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
     rows = [_finish(r, group_by, names) for r in raw]
+    if "key" in group_by:
+        await _label_keys(session, rows)
     # Each request is in one row (its first attempt's), so the rows add up to the totals.
     summed = {k: sum(int(r[k] or 0) for r in raw) for k in (*COUNT_COLUMNS, *TOKEN_COLUMNS, *MONEY_COLUMNS)}
     totals = _finish(summed, [], {})
@@ -190,10 +196,23 @@ def _finish(raw: dict[str, Any], group_by: list[str], names: dict[str, str]) -> 
     return row
 
 
+async def _label_keys(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
+    """Each row's `key_name` and `key_prefix` (KEY_LABELS), from the admin DB's keys."""
+    ids = {row["key"] for row in rows if row["key"]}
+    found = await session.execute(
+        select(ApiKey.id, ApiKey.name, ApiKey.prefix).where(ApiKey.id.in_(sorted(ids)))
+    )
+    labels = {key_id: (name, prefix) for key_id, name, prefix in found}
+    for row in rows:
+        row["key_name"], row["key_prefix"] = labels.get(row["key"] or "", (None, None))
+
+
 def usage_csv(report: dict[str, Any]) -> str:
     columns = [c for c in CSV_COLUMNS if c not in GROUPS or c in report["group_by"]]
     if "tenant" not in report["group_by"]:
         columns.remove("tenant_name")
+    if "key" not in report["group_by"]:
+        columns = [c for c in columns if c not in KEY_LABELS]
     out = io.StringIO()
     # Plain RFC 4180 with CRLF line ends: what spreadsheets expect. Empty cells for missing values.
     writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\r\n")

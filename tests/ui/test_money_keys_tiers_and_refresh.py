@@ -99,6 +99,25 @@ def test_spend_is_exact_keys_say_expired_and_prices_say_their_tier(
     page.locator("main > .table-wrap tr", has_text="$5.00 / 1M tokens").first.wait_for()
     added = [p for p in routed.admin.get("/prices").json()["data"] if p["usd_per_1m_tokens"] == "5"]
     assert [(p["model"], p["service_tier"]) for p in added] == [("gpt-4o", "priority")]
+
+    # Finance by key names each key as the keys list does (its id is shown nowhere else), in the
+    # API's JSON and CSV too; a config file's key keeps its id.
+    ci = routed.admin.post(f"/tenants/{acme['id']}/keys", json={"name": "ci"}).json()
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key=ci["key"], max_retries=0, timeout=20)
+    client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    wait_for_requests(routed, 2)
+    by_key = routed.admin.get("/reports/usage", params={"group_by": "key"})
+    labels = {r["key"]: (r["key_name"], r["key_prefix"]) for r in by_key.json()["rows"]}
+    assert labels[ci["id"]] == ("ci", ci["prefix"])
+    assert [v for k, v in labels.items() if k != ci["id"]] == [(None, None)]  # the team's config key
+    csv = routed.admin.get("/reports/usage", params={"group_by": "key", "format": "csv"}).text
+    assert csv.startswith("key,key_name,key_prefix,requests,")
+    assert f"{ci['id']},ci,{ci['prefix']}," in csv
+    page.goto(f"{routed.url}/admin/#/finance?group_by=key")
+    report = page.locator("main table").first
+    report.locator("tfoot").wait_for()
+    cells = report.locator("tbody tr td:first-child").all_inner_texts()
+    assert f"ci {ci['prefix']}" in cells
     page.close()
 
 
