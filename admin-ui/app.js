@@ -1153,6 +1153,14 @@ async function requests(params, query, show) {
       a.web_search_requests ? `${intFmt(a.web_search_requests)} web search${a.web_search_requests > 1 ? "es" : ""}` : null].filter(Boolean);
     return `${intFmt(a.input_tokens)}/${intFmt(a.output_tokens)}${extra.length ? ` (${extra.join(", ")})` : ""}${a.estimated ? ", estimated" : ""}`;
   };
+  // A call Weir made itself (the API's `purpose`): a difficulty route's comparison asked the other
+  // candidate, or its judge graded both answers. An attempt and a cost, but no client's request: the
+  // reports' request counts leave it out, so the log says so where it lists it among them.
+  const PURPOSES = {
+    compare: "Weir's own call: a difficulty route's comparison asked the other candidate the same request",
+    judge: "Weir's own call: the judge of a difficulty route's comparison graded both answers",
+  };
+  const purposeTag = (r) => h("span", { class: "tag own", title: `${PURPOSES[r.purpose] || "Weir's own call"}; its decision says which client request it was for (for=). Billed as an attempt, not counted as a client request.` }, r.purpose);
   const story = (r, won) => {
     if (!won) return `no attempt answered (${r.attempts.length} tried)`;
     const at = `attempt ${won.attempt} on ${won.backend} (${won.model}) answered`;
@@ -1183,7 +1191,7 @@ async function requests(params, query, show) {
     log.data.length ? table([
       { label: "Time (UTC)", render: (r) => r.ts.slice(0, 19).replace("T", " ") },
       { label: "Tenant", render: (r) => r.tenant_name || r.tenant_id || "—" },
-      { label: "Route", key: "route" }, { label: "Model", key: "model" },
+      { label: "Route", render: (r) => (r.purpose ? [r.route, " ", purposeTag(r)] : r.route) }, { label: "Model", key: "model" },
       { label: "Status", render: (r) => h("span", { class: r.status >= 200 && r.status < 300 ? "ok" : "bad" }, r.status || "no response") },
       { label: "Cost", num: true, render: (r) => exactUsd(r.cost_usd) },
       { label: "Attempts", num: true, render: (r) => r.attempts.length },

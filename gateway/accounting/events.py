@@ -32,9 +32,19 @@ FIRST_ATTEMPT = 1
 def starts_client_request(attempt: int, purpose: str | None) -> bool:
     """Whether an attempt is a client request's first: the one the reports count that request by. A
     call Weir makes of its own (`purpose`: a comparison's other answer or its judge) is an attempt,
-    and costs, but no client asked for it. The SQL that counts them says the same (the writer's
-    PostgreSQL statement, the usage report over the ledger, migration 0015)."""
+    and costs, but no client asked for it. The SQL that counts them says the same
+    (`STARTS_CLIENT_REQUEST_SQL`; migration 0015 keeps its own copy)."""
     return attempt == FIRST_ATTEMPT and purpose is None
+
+
+# `starts_client_request` in SQL over the ledger's columns (the writer's PostgreSQL statement, the
+# reports). With an answer's test (2xx/3xx; a 499 is none), the predicates of the ledger's two partial
+# indexes that the uptime report reads (gateway/db/models.py): a client request's first attempt that
+# did not answer, and a later attempt that did. Literals, not bound parameters: a query's WHERE must
+# say the index's predicate for either database to use the index.
+STARTS_CLIENT_REQUEST_SQL = f"attempt = {FIRST_ATTEMPT} AND purpose IS NULL"
+UNANSWERED_START_SQL = f"{STARTS_CLIENT_REQUEST_SQL} AND (status < 200 OR status >= 400)"
+ANSWERED_RETRY_SQL = f"attempt > {FIRST_ATTEMPT} AND status >= 200 AND status < 400"
 
 
 # gc=False: the collector never tracks an event. It holds no reference that could lead back to it

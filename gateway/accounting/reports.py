@@ -8,14 +8,32 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import functools
 import io
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
-from sqlalchemy import ColumnElement, Integer, and_, case, func, select
+from sqlalchemy import (
+    BindParameter,
+    ColumnElement,
+    Integer,
+    Select,
+    and_,
+    bindparam,
+    case,
+    func,
+    select,
+    text,
+)
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
 
-from gateway.accounting.events import CANCELLED, FIRST_ATTEMPT
+from gateway.accounting.events import (
+    ANSWERED_RETRY_SQL,
+    CANCELLED,
+    STARTS_CLIENT_REQUEST_SQL,
+    UNANSWERED_START_SQL,
+)
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.db.models import ApiKey, Tenant, UptimeSample, UsageEventRow, UsageRollup
 from gateway.usage import TOKEN_FIELDS as TOKEN_COLUMNS
@@ -57,13 +75,15 @@ CSV_COLUMNS = (
 )
 SIX_PLACES = Decimal("0.000001")
 MONEY_COLUMNS = ("cost_pico_usd", "savings_pico_usd")
-# The ledger's columns that tell a request's attempts from another's (the uptime report's requests,
-# the admin request log): a client's x-request-id may name many requests, of many tenants, each told
-# apart by the gateway's own id of its exchange (`exchange_id`, set only for a client's id).
+# The ledger's columns that tell a request's attempts from another's (the admin request log; the
+# uptime report's look-up of an unanswered request's later attempts): a client's x-request-id may name
+# many requests, of many tenants, each told apart by the gateway's own id of its exchange
+# (`exchange_id`, set only for a client's id).
 REQUEST_KEY = (UsageEventRow.tenant_id, UsageEventRow.request_id, UsageEventRow.exchange_id)
 # Client requests (each once, in the group of its first attempt), then attempts: all, failed,
 # cancelled (499: no error).
 COUNT_COLUMNS = ("requests", "attempts", "errors", "cancelled")
+_Query = Select[*tuple[Any, ...]]  # a report's query, whatever its columns
 # SQLite's sum() of integers fails past 2^63 ("integer overflow": $9.2M in pico-dollars, in reach of
 # a long range's report) where PostgreSQL's sums as a numeric. Money is summed as two parts, the
 # quotient and the remainder by 2^32, each under 2^32 in size (so their sums stay exact up to 2^31
@@ -112,8 +132,7 @@ async def usage_report(
         # As the writer counts them into the rollups: a client request is its first attempt (one
         # per request, so no DISTINCT over the range; Weir's own calls are none:
         # `events.starts_client_request`), and a 499 is cancelled, no error (`events.is_error`).
-        starts_request = and_(UsageEventRow.attempt == FIRST_ATTEMPT, UsageEventRow.purpose.is_(None))
-        requests = func.sum(case((starts_request, 1), else_=0))
+        requests = func.sum(case((text(STARTS_CLIENT_REQUEST_SQL), 1), else_=0))
         attempts = func.count()
         status = UsageEventRow.status
         errors = func.sum(case((and_(status >= 200, status < 400), 0), (status == CANCELLED, 0), else_=1))
@@ -227,12 +246,12 @@ def _ratio(part: int, whole: int) -> float | None:
 
 
 async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datetime) -> dict[str, Any]:
-    ok_attempt = case((and_(UsageEventRow.status >= 200, UsageEventRow.status < 400), 1), else_=0)
-    # Cancelled (499: a hedge race's loser the gateway stopped, or a client that left): it says nothing
-    # of its backend's availability, as the breakers take no verdict from it. Counted as a failure, a
-    # backend a little slower than its hedge partner read as down whenever it lost the race.
-    cancelled = case((UsageEventRow.status == CANCELLED, 1), else_=0)
-    in_range = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
+    """Per backend, probe and attempt outcomes (every call it answered, Weir's own included); per
+    tenant, its own requests (as the usage report counts them: the client requests that started in
+    the range) and how many any attempt answered. The counts come from the rollups for the whole days
+    in the range and from the ledger for the hours at its edges; of the rest of the ledger only the
+    indexed few rows of the requests whose first attempt did not answer: never a month's ledger
+    grouped by request."""
     probes = {
         backend: (int(total), int(ok or 0))
         for backend, total, ok in await session.execute(
@@ -241,14 +260,16 @@ async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datet
             .group_by(UptimeSample.backend)
         )
     }
-    attempts = {
-        backend: (int(total), int(ok or 0), int(stopped or 0))
-        for backend, total, ok, stopped in await session.execute(
-            select(UsageEventRow.backend, func.count(), func.sum(ok_attempt), func.sum(cancelled))
-            .where(in_range)
-            .group_by(UsageEventRow.backend)
-        )
-    }
+    # (attempts, answered, cancelled) per backend; client requests started per tenant. The rollups
+    # keep a missing tenant as "", the ledger as NULL: both are the report's None.
+    attempts: dict[str, list[int]] = {}
+    started: dict[str | None, int] = {}
+    for query in _attempt_counts(start, end):
+        for backend, tenant, *counts in await session.execute(query):
+            total, answered, cancelled, requests = (int(n or 0) for n in counts)
+            into = attempts.setdefault(backend, [0, 0, 0])
+            into[0], into[1], into[2] = into[0] + total, into[1] + answered, into[2] + cancelled
+            started[tenant or None] = started.get(tenant or None, 0) + requests
     backends = []
     for backend in sorted(set(probes) | set(attempts)):
         p_total, p_ok = probes.get(backend, (0, 0))
@@ -265,24 +286,104 @@ async def uptime_report(session: AsyncSession, start: dt.datetime, end: dt.datet
                 "request_availability": _ratio(a_ok, a_total - a_cancelled),
             }
         )
-    # A request succeeded if any of its attempts did (after retries and fallbacks).
-    per_request = (
-        select(*REQUEST_KEY, func.max(ok_attempt).label("ok"))
-        .where(in_range)
-        .group_by(*REQUEST_KEY)
-        .subquery()
-    )
-    tenants = [
-        {
-            "tenant": tenant,
-            "requests": int(total),
-            "succeeded": int(ok or 0),
-            "success_ratio": _ratio(int(ok or 0), int(total)),
-        }
-        for tenant, total, ok in await session.execute(
-            select(per_request.c.tenant_id, func.count(), func.sum(per_request.c.ok))
-            .group_by(per_request.c.tenant_id)
-            .order_by(per_request.c.tenant_id)
+    in_range = {"start": start, "end": end}
+    unanswered = {
+        tenant or None: int(n) for tenant, n in await session.execute(_requests_unanswered(), in_range)
+    }
+    tenants = []
+    for tenant in sorted(started, key=lambda t: (t is not None, t or "")):
+        if requests := started[tenant]:  # a tenant with only Weir's own calls in the range has none
+            succeeded = requests - unanswered.get(tenant, 0)
+            tenants.append(
+                {
+                    "tenant": tenant,
+                    "requests": requests,
+                    "succeeded": succeeded,
+                    "success_ratio": _ratio(succeeded, requests),
+                }
+            )
+    return {
+        "start": start.isoformat(),
+        "end": end.isoformat(),
+        "backends": backends,
+        "tenants": tenants,
+    }
+
+
+def _attempt_counts(start: dt.datetime, end: dt.datetime) -> list[_Query]:
+    """Per backend and tenant: attempts (Weir's own calls too: its backend answered them), those that
+    answered (2xx/3xx), those cancelled, and the client requests they started; from the rollups for
+    the range's whole UTC days (the writer counts them as this counts the ledger) and from the ledger
+    for the hours before and after them. Cancelled (499: a hedge race's loser the gateway stopped, or
+    a client that left) says nothing of a backend's availability, as the breakers take no verdict
+    from it; counted as a failure, a backend a little slower than its hedge partner read as down
+    whenever it lost the race."""
+    first = dt.datetime.combine(start.date(), dt.time(0), start.tzinfo)
+    first += dt.timedelta(days=0 if first == start else 1)
+    last = dt.datetime.combine(end.date(), dt.time(0), end.tzinfo)
+    if first >= last:  # no whole day in the range
+        return [_ledger_counts(start, end)]
+    # A rollup's `requests` are its attempts, `errors` those neither answered nor cancelled.
+    r = UsageRollup
+    rollups = (
+        select(
+            r.backend,
+            r.tenant_id,
+            func.sum(r.requests),
+            func.sum(r.requests - r.errors - r.cancelled),
+            func.sum(r.cancelled),
+            func.sum(r.client_requests),
         )
-    ]
-    return {"start": start.isoformat(), "end": end.isoformat(), "backends": backends, "tenants": tenants}
+        .where(r.day >= first.date(), r.day < last.date())
+        .group_by(r.backend, r.tenant_id)
+    )
+    edges = [_ledger_counts(lo, hi) for lo, hi in ((start, first), (last, end)) if lo < hi]
+    return [rollups, *edges]
+
+
+def _ledger_counts(start: dt.datetime, end: dt.datetime) -> _Query:
+    """`_attempt_counts` of the ledger's attempts in a range."""
+    e = UsageEventRow
+    return (
+        select(
+            e.backend,
+            e.tenant_id,
+            func.count(),
+            func.sum(case((and_(e.status >= 200, e.status < 400), 1), else_=0)),
+            func.sum(case((e.status == CANCELLED, 1), else_=0)),
+            func.sum(case((text(STARTS_CLIENT_REQUEST_SQL), 1), else_=0)),
+        )
+        .where(e.ts >= start, e.ts < end)
+        .group_by(e.backend, e.tenant_id)
+    )
+
+
+@functools.cache
+def _requests_unanswered() -> _Query:
+    """Per tenant: its client requests started in the range (`:start`, `:end`) that no attempt
+    answered, after retries, failovers and hedges: its first attempts that did not answer, less those
+    a later attempt did answer (never before the range: it follows its first). Both are read from
+    their partial indexes (`events.UNANSWERED_START_SQL`, `events.ANSWERED_RETRY_SQL`, said word for
+    word so that either database uses them): a few rows, where grouping the range by request sorted
+    all of it. Built once: an ORM alias costs milliseconds, the whole of a short range's report."""
+    e, later = UsageEventRow, aliased(UsageEventRow)
+    start: BindParameter[dt.datetime] = bindparam("start")
+    end: BindParameter[dt.datetime] = bindparam("end")
+    answered_later = (
+        select(later.event_id)
+        .where(
+            later.request_id == e.request_id,
+            # A client's x-request-id may name many requests: the tenant and exchange tell them apart.
+            later.tenant_id.is_not_distinct_from(e.tenant_id),
+            later.exchange_id.is_not_distinct_from(e.exchange_id),
+            later.ts >= start,
+            # Unqualified, its columns are the subquery's own table's (`later`), the nearest in scope.
+            text(ANSWERED_RETRY_SQL),
+        )
+        .exists()
+    )
+    return (
+        select(e.tenant_id, func.count())
+        .where(e.ts >= start, e.ts < end, text(UNANSWERED_START_SQL), ~answered_later)
+        .group_by(e.tenant_id)
+    )

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.accounting.events import (
     CANCELLED,
-    FIRST_ATTEMPT,
+    STARTS_CLIENT_REQUEST_SQL,
     UsageEvent,
     decode,
     encode,
@@ -132,8 +132,6 @@ _LINE_COLUMNS = {
     "routing": "left(e->>'routing', 1000)",
     "purpose": "e->>'purpose'",
 }
-# `events.starts_client_request` in SQL, over the inserted rows.
-_STARTS_CLIENT_REQUEST = f"attempt = {FIRST_ATTEMPT} AND purpose IS NULL"
 
 
 @functools.cache
@@ -152,7 +150,7 @@ def _lines_insert() -> TextClause:
         "SELECT day, coalesce(tenant_id, ''), coalesce(key_id, ''), backend, model, count(*), "
         f"count(*) FILTER (WHERE (status < 200 OR status >= 400) AND status <> {CANCELLED}), "
         f"count(*) FILTER (WHERE status = {CANCELLED}), "
-        f"count(*) FILTER (WHERE {_STARTS_CLIENT_REQUEST}), "
+        f"count(*) FILTER (WHERE {STARTS_CLIENT_REQUEST_SQL}), "
         f"{', '.join(f'sum({n})' for n in AMOUNTS)} FROM inserted GROUP BY 1, 2, 3, 4, 5 "
         "ON CONFLICT (day, tenant_id, key_id, backend, model) DO UPDATE SET "
         f"{', '.join(f'{n} = {ROLLUPS.name}.{n} + excluded.{n}' for n in SUMMED)} "

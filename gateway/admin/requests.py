@@ -68,6 +68,10 @@ def _request(attempts: list[UsageEventRow], names: dict[str, str]) -> dict[str, 
     return {
         "request_id": last.request_id,
         "exchange_id": last.exchange_id,  # set when request_id is the client's (x-request-id)
+        # Why Weir itself made it (`compare`, `judge`: a difficulty route's comparison, its routing
+        # saying `for=` which client request), None for a client's request: the usage report and the
+        # uptime report's tenants count only those.
+        "purpose": last.purpose,
         "ts": attempts[0].ts.isoformat(),
         "tenant_id": last.tenant_id,
         "tenant_name": names.get(last.tenant_id or ""),

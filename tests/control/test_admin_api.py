@@ -1149,3 +1149,126 @@ async def test_requests_that_share_a_clients_request_id_are_told_apart_by_their_
     ]
     uptime = (await env.client.get("/admin/api/v1/reports/uptime", headers=AUTH)).json()
     assert [(t["tenant"], t["requests"], t["succeeded"]) for t in uptime["tenants"]] == [("t", 4, 3)]
+
+
+def _compared_day(day: dt.datetime) -> list[UsageEvent]:
+    """A day of tenant t's traffic on a difficulty route that compares: `asked` answered at once, then
+    compared (the other candidate's answer and a judge that failed: calls of Weir's own, each a
+    request id of its own); `failed-over` answered on its second attempt; `unanswered` never; and
+    `overnight`, which started the evening before, answered only after midnight."""
+    noon = day + dt.timedelta(hours=12)
+    return [
+        usage_event("asked", ts=noon, backend="openai", status=200),
+        usage_event("cmp", ts=noon, backend="anthropic", status=200, purpose="compare"),
+        usage_event("jdg", ts=noon, backend="openai", status=500, purpose="judge"),
+        usage_event("failed-over", ts=noon, backend="openai", status=502),
+        usage_event("failed-over", attempt=2, ts=noon, backend="anthropic", status=200),
+        usage_event("unanswered", ts=noon, backend="openai", status=502),
+        usage_event("unanswered", attempt=2, ts=noon, backend="anthropic", status=503),
+        usage_event("overnight", ts=day - dt.timedelta(minutes=1), backend="openai", status=502),
+        usage_event("overnight", attempt=2, ts=day + dt.timedelta(minutes=1), backend="openai", status=200),
+    ]
+
+
+async def test_the_uptime_reports_tenants_are_their_own_requests_not_weirs_comparison_calls(env: Env) -> None:
+    """A comparison's calls (the other candidate's answer, the judge) are Weir's own: the uptime
+    report's `tenants` counted each as one of the tenant's requests, so a compared request read as
+    three, and a judge that failed as a request of the tenant's that failed. A tenant's requests are
+    now its client requests that started in the range, as the usage report counts them (from the
+    rollups for the range's whole days, the ledger for the hours at its edges), each succeeded if any
+    of its attempts answered, even after the range; the backends still count every call they
+    answered."""
+    day = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    await _write(env, _compared_day(day))
+    yesterday, today, tomorrow = ((day + dt.timedelta(days=n)).date().isoformat() for n in (-1, 0, 1))
+    an_hour = dt.timedelta(hours=1)
+    ranges = {  # (start, end) -> (requests, succeeded)
+        # Whole days (the rollups), part of a day (the ledger), and a day with an hour before it (both).
+        (today, tomorrow): (3, 2),
+        (day.isoformat(), (day + 13 * an_hour).isoformat()): (3, 2),
+        # The overnight request started yesterday and answered today: a request of yesterday's that
+        # succeeded (its failed first attempt alone is in the range).
+        (yesterday, today): (1, 1),
+        ((day - an_hour).isoformat(), day.isoformat()): (1, 1),
+        ((day - an_hour).isoformat(), tomorrow): (4, 3),
+    }
+    for (start, end), (requests, succeeded) in ranges.items():
+        params = {"start": start, "end": end}
+        report = (await env.client.get("/admin/api/v1/reports/uptime", params=params, headers=AUTH)).json()
+        ratio = round(succeeded / requests, 6)
+        assert report["tenants"] == [
+            {"tenant": "t", "requests": requests, "succeeded": succeeded, "success_ratio": ratio}
+        ], params
+        usage = (await env.client.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)).json()
+        assert [(r["tenant"], r["requests"]) for r in usage["rows"]] == [("t", requests)], params
+    # Each backend's availability still counts every call it answered, Weir's own too.
+    whole_today = {"start": today, "end": tomorrow}
+    for params in (
+        whole_today,
+        {"start": day.isoformat(), "end": (day + dt.timedelta(hours=13)).isoformat()},
+    ):
+        report = (await env.client.get("/admin/api/v1/reports/uptime", params=params, headers=AUTH)).json()
+        counts = {b["backend"]: (b["attempts"], b["attempts_ok"]) for b in report["backends"]}
+        # openai: asked, the judge, the two failed first attempts, overnight's answer; anthropic: the
+        # comparison's answer and the two second attempts.
+        assert counts == {"openai": (5, 2), "anthropic": (3, 2)}, params
+
+
+async def test_the_uptime_report_reads_the_ledger_by_index_not_by_grouping_it(env: Env) -> None:
+    """Over whole days the uptime report grouped the range's whole ledger by request to tell which
+    requests any attempt answered: on 200,000 attempts about a second, for each of the 15 reports the
+    Backends page asks (docs/benchmarks.md, "Uptime report"). It reads the rollups, and of the ledger
+    only the first attempts that did not answer and the later attempts that did, through their partial
+    indexes, whose predicates the query says word for word (else neither database would use them)."""
+    day = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    await _write(env, _compared_day(day))
+    statements: list[tuple[str, Any]] = []
+
+    def note(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        if "usage_events" in statement:
+            statements.append((statement, parameters))
+
+    sa_event.listen(env.engine.sync_engine, "before_cursor_execute", note)
+    try:
+        params = {"start": day.date().isoformat(), "end": (day + dt.timedelta(days=1)).date().isoformat()}
+        report = (await env.client.get("/admin/api/v1/reports/uptime", params=params, headers=AUTH)).json()
+    finally:
+        sa_event.remove(env.engine.sync_engine, "before_cursor_execute", note)
+    assert report["tenants"][0]["requests"] == 3
+    [(statement, parameters)] = statements  # the unanswered requests; the rest came from the rollups
+    sqlite = env.engine.dialect.name == "sqlite"
+    async with env.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        driver: Any = raw.driver_connection
+        if sqlite:
+            cursor = await driver.execute(f"EXPLAIN QUERY PLAN {statement}", parameters)
+            plan = " | ".join(str(row[-1]) for row in await cursor.fetchall())
+        else:
+            # Refusing sequential scans leaves the planner any index it can use: the partial ones only
+            # if the query's WHERE implies their predicates.
+            await driver.execute("SET enable_seqscan = off")
+            plan = " | ".join(r[0] for r in await driver.fetch(f"EXPLAIN {statement}", *parameters))
+    assert "ix_usage_events_unanswered_starts" in plan, plan
+    if sqlite:
+        # Each of those first attempts' later attempts by its request id; no other read of the ledger.
+        reads = [step for step in plan.split(" | ") if "usage_events" in step]
+        assert all("USING INDEX ix_usage_events_" in step for step in reads), plan
+        assert not any("ix_usage_events_ts_tenant" in step for step in reads), plan
+    else:
+        assert "ix_usage_events_answered_retries" in plan or "ix_usage_events_request_id" in plan, plan
+
+
+async def test_the_request_log_says_which_requests_weir_made_itself(env: Env) -> None:
+    """A comparison's calls are requests of their own in the log, beside the client's: each says why
+    Weir made it (`purpose`), where a client's request says none."""
+    day = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    await _write(env, _compared_day(day))
+    log = (await env.client.get("/admin/api/v1/requests", headers=AUTH)).json()["data"]
+    assert {r["request_id"]: r["purpose"] for r in log} == {
+        "asked": None,
+        "cmp": "compare",
+        "jdg": "judge",
+        "failed-over": None,
+        "unanswered": None,
+        "overnight": None,
+    }

@@ -1,10 +1,12 @@
 """The request log and the route editor with routes that use every failover feature: a request that
 took more attempts than the log's page assumes still shows each of them, a status filter finds a
 failure behind a page of successes, and the editor's advanced JSON refuses what is not an object at
-the field instead of dropping or garbling the route's settings."""
+the field instead of dropping or garbling the route's settings; the calls Weir made itself (a
+comparison's) are tagged as such."""
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import time
 from typing import Any
@@ -12,7 +14,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from sqlalchemy import create_engine, insert
 
+from gateway.accounting.writer import event_row
+from gateway.db.models import UsageEventRow
+from tests.control.events import usage_event
 from tests.fakes import FakeOpenAI, Fault
 from tests.ui.helpers import Weir, signed_in
 
@@ -178,4 +184,56 @@ def test_the_log_shows_the_tier_each_attempt_was_served_at(routed: Weir, browser
     headers = detail.locator("thead th").all_inner_texts()
     cells = detail.locator("tbody tr").first.locator("td").all_inner_texts()
     assert cells[headers.index("Tier")] == "flex"
+    page.close()
+
+
+def test_the_log_tags_the_calls_weir_made_itself(routed: Weir, browser: Any) -> None:
+    """A difficulty route's comparison asks the other candidate and a judge: calls of Weir's own, each
+    a request of its own in the log, listed among the client's as if one had sent them. The API says
+    why Weir made each (`purpose`) and the log tags it, with what it was for in the tag's title."""
+    now = dt.datetime.now(dt.UTC)
+    decision = "route=auto; policy=difficulty; candidate=gpt-4o; purpose={}; for=asked"
+    events = [
+        usage_event("asked", ts=now, tenant_id="team", route="auto", model="gpt-4o-mini", status=200),
+        *(
+            usage_event(
+                request_id,
+                ts=now + dt.timedelta(seconds=n),
+                tenant_id="team",
+                route="auto",
+                model="gpt-4o",
+                status=200,
+                routing=decision.format(purpose),
+                purpose=purpose,
+            )
+            for n, (request_id, purpose) in enumerate((("cmp", "compare"), ("jdg", "judge")), start=1)
+        ),
+    ]
+    engine = create_engine(routed.db_url.replace("+aiosqlite", ""))
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert(UsageEventRow), [event_row(e) for e in events])
+    finally:
+        engine.dispose()
+    log = routed.admin.get("/requests").json()["data"]
+    assert [(r["request_id"], r["purpose"]) for r in log] == [
+        ("jdg", "judge"),
+        ("cmp", "compare"),
+        ("asked", None),
+    ]
+
+    page = signed_in(routed, browser, "#/requests")
+    table = page.locator("main > .table-wrap > table")
+    route = table.locator("thead th").all_inner_texts().index("Route")
+    rows = table.locator(":scope > tbody > tr:not(.detail)")  # not the attempts' tables inside
+    assert [rows.nth(i).locator("td").nth(route).inner_text() for i in range(3)] == [
+        "auto judge",
+        "auto compare",
+        "auto",
+    ]
+    tag = rows.nth(1).locator(".tag.own")
+    assert "Weir's own call" in tag.get_attribute("title") and "not counted as a client request" in (
+        tag.get_attribute("title")
+    )
+    assert rows.nth(2).locator(".tag").count() == 0
     page.close()
