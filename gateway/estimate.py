@@ -23,12 +23,13 @@ less its vendor's envelope (`whole_answer`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 
-from gateway.types import ChatChunk, ChatRequest, Message, ReasoningBlock
+from gateway.types import ChatChunk, ChatRequest, Message, ReasoningBlock, builtin_tools
 from gateway.usage import Usage
 
 BYTES_PER_TOKEN = 4
@@ -77,17 +78,22 @@ _FILE_DATA_KEYS = frozenset(("fileData", "file_data"))
 MESSAGE_TOKENS = 3
 CHAT_TOKENS = 3 + 22
 
-# How a body names a message's role, in every vendor's form (OpenAI's and Anthropic's `messages`,
-# Gemini's `contents`, the Responses API's `input` items). A string holding the word is escaped in
-# JSON (`\"role\"`), so only keys count, and a tool schema's property named `role` (a few tokens high).
-_ROLE_KEY = b'"role"'
+# A message's role as a body writes it, in every vendor's form (OpenAI's and Anthropic's `messages`,
+# Gemini's `contents`, the Responses API's `input` items): a `role` key whose value names a role those
+# APIs take. Not a tool schema's property named `role` (an object), nor the word in a text (its quotes
+# escaped: `\"role\"`), nor a tool call's argument so named (Anthropic's `input` and Gemini's `args`
+# are objects) unless its value is a role's name. Counting every `"role"` key, a tool schema with a
+# `role` property added a message's MESSAGE_TOKENS to every request that sent it. One pass over the
+# bytes, about as fast as that count (the body is not parsed: `prompt_tokens` runs on every upstream
+# request).
+_MESSAGE_ROLE = re.compile(rb'"role"\s*:\s*"(?:user|assistant|system|developer|tool|function|model)"')
 
 
 def template_tokens(body: bytes) -> int:
     """The tokens a chat template adds to a request body's messages (CHAT_TOKENS, and MESSAGE_TOKENS
     for each message); none for a body without messages (a completion's prompt, embeddings' input),
     which no template wraps."""
-    messages = body.count(_ROLE_KEY)
+    messages = len(_MESSAGE_ROLE.findall(body))
     return CHAT_TOKENS + MESSAGE_TOKENS * messages if messages else 0
 
 
@@ -182,12 +188,15 @@ def input_tokens(request: ChatRequest) -> int:
     """A chat's input tokens from what would be sent (messages and tools as JSON), by the same rule
     (`prompt_tokens`: the chat template's tokens included). For count_tokens where no backend can
     count, and the prompt's length to routing (`routing.plan.features`: route conditions,
-    context-window fit, expected cost). Tools of Anthropic's own API (`anthropic_tools`: a server
-    tool, a client tool loaded by tool search) count as the definitions Claude is sent and bills as
-    input; a tool is in them or in `tools`, never both (`gateway.anthropic_inbound`)."""
+    context-window fit, expected cost). Tools of the client's own API that `tools` does not hold count
+    as the definitions their vendor is sent and bills as input: Anthropic's (`anthropic_tools`: a
+    server tool, a client tool loaded by tool search; a tool is in them or in `tools`, never both,
+    `gateway.anthropic_inbound`) and a Responses client's OpenAI built-in tools (`builtin_tools`: web
+    search, file search, MCP...; its function and custom tools are in `tools`, and not among them)."""
     messages = [_once(m) for m in request.messages]
-    typed = [tool.definition for tool in request.anthropic_tools or ()]
-    return prompt_tokens(msgspec.json.encode([messages, request.tools or [], typed]))
+    own = [tool.definition for tool in request.anthropic_tools or ()]
+    own += [tool for _, tool in builtin_tools(request)]
+    return prompt_tokens(msgspec.json.encode([messages, request.tools or [], own]))
 
 
 def _once(message: Message) -> Message:

@@ -301,6 +301,25 @@ def continuable(messages: list[Message]) -> bool:
     return last is not None and last.role == "assistant" and not last.tool_calls and bool(last.text())
 
 
+# A Responses client's tool types that every backend serves, and so are in `ChatRequest.tools` too
+# (custom ones as functions of one string); any other type is one of OpenAI's built-in tools.
+_SERVED_EVERYWHERE = ("function", "custom")
+
+
+def builtin_tools(request: ChatRequest) -> list[tuple[int, dict[str, Any]]]:
+    """The OpenAI built-in tools (web_search, local_shell, ...) a Responses client gave, each by its
+    place in its `tools` and as it sent it: only OpenAI's Responses API runs them, and none of them is
+    in `request.tools` (function and custom tools are, and are not among these)."""
+    if not request.responses:  # every request but a Responses client's
+        return []
+    tools = enumerate(request.responses.get("tools") or ())
+    return [
+        (i, tool)
+        for i, tool in tools
+        if isinstance(tool, dict) and tool.get("type") not in _SERVED_EVERYWHERE
+    ]
+
+
 def has_cache_control(request: ChatRequest) -> bool:
     """Whether `request` asks for automatic caching (its own `cache_control`) or any message, part or
     tool of it carries a `cache_control` breakpoint: every one an Anthropic backend is sent, those in

@@ -40,6 +40,7 @@ from gateway.types import (
     Message,
     ResponseFormat,
     TokenCount,
+    builtin_tools,
 )
 
 _json_decode = msgspec.json.decode
@@ -443,23 +444,13 @@ def custom_input(arguments: str) -> str:
     return text if isinstance(text, str) else arguments
 
 
-def builtin_tools(request: ChatRequest) -> list[tuple[int, str]]:
-    """The OpenAI built-in tools (web_search, local_shell, ...) a Responses client gave, by their place
-    in its `tools` and their type: only OpenAI's Responses API runs them (function and custom tools
-    are in `request.tools` too)."""
-    if not request.responses:  # every request but a Responses client's: no generator to run
-        return []
-    tools = request.responses.get("tools") or ()
-    kinds = ((i, tool.get("type")) for i, tool in enumerate(tools) if isinstance(tool, dict))
-    return [(i, str(kind)) for i, kind in kinds if kind not in ("function", "custom")]
-
-
 def refuse_builtin_tools(request: ChatRequest, where: str) -> None:
     """A 400 `unsupported_parameter` for a Responses client's built-in tools on a backend that cannot
     run them, before anything is sent: a route passes the candidate over (`tried=model:unsupported`)
     for one on OpenAI's Responses API, and a client of that model alone gets this 400."""
     if builtin := builtin_tools(request):
-        index, kind = builtin[0]
+        index, tool = builtin[0]
+        kind = str(tool.get("type"))
         raise InvalidRequest(
             f"Tools of type {kind!r} are not supported by {where}: OpenAI's built-in tools run on "
             "OpenAI's models served on the Responses API (`api: responses`) alone.",

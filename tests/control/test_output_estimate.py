@@ -8,6 +8,7 @@ test_cancelled_answer_billing.py) and the prompt's length to routing (`input_tok
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -287,6 +288,26 @@ def test_a_role_written_in_text_is_no_message_and_a_prompt_without_messages_has_
         assert prompt_tokens(encoded) == tokens(len(encoded))
 
 
+def test_a_key_named_role_that_holds_no_role_is_no_message() -> None:
+    """A tool schema's property named `role` (an object) and a tool call's argument so named (an object
+    in Anthropic's and Gemini's forms) are no message: counted as one each, a request sending a tool
+    with such a property was a message's allowance high for every tool, at every turn."""
+    schema = {"type": "object", "properties": {"role": {"type": "string", "enum": ["admin", "viewer"]}}}
+    tools = [{"name": f"grant_{i}", "input_schema": schema} for i in range(3)]
+    call = {"type": "tool_use", "id": "toolu_1", "name": "grant_0", "input": {"role": "admin"}}
+    turns = [{"role": "user", "content": "Grant it."}, {"role": "assistant", "content": [call]}]
+    body = msgspec.json.encode({"model": "m", "max_tokens": 10, "tools": tools, "messages": turns})
+    assert prompt_tokens(body) == tokens(len(body)) + template(2)
+
+
+def test_a_message_role_counts_with_whitespace_in_its_json() -> None:
+    """Bodies Weir sends are compact JSON, but the count does not depend on it."""
+    body = json.dumps(
+        {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]}
+    )
+    assert prompt_tokens(body.encode()) == tokens(len(body)) + template(2)
+
+
 def _tool_result_turns(result: list[dict[str, Any]]) -> ChatRequest:
     from gateway.anthropic_inbound import MessagesRequest, to_canonical
 
@@ -400,6 +421,38 @@ def test_tools_of_anthropics_own_api_count_once() -> None:
     assert typed.tools is None and typed.anthropic_tools  # the case at hand: both kept as sent, alone
     definitions = tokens(len(msgspec.json.encode([deferred, search])))  # about 120 tokens
     assert definitions - 1 <= input_tokens(typed) - input_tokens(plain) <= definitions + 1
+
+
+def _responses_tools(*tools: dict[str, Any]) -> ChatRequest:
+    from gateway.responses_inbound import ResponsesRequest, to_canonical
+
+    body = {"model": "m", "input": _turns(1), "tools": list(tools)}
+    return to_canonical(msgspec.convert(body, ResponsesRequest))
+
+
+def test_a_responses_clients_built_in_tools_count_once() -> None:
+    """OpenAI's built-in tools (web search, file search, an MCP server...) are kept as the Responses
+    client sent them, for OpenAI's Responses API alone, and OpenAI bills their definitions as input:
+    left out, a request with them was estimated as one without. Its function and custom tools are in
+    `tools` (as functions) and in what it sent: they count once."""
+    search = {"type": "web_search", "search_context_size": "high", "user_location": {"type": "approximate"}}
+    files = {"type": "file_search", "vector_store_ids": ["vs_" + "v" * 40], "max_num_results": 20}
+    mcp = {
+        "type": "mcp",
+        "server_label": "docs",
+        "server_url": "https://mcp.example/sse",
+        "require_approval": "never",
+    }
+    schema = {"type": "object", "properties": {"path": {"type": "string", "description": "x" * 300}}}
+    function = {"type": "function", "name": "read", "description": "Read a file.", "parameters": schema}
+    patch = {"type": "custom", "name": "apply_patch", "description": "y" * 300}
+    plain, own = _responses_tools(), _responses_tools(function, patch)
+    built_in = _responses_tools(function, search, patch, files, mcp)
+    assert built_in.tools == own.tools and built_in.responses  # the case at hand: kept as sent, alone
+    canonical = tokens(len(msgspec.json.encode(own.tools)))  # function and custom: counted once
+    assert canonical - 1 <= input_tokens(own) - input_tokens(plain) <= canonical + 1
+    definitions = tokens(len(msgspec.json.encode([search, files, mcp])))  # about 90 tokens
+    assert definitions - 1 <= input_tokens(built_in) - input_tokens(own) <= definitions + 1
 
 
 def test_tool_definitions_still_count_beside_the_template() -> None:
