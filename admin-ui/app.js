@@ -822,9 +822,10 @@ async function tenants(params, query, show) {
   const selected = linked && !fromConfig(linked) ? linked : null;
   // A link to a config tenant (its id is its name) said it "no longer exists" while it is listed above.
   const missing = !params[0] || selected ? null : linked
-    ? notice(`${linked.name} is defined in the config file's tenants:, which holds its keys and limits; change it there.`, "info")
+    ? notice(`${linked.name} is defined in the config file's tenants:, which holds its keys and limits: it cannot be edited or deleted here; edit the config to change or remove it.`, "info")
     : notice("That tenant no longer exists.");
   const shown = show("Tenants & keys",
+    h("div", { id: "tenants-message", "aria-live": "polite" }),
     rows.length ? table([
       { label: "Tenant", render: tenantCell },
       { label: "Spend this month vs budget", render: budgetCell },
@@ -832,10 +833,73 @@ async function tenants(params, query, show) {
       { label: "TPM", num: true, render: (t) => intFmt(t.tpm) },
     ], rows) : empty("No tenants yet. Create one below, then issue it a key."),
     h("h2", {}, "New tenant"), form,
-    selected ? await tenantKeys(selected) : missing,
+    selected ? tenantSettings(selected) : missing,
+    selected ? await tenantKeys(selected) : null,
     selected ? await tenantComparisons(selected) : null,
   );
-  if (shown && selected) document.getElementById("keys").scrollIntoView();
+  if (shown && selected) document.getElementById("tenant").scrollIntoView();
+}
+
+// --- a tenant's settings: edit (PATCH) and delete -----------------------------------------------
+
+// The request limits a tenant may set beside its budget and rate limits; empty: the config's default.
+const TENANT_COUNTS = [
+  ["max_messages", "Max messages per request", "the config's limits"],
+  ["max_concurrent_streams", "Max concurrent streams", "the config's limits"],
+  ["prompt_retention_days", "Keep stored prompts (days)", "30 days"],
+];
+
+// An admin-DB tenant's settings, filled from what the API holds; an empty field clears its limit
+// (PATCH's null). Config tenants never get here: they have no page (`tenants`), only a note.
+function tenantSettings(tenant) {
+  const name = h("input", { name: "name", required: true, autocomplete: "off", value: tenant.name });
+  const lim = limitInputs();
+  lim.budget.value = tenant.budget_usd_monthly ?? "";
+  lim.rpm.value = tenant.rpm ?? "";
+  lim.tpm.value = tenant.tpm ?? "";
+  const counts = TENANT_COUNTS.map(([key, label, unset]) => [key, label,
+    h("input", { name: key, type: "number", min: 1, value: tenant[key] ?? "", placeholder: unset })]);
+  const store = h("input", { name: "store_prompts", type: "checkbox", checked: tenant.store_prompts });
+  const form = h("form", { class: "inline-form", "aria-label": `Edit tenant ${tenant.name}` }, ...formBox(
+    field("Name", name),
+    field("Monthly budget (USD)", lim.budget, "Empty: no budget."),
+    field("Requests per minute", lim.rpm), field("Tokens per minute", lim.tpm),
+    counts.map(([, label, input]) => field(label, input)),
+    h("label", { class: "check" }, store, " store prompts and answers"),
+    h("button", { type: "submit" }, "Save tenant")));
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const body = { name: name.value.trim(), ...limitsBody(lim), store_prompts: store.checked };
+    for (const [key, , input] of counts) body[key] = input.value ? Number(input.value) : null;
+    try { await api(`tenants/${tenant.id}`, { method: "PATCH", body }); } catch (e) { formError(form, e); return; }
+    if (await route()) document.getElementById("tenant-message")?.replaceChildren(notice(`Saved ${body.name}.`, "success"));
+  });
+  return h("section", { id: "tenant", class: "panel" },
+    h("h2", {}, `Settings of ${tenant.name}`),
+    h("div", { id: "tenant-message", "aria-live": "polite" }),
+    form,
+    h("p", {}, h("button", { type: "button", class: "danger", onclick: () => deleteTenant(tenant) }, `Delete tenant ${tenant.name}`)));
+}
+
+// What DELETE /tenants/{id} does, said before it is done: its keys go with it (refused at once), its
+// ledger rows stay (reports list them under its id) and its stored prompts go at the next purge.
+async function deleteTenant(tenant) {
+  const say = (text, kind) => document.getElementById("tenant-message")?.replaceChildren(notice(text, kind));
+  let active;
+  try {
+    active = (await api(`tenants/${tenant.id}/keys`)).data.filter((k) => !k.revoked_at).length;
+  } catch (e) { say(`${tenant.name} was not deleted: ${e.message}`); return; }
+  const keys = `${active} active key${active === 1 ? "" : "s"}`;
+  if (!confirm(`Delete tenant ${tenant.name}? This cannot be undone.\n\n`
+    + `Its keys are deleted with it (${keys}): requests with them are refused at once.\n`
+    + `Its usage stays in the ledger: Finance and the request log keep its spend, under its id ${tenant.id}.\n`
+    + "Its stored prompts, if any, are deleted at the next retention run.")) return;
+  try { await api(`tenants/${tenant.id}`, { method: "DELETE" }); } catch (e) {
+    say(`${tenant.name} was not deleted: ${e.message}`); return;
+  }
+  // The list without it, at its own address: the tenant's no longer exists.
+  history.replaceState(null, "", "#/tenants");
+  if (await route()) document.getElementById("tenants-message")?.replaceChildren(notice(`Deleted tenant ${tenant.name} and its keys.`, "success"));
 }
 
 // A key's own budget and rate limits, compact ("$5.00/month · 60 rpm"); the tenant's apply as well.

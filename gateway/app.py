@@ -109,6 +109,7 @@ def create_app(
         gateway.router.use_control_plane(control.sessions, control.state, on_probe=control.uptime.record)
         gateway.comparer.use_control_plane(control.sessions, control.admission.finish, control.state)
         gateway.executor.hedges.state = control.state  # hedged spend capped across replicas
+        control.admin.serves_model = gateway.router.in_force  # a key's `models` checked at its issue
         # The catalog's prices bill every attempt (priced once, as it is recorded); `cheapest` and the
         # spend caps' estimates price at those valid now.
         gateway.pipeline.catalog = lambda backend, model, at, tier: control.catalog.prices_at(

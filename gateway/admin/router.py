@@ -40,7 +40,7 @@ from gateway.admin.requests import preview_route, recent_requests, routing_savin
 from gateway.admin.schemas import KeyCreate, PriceIn, PricesPut, TenantCreate, TenantPatch
 from gateway.admin.token import token_matches
 from gateway.config import Tenant as ConfigTenant
-from gateway.db.models import ApiKey, AuditLog, Price, Tenant, utcnow
+from gateway.db.models import ApiKey, AuditLog, Price, RouteRow, Tenant, utcnow
 from gateway.state import SharedState
 from gateway.throttle import FailureThrottle, client_address
 
@@ -79,6 +79,10 @@ class AdminContext:
     # The config file's `tenants:`, read at start: listed read-only beside the admin DB's, and their
     # names kept from admin-DB tenants (a config tenant's id is its name, in the ledger too).
     config_tenants: Sequence[ConfigTenant] = ()
+    # Whether the gateway serves a requested model name now (a route or a model of the config; set by
+    # the app to its router's `in_force`). None: the admin API mounted without a gateway, which has no
+    # names to check a key's `models` against.
+    serves_model: Callable[[str], bool] | None = None
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[tuple[AsyncSession, Callable[..., None]]]:
@@ -465,9 +469,35 @@ async def delete_tenant(tenant_id: str, ctx: AdminContext) -> None:
 # --- keys --------------------------------------------------------------------------------------
 
 
+async def refuse_unknown_models(ctx: AdminContext, models: Sequence[str]) -> None:
+    """400 for a key's `models` naming what no request could be served as: such a key can never use
+    that name (a typo made a key that every request refused with 404). A name is known when the gateway
+    serves it (a route or a model) or a route stored in the admin DB has it (one this replica has not
+    loaded yet, or leaves out until it is fixed)."""
+    if ctx.serves_model is None:
+        return
+    unknown = [m for m in dict.fromkeys(models) if not ctx.serves_model(m)]
+    if unknown:
+        async with ctx.sessions() as session:
+            stored = set(await session.scalars(select(RouteRow.name).where(RouteRow.name.in_(unknown))))
+        unknown = [m for m in unknown if m not in stored]
+    if not unknown:
+        return
+    names = ", ".join(repr(m) for m in unknown)
+    raise AdminError(
+        400,
+        f"no route or model is named {names}, so this key could never use "
+        f"{'it' if len(unknown) == 1 else 'them'}: name routes or models (models[].name) the gateway serves",
+        "invalid_value",
+        "models",
+    )
+
+
 @post("/tenants/{tenant_id:str}/keys", status_code=201)
 async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = decode(await request.body(), KeyCreate)
+    if body.models:
+        await refuse_unknown_models(ctx, body.models)
     if body.expires_at is not None:
         if body.expires_at.tzinfo is None:
             raise AdminError(

@@ -32,7 +32,7 @@ from gateway.admin.router import AdminContext, admin_router
 from gateway.admin.token import ensure_admin_token
 from gateway.config import Tenant as ConfigTenant
 from gateway.db import migrate
-from gateway.db.models import ApiKey, Price, UptimeSample, UsageEventRow, UsageRollup
+from gateway.db.models import ApiKey, Price, RouteRow, UptimeSample, UsageEventRow, UsageRollup
 from gateway.db.models import Tenant as DbTenant
 from gateway.db.session import create_engine, sessionmaker
 from gateway.state import MemoryState
@@ -366,6 +366,28 @@ async def test_keys_shown_once_hashed_and_revoked_at_once(env: Env) -> None:
 
 # Moments whose conversion to UTC falls outside the years a datetime holds (1 to 9999).
 OFF_THE_CALENDAR = ["9999-12-31T23:59:59-10:00", "0001-01-01T00:00:00+10:00"]
+
+
+async def test_a_key_limited_to_a_model_nothing_serves_is_refused(env: Env) -> None:
+    """A key's `models` were stored unchecked: a typo ("gtp-4o") made a key whose every request was a
+    404. A name that no route or model of the gateway serves, nor a route stored in the admin DB (one
+    a replica has not loaded yet, or leaves out), is a 400 naming it, and no key is issued."""
+    env.ctx.serves_model = {"gpt-4o-mini", "auto"}.__contains__
+    async with env.ctx.sessions() as session, session.begin():
+        session.add(
+            RouteRow(name="stored", spec={"name": "stored", "candidates": [{"model": "gpt-4o-mini"}]})
+        )
+    c = env.client
+    tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
+    keys = f"/admin/api/v1/tenants/{tenant['id']}/keys"
+    typo = {"models": ["gpt-4o-mini", "gtp-4o", "auto", "stored", "nope", "gtp-4o"]}
+    error = assert_openai_error(await c.post(keys, json=typo, headers=AUTH), 400, "models")
+    assert error["code"] == "invalid_value"
+    assert "'gtp-4o', 'nope'" in error["message"] and "gpt-4o-mini" not in error["message"]
+    assert (await c.get(keys, headers=AUTH)).json()["data"] == []  # nothing issued
+    served = await c.post(keys, json={"models": ["gpt-4o-mini", "auto", "stored"]}, headers=AUTH)
+    assert served.status_code == 201, served.text
+    assert served.json()["models"] == ["gpt-4o-mini", "auto", "stored"]
 
 
 @pytest.mark.parametrize("moment", OFF_THE_CALENDAR)

@@ -210,6 +210,28 @@ def test_a_route_preview_for_a_tenant_limited_to_some_models_is_refused_as_its_r
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "key_id"
 
 
+@pytest.mark.parametrize("weir_config", [LIMITED_CONFIG])
+def test_a_key_limited_to_a_name_the_gateway_does_not_serve_is_refused(weir: Weir) -> None:
+    """A key's `models` are checked against what the gateway serves: its routes (of the config, or
+    stored through the admin API a moment ago) and its models; a typo is a 400 naming it."""
+    tenant = weir.admin.post("/tenants", json={"name": "acme"}).json()
+    keys = f"/tenants/{tenant['id']}/keys"
+    refused = weir.admin.post(keys, json={"models": ["gpt-4o-mini", "gpt-4o-mni"]})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (
+        error["code"] == "invalid_value" and error["param"] == "models" and "'gpt-4o-mni'" in error["message"]
+    )
+    route = weir.admin.post("/routes", json={"name": "fresh", "candidates": [{"model": "gpt-5"}]})
+    assert route.status_code == 201, route.text
+    issued = weir.admin.post(keys, json={"models": ["gpt-4o-mini", "gpt-5", "smart", "fresh"]})
+    assert issued.status_code == 201, issued.text
+    reply = weir.client(issued.json()["key"]).chat.completions.create(
+        model="smart", messages=[{"role": "user", "content": "hello"}]
+    )
+    assert reply.choices[0].message.content
+
+
 def test_a_request_larger_than_a_whole_limit_or_budget_is_not_retried_in_vain(
     weir: Weir, fake_openai: FakeOpenAI
 ) -> None:
