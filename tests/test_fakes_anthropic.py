@@ -351,6 +351,24 @@ def test_rejects_what_anthropic_rejects(client: anthropic.Anthropic) -> None:
         client.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": marked}])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        ([{"type": "text", "text": ""}], "must be non-empty"),
+        ([{"type": "text", "text": " \n"}], "must contain non-whitespace text"),
+        ("\n", "must contain non-whitespace text"),
+    ],
+    ids=["empty-block", "blank-block", "blank-string"],
+)
+def test_rejects_empty_and_blank_text_blocks(
+    client: anthropic.Anthropic, content: object, error: str
+) -> None:
+    """As Anthropic does ("messages: text content blocks must contain non-whitespace text"), in any turn."""
+    messages = [*user("hi"), {"role": "assistant", "content": content}, *user("again")]
+    with pytest.raises(anthropic.BadRequestError, match=error):
+        client.messages.create(model=MODEL, max_tokens=10, messages=messages)  # type: ignore[arg-type]
+
+
 def test_prefill_is_continued(client: anthropic.Anthropic) -> None:
     messages = [*user("alpha beta gamma"), {"role": "assistant", "content": "alpha"}]
     with client.messages.stream(model=MODEL, max_tokens=50, messages=messages) as stream:

@@ -195,16 +195,22 @@ def _document_block(part: FilePart) -> dict[str, Any] | None:
     return _cache({"type": "document", "source": source}, part.cache_control)
 
 
+def _blank(text: str) -> bool:
+    """Whether Anthropic refuses `text` as a text block ("text content blocks must be non-empty",
+    "... must contain non-whitespace text"), which OpenAI takes (a stored reply of a newline alone)."""
+    return not text.strip()
+
+
 def _blocks(content: str | list[ContentPart] | None, where: str) -> list[dict[str, Any]]:
     if content is None:
         return []
     if isinstance(content, str):
-        return [{"type": "text", "text": content}] if content else []
+        return [] if _blank(content) else [{"type": "text", "text": content}]
     blocks = []
     for i, part in enumerate(content):
         if isinstance(part, TextPart):
-            if not part.text:
-                continue  # Anthropic refuses empty text blocks; an OpenAI client may send them
+            if _blank(part.text):
+                continue  # an OpenAI client may send one; it says nothing Claude could read
             blocks.append(_cache({"type": "text", "text": part.text}, part.cache_control))
         elif isinstance(part, ImagePart):
             blocks.append(_image_block(part))
@@ -298,7 +304,19 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
             if message.is_error:
                 result["is_error"] = True
             append("user", [result], message.cache_control)
+    _trim_prefill(out)
     return system, out
+
+
+def _trim_prefill(turns: list[dict[str, Any]]) -> None:
+    """A conversation ending with an assistant turn asks Claude to go on from it (a prefill), and
+    Anthropic refuses one whose text ends in whitespace ("final assistant content cannot end with
+    trailing whitespace"), which OpenAI-compatible servers take: that whitespace is left out."""
+    if not turns or turns[-1]["role"] != "assistant":
+        return
+    last = turns[-1]["content"][-1]
+    if last.get("type") == "text":
+        turns[-1]["content"][-1] = {**last, "text": last["text"].rstrip()}
 
 
 def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
@@ -562,7 +580,7 @@ def _chat_body(request: ChatRequest, model: str) -> dict[str, Any]:
     # the one a client of no able candidate reads).
     refuse_builtin_tools(request, "Anthropic models")
     if request.n is not None and request.n > 1:
-        raise InvalidRequest("Anthropic models do not support n > 1", param="n")
+        raise InvalidRequest("Anthropic models do not support n > 1", param="n", code="unsupported_value")
     refuse_unexpressible(request, UNEXPRESSIBLE, "Anthropic models")
     system, messages = _messages(request.messages)
     thinking, effort, max_tokens = _thinking(request, model)

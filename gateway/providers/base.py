@@ -369,10 +369,15 @@ NO_THINKING = ("none", "minimal")  # reasoning efforts that ask for no thinking
 def check_stop_count(request: ChatRequest, most: int, vendor: str) -> None:
     """A vendor that takes at most `most` stop sequences refuses more with a 400 (OpenAI 4, Gemini 5;
     Anthropic any number): the request cannot be expressed for it, and is not sent (a route passes the
-    candidate over; a client of that model alone gets this 400)."""
+    candidate over; a client of that model alone gets this 400, `unsupported_value` as every refusal
+    of a value the vendor lacks)."""
     count = len(request.stop_list)
     if count > most:
-        raise InvalidRequest(f"{vendor} models take at most {most} stop sequences, not {count}", param="stop")
+        raise InvalidRequest(
+            f"{vendor} models take at most {most} stop sequences, not {count}",
+            param="stop",
+            code="unsupported_value",
+        )
 
 
 def asks_audio(request: ChatRequest) -> bool:

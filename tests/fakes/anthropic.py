@@ -313,6 +313,8 @@ class FakeAnthropic(FakeServer):
                 raise Invalid(400, f"messages.{i}.role: Input should be 'user' or 'assistant'")
             content = message.get("content")
             if isinstance(content, str):
+                if content and not content.strip():  # a string is one text block to Anthropic
+                    raise Invalid(400, "messages: text content blocks must contain non-whitespace text")
                 blocks.append(Block(words(content)))
                 previous_uses = set()
                 continue
@@ -321,6 +323,7 @@ class FakeAnthropic(FakeServer):
             for j, block in enumerate(content if isinstance(content, list) else []):
                 kind = block.get("type")
                 if kind == "text":
+                    _check_text(block.get("text", ""))
                     for k, citation in enumerate(block.get("citations") or []):
                         if not citation.get("encrypted_index"):
                             raise Invalid(
@@ -739,6 +742,14 @@ def _check_result_content(content: Any, body: dict[str, Any], where: str) -> Non
                 f"{where}.content.{k}: `tool_reference` names `{part.get('tool_name')}`, which is not a "
                 "tool of the request with `defer_loading`",
             )
+
+
+def _check_text(text: str) -> None:
+    """A text block of a message, as Anthropic checks it: never empty, never whitespace alone."""
+    if not text:
+        raise Invalid(400, "messages: text content blocks must be non-empty")
+    if not text.strip():
+        raise Invalid(400, "messages: text content blocks must contain non-whitespace text")
 
 
 def _text_of(content: Any) -> str:

@@ -67,9 +67,16 @@ def test_anthropic_request_merges_system_messages_and_needs_max_tokens() -> None
 
 
 def test_anthropic_rejects_n_above_one() -> None:
+    """A code for clients that tell one refusal from another, as for every parameter Weir refuses."""
     with pytest.raises(InvalidRequest) as caught:
         anthropic.chat_request(ANTHROPIC, chat(n=2), "claude")
-    assert caught.value.param == "n"
+    assert caught.value.param == "n" and caught.value.code == "unsupported_value"
+
+
+def test_gemini_rejects_a_sixth_stop_sequence_as_a_value_it_lacks() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        gemini.chat_request(GEMINI, chat(stop=["a", "b", "c", "d", "e", "f"]), "gemini-2.5-flash")
+    assert caught.value.param == "stop" and caught.value.code == "unsupported_value"
 
 
 def test_invalid_tool_arguments_in_history_name_the_parameter() -> None:

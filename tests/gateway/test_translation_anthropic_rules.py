@@ -189,6 +189,22 @@ EMPTY_ASSISTANT: Any = [
 EMPTY_TEXT_PART: Any = [
     {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hello"}]},
 ]
+# A stored reply of a newline alone, and a part of spaces: Anthropic refuses whitespace-only text blocks
+# too ("text content blocks must contain non-whitespace text").
+BLANK_ASSISTANT: Any = [
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "\n\n"},
+    {"role": "user", "content": "second question"},
+]
+BLANK_TEXT_PART: Any = [
+    {"role": "user", "content": [{"type": "text", "text": "  "}, {"type": "text", "text": "hello"}]},
+]
+MERGED_QUESTIONS: Any = [
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "first question"}, {"type": "text", "text": "second question"}],
+    }
+]
 
 
 @pytest.mark.parametrize(
@@ -207,17 +223,48 @@ EMPTY_TEXT_PART: Any = [
             ],
         ),
         (EMPTY_TEXT_PART, [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]),
+        (BLANK_ASSISTANT, MERGED_QUESTIONS),
+        (BLANK_TEXT_PART, [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]),
     ],
-    ids=["empty-turn", "empty-part"],
+    ids=["empty-turn", "empty-part", "whitespace-turn", "whitespace-part"],
 )
 def test_claude_is_never_sent_an_empty_message_or_empty_text_block(
     gateway: RunningGateway, fake_anthropic: FakeAnthropic, messages: Any, expected: Any
 ) -> None:
     """Anthropic refuses an empty turn ("all messages must have non-empty content except for the
-    optional final assistant message") and empty text blocks, which OpenAI takes (a stored empty
-    reply): empty parts are left out, an empty turn too, and the user turns around it merged."""
+    optional final assistant message") and empty or whitespace-only text blocks, which OpenAI takes (a
+    stored empty reply): such parts are left out, a turn left empty too, and the user turns around it
+    merged."""
     gateway.openai().chat.completions.create(model="claude-sonnet", messages=messages, max_tokens=20)
     assert fake_anthropic.last_request.json["messages"] == expected
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_ending_in_whitespace_reaches_claude_without_it(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    """A conversation ending with an assistant turn asks Claude to go on from it, and Anthropic refuses
+    one whose text ends in whitespace ("final assistant content cannot end with trailing whitespace"),
+    which an OpenAI client's `"The answer is "` does: Claude gets it without that whitespace, and the
+    client its answer, not a 400."""
+    messages: Any = [
+        {"role": "user", "content": "sky is blue"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Well,"}, {"type": "text", "text": "it is \n"}],
+        },
+    ]
+    client = gateway.openai()
+    if stream:
+        chunks = client.chat.completions.create(model="claude-sonnet", messages=messages, stream=True)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    else:
+        reply = client.chat.completions.create(model="claude-sonnet", messages=messages)
+        assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content
+    assert fake_anthropic.last_request.json["messages"][-1] == {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Well,"}, {"type": "text", "text": "it is"}],
+    }
 
 
 # --- an Anthropic client's tool error -------------------------------------------------------------
