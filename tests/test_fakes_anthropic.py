@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import anthropic
@@ -367,6 +368,20 @@ def test_rejects_empty_and_blank_text_blocks(
     messages = [*user("hi"), {"role": "assistant", "content": content}, *user("again")]
     with pytest.raises(anthropic.BadRequestError, match=error):
         client.messages.create(model=MODEL, max_tokens=10, messages=messages)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("media_type", "error"),
+    [("image/jpg", "Input should be 'image/jpeg'"), ("image/jpeg", "does not match the provided media type")],
+)
+def test_rejects_an_image_type_anthropic_does_not_take(
+    client: anthropic.Anthropic, media_type: str, error: str
+) -> None:
+    """As Anthropic does: four type names alone, and the one the bytes are (here a PNG's)."""
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 8).decode()
+    image = {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": png}}
+    with pytest.raises(anthropic.BadRequestError, match=error):
+        client.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": [image]}])  # type: ignore[list-item]
 
 
 def test_prefill_is_continued(client: anthropic.Anthropic) -> None:

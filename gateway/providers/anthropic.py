@@ -46,6 +46,7 @@ from gateway.providers.base import (
     now,
     parse_arguments,
     parse_data_url,
+    parse_image_data_url,
     refuse_builtin_tools,
     refuse_unexpressible,
     token_count,
@@ -177,7 +178,7 @@ def _cache(block: dict[str, Any], cache_control: dict[str, Any] | None) -> dict[
 
 
 def _image_block(part: ImagePart) -> dict[str, Any]:
-    data = parse_data_url(part.image_url.url)
+    data = parse_image_data_url(part.image_url.url)
     if data is not None:
         source = {"type": "base64", "media_type": data[0], "data": data[1]}
     else:

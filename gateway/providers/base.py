@@ -348,11 +348,43 @@ def parse_data_url(url: str) -> tuple[str, str] | None:
     header, sep, data = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise InvalidRequest("image data URLs must be base64 encoded", param="messages")
+    _decoded_head(data)  # refuses what is not base64
+    return header.removesuffix(";base64") or "application/octet-stream", data
+
+
+def _decoded_head(data: str) -> bytes:
+    """The first bytes of base64 `data` (48: enough for any file signature)."""
     try:
-        base64.b64decode(data[:64] + "=" * (-len(data[:64]) % 4), validate=True)
+        return base64.b64decode(data[:64] + "=" * (-len(data[:64]) % 4), validate=True)
     except binascii.Error:
         raise InvalidRequest("image data URL holds invalid base64", param="messages") from None
-    return header.removesuffix(";base64") or "application/octet-stream", data
+
+
+# The image formats every vendor takes, by the bytes they start with.
+_IMAGE_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
+# Names tools write for a type that vendors know by another (browsers' and pasteboards' `image/jpg`).
+_IMAGE_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg", "image/x-png": "image/png"}
+
+
+def parse_image_data_url(url: str) -> tuple[str, str] | None:
+    """`parse_data_url` for an image, its type as its bytes say it where they are one of the formats
+    every vendor takes, else as the URL says it under its standard name. OpenAI reads the bytes and
+    takes any label; Anthropic refuses a label its bytes contradict ("Image does not match the
+    provided media type") and any name but `image/jpeg`, `image/png`, `image/gif` and `image/webp`."""
+    parsed = parse_data_url(url)
+    if parsed is None:
+        return None
+    declared, data = parsed
+    head = _decoded_head(data)
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp", data
+    sniffed = next((kind for signature, kind in _IMAGE_SIGNATURES if head.startswith(signature)), None)
+    return sniffed or _IMAGE_ALIASES.get(declared.lower(), declared), data
 
 
 def guess_media_type(url: str) -> str:

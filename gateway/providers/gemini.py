@@ -38,6 +38,7 @@ from gateway.providers.base import (
     now,
     parse_arguments,
     parse_data_url,
+    parse_image_data_url,
     refuse_anthropic_tools,
     refuse_builtin_tools,
     refuse_unexpressible,
@@ -210,7 +211,7 @@ def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str
             if part.text:  # Gemini refuses an empty text part
                 parts.append({"text": part.text})
         elif isinstance(part, ImagePart):
-            data = parse_data_url(part.image_url.url)
+            data = parse_image_data_url(part.image_url.url)
             if data is not None:
                 parts.append({"inlineData": {"mimeType": data[0], "data": data[1]}})
             else:

@@ -358,6 +358,10 @@ class FakeAnthropic(FakeServer):
                             )
                     tokens = words(json.dumps(results))
                 elif kind in ("image", "document"):
+                    if kind == "image":
+                        _check_image_source(
+                            block.get("source") or {}, f"messages.{i}.content.{j}.image.source"
+                        )
                     tokens = [
                         f"<{kind}:{json.dumps(block.get('source'), sort_keys=True)[:64]}>"
                     ] * IMAGE_TOKENS
@@ -742,6 +746,30 @@ def _check_result_content(content: Any, body: dict[str, Any], where: str) -> Non
                 f"{where}.content.{k}: `tool_reference` names `{part.get('tool_name')}`, which is not a "
                 "tool of the request with `defer_loading`",
             )
+
+
+_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+_IMAGE_MAGIC = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF8": "image/gif"}
+
+
+def _check_image_source(source: dict[str, Any], where: str) -> None:
+    """A base64 image, as Anthropic checks it: one of its four types, and the one its bytes are."""
+    if source.get("type") != "base64":
+        return
+    media_type = source.get("media_type")
+    if media_type not in _IMAGE_TYPES:
+        raise Invalid(
+            400,
+            f"{where}.base64.media_type: Input should be 'image/jpeg', 'image/png', 'image/gif' or 'image/webp'",
+        )
+    data = str(source.get("data", ""))[:16]
+    try:
+        head = base64.b64decode(data + "=" * (-len(data) % 4))
+    except ValueError:  # not base64: no type to compare
+        return
+    actual = next((kind for magic, kind in _IMAGE_MAGIC.items() if head.startswith(magic)), media_type)
+    if actual != media_type:
+        raise Invalid(400, f"{where}.base64.data: Image does not match the provided media type {media_type}")
 
 
 def _check_text(text: str) -> None:

@@ -289,6 +289,43 @@ def test_images_reach_each_vendor_in_its_format(
     assert parts[1] == {"fileData": {"mimeType": "image/webp", "fileUri": "https://example.com/cat.webp"}}
 
 
+JPEG = base64.b64encode(b"\xff\xd8\xff\xe0\0\x10JFIF" + b"\0" * 32).decode()
+WEBP = base64.b64encode(b"RIFF\0\0\0\0WEBPVP8 " + b"\0" * 32).decode()
+
+
+@pytest.mark.parametrize(
+    ("url", "media_type", "data"),
+    [
+        (f"data:image/jpg;base64,{JPEG}", "image/jpeg", JPEG),  # browsers' and pasteboards' name
+        (f"data:image/png;base64,{JPEG}", "image/jpeg", JPEG),  # a screenshot tool's wrong label
+        (f"data:application/octet-stream;base64,{WEBP}", "image/webp", WEBP),
+        (f"data:image/jpg;base64,{PNG[:4]}", "image/jpeg", PNG[:4]),  # too short to tell: the name alone
+    ],
+    ids=["jpg", "mislabelled", "octet-stream", "unknown-bytes"],
+)
+def test_an_images_type_reaches_claude_and_gemini_as_its_bytes_say(
+    gateway: RunningGateway,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    url: str,
+    media_type: str,
+    data: str,
+) -> None:
+    """OpenAI reads an image's bytes and takes any label; Anthropic takes `image/jpeg`, `image/png`,
+    `image/gif` and `image/webp` alone, and refuses a label the bytes contradict ("Image does not
+    match the provided media type image/png"): each vendor gets the type the bytes are, or else
+    the label under its standard name."""
+    content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]
+    client = gateway.openai()
+    for model in ("claude-sonnet", "gemini-flash"):
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])  # type: ignore[list-item]
+        assert reply.choices[0].message.content == "what is this [image]"
+    block = fake_anthropic.last_request.json["messages"][0]["content"][1]
+    assert block["source"] == {"type": "base64", "media_type": media_type, "data": data}
+    part = fake_gemini.last_request.json["contents"][0]["parts"][1]
+    assert part == {"inlineData": {"mimeType": media_type, "data": data}}
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_response_format_json_schema(gateway: RunningGateway, model: str) -> None:
     schema = {
