@@ -3,20 +3,27 @@
 Only bookkeeping lives here; the tensors themselves are allocated by the runner with layout
 `[num_blocks, block_size, num_kv_heads, head_dim]` per layer.
 
-A full block is identified by the hash of (hash of the previous block, its token ids), so a hit on
-block i implies the whole prefix up to i matches. Free blocks keep their contents and hash until
+A full block is identified by a SHA-256 digest of (the previous block's digest, its token ids), so a hit
+on block i implies the whole prefix up to i matches. The digest is cryptographic because a collision
+serves one prompt another prefix's K/V: Python's 64-bit `hash` is invertible on tuples of ints, so a
+crafted prompt could read another tenant's cached prefix (vLLM's CVE-2025-25183). Free blocks keep their contents and hash until
 they are reused: the free list is also the LRU list of the prefix cache (evict from the front).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from engine.sequence import Sequence
 
 
-def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """The digest naming a full block: its parent's digest (None for the first block) and its tokens."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -27,13 +34,13 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # per sequence: how many of its blocks are registered in the prefix cache, and the last hash
         self._num_hashed: dict[str, int] = {}
-        self._last_hash: dict[str, int | None] = {}
+        self._last_hash: dict[str, bytes | None] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,7 +56,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+import engine.kv_cache as kv_cache
 from engine.kv_cache import BlockManager
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
@@ -93,3 +96,18 @@ def test_can_allocate_counts_revived_cached_blocks() -> None:
     assert len(cached) == 2
     assert bm.can_allocate(b, 2, cached)  # 2 revived + 1 new = 3 blocks
     assert not bm.can_allocate(b, 3, cached)
+
+
+def test_a_collision_of_pythons_hash_never_serves_another_prefixs_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python's `hash` is 64-bit and invertible on tuples of ints: a crafted prompt can collide with
+    another tenant's cached prefix (vLLM's CVE-2025-25183). Here a weak `hash` (order-blind in a block)
+    collides [2, 1] with [1, 2]: the block after them must still not be shared."""
+    real_hash = hash
+    monkeypatch.setattr(kv_cache, "hash", lambda key: real_hash((key[0], sum(key[1]))), raising=False)
+    bm = BlockManager(16, 2)
+    admit(bm, seq("c", [2, 1, 7, 7, 9]))  # caches [2, 1]
+    admit(bm, seq("a", [1, 2, 5, 5, 9]))  # [5, 5] computed after [1, 2]
+    cached = bm.find_cached_prefix(seq("b", [2, 1, 5, 5, 9]))
+    assert len(cached) == 1  # [2, 1] is shared; [5, 5] after [2, 1] was never computed
