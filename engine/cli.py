@@ -36,7 +36,13 @@ def engine() -> None:
     help="auto: bfloat16 where the CPU (AVX512-BF16/AMX) or GPU multiplies it natively, else float32.",
 )
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
-@click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Most requests in one batch.")
+@click.option(
+    "--max-num-seqs",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most requests in one batch.",
+)
 @click.option(
     "--max-queued",
     default=None,
@@ -48,7 +54,7 @@ def engine() -> None:
     "--max-num-batched-tokens",
     default=512,
     show_default=True,
-    type=int,
+    type=click.IntRange(min=1),
     help="Token budget of one step, shared by decodes and prefill chunks.",
 )
 @click.option(

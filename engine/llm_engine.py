@@ -121,6 +121,12 @@ class LLMEngine:
         _draft_config: ModelConfig | None = None,
         progress: bool = True,
     ) -> None:
+        for name, limit in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if limit < 1:  # a step would schedule nothing, and every request would wait forever
+                raise ValueError(f"{name} must be at least 1, got {limit}")
         self.device = torch.device(device or _default_device())
         check_fused_mode(fused_decode)
         self.dtype = resolve_dtype(dtype, self.device)

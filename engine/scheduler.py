@@ -83,11 +83,15 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens, budget)
+            real = seq.num_tokens - seq.num_computed_tokens
+            # speculation is optional: drafts get only the budget the running sequences after this one
+            # leave for their next token (else a few drafting requests starve the rest of the batch)
+            later = len(self.running) - 1 - self.running.index(seq)
+            del seq.draft_token_ids[max(0, budget - real - later) :]
+            n = min(real + len(seq.draft_token_ids), budget)
             if seq.draft_token_ids and not self.kv.can_allocate(seq, n):
-                seq.draft_token_ids.clear()  # speculation is optional: never preempt for it
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            del seq.draft_token_ids[max(0, n - (seq.num_tokens - seq.num_computed_tokens)) :]
+                seq.draft_token_ids.clear()  # nor preempt for it
+                n = min(real, budget)
             while not self.kv.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)

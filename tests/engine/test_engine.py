@@ -241,3 +241,11 @@ def test_unrelated_prompts_are_all_admitted_at_once(make_engine: Callable[..., L
     engine.step()
     assert engine.stats().num_running == 4 and engine.stats().num_waiting == 0
     run_all(engine)
+
+
+@pytest.mark.parametrize("limit", ["max_num_seqs", "max_num_batched_tokens"])
+def test_a_zero_batch_limit_is_refused_rather_than_hanging_every_request(
+    make_engine: Callable[..., LLMEngine], limit: str
+) -> None:
+    with pytest.raises(ValueError, match=limit):
+        make_engine(**{limit: 0})

@@ -267,3 +267,24 @@ def test_a_seeded_sample_is_the_same_text_with_speculation_alone_or_batched(
     assert engine.speculator is not None and engine.speculator.metrics.num_draft_tokens > 0
     assert alone == expected
     assert batched == expected
+
+
+def test_drafts_never_starve_the_decodes_of_later_running_requests(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """A budget that fits every running request's next token but not everyone's drafts: drafts take
+    only what is left, so every decoding request still gains a token every step."""
+    spec = make_engine(
+        speculative="ngram", num_speculative_tokens=4, max_num_batched_tokens=8, max_num_seqs=4
+    )
+    phrase = [5, 6, 7, 8]  # the n-gram lookup drafts from the repeated phrase
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for i in range(4):
+        spec.add_request(str(i), phrase * 3 + [20 + i], params)
+    started: set[str] = set()
+    while spec.has_unfinished_requests():
+        decoding = set(started)
+        gained = {o.request_id for o in spec.step() if o.new_token_ids}
+        assert decoding <= gained | {r for r in decoding if r not in spec._requests}
+        started |= gained
+    assert spec.speculator is not None and spec.speculator.metrics.num_draft_tokens > 0
