@@ -48,6 +48,7 @@ recipe (equal unit-spread blend of the shipped components) on the same prompts. 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -134,8 +135,17 @@ def structure_features(prompt: str) -> np.ndarray:
     )
 
 
-def cross_fitted(data: Outcomes, enc: Encoded, fold: np.ndarray, cfg: TrainConfig) -> dict[str, np.ndarray]:
-    """Components and the subject posterior of every prompt, from heads trained without its fold."""
+def cross_fitted(
+    data: Outcomes,
+    enc: Encoded,
+    fold: np.ndarray,
+    cfg: TrainConfig,
+    static_by_fold: dict[int, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """Components and the subject posterior of every prompt, from heads trained without its fold.
+
+    `static_by_fold`: each fold's own embeddings of every prompt (an encoder distilled on that fold's
+    training prompts), read by that fold's head in place of `enc.static`."""
     n = len(data)
     groups = sorted(set(data.groups or []))
     out = {
@@ -144,8 +154,9 @@ def cross_fitted(data: Outcomes, enc: Encoded, fold: np.ndarray, cfg: TrainConfi
     }
     for k in np.unique(fold):
         train, test = np.nonzero(fold != k)[0], np.nonzero(fold == k)[0]
-        head = _fit_parts(data.subset(train), enc.subset(train), cfg)
-        held_out = enc.subset(test)
+        fold_enc = enc if static_by_fold is None else dataclasses.replace(enc, static=static_by_fold[k])
+        head = _fit_parts(data.subset(train), fold_enc.subset(train), cfg)
+        held_out = fold_enc.subset(test)
         out["components"][test] = head.components(held_out)
         logits = head._logits(held_out)[:, 2:]
         g = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -445,13 +456,14 @@ def depth(
     depths: list[int],
     cache: Path | None,
     compute: str = "float32",
+    threads: int | None = None,
 ) -> None:
     """Experiment 8: the v3 head on embeddings pooled after MiniLM's first layers, inputs cut short."""
     import torch
 
     from routing.minilm import MiniLMEncoder
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     v3 = cross_fitted(data, enc, fold, TrainConfig(calibration_folds=0))
     ref = equal_blend(v3["components"], fold)
     report("v3 recipe (static MiniLM table)", ref, None)
@@ -487,6 +499,27 @@ def depth(
             )
 
 
+def reporter(data: Outcomes, bootstrap: int):
+    """`report(name, score, ref, vs)`: prints a ranking's APGR with a 95% bootstrap interval and, given a
+    reference ranking, the paired bootstrap interval of the difference (the same draws for every call)."""
+    w, s = data.weak.astype(float), data.strong.astype(float)
+    rng = np.random.default_rng(0)
+    draws = [rng.integers(0, len(data), len(data)) for _ in range(bootstrap)]
+
+    def apgr(score: np.ndarray) -> float:
+        return metrics(score, w, s)["APGR"]
+
+    def report(name: str, score: np.ndarray, ref: np.ndarray | None, vs: str = "v3") -> None:
+        boot = [metrics(score[i], w[i], s[i])["APGR"] for i in draws]
+        line = f"  {name:<62} APGR {apgr(score):.4f} [{np.percentile(boot, 2.5):.3f}, {np.percentile(boot, 97.5):.3f}]"
+        if ref is not None:
+            diff = [b - metrics(ref[i], w[i], s[i])["APGR"] for b, i in zip(boot, draws, strict=True)]
+            line += f"  vs {vs} {apgr(score) - apgr(ref):+.4f} [{np.percentile(diff, 2.5):+.4f}, {np.percentile(diff, 97.5):+.4f}]"
+        print(line, flush=True)
+
+    return report
+
+
 def main() -> None:
     from sklearn.ensemble import HistGradientBoostingRegressor
     from sklearn.linear_model import Ridge
@@ -505,6 +538,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", default="64,128,256", help="experiment 8: input caps to try")
     ap.add_argument("--compute", default="float32", help="experiment 8: float32, bfloat16 or int8 matmuls")
     ap.add_argument("--cache", type=Path, help="experiment 8: keep the encoded prompts here between runs")
+    ap.add_argument(
+        "--threads", type=int, help="experiment 8: torch threads (default: one per core; 1 on a busy machine)"
+    )
     args = ap.parse_args()
 
     data = load_mmlu(args.data)
@@ -513,19 +549,10 @@ def main() -> None:
     embedder = StaticEmbedder.from_minilm()
     enc = encode(embedder, data.prompts)
     fold = np.array([prompt_fold(p, 5) for p in data.prompts])
-    rng = np.random.default_rng(0)
-    draws = [rng.integers(0, len(data), len(data)) for _ in range(args.bootstrap)]
+    report = reporter(data, args.bootstrap)
 
     def apgr(score: np.ndarray) -> float:
         return metrics(score, w, s)["APGR"]
-
-    def report(name: str, score: np.ndarray, ref: np.ndarray | None, vs: str = "v3") -> None:
-        boot = [metrics(score[i], w[i], s[i])["APGR"] for i in draws]
-        line = f"  {name:<62} APGR {apgr(score):.4f} [{np.percentile(boot, 2.5):.3f}, {np.percentile(boot, 97.5):.3f}]"
-        if ref is not None:
-            diff = [b - metrics(ref[i], w[i], s[i])["APGR"] for b, i in zip(boot, draws, strict=True)]
-            line += f"  vs {vs} {apgr(score) - apgr(ref):+.4f} [{np.percentile(diff, 2.5):+.4f}, {np.percentile(diff, 97.5):+.4f}]"
-        print(line, flush=True)
 
     if args.artefact_only:
         artefact(data, enc, fold, report, embedder)
@@ -539,7 +566,7 @@ def main() -> None:
     if args.depth_only:
         depths = [int(v) for v in args.depths.split(",")]
         tokens = [int(v) for v in args.max_tokens.split(",")]
-        depth(data, enc, fold, report, tokens, depths, args.cache, args.compute)
+        depth(data, enc, fold, report, tokens, depths, args.cache, args.compute, args.threads)
         return
     t0 = time.perf_counter()
     v3 = cross_fitted(data, enc, fold, TrainConfig(calibration_folds=0))
