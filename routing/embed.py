@@ -10,6 +10,7 @@ picks one per machine. This module imports only numpy and `tokenizers`; torch co
 from __future__ import annotations
 
 import os
+import re
 import string
 import threading
 import weakref
@@ -17,7 +18,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, normalizers
 
 
 def minilm_dir() -> Path:
@@ -58,6 +59,21 @@ def _last_boundary(text: str, end: int) -> int:
     return -1
 
 
+# ASCII control characters BERT's normalizer deletes: all but tab, line feed and carriage return.
+_DELETED_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def _lowercasing_copy(tokenizer: Tokenizer) -> Tokenizer | None:
+    """A copy of `tokenizer` whose normalizer only lower-cases, for ASCII text (see
+    `WordPieceEmbedder._encode`); None unless the normalizer is BERT's lower-casing one (MiniLM's)."""
+    norm = tokenizer.normalizer
+    if not (isinstance(norm, normalizers.BertNormalizer) and norm.lowercase and norm.clean_text):
+        return None
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.normalizer = normalizers.Lowercase()
+    return copy
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("WEIR_CACHE_DIR") or Path.home() / ".cache" / "weir")
 
@@ -76,6 +92,17 @@ class WordPieceEmbedder(ABC):
         self.tokenizer.enable_truncation(max_tokens)
         self.max_tokens = max_tokens
         self.prefix_chars = PREFIX_CHARS_PER_TOKEN * max_tokens
+        self._ascii_tokenizer = _lowercasing_copy(tokenizer)
+
+    def _encode(self, text: str) -> list[int]:
+        """The tokenizer's ids for `text`, with [CLS] and [SEP]. BERT's normalizer is a quarter of
+        the tokenizer's time on a long prompt, and on ASCII text without the control characters it
+        deletes, all it changes is the case (accents and CJK spacing need non-ASCII; tab and line
+        breaks become spaces, where the pre-tokenizer splits alike): a plain lower-casing normalizer
+        gives the same ids. Special tokens ([CLS], [MASK]) are matched before either normalizer."""
+        if self._ascii_tokenizer is not None and text.isascii() and not _DELETED_CONTROLS.search(text):
+            return self._ascii_tokenizer.encode(text).ids
+        return self.tokenizer.encode(text).ids
 
     def token_ids(self, text: str) -> list[int]:
         """The text's first `max_tokens - 2` WordPiece ids. The tokenizer reads the whole string
@@ -86,10 +113,10 @@ class WordPieceEmbedder(ABC):
         if len(text) > self.prefix_chars:
             cut = _last_boundary(text, self.prefix_chars)
             if cut > 0:
-                ids = self.tokenizer.encode(text[:cut]).ids
+                ids = self._encode(text[:cut])
                 if len(ids) >= self.max_tokens:
                     return ids[1:-1]
-        ids = self.tokenizer.encode(text).ids
+        ids = self._encode(text)
         return ids[1:-1] if len(ids) > 2 else ids
 
     def token_ids_many(self, texts: list[str]) -> list[list[int]]:

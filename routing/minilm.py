@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,10 +83,10 @@ class Linear:
             self.weight, self.bias = weight.to(dtype).contiguous(), bias.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` is (rows, in_features): the encoder keeps its activations as one row per token."""
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]), self.packed, True)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
 
 class MiniLMEncoder:
@@ -174,33 +175,44 @@ class MiniLMEncoder:
         return ids, mask
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.pooled_by_depth(ids, mask)[-1]
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit-length mean-pooled embedding after the last layer, (batch, dim). `mask` None: no
+        padding (a single prompt, the request path), so no attention mask either."""
+        *_, x = self._hidden_states(ids, mask)
+        return self._pool(x, ids.shape, mask)
 
     @torch.inference_mode()
-    def pooled_by_depth(self, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    def pooled_by_depth(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The unit-length mean-pooled embedding after each of `self.layers`, shallowest first."""
+        return [self._pool(x, ids.shape, mask) for x in self._hidden_states(ids, mask)]
+
+    def _hidden_states(self, ids: torch.Tensor, mask: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """The hidden state after each layer, as (batch * tokens, hidden): one row per token, so the
+        linear layers and layer norms take it as it is and only attention reshapes."""
         w, cfg = self.w, self.config
         eps, h = cfg.layer_norm_eps, cfg.num_heads
         b, n = ids.shape
         d = cfg.hidden_size
-        x = F.embedding(ids, w["embeddings.word_embeddings.weight"]) + self.pos_plus_type[:n]
+        x = (F.embedding(ids, w["embeddings.word_embeddings.weight"]) + self.pos_plus_type[:n]).view(b * n, d)
         x = F.layer_norm(x, (d,), w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
-        # A single unpadded text needs no attention mask (the common request-path case).
-        attn_mask = None if bool(mask.all()) else mask[:, None, None, :]
-        m = mask.unsqueeze(-1).float()
-        pooled = []
+        attn_mask = None if mask is None or bool(mask.all()) else mask[:, None, None, :]
         for qkv_proj, o_proj, ln1_w, ln1_b, up, down, ln2_w, ln2_b in self.layers:
-            qkv = qkv_proj(x).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
-            a = _attention(qkv[0], qkv[1], qkv[2], attn_mask)
-            a = a.transpose(1, 2).reshape(b, n, d)
-            x = F.layer_norm(o_proj(a) + x, (d,), ln1_w, ln1_b, eps)
+            q, k, v = qkv_proj(x).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+            a = _attention(q, k, v, attn_mask).transpose(1, 2).reshape(b * n, d)
+            x = F.layer_norm(o_proj(a).add_(x), (d,), ln1_w, ln1_b, eps)
             # BERT's exact (erf) GELU, as in the reference implementation.
-            ff = down(F.gelu(up(x)))
-            x = F.layer_norm(ff + x, (d,), ln2_w, ln2_b, eps)
-            mean = (x.float() * m).sum(1) / m.sum(1).clamp(min=1e-9)  # a few microseconds a layer
-            pooled.append(F.normalize(mean, p=2, dim=1))
-        return pooled
+            x = F.layer_norm(down(F.gelu(up(x))).add_(x), (d,), ln2_w, ln2_b, eps)
+            yield x
+
+    @staticmethod
+    def _pool(x: torch.Tensor, shape: torch.Size, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x.float().view(*shape, -1)
+        if mask is None:
+            mean = x.mean(1)
+        else:
+            m = mask.unsqueeze(-1).float()
+            mean = (x * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        return F.normalize(mean, p=2, dim=1)
 
     def encode(self, texts: list[str], batch_size: int = 32) -> torch.Tensor:
         """Embeddings of `texts`, shape (len(texts), dim), float32, unit length.
@@ -220,7 +232,7 @@ class MiniLMEncoder:
     def encode_one(self, text: str) -> torch.Tensor:
         enc = self.tokenizer.encode(text)
         ids = torch.tensor([enc.ids], dtype=torch.long)
-        return self.forward(ids, torch.ones_like(ids, dtype=torch.bool))[0]
+        return self.forward(ids)[0]
 
 
 def distil_static_table(encoder: MiniLMEncoder, batch_size: int = 1024) -> np.ndarray:
@@ -232,9 +244,7 @@ def distil_static_table(encoder: MiniLMEncoder, batch_size: int = 1024) -> np.nd
     ids = torch.stack(
         [torch.full((vocab,), cls_id), torch.arange(vocab), torch.full((vocab,), sep_id)], dim=1
     )
-    out = [
-        encoder.forward(chunk, torch.ones_like(chunk, dtype=torch.bool)) for chunk in ids.split(batch_size)
-    ]
+    out = [encoder.forward(chunk) for chunk in ids.split(batch_size)]
     return torch.cat(out).numpy().astype(np.float32)
 
 
@@ -284,4 +294,4 @@ class MiniLMEmbedder(WordPieceEmbedder):
     # per tensor, so a prompt's embedding would otherwise depend on the prompts batched with it.
     def pool(self, ids: list[int]) -> np.ndarray:
         seq = torch.tensor([self._sequence(ids)], dtype=torch.long)
-        return self.encoder.forward(seq, torch.ones_like(seq, dtype=torch.bool))[0].numpy()
+        return self.encoder.forward(seq)[0].numpy()

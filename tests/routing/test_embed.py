@@ -4,10 +4,15 @@ float32, and the static table is exactly the encoder's output for each vocabular
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+from routing.difficulty import DifficultyClassifier, encode
 from routing.embed import (
     DEFAULT_RECIPE,
     ENCODER_RECIPES,
@@ -16,7 +21,8 @@ from routing.embed import (
     load_embedder,
     minilm_dir,
 )
-from routing.minilm import MiniLMEmbedder, MiniLMEncoder
+from routing.minilm import Linear, MiniLMEmbedder, MiniLMEncoder
+from tests.routing.mmlu import fixture_prompts
 
 TEXTS = [
     "hi",
@@ -130,7 +136,9 @@ def test_recipes_name_their_embedders() -> None:
         load_embedder("minilm-l6-first9-v0")
 
 
-def test_long_prompts_are_tokenized_by_their_prefix_with_the_same_ids() -> None:
+def test_long_prompts_are_tokenized_by_their_prefix_with_the_same_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     embedder = load_embedder(DEFAULT_RECIPE)
     prose = ((minilm_dir() / "README.md").read_text() + " The quick brown fox jumps over the lazy dog.") * 4
     texts = [
@@ -152,18 +160,99 @@ def test_long_prompts_are_tokenized_by_their_prefix_with_the_same_ids() -> None:
         assert embedder.token_ids(text) == whole[1:-1], text[:40]
     # The prefix path is taken for the prose (cost bounded by the prefix, not the prompt).
     calls: list[int] = []
-    real = embedder.tokenizer
+    real = embedder._encode
 
-    class Counting:
-        def encode(self, text: str) -> object:
-            calls.append(len(text))
-            return real.encode(text)
+    def counting(text: str) -> list[int]:
+        calls.append(len(text))
+        return real(text)
 
-    embedder.tokenizer = Counting()  # type: ignore[assignment]
-    try:
-        for text in (prose, texts[8]):  # prose, and minified JSON with no space at all
-            calls.clear()
-            embedder.token_ids(text)
-            assert calls and max(calls) <= embedder.prefix_chars
-    finally:
-        embedder.tokenizer = real
+    monkeypatch.setattr(embedder, "_encode", counting)
+    for text in (prose, texts[8]):  # prose, and minified JSON with no space at all
+        calls.clear()
+        embedder.token_ids(text)
+        assert calls and max(calls) <= embedder.prefix_chars
+
+
+def test_ascii_prompts_skip_the_normalizer_with_the_same_ids(fixture_dir: Path) -> None:
+    """ASCII text is tokenized with a plain lower-casing normalizer instead of BERT's (a quarter of
+    the tokenizer's time): the ids must be the tokenizer's own, control characters, case, tabs, line
+    breaks and special tokens included, for prompts short and long, and for the static embedder."""
+    rng = np.random.default_rng(0)
+    ascii_chars = [chr(c) for c in range(128)]
+    # Mostly letters, spaces and punctuation, with every control character in the draw.
+    weights = np.array([8.0 if c.isalnum() else 4.0 if c in " .,?!-'\n\t" else 1.0 for c in ascii_chars])
+    random_texts = [
+        "".join(rng.choice(ascii_chars, size=int(rng.integers(1, 400)), p=weights / weights.sum()))
+        for _ in range(300)
+    ]
+    texts = [
+        *ascii_chars,
+        *(f"Word{c}NEXT word" for c in ascii_chars),
+        "",
+        "   ",
+        "\x1c",
+        "Tab\tseparated\r\nCRLF lines\vand\fform feeds",
+        "UPPER lower MiXeD 3.14 e=mc^2 [MASK] [mask] [CLS]x[SEP] [UNK] ##ing",
+        *TEXTS,
+        *fixture_prompts(fixture_dir, "conceptual_physics"),
+        *random_texts,
+        "Long PROMPT, repeated; " * 400,  # beyond the prefix: the prefix path, through the shortcut
+    ]
+    for embedder in (load_embedder(DEFAULT_RECIPE), StaticEmbedder.from_minilm()):
+        assert embedder._ascii_tokenizer is not None  # MiniLM's normalizer is BERT's: the shortcut is on
+        for text in texts:
+            whole = embedder.tokenizer.encode(text).ids
+            assert embedder.token_ids(text) == (whole[1:-1] if len(whole) > 2 else whole), repr(text[:60])
+
+
+def _reference_embedding(encoder: MiniLMEncoder, ids: torch.Tensor) -> torch.Tensor:
+    """BERT's layers as the head was fitted on them, written plainly: (batch, tokens, hidden)
+    activations, separate Q, K and V, an all-true attention mask, masked mean pooling after the last
+    layer. Same weights and int8 kernels as `encoder`; only the bookkeeping around them differs."""
+    w, cfg = encoder.w, encoder.config
+    d, h, eps = cfg.hidden_size, cfg.num_heads, cfg.layer_norm_eps
+    b, n = ids.shape
+    mask = torch.ones(b, n, dtype=torch.bool)
+
+    def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer(x.reshape(b * n, -1)).view(b, n, -1)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.view(b, n, h, d // h).transpose(1, 2)
+
+    with torch.inference_mode():
+        x = F.embedding(ids, w["embeddings.word_embeddings.weight"]) + encoder.pos_plus_type[:n]
+        x = F.layer_norm(x, (d,), w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
+        for qkv_proj, o_proj, ln1_w, ln1_b, up, down, ln2_w, ln2_b in encoder.layers:
+            q, k, v = (heads(t) for t in linear(qkv_proj, x).split(d, dim=-1))
+            scores = (q @ k.transpose(-1, -2)).masked_fill(~mask[:, None, None, :], float("-inf"))
+            a = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d)
+            x = F.layer_norm(linear(o_proj, a) + x, (d,), ln1_w, ln1_b, eps)
+            x = F.layer_norm(linear(down, F.gelu(linear(up, x))) + x, (d,), ln2_w, ln2_b, eps)
+        m = mask.unsqueeze(-1).float()
+        return F.normalize((x * m).sum(1) / m.sum(1), dim=1)
+
+
+def test_request_path_scores_what_the_head_was_fitted_on(
+    classifier: DifficultyClassifier, fixture_dir: Path
+) -> None:
+    """The request path's encoder pass is trimmed for speed (one row per token, no mask, pooled once),
+    never its arithmetic: int8 activations are quantized per tensor, so a last-bit difference in
+    float (another attention kernel, another summation order) moves some scores by up to 1e-3 (seen
+    with scaled_dot_product_attention), and the head was fitted on these numbers."""
+    embedder = classifier.embedder
+    assert isinstance(embedder, MiniLMEmbedder)
+    subjects = ("conceptual_physics", "world_religions")
+    prompts = [*TEXTS, *(p for s in subjects for p in fixture_prompts(fixture_dir, s)[:60])]
+    ids = [embedder.token_ids(p) for p in prompts]
+    reference = np.stack(
+        [
+            _reference_embedding(embedder.encoder, torch.tensor([embedder._sequence(i)]))[0].numpy()
+            for i in ids
+        ]
+    )
+    enc = encode(embedder, prompts)
+    expected = classifier.head.p_strong(dataclasses.replace(enc, static=reference))
+    scores = np.array([classifier.score(p) for p in prompts])
+    np.testing.assert_allclose(scores, expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.stack([embedder.pool(i) for i in ids]), reference, rtol=0, atol=1e-6)
