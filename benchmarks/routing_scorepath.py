@@ -32,7 +32,10 @@ from routing.train import load_mmlu  # noqa: E402
 # Reads a JSON string (a prompt) a line, answers [p_strong, wall seconds, thread CPU seconds].
 WORKER = """
 import json, sys, time
+import torch
 from routing.difficulty import DifficultyClassifier
+if int(sys.argv[2]):
+    torch.set_num_threads(int(sys.argv[2]))
 clf = DifficultyClassifier.default(sys.argv[1])
 print(json.dumps(clf.kind), flush=True)
 for line in sys.stdin:
@@ -44,10 +47,10 @@ for line in sys.stdin:
 
 
 class Worker:
-    def __init__(self, tree: Path, head: str) -> None:
+    def __init__(self, tree: Path, head: str, threads: int) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, head],
+            [sys.executable, "-c", WORKER, head, str(threads)],
             cwd=tree,
             env=env,
             stdin=subprocess.PIPE,
@@ -106,6 +109,7 @@ def main() -> None:
     ap.add_argument("--head", choices=HEADS, default="encoder")
     ap.add_argument("--prompts", type=int, default=2000, help="MMLU prompts, each scored once by each side")
     ap.add_argument("--timing-rounds", type=int, default=1000, help="scores of TIMING_PROMPT by each side")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--tolerance", type=float, default=1e-5, help="largest score difference allowed")
     args = ap.parse_args()
@@ -113,10 +117,14 @@ def main() -> None:
     data = load_mmlu(args.data)
     rng = np.random.default_rng(0)
     prompts = [data.prompts[i] for i in rng.choice(len(data.prompts), args.prompts, replace=False)]
-    workers = {"baseline": Worker(args.baseline.resolve(), args.head), "this": Worker(REPO, args.head)}
+    workers = {
+        "baseline": Worker(args.baseline.resolve(), args.head, args.threads),
+        "this": Worker(REPO, args.head, args.threads),
+    }
     try:
         kinds = {name: w.kind for name, w in workers.items()}
-        print(f"heads: {kinds}; baseline {args.baseline}, this {REPO}")
+        threads = args.threads or "torch's default"
+        print(f"heads: {kinds}; torch threads: {threads}; baseline {args.baseline}, this {REPO}")
         interleaved(workers, prompts[: args.warmup])
         mmlu = interleaved(workers, prompts)
         report(f"{len(prompts)} MMLU prompts, one score each", mmlu)
