@@ -772,10 +772,12 @@ async function routes(params, query, show) {
 
 // --- tenants and keys ---------------------------------------------------------------------------
 
+// Rate limits may be 0 (refuse every request), as the API takes for tenants and keys: with min 1 the
+// browser refused to submit a form holding a 0 the API had stored, so such a tenant could not be saved.
 const limitInputs = () => ({
   budget: h("input", { name: "budget_usd_monthly", inputmode: "decimal", placeholder: "no budget" }),
-  rpm: h("input", { name: "rpm", type: "number", min: 1, placeholder: "no limit" }),
-  tpm: h("input", { name: "tpm", type: "number", min: 1, placeholder: "no limit" }),
+  rpm: h("input", { name: "rpm", type: "number", min: 0, placeholder: "no limit" }),
+  tpm: h("input", { name: "tpm", type: "number", min: 0, placeholder: "no limit" }),
 });
 const limitsBody = (i) => ({
   budget_usd_monthly: i.budget.value.trim() || null,

@@ -118,3 +118,26 @@ def test_a_config_tenant_has_no_edit_or_delete_only_where_to_change_it(weir: Wei
     assert page.get_by_role("button", name="Save tenant").count() == 0
     assert page.get_by_role("button", name="Delete tenant team").count() == 0
     page.close()
+
+
+def test_a_rate_limit_of_zero_is_saved_from_the_forms(weir: Weir, browser: Any) -> None:
+    """The API takes rpm and tpm 0 (refuse everything), so the forms must too: a tenant stored with
+    rpm 0 could not be re-saved, the browser refusing the form's own value below its minimum."""
+    tenant = weir.admin.post("/tenants", json={"name": "paused", "rpm": 0, "tpm": 0}).json()
+    page = signed_in(weir, browser, f"#/tenants/{tenant['id']}")
+    form = page.get_by_role("form", name="Edit tenant paused")
+    assert form.get_by_label("Requests per minute", exact=True).input_value() == "0"
+    form.get_by_label("Monthly budget (USD)", exact=True).fill("3")
+    form.get_by_role("button", name="Save tenant").click()
+    page.locator("#tenant-message", has_text="Saved paused.").wait_for()
+    saved = weir.admin.get(f"/tenants/{tenant['id']}").json()
+    assert (saved["budget_usd_monthly"], saved["rpm"], saved["tpm"]) == ("3", 0, 0)
+
+    keys = page.locator("#keys")
+    keys.get_by_label("Key name", exact=True).fill("stopped")
+    keys.get_by_label("Requests per minute", exact=True).fill("0")
+    keys.get_by_role("button", name="Issue key").click()
+    page.locator("#new-key-value").wait_for()
+    issued = weir.admin.get(f"/tenants/{tenant['id']}/keys").json()["data"]
+    assert [(k["name"], k["rpm"]) for k in issued] == [("stopped", 0)]
+    page.close()
