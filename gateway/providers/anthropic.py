@@ -48,6 +48,7 @@ from gateway.providers.base import (
     parse_data_url,
     parse_image_data_url,
     refuse_builtin_tools,
+    refuse_emptied_final_turn,
     refuse_unexpressible,
     token_count,
     unexpressible,
@@ -305,6 +306,7 @@ def _messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[dict[
             if message.is_error:
                 result["is_error"] = True
             append("user", [result], message.cache_control)
+    refuse_emptied_final_turn(messages, out, "Anthropic")
     _trim_prefill(out)
     return system, out
 

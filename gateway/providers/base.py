@@ -398,6 +398,22 @@ def guess_media_type(url: str) -> str:
 NO_THINKING = ("none", "minimal")  # reasoning efforts that ask for no thinking
 
 
+def refuse_emptied_final_turn(messages: list[Message], turns: list[dict[str, Any]], vendor: str) -> None:
+    """A conversation the client ended with a user message whose content the adapter left out (text
+    of whitespace alone, or empty, which `vendor` refuses) would reach it ending with the model's own
+    turn, which it continues instead of answering, or with no turn at all: a 400 naming the message
+    instead of a request that means something else. A blank turn before the end is left out, as the
+    user turns around it say what the client asked. `turns` are the vendor's, each with its `role`."""
+    if not messages or messages[-1].role != "user" or (turns and turns[-1]["role"] == "user"):
+        return
+    where = f"messages[{len(messages) - 1}].content"
+    raise InvalidRequest(
+        f"{where}: the final user message is empty (or whitespace alone), which {vendor} models "
+        "refuse; left out, the conversation would end on another turn instead of asking",
+        param=where,
+    )
+
+
 def check_stop_count(request: ChatRequest, most: int, vendor: str) -> None:
     """A vendor that takes at most `most` stop sequences refuses more with a 400 (OpenAI 4, Gemini 5;
     Anthropic any number): the request cannot be expressed for it, and is not sent (a route passes the

@@ -41,6 +41,7 @@ from gateway.providers.base import (
     parse_image_data_url,
     refuse_anthropic_tools,
     refuse_builtin_tools,
+    refuse_emptied_final_turn,
     refuse_unexpressible,
     split_call_id,
     token_count,
@@ -299,6 +300,7 @@ def _contents(messages: list[Message], model: str) -> tuple[list[dict[str, Any]]
             append("user", [{"functionResponse": response}])
     if media:
         append("user", media)
+    refuse_emptied_final_turn(messages, contents, "Gemini")
     return system, contents
 
 

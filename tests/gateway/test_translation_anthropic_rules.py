@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import msgspec
+import openai
 import pytest
 
 from gateway.config import Backend
@@ -237,6 +238,53 @@ def test_claude_is_never_sent_an_empty_message_or_empty_text_block(
     merged."""
     gateway.openai().chat.completions.create(model="claude-sonnet", messages=messages, max_tokens=20)
     assert fake_anthropic.last_request.json["messages"] == expected
+
+
+# A conversation the client ends with a blank question: left out, it would end with Claude's own turn
+# (which Claude continues instead of answering) or with no turn at all.
+ENDS_BLANK: Any = [
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "an answer"},
+    {"role": "user", "content": " \n"},
+]
+ENDS_BLANK_PART: Any = [*ENDS_BLANK[:2], {"role": "user", "content": [{"type": "text", "text": ""}]}]
+ONLY_BLANK: Any = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "\t"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (ENDS_BLANK, "messages[2].content"),
+        (ENDS_BLANK_PART, "messages[2].content"),
+        (ONLY_BLANK, "messages[1].content"),
+    ],
+    ids=["after-an-answer", "empty-part", "only-question"],
+)
+def test_a_final_blank_user_message_is_a_400_naming_it_not_a_prefill(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, messages: Any, param: str, stream: bool
+) -> None:
+    """Anthropic refuses a blank text block; Weir leaves one out, but not the final user message's
+    only content: the conversation would mean something else (Claude goes on with its last answer).
+    A 400 naming the message, before anything is sent."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().chat.completions.create(model="claude-sonnet", messages=messages, stream=stream)
+    body = caught.value.body
+    assert isinstance(body, dict) and (body["type"], body["param"]) == ("invalid_request_error", param)
+    assert "final user message" in body["message"] and "Anthropic" in body["message"]
+    assert not fake_anthropic.requests
+
+
+def test_a_final_blank_user_message_after_a_question_is_left_out(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    """A blank message after the user's own question leaves the question last: it is left out as any
+    blank turn is, and Claude answers the question."""
+    messages: Any = [{"role": "user", "content": "first question"}, {"role": "user", "content": "  "}]
+    gateway.openai().chat.completions.create(model="claude-sonnet", messages=messages, max_tokens=20)
+    assert fake_anthropic.last_request.json["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "first question"}]}
+    ]
 
 
 @pytest.mark.parametrize("stream", [False, True])

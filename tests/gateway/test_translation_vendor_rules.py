@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 import anthropic
+import openai
 import pytest
 
 from gateway.config import Backend
@@ -166,6 +167,35 @@ def test_gemini_is_never_sent_a_content_without_parts(
         assert contents == [
             {"role": "user", "parts": [{"text": "first question"}, {"text": "second question"}]}
         ]
+
+
+@pytest.mark.parametrize("content", ["", [{"type": "text", "text": ""}]], ids=["empty", "empty-part"])
+def test_an_empty_final_user_message_is_a_400_for_gemini_not_a_model_turn_to_continue(
+    gateway: RunningGateway, fake_gemini: FakeGemini, content: Any
+) -> None:
+    """Gemini refuses an empty text part, which is left out; the final user message's only one would
+    leave the conversation ending with the model's turn, which Gemini continues (or, from 3.5, refuses):
+    a 400 naming the message instead, nothing sent."""
+    messages: Any = [*EMPTY_ASSISTANT[:1], {"role": "assistant", "content": "an answer"}]
+    messages.append({"role": "user", "content": content})
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().chat.completions.create(model="gemini-flash", messages=messages)
+    body = caught.value.body
+    assert isinstance(body, dict) and (body["type"], body["param"]) == (
+        "invalid_request_error",
+        "messages[2].content",
+    )
+    assert not fake_gemini.requests
+
+
+def test_a_whitespace_final_user_message_reaches_gemini_as_sent(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Gemini takes a text part of whitespace (only an empty one has no data): it is sent as is."""
+    messages: Any = [*EMPTY_ASSISTANT[:1], {"role": "assistant", "content": "an answer"}]
+    messages.append({"role": "user", "content": " \n"})
+    gateway.openai().chat.completions.create(model="gemini-flash", messages=messages, max_tokens=20)
+    assert fake_gemini.last_request.json["contents"][-1] == {"role": "user", "parts": [{"text": " \n"}]}
 
 
 def test_gemma_is_sent_the_system_prompt_at_the_start_of_the_first_user_turn(
