@@ -435,6 +435,12 @@ def test_weir_config_check_summarises_a_valid_config(tmp_path: Path) -> None:
         ),
         # Routes are validated too: a fallback to a model the config does not have.
         (("fallbacks: [gpt-4o]", "fallbacks: [gpt-4o-maxi]"), {}, "gpt-4o-maxi"),
+        # A tenant's (so its keys') models naming nothing the config serves: a key that could never work.
+        (
+            ('api_keys: ["${WEIR_DEMO_KEY}"]}', 'api_keys: ["${WEIR_DEMO_KEY}"], models: [auto, gtp-4o]}'),
+            {},
+            "tenants[0].models[1]: no model named 'gtp-4o'",
+        ),
     ],
 )
 def test_weir_config_check_fails_with_the_loaders_error(
