@@ -163,6 +163,21 @@ class QuotaExceeded(GatewayError):
     code = "insufficient_quota"
 
 
+class BudgetUnconfirmed(GatewayError):
+    """Refused by this replica's share of a budget while the shared state (Redis) is away: the
+    tenant has money left, which no replica can confirm then. A 429 with retry-after that clients
+    retry (a retry may reach another replica), not `insufficient_quota`, which they do not."""
+
+    status = 429
+    type = "budget_unconfirmed"
+    code = "budget_unconfirmed"
+
+
+# Seconds a request refused by this replica's share of a budget is told to wait (BudgetUnconfirmed):
+# enough for a client to land on another replica, or for Redis to answer again after a blip.
+BUDGET_UNCONFIRMED_RETRY_S = 2
+
+
 def _scope(key: str) -> str:
     return "key" if ":key:" in key else "tenant"
 
@@ -281,6 +296,14 @@ def refusal(
             )
     blocked = decision.blocked_by or ""
     scope = _scope(blocked)
+    if blocked.startswith("budget:") and decision.share_spent:
+        wait = BUDGET_UNCONFIRMED_RETRY_S
+        return BudgetUnconfirmed(
+            f"This {scope}'s monthly budget cannot be confirmed across Weir's replicas while their shared "
+            f"state is unavailable, and this replica has used its share of it. Please try again in {wait}s: "
+            "another replica may admit the request.",
+            headers={"retry-after": str(wait)},
+        )
     if blocked.startswith("budget:"):
         return QuotaExceeded(
             f"You exceeded this {scope}'s monthly budget. Ask your Weir administrator to raise it."
@@ -457,7 +480,7 @@ class Admission:
         anthropic: bool = False,
         web_searches: int = 0,
     ) -> dict[str, str]:
-        """Raise RateLimited or QuotaExceeded (429), or count the request in and remember it; the
+        """Raise RateLimited, QuotaExceeded or BudgetUnconfirmed (429), or count the request in and remember it; the
         rate-limit headers its response carries (`rate_headers`; none without RPM/TPM limits), and
         a 429's: Anthropic's too where `anthropic` (a request to the Messages API).
         `long_context`: the model's long-context tier, which prices the estimate of a long prompt.

@@ -81,6 +81,10 @@ class Admission:
     # lost them (Redis restarted empty, failed over to a replica behind it, evicted the key). Nothing
     # was counted; the caller seeds them again from the ledger and asks once more.
     unseeded: tuple[str, ...] = ()
+    # Refused by this replica's share of the budget `blocked_by` while Redis is away
+    # (gateway.state.degradable): the whole budget has room for the request as far as this replica
+    # knows, which no replica can confirm then, so another replica may admit it where this one won't.
+    share_spent: bool = False
 
 
 @dataclass(frozen=True, slots=True)

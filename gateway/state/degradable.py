@@ -1,9 +1,9 @@
 """Shared state that survives its Redis going away: in-process limits meanwhile, Redis again after.
 
 A gateway must keep serving when Redis is down. While it is unreachable, every call goes to a
-`MemoryState` in this process: each replica admits its share of every limit instead of the replicas
-counting together (below), budgets hold per replica (N replicas may spend up to N times what was left
-of one), a revocation reaches only this replica at once (the others within the key-cache TTL), and
+`MemoryState` in this process: each replica admits its share of every limit and spends its share of
+what was left of every budget instead of the replicas counting together (below), a revocation
+reaches only this replica at once (the others within the key-cache TTL), and
 `weir_shared_state_degraded` is 1 so an alert fires.
 
 A Redis that hangs (accepts connections, never answers) costs each call `timeout_s`, where a refused
@@ -29,6 +29,11 @@ ledger's seed, then every admission's and settlement's answer), so a tenant that
 stays refused while Redis is away instead of starting the month again from zero on every replica.
 What was settled here meanwhile (the money spent, reservations Redis made that it can release) goes
 to Redis once it answers, or its books would miss the outage's spend for the rest of the month.
+And each replica spends its share of what was left (`_budget_share`): from the spend Redis last
+reported when the outage began (or when this replica first met the budget during it), spend0, up to
+spend0 + (limit - spend0) / R, so R replicas together spend about the remainder, not R times it. A
+request this replica's share refuses but the whole budget (as far as it knows) would take is refused
+as `share_spent` (a 429 the client retries, which may reach another replica), not as over budget.
 """
 
 from __future__ import annotations
@@ -112,6 +117,9 @@ class DegradableState(Shortcuts):
         self.announce_s = announce_s
         self._replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._announcer: asyncio.Task[None] | None = None
+        # While Redis is away: each budget's spend when this replica first met it in the outage (as
+        # Redis last reported it), which its share of the budget starts from (`_budget_share`).
+        self._spent_at_outage: dict[str, int] = {}
 
     @property
     def degraded(self) -> bool:
@@ -153,6 +161,7 @@ class DegradableState(Shortcuts):
                 {key: (w, b, -(-n // r)) for key, (w, b, n) in self._last_read.items()}
             )
             self._last_read = {}
+            self._spent_at_outage = {}  # this outage's shares start from what Redis says now
         if self._prober is None or self._prober.done():
             self._prober = detached(self._probe())  # not the request's that met the outage
 
@@ -242,10 +251,15 @@ class DegradableState(Shortcuts):
         reached, decision = await self._try_primary("admit", limits, budgets, amount_pico_usd, ttl_s)
         if not reached:
             shares = [self._share(limit) for limit in limits]
-            decision = await self.fallback.admit(shares, budgets, amount_pico_usd, ttl_s)
+            budget_shares = [self._budget_share(budget) for budget in budgets]
+            decision = await self.fallback.admit(shares, budget_shares, amount_pico_usd, ttl_s)
             if decision.allowed:
                 for limit, bucket in zip(limits, decision.buckets, strict=False):
                     self._count(limit.key, limit.window_s, bucket, limit.cost)
+            for key in decision.unseeded:  # its spend is not known yet: its share starts once it is
+                self._spent_at_outage.pop(key, None)
+            if decision.blocked_by in self._spent_at_outage:
+                decision = self._of_whole_budgets(budgets, amount_pico_usd, decision)
             return self._of_whole_limits(limits, shares, decision)
         self._read(limits, decision)
         if decision.spent:
@@ -290,6 +304,34 @@ class DegradableState(Shortcuts):
             return limit
         share = max(1, limit.limit // self.replicas, limit.cost if limit.cost <= limit.limit else 0)
         return replace(limit, limit=min(share, limit.limit))
+
+    def _budget_share(self, budget: Budget) -> Budget:
+        """This replica's part of a budget while Redis is away: the spend Redis last reported when this
+        replica first met the budget in the outage (spend0, the fallback's then) and 1/replicas of
+        what was left of it, so that together the replicas spend about what was left, not each all of
+        it. Fixed for the outage: recomputed from the spend as it grows, each replica's share would
+        creep up towards the whole budget again."""
+        if self.replicas <= 1:
+            return budget
+        spent = self._spent_at_outage.get(budget.key)
+        if spent is None:
+            usage = self.fallback.budget_usage_now(budget.key)
+            spent = self._spent_at_outage[budget.key] = usage[0] if usage is not None else 0
+        left = max(0, budget.limit_pico_usd - spent)
+        return replace(budget, limit_pico_usd=min(budget.limit_pico_usd, spent + left // self.replicas))
+
+    def _of_whole_budgets(
+        self, budgets: Sequence[Budget], amount_pico_usd: int, refused: Admission
+    ) -> Admission:
+        """The fallback refused a request by a budget's share (`_budget_share`): over budget if it does
+        not fit what this replica knows is left of one of the whole budgets (the refusal clients
+        do not retry), else `share_spent`: the tenant has money left, which this replica cannot
+        confirm is not spent on the others, and a retry may reach one whose share takes it."""
+        for budget in budgets:
+            spent, reserved = self.fallback.budget_usage_now(budget.key) or (0, 0)
+            if spent + reserved + amount_pico_usd > budget.limit_pico_usd:
+                return replace(refused, blocked_by=budget.key)
+        return replace(refused, share_spent=True)
 
     def _of_whole_limits(
         self, limits: Sequence[Limit], shares: Sequence[Limit], decision: Admission
@@ -365,6 +407,7 @@ class DegradableState(Shortcuts):
         """The fallback's budgets of months gone by (Admission, at a month's turn): it learns every
         budget Redis reports, outage or not, so without this it held every budget of every month."""
         self.fallback.forget_budgets(keep)
+        self._spent_at_outage = {key: spent for key, spent in self._spent_at_outage.items() if keep(key)}
 
     async def budget_usage(self, key: str) -> tuple[int, int]:
         result: tuple[int, int] = await self._call("budget_usage", key)

@@ -1,13 +1,15 @@
-"""Rate limits across a Redis outage: while Redis is away each replica counts in its own process,
-starting from what Redis last said each window held, and admits its share of each limit (1/R, R the
-live replicas it last counted in Redis), so the outage's first minute admits about the limit less what
-was used across the replicas: docs/reliability.md. What they counted meanwhile is added to Redis once
+"""Rate limits and budgets across a Redis outage: while Redis is away each replica counts in its own
+process, starting from what Redis last said each window held (and each budget's spend), and admits its
+share of each limit (1/R, R the live replicas it last counted in Redis) and of what was left of each
+budget, so the outage's first minute admits about the limit less what was used across the replicas,
+and the replicas together spend about what was left of a budget: docs/reliability.md. What they counted meanwhile is added to Redis once
 it answers, so the minute after the outage does not admit the limit again. The outage is logged once,
 not on every retry."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import uuid
 from pathlib import Path
@@ -15,8 +17,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.accounting.admission import Admission, Quotas, RateLimited
-from gateway.accounting.pricing import PriceCatalog
+from gateway.accounting.admission import Admission, BudgetUnconfirmed, QuotaExceeded, Quotas, RateLimited
+from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
 from gateway.admin import control_plane
 from gateway.config import ConfigError, parse_config
 from gateway.state.degradable import DegradableState
@@ -274,4 +276,95 @@ async def test_a_lost_revocation_subscription_is_logged_once_and_comes_back(
     finally:
         await state.close()
         await publisher.close()
+        await proxy.stop()
+
+
+# USD 1 per 1M input tokens: a request of 100 prompt tokens costs USD 0.0001 (100 micro-dollars).
+MICRO_PER_TOKEN = PriceCatalog(
+    [
+        PriceRow("*", "m", TokenClass.INPUT, 10**6, dt.datetime(2026, 1, 1, tzinfo=dt.UTC)),
+        PriceRow("*", "m", TokenClass.OUTPUT, 0, dt.datetime(2026, 1, 1, tzinfo=dt.UTC)),
+    ]
+)
+BUDGETED = Quotas("t", None, tenant_budget_micro_usd=1_000)  # ten requests of 100 tokens
+
+
+async def spent(admission: Admission, n: int, tokens: int = 100) -> int:
+    """Requests of `tokens` prompt tokens admitted and settled at their estimate, of `n` asked, until
+    the first refusal."""
+    for i in range(n):
+        request_id = uuid.uuid4().hex
+        try:
+            await admission.admit(request_id, BUDGETED, "b", "m", prompt_tokens=tokens, max_output_tokens=0)
+        except (QuotaExceeded, BudgetUnconfirmed):
+            return i
+        admission.settle(usage_event(request_id, cost_pico_usd=tokens * 10**6))
+        admission.finish(request_id)
+        await admission.drain()
+    return n
+
+
+async def refusal_of(admission: Admission, tokens: int) -> Exception:
+    with pytest.raises((QuotaExceeded, BudgetUnconfirmed)) as refused:
+        await admission.admit(uuid.uuid4().hex, BUDGETED, "b", "m", prompt_tokens=tokens, max_output_tokens=0)
+    return refused.value
+
+
+async def test_replicas_share_what_is_left_of_a_budget_while_redis_is_away(redis_prefix: str) -> None:
+    """Each replica's fallback let it spend all that was left of a budget on its own: two replicas
+    twice the remainder. Each now spends what Redis last said was spent plus half of what was left
+    then; a request its share refuses but the budget still has room for is a 429 to retry (another
+    replica may take it), not `insufficient_quota`, which clients do not retry."""
+    proxies = [TcpProxy(REDIS_PORT), TcpProxy(REDIS_PORT)]  # stop() plays an outage for each replica
+    for proxy in proxies:
+        await proxy.start()
+    states = [behind_proxy(proxy, redis_prefix) for proxy in proxies]
+    replica_a, replica_b = (Admission(state, lambda: MICRO_PER_TOKEN) for state in states)
+    try:
+        for state in states:
+            state.start()
+        await counted(states, 2)
+        assert await spent(replica_a, 2) == 2  # A last heard: 200 of 1,000 micro-dollars spent
+        assert await spent(replica_b, 1) == 1  # B last heard: 300
+        for proxy in proxies:
+            await proxy.stop()
+        # A: 200 + 800 / 2 = 600, four requests more; B: 300 + 700 / 2 = 650, three more.
+        during = [await spent(replica, 10) for replica in (replica_a, replica_b)]
+        assert all(state.degraded for state in states)
+        assert during == [4, 3]  # 300 + 700 spent in all: the budget, not 300 + 700 + 800
+        # A has spent its share; the budget has 400 left as far as A knows.
+        unconfirmed = await refusal_of(replica_a, 100)
+        assert isinstance(unconfirmed, BudgetUnconfirmed)
+        assert (unconfirmed.status, unconfirmed.code) == (429, "budget_unconfirmed")
+        assert unconfirmed.headers["retry-after"] == "2" and "x-should-retry" not in unconfirmed.headers
+        assert "cannot be confirmed" in unconfirmed.message
+        # More than what is left of the whole budget: over budget, as with Redis.
+        over = await refusal_of(replica_a, 500)
+        assert isinstance(over, QuotaExceeded) and over.code == "insufficient_quota"
+    finally:
+        for replica in (replica_a, replica_b):
+            await replica.drain()
+        for state in states:
+            await state.close()
+        for proxy in proxies:
+            await proxy.stop()
+
+
+async def test_a_lone_replica_spends_what_is_left_of_a_budget_while_redis_is_away(redis_prefix: str) -> None:
+    """One replica (R = 1) spends all that was left, then refuses as over budget, as before."""
+    proxy = TcpProxy(REDIS_PORT)
+    await proxy.start()
+    state = behind_proxy(proxy, redis_prefix)
+    replica = Admission(state, lambda: MICRO_PER_TOKEN)
+    try:
+        state.start()
+        await counted([state], 1)
+        assert await spent(replica, 3) == 3
+        await proxy.stop()
+        assert await spent(replica, 10) == 7
+        assert state.degraded
+        assert isinstance(await refusal_of(replica, 100), QuotaExceeded)
+    finally:
+        await replica.drain()
+        await state.close()
         await proxy.stop()
