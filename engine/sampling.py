@@ -182,6 +182,14 @@ def apply_filters(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     return logits
 
 
+def top_token(scores: torch.Tensor) -> torch.Tensor:
+    """The index of the largest score along the last dimension, the first of ties (as `argmax` on the
+    CPU, 2.5x faster there). Every greedy choice (plain decoding, speculative verification, drafting)
+    and every Gumbel draw goes through here, so that speculation picks what plain decoding picks even on
+    exact ties, where `argmax` and `max` need not agree on CUDA."""
+    return scores.max(-1).indices
+
+
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None
 ) -> list[int]:
@@ -194,7 +202,7 @@ def sample(
         for i in constrained:
             allowed = rows[i].allowed.to(logits.device, non_blocking=True)  # type: ignore[union-attr]
             logits[i].masked_fill_(~allowed, float("-inf"))
-    out = logits.max(-1).indices  # argmax's choice (the first of ties), 2.5x faster on the CPU
+    out = top_token(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         sub = apply_filters(logits[random_rows], [rows[i] for i in random_rows])
@@ -208,7 +216,7 @@ def sample(
         for j, i in enumerate(random_rows):
             if (g := rows[i].generator) is not None:
                 noise[j].exponential_(generator=g)
-        out[random_rows] = (probs / noise).max(-1).indices
+        out[random_rows] = top_token(probs / noise)
     return out.tolist()
 
 

@@ -2,9 +2,14 @@
 
 Each step hands out `{sequence: number of tokens to compute}`. Running sequences go first (decodes
 take one token, unfinished prefills continue in chunks), then waiting ones are admitted while the
-budget, the sequence limit and free KV blocks allow. When a running sequence cannot grow, the most
-recently admitted one is preempted: its blocks are freed and it goes back to the front of the queue to
-be recomputed later (its finished blocks usually come back from the prefix cache).
+budget, the sequence limit and free KV blocks allow. Running sequences are served least recently
+served first, in admission order among equals: while the budget covers them all that is plain
+admission order, and when it does not (a budget below the number of running requests, or a prefill
+chunk that takes most of it) the ones left out this step go first the next, so every running request
+gains a token at least every ceil(running / budget) steps instead of waiting for the first ones to
+finish. When a running sequence cannot grow, the most recently admitted one not yet served this step
+is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed later
+(its finished blocks usually come back from the prefix cache).
 
 A waiting sequence whose next uncached prompt block is being computed right now by a running prefill (a
 burst of requests with one system prompt, the n choices of one request) waits until that prefill has
@@ -46,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls: the clock of Sequence.last_scheduled
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
 
@@ -74,26 +80,39 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_tokens.append(n)
+        seq.last_scheduled = self.num_steps
+
+    def _victim(self) -> Sequence:
+        """The most recently admitted running sequence not yet in this step's batch (one already in it
+        has had its blocks allocated and its tokens counted)."""
+        return next(s for s in reversed(self.running) if s.last_scheduled != self.num_steps)
+
     def schedule(self) -> ScheduledBatch:
+        self.num_steps += 1
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
-        for seq in list(self.running):
+        # least recently served first (sorted() is stable: admission order among equals)
+        order = sorted(self.running, key=lambda s: s.last_scheduled)
+        for seq in order:
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             real = seq.num_tokens - seq.num_computed_tokens
             # speculation is optional: drafts get only the budget the running sequences after this one
             # leave for their next token (else a few drafting requests starve the rest of the batch)
-            later = len(self.running) - 1 - self.running.index(seq)
+            later = len(self.running) - len(batch) - 1  # running, not yet served, not this one
             del seq.draft_token_ids[max(0, budget - real - later) :]
             n = min(real + len(seq.draft_token_ids), budget)
             if seq.draft_token_ids and not self.kv.can_allocate(seq, n):
                 seq.draft_token_ids.clear()  # nor preempt for it
                 n = min(real, budget)
             while not self.kv.can_allocate(seq, n):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -101,8 +120,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             self.kv.allocate(seq, n)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
+            self._add(batch, seq, n)
             budget -= n
         # admit waiting sequences (not in a step that had to preempt: memory is tight)
         deferred: list[Sequence] = []
@@ -124,8 +142,7 @@ class Scheduler:
             self.kv.allocate(seq, n, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
+            self._add(batch, seq, n)
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
         return batch

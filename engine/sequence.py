@@ -37,6 +37,7 @@ class Sequence:
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
+    last_scheduled: int = 0  # the scheduler step that last gave it tokens (it serves the oldest first)
     # speculative tokens proposed for this step, not yet verified (not part of num_tokens)
     draft_token_ids: list[int] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured output: what the grammar accepts next
@@ -57,10 +58,11 @@ class Sequence:
 
     def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
         """Prompt and output tokens together, sliced [start, end); past the end come the drafts."""
-        n = len(self.prompt_token_ids)
-        end = self.num_tokens if end is None else end
-        if end > self.num_tokens:
-            return self.token_ids(start, self.num_tokens) + self.draft_token_ids[: end - self.num_tokens]
+        n, total = len(self.prompt_token_ids), self.num_tokens
+        end = total if end is None else end
+        if end > total:
+            drafts = self.draft_token_ids[max(start - total, 0) : end - total]
+            return self.token_ids(min(start, total), total) + drafts
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.model import AttentionMetadata, PrefillChunk, attention_metadata
-from engine.sampling import SamplingRow, apply_filters, apply_penalties
+from engine.sampling import SamplingRow, apply_filters, apply_penalties, top_token
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -164,7 +164,7 @@ class DraftModelProposer:
             for (seq, _, _), d in zip(active, drafted, strict=True)
         ]
         logits = apply_penalties(logits, rows)
-        greedy = logits.argmax(-1).tolist()
+        greedy = top_token(logits).tolist()
         for j, ((seq, _, _), row) in enumerate(zip(active, rows, strict=True)):
             if seq.params.greedy:
                 drafted[j].append(greedy[j])

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import nn
 
+from engine.sampling import SamplingRow, apply_filters, apply_penalties, top_token
+
 if TYPE_CHECKING:
     from engine.model import Attention, Transformer
 
@@ -160,7 +162,7 @@ class ModelProposer:
         rows: list[torch.Tensor] = []
         for _ in range(k):
             q = self.next_probs(tokens + drafted)
-            tok = int(q.argmax()) if greedy else int(torch.multinomial(q, 1, generator=generator))
+            tok = int(top_token(q)) if greedy else int(torch.multinomial(q, 1, generator=generator))
             drafted.append(tok)
             rows.append(q)
         return Proposal(drafted, torch.stack(rows) if rows and not greedy else None)
@@ -290,7 +292,7 @@ def verify_seeded(draft: Sequence[int], target_probs: torch.Tensor, generator: t
     out: list[int] = []
     for i in range(k + 1):
         noise = torch.empty_like(target_probs[i]).exponential_(generator=generator)
-        token = int((target_probs[i] / noise).max(-1).indices)
+        token = int(top_token(target_probs[i] / noise))
         out.append(token)
         if i == k or token != draft[i]:
             break
@@ -819,8 +821,6 @@ class Speculator:
     def verify(self, seq: SequenceLike, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
         """`logits` [k+1, vocab]: the target after the last real token and after each draft token.
         Returns the tokens to append (accepted drafts + one of the target's); clears the drafts."""
-        from engine.sampling import SamplingRow, apply_filters, apply_penalties
-
         drafts = list(seq.draft_token_ids)
         seq.draft_token_ids = []
         q = self._draft_probs.pop(seq.request_id, None)
@@ -831,7 +831,7 @@ class Speculator:
         ]
         logits = apply_penalties(logits, rows)
         if p.greedy:
-            tokens = verify_greedy(drafts, logits.argmax(-1).tolist())
+            tokens = verify_greedy(drafts, top_token(logits).tolist())
         else:
             probs = apply_filters(logits, rows).softmax(-1)
             if seq.generator is not None:

@@ -3,6 +3,7 @@ prefix caching or preemption; aborts; limits; bad input."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -95,6 +96,47 @@ def test_preemption_under_a_tiny_cache_gives_the_same_answers(make_engine: Calla
     tight = make_engine(num_kv_blocks=12)  # 192 token slots for ~8 x 60 tokens
     assert tight.generate(ps, params) == roomy
     assert tight.stats().num_preemptions > 0
+
+
+def gains_by_step(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Step `engine` to the end: (each request's tokens, the steps in which it gained some)."""
+    tokens: dict[str, list[int]] = {}
+    steps: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            steps.setdefault(o.request_id, []).append(step)
+    return tokens, steps
+
+
+@pytest.mark.parametrize(
+    "num_kv_blocks", [256, 9]
+)  # 9: preemptions too, with the latest admitted already served
+def test_a_budget_below_the_running_count_serves_every_request_in_turn(
+    make_engine: Callable[..., LLMEngine], num_kv_blocks: int
+) -> None:
+    """Admission keeps the running requests within the token budget, but a budget lowered while they
+    run does not: then each still gains a token at least every ceil(running / budget) steps (not the
+    first `budget` of them until they finish), with the answers it gives alone."""
+    ps = prompts(8, seed=14, lo=3, hi=12)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    expected = make_engine().generate(ps, params)
+    engine = make_engine(num_kv_blocks=num_kv_blocks)
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), p, params)
+    first = engine.step()  # every prompt fits one step of the default budget
+    assert len(first) == len(ps)
+    engine.scheduler.max_num_batched_tokens = budget = 3
+    tokens, steps = gains_by_step(engine)
+    if num_kv_blocks == 256:
+        for rid, gained in steps.items():
+            gaps = [b - a for a, b in zip([0, *gained], gained, strict=False)]
+            assert max(gaps) <= math.ceil(len(ps) / budget), rid
+    else:
+        assert engine.stats().num_preemptions > 0
+    assert [o.new_token_ids + tokens[o.request_id] for o in first] == expected
 
 
 def test_abort_frees_blocks_at_once_and_is_reported(tiny_engine: LLMEngine) -> None:

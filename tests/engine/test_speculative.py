@@ -10,12 +10,16 @@ import torch
 
 from engine.config import tiny_config
 from engine.model import Transformer
+from engine.sampling import SamplingParams, SamplingRow, sample
+from engine.sequence import Sequence
 from engine.speculative import (
     RATE_WINDOW_S,
     AdaptiveK,
     ModelProposer,
     NgramProposer,
     SpecMetrics,
+    SpeculativeConfig,
+    Speculator,
     parse_speculative,
     rejection_sample,
     self_draft_model,
@@ -56,6 +60,36 @@ def test_verify_greedy_keeps_the_matching_prefix_and_adds_the_target_token() -> 
     assert verify_greedy([], [4]) == [4]
     with pytest.raises(ValueError):
         verify_greedy([1, 2], [1, 2])
+
+
+def test_speculative_greedy_breaks_exact_ties_as_plain_greedy_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`argmax` and `max` need not pick the same of two equal logits (on CUDA they may not): every
+    greedy choice goes through one function, so speculation keeps plain decoding's token regardless."""
+
+    def last_of_ties(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return t.shape[dim] - 1 - t.flip(dim).max(dim).indices
+
+    monkeypatch.setattr(torch.Tensor, "argmax", last_of_ties)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    seq = Sequence("a", [1, 2, 3], params, output_token_ids=[4])
+    logits = torch.zeros(3, 8)
+    logits[:, [2, 5]] = 1.0  # an exact tie in every row
+    plain = sample(logits[:1], [SamplingRow(params, None, seq.prompt_token_ids, seq.output_token_ids)])[0]
+    other = 2 + 5 - plain
+    for drafts in ([plain, plain], [other, plain]):
+        seq.draft_token_ids = list(drafts)
+        spec = Speculator(SpeculativeConfig("ngram", 2), max_model_len=64)
+        got = spec.verify(seq, logits[: len(drafts) + 1], None)
+        assert got[0] == plain  # accepted if it is plain decoding's choice, else replaced by it
+
+
+def test_token_ids_run_on_into_the_drafts_from_any_start() -> None:
+    seq = Sequence("a", [1, 2, 3], SamplingParams(), output_token_ids=[4, 5], draft_token_ids=[6, 7, 8])
+    everything = [1, 2, 3, 4, 5, 6, 7, 8]
+    for start in range(len(everything) + 1):
+        for end in range(start, len(everything) + 1):
+            assert seq.token_ids(start, end) == everything[start:end], (start, end)
+    assert seq.token_ids() == everything[:5]
 
 
 def _random_dist(gen: torch.Generator, rows: int, vocab: int, sharpness: float = 2.0) -> torch.Tensor:
