@@ -69,6 +69,9 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 # polls every few seconds loses little either way. (Weir's gateway does not wait for it: it fails
 # over at once, `routing.execute.retries_in_place`.)
 LOADING_RETRY_AFTER_S = 5
+# Seconds a stopping engine (SIGTERM) gives its in-flight generations before it cancels them (aiohttp's
+# default, made explicit): the deployments' grace periods must exceed it (tests/deploy pins them).
+DRAIN_TIMEOUT_S = 60.0
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -1022,7 +1025,14 @@ def run(
     sockets = listen(host, port)
     # The port bound, not the one asked for: `--port 0` leaves the choice to the system.
     log.info("listening on http://%s:%d, loading %s", host, sockets[0].getsockname()[1], model)
-    web.run_app(server.app, sock=sockets, handler_cancellation=True, access_log=None, print=None)
+    web.run_app(
+        server.app,
+        sock=sockets,
+        handler_cancellation=True,
+        access_log=None,
+        print=None,
+        shutdown_timeout=DRAIN_TIMEOUT_S,
+    )
     return 1 if server.load_error else 0
 
 

@@ -12,6 +12,10 @@ if TYPE_CHECKING:
 
 CONFIG_ENV = "WEIR_CONFIG"
 LOG_LEVEL_ENV = "WEIR_LOG_LEVEL"
+# Seconds a stopping gateway (SIGTERM) gives its in-flight requests and streams before it cancels them.
+# The deployments' grace periods (compose stop_grace_period, Kubernetes terminationGracePeriodSeconds)
+# must exceed it, or the container is killed mid-drain (tests/deploy pins both).
+DRAIN_TIMEOUT_S = 30
 NO_CONFIG_HINT = (
     "name one with --config; docs/configuration.md has an example, and `weir demo` serves a small "
     "model without one"
@@ -198,7 +202,7 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
             log_level="warning",
             access_log=False,
             log_config=None,  # no plain-text handlers of its own: its lines reach the JSON root handler
-            timeout_graceful_shutdown=30,
+            timeout_graceful_shutdown=DRAIN_TIMEOUT_S,
             forwarded_allow_ips=trusted_proxies(config),
         )
     ).run()

@@ -138,12 +138,11 @@ def test_the_gateway_config_loads_with_the_real_config_loader(compose: dict[str,
     from gateway.config import parse_config
 
     env = interpolate(compose, example_env())["services"]["gateway"]["environment"]
-    (mount,) = compose["services"]["gateway"]["volumes"]
-    source, target, _ = mount.split(":")
-    assert target == "/etc/weir/weir.yaml"
-    config = parse_config((COMPOSE_DIR / source).read_text(), env)
+    config = parse_config(gateway_config_source(compose).read_text(), env)
     assert (config.server.host, config.server.port) == ("0.0.0.0", 8080)
     assert config.auto_migrate is False  # the `migrate` service upgrades the schema, once
+    # A replica that starts while Redis is away shares every limit out by the replicas compose runs.
+    assert config.replicas == compose["services"]["gateway"]["deploy"]["replicas"]
     engine = config.backend("engine")
     assert engine.type == "engine"
     # The engine backend points at the engine service, on the port its command listens on.
@@ -151,6 +150,46 @@ def test_the_gateway_config_loads_with_the_real_config_loader(compose: dict[str,
     port = command[command.index("--port") + 1]
     assert engine.url == f"http://engine:{port}/v1"
     assert [t.api_keys for t in config.tenants or []] == [[env["WEIR_DEMO_KEY"]]]
+
+
+def gateway_config_source(compose: dict[str, Any]) -> Path:
+    """The file compose mounts as the gateway's /etc/weir/weir.yaml."""
+    (source,) = [
+        v.split(":")[0]
+        for v in compose["services"]["gateway"]["volumes"]
+        if v.split(":")[1] == "/etc/weir/weir.yaml"
+    ]
+    return COMPOSE_DIR / source
+
+
+def duration_s(value: str) -> float:
+    """A compose duration (`40s`, `1m30s`, `500ms`) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", value)
+    assert parts and "".join(n + u for n, u in parts) == value, f"not a duration: {value!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_a_stopping_service_is_given_longer_than_it_drains(compose: dict[str, Any]) -> None:
+    from engine.server import DRAIN_TIMEOUT_S as ENGINE_DRAIN_S
+    from gateway.cli import DRAIN_TIMEOUT_S as GATEWAY_DRAIN_S
+
+    services = compose["services"]
+    # Docker's default is 10 s: a service draining longer is killed mid-stream without its own period.
+    for name, drain in (("gateway", GATEWAY_DRAIN_S), ("engine", ENGINE_DRAIN_S)):
+        assert duration_s(services[name].get("stop_grace_period", "10s")) > drain, name
+
+
+def test_the_gateway_usage_spool_outlives_a_recreated_replica(compose: dict[str, Any]) -> None:
+    from gateway.admin.control_plane import ControlPlaneSettings
+
+    # The spool (where usage events wait while Redis is away) lies under the working directory...
+    assert not Path(ControlPlaneSettings.spool_dir).is_absolute()
+    (workdir,) = parse(DEPLOY / "docker" / "gateway.Dockerfile").stages[-1].values("WORKDIR")
+    # ...which a named volume holds, so `up -d` recreating the replicas keeps what they spooled. A
+    # directory of the image (not a new path) also gives the volume the image's owner, UID 10001.
+    mounts = dict(v.split(":")[1::-1] for v in compose["services"]["gateway"]["volumes"])
+    assert mounts.get(workdir) in compose["volumes"]
 
 
 def test_nginx_balances_over_every_gateway_replica(compose: dict[str, Any]) -> None:

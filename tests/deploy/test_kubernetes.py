@@ -104,6 +104,20 @@ def test_gateway_scales_and_survives_voluntary_disruption(base: list[dict[str, A
     )
 
 
+def test_a_terminating_pod_is_given_longer_than_it_drains(base: list[dict[str, Any]]) -> None:
+    from engine.server import DRAIN_TIMEOUT_S as ENGINE_DRAIN_S
+    from gateway.cli import DRAIN_TIMEOUT_S as GATEWAY_DRAIN_S
+
+    for name, drain in (("weir-gateway", GATEWAY_DRAIN_S), ("weir-engine", ENGINE_DRAIN_S)):
+        spec = pod_spec(find(base, "Deployment", name))
+        assert spec is not None
+        (container,) = spec["containers"]
+        # The grace period counts from the preStop hook's start: SIGTERM comes only after it.
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        pause = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
+        assert spec["terminationGracePeriodSeconds"] > pause + drain, name
+
+
 def test_services_select_pods_and_ports_that_exist(vllm: list[dict[str, Any]]) -> None:
     workloads = [o for o in vllm if o["kind"] == "Deployment"]
     for service in (o for o in vllm if o["kind"] == "Service"):
@@ -245,6 +259,8 @@ def test_the_config_map_loads_with_the_real_config_loader(directory: Any) -> Non
     assert required <= set(env), f"not in weir-secrets: {required - set(env)}"
     config = parse_config(text, env)
     assert config.auto_migrate is False  # the weir-db-upgrade Job upgrades the schema, once
+    # A replica that starts while Redis is away shares every limit out by the replicas that always run.
+    assert config.replicas == find(objects, "HorizontalPodAutoscaler", "weir-gateway")["spec"]["minReplicas"]
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     for backend in config.backends:
         url = backend.url or backend.base_url or ""
