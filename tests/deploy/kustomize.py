@@ -1,4 +1,5 @@
-"""A small kustomize renderer for the tests: no kustomize or kubectl binary is available here.
+"""A small kustomize renderer for the tests, which need no kustomize or kubectl binary (where one is
+installed, test_kubernetes.py also checks that the real one builds the same objects).
 
 It implements the subset deploy/k8s uses (resources, namespace, configMapGenerator and secretGenerator
 with `files`, `literals`, `envs` and `behavior: replace|merge`, images) and fails loudly on any other
@@ -40,6 +41,12 @@ def render(directory: Path) -> list[dict[str, Any]]:
     for entry in kustomization.get("resources", []):
         path = directory / entry
         if path.is_dir():
+            # kustomize refuses a base that contains the kustomization naming it ("cycle detected"),
+            # so an overlay never lives inside its base's directory.
+            if directory.is_relative_to(path.resolve()):
+                raise ValueError(
+                    f"{directory}/kustomization.yaml: base {entry} contains it (kustomize: cycle)"
+                )
             objects.extend(render(path))
         else:
             objects.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc)

@@ -16,7 +16,7 @@ USER_CREATED = {"deploy/.env", "deploy/k8s/secrets.env"}  # the user makes these
 def test_every_file_the_doc_names_exists() -> None:
     paths = set(re.findall(r"(?<![\w/.-])((?:deploy|tests/deploy|docs|benchmarks)/[\w./-]*\w/?)", DOC))
     paths -= {p for p in paths if p.startswith("deploy/weir-")}  # `kubectl ... deploy/weir-gateway`
-    assert {"deploy/compose.yaml", "deploy/k8s/examples/vllm/", "deploy/docker/engine.Dockerfile"} <= paths
+    assert {"deploy/compose.yaml", "deploy/k8s-examples/vllm/", "deploy/docker/engine.Dockerfile"} <= paths
     for path in paths - USER_CREATED:
         assert (ROOT / path).exists(), f"docs/deploy.md names {path}, which does not exist"
 
