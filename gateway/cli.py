@@ -16,6 +16,10 @@ LOG_LEVEL_ENV = "WEIR_LOG_LEVEL"
 # The deployments' grace periods (compose stop_grace_period, Kubernetes terminationGracePeriodSeconds)
 # must exceed it, or the container is killed mid-drain (tests/deploy pins both).
 DRAIN_TIMEOUT_S = 30
+# Seconds an idle kept-alive connection stays open (uvicorn's default, made explicit). A load balancer
+# pooling connections to the gateway must drop idle ones sooner, or a request it sends as the gateway
+# closes one fails with a 502 it cannot retry (a POST is not idempotent).
+KEEP_ALIVE_S = 5
 NO_CONFIG_HINT = (
     "name one with --config; docs/configuration.md has an example, and `weir demo` serves a small "
     "model without one"
@@ -203,6 +207,7 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
             access_log=False,
             log_config=None,  # no plain-text handlers of its own: its lines reach the JSON root handler
             timeout_graceful_shutdown=DRAIN_TIMEOUT_S,
+            timeout_keep_alive=KEEP_ALIVE_S,
             forwarded_allow_ips=trusted_proxies(config),
         )
     ).run()

@@ -204,6 +204,18 @@ def test_nginx_balances_over_every_gateway_replica(compose: dict[str, Any]) -> N
     assert listen and compose["services"]["lb"]["ports"][0].endswith(f":{listen.group(1)}")
 
 
+def test_nginx_drops_idle_gateway_connections_before_the_gateway_does() -> None:
+    from gateway.cli import KEEP_ALIVE_S
+
+    conf = (DEPLOY / "compose" / "nginx.conf").read_text()
+    upstream = re.search(r"upstream\s+weir_gateway\s*\{(.*?)\}", conf, re.S)
+    assert upstream is not None
+    # nginx keeps an idle upstream connection 60 s by default, far past the gateway's keep-alive.
+    timeout = re.search(r"keepalive_timeout\s+(\w+);", upstream.group(1))
+    assert timeout is not None, "no keepalive_timeout: nginx's 60 s default outlives the gateway's"
+    assert duration_s(timeout.group(1)) < KEEP_ALIVE_S
+
+
 def test_prometheus_scrapes_each_gateway_replica_and_the_engine(compose: dict[str, Any]) -> None:
     config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
