@@ -18,10 +18,13 @@ WORKDIR /opt/weir/app
 COPY pyproject.toml constraints.txt ./
 COPY deploy/docker/requirements.py /tmp/requirements.py
 # The gateway runs its difficulty classifier on CPU: the CPU build of torch is a fraction of the size.
+# xgrammar (the engine's structured output) pulls in Triton, a GPU compiler of about 1 GB (LLVM, ptxas)
+# that nothing on the gateway's CPU path imports (Weir's kernels and xgrammar treat it as optional).
 RUN python /tmp/requirements.py pyproject.toml --only torch > /tmp/torch.txt \
  && python /tmp/requirements.py pyproject.toml --except torch > /tmp/requirements.txt \
  && pip install --index-url https://download.pytorch.org/whl/cpu -r /tmp/torch.txt \
- && pip install -c constraints.txt -r /tmp/requirements.txt
+ && pip install -c constraints.txt -r /tmp/requirements.txt \
+ && pip uninstall -y triton
 COPY . .
 # Installed in place (editable) so alembic.ini, migrations/ and shipped data files sit where the code
 # expects them, exactly as in a development checkout.

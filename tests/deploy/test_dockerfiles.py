@@ -145,6 +145,28 @@ def test_dependencies_come_from_pyproject_and_nowhere_else() -> None:
         assert re.search(r"pip install -c constraints\.txt -r /tmp/requirements\.txt", path.read_text())
 
 
+def test_the_gateway_image_leaves_out_triton_and_serves_without_it() -> None:
+    # Triton (about 1 GB: LLVM, ptxas) comes in with xgrammar; the gateway runs on CPU and never needs it.
+    installs = " ".join(v for v in parse(GATEWAY).stage("build").values("RUN") if "requirements.txt" in v)
+    assert re.search(
+        r"pip install -c constraints\.txt -r /tmp/requirements\.txt.*pip uninstall -y triton", installs
+    )
+    # What the gateway runs, with Triton unimportable as in the image: the app, and the difficulty
+    # classifier's encoder (its int8 path included) scoring a prompt.
+    script = """
+import sys
+sys.modules["triton"] = sys.modules["triton.language"] = None  # `import triton` raises ImportError
+import gateway.app, gateway.cli, kernels, weir.kernels.int8_matmul
+from routing.minilm import MiniLMEmbedder
+embedder = MiniLMEmbedder("deploy-test", num_layers=1, max_tokens=32)
+assert embedder.pool([2000, 2001]).shape == (embedder.dim,)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_build_context_keeps_what_the_image_needs_and_nothing_secret() -> None:
     patterns = read_dockerignore(ROOT / ".dockerignore")
     needed = [
