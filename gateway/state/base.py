@@ -240,6 +240,10 @@ class SharedState(Protocol):
         """`replica` stops: it no longer counts among the live ones."""
         ...
 
+    async def drop_idle_connections(self) -> None:
+        """Close the connections no call holds now (a store without connections: nothing)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -190,6 +190,11 @@ class DegradableState(Shortcuts):
     async def _probe(self) -> None:
         """Ask Redis every `retry_s` until it answers (off every request's path: a hanging Redis
         would make the asking call wait `timeout_s`), then switch back to it."""
+        # The pool's idle connections are from before the outage, and Redis (or a proxy between) has
+        # closed them: the first ask on one would fail and cost a round of `retry_s` after Redis is
+        # back, more with several (the replica announcer keeps one of its own).
+        with contextlib.suppress(*_UNREACHABLE):
+            await self.primary.drop_idle_connections()
         await retry_until(lambda: self._ask("kv_get", PROBE_KEY), self.retry_s, self.timeout_s, _UNREACHABLE)
         log.warning("Redis reachable again: limits and budgets shared across replicas")
         _degraded.discard(id(self))
@@ -471,6 +476,9 @@ class DegradableState(Shortcuts):
 
     async def replica_left(self, replica: str) -> None:
         await self._call("replica_left", replica)
+
+    async def drop_idle_connections(self) -> None:
+        await self.primary.drop_idle_connections()
 
     async def close(self) -> None:
         for task in [self._prober, self._announcer, *self._subscribers]:

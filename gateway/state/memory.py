@@ -528,5 +528,8 @@ class MemoryState(Shortcuts):
     async def replica_left(self, replica: str) -> None:
         self._replicas.pop(replica, None)
 
+    async def drop_idle_connections(self) -> None:
+        pass
+
     async def close(self) -> None:
         self._callbacks.clear()

@@ -920,6 +920,9 @@ class RedisState(Shortcuts):
     async def replica_left(self, replica: str) -> None:
         await self._redis.zrem(self._k("replicas"), replica)
 
+    async def drop_idle_connections(self) -> None:
+        await self._redis.connection_pool.disconnect(inuse_connections=False)
+
     async def close(self) -> None:
         for task in self._listeners:
             task.cancel()
