@@ -9,9 +9,11 @@ not on every retry."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -133,20 +135,37 @@ def behind_proxy(proxy: TcpProxy, prefix: str) -> DegradableState:
     return DegradableState(RedisState(client, prefix=prefix), retry_s=0.02, announce_s=0.05)
 
 
-async def test_replicas_share_what_is_left_of_a_limit_while_redis_is_away(redis_prefix: str) -> None:
-    """Each replica's fallback admitted all that was left of a limit on its own: two replicas twice
-    the remainder, and a whole limit each of one never asked about (R x the limit)."""
-    proxies = [TcpProxy(REDIS_PORT), TcpProxy(REDIS_PORT)]  # stop() plays an outage for each replica
+@contextlib.asynccontextmanager
+async def two_replicas(
+    prefix: str, prices: PriceCatalog
+) -> AsyncIterator[tuple[list[TcpProxy], list[DegradableState], tuple[Admission, Admission]]]:
+    """Two replicas, each reaching Redis through a proxy of its own (stop() plays an outage for it),
+    both announcing themselves, and counted by both (R = 2)."""
+    proxies = [TcpProxy(REDIS_PORT), TcpProxy(REDIS_PORT)]
     for proxy in proxies:
         await proxy.start()
-    states = [behind_proxy(proxy, redis_prefix) for proxy in proxies]
-    replica_a, replica_b = (Admission(state, lambda: PriceCatalog([])) for state in states)
-    quotas = Quotas("t", None, tenant_rpm=10, tenant_tpm=10_000)
-    unseen = Quotas("u", None, tenant_rpm=10, tenant_tpm=10_000)
+    states = [behind_proxy(proxy, prefix) for proxy in proxies]
+    replicas = (Admission(states[0], lambda: prices), Admission(states[1], lambda: prices))
     try:
         for state in states:
             state.start()
         await counted(states, 2)
+        yield proxies, states, replicas
+    finally:
+        for replica in replicas:
+            await replica.drain()
+        for state in states:
+            await state.close()
+        for proxy in proxies:
+            await proxy.stop()
+
+
+async def test_replicas_share_what_is_left_of_a_limit_while_redis_is_away(redis_prefix: str) -> None:
+    """Each replica's fallback admitted all that was left of a limit on its own: two replicas twice
+    the remainder, and a whole limit each of one never asked about (R x the limit)."""
+    quotas = Quotas("t", None, tenant_rpm=10, tenant_tpm=10_000)
+    unseen = Quotas("u", None, tenant_rpm=10, tenant_tpm=10_000)
+    async with two_replicas(redis_prefix, PriceCatalog([])) as (proxies, states, (replica_a, replica_b)):
         assert len(await admitted(replica_a, quotas, 5)) == 5  # A last heard: 5 of 10 used
         assert len(await admitted(replica_b, quotas, 1)) == 1  # B last heard: 6
         for proxy in proxies:
@@ -165,13 +184,6 @@ async def test_replicas_share_what_is_left_of_a_limit_while_redis_is_away(redis_
             "10",
             "4",
         )
-    finally:
-        for replica in (replica_a, replica_b):
-            await replica.drain()
-        for state in states:
-            await state.close()
-        for proxy in proxies:
-            await proxy.stop()
 
 
 async def test_a_replica_counts_the_live_replicas_in_redis(redis_prefix: str) -> None:
@@ -315,15 +327,7 @@ async def test_replicas_share_what_is_left_of_a_budget_while_redis_is_away(redis
     twice the remainder. Each now spends what Redis last said was spent plus half of what was left
     then; a request its share refuses but the budget still has room for is a 429 to retry (another
     replica may take it), not `insufficient_quota`, which clients do not retry."""
-    proxies = [TcpProxy(REDIS_PORT), TcpProxy(REDIS_PORT)]  # stop() plays an outage for each replica
-    for proxy in proxies:
-        await proxy.start()
-    states = [behind_proxy(proxy, redis_prefix) for proxy in proxies]
-    replica_a, replica_b = (Admission(state, lambda: MICRO_PER_TOKEN) for state in states)
-    try:
-        for state in states:
-            state.start()
-        await counted(states, 2)
+    async with two_replicas(redis_prefix, MICRO_PER_TOKEN) as (proxies, states, (replica_a, replica_b)):
         assert await spent(replica_a, 2) == 2  # A last heard: 200 of 1,000 micro-dollars spent
         assert await spent(replica_b, 1) == 1  # B last heard: 300
         for proxy in proxies:
@@ -341,13 +345,6 @@ async def test_replicas_share_what_is_left_of_a_budget_while_redis_is_away(redis
         # More than what is left of the whole budget: over budget, as with Redis.
         over = await refusal_of(replica_a, 500)
         assert isinstance(over, QuotaExceeded) and over.code == "insufficient_quota"
-    finally:
-        for replica in (replica_a, replica_b):
-            await replica.drain()
-        for state in states:
-            await state.close()
-        for proxy in proxies:
-            await proxy.stop()
 
 
 async def test_a_lone_replica_spends_what_is_left_of_a_budget_while_redis_is_away(redis_prefix: str) -> None:
