@@ -21,6 +21,7 @@ import yaml
 
 from gateway.accounting.money import usd_per_mtok_to_micro
 from gateway.accounting.pricing import TierName
+from gateway.secret_files import SecretFileError, secret_from_env
 from routing.routes import NAME_RULE, Route, fit_name
 
 BackendType = Literal["openai", "anthropic", "gemini", "engine"]
@@ -234,18 +235,23 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def interpolate(value: Any, env: Mapping[str, str], path: str = "$") -> Any:
-    """Replace `${VAR}` and `${VAR:-default}` in every string of a parsed YAML tree."""
+    """Replace `${VAR}` and `${VAR:-default}` in every string of a parsed YAML tree. `VAR` unset,
+    `VAR_FILE` names a file that holds the value (gateway.secret_files)."""
     if isinstance(value, str):
 
         def substitute(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)
-            if name in env and (env[name] != "" or default is None):
-                return env[name]
+            try:
+                found = secret_from_env(name, env)
+            except SecretFileError as exc:
+                raise ConfigError(f"{_show(path)}: {exc}") from None
+            if found is not None and (found != "" or default is None):
+                return found
             if default is not None:
                 return default
             raise ConfigError(
                 f"{_show(path)}: environment variable {name} is not set "
-                f"(write ${{{name}:-}} to allow it to be empty)"
+                f"(write ${{{name}:-}} to allow it to be empty, or set {name}_FILE to a file that holds it)"
             )
 
         return _VAR.sub(substitute, value)

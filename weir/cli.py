@@ -4,6 +4,7 @@ so `weir --help` stays fast and never imports torch."""
 from __future__ import annotations
 
 import importlib
+import os
 
 import click
 
@@ -49,6 +50,13 @@ class LazyGroup(click.Group):
 @click.version_option(__version__, prog_name="weir")
 def main() -> None:
     """Weir: an LLM gateway and control plane with a bundled inference engine."""
+    from gateway.secret_files import SecretFileError, export_secret_files
+
+    # Secrets mounted as files (`WEIR_ADMIN_TOKEN_FILE=/run/secrets/...`), read once for every command.
+    try:
+        export_secret_files(os.environ)
+    except SecretFileError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 if __name__ == "__main__":

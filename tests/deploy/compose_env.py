@@ -1,11 +1,14 @@
 """Docker Compose's variable interpolation, as the compose specification defines it, so the tests
 can see the file exactly as `docker compose` will with a given environment (such as deploy/.env.example
-filled in: `example_env`)."""
+filled in: `example_env`), and compose's secrets as deploy/new-secrets.sh makes them (`new_secrets`),
+seen from a local process instead of a container (`at_secrets`)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from tests.deploy.artefacts import DEPLOY
@@ -70,3 +73,23 @@ def example_env() -> dict[str, str]:
     """deploy/.env.example with every empty value filled in, as a user would."""
     env = parse_env_file((DEPLOY / ".env.example").read_text())
     return {k: v or f"test-{k.lower()}" for k, v in env.items()}
+
+
+SECRETS_MOUNT = "/run/secrets/"  # where compose mounts a service's secrets in its container
+
+
+def new_secrets(directory: Path) -> Path:
+    """The secret files deploy/new-secrets.sh makes, made in `directory`."""
+    subprocess.run(["sh", str(DEPLOY / "new-secrets.sh"), str(directory)], check=True, capture_output=True)
+    return directory
+
+
+def at_secrets(value: Any, directory: Path) -> Any:
+    """`value` (a string, or a tree of them) with /run/secrets/NAME read as DIRECTORY/NAME."""
+    if isinstance(value, str):
+        return value.replace(SECRETS_MOUNT, f"{directory}/")
+    if isinstance(value, list):
+        return [at_secrets(v, directory) for v in value]
+    if isinstance(value, dict):
+        return {k: at_secrets(v, directory) for k, v in value.items()}
+    return value

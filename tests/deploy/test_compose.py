@@ -1,5 +1,5 @@
 """deploy/compose.yaml: valid against the Compose specification, and the one-host topology a user
-expects: migrations once before 2 gateway replicas, health-gated start-up, no secret in the file."""
+expects: migrations once before 2 gateway replicas, health-gated start-up, secrets only as files."""
 
 from __future__ import annotations
 
@@ -16,7 +16,14 @@ import pytest
 import redis
 
 from tests.deploy.artefacts import DEPLOY, SECRET_NAME, load_yaml
-from tests.deploy.compose_env import MissingVariable, example_env, interpolate, variables
+from tests.deploy.compose_env import (
+    SECRETS_MOUNT,
+    at_secrets,
+    example_env,
+    interpolate,
+    new_secrets,
+    variables,
+)
 from tests.deploy.dockerfiles import exec_form, parse
 from tests.deploy.kustomize import parse_env_file
 from tests.deploy.processes import redis_server
@@ -69,9 +76,11 @@ def test_migrations_run_once_before_any_gateway_starts(compose: dict[str, Any]) 
     assert gateway["redis"]["condition"] == "service_healthy"
     assert services["lb"]["depends_on"]["gateway"]["condition"] == "service_healthy"
     # Both talk to the same database.
+    url = "WEIR_DATABASE_URL_FILE"
     assert (
-        migrate["environment"]["WEIR_DATABASE_URL"] == services["gateway"]["environment"]["WEIR_DATABASE_URL"]
+        migrate["environment"][url] == services["gateway"]["environment"][url] == "/run/secrets/database_url"
     )
+    assert "database_url" in migrate["secrets"] and "database_url" in services["gateway"]["secrets"]
 
 
 def test_every_long_running_service_has_a_healthcheck(compose: dict[str, Any]) -> None:
@@ -87,37 +96,73 @@ def test_every_long_running_service_has_a_healthcheck(compose: dict[str, Any]) -
     assert "/readyz" in " ".join(compose["services"]["gateway"]["healthcheck"]["test"])
 
 
-def test_no_secret_is_written_in_the_compose_files(compose: dict[str, Any]) -> None:
+def test_secrets_reach_the_services_as_files_never_as_environment_variables(compose: dict[str, Any]) -> None:
+    declared = compose["secrets"]
+    used: set[str] = set()
     for path in (DEPLOY / "compose.yaml", DEPLOY / "compose.gpu.yaml"):
         doc = load_yaml(path)
         for name, service in doc["services"].items():
             env = service.get("environment", {})
             assert isinstance(env, dict), f"{name}: use the mapping form of environment"
+            mounted = set(service.get("secrets", []))
+            used |= mounted
             for key, value in env.items():
-                if SECRET_NAME.search(key):
-                    assert "${" in str(value), f"{path.name}: {name}.{key} must come from the environment"
+                # WEIR_ADMIN_TOKEN_FILE, POSTGRES_PASSWORD_FILE, Grafana's GF_..._PASSWORD__FILE
+                if SECRET_NAME.search(key.removesuffix("_FILE").removesuffix("_")):
+                    assert key.endswith("_FILE"), (
+                        f"{path.name}: {name}.{key} puts a secret in the environment"
+                    )
+                    assert str(value).startswith(SECRETS_MOUNT), f"{path.name}: {name}.{key}={value}"
+            # Every secret a service reads (environment, entrypoint, health check) is mounted in it.
+            read = set(re.findall(re.escape(SECRETS_MOUNT) + r"(\w+)", json.dumps(service)))
+            assert read <= mounted, f"{path.name}: {name} reads {read - mounted}, not mounted"
+            assert mounted <= set(declared), (
+                f"{path.name}: {name} mounts undeclared {mounted - set(declared)}"
+            )
             for key in (service.get("build") or {}).get("args", {}):
                 assert not SECRET_NAME.search(key), f"{name}: a secret as a build arg ends up in the image"
-    # A required secret is `${VAR:?message}`: compose refuses to start without it instead of
-    # starting with an empty password.
-    required = {k for k, op in variables(compose).items() if op == ":?"}
-    assert {"POSTGRES_PASSWORD", "WEIR_ADMIN_TOKEN", "WEIR_DEMO_KEY", "GRAFANA_ADMIN_PASSWORD"} <= required
-    with pytest.raises(MissingVariable, match="POSTGRES_PASSWORD"):
-        interpolate(compose, {})
-    # The example names every variable the file requires and holds no value for any secret.
+    assert used == set(declared), f"declared but never mounted: {set(declared) - used}"
+    # Each is a file of deploy/secrets/, which git ignores.
+    for secret, spec in declared.items():
+        assert spec == {"file": f"./secrets/{secret}"}, secret
+    assert "secrets/" in (DEPLOY / ".gitignore").read_text().split()
+    # No variable of the file (deploy/.env, the shell) carries a secret, and the example names none.
+    assert not [k for k in variables(compose) if SECRET_NAME.search(k)]
     example = parse_env_file((DEPLOY / ".env.example").read_text())
-    assert required <= set(example)
-    assert all(example[k] == "" for k in example if SECRET_NAME.search(k))
-    assert ".env" in (DEPLOY / ".gitignore").read_text().split()
+    assert not [k for k in example if SECRET_NAME.search(k)]
+    assert set(variables(compose)) <= set(example)
+
+
+def test_new_secrets_makes_every_secret_compose_mounts_and_keeps_them(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    secrets = new_secrets(tmp_path / "secrets")
+    assert {p.name for p in secrets.iterdir()} == set(compose["secrets"])
+    text = {p.name: p.read_text().rstrip("\n") for p in secrets.iterdir()}
+    # The URLs carry the passwords the servers get; the optional secrets are empty until filled in.
+    assert text["database_url"] == f"postgresql+asyncpg://weir:{text['postgres_password']}@postgres:5432/weir"
+    assert text["redis_url"] == f"redis://:{text['redis_password']}@redis:6379/0"
+    for name in ("postgres_password", "redis_password", "weir_admin_token", "weir_demo_key"):
+        assert len(text[name]) >= 32, name
+    assert text["openai_api_key"] == text["anthropic_api_key"] == text["weir_master_key"] == ""
+    # Readable by the containers' users (gateway 10001, postgres 70, grafana 472) in a directory
+    # closed to everyone else.
+    assert secrets.stat().st_mode & 0o777 == 0o700
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in secrets.iterdir())
+    # Run again, it changes nothing: a password postgres was initialised with stays.
+    (secrets / "openai_api_key").write_text("sk-mine\n")
+    new_secrets(secrets)
+    assert {p.name: p.read_text().rstrip("\n") for p in secrets.iterdir()} == {
+        **text,
+        "openai_api_key": "sk-mine",
+    }
 
 
 def test_with_the_example_env_filled_in_everything_interpolates(compose: dict[str, Any]) -> None:
     env = example_env()
     resolved = interpolate(compose, env)
-    url = resolved["services"]["gateway"]["environment"]["WEIR_DATABASE_URL"]
-    assert url == f"postgresql+asyncpg://weir:{env['POSTGRES_PASSWORD']}@postgres:5432/weir"
-    assert resolved["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == env["POSTGRES_PASSWORD"]
     assert resolved["services"]["lb"]["ports"] == [f"{env['WEIR_HTTP_PORT']}:8080"]
+    assert interpolate(compose, {})["services"]["lb"]["ports"] == ["8080:8080"]
 
 
 def test_bind_mounts_and_build_files_exist(compose: dict[str, Any]) -> None:
@@ -134,10 +179,13 @@ def test_bind_mounts_and_build_files_exist(compose: dict[str, Any]) -> None:
     assert {n for n in named if not n.startswith(".")} <= set(compose["volumes"])
 
 
-def test_the_gateway_config_loads_with_the_real_config_loader(compose: dict[str, Any]) -> None:
+def test_the_gateway_config_loads_with_the_real_config_loader(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
     from gateway.config import parse_config
 
-    env = interpolate(compose, example_env())["services"]["gateway"]["environment"]
+    secrets = new_secrets(tmp_path)
+    env = at_secrets(interpolate(compose, example_env())["services"]["gateway"]["environment"], secrets)
     config = parse_config(gateway_config_source(compose).read_text(), env)
     assert (config.server.host, config.server.port) == ("0.0.0.0", 8080)
     assert config.auto_migrate is False  # the `migrate` service upgrades the schema, once
@@ -149,7 +197,10 @@ def test_the_gateway_config_loads_with_the_real_config_loader(compose: dict[str,
     command = compose["services"]["engine"]["command"]
     port = command[command.index("--port") + 1]
     assert engine.url == f"http://engine:{port}/v1"
-    assert [t.api_keys for t in config.tenants or []] == [[env["WEIR_DEMO_KEY"]]]
+    # The demo key, like every secret of the config, read from the file compose mounts.
+    demo_key = (secrets / "weir_demo_key").read_text().strip()
+    assert [t.api_keys for t in config.tenants or []] == [[demo_key]]
+    assert config.backend("openai").api_key == ""  # the empty optional secret
 
 
 def gateway_config_source(compose: dict[str, Any]) -> Path:
@@ -232,27 +283,29 @@ def test_prometheus_scrapes_each_gateway_replica_and_the_engine(compose: dict[st
 def test_redis_runs_with_the_compose_command_and_the_gateway_url_authenticates(
     compose: dict[str, Any], tmp_path: Path
 ) -> None:
-    """The compose Redis command, run by the local redis-server (the image runs the same binary)."""
-    env = example_env()
-    resolved = interpolate(compose, env)
-    redis_service = resolved["services"]["redis"]
-    with redis_server(redis_service["command"], tmp_path) as port:
-        url = resolved["services"]["gateway"]["environment"]["WEIR_REDIS_URL"]
-        assert url.startswith(f"redis://:{env['REDIS_PASSWORD']}@redis:6379/")
+    """The compose Redis entrypoint and command, run by the local redis-server (the image runs the same
+    binary; its docker-entrypoint.sh only drops root before it execs the command)."""
+    secrets = new_secrets(tmp_path / "secrets")
+    redis_service = at_secrets(interpolate(compose, example_env())["services"]["redis"], secrets)
+    entrypoint = [a.replace("docker-entrypoint.sh ", "") for a in redis_service["entrypoint"]]
+    with redis_server([*entrypoint, *redis_service["command"]], tmp_path) as port:
+        url = (secrets / "redis_url").read_text().strip()
+        assert url.startswith("redis://:") and "@redis:6379/" in url
         client = redis.Redis.from_url(url.replace("@redis:6379", f"@127.0.0.1:{port}"))
         assert client.ping()
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(host="127.0.0.1", port=port, password="wrong").ping()
-        # The health check, as compose runs it inside the container, with the container's environment.
+        # The health check, as compose runs it inside the container, with the password from its file.
         kind, command = redis_service["healthcheck"]["test"]
         assert kind == "CMD-SHELL"
         command = command.replace("redis-cli", f"redis-cli -p {port}")
-        healthy = subprocess.run(["sh", "-c", command], env={**os.environ, **redis_service["environment"]})
-        assert healthy.returncode == 0
-        wrong = {**os.environ, "REDISCLI_AUTH": "wrong"}
-        assert subprocess.run(["sh", "-c", command], env=wrong, capture_output=True).returncode != 0
+        env = {k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}
+        assert subprocess.run(["sh", "-c", command], env=env).returncode == 0
+        (tmp_path / "wrong").write_text("wrong\n")
+        wrong = command.replace(str(secrets / "redis_password"), str(tmp_path / "wrong"))
+        assert subprocess.run(["sh", "-c", wrong], env=env, capture_output=True).returncode != 0
 
 
 def test_every_weir_command_is_one_the_real_cli_accepts(compose: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """deploy/compose.yaml's topology, run as local processes instead of containers (no Docker engine here):
 the `migrate` service's command against a fresh PostgreSQL database, then two gateway replicas with
-the shipped config and the gateway service's environment, sharing that database and a Redis started
-with the compose Redis command. A client spread over both replicas, as nginx spreads it, is served;
+the shipped config and the gateway service's environment, which names every secret as a file (made by
+deploy/new-secrets.sh, local addresses written into the URLs), sharing that database and a Redis
+started with the compose Redis command. A client spread over both replicas, as nginx spreads it, is served;
 the shared ledger holds each request once; what one replica's admin API creates, the other honours."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import openai
 import pytest
 
 from tests.deploy.artefacts import DEPLOY
-from tests.deploy.compose_env import example_env, interpolate
+from tests.deploy.compose_env import at_secrets, example_env, interpolate, new_secrets
 from tests.deploy.dockerfiles import healthcheck_argv
 from tests.deploy.processes import WEIR, redis_server, weir_serving
 from tests.fakes import FakeOpenAI
@@ -61,31 +62,40 @@ def replicas(
     _fake_openai_server: FakeOpenAI,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[list[str], dict[str, str]]]:
-    resolved = interpolate(compose, example_env())
-    services = resolved["services"]
+    secrets = new_secrets(tmp_path_factory.mktemp("run") / "secrets")
+    services = at_secrets(interpolate(compose, example_env())["services"], secrets)
+    weir_free = {k: v for k, v in os.environ.items() if not k.startswith(("WEIR_", "OPENAI_", "ANTHROPIC_"))}
 
-    # 1. `migrate`: its command, with its environment pointed at the local server.
-    compose_url = services["migrate"]["environment"]["WEIR_DATABASE_URL"]
-    assert compose_url.startswith("postgresql+asyncpg://") and compose_url.endswith("@postgres:5432/weir")
-    migrate_env = {**os.environ, "WEIR_DATABASE_URL": database}
+    # 1. `migrate`: its command and environment, the database URL file pointed at the local server.
+    compose_url = (secrets / "database_url").read_text()
+    assert compose_url.startswith("postgresql+asyncpg://") and compose_url.endswith("@postgres:5432/weir\n")
+    (secrets / "database_url").write_text(database + "\n")
+    migrate_env = {**weir_free, **services["migrate"]["environment"]}
     argv = [str(WEIR), *services["migrate"]["command"][1:]]
     done = subprocess.run(argv, env=migrate_env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     current = subprocess.run([str(WEIR), "db", "current"], env=migrate_env, capture_output=True, text=True)
     assert current.returncode == 0 and "empty" not in current.stdout
 
-    # 2. The gateways, with the gateway service's environment (local addresses, the fake vendor).
-    with redis_server(services["redis"]["command"], tmp_path_factory.mktemp("redis")) as redis_port:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIR_", "OPENAI_", "ANTHROPIC_"))}
-        env.update(services["gateway"]["environment"])
-        env["WEIR_DATABASE_URL"] = database
-        env["WEIR_REDIS_URL"] = env["WEIR_REDIS_URL"].replace("@redis:6379", f"@127.0.0.1:{redis_port}")
+    # 2. The gateways, with the gateway service's environment (local addresses, the fake vendor's key).
+    redis_argv = [*services["redis"]["entrypoint"], *services["redis"]["command"]]
+    redis_argv = [a.replace("docker-entrypoint.sh ", "") for a in redis_argv]  # it only drops root
+    with redis_server(redis_argv, tmp_path_factory.mktemp("redis")) as redis_port:
+        redis_url = (secrets / "redis_url").read_text().replace("@redis:6379", f"@127.0.0.1:{redis_port}")
+        (secrets / "redis_url").write_text(redis_url)
+        (secrets / "openai_api_key").write_text(_fake_openai_server.api_key + "\n")
+        env = {**weir_free, **services["gateway"]["environment"]}
+        assert not [
+            k for k in env if k.startswith(("WEIR_", "OPENAI_", "ANTHROPIC_")) and not k.endswith("_FILE")
+        ]
         env["OPENAI_BASE_URL"] = _fake_openai_server.base_url
-        env["OPENAI_API_KEY"] = _fake_openai_server.api_key
         config = DEPLOY / "compose" / "weir.yaml"
         cwds = [tmp_path_factory.mktemp("gateway-1"), tmp_path_factory.mktemp("gateway-2")]
         with weir_serving(config, env, cwds) as gateways:
-            yield [gateway.base for gateway in gateways], env
+            keys = {
+                name: (secrets / name).read_text().strip() for name in ("weir_demo_key", "weir_admin_token")
+            }
+            yield [gateway.base for gateway in gateways], keys
 
 
 def test_both_replicas_pass_the_images_health_check(replicas: tuple[list[str], dict[str, str]]) -> None:
@@ -99,8 +109,8 @@ def test_both_replicas_pass_the_images_health_check(replicas: tuple[list[str], d
 def test_requests_spread_over_replicas_land_once_in_the_shared_ledger(
     replicas: tuple[list[str], dict[str, str]], fake_openai: FakeOpenAI
 ) -> None:
-    bases, env = replicas
-    clients = [openai.OpenAI(base_url=f"{b}/v1", api_key=env["WEIR_DEMO_KEY"], max_retries=0) for b in bases]
+    bases, keys = replicas
+    clients = [openai.OpenAI(base_url=f"{b}/v1", api_key=keys["weir_demo_key"], max_retries=0) for b in bases]
     run = uuid.uuid4().hex[:8]
     prompt_tokens = completion_tokens = 0
     for i in range(REQUESTS):
@@ -114,7 +124,7 @@ def test_requests_spread_over_replicas_land_once_in_the_shared_ledger(
     assert sum(r.path == "/v1/chat/completions" for r in fake_openai.requests) == REQUESTS
 
     # Either replica's admin API reads the one ledger both replicas' batch writers fill.
-    admin = {"authorization": f"Bearer {env['WEIR_ADMIN_TOKEN']}"}
+    admin = {"authorization": f"Bearer {keys['weir_admin_token']}"}
     deadline = time.monotonic() + 30
     while True:
         reports = [
@@ -142,8 +152,8 @@ def test_requests_spread_over_replicas_land_once_in_the_shared_ledger(
 
 
 def test_a_key_created_on_one_replica_works_on_the_other(replicas: tuple[list[str], dict[str, str]]) -> None:
-    (first, second), env = replicas
-    admin = {"authorization": f"Bearer {env['WEIR_ADMIN_TOKEN']}"}
+    (first, second), keys = replicas
+    admin = {"authorization": f"Bearer {keys['weir_admin_token']}"}
     tenant = httpx.post(
         f"{first}/admin/api/v1/tenants", json={"name": f"acme-{uuid.uuid4().hex[:6]}"}, headers=admin
     )

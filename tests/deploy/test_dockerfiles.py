@@ -190,6 +190,7 @@ def test_the_build_context_keeps_what_the_image_needs_and_nothing_secret() -> No
         ".env",
         "deploy/.env",
         "deploy/k8s/secrets.env",
+        "deploy/secrets/weir_admin_token",
         ".git/config",
         ".venv/bin/python",
         "var/weir.db",
