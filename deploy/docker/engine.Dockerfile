@@ -29,7 +29,12 @@ FROM build-base AS torch-cuda
 RUN pip install -r /tmp/torch.txt
 
 FROM torch-${VARIANT} AS build
-RUN pip install -c constraints.txt -r /tmp/requirements.txt
+# Triton (about 1 GB: LLVM, ptxas) comes in with xgrammar, and with CUDA torch. The cuda image runs
+# Weir's kernels on it (and fails to build without it); the cpu image never imports it (on the CPU the
+# kernels take their PyTorch paths and xgrammar its C++ one), so it leaves it out.
+ARG VARIANT
+RUN pip install -c constraints.txt -r /tmp/requirements.txt \
+ && if [ "$VARIANT" = cpu ]; then pip uninstall -y triton; else python -c "import triton"; fi
 COPY . .
 RUN pip install --no-deps -e . && python -m compileall -q engine kernels weir gateway routing
 ARG MODEL=smollm2-135m

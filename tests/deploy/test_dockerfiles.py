@@ -167,6 +167,55 @@ assert embedder.pool([2000, 2001]).shape == (embedder.dim,)
     assert result.returncode == 0, result.stderr
 
 
+def test_the_cpu_engine_image_leaves_out_triton_and_the_cuda_one_keeps_it() -> None:
+    # The variant's build arg decides: the build stage's install line run with pip and python stubbed
+    # (they print what they were asked), once per variant.
+    build = parse(ENGINE).stage("build")
+    assert "VARIANT" in build.values("ARG")
+    (install,) = [v for v in build.values("RUN") if "requirements.txt" in v]
+    stubs = 'pip() { echo "pip $*"; }; python() { echo "python $*"; }; '
+    ran = {
+        variant: subprocess.run(
+            ["sh", "-c", stubs + install],
+            env={"VARIANT": variant},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        for variant in ("cpu", "cuda")
+    }
+    assert ran["cpu"] == [
+        "pip install -c constraints.txt -r /tmp/requirements.txt",
+        "pip uninstall -y triton",
+    ]
+    # The GPU image runs Weir's kernels on Triton: its build checks it is there rather than removing it.
+    assert ran["cuda"] == [
+        "pip install -c constraints.txt -r /tmp/requirements.txt",
+        "python -c import triton",
+    ]
+    # What the CPU engine runs, with Triton unimportable as in the image: the server and its kernels,
+    # and a generation on a tiny model under a JSON schema (xgrammar's token mask).
+    script = """
+import json, sys
+sys.modules["triton"] = sys.modules["triton.language"] = None  # `import triton` raises ImportError
+import engine.server, engine.cli, kernels
+from engine.config import tiny_config
+from engine.llm_engine import LLMEngine
+from engine.sampling import JsonFormat, SamplingParams
+llm = LLMEngine.from_config(tiny_config(), num_kv_blocks=64, device="cpu")
+schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+llm.add_request("r", [5, 6, 7], SamplingParams(max_tokens=48, seed=0, json_format=JsonFormat(json.dumps(schema))))
+tokens = []
+while llm.has_unfinished_requests():
+    tokens += [t for o in llm.step() for t in o.new_token_ids]
+assert isinstance(json.loads(bytes(t for t in tokens if t).decode())["ok"], bool), tokens
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_build_context_keeps_what_the_image_needs_and_nothing_secret() -> None:
     patterns = read_dockerignore(ROOT / ".dockerignore")
     needed = [
