@@ -252,6 +252,27 @@ def test_pods_are_locked_down(base: list[dict[str, Any]]) -> None:
             assert "/tmp" in mounts, name
 
 
+def test_the_vllm_pod_is_locked_down_and_writes_only_to_volumes(vllm: list[dict[str, Any]]) -> None:
+    test_pods_are_locked_down(vllm)  # every pod of the overlay, vLLM's included: non-root, read-only root
+    deployment = find(vllm, "Deployment", "vllm")
+    (container,) = containers(deployment)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    # vLLM's image is root's, HOME /root, on what is now a read-only filesystem: HOME (vLLM's, Triton's,
+    # FlashInfer's and CUDA's caches) and the weights are volumes, and nothing relies on /root.
+    for name in ("HOME", "HF_HOME"):
+        assert env[name] in mounts, f"{name}={env[name]} is not a volume"
+    assert not any(path.startswith("/root") for path in mounts)
+    assert {"/tmp", "/dev/shm"} <= set(mounts)  # torch.compile's cache; NCCL and the workers
+    spec = pod_spec(deployment)
+    assert spec is not None
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert all("emptyDir" in volumes[name] for name in mounts.values())
+    # The UID has no passwd entry: torch's getpass.getuser() raises unless USER is set.
+    assert env["USER"]
+    assert env["VLLM_NO_USAGE_STATS"] == "1"
+
+
 def test_config_and_secrets_are_wired_and_no_secret_is_committed(vllm: list[dict[str, Any]]) -> None:
     secrets = secret_data(vllm)
     configmaps = {o["metadata"]["name"] for o in vllm if o["kind"] == "ConfigMap"}
