@@ -1236,6 +1236,64 @@ async def test_the_uptime_reports_tenants_are_their_own_requests_not_weirs_compa
         assert counts == {"openai": (5, 2), "anthropic": (3, 2)}, params
 
 
+async def test_the_uptime_reports_edges_count_each_request_where_it_started(env: Env) -> None:
+    """The rule at a range's edges: a tenant's request belongs to the range its first attempt started
+    in, succeeded if any of its attempts answered (even after the range); each attempt counts for its
+    backend in the range it started in. A request started at 23:59:59 and retried or answered after
+    midnight is the earlier day's, and so on for a range that starts or ends inside one. Whatever
+    mix of rollups (whole UTC days) and ledger (the hours at the edges) a range reads, the report is
+    that rule computed from the events themselves, so ranges that tile a span add up to the span's."""
+    day = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    rng = random.Random(5)
+    tick = dt.timedelta(microseconds=1)
+    midnights = (day, day + dt.timedelta(days=1))
+    # First attempts on, just before and just after each midnight and at noon; each later attempt a
+    # microsecond or 30 s after the one before, some across the midnight.
+    moments = [m + d for m in midnights for d in (-tick, dt.timedelta(0), tick, -dt.timedelta(seconds=1))]
+    moments.append(day + dt.timedelta(hours=12))
+    events: list[UsageEvent] = []
+    for n in range(60):
+        ts = rng.choice(moments)
+        for attempt in range(1, rng.randint(1, 3) + 1):
+            status = rng.choice([200, 200, 499, 502])
+            backend = rng.choice(["openai", "anthropic"])
+            events.append(usage_event(f"r{n}", attempt=attempt, ts=ts, backend=backend, status=status))
+            if status == 200:
+                break
+            ts += rng.choice([tick, dt.timedelta(seconds=30)])
+    await _write(env, events)
+
+    def expected(lo: dt.datetime, hi: dt.datetime) -> tuple[dict[str, tuple[int, int, int]], list[Any]]:
+        backends: dict[str, tuple[int, int, int]] = {}
+        for e in events:
+            if lo <= e.ts < hi:
+                total, ok, cancelled = backends.get(e.backend, (0, 0, 0))
+                backends[e.backend] = (total + 1, ok + (e.status == 200), cancelled + (e.status == 499))
+        answered = {e.request_id for e in events if e.status == 200}
+        started = [e.request_id for e in events if e.attempt == 1 and lo <= e.ts < hi]
+        succeeded = sum(r in answered for r in started)
+        tenants = [("t", len(started), succeeded)] if started else []
+        return backends, tenants
+
+    edges = sorted({day - dt.timedelta(days=1), *moments, day + dt.timedelta(days=2)})
+    edges += [day + dt.timedelta(hours=6)]
+    ranges = [(lo, hi) for lo in edges for hi in edges if lo < hi]
+    for lo, hi in ranges:
+        params = {"start": lo.isoformat(), "end": hi.isoformat()}
+        report = (await env.client.get("/admin/api/v1/reports/uptime", params=params, headers=AUTH)).json()
+        backends = {
+            b["backend"]: (b["attempts"], b["attempts_ok"], b["attempts_cancelled"])
+            for b in report["backends"]
+        }
+        tenants = [(t["tenant"], t["requests"], t["succeeded"]) for t in report["tenants"]]
+        assert (backends, tenants) == expected(lo, hi), params
+        # The usage report counts the same requests in the same range.
+        usage = (await env.client.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)).json()
+        assert [(r["tenant"], r["requests"]) for r in usage["rows"]] == [(t, n) for t, n, _ in tenants], (
+            params
+        )
+
+
 async def test_the_uptime_report_reads_the_ledger_by_index_not_by_grouping_it(env: Env) -> None:
     """Over whole days the uptime report grouped the range's whole ledger by request to tell which
     requests any attempt answered: on 200,000 attempts about a second, for each of the 15 reports the
