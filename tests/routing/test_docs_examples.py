@@ -31,7 +31,7 @@ from gateway.estimate import CHAT_TOKENS, MESSAGE_TOKENS
 from gateway.usage_sink import ListSink
 from routing.cli import router as router_cli
 from routing.routes import Breaker, Candidate, Compare, Conditions, Hedge, PolicyName, Retry, Route
-from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI
+from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 
@@ -101,17 +101,6 @@ def config_text(routes: list[dict[str, Any]], database_url: str | None = None) -
         + (f'database_url: "{database_url}"\n' if database_url else "")
         + yaml.safe_dump({"routes": routes})
     )
-
-
-def fake_env(oa: FakeOpenAI, an: FakeAnthropic, ge: FakeGemini) -> dict[str, str]:
-    return {
-        "OPENAI_BASE_URL": oa.base_url,
-        "OPENAI_API_KEY": oa.api_key,
-        "ANTHROPIC_BASE_URL": an.base_url,
-        "ANTHROPIC_API_KEY": an.api_key,
-        "GEMINI_BASE_URL": ge.base_url,
-        "GEMINI_API_KEY": ge.api_key,
-    }
 
 
 @contextmanager
@@ -201,9 +190,7 @@ def test_every_route_setting_is_named_in_the_routing_docs() -> None:
 
 
 @pytest.fixture
-def doc_gateway(
-    fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, fake_gemini: FakeGemini
-) -> Iterator[tuple[str, Any]]:
+def doc_gateway(fresh_fakes: None, vendor_env: dict[str, str]) -> Iterator[tuple[str, Any]]:
     routes = route_snippets()[0][1]
     # Plus a lowest_latency route over two vendors, which the docs describe but give no snippet for.
     fast = {
@@ -211,7 +198,7 @@ def doc_gateway(
         "policy": "lowest_latency",
         "candidates": [{"model": "gpt-4o-mini"}, {"model": "claude-haiku"}],
     }
-    config = parse_config(config_text([*routes, fast]), fake_env(fake_openai, fake_anthropic, fake_gemini))
+    config = parse_config(config_text([*routes, fast]), vendor_env)
     with gateway(config, p_strong=0.83) as running:
         yield running
 
@@ -316,9 +303,8 @@ def curl_examples(name: str) -> list[tuple[str, str, Any]]:
 
 @pytest.fixture
 def db_gateway(
-    fake_openai: FakeOpenAI,
-    fake_anthropic: FakeAnthropic,
-    fake_gemini: FakeGemini,
+    fresh_fakes: None,
+    vendor_env: dict[str, str],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[str]:
@@ -326,7 +312,7 @@ def db_gateway(
     monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     config = parse_config(
         config_text(route_snippets()[0][1], f"sqlite+aiosqlite:///{tmp_path}/weir.db"),
-        fake_env(fake_openai, fake_anthropic, fake_gemini),
+        vendor_env,
     )
     with gateway(config, p_strong=0.1) as (url, _):
         yield url
