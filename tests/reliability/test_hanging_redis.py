@@ -36,6 +36,7 @@ from tests.control.helpers import TcpProxy
 from tests.fakes import FakeOpenAI
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
 from tests.fixtures.gateway import ADMIN, Weir
+from tests.fixtures.gateway import CONFIG as GATEWAY_CONFIG
 from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.reliability.proxy import ThreadedProxy
@@ -43,14 +44,7 @@ from tests.reliability.proxy import ThreadedProxy
 pytestmark = pytest.mark.redis
 
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
-CONFIG = """\
-backends:
-  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
-models:
-  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, cached_input: 0.075, output: 0.60}}
-database_url: "${DB_URL}"
-limits: {max_concurrent_streams: 4}
-"""
+CONFIG = GATEWAY_CONFIG + "limits: {max_concurrent_streams: 4}\n"  # the shared gateway's, and a limit
 RETRY_S = 0.05
 
 

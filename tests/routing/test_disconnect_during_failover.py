@@ -25,16 +25,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
-from gateway.config import parse_config
 from gateway.state import MemoryState
 from routing.breaker import Breakers
 from tests.control.helpers import TcpProxy
 from tests.fakes import FakeAnthropic, FakeOpenAI, Fault
 from tests.fixtures.db import REDIS_PORT, REDIS_URL
-from tests.fixtures.gateway import ADMIN, Weir
-from tests.fixtures.net import free_port
-from tests.fixtures.server import serve
+from tests.fixtures.gateway import CONFIG as GATEWAY_CONFIG
+from tests.fixtures.gateway import Weir, sqlite_weir
 from tests.fixtures.vendor_gateway import DEMO_KEY, RunningGateway
 from tests.reliability.proxy import ThreadedProxy
 from tests.routing.routed import counted_micro_usd, fresh, ledger, routed_config_text, runtime
@@ -383,15 +380,13 @@ class _SlowRedis(TcpProxy):
         await super().forward(data, dst, upstream)
 
 
-ADMITTED_CONFIG = """\
-backends:
-  - {name: openai, type: openai, base_url: "${OPENAI_BASE_URL}", api_key: "${OPENAI_API_KEY}"}
-models:
-  - {name: gpt-4o-mini, backend: openai, price: {input: 0.15, cached_input: 0.075, output: 0.60}}
-database_url: "${DB_URL}"
+ADMITTED_CONFIG = (
+    GATEWAY_CONFIG  # the shared gateway's, and a route that keeps a breaker
+    + """\
 routes:
   - {name: auto, candidates: [{model: gpt-4o-mini}], breaker: {failures: 3, cooldown: 0.5}, probe_interval: null}
 """
+)
 
 
 @dataclass
@@ -406,23 +401,17 @@ class _Admitted:
 @pytest.fixture
 def admitted(
     fake_openai: FakeOpenAI,
-    request: pytest.FixtureRequest,
     redis_prefix: str,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> Iterator[_Admitted]:
-    db_url = request.getfixturevalue("sqlite_url")
     slow = _SlowRedis(REDIS_PORT)
     proxy = ThreadedProxy(slow)
-    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
-    monkeypatch.setenv("WEIR_USAGE_SPOOL", str(tmp_path / "spool"))
     monkeypatch.setenv("WEIR_REDIS_PREFIX", redis_prefix)
     monkeypatch.setenv("WEIR_REDIS_URL", f"redis://127.0.0.1:{slow.port}/{REDIS_URL.rsplit('/', 1)[-1]}")
-    env = {"OPENAI_BASE_URL": fake_openai.base_url, "OPENAI_API_KEY": fake_openai.api_key, "DB_URL": db_url}
-    app = create_app(parse_config(ADMITTED_CONFIG, env))
     try:
-        with serve(app, free_port()) as url:
-            yield _Admitted(url, Weir(url, db_url), slow)
+        with sqlite_weir(ADMITTED_CONFIG, fake_openai, tmp_path, monkeypatch) as weir:
+            yield _Admitted(weir.url, weir, slow)
     finally:
         proxy.close()
 
