@@ -227,8 +227,17 @@ def check(config_path: str) -> None:
     The environment variables the config reads (`${VAR}`) must be set as the gateway will see them, and
     WEIR_MASTER_KEY too: a malformed one stops `weir serve` as well.
     """
+    from gateway.config import tenant_models_outside_the_config
+
     config = checked_config(config_path)
     check_master_key()
+    # With an admin DB the loader lets a tenant's `models` name a route it cannot see: said, not refused.
+    for where, name in tenant_models_outside_the_config(config):
+        click.echo(
+            f"{config_path}: note: {where}: {name!r} is no model or route of the config: it must be a "
+            "route of the admin DB (/admin/api/v1/routes); the gateway warns at start if it is not",
+            err=True,
+        )
     tenants = _count(config.tenants, "tenant") if config.tenants is not None else _no_tenants(config)
     counts = [
         _count(config.backends, "backend"),

@@ -270,12 +270,14 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> Config:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError("the configuration must be a mapping at the top level")
-    raw = interpolate(raw, os.environ if env is None else env)
+    env = os.environ if env is None else env
+    raw = interpolate(raw, env)
     try:
         config = msgspec.convert(raw, Config, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
-    _check_references(config)
+    # WEIR_DATABASE_URL wins over `database_url` (gateway.admin.control_plane.configured_database_url).
+    _check_references(config, admin_db=bool(env.get("WEIR_DATABASE_URL") or config.database_url))
     return config
 
 
@@ -288,7 +290,20 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
     return parse_config(text, env)
 
 
-def _check_references(config: Config) -> None:
+def tenant_models_outside_the_config(config: Config) -> list[tuple[str, str]]:
+    """(where, name) of each name in a tenant's `models` that is no model or route of the config. With
+    an admin DB it may be a route created there (/admin/api/v1/routes), which only the DB can say: the
+    gateway warns at start of any that is not (`Gateway.start`); without one it is refused."""
+    known = {m.name for m in config.models} | {r.name for r in config.routes}
+    return [
+        (f"tenants[{i}].models[{j}]", name)
+        for i, tenant in enumerate(config.tenants or [])
+        for j, name in enumerate(tenant.models or [])
+        if name not in known
+    ]
+
+
+def _check_references(config: Config, admin_db: bool = False) -> None:
     _check_forwarded_allow_ips(config.server.forwarded_allow_ips)
     backends: set[str] = set()
     for i, backend in enumerate(config.backends):
@@ -344,9 +359,13 @@ def _check_references(config: Config) -> None:
             if key in keys:
                 raise ConfigError(f"tenants[{i}].api_keys[{j}]: the same key is given to two tenants")
             keys.add(key)
-        for j, name in enumerate(tenant.models or []):
-            if name not in names and not any(route.name == name for route in config.routes):
-                raise ConfigError(f"tenants[{i}].models[{j}]: no model named {name!r}")
+    outside = tenant_models_outside_the_config(config)
+    if outside and not admin_db:
+        where, name = outside[0]
+        raise ConfigError(
+            f"{where}: no model named {name!r}: no model or route of the config, and without an admin "
+            "DB (database_url) there is no other route it could be"
+        )
 
 
 def _check_forwarded_allow_ips(allowed: list[str] | str | None) -> None:

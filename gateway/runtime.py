@@ -16,7 +16,7 @@ from gateway.auth import (
     api_key_from,
     authenticate_known,
 )
-from gateway.config import Config
+from gateway.config import Config, tenant_models_outside_the_config
 from gateway.engine_supervisor import EngineProcess, resolve_engine_backend
 from gateway.errors import AuthenticationFailed, TooManyFailedKeys
 from gateway.limits import RequestLimits
@@ -115,6 +115,19 @@ class Gateway:
         for engine in self.engines:
             await engine.start()
         await self.router.start(self.transport)
+        # A config tenant's `models` may name a route of the admin DB, which the loader cannot see
+        # (gateway.config.tenant_models_outside_the_config): said here, now that the DB's routes are
+        # in force, not refused, since an admin may create it at any time and every replica then
+        # serves it within a second.
+        for where, name in tenant_models_outside_the_config(self.config):
+            if not self.router.in_force(name):
+                log.warning(
+                    "tenant_model_not_served",
+                    at=where,
+                    model=name,
+                    detail="no model or route of that name in the config or the admin DB: the tenant's "
+                    "requests for it answer 404 model_not_found until a route of that name is created",
+                )
         self.started = True
 
     async def stop(self) -> None:

@@ -10,9 +10,19 @@ import pytest
 from click.testing import CliRunner, Result
 
 from gateway.cli import serve
-from gateway.config import ConfigError, interpolate, load_config, parse_config
+from gateway.config import (
+    ConfigError,
+    interpolate,
+    load_config,
+    parse_config,
+    tenant_models_outside_the_config,
+)
 from gateway.vault import generate_key
+from tests.fakes import FakeOpenAI
+from tests.fixtures.gateway import CONFIG as GATEWAY_CONFIG
+from tests.fixtures.gateway import sqlite_weir
 from tests.fixtures.vendor_gateway import EXAMPLE
+from tests.fixtures.waiting import wait_for
 from weir.cli import main
 
 ENV = {"OPENAI_API_KEY": "sk-o", "ANTHROPIC_API_KEY": "sk-a", "GEMINI_API_KEY": "g", "WEIR_DEMO_KEY": "demo"}
@@ -80,7 +90,10 @@ def test_values_from_the_environment_cannot_change_the_structure() -> None:
         ("backends: [{name: x, type: engine}]", r"backends\[0\]: an engine backend needs `url` or `model`"),
         ("models: [{name: m, backend: nowhere}]", r"models\[0\]\.backend: no backend named 'nowhere'"),
         ("tenants: [{name: t, api_keys: ['']}]", r"tenants\[0\]\.api_keys\[0\]: empty API key"),
-        ("tenants: [{name: t, models: [ghost]}]", r"tenants\[0\]\.models\[0\]: no model named 'ghost'"),
+        (
+            "tenants: [{name: t, models: [ghost]}]",
+            r"tenants\[0\]\.models\[0\]: no model named 'ghost': .*without an admin DB \(database_url\)",
+        ),
         ("- just\n- a list", "mapping at the top level"),
         ("backends: [", "invalid YAML"),
     ],
@@ -403,6 +416,80 @@ async def test_the_open_access_warning_only_where_nothing_checks_keys() -> None:
             await gateway.start()
         await gateway.stop()
         assert ("no_tenants_configured" in [line["event"] for line in logs]) is warned
+
+
+@pytest.mark.parametrize(
+    ("text", "env"),
+    [("database_url: sqlite:///x.db\n", {}), ("", {"WEIR_DATABASE_URL": "sqlite:///x.db"})],
+)
+def test_with_an_admin_db_a_tenants_models_may_name_a_route_only_the_db_has(
+    text: str, env: dict[str, str]
+) -> None:
+    """A config tenant's `models` naming a route created through the admin API (/admin/api/v1/routes)
+    was refused at load, as if a typo: such a tenant could never be given a route of the DB. With an
+    admin DB (`database_url` or WEIR_DATABASE_URL) the loader cannot tell, so it loads; the gateway
+    says at start which it does not find (below). Without one it is still refused (above)."""
+    config = parse_config(text + "tenants: [{name: t, models: [from-the-db]}]", env)
+    assert config.tenants is not None and config.tenants[0].models == ["from-the-db"]
+    assert tenant_models_outside_the_config(config) == [("tenants[0].models[0]", "from-the-db")]
+
+
+def test_a_config_tenant_is_served_a_route_created_in_the_admin_db(
+    fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway starts, warns that no route `from-the-db` is there yet (the tenant's requests for it
+    answer 404 meanwhile), and once an admin creates it the tenant's requests for it are answered."""
+    import openai
+    from structlog.testing import capture_logs
+
+    config = GATEWAY_CONFIG + (
+        'tenants:\n  - {name: acme, api_keys: ["${ACME_KEY}"], models: [gpt-4o-mini, from-the-db]}\n'
+    )
+    hi: Any = [{"role": "user", "content": "hello"}]
+    with (
+        capture_logs() as logs,
+        sqlite_weir(config, fake_openai, tmp_path, monkeypatch, {"ACME_KEY": "acme-key"}) as weir,
+    ):
+        warned = [(line["at"], line["model"]) for line in logs if line["event"] == "tenant_model_not_served"]
+        assert warned == [("tenants[0].models[1]", "from-the-db")]
+        client = weir.client("acme-key")
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="from-the-db", messages=hi)
+        route = {"candidates": [{"model": "gpt-4o-mini"}]}
+        created = weir.admin.post("/routes", json={"name": "from-the-db", **route})
+        assert created.status_code == 201, created.text
+
+        def answered() -> bool:
+            try:
+                reply = client.chat.completions.create(model="from-the-db", messages=hi)
+            except openai.NotFoundError:
+                return False
+            return reply.choices[0].message.content == "hello"
+
+        wait_for(answered)
+        # A route the tenant was not given stays refused: the list still holds.
+        assert weir.admin.post("/routes", json={"name": "other", **route}).status_code == 201
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="other", messages=hi)
+
+
+def test_weir_config_check_notes_a_tenants_model_left_to_the_admin_db(tmp_path: Path) -> None:
+    path = tmp_path / "weir.yaml"
+    path.write_text(
+        CHECKED.replace(
+            'api_keys: ["${WEIR_DEMO_KEY}"]}', 'api_keys: ["${WEIR_DEMO_KEY}"], models: [auto, from-the-db]}'
+        )
+        + "database_url: sqlite:///x.db\n"
+    )
+    result = config_check(
+        path, {"OPENAI_API_KEY": "sk-o", "WEIR_DEMO_KEY": "demo", "WEIR_DATABASE_URL": None}
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        f"{path}: note: tenants[0].models[1]: 'from-the-db' is no model or route of the config: it must be a "
+        "route of the admin DB (/admin/api/v1/routes); the gateway warns at start if it is not",
+        f"{path}: OK: 1 backend, 2 models, 1 route, 1 tenant",
+    ]
 
 
 def test_weir_config_check_summarises_a_valid_config(tmp_path: Path) -> None:
