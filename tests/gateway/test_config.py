@@ -538,7 +538,10 @@ def test_weir_config_check_fails_with_the_loaders_error(
     )
     path = tmp_path / "weir.yaml"
     path.write_text(text.replace(*edit) if edit else text)
-    result = config_check(path, {"OPENAI_API_KEY": "sk-o", "WEIR_DEMO_KEY": "demo", **env})
+    # No admin DB from the environment: with one, a tenant's unknown model name loads (a DB-only route).
+    result = config_check(
+        path, {"OPENAI_API_KEY": "sk-o", "WEIR_DEMO_KEY": "demo", "WEIR_DATABASE_URL": None, **env}
+    )
     assert result.exit_code == 1, result.output
     assert result.output.startswith(f"Error: {path}: ") and message in result.output, result.output
     assert result.output.count("\n") == 1, result.output  # one line, no traceback
