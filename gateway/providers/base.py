@@ -616,9 +616,23 @@ _CONTEXT_MESSAGES = re.compile(
     r"maximum context length"  # OpenAI, vLLM, SGLang: "This model's maximum context length is ..."
     r"|prompt is too long"  # Anthropic: "prompt is too long: 208656 tokens > 200000 maximum"
     r"|exceed context limit"  # Anthropic: "input length and `max_tokens` exceed context limit: ..."
-    r"|input token count .* exceeds the maximum number of tokens",  # Gemini (INVALID_ARGUMENT)
+    r"|input token count .* exceeds the maximum number of tokens"  # Gemini (INVALID_ARGUMENT)
+    r"|exceeds the context window"  # OpenAI's Responses API: "Your input exceeds the context window ..."
+    # Servers that never send OpenAI's code: llama.cpp's "request (N tokens) exceeds the available
+    # context size (M tokens)", SGLang's and Together's "The input (N tokens) is longer than the
+    # model's context length (M tokens).", xAI's "This model's maximum prompt length is M but the
+    # request contains N tokens.", and TGI's 422 "Input validation error: `inputs` tokens +
+    # `max_new_tokens` must be <= M" (or "`inputs` must have less than M tokens").
+    r"|exceeds the available context size"
+    r"|longer than the model's context length"
+    r"|maximum prompt length is"
+    r"|`inputs` tokens \+ `max_new_tokens` must be"
+    r"|`inputs` must have less than \d+ tokens",
     re.IGNORECASE,
 )
+# The statuses a prompt too long comes with: 400 from nearly every vendor and server, 422 from TGI
+# (and servers built on it), 413 from those that treat it as a request too large. Their words decide.
+_CONTEXT_STATUSES = frozenset({400, 413, 422})
 
 # A context-window 400 that says how large the window is and how many tokens the prompt has: the
 # bundled engine's and OpenAI's words (vLLM's before 0.10 too), "This model's maximum context length
@@ -700,7 +714,7 @@ def upstream_error(
             "the backend's API key.",
             code=CREDENTIALS_REFUSED,
         )
-    if status == 400 and _CONTEXT_MESSAGES.search(message):
+    if status in _CONTEXT_STATUSES and _CONTEXT_MESSAGES.search(message):
         code = CONTEXT_LENGTH_EXCEEDED
     if 400 <= status < 500:
         return UpstreamError(

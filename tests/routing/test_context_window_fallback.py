@@ -79,6 +79,52 @@ def test_a_prompt_too_long_for_one_model_goes_to_the_next_at_once(
     assert route_header(raw)["candidate"] == first
 
 
+# How self-hosted OpenAI-compatible servers and other vendors say a prompt does not fit, in their own
+# words (none sends OpenAI's code), and with their own status: TGI refuses it with a 422.
+SERVERS_TOO_LONG = {
+    "llama.cpp": Fault.status(
+        400,
+        message="request (4476 tokens) exceeds the available context size (4096 tokens), try increasing it",
+    ),
+    "sglang": Fault.status(
+        400, message="The input (140000 tokens) is longer than the model's context length (131072 tokens)."
+    ),
+    "xai": Fault.status(
+        400, message="This model's maximum prompt length is 131072 but the request contains 140000 tokens."
+    ),
+    "tgi": Fault.status(
+        422,
+        message="Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 "
+        "`inputs` tokens and 1000 `max_new_tokens`",
+    ),
+}
+
+
+@pytest.mark.parametrize("server", list(SERVERS_TOO_LONG))
+def test_a_prompt_too_long_for_a_self_hosted_server_goes_to_the_next_at_once(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, server: str
+) -> None:
+    """llama.cpp, SGLang (and Together), xAI and TGI word it otherwise than OpenAI: the route's
+    `context_length_exceeded` still moves the request to the next candidate at once."""
+    fake_openai.fail_next(SERVERS_TOO_LONG[server])
+    raw = gateway.openai().chat.completions.with_raw_response.create(model="long-openai", messages=HI)  # type: ignore[arg-type]
+    assert route_header(raw)["candidate"] == "claude-sonnet"
+    assert len(fake_openai.requests) == 1  # not asked again in place
+    settled(gateway, 2)
+    assert [backend for backend, _ in ledger(gateway)] == ["openai", "anthropic"]
+
+
+def test_a_self_hosted_servers_prompt_too_long_reaches_the_client_as_openais_code(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """Without the rule, TGI's 422 keeps its status, with OpenAI's code that clients handle."""
+    fake_openai.fail_next(SERVERS_TOO_LONG["tgi"])
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        gateway.openai().chat.completions.create(model="strict-openai", messages=HI)  # type: ignore[arg-type]
+    body = info.value.body
+    assert isinstance(body, dict) and body["code"] == "context_length_exceeded"
+
+
 @pytest.mark.parametrize(
     ("route", "fault"),
     [("strict", ANTHROPIC_TOO_LONG), ("strict-openai", OPENAI_TOO_LONG)],
