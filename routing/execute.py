@@ -748,8 +748,9 @@ class Executor:
             if not first.done():
                 await asyncio.wait({first}, timeout=self._hedge_delay(route, primary, op))
             if first.done():
+                result = first.result()  # its failure (before the hedge delay) raises, serving nothing
                 plan.serve(primary)
-                return first.result()
+                return result
             if route.breaker is not None:  # before the cap: a hedge not sent spends nothing
                 refused, partner_trial = await self._admit(route, partner, op)
             usd = expected_cost(partner, feats, output_room(partner, route, feats), self.context)

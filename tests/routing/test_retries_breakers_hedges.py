@@ -706,6 +706,24 @@ def test_when_both_hedged_attempts_fail(
     assert sorted(ledger(gateway)) == [("deepseek", 500)] * 3 + [("raw", 500)] * 2  # one row per attempt
 
 
+def test_a_primary_that_fails_before_its_hedge_starts_is_not_named_as_the_one_that_answered(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_deepseek: FakeOpenAI
+) -> None:
+    """The primary's 500 comes before the hedge delay: no hedge starts, and the request goes on as an
+    unhedged one does. When every candidate then fails, x-weir-route (and the request's log line)
+    names the candidate whose failure the client got, the last one tried, as on a route without a
+    hedge: it named the primary, counted as having answered (`Plan.serve`) as its attempt failed."""
+    fake_openai.fail_next(500, times=2)
+    fake_deepseek.fail_next(500, times=2)
+    with pytest.raises(openai.InternalServerError) as caught:
+        gateway.openai().chat.completions.create(model="hedged", messages=HI)  # type: ignore[arg-type]
+    header = route_header(caught.value.response)
+    assert header["tried"] == "gpt-4o-mini:502,gpt-4o-mini:502,deepseek-chat:502,deepseek-chat:502"
+    assert header["candidate"] == "deepseek-chat"
+    settled(gateway, 4)
+    assert ledger(gateway)[-1] == ("deepseek", 500)
+
+
 def test_when_both_hedged_attempts_fail_at_once_the_race_ends_with_the_primarys_failure(
     gateway: RunningGateway,
     fake_openai: FakeOpenAI,
