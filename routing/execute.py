@@ -145,18 +145,26 @@ _NOT_RETRIED = frozenset(
 )
 
 
+# The 4xx statuses a wait may lift (as the OpenAI and Anthropic SDKs retry them): a rate limit, a
+# request timeout, a conflict (OpenAI's lock), "too early". Any other 4xx a route's `failover_on`
+# lists is the backend's answer to this very request, the same after any wait.
+_TRANSIENT_4XX = frozenset({408, 409, 425, 429})
+
+
 def retries_in_place(exc: GatewayError) -> bool:
     """Whether asking the same backend again may help. Not after OpenAI's 429 `insufficient_quota`
     (the account is out of credit, which no wait lifts, unlike a rate limit's 429), nor after the
     backend refused the gateway's credentials or account, nor when the bundled engine's queue is full
     (`engine_overloaded`, from `--max-queued`: the point of the limit is to answer elsewhere now),
-    nor when the prompt does not fit its context window, nor after a 404 (a model the backend does
-    not have, retired or misnamed, where `failover_on` lists 404), nor when the bundled engine said
-    it is still loading its model or its loop died (503 `model_not_ready`, `engine_dead`: seconds
-    to minutes until it loads or its supervisor restarts it; the client sees the gateway's 503 either
-    way): the next candidate is asked at once."""
+    nor when the prompt does not fit its context window, nor after a 4xx other than a rate limit, a
+    request timeout or a conflict (`_TRANSIENT_4XX`) where `failover_on` lists it: a 404 (a model
+    the backend does not have, retired or misnamed), Anthropic's 413 `request_too_large` (a body
+    over its 32 MB), a 422, which the same request gets again after any wait. Nor when the bundled
+    engine said it is still loading its model or its loop died (503 `model_not_ready`,
+    `engine_dead`: seconds to minutes until it loads or its supervisor restarts it; the client sees
+    the gateway's 503 either way): the next candidate is asked at once."""
     return (
-        exc.status != 404
+        not (400 <= exc.status < 500 and exc.status not in _TRANSIENT_4XX)
         and exc.code not in _NOT_RETRIED
         and exc.upstream_code not in ("model_not_ready", "engine_dead")
     )

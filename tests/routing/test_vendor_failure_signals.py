@@ -54,6 +54,7 @@ EXTRA_ROUTES = f"""\
   - {{name: gemini-key-first, candidates: [{{model: gemini-revoked}}, {{model: gpt-4o-mini}}], {FAST}}}
   - {{name: raw-gemini-first, candidates: [{{model: raw-gemini}}, {{model: gpt-4o-mini}}], {FAST}}}
   - {{name: model-gone-first, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}, failover_on: [429, 5xx, 404]}}
+  - {{name: too-large-first, candidates: [{{model: claude-sonnet}}, {{model: gpt-4o-mini}}], {FAST}, failover_on: [429, 5xx, 413, 422]}}
   - {{name: claude-first-429, candidates: [{{model: claude-sonnet}}, {{model: gpt-4o-mini}}], {ONLY_429}}}
   - {{name: raw-first-429, candidates: [{{model: raw-model}}, {{model: claude-sonnet}}], {ONLY_429}}}
 """
@@ -237,6 +238,22 @@ def test_a_404_model_not_found_listed_in_failover_on_is_not_retried_in_place(
     text, route = streamed(gateway, "model-gone-first")
     assert text == ECHO and route["tried"] == "gpt-4o-mini:404,claude-sonnet:ok"
     assert len(fake_openai.requests) == 1
+
+
+@pytest.mark.parametrize("status", [413, 422])
+def test_a_4xx_listed_in_failover_on_is_not_retried_in_place(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic, status: int
+) -> None:
+    """Anthropic's 413 `request_too_large` (a body over its 32 MB) or a 422 the backend's validation
+    gave: the same request to the same backend gets the same answer after any wait. A route that
+    lists them to move on asked that backend again after its backoff first (uploading the body
+    again); the next candidate is asked at once, as after a 404."""
+    fake_anthropic.fail_next(Fault.status(status), times=2)
+    text, route = chat(gateway, "too-large-first")
+    assert text == ECHO and route["tried"] == f"claude-sonnet:{status},gpt-4o-mini:ok"
+    assert len(fake_anthropic.requests) == 1
+    settled(gateway, 2)
+    assert ledger(gateway) == [("anthropic", status), ("openai", 200)]
 
 
 def test_a_rate_limit_429_is_still_retried_in_place(
