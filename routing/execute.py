@@ -17,6 +17,7 @@ import datetime as dt
 import email.utils
 import math
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -88,11 +89,26 @@ def fails_over(route: Route, exc: BaseException) -> bool:
     )
 
 
+# OpenAI's words for a request larger on its own than the account's tokens-per-minute limit, in a
+# 429: "Request too large for gpt-4o in organization ... on tokens per min (TPM): Limit 30000,
+# Requested 50000. The input or output tokens must be reduced ...". No wait lifts it. (Groq says it
+# with a 413, which `retries_in_place` does not retry either.)
+_TOO_LARGE_FOR_LIMIT = re.compile(r"\bRequest too large for\b", re.IGNORECASE)
+
+
+def _too_large_for_limit(exc: GatewayError) -> bool:
+    """A 429 for a request too large for the backend's rate limit itself (`_TOO_LARGE_FOR_LIMIT`):
+    the request's own size, not the backend's load or health."""
+    return exc.status == 429 and _TOO_LARGE_FOR_LIMIT.search(exc.message) is not None
+
+
 def _unhealthy(exc: GatewayError) -> bool:
     """A failure that says the backend is unwell (what breakers count), not the request's fault. The
     bundled engine's `engine_overloaded` 429 is not one: it is busy with other requests, and an open
-    breaker would keep the next ones off it for a whole cooldown once its batch has room again."""
-    if exc.code == "engine_overloaded":
+    breaker would keep the next ones off it for a whole cooldown once its batch has room again. Nor
+    is a 429 for a request too large for the rate limit itself (`_too_large_for_limit`): a few such
+    requests opened the breaker for every other request there."""
+    if exc.code == "engine_overloaded" or _too_large_for_limit(exc):
         return False
     return isinstance(exc, _BACKEND_ERRORS) and (exc.status >= 500 or exc.status == 429)
 
@@ -153,8 +169,8 @@ _TRANSIENT_4XX = frozenset({408, 409, 425, 429})
 
 def retries_in_place(exc: GatewayError) -> bool:
     """Whether asking the same backend again may help. Not after OpenAI's 429 `insufficient_quota`
-    (the account is out of credit, which no wait lifts, unlike a rate limit's 429), nor after the
-    backend refused the gateway's credentials or account, nor when the bundled engine's queue is full
+    (the account is out of credit, which no wait lifts, unlike a rate limit's 429) or its 429 for a
+    request too large for the rate limit itself (`_too_large_for_limit`), nor after the backend refused the gateway's credentials or account, nor when the bundled engine's queue is full
     (`engine_overloaded`, from `--max-queued`: the point of the limit is to answer elsewhere now),
     nor when the prompt does not fit its context window, nor after a 4xx other than a rate limit, a
     request timeout or a conflict (`_TRANSIENT_4XX`) where `failover_on` lists it: a 404 (a model
@@ -165,6 +181,7 @@ def retries_in_place(exc: GatewayError) -> bool:
     the gateway's 503 either way): the next candidate is asked at once."""
     return (
         not (400 <= exc.status < 500 and exc.status not in _TRANSIENT_4XX)
+        and not _too_large_for_limit(exc)
         and exc.code not in _NOT_RETRIED
         and exc.upstream_code not in ("model_not_ready", "engine_dead")
     )

@@ -256,6 +256,31 @@ def test_a_4xx_listed_in_failover_on_is_not_retried_in_place(
     assert ledger(gateway) == [("anthropic", status), ("openai", 200)]
 
 
+# OpenAI's 429 for a request larger than the organisation's tokens-per-minute limit on its own.
+TOO_LARGE_FOR_TPM = (
+    "Request too large for gpt-4o-mini in organization org-abc on tokens per min (TPM): Limit 30000, "
+    "Requested 50000. The input or output tokens must be reduced in order to run successfully."
+)
+
+
+def test_a_request_too_large_for_the_rate_limit_moves_on_at_once_and_opens_no_breaker(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """No wait lifts it (what it asks is more than the limit), so asking again after the backoff
+    only got the same 429; and it says nothing of the backend's health: the route's 3-failure breaker
+    opened on three such requests, turning every other request away from a backend that serves them."""
+    breakers = runtime(gateway).router.breakers
+    key = "openai/gpt-4o-mini"
+    seen = len(breakers.transitions)
+    for _ in range(3):
+        fake_openai.fail_next(Fault.status(429, message=TOO_LARGE_FOR_TPM, error_code="rate_limit_exceeded"))
+        text, route = chat(gateway, "resilient")
+        assert text == ECHO and route["tried"] == "gpt-4o-mini:429,claude-sonnet:ok"
+    assert len(fake_openai.requests) == 3  # once each
+    assert (key, "open") not in list(breakers.transitions)[seen:]
+    assert breakers.state(key) == "closed"
+
+
 def test_a_rate_limit_429_is_still_retried_in_place(
     gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> None:
