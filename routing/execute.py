@@ -828,10 +828,12 @@ class Executor:
                 # A cancelled one read its whole answer after the other had taken the race (`_Race`).
                 done = {task for task in done if not task.cancelled()}
                 failure = first.exception() if first in done else None
-                if failure is not None and not fails_over(route, failure):
+                if failure is not None and not fails_over(route, failure) and not refuses_parameter(failure):
                     # A 4xx the request caused (or a gateway refusal) on the primary: without a hedge
                     # it ends the request, never failing over, so the hedge must not answer in its
                     # place. (The hedge's own 4xx does not: unhedged, it would never have been asked.)
+                    # Not the primary's model refusing a parameter it does not take: unhedged, that
+                    # passes the request on to the next candidate, which the hedge already asked.
                     raise failure
                 # In the race's order, not the set's: both may be done in one turn of the loop.
                 for task in (task for task in owners if task in done):

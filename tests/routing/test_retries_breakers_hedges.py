@@ -724,6 +724,34 @@ def test_a_primary_that_fails_before_its_hedge_starts_is_not_named_as_the_one_th
     assert ledger(gateway)[-1] == ("deepseek", 500)
 
 
+def test_a_primary_that_cannot_take_the_request_leaves_the_hedge_running_to_answer(
+    gateway: RunningGateway, raw: Script, fake_deepseek: FakeOpenAI
+) -> None:
+    """The primary's model refuses a parameter it does not take (a reasoning model's `temperature`,
+    400 `unsupported_value`) after the hedge started. Unhedged, that 400 passes the request on to the
+    next candidate, the hedge's: so the hedge, already under way, answers. It was cancelled as for a
+    400 the request caused, and its candidate then asked again from the start (two requests, one
+    billed as cancelled, and the wait for a second answer)."""
+    raw.delay = 0.3  # after the hedge (0.15 s) started, before it answers
+    raw.answers = [
+        http_head(400)
+        + b'{"error": {"message": "Unsupported value: \'temperature\' does not support 0.2 with this '
+        b'model.", "type": "invalid_request_error", "param": "temperature", "code": "unsupported_value"}}'
+    ]
+    fake_deepseek.set_latency(first_token=0.4)
+    raw_answer = gateway.openai().chat.completions.with_raw_response.create(
+        model="raw-hedged",
+        messages=HI,  # type: ignore[arg-type]
+        temperature=0.2,
+    )
+    assert raw_answer.parse().choices[0].message.content == ECHO
+    header = route_header(raw_answer)
+    assert header["candidate"] == "deepseek-chat" and header["hedged"] == "deepseek-chat"
+    assert raw.calls == 1 and len(fake_deepseek.requests) == 1  # the hedge answered; not asked again
+    settled(gateway, 2)
+    assert sorted(ledger(gateway)) == [("deepseek", 200), ("raw", 400)]
+
+
 def test_when_both_hedged_attempts_fail_at_once_the_race_ends_with_the_primarys_failure(
     gateway: RunningGateway,
     fake_openai: FakeOpenAI,
