@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.estimate import input_tokens
@@ -63,11 +63,37 @@ def _turn_text(message: Message) -> str:
     return message.text()
 
 
-def prompt_request(model: str, prompt: str | list[Any]) -> ChatRequest:
+def prompt_request(model: str, prompt: str | list[Any], max_tokens: int | None = None) -> ChatRequest:
     """What a routing policy reads (conditions, difficulty, prefix affinity) of a completions or
-    embeddings prompt: one user turn of its text; token ids read as none."""
+    embeddings prompt: one user turn of its text; token ids read as none. `max_tokens`: a
+    completions request's output limit."""
     text = prompt if isinstance(prompt, str) else "\n".join(v for v in prompt if isinstance(v, str))
-    return ChatRequest(model=model, messages=[Message(role="user", content=text)])
+    return ChatRequest(model=model, messages=[Message(role="user", content=text)], max_tokens=max_tokens)
+
+
+def _token_ids(prompt: str | list[Any]) -> int:
+    """How many token ids a completions or embeddings prompt holds (a list of ids, or lists of them)."""
+    if isinstance(prompt, str):
+        return 0
+    if all(isinstance(v, int) for v in prompt):
+        return len(prompt)
+    return sum(len(v) for v in prompt if isinstance(v, list))
+
+
+def prompt_features(
+    model: str,
+    prompt: str | list[Any],
+    tenant: str | None,
+    key_id: str | None,
+    max_tokens: int | None = None,
+) -> Features:
+    """The features of a completions or embeddings request (`prompt_request`), its length counting
+    each token id as the token it is: read as no text, a prompt of 5,000 ids passed a route's
+    `max_prompt_tokens: 1000` condition and `cheapest`'s fit in a small window. `max_tokens`: its
+    output limit, as a chat's (`cheapest` fits it, `x-weir-route` says `output_capped`)."""
+    feats = features(prompt_request(model, prompt, max_tokens), tenant, key_id)
+    ids = _token_ids(prompt)
+    return replace(feats, prompt_tokens=feats.prompt_tokens + ids) if ids else feats
 
 
 def features(

@@ -225,7 +225,9 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     _check_text_or_tokens(body.prompt, "prompt")
     _check_stream_options(body)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    result, plan = await run_routed(gateway, call, body.model, body.prompt, completion_op(body))
+    result, plan = await run_routed(
+        gateway, call, body.model, body.prompt, completion_op(body), body.max_tokens
+    )
     # Candidates of one route may differ: the native completions shape, or a chat to translate back.
     native = plan.chosen is not None and plan.chosen.target.provider.native_completions
     if body.stream:

@@ -27,7 +27,7 @@ from gateway.runtime import Gateway
 from gateway.types import ChatRequest, CompletionRequest, EmbeddingRequest, EmbeddingResponse, Message
 from gateway.usage import Usage
 from routing.execute import Operation, within_output_limit
-from routing.plan import Choice, Plan, features, prompt_request
+from routing.plan import Choice, Plan, prompt_features
 
 
 def _chat_cannot(request: CompletionRequest) -> str | None:
@@ -188,13 +188,20 @@ def count_tokens_op(request: ChatRequest) -> Operation:
 
 
 async def run_routed(
-    gateway: Gateway, call: Call, model: str, prompt: str | list[Any], op: Operation
+    gateway: Gateway,
+    call: Call,
+    model: str,
+    prompt: str | list[Any],
+    op: Operation,
+    max_tokens: int | None = None,
 ) -> tuple[Any, Plan]:
     """Plan the route for `model` (a plain model: one candidate, one attempt) and run `op` through
-    the executor; the result and the plan (whose `chosen` candidate says how to render it)."""
+    the executor; the result and the plan (whose `chosen` candidate says how to render it).
+    `max_tokens`: a completions request's output limit."""
     call.info.model = model
     call.info.stream = op.stream
-    feats = features(prompt_request(model, prompt), call.principal.tenant_name, call.principal.key_id)
+    principal = call.principal
+    feats = prompt_features(model, prompt, principal.tenant_name, principal.key_id, max_tokens)
     plan = await gateway.router.plan(model, call.principal, feats)
     try:
         return await gateway.executor.run(call, plan, op, feats), plan

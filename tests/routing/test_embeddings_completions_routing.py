@@ -13,6 +13,7 @@ import anthropic
 import openai
 import pytest
 
+from routing.plan import prompt_features
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fixtures.vendor_gateway import RunningGateway, full_config_text
 from tests.routing.routed import FAST, ledger, route_header, runtime
@@ -40,6 +41,8 @@ routes:
   - {{name: embed-hedged, hedge: {{delay: 0.15}}, candidates: [{{model: text-embedding-3-small}}, {{model: small-azure}}], {FAST}}}
   - {{name: embed-impatient, ttft_timeout: 0.2, candidates: [{{model: text-embedding-3-small}}, {{model: small-azure}}], {FAST}}}
   - {{name: complete, candidates: [{{model: gpt-instruct}}, {{model: claude-sonnet}}], {FAST}}}
+  - {{name: complete-short, when: {{max_prompt_tokens: 1000}}, candidates: [{{model: claude-sonnet}}], {FAST}}}
+  - {{name: complete-short, candidates: [{{model: gpt-instruct, max_output_tokens: 50}}], {FAST}}}
   - {{name: count, candidates: [{{model: gpt-4o-mini}}, {{model: claude-sonnet}}], {FAST}}}
   - {{name: count-none, candidates: [{{model: gpt-4o-mini}}], {FAST}}}
 """
@@ -281,6 +284,32 @@ def test_completions_prompt_lists_and_n_go_natively(gateway: RunningGateway, fak
     completion = gateway.openai().completions.create(model="complete", prompt=["a b", "c d"], n=2)
     assert len(completion.choices) == 4
     assert fake_openai.last_request.json["prompt"] == ["a b", "c d"]
+
+
+def test_completions_token_ids_and_output_limit_are_what_the_route_sees(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
+) -> None:
+    """A prompt of token ids is that many tokens to a route's prompt-length condition (read as no text,
+    5,000 ids passed a `max_prompt_tokens: 1000` branch), and a completions request's `max_tokens` is
+    its output limit to the route, as a chat's is: lowered to the candidate's `max_output_tokens`, the
+    header says `output_capped` (it said nothing, and `cheapest` fitted the route's expected output)."""
+    ids = [1000 + i % 500 for i in range(5000)]
+    completion = gateway.openai().completions.with_raw_response.create(
+        model="complete-short", prompt=[ids], max_tokens=400
+    )
+    route = route_header(completion)
+    assert (route["candidate"], route["output_capped"]) == ("gpt-instruct", "50")
+    assert fake_openai.last_request.json["max_tokens"] == 50
+    assert not fake_anthropic.requests
+    # A short text prompt takes the first branch, as before.
+    short = gateway.openai().completions.with_raw_response.create(model="complete-short", prompt=TEXT)
+    assert route_header(short)["candidate"] == "claude-sonnet"
+
+
+def test_a_prompt_of_token_ids_is_as_long_whether_flat_or_in_a_list() -> None:
+    ids = [1000 + i % 500 for i in range(5000)]
+    flat, nested = prompt_features("r", ids, None, None), prompt_features("r", [ids], None, None)
+    assert flat.prompt_tokens == nested.prompt_tokens >= len(ids)
 
 
 def test_completions_n_with_a_chat_candidate_is_skipped_not_truncated(
