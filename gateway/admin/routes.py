@@ -19,7 +19,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.router import AdminContext, AdminError, decode
-from gateway.db.models import DifficultyHeadRow, RouteRow, utcnow
+from gateway.db.models import ApiKey, DifficultyHeadRow, RouteRow, utcnow
 from routing.router import RouteError, Router, validate
 from routing.routes import Route
 from routing.store import route_spec, stamp
@@ -160,6 +160,45 @@ async def _claimed(request: Request, session: AsyncSession, route_id: int) -> Ro
     raise AssertionError(f"route {route_id} changed under its write lock")
 
 
+async def _still_named(
+    request: Request, session: AsyncSession, row: RouteRow, name: str | None = None
+) -> None:
+    """409 `route_in_use` when deleting `row` (`name` None) or renaming it to `name` leaves its name
+    with no route, no model of the config serves it, and callers may still use it: a config tenant's
+    or a live key's `models` names it. Such a key is refused when issued (it could never use the
+    name, `refuse_unknown_models`); made so by a route's removal, every request of it for the name was
+    a 404, and the admin who removed it was told nothing."""
+    if name == row.name or row.name in _router(request).models.targets:
+        return
+    others = await session.scalar(
+        select(func.count(RouteRow.id)).where(RouteRow.name == row.name, RouteRow.id != row.id)
+    )
+    if others:
+        return
+    tenants = request.app.state.gateway.config.tenants or []
+    holders = [f"config tenant {t.name!r}" for t in tenants if t.models is not None and row.name in t.models]
+    now = utcnow()
+    keys = await session.execute(
+        select(ApiKey.id, ApiKey.models, ApiKey.expires_at).where(ApiKey.revoked_at.is_(None))
+    )
+    holders += [
+        f"key {key_id}"
+        for key_id, models, expires_at in keys
+        if isinstance(models, list) and row.name in models and (expires_at is None or expires_at > now)
+    ]
+    if not holders:
+        return
+    shown = ", ".join(holders[:5]) + (f" and {len(holders) - 5} more" if len(holders) > 5 else "")
+    raise AdminError(
+        409,
+        f"route {row.id} is the last route named {row.name!r}, which {shown} may use: without it their "
+        f"requests for {row.name!r} would get 404. Add another route of that name first, or revoke those "
+        "keys (a config tenant's `models` is changed in the config)",
+        "route_in_use",
+        "name",
+    )
+
+
 def _not_in_force(router: Router) -> dict[str, Any]:
     """Stored routes this replica does not serve ({id, name, error}), and why it keeps routes older than
     the table (null unless the table as a whole was refused): what the admin who must fix them needs."""
@@ -226,6 +265,7 @@ async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> d
     async with ctx.write() as (session, audit):
         route, position = await _checked(request, body, session, route_id)
         row = await _claimed(request, session, route_id)
+        await _still_named(request, session, row, route.name)
         before = route_json(row)
         # Stamped once the row is held: on SQLite no other write comes before this one commits.
         updated_at = await stamp(session, utcnow())
@@ -242,6 +282,7 @@ async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> d
 async def delete_route(route_id: int, request: Request, ctx: AdminContext) -> None:
     async with ctx.write() as (session, audit):
         row = await _claimed(request, session, route_id)
+        await _still_named(request, session, row)
         audit("delete", "route", str(row.id), route_json(row), None)
         await session.delete(row)
     await _applied(request)

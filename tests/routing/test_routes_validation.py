@@ -696,3 +696,38 @@ def test_score_answers_every_bad_line_in_place_without_a_traceback(classifier: D
     assert "'User'" in errors[7] and "messages[0].role" in errors[7]
     assert 'no "user" turn' in errors[8]
     assert "9 line(s) could not be scored" in result.stderr
+
+
+@pytest.mark.postgres
+def test_the_last_route_of_a_name_a_key_may_use_is_not_deleted_or_renamed_away(weir: Weir) -> None:
+    """A key's `models` naming no route or model is refused when the key is issued (it could never use
+    it); deleting, or renaming, the last route of a name such a key holds made the same key after the
+    fact: every request of it for that name a 404, and nothing said. A 409 names the keys, nothing
+    changes; with another route of the name, or once the keys are revoked, the route goes."""
+    name = f"held-{uuid.uuid4().hex[:6]}"
+    created = weir.admin.post("/routes", json={**GOOD, "name": name})
+    assert created.status_code == 201, created.text
+    route_id = created.json()["id"]
+    tenant = weir.admin.post("/tenants", json={"name": f"holder-{uuid.uuid4().hex[:6]}"}).json()
+    issued = weir.admin.post(f"/tenants/{tenant['id']}/keys", json={"name": "app", "models": [name]})
+    assert issued.status_code == 201, issued.text
+    before = _listed(weir)["data"]
+    error = _openai_error(weir.admin.delete(f"/routes/{route_id}"), 409)
+    assert error["code"] == "route_in_use" and issued.json()["id"] in error["message"]
+    error = _openai_error(weir.admin.put(f"/routes/{route_id}", json={**GOOD, "name": f"{name}-2"}), 409)
+    assert error["code"] == "route_in_use"
+    assert _listed(weir)["data"] == before
+    answer = weir.openai(issued.json()["key"]).chat.completions.with_raw_response.create(
+        model=name, messages=HI
+    )
+    assert route_header(answer)["route"] == name
+    # Edits that keep the name are not in its way, nor is a second route of the name.
+    assert (
+        weir.admin.put(f"/routes/{route_id}", json={**GOOD, "name": name, "threshold": 0.6}).status_code
+        == 200
+    )
+    second = weir.admin.post("/routes", json={**GOOD, "name": name})
+    assert weir.admin.delete(f"/routes/{route_id}").status_code == 204
+    # Revoked, the key names nothing that matters: the last route goes.
+    assert weir.admin.delete(f"/keys/{issued.json()['id']}").status_code == 204
+    assert weir.admin.delete(f"/routes/{second.json()['id']}").status_code == 204
