@@ -435,10 +435,15 @@ async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> 
     body = decode(await request.body(), TenantPatch)
     if body.name is not msgspec.UNSET:
         refuse_config_name(ctx, body.name)
+    from gateway.admin.routes import rename_tenant_in_routes  # it imports this module
+
+    routes_renamed = False
     async with ctx.write() as (session, audit):
         tenant = await db_tenant_or_error(ctx, session, tenant_id)
         before = tenant_json(tenant)
-        if body.name is not msgspec.UNSET:
+        if body.name is not msgspec.UNSET and body.name != tenant.name:
+            # Routes' `when.tenants` know the tenant by name: they follow it to the new one.
+            routes_renamed = await rename_tenant_in_routes(session, audit, tenant.name, body.name)
             tenant.name = body.name
         if body.budget_usd_monthly is not msgspec.UNSET:
             tenant.budget_micro_usd_monthly = _budget_micro(body.budget_usd_monthly)
@@ -452,6 +457,9 @@ async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> 
         await session.flush()
         audit("update", "tenant", tenant.id, before, tenant_json(tenant))
     await ctx.state.publish_revocation(EVICT_ALL)  # replicas reload limits with the next request
+    gateway = getattr(request.app.state, "gateway", None)
+    if routes_renamed and gateway is not None and gateway.router.store is not None:
+        await gateway.router.store.refresh()  # in force here at once; the other replicas poll
     return tenant_json(tenant)
 
 

@@ -11,6 +11,7 @@ others within their poll interval.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -197,6 +198,35 @@ async def _still_named(
         "route_in_use",
         "name",
     )
+
+
+async def rename_tenant_in_routes(
+    session: AsyncSession, audit: Callable[..., None], old: str, new: str
+) -> bool:
+    """A tenant renamed from `old` to `new` (`PATCH /tenants/{id}`): the stored routes whose
+    `when.tenants` name it name it anew, each audited, in the tenant's transaction. Routes know tenants
+    by name, and left naming the old one, the tenant's requests silently went to whatever route or
+    model the others get. Whether any route changed (the caller refreshes the route store)."""
+    rows = [
+        row
+        for row in (await session.scalars(select(RouteRow))).all()
+        if isinstance(row.spec, dict)
+        and isinstance(when := row.spec.get("when"), dict)
+        and isinstance(tenants := when.get("tenants"), list)
+        and old in tenants
+    ]
+    if not rows:
+        return False
+    updated_at = await stamp(session, utcnow())
+    for row in rows:
+        before = route_json(row)
+        when = row.spec["when"]
+        tenants = list(dict.fromkeys(new if t == old else t for t in when["tenants"]))
+        row.spec = {**row.spec, "when": {**when, "tenants": tenants}}
+        row.updated_at = updated_at  # its revision moves on too (`revision_column`)
+        await session.flush()
+        audit("update", "route", str(row.id), before, route_json(row))
+    return True
 
 
 def _not_in_force(router: Router) -> dict[str, Any]:

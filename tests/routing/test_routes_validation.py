@@ -731,3 +731,46 @@ def test_the_last_route_of_a_name_a_key_may_use_is_not_deleted_or_renamed_away(w
     # Revoked, the key names nothing that matters: the last route goes.
     assert weir.admin.delete(f"/keys/{issued.json()['id']}").status_code == 204
     assert weir.admin.delete(f"/routes/{second.json()['id']}").status_code == 204
+
+
+@pytest.mark.postgres
+def test_a_tenant_renamed_keeps_the_routes_whose_conditions_name_it(weir: Weir) -> None:
+    """Routes know tenants by name (`when.tenants`): renaming a tenant through the admin API left its
+    routes naming the old name, so its requests silently went to the route for everyone else. The
+    rename carries over to the stored routes (audited), on this replica at once."""
+    name = f"ren-{uuid.uuid4().hex[:6]}"
+    tenant = weir.admin.post("/tenants", json={"name": f"{name}-old"}).json()
+    key = weir.admin.post(f"/tenants/{tenant['id']}/keys", json={"name": "app"}).json()["key"]
+    scoped = weir.admin.post(
+        "/routes",
+        json={
+            **GOOD,
+            "name": name,
+            "when": {"tenants": [f"{name}-old", "x"]},
+            "candidates": [{"model": "claude-sonnet"}],
+        },
+    )
+    everyone = weir.admin.post("/routes", json={**GOOD, "name": name})
+    assert scoped.status_code == everyone.status_code == 201
+
+    def candidate() -> str:
+        answer = weir.openai(key).chat.completions.with_raw_response.create(model=name, messages=HI)
+        return route_header(answer)["candidate"]
+
+    try:
+        assert candidate() == "claude-sonnet"
+        renamed = weir.admin.patch(f"/tenants/{tenant['id']}", json={"name": f"{name}-new"})
+        assert renamed.status_code == 200, renamed.text
+        assert candidate() == "claude-sonnet"
+        assert weir.admin.get(f"/routes/{scoped.json()['id']}").json()["when"]["tenants"] == [
+            f"{name}-new",
+            "x",
+        ]
+        assert weir.admin.get(f"/routes/{everyone.json()['id']}").json().get("when") is None
+        # A rename refused (the name is another tenant's) renames nothing in the routes either.
+        taken = weir.admin.post("/tenants", json={"name": f"{name}-taken"}).json()["name"]
+        assert weir.admin.patch(f"/tenants/{tenant['id']}", json={"name": taken}).status_code == 409
+        assert weir.admin.get(f"/routes/{scoped.json()['id']}").json()["when"]["tenants"][0] == f"{name}-new"
+    finally:
+        for created in (scoped, everyone):
+            weir.admin.delete(f"/routes/{created.json()['id']}")
