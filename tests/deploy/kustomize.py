@@ -82,6 +82,32 @@ def pod_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def secret_files(
+    spec: dict[str, Any], container: dict[str, Any], secrets: dict[str, dict[str, str]]
+) -> dict[str, tuple[str, str]]:
+    """{path in `container`: (Secret name, key)} of every file its mounted Secret volumes hold: the
+    volume's `items`, else every key of the Secret in `secrets` ({name: data}). A key an `optional`
+    volume names but its Secret lacks is no file."""
+    volumes = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
+    files: dict[str, tuple[str, str]] = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes.get(mount["name"])
+        if volume is None:
+            continue
+        name = volume["secretName"]
+        data = secrets.get(name, {})
+        items = volume.get("items") or [{"key": key, "path": key} for key in data]
+        for item in items:
+            if item["key"] not in data and volume.get("optional"):
+                continue
+            if "subPath" in mount:
+                if mount["subPath"] == item["path"]:
+                    files[mount["mountPath"]] = (name, item["key"])
+                continue
+            files[f"{mount['mountPath'].rstrip('/')}/{item['path']}"] = (name, item["key"])
+    return files
+
+
 def _containers(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for obj in objects:

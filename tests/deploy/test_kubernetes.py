@@ -5,6 +5,7 @@ migration Job, config and secrets, and the vLLM example."""
 from __future__ import annotations
 
 import base64
+import os
 import re
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ import yaml
 from tests.deploy.artefacts import DEPLOY, SECRET_NAME
 from tests.deploy.compose_env import variables
 from tests.deploy.dockerfiles import exec_form, parse
-from tests.deploy.kustomize import find, parse_env_file, pod_spec, render
+from tests.deploy.kustomize import find, parse_env_file, pod_spec, render, secret_files
 from tests.deploy.weir_cli import assert_cli_accepts
 
 K8S = DEPLOY / "k8s"
@@ -47,6 +48,31 @@ def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
     spec = pod_spec(obj)
     assert spec is not None
     return spec.get("initContainers", []) + spec["containers"]
+
+
+def secrets_of(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """{name: decoded data} of every Secret."""
+    return {
+        o["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in o.get("data", {}).items()}
+        for o in objects
+        if o["kind"] == "Secret"
+    }
+
+
+def env_at(
+    objects: list[dict[str, Any]], obj: dict[str, Any], container: dict[str, Any], directory: Path
+) -> dict[str, str]:
+    """`container`'s plain environment as a local process sees it: the Secret files it mounts written
+    under `directory` (an empty value filled in, as a user would) and every path to one pointed there."""
+    spec = pod_spec(obj)
+    assert spec is not None
+    secrets = secrets_of(objects)
+    files = secret_files(spec, container, secrets)
+    local: dict[str, str] = {}
+    for n, (path, (secret, key)) in enumerate(sorted(files.items())):
+        local[path] = str(directory / f"{n}-{key}")
+        Path(local[path]).write_text((secrets[secret][key] or f"test-{key.lower()}") + "\n")
+    return {e["name"]: local.get(e["value"], e["value"]) for e in container.get("env", []) if "value" in e}
 
 
 @pytest.mark.parametrize("directory", [K8S, VLLM, ROUTER_TRAIN], ids=["base", "vllm", "router-train"])
@@ -220,7 +246,9 @@ def test_the_nightly_router_train_job_installs_only_a_better_head() -> None:
     assert args[args.index("--out") + 1].startswith("/tmp/")
     (gateway,) = containers(find(objects, "Deployment", "weir-gateway"))
     assert container["image"] == gateway["image"]  # the same Weir, the same embedder recipes
-    assert container["envFrom"] == gateway["envFrom"]  # the admin DB, and the master key where set
+    # The admin DB, and the master key where set: the very files the gateways read.
+    for name in ("WEIR_DATABASE_URL_FILE", "WEIR_MASTER_KEY_FILE"):
+        assert env_value(container, name) == env_value(gateway, name), name
     assert job["spec"]["concurrencyPolicy"] == "Forbid"
     test_pods_are_locked_down([job])
 
@@ -267,32 +295,62 @@ def test_the_vllm_pod_is_locked_down_and_writes_only_to_volumes(vllm: list[dict[
     spec = pod_spec(deployment)
     assert spec is not None
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert all("emptyDir" in volumes[name] for name in mounts.values())
+    written = {m["name"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    assert all("emptyDir" in volumes[name] for name in written)
+    assert all("emptyDir" in volumes[name] or "secret" in volumes[name] for name in mounts.values())
     # The UID has no passwd entry: torch's getpass.getuser() raises unless USER is set.
     assert env["USER"]
     assert env["VLLM_NO_USAGE_STATS"] == "1"
 
 
-def test_config_and_secrets_are_wired_and_no_secret_is_committed(vllm: list[dict[str, Any]]) -> None:
-    secrets = secret_data(vllm)
-    configmaps = {o["metadata"]["name"] for o in vllm if o["kind"] == "ConfigMap"}
-    for obj in vllm:
+def env_value(container: dict[str, Any], name: str) -> str | None:
+    return next((e.get("value") for e in container.get("env", []) if e["name"] == name), None)
+
+
+@pytest.mark.parametrize("directory", [K8S, VLLM, ROUTER_TRAIN], ids=["base", "vllm", "router-train"])
+def test_secrets_reach_every_pod_as_files_never_as_environment_variables(directory: Path) -> None:
+    objects = render(directory)
+    secrets = secrets_of(objects)
+    for obj in objects:
         spec = pod_spec(obj)
         if spec is None:
             continue
         for volume in spec.get("volumes", []):
-            if "configMap" in volume:
-                assert volume["configMap"]["name"] in configmaps
+            if "secret" not in volume:
+                continue
+            name = f"{obj['metadata']['name']}: volume {volume['name']}"
+            secret = volume["secret"]
+            assert secret["secretName"] in secrets, name
+            # Only the keys the pod reads, readable by the pod's group (the kubelet hands the files to
+            # root and the fsGroup) and by no other user.
+            assert secret.get("items"), f"{name}: name the keys the pod reads"
+            modes = [secret["defaultMode"]] + [i["mode"] for i in secret["items"] if "mode" in i]
+            assert all(mode in (0o400, 0o440) for mode in modes), name
+            assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"], name
         for container in containers(obj):
-            for source in container.get("envFrom", []):
-                assert source["secretRef"]["name"] == "weir-secrets"
+            name = f"{obj['metadata']['name']}/{container['name']}"
+            assert not [s for s in container.get("envFrom", []) if "secretRef" in s], (
+                f"{name}: envFrom a Secret puts every key in the environment"
+            )
+            mounted = {m["name"]: m for m in container.get("volumeMounts", [])}
+            for volume in spec.get("volumes", []):
+                if "secret" in volume and volume["name"] in mounted:
+                    assert mounted[volume["name"]].get("readOnly") is True, name
+            files = secret_files(spec, container, secrets)
             for env in container.get("env", []):
-                ref = env.get("valueFrom", {}).get("secretKeyRef")
-                if ref:
-                    assert ref["name"] == "weir-secrets"
-                    assert ref.get("optional") or ref["key"] in secrets, ref["key"]
-                elif SECRET_NAME.search(env["name"]):
-                    pytest.fail(f"{env['name']} is written in the manifest instead of read from a Secret")
+                assert "secretKeyRef" not in env.get("valueFrom", {}), (
+                    f"{name}: {env['name']} takes a secret value from the environment; mount it as a file"
+                )
+                value = env.get("value", "")
+                # Every *_FILE (and Hugging Face's HF_TOKEN_PATH) names a file of a mounted Secret
+                # volume, whose Secret holds that key; no other variable holds a secret.
+                if env["name"].endswith("_FILE") or SECRET_NAME.search(env["name"]):
+                    assert value in files, f"{name}: {env['name']}={value} is no mounted Secret's file"
+                    secret, key = files[value]
+                    assert key in secrets[secret], f"{name}: {env['name']}: {secret} has no key {key}"
+                    assert env["name"].removesuffix("_FILE").removesuffix("_PATH") == key, (
+                        f"{name}: {env['name']} names the file of {key}"
+                    )
     # The committed example holds no secret: every token and key is empty.
     example = parse_env_file((K8S / "secrets.env.example").read_text())
     assert all(v == "" for k, v in example.items() if k.endswith(("_KEY", "_TOKEN")))
@@ -303,18 +361,75 @@ def test_config_and_secrets_are_wired_and_no_secret_is_committed(vllm: list[dict
             assert not (isinstance(doc, dict) and doc.get("kind") == "Secret"), path
 
 
+def test_config_maps_mounted_exist(vllm: list[dict[str, Any]]) -> None:
+    configmaps = {o["metadata"]["name"] for o in vllm if o["kind"] == "ConfigMap"}
+    for obj in vllm:
+        for volume in (pod_spec(obj) or {}).get("volumes", []):
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in configmaps
+
+
+@pytest.mark.parametrize("directory", [K8S, ROUTER_TRAIN], ids=["base", "router-train"])
+def test_each_weir_command_reads_its_secrets_from_the_mounted_files(directory: Path, tmp_path: Path) -> None:
+    """What `weir` does at start (export every WEIR_*_FILE) on each Weir pod's environment, with the
+    Secret's files where the pod mounts them: the values are the Secret's."""
+    from gateway.secret_files import export_secret_files
+
+    objects = render(directory)
+    data = secret_data(objects)
+    wanted = {
+        "weir-gateway": {
+            "WEIR_DATABASE_URL",
+            "WEIR_REDIS_URL",
+            "WEIR_ADMIN_TOKEN",
+            "WEIR_DEMO_KEY",
+            "WEIR_MASTER_KEY",
+        },
+        "weir-db-upgrade": {"WEIR_DATABASE_URL"},
+        "weir-router-train-acme": {"WEIR_DATABASE_URL", "WEIR_MASTER_KEY"},
+    }
+    checked = set()
+    for obj in objects:
+        if pod_spec(obj) is None or obj["metadata"]["name"] not in wanted:
+            continue
+        (container,) = containers(obj)
+        env = env_at(objects, obj, container, tmp_path)
+        names = export_secret_files(env)
+        assert set(names) == wanted[obj["metadata"]["name"]], obj["metadata"]["name"]
+        for key in names:
+            assert env[key] == (data[key] or f"test-{key.lower()}")
+            assert key + "_FILE" not in env
+        checked.add(obj["metadata"]["name"])
+    assert checked == {n for n in wanted if any(o["metadata"]["name"] == n for o in objects)}
+    assert "weir-gateway" in checked
+
+
 @pytest.mark.parametrize("directory", [K8S, VLLM], ids=["base", "vllm"])
-def test_the_config_map_loads_with_the_real_config_loader(directory: Any) -> None:
+def test_the_config_map_loads_with_the_real_config_loader(directory: Any, tmp_path: Path) -> None:
     from gateway.config import parse_config
+    from gateway.secret_files import export_secret_files
 
     objects = render(directory)
     text = find(objects, "ConfigMap", "weir-config")["data"]["weir.yaml"]
-    env = {k: v or f"test-{k.lower()}" for k, v in secret_data(objects).items()}
-    # Every variable the config requires (no default) is a key of the Secret the gateway reads.
+    gateway = find(objects, "Deployment", "weir-gateway")
+    (container,) = containers(gateway)
+    # The gateway's environment, its secret files where it mounts them, as `weir serve` sees it.
+    env = env_at(objects, gateway, container, tmp_path)
+    export_secret_files(env)
+    # Every variable the config requires (no default) reaches the gateway, as a file of the Secret.
     required = {name for name, op in variables(yaml.safe_load(text)).items() if op is None}
-    assert required <= set(env), f"not in weir-secrets: {required - set(env)}"
+    assert required <= set(env) | {k.removesuffix("_FILE") for k in env}, f"not given: {required}"
     config = parse_config(text, env)
     assert config.auto_migrate is False  # the weir-db-upgrade Job upgrades the schema, once
+    # Every secret of the config is the Secret's value, read from its file.
+    assert [t.api_keys for t in config.tenants or []] == [[env["WEIR_DEMO_KEY"]]]
+    for backend, key in (
+        ("openai", "OPENAI_API_KEY"),
+        ("anthropic", "ANTHROPIC_API_KEY"),
+        ("vllm", "VLLM_API_KEY"),
+    ):
+        if any(b.name == backend for b in config.backends):
+            assert config.backend(backend).api_key == f"test-{key.lower()}", backend
     # A replica that starts while Redis is away shares every limit out by the replicas that always run.
     assert config.replicas == find(objects, "HorizontalPodAutoscaler", "weir-gateway")["spec"]["minReplicas"]
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
@@ -326,6 +441,38 @@ def test_the_config_map_loads_with_the_real_config_loader(directory: Any) -> Non
             # An in-cluster backend: the Service exists and serves that port.
             assert name in services, f"backend {backend.name}: no Service {name}"
             assert int(port) in {p["port"] for p in services[name]["spec"]["ports"]}
+
+
+@pytest.mark.parametrize("key", ["a-vllm-key", ""], ids=["set", "empty"])
+def test_vllm_gets_its_api_key_from_the_secret_file_only_when_set(
+    vllm: list[dict[str, Any]], tmp_path: Path, key: str
+) -> None:
+    """vLLM reads its key only from the environment: the container's shell sets VLLM_API_KEY from the
+    file (when not empty) and execs vLLM with the container's args. Run here with a stand-in python3."""
+    deployment = find(vllm, "Deployment", "vllm")
+    (container,) = containers(deployment)
+    spec = pod_spec(deployment)
+    assert spec is not None
+    files = secret_files(spec, container, secrets_of(vllm))
+    (path,) = [p for p, (_, k) in files.items() if k == "VLLM_API_KEY"]
+    (tmp_path / "VLLM_API_KEY").write_text(key + "\n" if key else "")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "python3"
+    stub.write_text('#!/bin/sh\nprintf "%s\\n" "key=${VLLM_API_KEY-unset}" "$@"\n')
+    stub.chmod(0o755)
+    command = [c.replace(path, str(tmp_path / "VLLM_API_KEY")) for c in container["command"]]
+    result = subprocess.run(
+        [*command, *container["args"]],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        env={"PATH": f"{bin_dir}:{os.environ['PATH']}"},
+        check=True,
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"key={key or 'unset'}"
+    assert lines[1:] == ["-m", "vllm.entrypoints.openai.api_server", *container["args"]]
 
 
 def test_vllm_is_fronted_as_an_openai_compatible_backend(vllm: list[dict[str, Any]]) -> None:
