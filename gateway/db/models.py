@@ -161,7 +161,7 @@ class UsageEventRow(Base):
     )
 
     event_id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(64), index=True)
+    request_id: Mapped[str] = mapped_column(String(128), index=True)  # gateway.ids: up to 128
     # Set when request_id is a client's x-request-id: tells apart the requests that share it.
     exchange_id: Mapped[str | None] = mapped_column(String(32))
     attempt: Mapped[int] = mapped_column(Integer)

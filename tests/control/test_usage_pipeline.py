@@ -518,3 +518,19 @@ async def test_a_db_outage_is_logged_once_and_its_end_once(
         ),
     ]
     assert landed == [30]
+
+
+async def test_a_client_request_id_of_any_accepted_length_lands_in_the_ledger(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """The gateway keeps a client's `x-request-id` of up to 128 characters (gateway.ids) and logs,
+    echoes and joins feedback by it: the ledger must hold it too. A column of 64 made PostgreSQL
+    refuse the batch (a data exception, retried for ever), so no event of any tenant was written."""
+    longest = "r" * 128
+    batch = random_events(5, seed=51)
+    batch[2] = msgspec.structs.replace(batch[2], request_id=longest)
+    writer = BatchWriter(SpoolQueue(tmp_path / "unused"), engine)
+    assert await writer.write(batch) == 5
+    async with engine.connect() as conn:
+        stored = (await conn.execute(select(UsageEventRow.request_id))).scalars().all()
+    assert sorted(stored) == sorted(e.request_id for e in batch)
