@@ -170,7 +170,8 @@ class Model(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Tenant(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: str
+    # Its id in the ledger (usage_events.tenant_id): at most as long as an admin-DB tenant's name.
+    name: Annotated[str, msgspec.Meta(max_length=200)]
     api_keys: list[str] = []
     models: list[str] | None = None  # public model names this tenant may use; None: all
     max_messages: PositiveInt | None = None  # None: `limits.max_messages`

@@ -167,7 +167,8 @@ class UsageEventRow(Base):
     attempt: Mapped[int] = mapped_column(Integer)
     ts: Mapped[dt.datetime] = mapped_column(UTCDateTime)
     day: Mapped[dt.date] = mapped_column(Date)
-    tenant_id: Mapped[str | None] = mapped_column(String(32))
+    # An admin-DB tenant's id, or a config file's tenant's name (gateway.auth.tenant_principal)
+    tenant_id: Mapped[str | None] = mapped_column(String(200))
     key_id: Mapped[str | None] = mapped_column(String(32))
     route: Mapped[str] = mapped_column(String(200))
     backend: Mapped[str] = mapped_column(String(200))
@@ -206,7 +207,7 @@ class UsageRollup(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     day: Mapped[dt.date] = mapped_column(Date)
     # "" rather than NULL, so the unique constraint (and the upsert on it) holds for anonymous traffic.
-    tenant_id: Mapped[str] = mapped_column(String(32))
+    tenant_id: Mapped[str] = mapped_column(String(200))  # as usage_events.tenant_id
     key_id: Mapped[str] = mapped_column(String(32))
     backend: Mapped[str] = mapped_column(String(200))
     model: Mapped[str] = mapped_column(String(200))

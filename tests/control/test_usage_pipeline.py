@@ -534,3 +534,16 @@ async def test_a_client_request_id_of_any_accepted_length_lands_in_the_ledger(
     async with engine.connect() as conn:
         stored = (await conn.execute(select(UsageEventRow.request_id))).scalars().all()
     assert sorted(stored) == sorted(e.request_id for e in batch)
+
+
+async def test_a_config_tenant_of_any_name_lands_in_the_ledger(engine: AsyncEngine, tmp_path: Path) -> None:
+    """A config file's tenant is its name in the ledger (gateway.auth.tenant_principal), and a name
+    may be as long as an admin-DB tenant's (200): PostgreSQL refused the batch at 32, for ever."""
+    name = "customer-support-production-eu-west-1"  # 37 characters
+    batch = random_events(4, seed=52)
+    batch[1] = msgspec.structs.replace(batch[1], tenant_id=name)
+    writer = BatchWriter(SpoolQueue(tmp_path / "unused"), engine)
+    assert await writer.write(batch) == 4
+    async with engine.connect() as conn:
+        tenants = (await conn.execute(select(UsageRollup.tenant_id))).scalars().all()
+    assert name in tenants

@@ -598,3 +598,12 @@ def test_weir_config_check_takes_the_master_keys_weir_serve_takes(
     env = {"OPENAI_API_KEY": "sk-o", "WEIR_DEMO_KEY": "demo", "WEIR_MASTER_KEY_PREVIOUS": None, **keys}
     result = config_check(path, env)
     assert result.output == f"{path}: OK: 1 backend, 2 models, 1 route, 1 tenant\n" and result.exit_code == 0
+
+
+def test_a_tenant_name_the_ledger_cannot_hold_is_refused_at_start() -> None:
+    """A config tenant is its name in the ledger (`usage_events.tenant_id`, 200 characters, as an
+    admin-DB tenant's name): a longer one is a config error at start, not a usage batch that
+    PostgreSQL refuses, retried for ever, with every later event behind it."""
+    with pytest.raises(ConfigError, match=r"tenants\[0\]\.name"):
+        parse_config(f"tenants: [{{name: {'t' * 201}}}]", {})
+    assert parse_config(f"tenants: [{{name: {'t' * 200}}}]", {}).tenants[0].name == "t" * 200
