@@ -37,15 +37,18 @@ def normalise_url(url: str) -> str:
 
 
 def create_engine(url: str) -> AsyncEngine:
+    """The admin DB's engine. `hide_parameters`: a statement's error text (logged by the writers that
+    retry, and in a 500's traceback) leaves out its values, which hold stored prompts and completions
+    (in clear without WEIR_MASTER_KEY)."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        engine = create_async_engine(url, connect_args={"timeout": 30}, hide_parameters=True)
         # Foreign keys are off by default in SQLite; WAL lets the batch writer and readers overlap.
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    return create_async_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
+    return create_async_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10, hide_parameters=True)
 
 
 def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
+from structlog.testing import capture_logs
 
 import gateway.prompts as prompts_module
 from gateway.app import create_app
@@ -182,3 +183,31 @@ async def test_queue_is_bounded_and_survives_a_failed_write(
         stored = (await conn.execute(text("SELECT request_id, request_body FROM stored_prompts"))).all()
     await engine.dispose()
     assert [r[0] for r in stored] == ["r0", "r1"] and stored[0][1] == "q" * 1000
+
+
+async def test_a_failed_write_logs_no_prompt_text(tmp_path: Path) -> None:
+    """Stored bodies are in clear without WEIR_MASTER_KEY; the warning for a write the database
+    refuses must not carry them: SQLAlchemy's error text quotes the statement's parameters."""
+    exchange = Exchange(
+        capture=True,
+        tenant_id="t1",
+        request=[b'{"messages": [{"role": "user", "content": "the merger closes on friday"}]}'],
+        response=[b'{"choices": [{"message": {"content": "keep it quiet until then"}}]}'],
+        status=200,
+    )
+    broken = create_engine(f"sqlite+aiosqlite:///{tmp_path}/empty.db")  # no table: every write fails
+    store = PromptStore(sessionmaker(broken), None, flush_interval_s=0.01)
+    store.capture(exchange, "r1", "chat")
+    with capture_logs() as logs:
+        await store.start()
+        try:
+            deadline = time.monotonic() + 20
+            while not any(line["event"] == "prompt_store_write_failed" for line in logs):
+                assert time.monotonic() < deadline, "timed out"
+                await asyncio.sleep(0.01)
+        finally:
+            await store.stop()
+    await broken.dispose()
+    failed = next(line for line in logs if line["event"] == "prompt_store_write_failed")
+    assert "stored_prompts" in failed["error"]  # still says what failed
+    assert "merger" not in str(failed) and "quiet" not in str(failed)
