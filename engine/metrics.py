@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from engine.speculative import SpecStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 60)
+# A request's time to its first token (queued behind others) and to its last (thousands of tokens):
+# minutes, where a latency past the last finite bucket is one no quantile can place.
+REQUEST_BUCKETS = (*LATENCY_BUCKETS, 120, 300, 600)
 THROUGHPUT_WINDOW_S = 10.0
 
 
@@ -28,7 +31,7 @@ class EngineMetrics:
         self.ttft = Histogram(
             "weir_engine_time_to_first_token_seconds",
             "Time from receiving a request to its first generated token.",
-            buckets=LATENCY_BUCKETS,
+            buckets=REQUEST_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
@@ -40,7 +43,7 @@ class EngineMetrics:
         self.e2e = Histogram(
             "weir_engine_request_latency_seconds",
             "Time from receiving a request to its last token.",
-            buckets=LATENCY_BUCKETS,
+            buckets=REQUEST_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter("weir_engine_prompt_tokens", "Prompt tokens processed.", registry=r)

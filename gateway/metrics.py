@@ -13,7 +13,9 @@ from prometheus_client.registry import Collector
 from gateway.state.degradable import degraded_states
 from gateway.usage import Usage
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Up to the default `first_byte` timeout (600 s): a reasoning model's whole reply, or its first token,
+# can take minutes, and a latency past the last finite bucket is one no quantile can place.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 NO_BACKEND = "none"  # the backend and model labels of a request that no backend answered
 
 
