@@ -73,6 +73,18 @@ class logging_for:  # lower case, as contextlib.suppress: read as `with logging_
         serving.reset(self.token)
 
 
+# The model name is the client's own text until a route or model takes it (a 404 otherwise): up to a
+# request body's size, on every line of the request. Logged to the longest name a route can have.
+MAX_LOGGED_MODEL = 200
+
+
+def logged_model(name: str) -> str:
+    """`name` for a log line: as it is, or its first MAX_LOGGED_MODEL characters and its length."""
+    if len(name) <= MAX_LOGGED_MODEL:
+        return name
+    return f"{name[:MAX_LOGGED_MODEL]}...[{len(name)} characters]"
+
+
 def add_request_fields(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     info = serving.get()
     if info is None or info.over:
@@ -83,7 +95,7 @@ def add_request_fields(_logger: WrappedLogger, _method: str, event: EventDict) -
     if info.tenant is not None:
         event.setdefault("tenant", info.tenant)
     if info.model:
-        event.setdefault("model", info.model)
+        event.setdefault("model", logged_model(info.model))
     return event
 
 

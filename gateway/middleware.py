@@ -13,7 +13,7 @@ import structlog
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.ids import exchange_tag, is_request_id, ordered_id, tag_exchange
-from gateway.logging import logging_for
+from gateway.logging import logged_model, logging_for
 from gateway.metrics import NO_BACKEND, Metrics
 from gateway.pipeline import RequestInfo
 
@@ -78,7 +78,7 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
                     ttft_ms=round(info.ttft * 1000, 3) if info.ttft is not None else None,
                     endpoint=info.endpoint or None,
                     tenant=info.tenant,
-                    model=info.model or None,
+                    model=logged_model(info.model) if info.model else None,
                     backend=info.backend or None,
                     stream=info.stream,
                     input_tokens=usage.input_tokens if usage else None,

@@ -227,3 +227,17 @@ async def test_the_stream_slots_prober_a_request_started_logs_without_its_reques
     assert by_event["stream_slots_degraded"]["request_id"] == "trace-slots-1"
     assert "request_id" not in by_event["stream_slots_recovered"]
     await slots.client.aclose()
+
+
+def test_a_model_name_of_any_size_is_logged_bounded(gateway: RunningGateway) -> None:
+    """The model name is the client's own text until a route or model takes it: a body of megabytes
+    (`max_body_bytes`) could put all of it on the request's log line, one line a log shipper splits
+    (Docker's at 16 KiB) or drops. Logged to its first 200 characters, saying how long it was."""
+    asked = "x" * 100_000
+    with tagged_logs() as logs:
+        with pytest.raises(openai.NotFoundError):
+            gateway.openai().chat.completions.create(model=asked, messages=SAY)
+        line = logged(logs, "request")
+    assert line["status"] == 404
+    assert line["model"].startswith("x" * 200) and len(line["model"]) < 300
+    assert "100000" in line["model"]
