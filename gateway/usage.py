@@ -164,15 +164,21 @@ def openai_flavour(raw: dict[str, Any]) -> str:
     return "deepseek" if "prompt_cache_hit_tokens" in raw else "openai"
 
 
-def _tier(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
+# The longest tier a price can name (`gateway.accounting.pricing.TierName`), and the ledger's column.
+MAX_TIER = 32
+
+
+def reported_tier(value: Any) -> str | None:
+    """The tier a backend says served it; None for one longer than any a price can name (which bills
+    the base price anyway): a server may send any string, and the ledger's column holds 32."""
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_TIER else None
 
 
 def normalise_usage(vendor: str, raw: dict[str, Any] | None, service_tier: Any = None) -> Usage:
     """Turn a vendor's usage object into `Usage`, following that vendor's row of USAGE_SHAPES.
     `service_tier`: the tier served as reported beside the usage object (OpenAI's top-level one)."""
     if not raw:
-        return Usage(service_tier=_tier(service_tier))
+        return Usage(service_tier=reported_tier(service_tier))
     if vendor == "openai":
         vendor = openai_flavour(raw)
     shape = USAGE_SHAPES[vendor]
@@ -196,8 +202,8 @@ def normalise_usage(vendor: str, raw: dict[str, Any] | None, service_tier: Any =
         cache_write_1h_tokens=write_1h,
         output_tokens=output,
         reasoning_tokens=reasoning,
-        service_tier=_tier(service_tier)
-        or _tier(raw.get(shape.service_tier) if shape.service_tier else None),
+        service_tier=reported_tier(service_tier)
+        or reported_tier(raw.get(shape.service_tier) if shape.service_tier else None),
         web_search_requests=_get(raw, shape.web_search),
         web_fetch_requests=_get(raw, shape.web_fetch),
     )

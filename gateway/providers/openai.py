@@ -60,7 +60,7 @@ from gateway.types import (
     ToolCallDelta,
     has_cache_control,
 )
-from gateway.usage import normalise_usage
+from gateway.usage import normalise_usage, reported_tier
 from routing.load import report_request
 
 VENDOR = "openai"
@@ -586,8 +586,8 @@ class ChatStream:
                 _note_matched_stop(choice)
             self.answered = self.answered or choice.delta.carries_output()
         tier = wire.extra.get("service_tier")
-        if isinstance(tier, str) and tier:
-            self.served_tier = tier
+        if (served := reported_tier(tier)) is not None:
+            self.served_tier = served
         usage = normalise_usage(VENDOR, wire.usage, tier) if wire.usage else None
         return [
             ChatChunk(

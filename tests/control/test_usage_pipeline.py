@@ -26,6 +26,7 @@ from gateway.accounting.writer import BatchWriter, _rollup_rows, event_row
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine
+from gateway.usage import normalise_usage
 from tests.control.events import random_events
 from tests.control.helpers import TcpProxy
 from tests.fixtures.db import REDIS_URL, premigrated
@@ -547,3 +548,22 @@ async def test_a_config_tenant_of_any_name_lands_in_the_ledger(engine: AsyncEngi
     async with engine.connect() as conn:
         tenants = (await conn.execute(select(UsageRollup.tenant_id))).scalars().all()
     assert name in tenants
+
+
+async def test_a_service_tier_no_price_can_name_lands_in_the_ledger_as_none(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """A backend says which tier served it in its own words (an OpenAI-compatible server may send any
+    string): one longer than any tier a price can name (32 characters) bills the base price anyway,
+    and PostgreSQL refused it in `usage_events.service_tier`, the batch retried for ever."""
+    said = "enterprise-reserved-capacity-us-east"  # 36 characters
+    usage = normalise_usage("openai", {"prompt_tokens": 3, "completion_tokens": 2}, said)
+    batch = random_events(3, seed=53)
+    batch[0] = msgspec.structs.replace(batch[0], usage=usage)
+    writer = BatchWriter(SpoolQueue(tmp_path / "unused"), engine)
+    assert await writer.write(batch) == 3
+    async with engine.connect() as conn:
+        rows = await conn.execute(select(UsageEventRow.event_id, UsageEventRow.service_tier))
+        tiers = {event_id: tier for event_id, tier in rows}
+    assert tiers[batch[0].event_id] is None
+    assert normalise_usage("openai", {"prompt_tokens": 3}, "flex").service_tier == "flex"
