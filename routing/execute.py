@@ -132,7 +132,7 @@ def _declared_fit(choice: Choice, feats: Features) -> None:
         )
 
 
-def refuses_parameter(exc: GatewayError) -> bool:
+def refuses_parameter(exc: BaseException) -> bool:
     """OpenAI's 400 for a parameter or value the model does not take (a reasoning model refuses
     `temperature`, `top_p`, `logprobs`...), or any vendor's for an output limit above the most the
     model writes (a candidate without its `max_output_tokens` declared, or declared too high): the
