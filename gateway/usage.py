@@ -227,10 +227,21 @@ def openai_usage(usage: Usage) -> dict[str, Any]:
     }
 
 
+# The tier served (`Usage.service_tier`) in the words Anthropic's `usage.service_tier` has: its own,
+# and OpenAI's `default` (standard processing); another (OpenAI's `flex`, `scale`) is not said.
+_ANTHROPIC_SERVED_TIERS = {
+    "standard": "standard",
+    "priority": "priority",
+    "batch": "batch",
+    "default": "standard",
+}
+
+
 def anthropic_usage(usage: Usage) -> dict[str, Any]:
     """`Usage` in the Anthropic shape: cache reads and writes beside the uncached `input_tokens`;
     reasoning as `output_tokens_details.thinking_tokens` where a vendor counted it, never Weir's
-    estimate (Anthropic's own report of Claude's thinking reaches an Anthropic client as it was)."""
+    estimate (Anthropic's own report of Claude's thinking reaches an Anthropic client as it was);
+    the tier that served it where the vendor said one Anthropic's usage can name."""
     rendered: dict[str, Any] = {
         "input_tokens": usage.input_tokens,
         "cache_creation_input_tokens": usage.cache_write_tokens,
@@ -248,4 +259,6 @@ def anthropic_usage(usage: Usage) -> dict[str, Any]:
             "web_search_requests": usage.web_search_requests,
             "web_fetch_requests": usage.web_fetch_requests,
         }
+    if (tier := _ANTHROPIC_SERVED_TIERS.get(usage.service_tier or "")) is not None:
+        rendered["service_tier"] = tier
     return rendered

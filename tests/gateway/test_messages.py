@@ -810,3 +810,31 @@ def test_a_prefill_asked_for_in_a_user_turn_is_told_the_same_prompt_when_the_cac
     assert second.usage.cache_read_input_tokens > 0
     told = [m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) for m in (first, second)]
     assert told[0] == told[1] < 1152
+
+
+def test_the_service_tier_served_is_in_the_usage(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, fake_openai: FakeOpenAI
+) -> None:
+    """Anthropic's usage says the tier that served the request (`usage.service_tier`: `priority`
+    where `auto` found priority capacity, else `standard`), which the ledger bills: it never reached
+    the client, which could not tell whether its `auto` got priority capacity. An OpenAI backend's
+    tier is said in Anthropic's words where it has one (`priority`; `default` is `standard`)."""
+    client = gateway.anthropic()
+    hi: Any = [{"role": "user", "content": "hi"}]
+    fake_anthropic.serve_auto_at("priority")
+    asked: dict[str, Any] = {"model": "claude-sonnet", "max_tokens": 20, "messages": hi}
+    assert client.messages.create(**asked, service_tier="auto").usage.service_tier == "priority"
+    with client.messages.stream(**asked, service_tier="auto") as stream:
+        assert stream.get_final_message().usage.service_tier == "priority"
+    assert client.messages.create(**asked, service_tier="standard_only").usage.service_tier == "standard"
+    on_openai: dict[str, Any] = {**asked, "model": "gpt-4o-mini"}
+    assert client.messages.create(**on_openai).usage.service_tier == "standard"
+    fake_openai.serve_auto_at("priority")
+    assert client.messages.create(**on_openai, service_tier="auto").usage.service_tier == "priority"
+    assert [e.usage.service_tier for e in gateway.sink.events] == [
+        "priority",
+        "priority",
+        "standard",
+        "default",
+        "priority",
+    ]
