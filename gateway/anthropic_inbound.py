@@ -714,13 +714,13 @@ def _message_start(model: str, usage: Usage) -> list[bytes]:
 
 
 async def stream_events(
-    batches: AsyncIterator[list[ChatChunk]], model: str, thinking: bool = False
+    batches: AsyncIterator[list[ChatChunk]], model: str, thinking: bool = False, request_id: str | None = None
 ) -> AsyncIterator[bytes]:
     """Batches of canonical chunks as Anthropic's event sequence, one write per batch. message_start
     reports the prompt's tokens where the backend counted them before answering (Anthropic, Gemini:
     the first chunk's `prompt_usage`), else zeros (OpenAI-compatible backends report usage only at
     the end); message_delta carries the whole usage. `thinking`: whether the client enabled thinking,
-    and so sees reasoning."""
+    and so sees reasoning; `request_id`: the request's, in an `error` event as in any error body."""
     writer = _EventWriter(thinking)
     out: list[bytes] = []
     started = False  # message_start written (with the first batch, which may say the prompt's count)
@@ -739,7 +739,9 @@ async def stream_events(
                 out = []
     except Exception as exc:
         out = out if started else _message_start(model, Usage())
-        yield b"".join([*out, b"event: error\ndata: ", encode_anthropic_error(stream_failure(exc)), b"\n\n"])
+        yield b"".join(
+            [*out, b"event: error\ndata: ", encode_anthropic_error(stream_failure(exc), request_id), b"\n\n"]
+        )
         return
     out = out if started else _message_start(model, Usage())
     writer.end(out)

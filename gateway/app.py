@@ -39,10 +39,13 @@ log = structlog.get_logger("weir.gateway")
 
 def _error_response(request: Request[Any, Any, Any], error: GatewayError) -> Response[bytes]:
     anthropic = request.url.path in ANTHROPIC_PATHS
-    body = encode_anthropic_error(error) if anthropic else encode_openai_error(error)
-    status = anthropic_status(error) if anthropic else error.status
     state = request.scope.get("state", {})
     info = state.get("weir") if isinstance(state, dict) else None
+    if anthropic:
+        body = encode_anthropic_error(error, info.request_id if info is not None else None)
+    else:
+        body = encode_openai_error(error)
+    status = anthropic_status(error) if anthropic else error.status
     if info is not None and info.error is None:
         info.error = error.type
     return Response(body, status_code=status, media_type="application/json", headers=error.headers)

@@ -187,16 +187,24 @@ def anthropic_status(error: GatewayError) -> int:
     return OVERLOADED_STATUS if anthropic_error_type(error) == "overloaded_error" else error.status
 
 
-def anthropic_error_body(error: GatewayError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": anthropic_error_type(error), "message": error.message}}
+def anthropic_error_body(error: GatewayError, request_id: str | None = None) -> dict[str, Any]:
+    """Anthropic's error shape; `request_id` beside the error, as Anthropic's bodies carry it (the id
+    of the `request-id` header, which a client that shows the body alone shows too)."""
+    body: dict[str, Any] = {
+        "type": "error",
+        "error": {"type": anthropic_error_type(error), "message": error.message},
+    }
+    if request_id:
+        body["request_id"] = request_id
+    return body
 
 
 def encode_openai_error(error: GatewayError) -> bytes:
     return msgspec.json.encode(openai_error_body(error))
 
 
-def encode_anthropic_error(error: GatewayError) -> bytes:
-    return msgspec.json.encode(anthropic_error_body(error))
+def encode_anthropic_error(error: GatewayError, request_id: str | None = None) -> bytes:
+    return msgspec.json.encode(anthropic_error_body(error, request_id))
 
 
 def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> InvalidRequest:

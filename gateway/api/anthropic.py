@@ -45,7 +45,7 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
     thinking = body.shows_thinking
     if isinstance(result, ChatResponse):
         return json_response(from_canonical(result, body.model, thinking))
-    events = stream_events(result, body.model, thinking)
+    events = stream_events(result, body.model, thinking, call.info.request_id)
     return Stream(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 

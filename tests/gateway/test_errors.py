@@ -235,6 +235,7 @@ def test_an_overload_is_anthropics_529_to_anthropic_clients(
     assert caught.value.body == {  # type: ignore[comparison-overlap]
         "type": "error",
         "error": {"type": "overloaded_error", "message": caught.value.body["error"]["message"]},  # type: ignore[index]
+        "request_id": caught.value.response.headers["request-id"],
     }
     assert caught.value.response.headers["retry-after"] == "7"
 
@@ -347,6 +348,31 @@ def test_anthropic_stream_broken_midway_ends_with_an_error_event(
         ) as stream,
     ):
         list(stream)
+
+
+def test_anthropic_error_bodies_carry_the_request_id(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """Anthropic's error bodies carry the request's id beside the error (`request_id`, the id of its
+    `request-id` header): a client that shows the body alone (Claude Code's "API Error: 529 {...}")
+    shows the id to look the request up by in the gateway's log. Weir's had none, in the status line's
+    errors and in a stream's `error` event alike."""
+    client = gateway.anthropic()
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="no-such-model", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    assert missing.value.body["request_id"] == missing.value.response.headers["request-id"] != ""  # type: ignore[index]
+    fake_openai.fail_next(Fault.stream_error(after=2))
+    asked = {
+        "model": "gpt-4o-mini",
+        "max_tokens": 50,
+        "messages": [{"role": "user", "content": "one two three"}],
+    }
+    with pytest.raises(anthropic.APIStatusError) as broken, client.messages.stream(**asked) as stream:  # type: ignore[arg-type]
+        list(stream)
+    assert broken.value.response.status_code == 200  # the error came as an event, after the answer began
+    assert broken.value.body["request_id"] == broken.value.response.headers["request-id"] != ""  # type: ignore[index]
+    chat_error = post(gateway, "/v1/chat/completions", {"model": "no-such-model", "messages": HI})
+    openai_error(chat_error)  # OpenAI's shape has no such field
 
 
 def test_unknown_route_and_method(gateway: RunningGateway) -> None:

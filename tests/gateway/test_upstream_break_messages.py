@@ -88,6 +88,7 @@ def test_an_anthropic_client_is_told_the_same(gateway: RunningGateway, fake_open
             "type": "api_error",
             "message": "the stream from backend openai ended unexpectedly after 3 events",
         },
+        "request_id": caught.value.response.headers["request-id"],
     }
 
 

@@ -184,6 +184,7 @@ def test_messages_every_candidate_failing_is_an_anthropic_error(
         assert err.body == {  # Anthropic's error shape on the Messages API, not OpenAI's
             "type": "error",
             "error": {"type": "overloaded_error", "message": "Anthropic backend error (529): Overloaded"},
+            "request_id": err.response.headers["request-id"],
         }
         assert route_header(err.response)["tried"].endswith("claude-sonnet:503")
 
