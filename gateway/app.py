@@ -15,7 +15,7 @@ from litestar.exceptions import HTTPException
 from gateway.admin import control_plane
 from gateway.admin.ui import ui_routers
 from gateway.api import ROUTES
-from gateway.api.anthropic import PATHS as ANTHROPIC_PATHS
+from gateway.api.anthropic import is_anthropic_path
 from gateway.auth import Authenticator, StaticAuthenticator
 from gateway.config import Config
 from gateway.disconnect import cancel_on_disconnect
@@ -38,7 +38,7 @@ log = structlog.get_logger("weir.gateway")
 
 
 def _error_response(request: Request[Any, Any, Any], error: GatewayError) -> Response[bytes]:
-    anthropic = request.url.path in ANTHROPIC_PATHS
+    anthropic = is_anthropic_path(request.url.path)
     state = request.scope.get("state", {})
     info = state.get("weir") if isinstance(state, dict) else None
     if anthropic:

@@ -27,7 +27,15 @@ from routing.plan import features
 
 PATH = "/v1/messages"
 COUNT_PATH = PATH + "/count_tokens"
-PATHS = (PATH, COUNT_PATH)  # errors on these paths come in Anthropic's shape
+PATHS = (PATH, COUNT_PATH)  # the paths served
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether errors on `path` come in Anthropic's shape: the Messages API's, those Weir serves (a
+    trailing slash too) and those it does not (`/v1/messages/batches`), whose clients read no other."""
+    return path == PATH or path.startswith(PATH + "/")
+
+
 BETA_HEADER = "anthropic-beta"  # the client's beta features, passed on to Anthropic backends
 
 

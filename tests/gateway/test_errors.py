@@ -375,6 +375,24 @@ def test_anthropic_error_bodies_carry_the_request_id(
     openai_error(chat_error)  # OpenAI's shape has no such field
 
 
+def test_errors_on_every_path_of_the_messages_api_come_in_anthropics_shape(gateway: RunningGateway) -> None:
+    """An Anthropic client's call that Weir does not serve (the Message Batches API,
+    `/v1/messages/batches`) and one to `/v1/messages/` (a trailing slash, which Weir serves) were
+    answered in OpenAI's error shape, which Anthropic's clients do not read (no `type: error`, a
+    404 typed `invalid_request_error`): every path of the Messages API has Anthropic's."""
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        gateway.anthropic().messages.batches.list()
+    assert caught.value.body["type"] == "error"  # type: ignore[index]
+    assert caught.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    slash = httpx.post(
+        f"{gateway.url}/v1/messages/", json={"model": "claude-sonnet"}, headers={"x-api-key": DEMO_KEY}
+    )
+    assert slash.status_code == 400 and slash.json()["type"] == "error"
+    assert slash.json()["error"]["type"] == "invalid_request_error"
+    elsewhere = httpx.get(f"{gateway.url}/v1/messagesx")
+    assert elsewhere.status_code == 404 and openai_error(elsewhere)["code"] == "not_found"
+
+
 def test_unknown_route_and_method(gateway: RunningGateway) -> None:
     response = httpx.get(f"{gateway.url}/v1/nothing-here")
     assert response.status_code == 404
