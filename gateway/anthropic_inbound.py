@@ -312,12 +312,14 @@ class CountTokensRequest(Base):
         return msgspec.structs.replace(to_canonical(as_messages, beta), max_tokens=None)
 
 
-def _image(block: ImageBlock) -> ImagePart:
+def _image(block: ImageBlock, where: str) -> ImagePart:
+    """An image as a URL part: its base64 data as a data URL, or its URL. A source without the field its
+    type needs is refused, as Anthropic refuses it, not sent as an empty image."""
     source = block.source
-    if source.type == "base64":
-        url = f"data:{source.media_type or 'image/png'};base64,{source.data or ''}"
-    else:
-        url = source.url or ""
+    field, value = ("data", source.data) if source.type == "base64" else ("url", source.url)
+    if not value:
+        raise InvalidRequest(f"{where}.source.{field}: Field required", param=f"{where}.source.{field}")
+    url = f"data:{source.media_type or 'image/png'};base64,{value}" if source.type == "base64" else value
     return ImagePart(image_url=ImageURL(url=url), cache_control=block.cache_control)
 
 
@@ -344,7 +346,7 @@ def _part(block: TextBlock | ImageBlock | DocumentBlock, where: str) -> ContentP
     if isinstance(block, TextBlock):
         return TextPart(text=block.text, cache_control=block.cache_control)
     if isinstance(block, ImageBlock):
-        return _image(block)
+        return _image(block, where)
     return _document(block, where)
 
 

@@ -646,6 +646,28 @@ def test_documents_by_url_are_refused_naming_the_source(gateway: RunningGateway)
     assert gateway.sink.events == []  # refused before any backend was asked
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_an_image_without_its_data_or_url_is_refused_naming_it(
+    gateway: RunningGateway,
+    model: str,
+    fake_openai: FakeOpenAI,
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+) -> None:
+    """An image whose source lacks what its type needs (`data` for base64, `url` for a URL) went to
+    the backend as an empty image (`data:image/png;base64,`, an empty URL), each vendor refusing it in
+    its own words, if at all, after an attempt billed. It is a 400 naming the field, nothing sent."""
+    client = gateway.anthropic()
+    for source, field in (({"type": "base64", "media_type": "image/png"}, "data"), ({"type": "url"}, "url")):
+        image = {"type": "image", "source": source}
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.messages.create(model=model, max_tokens=20, messages=_ask_about(image))  # type: ignore[arg-type]
+        assert f"messages[0].content[0].source.{field}" in refused.value.message
+    fakes = (fake_openai, fake_anthropic, fake_gemini)
+    assert [r for fake in fakes for r in fake.requests if r.method == "POST"] == []
+    assert gateway.sink.events == []
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_a_stop_string_the_server_names_is_the_messages_stop_sequence(
     compat_gateway: RunningGateway, stream: bool
