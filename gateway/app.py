@@ -16,6 +16,7 @@ from gateway.admin import control_plane
 from gateway.admin.ui import ui_routers
 from gateway.api import ROUTES
 from gateway.api.anthropic import is_anthropic_path
+from gateway.api.openai import MODELS_PATH, anthropic_client
 from gateway.auth import Authenticator, StaticAuthenticator
 from gateway.config import Config
 from gateway.disconnect import cancel_on_disconnect
@@ -37,8 +38,16 @@ from gateway.usage_sink import FanoutSink, UsageSink
 log = structlog.get_logger("weir.gateway")
 
 
+def _anthropic_shaped(request: Request[Any, Any, Any]) -> bool:
+    """Whether an error is said in Anthropic's shape: on the Messages API's paths, and on /v1/models
+    to an Anthropic client, which is answered there in Anthropic's shape."""
+    path = request.url.path
+    models = path == MODELS_PATH or path.startswith(MODELS_PATH + "/")
+    return is_anthropic_path(path) or (models and anthropic_client(request))
+
+
 def _error_response(request: Request[Any, Any, Any], error: GatewayError) -> Response[bytes]:
-    anthropic = is_anthropic_path(request.url.path)
+    anthropic = _anthropic_shaped(request)
     state = request.scope.get("state", {})
     info = state.get("weir") if isinstance(state, dict) else None
     if anthropic:

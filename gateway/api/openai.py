@@ -289,15 +289,18 @@ def _card(name: str, owner: str, anthropic: bool) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": owner}
 
 
-def _anthropic_client(request: Request[Any, Any, Any]) -> bool:
+MODELS_PATH = "/v1/models"  # OpenAI's and Anthropic's alike: answered in the client's shape
+
+
+def anthropic_client(request: Request[Any, Any, Any]) -> bool:
     # The Anthropic SDKs send anthropic-version on every call; OpenAI's never do.
     return "anthropic-version" in request.headers
 
 
-@get("/v1/models")
+@get(MODELS_PATH)
 async def list_models(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "models")
-    anthropic = _anthropic_client(request)
+    anthropic = anthropic_client(request)
     data = [_card(name, owner, anthropic) for name, owner in _listing(gateway, call.principal)]
     if anthropic:
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
@@ -305,7 +308,7 @@ async def list_models(request: Request[Any, Any, Any]) -> Response[Any]:
     return json_response({"object": "list", "data": data})
 
 
-@get("/v1/models/{model_id:path}")
+@get(MODELS_PATH + "/{model_id:path}")
 async def get_model(request: Request[Any, Any, Any], model_id: str) -> Response[Any]:
     gateway, call = await begin(request, "models")
     name = model_id.lstrip("/")
@@ -314,7 +317,7 @@ async def get_model(request: Request[Any, Any, Any], model_id: str) -> Response[
         raise ModelNotFound(
             f"The model `{name}` does not exist or you do not have access to it.", param="model"
         )
-    return json_response(_card(name, owner, _anthropic_client(request)))
+    return json_response(_card(name, owner, anthropic_client(request)))
 
 
 ROUTES = [chat_completions, completions, embeddings, list_models, get_model]

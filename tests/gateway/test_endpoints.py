@@ -109,6 +109,22 @@ def test_models_in_the_anthropic_shape_for_anthropic_clients(gateway: RunningGat
         limited.models.retrieve("claude-sonnet")
 
 
+def test_model_errors_in_the_anthropic_shape_for_anthropic_clients(gateway: RunningGateway) -> None:
+    """/v1/models answers an Anthropic client (its `anthropic-version` header) in Anthropic's shape,
+    but its errors came in OpenAI's: `models.retrieve` of an unknown model, a wrong key. They come
+    in the shape of the answer the client would have had; an OpenAI client's stay OpenAI's."""
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        gateway.anthropic().models.retrieve("nope")
+    assert missing.value.body["type"] == "error"  # type: ignore[index]
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        gateway.anthropic(api_key="sk-wrong").models.list()
+    assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as openai_missing:
+        gateway.openai().models.retrieve("nope")
+    assert openai_missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
 def test_health_and_readiness(gateway: RunningGateway) -> None:
     assert httpx.get(f"{gateway.url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{gateway.url}/readyz")
