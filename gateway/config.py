@@ -284,10 +284,16 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> Config:
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as exc:
         # No path here: like every ConfigError, the caller says which file (`weir serve` prefixes it).
         raise ConfigError(f"cannot read the file: {exc.strerror}") from None
+    try:
+        # UTF-8 whatever the locale says (YAML's own encoding); another one (UTF-16 from an editor, a
+        # Latin-1 comment) was a UnicodeDecodeError traceback from `weir serve` and `weir config check`.
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"the file is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     return parse_config(text, env)
 
 

@@ -553,6 +553,21 @@ def test_weir_config_check_of_a_missing_file(tmp_path: Path) -> None:
     assert f"{tmp_path / 'nowhere.yaml'}: cannot read the file: No such file or directory" in result.output
 
 
+@pytest.mark.parametrize("raw", [b"\xff\xfeserver: {port: 8080}\n", b"# caf\xe9 (Latin-1)\nmodels: []\n"])
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path, raw: bytes) -> None:
+    """A file saved in another encoding (UTF-16 from an editor, a Latin-1 comment) was a
+    UnicodeDecodeError traceback from `weir config check` and `weir serve`, not a config error."""
+    path = tmp_path / "weir.yaml"
+    path.write_bytes(raw)
+    result = config_check(path, {})
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # reported, not raised
+    assert result.output.startswith(f"Error: {path}: the file is not UTF-8"), result.output
+    assert result.output.count("\n") == 1, result.output
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path)
+
+
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
