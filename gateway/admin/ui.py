@@ -342,33 +342,52 @@ def create_user(username: str, database_url: str | None, password_stdin: bool, u
         raise click.BadParameter("1-64 letters, digits or ._@-", param_hint="USERNAME")
     from gateway.db.models import Setting
 
-    async def store(sessions: Any) -> bool:
-        # Asked only once the DB is known to exist and have its tables (`run_on_admin_db`): not a
-        # password typed twice for a mistyped --database-url, and not an account stored in a database
-        # made on the spot, which no gateway reads.
+    key = USER_SETTING + username
+    exists = f"user {username!r} exists; pass --update to change its password"
+    # A mistyped name with --update made a second account, and the one meant kept its old password.
+    missing = f"no admin user {username!r} to update (leave out --update to create it)"
+
+    async def store(sessions: Any) -> str | None:
+        # Asked only once the DB is known to exist and have its tables (`run_on_admin_db`), and to
+        # hold the account (or not) as --update says: not a password typed twice for a mistyped
+        # --database-url or user name, and not an account stored in a database made on the spot,
+        # which no gateway reads.
+        async with sessions() as db:
+            found = await db.get(Setting, key) is not None
+        if found != update:
+            return missing if update else exists
         digest = _hasher().hash(_new_password(password_stdin))
         async with sessions() as db, db.begin():
-            existing = await db.get(Setting, USER_SETTING + username)
-            if existing is not None and not update:
-                return False
+            existing = await db.get(Setting, key)
+            if (existing is not None) != update:  # made or deleted meanwhile
+                return missing if update else exists
             if existing is None:
-                db.add(Setting(key=USER_SETTING + username, value=digest))
+                db.add(Setting(key=key, value=digest))
             else:
                 existing.value = digest
-            return True
+            return None
 
-    stored = run_on_admin_db(database_url, store)
-    if not stored:
-        raise click.ClickException(f"user {username!r} exists; pass --update to change its password")
+    problem = run_on_admin_db(database_url, store)
+    if problem is not None:
+        raise click.ClickException(problem)
     click.echo(f"admin user {username!r} {'updated' if update else 'created'}")
 
 
 def _new_password(from_stdin: bool) -> str:
     if from_stdin:
-        # (not click.get_text_stream: deprecated in Click 8.5, gone in 9)
-        password = sys.stdin.readline().rstrip("\r\n")
+        # Bytes, decoded here: how sys.stdin decodes depends on the locale, and a line that is not
+        # UTF-8 was a traceback from the hasher. (Not click.get_text_stream: deprecated in Click 8.5.)
+        line = sys.stdin.buffer.readline()
+        try:
+            password = line.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise click.BadParameter("the password is not UTF-8", param_hint="password") from None
     else:
         password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
+        try:
+            password.encode("utf-8")
+        except UnicodeEncodeError:  # a terminal that sent bytes its locale could not decode
+            raise click.BadParameter("the password is not UTF-8", param_hint="password") from None
     if len(password) < 12:
         raise click.BadParameter("use at least 12 characters", param_hint="password")
     return password

@@ -236,3 +236,40 @@ def test_upgrade_under_a_file_names_the_database(tmp_path: Path) -> None:
     under = tmp_path / "file" / "weir.db"
     error = one_line_error(weir("db", "upgrade", "--database-url", f"sqlite:///{under}"))
     assert error.startswith(f"Error: admin DB: cannot open {under}: "), error
+
+
+def admin_users(db_file: Path) -> list[str]:
+    with sqlite3.connect(db_file) as db:
+        rows = db.execute("SELECT key FROM settings WHERE key LIKE 'admin_user:%' ORDER BY key").fetchall()
+    return [key.removeprefix("admin_user:") for (key,) in rows]
+
+
+def test_update_of_a_user_not_there_creates_nothing(tmp_path: Path) -> None:
+    """`--update` changes an existing account's password. For a mistyped name it made a second
+    account and said "updated", while the account meant (its password perhaps leaked) kept the old
+    password and still signed in."""
+    db_file = tmp_path / "weir.db"
+    url = ["--database-url", f"sqlite:///{db_file}"]
+    assert weir("db", "upgrade", *url).exit_code == 0
+    assert weir("admin", "create-user", "ana", "--password-stdin", *url, input=PASSWORD).exit_code == 0
+    typo = weir("admin", "create-user", "anna", "--update", "--password-stdin", *url, input=PASSWORD)
+    assert typo.exit_code == 1, typo.output
+    assert typo.output == "Error: no admin user 'anna' to update (leave out --update to create it)\n"
+    assert admin_users(db_file) == ["ana"]
+    updated = weir("admin", "create-user", "ana", "--update", "--password-stdin", *url, input=PASSWORD)
+    assert updated.exit_code == 0 and updated.output == "admin user 'ana' updated\n", updated.output
+
+
+def test_a_password_that_is_not_utf8_is_refused_and_nothing_stored(tmp_path: Path) -> None:
+    """A non-UTF-8 line on stdin was a UnicodeEncodeError traceback from the password hasher."""
+    db_file = tmp_path / "weir.db"
+    url = ["--database-url", f"sqlite:///{db_file}"]
+    assert weir("db", "upgrade", *url).exit_code == 0
+    result = CliRunner().invoke(
+        main,
+        ["admin", "create-user", "ana", "--password-stdin", *url],
+        input=b"\xff\xfecorrect horse battery\n",
+    )
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "password is not UTF-8" in result.output, result.output
+    assert admin_users(db_file) == []
