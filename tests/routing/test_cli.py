@@ -107,3 +107,24 @@ def test_train_rejects_bad_input(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "no mmlu_<subject>.csv files" in result.stderr
     assert not (tmp_path / "h").exists()
+
+
+def test_train_refuses_an_out_it_cannot_write_before_training(tmp_path: Path) -> None:
+    """`--out` under a file: a NotADirectoryError traceback once the head was trained, minutes (on a
+    real data set) after the mistake could have been said, and nothing written."""
+    rows = [
+        {
+            "prompt": f"question {i}: what is {i} times {i + 1}?",
+            "weak_correct": i % 3 != 0,
+            "strong_correct": True,
+        }
+        for i in range(30)
+    ]
+    feedback = tmp_path / "feedback.jsonl"
+    feedback.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "file").touch()
+    out = tmp_path / "file" / "head"
+    args = ["router", "train", "--feedback", str(feedback), "--embedder", "minilm-l6-static-v1"]
+    result = run([*args, "--out", str(out)])
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == f"Error: --out {out}: {tmp_path / 'file'} is a file, not a directory\n"
