@@ -270,7 +270,15 @@ def train(
 
     from routing.difficulty import encode
     from routing.embed import load_embedder
-    from routing.train import TrainConfig, fit_head, load_jsonl, load_mmlu, one_thread, question_stem
+    from routing.train import (
+        TrainConfig,
+        check_trainable,
+        fit_head,
+        load_jsonl,
+        load_mmlu,
+        one_thread,
+        question_stem,
+    )
 
     report = None  # with --tenant: what the join found, per row its routed score and when recorded
     serving = None  # with --tenant and --route: the route and the head it serves now
@@ -284,6 +292,10 @@ def train(
             source = str(data_dir or feedback)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise click.ClickException(f"cannot read training data: {exc}") from exc
+    try:  # too few outcomes: said now, not after loading the embedder and encoding every prompt
+        check_trainable(data)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if install_as is not None and serving is not None:  # before minutes of training, not after
 
         async def check(sessions: Any) -> str | None:

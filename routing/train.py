@@ -564,6 +564,21 @@ def fit_fallback(data: Outcomes, enc: Encoded, stems: Encoded, cfg: TrainConfig)
     return _logistic(np.concatenate(x), np.concatenate(y))
 
 
+def check_trainable(data: Outcomes) -> None:
+    """ValueError unless `fit_head` can fit `data`: cheap, for a caller to check before it encodes the
+    prompts (minutes for thousands with MiniLM)."""
+    if len(data) < 20:
+        raise ValueError(f"need at least 20 labelled prompts to train, got {len(data)}")
+    known = data.known()
+    for column, name in enumerate(("weak", "strong")):
+        if known[:, column].sum() < 10:
+            raise ValueError(
+                f"need at least 10 prompts with the {name} model's outcome, got {known[:, column].sum()}"
+            )
+    if data.partial and data.groups is not None:
+        raise ValueError("groups need both outcomes on every row (a group's gain is strong minus weak)")
+
+
 def fit_head(
     data: Outcomes, enc: Encoded, cfg: TrainConfig | None = None, stems: Encoded | None = None
 ) -> DifficultyHead:
@@ -578,16 +593,8 @@ def fit_head(
     cfg = cfg or TrainConfig()
     if enc.recipe is None:  # the head must record what it reads, or it cannot be loaded with it
         raise ValueError("the prompts were not encoded by an embedder (routing.difficulty.encode)")
-    if len(data) < 20:
-        raise ValueError(f"need at least 20 labelled prompts to train, got {len(data)}")
+    check_trainable(data)
     known = data.known()
-    for column, name in enumerate(("weak", "strong")):
-        if known[:, column].sum() < 10:
-            raise ValueError(
-                f"need at least 10 prompts with the {name} model's outcome, got {known[:, column].sum()}"
-            )
-    if data.partial and data.groups is not None:
-        raise ValueError("groups need both outcomes on every row (a group's gain is strong minus weak)")
     head = _fit_parts(data, enc, cfg)
     if cfg.calibration_folds >= 2:
         components, correct, posterior = cross_fitted_components(data, enc, cfg, cfg.calibration_folds)

@@ -128,3 +128,33 @@ def test_train_refuses_an_out_it_cannot_write_before_training(tmp_path: Path) ->
     result = run([*args, "--out", str(out)])
     assert result.returncode == 1, result.stderr
     assert result.stderr == f"Error: --out {out}: {tmp_path / 'file'} is a file, not a directory\n"
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [{"prompt": f"question {i}", "weak_correct": True, "strong_correct": True} for i in range(5)],
+            "need at least 20 labelled prompts to train, got 5",
+        ),
+        (
+            [
+                {"prompt": f"question {i}", "weak_correct": None, "strong_correct": i % 2 == 0}
+                for i in range(30)
+            ],
+            "need at least 10 prompts with the weak model's outcome, got 0",
+        ),
+    ],
+)
+def test_train_refuses_too_few_outcomes_before_encoding_them(
+    tmp_path: Path, rows: list[dict[str, object]], message: str
+) -> None:
+    """Said once the file is read, not after loading the embedder and encoding every prompt (minutes
+    for a tenant's thousands with MiniLM), and not with numpy's "need at least one array to stack"
+    from a holdout check on no held-out row first."""
+    feedback = tmp_path / "feedback.jsonl"
+    feedback.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = run(["router", "train", "--feedback", str(feedback), "--out", str(tmp_path / "head")])
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == f"Error: {message}\n"
+    assert not (tmp_path / "head").exists()
