@@ -9,6 +9,26 @@ import sys
 import click
 
 
+def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    # click's FloatRange lets NaN through (every comparison with it is false)
+    if value is not None and value != value:
+        raise click.BadParameter("must be a number, not NaN")
+    return value
+
+
+def _speculative(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A method the engine knows, said now rather than once the model has loaded (minutes, for a large
+    one). Imported here: it brings torch, which `weir --help` must not."""
+    if value is not None:
+        from engine.speculative import parse_speculative
+
+        try:
+            parse_speculative(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @click.group()
 def engine() -> None:
     """The bundled inference engine."""
@@ -60,16 +80,33 @@ def engine() -> None:
 @click.option(
     "--kv-cache-memory",
     default=None,
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
+    callback=_not_nan,
     help="GiB for the KV cache (default: 1 GiB on CPU, half the free memory on GPU).",
 )
 @click.option(
-    "--num-kv-blocks", default=None, type=int, help="KV-cache blocks (overrides --kv-cache-memory)."
+    "--num-kv-blocks",
+    default=None,
+    type=click.IntRange(min=1),
+    help="KV-cache blocks (overrides --kv-cache-memory).",
 )
-@click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV-cache block.")
-@click.option("--max-model-len", default=None, type=int, help="Context length (default: the model's).")
+@click.option(
+    "--block-size",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens per KV-cache block.",
+)
+@click.option(
+    "--max-model-len", default=None, type=click.IntRange(min=1), help="Context length (default: the model's)."
+)
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
-@click.option("--threads", default=None, type=int, help="CPU threads for torch (default: torch's choice).")
+@click.option(
+    "--threads",
+    default=None,
+    type=click.IntRange(min=1),
+    help="CPU threads for torch (default: torch's choice).",
+)
 @click.option(
     "--adaptive-threads/--fixed-threads",
     default=True,
@@ -80,6 +117,7 @@ def engine() -> None:
 @click.option(
     "--speculative",
     default=None,
+    callback=_speculative,
     help="Speculative decoding: ngram (prompt lookup), draft:<model> (a small model sharing the tokenizer), "
     "self:int4 (an int4 copy of the model) or self:layers=N (the model's first N layers).",
 )

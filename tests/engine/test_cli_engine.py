@@ -207,3 +207,32 @@ def test_engine_serve_port_0_logs_the_port_it_bound(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--block-size", "0", "0 is not in the range x>=1"),  # "integer division or modulo by zero"
+        ("--threads", "0", "0 is not in the range x>=1"),  # a RuntimeError traceback from torch
+        ("--num-kv-blocks", "0", "0 is not in the range x>=1"),
+        ("--max-model-len", "0", "0 is not in the range x>=1"),  # served the model's full length
+        ("--kv-cache-memory", "-1", "-1.0 is not in the range x>0"),  # served with a 16-token window
+        ("--kv-cache-memory", "nan", "must be a number, not NaN"),
+        ("--speculative", "bogus", "unknown speculative method 'bogus'"),
+        ("--speculative", "self:layers=0", "unknown speculative method 'self:layers=0'"),
+    ],
+)
+def test_engine_serve_refuses_a_bad_value_before_loading_the_model(
+    option: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each was taken, and either failed once the model had loaded (minutes for a large one; a
+    traceback for --threads), or served something other than what was asked (0 as unset, a negative
+    cache size as a tiny one): a usage error now, naming the option, and nothing loads."""
+    import engine.server
+
+    loaded: list[str] = []
+    monkeypatch.setattr(engine.server, "run", lambda model, **_: loaded.append(model) or 0)
+    result = CliRunner().invoke(main, ["engine", "serve", option, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output and message in result.output, result.output
+    assert loaded == []
