@@ -107,8 +107,17 @@ def load_mmlu(data_dir: Path, drop_contaminated: bool = True) -> Outcomes:
         subject = file.stem.removeprefix("mmlu_")
         with file.open(newline="") as fh:
             reader = csv.reader(fh)
-            next(reader)  # header: prompt, <weak model>, <strong model>
-            for prompt, w, s in reader:
+            if next(reader, None) is None:  # header: prompt, <weak model>, <strong model>
+                raise ValueError(f"{file}: empty, not even a header")
+            for row in reader:
+                # Named by file and line: a short row was "not enough values to unpack", and an
+                # outcome other than True or False was read as False.
+                where = f"{file} line {reader.line_num}"
+                if len(row) != 3:
+                    raise ValueError(f"{where}: expected 3 columns (prompt, weak, strong), got {len(row)}")
+                prompt, w, s = row
+                if {w, s} - {"True", "False"}:
+                    raise ValueError(f'{where}: outcomes must be True or False, got "{w}", "{s}"')
                 if prompt in contaminated:
                     continue
                 prompts.append(prompt)

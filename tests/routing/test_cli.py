@@ -158,3 +158,27 @@ def test_train_refuses_too_few_outcomes_before_encoding_them(
     assert result.returncode == 1, result.stderr
     assert result.stderr == f"Error: {message}\n"
     assert not (tmp_path / "head").exists()
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            "prompt,weak,strong\nWhat is 2+2?,True\n",
+            "mmlu_maths.csv line 2: expected 3 columns (prompt, weak, strong), got 2",
+        ),
+        ("", "mmlu_maths.csv: empty, not even a header"),
+        (
+            "prompt,weak,strong\nWhat is 2+2?,True,yes\n",
+            'mmlu_maths.csv line 2: outcomes must be True or False, got "True", "yes"',
+        ),
+    ],
+)
+def test_train_names_the_file_and_line_of_a_malformed_csv(tmp_path: Path, rows: str, message: str) -> None:
+    """A row of two columns was `cannot read training data: not enough values to unpack (expected 3,
+    got 2)`, with neither file nor line; an empty file a StopIteration traceback; an outcome other than
+    True or False was read as False."""
+    (tmp_path / "mmlu_maths.csv").write_text(rows)
+    result = run(["router", "train", "--data", str(tmp_path), "--out", str(tmp_path / "head")])
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == f"Error: cannot read training data: {tmp_path / message}\n"
