@@ -320,12 +320,15 @@ async def routing_savings(
     expensive candidate (the "send everything to the strongest model" baseline), priced at the
     prices in effect when each request ran, at the service tier its attempt was served at where the
     baseline model prices that tier (as the attempt itself was billed: flex traffic priced against a
-    base-price baseline showed flex's discount as routing's savings). Requests to a plain model (no route, or a route with
-    one candidate) count on both sides alike. Routes are today's: a route since changed is judged
-    by its current candidates."""
+    base-price baseline showed flex's discount as routing's savings), and at its long-context rates
+    where the attempt's prompt is above the model's threshold (`pipeline.model_prices`, the rule that
+    billed the attempt: at its base rates, a long prompt's baseline was below what it cost). Requests
+    to a plain model (no route, or a route with one candidate) count on both sides alike. Routes are
+    today's: a route since changed is judged by its current candidates."""
     from gateway.accounting.catalog import load_catalog
     from gateway.accounting.pricing import resolve
     from gateway.admin.router import _range
+    from gateway.pipeline import model_prices
 
     lo, hi = _range(start, end)
     router = request.app.state.gateway.router
@@ -349,14 +352,23 @@ async def routing_savings(
         .execution_options(yield_per=5000)
     )
 
+    prompt_classes = (
+        TokenClass.INPUT,
+        TokenClass.CACHED_INPUT,
+        TokenClass.CACHE_WRITE_5M,
+        TokenClass.CACHE_WRITE_1H,
+    )
+
     def strongest_cost(route: str, at: Any, tier: str | None, tokens: list[int]) -> int | None:
+        prompt = sum(n for c, n in zip(TokenClass, tokens, strict=True) if c in prompt_classes)
         costs = []
         for candidate_route in router.routes.get(route, []):
             for model in (c.model for c in candidate_route.candidates):
                 target = targets.get(model)
                 if target is None:
                     continue
-                prices = resolve(catalog.prices_at(target.backend.name, target.upstream_model, at, tier))
+                catalog_prices = catalog.prices_at(target.backend.name, target.upstream_model, at, tier)
+                prices = resolve(model_prices(target.model, catalog_prices, tier, prompt))
                 costs.append(sum(n * prices.get(c, 0) for c, n in zip(TokenClass, tokens, strict=True)))
         return max(costs) if len(costs) > 1 else None
 
