@@ -226,6 +226,22 @@ async def _label_keys(session: AsyncSession, rows: list[dict[str, Any]]) -> None
         row["key_name"], row["key_prefix"] = labels.get(row["key"] or "", (None, None))
 
 
+# The CSV's text cells: names typed by whoever creates tenants and keys, and model ids. A spreadsheet
+# runs a cell that starts with one of FORMULA_STARTS as a formula (CSV injection: `=HYPERLINK(...)`,
+# `=cmd|...`); such a cell is written with a leading `'`, which spreadsheets show as text. Numbers
+# (a negative saving) are never text cells, so they stay numbers.
+TEXT_COLUMNS = frozenset({"tenant", "key", "model", "backend", "service_tier", "tenant_name", *KEY_LABELS})
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_cell(column: str, value: Any) -> Any:
+    if value is None:
+        return ""
+    if column in TEXT_COLUMNS and isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
 def usage_csv(report: dict[str, Any]) -> str:
     columns = [c for c in CSV_COLUMNS if c not in GROUPS or c in report["group_by"]]
     if "tenant" not in report["group_by"]:
@@ -233,11 +249,12 @@ def usage_csv(report: dict[str, Any]) -> str:
     if "key" not in report["group_by"]:
         columns = [c for c in columns if c not in KEY_LABELS]
     out = io.StringIO()
-    # Plain RFC 4180 with CRLF line ends: what spreadsheets expect. Empty cells for missing values.
+    # Plain RFC 4180 with CRLF line ends: what spreadsheets expect. Empty cells for missing values;
+    # no text cell a spreadsheet would run as a formula (`_csv_cell`).
     writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\r\n")
     writer.writeheader()
     for row in report["rows"]:
-        writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        writer.writerow({k: _csv_cell(k, v) for k, v in row.items()})
     return out.getvalue()
 
 

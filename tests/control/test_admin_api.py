@@ -1121,6 +1121,61 @@ async def test_the_usage_report_counts_client_requests_apart_from_their_attempts
     ]
 
 
+async def test_the_usage_csv_holds_no_formula_a_spreadsheet_would_run(env: Env) -> None:
+    """Names typed by whoever creates tenants and keys (and model ids such as Cloudflare's `@cf/...`)
+    went into the CSV as they were: a spreadsheet opening it runs a cell that starts with `=`, `+`,
+    `-` or `@` as a formula (CSV injection). Such text cells start with `'` now, which spreadsheets
+    show as text; numbers (a negative saving) are left as they are."""
+    c = env.client
+    tenant = (
+        await c.post("/admin/api/v1/tenants", json={"name": '=HYPERLINK("http://x","y")'}, headers=AUTH)
+    ).json()
+    key = (
+        await c.post(f"/admin/api/v1/tenants/{tenant['id']}/keys", json={"name": "+1-555"}, headers=AUTH)
+    ).json()
+    noon = dt.datetime.now(dt.UTC).replace(hour=12, minute=0, second=0, microsecond=0)
+    await _write(
+        env,
+        [
+            usage_event(
+                "r1",
+                tokens=10,
+                ts=noon,
+                tenant_id=tenant["id"],
+                key_id=key["id"],
+                model="@cf/meta/llama-3-8b",
+                cost_pico_usd=5,
+                savings_pico_usd=-2,
+            )
+        ],
+    )
+    day = noon.replace(hour=0)
+    params = {
+        "start": day.date().isoformat(),
+        "end": (day + dt.timedelta(days=1)).date().isoformat(),
+        "group_by": "tenant,key,model",
+        "format": "csv",
+    }
+    [row] = csv.DictReader(
+        io.StringIO((await c.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)).text)
+    )
+    assert (row["tenant_name"], row["key_name"], row["model"]) == (
+        '\'=HYPERLINK("http://x","y")',
+        "'+1-555",
+        "'@cf/meta/llama-3-8b",
+    )
+    assert (row["tenant"], row["cost_usd"], row["cache_savings_usd"]) == (
+        tenant["id"],
+        "0.000000000005",
+        "-0.000000000002",
+    )
+    # The JSON report keeps the names as they are.
+    report = (
+        await c.get("/admin/api/v1/reports/usage", params={**params, "format": "json"}, headers=AUTH)
+    ).json()
+    assert report["rows"][0]["tenant_name"] == '=HYPERLINK("http://x","y")'
+
+
 async def test_the_request_logs_latency_is_the_requests_wall_time_not_its_attempts_sum(env: Env) -> None:
     """A hedged request's attempts overlap: the primary ran 0 to 500 ms and answered, the hedge
     started at 150 ms and was cancelled at 510 ms. The request took 500 ms, not their sum (860 ms).
