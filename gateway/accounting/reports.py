@@ -150,7 +150,9 @@ async def usage_report(
     ]
     query = select(*dims, *counts, *sums).where(where)
     if dims:
-        query = query.group_by(*dims).order_by(*dims)
+        # A missing tenant or key is "" in the rollups, NULL in the ledger: NULLs first, as "" sorts
+        # (PostgreSQL sorts them last), so both paths list the rows in one order on either database.
+        query = query.group_by(*dims).order_by(*(d.nulls_first() for d in dims))
     raw = [dict(r._mapping) for r in await session.execute(query)]
     raw = [r for r in raw if r["attempts"]]  # an empty range sums to one row of NULLs
     for r in raw:
