@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.accounting.pricing import PriceCatalog, PriceRow, TokenClass
+from gateway.accounting.pricing import BASE_TIER, FALLBACK, PriceCatalog, PriceRow, TokenClass, resolve
 from gateway.db.models import Price, Setting
 
 log = logging.getLogger(__name__)
@@ -48,29 +48,89 @@ async def seed_prices(session: AsyncSession, rows: Iterable[PriceRow], now: dt.d
     """Add a catalog row, effective `now`, for each config price that changed since it was last seeded.
 
     Restarting with an unchanged config adds nothing, so a price set through the admin API stays in
-    force; editing a price in the config adds a row (history keeps the old one).
+    force; editing a price in the config adds a row (history keeps the old one), and so does taking
+    one out (`_seed_unset`).
     """
+    rows = list(rows)
     added = 0
     for row in rows:
-        marker = f"config_price:{row.backend}:{row.model}:{row.token_class}"
-        if row.service_tier:
-            marker += f":{row.service_tier}"
-        seeded = await session.get(Setting, marker)
-        if seeded is not None and seeded.value == str(row.micro_usd_per_mtok):
-            continue
-        session.add(
-            Price(
-                backend=row.backend,
-                model=row.model,
-                token_class=str(row.token_class),
-                service_tier=row.service_tier,
-                micro_usd_per_mtok=row.micro_usd_per_mtok,
-                effective_from=now,
-            )
+        added += await _seed(
+            session, row.backend, row.model, row.service_tier, row.token_class, row.micro_usd_per_mtok, now
         )
-        if seeded is None:
-            session.add(Setting(key=marker, value=str(row.micro_usd_per_mtok)))
-        else:
-            seeded.value = str(row.micro_usd_per_mtok)
-        added += 1
+    return added + await _seed_unset(session, rows, now)
+
+
+def _marker(backend: str, model: str, tier: str, token_class: TokenClass) -> str:
+    marker = f"config_price:{backend}:{model}:{token_class}"
+    return f"{marker}:{tier}" if tier else marker
+
+
+async def _seed(
+    session: AsyncSession,
+    backend: str,
+    model: str,
+    tier: str,
+    token_class: TokenClass,
+    micro: int,
+    now: dt.datetime,
+) -> int:
+    """A row of this price unless the config's last seeded one is the same: 1 if one was added."""
+    marker = _marker(backend, model, tier, token_class)
+    seeded = await session.get(Setting, marker)
+    if seeded is not None and seeded.value == str(micro):
+        return 0
+    session.add(
+        Price(
+            backend=backend,
+            model=model,
+            token_class=str(token_class),
+            service_tier=tier,
+            micro_usd_per_mtok=micro,
+            effective_from=now,
+        )
+    )
+    if seeded is None:
+        session.add(Setting(key=marker, value=str(micro)))
+    else:
+        seeded.value = str(micro)
+    return 1
+
+
+async def _seed_unset(session: AsyncSession, rows: list[PriceRow], now: dt.datetime) -> int:
+    """A price the config seeded once and sets no more (a `cached_input`, a `cache_write_*`, the
+    `web_search_per_1k` or a whole service tier taken out of a model's `price`) bills as the config
+    now says: at the price its class falls back to (cache reads at the input price, searches at 0, a
+    tier's classes at the base prices), in a row of that price. Catalog rows are never removed, so
+    the price last seeded billed on for ever. A class the config never set is left to the catalog's
+    own fallbacks and the admin API's rows.
+
+    A cache class the base price no longer sets falls back per tier, to the tier's own input price:
+    each configured tier that does not set it gets a row of its own, or the base row now seeded would
+    bill that tier's cache reads at the base input price."""
+    sheets: dict[tuple[str, str], dict[str, dict[TokenClass, int]]] = {}
+    for row in rows:
+        tiers = sheets.setdefault((row.backend, row.model), {})
+        tiers.setdefault(row.service_tier, {})[TokenClass(row.token_class)] = row.micro_usd_per_mtok
+    added = 0
+    for (backend, model), tiers in sheets.items():
+        base = tiers.get(BASE_TIER, {})
+        stored = await session.scalars(
+            select(Price.service_tier).where(Price.backend == backend, Price.model == model).distinct()
+        )
+        # The base tier first: the tiers below follow what it does.
+        unset_in_base: set[TokenClass] = set()
+        for tier in sorted({BASE_TIER, *tiers, *stored}):
+            own = tiers.get(tier, {})
+            implied = resolve(base | own)
+            for token_class in TokenClass:
+                if token_class in own:
+                    continue
+                seeded = await session.get(Setting, _marker(backend, model, tier, token_class))
+                follows_base = tier in tiers and token_class in FALLBACK and token_class in unset_in_base
+                if seeded is None and not follows_base:
+                    continue
+                if tier == BASE_TIER:
+                    unset_in_base.add(token_class)
+                price = implied.get(token_class, 0)
+                added += await _seed(session, backend, model, tier, token_class, price, now)
     return added

@@ -34,6 +34,7 @@ from gateway.admin.router import AdminContext, admin_router, db_tenants_named_as
 from gateway.admin.token import ensure_admin_token
 from gateway.aio import stop_if_cancelled
 from gateway.auth import Authenticator, Principal, authenticate_known
+from gateway.config import Model
 from gateway.config import Tenant as ConfigTenant
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
@@ -274,6 +275,22 @@ def configured_database_url(config: Any) -> str | None:
     return os.environ.get("WEIR_DATABASE_URL") or getattr(config, "database_url", None)
 
 
+def config_prices(models: Sequence[Model], now: dt.datetime) -> list[PriceRow]:
+    """The catalog rows the config's `models[].price` seed (`catalog.seed_prices`), effective `now`."""
+    prices = []
+    for model in models:
+        # The base price, then each service tier's (`price.tiers`): their rows bill that tier.
+        for tier, price in ((BASE_TIER, model.price), *model.price.tiers.items()):
+            for token_class in TokenClass:
+                value = getattr(price, str(token_class), None)
+                if value is not None:
+                    micro = usd_per_mtok_to_micro(value)
+                    prices.append(
+                        PriceRow(model.backend, model.upstream_model, token_class, micro, now, tier)
+                    )
+    return prices
+
+
 def from_config(config: Any) -> ControlPlane | None:
     """A control plane for a gateway `Config`, or None when no database is configured.
 
@@ -291,18 +308,7 @@ def from_config(config: Any) -> ControlPlane | None:
                 "and circuit breakers, hedge caps, rate limits and stream slots are per replica"
             )
         return None
-    now = dt.datetime.now(dt.UTC)
-    prices = []
-    for model in config.models:
-        # The base price, then each service tier's (`price.tiers`): their rows bill that tier.
-        for tier, price in ((BASE_TIER, model.price), *model.price.tiers.items()):
-            for token_class in TokenClass:
-                value = getattr(price, str(token_class), None)
-                if value is not None:
-                    micro = usd_per_mtok_to_micro(value)
-                    prices.append(
-                        PriceRow(model.backend, model.upstream_model, token_class, micro, now, tier)
-                    )
+    prices = config_prices(config.models, dt.datetime.now(dt.UTC))
     return ControlPlane(
         ControlPlaneSettings(
             database_url=database_url,
