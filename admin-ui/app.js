@@ -884,7 +884,8 @@ function tenantSettings(tenant) {
 }
 
 // What DELETE /tenants/{id} does, said before it is done: its keys go with it (refused at once), its
-// ledger rows stay (reports list them under its id) and its stored prompts go at the next purge.
+// ledger rows stay (reports list them under its id), the routes naming it drop it (one for it alone
+// goes) and its stored prompts go at the next purge.
 async function deleteTenant(tenant) {
   const say = (text, kind) => document.getElementById("tenant-message")?.replaceChildren(notice(text, kind));
   let active;
@@ -895,6 +896,7 @@ async function deleteTenant(tenant) {
   if (!confirm(`Delete tenant ${tenant.name}? This cannot be undone.\n\n`
     + `Its keys are deleted with it (${keys}): requests with them are refused at once.\n`
     + `Its usage stays in the ledger: Finance and the request log keep its spend, under its id ${tenant.id}.\n`
+    + "Routes that name it in when.tenants stop naming it; a route for it alone is deleted.\n"
     + "Its stored prompts, if any, are deleted at the next retention run.")) return;
   try { await api(`tenants/${tenant.id}`, { method: "DELETE" }); } catch (e) {
     say(`${tenant.name} was not deleted: ${e.message}`); return;

@@ -464,14 +464,21 @@ async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> 
 
 
 @delete("/tenants/{tenant_id:str}", status_code=204)
-async def delete_tenant(tenant_id: str, ctx: AdminContext) -> None:
+async def delete_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> None:
+    from gateway.admin.routes import forget_tenant_in_routes  # it imports this module
+
     async with ctx.write() as (session, audit):
         tenant = await db_tenant_or_error(ctx, session, tenant_id)
         hashes = (await session.scalars(select(ApiKey.key_hash).where(ApiKey.tenant_id == tenant_id))).all()
+        # Routes' `when.tenants` know the tenant by name: a later tenant of that name must not get them.
+        routes_changed = await forget_tenant_in_routes(session, audit, tenant.name)
         audit("delete", "tenant", tenant.id, tenant_json(tenant), None)
         await session.delete(tenant)
     for key_hash in hashes:
         await ctx.state.publish_revocation(key_hash)
+    gateway = getattr(request.app.state, "gateway", None)
+    if routes_changed and gateway is not None and gateway.router.store is not None:
+        await gateway.router.store.refresh()  # in force here at once; the other replicas poll
 
 
 # --- keys --------------------------------------------------------------------------------------

@@ -229,6 +229,40 @@ async def rename_tenant_in_routes(
     return True
 
 
+async def forget_tenant_in_routes(session: AsyncSession, audit: Callable[..., None], name: str) -> bool:
+    """A tenant deleted (`DELETE /tenants/{id}`): the stored routes whose `when.tenants` name it name it
+    no more, each audited, in the tenant's transaction. Routes know tenants by name, and left naming
+    it, a tenant created later with the same name silently got them (another customer's dedicated
+    models). A route that named only this tenant is deleted: with the name gone its condition would
+    be empty, which no route may have (`when.tenants: []` matches nobody, and dropping the condition
+    would open the route to every tenant), and no one else could use it. Whether any route changed
+    (the caller refreshes the route store)."""
+    rows = [
+        row
+        for row in (await session.scalars(select(RouteRow))).all()
+        if isinstance(row.spec, dict)
+        and isinstance(when := row.spec.get("when"), dict)
+        and isinstance(tenants := when.get("tenants"), list)
+        and name in tenants
+    ]
+    if not rows:
+        return False
+    updated_at = await stamp(session, utcnow())
+    for row in rows:
+        before = route_json(row)
+        when = row.spec["when"]
+        tenants = [t for t in when["tenants"] if t != name]
+        if not tenants:
+            audit("delete", "route", str(row.id), before, None)
+            await session.delete(row)
+            continue
+        row.spec = {**row.spec, "when": {**when, "tenants": tenants}}
+        row.updated_at = updated_at  # its revision moves on too (`revision_column`)
+        await session.flush()
+        audit("update", "route", str(row.id), before, route_json(row))
+    return True
+
+
 def _not_in_force(router: Router) -> dict[str, Any]:
     """Stored routes this replica does not serve ({id, name, error}), and why it keeps routes older than
     the table (null unless the table as a whole was refused): what the admin who must fix them needs."""

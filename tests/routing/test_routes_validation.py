@@ -774,3 +774,53 @@ def test_a_tenant_renamed_keeps_the_routes_whose_conditions_name_it(weir: Weir) 
     finally:
         for created in (scoped, everyone):
             weir.admin.delete(f"/routes/{created.json()['id']}")
+
+
+@pytest.mark.postgres
+def test_a_tenant_deleted_leaves_no_route_to_a_later_tenant_of_its_name(weir: Weir) -> None:
+    """Routes know tenants by name (`when.tenants`): deleting a tenant left its routes naming it, so a
+    tenant created later with the same name silently got them (another customer's dedicated models).
+    The delete takes the name out of the stored routes (audited); a route that named only it is
+    deleted, never left open to every tenant."""
+    name = f"del-{uuid.uuid4().hex[:6]}"
+    tenant = weir.admin.post("/tenants", json={"name": name}).json()
+    shared = weir.admin.post(
+        "/routes",
+        json={
+            **GOOD,
+            "name": name,
+            "when": {"tenants": [name, "x"]},
+            "candidates": [{"model": "claude-sonnet"}],
+        },
+    )
+    own = weir.admin.post(
+        "/routes",
+        json={
+            **GOOD,
+            "name": f"{name}-own",
+            "when": {"tenants": [name]},
+            "candidates": [{"model": "claude-sonnet"}],
+        },
+    )
+    everyone = weir.admin.post("/routes", json={**GOOD, "name": name})
+    assert shared.status_code == own.status_code == everyone.status_code == 201
+    try:
+        assert weir.admin.delete(f"/tenants/{tenant['id']}").status_code == 204
+        assert weir.admin.get(f"/routes/{shared.json()['id']}").json()["when"]["tenants"] == ["x"]
+        assert weir.admin.get(f"/routes/{own.json()['id']}").status_code == 404
+        audited = {
+            (e["action"], e["entity_id"])
+            for e in weir.admin.get("/audit", params={"entity": "route"}).json()["data"]
+        }
+        assert {("update", str(shared.json()["id"])), ("delete", str(own.json()["id"]))} <= audited
+
+        # A new tenant of the same name gets what everyone gets, not the deleted tenant's routes.
+        later = weir.admin.post("/tenants", json={"name": name}).json()
+        key = weir.admin.post(f"/tenants/{later['id']}/keys", json={"name": "app"}).json()["key"]
+        answer = weir.openai(key).chat.completions.with_raw_response.create(model=name, messages=HI)
+        assert route_header(answer)["candidate"] == "gpt-4o-mini"
+        with pytest.raises(openai.NotFoundError):
+            weir.openai(key).chat.completions.create(model=f"{name}-own", messages=HI)
+    finally:
+        for created in (shared, own, everyone):
+            weir.admin.delete(f"/routes/{created.json()['id']}")

@@ -82,6 +82,7 @@ def test_a_tenant_is_edited_refused_at_the_field_and_deleted_after_a_warning(
     delete.click()
     page.locator("#tenants-message", has_text="Deleted tenant acme and its keys.").wait_for()
     assert "1 active key" in said[0] and "refused at once" in said[0] and "stays in the ledger" in said[0]
+    assert "a route for it alone is deleted" in said[0]
     assert said[0] == said[1]
     assert page.url.endswith("#/tenants")
     assert page.locator("main table tbody tr", has_text="acme").count() == 0
