@@ -224,6 +224,9 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     body = await parse_body(request, CompletionRequest)
     _check_text_or_tokens(body.prompt, "prompt")
     _check_stream_options(body)
+    # The tenant's output cap, as a chat's (`run_chat`): more is a 400, none asked is sent the cap.
+    if (cap := gateway.limits.output_cap(call.principal, body.max_tokens, "max_tokens")) is not None:
+        body = msgspec.structs.replace(body, max_tokens=cap)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     result, plan = await run_routed(
         gateway, call, body.model, body.prompt, completion_op(body), body.max_tokens

@@ -1,6 +1,7 @@
 """The output-token cap (`limits.max_output_tokens`, or a config tenant's own): a request asking for
 more is refused with 400 before anything goes upstream; one asking for nothing is sent with the cap, so
-a backend's default can never run past it; both inbound APIs."""
+a backend's default can never run past it; every inbound API (chat, legacy completions, the Responses
+API, Anthropic messages)."""
 
 from __future__ import annotations
 
@@ -73,11 +74,13 @@ def test_a_config_tenant_has_its_own_cap(url: str, fake_openai: FakeOpenAI) -> N
         client(url, "sk-big").chat.completions.create(model="gpt-4o-mini", messages=MESSAGES, max_tokens=1001)
 
 
-def test_anthropic_inbound_is_capped_too(url: str) -> None:
+def test_anthropic_inbound_is_capped_too(url: str, fake_openai: FakeOpenAI) -> None:
     api = anthropic.Anthropic(base_url=url, api_key="sk-acme", max_retries=0)
+    before = len(fake_openai.requests)
     with pytest.raises(anthropic.BadRequestError) as caught:
         api.messages.create(model="gpt-4o-mini", max_tokens=500, messages=MESSAGES)  # type: ignore[arg-type]
     assert "max_tokens" in str(caught.value)
+    assert len(fake_openai.requests) == before
     reply = api.messages.create(model="gpt-4o-mini", max_tokens=50, messages=MESSAGES)  # type: ignore[arg-type]
     assert reply.content
 
@@ -91,3 +94,24 @@ def test_responses_inbound_is_capped_and_names_its_own_parameter(url: str, fake_
     assert error["code"] == "max_tokens_exceeded"
     responses.create(model="gpt-4o-mini", input="hi")  # none asked: the cap is sent
     assert fake_openai.last_request.json["max_completion_tokens"] == 100
+
+
+def test_legacy_completions_are_capped_too(url: str, fake_openai: FakeOpenAI) -> None:
+    """`/v1/completions` went around the cap: 5,000 output tokens asked of a tenant allowed 100 were
+    sent upstream as asked, and none asked left the backend's own default."""
+    completions = client(url, "sk-acme").completions
+    before = len(fake_openai.requests)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            completions.create(model="gpt-4o-mini", prompt="hi", max_tokens=5000, stream=stream)
+        error = caught.value.body
+        assert isinstance(error, dict) and error["code"] == "max_tokens_exceeded"
+        assert error["param"] == "max_tokens" and "100" in error["message"]
+    assert len(fake_openai.requests) == before
+
+    completions.create(model="gpt-4o-mini", prompt="hi", max_tokens=100)
+    assert fake_openai.last_request.json["max_tokens"] == 100
+    completions.create(model="gpt-4o-mini", prompt="hi")  # none asked: the cap is sent
+    assert fake_openai.last_request.json["max_tokens"] == 100
+    client(url, "sk-big").completions.create(model="gpt-4o-mini", prompt="hi", max_tokens=800)
+    assert fake_openai.last_request.json["max_tokens"] == 800
