@@ -51,6 +51,9 @@ class Features:
     # The service tier the request asks for (`flex`, `priority`...): `cheapest` prices each candidate
     # at that tier where it prices one (served as asked), as the attempt will be billed.
     service_tier: str | None = None
+    # The choices the request asks for (`n`; Gemini's `candidateCount`): each writes its own output,
+    # all billed, while the prompt is billed once (`cheapest`, the hedge's spend estimate).
+    choices: int = 1
 
 
 def _turn_text(message: Message) -> str:
@@ -63,12 +66,14 @@ def _turn_text(message: Message) -> str:
     return message.text()
 
 
-def prompt_request(model: str, prompt: str | list[Any], max_tokens: int | None = None) -> ChatRequest:
+def prompt_request(
+    model: str, prompt: str | list[Any], max_tokens: int | None = None, n: int | None = None
+) -> ChatRequest:
     """What a routing policy reads (conditions, difficulty, prefix affinity) of a completions or
-    embeddings prompt: one user turn of its text; token ids read as none. `max_tokens`: a
-    completions request's output limit."""
+    embeddings prompt: one user turn of its text; token ids read as none. `max_tokens` and `n`: a
+    completions request's output limit and choices."""
     text = prompt if isinstance(prompt, str) else "\n".join(v for v in prompt if isinstance(v, str))
-    return ChatRequest(model=model, messages=[Message(role="user", content=text)], max_tokens=max_tokens)
+    return ChatRequest(model=model, messages=[Message(role="user", content=text)], max_tokens=max_tokens, n=n)
 
 
 def _token_ids(prompt: str | list[Any]) -> int:
@@ -86,12 +91,14 @@ def prompt_features(
     tenant: str | None,
     key_id: str | None,
     max_tokens: int | None = None,
+    n: int | None = None,
 ) -> Features:
     """The features of a completions or embeddings request (`prompt_request`), its length counting
     each token id as the token it is: read as no text, a prompt of 5,000 ids passed a route's
     `max_prompt_tokens: 1000` condition and `cheapest`'s fit in a small window. `max_tokens`: its
-    output limit, as a chat's (`cheapest` fits it, `x-weir-route` says `output_capped`)."""
-    feats = features(prompt_request(model, prompt, max_tokens), tenant, key_id)
+    output limit, as a chat's (`cheapest` fits it, `x-weir-route` says `output_capped`); `n`: its
+    choices, as a chat's."""
+    feats = features(prompt_request(model, prompt, max_tokens, n), tenant, key_id)
     ids = _token_ids(prompt)
     return replace(feats, prompt_tokens=feats.prompt_tokens + ids) if ids else feats
 
@@ -132,6 +139,7 @@ def features(
         key_id=key_id,
         cache_breakpoints=has_cache_control(request),
         service_tier=request.service_tier,
+        choices=max(request.n or 1, 1),
     )
 
 

@@ -199,7 +199,8 @@ def _stats(choice: Choice, ctx: PolicyContext) -> ModelStats:
 def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: PolicyContext) -> float:
     """Expected USD for this request at the prices that will bill it, counting the shares of the
     prompt the cache is expected to serve and to be written with (each billed at its own price:
-    writes cost more than input)."""
+    writes cost more than input). `output_tokens` is one choice's: a request for `n` of them is
+    billed each one's output, its prompt once."""
     backend, model = choice.target.backend.name, choice.target.upstream_model
     # At the prices of the service tier the request asks for, where the candidate prices one of that
     # name (OpenAI's `flex`, `priority`: served as asked), else the base prices.
@@ -214,7 +215,8 @@ def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: Po
         share * (prices.get(token_class, input_price) - input_price) for token_class, share in shares.items()
     )
     output_price = prices.get(TokenClass.OUTPUT, 0)
-    return (feats.prompt_tokens * per_prompt_token + output_tokens * output_price) / 1e12
+    output = output_tokens * feats.choices
+    return (feats.prompt_tokens * per_prompt_token + output * output_price) / 1e12
 
 
 def _cache_shares(choice: Choice, feats: Features, ctx: PolicyContext) -> dict[TokenClass, float]:

@@ -194,14 +194,15 @@ async def run_routed(
     prompt: str | list[Any],
     op: Operation,
     max_tokens: int | None = None,
+    n: int | None = None,
 ) -> tuple[Any, Plan]:
     """Plan the route for `model` (a plain model: one candidate, one attempt) and run `op` through
     the executor; the result and the plan (whose `chosen` candidate says how to render it).
-    `max_tokens`: a completions request's output limit."""
+    `max_tokens` and `n`: a completions request's output limit and choices."""
     call.info.model = model
     call.info.stream = op.stream
     principal = call.principal
-    feats = prompt_features(model, prompt, principal.tenant_name, principal.key_id, max_tokens)
+    feats = prompt_features(model, prompt, principal.tenant_name, principal.key_id, max_tokens, n)
     plan = await gateway.router.plan(model, call.principal, feats)
     try:
         return await gateway.executor.run(call, plan, op, feats), plan

@@ -22,7 +22,7 @@ from gateway.pipeline import price_sheet
 from gateway.router_basic import ModelTable
 from gateway.types import ChatRequest
 from gateway.usage import Usage
-from routing.plan import Features, Plan, features
+from routing.plan import Features, Plan, features, prompt_features
 from routing.router import Router
 from routing.routes import Candidate, Conditions, Route
 from routing.stats import REMEASURE_S, RETRY_UNMEASURED_S
@@ -70,6 +70,7 @@ def feats(
     image: bool = False,
     max_tokens: int | None = None,
     cache: bool = False,
+    n: int | None = None,
 ) -> Features:
     content: object = text
     if cache:  # an Anthropic prompt-cache breakpoint at the end of the prompt
@@ -82,6 +83,8 @@ def feats(
         body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
+    if n is not None:
+        body["n"] = n
     return features(msgspec.convert(body, ChatRequest), principal.tenant_name, principal.key_id)
 
 
@@ -370,6 +373,29 @@ async def test_cheapest_expects_the_usual_answer_not_the_requests_output_limit()
     )
     plan = await router(windowed).plan("w", ACME, feats("w " * 20000, max_tokens=8192))
     assert [c.candidate.model for c in plan.choices] == ["terse"]
+
+
+async def test_cheapest_prices_every_choice_a_request_asks_for() -> None:
+    """`n` choices each write (and bill) their own output while the prompt is billed once; priced as
+    one answer, `plain` (output 15/M) stayed first for a request of 8 choices that costs far more
+    there than on `terse` (output 5/M). A completions request's `n` counts alike."""
+    planner = router(route("c", "cheapest", "plain", "terse"))
+    prompt = "w " * 4000
+    one = feats(prompt)
+    plan = await planner.plan("c", ACME, one)
+    assert [c.candidate.model for c in plan.choices] == ["plain", "terse"]
+
+    eight = feats(prompt, n=8)
+    plan = await planner.plan("c", ACME, eight)
+    assert [c.candidate.model for c in plan.choices] == ["terse", "plain"]
+    assert [c.score for c in plan.choices] == [
+        pytest.approx((one.prompt_tokens * 5 + 8 * 256 * 5) / 1e6),
+        pytest.approx((one.prompt_tokens * 2 + 8 * 256 * 15) / 1e6),
+    ]
+    completion = prompt_features("c", prompt, "acme", "k1", n=8)
+    assert completion.choices == 8
+    plan = await planner.plan("c", ACME, completion)
+    assert [c.candidate.model for c in plan.choices] == ["terse", "plain"]
 
 
 async def test_cheapest_counts_the_hidden_reasoning_a_model_writes() -> None:
