@@ -99,9 +99,15 @@ class Generation:
                                 metrics.itl.observe((now - last_token_at) / n)
                         last_token_at = now
                         metrics.observe_tokens(n, now)
+                    fed = self.text.num_tokens
                     text = self.text.add(out.new_token_ids, finished=out.finished)
                     if self.text.stopped:
                         self.finish_reason, self.stop_reason = "stop", self.text.matched
+                        # a speculative step's ids past the one that completed the stop string are
+                        # neither shown nor billed
+                        used = self.text.num_tokens - fed
+                        self.num_output_tokens -= len(out.new_token_ids) - used
+                        out = replace(out, new_token_ids=out.new_token_ids[:used])
                     elif out.finished:
                         self.finish_reason = "length" if self.score_only else out.finish_reason
                         self.stop_reason = None if self.score_only else out.stop_token_id

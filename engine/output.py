@@ -99,7 +99,21 @@ class TextStream:
     matched: str | None = None  # which one (vLLM's `stop_reason`: an Anthropic client's stop_sequence)
 
     def add(self, token_ids: Sequence[int], finished: bool = False) -> str:
-        """Feeds new ids; returns the text that may be released now. With `finished`, releases the rest."""
+        """Feeds new ids; returns the text that may be released now. With `finished`, releases the rest.
+        Once a stop string matches, the ids after the one that completed it are not fed (`num_tokens`
+        stops there): a speculative step emits several ids at once, and those past the stop string
+        were never part of the answer, as they are not without speculation."""
+        if self.stop and len(token_ids) > 1:
+            last = len(token_ids) - 1
+            released = []
+            for i in range(len(token_ids)):
+                released.append(self._add(token_ids[i : i + 1], finished and i == last))
+                if self.stopped:
+                    break
+            return "".join(released)
+        return self._add(token_ids, finished)
+
+    def _add(self, token_ids: Sequence[int], finished: bool) -> str:
         if self.stopped:
             return ""
         if self.num_tokens < self.min_tokens:

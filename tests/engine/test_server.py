@@ -282,6 +282,35 @@ async def test_a_completions_stop_reason_names_the_stop_string(served: Served, s
     assert choices[-1]["finish_reason"] == "stop" and choices[-1]["stop_reason"] == stop
 
 
+async def test_a_stop_string_inside_a_speculative_step_bills_only_the_tokens_up_to_it() -> None:
+    """A speculative step emits several tokens at once; when a stop string ends inside them, the
+    answer and its usage stop at the token that completed it, as without speculation (usage counted
+    the whole step's tokens, never shown)."""
+    engine = LLMEngine.from_config(
+        KNOWN_MODELS["tiny"], num_kv_blocks=NUM_BLOCKS, speculative="ngram", num_speculative_tokens=5
+    )
+    _, runner, base_url = await start(engine, model_name=MODEL)
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    a = engine.tokenizer.encode("A")[-1]
+    try:
+        for n in range(2, 12):  # every answer is "AAAA...": the stop string ends at token n
+            resp = await client.completions.create(
+                model=MODEL,
+                prompt="AAAAAAAA",
+                max_tokens=30,
+                temperature=0,
+                stop=["A" * n],
+                logit_bias={str(a): 100},
+            )
+            assert resp.choices[0].text == "" and resp.choices[0].finish_reason == "stop"
+            assert resp.usage and resp.usage.completion_tokens == n
+        assert engine.speculator and engine.speculator.metrics.mean_tokens_per_step > 1.5
+    finally:
+        await client.close()
+        await runner.cleanup()  # type: ignore[attr-defined]
+    assert await wait_until(lambda: all_blocks_free(engine)), engine.stats()
+
+
 async def test_min_tokens_holds_off_eos_and_stop_strings(served: Served) -> None:
     """vLLM's `min_tokens` (ignored before, then refused): EOS cannot end the answer, nor a stop string
     that ends within the text of its first min_tokens tokens."""
