@@ -732,9 +732,12 @@ class Speculator:
     def begin_step(self, running: Sequence[SequenceLike], generator: torch.Generator | None = None) -> None:
         """Propose drafts for this step. Every 16th step stays plain, to keep the baseline cost fresh.
         (Not every step before the first plain one is timed: with prefills arriving all the time a pure
-        decode step may not come soon, and the priors are a fair start.)"""
+        decode step may not come soon, and the priors are a fair start. For the same reason the count
+        starts over at the plain step itself, timed or not: waiting for a pure decode step to time kept
+        a busy engine, where every step also prefilled a newcomer, from speculating ever again.)"""
         self._since_plain += 1
         if self._since_plain >= 16:
+            self._since_plain = 0
             return
         self._batch_size = len(running)
         if self.proposer is None:

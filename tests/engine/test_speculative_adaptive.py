@@ -159,6 +159,29 @@ def test_a_fixed_verification_cost_makes_plain_decoding_win() -> None:
     assert AdaptiveK(5, cost_per_token=0.05, fixed_cost=0.35, initial_rate=0.9).best_k() == 5
 
 
+def test_speculation_goes_on_while_every_step_also_prefills_a_newcomer() -> None:
+    """Every 16th step stays plain to time the baseline; a step that also prefills is not timed. With
+    a request arriving every step (a busy server) no step was ever a pure decode, so that plain step
+    never ended and speculation stayed off for good after the first 15 steps."""
+    spec = Speculator(SpeculativeConfig("ngram", 4), max_model_len=4096)
+    seq = decoding("loop", [5, 6, 7, 8] * 4, max_tokens=1000)
+    drafted_steps = 0
+    for step in range(100):
+        spec.begin_step([seq])
+        drafts = list(seq.draft_token_ids)
+        newcomer = decoding(f"new{step}", [1, 2, 3])  # its prompt is prefilled in the same step
+        spec.end_step([seq, newcomer], [1 + len(drafts), 3], step_seconds(len(drafts)))
+        tokens = [drafts[0] if drafts else 5]
+        if drafts:
+            drafted_steps += step >= 50
+            logits = torch.zeros(len(drafts) + 1, VOCAB)
+            logits[0, drafts[0]] = 1.0  # the first draft is accepted, the second is not
+            tokens = spec.verify(seq, logits, None)
+        seq.output_token_ids.extend(tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+    assert drafted_steps >= 40  # of the last 50 steps: all but the plain ones
+
+
 def test_step_cost_recovers_fixed_and_per_token_costs() -> None:
     rng = random.Random(2)
     cost = StepCost()
