@@ -82,7 +82,10 @@ def engine() -> None:
     default=None,
     type=click.FloatRange(min=0, min_open=True),
     callback=_not_nan,
-    help="GiB for the KV cache (default: 1 GiB on CPU, half the free memory on GPU).",
+    help=(
+        "GiB for the KV cache, a speculative draft model's included "
+        "(default: 1 GiB on CPU, half the free memory on GPU)."
+    ),
 )
 @click.option(
     "--num-kv-blocks",

@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -34,6 +34,7 @@ from weir.kernels.fp8_matmul import fp8_gpu
 
 if TYPE_CHECKING:
     from engine.grammar import Grammars
+    from engine.model import Transformer
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "SamplingParams", "TokenLogprob"]
 
@@ -185,8 +186,17 @@ class LLMEngine:
         quantize_model(self.model, quantization)
         # CPU: the linears quantization left as they are get weights prepacked for oneDNN (engine/packed.py)
         self.num_packed_linears = pack_linears(self.model, packing)
+        if spec_config is not None and spec_config.method != "ngram" and draft_model is None:
+            draft_model = self._load_draft(spec_config, quantization, packing, seed, _draft_config, progress)
 
+        # a draft model's cache has as many blocks as the target's: the KV memory covers both
         per_block = kv_bytes_per_token(config, self.dtype) * block_size
+        if draft_model is not None:
+            draft_config = cast(ModelConfig, draft_model.config)
+            draft_layers = len(cast("Transformer", draft_model).decoder_layers)  # self:layers=N: N
+            per_block += (
+                kv_bytes_per_token(draft_config.with_(num_layers=draft_layers), self.dtype) * block_size
+            )
         if num_kv_blocks is None:
             gb = kv_cache_memory_gb if kv_cache_memory_gb is not None else self._default_kv_gb()
             num_kv_blocks = max(1, int(gb * (1 << 30)) // per_block)
@@ -221,11 +231,7 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if spec_config is not None:
             proposer = None
-            if spec_config.method != "ngram":
-                if draft_model is None:
-                    draft_model = self._load_draft(
-                        spec_config, quantization, packing, seed, _draft_config, progress
-                    )
+            if draft_model is not None:
                 proposer = DraftModelProposer(
                     draft_model,
                     num_blocks=num_kv_blocks,

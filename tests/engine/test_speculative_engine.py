@@ -8,9 +8,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
+import torch
 
 from engine.config import tiny_config
 from engine.llm_engine import LLMEngine, SamplingParams
+from engine.spec_draft import DraftModelProposer
 from engine.speculative import sequence_logits
 from tests.engine.chi_square import chi_square_pvalue, two_sample_chi_square_pvalue
 
@@ -206,6 +208,37 @@ def test_abort_mid_draft_frees_the_draft_cache(make_engine: Callable[..., LLMEng
     spec.abort_request("a")
     assert [o.finish_reason for o in spec.step()] == ["abort"]
     assert _draft_pool_is_empty(spec) and not spec.speculator._draft_probs
+
+
+def _kv_bytes(model: torch.nn.Module) -> int:
+    return sum(
+        layer.self_attn.k_cache.nbytes + layer.self_attn.v_cache.nbytes for layer in model.decoder_layers
+    )
+
+
+@pytest.mark.parametrize(("spec", "draft_layers"), [("self:int4", 2), ("self:layers=1", 1)])
+def test_the_kv_cache_memory_covers_the_draft_models_cache_too(
+    make_engine: Callable[..., LLMEngine], spec: str, draft_layers: int
+) -> None:
+    """`kv_cache_memory_gb` is what the KV cache may take: a draft model's cache (as many blocks as the
+    target's) comes out of it, instead of doubling it for self:int4 (on a GPU, whose default is half
+    the free memory, the two caches took all of it)."""
+    gib = 1 / 1024  # 1 MiB
+    plain = make_engine(num_kv_blocks=None, kv_cache_memory_gb=gib)
+    engine = make_engine(num_kv_blocks=None, kv_cache_memory_gb=gib, speculative=spec)
+    assert engine.speculator is not None and isinstance(engine.speculator.proposer, DraftModelProposer)
+    draft = engine.speculator.proposer.model
+    target_bytes, draft_bytes = _kv_bytes(engine.model), _kv_bytes(draft)
+    assert target_bytes + draft_bytes <= gib * (1 << 30)
+    assert draft_bytes == target_bytes * draft_layers // engine.config.num_layers
+    blocks = engine.block_manager.num_blocks
+    assert engine.speculator.proposer.num_blocks == blocks
+    # the budget is used, not merely respected: one more block each would not fit
+    per_block = (target_bytes + draft_bytes) // blocks
+    assert (blocks + 1) * per_block > gib * (1 << 30)
+    assert plain.block_manager.num_blocks > blocks
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert engine.generate(_prompts(3), params) == plain.generate(_prompts(3), params)
 
 
 def test_a_draft_model_must_share_the_vocabulary(make_engine: Callable[..., LLMEngine]) -> None:
