@@ -400,7 +400,9 @@ class LLMEngine:
         later) and blocks holding only rejected drafts go back to the pool."""
         assert self.speculator is not None
         computed = seq.num_computed_tokens + n - len(seq.draft_token_ids)  # the real tokens
-        tokens = self.speculator.verify(seq, logits, self.runner.generator)
+        p = seq.params
+        ends = {*p.stop_token_ids, *(() if p.ignore_eos else self.config.eos_token_ids)}
+        tokens = self.speculator.verify(seq, logits, self.runner.generator, ends)
         emitted: list[int] = []
         for token in tokens:
             seq.output_token_ids.append(token)

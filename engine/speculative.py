@@ -29,7 +29,7 @@ import copy
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -576,7 +576,7 @@ class SpecMetrics:
     num_steps: int = 0  # verification steps that carried at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_emitted_tokens: int = 0  # accepted + the target's own token per step
+    num_emitted_tokens: int = 0  # accepted + the target's own token per step, up to an ending token
     # (time, tokens) of the rate window and their sum; only the engine thread touches them (a scrape
     # reads the `SpecStats` copy that `EngineStats` carries)
     _recent: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
@@ -821,9 +821,17 @@ class Speculator:
             return 0
         return min(self._adaptive(seq).next_k(0, self.rates.rate(0)), room)
 
-    def verify(self, seq: SequenceLike, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+    def verify(
+        self,
+        seq: SequenceLike,
+        logits: torch.Tensor,
+        generator: torch.Generator | None,
+        ends: Collection[int] = (),
+    ) -> list[int]:
         """`logits` [k+1, vocab]: the target after the last real token and after each draft token.
-        Returns the tokens to append (accepted drafts + one of the target's); clears the drafts."""
+        Returns the tokens to append (accepted drafts + one of the target's); clears the drafts.
+        `ends`: the tokens that end the request (EOS, its stop tokens); the tokens after the first of
+        them are never emitted, so they are dropped here and the metrics count what is emitted."""
         drafts = list(seq.draft_token_ids)
         seq.draft_token_ids = []
         q = self._draft_probs.pop(seq.request_id, None)
@@ -843,11 +851,14 @@ class Speculator:
                 # the scheduler may have cut the draft to fit the token budget: its first rows still hold
                 draft_q = q[: len(drafts)] if q is not None else None
                 tokens = rejection_sample(drafts, probs, draft_q, generator)
-        self.metrics.record(len(drafts), len(tokens) - 1)
+        accepted = len(tokens) - 1
+        if ends and (end := next((i for i, t in enumerate(tokens) if t in ends), None)) is not None:
+            del tokens[end + 1 :]
+        self.metrics.record(len(drafts), accepted, len(tokens))
         bucket = self._bucket.pop(seq.request_id, 0)
-        self.rates.update(bucket, len(drafts), len(tokens) - 1)
+        self.rates.update(bucket, len(drafts), accepted)
         if (adaptive := self._k.get(seq.request_id)) is not None:
-            adaptive.update(len(drafts), len(tokens) - 1, bucket)
+            adaptive.update(len(drafts), accepted, bucket)
         return tokens
 
     def forget(self, request_id: str) -> None:

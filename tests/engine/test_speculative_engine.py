@@ -199,6 +199,33 @@ def test_draft_model_mixes_with_logprobs_penalties_and_stops(make_engine: Callab
     assert spec.generate(prompts, params) == plain.generate(prompts, params)
 
 
+def test_a_stop_token_inside_an_accepted_block_counts_only_the_tokens_emitted(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """A draft identical to the target has every draft accepted, so a stop token (or EOS) usually ends
+    the request inside a verified block: the tokens after it are dropped, and the speculative metrics
+    count what was emitted (`weir_engine_spec_emitted_tokens_total`), not the whole block."""
+    spec_name, kwargs = MODEL_PROPOSERS["draft-same"]
+    prompt = _prompts(1, seed=5)[0]
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    [expected] = make_engine().generate([prompt], free)
+    engine = make_engine(speculative=spec_name, num_speculative_tokens=4, **kwargs)
+    metrics = engine.speculator.metrics
+    firsts = [i for i, t in enumerate(expected) if i >= 2 and t not in expected[:i]][:6]
+    assert len(firsts) >= 3
+    for n, i in enumerate(firsts):  # consecutive stops: some end mid-block, whatever k was drafted
+        engine.add_request(str(n), prompt, replace(free, stop_token_ids=[expected[i]]))
+        got: list[int] = []
+        while engine.has_unfinished_requests():
+            before = metrics.num_emitted_tokens, metrics.num_steps
+            for out in engine.step():
+                got.extend(out.new_token_ids)
+                if metrics.num_steps > before[1]:  # a verification step: it counts what it emitted
+                    assert metrics.num_emitted_tokens - before[0] == len(out.new_token_ids)
+        assert got == expected[: i + 1]
+    assert metrics.num_accepted_tokens > 0
+
+
 def test_abort_mid_draft_frees_the_draft_cache(make_engine: Callable[..., LLMEngine]) -> None:
     spec = make_engine(speculative="self:layers=1")
     spec.add_request("a", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=50, temperature=0.8))
