@@ -132,6 +132,7 @@ def create_app(
         )
         control.long_context = gateway.pipeline.long_context  # budget estimates of long prompts
         gateway.metrics.watch_budgets(lambda: control.admission.budget_usage_ratio)
+        gateway.metrics.watch_set_aside(lambda: control.writer.stats.set_aside)
     security = SecurityControls.build(gateway, control)  # stored vendor keys, prompt storage
 
     @asynccontextmanager

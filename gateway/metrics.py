@@ -6,7 +6,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
@@ -158,6 +158,11 @@ class Metrics:
         """Export each tenant's monthly budget use (spent + reserved over the budget) on every scrape."""
         self.registry.register(_BudgetCollector(ratios))
 
+    def watch_set_aside(self, count: Callable[[], int]) -> None:
+        """Export the usage events the ledger refused for their data and the batch writer set aside
+        (its dead-letter file), read from the writer on every scrape."""
+        self.registry.register(_SetAsideCollector(count))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -203,3 +208,16 @@ class _BudgetCollector(Collector):
         for tenant, ratio in sorted(self._ratios().items()):
             family.add_metric([tenant], ratio)
         yield family
+
+
+class _SetAsideCollector(Collector):
+    def __init__(self, count: Callable[[], int]) -> None:
+        self._count = count
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "weir_usage_events_set_aside",
+            "Usage events the database refused for their data, set aside in the dead-letter file "
+            "instead of written to the ledger (weir db replay-usage writes them)",
+            value=self._count(),
+        )

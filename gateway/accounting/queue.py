@@ -153,6 +153,10 @@ class SpoolQueue:
                 continue
         raise RuntimeError(f"all {slots} usage spool slots under {directory} are in use")
 
+    @property
+    def directory(self) -> Path:
+        return self._dir
+
     def _path(self, segment: int) -> Path:
         return self._dir / f"{segment:010d}.jsonl"
 

@@ -179,3 +179,26 @@ def purge_prompts(database_url: str | None) -> None:
 
     with reported_db_errors():
         purge(database_url)
+
+
+@db.command("replay-usage")
+@database_url_option
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+def replay_usage(database_url: str | None, path: str) -> None:
+    """Write the usage events set aside in PATH (the batch writer's dead-letter file) to the ledger.
+
+    Each event lands once, whatever was replayed before; the file is only read. Exit status 1 when an
+    event is refused again or a line holds none (docs/accounting.md, "Refused events")."""
+    from gateway.accounting.deadletter import replay
+
+    result = run_on_admin_db(database_url, lambda sessions: replay(path, sessions.kw["bind"]))
+    click.echo(
+        f"{result.events} events in {path}: {result.written} written to the ledger, "
+        f"{result.duplicates} there already, {len(result.refused)} refused again"
+    )
+    for r in result.refused:
+        click.echo(f"refused: event {r.event.event_id} of tenant {r.event.tenant_id}: {r.reason} {r.error}")
+    if result.unreadable:
+        click.echo(f"unreadable lines: {', '.join(map(str, result.unreadable))}")
+    if result.refused or result.unreadable:
+        raise SystemExit(1)

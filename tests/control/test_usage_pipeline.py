@@ -7,7 +7,7 @@ import asyncio
 import datetime as dt
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,21 +15,25 @@ from typing import Any
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from click.testing import CliRunner
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.accounting.events import encode
+from gateway.accounting.deadletter import read_dead_letters
+from gateway.accounting.events import UsageEvent, decode, encode
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
 from gateway.accounting.writer import BatchWriter, _rollup_rows, event_row
 from gateway.db import migrate
 from gateway.db.models import UsageEventRow, UsageRollup
 from gateway.db.session import create_engine
+from gateway.metrics import Metrics
 from gateway.usage import normalise_usage
 from tests.control.events import random_events
 from tests.control.helpers import TcpProxy
-from tests.fixtures.db import REDIS_URL, premigrated
+from tests.fixtures.db import REDIS_URL, migrated_sqlite, premigrated, sync_exec
+from weir.cli import main
 
 CANCELLED = 499  # a hedge that lost, an attempt whose client left
 
@@ -107,6 +111,7 @@ async def test_db_outage_loses_nothing_and_writes_once(queue: UsageQueue, pg_url
     with pytest.raises(Exception):  # noqa: B017
         await writer.step(block_s=0)
     assert writer.stats.failures == 2
+    assert writer.stats.set_aside == 0  # the database away refuses nothing: the batch is held
 
     await proxy.start()  # and comes back
     await writer.drain()
@@ -567,3 +572,180 @@ async def test_a_service_tier_no_price_can_name_lands_in_the_ledger_as_none(
         tiers = {event_id: tier for event_id, tier in rows}
     assert tiers[batch[0].event_id] is None
     assert normalise_usage("openai", {"prompt_tokens": 3}, "flex").service_tier == "flex"
+
+
+async def refused_by_the_ledger(engine: AsyncEngine) -> Callable[[UsageEvent], UsageEvent]:
+    """How to make an event the database refuses for its data: on PostgreSQL a model name over its
+    column (22001, value too long), on SQLite, which checks no lengths, a trigger refusing a model name
+    (a constraint violation, as a CHECK would be)."""
+    if engine.dialect.name == "sqlite":
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "CREATE TRIGGER refuse_model BEFORE INSERT ON usage_events WHEN NEW.model = 'refused' "
+                    "BEGIN SELECT RAISE(ABORT, 'model refused'); END"
+                )
+            )
+        return lambda e: msgspec.structs.replace(e, model="refused")
+    return lambda e: msgspec.structs.replace(e, model="m" * 201)
+
+
+async def test_an_event_the_database_refuses_is_set_aside_and_the_rest_written(
+    queue: UsageQueue, engine: AsyncEngine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database refused a batch for one event's data (a value over its column, a constraint) and
+    the writer retried the whole batch for ever: nothing after it reached the ledger, for any tenant.
+    Now the others are written (rollups counting exactly them), the refused one is set aside in the
+    dead-letter file with a log line, and later batches keep landing. (On PostgreSQL from the Redis
+    stream this is the path that sends the lines undecoded.)"""
+    refuse = await refused_by_the_ledger(engine)
+    batch = random_events(600, seed=61)
+    batch[137] = poison = refuse(batch[137])
+    await put_all(queue, batch)
+    dead_letter = tmp_path / "dead-letter.jsonl"
+    writer = BatchWriter(queue, engine, batch_size=250, dead_letter=dead_letter)
+    caplog.set_level(logging.ERROR, logger="gateway.accounting.writer")
+    await writer.drain()
+
+    written = [e for e in batch if e is not poison]
+    count, cost, rollup_cost = await ledger(engine)
+    assert count == 599 and writer.stats.inserted == 599
+    assert cost == rollup_cost == sum(e.cost_pico_usd for e in written)
+    async with engine.connect() as conn:
+        requests = (await conn.execute(select(func.sum(UsageRollup.requests)))).scalar()
+        stored = set((await conn.execute(select(UsageEventRow.event_id))).scalars())
+    assert int(requests) == 599 and poison.event_id not in stored
+    [(_, record)] = list(read_dead_letters(dead_letter))
+    assert record is not None and decode(bytes(record.event)) == poison
+    reason = "SQLITE_CONSTRAINT_TRIGGER" if engine.dialect.name == "sqlite" else "22001"
+    assert record.reason == reason and writer.stats.set_aside == 1
+    [logged] = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert poison.event_id in logged and f"tenant {poison.tenant_id}" in logged and reason in logged
+
+    later = random_events(50, seed=62)  # the writer keeps going
+    await put_all(queue, later)
+    await writer.drain()
+    count, cost, rollup_cost = await ledger(engine)
+    assert count == 649 and cost == rollup_cost == sum(e.cost_pico_usd for e in written + later)
+    assert len(await queue.read(1000, 0)) == 0  # every event acknowledged, the refused one too
+    assert len(list(read_dead_letters(dead_letter))) == 1
+
+
+async def test_a_number_no_column_holds_is_set_aside(engine: AsyncEngine, tmp_path: Path) -> None:
+    """A cost over 64 bits: PostgreSQL refuses it (22003, numeric out of range), SQLite's driver will
+    not bind it. The batch's other events land; the spool's dead-letter file holds that one."""
+    queue = SpoolQueue(tmp_path / "spool" / "0")
+    batch = random_events(40, seed=63)
+    batch[7] = huge = msgspec.structs.replace(batch[7], cost_pico_usd=2**63)
+    await put_all(queue, batch)
+    writer = BatchWriter(queue, engine)  # the dead-letter file: beside the spool's slots
+    await writer.drain()
+    count, cost, rollup_cost = await ledger(engine)
+    assert count == 39 and cost == rollup_cost == sum(e.cost_pico_usd for e in batch if e is not huge)
+    [(_, record)] = list(read_dead_letters(tmp_path / "spool" / "dead-letter.jsonl"))
+    assert record is not None and decode(bytes(record.event)) == huge
+    assert record.reason == ("OverflowError" if engine.dialect.name == "sqlite" else "22003")
+    assert queue.pending() == 0
+    await queue.close()
+
+
+async def test_a_batch_written_in_parts_and_retried_counts_each_event_once(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """The database goes away while a refused batch is being written in halves: the batch is kept,
+    the halves already committed are skipped when it is written again, and the rollups count every
+    event once."""
+    refuse = await refused_by_the_ledger(engine)
+    queue = SpoolQueue(tmp_path / "spool" / "0")
+    batch = random_events(300, seed=64)
+    batch[250] = poison = refuse(batch[250])
+    await put_all(queue, batch)
+    writer = BatchWriter(queue, engine)
+    write = writer.write
+    calls = 0
+
+    async def write_until_the_database_goes(events: list[UsageEvent]) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 4:  # the whole batch, its first half (committed), its second, then...
+            raise ConnectionRefusedError("Connect call failed ('127.0.0.1', 5432)")
+        return await write(events)
+
+    writer.write = write_until_the_database_goes  # type: ignore[method-assign]
+    with pytest.raises(ConnectionRefusedError):
+        await writer.step(block_s=0)
+    assert (await ledger(engine))[0] == 150 and writer.stats.set_aside == 0  # nothing set aside yet
+    await writer.drain()
+    written = [e for e in batch if e is not poison]
+    count, cost, rollup_cost = await ledger(engine)
+    assert count == 299 and cost == rollup_cost == sum(e.cost_pico_usd for e in written)
+    async with engine.connect() as conn:
+        requests = (await conn.execute(select(func.sum(UsageRollup.requests)))).scalar()
+    assert int(requests) == 299 and writer.stats.set_aside == 1
+    assert queue.pending() == 0
+    await queue.close()
+
+
+def test_set_aside_events_are_replayed_into_the_ledger_once(tmp_path: Path) -> None:
+    """Once the cause is fixed, `weir db replay-usage` writes the set-aside events with their rollups;
+    running it again writes nothing twice. One still refused is named, with exit status 1."""
+    url = migrated_sqlite(f"sqlite+aiosqlite:///{tmp_path / 'weir.db'}")
+    batch = random_events(30, seed=65)
+    refused_model = [msgspec.structs.replace(e, model="refused") for e in batch[:3]]
+    dead_letter = tmp_path / "dead-letter.jsonl"
+
+    async def set_aside() -> None:
+        engine = create_engine(url)
+        await refused_by_the_ledger(engine)
+        queue = SpoolQueue(tmp_path / "spool")
+        await put_all(queue, refused_model + batch[3:])
+        writer = BatchWriter(queue, engine, dead_letter=dead_letter)
+        await writer.drain()
+        assert writer.stats.set_aside == 3 and (await ledger(engine))[0] == 27
+        await queue.close()
+        await engine.dispose()
+
+    asyncio.run(set_aside())
+    sync_exec(url, "DROP TRIGGER refuse_model")  # the cause fixed
+    sync_exec(
+        url,
+        "CREATE TRIGGER refuse_one BEFORE INSERT ON usage_events WHEN NEW.attempt = 99 "
+        "BEGIN SELECT RAISE(ABORT, 'still refused'); END",
+    )
+    with dead_letter.open("ab") as f:  # one more, still refused, and a line torn by a crash
+        still = msgspec.structs.replace(batch[0], event_id="still-refused", attempt=99)
+        f.write(
+            msgspec.json.encode(
+                {
+                    "set_aside_at": "2026-12-05T00:00:00Z",
+                    "reason": "x",
+                    "error": "x",
+                    "event": msgspec.json.decode(encode(still)),
+                }
+            )
+            + b"\n"
+        )
+        f.write(b'{"set_aside_at": "2026-12')
+    runner = CliRunner()
+    first = runner.invoke(main, ["db", "replay-usage", str(dead_letter), "--database-url", url])
+    assert first.exit_code == 1, first.output
+    assert first.output.splitlines()[0] == (
+        f"4 events in {dead_letter}: 3 written to the ledger, 0 there already, 1 refused again"
+    )
+    assert "refused: event still-refused of tenant" in first.output and "unreadable lines: 5" in first.output
+    again = runner.invoke(main, ["db", "replay-usage", str(dead_letter), "--database-url", url])
+    assert "0 written to the ledger, 3 there already, 1 refused again" in again.output
+    [(count, cost, rollup_cost)] = sync_exec(
+        url,
+        "SELECT (SELECT count(*) FROM usage_events), (SELECT sum(cost_pico_usd) FROM usage_events), "
+        "(SELECT sum(cost_pico_usd) FROM usage_rollups)",
+    )
+    assert count == 30 and cost == rollup_cost == sum(e.cost_pico_usd for e in batch)
+
+
+def test_set_aside_events_are_a_prometheus_counter() -> None:
+    metrics = Metrics()
+    stats = SimpleNamespace(set_aside=0)
+    metrics.watch_set_aside(lambda: stats.set_aside)
+    stats.set_aside = 2
+    assert b"\nweir_usage_events_set_aside_total 2.0\n" in metrics.render()

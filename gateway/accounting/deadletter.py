@@ -1,0 +1,152 @@
+"""Usage events the ledger refused for their data, set aside durably instead of retried for ever.
+
+A refusal about the data (PostgreSQL's SQLSTATE classes 22, data exception, and 23, integrity
+constraint violation; SQLite's constraint and data errors; a number no column can hold) comes back
+every time the same event is sent: retried with its batch, it stopped every tenant's accounting. The
+batch writer writes what the database takes and appends the refused events here, one JSON line each:
+
+    {"set_aside_at": "2026-12-05T19:52:40.123456+00:00", "reason": "22001",
+     "error": "StringDataRightTruncationError: value too long for type character varying(200)",
+     "event": {...the UsageEvent as the queue carries it (events.encode)...}}
+
+`weir db replay-usage FILE` writes them to the ledger once the cause is fixed (docs/accounting.md).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.accounting.events import UsageEvent, decode, encode
+
+DEAD_LETTER_FILE = "dead-letter.jsonl"  # beside the spool's slots, under WEIR_USAGE_SPOOL
+_REFUSED_CLASSES = ("22", "23")  # SQLSTATE classes: data exception, integrity constraint violation
+
+
+def refusal(exc: BaseException) -> str | None:
+    """Why the database refused a write for the data it was given (the SQLSTATE, SQLite's error name,
+    or `OverflowError`), or None for any other failure (the database away, a timeout, a deadlock, a
+    schema behind the code), which a retry may get past."""
+    orig = (exc.orig if isinstance(exc, DBAPIError) else None) or exc
+    sqlstate = str(getattr(orig, "sqlstate", None) or "")
+    if sqlstate:
+        return sqlstate if sqlstate[:2] in _REFUSED_CLASSES else None
+    if isinstance(orig, sqlite3.IntegrityError | sqlite3.DataError):
+        return str(getattr(orig, "sqlite_errorname", None) or orig.__class__.__name__)
+    if isinstance(orig, OverflowError):  # SQLite's driver: an integer over 64 bits (PostgreSQL: 22003)
+        return "OverflowError"
+    return None
+
+
+def error_text(exc: BaseException) -> str:
+    """The driver's error class and the first line of its message (no statement, no parameters)."""
+    orig = (exc.orig if isinstance(exc, DBAPIError) else None) or exc
+    # asyncpg's error behind SQLAlchemy's adapter names the condition (StringDataRightTruncationError).
+    named = orig.__cause__ if isinstance(orig.__cause__, Exception) else orig
+    lines = str(orig).splitlines()
+    message = lines[0] if lines else ""
+    if message.startswith("<class "):  # the adapter's "<class 'asyncpg....Error'>: message"
+        message = message.split(": ", 1)[-1]
+    return f"{named.__class__.__name__}: {message}" if message else named.__class__.__name__
+
+
+class SetAside(msgspec.Struct, frozen=True):
+    set_aside_at: dt.datetime
+    reason: str
+    error: str
+    event: msgspec.Raw  # the event's encoded line, as the queue carried it
+
+
+@dataclass(frozen=True)
+class Refused:
+    event: UsageEvent
+    reason: str
+    error: str
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(SetAside)
+
+
+class DeadLetters:
+    """An append-only file of refused events. Lines are appended in one write and synced to disk
+    before the queue acknowledges their batch; several processes may share the file (O_APPEND). An
+    event set aside twice (a crash before the acknowledgement) is written once by a replay."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def add(self, refused: list[Refused]) -> None:
+        now = dt.datetime.now(dt.UTC)
+        data = b"".join(
+            _encoder.encode(SetAside(now, r.reason, r.error, msgspec.Raw(encode(r.event)))) + b"\n"
+            for r in refused
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            view = memoryview(data)
+            while view:  # a regular file takes it whole; a short write continues where it stopped
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_dead_letters(path: str | os.PathLike[str]) -> Iterator[tuple[int, SetAside | None]]:
+    """Each line of a dead-letter file by number: its record, or None for a line that is none (a
+    line torn by a crash mid-write)."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, _decoder.decode(line)
+            except msgspec.DecodeError:
+                yield number, None
+
+
+@dataclass
+class Replayed:
+    events: int = 0  # distinct events in the file
+    written: int = 0  # now in the ledger
+    duplicates: int = 0  # in the ledger already (replayed before, or written by a retry)
+    refused: list[Refused] = field(default_factory=list)  # refused again
+    unreadable: list[int] = field(default_factory=list)  # line numbers that hold no record
+
+
+async def replay(path: str | os.PathLike[str], engine: AsyncEngine, batch: int = 1000) -> Replayed:
+    """Write the events of a dead-letter file to the ledger (`weir db replay-usage`), as the batch
+    writer does: each once (by event id, however often it was set aside or replayed), with its rollups.
+    The file is only read; those refused again are returned."""
+    from gateway.accounting.writer import BatchWriter  # the writer imports this module
+
+    result = Replayed()
+    events: dict[str, UsageEvent] = {}
+    for number, record in read_dead_letters(path):
+        try:
+            event = decode(bytes(record.event)) if record is not None else None
+        except msgspec.DecodeError:
+            event = None
+        if event is None:
+            result.unreadable.append(number)
+        else:
+            events.setdefault(event.event_id, event)
+    result.events = len(events)
+    writer = BatchWriter(None, engine)  # type: ignore[arg-type]  # writes only, reads no queue
+    pending = list(events.values())
+    for start in range(0, len(pending), batch):
+        chunk = pending[start : start + batch]
+        new, refused = await writer.write_what_is_taken(chunk)
+        result.written += new
+        result.duplicates += len(chunk) - new - len(refused)
+        result.refused += refused
+    return result
