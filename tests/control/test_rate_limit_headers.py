@@ -72,8 +72,9 @@ def test_admitted_requests_and_the_429_say_what_is_left_and_when(weir: Weir) -> 
         tokens_left.append(int(headers["x-ratelimit-remaining-tokens"]))
     assert lefts == [2, 1, 0]
     # Each request's estimate is counted at admission (its prompt and max_tokens: at least 5 tokens),
-    # the tokens it used once it answered.
-    assert 100_000 - tokens_left[0] >= 5 and tokens_left[0] > tokens_left[1] > tokens_left[2]
+    # the tokens it used once it answered. Not [1] > [2]: where the first two settle (estimate to use)
+    # between the second's admission and the third's, the third sees more left than the second did.
+    assert 100_000 - tokens_left[0] >= 5 and tokens_left[0] > max(tokens_left[1], tokens_left[2])
 
     refused = post(weir.url, key)
     assert refused.status_code == 429

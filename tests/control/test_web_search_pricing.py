@@ -132,6 +132,9 @@ def test_a_budget_reserves_the_searches_and_is_charged_those_run(
     # request whose tokens do not fit is (3,000 output tokens, $0.045, and no tool).
     by_searches = _refused(weir, key, _searching(4))
     by_tokens = _refused(weir, key, {**ASKED, "tools": [], "max_tokens": 3000})
+    # The same refusal, each carrying its own request's id (Anthropic's error shape has `request_id`).
+    assert isinstance(by_searches.body, dict) and isinstance(by_tokens.body, dict)
+    assert by_searches.body.pop("request_id") != by_tokens.body.pop("request_id")
     assert by_searches.body == by_tokens.body
     assert by_searches.status_code == by_tokens.status_code == 429
     assert "exceeded this tenant's monthly budget" in str(by_searches.body)
