@@ -159,8 +159,9 @@ class Metrics:
         self.registry.register(_BudgetCollector(ratios))
 
     def watch_set_aside(self, count: Callable[[], int]) -> None:
-        """Export the usage events the ledger refused for their data and the batch writer set aside
-        (its dead-letter file), read from the writer on every scrape."""
+        """Export the usage events the ledger refused for their data, and the queued lines that are
+        no event, that the batch writer set aside (its dead-letter file), read from the writer on
+        every scrape."""
         self.registry.register(_SetAsideCollector(count))
 
     def render(self) -> bytes:
@@ -217,7 +218,8 @@ class _SetAsideCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily(
             "weir_usage_events_set_aside",
-            "Usage events the database refused for their data, set aside in the dead-letter file "
-            "instead of written to the ledger (weir db replay-usage writes them)",
+            "Usage events the database refused for their data, and queued lines that are no event, "
+            "set aside in the dead-letter file instead of written to the ledger (weir db replay-usage "
+            "writes them)",
             value=self._count(),
         )

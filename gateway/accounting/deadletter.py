@@ -9,6 +9,12 @@ batch writer writes what the database takes and appends the refused events here,
      "error": "StringDataRightTruncationError: value too long for type character varying(200)",
      "event": {...the UsageEvent as the queue carries it (events.encode)...}}
 
+A queued line that is no event at all (`events.Unreadable`: a spool line torn by a crash, an event
+shape this version cannot read) is set aside in the same file with the line as text, not dropped:
+
+    {"set_aside_at": "...", "reason": "unreadable", "error": "DecodeError: Input data was truncated",
+     "raw": "{\"request_id\": \"half-wr"}
+
 `weir db replay-usage FILE` writes them to the ledger once the cause is fixed (docs/accounting.md).
 """
 
@@ -25,10 +31,11 @@ import msgspec
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.accounting.events import UsageEvent, decode, encode
+from gateway.accounting.events import Unreadable, UsageEvent, decode, encode
 
 DEAD_LETTER_FILE = "dead-letter.jsonl"  # beside the spool's slots, under WEIR_USAGE_SPOOL
 _REFUSED_CLASSES = ("22", "23")  # SQLSTATE classes: data exception, integrity constraint violation
+UNREADABLE = "unreadable"  # the `reason` of a line set aside that is no event
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -58,11 +65,14 @@ def error_text(exc: BaseException) -> str:
     return f"{named.__class__.__name__}: {message}" if message else named.__class__.__name__
 
 
-class SetAside(msgspec.Struct, frozen=True):
+class SetAside(msgspec.Struct, frozen=True, omit_defaults=True):
     set_aside_at: dt.datetime
     reason: str
     error: str
-    event: msgspec.Raw  # the event's encoded line, as the queue carried it
+    event: msgspec.Raw = msgspec.Raw(b"")  # the event's encoded line, as the queue carried it
+    # Or, for a line that is no event (reason `unreadable`): the line as UTF-8 text (bytes that are
+    # not UTF-8 as backslash escapes).
+    raw: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,10 +96,19 @@ class DeadLetters:
 
     def add(self, refused: list[Refused]) -> None:
         now = dt.datetime.now(dt.UTC)
-        data = b"".join(
-            _encoder.encode(SetAside(now, r.reason, r.error, msgspec.Raw(encode(r.event)))) + b"\n"
-            for r in refused
+        self._append([SetAside(now, r.reason, r.error, msgspec.Raw(encode(r.event))) for r in refused])
+
+    def add_unreadable(self, lines: list[Unreadable]) -> None:
+        now = dt.datetime.now(dt.UTC)
+        self._append(
+            [
+                SetAside(now, UNREADABLE, u.error, raw=u.line.decode("utf-8", "backslashreplace"))
+                for u in lines
+            ]
         )
+
+    def _append(self, records: list[SetAside]) -> None:
+        data = b"".join(_encoder.encode(record) + b"\n" for record in records)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -120,7 +139,8 @@ class Replayed:
     written: int = 0  # now in the ledger
     duplicates: int = 0  # in the ledger already (replayed before, or written by a retry)
     refused: list[Refused] = field(default_factory=list)  # refused again
-    unreadable: list[int] = field(default_factory=list)  # line numbers that hold no record
+    # line numbers that hold no record, or a line set aside as unreadable that still reads as none
+    unreadable: list[int] = field(default_factory=list)
 
 
 async def replay(path: str | os.PathLike[str], engine: AsyncEngine, batch: int = 1000) -> Replayed:
@@ -132,8 +152,12 @@ async def replay(path: str | os.PathLike[str], engine: AsyncEngine, batch: int =
     result = Replayed()
     events: dict[str, UsageEvent] = {}
     for number, record in read_dead_letters(path):
+        # A line set aside as unreadable is tried again: a later version may read an older shape.
+        line = (
+            None if record is None else record.raw.encode() if record.raw is not None else bytes(record.event)
+        )
         try:
-            event = decode(bytes(record.event)) if record is not None else None
+            event = decode(line) if line else None
         except msgspec.DecodeError:
             event = None
         if event is None:

@@ -106,3 +106,19 @@ def encode(event: UsageEvent) -> bytes:
 
 def decode(data: bytes) -> UsageEvent:
     return _decoder.decode(data)
+
+
+class Unreadable(msgspec.Struct, frozen=True):
+    """A queued line that is no usage event: torn by a crash mid-write, or an event shape this version
+    cannot read. The queue hands it on in the event's place, so the writer sets it aside (the
+    dead-letter file) before the line is acknowledged, instead of dropping it."""
+
+    line: bytes
+    error: str  # why it could not be read: msgspec's error class and message
+
+
+def decode_or_unreadable(data: bytes) -> UsageEvent | Unreadable:
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError too
+        return Unreadable(data, f"{exc.__class__.__name__}: {exc}")

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.accounting.events import UsageEvent, decode, encode
+from gateway.accounting.events import Unreadable, UsageEvent, decode_or_unreadable, encode
 from gateway.aio import detached, stop_if_cancelled
 from gateway.state.base import Outage
 from gateway.state.redis import client_from_url
@@ -91,7 +91,10 @@ class UsageQueue(Protocol):
         """Append one event; never blocks on the network or the DB."""
         ...
 
-    async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]: ...
+    async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent | Unreadable]]:
+        """Up to `max_events` unacknowledged events, each with its token; a line that is no event
+        comes as `Unreadable` in its place (the writer sets it aside before acknowledging it)."""
+        ...
 
     @property
     def drained(self) -> bool:
@@ -224,7 +227,7 @@ class SpoolQueue:
             asyncio.get_running_loop().call_later(0.5, self._flush)
             self._flush_scheduled = True
 
-    async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
+    async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent | Unreadable]]:
         self._flush()
         items = self._read_now(max_events)
         if not items and block_s > 0:
@@ -235,14 +238,10 @@ class SpoolQueue:
         self.drained = len(items) < max_events
         return items
 
-    def _read_now(self, max_events: int) -> list[tuple[Token, UsageEvent]]:
-        items: list[tuple[Token, UsageEvent]] = []
-        for token, line in self._lines(max_events):
-            try:
-                items.append((token, decode(line)))
-            except Exception:
-                log.error("skipping an unreadable usage spool line at %s", token)
-        return items
+    def _read_now(self, max_events: int) -> list[tuple[Token, UsageEvent | Unreadable]]:
+        # A line that is no event comes as `Unreadable`, for the writer to set aside: skipped here, it
+        # was acknowledged with the lines after it and lost.
+        return [(token, decode_or_unreadable(line)) for token, line in self._lines(max_events)]
 
     def read_lines(self, max_events: int) -> list[tuple[Token, bytes]]:
         """Up to `max_events` unacknowledged lines, undecoded and unchecked (for forwarding them)."""
@@ -538,8 +537,12 @@ class RedisStreamQueue:
                 raise
         self._group_ready = True
 
-    async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent]]:
-        return [(token, decode(line)) for token, line in await self.read_lines(max_events, block_s)]
+    async def read(self, max_events: int, block_s: float) -> list[tuple[Token, UsageEvent | Unreadable]]:
+        # A line that is no event (a torn spool line forwarded) comes as `Unreadable`: raised here, it
+        # failed the whole read, and its entry was claimed and failed again every 30 s for ever.
+        return [
+            (token, decode_or_unreadable(line)) for token, line in await self.read_lines(max_events, block_s)
+        ]
 
     async def read_lines(self, max_events: int, block_s: float) -> list[tuple[Token, bytes]]:
         """As `read`, with each event as its encoded line (`events.encode`), not decoded: for a

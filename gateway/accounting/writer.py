@@ -6,7 +6,9 @@ down the batch is kept and retried with backoff; the queue keeps growing meanwhi
 serving, and when the DB returns every event lands once. If the DB refuses the batch for its data
 (`deadletter.refusal`), the batch is split in halves, each written on its own, down to the events it
 refuses, which are set aside in the dead-letter file (`deadletter.DeadLetters`) before the batch is
-acknowledged: one bad event no longer stops the ledger for every tenant.
+acknowledged: one bad event no longer stops the ledger for every tenant. A queued line that is no
+event at all (`events.Unreadable`: torn, or a shape this version cannot read) is set aside there too,
+as its raw text, before it is acknowledged: it used to be logged and dropped.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from gateway.accounting.deadletter import DEAD_LETTER_FILE, DeadLetters, Refused
 from gateway.accounting.events import (
     CANCELLED,
     STARTS_CLIENT_REQUEST_SQL,
+    Unreadable,
     UsageEvent,
     decode,
+    decode_or_unreadable,
     encode,
     is_error,
     starts_client_request,
@@ -327,7 +331,9 @@ class WriterStats:
     inserted: int = 0
     duplicates: int = 0  # events already in the ledger (a redelivery), skipped
     failures: int = 0  # batches that failed and were retried
-    set_aside: int = 0  # events the database refused for their data, in the dead-letter file
+    # events the database refused for their data, and lines that are no event: in the dead-letter file
+    set_aside: int = 0
+    unreadable: int = 0  # of those, lines that are no event
 
 
 class BatchWriter:
@@ -397,29 +403,28 @@ class BatchWriter:
             await self.write_lines(lines)
         except DBAPIError as exc:
             # A refusal of the data (`refusal`): a line the server cannot read as an event (a torn
-            # spool line forwarded to the stream), or an event it will not store. Log the unreadable
-            # lines, write the readable events and set aside those refused, instead of retrying the
+            # spool line forwarded to the stream), or an event it will not store. Write the readable
+            # events and set aside those refused and the unreadable lines, instead of retrying the
             # batch forever. Anything else (the DB away) is retried as it is.
             if refusal(exc) is None:
                 raise
-            events = []
-            for line in lines:
-                try:
-                    events.append(decode(line))
-                except msgspec.DecodeError:  # ValidationError too
-                    log.error("skipping an unreadable usage event: %r", line[:200])
-            if events:
-                await self._write_or_set_aside(events)
+            await self._write_or_set_aside([decode_or_unreadable(line) for line in lines])
 
-    async def _write_or_set_aside(self, events: list[UsageEvent]) -> None:
-        """`write` the batch; if the database refuses it for its data, write what it takes and set
-        the events it refuses aside (`set_aside`), durably, before the caller acknowledges them."""
+    async def _write_or_set_aside(self, items: list[UsageEvent | Unreadable]) -> None:
+        """`write` the batch's events; if the database refuses them for their data, write what it
+        takes and set the events it refuses aside (`set_aside`), and the lines that are no event
+        (`set_aside_unreadable`), durably, before the caller acknowledges them."""
+        events = [item for item in items if isinstance(item, UsageEvent)]
+        unreadable = [item for item in items if isinstance(item, Unreadable)]
         if self.dead_letters is None:
-            await self.write(events)
-            return
-        _, refused = await self.write_what_is_taken(events)
-        if refused:
-            self.set_aside(refused)
+            if events:
+                await self.write(events)
+        else:
+            _, refused = await self.write_what_is_taken(events) if events else (0, [])
+            if refused:
+                self.set_aside(refused)
+        if unreadable:
+            self.set_aside_unreadable(unreadable)
 
     async def write_what_is_taken(self, events: list[UsageEvent]) -> tuple[int, list[Refused]]:
         """`write` the batch; refused for its data (`refusal`), write each half on its own, and so on
@@ -455,6 +460,18 @@ class BatchWriter:
                 self.dead_letters.path,
                 r.reason if named == r.reason else f"{r.reason} {named}",
             )
+
+    def set_aside_unreadable(self, lines: list[Unreadable]) -> None:
+        """Append lines that are no event to the dead-letter file as text (synced), then log each
+        (its start and why). Raises if the file cannot take them: the batch is then retried. With no
+        dead-letter file (no spool) they are only logged."""
+        if self.dead_letters is not None:
+            self.dead_letters.add_unreadable(lines)
+            self.stats.set_aside += len(lines)
+            self.stats.unreadable += len(lines)
+        where = f"set aside in {self.dead_letters.path}" if self.dead_letters is not None else "dropped"
+        for u in lines:
+            log.error("unreadable usage event %r %s (%s)", u.line[:200], where, u.error)
 
     async def write(self, events: list[UsageEvent]) -> int:
         """Insert a batch in one transaction; returns how many were new."""

@@ -21,7 +21,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.accounting.deadletter import read_dead_letters
+from gateway.accounting.deadletter import read_dead_letters, replay
 from gateway.accounting.events import UsageEvent, decode, encode
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
 from gateway.accounting.writer import BatchWriter, _rollup_rows, event_row
@@ -428,8 +428,9 @@ async def test_stream_lines_go_to_postgres_as_sent_and_unreadable_ones_are_skipp
     redis_prefix: str, pg_url: str
 ) -> None:
     """From the Redis stream the writer hands PostgreSQL the encoded lines undecoded. A line from an
-    older encoding (fields with defaults left out) lands with those defaults; a torn line is skipped
-    (logged), not retried forever with its batch."""
+    older encoding (fields with defaults left out) lands with those defaults; a torn line is not
+    retried forever with its batch (with no dead-letter file, as here, it is logged; with one it is
+    set aside: `test_lines_that_are_no_event_are_set_aside_not_dropped`)."""
     await migrate.upgrade_async(pg_url)
     engine = create_engine(pg_url)
     queue = RedisStreamQueue(aioredis.from_url(REDIS_URL), prefix=redis_prefix)
@@ -462,6 +463,48 @@ async def test_stream_lines_go_to_postgres_as_sent_and_unreadable_ones_are_skipp
     assert len(await queue.read(100, 0)) == 0  # all acknowledged, the torn line too
     await queue.close()
     await engine.dispose()
+
+
+async def test_lines_that_are_no_event_are_set_aside_not_dropped(
+    queue: UsageQueue, engine: AsyncEngine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A line torn by a crash (forwarded from a spool to the stream as it was) and an event in a shape
+    this version cannot read were logged and acknowledged with their batch: gone (from the Redis
+    stream without PostgreSQL, they failed every read instead). Now the writer writes the events
+    around them and sets each aside as its raw text in the dead-letter file before acknowledging
+    it; `replay` reports them as unreadable, and writes one a later version can read."""
+    batch = random_events(20, seed=33)
+    odd_shape = msgspec.json.decode(encode(random_events(1, seed=34)[0]))
+    odd_shape["attempt"] = "first"
+    torn, odd = b'{"request_id": "half-wr', msgspec.json.encode(odd_shape)
+    lines = [encode(e) for e in batch[:10]] + [torn, odd] + [encode(e) for e in batch[10:]]
+    if isinstance(queue, RedisStreamQueue):
+        queue._buffer = lines
+        await queue.flush()
+    else:
+        assert isinstance(queue, SpoolQueue)
+        for line in lines:
+            queue.put_line(line)
+    dead_letter = tmp_path / "dead-letter.jsonl"
+    writer = BatchWriter(queue, engine, dead_letter=dead_letter)
+    with caplog.at_level(logging.ERROR, logger="gateway.accounting.writer"):
+        await writer.drain()
+    count, cost, rollup_cost = await ledger(engine)
+    assert count == 20 and cost == rollup_cost == sum(e.cost_pico_usd for e in batch)
+    assert len(await queue.read(100, 0)) == 0  # all acknowledged, the two lines too
+    records = [record for _, record in read_dead_letters(dead_letter)]
+    assert all(r is not None and r.reason == "unreadable" for r in records)
+    assert sorted(r.raw for r in records if r is not None) == sorted([torn.decode(), odd.decode()])
+    assert writer.stats.set_aside == writer.stats.unreadable == 2
+    assert caplog.text.count(f"set aside in {dead_letter}") == 2
+    # One a later version reads (as this one reads an event) is written by the replay.
+    later = random_events(1, seed=35)[0]
+    with dead_letter.open("ab") as f:
+        record = {"set_aside_at": "2026-12-05T00:00:00Z", "reason": "unreadable", "error": "x"}
+        f.write(msgspec.json.encode({**record, "raw": encode(later).decode()}) + b"\n")
+    replayed = await replay(dead_letter, engine)
+    assert replayed.unreadable == [1, 2] and replayed.events == replayed.written == 1
+    assert (await ledger(engine))[0] == 21
 
 
 async def test_a_db_outage_is_logged_once_and_its_end_once(
