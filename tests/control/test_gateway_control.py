@@ -68,6 +68,27 @@ def test_keys_limits_and_ledger(weir: Weir) -> None:
         weir.client("wk-not-a-key").models.list()
 
 
+def test_feedback_counts_against_no_request_limit(weir: Weir) -> None:
+    """RPM counts requests that reach a backend: a score for a reply (`POST /v1/feedback`) reaches none
+    and costs nothing, so it neither uses the tenant's RPM nor is refused by it (docs/routing-policies.md,
+    "Feedback"). A tenant that scores every reply keeps its whole request rate."""
+    _, _, key = weir.tenant_with_key("scored", rpm=1)
+    client = weir.client(key)
+    headers = {"authorization": f"Bearer {key}"}
+
+    def score(request_id: str) -> int:
+        body = {"request_id": request_id, "score": 1.0}
+        return httpx.post(f"{weir.url}/v1/feedback", json=body, headers=headers).status_code
+
+    assert [score(f"before-{i}") for i in range(3)] == [200, 200, 200]
+    reply = client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hello"}], max_tokens=5
+    )
+    with pytest.raises(openai.RateLimitError):  # the one request a minute is used
+        client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hello"}])
+    assert score(reply.headers["x-request-id"]) == 200
+
+
 def test_budget_reserves_and_refuses(weir: Weir, fake_openai: FakeOpenAI) -> None:
     # Each call: 1000 input + 100 output tokens = 150 + 60 = 210 micro-USD. Budget: 1000 micro-USD.
     tenant_id, _, key = weir.tenant_with_key("frugal", budget_usd_monthly="0.001")
