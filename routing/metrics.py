@@ -12,15 +12,33 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gateway.metrics import drop_series
+from gateway.metrics import drop_series, status_class
 from routing.breaker import OPENNESS
+
+# The statuses `weir_route_attempts_total` labels as they are: those clients, retries and failover
+# tell apart (a bad request, auth, not found, a timeout, too large, rate limited, cancelled, the
+# gateway errors, Anthropic's overloaded). Any other status is its class (`gateway.metrics.
+# status_class`): vendors answer whatever codes they like, and each was a series of its own per route
+# and candidate (up to ~100). The x-weir-route header and the log keep the exact status.
+ROUTE_OUTCOME_STATUSES = frozenset(
+    {400, 401, 403, 404, 408, 409, 413, 422, 429, 499, 500, 502, 503, 504, 529}
+)
+
+
+def attempt_outcome(outcome: str) -> str:
+    """An attempt's outcome as `weir_route_attempts_total` labels it: a word (`ok`, `cut`, `open`...)
+    as it is, a well-known status as it is, any other status its class (`4xx`, `5xx`)."""
+    if not outcome.isdigit() or int(outcome) in ROUTE_OUTCOME_STATUSES:
+        return outcome
+    return status_class(int(outcome))
 
 
 class RoutingMetrics:
     def __init__(self, registry: CollectorRegistry, router: Any) -> None:
         self.attempts = Counter(
             "weir_route_attempts",
-            "Upstream attempts by route, candidate and outcome (ok, a status, cut, cancelled, open)",
+            "Upstream attempts by route, candidate and outcome (ok, cut, cancelled, open, slow, a "
+            "well-known status, or another status's class: 4xx, 5xx)",
             ("route", "candidate", "outcome"),
             registry=registry,
         )
@@ -41,7 +59,7 @@ class RoutingMetrics:
         """Count an attempt, unless its route is no longer in force (deleted while it ran): its
         series went with the route and must not come back (`Router.in_force`)."""
         if self.in_force(route):
-            self.attempts.labels(route, candidate, outcome).inc()
+            self.attempts.labels(route, candidate, attempt_outcome(outcome)).inc()
 
     def hedge(self, route: str, result: str) -> None:
         if self.in_force(route):

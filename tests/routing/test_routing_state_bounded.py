@@ -256,6 +256,50 @@ def exported(metrics: Iterator[Any], family: str, label: str) -> dict[str, float
     return found
 
 
+def test_route_attempt_outcomes_are_bounded_whatever_statuses_backends_answer() -> None:
+    """`weir_route_attempts_total`'s `outcome` was the raw status: every code a backend answered (a
+    proxy's 418, Cloudflare's 520-527...) a series of its own per route and candidate. Well-known
+    statuses and the outcome words stay as they are; any other status is its class."""
+    registry = CollectorRegistry()
+    r = Router(ModelTable(parse_config(CONFIG, {})), (), registry=registry)
+    assert r.metrics is not None
+    r.set_routes([fixed("r")])
+    words = ["ok", "cut", "cancelled", "open", "slow"]
+    known = [
+        "400",
+        "401",
+        "403",
+        "404",
+        "408",
+        "409",
+        "413",
+        "422",
+        "429",
+        "499",
+        "500",
+        "502",
+        "503",
+        "504",
+        "529",
+    ]
+    others_4xx = [str(s) for s in range(402, 499) if str(s) not in known]  # 402, 405, 418, 451...
+    others_5xx = [str(s) for s in (501, *range(505, 529), *range(530, 600))]  # 520-527: Cloudflare's
+    for outcome in words + known + others_4xx + others_5xx:
+        r.metrics.attempt("r", "small", outcome)
+    exported = {
+        sample.labels["outcome"]: sample.value
+        for family in registry.collect()
+        if family.name == "weir_route_attempts"
+        for sample in family.samples
+        if sample.name == "weir_route_attempts_total"
+    }
+    assert exported == {
+        **dict.fromkeys(words + known, 1.0),
+        "4xx": float(len(others_4xx)),
+        "5xx": float(len(others_5xx)),
+    }
+
+
 def test_route_series_of_deleted_and_renamed_routes_leave_metrics() -> None:
     """`weir_route_attempts` and `weir_route_hedges` kept a series for every route name ever in
     force. A name still in force keeps its series, however its routes change (two of one name told
