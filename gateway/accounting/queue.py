@@ -137,13 +137,23 @@ class SpoolQueue:
         self._size = os.fstat(self._fd).st_size
         # Lines not yet in the file. A write the disk cannot take (ENOSPC) stays here, whole or in
         # part, and is retried: the file only ever grows by the exact bytes of the lines in order,
-        # so a full disk delays events but never tears or drops one.
-        self._pending = bytearray()
+        # so a full disk delays events but never tears or drops one. A segment a crash left with a
+        # torn last line gets its line break first: appended to, the torn start and the next event
+        # would read as one line that is no event, and that whole event would be set aside with it.
+        self._pending = bytearray(b"\n" if self._ends_torn() else b"")
         self._write = os.write  # the write seam (tests play a full disk here)
         self._disk_full = False
         self._flush_scheduled = False
         self._data = asyncio.Event()
         self.drained = True
+
+    def _ends_torn(self) -> bool:
+        """Whether the segment written to ends inside a line (a crash mid-write)."""
+        if self._size == 0:
+            return False
+        with open(self._path(self._write_segment), "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
 
     @classmethod
     def claim(cls, directory: str | os.PathLike[str], slots: int = 64) -> SpoolQueue:

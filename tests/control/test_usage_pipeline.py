@@ -22,7 +22,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.accounting.deadletter import read_dead_letters, replay
-from gateway.accounting.events import UsageEvent, decode, encode
+from gateway.accounting.events import Unreadable, UsageEvent, decode, encode
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
 from gateway.accounting.writer import BatchWriter, _rollup_rows, event_row
 from gateway.db import migrate
@@ -272,6 +272,27 @@ async def test_spool_is_one_process_and_skips_torn_lines(tmp_path: Path) -> None
     with open(segment, "ab") as f:
         f.write(b'{"request_id": "half-writ')  # a line still being written
     assert len(await queue.read(10, 0)) == 3
+    await queue.close()
+
+
+async def test_a_spool_reopened_after_a_torn_line_keeps_the_next_event_whole(tmp_path: Path) -> None:
+    """A crash mid-write leaves a segment ending inside a line. The next process appending to it must
+    start on a line of its own: glued to the torn start, its first event read as one line that is no
+    event, and went to the dead-letter file with it instead of the ledger."""
+    first, second = random_events(2, seed=8)
+    queue = SpoolQueue(tmp_path / "spool")
+    await put_all(queue, [first])
+    await asyncio.sleep(0)
+    await queue.close()
+    segment = next((tmp_path / "spool").glob("*.jsonl"))
+    with open(segment, "ab") as f:
+        f.write(b'{"request_id": "half-writ')  # the crash
+    queue = SpoolQueue(tmp_path / "spool")  # the restarted process
+    await put_all(queue, [second])
+    await asyncio.sleep(0)
+    read = [item for _, item in await queue.read(10, 0)]
+    assert read[0] == first and read[2] == second and len(read) == 3
+    assert isinstance(read[1], Unreadable) and read[1].line == b'{"request_id": "half-writ'
     await queue.close()
 
 
