@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import math
 import random
 import time
@@ -67,6 +68,9 @@ class PolicyContext:
     # The router's context windows (what backends' model lists and 400s say, `routing.windows`), which
     # the executor fits each attempt's output in: a candidate is fitted to a request in the same one.
     windows: ContextWindows = field(default_factory=ContextWindows)
+    # Numbers the requests `lowest_latency` plans to send an unmeasured candidate first
+    # (`ModelStats.picked`), so a burst planned before any is sent takes each in turn.
+    picks: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def score_difficulty(self, prompt: str) -> float:
         if self.scorer is None:
@@ -321,13 +325,23 @@ def lowest_latency(
         output_tokens = expected_output(choice, route, feats, ctx, reasoning=stats.streams_reasoning)
         decode = output_tokens / stats.tokens_per_s if stats.tokens_per_s else 0.0
         choice.score, choice.reason = stats.ttft_s + decode, "expected_seconds"
-    ranked = sorted(choices, key=lambda c: (_LATENCY_RANK[c.reason], c.score or 0.0))
+
+    def rank(choice: Choice) -> tuple[int, float, int]:
+        # Unmeasured ones by the request that last picked each (never: 0), so a burst planned before
+        # any of it is sent (and marks its candidate `measuring`) takes each in turn: planned in the
+        # listed order, every request of it went to the first.
+        picked = _stats(choice, ctx).picked if choice.reason == "unmeasured" else 0
+        return _LATENCY_RANK[choice.reason], choice.score or 0.0, picked
+
+    ranked = sorted(choices, key=rank)
     stale = _stale(route, ranked, ctx, now)
     if stale is not None:
         stale.reason = "remeasure"
         ranked.remove(stale)
         ranked.insert(0, stale)
     first = ranked[0]
+    if lessons is not None and first.reason == "unmeasured":
+        _stats(first, ctx).picked = next(ctx.picks)
     # Not one behind an open breaker: the executor skips it, and no request measures it.
     if lessons is not None and first.reason in ("unmeasured", "remeasure") and not _open(first, route, ctx):
         lessons.append(lambda: _measuring(first, ctx))

@@ -147,6 +147,10 @@ class ModelStats:
     learned_at: float | None = None
     measuring_at: float | None = None
     failed_at: float | None = None  # monotonic time of the backend's last failed attempt, until one succeeds
+    # The number (`PolicyContext.picks`) of the last request `lowest_latency` planned to send it first
+    # while unmeasured (0: none), marked when planned: `measuring_at` is marked once a request is sent,
+    # so a burst planned before that all went to the first listed unmeasured candidate.
+    picked: int = 0
 
     @property
     def cache_hit_rate(self) -> float | None:

@@ -700,6 +700,25 @@ async def test_lowest_latency_sends_one_request_to_measure_each_unmeasured_candi
     assert (plan.choices[0].candidate.model, plan.choices[0].reason) == ("small", "unmeasured")
 
 
+async def test_lowest_latency_spreads_a_burst_planned_before_any_is_sent() -> None:
+    """A cold route's opening burst: every request is planned (admission still awaiting a Redis round
+    trip or a budget seed) before the first is sent and marks its candidate `measuring`. Each went to
+    the first listed candidate, so only it was measured; planned in turn, each candidate gets one."""
+    planner = router(route("f", "lowest_latency", "small", "mid", "big"))
+    preview = await planner.plan("f", ACME, feats(), record=False)  # sends nothing, moves nothing
+    assert preview.choices[0].candidate.model == "small"
+    burst = [await planner.plan("f", ACME, feats()) for _ in range(4)]
+    assert [(p.choices[0].candidate.model, p.choices[0].reason) for p in burst] == [
+        ("small", "unmeasured"),
+        ("mid", "unmeasured"),
+        ("big", "unmeasured"),
+        ("small", "unmeasured"),
+    ]
+    for plan in burst:
+        plan.commit()  # now sent, none answered yet
+    assert {c.reason for c in (await planner.plan("f", ACME, feats())).choices} == {"measuring"}
+
+
 # --- difficulty ---------------------------------------------------------------------------------------
 
 
