@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -305,6 +306,11 @@ def lowest_latency(
     route: Route, choices: list[Choice], feats: Features, ctx: PolicyContext, lessons: list[Lesson] | None
 ) -> list[Choice]:
     now = time.monotonic()
+    # A candidate with a time to first token but no decode speed yet (its streams all shorter than
+    # MIN_DECODE_TOKENS) is expected to decode at the route's median measured speed: scored on its
+    # time to first token alone, it beat every candidate whose score counts the whole answer.
+    speeds = [s.tokens_per_s for s in (_stats(c, ctx) for c in choices) if s.ttft_s and s.tokens_per_s]
+    prior = statistics.median(speeds) if speeds else None
     for choice in choices:
         stats = _stats(choice, ctx)
         if stats.ttft_s is None and stats.latency_s is not None:
@@ -323,7 +329,8 @@ def lowest_latency(
         # token is reasoning, and all of it is still to come (left out, DeepSeek's reasoner, whose
         # first token comes at once, looked faster than a model that answers without reasoning).
         output_tokens = expected_output(choice, route, feats, ctx, reasoning=stats.streams_reasoning)
-        decode = output_tokens / stats.tokens_per_s if stats.tokens_per_s else 0.0
+        speed = stats.tokens_per_s or prior
+        decode = output_tokens / speed if speed else 0.0
         choice.score, choice.reason = stats.ttft_s + decode, "expected_seconds"
 
     def rank(choice: Choice) -> tuple[int, float, int]:

@@ -719,6 +719,25 @@ async def test_lowest_latency_spreads_a_burst_planned_before_any_is_sent() -> No
     assert {c.reason for c in (await planner.plan("f", ACME, feats())).choices} == {"measuring"}
 
 
+async def test_lowest_latency_expects_a_candidate_without_a_decode_speed_to_decode_at_the_median() -> None:
+    """`small` has answered only streams of 8 tokens, too short to time its decode: scored on its time
+    to first token alone (0.1 s), it beat candidates whose score counts the whole 400-token answer.
+    It is expected to decode at the median of the others' measured speeds."""
+    planner = router(route("f", "lowest_latency", "small", "mid", "big", expected_output_tokens=400))
+    for _ in range(3):
+        planner.stats.record(event("small", ttft_s=0.1, usage=Usage(input_tokens=100, output_tokens=8)))
+        planner.stats.record(event("mid", ttft_s=0.3, decode_s=0.4))  # 39 tokens in 0.4 s
+        planner.stats.record(event("big", ttft_s=0.3, decode_s=0.2))  # in 0.2 s
+    assert planner.stats.get("openai", "small").tokens_per_s is None
+    plan = await planner.plan("f", ACME, feats())
+    median = (39 / 0.4 + 39 / 0.2) / 2
+    assert [(c.candidate.model, c.score) for c in plan.choices] == [
+        ("big", pytest.approx(0.3 + 400 / (39 / 0.2))),
+        ("small", pytest.approx(0.1 + 400 / median)),
+        ("mid", pytest.approx(0.3 + 400 / (39 / 0.4))),
+    ]
+
+
 # --- difficulty ---------------------------------------------------------------------------------------
 
 
