@@ -608,7 +608,7 @@ async def prefix_affinity(
     ends = sorted({*points, len(prompt), *([history] if history else [])} - {0})
     keys = prefix_keys(route.name, prompt, ends)
     by, share = "prefix", 0.0
-    found = await ctx.prefixes.longest(keys)
+    found = await ctx.prefixes.longest(keys, {choice.candidate.model for choice in choices})
     if found is not None:
         end, went = ends[found[0]], found[1]
         conversation = history is not None and end >= history

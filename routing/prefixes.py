@@ -21,7 +21,7 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from gateway.state import SharedState
 
@@ -69,14 +69,18 @@ class PrefixIndex:
         shared = self.shared
         return None if shared is None or getattr(shared, "degraded", False) else shared
 
-    async def longest(self, keys: Sequence[bytes]) -> tuple[int, str] | None:
+    async def longest(
+        self, keys: Sequence[bytes], replicas: Container[str] | None = None
+    ) -> tuple[int, str] | None:
         """The index in `keys` (prefixes, shortest first) of the longest one routed recently, and the
-        replica it went to; the request that uses it `touch`es it once sent. The shared state is asked
-        only for prefixes longer than this process's."""
+        replica it went to; the request that uses it `touch`es it once sent. `replicas`: only a prefix
+        sent to one of these counts (a route's replicas now: one removed since serves nothing, while
+        a shorter prefix on one still there is that much of the prompt in its cache). The shared
+        state is asked only for prefixes longer than this process's."""
         found: tuple[int, str] | None = None
         for i in range(len(keys) - 1, -1, -1):
             entry = self.recent.get(keys[i])
-            if entry is not None:
+            if entry is not None and (replicas is None or entry[0] in replicas):
                 found = (i, entry[0])
                 break
         start = found[0] + 1 if found else 0
@@ -85,7 +89,7 @@ class PrefixIndex:
             values = await shared.kv_get_many([PREFIX + key.hex() for key in keys[start:]])
             for i in range(len(values) - 1, -1, -1):
                 value = values[i]
-                if value is not None:
+                if value is not None and (replicas is None or value.decode() in replicas):
                     return start + i, value.decode()
         return found
 

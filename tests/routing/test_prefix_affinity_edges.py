@@ -25,6 +25,7 @@ from routing.breaker import Breakers
 from routing.execute import Executor, Operation
 from routing.plan import Choice, Features, Plan, features
 from routing.policies import PolicyContext
+from routing.prefixes import cuts, prefix_keys
 from routing.router import Router
 from routing.routes import Candidate, Hedge, Route
 from routing.stats import RoutingStats
@@ -198,6 +199,26 @@ async def test_adding_a_replica_moves_only_its_share_and_a_removed_one_is_never_
         route = header(plan)
         assert route["candidate"] == before[p], (p, after[p], route)
         assert route["affinity_by"] == ("prefix" if after[p] == "r3" else "shared")
+
+
+async def test_a_prefix_remembered_on_a_removed_replica_gives_way_to_a_shorter_one_on_a_live_one() -> None:
+    """A document's first part was sent to a replica still in the route, its whole to one removed
+    since: the live replica's cache still holds most of the prompt. The longest prefix remembered
+    named the removed replica, so the request was hashed as if none had been seen."""
+    r = router(affinity("r1", "r2"))  # r3 has left the route
+    prompt = words(500) + " What does it say?"
+    ends = sorted({*cuts(len(prompt)), len(prompt)})
+    keys = prefix_keys("chat", prompt, ends)
+    hashed = (await r.plan("chat", ANYONE, chat(prompt), record=False)).choices[0].candidate.model
+    live = "r2" if hashed == "r1" else "r1"
+    r.context.prefixes.remember(keys[:-3], live)
+    r.context.prefixes.remember(keys[-3:], "r3")
+    plan = await sent(r.plan("chat", ANYONE, chat(prompt)))
+    route = header(plan)
+    assert (route["candidate"], route["affinity_by"]) == (live, "shared"), route
+    assert float(route["affinity_shared"]) == pytest.approx(ends[-4] / len(prompt), abs=0.01)
+    # What it sent beyond the live replica's prefix is now remembered there.
+    assert await r.context.prefixes.longest(keys) == (len(keys) - 1, live)
 
 
 # --- what a prompt has to follow ----------------------------------------------------------------------
