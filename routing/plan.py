@@ -251,10 +251,16 @@ class Plan:
             if limit is not None and chosen.output_within(limit) < limit:
                 parts.append(f"output_capped={chosen.max_output_tokens}")
         parts.append(f"attempts={self.attempts}")
+        # An attempt on `trying` is under way (the header its answer goes out with, and its usage
+        # event's text), not yet noted in `tried`.
+        pending = trying is not None and self.chosen is None
         if self.outcome is not None:
-            parts.append(self.outcome.describe(chosen, pending=trying is not None and self.chosen is None))
+            parts.append(self.outcome.describe(chosen, pending=pending))
         if self.note:
             parts.append(self.note)
-        if len(self.tried) > 1:
+        # Shown once there is more than one attempt or skip, the one under way counted: a request that
+        # skipped `a` (`a:open`) for `b` said so in the header sent after `b` answered, but not in the
+        # text of `b`'s usage event, made while `b` was still pending (nor in a stream's header).
+        if len(self.tried) + pending > 1:
             parts.append("tried=" + ",".join(self.tried))
         return "; ".join(parts)

@@ -267,6 +267,30 @@ def test_a_half_open_trial_whose_client_left_after_its_first_token_leaves_the_br
     assert breakers.state(key) == "closed"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_ledger_row_says_which_candidates_were_skipped_as_the_header_does(
+    tight_routes: RunningGateway, stream: bool
+) -> None:
+    """The first candidate's breaker is open and the second answers: `x-weir-route` said
+    `tried=gpt-4o-mini:open,...`, while the answering attempt's ledger row, written as its attempt
+    was under way, dropped the lone skip (tried entries were shown from two on)."""
+    gateway = tight_routes
+    runtime(gateway).router.breakers.get("openai/gpt-4o-mini").trip()
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="resilient", messages=HI, stream=stream
+    )
+    if stream:
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == ECHO
+    header = raw.headers["x-weir-route"]
+    settled(gateway, 1)
+    [event] = gateway.sink.events
+    assert event.backend == "anthropic" and event.routing is not None
+    assert "candidate=claude-sonnet" in event.routing and "tried=gpt-4o-mini:open" in event.routing
+    # The row is the decision as its attempt stood (its own outcome is the row's status); the header
+    # goes out once that attempt answered (a stream: its first token), which it notes too.
+    assert header == event.routing + ",claude-sonnet:ok"
+
+
 def test_a_streamed_half_open_trial_gives_its_verdict_at_its_first_token(
     tight_routes: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> None:
