@@ -218,12 +218,24 @@ async def _completion_sse(
     yield _DONE
 
 
+def _validate_completion(request: CompletionRequest) -> None:
+    """As a chat's limits (`_validate_chat`), and `best_of`: the candidates generated to return the
+    best `n` of, so never fewer than `n` (OpenAI's rule)."""
+    _check_text_or_tokens(request.prompt, "prompt")
+    _check_stream_options(request)
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise InvalidRequest("'max_tokens' must be at least 1.", param="max_tokens")
+    if request.n is not None and request.n < 1:
+        raise InvalidRequest("'n' must be at least 1.", param="n")
+    if request.best_of is not None and request.best_of < max(request.n or 1, 1):
+        raise InvalidRequest("'best_of' must be at least 1 and at least 'n'.", param="best_of")
+
+
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "completions")
     body = await parse_body(request, CompletionRequest)
-    _check_text_or_tokens(body.prompt, "prompt")
-    _check_stream_options(body)
+    _validate_completion(body)
     # The tenant's output cap, as a chat's (`run_chat`): more is a 400, none asked is sent the cap.
     if (cap := gateway.limits.output_cap(call.principal, body.max_tokens, "max_tokens")) is not None:
         body = msgspec.structs.replace(body, max_tokens=cap)

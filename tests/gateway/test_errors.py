@@ -74,6 +74,29 @@ def test_bad_parameter_is_400_naming_it(
     assert gateway.sink.events == []
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"best_of": 0}, "best_of"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+    ],
+)
+def test_a_bad_completions_limit_is_400_naming_it_as_chat_does(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, extra: dict, param: str
+) -> None:
+    """`max_tokens` under 1 (and `n`, `best_of` under 1, or `best_of` under `n`) went upstream, and
+    came back as whatever each backend made of it (a chat backend's own 400, a completions one's
+    empty answer), by route."""
+    response = post(gateway, "/v1/completions", {"model": "gpt-instruct", "prompt": "once", **extra})
+    assert response.status_code == 400
+    error = openai_error(response)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert fake_openai.requests == [] and gateway.sink.events == []
+
+
 def test_sdk_sees_bad_request(gateway: RunningGateway) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         gateway.openai().chat.completions.create(model="gpt-4o-mini", messages=HI, n=0)
