@@ -412,14 +412,28 @@ class _OutputLimit(msgspec.Struct):
     max_output_tokens: int | None = None
     n: int | None = None
     generationConfig: _GenerationConfig | None = None
+    # A legacy completion's: the candidates generated per prompt (`best_of`, billed each) and its
+    # prompts (a list of texts or of token-id lists: `n` answers, or `best_of` candidates, for each).
+    best_of: int | None = None
+    prompt: Any = None  # Any: a Responses body's `prompt` is an object
 
 
 _output_limit = msgspec.json.Decoder(_OutputLimit)
 
 
+def completion_choices(n: int | None, best_of: int | None, prompt: Any) -> int:
+    """The choices a legacy completion generates, each billed: `best_of` (at least `n`) for each of
+    its prompts (a text or a list of token ids is one; a list of texts or of id lists, one each)."""
+    prompts = 1
+    if isinstance(prompt, list) and prompt and not all(type(v) is int for v in prompt):
+        prompts = len(prompt)
+    return max(n or 1, best_of or 1, 1) * prompts
+
+
 def _cap_and_choices(body: bytes) -> tuple[int | None, int]:
     """An upstream request's output cap per choice (None: it sets none, or its body is unreadable) and
-    the choices it asks for (`n`, Gemini's `candidateCount`): every choice is billed."""
+    the choices it asks for (`n`, Gemini's `candidateCount`; a legacy completion's `best_of` for each
+    of its prompts, `completion_choices`): every choice is billed."""
     try:
         found = _output_limit.decode(body)
     except msgspec.MsgspecError:
@@ -427,8 +441,9 @@ def _cap_and_choices(body: bytes) -> tuple[int | None, int]:
     config = found.generationConfig
     nested = config.maxOutputTokens if config else None
     cap = found.max_completion_tokens or found.max_tokens or found.max_output_tokens or nested
-    choices = found.n or (config.candidateCount if config else None) or 1
-    return cap, max(choices, 1)
+    if config is not None and config.candidateCount:
+        return cap, max(config.candidateCount, 1)
+    return cap, completion_choices(found.n, found.best_of, found.prompt)
 
 
 def output_estimate(body: bytes) -> int:

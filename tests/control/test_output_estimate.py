@@ -42,6 +42,13 @@ from gateway.types import ChatRequest
         ({"model": "m", "max_tokens": 64, "messages": []}, 64),  # Anthropic
         ({"model": "m"}, DEFAULT_OUTPUT_ESTIMATE),
         ({"model": "m", "max_tokens": 10, "n": 0}, 10),
+        # A legacy completion: `best_of` candidates generated (and billed) to return the best `n`,
+        # and `n` (or `best_of`) for each prompt of a list.
+        ({"model": "m", "prompt": "p", "max_tokens": 10, "n": 2, "best_of": 5}, 50),
+        ({"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 10, "n": 2}, 60),
+        ({"model": "m", "prompt": [[1, 2], [3]], "max_tokens": 10, "best_of": 3}, 60),
+        ({"model": "m", "prompt": [1, 2, 3], "max_tokens": 10, "n": 2}, 20),  # one prompt of token ids
+        ({"model": "m", "prompt": {"id": "pmpt_1"}, "max_output_tokens": 10}, 10),  # a Responses prompt
     ],
 )
 def test_the_output_reserved_covers_every_choice(body: dict, tokens: int) -> None:
