@@ -11,6 +11,7 @@ others within their poll interval.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -161,6 +162,20 @@ async def _claimed(request: Request, session: AsyncSession, route_id: int) -> Ro
     raise AssertionError(f"route {route_id} changed under its write lock")
 
 
+async def _lock_name(session: AsyncSession, name: str) -> None:
+    """Hold the route name `name` until the transaction ends: the check that a delete or a rename
+    leaves the name a route (`_still_named`) and the write are then one step for each name. Two
+    transactions that each removed one of a name's last two routes each counted the other's route
+    as still there (neither had committed) and both went through. On PostgreSQL a transaction
+    advisory lock on the name: the second waits for the first to end, and its count (a new
+    snapshot, at READ COMMITTED) sees what the first wrote. On SQLite the writes are serial already:
+    the row's claim (`_claimed`) takes the database's write lock before the count."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    digest = hashlib.blake2b(b"weir-route-name\0" + name.encode(), digest_size=8).digest()
+    await session.execute(select(func.pg_advisory_xact_lock(int.from_bytes(digest, "big", signed=True))))
+
+
 async def _still_named(
     request: Request, session: AsyncSession, row: RouteRow, name: str | None = None
 ) -> None:
@@ -171,6 +186,7 @@ async def _still_named(
     a 404, and the admin who removed it was told nothing."""
     if name == row.name or row.name in _router(request).models.targets:
         return
+    await _lock_name(session, row.name)
     others = await session.scalar(
         select(func.count(RouteRow.id)).where(RouteRow.name == row.name, RouteRow.id != row.id)
     )

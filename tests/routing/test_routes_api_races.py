@@ -5,6 +5,7 @@ database; plain HTTP as an admin client (the admin UI's own calls)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import threading
 import time
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from tests.fixtures.db import fresh_pg_database
+from tests.fixtures.waiting import wait_for
 from tests.routing.routes_admin import GOOD, ROUTES, Weir, serving
 
 # Another writer holding off every write of route `id` (not its reads) until the block ends.
@@ -186,3 +188,96 @@ def test_each_edit_audits_the_route_it_overwrote(admin_db: tuple[Weir, Hold]) ->
         ("update", first.json(), second.json()),
     ]
     assert weir.admin.get(f"/routes/{read['id']}").json() == second.json()
+
+
+@contextmanager
+def _pg_audit_locked(url: str) -> Iterator[Callable[[], int]]:
+    """`audit_log` locked against writes in another PostgreSQL transaction (a DELETE of a route writes
+    it after its checks, as it commits), and how many of the database's sessions wait on a lock."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(work: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(work, loop).result(timeout=30)
+
+    conn = run(asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://")))
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+    )
+    try:
+        run(conn.execute("BEGIN"))
+        run(conn.execute("LOCK TABLE audit_log IN EXCLUSIVE MODE"))
+
+        def count() -> int:
+            run(conn.execute("SELECT pg_stat_clear_snapshot()"))  # else read once per transaction
+            return int(run(conn.fetchval(waiting)))
+
+        yield count
+        run(conn.execute("ROLLBACK"))
+    finally:
+        run(conn.close())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("database", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_two_deletes_of_the_last_two_routes_a_key_uses_cannot_both_pass(
+    database: str, vendor_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A key's `models` names `held`, served by two routes; two admins delete one each at once. Each
+    DELETE counted the other route as still there (neither had committed), both passed the 409
+    `route_in_use` check, and the key was left with a name that answers 404. One must be refused.
+
+    Both DELETEs are held where they would race: on PostgreSQL by a lock on `audit_log`, which each
+    writes after its check, as it commits (the check takes the name's lock first, held until the
+    transaction ends, so the second waits there and counts after the first committed); on SQLite by
+    its write lock, before either claims its row."""
+    with contextlib.ExitStack() as stack:
+        if database == "sqlite":
+            db = tmp_path / "weir.db"
+            url = f"sqlite+aiosqlite:///{db}"
+        else:
+            url = stack.enter_context(fresh_pg_database("weir_route_races"))
+        weir = stack.enter_context(serving(vendor_env, url, tmp_path / "spool", ROUTES))
+        first = weir.admin.post("/routes", json={**GOOD, "name": "held"})
+        assert first.status_code == 201, first.text
+        tenant = weir.admin.post("/tenants", json={"name": "holder"}).json()
+        issued = weir.admin.post(f"/tenants/{tenant['id']}/keys", json={"name": "app", "models": ["held"]})
+        assert issued.status_code == 201, issued.text
+        second = weir.admin.post("/routes", json={**GOOD, "name": "held"})
+        assert second.status_code == 201, second.text
+        ids = [first.json()["id"], second.json()["id"]]
+        results: dict[int, httpx.Response] = {}
+
+        def send(route_id: int) -> None:
+            with httpx.Client(
+                base_url=str(weir.admin.base_url), headers=weir.admin.headers, timeout=60
+            ) as admin:
+                results[route_id] = admin.delete(f"/routes/{route_id}")
+
+        threads = [threading.Thread(target=send, args=(route_id,)) for route_id in ids]
+        if database == "sqlite":
+            with _sqlite_write_lock(db):
+                idle = _checked_out(weir)
+                for thread in threads:
+                    thread.start()
+                wait_for(lambda: _checked_out(weir) >= idle + 2, timeout=10)
+        else:
+            with _pg_audit_locked(url) as waiting:
+                for thread in threads:
+                    thread.start()
+                wait_for(lambda: waiting() >= 2, timeout=10)
+        for thread in threads:
+            thread.join(timeout=60)
+        answers = [results[route_id] for route_id in ids]
+        assert sorted(a.status_code for a in answers) == [204, 409], [
+            (a.status_code, a.text[:200]) for a in answers
+        ]
+        refused = next(a for a in answers if a.status_code == 409)
+        assert refused.json()["error"]["code"] == "route_in_use"
+        assert [r["name"] for r in weir.admin.get("/routes").json()["data"]].count("held") == 1
+        hi: Any = [{"role": "user", "content": "hi"}]
+        answer = weir.openai(issued.json()["key"]).chat.completions.create(model="held", messages=hi)
+        assert answer.choices[0].message.content
