@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.estimate import input_tokens
+from gateway.estimate import completion_choices, input_tokens
 from gateway.providers.base import builtin_tools
 from gateway.types import ChatRequest, ImagePart, Message, TextPart, has_cache_control
 
@@ -92,13 +92,16 @@ def prompt_features(
     key_id: str | None,
     max_tokens: int | None = None,
     n: int | None = None,
+    best_of: int | None = None,
 ) -> Features:
     """The features of a completions or embeddings request (`prompt_request`), its length counting
     each token id as the token it is: read as no text, a prompt of 5,000 ids passed a route's
     `max_prompt_tokens: 1000` condition and `cheapest`'s fit in a small window. `max_tokens`: its
-    output limit, as a chat's (`cheapest` fits it, `x-weir-route` says `output_capped`); `n`: its
-    choices, as a chat's."""
+    output limit, as a chat's (`cheapest` fits it, `x-weir-route` says `output_capped`); its choices
+    are those it generates and is billed for (`completion_choices`: `best_of`, at least `n`, for each
+    of its prompts), as admission reserves them."""
     feats = features(prompt_request(model, prompt, max_tokens, n), tenant, key_id)
+    feats = replace(feats, choices=completion_choices(n, best_of, prompt))
     ids = _token_ids(prompt)
     return replace(feats, prompt_tokens=feats.prompt_tokens + ids) if ids else feats
 

@@ -241,7 +241,7 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
         body = msgspec.structs.replace(body, max_tokens=cap)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     result, plan = await run_routed(
-        gateway, call, body.model, body.prompt, completion_op(body), body.max_tokens, body.n
+        gateway, call, body.model, body.prompt, completion_op(body), body.max_tokens, body.n, body.best_of
     )
     # Candidates of one route may differ: the native completions shape, or a chat to translate back.
     native = plan.chosen is not None and plan.chosen.target.provider.native_completions

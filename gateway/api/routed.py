@@ -195,14 +195,15 @@ async def run_routed(
     op: Operation,
     max_tokens: int | None = None,
     n: int | None = None,
+    best_of: int | None = None,
 ) -> tuple[Any, Plan]:
     """Plan the route for `model` (a plain model: one candidate, one attempt) and run `op` through
     the executor; the result and the plan (whose `chosen` candidate says how to render it).
-    `max_tokens` and `n`: a completions request's output limit and choices."""
+    `max_tokens`, `n` and `best_of`: a completions request's output limit and choices."""
     call.info.model = model
     call.info.stream = op.stream
     principal = call.principal
-    feats = prompt_features(model, prompt, principal.tenant_name, principal.key_id, max_tokens, n)
+    feats = prompt_features(model, prompt, principal.tenant_name, principal.key_id, max_tokens, n, best_of)
     plan = await gateway.router.plan(model, call.principal, feats)
     try:
         return await gateway.executor.run(call, plan, op, feats), plan

@@ -396,6 +396,12 @@ async def test_cheapest_prices_every_choice_a_request_asks_for() -> None:
     assert completion.choices == 8
     plan = await planner.plan("c", ACME, completion)
     assert [c.candidate.model for c in plan.choices] == ["terse", "plain"]
+    # A completion's `best_of` candidates are generated and billed too, for each of its prompts.
+    assert prompt_features("c", prompt, "acme", "k1", n=1, best_of=8).choices == 8
+    assert prompt_features("c", [prompt, prompt], "acme", "k1", n=2, best_of=4).choices == 8
+    assert prompt_features("c", [1, 2, 3], "acme", "k1", n=3).choices == 3  # one prompt of token ids
+    plan = await planner.plan("c", ACME, prompt_features("c", prompt, "acme", "k1", best_of=8))
+    assert [c.candidate.model for c in plan.choices] == ["terse", "plain"]
 
 
 async def test_cheapest_counts_the_hidden_reasoning_a_model_writes() -> None:
