@@ -91,14 +91,6 @@ class Generation:
                     if self.score_only:
                         out = replace(out, new_token_ids=[], new_logprobs=None)
                     self.num_output_tokens = 0 if self.score_only else out.num_output_tokens
-                    if n := len(out.new_token_ids):
-                        if last_token_at is None:
-                            metrics.ttft.observe(now - self.started)
-                        else:
-                            for _ in range(n):
-                                metrics.itl.observe((now - last_token_at) / n)
-                        last_token_at = now
-                        metrics.observe_tokens(n, now)
                     fed = self.text.num_tokens
                     text = self.text.add(out.new_token_ids, finished=out.finished)
                     if self.text.stopped:
@@ -111,6 +103,15 @@ class Generation:
                     elif out.finished:
                         self.finish_reason = "length" if self.score_only else out.finish_reason
                         self.stop_reason = None if self.score_only else out.stop_token_id
+                    # after the stop-string cut: the tokens generated are the tokens billed
+                    if n := len(out.new_token_ids):
+                        if last_token_at is None:
+                            metrics.ttft.observe(now - self.started)
+                        else:
+                            for _ in range(n):
+                                metrics.itl.observe((now - last_token_at) / n)
+                        last_token_at = now
+                        metrics.observe_tokens(n, now)
                     yield Delta(text, list(out.new_token_ids), out.new_logprobs, self.finish_reason)
                     if self.finish_reason is not None:
                         return

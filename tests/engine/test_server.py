@@ -311,6 +311,37 @@ async def test_a_stop_string_inside_a_speculative_step_bills_only_the_tokens_up_
     assert await wait_until(lambda: all_blocks_free(engine)), engine.stats()
 
 
+async def test_the_generation_token_metric_stops_at_a_stop_string_inside_a_speculative_step() -> None:
+    """weir_engine_generation_tokens counts what usage bills: a speculative step's tokens past the one
+    that completed a stop string were counted as generated although never shown nor billed."""
+    engine = LLMEngine.from_config(
+        KNOWN_MODELS["tiny"], num_kv_blocks=NUM_BLOCKS, speculative="ngram", num_speculative_tokens=5
+    )
+    _, runner, base_url = await start(engine, model_name=MODEL)
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    a = engine.tokenizer.encode("A")[-1]
+    billed = 0
+    try:
+        for n in (3, 5, 8):  # every answer is "AAAA...": the stop string ends inside a step
+            resp = await client.completions.create(
+                model=MODEL,
+                prompt="AAAAAAAA",
+                max_tokens=30,
+                temperature=0,
+                stop=["A" * n],
+                logit_bias={str(a): 100},
+            )
+            assert resp.usage and resp.usage.completion_tokens == n
+            billed += resp.usage.completion_tokens
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(base_url.removesuffix("/v1") + "/metrics")).text
+    finally:
+        await client.close()
+        await runner.cleanup()  # type: ignore[attr-defined]
+    assert engine.speculator and engine.speculator.metrics.num_emitted_tokens > billed  # cut inside steps
+    assert f"weir_engine_generation_tokens_total {float(billed)}" in metrics.splitlines()
+
+
 async def test_min_tokens_holds_off_eos_and_stop_strings(served: Served) -> None:
     """vLLM's `min_tokens` (ignored before, then refused): EOS cannot end the answer, nor a stop string
     that ends within the text of its first min_tokens tokens."""
