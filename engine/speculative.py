@@ -16,7 +16,8 @@ and the output distribution is exactly the target's:
 
 Proposers:
 - `NgramProposer`: prompt lookup (Saxena 2023): find the latest earlier occurrence of the sequence's
-  last n tokens and propose what followed it. Free, and strong on input-grounded work.
+  last n tokens and propose what followed it (continuing the copy through the match itself, so a loop
+  is drafted k tokens ahead). Free, and strong on input-grounded work.
 - `ModelProposer`: a small draft model sharing the tokenizer (a separate model, or a self-draft built
   by `self_draft_model`: the target int4-quantized, or its first N layers), run from scratch per call
   (tests, outside the engine). Inside the engine a draft model runs batched over the step's requests
@@ -138,7 +139,14 @@ class NgramProposer:
         if best_len < self.min_n:
             return Proposal([])
         end = total - 1 - best_j  # where the matched n-gram ends in `tokens`
-        return Proposal(list(tokens[end + 1 : end + 1 + k]), match_len=best_len)
+        follow = tokens[end + 1 : end + 1 + k]
+        # The copy continues through the match, as an overlapping LZ77 copy does: in a loop ("AAAA",
+        # "abcabc") the latest match is one period (best_j tokens) back, so what follows it runs into
+        # the present after best_j tokens; the proposal goes on with its own tokens, one period back,
+        # instead of stopping there (k tokens per step in a loop, not the period's length).
+        while len(follow) < k:
+            follow.append(follow[len(follow) - best_j])
+        return Proposal(follow, match_len=best_len)
 
 
 class ModelProposer:

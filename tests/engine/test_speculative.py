@@ -17,6 +17,7 @@ from engine.speculative import (
     AdaptiveK,
     ModelProposer,
     NgramProposer,
+    Proposal,
     SpecMetrics,
     SpeculativeConfig,
     Speculator,
@@ -46,10 +47,22 @@ def test_ngram_proposes_nothing_without_a_match_and_caps_at_k() -> None:
     assert proposer.propose([5], 4).token_ids == []
     assert proposer.propose([1, 2, 3, 1, 2, 3, 1], 0).token_ids == []
     assert proposer.propose([1, 2, 3, 4, 5, 6, 1], 2).token_ids == [2, 3]
-    # the match's continuation may run up to the end of the context
-    assert proposer.propose([1, 2, 1], 5).token_ids == [2, 1]
+    # the match's continuation runs up to the end of the context and on through the tokens it copies
+    # (it used to stop at the end, [2, 1]: a loop was drafted only one period ahead)
+    assert proposer.propose([1, 2, 1], 5).token_ids == [2, 1, 2, 1, 2]
     with pytest.raises(ValueError):
         NgramProposer(max_n=1, min_n=2)
+
+
+def test_ngram_drafts_k_tokens_of_a_loop_not_one_period() -> None:
+    """In a loop the latest match is one period back; its continuation reaches the present after one
+    period, and the copy goes on through what it copied (as vLLM's prompt lookup, and LZ77, do)."""
+    proposer = NgramProposer(max_n=4)
+    assert proposer.propose([7] * 6, 5) == Proposal([7] * 5, match_len=4)
+    assert proposer.propose([5, 1, 2, 3, 1, 2, 3, 1], 6).token_ids == [2, 3, 1, 2, 3, 1]
+    assert proposer.propose([9, 1, 2, 3, 1, 2, 3, 1, 2], 4).token_ids == [3, 1, 2, 3]
+    # the latest of equally long matches still wins, though an earlier one has more after it to copy
+    assert proposer.propose([1, 2, 3, 4, 0, 3, 4, 3], 3).token_ids == [4, 3, 4]
 
 
 # --- the verification rule ------------------------------------------------------------------------

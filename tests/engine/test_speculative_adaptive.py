@@ -213,13 +213,17 @@ def test_step_cost_recovers_fixed_and_per_token_costs() -> None:
 
 
 def reference_ngram(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
-    """The straightforward lookup: for n = max_n down to min_n, the latest earlier occurrence."""
+    """The straightforward lookup: for n = max_n down to min_n, the latest earlier occurrence, whose
+    continuation is copied token by token from the context extended by the copy itself."""
     total = len(tokens)
     for n in range(min(max_n, total - 1), min_n - 1, -1):
         suffix = tokens[total - n :]
         for start in range(total - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix and (follow := tokens[start + n : start + n + k]):
-                return follow
+            if tokens[start : start + n] == suffix and k > 0:
+                context = list(tokens)
+                for i in range(start + n, start + n + k):
+                    context.append(context[i])
+                return context[total:]
     return []
 
 

@@ -47,6 +47,19 @@ def test_greedy_output_is_token_identical_with_ngram_speculation(
     assert 0 < m.acceptance_rate_by_position()[0] <= 1
 
 
+def test_ngram_speculation_drafts_a_loop_k_tokens_ahead(make_engine: Callable[..., LLMEngine]) -> None:
+    """An answer looping on one token ("AAAA"): every verification keeps all k drafts plus the target's
+    own token. The lookup used to stop copying at the end of the context, one period after the latest
+    match, so a period-1 loop got one draft per step (2 tokens per step however large k was)."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logit_bias={65: 100.0})
+    prompt = [65] * 12
+    [expected] = make_engine().generate([prompt], params)
+    spec = make_engine(speculative="ngram", num_speculative_tokens=5)
+    assert spec.generate([prompt], params) == [expected] and set(expected) == {65}
+    m = spec.speculator.metrics
+    assert m.acceptance_rate == 1.0 and m.mean_tokens_per_step > 4
+
+
 def test_logit_bias_applies_to_speculative_verification(make_engine: Callable[..., LLMEngine]) -> None:
     prompts = _prompts(6)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logit_bias={7: 4.0, 9: -3.0})
