@@ -66,12 +66,19 @@ class RequestOutput:
 class EngineStats:
     num_running: int
     num_waiting: int
+    # the target model's KV cache: what admission and preemption wait on, so what usage means
     kv_blocks_total: int
     kv_blocks_free: int
     prefix_cache_queries: int  # tokens, cumulative
     prefix_cache_hits: int  # tokens, cumulative
     num_preemptions: int
     speculative: SpecStats | None = None  # None when speculation is off
+    # A draft model's own KV cache (0 without one): as many blocks again, from the same memory budget
+    # but a pool of its own, not in lockstep with the target's: blocks are taken when a request drafts
+    # and kept until it ends or the pool runs short (then the least recently drafted requests' caches
+    # are dropped, and one that still does not fit decodes plainly), so it never holds a request up.
+    draft_kv_blocks_total: int = 0
+    draft_kv_blocks_free: int = 0
 
 
 def _default_device() -> str:
@@ -457,6 +464,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        draft = self.speculator.proposer if self.speculator else None
+        draft_pool = draft if isinstance(draft, DraftModelProposer) else None
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
@@ -466,6 +475,8 @@ class LLMEngine:
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             speculative=self.speculator.stats() if self.speculator else None,
+            draft_kv_blocks_total=draft_pool.num_blocks if draft_pool else 0,
+            draft_kv_blocks_free=draft_pool.num_free_blocks if draft_pool else 0,
         )
 
     # --- convenience ---------------------------------------------------------------------------

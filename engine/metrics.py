@@ -105,15 +105,18 @@ class _EngineStateCollector(Collector):
         used = s.kv_blocks_total - s.kv_blocks_free
         yield GaugeMetricFamily(
             "weir_engine_kv_cache_usage_ratio",
-            "Fraction of KV-cache blocks in use (cached-but-free prefix blocks count as free).",
+            "Fraction of the model's KV-cache blocks in use (cached-but-free prefix blocks count as "
+            "free; a draft model's cache is weir_engine_draft_kv_cache_*).",
             value=used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
         )
         yield GaugeMetricFamily(
-            "weir_engine_kv_cache_blocks_total", "KV-cache blocks.", value=s.kv_blocks_total
+            "weir_engine_kv_cache_blocks_total", "The model's KV-cache blocks.", value=s.kv_blocks_total
         )
         yield GaugeMetricFamily(
-            "weir_engine_kv_cache_blocks_free", "Free KV-cache blocks.", value=s.kv_blocks_free
+            "weir_engine_kv_cache_blocks_free", "Free KV-cache blocks of the model.", value=s.kv_blocks_free
         )
+        if s.draft_kv_blocks_total:
+            yield from _draft_cache_metrics(s)
         yield CounterMetricFamily(
             "weir_engine_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -136,6 +139,27 @@ class _EngineStateCollector(Collector):
         )
         if s.speculative is not None:
             yield from _speculative_metrics(s.speculative)
+
+
+def _draft_cache_metrics(s: EngineStats) -> Iterator[Metric]:
+    """A speculative draft model's own KV cache (only with one): paid from the same memory as the
+    model's, but dropped whenever it runs short, so it never holds a request up."""
+    used = s.draft_kv_blocks_total - s.draft_kv_blocks_free
+    yield GaugeMetricFamily(
+        "weir_engine_draft_kv_cache_usage_ratio",
+        "Fraction of the draft model's KV-cache blocks held for requests (idle ones are dropped on demand).",
+        value=used / s.draft_kv_blocks_total,
+    )
+    yield GaugeMetricFamily(
+        "weir_engine_draft_kv_cache_blocks_total",
+        "The draft model's KV-cache blocks.",
+        value=s.draft_kv_blocks_total,
+    )
+    yield GaugeMetricFamily(
+        "weir_engine_draft_kv_cache_blocks_free",
+        "Free KV-cache blocks of the draft model.",
+        value=s.draft_kv_blocks_free,
+    )
 
 
 def _speculative_metrics(spec: SpecStats) -> Iterator[Metric]:

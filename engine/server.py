@@ -194,6 +194,7 @@ class EngineServer:
         named = {
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
+            # the model's cache, which new requests wait on (a draft model's never holds one up)
             "kv_cache_usage_perc": round(1 - stats.kv_blocks_free / max(stats.kv_blocks_total, 1), 4),
         }
         if fmt == "TEXT":

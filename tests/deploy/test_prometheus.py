@@ -68,7 +68,7 @@ def test_the_source_scan_sees_what_the_metrics_endpoints_really_expose() -> None
     from engine.speculative import SpecStats
     from gateway.metrics import Metrics
 
-    # speculation on, so its series are exposed (and checked) too
+    # speculation on, with a draft model, so its series are exposed (and checked) too
     spec = SpecStats("ngram", [4, 4], [3, 1], 4, 8, 4, 8, 10.0)
     stats = EngineStats(
         num_running=1,
@@ -79,6 +79,8 @@ def test_the_source_scan_sees_what_the_metrics_endpoints_really_expose() -> None
         prefix_cache_hits=5,
         num_preemptions=0,
         speculative=spec,
+        draft_kv_blocks_total=8,
+        draft_kv_blocks_free=6,
     )
     exposed = EngineMetrics(lambda: stats).render().decode() + Metrics().render().decode()
     families = list(text_string_to_metric_families(exposed))
