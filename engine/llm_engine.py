@@ -245,6 +245,7 @@ class LLMEngine:
                     block_size=block_size,
                     dtype=self.dtype,
                     device=self.device,
+                    enable_prefix_caching=enable_prefix_caching,
                 )
             self.speculator = Speculator(spec_config, self.max_model_len, proposer)
 

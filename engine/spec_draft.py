@@ -12,6 +12,14 @@ The K/V of drafted tokens stays in the draft's cache; the next step keeps the pa
 (the longest prefix that matches the request's tokens) and overwrites the rest, so no rollback is needed.
 If the pool runs short, the caches of requests not drafting this step are dropped (least recently
 used first); a request that still does not fit simply does not speculate this step.
+
+The pool is a `BlockManager` of its own, so the draft has a prefix cache too: full blocks of a request's
+real tokens are registered under the same chained hashes as the target's, and a request drafting for
+the first time adopts the longest cached prefix of its tokens (a system prompt that earlier drafting
+requests shared) instead of computing it again. The target's cached blocks cannot serve the draft (they
+hold the target's K/V, in the target's pool), and the two pools are not in lockstep (a block the
+target computed was drafted only if its request drafted), so the draft's cache hits where the draft
+itself has computed the prefix before.
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from engine.kv_cache import BlockManager
 from engine.model import AttentionMetadata, PrefillChunk, attention_metadata
 from engine.sampling import SamplingRow, apply_filters, apply_penalties, top_token
+from engine.sequence import Sequence as EngineSequence
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -36,8 +46,9 @@ __all__ = ["DraftModelProposer"]
 
 @dataclass
 class _DraftState:
-    block_table: list[int] = field(default_factory=list)
-    num_real: int = 0  # the request's real tokens whose K/V the draft holds (a prefix of its tokens)
+    # the request's tokens (its lists, shared) with the draft's own `block_table` and, as
+    # `num_computed_tokens`, how many of its real tokens the draft holds the K/V of (a prefix)
+    seq: EngineSequence
     drafts: list[int] = field(default_factory=list)  # drafted tokens after those, K/V also held
 
 
@@ -62,6 +73,7 @@ class DraftModelProposer:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -69,28 +81,31 @@ class DraftModelProposer:
         self.max_positions = cast("ModelConfig", model.config).max_position_embeddings
         model.allocate_kv_cache(num_blocks, block_size, dtype, device)  # type: ignore[operator]
         self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self._states: OrderedDict[str, _DraftState] = OrderedDict()  # least recently drafted first
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Free blocks (cached-but-free prefix blocks included, as the target's count them)."""
+        return self.blocks.num_free_blocks
 
     def forget(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
         if state is not None:
-            self._free.extend(reversed(state.block_table))
+            self.blocks.free_sequence(state.seq)
 
-    def _reserve(self, request_id: str, state: _DraftState, positions: int, keep: set[str]) -> bool:
-        """Grow the request's block table to hold `positions` tokens, evicting idle requests' caches."""
-        need = -(-positions // self.block_size) - len(state.block_table)
-        while need > len(self._free):
+    def _reserve(self, state: _DraftState, positions: int, keep: set[str]) -> bool:
+        """Grow the request's block table to hold `positions` tokens (first adopting the longest cached
+        prefix of its tokens when it holds none yet), evicting idle requests' caches."""
+        mirror = state.seq
+        cached = self.blocks.find_cached_prefix(mirror) if not mirror.block_table else []
+        new = positions - mirror.num_computed_tokens - len(cached) * self.block_size
+        while not self.blocks.can_allocate(mirror, new, cached):
             victim = next((r for r in self._states if r not in keep), None)
             if victim is None:
                 return False
             self.forget(victim)
-        for _ in range(max(need, 0)):
-            state.block_table.append(self._free.pop())
+        self.blocks.allocate(mirror, new, cached)
         return True
 
     @torch.inference_mode()
@@ -109,10 +124,12 @@ class DraftModelProposer:
             n = seq.num_tokens
             if k <= 0 or n + k - 1 > self.max_positions:
                 continue
-            state = self._states.pop(seq.request_id, None) or _DraftState()
+            state = self._states.pop(seq.request_id, None) or _DraftState(self._mirror(seq))
             self._states[seq.request_id] = state  # most recently used last
-            valid = state.num_real
+            mirror = state.seq
+            valid = mirror.num_computed_tokens
             if valid > n:  # cannot happen with append-only sequences; start over to be safe
+                self.blocks.free_sequence(mirror)
                 valid = 0
             else:
                 for d, t in zip(state.drafts, seq.token_ids(valid, n), strict=False):
@@ -120,11 +137,12 @@ class DraftModelProposer:
                         break
                     valid += 1
             valid = min(valid, n - 1)  # the last token is always fed: its row drafts the first token
-            if not self._reserve(seq.request_id, state, n + k - 1, keep):
+            mirror.num_computed_tokens, state.drafts = valid, []
+            if not self._reserve(state, n + k - 1, keep):
                 continue
-            state.num_real, state.drafts = valid, []
+            valid = mirror.num_computed_tokens  # past a cached prefix it adopted
             active.append((seq, k, state))
-            feeds.append(_Feed(seq.token_ids(valid, n), valid, state.block_table))
+            feeds.append(_Feed(seq.token_ids(valid, n), valid, mirror.block_table))
         if not active:
             return {}
 
@@ -137,18 +155,29 @@ class DraftModelProposer:
             for i in live:
                 seq, _, state = active[i]
                 if feeds[i].start + len(feeds[i].token_ids) == seq.num_tokens:
-                    state.num_real = seq.num_tokens  # the catch-up forward
+                    state.seq.num_computed_tokens = seq.num_tokens  # the catch-up forward
+                    self.blocks.cache_full_blocks(state.seq)
                 else:
                     state.drafts.append(feeds[i].token_ids[0])
             live = [i for i in live if len(drafted[i]) < active[i][1]]
             for i in live:
                 seq, _, state = active[i]
-                feeds[i] = _Feed([drafted[i][-1]], seq.num_tokens + len(drafted[i]) - 1, state.block_table)
+                feeds[i] = _Feed(
+                    [drafted[i][-1]], seq.num_tokens + len(drafted[i]) - 1, state.seq.block_table
+                )
 
         out: dict[str, Proposal] = {}
         for (seq, _, _), tokens, rows in zip(active, drafted, probs, strict=True):
             out[seq.request_id] = Proposal(tokens, torch.stack(rows) if rows else None)
         return out
+
+    @staticmethod
+    def _mirror(seq: SequenceLike) -> EngineSequence:
+        """A request's tokens for the draft's block manager: the request's own token lists (they only
+        grow), with a block table and computed count of the draft's."""
+        return EngineSequence(
+            seq.request_id, seq.prompt_token_ids, seq.params, output_token_ids=seq.output_token_ids
+        )
 
     def _draw(
         self,

@@ -250,6 +250,43 @@ def test_abort_mid_draft_frees_the_draft_cache(make_engine: Callable[..., LLMEng
     assert _draft_pool_is_empty(spec) and not spec.speculator._draft_probs
 
 
+def test_the_draft_reads_a_cached_prompt_prefix_instead_of_recomputing_it(
+    make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft model keeps a prefix cache of its own (its pool's full blocks of real tokens, by the
+    target's block hashes): a request whose prompt starts like an earlier drafting request's catches
+    the draft up from the end of that prefix, not from token 0, and its output is unchanged."""
+    spec_name, kwargs = MODEL_PROPOSERS["draft-same"]  # every draft accepted: both requests draft
+    shared = _prompts(2, seed=7)[0][:4] * 9  # 36 tokens: two full blocks of 16
+    prompts = [[*shared, 1, 2, 3], [*shared, 9, 8]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    plain = make_engine()
+    expected = [plain.generate([p], params)[0] for p in prompts]
+    engine = make_engine(speculative=spec_name, num_speculative_tokens=4, **kwargs)
+    proposer = engine.speculator.proposer
+    starts: list[int] = []  # where each catch-up of a prompt (a feed of several tokens) began
+    forward = proposer._forward
+
+    def spy(feeds: list) -> torch.Tensor:  # type: ignore[type-arg]
+        starts.extend(f.start for f in feeds if len(f.token_ids) > 1)
+        return forward(feeds)
+
+    monkeypatch.setattr(proposer, "_forward", spy)
+    assert engine.generate([prompts[0]], params) == [expected[0]]
+    assert starts[0] == 0 and _draft_pool_is_empty(engine)
+    starts.clear()
+    assert engine.generate([prompts[1]], params) == [expected[1]]
+    assert starts[0] == 32  # was 0: the whole prompt again
+    assert _draft_pool_is_empty(engine)
+    # without prefix caching nothing is kept
+    engine = make_engine(speculative=spec_name, enable_prefix_caching=False, **kwargs)
+    forward = engine.speculator.proposer._forward
+    monkeypatch.setattr(engine.speculator.proposer, "_forward", spy)
+    starts.clear()
+    assert [engine.generate([p], params)[0] for p in prompts] == expected
+    assert [s for s in starts if s == 0] == [0, 0]
+
+
 def _kv_bytes(model: torch.nn.Module) -> int:
     return sum(
         layer.self_attn.k_cache.nbytes + layer.self_attn.v_cache.nbytes for layer in model.decoder_layers
