@@ -153,7 +153,6 @@ def create_app(
     app = Litestar(
         route_handlers=[*ROUTES, control.router(), *ui_routers(control)] if control is not None else ROUTES,
         middleware=[
-            request_middleware(gateway.metrics, control.admission.finish if control is not None else None),
             gateway.limits.middleware,  # stream leases and prompt capture (gateway.limits)
             cancel_on_disconnect,  # a client gone before its response: its request ends there
         ],
@@ -168,6 +167,11 @@ def create_app(
         logging_config=None,
         debug=False,
     )
+    # The request id, metrics and log line wrap Litestar's whole handler, not its routes alone: the
+    # middleware above runs for a matched route only, so its own 404 (no route) and 405 (no such
+    # method) went out with no `x-request-id` and were never logged.
+    finish = control.admission.finish if control is not None else None
+    app.asgi_handler = request_middleware(gateway.metrics, finish)(app.asgi_handler)
     app.state.gateway = gateway
     app.state.security = security
     app.state.control = control  # None without a database

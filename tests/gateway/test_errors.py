@@ -12,6 +12,7 @@ import pytest
 
 from tests.fakes import FakeAnthropic, FakeGemini, FakeOpenAI, Fault
 from tests.fixtures.vendor_gateway import DEMO_KEY, LIMITED_KEY, RunningGateway
+from tests.gateway.request_logs import logged, tagged_logs
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -425,6 +426,37 @@ def test_unknown_route_and_method(gateway: RunningGateway) -> None:
     )
     assert response.status_code == 405
     openai_error(response)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "anthropic_shaped"),
+    [
+        ("GET", "/v1/nothing-here", {}, False),
+        ("GET", "/v1/chat/completions", {}, False),  # a 405
+        ("GET", "/v1/messages/batches", {}, True),
+        ("DELETE", "/v1/models", {"anthropic-version": "2023-06-01"}, True),  # a 405
+    ],
+)
+def test_unknown_routes_and_methods_carry_the_request_id_and_are_logged(
+    gateway: RunningGateway, method: str, path: str, headers: dict[str, str], anthropic_shaped: bool
+) -> None:
+    """Litestar answers a path no route serves (404) and a method a route lacks (405) before any
+    middleware of the gateway's runs: those responses had no `x-request-id` (nor `request-id` on the
+    Messages API's paths, nor `request_id` in Anthropic's body) and no request line in the log."""
+    with tagged_logs() as logs:
+        response = httpx.request(method, f"{gateway.url}{path}", headers=headers, timeout=10)
+        line = logged(logs, "request")
+    request_id = response.headers["x-request-id"]
+    assert len(request_id) == 32
+    assert (line["request_id"], line["path"], line["status"]) == (request_id, path, response.status_code)
+    assert line["error"] == "invalid_request_error"
+    if anthropic_shaped:
+        assert response.json()["type"] == "error" and response.json()["request_id"] == request_id
+        if path.startswith("/v1/messages"):
+            assert response.headers["request-id"] == request_id
+    else:
+        openai_error(response)
+    assert response.status_code in (404, 405)
 
 
 def test_client_leaving_mid_stream_is_recorded(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
