@@ -15,7 +15,6 @@ from litestar.exceptions import HTTPException
 from gateway.admin import control_plane
 from gateway.admin.ui import ui_routers
 from gateway.api import ROUTES
-from gateway.api.anthropic import is_anthropic_path
 from gateway.api.openai import MODELS_PATH, anthropic_client
 from gateway.auth import Authenticator, StaticAuthenticator
 from gateway.config import Config
@@ -28,6 +27,7 @@ from gateway.errors import (
     anthropic_status,
     encode_anthropic_error,
     encode_openai_error,
+    is_anthropic_path,
 )
 from gateway.middleware import request_middleware
 from gateway.runtime import Gateway

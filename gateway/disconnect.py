@@ -18,17 +18,24 @@ import asyncio
 
 from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
 
-from gateway.errors import GatewayError, encode_openai_error
+from gateway.errors import GatewayError, encode_anthropic_error, encode_openai_error, is_anthropic_path
 from gateway.pipeline import RequestInfo
 
-_GONE = encode_openai_error(
-    GatewayError(
-        "The client disconnected before the response started.",
-        status=499,
-        type="invalid_request_error",
-        code="client_disconnected",
-    )
+_GONE = GatewayError(
+    "The client disconnected before the response started.",
+    status=499,
+    type="invalid_request_error",
+    code="client_disconnected",
 )
+
+
+def _gone_body(scope: Scope) -> bytes:
+    """The 499's body, in the shape of the request's API (the server drops it: its client is gone)."""
+    if not is_anthropic_path(scope["path"]):
+        return encode_openai_error(_GONE)
+    state = scope.get("state", {})
+    info = state.get("weir") if isinstance(state, dict) else None
+    return encode_anthropic_error(_GONE, info.request_id if isinstance(info, RequestInfo) else None)
 
 
 def cancel_on_disconnect(app: ASGIApp) -> ASGIApp:
@@ -89,7 +96,7 @@ def cancel_on_disconnect(app: ASGIApp) -> ASGIApp:
                         "headers": [(b"content-type", b"application/json")],
                     }
                 )
-                await send({"type": "http.response.body", "body": _GONE, "more_body": False})
+                await send({"type": "http.response.body", "body": _gone_body(scope), "more_body": False})
         finally:
             if watcher is not None:
                 # Not awaited: an outer cancellation (shutdown) must not be spent waiting on it.

@@ -187,6 +187,17 @@ def anthropic_status(error: GatewayError) -> int:
     return OVERLOADED_STATUS if anthropic_error_type(error) == "overloaded_error" else error.status
 
 
+ANTHROPIC_PATH = "/v1/messages"  # the Anthropic Messages API's (gateway.api.anthropic serves it)
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether errors on `path` come in Anthropic's shape: the Messages API's, those Weir serves (a
+    trailing slash too) and those it does not (`/v1/messages/batches`), whose clients read no other.
+    Here, not with the routes: the server's own answers (gateway.slow_clients, gateway.disconnect),
+    given outside any route, use it too."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
 def anthropic_error_body(error: GatewayError, request_id: str | None = None) -> dict[str, Any]:
     """Anthropic's error shape; `request_id` beside the error, as Anthropic's bodies carry it (the id
     of the `request-id` header, which a client that shows the body alone shows too)."""

@@ -6,8 +6,9 @@ task) for as long as it liked; a few thousand of them exhaust the process's file
 `guarded(protocol, header_timeout, body_timeout)` is uvicorn's HTTP protocol with two deadlines:
 the request headers must be complete `header_timeout` seconds after the connection opens (or after
 the first byte of the next request on a kept-alive connection), and the body `body_timeout` seconds
-after the headers. A client that misses one gets a 408 in the OpenAI error shape and the connection
-is closed. Responses (long streams included) are not limited here.
+after the headers. A client that misses one gets a 408 in the OpenAI error shape (Anthropic's on the
+Messages API's paths), with the request's id where it has one, and the connection is closed.
+Responses (long streams included) are not limited here.
 """
 
 from __future__ import annotations
@@ -15,23 +16,35 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.errors import GatewayError, encode_openai_error
+from gateway.errors import GatewayError, encode_anthropic_error, encode_openai_error, is_anthropic_path
 
 
-def _timeout_response(what: str, seconds: float) -> bytes:
-    body = encode_openai_error(
-        GatewayError(
-            f"The request {what} did not arrive within {seconds:g}s.",
-            status=408,
-            type="invalid_request_error",
-            code="request_timeout",
-        )
+def _timeout_response(what: str, seconds: float, path: str = "", request_id: str | None = None) -> bytes:
+    """The 408 for a request to `path` (as far as it arrived), with the id the gateway gave it (None
+    before its headers were in: the request middleware has not seen it)."""
+    error = GatewayError(
+        f"The request {what} did not arrive within {seconds:g}s.",
+        status=408,
+        type="invalid_request_error",
+        code="request_timeout",
     )
+    anthropic = is_anthropic_path(path)
+    body = encode_anthropic_error(error, request_id) if anthropic else encode_openai_error(error)
+    ids = ""
+    if request_id is not None:  # a valid id (gateway.ids.is_request_id): safe in a header line
+        ids = f"x-request-id: {request_id}\r\n" + (f"request-id: {request_id}\r\n" if anthropic else "")
     head = (
         "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"{ids}content-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
+
+
+def _request_id(scope: dict[str, Any]) -> str | None:
+    state = scope.get("state")
+    info = state.get("weir") if isinstance(state, dict) else None
+    request_id = getattr(info, "request_id", None)
+    return request_id if isinstance(request_id, str) else None
 
 
 def guarded(protocol: type[asyncio.Protocol], header_timeout: float, body_timeout: float) -> type[Any]:
@@ -78,8 +91,16 @@ def guarded(protocol: type[asyncio.Protocol], header_timeout: float, body_timeou
             if transport.is_closing():
                 return
             cycle = self.cycle
-            if cycle is None or cycle.response_complete or not cycle.response_started:
-                transport.write(_timeout_response(what, seconds))
+            if cycle is not None and not cycle.response_complete:
+                if not cycle.response_started:  # the body is late: its request's path and id are known
+                    path = cycle.scope["path"]
+                    transport.write(_timeout_response(what, seconds, path, _request_id(cycle.scope)))
+            else:
+                # The headers are late: the request target as far as it came (httptools keeps it;
+                # h11 nothing until the headers are in).
+                url = getattr(self, "url", b"")
+                path = url.split(b"?", 1)[0].decode("latin-1") if isinstance(url, bytes) else ""
+                transport.write(_timeout_response(what, seconds, path))
             transport.close()
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{protocol.__name__}"

@@ -19,21 +19,15 @@ from gateway.anthropic_inbound import (
 from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
 from gateway.api.routed import NoTokenCounter, count_tokens_op
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import ANTHROPIC_PATH, GatewayError, InvalidRequest
 from gateway.estimate import input_tokens
 from gateway.types import ChatRequest, ChatResponse
 from routing.execute import refuses_parameter
 from routing.plan import features
 
-PATH = "/v1/messages"
+PATH = ANTHROPIC_PATH
 COUNT_PATH = PATH + "/count_tokens"
 PATHS = (PATH, COUNT_PATH)  # the paths served
-
-
-def is_anthropic_path(path: str) -> bool:
-    """Whether errors on `path` come in Anthropic's shape: the Messages API's, those Weir serves (a
-    trailing slash too) and those it does not (`/v1/messages/batches`), whose clients read no other."""
-    return path == PATH or path.startswith(PATH + "/")
 
 
 BETA_HEADER = "anthropic-beta"  # the client's beta features, passed on to Anthropic backends

@@ -19,6 +19,7 @@ import pytest
 
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.net import free_port
+from tests.fixtures.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-weir-slowloris-0123456789"
@@ -125,6 +126,39 @@ def test_a_slow_client_gets_408_and_is_dropped_after_the_timeout(
         time.sleep(0.2)
         log = (weir_dir / "weir.log").read_text()
         assert '"status":499' in log and '"status":500' not in log, log[-2000:]
+
+
+MESSAGES_HEAD = b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+
+
+@pytest.mark.parametrize(
+    ("first", "drip", "what"),
+    [
+        (b"POST /v1/messages", b"/count_tokens HTTP/1.1\r\n", "headers"),
+        (MESSAGES_HEAD + f"x-api-key: {KEY}\r\ncontent-length: 500\r\n\r\n".encode(), b'{"model": ', "body"),
+    ],
+    ids=["drip-request-line", "drip-body"],
+)
+def test_a_slow_anthropic_client_gets_anthropics_408(
+    weir_url: str, weir_dir: Path, first: bytes, drip: bytes, what: str
+) -> None:
+    """On the Messages API's paths the 408 is in Anthropic's error shape, which its clients read (it
+    was OpenAI's); once the headers were in, with the request's id, as its log line has it."""
+    received, _ = slow_client(weir_url, first, drip)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), received
+    response = httpx.Response(
+        408, content=body, headers=[line.split(b": ", 1) for line in head.split(b"\r\n")[1:]]
+    )
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert what in error["error"]["message"]
+    if what == "body":
+        request_id = response.headers["request-id"]
+        assert request_id == response.headers["x-request-id"] == error["request_id"]
+        wait_for(lambda: f'"request_id":"{request_id}"' in (weir_dir / "weir.log").read_text())
+    else:
+        assert "request_id" not in error and "x-request-id" not in response.headers
 
 
 def test_others_are_served_while_many_slow_clients_hold_connections(
