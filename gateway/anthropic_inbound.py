@@ -575,9 +575,8 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
             refused=bool(choice.message.refusal),
             called=bool(choice.message.tool_calls),
         )
-    message_id = response.id if response.id.startswith("msg_") else new_id("msg_")
     return {
-        "id": message_id,
+        "id": message_id(response.id),
         "type": "message",
         "role": "assistant",
         "model": model,
@@ -586,6 +585,13 @@ def from_canonical(response: ChatResponse, model: str, thinking: bool = False) -
         "stop_sequence": stop_sequence,
         "usage": anthropic_usage(response.usage),
     }
+
+
+def message_id(upstream_id: str) -> str:
+    """A message's id: Claude's own (`msg_...`) where Claude answered, the one Anthropic's console and
+    its support know the message by, streamed or not; else one of Weir's, in Anthropic's form (another
+    vendor's id, `chatcmpl-...`, is no message id to an Anthropic client)."""
+    return upstream_id if upstream_id.startswith("msg_") else new_id("msg_")
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
@@ -698,9 +704,9 @@ class _EventWriter:
         out.append(_event("message_stop", {"type": "message_stop"}))
 
 
-def _message_start(model: str, usage: Usage) -> list[bytes]:
+def _message_start(model: str, usage: Usage, upstream_id: str = "") -> list[bytes]:
     start: dict[str, Any] = {
-        "id": new_id("msg_"),
+        "id": message_id(upstream_id),
         "type": "message",
         "role": "assistant",
         "model": model,
@@ -733,7 +739,9 @@ async def stream_events(
                 # Also what message_delta says if the stream ends without a usage report: never less
                 # than message_start (the anthropic SDK takes message_delta's input count as final).
                 writer.usage = counted or Usage()
-                out, started = _message_start(model, writer.usage), True
+                # The first chunk's id is the backend's (Claude's `msg_` id from its message_start).
+                upstream_id = batch[0].id if batch else ""
+                out, started = _message_start(model, writer.usage, upstream_id), True
             for chunk in batch:
                 writer.chunk(chunk, out)
             if out:

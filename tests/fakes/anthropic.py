@@ -140,6 +140,7 @@ class FakeAnthropic(FakeServer):
         self._stop_reasons: list[str] = []
         self._leads: list[dict[str, Any]] = []
         self._issued: list[dict[str, Any]] = []  # the lead blocks it returned, which it takes back
+        self.message_ids: list[str] = []  # the id of each message it answered, in order
 
     def reset_state(self) -> None:
         self.min_cache_tokens = 1024
@@ -147,6 +148,7 @@ class FakeAnthropic(FakeServer):
         self._stop_reasons = []
         self._leads = []
         self._issued = []
+        self.message_ids = []
 
     def lead_next_with(self, block: dict[str, Any]) -> None:
         """The next message starts with `block`, of a type this fake does not otherwise model (a newer
@@ -547,6 +549,7 @@ class FakeAnthropic(FakeServer):
             "stop_sequence": reply.stop_sequence,
             "usage": rendered,
         }
+        self.message_ids.append(message["id"])
         if not body.get("stream"):
             return self.json_response(request, message)
 

@@ -19,6 +19,7 @@ WEATHER = {
     "description": "Weather for a city",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
+HI = [{"role": "user", "content": "hi"}]
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 32).decode()
 
 
@@ -65,6 +66,28 @@ def test_stream_event_sequence(gateway: RunningGateway, model: str) -> None:
     assert final.content[0].text == "stream these four words"  # type: ignore[union-attr]
     assert final.stop_reason == "end_turn"
     assert final.usage.output_tokens == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_message_keeps_claudes_id_streamed_or_not(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic, stream: bool
+) -> None:
+    """Claude's `msg_` id, the one Anthropic's console and support know, in both: a stream's was always
+    Weir's own while the same message unstreamed kept Claude's."""
+    message = final_message(
+        gateway.anthropic(), stream, {"model": "claude-sonnet", "max_tokens": 20, "messages": HI}
+    )
+    assert [message.id] == fake_anthropic.message_ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_message_from_another_vendor_gets_an_anthropic_style_id(
+    gateway: RunningGateway, stream: bool
+) -> None:
+    message = final_message(
+        gateway.anthropic(), stream, {"model": "gpt-4o-mini", "max_tokens": 20, "messages": HI}
+    )
+    assert message.id.startswith("msg_") and len(message.id) == len("msg_") + 24
 
 
 def _start_and_delta(events: list) -> tuple:
