@@ -316,11 +316,48 @@ def anthropic_client(request: Request[Any, Any, Any]) -> bool:
 async def list_models(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway, call = await begin(request, "models")
     anthropic = anthropic_client(request)
-    data = [_card(name, owner, anthropic) for name, owner in _listing(gateway, call.principal)]
+    names = _listing(gateway, call.principal)
     if anthropic:
-        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-        return json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
-    return json_response({"object": "list", "data": data})
+        page, has_more = _anthropic_page([name for name, _ in names], request)
+        data = [_card(name, "", True) for name in page]
+        first, last = (page[0], page[-1]) if page else (None, None)
+        return json_response({"data": data, "has_more": has_more, "first_id": first, "last_id": last})
+    return json_response({"object": "list", "data": [_card(name, owner, False) for name, owner in names]})
+
+
+ANTHROPIC_PAGE = 20  # Anthropic's default `limit`, from 1 to ANTHROPIC_MAX_PAGE
+ANTHROPIC_MAX_PAGE = 1000
+
+
+def _anthropic_page(names: list[str], request: Request[Any, Any, Any]) -> tuple[list[str], bool]:
+    """The page of `names` an Anthropic client asked for, as Anthropic's `GET /v1/models` pages
+    (https://docs.anthropic.com/en/api/models-list): `limit` names (20 by default, 1 to 1000) from the
+    start, right after `after_id` or right before `before_id`; and whether more lie in that
+    direction (`has_more`). A cursor that names no model of the list, both cursors at once, or a
+    `limit` out of range is a 400 naming the parameter."""
+    query = request.query_params
+    raw_limit = query.get("limit")
+    limit = ANTHROPIC_PAGE
+    if raw_limit is not None:
+        try:
+            limit = int(raw_limit)
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= ANTHROPIC_MAX_PAGE:
+            raise InvalidRequest(
+                f"limit: Input should be an integer from 1 to {ANTHROPIC_MAX_PAGE}.", param="limit"
+            )
+    after, before = query.get("after_id"), query.get("before_id")
+    if after is not None and before is not None:
+        raise InvalidRequest("before_id: cannot be used with after_id.", param="before_id")
+    for param, cursor in (("after_id", after), ("before_id", before)):
+        if cursor is not None and cursor not in names:
+            raise InvalidRequest(f"{param}: no model `{cursor}` in this list.", param=param)
+    if before is not None:
+        end = names.index(before)
+        return names[max(0, end - limit) : end], end - limit > 0
+    start = names.index(after) + 1 if after is not None else 0
+    return names[start : start + limit], start + limit < len(names)
 
 
 @get(MODELS_PATH + "/{model_id:path}")

@@ -92,6 +92,51 @@ def test_models_lists_what_the_tenant_may_use(gateway: RunningGateway) -> None:
         gateway.openai().models.retrieve("nope")
 
 
+def test_anthropic_clients_page_through_the_models(gateway: RunningGateway) -> None:
+    """Anthropic's `GET /v1/models` pages (`limit`, `after_id`, `before_id`; `first_id`, `last_id`,
+    `has_more`): Weir's ignored them and sent every model with `has_more` false."""
+    every = [m.id for m in gateway.openai().models.list()]
+    assert len(every) > 5
+    client = gateway.anthropic()
+    first = client.models.list(limit=2)
+    assert [m.id for m in first.data] == every[:2] and first.has_more is True
+    assert (first.first_id, first.last_id) == (every[0], every[1])
+    assert [m.id for m in client.models.list(limit=3)] == every  # the SDK follows `last_id` to the end
+    after = client.models.list(limit=3, after_id=every[1])
+    assert [m.id for m in after.data] == every[2:5] and after.has_more is True
+    last = client.models.list(limit=3, after_id=every[-3])
+    assert [m.id for m in last.data] == every[-2:] and last.has_more is False
+    before = client.models.list(limit=2, before_id=every[3])
+    assert [m.id for m in before.data] == every[1:3] and before.has_more is True
+    start = client.models.list(limit=5, before_id=every[2])
+    assert [m.id for m in start.data] == every[:2] and start.has_more is False
+    whole = client.models.list(limit=1000)
+    assert [m.id for m in whole.data] == every and whole.has_more is False
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ({"limit": 0}, "limit"),
+        ({"limit": 1001}, "limit"),
+        ({"limit": "many"}, "limit"),
+        ({"after_id": "no-such-model"}, "after_id"),
+        ({"before_id": "no-such-model"}, "before_id"),
+        ({"after_id": "gpt-4o-mini", "before_id": "gemini-flash"}, "before_id"),
+    ],
+)
+def test_a_bad_page_of_models_is_an_anthropic_400(gateway: RunningGateway, query: dict, param: str) -> None:
+    response = httpx.get(
+        f"{gateway.url}/v1/models",
+        params=query,
+        headers={"x-api-key": DEMO_KEY, "anthropic-version": "2023-06-01"},
+    )
+    assert response.status_code == 400
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith(param)
+
+
 def test_models_in_the_anthropic_shape_for_anthropic_clients(gateway: RunningGateway) -> None:
     client = gateway.anthropic()
     page = client.models.list()
