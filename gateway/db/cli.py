@@ -128,6 +128,14 @@ def upgrade(database_url: str | None, revision: str) -> None:
             except OSError as exc:  # a path under a file: "File exists: <that file>" alone
                 raise click.ClickException(f"admin DB: cannot open {path}: {exc}") from None
         check_sqlite_opens(url)
+        if (at := migrate.past(url, revision)) is not None:
+            # alembic's upgrade does nothing here, and says nothing.
+            click.echo(
+                f"admin DB: already at {at}, past {revision}: nothing to upgrade "
+                f"(`weir db downgrade {revision}` goes back to it)",
+                err=True,
+            )
+            return
         migrate.upgrade(url, revision)
 
 
@@ -139,7 +147,12 @@ def downgrade(database_url: str | None, revision: str) -> None:
     from gateway.db import migrate
 
     with reported_db_errors():
-        migrate.downgrade(existing_database_url(database_url), revision)
+        url = existing_database_url(database_url)
+        if migrate.current_revision(url) is None:
+            # alembic says "Relative revision -1 didn't produce 1 migrations".
+            click.echo(f"admin DB: nothing to downgrade: it has no schema yet; {UPGRADE_HINT}", err=True)
+            return
+        migrate.downgrade(url, revision)
 
 
 @db.command()

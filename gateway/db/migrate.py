@@ -53,6 +53,31 @@ def current(database_url: str | None = None) -> str:
     return out.getvalue().strip()
 
 
+def current_revision(database_url: str | None = None) -> str | None:
+    """The revision the DB is at; None for one with no schema yet (never upgraded)."""
+    text = current(database_url)
+    return text.split()[0] if text else None
+
+
+def past(database_url: str | None, revision: str) -> str | None:
+    """The DB's revision where it is already past `revision` (a later revision of the same line), which
+    alembic's upgrade leaves as it is without a word; None otherwise (not past it, no schema yet, or a
+    revision alembic must resolve itself: a relative one, an unknown one, whose error it reports)."""
+    from alembic.script import ScriptDirectory
+
+    at = current_revision(database_url)
+    if at is None:
+        return None
+    script = ScriptDirectory.from_config(alembic_config(database_url))
+    try:
+        target = script.get_revision(revision)
+    except Exception:  # alembic's own words for it come from the upgrade itself
+        return None
+    if target is None or target.revision == at:
+        return None
+    return at if any(r.revision == target.revision for r in script.iterate_revisions(at, "base")) else None
+
+
 async def upgrade_async(database_url: str | None = None, revision: str = "head") -> None:
     """For callers already inside an event loop (the migrations' env.py runs its own loop): the
     gateway at start, whose logging is configured already (gateway.logging); alembic.ini's would

@@ -186,6 +186,34 @@ def test_upgrade_into_a_directory_not_there_makes_it(tmp_path: Path) -> None:
     assert current.exit_code == 0 and "(head)" in current.output, current.output
 
 
+def test_upgrade_to_a_revision_the_database_is_past_says_so(tmp_path: Path) -> None:
+    """alembic's upgrade to an older revision does nothing and says nothing: the operator who meant to
+    go back to it is told that `downgrade` does."""
+    url = ["--database-url", f"sqlite:///{tmp_path / 'weir.db'}"]
+    assert weir("db", "upgrade", *url).exit_code == 0
+    head = weir("db", "current", *url).output.split()[0]
+    older = weir("db", "upgrade", "0003", *url)
+    assert older.exit_code == 0, older.output
+    assert older.output == (
+        f"admin DB: already at {head}, past 0003: nothing to upgrade (`weir db downgrade 0003` goes back to it)\n"
+    )
+    assert weir("db", "current", *url).output.split()[0] == head
+    again = weir("db", "upgrade", "head", *url)  # at it already: nothing to say
+    assert again.exit_code == 0 and again.output == ""
+
+
+def test_downgrade_of_a_database_with_no_schema_says_there_is_nothing_to_downgrade(tmp_path: Path) -> None:
+    """It was alembic's "Relative revision -1 didn't produce 1 migrations"."""
+    path = tmp_path / "weir.db"
+    sqlite3.connect(path).close()
+    result = weir("db", "downgrade", "--database-url", f"sqlite:///{path}")
+    assert result.exit_code == 0, result.output
+    assert (
+        result.output
+        == "admin DB: nothing to downgrade: it has no schema yet; `weir db upgrade` creates its tables\n"
+    )
+
+
 # aiosqlite's worker thread made slow, as on a loaded machine, and the process slow to exit: the
 # thread then reports a failed open after `asyncio.run` has closed the command's event loop, and
 # before the process ends, every time rather than now and then.
