@@ -5,6 +5,7 @@ Kept light at import time: numpy, tokenizers and torch load only inside the comm
 
 from __future__ import annotations
 
+import codecs
 import datetime as dt
 import json
 import sys
@@ -88,6 +89,8 @@ def score(head_dir: Path | None, shipped: str) -> None:
     # Bytes, decoded line by line: one line that is not UTF-8 is that line's error, not a traceback
     # that ends the run (how sys.stdin decodes depends on the locale).
     for lineno, raw in enumerate(sys.stdin.buffer, start=1):
+        if lineno == 1:  # a UTF-8 byte order mark (Windows editors, PowerShell) starts the text, not a line
+            raw = raw.removeprefix(codecs.BOM_UTF8)
         # A blank line in, a blank line out: skipped without a line of its own, every later answer
         # sat on the line of the input before it.
         answer = ""

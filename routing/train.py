@@ -19,8 +19,10 @@ looks far better than it is, which made the version 2 head over-confident at the
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
+import io
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -89,6 +91,20 @@ class Outcomes:
         )
 
 
+def read_utf8(path: Path) -> str:
+    """A training file's text: UTF-8, whatever the locale (which `open` would decode by), a leading
+    byte order mark skipped (Excel's "CSV UTF-8", PowerShell's files); ValueError naming the file and
+    line of bytes that are not UTF-8."""
+    data = path.read_bytes()
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = skip + exc.start  # in the file
+        line = data.count(b"\n", 0, at) + 1
+        raise ValueError(f"{path} line {line}: not UTF-8 ({exc.reason} at byte {at})") from None
+
+
 def load_mmlu(data_dir: Path, drop_contaminated: bool = True) -> Outcomes:
     """The RouteLLM MMLU outcome files: `mmlu_<subject>.csv` (prompt, weak, strong columns).
 
@@ -98,14 +114,14 @@ def load_mmlu(data_dir: Path, drop_contaminated: bool = True) -> Outcomes:
     contaminated: set[str] = set()
     path = data_dir / "contaminated_prompts.jsonl"
     if drop_contaminated and path.exists():
-        contaminated = {json.loads(line)["eval_prompt"] for line in path.read_text().splitlines() if line}
+        contaminated = {json.loads(line)["eval_prompt"] for line in read_utf8(path).splitlines() if line}
     prompts, weak, strong, groups = [], [], [], []
     files = sorted(data_dir.glob("mmlu_*.csv"))
     if not files:
         raise FileNotFoundError(f"no mmlu_<subject>.csv files in {data_dir}")
     for file in files:
         subject = file.stem.removeprefix("mmlu_")
-        with file.open(newline="") as fh:
+        with io.StringIO(read_utf8(file), newline="") as fh:
             reader = csv.reader(fh)
             if next(reader, None) is None:  # header: prompt, <weak model>, <strong model>
                 raise ValueError(f"{file}: empty, not even a header")
@@ -132,7 +148,7 @@ def load_jsonl(path: Path) -> Outcomes:
 
     An outcome may be null (or absent) when only the other model's answer was scored, but not both.
     """
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    lines = [line for line in read_utf8(Path(path)).splitlines() if line.strip()]
     rows = [_feedback_row(line, n) for n, line in enumerate(lines, start=1)]
     if not rows:
         raise ValueError(f"{path} holds no rows")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +78,14 @@ def mmlu_slice(tmp_path: Path, fixture_dir: Path) -> Path:
     return out
 
 
+def test_score_takes_a_byte_order_mark_on_the_first_line() -> None:
+    """A file saved by a Windows editor or PowerShell starts with a UTF-8 BOM: its first line was
+    `{"error": "line 1: Unexpected UTF-8 BOM ..."}` and the run exited 1."""
+    result = run(["router", "score"], '\ufeff{"prompt": "What is 2 + 2?"}\n{"prompt": "And 3 + 3?"}\n')
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [set(json.loads(line)) for line in result.stdout.splitlines()] == [{"p_strong"}] * 2
+
+
 def test_train_then_score_with_the_new_head(tmp_path: Path, mmlu_slice: Path) -> None:
     head_dir = tmp_path / "head"
     result = run(["router", "train", "--data", str(mmlu_slice), "--out", str(head_dir), "--epochs", "1"])
@@ -107,6 +118,59 @@ def test_train_rejects_bad_input(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "no mmlu_<subject>.csv files" in result.stderr
     assert not (tmp_path / "h").exists()
+
+
+# The C locale, not coerced to UTF-8 (PEP 538, 540): `open` decodes as ASCII, as on a server whose
+# locale is unset or POSIX.
+ASCII_LOCALE = {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+LOAD = (
+    "import sys; from pathlib import Path; from routing.train import load_jsonl, load_mmlu\n"
+    "data = load_mmlu(Path(sys.argv[2])) if sys.argv[1] == 'mmlu' else load_jsonl(Path(sys.argv[2]))\n"
+    "print(len(data), data.prompts[0].encode('unicode_escape').decode())\n"
+)
+
+
+@pytest.mark.parametrize("kind", ["mmlu", "feedback"])
+def test_training_files_are_read_as_utf8_whatever_the_locale(tmp_path: Path, kind: str) -> None:
+    """`--data` CSVs were opened in the locale's encoding (a UTF-8 prompt with an accent failed under
+    an ASCII locale), and a `--feedback` file's byte order mark made its first row an error."""
+    if kind == "mmlu":
+        path = tmp_path / "mmlu_french.csv"
+        path.write_bytes("\ufeffprompt,weak,strong\nQu'est-ce qu'un café ?,True,False\n".encode())
+        target = tmp_path
+    else:
+        path = tmp_path / "feedback.jsonl"
+        row = {"prompt": "Qu'est-ce qu'un café ?", "weak_correct": True, "strong_correct": False}
+        path.write_bytes("\ufeff".encode() + json.dumps(row, ensure_ascii=False).encode() + b"\n")
+        target = path
+    env = {**os.environ, **ASCII_LOCALE}
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOAD, kind, str(target)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout == "1 Qu'est-ce qu'un caf\\xe9 ?\n"
+
+
+@pytest.mark.parametrize("name", ["mmlu_french.csv", "feedback.jsonl"])
+def test_train_names_the_file_and_line_that_is_not_utf8(tmp_path: Path, name: str) -> None:
+    """It was `cannot read training data: 'utf-8' codec can't decode byte 0xe9 in position 40: ...`,
+    with no file (of a directory of them) or line."""
+    latin1 = "Qu'est-ce qu'un café ?".encode("latin-1")
+    if name.endswith(".csv"):
+        content = b"prompt,weak,strong\n" + latin1 + b",True,False\n"
+        args = ["--data", str(tmp_path)]
+    else:
+        row = b'{"prompt": "fine", "weak_correct": true, "strong_correct": true}\n'
+        content = row + b'{"prompt": "' + latin1 + b'", "weak_correct": true}\n'
+        args = ["--feedback", str(tmp_path / name)]
+    (tmp_path / name).write_bytes(content)
+    result = run(["router", "train", *args, "--out", str(tmp_path / "head")])
+    assert result.returncode == 1
+    at = content.index("é".encode("latin-1"))
+    assert result.stderr == (
+        f"Error: cannot read training data: {tmp_path / name} line 2: not UTF-8 (invalid continuation byte "
+        f"at byte {at})\n"
+    )
 
 
 def test_train_refuses_an_out_it_cannot_write_before_training(tmp_path: Path) -> None:
