@@ -265,6 +265,15 @@ def list_models() -> None:
     """Models downloaded locally, and known models not pulled yet."""
     from engine import registry
 
+    root = registry.models_dir()
+    # The nearest part of the path that exists: a file there (WEIR_MODELS_DIR set to one, or under one)
+    # holds no model and takes none, and every model was listed "not pulled" with no word of why.
+    there = next((p for p in (root, *root.parents) if p.exists()), None)
+    if there is not None and not there.is_dir():
+        raise click.ClickException(
+            f"models directory {root} (WEIR_MODELS_DIR): {there} is a file, not a directory; "
+            "point WEIR_MODELS_DIR at a directory"
+        )
     local = registry.list_local()
     rows = [(m.name, m.format, _size(m.size_bytes), str(m.path)) for m in local]
     pulled = {m.name for m in local}

@@ -148,6 +148,23 @@ def test_models_list_shows_known_models_not_pulled(tmp_path: Path, monkeypatch: 
     assert "smollm2-135m" in result.output and "weir models pull smollm2-135m" in result.output
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_models_list_says_when_the_models_directory_is_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, under: bool
+) -> None:
+    """Every model was listed as not pulled, with a `weir models pull` hint that could only fail."""
+    file = tmp_path / "models"
+    file.write_text("")
+    root = file / "weir" if under else file
+    monkeypatch.setenv("WEIR_MODELS_DIR", str(root))
+    result = CliRunner().invoke(main, ["models", "list"])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: models directory {root} (WEIR_MODELS_DIR): {file} is a file, not a directory; "
+        "point WEIR_MODELS_DIR at a directory\n"
+    )
+
+
 def test_models_pull_unknown_name_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WEIR_MODELS_DIR", str(tmp_path))
     result = CliRunner().invoke(main, ["models", "pull", "gpt-5"])
