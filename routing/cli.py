@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import datetime as dt
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -339,11 +340,13 @@ def train(
     if checked is not None:
         head.meta["holdout"] = checked
     if aucs := head.meta.get("blend_aucs"):
-        click.echo(
-            f"blend: {head.meta['blend_inputs']} (cross-fitted AUC {aucs['components']:.3f} on the components, "
-            f"{aucs['components+length']:.3f} with the length feature)",
-            err=True,
-        )
+        if any(math.isnan(auc) for auc in aucs.values()):
+            # Every cross-fitted row of one class (no prompt needed the strong model, or every one
+            # did): there is nothing to rank, and "AUC nan" said so in no words.
+            said = "undefined: one class"
+        else:
+            said = f"{aucs['components']:.3f} on the components, {aucs['components+length']:.3f} with the length feature"
+        click.echo(f"blend: {head.meta['blend_inputs']} (cross-fitted AUC {said})", err=True)
     if head.meta.get("no_held_out_skill"):
         click.echo(
             "warning: on rows held out of its own fitting this head ranked prompts no better than chance "

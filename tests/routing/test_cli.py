@@ -173,6 +173,22 @@ def test_train_names_the_file_and_line_that_is_not_utf8(tmp_path: Path, name: st
     )
 
 
+def test_train_on_one_class_says_the_auc_is_undefined(tmp_path: Path) -> None:
+    """No prompt needed the strong model: the cross-fitted AUC has nothing to rank, and was printed as
+    "cross-fitted AUC nan"."""
+    rows = [
+        {"prompt": f"question {i}: what is {i} times {i + 1}?", "weak_correct": True, "strong_correct": True}
+        for i in range(30)
+    ]
+    feedback = tmp_path / "feedback.jsonl"
+    feedback.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["router", "train", "--feedback", str(feedback), "--embedder", "minilm-l6-static-v1"]
+    result = run([*args, "--out", str(tmp_path / "head")])
+    assert result.returncode == 0, result.stderr
+    assert "blend: components (cross-fitted AUC undefined: one class)\n" in result.stderr
+    assert "nan" not in result.stderr
+
+
 def test_train_refuses_an_out_it_cannot_write_before_training(tmp_path: Path) -> None:
     """`--out` under a file: a NotADirectoryError traceback once the head was trained, minutes (on a
     real data set) after the mistake could have been said, and nothing written."""
