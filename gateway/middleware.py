@@ -12,13 +12,13 @@ from typing import Any
 import structlog
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.errors import is_anthropic_path
 from gateway.ids import exchange_tag, is_request_id, ordered_id, tag_exchange
 from gateway.logging import logged_model, logging_for
 from gateway.metrics import NO_BACKEND, Metrics
 from gateway.pipeline import RequestInfo
 
 log = structlog.get_logger("weir.request")
-ANTHROPIC_PREFIX = "/v1/messages"  # the Anthropic Messages API's paths (gateway.api.anthropic)
 
 
 def _incoming_id(scope: Scope) -> bytes | None:
@@ -46,8 +46,12 @@ def request_middleware(metrics: Metrics, on_finish: Callable[[str], None] | None
             scope.setdefault("state", {})["weir"] = info
             api = scope["path"].startswith("/v1/")
             # The anthropic SDK reads the id from `request-id` (its errors' and messages' request_id);
-            # the openai SDK, and everything else, from `x-request-id`.
-            anthropic = scope["path"].startswith(ANTHROPIC_PREFIX)
+            # the openai SDK, and everything else, from `x-request-id`. Anthropic's clients: the
+            # Messages API's paths, and any request an Anthropic SDK sends (`/v1/models` answers those
+            # in Anthropic's shape), which carries `anthropic-version`.
+            anthropic = is_anthropic_path(scope["path"]) or any(
+                name == b"anthropic-version" for name, _ in scope["headers"]
+            )
             started = time.perf_counter()
             status = 500
             done = False

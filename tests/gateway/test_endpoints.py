@@ -170,6 +170,23 @@ def test_model_errors_in_the_anthropic_shape_for_anthropic_clients(gateway: Runn
     assert openai_missing.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
+def test_an_anthropic_clients_model_answers_carry_the_request_id_header_it_reads(
+    gateway: RunningGateway,
+) -> None:
+    """The anthropic SDK reads a request's id from `request-id` (`_request_id`, and its errors'
+    `request_id`); /v1/models answers it in Anthropic's shape, and sent that header only under
+    /v1/messages. An OpenAI client's answers keep `x-request-id` alone."""
+    listed = gateway.anthropic().models.with_raw_response.list()
+    assert listed.headers["request-id"] == listed.headers["x-request-id"]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        gateway.anthropic().models.retrieve("nope")
+    assert missing.value.request_id == missing.value.body["request_id"] is not None  # type: ignore[index]
+    assert "request-id" not in gateway.openai().models.with_raw_response.list().headers
+    # A path only sharing the Messages API's prefix is not Anthropic's: its error is OpenAI's too.
+    other = httpx.post(f"{gateway.url}/v1/messagesx", headers={"authorization": f"Bearer {DEMO_KEY}"})
+    assert "request-id" not in other.headers and "type" not in other.json()
+
+
 def test_health_and_readiness(gateway: RunningGateway) -> None:
     assert httpx.get(f"{gateway.url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{gateway.url}/readyz")
