@@ -239,6 +239,10 @@ FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 def _csv_cell(column: str, value: Any) -> Any:
     if value is None:
         return ""
+    if isinstance(value, float):
+        # Plain decimal, as written: Python prints 0.000001 as `1e-06`, which finance tools and some
+        # spreadsheets read as text or mis-parse. The shortest repr's digits, never an exponent.
+        return format(Decimal(repr(value)), "f")
     if column in TEXT_COLUMNS and isinstance(value, str) and value.startswith(FORMULA_STARTS):
         return "'" + value
     return value

@@ -1445,3 +1445,26 @@ async def test_the_request_log_says_which_requests_weir_made_itself(env: Env) ->
         "unanswered": None,
         "overnight": None,
     }
+
+
+async def test_the_usage_csv_writes_ratios_in_plain_decimals(env: Env) -> None:
+    """A cache hit ratio of one read in a million prompt tokens went into the CSV as Python prints the
+    float, `1e-06`, which finance tools and spreadsheets set to text read as a string: every number in
+    the CSV is plain decimal now, as the JSON report's amounts are."""
+    noon = dt.datetime.now(dt.UTC).replace(hour=12, minute=0, second=0, microsecond=0)
+    usage = Usage(input_tokens=999_999, cached_input_tokens=1, output_tokens=1)
+    await _write(env, [usage_event("r1", ts=noon, usage=usage, cost_pico_usd=7)])
+    day = noon.replace(hour=0)
+    params = {
+        "start": day.date().isoformat(),
+        "end": (day + dt.timedelta(days=1)).date().isoformat(),
+        "group_by": "model",
+    }
+    report = (await env.client.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)).json()
+    assert report["rows"][0]["cache_hit_ratio"] == 0.000001
+    text = (
+        await env.client.get("/admin/api/v1/reports/usage", params={**params, "format": "csv"}, headers=AUTH)
+    ).text
+    [row] = csv.DictReader(io.StringIO(text))
+    assert (row["cache_hit_ratio"], row["total_tokens"]) == ("0.000001", "1000001")
+    assert "e-" not in text.lower()
