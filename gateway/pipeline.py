@@ -176,7 +176,9 @@ def tier_sheets(model: Model) -> dict[str, dict[TokenClass, int]]:
 
 def long_context_sheet(model: Model) -> LongContextSheet | None:
     tier = model.price.long_context
-    return None if tier is None else LongContextSheet(tier.above_prompt_tokens, _rates(tier))
+    return (
+        None if tier is None else LongContextSheet(tier.above_prompt_tokens, _rates(tier), price_sheet(model))
+    )
 
 
 def model_prices(
@@ -184,8 +186,9 @@ def model_prices(
 ) -> dict[TokenClass, int]:
     """The prices that bill an attempt on `model` served at `service_tier` with a prompt of
     `prompt_tokens`: the catalog's (`catalog`, empty where it has none for the model), else the
-    config's `price`, at the tier's own prices where it has some, else the base ones; at the config's
-    `long_context` rates where the prompt is above its threshold. One rule for billing
+    config's `price`, at the tier's own prices where it has some, else the base ones; where the
+    prompt is above the config's `long_context` threshold, those prices times its multiples of the
+    base (`LongContextSheet.apply`: a flex long prompt keeps its discount). One rule for billing
     (`Pipeline.billing_prices`) and for the prices `cheapest` expects (`routing.policies`)."""
     prices = catalog or (service_tier and tier_sheets(model).get(service_tier)) or price_sheet(model)
     tier = long_context_sheet(model)

@@ -10,8 +10,9 @@ import bisect
 import datetime as dt
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from fractions import Fraction
 from typing import Annotated
 
 import msgspec
@@ -139,14 +140,37 @@ class _Sheet:
 @dataclass(frozen=True, slots=True)
 class LongContextSheet:
     """A model's long-context tier: above `above_prompt_tokens` prompt tokens, every token of the
-    attempt is billed at `rates` (the classes the tier sets) over the base prices."""
+    attempt is billed at `rates` (the classes the tier sets) over the base prices.
+
+    Vendors publish long-context prices as multiples of each service tier's own: OpenAI bills a long
+    prompt at 2x input and 1.5x output at standard, batch and flex alike, Anthropic's and Gemini's
+    batch prices are half of each context tier's. `base` holds the base prices the rates were written
+    against (the config's): a class priced in both bills at the price the attempt's tier sets times
+    rate / base, so a flex or batch attempt's long prompt keeps its discount, and one at the base
+    prices bills exactly `rates`. A class `base` leaves unpriced (or at 0) bills at `rates` as set."""
 
     above_prompt_tokens: int
     rates: dict[TokenClass, int]
+    base: dict[TokenClass, int] = field(default_factory=dict)
 
     def apply(self, prices: dict[TokenClass, int], prompt_tokens: int) -> dict[TokenClass, int]:
-        """`prices` (the catalog's or the config's) as they bill a prompt of `prompt_tokens`."""
-        return prices | self.rates if prompt_tokens > self.above_prompt_tokens else prices
+        """`prices` (the catalog's or the config's, at the tier served) as they bill a prompt of
+        `prompt_tokens`."""
+        if prompt_tokens <= self.above_prompt_tokens:
+            return prices
+        billed = dict(prices)
+        for token_class, rate in self.rates.items():
+            base = self.base.get(token_class, 0)
+            price = prices.get(token_class)
+            if base and price is not None:
+                rate = _scaled(price, rate, base)
+            billed[token_class] = rate
+        return billed
+
+
+def _scaled(price: int, rate: int, base: int) -> int:
+    """`price` x `rate` / `base`, rounded half to even."""
+    return round(Fraction(price * rate, base))
 
 
 # Every attempt is priced, almost always from one of a few long-lived price dicts (the catalog's, the

@@ -139,9 +139,10 @@ def _tiered_model() -> Model:
     return parse_config(text).models[0]
 
 
-def test_the_tier_overlays_the_catalog_s_prices_and_keeps_the_classes_it_leaves_out() -> None:
-    """With an admin DB the catalog's prices bill (seeded from the config): above the threshold the
-    tier's classes replace theirs, and a class the tier leaves out keeps the catalog's price."""
+def test_the_tier_scales_the_catalog_s_prices_and_keeps_the_classes_it_leaves_out() -> None:
+    """With an admin DB the catalog's prices bill (seeded from the config): above the threshold each
+    class the tier sets bills at the catalog's price times the tier's multiple of the config's base
+    (input 6 / 3: twice the catalog's 4), and a class the tier leaves out keeps the catalog's price."""
     model = _tiered_model()
     pipeline = Pipeline(None, None, None, [model])  # type: ignore[arg-type]
     target = Target(model, Backend(name="b", type="anthropic", base_url="u"), None)  # type: ignore[arg-type]
@@ -150,14 +151,60 @@ def test_the_tier_overlays_the_catalog_s_prices_and_keeps_the_classes_it_leaves_
     at = dt.datetime.now(dt.UTC)
     assert pipeline.billing_prices(target, at, 200_000) == catalog
     assert pipeline.billing_prices(target, at, 200_001) == {
-        TokenClass.INPUT: 6_000_000,
+        TokenClass.INPUT: 8_000_000,
         TokenClass.CACHED_INPUT: 400_000,
-        TokenClass.OUTPUT: 22_500_000,
+        TokenClass.OUTPUT: 30_000_000,
     }
     # Cache reads and writes count toward the threshold (Anthropic: input + cache reads + writes).
     usage = Usage(input_tokens=1, cached_input_tokens=150_000, cache_write_5m_tokens=50_000, output_tokens=2)
     cost = price_usage(usage, pipeline.billing_prices(target, at, usage.prompt_tokens))
-    assert cost.cost_pico_usd == 6_000_000 + 150_000 * 400_000 + 50_000 * 6_000_000 + 2 * 22_500_000
+    assert cost.cost_pico_usd == 8_000_000 + 150_000 * 400_000 + 50_000 * 8_000_000 + 2 * 30_000_000
+
+
+@pytest.mark.parametrize("from_catalog", [False, True])
+def test_a_long_prompt_at_a_service_tier_keeps_the_tier_s_discount(from_catalog: bool) -> None:
+    """OpenAI bills a prompt above 272K tokens at 2x input and 1.5x output at standard, batch and
+    flex alike; Anthropic's and Gemini's batch prices are half of each context tier's. The long
+    context's rates replaced the tier's, so a flex attempt's long prompt was billed at the standard
+    long-context rates (twice what OpenAI bills): they now scale the tier's own prices."""
+    text = (
+        "backends: [{name: b, type: openai, base_url: u}]\n"
+        "models: [{name: gpt-5.4, backend: b, price: {input: 2.5, cached_input: 0.25, output: 15, "
+        "tiers: {flex: {input: 1.25, cached_input: 0.125, output: 7.5}}, "
+        "long_context: {above_prompt_tokens: 272000, input: 5, cached_input: 0.5, output: 22.5}}}]"
+    )
+    model = parse_config(text).models[0]
+    pipeline = Pipeline(None, None, None, [model])  # type: ignore[arg-type]
+    target = Target(model, Backend(name="b", type="openai", base_url="u"), None)  # type: ignore[arg-type]
+    if from_catalog:  # the catalog as the config seeds it, at the flex tier
+        flex = {TokenClass.INPUT: 1_250_000, TokenClass.CACHED_INPUT: 125_000, TokenClass.OUTPUT: 7_500_000}
+        pipeline.catalog = lambda backend, upstream, at, tier: flex
+    at = dt.datetime.now(dt.UTC)
+    assert pipeline.billing_prices(target, at, 272_001, "flex") == {
+        TokenClass.INPUT: 2_500_000,
+        TokenClass.CACHED_INPUT: 250_000,
+        TokenClass.OUTPUT: 11_250_000,
+    }
+    # At the threshold, the flex prices; a standard attempt's long prompt, the tier's rates as set.
+    assert pipeline.billing_prices(target, at, 272_000, "flex")[TokenClass.INPUT] == 1_250_000
+    if not from_catalog:
+        assert pipeline.billing_prices(target, at, 272_001, "default") == {
+            TokenClass.INPUT: 5_000_000,
+            TokenClass.CACHED_INPUT: 500_000,
+            TokenClass.OUTPUT: 22_500_000,
+        }
+
+
+def test_a_scaled_rate_rounds_half_to_even_and_an_unpriced_base_class_bills_the_rate() -> None:
+    tier = LongContextSheet(
+        10,
+        {TokenClass.INPUT: 5, TokenClass.CACHE_WRITE_1H: 12},
+        base={TokenClass.INPUT: 2},
+    )
+    assert tier.apply({TokenClass.INPUT: 3, TokenClass.CACHE_WRITE_1H: 7}, 11) == {
+        TokenClass.INPUT: 8,  # 3 x 5 / 2 = 7.5: to even
+        TokenClass.CACHE_WRITE_1H: 12,  # the base sets no 1-hour price to scale by: as set
+    }
 
 
 async def test_a_long_prompt_s_budget_estimate_is_at_the_tier() -> None:
