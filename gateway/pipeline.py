@@ -23,7 +23,7 @@ import structlog
 
 from gateway.accounting.events import UsageEvent
 from gateway.accounting.money import usd_per_mtok_to_micro
-from gateway.accounting.pricing import LongContextSheet, PricesAt, TokenClass, price_usage
+from gateway.accounting.pricing import LongContextSheet, PricesAt, TokenClass, price_usage, vendor_prices
 from gateway.aio import Background
 from gateway.auth import Principal
 from gateway.config import Backend, Model, Price, TierPrice
@@ -182,17 +182,25 @@ def long_context_sheet(model: Model) -> LongContextSheet | None:
 
 
 def model_prices(
-    model: Model, catalog: dict[TokenClass, int], service_tier: str | None, prompt_tokens: int
+    model: Model,
+    catalog: dict[TokenClass, int],
+    service_tier: str | None,
+    prompt_tokens: int,
+    vendor: str = "",
 ) -> dict[TokenClass, int]:
     """The prices that bill an attempt on `model` served at `service_tier` with a prompt of
     `prompt_tokens`: the catalog's (`catalog`, empty where it has none for the model), else the
     config's `price`, at the tier's own prices where it has some, else the base ones; where the
     prompt is above the config's `long_context` threshold, those prices times its multiples of the
     base (`LongContextSheet.apply`: a flex long prompt keeps its discount). One rule for billing
-    (`Pipeline.billing_prices`) and for the prices `cheapest` expects (`routing.policies`)."""
+    (`Pipeline.billing_prices`) and for the prices `cheapest` expects (`routing.policies`).
+    `vendor`: the backend's type, whose rule prices the cache writes those prices leave out
+    (`pricing.vendor_prices`: Anthropic's 1.25x and 2x the input price that bills the attempt)."""
     prices = catalog or (service_tier and tier_sheets(model).get(service_tier)) or price_sheet(model)
     tier = long_context_sheet(model)
-    return prices if tier is None else tier.apply(prices, prompt_tokens)
+    if tier is not None:
+        prices = tier.apply(prices, prompt_tokens)
+    return vendor_prices(prices, vendor)
 
 
 # How long an attempt cancelled while its whole answer's body comes in still waits for it, for its
@@ -241,7 +249,7 @@ class Pipeline:
         catalog: dict[TokenClass, int] = {}
         if self.catalog is not None:
             catalog = self.catalog(target.backend.name, target.upstream_model, at, service_tier)
-        return model_prices(target.model, catalog, service_tier, prompt_tokens)
+        return model_prices(target.model, catalog, service_tier, prompt_tokens, target.backend.type)
 
     async def exchange(
         self,

@@ -213,7 +213,9 @@ def expected_cost(choice: Choice, feats: Features, output_tokens: float, ctx: Po
     catalog = ctx.prices(backend, model, asked) if ctx.prices is not None else {}
     # In micro-USD per 1M tokens, as billing finds them (`model_prices`: above the model's long-context
     # threshold every token bills at its rates), unpriced classes as billing prices them (`resolve`).
-    prices = resolve(model_prices(choice.target.model, catalog, asked, feats.prompt_tokens))
+    prices = resolve(
+        model_prices(choice.target.model, catalog, asked, feats.prompt_tokens, choice.target.backend.type)
+    )
     shares = _cache_shares(choice, feats, ctx)
     input_price = prices.get(TokenClass.INPUT, 0)
     per_prompt_token = input_price + sum(

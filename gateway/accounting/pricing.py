@@ -58,6 +58,14 @@ FALLBACK: dict[TokenClass, TokenClass] = {
 }
 
 
+# Vendors that bill prompt-cache writes as multiples of the input price: a price sheet of one of their
+# models that leaves a write class out bills it by the vendor's rule (`vendor_prices`), not at the
+# generic fallback above. Anthropic: 5-minute writes at 1.25x the input price, 1-hour writes at 2x.
+CACHE_WRITE_MULTIPLES: dict[str, dict[TokenClass, Fraction]] = {
+    "anthropic": {TokenClass.CACHE_WRITE_5M: Fraction(5, 4), TokenClass.CACHE_WRITE_1H: Fraction(2)},
+}
+
+
 # A vendor's service tier name as its responses report it: OpenAI's `flex`, `priority`, `default`;
 # Anthropic's `priority`, `standard`, `batch`.
 TierName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
@@ -95,6 +103,33 @@ def resolve(prices: dict[TokenClass, int]) -> dict[TokenClass, int]:
         if token_class not in full and FALLBACK[token_class] in full:
             full[token_class] = full[FALLBACK[token_class]]
     return full
+
+
+# Sheets a vendor's rule filled (`vendor_prices`), by the id of the sheet filled, kept as `_sheets` are:
+# the same filled dict for the same sheet, so that `sheet_of` resolves it once.
+_filled: dict[
+    tuple[int, str], tuple[dict[TokenClass, int], dict[TokenClass, int], dict[TokenClass, int]]
+] = {}
+
+
+def vendor_prices(prices: dict[TokenClass, int], vendor: str) -> dict[TokenClass, int]:
+    """`prices` with the cache-write classes they leave out priced by `vendor`'s rule
+    (CACHE_WRITE_MULTIPLES: Anthropic's 1.25x and 2x the input price), where it has one and `prices`
+    price input; else `prices` itself. Do not modify the result: it is shared."""
+    multiples = CACHE_WRITE_MULTIPLES.get(vendor)
+    if not multiples or TokenClass.INPUT not in prices or all(c in prices for c in multiples):
+        return prices
+    entry = _filled.get((id(prices), vendor))
+    if entry is not None and entry[0] is prices and entry[1] == prices:
+        return entry[2]
+    filled = dict(prices)
+    for token_class, multiple in multiples.items():
+        if token_class not in filled:
+            filled[token_class] = round(prices[TokenClass.INPUT] * multiple)
+    if len(_filled) >= _MAX_SHEETS:
+        _filled.clear()
+    _filled[(id(prices), vendor)] = (prices, dict(prices), filled)
+    return filled
 
 
 @dataclass(frozen=True, slots=True)

@@ -368,7 +368,9 @@ async def routing_savings(
                 if target is None:
                     continue
                 catalog_prices = catalog.prices_at(target.backend.name, target.upstream_model, at, tier)
-                prices = resolve(model_prices(target.model, catalog_prices, tier, prompt))
+                prices = resolve(
+                    model_prices(target.model, catalog_prices, tier, prompt, target.backend.type)
+                )
                 costs.append(sum(n * prices.get(c, 0) for c, n in zip(TokenClass, tokens, strict=True)))
         return max(costs) if len(costs) > 1 else None
 

@@ -149,16 +149,22 @@ def test_the_tier_scales_the_catalog_s_prices_and_keeps_the_classes_it_leaves_ou
     catalog = {TokenClass.INPUT: 4_000_000, TokenClass.CACHED_INPUT: 400_000, TokenClass.OUTPUT: 20_000_000}
     pipeline.catalog = lambda backend, upstream, at, tier: catalog
     at = dt.datetime.now(dt.UTC)
-    assert pipeline.billing_prices(target, at, 200_000) == catalog
+    # Cache writes the prices leave out: Anthropic's 1.25x and 2x the input price that bills.
+    assert pipeline.billing_prices(target, at, 200_000) == catalog | {
+        TokenClass.CACHE_WRITE_5M: 5_000_000,
+        TokenClass.CACHE_WRITE_1H: 8_000_000,
+    }
     assert pipeline.billing_prices(target, at, 200_001) == {
         TokenClass.INPUT: 8_000_000,
         TokenClass.CACHED_INPUT: 400_000,
+        TokenClass.CACHE_WRITE_5M: 10_000_000,
+        TokenClass.CACHE_WRITE_1H: 16_000_000,
         TokenClass.OUTPUT: 30_000_000,
     }
     # Cache reads and writes count toward the threshold (Anthropic: input + cache reads + writes).
     usage = Usage(input_tokens=1, cached_input_tokens=150_000, cache_write_5m_tokens=50_000, output_tokens=2)
     cost = price_usage(usage, pipeline.billing_prices(target, at, usage.prompt_tokens))
-    assert cost.cost_pico_usd == 8_000_000 + 150_000 * 400_000 + 50_000 * 8_000_000 + 2 * 30_000_000
+    assert cost.cost_pico_usd == 8_000_000 + 150_000 * 400_000 + 50_000 * 10_000_000 + 2 * 30_000_000
 
 
 @pytest.mark.parametrize("from_catalog", [False, True])
