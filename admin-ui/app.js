@@ -1125,7 +1125,8 @@ async function finance(params, query, show) {
   const endIn = h("input", { name: "end", type: "date", value: end, required: true });
   // service_tier: cost by the tier each attempt was served and billed at (flex, priority...); blank
   // where its vendor reported none. The report reads the ledger for it (the rollups keep no tier).
-  const boxes = ["tenant", "model", "backend", "day", "key", "service_tier"].map((g) =>
+  // route: the public name each request asked for (a route such as `auto`, or a model by its name).
+  const boxes = ["tenant", "model", "backend", "day", "key", "service_tier", "route"].map((g) =>
     h("label", { class: "check" }, h("input", { type: "checkbox", name: "group_by", value: g, checked: groups.includes(g) }), ` ${g}`));
   const form = h("form", { class: "inline-form", "aria-label": "Report range" }, ...formBox(
     field("From", startIn), field("To (exclusive)", endIn, "UTC days: the report covers From 00:00 UTC up to, not including, To 00:00 UTC."),

@@ -35,7 +35,7 @@ from gateway.accounting.events import (
     UNANSWERED_START_SQL,
 )
 from gateway.accounting.money import format_usd, pico_to_usd
-from gateway.db.models import ApiKey, Tenant, UptimeSample, UsageEventRow, UsageRollup
+from gateway.db.models import ApiKey, Tenant, UptimeSample, UsageEventRow, UsageRollup, UsageRouteRollup
 from gateway.usage import TOKEN_FIELDS as TOKEN_COLUMNS
 
 GROUPS = {
@@ -45,9 +45,13 @@ GROUPS = {
     "backend": "backend",
     "day": "day",
     "service_tier": "service_tier",  # the tier each attempt was served and priced at
+    "route": "route",  # the public name the request asked for (a route, or a model by its name)
 }
 # Groups the daily rollups do not keep: a report grouped by one reads the ledger, whatever its range.
 LEDGER_ONLY_GROUPS = frozenset({"service_tier"})
+# Groups that only the route rollups keep (usage_route_rollups): a whole-day report grouped by one
+# reads them instead of usage_rollups.
+ROUTE_ROLLUP_GROUPS = frozenset({"route"})
 # A key's row also says which key it is as the keys list shows it (its id is shown nowhere else):
 # its name and prefix, null for a config file's key.
 KEY_LABELS = ("key_name", "key_prefix")
@@ -122,10 +126,10 @@ async def usage_report(
     requests: ColumnElement[int]
     attempts: ColumnElement[int]
     if _whole_days(start, end) and not LEDGER_ONLY_GROUPS.intersection(group_by):
-        table: Any = UsageRollup
-        where = and_(UsageRollup.day >= start.date(), UsageRollup.day < end.date())
-        requests, attempts = func.sum(UsageRollup.client_requests), func.sum(UsageRollup.requests)
-        errors, cancelled = func.sum(UsageRollup.errors), func.sum(UsageRollup.cancelled)
+        table: Any = UsageRouteRollup if ROUTE_ROLLUP_GROUPS.intersection(group_by) else UsageRollup
+        where = and_(table.day >= start.date(), table.day < end.date())
+        requests, attempts = func.sum(table.client_requests), func.sum(table.requests)
+        errors, cancelled = func.sum(table.errors), func.sum(table.cancelled)
     else:
         table = UsageEventRow
         where = and_(UsageEventRow.ts >= start, UsageEventRow.ts < end)
@@ -171,7 +175,7 @@ async def usage_report(
         "start": start.isoformat(),
         "end": end.isoformat(),
         "group_by": group_by,
-        "source": "rollups" if table is UsageRollup else "events",
+        "source": "events" if table is UsageEventRow else "rollups",
         "rows": rows,
         "totals": totals,
     }
@@ -232,7 +236,9 @@ async def _label_keys(session: AsyncSession, rows: list[dict[str, Any]]) -> None
 # runs a cell that starts with one of FORMULA_STARTS as a formula (CSV injection: `=HYPERLINK(...)`,
 # `=cmd|...`); such a cell is written with a leading `'`, which spreadsheets show as text. Numbers
 # (a negative saving) are never text cells, so they stay numbers.
-TEXT_COLUMNS = frozenset({"tenant", "key", "model", "backend", "service_tier", "tenant_name", *KEY_LABELS})
+TEXT_COLUMNS = frozenset(
+    {"tenant", "key", "model", "backend", "service_tier", "route", "tenant_name", *KEY_LABELS}
+)
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 

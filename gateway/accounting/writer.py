@@ -46,13 +46,16 @@ from gateway.accounting.events import (
 )
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, Token, UsageQueue
 from gateway.aio import stop_if_cancelled
-from gateway.db.models import UsageEventRow, UsageRollup
+from gateway.db.models import UsageEventRow, UsageRollup, UsageRouteRollup
 from gateway.usage import TOKEN_FIELDS
 
 log = logging.getLogger(__name__)
 
 EVENTS: Table = UsageEventRow.__table__  # type: ignore[assignment]
 ROLLUPS: Table = UsageRollup.__table__  # type: ignore[assignment]
+ROUTE_ROLLUPS: Table = UsageRouteRollup.__table__  # type: ignore[assignment]
+ROLLUP_GROUP = ("day", "tenant_id", "key_id", "backend", "model")  # the rollups' unique key
+ROUTE_ROLLUP_GROUP = (*ROLLUP_GROUP, "route")  # the route rollups'
 # What each rollup row sums: counts of attempts (all; failed; cancelled, 499s, which are no error) and of
 # the client requests that started in the group (their first attempts, not Weir's own calls:
 # `events.starts_client_request`), then the events' own amounts.
@@ -150,18 +153,28 @@ def _lines_insert() -> TextClause:
     rows or rollups: per event it only joins bytes. The count of new events comes back (no row when
     none was new)."""
     names = list(_LINE_COLUMNS)
+    group = ", ".join(ROLLUP_GROUP)
+    route_group = ", ".join(ROUTE_ROLLUP_GROUP)
     return text(
         f"WITH inserted AS (INSERT INTO {EVENTS.name} ({', '.join(names)}) "
         f"SELECT {', '.join(_LINE_COLUMNS.values())} FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS e "
         "ON CONFLICT (event_id) DO NOTHING "
-        f"RETURNING day, tenant_id, key_id, backend, model, status, attempt, purpose, {', '.join(AMOUNTS)}) "
-        f"INSERT INTO {ROLLUPS.name} (day, tenant_id, key_id, backend, model, {', '.join(SUMMED)}) "
-        "SELECT day, coalesce(tenant_id, ''), coalesce(key_id, ''), backend, model, count(*), "
-        f"count(*) FILTER (WHERE (status < 200 OR status >= 400) AND status <> {CANCELLED}), "
-        f"count(*) FILTER (WHERE status = {CANCELLED}), "
-        f"count(*) FILTER (WHERE {STARTS_CLIENT_REQUEST_SQL}), "
-        f"{', '.join(f'sum({n})' for n in AMOUNTS)} FROM inserted GROUP BY 1, 2, 3, 4, 5 "
-        "ON CONFLICT (day, tenant_id, key_id, backend, model) DO UPDATE SET "
+        f"RETURNING day, tenant_id, key_id, backend, model, route, status, attempt, purpose, "
+        f"{', '.join(AMOUNTS)}), "
+        # The new events' sums per route, added to the route rollups, then per group to the rollups.
+        f"by_route AS (SELECT day, coalesce(tenant_id, '') AS tenant_id, coalesce(key_id, '') AS key_id, "
+        "backend, model, route, count(*) AS requests, "
+        f"count(*) FILTER (WHERE (status < 200 OR status >= 400) AND status <> {CANCELLED}) AS errors, "
+        f"count(*) FILTER (WHERE status = {CANCELLED}) AS cancelled, "
+        f"count(*) FILTER (WHERE {STARTS_CLIENT_REQUEST_SQL}) AS client_requests, "
+        f"{', '.join(f'sum({n}) AS {n}' for n in AMOUNTS)} FROM inserted GROUP BY 1, 2, 3, 4, 5, 6), "
+        f"routes AS (INSERT INTO {ROUTE_ROLLUPS.name} ({route_group}, {', '.join(SUMMED)}) "
+        f"SELECT {route_group}, {', '.join(SUMMED)} FROM by_route "
+        f"ON CONFLICT ({route_group}) DO UPDATE SET "
+        f"{', '.join(f'{n} = {ROUTE_ROLLUPS.name}.{n} + excluded.{n}' for n in SUMMED)}) "
+        f"INSERT INTO {ROLLUPS.name} ({group}, {', '.join(SUMMED)}) "
+        f"SELECT {group}, {', '.join(f'sum({n})' for n in SUMMED)} FROM by_route GROUP BY 1, 2, 3, 4, 5 "
+        f"ON CONFLICT ({group}) DO UPDATE SET "
         f"{', '.join(f'{n} = {ROLLUPS.name}.{n} + excluded.{n}' for n in SUMMED)} "
         "RETURNING (SELECT count(*) FROM inserted)"
     )
@@ -244,17 +257,20 @@ def _sqlite_params(events: list[UsageEvent]) -> list[Any]:
     return params
 
 
-# One attempt as the rollups count it: its group (day, tenant, key, backend, model), its status, whether
-# it starts a client request (`events.starts_client_request`), and its `AMOUNTS`, in that order.
-_Counted = tuple[dt.date, str | None, str | None, str, str, int, bool, Iterable[int]]
+# One attempt as the rollups count it: its group (day, tenant, key, backend, model, route), its status,
+# whether it starts a client request (`events.starts_client_request`), and its `AMOUNTS`, in that order.
+_Counted = tuple[dt.date, str | None, str | None, str, str, str, int, bool, Iterable[int]]
+# The rows of both rollup tables: (usage_rollups', usage_route_rollups').
+_Rollups = tuple[list[dict[str, Any]], list[dict[str, Any]]]
 
 
-def _sum_rollups(attempts: Iterable[_Counted]) -> list[dict[str, Any]]:
+def _sum_rollups(attempts: Iterable[_Counted]) -> _Rollups:
     """The rollup rows of these attempts: `SUMMED` per group, a missing tenant or key as "" (the
-    rollups' unique key must hold for anonymous traffic). The one count of both writer paths."""
+    rollups' unique key must hold for anonymous traffic), per route for the route rollups and over
+    the routes for the rollups. The one count of both writer paths."""
     totals: dict[tuple[Any, ...], list[int]] = {}
-    for day, tenant, key, backend, model, status, starts_request, amounts in attempts:
-        group = (day, tenant or "", key or "", backend, model)
+    for day, tenant, key, backend, model, route, status, starts_request, amounts in attempts:
+        group = (day, tenant or "", key or "", backend, model, route)
         sums = totals.get(group)
         if sums is None:
             sums = totals[group] = [0] * len(SUMMED)
@@ -267,20 +283,27 @@ def _sum_rollups(attempts: Iterable[_Counted]) -> list[dict[str, Any]]:
             sums[3] += 1
         for i, value in enumerate(amounts, len(COUNTS)):
             sums[i] += value
-    return [
-        {
-            "day": d,
-            "tenant_id": t,
-            "key_id": k,
-            "backend": b,
-            "model": m,
-            **dict(zip(SUMMED, sums, strict=True)),
-        }
-        for (d, t, k, b, m), sums in totals.items()
-    ]
+    by_group: dict[tuple[Any, ...], list[int]] = {}
+    for group, sums in totals.items():
+        into = by_group.get(group[:-1])
+        if into is None:
+            by_group[group[:-1]] = list(sums)
+        else:
+            for i, value in enumerate(sums):
+                into[i] += value
+    return (
+        [
+            {**dict(zip(ROLLUP_GROUP, g, strict=True)), **dict(zip(SUMMED, sums, strict=True))}
+            for g, sums in by_group.items()
+        ],
+        [
+            {**dict(zip(ROUTE_ROLLUP_GROUP, g, strict=True)), **dict(zip(SUMMED, sums, strict=True))}
+            for g, sums in totals.items()
+        ],
+    )
 
 
-def _event_rollups(events: list[UsageEvent]) -> list[dict[str, Any]]:
+def _event_rollups(events: list[UsageEvent]) -> _Rollups:
     """The rollup rows of these events, read from the events themselves: SQLite's path, which builds
     no ledger row (`_sqlite_params`)."""
     return _sum_rollups(
@@ -290,6 +313,7 @@ def _event_rollups(events: list[UsageEvent]) -> list[dict[str, Any]]:
             e.key_id,
             e.backend,
             e.model,
+            e.route,
             e.status,
             starts_client_request(e.attempt, e.purpose),
             (*_token_counts(e.usage), e.cost_pico_usd, e.savings_pico_usd),
@@ -307,7 +331,7 @@ def _sqlite_insert(names: tuple[str, ...], rows: int) -> str:
     )
 
 
-def _rollup_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _rollup_rows(rows: list[dict[str, Any]]) -> _Rollups:
     """The rollup rows of these ledger rows (`event_row`): the path that builds them."""
     return _sum_rollups(
         (
@@ -316,6 +340,7 @@ def _rollup_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r["key_id"],
             r["backend"],
             r["model"],
+            r["route"],
             r["status"],
             starts_client_request(r["attempt"], r["purpose"]),
             [r[name] for name in AMOUNTS],
@@ -360,7 +385,9 @@ class BatchWriter:
         self.linger_s = linger_s
         self.stats = WriterStats()
         self._pending: list[tuple[Token, Any]] = []  # (token, event), or (token, line) read as lines
-        self._insert_events, self._upsert_rollups = self._statements(engine.dialect.name)
+        self._insert_events, self._upsert_rollups, self._upsert_route_rollups = self._statements(
+            engine.dialect.name
+        )
         self._unnest = engine.dialect.name == "postgresql" and engine.dialect.driver == "asyncpg"
         self._raw_sqlite = engine.dialect.name == "sqlite" and engine.dialect.driver == "aiosqlite"
         self._task: asyncio.Task[None] | None = None
@@ -372,17 +399,21 @@ class BatchWriter:
         self.dead_letters = DeadLetters(dead_letter) if dead_letter is not None else None
 
     @staticmethod
-    def _statements(dialect: str) -> tuple[Any, Any]:
+    def _statements(dialect: str) -> tuple[Any, Any, Any]:
         insert = (postgresql if dialect == "postgresql" else sqlite).insert  # these know ON CONFLICT
         events = (
             insert(EVENTS).on_conflict_do_nothing(index_elements=["event_id"]).returning(EVENTS.c.event_id)
         )
-        rollups = insert(ROLLUPS)
-        rollups = rollups.on_conflict_do_update(
-            index_elements=["day", "tenant_id", "key_id", "backend", "model"],
-            set_={name: ROLLUPS.c[name] + rollups.excluded[name] for name in SUMMED},
-        )
-        return events, rollups
+        upserts = []
+        for table, group in ((ROLLUPS, ROLLUP_GROUP), (ROUTE_ROLLUPS, ROUTE_ROLLUP_GROUP)):
+            upsert = insert(table)
+            upserts.append(
+                upsert.on_conflict_do_update(
+                    index_elements=list(group),
+                    set_={name: table.c[name] + upsert.excluded[name] for name in SUMMED},
+                )
+            )
+        return events, upserts[0], upserts[1]
 
     async def write_lines(self, lines: list[bytes]) -> int:
         """Insert a batch of encoded events (`events.encode`) in one transaction; returns how many
@@ -496,13 +527,18 @@ class BatchWriter:
                 self.stats.statements += 1
             # One row per new event: a batch may hold an event twice, which the ledger stores once.
             fresh = {r["event_id"]: r for r in rows if r["event_id"] in new_ids}
-            rollups = _rollup_rows(list(fresh.values()))
-            if rollups:
-                await conn.execute(self._upsert_rollups, rollups)
+            await self._add_to_rollups(conn, _rollup_rows(list(fresh.values())))
         self.stats.batches += 1
         self.stats.inserted += len(new_ids)
         self.stats.duplicates += len(rows) - len(new_ids)
         return len(new_ids)
+
+    async def _add_to_rollups(self, conn: Any, rollups: _Rollups) -> None:
+        """Add the new events' sums to both rollup tables, in the transaction that inserted them."""
+        by_group, by_route = rollups
+        if by_group:
+            await conn.execute(self._upsert_rollups, by_group)
+            await conn.execute(self._upsert_route_rollups, by_route)
 
     async def _write_sqlite(self, events: list[UsageEvent]) -> int:
         """SQLite: the same multi-row INSERT ... RETURNING that SQLAlchemy would send, run on the
@@ -524,9 +560,7 @@ class BatchWriter:
                 fresh = events
             else:  # one per new event: a batch may hold an event twice, which the ledger stores once
                 fresh = list({e.event_id: e for e in events if e.event_id in new_ids}.values())
-            rollups = _event_rollups(fresh)
-            if rollups:
-                await conn.execute(self._upsert_rollups, rollups)
+            await self._add_to_rollups(conn, _event_rollups(fresh))
         self.stats.batches += 1
         self.stats.inserted += len(new_ids)
         self.stats.duplicates += len(events) - len(new_ids)

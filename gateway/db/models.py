@@ -229,6 +229,37 @@ class UsageRollup(Base):
     savings_pico_usd: Mapped[int] = mapped_column(BigInteger)
 
 
+class UsageRouteRollup(Base):
+    """Daily totals by route as well: usage_rollups' sums per (day, tenant, key, backend, model,
+    route), which the usage report reads when it groups by route over whole days. A table of its own
+    (migration 0018, filled from the ledger), so that replicas of the release before, which upsert
+    usage_rollups on its unique key, run on beside it; the writer adds to both in one transaction."""
+
+    __tablename__ = "usage_route_rollups"
+    __table_args__ = (UniqueConstraint("day", "tenant_id", "key_id", "backend", "model", "route"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    day: Mapped[dt.date] = mapped_column(Date)
+    tenant_id: Mapped[str] = mapped_column(String(200))  # "" for none, as usage_rollups
+    key_id: Mapped[str] = mapped_column(String(32))
+    backend: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(200))
+    route: Mapped[str] = mapped_column(String(200))  # as usage_events.route: the public name asked for
+    requests: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)
+    cancelled: Mapped[int] = mapped_column(BigInteger)
+    client_requests: Mapped[int] = mapped_column(BigInteger)
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cache_write_5m_tokens: Mapped[int] = mapped_column(BigInteger)
+    cache_write_1h_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
+    web_search_requests: Mapped[int] = mapped_column(BigInteger)
+    cost_pico_usd: Mapped[int] = mapped_column(BigInteger)
+    savings_pico_usd: Mapped[int] = mapped_column(BigInteger)
+
+
 class UptimeSample(Base):
     """One active health probe result (source "probe"); request outcomes come from usage_events."""
 

@@ -1468,3 +1468,64 @@ async def test_the_usage_csv_writes_ratios_in_plain_decimals(env: Env) -> None:
     [row] = csv.DictReader(io.StringIO(text))
     assert (row["cache_hit_ratio"], row["total_tokens"]) == ("0.000001", "1000001")
     assert "e-" not in text.lower()
+
+
+async def test_the_usage_report_groups_by_route_from_rollups_and_ledger_alike(env: Env) -> None:
+    """The ledger keeps each attempt's route (the public name asked for: `auto`, or a model by its
+    name), but the report could not group by it. `group_by=route` reads the route rollups over whole
+    days and the ledger otherwise, with the same rows, JSON and CSV."""
+    day = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    routes = {"auto": [("b", "m1", 200), ("b", "m2", 502), ("c", "m1", 200)], "m1": [("b", "m1", 499)]}
+    events = [
+        usage_event(
+            f"{route}-{i}",
+            tokens=10 * (i + 1),
+            cost_pico_usd=1_000 * (i + 1),
+            ts=day + dt.timedelta(hours=6 + i),
+            route=route,
+            backend=backend,
+            model=model,
+            status=status,
+            tenant_id=None if route == "m1" else "t",
+        )
+        for route, attempts in routes.items()
+        for i, (backend, model, status) in enumerate(attempts)
+    ]
+    await _write(env, events)
+    whole = {"start": day.date().isoformat(), "end": (day + dt.timedelta(days=1)).date().isoformat()}
+    hours = {"start": day.isoformat(), "end": (day + dt.timedelta(hours=23)).isoformat()}
+    reports = {}
+    for name, span in (("rollups", whole), ("events", hours)):
+        for group_by in ("route", "tenant,route,model"):
+            params = {**span, "group_by": group_by}
+            report = (await env.client.get("/admin/api/v1/reports/usage", params=params, headers=AUTH)).json()
+            assert report["source"] == name
+            reports[name, group_by] = report
+    for group_by in ("route", "tenant,route,model"):
+        assert reports["rollups", group_by]["rows"] == reports["events", group_by]["rows"]
+        assert reports["rollups", group_by]["totals"] == reports["events", group_by]["totals"]
+    by_route = {r["route"]: r for r in reports["rollups", "route"]["rows"]}
+    assert list(by_route) == ["auto", "m1"]
+    assert [(r["attempts"], r["errors"], r["cancelled"], r["cost_usd"]) for r in by_route.values()] == [
+        (3, 1, 0, "0.000000006"),
+        (1, 0, 1, "0.000000001"),
+    ]
+    assert [
+        (r["tenant"], r["route"], r["model"]) for r in reports["rollups", "tenant,route,model"]["rows"]
+    ] == [
+        (None, "m1", "m1"),
+        ("t", "auto", "m1"),
+        ("t", "auto", "m2"),
+    ]
+    text = (
+        await env.client.get(
+            "/admin/api/v1/reports/usage",
+            params={**whole, "group_by": "route", "format": "csv"},
+            headers=AUTH,
+        )
+    ).text
+    assert [(r["route"], r["attempts"]) for r in csv.DictReader(io.StringIO(text))] == [
+        ("auto", "3"),
+        ("m1", "1"),
+    ]
+    assert text.startswith("route,requests,")

@@ -259,3 +259,41 @@ def test_weirs_own_calls_are_no_client_requests_once_upgraded(db_url: str) -> No
     with pytest.raises(Exception, match="purpose"):
         sync_exec(db_url, "SELECT purpose FROM usage_events")
     assert sync_exec(db_url, query) == before
+
+
+def test_the_route_rollups_are_filled_from_the_ledger_once_upgraded(db_url: str) -> None:
+    """0018 adds usage_route_rollups, the usage report's rollups for `group_by=route` over whole
+    days, and fills them from the events already in the ledger, summed as the writer sums them:
+    attempts, failed ones and 499s apart, client requests (first attempts of no call Weir made
+    itself), amounts; a missing tenant or key as "". The downgrade drops the table."""
+    migrate.upgrade(db_url, "0017")
+    events = [  # (day, tenant, route, backend, attempt, status, purpose, cost)
+        ("2026-12-01", "t1", "auto", "b", 1, 200, None, 5),
+        ("2026-12-01", "t1", "auto", "b", 2, 502, None, 7),
+        ("2026-12-01", "t1", "auto", "b", 1, 499, "compare", 11),
+        ("2026-12-01", "t1", "m", "b", 1, 200, None, 13),
+        ("2026-12-02", None, "auto", "c", 1, 200, None, 17),
+    ]
+    rows = []
+    for i, (day, tenant, route, backend, attempt, status, purpose, cost) in enumerate(events):
+        t, p = (f"'{v}'" if v else "NULL" for v in (tenant, purpose))
+        rows.append(
+            f"('e{i}', 'r{i}', {attempt}, '{day} 12:00:00', '{day}', {t}, NULL, '{route}', '{backend}', 'm', "
+            f"{i}, 0, 0, 0, 1, 0, '{{}}', {cost}, 0, 1.0, {status}, false, {p})"
+        )
+    sync_exec(db_url, _EVENT.replace("fallback) VALUES", "fallback, purpose) VALUES") + ", ".join(rows))
+
+    migrate.upgrade(db_url, "0018")
+    query = (
+        "SELECT day, tenant_id, key_id, route, backend, requests, errors, cancelled, client_requests, "
+        "input_tokens, output_tokens, cost_pico_usd FROM usage_route_rollups ORDER BY 1, 2, 4, 5"
+    )
+    got = [(str(day), *rest) for day, *rest in sync_exec(db_url, query)]
+    assert got == [
+        ("2026-12-01", "t1", "", "auto", "b", 3, 1, 1, 1, 0 + 1 + 2, 3, 5 + 7 + 11),
+        ("2026-12-01", "t1", "", "m", "b", 1, 0, 0, 1, 3, 1, 13),
+        ("2026-12-02", "", "", "auto", "c", 1, 0, 0, 1, 4, 1, 17),
+    ]
+
+    migrate.downgrade(db_url, "0017")
+    assert "usage_route_rollups" not in _tables(db_url)

@@ -24,9 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.accounting.deadletter import read_dead_letters, replay
 from gateway.accounting.events import Unreadable, UsageEvent, decode, encode
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
-from gateway.accounting.writer import BatchWriter, _rollup_rows, event_row
+from gateway.accounting.writer import ROLLUP_GROUP, ROUTE_ROLLUP_GROUP, BatchWriter, _rollup_rows, event_row
 from gateway.db import migrate
-from gateway.db.models import UsageEventRow, UsageRollup
+from gateway.db.models import UsageEventRow, UsageRollup, UsageRouteRollup
 from gateway.db.session import create_engine
 from gateway.metrics import Metrics
 from gateway.usage import normalise_usage
@@ -332,20 +332,26 @@ async def test_rollups_hold_every_sum_of_the_events_they_count(engine: AsyncEngi
     batch[5:25] = [msgspec.structs.replace(e, status=CANCELLED) for e in batch[5:25]]
     # Retries, failovers and hedges: attempts of a request, not requests of their own.
     batch[20:50] = [msgspec.structs.replace(e, attempt=2 + i % 2) for i, e in enumerate(batch[20:50])]
+    # Requests by several public names (routes) of one model: the route rollups keep them apart.
+    batch = [msgspec.structs.replace(e, route=("auto", "m1", "cheap")[i % 3]) for i, e in enumerate(batch)]
     writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
     assert await writer.write(batch[:80]) == 80
     assert await writer.write(batch[40:]) == 40  # half of it a redelivery
-    expected = {
-        (r["day"], r["tenant_id"], r["key_id"], r["backend"], r["model"]): r
-        for r in _rollup_rows([event_row(e) for e in batch])
-    }
-    async with engine.connect() as conn:
-        stored = [dict(r._mapping) for r in await conn.execute(select(UsageRollup.__table__))]
-    assert len(stored) == len(expected) > 1
-    for row in stored:
-        group = (row["day"], row["tenant_id"], row["key_id"], row["backend"], row["model"])
-        assert {k: row[k] for k in expected[group]} == expected[group]
-    assert_counts(stored, batch)
+    by_group, by_route = _rollup_rows([event_row(e) for e in batch])
+    for table, rows, group in (
+        (UsageRollup.__table__, by_group, ROLLUP_GROUP),
+        (UsageRouteRollup.__table__, by_route, ROUTE_ROLLUP_GROUP),
+    ):
+        expected = {tuple(r[k] for k in group): r for r in rows}
+        async with engine.connect() as conn:
+            stored = [dict(r._mapping) for r in await conn.execute(select(table))]
+        assert len(stored) == len(expected) > 1
+        for row in stored:
+            assert {k: row[k] for k in expected[tuple(row[k] for k in group)]} == expected[
+                tuple(row[k] for k in group)
+            ]
+        assert_counts(stored, batch)
+    assert {r["route"] for r in by_route} == {"auto", "m1", "cheap"} and len(by_route) > len(by_group)
 
 
 def assert_counts(stored: list[dict[str, Any]], batch: list) -> None:

@@ -324,3 +324,30 @@ def test_finance_groups_cost_by_service_tier(routed: Weir, browser: Any, fake_op
     assert shown == {r["service_tier"]: usd(r["cost_usd"]) for r in api["rows"]}
     assert set(shown) == {"flex", "default"}
     page.close()
+
+
+def test_finance_groups_cost_by_route(routed: Weir, browser: Any, fake_openai: FakeOpenAI) -> None:
+    """Finance offers the usage report's `route` grouping: what the requests by each public name
+    cost, over whole days from the route rollups the writer keeps, as the API reports it."""
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-team-key", max_retries=0, timeout=20)
+    for model in ("gpt-4o-mini", "gpt-4o-mini", "gpt-4o"):
+        fake_openai.set_next_usage(input_tokens=1000, output_tokens=100)
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+    assert wait_for_ledger(routed, 3)["totals"]["requests"] == 3
+
+    page = signed_in(routed, browser, "#/finance")
+    page.get_by_label("model", exact=True).uncheck()
+    page.get_by_label("route", exact=True).check()
+    page.get_by_role("button", name="Show report").click()
+    page.wait_for_url("**group_by=tenant,route")
+    report = page.locator("main table").first
+    report.locator("thead th", has_text="route").wait_for()
+    api = routed.admin.get("/reports/usage", params={"group_by": "tenant,route"}).json()
+    assert api["source"] == "rollups"
+    heads = report.locator("thead th").all_inner_texts()
+    rows = [row.locator("td").all_inner_texts() for row in report.locator("tbody tr").all()]
+    shown = {cells[heads.index("route")]: cells[heads.index("Requests")] for cells in rows}
+    assert (
+        shown == {r["route"]: str(r["requests"]) for r in api["rows"]} == {"gpt-4o-mini": "2", "gpt-4o": "1"}
+    )
+    page.close()
