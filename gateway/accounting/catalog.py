@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.accounting.pricing import BASE_TIER, FALLBACK, PriceCatalog, PriceRow, TokenClass, resolve
+from gateway.accounting.pricing import (
+    BASE_TIER,
+    FALLBACK,
+    PriceCatalog,
+    PriceRow,
+    TokenClass,
+    resolve,
+    vendor_prices,
+)
 from gateway.db.models import Price, Setting
 
 log = logging.getLogger(__name__)
@@ -44,12 +52,18 @@ async def load_catalog(session: AsyncSession) -> PriceCatalog:
     return PriceCatalog(known)
 
 
-async def seed_prices(session: AsyncSession, rows: Iterable[PriceRow], now: dt.datetime) -> int:
+async def seed_prices(
+    session: AsyncSession,
+    rows: Iterable[PriceRow],
+    now: dt.datetime,
+    vendors: Mapping[str, str] | None = None,
+) -> int:
     """Add a catalog row, effective `now`, for each config price that changed since it was last seeded.
 
     Restarting with an unchanged config adds nothing, so a price set through the admin API stays in
     force; editing a price in the config adds a row (history keeps the old one), and so does taking
-    one out (`_seed_unset`).
+    one out (`_seed_unset`). `vendors`: each backend's type, whose rule prices a cache write taken out
+    (`pricing.vendor_prices`: Anthropic's 1.25x and 2x the input price).
     """
     rows = list(rows)
     added = 0
@@ -57,7 +71,7 @@ async def seed_prices(session: AsyncSession, rows: Iterable[PriceRow], now: dt.d
         added += await _seed(
             session, row.backend, row.model, row.service_tier, row.token_class, row.micro_usd_per_mtok, now
         )
-    return added + await _seed_unset(session, rows, now)
+    return added + await _seed_unset(session, rows, now, vendors or {})
 
 
 def _marker(backend: str, model: str, tier: str, token_class: TokenClass) -> str:
@@ -96,11 +110,14 @@ async def _seed(
     return 1
 
 
-async def _seed_unset(session: AsyncSession, rows: list[PriceRow], now: dt.datetime) -> int:
+async def _seed_unset(
+    session: AsyncSession, rows: list[PriceRow], now: dt.datetime, vendors: Mapping[str, str]
+) -> int:
     """A price the config seeded once and sets no more (a `cached_input`, a `cache_write_*`, the
     `web_search_per_1k` or a whole service tier taken out of a model's `price`) bills as the config
     now says: at the price its class falls back to (cache reads at the input price, searches at 0, a
-    tier's classes at the base prices), in a row of that price. Catalog rows are never removed, so
+    tier's classes at the base prices; cache writes by the backend's vendor's rule where it has one,
+    Anthropic's 1.25x and 2x the input price), in a row of that price. Catalog rows are never removed, so
     the price last seeded billed on for ever. A class the config never set is left to the catalog's
     own fallbacks and the admin API's rows.
 
@@ -121,7 +138,7 @@ async def _seed_unset(session: AsyncSession, rows: list[PriceRow], now: dt.datet
         unset_in_base: set[TokenClass] = set()
         for tier in sorted({BASE_TIER, *tiers, *stored}):
             own = tiers.get(tier, {})
-            implied = resolve(base | own)
+            implied = resolve(vendor_prices(base | own, vendors.get(backend, "")))
             for token_class in TokenClass:
                 if token_class in own:
                     continue

@@ -10,7 +10,7 @@ import datetime as dt
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,8 @@ class ControlPlaneSettings:
     key_cache_ttl_s: float = 30.0
     catalog_refresh_s: float = 10.0
     prices: Sequence[PriceRow] = field(default_factory=list)  # from the config; seed the catalog
+    # The config's backends' types by name: whose rule prices a cache write taken out of a price.
+    backend_types: Mapping[str, str] = field(default_factory=dict)
     tenants: Sequence[ConfigTenant] = ()  # the config's `tenants:`, listed read-only by the admin API
 
 
@@ -146,7 +148,9 @@ class ControlPlane:
         for attempt in range(3):
             try:
                 async with self.sessions() as session, session.begin():
-                    added = await seed_prices(session, self.settings.prices, dt.datetime.now(dt.UTC))
+                    added = await seed_prices(
+                        session, self.settings.prices, dt.datetime.now(dt.UTC), self.settings.backend_types
+                    )
                 break
             except IntegrityError:  # another replica seeded the same prices at the same moment
                 if attempt == 2:
@@ -316,6 +320,7 @@ def from_config(config: Any) -> ControlPlane | None:
             replicas=getattr(config, "replicas", None),
             auto_migrate=getattr(config, "auto_migrate", True),
             prices=prices,
+            backend_types={backend.name: backend.type for backend in getattr(config, "backends", ())},
             tenants=getattr(config, "tenants", None) or (),
             # One spool per process (without Redis); one key namespace per deployment (with Redis).
             spool_dir=os.environ.get("WEIR_USAGE_SPOOL", "./var/usage-spool"),

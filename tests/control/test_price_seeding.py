@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.accounting.catalog import load_catalog, seed_prices
-from gateway.accounting.pricing import price_usage
+from gateway.accounting.pricing import TokenClass, price_usage
 from gateway.admin.control_plane import config_prices
 from gateway.app import create_app
 from gateway.config import ConfigError, parse_config
@@ -164,3 +164,31 @@ async def test_a_price_taken_out_of_the_config_bills_as_the_config_now_says(
     assert billed(later, None) == pico(base)
     assert billed(later, "flex") == pico(flex)
     assert billed(later, "priority") == pico(base)
+
+
+async def test_a_cache_write_price_taken_out_for_an_anthropic_model_seeds_anthropic_s_rule(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A cache-write price taken out of an Anthropic model's config seeded a row at the generic
+    fallback (the input price), which then billed 1-hour writes at half what Anthropic bills, where
+    the config alone bills them at 2x the input price: the row is seeded at Anthropic's rule (5-minute
+    writes at 1.25x, 1-hour at 2x the input price; the tier's own input price for a tier)."""
+    await migrate.upgrade_async(premigrated(db_url))
+    engine = create_engine(db_url)
+    sessions = sessionmaker(engine)
+    first, then = dt.datetime(2026, 11, 1, tzinfo=dt.UTC), dt.datetime(2026, 11, 15, tzinfo=dt.UTC)
+    env = {"DB_URL": db_url}
+    try:
+        for config, at in ((SEEDED_ONCE, first), (TAKEN_OUT, then)):
+            config = config.replace("type: openai", "type: anthropic")
+            rows = config_prices(parse_config(config, env).models, at)
+            async with sessions() as session, session.begin():
+                await seed_prices(session, rows, at, {"b": "anthropic"})
+        async with sessions() as session:
+            catalog = await load_catalog(session)
+    finally:
+        await engine.dispose()
+    later = then + dt.timedelta(hours=1)
+    writes = (TokenClass.CACHE_WRITE_5M, TokenClass.CACHE_WRITE_1H)
+    assert [catalog.prices_at("b", "m", later, None)[c] for c in writes] == [3_750_000, 6_000_000]
+    assert [catalog.prices_at("b", "m", later, "flex")[c] for c in writes] == [1_875_000, 3_000_000]
