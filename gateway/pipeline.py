@@ -194,8 +194,8 @@ def model_prices(
     prompt is above the config's `long_context` threshold, those prices times its multiples of the
     base (`LongContextSheet.apply`: a flex long prompt keeps its discount). One rule for billing
     (`Pipeline.billing_prices`) and for the prices `cheapest` expects (`routing.policies`).
-    `vendor`: the backend's type, whose rule prices the cache writes those prices leave out
-    (`pricing.vendor_prices`: Anthropic's 1.25x and 2x the input price that bills the attempt)."""
+    `vendor`: the backend's type, whose rule prices the cache reads and writes those prices leave out
+    (`pricing.vendor_prices`: Anthropic's 0.1x, 1.25x and 2x the input price that bills the attempt)."""
     prices = catalog or (service_tier and tier_sheets(model).get(service_tier)) or price_sheet(model)
     tier = long_context_sheet(model)
     if tier is not None:

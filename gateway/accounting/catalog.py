@@ -62,8 +62,8 @@ async def seed_prices(
 
     Restarting with an unchanged config adds nothing, so a price set through the admin API stays in
     force; editing a price in the config adds a row (history keeps the old one), and so does taking
-    one out (`_seed_unset`). `vendors`: each backend's type, whose rule prices a cache write taken out
-    (`pricing.vendor_prices`: Anthropic's 1.25x and 2x the input price).
+    one out (`_seed_unset`). `vendors`: each backend's type, whose rule prices a cache read or write
+    taken out (`pricing.vendor_prices`: Anthropic's 0.1x, 1.25x and 2x the input price).
     """
     rows = list(rows)
     added = 0
@@ -116,8 +116,8 @@ async def _seed_unset(
     """A price the config seeded once and sets no more (a `cached_input`, a `cache_write_*`, the
     `web_search_per_1k` or a whole service tier taken out of a model's `price`) bills as the config
     now says: at the price its class falls back to (cache reads at the input price, searches at 0, a
-    tier's classes at the base prices; cache writes by the backend's vendor's rule where it has one,
-    Anthropic's 1.25x and 2x the input price), in a row of that price. Catalog rows are never removed, so
+    tier's classes at the base prices; cache reads and writes by the backend's vendor's rule where it
+    has one, Anthropic's 0.1x, 1.25x and 2x the input price), in a row of that price. Catalog rows are never removed, so
     the price last seeded billed on for ever. A class the config never set is left to the catalog's
     own fallbacks and the admin API's rows.
 

@@ -58,11 +58,16 @@ FALLBACK: dict[TokenClass, TokenClass] = {
 }
 
 
-# Vendors that bill prompt-cache writes as multiples of the input price: a price sheet of one of their
-# models that leaves a write class out bills it by the vendor's rule (`vendor_prices`), not at the
-# generic fallback above. Anthropic: 5-minute writes at 1.25x the input price, 1-hour writes at 2x.
-CACHE_WRITE_MULTIPLES: dict[str, dict[TokenClass, Fraction]] = {
-    "anthropic": {TokenClass.CACHE_WRITE_5M: Fraction(5, 4), TokenClass.CACHE_WRITE_1H: Fraction(2)},
+# Vendors that bill prompt-cache reads and writes as multiples of the input price: a price sheet of one
+# of their models that leaves a cache class out bills it by the vendor's rule (`vendor_prices`), not at
+# the generic fallback above. Anthropic: cache reads at 0.1x the input price, 5-minute writes at 1.25x,
+# 1-hour writes at 2x (a model whose published read price differs sets `cached_input` itself).
+CACHE_MULTIPLES: dict[str, dict[TokenClass, Fraction]] = {
+    "anthropic": {
+        TokenClass.CACHED_INPUT: Fraction(1, 10),
+        TokenClass.CACHE_WRITE_5M: Fraction(5, 4),
+        TokenClass.CACHE_WRITE_1H: Fraction(2),
+    },
 }
 
 
@@ -113,10 +118,10 @@ _filled: dict[
 
 
 def vendor_prices(prices: dict[TokenClass, int], vendor: str) -> dict[TokenClass, int]:
-    """`prices` with the cache-write classes they leave out priced by `vendor`'s rule
-    (CACHE_WRITE_MULTIPLES: Anthropic's 1.25x and 2x the input price), where it has one and `prices`
+    """`prices` with the cache classes they leave out priced by `vendor`'s rule (CACHE_MULTIPLES:
+    Anthropic's 0.1x the input price for reads, 1.25x and 2x for writes), where it has one and `prices`
     price input; else `prices` itself. Do not modify the result: it is shared."""
-    multiples = CACHE_WRITE_MULTIPLES.get(vendor)
+    multiples = CACHE_MULTIPLES.get(vendor)
     if not multiples or TokenClass.INPUT not in prices or all(c in prices for c in multiples):
         return prices
     entry = _filled.get((id(prices), vendor))

@@ -63,7 +63,7 @@ class ControlPlaneSettings:
     key_cache_ttl_s: float = 30.0
     catalog_refresh_s: float = 10.0
     prices: Sequence[PriceRow] = field(default_factory=list)  # from the config; seed the catalog
-    # The config's backends' types by name: whose rule prices a cache write taken out of a price.
+    # The config's backends' types by name: whose rule prices a cache read or write taken out of a price.
     backend_types: Mapping[str, str] = field(default_factory=dict)
     tenants: Sequence[ConfigTenant] = ()  # the config's `tenants:`, listed read-only by the admin API
 

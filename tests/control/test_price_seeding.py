@@ -192,3 +192,34 @@ async def test_a_cache_write_price_taken_out_for_an_anthropic_model_seeds_anthro
     writes = (TokenClass.CACHE_WRITE_5M, TokenClass.CACHE_WRITE_1H)
     assert [catalog.prices_at("b", "m", later, None)[c] for c in writes] == [3_750_000, 6_000_000]
     assert [catalog.prices_at("b", "m", later, "flex")[c] for c in writes] == [1_875_000, 3_000_000]
+
+
+async def test_a_cache_read_price_taken_out_for_an_anthropic_model_seeds_a_tenth_of_input(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A cache-read price taken out of an Anthropic model's config seeded a row at the generic
+    fallback (the input price), which then billed every cache read at 10x what Anthropic bills, where
+    the config alone bills them at 0.1x the input price: the row is seeded at that rule (the tier's
+    own input price for a tier)."""
+    await migrate.upgrade_async(premigrated(db_url))
+    engine = create_engine(db_url)
+    sessions = sessionmaker(engine)
+    first, then = dt.datetime(2026, 11, 1, tzinfo=dt.UTC), dt.datetime(2026, 11, 15, tzinfo=dt.UTC)
+    env = {"DB_URL": db_url}
+    seeded_once = SEEDED_ONCE.replace("cached_input: 0.30", "cached_input: 0.9").replace(
+        "cached_input: 0.15", "cached_input: 0.6"
+    )
+    try:
+        for config, at in ((seeded_once, first), (TAKEN_OUT, then)):
+            config = config.replace("type: openai", "type: anthropic")
+            rows = config_prices(parse_config(config, env).models, at)
+            async with sessions() as session, session.begin():
+                await seed_prices(session, rows, at, {"b": "anthropic"})
+        async with sessions() as session:
+            catalog = await load_catalog(session)
+    finally:
+        await engine.dispose()
+    later = then + dt.timedelta(hours=1)
+    assert catalog.prices_at("b", "m", first, None)[TokenClass.CACHED_INPUT] == 900_000
+    assert catalog.prices_at("b", "m", later, None)[TokenClass.CACHED_INPUT] == 300_000
+    assert catalog.prices_at("b", "m", later, "flex")[TokenClass.CACHED_INPUT] == 150_000
