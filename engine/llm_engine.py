@@ -246,6 +246,7 @@ class LLMEngine:
                     dtype=self.dtype,
                     device=self.device,
                     enable_prefix_caching=enable_prefix_caching,
+                    max_num_batched_tokens=max_num_batched_tokens,
                 )
             self.speculator = Speculator(spec_config, self.max_model_len, proposer)
 

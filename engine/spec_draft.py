@@ -8,6 +8,10 @@ Each step, for all requests that speculate:
    accepted since its last draft, usually 1..k+1) and drafts the first token from its last row;
 2. k - 1 batched single-token forwards draft the rest.
 
+All of it computes at most `max_num_batched_tokens` tokens (the target's step budget): a catch-up
+that does not fit (a new request's long prompt) is computed in chunks over several steps, drafting
+only once it is complete, so a long prompt never makes one step as slow as an unchunked prefill.
+
 The K/V of drafted tokens stays in the draft's cache; the next step keeps the part the target accepted
 (the longest prefix that matches the request's tokens) and overwrites the rest, so no rollback is needed.
 If the pool runs short, the caches of requests not drafting this step are dropped (least recently
@@ -74,8 +78,11 @@ class DraftModelProposer:
         dtype: torch.dtype,
         device: torch.device,
         enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model = model
+        # the draft's tokens per step (None: unbounded), as the target's `max_num_batched_tokens`
+        self.max_num_batched_tokens = max_num_batched_tokens or 1 << 62
         self.block_size = block_size
         self.device = device
         self.max_positions = cast("ModelConfig", model.config).max_position_embeddings
@@ -94,11 +101,10 @@ class DraftModelProposer:
         if state is not None:
             self.blocks.free_sequence(state.seq)
 
-    def _reserve(self, state: _DraftState, positions: int, keep: set[str]) -> bool:
-        """Grow the request's block table to hold `positions` tokens (first adopting the longest cached
-        prefix of its tokens when it holds none yet), evicting idle requests' caches."""
+    def _reserve(self, state: _DraftState, positions: int, keep: set[str], cached: list[int]) -> bool:
+        """Grow the request's block table to hold `positions` tokens (first adopting `cached`, the
+        longest cached prefix of its tokens, when it holds none yet), evicting idle requests' caches."""
         mirror = state.seq
-        cached = self.blocks.find_cached_prefix(mirror) if not mirror.block_table else []
         new = positions - mirror.num_computed_tokens - len(cached) * self.block_size
         while not self.blocks.can_allocate(mirror, new, cached):
             victim = next((r for r in self._states if r not in keep), None)
@@ -114,12 +120,17 @@ class DraftModelProposer:
     ) -> dict[str, Proposal]:
         """Draft `k` tokens for each `(seq, k)`. Greedy requests get the draft's argmax (no probs);
         sampling ones draw from the draft's distribution after the request's own penalties,
-        temperature and filters, and get those rows back as `Proposal.probs` for rejection sampling."""
+        temperature and filters, and get those rows back as `Proposal.probs` for rejection sampling.
+
+        The draft computes at most `max_num_batched_tokens` tokens per call (catch-ups plus the k - 1
+        drafting forwards), as the target does per step: the usual short catch-ups go first, and a
+        request whose catch-up (a new request's whole prompt) does not fit the room left computes a
+        chunk of it and drafts nothing this step (fewer than k drafts where only the last ones do
+        not fit)."""
         from engine.speculative import Proposal
 
         keep = {seq.request_id for seq, _ in requests}
-        active: list[tuple[SequenceLike, int, _DraftState]] = []
-        feeds: list[_Feed] = []
+        pending: list[tuple[SequenceLike, int, _DraftState]] = []
         for seq, k in requests:
             n = seq.num_tokens
             if k <= 0 or n + k - 1 > self.max_positions:
@@ -138,20 +149,58 @@ class DraftModelProposer:
                     valid += 1
             valid = min(valid, n - 1)  # the last token is always fed: its row drafts the first token
             mirror.num_computed_tokens, state.drafts = valid, []
-            if not self._reserve(state, n + k - 1, keep):
+            pending.append((seq, k, state))
+        # shortest catch-up first (stable): a long one must not keep the usual 1..k+1 from drafting
+        pending.sort(key=lambda p: p[0].num_tokens - p[2].seq.num_computed_tokens)
+
+        budget = self.max_num_batched_tokens
+        active: list[tuple[SequenceLike, int, _DraftState]] = []
+        feeds: list[_Feed] = []
+        chunks: list[tuple[_DraftState, _Feed]] = []  # partial catch-ups: no drafting this step
+        for seq, k, state in pending:
+            if budget <= 0:
+                break
+            n, mirror = seq.num_tokens, state.seq
+            cached = self.blocks.find_cached_prefix(mirror) if not mirror.block_table else []
+            start = mirror.num_computed_tokens + len(cached) * self.block_size
+            need = n - start  # >= 1: a cached prefix never covers the last token
+            if need <= budget:
+                k = min(k, budget - need + 1)
+                end, positions = n, n + k - 1
+            else:
+                k, end = 0, start + budget  # < n
+                positions = end
+            if not self._reserve(state, positions, keep, cached):
                 continue
-            valid = mirror.num_computed_tokens  # past a cached prefix it adopted
-            active.append((seq, k, state))
-            feeds.append(_Feed(seq.token_ids(valid, n), valid, mirror.block_table))
-        if not active:
+            feed = _Feed(seq.token_ids(start, end), start, mirror.block_table)
+            budget -= end - start + max(k - 1, 0)
+            if k:
+                active.append((seq, k, state))
+                feeds.append(feed)
+            else:
+                chunks.append((state, feed))
+        if not active and not chunks:
             return {}
 
         drafted: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         live = list(range(len(active)))  # requests still drafting
-        while live:
-            logits = self._forward([feeds[i] for i in live])
-            self._draw(logits, [active[i] for i in live], [drafted[i] for i in live], probs, live, generator)
+        while live or chunks:
+            logits = self._forward([feeds[i] for i in live] + [f for _, f in chunks])
+            for state, f in chunks:  # only in the first forward
+                state.seq.num_computed_tokens = f.start + len(f.token_ids)
+                self.blocks.cache_full_blocks(state.seq)
+            chunks = []
+            if not live:
+                break
+            self._draw(
+                logits[: len(live)],
+                [active[i] for i in live],
+                [drafted[i] for i in live],
+                probs,
+                live,
+                generator,
+            )
             for i in live:
                 seq, _, state = active[i]
                 if feeds[i].start + len(feeds[i].token_ids) == seq.num_tokens:

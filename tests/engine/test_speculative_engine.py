@@ -398,3 +398,40 @@ def test_drafts_never_starve_the_decodes_of_later_running_requests(
         assert decoding <= gained | {r for r in decoding if r not in spec._requests}
         started |= gained
     assert spec.speculator is not None and spec.speculator.metrics.num_draft_tokens > 0
+
+
+def test_the_drafts_catch_up_on_a_long_prompt_is_chunked_to_the_token_budget(
+    make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's first draft catches the draft up on its whole prompt: that work is chunked to
+    `max_num_batched_tokens` over several steps (it went through in one forward, an unchunked
+    prefill), and greedy output stays that of plain decoding."""
+    spec_name, kwargs = MODEL_PROPOSERS["draft-same"]  # every draft accepted: drafting is visible
+    budget = 16
+    prompts = [p * 3 for p in _prompts(4, seed=8)]  # up to ~120 tokens
+    prompts[0] = prompts[0][:5]  # a short one drafts beside the long ones' chunked catch-ups
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = make_engine(max_num_batched_tokens=budget).generate(prompts, params)
+    engine = make_engine(
+        speculative=spec_name, num_speculative_tokens=4, max_num_batched_tokens=budget, **kwargs
+    )
+    proposer = engine.speculator.proposer
+    per_call: list[int] = []  # draft tokens computed by each propose_batch (one per engine step)
+    forward, propose = proposer._forward, proposer.propose_batch
+
+    def spy_forward(feeds: list) -> torch.Tensor:  # type: ignore[type-arg]
+        per_call[-1] += sum(len(f.token_ids) for f in feeds)
+        return forward(feeds)
+
+    def spy_propose(*args: object) -> object:
+        per_call.append(0)
+        return propose(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(proposer, "_forward", spy_forward)
+    monkeypatch.setattr(proposer, "propose_batch", spy_propose)
+    assert engine.generate(prompts, params) == expected
+    assert max(len(p) for p in prompts) > 3 * budget
+    assert 0 < max(per_call) <= budget
+    m = engine.speculator.metrics
+    assert m.acceptance_rate == 1.0 and m.mean_tokens_per_step > 2
+    assert _draft_pool_is_empty(engine)
