@@ -249,6 +249,7 @@ class LLMEngine:
                     max_num_batched_tokens=max_num_batched_tokens,
                 )
             self.speculator = Speculator(spec_config, self.max_model_len, proposer)
+            self.scheduler.on_preempt = self.speculator.preempted
 
     def _load_draft(
         self,

@@ -8,7 +8,7 @@ admission order, and when it does not (a budget below the number of running requ
 chunk that takes most of it) the ones left out this step go first the next, so every running request
 gains a token at least every ceil(running / budget) steps instead of waiting for the first ones to
 finish. When a running sequence cannot grow, the most recently admitted one not yet served this step
-is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed later
+is preempted: its blocks are freed (and `on_preempt` called) and it goes back to the front of the queue to be recomputed later
 (its finished blocks usually come back from the prefix cache).
 
 A waiting sequence whose next uncached prompt block is being computed right now by a running prefill (a
@@ -20,6 +20,7 @@ behind it in the queue are not held up.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache import BlockManager
@@ -54,6 +55,8 @@ class Scheduler:
         self.num_steps = 0  # schedule() calls: the clock of Sequence.last_scheduled
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
+        # called with each sequence preempted (the engine frees its speculative draft's cache)
+        self.on_preempt: Callable[[Sequence], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +82,8 @@ class Scheduler:
             seq.prompt_logprobs = []
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)

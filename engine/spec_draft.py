@@ -15,7 +15,8 @@ only once it is complete, so a long prompt never makes one step as slow as an un
 The K/V of drafted tokens stays in the draft's cache; the next step keeps the part the target accepted
 (the longest prefix that matches the request's tokens) and overwrites the rest, so no rollback is needed.
 If the pool runs short, the caches of requests not drafting this step are dropped (least recently
-used first); a request that still does not fit simply does not speculate this step.
+used first); a request that still does not fit simply does not speculate this step. A request's cache
+is also dropped (`forget`) when it ends or the scheduler preempts it.
 
 The pool is a `BlockManager` of its own, so the draft has a prefix cache too: full blocks of a request's
 real tokens are registered under the same chained hashes as the target's, and a request drafting for

@@ -869,6 +869,15 @@ class Speculator:
             adaptive.update(len(drafts), accepted, bucket)
         return tokens
 
+    def preempted(self, seq: SequenceLike) -> None:
+        """The scheduler preempted `seq` (its drafts are dropped): free its draft-model cache now rather
+        than when it ends. On resume the draft catches up again (or adopts its prefix cache's blocks);
+        its adaptive k is kept."""
+        self._draft_probs.pop(seq.request_id, None)
+        self._bucket.pop(seq.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(seq.request_id)
+
     def forget(self, request_id: str) -> None:
         self._k.pop(request_id, None)
         self._draft_probs.pop(request_id, None)

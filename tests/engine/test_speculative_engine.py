@@ -435,3 +435,33 @@ def test_the_drafts_catch_up_on_a_long_prompt_is_chunked_to_the_token_budget(
     m = engine.speculator.metrics
     assert m.acceptance_rate == 1.0 and m.mean_tokens_per_step > 2
     assert _draft_pool_is_empty(engine)
+
+
+def test_preemption_frees_the_requests_draft_cache(make_engine: Callable[..., LLMEngine]) -> None:
+    """A preempted request's draft-model cache is freed when the scheduler preempts it (it was kept
+    until the request ended or the draft's pool ran short), and output stays that of plain decoding."""
+    spec_name, kwargs = MODEL_PROPOSERS["draft-same"]
+    plain = make_engine(num_kv_blocks=14, block_size=4)
+    spec = make_engine(
+        num_kv_blocks=14, block_size=4, speculative=spec_name, num_speculative_tokens=3, **kwargs
+    )
+    prompts = [p[:10] for p in _prompts(6, seed=9)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = plain.generate(prompts, params)
+    proposer = spec.speculator.proposer
+    for i, prompt in enumerate(prompts):
+        spec.add_request(str(i), prompt, params)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    freed = 0  # preemptions of a request that held a draft cache
+    while spec.has_unfinished_requests():
+        cached = set(proposer._states)
+        before = {s.request_id: s.num_preemptions for s in spec._requests.values()}
+        for out in spec.step():
+            got[out.request_id].extend(out.new_token_ids)
+        for seq in spec.scheduler.waiting:
+            if seq.num_preemptions > before[seq.request_id]:
+                assert seq.request_id not in proposer._states
+                freed += seq.request_id in cached
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    assert freed > 0 and spec.speculator.metrics.num_accepted_tokens > 0
+    assert _draft_pool_is_empty(spec)
