@@ -116,6 +116,24 @@ def unwritable(path: Path, directory: bool) -> str | None:
     return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent}: permission denied"
 
 
+def check_before_serving(config: Config, host: str, port: int) -> None:
+    """What commonly stops a gateway at start, checked before any server starts (gateway.preflight):
+    the address to listen on, and the admin DB (reachable, credentials, database, schema where the
+    gateway will not migrate it). A failure is one `Error:` line naming what to check, exit status 1."""
+    from gateway.admin.control_plane import configured_database_url
+    from gateway.preflight import PreflightError, check_admin_db, check_listen
+
+    try:
+        check_listen(host, port)
+        url = configured_database_url(config)
+        if url:
+            from gateway.db.session import resolve_database_url
+
+            check_admin_db(resolve_database_url(url), config.auto_migrate)
+    except PreflightError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def check_master_key() -> None:
     """WEIR_MASTER_KEY (and WEIR_MASTER_KEY_PREVIOUS) as the gateway reads them at start, which it
     refuses with a malformed key (`SecurityControls.build`): one `Error:` line and exit status 1. None
@@ -163,6 +181,7 @@ def serve(
     # `--port 0` asks for a free port, as `server.port: 0` does: not a flag left unset
     bind_host = host if host is not None else config.server.host
     bind_port = port if port is not None else config.server.port
+    check_before_serving(config, bind_host, bind_port)
     if server_kind == "granian":
         _serve_granian(config, bind_host, bind_port)
     else:
