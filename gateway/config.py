@@ -263,11 +263,21 @@ def interpolate(value: Any, env: Mapping[str, str], path: str = "$") -> Any:
     return value
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line (its text spans several, with the offending line and a caret):
+    where (line and column, counted from 1), what it found, and what it was parsing."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem is None:
+        return " ".join(str(exc).split())
+    mark = exc.problem_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{exc.problem}" + (f" ({exc.context})" if exc.context else "")
+
+
 def parse_config(text: str, env: Mapping[str, str] | None = None) -> Config:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {exc}") from None
+        raise ConfigError(f"invalid YAML: {yaml_problem(exc)}") from None
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError("the configuration must be a mapping at the top level")

@@ -104,6 +104,28 @@ def test_invalid_configs_name_the_offending_key(text: str, message: str) -> None
 
 
 @pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "server: {port: 1 host: x}",
+            "invalid YAML: line 1, column 22: expected ',' or '}', but got ':' (while parsing a flow mapping)",
+        ),
+        ('backends:\n  - name: "x\n', "invalid YAML: line 3, column 1: found unexpected end of stream"),
+        (
+            "server:\n\tport: 1",
+            "invalid YAML: line 2, column 1: found character '\\t' that cannot start any token",
+        ),
+    ],
+)
+def test_invalid_yaml_is_one_line_naming_where(text: str, message: str) -> None:
+    # `weir serve` and `weir config check` print the error as one `Error:` line
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text, {})
+    assert "\n" not in str(raised.value)
+    assert str(raised.value).startswith(message)
+
+
+@pytest.mark.parametrize(
     ("entry", "message"),
     [
         (
