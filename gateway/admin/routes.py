@@ -223,26 +223,9 @@ async def rename_tenant_in_routes(
     `when.tenants` name it name it anew, each audited, in the tenant's transaction. Routes know tenants
     by name, and left naming the old one, the tenant's requests silently went to whatever route or
     model the others get. Whether any route changed (the caller refreshes the route store)."""
-    rows = [
-        row
-        for row in (await session.scalars(select(RouteRow))).all()
-        if isinstance(row.spec, dict)
-        and isinstance(when := row.spec.get("when"), dict)
-        and isinstance(tenants := when.get("tenants"), list)
-        and old in tenants
-    ]
-    if not rows:
-        return False
-    updated_at = await stamp(session, utcnow())
-    for row in rows:
-        before = route_json(row)
-        when = row.spec["when"]
-        tenants = list(dict.fromkeys(new if t == old else t for t in when["tenants"]))
-        row.spec = {**row.spec, "when": {**when, "tenants": tenants}}
-        row.updated_at = updated_at  # its revision moves on too (`revision_column`)
-        await session.flush()
-        audit("update", "route", str(row.id), before, route_json(row))
-    return True
+    return await _rewrite_tenant(
+        session, audit, old, lambda tenants: list(dict.fromkeys(new if t == old else t for t in tenants))
+    )
 
 
 async def forget_tenant_in_routes(session: AsyncSession, audit: Callable[..., None], name: str) -> bool:
@@ -253,6 +236,17 @@ async def forget_tenant_in_routes(session: AsyncSession, audit: Callable[..., No
     be empty, which no route may have (`when.tenants: []` matches nobody, and dropping the condition
     would open the route to every tenant), and no one else could use it. Whether any route changed
     (the caller refreshes the route store)."""
+    return await _rewrite_tenant(session, audit, name, lambda tenants: [t for t in tenants if t != name])
+
+
+async def _rewrite_tenant(
+    session: AsyncSession,
+    audit: Callable[..., None],
+    name: str,
+    rewrite: Callable[[list[str]], list[str]],
+) -> bool:
+    """Give every stored route whose `when.tenants` names `name` the list `rewrite` makes of it, each
+    audited; a route left with no tenant is deleted. Whether any route changed."""
     rows = [
         row
         for row in (await session.scalars(select(RouteRow))).all()
@@ -267,7 +261,7 @@ async def forget_tenant_in_routes(session: AsyncSession, audit: Callable[..., No
     for row in rows:
         before = route_json(row)
         when = row.spec["when"]
-        tenants = [t for t in when["tenants"] if t != name]
+        tenants = rewrite(when["tenants"])
         if not tenants:
             audit("delete", "route", str(row.id), before, None)
             await session.delete(row)
