@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.accounting.catalog import load_catalog, seed_prices
-from gateway.accounting.pricing import TokenClass, price_usage
+from gateway.accounting.pricing import PriceCatalog, TokenClass, price_usage
 from gateway.admin.control_plane import config_prices
 from gateway.app import create_app
 from gateway.config import ConfigError, parse_config
@@ -166,6 +166,27 @@ async def test_a_price_taken_out_of_the_config_bills_as_the_config_now_says(
     assert billed(later, "priority") == pico(base)
 
 
+FIRST, THEN = dt.datetime(2026, 11, 1, tzinfo=dt.UTC), dt.datetime(2026, 11, 15, tzinfo=dt.UTC)
+
+
+async def _seeded_for_anthropic(db_url: str, seeded_once: str) -> PriceCatalog:
+    """The catalog after `seeded_once` is seeded at FIRST and TAKEN_OUT at THEN, both with the backend
+    made an Anthropic one."""
+    await migrate.upgrade_async(premigrated(db_url))
+    engine = create_engine(db_url)
+    sessions = sessionmaker(engine)
+    try:
+        for config, at in ((seeded_once, FIRST), (TAKEN_OUT, THEN)):
+            config = config.replace("type: openai", "type: anthropic")
+            rows = config_prices(parse_config(config, {"DB_URL": db_url}).models, at)
+            async with sessions() as session, session.begin():
+                await seed_prices(session, rows, at, {"b": "anthropic"})
+        async with sessions() as session:
+            return await load_catalog(session)
+    finally:
+        await engine.dispose()
+
+
 async def test_a_cache_write_price_taken_out_for_an_anthropic_model_seeds_anthropic_s_rule(
     db_url: str, tmp_path: Path
 ) -> None:
@@ -173,22 +194,8 @@ async def test_a_cache_write_price_taken_out_for_an_anthropic_model_seeds_anthro
     fallback (the input price), which then billed 1-hour writes at half what Anthropic bills, where
     the config alone bills them at 2x the input price: the row is seeded at Anthropic's rule (5-minute
     writes at 1.25x, 1-hour at 2x the input price; the tier's own input price for a tier)."""
-    await migrate.upgrade_async(premigrated(db_url))
-    engine = create_engine(db_url)
-    sessions = sessionmaker(engine)
-    first, then = dt.datetime(2026, 11, 1, tzinfo=dt.UTC), dt.datetime(2026, 11, 15, tzinfo=dt.UTC)
-    env = {"DB_URL": db_url}
-    try:
-        for config, at in ((SEEDED_ONCE, first), (TAKEN_OUT, then)):
-            config = config.replace("type: openai", "type: anthropic")
-            rows = config_prices(parse_config(config, env).models, at)
-            async with sessions() as session, session.begin():
-                await seed_prices(session, rows, at, {"b": "anthropic"})
-        async with sessions() as session:
-            catalog = await load_catalog(session)
-    finally:
-        await engine.dispose()
-    later = then + dt.timedelta(hours=1)
+    catalog = await _seeded_for_anthropic(db_url, SEEDED_ONCE)
+    later = THEN + dt.timedelta(hours=1)
     writes = (TokenClass.CACHE_WRITE_5M, TokenClass.CACHE_WRITE_1H)
     assert [catalog.prices_at("b", "m", later, None)[c] for c in writes] == [3_750_000, 6_000_000]
     assert [catalog.prices_at("b", "m", later, "flex")[c] for c in writes] == [1_875_000, 3_000_000]
@@ -201,25 +208,11 @@ async def test_a_cache_read_price_taken_out_for_an_anthropic_model_seeds_a_tenth
     fallback (the input price), which then billed every cache read at 10x what Anthropic bills, where
     the config alone bills them at 0.1x the input price: the row is seeded at that rule (the tier's
     own input price for a tier)."""
-    await migrate.upgrade_async(premigrated(db_url))
-    engine = create_engine(db_url)
-    sessions = sessionmaker(engine)
-    first, then = dt.datetime(2026, 11, 1, tzinfo=dt.UTC), dt.datetime(2026, 11, 15, tzinfo=dt.UTC)
-    env = {"DB_URL": db_url}
     seeded_once = SEEDED_ONCE.replace("cached_input: 0.30", "cached_input: 0.9").replace(
         "cached_input: 0.15", "cached_input: 0.6"
     )
-    try:
-        for config, at in ((seeded_once, first), (TAKEN_OUT, then)):
-            config = config.replace("type: openai", "type: anthropic")
-            rows = config_prices(parse_config(config, env).models, at)
-            async with sessions() as session, session.begin():
-                await seed_prices(session, rows, at, {"b": "anthropic"})
-        async with sessions() as session:
-            catalog = await load_catalog(session)
-    finally:
-        await engine.dispose()
-    later = then + dt.timedelta(hours=1)
-    assert catalog.prices_at("b", "m", first, None)[TokenClass.CACHED_INPUT] == 900_000
+    catalog = await _seeded_for_anthropic(db_url, seeded_once)
+    later = THEN + dt.timedelta(hours=1)
+    assert catalog.prices_at("b", "m", FIRST, None)[TokenClass.CACHED_INPUT] == 900_000
     assert catalog.prices_at("b", "m", later, None)[TokenClass.CACHED_INPUT] == 300_000
     assert catalog.prices_at("b", "m", later, "flex")[TokenClass.CACHED_INPUT] == 150_000
