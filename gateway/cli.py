@@ -240,7 +240,9 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
             app_from_env(),
             host=host,
             port=port,
-            http=uvicorn_protocol(config.server.header_timeout, config.server.body_timeout),
+            http=uvicorn_protocol(
+                config.server.header_timeout, config.server.body_timeout, config.server.max_header_bytes
+            ),
             log_level="warning",
             access_log=False,
             log_config=None,  # no plain-text handlers of its own: its lines reach the JSON root handler

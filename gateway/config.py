@@ -196,6 +196,8 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     # a client that takes longer gets 408 and its connection is closed (gateway/slow_clients.py).
     header_timeout: Seconds = 10.0
     body_timeout: Seconds = 60.0
+    # The request line and headers together (`weir serve` with uvicorn); larger: 431, closed.
+    max_header_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Wrong API keys one client address may present a minute, per replica, before it gets 429 (its
     # keys already known valid still work), and wrong admin tokens on the admin API (429 even with

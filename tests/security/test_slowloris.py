@@ -1,7 +1,8 @@
 """Slowloris against `weir serve` (uvicorn, the default server): clients that send their headers or
 body a byte at a time, or nothing at all, are answered 408 and dropped after
 `server.header_timeout` / `server.body_timeout` (1 s each here), while other clients are served
-as usual, and responses (a 2-second stream) are not cut by those limits.
+as usual, and responses (a 2-second stream) are not cut by those limits. Headers larger than
+`server.max_header_bytes` (16 KiB here) are answered 431 at once, instead of being buffered.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.fixtures.waiting import wait_for
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-weir-slowloris-0123456789"
 TIMEOUT = 1.0
+MAX_HEADER_BYTES = 16 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ models:
   - {{name: gpt-4o-mini, backend: openai}}
 tenants:
   - {{name: t, api_keys: ["{KEY}"]}}
-server: {{header_timeout: {TIMEOUT}, body_timeout: {TIMEOUT}}}
+server: {{header_timeout: {TIMEOUT}, body_timeout: {TIMEOUT}, max_header_bytes: {MAX_HEADER_BYTES}}}
 """
     )
     port = free_port()
@@ -188,3 +190,44 @@ def test_others_are_served_while_many_slow_clients_hold_connections(
     finally:
         for conn in slow:
             conn.close()
+
+
+def _answer(url: str, request: bytes) -> httpx.Response:
+    """What the server answers `request`, sent in one piece on a connection of its own."""
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(request)
+        received = b""
+        while piece := conn.recv(65536):  # the server hangs up after its answer
+            received += piece
+    head, _, body = received.partition(b"\r\n\r\n")
+    status_line, *lines = head.split(b"\r\n")
+    headers = [tuple(line.split(b": ", 1)) for line in lines]
+    return httpx.Response(int(status_line.split()[1]), content=body, headers=headers)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_headers_over_the_limit_get_431_at_once(weir_url: str, path: str) -> None:
+    """uvicorn's parser kept every header byte a client sent (50 MB were read and held within the
+    header timeout): past `max_header_bytes` the request is refused without waiting for the rest."""
+    pad = b"x-pad: " + b"a" * (MAX_HEADER_BYTES + 4096) + b"\r\n"
+    t0 = time.monotonic()
+    # The headers never end: the refusal cannot wait for them, nor for the header timeout.
+    response = _answer(weir_url, f"POST {path} HTTP/1.1\r\nhost: x\r\n".encode() + pad)
+    assert time.monotonic() - t0 < TIMEOUT
+    assert response.status_code == 431, response.content
+    body = response.json()
+    if path == "/v1/messages":  # Anthropic's error shape on its paths, as its SDK reads it
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    else:
+        assert body["error"]["code"] == "request_headers_too_large"
+    assert f"larger than {MAX_HEADER_BYTES} bytes" in body["error"]["message"]
+
+
+def test_headers_under_the_limit_are_served_on_every_request_of_a_connection(weir_url: str) -> None:
+    """The limit is per request: a kept-alive connection's requests together may send more."""
+    pad = "a" * (MAX_HEADER_BYTES // 2)
+    with httpx.Client(base_url=weir_url) as client:
+        for _ in range(3):
+            assert client.get("/healthz", headers={"x-pad": pad}).status_code == 200
+        assert client.get("/healthz", headers={"x-pad": pad * 3}).status_code == 431
