@@ -284,11 +284,19 @@ def test_redis_runs_with_the_compose_command_and_the_gateway_url_authenticates(
     compose: dict[str, Any], tmp_path: Path
 ) -> None:
     """The compose Redis entrypoint and command, run by the local redis-server (the image runs the same
-    binary; its docker-entrypoint.sh only drops root before it execs the command)."""
+    binary; its docker-entrypoint.sh only drops root before it execs the command: a stand-in here
+    that does only that, and writes down the arguments it was given, which `ps` shows)."""
     secrets = new_secrets(tmp_path / "secrets")
     redis_service = at_secrets(interpolate(compose, example_env())["services"]["redis"], secrets)
-    entrypoint = [a.replace("docker-entrypoint.sh ", "") for a in redis_service["entrypoint"]]
+    stand_in = tmp_path / "docker-entrypoint.sh"
+    stand_in.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/argv\nexec "$@"\n')
+    stand_in.chmod(0o755)
+    entrypoint = [a.replace("docker-entrypoint.sh", str(stand_in)) for a in redis_service["entrypoint"]]
     with redis_server([*entrypoint, *redis_service["command"]], tmp_path) as port:
+        # The password is in no process's arguments: not the entrypoint's, not redis-server's.
+        password = (secrets / "redis_password").read_text().strip()
+        argv = (tmp_path / "argv").read_text()
+        assert argv.startswith("redis-server\n-\n") and password not in argv, argv
         url = (secrets / "redis_url").read_text().strip()
         assert url.startswith("redis://:") and "@redis:6379/" in url
         client = redis.Redis.from_url(url.replace("@redis:6379", f"@127.0.0.1:{port}"))
