@@ -21,6 +21,7 @@ from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
 from gateway.api.routed import NoTokenCounter, count_tokens_op
 from gateway.errors import ANTHROPIC_PATH, GatewayError, InvalidRequest
 from gateway.estimate import input_tokens
+from gateway.media_urls import check_media_urls
 from gateway.types import ChatRequest, ChatResponse
 from routing.execute import refuses_parameter
 from routing.plan import features
@@ -64,6 +65,7 @@ async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
         raise InvalidRequest("messages: at least one message is required", param="messages")
     chat = body.to_canonical(beta_flags(request.headers.getall(BETA_HEADER, [])))
     call.info.model = chat.model
+    check_media_urls(chat)  # as its chat would be: a counting backend may fetch them too
     feats = features(chat, call.principal.tenant_name, call.principal.key_id)
     # Counting generates nothing: no traffic for the policy to learn from (a strong-share window).
     plan = await gateway.router.plan(chat.model, call.principal, feats, record=False)

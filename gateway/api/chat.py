@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from gateway.media_urls import check_media_urls
 from gateway.pipeline import Call
 from gateway.runtime import Gateway
 from gateway.types import ChatChunk, ChatRequest, ChatResponse
@@ -27,6 +28,7 @@ async def run_chat(
     call.info.model = request.model
     call.info.stream = bool(request.stream)
     gateway.limits.check_messages(call.principal, len(request.messages))
+    check_media_urls(request)
     param = output_param or (
         "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     )
