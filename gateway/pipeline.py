@@ -597,7 +597,11 @@ async def _record_cut(
 
 
 # Names of a backend's configured headers and query parameters whose values are credentials.
-_SECRET_NAME = re.compile(r"auth|key|token|secret|signature|password", re.IGNORECASE)
+# A proxy in front of a backend may take a session cookie or a credential of another name
+# (`Cookie`, `x-goog-credentials`, `x-session-id`): echoed, those are as much a secret as a key.
+_SECRET_NAME = re.compile(
+    r"auth|key|token|secret|signature|password|cookie|credential|session", re.IGNORECASE
+)
 
 
 def backend_secrets(backend: Backend) -> list[str]:

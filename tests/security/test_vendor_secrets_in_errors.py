@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 
 from gateway.config import Timeouts, parse_config
 from gateway.errors import BadGateway
+from gateway.pipeline import redact_secrets
 from gateway.providers.base import UpstreamRequest
 from gateway.transport import Transport, describe
 from tests.fakes import FakeOpenAI, Fault
@@ -155,3 +156,28 @@ def test_an_upstream_exception_is_logged_without_a_key_it_quotes() -> None:
     key = "sk-ant-api03-Zx9Yw8Vu7Ts6Rq5Po4Nm3Lk2Ji1Hg0Fe"
     error = ValueError(f"invalid literal for int(): 'x-api-key {key} is invalid'")
     assert describe(error) == "ValueError: invalid literal for int(): 'x-api-key [redacted] is invalid'"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("cookie", "CF_Authorization=eyJhbGciOiJSUzI1NiJ9.proxy-session"),
+        ("x-goog-credentials", "ya29.credential-of-a-proxy-0001"),
+        ("x-session-id", "proxy-session-0123456789"),
+    ],
+)
+def test_a_configured_cookie_or_credential_header_is_a_secret_too(name: str, value: str) -> None:
+    """A backend behind a proxy that signs in with a cookie or a credential header of another name:
+    echoed by the proxy, the value is blanked like a key's (it was passed on in clear)."""
+    config = parse_config(
+        f"""backends:
+  - {{name: b, type: openai, base_url: "http://127.0.0.1:9", headers: {{"{name}": "{value}"}}}}
+models:
+  - {{name: m, backend: b}}
+""",
+        {},
+    )
+    error = BadGateway(f"proxy said: you sent {name}: {value}, which expired")
+    redact_secrets(error, config.backend("b"))
+    assert value not in error.message and "[redacted]" in error.message
+    assert error.message.startswith("proxy said: you sent")
