@@ -95,8 +95,10 @@ def guarded(
             within = self._within_header_limit(data) if self._waiting_for == "headers" else None
             if within is not None:
                 # The parser gets the bytes up to the limit (the request line: which API's error
-                # shape), never those past it: it would keep them all.
-                super().data_received(data[:within])
+                # shape), never those past it: it would keep them all. None is no call (to h11,
+                # empty data is the end of the connection).
+                if within:
+                    super().data_received(data[:within])
                 self._refuse(_headers_too_large_response(max_header_bytes, self._partial_path()))
                 return
             super().data_received(data)
