@@ -305,8 +305,18 @@ def refusal(
             headers={"retry-after": str(wait)},
         )
     if blocked.startswith("budget:"):
+        if _held_in_flight(decision, budgets, amount):
+            # Requests in flight reserve what is left; they settle for what they cost (usually less
+            # than their estimate), so a retry may fit once they finish: the SDKs' own retries.
+            return QuotaExceeded(
+                f"This {scope}'s monthly budget has no room for this request while its requests in "
+                "flight hold what is left of it. Please try again when they have finished."
+            )
+        # Spent: no wait lifts it before the month turns or an administrator raises it, so the SDKs
+        # are told not to retry it (OpenAI's own insufficient_quota), unlike a rate limit's 429.
         return QuotaExceeded(
-            f"You exceeded this {scope}'s monthly budget. Ask your Weir administrator to raise it."
+            f"You exceeded this {scope}'s monthly budget. Ask your Weir administrator to raise it.",
+            headers=never,
         )
     wait = max(1, math.ceil(decision.retry_after_s))
     kind = "tokens" if blocked.startswith("tpm:") else "requests"
@@ -315,6 +325,15 @@ def refusal(
         type=kind,
         headers={"retry-after": str(wait)},
     )
+
+
+def _held_in_flight(decision: Decision, budgets: Sequence[Budget], amount: int) -> bool:
+    """Whether the budget that refused would take the request but for what requests in flight have
+    reserved (`decision.spent`: its settled spend, as the state reports it). Not known: spent."""
+    for i, budget in enumerate(budgets):
+        if budget.key == decision.blocked_by:
+            return i < len(decision.spent) and decision.spent[i] + amount <= budget.limit_pico_usd
+    return False
 
 
 # Spend this month so far, from the ledger: (scope "tenant"|"key", id, month start, usage event ids,

@@ -332,10 +332,12 @@ class DegradableState(Shortcuts):
         not fit what this replica knows is left of one of the whole budgets (the refusal clients
         do not retry), else `share_spent`: the tenant has money left, which this replica cannot
         confirm is not spent on the others, and a retry may reach one whose share takes it."""
+        spents: list[int] = []
         for budget in budgets:
             spent, reserved = self.fallback.budget_usage_now(budget.key) or (0, 0)
+            spents.append(spent)
             if spent + reserved + amount_pico_usd > budget.limit_pico_usd:
-                return replace(refused, blocked_by=budget.key)
+                return replace(refused, blocked_by=budget.key, spent=tuple(spents))
         return replace(refused, share_spent=True)
 
     def _of_whole_limits(

@@ -286,7 +286,7 @@ class MemoryState(Shortcuts):
                 wait = retry_after(buckets, need, bucket_s, now, limit.window_s)
                 return Admission(False, wait, limit.key, windows=refused_by)
             counted.append((window, current, limit.cost))
-        states = []
+        states: list[_Budget] = []
         for budget in budgets:
             state = self._budgets.get(budget.key)
             if state is None:
@@ -297,7 +297,9 @@ class MemoryState(Shortcuts):
                 lost = (b.key for b in budgets if b.seeded and not held.setdefault(b.key, _Budget()).seeded)
                 return Admission(False, unseeded=tuple(lost))
             if state.spent + state.reserved(now) + amount_pico_usd > budget.limit_pico_usd:
-                return Admission(False, blocked_by=budget.key)
+                # `spent` up to this budget, as Redis answers: whether the refusal is for good.
+                spent = (*(held.spent for held in states), state.spent)
+                return Admission(False, blocked_by=budget.key, spent=spent)
             states.append(state)
         counted_in = []
         windows_now = []

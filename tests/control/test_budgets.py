@@ -236,6 +236,45 @@ async def test_a_budget_stored_above_the_bound_is_counted_as_the_bound(
     assert await state.budget_usage(budget) == (0, 20 * 10**7)  # only the small request is reserved
 
 
+MICRO_PER_TOKEN = PriceCatalog(  # USD 1 per 1M input tokens: one micro-dollar a token
+    [PriceRow("*", "m", TokenClass.INPUT, 10**6, T0), PriceRow("*", "m", TokenClass.OUTPUT, 0, T0)]
+)
+
+
+@pytest.mark.parametrize("leasing", [False, True])
+async def test_a_spent_budget_is_refused_for_good_and_one_held_by_requests_in_flight_is_not(
+    state: SharedState, leasing: bool
+) -> None:
+    """A budget's refusal told no client whether waiting could help. Spent (what settled leaves no
+    room for the request): nothing lifts it before the month turns or an administrator raises it,
+    and it says `x-should-retry: false`, which the official SDKs obey where they retry a 429 twice.
+    Held by requests in flight (their reservations, which settle for what they really cost, usually
+    less): a retry may fit once they finish, so it says nothing of the kind."""
+    admission = Admission(state, lambda: MICRO_PER_TOKEN, leasing=leasing)
+    quotas = Quotas("t", None, tenant_budget_micro_usd=100)
+
+    async def refused(tokens: int) -> QuotaExceeded:
+        with pytest.raises(QuotaExceeded) as caught:
+            await admission.admit("refused", quotas, "b", "m", prompt_tokens=tokens, max_output_tokens=0)
+        return caught.value
+
+    await admission.admit("a", quotas, "b", "m", prompt_tokens=60, max_output_tokens=0)  # 60 reserved
+    held = await refused(50)
+    assert held.code == "insufficient_quota" and "x-should-retry" not in held.headers
+    assert "in flight" in held.message
+    admission.settle(event("a", Usage(input_tokens=30), 30 * 10**6))  # it cost 30: 70 left
+    admission.finish("a")
+    await admission.drain()
+    await admission.admit("b", quotas, "b", "m", prompt_tokens=50, max_output_tokens=0)  # the retry fits
+    admission.settle(event("b", Usage(input_tokens=50), 50 * 10**6))  # 80 spent
+    admission.finish("b")
+    await admission.drain()
+    spent = await refused(30)
+    assert spent.code == "insufficient_quota" and spent.headers["x-should-retry"] == "false"
+    assert "retry-after" not in spent.headers
+    await admission.admit("c", quotas, "b", "m", prompt_tokens=20, max_output_tokens=0)  # what is left
+
+
 @pytest.fixture
 async def control(db_url: str, tmp_path: Path) -> AsyncIterator[ControlPlane]:
     """A control plane over a migrated ledger that holds USD 2 of this month's spend, settled long ago:

@@ -126,6 +126,59 @@ def test_budget_reserves_and_refuses(weir: Weir, fake_openai: FakeOpenAI) -> Non
     assert float(gauge.split()[-1]) == pytest.approx(spent / 10**6 / 1000, rel=1e-6)
 
 
+def test_a_spent_budget_is_not_retried_in_vain_and_a_rate_limit_is(
+    weir: Weir, fake_openai: FakeOpenAI
+) -> None:
+    """A tenant whose monthly budget is spent gets `insufficient_quota`, which no wait lifts (until the
+    month turns or an administrator raises it): it carries `x-should-retry: false`, so the official
+    SDKs, which retry a 429 twice by default, send the request once. A rate limit's 429 lifts within
+    its window: retry-after and the x-ratelimit-* headers, and no `x-should-retry: false`."""
+    sent: list[str] = []
+    hooks = {"request": [lambda request: sent.append(request.url.path)]}
+
+    def sdk(key: str) -> openai.OpenAI:  # max_retries: the SDK's default (2)
+        return openai.OpenAI(
+            base_url=f"{weir.url}/v1", api_key=key, http_client=openai.DefaultHttpxClient(event_hooks=hooks)
+        )
+
+    hello = [{"role": "user", "content": "hello"}]
+    _, _, key = weir.tenant_with_key("spent", budget_usd_monthly="0.0001")  # 100 micro-dollars
+    fake_openai.set_next_usage(input_tokens=1000, output_tokens=100)  # 210 micro-dollars: all spent
+    weir.client(key).chat.completions.create(model="gpt-4o-mini", messages=hello, max_tokens=10)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 10  # settled off the request path
+    while True:
+        sent.clear()
+        try:
+            sdk(key).chat.completions.create(model="gpt-4o-mini", messages=hello, max_tokens=10)  # type: ignore[arg-type]
+        except openai.RateLimitError as exc:
+            caught = exc
+            break
+        assert time.monotonic() < deadline, "the spent budget was never refused"
+    assert sent == ["/v1/chat/completions"]
+    assert (caught.body["type"], caught.body["code"]) == ("insufficient_quota", "insufficient_quota")  # type: ignore[index]
+    assert (
+        caught.response.headers["x-should-retry"] == "false" and "retry-after" not in caught.response.headers
+    )
+    sent.clear()
+    claude = anthropic.Anthropic(
+        base_url=weir.url, api_key=key, http_client=anthropic.DefaultHttpxClient(event_hooks=hooks)
+    )
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        claude.messages.create(
+            model="gpt-4o-mini", max_tokens=10, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert sent == ["/v1/messages"] and refused.value.response.headers["x-should-retry"] == "false"
+
+    _, _, key = weir.tenant_with_key("limited", rpm=1)
+    sdk(key).chat.completions.create(model="gpt-4o-mini", messages=hello, max_tokens=10)  # type: ignore[arg-type]
+    sent.clear()
+    with pytest.raises(openai.RateLimitError) as limited:
+        sdk(key).with_options(max_retries=0).chat.completions.create(model="gpt-4o-mini", messages=hello)  # type: ignore[arg-type]
+    headers = limited.value.response.headers
+    assert int(headers["retry-after"]) >= 1 and headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-should-retry" not in headers
+
+
 def test_an_image_sent_inline_is_admitted_by_what_it_costs_not_its_size(weir: Weir) -> None:
     """Admission estimates an inline image as an image (at most INLINE_PART_TOKENS), not its base64 at
     4 bytes a token: this 600 kB one was 150,000 tokens, refused for ever by a 100,000 TPM limit

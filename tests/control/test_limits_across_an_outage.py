@@ -345,6 +345,7 @@ async def test_replicas_share_what_is_left_of_a_budget_while_redis_is_away(redis
         # More than what is left of the whole budget: over budget, as with Redis.
         over = await refusal_of(replica_a, 500)
         assert isinstance(over, QuotaExceeded) and over.code == "insufficient_quota"
+        assert over.headers["x-should-retry"] == "false"  # spent, as far as A knows: for good
 
 
 async def test_a_lone_replica_spends_what_is_left_of_a_budget_while_redis_is_away(redis_prefix: str) -> None:
