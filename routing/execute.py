@@ -17,7 +17,6 @@ import datetime as dt
 import email.utils
 import math
 import random
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,6 +42,7 @@ from gateway.providers.base import (
     CONTEXT_LENGTH_EXCEEDED,
     CONTINUE_INSTRUCTION,
     OUTPUT_LIMIT_TOO_LARGE,
+    TOO_LARGE_FOR_LIMIT,
     UpstreamRequest,
     chat_response_reader,
     context_report,
@@ -89,17 +89,10 @@ def fails_over(route: Route, exc: BaseException) -> bool:
     )
 
 
-# OpenAI's words for a request larger on its own than the account's tokens-per-minute limit, in a
-# 429: "Request too large for gpt-4o in organization ... on tokens per min (TPM): Limit 30000,
-# Requested 50000. The input or output tokens must be reduced ...". No wait lifts it. (Groq says it
-# with a 413, which `retries_in_place` does not retry either.)
-_TOO_LARGE_FOR_LIMIT = re.compile(r"\bRequest too large for\b", re.IGNORECASE)
-
-
 def _too_large_for_limit(exc: GatewayError) -> bool:
-    """A 429 for a request too large for the backend's rate limit itself (`_TOO_LARGE_FOR_LIMIT`):
+    """A 429 for a request too large for the backend's rate limit itself (`TOO_LARGE_FOR_LIMIT`):
     the request's own size, not the backend's load or health."""
-    return exc.status == 429 and _TOO_LARGE_FOR_LIMIT.search(exc.message) is not None
+    return exc.status == 429 and TOO_LARGE_FOR_LIMIT.search(exc.message) is not None
 
 
 def _unhealthy(exc: GatewayError) -> bool:

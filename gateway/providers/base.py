@@ -675,6 +675,20 @@ OUTPUT_LIMIT_TOO_LARGE = re.compile(
     r"|valid range of max_tokens is \[",
 )
 
+# OpenAI's words for a request larger on its own than the account's tokens-per-minute limit, in a
+# 429: "Request too large for gpt-4o in organization ... on tokens per min (TPM): Limit 30000,
+# Requested 50000. The input or output tokens must be reduced ...". No wait lifts it. (Groq says it
+# with a 413, which `retries_in_place` does not retry either.)
+TOO_LARGE_FOR_LIMIT = re.compile(r"\bRequest too large for\b", re.IGNORECASE)
+INSUFFICIENT_QUOTA = "insufficient_quota"  # OpenAI's 429 for an account out of credit
+
+
+def _never_lifts(status: int, message: str, code: str | None) -> bool:
+    """A vendor's 429 that no wait lifts: its account out of credit, or a request larger than its rate
+    limit itself. Routing asks that backend once (`routing.execute.retries_in_place`); the client is
+    told not to retry either (`x-should-retry: false`, which the OpenAI and Anthropic SDKs obey)."""
+    return status == 429 and (code == INSUFFICIENT_QUOTA or TOO_LARGE_FOR_LIMIT.search(message) is not None)
+
 
 def upstream_error(
     status: int,
@@ -717,6 +731,8 @@ def upstream_error(
     if status in _CONTEXT_STATUSES and _CONTEXT_MESSAGES.search(message):
         code = CONTEXT_LENGTH_EXCEEDED
     if 400 <= status < 500:
+        if _never_lifts(status, message, code):
+            passed["x-should-retry"] = "false"
         return UpstreamError(
             message,
             status=status,

@@ -23,9 +23,16 @@ from openai.types.chat import ChatCompletionContentPartParam
 from gateway.estimate import CHAT_TOKENS, INLINE_PART_TOKENS, MESSAGE_TOKENS, input_tokens
 from gateway.types import ChatRequest, Message
 from tests.fakes import FakeOpenAI
+from tests.fakes.faults import Fault
 from tests.fixtures.db import REDIS_URL
 from tests.fixtures.gateway import ADMIN, CONFIG, PRICE, Weir
 from tests.fixtures.net import free_port
+
+# OpenAI's 429 for a request larger than the organisation's tokens-per-minute limit on its own.
+TOO_LARGE_FOR_TPM = (
+    "Request too large for gpt-4o-mini in organization org-abc on tokens per min (TPM): Limit 30000, "
+    "Requested 50000. The input or output tokens must be reduced in order to run successfully."
+)
 
 
 def expected_pico(rows: list[tuple]) -> int:
@@ -177,6 +184,38 @@ def test_a_spent_budget_is_not_retried_in_vain_and_a_rate_limit_is(
     headers = limited.value.response.headers
     assert int(headers["retry-after"]) >= 1 and headers["x-ratelimit-remaining-requests"] == "0"
     assert "x-should-retry" not in headers
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault.status(429, error_code="insufficient_quota"),
+        Fault.status(429, message=TOO_LARGE_FOR_TPM, error_code="rate_limit_exceeded"),
+    ],
+    ids=["insufficient_quota", "too_large_for_tpm"],
+)
+def test_a_vendor_429_no_wait_lifts_is_not_retried_by_the_client_either(
+    weir: Weir, fake_openai: FakeOpenAI, fault: Fault
+) -> None:
+    """The gateway's vendor account out of credit (OpenAI's 429 `insufficient_quota`), or a request
+    larger than the vendor's rate limit itself: routing asks that backend once, knowing no wait lifts
+    either, but passed the 429 on as it came, and the official SDKs retried it twice: three requests
+    upstream and three of the tenant's RPM for one answer that could not change. It says
+    `x-should-retry: false`, as Weir's own such refusals do; a vendor's plain rate limit does not."""
+    _, _, key = weir.tenant_with_key("vendor-out-of-credit")
+    client = openai.OpenAI(base_url=f"{weir.url}/v1", api_key=key)  # max_retries: the SDK's default (2)
+    hello = [{"role": "user", "content": "hello"}]
+    fake_openai.reset()
+    fake_openai.fail_next(fault, times=3)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model="gpt-4o-mini", messages=hello)  # type: ignore[arg-type]
+    assert len(fake_openai.requests) == 1
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    fake_openai.reset()
+    fake_openai.fail_next(Fault.status(429, retry_after=0), times=5)  # a rate limit: it lifts
+    with pytest.raises(openai.RateLimitError) as limited:
+        client.with_options(max_retries=0).chat.completions.create(model="gpt-4o-mini", messages=hello)  # type: ignore[arg-type]
+    assert "x-should-retry" not in limited.value.response.headers
 
 
 def test_an_image_sent_inline_is_admitted_by_what_it_costs_not_its_size(weir: Weir) -> None:
