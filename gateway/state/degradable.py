@@ -279,6 +279,7 @@ class DegradableState(Shortcuts):
         if reached:
             # What Redis says is spent (every replica's settlements): where the fallback starts from.
             self.fallback.budget_spent_at_least(usage)
+            self._release_fallbacks(settlements)
             return usage
         now = time.time()
         for settlement in settlements:
@@ -299,6 +300,23 @@ class DegradableState(Shortcuts):
                 if rid and not self.fallback.made(rid):  # Redis's own: it holds the money until released
                     self._releases.append((key, rid, amount))
         return await self.fallback.settle_many(settlements)
+
+    def _release_fallbacks(self, settlements: Sequence[Settlement]) -> None:
+        """Release in the fallback the reservations it made (requests admitted while Redis was away)
+        that settle now that Redis answers: Redis never held them, so settling there releases
+        nothing of them, and the fallback kept them for their TTL. A second outage within it started
+        with that money held on top of the spend Redis reports (which holds their cost): counted
+        twice, and the tenant refused early."""
+        released = []
+        for settlement in settlements:
+            for i, key in enumerate(settlement.budget_keys):
+                rid, amount = (
+                    settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
+                )
+                if rid and self.fallback.made(rid):
+                    released.append(Settlement((), [key], releases=[(rid, amount)]))
+        if released:
+            self.fallback.settle_now(released)
 
     def _share(self, limit: Limit) -> Limit:
         """This replica's part of a limit while Redis is away: 1/replicas of it, so that together the

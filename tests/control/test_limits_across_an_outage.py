@@ -366,3 +366,38 @@ async def test_a_lone_replica_spends_what_is_left_of_a_budget_while_redis_is_awa
         await replica.drain()
         await state.close()
         await proxy.stop()
+
+
+async def test_a_request_admitted_in_an_outage_and_settled_after_it_holds_nothing_in_the_next(
+    redis_prefix: str,
+) -> None:
+    """A request the fallback admitted while Redis was away, and that finished once Redis was back,
+    settled in Redis alone: its spend reached Redis (and the fallback learns it from there), but the
+    fallback kept its reservation for the reservation's TTL (10 minutes). A second outage within them
+    started with that money held on top of its spend: counted twice, and the tenant refused early."""
+    proxy = TcpProxy(REDIS_PORT)
+    await proxy.start()
+    state = behind_proxy(proxy, redis_prefix)
+    replica = Admission(state, lambda: MICRO_PER_TOKEN)
+    try:
+        state.start()
+        await counted([state], 1)
+        assert await spent(replica, 3) == 3  # 300 of 1,000 micro-dollars
+        await proxy.stop()
+        straddling = uuid.uuid4().hex
+        await replica.admit(straddling, BUDGETED, "b", "m", prompt_tokens=100, max_output_tokens=0)
+        assert state.degraded
+        await proxy.start()
+        async with asyncio.timeout(5):
+            while state.degraded:
+                await asyncio.sleep(0.01)
+        replica.settle(usage_event(straddling, cost_pico_usd=100 * 10**6))  # 400 spent, in Redis
+        replica.finish(straddling)
+        await replica.drain()
+        await proxy.stop()
+        assert await spent(replica, 10) == 6  # the 600 left, not 500
+        assert state.degraded
+    finally:
+        await replica.drain()
+        await state.close()
+        await proxy.stop()
