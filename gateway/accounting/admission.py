@@ -259,7 +259,8 @@ def refusal(
     large for ... on tokens per min"), so that clients handling OpenAI's keep working, but with no
     retry-after and with `x-should-retry: false`, which the OpenAI and Anthropic SDKs obey before the
     status (a 429 alone they retry, twice by default: in vain, and with the retry-after of 60 s it
-    had, for two minutes)."""
+    had, for two minutes). A budget its spend leaves no room in is told the same header; one held
+    only by requests in flight, and a rate limit, which lift, are not."""
     never = {"x-should-retry": "false"}
     for limit in limits:
         if limit.cost > limit.limit:
