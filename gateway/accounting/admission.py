@@ -48,7 +48,12 @@ LEASE_WAITS = 3  # how many in-flight asks a request waits for before asking the
 LEASE_SHARE = 100
 POOL_TTL_S = 1.0
 LEASE_MARGIN_S = 0.002  # stop using a lease this long before its bucket ends
-PENDING_TTL_S = 900.0  # how long retries and fallbacks of one request still settle against it
+# How long a request whose exchange is never reported over (`finish`) is remembered: a safety net
+# only, since every exchange is reported (the HTTP middleware, a comparison's call), and forgotten
+# FINISHED_GRACE_S after. It must outlast the longest exchange, whose attempts settle against it: a
+# stream runs as long as chunks keep coming, a whole answer up to its `first_byte` timeout (at most a
+# day). It was 15 minutes: a longer exchange settled nothing, so its cost never reached its budget.
+PENDING_TTL_S = 24 * 3600.0
 # After its HTTP exchange ends, a request is forgotten this much later: attempts still in flight then
 # (a cancelled hedge) settle in time, and memory holds seconds of traffic, not PENDING_TTL_S of it.
 # Every attempt normally settles before the exchange ends (routing cancels and awaits a losing hedge

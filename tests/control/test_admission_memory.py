@@ -182,3 +182,24 @@ async def test_budgets_of_past_months_are_let_go_when_the_month_turns(
     await admission.admit("next", quotas[0], "openai", "gpt-4o-mini", 10, 10)
     assert set(admission._tenant_budgets) == {budget_key("tenant", "t0", "2027-01")}
     assert admission.budget_usage_ratio == {"t0": 1 / 10**15}  # its reservation: a pico-dollar
+
+
+async def test_a_request_that_runs_longer_than_a_quarter_of_an_hour_is_still_charged() -> None:
+    """An exchange still running was forgotten 15 minutes after its admission as if it had been lost
+    (PENDING_TTL_S), and the settlement of its attempt then found nothing to settle: a long stream (a
+    slow engine, a reasoning model thinking for long) or a non-streaming answer under a long
+    `first_byte` timeout cost its tenant's budget and token limit nothing, though the ledger billed
+    it. Only a request whose exchange ended is forgotten soon (FINISHED_GRACE_S after its end)."""
+    state = MemoryState()
+    admission = Admission(state, PriceCatalog)
+    quota = {"prompt_tokens": 10, "max_output_tokens": 10}
+    await admission.admit("long", QUOTAS, "openai", "gpt-4o-mini", **quota)
+    pending = admission._pending["long"]
+    assert isinstance(pending, admission_module._Pending)
+    pending.created -= 16 * 60  # admitted 16 minutes ago, and still streaming
+    admission._next_expiry = 0.0  # the next admission looks for requests to forget
+    await admission.admit("other", QUOTAS, "openai", "gpt-4o-mini", **quota)
+    admission.settle(event("long", total_tokens=5_000, cost_pico_usd=7_000_000))
+    budget = budget_key("tenant", "t1", month_of(dt.datetime.now(dt.UTC)))
+    assert state._budgets[budget].spent == 7_000_000
+    assert state._windows["tpm:tenant:t1"].total == 5_000 + 20  # its tokens, and other's estimate
