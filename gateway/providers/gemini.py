@@ -130,15 +130,22 @@ def _budget_for(model: str, budget: int) -> int:
     return budget
 
 
-# JSON-schema keywords Gemini's OpenAPI-subset `parameters` rejects.
-_UNSUPPORTED_SCHEMA_KEYS = frozenset(
-    {"$schema", "additionalProperties", "strict", "$id", "$defs", "definitions"}
+# The fields of Gemini's `Schema` (a subset of OpenAPI 3.0's schema object, parsed as a proto message),
+# for function parameters and response schemas alike. Any other keyword is a 400 for the whole request
+# ('Invalid JSON payload received. Unknown name "const" at ...: Cannot find field.'): JSON Schema's
+# ways of saying what these say are translated (`_as_gemini`), the rest (`additionalProperties`,
+# `$schema`, `exclusiveMinimum`, `uniqueItems`...: checks Gemini cannot make) left out.
+_SCHEMA_FIELDS = frozenset(
+    {
+        *("type", "format", "title", "description", "nullable", "enum", "default", "example"),
+        *("properties", "required", "minProperties", "maxProperties", "propertyOrdering"),
+        *("items", "minItems", "maxItems", "minLength", "maxLength", "pattern", "minimum", "maximum"),
+        "anyOf",
+    }
 )
-
-
 # Keywords whose value is a schema, or a list of schemas; `properties` maps names to schemas. Only these
 # are cleaned: elsewhere (a property's name, an enum value, a default) the unsupported words are data.
-_SUBSCHEMA_KEYS = frozenset({"items", "anyOf", "oneOf", "allOf", "prefixItems", "not"})
+_SUBSCHEMA_KEYS = frozenset({"items", "anyOf", "oneOf", "allOf"})
 _LOCAL_REFS = ("#/$defs/", "#/definitions/")
 # Inlining copies a definition per reference: a few nested definitions each referring twice to the
 # next would multiply without end. Past this much copying (keys and items of the copied nodes) a
@@ -180,17 +187,69 @@ class SchemaCleaner:
             return self.clean({**defs[name], **rest}, defs, (*seen, name))
         out: dict[str, Any] = {}
         for key, value in schema.items():
-            if key in _UNSUPPORTED_SCHEMA_KEYS:
-                continue
             if key == "properties" and isinstance(value, dict):
                 out[key] = {name: self.clean(sub, defs, seen) for name, sub in value.items()}
             elif key in _SUBSCHEMA_KEYS and isinstance(value, list):
                 out[key] = [self.clean(item, defs, seen) for item in value]
             elif key in _SUBSCHEMA_KEYS:
                 out[key] = self.clean(value, defs, seen)
-            else:
+            elif key in _SCHEMA_FIELDS or key == "const":
                 out[key] = value
-        return out
+        return _as_gemini(out)
+
+
+def _as_gemini(schema: dict[str, Any]) -> dict[str, Any]:
+    """A cleaned schema node's JSON Schema keywords in Gemini's terms: `allOf` merged in (every one
+    holds), `oneOf` as `anyOf` (Gemini cannot check "exactly one"), `const` as an enum of one, a
+    `null` among the types (`["string", "null"]`, as OpenAI documents optional fields in strict mode,
+    or Pydantic's `anyOf` of a type and `null`) as `nullable`, and enum values as the strings
+    Gemini's `enum` holds. Sent as they came, each was Gemini's 400."""
+    for part in schema.pop("allOf", None) or ():
+        if isinstance(part, dict):
+            _merge_into(schema, part)
+    one_of = schema.pop("oneOf", None)
+    if isinstance(one_of, list) and "anyOf" not in schema:
+        schema["anyOf"] = one_of
+    if "const" in schema:
+        schema.setdefault("enum", [schema.pop("const")])
+    if isinstance(schema.get("enum"), list):
+        schema["enum"] = [v if isinstance(v, str) else json_encode(v).decode() for v in schema["enum"]]
+    kinds = schema.get("type")
+    if isinstance(kinds, list):
+        named = [kind for kind in kinds if kind != "null"]
+        if len(named) < len(kinds):
+            schema["nullable"] = True
+        del schema["type"]
+        if len(named) == 1:
+            schema["type"] = named[0]
+        elif named:
+            schema.setdefault("anyOf", [{"type": kind} for kind in named])
+    variants = schema.get("anyOf")
+    if isinstance(variants, list) and any(_is_null(v) for v in variants):
+        schema["nullable"] = True
+        variants = schema.pop("anyOf")
+        named = [v for v in variants if not _is_null(v)]
+        if len(named) == 1 and isinstance(named[0], dict):
+            schema = {**named[0], **schema}  # Optional[X]: X, its description and default the outer's
+        elif named:
+            schema["anyOf"] = named
+    return schema
+
+
+def _is_null(schema: Any) -> bool:
+    return isinstance(schema, dict) and schema.get("type") == "null"
+
+
+def _merge_into(schema: dict[str, Any], part: dict[str, Any]) -> None:
+    """One of `allOf`'s schemas into the schema holding it: its properties and required names added,
+    any other keyword where the schema has none of its own."""
+    for key, value in part.items():
+        if key == "properties" and isinstance(value, dict):
+            schema["properties"] = {**value, **(schema.get("properties") or {})}
+        elif key == "required" and isinstance(value, list):
+            schema["required"] = list(dict.fromkeys([*(schema.get("required") or []), *value]))
+        else:
+            schema.setdefault(key, value)
 
 
 # The backend's key in `x-goog-api-key`, on the model list (`/v1beta/models`) as on every request.

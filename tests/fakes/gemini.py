@@ -28,7 +28,10 @@ model's output limit (`MAX_OUTPUT_TOKENS`: 8,192 on Gemini 2.0 Flash, 65,536 on 
 ``presencePenalty`` or ``frequencyPenalty`` other than 0 to a model after Gemini 2.0 ("Penalty is not
 enabled for models/gemini-2.5-flash"; 0 is not checked),
 and on 3.5 Flash-Lite and 3.6 on (`NO_PREFILL`) contents ending with a model turn, which earlier
-models continue (a prefill).
+models continue (a prefill). A function's ``parameters`` or the ``responseSchema`` is parsed as Gemini's
+``Schema`` message (`check_schema`): a keyword it has no field for (``additionalProperties``,
+``const``, ``oneOf``...), a list for ``type`` or an enum value that is not a string is a 400 in the
+real API's words.
 
 Gemini 3 models (``gemini-3-*``) sign their function calls as the real ones do: the first
 ``functionCall`` part of a response carries a ``thoughtSignature``, and a request is refused (400)
@@ -134,6 +137,55 @@ def check_thinking(model: str, thinking: dict[str, Any]) -> None:
         raise Invalid(
             400, f"The thinking budget {budget} is invalid. Please choose a value between {least} and {most}."
         )
+
+
+# The fields of Gemini's `Schema` (function `parameters`, `responseSchema`): a proto message, so any
+# other keyword is an unknown field, and `type` one value, never a list (`parametersJsonSchema` and
+# `responseJsonSchema` take JSON Schema instead, unchecked here).
+SCHEMA_FIELDS = frozenset(
+    {
+        *("type", "format", "title", "description", "nullable", "enum", "default", "example"),
+        *("properties", "required", "minProperties", "maxProperties", "propertyOrdering"),
+        *("items", "minItems", "maxItems", "minLength", "maxLength", "pattern", "minimum", "maximum"),
+        "anyOf",
+    }
+)
+
+
+def check_schema(schema: Any, where: str) -> None:
+    """A `Schema` as Gemini parses one, refused with its words where it has a field the message has
+    not, a list for `type`, or an enum value that is not a string."""
+    if not isinstance(schema, dict):
+        return
+    for key in schema:
+        if key not in SCHEMA_FIELDS:
+            raise Invalid(
+                400, f"Invalid JSON payload received. Unknown name \"{key}\" at '{where}': Cannot find field."
+            )
+    if isinstance(schema.get("type"), list):
+        raise Invalid(
+            400,
+            f"Invalid JSON payload received. Unknown name \"type\" at '{where}': Proto field is not repeating, "
+            "cannot start list.",
+        )
+    for i, value in enumerate(schema.get("enum") or ()):
+        if not isinstance(value, str):
+            raise Invalid(400, f"Invalid value at '{where}.enum[{i}]' (TYPE_STRING), {json.dumps(value)}")
+    for i, sub in enumerate((schema.get("properties") or {}).values()):
+        check_schema(sub, f"{where}.properties[{i}].value")
+    check_schema(schema.get("items"), f"{where}.items")
+    for i, sub in enumerate(schema.get("anyOf") or ()):
+        check_schema(sub, f"{where}.any_of[{i}]")
+
+
+def check_schemas(body: dict[str, Any]) -> None:
+    """Every `Schema` of a generateContent request: its function declarations' and its response's."""
+    for i, tool in enumerate(body.get("tools") or ()):
+        for j, declaration in enumerate(tool.get("functionDeclarations") or ()):
+            check_schema(declaration.get("parameters"), f"tools[{i}].function_declarations[{j}].parameters")
+    check_schema(
+        (body.get("generationConfig") or {}).get("responseSchema"), "generation_config.response_schema"
+    )
 
 
 _FINISH = {"stop": "STOP", "stop_sequence": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP"}
@@ -461,6 +513,7 @@ class FakeGemini(FakeServer):
             and not any("functionResponse" in p for p in last.get("parts") or [])
         ):
             raise Invalid(400, "Requests ending with a model turn are not supported.")
+        check_schemas(body)
         config = body.get("generationConfig") or {}
         if not model.startswith("gemini-2.0") and (
             config.get("presencePenalty") or config.get("frequencyPenalty")

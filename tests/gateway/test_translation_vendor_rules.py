@@ -16,10 +16,11 @@ body each vendor was sent, or on the client's 400 where nothing may be sent.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import openai
+import pydantic
 import pytest
 
 from gateway.config import Backend
@@ -272,6 +273,84 @@ def test_gemini_3_and_gemini_2_without_tools_keep_the_json_mime_type(
         assert sent["generationConfig"]["responseMimeType"] == "application/json", model
         assert sent["generationConfig"]["responseSchema"] == ANSWER_SCHEMA, model
         assert "systemInstruction" not in sent, model
+
+
+# --- Gemini's Schema subset: JSON Schema's nullable types, const, oneOf, allOf in its terms -------------
+
+
+class Place(pydantic.BaseModel):
+    city: str
+
+
+class Visit(pydantic.BaseModel):
+    kind: Literal["visit"]  # Pydantic's `const`
+    note: str | None  # Pydantic's `anyOf` of a type and `null`
+    place: Place | None  # a `$ref` beside `null`
+
+
+def test_a_pydantic_response_format_with_optional_and_literal_fields_parses_from_gemini(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """The OpenAI SDK's `parse` sends an optional field as an `anyOf` with `{"type": "null"}` and a
+    one-value Literal as `const`. Gemini's `responseSchema` has no `const` field (400 "Unknown name
+    \"const\" ... Cannot find field."), so the request failed; its way to say null is `nullable`."""
+    reply = gateway.openai().chat.completions.parse(model="gemini-flash", messages=HI, response_format=Visit)
+    visit = reply.choices[0].message.parsed
+    assert isinstance(visit, Visit) and visit.kind == "visit"
+    sent = fake_gemini.last_request.json["generationConfig"]["responseSchema"]["properties"]
+    assert sent["kind"]["enum"] == ["visit"] and "const" not in sent["kind"]
+    assert (sent["note"]["type"], sent["note"]["nullable"]) == ("string", True)
+    assert sent["place"]["type"] == "object" and sent["place"]["nullable"] is True
+    assert sent["place"]["properties"] == {"city": {"title": "City", "type": "string"}}
+
+
+# A tool as OpenAI documents strict function calling: an optional field's type a list with "null".
+STRICT_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "date": {"type": ["string", "null"]},
+                "seats": {"type": "integer", "enum": [1, 2]},
+                "pay": {"oneOf": [{"type": "string"}, {"type": "number"}]},
+                "who": {"allOf": [{"type": "object", "properties": {"name": {"type": "string"}}}]},
+            },
+            "required": ["city", "date", "seats", "pay", "who"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_strict_tools_nullable_types_oneof_and_allof_reach_gemini_in_its_schema_terms(
+    gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
+) -> None:
+    """`"type": ["string", "null"]` is a 400 from Gemini ("Proto field is not repeating, cannot start
+    list"), as are `oneOf` and `allOf` (no such fields) and an enum of numbers (its enum holds
+    strings): the whole request refused for one optional parameter."""
+    client = gateway.openai()
+    messages: Any = [{"role": "user", "content": "call book"}]
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                model="gemini-flash", messages=messages, tools=[STRICT_TOOL], stream=True
+            )
+        )
+        names = [c.function.name for chunk in chunks for c in chunk.choices[0].delta.tool_calls or ()]
+    else:
+        reply = client.chat.completions.create(model="gemini-flash", messages=messages, tools=[STRICT_TOOL])
+        names = [call.function.name for call in reply.choices[0].message.tool_calls or ()]  # type: ignore[union-attr]
+    assert names == ["book"]
+    sent = fake_gemini.last_request.json["tools"][0]["functionDeclarations"][0]["parameters"]["properties"]
+    assert sent["date"] == {"type": "string", "nullable": True}
+    assert sent["seats"] == {"type": "integer", "enum": ["1", "2"]}
+    assert sent["pay"] == {"anyOf": [{"type": "string"}, {"type": "number"}]}
+    assert sent["who"] == {"type": "object", "properties": {"name": {"type": "string"}}}
 
 
 # --- thinking as reasoning_effort, for reasoning models only ---------------------------------------
