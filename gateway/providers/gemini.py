@@ -224,6 +224,22 @@ def _as_gemini(schema: dict[str, Any]) -> dict[str, Any]:
             schema["type"] = named[0]
         elif named:
             schema.setdefault("anyOf", [{"type": kind} for kind in named])
+    if isinstance(schema.get("properties"), dict):
+        # Gemini takes `properties` on an OBJECT alone ("only allowed for OBJECT type"), and never
+        # empty ("should be non-empty for OBJECT type": a Pydantic model without fields, a tool's
+        # action that takes no arguments): JSON Schema's implicit object made explicit, an empty
+        # object left as one of any shape.
+        if "type" not in schema and "anyOf" not in schema:
+            schema["type"] = "object"
+        if not schema["properties"]:
+            del schema["properties"]
+    if isinstance(schema.get("required"), list):
+        # Gemini refuses a required name that `properties` does not define ("property is not defined",
+        # MCP tools' slips): what no property says cannot be asked for.
+        defined = schema.get("properties") or {}
+        schema["required"] = [name for name in schema["required"] if name in defined]
+        if not schema["required"]:
+            del schema["required"]
     variants = schema.get("anyOf")
     if isinstance(variants, list) and any(_is_null(v) for v in variants):
         schema["nullable"] = True

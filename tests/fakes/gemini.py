@@ -30,8 +30,9 @@ enabled for models/gemini-2.5-flash"; 0 is not checked),
 and on 3.5 Flash-Lite and 3.6 on (`NO_PREFILL`) contents ending with a model turn, which earlier
 models continue (a prefill). A function's ``parameters`` or the ``responseSchema`` is parsed as Gemini's
 ``Schema`` message (`check_schema`): a keyword it has no field for (``additionalProperties``,
-``const``, ``oneOf``...), a list for ``type`` or an enum value that is not a string is a 400 in the
-real API's words.
+``const``, ``oneOf``...), a list for ``type``, an enum value that is not a string, ``properties``
+empty or beside a type other than OBJECT, or a ``required`` name no property defines is a 400 in
+the real API's words.
 
 Gemini 3 models (``gemini-3-*``) sign their function calls as the real ones do: the first
 ``functionCall`` part of a response carries a ``thoughtSignature``, and a request is refused (400)
@@ -154,7 +155,8 @@ SCHEMA_FIELDS = frozenset(
 
 def check_schema(schema: Any, where: str) -> None:
     """A `Schema` as Gemini parses one, refused with its words where it has a field the message has
-    not, a list for `type`, or an enum value that is not a string."""
+    not, a list for `type`, an enum value that is not a string, `properties` empty or on a schema
+    that is not an OBJECT, or a `required` name that no property defines."""
     if not isinstance(schema, dict):
         return
     for key in schema:
@@ -171,7 +173,19 @@ def check_schema(schema: Any, where: str) -> None:
     for i, value in enumerate(schema.get("enum") or ()):
         if not isinstance(value, str):
             raise Invalid(400, f"Invalid value at '{where}.enum[{i}]' (TYPE_STRING), {json.dumps(value)}")
-    for i, sub in enumerate((schema.get("properties") or {}).values()):
+    properties = schema.get("properties")
+    if properties is not None:
+        # Its checks of what was parsed name properties by name ("properties[city]"); close enough here.
+        if str(schema.get("type", "")).upper() != "OBJECT":
+            raise Invalid(400, f"* GenerateContentRequest.{where}.properties: only allowed for OBJECT type\n")
+        if not properties:
+            raise Invalid(
+                400, f"* GenerateContentRequest.{where}.properties: should be non-empty for OBJECT type\n"
+            )
+    for i, name in enumerate(schema.get("required") or ()):
+        if name not in (properties or {}):
+            raise Invalid(400, f"* GenerateContentRequest.{where}.required[{i}]: property is not defined\n")
+    for i, sub in enumerate((properties or {}).values()):
         check_schema(sub, f"{where}.properties[{i}].value")
     check_schema(schema.get("items"), f"{where}.items")
     for i, sub in enumerate(schema.get("anyOf") or ()):

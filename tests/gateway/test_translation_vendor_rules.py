@@ -353,6 +353,56 @@ def test_a_strict_tools_nullable_types_oneof_and_allof_reach_gemini_in_its_schem
     assert sent["who"] == {"type": "object", "properties": {"name": {"type": "string"}}}
 
 
+class Halt(pydantic.BaseModel):
+    """An action that takes no arguments."""
+
+
+class Step(pydantic.BaseModel):
+    say: str
+    halt: Halt
+
+
+# A tool as MCP servers write them: an object with `properties` and no `type` (implicit in JSON
+# Schema), and an options object with no properties.
+PAGE_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "update_page",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "data": {"properties": {"page_id": {"type": "string"}}, "required": ["page_id"]},
+                "options": {"type": "object", "properties": {}, "required": ["ref"]},
+            },
+            "required": ["data", "ref"],  # `ref` defined nowhere, as some MCP servers' tools have it
+        },
+    },
+}
+
+
+def test_objects_without_properties_or_type_reach_gemini_as_objects(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Gemini refuses `properties` that are empty ("should be non-empty for OBJECT type": a Pydantic
+    model without fields) or beside no OBJECT type ("only allowed for OBJECT type"), and a required
+    name no property defines ("property is not defined"): the whole request was its 400. An empty
+    object is sent as an object of any shape, an untyped one as an object, an undefined name is not
+    required."""
+    client = gateway.openai()
+    reply = client.chat.completions.parse(model="gemini-flash", messages=HI, response_format=Step)
+    assert reply.choices[0].message.parsed == Step(say="one two three", halt=Halt())
+    halt = fake_gemini.last_request.json["generationConfig"]["responseSchema"]["properties"]["halt"]
+    assert halt["type"] == "object" and "properties" not in halt
+    messages: Any = [{"role": "user", "content": "call update_page"}]
+    called = client.chat.completions.create(model="gemini-flash", messages=messages, tools=[PAGE_TOOL])
+    assert called.choices[0].message.tool_calls
+    sent = fake_gemini.last_request.json["tools"][0]["functionDeclarations"][0]["parameters"]["properties"]
+    assert sent["data"]["type"] == "object" and sent["options"] == {"type": "object"}
+    assert fake_gemini.last_request.json["tools"][0]["functionDeclarations"][0]["parameters"]["required"] == [
+        "data"
+    ]
+
+
 # --- thinking as reasoning_effort, for reasoning models only ---------------------------------------
 
 
