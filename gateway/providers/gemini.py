@@ -432,7 +432,33 @@ def thinking_levels(model: str) -> tuple[str, ...]:
     return ("minimal", "low", "medium", "high") if "flash" in model else ("low", "high")
 
 
+# Models that do not think (Gemini 1.5 and 2.0 but 2.0 Flash Thinking, Gemma, served by the same API):
+# any `thinkingConfig` is their 400 ("thinking_config is not supported."), one that asks for no
+# thinking (budget 0) included.
+_NO_THINKING_MODEL = re.compile(r"gemini-1\.|gemini-2\.0-(?!flash-thinking)|\bgemma-")
+
+
+def _unthinking(request: ChatRequest, model: str) -> None:
+    """What a model that does not think is asked about reasoning: nothing. An Anthropic client's
+    thinking (a budget, adaptive, an effort) is a preference that client sends every turn, kept by
+    models that think, as OpenAI's non-reasoning models are sent none; an effort of none or minimal
+    asks for what the model does anyway. An OpenAI client's own effort above those asks this model
+    for reasoning it has not: a 400 naming it, before anything is sent (a route passes the candidate
+    over), instead of Gemini's 400 about a field the client never sent."""
+    effort = request.reasoning_effort
+    if effort is None or request.reasoning_effort_translated or effort in NO_THINKING:
+        return
+    raise InvalidRequest(
+        f"'reasoning_effort' is not supported by {model}: the model does not reason",
+        param="reasoning_effort",
+        code="unsupported_parameter",
+    )
+
+
 def _thinking_config(request: ChatRequest, model: str) -> dict[str, Any] | None:
+    if _NO_THINKING_MODEL.search(model):
+        _unthinking(request, model)
+        return None
     effort, budget = request.reasoning_effort, request.reasoning_budget
     if is_gemini_3(model) and (budget is None or budget == 0):
         # Gemini 3 thinks in levels and cannot stop thinking (a budget of 0 is a 400 on 3 Pro): an

@@ -39,7 +39,8 @@ Gemini 3 models (``gemini-3-*``) sign their function calls as the real ones do: 
 when the first ``functionCall`` of a model step since the last user text lacks one ("missing a
 thought_signature") or carries one this server never issued ("Corrupted thought signature"), the
 documented stand-in ``skip_thought_signature_validator`` excepted. Gemini 2 models check nothing.
-``thinkingConfig`` is checked per model: ``thinkingLevel`` only on Gemini 3 and only the levels each
+``thinkingConfig`` is checked per model: none at all on Gemini 2.0 Flash and Gemma (`NEVER_THINKS`:
+"thinking_config is not supported."), ``thinkingLevel`` only on Gemini 3 and only the levels each
 takes (`THINKING_LEVELS`), never beside ``thinkingBudget``, and a budget of 0 refused by 2.5 Pro and
 3 Pro, which cannot stop thinking (`ALWAYS_THINKS`), as is a budget outside a 2.5 model's range
 (`BUDGET_RANGES`).
@@ -125,7 +126,13 @@ BUDGET_RANGES = {
 }
 
 
+# Models that do not think: any thinkingConfig is their 400.
+NEVER_THINKS = frozenset({"gemini-2.0-flash", "gemma-3-27b-it"})
+
+
 def check_thinking(model: str, thinking: dict[str, Any]) -> None:
+    if thinking and model in NEVER_THINKS:
+        raise Invalid(400, "thinking_config is not supported.")
     level, budget = thinking.get("thinkingLevel"), thinking.get("thinkingBudget")
     if level is not None and budget is not None:
         raise Invalid(400, "You cannot use both thinking_level and the legacy thinking_budget parameter.")

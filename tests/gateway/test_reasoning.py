@@ -12,6 +12,7 @@ from typing import Any
 import anthropic
 import httpx
 import msgspec
+import openai as openai_sdk
 import pytest
 
 from gateway.anthropic_inbound import MessagesRequest, from_canonical, stream_events, to_canonical
@@ -1195,6 +1196,53 @@ def test_gemini_2_keeps_budgets() -> None:
         config = gemini.chat_body(chat(reasoning_effort=effort), "gemini-2.5-flash")["generationConfig"]
         assert config["thinkingConfig"]["thinkingBudget"] == budget
     assert gemini.is_gemini_3("gemini-flash-latest") and not gemini.is_gemini_3("gemma-3-27b-it")
+
+
+def test_an_anthropic_clients_thinking_reaches_gemma_and_gemini_2_0_as_nothing(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Gemma and Gemini 2.0 do not think and refuse any thinkingConfig ("thinking_config is not
+    supported."): Claude Code, which sends thinking on every turn, routed to Gemma got that 400 for
+    every request. As OpenAI's non-reasoning models, they are sent none."""
+    for thinking in (THINKING, {"type": "adaptive"}):
+        message = gateway.anthropic().messages.create(
+            model="gemma", max_tokens=2000, thinking=thinking, messages=[{"role": "user", "content": "a b"}]
+        )
+        assert [block.type for block in message.content] == ["text"]
+        assert "thinkingConfig" not in fake_gemini.last_request.json.get("generationConfig", {})
+    for model in ("gemini-2.0-flash", "gemini-1.5-pro"):
+        assert "generationConfig" not in gemini.chat_body(chat(reasoning_budget=4096), model)
+    thinks = gemini.chat_body(chat(reasoning_budget=4096), "gemini-2.0-flash-thinking-exp")
+    assert thinks["generationConfig"]["thinkingConfig"]["thinkingBudget"] == 4096
+
+
+@pytest.mark.parametrize("effort", ["none", "minimal"])
+def test_an_effort_of_no_thinking_reaches_gemma_as_nothing(
+    gateway: RunningGateway, fake_gemini: FakeGemini, effort: str
+) -> None:
+    """No thinking asked of a model that does not think: a budget of 0 was sent, which it refuses."""
+    chat_reply = gateway.openai().chat.completions.create(
+        model="gemma",
+        messages=[{"role": "user", "content": "a b"}],
+        reasoning_effort=effort,  # type: ignore[arg-type]
+    )
+    assert chat_reply.choices[0].message.content == "a b"
+    assert "thinkingConfig" not in fake_gemini.last_request.json.get("generationConfig", {})
+
+
+def test_an_openai_clients_own_effort_to_gemma_is_a_400_naming_it(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """An OpenAI client that asks a model that does not reason for reasoning gets a 400 naming its
+    `reasoning_effort` (a route passes the candidate over), not Gemini's about `thinking_config`."""
+    with pytest.raises(openai_sdk.BadRequestError) as caught:
+        gateway.openai().chat.completions.create(
+            model="gemma", messages=[{"role": "user", "content": "a b"}], reasoning_effort="high"
+        )
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert (error["param"], error["code"]) == ("reasoning_effort", "unsupported_parameter")
+    assert not fake_gemini.requests
 
 
 # --- structured output beside tools or thinking: Claude's own output_config.format -----------------
