@@ -202,8 +202,8 @@ def _as_gemini(schema: dict[str, Any]) -> dict[str, Any]:
     """A cleaned schema node's JSON Schema keywords in Gemini's terms: `allOf` merged in (every one
     holds), `oneOf` as `anyOf` (Gemini cannot check "exactly one"), `const` as an enum of one, a
     `null` among the types (`["string", "null"]`, as OpenAI documents optional fields in strict mode,
-    or Pydantic's `anyOf` of a type and `null`) as `nullable`, and enum values as the strings
-    Gemini's `enum` holds. Sent as they came, each was Gemini's 400."""
+    or Pydantic's `anyOf` of a type and `null`) as `nullable`, and enums as Gemini takes them
+    (`_enum_as_gemini`). Sent as they came, each was Gemini's 400."""
     for part in schema.pop("allOf", None) or ():
         if isinstance(part, dict):
             _merge_into(schema, part)
@@ -212,8 +212,6 @@ def _as_gemini(schema: dict[str, Any]) -> dict[str, Any]:
         schema["anyOf"] = one_of
     if "const" in schema:
         schema.setdefault("enum", [schema.pop("const")])
-    if isinstance(schema.get("enum"), list):
-        schema["enum"] = [v if isinstance(v, str) else json_encode(v).decode() for v in schema["enum"]]
     kinds = schema.get("type")
     if isinstance(kinds, list):
         named = [kind for kind in kinds if kind != "null"]
@@ -224,6 +222,7 @@ def _as_gemini(schema: dict[str, Any]) -> dict[str, Any]:
             schema["type"] = named[0]
         elif named:
             schema.setdefault("anyOf", [{"type": kind} for kind in named])
+    _enum_as_gemini(schema)
     if isinstance(schema.get("properties"), dict):
         # Gemini takes `properties` on an OBJECT alone ("only allowed for OBJECT type"), and never
         # empty ("should be non-empty for OBJECT type": a Pydantic model without fields, a tool's
@@ -250,6 +249,29 @@ def _as_gemini(schema: dict[str, Any]) -> dict[str, Any]:
         elif named:
             schema["anyOf"] = named
     return schema
+
+
+def _enum_as_gemini(schema: dict[str, Any]) -> None:
+    """Gemini's `enum` is a STRING's alone ("enum: only allowed for STRING type") and holds strings:
+    a null among the values is `nullable` (OpenAI's strict optional enum), an untyped enum of strings
+    a STRING's, and another type's values (Pydantic's `Literal[1, 2]`) are told in the description,
+    where the model still reads them, the type kept so that the answer parses as the client's."""
+    values = schema.get("enum")
+    if not isinstance(values, list):
+        return
+    if None in values:
+        schema["nullable"] = True
+        values = [value for value in values if value is not None]
+    strings = bool(values) and all(isinstance(value, str) for value in values)
+    if "type" not in schema and strings:
+        schema["type"] = "string"
+    if strings and str(schema["type"]).lower() == "string":
+        schema["enum"] = values
+        return
+    del schema["enum"]
+    if values:
+        note = f"One of: {json_encode(values).decode()}"
+        schema["description"] = f"{schema['description']}\n\n{note}" if schema.get("description") else note
 
 
 def _is_null(schema: Any) -> bool:

@@ -30,7 +30,8 @@ enabled for models/gemini-2.5-flash"; 0 is not checked),
 and on 3.5 Flash-Lite and 3.6 on (`NO_PREFILL`) contents ending with a model turn, which earlier
 models continue (a prefill). A function's ``parameters`` or the ``responseSchema`` is parsed as Gemini's
 ``Schema`` message (`check_schema`): a keyword it has no field for (``additionalProperties``,
-``const``, ``oneOf``...), a list for ``type``, an enum value that is not a string, ``properties``
+``const``, ``oneOf``...), a list for ``type``, an enum value that is not a string or an enum beside
+a type other than STRING, ``properties``
 empty or beside a type other than OBJECT, or a ``required`` name no property defines is a 400 in
 the real API's words.
 
@@ -162,8 +163,9 @@ SCHEMA_FIELDS = frozenset(
 
 def check_schema(schema: Any, where: str) -> None:
     """A `Schema` as Gemini parses one, refused with its words where it has a field the message has
-    not, a list for `type`, an enum value that is not a string, `properties` empty or on a schema
-    that is not an OBJECT, or a `required` name that no property defines."""
+    not, a list for `type`, an enum value that is not a string or an enum on a schema that is not a
+    STRING, `properties` empty or on a schema that is not an OBJECT, or a `required` name that no
+    property defines."""
     if not isinstance(schema, dict):
         return
     for key in schema:
@@ -180,6 +182,8 @@ def check_schema(schema: Any, where: str) -> None:
     for i, value in enumerate(schema.get("enum") or ()):
         if not isinstance(value, str):
             raise Invalid(400, f"Invalid value at '{where}.enum[{i}]' (TYPE_STRING), {json.dumps(value)}")
+    if "enum" in schema and str(schema.get("type", "")).upper() != "STRING":
+        raise Invalid(400, f"* GenerateContentRequest.{where}.enum: only allowed for STRING type\n")
     properties = schema.get("properties")
     if properties is not None:
         # Its checks of what was parsed name properties by name ("properties[city]"); close enough here.

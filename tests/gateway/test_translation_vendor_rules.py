@@ -316,10 +316,11 @@ STRICT_TOOL: Any = {
                 "city": {"type": "string"},
                 "date": {"type": ["string", "null"]},
                 "seats": {"type": "integer", "enum": [1, 2]},
+                "seat": {"type": ["string", "null"], "enum": ["aisle", "window", None]},
                 "pay": {"oneOf": [{"type": "string"}, {"type": "number"}]},
                 "who": {"allOf": [{"type": "object", "properties": {"name": {"type": "string"}}}]},
             },
-            "required": ["city", "date", "seats", "pay", "who"],
+            "required": ["city", "date", "seats", "seat", "pay", "who"],
             "additionalProperties": False,
         },
     },
@@ -331,8 +332,9 @@ def test_a_strict_tools_nullable_types_oneof_and_allof_reach_gemini_in_its_schem
     gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
 ) -> None:
     """`"type": ["string", "null"]` is a 400 from Gemini ("Proto field is not repeating, cannot start
-    list"), as are `oneOf` and `allOf` (no such fields) and an enum of numbers (its enum holds
-    strings): the whole request refused for one optional parameter."""
+    list"), as are `oneOf` and `allOf` (no such fields), an enum with null (OpenAI's optional enum)
+    and an enum of numbers (its enum is a STRING's, of strings): the whole request refused for one
+    optional parameter. The numbers' type is kept, their values told in the description."""
     client = gateway.openai()
     messages: Any = [{"role": "user", "content": "call book"}]
     if stream:
@@ -348,7 +350,8 @@ def test_a_strict_tools_nullable_types_oneof_and_allof_reach_gemini_in_its_schem
     assert names == ["book"]
     sent = fake_gemini.last_request.json["tools"][0]["functionDeclarations"][0]["parameters"]["properties"]
     assert sent["date"] == {"type": "string", "nullable": True}
-    assert sent["seats"] == {"type": "integer", "enum": ["1", "2"]}
+    assert sent["seats"] == {"type": "integer", "description": "One of: [1,2]"}
+    assert sent["seat"] == {"type": "string", "enum": ["aisle", "window"], "nullable": True}
     assert sent["pay"] == {"anyOf": [{"type": "string"}, {"type": "number"}]}
     assert sent["who"] == {"type": "object", "properties": {"name": {"type": "string"}}}
 
