@@ -230,8 +230,12 @@ def _as_gemini(schema: dict[str, Any]) -> dict[str, Any]:
         # object left as one of any shape.
         if "type" not in schema and "anyOf" not in schema:
             schema["type"] = "object"
-        if not schema["properties"]:
-            del schema["properties"]
+        if not schema["properties"] or str(schema.get("type", "object")).lower() != "object":
+            del schema["properties"]  # a string's properties (MCP tools' slips) say nothing either
+    if str(schema.get("type")).lower() == "array" and "items" not in schema:
+        # Gemini refuses an array without `items` ("items: missing field"): an array of anything is
+        # asked for as one of strings, an answer the client's schema takes.
+        schema["items"] = {"type": "string"}
     if isinstance(schema.get("required"), list):
         # Gemini refuses a required name that `properties` does not define ("property is not defined",
         # MCP tools' slips): what no property says cannot be asked for.

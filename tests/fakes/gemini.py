@@ -32,8 +32,8 @@ models continue (a prefill). A function's ``parameters`` or the ``responseSchema
 ``Schema`` message (`check_schema`): a keyword it has no field for (``additionalProperties``,
 ``const``, ``oneOf``...), a list for ``type``, an enum value that is not a string or an enum beside
 a type other than STRING, ``properties``
-empty or beside a type other than OBJECT, or a ``required`` name no property defines is a 400 in
-the real API's words.
+empty or beside a type other than OBJECT, a ``required`` name no property defines, or an ARRAY
+without ``items`` is a 400 in the real API's words.
 
 Gemini 3 models (``gemini-3-*``) sign their function calls as the real ones do: the first
 ``functionCall`` part of a response carries a ``thoughtSignature``, and a request is refused (400)
@@ -164,8 +164,8 @@ SCHEMA_FIELDS = frozenset(
 def check_schema(schema: Any, where: str) -> None:
     """A `Schema` as Gemini parses one, refused with its words where it has a field the message has
     not, a list for `type`, an enum value that is not a string or an enum on a schema that is not a
-    STRING, `properties` empty or on a schema that is not an OBJECT, or a `required` name that no
-    property defines."""
+    STRING, `properties` empty or on a schema that is not an OBJECT, a `required` name that no
+    property defines, or an ARRAY without `items`."""
     if not isinstance(schema, dict):
         return
     for key in schema:
@@ -184,6 +184,8 @@ def check_schema(schema: Any, where: str) -> None:
             raise Invalid(400, f"Invalid value at '{where}.enum[{i}]' (TYPE_STRING), {json.dumps(value)}")
     if "enum" in schema and str(schema.get("type", "")).upper() != "STRING":
         raise Invalid(400, f"* GenerateContentRequest.{where}.enum: only allowed for STRING type\n")
+    if str(schema.get("type", "")).upper() == "ARRAY" and "items" not in schema:
+        raise Invalid(400, f"* GenerateContentRequest.{where}.items: missing field.\n")
     properties = schema.get("properties")
     if properties is not None:
         # Its checks of what was parsed name properties by name ("properties[city]"); close enough here.

@@ -376,6 +376,8 @@ PAGE_TOOL: Any = {
             "properties": {
                 "data": {"properties": {"page_id": {"type": "string"}}, "required": ["page_id"]},
                 "options": {"type": "object", "properties": {}, "required": ["ref"]},
+                "tags": {"type": "array"},
+                "title": {"type": "string", "properties": {"text": {"type": "string"}}, "required": ["text"]},
             },
             "required": ["data", "ref"],  # `ref` defined nowhere, as some MCP servers' tools have it
         },
@@ -390,7 +392,8 @@ def test_objects_without_properties_or_type_reach_gemini_as_objects(
     model without fields) or beside no OBJECT type ("only allowed for OBJECT type"), and a required
     name no property defines ("property is not defined"): the whole request was its 400. An empty
     object is sent as an object of any shape, an untyped one as an object, an undefined name is not
-    required."""
+    required. So are `properties` on a string (MCP tools' slips, "only allowed for OBJECT type") and an
+    array without `items` ("items: missing field"): left out, and asked as an array of strings."""
     client = gateway.openai()
     reply = client.chat.completions.parse(model="gemini-flash", messages=HI, response_format=Step)
     assert reply.choices[0].message.parsed == Step(say="one two three", halt=Halt())
@@ -401,6 +404,9 @@ def test_objects_without_properties_or_type_reach_gemini_as_objects(
     assert called.choices[0].message.tool_calls
     sent = fake_gemini.last_request.json["tools"][0]["functionDeclarations"][0]["parameters"]["properties"]
     assert sent["data"]["type"] == "object" and sent["options"] == {"type": "object"}
+    assert sent["tags"] == {"type": "array", "items": {"type": "string"}} and sent["title"] == {
+        "type": "string"
+    }
     assert fake_gemini.last_request.json["tools"][0]["functionDeclarations"][0]["parameters"]["required"] == [
         "data"
     ]
