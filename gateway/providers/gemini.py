@@ -302,6 +302,23 @@ def _url(backend: Backend, model: str, method: str, query: dict[str, str] | None
     return API.url(backend, f"/models/{quote(model, safe='')}:{method}", query)
 
 
+# The image types Gemini reads; any other (a GIF, which OpenAI and Claude take) is its 400
+# ("Unsupported MIME type: image/gif").
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/heic", "image/heif")
+
+
+def _check_image_type(kind: str, where: str) -> None:
+    """A 400 `unsupported_value` for an image Gemini cannot read, before anything is sent: a route
+    passes the candidate over for one that reads it, and a client of Gemini alone is told why."""
+    if kind not in IMAGE_TYPES:
+        raise InvalidRequest(
+            f"{where}: images of type {kind} are not supported by Gemini models, which read "
+            f"{', '.join(IMAGE_TYPES)}",
+            param=where,
+            code="unsupported_value",
+        )
+
+
 def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str, Any]]:
     if content is None:
         return []
@@ -314,11 +331,12 @@ def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str
                 parts.append({"text": part.text})
         elif isinstance(part, ImagePart):
             data = parse_image_data_url(part.image_url.url)
+            kind = data[0] if data is not None else guess_media_type(part.image_url.url)
+            _check_image_type(kind, f"{where}.content[{i}]")
             if data is not None:
-                parts.append({"inlineData": {"mimeType": data[0], "data": data[1]}})
+                parts.append({"inlineData": {"mimeType": kind, "data": data[1]}})
             else:
-                url = part.image_url.url
-                parts.append({"fileData": {"mimeType": guess_media_type(url), "fileUri": url}})
+                parts.append({"fileData": {"mimeType": kind, "fileUri": part.image_url.url}})
         elif isinstance(part, FilePart) and (inline := parse_data_url(str(part.file.get("file_data", "")))):
             parts.append({"inlineData": {"mimeType": inline[0], "data": inline[1]}})  # a PDF, say
         else:

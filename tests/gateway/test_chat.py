@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import Any
 
+import openai
 import pytest
 
 from gateway.config import Backend
@@ -324,6 +326,33 @@ def test_an_images_type_reaches_claude_and_gemini_as_its_bytes_say(
     assert block["source"] == {"type": "base64", "media_type": media_type, "data": data}
     part = fake_gemini.last_request.json["contents"][0]["parts"][1]
     assert part == {"inlineData": {"mimeType": media_type, "data": data}}
+
+
+GIF = "R0lGODlhAQABAAAAACw="  # GIF89a, a 1x1 image's start
+
+
+@pytest.mark.parametrize(
+    "url", [f"data:image/gif;base64,{GIF}", "https://example.com/cat.gif"], ids=["inline", "url"]
+)
+def test_a_gif_is_a_400_for_gemini_naming_the_part_and_nothing_is_sent(
+    gateway: RunningGateway, fake_gemini: FakeGemini, url: str
+) -> None:
+    """Gemini reads PNG, JPEG, WebP, HEIC and HEIF, and refuses a GIF ("Unsupported MIME type:
+    image/gif"), which OpenAI and Claude take: Weir's own 400 `unsupported_value` names the part, so a
+    route passes Gemini over for a candidate that reads it, instead of Gemini's 400 ending the request."""
+    content: Any = [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().chat.completions.create(
+            model="gemini-flash", messages=[{"role": "user", "content": content}]
+        )
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert (error["code"], error["param"]) == ("unsupported_value", "messages[0].content[1]")
+    assert "image/gif" in error["message"]
+    assert not fake_gemini.requests
 
 
 @pytest.mark.parametrize("model", MODELS)
