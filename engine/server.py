@@ -246,6 +246,8 @@ class EngineServer:
                 param="tools",
                 code=UNSUPPORTED_PARAMETER,
             )
+        if tools_used:
+            _functions(tools)
         final = _final_text(messages) if continue_final_message else None
         if continue_final_message:
             if add_generation_prompt:
@@ -401,7 +403,8 @@ class EngineServer:
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", requested_param=limit_param)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         fmt = _json_format(req)
-        forced = _forced_tool_call(req) if parse_tools else None
+        # called without tools too: a call forced with none to make is the client's mistake, not text
+        forced = _forced_tool_call(req)
         if forced is not None and fmt is not None:
             raise ApiError(
                 400,
@@ -867,19 +870,29 @@ def _guided_json(req: SamplingFields) -> JsonFormat | None:
     return JsonFormat(json.dumps(schema))
 
 
+def _functions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The function definitions in `tools`, each an object with a name, or a 400 naming `tools` (a
+    template handed another shape renders nonsense, and reading one as an object was a 500)."""
+    functions: list[Any] = [t.get("function") for t in tools or () if t.get("type") == "function"]
+    if any(not isinstance(f, dict) or not isinstance(f.get("name"), str) for f in functions):
+        raise ApiError(400, "every function in tools needs a `function` object with a name", param="tools")
+    return functions
+
+
 def _forced_tool_call(req: ChatCompletionRequest) -> JsonFormat | None:
     """`tool_choice` "required" or a named function as a grammar: the reply is one Hermes-style call
     block of one of those functions, with arguments that match its parameters' JSON Schema."""
     choice = req.tool_choice
     if choice in (None, "auto", "none"):
         return None
-    functions = [t.get("function") or {} for t in req.tools or () if t.get("type") == "function"]
-    if any(not isinstance(f.get("name"), str) for f in functions):
-        raise ApiError(400, "every function in tools needs a name", param="tools")
+    functions = _functions(req.tools)
     if choice == "required":
         wanted = functions
     elif isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
+        named = choice.get("function")
+        name = named.get("name") if isinstance(named, dict) else None
+        if not isinstance(name, str):
+            raise ApiError(400, "tool_choice needs `function` with the name of a tool", param="tool_choice")
         wanted = [f for f in functions if f["name"] == name]
         if not wanted:
             raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")

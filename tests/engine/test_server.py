@@ -534,6 +534,30 @@ async def test_bad_tool_choices_are_400(tool_client: AsyncOpenAI, extra: dict, p
     assert info.value.body["param"] == param  # type: ignore[index]
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": "get_time"}], "tool_choice": "required"}, "tools"),
+        ({"tools": [{"type": "function", "function": ["get_time"]}], "tool_choice": "auto"}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tools"),
+        ({"tools": [], "tool_choice": "required"}, "tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ],
+)
+async def test_malformed_tools_and_a_call_forced_without_tools_are_400(
+    tool_client: AsyncOpenAI, extra: dict, param: str
+) -> None:
+    """A `function` that is not an object was a 500 (AttributeError), and a call forced with no tools
+    to call was silently answered with text: both are the client's mistake, a 400 naming the parameter."""
+    body = {"model": MODEL, "messages": chat("?"), "max_tokens": 4, **extra}
+    for stream in (False, True):
+        async with httpx.AsyncClient(base_url=str(tool_client.base_url)) as http:
+            resp = await http.post("chat/completions", json={**body, "stream": stream})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param
+
+
 # --- legacy completions -------------------------------------------------------------------------------
 
 
