@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
 
-from engine.sampling import JsonFormat
+from engine.sampling import InvalidSamplingParam, JsonFormat
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 
+# xgrammar's errors start with its log line's time and C++ source position, "[22:24:41]
+# /project/cpp/json_schema_converter.cc:5082: ", which tell an API client nothing
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 ANY_OBJECT = '{"type": "object"}'  # OpenAI's json_object: a JSON object, not any JSON value
 _VOCAB_TYPES = {
     "raw": xgr.VocabType.RAW,
@@ -61,7 +65,10 @@ class Grammars:
         try:
             compiled = self._compiled(fmt)
         except (RuntimeError, ValueError) as exc:
-            raise ValueError(f"response_format: the JSON schema cannot be used: {exc}") from exc
+            reason = _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()
+            raise InvalidSamplingParam(
+                fmt.param, f"{fmt.param}: the JSON schema cannot be used: {reason}"
+            ) from exc
         return GrammarState(self, xgr.GrammarMatcher(compiled))
 
     def allowed(self, matcher: xgr.GrammarMatcher) -> torch.Tensor:

@@ -11,11 +11,13 @@ import torch
 class JsonFormat:
     """Structured output (engine/grammar.py): `schema` a JSON Schema as JSON text, or None for any JSON
     object (OpenAI's `json_object`); `prefix` and `suffix` the exact text around it (a forced tool
-    call's `<tool_call>` tags)."""
+    call's `<tool_call>` tags); `param` the API parameter the schema came from, which a schema the
+    grammar cannot use is refused naming (not part of the grammar: equal formats share it)."""
 
     schema: str | None = None
     prefix: str = ""
     suffix: str = ""
+    param: str = field(default="response_format", compare=False)
 
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS

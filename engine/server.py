@@ -867,7 +867,7 @@ def _guided_json(req: SamplingFields) -> JsonFormat | None:
             raise ApiError(400, "guided_json must be a JSON Schema", param="guided_json") from None
     if not isinstance(schema, dict):
         raise ApiError(400, "guided_json must be a JSON Schema, an object", param="guided_json")
-    return JsonFormat(json.dumps(schema))
+    return JsonFormat(json.dumps(schema), param="guided_json")
 
 
 def _functions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -915,7 +915,7 @@ def _forced_tool_call(req: ChatCompletionRequest) -> JsonFormat | None:
         for f in wanted
     ]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return JsonFormat(json.dumps(schema), TOOL_CALL_OPEN + "\n", "\n" + TOOL_CALL_CLOSE)
+    return JsonFormat(json.dumps(schema), TOOL_CALL_OPEN + "\n", "\n" + TOOL_CALL_CLOSE, param="tools")
 
 
 def _usage(groups: list[list[Generation]]) -> dict[str, Any]:

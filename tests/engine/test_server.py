@@ -832,8 +832,45 @@ async def test_a_bad_response_format_is_a_400(served: Served, response_format: d
             max_tokens=4,
             response_format=response_format,  # type: ignore[arg-type]
         )
-    assert "response_format" in info.value.message or info.value.body["param"] == "response_format"  # type: ignore[index]
+    assert info.value.body["param"] == "response_format"  # type: ignore[index]
     assert await wait_until(lambda: all_blocks_free(served.engine), timeout=5)
+
+
+async def test_a_schema_the_grammar_cannot_use_is_a_400_naming_where_it_came_from(
+    served: Served, tool_client: AsyncOpenAI
+) -> None:
+    """The grammar compiler's refusal named no parameter (param null), said `response_format` for a
+    guided_json or a tool's parameters, and began with xgrammar's log time and C++ source position."""
+    bad = {"type": "no-such-type"}
+    asks = [
+        (served.client, "chat/completions", {"messages": chat("x"), "guided_json": bad}, "guided_json"),
+        (served.client, "completions", {"prompt": "x", "guided_json": bad}, "guided_json"),
+        (
+            tool_client,
+            "chat/completions",
+            {
+                "messages": chat("x"),
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        (
+            served.client,
+            "chat/completions",
+            {
+                "messages": chat("x"),
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}},
+            },
+            "response_format",
+        ),
+    ]
+    for client, path, body, param in asks:
+        async with httpx.AsyncClient(base_url=str(client.base_url)) as http:
+            resp = await http.post(path, json={"model": MODEL, "max_tokens": 4, **body})
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == param, resp.text
+        assert error["message"] == f'{param}: the JSON schema cannot be used: Unsupported type "no-such-type"'
 
 
 async def test_guided_json_constrains_both_endpoints(served: Served) -> None:
