@@ -63,6 +63,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     guided_json: str | dict[str, Any] | None = None  # a JSON Schema (vLLM's older structured output)
+    # OpenAI's (chat); vLLM takes it on legacy completions too, where ignoring it gave free text
+    response_format: dict[str, Any] | None = None
     min_tokens: Count = 0  # EOS and stop tokens banned, stop strings ignored, until this many tokens
     # vLLM extras that change the output and that the engine does not implement: declared so that a
     # request setting one gets a 400 naming it (see `unsupported`) instead of a silently different answer
@@ -94,7 +96,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's: the final (assistant) message is an unfinished answer the model goes on writing, with
     # no end of its turn and no new one opened (a prefill, or a gateway resuming a broken stream).
     continue_final_message: bool = False
@@ -217,6 +218,14 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | No
         if used:
             hint = " (use echo with logprobs)" if name == "prompt_logprobs" else ""
             return ApiError(400, f"{name} is not supported{hint}", param=name, code=UNSUPPORTED_PARAMETER)
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt not in ("text", "json_object", "json_schema"):
+        return ApiError(
+            400,
+            f"response_format {fmt!r} is not supported",
+            param="response_format",
+            code=UNSUPPORTED_VALUE,
+        )
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1, req.n):
             return ApiError(
@@ -225,14 +234,6 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> ApiError | No
         if req.suffix:
             return ApiError(400, "suffix is not supported", param="suffix", code=UNSUPPORTED_PARAMETER)
     else:
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt not in ("text", "json_object", "json_schema"):
-            return ApiError(
-                400,
-                f"response_format {fmt!r} is not supported",
-                param="response_format",
-                code=UNSUPPORTED_VALUE,
-            )
         if req.modalities and "audio" in req.modalities:
             return ApiError(400, "audio output is not supported", param="modalities", code=UNSUPPORTED_VALUE)
         if req.web_search_options is not None:

@@ -402,24 +402,9 @@ class EngineServer:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", requested_param=limit_param)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        fmt = _json_format(req)
         # called without tools too: a call forced with none to make is the client's mistake, not text
-        forced = _forced_tool_call(req)
-        if forced is not None and fmt is not None:
-            raise ApiError(
-                400,
-                "response_format cannot be combined with a forced tool_choice",
-                param="response_format",
-                code=UNSUPPORTED_PARAMETER,
-            )
-        guided = _guided_json(req)
-        if guided is not None and (forced or fmt) is not None:
-            raise ApiError(
-                400,
-                "guided_json cannot be combined with response_format or a forced tool_choice",
-                param="guided_json",
-            )
-        params = replace(self._sampling(req, max_tokens, top_n), json_format=forced or fmt or guided)
+        json_format = _structured_output(req, _forced_tool_call(req))
+        params = replace(self._sampling(req, max_tokens, top_n), json_format=json_format)
         gens = self._choices(
             req.n,
             prompt_ids,
@@ -519,6 +504,7 @@ class EngineServer:
         req = await self._decode(request, CompletionRequest)
         tokenizer = engine.engine.tokenizer
         prompts = _prompt_list(req.prompt)
+        json_format = _structured_output(req)
         groups: list[list[Generation]] = []  # per prompt, its n choices
         texts: list[str] = []
         for prompt in prompts:
@@ -530,7 +516,7 @@ class EngineServer:
             max_tokens = self._max_tokens(req.max_tokens, len(ids), "prompt", DEFAULT_COMPLETION_MAX_TOKENS)
             prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
             params = self._sampling(req, max(max_tokens, 1), req.logprobs, prompt_lp)
-            params = replace(params, json_format=_guided_json(req))
+            params = replace(params, json_format=json_format)
             texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(ids))
             groups.append(
                 self._choices(
@@ -838,7 +824,28 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def _json_format(req: ChatCompletionRequest) -> JsonFormat | None:
+def _structured_output(req: SamplingFields, forced: JsonFormat | None = None) -> JsonFormat | None:
+    """The one grammar a request asks for: a forced tool call (chat), `response_format` or
+    `guided_json`; asking for two is a 400 naming the later one."""
+    fmt = _json_format(req)
+    if forced is not None and fmt is not None:
+        raise ApiError(
+            400,
+            "response_format cannot be combined with a forced tool_choice",
+            param="response_format",
+            code=UNSUPPORTED_PARAMETER,
+        )
+    guided = _guided_json(req)
+    if guided is not None and (forced or fmt) is not None:
+        raise ApiError(
+            400,
+            "guided_json cannot be combined with response_format or a forced tool_choice",
+            param="guided_json",
+        )
+    return forced or fmt or guided
+
+
+def _json_format(req: SamplingFields) -> JsonFormat | None:
     """OpenAI's `response_format`: `json_object` (any JSON object) or `json_schema` (`json_schema.schema`)."""
     fmt = req.response_format or {}
     if fmt.get("type") == "json_object":

@@ -873,6 +873,30 @@ async def test_a_schema_the_grammar_cannot_use_is_a_400_naming_where_it_came_fro
         assert error["message"] == f'{param}: the JSON schema cannot be used: Unsupported type "no-such-type"'
 
 
+async def test_a_legacy_completion_honours_response_format(served: Served) -> None:
+    """vLLM takes `response_format` on /v1/completions too; the engine ignored it there, so a client
+    asking for JSON got free text."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}
+    resp = await served.client.completions.create(
+        model=MODEL, prompt="json:", max_tokens=24, seed=3, extra_body={"response_format": fmt}
+    )
+    assert isinstance(json.loads(resp.choices[0].text)["ok"], bool)
+    assert resp.choices[0].finish_reason == "stop"
+    for extra, param in (
+        ({"response_format": {"type": "regex"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "guided_json": schema}, "guided_json"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            await served.client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
+        assert info.value.body["param"] == param  # type: ignore[index]
+
+
 async def test_guided_json_constrains_both_endpoints(served: Served) -> None:
     """vLLM's older structured-output parameter: ignored, a vLLM client asking for JSON got free text."""
     schema = {
