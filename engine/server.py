@@ -749,10 +749,28 @@ def _message_dict(index: int, message: Any) -> dict[str, Any]:
         "role": "system" if message.role == "developer" else message.role,
         "content": content or "",
     }
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id"):
         if (value := getattr(message, key)) is not None:
             out[key] = value
+    if message.tool_calls is not None:
+        out["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call as chat templates expect it: `function.arguments` an object, not OpenAI's JSON text
+    (Hugging Face's convention, which vLLM follows). Templates such as Qwen2.5's and Hermes' write
+    `arguments | tojson`: JSON text came out as a quoted string, not the call the model had written."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the text as written
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _final_text(messages: list[Any]) -> str | None:

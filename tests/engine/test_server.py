@@ -534,6 +534,38 @@ async def test_bad_tool_choices_are_400(tool_client: AsyncOpenAI, extra: dict, p
     assert info.value.body["param"] == param  # type: ignore[index]
 
 
+async def test_a_tool_calls_json_arguments_reach_the_template_as_an_object() -> None:
+    """OpenAI sends an assistant's tool call `arguments` as JSON text; templates (Qwen2.5's, Hermes')
+    write them with `tojson`, so the model was shown a quoted string instead of the call it wrote."""
+    template = (
+        "{% if tools %}tools\n{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.arguments | tojson }}</tool_call>"
+        "{% endfor %}\n{% endfor %}assistant: "
+    )
+    tokenizer = Tokenizer(None, chat_template=template, eos_token_ids={0}, vocab_size=256)
+    engine = LLMEngine.from_config(KNOWN_MODELS["tiny"], tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS)
+    _, runner, base_url = await start(engine, model_name=MODEL)
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'},
+    }
+    messages = [
+        *chat("time?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+    ]
+    try:
+        async with httpx.AsyncClient() as http:
+            resp = await http.post(
+                base_url.removesuffix("/v1") + "/tokenize",
+                json={"model": MODEL, "messages": messages, "tools": TOOLS},
+            )
+    finally:
+        await runner.cleanup()  # type: ignore[attr-defined]
+    assert '<tool_call>{"tz": "UTC"}</tool_call>' in tokenizer.decode(resp.json()["tokens"])
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
