@@ -107,6 +107,11 @@ class AsyncLLMEngine:
         """Yields the request's outputs as the engine produces them, the last one with `finished`.
         Raises `ValueError` when the engine rejects the request. Leaving the iteration early (break,
         cancellation, `aclose()`) aborts the request."""
+        if params.json_format is not None:
+            # compiled here, off the engine's thread, so that a schema taking seconds does not stall
+            # every other request's generation (add_request then finds it in the cache); before the
+            # checks below, which must see the engine as it is when the request is submitted
+            await asyncio.to_thread(self.engine.compile_grammar, params.json_format)
         if self._error is not None:
             raise EngineDeadError("the engine stopped") from self._error
         if self._thread is None:
@@ -135,6 +140,10 @@ class AsyncLLMEngine:
 
     def _submit(self, item: _Add | _Abort) -> None:
         with self._lock:
+            # a request submitted once the engine is stopping may come after its thread's last look at
+            # the inbox (its grammar compiled through the shutdown): nobody would ever answer it
+            if self._stopping and isinstance(item, _Add):
+                raise EngineDeadError("the engine is shutting down")
             self._inbox.append(item)
             self._wakeup.set()
 

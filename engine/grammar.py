@@ -60,16 +60,20 @@ class Grammars:
         parts = [_literal(fmt.prefix), json_part, _literal(fmt.suffix)]
         return self._compiler.compile_grammar(xgr.Grammar.concat(*(p for p in parts if p is not None)))
 
-    def start(self, fmt: JsonFormat) -> GrammarState:
-        """One request's state; ValueError (a 400 for the client) if the schema is not valid."""
+    def compile(self, fmt: JsonFormat) -> xgr.CompiledGrammar:
+        """`fmt`'s grammar, compiled once (cached); ValueError (a 400 for the client) if the schema is not
+        valid. Any thread may call it."""
         try:
-            compiled = self._compiled(fmt)
+            return self._compiled(fmt)
         except (RuntimeError, ValueError) as exc:
             reason = _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()
             raise InvalidSamplingParam(
                 fmt.param, f"{fmt.param}: the JSON schema cannot be used: {reason}"
             ) from exc
-        return GrammarState(self, xgr.GrammarMatcher(compiled))
+
+    def start(self, fmt: JsonFormat) -> GrammarState:
+        """One request's state; ValueError (a 400 for the client) if the schema is not valid."""
+        return GrammarState(self, xgr.GrammarMatcher(self.compile(fmt)))
 
     def allowed(self, matcher: xgr.GrammarMatcher) -> torch.Tensor:
         """Bool [vocab_size]: the tokens `matcher` accepts next."""

@@ -7,6 +7,7 @@ one token budget, runs the model once and returns what every request gained.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from engine.model import kv_bytes_per_token
 from engine.packed import pack_linears
 from engine.quant import QuantScheme, quantize_model
 from engine.runner import ModelRunner, TokenLogprob
-from engine.sampling import SamplingParams
+from engine.sampling import JsonFormat, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_draft import DraftModelProposer
@@ -235,6 +236,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.grammars: Grammars | None = None  # structured output, built on first use
+        self._grammars_lock = threading.Lock()
         self.speculator: Speculator | None = None
         if spec_config is not None:
             proposer = None
@@ -332,12 +334,21 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _grammars(self) -> Grammars:
-        """Built on the first structured-output request (compiling the vocabulary takes ~0.1 s)."""
-        if self.grammars is None:
-            from engine.grammar import Grammars
+        """Built on the first structured-output request (compiling the vocabulary takes ~0.1 s), by
+        whichever thread asks first (`compile_grammar` runs outside the engine's)."""
+        with self._grammars_lock:
+            if self.grammars is None:
+                from engine.grammar import Grammars
 
-            self.grammars = Grammars(self.tokenizer, self.config.vocab_size)
-        return self.grammars
+                self.grammars = Grammars(self.tokenizer, self.config.vocab_size)
+            return self.grammars
+
+    def compile_grammar(self, fmt: JsonFormat) -> None:
+        """Compiles `fmt`'s grammar into the cache `add_request` reads it from; ValueError (naming the
+        parameter) if its schema cannot be used. Thread-safe, and meant for another thread than the
+        engine's: a large schema compiles for seconds (xgrammar releases the GIL meanwhile), which in
+        `add_request` stalled every running request's generation."""
+        self._grammars().compile(fmt)
 
     def abort_request(self, request_id: str) -> None:
         """Free the request's blocks now; the next step reports it finished with reason "abort"."""

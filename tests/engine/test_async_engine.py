@@ -4,14 +4,16 @@ rejections, idling, shutdown and engine failure. Real `LLMEngine`, tiny random m
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.config import KNOWN_MODELS
+from engine.grammar import Grammars
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.sampling import JsonFormat, SamplingParams
 from tests.engine.engine_server import all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
@@ -98,6 +100,59 @@ async def test_rejected_request_raises_and_the_engine_keeps_serving(
     with pytest.raises(ValueError, match="top_p"):
         await collect(wrapper, [65], SamplingParams(top_p=0))
     assert len(await collect(wrapper, list(b"fine"))) == 10
+
+
+async def test_a_grammar_compiles_off_the_engine_thread_while_others_generate(
+    engines: tuple[LLMEngine, AsyncLLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large JSON Schema compiles for seconds (an enum of 20,000 values: 13 s here); compiled in
+    add_request, on the engine's thread, it stalled every running request's generation meanwhile. Here
+    a compilation that waits for a signal: the other request must finish before it is given."""
+    _, wrapper = engines
+    entered, released = threading.Event(), threading.Event()
+    compiled = Grammars._compiled
+
+    def slow(self: Grammars, fmt: JsonFormat) -> object:
+        entered.set()
+        released.wait(timeout=30)
+        return compiled(self, fmt)
+
+    monkeypatch.setattr(Grammars, "_compiled", slow)
+    structured = asyncio.ensure_future(
+        collect(wrapper, [5, 6, 7], SamplingParams(max_tokens=8, seed=1, json_format=JsonFormat()))
+    )
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)
+        other = await asyncio.wait_for(collect(wrapper, [9, 10, 11]), timeout=10)
+        assert len(other) == 10
+    finally:
+        released.set()
+    assert len(await structured) >= 1
+
+
+async def test_a_request_whose_grammar_compiled_through_shutdown_is_told_not_left_waiting(
+    engines: tuple[LLMEngine, AsyncLLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine stopping while a request's grammar compiles (off its thread): the request is then
+    submitted to no engine, and must be told so rather than wait forever."""
+    _, wrapper = engines
+    entered, released = threading.Event(), threading.Event()
+    compiled = Grammars._compiled
+
+    def slow(self: Grammars, fmt: JsonFormat) -> object:
+        entered.set()
+        released.wait(timeout=30)
+        return compiled(self, fmt)
+
+    monkeypatch.setattr(Grammars, "_compiled", slow)
+    structured = asyncio.ensure_future(
+        collect(wrapper, [5, 6, 7], SamplingParams(max_tokens=8, json_format=JsonFormat('{"type": "array"}')))
+    )
+    assert await asyncio.to_thread(entered.wait, 10)
+    await wrapper.shutdown()
+    released.set()
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(structured, timeout=10)
 
 
 async def test_the_thread_sleeps_when_idle(engines: tuple[LLMEngine, AsyncLLMEngine]) -> None:
