@@ -730,20 +730,33 @@ def _stop_reason(gen: Generation, finish: str | None) -> dict[str, Any]:
     return {"stop_reason": gen.stop_reason} if finish is not None else {}
 
 
+# content part types a chat message may hold, and the key of each one's text
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
 def _message_dict(index: int, message: Any) -> dict[str, Any]:
-    """A message as chat templates expect it: `content` a string (text parts joined)."""
+    """A message as chat templates expect it: `content` a string (text parts joined; an assistant's
+    `refusal` parts are its text too, as vLLM reads them)."""
     content = message.content
     if isinstance(content, list):
         parts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        for i, part in enumerate(content):
+            kind = part.get("type")
+            if kind not in TEXT_PARTS:
                 raise ApiError(
                     400,
-                    f"content part of type {part.get('type')!r} is not supported",
+                    f"content part of type {kind!r} is not supported",
                     param=f"messages[{index}].content",
                     code=UNSUPPORTED_VALUE,
                 )
-            parts.append(part["text"])
+            text = part.get(TEXT_PARTS[kind])
+            if not isinstance(text, str):  # a malformed part: the client's mistake, not another model's job
+                raise ApiError(
+                    400,
+                    f"a {kind} content part needs a string `{TEXT_PARTS[kind]}`",
+                    param=f"messages[{index}].content[{i}]",
+                )
+            parts.append(text)
         content = "".join(parts)
     out: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,

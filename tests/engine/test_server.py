@@ -1189,6 +1189,31 @@ async def test_bad_parameters_are_400_naming_the_parameter(served: Served, extra
     assert all_blocks_free(served.engine)
 
 
+async def test_content_parts_a_refusal_is_text_and_a_malformed_text_part_is_the_clients_mistake(
+    served: Served,
+) -> None:
+    """An assistant's `refusal` part (OpenAI's SDK types it) was refused as unsupported, where vLLM
+    reads it as text; a text part without a string `text` was called unsupported too
+    (`unsupported_value`: a gateway tried its next candidate with the same malformed request)."""
+    async with httpx.AsyncClient(base_url=served.base_url) as http:
+        tokens = []
+        for content in (
+            "I can't help with that.",
+            [{"type": "refusal", "refusal": "I can't help with that."}],
+        ):
+            messages = [*chat("hi"), {"role": "assistant", "content": content}, *chat("why?")]
+            resp = await http.post(served.root + "/tokenize", json={"model": MODEL, "messages": messages})
+            assert resp.status_code == 200, resp.text
+            tokens.append(resp.json()["tokens"])
+        assert tokens[0] == tokens[1]
+        for part in ({"type": "text"}, {"type": "text", "text": 5}, {"type": "refusal"}):
+            messages = [*chat("hi"), {"role": "assistant", "content": [part]}]
+            resp = await http.post("/chat/completions", json={"model": MODEL, "messages": messages})
+            error = resp.json()["error"]
+            assert resp.status_code == 400 and error["code"] is None, resp.text
+            assert error["param"] == "messages[1].content[0]"
+
+
 AUDIO = {"voice": "alloy", "format": "wav"}
 
 
