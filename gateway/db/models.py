@@ -198,13 +198,20 @@ class UsageEventRow(Base):
     purpose: Mapped[str | None] = mapped_column(String(16))
 
 
+def upserted_id_column() -> Mapped[int]:
+    """The id of a table the writer upserts: PostgreSQL's upsert takes a sequence number for every row
+    it proposes, updates too, so an `integer` ran out (migration 0019). SQLite's INTEGER PRIMARY KEY
+    (a 64-bit rowid) must stay INTEGER to be the rowid."""
+    return mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+
+
 class UsageRollup(Base):
     """Daily totals the reports read; the writer adds to them in the transaction that inserts events."""
 
     __tablename__ = "usage_rollups"
     __table_args__ = (UniqueConstraint("day", "tenant_id", "key_id", "backend", "model"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = upserted_id_column()
     day: Mapped[dt.date] = mapped_column(Date)
     # "" rather than NULL, so the unique constraint (and the upsert on it) holds for anonymous traffic.
     tenant_id: Mapped[str] = mapped_column(String(200))  # as usage_events.tenant_id
@@ -238,7 +245,7 @@ class UsageRouteRollup(Base):
     __tablename__ = "usage_route_rollups"
     __table_args__ = (UniqueConstraint("day", "tenant_id", "key_id", "backend", "model", "route"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = upserted_id_column()
     day: Mapped[dt.date] = mapped_column(Date)
     tenant_id: Mapped[str] = mapped_column(String(200))  # "" for none, as usage_rollups
     key_id: Mapped[str] = mapped_column(String(32))

@@ -297,3 +297,29 @@ def test_the_route_rollups_are_filled_from_the_ledger_once_upgraded(db_url: str)
 
     migrate.downgrade(db_url, "0017")
     assert "usage_route_rollups" not in _tables(db_url)
+
+
+@pytest.mark.postgres
+def test_the_rollups_ids_are_bigint_from_0019_and_integer_again_below(pg_url: str) -> None:
+    """The writer's upserts take a number from the rollups' id sequences per group and batch, updates
+    too (test_usage_pipeline: `..._do_not_run_out_of_row_ids_...`): 0019 gives the columns and their
+    sequences bigint, the downgrade integer again."""
+    query = (
+        "SELECT c.relname, format_type(a.atttypid, a.atttypmod), s.seqtypid::regtype::text "
+        "FROM pg_sequence s JOIN pg_depend d ON d.objid = s.seqrelid "
+        "JOIN pg_class c ON c.oid = d.refobjid JOIN pg_attribute a ON a.attrelid = c.oid "
+        "AND a.attnum = d.refobjsubid WHERE c.relname LIKE 'usage%rollups' ORDER BY 1"
+    )
+    migrate.upgrade(pg_url, "0019")
+    sync_exec(
+        pg_url,
+        "INSERT INTO usage_rollups (day, tenant_id, key_id, backend, model, requests, errors, "
+        "input_tokens, cached_input_tokens, cache_write_5m_tokens, cache_write_1h_tokens, output_tokens, "
+        "reasoning_tokens, cost_pico_usd, savings_pico_usd) "
+        "VALUES ('2026-12-01', '', '', 'b', 'm', 1, 0, 0, 0, 0, 0, 0, 0, 5, 0)",
+    )
+    tables = ("usage_rollups", "usage_route_rollups")
+    assert sync_exec(pg_url, query) == [(t, "bigint", "bigint") for t in tables]
+    migrate.downgrade(pg_url, "0018")
+    assert sync_exec(pg_url, query) == [(t, "integer", "integer") for t in tables]
+    assert sync_exec(pg_url, "SELECT id, cost_pico_usd FROM usage_rollups") == [(1, 5)]

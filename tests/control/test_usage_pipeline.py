@@ -438,6 +438,35 @@ async def test_an_event_twice_in_one_batch_is_counted_once_on_postgres_array_pat
         await engine.dispose()
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("latency_ms", [12.5, float("nan")], ids=["lines", "arrays"])
+async def test_rollup_upserts_do_not_run_out_of_row_ids_on_postgres(
+    migrated_pg_url: str, tmp_path: Path, latency_ms: float
+) -> None:
+    """PostgreSQL's INSERT ... ON CONFLICT DO UPDATE takes a number from the id sequence for every row
+    it proposes, even one that only adds to an existing rollup: each batch takes one per group from
+    each rollup table's sequence. An `integer` id ran out after 2^31 of them (weeks of busy batches),
+    and from then on every batch failed with 2200H, a data exception, so every event went to the
+    dead-letter file. Both paths (the server's from JSON lines, Weir's with NaN) upsert the rollups."""
+    engine = create_engine(migrated_pg_url)
+    try:
+        async with engine.begin() as conn:
+            for table in ("usage_rollups", "usage_route_rollups"):
+                await conn.execute(
+                    text(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), {2**31 - 3})")
+                )
+        writer = BatchWriter(SpoolQueue(tmp_path / "spool"), engine)
+        batches = [random_events(20, seed=70 + i) for i in range(3)]  # 6 groups each, the same ones
+        for batch in batches:
+            assert (
+                await writer.write([msgspec.structs.replace(e, latency_ms=latency_ms) for e in batch]) == 20
+            )
+        count, cost, rollup_cost = await ledger(engine)
+        assert count == 60 and cost == rollup_cost == sum(e.cost_pico_usd for b in batches for e in b)
+    finally:
+        await engine.dispose()
+
+
 async def _write_twice_in_one_batch(engine: AsyncEngine, latency_ms: float) -> None:
     batch = [msgspec.structs.replace(e, latency_ms=latency_ms) for e in random_events(6, seed=41)]
     writer = BatchWriter(SpoolQueue(Path(f"/tmp/unused-{id(engine)}")), engine)
