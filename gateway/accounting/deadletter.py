@@ -20,7 +20,10 @@ shape this version cannot read) is set aside in the same file with the line as t
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
+import hashlib
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -88,11 +91,22 @@ _decoder = msgspec.json.Decoder(SetAside)
 
 class DeadLetters:
     """An append-only file of refused events. Lines are appended in one write and synced to disk
-    before the queue acknowledges their batch; several processes may share the file (O_APPEND). An
-    event set aside twice (a crash before the acknowledgement) is written once by a replay."""
+    before the queue acknowledges their batch; several processes may share the file (O_APPEND, and an
+    exclusive lock around each check-and-append).
+
+    Writing is idempotent: a record already in the file (the same event id; for a line that is no
+    event, the same text) is not appended again. A crash between the append and the queue's
+    acknowledgement set the batch aside a second time on the next start, and the file held each of
+    its records twice. The keys of the file's records are read once per process and then only the
+    bytes appended since (by any process); a file moved aside (for `weir db replay-usage`) starts a
+    fresh index."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._seen: set[str] = set()  # the keys (`_key`) of the records in the file
+        self._read_to = 0  # how far the file has been read into `_seen`
+        self._inode: int | None = None  # the file read (a new one at the path: read afresh)
+        self._write = os.write  # the write seam (tests play a full disk here)
 
     def add(self, refused: list[Refused]) -> None:
         now = dt.datetime.now(dt.UTC)
@@ -108,16 +122,60 @@ class DeadLetters:
         )
 
     def _append(self, records: list[SetAside]) -> None:
-        data = b"".join(_encoder.encode(record) + b"\n" for record in records)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the close
+            torn = self._catch_up(fd)
+            data = bytearray(b"\n" if torn else b"")
+            for record in records:
+                key = _key(record)
+                if key not in self._seen:
+                    self._seen.add(key)
+                    data += _encoder.encode(record) + b"\n"
             view = memoryview(data)
             while view:  # a regular file takes it whole; a short write continues where it stopped
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
+                view = view[self._write(fd, view) :]
+            if data:
+                os.fsync(fd)
+            self._read_to = os.fstat(fd).st_size
+        except BaseException:
+            self._inode = None  # a write that failed part way: read the file afresh next time
+            raise
         finally:
             os.close(fd)
+
+    def _catch_up(self, fd: int) -> bool:
+        """Add the keys of the records appended since the last call to `_seen`; whether the file ends
+        inside a line (a write torn by a crash or a full disk), which the next record must not be
+        glued to: together they would read as one line that is no record, and that record be lost."""
+        stat = os.fstat(fd)
+        if stat.st_ino != self._inode or stat.st_size < self._read_to:
+            self._seen.clear()
+            self._read_to, self._inode = 0, stat.st_ino
+        if stat.st_size == self._read_to:
+            return False
+        line = b""
+        with open(os.dup(fd), "rb") as f:  # its own descriptor: closing it keeps `fd` and its lock
+            f.seek(self._read_to)
+            for line in f:
+                with contextlib.suppress(msgspec.DecodeError):  # a torn line, or no record
+                    self._seen.add(_key(_decoder.decode(line)))
+        return not line.endswith(b"\n")
+
+
+def _key(record: SetAside) -> str:
+    """What makes two records the same: the event's id, or the text of a line that is no event."""
+    if record.raw is not None:
+        return "raw:" + hashlib.sha256(record.raw.encode("utf-8", "surrogatepass")).hexdigest()
+    return "event:" + _event_id_decoder.decode(bytes(record.event)).event_id
+
+
+class _EventId(msgspec.Struct):
+    event_id: str
+
+
+_event_id_decoder = msgspec.json.Decoder(_EventId)
 
 
 def read_dead_letters(path: str | os.PathLike[str]) -> Iterator[tuple[int, SetAside | None]]:

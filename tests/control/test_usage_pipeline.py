@@ -7,6 +7,7 @@ import asyncio
 import datetime as dt
 import itertools
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.accounting.deadletter import read_dead_letters, replay
+from gateway.accounting.deadletter import DeadLetters, Refused, read_dead_letters, replay
 from gateway.accounting.events import Unreadable, UsageEvent, decode, encode
 from gateway.accounting.queue import RedisStreamQueue, SpoolQueue, UsageQueue
 from gateway.accounting.writer import ROLLUP_GROUP, ROUTE_ROLLUP_GROUP, BatchWriter, _rollup_rows, event_row
@@ -783,6 +784,73 @@ async def test_a_batch_written_in_parts_and_retried_counts_each_event_once(
     assert int(requests) == 299 and writer.stats.set_aside == 1
     assert queue.pending() == 0
     await queue.close()
+
+
+async def test_a_batch_set_aside_again_after_a_crash_is_in_the_dead_letter_file_once(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """The gateway dies between setting a batch's refused event and torn line aside and acknowledging
+    the batch: the restarted one reads the batch again and sets them aside again. The file held both
+    twice (and a replay listed the torn line twice); now each record is in it once."""
+    refuse = await refused_by_the_ledger(engine)
+    spool, dead_letter = tmp_path / "spool", tmp_path / "dead-letter.jsonl"
+    batch = random_events(10, seed=66)
+    batch[3] = poison = refuse(batch[3])
+    queue = SpoolQueue(spool)
+    for line in [encode(e) for e in batch] + [b'{"request_id": "half-wr']:
+        queue.put_line(line)
+    writer = BatchWriter(queue, engine, dead_letter=dead_letter)
+
+    async def killed(tokens: list[Any]) -> None:
+        raise RuntimeError("killed before the acknowledgement")
+
+    queue.ack = killed  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="killed"):
+        await writer.step(block_s=0)
+    await queue.close()
+
+    queue = SpoolQueue(spool)  # the restarted process, with a dead-letter writer of its own
+    writer = BatchWriter(queue, engine, dead_letter=dead_letter)
+    await writer.drain()
+    assert queue.pending() == 0 and writer.stats.duplicates == 9
+    records = [record for _, record in read_dead_letters(dead_letter)]
+    assert len(records) == 2 and all(r is not None for r in records)
+    assert [decode(bytes(r.event)) for r in records if r is not None and r.raw is None] == [poison]
+    assert [r.raw for r in records if r is not None and r.raw is not None] == ['{"request_id": "half-wr']
+    await queue.close()
+
+
+def test_a_record_after_a_torn_dead_letter_line_stays_whole(tmp_path: Path) -> None:
+    """A full disk stops an append part way: the batch is held and set aside again later. The record
+    after the torn start must begin a line of its own (glued to it, both read as one line that is no
+    record: the event lost), and the records the failed append did not write are appended then, not
+    taken for written."""
+    path = tmp_path / "dead-letter.jsonl"
+    letters = DeadLetters(path)
+    events = random_events(3, seed=67)
+    refused = [Refused(e, "22001", "StringDataRightTruncationError: too long") for e in events]
+    letters.add(refused[:1])
+
+    def disk_full_after(budget: int) -> Callable[[int, Any], int]:
+        def write(fd: int, data: Any) -> int:
+            nonlocal budget
+            if budget <= 0:
+                raise OSError(28, "No space left on device")
+            written = os.write(fd, bytes(data[:budget]))
+            budget -= written
+            return written
+
+        return write
+
+    letters._write = disk_full_after(40)
+    with pytest.raises(OSError, match="No space"):
+        letters.add(refused[1:])
+    letters._write = os.write  # space again: the held batch is set aside again
+    letters.add(refused[1:])
+    lines = list(read_dead_letters(path))
+    assert [number for number, record in lines if record is None] == [2]  # the torn start alone
+    written = [decode(bytes(r.event)) for _, r in lines if r is not None]
+    assert written == events
 
 
 def test_set_aside_events_are_replayed_into_the_ledger_once(tmp_path: Path) -> None:
