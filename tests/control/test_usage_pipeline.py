@@ -276,6 +276,31 @@ async def test_spool_is_one_process_and_skips_torn_lines(tmp_path: Path) -> None
     await queue.close()
 
 
+async def test_spool_pending_counts_lines_without_decoding_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pending()` decoded every spooled line, and held them all at once, only to count them: a spool
+    that grew through a long database outage cost a decode per event per call. It counts the whole
+    lines past the cursor, over every segment, a torn last line not among them."""
+    queue = SpoolQueue(tmp_path / "spool")
+    queue.SEGMENT_BYTES = 2000  # a few events per segment
+    for event in random_events(30, seed=9):
+        queue.put(event)
+        await asyncio.sleep(0)  # one event-loop turn: the spool hands the line to the OS
+    await queue.ack([token for token, _ in await queue.read(5, 0)])
+    segments = sorted((tmp_path / "spool").glob("*.jsonl"))
+    assert len(segments) > 3
+    with open(segments[-1], "ab") as f:
+        f.write(b'{"request_id": "half-writ')  # a line still being written
+
+    def decoded(line: bytes) -> Any:
+        raise AssertionError("pending() decoded a line")
+
+    monkeypatch.setattr("gateway.accounting.queue.decode_or_unreadable", decoded)
+    assert queue.pending() == 25
+    await queue.close()
+
+
 async def test_a_spool_reopened_after_a_torn_line_keeps_the_next_event_whole(tmp_path: Path) -> None:
     """A crash mid-write leaves a segment ending inside a line. The next process appending to it must
     start on a line of its own: glued to the torn start, its first event read as one line that is no
