@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.accounting.deadletter import DeadLetters, Refused, read_dead_letters, replay
@@ -933,6 +934,85 @@ def test_set_aside_events_are_replayed_into_the_ledger_once(tmp_path: Path) -> N
         "(SELECT sum(cost_pico_usd) FROM usage_rollups)",
     )
     assert count == 30 and cost == rollup_cost == sum(e.cost_pico_usd for e in batch)
+
+
+async def _rollups_match_the_ledger(engine: AsyncEngine) -> None:
+    """Both rollup tables hold exactly the ledger's attempts and cost, per tenant."""
+    per_tenant = "SELECT tenant_id, count(*), sum(cost_pico_usd) FROM usage_events GROUP BY 1 ORDER BY 1"
+    async with engine.connect() as conn:
+        ledger_sums = [tuple(r) for r in await conn.execute(text(per_tenant))]
+        for table in ("usage_rollups", "usage_route_rollups"):
+            sums = await conn.execute(
+                text(
+                    f"SELECT tenant_id, sum(requests), sum(cost_pico_usd) FROM {table} GROUP BY 1 ORDER BY 1"
+                )
+            )
+            assert [(t, int(n), int(c)) for t, n, c in sums] == [(t, n, int(c)) for t, n, c in ledger_sums]
+
+
+async def _written_whatever_the_contention(writer: BatchWriter, events: list[UsageEvent]) -> None:
+    """`write`, retried as the writer's run loop retries it: two writers' transactions may deadlock
+    on the same rows (PostgreSQL aborts one, 40P01) or find the SQLite file locked."""
+    for _ in range(50):
+        try:
+            await writer.write(events)
+            return
+        except DBAPIError:
+            await asyncio.sleep(0.01)
+    raise AssertionError("a batch was never written")
+
+
+async def test_two_replicas_writing_the_same_events_at_once_count_each_once(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Two gateway replicas on one database, each with its engine and writer, write overlapping
+    batches at the same time (a stream entry claimed from a writer that was only slow, a spool
+    forwarded twice): every event is in the ledger once and both rollup tables count exactly those."""
+    await migrate.upgrade_async(premigrated(db_url))
+    engines = [create_engine(db_url), create_engine(db_url)]
+    try:
+        events = random_events(400, seed=68)
+        writers = [BatchWriter(SpoolQueue(tmp_path / f"spool{i}"), e) for i, e in enumerate(engines)]
+        # Each replica writes every event, in batches of its own sizes, one in the reverse order.
+        plans = [
+            [events[i : i + 50] for i in range(0, 400, 50)],
+            [list(reversed(events[i : i + 70])) for i in range(0, 400, 70)][::-1],
+        ]
+        await asyncio.gather(
+            *(
+                _written_whatever_the_contention(writer, batch)
+                for writer, plan in zip(writers, plans, strict=True)
+                for batch in plan
+            )
+        )
+        count, cost, rollup_cost = await ledger(engines[0])
+        assert count == 400 and cost == rollup_cost == sum(e.cost_pico_usd for e in events)
+        assert sum(w.stats.inserted for w in writers) == 400
+        await _rollups_match_the_ledger(engines[0])
+    finally:
+        for engine in engines:
+            await engine.dispose()
+
+
+async def test_replaying_a_dead_letter_file_twice_and_at_once_writes_each_event_once(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """`weir db replay-usage` run twice, and by two operators at the same time, on SQLite and on
+    PostgreSQL: each event lands once, with its rollups once."""
+    events = random_events(120, seed=69)
+    dead_letter = tmp_path / "dead-letter.jsonl"
+    DeadLetters(dead_letter).add([Refused(e, "22001", "x") for e in events])
+    with dead_letter.open("ab") as f:  # an older file may hold a record twice
+        f.write(dead_letter.read_bytes().splitlines(keepends=True)[0])
+    first, second = await asyncio.gather(
+        replay(dead_letter, engine, batch=25), replay(dead_letter, engine, batch=40)
+    )
+    assert first.events == second.events == 120 and first.written + second.written == 120
+    again = await replay(dead_letter, engine)
+    assert again.written == 0 and again.duplicates == 120 and not again.refused
+    count, cost, rollup_cost = await ledger(engine)
+    assert count == 120 and cost == rollup_cost == sum(e.cost_pico_usd for e in events)
+    await _rollups_match_the_ledger(engine)
 
 
 def test_set_aside_events_are_a_prometheus_counter() -> None:
