@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway.db import migrate
 from gateway.db.models import Base
 from tests.fixtures.db import sync_exec
 from weir.cli import main
+
+T = TypeVar("T")
 
 
 def _tables(url: str) -> set[str]:
@@ -25,29 +31,80 @@ def _tables(url: str) -> set[str]:
     return {r[0] for r in rows}
 
 
-def _diff(url: str) -> list:
-    async def run() -> list:
+def _on_connection(url: str, work: Callable[[Connection], T]) -> T:
+    async def run() -> T:
         engine = create_async_engine(url)
         try:
             async with engine.connect() as conn:
-                return await conn.run_sync(
-                    lambda sync_conn: compare_metadata(
-                        MigrationContext.configure(sync_conn, opts={"compare_type": True}), Base.metadata
-                    )
-                )
+                return await conn.run_sync(work)
         finally:
             await engine.dispose()
 
     return asyncio.run(run())
 
 
+def _diff(url: str) -> list:
+    """What autogenerate would write to bring the database to the models: types, and on PostgreSQL
+    server defaults too (alembic's SQLite comparison takes the default '' for a change: it is not)."""
+    opts = {"compare_type": True, "compare_server_default": url.startswith("postgresql")}
+    return _on_connection(
+        url, lambda conn: compare_metadata(MigrationContext.configure(conn, opts=opts), Base.metadata)
+    )
+
+
+def _schema(url: str) -> dict[str, Any]:
+    """Every table's columns (type, nullability, default), indexes (partial ones' conditions too),
+    unique, foreign and primary keys, as the database reports them."""
+
+    def read(conn: Connection) -> dict[str, Any]:
+        found = inspect(conn)
+        schema = {}
+        for table in set(found.get_table_names()) - {"alembic_version"}:  # there once upgraded
+            columns = [
+                (c["name"], str(c["type"]), c["nullable"], str(c.get("default")))
+                for c in found.get_columns(table)
+            ]
+            indexes = [
+                (
+                    i["name"],
+                    i["column_names"],
+                    i["unique"],
+                    sorted((k, str(v)) for k, v in i.get("dialect_options", {}).items()),
+                )
+                for i in found.get_indexes(table)
+            ]
+            uniques = [(u["name"], u["column_names"]) for u in found.get_unique_constraints(table)]
+            foreign = [
+                (f["name"], f["constrained_columns"], f["referred_table"], f["options"])
+                for f in found.get_foreign_keys(table)
+            ]
+            schema[table] = (
+                columns,
+                sorted(indexes),
+                sorted(uniques),
+                sorted(foreign),
+                found.get_pk_constraint(table),
+            )
+        return schema
+
+    return _on_connection(url, read)
+
+
 def test_every_migration_up_and_down(db_url: str) -> None:
     script = ScriptDirectory.from_config(migrate.alembic_config(db_url))
     revisions = [r.revision for r in reversed(list(script.walk_revisions()))]
     assert revisions, "no migrations found"
+    before = _schema(db_url)
     for revision in revisions:  # one step at a time, so each upgrade() runs on its own
         migrate.upgrade(db_url, revision)
         assert migrate.current(db_url).startswith(revision)
+        after = _schema(db_url)
+        # Its downgrade puts back exactly the schema it started from, and it upgrades again.
+        migrate.downgrade(db_url, "-1")
+        assert _schema(db_url) == before, f"{revision}'s downgrade leaves another schema"
+        migrate.upgrade(db_url, revision)
+        assert _schema(db_url) == after, f"{revision} upgrades to another schema the second time"
+        before = after
     assert set(Base.metadata.tables) <= _tables(db_url)
     assert _diff(db_url) == [], "models and migrations disagree: write a migration"
     for _ in revisions:
