@@ -23,17 +23,21 @@ _TABLES = ("usage_rollups", "usage_route_rollups")
 
 
 def _retype(to: type[sa.Integer]) -> None:
-    bind = op.get_bind()
-    if bind.dialect.name != "postgresql":
+    if op.get_context().dialect.name != "postgresql":
         return
     before = sa.Integer() if to is sa.BigInteger else sa.BigInteger()
     sql_type = "bigint" if to is sa.BigInteger else "integer"
     for table in _TABLES:
         # Rewrites the table (rollups: a row per day and group, small beside the ledger).
         op.alter_column(table, "id", existing_type=before, type_=to(), existing_nullable=False)
-        # The serial's sequence keeps its own type (and so its limit) otherwise.
-        sequence = bind.execute(sa.text(f"SELECT pg_get_serial_sequence('{table}', 'id')")).scalar_one()
-        op.execute(sa.text(f"ALTER SEQUENCE {sequence} AS {sql_type}"))
+        # The serial's sequence keeps its own type (and so its limit) otherwise. Named by the server,
+        # in SQL (not read back here), so that `alembic upgrade --sql` writes it too.
+        op.execute(
+            sa.text(
+                f"DO $$ BEGIN EXECUTE format('ALTER SEQUENCE %s AS {sql_type}', "
+                f"pg_get_serial_sequence('{table}', 'id')); END $$"
+            )
+        )
 
 
 def upgrade() -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -380,3 +382,14 @@ def test_the_rollups_ids_are_bigint_from_0019_and_integer_again_below(pg_url: st
     migrate.downgrade(pg_url, "0018")
     assert sync_exec(pg_url, query) == [(t, "integer", "integer") for t in tables]
     assert sync_exec(pg_url, "SELECT id, cost_pico_usd FROM usage_rollups") == [(1, 5)]
+
+
+def test_0019_writes_its_sql_offline_for_postgres() -> None:
+    """`alembic upgrade --sql` (a DBA applying the SQL by hand) writes 0019 too: it names the sequences
+    in SQL instead of asking the database, which there is none to ask."""
+    out = io.StringIO()
+    config = migrate.alembic_config("postgresql://weir@db.invalid/weir", stdout=out)
+    config.output_buffer = out
+    command.upgrade(config, "0018:0019", sql=True)
+    assert "ALTER TABLE usage_route_rollups ALTER COLUMN id TYPE BIGINT" in out.getvalue()
+    assert "pg_get_serial_sequence('usage_rollups', 'id')" in out.getvalue()
