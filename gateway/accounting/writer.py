@@ -169,11 +169,12 @@ def _lines_insert() -> TextClause:
         f"count(*) FILTER (WHERE {STARTS_CLIENT_REQUEST_SQL}) AS client_requests, "
         f"{', '.join(f'sum({n}) AS {n}' for n in AMOUNTS)} FROM inserted GROUP BY 1, 2, 3, 4, 5, 6), "
         f"routes AS (INSERT INTO {ROUTE_ROLLUPS.name} ({route_group}, {', '.join(SUMMED)}) "
-        f"SELECT {route_group}, {', '.join(SUMMED)} FROM by_route "
+        f"SELECT {route_group}, {', '.join(SUMMED)} FROM by_route ORDER BY {route_group} "
         f"ON CONFLICT ({route_group}) DO UPDATE SET "
         f"{', '.join(f'{n} = {ROUTE_ROLLUPS.name}.{n} + excluded.{n}' for n in SUMMED)}) "
         f"INSERT INTO {ROLLUPS.name} ({group}, {', '.join(SUMMED)}) "
         f"SELECT {group}, {', '.join(f'sum({n})' for n in SUMMED)} FROM by_route GROUP BY 1, 2, 3, 4, 5 "
+        f"ORDER BY {group} "  # one lock order for every replica (`_sum_rollups`)
         f"ON CONFLICT ({group}) DO UPDATE SET "
         f"{', '.join(f'{n} = {ROLLUPS.name}.{n} + excluded.{n}' for n in SUMMED)} "
         "RETURNING (SELECT count(*) FROM inserted)"
@@ -291,14 +292,16 @@ def _sum_rollups(attempts: Iterable[_Counted]) -> _Rollups:
         else:
             for i, value in enumerate(sums):
                 into[i] += value
+    # In the rollup key's order: replicas upserting the same rows lock them in one order, so one
+    # waits for the other; in event order, two batches deadlocked (PostgreSQL aborted one, 40P01).
     return (
         [
             {**dict(zip(ROLLUP_GROUP, g, strict=True)), **dict(zip(SUMMED, sums, strict=True))}
-            for g, sums in by_group.items()
+            for g, sums in sorted(by_group.items())
         ],
         [
             {**dict(zip(ROUTE_ROLLUP_GROUP, g, strict=True)), **dict(zip(SUMMED, sums, strict=True))}
-            for g, sums in totals.items()
+            for g, sums in sorted(totals.items())
         ],
     )
 

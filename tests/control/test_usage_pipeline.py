@@ -994,6 +994,45 @@ async def test_two_replicas_writing_the_same_events_at_once_count_each_once(
             await engine.dispose()
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("latency_ms", [12.5, float("nan")], ids=["lines", "arrays"])
+async def test_two_replicas_adding_to_the_same_rollups_at_once_do_not_deadlock(
+    migrated_pg_url: str, tmp_path: Path, latency_ms: float
+) -> None:
+    """Two replicas' batches add to the same rollup rows (one tenant's day, another's) in one
+    transaction each. Taken in the batches' own event order, the rows were locked in opposite orders
+    and PostgreSQL aborted one transaction as a deadlock (40P01) after a second's wait: the writer
+    logged a database outage and wrote the batch again. In the rollup key's order, one waits for the
+    other instead. (A trigger holds each rollup row's update a moment, so the two always overlap.)"""
+    engines = [create_engine(migrated_pg_url), create_engine(migrated_pg_url)]
+    try:
+        async with engines[0].begin() as conn:
+            await conn.execute(
+                text(
+                    "CREATE FUNCTION slow() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(0.3); RETURN NEW; END $$ "
+                    "LANGUAGE plpgsql"
+                )
+            )
+            for table in ("usage_rollups", "usage_route_rollups"):
+                await conn.execute(
+                    text(f"CREATE TRIGGER slow BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION slow()")
+                )
+        day = dt.datetime(2026, 12, 1, 12, tzinfo=dt.UTC)
+        writers = [BatchWriter(SpoolQueue(tmp_path / f"spool{i}"), e) for i, e in enumerate(engines)]
+        events = [
+            msgspec.structs.replace(e, tenant_id=tenant, ts=day, latency_ms=latency_ms)
+            for tenant, e in zip(["a", "b"] * 3, random_events(6, seed=71), strict=True)
+        ]
+        await writers[0].write(events[:2])  # both rollup rows there: the batches below update them
+        a_then_b, b_then_a = events[2:4], events[4:6][::-1]
+        await asyncio.gather(writers[0].write(a_then_b), writers[1].write(b_then_a))
+        count, cost, rollup_cost = await ledger(engines[0])
+        assert count == 6 and cost == rollup_cost == sum(e.cost_pico_usd for e in events)
+    finally:
+        for engine in engines:
+            await engine.dispose()
+
+
 async def test_replaying_a_dead_letter_file_twice_and_at_once_writes_each_event_once(
     engine: AsyncEngine, tmp_path: Path
 ) -> None:
