@@ -21,9 +21,10 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.router import AdminContext, AdminError, decode
-from gateway.db.models import ApiKey, DifficultyHeadRow, RouteRow, utcnow
+from gateway.auth import key_id
+from gateway.db.models import ApiKey, DifficultyHeadRow, RouteRow, Tenant, utcnow
 from routing.router import RouteError, Router, validate
-from routing.routes import Route
+from routing.routes import Conditions, Route
 from routing.store import route_spec, stamp
 
 # The admin DB's `routes.position` column is a 32-bit integer: beyond it the insert itself fails.
@@ -76,7 +77,45 @@ async def _checked(
             "invalid_value",
             "head",
         )
+    await _refuse_unknown_callers(request, session, route.when)
     return route, parsed.position
+
+
+async def _refuse_unknown_callers(request: Request, session: AsyncSession, when: Conditions | None) -> None:
+    """400 for `when.tenants` or `when.keys` naming a tenant or key that does not exist: no request
+    could ever carry it, so a typo made a route that silently never matched (its tenant's requests
+    went to the route or model everyone else gets). Known: the admin DB's tenants (by name) and keys
+    (by id, revoked ones too: a revocation must not make the routes naming the key unwritable), and
+    the config file's tenants and their keys (`key_` ids, as the ledger has them)."""
+    if when is None:
+        return
+    config_tenants = request.app.state.gateway.config.tenants or []
+    if when.tenants:
+        stored = select(Tenant.name).where(Tenant.name.in_(when.tenants))
+        known = {t.name for t in config_tenants} | set(await session.scalars(stored))
+        _refuse_unknown("when.tenants", [t for t in when.tenants if t not in known])
+    if when.keys:
+        stored = select(ApiKey.id).where(ApiKey.id.in_(when.keys))
+        known = {key_id(k) for t in config_tenants for k in t.api_keys} | set(await session.scalars(stored))
+        _refuse_unknown("when.keys", [k for k in when.keys if k not in known])
+
+
+def _refuse_unknown(param: str, unknown: list[str]) -> None:
+    if not unknown:
+        return
+    names = ", ".join(repr(n) for n in dict.fromkeys(unknown))
+    what = "tenant is named" if param == "when.tenants" else "key has the id"
+    takes = (
+        "the names of existing tenants"
+        if param == "when.tenants"
+        else "the ids of existing keys (a key's `id` in the admin API, `key_` and 12 hex digits for a config key)"
+    )
+    raise AdminError(
+        400,
+        f"no {what} {names}: {param} takes {takes} (one that is none matches no request)",
+        "invalid_value",
+        param,
+    )
 
 
 async def _applied(request: Request, route_id: int | None = None) -> None:

@@ -5,6 +5,7 @@ Bad input gets a 4xx in the OpenAI error shape (or an error line) and changes no
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Iterator, Sequence
@@ -33,7 +34,7 @@ from routing.routes import Candidate, Route
 from routing.store import RouteStore, route_spec, stamp
 from tests.fakes import FakeAnthropic, FakeOpenAI
 from tests.fixtures.db import fresh_pg_database
-from tests.fixtures.vendor_gateway import full_config_text
+from tests.fixtures.vendor_gateway import DEMO_KEY, full_config_text
 from tests.routing.routed import route_header
 from tests.routing.routes_admin import GOOD, ROUTES, Weir, serving
 
@@ -746,7 +747,7 @@ def test_a_tenant_renamed_keeps_the_routes_whose_conditions_name_it(weir: Weir) 
         json={
             **GOOD,
             "name": name,
-            "when": {"tenants": [f"{name}-old", "x"]},
+            "when": {"tenants": [f"{name}-old", "demo"]},
             "candidates": [{"model": "claude-sonnet"}],
         },
     )
@@ -764,7 +765,7 @@ def test_a_tenant_renamed_keeps_the_routes_whose_conditions_name_it(weir: Weir) 
         assert candidate() == "claude-sonnet"
         assert weir.admin.get(f"/routes/{scoped.json()['id']}").json()["when"]["tenants"] == [
             f"{name}-new",
-            "x",
+            "demo",
         ]
         assert weir.admin.get(f"/routes/{everyone.json()['id']}").json().get("when") is None
         # A rename refused (the name is another tenant's) renames nothing in the routes either.
@@ -789,7 +790,7 @@ def test_a_tenant_deleted_leaves_no_route_to_a_later_tenant_of_its_name(weir: We
         json={
             **GOOD,
             "name": name,
-            "when": {"tenants": [name, "x"]},
+            "when": {"tenants": [name, "demo"]},
             "candidates": [{"model": "claude-sonnet"}],
         },
     )
@@ -806,7 +807,7 @@ def test_a_tenant_deleted_leaves_no_route_to_a_later_tenant_of_its_name(weir: We
     assert shared.status_code == own.status_code == everyone.status_code == 201
     try:
         assert weir.admin.delete(f"/tenants/{tenant['id']}").status_code == 204
-        assert weir.admin.get(f"/routes/{shared.json()['id']}").json()["when"]["tenants"] == ["x"]
+        assert weir.admin.get(f"/routes/{shared.json()['id']}").json()["when"]["tenants"] == ["demo"]
         assert weir.admin.get(f"/routes/{own.json()['id']}").status_code == 404
         audited = {
             (e["action"], e["entity_id"])
@@ -824,3 +825,71 @@ def test_a_tenant_deleted_leaves_no_route_to_a_later_tenant_of_its_name(weir: We
     finally:
         for created in (shared, own, everyone):
             weir.admin.delete(f"/routes/{created.json()['id']}")
+
+
+@pytest.mark.postgres
+def test_route_conditions_naming_no_tenant_or_key_are_refused_on_create_and_replace(weir: Weir) -> None:
+    """`when.tenants` and `when.keys` name tenants and keys that exist: a typo made a route that never
+    matched, and the tenant it was for silently got what everyone gets. A 400 names each unknown one
+    in `param` `when.tenants`/`when.keys` and nothing is stored; admin-DB and config tenants and keys
+    (revoked ones too) are taken."""
+    name = f"who-{uuid.uuid4().hex[:6]}"
+    tenant = weir.admin.post("/tenants", json={"name": name}).json()
+    key = weir.admin.post(f"/tenants/{tenant['id']}/keys", json={"name": "app"}).json()
+    assert weir.admin.delete(f"/keys/{key['id']}").status_code == 204
+    before = _listed(weir)["data"]
+    typo = {**GOOD, "name": name, "when": {"tenants": [name, f"{name}x", "demo", f"{name}x"]}}
+    error = _openai_error(weir.admin.post("/routes", json=typo))
+    assert (error["code"], error["param"]) == ("invalid_value", "when.tenants")
+    assert f"'{name}x'" in error["message"] and f"'{name}'" not in error["message"]
+    error = _openai_error(weir.admin.post("/routes", json={**GOOD, "when": {"keys": [key["id"], "k-typo"]}}))
+    assert error["param"] == "when.keys" and "'k-typo'" in error["message"]
+    assert key["id"] not in error["message"]
+    assert _listed(weir)["data"] == before
+
+    config_key = "key_" + hashlib.sha256(DEMO_KEY.encode()).hexdigest()[:12]
+    good = {**GOOD, "name": name, "when": {"tenants": [name, "demo"], "keys": [key["id"], config_key]}}
+    created = weir.admin.post("/routes", json=good)
+    assert created.status_code == 201, created.text
+    route_id = created.json()["id"]
+    try:
+        stored = weir.admin.get(f"/routes/{route_id}").json()
+        error = _openai_error(weir.admin.put(f"/routes/{route_id}", json=typo))
+        assert error["param"] == "when.tenants"
+        error = _openai_error(
+            weir.admin.put(f"/routes/{route_id}", json={**good, "when": {"keys": ["k-typo"]}})
+        )
+        assert error["param"] == "when.keys"
+        assert weir.admin.get(f"/routes/{route_id}").json() == stored
+    finally:
+        weir.admin.delete(f"/routes/{route_id}")
+
+
+def test_routes_seeded_from_the_config_follow_a_tenant_renamed_or_deleted(
+    vendor_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The config's `routes:` are stored in the admin DB once (the first start on it) and never read
+    from the file again: a route of the file naming a tenant is a stored route like any other, which a
+    rename or delete of the tenant rewrites, and a restart with the same file brings back neither the
+    old name nor a route deleted with its tenant. So a rename or delete needs no refusal for them."""
+    seeded = (
+        ROUTES
+        + "  - {name: seeded, when: {tenants: [sd-acme]}, candidates: [{model: claude-sonnet}], "
+        + "probe_interval: null}\n  - {name: seeded, candidates: [{model: gpt-4o-mini}], probe_interval: null}\n"
+    )
+    url = f"sqlite+aiosqlite:///{tmp_path}/weir.db"
+
+    def served(weir: Weir) -> list[dict[str, Any]]:
+        return [r for r in _listed(weir)["data"] if r["name"] == "seeded"]
+
+    with serving(vendor_env, url, tmp_path / "one", seeded) as weir:
+        tenant = weir.admin.post("/tenants", json={"name": "sd-acme"}).json()
+        key = weir.admin.post(f"/tenants/{tenant['id']}/keys", json={"name": "app"}).json()["key"]
+        assert weir.admin.patch(f"/tenants/{tenant['id']}", json={"name": "sd-acme2"}).status_code == 200
+        assert served(weir)[0]["when"]["tenants"] == ["sd-acme2"]
+        answer = weir.openai(key).chat.completions.with_raw_response.create(model="seeded", messages=HI)
+        assert route_header(answer)["candidate"] == "claude-sonnet"
+        assert weir.admin.delete(f"/tenants/{tenant['id']}").status_code == 204
+        assert [r.get("when") for r in served(weir)] == [None]
+    with serving(vendor_env, url, tmp_path / "two", seeded) as weir:
+        assert [r.get("when") for r in served(weir)] == [None]

@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
+from gateway.auth import key_id
 from gateway.db.models import RouteRow
 from routing.heads import bundle
 from routing.routes import Candidate, Route
@@ -29,6 +30,8 @@ from tests.fakes import FakeOpenAI, Fault
 from tests.routing.forced_heads import forced
 from tests.ui.helpers import ANSWERS_READ, Weir, new_page, sign_in, signed_in
 
+# The config tenant `team`'s key (tests.ui.helpers) by its id: `when.keys` takes only keys that exist.
+TEAM_KEY_ID = key_id("sk-team-key")
 CHEAP: dict[str, Any] = {
     "name": "auto",
     "policy": "cheapest",
@@ -580,7 +583,7 @@ def test_the_preview_matches_a_route_by_the_requests_metadata_and_key(routed: We
         routed.admin,
         {
             "name": "gpt-4o",  # unmatched, a request goes to the model itself
-            "when": {"metadata": {"tier": "gold"}, "tags": ["batch"], "keys": ["k-gold"]},
+            "when": {"metadata": {"tier": "gold"}, "tags": ["batch"], "keys": [TEAM_KEY_ID]},
             "candidates": [{"model": "gpt-4o-mini"}],
         },
     )
@@ -594,7 +597,7 @@ def test_the_preview_matches_a_route_by_the_requests_metadata_and_key(routed: We
     result.get_by_text("No route matches").wait_for()
 
     preview.get_by_label("Metadata", exact=True).fill("tier=gold\ntags=batch,eu")
-    preview.get_by_label("Key id", exact=True).fill("k-gold")
+    preview.get_by_label("Key id", exact=True).fill(TEAM_KEY_ID)
     preview.get_by_role("button", name="Preview").click()
     result.get_by_text("Route gpt-4o (policy fixed) matches.").wait_for()
 
