@@ -23,9 +23,11 @@ from gateway.prompts import read_body
 from gateway.security import SecurityControls
 from gateway.vault import VaultError, fingerprint
 
+MIN_KEY_CHARS = 8
+
 
 class CredentialPut(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    api_key: Annotated[str, msgspec.Meta(min_length=8, max_length=4096)]
+    api_key: Annotated[str, msgspec.Meta(min_length=MIN_KEY_CHARS, max_length=4096)]
 
 
 def _security(request: Request[Any, Any, Any]) -> SecurityControls:
@@ -57,6 +59,22 @@ async def _applied(security: SecurityControls) -> None:
         await security.credentials.refresh()  # this replica at once; the others within a second
 
 
+def _vendor_key(sent: str) -> str:
+    """The key as stored: surrounding whitespace (a paste's newline) dropped, then checked again. The
+    length was checked only as sent, so eight spaces stored an empty key in place of a working one,
+    and a line break inside one made every request of the backend fail on an invalid header."""
+    secret = sent.strip()
+    if len(secret) < MIN_KEY_CHARS or any(c.isspace() or not c.isprintable() for c in secret):
+        raise AdminError(
+            400,
+            f"api_key must be at least {MIN_KEY_CHARS} characters with no spaces, line breaks or control "
+            "characters (surrounding whitespace is dropped): paste the vendor's key as it is",
+            "invalid_value",
+            "api_key",
+        )
+    return secret
+
+
 @put("/backends/{name:str}/credentials")
 async def put_credential(name: str, request: Request[Any, Any, Any], ctx: AdminContext) -> dict[str, Any]:
     _known_backend(request, name)
@@ -69,7 +87,7 @@ async def put_credential(name: str, request: Request[Any, Any, Any], ctx: AdminC
             "`weir db new-master-key`) and restart; keys are never stored in plain text",
             "master_key_not_configured",
         )
-    secret = body.api_key.strip()
+    secret = _vendor_key(body.api_key)
     now = utcnow()
     async with ctx.write() as (session, audit):
         row = await session.get(BackendCredential, name)

@@ -188,6 +188,29 @@ def test_without_a_master_key_nothing_is_stored(
     assert sync_exec(db, "SELECT count(*) FROM backend_credentials") == [(0,)]
 
 
+def test_a_key_that_is_blank_or_holds_a_line_break_is_refused_and_changes_nothing(
+    db: str, env: pytest.MonkeyPatch, fake_openai: FakeOpenAI
+) -> None:
+    """The key's length was checked before its surrounding whitespace was dropped: eight spaces
+    replaced a working stored key with an empty one. A line break inside a key made every request
+    of the backend fail on an invalid header. Both are a 400 naming `api_key`, and the stored key
+    stays."""
+    env.setenv(ENV, generate_key())
+    with ExitStack() as stack:
+        url = gateway(stack, fake_openai, db)
+        stored = admin(url).put("/backends/openai/credentials", json={"api_key": fake_openai.api_key})
+        assert stored.status_code == 200, stored.text
+        for bad in (" " * 8, "\n  sk-1234  \n", "sk-12345\nx-extra: 1", "sk-1234\u00005678"):
+            refused = admin(url).put("/backends/openai/credentials", json={"api_key": bad})
+            assert refused.status_code == 400, (bad, refused.text)
+            assert refused.json()["error"]["param"] == "api_key"
+        assert admin(url).get("/backends/openai/credentials").json() == stored.json()
+        assert chat(url).status_code == 200
+        # A key pasted with a trailing newline is the key.
+        again = admin(url).put("/backends/openai/credentials", json={"api_key": f" {fake_openai.api_key}\n"})
+        assert again.status_code == 200 and again.json()["fingerprint"] == stored.json()["fingerprint"]
+
+
 def test_rotation_then_old_key_removal_and_a_wrong_key(
     db: str, env: pytest.MonkeyPatch, fake_openai: FakeOpenAI
 ) -> None:
