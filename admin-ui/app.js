@@ -276,7 +276,14 @@ function enterApp(user) {
 }
 
 document.getElementById("sign-out").addEventListener("click", async () => {
-  try { await api("/admin/session", { method: "DELETE" }); } finally { showSignIn("Signed out."); }
+  // Refused or unanswered, the session is still open on the server and its cookie still here:
+  // "Signed out." would leave it to the next person at this browser, who reloads and is signed in.
+  try { await api("/admin/session", { method: "DELETE" }); } catch (e) {
+    if (e.status === 401) return; // already over: api() showed the sign-in form
+    main.prepend(notice(`Not signed out: ${e.message}. Your session is still open; try again.`));
+    return;
+  }
+  showSignIn("Signed out.");
 });
 
 // --- overview -----------------------------------------------------------------------------------

@@ -116,3 +116,22 @@ def test_a_report_range_the_api_refuses_is_said_at_the_form_which_fixes_it(
     page.get_by_text("No usage in this range.").wait_for()
     assert page.url.endswith("#/finance?start=2026-03-05&end=2026-03-09&group_by=tenant")
     page.close()
+
+
+def test_a_sign_out_the_gateway_refuses_says_the_session_is_still_open(routed: Weir, browser: Any) -> None:
+    """Sign-out said "Signed out." whatever the gateway answered: refused or unanswered, the session
+    stayed open on the server with its cookie in the browser, and the next person at it reloaded the
+    page signed in. The page says so and stays; a sign-out that goes through still signs out."""
+    page = signed_in(routed, browser, "#/overview")
+    page.route("**/admin/session", _refuse_deletes)
+    page.get_by_role("button", name="Sign out").click()
+    alert = page.locator("main [role=alert]", has_text="Not signed out")
+    alert.wait_for()
+    assert "the admin database is read-only" in alert.inner_text()
+    assert page.get_by_role("heading", name="Sign in to Weir").count() == 0
+    page.unroute("**/admin/session")
+    page.get_by_role("button", name="Sign out").click()
+    page.get_by_role("heading", name="Sign in to Weir").wait_for()
+    page.reload()
+    page.get_by_role("heading", name="Sign in to Weir").wait_for()
+    page.close()
