@@ -903,7 +903,7 @@ async function deleteTenant(tenant) {
   if (!confirm(`Delete tenant ${tenant.name}? This cannot be undone.\n\n`
     + `Its keys are deleted with it (${keys}): requests with them are refused at once.\n`
     + `Its usage stays in the ledger: Finance and the request log keep its spend, under its id ${tenant.id}.\n`
-    + "Routes that name it in when.tenants stop naming it; a route for it alone is deleted.\n"
+    + "Routes that name it in when.tenants, or its keys in when.keys, stop naming them; a route for it alone is deleted.\n"
     + "Its stored prompts, if any, are deleted at the next retention run.")) return;
   try { await api(`tenants/${tenant.id}`, { method: "DELETE" }); } catch (e) {
     say(`${tenant.name} was not deleted: ${e.message}`); return;

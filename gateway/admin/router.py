@@ -469,9 +469,13 @@ async def delete_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> 
 
     async with ctx.write() as (session, audit):
         tenant = await db_tenant_or_error(ctx, session, tenant_id)
-        hashes = (await session.scalars(select(ApiKey.key_hash).where(ApiKey.tenant_id == tenant_id))).all()
-        # Routes' `when.tenants` know the tenant by name: a later tenant of that name must not get them.
-        routes_changed = await forget_tenant_in_routes(session, audit, tenant.name)
+        keys = (
+            await session.execute(select(ApiKey.id, ApiKey.key_hash).where(ApiKey.tenant_id == tenant_id))
+        ).all()
+        hashes = [key_hash for _, key_hash in keys]
+        # Routes' `when.tenants` know the tenant by name: a later tenant of that name must not get them;
+        # their `when.keys` lose its keys, which go with it.
+        routes_changed = await forget_tenant_in_routes(session, audit, tenant.name, [i for i, _ in keys])
         audit("delete", "tenant", tenant.id, tenant_json(tenant), None)
         await session.delete(tenant)
     for key_hash in hashes:

@@ -12,7 +12,7 @@ others within their poll interval.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Annotated, Any
 
 import msgspec
@@ -262,54 +262,61 @@ async def rename_tenant_in_routes(
     `when.tenants` name it name it anew, each audited, in the tenant's transaction. Routes know tenants
     by name, and left naming the old one, the tenant's requests silently went to whatever route or
     model the others get. Whether any route changed (the caller refreshes the route store)."""
-    return await _rewrite_tenant(
-        session, audit, old, lambda tenants: list(dict.fromkeys(new if t == old else t for t in tenants))
+
+    def renamed(tenants: list[str]) -> list[str]:
+        return list(dict.fromkeys(new if t == old else t for t in tenants)) if old in tenants else tenants
+
+    return await _rewrite_callers(session, audit, {"tenants": renamed})
+
+
+async def forget_tenant_in_routes(
+    session: AsyncSession, audit: Callable[..., None], name: str, key_ids: Collection[str] = ()
+) -> bool:
+    """A tenant deleted (`DELETE /tenants/{id}`) with its keys `key_ids`: the stored routes whose
+    `when.tenants` name it, or whose `when.keys` name one of its keys, name them no more, each
+    audited, in the tenant's transaction. Routes know tenants by name, and left naming it, a tenant
+    created later with the same name silently got them (another customer's dedicated models); a key
+    id left behind names no key, which a write of the route is refused for. A route that named only
+    them is deleted: with them gone its condition would be empty, which no route may have
+    (`when.tenants: []` matches nobody, and dropping the condition would open the route to every
+    tenant), and no one else could use it. Whether any route changed (the caller refreshes the route
+    store)."""
+    keys = set(key_ids)
+    return await _rewrite_callers(
+        session,
+        audit,
+        {
+            "tenants": lambda tenants: [t for t in tenants if t != name],
+            "keys": lambda ids: [k for k in ids if k not in keys],
+        },
     )
 
 
-async def forget_tenant_in_routes(session: AsyncSession, audit: Callable[..., None], name: str) -> bool:
-    """A tenant deleted (`DELETE /tenants/{id}`): the stored routes whose `when.tenants` name it name it
-    no more, each audited, in the tenant's transaction. Routes know tenants by name, and left naming
-    it, a tenant created later with the same name silently got them (another customer's dedicated
-    models). A route that named only this tenant is deleted: with the name gone its condition would
-    be empty, which no route may have (`when.tenants: []` matches nobody, and dropping the condition
-    would open the route to every tenant), and no one else could use it. Whether any route changed
-    (the caller refreshes the route store)."""
-    return await _rewrite_tenant(session, audit, name, lambda tenants: [t for t in tenants if t != name])
-
-
-async def _rewrite_tenant(
-    session: AsyncSession,
-    audit: Callable[..., None],
-    name: str,
-    rewrite: Callable[[list[str]], list[str]],
+async def _rewrite_callers(
+    session: AsyncSession, audit: Callable[..., None], rewrites: dict[str, Callable[[list[str]], list[str]]]
 ) -> bool:
-    """Give every stored route whose `when.tenants` names `name` the list `rewrite` makes of it, each
-    audited; a route left with no tenant is deleted. Whether any route changed."""
-    rows = [
-        row
-        for row in (await session.scalars(select(RouteRow))).all()
-        if isinstance(row.spec, dict)
-        and isinstance(when := row.spec.get("when"), dict)
-        and isinstance(tenants := when.get("tenants"), list)
-        and name in tenants
-    ]
-    if not rows:
-        return False
-    updated_at = await stamp(session, utcnow())
-    for row in rows:
+    """Give every stored route the `when` lists (`tenants`, `keys`) that `rewrites` make of its own,
+    each route changed audited; a route whose list is left empty is deleted. Whether any changed."""
+    changed = False
+    for row in (await session.scalars(select(RouteRow))).all():
+        when = row.spec.get("when") if isinstance(row.spec, dict) else None
+        if not isinstance(when, dict):
+            continue
+        lists = {f: when[f] for f in rewrites if isinstance(when.get(f), list)}
+        rewritten = {f: rewrites[f](values) for f, values in lists.items()}
+        if rewritten == lists:
+            continue
+        changed = True
         before = route_json(row)
-        when = row.spec["when"]
-        tenants = rewrite(when["tenants"])
-        if not tenants:
+        if any(lists[f] and not values for f, values in rewritten.items()):
             audit("delete", "route", str(row.id), before, None)
             await session.delete(row)
             continue
-        row.spec = {**row.spec, "when": {**when, "tenants": tenants}}
-        row.updated_at = updated_at  # its revision moves on too (`revision_column`)
+        row.spec = {**row.spec, "when": {**when, **rewritten}}
+        row.updated_at = await stamp(session, utcnow())  # its revision moves on too (`revision_column`)
         await session.flush()
         audit("update", "route", str(row.id), before, route_json(row))
-    return True
+    return changed
 
 
 def _not_in_force(router: Router) -> dict[str, Any]:

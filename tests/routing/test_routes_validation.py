@@ -893,3 +893,33 @@ def test_routes_seeded_from_the_config_follow_a_tenant_renamed_or_deleted(
         assert [r.get("when") for r in served(weir)] == [None]
     with serving(vendor_env, url, tmp_path / "two", seeded) as weir:
         assert [r.get("when") for r in served(weir)] == [None]
+
+
+@pytest.mark.postgres
+def test_a_tenant_deleted_takes_its_keys_out_of_the_routes_conditions(weir: Weir) -> None:
+    """`when.keys` names keys by id, and a tenant's keys go with it: left in a route's `when.keys`,
+    such an id named no key, so every later write of that route was refused (`when.keys` takes only
+    keys that exist) until an admin found and removed it. The delete takes them out (audited); a
+    route that named only its keys is deleted, never left open to every key."""
+    name = f"dk-{uuid.uuid4().hex[:6]}"
+    tenant = weir.admin.post("/tenants", json={"name": name}).json()
+    key = weir.admin.post(f"/tenants/{tenant['id']}/keys", json={"name": "app"}).json()["id"]
+    config_key = "key_" + hashlib.sha256(DEMO_KEY.encode()).hexdigest()[:12]
+    shared = weir.admin.post("/routes", json={**GOOD, "name": name, "when": {"keys": [key, config_key]}})
+    own = weir.admin.post("/routes", json={**GOOD, "name": f"{name}-own", "when": {"keys": [key]}})
+    assert shared.status_code == own.status_code == 201, (shared.text, own.text)
+    try:
+        assert weir.admin.delete(f"/tenants/{tenant['id']}").status_code == 204
+        read = weir.admin.get(f"/routes/{shared.json()['id']}").json()
+        assert read["when"]["keys"] == [config_key]
+        assert weir.admin.get(f"/routes/{own.json()['id']}").status_code == 404
+        edited = weir.admin.put(f"/routes/{read['id']}", json={**read, "threshold": 0.6})
+        assert edited.status_code == 200, edited.text
+        audited = {
+            (e["action"], e["entity_id"])
+            for e in weir.admin.get("/audit", params={"entity": "route"}).json()["data"]
+        }
+        assert {("update", str(shared.json()["id"])), ("delete", str(own.json()["id"]))} <= audited
+    finally:
+        for created in (shared, own):
+            weir.admin.delete(f"/routes/{created.json()['id']}")
