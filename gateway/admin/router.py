@@ -515,6 +515,15 @@ async def refuse_unknown_models(ctx: AdminContext, models: Sequence[str]) -> Non
 @post("/tenants/{tenant_id:str}/keys", status_code=201)
 async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = decode(await request.body(), KeyCreate)
+    if body.models is not None and not body.models:
+        # Shown once and never usable: every request of it refused, as a typo in `models` was.
+        raise AdminError(
+            400,
+            "models is empty, so this key could use no model: list the names it may use, or leave models "
+            "out (or null) for every model its tenant may use",
+            "invalid_value",
+            "models",
+        )
     if body.models:
         await refuse_unknown_models(ctx, body.models)
     if body.expires_at is not None:
@@ -522,7 +531,14 @@ async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dic
             raise AdminError(
                 400, "expires_at needs a time zone (e.g. 2027-01-01T00:00:00Z)", "invalid_value", "expires_at"
             )
-        _in_utc(body.expires_at, "expires_at")
+        if _in_utc(body.expires_at, "expires_at") <= utcnow():
+            # Issued already expired, the key (shown only now) would be refused from its first request.
+            raise AdminError(
+                400,
+                f"expires_at {body.expires_at.isoformat()} is not in the future: the key would never work",
+                "invalid_value",
+                "expires_at",
+            )
     key, prefix, digest = new_key()
     async with ctx.write() as (session, audit):
         await db_tenant_or_error(ctx, session, tenant_id)

@@ -346,10 +346,14 @@ async def test_keys_shown_once_hashed_and_revoked_at_once(env: Env) -> None:
     assert await auth.authenticate(key) is None
     assert_openai_error(await c.delete("/admin/api/v1/keys/nope", headers=AUTH), 404)
     # A key past its expires_at is refused; one without a time zone is bad input.
-    past = (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1)).isoformat()
+    soon = (dt.datetime.now(dt.UTC) + dt.timedelta(days=1)).isoformat()
     expired = (
-        await c.post(f"/admin/api/v1/tenants/{tenant['id']}/keys", json={"expires_at": past}, headers=AUTH)
+        await c.post(f"/admin/api/v1/tenants/{tenant['id']}/keys", json={"expires_at": soon}, headers=AUTH)
     ).json()
+    async with env.ctx.sessions() as session, session.begin():
+        row = await session.get(ApiKey, expired["id"])
+        assert row is not None
+        row.expires_at = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1)  # the day has come
     assert await auth.authenticate(expired["key"]) is None
     naive = {"expires_at": "2030-01-01T00:00:00"}
     assert_openai_error(
@@ -366,6 +370,24 @@ async def test_keys_shown_once_hashed_and_revoked_at_once(env: Env) -> None:
 
 # Moments whose conversion to UTC falls outside the years a datetime holds (1 to 9999).
 OFF_THE_CALENDAR = ["9999-12-31T23:59:59-10:00", "0001-01-01T00:00:00+10:00"]
+
+
+async def test_a_key_that_could_never_be_used_is_not_issued(env: Env) -> None:
+    """A key is shown once, when issued: one with `models: []` (no model allowed) or an `expires_at`
+    already past was issued all the same, and every request of it refused from the first. Both are a
+    400 naming the field, and no key is issued."""
+    c = env.client
+    tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
+    keys = f"/admin/api/v1/tenants/{tenant['id']}/keys"
+    assert_openai_error(await c.post(keys, json={"models": []}, headers=AUTH), 400, "models")
+    for past in ("2020-01-01T00:00:00Z", (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)).isoformat()):
+        error = assert_openai_error(
+            await c.post(keys, json={"expires_at": past}, headers=AUTH), 400, "expires_at"
+        )
+        assert "not in the future" in error["message"]
+    assert (await c.get(keys, headers=AUTH)).json()["data"] == []
+    later = (dt.datetime.now(dt.UTC) + dt.timedelta(minutes=5)).isoformat()
+    assert (await c.post(keys, json={"models": None, "expires_at": later}, headers=AUTH)).status_code == 201
 
 
 async def test_a_key_limited_to_a_model_nothing_serves_is_refused(env: Env) -> None:

@@ -13,7 +13,10 @@ from typing import Any
 
 import openai
 from playwright.sync_api import expect
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
 
+from gateway.db.models import ApiKey
 from tests.fakes import FakeOpenAI
 from tests.ui.helpers import Weir, signed_in, usd
 
@@ -31,12 +34,30 @@ def wait_for_requests(weir: Weir, requests: int) -> None:
         time.sleep(0.1)
 
 
+def _expire(weir: Weir, key_id: str, at: dt.datetime) -> None:
+    """A key's expiry come and gone: the API issues no key already expired."""
+    engine = create_engine(weir.db_url.replace("+aiosqlite", ""))
+    try:
+        with Session(engine) as session, session.begin():
+            row = session.get(ApiKey, key_id)
+            assert row is not None
+            row.expires_at = at
+    finally:
+        engine.dispose()
+
+
 def test_spend_is_exact_keys_say_expired_and_prices_say_their_tier(
     routed: Weir, browser: Any, fake_openai: FakeOpenAI
 ) -> None:
     acme = routed.admin.post("/tenants", json={"name": "acme", "budget_usd_monthly": "5"}).json()
-    yesterday = (dt.datetime.now(dt.UTC) - dt.timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    routed.admin.post(f"/tenants/{acme['id']}/keys", json={"name": "old", "expires_at": yesterday})
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    yesterday = (now - dt.timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    old = {"name": "old", "expires_at": (now + dt.timedelta(days=1)).isoformat()}
+    _expire(
+        routed,
+        routed.admin.post(f"/tenants/{acme['id']}/keys", json=old).json()["id"],
+        now - dt.timedelta(days=1),
+    )
     routed.admin.put(
         "/prices",
         json={
