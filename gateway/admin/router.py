@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 EVICT_ALL = "*"
 BACKDATE_TOLERANCE = dt.timedelta(minutes=1)
 BUDGET = "budget_usd_monthly"
+MAX_AUDIT_ID = 2**31 - 1  # audit_log.id is a 32-bit integer
 
 
 class AdminError(Exception):
@@ -721,13 +722,30 @@ async def uptime_report(
 
 
 @get("/audit")
-async def audit_log(ctx: AdminContext, entity: str | None = None, limit: int = 100) -> dict[str, Any]:
+async def audit_log(
+    ctx: AdminContext,
+    entity: str | None = None,
+    entity_id: str | None = None,
+    before: int | None = None,
+    limit: int = 100,
+) -> dict[str, Any]:
+    """Newest first. `before` (an entry's `id`): the entries older than it, so the whole log can be
+    paged through (only the newest 1,000 could be read); `entity_id`: one tenant's, key's or route's
+    history, however many other changes came after it."""
+    limit = max(1, min(limit, 1000))
     async with ctx.sessions() as session:
-        query = select(AuditLog).order_by(AuditLog.id.desc()).limit(max(1, min(limit, 1000)))
+        query = select(AuditLog).order_by(AuditLog.id.desc()).limit(limit)
         if entity:
             query = query.where(AuditLog.entity == entity)
+        if entity_id:
+            query = query.where(AuditLog.entity_id == entity_id)
+        # The column is 32-bit: the driver cannot bind a larger value (a 500), and every id is below it.
+        if before is not None and before <= MAX_AUDIT_ID:
+            query = query.where(AuditLog.id < max(before, 0))
         rows = (await session.scalars(query)).all()
     return {
+        # Where the next page starts: null once this page reached the oldest entry.
+        "next_before": rows[-1].id if len(rows) == limit else None,
         "data": [
             {
                 "id": r.id,
@@ -740,7 +758,7 @@ async def audit_log(ctx: AdminContext, entity: str | None = None, limit: int = 1
                 "after": r.after,
             }
             for r in rows
-        ]
+        ],
     }
 
 

@@ -137,6 +137,34 @@ async def test_tenants_crud_with_audit(env: Env) -> None:
     assert audit[0]["after"] is None and audit[2]["before"] is None
 
 
+async def test_the_audit_log_pages_back_to_its_first_entry_and_filters_by_entity_id(env: Env) -> None:
+    """Only the newest 1,000 entries could be read, and one tenant's history only among them: an
+    older change was out of reach of the API. `before` pages back (`next_before` says where the next
+    page starts, null at the oldest) and `entity_id` picks one entity's entries."""
+    c = env.client
+    ids = [
+        (await c.post("/admin/api/v1/tenants", json={"name": f"t{i}"}, headers=AUTH)).json()["id"]
+        for i in range(3)
+    ]
+    await c.patch(f"/admin/api/v1/tenants/{ids[0]}", json={"rpm": 5}, headers=AUTH)
+
+    async def page(**params: Any) -> dict[str, Any]:
+        response = await c.get("/admin/api/v1/audit", params={"entity": "tenant", **params}, headers=AUTH)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    first = await page(limit=3)
+    assert [e["entity_id"] for e in first["data"]] == [ids[0], ids[2], ids[1]]
+    rest = await page(limit=3, before=first["next_before"])
+    assert [(e["action"], e["entity_id"]) for e in rest["data"]] == [("create", ids[0])]
+    assert rest["next_before"] is None
+    history = await page(entity_id=ids[0])
+    assert [e["action"] for e in history["data"]] == ["update", "create"]
+    assert history["next_before"] is None
+    assert len((await page(before=2**63))["data"]) == 4  # past the 32-bit ids: every entry
+    assert (await page(before=-(2**63)))["data"] == []
+
+
 async def test_budgets_above_the_bound_are_refused_and_change_nothing(env: Env) -> None:
     """Budgets are counted in pico-dollars in 64-bit counters (USD 9.22M at most): one of USD 10M was
     accepted, and then overflowed the counter. Above USD 1M a month is now a 400 naming the field,
