@@ -142,3 +142,18 @@ def test_a_rate_limit_of_zero_is_saved_from_the_forms(weir: Weir, browser: Any) 
     issued = weir.admin.get(f"/tenants/{tenant['id']}/keys").json()["data"]
     assert [(k["name"], k["rpm"]) for k in issued] == [("stopped", 0)]
     page.close()
+
+
+def test_a_tenant_with_the_longest_name_fits_a_phone_screen(weir: Weir, browser: Any) -> None:
+    """A tenant's name may be 200 characters with no break: its headings ("Keys of NAME") and its
+    "Delete tenant NAME" button pushed the tenant's page over 2,500px wide at phone width (scrolled
+    sideways to reach anything). The page fits the screen; wide tables scroll inside their own box."""
+    name = "n" * 200
+    tenant = weir.admin.post("/tenants", json={"name": name}).json()
+    weir.admin.post(f"/tenants/{tenant['id']}/keys", json={"name": "k" * 200}).raise_for_status()
+    page = signed_in(weir, browser, f"#/tenants/{tenant['id']}")
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.get_by_role("button", name=f"Delete tenant {name}").wait_for()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    page.close()
+    weir.admin.delete(f"/tenants/{tenant['id']}")
