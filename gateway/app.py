@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import gc
 from collections.abc import AsyncIterator
@@ -30,8 +31,10 @@ from gateway.errors import (
     is_anthropic_path,
 )
 from gateway.middleware import request_middleware
+from gateway.preflight import admin_db_failure
 from gateway.runtime import Gateway
 from gateway.security import SecurityControls
+from gateway.startup import StartupFailed
 from gateway.throttle import FailureThrottle, SharedFailureThrottle
 from gateway.usage_sink import FanoutSink, UsageSink
 
@@ -87,6 +90,17 @@ def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[
     return _error_response(request, GatewayError("The server had an error while processing your request."))
 
 
+async def _start(gateway: Gateway, control: control_plane.ControlPlane | None) -> None:
+    """The gateway's start, a failure of the admin DB's part (its migration, the DB gone since `weir
+    serve` checked it) said as one line naming the DB (gateway.startup)."""
+    if control is not None:
+        try:
+            await control.start()
+        except Exception as exc:
+            raise StartupFailed(admin_db_failure(control.database_url, exc)) from exc
+    await gateway.start()
+
+
 def create_app(
     config: Config,
     *,
@@ -137,9 +151,17 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        if control is not None:
-            await control.start()
-        await gateway.start()
+        try:
+            await _start(gateway, control)
+        except BaseException:
+            # What started (a supervised engine above all) stops now, in order, not when the process
+            # ends; the start's own failure is what gets reported, not one of stopping the rest.
+            with contextlib.suppress(Exception):
+                await gateway.stop()
+            if control is not None:
+                with contextlib.suppress(Exception):
+                    await control.stop()
+            raise
         # Everything built so far lives as long as the process: moving it out of the collector's
         # reach keeps full collections (pauses on the request path) short.
         gc.freeze()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+
+from gateway.startup import EXIT_STARTUP_FAILED, EXIT_WORKER_DIED, FAILURE_FILE_ENV, failure_said
 
 if TYPE_CHECKING:
     from gateway.config import Config
@@ -47,11 +50,12 @@ def _config_and_app() -> tuple[Config, Any]:
     from gateway.app import create_app
     from gateway.config import load_config
     from gateway.logging import configure_logging, log_uncaught
+    from gateway.startup import reporting_startup_failure
 
     config = load_config(os.environ[CONFIG_ENV])
     configure_logging(os.environ.get(LOG_LEVEL_ENV) or config.server.log_level)
     try:
-        return config, create_app(config)
+        return config, reporting_startup_failure(create_app(config))
     except Exception as exc:
         # A granian worker calls this in a multiprocessing child, which prints what escapes it as plain
         # text on stderr (no excepthook is asked): the JSON line the hook writes, then the same exit.
@@ -182,10 +186,44 @@ def serve(
     bind_host = host if host is not None else config.server.host
     bind_port = port if port is not None else config.server.port
     check_before_serving(config, bind_host, bind_port)
+    with tempfile.TemporaryDirectory(prefix="weir-serve-") as scratch:
+        failure = Path(scratch) / "startup-failure"
+        os.environ[FAILURE_FILE_ENV] = str(failure)  # the server's worker writes why it failed there
+        try:
+            if server_kind == "granian":
+                _serve_granian(config, bind_host, bind_port)
+            else:
+                _serve_uvicorn(config, bind_host, bind_port)
+        except SystemExit as stopped:
+            _said_why(stopped, failure, server_kind)
+            raise
+
+
+class StartFailed(click.ClickException):
+    """Passed the checks, then failed to start: one `Error:` line (gateway.startup)."""
+
+    exit_code = EXIT_STARTUP_FAILED
+
+
+class WorkerDied(click.ClickException):
+    """Started, then its server worker died: one `Error:` line (gateway.startup)."""
+
+    exit_code = EXIT_WORKER_DIED
+
+
+def _said_why(stopped: SystemExit, failure: Path, server_kind: str) -> None:
+    """A server that stopped with a failure: the line its worker wrote, or, under granian, which
+    ends with status 1 whenever its worker is gone, that the worker died."""
+    if stopped.code in (None, 0):
+        return
+    said = failure_said(failure)
+    if said is not None:
+        raise StartFailed(said) from None
     if server_kind == "granian":
-        _serve_granian(config, bind_host, bind_port)
-    else:
-        _serve_uvicorn(config, bind_host, bind_port)
+        raise WorkerDied(
+            "the gateway's server worker (granian) exited unexpectedly, so the gateway stopped: start it "
+            "again, and see the log (and the system's, for a worker the OOM killer ended) for why"
+        ) from None
 
 
 def _serve_granian(config: Config, host: str, port: int) -> None:

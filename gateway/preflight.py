@@ -58,11 +58,11 @@ def _listen_hint(exc: OSError) -> str:
 def check_admin_db(url: str, auto_migrate: bool) -> None:
     """Whether the admin DB at `url` answers, and, without `auto_migrate`, has the schema this version
     of Weir needs (the gateway upgrades it itself otherwise)."""
-    shown = make_url(url).render_as_string(hide_password=True)
+    shown = shown_url(url)
     try:
         at = asyncio.run(_schema_revision(url))
     except Exception as exc:
-        raise PreflightError(f"admin DB {shown}: {_reason(exc)}{_db_hint(exc)}") from None
+        raise PreflightError(admin_db_failure(url, exc)) from None
     if auto_migrate:
         return
     head = _head_revision()
@@ -72,6 +72,17 @@ def check_admin_db(url: str, auto_migrate: bool) -> None:
             f"admin DB {shown} {state} and auto_migrate is false: run `weir db upgrade` with the same "
             "database URL (--database-url or WEIR_DATABASE_URL), or set auto_migrate: true"
         )
+
+
+def shown_url(url: str) -> str:
+    """`url` with its password masked, as every line about the admin DB shows it."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def admin_db_failure(url: str, exc: BaseException) -> str:
+    """The one line for `exc` met at the admin DB at `url`: the driver's own words and what to check
+    (also for a failure once the checks have passed: a migration, the DB gone since; gateway.app)."""
+    return f"admin DB {shown_url(url)}: {_reason(exc)}{_db_hint(exc)}"
 
 
 async def _schema_revision(url: str) -> str | None:
@@ -119,6 +130,8 @@ def _reason(exc: BaseException) -> str:
 def _db_hint(exc: BaseException) -> str:
     root = _root(exc)
     name, words = type(root).__name__, str(root).lower()
+    if name == "ResolutionError":  # Alembic's: the DB is at a revision this version does not know
+        return " (a newer version of Weir migrated this database: run that version, or restore a backup)"
     if name == "InvalidPasswordError" or "password authentication failed" in words:
         return " (check the user and password in database_url or WEIR_DATABASE_URL)"
     if name == "InvalidAuthorizationSpecificationError" or ("role" in words and "does not exist" in words):

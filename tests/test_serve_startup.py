@@ -1,17 +1,25 @@
 """`weir serve` meeting what commonly stops a gateway at start: each is one `Error:` line on stderr naming
-what failed and what to check, exit status 1, no traceback, and no server started."""
+what failed and what to check, exit status 1, no traceback, and no server started; a failure once those
+checks have passed is one line too, with exit status 3 (gateway.startup)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
+import sqlite3
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from tests.fixtures.db import PG_ADMIN_URL
 from tests.fixtures.net import free_port
+from tests.fixtures.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIR = str(ROOT / ".venv/bin/weir")
@@ -23,14 +31,15 @@ models:
 """
 
 
-def serve(tmp_path: Path, extra: str, port: int = 0) -> subprocess.CompletedProcess[str]:
+def serve(tmp_path: Path, extra: str, port: int = 0, *options: str) -> subprocess.CompletedProcess[str]:
     config = tmp_path / "weir.yaml"
     config.write_text(BASE + extra)
     env = {k: v for k, v in os.environ.items() if k != "WEIR_DATABASE_URL"}
     env["WEIR_USAGE_SPOOL"] = str(tmp_path / "spool")
+    env["WEIR_ADMIN_TOKEN"] = "wa-startup-test-0123456789"  # else one is made and shown on stderr
     # A gateway that starts anyway runs until the timeout: the test fails on TimeoutExpired.
     return subprocess.run(
-        [WEIR, "serve", "--config", str(config), "--port", str(port)],
+        [WEIR, "serve", "--config", str(config), "--port", str(port), *options],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -39,14 +48,15 @@ def serve(tmp_path: Path, extra: str, port: int = 0) -> subprocess.CompletedProc
     )
 
 
-def assert_one_error_line(result: subprocess.CompletedProcess[str], *words: str) -> None:
-    assert result.returncode == 1, result
+def assert_one_error_line(result: subprocess.CompletedProcess[str], *words: str, status: int = 1) -> None:
+    assert result.returncode == status, result
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
     for word in words:
         assert word in lines[0], lines[0]
     assert "Traceback" not in result.stdout + result.stderr
-    assert "gateway_listening" not in result.stdout
+    if status == 1:  # refused before any server started
+        assert "gateway_listening" not in result.stdout
 
 
 def test_an_unreachable_admin_db_is_one_line(tmp_path: Path) -> None:
@@ -104,3 +114,108 @@ def test_an_unreadable_secret_file_is_one_line(tmp_path: Path) -> None:
         timeout=30,
     )
     assert_one_error_line(result, "VENDOR_KEY_FILE", "does not exist")
+
+
+def migrated_by_a_newer_weir(path: Path) -> str:
+    """A SQLite admin DB at a revision this Weir does not know: its migration at start fails, after
+    the checks (which, with auto_migrate, only ask that the DB answers)."""
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
+        db.execute("INSERT INTO alembic_version VALUES ('f00dcafe0099')")
+    return f"database_url: sqlite:///{path}\n"
+
+
+@pytest.mark.parametrize("server_kind", ["uvicorn", "granian"])
+def test_a_migration_that_fails_after_the_checks_is_one_line(tmp_path: Path, server_kind: str) -> None:
+    """It was the server's `Application startup failed` after a traceback of a hundred lines, with
+    exit status 3 (uvicorn) or 1 (granian, as for any worker's end)."""
+    result = serve(tmp_path, migrated_by_a_newer_weir(tmp_path / "weir.db"), 0, "--server", server_kind)
+    assert_one_error_line(result, "admin DB sqlite", "f00dcafe0099", "a newer version of Weir", status=3)
+    [failed] = [line for line in map(json.loads, result.stdout.splitlines()) if "error" in line]
+    assert failed["event"] == "gateway_startup_failed" and "exception" not in failed
+
+
+def test_log_level_debug_logs_a_failed_starts_traceback(tmp_path: Path) -> None:
+    result = serve(tmp_path, migrated_by_a_newer_weir(tmp_path / "weir.db"), 0, "--log-level", "debug")
+    assert result.returncode == 3, result
+    assert result.stderr.startswith("Error: admin DB") and "Traceback" not in result.stderr
+    failures = [
+        line
+        for line in map(json.loads, result.stdout.splitlines())
+        if line["event"] == "gateway_startup_failed"
+    ]
+    assert [("exception" in line) for line in failures] == [False, True]
+    assert "ResolutionError: No such revision or branch 'f00dcafe0099'" in failures[1]["exception"]
+
+
+async def test_a_failed_start_nothing_foresaw_names_the_exception_and_the_debug_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the server is told of a failed start (and logs) is no traceback, and the failure file gets
+    the exception's one line, out of the task group Litestar's lifespan wraps it in."""
+    from gateway.startup import FAILURE_FILE_ENV, failure_said, reporting_startup_failure
+
+    monkeypatch.setenv(FAILURE_FILE_ENV, str(tmp_path / "failure"))
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "lifespan.startup.failed", "message": "Traceback (most recent call last): ..."})
+        raise ExceptionGroup("unhandled errors in a TaskGroup", [KeyError("routes")])
+
+    async def receive() -> dict[str, str]:
+        return {"type": "lifespan.startup"}
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    await reporting_startup_failure(app)({"type": "lifespan"}, receive, send)
+    assert sent == [{"type": "lifespan.startup.failed", "message": ""}]
+    assert failure_said(tmp_path / "failure") == (
+        "the gateway failed to start: KeyError: 'routes' (--log-level debug logs the traceback)"
+    )
+
+
+def children(pid: int) -> list[int]:
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_granian_worker_that_dies_stops_the_gateway_with_one_line(tmp_path: Path) -> None:
+    """granian's worker killed (the OOM killer, a crash in native code): its main process ended with
+    status 1 and only a JSON line on stdout, the status a bad config gets."""
+    config = tmp_path / "weir.yaml"
+    config.write_text(BASE)
+    port = free_port()
+    server = subprocess.Popen(
+        [WEIR, "serve", "--config", str(config), "--port", str(port), "--server", "granian"],
+        env={**os.environ, "WEIR_USAGE_SPOOL": str(tmp_path / "spool")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: server.poll() is not None or _ready(port), timeout=30)
+        [worker] = children(server.pid)
+        os.kill(worker, signal.SIGKILL)
+        stdout, stderr = server.communicate(timeout=20)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert server.returncode == 4, (stdout, stderr)
+    [line] = stderr.splitlines()
+    assert line.startswith("Error: the gateway's server worker (granian) exited unexpectedly"), line
+    assert "start it again" in line
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -429,3 +429,41 @@ def test_a_supervised_engine_exits_when_its_gateway_is_killed(tmp_path: Path) ->
         supervisor.wait(10)
         if engine_pid is not None and not _exited(engine_pid):
             os.killpg(engine_pid, signal.SIGKILL)
+
+
+async def test_a_start_that_fails_once_the_engine_runs_stops_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's start failed after its engine was spawned (the admin DB's routes unreadable, say):
+    the engine ran on, unsupervised, until the dying process's watch ended it. Now it is stopped in
+    order as the failed start unwinds."""
+    from routing.router import Router
+
+    port = free_port()
+    config = parse_config(
+        f"""
+backends:
+  - {{name: local, type: engine, model: tiny, port: {port}, command: ["{sys.executable}", "{FAKE_ENGINE}", "{port}"]}}
+models:
+  - {{name: small, backend: local, model: tiny}}
+""",
+        {},
+    )
+    app = create_app(config)
+    engine = app.state.gateway.engines[0]
+
+    async def fails_once_the_engine_runs(self: Router, transport: object) -> None:
+        while engine.process is None:  # the supervisor's task spawns it
+            await asyncio.sleep(0.02)
+        raise RuntimeError("routes unreadable")
+
+    monkeypatch.setattr(Router, "start", fails_once_the_engine_runs)
+    try:
+        with pytest.raises(BaseException, match=r"routes unreadable|unhandled errors"):
+            async with app.lifespan():
+                pass
+        assert engine.process.returncode is not None
+    finally:
+        if engine.process is not None and engine.process.returncode is None:
+            os.killpg(engine.process.pid, signal.SIGKILL)
+            await engine.process.wait()
