@@ -36,7 +36,6 @@ from engine.output import (
     chat_logprobs,
     parse_tool_calls,
 )
-from engine.parent_watch import watch_parent_from_env
 from engine.protocol import (
     UNSUPPORTED_PARAMETER,
     UNSUPPORTED_VALUE,
@@ -51,6 +50,7 @@ from engine.protocol import (
     unsupported,
 )
 from engine.sampling import JsonFormat
+from gateway.parent_watch import watch_parent_from_env
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineStats, TokenLogprob

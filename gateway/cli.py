@@ -39,9 +39,15 @@ def app_from_env() -> Any:
 def granian_app_from_env() -> Any:
     """`app_from_env`'s app for a granian worker, behind the proxy-headers wrapper granian ships but
     does not apply itself: an `X-Forwarded-For` from a trusted proxy names the client, as uvicorn's
-    own middleware does (the failed-auth throttle and request logs count per client address)."""
+    own middleware does (the failed-auth throttle and request logs count per client address). The
+    worker ends with granian's main process."""
     from granian.utils.proxies import wrap_asgi_with_proxy_headers
 
+    from gateway.parent_watch import exit_with_parent
+
+    # granian's main process SIGKILLed (or crashed) left this worker serving the port, unsupervised,
+    # with its engines: it drains and exits instead, as on a SIGTERM, within the drain's time.
+    exit_with_parent(os.getppid(), grace_s=DRAIN_TIMEOUT_S + 5, who="granian's main process")
     config, app = _config_and_app()
     return wrap_asgi_with_proxy_headers(app, trusted_hosts=trusted_proxies(config))
 

@@ -29,7 +29,7 @@ log = structlog.get_logger("weir.engine")
 # count again, so its death is a first failure (1 s), not the next after the last quick one.
 RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
 RAN_LONG_S = 60.0
-# The engine polls this pid and shuts down once it is gone (engine/parent_watch.py, which names it too).
+# The engine polls this pid and shuts down once it is gone (gateway/parent_watch.py, which names it too).
 PARENT_PID_ENV = "WEIR_ENGINE_PARENT_PID"
 # A running engine's /health is checked this often: an exception inside the engine's step stops its
 # loop but not its process, which then answers 503 {"status": "error"} to /health and `engine_dead`

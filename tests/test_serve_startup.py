@@ -219,3 +219,39 @@ def _ready(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_granian_worker_exits_when_its_main_process_is_killed(tmp_path: Path) -> None:
+    """granian's main process SIGKILLed left its worker serving the port for ever, unsupervised (with
+    the engines it supervises), and a restarted `weir serve` found the port taken."""
+    config = tmp_path / "weir.yaml"
+    config.write_text(BASE)
+    port = free_port()
+    server = subprocess.Popen(
+        [WEIR, "serve", "--config", str(config), "--port", str(port), "--server", "granian"],
+        env={**os.environ, "WEIR_USAGE_SPOOL": str(tmp_path / "spool")},
+        stdout=subprocess.DEVNULL,
+    )
+    worker = None
+    try:
+        wait_for(lambda: server.poll() is not None or _ready(port), timeout=30)
+        [worker] = children(server.pid)
+        server.kill()
+        server.wait(10)
+        wait_for(lambda: _exited(worker), timeout=10)
+        assert not _ready(port)
+    finally:
+        server.kill()
+        server.wait(10)
+        if worker is not None and not _exited(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _exited(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie no one has reaped yet counts: its sockets are closed)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")

@@ -1,11 +1,16 @@
-"""An engine the gateway started exits when that gateway is gone.
+"""A process that must not outlive the one that started it exits once that one is gone.
 
-The gateway starts its engines in a session of their own (so a terminal's Ctrl+C reaches only the
-gateway, which stops them in order, and its SIGTERM to the process group reaches a `command:`'s own
-children too), so nothing ends them when the gateway itself is SIGKILLed or crashes: the engine served
-on unsupervised, with the old config, and the restarted gateway's new engine could not bind its port.
-The gateway names itself in `WEIR_ENGINE_PARENT_PID`; a thread polls whether it is still there
-(portable, unlike Linux's PR_SET_PDEATHSIG, and no `preexec_fn` in a threaded gateway)."""
+An engine the gateway started: the gateway starts its engines in a session of their own (so a
+terminal's Ctrl+C reaches only the gateway, which stops them in order, and its SIGTERM to the process
+group reaches a `command:`'s own children too), so nothing ended them when the gateway itself was
+SIGKILLed or crashed: the engine served on unsupervised, with the old config, and the restarted
+gateway's new engine could not bind its port. The gateway names itself in `WEIR_ENGINE_PARENT_PID`.
+
+A granian worker of `weir serve --server granian`: granian's main process SIGKILLed left its worker
+serving the port, unsupervised (gateway.cli).
+
+A thread polls whether the parent is still there (portable, unlike Linux's PR_SET_PDEATHSIG, and no
+`preexec_fn` in a threaded gateway)."""
 
 from __future__ import annotations
 
@@ -15,11 +20,11 @@ import signal
 import threading
 import time
 
-# Set by gateway/engine_supervisor.py (which does not import the engine package).
+# Set by gateway/engine_supervisor.py for the engines it starts.
 PARENT_PID_ENV = "WEIR_ENGINE_PARENT_PID"
 CHECK_INTERVAL_S = 0.5
-# After the SIGTERM, how long a clean shutdown may take (a model still loading holds the process
-# until its thread returns) before the process ends without one.
+# After the SIGTERM, how long an engine's clean shutdown may take (a model still loading holds the
+# process until its thread returns) before the process ends without one.
 GRACE_S = 10.0
 
 log = logging.getLogger(__name__)
@@ -40,17 +45,17 @@ def _gone(parent: int, first_ppid: int) -> bool:
     return False
 
 
-def exit_with_parent(parent: int) -> threading.Thread:
+def exit_with_parent(parent: int, grace_s: float = GRACE_S, who: str = "the gateway") -> threading.Thread:
     """Starts a daemon thread that shuts this process down (SIGTERM to itself: the server's own clean
-    shutdown, then `os._exit` after GRACE_S) once `parent` is gone."""
+    shutdown, then `os._exit` after `grace_s`) once `parent` (`who`, in the log line) is gone."""
     first_ppid = os.getppid()
 
     def watch() -> None:
         while not _gone(parent, first_ppid):
             time.sleep(CHECK_INTERVAL_S)
-        log.warning("the gateway (pid %d) that started this engine is gone: shutting down", parent)
+        log.warning("%s (pid %d) that started this process is gone: shutting down", who, parent)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(GRACE_S)
+        time.sleep(grace_s)
         os._exit(1)
 
     thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
