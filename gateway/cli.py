@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gateway.startup import EXIT_STARTUP_FAILED, EXIT_WORKER_DIED, FAILURE_FILE_ENV, failure_said
+from gateway.startup import (
+    EXIT_STARTUP_FAILED,
+    EXIT_WORKER_DIED,
+    FAILURE_FILE_ENV,
+    failure_said,
+    record_failure,
+)
 
 if TYPE_CHECKING:
     from gateway.config import Config
@@ -254,7 +260,26 @@ def _serve_granian(config: Config, host: str, port: int) -> None:
     )
     # Startup hooks run in the main process once the listening socket is bound, before the workers.
     server.on_startup(lambda: log_listening(host, _granian_port(server, port)))
-    server.serve()
+    try:
+        server.serve()
+    except (OSError, RuntimeError):  # its bind (in this process, before any worker) raises the latter
+        said = _listen_failure(host, port)
+        if said is None:  # the address is fine: something else failed
+            raise
+        raise StartFailed(said) from None
+
+
+def _listen_failure(host: str, port: int) -> str | None:
+    """Why the server could not bind `host:port` once `check_listen` had passed (another process took
+    the port in between: two gateways started at once, say; uvicorn binds only once the app has
+    started), asked again; None if it can be listened on now."""
+    from gateway.preflight import PreflightError, check_listen
+
+    try:
+        check_listen(host, port)
+    except PreflightError as exc:
+        return str(exc)
+    return None
 
 
 def _granian_port(server: Any, asked: int) -> int:
@@ -274,7 +299,16 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
+            try:
+                await super().startup(sockets)
+            except SystemExit:
+                if not self.lifespan.should_exit:  # the app started: it is the bind that failed
+                    record_failure(
+                        _listen_failure(host, port)
+                        or f"cannot listen on {host}:{port}: another process held it as the server "
+                        "started (start again)"
+                    )
+                raise
             if self.started:  # its own "running on" line is at info, below the level `serve` gives it
                 bound = self.servers[0].sockets[0].getsockname()
                 log_listening(bound[0], bound[1])

@@ -70,14 +70,15 @@ def reporting_startup_failure(app: ASGIApp) -> ASGIApp:
             said = describe(exc)
             log.error("gateway_startup_failed", error=said)
             log.debug("gateway_startup_failed", exc_info=exc)
-            _write_failure(said)
+            record_failure(said)
             # Without a message: the server logs only that the start failed, its traceback not at all.
             await send({"type": "lifespan.startup.failed", "message": ""})
 
     return wrapped
 
 
-def _write_failure(said: str) -> None:
+def record_failure(said: str) -> None:
+    """`said` to the failure file `weir serve` named, for it to say once the server has stopped."""
     path = os.environ.get(FAILURE_FILE_ENV)
     if path:
         Path(path).write_text(said)

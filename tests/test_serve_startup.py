@@ -255,3 +255,33 @@ def _exited(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+TAKEN_AFTER_THE_CHECK = """\
+import gateway.cli
+gateway.cli.check_before_serving = lambda *_: None  # as if another process took the port since
+from weir.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("server_kind", ["uvicorn", "granian"])
+def test_a_port_taken_after_the_check_is_one_line(tmp_path: Path, server_kind: str) -> None:
+    """uvicorn binds once the app has started (a migration, an engine: seconds after the check), and
+    another process may take the port meanwhile: that was a JSON line on stdout and exit status 3 with
+    nothing on stderr (uvicorn), or a traceback (granian)."""
+    config = tmp_path / "weir.yaml"
+    config.write_text(BASE)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "--config", str(config), "--port", str(port), "--server", server_kind]
+        result = subprocess.run(
+            [sys.executable, "-c", TAKEN_AFTER_THE_CHECK, *argv],
+            env={**os.environ, "WEIR_USAGE_SPOOL": str(tmp_path / "spool")},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert_one_error_line(result, f"cannot listen on 127.0.0.1:{port}", "already in use", "--port", status=3)
