@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -313,7 +314,7 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
                 bound = self.servers[0].sockets[0].getsockname()
                 log_listening(bound[0], bound[1])
 
-    Server(
+    server = Server(
         uvicorn.Config(
             app_from_env(),
             host=host,
@@ -328,7 +329,12 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
             timeout_keep_alive=KEEP_ALIVE_S,
             forwarded_allow_ips=trusted_proxies(config),
         )
-    ).run()
+    )
+    # Once drained, uvicorn puts back the SIGTERM handler it found and raises the signal again, so the
+    # default one ended the process "killed by SIGTERM" (status 143) after a clean stop. Finding this
+    # one instead, `weir serve` exits 0: the stop was the one asked for.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
 
 
 @click.group("config")

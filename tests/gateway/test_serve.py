@@ -337,3 +337,16 @@ def test_granians_port_falls_back_to_the_port_asked_for_when_its_spec_is_unreada
     assert _granian_port(SimpleNamespace(), 8080) == 8080
     assert _granian_port(SimpleNamespace(_ssp=SimpleNamespace(__getstate__=lambda: ())), 8080) == 8080
     assert _granian_port(SimpleNamespace(_ssp=SimpleNamespace(__getstate__=lambda: ("h", 4321))), 0) == 4321
+
+
+def test_sigterm_stops_weir_serve_with_status_0(tmp_path: Path) -> None:
+    """A drained stop ended "killed by SIGTERM" (status 143, -15 here), which uvicorn raises again once
+    it has drained: the stop a deployment asked for read as a failure. (granian already exits 0.)"""
+    config = tmp_path / "weir.yaml"
+    config.write_text(THROTTLED.format(trusted="[127.0.0.1]"))
+    server, port = serve_on_port_0(config, "uvicorn")
+    try:
+        wait_ready(server, f"http://127.0.0.1:{port}")
+    finally:
+        stderr = stop(server)
+    assert server.returncode == 0, stderr
