@@ -199,6 +199,7 @@ def serve(
     bind_host = host if host is not None else config.server.host
     bind_port = port if port is not None else config.server.port
     check_before_serving(config, bind_host, bind_port)
+    _end_with_the_demo()
     with tempfile.TemporaryDirectory(prefix="weir-serve-") as scratch:
         failure = Path(scratch) / "startup-failure"
         os.environ[FAILURE_FILE_ENV] = str(failure)  # the server's worker writes why it failed there
@@ -210,6 +211,16 @@ def serve(
         except SystemExit as stopped:
             _said_why(stopped, failure, server_kind)
             raise
+
+
+def _end_with_the_demo() -> None:
+    """The gateway `weir demo` started drains and exits once that demo is gone, SIGKILLed included:
+    it served on, unsupervised, holding the demo's port (its engine too, which watches the gateway)."""
+    from gateway.parent_watch import GATEWAY_PARENT_PID_ENV, exit_with_parent
+
+    parent = os.environ.pop(GATEWAY_PARENT_PID_ENV, "")  # popped: not for the engines it starts
+    if parent.isdigit():
+        exit_with_parent(int(parent), grace_s=DRAIN_TIMEOUT_S + 5, who="weir demo")
 
 
 class StartFailed(click.ClickException):

@@ -7,7 +7,8 @@ SIGKILLed or crashed: the engine served on unsupervised, with the old config, an
 gateway's new engine could not bind its port. The gateway names itself in `WEIR_ENGINE_PARENT_PID`.
 
 A granian worker of `weir serve --server granian`: granian's main process SIGKILLed left its worker
-serving the port, unsupervised (gateway.cli).
+serving the port, unsupervised (gateway.cli). The `weir serve` that `weir demo` starts: a SIGKILLed
+demo left its gateway (and the gateway's engine) serving on.
 
 A thread polls whether the parent is still there (portable, unlike Linux's PR_SET_PDEATHSIG, and no
 `preexec_fn` in a threaded gateway)."""
@@ -22,6 +23,8 @@ import time
 
 # Set by gateway/engine_supervisor.py for the engines it starts.
 PARENT_PID_ENV = "WEIR_ENGINE_PARENT_PID"
+# Set by `weir demo` for the `weir serve` it starts (gateway.cli), which ends with it.
+GATEWAY_PARENT_PID_ENV = "WEIR_GATEWAY_PARENT_PID"
 CHECK_INTERVAL_S = 0.5
 # After the SIGTERM, how long an engine's clean shutdown may take (a model still loading holds the
 # process until its thread returns) before the process ends without one.

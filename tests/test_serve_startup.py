@@ -285,3 +285,31 @@ def test_a_port_taken_after_the_check_is_one_line(tmp_path: Path, server_kind: s
             timeout=30,
         )
     assert_one_error_line(result, f"cannot listen on 127.0.0.1:{port}", "already in use", "--port", status=3)
+
+
+def test_the_gateway_weir_demo_started_exits_when_the_demo_is_killed(tmp_path: Path) -> None:
+    """`weir demo` runs `weir serve` as a child: a SIGKILLed demo left that gateway serving the port
+    (and its engine) for ever. The demo names itself in WEIR_GATEWAY_PARENT_PID; a stand-in here."""
+    config = tmp_path / "weir.yaml"
+    config.write_text(BASE)
+    port = free_port()
+    demo = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    server = subprocess.Popen(
+        [WEIR, "serve", "--config", str(config), "--port", str(port)],
+        env={
+            **os.environ,
+            "WEIR_USAGE_SPOOL": str(tmp_path / "spool"),
+            "WEIR_GATEWAY_PARENT_PID": str(demo.pid),
+        },
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: server.poll() is not None or _ready(port), timeout=30)
+        assert server.poll() is None
+        demo.kill()
+        demo.wait(10)
+        assert server.wait(10) == 0  # drained: the SIGTERM's clean stop
+    finally:
+        for process in (demo, server):
+            process.kill()
+            process.wait(10)

@@ -88,6 +88,7 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
     """Serve a small real model through the gateway on embedded defaults (what `make run` runs)."""
     from engine import registry
     from gateway.cli import unwritable
+    from gateway.parent_watch import GATEWAY_PARENT_PID_ENV
 
     var = Path(var_dir)
     if problem := unwritable(var, directory=True):  # said now, not after the model's download
@@ -107,7 +108,8 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
         )
     except OSError as exc:  # a full disk, say
         raise click.ClickException(f"--var-dir {var_dir}: {exc}") from None
-    env = {**os.environ, "WEIR_DEMO_KEY": key}
+    # The gateway ends with this process, SIGKILLed included (gateway.parent_watch).
+    env = {**os.environ, "WEIR_DEMO_KEY": key, GATEWAY_PARENT_PID_ENV: str(os.getpid())}
     command = [sys.executable, "-c", "from weir.cli import main; main()", "serve", "--config", str(config)]
     gateway = subprocess.Popen(command, env=env)
 
