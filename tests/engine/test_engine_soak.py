@@ -55,8 +55,14 @@ def workload(rng: random.Random, n: int) -> list[Arrival]:
     return arrivals
 
 
-def run_workload(engine: LLMEngine, arrivals: list[Arrival]) -> tuple[dict[str, list[int]], set[str]]:
-    """Tokens per request and the requests that ended by abort."""
+def run_workload(
+    engine: LLMEngine,
+    arrivals: list[Arrival],
+    after_step: Callable[[LLMEngine], None] | None = None,
+    prompt_logprobs: dict[str, list] | None = None,
+) -> tuple[dict[str, list[int]], set[str]]:
+    """Tokens per request and the requests that ended by abort. `after_step` checks the engine after
+    every step; `prompt_logprobs` collects each request's prompt log-probs."""
     out: dict[str, list[int]] = {a.request_id: [] for a in arrivals}
     aborted: set[str] = set()
     step = 0
@@ -70,6 +76,10 @@ def run_workload(engine: LLMEngine, arrivals: list[Arrival]) -> tuple[dict[str, 
             out[o.request_id].extend(o.new_token_ids)
             if o.finished and o.finish_reason == "abort":
                 aborted.add(o.request_id)
+            if prompt_logprobs is not None and o.prompt_logprobs is not None:
+                prompt_logprobs[o.request_id] = o.prompt_logprobs
+        if after_step is not None:
+            after_step(engine)
         step += 1
         assert step < 5000, "the workload did not drain"
     return out, aborted
@@ -121,3 +131,73 @@ def test_a_random_greedy_workload_with_speculation_gets_each_request_its_solo_an
     for a in arrivals:
         if a.request_id not in aborted:
             assert got[a.request_id] == plain.generate([a.prompt], a.params)[0], a.request_id
+
+
+def assert_blocks_accounted(engine: LLMEngine) -> None:
+    """Every block's reference count is the number of running block tables holding it, the free list
+    is exactly the unreferenced blocks, and waiting requests hold none (no leak, no double free)."""
+    bm, scheduler = engine.block_manager, engine.scheduler
+    refs = [0] * bm.num_blocks
+    for seq in scheduler.running:
+        assert len(seq.block_table) >= bm.blocks_needed(seq.num_computed_tokens)
+        for block in seq.block_table:
+            refs[block] += 1
+    assert all(not seq.block_table for seq in scheduler.waiting)
+    assert refs == bm.ref_counts
+    assert set(bm.free) == {b for b, n in enumerate(refs) if n == 0}
+
+
+@pytest.mark.parametrize(
+    ("seed", "block_size", "max_num_seqs", "budget"), [(0, 1, 3, 3), (1, 4, 3, 2), (2, 16, 4, 17)]
+)
+def test_limits_at_their_edges_keep_every_block_accounted_at_every_step(
+    make_engine: Callable[..., LLMEngine], seed: int, block_size: int, max_num_seqs: int, budget: int
+) -> None:
+    """A cache that holds exactly one maximal request (so max_model_len is the cache's size), prompts
+    up to max_model_len - 1, step budgets of a few tokens, block sizes down to one, prompt log-probs
+    and aborts: block accounting holds after every step, and each surviving request gets its solo
+    answer and prompt log-probs."""
+    rng = random.Random(seed)
+    num_blocks = 32 // block_size + 1
+    engine = make_engine(
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+    )
+    limit = engine.max_model_len
+    assert limit == num_blocks * block_size  # clamped to the cache
+    base = [rng.randrange(1, 256) for _ in range(limit)]
+    arrivals = []
+    for i in range(8):
+        length = rng.choice([1, limit - 1, limit // 2, rng.randrange(1, limit)])
+        prompt = base[: rng.randrange(length + 1)]
+        prompt += [rng.randrange(1, 256) for _ in range(length - len(prompt))]
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, 12),
+            temperature=0,
+            ignore_eos=True,
+            prompt_logprobs=1 if rng.random() < 0.3 else None,
+        )
+        step = rng.randrange(4)
+        abort_at = step + rng.randrange(6) if rng.random() < 0.25 else None
+        arrivals.append(Arrival(f"r{i}", step, prompt, params, abort_at))
+    prompt_lps: dict[str, list] = {}
+    got, aborted = run_workload(engine, arrivals, assert_blocks_accounted, prompt_lps)
+    assert engine.stats().num_preemptions > 0, "the cache was meant to be too small for the workload"
+    solo = make_engine(block_size=block_size, num_kv_blocks=4 * num_blocks, max_model_len=limit)
+    for a in arrivals:
+        if a.request_id in aborted:
+            continue
+        solo.add_request("solo", a.prompt, a.params)
+        outs = []
+        while solo.has_unfinished_requests():
+            outs.extend(solo.step())
+        assert got[a.request_id] == [t for o in outs for t in o.new_token_ids], a.request_id
+        if a.params.prompt_logprobs is not None:
+            want = outs[0].prompt_logprobs
+            assert want is not None
+            have = prompt_lps[a.request_id]
+            assert have[0] is want[0] is None  # the first prompt token has no log-prob
+            assert [lp.token_id for lp in have[1:]] == [lp.token_id for lp in want[1:]]
+            assert [lp.logprob for lp in have[1:]] == pytest.approx([lp.logprob for lp in want[1:]], abs=1e-4)
