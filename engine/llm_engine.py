@@ -133,10 +133,16 @@ class LLMEngine:
         for name, limit in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("block_size", block_size),
         ):
-            if limit < 1:  # a step would schedule nothing, and every request would wait forever
+            # a step would schedule nothing (every request waiting forever), or no prompt would fit
+            if limit < 1:
                 raise ValueError(f"{name} must be at least 1, got {limit}")
         self.device = torch.device(device or _default_device())
+        if self.device.type == "cuda" and block_size & (block_size - 1):
+            # the Triton decode kernel reads a block as one power-of-two tile: refused here rather than
+            # by an assertion at the first decode step, which would stop the engine for every request
+            raise ValueError(f"block_size must be a power of two on CUDA, got {block_size}")
         check_fused_mode(fused_decode)
         self.dtype = resolve_dtype(dtype, self.device)
         if QuantScheme.parse(quantization).method == "fp8" and not fp8_gpu(self.device):

@@ -285,9 +285,18 @@ def test_unrelated_prompts_are_all_admitted_at_once(make_engine: Callable[..., L
     run_all(engine)
 
 
-@pytest.mark.parametrize("limit", ["max_num_seqs", "max_num_batched_tokens"])
-def test_a_zero_batch_limit_is_refused_rather_than_hanging_every_request(
+@pytest.mark.parametrize("limit", ["max_num_seqs", "max_num_batched_tokens", "block_size"])
+def test_a_zero_batch_limit_or_block_size_is_refused(
     make_engine: Callable[..., LLMEngine], limit: str
 ) -> None:
     with pytest.raises(ValueError, match=limit):
         make_engine(**{limit: 0})
+
+
+def test_a_block_size_the_cuda_kernel_cannot_tile_is_refused_before_loading(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """On CUDA the paged decode kernel needs a power-of-two block: 24 is refused by the constructor
+    (before anything touches the GPU), not by an assertion that kills the engine at its first decode."""
+    with pytest.raises(ValueError, match="block_size must be a power of two on CUDA, got 24"):
+        make_engine(device="cuda", block_size=24)
