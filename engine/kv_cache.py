@@ -121,10 +121,13 @@ class BlockManager:
             block = seq.block_table[i]
             tokens = tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
             h = block_hash(parent, tokens)
-            if self.block_hashes[block] is None:
+            # An identical block already cached (computed alongside, e.g. n greedy choices) stays the
+            # only copy: a second copy named by h but absent from hash_to_block could never be hit, yet
+            # would be freed to the LRU's recent end and outlive findable blocks.
+            if self.block_hashes[block] is None and h not in self.hash_to_block:
                 self.block_hashes[block] = h
                 self.block_tokens[block] = tokens
-                self.hash_to_block.setdefault(h, block)  # an identical block may already be cached
+                self.hash_to_block[h] = block
             parent = h
         self._num_hashed[seq.request_id] = max(done, full)
         self._last_hash[seq.request_id] = parent

@@ -111,3 +111,21 @@ def test_a_collision_of_pythons_hash_never_serves_another_prefixs_block(
     admit(bm, seq("a", [1, 2, 5, 5, 9]))  # [5, 5] computed after [1, 2]
     cached = bm.find_cached_prefix(seq("b", [2, 1, 5, 5, 9]))
     assert len(cached) == 1  # [2, 1] is shared; [5, 5] after [2, 1] was never computed
+
+
+def test_a_block_computed_twice_is_not_kept_as_a_cache_entry_nobody_can_find() -> None:
+    """Two requests that computed the same block (identical greedy choices, a prompt whose cached copy
+    was evicted mid-flight) leave one findable copy; the other is an ordinary free block, reused before
+    any cached one rather than holding a most-recently-used slot that pushes the findable copy out."""
+    bm = BlockManager(6, 4)
+    prompt = list(range(1, 10))  # two full blocks and one partial
+    first = seq("first", prompt)
+    admit(bm, first)
+    twin = seq("twin", prompt)  # computed alongside, not read from the cache
+    bm.allocate(twin, twin.num_tokens)
+    twin.num_computed_tokens = twin.num_tokens
+    bm.cache_full_blocks(twin)
+    bm.free_sequence(first)
+    bm.free_sequence(twin)
+    admit(bm, seq("other", list(range(100, 116))))  # four blocks: must evict two cached-looking ones
+    assert len(bm.find_cached_prefix(seq("again", prompt))) == 2
