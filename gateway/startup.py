@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-FAILURE_FILE_ENV = "WEIR_STARTUP_FAILURE_FILE"
+# Not `..._FILE`: every `weir` process, the supervised engine included, reads `WEIR_*_FILE` as a secret.
+FAILURE_FILE_ENV = "WEIR_STARTUP_FAILURE_PATH"
 # Exit statuses of `weir serve` (1: the config or a check before any server starts; 2: usage).
 EXIT_STARTUP_FAILED = 3  # passed the checks, then failed to start
 EXIT_WORKER_DIED = 4  # started, then its server worker died (granian)

@@ -313,3 +313,43 @@ def test_the_gateway_weir_demo_started_exits_when_the_demo_is_killed(tmp_path: P
         for process in (demo, server):
             process.kill()
             process.wait(10)
+
+
+TINY_ENGINE = str(ROOT / "tests/gateway/tiny_engine.py")
+
+
+@pytest.mark.parametrize("server_kind", ["uvicorn", "granian"])
+def test_weir_serve_starts_its_engine_and_answers_from_it(tmp_path: Path, server_kind: str) -> None:
+    """`make run`'s path: `weir serve` supervising a `weir engine serve` of its own. The engine, a `weir`
+    process, read an environment variable `weir serve` sets for its worker (named `WEIR_..._FILE`) as a
+    secret file that did not exist, and exited at once, restarted forever. The real CLI on both sides."""
+    port, engine_port = free_port(), free_port()
+    command = [sys.executable, TINY_ENGINE, "engine", "serve", "--model", "tiny", "--port", str(engine_port)]
+    config = tmp_path / "weir.yaml"
+    config.write_text(
+        f"backends:\n  - {{name: local, type: engine, model: tiny, port: {engine_port}, "
+        f"command: {json.dumps(command)}}}\nmodels:\n  - {{name: tiny, backend: local, model: tiny}}\n"
+        "tenants:\n  - {name: t, api_keys: [sk-startup-test-key-0123456789]}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "WEIR_DATABASE_URL"}
+    env["WEIR_USAGE_SPOOL"] = str(tmp_path / "spool")
+    env["WEIR_ADMIN_TOKEN"] = "wa-startup-test-0123456789"
+    argv = [WEIR, "serve", "--config", str(config), "--port", str(port), "--server", server_kind]
+    server = subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        wait_for(lambda: _ready(port), timeout=60)
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            headers={"authorization": "Bearer sk-startup-test-key-0123456789"},
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            timeout=30,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 3, reply.text
+    finally:
+        server.terminate()
+        out, _ = server.communicate(timeout=30)
+    assert "does not exist" not in out, out
+    assert "engine_exited" not in out, out
