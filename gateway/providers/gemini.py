@@ -64,6 +64,7 @@ from gateway.types import (
     FunctionCall,
     FunctionCallDelta,
     ImagePart,
+    InputAudioPart,
     Message,
     NamedToolChoice,
     TextPart,
@@ -319,6 +320,29 @@ def _check_image_type(kind: str, where: str) -> None:
         )
 
 
+# The audio Gemini reads inline, by OpenAI's `input_audio.format` (OpenAI's own are wav and mp3):
+# Google documents these MIME types for audio understanding.
+AUDIO_FORMATS = ("wav", "mp3", "aiff", "aac", "ogg", "flac")
+
+
+def _audio(audio: dict[str, Any], where: str) -> dict[str, Any]:
+    """An OpenAI `input_audio` part (base64 `data` and a `format`) as Gemini's inline audio; a format
+    it does not read is a 400 `unsupported_value` before anything is sent, as an image's is."""
+    kind, data = audio.get("format"), audio.get("data")
+    if not isinstance(data, str) or not data:
+        raise InvalidRequest(
+            f"{where}.input_audio.data: base64 audio is required", param=f"{where}.input_audio.data"
+        )
+    if kind not in AUDIO_FORMATS:
+        raise InvalidRequest(
+            f"{where}.input_audio.format: audio of format {kind!r} is not supported by Gemini models, "
+            f"which read {', '.join(AUDIO_FORMATS)}",
+            param=f"{where}.input_audio.format",
+            code="unsupported_value",
+        )
+    return {"inlineData": {"mimeType": f"audio/{kind}", "data": data}}
+
+
 def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str, Any]]:
     if content is None:
         return []
@@ -339,6 +363,8 @@ def _parts(content: str | list[ContentPart] | None, where: str) -> list[dict[str
                 parts.append({"fileData": {"mimeType": kind, "fileUri": part.image_url.url}})
         elif isinstance(part, FilePart) and (inline := parse_data_url(str(part.file.get("file_data", "")))):
             parts.append({"inlineData": {"mimeType": inline[0], "data": inline[1]}})  # a PDF, say
+        elif isinstance(part, InputAudioPart):
+            parts.append(_audio(part.input_audio, f"{where}.content[{i}]"))
         else:
             raise InvalidRequest(
                 f"content parts of type '{type(part).__struct_config__.tag}' are not supported by Gemini models",

@@ -33,8 +33,8 @@ models continue (a prefill). A function's ``parameters`` or the ``responseSchema
 ``const``, ``oneOf``...), a list for ``type``, an enum value that is not a string or an enum beside
 a type other than STRING, ``properties``
 empty or beside a type other than OBJECT, a ``required`` name no property defines, or an ARRAY
-without ``items`` is a 400 in the real API's words, as is an image of a type it does not read (``image/gif``: "Unsupported MIME
-type").
+without ``items`` is a 400 in the real API's words, as is an image or audio of a type it does not read (``image/gif``:
+"Unsupported MIME type").
 
 Gemini 3 models (``gemini-3-*``) sign their function calls as the real ones do: the first
 ``functionCall`` part of a response carries a ``thoughtSignature``, and a request is refused (400)
@@ -208,15 +208,19 @@ def check_schema(schema: Any, where: str) -> None:
 
 # The image types Gemini reads; another (image/gif) is its 400.
 IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/webp", "image/heic", "image/heif"})
+# The audio types Google documents for audio understanding; another (audio/pcm) is its 400 too.
+AUDIO_TYPES = frozenset({"audio/wav", "audio/mp3", "audio/aiff", "audio/aac", "audio/ogg", "audio/flac"})
 
 
 def check_images(body: dict[str, Any]) -> None:
-    """Every image part of the contents (inline or by URI) of a type Gemini reads."""
+    """Every image or audio part of the contents (inline or by URI) of a type Gemini reads."""
     for content in body.get("contents") or ():
         for part in content.get("parts") or ():
             media = part.get("inlineData") or part.get("inline_data") or part.get("fileData") or {}
             kind = media.get("mimeType") or media.get("mime_type") or ""
-            if kind.startswith("image/") and kind not in IMAGE_TYPES:
+            if (kind.startswith("image/") and kind not in IMAGE_TYPES) or (
+                kind.startswith("audio/") and kind not in AUDIO_TYPES
+            ):
                 raise Invalid(400, f"Unsupported MIME type: {kind}")
 
 

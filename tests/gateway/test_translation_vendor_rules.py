@@ -499,3 +499,43 @@ def test_gemini_answers_a_client_that_asked_for_no_parallel_calls_with_one_call(
     assert one
     sent = fake_gemini.last_request.json
     assert "parallel_tool_calls" not in json.dumps(sent)
+
+
+# --- OpenAI's input_audio as Gemini's inline audio ------------------------------------------------------
+
+WAV = "UklGRiQAAABXQVZFZm10IBAAAAABAAEAQB8AAIA+AAACABAAZGF0YQAAAAA="  # a 44-byte silent WAV
+
+
+def _spoken(audio_format: str) -> Any:
+    audio = {"type": "input_audio", "input_audio": {"data": WAV, "format": audio_format}}
+    return [{"role": "user", "content": [{"type": "text", "text": "transcribe"}, audio]}]
+
+
+@pytest.mark.parametrize("audio_format", ["wav", "mp3"])
+def test_openai_input_audio_reaches_gemini_as_inline_audio(
+    gateway: RunningGateway, fake_gemini: FakeGemini, audio_format: str
+) -> None:
+    """Gemini reads audio inline (`inlineData` of audio/wav, audio/mp3): an OpenAI client's audio clip
+    was Weir's 400 ("content parts of type 'input_audio' are not supported")."""
+    reply = gateway.openai().chat.completions.create(model="gemini-flash", messages=_spoken(audio_format))
+    assert reply.choices[0].message.content
+    parts = fake_gemini.last_request.json["contents"][0]["parts"]
+    assert parts == [
+        {"text": "transcribe"},
+        {"inlineData": {"mimeType": f"audio/{audio_format}", "data": WAV}},
+    ]
+
+
+def test_audio_of_a_format_gemini_does_not_read_is_refused_before_sending(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    before = fake_gemini.requests[-1] if fake_gemini.requests else None
+    with pytest.raises(openai.BadRequestError) as refused:
+        gateway.openai().chat.completions.create(model="gemini-flash", messages=_spoken("pcm16"))
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert (error["code"], error["param"]) == (
+        "unsupported_value",
+        "messages[0].content[1].input_audio.format",
+    )
+    assert (fake_gemini.requests[-1] if fake_gemini.requests else None) is before  # nothing sent
