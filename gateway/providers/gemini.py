@@ -2,7 +2,7 @@
 streamGenerateContent?alt=sse, and embeddings through batchEmbedContents. Reasoning asked for (a
 budget or an effort) sets `thinkingConfig` with `includeThoughts`; thought parts come back as
 `reasoning_content`. Function calls' thought signatures travel in the tool call ids (see
-`gateway.providers.base.call_id_with_signature`)."""
+`gateway.providers.base.call_id_with_signature`), as do the ids Gemini gives its calls (`_issued_id`)."""
 
 from __future__ import annotations
 
@@ -387,6 +387,25 @@ def _function_response(message: Message) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"result": value}
 
 
+# Gemini (3 on) gives each function call an `id`, and matches the functionResponse that answers it by
+# that id, which alone tells parallel calls to one function apart. Weir hands the id out as the tool
+# call's, marked, so that it goes back (on the call and on its result) only where Gemini issued it:
+# another vendor's id, or one Weir made for a call Gemini gave none, is never sent as Gemini's.
+_ISSUED_MARK = "__gid"
+
+
+def _tool_call_id(issued: Any) -> str:
+    """The tool call id Weir hands out for a functionCall whose `id` is `issued` (None: it had none)."""
+    return f"{issued}{_ISSUED_MARK}" if isinstance(issued, str) and issued else new_id("call_")
+
+
+def _issued_id(call_id: str) -> str | None:
+    """The functionCall `id` Gemini issued for this tool call id, or None where Gemini issued none."""
+    base = split_call_id(call_id)[0]
+    issued = base.removesuffix(_ISSUED_MARK)
+    return issued if issued and issued != base else None
+
+
 def _contents(messages: list[Message], model: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     system: list[dict[str, Any]] = []
     contents: list[dict[str, Any]] = []
@@ -421,7 +440,10 @@ def _contents(messages: list[Message], model: str) -> tuple[list[dict[str, Any]]
             for j, call in enumerate(message.tool_calls or ()):
                 call_names[call.id] = call.function.name
                 args = parse_arguments(call.function.arguments, f"{where}.tool_calls[{j}].function.arguments")
-                part: dict[str, Any] = {"functionCall": {"name": call.function.name, "args": args}}
+                function_call: dict[str, Any] = {"name": call.function.name, "args": args}
+                if (issued := _issued_id(call.id)) is not None:
+                    function_call["id"] = issued
+                part: dict[str, Any] = {"functionCall": function_call}
                 signature = split_call_id(call.id)[1]
                 if signature is not None:
                     part["thoughtSignature"] = signature
@@ -437,6 +459,8 @@ def _contents(messages: list[Message], model: str) -> tuple[list[dict[str, Any]]
                     param=f"{where}.tool_call_id",
                 )
             response: dict[str, Any] = {"name": name, "response": _function_response(message)}
+            if (issued := _issued_id(message.tool_call_id)) is not None:
+                response["id"] = issued
             images = [part for part in _parts(message.content, where) if "text" not in part]
             if images and nested_media:
                 response["parts"] = images
@@ -666,7 +690,7 @@ def _candidate(
             (thoughts if part.get("thought") else texts).append(part["text"])
         elif "functionCall" in part:
             call = part["functionCall"]
-            call_id = call_id_with_signature(call.get("id") or new_id("call_"), part.get("thoughtSignature"))
+            call_id = call_id_with_signature(_tool_call_id(call.get("id")), part.get("thoughtSignature"))
             call_ids.append(call_id)
             arguments = msgspec.json.encode(call.get("args") or {}).decode()
             calls.append(

@@ -41,6 +41,9 @@ Gemini 3 models (``gemini-3-*``) sign their function calls as the real ones do: 
 when the first ``functionCall`` of a model step since the last user text lacks one ("missing a
 thought_signature") or carries one this server never issued ("Corrupted thought signature"), the
 documented stand-in ``skip_thought_signature_validator`` excepted. Gemini 2 models check nothing.
+Gemini 3 models also give every ``functionCall`` an ``id`` of its own (parallel calls too), and a
+``functionResponse`` whose ``id`` is none of the ids of the calls of the model turn before it is a 400
+("functionResponse.id does not match functionCall.id"); one without an ``id`` is matched by name.
 ``thinkingConfig`` is checked per model: none at all on Gemini 2.0 Flash and Gemma (`NEVER_THINKS`:
 "thinking_config is not supported."), ``thinkingLevel`` only on Gemini 3 and only the levels each
 takes (`THINKING_LEVELS`), never beside ``thinkingBudget``, and a budget of 0 refused by 2.5 Pro and
@@ -260,6 +263,7 @@ class FakeGemini(FakeServer):
         self.min_cache_tokens = 1024
         self.cached_contents: dict[str, dict[str, Any]] = {}
         self.signatures: set[str] = set()  # thought signatures issued, as base64
+        self.call_ids: list[str] = []  # functionCall ids issued (Gemini 3), in order
         self.calls_per_reply = 1
         self._finish_reasons: list[tuple[str, bool]] = []
         self._block_reasons: list[str] = []
@@ -268,6 +272,7 @@ class FakeGemini(FakeServer):
         self.min_cache_tokens = 1024
         self.cached_contents = {}
         self.signatures = set()
+        self.call_ids = []
         self.calls_per_reply = 1
         self._finish_reasons = []
         self._block_reasons = []
@@ -499,6 +504,20 @@ class FakeGemini(FakeServer):
             if signature != SKIP_SIGNATURE and signature not in self.signatures:
                 raise Invalid(400, "Corrupted thought signature.")
 
+    @staticmethod
+    def _check_response_ids(body: dict[str, Any]) -> None:
+        """Every functionResponse `id` names a functionCall of the model turn before it."""
+        issued: set[str] = set()
+        for content in body.get("contents") or ():
+            parts = content.get("parts") or []
+            if content.get("role") == "model":
+                issued = {p["functionCall"]["id"] for p in parts if "id" in p.get("functionCall", {})}
+                continue
+            for part in parts:
+                answered = (part.get("functionResponse") or {}).get("id")
+                if answered is not None and answered not in issued:
+                    raise Invalid(400, "functionResponse.id does not match functionCall.id")
+
     def _sign(self) -> str:
         # 50 random bytes: standard base64 with padding, + and / likely, as Gemini's are
         signature = base64.b64encode(secrets.token_bytes(50)).decode()
@@ -552,6 +571,7 @@ class FakeGemini(FakeServer):
         signs = model.startswith("gemini-3")
         if signs:
             self._check_signatures(body)
+            self._check_response_ids(body)
         last = (body.get("contents") or [{}])[-1]
         if (
             NO_PREFILL.search(model)
@@ -652,13 +672,15 @@ class FakeGemini(FakeServer):
 
         final_parts: list[dict[str, Any]] = [thought_part] if thought_part else []
         if reply.tool_name:
-            call: dict[str, Any] = {"functionCall": {"name": reply.tool_name, "args": reply.tool_args or {}}}
-            if signs:
-                call["thoughtSignature"] = self._sign()
-            final_parts.append(call)
-            final_parts.extend(
-                {"functionCall": call["functionCall"]} for _ in range(self.calls_per_reply - 1)
-            )
+            for k in range(self.calls_per_reply):  # parallel calls: only the first signed
+                function_call: dict[str, Any] = {"name": reply.tool_name, "args": reply.tool_args or {}}
+                call: dict[str, Any] = {"functionCall": function_call}
+                if signs:
+                    function_call["id"] = secrets.token_hex(4)  # Gemini 3 names each call
+                    self.call_ids.append(function_call["id"])
+                    if k == 0:
+                        call["thoughtSignature"] = self._sign()
+                final_parts.append(call)
         elif not empty:
             final_parts.append({"text": reply.text})
         candidates_total = usage.output_tokens - usage.reasoning_tokens

@@ -49,10 +49,13 @@ def test_gemini_3_signature_goes_round_trip(gateway: RunningGateway, fake_gemini
         model="gemini-pro", messages=_tool_loop(call), tools=[WEATHER]
     )
     assert second.choices[0].message.content == 'Tool get_weather returned: {"temp": 21}'
-    parts = fake_gemini.last_request.json["contents"][1]["parts"]
-    assert parts == [
-        {"functionCall": {"name": "get_weather", "args": {"city": "Paris"}}, "thoughtSignature": issued}
-    ]
+    contents = fake_gemini.last_request.json["contents"]
+    [part] = contents[1]["parts"]
+    assert part == {
+        "functionCall": {"name": "get_weather", "args": {"city": "Paris"}, "id": part["functionCall"]["id"]},
+        "thoughtSignature": issued,
+    }
+    assert contents[2]["parts"][0]["functionResponse"]["id"] == part["functionCall"]["id"]
 
 
 def test_gemini_3_signature_from_a_stream(gateway: RunningGateway, fake_gemini: FakeGemini) -> None:
@@ -97,6 +100,84 @@ def test_gemini_3_anthropic_client_tool_loop(gateway: RunningGateway, fake_gemin
         ],
     )
     assert second.content[0].text.startswith("Tool get_weather returned")
+
+
+def _parallel_calls(stream: bool, gateway: RunningGateway) -> dict[str, Any]:
+    """The assistant message of two parallel calls to one function, as the client keeps it."""
+    if not stream:
+        return _first_turn(gateway)
+    chunks = gateway.openai().chat.completions.create(
+        model="gemini-pro", messages=[ASK], tools=[WEATHER], stream=True
+    )
+    calls = [
+        {"id": call.id, "type": "function", "function": call.function.model_dump()}
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].delta.tool_calls
+        for call in chunk.choices[0].delta.tool_calls
+    ]
+    return {"role": "assistant", "tool_calls": calls}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_gemini_call_ids_go_back_with_the_calls_and_their_results(
+    gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
+) -> None:
+    """Gemini 3 gives each function call an id and matches each functionResponse to its call by it:
+    two parallel calls to one function are told apart by their ids alone. Each id goes back on its
+    call and on the result that answers it (Weir sent neither, and results were matched by name)."""
+    fake_gemini.call_in_parallel(2)
+    call = _parallel_calls(stream, gateway)
+    tool_ids = [tool_call["id"] for tool_call in call["tool_calls"]]
+    assert len(set(tool_ids)) == 2
+    results = [
+        {"role": "tool", "tool_call_id": tool_id, "content": f'{{"n": {k}}}'}
+        for k, tool_id in enumerate(tool_ids)
+    ]
+    second = gateway.openai().chat.completions.create(
+        model="gemini-pro", messages=[ASK, call, *results], tools=[WEATHER]
+    )
+    assert second.choices[0].message.content == 'Tool get_weather returned: {"n": 1}'
+    contents = fake_gemini.last_request.json["contents"]
+    issued = [part["functionCall"].get("id") for part in contents[1]["parts"]]
+    answered = [part["functionResponse"].get("id") for part in contents[2]["parts"]]
+    assert issued == answered == fake_gemini.call_ids[-2:]
+
+
+def test_gemini_call_ids_round_trip_for_an_anthropic_client(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    client = gateway.anthropic()
+    ask = {"role": "user", "content": ASK["content"]}
+    first = client.messages.create(model="gemini-pro", max_tokens=200, messages=[ask], tools=[tool])
+    issued = fake_gemini.call_ids[-1]
+    use = next(b for b in first.content if b.type == "tool_use")
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}
+    client.messages.create(
+        model="gemini-pro",
+        max_tokens=200,
+        tools=[tool],
+        messages=[
+            ask,
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [result]},
+        ],
+    )
+    contents = fake_gemini.last_request.json["contents"]
+    assert contents[1]["parts"][-1]["functionCall"]["id"] == issued
+    assert contents[2]["parts"][0]["functionResponse"]["id"] == issued
+
+
+def test_ids_gemini_did_not_issue_are_not_sent_as_its_own(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Another vendor's ids, and those Weir makes for calls Gemini 2 gives without one, stay Weir's:
+    sent as Gemini's, a result's id would name a call Gemini never made."""
+    for first, then in (("gpt-4o-mini", "gemini-pro"), ("gemini-flash", "gemini-flash")):
+        call = _first_turn(gateway, first)
+        gateway.openai().chat.completions.create(model=then, messages=_tool_loop(call), tools=[WEATHER])
+        sent = json.dumps(fake_gemini.last_request.json["contents"])
+        assert '"id"' not in sent, (first, sent)
 
 
 def test_gemini_3_refuses_what_weir_does_not_repair(gateway: RunningGateway, fake_gemini: FakeGemini) -> None:
