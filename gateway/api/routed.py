@@ -21,7 +21,7 @@ from gateway.errors import InvalidRequest
 from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call
 from gateway.providers import openai as openai_provider
-from gateway.providers.base import UpstreamRequest
+from gateway.providers.base import UpstreamRequest, chat_response_reader
 from gateway.router_basic import Target
 from gateway.runtime import Gateway
 from gateway.types import ChatRequest, CompletionRequest, EmbeddingRequest, EmbeddingResponse, Message
@@ -99,7 +99,9 @@ def completion_op(body: CompletionRequest) -> Operation:
             return upstream, reader
         chat = within_output_limit(completion_as_chat(body), choice)
         upstream = target.provider.chat_request(target.backend, chat, model)
-        return upstream, target.provider.chat_stream(chat, model) if stream else target.provider.chat_response
+        if stream:
+            return upstream, target.provider.chat_stream(chat, model)
+        return upstream, chat_response_reader(target.provider, chat)
 
     return Operation(stream, prepare, check)
 

@@ -147,6 +147,9 @@ class Provider:
     # Whether the vendor can be told `parallel_tool_calls: false`; where it cannot (Gemini), a reply to
     # a client that asked for it keeps only its first call (`first_call_only`; its streams do it too).
     parallel_tool_calls_switch: bool = True
+    # Where how a whole answer is read depends on the request it answers (Gemini: whether an empty
+    # answer may be one), the reader for that request (`chat_response_reader`); None: `chat_response`.
+    chat_response_to: Callable[[ChatRequest], Callable[[bytes, str], ChatResponse]] | None = None
 
 
 def first_call_only(read: Callable[[bytes, str], ChatResponse]) -> Callable[[bytes, str], ChatResponse]:
@@ -169,9 +172,10 @@ def chat_response_reader(provider: Provider, request: ChatRequest) -> Callable[[
     false` that the vendor cannot be told is kept here (`first_call_only`). Every call that reads one
     answer (a routed request, a comparison's other answer) reads it so; streams keep it in their own
     decoders (`chat_stream`)."""
+    read = provider.chat_response if provider.chat_response_to is None else provider.chat_response_to(request)
     if request.parallel_tool_calls is False and not provider.parallel_tool_calls_switch:
-        return first_call_only(provider.chat_response)
-    return provider.chat_response
+        return first_call_only(read)
+    return read
 
 
 # --- continuing an unfinished answer ------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections import ChainMap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 from urllib.parse import quote
 
@@ -754,13 +754,28 @@ _FAILED_FINISH = frozenset(
 _UNKNOWN_FINISH = frozenset({"OTHER", "IMAGE_OTHER", "NO_IMAGE"})
 
 
-def _check_answered(reason: str | None, answered: bool, data: dict[str, Any]) -> None:
-    """A candidate ended for no named reason before any of its answer came: the backend's failure (502,
-    failed over), billed the usage `data` reports as a failed finish is."""
-    if reason in _UNKNOWN_FINISH and not answered:
-        raise BadGateway(
-            f"the Gemini backend stopped without an answer (finishReason {reason})", billed=_billed(data)
-        )
+# A STOP before any text or function call (a candidate without parts, or of empty text; its thoughts
+# aside) is an answer Gemini failed to give as well: 2.5 Flash-Lite and Pro send it now and then,
+# mostly deep in tool loops, and asked again they answer. Taken as a finish it reached the client as
+# an empty answer it could not tell from a real one (as LiteLLM passes it on); as the backend's
+# failure (502, billed what Google reports) the route fails over, or the client retries. Where the
+# request may end with nothing (`_may_be_empty`) it is the answer: a stop sequence the answer began
+# with (Gemini says STOP for those too), or an answer being continued that was whole already.
+
+
+def _may_be_empty(request: ChatRequest) -> bool:
+    return bool(request.stop) or bool(request.continue_final_message)
+
+
+def _check_answered(reason: str | None, answered: bool, data: dict[str, Any], may_be_empty: bool) -> None:
+    """A candidate ended for no named reason, or a STOP the request cannot end with empty, before any
+    of its answer came: the backend's failure (502, failed over), billed the usage `data` reports as a
+    failed finish is."""
+    if answered or not (reason in _UNKNOWN_FINISH or (reason == "STOP" and not may_be_empty)):
+        return
+    raise BadGateway(
+        f"the Gemini backend stopped without an answer (finishReason {reason})", billed=_billed(data)
+    )
 
 
 def _check_blocked(data: dict[str, Any]) -> None:
@@ -796,7 +811,14 @@ def empty_answer(model: str) -> bytes:
     )
 
 
-def chat_response(body: bytes, model: str) -> ChatResponse:
+def chat_response_to(request: ChatRequest) -> Callable[[bytes, str], ChatResponse]:
+    """How the whole answer to `request` is read: an empty STOP is its answer where it may be one."""
+    if not _may_be_empty(request):
+        return chat_response
+    return lambda body, model: chat_response(body, model, may_be_empty=True)
+
+
+def chat_response(body: bytes, model: str, *, may_be_empty: bool = False) -> ChatResponse:
     data = decode_json(body, "the Gemini backend")
     if not isinstance(data, dict):
         raise BadGateway("the Gemini backend returned an unexpected response")
@@ -807,7 +829,7 @@ def chat_response(body: bytes, model: str) -> ChatResponse:
     choices = []
     for i, candidate in enumerate(data.get("candidates") or ()):
         text, thoughts, calls = _candidate(candidate, [])
-        _check_answered(candidate.get("finishReason"), bool(text or calls), data)
+        _check_answered(candidate.get("finishReason"), bool(text or calls), data, may_be_empty)
         message = AssistantMessage(
             role="assistant",
             content=text if text is not None or not calls else None,
@@ -851,6 +873,7 @@ class ChatStream:
         self.answered: set[int] = set()  # candidates some text or a tool call came for
         self.finished: set[int] = set()
         self.prompt_told = False  # the first chunk carried the prompt's count (`ChatChunk.prompt_usage`)
+        self.may_be_empty = _may_be_empty(request)
 
     def feed(self, event: str | None, data: str) -> list[ChatChunk]:
         try:
@@ -873,7 +896,7 @@ class ChatStream:
             text, thoughts, calls = _candidate(candidate, [])
             if text or calls:
                 self.answered.add(index)
-            _check_answered(candidate.get("finishReason"), index in self.answered, payload)
+            _check_answered(candidate.get("finishReason"), index in self.answered, payload, self.may_be_empty)
             first = self.tool_calls.get(index, 0)
             if self.most_calls is not None:
                 calls = calls[: max(self.most_calls - first, 0)]
@@ -1032,4 +1055,5 @@ PROVIDER = Provider(
     count_tokens_response=count_tokens_response,
     continuation=continuation,
     parallel_tool_calls_switch=False,
+    chat_response_to=chat_response_to,
 )

@@ -442,27 +442,31 @@ DECODERS = {
     "completions": lambda: openai.CompletionStream("gpt"),
     "anthropic": lambda: anthropic.ChatStream(chat(), "claude"),
     "gemini": lambda: gemini.ChatStream(chat(), "gemini"),
+    "gemini-stop-sequences": lambda: gemini.ChatStream(chat(stop=["x"]), "gemini"),
 }
-# Streams that end cleanly with none of an answer and no finish reason: the backend's failure.
+GEMINI_STOP_WITHOUT_PARTS: list[tuple[str | None, dict | str]] = [
+    (None, {"candidates": [{"content": {"role": "model", "parts": []}, "finishReason": "STOP"}]})
+]
+# Streams that end cleanly with none of an answer and no finish reason, or (Gemini) a STOP before any
+# of the answer where the request could not end empty: the backend's failure.
 NO_ANSWER: dict[str, tuple[str, list[tuple[str | None, dict | str]]]] = {
     "openai-done-only": ("openai", [DONE]),
     "openai-role-then-done": ("openai", [(None, ROLE), DONE]),
     "openai-role-usage-done": ("openai", [(None, ROLE), (None, USAGE), DONE]),
     "openai-completions-done-only": ("completions", [DONE]),
     "anthropic-start-then-stop": ("anthropic", [START, STOP]),
+    "gemini-stop-without-parts": ("gemini", GEMINI_STOP_WITHOUT_PARTS),
 }
 # Empty answers the model gave: a finish reason (or, for Anthropic, a content block) says so. (Gemini's
-# decoder takes no stream without a finishReason for complete.)
+# decoder takes no stream without a finishReason for complete, nor an empty STOP unless a stop
+# sequence may have ended the answer at once.)
 EMPTY_ANSWER: dict[str, tuple[str, list[tuple[str | None, dict | str]]]] = {
     "openai-finish-length": ("openai", [(None, ROLE), (None, FINISHED), DONE]),
     "openai-finish-without-done": ("openai", [(None, FINISHED)]),
     "anthropic-empty-text-end-turn": ("anthropic", [START, *EMPTY_BLOCK, END_TURN, STOP]),
     "anthropic-no-block-end-turn": ("anthropic", [START, END_TURN, STOP]),
     "anthropic-empty-text-block": ("anthropic", [START, *EMPTY_BLOCK, STOP]),
-    "gemini-stop-without-parts": (
-        "gemini",
-        [(None, {"candidates": [{"content": {"role": "model", "parts": []}, "finishReason": "STOP"}]})],
-    ),
+    "gemini-stop-without-parts-beside-stop-sequences": ("gemini-stop-sequences", GEMINI_STOP_WITHOUT_PARTS),
 }
 
 

@@ -377,6 +377,82 @@ def test_a_gemini_stop_for_no_named_reason_before_any_answer_fails_over_and_is_b
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_gemini_stop_without_any_answer_fails_over_and_is_billed(
+    gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
+) -> None:
+    """Gemini (2.5 Flash-Lite and Pro, mostly deep in tool loops) now and then says STOP before any text
+    or function call: a candidate without parts. It reached the client as an empty answer it could
+    not tell from a real one; asked again, Gemini answers. It is the backend's 502, failed over (after
+    its retry in place, as any 502), each attempt billed what Gemini reported."""
+    for _ in range(2):
+        fake_gemini.stop_next_with("STOP", empty=True)
+    chat = gateway.openai().chat.completions.create(model="gemini-then-openai", messages=HI, stream=stream)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)  # type: ignore[union-attr]
+    else:
+        text = chat.choices[0].message.content or ""  # type: ignore[union-attr]
+    assert text == ECHO
+    attempts = events(gateway, 3)
+    assert [(a.backend, a.status) for a in attempts] == [("gemini", 502), ("gemini", 502), ("openai", 200)]
+    assert all(a.usage != Usage() and a.cost_pico_usd > 0 for a in attempts[:2])
+
+
+def test_a_gemini_stop_with_an_empty_text_fails_over_for_an_anthropic_client(
+    gateway: RunningGateway, script: Script, fake_anthropic: FakeAnthropic
+) -> None:
+    """The other shape of it: one text part, empty. Claude answers the Anthropic client instead."""
+    script.payloads = [candidate([{"text": ""}], "STOP")]
+    message = gateway.anthropic().messages.create(model="scripted-gemini", max_tokens=100, messages=HI)
+    assert message.content[0].type == "text" and message.content[0].text == ECHO
+    assert [(a.backend, a.status) for a in events(gateway, 3)][-1] == ("anthropic", 200)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_an_empty_gemini_stop_is_the_answer_where_a_stop_sequence_may_end_it_at_once(
+    gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
+) -> None:
+    """Gemini says STOP for a stop sequence too: one the answer begins with leaves it empty, and
+    that is the answer, not a failure to fail over from."""
+    fake_gemini.stop_next_with("STOP", empty=True)
+    chat = gateway.openai().chat.completions.create(
+        model="gemini-then-openai", messages=HI, stream=stream, stop=["one"]
+    )
+    if stream:
+        chunks = list(chat)  # type: ignore[arg-type]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        text, finishes = chat.choices[0].message.content or "", [chat.choices[0].finish_reason]  # type: ignore[union-attr]
+    assert (text, finishes) == ("", ["stop"])
+    assert [(a.backend, a.status) for a in events(gateway, 1)] == [("gemini", 200)]
+
+
+def test_an_empty_gemini_stop_beside_stop_sequences_is_the_answer_to_a_completion_too(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """A completion is asked of Gemini as a chat (legacy prompts often stop at a newline): read as
+    a chat answer to that request, its stop sequences count as they do for a chat."""
+    fake_gemini.stop_next_with("STOP", empty=True)
+    completion = gateway.openai().completions.create(model="gemini-then-openai", prompt=ECHO, stop=["\n"])
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == ("", "stop")
+    assert [(a.backend, a.status) for a in events(gateway, 1)] == [("gemini", 200)]
+
+
+def test_an_empty_gemini_stop_is_the_answer_to_continuing_an_answer_that_was_whole(
+    gateway: RunningGateway, fake_gemini: FakeGemini
+) -> None:
+    """Asked to go on from a final assistant message (`continue_final_message`, an Anthropic prefill,
+    a stream continued after a failover) that was whole already, Gemini adds nothing: the answer."""
+    whole = [*HI, {"role": "assistant", "content": ECHO}]
+    chat = gateway.openai().chat.completions.create(
+        model="gemini-then-openai", messages=whole, extra_body={"continue_final_message": True}
+    )
+    assert (chat.choices[0].message.content or "", chat.choices[0].finish_reason) == ("", "stop")
+    assert [(a.backend, a.status) for a in events(gateway, 1)] == [("gemini", 200)]
+    assert fake_gemini.last_request.json["contents"][-1]["role"] == "model"  # continued, not asked anew
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_gemini_stop_for_no_named_reason_after_its_text_is_the_answers_stop(
     gateway: RunningGateway, fake_gemini: FakeGemini, stream: bool
 ) -> None:
