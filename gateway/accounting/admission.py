@@ -300,6 +300,16 @@ def refusal(
                 "the budget.",
                 headers=never,
             )
+    if decision.unseeded:
+        # The shared state lost the budget again after it was seeded again (Redis restarted or
+        # failed over meanwhile): what it has spent is not known this moment, nothing was counted,
+        # and the next request seeds it again. Said as what it is, not as a rate limit.
+        scope, wait = _scope(decision.unseeded[0]), BUDGET_UNCONFIRMED_RETRY_S
+        return BudgetUnconfirmed(
+            f"This {scope}'s monthly budget cannot be confirmed: Weir's shared state lost it and is "
+            f"restoring it from the ledger. Please try again in {wait}s.",
+            headers={"retry-after": str(wait)},
+        )
     blocked = decision.blocked_by or ""
     scope = _scope(blocked)
     if blocked.startswith("budget:") and decision.share_spent:
@@ -331,6 +341,19 @@ def refusal(
         type=kind,
         headers={"retry-after": str(wait)},
     )
+
+
+def _refused_windows(decision: Decision, limits: Sequence[Limit]) -> list[WindowState]:
+    """The windows a refusal's rate-limit headers say: the limit that refused, as it stands (the
+    others were not looked at); a budget's refusal, every limit as it stands (nothing was counted),
+    as a tenant with RPM/TPM limits reads on every other answer."""
+    by = next((limit for limit in limits if limit.key == decision.blocked_by), None)
+    if by is not None:
+        return [(by.key, by.limit, used, reset_s) for used, reset_s in decision.windows[:1]]
+    return [
+        (limit.key, limit.limit, used, reset_s)
+        for limit, (used, reset_s) in zip(limits, decision.windows, strict=False)
+    ]
 
 
 def _held_in_flight(decision: Decision, budgets: Sequence[Budget], amount: int) -> bool:
@@ -646,11 +669,7 @@ class Admission:
             decision = await self.state.admit(limits, budgets, amount, ttl_s=RESERVATION_TTL_S)
         if not decision.allowed:
             refused = refusal(decision, limits, budgets, amount, web_searches)
-            by = next((limit for limit in limits if limit.key == decision.blocked_by), None)
-            if by is not None and decision.windows:
-                # The limit that refused, as it stands (the other limits were not looked at).
-                used, reset_s = decision.windows[0]
-                refused.headers.update(rate_headers([(by.key, by.limit, used, reset_s)], anthropic))
+            refused.headers.update(rate_headers(_refused_windows(decision, limits), anthropic))
             raise refused
         reservation_id = decision.reservation_id
         releases: list[tuple[str, int]] = []

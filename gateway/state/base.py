@@ -73,7 +73,8 @@ class Admission:
     buckets: tuple[int, ...] = ()
     # Per limit, in order, when admitted: (units its window holds with this admission's, leases
     # included; seconds until all of them have left the window). When a limit refused: that limit's
-    # alone (one entry), before this request. What the client's x-ratelimit-* headers say
+    # alone (one entry), before this request. When a budget refused: every limit's, in order, before
+    # this request (nothing was counted). What the client's x-ratelimit-* headers say
     # (gateway.accounting.admission.rate_headers); the state's own count and clock, so every replica
     # says the same.
     windows: tuple[tuple[int, float], ...] = ()

@@ -366,8 +366,9 @@ class DegradableState(Shortcuts):
         if self.replicas <= 1 or not decision.windows:
             return decision
         pairs = list(zip(limits, shares, strict=True))
-        if not decision.allowed:  # the window of the limit that refused alone
-            pairs = [(limit, share) for limit, share in pairs if limit.key == decision.blocked_by]
+        refused_by = [(limit, share) for limit, share in pairs if limit.key == decision.blocked_by]
+        if refused_by:  # the window of the limit that refused alone (a budget's refusal: all of them)
+            pairs = refused_by
         windows = tuple(
             (limit.limit - max(0, share.limit - units), emptied_in)
             for (limit, share), (units, emptied_in) in zip(pairs, decision.windows, strict=False)

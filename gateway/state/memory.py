@@ -299,7 +299,12 @@ class MemoryState(Shortcuts):
             if state.spent + state.reserved(now) + amount_pico_usd > budget.limit_pico_usd:
                 # `spent` up to this budget, as Redis answers: whether the refusal is for good.
                 spent = (*(held.spent for held in states), state.spent)
-                return Admission(False, blocked_by=budget.key, spent=spent)
+                # The limits' windows as they stand (nothing counted), as Redis answers.
+                held_now = tuple(
+                    (window.total, _emptied_in(sorted(window.buckets.items()), window.bucket_s, now))
+                    for window, _, _ in counted
+                )
+                return Admission(False, blocked_by=budget.key, spent=spent, windows=held_now)
             states.append(state)
         counted_in = []
         windows_now = []

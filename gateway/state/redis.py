@@ -115,6 +115,16 @@ local function live_buckets(key)
   table.sort(live, function(a, b) return a[1] < b[1] end)
   return live
 end
+
+-- ms until the newest bucket of `live` (live_buckets) that holds units has left the window.
+local function emptied_in(live, buckets, bucket_ms, now_ms)
+  for j = #live, 1, -1 do
+    if live[j][2] > 0 then
+      return math.max(0, math.ceil((live[j][1] + buckets) * bucket_ms - now_ms))
+    end
+  end
+  return 0
+end
 """
 
 # KEYS: the limit keys, then (budget, budget:res, budget:exp) per budget.
@@ -123,9 +133,10 @@ end
 # Returns {1, then (leased units, bucket, ms left in it, units the window holds now, ms until they
 # have all left it) per limit, then the pool per budget, then `spent` per budget} when admitted,
 # {0, 1, limit index, retry-after ms, units its window holds, ms until they have all left it} or
-# {0, 2, budget index, then
-# `spent` per budget up to that one} when refused (`spent`: for the in-process fallback to start
-# from during an outage, gateway.state.degradable), or {0, 3, then the index of each budget the
+# {0, 2, budget index, then (units its window holds, ms until they have all left it) per limit, then
+# `spent` per budget up to that one} when refused (the windows: for the rate-limit headers of a
+# budget's 429; `spent`: for the in-process fallback to start from during an outage,
+# gateway.state.degradable), or {0, 3, then the index of each budget the
 # caller seeded that holds no seed: Redis lost it}; nothing is counted or reserved unless everything
 # fits. A lease or pool is granted only while the window (the budget) stays at most half used with
 # it, so near a limit every request is decided here, one by one.
@@ -149,13 +160,7 @@ for i = 1, n do
   if total + cost > limit then
     local wait_ms = window_ms
     local live = live_buckets(KEYS[i])
-    local emptied_ms = 0
-    for j = #live, 1, -1 do
-      if live[j][2] > 0 then
-        emptied_ms = (live[j][1] + buckets) * bucket_ms - now_ms
-        break
-      end
-    end
+    local emptied_ms = emptied_in(live, buckets, bucket_ms, now_ms)
     if cost <= limit then
       local need = total + cost - limit
       local freed = 0
@@ -168,7 +173,7 @@ for i = 1, n do
       end
     end
     return {0, 1, i, string.format('%d', math.max(0, math.ceil(wait_ms))), string.format('%d', total),
-      string.format('%d', math.max(0, math.ceil(emptied_ms)))}
+      string.format('%d', emptied_ms)}
   end
 end
 local b0 = 3 + n * 4
@@ -195,6 +200,13 @@ for i = 0, nb - 1 do
   end
   if spent + reserved + amount > limit then
     local out = {0, 2, i + 1}
+    -- The limits' windows as they stand (nothing counted): a budget's 429 carries the rate-limit
+    -- headers of a tenant that has limits too, as every other answer does.
+    for j = 1, n do
+      local bucket_ms = tonumber(ARGV[(j - 1) * 4 + 5]) / buckets
+      out[#out + 1] = string.format('%d', totals[j])
+      out[#out + 1] = string.format('%d', emptied_in(live_buckets(KEYS[j]), buckets, bucket_ms, now_ms))
+    end
     for j = 1, i + 1 do out[#out + 1] = spents[j] end
     return out
   end
@@ -658,8 +670,10 @@ class RedisState(Shortcuts):
             return Admission(False, int(result[3]) / 1000, limits[int(result[2]) - 1].key, windows=held)
         if int(result[1]) == 3:
             return Admission(False, unseeded=tuple(budgets[int(i) - 1].key for i in result[2:]))
-        spent = tuple(int(s) for s in result[3:])
-        return Admission(False, blocked_by=budgets[int(result[2]) - 1].key, spent=spent)
+        n = len(limits)
+        windows = tuple((int(result[3 + i * 2]), int(result[4 + i * 2]) / 1000) for i in range(n))
+        spent = tuple(int(s) for s in result[3 + n * 2 :])
+        return Admission(False, blocked_by=budgets[int(result[2]) - 1].key, spent=spent, windows=windows)
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
         # One script call for the lot: limit corrections summed per key (and bucket), and per budget
