@@ -336,11 +336,19 @@ def refusal(
         )
     wait = max(1, math.ceil(decision.retry_after_s))
     kind = "tokens" if blocked.startswith("tpm:") else "requests"
+    what = "token counting requests" if blocked.startswith("rpm:count:") else kind
     return RateLimited(
-        f"Rate limit reached for this {scope} on {kind} per minute. Please try again in {wait}s.",
+        f"Rate limit reached for this {scope} on {what} per minute. Please try again in {wait}s.",
         type=kind,
         headers={"retry-after": str(wait)},
     )
+
+
+def _counting_limits(plan: _Plan) -> list[Limit]:
+    """The limits a token count (`count_tokens`) is admitted under: the caller's RPM limits, each on a
+    window of its own (`rpm:count:<scope>:<owner>`), as Anthropic limits its token counting apart from
+    Messages; no TPM and no budget, since a count generates nothing and no vendor bills it."""
+    return [Limit("rpm:count:" + limit.key[4:], limit.limit) for limit, tpm in plan.rates if not tpm]
 
 
 def _refused_windows(decision: Decision, limits: Sequence[Limit]) -> list[WindowState]:
@@ -527,6 +535,7 @@ class Admission:
         service_tier: str | None = None,
         anthropic: bool = False,
         web_searches: int = 0,
+        counting: bool = False,
     ) -> dict[str, str]:
         """Raise RateLimited, QuotaExceeded or BudgetUnconfirmed (429), or count the request in and remember it; the
         rate-limit headers its response carries (`rate_headers`; none without RPM/TPM limits), and
@@ -537,7 +546,10 @@ class Admission:
         reserved too little until it settled, and a tenant near its budget overspent it.
         `web_searches`: the web searches it may run (`gateway.estimate.web_search_estimate`), priced
         into the estimate as they will bill the attempt: left out, a tenant near its budget started a
-        request of 50 searches ($0.50) reserved for its tokens alone."""
+        request of 50 searches ($0.50) reserved for its tokens alone.
+        `counting`: a token count (`count_tokens`), which generates nothing and which the vendors do
+        not bill (Anthropic's is free and rate limited apart from Messages): counted on RPM windows
+        of its own (`_counting_limits`), never on TPM or a budget."""
         self._expire()
         # Remembered under this exchange's key: a client may send its request id on other requests
         # too, whose attempts must not settle this one's reservation (gateway.ids.exchange_tag).
@@ -545,23 +557,18 @@ class Admission:
         estimate = prompt_tokens + max_output_tokens
         now = dt.datetime.now(dt.UTC)
         plan = self._plan(quotas, now)
-        if plan.estimate == estimate:
+        if counting:
+            limits = _counting_limits(plan)
+        elif plan.estimate == estimate:
             limits = plan.limits
         else:
             # (Limit(...) directly: dataclasses.replace costs several times as much.)
             limits = [Limit(limit.key, limit.limit, estimate) if tpm else limit for limit, tpm in plan.rates]
             plan.estimate, plan.limits = estimate, limits
-        tpm_keys = plan.tpm_keys
-        if not plan.seeded:
-            for budget, scope, owner in plan.budgets:
-                if budget.key not in self._seeded:
-                    await self._seed(budget.key, scope, owner, now)
-            # A seed that failed (DB down) is tried again on a later request.
-            plan.seeded = all(budget.key in self._seeded for budget in plan.budget_list)
-        budgets = plan.budget_list  # never modified: the leasing path below builds new lists
-        if not plan.seeded:
-            # Meanwhile those budgets are admitted against what the shared state holds of them.
-            budgets = [b if b.key in self._seeded else replace(b, seeded=False) for b in budgets]
+        tpm_keys: tuple[str, ...] = ()
+        budgets: list[Budget] = []
+        if not counting:
+            tpm_keys, budgets = plan.tpm_keys, await self._seeded_budgets(plan, now)
         amount = 0
         if budgets:
             # The estimate's price: what pricing Usage(input_tokens=prompt, output_tokens=max output)
@@ -697,6 +704,19 @@ class Admission:
             ],
             anthropic,
         )
+
+    async def _seeded_budgets(self, plan: _Plan, now: dt.datetime) -> list[Budget]:
+        """The plan's budgets to admit against, seeded from the ledger first where not yet."""
+        if not plan.seeded:
+            for budget, scope, owner in plan.budgets:
+                if budget.key not in self._seeded:
+                    await self._seed(budget.key, scope, owner, now)
+            # A seed that failed (DB down) is tried again on a later request.
+            plan.seeded = all(budget.key in self._seeded for budget in plan.budget_list)
+        if plan.seeded:
+            return plan.budget_list  # never modified: the leasing path builds new lists
+        # Meanwhile those budgets are admitted against what the shared state holds of them.
+        return [b if b.key in self._seeded else replace(b, seeded=False) for b in plan.budget_list]
 
     def _wants(self, key: str, cost: int, now: float) -> bool:
         if key in self._asking:

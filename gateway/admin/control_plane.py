@@ -271,6 +271,7 @@ class ControlPlane:
             service_tier=asked_tier(upstream.body),
             anthropic=call.endpoint in ANTHROPIC_ENDPOINTS,
             web_searches=web_search_estimate(upstream.body),
+            counting=call.endpoint == "count_tokens",
         )
 
 
