@@ -113,6 +113,12 @@ class Adjustment:
     bucket: int | None = None
 
 
+def admitted_mark(admission_id: str) -> str:
+    """The key of the mark a state that may lose answers (Redis) keeps of an admission that counted
+    its limits (`SharedState.admit`'s `admission_id`): read with `kv_get_many`."""
+    return f"admitted:{admission_id}"
+
+
 def correction_bucket(delta: int, counted_in: int | None) -> int | None:
     """Where a correction of units counted in bucket `counted_in` goes (`Adjustment.bucket`; None:
     the current one). Units the count was over by are given back in its own bucket, so both leave the
@@ -149,9 +155,13 @@ class SharedState(Protocol):
         budgets: Sequence[Budget] = (),
         amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
+        admission_id: str | None = None,
     ) -> Admission:
         """One atomic step, all or nothing: count one use against every limit and reserve `amount` on
-        every budget (spent + reserved + amount <= limit on each). Refused: nothing is counted."""
+        every budget (spent + reserved + amount <= limit on each). Refused: nothing is counted.
+        `admission_id`: the caller's id for it (unique), the budgets' reservation id, and a state
+        that may be asked again about an admission whose answer was lost (Redis) keeps a mark that
+        it counted the limits (`admitted_mark`, a `kv_get` key), for as long as they count."""
         ...
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> dict[str, tuple[int, int]]:
@@ -257,6 +267,7 @@ class Shortcuts:
         budgets: Sequence[Budget] = (),
         amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
+        admission_id: str | None = None,
     ) -> Admission:
         raise NotImplementedError
 

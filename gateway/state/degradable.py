@@ -53,6 +53,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from gateway.aio import detached, retry_until, stop_if_cancelled
+from gateway.ids import random_hex
 from gateway.state.base import (
     BUCKETS,
     Adjustment,
@@ -63,6 +64,7 @@ from gateway.state.base import (
     Settlement,
     SharedState,
     Shortcuts,
+    admitted_mark,
 )
 from gateway.state.memory import MemoryState
 
@@ -106,6 +108,13 @@ class DegradableState(Shortcuts):
         self._seeds: dict[str, tuple[int, tuple[str, ...]]] = {}
         # For Redis once it answers again: units counted on limits here, per (key, window, bucket).
         self._counted: dict[tuple[str, float, int], int] = {}
+        # Admissions whose call to Redis failed after it was sent (a timeout, a connection lost): Redis
+        # may have run it and lost only the answer. Per admission id, the units the fallback counted
+        # on limits, owed to Redis only if its mark says it did not count them (`_catch_up`).
+        self._in_doubt: dict[str, list[tuple[str, float, int, int]]] = {}
+        # Their reservation ids (the admission id, the same in Redis and here), while held here:
+        # settled, they are released on both sides (`settle_many`, `_release_fallbacks`).
+        self._shared_reservations: set[str] = set()
         # What Redis last said of each limit's window: key -> (window, newest bucket, units), for the
         # fallback to start from when Redis goes away (MemoryState.seed_windows).
         self._last_read: dict[str, tuple[float, int, int]] = {}
@@ -167,7 +176,7 @@ class DegradableState(Shortcuts):
 
     async def _ask(self, name: str, *args: Any) -> Any:
         async with asyncio.timeout(self.timeout_s):
-            if self._owed or self._releases or self._seeds or self._counted:
+            if self._owed or self._releases or self._seeds or self._counted or self._in_doubt:
                 await self._catch_up()  # before anything else Redis is asked (see there)
             return await getattr(self.primary, name)(*args)
 
@@ -208,6 +217,19 @@ class DegradableState(Shortcuts):
         seeds, owed, releases = self._seeds, self._owed, self._releases
         self._seeds, self._owed, self._releases = {}, {}, []
         counted, self._counted = self._counted, {}
+        in_doubt, self._in_doubt = self._in_doubt, {}
+        try:
+            # An admission Redis ran before its answer was lost holds its mark: its units count there
+            # already, and owed again they counted twice.
+            ids = [admitted_mark(admission_id) for admission_id in in_doubt]
+            marks = await self.primary.kv_get_many(ids) if ids else []
+        except BaseException:
+            self._put_back(seeds, owed, releases, counted, in_doubt)
+            raise
+        for units, mark in zip(in_doubt.values(), marks, strict=True):
+            if mark is None:
+                for key, window_s, bucket, cost in units:
+                    counted[(key, window_s, bucket)] = counted.get((key, window_s, bucket), 0) + cost
         # Limits first: one settlement of every bucket counted here (units 0 are left out by it).
         counts = [
             Adjustment(key, units, window_s, bucket) for (key, window_s, bucket), units in counted.items()
@@ -231,13 +253,7 @@ class DegradableState(Shortcuts):
             if catch_up:
                 await self.primary.settle_many(catch_up)
         except BaseException:
-            for key, seed in seeds.items():
-                self._seeds.setdefault(key, seed)
-            for key, events in owed.items():
-                self._owed.setdefault(key, []).extend(events)
-            self._releases += releases
-            for where, units in counted.items():
-                self._count(*where, units)
+            self._put_back(seeds, owed, releases, counted, {})
             raise
         if owed or releases or counted:
             log.warning(
@@ -246,21 +262,55 @@ class DegradableState(Shortcuts):
                 len({key for key, _, _ in counted}),
             )
 
+    def _put_back(
+        self,
+        seeds: dict[str, tuple[int, tuple[str, ...]]],
+        owed: dict[str, list[tuple[str, int]]],
+        releases: list[tuple[str, str, int]],
+        counted: dict[tuple[str, float, int], int],
+        in_doubt: dict[str, list[tuple[str, float, int, int]]],
+    ) -> None:
+        """What a catch-up took, back for the next one (Redis failed again meanwhile)."""
+        for key, seed in seeds.items():
+            self._seeds.setdefault(key, seed)
+        for key, events in owed.items():
+            self._owed.setdefault(key, []).extend(events)
+        self._releases += releases
+        for where, units in counted.items():
+            self._count(*where, units)
+        self._in_doubt.update(in_doubt)
+
     async def admit(
         self,
         limits: Sequence[Limit],
         budgets: Sequence[Budget] = (),
         amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
+        admission_id: str | None = None,
     ) -> Admission:
-        reached, decision = await self._try_primary("admit", limits, budgets, amount_pico_usd, ttl_s)
+        # One id for Redis and the fallback: an admission whose answer Redis lost (a timeout after
+        # the script ran) is then one reservation, released on both sides, not two.
+        admission_id = admission_id or random_hex(16)
+        sent = not self.degraded  # asked of Redis, which may run it even if its answer never comes
+        reached, decision = await self._try_primary(
+            "admit", limits, budgets, amount_pico_usd, ttl_s, admission_id
+        )
         if not reached:
             shares = [self._share(limit) for limit in limits]
             budget_shares = [self._budget_share(budget) for budget in budgets]
-            decision = await self.fallback.admit(shares, budget_shares, amount_pico_usd, ttl_s)
+            decision = await self.fallback.admit(shares, budget_shares, amount_pico_usd, ttl_s, admission_id)
             if decision.allowed:
-                for limit, bucket in zip(limits, decision.buckets, strict=False):
-                    self._count(limit.key, limit.window_s, bucket, limit.cost)
+                counted = [
+                    (limit.key, limit.window_s, bucket, limit.cost)
+                    for limit, bucket in zip(limits, decision.buckets, strict=False)
+                ]
+                if sent:
+                    self._in_doubt[admission_id] = counted
+                    if budgets:
+                        self._shared_reservations.add(admission_id)
+                else:
+                    for where in counted:
+                        self._count(*where)
             for key in decision.unseeded:  # its spend is not known yet: its share starts once it is
                 self._spent_at_outage.pop(key, None)
             if decision.blocked_by in self._spent_at_outage:
@@ -297,9 +347,13 @@ class DegradableState(Shortcuts):
                 rid, amount = (
                     settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
                 )
-                if rid and not self.fallback.made(rid):  # Redis's own: it holds the money until released
+                if rid and not self.fallback.made(rid):
+                    # Redis's own, or one it may hold too (`_shared_reservations`): it holds the
+                    # money until released (a release of what it does not hold changes nothing).
                     self._releases.append((key, rid, amount))
-        return await self.fallback.settle_many(settlements)
+        usage = await self.fallback.settle_many(settlements)
+        self._forget_shared(settlements)
+        return usage
 
     def _release_fallbacks(self, settlements: Sequence[Settlement]) -> None:
         """Release in the fallback the reservations it made (requests admitted while Redis was away)
@@ -313,10 +367,20 @@ class DegradableState(Shortcuts):
                 rid, amount = (
                     settlement.releases[i] if settlement.releases else (settlement.reservation_id, 0)
                 )
-                if rid and self.fallback.made(rid):
+                if rid and (self.fallback.made(rid) or rid in self._shared_reservations):
                     released.append(Settlement((), [key], releases=[(rid, amount)]))
         if released:
             self.fallback.settle_now(released)
+            self._forget_shared(settlements)
+
+    def _forget_shared(self, settlements: Sequence[Settlement]) -> None:
+        """Reservations held on both sides that these settlements released whole."""
+        if not self._shared_reservations:
+            return
+        for settlement in settlements:
+            for rid, amount in settlement.releases or [(settlement.reservation_id, 0)]:
+                if amount == 0:
+                    self._shared_reservations.discard(rid)
 
     def _share(self, limit: Limit) -> Limit:
         """This replica's part of a limit while Redis is away: 1/replicas of it, so that together the

@@ -250,9 +250,10 @@ class MemoryState(Shortcuts):
         budgets: Sequence[Budget] = (),
         amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
+        admission_id: str | None = None,
     ) -> Admission:
         async with self._lock:
-            return self.admit_now(limits, budgets, amount_pico_usd, ttl_s)
+            return self.admit_now(limits, budgets, amount_pico_usd, ttl_s, admission_id)
 
     def admit_now(
         self,
@@ -260,6 +261,7 @@ class MemoryState(Shortcuts):
         budgets: Sequence[Budget] = (),
         amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
+        admission_id: str | None = None,
     ) -> Admission:
         """`admit`, synchronously: nothing in it awaits, so it is as atomic as under the lock (which
         no method holds across a suspension). Admission calls this at once, without a coroutine."""
@@ -315,7 +317,8 @@ class MemoryState(Shortcuts):
             windows_now.append((window.total, (current + BUCKETS) * window.bucket_s - now))
         # Unique within this state, which is the only one that ever sees it: a counter after a
         # random prefix (another state's ids, e.g. Redis's before an outage, never collide).
-        reservation_id = f"{self._id_prefix}{next(self._ids)}" if budgets else None
+        # (The caller's id where it gives one: the outage fallback's, which Redis may hold too.)
+        reservation_id = (admission_id or f"{self._id_prefix}{next(self._ids)}") if budgets else None
         expires = now + ttl_s
         for state in states:
             state.reserve(reservation_id, amount_pico_usd, expires)  # type: ignore[arg-type]

@@ -36,6 +36,7 @@ from gateway.state.base import (
     RevocationCallback,
     Settlement,
     Shortcuts,
+    admitted_mark,
 )
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,9 @@ end
 
 # KEYS: the limit keys, then (budget, budget:res, budget:exp) per budget.
 # ARGV: BUCKETS, number of limits, (limit, cost, window_ms, lease) per limit, then amount, reservation
-# ttl ms, reservation id, budget key ttl ms, then (limit, pool, seeded: 1 or 0) per budget.
+# ttl ms, reservation id, budget key ttl ms, then (limit, pool, seeded: 1 or 0) per budget, then the
+# ms to keep the admission's mark (0: none; else its key is the last of KEYS): set when admitted, it
+# says that the limits were counted, to a caller that lost the answer (DegradableState).
 # Returns {1, then (leased units, bucket, ms left in it, units the window holds now, ms until they
 # have all left it) per limit, then the pool per budget, then `spent` per budget} when admitted,
 # {0, 1, limit index, retry-after ms, units its window holds, ms until they have all left it} or
@@ -178,7 +181,8 @@ for i = 1, n do
 end
 local b0 = 3 + n * 4
 local amount = tonumber(ARGV[b0])
-local nb = (#KEYS - n) / 3
+local nb = math.floor((#KEYS - n) / 3)
+local mark_ms = tonumber(ARGV[b0 + 4 + nb * 3])
 local pools, spents, lost = {}, {}, {}
 for i = 0, nb - 1 do
   local k, res, exp = KEYS[n + i * 3 + 1], KEYS[n + i * 3 + 2], KEYS[n + i * 3 + 3]
@@ -256,6 +260,9 @@ for i = 0, nb - 1 do
   out[#out + 1] = pools[i + 1]
 end
 for i = 1, nb do out[#out + 1] = spents[i] end
+if mark_ms > 0 then
+  redis.call('SET', KEYS[#KEYS], '1', 'PX', mark_ms)
+end
 return out
 """
 )
@@ -634,10 +641,11 @@ class RedisState(Shortcuts):
         budgets: Sequence[Budget] = (),
         amount_pico_usd: int = 0,
         ttl_s: float = 600.0,
+        admission_id: str | None = None,
     ) -> Admission:
         if not limits and not budgets:
             return Admission(True)
-        reservation_id = random_hex(16) if budgets else None
+        reservation_id = (admission_id or random_hex(16)) if budgets else None
         args: list[int | str] = [BUCKETS, len(limits)]
         for limit in limits:
             args += [limit.limit, limit.cost, int(limit.window_s * 1000), limit.lease]
@@ -645,6 +653,13 @@ class RedisState(Shortcuts):
         for budget in budgets:
             args += [budget.limit_pico_usd, budget.pool_pico_usd, int(budget.seeded)]
         keys = [self._k(limit.key) for limit in limits] + self._budget_keys([b.key for b in budgets])
+        if admission_id is not None and limits:
+            # Kept while its units count (a window and its bucket): later, the units no longer count.
+            window_s = max(limit.window_s for limit in limits)
+            args.append(math.ceil(window_s * 1000 * (1 + 1 / BUCKETS)))
+            keys.append(self._k(admitted_mark(admission_id)))
+        else:
+            args.append(0)
         result = await self._call(self._admit, keys, args)
         if int(result[0]) == 1:
             n = len(limits)

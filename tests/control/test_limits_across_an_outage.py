@@ -401,3 +401,64 @@ async def test_a_request_admitted_in_an_outage_and_settled_after_it_holds_nothin
         await replica.drain()
         await state.close()
         await proxy.stop()
+
+
+class LateRedis(TcpProxy):
+    """127.0.0.1:<port> -> Redis, whose answers come `delay` seconds late while it is set: Redis runs
+    each call at once, and its caller gives up before the answer comes."""
+
+    delay = 0.0
+
+    async def forward(self, data: bytes, dst: asyncio.StreamWriter, upstream: bool) -> None:
+        if not upstream and self.delay:
+            await asyncio.sleep(self.delay)
+        await super().forward(data, dst, upstream)
+
+
+@pytest.mark.parametrize("settled", ["during", "after"])
+async def test_an_admission_whose_answer_redis_lost_counts_once_and_holds_nothing_after(
+    redis_prefix: str, settled: str
+) -> None:
+    """Redis ran the admission, and its answer came after the caller's timeout: the fallback admitted
+    the request again, under a reservation id of its own. Redis kept its reservation until it
+    expired (10 minutes) on top of the request's spend, and the fallback's count of the request was
+    added to Redis's own once Redis answered: the request counted twice on RPM. Now both sides hold
+    it under one id, released on both when it settles (during the outage or after it), and Redis's
+    mark of the admission keeps its units from being owed to it again."""
+    proxy = LateRedis(REDIS_PORT)
+    await proxy.start()
+    client = aioredis.from_url(f"redis://127.0.0.1:{proxy.port}/0")
+    state = DegradableState(RedisState(client, prefix=redis_prefix), timeout_s=0.2, retry_s=0.02)
+    replica = Admission(state, lambda: MICRO_PER_TOKEN)
+    direct = aioredis.from_url(REDIS_URL)
+    quotas = Quotas("t", None, tenant_rpm=10, tenant_budget_micro_usd=1_000)
+    budget = f"{redis_prefix}budget:pico:tenant:t:{dt.datetime.now(dt.UTC):%Y-%m}"
+
+    async def back() -> None:
+        proxy.delay = 0.0
+        async with asyncio.timeout(5):
+            while state.degraded:  # the prober hands Redis what was counted here, then switches back
+                await asyncio.sleep(0.01)
+
+    try:
+        # Redis has the scripts (an unknown one's answer, NOSCRIPT, is a call that did not run).
+        warm = Quotas("warm", None, tenant_rpm=10, tenant_budget_micro_usd=1_000)
+        await replica.admit(uuid.uuid4().hex, warm, "b", "m", prompt_tokens=1, max_output_tokens=0)
+        proxy.delay = 0.5
+        request_id = uuid.uuid4().hex
+        await replica.admit(request_id, quotas, "b", "m", prompt_tokens=100, max_output_tokens=0)
+        assert state.degraded  # admitted by the fallback; Redis ran it too
+        if settled == "after":
+            await back()
+        replica.settle(usage_event(request_id, cost_pico_usd=100 * 10**6))
+        replica.finish(request_id)
+        await replica.drain()
+        await back()
+        assert [int(v or 0) for v in await direct.hmget(budget, "spent", "reserved")] == [100 * 10**6, 0]
+        assert await window_total(direct, f"{redis_prefix}rpm:tenant:t") == 1
+        assert state.fallback.budget_usage_now(budget.removeprefix(redis_prefix)) in (None, (100 * 10**6, 0))
+    finally:
+        await replica.drain()
+        await state.close()
+        await direct.aclose()
+        await proxy.stop()
