@@ -577,6 +577,28 @@ def to_canonical(request: ResponsesRequest) -> ChatRequest:
         raise InvalidRequest(f"{exc}.", param="tool_choice.tools") from None
 
 
+# What the chat pipeline names a parameter (Weir's own checks on the canonical request, an
+# OpenAI-compatible backend's 400), as a Responses request names it: the client never sent
+# `max_completion_tokens` or `messages`. Messages do not map one to one onto input items (instructions
+# are one, a turn's calls several items), so a message's fault names `input`, which holds it.
+_CHAT_PARAMS = (
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("reasoning_effort", "reasoning.effort"),
+    ("messages", "input"),
+)
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat request's parameter, as the Responses request it was translated from names it."""
+    for chat, ours in _CHAT_PARAMS:
+        if param is not None and (param == chat or param.startswith((f"{chat}.", f"{chat}["))):
+            return ours if chat == "messages" else ours + param.removeprefix(chat)
+    return param
+
+
 # --- responses -----------------------------------------------------------------------------------
 
 
@@ -1092,7 +1114,9 @@ class _StreamWriter:
     def fail(self, error: GatewayError) -> None:
         for index in (*self.passing, *(() if self.open is None else (self.open,))):
             self.output[index]["status"] = "incomplete"  # as far as it got, a passed item's too
-        self.emit("error", code=error.code or error.type, message=error.message, param=error.param)
+        self.emit(
+            "error", code=error.code or error.type, message=error.message, param=responses_param(error.param)
+        )
         code = "rate_limit_exceeded" if error.status == 429 else "server_error"
         failed = {
             **self.response,

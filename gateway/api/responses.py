@@ -10,8 +10,14 @@ from litestar.response import Stream
 
 from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
-from gateway.errors import NotFound
-from gateway.responses_inbound import ResponsesRequest, from_canonical, stream_events, to_canonical
+from gateway.errors import GatewayError, NotFound
+from gateway.responses_inbound import (
+    ResponsesRequest,
+    from_canonical,
+    responses_param,
+    stream_events,
+    to_canonical,
+)
 from gateway.types import ChatResponse
 
 PATH = "/v1/responses"
@@ -24,7 +30,11 @@ async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
     # `metadata` tags a stored response: Weir stores none, so it only reaches route conditions (and the
     # echo); upstream, OpenAI's chat API refuses it without `store` and Mistral refuses it outright.
     canonical, metadata = to_canonical(body), body.metadata or {}
-    result = await run_chat(gateway, call, canonical, output_param="max_output_tokens", metadata=metadata)
+    try:
+        result = await run_chat(gateway, call, canonical, output_param="max_output_tokens", metadata=metadata)
+    except GatewayError as error:
+        error.param = responses_param(error.param)  # a backend's 400 names the chat request's
+        raise
     if isinstance(result, ChatResponse):
         return json_response(from_canonical(result, body))
     return Stream(stream_events(result, body), media_type="text/event-stream", headers=SSE_HEADERS)

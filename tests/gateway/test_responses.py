@@ -13,7 +13,8 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from gateway.responses_inbound import ResponsesRequest, stream_events, to_canonical
+from gateway.errors import InvalidRequest
+from gateway.responses_inbound import ResponsesRequest, responses_param, stream_events, to_canonical
 from gateway.types import (
     ChatChunk,
     ChunkChoice,
@@ -493,6 +494,49 @@ def test_upstream_failure_is_an_openai_error(
 
 
 @pytest.mark.parametrize(
+    ("model", "extra", "param"),
+    [
+        # OpenAI's chat API names the limit it got, `max_completion_tokens`.
+        ("gpt-4o-mini", {"max_output_tokens": 10**6}, "max_output_tokens"),
+        # Weir's own check of the chat messages it made (`messages[0].tool_call_id`).
+        (
+            "gemini-flash",
+            {"input": [{"type": "function_call_output", "call_id": "zz", "output": "x"}]},
+            "input",
+        ),
+    ],
+    ids=["upstream", "weir"],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_400_from_the_chat_pipeline_names_the_responses_parameter(
+    gateway: RunningGateway, model: str, extra: dict[str, Any], param: str, stream: bool
+) -> None:
+    """A Responses request runs as a chat request, whose 400s named its parameters
+    (`max_completion_tokens`, `messages[0]...`): ones a Responses client never sent."""
+    body: dict[str, Any] = {"model": model, "input": "hi", **extra}
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().responses.create(**body, stream=stream)
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("chat", "ours"),
+    [
+        ("max_tokens", "max_output_tokens"),
+        ("response_format.json_schema.schema", "text.format.schema"),
+        ("response_format", "text.format"),
+        ("reasoning_effort", "reasoning.effort"),
+        ("messages[3].content[0].image_url.url", "input"),
+        ("tools[0]", "tools[0]"),  # the same in both
+        ("max_tokens_to_sample", "max_tokens_to_sample"),  # a prefix of a name is not the name
+        (None, None),
+    ],
+)
+def test_chat_parameters_in_responses_words(chat: str | None, ours: str | None) -> None:
+    assert responses_param(chat) == ours
+
+
+@pytest.mark.parametrize(
     "fault", [Fault.cut_stream(after=2), Fault.stream_error(after=2)], ids=["cut", "error-event"]
 )
 def test_stream_broken_midway_ends_with_error_and_failed(
@@ -606,6 +650,22 @@ async def test_an_empty_answer_is_still_a_message() -> None:
         "response.completed",
     ]
     assert events[-1].response.output_text == ""
+
+
+async def test_a_400_after_the_stream_started_names_the_responses_parameter() -> None:
+    """A stream cut midway goes on on another candidate, whose 400 named the chat request's
+    `max_completion_tokens` in the `error` event."""
+
+    async def batches() -> AsyncIterator[list[ChatChunk]]:
+        yield [_chunk(Delta(role="assistant", content="Hel"))]
+        raise InvalidRequest("max_completion_tokens is too large", param="max_completion_tokens")
+
+    written = b"".join([p async for p in stream_events(batches(), ResponsesRequest(model="m", input="hi"))])
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_json(f.split(b"\ndata: ", 1)[1]) for f in written.strip().split(b"\n\n")]
+    error = events[-2]
+    assert error.type == "error" and error.param == "max_output_tokens"
+    assert events[-1].type == "response.failed"
 
 
 def test_reasoning_comes_as_a_reasoning_item_first(gateway: RunningGateway) -> None:
