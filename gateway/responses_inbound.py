@@ -479,9 +479,14 @@ def custom_tools(request: ResponsesRequest) -> frozenset[str]:
     return frozenset(str(t.get("name")) for t in request.tools or () if t.get("type") == "custom")
 
 
-def _tool_choice(choice: ToolChoice | ToolChoiceObject | None) -> ToolChoice | None:
+def _tool_choice(choice: ToolChoice | ToolChoiceObject | None, built_in: bool) -> ToolChoice | None:
+    """The canonical tool choice. `built_in`: the request has built-in tools, which OpenAI's Responses
+    API alone runs (chat candidates are passed over), so a choice of one is for it to judge: it gets
+    the choice as sent (`ChatRequest.responses`), the canonical request "required"."""
     if not isinstance(choice, ToolChoiceObject):
         return choice
+    if built_in and choice.type not in ("allowed_tools", "function", "custom"):
+        return "required"
     if choice.type == "allowed_tools":
         # Responses names each tool flat ({"type": "function", "name"}); chat nests it under `function`.
         # Custom tools are functions there too; a built-in tool is no function (400 naming it).
@@ -554,7 +559,8 @@ def to_canonical(request: ResponsesRequest) -> ChatRequest:
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise InvalidRequest("'max_output_tokens' must be at least 1.", param="max_output_tokens")
     messages, tools = _messages(request), _tools(request.tools or [])
-    tool_choice, response_format = _tool_choice(request.tool_choice), _response_format(request.text)
+    built_in = any(raw.get("type") not in ("function", "custom") for raw in request.tools or ())
+    tool_choice, response_format = _tool_choice(request.tool_choice, built_in), _response_format(request.text)
     try:
         return ChatRequest(
             model=request.model,
