@@ -488,6 +488,11 @@ def _tool_choice(choice: ToolChoice | ToolChoiceObject | None, built_in: bool) -
     if built_in and choice.type not in ("allowed_tools", "function", "custom"):
         return "required"
     if choice.type == "allowed_tools":
+        listed = choice.tools or []
+        if built_in and any(t.get("type") not in ("function", "custom") for t in listed):
+            # Built-in tools among those allowed: for OpenAI's Responses API to resolve, as sent; the
+            # canonical request says only whether a call is a must.
+            return "required" if choice.mode == "required" else "auto"
         # Responses names each tool flat ({"type": "function", "name"}); chat nests it under `function`.
         # Custom tools are functions there too; a built-in tool is no function (400 naming it).
         tools = [
@@ -495,7 +500,7 @@ def _tool_choice(choice: ToolChoice | ToolChoiceObject | None, built_in: bool) -
                 "type": "function" if t.get("type") == "custom" else t.get("type"),
                 "function": {"name": t.get("name")},
             }
-            for t in choice.tools or ()
+            for t in listed
         ]
         allowed = _convert({"mode": choice.mode, "tools": tools}, AllowedTools, "tool_choice")
         return AllowedToolsChoice(allowed_tools=allowed)

@@ -178,23 +178,33 @@ def test_built_in_tools_pass_chat_candidates_over_for_the_responses_api(
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "tools[0].type"
 
 
+@pytest.mark.parametrize(
+    ("choice", "param"),
+    [
+        ({"type": "web_search_preview"}, "tool_choice.type"),
+        (
+            {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "web_search_preview"}, SHELL]},
+            "tool_choice.tools[0].type",
+        ),
+    ],
+    ids=["forced", "allowed"],
+)
 def test_a_built_in_tool_choice_reaches_the_responses_api(
-    gateway: RunningGateway, fake_openai: FakeOpenAI
+    gateway: RunningGateway, fake_openai: FakeOpenAI, choice: Any, param: str
 ) -> None:
-    """Forcing a built-in tool was a 400 (`tool_choice.type`) before any backend was tried, though
-    OpenAI's Responses API, which gets the tools as sent, runs it."""
-    choice: Any = {"type": "web_search_preview"}
+    """Choosing a built-in tool was a 400 before any backend was tried, though OpenAI's Responses
+    API, which gets the tools and the choice as sent, runs it."""
     tools = [{"type": "web_search_preview"}, SHELL]
     raw = gateway.openai().responses.with_raw_response.create(
         model="claude-then-codex", input="search the web", tools=tools, tool_choice=choice, store=False
     )
-    assert raw.parse().tool_choice.type == "web_search_preview"  # type: ignore[union-attr]
+    assert raw.parse().tool_choice.type == choice["type"]  # type: ignore[union-attr]
     assert "claude-sonnet:unsupported" in raw.headers["x-weir-route"]
     assert fake_openai.posts[-1].json["tool_choice"] == choice
     # Without the tool to run, still Weir's own 400, whatever the backend.
     with pytest.raises(openai.BadRequestError) as caught:
         gateway.openai().responses.create(model="codex", input="hi", tools=[SHELL], tool_choice=choice)
-    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "tool_choice.type"
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == param
 
 
 def test_a_stream_that_breaks_midway_goes_on_elsewhere_in_order(
