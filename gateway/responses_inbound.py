@@ -182,7 +182,7 @@ class TextFormat(Base):
 
 class TextConfig(Base):
     format: TextFormat | None = None
-    verbosity: str | None = None  # for OpenAI's Responses API alone; no backend-independent equivalent
+    verbosity: str | None = None  # chat's `verbosity` (`_SAME_IN_CHAT`); Claude and Gemini have none
 
 
 class Reasoning(Base):
@@ -192,10 +192,10 @@ class Reasoning(Base):
 
 class ResponsesRequest(Base):
     """The body of POST /v1/responses. Top-level fields not modelled here (stream_options, ...) are
-    accepted and ignored; the Responses-only ones modelled (include, the reasoning summary, the text's
-    verbosity, custom and built-in tools) reach OpenAI's Responses API alone (`ChatRequest.responses`):
-    a chat endpoint upstream would refuse them. The prompt cache settings and safety identifier reach
-    both (`_SAME_IN_CHAT`)."""
+    accepted and ignored; the Responses-only ones modelled (include, the reasoning summary, custom and
+    built-in tools) reach OpenAI's Responses API alone (`ChatRequest.responses`): a chat endpoint
+    upstream would refuse them. The prompt cache settings, safety identifier and the text's verbosity
+    reach both (`_SAME_IN_CHAT`)."""
 
     model: str
     # Items stay dicts until converted one by one: a message item may omit its `type`, which a
@@ -541,20 +541,23 @@ def _responses_only(request: ResponsesRequest) -> dict[str, Any]:
         "prompt_cache_retention": request.prompt_cache_retention,
         "safety_identifier": request.safety_identifier,
         "reasoning_summary": request.reasoning.summary if request.reasoning else None,
-        "verbosity": request.text.verbosity if request.text else None,
     }
     return {name: value for name, value in settings.items() if value is not None}
 
 
-# Responses settings that chat completions takes under the same name: as a chat client's own unmodelled
-# parameters (`ChatRequest.extra`) they reach an OpenAI-compatible chat backend too, and Claude's
+# Responses settings that chat completions takes under the same name (the text's verbosity as
+# `verbosity`): as a chat client's own unmodelled parameters (`ChatRequest.extra`) they reach an
+# OpenAI-compatible chat backend too (and OpenAI's Responses API, as a chat client's do), and Claude's
 # `metadata.user_id` the safety identifier. Kept to the Responses API alone, a Responses client's prompt
-# cache was routed otherwise than it asked whenever its model was served on chat completions.
+# cache was routed otherwise than it asked, and gpt-5 answered at its default length, whenever its
+# model was served on chat completions.
 _SAME_IN_CHAT = ("prompt_cache_key", "prompt_cache_retention", "safety_identifier")
 
 
 def _chat_too(request: ResponsesRequest) -> dict[str, Any]:
-    return {name: value for name in _SAME_IN_CHAT if (value := getattr(request, name)) is not None}
+    settings = {name: getattr(request, name) for name in _SAME_IN_CHAT}
+    settings["verbosity"] = request.text.verbosity if request.text else None
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 def to_canonical(request: ResponsesRequest) -> ChatRequest:

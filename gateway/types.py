@@ -263,7 +263,7 @@ class ChatRequest(Base):
     # Gemini cache prompts on their own.
     cache_control: dict[str, Any] | None = None
     # Internal, from a Responses client only: its Responses-only settings as it sent them (`tools` with
-    # custom and built-in ones, `tool_choice`, `include`, `reasoning.summary`, `text.verbosity`,
+    # custom and built-in ones, `tool_choice`, `include`, `reasoning.summary`,
     # `prompt_cache_key`), for OpenAI's Responses API (`gateway.providers.openai_responses`). Other
     # adapters refuse built-in tools (`gateway.providers.base.refuse_builtin_tools`) and ignore the rest.
     responses: dict[str, Any] | None = None

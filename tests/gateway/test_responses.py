@@ -142,20 +142,23 @@ def test_request_reaches_openai_as_chat(gateway: RunningGateway, fake_openai: Fa
 def test_prompt_cache_and_safety_settings_reach_a_chat_backend_too(
     gateway: RunningGateway, fake_openai: FakeOpenAI, fake_anthropic: FakeAnthropic
 ) -> None:
-    """Chat completions takes `prompt_cache_key`, `prompt_cache_retention` and `safety_identifier` under
-    the same names: a Responses client's reached OpenAI's Responses API but not its chat completions,
+    """Chat completions takes `prompt_cache_key`, `prompt_cache_retention`, `safety_identifier` and
+    `text.verbosity` (as `verbosity`) under the same names: a Responses client's reached OpenAI's Responses API but not its chat completions,
     whose prompt cache was then routed otherwise than the client asked; Claude takes the safety
     identifier as its end-user id, as it does a chat client's."""
     settings = {"prompt_cache_key": "thread-1", "prompt_cache_retention": "24h", "safety_identifier": "u-1"}
     client = gateway.openai()
-    client.responses.create(model="gpt-4o-mini", input="hi", user="old-style", extra_body=settings)
+    text: Any = {"verbosity": "low"}  # chat's `verbosity`: gpt-5 answered at its default length
+    client.responses.create(model="gpt-4o-mini", input="hi", user="old-style", text=text, extra_body=settings)
     sent = fake_openai.last_request.json
     assert {name: sent.get(name) for name in settings} == settings
-    assert sent["user"] == "old-style"
-    client.responses.create(model="claude-sonnet", input="hi", user="old-style", extra_body=settings)
+    assert sent["user"] == "old-style" and sent["verbosity"] == "low"
+    client.responses.create(
+        model="claude-sonnet", input="hi", user="old-style", text=text, extra_body=settings
+    )
     claude = fake_anthropic.last_request.json
     assert claude["metadata"] == {"user_id": "u-1"}
-    assert not {"prompt_cache_key", "prompt_cache_retention", "safety_identifier"} & set(claude)
+    assert not {"prompt_cache_key", "prompt_cache_retention", "safety_identifier", "verbosity"} & set(claude)
 
 
 def test_metadata_is_echoed_but_never_sent_upstream(gateway: RunningGateway, fake_openai: FakeOpenAI) -> None:
