@@ -17,7 +17,7 @@ from typing import Any
 from litestar import get
 from sqlalchemy import Integer, and_, case, func, select
 
-from gateway.admin.router import AdminContext, AdminError, tenant_or_404
+from gateway.admin.router import AdminContext, checked_limit, tenant_or_404
 from gateway.db.models import Comparison
 from routing.compare import ACCEPTABLE, needs_strong
 from routing.ranking import head_ranking
@@ -35,8 +35,7 @@ def _passes(condition: Any) -> Any:
 async def list_comparisons(
     tenant_id: str, ctx: AdminContext, route: str | None = None, limit: int = 100
 ) -> dict[str, Any]:
-    if not 1 <= limit <= 1000:
-        raise AdminError(400, "limit must be within [1, 1000]", "invalid_value", "limit")
+    checked_limit(limit, 1000)
     where = [Comparison.tenant_id == tenant_id]
     if route is not None:
         where.append(Comparison.route == route)

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, get, post
-from sqlalchemy import or_, select
+from sqlalchemy import and_, or_, select
 
 from gateway.accounting.money import format_usd, pico_to_usd
 from gateway.accounting.pricing import USAGE_FIELD, TokenClass
@@ -120,13 +120,21 @@ async def recent_requests(
     """Newest first. `tenant` (id), `model` (requests with an attempt on that upstream model, or for
     that public name: a route), `status` (`ok`, `error` or an HTTP code, matched against the attempt
     that answered, else the request's last attempt)."""
-    from gateway.admin.router import AdminError  # the router imports this module
+    from gateway.admin.router import AdminError, checked_limit  # the router imports this module
 
     if status not in (None, "", "ok", "error") and not (status or "").isdigit():
         raise AdminError(400, "status must be ok, error or an HTTP status code", "invalid_value", "status")
-    limit = max(1, min(limit, MAX_LIMIT))
+    checked_limit(limit, MAX_LIMIT)
     page_rows = limit * ATTEMPTS_PER_REQUEST
-    newest = select(*REQUEST_KEY).order_by(UsageEventRow.ts.desc()).limit(page_rows)
+    # In (ts, event_id) order, each page read from where the last ended (a keyset): with OFFSET over
+    # `ts` alone, attempts of one timestamp across a page boundary came in any order, so a page could
+    # repeat some and skip others (a request missing from the log), and attempts written between two
+    # pages shifted the next one.
+    newest = (
+        select(*REQUEST_KEY, UsageEventRow.ts, UsageEventRow.event_id)
+        .order_by(UsageEventRow.ts.desc(), UsageEventRow.event_id.desc())
+        .limit(page_rows)
+    )
     if tenant:
         newest = newest.where(UsageEventRow.tenant_id == tenant)
     if model:
@@ -138,12 +146,14 @@ async def recent_requests(
     seen: set[tuple[str | None, str, str | None]] = set()
     async with ctx.sessions() as session:
         names = dict((await session.execute(select(Tenant.id, Tenant.name))).tuples().all())
-        for page in range(MAX_PAGES):
-            found = (await session.execute(newest.offset(page * page_rows))).tuples().all()
+        page = newest
+        for _ in range(MAX_PAGES):
+            found = (await session.execute(page)).tuples().all()
             # Newest first. A client may send its own x-request-id, on many requests: they are kept
             # apart by tenant and by the gateway's own id of each exchange.
+            keys = [(tenant_id, request_id, exchange_id) for tenant_id, request_id, exchange_id, *_ in found]
             grouped: dict[tuple[str | None, str, str | None], list[UsageEventRow]] = {
-                key: [] for key in dict.fromkeys(found) if key not in seen
+                key: [] for key in dict.fromkeys(keys) if key not in seen
             }
             seen.update(grouped)
             attempts = (
@@ -166,6 +176,13 @@ async def recent_requests(
                     return {"data": data}
             if len(found) < page_rows:
                 break  # the ledger holds no older attempts
+            *_, last_ts, last_id = found[-1]
+            page = newest.where(
+                or_(
+                    UsageEventRow.ts < last_ts,
+                    and_(UsageEventRow.ts == last_ts, UsageEventRow.event_id < last_id),
+                )
+            )
     return {"data": data}
 
 

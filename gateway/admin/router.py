@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import unicodedata
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ EVICT_ALL = "*"
 BACKDATE_TOLERANCE = dt.timedelta(minutes=1)
 BUDGET = "budget_usd_monthly"
 MAX_AUDIT_ID = 2**31 - 1  # audit_log.id is a 32-bit integer
+MAX_AUDIT_LIMIT = 1000  # entries in one page of GET /audit
 
 
 class AdminError(Exception):
@@ -207,6 +209,28 @@ def decode(body: bytes, type_: type[T]) -> T:
 
 def _enter_amount(what: str, decimals: int) -> str:
     return f"Enter {what} as a plain number with up to {decimals} decimals, such as 2.50 (no $ or commas)"
+
+
+def admin_name(value: str, param: str) -> str:
+    """A name an admin typed (a tenant's, a key's), trimmed as the UI trims it, or a 400: one empty once
+    trimmed or holding a control character (a tab, a newline, U+0085) reads as another name, or as
+    none, on every page and in every report that shows it."""
+    name = value.strip()
+    if not name:
+        raise AdminError(400, f"{param} must not be empty or only spaces", "invalid_value", param)
+    if any(unicodedata.category(c) == "Cc" for c in name):
+        raise AdminError(
+            400, f"{param} must not contain control characters, got {name!r}", "invalid_value", param
+        )
+    return name
+
+
+def checked_limit(limit: int, most: int) -> int:
+    """A list endpoint's `limit` query parameter, or a 400 naming its range: clamped silently, a
+    client asking for more than the most got fewer rows and no word of it."""
+    if not 1 <= limit <= most:
+        raise AdminError(400, f"limit must be between 1 and {most}, got {limit}", "invalid_value", "limit")
+    return limit
 
 
 def _usd(micro: int | None) -> str | None:
@@ -395,10 +419,11 @@ def refuse_config_name(ctx: AdminContext, name: str) -> None:
 @post("/tenants", status_code=201)
 async def create_tenant(request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = decode(await request.body(), TenantCreate)
-    refuse_config_name(ctx, body.name)
+    name = admin_name(body.name, "name")
+    refuse_config_name(ctx, name)
     async with ctx.write() as (session, audit):
         tenant = Tenant(
-            name=body.name,
+            name=name,
             budget_micro_usd_monthly=_budget_micro(body.budget_usd_monthly),
             rpm=body.rpm,
             tpm=body.tpm,
@@ -434,41 +459,56 @@ async def get_tenant(tenant_id: str, ctx: AdminContext) -> dict[str, Any]:
 @patch("/tenants/{tenant_id:str}")
 async def update_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = decode(await request.body(), TenantPatch)
-    if body.name is not msgspec.UNSET:
-        refuse_config_name(ctx, body.name)
-    from gateway.admin.routes import rename_tenant_in_routes  # it imports this module
+    name = admin_name(body.name, "name") if body.name is not msgspec.UNSET else None
+    if name is not None:
+        refuse_config_name(ctx, name)
+    from gateway.admin.routes import lock_route_callers, rename_tenant_in_routes  # it imports this module
 
     routes_renamed = False
     async with ctx.write() as (session, audit):
+        if name is not None:
+            # Before the tenant is read: a route write naming the old name waits, or is waited for.
+            await lock_route_callers(session)
         tenant = await db_tenant_or_error(ctx, session, tenant_id)
         before = tenant_json(tenant)
-        if body.name is not msgspec.UNSET and body.name != tenant.name:
+        if name is not None and name != tenant.name:
             # Routes' `when.tenants` know the tenant by name: they follow it to the new one.
-            routes_renamed = await rename_tenant_in_routes(session, audit, tenant.name, body.name)
-            tenant.name = body.name
+            routes_renamed = await rename_tenant_in_routes(session, audit, tenant.name, name)
+            tenant.name = name
         if body.budget_usd_monthly is not msgspec.UNSET:
             tenant.budget_micro_usd_monthly = _budget_micro(body.budget_usd_monthly)
         if body.rpm is not msgspec.UNSET:
             tenant.rpm = body.rpm
         if body.tpm is not msgspec.UNSET:
             tenant.tpm = body.tpm
-        for name in ("max_messages", "max_concurrent_streams", "store_prompts", "prompt_retention_days"):
-            if getattr(body, name) is not msgspec.UNSET:
-                setattr(tenant, name, getattr(body, name))
+        for field in ("max_messages", "max_concurrent_streams", "store_prompts", "prompt_retention_days"):
+            if getattr(body, field) is not msgspec.UNSET:
+                setattr(tenant, field, getattr(body, field))
         await session.flush()
-        audit("update", "tenant", tenant.id, before, tenant_json(tenant))
-    await ctx.state.publish_revocation(EVICT_ALL)  # replicas reload limits with the next request
+        after = tenant_json(tenant)
+        changed = _without_stamp(after) != _without_stamp(before)
+        if changed:  # a PATCH that changes nothing (`{}`, the values it has) is no change to audit
+            audit("update", "tenant", tenant.id, before, after)
+    if changed:
+        await ctx.state.publish_revocation(EVICT_ALL)  # replicas reload limits with the next request
     gateway = getattr(request.app.state, "gateway", None)
     if routes_renamed and gateway is not None and gateway.router.store is not None:
         await gateway.router.store.refresh()  # in force here at once; the other replicas poll
-    return tenant_json(tenant)
+    return after
+
+
+def _without_stamp(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != "updated_at"}
 
 
 @delete("/tenants/{tenant_id:str}", status_code=204)
 async def delete_tenant(tenant_id: str, request: Request, ctx: AdminContext) -> None:
-    from gateway.admin.routes import forget_tenant_in_routes  # it imports this module
+    from gateway.admin.routes import forget_tenant_in_routes, lock_route_callers  # it imports this module
 
     async with ctx.write() as (session, audit):
+        # Before the routes are read: a route write naming the tenant or its keys, checked against
+        # them while this delete had not committed, would otherwise be stored naming none.
+        await lock_route_callers(session)
         tenant = await db_tenant_or_error(ctx, session, tenant_id)
         keys = (
             await session.execute(select(ApiKey.id, ApiKey.key_hash).where(ApiKey.tenant_id == tenant_id))
@@ -516,6 +556,7 @@ async def refuse_unknown_models(ctx: AdminContext, models: Sequence[str]) -> Non
 @post("/tenants/{tenant_id:str}/keys", status_code=201)
 async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = decode(await request.body(), KeyCreate)
+    name = None if body.name is None else admin_name(body.name, "name")
     if body.models is not None and not body.models:
         # Shown once and never usable: every request of it refused, as a typo in `models` was.
         raise AdminError(
@@ -545,7 +586,7 @@ async def create_key(tenant_id: str, request: Request, ctx: AdminContext) -> dic
         await db_tenant_or_error(ctx, session, tenant_id)
         row = ApiKey(
             tenant_id=tenant_id,
-            name=body.name,
+            name=name,
             prefix=prefix,
             key_hash=digest,
             models=body.models,
@@ -732,7 +773,7 @@ async def audit_log(
     """Newest first. `before` (an entry's `id`): the entries older than it, so the whole log can be
     paged through (only the newest 1,000 could be read); `entity_id`: one tenant's, key's or route's
     history, however many other changes came after it."""
-    limit = max(1, min(limit, 1000))
+    checked_limit(limit, MAX_AUDIT_LIMIT)
     async with ctx.sessions() as session:
         query = select(AuditLog).order_by(AuditLog.id.desc()).limit(limit)
         if entity:

@@ -209,9 +209,26 @@ async def _lock_name(session: AsyncSession, name: str) -> None:
     advisory lock on the name: the second waits for the first to end, and its count (a new
     snapshot, at READ COMMITTED) sees what the first wrote. On SQLite the writes are serial already:
     the row's claim (`_claimed`) takes the database's write lock before the count."""
+    await _advisory_lock(session, b"weir-route-name\0" + name.encode())
+
+
+async def lock_route_callers(session: AsyncSession) -> None:
+    """Hold the tenants and keys that routes' `when` may name until the transaction ends: taken first
+    by every route write (before `_refuse_unknown_callers` checks them, and before any other lock, so
+    the order is one) and by a tenant's delete or rename before it rewrites the routes naming it.
+    Without it a route written while a delete of its tenant had not committed passed the check, the
+    delete did not see the route, and the route was stored naming a tenant that was gone (a later
+    tenant of that name got it); and a rename's rewrite of a route read before a PUT of it committed
+    undid that PUT. One lock for all of them: route writes and tenant deletes are rare. PostgreSQL
+    only, as `_lock_name`."""
+    await _advisory_lock(session, b"weir-route-callers")
+
+
+async def _advisory_lock(session: AsyncSession, key: bytes) -> None:
+    """A PostgreSQL transaction advisory lock on `key` (hashed to its 64-bit id); nothing on SQLite."""
     if session.get_bind().dialect.name != "postgresql":
         return
-    digest = hashlib.blake2b(b"weir-route-name\0" + name.encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
     await session.execute(select(func.pg_advisory_xact_lock(int.from_bytes(digest, "big", signed=True))))
 
 
@@ -358,6 +375,7 @@ def _model_output_limits(router: Router) -> dict[str, int]:
 async def create_route(request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = await request.body()
     async with ctx.write() as (session, audit):
+        await lock_route_callers(session)
         route, position = await _checked(request, body, session)
         if position is None:
             # After every other route. Past the last position that is the last one itself: routes
@@ -383,17 +401,19 @@ async def get_route(route_id: int, ctx: AdminContext) -> dict[str, Any]:
 async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> dict[str, Any]:
     body = await request.body()
     async with ctx.write() as (session, audit):
+        await lock_route_callers(session)
         route, position = await _checked(request, body, session, route_id)
         row = await _claimed(request, session, route_id)
         await _still_named(request, session, row, route.name)
         before = route_json(row)
-        # Stamped once the row is held: on SQLite no other write comes before this one commits.
-        updated_at = await stamp(session, utcnow())
-        row.name, row.spec, row.updated_at = route.name, route_spec(route), updated_at
-        if position is not None:
-            row.position = position
-        await session.flush()
-        audit("update", "route", str(row.id), before, route_json(row))
+        spec, position = route_spec(route), row.position if position is None else position
+        if (row.name, row.spec, row.position) != (route.name, spec, position):
+            # Stamped once the row is held: on SQLite no other write comes before this one commits.
+            # A PUT of the route as it is changes nothing: no new `updated_at`, no audit entry.
+            updated_at = await stamp(session, utcnow())
+            row.name, row.spec, row.position, row.updated_at = route.name, spec, position, updated_at
+            await session.flush()
+            audit("update", "route", str(row.id), before, route_json(row))
     await _applied(request, row.id)
     return route_json(row)
 
@@ -401,6 +421,7 @@ async def replace_route(route_id: int, request: Request, ctx: AdminContext) -> d
 @delete("/routes/{route_id:int}", status_code=204)
 async def delete_route(route_id: int, request: Request, ctx: AdminContext) -> None:
     async with ctx.write() as (session, audit):
+        await lock_route_callers(session)
         row = await _claimed(request, session, route_id)
         await _still_named(request, session, row)
         audit("delete", "route", str(row.id), route_json(row), None)

@@ -16,7 +16,7 @@ import msgspec
 from litestar import Request, delete, get, put
 from sqlalchemy import select
 
-from gateway.admin.router import AdminContext, AdminError, decode, tenant_or_404
+from gateway.admin.router import AdminContext, AdminError, checked_limit, decode, tenant_or_404
 from gateway.credentials import context
 from gateway.db.models import BackendCredential, StoredPrompt, utcnow
 from gateway.prompts import read_body
@@ -144,6 +144,7 @@ async def delete_credential(name: str, request: Request[Any, Any, Any], ctx: Adm
 
 @get("/tenants/{tenant_id:str}/prompts")
 async def list_prompts(tenant_id: str, ctx: AdminContext, limit: int = 100) -> dict[str, Any]:
+    checked_limit(limit, 1000)
     async with ctx.sessions() as session:
         await tenant_or_404(session, tenant_id)
         rows = (
@@ -151,7 +152,7 @@ async def list_prompts(tenant_id: str, ctx: AdminContext, limit: int = 100) -> d
                 select(StoredPrompt.request_id, StoredPrompt.ts, StoredPrompt.endpoint, StoredPrompt.status)
                 .where(StoredPrompt.tenant_id == tenant_id)
                 .order_by(StoredPrompt.ts.desc())
-                .limit(max(1, min(limit, 1000)))
+                .limit(limit)
             )
         ).all()
     return {

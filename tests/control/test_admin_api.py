@@ -19,6 +19,7 @@ import pytest
 from litestar import Litestar
 from sqlalchemy import event as sa_event
 from sqlalchemy import select, text
+from sqlalchemy.util import await_only
 
 from gateway.accounting.catalog import load_catalog
 from gateway.accounting.events import UsageEvent
@@ -463,7 +464,8 @@ async def test_a_moment_off_the_calendar_in_utc_is_a_400_not_a_500(env: Env, mom
 async def test_text_with_a_nul_character_is_a_400_not_a_500(env: Env) -> None:
     """PostgreSQL cannot store U+0000 in text and refuses even to compare with it: a tenant or key
     named with one, or a tenant id with one in the path, was a 500 there. It is a 400 naming the
-    problem; SQLite stores such a name as it is."""
+    problem: a name with one on every database (a control character), an id in a path on PostgreSQL
+    (SQLite finds no such tenant or key: a 404)."""
     c = env.client
     postgres = env.engine.dialect.name == "postgresql"
     tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
@@ -478,7 +480,10 @@ async def test_text_with_a_nul_character_is_a_400_not_a_500(env: Env) -> None:
     for method, url, body in calls:
         r = await c.request(method, url, json=body, headers=AUTH)
         assert r.status_code < 500, (method, url, r.text)
-        if postgres:
+        if body is not None:
+            error = assert_openai_error(r, 400, "name")
+            assert error["code"] == "invalid_value" and "control characters" in error["message"]
+        elif postgres:
             error = assert_openai_error(r, 400)
             assert error["code"] == "invalid_value" and "NUL" in error["message"]
     if postgres:
@@ -1579,3 +1584,124 @@ async def test_the_usage_report_groups_by_route_from_rollups_and_ledger_alike(en
         ("m1", "1"),
     ]
     assert text.startswith("route,requests,")
+
+
+@pytest.mark.parametrize("name", ["   ", "ac\tme", "ac\nme", "acme\x7f", "ac\x85me"])
+async def test_a_name_empty_once_trimmed_or_with_a_control_character_is_refused(env: Env, name: str) -> None:
+    """The UI trims names; the API took them as sent, so a tenant or key named " acme" or "ac\\nme"
+    read as another name (or none) on every page and report. Refused with a 400, nothing stored."""
+    c = env.client
+    assert_openai_error(await c.post("/admin/api/v1/tenants", json={"name": name}, headers=AUTH), 400, "name")
+    tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
+    path = f"/admin/api/v1/tenants/{tenant['id']}"
+    assert_openai_error(await c.patch(path, json={"name": name}, headers=AUTH), 400, "name")
+    assert_openai_error(await c.post(f"{path}/keys", json={"name": name}, headers=AUTH), 400, "name")
+    assert (await c.get(path, headers=AUTH)).json()["name"] == "acme"
+    assert (await c.get(f"{path}/keys", headers=AUTH)).json()["data"] == []
+    assert [t["name"] for t in (await c.get("/admin/api/v1/tenants", headers=AUTH)).json()["data"]] == [
+        "acme"
+    ]
+
+
+async def test_names_are_stored_trimmed_as_the_ui_sends_them(env: Env) -> None:
+    c = env.client
+    created = await c.post("/admin/api/v1/tenants", json={"name": "  acme \n"}, headers=AUTH)
+    assert created.status_code == 201, created.text
+    assert created.json()["name"] == "acme"
+    path = f"/admin/api/v1/tenants/{created.json()['id']}"
+    # Another tenant named as this one once trimmed is the same name: a conflict, not a second tenant.
+    assert_openai_error(await c.post("/admin/api/v1/tenants", json={"name": "acme "}, headers=AUTH), 409)
+    renamed = await c.patch(path, json={"name": " beta "}, headers=AUTH)
+    assert renamed.status_code == 200 and renamed.json()["name"] == "beta"
+    key = await c.post(f"{path}/keys", json={"name": " app "}, headers=AUTH)
+    assert key.status_code == 201 and key.json()["name"] == "app"
+
+
+@pytest.mark.parametrize(
+    ("path", "most"),
+    [
+        ("/admin/api/v1/audit", 1000),
+        ("/admin/api/v1/requests", 500),
+        ("/admin/api/v1/tenants/{id}/prompts", 1000),
+        ("/admin/api/v1/tenants/{id}/comparisons", 1000),
+    ],
+)
+async def test_a_limit_out_of_range_is_refused_alike_on_every_list(env: Env, path: str, most: int) -> None:
+    """`limit` was clamped on /audit, /requests and /prompts (a client asking for 5,000 got 1,000 and
+    no word of it) but refused on /comparisons: refused on each, naming its range."""
+    tenant = (await env.client.post("/admin/api/v1/tenants", json={"name": "acme"}, headers=AUTH)).json()
+    url = path.replace("{id}", tenant["id"])
+    for limit in (0, -1, most + 1):
+        error = assert_openai_error(
+            await env.client.get(url, params={"limit": limit}, headers=AUTH), 400, "limit"
+        )
+        assert f"between 1 and {most}" in error["message"] and error["code"] == "invalid_value"
+    for limit in (1, most):
+        assert (await env.client.get(url, params={"limit": limit}, headers=AUTH)).status_code == 200
+
+
+async def test_the_request_log_misses_no_request_whose_attempts_share_a_timestamp(env: Env) -> None:
+    """The log scans the ledger newest first in pages. 96 failed requests and 4 that succeeded, all
+    at one moment: `status=ok` pages through them all and finds each once."""
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(minutes=1)
+    ok = {f"r{i:03d}" for i in range(0, 100, 25)}
+    await _write(
+        env, [usage_event(f"r{i:03d}", ts=now, status=200 if f"r{i:03d}" in ok else 502) for i in range(100)]
+    )
+    log = await env.client.get("/admin/api/v1/requests", params={"status": "ok", "limit": 4}, headers=AUTH)
+    assert log.status_code == 200, log.text
+    assert {r["request_id"] for r in log.json()["data"]} == ok
+    everything = (await env.client.get("/admin/api/v1/requests", params={"limit": 100}, headers=AUTH)).json()
+    assert len({r["request_id"] for r in everything["data"]}) == 100
+
+
+async def test_the_request_log_pages_past_attempts_written_while_it_reads(env: Env) -> None:
+    """A busy gateway writes attempts while the log is read. Paged with OFFSET, each page's attempts
+    written since the last pushed the ledger down under it: the next page read again what the last
+    had read, and the one request that succeeded, 20 failed attempts back, was never reached. Read
+    from where the last page ended (a keyset on ts and event id), it is."""
+    t0 = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    second = dt.timedelta(seconds=1)
+    await _write(
+        env,
+        [
+            usage_event("answered", ts=t0, status=200),
+            *(usage_event(f"failed-{i}", ts=t0 + (i + 1) * second, status=502) for i in range(20)),
+        ],
+    )
+    pages: list[str] = []
+
+    def busy(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "ORDER BY usage_events.ts DESC" not in statement or "request_id IN" in statement:
+            return  # not a page of the scan (the attempts of the requests found filter by request_id)
+        if pages:  # 4 more failed attempts, newer than every other, before each page after the first
+            newer = [
+                usage_event(f"busy-{len(pages)}-{i}", ts=t0 + (100 + i) * second, status=502)
+                for i in range(4)
+            ]
+            await_only(_write(env, newer))
+        pages.append(statement)
+
+    sa_event.listen(env.engine.sync_engine, "before_cursor_execute", busy)
+    try:
+        log = await env.client.get(
+            "/admin/api/v1/requests", params={"status": "ok", "limit": 1}, headers=AUTH
+        )
+    finally:
+        sa_event.remove(env.engine.sync_engine, "before_cursor_execute", busy)
+    assert log.status_code == 200, log.text
+    assert len(pages) > 1
+    assert [r["request_id"] for r in log.json()["data"]] == ["answered"]
+
+
+async def test_a_patch_that_changes_nothing_writes_no_audit_entry(env: Env) -> None:
+    c = env.client
+    tenant = (await c.post("/admin/api/v1/tenants", json={"name": "acme", "rpm": 60}, headers=AUTH)).json()
+    path = f"/admin/api/v1/tenants/{tenant['id']}"
+    for body in ({}, {"rpm": 60}, {"name": "acme"}, {"name": " acme ", "tpm": None}):
+        r = await c.patch(path, json=body, headers=AUTH)
+        assert r.status_code == 200 and r.json() == tenant, r.text
+    assert (await c.patch(path, json={"rpm": 61}, headers=AUTH)).status_code == 200
+    audit = (await c.get("/admin/api/v1/audit", params={"entity_id": tenant["id"]}, headers=AUTH)).json()
+    assert [a["action"] for a in audit["data"]] == ["update", "create"]
+    assert audit["data"][0]["before"]["rpm"] == 60 and audit["data"][0]["after"]["rpm"] == 61

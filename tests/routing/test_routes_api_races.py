@@ -155,7 +155,8 @@ def test_an_edit_and_a_delete_of_one_read_of_a_route_cannot_both_win(admin_db: t
     weir, hold = admin_db
     read = _created(weir)
     delete: Edit = ("DELETE", f"/routes/{read['id']}", {"headers": {"if-match": read["updated_at"]}})
-    edited, deleted = _race(weir, hold, read["id"], [_put(read, 0.5), delete])
+    # 0.3: an edit (the route's threshold is 0.5, and a PUT that changes nothing is no edit to lose).
+    edited, deleted = _race(weir, hold, read["id"], [_put(read, 0.3), delete])
     outcome = (edited.status_code, deleted.status_code)
     assert outcome in ((200, 412), (404, 204)), (edited.text[:200], deleted.text[:200])
     stored = weir.admin.get(f"/routes/{read['id']}")
@@ -281,3 +282,42 @@ def test_two_deletes_of_the_last_two_routes_a_key_uses_cannot_both_pass(
         hi: Any = [{"role": "user", "content": "hi"}]
         answer = weir.openai(issued.json()["key"]).chat.completions.create(model="held", messages=hi)
         assert answer.choices[0].message.content
+
+
+@pytest.mark.postgres
+def test_a_route_written_while_its_tenant_is_deleted_is_not_left_naming_it(
+    vendor_env: dict[str, str], tmp_path: Path
+) -> None:
+    """One admin creates a route for tenant `doomed` (`when.tenants`) while another deletes it. The
+    route's check found the tenant (its delete had not committed) and the delete's rewrite of the
+    routes naming it did not see the route (not committed either): both went through, and the route
+    was stored naming a tenant that was gone, for a later tenant of that name to get. Both requests
+    are held as they commit (a lock on `audit_log`, which each writes); whichever order they end in,
+    no stored route names the deleted tenant."""
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(fresh_pg_database("weir_route_races"))
+        weir = stack.enter_context(serving(vendor_env, url, tmp_path / "spool", ROUTES))
+        tenant = weir.admin.post("/tenants", json={"name": "doomed"}).json()
+        route = {**GOOD, "name": "doomed-only", "when": {"tenants": ["doomed"]}}
+        results: dict[str, httpx.Response] = {}
+
+        def send(what: str, method: str, path: str, kwargs: dict[str, Any]) -> None:
+            with httpx.Client(
+                base_url=str(weir.admin.base_url), headers=weir.admin.headers, timeout=60
+            ) as admin:
+                results[what] = admin.request(method, path, **kwargs)
+
+        threads = [
+            threading.Thread(target=send, args=("route", "POST", "/routes", {"json": route})),
+            threading.Thread(target=send, args=("tenant", "DELETE", f"/tenants/{tenant['id']}", {})),
+        ]
+        with _pg_audit_locked(url) as waiting:
+            for thread in threads:
+                thread.start()
+            wait_for(lambda: waiting() >= 2, timeout=10)
+        for thread in threads:
+            thread.join(timeout=60)
+        assert results["tenant"].status_code == 204, results["tenant"].text
+        assert results["route"].status_code in (201, 400), results["route"].text
+        stored = weir.admin.get("/routes").json()["data"]
+        assert [r for r in stored if "doomed" in ((r.get("when") or {}).get("tenants") or [])] == []

@@ -923,3 +923,22 @@ def test_a_tenant_deleted_takes_its_keys_out_of_the_routes_conditions(weir: Weir
     finally:
         for created in (shared, own):
             weir.admin.delete(f"/routes/{created.json()['id']}")
+
+
+def test_a_route_sent_back_unchanged_is_no_change_to_audit(weir: Weir) -> None:
+    """A PUT of a route as it is (a form saved without an edit) stamped it anew and wrote an `update`
+    entry whose before and after were the same: the audit log filled with changes that changed
+    nothing, and replicas reloaded for none."""
+    created = weir.admin.post("/routes", json={**GOOD, "name": f"same-{uuid.uuid4().hex[:6]}"})
+    assert created.status_code == 201, created.text
+    read = created.json()
+    try:
+        for body in (read, {k: v for k, v in read.items() if k != "position"}):
+            again = weir.admin.put(
+                f"/routes/{read['id']}", json=body, headers={"if-match": read["updated_at"]}
+            )
+            assert again.status_code == 200 and again.json() == read, again.text
+        entries = weir.admin.get("/audit", params={"entity_id": str(read["id"])}).json()["data"]
+        assert [e["action"] for e in entries if e["entity"] == "route"] == ["create"]
+    finally:
+        assert weir.admin.delete(f"/routes/{read['id']}").status_code == 204
