@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, delete, get, post, put
-from sqlalchemy import func, select, update
+from sqlalchemy import false, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.router import AdminContext, AdminError, decode
@@ -219,8 +219,14 @@ async def lock_route_callers(session: AsyncSession) -> None:
     Without it a route written while a delete of its tenant had not committed passed the check, the
     delete did not see the route, and the route was stored naming a tenant that was gone (a later
     tenant of that name got it); and a rename's rewrite of a route read before a PUT of it committed
-    undid that PUT. One lock for all of them: route writes and tenant deletes are rare. PostgreSQL
-    only, as `_lock_name`."""
+    undid that PUT. One lock for all of them: route writes and tenant deletes are rare. On
+    PostgreSQL an advisory lock, as `_lock_name`; on SQLite the database's write lock, taken by a
+    write that changes nothing: its driver reads outside any transaction until the first write, so
+    the reads before it (the check, the rewrite's scan) were not serial at all."""
+    if session.get_bind().dialect.name == "sqlite":
+        noop = update(RouteRow).where(false()).values(revision=RouteRow.revision)
+        await session.execute(noop.execution_options(synchronize_session=False))
+        return
     await _advisory_lock(session, b"weir-route-callers")
 
 

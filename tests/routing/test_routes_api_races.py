@@ -17,6 +17,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
+import sqlalchemy
 
 from tests.fixtures.db import fresh_pg_database
 from tests.fixtures.waiting import wait_for
@@ -284,18 +285,23 @@ def test_two_deletes_of_the_last_two_routes_a_key_uses_cannot_both_pass(
         assert answer.choices[0].message.content
 
 
-@pytest.mark.postgres
+@pytest.mark.parametrize("database", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def test_a_route_written_while_its_tenant_is_deleted_is_not_left_naming_it(
-    vendor_env: dict[str, str], tmp_path: Path
+    database: str, vendor_env: dict[str, str], tmp_path: Path
 ) -> None:
     """One admin creates a route for tenant `doomed` (`when.tenants`) while another deletes it. The
     route's check found the tenant (its delete had not committed) and the delete's rewrite of the
     routes naming it did not see the route (not committed either): both went through, and the route
     was stored naming a tenant that was gone, for a later tenant of that name to get. Both requests
-    are held as they commit (a lock on `audit_log`, which each writes); whichever order they end in,
-    no stored route names the deleted tenant."""
+    are held where they would race: on PostgreSQL as they commit (a lock on `audit_log`, which each
+    writes), on SQLite at their first write (its write lock: their reads went on without it).
+    Whichever order they end in, no stored route names the deleted tenant."""
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(fresh_pg_database("weir_route_races"))
+        if database == "sqlite":
+            db = tmp_path / "weir.db"
+            url = f"sqlite+aiosqlite:///{db}"
+        else:
+            url = stack.enter_context(fresh_pg_database("weir_route_races"))
         weir = stack.enter_context(serving(vendor_env, url, tmp_path / "spool", ROUTES))
         tenant = weir.admin.post("/tenants", json={"name": "doomed"}).json()
         route = {**GOOD, "name": "doomed-only", "when": {"tenants": ["doomed"]}}
@@ -311,10 +317,28 @@ def test_a_route_written_while_its_tenant_is_deleted_is_not_left_naming_it(
             threading.Thread(target=send, args=("route", "POST", "/routes", {"json": route})),
             threading.Thread(target=send, args=("tenant", "DELETE", f"/tenants/{tenant['id']}", {})),
         ]
-        with _pg_audit_locked(url) as waiting:
-            for thread in threads:
-                thread.start()
-            wait_for(lambda: waiting() >= 2, timeout=10)
+        if database == "sqlite":
+            # Both held at their first write, each having read what it read before it.
+            engine = weir.router.sessions.kw["bind"]  # type: ignore[attr-defined]
+            writers: set[int] = set()
+
+            def note(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+                if statement.split(None, 1)[0].upper() in ("INSERT", "UPDATE", "DELETE"):
+                    writers.add(id(conn))
+
+            sqlalchemy.event.listen(engine.sync_engine, "before_cursor_execute", note)
+            try:
+                with _sqlite_write_lock(db):
+                    for thread in threads:
+                        thread.start()
+                    wait_for(lambda: len(writers) >= 2, timeout=10)
+            finally:
+                sqlalchemy.event.remove(engine.sync_engine, "before_cursor_execute", note)
+        else:
+            with _pg_audit_locked(url) as waiting:
+                for thread in threads:
+                    thread.start()
+                wait_for(lambda: waiting() >= 2, timeout=10)
         for thread in threads:
             thread.join(timeout=60)
         assert results["tenant"].status_code == 204, results["tenant"].text
