@@ -23,10 +23,12 @@ if TYPE_CHECKING:
 
 CONFIG_ENV = "WEIR_CONFIG"
 LOG_LEVEL_ENV = "WEIR_LOG_LEVEL"
-# Seconds a stopping gateway (SIGTERM) gives its in-flight requests and streams before it cancels them.
-# The deployments' grace periods (compose stop_grace_period, Kubernetes terminationGracePeriodSeconds)
-# must exceed it, or the container is killed mid-drain (tests/deploy pins both).
-DRAIN_TIMEOUT_S = 30
+# Seconds the streams still running at the drain's deadline (`server.drain_timeout`, 30 s by default)
+# get to write their error event and record their usage (gateway.drain) before the server cancels
+# what still runs (a request not streamed, a client not reading). The deployments' grace periods
+# (compose stop_grace_period, Kubernetes terminationGracePeriodSeconds) must exceed both together,
+# or the container is killed mid-drain (tests/deploy pins both).
+STREAMS_END_S = 2
 # Seconds an idle kept-alive connection stays open (uvicorn's default, made explicit). A load balancer
 # pooling connections to the gateway must drop idle ones sooner, or a request it sends as the gateway
 # closes one fails with a 502 it cannot retry (a POST is not idempotent).
@@ -52,11 +54,31 @@ def granian_app_from_env() -> Any:
 
     from gateway.parent_watch import exit_with_parent
 
+    config, app = _config_and_app()
     # granian's main process SIGKILLed (or crashed) left this worker serving the port, unsupervised,
     # with its engines: it drains and exits instead, as on a SIGTERM, within the drain's time.
-    exit_with_parent(os.getppid(), grace_s=DRAIN_TIMEOUT_S + 5, who="granian's main process")
-    config, app = _config_and_app()
+    exit_with_parent(os.getppid(), grace_s=_drain_s(config) + 5, who="granian's main process")
+    app = _streams_ending_at_the_drain_deadline(app, config.server.drain_timeout)
     return wrap_asgi_with_proxy_headers(app, trusted_hosts=trusted_proxies(config))
+
+
+def _drain_s(config: Config) -> float:
+    """Seconds `weir serve` may take to stop once signalled, its app's own shutdown aside."""
+    return config.server.drain_timeout + STREAMS_END_S
+
+
+def _streams_ending_at_the_drain_deadline(app: Any, seconds: float) -> Any:
+    """`app`, whose streams end with their error event `seconds` after the signal that stops the
+    granian worker, which sets no deadline of its own on its drain: it waited for every stream to
+    end. Set up in the lifespan, once granian's worker has set its own signal handlers."""
+    from gateway.drain import end_streams_after_stop_signal
+
+    async def app_ending_streams(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            end_streams_after_stop_signal(seconds)
+        await app(scope, receive, send)
+
+    return app_ending_streams
 
 
 def _config_and_app() -> tuple[Config, Any]:
@@ -199,7 +221,7 @@ def serve(
     bind_host = host if host is not None else config.server.host
     bind_port = port if port is not None else config.server.port
     check_before_serving(config, bind_host, bind_port)
-    _end_with_the_demo()
+    _end_with_the_demo(config)
     with tempfile.TemporaryDirectory(prefix="weir-serve-") as scratch:
         failure = Path(scratch) / "startup-failure"
         os.environ[FAILURE_FILE_ENV] = str(failure)  # the server's worker writes why it failed there
@@ -213,14 +235,14 @@ def serve(
             raise
 
 
-def _end_with_the_demo() -> None:
+def _end_with_the_demo(config: Config) -> None:
     """The gateway `weir demo` started drains and exits once that demo is gone, SIGKILLed included:
     it served on, unsupervised, holding the demo's port (its engine too, which watches the gateway)."""
     from gateway.parent_watch import GATEWAY_PARENT_PID_ENV, exit_with_parent
 
     parent = os.environ.pop(GATEWAY_PARENT_PID_ENV, "")  # popped: not for the engines it starts
     if parent.isdigit():
-        exit_with_parent(int(parent), grace_s=DRAIN_TIMEOUT_S + 5, who="weir demo")
+        exit_with_parent(int(parent), grace_s=_drain_s(config) + 5, who="weir demo")
 
 
 class StartFailed(click.ClickException):
@@ -305,8 +327,12 @@ def _granian_port(server: Any, asked: int) -> int:
 
 
 def _serve_uvicorn(config: Config, host: str, port: int) -> None:
+    import asyncio
+    import math
+
     import uvicorn
 
+    from gateway.drain import end_streams
     from gateway.slow_clients import uvicorn_protocol
 
     class Server(uvicorn.Server):
@@ -325,6 +351,15 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
                 bound = self.servers[0].sockets[0].getsockname()
                 log_listening(bound[0], bound[1])
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            # uvicorn's own deadline (`timeout_graceful_shutdown`) cancels what still runs, streams
+            # cut off mid-body among them: they end with their error event just before it.
+            deadline = asyncio.get_running_loop().call_later(config.server.drain_timeout, end_streams)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
+
     server = Server(
         uvicorn.Config(
             app_from_env(),
@@ -336,7 +371,7 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
             log_level="warning",
             access_log=False,
             log_config=None,  # no plain-text handlers of its own: its lines reach the JSON root handler
-            timeout_graceful_shutdown=DRAIN_TIMEOUT_S,
+            timeout_graceful_shutdown=math.ceil(_drain_s(config)),
             timeout_keep_alive=KEEP_ALIVE_S,
             forwarded_allow_ips=trusted_proxies(config),
         )

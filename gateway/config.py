@@ -188,6 +188,11 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     max_output_tokens: PositiveInt | None = None
 
 
+# `server.drain_timeout`'s default. The deployments' grace periods must exceed it (with
+# gateway.cli.STREAMS_END_S), or the container is killed mid-drain (tests/deploy pins both).
+DRAIN_TIMEOUT_S = 30.0
+
+
 class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     host: str = "127.0.0.1"
     port: Port = 8080
@@ -199,6 +204,9 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     # The request line and headers together (`weir serve` with uvicorn); larger: 431, closed.
     max_header_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Seconds a stopping `weir serve` (SIGTERM, SIGINT) gives in-flight requests and streams; a stream
+    # still running then ends with its API's error event (`server_shutting_down`, gateway.drain).
+    drain_timeout: Seconds = DRAIN_TIMEOUT_S
     # Wrong API keys one client address may present a minute, per replica, before it gets 429 (its
     # keys already known valid still work), and wrong admin tokens on the admin API (429 even with
     # the right one, or the throttle would not slow guessing). 0: no throttle. See gateway/throttle.py.

@@ -104,6 +104,15 @@ class BackendUnavailable(GatewayError):
     code = "backend_unavailable"
 
 
+class ServerShuttingDown(GatewayError):
+    """The gateway stopped (SIGTERM, SIGINT) and its drain ran out before the stream ended
+    (gateway.drain): the client retries, on a replica that is not stopping."""
+
+    status = 503
+    type = "server_error"
+    code = "server_shutting_down"
+
+
 class GatewayTimeout(GatewayError):
     status = 504
     type = "upstream_error"

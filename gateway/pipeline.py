@@ -129,6 +129,7 @@ _ERROR_LABELS = frozenset(
         "client_disconnected",
         "cancelled",
         "insufficient_quota",
+        "server_shutting_down",  # a stream the drain's deadline ended (gateway.drain)
     }
 )
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from gateway.drain import ending_at_deadline
 from gateway.media_urls import check_media_urls
 from gateway.pipeline import Call
 from gateway.runtime import Gateway
@@ -41,4 +42,6 @@ async def run_chat(
         result = await gateway.executor.chat(call, plan, request, feats)
     finally:
         call.info.route = plan.header()
-    return gateway.comparer.follow(call, plan, request, feats, result) if compared else result
+    if compared:
+        result = gateway.comparer.follow(call, plan, request, feats, result)
+    return result if isinstance(result, ChatResponse) else ending_at_deadline(call, result)

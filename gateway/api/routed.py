@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.drain import ending_at_deadline
 from gateway.errors import InvalidRequest
 from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call
@@ -208,6 +209,7 @@ async def run_routed(
     feats = prompt_features(model, prompt, principal.tenant_name, principal.key_id, max_tokens, n, best_of)
     plan = await gateway.router.plan(model, call.principal, feats)
     try:
-        return await gateway.executor.run(call, plan, op, feats), plan
+        result = await gateway.executor.run(call, plan, op, feats)
+        return (ending_at_deadline(call, result) if op.stream else result), plan
     finally:
         call.info.route = plan.header()

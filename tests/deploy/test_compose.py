@@ -223,7 +223,10 @@ def duration_s(value: str) -> float:
 
 def test_a_stopping_service_is_given_longer_than_it_drains(compose: dict[str, Any]) -> None:
     from engine.server import DRAIN_TIMEOUT_S as ENGINE_DRAIN_S
-    from gateway.cli import DRAIN_TIMEOUT_S as GATEWAY_DRAIN_S
+    from gateway.cli import STREAMS_END_S
+    from gateway.config import DRAIN_TIMEOUT_S
+
+    GATEWAY_DRAIN_S = DRAIN_TIMEOUT_S + STREAMS_END_S  # then what still runs is cancelled
 
     services = compose["services"]
     # Docker's default is 10 s: a service draining longer is killed mid-stream without its own period.

@@ -167,7 +167,10 @@ def test_gateway_scales_and_survives_voluntary_disruption(base: list[dict[str, A
 
 def test_a_terminating_pod_is_given_longer_than_it_drains(base: list[dict[str, Any]]) -> None:
     from engine.server import DRAIN_TIMEOUT_S as ENGINE_DRAIN_S
-    from gateway.cli import DRAIN_TIMEOUT_S as GATEWAY_DRAIN_S
+    from gateway.cli import STREAMS_END_S
+    from gateway.config import DRAIN_TIMEOUT_S
+
+    GATEWAY_DRAIN_S = DRAIN_TIMEOUT_S + STREAMS_END_S  # then what still runs is cancelled
 
     for name, drain in (("weir-gateway", GATEWAY_DRAIN_S), ("weir-engine", ENGINE_DRAIN_S)):
         spec = pod_spec(find(base, "Deployment", name))

@@ -1,5 +1,6 @@
-"""Graceful shutdown of `weir serve`: SIGTERM lets in-flight streams finish (up to the deadline), the
-usage events of those streams reach the ledger, and the process exits on its own."""
+"""Graceful shutdown of `weir serve`: SIGTERM lets in-flight streams finish up to the drain's
+deadline, where each still running ends with its API's error event; the usage events of those streams
+reach the ledger, and the process exits on its own."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 WORDS = " ".join(f"w{i}" for i in range(20))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("server", ["uvicorn"])  # granian 2.8 sometimes ignores SIGTERM: see gateway/cli.py
-def test_sigterm_drains_in_flight_streams_then_exits(
-    fake_openai: FakeOpenAI, tmp_path: Path, server: str
-) -> None:
+def _serve(
+    fake_openai: FakeOpenAI, tmp_path: Path, server: str, extra: str = ""
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`weir serve` on a free port in front of the fake OpenAI, with an admin DB, once it is ready:
+    the process (its own session, SIGKILLed with its children by `_stop`) and its base URL."""
     config = tmp_path / "weir.yaml"
     config.write_text(
         f"""backends:
@@ -36,7 +38,7 @@ def test_sigterm_drains_in_flight_streams_then_exits(
 models:
   - {{name: gpt-4o-mini, backend: openai, price: {{input: 0.15, output: 0.60}}}}
 database_url: "sqlite+aiosqlite:///{tmp_path}/weir.db"
-"""
+{extra}"""
     )
     port = free_port()
     env = {**os.environ, "WEIR_ADMIN_TOKEN": ADMIN, "WEIR_USAGE_SPOOL": str(tmp_path / "spool")}
@@ -58,18 +60,40 @@ database_url: "sqlite+aiosqlite:///{tmp_path}/weir.db"
         stderr=log,
         start_new_session=True,
     )
+    base = f"http://127.0.0.1:{port}"
     try:
-        base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{base}/readyz").status_code == 200:
-                    break
+                    return proc, base
             assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "weir.log").read_text()
             time.sleep(0.2)
-        admin = httpx.Client(base_url=f"{base}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
-        tenant = admin.post("/tenants", json={"name": "drained"}).json()
-        key = admin.post(f"/tenants/{tenant['id']}/keys", json={}).json()["key"]
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _tenant_key(base: str, name: str) -> tuple[str, str]:
+    admin = httpx.Client(base_url=f"{base}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+    tenant = admin.post("/tenants", json={"name": name}).json()
+    return tenant["id"], admin.post(f"/tenants/{tenant['id']}/keys", json={}).json()["key"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["uvicorn"])  # granian 2.8 sometimes ignores SIGTERM: see gateway/cli.py
+def test_sigterm_drains_in_flight_streams_then_exits(
+    fake_openai: FakeOpenAI, tmp_path: Path, server: str
+) -> None:
+    proc, base = _serve(fake_openai, tmp_path, server)
+    try:
+        tenant, key = _tenant_key(base, "drained")
 
         fake_openai.fail_next(Fault.slow_stream(0.1))  # 20 chunks: about 2 s
         words: list[str] = []
@@ -97,14 +121,95 @@ database_url: "sqlite+aiosqlite:///{tmp_path}/weir.db"
         proc.send_signal(signal.SIGTERM)
         client.join(30)
         assert words == WORDS.split()  # the stream in flight finished, whole
-        assert proc.wait(30) == 0 or proc.returncode == -signal.SIGTERM
+        assert proc.wait(30) == 0, (tmp_path / "weir.log").read_text()
         with contextlib.closing(sqlite3.connect(tmp_path / "weir.db")) as db:
             rows = db.execute(
                 "SELECT status, output_tokens, estimated FROM usage_events WHERE tenant_id = ?",
-                (tenant["id"],),
+                (tenant,),
             ).fetchall()
         assert rows == [(200, 20, 0)]  # written before exit, exactly once, not estimated
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
+
+
+# One stream per API, each as its client reads it: the path, the body, and the error event that ends it.
+STREAMS = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": WORDS}]}),
+    "messages": ("/v1/messages", {"max_tokens": 100, "messages": [{"role": "user", "content": WORDS}]}),
+    "responses": ("/v1/responses", {"input": WORDS}),
+    "completions": ("/v1/completions", {"prompt": WORDS}),
+}
+
+
+def _shutdown_error(api: str, lines: list[str]) -> dict[str, Any]:
+    """The error event that ended the stream `lines` of `api`, in that API's wire format."""
+    events = [line[6:] for line in lines if line.startswith("data: ")]
+    if api in ("chat", "completions"):
+        assert "[DONE]" not in events  # a failed stream never ends as a whole one
+        return json.loads(events[-1])["error"]
+    if api == "messages":
+        assert lines[-2:] == ["event: error", f"data: {events[-1]}"], lines[-4:]
+        return json.loads(events[-1])["error"]
+    # An `error` event with the gateway's code, then `response.failed` (whose codes are OpenAI's few).
+    error, failed = json.loads(events[-2]), json.loads(events[-1])
+    assert (error["type"], failed["type"]) == ("error", "response.failed"), events[-2:]
+    assert failed["response"]["error"]["code"] == "server_error"
+    return error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_streams_still_running_at_the_drain_deadline_end_with_an_error_event(
+    fake_openai: FakeOpenAI, tmp_path: Path, server: str
+) -> None:
+    """A stream longer than the drain was cut off at its deadline: an incomplete chunked body, no
+    error event, and an "Exception in ASGI application" traceback in the log."""
+    proc, base = _serve(fake_openai, tmp_path, server, "server: {drain_timeout: 1}\n")
+    try:
+        tenant, key = _tenant_key(base, "cut")
+        fake_openai.fail_next(Fault.slow_stream(0.5), times=len(STREAMS))  # 20 chunks: about 10 s
+        lines: dict[str, list[str]] = {api: [] for api in STREAMS}
+        failures: dict[str, BaseException] = {}
+        under_way = {api: threading.Event() for api in STREAMS}  # its first word came
+
+        def stream(api: str) -> None:
+            path, body = STREAMS[api]
+            body = {**body, "model": "gpt-4o-mini", "stream": True}
+            headers = {"authorization": f"Bearer {key}", "anthropic-version": "2023-06-01"}
+            try:
+                with httpx.stream(
+                    "POST", f"{base}{path}", json=body, headers=headers, timeout=30
+                ) as response:
+                    for line in response.iter_lines():
+                        lines[api].append(line)
+                        if "w0" in line:
+                            under_way[api].set()
+            except BaseException as exc:  # an incomplete body: httpx.RemoteProtocolError
+                failures[api] = exc
+
+        clients = [threading.Thread(target=stream, args=(api,)) for api in STREAMS]
+        for client in clients:
+            client.start()
+        assert all(event.wait(10) for event in under_way.values())
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(20)
+        assert time.monotonic() - signalled < 8  # ended at the deadline, not at the stream's end
+        assert failures == {}
+        for api in STREAMS:
+            error = _shutdown_error(api, [line for line in lines[api] if line])
+            assert "shutting down" in error["message"], (api, error)
+            if api != "messages":  # Anthropic's errors have a type only (503: `overloaded_error`)
+                assert error["code"] == "server_shutting_down", (api, error)
+        assert proc.wait(15) == 0
+        log = (tmp_path / "weir.log").read_text()
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+        with contextlib.closing(sqlite3.connect(tmp_path / "weir.db")) as db:
+            rows = db.execute(
+                "SELECT status, output_tokens > 0, estimated FROM usage_events WHERE tenant_id = ?", (tenant,)
+            ).fetchall()
+        # What was streamed is billed (estimated: the vendor's usage report never came), once a stream.
+        assert rows == [(503, 1, 1)] * len(STREAMS)
+    finally:
+        _stop(proc)
