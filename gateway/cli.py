@@ -376,10 +376,12 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
             forwarded_allow_ips=trusted_proxies(config),
         )
     )
-    # Once drained, uvicorn puts back the SIGTERM handler it found and raises the signal again, so the
-    # default one ended the process "killed by SIGTERM" (status 143) after a clean stop. Finding this
-    # one instead, `weir serve` exits 0: the stop was the one asked for.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    # Once drained, uvicorn puts back the SIGTERM and SIGINT handlers it found and raises the signal
+    # again, so the default ones ended the process "killed by SIGTERM" (status 143), or with
+    # "Aborted!" and status 1 (KeyboardInterrupt), after a clean stop. Finding these instead,
+    # `weir serve` exits 0: the stop was the one asked for.
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, lambda *_: None)
     server.run()
 
 

@@ -129,5 +129,18 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
             click.echo("warning: the gateway did not become ready in time; still waiting", err=True)
         sys.exit(gateway.wait())
     except KeyboardInterrupt:
-        gateway.send_signal(signal.SIGINT)
-        sys.exit(gateway.wait())
+        # Ctrl-C reached the gateway too (the terminal signals the whole foreground process group),
+        # which drains on it; passed on as a second SIGINT, it stopped the gateway at once, cutting
+        # its streams off. A SIGTERM drains as well, for a demo signalled alone.
+        gateway.send_signal(signal.SIGTERM)
+        sys.exit(_wait_through_ctrl_c(gateway))
+
+
+def _wait_through_ctrl_c(gateway: subprocess.Popen[bytes]) -> int:
+    """The gateway's exit status once it has drained: a second Ctrl-C, the user's, reaches it directly
+    (and stops it without draining), and the demo waits on for it."""
+    while True:
+        try:
+            return gateway.wait()
+        except KeyboardInterrupt:
+            continue

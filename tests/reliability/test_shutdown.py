@@ -1,4 +1,4 @@
-"""Graceful shutdown of `weir serve`: SIGTERM lets in-flight streams finish up to the drain's
+"""Graceful shutdown of `weir serve`: SIGTERM (or SIGINT) lets in-flight streams finish up to the drain's
 deadline, where each still running ends with its API's error event; the usage events of those streams
 reach the ledger, and the process exits on its own."""
 
@@ -10,6 +10,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from tests.fakes import FakeOpenAI, Fault
 from tests.fixtures.gateway import ADMIN
 from tests.fixtures.net import free_port
+from tests.fixtures.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = " ".join(f"w{i}" for i in range(20))
@@ -87,9 +89,18 @@ def _tenant_key(base: str, name: str) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("server", ["uvicorn"])  # granian 2.8 sometimes ignores SIGTERM: see gateway/cli.py
-def test_sigterm_drains_in_flight_streams_then_exits(
-    fake_openai: FakeOpenAI, tmp_path: Path, server: str
+@pytest.mark.parametrize(
+    ("server", "signals"),
+    [
+        ("uvicorn", ["SIGTERM"]),  # granian 2.8 sometimes ignores SIGTERM: see gateway/cli.py
+        # Ctrl-C in a terminal: the terminal's SIGINT, and under `weir demo` (`make run`) the one the
+        # demo passes on as well, which must not be a second SIGINT: that one stops uvicorn at once.
+        ("uvicorn", ["SIGINT"]),
+        ("uvicorn", ["SIGINT", "SIGTERM"]),
+    ],
+)
+def test_a_stop_signal_drains_in_flight_streams_then_exits(
+    fake_openai: FakeOpenAI, tmp_path: Path, server: str, signals: list[str]
 ) -> None:
     proc, base = _serve(fake_openai, tmp_path, server)
     try:
@@ -118,7 +129,8 @@ def test_sigterm_drains_in_flight_streams_then_exits(
         client = threading.Thread(target=stream)
         client.start()
         assert first.wait(10)
-        proc.send_signal(signal.SIGTERM)
+        for name in signals:
+            proc.send_signal(getattr(signal, name))
         client.join(30)
         assert words == WORDS.split()  # the stream in flight finished, whole
         assert proc.wait(30) == 0, (tmp_path / "weir.log").read_text()
@@ -213,3 +225,61 @@ def test_streams_still_running_at_the_drain_deadline_end_with_an_error_event(
         assert rows == [(503, 1, 1)] * len(STREAMS)
     finally:
         _stop(proc)
+
+
+# `weir demo` with its model's download left out and its engine replaced by the fake OpenAI.
+DEMO_IN_FRONT_OF = """
+import sys
+import engine.registry
+import weir.demo
+engine.registry.pull = lambda model: None
+weir.demo.DEMO_CONFIG = '''
+backends:
+  - {{name: openai, type: openai, base_url: "%s", api_key: "%s"}}
+models:
+  - {{name: gpt-4o-mini, backend: openai}}
+server: {{host: {host}, port: {port}}}
+'''
+from weir.cli import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_weir_demo_drains_in_flight_streams(fake_openai: FakeOpenAI, tmp_path: Path) -> None:
+    """Ctrl-C reaches the whole foreground process group: the demo and its gateway. The demo passed
+    on a second SIGINT, with which uvicorn stops at once: the stream was cut off, undrained."""
+    port = free_port()
+    code = DEMO_IN_FRONT_OF % (fake_openai.base_url, fake_openai.api_key)
+    log = (tmp_path / "demo.log").open("wb")
+    demo = subprocess.Popen(
+        [sys.executable, "-c", code, "demo", "--port", str(port), "--var-dir", str(tmp_path / "var")],
+        env={**os.environ, "WEIR_USAGE_SPOOL": str(tmp_path / "spool")},
+        stdout=log,
+        stderr=log,
+        start_new_session=True,  # a process group of its own, as a terminal's foreground job
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: demo.poll() is not None or _ready(base), timeout=60)
+        fake_openai.fail_next(Fault.slow_stream(0.1))  # 20 chunks: about 2 s
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": WORDS}], "stream": True}
+        words: list[str] = []
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        words.extend((choice["delta"].get("content") or "").split())
+                    if len(words) == 1:
+                        os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C
+        assert words == WORDS.split()  # drained: the stream in flight finished, whole
+        assert demo.wait(30) == 0, (tmp_path / "demo.log").read_text()
+    finally:
+        _stop(demo)
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz").status_code == 200
+    except httpx.HTTPError:
+        return False
