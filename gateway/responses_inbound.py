@@ -560,9 +560,16 @@ def _chat_too(request: ResponsesRequest) -> dict[str, Any]:
     return {name: value for name, value in settings.items() if value is not None}
 
 
+def _asks_state(value: object) -> bool:
+    """Whether a stateful parameter asks for OpenAI's stored state: anything sent but null (and
+    `background: false`). An empty `previous_response_id` names no response Weir could answer from;
+    taken as absent, a client that meant one would get an answer without its conversation."""
+    return value is not None and value is not False
+
+
 def to_canonical(request: ResponsesRequest) -> ChatRequest:
     for param, reason in _STATEFUL.items():
-        if getattr(request, param):
+        if _asks_state(getattr(request, param)):
             raise InvalidRequest(f"'{param}' is not supported: {reason}", param=param)
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise InvalidRequest("'max_output_tokens' must be at least 1.", param="max_output_tokens")

@@ -405,6 +405,8 @@ def test_claudes_own_stop_reasons_make_it_incomplete(
     ("extra", "param"),
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        # Empty is no response Weir could answer from either: the same 400, not a silent fresh start.
+        ({"previous_response_id": ""}, "previous_response_id"),
         ({"conversation": "conv_123"}, "conversation"),
         ({"background": True}, "background"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
