@@ -58,6 +58,8 @@ S = TypeVar("S", bound=msgspec.Struct)
 
 _encode = msgspec.json.Encoder().encode
 
+# What a Responses client includes to get the answer's token log probabilities (with `top_logprobs`).
+LOGPROBS = "message.output_text.logprobs"
 STATELESS = "Weir does not store responses: send the whole conversation in `input` instead."
 # Request parameters that only make sense against OpenAI's stored state, and why each is refused.
 _STATEFUL = {
@@ -218,6 +220,10 @@ class ResponsesRequest(Base):
     store: bool | None = None  # accepted; nothing is ever stored (the response says "store": false)
     # Responses-only settings, for OpenAI's Responses API alone (`ChatRequest.responses`).
     include: list[str] | None = None
+    top_logprobs: int | None = None  # with include's LOGPROBS: chat's `logprobs` and `top_logprobs`
+    # Calls of built-in tools alone (OpenAI's own word), which OpenAI's Responses API alone runs: for it,
+    # as sent; a chat backend runs no built-in tool, so there it holds as it stands.
+    max_tool_calls: int | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
@@ -537,6 +543,8 @@ def _responses_only(request: ResponsesRequest) -> dict[str, Any]:
         "tools": request.tools,
         "tool_choice": msgspec.to_builtins(request.tool_choice) if request.tool_choice else None,
         "include": request.include,
+        "top_logprobs": request.top_logprobs,
+        "max_tool_calls": request.max_tool_calls,
         "prompt_cache_key": request.prompt_cache_key,
         "prompt_cache_retention": request.prompt_cache_retention,
         "safety_identifier": request.safety_identifier,
@@ -574,6 +582,8 @@ def to_canonical(request: ResponsesRequest) -> ChatRequest:
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise InvalidRequest("'max_output_tokens' must be at least 1.", param="max_output_tokens")
     messages, tools = _messages(request), _tools(request.tools or [])
+    # Chat's logprobs: a backend that has none refuses them, and a route passes it over (as for chat).
+    logprobs = LOGPROBS in (request.include or ())
     built_in = any(raw.get("type") not in ("function", "custom") for raw in request.tools or ())
     tool_choice, response_format = _tool_choice(request.tool_choice, built_in), _response_format(request.text)
     try:
@@ -587,6 +597,8 @@ def to_canonical(request: ResponsesRequest) -> ChatRequest:
             response_format=response_format,
             temperature=request.temperature,
             top_p=request.top_p,
+            logprobs=logprobs or None,
+            top_logprobs=request.top_logprobs if logprobs else None,
             max_completion_tokens=request.max_output_tokens,
             user=request.user,
             reasoning_effort=request.reasoning.effort if request.reasoning else None,
@@ -608,6 +620,7 @@ _CHAT_PARAMS = (
     ("response_format.json_schema", "text.format"),
     ("response_format", "text.format"),
     ("reasoning_effort", "reasoning.effort"),
+    ("logprobs", "include"),
     ("messages", "input"),
 )
 
@@ -654,6 +667,8 @@ def new_response(request: ResponsesRequest, created_at: int) -> dict[str, Any]:
         "max_output_tokens": request.max_output_tokens,
         "temperature": request.temperature,
         "top_p": request.top_p,
+        "top_logprobs": request.top_logprobs,
+        "max_tool_calls": request.max_tool_calls,
         "tool_choice": msgspec.to_builtins(request.tool_choice) if request.tool_choice else "auto",
         "tools": request.tools or [],
         "parallel_tool_calls": request.parallel_tool_calls is not False,
@@ -672,8 +687,26 @@ def new_response(request: ResponsesRequest, created_at: int) -> dict[str, Any]:
     }
 
 
-def _text_part(text: str, annotations: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": annotations or [], "logprobs": []}
+def _text_part(
+    text: str, annotations: list[dict[str, Any]] | None = None, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": annotations or [], "logprobs": logprobs or []}
+
+
+def _token(entry: dict[str, Any]) -> dict[str, Any]:
+    raw = entry.get("bytes")
+    return {"token": entry.get("token", ""), "logprob": entry.get("logprob", 0.0), "bytes": raw or []}
+
+
+def _logprobs(chat: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Chat's choice `logprobs` (`{"content": [...]}`) as an output_text part's: the same entries, a
+    token's `bytes` a list (chat's may be null) and its alternatives in `top_logprobs`."""
+    entries = (chat or {}).get("content") or []
+    return [
+        _token(entry) | {"top_logprobs": [_token(top) for top in entry.get("top_logprobs") or ()]}
+        for entry in entries
+        if isinstance(entry, dict)
+    ]
 
 
 def _url_citations(annotations: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -786,7 +819,12 @@ def from_canonical(response: ChatResponse, request: ResponsesRequest) -> dict[st
         return _finished(new_response(request, response.created), output, finish, own, response.usage)
     message = choice.message if choice is not None else AssistantMessage(role="assistant")
     custom = custom_tools(request)
-    parts = [_text_part(message.content, _url_citations(message.annotations))] if message.content else []
+    logprobs = _logprobs(choice.logprobs if choice is not None else None)
+    parts = (
+        [_text_part(message.content, _url_citations(message.annotations), logprobs)]
+        if message.content
+        else []
+    )
     if message.refusal:
         parts.append({"type": "refusal", "refusal": message.refusal})
     output = _reasoning_items(message)  # first, as the model produced it
@@ -879,7 +917,7 @@ class _StreamWriter:
         already sent), then the part's."""
         _, field, event = _PARTS[part["type"]]
         if not told:
-            logprobs: dict[str, list[Any]] = {"logprobs": []} if part["type"] == "output_text" else {}
+            logprobs = {"logprobs": part.get("logprobs") or []} if part["type"] == "output_text" else {}
             self.emit(f"{event}.done", **where, **{field: part[field]}, **logprobs)
         self.emit(_PART_LISTS[holder][2], **where, part=part)
 
@@ -922,12 +960,17 @@ class _StreamWriter:
             self.emit("response.content_part.added", **self._where(), part=self.part)
         return self.part
 
-    def _text(self, kind: str, delta: str) -> None:
+    def _text(self, kind: str, delta: str, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """More of a part's text; an output_text delta says its tokens' logprobs (where the backend gave
+        them), which the part gathers, as OpenAI's final response has them."""
         part = self._open_part(kind)
         _, field, event = _PARTS[kind]
         part[field] += delta
-        logprobs: dict[str, list[Any]] = {"logprobs": []} if kind == "output_text" else {}
-        self.emit(f"{event}.delta", **self._where(), delta=delta, **logprobs)
+        if kind == "output_text":
+            part.setdefault("logprobs", []).extend(logprobs or ())
+            self.emit(f"{event}.delta", **self._where(), delta=delta, logprobs=logprobs or [])
+        else:
+            self.emit(f"{event}.delta", **self._where(), delta=delta)
 
     def _annotate(self, annotations: list[dict[str, Any]]) -> None:
         """Citations of the answer's text (a search model sends them with its text or after it,
@@ -1112,7 +1155,7 @@ class _StreamWriter:
             if delta.redacted_reasoning is not None:
                 self._redacted(delta.redacted_reasoning)
             if delta.content:
-                self._text("output_text", delta.content)
+                self._text("output_text", delta.content, _logprobs(choice.logprobs))
             if delta.annotations:
                 self._annotate(delta.annotations)
             if delta.refusal:

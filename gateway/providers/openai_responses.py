@@ -89,7 +89,12 @@ _FAILURE_STATUS = {
 _NOT_IN_RESPONSES: Unexpressible = {
     "stop": (lambda request: bool(request.stop_list), "stop sequences"),
     "n": (lambda request: (request.n or 1) > 1, "several choices"),
-    "logprobs": (lambda request: bool(request.logprobs or request.top_logprobs), "token log probabilities"),
+    # A Responses client's come back in the output items passed through as they came (its `include` and
+    # `top_logprobs` sent as is); a chat client's would need them read back into chat's, which is not done.
+    "logprobs": (
+        lambda request: request.responses is None and bool(request.logprobs or request.top_logprobs),
+        "token log probabilities",
+    ),
     # The Responses API answers in text alone, and searches the web with a `web_search` tool, which
     # Weir does not send for chat's `web_search_options`.
     **unexpressible(
@@ -228,7 +233,7 @@ def _client_settings(settings: dict[str, Any] | None, body: dict[str, Any]) -> N
     nothing needs back), the reasoning summary, the verbosity and the prompt cache key."""
     if not settings:
         return
-    for name in ("tools", "tool_choice", "include", *_SAME_IN_RESPONSES):
+    for name in ("tools", "tool_choice", "include", "top_logprobs", "max_tool_calls", *_SAME_IN_RESPONSES):
         if name in settings:
             body[name] = settings[name]
     if "reasoning_summary" in settings:

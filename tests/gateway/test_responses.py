@@ -867,3 +867,52 @@ def test_a_file_url_is_a_400_that_says_so(gateway: RunningGateway, fake_openai: 
     assert isinstance(error, dict) and error["param"] == "input[0].content[0].file_url"
     assert "stores no files" not in error["message"] and "file_data" in error["message"]
     assert fake_openai.requests == []
+
+
+LOGPROBS: Any = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_come_on_the_output_text(
+    gateway: RunningGateway, fake_openai: FakeOpenAI, stream: bool
+) -> None:
+    asked: Any = {"model": "gpt-4o-mini", "input": "one two three", **LOGPROBS}
+    client = gateway.openai()
+    if stream:
+        events = list(client.responses.create(**asked, stream=True))
+        deltas = [event for event in events if event.type == "response.output_text.delta"]
+        assert [token.token for event in deltas for token in event.logprobs] == ["one", " two", " three"]
+        [done] = [event for event in events if event.type == "response.output_text.done"]
+        assert len(done.logprobs) == 3
+        final = events[-1]
+        assert final.type == "response.completed"
+        response = final.response
+    else:
+        response = client.responses.create(**asked)
+    sent = fake_openai.requests[-1].json
+    assert sent["logprobs"] is True and sent["top_logprobs"] == 2
+    part = response.output[0].content[0]
+    assert part.type == "output_text"
+    [first, *_] = part.logprobs
+    assert first.token == "one" and first.logprob == -0.01 and first.bytes == list(b"one")
+    assert [top.token for top in first.top_logprobs] == ["one", "one1"]
+
+
+def test_logprobs_a_backend_cannot_give_are_a_400_naming_include(
+    gateway: RunningGateway, fake_anthropic: FakeAnthropic
+) -> None:
+    with pytest.raises(openai.BadRequestError, match="token log probabilities") as caught:
+        gateway.openai().responses.create(model="claude-sonnet", input="hi", **LOGPROBS)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "include"
+    assert error["code"] == "unsupported_parameter"
+    assert fake_anthropic.requests == []
+
+
+def test_max_tool_calls_is_echoed_and_holds_on_a_chat_backend(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """It counts calls of built-in tools, which a chat backend never runs: nothing to send it."""
+    response = gateway.openai().responses.create(model="gpt-4o-mini", input="hi", max_tool_calls=2)
+    assert response.max_tool_calls == 2 and response.status == "completed"
+    assert "max_tool_calls" not in fake_openai.requests[-1].json

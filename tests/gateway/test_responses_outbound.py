@@ -441,3 +441,21 @@ def test_a_passed_through_stream_cut_mid_way_goes_on_in_the_same_message(
     texts = {e.item_id for e in events if e.type == "response.output_text.delta"}
     assert texts == set(added) and len(added) == 1
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_responses_clients_logprobs_and_max_tool_calls_reach_the_responses_api(
+    gateway: RunningGateway, fake_openai: FakeOpenAI
+) -> None:
+    """Its output items come back as they came, logprobs and all: nothing to read back into chat's."""
+    response = gateway.openai().responses.create(
+        model="o3-pro",
+        input="hello over there",
+        include=["message.output_text.logprobs"],
+        top_logprobs=3,
+        max_tool_calls=4,
+    )
+    assert response.status == "completed" and response.output_text == "hello over there"
+    sent = _sent(fake_openai)
+    assert sent["include"] == ["message.output_text.logprobs"]
+    assert sent["top_logprobs"] == 3 and sent["max_tool_calls"] == 4
+    assert "logprobs" not in sent  # chat's own field, which the Responses API refuses
