@@ -302,13 +302,14 @@ class Produced:
         request asked for where it named one (`asked_tier`): a flex stream billed at the base price
         cost twice what its vendor charged. Its reasoning share is estimated from the reasoning
         received, as a Claude answer's is (`with_thinking`): a stream cut mid-thinking reasoned."""
-        output = max(self.chunks, _ceil_tokens(self.text_bytes))
-        usage = Usage(
-            input_tokens=prompt_tokens(request_body),
-            output_tokens=output,
-            service_tier=asked_tier(request_body),
+        return self.with_output(
+            Usage(input_tokens=prompt_tokens(request_body), service_tier=asked_tier(request_body))
         )
-        return with_thinking(usage, self.thought_bytes)
+
+    def with_output(self, usage: Usage) -> Usage:
+        """`usage` with the output estimated from what was generated so far, its reasoning share too."""
+        output = max(self.chunks, _ceil_tokens(self.text_bytes))
+        return with_thinking(msgspec.structs.replace(usage, output_tokens=output), self.thought_bytes)
 
 
 def _thought_bytes(delta: Any) -> int:

@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from gateway.errors import GatewayError, InvalidRequest, stream_failure, validation_error
+from gateway.estimate import Produced
 from gateway.providers.base import CUSTOM_INPUT, custom_arguments, custom_input, new_id, now
 from gateway.providers.openai_responses import INCOMPLETE_REASONS
 from gateway.types import (
@@ -862,7 +863,9 @@ class _StreamWriter:
     """Canonical chunks -> Responses events. As OpenAI streams them, one output item at a time: an
     item's closing events are written when the next item starts or the stream ends."""
 
-    def __init__(self, response: dict[str, Any], custom: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, response: dict[str, Any], custom: frozenset[str] = frozenset(), prompt_tokens: int = 0
+    ) -> None:
         self.response = response
         self.custom = custom  # the names of custom tools, whose calls are `custom_tool_call` items
         self.inputs: dict[int, str] = {}  # output index of a custom tool's call -> its arguments so far
@@ -881,6 +884,9 @@ class _StreamWriter:
         self.finish: str | None = None
         self.own_stop_reason: str | None = None  # Claude's, where finish_reason cannot say it
         self.usage = Usage()
+        self.reported = False  # whether a chunk reported the usage (else it is estimated on failure)
+        self.produced = Produced()
+        self.prompt_tokens = prompt_tokens  # the prompt's, estimated, for a stream failed before usage
         self.out: list[bytes] = []
 
     def emit(self, kind: str, **fields: Any) -> None:
@@ -1128,8 +1134,9 @@ class _StreamWriter:
         self.parts.clear()
 
     def chunk(self, chunk: ChatChunk) -> None:
+        self.produced.add(chunk)
         if chunk.usage is not None:
-            self.usage = chunk.usage
+            self.usage, self.reported = chunk.usage, True
         if chunk.responses_event is not None:
             self._pass(chunk.responses_event)
             for choice in chunk.choices[:1]:
@@ -1181,22 +1188,38 @@ class _StreamWriter:
         self.emit(
             "error", code=error.code or error.type, message=error.message, param=responses_param(error.param)
         )
-        code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+        # What was streamed is billed (`routing.execute`): the client is told it, as the vendor
+        # reported it or estimated as the ledger's is when the stream broke before any report.
+        usage = (
+            self.usage if self.reported else self.produced.with_output(Usage(input_tokens=self.prompt_tokens))
+        )
         failed = {
             **self.response,
             "status": "failed",
             "output": self.output,
-            "error": {"code": code, "message": error.message},
+            "error": {"code": _failure_code(error), "message": error.message},
+            "usage": responses_usage(usage),
         }
         self.emit("response.failed", response=failed)
 
 
+def _failure_code(error: GatewayError) -> str:
+    """A failed response's `error.code`, in OpenAI's list (the SDK's `ResponseError.code`): a request's
+    fault (a 400 after the stream started, met on the candidate a broken stream failed over to) is
+    `invalid_prompt`, a rate limit `rate_limit_exceeded`, anything else `server_error`. The `error`
+    event before it has the error's own code (`context_length_exceeded`...)."""
+    if error.status == 429:
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if 400 <= error.status < 500 else "server_error"
+
+
 async def stream_events(
-    batches: AsyncIterator[list[ChatChunk]], request: ResponsesRequest
+    batches: AsyncIterator[list[ChatChunk]], request: ResponsesRequest, prompt_tokens: int = 0
 ) -> AsyncIterator[bytes]:
     """Batches of canonical chunks as the Responses event sequence, one write per batch. A failure
-    after the stream started ends it with an `error` event and `response.failed`, never silently."""
-    writer = _StreamWriter(new_response(request, now()), custom_tools(request))
+    after the stream started ends it with an `error` event and `response.failed`, never silently, with
+    the usage of what was streamed (`prompt_tokens`: the prompt's, estimated, where none was reported)."""
+    writer = _StreamWriter(new_response(request, now()), custom_tools(request), prompt_tokens)
     writer.emit("response.created", response=writer.response)
     writer.emit("response.in_progress", response=writer.response)
     try:

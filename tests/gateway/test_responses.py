@@ -559,6 +559,9 @@ def test_stream_broken_midway_ends_with_error_and_failed(
     failed = events[-1]
     assert failed.type == "response.failed" and failed.response.status == "failed"
     assert failed.response.error is not None and failed.response.error.code == "server_error"
+    # What was streamed is billed, and said: the prompt and the text before the break.
+    usage = failed.response.usage
+    assert usage is not None and usage.input_tokens > 0 and usage.output_tokens > 0
     assert [event.sequence_number for event in events] == list(range(len(events)))
     # The stream helper has no final response to give, rather than a truncated one.
     fake_gemini.fail_next(fault)
@@ -916,3 +919,22 @@ def test_max_tool_calls_is_echoed_and_holds_on_a_chat_backend(
     response = gateway.openai().responses.create(model="gpt-4o-mini", input="hi", max_tool_calls=2)
     assert response.max_tool_calls == 2 and response.status == "completed"
     assert "max_tool_calls" not in fake_openai.requests[-1].json
+
+
+async def test_a_400_after_the_stream_started_fails_with_its_code_and_the_usage_streamed() -> None:
+    async def batches() -> AsyncIterator[list[ChatChunk]]:
+        yield [_chunk(Delta(role="assistant", content="Hello there, this is "))]
+        yield [_chunk(Delta(content="more text"))]
+        raise InvalidRequest("the prompt is too long", param="messages", code="context_length_exceeded")
+
+    request = ResponsesRequest(model="m", input="hi")
+    written = b"".join([p async for p in stream_events(batches(), request, prompt_tokens=7)])
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_json(f.split(b"\ndata: ", 1)[1]) for f in written.strip().split(b"\n\n")]
+    error, failed = events[-2], events[-1].response
+    assert error.type == "error" and error.code == "context_length_exceeded"
+    # The request's fault, in OpenAI's words for it (the SDK's list of failure codes).
+    assert failed.status == "failed" and failed.error.code == "invalid_prompt"
+    assert failed.usage is not None and failed.usage.input_tokens == 7
+    assert failed.usage.output_tokens == 8  # 30 bytes of text streamed, at 4 bytes a token
+    assert failed.usage.total_tokens == 15
