@@ -881,6 +881,9 @@ class _StreamWriter:
         self.open: int | None = None  # output index of the item still streaming
         self.part: dict[str, Any] | None = None  # the open message's content part still streaming
         self.calls: dict[int, int] = {}  # canonical tool call index -> output index of its call
+        # Logprobs of tokens whose text has not come yet (bytes of a character not whole, which a
+        # backend holds back): told with the next text, or on the part's done event.
+        self.held_logprobs: list[dict[str, Any]] = []
         self.finish: str | None = None
         self.own_stop_reason: str | None = None  # Claude's, where finish_reason cannot say it
         self.usage = Usage()
@@ -916,6 +919,9 @@ class _StreamWriter:
         part, self.part = self.part, None
         if part is None:
             return
+        if part["type"] == "output_text":
+            part.setdefault("logprobs", []).extend(self.held_logprobs)
+            self.held_logprobs = []
         self._end_part(self._where(), "content", part)
 
     def _end_part(self, where: dict[str, Any], holder: str, part: dict[str, Any], told: bool = False) -> None:
@@ -1161,8 +1167,12 @@ class _StreamWriter:
                 self._close("completed" if delta.reasoning_signature else "incomplete")
             if delta.redacted_reasoning is not None:
                 self._redacted(delta.redacted_reasoning)
+            logprobs = _logprobs(choice.logprobs)
             if delta.content:
-                self._text("output_text", delta.content, _logprobs(choice.logprobs))
+                self._text("output_text", delta.content, [*self.held_logprobs, *logprobs])
+                self.held_logprobs = []
+            else:
+                self.held_logprobs += logprobs
             if delta.annotations:
                 self._annotate(delta.annotations)
             if delta.refusal:

@@ -467,3 +467,29 @@ models:
         if engine.process is not None and engine.process.returncode is None:
             os.killpg(engine.process.pid, signal.SIGKILL)
             await engine.process.wait()
+
+
+def test_a_responses_clients_logprobs_come_from_the_engine() -> None:
+    """The bundled engine gives chat logprobs: a Responses client gets them on its output_text part
+    and on each streamed delta, as many as the tokens the engine billed."""
+    with tiny_engine_gateway() as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        asked: Any = {
+            "model": "small",
+            "input": "hi",
+            "max_output_tokens": 4,
+            "temperature": 0,
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2,
+        }
+        response = client.responses.create(**asked)
+        part = response.output[0].content[0]
+        assert part.type == "output_text" and response.usage is not None
+        assert len(part.logprobs) == response.usage.output_tokens == 4
+        assert all(len(token.top_logprobs) == 2 and token.logprob <= 0 for token in part.logprobs)
+        # The tiny model's byte tokens need not be whole characters: their bytes make the text.
+        answer = bytes(b for token in part.logprobs for b in token.bytes)
+        assert answer.decode(errors="replace") == response.output_text
+        events = list(client.responses.create(**asked, stream=True))
+        streamed = [t.token for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+        assert streamed == [token.token for token in part.logprobs]

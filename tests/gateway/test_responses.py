@@ -938,3 +938,28 @@ async def test_a_400_after_the_stream_started_fails_with_its_code_and_the_usage_
     assert failed.usage is not None and failed.usage.input_tokens == 7
     assert failed.usage.output_tokens == 8  # 30 bytes of text streamed, at 4 bytes a token
     assert failed.usage.total_tokens == 15
+
+
+async def test_logprobs_of_text_held_back_come_with_the_text() -> None:
+    """A backend holds back the bytes of a character not yet whole, but sends their token's logprobs."""
+
+    def token(text: str, raw: bytes) -> dict[str, Any]:
+        return {"token": text, "logprob": -0.5, "bytes": list(raw), "top_logprobs": []}
+
+    def chunk(content: str, *tokens: dict[str, Any]) -> ChatChunk:
+        choice = ChunkChoice(index=0, delta=Delta(content=content), logprobs={"content": list(tokens)})
+        return ChatChunk(id="c", created=0, model="m", choices=[choice])
+
+    events = await _events(
+        [
+            chunk("", token("bytes:\\xe2\\x82", b"\xe2\x82")),
+            chunk("€", token("bytes:\\xac", b"\xac")),
+            chunk("", token("bytes:\\xe2", b"\xe2")),  # cut before its character was whole
+            _chunk(Delta(), "length", Usage(input_tokens=1, output_tokens=3)),
+        ]
+    )
+    [delta] = [event for event in events if event.type == "response.output_text.delta"]
+    assert delta.delta == "€" and [t.bytes for t in delta.logprobs] == [[0xE2, 0x82], [0xAC]]
+    [done] = [event for event in events if event.type == "response.output_text.done"]
+    assert len(done.logprobs) == 3
+    assert len(events[-1].response.output[0].content[0].logprobs) == 3
