@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from gateway.errors import GatewayError, InvalidRequest, stream_failure, validation_error
-from gateway.estimate import Produced
+from gateway.estimate import Produced, input_tokens
 from gateway.providers.base import CUSTOM_INPUT, custom_arguments, custom_input, new_id, now
 from gateway.providers.openai_responses import INCOMPLETE_REASONS
 from gateway.types import (
@@ -864,7 +864,7 @@ class _StreamWriter:
     item's closing events are written when the next item starts or the stream ends."""
 
     def __init__(
-        self, response: dict[str, Any], custom: frozenset[str] = frozenset(), prompt_tokens: int = 0
+        self, response: dict[str, Any], custom: frozenset[str] = frozenset(), sent: ChatRequest | None = None
     ) -> None:
         self.response = response
         self.custom = custom  # the names of custom tools, whose calls are `custom_tool_call` items
@@ -889,7 +889,7 @@ class _StreamWriter:
         self.usage = Usage()
         self.reported = False  # whether a chunk reported the usage (else it is estimated on failure)
         self.produced = Produced()
-        self.prompt_tokens = prompt_tokens  # the prompt's, estimated, for a stream failed before usage
+        self.sent = sent  # the canonical request, whose prompt a stream failed before usage estimates
         self.out: list[bytes] = []
 
     def emit(self, kind: str, **fields: Any) -> None:
@@ -1192,6 +1192,10 @@ class _StreamWriter:
         final = _finished(self.response, self.output, self.finish, self.own_stop_reason, self.usage)
         self.emit("response.incomplete" if reason else "response.completed", response=final)
 
+    def _prompt_tokens(self) -> int:
+        """The prompt's tokens, estimated as routing does (only when a stream fails unreported)."""
+        return input_tokens(self.sent) if self.sent is not None else 0
+
     def fail(self, error: GatewayError) -> None:
         for index in (*self.passing, *(() if self.open is None else (self.open,))):
             self.output[index]["status"] = "incomplete"  # as far as it got, a passed item's too
@@ -1201,7 +1205,9 @@ class _StreamWriter:
         # What was streamed is billed (`routing.execute`): the client is told it, as the vendor
         # reported it or estimated as the ledger's is when the stream broke before any report.
         usage = (
-            self.usage if self.reported else self.produced.with_output(Usage(input_tokens=self.prompt_tokens))
+            self.usage
+            if self.reported
+            else self.produced.with_output(Usage(input_tokens=self._prompt_tokens()))
         )
         failed = {
             **self.response,
@@ -1224,12 +1230,13 @@ def _failure_code(error: GatewayError) -> str:
 
 
 async def stream_events(
-    batches: AsyncIterator[list[ChatChunk]], request: ResponsesRequest, prompt_tokens: int = 0
+    batches: AsyncIterator[list[ChatChunk]], request: ResponsesRequest, sent: ChatRequest | None = None
 ) -> AsyncIterator[bytes]:
     """Batches of canonical chunks as the Responses event sequence, one write per batch. A failure
     after the stream started ends it with an `error` event and `response.failed`, never silently, with
-    the usage of what was streamed (`prompt_tokens`: the prompt's, estimated, where none was reported)."""
-    writer = _StreamWriter(new_response(request, now()), custom_tools(request), prompt_tokens)
+    the usage of what was streamed (the prompt of `sent`, the canonical request, estimated where no
+    usage was reported)."""
+    writer = _StreamWriter(new_response(request, now()), custom_tools(request), sent)
     writer.emit("response.created", response=writer.response)
     writer.emit("response.in_progress", response=writer.response)
     try:

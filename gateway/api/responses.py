@@ -11,7 +11,6 @@ from litestar.response import Stream
 from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
 from gateway.errors import GatewayError, NotFound
-from gateway.estimate import input_tokens
 from gateway.responses_inbound import (
     ResponsesRequest,
     from_canonical,
@@ -38,8 +37,7 @@ async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
         raise
     if isinstance(result, ChatResponse):
         return json_response(from_canonical(result, body))
-    events = stream_events(result, body, input_tokens(canonical))
-    return Stream(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    return Stream(stream_events(result, body, canonical), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def _not_stored(response_id: str) -> NotFound:

@@ -14,6 +14,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from gateway.errors import InvalidRequest
+from gateway.estimate import input_tokens
 from gateway.responses_inbound import ResponsesRequest, responses_param, stream_events, to_canonical
 from gateway.types import (
     ChatChunk,
@@ -928,16 +929,17 @@ async def test_a_400_after_the_stream_started_fails_with_its_code_and_the_usage_
         raise InvalidRequest("the prompt is too long", param="messages", code="context_length_exceeded")
 
     request = ResponsesRequest(model="m", input="hi")
-    written = b"".join([p async for p in stream_events(batches(), request, prompt_tokens=7)])
+    sent = to_canonical(request)
+    written = b"".join([p async for p in stream_events(batches(), request, sent)])
     adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
     events = [adapter.validate_json(f.split(b"\ndata: ", 1)[1]) for f in written.strip().split(b"\n\n")]
     error, failed = events[-2], events[-1].response
     assert error.type == "error" and error.code == "context_length_exceeded"
     # The request's fault, in OpenAI's words for it (the SDK's list of failure codes).
     assert failed.status == "failed" and failed.error.code == "invalid_prompt"
-    assert failed.usage is not None and failed.usage.input_tokens == 7
+    assert failed.usage is not None and failed.usage.input_tokens == input_tokens(sent) > 0
     assert failed.usage.output_tokens == 8  # 30 bytes of text streamed, at 4 bytes a token
-    assert failed.usage.total_tokens == 15
+    assert failed.usage.total_tokens == failed.usage.input_tokens + 8
 
 
 async def test_logprobs_of_text_held_back_come_with_the_text() -> None:
