@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import time
@@ -49,6 +50,7 @@ from engine.protocol import (
     param_of,
     unsupported,
 )
+from engine.registry import ModelNotFoundError
 from engine.sampling import JsonFormat
 from gateway.parent_watch import watch_parent_from_env
 
@@ -1041,6 +1043,11 @@ async def start_server(server: EngineServer, host: str, port: int) -> web.AppRun
     return runner
 
 
+# Load errors that say the model named is not there (a path that does not exist, a directory without its
+# files, one this user may not read), besides the registry's ModelNotFoundError.
+MISSING_MODEL = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
 def run(
     model: str,
     *,
@@ -1051,8 +1058,11 @@ def run(
     max_queued: int | None = None,
 ) -> int:
     """`weir engine serve`: binds at once (`/health` answers 503 while loading), loads the model in a
-    thread, then serves until SIGINT/SIGTERM. Returns the exit status: 1 when the model failed to load."""
+    thread, then serves until SIGINT/SIGTERM. Returns the exit status: 1 when the model failed to load,
+    `os.EX_CONFIG` (78) when there is no such model to load (`MISSING_MODEL`): a supervisor gives up on
+    that at once, where another failure (out of memory, a corrupt file) may be worth a few more tries."""
     server = EngineServer(model_name=served_model_name, aliases=(model,), max_queued=max_queued)
+    missing = False
 
     async def load() -> None:
         from engine.llm_engine import LLMEngine
@@ -1060,6 +1070,8 @@ def run(
         try:
             llm = await asyncio.to_thread(LLMEngine, model, **engine_kwargs)
         except Exception as exc:
+            nonlocal missing
+            missing = isinstance(exc, (ModelNotFoundError, *MISSING_MODEL))
             server.load_error = f"could not load {model!r}: {exc}"
             log.error("%s", server.load_error)
             signal.raise_signal(signal.SIGTERM)  # run_app shuts down cleanly on SIGTERM
@@ -1085,7 +1097,9 @@ def run(
         print=None,
         shutdown_timeout=DRAIN_TIMEOUT_S,
     )
-    return 1 if server.load_error else 0
+    if server.load_error:
+        return os.EX_CONFIG if missing else 1
+    return 0
 
 
 def listen(host: str, port: int) -> list[socket.socket]:

@@ -2,22 +2,32 @@
 --port P` itself, waits for its /health, restarts it when it dies and stops it on shutdown. Each time
 it is up, its model list (`/v1/models`, with the model's `max_model_len`) goes to `on_models`: the
 gateway fits output limits in the window of the engine running now, flags changed between restarts
-included."""
+included.
+
+An engine that never became ready failed to load its model, which is not a crash: a bad path, a
+corrupt file or a model too large for the machine fail the same way each time, so the supervisor gives
+up (`"failed"` in /readyz, one `engine_failed` log line with the engine's own last error) after
+LOAD_ATTEMPTS, or at once for a configuration error. A crash while serving is restarted on the backoff,
+at most CRASH_RESTARTS times in CRASH_WINDOW_S."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 
 import aiohttp
 import msgspec
 import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from gateway.config import Backend
 
@@ -36,6 +46,19 @@ PARENT_PID_ENV = "WEIR_ENGINE_PARENT_PID"
 # to every request for ever. DEAD_AFTER such answers in a row and it is restarted.
 WATCH_INTERVAL_S = 1.0
 DEAD_AFTER = 3
+# Starts in a row that never got to ready before the supervisor gives up on an engine that has never been
+# ready. At once for a configuration error: a `command` that cannot run, or an exit status of
+# CONFIG_ERROR_EXITS (2: a flag the engine refuses; os.EX_CONFIG: no such model, engine.server.run).
+LOAD_ATTEMPTS = 3
+CONFIG_ERROR_EXITS = (2, os.EX_CONFIG)
+# Restarts after crashes while serving: at most CRASH_RESTARTS in CRASH_WINDOW_S. One more crash holds
+# the next start until the oldest of them leaves the window ("crash_loop" in /readyz): an input that
+# crashes the engine, sent again and again, costs a bounded share of the machine in model loads.
+CRASH_RESTARTS = 10
+CRASH_WINDOW_S = 600.0
+# How much of the engine's latest stdout and stderr is kept (each) to find its last error in.
+TAIL_BYTES = 16384
+STATES = ("ready", "loading", "restarting", "crash_loop", "failed")
 
 
 def restart_delay(failures: int) -> float:
@@ -54,6 +77,31 @@ def port_taken(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def last_error(stdout: bytes | bytearray, stderr: bytes | bytearray) -> str | None:
+    """The engine's own last word before it stopped: its last log line at level error or above (JSON, as
+    the gateway starts it), else the last line of its stderr that says error (a traceback's last line,
+    text logs), else stderr's last line."""
+    for line in reversed(_lines(stdout) + _lines(stderr)):
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if isinstance(entry, dict) and entry.get("level") in ("error", "critical"):
+                    exception = str(entry.get("exception") or "").strip().splitlines()
+                    return " ".join([str(entry.get("event", "")), *exception[-1:]])
+    text = _lines(stderr)
+    return next((line for line in reversed(text) if "error" in line.lower()), text[-1] if text else None)
+
+
+def _lines(output: bytes | bytearray) -> list[str]:
+    return [line.strip() for line in output.decode(errors="replace").splitlines() if line.strip()]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def engine_base_url(backend: Backend) -> str:
@@ -88,15 +136,26 @@ class EngineProcess:
         self.healthy = False
         self.loaded = False  # healthy once: its first start is over (the gateway's /readyz waits for it)
         self.restarts = 0
+        self.error: str | None = None  # why it last stopped: the engine's own last error, else ours
+        self.failed = False  # given up on: it never loaded (LOAD_ATTEMPTS), not started again
+        self.crash_loop = False  # holding its next start (CRASH_RESTARTS in CRASH_WINDOW_S)
+        self._crashes: deque[float] = deque()  # when each restart after a crash while serving began
         self._task: asyncio.Task[None] | None = None
+        self._relays: list[asyncio.Task[None]] = []
+        self._stdout, self._stderr = bytearray(), bytearray()  # the last TAIL_BYTES of each
         self._stopping = False
 
     @property
     def state(self) -> str:
-        """What /readyz reports: "ready", "loading" (its first start, or a command that never ran) or
-        "restarting" (healthy once, now down: exited, dead, or being started again)."""
+        """What /readyz reports: "ready", "loading" (its first start), "restarting" (healthy once, now
+        down: exited, dead, or being started again), "crash_loop" (healthy once, crashed too often:
+        its next start held) or "failed" (never loaded: given up on)."""
         if self.healthy:
             return "ready"
+        if self.failed:
+            return "failed"
+        if self.crash_loop:
+            return "crash_loop"
         return "restarting" if self.loaded else "loading"
 
     async def start(self) -> None:
@@ -107,8 +166,33 @@ class EngineProcess:
         # A session of its own: a terminal's Ctrl+C reaches only the gateway, which stops the engine in
         # order (`stop`), and `_terminate` signals the whole group (a `command:`'s children too). The
         # engine ends with the gateway by watching PARENT_PID_ENV, since no signal reaches it then.
-        self.process = await asyncio.create_subprocess_exec(*self.command, env=env, start_new_session=True)
+        # Its output is relayed to the gateway's own stdout and stderr, the last of it kept: its last
+        # error is what says why a model did not load.
+        self.process = await asyncio.create_subprocess_exec(
+            *self.command,
+            env=env,
+            start_new_session=True,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        self._stdout.clear()
+        self._stderr.clear()
+        assert self.process.stdout is not None and self.process.stderr is not None
+        self._relays = [
+            asyncio.create_task(_relay(self.process.stdout, 1, self._stdout)),
+            asyncio.create_task(_relay(self.process.stderr, 2, self._stderr)),
+        ]
         log.info("engine_started", backend=self.backend.name, pid=self.process.pid, command=self.command)
+
+    async def _exited(self) -> int:
+        """The engine's exit status, once its output is relayed: a `command:`'s child that keeps the
+        pipes open is given a moment, not waited for."""
+        assert self.process is not None
+        code = await self.process.wait()
+        _, pending = await asyncio.wait(self._relays, timeout=1.0)
+        for relay in pending:
+            relay.cancel()
+        return code
 
     async def _wait_healthy(self, session: aiohttp.ClientSession) -> bool:
         deadline = time.monotonic() + self.backend.startup_timeout
@@ -141,10 +225,14 @@ class EngineProcess:
                 try:
                     await self._spawn()
                 except OSError as exc:
-                    # A `command` that cannot be run (not found, not executable): said in the log, and
-                    # tried again after the backoff. Raised, it ended supervision without a word, left
-                    # /readyz at 503 for ever and failed the gateway's shutdown.
+                    # A `command` that cannot be run (not found, not executable): said in the log.
+                    # Raised, it ended supervision without a word, left /readyz at 503 for ever and
+                    # failed the gateway's shutdown. Before any start it is a configuration error.
                     failures += 1
+                    self.error = f"cannot run {self.command[0]}: {exc}"
+                    if not self.loaded:
+                        self._give_up(failures, None)
+                        return
                     log.error(
                         "engine_start_failed",
                         backend=self.backend.name,
@@ -155,25 +243,75 @@ class EngineProcess:
                     await asyncio.sleep(restart_delay(failures))
                     continue
                 started = time.monotonic()
+                not_ready = None
                 if await self._wait_healthy(session):
                     self.healthy = self.loaded = True
+                    self.crash_loop = False
                     log.info("engine_ready", backend=self.backend.name, port=self.port)
                     await self._read_models(session)
                     await self._watch(session)
-                else:
+                elif self.process is not None and self.process.returncode is None:  # too slow
+                    not_ready = f"not ready within {self.backend.startup_timeout:g}s (startup_timeout)"
                     log.error("engine_not_ready", backend=self.backend.name, port=self.port)
                     await self._terminate()
-                assert self.process is not None
-                code = await self.process.wait()
+                code = await self._exited()
                 self.healthy = False
                 if self._stopping:
                     return
-                failures = 1 if time.monotonic() - started > RAN_LONG_S else failures + 1
+                self.error = _why(code, last_error(self._stdout, self._stderr), not_ready)
+                # A load that failed after a long time (a large model) still counts: only a serving
+                # engine's long run starts the count again.
+                ran_long = self.loaded and time.monotonic() - started > RAN_LONG_S
+                failures = 1 if ran_long else failures + 1
+                if not self.loaded and (failures >= LOAD_ATTEMPTS or code in CONFIG_ERROR_EXITS):
+                    self._give_up(failures, code)
+                    return
+                if self.loaded:
+                    await self._hold_crash_loop()
                 self.restarts += 1
                 log.warning(
-                    "engine_exited", backend=self.backend.name, code=code, restart_in=restart_delay(failures)
+                    "engine_exited",
+                    backend=self.backend.name,
+                    code=code,
+                    error=self.error,
+                    restart_in=restart_delay(failures),
                 )
                 await asyncio.sleep(restart_delay(failures))
+
+    def _give_up(self, attempts: int, code: int | None) -> None:
+        """An engine that never loaded: not started again, and said once, with its own last error."""
+        self.failed = True
+        log.error(
+            "engine_failed",
+            backend=self.backend.name,
+            model=self.backend.model,
+            attempts=attempts,
+            code=code,
+            error=self.error,
+            detail="the engine could not load its model and is not started again: fix the backend "
+            "(its model, command or args) and restart the gateway; its routes fail over meanwhile",
+        )
+
+    async def _hold_crash_loop(self) -> None:
+        """At most CRASH_RESTARTS restarts after crashes in CRASH_WINDOW_S: beyond them, wait until the
+        oldest leaves the window."""
+        now = time.monotonic()
+        while self._crashes and now - self._crashes[0] > CRASH_WINDOW_S:
+            self._crashes.popleft()
+        if len(self._crashes) >= CRASH_RESTARTS:
+            wait = self._crashes[0] + CRASH_WINDOW_S - now
+            self.crash_loop = True
+            log.error(
+                "engine_crash_loop",
+                backend=self.backend.name,
+                crashes=len(self._crashes) + 1,
+                window_s=CRASH_WINDOW_S,
+                error=self.error,
+                restart_in=round(wait, 1),
+            )
+            await asyncio.sleep(wait)
+            self._crashes.popleft()
+        self._crashes.append(time.monotonic())
 
     async def _watch(self, session: aiohttp.ClientSession) -> None:
         """Until the process exits: check /health, and terminate an engine that says it is dead (its
@@ -237,8 +375,53 @@ class EngineProcess:
     async def stop(self) -> None:
         self._stopping = True
         await self._terminate()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, *self._relays):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.healthy = False
+
+
+async def _relay(source: asyncio.StreamReader, fd: int, tail: bytearray) -> None:
+    """The engine's output to the gateway's own `fd` as it comes, its last TAIL_BYTES kept in `tail`."""
+    while chunk := await source.read(65536):
+        _write_all(fd, chunk)
+        tail += chunk
+        del tail[:-TAIL_BYTES]
+
+
+def _why(code: int, said: str | None, not_ready: str | None) -> str:
+    """Why an engine stopped: what it said, else how it ended (a signal: the kernel's OOM killer, say)."""
+    if not_ready is not None:
+        return f"{not_ready}: {said}" if said else not_ready
+    if said:
+        return said
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class EngineCollector(Collector):
+    """The supervised engines in /metrics: each one's state (1 for the one it is in) and its restarts."""
+
+    def __init__(self, engines: Sequence[EngineProcess]) -> None:
+        self.engines = engines
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        state = GaugeMetricFamily(
+            "weir_engine_state",
+            "1 for the state each supervised engine is in (ready, loading, restarting, crash_loop, failed)",
+            labels=("backend", "state"),
+        )
+        restarts = CounterMetricFamily(
+            "weir_engine_restarts", "Restarts of each supervised engine", labels=("backend",)
+        )
+        for engine in self.engines:
+            for name in STATES:
+                state.add_metric((engine.backend.name, name), float(engine.state == name))
+            restarts.add_metric((engine.backend.name,), engine.restarts)
+        yield state
+        yield restarts

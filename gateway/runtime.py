@@ -17,7 +17,7 @@ from gateway.auth import (
     authenticate_known,
 )
 from gateway.config import Config, tenant_models_outside_the_config
-from gateway.engine_supervisor import EngineProcess, resolve_engine_backend
+from gateway.engine_supervisor import EngineCollector, EngineProcess, resolve_engine_backend
 from gateway.errors import AuthenticationFailed, TooManyFailedKeys
 from gateway.limits import RequestLimits
 from gateway.metrics import Metrics
@@ -51,6 +51,7 @@ class Gateway:
         backends = [resolve_engine_backend(b) if b.type == "engine" else b for b in config.backends]
         self.config = config = msgspec.structs.replace(config, backends=backends)
         self.metrics = Metrics()
+        self.metrics.registry.register(EngineCollector(self.engines))
         self.transport = Transport()
         self.models = ModelTable(config)
         self.router = Router(
@@ -144,11 +145,18 @@ class Gateway:
     @property
     def readiness(self) -> str:
         """What /readyz says: "starting" until the replica can serve what it was started for (every
-        supervised engine healthy once, the difficulty classifier the routes need loaded), then
-        "ready", or "unavailable" while it can answer nothing (`answers_something`)."""
-        if not self.started or self.router.scorer_loading or not all(e.loaded for e in self.engines):
+        supervised engine healthy once or given up on, the difficulty classifier the routes need
+        loaded), then "ready", or while it can answer nothing (`answers_something`) "failed" where an
+        engine could not load its model (it is not started again), else "unavailable"."""
+        if (
+            not self.started
+            or self.router.scorer_loading
+            or not all(e.loaded or e.failed for e in self.engines)
+        ):
             return "starting"
-        return "ready" if self.answers_something() else "unavailable"
+        if self.answers_something():
+            return "ready"
+        return "failed" if any(e.failed for e in self.engines) else "unavailable"
 
     def answers_something(self) -> bool:
         """Whether some model is served by a backend other than a supervised engine, or by one that is

@@ -77,3 +77,23 @@ def test_demo_prints_examples_that_work(tmp_path: Path) -> None:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_demo_exits_at_once_with_the_engines_error_when_the_model_cannot_load(tmp_path: Path) -> None:
+    """A model that could not load was restarted for ever, and `weir demo` waited 900 s without a word.
+    Now the gateway gives up on it and the demo exits non-zero as soon as /readyz says so, with the
+    engine's own error. The pulled model here is a link to a file that is gone."""
+    models = tmp_path / "models" / "smollm2-135m"
+    models.mkdir(parents=True)
+    (models / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(tmp_path / "deleted.gguf")
+    env = {**os.environ, "WEIR_MODELS_DIR": str(tmp_path / "models")}
+    argv = ["demo", "--port", str(free_port()), "--var-dir", str(tmp_path / "var")]
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "weir.cli", *argv], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - started < 30  # not 900 s
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: the bundled engine did not start: could not load 'smollm2-135m': "), error
+    assert "No such file or directory" in error

@@ -8,6 +8,7 @@ when set (else a fresh one, printed). The config is written to ./var/demo.yaml a
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -45,7 +46,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class EngineFailed(Exception):
+    """The gateway gave up on its engine: the model did not load (its /readyz says "failed")."""
+
+
 def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Whether the gateway's /readyz said ready before `timeout` (False: the gateway exited or the time
+    ran out). Raises EngineFailed, with the engine's own error, once /readyz says it could not load:
+    the supervisor does not start it again, so there is nothing to wait for."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -54,10 +62,22 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> b
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return True
+        except urllib.error.HTTPError as exc:  # 503: starting, or failed
+            _raise_if_failed(exc.read())
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
     return False
+
+
+def _raise_if_failed(readyz: bytes) -> None:
+    try:
+        body = json.loads(readyz)
+    except ValueError:
+        return
+    if isinstance(body, dict) and body.get("status") == "failed":
+        errors = body.get("engine_errors") or {}
+        raise EngineFailed("; ".join(str(error) for error in errors.values()) or "see the gateway's log")
 
 
 def _examples(base: str, key: str, model: str) -> str:
@@ -119,7 +139,13 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
     signal.signal(signal.SIGTERM, stop)
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     try:
-        if _wait_ready(f"{base}/readyz", gateway, timeout=900):
+        try:
+            ready = _wait_ready(f"{base}/readyz", gateway, timeout=900)
+        except EngineFailed as exc:
+            stop()
+            gateway.wait()
+            raise click.ClickException(f"the bundled engine did not start: {exc}") from None
+        if ready:
             click.echo(_examples(base, key, model))
             click.echo(
                 f"Admin UI: {base}/admin (sign in with WEIR_ADMIN_TOKEN or the admin token printed at first"

@@ -37,6 +37,11 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Any]:
     status = gateway.readiness
     engines = {engine.backend.name: engine.state for engine in gateway.engines}
     body: dict[str, Any] = {"status": status, "engines": engines}
+    # Why an engine is given up on or held (the engine's own last error): what an operator, or
+    # `weir demo`, needs to fix it, with no log to search.
+    errors = {e.backend.name: e.error for e in gateway.engines if e.state in ("failed", "crash_loop")}
+    if errors:
+        body["engine_errors"] = errors
     if gateway.router.scorer_loading:
         body["difficulty_classifier"] = "loading"
     return json_response(body, 200 if status == "ready" else 503)

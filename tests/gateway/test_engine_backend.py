@@ -19,6 +19,8 @@ import httpx
 import msgspec
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from gateway import engine_supervisor
@@ -322,6 +324,27 @@ def test_a_count_with_a_tool_of_anthropics_api_is_refused_as_its_message_is() ->
 
 TINY_ENGINE = str(Path(__file__).with_name("tiny_engine.py"))
 
+# An engine whose model does not load: it says why on stderr, as a traceback's last line, and exits 1.
+OUT_OF_MEMORY = (
+    "import sys; sys.exit('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB')"
+)
+
+# An engine that serves /health for a moment, then crashes with a word on stderr. argv: port.
+CRASHES = """
+import sys, threading, time, http.server
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{"status": "ok"}')
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+time.sleep(0.5)
+sys.exit("RuntimeError: CUDA error: an illegal memory access was encountered")
+"""
+
 
 def engine_backend(port: int, command: list[str]) -> Backend:
     return msgspec.convert(
@@ -329,22 +352,32 @@ def engine_backend(port: int, command: list[str]) -> Backend:
     )
 
 
-async def test_restarts_wait_the_backoff_lists_entries_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The n-th quick failure in a row waits the n-th entry of RESTART_BACKOFF. The first quick crash
+def crashing_engine(tmp_path: Path) -> EngineProcess:
+    script, port = tmp_path / "crashes.py", free_port()
+    script.write_text(CRASHES)
+    return EngineProcess(engine_backend(port, [sys.executable, str(script), str(port)]))
+
+
+async def test_restarts_wait_the_backoff_lists_entries_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The n-th quick crash in a row waits the n-th entry of RESTART_BACKOFF. The first quick crash
     waited the second entry (2 s) and the first (1 s) was only used after an engine that had run for
     over a minute."""
     monkeypatch.setattr(engine_supervisor, "RESTART_BACKOFF", (0.1, 0.2, 0.3))
-    engine = EngineProcess(engine_backend(free_port(), [sys.executable, "-c", "raise SystemExit(3)"]))
+    monkeypatch.setattr(engine_supervisor, "WATCH_INTERVAL_S", 0.1)
+    engine = crashing_engine(tmp_path)
     with capture_logs() as logs:
         await engine.start()
         try:
-            while sum(e["event"] == "engine_exited" for e in logs) < 4:
-                await asyncio.sleep(0.05)
+            async with asyncio.timeout(20):
+                while sum(e["event"] == "engine_exited" for e in logs) < 4:
+                    await asyncio.sleep(0.05)
         finally:
             await engine.stop()
     exits = [e for e in logs if e["event"] == "engine_exited"]
     assert [e["restart_in"] for e in exits[:4]] == [0.1, 0.2, 0.3, 0.3]
-    assert exits[0]["code"] == 3
+    assert exits[0]["code"] == 1
 
 
 async def test_a_process_already_on_the_port_is_not_taken_for_the_engine(
@@ -493,3 +526,112 @@ def test_a_responses_clients_logprobs_come_from_the_engine() -> None:
         events = list(client.responses.create(**asked, stream=True))
         streamed = [t.token for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
         assert streamed == [token.token for token in part.logprobs]
+
+
+# --- an engine that cannot load its model, one that keeps crashing -----------------------------------
+
+
+def metric(url: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def test_an_engine_whose_model_is_missing_is_given_up_on_at_once_and_said_why(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A model that cannot load was restarted for ever on the backoff, /readyz said "starting" and
+    `weir demo` waited 900 s without a word. A model that is not there is a configuration error: the
+    real engine exits with os.EX_CONFIG, the supervisor starts it once, logs one `engine_failed` line
+    with the engine's own error, /readyz says "failed" and why, and the engine's model answers 503 in
+    OpenAI's shape."""
+    engine_port = free_port()
+    config = parse_config(
+        f"""
+backends:
+  - {{name: local, type: engine, model: /nonexistent/model.gguf, port: {engine_port}}}
+models:
+  - {{name: small, backend: local, model: tiny}}
+""",
+        {},
+    )
+    app = create_app(config)
+    with capture_logs() as logs, serve(app, free_port()) as url:
+        engine = app.state.gateway.engines[0]
+        wait_for(lambda: engine.state == "failed")
+        status, body = readyz(url)
+        assert status == 503 and body["status"] == "failed" and body["engines"] == {"local": "failed"}
+        error = body["engine_errors"]["local"]
+        assert error.startswith("could not load '/nonexistent/model.gguf': unknown model"), error
+        with pytest.raises(openai.InternalServerError) as refused:
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).chat.completions.create(
+                model="small", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert refused.value.status_code == 503 and refused.value.code == "backend_unavailable"
+        assert metric(url, "weir_engine_state", backend="local", state="failed") == 1
+        assert metric(url, "weir_engine_state", backend="local", state="loading") == 0
+        assert engine._task.done() and engine.process.returncode == os.EX_CONFIG  # started once
+    assert [e["event"] for e in logs if e["event"].startswith("engine_")] == [
+        "engine_started",
+        "engine_failed",
+    ]
+    failed = next(e for e in logs if e["event"] == "engine_failed")
+    assert failed["error"] == error and failed["attempts"] == 1 and failed["code"] == os.EX_CONFIG
+    assert "could not load '/nonexistent/model.gguf'" in capfd.readouterr().out  # its own lines, relayed
+
+
+async def test_an_engine_that_fails_to_load_is_tried_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load that fails otherwise (out of memory, a corrupt file) may pass on another try, but not on
+    every one: after LOAD_ATTEMPTS the supervisor gives up, with the engine's own last error."""
+    monkeypatch.setattr(engine_supervisor, "RESTART_BACKOFF", (0.1,))
+    engine = EngineProcess(engine_backend(free_port(), [sys.executable, "-c", OUT_OF_MEMORY]))
+    with capture_logs() as logs:
+        await engine.start()
+        try:
+            assert engine._task is not None
+            await asyncio.wait_for(engine._task, 10)  # supervision ends: nothing is started again
+        finally:
+            await engine.stop()
+    events = [e["event"] for e in logs if e["event"] in ("engine_started", "engine_exited", "engine_failed")]
+    assert events == ["engine_started", "engine_exited"] * 2 + ["engine_started", "engine_failed"]
+    failed = logs[-1]
+    assert failed["event"] == "engine_failed" and failed["attempts"] == engine_supervisor.LOAD_ATTEMPTS == 3
+    assert failed["error"] == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert engine.state == "failed" and failed["code"] == 1
+
+
+async def test_an_engine_that_keeps_crashing_while_serving_is_held_after_a_capped_number_of_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash while serving is not a failed load: it is restarted on the backoff, but at most
+    CRASH_RESTARTS times in CRASH_WINDOW_S; the next start then waits for the window, said in the log,
+    /readyz's state ("crash_loop") and the metrics, with the engine's last error."""
+    monkeypatch.setattr(engine_supervisor, "RESTART_BACKOFF", (0.1,))
+    monkeypatch.setattr(engine_supervisor, "WATCH_INTERVAL_S", 0.1)
+    monkeypatch.setattr(engine_supervisor, "CRASH_RESTARTS", 2)
+    monkeypatch.setattr(engine_supervisor, "CRASH_WINDOW_S", 4.0)
+    engine = crashing_engine(tmp_path)
+    registry = CollectorRegistry()
+    registry.register(engine_supervisor.EngineCollector([engine]))
+    with capture_logs() as logs:
+        await engine.start()
+        try:
+            while engine.state != "crash_loop":
+                await asyncio.sleep(0.02)
+            assert engine.restarts == 2
+            assert (
+                registry.get_sample_value("weir_engine_state", {"backend": "local", "state": "crash_loop"})
+                == 1
+            )
+            assert registry.get_sample_value("weir_engine_restarts_total", {"backend": "local"}) == 2
+            held = next(e for e in logs if e["event"] == "engine_crash_loop")
+            assert held["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+            assert 0 < held["restart_in"] <= 4.0 and held["crashes"] == 3
+            while engine.restarts < 3:  # the window passes: started again
+                await asyncio.sleep(0.05)
+        finally:
+            await engine.stop()
