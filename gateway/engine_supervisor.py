@@ -35,7 +35,7 @@ log = structlog.get_logger("weir.engine")
 
 # Seconds before the next start: the n-th failure in a row waits the n-th entry (the last one for every
 # failure after). A failure is an engine that exited or was stopped, a command that could not be run,
-# or a port another process holds; an engine that had run for RAN_LONG_S before it died starts the
+# or a port another process holds; an engine that had served for RAN_LONG_S before it died starts the
 # count again, so its death is a first failure (1 s), not the next after the last quick one.
 RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
 RAN_LONG_S = 60.0
@@ -208,6 +208,7 @@ class EngineProcess:
 
     async def _supervise(self) -> None:
         failures = 0  # in a row (see RESTART_BACKOFF)
+        failed_loads = 0  # starts that ended before the engine was ever ready (see LOAD_ATTEMPTS)
         async with aiohttp.ClientSession() as session:
             while not self._stopping:
                 if port_taken(self.port):
@@ -231,7 +232,7 @@ class EngineProcess:
                     failures += 1
                     self.error = f"cannot run {self.command[0]}: {exc}"
                     if not self.loaded:
-                        self._give_up(failures, None)
+                        self._give_up(failed_loads + 1, None)
                         return
                     log.error(
                         "engine_start_failed",
@@ -263,8 +264,9 @@ class EngineProcess:
                 # engine's long run starts the count again.
                 ran_long = self.loaded and time.monotonic() - started > RAN_LONG_S
                 failures = 1 if ran_long else failures + 1
-                if not self.loaded and (failures >= LOAD_ATTEMPTS or code in CONFIG_ERROR_EXITS):
-                    self._give_up(failures, code)
+                failed_loads += not self.loaded
+                if not self.loaded and (failed_loads >= LOAD_ATTEMPTS or code in CONFIG_ERROR_EXITS):
+                    self._give_up(failed_loads, code)
                     return
                 if self.loaded:
                     await self._hold_crash_loop()
@@ -311,6 +313,7 @@ class EngineProcess:
             )
             await asyncio.sleep(wait)
             self._crashes.popleft()
+            self.crash_loop = False  # restarting again
         self._crashes.append(time.monotonic())
 
     async def _watch(self, session: aiohttp.ClientSession) -> None:

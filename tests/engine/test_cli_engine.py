@@ -125,20 +125,31 @@ def test_engine_serve_a_hugging_face_directory(tmp_path: Path) -> None:
     assert "ready" in output
 
 
-def test_engine_serve_exits_non_zero_when_the_model_cannot_load(tmp_path: Path) -> None:
-    port = free_port()
+@pytest.mark.parametrize(
+    ("model", "status", "said"),
+    [
+        ("no-such-model", os.EX_CONFIG, "unknown model 'no-such-model'"),
+        ("not-a-model.gguf", 1, "GGUF magic invalid"),
+    ],
+)
+def test_engine_serve_exits_non_zero_when_the_model_cannot_load(
+    tmp_path: Path, model: str, status: int, said: str
+) -> None:
+    """A model that is not there exits os.EX_CONFIG, which a supervisor does not retry (a missing
+    file stays missing); another failure to load exits 1."""
+    (tmp_path / "not-a-model.gguf").write_bytes(b"not a model")
     proc = weir(
         "engine",
         "serve",
         "--model",
-        "no-such-model",
+        str(tmp_path / model) if model.endswith(".gguf") else model,
         "--port",
-        str(port),
+        str(free_port()),
         env={"WEIR_MODELS_DIR": str(tmp_path)},
     )
     output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 1
-    assert "unknown model 'no-such-model'" in output
+    assert proc.returncode == status, output
+    assert said in output
 
 
 def test_models_list_shows_known_models_not_pulled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,7 +210,7 @@ def test_engine_serve_log_format_json_writes_nothing_but_json_lines(tmp_path: Pa
         text=True,
     )
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_CONFIG
     assert err == ""
     lines = [json.loads(line) for line in out.splitlines()]  # a line that is not JSON fails here
     listening = [line for line in lines if line["event"].startswith("listening on")]

@@ -635,3 +635,28 @@ async def test_an_engine_that_keeps_crashing_while_serving_is_held_after_a_cappe
                 await asyncio.sleep(0.05)
         finally:
             await engine.stop()
+
+
+async def test_waits_for_a_port_in_use_do_not_count_as_failed_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port still held by the engine a killed gateway left (it ends itself within a second or so) is
+    waited for on the backoff: those waits are no tries of the model, which still gets LOAD_ATTEMPTS."""
+    monkeypatch.setattr(engine_supervisor, "RESTART_BACKOFF", (0.2,))
+    port = free_port()
+    squatter = subprocess.Popen([sys.executable, FAKE_ENGINE, str(port)])
+    engine = EngineProcess(engine_backend(port, [sys.executable, "-c", OUT_OF_MEMORY]))
+    try:
+        wait_for(lambda: _up(port))
+        with capture_logs() as logs:
+            await engine.start()
+            while sum(e["event"] == "engine_port_in_use" for e in logs) < 3:
+                await asyncio.sleep(0.05)
+            squatter.terminate()
+            squatter.wait(10)
+            assert engine._task is not None
+            await asyncio.wait_for(engine._task, 10)
+    finally:
+        await engine.stop()
+        squatter.kill()
+        squatter.wait(10)
+    assert sum(e["event"] == "engine_started" for e in logs) == engine_supervisor.LOAD_ATTEMPTS
+    assert logs[-1]["event"] == "engine_failed" and logs[-1]["attempts"] == engine_supervisor.LOAD_ATTEMPTS
