@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 CONFIG_ENV = "WEIR_CONFIG"
 LOG_LEVEL_ENV = "WEIR_LOG_LEVEL"
-# Seconds the streams still running at the drain's deadline (`server.drain_timeout`, 30 s by default)
-# get to write their error event and record their usage (gateway.drain) before the server cancels
-# what still runs (a request not streamed, a client not reading). The deployments' grace periods
+# Seconds the requests still running at the drain's deadline (`server.drain_timeout`, 30 s by default)
+# get to write their 503 or error event and record their usage (gateway.drain) before the server
+# cancels what still runs (a client not reading, say). The deployments' grace periods
 # (compose stop_grace_period, Kubernetes terminationGracePeriodSeconds) must exceed both together,
 # or the container is killed mid-drain (tests/deploy pins both).
 STREAMS_END_S = 2
@@ -58,7 +58,7 @@ def granian_app_from_env() -> Any:
     # granian's main process SIGKILLed (or crashed) left this worker serving the port, unsupervised,
     # with its engines: it drains and exits instead, as on a SIGTERM, within the drain's time.
     exit_with_parent(os.getppid(), grace_s=_drain_s(config) + 5, who="granian's main process")
-    app = _streams_ending_at_the_drain_deadline(app, config.server.drain_timeout)
+    app = _requests_ending_at_the_drain_deadline(app, config.server.drain_timeout)
     return wrap_asgi_with_proxy_headers(app, trusted_hosts=trusted_proxies(config))
 
 
@@ -67,18 +67,18 @@ def _drain_s(config: Config) -> float:
     return config.server.drain_timeout + STREAMS_END_S
 
 
-def _streams_ending_at_the_drain_deadline(app: Any, seconds: float) -> Any:
-    """`app`, whose streams end with their error event `seconds` after the signal that stops the
-    granian worker, which sets no deadline of its own on its drain: it waited for every stream to
-    end. Set up in the lifespan, once granian's worker has set its own signal handlers."""
-    from gateway.drain import end_streams_after_stop_signal
+def _requests_ending_at_the_drain_deadline(app: Any, seconds: float) -> Any:
+    """`app`, whose requests end with their 503 or error event `seconds` after the signal that stops
+    the granian worker, which sets no deadline of its own on its drain: it waited for every request
+    to end. Set up in the lifespan, once granian's worker has set its own signal handlers."""
+    from gateway.drain import end_requests_after_stop_signal
 
-    async def app_ending_streams(scope: Any, receive: Any, send: Any) -> None:
+    async def app_ending_requests(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            end_streams_after_stop_signal(seconds)
+            end_requests_after_stop_signal(seconds)
         await app(scope, receive, send)
 
-    return app_ending_streams
+    return app_ending_requests
 
 
 def _config_and_app() -> tuple[Config, Any]:
@@ -332,7 +332,7 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
 
     import uvicorn
 
-    from gateway.drain import end_streams
+    from gateway.drain import end_requests
     from gateway.slow_clients import uvicorn_protocol
 
     class Server(uvicorn.Server):
@@ -352,9 +352,9 @@ def _serve_uvicorn(config: Config, host: str, port: int) -> None:
                 log_listening(bound[0], bound[1])
 
         async def shutdown(self, sockets: Any = None) -> None:
-            # uvicorn's own deadline (`timeout_graceful_shutdown`) cancels what still runs, streams
-            # cut off mid-body among them: they end with their error event just before it.
-            deadline = asyncio.get_running_loop().call_later(config.server.drain_timeout, end_streams)
+            # uvicorn's own deadline (`timeout_graceful_shutdown`) cancels what still runs (a 500, or a
+            # stream cut off mid-body): requests end with their 503 or error event just before it.
+            deadline = asyncio.get_running_loop().call_later(config.server.drain_timeout, end_requests)
             try:
                 await super().shutdown(sockets)
             finally:

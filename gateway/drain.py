@@ -1,18 +1,20 @@
-"""The end of a stopping server's drain: streams still running then end with their API's error event.
+"""The end of a stopping server's drain: requests still running then end with their API's 503.
 
 `weir serve` stops (SIGTERM, SIGINT) by letting in-flight requests finish for `server.drain_timeout`
-seconds; the server cancels what still runs after that. A stream cancelled so was cut off: an
-incomplete chunked body, no error event, and the server's traceback in the log. Instead, at the
-deadline the server calls `end_streams()`, and each stream under `ending_at_deadline` closes its
-upstream (the attempt is recorded as the server's 503, billed what was streamed) and raises
-`ServerShuttingDown`, which each API renders as its own error event; the response then ends cleanly.
+seconds; uvicorn cancels what still runs 2 s after that (granian waits for it however long it runs).
+A stream cancelled so was cut off: an incomplete chunked body, no error event; a request not streamed
+got a 500; and the server's traceback was in the log. Instead, at the deadline the server calls
+`end_requests()`: each request still awaiting its answer (or a stream its first batch) under
+`answered_by_deadline`, and each stream under `ending_at_deadline`, closes its upstream (the attempt
+is recorded as the server's 503, billed what was streamed) and raises `ServerShuttingDown`, which
+each API renders as its own 503, or its own error event once a stream's response has started.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeVar
@@ -22,8 +24,9 @@ from gateway.pipeline import Call
 
 T = TypeVar("T")
 
-# The attempts a stream ended at the deadline had under way, as `Call.stopped` records them.
+# The attempts a request ended at the deadline had under way, as `Call.stopped` records them.
 SHUT_DOWN = (ServerShuttingDown.code, ServerShuttingDown.status)
+SHUTTING_DOWN = "The server is shutting down; retry the request."
 
 
 @dataclass(eq=False, slots=True)
@@ -34,25 +37,26 @@ class _Live:
     ended: bool = False
 
 
-# The streams in flight in this process, whatever their event loop (the server runs one).
+# The requests in flight in this process, whatever their event loop (the server runs one).
 _live: set[_Live] = set()
 
 
-def end_streams() -> int:
-    """The drain's deadline: every stream in flight ends with its API's error event. A stream waiting
-    on its upstream is cancelled there now; one whose last batch is still being written to its client
-    ends once it is written. Call it on the streams' event loop; returns how many there were."""
-    for stream in _live:
-        stream.ended = True
-        for attempt in stream.call.admitted:  # recorded as the server's, not as the client's 499
-            stream.call.stopped.setdefault(attempt, SHUT_DOWN)
-        if stream.waiting:
-            stream.task.cancel()
+def end_requests() -> int:
+    """The drain's deadline: every request in flight ends with its API's 503 or error event. One
+    waiting on its upstream is cancelled there now; a stream whose last batch is still being written
+    to its client ends once it is written. Call it on the requests' event loop; returns how many
+    there were."""
+    for request in _live:
+        request.ended = True
+        for attempt in request.call.admitted:  # recorded as the server's, not as the client's 499
+            request.call.stopped.setdefault(attempt, SHUT_DOWN)
+        if request.waiting:
+            request.task.cancel()
     return len(_live)
 
 
 async def ending_at_deadline(call: Call, batches: AsyncIterator[T]) -> AsyncIterator[T]:
-    """`batches` (a stream's), until the drain's deadline (`end_streams`): then the upstream is closed
+    """`batches` (a stream's), until the drain's deadline (`end_requests`): then the upstream is closed
     and ServerShuttingDown raised, for the API to render as its error event."""
     task = asyncio.current_task()
     assert task is not None
@@ -74,14 +78,34 @@ async def ending_at_deadline(call: Call, batches: AsyncIterator[T]) -> AsyncIter
                 live.waiting = False
             yield batch
         await batches.aclose()  # type: ignore[attr-defined]  # a generator: its attempt is recorded
-        raise ServerShuttingDown("The server is shutting down; retry the request.")
+        raise ServerShuttingDown(SHUTTING_DOWN)
     finally:
         _live.discard(live)
 
 
-def end_streams_after_stop_signal(seconds: float) -> None:
+async def answered_by_deadline(call: Call, answer: Awaitable[T]) -> T:
+    """`answer` (the executor's: a whole answer, or a stream once its first batch came), unless the
+    drain's deadline (`end_requests`) comes first: then its upstream attempts are cancelled and
+    ServerShuttingDown raised, which the API renders as its 503. Without it the server cancelled the
+    request later (a 500 and a traceback), or never (granian)."""
+    task = asyncio.current_task()
+    assert task is not None
+    live = _Live(task, call, waiting=True)
+    _live.add(live)
+    try:
+        return await answer
+    except asyncio.CancelledError:
+        # Ours (the deadline's) alone becomes the 503; anyone else's (a client gone) goes on up.
+        if not live.ended or task.uncancel() > 0:
+            raise
+        raise ServerShuttingDown(SHUTTING_DOWN) from None
+    finally:
+        _live.discard(live)
+
+
+def end_requests_after_stop_signal(seconds: float) -> None:
     """For a server that drains on SIGTERM or SIGINT with no deadline of its own (granian, whose worker
-    waits for every stream to end): `end_streams` `seconds` after the first such signal. Call it on
+    waits for every request to end): `end_requests` `seconds` after the first such signal. Call it on
     the server's event loop in the main thread, once the server has set its own handlers, which go on
     running: an asyncio loop's (`add_signal_handler`) hear the signal through the loop's wakeup fd
     whatever Python-level handler is set, and any other is called from this one."""
@@ -96,7 +120,7 @@ def end_streams_after_stop_signal(seconds: float) -> None:
             if not stopping:
                 stopping = True
                 # A signal handler may run between any two bytecodes of the loop: it only wakes it.
-                loop.call_soon_threadsafe(loop.call_later, seconds, end_streams)
+                loop.call_soon_threadsafe(loop.call_later, seconds, end_requests)
             if callable(previous):
                 previous(signum, frame)
 

@@ -19,6 +19,7 @@ from gateway.anthropic_inbound import (
 from gateway.api.chat import run_chat
 from gateway.api.common import SSE_HEADERS, begin, json_response, parse_body
 from gateway.api.routed import NoTokenCounter, count_tokens_op
+from gateway.drain import answered_by_deadline
 from gateway.errors import ANTHROPIC_PATH, GatewayError, InvalidRequest
 from gateway.estimate import input_tokens
 from gateway.media_urls import check_media_urls
@@ -70,7 +71,9 @@ async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
     # Counting generates nothing: no traffic for the policy to learn from (a strong-share window).
     plan = await gateway.router.plan(chat.model, call.principal, feats, record=False)
     try:
-        count = await gateway.executor.run(call, plan, count_tokens_op(chat), feats)
+        count = await answered_by_deadline(
+            call, gateway.executor.run(call, plan, count_tokens_op(chat), feats)
+        )
     except NoTokenCounter:
         return _estimated(chat)
     except GatewayError as exc:

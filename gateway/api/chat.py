@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from gateway.drain import ending_at_deadline
+from gateway.drain import answered_by_deadline, ending_at_deadline
 from gateway.media_urls import check_media_urls
 from gateway.pipeline import Call
 from gateway.runtime import Gateway
@@ -39,7 +39,7 @@ async def run_chat(
     plan = await gateway.router.plan(request.model, call.principal, feats)
     compared = gateway.comparer.wants(plan, request, feats, call.principal)
     try:
-        result = await gateway.executor.chat(call, plan, request, feats)
+        result = await answered_by_deadline(call, gateway.executor.chat(call, plan, request, feats))
     finally:
         call.info.route = plan.header()
     if compared:

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.drain import ending_at_deadline
+from gateway.drain import answered_by_deadline, ending_at_deadline
 from gateway.errors import InvalidRequest
 from gateway.estimate import BYTES_PER_TOKEN
 from gateway.pipeline import Call
@@ -209,7 +209,7 @@ async def run_routed(
     feats = prompt_features(model, prompt, principal.tenant_name, principal.key_id, max_tokens, n, best_of)
     plan = await gateway.router.plan(model, call.principal, feats)
     try:
-        result = await gateway.executor.run(call, plan, op, feats)
+        result = await answered_by_deadline(call, gateway.executor.run(call, plan, op, feats))
         return (ending_at_deadline(call, result) if op.stream else result), plan
     finally:
         call.info.route = plan.header()

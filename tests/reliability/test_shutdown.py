@@ -1,6 +1,6 @@
-"""Graceful shutdown of `weir serve`: SIGTERM (or SIGINT) lets in-flight streams finish up to the drain's
-deadline, where each still running ends with its API's error event; the usage events of those streams
-reach the ledger, and the process exits on its own."""
+"""Graceful shutdown of `weir serve`: SIGTERM (or SIGINT) lets in-flight requests finish up to the drain's
+deadline, where each stream still running ends with its API's error event and each request still awaiting
+its answer with its API's 503; their usage events reach the ledger, and the process exits on its own."""
 
 from __future__ import annotations
 
@@ -144,8 +144,8 @@ def test_a_stop_signal_drains_in_flight_streams_then_exits(
         _stop(proc)
 
 
-# One stream per API, each as its client reads it: the path, the body, and the error event that ends it.
-STREAMS = {
+# One request per API: its path and body (streamed, or not), as its client sends it.
+REQUESTS = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": WORDS}]}),
     "messages": ("/v1/messages", {"max_tokens": 100, "messages": [{"role": "user", "content": WORDS}]}),
     "responses": ("/v1/responses", {"input": WORDS}),
@@ -179,13 +179,13 @@ def test_streams_still_running_at_the_drain_deadline_end_with_an_error_event(
     proc, base = _serve(fake_openai, tmp_path, server, "server: {drain_timeout: 1}\n")
     try:
         tenant, key = _tenant_key(base, "cut")
-        fake_openai.fail_next(Fault.slow_stream(0.5), times=len(STREAMS))  # 20 chunks: about 10 s
-        lines: dict[str, list[str]] = {api: [] for api in STREAMS}
+        fake_openai.fail_next(Fault.slow_stream(0.5), times=len(REQUESTS))  # 20 chunks: about 10 s
+        lines: dict[str, list[str]] = {api: [] for api in REQUESTS}
         failures: dict[str, BaseException] = {}
-        under_way = {api: threading.Event() for api in STREAMS}  # its first word came
+        under_way = {api: threading.Event() for api in REQUESTS}  # its first word came
 
         def stream(api: str) -> None:
-            path, body = STREAMS[api]
+            path, body = REQUESTS[api]
             body = {**body, "model": "gpt-4o-mini", "stream": True}
             headers = {"authorization": f"Bearer {key}", "anthropic-version": "2023-06-01"}
             try:
@@ -199,7 +199,7 @@ def test_streams_still_running_at_the_drain_deadline_end_with_an_error_event(
             except BaseException as exc:  # an incomplete body: httpx.RemoteProtocolError
                 failures[api] = exc
 
-        clients = [threading.Thread(target=stream, args=(api,)) for api in STREAMS]
+        clients = [threading.Thread(target=stream, args=(api,)) for api in REQUESTS]
         for client in clients:
             client.start()
         assert all(event.wait(10) for event in under_way.values())
@@ -209,7 +209,7 @@ def test_streams_still_running_at_the_drain_deadline_end_with_an_error_event(
             client.join(20)
         assert time.monotonic() - signalled < 8  # ended at the deadline, not at the stream's end
         assert failures == {}
-        for api in STREAMS:
+        for api in REQUESTS:
             error = _shutdown_error(api, [line for line in lines[api] if line])
             assert "shutting down" in error["message"], (api, error)
             if api != "messages":  # Anthropic's errors have a type only (503: `overloaded_error`)
@@ -222,7 +222,59 @@ def test_streams_still_running_at_the_drain_deadline_end_with_an_error_event(
                 "SELECT status, output_tokens > 0, estimated FROM usage_events WHERE tenant_id = ?", (tenant,)
             ).fetchall()
         # What was streamed is billed (estimated: the vendor's usage report never came), once a stream.
-        assert rows == [(503, 1, 1)] * len(STREAMS)
+        assert rows == [(503, 1, 1)] * len(REQUESTS)
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_answers_still_awaited_at_the_drain_deadline_are_503s_in_their_api_shape(
+    fake_openai: FakeOpenAI, tmp_path: Path, server: str
+) -> None:
+    """A request not streamed, its upstream still silent at the deadline, was cancelled by uvicorn
+    2 s later (a 500, an "Exception in ASGI application" traceback, a 499 in the ledger), and under
+    granian waited for however long its upstream took: here, for ever."""
+    proc, base = _serve(fake_openai, tmp_path, server, "server: {drain_timeout: 1}\n")
+    try:
+        tenant, key = _tenant_key(base, "unanswered")
+        fake_openai.fail_next(Fault.hang(), times=len(REQUESTS))  # no answer until the test ends
+        answers: dict[str, httpx.Response | BaseException] = {}
+
+        def ask(api: str) -> None:
+            path, body = REQUESTS[api]
+            headers = {"authorization": f"Bearer {key}", "anthropic-version": "2023-06-01"}
+            try:
+                answers[api] = httpx.post(
+                    f"{base}{path}", json={**body, "model": "gpt-4o-mini"}, headers=headers, timeout=10
+                )
+            except BaseException as exc:  # granian's endless wait: httpx.ReadTimeout
+                answers[api] = exc
+
+        clients = [threading.Thread(target=ask, args=(api,)) for api in REQUESTS]
+        for client in clients:
+            client.start()
+        wait_for(lambda: sum(r.method == "POST" for r in fake_openai.requests) == len(REQUESTS))
+        proc.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(15)
+        assert answers.keys() == REQUESTS.keys()
+        for api, answer in answers.items():
+            # Anthropic's shape: a type only, and a 503 is its `overloaded_error`, whose status is 529.
+            status = 529 if api == "messages" else 503
+            assert isinstance(answer, httpx.Response) and answer.status_code == status, (api, answer)
+            error = answer.json()["error"]
+            assert "shutting down" in error["message"], (api, error)
+            if api == "messages":
+                assert answer.json()["type"] == "error" and error["type"] == "overloaded_error", error
+            else:
+                assert error["code"] == "server_shutting_down", (api, error)
+        assert proc.wait(15) == 0
+        log = (tmp_path / "weir.log").read_text()
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+        with contextlib.closing(sqlite3.connect(tmp_path / "weir.db")) as db:
+            rows = db.execute("SELECT status FROM usage_events WHERE tenant_id = ?", (tenant,)).fetchall()
+        assert rows == [(503,)] * len(REQUESTS)  # the server's, not the client's 499
     finally:
         _stop(proc)
 
