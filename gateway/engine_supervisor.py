@@ -158,6 +158,15 @@ class EngineProcess:
             return "crash_loop"
         return "restarting" if self.loaded else "loading"
 
+    @property
+    def given_up(self) -> str | None:
+        """Why requests for this engine's models cannot be served, once it is given up on ("failed"):
+        nothing listens on its port until the gateway restarts, so a connection error would say only
+        that, and the client and operator would not learn why. None while it may still come up."""
+        if not self.failed:
+            return None
+        return f"backend {self.backend.name}: its engine failed to load its model and is not started again: {self.error}"
+
     async def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"engine:{self.backend.name}")
 

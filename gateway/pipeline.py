@@ -27,7 +27,13 @@ from gateway.accounting.pricing import LongContextSheet, PricesAt, TokenClass, p
 from gateway.aio import Background
 from gateway.auth import Principal
 from gateway.config import Backend, Model, Price, TierPrice
-from gateway.errors import ANTHROPIC_ERROR_TYPES, BadGateway, GatewayError, GatewayTimeout
+from gateway.errors import (
+    ANTHROPIC_ERROR_TYPES,
+    BadGateway,
+    CannotConnect,
+    GatewayError,
+    GatewayTimeout,
+)
 from gateway.estimate import Produced, whole_answer
 from gateway.ids import ordered_id
 from gateway.logging import REDACTED
@@ -238,6 +244,10 @@ class Pipeline:
         self.catalog: PricesAt | None = None
         # Attempts ended whose usage events are still to be recorded (`exchange`): awaited at shutdown.
         self.background = Background()
+        # Why a backend is known to be unreachable, by its name, without a connection tried: a
+        # supervised engine given up on (gateway.runtime), whose client is told why, not only that
+        # nothing listens on its port.
+        self.given_up: Callable[[str], str | None] = lambda backend: None
 
     def billing_prices(
         self, target: Target, at: dt.datetime, prompt_tokens: int = 0, service_tier: str | None = None
@@ -453,6 +463,8 @@ class Pipeline:
         if sending is not None:
             sending()
         backend = target.backend
+        if (why := self.given_up(backend.name)) is not None:
+            raise CannotConnect(why)  # as a refused connection is, for the breakers and failover
         response = await self.transport.send(upstream, backend.timeouts, backend.name)
         self.loads.observe(backend.name, response.headers)
         return response

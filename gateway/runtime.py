@@ -85,6 +85,8 @@ class Gateway:
         )
         for engine in self.engines:
             engine.on_models = self._engine_windows(engine.backend.name)
+        supervised = {engine.backend.name: engine for engine in self.engines}
+        self.pipeline.given_up = lambda backend: e.given_up if (e := supervised.get(backend)) else None
         self.comparer = Comparer(
             self.pipeline,
             self.models,

@@ -8,6 +8,7 @@ when set (else a fresh one, printed). The config is written to ./var/demo.yaml a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -15,10 +16,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 import click
 
@@ -47,37 +50,54 @@ def _free_port() -> int:
 
 
 class EngineFailed(Exception):
-    """The gateway gave up on its engine: the model did not load (its /readyz says "failed")."""
+    """The gateway gave up on its engine: the model did not load (its `engine_failed` log line)."""
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> bool:
+class GatewayLog(threading.Thread):
+    """The gateway's stdout (its JSON log lines, its engine's relayed among them) passed on to ours as
+    it comes, watched for the `engine_failed` line: its `error` is the engine's own, which the demo
+    prints when the model cannot load (/readyz, which needs no token, says only that it failed)."""
+
+    def __init__(self, source: IO[bytes]) -> None:
+        super().__init__(name="gateway-log", daemon=True)
+        self.source = source
+        self.engine_failed = threading.Event()
+        self.error = "see the gateway's log"
+
+    def run(self) -> None:
+        for line in self.source:
+            with contextlib.suppress(OSError):  # our stdout gone (a closed pipe): the gateway's still drained
+                sys.stdout.buffer.write(line)
+                sys.stdout.buffer.flush()
+            if b'"engine_failed"' in line:
+                self._note_failure(line)
+
+    def _note_failure(self, line: bytes) -> None:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            return
+        if isinstance(entry, dict) and entry.get("event") == "engine_failed":
+            self.error = str(entry.get("error") or self.error)
+            self.engine_failed.set()
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], log: GatewayLog, timeout: float) -> bool:
     """Whether the gateway's /readyz said ready before `timeout` (False: the gateway exited or the time
-    ran out). Raises EngineFailed, with the engine's own error, once /readyz says it could not load:
-    the supervisor does not start it again, so there is nothing to wait for."""
+    ran out). Raises EngineFailed, with the engine's own error, once the gateway logs that it gave up
+    on its engine: the supervisor does not start it again, so there is nothing to wait for."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if log.engine_failed.is_set():
+            raise EngineFailed(log.error)
         if process.poll() is not None:
             return False
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return True
-        except urllib.error.HTTPError as exc:  # 503: starting, or failed
-            _raise_if_failed(exc.read())
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
+        # A 503 (an HTTPError) is not yet; a refused connection, the gateway still starting.
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+            if response.status == 200:
+                return True
+        log.engine_failed.wait(0.5)
     return False
-
-
-def _raise_if_failed(readyz: bytes) -> None:
-    try:
-        body = json.loads(readyz)
-    except ValueError:
-        return
-    if isinstance(body, dict) and body.get("status") == "failed":
-        errors = body.get("engine_errors") or {}
-        raise EngineFailed("; ".join(str(error) for error in errors.values()) or "see the gateway's log")
 
 
 def _examples(base: str, key: str, model: str) -> str:
@@ -131,7 +151,10 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
     # The gateway ends with this process, SIGKILLed included (gateway.parent_watch).
     env = {**os.environ, "WEIR_DEMO_KEY": key, GATEWAY_PARENT_PID_ENV: str(os.getpid())}
     command = [sys.executable, "-c", "from weir.cli import main; main()", "serve", "--config", str(config)]
-    gateway = subprocess.Popen(command, env=env)
+    gateway = subprocess.Popen(command, env=env, stdout=subprocess.PIPE)
+    assert gateway.stdout is not None
+    log = GatewayLog(gateway.stdout)
+    log.start()
 
     def stop(*_: object) -> None:
         gateway.send_signal(signal.SIGTERM)
@@ -140,10 +163,10 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     try:
         try:
-            ready = _wait_ready(f"{base}/readyz", gateway, timeout=900)
+            ready = _wait_ready(f"{base}/readyz", gateway, log, timeout=900)
         except EngineFailed as exc:
             stop()
-            gateway.wait()
+            _wait_with_log(gateway, log)
             raise click.ClickException(f"the bundled engine did not start: {exc}") from None
         if ready:
             click.echo(_examples(base, key, model))
@@ -153,13 +176,15 @@ def demo(host: str, port: int, model: str, var_dir: str) -> None:
             )
         elif gateway.poll() is None:
             click.echo("warning: the gateway did not become ready in time; still waiting", err=True)
-        sys.exit(gateway.wait())
+        sys.exit(_wait_with_log(gateway, log))
     except KeyboardInterrupt:
         # Ctrl-C reached the gateway too (the terminal signals the whole foreground process group),
         # which drains on it; passed on as a second SIGINT, it stopped the gateway at once, cutting
         # its streams off. A SIGTERM drains as well, for a demo signalled alone.
         gateway.send_signal(signal.SIGTERM)
-        sys.exit(_wait_through_ctrl_c(gateway))
+        code = _wait_through_ctrl_c(gateway)
+        log.join(timeout=5)
+        sys.exit(code)
 
 
 def _wait_through_ctrl_c(gateway: subprocess.Popen[bytes]) -> int:
@@ -170,3 +195,10 @@ def _wait_through_ctrl_c(gateway: subprocess.Popen[bytes]) -> int:
             return gateway.wait()
         except KeyboardInterrupt:
             continue
+
+
+def _wait_with_log(gateway: subprocess.Popen[bytes], log: GatewayLog) -> int:
+    """The gateway's exit status, once its last log lines (its shutdown's) are passed on."""
+    code = gateway.wait()
+    log.join(timeout=5)  # a child of its that still holds the pipe is not waited for
+    return code

@@ -441,6 +441,12 @@ async def routes_status(request: Request) -> dict[str, Any]:
     context = router.context
     return {
         "version": router.version,
+        # This replica's supervised engines: the state /readyz says, and why each last stopped (the
+        # engine's own last error), which /readyz leaves out as it needs no token.
+        "engines": {
+            engine.backend.name: {"state": engine.state, "error": engine.error}
+            for engine in request.app.state.gateway.engines
+        },
         "routes": {name: [msgspec.to_builtins(r) for r in routes] for name, routes in router.routes.items()},
         **_not_in_force(router),
         "breakers": {key: b.current().value for key, b in router.breakers.breakers.items()},

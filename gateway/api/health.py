@@ -36,12 +36,10 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Any]:
     gateway = runtime(request)
     status = gateway.readiness
     engines = {engine.backend.name: engine.state for engine in gateway.engines}
+    # Each engine's state, not why it failed: anyone may read /readyz, and the engine's own error can
+    # name files and directories. The error is in the `engine_failed` log line and in the admin API's
+    # GET /routes/status.
     body: dict[str, Any] = {"status": status, "engines": engines}
-    # Why an engine is given up on or held (the engine's own last error): what an operator, or
-    # `weir demo`, needs to fix it, with no log to search.
-    errors = {e.backend.name: e.error for e in gateway.engines if e.state in ("failed", "crash_loop")}
-    if errors:
-        body["engine_errors"] = errors
     if gateway.router.scorer_loading:
         body["difficulty_classifier"] = "loading"
     return json_response(body, 200 if status == "ready" else 503)

@@ -28,6 +28,7 @@ from gateway.app import create_app
 from gateway.config import Backend, parse_config
 from gateway.engine_supervisor import EngineProcess
 from tests.fakes import FakeOpenAI
+from tests.fixtures.gateway import sqlite_weir
 from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
 from tests.fixtures.waiting import wait_for
@@ -545,8 +546,9 @@ def test_an_engine_whose_model_is_missing_is_given_up_on_at_once_and_said_why(
     """A model that cannot load was restarted for ever on the backoff, /readyz said "starting" and
     `weir demo` waited 900 s without a word. A model that is not there is a configuration error: the
     real engine exits with os.EX_CONFIG, the supervisor starts it once, logs one `engine_failed` line
-    with the engine's own error, /readyz says "failed" and why, and the engine's model answers 503 in
-    OpenAI's shape."""
+    with the engine's own error, /readyz says "failed", and the engine's model answers 503 in
+    OpenAI's shape, saying why (not only "cannot connect"). /readyz, which needs no token, leaves the
+    error out: it names the model's path."""
     engine_port = free_port()
     config = parse_config(
         f"""
@@ -562,14 +564,17 @@ models:
         engine = app.state.gateway.engines[0]
         wait_for(lambda: engine.state == "failed")
         status, body = readyz(url)
-        assert status == 503 and body["status"] == "failed" and body["engines"] == {"local": "failed"}
-        error = body["engine_errors"]["local"]
+        assert status == 503 and body == {"status": "failed", "engines": {"local": "failed"}}
+        error = next(e for e in logs if e["event"] == "engine_failed")["error"]
         assert error.startswith("could not load '/nonexistent/model.gguf': unknown model"), error
         with pytest.raises(openai.InternalServerError) as refused:
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).chat.completions.create(
                 model="small", messages=[{"role": "user", "content": "hi"}]
             )
         assert refused.value.status_code == 503 and refused.value.code == "backend_unavailable"
+        assert refused.value.body["message"] == (  # type: ignore[index]
+            f"backend local: its engine failed to load its model and is not started again: {error}"
+        )
         assert metric(url, "weir_engine_state", backend="local", state="failed") == 1
         assert metric(url, "weir_engine_state", backend="local", state="loading") == 0
         assert engine._task.done() and engine.process.returncode == os.EX_CONFIG  # started once
@@ -578,8 +583,28 @@ models:
         "engine_failed",
     ]
     failed = next(e for e in logs if e["event"] == "engine_failed")
-    assert failed["error"] == error and failed["attempts"] == 1 and failed["code"] == os.EX_CONFIG
+    assert failed["attempts"] == 1 and failed["code"] == os.EX_CONFIG
     assert "could not load '/nonexistent/model.gguf'" in capfd.readouterr().out  # its own lines, relayed
+
+
+def test_an_engine_given_up_on_says_why_to_the_admin_api(
+    fake_openai: FakeOpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's own error, out of /readyz, is in the admin API's routes/status for an operator."""
+    config = f"""
+backends:
+  - {{name: openai, type: openai, base_url: "${{OPENAI_BASE_URL}}", api_key: "${{OPENAI_API_KEY}}"}}
+  - {{name: local, type: engine, model: tiny, port: {free_port()}, command: ["/nonexistent/weir-engine"]}}
+models:
+  - {{name: gpt-4o-mini, backend: openai}}
+  - {{name: small, backend: local, model: tiny}}
+database_url: "${{DB_URL}}"
+"""
+    with sqlite_weir(config, fake_openai, tmp_path, monkeypatch) as weir:
+        wait_for(lambda: readyz(weir.url) == (200, {"status": "ready", "engines": {"local": "failed"}}))
+        engines = weir.admin.get("/routes/status").json()["engines"]
+    assert engines["local"]["state"] == "failed"
+    assert engines["local"]["error"].startswith("cannot run /nonexistent/weir-engine: [Errno 2]")
 
 
 async def test_an_engine_that_fails_to_load_is_tried_a_bounded_number_of_times(
