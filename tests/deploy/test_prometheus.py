@@ -37,6 +37,8 @@ def test_the_alerts_an_operator_needs() -> None:
         alerts
     )
     assert {"WeirGatewayDown", "WeirEngineDown"} <= set(alerts)
+    # A supervised engine given up on, or whose restarts are held: a gateway-side state, no scrape down.
+    assert 'weir_engine_state{state=~"failed|crash_loop"}' in alerts["WeirEngineFailed"]["expr"]
     # Usage the ledger did not take (dead-letter.jsonl) is missing from reports until replayed.
     assert "WeirUsageEventsSetAside" in alerts
     for name, alert in alerts.items():
@@ -117,7 +119,7 @@ def test_promtool_accepts_the_rules_and_the_config(tmp_path: Path) -> None:
     local.write_text(config.replace("/etc/prometheus/rules/", f"{RULES.parent}/"))
     check = subprocess.run([promtool, "check", "config", str(local)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "21 rules found" in check.stdout
+    assert "22 rules found" in check.stdout
 
 
 @needs_promtool
