@@ -165,7 +165,12 @@ class EngineProcess:
         that, and the client and operator would not learn why. None while it may still come up."""
         if not self.failed:
             return None
-        return f"backend {self.backend.name}: its engine failed to load its model and is not started again: {self.error}"
+        # The engine's own error names files and paths: it goes to operators (the log, the admin API's
+        # routes/status), not to every tenant whose request meets it.
+        return (
+            f"backend {self.backend.name}: its engine failed to load its model and is not started again "
+            "(the reason is in the gateway's log and the admin API's routes/status)"
+        )
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"engine:{self.backend.name}")

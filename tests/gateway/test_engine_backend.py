@@ -573,8 +573,10 @@ models:
             )
         assert refused.value.status_code == 503 and refused.value.code == "backend_unavailable"
         assert refused.value.body["message"] == (  # type: ignore[index]
-            f"backend local: its engine failed to load its model and is not started again: {error}"
+            "backend local: its engine failed to load its model and is not started again "
+            "(the reason is in the gateway's log and the admin API's routes/status)"
         )
+        assert "/nonexistent" not in str(refused.value.body)  # paths are for operators, not tenants
         assert metric(url, "weir_engine_state", backend="local", state="failed") == 1
         assert metric(url, "weir_engine_state", backend="local", state="loading") == 0
         assert engine._task.done() and engine.process.returncode == os.EX_CONFIG  # started once
