@@ -41,9 +41,13 @@ def _sqlite_write_lock(database: Path) -> Iterator[None]:
         blocker.close()
 
 
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+
 @contextmanager
-def _pg_row_lock(url: str, route_id: int) -> Iterator[None]:
-    """The route's row lock in another PostgreSQL transaction: its writers wait, its readers do not."""
+def _pg_transaction(url: str) -> Iterator[tuple[Run, Any]]:
+    """Another PostgreSQL session, in a transaction rolled back at the end, on a loop of its own (the
+    test's requests block this thread): `run` awaits a coroutine there; the asyncpg connection."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -54,13 +58,20 @@ def _pg_row_lock(url: str, route_id: int) -> Iterator[None]:
     conn = run(asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://")))
     try:
         run(conn.execute("BEGIN"))
-        run(conn.execute("SELECT 1 FROM routes WHERE id = $1 FOR UPDATE", route_id))
-        yield
+        yield run, conn
         run(conn.execute("ROLLBACK"))
     finally:
         run(conn.close())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+
+
+@contextmanager
+def _pg_row_lock(url: str, route_id: int) -> Iterator[None]:
+    """The route's row lock in another PostgreSQL transaction: its writers wait, its readers do not."""
+    with _pg_transaction(url) as (run, conn):
+        run(conn.execute("SELECT 1 FROM routes WHERE id = $1 FOR UPDATE", route_id))
+        yield
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -196,20 +207,11 @@ def test_each_edit_audits_the_route_it_overwrote(admin_db: tuple[Weir, Hold]) ->
 def _pg_audit_locked(url: str) -> Iterator[Callable[[], int]]:
     """`audit_log` locked against writes in another PostgreSQL transaction (a DELETE of a route writes
     it after its checks, as it commits), and how many of the database's sessions wait on a lock."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def run(work: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(work, loop).result(timeout=30)
-
-    conn = run(asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://")))
     waiting = (
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
         "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
     )
-    try:
-        run(conn.execute("BEGIN"))
+    with _pg_transaction(url) as (run, conn):
         run(conn.execute("LOCK TABLE audit_log IN EXCLUSIVE MODE"))
 
         def count() -> int:
@@ -217,11 +219,6 @@ def _pg_audit_locked(url: str) -> Iterator[Callable[[], int]]:
             return int(run(conn.fetchval(waiting)))
 
         yield count
-        run(conn.execute("ROLLBACK"))
-    finally:
-        run(conn.close())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
 
 
 @pytest.mark.parametrize("database", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
