@@ -102,13 +102,8 @@ async def test_rejected_request_raises_and_the_engine_keeps_serving(
     assert len(await collect(wrapper, list(b"fine"))) == 10
 
 
-async def test_a_grammar_compiles_off_the_engine_thread_while_others_generate(
-    engines: tuple[LLMEngine, AsyncLLMEngine], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A large JSON Schema compiles for seconds (an enum of 20,000 values: 13 s here); compiled in
-    add_request, on the engine's thread, it stalled every running request's generation meanwhile. Here
-    a compilation that waits for a signal: the other request must finish before it is given."""
-    _, wrapper = engines
+def _held_compilation(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Grammar compilation that sets the first event on entering, then waits for the second."""
     entered, released = threading.Event(), threading.Event()
     compiled = Grammars._compiled
 
@@ -118,6 +113,17 @@ async def test_a_grammar_compiles_off_the_engine_thread_while_others_generate(
         return compiled(self, fmt)
 
     monkeypatch.setattr(Grammars, "_compiled", slow)
+    return entered, released
+
+
+async def test_a_grammar_compiles_off_the_engine_thread_while_others_generate(
+    engines: tuple[LLMEngine, AsyncLLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large JSON Schema compiles for seconds (an enum of 20,000 values: 13 s here); compiled in
+    add_request, on the engine's thread, it stalled every running request's generation meanwhile. Here
+    a compilation that waits for a signal: the other request must finish before it is given."""
+    _, wrapper = engines
+    entered, released = _held_compilation(monkeypatch)
     structured = asyncio.ensure_future(
         collect(wrapper, [5, 6, 7], SamplingParams(max_tokens=8, seed=1, json_format=JsonFormat()))
     )
@@ -136,15 +142,7 @@ async def test_a_request_whose_grammar_compiled_through_shutdown_is_told_not_lef
     """The engine stopping while a request's grammar compiles (off its thread): the request is then
     submitted to no engine, and must be told so rather than wait forever."""
     _, wrapper = engines
-    entered, released = threading.Event(), threading.Event()
-    compiled = Grammars._compiled
-
-    def slow(self: Grammars, fmt: JsonFormat) -> object:
-        entered.set()
-        released.wait(timeout=30)
-        return compiled(self, fmt)
-
-    monkeypatch.setattr(Grammars, "_compiled", slow)
+    entered, released = _held_compilation(monkeypatch)
     structured = asyncio.ensure_future(
         collect(wrapper, [5, 6, 7], SamplingParams(max_tokens=8, json_format=JsonFormat('{"type": "array"}')))
     )
