@@ -348,8 +348,9 @@ async def test_replicas_share_what_is_left_of_a_budget_while_redis_is_away(redis
         assert over.headers["x-should-retry"] == "false"  # spent, as far as A knows: for good
 
 
-async def test_a_lone_replica_spends_what_is_left_of_a_budget_while_redis_is_away(redis_prefix: str) -> None:
-    """One replica (R = 1) spends all that was left, then refuses as over budget, as before."""
+@contextlib.asynccontextmanager
+async def _lone_replica(redis_prefix: str) -> AsyncIterator[tuple[TcpProxy, DegradableState, Admission]]:
+    """One replica whose Redis is behind a proxy the test can stop, its state counted and started."""
     proxy = TcpProxy(REDIS_PORT)
     await proxy.start()
     state = behind_proxy(proxy, redis_prefix)
@@ -357,15 +358,21 @@ async def test_a_lone_replica_spends_what_is_left_of_a_budget_while_redis_is_awa
     try:
         state.start()
         await counted([state], 1)
+        yield proxy, state, replica
+    finally:
+        await replica.drain()
+        await state.close()
+        await proxy.stop()
+
+
+async def test_a_lone_replica_spends_what_is_left_of_a_budget_while_redis_is_away(redis_prefix: str) -> None:
+    """One replica (R = 1) spends all that was left, then refuses as over budget, as before."""
+    async with _lone_replica(redis_prefix) as (proxy, state, replica):
         assert await spent(replica, 3) == 3
         await proxy.stop()
         assert await spent(replica, 10) == 7
         assert state.degraded
         assert isinstance(await refusal_of(replica, 100), QuotaExceeded)
-    finally:
-        await replica.drain()
-        await state.close()
-        await proxy.stop()
 
 
 async def test_a_request_admitted_in_an_outage_and_settled_after_it_holds_nothing_in_the_next(
@@ -375,13 +382,7 @@ async def test_a_request_admitted_in_an_outage_and_settled_after_it_holds_nothin
     settled in Redis alone: its spend reached Redis (and the fallback learns it from there), but the
     fallback kept its reservation for the reservation's TTL (10 minutes). A second outage within them
     started with that money held on top of its spend: counted twice, and the tenant refused early."""
-    proxy = TcpProxy(REDIS_PORT)
-    await proxy.start()
-    state = behind_proxy(proxy, redis_prefix)
-    replica = Admission(state, lambda: MICRO_PER_TOKEN)
-    try:
-        state.start()
-        await counted([state], 1)
+    async with _lone_replica(redis_prefix) as (proxy, state, replica):
         assert await spent(replica, 3) == 3  # 300 of 1,000 micro-dollars
         await proxy.stop()
         straddling = uuid.uuid4().hex
@@ -397,10 +398,6 @@ async def test_a_request_admitted_in_an_outage_and_settled_after_it_holds_nothin
         await proxy.stop()
         assert await spent(replica, 10) == 6  # the 600 left, not 500
         assert state.degraded
-    finally:
-        await replica.drain()
-        await state.close()
-        await proxy.stop()
 
 
 class LateRedis(TcpProxy):
