@@ -19,7 +19,7 @@ import pytest
 
 from tests.fixtures.db import PG_ADMIN_URL
 from tests.fixtures.net import free_port
-from tests.fixtures.waiting import wait_for
+from tests.fixtures.waiting import exited, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIR = str(ROOT / ".venv/bin/weir")
@@ -239,22 +239,13 @@ def test_a_granian_worker_exits_when_its_main_process_is_killed(tmp_path: Path) 
         [worker] = children(server.pid)
         server.kill()
         server.wait(10)
-        wait_for(lambda: _exited(worker), timeout=10)
+        wait_for(lambda: exited(worker), timeout=10)
         assert not _ready(port)
     finally:
         server.kill()
         server.wait(10)
-        if worker is not None and not _exited(worker):
+        if worker is not None and not exited(worker):
             os.kill(worker, signal.SIGKILL)
-
-
-def _exited(pid: int) -> bool:
-    """Whether `pid` has exited (a zombie no one has reaped yet counts: its sockets are closed)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 TAKEN_AFTER_THE_CHECK = """\

@@ -31,7 +31,7 @@ from tests.fakes import FakeOpenAI
 from tests.fixtures.gateway import sqlite_weir
 from tests.fixtures.net import free_port
 from tests.fixtures.server import serve
-from tests.fixtures.waiting import wait_for
+from tests.fixtures.waiting import exited, wait_for
 
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
 
@@ -433,15 +433,6 @@ asyncio.run(main())
 """
 
 
-def _exited(pid: int) -> bool:
-    """Whether `pid` has exited (a zombie no one has reaped yet counts: its port is closed)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_a_supervised_engine_exits_when_its_gateway_is_killed(tmp_path: Path) -> None:
     """The engine runs in a session of its own, so a SIGKILLed gateway left it serving, unsupervised,
@@ -456,12 +447,12 @@ def test_a_supervised_engine_exits_when_its_gateway_is_killed(tmp_path: Path) ->
         engine_pid = int(pid_file.read_text())
         supervisor.kill()
         supervisor.wait(10)
-        wait_for(lambda: _exited(engine_pid), timeout=5)
+        wait_for(lambda: exited(engine_pid), timeout=5)
         assert not _up(port)
     finally:
         supervisor.kill()
         supervisor.wait(10)
-        if engine_pid is not None and not _exited(engine_pid):
+        if engine_pid is not None and not exited(engine_pid):
             os.killpg(engine_pid, signal.SIGKILL)
 
 
