@@ -55,6 +55,12 @@ def end_requests() -> int:
     return len(_live)
 
 
+def _the_deadlines(live: _Live) -> bool:
+    """Whether the cancellation `live`'s task meets is the deadline's (`end_requests`) alone, which
+    then becomes the API's 503 or error event; it is taken back (uncancelled) if so."""
+    return live.ended and live.task.uncancel() == 0
+
+
 async def ending_at_deadline(call: Call, batches: AsyncIterator[T]) -> AsyncIterator[T]:
     """`batches` (a stream's), until the drain's deadline (`end_requests`): then the upstream is closed
     and ServerShuttingDown raised, for the API to render as its error event."""
@@ -70,8 +76,7 @@ async def ending_at_deadline(call: Call, batches: AsyncIterator[T]) -> AsyncIter
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                # Ours (the deadline's) alone becomes the error event; anyone else's goes on up.
-                if not live.ended or task.uncancel() > 0:
+                if not _the_deadlines(live):  # anyone else's (a client gone) goes on up
                     raise
                 break
             finally:
@@ -95,8 +100,7 @@ async def answered_by_deadline(call: Call, answer: Awaitable[T]) -> T:
     try:
         return await answer
     except asyncio.CancelledError:
-        # Ours (the deadline's) alone becomes the 503; anyone else's (a client gone) goes on up.
-        if not live.ended or task.uncancel() > 0:
+        if not _the_deadlines(live):  # anyone else's (a client gone) goes on up
             raise
         raise ServerShuttingDown(SHUTTING_DOWN) from None
     finally:
