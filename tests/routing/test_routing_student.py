@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from benchmarks.routing_stacking import cross_fitted
 from benchmarks.routing_student import Student, build_student, distil, encode_one_by_one, multiply_adds
@@ -56,6 +57,25 @@ def test_pruned_student_keeps_the_asked_shapes_and_learns_its_target() -> None:
     student.quantize()
     int8 = encode_one_by_one(student, tok, TEXTS)
     assert (int8 * after).sum(1).min() > 0.97
+
+
+def test_an_exported_student_is_what_the_router_runs(tmp_path: Path) -> None:
+    """`--export` writes the student's layers under MiniLM's names; `MiniLMEncoder(layers_file=...)`
+    runs them in place of MiniLM's, with as many heads and neurons as the file holds."""
+    torch.manual_seed(0)
+    tok = MiniLMEncoder(max_tokens=32, num_layers=1)
+    student = build_student(tok, TEXTS, layers=2, heads=4, ffn=256, rank_on=len(TEXTS))
+    for layer in student.layers:  # moved off MiniLM's values, so reading MiniLM's own would show
+        for param in layer.parameters():
+            param.data += 0.01 * torch.randn_like(param)
+    path = tmp_path / "student.safetensors"
+    save_file(student.minilm_weights(), str(path))
+    served = MiniLMEncoder(max_tokens=32, layers_file=path)
+    assert served.num_layers == 2 and [layer[0] for layer in served.layers] == [4, 4]
+    ids, mask = served.tokenize(TEXTS)
+    with torch.no_grad():
+        np.testing.assert_allclose(served.forward(ids, mask), student(ids, mask), atol=1e-5)
+        assert not np.allclose(served.forward(ids, mask), Student(2)(ids, mask), atol=1e-3)
 
 
 def test_cross_fitted_reads_each_folds_own_embeddings(fixture_dir: Path, classifier) -> None:
