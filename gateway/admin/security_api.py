@@ -151,7 +151,7 @@ async def list_prompts(tenant_id: str, ctx: AdminContext, limit: int = 100) -> d
             await session.execute(
                 select(StoredPrompt.request_id, StoredPrompt.ts, StoredPrompt.endpoint, StoredPrompt.status)
                 .where(StoredPrompt.tenant_id == tenant_id)
-                .order_by(StoredPrompt.ts.desc())
+                .order_by(StoredPrompt.ts.desc(), StoredPrompt.id.desc())
                 .limit(limit)
             )
         ).all()

@@ -211,3 +211,27 @@ async def test_a_failed_write_logs_no_prompt_text(tmp_path: Path) -> None:
     failed = next(line for line in logs if line["event"] == "prompt_store_write_failed")
     assert "stored_prompts" in failed["error"]  # still says what failed
     assert "merger" not in str(failed) and "quiet" not in str(failed)
+
+
+def test_prompts_stored_in_the_same_instant_list_newest_first(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timestamps tie (a burst within the clock's resolution, or rows copied in by hand); the listing
+    then orders by insertion, newest first, so `limit` cuts the same rows every time."""
+    monkeypatch.setenv("WEIR_ADMIN_TOKEN", ADMIN)
+    env = {"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "OPENAI_API_KEY": "sk-unused", "DB_URL": sqlite_url}
+    app = create_app(parse_config(CONFIG, env))
+    with serve(app, free_port()) as url:
+        admin = httpx.Client(base_url=f"{url}/admin/api/v1", headers={"authorization": f"Bearer {ADMIN}"})
+        tenant = admin.post("/tenants", json={"name": "alpha"}).json()["id"]
+        for rid in ("req-b", "req-c", "req-a"):  # inserted in this order, names not in it
+            write(
+                sqlite_url,
+                "INSERT INTO stored_prompts (request_id, tenant_id, ts, endpoint, status, request_body,"
+                f" response_body) VALUES ('{rid}', '{tenant}', '2026-12-06 03:00:00.000000',"
+                " '/v1/chat/completions', 200, '{}', '{}')",
+            )
+        listed = admin.get(f"/tenants/{tenant}/prompts").json()["data"]
+        assert [p["request_id"] for p in listed] == ["req-a", "req-c", "req-b"]
+        first_two = admin.get(f"/tenants/{tenant}/prompts", params={"limit": 2}).json()["data"]
+        assert [p["request_id"] for p in first_two] == ["req-a", "req-c"]
