@@ -465,23 +465,34 @@ def main() -> None:
     teacher = by_depth[TEACHER_LAYERS - 1]
     labels = torch.tensor(truth)
     answered = torch.tensor(np.stack([data.weak, data.strong], 1), dtype=torch.float32)
+
+    def trained(
+        texts: list[str],
+        target: torch.Tensor,
+        subjects: torch.Tensor | None = None,
+        outcomes: torch.Tensor | None = None,
+    ) -> Student:
+        """A student pruned and distilled on `texts` as the flags say (float, not yet int8)."""
+        student = build_student(tok, texts, args.layers, args.heads, args.ffn)
+        distil(
+            student,
+            tok,
+            texts,
+            target,
+            args.epochs,
+            args.lr,
+            subjects,
+            args.subject_weight,
+            outcomes,
+            args.outcome_weight,
+        )
+        return student
+
     if args.export:
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
-        student = build_student(tok, data.prompts, args.layers, args.heads, args.ffn)
-        distil(
-            student,
-            tok,
-            data.prompts,
-            torch.tensor(teacher),
-            args.epochs,
-            args.lr,
-            labels,
-            args.subject_weight,
-            answered,
-            args.outcome_weight,
-        )
+        student = trained(data.prompts, torch.tensor(teacher), labels, answered)
         how = {
             "layers": args.layers,
             "heads": args.heads,
@@ -520,19 +531,7 @@ def main() -> None:
         subjects = subjects[keep] if subjects is not None else None
         outcomes = outcomes[keep] if outcomes is not None else None
         print(f"  distilling on {len(texts)} texts", flush=True)
-        student = build_student(tok, texts, args.layers, args.heads, args.ffn)
-        distil(
-            student,
-            tok,
-            texts,
-            target,
-            args.epochs,
-            args.lr,
-            subjects,
-            args.subject_weight,
-            outcomes,
-            args.outcome_weight,
-        )
+        student = trained(texts, target, subjects, outcomes)
         student.quantize()
         emb = encode_one_by_one(student, tok, data.prompts)
         print(f"  student done in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -562,7 +561,7 @@ def main() -> None:
     by_fold = {int(k): v for k, v in cached(args.cache, tag, students).items()}
     cos = {"held-out": [], "training": []}
     for k, emb in by_fold.items():
-        if emb is teacher or np.array_equal(emb, teacher):
+        if np.array_equal(emb, teacher):
             continue  # a fold left to the teacher (`--folds`)
         for part, rows in (("held-out", fold == k), ("training", fold != k)):
             cos[part].append((emb[rows] * teacher[rows]).sum(1))

@@ -110,8 +110,8 @@ class MiniLMEncoder:
     ) -> None:
         model_dir = model_dir or minilm_dir()
         self.config = BertConfig.from_dir(model_dir)
-        # A distilled student's layers (routing.student) replace MiniLM's: as many, and as wide, as the
-        # file holds; the embeddings stay MiniLM's.
+        # A distilled student's layers (`benchmarks/routing_student.py --export`) replace MiniLM's: as
+        # many, and as wide, as the file holds; the embeddings stay MiniLM's.
         layer_weights = load_file(str(layers_file)) if layers_file else None
         available = self.config.num_layers
         if layer_weights is not None:
